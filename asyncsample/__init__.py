@@ -1,0 +1,43 @@
+"""asyncsample: collect reinforcement-learning experience with asyncio.
+
+Worker coroutines await env steps hosted in a pool of env-host processes (or in the main process,
+or in Ray actors) and gather complete episodes or fragments until a quota is met. The API follows
+garage's sampler package.
+"""
+
+from asyncsample.agent import Agent, RandomAgent
+from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
+from asyncsample.env_update import EnvUpdate, NewEnvUpdate, SetTaskUpdate
+from asyncsample.errors import (
+    AsyncSampleError,
+    SamplerClosedError,
+    StepTimeoutError,
+    WorkerCrashedError,
+    WorkerError,
+)
+from asyncsample.sampler import Sampler
+from asyncsample.worker import FragmentWorker, Transition, VecWorker, Worker, WorkerFactory
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Agent",
+    "AsyncSampleError",
+    "EnvSpec",
+    "EnvUpdate",
+    "EpisodeBatch",
+    "FragmentWorker",
+    "NewEnvUpdate",
+    "RandomAgent",
+    "Sampler",
+    "SamplerClosedError",
+    "SetTaskUpdate",
+    "StepTimeoutError",
+    "StepType",
+    "Transition",
+    "VecWorker",
+    "Worker",
+    "WorkerCrashedError",
+    "WorkerError",
+    "WorkerFactory",
+]

@@ -1,0 +1,31 @@
+"""Backends: where the envs of each worker live.
+
+A worker talks to its envs through one small async interface, :class:`EnvHost`. A
+:class:`Backend` starts one host per worker. ``local`` keeps envs in the main process, ``process``
+in a pool of env-host processes, ``ray`` in Ray actors; the worker and sampler code is the same.
+"""
+
+from __future__ import annotations
+
+from asyncsample.backends.base import Backend, EnvHost, HostSpec
+
+__all__ = ["Backend", "EnvHost", "HostSpec", "make_backend"]
+
+BACKENDS = ("process", "local", "ray")
+
+
+def make_backend(name: str, **options: object) -> Backend:
+    """Create the backend called ``name`` with its options (``n_processes``, ``step_timeout``...)."""
+    if name == "local":
+        from asyncsample.backends.local import LocalBackend
+
+        return LocalBackend(**options)  # type: ignore[arg-type]
+    if name == "process":
+        from asyncsample.backends.process import ProcessBackend
+
+        return ProcessBackend(**options)  # type: ignore[arg-type]
+    if name == "ray":
+        from asyncsample.backends.ray import RayBackend
+
+        return RayBackend(**options)  # type: ignore[arg-type]
+    raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")

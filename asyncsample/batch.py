@@ -1,0 +1,846 @@
+"""Batch data types: :class:`StepType`, :class:`EnvSpec` and :class:`EpisodeBatch`.
+
+An :class:`EpisodeBatch` is what every sampling call returns: whole episodes (or episode
+fragments) laid end to end along one time axis, with ``lengths`` telling where each one ends.
+The layout follows garage's so code written against garage keeps working; construction checks
+every field so that a malformed batch fails loudly where it is built, not deep inside a learner.
+
+Observations and actions may be plain arrays or, for gymnasium ``Dict``/``Tuple`` spaces, dicts
+and tuples of arrays; every leaf carries the leading batch axis. Info dicts may nest dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import math
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeAlias
+
+import gymnasium
+import numpy as np
+
+from asyncsample._tree import tree_concat, tree_index, tree_leaves, tree_map
+
+__all__ = ["EnvSpec", "EpisodeBatch", "StepType", "stack_infos"]
+
+ArrayTree: TypeAlias = Any
+"""A numpy array, or a dict/tuple of them (nested freely), each with a leading batch axis."""
+
+
+class StepType(enum.IntEnum):
+    """Where a transition sits in its episode.
+
+    ``FIRST`` marks the first transition of an episode (unless it is also the last),
+    ``TERMINAL`` the last one of an episode that ended in a terminal state, ``TIMEOUT`` the last
+    one of an episode cut short by a time limit, and ``MID`` everything else (including the last
+    transition of a fragment whose episode goes on).
+    """
+
+    FIRST = 0
+    MID = 1
+    TERMINAL = 2
+    TIMEOUT = 3
+
+    @classmethod
+    def get_step_type(cls, step_cnt: int, max_episode_length: int | None, done: bool) -> StepType:
+        """The step type of the ``step_cnt``-th transition (counting from 1) of an episode.
+
+        Reaching ``max_episode_length`` gives ``TIMEOUT`` even when ``done`` is set, as in
+        garage: the time limit is what ended the episode from the sampler's point of view.
+
+        Args:
+            step_cnt: 1-based index of the transition within its episode.
+            max_episode_length: the time limit, or ``None`` for none.
+            done: whether the env reported the end of the episode at this transition.
+
+        Returns:
+            The step type of that transition.
+
+        Raises:
+            ValueError: if ``step_cnt`` is below 1.
+        """
+        if max_episode_length is not None and step_cnt >= max_episode_length:
+            return cls.TIMEOUT
+        if done:
+            return cls.TERMINAL
+        if step_cnt == 1:
+            return cls.FIRST
+        if step_cnt < 1:
+            raise ValueError(
+                f"Expect step_cnt to be >= 1, but got {step_cnt} instead. Did you forget to "
+                "call `reset()`?"
+            )
+        return cls.MID
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+    """What a batch's observations and actions look like, and the episode time limit.
+
+    Attributes:
+        observation_space: the space one observation belongs to.
+        action_space: the space one action belongs to.
+        max_episode_length: the time limit the sampler enforces, or ``None`` for none. Padded
+            views of an :class:`EpisodeBatch` pad to this length.
+    """
+
+    observation_space: gymnasium.Space[Any]
+    action_space: gymnasium.Space[Any]
+    max_episode_length: int | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Info dicts
+# --------------------------------------------------------------------------------------------
+
+
+def _stack_values(values: list[Any]) -> np.ndarray:
+    """Stack per-item values into one array; ragged values become a 1-D object array."""
+    try:
+        return np.asarray(values)
+    except ValueError:  # inhomogeneous shapes: keep each value as one object
+        out = np.empty(len(values), dtype=object)
+        for i, value in enumerate(values):
+            out[i] = value
+        return out
+
+
+def _common_keys(dicts: Sequence[Mapping[str, Any]], where: str, dropped: list[str]) -> list[str]:
+    """Keys present in every dict (in the first dict's order); others are noted in ``dropped``."""
+    first = dicts[0].keys()
+    if all(d.keys() == first for d in dicts):
+        return list(first)
+    common = set(first).intersection(*(d.keys() for d in dicts[1:]))
+    union: dict[str, None] = {}
+    for d in dicts:
+        union.update(dict.fromkeys(d))
+    dropped.extend(f"{where}[{k!r}]" for k in union if k not in common)
+    return [k for k in first if k in common]
+
+
+def _stack_infos(
+    infos: Sequence[Mapping[str, Any]], where: str, dropped: list[str]
+) -> dict[str, Any]:
+    """Recursive worker of :func:`stack_infos`; dropped key paths go to ``dropped``."""
+    if not any(infos):  # the common case: no info at all
+        return {}
+    out: dict[str, Any] = {}
+    for key in _common_keys(infos, where, dropped):
+        values = [d[key] for d in infos]
+        if all(isinstance(v, Mapping) for v in values):
+            out[key] = _stack_infos(values, f"{where}[{key!r}]", dropped)
+        else:
+            out[key] = _stack_values(values)
+    return out
+
+
+def _warn_dropped(dropped: list[str], what: str) -> None:
+    """Emit the single warning that lists every dropped info key."""
+    if dropped:
+        warnings.warn(
+            f"Dropped info keys that only some {what} carry: {', '.join(dropped)}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def stack_infos(infos: Sequence[Mapping[str, Any]], *, name: str) -> dict[str, Any]:
+    """Stack one info dict per step (or per episode) into a dict of arrays.
+
+    Only keys present in every dict are kept, so every array has one row per input dict; keys
+    that only some dicts carry are dropped with a single :class:`UserWarning` naming them. Nested
+    dicts are stacked recursively. Values that do not form a regular array (ragged shapes) are
+    kept as a 1-D object array. The common case, every dict empty, costs one truthiness check per
+    dict.
+
+    Args:
+        infos: the info dicts, one per step or per episode.
+        name: what the dicts are (e.g. ``"env_infos"``), used in the warning.
+
+    Returns:
+        A dict mapping each common key to its stacked array (or, for nested dicts, to a dict of
+        stacked arrays). ``{}`` for empty input.
+    """
+    dropped: list[str] = []
+    out = _stack_infos(infos, name, dropped)
+    if dropped:
+        warnings.warn(
+            f"Dropped {name} keys that only some entries carry: {', '.join(dropped)}",
+            UserWarning,
+            stacklevel=2,
+        )
+    return out
+
+
+def _as_object_rows(array: np.ndarray) -> np.ndarray:
+    """View an array as a 1-D object array of its rows (for concatenating ragged info)."""
+    out = np.empty(len(array), dtype=object)
+    for i, row in enumerate(array):
+        out[i] = row
+    return out
+
+
+def _concat_arrays(arrays: list[np.ndarray]) -> np.ndarray:
+    """Concatenate along the leading axis, falling back to object rows for mismatched shapes."""
+    try:
+        return np.concatenate(arrays, axis=0)
+    except ValueError:
+        return np.concatenate([_as_object_rows(a) for a in arrays], axis=0)
+
+
+def _concat_infos(
+    dicts: Sequence[Mapping[str, Any]], where: str, dropped: list[str]
+) -> dict[str, Any]:
+    """Concatenate info dicts along the leading axis, keeping keys common to all."""
+    if not any(dicts):
+        return {}
+    out: dict[str, Any] = {}
+    for key in _common_keys(dicts, where, dropped):
+        values = [d[key] for d in dicts]
+        if all(isinstance(v, Mapping) for v in values):
+            out[key] = _concat_infos(values, f"{where}[{key!r}]", dropped)
+        elif all(isinstance(v, np.ndarray) for v in values):
+            out[key] = _concat_arrays(values)
+        else:
+            dropped.append(f"{where}[{key!r}]")
+    return out
+
+
+def _as_info_arrays(info: Any, where: str) -> dict[str, Any]:
+    """Accept a path's info either as a dict of arrays or as a list of per-step dicts."""
+    if info is None:
+        return {}
+    if isinstance(info, Mapping):
+        return {
+            k: _as_info_arrays(v, f"{where}[{k!r}]") if isinstance(v, Mapping) else np.asarray(v)
+            for k, v in info.items()
+        }
+    if isinstance(info, Sequence) and all(isinstance(d, Mapping) for d in info):
+        return stack_infos(info, name=where)
+    raise ValueError(
+        f"{where} must be a dict of arrays or a list of dicts, not {type(info).__name__}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _leaves_with_paths(tree: ArrayTree, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Yield ``(path, leaf)`` for every leaf of a dict/tuple tree, e.g. ``("['pos']", arr)``."""
+    if isinstance(tree, Mapping):
+        for key, sub in tree.items():
+            yield from _leaves_with_paths(sub, f"{path}[{key!r}]")
+    elif isinstance(tree, tuple):
+        for i, sub in enumerate(tree):
+            yield from _leaves_with_paths(sub, f"{path}[{i}]")
+    else:
+        yield path, tree
+
+
+def _check_batched(tree: ArrayTree, field: str, size: int, what: str) -> None:
+    """Every leaf of ``tree`` must be an ndarray with leading dimension ``size``."""
+    for path, leaf in _leaves_with_paths(tree):
+        name = f"{field}{path}"
+        if not isinstance(leaf, np.ndarray):
+            raise ValueError(
+                f"{name} is of type {type(leaf).__name__}, but must be a numpy.ndarray"
+            )
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{name} has shape (), but must have batch size {size} to match {what}"
+            )
+        if leaf.shape[0] != size:
+            raise ValueError(
+                f"{name} has batch size {leaf.shape[0]}, but must have batch size {size} to "
+                f"match {what}"
+            )
+
+
+def _flatdim(space: gymnasium.Space[Any]) -> int | None:
+    """gymnasium's flat dimension of ``space``, or ``None`` when it has none."""
+    try:
+        return int(gymnasium.spaces.flatdim(space))
+    except (NotImplementedError, ValueError, TypeError):
+        return None
+
+
+def _space_mismatch(tree: ArrayTree, space: gymnasium.Space[Any], path: str = "") -> str | None:
+    """Describe how one item of a batched ``tree`` fails to fit ``space``, or ``None`` if it fits.
+
+    Shapes only (dtype and bounds are not checked, as in garage): an item fits when its shape is
+    the space's shape or, failing that, when its size equals the space's flat dimension. Dict and
+    Tuple spaces are matched part by part. Spaces without a fixed shape accept anything.
+    """
+    is_dict = isinstance(space, gymnasium.spaces.Dict)
+    is_tuple = isinstance(space, gymnasium.spaces.Tuple)
+    if isinstance(tree, np.ndarray):
+        shape = tuple(tree.shape[1:])
+        expected = space.shape
+        if expected is not None and shape == tuple(expected):
+            return None
+        if expected is None and not (is_dict or is_tuple):
+            return None
+        flat = _flatdim(space)
+        if flat is not None and math.prod(shape) == flat:
+            return None
+        wanted = f"shape {expected} or " if expected is not None else ""
+        return (
+            f"{path} has shape {shape}, but must have {wanted}{flat} entries to match the "
+            f"space {space}"
+        )
+    if isinstance(space, gymnasium.spaces.Dict) and isinstance(tree, Mapping):
+        if set(tree) != set(space.spaces):
+            return (
+                f"{path} has keys {sorted(tree)}, but must have the keys "
+                f"{sorted(space.spaces)} of the space {space}"
+            )
+        for key, sub in space.spaces.items():
+            problem = _space_mismatch(tree[key], sub, f"{path}[{key!r}]")
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(space, gymnasium.spaces.Tuple) and isinstance(tree, tuple):
+        if len(tree) != len(space.spaces):
+            return (
+                f"{path} has {len(tree)} parts, but must have the {len(space.spaces)} parts of "
+                f"the space {space}"
+            )
+        for i, (sub_tree, sub) in enumerate(zip(tree, space.spaces, strict=True)):
+            problem = _space_mismatch(sub_tree, sub, f"{path}[{i}]")
+            if problem is not None:
+                return problem
+        return None
+    return f"{path} is a {type(tree).__name__}, which does not fit the space {space}"
+
+
+def _check_infos(infos: Any, name: str, size: int, what: str) -> None:
+    """An info dict holds arrays (or nested dicts of them) with leading dimension ``size``."""
+    if not isinstance(infos, Mapping):
+        raise ValueError(f"{name} is of type {type(infos).__name__}, but must be a dict")
+    for key, value in infos.items():
+        if isinstance(value, Mapping):
+            _check_infos(value, f"{name}[{key!r}]", size, what)
+        elif not isinstance(value, np.ndarray):
+            raise ValueError(
+                f"Entry {key!r} in {name} is of type {type(value).__name__}, but must be a "
+                "numpy.ndarray or a dict"
+            )
+        elif value.ndim == 0 or value.shape[0] != size:
+            got = value.shape[0] if value.ndim else "() (a scalar)"
+            raise ValueError(
+                f"Entry {key!r} in {name} has batch size {got}, but must have batch size "
+                f"{size} to match {what}"
+            )
+
+
+def _check_step_types(step_types: Any, n_transitions: int) -> None:
+    """``step_types``: shape ``(T,)``, StepType members (object dtype) or integers in 0..3."""
+    if not isinstance(step_types, np.ndarray):
+        raise ValueError(
+            f"step_types is of type {type(step_types).__name__}, but must be a numpy.ndarray"
+        )
+    if step_types.ndim != 1:
+        raise ValueError(
+            f"step_types has shape {step_types.shape}, but must have shape ({n_transitions},)"
+        )
+    if step_types.shape[0] != n_transitions:
+        raise ValueError(
+            f"step_types has batch size {step_types.shape[0]}, but must have batch size "
+            f"{n_transitions} to match rewards"
+        )
+    if step_types.dtype == object:
+        kinds = set(map(type, step_types.tolist()))
+        if not all(issubclass(k, int | np.integer) and k is not bool for k in kinds):
+            names = sorted(k.__name__ for k in kinds)
+            raise ValueError(
+                f"step_types holds objects of type {names}, but must hold StepType members"
+            )
+        values = step_types.astype(np.int64)
+    elif np.issubdtype(step_types.dtype, np.integer):
+        values = step_types
+    else:
+        raise ValueError(
+            f"step_types has dtype {step_types.dtype}, but must have dtype StepType or an "
+            "integer dtype"
+        )
+    if values.size and (values.min() < StepType.FIRST or values.max() > StepType.TIMEOUT):
+        raise ValueError(
+            f"step_types has values from {values.min()} to {values.max()}, but must be StepType "
+            "values in 0..3"
+        )
+
+
+def _pad(array: np.ndarray, lengths: np.ndarray, length: int) -> np.ndarray:
+    """Scatter a flat ``(T, ...)`` array into a zero-filled ``(N, length, ...)`` array."""
+    out = np.zeros((len(lengths), length, *array.shape[1:]), dtype=array.dtype)
+    if array.shape[0]:
+        episode = np.repeat(np.arange(len(lengths)), lengths)
+        starts = np.cumsum(lengths) - lengths
+        position = np.arange(array.shape[0]) - np.repeat(starts, lengths)
+        out[episode, position] = array
+    return out
+
+
+def _leaf_equal(a: Any, b: Any) -> bool:
+    """Exact equality of two leaves: type, shape, dtype and every value (NaN equals NaN)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.dtype == object:
+            return all(_leaf_equal(x, y) for x, y in zip(a.flat, b.flat, strict=True))
+        if np.issubdtype(a.dtype, np.inexact):
+            return bool(np.array_equal(a, b, equal_nan=True))
+        return bool(np.array_equal(a, b))
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        return _tree_equal(a, b)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _tree_equal(a: Any, b: Any) -> bool:
+    """Exact equality of two dict/tuple trees of arrays."""
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        if not (isinstance(a, Mapping) and isinstance(b, Mapping)) or list(a) != list(b):
+            return False
+        return all(_tree_equal(a[k], b[k]) for k in a)
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        if not (isinstance(a, tuple) and isinstance(b, tuple)) or len(a) != len(b):
+            return False
+        return all(_tree_equal(x, y) for x, y in zip(a, b, strict=True))
+    return _leaf_equal(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# EpisodeBatch
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class EpisodeBatch:
+    """A batch of episodes laid end to end along one time axis.
+
+    ``T`` is the number of transitions (``lengths.sum()``) and ``N`` the number of episodes.
+    Fields are stored as given (no copies); construction validates them and raises
+    ``ValueError`` naming the offending field.
+
+    ``==`` is identity (arrays have no single truth value); use :meth:`equals` to compare
+    contents.
+
+    Attributes:
+        env_spec: spaces of the observations and actions, and the episode time limit.
+        episode_infos: per-episode info, a dict of arrays with leading dimension ``N`` (garage's
+            ``episode_infos_by_episode``; see :attr:`episode_infos_by_step` for the per-step
+            view).
+        observations: ``(T, ...)`` observation before each action (an array or dict/tuple tree).
+        last_observations: ``(N, ...)`` observation after the last action of each episode.
+        actions: ``(T, ...)`` actions (an array or dict/tuple tree).
+        rewards: ``(T,)`` rewards.
+        env_infos: per-step info from the env, dict of ``(T, ...)`` arrays (may nest dicts).
+        agent_infos: per-step info from the agent, dict of ``(T, ...)`` arrays (may nest dicts).
+        step_types: ``(T,)`` :class:`StepType` values, as an object array of members or any
+            integer array.
+        lengths: ``(N,)`` integer length of each episode, each at least 1.
+    """
+
+    env_spec: EnvSpec
+    episode_infos: dict[str, Any]
+    observations: ArrayTree
+    last_observations: ArrayTree
+    actions: ArrayTree
+    rewards: np.ndarray
+    env_infos: dict[str, Any]
+    agent_infos: dict[str, Any]
+    step_types: np.ndarray
+    lengths: np.ndarray
+
+    def __post_init__(self) -> None:
+        """Check shapes, dtypes and consistency of every field."""
+        lengths = self.lengths
+        if not isinstance(lengths, np.ndarray):
+            raise ValueError(
+                f"lengths is of type {type(lengths).__name__}, but must be a numpy.ndarray"
+            )
+        if lengths.ndim != 1:
+            raise ValueError(
+                f"lengths has shape {lengths.shape}, but must be 1-D with one entry per episode"
+            )
+        if not np.issubdtype(lengths.dtype, np.integer):
+            raise ValueError(f"lengths has dtype {lengths.dtype}, but must have an integer dtype")
+        if lengths.size and lengths.min() < 1:
+            raise ValueError(
+                f"lengths has entry {lengths.min()}, but every episode needs at least 1 step"
+            )
+        n_episodes = lengths.shape[0]
+        expected_steps = int(lengths.sum())
+
+        rewards = self.rewards
+        if not isinstance(rewards, np.ndarray):
+            raise ValueError(
+                f"rewards is of type {type(rewards).__name__}, but must be a numpy.ndarray"
+            )
+        if rewards.ndim != 1:
+            raise ValueError(
+                f"rewards has shape {rewards.shape}, but must have shape ({expected_steps},)"
+            )
+        n_steps = rewards.shape[0]
+        if n_steps != expected_steps:
+            raise ValueError(
+                f"lengths sum to {expected_steps}, but the batch has {n_steps} transitions "
+                "(entries of rewards)"
+            )
+
+        obs_space = self.env_spec.observation_space
+        _check_batched(self.observations, "observations", n_steps, "rewards")
+        problem = _space_mismatch(self.observations, obs_space)
+        if problem is not None:
+            raise ValueError(f"Each observation{problem}")
+
+        _check_batched(self.last_observations, "last_observations", n_episodes, "lengths")
+        problem = _space_mismatch(self.last_observations, obs_space)
+        if problem is not None:
+            raise ValueError(
+                "last_observations must have the same number of entries as the observation "
+                f"space: each last observation{problem}"
+            )
+
+        _check_batched(self.actions, "actions", n_steps, "rewards")
+        problem = _space_mismatch(self.actions, self.env_spec.action_space)
+        if problem is not None:
+            raise ValueError(f"Each action{problem}")
+
+        _check_step_types(self.step_types, n_steps)
+        _check_infos(self.env_infos, "env_infos", n_steps, "rewards")
+        _check_infos(self.agent_infos, "agent_infos", n_steps, "rewards")
+        _check_infos(self.episode_infos, "episode_infos", n_episodes, "lengths")
+
+    def __repr__(self) -> str:
+        """A short summary instead of every array."""
+        return (
+            f"EpisodeBatch(n_episodes={self.n_episodes}, n_transitions={self.n_transitions}, "
+            f"env_infos={list(self.env_infos)}, agent_infos={list(self.agent_infos)}, "
+            f"episode_infos={list(self.episode_infos)})"
+        )
+
+    # ---------------------------------------------------------------- sizes and views
+
+    @property
+    def n_transitions(self) -> int:
+        """Number of transitions ``T`` in the batch."""
+        return int(self.rewards.shape[0])
+
+    @property
+    def n_episodes(self) -> int:
+        """Number of episodes (or fragments) ``N`` in the batch."""
+        return int(self.lengths.shape[0])
+
+    @property
+    def episode_slices(self) -> list[slice]:
+        """The slice of the time axis each episode occupies."""
+        bounds = [0, *np.cumsum(self.lengths).tolist()]
+        return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+    @property
+    def episode_infos_by_episode(self) -> dict[str, Any]:
+        """Per-episode info (the same object as :attr:`episode_infos`), leading dimension ``N``."""
+        return self.episode_infos
+
+    @property
+    def episode_infos_by_step(self) -> dict[str, Any]:
+        """Per-episode info repeated for every step of its episode, leading dimension ``T``."""
+        return tree_map(lambda x: np.repeat(x, self.lengths, axis=0), self.episode_infos)
+
+    @property
+    def returns(self) -> np.ndarray:
+        """Undiscounted return of each episode, ``(N,)`` float64."""
+        rewards = self.rewards.astype(np.float64)
+        if not self.n_episodes:
+            return np.zeros(0, dtype=np.float64)
+        starts = np.cumsum(self.lengths) - self.lengths
+        return np.add.reduceat(rewards, starts)
+
+    @property
+    def next_observations(self) -> ArrayTree:
+        """The observation after each action, ``(T, ...)``: the next step's, or the last one."""
+        ends = np.cumsum(self.lengths) - 1
+
+        def shift(obs: np.ndarray, last: np.ndarray) -> np.ndarray:
+            out = np.empty_like(obs)
+            out[:-1] = obs[1:]
+            out[ends] = last
+            return out
+
+        return tree_map(shift, self.observations, self.last_observations)
+
+    @property
+    def observations_list(self) -> list[ArrayTree]:
+        """The observations of each episode, one entry per episode."""
+        return [tree_index(self.observations, s) for s in self.episode_slices]
+
+    @property
+    def actions_list(self) -> list[ArrayTree]:
+        """The actions of each episode, one entry per episode."""
+        return [tree_index(self.actions, s) for s in self.episode_slices]
+
+    # ---------------------------------------------------------------- padded views
+
+    def _padded_length(self) -> int:
+        """Length to pad to: the time limit, or the longest episode if longer or unlimited."""
+        longest = int(self.lengths.max()) if self.n_episodes else 0
+        limit = self.env_spec.max_episode_length
+        if limit is None:
+            return longest
+        if longest > limit:
+            warnings.warn(
+                f"The longest episode ({longest} steps) exceeds max_episode_length ({limit}); "
+                f"padding to {longest} instead",
+                UserWarning,
+                stacklevel=3,
+            )
+            return longest
+        return int(limit)
+
+    def _pad_tree(self, tree: ArrayTree) -> ArrayTree:
+        """Pad every leaf of a per-step tree to ``(N, L, ...)``."""
+        length = self._padded_length()
+        return tree_map(lambda x: _pad(x, self.lengths, length), tree)
+
+    @property
+    def padded_observations(self) -> ArrayTree:
+        """Observations as ``(N, L, ...)``, zero after each episode's end."""
+        return self._pad_tree(self.observations)
+
+    @property
+    def padded_actions(self) -> ArrayTree:
+        """Actions as ``(N, L, ...)``, zero after each episode's end."""
+        return self._pad_tree(self.actions)
+
+    @property
+    def padded_rewards(self) -> np.ndarray:
+        """Rewards as ``(N, L)``, zero after each episode's end."""
+        return _pad(self.rewards, self.lengths, self._padded_length())
+
+    @property
+    def padded_next_observations(self) -> ArrayTree:
+        """Next observations as ``(N, L, ...)``, zero after each episode's end."""
+        return self._pad_tree(self.next_observations)
+
+    @property
+    def padded_step_types(self) -> np.ndarray:
+        """Step types as ``(N, L)`` (same dtype as :attr:`step_types`), zero-padded."""
+        return _pad(self.step_types, self.lengths, self._padded_length())
+
+    @property
+    def padded_agent_infos(self) -> dict[str, Any]:
+        """Agent infos with every array as ``(N, L, ...)``, zero-padded."""
+        padded: dict[str, Any] = self._pad_tree(self.agent_infos)
+        return padded
+
+    @property
+    def padded_env_infos(self) -> dict[str, Any]:
+        """Env infos with every array as ``(N, L, ...)``, zero-padded."""
+        padded: dict[str, Any] = self._pad_tree(self.env_infos)
+        return padded
+
+    @property
+    def valids(self) -> np.ndarray:
+        """``(N, L)`` mask, one where a padded step is real and zero in the padding.
+
+        Like garage it has the dtype of :attr:`rewards`.
+        """
+        return _pad(np.ones_like(self.rewards), self.lengths, self._padded_length())
+
+    # ---------------------------------------------------------------- combining and splitting
+
+    @classmethod
+    def concatenate(cls, *batches: EpisodeBatch) -> EpisodeBatch:
+        """Join batches end to end, episodes in argument order.
+
+        Info keys that are not present in every batch are dropped, with one warning naming them.
+        The first batch's ``env_spec`` is used.
+
+        Args:
+            *batches: the batches to join, at least one.
+
+        Returns:
+            A new batch holding every episode of every input.
+
+        Raises:
+            ValueError: if no batch is given.
+        """
+        if not batches:
+            raise ValueError("Please provide at least one EpisodeBatch to concatenate")
+        dropped: list[str] = []
+        env_infos = _concat_infos([b.env_infos for b in batches], "env_infos", dropped)
+        agent_infos = _concat_infos([b.agent_infos for b in batches], "agent_infos", dropped)
+        episode_infos = _concat_infos([b.episode_infos for b in batches], "episode_infos", dropped)
+        _warn_dropped(dropped, "of the batches")
+        return cls(
+            env_spec=batches[0].env_spec,
+            episode_infos=episode_infos,
+            observations=tree_concat([b.observations for b in batches]),
+            last_observations=tree_concat([b.last_observations for b in batches]),
+            actions=tree_concat([b.actions for b in batches]),
+            rewards=np.concatenate([b.rewards for b in batches]),
+            env_infos=env_infos,
+            agent_infos=agent_infos,
+            step_types=np.concatenate([b.step_types for b in batches]),
+            lengths=np.concatenate([b.lengths for b in batches]),
+        )
+
+    def split(self) -> list[EpisodeBatch]:
+        """One single-episode batch per episode, in order. The arrays are views into this one."""
+        out = []
+        for i, steps in enumerate(self.episode_slices):
+            one = slice(i, i + 1)
+            out.append(
+                EpisodeBatch(
+                    env_spec=self.env_spec,
+                    episode_infos=tree_index(self.episode_infos, one),
+                    observations=tree_index(self.observations, steps),
+                    last_observations=tree_index(self.last_observations, one),
+                    actions=tree_index(self.actions, steps),
+                    rewards=self.rewards[steps],
+                    env_infos=tree_index(self.env_infos, steps),
+                    agent_infos=tree_index(self.agent_infos, steps),
+                    step_types=self.step_types[steps],
+                    lengths=self.lengths[one],
+                )
+            )
+        return out
+
+    def to_list(self) -> list[dict[str, Any]]:
+        """One dict per episode, in garage's path format.
+
+        Keys: ``episode_infos`` (each value for this episode, without the episode axis),
+        ``observations``, ``next_observations``, ``actions``, ``rewards``, ``env_infos``,
+        ``agent_infos`` and ``step_types``. :meth:`from_list` turns the list back into a batch.
+        """
+        next_obs = self.next_observations
+        paths = []
+        for i, steps in enumerate(self.episode_slices):
+            paths.append(
+                {
+                    "episode_infos": tree_index(self.episode_infos, i),
+                    "observations": tree_index(self.observations, steps),
+                    "next_observations": tree_index(next_obs, steps),
+                    "actions": tree_index(self.actions, steps),
+                    "rewards": self.rewards[steps],
+                    "env_infos": tree_index(self.env_infos, steps),
+                    "agent_infos": tree_index(self.agent_infos, steps),
+                    "step_types": self.step_types[steps],
+                }
+            )
+        return paths
+
+    @classmethod
+    def from_list(cls, env_spec: EnvSpec, paths: Sequence[Mapping[str, Any]]) -> EpisodeBatch:
+        """Build a batch from garage-style path dicts, one per episode.
+
+        Each path needs ``observations``, ``actions`` and ``rewards``. With one more observation
+        than rewards, the extra one is the last observation; otherwise it is the last
+        ``next_observations`` entry if present, else the last observation repeated. Step types
+        come from ``step_types``, or else from ``dones`` via :meth:`StepType.get_step_type`
+        (so the first step is ``FIRST`` and a step reaching the time limit ``TIMEOUT``).
+        ``env_infos``/``agent_infos`` may be dicts of arrays or lists of per-step dicts, and
+        ``episode_infos`` a dict of per-episode values; all three are optional.
+
+        Args:
+            env_spec: the spec of the env the paths came from.
+            paths: the episodes.
+
+        Returns:
+            The batch.
+
+        Raises:
+            ValueError: if ``paths`` is empty or a path lacks step types and dones.
+        """
+        if not paths:
+            raise ValueError("Please provide at least one path")
+        lengths = np.asarray([len(p["rewards"]) for p in paths], dtype=np.int64)
+        observations: list[ArrayTree] = []
+        last_observations: list[ArrayTree] = []
+        step_types: list[np.ndarray] = []
+        for i, (path, length) in enumerate(zip(paths, lengths.tolist(), strict=True)):
+            obs = tree_map(np.asarray, path["observations"])
+            next_obs = path.get("next_observations")
+            if len(tree_leaves(obs)[0]) == length + 1:
+                observations.append(tree_index(obs, slice(0, length)))
+                last_observations.append(tree_index(obs, slice(length, length + 1)))
+            else:
+                observations.append(obs)
+                source = obs if next_obs is None else tree_map(np.asarray, next_obs)
+                last_observations.append(tree_index(source, slice(-1, None)))
+            if path.get("step_types") is not None:
+                step_types.append(np.asarray(path["step_types"]))
+            elif path.get("dones") is not None:
+                limit = env_spec.max_episode_length
+                step_types.append(
+                    np.array(
+                        [
+                            StepType.get_step_type(t + 1, limit, bool(done))
+                            for t, done in enumerate(path["dones"])
+                        ],
+                        dtype=object,
+                    )
+                )
+            else:
+                raise ValueError(f"path {i} has neither 'step_types' nor 'dones'")
+        dropped: list[str] = []
+        env_infos = _concat_infos(
+            [_as_info_arrays(p.get("env_infos"), "env_infos") for p in paths], "env_infos", dropped
+        )
+        agent_infos = _concat_infos(
+            [_as_info_arrays(p.get("agent_infos"), "agent_infos") for p in paths],
+            "agent_infos",
+            dropped,
+        )
+        episode_infos = _stack_infos(
+            [p.get("episode_infos") or {} for p in paths], "episode_infos", dropped
+        )
+        _warn_dropped(dropped, "of the paths")
+        return cls(
+            env_spec=env_spec,
+            episode_infos=episode_infos,
+            observations=tree_concat(observations),
+            last_observations=tree_concat(last_observations),
+            actions=tree_concat([tree_map(np.asarray, p["actions"]) for p in paths]),
+            rewards=np.concatenate([np.asarray(p["rewards"]) for p in paths]),
+            env_infos=env_infos,
+            agent_infos=agent_infos,
+            step_types=np.concatenate(step_types),
+            lengths=lengths,
+        )
+
+    # ---------------------------------------------------------------- comparison
+
+    def equals(self, other: object) -> bool:
+        """Whether ``other`` is an EpisodeBatch with exactly the same contents.
+
+        Every array must match in shape, dtype and value (NaN equals NaN); info dicts must have
+        the same keys in the same order; the env specs must have equal spaces and time limit.
+        """
+        if not isinstance(other, EpisodeBatch):
+            return False
+        a, b = self.env_spec, other.env_spec
+        if a is not b and not (
+            a.observation_space == b.observation_space
+            and a.action_space == b.action_space
+            and a.max_episode_length == b.max_episode_length
+        ):
+            return False
+        return all(
+            _tree_equal(getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if f.name != "env_spec"
+        )

@@ -1,0 +1,315 @@
+"""The envs of one worker, stepped together inside an env host.
+
+:class:`EnvGroup` is the one piece of code that touches envs. Every backend runs it where the envs
+live (in the event loop's thread for ``local``, in an env-host process for ``process``, in an actor
+for ``ray``), so all backends reset and step envs at exactly the same points and give identical
+results for a fixed seed.
+
+Data moves through :class:`StepBuffers`: arrays with a leading axis of ``n_envs`` that the worker
+and the host both see (plain arrays in-process, shared memory across processes). Only small
+control data (infos, errors) travels any other way.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector.utils import concatenate, create_empty_array
+
+from asyncsample._tree import Tree, tree_map
+from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
+
+__all__ = ["EnvFailure", "EnvGroup", "StepBuffers", "StepInfos", "rebuild_chain"]
+
+
+_REWARD_SPACE = gym.spaces.Box(-np.inf, np.inf, (), np.float64)
+_FLAG_SPACE = gym.spaces.Box(0, 1, (), np.bool_)
+
+
+@dataclass
+class StepBuffers:
+    """The arrays one worker step reads and writes, each with a leading axis of ``n_envs``.
+
+    Attributes:
+        obs: observation each env shows now (after an autoreset, the new episode's first one).
+        final_obs: for envs whose episode ended on the last step, the true last observation.
+        actions: written by the worker before a step.
+        rewards, terminated, truncated: results of the last step (``truncated`` includes the
+            sampler's ``max_episode_length``).
+    """
+
+    obs: Tree
+    final_obs: Tree
+    actions: Tree
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+
+    @classmethod
+    def allocate(
+        cls,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        n_envs: int,
+        make: Callable[[gym.Space, int], Tree] | None = None,
+    ) -> StepBuffers:
+        """Allocate buffers; ``make(space, n)`` builds one (nested) array, default in-process."""
+        make = make or (lambda space, n: create_empty_array(space, n, fn=np.zeros))
+        return cls(
+            obs=make(observation_space, n_envs),
+            final_obs=make(observation_space, n_envs),
+            actions=make(action_space, n_envs),
+            rewards=make(_REWARD_SPACE, n_envs),
+            terminated=make(_FLAG_SPACE, n_envs),
+            truncated=make(_FLAG_SPACE, n_envs),
+        )
+
+
+@dataclass
+class StepInfos:
+    """The small, picklable part of a step's answer.
+
+    Attributes:
+        env_infos: ``None`` when every stepped env returned an empty info dict (the common case,
+            kept cheap), else one dict per env (empty for envs not stepped).
+        reset_infos: info dicts from the autoresets this step did, by env index.
+    """
+
+    env_infos: list[dict[str, Any]] | None
+    reset_infos: dict[int, dict[str, Any]]
+
+
+@dataclass
+class EnvFailure:
+    """What an env raised, in a form that crosses process boundaries."""
+
+    env: int | None
+    error: BaseException
+    traceback: str
+    retry: bool = True  # False for the caller's own mistakes (bad observation shapes)
+
+
+class EnvFailureError(Exception):
+    """Raised by :class:`EnvGroup` methods; carries an :class:`EnvFailure`."""
+
+    def __init__(self, failure: EnvFailure) -> None:
+        super().__init__(str(failure.error))
+        self.failure = failure
+
+
+def rebuild_chain(chain: list[EnvSource], update: EnvSource) -> list[EnvSource]:
+    """The sources that rebuild an env after ``update``: what a restart replays.
+
+    A replacing update starts a new chain; a ``SetTaskUpdate`` replaces an earlier one; any other
+    ``EnvUpdate`` is appended, since it transforms whatever env it is given.
+    """
+    if not isinstance(update, EnvUpdate):
+        return [update]
+    if isinstance(update, SetTaskUpdate):
+        return [c for c in chain if not isinstance(c, SetTaskUpdate)] + [update]
+    return [*chain, update]
+
+
+class EnvGroup:
+    """Steps the ``n_envs`` envs of one worker with same-step autoreset.
+
+    Args:
+        worker: index of the worker these envs belong to (for error messages).
+        buffers: the :class:`StepBuffers` to read actions from and write results to.
+        observation_space: the declared observation space (shapes are checked against it).
+        action_space: the declared action space.
+        max_episode_length: steps after which the host truncates an episode, or ``None``.
+    """
+
+    def __init__(
+        self,
+        worker: int,
+        buffers: StepBuffers,
+        observation_space: gym.Space,
+        action_space: gym.Space,
+        max_episode_length: int | None,
+    ) -> None:
+        self.worker = worker
+        self.buffers = buffers
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.max_episode_length = max_episode_length
+        self.n_envs = len(buffers.rewards)
+        self.envs: list[gym.Env | None] = [None] * self.n_envs
+        self._obs: list[Any] = [None] * self.n_envs
+        self._lengths = np.zeros(self.n_envs, dtype=np.int64)
+        self._seeds: list[int | None] = [None] * self.n_envs
+
+    # -- building ---------------------------------------------------------------------------
+
+    def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
+        """(Re)build every env from its chain of sources; each gets its seed at its next reset."""
+        self.close()
+        for i, chain in enumerate(chains):
+            self._guard(i, self._build_one, i, chain, seeds[i])
+
+    def _build_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
+        env = make_env(chain[0])
+        for update in chain[1:]:
+            env, _ = apply_env_update(env, update)
+        self.envs[i] = env
+        self._seeds[i] = seed
+        self._lengths[i] = 0
+
+    def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
+        """Apply one update per env; an env that becomes a new object gets its new seed."""
+        for i, update in enumerate(updates):
+            if update is not None:
+                self._guard(i, self._update_one, i, update, seeds[i])
+
+    def _update_one(self, i: int, update: EnvSource, seed: int) -> None:
+        old = self.envs[i]
+        env, changed = apply_env_update(old, update)
+        self.envs[i] = env
+        if env is not old:
+            self._seeds[i] = seed
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def reset(self, mask: np.ndarray) -> dict[int, dict[str, Any]]:
+        """Reset the envs where ``mask`` is true; returns their reset infos by env index."""
+        infos: dict[int, dict[str, Any]] = {}
+        for i in np.flatnonzero(mask):
+            infos[int(i)] = self._reset_one(int(i))
+        self._write_obs()
+        return infos
+
+    def _reset_one(self, i: int) -> dict[str, Any]:
+        env = self.envs[i]
+        assert env is not None
+        seed, self._seeds[i] = self._seeds[i], None
+        obs, info = self._guard(i, env.reset, seed=seed)
+        self._obs[i] = obs
+        self._lengths[i] = 0
+        return info
+
+    def step(self, mask: np.ndarray) -> StepInfos:
+        """Step the envs where ``mask`` is true with the actions in the buffers.
+
+        An env whose episode ends (terminated, truncated by the env, or at ``max_episode_length``)
+        has its last observation written to ``final_obs`` and is reset at once, so ``obs`` always
+        holds what the agent acts on next.
+        """
+        buf = self.buffers
+        envs = self.envs
+        obs = self._obs
+        rewards = buf.rewards
+        terminated = buf.terminated
+        truncated = buf.truncated
+        mel = self.max_episode_length
+        lengths = self._lengths
+        indices = np.flatnonzero(mask).tolist()
+        actions = self._actions_for(indices)
+        env_infos: list[dict[str, Any]] = [{}] * self.n_envs
+        any_info = False
+        done: list[int] = []
+        for i, action in zip(indices, actions):
+            env = envs[i]
+            assert env is not None
+            o, r, term, trunc, info = self._guard(i, env.step, action)
+            obs[i] = o
+            rewards[i] = r
+            lengths[i] += 1
+            terminated[i] = term
+            trunc = bool(trunc) or (mel is not None and lengths[i] >= mel)
+            truncated[i] = trunc
+            if info:
+                env_infos[i] = info
+                any_info = True
+            if term or trunc:
+                done.append(i)
+        reset_infos: dict[int, dict[str, Any]] = {}
+        if done:
+            final = [obs[i] for i in done]
+            self._write(buf.final_obs, done, final)
+            for i in done:
+                reset_infos[i] = self._reset_one(i)
+        self._write_obs()
+        return StepInfos(env_infos if any_info else None, reset_infos)
+
+    def _actions_for(self, indices: list[int]) -> list[Any]:
+        actions = self.buffers.actions
+        if isinstance(actions, np.ndarray):
+            if isinstance(self.action_space, gym.spaces.Discrete):
+                return actions[indices].tolist()
+            return list(actions[indices])
+        return [tree_map(lambda a, i=i: a[i], actions) for i in indices]
+
+    def _write_obs(self) -> None:
+        try:
+            concatenate(self.observation_space, self._obs, self.buffers.obs)
+        except (ValueError, TypeError, IndexError) as exc:
+            self._raise_bad_observation(exc)
+
+    def _write(self, out: Tree, indices: list[int], items: list[Any]) -> None:
+        def put(leaf: np.ndarray, *values: Any) -> None:
+            leaf[indices] = np.stack(values)
+
+        if isinstance(out, np.ndarray):
+            out[indices] = items
+        else:
+            tree_map(lambda leaf, *vals: put(leaf, *vals), out, *items)
+
+    def _raise_bad_observation(self, exc: Exception) -> None:
+        expected = _shapes(self.observation_space)
+        for i, o in enumerate(self._obs):
+            got = _obs_shapes(o, self.observation_space)
+            if got != expected:
+                err = ValueError(
+                    f"observation of worker {self.worker}, env {i} does not fit the observation "
+                    f"space {self.observation_space}: expected shape {expected}, got {got}"
+                )
+                raise EnvFailureError(EnvFailure(i, err, "", retry=False)) from exc
+        err = ValueError(
+            f"observations of worker {self.worker} could not be stored for the observation "
+            f"space {self.observation_space}: {exc}"
+        )
+        raise EnvFailureError(EnvFailure(None, err, traceback.format_exc(), retry=False)) from exc
+
+    def _guard(self, i: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except EnvFailureError:
+            raise
+        except Exception as exc:
+            raise EnvFailureError(EnvFailure(i, exc, traceback.format_exc())) from exc
+
+    def close(self) -> None:
+        """Close every env, ignoring errors from envs that are already broken."""
+        for i, env in enumerate(self.envs):
+            if env is not None:
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001 - a broken env must not stop the others closing
+                    pass
+            self.envs[i] = None
+
+
+def _shapes(space: gym.Space) -> Any:
+    if isinstance(space, gym.spaces.Dict):
+        return {k: _shapes(s) for k, s in space.spaces.items()}
+    if isinstance(space, gym.spaces.Tuple):
+        return tuple(_shapes(s) for s in space.spaces)
+    return tuple(space.shape or ())
+
+
+def _obs_shapes(obs: Any, space: gym.Space) -> Any:
+    if isinstance(space, gym.spaces.Dict):
+        if not isinstance(obs, dict) or set(obs) != set(space.spaces):
+            return f"{type(obs).__name__} {sorted(obs) if isinstance(obs, dict) else ''}".strip()
+        return {k: _obs_shapes(obs[k], s) for k, s in space.spaces.items()}
+    if isinstance(space, gym.spaces.Tuple):
+        if not isinstance(obs, tuple) or len(obs) != len(space.spaces):
+            return f"{type(obs).__name__}"
+        return tuple(_obs_shapes(o, s) for o, s in zip(obs, space.spaces))
+    return tuple(np.shape(obs))

@@ -1,0 +1,140 @@
+"""Env updates: how a sampler call swaps or retasks the envs of its workers (garage's semantics).
+
+An update travels to wherever the env lives (by cloudpickle for an env-host process) and is applied
+there by :func:`apply_env_update`.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+
+__all__ = ["EnvUpdate", "NewEnvUpdate", "SetTaskUpdate", "apply_env_update", "make_env"]
+
+EnvSource = Any  # str (gymnasium id) | Callable[[], gym.Env] | gym.Env | EnvUpdate
+
+
+class EnvUpdate:
+    """An update that maps the old env to the new one; the base class keeps the old env."""
+
+    def __call__(self, old_env: gym.Env | None = None) -> gym.Env | None:
+        """Return the env to use from now on."""
+        return old_env
+
+
+class NewEnvUpdate(EnvUpdate):
+    """Replace the env by a new one from ``env_constructor`` (the old one is closed).
+
+    Args:
+        env_constructor: zero-argument callable returning a gymnasium.Env.
+    """
+
+    def __init__(self, env_constructor: Callable[[], gym.Env]) -> None:
+        if not callable(env_constructor):
+            raise TypeError(
+                "env_constructor must be a zero-argument callable returning a gymnasium.Env, "
+                f"got {env_constructor!r}"
+            )
+        self.env_constructor = env_constructor
+
+    def __call__(self, old_env: gym.Env | None = None) -> gym.Env:
+        if old_env is not None:
+            old_env.close()
+        return _checked_env(self.env_constructor(), self.env_constructor)
+
+
+class SetTaskUpdate(EnvUpdate):
+    """Give the env a new task with ``env.unwrapped.set_task(task)``, rebuilding it if needed.
+
+    The env is rebuilt from ``env_type()`` when there is none yet or when the old env's unwrapped
+    type is not exactly ``env_type`` (then with a warning, as garage does).
+
+    Args:
+        env_type: the env class to build and set the task on.
+        task: whatever the env's ``set_task`` takes.
+        wrapper_constructor: optional ``(env, task) -> wrapped env`` applied to a rebuilt env.
+    """
+
+    def __init__(
+        self,
+        env_type: type[gym.Env],
+        task: Any,
+        wrapper_constructor: Callable[[gym.Env, Any], gym.Env] | None = None,
+    ) -> None:
+        if not isinstance(env_type, type):
+            raise ValueError(f"env_type must be a type (an env class), got {env_type!r}")
+        self.env_type = env_type
+        self.task = task
+        self.wrapper_constructor = wrapper_constructor
+
+    def _make_env(self) -> gym.Env:
+        env = self.env_type()
+        env.unwrapped.set_task(self.task)  # type: ignore[attr-defined]
+        if self.wrapper_constructor is not None:
+            env = self.wrapper_constructor(env, self.task)
+        return env
+
+    def __call__(self, old_env: gym.Env | None = None) -> gym.Env:
+        if old_env is None:
+            return self._make_env()
+        if type(old_env.unwrapped) is not self.env_type:
+            warnings.warn(
+                f"SetTaskUpdate: the env has type {type(old_env.unwrapped).__name__}, not "
+                f"{self.env_type.__name__}; closing it and building a new one",
+                stacklevel=2,
+            )
+            old_env.close()
+            return self._make_env()
+        old_env.unwrapped.set_task(self.task)  # type: ignore[attr-defined]
+        return old_env
+
+
+def _checked_env(env: Any, source: Any) -> gym.Env:
+    if not isinstance(env, gym.Env):
+        raise TypeError(
+            f"env factory {source!r} must return a gymnasium.Env, got {type(env).__name__}"
+        )
+    return env
+
+
+def make_env(source: EnvSource) -> gym.Env:
+    """Build a fresh env from a gymnasium id, a factory, an env (deep-copied) or an EnvUpdate."""
+    if isinstance(source, str):
+        return gym.make(source)
+    if isinstance(source, gym.Env):
+        return copy.deepcopy(source)
+    if isinstance(source, EnvUpdate):
+        return _checked_env(source(None), source)
+    if callable(source):
+        return _checked_env(source(), source)
+    raise TypeError(
+        "env must be a gymnasium id (str), a zero-argument callable returning a gymnasium.Env, "
+        f"a gymnasium.Env or an EnvUpdate, got {type(source).__name__}"
+    )
+
+
+def apply_env_update(old_env: gym.Env | None, update: EnvSource | None) -> tuple[gym.Env | None, bool]:
+    """Apply one update to one env.
+
+    Returns:
+        ``(env, changed)``: the env to use and whether anything was updated (the env then needs a
+        reset). ``None`` keeps the env; an ``EnvUpdate`` is called with the old env; anything else
+        replaces the env (the old one is closed).
+    """
+    if update is None:
+        return old_env, False
+    if isinstance(update, EnvUpdate):
+        return _checked_env(update(old_env), update), True
+    new_env = make_env(update)
+    if old_env is not None and old_env is not new_env:
+        old_env.close()
+    return new_env, True
+
+
+def is_env_source(obj: Any) -> bool:
+    """Whether ``obj`` can build or update an env."""
+    return isinstance(obj, (str, gym.Env, EnvUpdate)) or callable(obj)

@@ -1,0 +1,73 @@
+"""The sampler's own exceptions, all under :class:`AsyncSampleError`.
+
+Bad arguments raise plain ``ValueError``/``TypeError`` (as Python code does); what goes wrong
+while sampling raises one of these, so a caller can catch the whole family at once.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncSampleError",
+    "SamplerClosedError",
+    "StepTimeoutError",
+    "WorkerCrashedError",
+    "WorkerError",
+]
+
+
+class AsyncSampleError(Exception):
+    """Base class of every error the sampler raises while sampling."""
+
+
+class WorkerError(AsyncSampleError):
+    """An env raised in ``reset`` or ``step``, or its host failed.
+
+    Attributes:
+        worker: index of the worker whose env failed.
+        env: index of the env within that worker, or ``None`` when the whole host failed.
+        remote_traceback: the traceback text from the process that raised, if any.
+        retry: whether restarting the host may help (``False`` for the caller's own mistakes,
+            such as an observation that does not fit the declared space).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker: int,
+        env: int | None = None,
+        remote_traceback: str | None = None,
+        retry: bool = True,
+    ) -> None:
+        where = f"worker {worker}" + (f", env {env}" if env is not None else "")
+        text = f"{where}: {message}"
+        if remote_traceback:
+            text += f"\n\nRemote traceback:\n{remote_traceback.rstrip()}"
+        super().__init__(text)
+        self.worker = worker
+        self.env = env
+        self.remote_traceback = remote_traceback
+        self.retry = retry
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        # Keep the keyword-only fields when pickled (Ray, process boundaries).
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[WorkerError], args: tuple[object, ...], state: dict[str, object]) -> WorkerError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
+
+class WorkerCrashedError(WorkerError):
+    """An env-host process or actor died (killed, segfault, out of memory)."""
+
+
+class StepTimeoutError(WorkerError, TimeoutError):
+    """A step took longer than the sampler's ``step_timeout``."""
+
+
+class SamplerClosedError(AsyncSampleError, RuntimeError):
+    """The sampler was closed; create a new one to sample again."""

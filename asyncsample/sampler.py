@@ -1,0 +1,597 @@
+"""The async sampler: worker coroutines that gather episodes until a quota is met."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+
+from asyncsample.agent import Agent, RandomAgent
+from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
+from asyncsample.batch import EnvSpec, EpisodeBatch
+from asyncsample.env_update import EnvSource, EnvUpdate, is_env_source, make_env
+from asyncsample.errors import SamplerClosedError, WorkerError
+from asyncsample.seeding import worker_seeds
+from asyncsample.worker import VecWorker, Worker, WorkerFactory
+
+__all__ = ["Sampler"]
+
+Mode = Literal["samples", "episodes", "fragments"]
+_PARAMS = (dict, tuple, np.ndarray)
+
+
+class Sampler:
+    """Collects episodes from ``n_workers`` worker coroutines whose envs live in env hosts.
+
+    Args:
+        env: a gymnasium id, a zero-argument callable returning a ``gymnasium.Env``, a
+            ``gymnasium.Env`` (deep-copied per env), an :class:`EnvUpdate`, or a list of exactly
+            ``n_workers`` of those (one per worker; an inner list gives one per env).
+        agent: one :class:`Agent` shared by all workers, a list of ``n_workers`` agents, or
+            ``None`` for a :class:`RandomAgent` per worker seeded from ``seed``.
+        n_workers: worker coroutines.
+        envs_per_worker: env copies stepped together by one worker.
+        n_processes: size of the env-host process pool (``process`` backend; default: cpu count).
+        max_episode_length: episodes are truncated (TIMEOUT) at this many steps.
+        seed: root of every seed; ``None`` draws one (see :attr:`seed`).
+        backend: ``"process"``, ``"local"`` (in the event loop's thread) or ``"ray"``.
+        step_timeout: seconds after which a step counts as a worker failure.
+        max_restarts: per worker and call, how often a failed env host is rebuilt before the
+            error is raised.
+        worker_class: the :class:`Worker` subclass to run (garage's ``worker_class``).
+        worker_args: extra keyword arguments for ``worker_class``.
+        backend_options: extra keyword arguments for the backend (e.g. Ray resources).
+    """
+
+    def __init__(
+        self,
+        env: EnvSource | list[Any],
+        agent: Agent | list[Agent] | None = None,
+        *,
+        n_workers: int = 2,
+        envs_per_worker: int = 1,
+        n_processes: int | None = None,
+        max_episode_length: int | None = None,
+        seed: int | None = None,
+        backend: str = "process",
+        step_timeout: float | None = None,
+        max_restarts: int = 3,
+        worker_class: type[Worker] = VecWorker,
+        worker_args: dict[str, Any] | None = None,
+        backend_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._closed = True  # until construction succeeds: __del__ must not warn
+        n_workers = _positive_int("n_workers", n_workers)
+        envs_per_worker = _positive_int("envs_per_worker", envs_per_worker)
+        if n_processes is not None:
+            n_processes = _positive_int("n_processes", n_processes)
+        if max_episode_length is not None:
+            max_episode_length = _positive_int("max_episode_length", max_episode_length)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
+        if not isinstance(backend, str) or backend not in BACKENDS:
+            raise ValueError(
+                f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+            )
+        if step_timeout is not None:
+            if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)):
+                raise TypeError(f"step_timeout must be a number of seconds or None, got {step_timeout!r}")
+            if not step_timeout > 0:
+                raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
+            if backend == "local":
+                raise ValueError(
+                    "step_timeout cannot be used with backend='local': a step that blocks the "
+                    "event loop's thread cannot be pre-empted; use backend='process'"
+                )
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, (int, np.integer)):
+            raise TypeError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        if not (isinstance(worker_class, type) and issubclass(worker_class, Worker)):
+            raise TypeError(f"worker_class must be a subclass of Worker, got {worker_class!r}")
+        worker_args = dict(worker_args or {})
+        if worker_args.setdefault("n_envs", envs_per_worker) != envs_per_worker:
+            raise ValueError(
+                f"worker_args: n_envs ({worker_args['n_envs']}) must equal envs_per_worker "
+                f"({envs_per_worker}); set envs_per_worker instead"
+            )
+
+        self.n_workers = n_workers
+        self.envs_per_worker = envs_per_worker
+        self.n_processes = n_processes or os.cpu_count() or 1
+        self.max_episode_length = max_episode_length
+        self.backend_name = backend
+        self.step_timeout = step_timeout
+        self.max_restarts = int(max_restarts)
+        self._factory = WorkerFactory(
+            max_episode_length=max_episode_length,
+            seed=seed,
+            n_workers=n_workers,
+            worker_class=worker_class,
+            worker_args=worker_args,
+        )
+        self._env_sources = self._check_envs(env, "env")
+        self._agents = self._check_agents(agent)
+        self._env_spec, self._time_limited = self._probe_env(self._env_sources[0])
+        self.seed, self._seeds = worker_seeds(
+            None if seed is None else int(seed), n_workers, envs_per_worker
+        )
+        if agent is None:
+            space = self._env_spec.action_space
+            self._agents = [RandomAgent(space, seed=s.agent_seed) for s in self._seeds]
+        self._backend_options = dict(backend_options or {})
+        self.workers: list[Worker] = []
+        self._backend: Backend | None = None
+        self._lock: asyncio.Lock | None = None
+        self._started = False
+        self._closed = False
+        self._last_mode: Mode | None = None
+        self._warned_endless = False
+        self._total_env_steps = 0
+        self.restarts = 0
+
+    @classmethod
+    def from_worker_factory(
+        cls,
+        worker_factory: WorkerFactory,
+        agents: Agent | list[Agent] | None,
+        envs: EnvSource | list[Any],
+        **kwargs: Any,
+    ) -> Sampler:
+        """Build a sampler from a :class:`WorkerFactory` (garage's constructor).
+
+        ``worker_args["n_envs"]``, if given, sets ``envs_per_worker``; ``kwargs`` are the other
+        constructor arguments (``backend``, ``n_processes``...).
+        """
+        worker_args = dict(worker_factory.worker_args)
+        kwargs.setdefault("envs_per_worker", worker_args.pop("n_envs", 1))
+        return cls(
+            envs,
+            agents,
+            n_workers=worker_factory.n_workers,
+            max_episode_length=worker_factory.max_episode_length,
+            seed=worker_factory.seed,
+            worker_class=worker_factory.worker_class,
+            worker_args=worker_args,
+            **kwargs,
+        )
+
+    # -- properties ---------------------------------------------------------------------------
+
+    @property
+    def env_spec(self) -> EnvSpec:
+        """The spaces of the envs and the episode length limit in force."""
+        return self._env_spec
+
+    @property
+    def total_env_steps(self) -> int:
+        """Transitions returned by this sampler so far."""
+        return self._total_env_steps
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called."""
+        return self._closed
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Sampler:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Start the backend and build every worker's envs (the first call does it if needed)."""
+        self._check_open()
+        async with self._get_lock():
+            await self._start()
+
+    async def _start(self) -> None:
+        if self._started:
+            return
+        options: dict[str, Any] = {"n_processes": self.n_processes, "step_timeout": self.step_timeout}
+        options.update(self._backend_options)
+        backend = make_backend(self.backend_name, **options)
+        self._backend = backend
+        try:
+            specs = [
+                HostSpec(
+                    worker=w,
+                    n_envs=self.envs_per_worker,
+                    observation_space=self._env_spec.observation_space,
+                    action_space=self._env_spec.action_space,
+                    max_episode_length=self.max_episode_length,
+                )
+                for w in range(self.n_workers)
+            ]
+            hosts = await backend.start(specs)
+            workers = [self._factory(w) for w in range(self.n_workers)]
+            await asyncio.gather(
+                *(
+                    worker.attach(
+                        host, self._env_spec, self._agents[w], self._env_sources[w], self._seeds[w]
+                    )
+                    for w, (worker, host) in enumerate(zip(workers, hosts))
+                )
+            )
+        except BaseException:
+            self._backend = None
+            await asyncio.shield(backend.aclose())
+            raise
+        self.workers = workers
+        self._started = True
+
+    async def aclose(self) -> None:
+        """Stop every worker and env host and release their resources. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            await asyncio.shield(backend.aclose())
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        if getattr(self, "_backend", None) is not None:
+            warnings.warn(
+                f"unclosed {self!r}: use 'async with Sampler(...)' or 'await sampler.aclose()'",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            close_now = getattr(self._backend, "close_now", None)
+            if close_now is not None:
+                close_now()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._started else "not started")
+        return (
+            f"<Sampler backend={self.backend_name!r} n_workers={self.n_workers} "
+            f"envs_per_worker={self.envs_per_worker} {state}>"
+        )
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    async def obtain_samples(
+        self, num_samples: int, agent_update: Any = None, env_update: Any = None
+    ) -> EpisodeBatch:
+        """Complete episodes whose lengths add up to at least ``num_samples``.
+
+        Worker ``w`` steps its envs until the lengths of its completed episodes reach its share
+        ``num_samples // n_workers + (w < num_samples % n_workers)``; every episode completing
+        on that last step is kept, episodes still running are discarded. Worker-major order.
+        """
+        num_samples = _quota("num_samples", num_samples)
+        return await self._call("samples", num_samples, agent_update, env_update)
+
+    async def obtain_exact_episodes(
+        self, n_eps_per_worker: int, agent_update: Any = None, env_update: Any = None
+    ) -> EpisodeBatch:
+        """Exactly ``n_eps_per_worker`` complete episodes from every worker, worker-major.
+
+        Env ``i`` of a worker runs ``n // envs_per_worker + (i < n % envs_per_worker)`` of them.
+        """
+        n_eps_per_worker = _quota("n_eps_per_worker", n_eps_per_worker)
+        return await self._call("episodes", n_eps_per_worker, agent_update, env_update)
+
+    async def obtain_fragments(
+        self, num_samples: int, agent_update: Any = None, env_update: Any = None
+    ) -> EpisodeBatch:
+        """At least ``num_samples`` transitions of complete episodes and running fragments.
+
+        Each worker steps all its envs ``ceil(share / envs_per_worker)`` times. Fragments of
+        episodes still running continue in the next ``obtain_fragments`` call (any other call or
+        update resets them).
+        """
+        num_samples = _quota("num_samples", num_samples)
+        return await self._call("fragments", num_samples, agent_update, env_update)
+
+    async def update_agent(self, agent_update: Any) -> None:
+        """Apply an agent update now; it bumps the agent version of the workers it touches."""
+        self._check_open()
+        self._check_agent_update(agent_update)
+        async with self._get_lock():
+            self._check_open()
+            await self._start()
+            self._apply_agent_update(agent_update)
+
+    async def _call(
+        self, mode: Mode, quota: int, agent_update: Any, env_update: Any
+    ) -> EpisodeBatch:
+        self._check_open()
+        self._check_agent_update(agent_update)
+        env_updates = self._check_env_update(env_update)
+        async with self._get_lock():
+            self._check_open()
+            await self._start()
+            if mode != "fragments" and not self._warned_endless:
+                self._warn_if_endless()
+            self._apply_agent_update(agent_update)
+            if env_updates is not None:
+                await asyncio.gather(
+                    *(w.update_env(u) for w, u in zip(self.workers, env_updates) if u is not None)
+                )
+            keep_fragments = mode == "fragments" and self._last_mode == "fragments"
+            self._last_mode = mode
+            batches = await self._gather(
+                [self._drive(w, mode, quota, keep_fragments) for w in self.workers]
+            )
+        parts = [b for b in batches if b is not None and b.n_episodes]
+        batch = EpisodeBatch.concatenate(*parts) if parts else batches[0] or _empty(self)
+        self._total_env_steps += batch.n_transitions
+        return batch
+
+    def _share(self, quota: int, worker: int) -> int:
+        return quota // self.n_workers + (worker < quota % self.n_workers)
+
+    async def _drive(
+        self, worker: Worker, mode: Mode, quota: int, keep_fragments: bool
+    ) -> EpisodeBatch | None:
+        """Run one worker's part of a call, rebuilding its host after failures."""
+        w = worker.worker_number
+        share = quota if mode == "episodes" else self._share(quota, w)
+        if share == 0:
+            return None
+        worker.begin_call(
+            keep_fragments=keep_fragments and not worker.broken,
+            episodes=share if mode == "episodes" else None,
+        )
+        needs_recovery = worker.broken
+        restarts = 0
+        while True:
+            try:
+                if needs_recovery:
+                    await worker.recover()
+                    needs_recovery = False
+                if mode == "samples":
+                    return await worker.run_samples(share)
+                if mode == "episodes":
+                    return await worker.run_episodes()
+                return await worker.run_fragments(share)
+            except WorkerError as exc:
+                worker.mark_broken()
+                if not exc.retry or restarts >= self.max_restarts:
+                    raise
+                restarts += 1
+                self.restarts += 1
+                needs_recovery = True
+
+    async def _gather(self, coros: Sequence[Any]) -> list[Any]:
+        """Run the workers concurrently; on the first error or a cancellation, stop them all."""
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:
+            await _cancel_all(tasks)
+            raise
+        if pending:
+            await _cancel_all(tasks)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def _check_agent_update(self, agent_update: Any) -> None:
+        if agent_update is None:
+            return
+        items = agent_update if isinstance(agent_update, list) else [agent_update]
+        if isinstance(agent_update, list):
+            if len(agent_update) != self.n_workers:
+                raise ValueError(
+                    f"agent_update: a list must hold exactly n_workers ({self.n_workers}) "
+                    f"updates, one per worker, got {len(agent_update)}"
+                )
+            if any(isinstance(u, _PARAMS) for u in items) and self._shared_agent():
+                raise ValueError(
+                    "agent_update: a list of parameter sets needs a list of agents (one per "
+                    "worker), but the sampler has one shared agent"
+                )
+        for u in items:
+            if u is not None and not isinstance(u, _PARAMS) and not callable(
+                getattr(u, "get_actions", None)
+            ):
+                raise TypeError(
+                    "agent_update must be None, parameters (dict, tuple or numpy.ndarray), an "
+                    f"Agent (with get_actions), or a list of those; got {type(u).__name__}"
+                )
+
+    def _shared_agent(self) -> bool:
+        agents = [w.agent for w in self.workers] if self.workers else self._agents
+        return len({id(a) for a in agents}) < len(agents)
+
+    def _apply_agent_update(self, agent_update: Any) -> None:
+        if agent_update is None:
+            return
+        if isinstance(agent_update, list):
+            for worker, update in zip(self.workers, agent_update):
+                worker.update_agent(update)
+            return
+        if isinstance(agent_update, _PARAMS):
+            seen: set[int] = set()
+            for worker in self.workers:
+                if id(worker.agent) not in seen:
+                    seen.add(id(worker.agent))
+                    worker.update_agent(agent_update)
+                else:
+                    worker.update_agent(agent_update, apply=False)
+            return
+        for worker in self.workers:
+            worker.update_agent(agent_update)
+
+    def _check_env_update(self, env_update: Any) -> list[Any] | None:
+        if env_update is None:
+            return None
+        if isinstance(env_update, list):
+            if len(env_update) != self.n_workers:
+                raise ValueError(
+                    f"env_update: a list must hold exactly n_workers ({self.n_workers}) "
+                    f"updates, one per worker, got {len(env_update)}"
+                )
+            per_worker = env_update
+        else:
+            per_worker = [env_update] * self.n_workers
+        for update in per_worker:
+            for item in update if isinstance(update, list) else [update]:
+                if item is not None and not is_env_source(item):
+                    raise TypeError(
+                        "env_update must be None, an EnvUpdate, a gymnasium.Env, a gymnasium id, "
+                        f"a zero-argument env factory, or a list of those; got "
+                        f"{type(item).__name__}"
+                    )
+            if isinstance(update, list) and len(update) != self.envs_per_worker:
+                raise ValueError(
+                    "env_update: a list inside the per-worker list must hold exactly "
+                    f"envs_per_worker ({self.envs_per_worker}) updates, one per env, got "
+                    f"{len(update)}"
+                )
+        if self.backend_name != "local":
+            for update in per_worker:
+                _check_picklable(update, "env_update")
+        return per_worker
+
+    # -- construction checks ------------------------------------------------------------------
+
+    def _check_envs(self, env: Any, name: str) -> list[Any]:
+        if isinstance(env, list):
+            if len(env) != self.n_workers:
+                raise ValueError(
+                    f"{name}: a list must hold exactly n_workers ({self.n_workers}) envs, one "
+                    f"per worker, got {len(env)}"
+                )
+            per_worker = env
+        else:
+            per_worker = [env] * self.n_workers
+        for item in per_worker:
+            inner = item if isinstance(item, list) else [item]
+            if isinstance(item, list) and len(item) != self.envs_per_worker:
+                raise ValueError(
+                    f"{name}: a list inside the per-worker list must hold exactly "
+                    f"envs_per_worker ({self.envs_per_worker}) envs, got {len(item)}"
+                )
+            for source in inner:
+                _check_env_source(source, name)
+        if self.backend_name != "local":
+            for item in per_worker:
+                _check_picklable(item, name)
+        return list(per_worker)
+
+    def _check_agents(self, agent: Any) -> list[Agent]:
+        if agent is None:
+            return [None] * self.n_workers  # type: ignore[list-item]
+        agents = agent if isinstance(agent, list) else [agent] * self.n_workers
+        if isinstance(agent, list) and len(agent) != self.n_workers:
+            raise ValueError(
+                f"agent: a list must hold exactly n_workers ({self.n_workers}) agents, got "
+                f"{len(agent)}"
+            )
+        for a in agents:
+            if not callable(getattr(a, "get_actions", None)):
+                raise TypeError(
+                    f"agent must have a get_actions(observations) method, got {type(a).__name__}"
+                )
+        return list(agents)
+
+    def _probe_env(self, source: Any) -> tuple[EnvSpec, bool]:
+        """Build one env in this process to read its spaces (as gymnasium's vector envs do)."""
+        first = source[0] if isinstance(source, list) else source
+        try:
+            env = make_env(first)
+        except Exception as exc:
+            raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
+        try:
+            limit = _time_limit(env)
+            spec = EnvSpec(
+                observation_space=env.observation_space,
+                action_space=env.action_space,
+                max_episode_length=self._factory.max_episode_length or limit,
+            )
+        finally:
+            env.close()
+        return spec, limit is not None
+
+    def _warn_if_endless(self) -> None:
+        self._warned_endless = True
+        if self.max_episode_length is None and not self._time_limited:
+            warnings.warn(
+                "the env has no time limit and max_episode_length is None: if its episodes "
+                "never terminate, a complete-episode call never returns",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SamplerClosedError("the sampler is closed; create a new one to sample again")
+
+    def _get_lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+_quota = _positive_int
+
+
+def _check_env_source(source: Any, name: str) -> None:
+    if isinstance(source, str):
+        try:
+            gym.spec(source)
+        except gym.error.Error as exc:
+            raise ValueError(f"{name}: unknown gymnasium env id {source!r} ({exc})") from None
+    elif not is_env_source(source):
+        raise TypeError(
+            f"{name} must be a gymnasium id (str), a zero-argument callable returning a "
+            f"gymnasium.Env, a gymnasium.Env, an EnvUpdate or a list of those; got "
+            f"{type(source).__name__}"
+        )
+
+
+def _check_picklable(obj: Any, name: str) -> None:
+    try:
+        cloudpickle.dumps(obj)
+    except Exception as exc:
+        raise TypeError(
+            f"{name} must be picklable with cloudpickle to reach the env hosts, but pickling "
+            f"{obj!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _time_limit(env: gym.Env) -> int | None:
+    """The episode limit of a ``TimeLimit`` wrapper around ``env``, if any."""
+    while isinstance(env, gym.Wrapper):
+        if isinstance(env, gym.wrappers.TimeLimit):
+            return int(env._max_episode_steps)
+        env = env.env
+    return None
+
+
+async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _empty(sampler: Sampler) -> EpisodeBatch:
+    raise AssertionError("a call with a quota >= 1 returns at least one episode")

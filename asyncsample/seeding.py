@@ -1,0 +1,41 @@
+"""Seeds for every worker, env and agent, drawn from one ``numpy.random.SeedSequence`` tree."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["WorkerSeeds", "worker_seeds"]
+
+
+class WorkerSeeds:
+    """The seeds of one worker: one for its agent, and a stream of seeds for each env.
+
+    Env ``i`` gets a new seed each time it is built or rebuilt (by an env update or a restart),
+    drawn from its own spawned child, so rebuilt envs never fall back to OS entropy and the
+    sequence is the same on every run and every backend.
+    """
+
+    def __init__(self, sequence: np.random.SeedSequence, n_envs: int) -> None:
+        agent, *envs = sequence.spawn(1 + n_envs)
+        self.agent_seed = _to_int(agent)
+        self._envs = envs
+
+    def next_env_seed(self, env: int) -> int:
+        """The seed for the next (re)build of env ``env``."""
+        return _to_int(self._envs[env].spawn(1)[0])
+
+    def next_env_seeds(self) -> list[int]:
+        """The next seed of every env, in env order."""
+        return [self.next_env_seed(i) for i in range(len(self._envs))]
+
+
+def worker_seeds(seed: int | None, n_workers: int, n_envs: int) -> tuple[int, list[WorkerSeeds]]:
+    """The seed in use (drawn when ``seed`` is None) and the seeds of each worker."""
+    if seed is None:
+        seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
+    root = np.random.SeedSequence(seed)
+    return seed, [WorkerSeeds(child, n_envs) for child in root.spawn(n_workers)]
+
+
+def _to_int(sequence: np.random.SeedSequence) -> int:
+    return int(sequence.generate_state(1, np.uint32)[0])
