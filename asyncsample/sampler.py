@@ -376,9 +376,10 @@ class Sampler:
             raise
         if pending:
             await _cancel_all(tasks)
-        for task in tasks:
-            if task.done() and not task.cancelled() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+        errors = [t.exception() for t in tasks if not t.cancelled()]  # retrieves every error
+        for error in errors:
+            if error is not None:
+                raise error
         return [t.result() for t in tasks]
 
     # -- updates ------------------------------------------------------------------------------

@@ -14,3 +14,11 @@ def pytest_asyncio_loop_factories(
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Parametrise every asyncio test over both event loops."""
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+import cloudpickle  # noqa: E402
+
+import envs as _test_envs  # noqa: E402
+
+# The test envs live in a module the env-host processes cannot import by name: ship them by value.
+cloudpickle.register_pickle_by_value(_test_envs)

@@ -40,7 +40,7 @@ class LocalHost:
             if not failure.retry:
                 # The caller's own mistake, raised where it happened: no host boundary to cross.
                 raise failure.error from None
-            raise failure_error(self.spec.worker, failure) from None
+            raise failure_error(self.spec.worker, failure) from failure.error
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         self._call(self._group.build, chains, seeds)

@@ -1,0 +1,162 @@
+"""The env-host process: a plain blocking loop that serves one frame at a time.
+
+Started by :mod:`asyncsample.backends.process` through a forkserver, with the host's end of a
+socket pair, the specs of the worker slots it hosts and their shared step buffers. It reads a
+request, runs the matching :class:`~asyncsample.env_group.EnvGroup` method for that slot, and
+replies. Nothing here runs an event loop or a thread.
+
+The loop ends on an ``exit`` request or at end of stream (the parent closed its end or died).
+``PR_SET_PDEATHSIG`` additionally kills the host if its parent dies while an env hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pickle
+import signal
+import socket
+import sys
+from typing import Any
+
+import numpy as np
+
+from asyncsample.backends._transport import (
+    HELLO_ID,
+    OP_BUILD,
+    OP_CLOSE,
+    OP_EXIT,
+    OP_RESET,
+    OP_STEP,
+    OP_UPDATE,
+    SLOT,
+    ST_FAIL,
+    ST_OK,
+    FrameReader,
+    dump_failure,
+    dumps,
+    failure_from_exception,
+    send_frame,
+    view_buffers,
+)
+from asyncsample.env_group import EnvFailureError, EnvGroup
+
+__all__ = ["main"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _isolate() -> None:
+    """Own process group (so the whole tree can be killed at once, even orphans), no ^C."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _kill_descendants() -> None:
+    """Kill whatever processes the envs started and left behind."""
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+    except Exception:  # noqa: BLE001 - best effort on the way out
+        return
+    for child in children:
+        with contextlib.suppress(Exception):
+            child.kill()
+
+
+def main(sock: socket.socket, slots_blob: bytes, raw_buffers: list[list[Any]]) -> None:
+    """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
+
+    Args:
+        sock: the host's end of the control socket pair (blocking).
+        slots_blob: pickled list of ``(worker, n_envs, observation_space, action_space,
+            max_episode_length)``, one per slot.
+        raw_buffers: per slot, the shared blocks of its step buffers (see
+            :func:`~asyncsample.backends._transport.shared_buffers`).
+    """
+    _die_with_parent()
+    _isolate()
+    sock.setblocking(True)
+    slots = pickle.loads(slots_blob)
+    groups: list[EnvGroup] = []
+    for (worker, n_envs, obs_space, act_space, max_len), raw in zip(slots, raw_buffers):
+        buffers = view_buffers(obs_space, act_space, n_envs, raw)
+        groups.append(EnvGroup(worker, buffers, obs_space, act_space, max_len))
+    reader = FrameReader(sock)
+    try:
+        send_frame(sock, HELLO_ID, ST_OK)
+        _serve(sock, reader, groups)
+    except (BrokenPipeError, ConnectionError):
+        pass  # the parent went away: nothing left to answer
+    finally:
+        for group in groups:
+            group.close()
+        reader.close()
+        sock.close()
+        _kill_descendants()
+
+
+def _serve(sock: socket.socket, reader: FrameReader, groups: list[EnvGroup]) -> None:
+    unpack_slot = SLOT.unpack_from
+    slot_size = SLOT.size
+    while True:
+        frame = reader.read()
+        if frame is None:
+            return
+        rid, op, payload = frame
+        if op == OP_EXIT:
+            return
+        try:
+            group = groups[unpack_slot(payload)[0]]
+            if op == OP_STEP:
+                infos = group.step(np.frombuffer(payload, np.bool_, offset=slot_size))
+                if infos.env_infos is None and not infos.reset_infos:
+                    send_frame(sock, rid, ST_OK)
+                else:
+                    send_frame(sock, rid, ST_OK, dumps((infos.env_infos, infos.reset_infos)))
+            elif op == OP_RESET:
+                reset_infos = group.reset(np.frombuffer(payload, np.bool_, offset=slot_size))
+                send_frame(sock, rid, ST_OK, dumps(reset_infos) if reset_infos else b"")
+            elif op == OP_BUILD:
+                chains, seeds = _load_sources(payload[slot_size:])
+                group.build(chains, seeds)
+                send_frame(sock, rid, ST_OK)
+            elif op == OP_UPDATE:
+                updates, seeds = _load_sources(payload[slot_size:])
+                group.update(updates, seeds)
+                send_frame(sock, rid, ST_OK)
+            elif op == OP_CLOSE:
+                group.close()
+                send_frame(sock, rid, ST_OK)
+            else:
+                raise ValueError(f"unknown request opcode {op}")
+        except EnvFailureError as exc:
+            send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
+        except (BrokenPipeError, ConnectionError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the host's own trouble, not an env's
+            # Env sources that cannot be unpickled here (a module missing in this process),
+            # infos that cannot be pickled: deterministic, so not worth a restart.
+            send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))
+
+
+def _load_sources(blob: bytes) -> tuple[Any, Any]:
+    sources, seeds = pickle.loads(blob)
+    return sources, seeds

@@ -1,0 +1,224 @@
+"""What crosses the boundary between the main process and an env-host process.
+
+Two channels:
+
+* **Shared memory** for the step data (observations, final observations, actions, rewards,
+  flags): the :class:`~asyncsample.env_group.StepBuffers` of every worker are built with
+  gymnasium's ``create_shared_memory`` in the parent and handed to the host process when it
+  starts. They are plain ``RawArray`` blocks of ``multiprocessing``'s heap (files in ``/dev/shm``
+  that are unlinked at once, so nothing is left behind by any exit, however abrupt), without the
+  named semaphore a synchronised ``Array`` would add: the protocol itself orders every access.
+* **A framed byte stream** over a ``socket.socketpair`` for control. Every frame is a fixed
+  :data:`HEADER` (payload length, request id, opcode or status) and a payload. The hot path
+  carries no pickles: a step request is the header, the slot and one byte per env of the active
+  mask; a step reply with nothing to say is the header alone. Infos and errors are pickled only
+  when there are any.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
+
+from asyncsample._tree import Tree
+from asyncsample.env_group import EnvFailure, StepBuffers
+
+__all__ = [
+    "HEADER",
+    "SLOT",
+    "FrameReader",
+    "RawArrayContext",
+    "SharedArray",
+    "dump_failure",
+    "dumps",
+    "load_failure",
+    "send_frame",
+    "shared_buffers",
+    "view_buffers",
+]
+
+#: ``<payload length> <request id> <opcode (request) | status (reply)>``, little-endian.
+HEADER = struct.Struct("<IIB")
+#: The worker slot a request is for (the index of the worker's envs within its host process).
+SLOT = struct.Struct("<H")
+
+# Request opcodes.
+OP_STEP = 1  # payload: slot + mask bytes
+OP_RESET = 2  # payload: slot + mask bytes
+OP_BUILD = 3  # payload: slot + cloudpickle((chains, seeds))
+OP_UPDATE = 4  # payload: slot + cloudpickle((updates, seeds))
+OP_CLOSE = 5  # payload: slot
+OP_EXIT = 6  # no payload, no reply: close every env and exit
+
+OP_NAMES = {
+    OP_STEP: "step",
+    OP_RESET: "reset",
+    OP_BUILD: "build",
+    OP_UPDATE: "update",
+    OP_CLOSE: "close",
+    OP_EXIT: "exit",
+}
+
+# Reply statuses.
+ST_OK = 0  # payload: empty, or a pickle of the result
+ST_FAIL = 1  # payload: a pickled EnvFailure
+
+#: Request id of the frame a host sends once it is ready to serve.
+HELLO_ID = 0
+
+
+# -- pickling -------------------------------------------------------------------------------
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle ``obj`` fast (plain pickle), falling back to cloudpickle for lambdas and the like."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - any pickling failure: try harder
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _portable_error(error: BaseException) -> BaseException:
+    """``error`` if it survives a pickle round trip, else a RuntimeError that describes it."""
+    try:
+        blob = cloudpickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+        restored = pickle.loads(blob)
+        if isinstance(restored, BaseException):
+            return error
+    except Exception:  # noqa: BLE001 - unpicklable exceptions are replaced, whatever went wrong
+        pass
+    return RuntimeError(f"{error!r} (the original exception could not be pickled)")
+
+
+def dump_failure(failure: EnvFailure) -> bytes:
+    """Pickle an :class:`EnvFailure`; an exception that does not survive pickling is replaced."""
+    portable = EnvFailure(
+        failure.env, _portable_error(failure.error), failure.traceback, failure.retry
+    )
+    return cloudpickle.dumps(portable, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def failure_from_exception(exc: BaseException, env: int | None = None, retry: bool = True) -> bytes:
+    """A pickled :class:`EnvFailure` for an exception raised outside an env (by the host itself)."""
+    text = "".join(traceback.format_exception(exc))
+    return dump_failure(EnvFailure(env, exc, text, retry))
+
+
+def load_failure(payload: bytes) -> EnvFailure:
+    """Unpickle what :func:`dump_failure` made; never raises."""
+    try:
+        failure = pickle.loads(payload)
+        if isinstance(failure, EnvFailure):
+            return failure
+        error: BaseException = RuntimeError(f"env host sent a malformed failure: {failure!r}")
+    except Exception as exc:  # noqa: BLE001 - report what we can rather than lose the failure
+        error = RuntimeError(f"the env host's error report could not be unpickled: {exc!r}")
+    return EnvFailure(None, error, "")
+
+
+# -- frames on the host's side (blocking) ---------------------------------------------------
+
+
+class FrameReader:
+    """Reads frames from a blocking socket (the env host's side)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._file = sock.makefile("rb", buffering=1 << 16)
+
+    def read(self) -> tuple[int, int, bytes] | None:
+        """The next ``(request id, opcode, payload)``, or ``None`` at end of stream."""
+        header = self._file.read(HEADER.size)
+        if len(header) < HEADER.size:
+            return None
+        length, rid, op = HEADER.unpack(header)
+        payload = self._file.read(length) if length else b""
+        if len(payload) < length:
+            return None
+        return rid, op, payload
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def send_frame(sock: socket.socket, rid: int, code: int, payload: bytes = b"") -> None:
+    """Send one frame on a blocking socket."""
+    if payload:
+        sock.sendall(HEADER.pack(len(payload), rid, code) + payload)
+    else:
+        sock.sendall(HEADER.pack(0, rid, code))
+
+
+# -- shared memory --------------------------------------------------------------------------
+
+
+class SharedArray:
+    """A ``RawArray`` with the ``get_obj()`` accessor gymnasium's shared-memory readers expect.
+
+    Pickled (only while a process is being started) it travels as a file descriptor of the
+    ``multiprocessing`` heap arena that holds it, so both processes map the same memory.
+    """
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def get_obj(self) -> Any:
+        return self.obj
+
+    def __getstate__(self) -> Any:
+        return self.obj
+
+    def __setstate__(self, state: Any) -> None:
+        self.obj = state
+
+
+class RawArrayContext:
+    """The ``ctx`` for gymnasium's ``create_shared_memory``: lock-free ``RawArray`` blocks.
+
+    ``ctx.Array`` would wrap every block with a lock, and each lock is a named POSIX semaphore
+    (an entry in ``/dev/shm`` until it is collected). The host protocol already orders every
+    access (the parent writes actions, then sends; the host writes results, then replies), so
+    locks buy nothing here.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self._ctx = ctx
+
+    def Array(self, typecode_or_type: Any, size: int) -> SharedArray:  # noqa: N802 - gymnasium's name
+        return SharedArray(self._ctx.RawArray(typecode_or_type, size))
+
+
+def shared_buffers(
+    observation_space: gym.Space, action_space: gym.Space, n_envs: int, ctx: Any
+) -> tuple[StepBuffers, list[Tree]]:
+    """Step buffers in shared memory, and the raw blocks to hand to the host process."""
+    raw: list[Tree] = []
+    shm_ctx = RawArrayContext(ctx)
+
+    def make(space: gym.Space, n: int) -> Tree:
+        memory = create_shared_memory(space, n, ctx=shm_ctx)  # type: ignore[arg-type]
+        raw.append(memory)
+        return read_from_shared_memory(space, memory, n)
+
+    buffers = StepBuffers.allocate(observation_space, action_space, n_envs, make=make)
+    return buffers, raw
+
+
+def view_buffers(
+    observation_space: gym.Space, action_space: gym.Space, n_envs: int, raw: list[Tree]
+) -> StepBuffers:
+    """The host's view of the buffers :func:`shared_buffers` made (same allocation order)."""
+    blocks = iter(raw)
+    make: Callable[[gym.Space, int], Tree] = lambda space, n: read_from_shared_memory(  # noqa: E731
+        space, next(blocks), n
+    )
+    return StepBuffers.allocate(observation_space, action_space, n_envs, make=make)

@@ -1,0 +1,600 @@
+"""The contenders: one function per sampler, all with the signature ``fn(spec) -> RunResult``.
+
+Each contender builds ``spec.n_envs`` copies of ``spec.env_id``, drives them with a seeded
+random agent, steps ``spec.warmup`` transitions that are not timed, then times
+``spec.n_transitions`` transitions (at least; the count actually stepped is returned). Every
+contender closes its envs and processes in a ``finally``. A contender whose library is
+missing (or whose backend is not implemented yet) raises :class:`Skipped` with a note.
+
+Vector envs get a seeded batched ``action_space.sample()`` each step (the same agent for
+every vector peer); asyncsample uses its built-in per-worker ``RandomAgent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import psutil
+
+__all__ = [
+    "CONTENDERS",
+    "LagProbe",
+    "MemoryMonitor",
+    "RunResult",
+    "RunSpec",
+    "Skipped",
+    "asyncsample_local",
+    "asyncsample_process",
+    "envpool_pool",
+    "gym_async",
+    "gym_sync",
+    "ideal_single",
+    "run_contender",
+    "sb3_subproc",
+    "tianshou_shmem",
+    "tianshou_subproc",
+]
+
+
+class Skipped(Exception):
+    """A contender cannot run here (library missing, env unsupported, not implemented)."""
+
+
+@dataclass
+class RunSpec:
+    """What one run measures.
+
+    Attributes:
+        contender: Key of :data:`CONTENDERS`.
+        env: Short env name (a key of ``benchmarks.envs.ENV_IDS``) or a gymnasium id.
+        env_id: The id passed to ``gymnasium.make`` (``"benchmarks.envs:FixedCost-v0"``).
+        n_envs: Env copies (for asyncsample: ``n_workers * envs_per_worker``).
+        n_transitions: Transitions to time (at least this many are stepped).
+        warmup: Transitions stepped before timing starts.
+        seed: Seed of envs and agent.
+        n_workers: asyncsample worker coroutines.
+        envs_per_worker: asyncsample envs per worker.
+        n_processes: asyncsample env-host processes (process backend).
+        cores: CPU budget (threads for EnvPool).
+        fragment_steps: asyncsample steps per env per ``obtain_fragments`` call.
+        instrument: Sample memory (and, for asyncsample, event-loop lag) during the run.
+        memory_interval: Seconds between memory samples.
+    """
+
+    contender: str
+    env: str
+    env_id: str
+    n_envs: int
+    n_transitions: int
+    warmup: int
+    seed: int = 0
+    n_workers: int = 1
+    envs_per_worker: int = 1
+    n_processes: int = 2
+    cores: int = 2
+    fragment_steps: int = 128
+    instrument: bool = False
+    memory_interval: float = 0.5
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the spec as a JSON-able dict."""
+        return asdict(self)
+
+
+@dataclass
+class RunResult:
+    """What one run measured.
+
+    Attributes:
+        transitions: Transitions stepped in the timed phase.
+        seconds: Wall time of the timed phase.
+        memory: :meth:`MemoryMonitor.summary` of the timed phase, if instrumented.
+        lag: :meth:`LagProbe.summary` (asyncsample only), if instrumented.
+        notes: Free-form remarks.
+    """
+
+    transitions: int
+    seconds: float
+    memory: dict[str, Any] | None = None
+    lag: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        """Transitions per second."""
+        return self.transitions / self.seconds if self.seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the result as a JSON-able dict (with ``rate``)."""
+        out = asdict(self)
+        out["rate"] = self.rate
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Instruments
+
+
+def _mem_of(proc: psutil.Process) -> tuple[int, int | None]:
+    """Return (rss, uss) of a process; uss is None where it cannot be read."""
+    try:
+        full = proc.memory_full_info()
+        return int(full.rss), int(getattr(full, "uss", 0)) or None
+    except (psutil.AccessDenied, AttributeError, NotImplementedError, OSError):
+        return int(proc.memory_info().rss), None
+
+
+class MemoryMonitor:
+    """Samples RSS and USS of this process and all its descendants in a background thread.
+
+    Use as a context manager around the timed phase. Disabled monitors cost nothing.
+    """
+
+    def __init__(self, enabled: bool = True, interval: float = 0.5) -> None:
+        """Create the monitor.
+
+        Args:
+            enabled: When False, :meth:`summary` returns None and no thread runs.
+            interval: Seconds between samples.
+        """
+        self.enabled = enabled
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._main = psutil.Process(os.getpid())
+        self._peaks: dict[int, dict[str, Any]] = {}
+        self._total_rss = 0
+        self._total_uss = 0
+        self._uss_complete = True
+        self._samples = 0
+
+    def sample(self) -> None:
+        """Take one sample now (also called by the thread)."""
+        procs = [self._main]
+        with contextlib.suppress(psutil.Error):
+            procs += self._main.children(recursive=True)
+        total_rss = total_uss = 0
+        for proc in procs:
+            try:
+                rss, uss = _mem_of(proc)
+                name = proc.name()
+            except psutil.Error:
+                continue
+            total_rss += rss
+            if uss is None:
+                self._uss_complete = False
+            else:
+                total_uss += uss
+            peak = self._peaks.setdefault(
+                proc.pid, {"pid": proc.pid, "name": name, "rss_peak": 0, "uss_peak": None}
+            )
+            peak["rss_peak"] = max(peak["rss_peak"], rss)
+            if uss is not None:
+                peak["uss_peak"] = max(peak["uss_peak"] or 0, uss)
+        self._total_rss = max(self._total_rss, total_rss)
+        self._total_uss = max(self._total_uss, total_uss)
+        self._samples += 1
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> MemoryMonitor:
+        if self.enabled:
+            self.sample()
+            self._thread = threading.Thread(target=self._loop, name="mem-monitor", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            with contextlib.suppress(Exception):
+                self.sample()
+
+    def summary(self) -> dict[str, Any] | None:
+        """Peaks over the samples: main process, children (per child and summed), total."""
+        if not self.enabled or not self._samples:
+            return None
+        main = self._peaks.get(self._main.pid, {"rss_peak": 0, "uss_peak": None})
+        children = [p for pid, p in self._peaks.items() if pid != self._main.pid]
+        ussv = [c["uss_peak"] for c in children]
+        return {
+            "samples": self._samples,
+            "main_rss": main["rss_peak"],
+            "main_uss": main["uss_peak"],
+            "n_children": len(children),
+            "children_rss_sum": sum(c["rss_peak"] for c in children),
+            "children_uss_sum": sum(ussv) if all(u is not None for u in ussv) else None,
+            "children_rss_max": max((c["rss_peak"] for c in children), default=0),
+            "total_rss_peak": self._total_rss,
+            "total_uss_peak": self._total_uss if self._uss_complete else None,
+            "children": sorted(children, key=lambda c: c["pid"]),
+        }
+
+
+class LagProbe:
+    """Event-loop lag: a task sleeps ``interval`` in a loop and records how late each wake-up is."""
+
+    def __init__(self, interval: float = 1e-3) -> None:
+        """Create the probe.
+
+        Args:
+            interval: The sleep of each round, in seconds.
+        """
+        self.interval = interval
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        clock = time.perf_counter
+        while True:
+            t = clock()
+            await asyncio.sleep(self.interval)
+            self.lags.append(clock() - t - self.interval)
+
+    def start(self) -> None:
+        """Start probing in the running loop."""
+        self.lags = []
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop probing."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def summary(self) -> dict[str, Any]:
+        """p50/p99/max of the lag in milliseconds, and the number of wake-ups."""
+        if not self.lags:
+            return {"n": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+        arr = np.asarray(self.lags) * 1e3
+        return {
+            "n": int(arr.size),
+            "p50_ms": float(np.percentile(arr, 50)),
+            "p99_ms": float(np.percentile(arr, 99)),
+            "max_ms": float(arr.max()),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _env_fns(spec: RunSpec) -> list[Callable[[], gym.Env]]:
+    """Picklable env factories, one per env copy."""
+    return [functools.partial(gym.make, spec.env_id) for _ in range(spec.n_envs)]
+
+
+def _batched_actions(single: gym.Space, n: int, seed: int) -> gym.Space:
+    """The seeded batched action space that the vector peers sample from."""
+    space = gym.vector.utils.batch_space(single, n)
+    space.seed(seed)
+    return space
+
+
+def _timed_steps(spec: RunSpec, step: Callable[[Any], int], actions: gym.Space) -> RunResult:
+    """Step a vector env: warm-up untimed, then at least ``spec.n_transitions`` timed.
+
+    Args:
+        spec: The run.
+        step: Steps all envs once with the given batched action and returns how many
+            real transitions that produced.
+        actions: The seeded batched action space.
+
+    Returns:
+        The timed result.
+    """
+    warm = 0
+    while warm < spec.warmup:
+        warm += step(actions.sample())
+    with MemoryMonitor(spec.instrument, spec.memory_interval) as mon:
+        done = 0
+        t0 = time.perf_counter()
+        while done < spec.n_transitions:
+            done += step(actions.sample())
+        seconds = time.perf_counter() - t0
+    return RunResult(transitions=done, seconds=seconds, memory=mon.summary())
+
+
+# --------------------------------------------------------------------------------------------
+# Contenders
+
+
+def ideal_single(spec: RunSpec) -> RunResult:
+    """A plain single-process ``env.step`` loop over one env (with resets).
+
+    Actions are drawn in advance, so this is the env's own cost; the ideal of a contender
+    is ``cores`` times this rate.
+    """
+    env = gym.make(spec.env_id)
+    try:
+        env.reset(seed=spec.seed)
+        env.action_space.seed(spec.seed)
+        acts = [env.action_space.sample() for _ in range(1024)]
+
+        def loop(n: int) -> None:
+            for i in range(n):
+                _, _, term, trunc, _ = env.step(acts[i & 1023])
+                if term or trunc:
+                    env.reset()
+
+        loop(spec.warmup)
+        with MemoryMonitor(spec.instrument, spec.memory_interval) as mon:
+            t0 = time.perf_counter()
+            loop(spec.n_transitions)
+            seconds = time.perf_counter() - t0
+        return RunResult(spec.n_transitions, seconds, memory=mon.summary())
+    finally:
+        env.close()
+
+
+def _gym_vector(spec: RunSpec, cls: type[gym.vector.VectorEnv], **kwargs: Any) -> RunResult:
+    """Run a gymnasium vector env in same-step autoreset mode (every step is a transition)."""
+    from gymnasium.vector import AutoresetMode
+
+    envs = None
+    try:
+        envs = cls(_env_fns(spec), autoreset_mode=AutoresetMode.SAME_STEP, **kwargs)
+        envs.reset(seed=spec.seed)
+        n = spec.n_envs
+
+        def step(action: Any) -> int:
+            envs.step(action)
+            return n
+
+        actions = _batched_actions(envs.single_action_space, n, spec.seed)
+        return _timed_steps(spec, step, actions)
+    finally:
+        if envs is not None:
+            envs.close()
+
+
+def gym_sync(spec: RunSpec) -> RunResult:
+    """gymnasium ``SyncVectorEnv``: every env stepped in this process, one after another."""
+    return _gym_vector(spec, gym.vector.SyncVectorEnv)
+
+
+def gym_async(spec: RunSpec) -> RunResult:
+    """gymnasium ``AsyncVectorEnv(shared_memory=True)``: one process per env copy."""
+    return _gym_vector(spec, gym.vector.AsyncVectorEnv, shared_memory=True)
+
+
+def sb3_subproc(spec: RunSpec) -> RunResult:
+    """Stable-Baselines3 ``SubprocVecEnv`` (one process per env, its default start method)."""
+    try:
+        from stable_baselines3.common.vec_env import SubprocVecEnv
+    except Exception as exc:
+        raise Skipped(f"stable-baselines3 not importable ({type(exc).__name__}: {exc})") from exc
+    venv = None
+    try:
+        venv = SubprocVecEnv(_env_fns(spec))
+        venv.seed(spec.seed)
+        venv.reset()
+        n = spec.n_envs
+
+        def step(action: Any) -> int:
+            venv.step(action)
+            return n
+
+        actions = _batched_actions(venv.action_space, n, spec.seed)
+        return _timed_steps(spec, step, actions)
+    finally:
+        if venv is not None:
+            venv.close()
+
+
+def _tianshou(spec: RunSpec, shmem: bool) -> RunResult:
+    """tianshou vector env; done envs are reset by id after each step, as its Collector does."""
+    try:
+        from tianshou.env import ShmemVectorEnv, SubprocVectorEnv
+    except Exception as exc:
+        raise Skipped(f"tianshou not importable ({type(exc).__name__}: {exc})") from exc
+    cls = ShmemVectorEnv if shmem else SubprocVectorEnv
+    venv = None
+    try:
+        venv = cls(_env_fns(spec))
+        for i in range(spec.n_envs):
+            venv.reset(env_id=i, seed=spec.seed + i)
+        n = spec.n_envs
+        probe_env = gym.make(spec.env_id)
+        single = probe_env.action_space
+        probe_env.close()
+
+        def step(action: Any) -> int:
+            _, _, term, trunc, _ = venv.step(action)
+            done = np.flatnonzero(np.logical_or(term, trunc))
+            if done.size:
+                venv.reset(env_id=done)
+            return n
+
+        actions = _batched_actions(single, n, spec.seed)
+        return _timed_steps(spec, step, actions)
+    finally:
+        if venv is not None:
+            venv.close()
+
+
+def tianshou_subproc(spec: RunSpec) -> RunResult:
+    """tianshou ``SubprocVectorEnv`` (pipes, one process per env)."""
+    return _tianshou(spec, shmem=False)
+
+
+def tianshou_shmem(spec: RunSpec) -> RunResult:
+    """tianshou ``ShmemVectorEnv`` (shared-memory observations, one process per env)."""
+    return _tianshou(spec, shmem=True)
+
+
+def envpool_pool(spec: RunSpec) -> RunResult:
+    """EnvPool's C++ CartPole, synchronous mode, ``cores`` threads (its own envs only).
+
+    EnvPool resets a done env on the next ``step`` call (that step is not a transition),
+    so only real transitions are counted.
+    """
+    if spec.env != "CartPole-v1":
+        raise Skipped("EnvPool runs only its own C++ envs (here: CartPole-v1)")
+    try:
+        import envpool
+    except Exception as exc:
+        raise Skipped(f"envpool not importable ({type(exc).__name__}: {exc})") from exc
+    pool = envpool.make_gymnasium(
+        "CartPole-v1",
+        num_envs=spec.n_envs,
+        batch_size=spec.n_envs,
+        num_threads=spec.cores,
+        seed=spec.seed,
+    )
+    try:
+        pool.reset()
+        resetting = np.zeros(spec.n_envs, dtype=bool)
+
+        def step(action: Any) -> int:
+            nonlocal resetting
+            _, _, term, trunc, _ = pool.step(action)
+            real = spec.n_envs - int(resetting.sum())
+            resetting = np.logical_or(term, trunc)
+            return real
+
+        actions = _batched_actions(pool.action_space, spec.n_envs, spec.seed)
+        return _timed_steps(spec, step, actions)
+    finally:
+        with contextlib.suppress(Exception):
+            pool.close()
+
+
+def _count(batch: Any) -> int:
+    """Number of transitions in an ``EpisodeBatch``."""
+    lengths = getattr(batch, "lengths", None)
+    if lengths is not None:
+        return int(np.sum(lengths))
+    return len(batch.actions)
+
+
+def _not_implemented(exc: BaseException) -> BaseException | None:
+    """The NotImplementedError in ``exc``'s cause/context chain, if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, NotImplementedError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
+    """The asyncsample measurement, inside a running event loop."""
+    import asyncsample
+
+    probe = LagProbe()
+    idle: dict[str, Any] | None = None
+    if spec.instrument:
+        probe.start()
+        await asyncio.sleep(0.3)
+        await probe.stop()
+        idle = probe.summary()
+    kwargs: dict[str, Any] = {
+        "n_workers": spec.n_workers,
+        "envs_per_worker": spec.envs_per_worker,
+        "backend": backend,
+        "seed": spec.seed,
+    }
+    if backend == "process":
+        kwargs["n_processes"] = spec.n_processes
+    sampler = asyncsample.Sampler(spec.env_id, **kwargs)
+    try:
+        chunk = spec.n_envs * spec.fragment_steps
+        warm = 0
+        while warm < spec.warmup:
+            warm += _count(await sampler.obtain_fragments(min(chunk, spec.warmup)))
+        with MemoryMonitor(spec.instrument, spec.memory_interval) as mon:
+            if spec.instrument:
+                probe.start()
+            try:
+                done = 0
+                t0 = time.perf_counter()
+                while done < spec.n_transitions:
+                    done += _count(await sampler.obtain_fragments(chunk))
+                seconds = time.perf_counter() - t0
+            finally:
+                await probe.stop()
+    finally:
+        await sampler.aclose()
+    lag = None
+    if spec.instrument:
+        lag = probe.summary()
+        lag["idle"] = idle
+    return RunResult(transitions=done, seconds=seconds, memory=mon.summary(), lag=lag)
+
+
+def _asyncsample(spec: RunSpec, backend: str) -> RunResult:
+    """Run asyncsample in ``asyncio`` with uvloop; skip if it is missing or not implemented."""
+    try:
+        import asyncsample
+
+        asyncsample.Sampler  # noqa: B018 - the contract's entry point must exist
+    except Exception as exc:
+        raise Skipped(f"asyncsample not importable ({type(exc).__name__}: {exc})") from exc
+    try:
+        import uvloop
+
+        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            result = runner.run(_asyncsample_run(spec, backend))
+    except Exception as exc:
+        nie = _not_implemented(exc)
+        if nie is not None:
+            raise Skipped(f"asyncsample backend {backend!r} not implemented yet: {nie}") from exc
+        raise
+    result.notes.append("uvloop" if loop_factory is not None else "asyncio default loop")
+    return result
+
+
+def asyncsample_process(spec: RunSpec) -> RunResult:
+    """asyncsample ``backend="process"``: ``n_workers x envs_per_worker`` over ``n_processes``."""
+    return _asyncsample(spec, "process")
+
+
+def asyncsample_local(spec: RunSpec) -> RunResult:
+    """asyncsample ``backend="local"``: envs stepped in the event loop's thread (one core)."""
+    return _asyncsample(spec, "local")
+
+
+#: Contender key -> (function, human label).
+CONTENDERS: dict[str, tuple[Callable[[RunSpec], RunResult], str]] = {
+    "ideal": (ideal_single, "plain env.step loop (1 process)"),
+    "sync": (gym_sync, "gymnasium SyncVectorEnv"),
+    "async": (gym_async, "gymnasium AsyncVectorEnv (shm)"),
+    "sb3": (sb3_subproc, "SB3 SubprocVecEnv"),
+    "tianshou-subproc": (tianshou_subproc, "tianshou SubprocVectorEnv"),
+    "tianshou-shmem": (tianshou_shmem, "tianshou ShmemVectorEnv"),
+    "envpool": (envpool_pool, "EnvPool (C++ threads)"),
+    "asyncsample": (asyncsample_process, "asyncsample process"),
+    "asyncsample-local": (asyncsample_local, "asyncsample local"),
+}
+
+
+def run_contender(spec: RunSpec) -> RunResult:
+    """Run ``spec.contender`` on ``spec``.
+
+    Raises:
+        Skipped: The contender cannot run here.
+        KeyError: Unknown contender.
+    """
+    fn, _ = CONTENDERS[spec.contender]
+    return fn(spec)

@@ -1,0 +1,193 @@
+"""Benchmark environments, registered with gymnasium.
+
+Every contender (and every child process it starts) makes these by id. The ids are
+of the ``"module:EnvId"`` form, e.g. ``gymnasium.make("benchmarks.envs:FixedCost-v0")``:
+gymnasium imports ``benchmarks.envs`` on demand, which registers the envs, in whatever
+process calls ``make``. Use :data:`ENV_IDS` to get the full ids.
+
+Costs are spent on CPU time, not on wall time. A step "busy-waits 200 us" by spinning
+until its own thread has consumed 200 us of CPU (``time.thread_time``). A spin on
+``time.perf_counter`` would count time the process spends descheduled: with 8 env
+processes on 2 cores, a step whose process was pre-empted finishes without doing its
+work, so oversubscribed contenders would beat the 2-core ideal. Pass ``clock="wall"``
+to ``gymnasium.make`` for the wall-clock variant.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+__all__ = [
+    "ENV_IDS",
+    "FixedCostEnv",
+    "HeavyTailEnv",
+    "ImageEnv",
+    "NoOpEnv",
+    "full_id",
+    "spin",
+]
+
+_MODULE = "benchmarks.envs"
+
+#: Short name -> id usable with ``gymnasium.make`` in any process.
+ENV_IDS: dict[str, str] = {
+    "CartPole-v1": "CartPole-v1",
+    "FixedCost-v0": f"{_MODULE}:FixedCost-v0",
+    "HeavyTail-v0": f"{_MODULE}:HeavyTail-v0",
+    "Image-v0": f"{_MODULE}:Image-v0",
+    "NoOp-v0": f"{_MODULE}:NoOp-v0",
+}
+
+
+def full_id(name: str) -> str:
+    """Return the importable gymnasium id for a short env name (or the name itself).
+
+    Args:
+        name: A key of :data:`ENV_IDS`, or any other gymnasium id.
+
+    Returns:
+        The id to pass to ``gymnasium.make``.
+    """
+    return ENV_IDS.get(name, name)
+
+
+def spin(seconds: float, clock: str = "cpu") -> None:
+    """Busy-wait for ``seconds``.
+
+    Args:
+        seconds: How long to spin.
+        clock: ``"cpu"`` spins on this thread's CPU time (honest when cores are
+            oversubscribed); ``"wall"`` spins on ``time.perf_counter``.
+    """
+    now = time.thread_time if clock == "cpu" else time.perf_counter
+    end = now() + seconds
+    while now() < end:
+        pass
+
+
+class _VectorObsEnv(gym.Env[np.ndarray, np.int64]):
+    """Small Box(4,) float32 observations, Discrete(2) actions, no terminations."""
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
+        self.action_space = spaces.Discrete(2)
+        self._obs = np.zeros(4, dtype=np.float32)
+        self._t = 0
+
+    def _next_obs(self) -> np.ndarray:
+        self._t += 1
+        obs = self._obs.copy()
+        obs[self._t % 4] = 0.5
+        return obs
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Reset the env; ``seed`` seeds ``np_random`` (gymnasium convention)."""
+        super().reset(seed=seed)
+        self._t = 0
+        return self._obs.copy(), {}
+
+    def _cost(self) -> None:
+        """Spend this step's cost (none here)."""
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """Spend the step's cost; reward 1, never terminates (TimeLimit truncates)."""
+        self._cost()
+        return self._next_obs(), 1.0, False, False, {}
+
+
+class FixedCostEnv(_VectorObsEnv):
+    """Each step busy-waits ``step_cost`` seconds (default 200 us)."""
+
+    def __init__(self, step_cost: float = 200e-6, clock: str = "cpu") -> None:
+        super().__init__()
+        self.step_cost = step_cost
+        self.clock = clock
+
+    def _cost(self) -> None:
+        spin(self.step_cost, self.clock)
+
+
+class HeavyTailEnv(_VectorObsEnv):
+    """Heavy-tailed step cost with the same mean as :class:`FixedCostEnv` (200 us).
+
+    Most steps cost ``fast`` (50 us); with probability ``p_slow`` (one in ten) a step
+    costs ``slow`` (1.55 ms): 0.9 * 50 + 0.1 * 1550 = 200 us. Which steps are slow is
+    drawn from the env's own seeded ``np_random``, so a seeded run is reproducible.
+    """
+
+    def __init__(
+        self,
+        fast: float = 50e-6,
+        slow: float = 1.55e-3,
+        p_slow: float = 0.1,
+        clock: str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.fast = fast
+        self.slow = slow
+        self.p_slow = p_slow
+        self.clock = clock
+
+    def _cost(self) -> None:
+        slow = self.np_random.random() < self.p_slow
+        spin(self.slow if slow else self.fast, self.clock)
+
+
+class NoOpEnv(_VectorObsEnv):
+    """Does nothing: measures the pure per-step overhead of a sampler."""
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """Return a constant observation (a fresh copy, as gymnasium asks) at once."""
+        return self._obs.copy(), 0.0, False, False, {}
+
+
+class ImageEnv(gym.Env[np.ndarray, np.int64]):
+    """84x84x4 uint8 observations (an Atari frame stack), cheap steps, Discrete(4)."""
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
+
+    def __init__(self) -> None:
+        self.observation_space = spaces.Box(0, 255, shape=(84, 84, 4), dtype=np.uint8)
+        self.action_space = spaces.Discrete(4)
+        self._frame = np.zeros((84, 84, 4), dtype=np.uint8)
+        self._t = 0
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Reset the env; ``seed`` seeds ``np_random``."""
+        super().reset(seed=seed)
+        self._t = 0
+        self._frame[:] = self.np_random.integers(0, 256, dtype=np.uint8)
+        return self._frame.copy(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """Change one row of one channel and return a fresh copy of the frame."""
+        self._t += 1
+        self._frame[self._t % 84, :, self._t % 4] = self._t % 256
+        return self._frame.copy(), float(action == self._t % 4), False, False, {}
+
+
+def _register() -> None:
+    """Register the envs (idempotent: a re-import does not warn)."""
+    entries = {
+        "FixedCost-v0": (f"{_MODULE}:FixedCostEnv", 200),
+        "HeavyTail-v0": (f"{_MODULE}:HeavyTailEnv", 200),
+        "Image-v0": (f"{_MODULE}:ImageEnv", 100),
+        "NoOp-v0": (f"{_MODULE}:NoOpEnv", 200),
+    }
+    for env_id, (entry_point, length) in entries.items():
+        if env_id not in gym.registry:
+            gym.register(id=env_id, entry_point=entry_point, max_episode_steps=length)
+
+
+_register()
