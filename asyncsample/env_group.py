@@ -28,7 +28,7 @@ __all__ = ["EnvFailure", "EnvGroup", "StepBuffers", "StepInfos", "rebuild_chain"
 
 
 _REWARD_SPACE = gym.spaces.Box(-np.inf, np.inf, (), np.float64)
-_FLAG_SPACE = gym.spaces.Box(0, 1, (), np.bool_)
+_FLAG_SPACE = gym.spaces.Box(0, 1, (), np.bool_)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -56,10 +56,10 @@ class StepBuffers:
         observation_space: gym.Space,
         action_space: gym.Space,
         n_envs: int,
-        make: Callable[[gym.Space, int], Tree] | None = None,
+        make: Callable[[gym.Space, int], Any] | None = None,
     ) -> StepBuffers:
         """Allocate buffers; ``make(space, n)`` builds one (nested) array, default in-process."""
-        make = make or (lambda space, n: create_empty_array(space, n, fn=np.zeros))
+        make = make or _zeros
         return cls(
             obs=make(observation_space, n_envs),
             final_obs=make(observation_space, n_envs),
@@ -142,7 +142,7 @@ class EnvGroup:
         self.n_envs = len(buffers.rewards)
         self.envs: list[gym.Env | None] = [None] * self.n_envs
         self._obs: list[Any] = [None] * self.n_envs
-        self._lengths = np.zeros(self.n_envs, dtype=np.int64)
+        self._lengths = [0] * self.n_envs
         self._seeds: list[int | None] = [None] * self.n_envs
 
     # -- building ---------------------------------------------------------------------------
@@ -154,7 +154,7 @@ class EnvGroup:
             self._guard(i, self._build_one, i, chain, seeds[i])
 
     def _build_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
-        env = make_env(chain[0])
+        env: gym.Env | None = make_env(chain[0])
         for update in chain[1:]:
             env, _ = apply_env_update(env, update)
         self.envs[i] = env
@@ -169,7 +169,7 @@ class EnvGroup:
 
     def _update_one(self, i: int, update: EnvSource, seed: int) -> None:
         old = self.envs[i]
-        env, changed = apply_env_update(old, update)
+        env, _ = apply_env_update(old, update)
         self.envs[i] = env
         if env is not old:
             self._seeds[i] = seed
@@ -200,42 +200,49 @@ class EnvGroup:
         has its last observation written to ``final_obs`` and is reset at once, so ``obs`` always
         holds what the agent acts on next.
         """
+        # The hot path: plain Python lists per env, one numpy write per field at the end.
         buf = self.buffers
         envs = self.envs
         obs = self._obs
-        rewards = buf.rewards
-        terminated = buf.terminated
-        truncated = buf.truncated
-        mel = self.max_episode_length
         lengths = self._lengths
         indices = np.flatnonzero(mask).tolist()
         actions = self._actions_for(indices)
-        env_infos: list[dict[str, Any]] = [{}] * self.n_envs
-        any_info = False
+        rewards: list[Any] = []
+        terms: list[bool] = []
+        truncs: list[bool] = []
+        env_infos: list[dict[str, Any]] | None = None
         done: list[int] = []
-        for i, action in zip(indices, actions):
-            env = envs[i]
-            assert env is not None
-            o, r, term, trunc, info = self._guard(i, env.step, action)
-            obs[i] = o
-            rewards[i] = r
-            lengths[i] += 1
-            terminated[i] = term
-            trunc = bool(trunc) or (mel is not None and lengths[i] >= mel)
-            truncated[i] = trunc
-            if info:
-                env_infos[i] = info
-                any_info = True
-            if term or trunc:
-                done.append(i)
+        mel = self.max_episode_length
+        i = -1
+        try:
+            for i, action in zip(indices, actions):
+                o, r, term, trunc, info = envs[i].step(action)  # type: ignore[union-attr]
+                obs[i] = o
+                rewards.append(r)
+                terms.append(term)
+                n = lengths[i] + 1
+                lengths[i] = n
+                if mel is not None and n >= mel:
+                    trunc = True
+                truncs.append(trunc)
+                if info:
+                    if env_infos is None:
+                        env_infos = [{} for _ in range(self.n_envs)]
+                    env_infos[i] = info
+                if term or trunc:
+                    done.append(i)
+        except Exception as exc:
+            raise EnvFailureError(EnvFailure(i, exc, traceback.format_exc())) from exc
+        buf.rewards[indices] = rewards
+        buf.terminated[indices] = terms
+        buf.truncated[indices] = truncs
         reset_infos: dict[int, dict[str, Any]] = {}
         if done:
-            final = [obs[i] for i in done]
-            self._write(buf.final_obs, done, final)
+            self._write(buf.final_obs, done, [obs[i] for i in done])
             for i in done:
                 reset_infos[i] = self._reset_one(i)
         self._write_obs()
-        return StepInfos(env_infos if any_info else None, reset_infos)
+        return StepInfos(env_infos, reset_infos)
 
     def _actions_for(self, indices: list[int]) -> list[Any]:
         actions = self.buffers.actions
@@ -247,7 +254,11 @@ class EnvGroup:
 
     def _write_obs(self) -> None:
         try:
-            concatenate(self.observation_space, self._obs, self.buffers.obs)
+            out = self.buffers.obs
+            if isinstance(out, np.ndarray):
+                np.stack(self._obs, out=out)  # what concatenate() does, without the dispatch
+            else:
+                concatenate(self.observation_space, self._obs, out)
         except (ValueError, TypeError, IndexError) as exc:
             self._raise_bad_observation(exc)
 
@@ -290,9 +301,13 @@ class EnvGroup:
             if env is not None:
                 try:
                     env.close()
-                except Exception:  # noqa: BLE001 - a broken env must not stop the others closing
+                except Exception:
                     pass
             self.envs[i] = None
+
+
+def _zeros(space: gym.Space, n: int) -> Any:
+    return create_empty_array(space, n, fn=np.zeros)
 
 
 def _shapes(space: gym.Space) -> Any:

@@ -117,7 +117,9 @@ def make_env(source: EnvSource) -> gym.Env:
     )
 
 
-def apply_env_update(old_env: gym.Env | None, update: EnvSource | None) -> tuple[gym.Env | None, bool]:
+def apply_env_update(
+    old_env: gym.Env | None, update: EnvSource | None
+) -> tuple[gym.Env | None, bool]:
     """Apply one update to one env.
 
     Returns:

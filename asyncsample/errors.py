@@ -54,7 +54,9 @@ class WorkerError(AsyncSampleError):
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 
-def _rebuild(cls: type[WorkerError], args: tuple[object, ...], state: dict[str, object]) -> WorkerError:
+def _rebuild(
+    cls: type[WorkerError], args: tuple[object, ...], state: dict[str, object]
+) -> WorkerError:
     err = cls.__new__(cls)
     Exception.__init__(err, *args)
     err.__dict__.update(state)

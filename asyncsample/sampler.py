@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import copy
-import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import cloudpickle
@@ -17,7 +15,7 @@ import numpy as np
 from asyncsample.agent import Agent, RandomAgent
 from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
 from asyncsample.batch import EnvSpec, EpisodeBatch
-from asyncsample.env_update import EnvSource, EnvUpdate, is_env_source, make_env
+from asyncsample.env_update import EnvSource, is_env_source, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.seeding import worker_seeds
 from asyncsample.worker import VecWorker, Worker, WorkerFactory
@@ -83,7 +81,9 @@ class Sampler:
             )
         if step_timeout is not None:
             if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)):
-                raise TypeError(f"step_timeout must be a number of seconds or None, got {step_timeout!r}")
+                raise TypeError(
+                    f"step_timeout must be a number of seconds or None, got {step_timeout!r}"
+                )
             if not step_timeout > 0:
                 raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
             if backend == "local":
@@ -199,7 +199,10 @@ class Sampler:
     async def _start(self) -> None:
         if self._started:
             return
-        options: dict[str, Any] = {"n_processes": self.n_processes, "step_timeout": self.step_timeout}
+        options: dict[str, Any] = {
+            "n_processes": self.n_processes,
+            "step_timeout": self.step_timeout,
+        }
         options.update(self._backend_options)
         backend = make_backend(self.backend_name, **options)
         self._backend = backend
@@ -370,7 +373,7 @@ class Sampler:
         """Run the workers concurrently; on the first error or a cancellation, stop them all."""
         tasks = [asyncio.ensure_future(c) for c in coros]
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:
             await _cancel_all(tasks)
             raise
@@ -400,8 +403,10 @@ class Sampler:
                     "worker), but the sampler has one shared agent"
                 )
         for u in items:
-            if u is not None and not isinstance(u, _PARAMS) and not callable(
-                getattr(u, "get_actions", None)
+            if (
+                u is not None
+                and not isinstance(u, _PARAMS)
+                and not callable(getattr(u, "get_actions", None))
             ):
                 raise TypeError(
                     "agent_update must be None, parameters (dict, tuple or numpy.ndarray), an "

@@ -106,6 +106,21 @@ class _Rows:
         self.capacity = new
 
 
+def _put(dst: Tree, index: Any, src: Tree) -> None:
+    """``dst[index] = src`` leaf by leaf (one assignment for a plain array)."""
+    if isinstance(dst, np.ndarray):
+        dst[index] = src
+    else:
+        tree_map(lambda d, s: d.__setitem__(index, s), dst, src)
+
+
+def _row(tree: Tree, index: int) -> Tree:
+    """``tree[index]`` leaf by leaf."""
+    if isinstance(tree, np.ndarray):
+        return tree[index]
+    return tree_map(lambda x: x[index], tree)
+
+
 class Worker:
     """garage's Worker interface as an async base class.
 
@@ -156,9 +171,7 @@ class Worker:
         self._rows = _Rows(n_envs)
         self._in_call = False
         self._broken = False
-        self._records_transitions = (
-            type(self).process_transition is not Worker.process_transition
-        )
+        self._records_transitions = type(self).process_transition is not Worker.process_transition
 
     def __getstate__(self) -> None:
         raise ValueError(
@@ -243,7 +256,7 @@ class Worker:
         Envs already at the start of an episode (just autoreset) are not reset again.
         """
         assert self.host is not None
-        mask = self._needs_reset & self._active
+        mask = self._needs_reset.copy()
         if mask.any():
             infos = await self.host.reset(mask)
             self._needs_reset &= ~mask
@@ -265,12 +278,12 @@ class Worker:
         rows = self._rows
         active = self._active
         t = rows.next_row(buffers.obs, buffers.actions)
-        tree_map(lambda dst, src: dst.__setitem__(t, src), rows.obs, buffers.obs)
-        observations = tree_map(lambda x: x[t], rows.obs)
+        _put(rows.obs, t, buffers.obs)
+        observations = _row(rows.obs, t)
         actions, agent_infos = await self.compute_actions(observations)
         actions = self._check_actions(actions)
-        tree_map(lambda dst, src: dst.__setitem__(t, src), rows.actions, actions)
-        tree_map(lambda dst, src: dst.__setitem__(Ellipsis, src), buffers.actions, actions)
+        _put(rows.actions, t, actions)
+        _put(buffers.actions, Ellipsis, actions)
         if agent_infos:
             self._store_agent_infos(t, agent_infos)
         infos = await host.step(active)
@@ -278,7 +291,8 @@ class Worker:
         if infos.env_infos is not None:
             rows.env_infos[t] = infos.env_infos
         self._lengths[active] += 1
-        done = (buffers.terminated | buffers.truncated) & active
+        done = buffers.terminated | buffers.truncated
+        done &= active
         if self._records_transitions:
             self._record(t, agent_infos, infos.env_infos, done)
         if not done.any():
@@ -465,8 +479,9 @@ class Worker:
     def _close_piece(self, env: int, stop: int, end: StepType | None, last: Tree) -> None:
         start = int(self._piece_start[env])
         self._pieces.append(
-            _Piece(env, start, stop, int(self._piece_position[env]), end, last,
-                   self._episode_info[env])
+            _Piece(
+                env, start, stop, int(self._piece_position[env]), end, last, self._episode_info[env]
+            )
         )
         if end is not None:
             self._completed_steps += stop - start
@@ -474,11 +489,16 @@ class Worker:
 
     def _check_actions(self, actions: Tree) -> Tree:
         assert self.host is not None
-        actions = tree_map(np.asarray, actions) if isinstance(actions, (dict, tuple)) else (
-            np.asarray(actions)
-        )
         expected = self.host.buffers.actions
-        for got, want in zip(tree_leaves(actions), tree_leaves(expected)):
+        if isinstance(expected, np.ndarray):
+            actions = np.asarray(actions)
+            if actions.shape == expected.shape:
+                return actions
+            pairs = [(actions, expected)]
+        else:
+            actions = tree_map(np.asarray, actions)
+            pairs = list(zip(tree_leaves(actions), tree_leaves(expected)))
+        for got, want in pairs:
             if got.shape != want.shape:
                 if got.ndim == 0 or got.shape[0] != self.n_envs:
                     count = "a scalar" if got.ndim == 0 else f"{got.shape[0]} actions"
@@ -539,9 +559,11 @@ class Worker:
             t_idx = np.concatenate([np.arange(p.start, p.stop) for p in pieces])
         else:
             t_idx = np.zeros(0, dtype=np.int64)
-        e_idx = np.concatenate(
-            [np.full(p.stop - p.start, p.env, dtype=np.int64) for p in pieces]
-        ) if pieces else np.zeros(0, dtype=np.int64)
+        e_idx = (
+            np.concatenate([np.full(p.stop - p.start, p.env, dtype=np.int64) for p in pieces])
+            if pieces
+            else np.zeros(0, dtype=np.int64)
+        )
         lengths = np.array([p.stop - p.start for p in pieces], dtype=np.int64)
         step_types = np.full(len(t_idx), StepType.MID, dtype=np.uint8)
         offset = 0
@@ -559,11 +581,16 @@ class Worker:
 
         buffers = self.host.buffers if self.host is not None else None
         assert buffers is not None
-        obs = tree_map(gather, rows.obs, buffers.obs) if rows.obs is not None else tree_map(
-            lambda b: gather(None, b), buffers.obs
+        obs = (
+            tree_map(gather, rows.obs, buffers.obs)
+            if rows.obs is not None
+            else tree_map(lambda b: gather(None, b), buffers.obs)
         )
-        actions = tree_map(gather, rows.actions, buffers.actions) if rows.actions is not None \
+        actions = (
+            tree_map(gather, rows.actions, buffers.actions)
+            if rows.actions is not None
             else tree_map(lambda b: gather(None, b), buffers.actions)
+        )
         rewards = rows.rewards[t_idx, e_idx] if len(t_idx) else np.zeros(0)
         if pieces:
             last_obs = tree_map(lambda *xs: np.stack(xs), *[p.last_observation for p in pieces])

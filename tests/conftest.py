@@ -17,7 +17,6 @@ def pytest_asyncio_loop_factories(
 
 
 import cloudpickle  # noqa: E402
-
 import envs as _test_envs  # noqa: E402
 
 # The test envs live in a module the env-host processes cannot import by name: ship them by value.

@@ -97,8 +97,9 @@ async def test_output_is_worker_major(backend: str) -> None:
 
 async def test_obtain_exact_episodes_per_worker_and_env(backend: str) -> None:
     agents = [ConstantAgent(w % 4) for w in range(8)]
-    async with make(backend, agent=agents, n_workers=8, envs_per_worker=2,
-                    max_episode_length=15) as s:
+    async with make(
+        backend, agent=agents, n_workers=8, envs_per_worker=2, max_episode_length=15
+    ) as s:
         batch = await s.obtain_exact_episodes(3)
     assert batch.n_episodes == 24
     for k, ep in enumerate(batch.split()):
@@ -112,8 +113,9 @@ async def test_obtain_exact_episodes_per_worker_and_env(backend: str) -> None:
 
 
 async def test_max_episode_length_gives_timeout_with_true_last_observation(backend: str) -> None:
-    async with make(backend, env=grid("no_goal"), agent=ConstantAgent(1), n_workers=2,
-                    max_episode_length=5) as s:
+    async with make(
+        backend, env=grid("no_goal"), agent=ConstantAgent(1), n_workers=2, max_episode_length=5
+    ) as s:
         batch = await s.obtain_exact_episodes(2)
     assert batch.lengths.tolist() == [5] * 4
     for ep in batch.split():
@@ -143,8 +145,9 @@ async def test_one_step_episodes_are_terminal(backend: str) -> None:
 
 async def test_fragments_sizes_and_continuation(backend: str) -> None:
     n_workers, n_envs = 2, 5
-    async with make(backend, agent=ScriptedAgent(), n_workers=n_workers,
-                    envs_per_worker=n_envs) as s:
+    async with make(
+        backend, agent=ScriptedAgent(), n_workers=n_workers, envs_per_worker=n_envs
+    ) as s:
         batches = [await s.obtain_fragments(16) for _ in range(5)]
     for batch in batches:
         # share 8 per worker -> ceil(8 / 5) = 2 steps of 5 envs = 10 transitions per worker.
@@ -194,11 +197,18 @@ async def test_agent_update_resets_fragments_and_bumps_version(backend: str) -> 
 async def test_vec_worker_matches_single_env_workers(backend: str) -> None:
     maps = ["4x4", "hole_first", "no_goal", "4x4", "hole_first"]
     envs = [grid(m) for m in maps]
-    async with make(backend, env=envs, agent=ScriptedAgent(), n_workers=5,
-                    max_episode_length=9) as singles:
+    async with make(
+        backend, env=envs, agent=ScriptedAgent(), n_workers=5, max_episode_length=9
+    ) as singles:
         a = await singles.obtain_samples(100)
-    async with make(backend, env=[envs], agent=ScriptedAgent(), n_workers=1, envs_per_worker=5,
-                    max_episode_length=9) as vec:
+    async with make(
+        backend,
+        env=[envs],
+        agent=ScriptedAgent(),
+        n_workers=1,
+        envs_per_worker=5,
+        max_episode_length=9,
+    ) as vec:
         b = await vec.obtain_samples(100)
 
     def episodes(batch: EpisodeBatch) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -233,8 +243,9 @@ async def test_init_with_env_updates_and_new_env_update(backend: str) -> None:
         inner = [[lambda: PointEnv((0.5, 0.5)), lambda: PointEnv((-0.5, 0.5))]] * 2
         with pytest.raises(ValueError, match="envs_per_worker"):
             await s.obtain_samples(40, env_update=inner)
-    async with make(backend, env=PointEnv, n_workers=2, envs_per_worker=2,
-                    max_episode_length=10) as s:
+    async with make(
+        backend, env=PointEnv, n_workers=2, envs_per_worker=2, max_episode_length=10
+    ) as s:
         batch = await s.obtain_exact_episodes(2, env_update=inner)
         goals = batch.episode_infos["goal"][batch.episode_infos["env"] == 1]
         assert {tuple(g) for g in goals.tolist()} == {(-0.5, 0.5)}
@@ -275,8 +286,7 @@ async def test_quota_value_errors_and_numpy_ints() -> None:
 
 async def test_same_seed_same_batches_different_seed_different(backend: str) -> None:
     async def run(seed: int) -> list[EpisodeBatch]:
-        async with make(backend, env="CartPole-v1", n_workers=3, envs_per_worker=2,
-                        seed=seed) as s:
+        async with make(backend, env="CartPole-v1", n_workers=3, envs_per_worker=2, seed=seed) as s:
             return [
                 await s.obtain_samples(500),
                 await s.obtain_exact_episodes(3),
@@ -308,8 +318,14 @@ async def test_custom_worker_hooks(backend: str) -> None:
             history.append(float(transition.rewards[transition.active].sum()))
             return history
 
-    async with make(backend, agent=ConstantAgent(0), n_workers=2, worker_class=FlippingWorker,
-                    env=grid("no_goal"), max_episode_length=4) as s:
+    async with make(
+        backend,
+        agent=ConstantAgent(0),
+        n_workers=2,
+        worker_class=FlippingWorker,
+        env=grid("no_goal"),
+        max_episode_length=4,
+    ) as s:
         batch = await s.obtain_exact_episodes(1)
         histories = [w.history for w in s.workers]
     assert set(batch.actions.tolist()) == {2}
@@ -317,10 +333,16 @@ async def test_custom_worker_hooks(backend: str) -> None:
 
 
 async def test_from_worker_factory(backend: str) -> None:
-    factory = WorkerFactory(max_episode_length=16, seed=100, n_workers=2,
-                            worker_class=FragmentWorker, worker_args={"n_envs": 3})
-    async with Sampler.from_worker_factory(factory, ScriptedAgent(), grid(), backend=backend,
-                                           n_processes=2) as s:
+    factory = WorkerFactory(
+        max_episode_length=16,
+        seed=100,
+        n_workers=2,
+        worker_class=FragmentWorker,
+        worker_args={"n_envs": 3},
+    )
+    async with Sampler.from_worker_factory(
+        factory, ScriptedAgent(), grid(), backend=backend, n_processes=2
+    ) as s:
         assert s.envs_per_worker == 3
         assert all(isinstance(w, FragmentWorker) for w in s.workers)
         batch = await s.obtain_samples(40)
@@ -372,8 +394,9 @@ async def test_observation_that_does_not_fit(backend: str) -> None:
 
 
 @pytest.mark.parametrize("where", ["step", "reset"])
-async def test_env_exception_is_retried_and_quota_still_met(backend: str, where: str,
-                                                            tmp_path) -> None:
+async def test_env_exception_is_retried_and_quota_still_met(
+    backend: str, where: str, tmp_path
+) -> None:
     env = functools.partial(FailingEnv, str(tmp_path / "failed"), 3, where)
     async with make(backend, env=env, n_workers=2, seed=0, envs_per_worker=2) as s:
         batch = await s.obtain_samples(200)

@@ -15,7 +15,7 @@ BACKENDS = ("process", "local", "ray")
 
 
 def make_backend(name: str, **options: object) -> Backend:
-    """Create the backend called ``name`` with its options (``n_processes``, ``step_timeout``...)."""
+    """Create the backend called ``name`` with its options (``n_processes``, ...)."""
     if name == "local":
         from asyncsample.backends.local import LocalBackend
 

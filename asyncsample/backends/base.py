@@ -47,7 +47,7 @@ class EnvHost(Protocol):
     """Shared with the host: the worker writes ``actions`` and reads the rest after a step."""
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
-        """Build the envs: env ``i`` from ``chains[i]``, seeded at its next reset with ``seeds[i]``."""
+        """Build the envs: env ``i`` from ``chains[i]``, first reset with ``seeds[i]``."""
         ...
 
     async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
