@@ -15,7 +15,9 @@ from asyncsample.errors import (
     WorkerCrashedError,
     WorkerError,
 )
+from asyncsample.evaluation import Evaluation
 from asyncsample.sampler import Sampler
+from asyncsample.stats import SampleStats
 from asyncsample.worker import FragmentWorker, Transition, VecWorker, Worker, WorkerFactory
 
 __version__ = "0.1.0"
@@ -26,9 +28,11 @@ __all__ = [
     "EnvSpec",
     "EnvUpdate",
     "EpisodeBatch",
+    "Evaluation",
     "FragmentWorker",
     "NewEnvUpdate",
     "RandomAgent",
+    "SampleStats",
     "Sampler",
     "SamplerClosedError",
     "SetTaskUpdate",

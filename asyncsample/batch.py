@@ -719,6 +719,32 @@ class EpisodeBatch:
             )
         return out
 
+    def select(self, episodes: np.ndarray | Sequence[int]) -> EpisodeBatch:
+        """A batch of the chosen episodes (a boolean mask or indices over episodes), in order."""
+        chosen = np.asarray(episodes)
+        if chosen.dtype == bool:
+            chosen = np.flatnonzero(chosen)
+        ends = np.cumsum(self.lengths)
+        starts = ends - self.lengths
+        lengths = self.lengths[chosen]
+        steps = (
+            np.concatenate([np.arange(starts[i], ends[i]) for i in chosen.tolist()])
+            if len(chosen)
+            else np.zeros(0, dtype=np.int64)
+        )
+        return EpisodeBatch(
+            env_spec=self.env_spec,
+            episode_infos=tree_index(self.episode_infos, chosen),
+            observations=tree_index(self.observations, steps),
+            last_observations=tree_index(self.last_observations, chosen),
+            actions=tree_index(self.actions, steps),
+            rewards=self.rewards[steps],
+            env_infos=tree_index(self.env_infos, steps),
+            agent_infos=tree_index(self.agent_infos, steps),
+            step_types=self.step_types[steps],
+            lengths=lengths,
+        )
+
     def to_list(self) -> list[dict[str, Any]]:
         """One dict per episode, in garage's path format.
 

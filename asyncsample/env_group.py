@@ -238,7 +238,10 @@ class EnvGroup:
         buf.truncated[indices] = truncs
         reset_infos: dict[int, dict[str, Any]] = {}
         if done:
-            self._write(buf.final_obs, done, [obs[i] for i in done])
+            try:
+                self._write(buf.final_obs, done, [obs[i] for i in done])
+            except (ValueError, TypeError, IndexError) as exc:
+                self._raise_bad_observation(exc)
             for i in done:
                 reset_infos[i] = self._reset_one(i)
         self._write_obs()

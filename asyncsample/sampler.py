@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 import cloudpickle
@@ -17,7 +18,14 @@ from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
 from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvSource, is_env_source, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
+from asyncsample.evaluation import (
+    DeterministicAgent,
+    Evaluation,
+    RenderingEnvFactory,
+    frames_of_first_episode,
+)
 from asyncsample.seeding import worker_seeds
+from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerFactory
 
 __all__ = ["Sampler"]
@@ -47,6 +55,7 @@ class Sampler:
         worker_class: the :class:`Worker` subclass to run (garage's ``worker_class``).
         worker_args: extra keyword arguments for ``worker_class``.
         backend_options: extra keyword arguments for the backend (e.g. Ray resources).
+        test_env: the env :meth:`evaluate` uses by default (default: the training env).
     """
 
     def __init__(
@@ -65,6 +74,7 @@ class Sampler:
         worker_class: type[Worker] = VecWorker,
         worker_args: dict[str, Any] | None = None,
         backend_options: dict[str, Any] | None = None,
+        test_env: EnvSource | None = None,
     ) -> None:
         self._closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _positive_int("n_workers", n_workers)
@@ -136,7 +146,15 @@ class Sampler:
         self._last_mode: Mode | None = None
         self._warned_endless = False
         self._total_env_steps = 0
+        self._streaming = False
+        self._evaluators: dict[tuple[int, bool], Sampler] = {}
+        self._test_env = test_env
+        if test_env is not None:
+            _check_env_source(test_env, "test_env")
         self.restarts = 0
+        """Env-host restarts so far (after env failures or crashes)."""
+        self.last_stats: SampleStats | None = None
+        """Statistics of the last call, or of the batch a stream yielded last."""
 
     @classmethod
     def from_worker_factory(
@@ -240,6 +258,9 @@ class Sampler:
             return
         self._closed = True
         backend, self._backend = self._backend, None
+        evaluators, self._evaluators = list(self._evaluators.values()), {}
+        for evaluator in evaluators:
+            await evaluator.aclose()
         if backend is not None:
             await asyncio.shield(backend.aclose())
 
@@ -300,13 +321,173 @@ class Sampler:
         return await self._call("fragments", num_samples, agent_update, env_update)
 
     async def update_agent(self, agent_update: Any) -> None:
-        """Apply an agent update now; it bumps the agent version of the workers it touches."""
+        """Apply an agent update now; it bumps the agent version of the workers it touches.
+
+        During a :meth:`stream` it takes effect at the next step boundary without resetting the
+        episodes in progress; otherwise the next call starts fresh episodes.
+        """
         self._check_open()
         self._check_agent_update(agent_update)
+        if self._streaming:
+            self._apply_agent_update(agent_update, reset=False)
+            return
         async with self._get_lock():
             self._check_open()
             await self._start()
             self._apply_agent_update(agent_update)
+
+    async def stream(
+        self,
+        num_samples: int,
+        *,
+        fragments: bool = False,
+        agent_update: Any = None,
+        max_policy_lag: int | None = None,
+        buffer_size: int = 2,
+    ) -> AsyncIterator[EpisodeBatch]:
+        """Yield batches of at least ``num_samples`` transitions while sampling goes on.
+
+        Use it as ``async with contextlib.aclosing(sampler.stream(n)) as it: async for b in it``.
+        Sampling runs in a background task, at most ``buffer_size`` batches ahead of the
+        consumer: a slow consumer pauses the workers. Episodes in progress carry over from one
+        batch to the next (complete episodes only, unless ``fragments``). :meth:`update_agent`
+        takes effect at the next step; each episode records the agent version it started under,
+        and ``max_policy_lag=k`` drops episodes that started more than ``k`` versions before
+        the newest. Closing the stream stops the background sampling; batches buffered but
+        never yielded are dropped and not counted. Other calls wait until the stream closes.
+        """
+        num_samples = _quota("num_samples", num_samples)
+        buffer_size = _positive_int("buffer_size", buffer_size)
+        if max_policy_lag is not None:
+            if isinstance(max_policy_lag, bool) or not isinstance(
+                max_policy_lag, (int, np.integer)
+            ):
+                raise TypeError(
+                    f"max_policy_lag must be an int >= 0 or None, got {max_policy_lag!r}"
+                )
+            if max_policy_lag < 0:
+                raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
+        self._check_open()
+        self._check_agent_update(agent_update)
+        mode: Mode = "fragments" if fragments else "samples"
+        async with self._get_lock():
+            self._check_open()
+            await self._start()
+            if not fragments and not self._warned_endless:
+                self._warn_if_endless()
+            self._apply_agent_update(agent_update)
+            queue: asyncio.Queue[tuple[EpisodeBatch, SampleStats] | BaseException] = asyncio.Queue(
+                maxsize=buffer_size
+            )
+
+            async def produce() -> None:
+                first = True
+                try:
+                    while True:
+                        keep = not first
+                        result = await self._sample(
+                            mode,
+                            num_samples,
+                            keep_fragments=fragments and (keep or self._last_mode == "fragments"),
+                            keep_episodes=not fragments and keep,
+                            carry=not fragments,
+                        )
+                        self._last_mode = mode
+                        first = False
+                        await queue.put(result)
+                except asyncio.CancelledError:
+                    raise
+                except BaseException as exc:  # handed to the consumer, raised there
+                    await queue.put(exc)
+
+            self._streaming = True
+            producer = asyncio.ensure_future(produce())
+            try:
+                while True:
+                    parts: list[EpisodeBatch] = []
+                    stats: list[SampleStats] = []
+                    while sum(p.n_transitions for p in parts) < num_samples:
+                        item = await queue.get()
+                        if isinstance(item, BaseException):
+                            raise item
+                        batch, stat = item
+                        if max_policy_lag is not None:
+                            newest = max(w.agent_version for w in self.workers)
+                            fresh = batch.episode_infos["agent_version"] >= newest - max_policy_lag
+                            if not fresh.all():
+                                batch = batch.select(fresh)
+                        parts.append(batch)
+                        stats.append(stat)
+                    out = EpisodeBatch.concatenate(*parts) if len(parts) > 1 else parts[0]
+                    self._total_env_steps += out.n_transitions
+                    self.last_stats = _merge_stats(stats, out.n_transitions)
+                    yield out
+            finally:
+                self._streaming = False
+                producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)
+
+    async def evaluate(
+        self,
+        n_episodes: int = 10,
+        *,
+        agent: Agent | None = None,
+        env: EnvSource | None = None,
+        deterministic: bool = True,
+        render: bool = False,
+    ) -> Evaluation:
+        """Run ``n_episodes`` evaluation episodes on separate test envs.
+
+        The test envs (``env``, else the sampler's ``test_env``, else its training env) live in
+        their own env hosts on the same backend, so evaluating never disturbs the training
+        envs' episodes or seeds. With ``deterministic`` the agent is asked for deterministic
+        actions (``get_actions(obs, deterministic=True)`` or ``get_deterministic_actions``,
+        where it has them).
+
+        Args:
+            n_episodes: how many episodes.
+            agent: the agent to evaluate (default: worker 0's agent).
+            env: the test env (default: the sampler's ``test_env`` or training env).
+            deterministic: ask the agent for deterministic actions.
+            render: also return the ``rgb_array`` frames of the first episode (for a video).
+        """
+        n_episodes = _quota("n_episodes", n_episodes)
+        self._check_open()
+        source = env if env is not None else self._test_env
+        if source is None:
+            source = self._env_sources[0]
+            source = source[0] if isinstance(source, list) else source
+        _check_env_source(source, "env")
+        if agent is None:
+            if not self.workers:
+                await self.start()
+            agent = self.workers[0].agent
+        assert agent is not None
+        evaluator_agent: Agent = DeterministicAgent(agent) if deterministic else agent
+        key = (id(source), render)
+        evaluator = self._evaluators.get(key)
+        if evaluator is None:
+            evaluator = Sampler(
+                RenderingEnvFactory(source) if render else source,
+                evaluator_agent,
+                n_workers=1,
+                envs_per_worker=min(n_episodes, self.envs_per_worker * self.n_workers),
+                n_processes=1,
+                max_episode_length=self.max_episode_length,
+                seed=int(np.random.SeedSequence([self.seed, 1]).generate_state(1)[0]),
+                backend=self.backend_name,
+                step_timeout=self.step_timeout,
+                max_restarts=self.max_restarts,
+                backend_options=self._backend_options,
+            )
+            self._evaluators[key] = evaluator
+        batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
+        return Evaluation(
+            returns=batch.returns,
+            lengths=batch.lengths.copy(),
+            frames=frames_of_first_episode(batch) if render else None,
+            batch=batch,
+        )
 
     async def _call(
         self, mode: Mode, quota: int, agent_update: Any, env_update: Any
@@ -324,21 +505,63 @@ class Sampler:
                 await asyncio.gather(
                     *(w.update_env(u) for w, u in zip(self.workers, env_updates) if u is not None)
                 )
-            keep_fragments = mode == "fragments" and self._last_mode == "fragments"
+            keep = mode == "fragments" and self._last_mode == "fragments"
             self._last_mode = mode
-            batches = await self._gather(
-                [self._drive(w, mode, quota, keep_fragments) for w in self.workers]
-            )
-        parts = [b for b in batches if b is not None and b.n_episodes]
-        batch = EpisodeBatch.concatenate(*parts) if parts else batches[0] or _empty(self)
+            batch, stats = await self._sample(mode, quota, keep_fragments=keep)
         self._total_env_steps += batch.n_transitions
+        self.last_stats = stats
         return batch
+
+    async def _sample(
+        self,
+        mode: Mode,
+        quota: int,
+        *,
+        keep_fragments: bool = False,
+        keep_episodes: bool = False,
+        carry: bool = False,
+    ) -> tuple[EpisodeBatch, SampleStats]:
+        """Run every worker's share of one call and put the pieces together, worker-major.
+
+        ``keep_*`` continue what the previous call left running; ``carry`` leaves the episodes
+        still running at the end of this call (with their steps) for the next one.
+        """
+        start, restarts = time.perf_counter(), self.restarts
+        for worker in self.workers:
+            worker.finished.clear()
+        batches = await self._gather(
+            [
+                self._drive(w, mode, quota, keep_fragments, keep_episodes, carry)
+                for w in self.workers
+            ]
+        )
+        parts = [b for b in batches if b is not None and b.n_episodes]
+        if len(parts) == 1:
+            batch = parts[0]
+        elif parts:
+            batch = EpisodeBatch.concatenate(*parts)
+        else:
+            batch = next(b for b in batches if b is not None)
+        stats = SampleStats.collect(
+            [f for w in self.workers for f in w.finished],
+            transitions=batch.n_transitions,
+            seconds=time.perf_counter() - start,
+            agent_version=max(w.agent_version for w in self.workers),
+            restarts=self.restarts - restarts,
+        )
+        return batch, stats
 
     def _share(self, quota: int, worker: int) -> int:
         return quota // self.n_workers + (worker < quota % self.n_workers)
 
     async def _drive(
-        self, worker: Worker, mode: Mode, quota: int, keep_fragments: bool
+        self,
+        worker: Worker,
+        mode: Mode,
+        quota: int,
+        keep_fragments: bool,
+        keep_episodes: bool,
+        carry: bool,
     ) -> EpisodeBatch | None:
         """Run one worker's part of a call, rebuilding its host after failures."""
         w = worker.worker_number
@@ -347,6 +570,7 @@ class Sampler:
             return None
         worker.begin_call(
             keep_fragments=keep_fragments and not worker.broken,
+            keep_episodes=keep_episodes and not worker.broken,
             episodes=share if mode == "episodes" else None,
         )
         needs_recovery = worker.broken
@@ -357,7 +581,7 @@ class Sampler:
                     await worker.recover()
                     needs_recovery = False
                 if mode == "samples":
-                    return await worker.run_samples(share)
+                    return await worker.run_samples(share, keep_episodes=carry)
                 if mode == "episodes":
                     return await worker.run_episodes()
                 return await worker.run_fragments(share)
@@ -417,24 +641,20 @@ class Sampler:
         agents = [w.agent for w in self.workers] if self.workers else self._agents
         return len({id(a) for a in agents}) < len(agents)
 
-    def _apply_agent_update(self, agent_update: Any) -> None:
+    def _apply_agent_update(self, agent_update: Any, *, reset: bool = True) -> None:
         if agent_update is None:
             return
         if isinstance(agent_update, list):
             for worker, update in zip(self.workers, agent_update):
-                worker.update_agent(update)
+                worker.update_agent(update, reset=reset)
             return
-        if isinstance(agent_update, _PARAMS):
-            seen: set[int] = set()
-            for worker in self.workers:
-                if id(worker.agent) not in seen:
-                    seen.add(id(worker.agent))
-                    worker.update_agent(agent_update)
-                else:
-                    worker.update_agent(agent_update, apply=False)
-            return
+        seen: set[int] = set()
         for worker in self.workers:
-            worker.update_agent(agent_update)
+            # Parameters go to each distinct agent once; every worker bumps its version.
+            first = id(worker.agent) not in seen
+            seen.add(id(worker.agent))
+            apply = first or not isinstance(agent_update, _PARAMS)
+            worker.update_agent(agent_update, apply=apply, reset=reset)
 
     def _check_env_update(self, env_update: Any) -> list[Any] | None:
         if env_update is None:
@@ -599,5 +819,29 @@ async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _empty(sampler: Sampler) -> EpisodeBatch:
-    raise AssertionError("a call with a quota >= 1 returns at least one episode")
+def _merge_stats(stats: list[SampleStats], transitions: int) -> SampleStats:
+    """The statistics of several sampling rounds that made one streamed batch."""
+    if len(stats) == 1 and stats[0].transitions == transitions:
+        return stats[0]
+    episodes = sum(s.episodes for s in stats)
+    seconds = sum(s.seconds for s in stats)
+    weighted = [s for s in stats if s.episodes]
+
+    def mean(attr: str) -> float:
+        if not weighted:
+            return float("nan")
+        return sum(getattr(s, attr) * s.episodes for s in weighted) / episodes
+
+    return SampleStats(
+        transitions=transitions,
+        episodes=episodes,
+        mean_return=mean("mean_return"),
+        max_return=max((s.max_return for s in weighted), default=float("nan")),
+        min_return=min((s.min_return for s in weighted), default=float("nan")),
+        mean_length=mean("mean_length"),
+        max_length=max((s.max_length for s in stats), default=0),
+        seconds=seconds,
+        steps_per_second=transitions / seconds if seconds > 0 else 0.0,
+        agent_version=max(s.agent_version for s in stats),
+        restarts=sum(s.restarts for s in stats),
+    )

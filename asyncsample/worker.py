@@ -78,6 +78,24 @@ class _Rows:
         self.size = 0
         self.env_infos = {}
 
+    def drop_before(self, start: int) -> None:
+        """Forget rows before ``start``, moving the rest to the front (episodes in progress)."""
+        n = self.size - start
+        if start == 0:
+            return
+        if n > 0:
+
+            def shift(a: np.ndarray) -> None:
+                a[:n] = a[start : self.size]  # numpy copies overlapping ranges correctly
+
+            tree_map(shift, self.obs)
+            tree_map(shift, self.actions)
+            shift(self.rewards)
+            for column in self.agent_infos.values():
+                shift(column)
+        self.env_infos = {t - start: v for t, v in self.env_infos.items() if t >= start}
+        self.size = max(n, 0)
+
     def next_row(self, obs: Tree, actions_like: Tree) -> int:
         t = self.size
         if t >= self.capacity:
@@ -158,6 +176,9 @@ class Worker:
         self._seeds: WorkerSeeds | None = None
         self._chains: list[list[EnvSource]] = []
         self._lengths = np.zeros(n_envs, dtype=np.int64)
+        self._returns = np.zeros(n_envs, dtype=np.float64)
+        self.finished: list[tuple[float, int, int]] = []
+        """(return, length, agent version) of every episode completed since the sampler read it."""
         self._needs_reset = np.ones(n_envs, dtype=bool)
         self._active = np.ones(n_envs, dtype=bool)
         self._piece_start = np.zeros(n_envs, dtype=np.int64)
@@ -216,12 +237,13 @@ class Worker:
 
     # -- garage's interface ------------------------------------------------------------------
 
-    def update_agent(self, agent_update: Any, *, apply: bool = True) -> None:
+    def update_agent(self, agent_update: Any, *, apply: bool = True, reset: bool = True) -> None:
         """Apply an agent update: parameters (dict, tuple, ndarray) or a new agent.
 
-        ``None`` keeps the agent. Any other update bumps :attr:`agent_version` and makes the
-        next call start fresh episodes. ``apply=False`` only bumps the version (the sampler
-        sets the parameters of a shared agent once for all workers).
+        ``None`` keeps the agent. Any other update bumps :attr:`agent_version` and, unless
+        ``reset`` is false (updates during a stream), makes the next call start fresh episodes.
+        ``apply=False`` only bumps the version (the sampler sets the parameters of a shared
+        agent once for all workers).
         """
         if agent_update is None:
             return
@@ -238,7 +260,8 @@ class Worker:
             else:
                 self.agent = agent_update
         self.agent_version += 1
-        self._needs_reset |= self._lengths > 0
+        if reset:
+            self._needs_reset |= self._lengths > 0
 
     async def update_env(self, env_update: Any) -> None:
         """Apply an env update (one for all envs, or a list of exactly ``n_envs``)."""
@@ -261,6 +284,7 @@ class Worker:
             infos = await self.host.reset(mask)
             self._needs_reset &= ~mask
             self._lengths[mask] = 0
+            self._returns[mask] = 0.0
             for i, info in infos.items():
                 self._episode_info[i] = info
             self._reset_agent(mask)
@@ -291,6 +315,7 @@ class Worker:
         if infos.env_infos is not None:
             rows.env_infos[t] = infos.env_infos
         self._lengths[active] += 1
+        self._returns[active] += buffers.rewards[active]
         done = buffers.terminated | buffers.truncated
         done &= active
         if self._records_transitions:
@@ -301,6 +326,14 @@ class Worker:
             end = StepType.TERMINAL if buffers.terminated[i] else StepType.TIMEOUT
             last = tree_map(lambda x, i=i: x[i].copy(), buffers.final_obs)
             self._close_piece(i, t + 1, end, last)
+            self.finished.append(
+                (
+                    float(self._returns[i]),
+                    int(self._lengths[i]),
+                    int(self._episode_info[i]["agent_version"]),
+                )
+            )
+            self._returns[i] = 0.0
             self._episode_info[i] = self._fresh_info(infos.reset_infos.get(i, {}), i)
             self._lengths[i] = 0
             self._piece_position[i] = 0
@@ -370,22 +403,33 @@ class Worker:
     # recover() and the same plan again, which resumes: episodes completed before the failure
     # are kept, the ones in progress are dropped and redone.
 
-    def begin_call(self, *, keep_fragments: bool = False, episodes: int | None = None) -> None:
+    def begin_call(
+        self,
+        *,
+        keep_fragments: bool = False,
+        keep_episodes: bool = False,
+        episodes: int | None = None,
+    ) -> None:
         """Prepare a sampler call.
 
         Args:
             keep_fragments: let episodes left running by the previous ``obtain_fragments`` call
                 continue (any other call resets them).
+            keep_episodes: let episodes left running by the previous call continue, their
+                steps so far kept (a stream of complete episodes).
             episodes: for ``obtain_exact_episodes``, how many episodes this worker must return.
         """
         if self._in_call:
             # The previous call was cancelled or failed midway: nothing of it may leak.
-            keep_fragments = False
+            keep_fragments = keep_episodes = False
             self._needs_reset[:] = True
-        if not keep_fragments:
+        if not (keep_fragments or keep_episodes):
             self._needs_reset |= self._lengths > 0
         self._in_call = True
-        self._rows.clear()
+        if not keep_episodes:
+            self._rows.clear()
+            self._piece_start[:] = 0
+            self._piece_position[:] = self._lengths
         self._pieces = []
         self._completed_steps = 0
         self._steps_left = None
@@ -397,15 +441,17 @@ class Worker:
                 [episodes // e + (i < episodes % e) for i in range(e)], dtype=np.int64
             )
             self._active[:] = self._episodes_left > 0
-        self._piece_start[:] = 0
-        self._piece_position[:] = self._lengths
 
-    async def run_samples(self, share: int) -> EpisodeBatch:
-        """Complete episodes until their lengths reach ``share``; discard the rest."""
+    async def run_samples(self, share: int, *, keep_episodes: bool = False) -> EpisodeBatch:
+        """Complete episodes until their lengths reach ``share``.
+
+        Episodes still running are discarded, or with ``keep_episodes`` carried over (with
+        their steps so far) to the next call.
+        """
         await self.start_episode()
         while self._completed_steps < share:
             await self.step_episode()
-        return self._end_call(self.collect_episode())
+        return self._end_call(self.collect_episode(), keep_episodes=keep_episodes)
 
     async def run_episodes(self) -> EpisodeBatch:
         """Run every env until it has completed its fixed share of the call's episodes."""
@@ -437,6 +483,7 @@ class Worker:
         self._broken = False
         self._needs_reset[:] = True
         self._lengths[:] = 0
+        self._returns[:] = 0.0
         if self._steps_left is not None:
             # Redo the steps lost with the dropped fragments, so the call still returns its share.
             missing = max(self._share - self._completed_steps, 0)
@@ -451,10 +498,21 @@ class Worker:
         """Note that the host failed; the next call rebuilds it before stepping."""
         self._broken = True
 
-    def _end_call(self, batch: EpisodeBatch, *, keep_fragments: bool = False) -> EpisodeBatch:
-        if not keep_fragments:
-            self._needs_reset |= self._lengths > 0
-        self._rows.clear()
+    def _end_call(
+        self,
+        batch: EpisodeBatch,
+        *,
+        keep_fragments: bool = False,
+        keep_episodes: bool = False,
+    ) -> EpisodeBatch:
+        if keep_episodes:
+            start = int(self._piece_start.min())
+            self._rows.drop_before(start)
+            self._piece_start -= start
+        else:
+            if not keep_fragments:
+                self._needs_reset |= self._lengths > 0
+            self._rows.clear()
         self._episodes_left = None
         self._steps_left = None
         self._active[:] = True

@@ -1,0 +1,225 @@
+"""Streaming, per-call statistics and evaluation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from envs import SCRIPT, GridWorldEnv, NoisyEnv, ParamAgent, ScriptedAgent
+
+from asyncsample import EpisodeBatch, Sampler, StepType
+
+pytestmark = pytest.mark.timeout(60)
+
+SCRIPTED_OBS = [0, 1, 2, 6, 10, 14]
+
+
+@pytest.fixture(params=["local", "process"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def make(backend: str, env: Any = None, agent: Any = None, **kwargs: Any) -> Sampler:
+    kwargs.setdefault("n_processes", 2)
+    return Sampler(env or functools.partial(GridWorldEnv, "4x4"), agent, backend=backend, **kwargs)
+
+
+class CountingAgent(ParamAgent):
+    """Counts the steps it is asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def get_actions(self, observations: np.ndarray):
+        self.calls += 1
+        return super().get_actions(observations)
+
+
+async def test_stream_yields_whole_episodes_that_span_rounds(backend: str) -> None:
+    async with make(backend, agent=ScriptedAgent(), n_workers=2, envs_per_worker=2) as s:
+        seen = 0
+        async with contextlib.aclosing(s.stream(10)) as batches:
+            async for batch in batches:
+                assert batch.n_transitions >= 10
+                for ep in batch.split():
+                    # A quota of 5 per worker cuts episodes of 6 steps: they carry over whole.
+                    assert ep.observations.tolist() == SCRIPTED_OBS
+                    assert StepType(ep.step_types[0]) == StepType.FIRST
+                    assert StepType(ep.step_types[-1]) == StepType.TERMINAL
+                seen += 1
+                if seen == 5:
+                    break
+        assert s.total_env_steps == 5 * 24  # 2 workers x 2 envs x 6 steps, every round
+        # After the stream the sampler is free again.
+        batch = await s.obtain_samples(12)
+    assert batch.n_transitions >= 12
+
+
+async def test_stream_fragments_continue(backend: str) -> None:
+    async with make(backend, agent=ScriptedAgent(), n_workers=1, envs_per_worker=1) as s:
+        observations: list[int] = []
+        async with contextlib.aclosing(s.stream(4, fragments=True)) as batches:
+            async for batch in batches:
+                observations.extend(batch.observations.tolist())
+                if len(observations) >= 12:
+                    break
+    assert observations[:12] == SCRIPTED_OBS * 2
+
+
+async def test_agent_updates_during_stream_take_effect_and_are_tagged(backend: str) -> None:
+    agent = ParamAgent()
+    left = np.zeros(16, dtype=np.int64)  # always 'left': stuck in cell 0 until truncated
+    async with make(backend, agent=[agent], n_workers=1, max_episode_length=6) as s:
+        versions: list[int] = []
+        async with contextlib.aclosing(s.stream(6)) as batches:
+            async for batch in batches:
+                versions.extend(batch.episode_infos["agent_version"].tolist())
+                if batch.episode_infos["agent_version"].max() >= 1:
+                    # The episodes of the new version follow the new parameters.
+                    new = batch.select(batch.episode_infos["agent_version"] >= 1)
+                    assert set(new.observations.tolist()) == {0}
+                    break
+                await s.update_agent(left)
+    assert versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions)
+
+
+async def test_max_policy_lag_drops_stale_episodes(backend: str) -> None:
+    agent = CountingAgent()
+    async with make(backend, agent=[agent], n_workers=1, envs_per_worker=4) as s:
+        async with contextlib.aclosing(s.stream(6, max_policy_lag=0, buffer_size=3)) as it:
+            first = await anext(it)
+            assert first.episode_infos["agent_version"].tolist() == [0] * first.n_episodes
+            await asyncio.sleep(0.05)  # let batches of version 0 pile up in the buffer
+            await s.update_agent(np.asarray(SCRIPT))
+            second = await anext(it)
+    assert set(second.episode_infos["agent_version"].tolist()) == {1}
+
+
+async def test_slow_consumer_pauses_sampling_and_closing_stops_it(backend: str) -> None:
+    agent = CountingAgent()
+    async with make(backend, agent=[agent], n_workers=1, envs_per_worker=2) as s:
+        async with contextlib.aclosing(s.stream(12, buffer_size=2)) as it:
+            await anext(it)
+            await asyncio.sleep(0.3)  # a slow consumer
+            calls = agent.calls
+            # One yielded, two buffered, one being produced: about four rounds of 6 steps.
+            assert calls <= 5 * 6
+            await asyncio.sleep(0.1)
+            assert agent.calls == calls  # paused, not sampling into memory
+        stopped = agent.calls
+        await asyncio.sleep(0.1)
+        assert agent.calls == stopped
+        assert s.total_env_steps == 12
+
+
+async def test_calls_wait_for_an_open_stream() -> None:
+    async with make("local", agent=ScriptedAgent(), n_workers=1) as s:
+        order: list[str] = []
+        async with contextlib.aclosing(s.stream(6)) as it:
+            await anext(it)
+            call = asyncio.ensure_future(s.obtain_samples(6))
+            await asyncio.sleep(0.05)
+            assert not call.done()
+            order.append("stream closed")
+        batch = await call
+        order.append("call done")
+    assert order == ["stream closed", "call done"]
+    assert batch.n_transitions == 6
+
+
+async def test_stream_argument_errors() -> None:
+    async with make("local", agent=ScriptedAgent()) as s:
+        with pytest.raises(ValueError, match="num_samples must be >= 1"):
+            await anext(s.stream(0))
+        with pytest.raises(ValueError, match="max_policy_lag must be >= 0"):
+            await anext(s.stream(5, max_policy_lag=-1))
+        with pytest.raises(TypeError, match="buffer_size must be an int"):
+            await anext(s.stream(5, buffer_size=1.5))  # type: ignore[arg-type]
+
+
+async def test_stats_beside_each_batch(backend: str) -> None:
+    async with make(backend, env=NoisyEnv, n_workers=2, envs_per_worker=2, seed=4,
+                    max_episode_length=30) as s:
+        batch = await s.obtain_exact_episodes(5)
+        stats = s.last_stats
+        assert stats is not None
+        assert stats.episodes == batch.n_episodes == 10
+        assert stats.transitions == batch.n_transitions
+        assert math.isclose(stats.mean_return, float(batch.returns.mean()))
+        assert math.isclose(stats.max_return, float(batch.returns.max()))
+        assert stats.max_length == batch.lengths.max()
+        assert stats.mean_length == pytest.approx(batch.lengths.mean())
+        assert stats.steps_per_second > 0 and stats.seconds > 0
+        assert stats.agent_version == 0 and stats.restarts == 0
+        # Fragments: episodes finished during the call are counted whole.
+        await s.obtain_fragments(40)
+        frag_stats = s.last_stats
+        assert frag_stats is not None and frag_stats.transitions == 40
+        assert set(frag_stats.as_dict()) >= {"episodes", "mean_return", "steps_per_second"}
+
+
+class FrameEnv(GridWorldEnv):
+    """A grid world that renders a tiny rgb_array frame showing its cell."""
+
+    render_mode = "rgb_array"
+
+    def render(self) -> np.ndarray:
+        frame = np.zeros((4, 4, 3), dtype=np.uint8)
+        frame[divmod(self.state, 4)] = 255
+        return frame
+
+
+class MaybeGreedy(ScriptedAgent):
+    """Scripted when asked for deterministic actions, always 'left' otherwise."""
+
+    def get_actions(self, observations: np.ndarray, deterministic: bool = False):
+        if deterministic:
+            return super().get_actions(observations)
+        return np.zeros(len(observations), dtype=np.int64), {}
+
+
+async def test_evaluate_on_test_envs(backend: str) -> None:
+    async with make(backend, env=FrameEnv, agent=MaybeGreedy(), n_workers=2,
+                    max_episode_length=8) as s:
+        result = await s.evaluate(4)
+        assert result.returns.tolist() == [1.0] * 4
+        assert result.lengths.tolist() == [6] * 4
+        assert result.frames is None
+        explore = await s.evaluate(2, deterministic=False)
+        assert explore.returns.tolist() == [0.0, 0.0]  # stuck in cell 0 until truncated
+        video = await s.evaluate(1, render=True)
+        assert video.frames is not None
+        assert video.frames.shape == (7, 4, 4, 3)
+        assert video.frames[0][0, 0].tolist() == [255, 255, 255]  # the start cell
+        assert video.frames[-1][3, 3].tolist() == [255, 255, 255]  # the goal cell
+        # Evaluation never touched the training envs' data.
+        assert s.total_env_steps == 0
+    assert s.closed
+
+
+def test_evaluation_render_needs_rgb_array() -> None:
+    from asyncsample.evaluation import RenderingEnvFactory
+
+    with pytest.raises(ValueError, match="render_mode 'rgb_array'"):
+        RenderingEnvFactory(NoisyEnv)()
+    assert isinstance(RenderingEnvFactory(FrameEnv)(), gym.Wrapper)
+
+
+def test_batch_select_keeps_chosen_episodes() -> None:
+    async def sample() -> EpisodeBatch:
+        async with make("local", env=NoisyEnv, n_workers=1, envs_per_worker=3, seed=2,
+                        max_episode_length=20) as s:
+            return await s.obtain_exact_episodes(4)
+
+    batch = asyncio.run(sample())
+    chosen = batch.select([1, 3])
+    assert chosen.lengths.tolist() == batch.lengths[[1, 3]].tolist()
+    assert chosen.split()[1].equals(batch.split()[3])
