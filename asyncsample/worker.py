@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample._action_check import make_action_check
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import Agent, get_actions
 from asyncsample.backends.base import EnvHost
@@ -192,6 +193,7 @@ class Worker:
         self._rows = _Rows(n_envs)
         self._in_call = False
         self._broken = False
+        self._action_check: Callable[[Any], np.ndarray] | None = None
         self._records_transitions = type(self).process_transition is not Worker.process_transition
 
     def __getstate__(self) -> None:
@@ -217,6 +219,7 @@ class Worker:
         """
         self.host = host
         self.env_spec = env_spec
+        self._action_check = make_action_check(env_spec.action_space)
         self.agent = agent
         self._seeds = seeds
         sources = self._per_env(env, "env")
@@ -551,7 +554,7 @@ class Worker:
         if isinstance(expected, np.ndarray):
             actions = np.asarray(actions)
             if actions.shape == expected.shape:
-                return actions
+                return self._check_action_values(actions)
             pairs = [(actions, expected)]
         else:
             actions = tree_map(np.asarray, actions)
@@ -570,6 +573,21 @@ class Worker:
                     f"{self.env_spec.action_space if self.env_spec else ''} has shape "
                     f"{want.shape[1:]}"
                 )
+        return self._check_action_values(actions)
+
+    def _check_action_values(self, actions: Tree) -> Tree:
+        if self._action_check is None:
+            return actions
+        bad = self._action_check(actions)
+        if len(bad):
+            i = int(bad[0])
+            value = tree_map(lambda a: a[i], actions)
+            raise ValueError(
+                f"action: the agent of worker {self.worker_number} returned an action outside "
+                f"the action space {self.env_spec.action_space if self.env_spec else ''} for "
+                f"env {i}: {value!r}. Clip or map the agent's actions in "
+                "Worker.compute_actions if the policy is unbounded."
+            )
         return actions
 
     def _store_agent_infos(self, t: int, agent_infos: dict[str, Any]) -> None:

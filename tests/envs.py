@@ -187,15 +187,40 @@ class SleepyEnv(NoisyEnv):
 
 
 class KillSelfEnv(NoisyEnv):
-    """SIGKILLs its own process at the ``kill_at``-th step (a segfault or the OOM killer)."""
+    """SIGKILLs its own process at its ``kill_at``-th step (a segfault or the OOM killer).
 
-    def __init__(self, kill_at: int = 20) -> None:
+    With a ``flag`` path it does so only once (the first env to get there creates the file).
+    """
+
+    def __init__(self, kill_at: int = 20, flag: str | None = None) -> None:
         super().__init__()
         self.kill_at = kill_at
+        self.flag = flag
         self.steps = 0
 
     def step(self, action: Any):
         self.steps += 1
-        if self.steps == self.kill_at:
+        if self.steps == self.kill_at and not (self.flag and os.path.exists(self.flag)):
+            if self.flag:
+                open(self.flag, "w").close()
             os.kill(os.getpid(), 9)
+        return super().step(action)
+
+
+class HangingEnv(NoisyEnv):
+    """Hangs (sleeps ``seconds``) in its ``hang_at``-th step; once if given a ``flag`` path."""
+
+    def __init__(self, hang_at: int = 10, seconds: float = 3600.0, flag: str | None = None) -> None:
+        super().__init__()
+        self.hang_at = hang_at
+        self.seconds = seconds
+        self.flag = flag
+        self.steps = 0
+
+    def step(self, action: Any):
+        self.steps += 1
+        if self.steps == self.hang_at and not (self.flag and os.path.exists(self.flag)):
+            if self.flag:
+                open(self.flag, "w").close()
+            time.sleep(self.seconds)
         return super().step(action)

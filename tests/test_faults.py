@@ -1,0 +1,344 @@
+"""Faults and exits: crashes, hangs, cancellation, interrupts, garbage collection, exit.
+
+After each, no child process and no new /dev/shm entry may remain, and no half-made episode may
+be returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from envs import (
+    GridWorldEnv,
+    HangingEnv,
+    KillSelfEnv,
+    NoisyEnv,
+    ScriptedAgent,
+    SleepyEnv,
+)
+
+from asyncsample import (
+    EpisodeBatch,
+    Sampler,
+    StepTimeoutError,
+    StepType,
+    WorkerCrashedError,
+    WorkerError,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+SCRIPTED_OBS = [0, 1, 2, 6, 10, 14]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def children() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def host_processes() -> list[psutil.Process]:
+    """Env-host processes of this test process.
+
+    multiprocessing's forkserver and resource tracker are per-interpreter singletons that live
+    until the interpreter exits; the hosts are the forkserver's children.
+    """
+    out = []
+    for child in children():
+        try:
+            cmd = " ".join(child.cmdline())
+            direct = child.ppid() == os.getpid()
+        except psutil.Error:
+            continue
+        if direct and ("forkserver" in cmd or "resource_tracker" in cmd):
+            continue
+        out.append(child)
+    return [c for c in out if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and not _zombie(p)]
+        time.sleep(0.05)
+    return alive
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+@pytest.fixture
+def no_leaks():
+    """Fail the test if it leaves an env host or a /dev/shm entry behind."""
+    before_shm = shm_entries()
+    before = {p.pid for p in host_processes()}
+    yield
+    gc.collect()
+    leaked = [p.pid for p in host_processes() if p.pid not in before]
+    assert wait_gone(leaked) == [], "env-host processes outlived the test"
+    assert shm_entries() - before_shm == set(), "shared-memory segments outlived the test"
+
+
+def assert_complete(batch: EpisodeBatch) -> None:
+    for ep in batch.split():
+        assert StepType(ep.step_types[-1]) in (StepType.TERMINAL, StepType.TIMEOUT)
+        first = StepType(ep.step_types[0])
+        assert first == StepType.FIRST or (ep.lengths[0] == 1 and first != StepType.MID)
+
+
+def per_worker(batch: EpisodeBatch, n_workers: int) -> list[int]:
+    workers = batch.episode_infos["worker"]
+    return [int(batch.lengths[workers == w].sum()) for w in range(n_workers)]
+
+
+async def test_killed_host_is_restarted_and_quota_met(tmp_path: Path, no_leaks: None) -> None:
+    env = functools.partial(KillSelfEnv, 15, str(tmp_path / "killed"))
+    async with Sampler(env, n_workers=2, envs_per_worker=2, n_processes=2, seed=0,
+                       max_episode_length=40) as s:
+        start = time.monotonic()
+        batch = await s.obtain_samples(400)
+        assert time.monotonic() - start < 20  # noticed at once, not after a timeout
+        assert s.restarts >= 1
+        assert s.last_stats is not None and s.last_stats.restarts == s.restarts
+    assert (tmp_path / "killed").exists()
+    assert all(total >= 200 for total in per_worker(batch, 2))
+    assert_complete(batch)
+
+
+async def test_external_sigkill_mid_call(no_leaks: None) -> None:
+    env = functools.partial(SleepyEnv, 0.002)
+    async with Sampler(env, n_workers=2, n_processes=2, seed=0, max_episode_length=30) as s:
+        await s.obtain_samples(20)
+        call = asyncio.ensure_future(s.obtain_samples(600))
+        await asyncio.sleep(0.2)
+        victims = host_processes()
+        assert victims
+        os.kill(victims[0].pid, signal.SIGKILL)
+        batch = await call
+        assert s.restarts >= 1
+    assert all(total >= 300 for total in per_worker(batch, 2))
+    assert_complete(batch)
+
+
+async def test_crash_past_the_budget_reaches_the_caller(no_leaks: None) -> None:
+    env = functools.partial(KillSelfEnv, 3)  # every new env kills its host again
+    s = Sampler(env, n_workers=2, n_processes=2, max_restarts=2, max_episode_length=20)
+    try:
+        with pytest.raises(WorkerCrashedError, match=r"worker \d") as info:
+            await s.obtain_samples(100)
+        assert isinstance(info.value, WorkerError)
+        assert s.restarts >= 2
+    finally:
+        await s.aclose()
+    assert s.closed
+
+
+async def test_hanging_env_times_out_and_is_replaced(tmp_path: Path, no_leaks: None) -> None:
+    env = functools.partial(HangingEnv, 8, 3600.0, str(tmp_path / "hung"))
+    async with Sampler(env, n_workers=2, n_processes=2, step_timeout=0.5, seed=1,
+                       max_episode_length=25) as s:
+        start = time.monotonic()
+        batch = await s.obtain_samples(200)
+        assert time.monotonic() - start < 20
+        assert s.restarts >= 1
+    assert all(total >= 100 for total in per_worker(batch, 2))
+    assert_complete(batch)
+
+
+async def test_hanging_env_past_the_budget(no_leaks: None) -> None:
+    env = functools.partial(HangingEnv, 2, 3600.0)
+    async with Sampler(env, n_workers=1, n_processes=1, step_timeout=0.3, max_restarts=1,
+                       max_episode_length=25) as s:
+        with pytest.raises(StepTimeoutError, match="worker 0") as info:
+            await s.obtain_samples(50)
+        assert isinstance(info.value, TimeoutError)
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+async def test_cancellation_at_any_moment_leaves_the_sampler_usable(
+    backend: str, no_leaks: None
+) -> None:
+    rng = random.Random(0)
+
+    class SlowScripted(ScriptedAgent):
+        async def get_actions(self, observations):  # type: ignore[override]
+            await asyncio.sleep(0.0005)
+            return super().get_actions(observations)
+
+    async with Sampler(functools.partial(GridWorldEnv, "4x4"), SlowScripted(), n_workers=3,
+                       envs_per_worker=2, backend=backend, n_processes=2) as s:
+        for i in range(12):
+            call = [s.obtain_samples, s.obtain_fragments, s.obtain_exact_episodes][i % 3]
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(rng.uniform(0.0, 0.03)):
+                    await call(10_000)
+            batch = await s.obtain_samples(36)
+            for ep in batch.split():
+                assert ep.observations.tolist() == SCRIPTED_OBS
+            frags = await s.obtain_fragments(12)
+            assert frags.observations.tolist()[:2] == [0, 1]  # fresh episodes, nothing leaked
+        assert s.total_env_steps > 0
+
+
+async def test_cancelled_task_does_not_leak_steps_into_next_call(no_leaks: None) -> None:
+    async def run(cancel: bool) -> EpisodeBatch:
+        async with Sampler(NoisyEnv, n_workers=2, envs_per_worker=2, n_processes=2, seed=5,
+                           max_episode_length=20) as s:
+            if cancel:
+                task = asyncio.ensure_future(s.obtain_samples(100_000))
+                await asyncio.sleep(0.05)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            return await s.obtain_exact_episodes(3)
+
+    batch = await run(cancel=True)
+    assert batch.n_episodes == 6
+    assert_complete(batch)
+    assert batch.episode_infos["worker"].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+async def test_many_tasks_each_get_a_valid_batch(no_leaks: None) -> None:
+    async with Sampler(functools.partial(GridWorldEnv, "4x4"), ScriptedAgent(), n_workers=2,
+                       envs_per_worker=2, n_processes=2) as s:
+        calls = [s.obtain_samples(12 + i) for i in range(10)]
+        calls += [s.obtain_exact_episodes(2) for _ in range(5)]
+        results = await asyncio.gather(*calls)
+    for batch in results:
+        for ep in batch.split():
+            assert ep.observations.tolist() == SCRIPTED_OBS
+    assert [r.n_episodes for r in results[10:]] == [4] * 5
+
+
+async def test_actions_outside_the_action_space() -> None:
+    class OutOfRange:
+        def get_actions(self, observations):
+            return np.full(len(observations), 7), {}
+
+    async with Sampler(functools.partial(GridWorldEnv, "4x4"), OutOfRange(),
+                       backend="local") as s:
+        with pytest.raises(ValueError, match=r"action.*worker 0.*outside the action space.*env 0"):
+            await s.obtain_samples(10)
+        assert s.total_env_steps == 0
+        await s.obtain_samples(6, agent_update=ScriptedAgent())  # still usable
+
+
+async def test_agent_returning_wrong_shape() -> None:
+    class WrongShape:
+        def get_actions(self, observations):
+            return np.zeros((len(observations), 2), dtype=np.int64), {}
+
+    async with Sampler(functools.partial(GridWorldEnv, "4x4"), WrongShape(), backend="local") as s:
+        with pytest.raises(ValueError, match=r"action.*shape \(2,\) per env"):
+            await s.obtain_samples(10)
+
+
+async def test_unclosed_sampler_warns_and_cleans_up_when_collected(no_leaks: None) -> None:
+    s = Sampler(NoisyEnv, n_workers=2, n_processes=2, max_episode_length=10)
+    await s.obtain_samples(20)
+    pids = [p.pid for p in host_processes()]
+    assert pids
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        del s
+        gc.collect()
+    assert wait_gone(pids) == []
+
+
+def run_script(code: str, *, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+SCRIPT_HEAD = """
+import asyncio, os, psutil, signal, sys
+import cloudpickle, envs
+cloudpickle.register_pickle_by_value(envs)
+from asyncsample import Sampler
+
+def hosts():
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+"""
+
+
+def test_interpreter_exit_without_aclose() -> None:
+    before = shm_entries()
+    result = run_script(SCRIPT_HEAD + """
+async def main():
+    s = Sampler(envs.NoisyEnv, n_workers=2, n_processes=2, max_episode_length=10)
+    await s.obtain_samples(20)
+    print(" ".join(map(str, hosts())), flush=True)
+asyncio.run(main())  # returns without aclose(): the interpreter exits with hosts running
+""")
+    assert result.returncode == 0, result.stderr
+    pids = [int(p) for p in result.stdout.split()]
+    assert pids
+    assert wait_gone(pids) == []
+    assert shm_entries() - before == set()
+
+
+def test_keyboard_interrupt_in_the_middle_of_sampling() -> None:
+    before = shm_entries()
+    result = run_script(SCRIPT_HEAD + """
+async def main():
+    env = lambda: envs.SleepyEnv(0.001)
+    async with Sampler(env, n_workers=2, n_processes=2, max_episode_length=50) as s:
+        await s.obtain_samples(10)
+        print(" ".join(map(str, hosts())), flush=True)
+        asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGINT)
+        await s.obtain_samples(10**7)
+try:
+    asyncio.run(main())
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+""")
+    lines = result.stdout.split("\n")
+    assert "interrupted" in result.stdout, result.stderr
+    pids = [int(p) for p in lines[0].split()]
+    assert pids
+    assert wait_gone(pids) == []
+    assert shm_entries() - before == set()
+
+
+def test_parent_killed_takes_its_hosts_along() -> None:
+    result = run_script(SCRIPT_HEAD + """
+async def main():
+    env = lambda: envs.HangingEnv(3, 3600.0)  # the hosts are stuck in an env step
+    s = Sampler(env, n_workers=2, n_processes=2, max_episode_length=50)
+    await s.start()
+    print(" ".join(map(str, hosts())), flush=True)
+    task = asyncio.ensure_future(s.obtain_samples(100))
+    await asyncio.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+asyncio.run(main())
+""")
+    assert result.returncode == -signal.SIGKILL
+    pids = [int(p) for p in result.stdout.split()]
+    assert pids
+    assert wait_gone(pids) == []
