@@ -114,8 +114,9 @@ def per_worker(batch: EpisodeBatch, n_workers: int) -> list[int]:
 
 async def test_killed_host_is_restarted_and_quota_met(tmp_path: Path, no_leaks: None) -> None:
     env = functools.partial(KillSelfEnv, 15, str(tmp_path / "killed"))
-    async with Sampler(env, n_workers=2, envs_per_worker=2, n_processes=2, seed=0,
-                       max_episode_length=40) as s:
+    async with Sampler(
+        env, n_workers=2, envs_per_worker=2, n_processes=2, seed=0, max_episode_length=40
+    ) as s:
         start = time.monotonic()
         batch = await s.obtain_samples(400)
         assert time.monotonic() - start < 20  # noticed at once, not after a timeout
@@ -156,8 +157,9 @@ async def test_crash_past_the_budget_reaches_the_caller(no_leaks: None) -> None:
 
 async def test_hanging_env_times_out_and_is_replaced(tmp_path: Path, no_leaks: None) -> None:
     env = functools.partial(HangingEnv, 8, 3600.0, str(tmp_path / "hung"))
-    async with Sampler(env, n_workers=2, n_processes=2, step_timeout=0.5, seed=1,
-                       max_episode_length=25) as s:
+    async with Sampler(
+        env, n_workers=2, n_processes=2, step_timeout=0.5, seed=1, max_episode_length=25
+    ) as s:
         start = time.monotonic()
         batch = await s.obtain_samples(200)
         assert time.monotonic() - start < 20
@@ -168,8 +170,9 @@ async def test_hanging_env_times_out_and_is_replaced(tmp_path: Path, no_leaks: N
 
 async def test_hanging_env_past_the_budget(no_leaks: None) -> None:
     env = functools.partial(HangingEnv, 2, 3600.0)
-    async with Sampler(env, n_workers=1, n_processes=1, step_timeout=0.3, max_restarts=1,
-                       max_episode_length=25) as s:
+    async with Sampler(
+        env, n_workers=1, n_processes=1, step_timeout=0.3, max_restarts=1, max_episode_length=25
+    ) as s:
         with pytest.raises(StepTimeoutError, match="worker 0") as info:
             await s.obtain_samples(50)
         assert isinstance(info.value, TimeoutError)
@@ -186,8 +189,14 @@ async def test_cancellation_at_any_moment_leaves_the_sampler_usable(
             await asyncio.sleep(0.0005)
             return super().get_actions(observations)
 
-    async with Sampler(functools.partial(GridWorldEnv, "4x4"), SlowScripted(), n_workers=3,
-                       envs_per_worker=2, backend=backend, n_processes=2) as s:
+    async with Sampler(
+        functools.partial(GridWorldEnv, "4x4"),
+        SlowScripted(),
+        n_workers=3,
+        envs_per_worker=2,
+        backend=backend,
+        n_processes=2,
+    ) as s:
         for i in range(12):
             call = [s.obtain_samples, s.obtain_fragments, s.obtain_exact_episodes][i % 3]
             with pytest.raises(TimeoutError):
@@ -203,8 +212,9 @@ async def test_cancellation_at_any_moment_leaves_the_sampler_usable(
 
 async def test_cancelled_task_does_not_leak_steps_into_next_call(no_leaks: None) -> None:
     async def run(cancel: bool) -> EpisodeBatch:
-        async with Sampler(NoisyEnv, n_workers=2, envs_per_worker=2, n_processes=2, seed=5,
-                           max_episode_length=20) as s:
+        async with Sampler(
+            NoisyEnv, n_workers=2, envs_per_worker=2, n_processes=2, seed=5, max_episode_length=20
+        ) as s:
             if cancel:
                 task = asyncio.ensure_future(s.obtain_samples(100_000))
                 await asyncio.sleep(0.05)
@@ -220,8 +230,13 @@ async def test_cancelled_task_does_not_leak_steps_into_next_call(no_leaks: None)
 
 
 async def test_many_tasks_each_get_a_valid_batch(no_leaks: None) -> None:
-    async with Sampler(functools.partial(GridWorldEnv, "4x4"), ScriptedAgent(), n_workers=2,
-                       envs_per_worker=2, n_processes=2) as s:
+    async with Sampler(
+        functools.partial(GridWorldEnv, "4x4"),
+        ScriptedAgent(),
+        n_workers=2,
+        envs_per_worker=2,
+        n_processes=2,
+    ) as s:
         calls = [s.obtain_samples(12 + i) for i in range(10)]
         calls += [s.obtain_exact_episodes(2) for _ in range(5)]
         results = await asyncio.gather(*calls)
@@ -236,8 +251,7 @@ async def test_actions_outside_the_action_space() -> None:
         def get_actions(self, observations):
             return np.full(len(observations), 7), {}
 
-    async with Sampler(functools.partial(GridWorldEnv, "4x4"), OutOfRange(),
-                       backend="local") as s:
+    async with Sampler(functools.partial(GridWorldEnv, "4x4"), OutOfRange(), backend="local") as s:
         with pytest.raises(ValueError, match=r"action.*worker 0.*outside the action space.*env 0"):
             await s.obtain_samples(10)
         assert s.total_env_steps == 0
@@ -289,13 +303,16 @@ def hosts():
 
 def test_interpreter_exit_without_aclose() -> None:
     before = shm_entries()
-    result = run_script(SCRIPT_HEAD + """
+    result = run_script(
+        SCRIPT_HEAD
+        + """
 async def main():
     s = Sampler(envs.NoisyEnv, n_workers=2, n_processes=2, max_episode_length=10)
     await s.obtain_samples(20)
     print(" ".join(map(str, hosts())), flush=True)
 asyncio.run(main())  # returns without aclose(): the interpreter exits with hosts running
-""")
+"""
+    )
     assert result.returncode == 0, result.stderr
     pids = [int(p) for p in result.stdout.split()]
     assert pids
@@ -305,7 +322,9 @@ asyncio.run(main())  # returns without aclose(): the interpreter exits with host
 
 def test_keyboard_interrupt_in_the_middle_of_sampling() -> None:
     before = shm_entries()
-    result = run_script(SCRIPT_HEAD + """
+    result = run_script(
+        SCRIPT_HEAD
+        + """
 async def main():
     env = lambda: envs.SleepyEnv(0.001)
     async with Sampler(env, n_workers=2, n_processes=2, max_episode_length=50) as s:
@@ -317,7 +336,8 @@ try:
     asyncio.run(main())
 except KeyboardInterrupt:
     print("interrupted", flush=True)
-""")
+"""
+    )
     lines = result.stdout.split("\n")
     assert "interrupted" in result.stdout, result.stderr
     pids = [int(p) for p in lines[0].split()]
@@ -327,7 +347,9 @@ except KeyboardInterrupt:
 
 
 def test_parent_killed_takes_its_hosts_along() -> None:
-    result = run_script(SCRIPT_HEAD + """
+    result = run_script(
+        SCRIPT_HEAD
+        + """
 async def main():
     env = lambda: envs.HangingEnv(3, 3600.0)  # the hosts are stuck in an env step
     s = Sampler(env, n_workers=2, n_processes=2, max_episode_length=50)
@@ -337,7 +359,8 @@ async def main():
     await asyncio.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)
 asyncio.run(main())
-""")
+"""
+    )
     assert result.returncode == -signal.SIGKILL
     pids = [int(p) for p in result.stdout.split()]
     assert pids

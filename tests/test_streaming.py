@@ -146,8 +146,9 @@ async def test_stream_argument_errors() -> None:
 
 
 async def test_stats_beside_each_batch(backend: str) -> None:
-    async with make(backend, env=NoisyEnv, n_workers=2, envs_per_worker=2, seed=4,
-                    max_episode_length=30) as s:
+    async with make(
+        backend, env=NoisyEnv, n_workers=2, envs_per_worker=2, seed=4, max_episode_length=30
+    ) as s:
         batch = await s.obtain_exact_episodes(5)
         stats = s.last_stats
         assert stats is not None
@@ -187,8 +188,9 @@ class MaybeGreedy(ScriptedAgent):
 
 
 async def test_evaluate_on_test_envs(backend: str) -> None:
-    async with make(backend, env=FrameEnv, agent=MaybeGreedy(), n_workers=2,
-                    max_episode_length=8) as s:
+    async with make(
+        backend, env=FrameEnv, agent=MaybeGreedy(), n_workers=2, max_episode_length=8
+    ) as s:
         result = await s.evaluate(4)
         assert result.returns.tolist() == [1.0] * 4
         assert result.lengths.tolist() == [6] * 4
@@ -215,8 +217,9 @@ def test_evaluation_render_needs_rgb_array() -> None:
 
 def test_batch_select_keeps_chosen_episodes() -> None:
     async def sample() -> EpisodeBatch:
-        async with make("local", env=NoisyEnv, n_workers=1, envs_per_worker=3, seed=2,
-                        max_episode_length=20) as s:
+        async with make(
+            "local", env=NoisyEnv, n_workers=1, envs_per_worker=3, seed=2, max_episode_length=20
+        ) as s:
             return await s.obtain_exact_episodes(4)
 
     batch = asyncio.run(sample())
