@@ -6,7 +6,7 @@ import asyncio
 import os
 import time
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Literal
 
 import cloudpickle
@@ -344,7 +344,7 @@ class Sampler:
         agent_update: Any = None,
         max_policy_lag: int | None = None,
         buffer_size: int = 2,
-    ) -> AsyncIterator[EpisodeBatch]:
+    ) -> AsyncGenerator[EpisodeBatch, None]:
         """Yield batches of at least ``num_samples`` transitions while sampling goes on.
 
         Use it as ``async with contextlib.aclosing(sampler.stream(n)) as it: async for b in it``.

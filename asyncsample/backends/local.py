@@ -6,6 +6,7 @@ For cheap envs and debugging. A step blocks the loop for as long as the env take
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,6 +55,9 @@ class LocalHost:
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         result: StepInfos = self._call(self._group.step, mask)
+        # Let other tasks run between steps: a call is many steps, the loop must not wait for
+        # all of them.
+        await asyncio.sleep(0)
         return result
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
