@@ -6,15 +6,20 @@ request, runs the matching :class:`~asyncsample.env_group.EnvGroup` method for t
 replies. Nothing here runs an event loop or a thread.
 
 The loop ends on an ``exit`` request or at end of stream (the parent closed its end or died).
-``PR_SET_PDEATHSIG`` additionally kills the host if its parent dies while an env hangs.
+If the main process dies while an env hangs, the kernel kills the host (see
+:func:`_die_with_parent`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import gc
+import multiprocessing
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -48,16 +53,32 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux only)."""
+    """Have the kernel SIGKILL this process when the main process dies, even if an env hangs.
+
+    The host's parent is the forkserver, not the main process, and the forkserver outlives the
+    main process for as long as any of its children run; so ``PR_SET_PDEATHSIG`` alone would not
+    do. ``multiprocessing`` hands every child a "parent sentinel": the read end of a pipe whose
+    write end only the main process holds, at end of file when it dies. With ``O_ASYNC`` and
+    ``F_SETSIG`` the kernel turns that end of file into a SIGKILL, with no thread and nothing in
+    the hot path. ``PR_SET_PDEATHSIG`` covers the death of the forkserver itself.
+    """
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+        if os.getppid() != parent:  # the forkserver died before prctl took effect
+            os._exit(1)
+    try:
+        sentinel = multiprocessing.parent_process().sentinel  # type: ignore[union-attr]
+        fcntl.fcntl(sentinel, fcntl.F_SETOWN, os.getpid())
+        fcntl.fcntl(sentinel, fcntl.F_SETSIG, signal.SIGKILL)
+        flags = fcntl.fcntl(sentinel, fcntl.F_GETFL)
+        fcntl.fcntl(sentinel, fcntl.F_SETFL, flags | os.O_ASYNC)
+    except (AttributeError, OSError, ValueError):
         return
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    if select.select([sentinel], [], [], 0)[0]:  # the main process died before we got here
         os._exit(1)
 
 
@@ -74,7 +95,7 @@ def _kill_descendants() -> None:
         import psutil
 
         children = psutil.Process().children(recursive=True)
-    except Exception:  # noqa: BLE001 - best effort on the way out
+    except Exception:  # best effort on the way out
         return
     for child in children:
         with contextlib.suppress(Exception):
@@ -93,6 +114,9 @@ def main(sock: socket.socket, slots_blob: bytes, raw_buffers: list[list[Any]]) -
     """
     _die_with_parent()
     _isolate()
+    # What the forkserver imported is shared copy-on-write; keep the collector from touching
+    # (and so copying) all of it at its first full collection.
+    gc.freeze()
     sock.setblocking(True)
     slots = pickle.loads(slots_blob)
     groups: list[EnvGroup] = []
@@ -151,7 +175,7 @@ def _serve(sock: socket.socket, reader: FrameReader, groups: list[EnvGroup]) -> 
             send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
         except (BrokenPipeError, ConnectionError):
             raise
-        except Exception as exc:  # noqa: BLE001 - the host's own trouble, not an env's
+        except Exception as exc:
             # Env sources that cannot be unpickled here (a module missing in this process),
             # infos that cannot be pickled: deterministic, so not worth a restart.
             send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))

@@ -82,7 +82,7 @@ def dumps(obj: Any) -> bytes:
     """Pickle ``obj`` fast (plain pickle), falling back to cloudpickle for lambdas and the like."""
     try:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - any pickling failure: try harder
+    except Exception:  # any pickling failure: try harder
         return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -93,7 +93,7 @@ def _portable_error(error: BaseException) -> BaseException:
         restored = pickle.loads(blob)
         if isinstance(restored, BaseException):
             return error
-    except Exception:  # noqa: BLE001 - unpicklable exceptions are replaced, whatever went wrong
+    except Exception:  # whatever went wrong, the exception is replaced
         pass
     return RuntimeError(f"{error!r} (the original exception could not be pickled)")
 
@@ -119,7 +119,7 @@ def load_failure(payload: bytes) -> EnvFailure:
         if isinstance(failure, EnvFailure):
             return failure
         error: BaseException = RuntimeError(f"env host sent a malformed failure: {failure!r}")
-    except Exception as exc:  # noqa: BLE001 - report what we can rather than lose the failure
+    except Exception as exc:  # report what we can rather than lose the failure
         error = RuntimeError(f"the env host's error report could not be unpickled: {exc!r}")
     return EnvFailure(None, error, "")
 
@@ -193,7 +193,7 @@ class RawArrayContext:
     def __init__(self, ctx: Any) -> None:
         self._ctx = ctx
 
-    def Array(self, typecode_or_type: Any, size: int) -> SharedArray:  # noqa: N802 - gymnasium's name
+    def Array(self, typecode_or_type: Any, size: int) -> SharedArray:
         return SharedArray(self._ctx.RawArray(typecode_or_type, size))
 
 
