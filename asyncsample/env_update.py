@@ -13,7 +13,7 @@ from typing import Any
 
 import gymnasium as gym
 
-__all__ = ["EnvUpdate", "NewEnvUpdate", "SetTaskUpdate", "apply_env_update", "make_env"]
+__all__ = ["EnvId", "EnvUpdate", "NewEnvUpdate", "SetTaskUpdate", "apply_env_update", "make_env"]
 
 EnvSource = Any  # str (gymnasium id) | Callable[[], gym.Env] | gym.Env | EnvUpdate
 
@@ -91,6 +91,24 @@ class SetTaskUpdate(EnvUpdate):
             return self._make_env()
         old_env.unwrapped.set_task(self.task)  # type: ignore[attr-defined]
         return old_env
+
+
+class EnvId:
+    """A gymnasium id together with its registration (``gym.spec(id)``).
+
+    Env hosts in other processes may never have imported the module that registered the id
+    (the user's script, say); shipping the registered spec lets them build it all the same.
+    """
+
+    def __init__(self, env_id: str) -> None:
+        self.id = env_id
+        self.spec = gym.spec(env_id)
+
+    def __call__(self, **kwargs: Any) -> gym.Env:
+        return gym.make(self.spec, **kwargs)
+
+    def __repr__(self) -> str:
+        return repr(self.id)
 
 
 def _checked_env(env: Any, source: Any) -> gym.Env:

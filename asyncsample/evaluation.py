@@ -12,7 +12,7 @@ import numpy as np
 from asyncsample._tree import Tree
 from asyncsample.agent import Agent, AgentOutput, get_actions
 from asyncsample.batch import EpisodeBatch
-from asyncsample.env_update import EnvSource, make_env
+from asyncsample.env_update import EnvId, EnvSource, make_env
 
 __all__ = ["DeterministicAgent", "Evaluation", "RenderFrames", "RenderingEnvFactory"]
 
@@ -100,6 +100,8 @@ class RenderingEnvFactory:
     def __call__(self) -> gym.Env:
         if isinstance(self.source, str):
             env = gym.make(self.source, render_mode="rgb_array")
+        elif isinstance(self.source, EnvId):
+            env = self.source(render_mode="rgb_array")
         else:
             env = make_env(self.source)
         if env.render_mode != "rgb_array":

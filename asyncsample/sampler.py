@@ -16,7 +16,7 @@ import numpy as np
 from asyncsample.agent import Agent, RandomAgent
 from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
 from asyncsample.batch import EnvSpec, EpisodeBatch
-from asyncsample.env_update import EnvSource, is_env_source, make_env
+from asyncsample.env_update import EnvId, EnvSource, is_env_source, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.evaluation import (
     DeterministicAgent,
@@ -147,10 +147,10 @@ class Sampler:
         self._warned_endless = False
         self._total_env_steps = 0
         self._streaming = False
-        self._evaluators: dict[tuple[int, bool], Sampler] = {}
+        self._evaluators: dict[bool, tuple[Sampler, Any]] = {}
         self._test_env = test_env
         if test_env is not None:
-            _check_env_source(test_env, "test_env")
+            self._test_env = _resolve_env_source(test_env, "test_env")
         self.restarts = 0
         """Env-host restarts so far (after env failures or crashes)."""
         self.last_stats: SampleStats | None = None
@@ -258,7 +258,7 @@ class Sampler:
             return
         self._closed = True
         backend, self._backend = self._backend, None
-        evaluators, self._evaluators = list(self._evaluators.values()), {}
+        evaluators, self._evaluators = [e for e, _ in self._evaluators.values()], {}
         for evaluator in evaluators:
             await evaluator.aclose()
         if backend is not None:
@@ -457,15 +457,19 @@ class Sampler:
         if source is None:
             source = self._env_sources[0]
             source = source[0] if isinstance(source, list) else source
-        _check_env_source(source, "env")
+        source = _resolve_env_source(source, "env")
         if agent is None:
             if not self.workers:
                 await self.start()
             agent = self.workers[0].agent
         assert agent is not None
         evaluator_agent: Agent = DeterministicAgent(agent) if deterministic else agent
-        key = (id(source), render)
-        evaluator = self._evaluators.get(key)
+        key = source.id if isinstance(source, EnvId) else source
+        evaluator, evaluated = self._evaluators.get(render, (None, None))
+        if evaluator is not None and evaluated != key:
+            # Another test env: its hosts replace the previous ones.
+            await evaluator.aclose()
+            evaluator = None
         if evaluator is None:
             evaluator = Sampler(
                 RenderingEnvFactory(source) if render else source,
@@ -480,7 +484,7 @@ class Sampler:
                 max_restarts=self.max_restarts,
                 backend_options=self._backend_options,
             )
-            self._evaluators[key] = evaluator
+            self._evaluators[render] = (evaluator, key)
         batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
         return Evaluation(
             returns=batch.returns,
@@ -659,29 +663,9 @@ class Sampler:
     def _check_env_update(self, env_update: Any) -> list[Any] | None:
         if env_update is None:
             return None
-        if isinstance(env_update, list):
-            if len(env_update) != self.n_workers:
-                raise ValueError(
-                    f"env_update: a list must hold exactly n_workers ({self.n_workers}) "
-                    f"updates, one per worker, got {len(env_update)}"
-                )
-            per_worker = env_update
-        else:
-            per_worker = [env_update] * self.n_workers
-        for update in per_worker:
-            for item in update if isinstance(update, list) else [update]:
-                if item is not None and not is_env_source(item):
-                    raise TypeError(
-                        "env_update must be None, an EnvUpdate, a gymnasium.Env, a gymnasium id, "
-                        f"a zero-argument env factory, or a list of those; got "
-                        f"{type(item).__name__}"
-                    )
-            if isinstance(update, list) and len(update) != self.envs_per_worker:
-                raise ValueError(
-                    "env_update: a list inside the per-worker list must hold exactly "
-                    f"envs_per_worker ({self.envs_per_worker}) updates, one per env, got "
-                    f"{len(update)}"
-                )
+        per_worker = _resolve_per_worker(
+            env_update, "env_update", self.n_workers, self.envs_per_worker
+        )
         if self.backend_name != "local":
             for update in per_worker:
                 _check_picklable(update, "env_update")
@@ -690,28 +674,16 @@ class Sampler:
     # -- construction checks ------------------------------------------------------------------
 
     def _check_envs(self, env: Any, name: str) -> list[Any]:
-        if isinstance(env, list):
-            if len(env) != self.n_workers:
-                raise ValueError(
-                    f"{name}: a list must hold exactly n_workers ({self.n_workers}) envs, one "
-                    f"per worker, got {len(env)}"
-                )
-            per_worker = env
-        else:
-            per_worker = [env] * self.n_workers
+        if env is None:
+            raise TypeError(f"{name} must be a gymnasium id or an env factory, got None")
+        per_worker = _resolve_per_worker(env, name, self.n_workers, self.envs_per_worker)
         for item in per_worker:
-            inner = item if isinstance(item, list) else [item]
-            if isinstance(item, list) and len(item) != self.envs_per_worker:
-                raise ValueError(
-                    f"{name}: a list inside the per-worker list must hold exactly "
-                    f"envs_per_worker ({self.envs_per_worker}) envs, got {len(item)}"
-                )
-            for source in inner:
-                _check_env_source(source, name)
+            if item is None or (isinstance(item, list) and None in item):
+                raise TypeError(f"{name} must not contain None")
         if self.backend_name != "local":
             for item in per_worker:
                 _check_picklable(item, name)
-        return list(per_worker)
+        return per_worker
 
     def _check_agents(self, agent: Any) -> list[Agent]:
         if agent is None:
@@ -780,18 +752,48 @@ def _positive_int(name: str, value: Any) -> int:
 _quota = _positive_int
 
 
-def _check_env_source(source: Any, name: str) -> None:
+def _resolve_env_source(source: Any, name: str) -> Any:
+    """Check an env source; a gymnasium id becomes an :class:`EnvId` carrying its registration."""
     if isinstance(source, str):
         try:
-            gym.spec(source)
+            return EnvId(source)
         except gym.error.Error as exc:
             raise ValueError(f"{name}: unknown gymnasium env id {source!r} ({exc})") from None
-    elif not is_env_source(source):
+    if not is_env_source(source):
         raise TypeError(
             f"{name} must be a gymnasium id (str), a zero-argument callable returning a "
             f"gymnasium.Env, a gymnasium.Env, an EnvUpdate or a list of those; got "
             f"{type(source).__name__}"
         )
+    return source
+
+
+def _resolve_per_worker(value: Any, name: str, n_workers: int, n_envs: int) -> list[Any]:
+    """One resolved env source (or update) per worker, or a list of one per env.
+
+    ``None`` entries (no update) are kept as they are.
+    """
+    if isinstance(value, list):
+        if len(value) != n_workers:
+            raise ValueError(
+                f"{name}: a list must hold exactly n_workers ({n_workers}), one per worker, "
+                f"got {len(value)}"
+            )
+        per_worker = value
+    else:
+        per_worker = [value] * n_workers
+    out: list[Any] = []
+    for item in per_worker:
+        if isinstance(item, list):
+            if len(item) != n_envs:
+                raise ValueError(
+                    f"{name}: a list inside the per-worker list must hold exactly "
+                    f"envs_per_worker ({n_envs}), one per env, got {len(item)}"
+                )
+            out.append([None if x is None else _resolve_env_source(x, name) for x in item])
+        else:
+            out.append(None if item is None else _resolve_env_source(item, name))
+    return out
 
 
 def _check_picklable(obj: Any, name: str) -> None:

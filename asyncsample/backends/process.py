@@ -36,10 +36,11 @@ import pickle
 import select
 import signal
 import socket
+import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import cloudpickle
@@ -70,7 +71,10 @@ from asyncsample.errors import StepTimeoutError, WorkerCrashedError, WorkerError
 __all__ = ["ProcessBackend", "ProcessHost", "support_process_pids"]
 
 #: Imported once by the forkserver, so that every host process starts with them loaded.
-_PRELOAD = ["__main__", "numpy", "gymnasium", "asyncsample.backends._host_main"]
+#: Not ``__main__``: env factories and updates travel by cloudpickle (by value when defined in the
+#: main script) and gymnasium ids as their registered EnvSpec, so hosts never import the user's
+#: script, which therefore needs no ``if __name__ == "__main__":`` guard.
+_PRELOAD = ["numpy", "gymnasium", "asyncsample.backends._host_main"]
 #: Seconds a host gets to close its envs and exit when asked to, before it is killed.
 EXIT_GRACE = 2.0
 #: Seconds a new host may take to import what it needs and report ready.
@@ -362,7 +366,32 @@ _starter: concurrent.futures.ThreadPoolExecutor | None = None
 
 def _start_locked(process: Any) -> None:
     with _START_LOCK:  # Process.start() is not safe to call from several threads at once
-        process.start()
+        with _main_not_imported():
+            process.start()
+
+
+@contextlib.contextmanager
+def _main_not_imported() -> Iterator[None]:
+    """Start a child without it re-running the main script.
+
+    multiprocessing makes a spawned or forkserver child import ``__main__`` (by ``__spec__``
+    name or ``__file__`` path), which re-runs an unguarded script's top level in every host.
+    Hosts need nothing from it, so both are hidden from ``Process.start`` for its duration.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
+    }
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 async def _start_process(process: Any) -> None:
@@ -466,8 +495,7 @@ class _Member:
         reason = conn.ready.result()
         if reason is not None:
             raise WorkerCrashedError(
-                f"env-host process {conn.pid} {reason} while starting (see its output above; a "
-                "script that samples must start it under `if __name__ == '__main__':`)",
+                f"env-host process {conn.pid} {reason} while starting (see its output above)",
                 worker=self.workers[0],
             )
         return conn
