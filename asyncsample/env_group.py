@@ -144,6 +144,9 @@ class EnvGroup:
         self._obs: list[Any] = [None] * self.n_envs
         self._lengths = [0] * self.n_envs
         self._seeds: list[int | None] = [None] * self.n_envs
+        # Observations of a plain (Box, Discrete, Multi*) space go straight into their row.
+        self._flat_obs = isinstance(buffers.obs, np.ndarray)
+        self._obs_shape = tuple(observation_space.shape or ())
 
     # -- building ---------------------------------------------------------------------------
 
@@ -177,11 +180,14 @@ class EnvGroup:
     # -- stepping ---------------------------------------------------------------------------
 
     def reset(self, mask: np.ndarray) -> dict[int, dict[str, Any]]:
-        """Reset the envs where ``mask`` is true; returns their reset infos by env index."""
+        """Reset the envs where ``mask`` is true; returns their non-empty reset infos by index."""
         infos: dict[int, dict[str, Any]] = {}
-        for i in np.flatnonzero(mask):
-            infos[int(i)] = self._reset_one(int(i))
-        self._write_obs()
+        for i in np.flatnonzero(mask).tolist():
+            info = self._reset_one(i)
+            if info:
+                infos[i] = info
+        if not self._flat_obs:
+            self._write_obs()
         return infos
 
     def _reset_one(self, i: int) -> dict[str, Any]:
@@ -191,6 +197,11 @@ class EnvGroup:
         obs, info = self._guard(i, env.reset, seed=seed)
         self._obs[i] = obs
         self._lengths[i] = 0
+        if self._flat_obs:
+            if getattr(obs, "shape", ()) == self._obs_shape:
+                self.buffers.obs[i] = obs
+            else:
+                self._store_misfits([i])
         return info
 
     def step(self, mask: np.ndarray) -> StepInfos:
@@ -200,24 +211,33 @@ class EnvGroup:
         has its last observation written to ``final_obs`` and is reset at once, so ``obs`` always
         holds what the agent acts on next.
         """
-        # The hot path: plain Python lists per env, one numpy write per field at the end.
+        # The hot path: plain Python per env, one numpy write per result field at the end.
         buf = self.buffers
         envs = self.envs
         obs = self._obs
         lengths = self._lengths
-        indices = np.flatnonzero(mask).tolist()
-        actions = self._actions_for(indices)
+        everyone = bool(mask.all())
+        indices = list(range(self.n_envs)) if everyone else np.flatnonzero(mask).tolist()
+        actions = self._actions_for(indices, everyone)
+        obs_out = buf.obs if self._flat_obs else None
+        obs_shape = self._obs_shape
         rewards: list[Any] = []
         terms: list[bool] = []
         truncs: list[bool] = []
         env_infos: list[dict[str, Any]] | None = None
         done: list[int] = []
+        misfits: list[int] = []
         mel = self.max_episode_length
         i = -1
         try:
             for i, action in zip(indices, actions):
                 o, r, term, trunc, info = envs[i].step(action)  # type: ignore[union-attr]
                 obs[i] = o
+                if obs_out is not None:
+                    if getattr(o, "shape", ()) == obs_shape:
+                        obs_out[i] = o
+                    else:
+                        misfits.append(i)
                 rewards.append(r)
                 terms.append(term)
                 n = lengths[i] + 1
@@ -233,9 +253,12 @@ class EnvGroup:
                     done.append(i)
         except Exception as exc:
             raise EnvFailureError(EnvFailure(i, exc, traceback.format_exc())) from exc
-        buf.rewards[indices] = rewards
-        buf.terminated[indices] = terms
-        buf.truncated[indices] = truncs
+        if misfits:
+            self._store_misfits(misfits)
+        where: Any = slice(None) if everyone else indices
+        buf.rewards[where] = rewards
+        buf.terminated[where] = terms
+        buf.truncated[where] = truncs
         reset_infos: dict[int, dict[str, Any]] = {}
         if done:
             try:
@@ -243,25 +266,36 @@ class EnvGroup:
             except (ValueError, TypeError, IndexError) as exc:
                 self._raise_bad_observation(exc)
             for i in done:
-                reset_infos[i] = self._reset_one(i)
-        self._write_obs()
+                info = self._reset_one(i)
+                if info:  # empty infos need not travel
+                    reset_infos[i] = info
+        if obs_out is None:
+            self._write_obs()
         return StepInfos(env_infos, reset_infos)
 
-    def _actions_for(self, indices: list[int]) -> list[Any]:
+    def _actions_for(self, indices: list[int], everyone: bool) -> list[Any]:
         actions = self.buffers.actions
         if isinstance(actions, np.ndarray):
+            # A copy: envs may keep the action they were given, and the buffer is reused.
+            chosen = actions.copy() if everyone else actions[indices]
             if isinstance(self.action_space, gym.spaces.Discrete):
-                return actions[indices].tolist()
-            return list(actions[indices])
-        return [tree_map(lambda a, i=i: a[i], actions) for i in indices]
+                return chosen.tolist()  # type: ignore[no-any-return]
+            return list(chosen)
+        return [tree_map(lambda a, i=i: a[i].copy(), actions) for i in indices]
+
+    def _store_misfits(self, indices: list[int]) -> None:
+        """Store observations the fast shape test could not vouch for (lists, scalars...)."""
+        out = self.buffers.obs
+        for i in indices:
+            o = self._obs[i]
+            if np.shape(o) != self._obs_shape:
+                self._raise_bad_observation(ValueError(f"shape {np.shape(o)}"))
+            out[i] = o
 
     def _write_obs(self) -> None:
+        """Write the current observation of every env into nested (Dict, Tuple) buffers."""
         try:
-            out = self.buffers.obs
-            if isinstance(out, np.ndarray):
-                np.stack(self._obs, out=out)  # what concatenate() does, without the dispatch
-            else:
-                concatenate(self.observation_space, self._obs, out)
+            concatenate(self.observation_space, self._obs, self.buffers.obs)
         except (ValueError, TypeError, IndexError) as exc:
             self._raise_bad_observation(exc)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from asyncsample._action_check import make_action_check
 from asyncsample._tree import Tree, tree_leaves, tree_map
-from asyncsample.agent import Agent, get_actions
+from asyncsample.agent import Agent, RandomAgent, get_actions
 from asyncsample.backends.base import EnvHost
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType, stack_infos
 from asyncsample.env_group import rebuild_chain
@@ -178,6 +178,8 @@ class Worker:
         self._chains: list[list[EnvSource]] = []
         self._lengths = np.zeros(n_envs, dtype=np.int64)
         self._returns = np.zeros(n_envs, dtype=np.float64)
+        self._done = np.zeros(n_envs, dtype=bool)
+        self._everyone = True  # every env active: the step skips its masks
         self.finished: list[tuple[float, int, int]] = []
         """(return, length, agent version) of every episode completed since the sampler read it."""
         self._needs_reset = np.ones(n_envs, dtype=bool)
@@ -194,6 +196,7 @@ class Worker:
         self._in_call = False
         self._broken = False
         self._action_check: Callable[[Any], np.ndarray] | None = None
+        self._trusted_actions = False
         self._records_transitions = type(self).process_transition is not Worker.process_transition
 
     def __getstate__(self) -> None:
@@ -221,6 +224,7 @@ class Worker:
         self.env_spec = env_spec
         self._action_check = make_action_check(env_spec.action_space)
         self.agent = agent
+        self._trust_agent()
         self._seeds = seeds
         sources = self._per_env(env, "env")
         self._chains = [[s] for s in sources]
@@ -262,6 +266,7 @@ class Worker:
                 set_params(agent_update)
             else:
                 self.agent = agent_update
+                self._trust_agent()
         self.agent_version += 1
         if reset:
             self._needs_reset |= self._lengths > 0
@@ -317,10 +322,14 @@ class Worker:
         rows.rewards[t] = buffers.rewards
         if infos.env_infos is not None:
             rows.env_infos[t] = infos.env_infos
-        self._lengths[active] += 1
-        self._returns[active] += buffers.rewards[active]
-        done = buffers.terminated | buffers.truncated
-        done &= active
+        done = np.logical_or(buffers.terminated, buffers.truncated, out=self._done)
+        if self._everyone:
+            self._lengths += 1
+            self._returns += buffers.rewards
+        else:
+            self._lengths[active] += 1
+            self._returns[active] += buffers.rewards[active]
+            done &= active
         if self._records_transitions:
             self._record(t, agent_infos, infos.env_infos, done)
         if not done.any():
@@ -344,6 +353,7 @@ class Worker:
                 self._episodes_left[i] -= 1
                 if self._episodes_left[i] <= 0:
                     active[i] = False
+                    self._everyone = False
         self._reset_agent(done)
         return True
 
@@ -444,6 +454,7 @@ class Worker:
                 [episodes // e + (i < episodes % e) for i in range(e)], dtype=np.int64
             )
             self._active[:] = self._episodes_left > 0
+        self._everyone = bool(self._active.all())
 
     async def run_samples(self, share: int, *, keep_episodes: bool = False) -> EpisodeBatch:
         """Complete episodes until their lengths reach ``share``.
@@ -492,6 +503,16 @@ class Worker:
             missing = max(self._share - self._completed_steps, 0)
             self._steps_left = math.ceil(missing / self.n_envs)
 
+    def _trust_agent(self) -> None:
+        # The built-in RandomAgent samples from the action space itself: its actions need no
+        # range check (unless a subclass post-processes them).
+        self._trusted_actions = (
+            type(self.agent) is RandomAgent
+            and type(self).compute_actions is Worker.compute_actions
+            and self.env_spec is not None
+            and self.agent.action_space == self.env_spec.action_space  # type: ignore[union-attr]
+        )
+
     @property
     def broken(self) -> bool:
         """Whether the host failed and was not rebuilt yet."""
@@ -519,6 +540,7 @@ class Worker:
         self._episodes_left = None
         self._steps_left = None
         self._active[:] = True
+        self._everyone = True
         self._in_call = False
         return batch
 
@@ -576,7 +598,7 @@ class Worker:
         return self._check_action_values(actions)
 
     def _check_action_values(self, actions: Tree) -> Tree:
-        if self._action_check is None:
+        if self._action_check is None or self._trusted_actions:
             return actions
         bad = self._action_check(actions)
         if len(bad):

@@ -1,0 +1,1032 @@
+"""The ``ray`` backend: env hosts as Ray actors, anywhere in a Ray cluster.
+
+The worker coroutines stay in the caller's event loop, exactly as with the other backends; only
+the envs move. ``A = min(n_processes or os.cpu_count(), n_workers)`` env-host actors are created
+(``ceil(n_workers / workers_per_actor)`` when ``workers_per_actor`` is given) and worker ``w``
+lives on actor ``w % A``, so one actor hosts the envs of several workers: while one worker's step
+travels to its actor and back, the next worker's request is already queued there. Each actor runs
+one :class:`~asyncsample.env_group.EnvGroup` per worker slot, the same code as every backend, so
+results are identical for a fixed seed.
+
+Per worker step there is one actor call, with one small bytes argument (worker, active mask and a
+copy of ``buffers.actions``): the cheapest thing to send through Ray. The actor steps the envs,
+writes into its own step buffers and returns them: pickled into one bytes object when they are
+small, as numpy arrays when the observations reach :data:`LARGE_REPLY` bytes (Ray moves those
+through its object store, shared memory on one node, and they are read without a copy). The
+reply is copied into the worker's local :class:`~asyncsample.env_group.StepBuffers`.
+
+Observation arrays of at least ``compress_threshold`` bytes can be compressed before they leave
+the actor (lz4 when installed, else zlib); a leaf that does not shrink is sent as is and not
+tried again for a while. Measured on one machine (``benchmarks/ray_vs_process.py``), compressing
+compressible frames pays even there, because it keeps replies under Ray's 100 KiB inline limit
+and out of the object store; on noise it costs a little with lz4 and much more with zlib.
+
+Calls are awaited as futures in the event loop (a Ray thread resolves them with
+``call_soon_threadsafe``). An actor serves its calls in submission order, so a caller that is
+cancelled simply stops waiting: its reply is dropped when it arrives and can never be taken for
+another call's. ``step_timeout`` is measured from the moment the actor can start on a call (after
+the reply to the call queued before it): a call that outlives it fails with
+:class:`~asyncsample.StepTimeoutError`, and the actor is killed. An actor that dies (killed, out of
+memory, its node lost) fails every call waiting on it with
+:class:`~asyncsample.WorkerCrashedError`; ``restart`` creates a new actor once for all the
+workers it hosted, while an env that merely raised only has its own worker's envs rebuilt.
+
+``import asyncsample`` never imports ray: this module is imported when ``backend="ray"`` is
+asked for, and ray itself when :class:`RayBackend` is created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import os
+import pickle
+import struct
+import threading
+import traceback
+import warnings
+import zlib
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample.backends.base import EnvHost, HostSpec, failure_error
+from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers, StepInfos
+from asyncsample.env_update import EnvSource
+from asyncsample.errors import StepTimeoutError, WorkerCrashedError, WorkerError
+
+__all__ = ["INSTALL_HINT", "EnvActor", "RayBackend", "RayHost"]
+
+#: What to run when ray is missing.
+INSTALL_HINT = "pip install 'asyncsample[ray]'"
+#: Ray's placement-group strategies.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+#: Seconds the actors get to close their envs in ``aclose`` before they are killed.
+EXIT_GRACE = 2.0
+#: Seconds to wait for Ray to confirm that killed actors are dead.
+_KILL_WAIT = 5.0
+
+#: Replies whose observations reach this many bytes travel as arrays through Ray's object
+#: store (no copies); smaller ones as one pickled bytes object (fewer, cheaper serialisations).
+LARGE_REPLY = 100 * 1024
+
+# Compression must shrink a payload this many times to be kept; after a miss the leaf is sent
+# uncompressed for this many replies before compression is tried again.
+_MIN_RATIO = 1.25
+_SKIP_AFTER_MISS = 1000
+
+# Reply statuses of the actor's methods.
+_OK = 0
+_FAIL = 1
+# Requests of reset and step: worker index and how the actions are encoded, then the mask.
+_HEAD = struct.Struct("<iB")
+_NO_ACTIONS = 0
+_RAW_ACTIONS = 1
+_PICKLED_ACTIONS = 2
+
+
+def _import_ray() -> Any:
+    """The ``ray`` module, or an ImportError that says how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(
+            f"backend='ray' needs the ray package, which is not installed: {INSTALL_HINT}"
+        ) from exc
+    return ray
+
+
+# -- payloads ---------------------------------------------------------------------------------
+
+
+class _Packed:
+    """A compressed array (one leaf of an observation payload)."""
+
+    __slots__ = ("codec", "data", "dtype", "shape")
+
+    def __init__(self, codec: str, data: bytes, dtype: str, shape: tuple[int, ...]) -> None:
+        self.codec = codec
+        self.data = data
+        self.dtype = dtype
+        self.shape = shape
+
+    def __reduce__(self) -> Any:
+        return (_Packed, (self.codec, self.data, self.dtype, self.shape))
+
+    @classmethod
+    def pack(cls, array: np.ndarray, codec: str) -> _Packed:
+        """Compress ``array`` with ``codec`` (``"lz4"`` or ``"zlib"``)."""
+        raw = np.ascontiguousarray(array).data
+        if codec == "lz4":
+            import lz4.frame
+
+            data = lz4.frame.compress(raw)
+        else:
+            data = zlib.compress(raw, 1)
+        return cls(codec, data, array.dtype.str, tuple(array.shape))
+
+    def unpack(self) -> np.ndarray:
+        """The original array (read-only)."""
+        if self.codec == "lz4":
+            import lz4.frame
+
+            raw = lz4.frame.decompress(self.data)
+        else:
+            raw = zlib.decompress(self.data)
+        return np.frombuffer(raw, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+def best_codec() -> str:
+    """``"lz4"`` when the lz4 package is installed (fast), else ``"zlib"`` (level 1)."""
+    try:
+        import lz4.frame  # noqa: F401
+    except ImportError:
+        return "zlib"
+    return "lz4"
+
+
+def _copy_leaf(dst: np.ndarray, src: Any, index: Any) -> None:
+    if isinstance(src, _Packed):
+        src = src.unpack()
+    dst[index] = src
+
+
+def _copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
+    """``dst[index] = src`` leaf by leaf, unpacking compressed leaves."""
+    if isinstance(dst, np.ndarray):
+        _copy_leaf(dst, src, index)
+    else:
+        tree_map(lambda d, s: _copy_leaf(d, s, index), dst, src)
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives a pickle round trip, else a RuntimeError that describes it."""
+    try:
+        if isinstance(pickle.loads(cloudpickle.dumps(error)), BaseException):
+            return error
+    except Exception:
+        pass
+    return RuntimeError(f"{error!r} (the original exception could not be pickled)")
+
+
+def _dump_failure(failure: EnvFailure) -> bytes:
+    """Pickle an env failure with cloudpickle (so by-value modules stay by value)."""
+    portable = EnvFailure(failure.env, _portable(failure.error), failure.traceback, failure.retry)
+    return cloudpickle.dumps(portable, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _load_failure(payload: bytes) -> EnvFailure:
+    """Unpickle what :func:`_dump_failure` made; never raises."""
+    try:
+        failure = pickle.loads(payload)
+        if isinstance(failure, EnvFailure):
+            return failure
+        error: BaseException = RuntimeError(f"env-host actor sent a malformed failure: {failure!r}")
+    except Exception as exc:
+        error = RuntimeError(f"the env-host actor's error report could not be unpickled: {exc!r}")
+    return EnvFailure(None, error, "")
+
+
+def _dumps(obj: Any) -> bytes:
+    """Pickle ``obj`` (plain pickle, cloudpickle for what plain pickle cannot do)."""
+    try:
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _request(worker: int, mask: np.ndarray, actions: Tree | None = None) -> bytes:
+    """One bytes object for a reset or step: ``worker``, the mask, then the actions.
+
+    One small bytes argument is the cheapest thing to send through Ray (about half the cost of
+    three separately serialised arguments). Actions that are fixed-size arrays (every Box,
+    Discrete, MultiDiscrete... and Dict/Tuple of them) go as raw bytes, leaf by leaf, in the
+    order of the buffers both sides allocated from the same space; anything else is pickled.
+    """
+    kind = _NO_ACTIONS
+    parts = [b"", np.asarray(mask, dtype=np.bool_).tobytes()]
+    if actions is not None:
+        leaves = tree_leaves(actions)
+        if all(isinstance(leaf, np.ndarray) and leaf.dtype != object for leaf in leaves):
+            kind = _RAW_ACTIONS
+            parts.extend(leaf.tobytes() for leaf in leaves)
+        else:
+            kind = _PICKLED_ACTIONS
+            parts.append(_dumps(actions))
+    parts[0] = _HEAD.pack(worker, kind)
+    return b"".join(parts)
+
+
+# -- the actor (runs in a Ray worker process) -------------------------------------------------
+
+
+class EnvActor:
+    """Hosts the envs of several workers, one :class:`EnvGroup` per worker slot.
+
+    Made a Ray actor class by :class:`RayBackend` (``ray.remote(EnvActor)``), so that this module
+    does not import ray. ``reset`` and ``step`` take one bytes request (see :func:`_request`).
+    Every env method replies ``(status, payload)``, pickled into one bytes object when it is
+    small (cheapest for Ray to ship), or as a tuple of arrays when the observations are large
+    (Ray moves them through its object store without copies). An env failure is a ``_FAIL``
+    status with a pickled :class:`EnvFailure`, never a raised exception.
+
+    Args:
+        slots_blob: cloudpickled ``[(worker, n_envs, observation_space, action_space,
+            max_episode_length), ...]``, one entry per hosted worker.
+        compress_threshold: compress observation leaves of at least this many bytes (``None``:
+            never).
+        codec: ``"lz4"`` or ``"zlib"``; zlib is used when lz4 is not installed here.
+    """
+
+    def __init__(self, slots_blob: bytes, compress_threshold: int | None, codec: str) -> None:
+        self.groups: dict[int, EnvGroup] = {}
+        self.large: dict[int, bool] = {}
+        for worker, n_envs, obs_space, act_space, max_len in pickle.loads(slots_blob):
+            buffers = StepBuffers.allocate(obs_space, act_space, n_envs)
+            self.groups[worker] = EnvGroup(worker, buffers, obs_space, act_space, max_len)
+            obs_bytes = sum(leaf.nbytes for leaf in tree_leaves(buffers.obs))
+            self.large[worker] = compress_threshold is None and obs_bytes >= LARGE_REPLY
+        self.threshold = compress_threshold
+        self.skip: dict[tuple[int, str, int], int] = {}
+        self.codec = codec if codec != "lz4" or best_codec() == "lz4" else "zlib"
+
+    def _pack(self, worker: int, what: str, tree: Tree) -> Tree:
+        """Compress the leaves of ``tree`` of at least ``compress_threshold`` bytes, where it pays.
+
+        A leaf that compresses by less than ``_MIN_RATIO`` (noise does not compress) is sent
+        as is, and not tried again for its next ``_SKIP_AFTER_MISS`` replies: compressing
+        incompressible data costs time for nothing.
+        """
+        threshold = self.threshold
+        if threshold is None or tree is None:
+            return tree
+        skip = self.skip
+        index = itertools.count()
+
+        def pack(leaf: np.ndarray) -> Any:
+            key = (worker, what, next(index))
+            if leaf.nbytes < threshold:
+                return leaf
+            left = skip.get(key, 0)
+            if left:
+                skip[key] = left - 1
+                return leaf
+            packed = _Packed.pack(leaf, self.codec)
+            if len(packed.data) * _MIN_RATIO > leaf.nbytes:
+                skip[key] = _SKIP_AFTER_MISS
+                return leaf
+            return packed
+
+        return tree_map(pack, tree)
+
+    def ready(self) -> tuple[int, str]:
+        """The actor's pid and node address, once it is up."""
+        import ray
+
+        return os.getpid(), ray.util.get_node_ip_address()
+
+    def _run(self, fn: Callable[..., Any], *args: Any, large: bool = False) -> Any:
+        try:
+            reply: tuple[int, Any] = (_OK, fn(*args))
+        except EnvFailureError as exc:
+            reply = (_FAIL, _dump_failure(exc.failure))
+            large = False
+        except Exception as exc:  # a bug of the host itself: report it like an env failure
+            text = "".join(traceback.format_exception(exc))
+            reply = (_FAIL, _dump_failure(EnvFailure(None, exc, text)))
+            large = False
+        return reply if large else _dumps(reply)
+
+    def build(self, worker: int, blob: bytes) -> Any:
+        """Build the envs of ``worker`` from cloudpickled ``(chains, seeds)``."""
+        try:
+            chains, seeds = pickle.loads(blob)
+        except Exception as exc:
+            return _dumps((_FAIL, _unpickle_failure(exc, "env")))
+        return self._run(self.groups[worker].build, chains, seeds)
+
+    def update(self, worker: int, blob: bytes) -> Any:
+        """Apply cloudpickled ``(updates, seeds)`` to the envs of ``worker``."""
+        try:
+            updates, seeds = pickle.loads(blob)
+        except Exception as exc:
+            return _dumps((_FAIL, _unpickle_failure(exc, "env update")))
+        return self._run(self.groups[worker].update, updates, seeds)
+
+    def _decode(self, request: bytes) -> tuple[int, EnvGroup, np.ndarray]:
+        """Split a request; actions, if any, are written into the group's buffers."""
+        worker, kind = _HEAD.unpack_from(request)
+        group = self.groups[worker]
+        offset = _HEAD.size + group.n_envs
+        mask = np.frombuffer(request, np.bool_, group.n_envs, _HEAD.size)
+        if kind == _RAW_ACTIONS:
+            for leaf in tree_leaves(group.buffers.actions):
+                leaf[...] = np.frombuffer(request, leaf.dtype, leaf.size, offset).reshape(
+                    leaf.shape
+                )
+                offset += leaf.nbytes
+        elif kind == _PICKLED_ACTIONS:
+            _copy_into(group.buffers.actions, pickle.loads(request[offset:]))
+        return worker, group, mask
+
+    def reset(self, request: bytes) -> Any:
+        """Reset the masked envs of a worker; payload ``(obs, reset_infos)``."""
+        worker, group, mask = self._decode(request)
+
+        def reset() -> tuple[Tree, dict[int, dict[str, Any]]]:
+            infos = group.reset(mask)
+            return self._pack(worker, "obs", group.buffers.obs), infos
+
+        return self._run(reset, large=self.large[worker])
+
+    def step(self, request: bytes) -> Any:
+        """Step the masked envs of a worker with the actions in the request.
+
+        Payload: ``(obs, rewards, terminated, truncated, done, final_obs, infos)`` where ``done``
+        indexes the stepped envs whose episode ended and ``final_obs`` holds only their rows.
+        """
+        worker, group, mask = self._decode(request)
+        buf = group.buffers
+
+        def step() -> tuple[Any, ...]:
+            infos = group.step(mask)
+            done = np.flatnonzero((buf.terminated | buf.truncated) & mask)
+            final = tree_map(lambda x: x[done], buf.final_obs) if len(done) else None
+            return (
+                self._pack(worker, "obs", buf.obs),
+                buf.rewards,
+                buf.terminated,
+                buf.truncated,
+                done,
+                self._pack(worker, "final", final),
+                infos,
+            )
+
+        return self._run(step, large=self.large[worker])
+
+    def close(self, worker: int) -> Any:
+        """Close the envs of ``worker``."""
+        return self._run(self.groups[worker].close)
+
+    def shutdown(self) -> None:
+        """Close every env of this actor (before it is killed)."""
+        for group in self.groups.values():
+            group.close()
+
+
+def _unpickle_failure(exc: Exception, what: str) -> bytes:
+    """A failure for sources that cannot be unpickled here: a restart would not help."""
+    error = RuntimeError(
+        f"the {what} could not be unpickled on the env-host actor's node ({type(exc).__name__}: "
+        f"{exc}); install the packages it needs on every node, or ship them with a Ray "
+        "runtime_env (init_kwargs={'runtime_env': {...}})"
+    )
+    error.__cause__ = exc
+    return _dump_failure(EnvFailure(None, error, "".join(traceback.format_exception(exc)), False))
+
+
+# -- the main process's side ------------------------------------------------------------------
+
+
+class _Died(Exception):
+    """Set on the futures of calls whose actor died or was killed."""
+
+
+class _Call:
+    """One call to an actor: its ObjectRef, and the future its caller awaits."""
+
+    __slots__ = ("done", "method", "ref", "result", "timed_out", "timeout", "worker")
+
+    def __init__(self, method: str, timeout: float | None, worker: int, result: Any) -> None:
+        self.method = method
+        self.timeout = timeout
+        self.worker = worker
+        self.result: asyncio.Future[Any] = result
+        self.ref: Any = None
+        self.done = False
+        self.timed_out = False
+
+
+class _Actor:
+    """One incarnation of an env-host actor, as the main process sees it."""
+
+    def __init__(self, ray: Any, handle: Any, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.ray = ray
+        self.handle = handle
+        self.index = index
+        self.loop = loop
+        self.dead = False
+        self.reason = ""
+        self.cause: BaseException | None = None
+        self.where = ""
+        # Calls not answered yet, in the order the actor serves them.
+        self.queue: deque[_Call] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def describe(self) -> str:
+        return f"env-host actor {self.index}" + (f" ({self.where})" if self.where else "")
+
+    async def call(
+        self, method: str, args: tuple[Any, ...], timeout: float | None, worker: int
+    ) -> Any:
+        """Call ``method`` on the actor and await its reply.
+
+        Raises:
+            WorkerCrashedError: the actor is dead or died meanwhile.
+            StepTimeoutError: the call outlived ``timeout``; the actor was killed.
+            WorkerError: the actor method itself raised (a bug, not an env failure).
+        """
+        if not self.dead and not self.ray.is_initialized():
+            # Someone shut Ray down: its actors died with it (and a call now would start Ray).
+            self.die("is gone: Ray was shut down")
+        if self.dead:
+            raise self._crashed(worker)
+        call = _Call(method, timeout, worker, self.loop.create_future())
+        try:
+            ref = getattr(self.handle, method).remote(*args)
+        except Exception as exc:  # Ray itself is gone (shut down, disconnected)
+            self.die(f"could not be called ({type(exc).__name__}: {exc})", exc)
+            raise self._crashed(worker) from exc
+        call.ref = ref
+        self.queue.append(call)
+        if len(self.queue) == 1:
+            self._arm()
+        ref.future().add_done_callback(lambda cf: self._from_ray_thread(call, cf))
+        try:
+            return await call.result
+        except _Died:
+            if call.timed_out:
+                raise StepTimeoutError(
+                    f"{method} took longer than step_timeout={timeout:g}s; {self.describe()} "
+                    "was killed",
+                    worker=worker,
+                ) from None
+            err = self._crashed(worker)
+            raise err from err.__cause__  # the Ray error, when there is one
+
+    def _crashed(self, worker: int) -> WorkerCrashedError:
+        err = WorkerCrashedError(f"{self.describe()} {self.reason}", worker=worker)
+        err.__cause__ = self.cause
+        return err
+
+    def _from_ray_thread(self, call: _Call, cf: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self.loop.call_soon_threadsafe(self._on_reply, call, cf)
+
+    def _on_reply(self, call: _Call, cf: Any) -> None:
+        call.done = True
+        call.ref = None
+        queue = self.queue
+        if queue and queue[0].done:
+            while queue and queue[0].done:
+                queue.popleft()
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            self._arm()
+        try:
+            value = cf.result()
+        except BaseException as exc:
+            self._on_error(call, exc)
+            return
+        if not call.result.done():
+            call.result.set_result(value)
+
+    def _on_error(self, call: _Call, exc: BaseException) -> None:
+        ray = self.ray
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            # The actor method raised: a bug of the host, not an env failure. Its cause is the
+            # original exception, its text the remote traceback.
+            cause = getattr(exc, "cause", None) or exc
+            err = WorkerError(
+                f"{self.describe()} failed in {call.method}: {type(cause).__name__}: {cause}",
+                worker=call.worker,
+                remote_traceback=str(exc),
+            )
+            err.__cause__ = cause
+            if not call.result.done():
+                call.result.set_exception(err)
+            return
+        if isinstance(exc, asyncio.CancelledError | ray.exceptions.TaskCancelledError):
+            reason = "cancelled the call"
+        elif isinstance(exc, ray.exceptions.RayActorError):
+            reason = "died"
+        else:  # object lost, out of memory, node died...
+            reason = f"failed ({type(exc).__name__})"
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.die(f"{reason}: {first_line}" if first_line else reason, exc)
+        if not call.result.done():
+            call.result.set_exception(_Died(self.reason))
+
+    def _arm(self) -> None:
+        if self.dead or not self.queue:
+            return
+        head = self.queue[0]
+        if head.timeout is not None:
+            self.timer = self.loop.call_later(head.timeout, self._on_timeout, head)
+
+    def _on_timeout(self, call: _Call) -> None:
+        self.timer = None
+        if call.done or self.dead:
+            return
+        call.timed_out = True
+        self.die(
+            f"was killed: a {call.method} of worker {call.worker} took longer than "
+            f"step_timeout={call.timeout:g}s"
+        )
+
+    def die(self, reason: str, cause: BaseException | None = None) -> None:
+        """Mark the actor dead: kill it, fail every call waiting on it."""
+        if self.dead:
+            return
+        self.dead = True
+        self.reason = reason
+        self.cause = cause
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.kill()
+        pending = list(self.queue)
+        self.queue.clear()
+        for call in pending:
+            if not call.result.done():
+                with contextlib.suppress(RuntimeError):  # the loop may be closed
+                    call.result.set_exception(_Died(reason))
+
+    def kill(self) -> None:
+        """Kill the actor process (no Ray restart); harmless if it is dead already."""
+        if self.ray.is_initialized():
+            with contextlib.suppress(Exception):
+                self.ray.kill(self.handle, no_restart=True)
+
+
+class _Member:
+    """One place in the actor pool: the workers it hosts and its current actor."""
+
+    def __init__(self, backend: RayBackend, index: int, specs: list[HostSpec]) -> None:
+        self.backend = backend
+        self.index = index
+        self.workers = [s.worker for s in specs]
+        self.slots_blob = cloudpickle.dumps(
+            [
+                (s.worker, s.n_envs, s.observation_space, s.action_space, s.max_episode_length)
+                for s in specs
+            ],
+            protocol=pickle.HIGHEST_PROTOCOL,
+        )
+        self.actor: _Actor | None = None
+        self.actors: list[_Actor] = []  # every incarnation, for aclose
+        self.lock = asyncio.Lock()
+
+    async def live_actor(self) -> _Actor:
+        """The current actor, created anew (once, whoever asks first) if it is dead."""
+        async with self.lock:
+            actor = self.actor
+            if actor is None or actor.dead:
+                actor = await self._spawn()
+                self.actor = actor
+            return actor
+
+    async def _spawn(self) -> _Actor:
+        backend = self.backend
+        handle = backend._actor_options(self.index).remote(
+            self.slots_blob, backend.compress_threshold, backend.codec
+        )
+        actor = _Actor(backend._ray, handle, self.index, asyncio.get_running_loop())
+        self.actors.append(actor)
+        try:
+            pid, ip = await asyncio.wait_for(
+                actor.call("ready", (), None, self.workers[0]), backend.start_timeout
+            )
+        except TimeoutError:
+            actor.die("could not be scheduled")
+            raise WorkerCrashedError(
+                f"{actor.describe()} was not scheduled within start_timeout="
+                f"{backend.start_timeout:g}s: does the cluster have the resources it asks for "
+                f"({backend._resource_text()})?",
+                worker=self.workers[0],
+            ) from None
+        except BaseException:
+            actor.die("failed to start")
+            raise
+        actor.where = f"pid {pid} on {ip}"
+        return actor
+
+
+class RayHost:
+    """The host of one worker's envs, living in a Ray actor shared with other workers."""
+
+    def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
+        self.spec = spec
+        self.worker = spec.worker
+        self.buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
+        self._member = member
+        self._timeout = step_timeout
+        self._actor: _Actor | None = None
+
+    @property
+    def actor(self) -> Any:
+        """The Ray actor handle this worker's envs currently live in."""
+        return None if self._actor is None else self._actor.handle
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        actor = self._actor
+        if actor is None:
+            raise RuntimeError("the ray backend has not started this host")
+        reply = await actor.call(method, args, self._timeout, self.worker)
+        status, payload = pickle.loads(reply) if isinstance(reply, bytes) else reply
+        if status != _OK:
+            raise failure_error(self.worker, _load_failure(payload))
+        return payload
+
+    def _pickle(self, what: str, sources: Any, seeds: Sequence[int]) -> bytes:
+        try:
+            return cloudpickle.dumps((sources, list(seeds)), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(
+                f"the {what} of worker {self.worker} cannot be pickled (with cloudpickle) to send "
+                f"it to its env-host actor: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
+        blob = self._pickle("env", [list(c) for c in chains], seeds)
+        await self._call("build", self.worker, blob)
+
+    async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
+        blob = self._pickle("env update", list(updates), seeds)
+        await self._call("update", self.worker, blob)
+
+    async def reset(self, mask: np.ndarray) -> dict[int, dict[str, object]]:
+        obs, infos = await self._call("reset", _request(self.worker, mask))
+        _copy_into(self.buffers.obs, obs)
+        result: dict[int, dict[str, object]] = infos
+        return result
+
+    async def step(self, mask: np.ndarray) -> StepInfos:
+        buf = self.buffers
+        # The request is a copy of the actions: the worker may write the next ones meanwhile.
+        payload = await self._call("step", _request(self.worker, mask, buf.actions))
+        obs, rewards, terminated, truncated, done, final, infos = payload
+        _copy_into(buf.obs, obs)
+        buf.rewards[:] = rewards
+        buf.terminated[:] = terminated
+        buf.truncated[:] = truncated
+        if final is not None:
+            _copy_into(buf.final_obs, final, done)
+        result: StepInfos = infos
+        return result
+
+    async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
+        # A dead or killed actor is replaced (once for all its workers); a live one, where an env
+        # merely raised, keeps running and only this worker's envs are rebuilt.
+        self._actor = await self._member.live_actor()
+        await self.build(chains, seeds)
+
+    async def close(self) -> None:
+        actor = self._actor
+        if actor is None or actor.dead:
+            return
+        with contextlib.suppress(WorkerError):
+            await self._call("close", self.worker)
+
+
+# A local Ray instance started by a RayBackend, shared by the backends that use it meanwhile;
+# the last of them to close shuts it down.
+_OWNER_LOCK = threading.Lock()
+_owned: dict[str, int] = {"users": 0}
+
+
+class RayBackend:
+    """Hosts the envs of all workers in Ray actors.
+
+    Args:
+        n_processes: number of env-host actors (default: the CPU count of this machine), capped
+            at the number of workers. On a cluster, set it (or ``workers_per_actor``).
+        step_timeout: seconds an actor may spend on one build, update, reset or step before it is
+            killed and the call fails with :class:`~asyncsample.StepTimeoutError`.
+        address: address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``,
+            ``"host:6379"``). Default: an already initialised Ray, else ``RAY_ADDRESS``, else a
+            local Ray instance started here (and shut down by :meth:`aclose`).
+        num_cpus, num_gpus, memory, resources: Ray resources of each actor (``memory`` in
+            bytes; ``resources`` are custom resources, e.g. ``{"sim": 1}``).
+        placement_strategy: ``"SPREAD"``, ``"PACK"`` (or ``"STRICT_SPREAD"``, ``"STRICT_PACK"``)
+            to reserve one placement-group bundle per actor first; ``None``: Ray's default
+            scheduling, no placement group.
+        workers_per_actor: host this many workers per actor (overrides ``n_processes``).
+        compress_threshold: compress observation arrays of at least this many bytes before they
+            leave the actor (lz4 when installed, else zlib); ``None``: never.
+        init_kwargs: extra keyword arguments for ``ray.init`` (e.g. ``runtime_env``).
+        start_timeout: seconds to wait for the placement group and each actor to be scheduled
+            and up before failing; ``None``: wait as long as it takes (an autoscaler may be
+            adding nodes).
+    """
+
+    def __init__(
+        self,
+        n_processes: int | None = None,
+        step_timeout: float | None = None,
+        address: str | None = None,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        memory: int | None = None,
+        resources: Mapping[str, float] | None = None,
+        placement_strategy: str | None = None,
+        workers_per_actor: int | None = None,
+        compress_threshold: int | None = None,
+        init_kwargs: Mapping[str, Any] | None = None,
+        start_timeout: float | None = None,
+        **_ignored: object,
+    ) -> None:
+        self._ray = _import_ray()
+        self.n_processes = _optional_int("n_processes", n_processes, 1)
+        self.workers_per_actor = _optional_int("workers_per_actor", workers_per_actor, 1)
+        self.compress_threshold = _optional_int("compress_threshold", compress_threshold, 0)
+        self.step_timeout = _optional_seconds("step_timeout", step_timeout)
+        self.start_timeout = _optional_seconds("start_timeout", start_timeout)
+        if address is not None and not isinstance(address, str):
+            raise TypeError(f"address must be a str or None, got {address!r}")
+        self.address = address
+        self.num_cpus = _amount("num_cpus", num_cpus)
+        self.num_gpus = _amount("num_gpus", num_gpus)
+        self.memory = _optional_int("memory", memory, 1)
+        if resources is not None and not isinstance(resources, Mapping):
+            raise TypeError(
+                f"resources must be a dict of resource name to amount, got {resources!r}"
+            )
+        self.resources = {
+            str(k): _amount(f"resources[{k!r}]", v) for k, v in (resources or {}).items()
+        }
+        if placement_strategy is not None and placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"placement_strategy must be one of {', '.join(map(repr, PLACEMENT_STRATEGIES))} "
+                f"or None, got {placement_strategy!r}"
+            )
+        self.placement_strategy = placement_strategy
+        if placement_strategy is not None and not self._bundle():
+            raise ValueError(
+                "placement_strategy needs actors that ask for some resource (num_cpus, num_gpus, "
+                "memory or resources): a placement-group bundle cannot be empty"
+            )
+        if init_kwargs is not None and not isinstance(init_kwargs, Mapping):
+            raise TypeError(f"init_kwargs must be a dict or None, got {init_kwargs!r}")
+        self.init_kwargs = dict(init_kwargs or {})
+        if self.address is None and isinstance(self.init_kwargs.get("address"), str):
+            self.address = self.init_kwargs["address"]
+        self.init_kwargs.pop("address", None)
+        if _ignored:
+            warnings.warn(
+                f"RayBackend ignores unknown options: {', '.join(sorted(_ignored))}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.codec = best_codec()
+        self.started_ray = False  # whether this backend started (and so shuts down) Ray
+        self._owner = False
+        self._actor_class: Any = None
+        self._placement_group: Any = None
+        self._members: list[_Member] = []
+        self._hosts: list[RayHost] = []
+        self._started = False
+        self._closed = False
+
+    # -- resources ----------------------------------------------------------------------------
+
+    def _bundle(self) -> dict[str, float]:
+        bundle: dict[str, float] = {}
+        if self.num_cpus:
+            bundle["CPU"] = self.num_cpus
+        if self.num_gpus:
+            bundle["GPU"] = self.num_gpus
+        if self.memory:
+            bundle["memory"] = self.memory
+        bundle.update({k: v for k, v in self.resources.items() if v})
+        return bundle
+
+    def _resource_text(self) -> str:
+        return ", ".join(f"{k}={v:g}" for k, v in self._bundle().items()) or "no resources"
+
+    def _actor_options(self, index: int) -> Any:
+        options: dict[str, Any] = {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            "max_restarts": 0,  # restarts are the sampler's, with its budget
+            "max_task_retries": 0,
+        }
+        if self.memory:
+            options["memory"] = self.memory
+        if self.resources:
+            options["resources"] = dict(self.resources)
+        if self._placement_group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._placement_group, placement_group_bundle_index=index
+            )
+        return self._actor_class.options(**options)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def actors(self) -> list[Any]:
+        """Handles of the live env-host actors, in pool order."""
+        return [m.actor.handle for m in self._members if m.actor is not None and not m.actor.dead]
+
+    async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
+        if self._closed:
+            raise RuntimeError("the ray backend is closed")
+        if self._started:
+            raise RuntimeError("the ray backend was already started")
+        self._started = True
+        specs = list(specs)
+        if not specs:
+            return []
+        if self.workers_per_actor is not None:
+            n = math.ceil(len(specs) / self.workers_per_actor)
+        else:
+            n = min(self.n_processes or os.cpu_count() or 1, len(specs))
+        try:
+            await asyncio.to_thread(self._connect, math.ceil(n * self.num_cpus))
+            ray = self._ray
+            self._actor_class = ray.remote(EnvActor)
+            if self.placement_strategy is not None:
+                from ray.util.placement_group import placement_group
+
+                self._placement_group = placement_group(
+                    [self._bundle() for _ in range(n)], strategy=self.placement_strategy
+                )
+                try:
+                    await asyncio.wait_for(self._placement_group.ready(), self.start_timeout)
+                except TimeoutError:
+                    raise RuntimeError(
+                        f"the placement group ({n} bundles of {self._resource_text()}, "
+                        f"{self.placement_strategy}) was not ready within start_timeout="
+                        f"{self.start_timeout:g}s: the cluster lacks the resources"
+                    ) from None
+            per_member: list[list[HostSpec]] = [[] for _ in range(n)]
+            for w, spec in enumerate(specs):
+                per_member[w % n].append(spec)
+            self._members = [_Member(self, i, s) for i, s in enumerate(per_member)]
+            results = await asyncio.gather(
+                *(m.live_actor() for m in self._members), return_exceptions=True
+            )
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            self._hosts = [
+                RayHost(spec, self._members[w % n], self.step_timeout)
+                for w, spec in enumerate(specs)
+            ]
+            for host in self._hosts:
+                host._actor = host._member.actor
+        except BaseException:
+            await asyncio.shield(self.aclose())
+            raise
+        return list(self._hosts)
+
+    def _connect(self, cpus_wanted: int) -> None:
+        """Use the initialised Ray, connect to ``address``, or start a local instance."""
+        ray = self._ray
+        with _OWNER_LOCK:
+            if ray.is_initialized():
+                if _owned["users"] > 0:  # a local instance another RayBackend started
+                    _owned["users"] += 1
+                    self._owner = True
+                return
+            address = self.address or os.environ.get("RAY_ADDRESS") or None
+            if address is not None and address != "local":
+                ray.init(address=address, **self.init_kwargs)
+                return
+            kwargs: dict[str, Any] = {
+                "num_cpus": max(os.cpu_count() or 1, cpus_wanted),
+                "include_dashboard": False,
+            }
+            kwargs.update(self.init_kwargs)
+            ray.init(address="local", **kwargs)
+            self.started_ray = True
+            self._owner = True
+            _owned["users"] = 1
+
+    async def aclose(self) -> None:
+        """Close the envs, kill every actor, remove the placement group; idempotent.
+
+        Ray is shut down only if this backend started it (the last backend using a local
+        instance started by a backend shuts it down); a cluster it connected to is left as is.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        actors = [a for m in self._members for a in m.actors]
+        if not self._ray.is_initialized():
+            # Ray was shut down under us: the actors and placement group went with it, and
+            # any Ray call now would start a new Ray instance.
+            for actor in actors:
+                actor.die("was shut down")
+            self._placement_group = None
+            self._release()
+            if self._owner:
+                self._owner = False
+                _release_ray(self._ray)
+            return
+        live = [a for a in actors if not a.dead]
+        goodbyes: list[asyncio.Future[Any]] = []
+        for actor in live:  # let the envs close themselves (env.close()) first
+            with contextlib.suppress(Exception):  # Ray may already be gone
+                goodbyes.append(asyncio.wrap_future(actor.handle.shutdown.remote().future()))
+        if goodbyes:
+            await asyncio.wait(goodbyes, timeout=EXIT_GRACE)
+            for fut in goodbyes:  # retrieve errors of actors that died meanwhile
+                if fut.done() and not fut.cancelled():
+                    fut.exception()
+                else:
+                    fut.cancel()
+        for actor in actors:
+            actor.die("was shut down")
+            actor.kill()
+        if actors:
+            await self._confirm_dead(actors)
+        self._release()
+        if self._owner:
+            self._owner = False
+            await asyncio.to_thread(_release_ray, self._ray)
+
+    async def _confirm_dead(self, actors: list[_Actor]) -> None:
+        """Wait (a little) until Ray reports every killed actor dead."""
+        probes = []
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                probes.append(asyncio.wrap_future(actor.handle.ready.remote().future()))
+        if not probes:
+            return
+        await asyncio.wait(probes, timeout=_KILL_WAIT)
+        for fut in probes:
+            if fut.done() and not fut.cancelled():
+                fut.exception()
+            else:
+                fut.cancel()
+
+    def _release(self) -> None:
+        pg, self._placement_group = self._placement_group, None
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+        self._members = []
+        self._hosts = []
+
+    def close_now(self) -> None:
+        """Synchronous last resort (an unclosed sampler being collected): kill the actors."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._ray.is_initialized():
+            self._placement_group = None
+            return
+        for member in self._members:
+            for actor in member.actors:
+                actor.kill()
+        self._release()
+
+
+def _release_ray(ray: Any) -> None:
+    with _OWNER_LOCK:
+        _owned["users"] = max(0, _owned["users"] - 1)
+        if _owned["users"] == 0 and ray.is_initialized():
+            ray.shutdown()
+
+
+# -- argument checks ----------------------------------------------------------------------------
+
+
+def _optional_int(name: str, value: Any, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int >= {minimum} or None, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _optional_seconds(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds or None, got {value!r}")
+    return float(value)
+
+
+def _amount(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{name} must be a number >= 0, got {value!r}")
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    return float(value)
