@@ -58,8 +58,9 @@ class RandomAgent:
         """One generator call for the common spaces (gymnasium's sample() costs ~20 us)."""
         rng = self._rng
         if isinstance(space, gym.spaces.Discrete):
-            start, stop = int(space.start), int(space.start + space.n)
-            return lambda n: rng.integers(start, stop, size=n)
+            start, k = int(space.start), int(space.n)
+            # floor(U * k) for U uniform in [0, 1): 2x faster than rng.integers for small n.
+            return lambda n: (rng.random(n) * k).astype(np.int64) + start
         if (
             isinstance(space, gym.spaces.Box)
             and space.is_bounded("both")

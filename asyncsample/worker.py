@@ -332,7 +332,7 @@ class Worker:
             done &= active
         if self._records_transitions:
             self._record(t, agent_infos, infos.env_infos, done)
-        if not done.any():
+        if not np.count_nonzero(done):
             return False
         for i in np.flatnonzero(done).tolist():
             end = StepType.TERMINAL if buffers.terminated[i] else StepType.TIMEOUT
