@@ -293,8 +293,8 @@ class Worker:
             self._needs_reset &= ~mask
             self._lengths[mask] = 0
             self._returns[mask] = 0.0
-            for i, info in infos.items():
-                self._episode_info[i] = info
+            for i in np.flatnonzero(mask).tolist():
+                self._episode_info[i] = infos.get(i, {})  # empty infos do not travel
             self._reset_agent(mask)
             self._piece_start[mask] = self._rows.size
             self._piece_position[mask] = 0

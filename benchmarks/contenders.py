@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import multiprocessing
 import os
 import threading
 import time
@@ -28,11 +29,13 @@ import psutil
 
 __all__ = [
     "CONTENDERS",
+    "CpuAccount",
     "LagProbe",
     "MemoryMonitor",
     "RunResult",
     "RunSpec",
     "Skipped",
+    "TimedPhase",
     "asyncsample_local",
     "asyncsample_process",
     "envpool_pool",
@@ -69,6 +72,8 @@ class RunSpec:
         fragment_steps: asyncsample steps per env per ``obtain_fragments`` call.
         instrument: Sample memory (and, for asyncsample, event-loop lag) during the run.
         memory_interval: Seconds between memory samples.
+        min_seconds: Keep stepping past ``n_transitions`` until the timed phase lasted
+            this long (fast contenders get a measurement long enough to be stable).
     """
 
     contender: str
@@ -85,6 +90,7 @@ class RunSpec:
     fragment_steps: int = 128
     instrument: bool = False
     memory_interval: float = 0.5
+    min_seconds: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         """Return the spec as a JSON-able dict."""
@@ -100,6 +106,8 @@ class RunResult:
         seconds: Wall time of the timed phase.
         memory: :meth:`MemoryMonitor.summary` of the timed phase, if instrumented.
         lag: :meth:`LagProbe.summary` (asyncsample only), if instrumented.
+        cpu: :attr:`CpuAccount.result`: cores used by the contender's processes and by
+            everything else on the machine during the timed phase.
         notes: Free-form remarks.
     """
 
@@ -107,6 +115,7 @@ class RunResult:
     seconds: float
     memory: dict[str, Any] | None = None
     lag: dict[str, Any] | None = None
+    cpu: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -225,6 +234,111 @@ class MemoryMonitor:
         }
 
 
+def _tree_cpu(root: psutil.Process) -> dict[int, float]:
+    """CPU seconds (user + system) of ``root`` and each of its descendants, by pid."""
+    out: dict[int, float] = {}
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        procs = [root]
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            out[proc.pid] = t.user + t.system
+        except psutil.Error:
+            continue
+    return out
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot."""
+    t = psutil.cpu_times()
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    return busy, getattr(t, "steal", 0.0)
+
+
+class CpuAccount:
+    """Who used the CPUs during a phase: this process tree, everyone else, the hypervisor.
+
+    ``own_cores`` is the CPU the contender's processes used per second of wall time (at
+    most the core count); ``foreign_cores`` is what other processes on the machine used
+    meanwhile (the measurement was disturbed when it is well above zero); ``steal_cores``
+    is time the hypervisor gave to other machines.
+    """
+
+    def __init__(self) -> None:
+        """Create an account; call :meth:`start` and :meth:`stop` around the phase."""
+        self._root = psutil.Process(os.getpid())
+        self._t0 = 0.0
+        self._tree0: dict[int, float] = {}
+        self._mach0 = (0.0, 0.0)
+        self.result: dict[str, float] | None = None
+
+    def start(self) -> None:
+        """Snapshot the counters."""
+        self._tree0 = _tree_cpu(self._root)
+        self._mach0 = _machine_cpu()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        """Snapshot again and compute the shares."""
+        wall = time.perf_counter() - self._t0
+        busy1, steal1 = _machine_cpu()
+        tree1 = _tree_cpu(self._root)
+        if wall <= 0:
+            return
+        own = sum(cpu - self._tree0.get(pid, 0.0) for pid, cpu in tree1.items())
+        busy = busy1 - self._mach0[0]
+        self.result = {
+            "own_cores": own / wall,
+            "foreign_cores": max(0.0, busy - own) / wall,
+            "steal_cores": (steal1 - self._mach0[1]) / wall,
+        }
+
+
+class TimedPhase:
+    """The timed phase of a run: wall time, CPU account and (if instrumented) memory.
+
+    Use as ``with TimedPhase(spec) as phase: ...`` with ``while phase.more(done)``
+    inside; then :meth:`result`.
+    """
+
+    def __init__(self, spec: RunSpec) -> None:
+        """Create the phase for ``spec``."""
+        self.spec = spec
+        self.memory = MemoryMonitor(spec.instrument, spec.memory_interval)
+        self.cpu = CpuAccount()
+        self.t0 = 0.0
+        self.seconds = 0.0
+
+    def __enter__(self) -> TimedPhase:
+        self.memory.__enter__()
+        self.cpu.start()
+        self.t0 = time.perf_counter()
+        return self
+
+    def more(self, done: int) -> bool:
+        """True until ``n_transitions`` are done and ``min_seconds`` have passed."""
+        if done < self.spec.n_transitions:
+            return True
+        return time.perf_counter() - self.t0 < self.spec.min_seconds
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.t0
+        self.cpu.stop()
+        self.memory.__exit__(*exc)
+
+    def result(self, transitions: int, **kwargs: Any) -> RunResult:
+        """The :class:`RunResult` of the phase."""
+        return RunResult(
+            transitions=transitions,
+            seconds=self.seconds,
+            memory=self.memory.summary(),
+            cpu=self.cpu.result,
+            **kwargs,
+        )
+
+
 class LagProbe:
     """Event-loop lag: a task sleeps ``interval`` in a loop and records how late each wake-up is."""
 
@@ -288,7 +402,7 @@ def _batched_actions(single: gym.Space, n: int, seed: int) -> gym.Space:
 
 
 def _timed_steps(spec: RunSpec, step: Callable[[Any], int], actions: gym.Space) -> RunResult:
-    """Step a vector env: warm-up untimed, then at least ``spec.n_transitions`` timed.
+    """Step a vector env: warm-up untimed, then ``spec.n_transitions`` or more timed.
 
     Args:
         spec: The run.
@@ -302,13 +416,11 @@ def _timed_steps(spec: RunSpec, step: Callable[[Any], int], actions: gym.Space) 
     warm = 0
     while warm < spec.warmup:
         warm += step(actions.sample())
-    with MemoryMonitor(spec.instrument, spec.memory_interval) as mon:
-        done = 0
-        t0 = time.perf_counter()
-        while done < spec.n_transitions:
+    done = 0
+    with TimedPhase(spec) as phase:
+        while phase.more(done):
             done += step(actions.sample())
-        seconds = time.perf_counter() - t0
-    return RunResult(transitions=done, seconds=seconds, memory=mon.summary())
+    return phase.result(done)
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,16 +446,19 @@ def ideal_single(spec: RunSpec) -> RunResult:
                     env.reset()
 
         loop(spec.warmup)
-        with MemoryMonitor(spec.instrument, spec.memory_interval) as mon:
-            t0 = time.perf_counter()
-            loop(spec.n_transitions)
-            seconds = time.perf_counter() - t0
-        return RunResult(spec.n_transitions, seconds, memory=mon.summary())
+        done = 0
+        with TimedPhase(spec) as phase:
+            while phase.more(done):
+                loop(spec.n_transitions)
+                done += spec.n_transitions
+        return phase.result(done)
     finally:
         env.close()
 
 
-def _gym_vector(spec: RunSpec, cls: type[gym.vector.VectorEnv], **kwargs: Any) -> RunResult:
+def _gym_vector(
+    spec: RunSpec, cls: Callable[..., gym.vector.VectorEnv], **kwargs: Any
+) -> RunResult:
     """Run a gymnasium vector env in same-step autoreset mode (every step is a transition)."""
     from gymnasium.vector import AutoresetMode
 
@@ -382,6 +497,11 @@ def sb3_subproc(spec: RunSpec) -> RunResult:
         raise Skipped(f"stable-baselines3 not importable ({type(exc).__name__}: {exc})") from exc
     venv = None
     try:
+        if not spec.instrument:
+            # Same stepping, faster start: the forkserver imports SB3 (and torch) once
+            # instead of in every child. The instrumented run keeps SB3's plain default,
+            # so the memory it reports is what a user gets.
+            multiprocessing.set_forkserver_preload([SubprocVecEnv.__module__])
         venv = SubprocVecEnv(_env_fns(spec))
         venv.seed(spec.seed)
         venv.reset()
@@ -484,12 +604,18 @@ def _count(batch: Any) -> int:
     return len(batch.actions)
 
 
-def _not_implemented(exc: BaseException) -> BaseException | None:
-    """The NotImplementedError in ``exc``'s cause/context chain, if any."""
+def _missing_part(exc: BaseException) -> str | None:
+    """Describe a not-yet-written part of asyncsample found in ``exc``'s chain, if any.
+
+    That is a ``NotImplementedError``, or a ``ModuleNotFoundError`` for an ``asyncsample``
+    submodule (a backend module that does not exist yet).
+    """
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, NotImplementedError):
-            return seen
+            return f"NotImplementedError: {seen}"
+        if isinstance(seen, ModuleNotFoundError) and (seen.name or "").startswith("asyncsample"):
+            return f"ModuleNotFoundError: {seen}"
         seen = seen.__cause__ or seen.__context__
     return None
 
@@ -513,30 +639,39 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
     }
     if backend == "process":
         kwargs["n_processes"] = spec.n_processes
-    sampler = asyncsample.Sampler(spec.env_id, **kwargs)
+    notes: list[str] = []
+    try:
+        sampler = asyncsample.Sampler(spec.env_id, **kwargs)
+    except ValueError as exc:
+        if ":" not in spec.env_id or "env" not in str(exc):
+            raise
+        # gymnasium.make accepts "module:EnvId" (it imports the module); gymnasium.spec does not.
+        sampler = asyncsample.Sampler(functools.partial(gym.make, spec.env_id), **kwargs)
+        notes.append(
+            "Sampler rejected gymnasium's 'module:EnvId' id form (gymnasium.make imports the "
+            "module, gymnasium.spec does not); it was given functools.partial(gym.make, id)"
+        )
     try:
         chunk = spec.n_envs * spec.fragment_steps
         warm = 0
         while warm < spec.warmup:
             warm += _count(await sampler.obtain_fragments(min(chunk, spec.warmup)))
-        with MemoryMonitor(spec.instrument, spec.memory_interval) as mon:
-            if spec.instrument:
-                probe.start()
-            try:
-                done = 0
-                t0 = time.perf_counter()
-                while done < spec.n_transitions:
+        if spec.instrument:
+            probe.start()
+        done = 0
+        try:
+            with TimedPhase(spec) as phase:
+                while phase.more(done):
                     done += _count(await sampler.obtain_fragments(chunk))
-                seconds = time.perf_counter() - t0
-            finally:
-                await probe.stop()
+        finally:
+            await probe.stop()
     finally:
         await sampler.aclose()
     lag = None
     if spec.instrument:
         lag = probe.summary()
         lag["idle"] = idle
-    return RunResult(transitions=done, seconds=seconds, memory=mon.summary(), lag=lag)
+    return phase.result(done, lag=lag, notes=notes)
 
 
 def _asyncsample(spec: RunSpec, backend: str) -> RunResult:
@@ -557,11 +692,12 @@ def _asyncsample(spec: RunSpec, backend: str) -> RunResult:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             result = runner.run(_asyncsample_run(spec, backend))
     except Exception as exc:
-        nie = _not_implemented(exc)
-        if nie is not None:
-            raise Skipped(f"asyncsample backend {backend!r} not implemented yet: {nie}") from exc
+        missing = _missing_part(exc)
+        if missing is not None:
+            raise Skipped(f"asyncsample backend {backend!r} not available yet: {missing}") from exc
         raise
-    result.notes.append("uvloop" if loop_factory is not None else "asyncio default loop")
+    if loop_factory is None:
+        result.notes.append("uvloop not installed: ran on the default asyncio loop")
     return result
 
 

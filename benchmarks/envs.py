@@ -16,7 +16,7 @@ to ``gymnasium.make`` for the wall-clock variant.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -72,8 +72,6 @@ def spin(seconds: float, clock: str = "cpu") -> None:
 
 class _VectorObsEnv(gym.Env[np.ndarray, np.int64]):
     """Small Box(4,) float32 observations, Discrete(2) actions, no terminations."""
-
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
     def __init__(self) -> None:
         self.observation_space = spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
@@ -152,8 +150,6 @@ class NoOpEnv(_VectorObsEnv):
 
 class ImageEnv(gym.Env[np.ndarray, np.int64]):
     """84x84x4 uint8 observations (an Atari frame stack), cheap steps, Discrete(4)."""
-
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
 
     def __init__(self) -> None:
         self.observation_space = spaces.Box(0, 255, shape=(84, 84, 4), dtype=np.uint8)
