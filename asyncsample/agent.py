@@ -60,7 +60,7 @@ class RandomAgent:
         if isinstance(space, gym.spaces.Discrete):
             start, k = int(space.start), int(space.n)
             # floor(U * k) for U uniform in [0, 1): 2x faster than rng.integers for small n.
-            return lambda n: (rng.random(n) * k).astype(np.int64) + start
+            return lambda n: (rng.random(n) * k).astype(np.int64) + start  # type: ignore
         if (
             isinstance(space, gym.spaces.Box)
             and space.is_bounded("both")

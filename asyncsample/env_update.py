@@ -7,6 +7,7 @@ there by :func:`apply_env_update`.
 from __future__ import annotations
 
 import copy
+import importlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -102,7 +103,11 @@ class EnvId:
 
     def __init__(self, env_id: str) -> None:
         self.id = env_id
-        self.spec = gym.spec(env_id)
+        module, sep, name = env_id.rpartition(":")
+        if sep:
+            # gymnasium's "module:EnvId" form: the module registers the id when imported.
+            importlib.import_module(module)
+        self.spec = gym.spec(name if sep else env_id)
 
     def __call__(self, **kwargs: Any) -> gym.Env:
         return gym.make(self.spec, **kwargs)

@@ -13,6 +13,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
+from asyncsample._assembly import Plan, assemble
 from asyncsample.agent import Agent, RandomAgent
 from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
 from asyncsample.batch import EnvSpec, EpisodeBatch
@@ -533,19 +534,13 @@ class Sampler:
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
             worker.finished.clear()
-        batches = await self._gather(
+        plans = await self._gather(
             [
                 self._drive(w, mode, quota, keep_fragments, keep_episodes, carry)
                 for w in self.workers
             ]
         )
-        parts = [b for b in batches if b is not None and b.n_episodes]
-        if len(parts) == 1:
-            batch = parts[0]
-        elif parts:
-            batch = EpisodeBatch.concatenate(*parts)
-        else:
-            batch = next(b for b in batches if b is not None)
+        batch = assemble(self._env_spec, [p for p in plans if p is not None])
         stats = SampleStats.collect(
             [f for w in self.workers for f in w.finished],
             transitions=batch.n_transitions,
@@ -566,7 +561,7 @@ class Sampler:
         keep_fragments: bool,
         keep_episodes: bool,
         carry: bool,
-    ) -> EpisodeBatch | None:
+    ) -> Plan | None:
         """Run one worker's part of a call, rebuilding its host after failures."""
         w = worker.worker_number
         share = quota if mode == "episodes" else self._share(quota, w)

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from asyncsample._action_check import make_action_check
+from asyncsample._assembly import Plan, assemble, step_types_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import Agent, RandomAgent, get_actions
 from asyncsample.backends.base import EnvHost
-from asyncsample.batch import EnvSpec, EpisodeBatch, StepType, stack_infos
+from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_group import rebuild_chain
 from asyncsample.env_update import EnvSource
 from asyncsample.seeding import WorkerSeeds
@@ -191,6 +192,7 @@ class Worker:
         self._completed_steps = 0
         self._episodes_left: np.ndarray | None = None
         self._steps_left: int | None = None
+        self._carry_from: int | None = None
         self._share = 0
         self._rows = _Rows(n_envs)
         self._in_call = False
@@ -365,6 +367,15 @@ class Worker:
                 at the end, ``last_observations`` = the current observation); they continue
                 in the next call.
         """
+        assert self.env_spec is not None
+        return assemble(self.env_spec, [self.collect_plan(fragments=fragments)])
+
+    def collect_plan(self, *, fragments: bool = False) -> Plan:
+        """Like :meth:`collect_episode`, but only where the episodes lie in the step records.
+
+        The records stay valid until the next call begins, so the sampler can gather the
+        episodes of all workers into one batch in one copy.
+        """
         assert self.host is not None
         if fragments:
             stop = self._rows.size
@@ -373,10 +384,10 @@ class Worker:
                     current = tree_map(lambda x, i=i: x[i].copy(), self.host.buffers.obs)
                     self._close_piece(i, stop, None, current)
                     self._piece_position[i] = self._lengths[i]
-        batch = self._build_batch(self._pieces)
+        plan = self._plan(self._pieces)
         self._pieces = []
         self._completed_steps = 0
-        return batch
+        return plan
 
     async def rollout(self) -> EpisodeBatch:
         """Step until at least one episode completes; return the completed episodes."""
@@ -384,7 +395,9 @@ class Worker:
         await self.start_episode()
         while not await self.step_episode():
             pass
-        return self._end_call(self.collect_episode())
+        batch = self.collect_episode()
+        self._end_call()
+        return batch
 
     async def shutdown(self) -> None:
         """Close the envs of this worker."""
@@ -439,10 +452,15 @@ class Worker:
         if not (keep_fragments or keep_episodes):
             self._needs_reset |= self._lengths > 0
         self._in_call = True
-        if not keep_episodes:
+        if keep_episodes and self._carry_from is not None:
+            # Episodes left running keep their steps: move their rows to the front.
+            self._rows.drop_before(self._carry_from)
+            self._piece_start -= self._carry_from
+        else:
             self._rows.clear()
             self._piece_start[:] = 0
             self._piece_position[:] = self._lengths
+        self._carry_from = None
         self._pieces = []
         self._completed_steps = 0
         self._steps_left = None
@@ -456,7 +474,7 @@ class Worker:
             self._active[:] = self._episodes_left > 0
         self._everyone = bool(self._active.all())
 
-    async def run_samples(self, share: int, *, keep_episodes: bool = False) -> EpisodeBatch:
+    async def run_samples(self, share: int, *, keep_episodes: bool = False) -> Plan:
         """Complete episodes until their lengths reach ``share``.
 
         Episodes still running are discarded, or with ``keep_episodes`` carried over (with
@@ -465,16 +483,20 @@ class Worker:
         await self.start_episode()
         while self._completed_steps < share:
             await self.step_episode()
-        return self._end_call(self.collect_episode(), keep_episodes=keep_episodes)
+        plan = self.collect_plan()
+        self._end_call(keep_episodes=keep_episodes)
+        return plan
 
-    async def run_episodes(self) -> EpisodeBatch:
+    async def run_episodes(self) -> Plan:
         """Run every env until it has completed its fixed share of the call's episodes."""
         await self.start_episode()
         while self._active.any():
             await self.step_episode()
-        return self._end_call(self.collect_episode())
+        plan = self.collect_plan()
+        self._end_call()
+        return plan
 
-    async def run_fragments(self, share: int) -> EpisodeBatch:
+    async def run_fragments(self, share: int) -> Plan:
         """Step every env ``ceil(share / n_envs)`` times; running episodes become fragments."""
         self._share = share
         if self._steps_left is None:
@@ -483,7 +505,9 @@ class Worker:
         while self._steps_left > 0:
             await self.step_episode()
             self._steps_left -= 1
-        return self._end_call(self.collect_episode(fragments=True), keep_fragments=True)
+        plan = self.collect_plan(fragments=True)
+        self._end_call(keep_fragments=True)
+        return plan
 
     async def recover(self) -> None:
         """Rebuild this worker's envs after a failure; in-progress episodes are dropped.
@@ -522,27 +546,17 @@ class Worker:
         """Note that the host failed; the next call rebuilds it before stepping."""
         self._broken = True
 
-    def _end_call(
-        self,
-        batch: EpisodeBatch,
-        *,
-        keep_fragments: bool = False,
-        keep_episodes: bool = False,
-    ) -> EpisodeBatch:
-        if keep_episodes:
-            start = int(self._piece_start.min())
-            self._rows.drop_before(start)
-            self._piece_start -= start
-        else:
-            if not keep_fragments:
-                self._needs_reset |= self._lengths > 0
-            self._rows.clear()
+    def _end_call(self, *, keep_fragments: bool = False, keep_episodes: bool = False) -> None:
+        # The step records stay as they are until the next call begins: the plans returned
+        # by this call point into them.
+        self._carry_from = int(self._piece_start.min()) if keep_episodes else None
+        if not (keep_episodes or keep_fragments):
+            self._needs_reset |= self._lengths > 0
         self._episodes_left = None
         self._steps_left = None
         self._active[:] = True
         self._everyone = True
         self._in_call = False
-        return batch
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -650,76 +664,33 @@ class Worker:
         )
         self.history = self.process_transition(self.history, transition)
 
-    def _build_batch(self, pieces: list[_Piece]) -> EpisodeBatch:
-        assert self.env_spec is not None
+    def _plan(self, pieces: list[_Piece]) -> Plan:
+        """Where ``pieces`` lie in the step records, for :func:`assemble`."""
+        assert self.host is not None
         rows = self._rows
+        buffers = self.host.buffers
+        lengths = [p.stop - p.start for p in pieces]
         if pieces:
             t_idx = np.concatenate([np.arange(p.start, p.stop) for p in pieces])
+            e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
         else:
-            t_idx = np.zeros(0, dtype=np.int64)
-        e_idx = (
-            np.concatenate([np.full(p.stop - p.start, p.env, dtype=np.int64) for p in pieces])
-            if pieces
-            else np.zeros(0, dtype=np.int64)
-        )
-        lengths = np.array([p.stop - p.start for p in pieces], dtype=np.int64)
-        step_types = np.full(len(t_idx), StepType.MID, dtype=np.uint8)
-        offset = 0
-        for p, n in zip(pieces, lengths.tolist()):
-            if p.position == 0:
-                step_types[offset] = StepType.FIRST
-            if p.end is not None:
-                step_types[offset + n - 1] = p.end
-            offset += n
-
-        def gather(x: np.ndarray | None, like: np.ndarray) -> np.ndarray:
-            if x is None:
-                return np.zeros((0, *like.shape[1:]), dtype=like.dtype)
-            return x[t_idx, e_idx]
-
-        buffers = self.host.buffers if self.host is not None else None
-        assert buffers is not None
-        obs = (
-            tree_map(gather, rows.obs, buffers.obs)
-            if rows.obs is not None
-            else tree_map(lambda b: gather(None, b), buffers.obs)
-        )
-        actions = (
-            tree_map(gather, rows.actions, buffers.actions)
-            if rows.actions is not None
-            else tree_map(lambda b: gather(None, b), buffers.actions)
-        )
-        rewards = rows.rewards[t_idx, e_idx] if len(t_idx) else np.zeros(0)
-        if pieces:
-            last_obs = tree_map(lambda *xs: np.stack(xs), *[p.last_observation for p in pieces])
-        else:
-            last_obs = tree_map(lambda b: gather(None, b), buffers.obs)
-        agent_infos = {k: v[t_idx, e_idx] for k, v in rows.agent_infos.items()}
-        env_infos: dict[str, Any] = {}
-        if rows.env_infos:
-            per_step = [
-                rows.env_infos[t][e] if t in rows.env_infos else {}
-                for t, e in zip(t_idx.tolist(), e_idx.tolist())
-            ]
-            env_infos = stack_infos(per_step, name="env_infos")
-        episode_infos = stack_infos([p.episode_info for p in pieces], name="episode_infos")
-        if not pieces:
-            episode_infos = {
-                "worker": np.zeros(0, np.int64),
-                "env": np.zeros(0, np.int64),
-                "agent_version": np.zeros(0, np.int64),
-            }
-        return EpisodeBatch(
-            env_spec=self.env_spec,
-            episode_infos=episode_infos,
-            observations=obs,
-            last_observations=last_obs,
-            actions=actions,
-            rewards=rewards,
-            env_infos=env_infos,
-            agent_infos=agent_infos,
-            step_types=step_types,
-            lengths=lengths,
+            t_idx = e_idx = np.zeros(0, dtype=np.int64)
+        return Plan(
+            obs=rows.obs,
+            actions=rows.actions,
+            rewards=rows.rewards if rows.capacity else None,
+            agent_infos=dict(rows.agent_infos),
+            env_infos=dict(rows.env_infos),
+            like_obs=buffers.obs,
+            like_actions=buffers.actions,
+            rows=t_idx,
+            envs=e_idx,
+            lengths=np.array(lengths, dtype=np.int64),
+            step_types=step_types_of(
+                lengths, [p.position == 0 for p in pieces], [p.end for p in pieces]
+            ),
+            last_observations=[p.last_observation for p in pieces],
+            episode_infos=[p.episode_info for p in pieces],
         )
 
 
@@ -754,7 +725,9 @@ class FragmentWorker(Worker):
     async def rollout(self) -> EpisodeBatch:
         """Step every env ``timesteps_per_call`` times; return completed episodes and fragments."""
         self.begin_call(keep_fragments=True)
-        return await self.run_fragments(self.timesteps_per_call * self.n_envs)
+        plan = await self.run_fragments(self.timesteps_per_call * self.n_envs)
+        assert self.env_spec is not None
+        return assemble(self.env_spec, [plan])
 
 
 @dataclass(frozen=True)

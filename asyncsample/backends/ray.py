@@ -69,6 +69,8 @@ INSTALL_HINT = "pip install 'asyncsample[ray]'"
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 #: Seconds the actors get to close their envs in ``aclose`` before they are killed.
 EXIT_GRACE = 2.0
+#: Seconds an actor may wait to be scheduled before a warning says what it waits for.
+PENDING_WARNING = 10.0
 #: Seconds to wait for Ray to confirm that killed actors are dead.
 _KILL_WAIT = 5.0
 
@@ -601,9 +603,7 @@ class _Member:
         actor = _Actor(backend._ray, handle, self.index, asyncio.get_running_loop())
         self.actors.append(actor)
         try:
-            pid, ip = await asyncio.wait_for(
-                actor.call("ready", (), None, self.workers[0]), backend.start_timeout
-            )
+            pid, ip = await asyncio.wait_for(self._ready(actor), backend.start_timeout)
         except TimeoutError:
             actor.die("could not be scheduled")
             raise WorkerCrashedError(
@@ -617,6 +617,30 @@ class _Member:
             raise
         actor.where = f"pid {pid} on {ip}"
         return actor
+
+    async def _ready(self, actor: _Actor) -> tuple[int, str]:
+        """Wait for the actor to be up; warn once if it is still not scheduled after a while."""
+        ready = asyncio.ensure_future(actor.call("ready", (), None, self.workers[0]))
+        try:
+            done, _ = await asyncio.wait({ready}, timeout=PENDING_WARNING)
+            if not done:
+                backend = self.backend
+                with contextlib.suppress(Exception):
+                    free = backend._ray.available_resources()
+                    free_text = ", ".join(f"{k}={v:g}" for k, v in sorted(free.items()))
+                    warnings.warn(
+                        f"{actor.describe()} has waited {PENDING_WARNING:g}s to be scheduled. "
+                        f"Each env-host actor asks for {backend._resource_text()}; the cluster "
+                        f"has {free_text or 'nothing'} free. Lower num_cpus (num_cpus=0 lets "
+                        "actors share CPUs, as processes do) or n_processes, add resources, or "
+                        "set start_timeout to fail instead of waiting.",
+                        RuntimeWarning,
+                        stacklevel=1,
+                    )
+            result: tuple[int, str] = await ready
+        finally:
+            ready.cancel()
+        return result
 
 
 class RayHost:
@@ -902,8 +926,12 @@ class RayBackend:
             if address is not None and address != "local":
                 ray.init(address=address, **self.init_kwargs)
                 return
+            # Logical CPUs are scheduling tokens: this local instance exists for the sampler,
+            # so it may oversubscribe the machine as the process backend does (n_processes
+            # above the core count; evaluation hosts beside the training ones).
+            cores = os.cpu_count() or 1
             kwargs: dict[str, Any] = {
-                "num_cpus": max(os.cpu_count() or 1, cpus_wanted),
+                "num_cpus": max(2 * cores, cpus_wanted + cores),
                 "include_dashboard": False,
             }
             kwargs.update(self.init_kwargs)

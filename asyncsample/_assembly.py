@@ -1,0 +1,151 @@
+"""Cut episodes out of the workers' time-major step records into one batch, in one copy.
+
+Each worker records step ``t`` of env ``e`` at row ``(t, e)``. At the end of a call every worker
+describes its episodes as a :class:`Plan` (which rows, in which order); :func:`assemble` then
+allocates each field of the batch once and gathers every worker's rows straight into it, so a
+batch of image observations costs one copy of them, not one per worker and one more to
+concatenate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncsample._tree import Tree, tree_map
+from asyncsample.batch import EnvSpec, EpisodeBatch, StepType, stack_infos
+
+__all__ = ["Plan", "assemble"]
+
+
+@dataclass
+class Plan:
+    """Where one worker's episodes of a call lie in its step records.
+
+    Attributes:
+        obs, actions, rewards, agent_infos: the worker's records, shape ``(rows, n_envs, ...)``.
+        env_infos: non-empty env infos by row (a list over envs), if any step had one.
+        like_obs, like_actions: arrays of the right dtype and trailing shape (for empty plans).
+        rows, envs: for every transition of the batch, in order, its row and env.
+        lengths, step_types: per episode and per transition.
+        last_observations: per episode, the observation after its last step.
+        episode_infos: per episode, its info dict.
+    """
+
+    obs: Tree
+    actions: Tree
+    rewards: np.ndarray | None
+    agent_infos: dict[str, np.ndarray]
+    env_infos: dict[int, list[dict[str, Any]]]
+    like_obs: Tree
+    like_actions: Tree
+    rows: np.ndarray
+    envs: np.ndarray
+    lengths: np.ndarray
+    step_types: np.ndarray
+    last_observations: list[Tree] = field(default_factory=list)
+    episode_infos: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def n_envs(self) -> int:
+        """Envs per row of the records."""
+        return len(tree_first(self.like_obs))
+
+
+def tree_first(tree: Tree) -> np.ndarray:
+    while isinstance(tree, (dict, tuple)):
+        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
+    return tree  # type: ignore[no-any-return]
+
+
+def _gather(plans: list[Plan], records: list[Any], likes: list[np.ndarray]) -> np.ndarray:
+    """One field of the batch: every plan's rows of ``records``, gathered into one array."""
+    total = sum(len(p.rows) for p in plans)
+    like = likes[0]
+    out = np.empty((total, *like.shape[1:]), dtype=like.dtype)
+    start = 0
+    for plan, record in zip(plans, records):
+        n = len(plan.rows)
+        if n:
+            flat = record.reshape(-1, *record.shape[2:])  # a view: rows x envs -> one axis
+            np.take(flat, plan.rows * plan.n_envs + plan.envs, axis=0, out=out[start : start + n])
+        start += n
+    return out
+
+
+def assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
+    """The episodes of all ``plans``, in order, as one :class:`EpisodeBatch`."""
+    live = [p for p in plans if len(p.rows)] or plans[:1]
+
+    def field_of(name: str, like: str) -> Tree:
+        records = [getattr(p, name) for p in live]
+        likes = [getattr(p, like) for p in live]
+        if any(r is None for r in records):
+            return tree_map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), likes[0])
+        return tree_map(
+            lambda *leaves: _gather(live, list(leaves[: len(live)]), list(leaves[len(live) :])),
+            *records,
+            *likes,
+        )
+
+    observations = field_of("obs", "like_obs")
+    actions = field_of("actions", "like_actions")
+    rewards_records = [p.rewards for p in live if p.rewards is not None]
+    if len(rewards_records) < len(live):
+        rewards = np.zeros(0)
+    else:
+        rewards = _gather(live, rewards_records, [r[0] for r in rewards_records])
+    keys = set.intersection(*(set(p.agent_infos) for p in live)) if live else set()
+    agent_infos = {
+        k: _gather(live, [p.agent_infos[k] for p in live], [p.agent_infos[k][0] for p in live])
+        for k in sorted(keys)
+    }
+    env_infos: dict[str, Any] = {}
+    if any(p.env_infos for p in live):
+        per_step = [
+            p.env_infos[t][e] if t in p.env_infos else {}
+            for p in live
+            for t, e in zip(p.rows.tolist(), p.envs.tolist())
+        ]
+        env_infos = stack_infos(per_step, name="env_infos")
+    pieces_last = [o for p in plans for o in p.last_observations]
+    pieces_info = [i for p in plans for i in p.episode_infos]
+    if pieces_last:
+        last_observations = tree_map(lambda *xs: np.stack(xs), *pieces_last)
+    else:
+        last_observations = tree_map(
+            lambda x: np.zeros((0, *x.shape[1:]), x.dtype), plans[0].like_obs
+        )
+    if pieces_info:
+        episode_infos = stack_infos(pieces_info, name="episode_infos")
+    else:
+        episode_infos = {k: np.zeros(0, np.int64) for k in ("worker", "env", "agent_version")}
+    return EpisodeBatch(
+        env_spec=env_spec,
+        episode_infos=episode_infos,
+        observations=observations,
+        last_observations=last_observations,
+        actions=actions,
+        rewards=rewards,
+        env_infos=env_infos,
+        agent_infos=agent_infos,
+        step_types=np.concatenate([p.step_types for p in plans]),
+        lengths=np.concatenate([p.lengths for p in plans]),
+    )
+
+
+def step_types_of(
+    lengths: list[int], starts_episode: list[bool], ends: list[StepType | None]
+) -> np.ndarray:
+    """Step types of consecutive pieces: FIRST at an episode's start, its end type last."""
+    out = np.full(sum(lengths), StepType.MID, dtype=np.uint8)
+    offset = 0
+    for n, first, end in zip(lengths, starts_episode, ends):
+        if first:
+            out[offset] = StepType.FIRST
+        if end is not None:
+            out[offset + n - 1] = end
+        offset += n
+    return out
