@@ -134,19 +134,22 @@ class RunResult:
 # Instruments
 
 
-def _mem_of(proc: psutil.Process) -> tuple[int, int | None]:
-    """Return (rss, uss) of a process; uss is None where it cannot be read."""
+def _uss_of(proc: psutil.Process) -> int | None:
+    """USS of a process (None where it cannot be read)."""
     try:
-        full = proc.memory_full_info()
-        return int(full.rss), int(getattr(full, "uss", 0)) or None
+        return int(getattr(proc.memory_full_info(), "uss", 0)) or None
     except (psutil.AccessDenied, AttributeError, NotImplementedError, OSError):
-        return int(proc.memory_info().rss), None
+        return None
 
 
 class MemoryMonitor:
-    """Samples RSS and USS of this process and all its descendants in a background thread.
+    """Memory of this process and all its descendants during a phase.
 
-    Use as a context manager around the timed phase. Disabled monitors cost nothing.
+    A background thread samples RSS every ``interval`` (cheap: ``/proc/PID/statm``) and keeps
+    the peaks. USS (``memory_full_info`` walks every mapping of the target under its mmap
+    lock; sampled at 2 Hz it visibly slowed asyncsample on Image-v0 and raised its loop lag)
+    is read once, when the phase ends, after its time was taken. Disabled monitors cost
+    nothing.
     """
 
     def __init__(self, enabled: bool = True, interval: float = 0.5) -> None:
@@ -154,44 +157,47 @@ class MemoryMonitor:
 
         Args:
             enabled: When False, :meth:`summary` returns None and no thread runs.
-            interval: Seconds between samples.
+            interval: Seconds between RSS samples.
         """
         self.enabled = enabled
         self.interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._main = psutil.Process(os.getpid())
+        self._procs: list[psutil.Process] = [self._main]
         self._peaks: dict[int, dict[str, Any]] = {}
         self._total_rss = 0
-        self._total_uss = 0
-        self._uss_complete = True
+        self._total_uss: int | None = None
         self._samples = 0
 
-    def sample(self) -> None:
-        """Take one sample now (also called by the thread)."""
-        procs = [self._main]
+    def _refresh(self) -> None:
+        """Find the current descendants (costly: it scans /proc, so not on every sample)."""
         with contextlib.suppress(psutil.Error):
-            procs += self._main.children(recursive=True)
-        total_rss = total_uss = 0
-        for proc in procs:
+            self._procs = [self._main, *self._main.children(recursive=True)]
+
+    def sample(self, uss: bool = False) -> None:
+        """Take one sample of RSS (and of USS when ``uss``) now."""
+        total_rss = 0
+        total_uss: int | None = 0
+        for proc in self._procs:
             try:
-                rss, uss = _mem_of(proc)
-                name = proc.name()
+                rss = int(proc.memory_info().rss)
+                peak = self._peaks.get(proc.pid)
+                if peak is None:
+                    peak = {"pid": proc.pid, "name": proc.name(), "rss_peak": 0, "uss": None}
+                    self._peaks[proc.pid] = peak
             except psutil.Error:
                 continue
             total_rss += rss
-            if uss is None:
-                self._uss_complete = False
-            else:
-                total_uss += uss
-            peak = self._peaks.setdefault(
-                proc.pid, {"pid": proc.pid, "name": name, "rss_peak": 0, "uss_peak": None}
-            )
             peak["rss_peak"] = max(peak["rss_peak"], rss)
-            if uss is not None:
-                peak["uss_peak"] = max(peak["uss_peak"] or 0, uss)
+            if uss:
+                peak["uss"] = _uss_of(proc)
+                total_uss = (
+                    None if total_uss is None or peak["uss"] is None else (total_uss + peak["uss"])
+                )
         self._total_rss = max(self._total_rss, total_rss)
-        self._total_uss = max(self._total_uss, total_uss)
+        if uss:
+            self._total_uss = total_uss
         self._samples += 1
 
     def _loop(self) -> None:
@@ -200,6 +206,7 @@ class MemoryMonitor:
 
     def __enter__(self) -> MemoryMonitor:
         if self.enabled:
+            self._refresh()
             self.sample()
             self._thread = threading.Thread(target=self._loop, name="mem-monitor", daemon=True)
             self._thread.start()
@@ -211,25 +218,26 @@ class MemoryMonitor:
             self._thread.join()
             self._thread = None
             with contextlib.suppress(Exception):
-                self.sample()
+                self._refresh()
+                self.sample(uss=True)
 
     def summary(self) -> dict[str, Any] | None:
-        """Peaks over the samples: main process, children (per child and summed), total."""
+        """RSS peaks and end-of-phase USS: main process, children (each and summed), total."""
         if not self.enabled or not self._samples:
             return None
-        main = self._peaks.get(self._main.pid, {"rss_peak": 0, "uss_peak": None})
+        main = self._peaks.get(self._main.pid, {"rss_peak": 0, "uss": None})
         children = [p for pid, p in self._peaks.items() if pid != self._main.pid]
-        ussv = [c["uss_peak"] for c in children]
+        ussv = [c["uss"] for c in children]
         return {
             "samples": self._samples,
             "main_rss": main["rss_peak"],
-            "main_uss": main["uss_peak"],
+            "main_uss": main["uss"],
             "n_children": len(children),
             "children_rss_sum": sum(c["rss_peak"] for c in children),
             "children_uss_sum": sum(ussv) if all(u is not None for u in ussv) else None,
             "children_rss_max": max((c["rss_peak"] for c in children), default=0),
             "total_rss_peak": self._total_rss,
-            "total_uss_peak": self._total_uss if self._uss_complete else None,
+            "total_uss": self._total_uss,
             "children": sorted(children, key=lambda c: c["pid"]),
         }
 
