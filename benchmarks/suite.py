@@ -1,0 +1,666 @@
+"""Plan, run and aggregate the benchmark suite.
+
+A *config* is one contender on one env with one layout; the suite runs every config
+``repeats`` times, each run in a fresh process (``benchmarks._runner``), interleaving the
+configs inside each repeat so that a slow spell of the machine hits every contender alike.
+The first repeat is instrumented (memory of every process; event-loop lag for asyncsample),
+and counts towards the medians like the others.
+
+Groups:
+    ``ideal``: one env in a plain ``env.step`` loop; the ideal is ``cores`` x its rate.
+    ``main``: every contender with ``n_envs`` (8) env copies on every env; asyncsample in
+        each of ``layouts`` (2x4, 4x2, 8x1 over 2 processes).
+    ``big``: CartPole-v1 with ``big_n_envs`` (64) envs: asyncsample vs the gymnasium peers.
+    ``scaling``: CartPole-v1 throughput against the number of envs.
+    ``overhead``: NoOp-v0 with one env, and with 8 envs in one worker: the round trip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.contenders import CONTENDERS, RunSpec
+from benchmarks.envs import full_id
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+ALL_ENVS = ["CartPole-v1", "FixedCost-v0", "HeavyTail-v0", "Image-v0", "NoOp-v0"]
+PEERS = ["sync", "async", "sb3", "tianshou-subproc", "tianshou-shmem", "envpool"]
+OURS = ["asyncsample", "asyncsample-local"]
+ALL_CONTENDERS = PEERS + OURS
+GROUPS = ["ideal", "main", "big", "scaling", "overhead"]
+
+#: Contender -> module that must be importable for it to run.
+REQUIRES = {
+    "sb3": "stable_baselines3",
+    "tianshou-subproc": "tianshou",
+    "tianshou-shmem": "tianshou",
+    "envpool": "envpool",
+    "asyncsample": "asyncsample",
+    "asyncsample-local": "asyncsample",
+}
+#: Peers that import torch (slow to start); ``--quick`` skips them unless named.
+TORCH_PEERS = {"sb3", "tianshou-subproc", "tianshou-shmem"}
+
+
+@dataclass
+class Settings:
+    """Everything that decides what the suite runs.
+
+    Attributes:
+        envs: Env names to run.
+        contenders: Contender keys to run (``ideal`` always runs for the ratios).
+        groups: Groups to run (see the module docstring).
+        repeats: Runs per config.
+        cores: The CPU budget every contender gets.
+        n_envs: Env copies in the main comparison.
+        n_processes: asyncsample env-host processes.
+        layouts: asyncsample (workers, envs per worker) layouts for ``n_envs``.
+        big_n_envs: Env copies of the ``big`` group.
+        big_layouts: asyncsample layouts for ``big_n_envs``.
+        scaling: Env counts of the scaling series.
+        scaling_workers: asyncsample workers in the scaling series (capped by the env count).
+        local_workers: Workers of the asyncsample local backend.
+        transitions: Timed transitions per run, per env.
+        ideal_factor: The ideal loop times ``ideal_factor`` x the env's transitions.
+        min_seconds: A timed phase goes on past its transitions until it lasted this long.
+        warmup_fraction: Untimed warm-up, as a fraction of the timed transitions.
+        fragment_steps: asyncsample steps per env per ``obtain_fragments`` call.
+        timeout: Seconds before a run is killed.
+        retry_disturbed: Re-run a run up to this many times when other processes took more
+            than ``max_foreign`` cores during its timed phase (the least disturbed is kept).
+        max_foreign: Cores other processes may take before a run counts as disturbed.
+        quick: Tiny smoke-test settings.
+        explicit: The contenders were named on the command line.
+    """
+
+    envs: list[str] = field(default_factory=lambda: list(ALL_ENVS))
+    contenders: list[str] = field(default_factory=lambda: list(ALL_CONTENDERS))
+    groups: list[str] = field(default_factory=lambda: list(GROUPS))
+    repeats: int = 3
+    cores: int = 2
+    n_envs: int = 8
+    n_processes: int = 2
+    layouts: list[tuple[int, int]] = field(default_factory=lambda: [(2, 4), (4, 2), (8, 1)])
+    big_n_envs: int = 64
+    big_layouts: list[tuple[int, int]] = field(default_factory=lambda: [(2, 32), (4, 16), (8, 8)])
+    scaling: list[int] = field(default_factory=lambda: [2, 4, 8, 16, 32, 64])
+    scaling_workers: int = 4
+    local_workers: int = 2
+    transitions: dict[str, int] = field(
+        default_factory=lambda: {
+            "CartPole-v1": 10_000,
+            "FixedCost-v0": 6_000,
+            "HeavyTail-v0": 6_000,
+            "Image-v0": 10_000,
+            "NoOp-v0": 10_000,
+        }
+    )
+    ideal_factor: float = 1.0
+    min_seconds: float = 1.0
+    warmup_fraction: float = 0.1
+    fragment_steps: int = 128
+    timeout: float = 300.0
+    retry_disturbed: int = 0
+    max_foreign: float = 0.25
+    quick: bool = False
+    explicit: bool = False
+
+    @classmethod
+    def quick_settings(cls, **overrides: Any) -> Settings:
+        """Tiny settings: one repeat of everything in seconds (a smoke test)."""
+        base = cls(
+            repeats=1,
+            layouts=[(2, 4)],
+            big_n_envs=16,
+            big_layouts=[(2, 8)],
+            scaling=[2, 16],
+            transitions=dict.fromkeys(ALL_ENVS, 1_000),
+            min_seconds=0.0,
+            fragment_steps=16,
+            timeout=60.0,
+            quick=True,
+        )
+        for key, value in overrides.items():
+            setattr(base, key, value)
+        return base
+
+    def n_transitions(self, env: str, n_envs: int) -> int:
+        """Timed transitions of a run: the env's budget, and at least 4 asyncsample calls."""
+        return max(self.transitions.get(env, 10_000), 4 * n_envs * self.fragment_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able settings."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One contender on one env with one layout (asyncsample) or env count (peers)."""
+
+    contender: str
+    env: str
+    n_envs: int
+    n_workers: int = 0
+    envs_per_worker: int = 0
+    n_processes: int = 0
+
+    @property
+    def key(self) -> str:
+        """Unique id of the config."""
+        return f"{self.contender}|{self.env}|{self.n_envs}|{self.layout}"
+
+    @property
+    def layout(self) -> str:
+        """``WxK/PN`` for asyncsample (``WxK`` for local), empty for peers."""
+        if self.contender == "asyncsample":
+            return f"{self.n_workers}x{self.envs_per_worker}/P{self.n_processes}"
+        if self.contender == "asyncsample-local":
+            return f"{self.n_workers}x{self.envs_per_worker}"
+        return ""
+
+    @property
+    def label(self) -> str:
+        """Human-readable name."""
+        name = CONTENDERS[self.contender][1]
+        return f"{name} {self.layout}" if self.layout else name
+
+
+def _ours(contender: str, env: str, n: int, w: int, p: int) -> Config:
+    w = max(1, min(w, n))
+    return Config(contender, env, n, w, n // w, p if contender == "asyncsample" else 0)
+
+
+def plan(settings: Settings) -> dict[str, list[Config]]:
+    """The configs of each group (a config may appear in several groups).
+
+    Args:
+        settings: What to run.
+
+    Returns:
+        Group name -> configs, in run order.
+    """
+    s = settings
+    chosen = [c for c in ALL_CONTENDERS if c in s.contenders]
+    groups: dict[str, list[Config]] = {g: [] for g in s.groups}
+
+    def add_for(group: str, env: str, n: int, layouts: Iterable[tuple[int, int]]) -> None:
+        for c in chosen:
+            if c == "asyncsample":
+                for w, k in layouts:
+                    if w * k == n:
+                        groups[group].append(_ours(c, env, n, w, s.n_processes))
+            elif c == "asyncsample-local":
+                groups[group].append(_ours(c, env, n, s.local_workers, 0))
+            else:
+                groups[group].append(Config(c, env, n))
+
+    if "ideal" in groups:
+        groups["ideal"] = [Config("ideal", env, 1) for env in s.envs]
+    if "main" in groups:
+        for env in s.envs:
+            add_for("main", env, s.n_envs, s.layouts)
+    cartpole = "CartPole-v1" in s.envs
+    if "big" in groups and cartpole:
+        big = [c for c in chosen if c in ("sync", "async", *OURS)]
+        for c in big:
+            if c == "asyncsample":
+                for w, k in s.big_layouts:
+                    groups["big"].append(_ours(c, "CartPole-v1", w * k, w, s.n_processes))
+            elif c == "asyncsample-local":
+                groups["big"].append(_ours(c, "CartPole-v1", s.big_n_envs, s.local_workers, 0))
+            else:
+                groups["big"].append(Config(c, "CartPole-v1", s.big_n_envs))
+    if "scaling" in groups and cartpole:
+        for n in s.scaling:
+            for c in chosen:
+                if c in ("sync", "async"):
+                    groups["scaling"].append(Config(c, "CartPole-v1", n))
+                elif c == "asyncsample":
+                    groups["scaling"].append(
+                        _ours(c, "CartPole-v1", n, s.scaling_workers, s.n_processes)
+                    )
+    if "overhead" in groups and "NoOp-v0" in s.envs:
+        for c in chosen:
+            if c in ("sync", "async"):
+                groups["overhead"].append(Config(c, "NoOp-v0", 1))
+            elif c == "asyncsample":
+                groups["overhead"].append(Config(c, "NoOp-v0", 1, 1, 1, 1))
+                groups["overhead"].append(Config(c, "NoOp-v0", s.n_envs, 1, s.n_envs, 1))
+            elif c == "asyncsample-local":
+                groups["overhead"].append(Config(c, "NoOp-v0", 1, 1, 1, 0))
+    return groups
+
+
+def unique_configs(groups: dict[str, list[Config]]) -> list[Config]:
+    """All configs once, in first-seen order."""
+    seen: dict[str, Config] = {}
+    for configs in groups.values():
+        for cfg in configs:
+            seen.setdefault(cfg.key, cfg)
+    return list(seen.values())
+
+
+def pre_skip(cfg: Config, settings: Settings) -> str | None:
+    """A reason to skip ``cfg`` without starting a process, or None."""
+    if cfg.contender == "envpool" and cfg.env != "CartPole-v1":
+        return "EnvPool runs only its own C++ envs (here: CartPole-v1)"
+    if settings.quick and cfg.contender in TORCH_PEERS and not settings.explicit:
+        return "--quick skips the torch-based peers (slow to start) unless --contenders names them"
+    module = REQUIRES.get(cfg.contender)
+    if module is not None and importlib.util.find_spec(module) is None:
+        return f"{module} is not installed (pip install 'asyncsample[bench]')"
+    return None
+
+
+def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
+    """The :class:`RunSpec` of one run of ``cfg``."""
+    n = settings.n_transitions(cfg.env, cfg.n_envs)
+    if cfg.contender == "ideal":
+        n = int(n * settings.ideal_factor)
+    return RunSpec(
+        contender=cfg.contender,
+        env=cfg.env,
+        env_id=full_id(cfg.env),
+        n_envs=cfg.n_envs,
+        n_transitions=n,
+        warmup=max(1, int(n * settings.warmup_fraction)),
+        seed=0,
+        n_workers=cfg.n_workers or 1,
+        envs_per_worker=cfg.envs_per_worker or cfg.n_envs,
+        n_processes=cfg.n_processes or settings.cores,
+        cores=settings.cores,
+        fragment_steps=settings.fragment_steps,
+        instrument=instrument,
+        min_seconds=settings.min_seconds,
+    )
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a runner process we started and all its descendants."""
+    try:
+        parent = psutil.Process(proc.pid)
+        victims = [*parent.children(recursive=True), parent]
+    except psutil.Error:
+        victims = []
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(victims, timeout=5)
+    proc.wait()
+
+
+def run_one(spec: RunSpec, timeout: float, workdir: Path) -> dict[str, Any]:
+    """Run one spec in a fresh ``python -m benchmarks._runner`` process.
+
+    Args:
+        spec: The run.
+        timeout: Seconds before the run (and its process tree) is killed.
+        workdir: Scratch directory for the spec, outcome and log files.
+
+    Returns:
+        The runner's outcome dict plus ``wall`` (seconds of the whole process).
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="run-", suffix=".json", dir=workdir)
+    os.close(fd)
+    spec_path = Path(name)
+    out_path = spec_path.with_suffix(".out.json")
+    log_path = spec_path.with_suffix(".log")
+    spec_path.write_text(json.dumps(spec.to_dict()))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    t0 = time.perf_counter()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks._runner", str(spec_path), str(out_path)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+        except BaseException:
+            _kill_tree(proc)
+            raise
+    wall = time.perf_counter() - t0
+    log_tail = log_path.read_text(errors="replace")[-3000:]
+    if out_path.exists():
+        outcome: dict[str, Any] = json.loads(out_path.read_text())
+    elif proc.returncode is not None and proc.returncode >= 0 and wall < timeout:
+        outcome = {"status": "error", "note": f"runner exited {proc.returncode} with no result"}
+    else:
+        outcome = {"status": "error", "note": f"timed out after {timeout:.0f} s (killed)"}
+    if outcome["status"] == "error":
+        outcome["log_tail"] = log_tail
+    outcome["wall"] = wall
+    for path in (spec_path, out_path, log_path):
+        path.unlink(missing_ok=True)
+    return outcome
+
+
+def execute(
+    settings: Settings, workdir: Path, progress: bool = True, log: Path | None = None
+) -> list[dict[str, Any]]:
+    """Run every config ``settings.repeats`` times with a progress bar.
+
+    Args:
+        settings: What to run.
+        workdir: Scratch directory.
+        progress: Show a tqdm bar on stderr.
+        log: If given, each record is appended to this JSON-lines file as it completes.
+
+    Returns:
+        One record per run (and one per pre-skipped config).
+    """
+    from tqdm import tqdm
+
+    groups = plan(settings)
+    configs = unique_configs(groups)
+    records: list[dict[str, Any]] = []
+    runnable: list[Config] = []
+    for cfg in configs:
+        reason = pre_skip(cfg, settings)
+        if reason is None:
+            runnable.append(cfg)
+        else:
+            records.append(_record(cfg, -1, {"status": "skipped", "note": reason}))
+    bar = tqdm(
+        total=len(runnable) * settings.repeats,
+        desc="benchmarks",
+        unit="run",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    try:
+        for repeat in range(settings.repeats):
+            for cfg in runnable:
+                bar.set_postfix_str(f"r{repeat + 1} {cfg.env} {cfg.label} n={cfg.n_envs}")
+                spec = make_spec(cfg, settings, instrument=(repeat == 0))
+                outcome = run_one(spec, settings.timeout, workdir)
+                attempts = 1
+                while attempts <= settings.retry_disturbed and _foreign(outcome) > (
+                    settings.max_foreign
+                ):
+                    time.sleep(2.0)
+                    again = run_one(spec, settings.timeout, workdir)
+                    attempts += 1
+                    if again.get("status") != "ok" or _foreign(again) < _foreign(outcome):
+                        outcome = again
+                outcome["attempts"] = attempts
+                records.append(_record(cfg, repeat, outcome, spec))
+                if log is not None:
+                    with log.open("a") as fh:
+                        fh.write(json.dumps(records[-1]) + "\n")
+                bar.update()
+    finally:
+        bar.close()
+    return records
+
+
+def _foreign(outcome: dict[str, Any]) -> float:
+    """Cores other processes took during a run's timed phase (0 if unknown)."""
+    cpu = outcome.get("cpu") or {}
+    return float(cpu.get("foreign_cores", 0.0))
+
+
+def _record(
+    cfg: Config, repeat: int, outcome: dict[str, Any], spec: RunSpec | None = None
+) -> dict[str, Any]:
+    rec: dict[str, Any] = {
+        "key": cfg.key,
+        "contender": cfg.contender,
+        "label": cfg.label,
+        "env": cfg.env,
+        "n_envs": cfg.n_envs,
+        "layout": cfg.layout,
+        "n_workers": cfg.n_workers,
+        "envs_per_worker": cfg.envs_per_worker,
+        "n_processes": cfg.n_processes,
+        "repeat": repeat,
+    }
+    if spec is not None:
+        rec["n_transitions_target"] = spec.n_transitions
+        rec["instrumented"] = spec.instrument
+    rec.update(outcome)
+    return rec
+
+
+def aggregate(
+    records: list[dict[str, Any]], max_foreign: float = 0.25
+) -> dict[str, dict[str, Any]]:
+    """Per config: rates of the runs, median, min, max, status and notes.
+
+    Args:
+        records: Output of :func:`execute`.
+        max_foreign: A config is ``disturbed`` when other processes took more cores than
+            this during one of its runs.
+
+    Returns:
+        Config key -> summary.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        agg = out.setdefault(
+            rec["key"],
+            {
+                k: rec[k]
+                for k in (
+                    "contender",
+                    "label",
+                    "env",
+                    "n_envs",
+                    "layout",
+                    "n_workers",
+                    "envs_per_worker",
+                    "n_processes",
+                )
+            }
+            | {
+                "rates": [],
+                "notes": [],
+                "errors": [],
+                "memory": None,
+                "lag": None,
+                "own_cores": [],
+                "foreign_cores": [],
+            },
+        )
+        status = rec.get("status")
+        if status == "ok":
+            agg["rates"].append(rec["rate"])
+            for note in rec.get("notes") or []:
+                if note not in agg["notes"]:
+                    agg["notes"].append(note)
+            if rec.get("memory"):
+                agg["memory"] = rec["memory"]
+            if rec.get("lag"):
+                agg["lag"] = rec["lag"]
+            if rec.get("cpu"):
+                agg["own_cores"].append(rec["cpu"]["own_cores"])
+                agg["foreign_cores"].append(rec["cpu"]["foreign_cores"])
+        elif status == "skipped":
+            if rec.get("note") and rec["note"] not in agg["notes"]:
+                agg["notes"].append(rec["note"])
+        else:
+            agg["errors"].append(rec.get("note", "error"))
+    for agg in out.values():
+        agg["disturbed"] = max(agg["foreign_cores"] or [0.0]) > max_foreign
+        rates = agg["rates"]
+        if rates:
+            agg.update(
+                status="ok",
+                median=statistics.median(rates),
+                min=min(rates),
+                max=max(rates),
+            )
+        else:
+            agg.update(
+                status="error" if agg["errors"] else "skipped", median=None, min=None, max=None
+            )
+    return out
+
+
+def derive(
+    summary: dict[str, dict[str, Any]], groups: dict[str, list[Config]], settings: Settings
+) -> dict[str, Any]:
+    """Ratios, best asyncsample layouts, overhead figures and the issue's targets.
+
+    Args:
+        summary: Output of :func:`aggregate`.
+        groups: Output of :func:`plan`.
+        settings: The settings the suite ran with.
+
+    Returns:
+        A JSON-able dict of derived figures.
+    """
+    cores = settings.cores
+
+    def med(key: str) -> float | None:
+        agg = summary.get(key)
+        return agg["median"] if agg else None
+
+    ideal: dict[str, dict[str, Any]] = {}
+    for cfg in groups.get("ideal", []):
+        single = med(cfg.key)
+        ideal[cfg.env] = {
+            "single_rate": single,
+            "cores": cores,
+            "ideal_rate": single * cores if single else None,
+            "env_step_us": 1e6 / single if single else None,
+        }
+
+    def ratios(cfg: Config) -> dict[str, float | None]:
+        rate = med(cfg.key)
+        sync = med(Config("sync", cfg.env, cfg.n_envs).key)
+        ide = ideal.get(cfg.env, {}).get("ideal_rate")
+        return {
+            "vs_sync": rate / sync if rate and sync else None,
+            "vs_ideal": rate / ide if rate and ide else None,
+        }
+
+    best: dict[str, dict[str, Any]] = {}
+    for group in ("main", "big"):
+        for cfg in groups.get(group, []):
+            if cfg.contender != "asyncsample" or med(cfg.key) is None:
+                continue
+            slot = f"{cfg.env}|{cfg.n_envs}"
+            if slot not in best or med(cfg.key) > best[slot]["median"]:
+                best[slot] = {"key": cfg.key, "layout": cfg.layout, "median": med(cfg.key)}
+
+    per_config = {
+        cfg.key: ratios(cfg) for configs in groups.values() for cfg in configs if med(cfg.key)
+    }
+
+    overhead: list[dict[str, Any]] = []
+    noop_single = ideal.get("NoOp-v0", {}).get("single_rate")
+    for group in ("overhead", "main"):
+        for cfg in groups.get(group, []):
+            rate = med(cfg.key)
+            if cfg.env != "NoOp-v0" or not rate or cfg.contender == "ideal":
+                continue
+            if any(o["key"] == cfg.key for o in overhead):
+                continue
+            envs_per_step = cfg.envs_per_worker or cfg.n_envs
+            workers = cfg.n_workers or 1
+            overhead.append(
+                {
+                    "key": cfg.key,
+                    "label": cfg.label,
+                    "n_envs": cfg.n_envs,
+                    "rate": rate,
+                    "us_per_transition": 1e6 / rate,
+                    "cpu_us_per_transition": cores * 1e6 / rate,
+                    "added_cpu_us_per_transition": (
+                        cores * 1e6 / rate - 1e6 / noop_single if noop_single else None
+                    ),
+                    "us_per_worker_step": envs_per_step * 1e6 / rate,
+                    "round_trip_us": workers * envs_per_step * 1e6 / rate,
+                }
+            )
+
+    def best_rate(env: str, n: int) -> float | None:
+        slot = best.get(f"{env}|{n}")
+        return slot["median"] if slot else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    n, big = settings.n_envs, settings.big_n_envs
+    lag_p99 = [
+        agg["lag"]["p99_ms"]
+        for agg in summary.values()
+        if agg["contender"] == "asyncsample" and agg.get("lag") and agg["lag"].get("p99_ms")
+    ]
+    targets: list[dict[str, Any]] = [
+        {
+            "what": "HeavyTail-v0: % of the 2-core ideal",
+            "target": 0.85,
+            "value": ratio(
+                best_rate("HeavyTail-v0", n), ideal.get("HeavyTail-v0", {}).get("ideal_rate")
+            ),
+        },
+        {
+            "what": "FixedCost-v0: % of the 2-core ideal",
+            "target": 0.90,
+            "value": ratio(
+                best_rate("FixedCost-v0", n), ideal.get("FixedCost-v0", {}).get("ideal_rate")
+            ),
+        },
+        {
+            "what": f"CartPole-v1 ({n} envs): x AsyncVectorEnv",
+            "target": 3.0,
+            "value": ratio(best_rate("CartPole-v1", n), med(Config("async", "CartPole-v1", n).key)),
+        },
+        {
+            "what": f"CartPole-v1 ({big} envs): x SyncVectorEnv",
+            "target": 1.0,
+            "value": ratio(
+                best_rate("CartPole-v1", big), med(Config("sync", "CartPole-v1", big).key)
+            ),
+        },
+        {
+            "what": "Image-v0: x AsyncVectorEnv (shm)",
+            "target": 1.5,
+            "value": ratio(best_rate("Image-v0", n), med(Config("async", "Image-v0", n).key)),
+        },
+        {
+            "what": "event-loop lag p99 while sampling (ms, worst run)",
+            "target": 5.0,
+            "value": max(lag_p99) if lag_p99 else None,
+            "lower_is_better": True,
+        },
+    ]
+    for t in targets:
+        if t["value"] is None:
+            t["met"] = None
+        elif t.get("lower_is_better"):
+            t["met"] = t["value"] < t["target"]
+        else:
+            t["met"] = t["value"] >= t["target"]
+    return {
+        "ideal": ideal,
+        "ratios": per_config,
+        "best_layout": best,
+        "overhead": overhead,
+        "targets": targets,
+    }
