@@ -464,3 +464,31 @@ def test_quota_split_is_fixed() -> None:
     assert [s._share(10, w) for w in range(3)] == [4, 3, 3]
     assert sum(s._share(11, w) for w in range(3)) == 11
     assert math.ceil(4 / 2) == 2
+
+
+class ImageEnv(NoisyEnv):
+    """84x84x4 uint8 observations (an Atari frame stack) drawn from the env's own generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.integers(0, 255, (84, 84, 4), dtype=np.uint8), {}
+
+    def step(self, action):
+        _, r, term, trunc, info = super().step(action)
+        return self.np_random.integers(0, 255, (84, 84, 4), dtype=np.uint8), r, term, trunc, info
+
+
+async def test_large_image_batches_agree_across_backends() -> None:
+    # Over 1 MiB of observations per call: batches are put together in a thread.
+    async def run(backend: str) -> list[EpisodeBatch]:
+        async with make(backend, env=ImageEnv, n_workers=2, envs_per_worker=3, seed=11,
+                        max_episode_length=40) as s:
+            return [await s.obtain_fragments(120), await s.obtain_samples(120)]
+
+    local, process = await run("local"), await run("process")
+    assert local[0].observations.nbytes > 1 << 20
+    assert all(a.equals(b) for a, b in zip(local, process))

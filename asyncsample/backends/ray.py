@@ -16,10 +16,12 @@ through its object store, shared memory on one node, and they are read without a
 reply is copied into the worker's local :class:`~asyncsample.env_group.StepBuffers`.
 
 Observation arrays of at least ``compress_threshold`` bytes can be compressed before they leave
-the actor (lz4 when installed, else zlib); a leaf that does not shrink is sent as is and not
-tried again for a while. Measured on one machine (``benchmarks/ray_vs_process.py``), compressing
-compressible frames pays even there, because it keeps replies under Ray's 100 KiB inline limit
-and out of the object store; on noise it costs a little with lz4 and much more with zlib.
+the actor (lz4 when installed, else zlib); a leaf that does not shrink by a quarter is sent as
+is and not tried again for its next 1000 replies, so incompressible (noise-like) observations
+cost one try. Measured on one machine (``benchmarks/ray_vs_process.py``): lz4 on compressible
+84x84x4 frames pays even there (1.5-2x steps/s), because small replies stay inline instead of
+going through the object store; zlib pays only for small replies (its compression time, about
+0.6 ms per 220 KiB, costs more than the object store saves on large ones).
 
 Calls are awaited as futures in the event loop (a Ray thread resolves them with
 ``call_soon_threadsafe``). An actor serves its calls in submission order, so a caller that is
@@ -253,7 +255,7 @@ class EnvActor:
             buffers = StepBuffers.allocate(obs_space, act_space, n_envs)
             self.groups[worker] = EnvGroup(worker, buffers, obs_space, act_space, max_len)
             obs_bytes = sum(leaf.nbytes for leaf in tree_leaves(buffers.obs))
-            self.large[worker] = compress_threshold is None and obs_bytes >= LARGE_REPLY
+            self.large[worker] = obs_bytes >= LARGE_REPLY
         self.threshold = compress_threshold
         self.skip: dict[tuple[int, str, int], int] = {}
         self.codec = codec if codec != "lz4" or best_codec() == "lz4" else "zlib"
@@ -293,17 +295,24 @@ class EnvActor:
 
         return os.getpid(), ray.util.get_node_ip_address()
 
-    def _run(self, fn: Callable[..., Any], *args: Any, large: bool = False) -> Any:
+    def _run(self, fn: Callable[..., Any], *args: Any, worker: int | None = None) -> Any:
+        """``(status, payload)`` of ``fn(*args)``; as arrays if large observations are in it."""
         try:
-            reply: tuple[int, Any] = (_OK, fn(*args))
+            payload = fn(*args)
         except EnvFailureError as exc:
-            reply = (_FAIL, _dump_failure(exc.failure))
-            large = False
+            return _dumps((_FAIL, _dump_failure(exc.failure)))
         except Exception as exc:  # a bug of the host itself: report it like an env failure
             text = "".join(traceback.format_exception(exc))
-            reply = (_FAIL, _dump_failure(EnvFailure(None, exc, text)))
-            large = False
-        return reply if large else _dumps(reply)
+            return _dumps((_FAIL, _dump_failure(EnvFailure(None, exc, text))))
+        large = False
+        if worker is not None:
+            if self.threshold is None:
+                large = self.large[worker]
+            else:  # what compression left as arrays: all of it, for frames that do not shrink
+                obs = (payload[0], payload[5]) if len(payload) > 2 else payload[0]
+                raw = sum(x.nbytes for x in tree_leaves(obs) if isinstance(x, np.ndarray))
+                large = raw >= LARGE_REPLY
+        return (_OK, payload) if large else _dumps((_OK, payload))
 
     def build(self, worker: int, blob: bytes) -> Any:
         """Build the envs of ``worker`` from cloudpickled ``(chains, seeds)``."""
@@ -345,7 +354,7 @@ class EnvActor:
             infos = group.reset(mask)
             return self._pack(worker, "obs", group.buffers.obs), infos
 
-        return self._run(reset, large=self.large[worker])
+        return self._run(reset, worker=worker)
 
     def step(self, request: bytes) -> Any:
         """Step the masked envs of a worker with the actions in the request.
@@ -370,7 +379,7 @@ class EnvActor:
                 infos,
             )
 
-        return self._run(step, large=self.large[worker])
+        return self._run(step, worker=worker)
 
     def close(self, worker: int) -> Any:
         """Close the envs of ``worker``."""
@@ -736,7 +745,9 @@ class RayBackend:
             killed and the call fails with :class:`~asyncsample.StepTimeoutError`.
         address: address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``,
             ``"host:6379"``). Default: an already initialised Ray, else ``RAY_ADDRESS``, else a
-            local Ray instance started here (and shut down by :meth:`aclose`).
+            local Ray instance started here (and shut down by :meth:`aclose`), which counts
+            at least twice this machine's cores as CPUs so that it can be oversubscribed like the
+            process backend.
         num_cpus, num_gpus, memory, resources: Ray resources of each actor (``memory`` in
             bytes; ``resources`` are custom resources, e.g. ``{"sim": 1}``).
         placement_strategy: ``"SPREAD"``, ``"PACK"`` (or ``"STRICT_SPREAD"``, ``"STRICT_PACK"``)
@@ -744,7 +755,8 @@ class RayBackend:
             scheduling, no placement group.
         workers_per_actor: host this many workers per actor (overrides ``n_processes``).
         compress_threshold: compress observation arrays of at least this many bytes before they
-            leave the actor (lz4 when installed, else zlib); ``None``: never.
+            leave the actor (lz4 when installed, else zlib), e.g. ``16384`` for image
+            observations; ``None``: never.
         init_kwargs: extra keyword arguments for ``ray.init`` (e.g. ``runtime_env``).
         start_timeout: seconds to wait for the placement group and each actor to be scheduled
             and up before failing; ``None``: wait as long as it takes (an autoscaler may be
