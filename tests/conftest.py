@@ -16,6 +16,24 @@ def pytest_asyncio_loop_factories(
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():  # type: ignore[no-untyped-def]
+    """One local Ray cluster for the whole session, started on first use, shut down at the end.
+
+    Not autouse: Ray's daemons would otherwise be children of every test, and the tests that
+    check for leftover processes would see them. Four CPUs, so evaluate()'s extra actor can be
+    scheduled beside a sampler's two on this 2-core machine.
+    """
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 import cloudpickle  # noqa: E402
 import envs as _test_envs  # noqa: E402
 

@@ -22,6 +22,15 @@ MOVES = {0: (0, -1), 1: (1, 0), 2: (0, 1), 3: (-1, 0)}
 SCRIPT = [2, 2, 1, 0, 3, 1, 1, 1, 2, 2, 1, 1, 1, 2, 2, 1]
 
 
+def first_to_claim(flag: str) -> bool:
+    """Create ``flag``; true for the one caller (in any process) that created it."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 class GridWorldEnv(gym.Env):
     """A deterministic grid world; the observation is the cell index."""
 
@@ -146,8 +155,7 @@ class FailingEnv(NoisyEnv):
     def _tick(self, where: str) -> None:
         if where == self.where:
             self.calls += 1
-            if self.calls == self.fail_at and not os.path.exists(self.flag):
-                open(self.flag, "w").close()
+            if self.calls == self.fail_at and first_to_claim(self.flag):
                 raise RuntimeError(f"injected failure in {where}")
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
@@ -200,9 +208,7 @@ class KillSelfEnv(NoisyEnv):
 
     def step(self, action: Any):
         self.steps += 1
-        if self.steps == self.kill_at and not (self.flag and os.path.exists(self.flag)):
-            if self.flag:
-                open(self.flag, "w").close()
+        if self.steps == self.kill_at and (self.flag is None or first_to_claim(self.flag)):
             os.kill(os.getpid(), 9)
         return super().step(action)
 
@@ -219,8 +225,6 @@ class HangingEnv(NoisyEnv):
 
     def step(self, action: Any):
         self.steps += 1
-        if self.steps == self.hang_at and not (self.flag and os.path.exists(self.flag)):
-            if self.flag:
-                open(self.flag, "w").close()
+        if self.steps == self.hang_at and (self.flag is None or first_to_claim(self.flag)):
             time.sleep(self.seconds)
         return super().step(action)

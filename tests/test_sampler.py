@@ -45,8 +45,10 @@ SCRIPTED_ACTIONS = [2, 2, 1, 1, 1, 2]
 SCRIPTED_REWARDS = [0, 0, 0, 0, 0, 1]
 
 
-@pytest.fixture(params=["local", "process"])
+@pytest.fixture(params=["local", "process", "ray"])
 def backend(request: pytest.FixtureRequest) -> str:
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
     return request.param
 
 

@@ -20,8 +20,8 @@ the actor (lz4 when installed, else zlib); a leaf that does not shrink by a quar
 is and not tried again for its next 1000 replies, so incompressible (noise-like) observations
 cost one try. Measured on one machine (``benchmarks/ray_vs_process.py``): lz4 on compressible
 84x84x4 frames pays even there (1.5-2x steps/s), because small replies stay inline instead of
-going through the object store; zlib pays only for small replies (its compression time, about
-0.6 ms per 220 KiB, costs more than the object store saves on large ones).
+going through the object store; zlib pays with 8 frames per reply but loses with 32 (it takes
+about 0.5 ms per 220 KiB to compress, more than the object store costs for large replies).
 
 Calls are awaited as futures in the event loop (a Ray thread resolves them with
 ``call_soon_threadsafe``). An actor serves its calls in submission order, so a caller that is
