@@ -73,40 +73,10 @@ class NoiseImageEnv(gym.Env[np.ndarray, np.int64]):
         return self._frame.copy(), float(action == self._t % 4), False, False, {}
 
 
-class _InlineImageEnv(gym.Env[np.ndarray, np.int64]):
-    """Stand-in for ``benchmarks.envs.ImageEnv`` when that module is missing (same frames)."""
-
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
-
-    def __init__(self) -> None:
-        self.observation_space = gym.spaces.Box(0, 255, shape=(84, 84, 4), dtype=np.uint8)
-        self.action_space = gym.spaces.Discrete(4)
-        self._frame = np.zeros((84, 84, 4), dtype=np.uint8)
-        self._t = 0
-
-    def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[np.ndarray, dict[str, Any]]:
-        """Fill the frame with one random grey level."""
-        super().reset(seed=seed)
-        self._t = 0
-        self._frame[:] = self.np_random.integers(0, 256, dtype=np.uint8)
-        return self._frame.copy(), {}
-
-    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        """Overwrite one row of one channel."""
-        self._t += 1
-        self._frame[self._t % 84, :, self._t % 4] = self._t % 256
-        return self._frame.copy(), float(action == self._t % 4), False, False, {}
-
-
 def _image_env_class() -> tuple[type[gym.Env[Any, Any]], str]:
-    try:
-        from benchmarks.envs import ImageEnv
+    from benchmarks.envs import ImageEnv
 
-        return ImageEnv, "benchmarks.envs.ImageEnv"
-    except ImportError:
-        return _InlineImageEnv, "inline stand-in (benchmarks/envs.py missing)"
+    return ImageEnv, "benchmarks.envs.ImageEnv"
 
 
 def _time_limited(cls: type[gym.Env[Any, Any]], limit: int) -> gym.Env[Any, Any]:

@@ -58,6 +58,7 @@ import cloudpickle
 import numpy as np
 
 from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample.backends._transport import dump_failure, load_failure
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers, StepInfos
 from asyncsample.env_update import EnvSource
@@ -169,32 +170,7 @@ def _copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
         tree_map(lambda d, s: _copy_leaf(d, s, index), dst, src)
 
 
-def _portable(error: BaseException) -> BaseException:
-    """``error`` if it survives a pickle round trip, else a RuntimeError that describes it."""
-    try:
-        if isinstance(pickle.loads(cloudpickle.dumps(error)), BaseException):
-            return error
-    except Exception:
-        pass
-    return RuntimeError(f"{error!r} (the original exception could not be pickled)")
-
-
-def _dump_failure(failure: EnvFailure) -> bytes:
-    """Pickle an env failure with cloudpickle (so by-value modules stay by value)."""
-    portable = EnvFailure(failure.env, _portable(failure.error), failure.traceback, failure.retry)
-    return cloudpickle.dumps(portable, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _load_failure(payload: bytes) -> EnvFailure:
-    """Unpickle what :func:`_dump_failure` made; never raises."""
-    try:
-        failure = pickle.loads(payload)
-        if isinstance(failure, EnvFailure):
-            return failure
-        error: BaseException = RuntimeError(f"env-host actor sent a malformed failure: {failure!r}")
-    except Exception as exc:
-        error = RuntimeError(f"the env-host actor's error report could not be unpickled: {exc!r}")
-    return EnvFailure(None, error, "")
+# Env failures cross the actor boundary pickled like the process backend's (see _transport).
 
 
 def _dumps(obj: Any) -> bytes:
@@ -300,10 +276,10 @@ class EnvActor:
         try:
             payload = fn(*args)
         except EnvFailureError as exc:
-            return _dumps((_FAIL, _dump_failure(exc.failure)))
+            return _dumps((_FAIL, dump_failure(exc.failure)))
         except Exception as exc:  # a bug of the host itself: report it like an env failure
             text = "".join(traceback.format_exception(exc))
-            return _dumps((_FAIL, _dump_failure(EnvFailure(None, exc, text))))
+            return _dumps((_FAIL, dump_failure(EnvFailure(None, exc, text))))
         large = False
         if worker is not None:
             if self.threshold is None:
@@ -399,7 +375,7 @@ def _unpickle_failure(exc: Exception, what: str) -> bytes:
         "runtime_env (init_kwargs={'runtime_env': {...}})"
     )
     error.__cause__ = exc
-    return _dump_failure(EnvFailure(None, error, "".join(traceback.format_exception(exc)), False))
+    return dump_failure(EnvFailure(None, error, "".join(traceback.format_exception(exc)), False))
 
 
 # -- the main process's side ------------------------------------------------------------------
@@ -675,7 +651,7 @@ class RayHost:
         reply = await actor.call(method, args, self._timeout, self.worker)
         status, payload = pickle.loads(reply) if isinstance(reply, bytes) else reply
         if status != _OK:
-            raise failure_error(self.worker, _load_failure(payload))
+            raise failure_error(self.worker, load_failure(payload))
         return payload
 
     def _pickle(self, what: str, sources: Any, seeds: Sequence[int]) -> bytes:
