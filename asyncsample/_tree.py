@@ -33,19 +33,9 @@ def tree_leaves(tree: Tree) -> list[Any]:
     return [tree]
 
 
-def tree_len(tree: Tree) -> int:
-    """The leading dimension shared by the leaves of ``tree``."""
-    return len(tree_leaves(tree)[0])
-
-
 def tree_concat(trees: list[Tree]) -> Tree:
     """Concatenate same-shaped trees along the leading axis."""
     return tree_map(lambda *xs: np.concatenate(xs, axis=0), *trees)
-
-
-def tree_stack(trees: list[Tree]) -> Tree:
-    """Stack same-shaped trees along a new leading axis."""
-    return tree_map(lambda *xs: np.stack(xs, axis=0), *trees)
 
 
 def tree_index(tree: Tree, index: Any) -> Tree:

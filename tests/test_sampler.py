@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import warnings
 
 import gymnasium as gym
@@ -465,7 +464,6 @@ def test_quota_split_is_fixed() -> None:
     s = make("local", agent=ScriptedAgent(), n_workers=3)
     assert [s._share(10, w) for w in range(3)] == [4, 3, 3]
     assert sum(s._share(11, w) for w in range(3)) == 11
-    assert math.ceil(4 / 2) == 2
 
 
 class ImageEnv(NoisyEnv):
