@@ -318,7 +318,7 @@ async def test_reset_argument_errors(
         assert [infos[i]["seed"] for i in range(3)] == [1, 2, 3]
 
 
-# -- call and set_attr ------------------------------------------------------------------------------
+# -- call and set_attr ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -47,6 +47,7 @@ import psutil
 
 from asyncsample.backends import _host_main
 from asyncsample.backends._remote import (
+    HostDied,
     Incarnation,
     PendingCall,
     PoolMember,
@@ -59,6 +60,7 @@ from asyncsample.backends._transport import (
     HELLO_ID,
     OP_EXIT,
     OP_NAMES,
+    OP_STEP,
     SLOT,
     ST_OK,
     load_failure,
@@ -512,7 +514,19 @@ class ProcessHost(RemoteHost[_Conn]):
         return infos
 
     async def step(self, mask: np.ndarray) -> StepInfos:
-        payload = await self._request("step", _mask_bytes(mask))
+        # The hot path: _request without its generic layers, same checks.
+        inc = self._incarnation
+        if inc is None or self._member.closed:
+            payload = await self._request("step", _mask_bytes(mask))
+        else:
+            call = inc.send(OP_STEP, self._slot + _mask_bytes(mask), self._timeout, self.worker)
+            try:
+                status, payload = await call.future
+            except HostDied:
+                err = self._death_error(inc, call)
+                raise err from err.__cause__
+            if status != ST_OK:
+                raise failure_error(self.worker, load_failure(payload))
         if not payload:
             return StepInfos(None, {})
         env_infos, reset_infos = pickle.loads(payload)
