@@ -10,11 +10,13 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -25,7 +27,7 @@ from envs import NoisyEnv
 from test_process_backend import leaves_nothing
 
 from asyncsample import Sampler, SamplerClosedError, StepTimeoutError, WorkerCrashedError
-from asyncsample.backends import make_backend
+from asyncsample.backends import check_options, make_backend
 from asyncsample.backends._remote import place, pool_size
 from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.backends.local import LocalBackend
@@ -101,6 +103,22 @@ def test_unknown_options_are_named_with_the_valid_ones(name: str) -> None:
     cls = LocalBackend if name == "local" else ProcessBackend
     with pytest.raises(TypeError, match="'colour'"):
         cls(colour="red")
+
+
+@pytest.mark.parametrize("name", [*BACKENDS, "ray"])
+def test_check_options_before_any_work(name: str) -> None:
+    check_options(name, {"n_processes": 2, "step_timeout": None})
+    with pytest.raises(TypeError, match=r"'n_process'.*valid options: n_processes"):
+        check_options(name, {"n_process": 2})
+
+
+def test_ray_options_are_known_without_importing_ray() -> None:
+    code = (
+        "import sys; from asyncsample.backends import backend_options; "
+        "assert 'num_cpus' in backend_options('ray'); assert 'ray' not in sys.modules"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env)
 
 
 def test_local_refuses_step_timeout() -> None:
