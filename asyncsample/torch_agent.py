@@ -168,11 +168,11 @@ class TorchAgent:
         return self.get_actions(observations, deterministic=True)
 
     def get_param_values(self) -> dict[str, np.ndarray]:
-        """The module's ``state_dict`` as a dict of numpy arrays (copies, on the CPU)."""
-        return {
-            key: value.detach().to("cpu", copy=True).numpy()
-            for key, value in self.module.state_dict().items()
-        }
+        """The module's ``state_dict`` as a dict of numpy arrays (copies, on the CPU).
+
+        bfloat16 tensors, which numpy lacks, come out as float32; loading them back casts.
+        """
+        return {key: _numpy(value, copy=True) for key, value in self.module.state_dict().items()}
 
     def set_param_values(self, params: Mapping[str, Any]) -> None:
         """Load parameters, as numpy arrays or tensors keyed like the module's ``state_dict``.
@@ -222,20 +222,25 @@ class TorchAgent:
     # -- internals -----------------------------------------------------------------------------
 
     def _as_tensor(self, array: Any) -> torch.Tensor:
-        """One observation leaf as a tensor on the device, sharing memory where it can."""
-        if isinstance(array, np.ndarray):
-            if array.dtype.kind == "f":
-                if array.dtype != _NUMPY_DTYPES.get(self._float_dtype):
-                    array = array.astype(_NUMPY_DTYPES.get(self._float_dtype, np.float32))
-                elif not array.flags.writeable and self.device.type == "cpu":
-                    # A tensor may not share a read-only buffer (torch warns: writes would be
-                    # undefined); this is the one case that copies needlessly for the module.
-                    array = array.copy()
-            elif not array.flags.writeable and self.device.type == "cpu":
-                array = array.copy()
-            return torch.as_tensor(array, device=self.device)
-        tensor = torch.as_tensor(array, device=self.device)
-        return tensor.to(self._float_dtype) if tensor.is_floating_point() else tensor
+        """One observation leaf as a tensor on the device, sharing memory where it can.
+
+        Floating arrays take the module's floating dtype; other dtypes (integer or boolean
+        observations) are kept. An array already of the right dtype is shared on the CPU, except
+        a read-only one: a tensor may not share a read-only buffer (torch warns that writes would
+        be undefined), so that one case is copied.
+        """
+        if not isinstance(array, np.ndarray):
+            tensor = torch.as_tensor(array, device=self.device)
+            return tensor.to(self._float_dtype) if tensor.is_floating_point() else tensor
+        if array.dtype.kind == "f":
+            np_dtype = _NUMPY_DTYPES.get(self._float_dtype)
+            if np_dtype is None:  # e.g. bfloat16, which numpy lacks: let torch convert
+                return torch.as_tensor(array).to(self.device, self._float_dtype)
+            if array.dtype != np_dtype:
+                return torch.as_tensor(array.astype(np_dtype), device=self.device)
+        if not array.flags.writeable and self.device.type == "cpu":
+            array = array.copy()
+        return torch.as_tensor(array, device=self.device)
 
     def _categorical(
         self, output: Any, n: int, deterministic: bool
@@ -447,8 +452,11 @@ def _add_value(infos: dict[str, np.ndarray], value: Any, n: int) -> None:
     infos["value"] = _numpy(value.reshape(n))
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().cpu().numpy()
+def _numpy(tensor: torch.Tensor, copy: bool = False) -> np.ndarray:
+    """A CPU numpy view (or copy) of ``tensor``; dtypes numpy lacks (bfloat16) become float32."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return tensor.detach().to("cpu", copy=copy).numpy()
 
 
 def _numpy_leaf(value: Any) -> np.ndarray:

@@ -369,3 +369,15 @@ def test_import_asyncsample_does_not_import_torch() -> None:
         "assert 'torch' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_bfloat16_module_takes_numpy_and_gives_float32() -> None:
+    module = Categorical(value=True).to(torch.bfloat16)
+    agent = TorchAgent(module, DISCRETE, seed=0)
+    actions, infos = agent.get_actions(obs())  # float32 observations, cast to bfloat16
+    assert actions.shape == (5,) and infos["logp"].dtype == np.float32
+    params = agent.get_param_values()
+    assert all(v.dtype == np.float32 for v in params.values())
+    params["pi.bias"][:] = 0.5
+    agent.set_param_values(params)
+    assert module.pi.bias.dtype == torch.bfloat16 and torch.all(module.pi.bias == 0.5)
