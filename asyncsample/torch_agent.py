@@ -61,7 +61,9 @@ class TorchAgent:
     ``seed`` (or :meth:`seed`). With a fixed seed and one agent per worker (``agent=[TorchAgent(
     ..., seed=s + w) for w in range(n_workers)]``) the sampler's batches are identical on every
     run, as for any agent whose actions depend only on its input; a single agent shared by
-    several workers draws its random numbers in the order the workers call it.
+    several workers draws its random numbers in the order the workers call it. The agent
+    pickles with its module and the generator's state, so a copy (e.g. one sent to an env host)
+    continues the same random stream.
 
     Args:
         module: the policy network. The agent uses it as it is (train/eval mode is the caller's
