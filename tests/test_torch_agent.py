@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from asyncsample import Sampler  # noqa: E402
+from asyncsample import Agent, Sampler  # noqa: E402
 from asyncsample.torch_agent import TorchAgent  # noqa: E402
 
 DISCRETE = gym.spaces.Discrete(3)
@@ -230,8 +230,8 @@ def test_device_and_zero_copy_inputs() -> None:
 
 
 def test_param_round_trip_numpy_and_tensors() -> None:
-    a = TorchAgent(Gaussian(), BOX, seed=0)
-    b = TorchAgent(Gaussian(), BOX, seed=0)
+    ma, mb = Gaussian(), Gaussian()
+    a, b = TorchAgent(ma, BOX, seed=0), TorchAgent(mb, BOX, seed=0)
     params = a.get_param_values()
     assert set(params) == {"mu.weight", "mu.bias", "log_std"}
     assert all(isinstance(v, np.ndarray) for v in params.values())
@@ -239,11 +239,11 @@ def test_param_round_trip_numpy_and_tensors() -> None:
     for key, value in b.get_param_values().items():
         np.testing.assert_array_equal(value, params[key])
     params["mu.bias"][:] = 7.0  # get_param_values returned copies
-    assert not torch.equal(a.module.mu.bias, torch.full((2,), 7.0))
+    assert not torch.equal(ma.mu.bias, torch.full((2,), 7.0))
     b.set_param_values(params)  # numpy in
-    assert torch.equal(b.module.mu.bias, torch.full((2,), 7.0))
-    a.set_param_values(b.module.state_dict())  # tensors in
-    assert torch.equal(a.module.mu.bias, torch.full((2,), 7.0))
+    assert torch.equal(mb.mu.bias, torch.full((2,), 7.0))
+    a.set_param_values(mb.state_dict())  # tensors in
+    assert torch.equal(ma.mu.bias, torch.full((2,), 7.0))
     assert len(pickle.dumps(params)) < 2000  # plain arrays pickle cheaply
 
 
@@ -341,7 +341,7 @@ async def test_evaluate_uses_the_deterministic_mode() -> None:
 
 async def test_one_seeded_agent_per_worker_gives_reproducible_batches() -> None:
     async def run(agent_seed: int) -> Any:
-        agents = [
+        agents: list[Agent] = [
             TorchAgent(_seeded_module(), gym.spaces.Discrete(2), seed=agent_seed + w)
             for w in range(2)
         ]
