@@ -264,7 +264,9 @@ async def train(
         backend=backend,
         n_processes=n_workers if backend == "process" else None,
     ) as sampler:
-        stream = sampler.stream(batch_steps, fragments=True)
+        # buffer_size=1: sample at most one batch ahead of the learner, so a batch was collected
+        # at most one or two policy versions back (buffer_size=2 took ~10% more env steps).
+        stream = sampler.stream(batch_steps, fragments=True, buffer_size=1)
         async with contextlib.aclosing(stream) as batches:
             async for batch in batches:
                 recent.extend(returns.add(batch))
