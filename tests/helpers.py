@@ -6,14 +6,13 @@ Ray fixture, ``ray_cluster``, and the ``no_leaks`` fixture are in ``tests/confte
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -104,18 +103,28 @@ def host_processes() -> list[int]:
     return out
 
 
-@contextlib.contextmanager
-def leaves_nothing() -> Iterator[None]:
+class leaves_nothing:
     """Fail if the block leaves a child process (other than Python's multiprocessing helpers)
-    or a /dev/shm entry of ours behind."""
-    before_procs = set(host_processes())
-    before_shm = shm_entries()
-    yield
-    gc.collect()
-    left = wait_gone([p for p in host_processes() if p not in before_procs])
-    assert not left, f"child processes outlived the test: {left}"
-    leaked = new_shm_entries(before_shm)
-    assert not leaked, f"shared-memory segments outlived the test: {leaked}"
+    or a /dev/shm entry of ours behind. Use with ``with`` or ``async with``."""
+
+    def __enter__(self) -> None:
+        self._procs = set(host_processes())
+        self._shm = shm_entries()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        gc.collect()
+        if exc_type is not None:
+            return  # the block's own failure is the one to report
+        left = wait_gone([p for p in host_processes() if p not in self._procs])
+        assert not left, f"child processes outlived the block: {left}"
+        leaked = new_shm_entries(self._shm)
+        assert not leaked, f"shared-memory segments outlived the block: {leaked}"
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.__exit__(exc_type, exc, tb)
 
 
 def python_env() -> dict[str, str]:

@@ -17,11 +17,9 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
-import psutil
 import pytest
 from aiohttp import web
-
-from asyncsample.backends.process import support_process_pids
+from helpers import host_processes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -40,8 +38,7 @@ def load_example(name: str) -> ModuleType:
 
 def env_host_pids() -> set[int]:
     """Our child processes, without Python's forkserver and resource tracker."""
-    support = support_process_pids()
-    return {p.pid for p in psutil.Process().children(recursive=True) if p.pid not in support}
+    return set(host_processes())
 
 
 # -- the trainer --------------------------------------------------------------------------------

@@ -102,7 +102,13 @@ async def test_crash_past_the_budget_reaches_the_caller(no_leaks: None) -> None:
 async def test_hanging_env_times_out_and_is_replaced(tmp_path: Path, no_leaks: None) -> None:
     env = functools.partial(HangingEnv, 8, 3600.0, str(tmp_path / "hung"))
     async with Sampler(
-        env, n_workers=2, n_processes=2, step_timeout=0.5, seed=1, max_episode_length=25
+        # step_timeout well above a loaded machine's env build time, far below the hang's hour
+        env,
+        n_workers=2,
+        n_processes=2,
+        step_timeout=3.0,
+        seed=1,
+        max_episode_length=25,
     ) as s:
         batch = await s.obtain_samples(200)  # the hang (an hour) ends by step_timeout
         assert s.restarts >= 1

@@ -123,15 +123,10 @@ class DictEnv(NoisyEnv):
         return self._obs(state), r + float(action["force"][0]), term, trunc, info
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Any:
-    """A local 2-CPU Ray cluster for the module (an already initialised Ray is reused)."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
+@pytest.fixture
+def cluster(ray_cluster: Any) -> Any:
+    """The session's local Ray cluster (the one Ray fixture, in tests/conftest.py)."""
+    return ray_cluster
 
 
 def alive_actors() -> list[str]:
