@@ -346,7 +346,9 @@ async def test_sigkill_mid_step_is_noticed_at_once_then_restart() -> None:
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerCrashedError) as info:
             await task
-        assert time.monotonic() - killed < 2.0
+        # Noticed at once, not when the 30 s step would have ended (half of it: a margin that
+        # holds on a loaded machine).
+        assert time.monotonic() - killed < 15.0
         assert (
             info.value.worker == 0 and "SIGKILL" in str(info.value) and str(pid) in str(info.value)
         )
@@ -386,7 +388,8 @@ async def test_step_timeout_kills_the_process_tree_then_restart() -> None:
         began = time.monotonic()
         with pytest.raises(StepTimeoutError) as info:
             await hung_step
-        assert 2.0 < time.monotonic() - began < 6.0
+        # Not before step_timeout; well before the 60 s step would end (a loaded-machine margin).
+        assert 2.0 < time.monotonic() - began < 30.0
         assert isinstance(info.value, TimeoutError) and info.value.worker == 0
         assert "step_timeout" in str(info.value)
         with pytest.raises(WorkerCrashedError) as crash:
@@ -506,7 +509,8 @@ async def test_aclose_kills_a_host_whose_env_hangs_in_close(
         await host.build([[_HangsOnClose]], [1])
         began = time.monotonic()
         await backend.aclose()
-        assert time.monotonic() - began < 5.0
+        # Killed after its grace period, not waited for: the env's close hangs for 60 s.
+        assert time.monotonic() - began < 30.0
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.005, 0.05])
@@ -564,7 +568,7 @@ def _run_script(body: str) -> subprocess.CompletedProcess[str]:
         """
     ) + textwrap.dedent(body)
     return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=30
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50
     )
 
 
@@ -582,7 +586,7 @@ def test_hosts_end_at_interpreter_exit_without_aclose() -> None:
         """
     )
     assert result.returncode == 0, result.stderr
-    assert time.monotonic() - began < 20
+    assert time.monotonic() - began < 50  # the exit did not wait for the hung env's 120 s
     pids = [int(p) for p in result.stdout.split()]
     assert len(pids) == 2
     assert not wait_gone(pids)

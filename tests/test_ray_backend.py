@@ -348,7 +348,7 @@ async def test_step_timeout_kills_the_actor_then_restart_recovers(
         start = time.monotonic()
         with pytest.raises(StepTimeoutError, match=r"worker 0.*step_timeout=1s") as info:
             await s.obtain_samples(50)
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 60  # by step_timeout, not the env's 600 s hang
         assert isinstance(info.value, TimeoutError)
         assert s._backend.actors == []  # type: ignore[union-attr]  # killed, not recreated yet
         batch = await s.obtain_samples(50)  # the next call restarts the host
