@@ -4,8 +4,8 @@ Ray fixture and the leak-check fixture.
 Every async test is parametrised over asyncio's default loop and uvloop. The default run
 (``python -m pytest``, which deselects ``slow``) runs the uvloop variant only for a representative
 subset: the modules in ``BOTH_LOOPS_MODULES`` and tests marked ``both_loops``. The uvloop variants
-of the other tests, the Ray tests (anything using ``ray_cluster`` and ``test_ray_backend.py``),
-the examples and the benchmarks are marked ``slow``: ``python -m pytest -m slow`` runs them, so
+of the other tests, the Ray tests (``test_ray_backend.py``, tests using ``ray_cluster``, tests
+parametrised with ``backend="ray"``), the examples and the benchmarks are marked ``slow``: ``python -m pytest -m slow`` runs them, so
 the two runs together cover every test under both loops.
 """
 
@@ -45,6 +45,8 @@ def _is_slow(item: pytest.Item) -> bool:
     if item.path.name in SLOW_MODULES or "ray_cluster" in getattr(item, "fixturenames", ()):
         return True
     callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "ray":
+        return True  # a `backend` fixture that asks for ray_cluster only when the test runs
     on_uvloop = callspec is not None and callspec.params.get(_LOOP_PARAM) is uvloop.new_event_loop
     representative = (
         item.path.name in BOTH_LOOPS_MODULES or item.get_closest_marker("both_loops") is not None
