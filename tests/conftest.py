@@ -3,10 +3,11 @@ Ray fixture and the leak-check fixture.
 
 Every async test is parametrised over asyncio's default loop and uvloop. The default run
 (``python -m pytest``, which deselects ``slow``) runs the uvloop variant only for a representative
-subset: the modules in ``BOTH_LOOPS_MODULES`` and tests marked ``both_loops``. The uvloop variants
-of the other tests, the Ray tests (``test_ray_backend.py``, tests using ``ray_cluster``, tests
-parametrised with ``backend="ray"``), the examples and the benchmarks are marked ``slow``: ``python -m pytest -m slow`` runs them, so
-the two runs together cover every test under both loops.
+subset: the modules in ``BOTH_LOOPS_MODULES`` and tests marked ``both_loops``. Marked ``slow``:
+the uvloop variants of the other tests, the Ray tests (``test_ray_backend.py``, tests using
+``ray_cluster``, tests parametrised with ``backend="ray"``), the examples and the benchmarks.
+``python -m pytest -m slow`` runs those, so the two runs together cover every test under both
+loops.
 """
 
 from __future__ import annotations
