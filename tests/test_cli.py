@@ -14,6 +14,8 @@ import psutil
 import pytest
 from helpers import new_shm_entries, python_env, shm_entries, wait_gone
 
+from asyncsample.cli import main
+
 pytestmark = pytest.mark.timeout(120)
 
 CLI = [sys.executable, "-m", "asyncsample.cli"]
@@ -60,10 +62,23 @@ def assert_one_line_error(done: subprocess.CompletedProcess[str], status: int, *
         (["--no-such-option"], ["--no-such-option"]),
     ],
 )
-def test_usage_errors_are_one_line_and_status_2(args: list[str], words: list[str]) -> None:
+def test_usage_errors_are_one_line_and_status_2(
+    args: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In this process (a fresh interpreter per case costs seconds); the next test checks the
+    # exit status of the real command.
     local = [] if "--backend" in args else ["--backend", "local"]
-    done = run_cli("run", *args, *local)
+    with pytest.raises(SystemExit) as exited:
+        main(["run", *args, *local])
+    out, err = capsys.readouterr()
+    done = subprocess.CompletedProcess(args, exited.value.code, out, err)
     assert_one_line_error(done, 2, *words)
+    assert out == ""
+
+
+def test_usage_error_of_the_command_is_status_2() -> None:
+    done = run_cli("run", "No-Such-Env-v9", "--backend", "local")
+    assert_one_line_error(done, 2, "No-Such-Env-v9")
     assert done.stdout == ""
 
 
