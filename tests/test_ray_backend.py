@@ -344,9 +344,10 @@ async def test_step_timeout_kills_the_actor_then_restart_recovers(
     cluster: Any, tmp_path: Any
 ) -> None:
     env = functools.partial(HangOnceEnv, str(tmp_path / "hung"), 5)
-    async with make(env, n_workers=1, step_timeout=1.0, max_restarts=0, seed=2) as s:
+    # step_timeout well above a loaded machine's actor start and env build, far below the hang
+    async with make(env, n_workers=1, step_timeout=5.0, max_restarts=0, seed=2) as s:
         start = time.monotonic()
-        with pytest.raises(StepTimeoutError, match=r"worker 0.*step_timeout=1s") as info:
+        with pytest.raises(StepTimeoutError, match=r"worker 0.*step_timeout=5s") as info:
             await s.obtain_samples(50)
         assert time.monotonic() - start < 60  # by step_timeout, not the env's 600 s hang
         assert isinstance(info.value, TimeoutError)
