@@ -213,7 +213,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every option's default and keeps the description's line breaks."""
+    """Shows every option's default and keeps the description's line breaks.
+
+    Options whose default is ``None`` or ``False`` say in their own help what the default means.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -251,12 +259,15 @@ def _parser() -> argparse.ArgumentParser:
     run_p.add_argument("--workers", type=positive, default=4, help="worker coroutines")
     run_p.add_argument("--envs-per-worker", type=positive, default=8, help="envs per worker")
     run_p.add_argument(
-        "--processes", type=positive, default=None, help="env-host processes (None: one per CPU)"
+        "--processes", type=positive, default=None, help="env-host processes (default: one per CPU)"
     )
     run_p.add_argument("--backend", choices=BACKENDS, default="process", help="where envs run")
     run_p.add_argument("--seed", type=_int_at_least(0), default=0, help="root seed")
     run_p.add_argument(
-        "--max-episode-length", type=positive, default=None, help="cut episodes at this length"
+        "--max-episode-length",
+        type=positive,
+        default=None,
+        help="cut episodes at this length (default: no limit)",
     )
     run_p.add_argument("--debug", action="store_true", help="show the traceback of a runtime error")
     sub.add_parser(
