@@ -1,14 +1,23 @@
 """The ``asyncsample`` command line: ``run`` samples an env with a random agent; ``bench`` runs the
-benchmark suite of a source checkout."""
+benchmark suite of a source checkout.
+
+Exit status of ``run``: 0 when done, 2 for a usage error (a bad argument or env id), 1 for a
+runtime error (an env that fails past its restart budget, a missing optional dependency), 130
+when interrupted (Ctrl-C), after printing the summary of what was sampled so far. Errors are one
+line on stderr; ``--debug`` shows the traceback of a runtime error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import uvloop
@@ -18,7 +27,21 @@ from asyncsample.backends import BACKENDS
 from asyncsample.batch import EpisodeBatch, StepType
 from asyncsample.sampler import Sampler
 
-__all__ = ["main"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_USAGE", "main"]
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
+
+#: The most transitions ``run`` asks for in one call.
+MAX_CHUNK = 50_000
+
+# Optional dependency of each backend: (module to look for, how to install it).
+_BACKEND_NEEDS = {"ray": ("ray", "pip install 'asyncsample[ray]'")}
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing (exit status 2)."""
 
 
 @dataclass
@@ -65,41 +88,101 @@ class RunSummary:
         return "\n".join(lines)
 
 
-async def run(args: argparse.Namespace) -> RunSummary:
-    """Sample ``args.steps`` transitions with a random agent, showing a progress bar."""
-    summary = RunSummary()
-    sampler = Sampler(
-        args.env_id,
-        n_workers=args.workers,
-        envs_per_worker=args.envs_per_worker,
-        n_processes=args.processes,
-        backend=args.backend,
-        seed=args.seed,
-        max_episode_length=args.max_episode_length,
-    )
-    chunk = max(args.steps // 50, args.workers * args.envs_per_worker)
-    async with sampler:
-        print(
-            f"sampling {args.env_id} with {args.workers} workers x {args.envs_per_worker} envs "
-            f"on the {args.backend!r} backend (seed {sampler.seed})",
-            file=sys.stderr,
+def make_sampler(args: argparse.Namespace) -> Sampler:
+    """The sampler ``args`` describe; a bad argument or env id is a :class:`UsageError`."""
+    try:
+        return Sampler(
+            args.env_id,
+            n_workers=args.workers,
+            envs_per_worker=args.envs_per_worker,
+            n_processes=args.processes,
+            backend=args.backend,
+            seed=args.seed,
+            max_episode_length=args.max_episode_length,
         )
-        with tqdm(total=args.steps, unit="step", unit_scale=True, file=sys.stderr) as bar:
-            start = time.perf_counter()
-            while summary.steps < args.steps:
-                batch = await sampler.obtain_fragments(min(chunk, args.steps - summary.steps))
-                summary.add(batch)
-                bar.update(batch.n_transitions)
-                if summary.returns:
-                    bar.set_postfix(
-                        episodes=len(summary.returns), mean_return=f"{np.mean(summary.returns):.1f}"
-                    )
-            summary.seconds = time.perf_counter() - start
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> RunSummary:
+    """Sample ``args.steps`` transitions with a random agent into ``summary``, with a progress bar.
+
+    ``summary`` is filled as batches arrive, so an interrupted run still has what was sampled.
+    """
+    summary = RunSummary() if summary is None else summary
+    sampler = make_sampler(args)
+    # Transitions per call: small enough that the bar moves and a batch's memory stays bounded
+    # however many steps are asked for, at least one step of every env.
+    chunk = max(min(args.steps // 50, MAX_CHUNK), args.workers * args.envs_per_worker)
+    start = time.perf_counter()
+    try:
+        async with sampler:
+            print(
+                f"sampling {args.env_id} with {args.workers} workers x {args.envs_per_worker} "
+                f"envs on the {args.backend!r} backend (seed {sampler.seed})",
+                file=sys.stderr,
+                flush=True,
+            )
+            with tqdm(total=args.steps, unit="step", unit_scale=True, file=sys.stderr) as bar:
+                start = time.perf_counter()
+                while summary.steps < args.steps:
+                    batch = await sampler.obtain_fragments(min(chunk, args.steps - summary.steps))
+                    summary.add(batch)
+                    bar.update(batch.n_transitions)
+                    if summary.returns:
+                        bar.set_postfix(
+                            episodes=len(summary.returns),
+                            mean_return=f"{np.mean(summary.returns):.1f}",
+                        )
+    finally:
+        summary.seconds = time.perf_counter() - start
     return summary
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _usage_error(prog: str, message: str) -> NoReturn:
+    """Print a usage error as one line on stderr and exit with status 2."""
+    sys.stderr.write(f"{prog}: error: {message} (see {prog} --help)\n")
+    raise SystemExit(EXIT_USAGE)
+
+
 def _run_command(args: argparse.Namespace) -> int:
-    summary = uvloop.run(run(args))
+    need = _BACKEND_NEEDS.get(args.backend)
+    if need is not None and not _importable(need[0]):
+        print(
+            f"asyncsample run: error: --backend {args.backend} needs the {need[0]} package, "
+            f"which is not installed: {need[1]}",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME
+    summary = RunSummary()
+    try:
+        uvloop.run(run(args, summary))
+    except UsageError as exc:
+        _usage_error("asyncsample run", str(exc))
+    except KeyboardInterrupt:
+        # asyncio's runner cancelled the sampling task on SIGINT: the sampler is closed (its env
+        # hosts are gone) by the time the KeyboardInterrupt reaches us.
+        print(summary.text(), flush=True)
+        print("asyncsample run: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"asyncsample run: error: {_first_line(exc)}", file=sys.stderr)
+        return EXIT_RUNTIME
     print(summary.text())
     return 0
 
@@ -111,29 +194,82 @@ def _bench_command(rest: Sequence[str]) -> int:
             sys.path.insert(0, str(folder))
             break
     try:
-        from benchmarks.__main__ import main as bench_main  # type: ignore[import-not-found]
+        from benchmarks.__main__ import main as bench_main
     except ImportError as exc:
         print(
             "asyncsample bench runs the benchmark suite of a source checkout: run it from the "
             f"repository (where benchmarks/ is). ({exc})",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     return int(bench_main(list(rest)))
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (exit status 2), no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        _usage_error(self.prog, message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default and keeps the description's line breaks.
+
+    Options whose default is ``None`` or ``False`` say in their own help what the default means.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncsample", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run_p = sub.add_parser("run", help="sample an env with a random agent and print a summary")
+    parser = _Parser(
+        prog="asyncsample", description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run_p = sub.add_parser(
+        "run",
+        help="sample an env with a random agent and print a summary",
+        description="Sample an env with a random agent and print a summary.",
+        epilog="exit status: 0 done, 1 runtime error, 2 usage error, 130 interrupted (Ctrl-C "
+        "prints the summary so far)",
+        formatter_class=_HelpFormatter,
+    )
+    positive = _int_at_least(1)
     run_p.add_argument("env_id", nargs="?", default="CartPole-v1", help="gymnasium env id")
-    run_p.add_argument("--steps", type=int, default=200_000, help="transitions to sample")
-    run_p.add_argument("--workers", type=int, default=4, help="worker coroutines")
-    run_p.add_argument("--envs-per-worker", type=int, default=8, help="envs per worker")
-    run_p.add_argument("--processes", type=int, default=None, help="env-host processes")
-    run_p.add_argument("--backend", choices=BACKENDS, default="process")
-    run_p.add_argument("--seed", type=int, default=0)
-    run_p.add_argument("--max-episode-length", type=int, default=None)
+    run_p.add_argument("--steps", type=positive, default=200_000, help="transitions to sample")
+    run_p.add_argument("--workers", type=positive, default=4, help="worker coroutines")
+    run_p.add_argument("--envs-per-worker", type=positive, default=8, help="envs per worker")
+    run_p.add_argument(
+        "--processes", type=positive, default=None, help="env-host processes (default: one per CPU)"
+    )
+    run_p.add_argument("--backend", choices=BACKENDS, default="process", help="where envs run")
+    run_p.add_argument("--seed", type=_int_at_least(0), default=0, help="root seed")
+    run_p.add_argument(
+        "--max-episode-length",
+        type=positive,
+        default=None,
+        help="cut episodes at this length (default: no limit)",
+    )
+    run_p.add_argument("--debug", action="store_true", help="show the traceback of a runtime error")
     sub.add_parser(
         "bench", help="run the benchmark suite (arguments go to benchmarks)", add_help=False
     )
@@ -141,13 +277,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``asyncsample`` command."""
+    """Entry point of the ``asyncsample`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _bench_command(argv[1:])
     args = _parser().parse_args(argv)
-    if args.steps < 1:
-        _parser().error(f"--steps must be >= 1, got {args.steps}")
     return _run_command(args)
 
 

@@ -91,5 +91,5 @@ def main(argv: list[str] | None = None) -> None:
     plot(results, args.out)
 
 
-if __name__ == "__main__":  # the process backend's forkserver imports this file: keep the guard
+if __name__ == "__main__":  # run when executed, not when imported (the tests import it)
     main()

@@ -386,5 +386,5 @@ def main(argv: list[str] | None = None) -> None:
     uvloop.run(serve(app, args.host, args.port))
 
 
-if __name__ == "__main__":  # the process backend's forkserver imports this file: keep the guard
+if __name__ == "__main__":  # run when executed, not when imported (the tests import it)
     main()

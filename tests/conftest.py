@@ -1,12 +1,38 @@
-"""Shared test set-up: every async test runs under asyncio's default loop and under uvloop."""
+"""Shared test set-up: the event loops every async test runs under, the ``slow`` marks, the one
+Ray fixture and the leak-check fixture.
+
+Every async test is parametrised over asyncio's default loop and uvloop. The default run
+(``python -m pytest``, which deselects ``slow``) runs the uvloop variant only for a representative
+subset: the modules in ``BOTH_LOOPS_MODULES`` and tests marked ``both_loops``. Marked ``slow``:
+the uvloop variants of the other tests, the Ray tests (``test_ray_backend.py``, tests using
+``ray_cluster``, tests parametrised with ``backend="ray"``), the examples and the benchmarks.
+``python -m pytest -m slow`` runs those, so the two runs together cover every test under both
+loops.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
+import cloudpickle
+import envs as _test_envs
 import pytest
 import uvloop
+from helpers import leaves_nothing
+
+# The test envs live in a module the env-host processes cannot import by name: ship them by value.
+cloudpickle.register_pickle_by_value(_test_envs)
+
+#: Modules whose async tests run under both loops in the default run: faults, cancellation,
+#: signals and garbage collection are where the two loops' behaviour can differ.
+BOTH_LOOPS_MODULES = frozenset({"test_faults.py", "test_worker.py"})
+#: Modules that are slow as a whole: Ray's start-up, the examples' training and web runs, the
+#: benchmark suite.
+SLOW_MODULES = frozenset({"test_ray_backend.py", "test_examples.py", "test_benchmarks.py"})
+
+_LOOP_PARAM = "_asyncio_loop_factory"  # pytest-asyncio's parameter for the loop factory
 
 
 def pytest_asyncio_loop_factories(
@@ -16,13 +42,34 @@ def pytest_asyncio_loop_factories(
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
+def _is_slow(item: pytest.Item) -> bool:
+    if item.path.name in SLOW_MODULES or "ray_cluster" in getattr(item, "fixturenames", ()):
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "ray":
+        return True  # a `backend` fixture that asks for ray_cluster only when the test runs
+    on_uvloop = callspec is not None and callspec.params.get(_LOOP_PARAM) is uvloop.new_event_loop
+    representative = (
+        item.path.name in BOTH_LOOPS_MODULES or item.get_closest_marker("both_loops") is not None
+    )
+    return on_uvloop and not representative
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the slow tests (see the module docstring)."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and _is_slow(item):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():  # type: ignore[no-untyped-def]
+def ray_cluster() -> Iterator[Any]:
     """One local Ray cluster for the whole session, started on first use, shut down at the end.
 
-    Not autouse: Ray's daemons would otherwise be children of every test, and the tests that
-    check for leftover processes would see them. Four CPUs, so evaluate()'s extra actor can be
-    scheduled beside a sampler's two on this 2-core machine.
+    The only Ray fixture of the suite. Not autouse: Ray's daemons would otherwise be children of
+    every test, and the tests that check for leftover processes would see them. Four CPUs, so
+    evaluate()'s extra actor can be scheduled beside a sampler's two on a 2-core machine. An
+    already initialised Ray is reused and left running.
     """
     import ray
 
@@ -34,8 +81,8 @@ def ray_cluster():  # type: ignore[no-untyped-def]
         ray.shutdown()
 
 
-import cloudpickle  # noqa: E402
-import envs as _test_envs  # noqa: E402
-
-# The test envs live in a module the env-host processes cannot import by name: ship them by value.
-cloudpickle.register_pickle_by_value(_test_envs)
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """Fail the test if it leaves a child process or a /dev/shm entry of ours behind."""
+    with leaves_nothing():
+        yield

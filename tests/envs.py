@@ -228,3 +228,23 @@ class HangingEnv(NoisyEnv):
         if self.steps == self.hang_at and (self.flag is None or first_to_claim(self.flag)):
             time.sleep(self.seconds)
         return super().step(action)
+
+
+class SignallingAgent:
+    """Always action 0; sets ``event`` at its ``after``-th call (and every call after).
+
+    A test awaits ``event`` to know a call is under way, instead of sleeping and hoping. Clear it
+    to wait for the next call.
+    """
+
+    def __init__(self, after: int = 1) -> None:
+        self.event = asyncio.Event()
+        self.after = after
+        self.calls = 0
+
+    def get_actions(self, observations: np.ndarray):
+        self.calls += 1
+        if self.calls >= self.after:
+            self.event.set()
+        n = len(observations)
+        return np.zeros(n, dtype=np.int64), {}

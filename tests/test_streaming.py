@@ -31,14 +31,18 @@ def make(backend: str, env: Any = None, agent: Any = None, **kwargs: Any) -> Sam
 
 
 class CountingAgent(ParamAgent):
-    """Counts the steps it is asked for."""
+    """Counts the steps it is asked for; sets ``reached`` at the ``notify_at``-th."""
 
-    def __init__(self) -> None:
+    def __init__(self, notify_at: int | None = None) -> None:
         super().__init__()
         self.calls = 0
+        self.notify_at = notify_at
+        self.reached = asyncio.Event()
 
     def get_actions(self, observations: np.ndarray):
         self.calls += 1
+        if self.notify_at is not None and self.calls >= self.notify_at:
+            self.reached.set()
         return super().get_actions(observations)
 
 
@@ -104,13 +108,13 @@ async def test_max_policy_lag_drops_stale_episodes(backend: str) -> None:
 
 
 async def test_slow_consumer_pauses_sampling_and_closing_stops_it(backend: str) -> None:
-    agent = CountingAgent()
+    # One yielded, two buffered, one being produced: four rounds of 6 steps, then a pause.
+    agent = CountingAgent(notify_at=4 * 6)
     async with make(backend, agent=[agent], n_workers=1, envs_per_worker=2) as s:
         async with contextlib.aclosing(s.stream(12, buffer_size=2)) as it:
             await anext(it)
-            await asyncio.sleep(0.3)  # a slow consumer
+            await agent.reached.wait()  # a slow consumer: the buffer has filled meanwhile
             calls = agent.calls
-            # One yielded, two buffered, one being produced: about four rounds of 6 steps.
             assert calls <= 5 * 6
             await asyncio.sleep(0.1)
             assert agent.calls == calls  # paused, not sampling into memory

@@ -1,0 +1,144 @@
+"""Helpers shared by the tests: leak checks and running Python in a fresh interpreter.
+
+The scripted envs and agents live in ``tests/envs.py`` (shipped to env hosts by value); the one
+Ray fixture, ``ray_cluster``, and the ``no_leaks`` fixture are in ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+
+#: Seconds a process that was told to end may take to be gone. Generous: on a loaded 2-core
+#: machine reaping can take a while, and a test only waits this long when something leaked.
+GONE_TIMEOUT = 30.0
+
+
+def shm_entries() -> set[str]:
+    """Names in /dev/shm (empty where there is no /dev/shm)."""
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def new_shm_entries(before: set[str]) -> list[str]:
+    """Entries of /dev/shm that appeared since ``before`` and are ours.
+
+    Other programs on the machine may create entries meanwhile; an entry counts as ours when this
+    process or one of its descendants holds it, or when no process holds it (a leak).
+    """
+    new = {e for e in shm_entries() - before if os.path.exists(f"/dev/shm/{e}")}
+    if not new:
+        return []
+    holders: dict[str, set[int]] = {e: set() for e in new}
+    for pid in psutil.pids():
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        for e in new:
+            path = f"/dev/shm/{e}"
+            if path in maps or path in fds:
+                holders[e].add(pid)
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
+    return sorted(e for e in new if not holders[e] or holders[e] & mine)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def wait_gone(pids: Iterable[int], timeout: float = GONE_TIMEOUT) -> list[int]:
+    """The pids still alive after waiting up to ``timeout`` seconds for them to end."""
+    deadline = time.monotonic() + timeout
+    left = [p for p in pids if alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.02)
+        left = [p for p in left if alive(p)]
+    return left
+
+
+def _support_process(proc: psutil.Process) -> bool:
+    """Python's multiprocessing forkserver or resource tracker: per-interpreter singletons that
+    live until the interpreter exits and host no envs."""
+    try:
+        cmd = " ".join(proc.cmdline())
+        direct = proc.ppid() == os.getpid()
+    except psutil.Error:
+        return True
+    return direct and ("forkserver" in cmd or "resource_tracker" in cmd)
+
+
+def descendants(root: int | None = None) -> list[int]:
+    """Pids of the running descendants of ``root`` (default: this process)."""
+    try:
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p.pid for p in children if alive(p.pid)]
+
+
+def host_processes() -> list[int]:
+    """Pids of this process's descendants other than Python's forkserver and resource tracker:
+    env hosts and whatever they started."""
+    out = []
+    for proc in psutil.Process().children(recursive=True):
+        if not _support_process(proc) and alive(proc.pid):
+            out.append(proc.pid)
+    return out
+
+
+class leaves_nothing:
+    """Fail if the block leaves a child process (other than Python's multiprocessing helpers)
+    or a /dev/shm entry of ours behind. Use with ``with`` or ``async with``."""
+
+    def __enter__(self) -> None:
+        self._procs = set(host_processes())
+        self._shm = shm_entries()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        gc.collect()
+        if exc_type is not None:
+            return  # the block's own failure is the one to report
+        left = wait_gone([p for p in host_processes() if p not in self._procs])
+        assert not left, f"child processes outlived the block: {left}"
+        leaked = new_shm_entries(self._shm)
+        assert not leaked, f"shared-memory segments outlived the block: {leaked}"
+
+    async def __aenter__(self) -> None:
+        self.__enter__()
+
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+
+def python_env() -> dict[str, str]:
+    """The environment for a child Python that imports asyncsample and ``tests/envs.py``."""
+    path = [str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+def run_python(code: str, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (dedented) in a fresh interpreter; returns its exit status and output."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=python_env(),
+    )

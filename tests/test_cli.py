@@ -1,0 +1,174 @@
+"""The ``asyncsample`` command line, run as a user runs it: in a child process, checking its exit
+status, that errors are one line on stderr without a traceback, and that Ctrl-C prints what was
+sampled so far and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+from helpers import new_shm_entries, python_env, shm_entries, wait_gone
+
+from asyncsample.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+CLI = [sys.executable, "-m", "asyncsample.cli"]
+
+
+def run_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    """``asyncsample *args`` in a fresh interpreter; ``prelude`` runs first (to simulate a
+    missing package or register an env)."""
+    command = CLI + list(args)
+    if prelude:
+        code = f"{prelude}\nimport sys\nfrom asyncsample.cli import main\nsys.exit(main())"
+        command = [sys.executable, "-c", code, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=100, env=python_env())
+
+
+def error_lines(stderr: str) -> list[str]:
+    """The lines of ``stderr`` that are not the start-up note or progress-bar updates."""
+    lines = re.split(r"[\r\n]+", stderr)
+    return [ln for ln in lines if ln.strip() and "step/s" not in ln and "it/s" not in ln
+            and not ln.startswith("sampling ") and "?step" not in ln]  # fmt: skip
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], status: int, *words: str) -> None:
+    assert done.returncode == status, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = error_lines(done.stderr)
+    assert len(lines) == 1, lines
+    assert re.match(r"asyncsample( run)?: error: ", lines[0]), lines
+    for word in words:
+        assert word in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["No-Such-Env-v9"], ["No-Such-Env-v9"]),
+        (["--workers", "0"], ["--workers", ">= 1", "0"]),
+        (["--envs-per-worker", "-3"], ["--envs-per-worker", "-3"]),
+        (["--steps", "abc"], ["--steps", "integer", "abc"]),
+        (["--steps", "0"], ["--steps", "0"]),
+        (["--seed", "-1"], ["--seed", ">= 0", "-1"]),
+        (["--processes", "1.5"], ["--processes", "1.5"]),
+        (["--backend", "gpu"], ["--backend", "gpu", "process"]),
+        (["--no-such-option"], ["--no-such-option"]),
+    ],
+)
+def test_usage_errors_are_one_line_and_status_2(
+    args: list[str], words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In this process (a fresh interpreter per case costs seconds); the next test checks the
+    # exit status of the real command.
+    local = [] if "--backend" in args else ["--backend", "local"]
+    with pytest.raises(SystemExit) as exited:
+        main(["run", *args, *local])
+    out, err = capsys.readouterr()
+    done = subprocess.CompletedProcess(args, exited.value.code, out, err)
+    assert_one_line_error(done, 2, *words)
+    assert out == ""
+
+
+def test_usage_error_of_the_command_is_status_2() -> None:
+    done = run_cli("run", "No-Such-Env-v9", "--backend", "local")
+    assert_one_line_error(done, 2, "No-Such-Env-v9")
+    assert done.stdout == ""
+
+
+def test_missing_optional_dependency_is_one_line_and_status_1() -> None:
+    # sys.modules[name] = None makes `import ray` fail as if ray were not installed.
+    done = run_cli(
+        "run", "--backend", "ray", "--steps", "10", prelude="import sys; sys.modules['ray'] = None"
+    )
+    assert_one_line_error(done, 1, "ray", "pip install")
+
+
+def test_runtime_error_is_one_line_and_status_1() -> None:
+    prelude = (
+        "import gymnasium\n"
+        "gymnasium.register('AlwaysFailing-v0', entry_point='envs:AlwaysFailingEnv')"
+    )
+    done = run_cli(
+        "run", "AlwaysFailing-v0", "--backend", "local", "--steps", "100", prelude=prelude
+    )
+    assert_one_line_error(done, 1, "WorkerError", "this env always fails")
+    assert "Remote traceback" not in done.stderr
+
+
+def test_debug_shows_the_traceback_of_a_runtime_error() -> None:
+    prelude = (
+        "import gymnasium\n"
+        "gymnasium.register('AlwaysFailing-v0', entry_point='envs:AlwaysFailingEnv')"
+    )
+    done = run_cli(
+        "run", "AlwaysFailing-v0", "--backend", "local", "--steps", "100", "--debug",
+        prelude=prelude,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr
+    assert done.stderr.rstrip().splitlines()[-1].startswith("asyncsample run: error: WorkerError")
+
+
+def test_help_shows_the_defaults() -> None:
+    done = run_cli("run", "--help")
+    assert done.returncode == 0, done.stderr
+    out = " ".join(done.stdout.split())
+    for default in [
+        "(default: CartPole-v1)",
+        "(default: 200000)",
+        "(default: 4)",
+        "(default: 8)",
+        "(default: process)",
+        "(default: 0)",
+        "130 interrupted",
+    ]:
+        assert default in out, default
+
+
+def test_a_short_run_prints_the_summary() -> None:
+    done = run_cli("run", "--backend", "local", "--steps", "500", "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    steps = int(re.search(r"steps:\s+(\d+)", done.stdout).group(1))  # type: ignore[union-attr]
+    assert steps >= 500
+    assert re.search(r"episodes:\s+[1-9]\d* completed", done.stdout)
+
+
+def test_ctrl_c_prints_the_summary_so_far_and_leaves_nothing_running() -> None:
+    before_shm = shm_entries()
+    args = ["run", "--backend", "process", "--processes", "2", "--workers", "2",
+            "--envs-per-worker", "2", "--steps", str(10**9)]  # fmt: skip
+    proc = subprocess.Popen(
+        CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=python_env()
+    )
+    assert proc.stderr is not None
+    try:
+        # Wait until the progress bar reports completed episodes: the hosts run and steps count.
+        seen = b""
+        while b"episodes=" not in seen:
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            assert chunk, f"the command ended before sampling: {seen.decode(errors='replace')}"
+            seen += chunk
+        children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert children  # env hosts (and multiprocessing's helpers)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = stdout.decode()
+    assert proc.returncode == 130, (seen + stderr).decode(errors="replace")
+    assert "Traceback" not in stderr.decode()
+    steps = int(re.search(r"steps:\s+(\d+)", text).group(1))  # type: ignore[union-attr]
+    assert steps > 0
+    assert re.search(r"episodes:\s+[1-9]\d* completed", text)
+    assert "interrupted" in stderr.decode()
+    assert wait_gone(children) == [], "processes outlived the interrupted command"
+    assert new_shm_entries(before_shm) == []
