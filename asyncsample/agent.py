@@ -12,9 +12,13 @@ from gymnasium.vector.utils import batch_space
 
 from asyncsample._tree import Tree
 
-__all__ = ["Agent", "RandomAgent", "get_actions"]
+__all__ = ["Agent", "AgentOutput", "AgentParams", "AgentUpdate", "RandomAgent", "get_actions"]
 
 AgentOutput = tuple[Tree, dict[str, np.ndarray]]
+"""What ``get_actions`` returns: one action per env, and a dict of per-env agent infos."""
+
+AgentParams = dict[str, Any] | tuple[Any, ...] | np.ndarray
+"""Parameters for ``set_param_values`` (what ``get_param_values`` returned)."""
 
 
 @runtime_checkable
@@ -38,6 +42,10 @@ async def get_actions(agent: Agent, observations: Tree) -> AgentOutput:
     if type(result) is not tuple and inspect.isawaitable(result):
         result = await result
     return result  # type: ignore[return-value]
+
+
+AgentUpdate = AgentParams | Agent | None
+"""One worker's agent update: parameters, a new agent, or ``None`` (keep the agent)."""
 
 
 class RandomAgent:
