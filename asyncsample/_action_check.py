@@ -26,13 +26,14 @@ def _rows_bad(bad: np.ndarray) -> np.ndarray:
 def _not_integral(a: np.ndarray) -> np.ndarray:
     if np.issubdtype(a.dtype, np.integer):
         return np.zeros(a.shape, dtype=bool)
-    return ~np.isfinite(a) | (np.floor(a) != a)
+    bad: np.ndarray = ~np.isfinite(a) | (np.floor(a) != a)
+    return bad
 
 
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def make_action_check(space: gym.Space) -> Check | None:
+def make_action_check(space: gym.Space[Any]) -> Check | None:
     """A check for the stacked actions of ``space``, or ``None`` for spaces it cannot check.
 
     The common case (every action fits) costs two reductions; only a failing batch pays for

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import cloudpickle
 import gymnasium as gym
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int | np.integer[Any]]:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
@@ -44,9 +44,9 @@ def positive_int(name: str, value: object) -> int:
     """``value`` as an int >= 1 (numpy ints accepted, bool rejected)."""
     if not _is_int(value):
         raise TypeError(f"{name} must be an int >= 1, got {_shown(value)}")
-    if value < 1:  # type: ignore[operator]
+    if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def optional_positive_int(name: str, value: object) -> int | None:
@@ -62,9 +62,9 @@ def nonnegative_int(name: str, value: object) -> int:
     """``value`` as an int >= 0 (numpy ints accepted, bool rejected)."""
     if not _is_int(value):
         raise TypeError(f"{name} must be an int >= 0, got {_shown(value)}")
-    if value < 0:  # type: ignore[operator]
+    if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def optional_nonnegative_int(name: str, value: object) -> int | None:
@@ -82,9 +82,9 @@ def seed(name: str, value: object) -> int | None:
         return None
     if not _is_int(value):
         raise TypeError(f"{name} must be an int >= 0 or None, got {_shown(value)}")
-    if value < 0:  # type: ignore[operator]
+    if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)  # type: ignore[call-overload]
+    return int(value)
 
 
 def positive_seconds(name: str, value: object) -> float | None:
@@ -130,7 +130,7 @@ def env_source(name: str, source: object) -> EnvSource:
             f"gymnasium.Env, a gymnasium.Env, an EnvUpdate or a list of those; got "
             f"{type(source).__name__}"
         )
-    return source  # type: ignore[return-value]
+    return source
 
 
 def per_worker_sources(name: str, value: object, n_workers: int, n_envs: int) -> list[Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -63,12 +63,12 @@ class DeterministicAgent:
             result = self._method(observations)
             if inspect.isawaitable(result):
                 result = await result
-            return result  # type: ignore[no-any-return]
+            return cast(AgentOutput, result)
         if self._kwargs:
-            result = self.agent.get_actions(observations, **self._kwargs)  # type: ignore[call-arg]
+            result = self.agent.get_actions(observations, **self._kwargs)
             if inspect.isawaitable(result):
                 result = await result
-            return result  # type: ignore[no-any-return]
+            return result
         return await get_actions(self.agent, observations)
 
     def reset(self, do_resets: Any = None) -> None:
@@ -78,7 +78,7 @@ class DeterministicAgent:
             reset(do_resets)
 
 
-class RenderFrames(gym.Wrapper):  # type: ignore[type-arg]
+class RenderFrames(gym.Wrapper[Any, Any, Any, Any]):
     """Puts ``env.render()`` (an ``rgb_array``) into the info of every reset and step as
     ``"frame"``, so frames travel back from any env host with the infos."""
 

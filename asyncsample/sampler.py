@@ -302,7 +302,7 @@ class Sampler:
     # -- sampling -----------------------------------------------------------------------------
 
     async def obtain_samples(
-        self, num_samples: int, agent_update: Any = None, env_update: Any = None
+        self, num_samples: int, agent_update: AgentUpdateArg = None, env_update: EnvUpdateArg = None
     ) -> EpisodeBatch:
         """Complete episodes whose lengths add up to at least ``num_samples``.
 
@@ -314,7 +314,10 @@ class Sampler:
         return await self._call("samples", num_samples, agent_update, env_update)
 
     async def obtain_exact_episodes(
-        self, n_eps_per_worker: int, agent_update: Any = None, env_update: Any = None
+        self,
+        n_eps_per_worker: int,
+        agent_update: AgentUpdateArg = None,
+        env_update: EnvUpdateArg = None,
     ) -> EpisodeBatch:
         """Exactly ``n_eps_per_worker`` complete episodes from every worker, worker-major.
 
@@ -324,7 +327,7 @@ class Sampler:
         return await self._call("episodes", n_eps_per_worker, agent_update, env_update)
 
     async def obtain_fragments(
-        self, num_samples: int, agent_update: Any = None, env_update: Any = None
+        self, num_samples: int, agent_update: AgentUpdateArg = None, env_update: EnvUpdateArg = None
     ) -> EpisodeBatch:
         """At least ``num_samples`` transitions of complete episodes and running fragments.
 
@@ -335,7 +338,7 @@ class Sampler:
         num_samples = _validate.positive_int("num_samples", num_samples)
         return await self._call("fragments", num_samples, agent_update, env_update)
 
-    async def update_agent(self, agent_update: Any) -> None:
+    async def update_agent(self, agent_update: AgentUpdateArg) -> None:
         """Apply an agent update now; it bumps the agent version of the workers it touches.
 
         During a :meth:`stream` it takes effect at the next step boundary without resetting the

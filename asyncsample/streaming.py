@@ -18,7 +18,7 @@ from asyncsample.batch import EpisodeBatch
 from asyncsample.stats import SampleStats
 
 if TYPE_CHECKING:
-    from asyncsample.sampler import Sampler
+    from asyncsample.sampler import Mode, Sampler
 
 __all__ = ["merge_stats", "stream"]
 
@@ -41,7 +41,7 @@ async def stream(
     max_policy_lag = _validate.optional_nonnegative_int("max_policy_lag", max_policy_lag)
     sampler._check_open()
     sampler._check_agent_update(agent_update)
-    mode = "fragments" if fragments else "samples"
+    mode: Mode = "fragments" if fragments else "samples"
     async with sampler._locked("stream"):
         sampler._check_open()
         await sampler._start()

@@ -197,7 +197,7 @@ class Worker:
             else:
                 if agent_update is not self.agent:
                     self._output_check.forget()
-                self.agent = agent_update  # type: ignore[assignment]
+                self.agent = agent_update
                 self._trust_agent()
         self.agent_version += 1
         if reset:
