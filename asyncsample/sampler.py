@@ -20,21 +20,16 @@ from typing import Any, Literal, TypeVar
 import gymnasium as gym
 import numpy as np
 
-from asyncsample import _validate, streaming
+from asyncsample import _validate, evaluation, streaming
 from asyncsample._assembly import Plan, assemble
 from asyncsample._recorder import Resume
 from asyncsample._tree import tree_leaves
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
 from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
 from asyncsample.batch import EnvSpec, EpisodeBatch
-from asyncsample.env_update import EnvChoice, EnvId, EnvSource, make_env
+from asyncsample.env_update import EnvChoice, EnvSource, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
-from asyncsample.evaluation import (
-    DeterministicAgent,
-    Evaluation,
-    RenderingEnvFactory,
-    frames_of_first_episode,
-)
+from asyncsample.evaluation import Evaluation
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerDriver, WorkerFactory
@@ -65,7 +60,8 @@ class Sampler:
             ``None`` for a :class:`RandomAgent` per worker seeded from ``seed``.
         n_workers: worker coroutines.
         envs_per_worker: env copies stepped together by one worker.
-        n_processes: size of the env-host process pool (``process`` backend; default: cpu count).
+        n_processes: how many env hosts (processes, or Ray actors) to start at most (default:
+            the CPU count); the attribute of that name reports how many are actually started.
         max_episode_length: episodes are truncated (TIMEOUT) at this many steps.
         seed: root of every seed; ``None`` draws one (see :attr:`seed`).
         backend: ``"process"``, ``"local"`` (in the event loop's thread) or ``"ray"``.
@@ -76,6 +72,9 @@ class Sampler:
         worker_args: extra keyword arguments for ``worker_class``.
         backend_options: extra keyword arguments for the backend (e.g. Ray resources).
         test_env: the env :meth:`evaluate` uses by default (default: the training env).
+
+    Env-host restarts are logged as warnings, and episodes dropped by a restart or by
+    ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
     """
 
     def __init__(
@@ -409,53 +408,13 @@ class Sampler:
             deterministic: ask the agent for deterministic actions.
             render: also return the ``rgb_array`` frames of the first episode (for a video).
         """
-        n_episodes = _validate.positive_int("n_episodes", n_episodes)
-        deterministic = _validate.flag("deterministic", deterministic)
-        render = _validate.flag("render", render)
-        if agent is not None and not callable(getattr(agent, "get_actions", None)):
-            raise TypeError(
-                f"agent must have a get_actions(observations) method or be None, got "
-                f"{type(agent).__name__}"
-            )
-        self._check_open()
-        source = env if env is not None else self._test_env
-        if source is None:
-            source = self._env_sources[0]
-            source = source[0] if isinstance(source, list) else source
-        source = _validate.env_source("env", source)
-        if agent is None:
-            if not self.workers:
-                await self.start()
-            agent = self.workers[0].agent
-        assert agent is not None
-        evaluator_agent: Agent = DeterministicAgent(agent) if deterministic else agent
-        key = source.id if isinstance(source, EnvId) else source
-        evaluator, evaluated = self._evaluators.get(render, (None, None))
-        if evaluator is not None and evaluated != key:
-            # Another test env: its hosts replace the previous ones.
-            await evaluator.aclose()
-            evaluator = None
-        if evaluator is None:
-            evaluator = Sampler(
-                RenderingEnvFactory(source) if render else source,
-                evaluator_agent,
-                n_workers=1,
-                envs_per_worker=min(n_episodes, self.envs_per_worker * self.n_workers),
-                n_processes=1,
-                max_episode_length=self.max_episode_length,
-                seed=int(np.random.SeedSequence([self.seed, 1]).generate_state(1)[0]),
-                backend=self.backend_name,
-                step_timeout=self.step_timeout,
-                max_restarts=self.max_restarts,
-                backend_options=self._backend_options,
-            )
-            self._evaluators[render] = (evaluator, key)
-        batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
-        return Evaluation(
-            returns=batch.returns,
-            lengths=batch.lengths.copy(),
-            frames=frames_of_first_episode(batch) if render else None,
-            batch=batch,
+        return await evaluation.evaluate(
+            self,
+            n_episodes,
+            agent=agent,
+            env=env,
+            deterministic=deterministic,
+            render=render,
         )
 
     async def _call(
@@ -730,6 +689,7 @@ def _hosts_started(
     """How many env hosts ``backend`` starts for ``n_workers`` (its placement: ``w % n``)."""
     if backend == "local":
         return 1
+    n_processes = options.get("n_processes", n_processes)  # the option overrides, as in _start
     per_actor = options.get("workers_per_actor")
     if backend == "ray" and per_actor is not None:
         return math.ceil(n_workers / _validate.positive_int("workers_per_actor", per_actor))
