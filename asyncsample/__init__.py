@@ -5,9 +5,10 @@ or in Ray actors) and gather complete episodes or fragments until a quota is met
 garage's sampler package.
 """
 
-from asyncsample.agent import Agent, RandomAgent
+from asyncsample._tree import Tree
+from asyncsample.agent import Agent, AgentOutput, AgentParams, AgentUpdate, RandomAgent
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
-from asyncsample.env_update import EnvUpdate, NewEnvUpdate, SetTaskUpdate
+from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
     AsyncSampleError,
     SamplerClosedError,
@@ -16,7 +17,7 @@ from asyncsample.errors import (
     WorkerError,
 )
 from asyncsample.evaluation import Evaluation
-from asyncsample.sampler import Sampler
+from asyncsample.sampler import AgentUpdateArg, EnvUpdateArg, Sampler
 from asyncsample.stats import SampleStats
 from asyncsample.worker import FragmentWorker, Transition, VecWorker, Worker, WorkerFactory
 
@@ -24,9 +25,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Agent",
+    "AgentOutput",
+    "AgentParams",
+    "AgentUpdate",
+    "AgentUpdateArg",
     "AsyncSampleError",
+    "EnvChoice",
+    "EnvSource",
     "EnvSpec",
     "EnvUpdate",
+    "EnvUpdateArg",
     "EpisodeBatch",
     "Evaluation",
     "FragmentWorker",
@@ -39,6 +47,7 @@ __all__ = [
     "StepTimeoutError",
     "StepType",
     "Transition",
+    "Tree",
     "VecWorker",
     "Worker",
     "WorkerCrashedError",

@@ -1,7 +1,8 @@
-"""Vectorised checks that a worker's actions lie in the action space.
+"""Checks of what an agent returns: the output's form, its agent infos, and its actions.
 
-``space.contains`` takes one action at a time and costs microseconds each; these checks take the
-stacked actions of all of a worker's envs in a few numpy operations.
+Actions are checked against the action space in a vectorised way: ``space.contains`` takes one
+action at a time and costs microseconds each; these checks take the stacked actions of all of a
+worker's envs in a few numpy operations.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["make_action_check"]
+__all__ = ["AgentOutputCheck", "make_action_check"]
 
 # Returns the indices of the envs whose action is outside the space (empty when all fit).
 Check = Callable[[Any], np.ndarray]
@@ -25,13 +26,14 @@ def _rows_bad(bad: np.ndarray) -> np.ndarray:
 def _not_integral(a: np.ndarray) -> np.ndarray:
     if np.issubdtype(a.dtype, np.integer):
         return np.zeros(a.shape, dtype=bool)
-    return ~np.isfinite(a) | (np.floor(a) != a)
+    bad: np.ndarray = ~np.isfinite(a) | (np.floor(a) != a)
+    return bad
 
 
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def make_action_check(space: gym.Space) -> Check | None:
+def make_action_check(space: gym.Space[Any]) -> Check | None:
     """A check for the stacked actions of ``space``, or ``None`` for spaces it cannot check.
 
     The common case (every action fits) costs two reductions; only a failing batch pays for
@@ -75,3 +77,93 @@ def _union(bad: list[np.ndarray]) -> np.ndarray:
     if not bad:
         return _NONE
     return np.unique(np.concatenate(bad))
+
+
+class AgentOutputCheck:
+    """Checks what a worker's ``compute_actions`` returned, before anything is recorded.
+
+    It must be an ``(actions, agent_infos)`` tuple; ``agent_infos`` a dict (``None`` counts as
+    ``{}``) whose values are array-like with one row per env. The rule for a key across steps:
+    its dtype kind (float, int, bool...) and its per-row shape stay the same for as long as the
+    worker keeps the same agent object (an agent update that replaces the agent may change
+    them; see :meth:`forget`). Within a kind, later values are stored with the key's first dtype.
+    A key may be missing on some steps.
+
+    Args:
+        worker: the worker's index (for the messages).
+        n_envs: rows every info value must have.
+    """
+
+    def __init__(self, worker: int, n_envs: int) -> None:
+        self.worker = worker
+        self.n_envs = n_envs
+        self._seen: dict[str, tuple[str, tuple[int, ...]]] = {}
+
+    def forget(self) -> None:
+        """Forget the kinds and shapes seen so far (the agent was replaced)."""
+        self._seen = {}
+
+    def output(self, output: object) -> tuple[Any, dict[str, np.ndarray]]:
+        """``(actions, agent_infos)`` of ``output``, the infos as checked arrays."""
+        if type(output) is not tuple or len(output) != 2:
+            raise ValueError(
+                f"agent output: the agent of worker {self.worker} must return an (actions, "
+                f"agent_infos) tuple, got {_describe(output)}"
+            )
+        actions, infos = output
+        if not infos:
+            if infos is None or isinstance(infos, dict):
+                return actions, {}
+        return actions, self.infos(infos)
+
+    def infos(self, infos: object) -> dict[str, np.ndarray]:
+        """The agent infos as arrays of ``n_envs`` rows, checked against the earlier steps."""
+        if not isinstance(infos, dict):
+            raise ValueError(
+                f"agent_infos: the agent of worker {self.worker} must return a dict of per-env "
+                f"arrays (or None) as agent infos, got {_describe(infos)}"
+            )
+        out: dict[str, np.ndarray] = {}
+        seen = self._seen
+        for key, value in infos.items():
+            if not isinstance(key, str):
+                raise ValueError(
+                    f"agent_infos: the agent of worker {self.worker} returned a non-string key "
+                    f"{key!r}; agent info keys must be str"
+                )
+            try:
+                array = np.asarray(value)
+            except ValueError as exc:  # ragged nested lists
+                raise ValueError(
+                    f"agent_infos[{key!r}]: the agent of worker {self.worker} returned a value "
+                    f"that is not array-like ({exc})"
+                ) from None
+            if array.ndim == 0 or array.shape[0] != self.n_envs:
+                got = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
+                raise ValueError(
+                    f"agent_infos[{key!r}]: the agent of worker {self.worker} must return one "
+                    f"row per env, a leading length of envs_per_worker ({self.n_envs}); got "
+                    f"{got} (shape {array.shape})"
+                )
+            sig = (array.dtype.kind, array.shape[1:])
+            known = seen.get(key)
+            if known is None:
+                seen[key] = sig
+            elif known != sig:
+                raise ValueError(
+                    f"agent_infos[{key!r}]: the agent of worker {self.worker} changed this key "
+                    f"between steps: it had dtype kind {known[0]!r} and per-env shape "
+                    f"{known[1]}, now dtype {array.dtype} (kind {sig[0]!r}) and per-env shape "
+                    f"{sig[1]}. A key must keep its dtype kind and shape while the agent is the "
+                    f"same object"
+                )
+            out[key] = array
+        return out
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, np.ndarray):
+        return f"a numpy array of shape {value.shape}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of length {len(value)}"
+    return f"{type(value).__name__} {value!r:.80}"

@@ -12,9 +12,13 @@ from gymnasium.vector.utils import batch_space
 
 from asyncsample._tree import Tree
 
-__all__ = ["Agent", "RandomAgent", "get_actions"]
+__all__ = ["Agent", "AgentOutput", "AgentParams", "AgentUpdate", "RandomAgent", "get_actions"]
 
 AgentOutput = tuple[Tree, dict[str, np.ndarray]]
+"""What ``get_actions`` returns: one action per env, and a dict of per-env agent infos."""
+
+AgentParams = dict[str, Any] | tuple[Any, ...] | np.ndarray
+"""Parameters for ``set_param_values`` (what ``get_param_values`` returned)."""
 
 
 @runtime_checkable
@@ -37,7 +41,11 @@ async def get_actions(agent: Agent, observations: Tree) -> AgentOutput:
     result = agent.get_actions(observations)
     if type(result) is not tuple and inspect.isawaitable(result):
         result = await result
-    return result  # type: ignore[return-value]
+    return result
+
+
+AgentUpdate = AgentParams | Agent | None
+"""One worker's agent update: parameters, a new agent, or ``None`` (keep the agent)."""
 
 
 class RandomAgent:
@@ -48,13 +56,13 @@ class RandomAgent:
         seed: seed of the agent's generator (``None`` draws one from the OS).
     """
 
-    def __init__(self, action_space: gym.Space, seed: int | None = None) -> None:
+    def __init__(self, action_space: gym.Space[Any], seed: int | None = None) -> None:
         self.action_space = action_space
         self._rng = np.random.default_rng(seed)
-        self._batched: dict[int, gym.Space] = {}
+        self._batched: dict[int, gym.Space[Any]] = {}
         self._sample = self._direct_sampler(action_space)
 
-    def _direct_sampler(self, space: gym.Space) -> Any:
+    def _direct_sampler(self, space: gym.Space[Any]) -> Any:
         """One generator call for the common spaces (gymnasium's sample() costs ~20 us)."""
         rng = self._rng
         if isinstance(space, gym.spaces.Discrete):
@@ -71,7 +79,7 @@ class RandomAgent:
             return lambda n: rng.uniform(low, high, size=(n, *shape)).astype(dtype, copy=False)
         return None
 
-    def _space(self, n: int) -> gym.Space:
+    def _space(self, n: int) -> gym.Space[Any]:
         space = self._batched.get(n)
         if space is None:
             # A batched space samples all envs in one numpy call where a per-env loop would

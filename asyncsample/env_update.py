@@ -14,9 +14,25 @@ from typing import Any
 
 import gymnasium as gym
 
-__all__ = ["EnvId", "EnvUpdate", "NewEnvUpdate", "SetTaskUpdate", "apply_env_update", "make_env"]
+__all__ = [
+    "EnvChoice",
+    "EnvId",
+    "EnvSource",
+    "EnvUpdate",
+    "NewEnvUpdate",
+    "SetTaskUpdate",
+    "apply_env_update",
+    "make_env",
+]
 
-EnvSource = Any  # str (gymnasium id) | Callable[[], gym.Env] | gym.Env | EnvUpdate
+EnvSource = Any
+"""Where an env comes from: a gymnasium id (``str``), a zero-argument callable returning a
+``gymnasium.Env``, a ``gymnasium.Env`` (deep-copied per env) or an :class:`EnvUpdate`.
+(``Any`` to type checkers: a ``gymnasium.Env`` is generic and an id is checked at run time.)"""
+
+EnvChoice = Any
+"""The envs of one worker: one :data:`EnvSource` for all, a list of one per env (``None``
+keeps that env, in an update), or ``None`` (no update)."""
 
 
 class EnvUpdate:

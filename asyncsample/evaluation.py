@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import gymnasium as gym
 import numpy as np
 
+from asyncsample import _validate
 from asyncsample._tree import Tree
 from asyncsample.agent import Agent, AgentOutput, get_actions
 from asyncsample.batch import EpisodeBatch
 from asyncsample.env_update import EnvId, EnvSource, make_env
 
-__all__ = ["DeterministicAgent", "Evaluation", "RenderFrames", "RenderingEnvFactory"]
+if TYPE_CHECKING:
+    from asyncsample.sampler import Sampler
+
+__all__ = ["DeterministicAgent", "Evaluation", "RenderFrames", "RenderingEnvFactory", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -63,12 +67,12 @@ class DeterministicAgent:
             result = self._method(observations)
             if inspect.isawaitable(result):
                 result = await result
-            return result  # type: ignore[no-any-return]
+            return cast(AgentOutput, result)
         if self._kwargs:
-            result = self.agent.get_actions(observations, **self._kwargs)  # type: ignore[call-arg]
+            result = self.agent.get_actions(observations, **self._kwargs)
             if inspect.isawaitable(result):
                 result = await result
-            return result  # type: ignore[no-any-return]
+            return result
         return await get_actions(self.agent, observations)
 
     def reset(self, do_resets: Any = None) -> None:
@@ -78,7 +82,7 @@ class DeterministicAgent:
             reset(do_resets)
 
 
-class RenderFrames(gym.Wrapper):  # type: ignore[type-arg]
+class RenderFrames(gym.Wrapper[Any, Any, Any, Any]):
     """Puts ``env.render()`` (an ``rgb_array``) into the info of every reset and step as
     ``"frame"``, so frames travel back from any env host with the infos."""
 
@@ -116,3 +120,69 @@ def frames_of_first_episode(batch: EpisodeBatch) -> np.ndarray:
     """The reset frame and step frames of the first episode of a rendered batch."""
     first = batch.select([0])
     return np.concatenate([first.episode_infos["frame"][:1], first.env_infos["frame"]])
+
+
+async def evaluate(
+    sampler: Sampler,
+    n_episodes: int = 10,
+    *,
+    agent: Agent | None = None,
+    env: EnvSource | None = None,
+    deterministic: bool = True,
+    render: bool = False,
+) -> Evaluation:
+    """The body of :meth:`Sampler.evaluate` (see there).
+
+    The test envs live in a one-worker sampler of their own (per ``render`` setting), built on
+    first use and kept until the test env changes or the sampler closes.
+    """
+    n_episodes = _validate.positive_int("n_episodes", n_episodes)
+    deterministic = _validate.flag("deterministic", deterministic)
+    render = _validate.flag("render", render)
+    if agent is not None and not callable(getattr(agent, "get_actions", None)):
+        raise TypeError(
+            f"agent must have a get_actions(observations) method or be None, got "
+            f"{type(agent).__name__}"
+        )
+    sampler._check_open()
+    source = env if env is not None else sampler._test_env
+    if source is None:
+        source = sampler._env_sources[0]
+        source = source[0] if isinstance(source, list) else source
+    source = _validate.env_source("env", source)
+    if agent is None:
+        if not sampler.workers:
+            await sampler.start()
+        agent = sampler.workers[0].agent
+    assert agent is not None
+    evaluator_agent: Agent = DeterministicAgent(agent) if deterministic else agent
+    key = source.id if isinstance(source, EnvId) else source
+    evaluator, evaluated = sampler._evaluators.get(render, (None, None))
+    if evaluator is not None and evaluated != key:
+        # Another test env: its hosts replace the previous ones.
+        await evaluator.aclose()
+        evaluator = None
+    if evaluator is None:
+        from asyncsample.sampler import Sampler  # here: the sampler module imports this one
+
+        evaluator = Sampler(
+            RenderingEnvFactory(source) if render else source,
+            evaluator_agent,
+            n_workers=1,
+            envs_per_worker=min(n_episodes, sampler.envs_per_worker * sampler.n_workers),
+            n_processes=1,
+            max_episode_length=sampler.max_episode_length,
+            seed=int(np.random.SeedSequence([sampler.seed, 1]).generate_state(1)[0]),
+            backend=sampler.backend_name,
+            step_timeout=sampler.step_timeout,
+            max_restarts=sampler.max_restarts,
+            backend_options=sampler._backend_options,
+        )
+        sampler._evaluators[render] = (evaluator, key)
+    batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
+    return Evaluation(
+        returns=batch.returns,
+        lengths=batch.lengths.copy(),
+        frames=frames_of_first_episode(batch) if render else None,
+        batch=batch,
+    )

@@ -1,39 +1,52 @@
-"""The async sampler: worker coroutines that gather episodes until a quota is met."""
+"""The async sampler: lifecycle and the public calls.
+
+Argument checks live in :mod:`asyncsample._validate`, ``stream()`` in
+:mod:`asyncsample.streaming`, ``evaluate()``'s helpers in :mod:`asyncsample.evaluation`, and what a
+worker records in :mod:`asyncsample._recorder`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import math
 import os
 import time
 import warnings
-from collections.abc import AsyncGenerator, Sequence
-from typing import Any, Literal
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
+from typing import Any, Literal, TypeVar
 
-import cloudpickle
 import gymnasium as gym
 import numpy as np
 
+from asyncsample import _validate, evaluation, streaming
 from asyncsample._assembly import Plan, assemble
+from asyncsample._recorder import Resume
 from asyncsample._tree import tree_leaves
-from asyncsample.agent import Agent, RandomAgent
+from asyncsample.agent import Agent, AgentUpdate, RandomAgent
 from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
 from asyncsample.batch import EnvSpec, EpisodeBatch
-from asyncsample.env_update import EnvId, EnvSource, is_env_source, make_env
+from asyncsample.env_update import EnvChoice, EnvSource, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
-from asyncsample.evaluation import (
-    DeterministicAgent,
-    Evaluation,
-    RenderingEnvFactory,
-    frames_of_first_episode,
-)
+from asyncsample.evaluation import Evaluation
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
-from asyncsample.worker import VecWorker, Worker, WorkerFactory
+from asyncsample.worker import VecWorker, Worker, WorkerDriver, WorkerFactory
 
-__all__ = ["Sampler"]
+__all__ = ["AgentUpdateArg", "EnvUpdateArg", "Sampler"]
+
+logger = logging.getLogger("asyncsample")
 
 Mode = Literal["samples", "episodes", "fragments"]
 _PARAMS = (dict, tuple, np.ndarray)
+_T = TypeVar("_T")
+
+AgentUpdateArg = AgentUpdate | list[AgentUpdate]
+"""An agent update for a sampler call: one for every worker, or a list of one per worker."""
+
+EnvUpdateArg = EnvChoice | list[EnvChoice]
+"""An env update for a sampler call: one for every worker, or a list of one per worker."""
 
 
 class Sampler:
@@ -47,7 +60,8 @@ class Sampler:
             ``None`` for a :class:`RandomAgent` per worker seeded from ``seed``.
         n_workers: worker coroutines.
         envs_per_worker: env copies stepped together by one worker.
-        n_processes: size of the env-host process pool (``process`` backend; default: cpu count).
+        n_processes: how many env hosts (processes, or Ray actors) to start at most (default:
+            the CPU count); the attribute of that name reports how many are actually started.
         max_episode_length: episodes are truncated (TIMEOUT) at this many steps.
         seed: root of every seed; ``None`` draws one (see :attr:`seed`).
         backend: ``"process"``, ``"local"`` (in the event loop's thread) or ``"ray"``.
@@ -58,6 +72,9 @@ class Sampler:
         worker_args: extra keyword arguments for ``worker_class``.
         backend_options: extra keyword arguments for the backend (e.g. Ray resources).
         test_env: the env :meth:`evaluate` uses by default (default: the training env).
+
+    Env-host restarts are logged as warnings, and episodes dropped by a restart or by
+    ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
     """
 
     def __init__(
@@ -79,46 +96,42 @@ class Sampler:
         test_env: EnvSource | None = None,
     ) -> None:
         self._closed = True  # until construction succeeds: __del__ must not warn
-        n_workers = _positive_int("n_workers", n_workers)
-        envs_per_worker = _positive_int("envs_per_worker", envs_per_worker)
-        if n_processes is not None:
-            n_processes = _positive_int("n_processes", n_processes)
-        if max_episode_length is not None:
-            max_episode_length = _positive_int("max_episode_length", max_episode_length)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
+        n_workers = _validate.positive_int("n_workers", n_workers)
+        envs_per_worker = _validate.positive_int("envs_per_worker", envs_per_worker)
+        n_processes = _validate.optional_positive_int("n_processes", n_processes)
+        max_episode_length = _validate.optional_positive_int(
+            "max_episode_length", max_episode_length
+        )
+        seed = _validate.seed("seed", seed)
         if not isinstance(backend, str) or backend not in BACKENDS:
             raise ValueError(
                 f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
             )
-        if step_timeout is not None:
-            if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)):
-                raise TypeError(
-                    f"step_timeout must be a number of seconds or None, got {step_timeout!r}"
-                )
-            if not step_timeout > 0:
-                raise ValueError(f"step_timeout must be > 0 seconds, got {step_timeout!r}")
-            if backend == "local":
-                raise ValueError(
-                    "step_timeout cannot be used with backend='local': a step that blocks the "
-                    "event loop's thread cannot be pre-empted; use backend='process'"
-                )
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, (int, np.integer)):
-            raise TypeError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
-        if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
+        if step_timeout is not None and backend == "local":
+            raise ValueError(
+                "step_timeout cannot be used with backend='local': a step that blocks the "
+                "event loop's thread cannot be pre-empted; use backend='process'"
+            )
+        max_restarts = _validate.nonnegative_int("max_restarts", max_restarts)
         if not (isinstance(worker_class, type) and issubclass(worker_class, Worker)):
             raise TypeError(f"worker_class must be a subclass of Worker, got {worker_class!r}")
-        worker_args = dict(worker_args or {})
+        worker_args = _validate.options_dict("worker_args", worker_args)
         if worker_args.setdefault("n_envs", envs_per_worker) != envs_per_worker:
             raise ValueError(
                 f"worker_args: n_envs ({worker_args['n_envs']}) must equal envs_per_worker "
                 f"({envs_per_worker}); set envs_per_worker instead"
             )
+        backend_options = _validate.options_dict("backend_options", backend_options)
 
         self.n_workers = n_workers
         self.envs_per_worker = envs_per_worker
-        self.n_processes = n_processes or os.cpu_count() or 1
+        self.n_processes = _hosts_started(backend, n_processes, n_workers, backend_options)
+        """Env hosts the backend starts: ``min(n_processes or cpu count, n_workers)`` processes
+        or actors (worker ``w`` lives on host ``w % n_processes``; Ray's ``workers_per_actor``
+        option sets ``ceil(n_workers / workers_per_actor)``); ``1`` for ``local``, whose envs all
+        live in this process."""
+        self._requested_processes = n_processes
         self.max_episode_length = max_episode_length
         self.backend_name = backend
         self.step_timeout = step_timeout
@@ -133,16 +146,15 @@ class Sampler:
         self._env_sources = self._check_envs(env, "env")
         self._agents = self._check_agents(agent)
         self._env_spec, self._time_limited = self._probe_env(self._env_sources[0])
-        self.seed, self._seeds = worker_seeds(
-            None if seed is None else int(seed), n_workers, envs_per_worker
-        )
+        self.seed, self._seeds = worker_seeds(seed, n_workers, envs_per_worker)
         if agent is None:
             space = self._env_spec.action_space
             self._agents = [RandomAgent(space, seed=s.agent_seed) for s in self._seeds]
-        self._backend_options = dict(backend_options or {})
+        self._backend_options = backend_options
         self.workers: list[Worker] = []
         self._backend: Backend | None = None
         self._lock: asyncio.Lock | None = None
+        self._lock_holder: tuple[asyncio.Task[Any] | None, str] | None = None
         self._started = False
         self._closed = False
         self._last_mode: Mode | None = None
@@ -150,9 +162,9 @@ class Sampler:
         self._total_env_steps = 0
         self._streaming = False
         self._evaluators: dict[bool, tuple[Sampler, Any]] = {}
-        self._test_env = test_env
+        self._test_env: EnvSource | None = None
         if test_env is not None:
-            self._test_env = _resolve_env_source(test_env, "test_env")
+            self._test_env = _validate.env_source("test_env", test_env)
         self.restarts = 0
         """Env-host restarts so far (after env failures or crashes)."""
         self.last_stats: SampleStats | None = None
@@ -213,14 +225,14 @@ class Sampler:
     async def start(self) -> None:
         """Start the backend and build every worker's envs (the first call does it if needed)."""
         self._check_open()
-        async with self._get_lock():
+        async with self._locked("start"):
             await self._start()
 
     async def _start(self) -> None:
         if self._started:
             return
         options: dict[str, Any] = {
-            "n_processes": self.n_processes,
+            "n_processes": self._requested_processes or os.cpu_count() or 1,
             "step_timeout": self.step_timeout,
         }
         options.update(self._backend_options)
@@ -239,13 +251,13 @@ class Sampler:
             ]
             hosts = await backend.start(specs)
             workers = [self._factory(w) for w in range(self.n_workers)]
-            await asyncio.gather(
-                *(
+            await _run_all(
+                [
                     worker.attach(
                         host, self._env_spec, self._agents[w], self._env_sources[w], self._seeds[w]
                     )
                     for w, (worker, host) in enumerate(zip(workers, hosts))
-                )
+                ]
             )
         except BaseException:
             self._backend = None
@@ -289,7 +301,7 @@ class Sampler:
     # -- sampling -----------------------------------------------------------------------------
 
     async def obtain_samples(
-        self, num_samples: int, agent_update: Any = None, env_update: Any = None
+        self, num_samples: int, agent_update: AgentUpdateArg = None, env_update: EnvUpdateArg = None
     ) -> EpisodeBatch:
         """Complete episodes whose lengths add up to at least ``num_samples``.
 
@@ -297,21 +309,24 @@ class Sampler:
         ``num_samples // n_workers + (w < num_samples % n_workers)``; every episode completing
         on that last step is kept, episodes still running are discarded. Worker-major order.
         """
-        num_samples = _quota("num_samples", num_samples)
+        num_samples = _validate.positive_int("num_samples", num_samples)
         return await self._call("samples", num_samples, agent_update, env_update)
 
     async def obtain_exact_episodes(
-        self, n_eps_per_worker: int, agent_update: Any = None, env_update: Any = None
+        self,
+        n_eps_per_worker: int,
+        agent_update: AgentUpdateArg = None,
+        env_update: EnvUpdateArg = None,
     ) -> EpisodeBatch:
         """Exactly ``n_eps_per_worker`` complete episodes from every worker, worker-major.
 
         Env ``i`` of a worker runs ``n // envs_per_worker + (i < n % envs_per_worker)`` of them.
         """
-        n_eps_per_worker = _quota("n_eps_per_worker", n_eps_per_worker)
+        n_eps_per_worker = _validate.positive_int("n_eps_per_worker", n_eps_per_worker)
         return await self._call("episodes", n_eps_per_worker, agent_update, env_update)
 
     async def obtain_fragments(
-        self, num_samples: int, agent_update: Any = None, env_update: Any = None
+        self, num_samples: int, agent_update: AgentUpdateArg = None, env_update: EnvUpdateArg = None
     ) -> EpisodeBatch:
         """At least ``num_samples`` transitions of complete episodes and running fragments.
 
@@ -319,10 +334,10 @@ class Sampler:
         episodes still running continue in the next ``obtain_fragments`` call (any other call or
         update resets them).
         """
-        num_samples = _quota("num_samples", num_samples)
+        num_samples = _validate.positive_int("num_samples", num_samples)
         return await self._call("fragments", num_samples, agent_update, env_update)
 
-    async def update_agent(self, agent_update: Any) -> None:
+    async def update_agent(self, agent_update: AgentUpdateArg) -> None:
         """Apply an agent update now; it bumps the agent version of the workers it touches.
 
         During a :meth:`stream` it takes effect at the next step boundary without resetting the
@@ -333,17 +348,17 @@ class Sampler:
         if self._streaming:
             self._apply_agent_update(agent_update, reset=False)
             return
-        async with self._get_lock():
+        async with self._locked("update_agent"):
             self._check_open()
             await self._start()
             self._apply_agent_update(agent_update)
 
-    async def stream(
+    def stream(
         self,
         num_samples: int,
         *,
         fragments: bool = False,
-        agent_update: Any = None,
+        agent_update: AgentUpdateArg = None,
         max_policy_lag: int | None = None,
         buffer_size: int = 2,
     ) -> AsyncGenerator[EpisodeBatch, None]:
@@ -356,78 +371,18 @@ class Sampler:
         takes effect at the next step; each episode records the agent version it started under,
         and ``max_policy_lag=k`` drops episodes that started more than ``k`` versions before
         the newest. Closing the stream stops the background sampling; batches buffered but
-        never yielded are dropped and not counted. Other calls wait until the stream closes.
+        never yielded are dropped and not counted. Other calls wait until the stream closes;
+        a sampling call from the task that holds the open stream raises ``RuntimeError`` (it
+        could never proceed). The arguments are checked when the first batch is asked for.
         """
-        num_samples = _quota("num_samples", num_samples)
-        buffer_size = _positive_int("buffer_size", buffer_size)
-        if max_policy_lag is not None:
-            if isinstance(max_policy_lag, bool) or not isinstance(
-                max_policy_lag, (int, np.integer)
-            ):
-                raise TypeError(
-                    f"max_policy_lag must be an int >= 0 or None, got {max_policy_lag!r}"
-                )
-            if max_policy_lag < 0:
-                raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
-        self._check_open()
-        self._check_agent_update(agent_update)
-        mode: Mode = "fragments" if fragments else "samples"
-        async with self._get_lock():
-            self._check_open()
-            await self._start()
-            if not fragments and not self._warned_endless:
-                self._warn_if_endless()
-            self._apply_agent_update(agent_update)
-            queue: asyncio.Queue[tuple[EpisodeBatch, SampleStats] | BaseException] = asyncio.Queue(
-                maxsize=buffer_size
-            )
-
-            async def produce() -> None:
-                first = True
-                try:
-                    while True:
-                        keep = not first
-                        result = await self._sample(
-                            mode,
-                            num_samples,
-                            keep_fragments=fragments and (keep or self._last_mode == "fragments"),
-                            keep_episodes=not fragments and keep,
-                            carry=not fragments,
-                        )
-                        self._last_mode = mode
-                        first = False
-                        await queue.put(result)
-                except asyncio.CancelledError:
-                    raise
-                except BaseException as exc:  # handed to the consumer, raised there
-                    await queue.put(exc)
-
-            self._streaming = True
-            producer = asyncio.ensure_future(produce())
-            try:
-                while True:
-                    parts: list[EpisodeBatch] = []
-                    stats: list[SampleStats] = []
-                    while sum(p.n_transitions for p in parts) < num_samples:
-                        item = await queue.get()
-                        if isinstance(item, BaseException):
-                            raise item
-                        batch, stat = item
-                        if max_policy_lag is not None:
-                            newest = max(w.agent_version for w in self.workers)
-                            fresh = batch.episode_infos["agent_version"] >= newest - max_policy_lag
-                            if not fresh.all():
-                                batch = batch.select(fresh)
-                        parts.append(batch)
-                        stats.append(stat)
-                    out = EpisodeBatch.concatenate(*parts) if len(parts) > 1 else parts[0]
-                    self._total_env_steps += out.n_transitions
-                    self.last_stats = _merge_stats(stats, out.n_transitions)
-                    yield out
-            finally:
-                self._streaming = False
-                producer.cancel()
-                await asyncio.gather(producer, return_exceptions=True)
+        return streaming.stream(
+            self,
+            num_samples,
+            fragments=fragments,
+            agent_update=agent_update,
+            max_policy_lag=max_policy_lag,
+            buffer_size=buffer_size,
+        )
 
     async def evaluate(
         self,
@@ -453,67 +408,37 @@ class Sampler:
             deterministic: ask the agent for deterministic actions.
             render: also return the ``rgb_array`` frames of the first episode (for a video).
         """
-        n_episodes = _quota("n_episodes", n_episodes)
-        self._check_open()
-        source = env if env is not None else self._test_env
-        if source is None:
-            source = self._env_sources[0]
-            source = source[0] if isinstance(source, list) else source
-        source = _resolve_env_source(source, "env")
-        if agent is None:
-            if not self.workers:
-                await self.start()
-            agent = self.workers[0].agent
-        assert agent is not None
-        evaluator_agent: Agent = DeterministicAgent(agent) if deterministic else agent
-        key = source.id if isinstance(source, EnvId) else source
-        evaluator, evaluated = self._evaluators.get(render, (None, None))
-        if evaluator is not None and evaluated != key:
-            # Another test env: its hosts replace the previous ones.
-            await evaluator.aclose()
-            evaluator = None
-        if evaluator is None:
-            evaluator = Sampler(
-                RenderingEnvFactory(source) if render else source,
-                evaluator_agent,
-                n_workers=1,
-                envs_per_worker=min(n_episodes, self.envs_per_worker * self.n_workers),
-                n_processes=1,
-                max_episode_length=self.max_episode_length,
-                seed=int(np.random.SeedSequence([self.seed, 1]).generate_state(1)[0]),
-                backend=self.backend_name,
-                step_timeout=self.step_timeout,
-                max_restarts=self.max_restarts,
-                backend_options=self._backend_options,
-            )
-            self._evaluators[render] = (evaluator, key)
-        batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
-        return Evaluation(
-            returns=batch.returns,
-            lengths=batch.lengths.copy(),
-            frames=frames_of_first_episode(batch) if render else None,
-            batch=batch,
+        return await evaluation.evaluate(
+            self,
+            n_episodes,
+            agent=agent,
+            env=env,
+            deterministic=deterministic,
+            render=render,
         )
 
     async def _call(
-        self, mode: Mode, quota: int, agent_update: Any, env_update: Any
+        self, mode: Mode, quota: int, agent_update: AgentUpdateArg, env_update: EnvUpdateArg
     ) -> EpisodeBatch:
         self._check_open()
         self._check_agent_update(agent_update)
         env_updates = self._check_env_update(env_update)
-        async with self._get_lock():
+        async with self._locked(_CALL_NAMES[mode]):
             self._check_open()
             await self._start()
             if mode != "fragments" and not self._warned_endless:
                 self._warn_if_endless()
             self._apply_agent_update(agent_update)
             if env_updates is not None:
-                await asyncio.gather(
-                    *(w.update_env(u) for w, u in zip(self.workers, env_updates) if u is not None)
+                await _run_all(
+                    [w.update_env(u) for w, u in zip(self.workers, env_updates) if u is not None]
                 )
-            keep = mode == "fragments" and self._last_mode == "fragments"
+            # obtain_fragments continues the fragments of a previous obtain_fragments call.
+            resume = Resume.NOTHING
+            if mode == "fragments" and self._last_mode == "fragments":
+                resume = Resume.FRAGMENTS
             self._last_mode = mode
-            batch, stats = await self._sample(mode, quota, keep_fragments=keep)
+            batch, stats = await self._sample(mode, quota, resume=resume)
         self._total_env_steps += batch.n_transitions
         self.last_stats = stats
         return batch
@@ -523,24 +448,18 @@ class Sampler:
         mode: Mode,
         quota: int,
         *,
-        keep_fragments: bool = False,
-        keep_episodes: bool = False,
-        carry: bool = False,
+        resume: Resume = Resume.NOTHING,
+        leave: Resume = Resume.NOTHING,
     ) -> tuple[EpisodeBatch, SampleStats]:
         """Run every worker's share of one call and put the pieces together, worker-major.
 
-        ``keep_*`` continue what the previous call left running; ``carry`` leaves the episodes
-        still running at the end of this call (with their steps) for the next one.
+        ``resume`` says what the call continues from the previous one; ``leave`` what a
+        ``samples`` call leaves running for the next (``Resume.EPISODES`` in a stream).
         """
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
             worker.finished.clear()
-        plans = await self._gather(
-            [
-                self._drive(w, mode, quota, keep_fragments, keep_episodes, carry)
-                for w in self.workers
-            ]
-        )
+        plans = await _run_all([self._drive(w, mode, quota, resume, leave) for w in self.workers])
         batch = await _assemble(self._env_spec, [p for p in plans if p is not None])
         stats = SampleStats.collect(
             [f for w in self.workers for f in w.finished],
@@ -555,59 +474,50 @@ class Sampler:
         return quota // self.n_workers + (worker < quota % self.n_workers)
 
     async def _drive(
-        self,
-        worker: Worker,
-        mode: Mode,
-        quota: int,
-        keep_fragments: bool,
-        keep_episodes: bool,
-        carry: bool,
+        self, worker: WorkerDriver, mode: Mode, quota: int, resume: Resume, leave: Resume
     ) -> Plan | None:
         """Run one worker's part of a call, rebuilding its host after failures."""
         w = worker.worker_number
         share = quota if mode == "episodes" else self._share(quota, w)
         if share == 0:
             return None
-        worker.begin_call(
-            keep_fragments=keep_fragments and not worker.broken,
-            keep_episodes=keep_episodes and not worker.broken,
-            episodes=share if mode == "episodes" else None,
-        )
-        needs_recovery = worker.broken
+        worker._begin_call(resume, episodes=share if mode == "episodes" else None)
+        needs_recovery = worker._needs_recovery
         restarts = 0
         while True:
             try:
                 if needs_recovery:
-                    await worker.recover()
+                    dropped = await worker._recover()
                     needs_recovery = False
+                    if dropped:
+                        logger.info(
+                            "worker %d: %d episode(s) in progress were dropped by the env-host "
+                            "restart and will be redone",
+                            w,
+                            dropped,
+                        )
                 if mode == "samples":
-                    return await worker.run_samples(share, keep_episodes=carry)
+                    return await worker._run_samples(share, leave=leave)
                 if mode == "episodes":
-                    return await worker.run_episodes()
-                return await worker.run_fragments(share)
+                    return await worker._run_episodes()
+                return await worker._run_fragments(share)
             except WorkerError as exc:
-                worker.mark_broken()
+                worker._mark_broken()
                 if not exc.retry or restarts >= self.max_restarts:
                     raise
                 restarts += 1
                 self.restarts += 1
+                logger.warning(
+                    "worker %d: restarting its env host (restart %d of at most %d in this "
+                    "call, %d in all) after %s: %s",
+                    w,
+                    restarts,
+                    self.max_restarts,
+                    worker.restarts + 1,
+                    type(exc).__name__,
+                    str(exc).split("\n", 1)[0],
+                )
                 needs_recovery = True
-
-    async def _gather(self, coros: Sequence[Any]) -> list[Any]:
-        """Run the workers concurrently; on the first error or a cancellation, stop them all."""
-        tasks = [asyncio.ensure_future(c) for c in coros]
-        try:
-            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        except BaseException:
-            await _cancel_all(tasks)
-            raise
-        if pending:
-            await _cancel_all(tasks)
-        errors = [t.exception() for t in tasks if not t.cancelled()]  # retrieves every error
-        for error in errors:
-            if error is not None:
-                raise error
-        return [t.result() for t in tasks]
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -659,12 +569,12 @@ class Sampler:
     def _check_env_update(self, env_update: Any) -> list[Any] | None:
         if env_update is None:
             return None
-        per_worker = _resolve_per_worker(
-            env_update, "env_update", self.n_workers, self.envs_per_worker
+        per_worker = _validate.per_worker_sources(
+            "env_update", env_update, self.n_workers, self.envs_per_worker
         )
         if self.backend_name != "local":
             for update in per_worker:
-                _check_picklable(update, "env_update")
+                _validate.check_picklable("env_update", update)
         return per_worker
 
     # -- construction checks ------------------------------------------------------------------
@@ -672,13 +582,13 @@ class Sampler:
     def _check_envs(self, env: Any, name: str) -> list[Any]:
         if env is None:
             raise TypeError(f"{name} must be a gymnasium id or an env factory, got None")
-        per_worker = _resolve_per_worker(env, name, self.n_workers, self.envs_per_worker)
+        per_worker = _validate.per_worker_sources(name, env, self.n_workers, self.envs_per_worker)
         for item in per_worker:
             if item is None or (isinstance(item, list) and None in item):
                 raise TypeError(f"{name} must not contain None")
         if self.backend_name != "local":
             for item in per_worker:
-                _check_picklable(item, name)
+                _validate.check_picklable(name, item)
         return per_worker
 
     def _check_agents(self, agent: Any) -> list[Agent]:
@@ -731,75 +641,30 @@ class Sampler:
         if self._closed:
             raise SamplerClosedError("the sampler is closed; create a new one to sample again")
 
-    def _get_lock(self) -> asyncio.Lock:
+    @contextlib.asynccontextmanager
+    async def _locked(self, call: str) -> AsyncIterator[None]:
+        """Hold the sampler for ``call``; calls from other tasks queue behind the holder.
+
+        A call from the task that holds an open stream could never get the sampler: it raises
+        ``RuntimeError`` instead of waiting forever.
+        """
         if self._lock is None:
             self._lock = asyncio.Lock()
-        return self._lock
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
-
-
-_quota = _positive_int
-
-
-def _resolve_env_source(source: Any, name: str) -> Any:
-    """Check an env source; a gymnasium id becomes an :class:`EnvId` carrying its registration."""
-    if isinstance(source, str):
-        try:
-            return EnvId(source)
-        except gym.error.Error as exc:
-            raise ValueError(f"{name}: unknown gymnasium env id {source!r} ({exc})") from None
-    if not is_env_source(source):
-        raise TypeError(
-            f"{name} must be a gymnasium id (str), a zero-argument callable returning a "
-            f"gymnasium.Env, a gymnasium.Env, an EnvUpdate or a list of those; got "
-            f"{type(source).__name__}"
-        )
-    return source
-
-
-def _resolve_per_worker(value: Any, name: str, n_workers: int, n_envs: int) -> list[Any]:
-    """One resolved env source (or update) per worker, or a list of one per env.
-
-    ``None`` entries (no update) are kept as they are.
-    """
-    if isinstance(value, list):
-        if len(value) != n_workers:
-            raise ValueError(
-                f"{name}: a list must hold exactly n_workers ({n_workers}), one per worker, "
-                f"got {len(value)}"
+        task = asyncio.current_task()
+        holder = self._lock_holder
+        if holder is not None and holder[1] == "stream" and holder[0] is task:
+            raise RuntimeError(
+                f"{call}() was called from the task that holds an open stream() of this "
+                "sampler: it would wait for the stream to close, forever. Close the stream "
+                "first (leave its 'async for' loop or aclose() it), or make the call from "
+                "another task (it then runs when the stream closes)"
             )
-        per_worker = value
-    else:
-        per_worker = [value] * n_workers
-    out: list[Any] = []
-    for item in per_worker:
-        if isinstance(item, list):
-            if len(item) != n_envs:
-                raise ValueError(
-                    f"{name}: a list inside the per-worker list must hold exactly "
-                    f"envs_per_worker ({n_envs}), one per env, got {len(item)}"
-                )
-            out.append([None if x is None else _resolve_env_source(x, name) for x in item])
-        else:
-            out.append(None if item is None else _resolve_env_source(item, name))
-    return out
-
-
-def _check_picklable(obj: Any, name: str) -> None:
-    try:
-        cloudpickle.dumps(obj)
-    except Exception as exc:
-        raise TypeError(
-            f"{name} must be picklable with cloudpickle to reach the env hosts, but pickling "
-            f"{obj!r} failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        async with self._lock:
+            self._lock_holder = (task, call)
+            try:
+                yield
+            finally:
+                self._lock_holder = None
 
 
 def _time_limit(env: gym.Env) -> int | None:
@@ -811,10 +676,39 @@ def _time_limit(env: gym.Env) -> int | None:
     return None
 
 
-async def _cancel_all(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+_CALL_NAMES: dict[Mode, str] = {
+    "samples": "obtain_samples",
+    "episodes": "obtain_exact_episodes",
+    "fragments": "obtain_fragments",
+}
+
+
+def _hosts_started(
+    backend: str, n_processes: int | None, n_workers: int, options: dict[str, Any]
+) -> int:
+    """How many env hosts ``backend`` starts for ``n_workers`` (its placement: ``w % n``)."""
+    if backend == "local":
+        return 1
+    n_processes = options.get("n_processes", n_processes)  # the option overrides, as in _start
+    per_actor = options.get("workers_per_actor")
+    if backend == "ray" and per_actor is not None:
+        return math.ceil(n_workers / _validate.positive_int("workers_per_actor", per_actor))
+    return min(n_processes or os.cpu_count() or 1, n_workers)
+
+
+async def _run_all(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
+    """Run ``coros`` concurrently; the first error cancels the others and is raised as itself.
+
+    A cancellation of the caller cancels them all and waits for them, so nothing keeps running.
+    """
+    tasks: list[asyncio.Task[_T]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as group_error:
+        error = group_error.exceptions[0]
+        raise error from error.__cause__
+    return [t.result() for t in tasks]
 
 
 #: Batches larger than this are put together in a thread: numpy releases the GIL while it
@@ -836,31 +730,3 @@ async def _assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
         # The copy reads the workers' step records: let it finish before anything reuses them.
         await asyncio.wait({fut})
         raise
-
-
-def _merge_stats(stats: list[SampleStats], transitions: int) -> SampleStats:
-    """The statistics of several sampling rounds that made one streamed batch."""
-    if len(stats) == 1 and stats[0].transitions == transitions:
-        return stats[0]
-    episodes = sum(s.episodes for s in stats)
-    seconds = sum(s.seconds for s in stats)
-    weighted = [s for s in stats if s.episodes]
-
-    def mean(attr: str) -> float:
-        if not weighted:
-            return float("nan")
-        return sum(getattr(s, attr) * s.episodes for s in weighted) / episodes
-
-    return SampleStats(
-        transitions=transitions,
-        episodes=episodes,
-        mean_return=mean("mean_return"),
-        max_return=max((s.max_return for s in weighted), default=float("nan")),
-        min_return=min((s.min_return for s in weighted), default=float("nan")),
-        mean_length=mean("mean_length"),
-        max_length=max((s.max_length for s in stats), default=0),
-        seconds=seconds,
-        steps_per_second=transitions / seconds if seconds > 0 else 0.0,
-        agent_version=max(s.agent_version for s in stats),
-        restarts=sum(s.restarts for s in stats),
-    )

@@ -4,10 +4,11 @@ The interface is garage's ``Worker`` (``update_agent``, ``update_env``, ``start_
 ``step_episode``, ``collect_episode``, ``rollout``, ``shutdown``) made async: ``step_episode``
 awaits the host while other workers run. :class:`VecWorker` steps ``n_envs`` envs together and
 returns complete episodes; :class:`FragmentWorker` also returns the episodes still running as
-fragments that continue on the next call. The sampler drives either through the same methods.
+fragments that continue on the next call.
 
-Per-step work is a handful of numpy row copies into time-major buffers, whatever ``n_envs`` is;
-episodes are cut out of those buffers with one gather per field when they are collected.
+This is the small surface a user subclasses. What a worker records lives in
+:mod:`asyncsample._recorder`; how the sampler runs a call through a worker is the private
+:class:`WorkerDriver` protocol below.
 """
 
 from __future__ import annotations
@@ -15,21 +16,38 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from asyncsample._action_check import make_action_check
-from asyncsample._assembly import Plan, assemble, step_types_of
+from asyncsample._action_check import AgentOutputCheck, make_action_check
+from asyncsample._assembly import Plan, assemble
+from asyncsample._recorder import Recorder, Resume, put_row, row_of, store_agent_infos
 from asyncsample._tree import Tree, tree_leaves, tree_map
-from asyncsample.agent import Agent, RandomAgent, get_actions
+from asyncsample.agent import Agent, AgentOutput, AgentUpdate, RandomAgent, get_actions
 from asyncsample.backends.base import EnvHost
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_group import rebuild_chain
-from asyncsample.env_update import EnvSource
+from asyncsample.env_update import EnvChoice, EnvSource
 from asyncsample.seeding import WorkerSeeds
 
-__all__ = ["FragmentWorker", "Transition", "VecWorker", "Worker", "WorkerFactory"]
+__all__ = [
+    "FinishedEpisode",
+    "FragmentWorker",
+    "Transition",
+    "VecWorker",
+    "Worker",
+    "WorkerDriver",
+    "WorkerFactory",
+]
+
+
+class FinishedEpisode(NamedTuple):
+    """Return, length and agent version of one completed episode (for the call's statistics)."""
+
+    ret: float
+    length: int
+    agent_version: int
 
 
 @dataclass
@@ -50,97 +68,6 @@ class Transition:
     active: np.ndarray
 
 
-@dataclass
-class _Piece:
-    """An episode, or the part of one, recorded during the current call."""
-
-    env: int
-    start: int  # first row in the step buffers
-    stop: int  # one past the last row
-    position: int  # steps the episode had taken before this piece
-    end: StepType | None  # TERMINAL/TIMEOUT when the episode ended, else None (a fragment)
-    last_observation: Tree
-    episode_info: dict[str, Any]
-
-
-@dataclass
-class _Rows:
-    """Time-major step records of one call: row ``t`` holds step ``t`` of every env."""
-
-    n_envs: int
-    capacity: int = 0
-    size: int = 0
-    obs: Tree = None
-    actions: Tree = None
-    rewards: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
-    agent_infos: dict[str, np.ndarray] = field(default_factory=dict)
-    env_infos: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
-
-    def clear(self) -> None:
-        self.size = 0
-        self.env_infos = {}
-
-    def drop_before(self, start: int) -> None:
-        """Forget rows before ``start``, moving the rest to the front (episodes in progress)."""
-        n = self.size - start
-        if start == 0:
-            return
-        if n > 0:
-
-            def shift(a: np.ndarray) -> None:
-                a[:n] = a[start : self.size]  # numpy copies overlapping ranges correctly
-
-            tree_map(shift, self.obs)
-            tree_map(shift, self.actions)
-            shift(self.rewards)
-            for column in self.agent_infos.values():
-                shift(column)
-        self.env_infos = {t - start: v for t, v in self.env_infos.items() if t >= start}
-        self.size = max(n, 0)
-
-    def next_row(self, obs: Tree, actions_like: Tree) -> int:
-        t = self.size
-        if t >= self.capacity:
-            self._grow(obs, actions_like)
-        self.size = t + 1
-        return t
-
-    def _grow(self, obs: Tree, actions_like: Tree) -> None:
-        new = max(64, 2 * self.capacity)
-
-        def grow(old: np.ndarray | None, like: np.ndarray) -> np.ndarray:
-            arr = np.zeros((new, *like.shape), dtype=like.dtype)
-            if old is not None and self.capacity:
-                arr[: self.capacity] = old[: self.capacity]
-            return arr
-
-        if self.capacity == 0:
-            self.obs = tree_map(lambda x: grow(None, x), obs)
-            self.actions = tree_map(lambda x: grow(None, x), actions_like)
-            self.rewards = grow(None, np.zeros(self.n_envs))
-        else:
-            self.obs = tree_map(grow, self.obs, obs)
-            self.actions = tree_map(grow, self.actions, actions_like)
-            self.rewards = grow(self.rewards, self.rewards[0])
-            self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
-        self.capacity = new
-
-
-def _put(dst: Tree, index: Any, src: Tree) -> None:
-    """``dst[index] = src`` leaf by leaf (one assignment for a plain array)."""
-    if isinstance(dst, np.ndarray):
-        dst[index] = src
-    else:
-        tree_map(lambda d, s: d.__setitem__(index, s), dst, src)
-
-
-def _row(tree: Tree, index: int) -> Tree:
-    """``tree[index]`` leaf by leaf."""
-    if isinstance(tree, np.ndarray):
-        return tree[index]
-    return tree_map(lambda x: x[index], tree)
-
-
 class Worker:
     """garage's Worker interface as an async base class.
 
@@ -148,11 +75,13 @@ class Worker:
     (shared with other workers or its own) and the bookkeeping that turns steps into episodes.
     Subclasses may override the per-step hooks :meth:`compute_actions` (pre/post-processing of
     observations and actions) and :meth:`process_transition` (record transitions into a custom
-    ``history``), or any of garage's methods.
+    ``history``), or any of garage's methods. The methods whose names start with ``_`` are how
+    the sampler drives a worker (:class:`WorkerDriver`); they are not part of the user surface.
 
     Args:
         seed: the sampler's seed (the worker's own seeds come from the sampler's seed tree).
-        max_episode_length: episodes are truncated (TIMEOUT) at this length; ``None``: never.
+        max_episode_length: the episode length limit the host applies (TIMEOUT); ``None``:
+            never.
         worker_number: this worker's index.
         n_envs: env copies stepped together.
     """
@@ -165,8 +94,8 @@ class Worker:
         worker_number: int,
         n_envs: int = 1,
     ) -> None:
-        self._seed = seed
-        self._max_episode_length = max_episode_length
+        del seed  # the worker's seeds come from the sampler's seed tree (garage's signature)
+        self.max_episode_length = max_episode_length
         self.worker_number = worker_number
         self.n_envs = n_envs
         self.agent: Agent | None = None
@@ -175,29 +104,26 @@ class Worker:
         self.host: EnvHost | None = None
         self.history: Any = None
         self.restarts = 0
+        """Env-host restarts of this worker so far."""
+        self.finished: list[FinishedEpisode] = []
+        """Every episode completed since the sampler read it."""
         self._seeds: WorkerSeeds | None = None
         self._chains: list[list[EnvSource]] = []
         self._lengths = np.zeros(n_envs, dtype=np.int64)
         self._returns = np.zeros(n_envs, dtype=np.float64)
         self._done = np.zeros(n_envs, dtype=bool)
         self._everyone = True  # every env active: the step skips its masks
-        self.finished: list[tuple[float, int, int]] = []
-        """(return, length, agent version) of every episode completed since the sampler read it."""
         self._needs_reset = np.ones(n_envs, dtype=bool)
         self._active = np.ones(n_envs, dtype=bool)
-        self._piece_start = np.zeros(n_envs, dtype=np.int64)
-        self._piece_position = np.zeros(n_envs, dtype=np.int64)
         self._episode_info: list[dict[str, Any]] = [{} for _ in range(n_envs)]
-        self._pieces: list[_Piece] = []
-        self._completed_steps = 0
+        self._recorder = Recorder(n_envs)
         self._episodes_left: np.ndarray | None = None
         self._steps_left: int | None = None
-        self._carry_from: int | None = None
         self._share = 0
-        self._rows = _Rows(n_envs)
         self._in_call = False
         self._broken = False
         self._action_check: Callable[[Any], np.ndarray] | None = None
+        self._output_check = AgentOutputCheck(worker_number, n_envs)
         self._trusted_actions = False
         self._records_transitions = type(self).process_transition is not Worker.process_transition
 
@@ -246,7 +172,9 @@ class Worker:
 
     # -- garage's interface ------------------------------------------------------------------
 
-    def update_agent(self, agent_update: Any, *, apply: bool = True, reset: bool = True) -> None:
+    def update_agent(
+        self, agent_update: AgentUpdate, *, apply: bool = True, reset: bool = True
+    ) -> None:
         """Apply an agent update: parameters (dict, tuple, ndarray) or a new agent.
 
         ``None`` keeps the agent. Any other update bumps :attr:`agent_version` and, unless
@@ -267,13 +195,15 @@ class Worker:
                     )
                 set_params(agent_update)
             else:
+                if agent_update is not self.agent:
+                    self._output_check.forget()
                 self.agent = agent_update
                 self._trust_agent()
         self.agent_version += 1
         if reset:
             self._needs_reset |= self._lengths > 0
 
-    async def update_env(self, env_update: Any) -> None:
+    async def update_env(self, env_update: EnvChoice) -> None:
         """Apply an env update (one for all envs, or a list of exactly ``n_envs``)."""
         if env_update is None:
             return
@@ -298,8 +228,7 @@ class Worker:
             for i in np.flatnonzero(mask).tolist():
                 self._episode_info[i] = infos.get(i, {})  # empty infos do not travel
             self._reset_agent(mask)
-            self._piece_start[mask] = self._rows.size
-            self._piece_position[mask] = 0
+            self._recorder.start_episodes(mask)
         for i in np.flatnonzero(self._lengths == 0).tolist():
             # An episode that has not taken a step yet starts under the current agent version.
             self._episode_info[i] = self._fresh_info(self._episode_info[i], i)
@@ -309,18 +238,19 @@ class Worker:
         host = self.host
         assert host is not None
         buffers = host.buffers
-        rows = self._rows
+        recorder = self._recorder
+        rows = recorder.rows
         active = self._active
         t = rows.next_row(buffers.obs, buffers.actions)
-        _put(rows.obs, t, buffers.obs)
-        observations = _row(rows.obs, t)
-        actions, agent_infos = await self.compute_actions(observations)
+        put_row(rows.obs, t, buffers.obs)
+        observations = row_of(rows.obs, t)
+        actions, agent_infos = self._output_check.output(await self.compute_actions(observations))
         actions = self._check_actions(actions)
-        _put(rows.actions, t, actions)
-        _put(buffers.actions, Ellipsis, actions)
+        put_row(rows.actions, t, actions)
+        put_row(buffers.actions, Ellipsis, actions)
         if agent_infos:
-            self._store_agent_infos(t, agent_infos)
-        infos = await host.step(active)
+            store_agent_infos(rows, t, agent_infos)
+        infos = await host.step(active)  # the one place a worker steps its envs
         rows.rewards[t] = buffers.rewards
         if infos.env_infos is not None:
             rows.env_infos[t] = infos.env_infos
@@ -339,18 +269,17 @@ class Worker:
         for i in np.flatnonzero(done).tolist():
             end = StepType.TERMINAL if buffers.terminated[i] else StepType.TIMEOUT
             last = tree_map(lambda x, i=i: x[i].copy(), buffers.final_obs)
-            self._close_piece(i, t + 1, end, last)
+            info = self._episode_info[i]
+            recorder.close_piece(i, t + 1, end, last, info)
             self.finished.append(
-                (
-                    float(self._returns[i]),
-                    int(self._lengths[i]),
-                    int(self._episode_info[i]["agent_version"]),
+                FinishedEpisode(
+                    float(self._returns[i]), int(self._lengths[i]), int(info["agent_version"])
                 )
             )
             self._returns[i] = 0.0
             self._episode_info[i] = self._fresh_info(infos.reset_infos.get(i, {}), i)
             self._lengths[i] = 0
-            self._piece_position[i] = 0
+            recorder.piece_position[i] = 0
             if self._episodes_left is not None:
                 self._episodes_left[i] -= 1
                 if self._episodes_left[i] <= 0:
@@ -368,35 +297,16 @@ class Worker:
                 in the next call.
         """
         assert self.env_spec is not None
-        return assemble(self.env_spec, [self.collect_plan(fragments=fragments)])
-
-    def collect_plan(self, *, fragments: bool = False) -> Plan:
-        """Like :meth:`collect_episode`, but only where the episodes lie in the step records.
-
-        The records stay valid until the next call begins, so the sampler can gather the
-        episodes of all workers into one batch in one copy.
-        """
-        assert self.host is not None
-        if fragments:
-            stop = self._rows.size
-            for i in range(self.n_envs):
-                if self._active[i] and stop > self._piece_start[i]:
-                    current = tree_map(lambda x, i=i: x[i].copy(), self.host.buffers.obs)
-                    self._close_piece(i, stop, None, current)
-                    self._piece_position[i] = self._lengths[i]
-        plan = self._plan(self._pieces)
-        self._pieces = []
-        self._completed_steps = 0
-        return plan
+        return assemble(self.env_spec, [self._collect_plan(fragments=fragments)])
 
     async def rollout(self) -> EpisodeBatch:
         """Step until at least one episode completes; return the completed episodes."""
-        self.begin_call()
+        self._begin_call(Resume.NOTHING)
         await self.start_episode()
         while not await self.step_episode():
             pass
         batch = self.collect_episode()
-        self._end_call()
+        self._end_call(Resume.NOTHING)
         return batch
 
     async def shutdown(self) -> None:
@@ -406,11 +316,13 @@ class Worker:
 
     # -- per-step hooks ----------------------------------------------------------------------
 
-    async def compute_actions(self, observations: Tree) -> tuple[Tree, dict[str, np.ndarray]]:
+    async def compute_actions(self, observations: Tree) -> AgentOutput:
         """Actions and agent infos for the stacked observations of this worker's envs.
 
         Override to pre-process observations or post-process actions (clipping, scaling,
-        exploration noise). The default asks the agent, awaiting it when it is async.
+        exploration noise). The default asks the agent, awaiting it when it is async. What it
+        returns is checked (an ``(actions, agent_infos)`` tuple, one row per env) before
+        anything is recorded.
         """
         assert self.agent is not None
         return await get_actions(self.agent, observations)
@@ -423,46 +335,26 @@ class Worker:
         """
         return history
 
-    # -- sampling plans (driven by the sampler) ----------------------------------------------
+    # -- the driver (used by the sampler only) -----------------------------------------------
     #
-    # The sampler calls begin_call() once, then one run_* plan. When the host fails, it calls
-    # recover() and the same plan again, which resumes: episodes completed before the failure
+    # The sampler calls _begin_call() once, then one _run_* plan. When the host fails, it calls
+    # _recover() and the same plan again, which resumes: episodes completed before the failure
     # are kept, the ones in progress are dropped and redone.
 
-    def begin_call(
-        self,
-        *,
-        keep_fragments: bool = False,
-        keep_episodes: bool = False,
-        episodes: int | None = None,
-    ) -> None:
-        """Prepare a sampler call.
+    def _begin_call(self, resume: Resume, *, episodes: int | None = None) -> None:
+        """Prepare a sampler call that continues ``resume`` from the previous one.
 
         Args:
-            keep_fragments: let episodes left running by the previous ``obtain_fragments`` call
-                continue (any other call resets them).
-            keep_episodes: let episodes left running by the previous call continue, their
-                steps so far kept (a stream of complete episodes).
             episodes: for ``obtain_exact_episodes``, how many episodes this worker must return.
         """
-        if self._in_call:
+        if self._in_call or self._broken:
             # The previous call was cancelled or failed midway: nothing of it may leak.
-            keep_fragments = keep_episodes = False
+            resume = Resume.NOTHING
             self._needs_reset[:] = True
-        if not (keep_fragments or keep_episodes):
+        if resume is Resume.NOTHING:
             self._needs_reset |= self._lengths > 0
         self._in_call = True
-        if keep_episodes and self._carry_from is not None:
-            # Episodes left running keep their steps: move their rows to the front.
-            self._rows.drop_before(self._carry_from)
-            self._piece_start -= self._carry_from
-        else:
-            self._rows.clear()
-            self._piece_start[:] = 0
-            self._piece_position[:] = self._lengths
-        self._carry_from = None
-        self._pieces = []
-        self._completed_steps = 0
+        self._recorder.begin(resume, self._lengths)
         self._steps_left = None
         self._active[:] = True
         self._episodes_left = None
@@ -474,29 +366,29 @@ class Worker:
             self._active[:] = self._episodes_left > 0
         self._everyone = bool(self._active.all())
 
-    async def run_samples(self, share: int, *, keep_episodes: bool = False) -> Plan:
+    async def _run_samples(self, share: int, *, leave: Resume = Resume.NOTHING) -> Plan:
         """Complete episodes until their lengths reach ``share``.
 
-        Episodes still running are discarded, or with ``keep_episodes`` carried over (with
-        their steps so far) to the next call.
+        Episodes still running are discarded, or with ``leave=Resume.EPISODES`` carried over
+        (with their steps so far) to the next call.
         """
         await self.start_episode()
-        while self._completed_steps < share:
+        while self._recorder.completed_steps < share:
             await self.step_episode()
-        plan = self.collect_plan()
-        self._end_call(keep_episodes=keep_episodes)
+        plan = self._collect_plan()
+        self._end_call(leave)
         return plan
 
-    async def run_episodes(self) -> Plan:
+    async def _run_episodes(self) -> Plan:
         """Run every env until it has completed its fixed share of the call's episodes."""
         await self.start_episode()
         while self._active.any():
             await self.step_episode()
-        plan = self.collect_plan()
-        self._end_call()
+        plan = self._collect_plan()
+        self._end_call(Resume.NOTHING)
         return plan
 
-    async def run_fragments(self, share: int) -> Plan:
+    async def _run_fragments(self, share: int) -> Plan:
         """Step every env ``ceil(share / n_envs)`` times; running episodes become fragments."""
         self._share = share
         if self._steps_left is None:
@@ -505,58 +397,79 @@ class Worker:
         while self._steps_left > 0:
             await self.step_episode()
             self._steps_left -= 1
-        plan = self.collect_plan(fragments=True)
-        self._end_call(keep_fragments=True)
+        plan = self._collect_plan(fragments=True)
+        self._end_call(Resume.FRAGMENTS)
         return plan
 
-    async def recover(self) -> None:
+    async def _recover(self) -> int:
         """Rebuild this worker's envs after a failure; in-progress episodes are dropped.
 
         Episodes completed earlier in the call are kept, so the call's plan can resume.
+        Returns how many episodes in progress were dropped.
         """
         assert self.host is not None and self._seeds is not None
         self.restarts += 1
         self._broken = True
         await self.host.restart(self._chains, self._seeds.next_env_seeds())
         self._broken = False
+        dropped = int(np.count_nonzero(self._lengths))
         self._needs_reset[:] = True
         self._lengths[:] = 0
         self._returns[:] = 0.0
         if self._steps_left is not None:
             # Redo the steps lost with the dropped fragments, so the call still returns its share.
-            missing = max(self._share - self._completed_steps, 0)
+            missing = max(self._share - self._recorder.completed_steps, 0)
             self._steps_left = math.ceil(missing / self.n_envs)
-
-    def _trust_agent(self) -> None:
-        # The built-in RandomAgent samples from the action space itself: its actions need no
-        # range check (unless a subclass post-processes them).
-        self._trusted_actions = (
-            type(self.agent) is RandomAgent
-            and type(self).compute_actions is Worker.compute_actions
-            and self.env_spec is not None
-            and self.agent.action_space == self.env_spec.action_space  # type: ignore[union-attr]
-        )
+        return dropped
 
     @property
-    def broken(self) -> bool:
+    def _needs_recovery(self) -> bool:
         """Whether the host failed and was not rebuilt yet."""
         return self._broken
 
-    def mark_broken(self) -> None:
+    def _mark_broken(self) -> None:
         """Note that the host failed; the next call rebuilds it before stepping."""
         self._broken = True
 
-    def _end_call(self, *, keep_fragments: bool = False, keep_episodes: bool = False) -> None:
+    def _collect_plan(self, *, fragments: bool = False) -> Plan:
+        """Like :meth:`collect_episode`, but only where the episodes lie in the step records.
+
+        The records stay valid until the next call begins, so the sampler can gather the
+        episodes of all workers into one batch in one copy.
+        """
+        assert self.host is not None
+        recorder = self._recorder
+        if fragments:
+            stop = recorder.rows.size
+            for i in range(self.n_envs):
+                if self._active[i] and stop > recorder.piece_start[i]:
+                    current = tree_map(lambda x, i=i: x[i].copy(), self.host.buffers.obs)
+                    recorder.close_piece(i, stop, None, current, self._episode_info[i])
+                    recorder.piece_position[i] = self._lengths[i]
+        return recorder.collect(self.host.buffers.obs, self.host.buffers.actions)
+
+    def _end_call(self, leave: Resume) -> None:
         # The step records stay as they are until the next call begins: the plans returned
         # by this call point into them.
-        self._carry_from = int(self._piece_start.min()) if keep_episodes else None
-        if not (keep_episodes or keep_fragments):
+        self._recorder.end(leave)
+        if leave is Resume.NOTHING:
             self._needs_reset |= self._lengths > 0
         self._episodes_left = None
         self._steps_left = None
         self._active[:] = True
         self._everyone = True
         self._in_call = False
+
+    def _trust_agent(self) -> None:
+        # The built-in RandomAgent samples from the action space itself: its actions need no
+        # range check (unless a subclass post-processes them).
+        self._trusted_actions = (
+            isinstance(self.agent, RandomAgent)
+            and type(self.agent) is RandomAgent
+            and type(self).compute_actions is Worker.compute_actions
+            and self.env_spec is not None
+            and self.agent.action_space == self.env_spec.action_space
+        )
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -572,17 +485,6 @@ class Worker:
         reset = getattr(self.agent, "reset", None)
         if reset is not None:
             reset(mask.copy())
-
-    def _close_piece(self, env: int, stop: int, end: StepType | None, last: Tree) -> None:
-        start = int(self._piece_start[env])
-        self._pieces.append(
-            _Piece(
-                env, start, stop, int(self._piece_position[env]), end, last, self._episode_info[env]
-            )
-        )
-        if end is not None:
-            self._completed_steps += stop - start
-        self._piece_start[env] = stop
 
     def _check_actions(self, actions: Tree) -> Tree:
         assert self.host is not None
@@ -626,16 +528,6 @@ class Worker:
             )
         return actions
 
-    def _store_agent_infos(self, t: int, agent_infos: dict[str, Any]) -> None:
-        store = self._rows.agent_infos
-        for key, value in agent_infos.items():
-            value = np.asarray(value)
-            column = store.get(key)
-            if column is None or column.shape[1:] != value.shape:
-                column = np.zeros((self._rows.capacity, *value.shape), dtype=value.dtype)
-                store[key] = column
-            column[t] = value
-
     def _record(
         self,
         t: int,
@@ -652,9 +544,9 @@ class Worker:
             return out
 
         transition = Transition(
-            observations=tree_map(lambda x: x[t], self._rows.obs),
-            actions=tree_map(lambda x: x[t], self._rows.actions),
-            rewards=self._rows.rewards[t],
+            observations=tree_map(lambda x: x[t], self._recorder.rows.obs),
+            actions=tree_map(lambda x: x[t], self._recorder.rows.actions),
+            rewards=self._recorder.rows.rewards[t],
             next_observations=tree_map(next_obs, buffers.obs, buffers.final_obs),
             terminated=buffers.terminated.copy(),
             truncated=buffers.truncated.copy(),
@@ -664,34 +556,40 @@ class Worker:
         )
         self.history = self.process_transition(self.history, transition)
 
-    def _plan(self, pieces: list[_Piece]) -> Plan:
-        """Where ``pieces`` lie in the step records, for :func:`assemble`."""
-        assert self.host is not None
-        rows = self._rows
-        buffers = self.host.buffers
-        lengths = [p.stop - p.start for p in pieces]
-        if pieces:
-            t_idx = np.concatenate([np.arange(p.start, p.stop) for p in pieces])
-            e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
-        else:
-            t_idx = e_idx = np.zeros(0, dtype=np.int64)
-        return Plan(
-            obs=rows.obs,
-            actions=rows.actions,
-            rewards=rows.rewards if rows.capacity else None,
-            agent_infos=dict(rows.agent_infos),
-            env_infos=dict(rows.env_infos),
-            like_obs=buffers.obs,
-            like_actions=buffers.actions,
-            rows=t_idx,
-            envs=e_idx,
-            lengths=np.array(lengths, dtype=np.int64),
-            step_types=step_types_of(
-                lengths, [p.position == 0 for p in pieces], [p.end for p in pieces]
-            ),
-            last_observations=[p.last_observation for p in pieces],
-            episode_infos=[p.episode_info for p in pieces],
-        )
+
+class WorkerDriver(Protocol):
+    """How the sampler runs one call through a worker (private: not for subclasses).
+
+    ``_begin_call`` once, then one ``_run_*`` plan; after a :class:`~asyncsample.WorkerError`
+    the sampler calls ``_mark_broken``, then ``_recover`` and the same plan again, which resumes.
+    """
+
+    worker_number: int
+    agent: Agent | None
+    agent_version: int
+    restarts: int
+    finished: list[FinishedEpisode]
+
+    def _begin_call(self, resume: Resume, *, episodes: int | None = None) -> None: ...
+
+    async def _run_samples(self, share: int, *, leave: Resume = Resume.NOTHING) -> Plan: ...
+
+    async def _run_episodes(self) -> Plan: ...
+
+    async def _run_fragments(self, share: int) -> Plan: ...
+
+    async def _recover(self) -> int: ...
+
+    @property
+    def _needs_recovery(self) -> bool: ...
+
+    def _mark_broken(self) -> None: ...
+
+    def update_agent(
+        self, agent_update: AgentUpdate, *, apply: bool = True, reset: bool = True
+    ) -> None: ...
+
+    async def update_env(self, env_update: EnvChoice) -> None: ...
 
 
 class VecWorker(Worker):
@@ -724,8 +622,8 @@ class FragmentWorker(Worker):
 
     async def rollout(self) -> EpisodeBatch:
         """Step every env ``timesteps_per_call`` times; return completed episodes and fragments."""
-        self.begin_call(keep_fragments=True)
-        plan = await self.run_fragments(self.timesteps_per_call * self.n_envs)
+        self._begin_call(Resume.FRAGMENTS)
+        plan = await self._run_fragments(self.timesteps_per_call * self.n_envs)
         assert self.env_spec is not None
         return assemble(self.env_spec, [plan])
 

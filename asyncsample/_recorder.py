@@ -1,0 +1,239 @@
+"""What a worker has recorded during a call: time-major step rows, episode pieces and plans.
+
+Per-step work is a handful of numpy row copies into time-major buffers, whatever the number of
+envs is; episodes are cut out of those buffers with one gather per field when they are collected
+(:func:`asyncsample._assembly.assemble` follows the :class:`Plan` a recorder builds).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncsample._assembly import Plan, step_types_of
+from asyncsample._tree import Tree, tree_map
+from asyncsample.batch import StepType
+
+__all__ = ["Piece", "Recorder", "Resume", "Rows", "put_row", "row_of", "store_agent_infos"]
+
+
+class Resume(enum.Enum):
+    """What a sampler call continues from the previous one (and what it leaves for the next).
+
+    Attributes:
+        NOTHING: fresh episodes; whatever was running is reset.
+        FRAGMENTS: episodes left running by ``obtain_fragments`` continue; their earlier steps
+            were already returned as fragments.
+        EPISODES: episodes left running continue with their steps so far kept, so they come out
+            whole (a stream of complete episodes).
+    """
+
+    NOTHING = "nothing"
+    FRAGMENTS = "fragments"
+    EPISODES = "episodes"
+
+
+@dataclass
+class Piece:
+    """An episode, or the part of one, recorded during the current call."""
+
+    env: int
+    start: int  # first row in the step buffers
+    stop: int  # one past the last row
+    position: int  # steps the episode had taken before this piece
+    end: StepType | None  # TERMINAL/TIMEOUT when the episode ended, else None (a fragment)
+    last_observation: Tree
+    episode_info: dict[str, Any]
+
+
+@dataclass
+class Rows:
+    """Time-major step records of one call: row ``t`` holds step ``t`` of every env."""
+
+    n_envs: int
+    capacity: int = 0
+    size: int = 0
+    obs: Tree = None
+    actions: Tree = None
+    rewards: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    agent_infos: dict[str, np.ndarray] = field(default_factory=dict)
+    env_infos: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        """Forget every row (the buffers are kept for reuse)."""
+        self.size = 0
+        self.env_infos = {}
+
+    def drop_before(self, start: int) -> None:
+        """Forget rows before ``start``, moving the rest to the front (episodes in progress)."""
+        n = self.size - start
+        if start == 0:
+            return
+        if n > 0:
+
+            def shift(a: np.ndarray) -> None:
+                a[:n] = a[start : self.size]  # numpy copies overlapping ranges correctly
+
+            tree_map(shift, self.obs)
+            tree_map(shift, self.actions)
+            shift(self.rewards)
+            for column in self.agent_infos.values():
+                shift(column)
+        self.env_infos = {t - start: v for t, v in self.env_infos.items() if t >= start}
+        self.size = max(n, 0)
+
+    def next_row(self, obs: Tree, actions_like: Tree) -> int:
+        """Index of a new row, growing the buffers (shaped like ``obs``/``actions_like``)."""
+        t = self.size
+        if t >= self.capacity:
+            self._grow(obs, actions_like)
+        self.size = t + 1
+        return t
+
+    def _grow(self, obs: Tree, actions_like: Tree) -> None:
+        new = max(64, 2 * self.capacity)
+
+        def grow(old: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+            arr = np.zeros((new, *like.shape), dtype=like.dtype)
+            if old is not None and self.capacity:
+                arr[: self.capacity] = old[: self.capacity]
+            return arr
+
+        if self.capacity == 0:
+            self.obs = tree_map(lambda x: grow(None, x), obs)
+            self.actions = tree_map(lambda x: grow(None, x), actions_like)
+            self.rewards = grow(None, np.zeros(self.n_envs))
+        else:
+            self.obs = tree_map(grow, self.obs, obs)
+            self.actions = tree_map(grow, self.actions, actions_like)
+            self.rewards = grow(self.rewards, self.rewards[0])
+            self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
+        self.capacity = new
+
+
+def put_row(dst: Tree, index: Any, src: Tree) -> None:
+    """``dst[index] = src`` leaf by leaf (one assignment for a plain array)."""
+    if isinstance(dst, np.ndarray):
+        dst[index] = src
+    else:
+        tree_map(lambda d, s: d.__setitem__(index, s), dst, src)
+
+
+def row_of(tree: Tree, index: int) -> Tree:
+    """``tree[index]`` leaf by leaf."""
+    if isinstance(tree, np.ndarray):
+        return tree[index]
+    return tree_map(lambda x: x[index], tree)
+
+
+def store_agent_infos(rows: Rows, t: int, agent_infos: dict[str, np.ndarray]) -> None:
+    """Write the (already checked) agent infos of step ``t`` into their columns.
+
+    A column is allocated when a key first appears, and again when its per-row shape or dtype
+    kind changed (only possible after the agent was replaced: see
+    :class:`asyncsample._action_check.AgentOutputCheck`).
+    """
+    store = rows.agent_infos
+    for key, value in agent_infos.items():
+        column = store.get(key)
+        if (
+            column is None
+            or column.shape[1:] != value.shape
+            or column.dtype.kind != value.dtype.kind
+        ):
+            column = np.zeros((rows.capacity, *value.shape), dtype=value.dtype)
+            store[key] = column
+        column[t] = value
+
+
+class Recorder:
+    """The step rows and episode pieces of one worker's current call.
+
+    The worker tells it where episodes start and end; it keeps the rows and turns the pieces into
+    a :class:`Plan` when the call collects them. Rows stay valid until the next call begins,
+    because the plans handed to the sampler point into them.
+    """
+
+    def __init__(self, n_envs: int) -> None:
+        self.n_envs = n_envs
+        self.rows = Rows(n_envs)
+        self.pieces: list[Piece] = []
+        self.piece_start = np.zeros(n_envs, dtype=np.int64)
+        self.piece_position = np.zeros(n_envs, dtype=np.int64)
+        self.completed_steps = 0
+        """Transitions of the episodes completed (not fragments) since the last collection."""
+        self._carry_from: int | None = None
+
+    def begin(self, resume: Resume, lengths: np.ndarray) -> None:
+        """Start a call's records; with :attr:`Resume.EPISODES` the running episodes keep theirs.
+
+        Args:
+            lengths: steps each env's current episode has taken so far.
+        """
+        if resume is Resume.EPISODES and self._carry_from is not None:
+            # Episodes left running keep their steps: move their rows to the front.
+            self.rows.drop_before(self._carry_from)
+            self.piece_start -= self._carry_from
+        else:
+            self.rows.clear()
+            self.piece_start[:] = 0
+            self.piece_position[:] = lengths
+        self._carry_from = None
+        self.pieces = []
+        self.completed_steps = 0
+
+    def end(self, leave: Resume) -> None:
+        """End a call; with :attr:`Resume.EPISODES` the running episodes' rows are kept."""
+        self._carry_from = int(self.piece_start.min()) if leave is Resume.EPISODES else None
+
+    def start_episodes(self, mask: np.ndarray) -> None:
+        """Envs in ``mask`` start a new episode at the next row."""
+        self.piece_start[mask] = self.rows.size
+        self.piece_position[mask] = 0
+
+    def close_piece(
+        self, env: int, stop: int, end: StepType | None, last: Tree, info: dict[str, Any]
+    ) -> None:
+        """Record rows ``piece_start[env]:stop`` of ``env`` as a piece ending with ``end``."""
+        start = int(self.piece_start[env])
+        self.pieces.append(Piece(env, start, stop, int(self.piece_position[env]), end, last, info))
+        if end is not None:
+            self.completed_steps += stop - start
+        self.piece_start[env] = stop
+
+    def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
+        """The plan of the pieces recorded since the last collection; forgets them."""
+        plan = self._plan(self.pieces, like_obs, like_actions)
+        self.pieces = []
+        self.completed_steps = 0
+        return plan
+
+    def _plan(self, pieces: list[Piece], like_obs: Tree, like_actions: Tree) -> Plan:
+        """Where ``pieces`` lie in the step records, for :func:`assemble`."""
+        rows = self.rows
+        lengths = [p.stop - p.start for p in pieces]
+        if pieces:
+            t_idx = np.concatenate([np.arange(p.start, p.stop) for p in pieces])
+            e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
+        else:
+            t_idx = e_idx = np.zeros(0, dtype=np.int64)
+        return Plan(
+            obs=rows.obs,
+            actions=rows.actions,
+            rewards=rows.rewards if rows.capacity else None,
+            agent_infos=dict(rows.agent_infos),
+            env_infos=dict(rows.env_infos),
+            like_obs=like_obs,
+            like_actions=like_actions,
+            rows=t_idx,
+            envs=e_idx,
+            lengths=np.array(lengths, dtype=np.int64),
+            step_types=step_types_of(
+                lengths, [p.position == 0 for p in pieces], [p.end for p in pieces]
+            ),
+            last_observations=[p.last_observation for p in pieces],
+            episode_infos=[p.episode_info for p in pieces],
+        )

@@ -1,0 +1,172 @@
+"""Argument checks: one helper per kind of argument, each naming the argument in its message.
+
+Every public constructor and call of the sampler checks its arguments here, before any work
+starts. A wrong type is a ``TypeError``, a value out of range a ``ValueError``; both say which
+argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, TypeGuard
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+
+from asyncsample.env_update import EnvId, EnvSource, is_env_source
+
+__all__ = [
+    "check_picklable",
+    "env_source",
+    "flag",
+    "nonnegative_int",
+    "optional_nonnegative_int",
+    "optional_positive_int",
+    "options_dict",
+    "per_worker_sources",
+    "positive_int",
+    "positive_seconds",
+    "seed",
+]
+
+
+def _is_int(value: object) -> TypeGuard[int | np.integer[Any]]:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _shown(value: object) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value`` as an int >= 1 (numpy ints accepted, bool rejected)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= 1, got {_shown(value)}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def optional_positive_int(name: str, value: object) -> int | None:
+    """``None``, or ``value`` as an int >= 1."""
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= 1 or None, got {_shown(value)}")
+    return positive_int(name, value)
+
+
+def nonnegative_int(name: str, value: object) -> int:
+    """``value`` as an int >= 0 (numpy ints accepted, bool rejected)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= 0, got {_shown(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def optional_nonnegative_int(name: str, value: object) -> int | None:
+    """``None``, or ``value`` as an int >= 0."""
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= 0 or None, got {_shown(value)}")
+    return nonnegative_int(name, value)
+
+
+def seed(name: str, value: object) -> int | None:
+    """``None`` or an int in ``[0, 2**128)`` (what ``numpy.random.SeedSequence`` takes)."""
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= 0 or None, got {_shown(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return int(value)
+
+
+def positive_seconds(name: str, value: object) -> float | None:
+    """``None`` or a finite number of seconds > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number of seconds or None, got {_shown(value)}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
+def flag(name: str, value: object) -> bool:
+    """``value`` as a bool (numpy bools accepted; ints and other types rejected)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {_shown(value)}")
+    return bool(value)
+
+
+def options_dict(name: str, value: object) -> dict[str, Any]:
+    """``None`` (no options) or a mapping with string keys, copied."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict of keyword arguments or None, got {_shown(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise TypeError(f"{name} keys must be argument names (str), got {_shown(key)}")
+    return dict(value)
+
+
+def env_source(name: str, source: object) -> EnvSource:
+    """Check an env source; a gymnasium id becomes an :class:`EnvId` carrying its registration."""
+    if isinstance(source, str):
+        try:
+            return EnvId(source)
+        except gym.error.Error as exc:
+            raise ValueError(f"{name}: unknown gymnasium env id {source!r} ({exc})") from None
+    if not is_env_source(source):
+        raise TypeError(
+            f"{name} must be a gymnasium id (str), a zero-argument callable returning a "
+            f"gymnasium.Env, a gymnasium.Env, an EnvUpdate or a list of those; got "
+            f"{type(source).__name__}"
+        )
+    return source
+
+
+def per_worker_sources(name: str, value: object, n_workers: int, n_envs: int) -> list[Any]:
+    """One resolved env source (or update) per worker, or a list of one per env.
+
+    ``None`` entries (no update) are kept as they are.
+    """
+    if isinstance(value, list):
+        if len(value) != n_workers:
+            raise ValueError(
+                f"{name}: a list must hold exactly n_workers ({n_workers}), one per worker, "
+                f"got {len(value)}"
+            )
+        per_worker: list[Any] = value
+    else:
+        per_worker = [value] * n_workers
+    out: list[Any] = []
+    for item in per_worker:
+        if isinstance(item, list):
+            if len(item) != n_envs:
+                raise ValueError(
+                    f"{name}: a list inside the per-worker list must hold exactly "
+                    f"envs_per_worker ({n_envs}), one per env, got {len(item)}"
+                )
+            out.append([None if x is None else env_source(name, x) for x in item])
+        else:
+            out.append(None if item is None else env_source(name, item))
+    return out
+
+
+def check_picklable(name: str, obj: object) -> None:
+    """Raise ``TypeError`` naming ``name`` when cloudpickle cannot pickle ``obj``."""
+    try:
+        cloudpickle.dumps(obj)
+    except Exception as exc:
+        raise TypeError(
+            f"{name} must be picklable with cloudpickle to reach the env hosts, but pickling "
+            f"{obj!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc

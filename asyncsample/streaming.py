@@ -1,0 +1,135 @@
+"""``Sampler.stream``: sampling in a background task, at most ``buffer_size`` batches ahead.
+
+The producer runs one sampling round after another, each resuming what the previous one left
+running; the consumer takes rounds off a bounded queue until it has ``num_samples`` transitions,
+so a slow consumer pauses the workers and memory stays flat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING, Any
+
+from asyncsample import _validate
+from asyncsample._recorder import Resume
+from asyncsample.batch import EpisodeBatch
+from asyncsample.stats import SampleStats
+
+if TYPE_CHECKING:
+    from asyncsample.sampler import Mode, Sampler
+
+__all__ = ["merge_stats", "stream"]
+
+logger = logging.getLogger("asyncsample")
+
+
+async def stream(
+    sampler: Sampler,
+    num_samples: int,
+    *,
+    fragments: bool = False,
+    agent_update: Any = None,
+    max_policy_lag: int | None = None,
+    buffer_size: int = 2,
+) -> AsyncGenerator[EpisodeBatch, None]:
+    """The body of :meth:`Sampler.stream` (see there)."""
+    num_samples = _validate.positive_int("num_samples", num_samples)
+    fragments = _validate.flag("fragments", fragments)
+    buffer_size = _validate.positive_int("buffer_size", buffer_size)
+    max_policy_lag = _validate.optional_nonnegative_int("max_policy_lag", max_policy_lag)
+    sampler._check_open()
+    sampler._check_agent_update(agent_update)
+    mode: Mode = "fragments" if fragments else "samples"
+    async with sampler._locked("stream"):
+        sampler._check_open()
+        await sampler._start()
+        if not fragments and not sampler._warned_endless:
+            sampler._warn_if_endless()
+        sampler._apply_agent_update(agent_update)
+        queue: asyncio.Queue[tuple[EpisodeBatch, SampleStats] | BaseException] = asyncio.Queue(
+            maxsize=buffer_size
+        )
+
+        async def produce() -> None:
+            # The first round continues the fragments of a previous obtain_fragments call;
+            # every later round continues what the round before left running.
+            if fragments:
+                resume = Resume.FRAGMENTS if sampler._last_mode == "fragments" else Resume.NOTHING
+            else:
+                resume = Resume.NOTHING
+            leave = Resume.FRAGMENTS if fragments else Resume.EPISODES
+            try:
+                while True:
+                    result = await sampler._sample(mode, num_samples, resume=resume, leave=leave)
+                    sampler._last_mode = mode
+                    resume = leave
+                    await queue.put(result)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # handed to the consumer, raised there
+                await queue.put(exc)
+
+        sampler._streaming = True
+        producer = asyncio.ensure_future(produce())
+        try:
+            while True:
+                parts: list[EpisodeBatch] = []
+                stats: list[SampleStats] = []
+                while sum(p.n_transitions for p in parts) < num_samples:
+                    item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    batch, stat = item
+                    if max_policy_lag is not None:
+                        newest = max(w.agent_version for w in sampler.workers)
+                        fresh = batch.episode_infos["agent_version"] >= newest - max_policy_lag
+                        if not fresh.all():
+                            logger.info(
+                                "stream: dropped %d of %d episodes that started more than "
+                                "max_policy_lag=%d agent versions before the newest (%d)",
+                                int((~fresh).sum()),
+                                len(fresh),
+                                max_policy_lag,
+                                newest,
+                            )
+                            batch = batch.select(fresh)
+                    parts.append(batch)
+                    stats.append(stat)
+                out = EpisodeBatch.concatenate(*parts) if len(parts) > 1 else parts[0]
+                sampler._total_env_steps += out.n_transitions
+                sampler.last_stats = merge_stats(stats, out.n_transitions)
+                yield out
+        finally:
+            sampler._streaming = False
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+
+def merge_stats(stats: list[SampleStats], transitions: int) -> SampleStats:
+    """The statistics of several sampling rounds that made one streamed batch."""
+    if len(stats) == 1 and stats[0].transitions == transitions:
+        return stats[0]
+    episodes = sum(s.episodes for s in stats)
+    seconds = sum(s.seconds for s in stats)
+    weighted = [s for s in stats if s.episodes]
+
+    def mean(attr: str) -> float:
+        if not weighted:
+            return float("nan")
+        return float(sum(getattr(s, attr) * s.episodes for s in weighted) / episodes)
+
+    return SampleStats(
+        transitions=transitions,
+        episodes=episodes,
+        mean_return=mean("mean_return"),
+        max_return=max((s.max_return for s in weighted), default=float("nan")),
+        min_return=min((s.min_return for s in weighted), default=float("nan")),
+        mean_length=mean("mean_length"),
+        max_length=max((s.max_length for s in stats), default=0),
+        seconds=seconds,
+        steps_per_second=transitions / seconds if seconds > 0 else 0.0,
+        agent_version=max(s.agent_version for s in stats),
+        restarts=sum(s.restarts for s in stats),
+    )

@@ -1,0 +1,165 @@
+"""Everything an agent returns is checked at the step, with an error that says what and where."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import numpy as np
+import pytest
+from envs import SCRIPT, GridWorldEnv, ScriptedAgent
+
+from asyncsample import Sampler
+
+pytestmark = pytest.mark.timeout(60)
+
+N_ENVS = 3
+
+
+class OutputAgent(ScriptedAgent):
+    """Scripted actions; from its ``bad_from``-th call on, returns ``make(actions)`` instead."""
+
+    def __init__(self, make: Any, bad_from: int = 0) -> None:
+        super().__init__(SCRIPT)
+        self.make = make
+        self.bad_from = bad_from
+        self.calls = 0
+
+    def get_actions(self, observations: np.ndarray) -> Any:
+        actions, _ = super().get_actions(observations)
+        self.calls += 1
+        if self.calls > self.bad_from:
+            return self.make(actions)
+        return actions, {"logp": np.zeros(len(actions)), "mean": np.zeros((len(actions), 2))}
+
+
+BAD_OUTPUTS = {
+    "two-row array": (
+        lambda a: np.stack([a, a]),
+        r"agent output: .*worker 0 must return an \(actions, agent_infos\) tuple, got a numpy "
+        r"array of shape \(2, 3\)",
+    ),
+    "list pair": (
+        lambda a: [a, {}],
+        r"agent output: .*worker 0 .*tuple, got a list of length 2",
+    ),
+    "3-tuple": (
+        lambda a: (a, {}, None),
+        r"agent output: .*worker 0 .*tuple, got a tuple of length 3",
+    ),
+    "infos not a dict": (
+        lambda a: (a, [1, 2, 3]),
+        r"agent_infos: .*worker 0 must return a dict .*got a list of length 3",
+    ),
+    "infos too short": (
+        lambda a: (a, {"logp": np.zeros(len(a) - 1)}),
+        r"agent_infos\['logp'\]: .*worker 0 .*envs_per_worker \(3\); got 2 rows",
+    ),
+    "infos too long": (
+        lambda a: (a, {"logp": np.zeros(len(a) + 2)}),
+        r"agent_infos\['logp'\]: .*worker 0 .*envs_per_worker \(3\); got 5 rows",
+    ),
+    "infos scalar": (
+        lambda a: (a, {"logp": 0.5}),
+        r"agent_infos\['logp'\]: .*worker 0 .*envs_per_worker \(3\); got a scalar",
+    ),
+    "infos ragged": (
+        lambda a: (a, {"logp": [[1], [1, 2], []]}),
+        r"agent_infos\['logp'\]: .*worker 0 .*not array-like",
+    ),
+    "key changes dtype kind": (
+        lambda a: (a, {"logp": np.array(["x"] * len(a)), "mean": np.zeros((len(a), 2))}),
+        r"agent_infos\['logp'\]: .*worker 0 changed this key between steps: it had dtype kind "
+        r"'f' and per-env shape \(\), now dtype <U1",
+    ),
+    "key changes shape": (
+        lambda a: (a, {"logp": np.zeros(len(a)), "mean": np.zeros((len(a), 3))}),
+        r"agent_infos\['mean'\]: .*worker 0 changed this key .*per-env shape \(2,\), now .*"
+        r"per-env shape \(3,\)",
+    ),
+}
+
+
+def make(backend: str, agent: Any) -> Sampler:
+    return Sampler(
+        functools.partial(GridWorldEnv, "4x4"),
+        agent,
+        n_workers=1,
+        envs_per_worker=N_ENVS,
+        n_processes=1,
+        backend=backend,
+        seed=0,
+    )
+
+
+async def _check(backend: str, case: str) -> None:
+    bad, pattern = BAD_OUTPUTS[case]
+    # Checks that compare with an earlier step need one good step first.
+    agent = OutputAgent(bad, bad_from=2 if "changes" in case else 0)
+    async with make(backend, agent) as s:
+        with pytest.raises(ValueError, match=pattern):
+            await s.obtain_samples(30)
+        # The sampler stays usable: the next call, with a good agent, returns correct data.
+        good = await s.obtain_samples(12, agent_update=ScriptedAgent())
+        assert good.lengths.tolist() == [6, 6, 6]
+        assert good.actions.tolist() == [2, 2, 1, 1, 1, 2] * 3
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OUTPUTS))
+async def test_bad_agent_output_local(case: str) -> None:
+    await _check("local", case)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OUTPUTS))
+async def test_bad_agent_output_process(case: str) -> None:
+    await _check("process", case)
+
+
+@pytest.mark.slow
+async def test_bad_agent_output_ray(ray_cluster: Any) -> None:
+    await _check("ray", "infos too short")
+
+
+async def test_none_infos_count_as_empty() -> None:
+    agent = OutputAgent(lambda a: (a, None))
+    async with make("local", agent) as s:
+        batch = await s.obtain_samples(12)
+    assert batch.agent_infos == {}
+    assert batch.lengths.tolist() == [6, 6, 6]
+
+
+async def test_infos_are_stored_per_env_and_step() -> None:
+    class Infos(ScriptedAgent):
+        def get_actions(self, observations: np.ndarray) -> Any:
+            actions, _ = super().get_actions(observations)
+            obs = np.asarray(observations)
+            # Python lists are array-like too; the value records the observation it saw.
+            return actions, {"obs": obs.tolist(), "pair": np.stack([obs, -obs], axis=1)}
+
+    async with make("local", Infos()) as s:
+        batch = await s.obtain_samples(12)
+    assert batch.agent_infos["obs"].tolist() == batch.observations.tolist()
+    assert batch.agent_infos["pair"][:, 1].tolist() == (-batch.observations).tolist()
+
+
+async def test_a_new_agent_may_change_its_info_dtypes() -> None:
+    # The dtype/shape rule holds while the agent is the same object; a new agent starts afresh.
+    floats = OutputAgent(lambda a: (a, {"v": np.zeros(len(a))}))
+    strings = OutputAgent(lambda a: (a, {"v": np.array(["s"] * len(a))}))
+    async with make("local", floats) as s:
+        first = await s.obtain_samples(12)
+        second = await s.obtain_samples(12, agent_update=strings)
+    assert first.agent_infos["v"].dtype.kind == "f"
+    assert second.agent_infos["v"].tolist() == ["s"] * 18
+
+
+async def test_bad_output_in_a_stream_leaves_the_sampler_usable() -> None:
+    agent = OutputAgent(lambda a: (a, {"logp": np.zeros(1)}), bad_from=10)
+    async with make("local", agent) as s:
+        with pytest.raises(ValueError, match=r"agent_infos\['logp'\]"):
+            async with contextlib.aclosing(s.stream(6)) as it:
+                async for _ in it:
+                    pass
+        batch = await s.obtain_exact_episodes(1, agent_update=ScriptedAgent())
+    assert batch.lengths.tolist() == [6]
