@@ -318,7 +318,7 @@ class Worker:
         actions = self._check_actions(actions)
         _put(rows.actions, t, actions)
         _put(buffers.actions, Ellipsis, actions)
-        if agent_infos:
+        if agent_infos or self._rows.agent_infos:
             self._store_agent_infos(t, agent_infos)
         infos = await host.step(active)
         rows.rewards[t] = buffers.rewards
@@ -627,6 +627,12 @@ class Worker:
         return actions
 
     def _store_agent_infos(self, t: int, agent_infos: dict[str, Any]) -> None:
+        """Record row ``t`` of the agent infos, and which keys it had.
+
+        Called on every step once any agent info was seen, so a key absent at ``t`` is marked
+        absent there. Presence lives beside the values, in a bool column under
+        ``_PRESENT + key``, so the rows' growth and carry-over move it with them.
+        """
         store = self._rows.agent_infos
         for key, value in agent_infos.items():
             value = np.asarray(value)
@@ -634,7 +640,12 @@ class Worker:
             if column is None or column.shape[1:] != value.shape:
                 column = np.zeros((self._rows.capacity, *value.shape), dtype=value.dtype)
                 store[key] = column
+                # Rows before the key's first appearance (or shape change) did not carry it.
+                store[_PRESENT + key] = np.zeros((self._rows.capacity, self.n_envs), dtype=bool)
             column[t] = value
+        for name, present in store.items():
+            if name.startswith(_PRESENT):
+                present[t] = name[len(_PRESENT) :] in agent_infos
 
     def _record(
         self,
@@ -679,7 +690,8 @@ class Worker:
             obs=rows.obs,
             actions=rows.actions,
             rewards=rows.rewards if rows.capacity else None,
-            agent_infos=dict(rows.agent_infos),
+            agent_infos={k: v for k, v in rows.agent_infos.items() if not k.startswith(_PRESENT)},
+            agent_info_masks=_agent_info_masks(rows.agent_infos, t_idx, e_idx),
             env_infos=dict(rows.env_infos),
             like_obs=buffers.obs,
             like_actions=buffers.actions,
@@ -692,6 +704,21 @@ class Worker:
             last_observations=[p.last_observation for p in pieces],
             episode_infos=[p.episode_info for p in pieces],
         )
+
+
+_PRESENT = "\x00present:"
+"""Prefix of the agent-info columns that record where a key was present (see _plan)."""
+
+
+def _agent_info_masks(
+    store: dict[str, np.ndarray], rows: np.ndarray, envs: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Presence masks of the agent info keys missing on some of the plan's transitions."""
+    masks = {}
+    for name, present in store.items():
+        if name.startswith(_PRESENT) and not present[rows, envs].all():
+            masks[name[len(_PRESENT) :]] = present
+    return masks
 
 
 class VecWorker(Worker):
