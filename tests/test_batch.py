@@ -335,22 +335,24 @@ def test_concatenate_needs_a_batch() -> None:
         EpisodeBatch.concatenate()
 
 
-def test_concatenate_drops_uncommon_keys_with_one_warning(fields: dict[str, Any]) -> None:
+def test_concatenate_keeps_uncommon_keys_with_masks(fields: dict[str, Any]) -> None:
     a = EpisodeBatch(**fields)
     b = EpisodeBatch(
         **_replace(fields, env_infos={"goal": fields["env_infos"]["goal"]}, agent_infos={})
     )
-    with pytest.warns(UserWarning) as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         joined = EpisodeBatch.concatenate(a, b)
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert "env_infos['foo']" in message
-    assert "agent_infos['hidden']" in message
-    assert "goal" not in message
-    assert list(joined.env_infos) == ["goal"]
-    assert joined.agent_infos == {}
+    assert list(joined.env_infos) == ["goal", "foo", "_foo"]
     assert joined.n_episodes == 2 * N_EPS
     assert joined.env_infos["goal"].shape == (2 * N_STEPS, 2)
+    assert "_goal" not in joined.env_infos
+    # Integer keys are filled with zero where absent; the mask says where they were present.
+    assert joined.env_infos["foo"].tolist() == list(range(N_STEPS)) + [0] * N_STEPS
+    assert joined.env_infos["_foo"].tolist() == [True] * N_STEPS + [False] * N_STEPS
+    assert list(joined.agent_infos) == ["prev_action", "_prev_action", "hidden", "_hidden"]
+    assert joined.agent_infos["prev_action"].shape == (2 * N_STEPS, 2)
+    assert not joined.agent_infos["_hidden"][N_STEPS:].any()
 
 
 def test_to_list(batch: EpisodeBatch) -> None:
@@ -568,23 +570,26 @@ def test_stack_infos_stacks_common_keys() -> None:
     np.testing.assert_array_equal(out["n"]["c"], [0, 1, 2])
 
 
-def test_stack_infos_drops_partial_keys_with_one_warning() -> None:
+def test_stack_infos_keeps_partial_keys_with_masks() -> None:
     infos = [
-        {"a": 0, "b": 1, "n": {"x": 0, "y": 1}},
+        {"a": 0, "b": 1.5, "n": {"x": 0, "y": 1}},
         {"a": 1, "n": {"x": 1}},
-        {"a": 2, "c": 5, "n": {"x": 2}},
+        {"a": 2, "c": "s", "n": {"x": 2}},
     ]
-    with pytest.warns(UserWarning) as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = stack_infos(infos, name="env_infos")
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert "env_infos" in message
-    for key in ("'b'", "'c'", "'y'"):
-        assert key in message
-    assert "'a'" not in message
-    assert list(out) == ["a", "n"]
+    assert list(out) == ["a", "b", "_b", "n", "c", "_c"]  # order of first appearance
     assert out["a"].tolist() == [0, 1, 2]
-    assert list(out["n"]) == ["x"]
+    np.testing.assert_array_equal(out["b"], [1.5, np.nan, np.nan])  # floats: NaN
+    assert out["_b"].tolist() == [True, False, False]
+    assert out["c"].tolist() == ["", "", "s"]  # strings: empty
+    assert out["_c"].tolist() == [False, False, True]
+    assert list(out["n"]) == ["x", "y", "_y"]
+    assert out["n"]["y"].tolist() == [1, 0, 0]  # integers: zero
+    assert out["n"]["_y"].tolist() == [True, False, False]
+    objects = stack_infos([{"o": [1, 2]}, {}, {"o": [3]}])
+    assert objects["o"].tolist() == [[1, 2], None, [3]]  # objects: None
 
 
 def test_stack_infos_ragged_values_become_objects() -> None:
