@@ -7,11 +7,13 @@ For cheap envs and debugging. A step blocks the loop for as long as the env take
 from __future__ import annotations
 
 import asyncio
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from asyncsample.backends._transport import dumps
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error
 from asyncsample.env_group import EnvFailureError, EnvGroup, StepBuffers, StepInfos
 from asyncsample.env_update import EnvSource
@@ -51,10 +53,12 @@ class LocalHost:
 
     async def reset(self, mask: np.ndarray) -> dict[int, dict[str, object]]:
         result: dict[int, dict[str, object]] = self._call(self._group.reset, mask)
-        return result
+        return _snapshot(result) if result else result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         result: StepInfos = self._call(self._group.step, mask)
+        if result.env_infos is not None or result.reset_infos:
+            result = StepInfos(*_snapshot((result.env_infos, result.reset_infos)))
         # Let other tasks run between steps: a call is many steps, the loop must not wait for
         # all of them.
         await asyncio.sleep(0)
@@ -65,6 +69,15 @@ class LocalHost:
 
     async def close(self) -> None:
         self._group.close()
+
+
+def _snapshot(infos: Any) -> Any:
+    """A copy of info dicts as the process backend delivers them (a pickle round trip).
+
+    Envs may reuse their info dict or mutate arrays they put in it; without a copy the batch
+    would show their latest values, unlike every other backend.
+    """
+    return pickle.loads(dumps(infos))
 
 
 class LocalBackend:
