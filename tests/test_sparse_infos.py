@@ -62,6 +62,27 @@ class SparseInfoEnv(gym.Env):  # type: ignore[type-arg]
         return obs, float(action) + float(obs[0]), terminated, False, info
 
 
+class ReusedInfoEnv(gym.Env):  # type: ignore[type-arg]
+    """Returns the same info dict every step, holding an array it updates in place."""
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self.t = 0
+        self.position = np.zeros(2)
+        self.info: dict[str, Any] = {"position": self.position}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), self.info
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        self.t += 1
+        self.position += 1.0
+        self.info["t"] = self.t
+        return np.zeros(2, np.float32), 0.0, self.t % 4 == 0, False, self.info
+
+
 def cartpole_with_stats() -> gym.Env:  # type: ignore[type-arg]
     return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1"))
 
@@ -284,6 +305,18 @@ async def test_backends_give_the_same_batch() -> None:
     for local, process in zip(results["local"], results["process"], strict=True):
         assert "_every_third" in local.env_infos and "success" in local.episode_infos
         assert local.equals(process)
+
+
+async def test_infos_are_snapshots_on_every_backend(backend: str) -> None:
+    # The local backend must not keep references to what the env mutates later: it copies
+    # infos as the process backend's pickling does.
+    async with make(backend, ReusedInfoEnv, n_workers=1, max_episode_length=50) as s:
+        batch = await s.obtain_samples(12)
+    t = batch.env_infos["t"]
+    assert t.tolist() == list(range(1, 13))
+    np.testing.assert_array_equal(batch.env_infos["position"], np.stack([t, t], 1))
+    # Reset infos too: each episode keeps the position its reset saw.
+    np.testing.assert_array_equal(batch.episode_infos["position"][:, 0], [0, 4, 8])
 
 
 # ------------------------------------------------------------------- assembly of agent infos
