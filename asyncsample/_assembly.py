@@ -26,6 +26,7 @@ from asyncsample.batch import (
     StepType,
     fill_value,
     filled,
+    key_rows,
     mask_key,
     stack_column,
     stack_infos,
@@ -167,20 +168,20 @@ def _env_infos(
         for p in live
         for t, e in zip(p.rows.tolist(), p.envs.tolist())
     ]
-    rows_of: dict[str, list[int]] = {}
-    for i, info in enumerate(per_step):
-        for key in info:
-            rows_of.setdefault(key, []).append(i)
+    first = per_step[0].keys()
+    if all(d.keys() == first for d in per_step):  # the common case: every key on every step
+        return stack_infos(per_step)
+    rows_of = key_rows(per_step)
     step_keys = []
     for key, rows in rows_of.items():
-        if len(rows) < len(per_step) and _episode_level(key, episode_infos) and is_last[rows].all():
+        if rows is not None and _episode_level(key, episode_infos) and is_last[rows].all():
             values, mask = stack_column([per_step[j].get(key, MISSING) for j in ends.tolist()])
             episode_infos[key] = values
             if mask is not None:
                 episode_infos[mask_key(key)] = mask
         else:
             step_keys.append(key)
-    return stack_infos(per_step, keys=step_keys)
+    return stack_infos(per_step, keys=step_keys, rows=rows_of)
 
 
 def _agent_infos(

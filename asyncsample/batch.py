@@ -70,6 +70,7 @@ __all__ = [
     "concat_infos",
     "fill_value",
     "filled",
+    "key_rows",
     "mask_key",
     "stack_column",
     "stack_infos",
@@ -193,6 +194,54 @@ def filled(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     return np.zeros(shape, dtype=dtype)
 
 
+def key_rows(infos: Sequence[Mapping[str, Any]]) -> dict[str, list[int] | None]:
+    """Every key of ``infos``, in order of first appearance, with the rows that carry it.
+
+    ``None`` stands for every row. Rows are grouped by their set of keys first, so the cost is
+    one pass over the rows plus one per distinct key set, not one per key and row.
+    """
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, info in enumerate(infos):
+        groups.setdefault(tuple(info), []).append(i)
+    parts: dict[str, list[list[int]]] = {}
+    for keys, rows in groups.items():
+        for key in keys:
+            parts.setdefault(key, []).append(rows)
+    n = len(infos)
+    out: dict[str, list[int] | None] = {}
+    for key, lists in parts.items():
+        if len(lists) == 1:
+            out[key] = None if len(lists[0]) == n else lists[0]
+        else:
+            rows = sorted(itertools.chain.from_iterable(lists))
+            out[key] = None if len(rows) == n else rows
+    return out
+
+
+def _stack_key(
+    infos: Sequence[Mapping[str, Any]], key: str, rows: list[int] | None
+) -> tuple[Any, np.ndarray | None]:
+    """Stack ``key`` of ``infos``, present on ``rows`` (``None``: all); returns (value, mask)."""
+    n = len(infos)
+    if rows is None:
+        values = [d[key] for d in infos]
+        if isinstance(values[0], Mapping) and all(isinstance(v, Mapping) for v in values):
+            return stack_infos(values), None
+        return _stack_values(values), None
+    mask = np.zeros(n, dtype=bool)
+    mask[rows] = True
+    present = [infos[i][key] for i in rows]
+    if all(isinstance(v, Mapping) for v in present):
+        nested: list[Mapping[str, Any]] = [{}] * n
+        for i, v in zip(rows, present, strict=True):
+            nested[i] = v
+        return stack_infos(nested), mask
+    stacked = _stack_values(present)
+    out = filled((n, *stacked.shape[1:]), stacked.dtype)
+    out[rows] = stacked
+    return out, mask
+
+
 def stack_column(values: Sequence[Any]) -> tuple[Any, np.ndarray | None]:
     """Stack one info key's values, one per row, :data:`MISSING` where the key is absent.
 
@@ -201,20 +250,9 @@ def stack_column(values: Sequence[Any]) -> tuple[Any, np.ndarray | None]:
         stacked by :func:`stack_infos`), and a boolean presence mask, ``None`` when the key is
         present on every row. Absent rows hold :func:`fill_value`.
     """
-    n = len(values)
-    present = [i for i, v in enumerate(values) if v is not MISSING]
-    mask: np.ndarray | None = None
-    if len(present) < n:
-        mask = np.zeros(n, dtype=bool)
-        mask[present] = True
-    if present and all(isinstance(values[i], Mapping) for i in present):
-        return stack_infos([{} if v is MISSING else v for v in values]), mask
-    if mask is None:
-        return _stack_values(list(values)), None
-    stacked = _stack_values([values[i] for i in present])
-    out = filled((n, *stacked.shape[1:]), stacked.dtype)
-    out[present] = stacked
-    return out, mask
+    rows = [i for i, v in enumerate(values) if v is not MISSING]
+    infos = [{} if v is MISSING else {"": v} for v in values]
+    return _stack_key(infos, "", None if len(rows) == len(values) else rows)
 
 
 def stack_infos(
@@ -222,6 +260,7 @@ def stack_infos(
     *,
     name: str = "infos",
     keys: Iterable[str] | None = None,
+    rows: Mapping[str, list[int] | None] | None = None,
 ) -> dict[str, Any]:
     """Stack one info dict per step (or per episode) into a dict of arrays.
 
@@ -239,6 +278,7 @@ def stack_infos(
         name: what the dicts are (e.g. ``"env_infos"``); kept for callers of earlier versions.
         keys: stack only these keys (in this order); default every key, in order of first
             appearance.
+        rows: :func:`key_rows` of ``infos``, if the caller has it already.
 
     Returns:
         A dict mapping each key to its stacked array (or, for nested dicts, to a dict of
@@ -246,20 +286,17 @@ def stack_infos(
         input.
     """
     del name  # no warning any more: nothing is dropped
-    if keys is None:
+    if rows is None:
         if not any(infos):  # the common case: no info at all
             return {}
         first = infos[0].keys()
-        if all(d.keys() == first for d in infos):
-            keys = list(first)
+        if all(d.keys() == first for d in infos):  # every key on every row: no masks
+            rows = dict.fromkeys(first)
         else:
-            union: dict[str, None] = {}
-            for d in infos:
-                union.update(dict.fromkeys(d))
-            keys = list(union)
+            rows = key_rows(infos)
     out: dict[str, Any] = {}
-    for key in keys:
-        stacked, mask = stack_column([d.get(key, MISSING) for d in infos])
+    for key in rows if keys is None else keys:
+        stacked, mask = _stack_key(infos, key, rows[key])
         out[key] = stacked
         if mask is not None:
             out[mask_key(key)] = mask
