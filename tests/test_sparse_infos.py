@@ -7,6 +7,7 @@ stays per step, filled where absent, with a ``"_" + key`` mask.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from typing import Any
@@ -96,7 +97,11 @@ def sparse_env_extra() -> gym.Env:  # type: ignore[type-arg]
 
 
 class SometimesInfoAgent:
-    """Random actions; ``value`` always, ``sometimes`` only when the first obs entry is > 0."""
+    """Action 0; ``value`` always, ``sometimes`` only when env 0's first obs entry is > 0.
+
+    Agent infos are per row (all envs of a worker step), so with one env per worker the
+    presence of ``sometimes`` follows that env's observation.
+    """
 
     def __init__(self) -> None:
         self.rng = np.random.default_rng(0)
@@ -107,6 +112,14 @@ class SometimesInfoAgent:
         if observations[0, 0] > 0:
             infos["sometimes"] = observations[:, 1].astype(np.float32)
         return np.zeros(n, dtype=np.int64), infos
+
+
+class SometimesObsAgent(SometimesInfoAgent):
+    """Like :class:`SometimesInfoAgent`, for CartPole (float observations of 4 entries)."""
+
+    def get_actions(self, observations: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        _, infos = super().get_actions(observations)
+        return (observations[:, 2] > 0).astype(np.int64), infos
 
 
 @pytest.fixture(params=["local", "process"])
@@ -206,6 +219,25 @@ async def test_fragments_carry_episode_end_keys_into_the_call_where_they_end(
                     assert not has[i]
                     running[key] = (ret, length)
         assert ended_in_later_call > 0
+
+
+async def test_stream_carries_episodes_with_their_statistics_and_masks(backend: str) -> None:
+    # A stream of complete episodes carries the running ones (their rows, agent-info presence
+    # included) into the next round; each yielded batch is a concatenation of rounds.
+    async with make(backend, cartpole_with_stats, SometimesObsAgent(), n_workers=2) as s:
+        async with contextlib.aclosing(s.stream(150)) as stream:
+            seen = 0
+            async for batch in stream:
+                check_episode_statistics(batch)
+                assert "_episode" not in batch.episode_infos
+                present = batch.observations[:, 0] > 0
+                assert batch.agent_infos["_sometimes"].tolist() == present.tolist()
+                np.testing.assert_array_equal(
+                    batch.agent_infos["sometimes"][present], batch.observations[present, 1]
+                )
+                seen += 1
+                if seen == 3:
+                    break
 
 
 # ------------------------------------------------------------------- sparse step keys
