@@ -355,6 +355,53 @@ def test_concatenate_keeps_uncommon_keys_with_masks(fields: dict[str, Any]) -> N
     assert not joined.agent_infos["_hidden"][N_STEPS:].any()
 
 
+def test_concatenate_fills_masked_rows_after_dtype_promotion(fields: dict[str, Any]) -> None:
+    ints = np.arange(N_STEPS)
+    mask = ints % 2 == 0
+    a = EpisodeBatch(**_replace(fields, env_infos={"k": np.where(mask, ints, 0), "_k": mask}))
+    b = EpisodeBatch(**_replace(fields, env_infos={"k": np.full(N_STEPS, 0.5)}))
+    joined = EpisodeBatch.concatenate(a, b)
+    assert joined.env_infos["k"].dtype == np.float64
+    # a's absent rows were 0 as integers; as floats they are NaN like any absent float.
+    assert np.isnan(joined.env_infos["k"][:N_STEPS][~mask]).all()
+    np.testing.assert_array_equal(joined.env_infos["k"][:N_STEPS][mask], ints[mask])
+    assert joined.env_infos["_k"].tolist() == [*mask.tolist(), *[True] * N_STEPS]
+    assert not EpisodeBatch.concatenate(b, b).env_infos.keys() - {"k"}
+
+
+def test_concatenate_refuses_a_key_that_is_a_dict_and_an_array(fields: dict[str, Any]) -> None:
+    a = EpisodeBatch(**_replace(fields, env_infos={"k": {"x": np.zeros(N_STEPS)}}))
+    b = EpisodeBatch(**_replace(fields, env_infos={"k": np.zeros(N_STEPS)}))
+    with pytest.raises(ValueError, match=r"env_infos\['k'\] is a dict"):
+        EpisodeBatch.concatenate(a, b)
+
+
+def test_from_list_keeps_sparse_keys_of_per_step_dicts(spec: EnvSpec) -> None:
+    def path(n: int, infos: list[dict[str, Any]], episode: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "observations": np.ones((n, 4, 3, 2)),
+            "actions": np.zeros((n, 2), dtype=np.int64),
+            "rewards": np.ones(n),
+            "dones": [False] * (n - 1) + [True],
+            "env_infos": infos,
+            "episode_infos": episode,
+        }
+
+    paths = [
+        path(2, [{"a": 1}, {"a": 2, "b": 0.5}], {"seed": 1}),
+        path(1, [{"a": 3}], {"seed": 2, "success": True}),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch = EpisodeBatch.from_list(spec, paths)
+    assert batch.env_infos["a"].tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(batch.env_infos["b"], [np.nan, 0.5, np.nan])
+    assert batch.env_infos["_b"].tolist() == [False, True, False]
+    assert batch.episode_infos["success"].tolist() == [False, True]
+    assert batch.episode_infos["_success"].tolist() == [False, True]
+    assert EpisodeBatch.from_list(spec, batch.to_list()).equals(batch)
+
+
 def test_to_list(batch: EpisodeBatch) -> None:
     paths = batch.to_list()
     assert len(paths) == N_EPS
