@@ -27,7 +27,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(90)
 
 
-class SparseInfoEnv(gym.Env):  # type: ignore[type-arg]
+class SparseInfoEnv(gym.Env):
     """Episodes of seeded random length whose infos are dense, periodic, nested and final.
 
     Every step's info has ``total`` (the env's step count over all episodes) and ``nested``
@@ -63,7 +63,7 @@ class SparseInfoEnv(gym.Env):  # type: ignore[type-arg]
         return obs, float(action) + float(obs[0]), terminated, False, info
 
 
-class ReusedInfoEnv(gym.Env):  # type: ignore[type-arg]
+class ReusedInfoEnv(gym.Env):
     """Returns the same info dict every step, holding an array it updates in place."""
 
     def __init__(self) -> None:
@@ -84,15 +84,15 @@ class ReusedInfoEnv(gym.Env):  # type: ignore[type-arg]
         return np.zeros(2, np.float32), 0.0, self.t % 4 == 0, False, self.info
 
 
-def cartpole_with_stats() -> gym.Env:  # type: ignore[type-arg]
+def cartpole_with_stats() -> gym.Env:
     return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1"))
 
 
-def sparse_env() -> gym.Env:  # type: ignore[type-arg]
+def sparse_env() -> gym.Env:
     return SparseInfoEnv()
 
 
-def sparse_env_extra() -> gym.Env:  # type: ignore[type-arg]
+def sparse_env_extra() -> gym.Env:
     return SparseInfoEnv(extra=True)
 
 
