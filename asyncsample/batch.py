@@ -23,7 +23,9 @@ it sorts each top-level info key by the steps of that batch that carry it:
   episode goes on in a later call has no last step in this batch, so its row is masked out;
   the key arrives with the fragment that ends the episode, in the call where it ends. The
   last step of a cut fragment (``FIRST`` or ``MID``) is not a last step: a key seen there is
-  a sparse step key. The rule is judged per batch, over the steps the batch holds.
+  a sparse step key. The rule is judged per batch, over the steps the batch holds, so a batch
+  in which no episode ends has no such key at all; and a key on every step stays per step even
+  when every step ends an episode (a batch of one-step episodes).
 * **Any other subset of steps** (a key emitted every k steps, on success, by some envs only):
   kept in ``env_infos[key]`` with one row per transition, holding the key's fill value where
   it is absent, plus a boolean ``env_infos["_" + key]`` mask, true where it was present
