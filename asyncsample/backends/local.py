@@ -7,13 +7,12 @@ For cheap envs and debugging. A step blocks the loop for as long as the env take
 from __future__ import annotations
 
 import asyncio
-import pickle
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from asyncsample.backends._transport import dumps
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error
 from asyncsample.env_group import EnvFailureError, EnvGroup, StepBuffers, StepInfos
 from asyncsample.env_update import EnvSource
@@ -58,7 +57,7 @@ class LocalHost:
     async def step(self, mask: np.ndarray) -> StepInfos:
         result: StepInfos = self._call(self._group.step, mask)
         if result.env_infos is not None or result.reset_infos:
-            result = StepInfos(*_snapshot((result.env_infos, result.reset_infos)))
+            result = StepInfos(_snapshot(result.env_infos), _snapshot(result.reset_infos))
         # Let other tasks run between steps: a call is many steps, the loop must not wait for
         # all of them.
         await asyncio.sleep(0)
@@ -71,13 +70,31 @@ class LocalHost:
         self._group.close()
 
 
+_SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
 def _snapshot(infos: Any) -> Any:
-    """A copy of info dicts as the process backend delivers them (a pickle round trip).
+    """A copy of info dicts with the values the process backend would deliver.
 
     Envs may reuse their info dict or mutate arrays they put in it; without a copy the batch
-    would show their latest values, unlike every other backend.
+    would show their latest values, unlike every other backend (which pickle the infos). Plain
+    dicts, lists and arrays are copied directly and immutable scalars shared, which costs less
+    than a pickle round trip; anything else is deep-copied.
     """
-    return pickle.loads(dumps(infos))
+    kind = type(infos)
+    if kind in _SCALARS:
+        return infos
+    if kind is dict:
+        return {k: v if type(v) in _SCALARS else _snapshot(v) for k, v in infos.items()}
+    if kind is list:
+        return [_snapshot(v) for v in infos]
+    if kind is tuple:
+        return tuple(_snapshot(v) for v in infos)
+    if kind is np.ndarray:
+        return infos.copy()
+    if isinstance(infos, np.generic):  # numpy scalars are immutable
+        return infos
+    return copy.deepcopy(infos)
 
 
 class LocalBackend:
