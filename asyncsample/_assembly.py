@@ -5,6 +5,10 @@ describes its episodes as a :class:`Plan` (which rows, in which order); :func:`a
 allocates each field of the batch once and gathers every worker's rows straight into it, so a
 batch of image observations costs one copy of them, not one per worker and one more to
 concatenate.
+
+Info keys are sorted here by the rule in :mod:`asyncsample.batch` ("Info keys"): keys on every
+step are stacked, keys only on episodes' last steps go to ``episode_infos``, and any other sparse
+key stays per step with a ``"_" + key`` presence mask.
 """
 
 from __future__ import annotations
@@ -15,7 +19,18 @@ from typing import Any
 import numpy as np
 
 from asyncsample._tree import Tree, tree_map
-from asyncsample.batch import EnvSpec, EpisodeBatch, StepType, stack_infos
+from asyncsample.batch import (
+    MISSING,
+    EnvSpec,
+    EpisodeBatch,
+    StepType,
+    fill_value,
+    filled,
+    key_rows,
+    mask_key,
+    stack_column,
+    stack_infos,
+)
 
 __all__ = ["Plan", "assemble"]
 
@@ -32,6 +47,9 @@ class Plan:
         lengths, step_types: per episode and per transition.
         last_observations: per episode, the observation after its last step.
         episode_infos: per episode, its info dict.
+        agent_info_masks: for agent info keys not present on every row, a boolean
+            ``(rows, n_envs)`` array, true where the key was present; a key without a mask
+            is present on every row of the plan.
     """
 
     obs: Tree
@@ -47,6 +65,7 @@ class Plan:
     step_types: np.ndarray
     last_observations: list[Tree] = field(default_factory=list)
     episode_infos: list[dict[str, Any]] = field(default_factory=list)
+    agent_info_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def n_envs(self) -> int:
@@ -100,31 +119,25 @@ def assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
         rewards = np.zeros(0)
     else:
         rewards = _gather(live, rewards_records, [r[0] for r in rewards_records])
-    keys = set.intersection(*(set(p.agent_infos) for p in live)) if live else set()
-    agent_infos = {
-        k: _gather(live, [p.agent_infos[k] for p in live], [p.agent_infos[k][0] for p in live])
-        for k in sorted(keys)
-    }
-    env_infos: dict[str, Any] = {}
-    if any(p.env_infos for p in live):
-        per_step = [
-            p.env_infos[t][e] if t in p.env_infos else {}
-            for p in live
-            for t, e in zip(p.rows.tolist(), p.envs.tolist())
-        ]
-        env_infos = stack_infos(per_step, name="env_infos")
-    pieces_last = [o for p in plans for o in p.last_observations]
+    step_types = np.concatenate([p.step_types for p in plans])
+    lengths = np.concatenate([p.lengths for p in plans])
+    ends = np.cumsum(lengths) - 1
+    is_last = np.zeros(len(step_types), dtype=bool)
+    is_last[ends[np.isin(step_types[ends], (StepType.TERMINAL, StepType.TIMEOUT))]] = True
     pieces_info = [i for p in plans for i in p.episode_infos]
+    if pieces_info:
+        episode_infos = stack_infos(pieces_info)
+    else:
+        episode_infos = {k: np.zeros(0, np.int64) for k in ("worker", "env", "agent_version")}
+    env_infos = _env_infos(live, is_last, ends, episode_infos)
+    agent_infos = _agent_infos(live, is_last, ends, episode_infos)
+    pieces_last = [o for p in plans for o in p.last_observations]
     if pieces_last:
         last_observations = tree_map(lambda *xs: np.stack(xs), *pieces_last)
     else:
         last_observations = tree_map(
             lambda x: np.zeros((0, *x.shape[1:]), x.dtype), plans[0].like_obs
         )
-    if pieces_info:
-        episode_infos = stack_infos(pieces_info, name="episode_infos")
-    else:
-        episode_infos = {k: np.zeros(0, np.int64) for k in ("worker", "env", "agent_version")}
     return EpisodeBatch(
         env_spec=env_spec,
         episode_infos=episode_infos,
@@ -134,9 +147,86 @@ def assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
         rewards=rewards,
         env_infos=env_infos,
         agent_infos=agent_infos,
-        step_types=np.concatenate([p.step_types for p in plans]),
-        lengths=np.concatenate([p.lengths for p in plans]),
+        step_types=step_types,
+        lengths=lengths,
     )
+
+
+def _episode_level(key: str, episode_infos: dict[str, Any]) -> bool:
+    """Whether ``key`` may move to ``episode_infos`` (its name is not taken there)."""
+    return key not in episode_infos and mask_key(key) not in episode_infos
+
+
+def _env_infos(
+    live: list[Plan], is_last: np.ndarray, ends: np.ndarray, episode_infos: dict[str, Any]
+) -> dict[str, Any]:
+    """The batch's env infos; keys found only on last steps are added to ``episode_infos``."""
+    if not any(p.env_infos for p in live):
+        return {}
+    per_step = [
+        p.env_infos[t][e] if t in p.env_infos else {}
+        for p in live
+        for t, e in zip(p.rows.tolist(), p.envs.tolist())
+    ]
+    first = per_step[0].keys()
+    if all(d.keys() == first for d in per_step):  # the common case: every key on every step
+        return stack_infos(per_step)
+    rows_of = key_rows(per_step)
+    step_keys = []
+    for key, rows in rows_of.items():
+        if rows is not None and _episode_level(key, episode_infos) and is_last[rows].all():
+            values, mask = stack_column([per_step[j].get(key, MISSING) for j in ends.tolist()])
+            episode_infos[key] = values
+            if mask is not None:
+                episode_infos[mask_key(key)] = mask
+        else:
+            step_keys.append(key)
+    return stack_infos(per_step, keys=step_keys, rows=rows_of)
+
+
+def _agent_infos(
+    live: list[Plan], is_last: np.ndarray, ends: np.ndarray, episode_infos: dict[str, Any]
+) -> dict[str, Any]:
+    """The batch's agent infos; keys found only on last steps are added to ``episode_infos``."""
+    keys = sorted({k for p in live for k in p.agent_infos})
+    out: dict[str, Any] = {}
+    for key in keys:
+        if all(key in p.agent_infos and key not in p.agent_info_masks for p in live):
+            records = [p.agent_infos[key] for p in live]
+            out[key] = _gather(live, records, [r[0] for r in records])
+            continue
+        values: list[np.ndarray] = []
+        masks: list[np.ndarray] = []
+        for p in live:
+            record = p.agent_infos.get(key)
+            if record is None:
+                like = next(q.agent_infos[key] for q in live if key in q.agent_infos)
+                values.append(filled((len(p.rows), *like.shape[2:]), like.dtype))
+                masks.append(np.zeros(len(p.rows), dtype=bool))
+                continue
+            index = p.rows * p.n_envs + p.envs
+            values.append(record.reshape(-1, *record.shape[2:])[index])
+            mask = p.agent_info_masks.get(key)
+            masks.append(
+                np.ones(len(p.rows), dtype=bool) if mask is None else mask.reshape(-1)[index]
+            )
+        value = np.concatenate(values, axis=0)
+        present = np.concatenate(masks)
+        if not present.any():  # a key of an earlier call, absent from this batch
+            continue
+        if present.all():
+            out[key] = value
+            continue
+        value[~present] = fill_value(value.dtype)
+        if _episode_level(key, episode_infos) and not (present & ~is_last).any():
+            episode_infos[key] = value[ends]
+            episode_mask = present[ends]
+            if not episode_mask.all():
+                episode_infos[mask_key(key)] = episode_mask
+        else:
+            out[key] = value
+            out[mask_key(key)] = present
+    return out
 
 
 def step_types_of(

@@ -129,12 +129,19 @@ def row_of(tree: Tree, index: int) -> Tree:
     return tree_map(lambda x: x[index], tree)
 
 
+_PRESENT = "\x00present:"
+"""Prefix of the agent-info columns that record where a key was present."""
+
+
 def store_agent_infos(rows: Rows, t: int, agent_infos: dict[str, np.ndarray]) -> None:
     """Write the (already checked) agent infos of step ``t`` into their columns.
 
-    A column is allocated when a key first appears, and again when its per-row shape or dtype
-    kind changed (only possible after the agent was replaced: see
-    :class:`asyncsample._action_check.AgentOutputCheck`).
+    Called on every step once any agent info was seen, so a key absent at ``t`` is marked absent
+    there: presence lives beside the values, in a bool column under ``_PRESENT + key``, so the
+    rows' growth and carry-over move it with them. A column is allocated when a key first
+    appears, and again when its per-row shape or dtype kind changed (only possible after the
+    agent was replaced: see :class:`asyncsample._action_check.AgentOutputCheck`); rows before
+    that did not carry it.
     """
     store = rows.agent_infos
     for key, value in agent_infos.items():
@@ -146,7 +153,22 @@ def store_agent_infos(rows: Rows, t: int, agent_infos: dict[str, np.ndarray]) ->
         ):
             column = np.zeros((rows.capacity, *value.shape), dtype=value.dtype)
             store[key] = column
+            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
         column[t] = value
+    for name, present in store.items():
+        if name.startswith(_PRESENT):
+            present[t] = name[len(_PRESENT) :] in agent_infos
+
+
+def _agent_info_masks(
+    store: dict[str, np.ndarray], rows: np.ndarray, envs: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Presence masks of the agent info keys missing on some of the plan's transitions."""
+    masks = {}
+    for name, present in store.items():
+        if name.startswith(_PRESENT) and not present[rows, envs].all():
+            masks[name[len(_PRESENT) :]] = present
+    return masks
 
 
 class Recorder:
@@ -224,7 +246,8 @@ class Recorder:
             obs=rows.obs,
             actions=rows.actions,
             rewards=rows.rewards if rows.capacity else None,
-            agent_infos=dict(rows.agent_infos),
+            agent_infos={k: v for k, v in rows.agent_infos.items() if not k.startswith(_PRESENT)},
+            agent_info_masks=_agent_info_masks(rows.agent_infos, t_idx, e_idx),
             env_infos=dict(rows.env_infos),
             like_obs=like_obs,
             like_actions=like_actions,

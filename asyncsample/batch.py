@@ -7,6 +7,46 @@ every field so that a malformed batch fails loudly where it is built, not deep i
 
 Observations and actions may be plain arrays or, for gymnasium ``Dict``/``Tuple`` spaces, dicts
 and tuples of arrays; every leaf carries the leading batch axis. Info dicts may nest dicts.
+
+Info keys
+---------
+The sampler never drops what an env (or agent) put in its info dicts. When it assembles a batch
+it sorts each top-level info key by the steps of that batch that carry it:
+
+* **Every step**: stacked into ``env_infos[key]`` with one row per transition, as garage does.
+* **Only last steps of episodes** (step type ``TERMINAL`` or ``TIMEOUT``), such as gymnasium's
+  ``RecordEpisodeStatistics`` ``"episode"`` or a final ``"is_success"``: moved to
+  ``episode_infos[key]``, one row per episode, so ``batch.episode_infos["episode"]["r"]`` is the
+  return ``RecordEpisodeStatistics`` computed. Nested dicts stay nested, as dicts of arrays.
+  Where some episodes lack the key, ``episode_infos["_" + key]`` is a boolean mask, true for
+  the episodes that have it. A fragment (``obtain_fragments``, a stream of fragments) whose
+  episode goes on in a later call has no last step in this batch, so its row is masked out;
+  the key arrives with the fragment that ends the episode, in the call where it ends. The
+  last step of a cut fragment (``FIRST`` or ``MID``) is not a last step: a key seen there is
+  a sparse step key. The rule is judged per batch, over the steps the batch holds, so a batch
+  in which no episode ends has no such key at all; and a key on every step stays per step even
+  when every step ends an episode (a batch of one-step episodes).
+* **Any other subset of steps** (a key emitted every k steps, on success, by some envs only):
+  kept in ``env_infos[key]`` with one row per transition, holding the key's fill value where
+  it is absent, plus a boolean ``env_infos["_" + key]`` mask, true where it was present
+  (gymnasium's vector-info convention).
+
+Fill values (:func:`fill_value`): NaN for floating and complex dtypes, ``None`` for object
+dtype (ragged values, Python objects), zero (``0``, ``False``, ``""``) for every other dtype.
+Inside a nested dict the same holds key by key, each child with its own ``_child`` mask where
+it is absent (a row lacking the parent lacks every child), as gymnasium's vector envs do.
+
+A key that already names an episode info (``worker``, ``env``, ``agent_version`` or a key of
+the env's reset info) is not moved there: it stays a sparse step key. Agent infos follow the
+same rule, into ``agent_infos`` and ``episode_infos``. A name starting with ``_`` whose rest
+names another key of the same dict is that key's mask.
+
+Every method keeps this consistent: :meth:`EpisodeBatch.concatenate` and
+:meth:`EpisodeBatch.from_list` fill and mask a key some inputs lack (keeping masks once present,
+so ``concatenate(*batch.split())`` equals ``batch``); :meth:`EpisodeBatch.split`,
+:meth:`EpisodeBatch.select` and :meth:`EpisodeBatch.to_list` slice masks with their keys; the
+``padded_*`` views pad masks with False and masked keys with their fill value;
+:meth:`EpisodeBatch.equals` compares masks like any other array.
 """
 
 from __future__ import annotations
@@ -16,7 +56,7 @@ import enum
 import itertools
 import math
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import gymnasium
@@ -24,7 +64,19 @@ import numpy as np
 
 from asyncsample._tree import tree_concat, tree_index, tree_leaves, tree_map
 
-__all__ = ["EnvSpec", "EpisodeBatch", "StepType", "stack_infos"]
+__all__ = [
+    "MISSING",
+    "EnvSpec",
+    "EpisodeBatch",
+    "StepType",
+    "concat_infos",
+    "fill_value",
+    "filled",
+    "key_rows",
+    "mask_key",
+    "stack_column",
+    "stack_infos",
+]
 
 ArrayTree: TypeAlias = Any
 """A numpy array, or a dict/tuple of them (nested freely), each with a leading batch axis."""
@@ -97,6 +149,20 @@ class EnvSpec:
 # --------------------------------------------------------------------------------------------
 
 
+MISSING: Any = object()
+"""Marks a row on which an info key is absent (see :func:`stack_column`)."""
+
+
+def mask_key(key: str) -> str:
+    """The name of the presence mask of info key ``key``: ``"_" + key`` (gymnasium's naming)."""
+    return "_" + key
+
+
+def _is_mask(key: str, keys: Iterable[str]) -> bool:
+    """Whether ``key`` is the presence mask of another key among ``keys``."""
+    return key.startswith("_") and key[1:] in keys
+
+
 def _stack_values(values: list[Any]) -> np.ndarray:
     """Stack per-item values into one array; ragged values become a 1-D object array."""
     try:
@@ -108,70 +174,134 @@ def _stack_values(values: list[Any]) -> np.ndarray:
         return out
 
 
-def _common_keys(dicts: Sequence[Mapping[str, Any]], where: str, dropped: list[str]) -> list[str]:
-    """Keys present in every dict (in the first dict's order); others are noted in ``dropped``."""
-    first = dicts[0].keys()
-    if all(d.keys() == first for d in dicts):
-        return list(first)
-    common = set(first).intersection(*(d.keys() for d in dicts[1:]))
-    union: dict[str, None] = {}
-    for d in dicts:
-        union.update(dict.fromkeys(d))
-    dropped.extend(f"{where}[{k!r}]" for k in union if k not in common)
-    return [k for k in first if k in common]
+def fill_value(dtype: np.dtype[Any]) -> Any:
+    """What an info array holds where its key is absent.
+
+    NaN for floating and complex dtypes, ``None`` for object dtype (ragged values, Python
+    objects), and zero (``0``, ``False``, the empty string) for every other dtype.
+    """
+    if dtype.kind in "fc":
+        return np.nan
+    if dtype.kind == "O":
+        return None
+    return np.zeros((), dtype).item()
 
 
-def _stack_infos(
-    infos: Sequence[Mapping[str, Any]], where: str, dropped: list[str]
-) -> dict[str, Any]:
-    """Recursive worker of :func:`stack_infos`; dropped key paths go to ``dropped``."""
-    if not any(infos):  # the common case: no info at all
-        return {}
-    out: dict[str, Any] = {}
-    for key in _common_keys(infos, where, dropped):
-        values = [d[key] for d in infos]
-        if all(isinstance(v, Mapping) for v in values):
-            out[key] = _stack_infos(values, f"{where}[{key!r}]", dropped)
+def filled(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` holding only :func:`fill_value`."""
+    if dtype.kind in "fc":
+        return np.full(shape, np.nan, dtype=dtype)
+    if dtype.kind == "O":
+        return np.empty(shape, dtype=object)  # all None
+    return np.zeros(shape, dtype=dtype)
+
+
+def key_rows(infos: Sequence[Mapping[str, Any]]) -> dict[str, list[int] | None]:
+    """Every key of ``infos``, in order of first appearance, with the rows that carry it.
+
+    ``None`` stands for every row. Rows are grouped by their set of keys first, so the cost is
+    one pass over the rows plus one per distinct key set, not one per key and row.
+    """
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, info in enumerate(infos):
+        groups.setdefault(tuple(info), []).append(i)
+    parts: dict[str, list[list[int]]] = {}
+    for keys, rows in groups.items():
+        for key in keys:
+            parts.setdefault(key, []).append(rows)
+    n = len(infos)
+    out: dict[str, list[int] | None] = {}
+    for key, lists in parts.items():
+        if len(lists) == 1:
+            out[key] = None if len(lists[0]) == n else lists[0]
         else:
-            out[key] = _stack_values(values)
+            rows = sorted(itertools.chain.from_iterable(lists))
+            out[key] = None if len(rows) == n else rows
     return out
 
 
-def _warn_dropped(dropped: list[str], what: str) -> None:
-    """Emit the single warning that lists every dropped info key."""
-    if dropped:
-        warnings.warn(
-            f"Dropped info keys that only some {what} carry: {', '.join(dropped)}",
-            UserWarning,
-            stacklevel=3,
-        )
+def _stack_key(
+    infos: Sequence[Mapping[str, Any]], key: str, rows: list[int] | None
+) -> tuple[Any, np.ndarray | None]:
+    """Stack ``key`` of ``infos``, present on ``rows`` (``None``: all); returns (value, mask)."""
+    n = len(infos)
+    if rows is None:
+        values = [d[key] for d in infos]
+        if isinstance(values[0], Mapping) and all(isinstance(v, Mapping) for v in values):
+            return stack_infos(values), None
+        return _stack_values(values), None
+    mask = np.zeros(n, dtype=bool)
+    mask[rows] = True
+    present = [infos[i][key] for i in rows]
+    if all(isinstance(v, Mapping) for v in present):
+        nested: list[Mapping[str, Any]] = [{}] * n
+        for i, v in zip(rows, present, strict=True):
+            nested[i] = v
+        return stack_infos(nested), mask
+    stacked = _stack_values(present)
+    out = filled((n, *stacked.shape[1:]), stacked.dtype)
+    out[rows] = stacked
+    return out, mask
 
 
-def stack_infos(infos: Sequence[Mapping[str, Any]], *, name: str) -> dict[str, Any]:
+def stack_column(values: Sequence[Any]) -> tuple[Any, np.ndarray | None]:
+    """Stack one info key's values, one per row, :data:`MISSING` where the key is absent.
+
+    Returns:
+        ``(stacked, mask)``: the stacked array (or, when every present value is a dict, a dict
+        stacked by :func:`stack_infos`), and a boolean presence mask, ``None`` when the key is
+        present on every row. Absent rows hold :func:`fill_value`.
+    """
+    rows = [i for i, v in enumerate(values) if v is not MISSING]
+    infos = [{} if v is MISSING else {"": v} for v in values]
+    return _stack_key(infos, "", None if len(rows) == len(values) else rows)
+
+
+def stack_infos(
+    infos: Sequence[Mapping[str, Any]],
+    *,
+    name: str = "infos",
+    keys: Iterable[str] | None = None,
+    rows: Mapping[str, list[int] | None] | None = None,
+) -> dict[str, Any]:
     """Stack one info dict per step (or per episode) into a dict of arrays.
 
-    Only keys present in every dict are kept, so every array has one row per input dict; keys
-    that only some dicts carry are dropped with a single :class:`UserWarning` naming them. Nested
-    dicts are stacked recursively. Values that do not form a regular array (ragged shapes) are
-    kept as a 1-D object array. The common case, every dict empty, costs one truthiness check per
+    Nothing is dropped. A key present in every dict is stacked into one array with a row per
+    dict. A key present in only some dicts is stacked the same way, with :func:`fill_value`
+    (NaN, zero or ``None``, by dtype) in the rows that lack it, and gets a boolean mask
+    ``"_" + key`` right after it, true where the key was present: gymnasium's vector-info
+    convention. Nested dicts are stacked recursively under the same rule (a row that lacks the
+    parent lacks every child). Values that do not form a regular array (ragged shapes) are kept
+    as a 1-D object array. The common case, every dict empty, costs one truthiness check per
     dict.
 
     Args:
         infos: the info dicts, one per step or per episode.
-        name: what the dicts are (e.g. ``"env_infos"``), used in the warning.
+        name: what the dicts are (e.g. ``"env_infos"``); kept for callers of earlier versions.
+        keys: stack only these keys (in this order); default every key, in order of first
+            appearance.
+        rows: :func:`key_rows` of ``infos``, if the caller has it already.
 
     Returns:
-        A dict mapping each common key to its stacked array (or, for nested dicts, to a dict of
-        stacked arrays). ``{}`` for empty input.
+        A dict mapping each key to its stacked array (or, for nested dicts, to a dict of
+        stacked arrays), followed by its mask where it was absent somewhere. ``{}`` for empty
+        input.
     """
-    dropped: list[str] = []
-    out = _stack_infos(infos, name, dropped)
-    if dropped:
-        warnings.warn(
-            f"Dropped {name} keys that only some entries carry: {', '.join(dropped)}",
-            UserWarning,
-            stacklevel=2,
-        )
+    del name  # no warning any more: nothing is dropped
+    if rows is None:
+        if not any(infos):  # the common case: no info at all
+            return {}
+        first = infos[0].keys()
+        if all(d.keys() == first for d in infos):  # every key on every row: no masks
+            rows = dict.fromkeys(first)
+        else:
+            rows = key_rows(infos)
+    out: dict[str, Any] = {}
+    for key in rows if keys is None else keys:
+        stacked, mask = _stack_key(infos, key, rows[key])
+        out[key] = stacked
+        if mask is not None:
+            out[mask_key(key)] = mask
     return out
 
 
@@ -191,21 +321,66 @@ def _concat_arrays(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate([_as_object_rows(a) for a in arrays], axis=0)
 
 
-def _concat_infos(
-    dicts: Sequence[Mapping[str, Any]], where: str, dropped: list[str]
+def _value_keys(dicts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Keys of ``dicts`` in order of first appearance, without the masks of other keys."""
+    union: dict[str, None] = {}
+    for d in dicts:
+        union.update(dict.fromkeys(d))
+    return [k for k in union if not _is_mask(k, union)]
+
+
+def concat_infos(
+    dicts: Sequence[Mapping[str, Any]], sizes: Sequence[int], where: str = "infos"
 ) -> dict[str, Any]:
-    """Concatenate info dicts along the leading axis, keeping keys common to all."""
+    """Concatenate info dicts of arrays along the leading axis, keeping every key.
+
+    ``sizes`` gives each dict's number of rows (needed for dicts that lack a key). A key that
+    some dicts lack is filled there with :func:`fill_value` and gets (or keeps) its ``"_" + key``
+    mask; a mask, once present in any input, is kept even when it is true everywhere, so
+    splitting a batch and concatenating the pieces gives it back. Values where a mask is false
+    are reset to the fill value.
+
+    Raises:
+        ValueError: if a key holds a dict in one input and an array in another.
+    """
     if not any(dicts):
         return {}
     out: dict[str, Any] = {}
-    for key in _common_keys(dicts, where, dropped):
-        values = [d[key] for d in dicts]
-        if all(isinstance(v, Mapping) for v in values):
-            out[key] = _concat_infos(values, f"{where}[{key!r}]", dropped)
-        elif all(isinstance(v, np.ndarray) for v in values):
-            out[key] = _concat_arrays(values)
+    for key in _value_keys(dicts):
+        mkey = mask_key(key)
+        parts = [d.get(key, MISSING) for d in dicts]
+        has_mask = any(mkey in d for d in dicts) or any(p is MISSING for p in parts)
+        present = [p for p in parts if p is not MISSING]
+        if all(isinstance(p, Mapping) for p in present):
+            out[key] = concat_infos(
+                [{} if p is MISSING else p for p in parts], sizes, f"{where}[{key!r}]"
+            )
+        elif any(isinstance(p, Mapping) for p in present):
+            raise ValueError(
+                f"{where}[{key!r}] is a dict in some inputs and an array in others; they "
+                "cannot be concatenated"
+            )
         else:
-            dropped.append(f"{where}[{key!r}]")
+            like = present[0]
+            value = _concat_arrays(
+                [
+                    filled((n, *like.shape[1:]), like.dtype) if p is MISSING else p
+                    for p, n in zip(parts, sizes, strict=True)
+                ]
+            )
+            out[key] = value
+        if has_mask:
+            mask = np.concatenate(
+                [
+                    np.asarray(d[mkey], dtype=bool)
+                    if mkey in d
+                    else np.full(n, key in d, dtype=bool)
+                    for d, n in zip(dicts, sizes, strict=True)
+                ]
+            )
+            if isinstance(out[key], np.ndarray) and not mask.all():
+                out[key][~mask] = fill_value(out[key].dtype)
+            out[mkey] = mask
     return out
 
 
@@ -375,9 +550,15 @@ def _check_step_types(step_types: Any, n_transitions: int) -> None:
         )
 
 
-def _pad(array: np.ndarray, lengths: np.ndarray, length: int) -> np.ndarray:
-    """Scatter a flat ``(T, ...)`` array into a zero-filled ``(N, length, ...)`` array."""
-    out = np.zeros((len(lengths), length, *array.shape[1:]), dtype=array.dtype)
+def _pad(
+    array: np.ndarray, lengths: np.ndarray, length: int, *, absent: bool = False
+) -> np.ndarray:
+    """Scatter a flat ``(T, ...)`` array into a zero-filled ``(N, length, ...)`` array.
+
+    With ``absent`` the padding holds :func:`fill_value` instead (for masked info keys).
+    """
+    shape = (len(lengths), length, *array.shape[1:])
+    out = filled(shape, array.dtype) if absent else np.zeros(shape, dtype=array.dtype)
     if array.shape[0]:
         episode = np.repeat(np.arange(len(lengths)), lengths)
         starts = np.cumsum(lengths) - lengths
@@ -441,13 +622,18 @@ class EpisodeBatch:
         env_spec: spaces of the observations and actions, and the episode time limit.
         episode_infos: per-episode info, a dict of arrays with leading dimension ``N`` (garage's
             ``episode_infos_by_episode``; see :attr:`episode_infos_by_step` for the per-step
-            view).
+            view): the reset info, ``worker``, ``env``, ``agent_version``, and the info keys
+            emitted only on episodes' last steps, each masked by ``"_" + key`` where some
+            episodes lack it.
         observations: ``(T, ...)`` observation before each action (an array or dict/tuple tree).
         last_observations: ``(N, ...)`` observation after the last action of each episode.
         actions: ``(T, ...)`` actions (an array or dict/tuple tree).
         rewards: ``(T,)`` rewards.
-        env_infos: per-step info from the env, dict of ``(T, ...)`` arrays (may nest dicts).
-        agent_infos: per-step info from the agent, dict of ``(T, ...)`` arrays (may nest dicts).
+        env_infos: per-step info from the env, dict of ``(T, ...)`` arrays (may nest dicts);
+            a key absent on some steps has a boolean ``"_" + key`` mask (see "Info keys" in
+            the module documentation).
+        agent_infos: per-step info from the agent, dict of ``(T, ...)`` arrays (may nest
+            dicts), masked the same way.
         step_types: ``(T,)`` :class:`StepType` values, as an object array of members or any
             integer array.
         lengths: ``(N,)`` integer length of each episode, each at least 1.
@@ -558,7 +744,10 @@ class EpisodeBatch:
     @property
     def episode_infos_by_step(self) -> dict[str, Any]:
         """Per-episode info repeated for every step of its episode, leading dimension ``T``."""
-        return tree_map(lambda x: np.repeat(x, self.lengths, axis=0), self.episode_infos)
+        by_step: dict[str, Any] = tree_map(
+            lambda x: np.repeat(x, self.lengths, axis=0), self.episode_infos
+        )
+        return by_step
 
     @property
     def returns(self) -> np.ndarray:
@@ -640,17 +829,31 @@ class EpisodeBatch:
         """Step types as ``(N, L)`` (same dtype as :attr:`step_types`), zero-padded."""
         return _pad(self.step_types, self.lengths, self._padded_length())
 
+    def _pad_infos(self, infos: Mapping[str, Any], absent: bool = False) -> dict[str, Any]:
+        """Pad an info dict: masks with False, masked keys with their fill value, else zero."""
+        length = self._padded_length()
+        out: dict[str, Any] = {}
+        for key, value in infos.items():
+            masked = absent or mask_key(key) in infos
+            if isinstance(value, Mapping):
+                out[key] = self._pad_infos(value, masked)
+            else:
+                out[key] = _pad(value, self.lengths, length, absent=masked)
+        return out
+
     @property
     def padded_agent_infos(self) -> dict[str, Any]:
-        """Agent infos with every array as ``(N, L, ...)``, zero-padded."""
-        padded: dict[str, Any] = self._pad_tree(self.agent_infos)
-        return padded
+        """Agent infos with every array as ``(N, L, ...)``.
+
+        Padding is zero, except for keys with a ``"_" + key`` mask: there it is the key's fill
+        value (NaN for floats) and the mask is False, as on any step that lacks the key.
+        """
+        return self._pad_infos(self.agent_infos)
 
     @property
     def padded_env_infos(self) -> dict[str, Any]:
-        """Env infos with every array as ``(N, L, ...)``, zero-padded."""
-        padded: dict[str, Any] = self._pad_tree(self.env_infos)
-        return padded
+        """Env infos with every array as ``(N, L, ...)``, padded like :attr:`padded_agent_infos`."""
+        return self._pad_infos(self.env_infos)
 
     @property
     def valids(self) -> np.ndarray:
@@ -666,8 +869,11 @@ class EpisodeBatch:
     def concatenate(cls, *batches: EpisodeBatch) -> EpisodeBatch:
         """Join batches end to end, episodes in argument order.
 
-        Info keys that are not present in every batch are dropped, with one warning naming them.
-        The first batch's ``env_spec`` is used.
+        No info key is dropped: a key that some batches lack is filled there (NaN, zero or
+        ``None``, see :func:`fill_value`) and masked by ``"_" + key``; masks already present are
+        kept. Keys are not moved between ``episode_infos`` and ``env_infos``: a key that one
+        batch holds per episode and another per step stays in both places, masked in each
+        where it is absent. The first batch's ``env_spec`` is used.
 
         Args:
             *batches: the batches to join, at least one.
@@ -676,15 +882,16 @@ class EpisodeBatch:
             A new batch holding every episode of every input.
 
         Raises:
-            ValueError: if no batch is given.
+            ValueError: if no batch is given, or an info key is a dict in one batch and an array
+                in another.
         """
         if not batches:
             raise ValueError("Please provide at least one EpisodeBatch to concatenate")
-        dropped: list[str] = []
-        env_infos = _concat_infos([b.env_infos for b in batches], "env_infos", dropped)
-        agent_infos = _concat_infos([b.agent_infos for b in batches], "agent_infos", dropped)
-        episode_infos = _concat_infos([b.episode_infos for b in batches], "episode_infos", dropped)
-        _warn_dropped(dropped, "of the batches")
+        steps = [b.n_transitions for b in batches]
+        episodes = [b.n_episodes for b in batches]
+        env_infos = concat_infos([b.env_infos for b in batches], steps, "env_infos")
+        agent_infos = concat_infos([b.agent_infos for b in batches], steps, "agent_infos")
+        episode_infos = concat_infos([b.episode_infos for b in batches], episodes, "episode_infos")
         return cls(
             env_spec=batches[0].env_spec,
             episode_infos=episode_infos,
@@ -779,7 +986,10 @@ class EpisodeBatch:
         come from ``step_types``, or else from ``dones`` via :meth:`StepType.get_step_type`
         (so the first step is ``FIRST`` and a step reaching the time limit ``TIMEOUT``).
         ``env_infos``/``agent_infos`` may be dicts of arrays or lists of per-step dicts, and
-        ``episode_infos`` a dict of per-episode values; all three are optional.
+        ``episode_infos`` a dict of per-episode values; all three are optional. Keys that only
+        some paths (or steps) carry are kept, filled and masked as in :meth:`concatenate`; a
+        list of per-step dicts is stacked by :func:`stack_infos`, without moving any key to
+        ``episode_infos``.
 
         Args:
             env_spec: the spec of the env the paths came from.
@@ -822,19 +1032,17 @@ class EpisodeBatch:
                 )
             else:
                 raise ValueError(f"path {i} has neither 'step_types' nor 'dones'")
-        dropped: list[str] = []
-        env_infos = _concat_infos(
-            [_as_info_arrays(p.get("env_infos"), "env_infos") for p in paths], "env_infos", dropped
+        env_infos = concat_infos(
+            [_as_info_arrays(p.get("env_infos"), "env_infos") for p in paths],
+            lengths.tolist(),
+            "env_infos",
         )
-        agent_infos = _concat_infos(
+        agent_infos = concat_infos(
             [_as_info_arrays(p.get("agent_infos"), "agent_infos") for p in paths],
+            lengths.tolist(),
             "agent_infos",
-            dropped,
         )
-        episode_infos = _stack_infos(
-            [p.get("episode_infos") or {} for p in paths], "episode_infos", dropped
-        )
-        _warn_dropped(dropped, "of the paths")
+        episode_infos = stack_infos([p.get("episode_infos") or {} for p in paths])
         return cls(
             env_spec=env_spec,
             episode_infos=episode_infos,

@@ -248,7 +248,7 @@ class Worker:
         actions = self._check_actions(actions)
         put_row(rows.actions, t, actions)
         put_row(buffers.actions, Ellipsis, actions)
-        if agent_infos:
+        if agent_infos or rows.agent_infos:
             store_agent_infos(rows, t, agent_infos)
         infos = await host.step(active)  # the one place a worker steps its envs
         rows.rewards[t] = buffers.rewards

@@ -335,22 +335,71 @@ def test_concatenate_needs_a_batch() -> None:
         EpisodeBatch.concatenate()
 
 
-def test_concatenate_drops_uncommon_keys_with_one_warning(fields: dict[str, Any]) -> None:
+def test_concatenate_keeps_uncommon_keys_with_masks(fields: dict[str, Any]) -> None:
     a = EpisodeBatch(**fields)
     b = EpisodeBatch(
         **_replace(fields, env_infos={"goal": fields["env_infos"]["goal"]}, agent_infos={})
     )
-    with pytest.warns(UserWarning) as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         joined = EpisodeBatch.concatenate(a, b)
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert "env_infos['foo']" in message
-    assert "agent_infos['hidden']" in message
-    assert "goal" not in message
-    assert list(joined.env_infos) == ["goal"]
-    assert joined.agent_infos == {}
+    assert list(joined.env_infos) == ["goal", "foo", "_foo"]
     assert joined.n_episodes == 2 * N_EPS
     assert joined.env_infos["goal"].shape == (2 * N_STEPS, 2)
+    assert "_goal" not in joined.env_infos
+    # Integer keys are filled with zero where absent; the mask says where they were present.
+    assert joined.env_infos["foo"].tolist() == list(range(N_STEPS)) + [0] * N_STEPS
+    assert joined.env_infos["_foo"].tolist() == [True] * N_STEPS + [False] * N_STEPS
+    assert list(joined.agent_infos) == ["prev_action", "_prev_action", "hidden", "_hidden"]
+    assert joined.agent_infos["prev_action"].shape == (2 * N_STEPS, 2)
+    assert not joined.agent_infos["_hidden"][N_STEPS:].any()
+
+
+def test_concatenate_fills_masked_rows_after_dtype_promotion(fields: dict[str, Any]) -> None:
+    ints = np.arange(N_STEPS)
+    mask = ints % 2 == 0
+    a = EpisodeBatch(**_replace(fields, env_infos={"k": np.where(mask, ints, 0), "_k": mask}))
+    b = EpisodeBatch(**_replace(fields, env_infos={"k": np.full(N_STEPS, 0.5)}))
+    joined = EpisodeBatch.concatenate(a, b)
+    assert joined.env_infos["k"].dtype == np.float64
+    # a's absent rows were 0 as integers; as floats they are NaN like any absent float.
+    assert np.isnan(joined.env_infos["k"][:N_STEPS][~mask]).all()
+    np.testing.assert_array_equal(joined.env_infos["k"][:N_STEPS][mask], ints[mask])
+    assert joined.env_infos["_k"].tolist() == [*mask.tolist(), *[True] * N_STEPS]
+    assert not EpisodeBatch.concatenate(b, b).env_infos.keys() - {"k"}
+
+
+def test_concatenate_refuses_a_key_that_is_a_dict_and_an_array(fields: dict[str, Any]) -> None:
+    a = EpisodeBatch(**_replace(fields, env_infos={"k": {"x": np.zeros(N_STEPS)}}))
+    b = EpisodeBatch(**_replace(fields, env_infos={"k": np.zeros(N_STEPS)}))
+    with pytest.raises(ValueError, match=r"env_infos\['k'\] is a dict"):
+        EpisodeBatch.concatenate(a, b)
+
+
+def test_from_list_keeps_sparse_keys_of_per_step_dicts(spec: EnvSpec) -> None:
+    def path(n: int, infos: list[dict[str, Any]], episode: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "observations": np.ones((n, 4, 3, 2)),
+            "actions": np.zeros((n, 2), dtype=np.int64),
+            "rewards": np.ones(n),
+            "dones": [False] * (n - 1) + [True],
+            "env_infos": infos,
+            "episode_infos": episode,
+        }
+
+    paths = [
+        path(2, [{"a": 1}, {"a": 2, "b": 0.5}], {"seed": 1}),
+        path(1, [{"a": 3}], {"seed": 2, "success": True}),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch = EpisodeBatch.from_list(spec, paths)
+    assert batch.env_infos["a"].tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(batch.env_infos["b"], [np.nan, 0.5, np.nan])
+    assert batch.env_infos["_b"].tolist() == [False, True, False]
+    assert batch.episode_infos["success"].tolist() == [False, True]
+    assert batch.episode_infos["_success"].tolist() == [False, True]
+    assert EpisodeBatch.from_list(spec, batch.to_list()).equals(batch)
 
 
 def test_to_list(batch: EpisodeBatch) -> None:
@@ -568,23 +617,26 @@ def test_stack_infos_stacks_common_keys() -> None:
     np.testing.assert_array_equal(out["n"]["c"], [0, 1, 2])
 
 
-def test_stack_infos_drops_partial_keys_with_one_warning() -> None:
+def test_stack_infos_keeps_partial_keys_with_masks() -> None:
     infos = [
-        {"a": 0, "b": 1, "n": {"x": 0, "y": 1}},
+        {"a": 0, "b": 1.5, "n": {"x": 0, "y": 1}},
         {"a": 1, "n": {"x": 1}},
-        {"a": 2, "c": 5, "n": {"x": 2}},
+        {"a": 2, "c": "s", "n": {"x": 2}},
     ]
-    with pytest.warns(UserWarning) as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = stack_infos(infos, name="env_infos")
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert "env_infos" in message
-    for key in ("'b'", "'c'", "'y'"):
-        assert key in message
-    assert "'a'" not in message
-    assert list(out) == ["a", "n"]
+    assert list(out) == ["a", "b", "_b", "n", "c", "_c"]  # order of first appearance
     assert out["a"].tolist() == [0, 1, 2]
-    assert list(out["n"]) == ["x"]
+    np.testing.assert_array_equal(out["b"], [1.5, np.nan, np.nan])  # floats: NaN
+    assert out["_b"].tolist() == [True, False, False]
+    assert out["c"].tolist() == ["", "", "s"]  # strings: empty
+    assert out["_c"].tolist() == [False, False, True]
+    assert list(out["n"]) == ["x", "y", "_y"]
+    assert out["n"]["y"].tolist() == [1, 0, 0]  # integers: zero
+    assert out["n"]["_y"].tolist() == [True, False, False]
+    objects = stack_infos([{"o": [1, 2]}, {}, {"o": [3]}])
+    assert objects["o"].tolist() == [[1, 2], None, [3]]  # objects: None
 
 
 def test_stack_infos_ragged_values_become_objects() -> None:

@@ -7,6 +7,7 @@ For cheap envs and debugging. A step blocks the loop for as long as the env take
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -77,10 +78,12 @@ class LocalHost:
         else:
             seed_list, option_list = reset_arguments(self.spec.n_envs, seeds, options)
             result = self._call("reset", self._group.reset, mask, seed_list, option_list)
-        return result
+        return _snapshot(result) if result else result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         result: StepInfos = self._call("step", self._group.step, mask)
+        if result.env_infos is not None or result.reset_infos:
+            result = StepInfos(_snapshot(result.env_infos), _snapshot(result.reset_infos))
         # Let other tasks run between steps: a call is many steps, the loop must not wait for
         # all of them.
         await asyncio.sleep(0)
@@ -125,6 +128,33 @@ class LocalHost:
         """Close the envs for good: every later call raises ``SamplerClosedError``."""
         self.closed = True
         self._group.close()
+
+
+_SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def _snapshot(infos: Any) -> Any:
+    """A copy of info dicts with the values the process backend would deliver.
+
+    Envs may reuse their info dict or mutate arrays they put in it; without a copy the batch
+    would show their latest values, unlike every other backend (which pickle the infos). Plain
+    dicts, lists and arrays are copied directly and immutable scalars shared, which costs less
+    than a pickle round trip; anything else is deep-copied.
+    """
+    kind = type(infos)
+    if kind in _SCALARS:
+        return infos
+    if kind is dict:
+        return {k: v if type(v) in _SCALARS else _snapshot(v) for k, v in infos.items()}
+    if kind is list:
+        return [_snapshot(v) for v in infos]
+    if kind is tuple:
+        return tuple(_snapshot(v) for v in infos)
+    if kind is np.ndarray:
+        return infos.copy()
+    if isinstance(infos, np.generic):  # numpy scalars are immutable
+        return infos
+    return copy.deepcopy(infos)
 
 
 class LocalBackend:
