@@ -26,6 +26,7 @@ from asyncsample.evaluation import (
     RenderingEnvFactory,
     frames_of_first_episode,
 )
+from asyncsample.inference import Batched, Batcher, check_inference
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerFactory
@@ -58,6 +59,10 @@ class Sampler:
         worker_args: extra keyword arguments for ``worker_class``.
         backend_options: extra keyword arguments for the backend (e.g. Ray resources).
         test_env: the env :meth:`evaluate` uses by default (default: the training env).
+        inference: where the policy runs: ``"per_worker"`` (each worker calls its agent) or
+            ``"batched"`` (one shared agent; the workers' concurrent calls become one call on
+            the stacked observations), or an :class:`asyncsample.inference.Batched` with
+            batching options.
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class Sampler:
         worker_args: dict[str, Any] | None = None,
         backend_options: dict[str, Any] | None = None,
         test_env: EnvSource | None = None,
+        inference: str | Batched = "per_worker",
     ) -> None:
         self._closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _positive_int("n_workers", n_workers)
@@ -132,6 +138,9 @@ class Sampler:
         )
         self._env_sources = self._check_envs(env, "env")
         self._agents = self._check_agents(agent)
+        # --- hook: inference= (validated before any work) ---
+        self._inference = check_inference(inference, agent)
+        self._batcher: Batcher | None = None
         self._env_spec, self._time_limited = self._probe_env(self._env_sources[0])
         self.seed, self._seeds = worker_seeds(
             None if seed is None else int(seed), n_workers, envs_per_worker
@@ -252,6 +261,10 @@ class Sampler:
             await asyncio.shield(backend.aclose())
             raise
         self.workers = workers
+        if self._inference is not None:  # --- hook: inference="batched" ---
+            self._batcher = Batcher(self._shared_agent_now, self._inference)
+            for worker in workers:
+                worker.batcher = self._batcher
         self._started = True
 
     async def aclose(self) -> None:
@@ -265,6 +278,8 @@ class Sampler:
             await evaluator.aclose()
         if backend is not None:
             await asyncio.shield(backend.aclose())
+        if self._batcher is not None:  # --- hook: inference="batched" ---
+            self._batcher.close()
 
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
@@ -574,6 +589,17 @@ class Sampler:
             episodes=share if mode == "episodes" else None,
         )
         needs_recovery = worker.broken
+        if self._batcher is not None:  # --- hook: inference="batched" ---
+            self._batcher.join(w)
+            try:
+                return await self._drive_steps(worker, mode, share, carry, needs_recovery)
+            finally:
+                self._batcher.leave(w)
+        return await self._drive_steps(worker, mode, share, carry, needs_recovery)
+
+    async def _drive_steps(
+        self, worker: Worker, mode: Mode, share: int, carry: bool, needs_recovery: bool
+    ) -> Plan | None:
         restarts = 0
         while True:
             try:
@@ -615,6 +641,11 @@ class Sampler:
         if agent_update is None:
             return
         items = agent_update if isinstance(agent_update, list) else [agent_update]
+        if isinstance(agent_update, list) and self._inference is not None:  # --- hook ---
+            raise ValueError(
+                "agent_update: inference='batched' shares one agent between all workers; pass "
+                "one update (parameters or an agent), not a list"
+            )
         if isinstance(agent_update, list):
             if len(agent_update) != self.n_workers:
                 raise ValueError(
@@ -637,6 +668,11 @@ class Sampler:
                     f"Agent (with get_actions), or a list of those; got {type(u).__name__}"
                 )
 
+    def _shared_agent_now(self) -> Agent:
+        agent = self.workers[0].agent  # inference="batched": every worker has the same one
+        assert agent is not None
+        return agent
+
     def _shared_agent(self) -> bool:
         agents = [w.agent for w in self.workers] if self.workers else self._agents
         return len({id(a) for a in agents}) < len(agents)
@@ -644,6 +680,13 @@ class Sampler:
     def _apply_agent_update(self, agent_update: Any, *, reset: bool = True) -> None:
         if agent_update is None:
             return
+        if self._batcher is not None:  # --- hook: never while the batcher's thread runs the agent
+            with self._batcher.exclusive():
+                self._apply_agent_update_now(agent_update, reset=reset)
+            return
+        self._apply_agent_update_now(agent_update, reset=reset)
+
+    def _apply_agent_update_now(self, agent_update: Any, *, reset: bool) -> None:
         if isinstance(agent_update, list):
             for worker, update in zip(self.workers, agent_update):
                 worker.update_agent(update, reset=reset)

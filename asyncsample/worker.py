@@ -27,6 +27,7 @@ from asyncsample.backends.base import EnvHost
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_group import rebuild_chain
 from asyncsample.env_update import EnvSource
+from asyncsample.inference import Batcher
 from asyncsample.seeding import WorkerSeeds
 
 __all__ = ["FragmentWorker", "Transition", "VecWorker", "Worker", "WorkerFactory"]
@@ -200,6 +201,8 @@ class Worker:
         self._action_check: Callable[[Any], np.ndarray] | None = None
         self._trusted_actions = False
         self._records_transitions = type(self).process_transition is not Worker.process_transition
+        # --- hook: inference="batched" (the sampler sets it; None: ask the agent directly) ---
+        self.batcher: Batcher | None = None
 
     def __getstate__(self) -> None:
         raise ValueError(
@@ -320,7 +323,13 @@ class Worker:
         _put(buffers.actions, Ellipsis, actions)
         if agent_infos:
             self._store_agent_infos(t, agent_infos)
+        # --- hook: inference="batched" needs to know who waits on a host ---
+        if self.batcher is not None:
+            self.batcher.host_wait(self.worker_number)
         infos = await host.step(active)
+        if self.batcher is not None:
+            self.batcher.host_done(self.worker_number)
+        # --- end hook ---
         rows.rewards[t] = buffers.rewards
         if infos.env_infos is not None:
             rows.env_infos[t] = infos.env_infos
@@ -413,6 +422,8 @@ class Worker:
         exploration noise). The default asks the agent, awaiting it when it is async.
         """
         assert self.agent is not None
+        if self.batcher is not None:  # --- hook: inference="batched" ---
+            return await self.batcher.get_actions(self.worker_number, observations)
         return await get_actions(self.agent, observations)
 
     def process_transition(self, history: Any, transition: Transition) -> Any:
