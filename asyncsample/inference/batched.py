@@ -49,6 +49,10 @@ _FLUSH_RULES = ("lockstep", "eager")
 
 _RUNNING, _WAITING, _ON_HOST = 0, 1, 2
 
+#: ``"eager"`` decides this many loop iterations after the last request: a host reply takes
+#: two iterations from the socket to its worker (reader callback, reader task, worker task).
+SETTLE_ITERATIONS = 3
+
 
 @dataclass(frozen=True)
 class Batched:
@@ -61,10 +65,14 @@ class Batched:
             reading host replies during the forward pass (helps when the agent releases the GIL,
             e.g. torch; costs a thread hand-off per call). Async agents are always awaited in
             the loop.
+        min_fraction: ``"eager"`` only: also wait until at least this fraction of the workers
+            in the call are waiting for actions (Sample Factory waits for about a third), unless
+            every worker is; ``0`` flushes as soon as no worker is running Python.
     """
 
     flush: FlushRule = "lockstep"
     threaded: bool = False
+    min_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.flush not in _FLUSH_RULES:
@@ -73,6 +81,8 @@ class Batched:
             )
         if not isinstance(self.threaded, bool):
             raise TypeError(f"threaded must be a bool, got {self.threaded!r}")
+        if not 0.0 <= self.min_fraction <= 1.0:
+            raise ValueError(f"min_fraction must be between 0 and 1, got {self.min_fraction!r}")
 
 
 @dataclass
@@ -120,6 +130,8 @@ class Batcher:
         self._pending: dict[int, _Request] = {}
         self._scheduled = False
         self._busy = False  # an async or threaded agent call is in flight
+        self._quiet = 0  # loop iterations since the last state change
+        self._settle = SETTLE_ITERATIONS if options.flush == "eager" else 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._agent_lock = threading.Lock()
         self.stats = BatchStats()
@@ -177,6 +189,7 @@ class Batcher:
     # -- flushing -----------------------------------------------------------------------------
 
     def _schedule(self) -> None:
+        self._quiet = 0
         if not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._check)
@@ -185,11 +198,17 @@ class Batcher:
         if self._busy or not self._pending:
             return False
         state = self._state.values()
-        if self.options.flush == "lockstep":
-            return len(self._pending) == len(self._state)
-        return _RUNNING not in state
+        waiting, total = len(self._pending), len(self._state)
+        if self.options.flush == "lockstep" or waiting == total:
+            return waiting == total
+        return _RUNNING not in state and waiting >= self.options.min_fraction * total
 
     def _check(self) -> None:
+        if self._quiet < self._settle and self._pending and not self._busy:
+            # Let the host replies already read run their workers first (see module doc).
+            self._quiet += 1
+            asyncio.get_running_loop().call_soon(self._check)
+            return
         self._scheduled = False
         if not self._ready():
             return
