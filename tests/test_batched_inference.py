@@ -342,3 +342,14 @@ def test_constructor_errors() -> None:
         Sampler(NoisyEnv, [LinearAgent(), LinearAgent()], backend="local", inference="batched")
     with pytest.raises(ValueError, match="flush must be one of"):
         Batched(flush="sometimes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+async def test_eager_min_fraction_one_waits_for_every_worker(backend: str) -> None:
+    agent = LinearAgent()
+    options = Batched("eager", min_fraction=1.0)
+    async with make(backend, agent, options, n_workers=4) as sampler:
+        await sampler.obtain_fragments(4 * 2 * 10)
+    assert agent.calls == [8] * 10
+    with pytest.raises(ValueError, match="min_fraction must be between 0 and 1"):
+        Batched("eager", min_fraction=1.5)
