@@ -90,7 +90,10 @@ def _gather(plans: list[Plan], records: list[Any], likes: list[np.ndarray]) -> n
         if n:
             flat = record.reshape(-1, *record.shape[2:])  # a view: rows x envs -> one axis
             np.take(
-                flat, plan.rows * plan.n_envs + plan.envs, axis=0, out=out[start : start + n],
+                flat,
+                plan.rows * plan.n_envs + plan.envs,
+                axis=0,
+                out=out[start : start + n],
                 mode="clip",  # indices are valid; "raise" would buffer the whole copy
             )
         start += n

@@ -30,6 +30,7 @@ from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvChoice, EnvSource, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.evaluation import Evaluation
+from asyncsample.inference import Batched, Batcher, check_inference
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerDriver, WorkerFactory
@@ -72,6 +73,10 @@ class Sampler:
         worker_args: extra keyword arguments for ``worker_class``.
         backend_options: extra keyword arguments for the backend (e.g. Ray resources).
         test_env: the env :meth:`evaluate` uses by default (default: the training env).
+        inference: where the policy runs: ``"per_worker"`` (each worker calls its agent) or
+            ``"batched"`` (one shared agent; the workers' concurrent calls become one call on
+            the stacked observations), or an :class:`asyncsample.inference.Batched` with
+            batching options.
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
@@ -94,6 +99,7 @@ class Sampler:
         worker_args: dict[str, Any] | None = None,
         backend_options: dict[str, Any] | None = None,
         test_env: EnvSource | None = None,
+        inference: str | Batched = "per_worker",
     ) -> None:
         self._closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -145,6 +151,9 @@ class Sampler:
         )
         self._env_sources = self._check_envs(env, "env")
         self._agents = self._check_agents(agent)
+        # --- hook: inference= (validated before any work) ---
+        self._inference = check_inference(inference, agent)
+        self._batcher: Batcher | None = None
         self._env_spec, self._time_limited = self._probe_env(self._env_sources[0])
         self.seed, self._seeds = worker_seeds(seed, n_workers, envs_per_worker)
         if agent is None:
@@ -264,6 +273,10 @@ class Sampler:
             await asyncio.shield(backend.aclose())
             raise
         self.workers = workers
+        if self._inference is not None:  # --- hook: inference="batched" ---
+            self._batcher = Batcher(self._shared_agent_now, self._inference)
+            for worker in workers:
+                worker.batcher = self._batcher
         self._started = True
 
     async def aclose(self) -> None:
@@ -277,6 +290,8 @@ class Sampler:
             await evaluator.aclose()
         if backend is not None:
             await asyncio.shield(backend.aclose())
+        if self._batcher is not None:  # --- hook: inference="batched" ---
+            self._batcher.close()
 
     def __del__(self) -> None:
         if getattr(self, "_closed", True):
@@ -482,6 +497,19 @@ class Sampler:
         if share == 0:
             return None
         worker._begin_call(resume, episodes=share if mode == "episodes" else None)
+        if self._batcher is None:
+            return await self._drive_steps(worker, mode, share, leave)
+        self._batcher.join(w)  # inference="batched": the batcher waits for this worker's rows
+        try:
+            return await self._drive_steps(worker, mode, share, leave)
+        finally:
+            self._batcher.leave(w)
+
+    async def _drive_steps(
+        self, worker: WorkerDriver, mode: Mode, share: int, leave: Resume
+    ) -> Plan:
+        """The retry loop of :meth:`_drive`: run the worker's plan, recovering after failures."""
+        w = worker.worker_number
         needs_recovery = worker._needs_recovery
         restarts = 0
         while True:
@@ -525,6 +553,11 @@ class Sampler:
         if agent_update is None:
             return
         items = agent_update if isinstance(agent_update, list) else [agent_update]
+        if isinstance(agent_update, list) and self._inference is not None:  # --- hook ---
+            raise ValueError(
+                "agent_update: inference='batched' shares one agent between all workers; pass "
+                "one update (parameters or an agent), not a list"
+            )
         if isinstance(agent_update, list):
             if len(agent_update) != self.n_workers:
                 raise ValueError(
@@ -547,6 +580,11 @@ class Sampler:
                     f"Agent (with get_actions), or a list of those; got {type(u).__name__}"
                 )
 
+    def _shared_agent_now(self) -> Agent:
+        agent = self.workers[0].agent  # inference="batched": every worker has the same one
+        assert agent is not None
+        return agent
+
     def _shared_agent(self) -> bool:
         agents = [w.agent for w in self.workers] if self.workers else self._agents
         return len({id(a) for a in agents}) < len(agents)
@@ -554,6 +592,13 @@ class Sampler:
     def _apply_agent_update(self, agent_update: Any, *, reset: bool = True) -> None:
         if agent_update is None:
             return
+        if self._batcher is not None:  # --- hook: never while the batcher's thread runs the agent
+            with self._batcher.exclusive():
+                self._apply_agent_update_now(agent_update, reset=reset)
+            return
+        self._apply_agent_update_now(agent_update, reset=reset)
+
+    def _apply_agent_update_now(self, agent_update: Any, *, reset: bool) -> None:
         if isinstance(agent_update, list):
             for worker, update in zip(self.workers, agent_update):
                 worker.update_agent(update, reset=reset)

@@ -29,6 +29,7 @@ from asyncsample.backends.base import EnvHost
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_group import rebuild_chain
 from asyncsample.env_update import EnvChoice, EnvSource
+from asyncsample.inference import Batcher
 from asyncsample.seeding import WorkerSeeds
 
 __all__ = [
@@ -126,6 +127,8 @@ class Worker:
         self._output_check = AgentOutputCheck(worker_number, n_envs)
         self._trusted_actions = False
         self._records_transitions = type(self).process_transition is not Worker.process_transition
+        # --- hook: inference="batched" (the sampler sets it; None: ask the agent directly) ---
+        self.batcher: Batcher | None = None
 
     def __getstate__(self) -> None:
         raise ValueError(
@@ -250,7 +253,12 @@ class Worker:
         put_row(buffers.actions, Ellipsis, actions)
         if agent_infos or rows.agent_infos:
             store_agent_infos(rows, t, agent_infos)
+        batcher = self.batcher
+        if batcher is not None:  # inference="batched" needs to know who waits on a host
+            batcher.host_wait(self.worker_number)
         infos = await host.step(active)  # the one place a worker steps its envs
+        if batcher is not None:
+            batcher.host_done(self.worker_number)
         rows.rewards[t] = buffers.rewards
         if infos.env_infos is not None:
             rows.env_infos[t] = infos.env_infos
@@ -325,6 +333,8 @@ class Worker:
         anything is recorded.
         """
         assert self.agent is not None
+        if self.batcher is not None:  # --- hook: inference="batched" ---
+            return await self.batcher.get_actions(self.worker_number, observations)
         return await get_actions(self.agent, observations)
 
     def process_transition(self, history: Any, transition: Transition) -> Any:

@@ -1,7 +1,8 @@
 """Command line of the benchmark suite: ``python -m benchmarks [--quick] [...]``.
 
 Runs every contender on every env (see ``benchmarks.suite``) with a progress bar, then
-writes ``results.json``, ``results.md``, ``throughput.png`` and ``scaling.png`` to ``--out``.
+writes ``results.json``, ``results.md``, ``throughput.png`` and ``scaling.png`` to ``--out``
+(and ``policy.png`` for ``--groups policy``).
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--groups",
         nargs="+",
-        choices=suite.GROUPS,
+        choices=suite.GROUPS + suite.EXTRA_GROUPS,
         metavar="GROUP",
-        help=f"parts of the suite to run (default: all of {', '.join(suite.GROUPS)})",
+        help=f"parts of the suite to run (default: all of {', '.join(suite.GROUPS)}; "
+        f"only when named: {', '.join(suite.EXTRA_GROUPS)})",
     )
     parser.add_argument("--repeats", type=int, help="runs per config (default 3; --quick: 1)")
     parser.add_argument(
@@ -134,6 +136,10 @@ def render(results_json: Path, out: Path) -> int:
     settings = suite.Settings(**{k: v for k, v in results["settings"].items() if k in fields})
     settings.layouts = [(int(w), int(k)) for w, k in settings.layouts]
     settings.big_layouts = [(int(w), int(k)) for w, k in settings.big_layouts]
+    settings.policy_layouts = {
+        int(n): [(int(w), int(k)) for w, k in layouts]
+        for n, layouts in settings.policy_layouts.items()
+    }
     groups = suite.plan(settings)
     results["summary"] = suite.aggregate(results["runs"], settings.max_foreign)
     results["derived"] = suite.derive(results["summary"], groups, settings)

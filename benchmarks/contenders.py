@@ -7,7 +7,9 @@ contender closes its envs and processes in a ``finally``. A contender whose libr
 missing (or whose backend is not implemented yet) raises :class:`Skipped` with a note.
 
 Vector envs get a seeded batched ``action_space.sample()`` each step (the same agent for
-every vector peer); asyncsample uses its built-in per-worker ``RandomAgent``.
+every vector peer); asyncsample uses its built-in per-worker ``RandomAgent``. With
+``spec.policy`` (the policy workload) every contender is driven by the same torch MLP
+(:mod:`benchmarks.policies`) instead, and asyncsample by it in ``spec.inference`` mode.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class RunSpec:
         memory_interval: Seconds between memory samples.
         min_seconds: Keep stepping past ``n_transitions`` until the timed phase lasted
             this long (fast contenders get a measurement long enough to be stable).
+        policy: ``""``: random actions; ``"mlp"``: the policy workload's torch MLP.
+        inference: asyncsample's ``inference`` with a policy: ``"per_worker"``,
+            ``"batched"`` (lockstep), ``"batched-threaded"``, ``"eager"`` or
+            ``"eager-threaded"``.
     """
 
     contender: str
@@ -91,6 +97,8 @@ class RunSpec:
     instrument: bool = False
     memory_interval: float = 0.5
     min_seconds: float = 1.0
+    policy: str = ""
+    inference: str = "per_worker"
 
     def to_dict(self) -> dict[str, Any]:
         """Return the spec as a JSON-able dict."""
@@ -269,7 +277,9 @@ class CpuAccount:
     """Who used the CPUs during a phase: this process tree, everyone else, the hypervisor.
 
     ``own_cores`` is the CPU the contender's processes used per second of wall time (at
-    most the core count); ``foreign_cores`` is what other processes on the machine used
+    most the core count), ``main_cores`` the part of it used by the main process (the
+    sampler, and the policy where it runs there), ``host_cores`` the rest (env processes);
+    ``foreign_cores`` is what other processes on the machine used
     meanwhile (the measurement was disturbed when it is well above zero); ``steal_cores``
     is time the hypervisor gave to other machines.
     """
@@ -297,8 +307,12 @@ class CpuAccount:
             return
         own = sum(cpu - self._tree0.get(pid, 0.0) for pid, cpu in tree1.items())
         busy = busy1 - self._mach0[0]
+        pid = self._root.pid
+        main = tree1.get(pid, 0.0) - self._tree0.get(pid, 0.0)
         self.result = {
             "own_cores": own / wall,
+            "main_cores": main / wall,
+            "host_cores": (own - main) / wall,
             "foreign_cores": max(0.0, busy - own) / wall,
             "steal_cores": (steal1 - self._mach0[1]) / wall,
         }
@@ -464,6 +478,30 @@ def ideal_single(spec: RunSpec) -> RunResult:
         env.close()
 
 
+def _policy_steps(spec: RunSpec, step: Callable[[Any], Any], first_obs: Any) -> RunResult:
+    """Step a vector env with the policy workload's MLP acting on the latest observations.
+
+    Args:
+        spec: The run (``spec.policy`` names the policy).
+        step: Steps all envs once with the given actions and returns the new observations.
+        first_obs: The observations after the reset.
+    """
+    from benchmarks.policies import make_policy
+
+    policy = make_policy(spec.policy, spec.env_id, seed=spec.seed)
+    obs = first_obs
+    warm = 0
+    while warm < spec.warmup:
+        obs = step(policy.act(obs))
+        warm += spec.n_envs
+    done = 0
+    with TimedPhase(spec) as phase:
+        while phase.more(done):
+            obs = step(policy.act(obs))
+            done += spec.n_envs
+    return phase.result(done)
+
+
 def _gym_vector(
     spec: RunSpec, cls: Callable[..., gym.vector.VectorEnv], **kwargs: Any
 ) -> RunResult:
@@ -473,8 +511,11 @@ def _gym_vector(
     envs = None
     try:
         envs = cls(_env_fns(spec), autoreset_mode=AutoresetMode.SAME_STEP, **kwargs)
-        envs.reset(seed=spec.seed)
+        first_obs, _ = envs.reset(seed=spec.seed)
         n = spec.n_envs
+        if spec.policy:
+            venv = envs
+            return _policy_steps(spec, lambda a: venv.step(a)[0], first_obs)
 
         def step(action: Any) -> int:
             envs.step(action)
@@ -512,8 +553,11 @@ def sb3_subproc(spec: RunSpec) -> RunResult:
             multiprocessing.set_forkserver_preload([SubprocVecEnv.__module__])
         venv = SubprocVecEnv(_env_fns(spec))
         venv.seed(spec.seed)
-        venv.reset()
+        first_obs = venv.reset()
         n = spec.n_envs
+        if spec.policy:
+            sb3 = venv
+            return _policy_steps(spec, lambda a: sb3.step(a)[0], first_obs)
 
         def step(action: Any) -> int:
             venv.step(action)
@@ -647,14 +691,20 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
     }
     if backend == "process":
         kwargs["n_processes"] = spec.n_processes
+    agent: Any = None
+    if spec.policy:
+        from benchmarks.policies import make_policy
+
+        agent = make_policy(spec.policy, spec.env_id, seed=spec.seed)
+        kwargs["inference"] = _inference(spec.inference)
     notes: list[str] = []
     try:
-        sampler = asyncsample.Sampler(spec.env_id, **kwargs)
+        sampler = asyncsample.Sampler(spec.env_id, agent, **kwargs)
     except ValueError as exc:
         if ":" not in spec.env_id or "env" not in str(exc):
             raise
         # gymnasium.make accepts "module:EnvId" (it imports the module); gymnasium.spec does not.
-        sampler = asyncsample.Sampler(functools.partial(gym.make, spec.env_id), **kwargs)
+        sampler = asyncsample.Sampler(functools.partial(gym.make, spec.env_id), agent, **kwargs)
         notes.append(
             "Sampler rejected gymnasium's 'module:EnvId' id form (gymnasium.make imports the "
             "module, gymnasium.spec does not); it was given functools.partial(gym.make, id)"
@@ -673,6 +723,12 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
                     done += _count(await sampler.obtain_fragments(chunk))
         finally:
             await probe.stop()
+        batcher = getattr(sampler, "_batcher", None)
+        if batcher is not None and batcher.stats.calls:
+            st = batcher.stats
+            notes.append(
+                f"{st.rows / st.calls:.1f} rows ({st.mean_workers:.2f} workers) per agent call"
+            )
     finally:
         await sampler.aclose()
     lag = None
@@ -680,6 +736,19 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
         lag = probe.summary()
         lag["idle"] = idle
     return phase.result(done, lag=lag, notes=notes)
+
+
+def _inference(name: str) -> Any:
+    """The ``Sampler(inference=...)`` value of a spec's inference name."""
+    if name == "per_worker":
+        return name
+    from asyncsample.inference import Batched
+
+    flush, _, threaded = name.partition("-")
+    return Batched(
+        flush="lockstep" if flush == "batched" else "eager",  # type: ignore[arg-type]
+        threaded=threaded == "threaded",
+    )
 
 
 def _asyncsample(spec: RunSpec, backend: str) -> RunResult:

@@ -378,7 +378,10 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         ]
         lines += _table(header, mem_rows)
 
-    if derived["targets"]:
+    if groups.get("policy"):
+        lines += _policy_markdown(results)
+
+    if derived["targets"] and any(t["value"] is not None for t in derived["targets"]):
         lines += ["## Targets of issue 4 (best asyncsample layout)", ""]
         rows = []
         for t in derived["targets"]:
@@ -416,6 +419,69 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         "",
     ]
     path.write_text("\n".join(lines))
+
+
+def _median(values: list[float] | None) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _cores(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _policy_markdown(results: dict[str, Any]) -> list[str]:
+    """The policy workload: steps/s, x SyncVectorEnv, CPU of main process and env hosts."""
+    settings: Settings = results["_settings"]
+    summary: dict[str, dict[str, Any]] = results["summary"]
+    derived = results["derived"]
+    configs: list[Config] = results["_groups"]["policy"]
+    ratios = derived["ratios"]
+    lines = [
+        "## Policy workload: a torch MLP drives every contender",
+        "",
+        "The same MLP (64x64 tanh, one torch thread per process, stochastic actions: "
+        "Categorical on CartPole, Gaussian clipped to the box on HalfCheetah) picks every "
+        "action, in the main process, for every contender. asyncsample's inference modes: "
+        "`per_worker` (one agent call per worker step), `batched` (the workers' calls merged "
+        "into one, lockstep: reproducible), `batched-threaded` (the same, the agent call in a "
+        "helper thread), `eager` (flush as soon as no worker runs Python; timing-dependent "
+        f"batches). Layouts are workers x envs per worker over {settings.n_processes} "
+        "env-host processes. CPU: cores used by the main process and by everything else the "
+        "contender started (env processes), per second of wall time (median over runs).",
+        "",
+    ]
+    for env in settings.policy_envs:
+        for n in settings.policy_n_envs:
+            rows = []
+            for cfg in configs:
+                if cfg.env != env or cfg.n_envs != n:
+                    continue
+                agg = summary.get(cfg.key)
+                r = ratios.get(cfg.key) or {}
+                calls = next((x for x in (agg or {}).get("notes", []) if "per agent call" in x), "")
+                rows.append(
+                    [
+                        cfg.label,
+                        _cell(agg),
+                        _x(r.get("vs_sync")),
+                        _cores(_median((agg or {}).get("main_cores"))),
+                        _cores(_median((agg or {}).get("host_cores"))),
+                        calls.replace(" per agent call", ""),
+                    ]
+                )
+            if rows:
+                lines += [f"### {env}, {n} envs", ""]
+                header = ["contender", "steps/s", "x sync", "main CPU", "hosts CPU", "per call"]
+                lines += _table(header, rows)
+    targets = derived.get("policy", {}).get("targets", [])
+    if targets:
+        lines += ["### Targets of issue 11", ""]
+        rows = []
+        for t in targets:
+            met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+            rows.append([t["what"], f">= {t['target']:.1f}x", _x(t["value"]), t["by"] or "-", met])
+        lines += _table(["target", "goal", "measured", "by", ""], rows)
+    return lines
 
 
 def _us(v: float | None) -> str:
@@ -514,6 +580,11 @@ def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
+    if groups.get("policy"):
+        path = _policy_plot(out_dir, results, plt)
+        if path is not None:
+            written.append(path)
+
     if groups.get("scaling"):
         fig, ax = plt.subplots(figsize=(6.5, 4.4))
         by: dict[str, list[Config]] = {}
@@ -551,3 +622,57 @@ def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _policy_plot(out_dir: Path, results: dict[str, Any], plt: Any) -> Path | None:
+    """``policy.png``: steps/s of every contender driven by the MLP, one panel per env and size."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    settings: Settings = results["_settings"]
+    summary = results["summary"]
+    configs: list[Config] = results["_groups"]["policy"]
+    panels = [
+        (env, n)
+        for env in settings.policy_envs
+        for n in settings.policy_n_envs
+        if any(
+            c.env == env and c.n_envs == n and summary.get(c.key, {}).get("status") == "ok"
+            for c in configs
+        )
+    ]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.5, 5.2), squeeze=False)
+    colors = {"sync": "C0", "async": "C1", "sb3": "C2"}
+    modes = {"per_worker": "C3", "batched": "C4", "batched-threaded": "C5", "eager": "C6"}
+    for ax, (env, n) in zip(axes[0], panels, strict=True):
+        names, meds, cols = [], [], []
+        for cfg in configs:
+            agg = summary.get(cfg.key)
+            if cfg.env != env or cfg.n_envs != n or not agg or agg["status"] != "ok":
+                continue
+            names.append(cfg.label.replace("gymnasium ", "").replace("asyncsample process ", ""))
+            meds.append(agg["median"])
+            cols.append(colors.get(cfg.contender) or modes.get(cfg.inference, "C7"))
+        y = list(range(len(names)))
+        ax.barh(y, meds, color=cols)
+        ax.set_yticks(y, names, fontsize=6)
+        for yi, m in zip(y, meds, strict=True):
+            ax.text(m, yi, f" {_k(m)}", va="center", fontsize=6)
+        ax.set_xlim(0, 1.3 * max(meds))
+        ax.set_title(f"{env}, {n} envs", fontsize=9)
+        ax.set_xlabel("transitions / s", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _k(v)))
+        ax.invert_yaxis()
+    fig.suptitle(
+        f"Policy workload: torch MLP 64x64 drives every contender, {settings.cores} cores "
+        "(asyncsample: inference mode, workers x envs/worker / processes)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    path = out_dir / "policy.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -13,6 +13,9 @@ Groups:
     ``big``: CartPole-v1 with ``big_n_envs`` (64) envs: asyncsample vs the gymnasium peers.
     ``scaling``: CartPole-v1 throughput against the number of envs.
     ``overhead``: NoOp-v0 with one env, and with 8 envs in one worker: the round trip.
+    ``policy`` (not run by default; ``--groups policy``): the same torch MLP drives every
+        contender (SyncVectorEnv, AsyncVectorEnv, SB3 SubprocVecEnv, asyncsample in each
+        ``inference`` mode and layout) on ``policy_envs`` with ``policy_n_envs`` envs.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ PEERS = ["sync", "async", "sb3", "tianshou-subproc", "tianshou-shmem", "envpool"
 OURS = ["asyncsample", "asyncsample-local"]
 ALL_CONTENDERS = PEERS + OURS
 GROUPS = ["ideal", "main", "big", "scaling", "overhead"]
+#: Groups that run only when named (``--groups policy``).
+EXTRA_GROUPS = ["policy"]
+POLICY_ENVS = ["CartPole-v1", "HalfCheetah-v5"]
+POLICY_PEERS = ["sync", "async", "sb3"]
 
 #: Contender -> module that must be importable for it to run.
 REQUIRES = {
@@ -118,6 +125,17 @@ class Settings:
     max_foreign: float = 0.25
     quick: bool = False
     explicit: bool = False
+    policy_envs: list[str] = field(default_factory=lambda: list(POLICY_ENVS))
+    policy_n_envs: list[int] = field(default_factory=lambda: [8, 32])
+    policy_layouts: dict[int, list[tuple[int, int]]] = field(
+        default_factory=lambda: {8: [(2, 4), (8, 1)], 32: [(2, 16), (8, 4)]}
+    )
+    policy_inference: list[str] = field(
+        default_factory=lambda: ["per_worker", "batched", "batched-threaded", "eager"]
+    )
+    policy_transitions: dict[str, int] = field(
+        default_factory=lambda: {"CartPole-v1": 10_000, "HalfCheetah-v5": 5_000}
+    )
 
     @classmethod
     def quick_settings(cls, **overrides: Any) -> Settings:
@@ -133,14 +151,19 @@ class Settings:
             fragment_steps=16,
             timeout=60.0,
             quick=True,
+            policy_n_envs=[8],
+            policy_layouts={8: [(2, 4)]},
+            policy_inference=["per_worker", "batched"],
+            policy_transitions={"CartPole-v1": 1_000, "HalfCheetah-v5": 500},
         )
         for key, value in overrides.items():
             setattr(base, key, value)
         return base
 
-    def n_transitions(self, env: str, n_envs: int) -> int:
+    def n_transitions(self, env: str, n_envs: int, policy: str = "") -> int:
         """Timed transitions of a run: the env's budget, and at least 4 asyncsample calls."""
-        return max(self.transitions.get(env, 10_000), 4 * n_envs * self.fragment_steps)
+        budget = (self.policy_transitions if policy else self.transitions).get(env, 10_000)
+        return max(budget, 4 * n_envs * self.fragment_steps)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able settings."""
@@ -157,11 +180,14 @@ class Config:
     n_workers: int = 0
     envs_per_worker: int = 0
     n_processes: int = 0
+    policy: str = ""  # "" random actions; "mlp": the policy workload
+    inference: str = ""  # asyncsample's inference mode with a policy
 
     @property
     def key(self) -> str:
         """Unique id of the config."""
-        return f"{self.contender}|{self.env}|{self.n_envs}|{self.layout}"
+        key = f"{self.contender}|{self.env}|{self.n_envs}|{self.layout}"
+        return f"{key}|{self.policy}|{self.inference}" if self.policy else key
 
     @property
     def layout(self) -> str:
@@ -176,6 +202,8 @@ class Config:
     def label(self) -> str:
         """Human-readable name."""
         name = CONTENDERS[self.contender][1]
+        if self.inference:
+            name = f"{name} {self.inference}"
         return f"{name} {self.layout}" if self.layout else name
 
 
@@ -233,6 +261,19 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
                     groups["scaling"].append(
                         _ours(c, "CartPole-v1", n, s.scaling_workers, s.n_processes)
                     )
+    if "policy" in groups:
+        for env in s.policy_envs:
+            for n in s.policy_n_envs:
+                for c in chosen:
+                    if c in POLICY_PEERS:
+                        groups["policy"].append(Config(c, env, n, policy="mlp"))
+                    elif c == "asyncsample":
+                        for inference in s.policy_inference:
+                            for w, k in s.policy_layouts.get(n, []):
+                                if w * k == n:
+                                    groups["policy"].append(
+                                        Config(c, env, n, w, k, s.n_processes, "mlp", inference)
+                                    )
     if "overhead" in groups and "NoOp-v0" in s.envs:
         for c in chosen:
             if c in ("sync", "async"):
@@ -258,6 +299,10 @@ def pre_skip(cfg: Config, settings: Settings) -> str | None:
     """A reason to skip ``cfg`` without starting a process, or None."""
     if cfg.contender == "envpool" and cfg.env != "CartPole-v1":
         return "EnvPool runs only its own C++ envs (here: CartPole-v1)"
+    if cfg.policy and importlib.util.find_spec("torch") is None:
+        return "the policy workload needs torch (pip install torch)"
+    if cfg.env.startswith("HalfCheetah") and importlib.util.find_spec("mujoco") is None:
+        return "HalfCheetah needs mujoco (pip install 'gymnasium[mujoco]')"
     if settings.quick and cfg.contender in TORCH_PEERS and not settings.explicit:
         return "--quick skips the torch-based peers (slow to start) unless --contenders names them"
     module = REQUIRES.get(cfg.contender)
@@ -268,7 +313,7 @@ def pre_skip(cfg: Config, settings: Settings) -> str | None:
 
 def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
     """The :class:`RunSpec` of one run of ``cfg``."""
-    n = settings.n_transitions(cfg.env, cfg.n_envs)
+    n = settings.n_transitions(cfg.env, cfg.n_envs, cfg.policy)
     if cfg.contender == "ideal":
         n = int(n * settings.ideal_factor)
     return RunSpec(
@@ -286,6 +331,8 @@ def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
         fragment_steps=settings.fragment_steps,
         instrument=instrument,
         min_seconds=settings.min_seconds,
+        policy=cfg.policy,
+        inference=cfg.inference or "per_worker",
     )
 
 
@@ -436,6 +483,8 @@ def _record(
         "n_workers": cfg.n_workers,
         "envs_per_worker": cfg.envs_per_worker,
         "n_processes": cfg.n_processes,
+        "policy": cfg.policy,
+        "inference": cfg.inference,
         "repeat": repeat,
     }
     if spec is not None:
@@ -475,6 +524,7 @@ def aggregate(
                     "n_processes",
                 )
             }
+            | {"policy": rec.get("policy", ""), "inference": rec.get("inference", "")}
             | {
                 "rates": [],
                 "notes": [],
@@ -482,6 +532,8 @@ def aggregate(
                 "memory": None,
                 "lag": None,
                 "own_cores": [],
+                "main_cores": [],
+                "host_cores": [],
                 "foreign_cores": [],
             },
         )
@@ -497,6 +549,9 @@ def aggregate(
                 agg["lag"] = rec["lag"]
             if rec.get("cpu"):
                 agg["own_cores"].append(rec["cpu"]["own_cores"])
+                if "main_cores" in rec["cpu"]:
+                    agg["main_cores"].append(rec["cpu"]["main_cores"])
+                    agg["host_cores"].append(rec["cpu"]["host_cores"])
                 agg["foreign_cores"].append(rec["cpu"]["foreign_cores"])
         elif status == "skipped":
             if rec.get("note") and rec["note"] not in agg["notes"]:
@@ -657,10 +712,71 @@ def derive(
             t["met"] = t["value"] < t["target"]
         else:
             t["met"] = t["value"] >= t["target"]
+    policy = _derive_policy(med, groups.get("policy", []))
+    per_config.update(policy.pop("ratios"))
     return {
+        "policy": policy,
         "ideal": ideal,
         "ratios": per_config,
         "best_layout": best,
         "overhead": overhead,
         "targets": targets,
     }
+
+
+#: Issue 11's targets: best asyncsample vs SyncVectorEnv with the MLP, by (env, envs).
+POLICY_TARGETS = {
+    ("CartPole-v1", 8): 1.2,
+    ("CartPole-v1", 32): 1.5,
+    ("HalfCheetah-v5", 8): 1.5,
+    ("HalfCheetah-v5", 32): 1.8,
+}
+
+
+def _derive_policy(med: Any, configs: list[Config]) -> dict[str, Any]:
+    """Ratios, best asyncsample mode/layout and targets of the policy workload."""
+    ratios: dict[str, dict[str, float | None]] = {}
+    best: dict[str, dict[str, Any]] = {}
+    for cfg in configs:
+        rate = med(cfg.key)
+        if not rate:
+            continue
+        sync = med(Config("sync", cfg.env, cfg.n_envs, policy=cfg.policy).key)
+        ratios[cfg.key] = {"vs_sync": rate / sync if sync else None, "vs_ideal": None}
+        if cfg.contender == "asyncsample":
+            slot = f"{cfg.env}|{cfg.n_envs}"
+            if slot not in best or rate > best[slot]["median"]:
+                best[slot] = {
+                    "key": cfg.key,
+                    "label": cfg.label,
+                    "median": rate,
+                    "vs_sync": ratios[cfg.key]["vs_sync"],
+                }
+    targets: list[dict[str, Any]] = []
+    for (env, n), goal in POLICY_TARGETS.items():
+        slot = best.get(f"{env}|{n}")
+        targets.append(
+            {
+                "what": f"{env} ({n} envs, MLP): best asyncsample x SyncVectorEnv",
+                "target": goal,
+                "value": slot["vs_sync"] if slot else None,
+                "by": slot["label"] if slot else None,
+            }
+        )
+    per_worker = med(Config("asyncsample", "CartPole-v1", 32, 8, 4, 2, "mlp", "per_worker").key)
+    modes = ("batched", "batched-threaded", "eager")
+    batched = {
+        m: med(Config("asyncsample", "CartPole-v1", 32, 8, 4, 2, "mlp", m).key) for m in modes
+    }
+    best_mode = max((m for m in modes if batched[m]), key=lambda m: batched[m], default=None)
+    targets.append(
+        {
+            "what": "CartPole-v1 8x4 (MLP): batched x per_worker",
+            "target": 2.0,
+            "value": batched[best_mode] / per_worker if best_mode and per_worker else None,
+            "by": best_mode,
+        }
+    )
+    for t in targets:
+        t["met"] = None if t["value"] is None else t["value"] >= t["target"]
+    return {"ratios": ratios, "best": best, "targets": targets}
