@@ -5,6 +5,8 @@ or in Ray actors) and gather complete episodes or fragments until a quota is met
 garage's sampler package.
 """
 
+from typing import Any
+
 from asyncsample._tree import Tree
 from asyncsample.agent import Agent, AgentOutput, AgentParams, AgentUpdate, RandomAgent
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
@@ -17,11 +19,25 @@ from asyncsample.errors import (
     WorkerError,
 )
 from asyncsample.evaluation import Evaluation
+from asyncsample.inference import Batched
 from asyncsample.sampler import AgentUpdateArg, EnvUpdateArg, Sampler
 from asyncsample.stats import SampleStats
 from asyncsample.worker import FragmentWorker, Transition, VecWorker, Worker, WorkerFactory
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Optional faces, imported on first use so that ``import asyncsample`` needs no torch.
+
+    ``TorchAgent`` is left out of ``__all__`` on purpose: a star import must not need torch.
+    """
+    if name == "TorchAgent":
+        from asyncsample.torch_agent import TorchAgent
+
+        return TorchAgent
+    raise AttributeError(f"module 'asyncsample' has no attribute {name!r}")
+
 
 __all__ = [
     "Agent",
@@ -30,6 +46,7 @@ __all__ = [
     "AgentUpdate",
     "AgentUpdateArg",
     "AsyncSampleError",
+    "Batched",
     "EnvChoice",
     "EnvSource",
     "EnvSpec",
