@@ -4,13 +4,16 @@ benchmark suite of a source checkout.
 Exit status of ``run``: 0 when done, 2 for a usage error (a bad argument or env id), 1 for a
 runtime error (an env that fails past its restart budget, a missing optional dependency), 130
 when interrupted (Ctrl-C), after printing the summary of what was sampled so far. Errors are one
-line on stderr; ``--debug`` shows the traceback of a runtime error.
+line on stderr; ``--debug`` shows the traceback of a runtime error. Env-host restarts are counted
+in the summary; ``--verbose`` also prints each one (the ``asyncsample`` logger's warnings) as it
+happens.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 import time
 import traceback
@@ -52,6 +55,7 @@ class RunSummary:
     seconds: float = 0.0
     returns: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
+    restarts: int = 0
     _open: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
 
     def add(self, batch: EpisodeBatch) -> None:
@@ -85,6 +89,8 @@ class RunSummary:
                 f"(min {np.min(self.returns):.2f}, max {np.max(self.returns):.2f})"
             )
             lines.append(f"mean length:  {np.mean(self.lengths):.1f}")
+        if self.restarts:
+            lines.append(f"restarts:     {self.restarts} env-host restarts (see --verbose)")
         return "\n".join(lines)
 
 
@@ -136,6 +142,7 @@ async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> Ru
                         )
     finally:
         summary.seconds = time.perf_counter() - start
+        summary.restarts = sampler.restarts
     return summary
 
 
@@ -167,6 +174,7 @@ def _run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_RUNTIME
+    _configure_logging(args.verbose)
     summary = RunSummary()
     try:
         uvloop.run(run(args, summary))
@@ -185,6 +193,26 @@ def _run_command(args: argparse.Namespace) -> int:
         return EXIT_RUNTIME
     print(summary.text())
     return 0
+
+
+class _BarSafeHandler(logging.Handler):
+    """Writes log lines above the progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Print the sampler's warnings (restarts, timeouts) only when asked: errors stay one line."""
+    logger = logging.getLogger("asyncsample")
+    if verbose:
+        handler = _BarSafeHandler()
+        handler.setFormatter(logging.Formatter("asyncsample: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+    else:
+        logger.setLevel(logging.ERROR)
+    logger.propagate = False
 
 
 def _bench_command(rest: Sequence[str]) -> int:
@@ -270,6 +298,9 @@ def _parser() -> argparse.ArgumentParser:
         help="cut episodes at this length (default: no limit)",
     )
     run_p.add_argument("--debug", action="store_true", help="show the traceback of a runtime error")
+    run_p.add_argument(
+        "-v", "--verbose", action="store_true", help="print env-host restarts as they happen"
+    )
     sub.add_parser(
         "bench", help="run the benchmark suite (arguments go to benchmarks)", add_help=False
     )

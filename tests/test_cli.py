@@ -102,6 +102,23 @@ def test_runtime_error_is_one_line_and_status_1() -> None:
     assert "Remote traceback" not in done.stderr
 
 
+def test_verbose_prints_each_restart_before_the_error() -> None:
+    prelude = (
+        "import gymnasium\n"
+        "gymnasium.register('AlwaysFailing-v0', entry_point='envs:AlwaysFailingEnv')"
+    )
+    done = run_cli(
+        "run", "AlwaysFailing-v0", "--backend", "local", "--steps", "100", "--verbose",
+        "--workers", "1", prelude=prelude,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    restarts = [ln for ln in error_lines(done.stderr) if "restarting its env host" in ln]
+    # One warning per restart: the default budget is 3 restarts per worker and call.
+    assert len(restarts) == 3, done.stderr
+    assert all(ln.startswith("asyncsample: WARNING: worker 0") for ln in restarts)
+    assert error_lines(done.stderr)[-1].startswith("asyncsample run: error: WorkerError")
+
+
 def test_debug_shows_the_traceback_of_a_runtime_error() -> None:
     prelude = (
         "import gymnasium\n"

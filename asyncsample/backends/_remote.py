@@ -370,7 +370,7 @@ class RemoteHost(ABC, Generic[IncT]):
         old = self._incarnation
         self._incarnation = inc = await self._member.live()
         if inc is old:
-            LOGGER.warning("worker %d: rebuilding its envs in %s", self.worker, inc.describe())
+            LOGGER.info("worker %d: rebuilding its envs in %s", self.worker, inc.describe())
         await self.build(chains, seeds)
 
     async def close(self) -> None:

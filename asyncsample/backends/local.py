@@ -118,7 +118,7 @@ class LocalHost:
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         if not self.closed:
-            LOGGER.warning("worker %d: rebuilding its envs in the main process", self.spec.worker)
+            LOGGER.info("worker %d: rebuilding its envs in the main process", self.spec.worker)
         await self.build(chains, seeds)
 
     async def close(self) -> None:
