@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -275,6 +275,11 @@ def _with_text(exc: WorkerError, text: str) -> WorkerError:
     return err
 
 
+def _raise(err: BaseException, original: BaseException) -> NoReturn:
+    """Raise ``err``, chained to the env's own exception when there is one."""
+    raise err from (err.__cause__ if err.__cause__ is not None else original)
+
+
 def _env_sources(env: Any, num_envs: int) -> list[Any]:
     if isinstance(env, (list, tuple)):
         if len(env) != num_envs:
@@ -375,7 +380,7 @@ class _Engine:
         try:
             await self.hosts[h].build(chains, seeds)
         except WorkerError as exc:
-            raise self._translate(h, exc) from exc
+            _raise(self._translate(h, exc), exc)
 
     async def _restart(self, h: int) -> None:
         chains, seeds = self._host_chains(h)
@@ -424,7 +429,7 @@ class _Engine:
             raise exc
         if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
             self.broken.add(h)
-            raise self._translate(h, exc) from exc
+            _raise(self._translate(h, exc), exc)
         self.restarts[h] += 1
         try:
             await self._restart(h)
@@ -432,7 +437,7 @@ class _Engine:
             infos = await self.hosts[h].reset(np.ones(b - a, dtype=np.bool_))
         except WorkerError as again:
             self.broken.add(h)
-            raise self._translate(h, again) from again
+            _raise(self._translate(h, again), again)
         return infos
 
     # -- remote operations ------------------------------------------------------------------
@@ -449,7 +454,7 @@ class _Engine:
                 return exc.__cause__.args[0]
             if _crash_like(exc):
                 self.broken.add(h)
-            raise self._translate(h, exc) from exc
+            _raise(self._translate(h, exc), exc)
         return None
 
     def remote(self, op: _RemoteOp, indices: Sequence[int]) -> list[Any]:
@@ -653,7 +658,7 @@ class _Engine:
                 except WorkerError as exc:
                     if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
                         self.broken.add(h)
-                        raise self._translate(h, exc) from exc
+                        _raise(self._translate(h, exc), exc)
                     self.restarts[h] += 1
                     await self._restart(h)
                     local[:] = True
