@@ -72,7 +72,8 @@ class AsyncSampleVecEnv(VecEnv):
         _check_count("n_processes", n_processes, 1, allow_none=True)
         _check_count("max_restarts", max_restarts, 0)
         if step_timeout is not None and not (
-            isinstance(step_timeout, (int, float)) and not isinstance(step_timeout, bool)
+            isinstance(step_timeout, (int, float))
+            and not isinstance(step_timeout, bool)
             and step_timeout > 0
         ):
             raise ValueError(

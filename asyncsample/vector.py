@@ -38,7 +38,6 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
-from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
@@ -138,7 +137,7 @@ class _SubEnv(gym.Wrapper[Any, Any, Any, Any]):
             return last, {}
         self._as_done = False
         self._as_last = None
-        return self.env.reset(seed=seed, options=options)  # type: ignore[no-any-return]
+        return self.env.reset(seed=seed, options=options)
 
 
 @dataclass
@@ -502,7 +501,9 @@ class _Engine:
     def obs_row(self, i: int, final: bool = False) -> Any:
         h = int(self.host_of[i])
         buf = self.hosts[h].buffers
-        return tree_map(lambda leaf: np.copy(leaf[i - self.slices[h][0]]), buf.final_obs if final else buf.obs)
+        return tree_map(
+            lambda leaf: np.copy(leaf[i - self.slices[h][0]]), buf.final_obs if final else buf.obs
+        )
 
     def write_actions(self, actions: Any) -> None:
         n = self.num_envs
@@ -530,8 +531,8 @@ class _Engine:
                 tree_map(put_all(h), host.buffers.actions, batch)
         except (KeyError, IndexError, TypeError) as exc:
             raise ValueError(
-                f"actions do not fit the batched action space {batch_space(self.single_action_space, n)}: "
-                f"{type(exc).__name__}: {exc}"
+                f"actions do not fit the batched action space "
+                f"{batch_space(self.single_action_space, n)}: {type(exc).__name__}: {exc}"
             ) from exc
 
     # -- lockstep rounds --------------------------------------------------------------------
@@ -549,19 +550,19 @@ class _Engine:
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        reset_infos: dict[int, dict[str, Any]] = results[0] if reset_local is not None else {}
+        reset_infos: dict[int, dict[str, Any]] = {}
+        if reset_local is not None:
+            reset_infos = results[0]  # type: ignore[assignment]
         step_infos = results[-1] if step_local is not None else None
         return step_infos, reset_infos
 
     async def step(self, step_mask: np.ndarray, reset_mask: np.ndarray) -> _StepResult:
         """Step the sub-envs in ``step_mask``, reset those in ``reset_mask`` (none in both)."""
         plans = []
-        for h, (a, b) in enumerate(self.slices):
+        for a, b in self.slices:
             s = step_mask[a:b]
             r = reset_mask[a:b]
-            plans.append(
-                (s.copy() if s.any() else None, r.copy() if r.any() else None)
-            )
+            plans.append((s.copy() if s.any() else None, r.copy() if r.any() else None))
         outcomes = await asyncio.gather(
             *(
                 self._broken_round(h) if h in self.broken else self._round(h, s, r)
@@ -599,8 +600,9 @@ class _Engine:
             if step_infos is None:
                 continue
             buf = self.hosts[h].buffers
-            s = plans[h][0]
-            assert s is not None
+            s_opt = plans[h][0]
+            assert s_opt is not None
+            s = s_opt
             rewards[a:b][s] = buf.rewards[s]
             terminated[a:b][s] = buf.terminated[s]
             truncated[a:b][s] = buf.truncated[s]
@@ -662,9 +664,7 @@ class _Engine:
                     self.restarts[h] += 1
                     await self._restart(h)
                     local[:] = True
-                    arms = [
-                        _RemoteOp("arm", args=(seeds[a + k], options)) for k in range(b - a)
-                    ]
+                    arms = [_RemoteOp("arm", args=(seeds[a + k], options)) for k in range(b - a)]
                     continue
                 return {a + k: info for k, info in infos.items()}
 
@@ -729,7 +729,9 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             or not isinstance(step_timeout, (int, float))
             or not step_timeout > 0
         ):
-            raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}")
+            raise ValueError(
+                f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}"
+            )
         if autoreset_mode is None:
             mode = AutoresetMode.NEXT_STEP
         else:
@@ -778,12 +780,12 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         """Pids of the live env-host processes."""
         return list(getattr(self._engine.backend, "pids", []))
 
-    @property
-    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
+    @property  # type: ignore[misc]
+    def np_random_seed(self) -> tuple[int, ...]:
         """The ``np_random_seed`` of every sub-env."""
         return self.get_attr("np_random_seed")
 
-    @property
+    @property  # type: ignore[misc]
     def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """The ``np_random`` generator of every sub-env (copies from their hosts)."""
         return self.get_attr("np_random")
@@ -832,9 +834,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
                     f"options['reset_mask'] must be a numpy array, got {type(mask).__name__}"
                 )
             if mask.shape != (n,):
-                raise ValueError(
-                    f"options['reset_mask'] must have shape ({n},), got {mask.shape}"
-                )
+                raise ValueError(f"options['reset_mask'] must have shape ({n},), got {mask.shape}")
             if mask.dtype != np.bool_:
                 raise TypeError(f"options['reset_mask'] must have dtype bool, got {mask.dtype}")
             if not mask.any():
@@ -975,4 +975,6 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
     def __repr__(self) -> str:
         spec = self._engine.spec
         what = f"{spec.id}, " if spec is not None else ""
-        return f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, n_processes={self.n_processes})"
+        return (
+            f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, n_processes={self.n_processes})"
+        )

@@ -305,7 +305,7 @@ def test_final_obs_and_info_same_step(no_leaks: None) -> None:
 
     class Ends(CountEnv):
         def step(self, action: Any):  # type: ignore[no-untyped-def]
-            obs, *rest, info = super().step(action)
+            obs, *rest, _info = super().step(action)
             return obs, *rest, {"action": int(action), "obs": obs}
 
     env = VectorEnv([lambda: Ends(2)], 1, n_processes=1, autoreset_mode="SameStep")
@@ -327,13 +327,13 @@ def test_reset_mask_is_checked(no_leaks: None) -> None:
         env.reset()
         with pytest.raises(ValueError, match=r"reset_mask.*shape \(3,\)"):
             env.reset(options={"reset_mask": np.array([True])})
-        with pytest.raises(TypeError, match="reset_mask.*dtype bool"):
+        with pytest.raises(TypeError, match=r"reset_mask.*dtype bool"):
             env.reset(options={"reset_mask": np.array([1, 1, 0])})
-        with pytest.raises(TypeError, match="reset_mask.*numpy array"):
+        with pytest.raises(TypeError, match=r"reset_mask.*numpy array"):
             env.reset(options={"reset_mask": [True, True, False]})
-        with pytest.raises(ValueError, match="reset_mask.*at least one"):
+        with pytest.raises(ValueError, match=r"reset_mask.*at least one"):
             env.reset(options={"reset_mask": np.zeros(3, bool)})
-        with pytest.raises(ValueError, match="seed.*num_envs=3"):
+        with pytest.raises(ValueError, match=r"seed.*num_envs=3"):
             env.reset(seed=[1, 2])
     finally:
         env.close()
@@ -352,7 +352,7 @@ def test_call_get_attr_set_attr_render(no_leaks: None) -> None:
         assert env.get_attr("max_count") == (7, 7, 7)
         env.set_attr("max_count", [4, 5, 6])
         assert env.get_attr("max_count") == (4, 5, 6)
-        with pytest.raises(ValueError, match="values.*num_envs=3"):
+        with pytest.raises(ValueError, match=r"values.*num_envs=3"):
             env.set_attr("max_count", [1, 2])
         frames = env.render()
         assert [f[0, 0, 0] for f in frames] == [1, 2, 3]
