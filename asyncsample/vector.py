@@ -780,8 +780,8 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         """Pids of the live env-host processes."""
         return list(getattr(self._engine.backend, "pids", []))
 
-    @property  # type: ignore[misc]
-    def np_random_seed(self) -> tuple[int, ...]:
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
         """The ``np_random_seed`` of every sub-env."""
         return self.get_attr("np_random_seed")
 
