@@ -14,14 +14,14 @@ Stable-Baselines3 is imported only by this module, so ``import asyncsample`` doe
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from copy import deepcopy
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
-from asyncsample.vector import _check_count, _Engine, _env_sources, _RemoteOp
+from asyncsample.vector import _check_count, _Engine, _env_sources, _RemoteOp, _StepResult
 
 try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices
@@ -143,17 +143,25 @@ class AsyncSampleVecEnv(VecEnv):
         self._reset_options()
         return self._format_obs(eng.read_obs())
 
+    def step(self, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        """Step every sub-env (one pass of the private event loop, not two)."""
+        if self._waiting:
+            raise RuntimeError("step was called while a step_async is waiting for step_wait")
+        return self._finish(self._engine.runner.run(self._send(actions)))
+
     def step_async(self, actions: np.ndarray) -> None:
         """Send the actions to the env hosts (the step is awaited by :meth:`step_wait`)."""
         eng = self._engine
-        eng.check_open()
-        eng.write_actions(actions)
-        mask = np.ones(self.num_envs, dtype=np.bool_)
-        self._task = eng.runner.loop.create_task(
-            eng.step(mask, np.zeros(self.num_envs, dtype=np.bool_))
-        )
+        self._task = eng.runner.loop.create_task(self._send(actions))
         self._waiting = True
         eng.runner.run(_yield())
+
+    def _send(self, actions: Any) -> Coroutine[Any, Any, _StepResult]:
+        eng = self._engine
+        eng.check_open()
+        eng.write_actions(actions)
+        n = self.num_envs
+        return eng.step(np.ones(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_))
 
     def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         """Results of the step sent by :meth:`step_async`, autoresetting finished sub-envs."""
@@ -161,7 +169,10 @@ class AsyncSampleVecEnv(VecEnv):
         if not self._waiting:
             raise RuntimeError("step_wait was called without step_async")
         self._waiting = False
-        res = eng.runner.run(self._task)
+        return self._finish(eng.runner.run(self._task))
+
+    def _finish(self, res: _StepResult) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        eng = self._engine
         n = self.num_envs
         dones = res.terminated | res.truncated
         infos: list[dict[str, Any]] = []

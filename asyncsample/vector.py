@@ -202,12 +202,9 @@ class _RemoteOp(EnvUpdate):
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.new_event_loop()
+    # asyncio's own loop, not uvloop: uvloop sets up its signal wake-up socket pair every time
+    # it starts running in the main thread, and this loop is started once per call.
+    return asyncio.new_event_loop()
 
 
 class _LoopRunner:
@@ -853,11 +850,18 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Step every sub-env with its action (see the module doc for the autoreset modes)."""
-        self.step_async(actions)
-        return self.step_wait()
+        coro = self._send(actions)
+        return self._finish(self._engine.runner.run(coro))
 
     def step_async(self, actions: Any) -> None:
         """Send the actions; the hosts step while the caller does something else."""
+        eng = self._engine
+        coro = self._send(actions)
+        self._pending = eng.runner.loop.create_task(coro)
+        # Run the loop once so that the requests go out now.
+        eng.runner.run(asyncio.sleep(0))
+
+    def _send(self, actions: Any) -> Coroutine[Any, Any, _StepResult]:
         eng = self._engine
         eng.check_open()
         if self._pending is not None:
@@ -877,9 +881,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             reset_mask = np.zeros(self.num_envs, dtype=np.bool_)
             step_mask = np.ones(self.num_envs, dtype=np.bool_)
         self._step_masks = (step_mask, reset_mask)
-        self._pending = eng.runner.loop.create_task(eng.step(step_mask, reset_mask))
-        # Run the loop once so that the requests go out now.
-        eng.runner.run(asyncio.sleep(0))
+        return eng.step(step_mask, reset_mask)
 
     def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Wait for the step sent by :meth:`step_async` and return its results."""
@@ -889,7 +891,12 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         if task is None:
             raise RuntimeError("step_wait was called without step_async")
         self._pending = None
-        res = eng.runner.run(task)
+        return self._finish(eng.runner.run(task))
+
+    def _finish(
+        self, res: _StepResult
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        eng = self._engine
         step_mask, reset_mask = self._step_masks
         mode = self.autoreset_mode
         infos: dict[str, Any] = {}
