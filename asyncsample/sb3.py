@@ -20,6 +20,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncsample.vector import _check_count, _Engine, _env_sources, _RemoteOp, _StepResult
 
@@ -159,8 +160,13 @@ class AsyncSampleVecEnv(VecEnv):
     def _send(self, actions: Any) -> Coroutine[Any, Any, _StepResult]:
         eng = self._engine
         eng.check_open()
-        eng.write_actions(actions)
         n = self.num_envs
+        if isinstance(actions, list) and len(actions) == n:
+            # SB3 also accepts one action per sub-env in a list (DummyVecEnv indexes it).
+            actions = concatenate(
+                self.action_space, actions, create_empty_array(self.action_space, n)
+            )
+        eng.write_actions(actions)
         return eng.step(np.ones(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_))
 
     def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:

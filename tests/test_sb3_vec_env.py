@@ -364,7 +364,9 @@ def test_render_mode_and_make_vec_env(no_leaks: None) -> None:
     venv = make_vec_env("CartPole-v1", n_envs=2, seed=0, vec_env_cls=AsyncSampleVecEnv)
     try:
         assert isinstance(venv, AsyncSampleVecEnv)
-        assert venv.render_mode is None and venv.metadata == {"render_modes": []}
+        # make_vec_env asks for rgb_array frames; SB3's base class derives its render modes.
+        assert venv.render_mode == "rgb_array"
+        assert venv.metadata == {"render_modes": ["human", "rgb_array"]}
         assert venv.env_is_wrapped(Monitor) == [True, True]
         assert venv.reset().shape == (2, 4)
     finally:
@@ -392,13 +394,13 @@ def test_crashed_host_is_restarted(no_leaks: None) -> None:
     venv = AsyncSampleVecEnv(fns, n_processes=2, max_restarts=1)
     try:
         venv.reset()
-        venv.set_attr("current_step", 998, indices=1)  # dies at its next step
+        venv.set_attr("current_step", 999, indices=1)  # dies at its next step
         obs, rewards, dones, infos = venv.step(np.zeros(2, np.int64))
         assert dones.tolist() == [False, True] and rewards.tolist() == [0.0, 0.0]
         assert "SIGKILL" in infos[1]["restarted"]
         assert infos[1]["TimeLimit.truncated"] is True
         assert obs[1].tolist() == [0] and infos[1]["terminal_observation"].tolist() == [0]
-        venv.set_attr("current_step", 998, indices=1)
+        venv.set_attr("current_step", 999, indices=1)
         with pytest.raises(WorkerCrashedError, match=r"sub-envs 1\.\.1.*max_restarts=1"):
             venv.step(np.zeros(2, np.int64))
     finally:
