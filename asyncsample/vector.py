@@ -538,20 +538,19 @@ class _Engine:
         self, h: int, step_local: np.ndarray | None, reset_local: np.ndarray | None
     ) -> tuple[Any, dict[int, dict[str, Any]]]:
         host = self.hosts[h]
-        jobs: list[Coroutine[Any, Any, Any]] = []
-        if reset_local is not None:
-            jobs.append(host.reset(reset_local))
-        if step_local is not None:
-            jobs.append(host.step(step_local))
-        results = await asyncio.gather(*jobs, return_exceptions=True)
+        if reset_local is None:
+            # The common case: one request, awaited directly (no extra task).
+            return (await host.step(step_local), {}) if step_local is not None else (None, {})
+        if step_local is None:
+            return None, await host.reset(reset_local)
+        # Both go out at once on the host's stream; the host serves them in order.
+        results = await asyncio.gather(
+            host.reset(reset_local), host.step(step_local), return_exceptions=True
+        )
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        reset_infos: dict[int, dict[str, Any]] = {}
-        if reset_local is not None:
-            reset_infos = results[0]  # type: ignore[assignment]
-        step_infos = results[-1] if step_local is not None else None
-        return step_infos, reset_infos
+        return results[1], results[0]  # type: ignore[return-value]
 
     async def step(self, step_mask: np.ndarray, reset_mask: np.ndarray) -> _StepResult:
         """Step the sub-envs in ``step_mask``, reset those in ``reset_mask`` (none in both)."""
