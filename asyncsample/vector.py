@@ -495,6 +495,11 @@ class _Engine:
             return tree_map(np.copy, parts[0])
         return tree_map(lambda *xs: np.concatenate(xs, axis=0), *parts)
 
+    def host_obs(self, hosts: Sequence[int]) -> Tree:
+        """A fresh batch of the current observations of the sub-envs of ``hosts``, in order."""
+        parts = [self.hosts[h].buffers.obs for h in hosts]
+        return tree_map(lambda *xs: np.concatenate(xs, axis=0), *parts)
+
     def obs_row(self, i: int, final: bool = False) -> Any:
         h = int(self.host_of[i])
         buf = self.hosts[h].buffers
@@ -552,16 +557,31 @@ class _Engine:
                 raise r
         return results[1], results[0]  # type: ignore[return-value]
 
-    async def step(self, step_mask: np.ndarray, reset_mask: np.ndarray) -> _StepResult:
-        """Step the sub-envs in ``step_mask``, reset those in ``reset_mask`` (none in both)."""
+    async def step(
+        self, step_mask: np.ndarray, reset_mask: np.ndarray, hosts: Sequence[int] | None = None
+    ) -> _StepResult:
+        """Step the sub-envs in ``step_mask``, reset those in ``reset_mask`` (none in both).
+
+        With ``hosts``, only those hosts take part, and the result's ``obs`` is ``None`` (the
+        other hosts may be writing theirs): read the rows with :meth:`host_obs`.
+        """
         plans = []
         for a, b in self.slices:
             s = step_mask[a:b]
             r = reset_mask[a:b]
             plans.append((s.copy() if s.any() else None, r.copy() if r.any() else None))
+        chosen = set(range(len(self.slices)) if hosts is None else hosts)
+
+        async def skip() -> Any:
+            return None, {}
+
         outcomes = await asyncio.gather(
             *(
-                self._broken_round(h) if h in self.broken else self._round(h, s, r)
+                skip()
+                if h not in chosen
+                else self._broken_round(h)
+                if h in self.broken
+                else self._round(h, s, r)
                 for h, (s, r) in enumerate(plans)
             ),
             return_exceptions=True,
@@ -614,7 +634,7 @@ class _Engine:
         if failure is not None:
             raise failure
         return _StepResult(
-            self.read_obs(),
+            self.read_obs() if hosts is None else None,
             rewards,
             terminated,
             truncated,
@@ -895,47 +915,61 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
     def _finish(
         self, res: _StepResult
     ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-        eng = self._engine
         step_mask, reset_mask = self._step_masks
+        ids = list(range(self.num_envs))
+        infos = self._infos(res, ids, self, step_mask, reset_mask)
+        return res.obs, res.rewards, res.terminated, res.truncated, infos
+
+    def _infos(
+        self,
+        res: _StepResult,
+        ids: list[int],
+        batch: Any,
+        step_mask: np.ndarray,
+        reset_mask: np.ndarray,
+    ) -> dict[str, Any]:
+        """The vector info of sub-envs ``ids`` (row ``k`` of ``batch`` is ``ids[k]``); updates
+        the autoreset state of those sub-envs."""
+        eng = self._engine
         mode = self.autoreset_mode
         infos: dict[str, Any] = {}
-        n = self.num_envs
-        for i in range(n):
+        for k, i in enumerate(ids):
             if i in res.restarted:
                 if mode == AutoresetMode.SAME_STEP:
-                    infos = self._add_info(
-                        infos, {"final_obs": eng.obs_row(i), "final_info": {}}, i
-                    )
-                    infos = self._add_info(infos, {"restarted": res.restarted[i]}, i)
-                    infos = self._add_info(infos, res.reset_infos.get(i, {}), i)
+                    final = {"final_obs": eng.obs_row(i), "final_info": {}}
+                    infos = batch._add_info(infos, final, k)
+                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
+                    infos = batch._add_info(infos, res.reset_infos.get(i, {}), k)
                 else:
-                    infos = self._add_info(infos, {"restarted": res.restarted[i]}, i)
+                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
                 continue
             if mode == AutoresetMode.NEXT_STEP and (reset_mask[i] or self._fresh[i]):
                 info = res.reset_infos.get(i, {}) if reset_mask[i] else self._fresh_infos.pop(i, {})
-                infos = self._add_info(infos, info, i)
+                infos = batch._add_info(infos, info, k)
                 continue
             if mode == AutoresetMode.SAME_STEP and (res.terminated[i] or res.truncated[i]):
-                final = res.final_obs[i] if i in res.final_obs else eng.obs_row(i, final=True)
-                infos = self._add_info(
-                    infos, {"final_obs": final, "final_info": res.env_infos[i]}, i
-                )
-                infos = self._add_info(infos, res.reset_infos.get(i, {}), i)
+                last = res.final_obs[i] if i in res.final_obs else eng.obs_row(i, final=True)
+                final = {"final_obs": last, "final_info": res.env_infos[i]}
+                infos = batch._add_info(infos, final, k)
+                infos = batch._add_info(infos, res.reset_infos.get(i, {}), k)
                 continue
-            infos = self._add_info(infos, res.env_infos[i], i)
-        done = res.terminated | res.truncated
+            infos = batch._add_info(infos, res.env_infos[i], k)
+        where = np.asarray(ids, dtype=np.int64)
+        done = res.terminated[where] | res.truncated[where]
         if mode == AutoresetMode.SAME_STEP:
-            self._autoreset[:] = False
+            self._autoreset[where] = False
         else:
-            self._autoreset = done & step_mask
-            self._fresh[:] = False
-            for i, _reason in res.restarted.items():
+            self._autoreset[where] = done & step_mask[where]
+            self._fresh[where] = False
+            for i in ids:
+                if i not in res.restarted:
+                    continue
                 if mode == AutoresetMode.NEXT_STEP:
                     self._fresh[i] = True
                     self._fresh_infos[i] = res.reset_infos.get(i, {})
                 else:
                     self._autoreset[i] = True
-        return res.obs, res.rewards, res.terminated, res.truncated, infos
+        return infos
 
     def _drain(self) -> None:
         """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
