@@ -102,8 +102,8 @@ class AsyncSampleVecEnv(VecEnv):
 
     @property
     def n_processes(self) -> int:
-        """Number of env hosts (processes)."""
-        return len(self._engine.slices)
+        """Number of env-host processes."""
+        return self._engine.n_procs
 
     @property
     def pids(self) -> list[int]:
@@ -163,9 +163,8 @@ class AsyncSampleVecEnv(VecEnv):
         n = self.num_envs
         if isinstance(actions, list) and len(actions) == n:
             # SB3 also accepts one action per sub-env in a list (DummyVecEnv indexes it).
-            actions = concatenate(
-                self.action_space, actions, create_empty_array(self.action_space, n)
-            )
+            out: Any = create_empty_array(self.action_space, n)
+            actions = concatenate(self.action_space, actions, out)
         eng.write_actions(actions)
         return eng.step(np.ones(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_))
 

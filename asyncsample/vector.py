@@ -34,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import math
 import os
 import threading
 import weakref
@@ -323,6 +325,7 @@ class _Engine:
         max_restarts: int,
         defer: bool,
         ship_final_obs: bool,
+        group_size: int | None = None,
         backend: str = "process",
     ) -> None:
         self.num_envs = len(sources)
@@ -339,12 +342,15 @@ class _Engine:
         self.restarts: list[int] = []
         self.closed = False
         self._chains = [[_Factory(s, defer, ship_final_obs)] for s in sources]
-        n_hosts = min(n_processes or os.cpu_count() or 1, self.num_envs)
+        n_procs = min(n_processes or os.cpu_count() or 1, self.num_envs)
+        n_hosts = n_procs if group_size is None else self.num_envs // group_size
+        n_procs = min(n_procs, n_hosts)
         bounds = np.linspace(0, self.num_envs, n_hosts + 1).round().astype(int).tolist()
         self.slices = [(bounds[h], bounds[h + 1]) for h in range(n_hosts)]
         self.host_of = np.repeat(np.arange(n_hosts), [b - a for a, b in self.slices])
         self.runner = _LoopRunner()
-        options: dict[str, Any] = {"n_processes": n_hosts}
+        self.n_procs = n_procs
+        options: dict[str, Any] = {"n_processes": n_procs}
         if backend == "process":
             options["step_timeout"] = step_timeout
         self.backend = make_backend(backend, **options)
@@ -700,6 +706,38 @@ def _finalize(engine: _Engine) -> None:
         engine.close()
 
 
+class _InfoBatch:
+    """Builds gymnasium vector infos for a batch of ``num_envs`` rows (for :meth:`recv`)."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.num_envs = num_envs
+
+    _add_info = _GymVectorEnv._add_info
+
+
+def _scatter(leaf: Any, ids: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
+    """Rows of ``leaf`` (one per id) placed at rows ``ids`` of an ``n``-row array."""
+    arr = np.asarray(leaf)
+    if arr.ndim == 0 or arr.shape[0] != len(ids):
+        raise ValueError(
+            f"actions must have one row per env id ({len(ids)}), got shape {arr.shape}"
+        )
+    out = np.zeros((n, *arr.shape[1:]), dtype=arr.dtype)
+    out[ids[order]] = arr[order]
+    return out
+
+
+def _merge(into: _StepResult, res: _StepResult, a: int, b: int) -> None:
+    """Copy the rows ``a:b`` of one host's result into another result."""
+    into.rewards[a:b] = res.rewards[a:b]
+    into.terminated[a:b] = res.terminated[a:b]
+    into.truncated[a:b] = res.truncated[a:b]
+    into.env_infos[a:b] = res.env_infos[a:b]
+    into.reset_infos.update({i: v for i, v in res.reset_infos.items() if a <= i < b})
+    into.final_obs.update({i: v for i, v in res.final_obs.items() if a <= i < b})
+    into.restarted.update({i: v for i, v in res.restarted.items() if a <= i < b})
+
+
 # -- the gymnasium face -------------------------------------------------------------------------
 
 
@@ -718,6 +756,9 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             (and restarted, see ``max_restarts``).
         max_restarts: how often each host may be rebuilt after it died or timed out, over the
             vector env's life; past that the error is raised.
+        batch_size: for EnvPool-style :meth:`send`/:meth:`recv`: how many sub-envs ``recv``
+            returns. Sub-envs are then grouped ``gcd(num_envs, batch_size)`` to an env host
+            (several hosts share a process), and hosts answer independently.
 
     All sub-envs must share the observation and action spaces of the first one. Actions are
     stored in the action space's dtype before they reach the sub-envs.
@@ -733,6 +774,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         autoreset_mode: str | AutoresetMode | None = None,
         step_timeout: float | None = None,
         max_restarts: int = 3,
+        batch_size: int | None = None,
     ) -> None:
         num = _check_count("num_envs", num_envs, 1)
         assert num is not None
@@ -758,6 +800,9 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
                     "autoreset_mode must be an AutoresetMode or one of "
                     f"{[m.value for m in AutoresetMode]}, got {autoreset_mode!r}"
                 ) from None
+        batch = _check_count("batch_size", batch_size, 1, allow_none=True)
+        if batch is not None and batch > num:
+            raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
         sources = _env_sources(env, num)
         self.autoreset_mode = mode
         self.num_envs = num
@@ -768,7 +813,9 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             max_restarts=max_restarts,
             defer=mode != AutoresetMode.SAME_STEP,
             ship_final_obs=mode == AutoresetMode.SAME_STEP,
+            group_size=None if batch is None else math.gcd(num, batch),
         )
+        self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, _finalize, self._engine)
         eng = self._engine
         self.metadata = dict(eng.metadata)
@@ -785,11 +832,14 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         self._fresh = np.zeros(num, dtype=np.bool_)
         self._fresh_infos: dict[int, dict[str, Any]] = {}
         self._pending: asyncio.Task[_StepResult] | None = None
+        # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
+        self._inflight: dict[int, tuple[asyncio.Task[_StepResult], np.ndarray, np.ndarray]] = {}
+        self._answered: list[int] = []
 
     @property
     def n_processes(self) -> int:
-        """Number of env hosts (processes)."""
-        return len(self._engine.slices)
+        """Number of env-host processes."""
+        return self._engine.n_procs
 
     @property
     def pids(self) -> list[int]:
@@ -856,6 +906,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             if not mask.any():
                 raise ValueError("options['reset_mask'] must select at least one sub-env")
         reset_infos = self._engine.runner.run(self._engine.reset(mask, seeds, options))
+        self._last_reset = reset_infos
         self._autoreset[mask] = False
         self._fresh[mask] = False
         for i in np.flatnonzero(mask).tolist():
@@ -974,9 +1025,153 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
     def _drain(self) -> None:
         """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
         task, self._pending = self._pending, None
+        tasks = [t for t, _, _ in self._inflight.values()]
         if task is not None:
+            tasks.append(task)
+        if tasks:
             with contextlib.suppress(Exception):
-                self._engine.runner.run(task)
+                self._engine.runner.run(asyncio.wait(tasks))
+        self._inflight.clear()
+        self._answered.clear()
+
+    # -- EnvPool-style asynchronous stepping --------------------------------------------------
+
+    def async_reset(
+        self,
+        *,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Reset every sub-env; :meth:`recv` returns their first observations, a batch at a time."""
+        self.reset(seed=seed, options=options)
+        n = self.num_envs
+        zeros = np.zeros(n, dtype=np.bool_)
+        res = _StepResult(
+            None, np.zeros(n), zeros, zeros.copy(), [{} for _ in range(n)], self._last_reset, {}, {}
+        )
+        loop = self._engine.runner.loop
+        for h in range(len(self._engine.slices)):
+            fut: asyncio.Future[_StepResult] = loop.create_future()
+            fut.set_result(res)
+            self._inflight[h] = (fut, zeros, np.ones(n, dtype=np.bool_))  # type: ignore[assignment]
+            self._answered.append(h)
+
+    def send(self, actions: Any, env_ids: Any) -> None:
+        """Send actions to the sub-envs ``env_ids`` (those of an earlier :meth:`recv`).
+
+        ``actions[k]`` goes to sub-env ``env_ids[k]``. The hosts of these sub-envs start at once;
+        :meth:`recv` returns whichever ``batch_size`` sub-envs are answered first.
+        """
+        eng = self._engine
+        eng.check_open()
+        if self._pending is not None:
+            raise RuntimeError("send() while a step_async is waiting for step_wait")
+        if self.autoreset_mode == AutoresetMode.DISABLED:
+            raise ValueError("send/recv needs autoreset_mode NextStep or SameStep, not Disabled")
+        ids = np.asarray(env_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= self.num_envs:
+            raise ValueError(f"env_ids must be sub-env indices in [0, {self.num_envs}), got {ids}")
+        hosts = sorted({int(eng.host_of[i]) for i in ids})
+        covered = sorted(ids.tolist())
+        expected = [i for h in hosts for i in range(*eng.slices[h])]
+        if covered != expected:
+            raise ValueError(
+                "env_ids must be the sub-envs of one or more earlier recv() batches (sub-envs are "
+                f"sent a host at a time: groups {[eng.slices[h] for h in hosts]}), got {ids}"
+            )
+        busy = [h for h in hosts if h in self._inflight]
+        if busy:
+            raise ValueError(
+                f"env_ids include sub-envs whose last step was not received yet: {ids}"
+            )
+        # Rows of ``actions`` follow ``env_ids``; put them in sub-env order for the buffers.
+        order = np.argsort(ids, kind="stable")
+        full = tree_map(lambda leaf: _scatter(leaf, ids, order, self.num_envs), actions)
+        for h in hosts:
+            a, b = eng.slices[h]
+            tree_map(
+                lambda dst, src, a=a, b=b: dst.__setitem__(Ellipsis, src[a:b]),
+                eng.hosts[h].buffers.actions,
+                full,
+            )
+        n = self.num_envs
+        for h in hosts:
+            a, b = eng.slices[h]
+            reset_mask = np.zeros(n, dtype=np.bool_)
+            step_mask = np.zeros(n, dtype=np.bool_)
+            if self.autoreset_mode == AutoresetMode.NEXT_STEP:
+                reset_mask[a:b] = self._autoreset[a:b]
+                step_mask[a:b] = ~(self._autoreset[a:b] | self._fresh[a:b])
+            else:
+                step_mask[a:b] = True
+            task = eng.runner.loop.create_task(eng.step(step_mask, reset_mask, hosts=[h]))
+            task.add_done_callback(functools.partial(self._on_answer, h))
+            self._inflight[h] = (task, step_mask, reset_mask)
+        eng.runner.run(asyncio.sleep(0))  # the requests go out now
+
+    def _on_answer(self, h: int, task: asyncio.Task[_StepResult]) -> None:
+        if self._inflight.get(h, (None,))[0] is task:
+            self._answered.append(h)
+
+    def recv(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """The first ``batch_size`` sub-envs answered, with ``info["env_id"]`` naming them.
+
+        Same layout as :meth:`step` for those sub-envs only (row ``k`` is sub-env
+        ``info["env_id"][k]``), same autoreset mode.
+        """
+        eng = self._engine
+        eng.check_open()
+
+        def size(h: int) -> int:
+            return int(eng.slices[h][1] - eng.slices[h][0])
+
+        ready = sum(size(h) for h in self._answered)
+        if ready < self.batch_size:
+            waiting = [t for h, (t, _, _) in self._inflight.items() if h not in self._answered]
+            if sum(size(h) for h in self._inflight) < self.batch_size:
+                raise RuntimeError(
+                    f"recv() needs at least batch_size={self.batch_size} sub-envs sent "
+                    "(call async_reset() first, then send() what recv() returned)"
+                )
+
+            async def enough() -> None:
+                pending = set(waiting)
+                while sum(size(h) for h in self._answered) < self.batch_size and pending:
+                    _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+            eng.runner.run(enough())
+        chosen: list[int] = []
+        count = 0
+        while count < self.batch_size:
+            h = self._answered.pop(0)
+            chosen.append(h)
+            count += size(h)
+        results = [self._inflight.pop(h) for h in chosen]
+        for task, _, _ in results:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        ids = [i for h in chosen for i in range(*eng.slices[h])]
+        where = np.asarray(ids, dtype=np.int64)
+        step_mask = np.zeros(self.num_envs, dtype=np.bool_)
+        reset_mask = np.zeros(self.num_envs, dtype=np.bool_)
+        merged = results[0][0].result()
+        for h, (task, s, r) in zip(chosen, results):
+            a, b = eng.slices[h]
+            res = task.result()
+            step_mask[a:b] = s[a:b]
+            reset_mask[a:b] = r[a:b]
+            if res is not merged:
+                _merge(merged, res, a, b)
+        infos = self._infos(merged, ids, _InfoBatch(len(ids)), step_mask, reset_mask)
+        infos["env_id"] = where.copy()
+        obs = eng.host_obs(chosen)
+        return (
+            obs,
+            merged.rewards[where],
+            merged.terminated[where],
+            merged.truncated[where],
+            infos,
+        )
 
     # -- calls ------------------------------------------------------------------------------
 

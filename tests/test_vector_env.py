@@ -535,3 +535,77 @@ def test_step_timeout_kills_and_restarts_the_host(no_leaks: None) -> None:
             env.step(np.zeros(2, np.int64))
     finally:
         env.close()
+
+
+# -- EnvPool-style send/recv --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_send_recv_matches_each_env_stepped_alone(mode: AutoresetMode, no_leaks: None) -> None:
+    """recv returns batch_size sub-envs at a time; each one's story is its own env's."""
+    n = 6
+    env = VectorEnv(
+        [lambda: RandomEpisodesEnv("dict")] * n,
+        n,
+        n_processes=2,
+        batch_size=2,
+        autoreset_mode=mode,
+    )
+    ref = SyncVectorEnv([lambda: RandomEpisodesEnv("dict")] * n, autoreset_mode=mode)
+    try:
+        assert env.n_processes == 2 and len(env.pids) == 2
+        env.async_reset(seed=0)
+        ref_obs, _ = ref.reset(seed=0)
+        # The reference steps one sub-env at a time: a 1-env SyncVectorEnv per sub-env.
+        singles = [
+            SyncVectorEnv([lambda: RandomEpisodesEnv("dict")], autoreset_mode=mode)
+            for _ in range(n)
+        ]
+        for i, single in enumerate(singles):
+            single.reset(seed=i)
+        expected: dict[int, Any] = {
+            i: ({k: v[i : i + 1] for k, v in ref_obs.items()}, 0.0, False, False) for i in range(n)
+        }
+        rng = np.random.default_rng(1)
+        counts = np.zeros(n, dtype=int)
+        for _ in range(120):
+            obs, rew, term, trunc, info = env.recv()
+            ids = info["env_id"]
+            assert len(ids) == 2 and rew.shape == (2,)
+            for k, i in enumerate(ids.tolist()):
+                want_obs, want_rew, want_term, want_trunc = expected[i]
+                assert_same({key: v[k : k + 1] for key, v in obs.items()}, want_obs, f"obs {i}")
+                assert (rew[k], term[k], trunc[k]) == (want_rew, want_term, want_trunc)
+                counts[i] += 1
+            actions = rng.uniform(-1, 1, (2, 2)).astype(np.float32)
+            for k, i in enumerate(ids.tolist()):
+                o, r, te, tr, _ = singles[i].step(actions[k : k + 1])
+                expected[i] = (o, float(r[0]), bool(te[0]), bool(tr[0]))
+            env.send(actions, ids)
+        assert counts.sum() == 240 and (counts > 0).all()
+        with pytest.raises(ValueError, match="not received yet"):
+            env.send(np.zeros((2, 2), np.float32), ids)
+    finally:
+        env.close()
+        ref.close()
+
+
+def test_send_recv_arguments(no_leaks: None) -> None:
+    env = VectorEnv("CartPole-v1", 4, n_processes=2, batch_size=2)
+    try:
+        with pytest.raises(RuntimeError, match="async_reset"):
+            env.recv()
+        env.async_reset(seed=0)
+        _, _, _, _, info = env.recv()
+        with pytest.raises(ValueError, match="sent a host at a time"):
+            env.send(np.zeros(1, np.int64), info["env_id"][:1])
+        with pytest.raises(ValueError, match=r"env_ids must be sub-env indices"):
+            env.send(np.zeros(1, np.int64), [9])
+        env.send(np.zeros(2, np.int64), info["env_id"])
+        # A lockstep reset in between drains what is in flight.
+        obs, _ = env.reset(seed=1)
+        assert obs.shape == (4, 4)
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="batch_size must be <= num_envs=4"):
+        VectorEnv("CartPole-v1", 4, batch_size=5)
