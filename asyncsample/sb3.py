@@ -13,6 +13,7 @@ Stable-Baselines3 is imported only by this module, so ``import asyncsample`` doe
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from copy import deepcopy
@@ -22,7 +23,14 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from asyncsample.vector import _check_count, _Engine, _env_sources, _RemoteOp, _StepResult
+from asyncsample.vector import (
+    _check_count,
+    _Engine,
+    _env_sources,
+    _finalize,
+    _RemoteOp,
+    _StepResult,
+)
 
 try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices
@@ -89,6 +97,7 @@ class AsyncSampleVecEnv(VecEnv):
             defer=False,
             ship_final_obs=True,
         )
+        self._finalizer = weakref.finalize(self, _finalize, self._engine)
         self._actions: Any = None
         self._waiting = False
         self.closed = False
@@ -204,6 +213,7 @@ class AsyncSampleVecEnv(VecEnv):
         if self.closed:
             return
         self.closed = True
+        self._finalizer.detach()
         self._engine.close()
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:

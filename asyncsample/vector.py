@@ -20,6 +20,18 @@ its episode (same-step autoreset):
 * ``DISABLED``: the same deferral; the caller resets finished sub-envs with
   ``reset(options={"reset_mask": mask})``. Stepping a finished sub-env raises ``RuntimeError``.
 
+Calls: :class:`VectorEnv` is synchronous, as gymnasium's API is. Each call runs a private event
+loop until its requests are answered: in the caller's thread, or, when the caller is itself inside
+a running event loop (a coroutine, a notebook), in a helper thread while the caller waits. Either
+way the caller's thread is blocked for the call, as with any gymnasium vector env; from async code
+prefer :class:`~asyncsample.Sampler`, which never blocks its loop.
+
+EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
+:meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
+``gcd(num_envs, batch_size)`` to an env host, hosts answer independently, and ``recv`` returns the
+first ``batch_size`` sub-envs answered with their indices in ``info["env_id"]``; ``send`` takes
+actions for the sub-envs of earlier ``recv`` batches.
+
 Faults: a sub-env that raises fails the call with :class:`SubEnvError` naming the sub-env, with
 the remote traceback; the next ``reset()`` rebuilds the envs of its host. A host process that
 dies or outlives ``step_timeout`` is rebuilt (at most ``max_restarts`` times per host over the
@@ -578,20 +590,28 @@ class _Engine:
             plans.append((s.copy() if s.any() else None, r.copy() if r.any() else None))
         chosen = set(range(len(self.slices)) if hosts is None else hosts)
 
-        async def skip() -> Any:
-            return None, {}
-
-        outcomes = await asyncio.gather(
-            *(
-                skip()
-                if h not in chosen
-                else self._broken_round(h)
-                if h in self.broken
-                else self._round(h, s, r)
-                for h, (s, r) in enumerate(plans)
-            ),
-            return_exceptions=True,
-        )
+        # Tasks awaited in turn rather than gather(): the same concurrency, less loop work.
+        loop = asyncio.get_running_loop()
+        tasks = [
+            loop.create_task(self._broken_round(h) if h in self.broken else self._round(h, s, r))
+            if h in chosen
+            else None
+            for h, (s, r) in enumerate(plans)
+        ]
+        outcomes: list[Any] = []
+        for task in tasks:
+            if task is None:
+                outcomes.append((None, {}))
+                continue
+            try:
+                outcomes.append(await task)
+            except asyncio.CancelledError:
+                for t in tasks:
+                    if t is not None:
+                        t.cancel()
+                raise
+            except BaseException as exc:
+                outcomes.append(exc)
         n = self.num_envs
         rewards = np.zeros(n, dtype=np.float64)
         terminated = np.zeros(n, dtype=np.bool_)
@@ -984,6 +1004,18 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         eng = self._engine
         mode = self.autoreset_mode
         infos: dict[str, Any] = {}
+        where = np.asarray(ids, dtype=np.int64)
+        done = res.terminated[where] | res.truncated[where]
+        quiet = (
+            not res.reset_infos
+            and not res.restarted
+            and not any(res.env_infos[i] for i in ids)
+            and not (mode == AutoresetMode.SAME_STEP and done.any())
+            and not (self._fresh_infos and self._fresh[where].any())
+        )
+        if quiet:
+            # The common step: no info anywhere, nothing to format (same result as below).
+            ids = []
         for k, i in enumerate(ids):
             if i in res.restarted:
                 if mode == AutoresetMode.SAME_STEP:
@@ -1005,8 +1037,6 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
                 infos = batch._add_info(infos, res.reset_infos.get(i, {}), k)
                 continue
             infos = batch._add_info(infos, res.env_infos[i], k)
-        where = np.asarray(ids, dtype=np.int64)
-        done = res.terminated[where] | res.truncated[where]
         if mode == AutoresetMode.SAME_STEP:
             self._autoreset[where] = False
         else:
