@@ -21,6 +21,7 @@ average is recorded with the numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -31,6 +32,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import psutil
 
 from benchmarks.envs import full_id
 
@@ -58,8 +60,21 @@ def make_ours(env_id: str) -> Any:
     return VectorEnv(env_id, N_ENVS, n_processes=N_PROCESSES)
 
 
-def measure(make: Callable[[], Any], seconds: float, repeats: int) -> float:
-    """Best vector steps per second over ``repeats`` timed runs of about ``seconds`` each."""
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and every live descendant so far."""
+    total = 0.0
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            t = proc.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def measure(make: Callable[[], Any], seconds: float, repeats: int) -> tuple[float, float]:
+    """Best vector steps per second over ``repeats`` timed runs of about ``seconds`` each, and
+    the CPU time all processes spent per vector step over all runs (a figure the machine's other
+    load disturbs far less than wall time: it shows what each step costs, not who got the cores).
+    """
     env = make()
     try:
         env.reset(seed=0)
@@ -69,6 +84,8 @@ def measure(make: Callable[[], Any], seconds: float, repeats: int) -> float:
         for a in actions[:50]:  # warm-up
             env.step(a)
         best = 0.0
+        total_steps = 0
+        cpu_start = cpu_seconds()
         for _ in range(repeats):
             steps = 0
             start = time.perf_counter()
@@ -80,7 +97,8 @@ def measure(make: Callable[[], Any], seconds: float, repeats: int) -> float:
                 if elapsed >= seconds:
                     break
             best = max(best, steps / elapsed)
-        return best
+            total_steps += steps
+        return best, (cpu_seconds() - cpu_start) / total_steps
     finally:
         env.close()
 
@@ -90,8 +108,10 @@ def run(seconds: float, repeats: int) -> dict[str, Any]:
     load_before = os.getloadavg()
     for env_name, peer, target in PAIRS:
         env_id = full_id(env_name)
-        ours = measure(lambda env_id=env_id: make_ours(env_id), seconds, repeats)
-        theirs = measure(lambda env_id=env_id, peer=peer: make_peer(peer, env_id), seconds, repeats)
+        ours, ours_cpu = measure(lambda env_id=env_id: make_ours(env_id), seconds, repeats)
+        theirs, theirs_cpu = measure(
+            lambda env_id=env_id, peer=peer: make_peer(peer, env_id), seconds, repeats
+        )
         rows.append(
             {
                 "env": env_name,
@@ -100,11 +120,14 @@ def run(seconds: float, repeats: int) -> dict[str, Any]:
                 "peer_steps_per_s": theirs * N_ENVS,
                 "ratio": ours / theirs,
                 "target": target,
+                "ours_cpu_us_per_agent_step": ours_cpu / N_ENVS * 1e6,
+                "peer_cpu_us_per_agent_step": theirs_cpu / N_ENVS * 1e6,
             }
         )
         print(
             f"{env_name:13s} VectorEnv {ours * N_ENVS:9.0f} agent steps/s, {peer} "
-            f"{theirs * N_ENVS:9.0f}: {ours / theirs:.2f}x (target {target}x)",
+            f"{theirs * N_ENVS:9.0f}: {ours / theirs:.2f}x (target {target}x); CPU per agent "
+            f"step {ours_cpu / N_ENVS * 1e6:.0f} us vs {theirs_cpu / N_ENVS * 1e6:.0f} us",
             flush=True,
         )
     return {
@@ -126,13 +149,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"# asyncsample.VectorEnv vs gymnasium vector envs ({result['n_envs']} envs, "
         f"{result['n_processes']} processes, random actions, no policy)",
         "",
-        "| env | VectorEnv agent steps/s | peer | peer agent steps/s | ratio | target |",
-        "|---|---:|---|---:|---:|---:|",
+        "| env | VectorEnv agent steps/s | peer | peer agent steps/s | ratio | target "
+        "| CPU us per agent step (ours / peer) |",
+        "|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['env']} | {r['ours_steps_per_s']:.0f} | {r['peer']} | "
-            f"{r['peer_steps_per_s']:.0f} | {r['ratio']:.2f}x | {r['target']}x |"
+            f"{r['peer_steps_per_s']:.0f} | {r['ratio']:.2f}x | {r['target']}x | "
+            f"{r['ours_cpu_us_per_agent_step']:.0f} / {r['peer_cpu_us_per_agent_step']:.0f} |"
         )
     before = ", ".join(f"{x:.1f}" for x in result["load_average_before"])
     after = ", ".join(f"{x:.1f}" for x in result["load_average_after"])
