@@ -67,7 +67,7 @@ from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.env_update import EnvId, EnvUpdate, make_env
 from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
 
-__all__ = ["SubEnvError", "VectorEnv"]
+__all__ = ["SubEnvAttributeError", "SubEnvError", "VectorEnv"]
 
 _T = TypeVar("_T")
 
@@ -96,6 +96,11 @@ class SubEnvError(WorkerError):
         self.env = sub_env
         self.remote_traceback = remote_traceback
         self.retry = True
+
+
+class SubEnvAttributeError(SubEnvError, AttributeError):
+    """A sub-env has no such attribute (also an ``AttributeError``, as SB3's ``has_attr`` and
+    gymnasium expect)."""
 
 
 # -- the host side ------------------------------------------------------------------------------
@@ -429,9 +434,8 @@ class _Engine:
             return _with_text(exc, text)
         if exc.env is not None:
             message = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-            err = SubEnvError(
-                message, sub_env=a + exc.env, host=h, remote_traceback=exc.remote_traceback
-            )
+            kind = SubEnvAttributeError if isinstance(cause, AttributeError) else SubEnvError
+            err = kind(message, sub_env=a + exc.env, host=h, remote_traceback=exc.remote_traceback)
             err.retry = exc.retry
             err.__cause__ = cause
             return err

@@ -253,6 +253,7 @@ def test_custom_calls(wrapper: Any, no_leaks: None) -> None:
         venv.set_attr("current_step", 12, indices=[0, -1])
         assert venv.get_attr("current_step") == [12, 0, 12]
         assert venv.get_attr("current_step", indices=[-1]) == [12]
+        assert venv.has_attr("current_step") and not venv.has_attr("no_such_thing")
     finally:
         base.close()
 

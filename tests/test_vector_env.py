@@ -362,6 +362,8 @@ def test_call_get_attr_set_attr_render(no_leaks: None) -> None:
         assert env.call("step", 0)[0][0] == 2
         with pytest.raises(SubEnvError, match=r"sub-env 0 .*AttributeError.*no_such_thing"):
             env.get_attr("no_such_thing")
+        with pytest.raises(AttributeError):  # what gymnasium and SB3 code catch
+            env.get_attr("no_such_thing")
     finally:
         env.close()
 
