@@ -24,8 +24,19 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
 
-__all__ = ["EnvFailure", "EnvGroup", "StepBuffers", "StepInfos", "rebuild_chain"]
+__all__ = [
+    "EnvFailure",
+    "EnvGroup",
+    "StepBuffers",
+    "StepInfos",
+    "env_indices",
+    "rebuild_chain",
+    "reset_arguments",
+]
 
+
+#: "Use the env's pending seed": the default of a reset.
+_PENDING = object()
 
 _REWARD_SPACE = gym.spaces.Box(-np.inf, np.inf, (), np.float64)
 _FLAG_SPACE = gym.spaces.Box(0, 1, (), np.bool_)  # type: ignore[arg-type]
@@ -53,10 +64,10 @@ class StepBuffers:
     @classmethod
     def allocate(
         cls,
-        observation_space: gym.Space,
-        action_space: gym.Space,
+        observation_space: gym.Space[Any],
+        action_space: gym.Space[Any],
         n_envs: int,
-        make: Callable[[gym.Space, int], Any] | None = None,
+        make: Callable[[gym.Space[Any], int], Any] | None = None,
     ) -> StepBuffers:
         """Allocate buffers; ``make(space, n)`` builds one (nested) array, default in-process."""
         make = make or _zeros
@@ -130,8 +141,8 @@ class EnvGroup:
         self,
         worker: int,
         buffers: StepBuffers,
-        observation_space: gym.Space,
-        action_space: gym.Space,
+        observation_space: gym.Space[Any],
+        action_space: gym.Space[Any],
         max_episode_length: int | None,
     ) -> None:
         self.worker = worker
@@ -179,22 +190,46 @@ class EnvGroup:
 
     # -- stepping ---------------------------------------------------------------------------
 
-    def reset(self, mask: np.ndarray) -> dict[int, dict[str, Any]]:
-        """Reset the envs where ``mask`` is true; returns their non-empty reset infos by index."""
+    def reset(
+        self,
+        mask: np.ndarray,
+        seeds: Sequence[int | None] | None = None,
+        options: Sequence[dict[str, Any] | None] | None = None,
+    ) -> dict[int, dict[str, Any]]:
+        """Reset the envs where ``mask`` is true; returns their non-empty reset infos by index.
+
+        Args:
+            mask: which envs to reset.
+            seeds: ``None`` (each env gets its pending seed, if any: the usual case), or one seed
+                per env (``None`` entries: no seed) used for this reset instead of the pending
+                one, which is dropped (see :func:`reset_arguments`).
+            options: ``None``, or one ``options`` dict (or ``None``) per env for ``env.reset``.
+        """
         infos: dict[int, dict[str, Any]] = {}
         for i in np.flatnonzero(mask).tolist():
-            info = self._reset_one(i)
+            if seeds is None and options is None:
+                info = self._reset_one(i)
+            else:
+                seed = _PENDING if seeds is None else seeds[i]
+                info = self._reset_one(i, seed, None if options is None else options[i])
             if info:
                 infos[i] = info
         if not self._flat_obs:
             self._write_obs()
         return infos
 
-    def _reset_one(self, i: int) -> dict[str, Any]:
+    def _reset_one(
+        self, i: int, seed: int | object | None = _PENDING, options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         env = self.envs[i]
         assert env is not None
-        seed, self._seeds[i] = self._seeds[i], None
-        obs, info = self._guard(i, env.reset, seed=seed)
+        pending, self._seeds[i] = self._seeds[i], None
+        if seed is _PENDING:
+            seed = pending
+        if options is None:
+            obs, info = self._guard(i, env.reset, seed=seed)
+        else:
+            obs, info = self._guard(i, env.reset, seed=seed, options=options)
         self._obs[i] = obs
         self._lengths[i] = 0
         if self._flat_obs:
@@ -202,7 +237,7 @@ class EnvGroup:
                 self.buffers.obs[i] = obs
             else:
                 self._store_misfits([i])
-        return info
+        return info  # type: ignore[no-any-return]
 
     def step(self, mask: np.ndarray) -> StepInfos:
         """Step the envs where ``mask`` is true with the actions in the buffers.
@@ -272,6 +307,39 @@ class EnvGroup:
         if obs_out is None:
             self._write_obs()
         return StepInfos(env_infos, reset_infos)
+
+    # -- attributes (the vector-env faces: call, get_attr, set_attr, render) -----------------
+
+    def call(
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any], envs: Sequence[int]
+    ) -> list[Any]:
+        """``getattr(env, name)(*args, **kwargs)`` for each env in ``envs``, or its value.
+
+        gymnasium's ``VectorEnv.call`` semantics: an attribute that is not callable is returned
+        as is (so this is also ``get_attr``). Wrapper attributes are looked up through the
+        wrapper chain. A failure names the env; a missing attribute is not worth a restart.
+        """
+        return [self._guard_attr(i, _call_attr, self._env(i), name, args, kwargs) for i in envs]
+
+    def set_attr(self, name: str, values: Sequence[Any], envs: Sequence[int]) -> None:
+        """Set attribute ``name`` of env ``envs[k]`` to ``values[k]`` (through its wrappers)."""
+        for i, value in zip(envs, values):
+            self._guard_attr(i, _set_attr, self._env(i), name, value)
+
+    def _env(self, i: int) -> gym.Env:
+        env = self.envs[i]
+        if env is None:
+            err = RuntimeError(f"env {i} of worker {self.worker} is not built")
+            raise EnvFailureError(EnvFailure(i, err, "", retry=False))
+        return env
+
+    def _guard_attr(self, i: int, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            retry = not isinstance(exc, AttributeError)
+            failure = EnvFailure(i, exc, traceback.format_exc(), retry=retry)
+            raise EnvFailureError(failure) from exc
 
     def _actions_for(self, indices: list[int], everyone: bool) -> list[Any]:
         actions = self.buffers.actions
@@ -343,11 +411,95 @@ class EnvGroup:
             self.envs[i] = None
 
 
-def _zeros(space: gym.Space, n: int) -> Any:
+def _call_attr(env: gym.Env, name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    getter = getattr(env, "get_wrapper_attr", None)
+    value = getter(name) if getter is not None else getattr(env, name)
+    return value(*args, **kwargs) if callable(value) else value
+
+
+def _set_attr(env: gym.Env, name: str, value: Any) -> None:
+    setter = getattr(env, "set_wrapper_attr", None)
+    if setter is not None:
+        setter(name, value)
+    else:
+        setattr(env, name, value)
+
+
+def reset_arguments(
+    n_envs: int, seeds: Any, options: Any
+) -> tuple[list[int | None] | None, list[dict[str, Any] | None] | None]:
+    """Check the ``seeds`` and ``options`` of :meth:`EnvGroup.reset`; one entry per env.
+
+    ``seeds``: ``None`` or a sequence of ``n_envs`` ints >= 0 or ``None``. ``options``: ``None``,
+    one dict for every env, or a sequence of ``n_envs`` dicts or ``None``.
+
+    Raises:
+        TypeError, ValueError: naming the argument, what was expected and what was given.
+    """
+    seed_list: list[int | None] | None = None
+    if seeds is not None:
+        if isinstance(seeds, (str, bytes, dict)) or not isinstance(seeds, Sequence | np.ndarray):
+            raise TypeError(
+                f"seeds must be None or a sequence of {n_envs} ints or None, got "
+                f"{type(seeds).__name__}"
+            )
+        if len(seeds) != n_envs:
+            raise ValueError(f"seeds must hold one seed per env ({n_envs}), got {len(seeds)}")
+        seed_list = []
+        for k, seed in enumerate(seeds):
+            if seed is None:
+                seed_list.append(None)
+                continue
+            if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
+                raise TypeError(f"seeds[{k}] must be an int >= 0 or None, got {seed!r}")
+            if seed < 0:
+                raise ValueError(f"seeds[{k}] must be an int >= 0 or None, got {seed}")
+            seed_list.append(int(seed))
+    option_list: list[dict[str, Any] | None] | None = None
+    if options is not None:
+        if isinstance(options, dict):
+            option_list = [options] * n_envs
+        elif isinstance(options, Sequence) and not isinstance(options, (str, bytes)):
+            if len(options) != n_envs:
+                raise ValueError(
+                    f"options must be a dict or hold one per env ({n_envs}), got {len(options)}"
+                )
+            for k, item in enumerate(options):
+                if item is not None and not isinstance(item, dict):
+                    raise TypeError(f"options[{k}] must be a dict or None, got {item!r}")
+            option_list = list(options)
+        else:
+            raise TypeError(
+                f"options must be None, a dict or a sequence of {n_envs} dicts, got "
+                f"{type(options).__name__}"
+            )
+    return seed_list, option_list
+
+
+def env_indices(n_envs: int, envs: Any) -> list[int]:
+    """Check the ``envs`` argument of :meth:`EnvGroup.call` / ``set_attr``: env indices.
+
+    ``None`` means every env.
+    """
+    if envs is None:
+        return list(range(n_envs))
+    if isinstance(envs, (str, bytes)) or not isinstance(envs, Sequence | np.ndarray):
+        raise TypeError(f"envs must be None or a sequence of env indices, got {envs!r}")
+    out: list[int] = []
+    for i in envs:
+        if isinstance(i, bool) or not isinstance(i, int | np.integer):
+            raise TypeError(f"envs must hold int env indices, got {i!r}")
+        if not 0 <= i < n_envs:
+            raise ValueError(f"envs: index {i} is out of range for {n_envs} envs")
+        out.append(int(i))
+    return out
+
+
+def _zeros(space: gym.Space[Any], n: int) -> Any:
     return create_empty_array(space, n, fn=np.zeros)
 
 
-def _shapes(space: gym.Space) -> Any:
+def _shapes(space: gym.Space[Any]) -> Any:
     if isinstance(space, gym.spaces.Dict):
         return {k: _shapes(s) for k, s in space.spaces.items()}
     if isinstance(space, gym.spaces.Tuple):
@@ -355,7 +507,7 @@ def _shapes(space: gym.Space) -> Any:
     return tuple(space.shape or ())
 
 
-def _obs_shapes(obs: Any, space: gym.Space) -> Any:
+def _obs_shapes(obs: Any, space: gym.Space[Any]) -> Any:
     if isinstance(space, gym.spaces.Dict):
         if not isinstance(obs, dict) or set(obs) != set(space.spaces):
             return f"{type(obs).__name__} {sorted(obs) if isinstance(obs, dict) else ''}".strip()

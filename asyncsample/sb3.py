@@ -28,7 +28,6 @@ from asyncsample.vector import (
     _Engine,
     _env_sources,
     _finalize,
-    _RemoteOp,
     _StepResult,
 )
 
@@ -218,12 +217,13 @@ class AsyncSampleVecEnv(VecEnv):
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         """The attribute of the selected sub-envs (through their wrappers)."""
-        return self._engine.remote(_RemoteOp("get", attr_name), self._idx(indices))
+        idx = self._idx(indices)
+        return self._engine.call("_asyncsample_get", (attr_name,), {}, idx)
 
     def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
         """Set the attribute on the selected sub-envs (on their outermost wrapper, as SB3 does)."""
         idx = self._idx(indices)
-        self._engine.remote_each([_RemoteOp("setattr", attr_name, (value,))] * len(idx), idx)
+        self._engine.call("_asyncsample_setattr", (attr_name, value), {}, idx)
 
     def env_method(
         self,
@@ -233,15 +233,17 @@ class AsyncSampleVecEnv(VecEnv):
         **method_kwargs: Any,
     ) -> list[Any]:
         """Call a method of the selected sub-envs; one result per sub-env."""
-        op = _RemoteOp("method", method_name, method_args, method_kwargs)
-        return self._engine.remote(op, self._idx(indices))
+        args = (method_name, method_args, method_kwargs)
+        return self._engine.call("_asyncsample_method", args, {}, self._idx(indices))
 
     def env_is_wrapped(
         self, wrapper_class: type[gym.Wrapper[Any, Any, Any, Any]], indices: VecEnvIndices = None
     ) -> list[bool]:
         """Whether each selected sub-env is wrapped with ``wrapper_class``."""
-        op = _RemoteOp("is_wrapped", args=(wrapper_class,))
-        return [bool(r) for r in self._engine.remote(op, self._idx(indices))]
+        idx = self._idx(indices)
+        return [
+            bool(r) for r in self._engine.call("_asyncsample_is_wrapped", (wrapper_class,), {}, idx)
+        ]
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         """The ``rgb_array`` frames of every sub-env."""

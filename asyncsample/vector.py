@@ -52,7 +52,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import gymnasium as gym
@@ -64,7 +64,7 @@ from gymnasium.vector.utils import batch_space
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend
 from asyncsample.backends.base import EnvHost, HostSpec
-from asyncsample.env_update import EnvId, EnvUpdate, make_env
+from asyncsample.env_update import EnvId, make_env
 from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
 
 __all__ = ["SubEnvAttributeError", "SubEnvError", "VectorEnv"]
@@ -120,14 +120,36 @@ class _SubEnv(gym.Wrapper[Any, Any, Any, Any]):
         self._as_ship = ship_final_obs
         self._as_done = False
         self._as_last: Any = None
-        self._as_armed: tuple[Any, Any] | None = None
 
     @property
     def spec(self) -> Any:  # type: ignore[override]
         return self.env.spec
 
     def get_wrapper_attr(self, name: str) -> Any:
+        if name.startswith("_asyncsample_"):
+            return getattr(self, name)  # the faces' own helpers below
         return self.env.get_wrapper_attr(name)
+
+    def _asyncsample_get(self, name: str) -> Any:
+        """The attribute ``name`` of the env, never called (SB3's ``get_attr``)."""
+        return self.env.get_wrapper_attr(name)
+
+    def _asyncsample_setattr(self, name: str, value: Any) -> None:
+        """Plain ``setattr`` on the user's outermost env (SB3's ``set_attr``)."""
+        setattr(self.env, name, value)
+
+    def _asyncsample_method(self, name: str, args: Any, kwargs: Any) -> Any:
+        """Call the method ``name`` of the env (SB3's ``env_method``)."""
+        return self.env.get_wrapper_attr(name)(*args, **kwargs)
+
+    def _asyncsample_is_wrapped(self, wrapper_class: type) -> bool:
+        """Whether the user's env is wrapped with ``wrapper_class`` (SB3's ``env_is_wrapped``)."""
+        env: Any = self.env
+        while isinstance(env, gym.Wrapper):
+            if isinstance(env, wrapper_class):
+                return True
+            env = env.env
+        return False
 
     def set_wrapper_attr(self, name: str, value: Any, *, force: bool = True) -> bool:
         return self.env.set_wrapper_attr(name, value, force=force)
@@ -145,10 +167,7 @@ class _SubEnv(gym.Wrapper[Any, Any, Any, Any]):
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
-        if self._as_armed is not None:
-            seed, options = self._as_armed
-            self._as_armed = None
-        elif self._as_done:
+        if self._as_done:
             # The host's automatic reset right after the episode ended: deferred to the next
             # step (or the caller's own reset), the env keeps its last observation until then.
             self._as_done = False
@@ -169,52 +188,6 @@ class _Factory:
 
     def __call__(self) -> gym.Env[Any, Any]:
         return _SubEnv(make_env(self.source), self.defer, self.ship_final_obs)
-
-
-class _Reply(Exception):
-    """Carries the result of a remote operation home (see :class:`_RemoteOp`)."""
-
-
-@dataclass
-class _RemoteOp(EnvUpdate):
-    """An operation on one sub-env, run in its host.
-
-    Until the env hosts have ``call``/``set_attr`` and per-env reset seeds of their own, these
-    travel as env updates: the host applies them to the (wrapped) env; one that returns a value
-    raises :class:`_Reply` with it, which comes home as the cause of the host's error.
-
-    ``kind``: ``"call"`` (gymnasium: read the attribute, call it if callable), ``"get"`` (read
-    it), ``"method"`` (call it), ``"set"`` (``set_wrapper_attr``), ``"setattr"`` (plain
-    ``setattr`` on the user's env, as SB3 does), ``"is_wrapped"`` (SB3's ``is_wrapped``),
-    ``"arm"`` (the seed and options of the next reset).
-    """
-
-    kind: str
-    name: str = ""
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __call__(self, old_env: gym.Env[Any, Any] | None = None) -> gym.Env[Any, Any] | None:
-        assert isinstance(old_env, _SubEnv)
-        env = old_env.env
-        kind = self.kind
-        if kind == "arm":
-            old_env._as_armed = (self.args[0], self.args[1])
-            return old_env
-        if kind == "set":
-            env.set_wrapper_attr(self.name, self.args[0])
-            return old_env
-        if kind == "setattr":
-            setattr(env, self.name, self.args[0])
-            return old_env
-        if kind == "is_wrapped":
-            from stable_baselines3.common.env_util import is_wrapped
-
-            raise _Reply(is_wrapped(env, self.args[0]))
-        value = env.get_wrapper_attr(self.name)
-        if kind == "method" or (kind == "call" and callable(value)):
-            value = value(*self.args, **self.kwargs)
-        raise _Reply(value)
 
 
 # -- running a private event loop from synchronous code -----------------------------------------
@@ -460,43 +433,66 @@ class _Engine:
 
     # -- remote operations ------------------------------------------------------------------
 
-    async def _op_one(self, i: int, op: _RemoteOp) -> Any:
-        h = int(self.host_of[i])
-        a, b = self.slices[h]
-        updates: list[Any] = [None] * (b - a)
-        updates[i - a] = op
-        try:
-            await self.hosts[h].update(updates, [0] * (b - a))
-        except WorkerError as exc:
-            if isinstance(exc.__cause__, _Reply):
-                return exc.__cause__.args[0]
+    def _by_host(self, indices: Sequence[int]) -> dict[int, list[int]]:
+        """The positions in ``indices`` of the sub-envs of each host."""
+        groups: dict[int, list[int]] = {}
+        for pos, i in enumerate(indices):
+            groups.setdefault(int(self.host_of[i]), []).append(pos)
+        return groups
+
+    def _fail_remote(self, h: int, exc: BaseException) -> NoReturn:
+        if isinstance(exc, WorkerError):
             if _crash_like(exc):
                 self.broken.add(h)
             _raise(self._translate(h, exc), exc)
-        return None
+        raise exc
 
-    def remote(self, op: _RemoteOp, indices: Sequence[int]) -> list[Any]:
-        """Run ``op`` on the sub-envs ``indices``; one result per index, in order."""
+    def call(
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any], indices: Sequence[int]
+    ) -> list[Any]:
+        """``call`` on the sub-envs ``indices`` (gymnasium's semantics); one result per index."""
         self.check_open()
+        groups = self._by_host(indices)
+
+        async def one(h: int, positions: list[int]) -> list[Any]:
+            a = self.slices[h][0]
+            envs = [indices[p] - a for p in positions]
+            try:
+                return await self.hosts[h].call(name, args, kwargs, envs=envs)
+            except BaseException as exc:
+                self._fail_remote(h, exc)
 
         async def run() -> list[Any]:
+            hosts = list(groups)
             results = await asyncio.gather(
-                *(self._op_one(i, op) for i in indices), return_exceptions=True
+                *(one(h, groups[h]) for h in hosts), return_exceptions=True
             )
-            for r in results:
+            out: list[Any] = [None] * len(indices)
+            for h, r in zip(hosts, results):
                 if isinstance(r, BaseException):
                     raise r
-            return list(results)
+                for p, value in zip(groups[h], r):
+                    out[p] = value
+            return out
 
         return self.runner.run(run())
 
-    def remote_each(self, ops: Sequence[_RemoteOp], indices: Sequence[int]) -> None:
-        """Run ``ops[k]`` on sub-env ``indices[k]`` (no results)."""
+    def set_attr(self, name: str, values: Sequence[Any], indices: Sequence[int]) -> None:
+        """Set ``name`` to ``values[k]`` on sub-env ``indices[k]`` (through its wrappers)."""
         self.check_open()
+        groups = self._by_host(indices)
+
+        async def one(h: int, positions: list[int]) -> None:
+            a = self.slices[h][0]
+            envs = [indices[p] - a for p in positions]
+            try:
+                await self.hosts[h].set_attr(name, [values[p] for p in positions], envs=envs)
+            except BaseException as exc:
+                self._fail_remote(h, exc)
 
         async def run() -> None:
             results = await asyncio.gather(
-                *(self._op_one(i, op) for i, op in zip(indices, ops)), return_exceptions=True
+                *(one(h, ps) for h, ps in groups.items()), return_exceptions=True
             )
             for r in results:
                 if isinstance(r, BaseException):
@@ -695,14 +691,10 @@ class _Engine:
             if not local.any():
                 return {}
             host = self.hosts[h]
-            arms: list[Any] = [
-                _RemoteOp("arm", args=(seeds[a + k], options)) if local[k] else None
-                for k in range(b - a)
-            ]
+            host_seeds = [seeds[a + k] for k in range(b - a)]
             while True:
                 try:
-                    await host.update(arms, [0] * (b - a))
-                    infos = await host.reset(local)
+                    infos = await host.reset(local, seeds=host_seeds, options=options)
                 except WorkerError as exc:
                     if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
                         self.broken.add(h)
@@ -710,7 +702,6 @@ class _Engine:
                     self.restarts[h] += 1
                     await self._restart(h)
                     local[:] = True
-                    arms = [_RemoteOp("arm", args=(seeds[a + k], options)) for k in range(b - a)]
                     continue
                 return {a + k: info for k, info in infos.items()}
 
@@ -1212,8 +1203,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call ``name`` on every sub-env (or read it, if it is not callable)."""
         self._drain()
-        op = _RemoteOp("call", name, args, kwargs)
-        return tuple(self._engine.remote(op, range(self.num_envs)))
+        return tuple(self._engine.call(name, args, kwargs, range(self.num_envs)))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """The attribute ``name`` of every sub-env (called if it is a method, as gymnasium does)."""
@@ -1228,8 +1218,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             raise ValueError(
                 f"values: a list must have num_envs={self.num_envs} entries, got {len(values)}"
             )
-        ops = [_RemoteOp("set", name, (v,)) for v in values]
-        self._engine.remote_each(ops, range(self.num_envs))
+        self._engine.set_attr(name, list(values), range(self.num_envs))
 
     def render(self) -> tuple[Any, ...]:
         """The frames rendered by every sub-env."""

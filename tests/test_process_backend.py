@@ -28,7 +28,12 @@ from asyncsample._tree import tree_leaves
 from asyncsample.backends.base import HostSpec
 from asyncsample.backends.local import LocalHost
 from asyncsample.backends.process import ProcessBackend, ProcessHost, support_process_pids
-from asyncsample.errors import StepTimeoutError, WorkerCrashedError, WorkerError
+from asyncsample.errors import (
+    SamplerClosedError,
+    StepTimeoutError,
+    WorkerCrashedError,
+    WorkerError,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -548,9 +553,9 @@ async def test_aclose_leaves_no_process_and_no_shm_entry() -> None:
         await backend.aclose()
         assert not wait_gone(pids + sims, timeout=0.5)
         await backend.aclose()  # idempotent
-        with pytest.raises(WorkerCrashedError, match="shut down"):
+        with pytest.raises(SamplerClosedError, match="closed"):
             await hosts[0].step(np.ones(2, bool))
-        with pytest.raises(WorkerCrashedError, match="closed"):
+        with pytest.raises(SamplerClosedError, match="closed"):
             await hosts[0].restart([[BoxEnv]] * 2, [1, 2])  # starts nothing
 
 

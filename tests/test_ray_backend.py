@@ -27,6 +27,7 @@ from envs import SCRIPT, AlwaysFailingEnv, FailingEnv, GridWorldEnv, NoisyEnv, S
 from asyncsample import (
     EpisodeBatch,
     Sampler,
+    SamplerClosedError,
     StepTimeoutError,
     StepType,
     WorkerCrashedError,
@@ -199,8 +200,10 @@ def test_option_errors() -> None:
         RayBackend(workers_per_actor=1.5)
     with pytest.raises(TypeError, match="resources must be a dict"):
         RayBackend(resources=["sim"])
-    with pytest.warns(RuntimeWarning, match="ignores unknown options: num_cpu"):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) 'num_cpu'.*num_cpus"):
         RayBackend(num_cpu=2)
+    with pytest.raises(TypeError, match="'num_cpu'"):
+        make_backend("ray", num_cpu=2)
 
 
 # -- same results as local --------------------------------------------------------------------
@@ -324,7 +327,7 @@ async def test_killed_actor_fails_its_workers_and_is_recreated_once(cluster: Any
         assert "died" in str(results[0])
         await asyncio.gather(*(h.restart([[NoisyEnv]] * 2, [5, 6]) for h in hosts))
         assert hosts[0].actor == hosts[1].actor != old
-        assert len(backend._members[0].actors) == 2  # recreated once for both workers
+        assert len(backend._members[0].incarnations) == 2  # recreated once for both workers
         await asyncio.gather(*(step_all(h) for h in hosts))
     finally:
         await backend.aclose()
@@ -336,7 +339,7 @@ async def test_actor_death_mid_run_is_restarted_and_quota_met(cluster: Any, tmp_
     async with make(env, n_workers=2, n_processes=1, seed=1, max_episode_length=30) as s:
         batch = await s.obtain_samples(400)
         assert s.restarts == 2  # both workers lived on the killed actor
-        assert len(s._backend._members[0].actors) == 2  # type: ignore[union-attr]
+        assert len(s._backend._members[0].incarnations) == 2  # type: ignore[union-attr]
     workers = batch.episode_infos["worker"]
     for w in range(2):
         assert batch.lengths[workers == w].sum() >= 200
@@ -436,3 +439,62 @@ def test_cluster_ownership(cluster: Any, tmp_path: Any) -> None:
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
     assert ray.get(ray.put(1)) == 1  # the module's cluster is still up
     assert alive_actors() == []  # the other driver's actors on it are gone
+
+
+# -- closing, host extensions -----------------------------------------------------------------
+
+
+class _SignallingAgent:
+    def __init__(self) -> None:
+        self.called = asyncio.Event()
+        self.calls = 0
+
+    def get_actions(self, observations: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        self.calls += 1
+        if self.calls >= 3:
+            self.called.set()
+        return np.zeros(len(observations), np.int64), {}
+
+
+@pytest.mark.slow
+async def test_call_in_flight_when_closed_raises_sampler_closed(cluster: Any) -> None:
+    agent = _SignallingAgent()
+    sampler = make(NoisyEnv, agent=agent, n_workers=2, envs_per_worker=2, seed=0)
+    await sampler.start()
+    task = asyncio.ensure_future(sampler.obtain_samples(10**6))
+    await agent.called.wait()
+    await sampler.aclose()
+    with pytest.raises(SamplerClosedError):
+        await task
+    assert alive_actors() == []
+
+
+class _AttrEnv(NoisyEnv):
+    label = "plain"
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        obs, info = super().reset(seed=seed, options=options)
+        return obs, {**info, "seed": seed, "options": options}
+
+    def scaled(self, x: float, *, factor: float = 1.0) -> float:
+        return x * factor
+
+
+async def test_reset_seeds_options_call_and_set_attr(cluster: Any) -> None:
+    backend, hosts = await start_hosts(_AttrEnv, n_workers=1, n_envs=2, n_processes=1)
+    (host,) = hosts
+    try:
+        infos = await host.reset(np.ones(2, bool), seeds=[5, None], options={"a": 1})
+        assert [(infos[i]["seed"], infos[i]["options"]) for i in range(2)] == [
+            (5, {"a": 1}),
+            (None, {"a": 1}),
+        ]
+        assert await host.call("scaled", (2.0,), {"factor": 3.0}) == [6.0, 6.0]
+        await host.set_attr("label", ["x"], envs=[1])
+        assert await host.call("label") == ["plain", "x"]
+        with pytest.raises(WorkerError) as info:
+            await host.call("missing", envs=[1])
+        assert (info.value.env, info.value.retry) == (1, False)
+    finally:
+        await backend.aclose()
+    assert alive_actors() == []

@@ -30,9 +30,12 @@ import numpy as np
 from asyncsample.backends._transport import (
     HELLO_ID,
     OP_BUILD,
+    OP_CALL,
     OP_CLOSE,
     OP_EXIT,
     OP_RESET,
+    OP_RESET_ARGS,
+    OP_SET_ATTR,
     OP_STEP,
     OP_UPDATE,
     SLOT,
@@ -166,6 +169,20 @@ def _serve(sock: socket.socket, reader: FrameReader, groups: list[EnvGroup]) -> 
                 updates, seeds = _load_sources(payload[slot_size:])
                 group.update(updates, seeds)
                 send_frame(sock, rid, ST_OK)
+            elif op == OP_CALL:
+                name, args, kwargs, envs = pickle.loads(payload[slot_size:])
+                results = group.call(name, args, kwargs, envs)
+                send_frame(sock, rid, ST_OK, dumps(results))
+            elif op == OP_SET_ATTR:
+                name, values, envs = pickle.loads(payload[slot_size:])
+                group.set_attr(name, values, envs)
+                send_frame(sock, rid, ST_OK)
+            elif op == OP_RESET_ARGS:
+                end = slot_size + group.n_envs
+                seeds, options = pickle.loads(payload[end:])
+                mask = np.frombuffer(payload[slot_size:end], np.bool_)
+                reset_infos = group.reset(mask, seeds, options)
+                send_frame(sock, rid, ST_OK, dumps(reset_infos) if reset_infos else b"")
             elif op == OP_CLOSE:
                 group.close()
                 send_frame(sock, rid, ST_OK)

@@ -57,6 +57,9 @@ OP_BUILD = 3  # payload: slot + cloudpickle((chains, seeds))
 OP_UPDATE = 4  # payload: slot + cloudpickle((updates, seeds))
 OP_CLOSE = 5  # payload: slot
 OP_EXIT = 6  # no payload, no reply: close every env and exit
+OP_CALL = 7  # payload: slot + cloudpickle((name, args, kwargs, envs)); reply: pickled results
+OP_SET_ATTR = 8  # payload: slot + cloudpickle((name, values, envs))
+OP_RESET_ARGS = 9  # payload: slot + mask bytes + cloudpickle((seeds, options))
 
 OP_NAMES = {
     OP_STEP: "step",
@@ -65,6 +68,9 @@ OP_NAMES = {
     OP_UPDATE: "update",
     OP_CLOSE: "close",
     OP_EXIT: "exit",
+    OP_CALL: "call",
+    OP_SET_ATTR: "set_attr",
+    OP_RESET_ARGS: "reset_args",
 }
 
 # Reply statuses.
@@ -83,7 +89,8 @@ def dumps(obj: Any) -> bytes:
     try:
         return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # any pickling failure: try harder
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        blob: bytes = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return blob
 
 
 def _portable_error(error: BaseException) -> BaseException:
@@ -103,7 +110,8 @@ def dump_failure(failure: EnvFailure) -> bytes:
     portable = EnvFailure(
         failure.env, _portable_error(failure.error), failure.traceback, failure.retry
     )
-    return cloudpickle.dumps(portable, protocol=pickle.HIGHEST_PROTOCOL)
+    blob: bytes = cloudpickle.dumps(portable, protocol=pickle.HIGHEST_PROTOCOL)
+    return blob
 
 
 def failure_from_exception(exc: BaseException, env: int | None = None, retry: bool = True) -> bytes:
@@ -198,13 +206,13 @@ class RawArrayContext:
 
 
 def shared_buffers(
-    observation_space: gym.Space, action_space: gym.Space, n_envs: int, ctx: Any
+    observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, ctx: Any
 ) -> tuple[StepBuffers, list[Tree]]:
     """Step buffers in shared memory, and the raw blocks to hand to the host process."""
     raw: list[Tree] = []
     shm_ctx = RawArrayContext(ctx)
 
-    def make(space: gym.Space, n: int) -> Tree:
+    def make(space: gym.Space[Any], n: int) -> Tree:
         memory = create_shared_memory(space, n, ctx=shm_ctx)  # type: ignore[arg-type]
         raw.append(memory)
         return read_from_shared_memory(space, memory, n)
@@ -214,11 +222,11 @@ def shared_buffers(
 
 
 def view_buffers(
-    observation_space: gym.Space, action_space: gym.Space, n_envs: int, raw: list[Tree]
+    observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, raw: list[Tree]
 ) -> StepBuffers:
     """The host's view of the buffers :func:`shared_buffers` made (same allocation order)."""
     blocks = iter(raw)
-    make: Callable[[gym.Space, int], Tree] = lambda space, n: read_from_shared_memory(  # noqa: E731
+    make: Callable[[gym.Space[Any], int], Tree] = lambda space, n: read_from_shared_memory(  # noqa: E731
         space, next(blocks), n
     )
     return StepBuffers.allocate(observation_space, action_space, n_envs, make=make)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
@@ -13,7 +14,10 @@ from asyncsample.env_group import EnvFailure, StepBuffers, StepInfos
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import WorkerError
 
-__all__ = ["Backend", "EnvHost", "HostSpec", "failure_error"]
+__all__ = ["LOGGER", "Backend", "EnvHost", "HostSpec", "failure_error", "reject_unknown_options"]
+
+#: Where backends report restarts, timeouts and dead hosts (warning level).
+LOGGER = logging.getLogger("asyncsample")
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,8 @@ class HostSpec:
 
     worker: int
     n_envs: int
-    observation_space: gym.Space
-    action_space: gym.Space
+    observation_space: gym.Space[Any]
+    action_space: gym.Space[Any]
     max_episode_length: int | None
 
 
@@ -54,8 +58,39 @@ class EnvHost(Protocol):
         """Apply one env update per env (``None`` keeps it); a new env object gets ``seeds[i]``."""
         ...
 
-    async def reset(self, mask: np.ndarray) -> dict[int, dict[str, object]]:
-        """Reset the envs where ``mask`` is true; returns their reset infos by env index."""
+    async def reset(
+        self,
+        mask: np.ndarray,
+        seeds: Sequence[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+    ) -> dict[int, dict[str, object]]:
+        """Reset the envs where ``mask`` is true; returns their reset infos by env index.
+
+        ``seeds`` (one per env, ``None`` entries: no seed) replace the envs' pending seeds for
+        this reset; ``options`` (one dict for all, or one per env) go to ``env.reset``. The
+        defaults are the sampler's own resets: pending seeds, no options.
+        """
+        ...
+
+    async def call(
+        self,
+        name: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        envs: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """``getattr(env, name)`` of each env in ``envs`` (default: all), called with ``args``
+        and ``kwargs`` when callable (gymnasium's ``VectorEnv.call``); one result per env.
+
+        A failure is a :class:`~asyncsample.WorkerError` naming the env (``retry`` false for an
+        ``AttributeError``).
+        """
+        ...
+
+    async def set_attr(
+        self, name: str, values: Sequence[Any], envs: Sequence[int] | None = None
+    ) -> None:
+        """Set attribute ``name`` of env ``envs[k]`` (default: all) to ``values[k]``."""
         ...
 
     async def step(self, mask: np.ndarray) -> StepInfos:
@@ -79,7 +114,16 @@ class Backend(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Stop every host and release every resource (processes, shared memory). Idempotent."""
+        """Stop every host and release every resource (processes, shared memory). Idempotent.
+
+        A host call still in flight, or made afterwards, raises
+        :class:`~asyncsample.SamplerClosedError`.
+        """
+        ...
+
+    def close_now(self) -> None:
+        """Synchronous last resort (an unclosed sampler being collected): release everything
+        without waiting for envs to close. Idempotent."""
         ...
 
 
@@ -98,3 +142,18 @@ def failure_error(worker: int, failure: EnvFailure) -> BaseException:
     )
     err.__cause__ = failure.error
     return err
+
+
+def reject_unknown_options(
+    backend: str, unknown: Mapping[str, object], valid: Sequence[str]
+) -> None:
+    """Raise ``TypeError`` naming the unknown options of ``backend`` and listing the valid ones.
+
+    Every backend treats options it does not know the same way: a mistyped option is an error,
+    never silently ignored.
+    """
+    if unknown:
+        raise TypeError(
+            f"backend {backend!r} got unknown option(s) {', '.join(map(repr, sorted(unknown)))}; "
+            f"valid options: {', '.join(valid)}"
+        )

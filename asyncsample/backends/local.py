@@ -1,19 +1,33 @@
 """The ``local`` backend: envs stepped in the event loop's thread, no IPC.
 
 For cheap envs and debugging. A step blocks the loop for as long as the env takes, so
-``step_timeout`` cannot be honoured here (the sampler rejects it).
+``step_timeout`` cannot be honoured here (it is refused).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from asyncsample.backends.base import EnvHost, HostSpec, failure_error
-from asyncsample.env_group import EnvFailureError, EnvGroup, StepBuffers, StepInfos
+from asyncsample.backends._remote import closed_error
+from asyncsample.backends.base import (
+    LOGGER,
+    EnvHost,
+    HostSpec,
+    failure_error,
+    reject_unknown_options,
+)
+from asyncsample.env_group import (
+    EnvFailureError,
+    EnvGroup,
+    StepBuffers,
+    StepInfos,
+    env_indices,
+    reset_arguments,
+)
 from asyncsample.env_update import EnvSource
 
 __all__ = ["LocalBackend", "LocalHost"]
@@ -32,52 +46,130 @@ class LocalHost:
             spec.action_space,
             spec.max_episode_length,
         )
+        self.closed = False
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
+        if self.closed:
+            raise closed_error(self.spec.worker, what)
         try:
             return fn(*args)
         except EnvFailureError as exc:
             failure = exc.failure
-            if not failure.retry:
+            if not failure.retry and not wrap:
                 # The caller's own mistake, raised where it happened: no host boundary to cross.
                 raise failure.error from None
             raise failure_error(self.spec.worker, failure) from failure.error
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
-        self._call(self._group.build, chains, seeds)
+        self._call("build", self._group.build, chains, seeds)
 
     async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
-        self._call(self._group.update, updates, seeds)
+        self._call("update", self._group.update, updates, seeds)
 
-    async def reset(self, mask: np.ndarray) -> dict[int, dict[str, object]]:
-        result: dict[int, dict[str, object]] = self._call(self._group.reset, mask)
+    async def reset(
+        self,
+        mask: np.ndarray,
+        seeds: Sequence[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+    ) -> dict[int, dict[str, object]]:
+        if seeds is None and options is None:
+            result: dict[int, dict[str, object]] = self._call("reset", self._group.reset, mask)
+        else:
+            seed_list, option_list = reset_arguments(self.spec.n_envs, seeds, options)
+            result = self._call("reset", self._group.reset, mask, seed_list, option_list)
         return result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
-        result: StepInfos = self._call(self._group.step, mask)
+        result: StepInfos = self._call("step", self._group.step, mask)
         # Let other tasks run between steps: a call is many steps, the loop must not wait for
         # all of them.
         await asyncio.sleep(0)
         return result
 
+    async def call(
+        self,
+        name: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        envs: Sequence[int] | None = None,
+    ) -> list[Any]:
+        if not isinstance(name, str):
+            raise TypeError(f"name must be an attribute name (str), got {name!r}")
+        indices = env_indices(self.spec.n_envs, envs)
+        results: list[Any] = self._call(
+            "call", self._group.call, name, list(args), dict(kwargs or {}), indices, wrap=True
+        )
+        return results
+
+    async def set_attr(
+        self, name: str, values: Sequence[Any], envs: Sequence[int] | None = None
+    ) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"name must be an attribute name (str), got {name!r}")
+        indices = env_indices(self.spec.n_envs, envs)
+        if len(values) != len(indices):
+            raise ValueError(
+                f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
+            )
+        self._call("set_attr", self._group.set_attr, name, list(values), indices, wrap=True)
+
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
+        if not self.closed:
+            LOGGER.warning("worker %d: rebuilding its envs in the main process", self.spec.worker)
         await self.build(chains, seeds)
 
     async def close(self) -> None:
         self._group.close()
 
+    def shut(self) -> None:
+        """Close the envs for good: every later call raises ``SamplerClosedError``."""
+        self.closed = True
+        self._group.close()
+
 
 class LocalBackend:
-    """Creates a :class:`LocalHost` per worker."""
+    """Creates a :class:`LocalHost` per worker.
 
-    def __init__(self, **_options: object) -> None:
+    Args:
+        n_processes: accepted for a uniform interface and ignored (there are no processes).
+        step_timeout: must be ``None``: a step that blocks the event loop's thread cannot be
+            pre-empted.
+
+    Raises:
+        TypeError: an unknown option (the valid ones are listed).
+        ValueError: a ``step_timeout``.
+    """
+
+    OPTIONS = ("n_processes", "step_timeout")
+
+    def __init__(
+        self,
+        n_processes: int | None = None,
+        step_timeout: float | None = None,
+        **unknown: object,
+    ) -> None:
+        reject_unknown_options("local", unknown, self.OPTIONS)
+        if step_timeout is not None:
+            raise ValueError(
+                "step_timeout cannot be used with backend='local': a step that blocks the event "
+                f"loop's thread cannot be pre-empted (got step_timeout={step_timeout!r}); use "
+                "backend='process'"
+            )
+        self.n_processes = n_processes
         self._hosts: list[LocalHost] = []
+        self._closed = False
 
     async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
+        if self._closed:
+            raise RuntimeError("the local backend is closed")
         self._hosts = [LocalHost(spec) for spec in specs]
         return list(self._hosts)
 
     async def aclose(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
+        self._closed = True
         for host in self._hosts:
-            await host.close()
+            host.shut()
         self._hosts = []

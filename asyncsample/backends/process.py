@@ -39,34 +39,36 @@ import socket
 import sys
 import threading
 import weakref
-from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import psutil
 
 from asyncsample.backends import _host_main
+from asyncsample.backends._remote import (
+    HostDied,
+    Incarnation,
+    PendingCall,
+    PoolMember,
+    RemoteHost,
+    place,
+    pool_size,
+)
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
-    OP_BUILD,
-    OP_CLOSE,
     OP_EXIT,
     OP_NAMES,
-    OP_RESET,
     OP_STEP,
-    OP_UPDATE,
     SLOT,
     ST_OK,
     load_failure,
     shared_buffers,
 )
-from asyncsample.backends.base import EnvHost, HostSpec, failure_error
-from asyncsample.env_group import StepBuffers, StepInfos
-from asyncsample.env_update import EnvSource
-from asyncsample.errors import StepTimeoutError, WorkerCrashedError, WorkerError
+from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
+from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
+from asyncsample.errors import WorkerCrashedError
 
 __all__ = ["ProcessBackend", "ProcessHost", "support_process_pids"]
 
@@ -151,15 +153,7 @@ def _mask_bytes(mask: np.ndarray) -> bytes:
     return np.asarray(mask, dtype=np.bool_).tobytes()
 
 
-class _HostDied(Exception):
-    """Set on the futures of requests whose host process died."""
-
-
-class _TimedOut(Exception):
-    """Set on the future of the request that outlived ``step_timeout``."""
-
-
-class _Conn:
+class _Conn(Incarnation):
     """One incarnation of an env-host process: the process, its stream and its reader task."""
 
     def __init__(
@@ -169,24 +163,19 @@ class _Conn:
         writer: asyncio.StreamWriter,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
+        super().__init__(loop)
         self.process = process
         self.pid: int = process.pid
         try:
             self.ps: psutil.Process | None = psutil.Process(self.pid)
         except psutil.Error:
             self.ps = None
-        self.loop = loop
         self.reader = reader
         self.writer = writer
-        self.pending: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
-        # Requests the host has not answered yet, in the order it serves them:
-        # (request id, timeout, opcode, worker).
-        self.queue: deque[tuple[int, float | None, int, int]] = deque()
-        self.timer: asyncio.TimerHandle | None = None
+        # Calls by request id, until answered (a cancelled caller's call stays: its reply is
+        # dropped when it comes).
+        self.pending: dict[int, PendingCall] = {}
         self.next_id = HELLO_ID + 1
-        self.dead = False
-        self.closing = False
-        self.reason = ""
         self.ready: asyncio.Future[str | None] = loop.create_future()
         self.exited: asyncio.Future[int | None] = loop.create_future()
         self.sentinel: int = process.sentinel
@@ -196,26 +185,25 @@ class _Conn:
         loop.add_reader(self.sentinel, self._on_sentinel)
         self.task = loop.create_task(self._read_loop(), name=f"asyncsample-host-{self.pid}-reader")
 
+    def describe(self) -> str:
+        return f"env-host process {self.pid}"
+
     # -- requests -------------------------------------------------------------------------------
 
-    def send(
-        self, op: int, body: bytes, timeout: float | None, worker: int
-    ) -> tuple[int, asyncio.Future[tuple[int, bytes]]]:
+    def send(self, op: int, body: bytes, timeout: float | None, worker: int) -> PendingCall:
         """Send one request; its future resolves to ``(status, payload)``."""
         rid = self.next_id
         self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
-        fut: asyncio.Future[tuple[int, bytes]] = self.loop.create_future()
-        self.pending[rid] = fut
+        call = self.new_call(OP_NAMES[op], worker, timeout)
+        if self.dead:
+            return call
+        call.key = rid
+        self.pending[rid] = call
         try:
             self.writer.write(HEADER.pack(len(body), rid, op) + body)
         except Exception as exc:  # the transport broke: the host is gone
-            self.die(f"could not be sent a request ({exc!r})")  # fails fut too
-            return rid, fut
-        queue = self.queue
-        queue.append((rid, timeout, op, worker))
-        if timeout is not None and len(queue) == 1:
-            self.timer = self.loop.call_later(timeout, self._on_timeout, queue[0])
-        return rid, fut
+            self.die(f"could not be sent a request ({exc!r})")  # fails the call too
+        return call
 
     async def _read_loop(self) -> None:
         reader = self.reader
@@ -223,7 +211,7 @@ class _Conn:
         unpack = HEADER.unpack
         size = HEADER.size
         pending = self.pending
-        queue = self.queue
+        answered = self.answered
         try:
             while True:
                 length, rid, status = unpack(await readexactly(size))
@@ -232,17 +220,14 @@ class _Conn:
                     if not self.ready.done():
                         self.ready.set_result(None)
                     continue
-                # The host serves requests in order: this answers the head of the queue, and
-                # the host starts on the next one now, so that is when its timeout starts.
-                while queue and queue.popleft()[0] != rid:
-                    pass
-                if self.timer is not None:
-                    self.timer.cancel()
-                    self.timer = None
-                if queue and queue[0][1] is not None:
-                    self.timer = self.loop.call_later(queue[0][1], self._on_timeout, queue[0])
-                fut = pending.pop(rid, None)
-                if fut is not None and not fut.done():
+                call = pending.pop(rid, None)
+                if call is None:
+                    continue
+                # The host serves requests in order: it starts on the next one now, so that
+                # is when that one's timeout starts.
+                answered(call)
+                fut = call.future
+                if not fut.done():
                     fut.set_result((status, payload))
         except (asyncio.IncompleteReadError, OSError):
             pass  # end of stream
@@ -256,29 +241,21 @@ class _Conn:
             await asyncio.wait({self.exited}, timeout=_EOF_GRACE)
             self.die("closed its control connection")
 
-    def _reply_waiting(self) -> bool:
-        """Whether a reply has arrived that the reader task has not handled yet."""
+    def _defer_timeout(self, call: PendingCall) -> bool:
+        """Whether a reply has arrived that the reader task has not handled yet.
+
+        A stalled loop may run the timer before it reads a reply that came in time (the host
+        answers in order: a waiting reply is this call's). Looking again shortly, the reader
+        task will have handled the reply.
+        """
+        if self.task.done():
+            return False
         if getattr(self.reader, "_buffer", None):
             return True  # read from the socket, the reader task runs next
         try:
             return bool(select.select([self.fd], [], [], 0)[0])
         except (OSError, ValueError):
             return False
-
-    def _on_timeout(self, head: tuple[int, float | None, int, int]) -> None:
-        rid, timeout, op, worker = head
-        self.timer = None
-        if not self.task.done() and self._reply_waiting():
-            # A stalled loop may run this timer before it reads a reply that came in time (the
-            # host answers in order: a waiting reply is this request's). Look again shortly:
-            # the reader task will have handled the reply and cancelled this timer.
-            self.timer = self.loop.call_later(0.001, self._on_timeout, head)
-            return
-        what = f"{OP_NAMES.get(op, op)} took longer than step_timeout={timeout:g}s"
-        fut = self.pending.pop(rid, None)
-        if fut is not None and not fut.done():
-            fut.set_exception(_TimedOut(f"{what}; env-host process {self.pid} was killed"))
-        self.die(f"was killed: a {what} (worker {worker})")
 
     # -- death --------------------------------------------------------------------------------
 
@@ -301,27 +278,14 @@ class _Conn:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self.sentinel)
 
-    def die(self, reason: str) -> None:
-        """Mark the host dead: fail every waiting request, kill the process tree, close."""
-        if self.dead:
-            return
-        self.dead = True
-        self.reason = reason
+    def _kill(self) -> None:
         _kill_tree(None if self.exited.done() else self.ps, self.pid)
-        # What follows may run from a finalizer after the loop closed: never let it raise.
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.queue.clear()
-        pending = list(self.pending.values())
+
+    def _on_death(self) -> None:
         self.pending.clear()
-        for fut in pending:
-            if not fut.done():
-                with contextlib.suppress(RuntimeError):
-                    fut.set_exception(_HostDied(reason))
         if not self.ready.done():
             with contextlib.suppress(RuntimeError):
-                self.ready.set_result(reason)
+                self.ready.set_result(self.reason)
         with contextlib.suppress(Exception):
             self.writer.close()
 
@@ -345,6 +309,7 @@ class _Conn:
 
     def release(self) -> None:
         """Synchronous last resort (also for finalizers): kill, reap, close everything."""
+        self.closing = True
         with contextlib.suppress(Exception):
             self.die("was shut down")
         if not self.exited.done():
@@ -421,48 +386,20 @@ async def _start_process(process: Any) -> None:
         raise
 
 
-class _Member:
+class _Member(PoolMember[_Conn]):
     """One place in the pool: the worker slots it hosts and its current process."""
 
-    def __init__(self, index: int, ctx: Any, slots: list[tuple[HostSpec, list[Any]]]) -> None:
-        self.index = index
+    def __init__(self, index: int, ctx: Any, specs: list[HostSpec], raw: list[list[Any]]) -> None:
+        super().__init__(index, specs)
         self.ctx = ctx
-        self.workers = [spec.worker for spec, _ in slots]
-        self.slots_blob = cloudpickle.dumps(
-            [
-                (s.worker, s.n_envs, s.observation_space, s.action_space, s.max_episode_length)
-                for s, _ in slots
-            ],
-            protocol=pickle.HIGHEST_PROTOCOL,
-        )
-        self.raw = [raw for _, raw in slots]
-        self.conn: _Conn | None = None
-        self.conns: list[_Conn] = []  # every incarnation not yet released
-        self.lock = asyncio.Lock()
-        self.closed = False
+        self.raw = raw  # per slot, the shared blocks of its step buffers
 
-    async def live_conn(self) -> _Conn:
-        """The current host process, started anew (once, whoever asks) if it is dead."""
-        async with self.lock:
-            conn = self.conn
-            if conn is None or conn.dead:
-                if self.closed:
-                    raise WorkerCrashedError(
-                        "the process backend is closed: its env hosts cannot be restarted",
-                        worker=self.workers[0],
-                    )
-                conn = await self._spawn()
-                if self.closed:  # closed while this one started: it was left out
-                    conn.release()
-                    raise WorkerCrashedError(
-                        "the process backend was closed while its env host restarted",
-                        worker=self.workers[0],
-                    )
-            return conn
+    def _discard(self, incarnation: _Conn) -> None:
+        incarnation.release()
 
     async def _spawn(self) -> _Conn:
         loop = asyncio.get_running_loop()
-        self.conns = [c for c in self.conns if not (c.dead and c.exited.done())]
+        self.incarnations = [c for c in self.incarnations if not (c.dead and c.exited.done())]
         parent_sock, child_sock = socket.socketpair()
         try:
             process = self.ctx.Process(
@@ -487,8 +424,8 @@ class _Member:
             parent_sock.close()
             raise
         conn = _Conn(process, reader, writer, loop)
-        self.conn = conn
-        self.conns.append(conn)
+        self.current = conn
+        self.incarnations.append(conn)
         done, _ = await asyncio.wait({conn.ready}, timeout=START_TIMEOUT)
         if not done:
             conn.die(f"was killed: it did not start within {START_TIMEOUT:g}s")
@@ -504,7 +441,7 @@ class _Member:
 def _release_all(members: list[_Member], token: int) -> None:
     _LIVE.pop(token, None)
     for member in members:
-        for conn in member.conns:
+        for conn in member.incarnations:
             conn.release()
 
 
@@ -528,8 +465,10 @@ atexit.register(_release_at_exit)
 multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=100)
 
 
-class ProcessHost:
+class ProcessHost(RemoteHost[_Conn]):
     """The host of one worker's envs, as seen from the main process."""
+
+    where = "env-host process"
 
     def __init__(
         self,
@@ -539,84 +478,62 @@ class ProcessHost:
         buffers: StepBuffers,
         step_timeout: float | None,
     ) -> None:
-        self.spec = spec
-        self.worker = spec.worker
-        self.buffers = buffers
-        self._member = member
+        super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
-        self._timeout = step_timeout
-        self._conn: _Conn | None = None
 
     @property
     def pid(self) -> int | None:
         """Pid of the process that hosts these envs (``None`` before start)."""
-        return None if self._conn is None else self._conn.pid
+        return None if self._incarnation is None else self._incarnation.pid
 
-    def _crashed(self, conn: _Conn, reason: str) -> WorkerCrashedError:
-        return WorkerCrashedError(f"env-host process {conn.pid} {reason}", worker=self.worker)
+    def _submit(self, incarnation: _Conn, op: str, payload: tuple[Any, ...]) -> PendingCall:
+        body = self._slot + payload[0] if payload else self._slot
+        return incarnation.send(_OPS[op], body, self._timeout, self.worker)
 
-    async def _call(self, op: int, body: bytes) -> bytes:
-        conn = self._conn
-        if conn is None:
-            raise RuntimeError("the process backend has not started this host")
-        if conn.dead:
-            raise self._crashed(conn, conn.reason)
-        rid, fut = conn.send(op, body, self._timeout, self.worker)
-        try:
-            status, payload = await fut
-        except _HostDied as exc:
-            raise self._crashed(conn, str(exc)) from None
-        except _TimedOut as exc:
-            raise StepTimeoutError(str(exc), worker=self.worker) from None
-        except asyncio.CancelledError:
-            conn.pending.pop(rid, None)  # the late reply will be dropped
-            raise
+    def _unpack(self, reply: Any) -> Any:
+        status, payload = reply
         if status != ST_OK:
             raise failure_error(self.worker, load_failure(payload))
         return payload
 
-    def _pickle(self, what: str, sources: Any, seeds: Sequence[int]) -> bytes:
-        try:
-            blob = cloudpickle.dumps((sources, list(seeds)), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            raise TypeError(
-                f"the {what} of worker {self.worker} cannot be pickled (with cloudpickle) to send "
-                f"it to its env-host process: {type(exc).__name__}: {exc}"
-            ) from exc
-        return self._slot + blob
-
-    async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
-        await self._call(OP_BUILD, self._pickle("env", [list(c) for c in chains], seeds))
-
-    async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
-        await self._call(OP_UPDATE, self._pickle("env update", list(updates), seeds))
-
-    async def reset(self, mask: np.ndarray) -> dict[int, dict[str, object]]:
-        payload = await self._call(OP_RESET, self._slot + _mask_bytes(mask))
+    async def reset(
+        self,
+        mask: np.ndarray,
+        seeds: Sequence[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+    ) -> dict[int, dict[str, object]]:
+        if seeds is None and options is None:
+            payload = await self._request("reset", _mask_bytes(mask))
+        else:
+            args = reset_arguments(self.spec.n_envs, seeds, options)
+            blob = self._pickle("reset options", args)
+            payload = await self._request("reset_args", _mask_bytes(mask) + blob)
         if not payload:
             return {}
         infos: dict[int, dict[str, object]] = pickle.loads(payload)
         return infos
 
     async def step(self, mask: np.ndarray) -> StepInfos:
-        payload = await self._call(OP_STEP, self._slot + _mask_bytes(mask))
+        # The hot path: _request without its generic layers, same checks.
+        inc = self._incarnation
+        if inc is None or self._member.closed:
+            payload = await self._request("step", _mask_bytes(mask))
+        else:
+            call = inc.send(OP_STEP, self._slot + _mask_bytes(mask), self._timeout, self.worker)
+            try:
+                status, payload = await call.future
+            except HostDied:
+                err = self._death_error(inc, call)
+                raise err from err.__cause__
+            if status != ST_OK:
+                raise failure_error(self.worker, load_failure(payload))
         if not payload:
             return StepInfos(None, {})
         env_infos, reset_infos = pickle.loads(payload)
         return StepInfos(env_infos, reset_infos)
 
-    async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
-        # A dead or killed process is replaced (once for all its workers); a live one, where an
-        # env merely raised, keeps running and only this worker's envs are rebuilt.
-        self._conn = await self._member.live_conn()
-        await self.build(chains, seeds)
 
-    async def close(self) -> None:
-        conn = self._conn
-        if conn is None or conn.dead:
-            return
-        with contextlib.suppress(WorkerError):
-            await self._call(OP_CLOSE, self._slot)
+_OPS = {name: op for op, name in OP_NAMES.items()}
 
 
 class ProcessBackend:
@@ -627,20 +544,32 @@ class ProcessBackend:
             workers.
         step_timeout: seconds a host may spend on one build, update, reset or step before it is
             killed and the request fails with :class:`~asyncsample.StepTimeoutError`.
+
+    Raises:
+        TypeError: an unknown option (the valid ones are listed) or a wrong type.
     """
+
+    OPTIONS = ("n_processes", "step_timeout")
 
     def __init__(
         self,
         n_processes: int | None = None,
         step_timeout: float | None = None,
-        **_ignored: object,
+        **unknown: object,
     ) -> None:
+        reject_unknown_options("process", unknown, self.OPTIONS)
         if n_processes is not None and (
             isinstance(n_processes, bool) or not isinstance(n_processes, (int, np.integer))
         ):
             raise TypeError(f"n_processes must be an int or None, got {n_processes!r}")
         if n_processes is not None and n_processes < 1:
             raise ValueError(f"n_processes must be >= 1, got {n_processes}")
+        if step_timeout is not None and (
+            isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
+        ):
+            raise TypeError(
+                f"step_timeout must be a number of seconds or None, got {step_timeout!r}"
+            )
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds or None, got {step_timeout!r}")
         self.n_processes = None if n_processes is None else int(n_processes)
@@ -655,7 +584,9 @@ class ProcessBackend:
     @property
     def pids(self) -> list[int]:
         """Pids of the live host processes, in pool order."""
-        return [m.conn.pid for m in self._members if m.conn is not None and not m.conn.dead]
+        return [
+            m.current.pid for m in self._members if m.current is not None and not m.current.dead
+        ]
 
     async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
         if self._closed:
@@ -666,24 +597,26 @@ class ProcessBackend:
         specs = list(specs)
         if not specs:
             return []
-        n = min(self.n_processes or os.cpu_count() or 1, len(specs))
+        n = pool_size(self.n_processes, len(specs))
         ctx = _context()
-        slots: list[list[tuple[HostSpec, list[Any]]]] = [[] for _ in range(n)]
-        placed: list[tuple[HostSpec, int, int, StepBuffers]] = []
-        for w, spec in enumerate(specs):
-            buffers, raw = shared_buffers(
-                spec.observation_space, spec.action_space, spec.n_envs, ctx
-            )
-            placed.append((spec, w % n, len(slots[w % n]), buffers))
-            slots[w % n].append((spec, raw))
-        self._members = [_Member(i, ctx, s) for i, s in enumerate(slots)]
+        buffers: list[StepBuffers] = []
+        raws: list[list[Any]] = []
+        for spec in specs:
+            buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
+            buffers.append(buf)
+            raws.append(raw)
+        layout = place(specs, n)
+        self._members = [
+            _Member(m, ctx, member_specs, [raws[w] for w in range(m, len(specs), n)])
+            for m, member_specs in enumerate(layout)
+        ]
         self._token = token = next(_TOKENS)
         self._finalizer = weakref.finalize(self, _release_all, self._members, token)
         self._finalizer.atexit = False  # see _release_at_exit
         _LIVE[token] = self._members
         try:
             results = await asyncio.gather(
-                *(m.live_conn() for m in self._members), return_exceptions=True
+                *(m.live() for m in self._members), return_exceptions=True
             )
             for result in results:
                 if isinstance(result, BaseException):
@@ -695,11 +628,9 @@ class ProcessBackend:
             self._release()
             raise
         self._hosts = [
-            ProcessHost(spec, self._members[m], slot, buffers, self.step_timeout)
-            for spec, m, slot, buffers in placed
+            ProcessHost(spec, self._members[w % n], w // n, buffers[w], self.step_timeout)
+            for w, spec in enumerate(specs)
         ]
-        for host in self._hosts:
-            host._conn = host._member.conn
         return list(self._hosts)
 
     async def aclose(self) -> None:
@@ -708,11 +639,18 @@ class ProcessBackend:
         self._closed = True
         for member in self._members:
             member.closed = True
-        conns = [c for m in self._members for c in m.conns]
+        conns = [c for m in self._members for c in m.incarnations]
         try:
             await asyncio.gather(*(c.shutdown(EXIT_GRACE) for c in conns), return_exceptions=True)
         finally:
             self._release()  # whatever the graceful path left (idempotent)
+
+    def close_now(self) -> None:
+        """Kill every host process and release everything at once (no graceful exit)."""
+        self._closed = True
+        for member in self._members:
+            member.closed = True
+        self._release()
 
     def _release(self) -> None:
         if self._finalizer is not None:

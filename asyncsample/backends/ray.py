@@ -50,19 +50,33 @@ import threading
 import traceback
 import warnings
 import zlib
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-import cloudpickle
 import numpy as np
 
 from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample.backends._remote import (
+    HostDied,
+    Incarnation,
+    PendingCall,
+    PoolMember,
+    RemoteHost,
+    place,
+    pool_size,
+)
 from asyncsample.backends._transport import dump_failure, load_failure
-from asyncsample.backends.base import EnvHost, HostSpec, failure_error
-from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers, StepInfos
-from asyncsample.env_update import EnvSource
-from asyncsample.errors import StepTimeoutError, WorkerCrashedError, WorkerError
+from asyncsample.backends._transport import dumps as _dumps
+from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
+from asyncsample.env_group import (
+    EnvFailure,
+    EnvFailureError,
+    EnvGroup,
+    StepBuffers,
+    StepInfos,
+    reset_arguments,
+)
+from asyncsample.errors import WorkerCrashedError, WorkerError
 
 __all__ = ["INSTALL_HINT", "EnvActor", "RayBackend", "RayHost"]
 
@@ -173,14 +187,6 @@ def _copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
 # Env failures cross the actor boundary pickled like the process backend's (see _transport).
 
 
-def _dumps(obj: Any) -> bytes:
-    """Pickle ``obj`` (plain pickle, cloudpickle for what plain pickle cannot do)."""
-    try:
-        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 def _request(worker: int, mask: np.ndarray, actions: Tree | None = None) -> bytes:
     """One bytes object for a reset or step: ``worker``, the mask, then the actions.
 
@@ -269,7 +275,8 @@ class EnvActor:
         """The actor's pid and node address, once it is up."""
         import ray
 
-        return os.getpid(), ray.util.get_node_ip_address()
+        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return os.getpid(), ip
 
     def _run(self, fn: Callable[..., Any], *args: Any, worker: int | None = None) -> Any:
         """``(status, payload)`` of ``fn(*args)``; as arrays if large observations are in it."""
@@ -322,12 +329,16 @@ class EnvActor:
             _copy_into(group.buffers.actions, pickle.loads(request[offset:]))
         return worker, group, mask
 
-    def reset(self, request: bytes) -> Any:
-        """Reset the masked envs of a worker; payload ``(obs, reset_infos)``."""
+    def reset(self, request: bytes, args: bytes | None = None) -> Any:
+        """Reset the masked envs of a worker; payload ``(obs, reset_infos)``.
+
+        ``args``: ``None`` (pending seeds, no options), or pickled ``(seeds, options)``.
+        """
         worker, group, mask = self._decode(request)
+        seeds, options = (None, None) if args is None else pickle.loads(args)
 
         def reset() -> tuple[Tree, dict[int, dict[str, Any]]]:
-            infos = group.reset(mask)
+            infos = group.reset(mask, seeds, options)
             return self._pack(worker, "obs", group.buffers.obs), infos
 
         return self._run(reset, worker=worker)
@@ -357,6 +368,33 @@ class EnvActor:
 
         return self._run(step, worker=worker)
 
+    def call(self, worker: int, blob: bytes) -> Any:
+        """:meth:`EnvGroup.call` with cloudpickled ``(name, args, kwargs, envs)``; payload: the
+        pickled results."""
+        try:
+            name, args, kwargs, envs = pickle.loads(blob)
+        except Exception as exc:
+            return _dumps((_FAIL, _unpickle_failure(exc, "call arguments")))
+        group = self.groups[worker]
+
+        def call() -> bytes:
+            results = group.call(name, args, kwargs, envs)
+            try:
+                return _dumps(results)
+            except Exception as exc:  # deterministic: a restart would not help
+                text = "".join(traceback.format_exception(exc))
+                raise EnvFailureError(EnvFailure(None, exc, text, retry=False)) from exc
+
+        return self._run(call)
+
+    def set_attr(self, worker: int, blob: bytes) -> Any:
+        """:meth:`EnvGroup.set_attr` with cloudpickled ``(name, values, envs)``."""
+        try:
+            name, values, envs = pickle.loads(blob)
+        except Exception as exc:
+            return _dumps((_FAIL, _unpickle_failure(exc, "attribute values")))
+        return self._run(self.groups[worker].set_attr, name, values, envs)
+
     def close(self, worker: int) -> Any:
         """Close the envs of ``worker``."""
         return self._run(self.groups[worker].close)
@@ -381,124 +419,72 @@ def _unpickle_failure(exc: Exception, what: str) -> bytes:
 # -- the main process's side ------------------------------------------------------------------
 
 
-class _Died(Exception):
-    """Set on the futures of calls whose actor died or was killed."""
-
-
-class _Call:
-    """One call to an actor: its ObjectRef, and the future its caller awaits."""
-
-    __slots__ = ("done", "method", "ref", "result", "timed_out", "timeout", "worker")
-
-    def __init__(self, method: str, timeout: float | None, worker: int, result: Any) -> None:
-        self.method = method
-        self.timeout = timeout
-        self.worker = worker
-        self.result: asyncio.Future[Any] = result
-        self.ref: Any = None
-        self.done = False
-        self.timed_out = False
-
-
-class _Actor:
+class _Actor(Incarnation):
     """One incarnation of an env-host actor, as the main process sees it."""
 
     def __init__(self, ray: Any, handle: Any, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
         self.ray = ray
         self.handle = handle
         self.index = index
-        self.loop = loop
-        self.dead = False
-        self.reason = ""
-        self.cause: BaseException | None = None
         self.where = ""
-        # Calls not answered yet, in the order the actor serves them.
-        self.queue: deque[_Call] = deque()
-        self.timer: asyncio.TimerHandle | None = None
 
     def describe(self) -> str:
         return f"env-host actor {self.index}" + (f" ({self.where})" if self.where else "")
 
-    async def call(
+    def submit(
         self, method: str, args: tuple[Any, ...], timeout: float | None, worker: int
-    ) -> Any:
-        """Call ``method`` on the actor and await its reply.
+    ) -> PendingCall:
+        """Call ``method`` on the actor; the call's future gets its reply.
 
-        Raises:
-            WorkerCrashedError: the actor is dead or died meanwhile.
-            StepTimeoutError: the call outlived ``timeout``; the actor was killed.
-            WorkerError: the actor method itself raised (a bug, not an env failure).
+        The future fails with :class:`HostDied` when the actor is (or becomes) dead, and with a
+        :class:`~asyncsample.WorkerError` when the actor method itself raised (a bug, not an env
+        failure).
         """
         if not self.dead and not self.ray.is_initialized():
             # Someone shut Ray down: its actors died with it (and a call now would start Ray).
             self.die("is gone: Ray was shut down")
+        call = self.new_call(method, worker, timeout)
         if self.dead:
-            raise self._crashed(worker)
-        call = _Call(method, timeout, worker, self.loop.create_future())
+            return call
         try:
             ref = getattr(self.handle, method).remote(*args)
         except Exception as exc:  # Ray itself is gone (shut down, disconnected)
             self.die(f"could not be called ({type(exc).__name__}: {exc})", exc)
-            raise self._crashed(worker) from exc
-        call.ref = ref
-        self.queue.append(call)
-        if len(self.queue) == 1:
-            self._arm()
+            return call
+        call.key = ref
         ref.future().add_done_callback(lambda cf: self._from_ray_thread(call, cf))
-        try:
-            return await call.result
-        except _Died:
-            if call.timed_out:
-                raise StepTimeoutError(
-                    f"{method} took longer than step_timeout={timeout:g}s; {self.describe()} "
-                    "was killed",
-                    worker=worker,
-                ) from None
-            err = self._crashed(worker)
-            raise err from err.__cause__  # the Ray error, when there is one
+        return call
 
-    def _crashed(self, worker: int) -> WorkerCrashedError:
-        err = WorkerCrashedError(f"{self.describe()} {self.reason}", worker=worker)
-        err.__cause__ = self.cause
-        return err
-
-    def _from_ray_thread(self, call: _Call, cf: Any) -> None:
+    def _from_ray_thread(self, call: PendingCall, cf: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
             self.loop.call_soon_threadsafe(self._on_reply, call, cf)
 
-    def _on_reply(self, call: _Call, cf: Any) -> None:
-        call.done = True
-        call.ref = None
-        queue = self.queue
-        if queue and queue[0].done:
-            while queue and queue[0].done:
-                queue.popleft()
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
-            self._arm()
+    def _on_reply(self, call: PendingCall, cf: Any) -> None:
+        call.key = None
+        self.answered(call)
         try:
             value = cf.result()
         except BaseException as exc:
             self._on_error(call, exc)
             return
-        if not call.result.done():
-            call.result.set_result(value)
+        if not call.future.done():
+            call.future.set_result(value)
 
-    def _on_error(self, call: _Call, exc: BaseException) -> None:
+    def _on_error(self, call: PendingCall, exc: BaseException) -> None:
         ray = self.ray
         if isinstance(exc, ray.exceptions.RayTaskError):
             # The actor method raised: a bug of the host, not an env failure. Its cause is the
             # original exception, its text the remote traceback.
             cause = getattr(exc, "cause", None) or exc
             err = WorkerError(
-                f"{self.describe()} failed in {call.method}: {type(cause).__name__}: {cause}",
+                f"{self.describe()} failed in {call.label}: {type(cause).__name__}: {cause}",
                 worker=call.worker,
                 remote_traceback=str(exc),
             )
             err.__cause__ = cause
-            if not call.result.done():
-                call.result.set_exception(err)
+            if not call.future.done():
+                call.future.set_exception(err)
             return
         if isinstance(exc, asyncio.CancelledError | ray.exceptions.TaskCancelledError):
             reason = "cancelled the call"
@@ -508,43 +494,11 @@ class _Actor:
             reason = f"failed ({type(exc).__name__})"
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         self.die(f"{reason}: {first_line}" if first_line else reason, exc)
-        if not call.result.done():
-            call.result.set_exception(_Died(self.reason))
+        if not call.future.done():
+            call.future.set_exception(HostDied(self.reason))
 
-    def _arm(self) -> None:
-        if self.dead or not self.queue:
-            return
-        head = self.queue[0]
-        if head.timeout is not None:
-            self.timer = self.loop.call_later(head.timeout, self._on_timeout, head)
-
-    def _on_timeout(self, call: _Call) -> None:
-        self.timer = None
-        if call.done or self.dead:
-            return
-        call.timed_out = True
-        self.die(
-            f"was killed: a {call.method} of worker {call.worker} took longer than "
-            f"step_timeout={call.timeout:g}s"
-        )
-
-    def die(self, reason: str, cause: BaseException | None = None) -> None:
-        """Mark the actor dead: kill it, fail every call waiting on it."""
-        if self.dead:
-            return
-        self.dead = True
-        self.reason = reason
-        self.cause = cause
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+    def _kill(self) -> None:
         self.kill()
-        pending = list(self.queue)
-        self.queue.clear()
-        for call in pending:
-            if not call.result.done():
-                with contextlib.suppress(RuntimeError):  # the loop may be closed
-                    call.result.set_exception(_Died(reason))
 
     def kill(self) -> None:
         """Kill the actor process (no Ray restart); harmless if it is dead already."""
@@ -553,48 +507,42 @@ class _Actor:
                 self.ray.kill(self.handle, no_restart=True)
 
 
-class _Member:
+class _Spawner(Protocol):
+    """What a pool member needs from its backend to create an actor."""
+
+    ray: Any
+    start_timeout: float | None
+
+    def new_actor(self, index: int, slots_blob: bytes) -> Any:
+        """A new actor handle for member ``index``."""
+        ...
+
+    def resource_text(self) -> str:
+        """What each actor asks for, for messages."""
+        ...
+
+
+class _Member(PoolMember[_Actor]):
     """One place in the actor pool: the workers it hosts and its current actor."""
 
-    def __init__(self, backend: RayBackend, index: int, specs: list[HostSpec]) -> None:
-        self.backend = backend
-        self.index = index
-        self.workers = [s.worker for s in specs]
-        self.slots_blob = cloudpickle.dumps(
-            [
-                (s.worker, s.n_envs, s.observation_space, s.action_space, s.max_episode_length)
-                for s in specs
-            ],
-            protocol=pickle.HIGHEST_PROTOCOL,
-        )
-        self.actor: _Actor | None = None
-        self.actors: list[_Actor] = []  # every incarnation, for aclose
-        self.lock = asyncio.Lock()
-
-    async def live_actor(self) -> _Actor:
-        """The current actor, created anew (once, whoever asks first) if it is dead."""
-        async with self.lock:
-            actor = self.actor
-            if actor is None or actor.dead:
-                actor = await self._spawn()
-                self.actor = actor
-            return actor
+    def __init__(self, spawner: _Spawner, index: int, specs: list[HostSpec]) -> None:
+        super().__init__(index, specs)
+        self.spawner = spawner
 
     async def _spawn(self) -> _Actor:
-        backend = self.backend
-        handle = backend._actor_options(self.index).remote(
-            self.slots_blob, backend.compress_threshold, backend.codec
-        )
-        actor = _Actor(backend._ray, handle, self.index, asyncio.get_running_loop())
-        self.actors.append(actor)
+        spawner = self.spawner
+        handle = spawner.new_actor(self.index, self.slots_blob)
+        actor = _Actor(spawner.ray, handle, self.index, asyncio.get_running_loop())
+        self.incarnations.append(actor)
         try:
-            pid, ip = await asyncio.wait_for(self._ready(actor), backend.start_timeout)
+            pid, ip = await asyncio.wait_for(self._ready(actor), spawner.start_timeout)
         except TimeoutError:
+            actor.closing = True
             actor.die("could not be scheduled")
             raise WorkerCrashedError(
                 f"{actor.describe()} was not scheduled within start_timeout="
-                f"{backend.start_timeout:g}s: does the cluster have the resources it asks for "
-                f"({backend._resource_text()})?",
+                f"{spawner.start_timeout:g}s: does the cluster have the resources it asks for "
+                f"({spawner.resource_text()})?",
                 worker=self.workers[0],
             ) from None
         except BaseException:
@@ -605,74 +553,73 @@ class _Member:
 
     async def _ready(self, actor: _Actor) -> tuple[int, str]:
         """Wait for the actor to be up; warn once if it is still not scheduled after a while."""
-        ready = asyncio.ensure_future(actor.call("ready", (), None, self.workers[0]))
+        call = actor.submit("ready", (), None, self.workers[0])
+        ready = call.future
         try:
             done, _ = await asyncio.wait({ready}, timeout=PENDING_WARNING)
             if not done:
-                backend = self.backend
+                spawner = self.spawner
                 with contextlib.suppress(Exception):
-                    free = backend._ray.available_resources()
+                    free = spawner.ray.available_resources()
                     free_text = ", ".join(f"{k}={v:g}" for k, v in sorted(free.items()))
                     warnings.warn(
                         f"{actor.describe()} has waited {PENDING_WARNING:g}s to be scheduled. "
-                        f"Each env-host actor asks for {backend._resource_text()}; the cluster "
+                        f"Each env-host actor asks for {spawner.resource_text()}; the cluster "
                         f"has {free_text or 'nothing'} free. Lower num_cpus (num_cpus=0 lets "
                         "actors share CPUs, as processes do) or n_processes, add resources, or "
                         "set start_timeout to fail instead of waiting.",
                         RuntimeWarning,
                         stacklevel=1,
                     )
-            result: tuple[int, str] = await ready
+            try:
+                result: tuple[int, str] = await ready
+            except HostDied:
+                err = actor.crashed(self.workers[0])
+                raise err from err.__cause__
         finally:
             ready.cancel()
         return result
 
 
-class RayHost:
+class RayHost(RemoteHost[_Actor]):
     """The host of one worker's envs, living in a Ray actor shared with other workers."""
 
+    where = "env-host actor"
+
     def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
-        self.spec = spec
-        self.worker = spec.worker
-        self.buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
-        self._member = member
-        self._timeout = step_timeout
-        self._actor: _Actor | None = None
+        buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
+        super().__init__(spec, member, buffers, step_timeout)
 
     @property
     def actor(self) -> Any:
         """The Ray actor handle this worker's envs currently live in."""
-        return None if self._actor is None else self._actor.handle
+        return None if self._incarnation is None else self._incarnation.handle
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        actor = self._actor
-        if actor is None:
-            raise RuntimeError("the ray backend has not started this host")
-        reply = await actor.call(method, args, self._timeout, self.worker)
+    def _submit(self, incarnation: _Actor, op: str, payload: tuple[Any, ...]) -> PendingCall:
+        if op in ("reset", "step"):
+            args = payload  # the request carries the worker
+        else:
+            args = (self.worker, *payload)
+        return incarnation.submit(op, args, self._timeout, self.worker)
+
+    def _unpack(self, reply: Any) -> Any:
         status, payload = pickle.loads(reply) if isinstance(reply, bytes) else reply
         if status != _OK:
             raise failure_error(self.worker, load_failure(payload))
         return payload
 
-    def _pickle(self, what: str, sources: Any, seeds: Sequence[int]) -> bytes:
-        try:
-            return cloudpickle.dumps((sources, list(seeds)), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:
-            raise TypeError(
-                f"the {what} of worker {self.worker} cannot be pickled (with cloudpickle) to send "
-                f"it to its env-host actor: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
-        blob = self._pickle("env", [list(c) for c in chains], seeds)
-        await self._call("build", self.worker, blob)
-
-    async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
-        blob = self._pickle("env update", list(updates), seeds)
-        await self._call("update", self.worker, blob)
-
-    async def reset(self, mask: np.ndarray) -> dict[int, dict[str, object]]:
-        obs, infos = await self._call("reset", _request(self.worker, mask))
+    async def reset(
+        self,
+        mask: np.ndarray,
+        seeds: Sequence[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+    ) -> dict[int, dict[str, object]]:
+        request = _request(self.worker, mask)
+        if seeds is None and options is None:
+            obs, infos = await self._request("reset", request)
+        else:
+            args = reset_arguments(self.spec.n_envs, seeds, options)
+            obs, infos = await self._request("reset", request, self._pickle("reset options", args))
         _copy_into(self.buffers.obs, obs)
         result: dict[int, dict[str, object]] = infos
         return result
@@ -680,7 +627,7 @@ class RayHost:
     async def step(self, mask: np.ndarray) -> StepInfos:
         buf = self.buffers
         # The request is a copy of the actions: the worker may write the next ones meanwhile.
-        payload = await self._call("step", _request(self.worker, mask, buf.actions))
+        payload = await self._request("step", _request(self.worker, mask, buf.actions))
         obs, rewards, terminated, truncated, done, final, infos = payload
         _copy_into(buf.obs, obs)
         buf.rewards[:] = rewards
@@ -690,19 +637,6 @@ class RayHost:
             _copy_into(buf.final_obs, final, done)
         result: StepInfos = infos
         return result
-
-    async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
-        # A dead or killed actor is replaced (once for all its workers); a live one, where an env
-        # merely raised, keeps running and only this worker's envs are rebuilt.
-        self._actor = await self._member.live_actor()
-        await self.build(chains, seeds)
-
-    async def close(self) -> None:
-        actor = self._actor
-        if actor is None or actor.dead:
-            return
-        with contextlib.suppress(WorkerError):
-            await self._call("close", self.worker)
 
 
 # A local Ray instance started by a RayBackend, shared by the backends that use it meanwhile;
@@ -739,6 +673,21 @@ class RayBackend:
             adding nodes).
     """
 
+    OPTIONS = (
+        "n_processes",
+        "step_timeout",
+        "address",
+        "num_cpus",
+        "num_gpus",
+        "memory",
+        "resources",
+        "placement_strategy",
+        "workers_per_actor",
+        "compress_threshold",
+        "init_kwargs",
+        "start_timeout",
+    )
+
     def __init__(
         self,
         n_processes: int | None = None,
@@ -753,9 +702,10 @@ class RayBackend:
         compress_threshold: int | None = None,
         init_kwargs: Mapping[str, Any] | None = None,
         start_timeout: float | None = None,
-        **_ignored: object,
+        **unknown: object,
     ) -> None:
-        self._ray = _import_ray()
+        reject_unknown_options("ray", unknown, self.OPTIONS)
+        self.ray = _import_ray()
         self.n_processes = _optional_int("n_processes", n_processes, 1)
         self.workers_per_actor = _optional_int("workers_per_actor", workers_per_actor, 1)
         self.compress_threshold = _optional_int("compress_threshold", compress_threshold, 0)
@@ -791,12 +741,6 @@ class RayBackend:
         if self.address is None and isinstance(self.init_kwargs.get("address"), str):
             self.address = self.init_kwargs["address"]
         self.init_kwargs.pop("address", None)
-        if _ignored:
-            warnings.warn(
-                f"RayBackend ignores unknown options: {', '.join(sorted(_ignored))}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
         self.codec = best_codec()
         self.started_ray = False  # whether this backend started (and so shuts down) Ray
         self._owner = False
@@ -820,8 +764,13 @@ class RayBackend:
         bundle.update({k: v for k, v in self.resources.items() if v})
         return bundle
 
-    def _resource_text(self) -> str:
+    def resource_text(self) -> str:
+        """What each actor asks for (``"CPU=1, sim=1"``), for messages."""
         return ", ".join(f"{k}={v:g}" for k, v in self._bundle().items()) or "no resources"
+
+    def new_actor(self, index: int, slots_blob: bytes) -> Any:
+        """A new env-host actor for pool member ``index`` (its handle)."""
+        return self._actor_options(index).remote(slots_blob, self.compress_threshold, self.codec)
 
     def _actor_options(self, index: int) -> Any:
         options: dict[str, Any] = {
@@ -847,7 +796,9 @@ class RayBackend:
     @property
     def actors(self) -> list[Any]:
         """Handles of the live env-host actors, in pool order."""
-        return [m.actor.handle for m in self._members if m.actor is not None and not m.actor.dead]
+        return [
+            m.current.handle for m in self._members if m.current is not None and not m.current.dead
+        ]
 
     async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
         if self._closed:
@@ -861,10 +812,10 @@ class RayBackend:
         if self.workers_per_actor is not None:
             n = math.ceil(len(specs) / self.workers_per_actor)
         else:
-            n = min(self.n_processes or os.cpu_count() or 1, len(specs))
+            n = pool_size(self.n_processes, len(specs))
         try:
             await asyncio.to_thread(self._connect, math.ceil(n * self.num_cpus))
-            ray = self._ray
+            ray = self.ray
             self._actor_class = ray.remote(EnvActor)
             if self.placement_strategy is not None:
                 from ray.util.placement_group import placement_group
@@ -876,16 +827,13 @@ class RayBackend:
                     await asyncio.wait_for(self._placement_group.ready(), self.start_timeout)
                 except TimeoutError:
                     raise RuntimeError(
-                        f"the placement group ({n} bundles of {self._resource_text()}, "
+                        f"the placement group ({n} bundles of {self.resource_text()}, "
                         f"{self.placement_strategy}) was not ready within start_timeout="
                         f"{self.start_timeout:g}s: the cluster lacks the resources"
                     ) from None
-            per_member: list[list[HostSpec]] = [[] for _ in range(n)]
-            for w, spec in enumerate(specs):
-                per_member[w % n].append(spec)
-            self._members = [_Member(self, i, s) for i, s in enumerate(per_member)]
+            self._members = [_Member(self, i, s) for i, s in enumerate(place(specs, n))]
             results = await asyncio.gather(
-                *(m.live_actor() for m in self._members), return_exceptions=True
+                *(m.live() for m in self._members), return_exceptions=True
             )
             for result in results:
                 if isinstance(result, BaseException):
@@ -894,8 +842,6 @@ class RayBackend:
                 RayHost(spec, self._members[w % n], self.step_timeout)
                 for w, spec in enumerate(specs)
             ]
-            for host in self._hosts:
-                host._actor = host._member.actor
         except BaseException:
             await asyncio.shield(self.aclose())
             raise
@@ -903,7 +849,7 @@ class RayBackend:
 
     def _connect(self, cpus_wanted: int) -> None:
         """Use the initialised Ray, connect to ``address``, or start a local instance."""
-        ray = self._ray
+        ray = self.ray
         with _OWNER_LOCK:
             if ray.is_initialized():
                 if _owned["users"] > 0:  # a local instance another RayBackend started
@@ -937,8 +883,8 @@ class RayBackend:
         if self._closed:
             return
         self._closed = True
-        actors = [a for m in self._members for a in m.actors]
-        if not self._ray.is_initialized():
+        actors = self._closing_actors()
+        if not self.ray.is_initialized():
             # Ray was shut down under us: the actors and placement group went with it, and
             # any Ray call now would start a new Ray instance.
             for actor in actors:
@@ -947,7 +893,7 @@ class RayBackend:
             self._release()
             if self._owner:
                 self._owner = False
-                _release_ray(self._ray)
+                _release_ray(self.ray)
             return
         live = [a for a in actors if not a.dead]
         goodbyes: list[asyncio.Future[Any]] = []
@@ -969,7 +915,7 @@ class RayBackend:
         self._release()
         if self._owner:
             self._owner = False
-            await asyncio.to_thread(_release_ray, self._ray)
+            await asyncio.to_thread(_release_ray, self.ray)
 
     async def _confirm_dead(self, actors: list[_Actor]) -> None:
         """Wait (a little) until Ray reports every killed actor dead."""
@@ -1001,13 +947,23 @@ class RayBackend:
         if self._closed:
             return
         self._closed = True
-        if not self._ray.is_initialized():
+        actors = self._closing_actors()
+        if not self.ray.is_initialized():
             self._placement_group = None
             return
-        for member in self._members:
-            for actor in member.actors:
-                actor.kill()
+        for actor in actors:
+            actor.die("was shut down")
         self._release()
+
+    def _closing_actors(self) -> list[_Actor]:
+        """Mark every member closed (calls in flight raise SamplerClosedError); all actors."""
+        actors: list[_Actor] = []
+        for member in self._members:
+            member.closed = True
+            for actor in member.incarnations:
+                actor.closing = True
+                actors.append(actor)
+        return actors
 
 
 def _release_ray(ray: Any) -> None:

@@ -1,0 +1,411 @@
+"""What the ``process`` and ``ray`` backends share: env hosts that live somewhere else.
+
+Both keep a pool of remote hosts (processes or actors), each serving the envs of several workers
+(one :class:`~asyncsample.env_group.EnvGroup` per worker slot). From the main process they look
+the same, and this module holds that common shape:
+
+* :class:`Incarnation` -- one life of a remote host: the calls it has not answered yet, in the
+  order it serves them, a ``step_timeout`` on the head call only (time spent queued behind other
+  workers' calls does not count), and "fail everyone" when it dies or is killed.
+* :class:`PoolMember` -- one place in the pool: which workers it hosts (the pickled slot specs
+  every incarnation is started with) and its current incarnation, replaced once (whoever asks
+  first) when it died.
+* :class:`RemoteHost` -- one worker's view of its member: build, update, call, set_attr,
+  restart and close in terms of one backend-specific round trip, and the translation of a dead
+  host into :class:`~asyncsample.WorkerCrashedError`, :class:`~asyncsample.StepTimeoutError` or,
+  once the backend is closed, :class:`~asyncsample.SamplerClosedError`.
+* :func:`place`: worker ``w`` lives on member ``w % n``.
+
+What moves the bytes (sockets and shared memory, or Ray calls) stays in each backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import cloudpickle
+
+from asyncsample.backends.base import LOGGER, HostSpec
+from asyncsample.env_group import StepBuffers, env_indices
+from asyncsample.env_update import EnvSource
+from asyncsample.errors import SamplerClosedError, StepTimeoutError, WorkerCrashedError, WorkerError
+
+__all__ = [
+    "HostDied",
+    "Incarnation",
+    "PendingCall",
+    "PoolMember",
+    "RemoteHost",
+    "place",
+    "pool_size",
+    "slots_blob",
+]
+
+
+class HostDied(Exception):
+    """Set on the futures of calls whose host died, was killed or was shut down."""
+
+
+class PendingCall:
+    """One call sent to a remote host and not answered yet.
+
+    Attributes:
+        label: what was asked (``"step"``, ``"build"``...), for messages.
+        worker: the worker that asked.
+        timeout: ``step_timeout`` of the call, or ``None``.
+        future: resolved with the raw reply, or failed with :class:`HostDied`.
+        key: the backend's handle of the call (a request id, an ObjectRef).
+        done: the host answered it.
+        timed_out: it outlived ``timeout`` and its host was killed for it.
+    """
+
+    __slots__ = ("done", "future", "key", "label", "timed_out", "timeout", "worker")
+
+    def __init__(
+        self, label: str, worker: int, timeout: float | None, future: asyncio.Future[Any]
+    ) -> None:
+        self.label = label
+        self.worker = worker
+        self.timeout = timeout
+        self.future = future
+        self.key: Any = None
+        self.done = False
+        self.timed_out = False
+
+
+class Incarnation(ABC):
+    """One life of a remote host, as the main process sees it.
+
+    A host serves its calls in the order they were sent, so only the head of :attr:`calls` can
+    be running: its timeout starts when the call before it was answered.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.calls: deque[PendingCall] = deque()
+        self.timer: asyncio.TimerHandle | None = None
+        self.dead = False
+        self.closing = False  # being shut down on purpose: its death is not news
+        self.reason = ""
+        self.cause: BaseException | None = None
+
+    @abstractmethod
+    def describe(self) -> str:
+        """``"env-host process 1234"``, ``"env-host actor 0 (pid 1234 on 10.0.0.1)"``..."""
+
+    @abstractmethod
+    def _kill(self) -> None:
+        """Kill the remote host, harmlessly if it is gone already (synchronous, never raises)."""
+
+    def _defer_timeout(self, call: PendingCall) -> bool:
+        """Whether a timeout that fell due should wait a moment (a reply may be in unread)."""
+        return False
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def new_call(self, label: str, worker: int, timeout: float | None) -> PendingCall:
+        """A call, queued as the host will serve it; failed at once if the host is dead."""
+        call = PendingCall(label, worker, timeout, self.loop.create_future())
+        if self.dead:
+            call.future.set_exception(HostDied(self.reason))
+            return call
+        calls = self.calls
+        calls.append(call)
+        if timeout is not None and len(calls) == 1:
+            self.timer = self.loop.call_later(timeout, self._on_timeout, call)
+        return call
+
+    def answered(self, call: PendingCall) -> None:
+        """The host answered ``call``: the next queued call is what it works on now."""
+        call.done = True
+        calls = self.calls
+        if calls and calls[0].done:
+            while calls and calls[0].done:
+                calls.popleft()
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+            if calls and not self.dead:
+                head = calls[0]
+                if head.timeout is not None:
+                    self.timer = self.loop.call_later(head.timeout, self._on_timeout, head)
+
+    def _on_timeout(self, call: PendingCall) -> None:
+        self.timer = None
+        if call.done or self.dead:
+            return
+        if self._defer_timeout(call):
+            self.timer = self.loop.call_later(0.001, self._on_timeout, call)
+            return
+        call.timed_out = True
+        what = (
+            f"{call.label} of worker {call.worker} took longer than step_timeout={call.timeout:g}s"
+        )
+        self.die(f"was killed: a {what}")
+
+    # -- death ----------------------------------------------------------------------------------
+
+    def die(self, reason: str, cause: BaseException | None = None) -> None:
+        """Mark the host dead: kill it and fail every call waiting on it. Idempotent."""
+        if self.dead:
+            return
+        self.dead = True
+        self.reason = reason
+        self.cause = cause
+        if not self.closing:
+            LOGGER.warning("%s %s; the calls waiting on it fail", self.describe(), reason)
+        # What follows may run from a finalizer after the loop closed: never let it raise.
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self._kill()
+        pending = list(self.calls)
+        self.calls.clear()
+        for call in pending:
+            if not call.future.done():
+                with contextlib.suppress(RuntimeError):  # the loop is closed
+                    call.future.set_exception(HostDied(reason))
+        self._on_death()
+
+    def _on_death(self) -> None:  # noqa: B027 - a hook, empty by default
+        """Release what the backend holds for this incarnation (after :meth:`die`)."""
+
+    def crashed(self, worker: int) -> WorkerCrashedError:
+        """The error of a call that found this host dead."""
+        err = WorkerCrashedError(f"{self.describe()} {self.reason}", worker=worker)
+        err.__cause__ = self.cause
+        return err
+
+
+IncT = TypeVar("IncT", bound=Incarnation)
+
+
+class PoolMember(ABC, Generic[IncT]):
+    """One place in the pool: the worker slots it hosts and its current incarnation.
+
+    Args:
+        index: the member's place in the pool.
+        specs: the workers it hosts, in slot order.
+    """
+
+    kind = "env host"
+
+    def __init__(self, index: int, specs: Sequence[HostSpec]) -> None:
+        self.index = index
+        self.workers = [s.worker for s in specs]
+        self.slots_blob = slots_blob(specs)
+        self.current: IncT | None = None
+        self.incarnations: list[IncT] = []  # every one not yet released
+        self.lock = asyncio.Lock()
+        self.closed = False
+
+    @abstractmethod
+    async def _spawn(self) -> IncT:
+        """Start a new incarnation (appended to :attr:`incarnations` as soon as it exists)."""
+
+    def _discard(self, incarnation: IncT) -> None:
+        """Stop an incarnation that was started after the backend closed."""
+        incarnation.closing = True
+        incarnation.die("was shut down")
+
+    async def live(self) -> IncT:
+        """The current incarnation, started anew (once, whoever asks) if it is dead.
+
+        Raises:
+            SamplerClosedError: the backend is closed.
+            WorkerCrashedError: a new incarnation failed to start.
+        """
+        async with self.lock:
+            current = self.current
+            if current is not None and not current.dead:
+                return current
+            if self.closed:
+                raise closed_error(self.workers[0], "restart its env host")
+            new = await self._spawn()
+            self.current = new
+            if self.closed:  # closed while the new one started: it was left out
+                self._discard(new)
+                raise closed_error(self.workers[0], "restart its env host")
+            if current is not None:
+                LOGGER.warning(
+                    "%s (workers %s) %s; restarted as %s",
+                    current.describe(),
+                    ", ".join(map(str, self.workers)),
+                    current.reason,
+                    new.describe(),
+                )
+            return new
+
+
+def closed_error(worker: int, what: str) -> SamplerClosedError:
+    """The error of a host call made or in flight when the backend was closed."""
+    return SamplerClosedError(
+        f"worker {worker} could not {what}: the sampler (and its env hosts) was closed"
+    )
+
+
+class RemoteHost(ABC, Generic[IncT]):
+    """The host of one worker's envs in a member of a remote pool, as the worker sees it.
+
+    Args:
+        spec: the worker's host spec.
+        member: the pool member that hosts it (started: its incarnation is used).
+        buffers: the worker's step buffers.
+        step_timeout: seconds a host may spend on one call, or ``None``.
+    """
+
+    #: How the remote side is called in error messages ("env-host process").
+    where = "env host"
+
+    def __init__(
+        self,
+        spec: HostSpec,
+        member: PoolMember[IncT],
+        buffers: StepBuffers,
+        step_timeout: float | None,
+    ) -> None:
+        self.spec = spec
+        self.worker = spec.worker
+        self.buffers = buffers
+        self._member = member
+        self._timeout = step_timeout
+        self._incarnation: IncT | None = member.current
+
+    # -- one round trip (backend specific) ------------------------------------------------------
+
+    @abstractmethod
+    def _submit(self, incarnation: IncT, op: str, payload: tuple[Any, ...]) -> PendingCall:
+        """Send one request for this worker's slot; the call's future gets the raw reply."""
+
+    @abstractmethod
+    def _unpack(self, reply: Any) -> Any:
+        """The payload of a raw reply, or raise the :class:`~asyncsample.WorkerError` in it."""
+
+    async def _request(self, op: str, *payload: Any) -> Any:
+        """Send ``op`` with ``payload``, await the reply, translate a dead host into an error."""
+        inc = self._incarnation
+        if inc is None:
+            raise RuntimeError(f"the backend has not started the host of worker {self.worker}")
+        if self._member.closed:
+            raise closed_error(self.worker, op)
+        call = self._submit(inc, op, payload)
+        try:
+            reply = await call.future
+        except HostDied:
+            err = self._death_error(inc, call)
+            raise err from err.__cause__
+        return self._unpack(reply)
+
+    def _death_error(self, inc: IncT, call: PendingCall) -> Exception:
+        if self._member.closed:
+            return closed_error(self.worker, f"finish its {call.label}")
+        if call.timed_out:
+            return StepTimeoutError(
+                f"{call.label} took longer than step_timeout={call.timeout:g}s; "
+                f"{inc.describe()} was killed",
+                worker=self.worker,
+            )
+        return inc.crashed(self.worker)
+
+    # -- what every remote host does the same way ----------------------------------------------
+
+    def _pickle(self, what: str, obj: Any) -> bytes:
+        try:
+            return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[no-any-return]
+        except Exception as exc:
+            raise TypeError(
+                f"the {what} of worker {self.worker} cannot be pickled (with cloudpickle) to send "
+                f"it to its {self.where}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
+        blob = self._pickle("env", ([list(c) for c in chains], list(seeds)))
+        await self._request("build", blob)
+
+    async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
+        blob = self._pickle("env update", (list(updates), list(seeds)))
+        await self._request("update", blob)
+
+    async def call(
+        self,
+        name: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        envs: Sequence[int] | None = None,
+    ) -> list[Any]:
+        if not isinstance(name, str):
+            raise TypeError(f"name must be an attribute name (str), got {name!r}")
+        indices = env_indices(self.spec.n_envs, envs)
+        blob = self._pickle("call arguments", (name, list(args), dict(kwargs or {}), indices))
+        reply = await self._request("call", blob)
+        results: list[Any] = pickle.loads(reply)
+        return results
+
+    async def set_attr(
+        self, name: str, values: Sequence[Any], envs: Sequence[int] | None = None
+    ) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"name must be an attribute name (str), got {name!r}")
+        indices = env_indices(self.spec.n_envs, envs)
+        if len(values) != len(indices):
+            raise ValueError(
+                f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
+            )
+        blob = self._pickle("attribute values", (name, list(values), indices))
+        await self._request("set_attr", blob)
+
+    async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
+        """Replace a dead or killed host (once for all its workers), then rebuild the envs.
+
+        A live host, where an env merely raised, keeps running: only this worker's envs are
+        rebuilt.
+        """
+        old = self._incarnation
+        self._incarnation = inc = await self._member.live()
+        if inc is old:
+            LOGGER.warning("worker %d: rebuilding its envs in %s", self.worker, inc.describe())
+        await self.build(chains, seeds)
+
+    async def close(self) -> None:
+        inc = self._incarnation
+        if inc is None or inc.dead or self._member.closed:
+            return
+        with contextlib.suppress(WorkerError, SamplerClosedError):
+            await self._request("close")
+
+
+def pool_size(n_processes: int | None, n_workers: int) -> int:
+    """How many members a pool gets: ``n_processes`` (default: the CPU count), at most one per
+    worker."""
+    return min(n_processes or os.cpu_count() or 1, n_workers)
+
+
+def place(specs: Sequence[HostSpec], n: int) -> list[list[HostSpec]]:
+    """The specs of each of ``n`` members: worker ``w`` lives on member ``w % n``, in order.
+
+    The slot of the worker of ``specs[w]`` in its member is ``w // n``.
+    """
+    members: list[list[HostSpec]] = [[] for _ in range(n)]
+    for w, spec in enumerate(specs):
+        members[w % n].append(spec)
+    return members
+
+
+def slots_blob(specs: Sequence[HostSpec]) -> bytes:
+    """What a remote host is started with: ``(worker, n_envs, observation_space, action_space,
+    max_episode_length)`` per slot, cloudpickled."""
+    blob: bytes = cloudpickle.dumps(
+        [
+            (s.worker, s.n_envs, s.observation_space, s.action_space, s.max_episode_length)
+            for s in specs
+        ],
+        protocol=pickle.HIGHEST_PROTOCOL,
+    )
+    return blob

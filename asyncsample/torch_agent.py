@@ -1,0 +1,467 @@
+"""An adapter that turns a torch ``nn.Module`` policy into an asyncsample agent.
+
+``TorchAgent(module, action_space)`` is an agent in the sense of :class:`asyncsample.Agent`: the
+workers hand it stacked numpy observations (or dicts/tuples of them), it runs the module on the
+module's device without building an autograd graph, samples actions from the module's output and
+returns numpy actions and per-env agent infos (log-probabilities, values). Its parameters travel
+as a ``state_dict`` of numpy arrays, so ``Sampler.update_agent(agent.get_param_values())`` works
+on every backend and the parameters pickle cheaply.
+
+This module imports torch; nothing else in asyncsample imports this module eagerly, so
+``import asyncsample`` works without torch installed (``pip install 'asyncsample[torch]'``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+from asyncsample._tree import Tree, tree_leaves, tree_map
+
+__all__ = ["TorchAgent"]
+
+Head = Literal["categorical", "gaussian"]
+SampleFn = Callable[..., tuple[Any, Mapping[str, Any]]]
+
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+class TorchAgent:
+    """An ``nn.Module`` policy as an agent: numpy in, numpy out, no autograd graph.
+
+    The module is called on the observations turned into tensors on its device (floating arrays
+    are cast to the module's floating dtype; arrays already of that dtype on the CPU are shared,
+    not copied, unless numpy marks them read-only). What it must return depends on the head:
+
+    * ``"categorical"`` (the default for a ``Discrete`` action space): the logits, shape
+      ``(batch, n)``; or ``(logits, value)``; or a dict with ``"logits"`` and optionally
+      ``"value"``.
+    * ``"gaussian"`` (the default for a ``Box`` action space; a diagonal Gaussian): the mean,
+      shape ``(batch, *action_shape)``; or ``(mean, log_std)`` / ``(mean, log_std, value)``; or a
+      dict with ``"mean"`` and optionally ``"log_std"`` and ``"value"``. Where the output has no
+      log-std (or it is ``None``), the module's ``log_std`` attribute is used (typically an
+      ``nn.Parameter``, so it is part of the ``state_dict`` and travels with the parameters).
+    * ``sample_fn``: any output; ``sample_fn(output)`` returns ``(actions, infos)`` as tensors or
+      numpy arrays (actions may be a dict/tuple tree). It also receives ``generator=`` (the
+      agent's ``torch.Generator``, for reproducible sampling) and ``deterministic=`` when its
+      signature names those keywords.
+
+    Agent infos (numpy, leading axis ``batch``): ``"logp"``, the log-probability of each action
+    (for a Gaussian, of the action before clipping); ``"value"`` when the module returns one;
+    for a Gaussian also ``"mean"`` and ``"log_std"``.
+
+    Reproducibility: sampling draws only from the agent's own ``torch.Generator``, seeded by
+    ``seed`` (or :meth:`seed`). With a fixed seed and one agent per worker (``agent=[TorchAgent(
+    ..., seed=s + w) for w in range(n_workers)]``) the sampler's batches are identical on every
+    run, as for any agent whose actions depend only on its input; a single agent shared by
+    several workers draws its random numbers in the order the workers call it. The agent
+    pickles with its module and the generator's state, so a copy (e.g. one sent to an env host)
+    continues the same random stream.
+
+    Args:
+        module: the policy network. The agent uses it as it is (train/eval mode is the caller's
+            choice) and never changes its parameters except through :meth:`set_param_values`.
+        action_space: the action space of one env; chooses the default head, the number of
+            logits expected, the Discrete ``start`` offset and the bounds for clipping.
+        head: ``"categorical"`` or ``"gaussian"``, overriding the default from ``action_space``.
+        sample_fn: a sampling function used instead of a built-in head.
+        device: where to run the module (it is moved there); default: the device of its first
+            parameter or buffer, else the CPU.
+        seed: seed of the sampling generator; ``None`` seeds it from the OS.
+        clip_actions: clip Gaussian actions to a bounded ``Box`` action space (the workers reject
+            actions outside the space).
+        inference_mode: run the module under ``torch.inference_mode()`` (fastest). Set it to
+            ``False`` to use ``torch.no_grad()`` instead, if the module keeps tensors it creates
+            in ``forward`` for later use with autograd (inference tensors cannot be).
+
+    Raises:
+        ValueError: if no head can be chosen (no ``sample_fn``, no ``head`` and an action space
+            that is neither ``Discrete`` nor ``Box``), or ``head`` is not a known head.
+        TypeError: if ``module`` is not an ``nn.Module``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        action_space: gym.Space[Any] | None = None,
+        *,
+        head: Head | None = None,
+        sample_fn: SampleFn | None = None,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        clip_actions: bool = True,
+        inference_mode: bool = True,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if device is not None:
+            module.to(device)
+        self.module = module
+        self.action_space = action_space
+        self.device = torch.device(device) if device is not None else _module_device(module)
+        self._float_dtype = _module_float_dtype(module)
+        self._grad_off: Callable[[], Any] = (
+            torch.inference_mode if inference_mode else torch.no_grad
+        )
+        self.sample_fn = sample_fn
+        self._fn_kwargs: set[str] = set()
+        if sample_fn is not None:
+            self._fn_kwargs = _keywords(sample_fn, ("generator", "deterministic"))
+            self.head: Head | None = None
+        else:
+            self.head = _choose_head(head, action_space)
+        self._n_actions: int | None = None
+        self._start = 0
+        if isinstance(action_space, gym.spaces.Discrete):
+            self._n_actions, self._start = int(action_space.n), int(action_space.start)
+        self._bounds: tuple[np.ndarray, np.ndarray] | None = None
+        if (
+            clip_actions
+            and isinstance(action_space, gym.spaces.Box)
+            and action_space.is_bounded("both")
+        ):
+            self._bounds = (action_space.low, action_space.high)
+        self._action_dtype = (
+            action_space.dtype
+            if isinstance(action_space, gym.spaces.Box) and action_space.dtype is not None
+            else None
+        )
+        self.generator = torch.Generator(device=self.device)
+        self.seed(seed)
+
+    # -- the Agent interface -------------------------------------------------------------------
+
+    def get_actions(
+        self, observations: Tree, deterministic: bool = False
+    ) -> tuple[Tree, dict[str, np.ndarray]]:
+        """Actions and agent infos for stacked observations (leading axis: the batch).
+
+        Args:
+            observations: a numpy array, or a dict/tuple tree of them, one row per env.
+            deterministic: return the most likely action (the argmax of the logits, the
+                Gaussian's mean) instead of a sample; :meth:`Sampler.evaluate` asks for this.
+
+        Returns:
+            The actions (numpy, one row per env) and a dict of numpy agent infos.
+
+        Raises:
+            ValueError: if the module's output is not what the head expects, or a sampling
+                function returns actions or infos without one row per observation.
+        """
+        leaves = tree_leaves(observations)
+        n = len(leaves[0]) if leaves else 0
+        with self._grad_off():
+            output = self.module(tree_map(self._as_tensor, observations))
+            if self.sample_fn is not None:
+                return self._custom(output, n, deterministic)
+            if self.head == "categorical":
+                return self._categorical(output, n, deterministic)
+            return self._gaussian(output, n, deterministic)
+
+    def get_deterministic_actions(self, observations: Tree) -> tuple[Tree, dict[str, np.ndarray]]:
+        """``get_actions(observations, deterministic=True)``."""
+        return self.get_actions(observations, deterministic=True)
+
+    def get_param_values(self) -> dict[str, np.ndarray]:
+        """The module's ``state_dict`` as a dict of numpy arrays (copies, on the CPU).
+
+        bfloat16 tensors, which numpy lacks, come out as float32; loading them back casts.
+        """
+        return {key: _numpy(value, copy=True) for key, value in self.module.state_dict().items()}
+
+    def set_param_values(self, params: Mapping[str, Any]) -> None:
+        """Load parameters, as numpy arrays or tensors keyed like the module's ``state_dict``.
+
+        Values are copied into the module's own tensors (on its device), so the caller may keep
+        using ``params`` afterwards.
+
+        Raises:
+            TypeError: if ``params`` is not a mapping.
+            ValueError: if keys are missing or unexpected, or a shape differs.
+        """
+        if not isinstance(params, Mapping):
+            raise TypeError(
+                "params must be a dict mapping the module's state_dict keys to numpy arrays or "
+                f"tensors, got {type(params).__name__}"
+            )
+        own = self.module.state_dict()
+        missing = [k for k in own if k not in params]
+        unexpected = [k for k in params if k not in own]
+        if missing or unexpected:
+            raise ValueError(
+                f"params must have exactly the module's state_dict keys; missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+        state: dict[str, torch.Tensor] = {}
+        for key, value in params.items():
+            tensor = torch.as_tensor(value)
+            if tuple(tensor.shape) != tuple(own[key].shape):
+                raise ValueError(
+                    f"params[{key!r}] has shape {tuple(tensor.shape)}, but the module's "
+                    f"{key!r} has shape {tuple(own[key].shape)}"
+                )
+            state[key] = tensor
+        self.module.load_state_dict(state)
+
+    def seed(self, seed: int | None = None) -> None:
+        """Reseed the sampling generator (``None``: from the OS)."""
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(int(seed))
+
+    def __repr__(self) -> str:
+        how = f"sample_fn={self.sample_fn!r}" if self.sample_fn is not None else self.head
+        return f"TorchAgent({type(self.module).__name__}, {how}, device={self.device})"
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _as_tensor(self, array: Any) -> torch.Tensor:
+        """One observation leaf as a tensor on the device, sharing memory where it can.
+
+        Floating arrays take the module's floating dtype; other dtypes (integer or boolean
+        observations) are kept. An array already of the right dtype is shared on the CPU, except
+        a read-only one: a tensor may not share a read-only buffer (torch warns that writes would
+        be undefined), so that one case is copied.
+        """
+        if not isinstance(array, np.ndarray):
+            tensor = torch.as_tensor(array, device=self.device)
+            return tensor.to(self._float_dtype) if tensor.is_floating_point() else tensor
+        if array.dtype.kind == "f":
+            np_dtype = _NUMPY_DTYPES.get(self._float_dtype)
+            if np_dtype is None:  # e.g. bfloat16, which numpy lacks: let torch convert
+                return torch.as_tensor(array).to(self.device, self._float_dtype)
+            if array.dtype != np_dtype:
+                return torch.as_tensor(array.astype(np_dtype), device=self.device)
+        if not array.flags.writeable and self.device.type == "cpu":
+            array = array.copy()
+        return torch.as_tensor(array, device=self.device)
+
+    def _categorical(
+        self, output: Any, n: int, deterministic: bool
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        logits, value = _unpack(output, ("logits", "value"), "categorical")
+        logits = _check_tensor(logits, "logits", "categorical")
+        if logits.ndim != 2 or logits.shape[0] != n:
+            raise ValueError(
+                f"the categorical head expects logits of shape (batch={n}, n_actions), got "
+                f"shape {tuple(logits.shape)}"
+            )
+        if self._n_actions is not None and logits.shape[1] != self._n_actions:
+            raise ValueError(
+                f"the categorical head expects {self._n_actions} logits per row (the Discrete "
+                f"action space), got shape {tuple(logits.shape)}"
+            )
+        logp_all = torch.log_softmax(logits, dim=-1)
+        if deterministic:
+            actions = logp_all.argmax(dim=-1)
+        else:
+            actions = torch.multinomial(logp_all.exp(), 1, generator=self.generator)[:, 0]
+        infos = {"logp": _numpy(logp_all.gather(1, actions[:, None])[:, 0])}
+        _add_value(infos, value, n)
+        out = _numpy(actions)
+        return (out + self._start if self._start else out), infos
+
+    def _gaussian(
+        self, output: Any, n: int, deterministic: bool
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        mean, log_std, value = _unpack(output, ("mean", "log_std", "value"), "gaussian")
+        mean = _check_tensor(mean, "mean", "gaussian")
+        if mean.ndim < 2 or mean.shape[0] != n:
+            raise ValueError(
+                f"the gaussian head expects a mean of shape (batch={n}, *action_shape), got "
+                f"shape {tuple(mean.shape)}"
+            )
+        if self.action_space is not None and self.action_space.shape is not None:
+            if tuple(mean.shape[1:]) != tuple(self.action_space.shape):
+                raise ValueError(
+                    f"the gaussian head expects a mean of shape (batch={n}, "
+                    f"*{tuple(self.action_space.shape)}) (the action space), got shape "
+                    f"{tuple(mean.shape)}"
+                )
+        if log_std is None:
+            log_std = getattr(self.module, "log_std", None)
+            if log_std is None:
+                raise ValueError(
+                    "the gaussian head needs a log-std: return (mean, log_std), a dict with "
+                    "'log_std', or give the module a log_std parameter"
+                )
+        log_std = _check_tensor(log_std, "log_std", "gaussian")
+        try:
+            log_std = log_std.expand_as(mean)
+        except RuntimeError:
+            raise ValueError(
+                f"the gaussian head expects a log_std broadcastable to the mean's shape "
+                f"{tuple(mean.shape)}, got shape {tuple(log_std.shape)}"
+            ) from None
+        dims = tuple(range(1, mean.ndim))
+        if deterministic:
+            actions = mean
+            logp = (-log_std - _LOG_SQRT_2PI).sum(dim=dims)
+        else:
+            noise = torch.randn(
+                mean.shape, generator=self.generator, device=mean.device, dtype=mean.dtype
+            )
+            actions = mean + log_std.exp() * noise
+            logp = (-0.5 * noise * noise - log_std - _LOG_SQRT_2PI).sum(dim=dims)
+        infos = {"logp": _numpy(logp), "mean": _numpy(mean), "log_std": _numpy(log_std)}
+        _add_value(infos, value, n)
+        out = _numpy(actions)
+        if self._action_dtype is not None and out.dtype != self._action_dtype:
+            out = out.astype(self._action_dtype)
+        if self._bounds is not None:
+            out = np.clip(out, *self._bounds, out=out if out.flags.writeable else None)
+        return out, infos
+
+    def _custom(
+        self, output: Any, n: int, deterministic: bool
+    ) -> tuple[Tree, dict[str, np.ndarray]]:
+        assert self.sample_fn is not None
+        kwargs: dict[str, Any] = {}
+        if "generator" in self._fn_kwargs:
+            kwargs["generator"] = self.generator
+        if "deterministic" in self._fn_kwargs:
+            kwargs["deterministic"] = deterministic
+        elif deterministic:
+            raise ValueError(
+                "deterministic actions need a sample_fn that takes a 'deterministic' keyword; "
+                f"{self.sample_fn!r} does not (evaluate with deterministic=False instead)"
+            )
+        result = self.sample_fn(output, **kwargs)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+            raise ValueError(
+                "sample_fn must return a pair (actions, infos) with infos a dict, got "
+                f"{type(result).__name__}"
+            )
+        actions = tree_map(_numpy_leaf, result[0])
+        for leaf in tree_leaves(actions):
+            if np.ndim(leaf) == 0 or len(leaf) != n:
+                raise ValueError(
+                    f"sample_fn must return one action per observation ({n}), got an action "
+                    f"leaf of shape {np.shape(leaf)}"
+                )
+        infos: dict[str, np.ndarray] = {}
+        for key, value in result[1].items():
+            info = _numpy_leaf(value)
+            if info.ndim == 0 or len(info) != n:
+                raise ValueError(
+                    f"sample_fn must return infos with one row per observation ({n}); "
+                    f"infos[{key!r}] has shape {info.shape}"
+                )
+            infos[key] = info
+        return actions, infos
+
+
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for param in module.parameters():
+        return param.device
+    for buffer in module.buffers():
+        return buffer.device
+    return torch.device("cpu")
+
+
+def _module_float_dtype(module: nn.Module) -> torch.dtype:
+    for tensor in module.parameters():
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return torch.float32
+
+
+def _keywords(fn: Callable[..., Any], names: tuple[str, ...]) -> set[str]:
+    """Which of ``names`` ``fn`` accepts as keywords."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return set(names)
+    return {
+        name
+        for name in names
+        if name in params and params[name].kind is not inspect.Parameter.POSITIONAL_ONLY
+    }
+
+
+def _choose_head(head: str | None, action_space: gym.Space[Any] | None) -> Head:
+    if head is not None:
+        if head not in ("categorical", "gaussian"):
+            raise ValueError(f"head must be 'categorical' or 'gaussian', got {head!r}")
+        return head  # type: ignore[return-value]
+    if isinstance(action_space, gym.spaces.Discrete):
+        return "categorical"
+    if isinstance(action_space, gym.spaces.Box):
+        return "gaussian"
+    raise ValueError(
+        "TorchAgent needs a head: give a Discrete or Box action_space, head='categorical' or "
+        f"'gaussian', or a sample_fn; got action_space {action_space!r}"
+    )
+
+
+def _unpack(output: Any, names: tuple[str, ...], head: str) -> list[Any]:
+    """The head's fields from a tensor (the first field), a tuple or a dict."""
+    if isinstance(output, torch.Tensor):
+        return [output] + [None] * (len(names) - 1)
+    if isinstance(output, Mapping):
+        if names[0] not in output:
+            raise ValueError(
+                f"the {head} head expects a dict output with key {names[0]!r}, got keys "
+                f"{sorted(output)}"
+            )
+        return [output.get(name) for name in names]
+    if isinstance(output, (tuple, list)):
+        if not 1 <= len(output) <= len(names):
+            raise ValueError(
+                f"the {head} head expects the module to return a tensor or a tuple "
+                f"({', '.join(names)}) of 1 to {len(names)} items, got {len(output)} items"
+            )
+        return list(output) + [None] * (len(names) - len(output))
+    raise ValueError(
+        f"the {head} head expects the module to return a tensor, a tuple or a dict, got "
+        f"{type(output).__name__}"
+    )
+
+
+def _check_tensor(value: Any, name: str, head: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        got = f"a {value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"the {head} head expects {name} as a floating-point tensor, got {got}")
+    return value
+
+
+def _add_value(infos: dict[str, np.ndarray], value: Any, n: int) -> None:
+    """Put the module's value estimate, shape ``(n,)`` or ``(n, 1)``, into ``infos``."""
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor) or not (value.shape == (n,) or value.shape == (n, 1)):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"the module's value must be a tensor of shape ({n},) or ({n}, 1), got {got}"
+        )
+    infos["value"] = _numpy(value.reshape(n))
+
+
+def _numpy(tensor: torch.Tensor, copy: bool = False) -> np.ndarray:
+    """A CPU numpy view (or copy) of ``tensor``; dtypes numpy lacks (bfloat16) become float32."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return tensor.detach().to("cpu", copy=copy).numpy()
+
+
+def _numpy_leaf(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return _numpy(value)
+    return np.asarray(value)
