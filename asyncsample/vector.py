@@ -33,12 +33,17 @@ first ``batch_size`` sub-envs answered with their indices in ``info["env_id"]``;
 actions for the sub-envs of earlier ``recv`` batches.
 
 Faults: a sub-env that raises fails the call with :class:`SubEnvError` naming the sub-env, with
-the remote traceback; the next ``reset()`` rebuilds the envs of its host. A host process that
-dies or outlives ``step_timeout`` is rebuilt (at most ``max_restarts`` times per host over the
+the remote traceback and the env's exception as its ``__cause__`` (a missing attribute raises
+:class:`SubEnvAttributeError`, also an ``AttributeError``). A host process that dies or outlives
+``step_timeout`` during a step is rebuilt (at most ``max_restarts`` times per host over the
 vector env's life) and its sub-envs start new episodes: that step returns them with
-``truncated=True``, reward 0, the new episode's first observation and the reason in
-``info["restarted"]`` (with its ``"_restarted"`` mask). Past the budget the
-:class:`~asyncsample.WorkerCrashedError` (or :class:`~asyncsample.StepTimeoutError`) is raised.
+``truncated=True``, ``terminated=False``, reward 0, the new episode's first observation and the
+reason in ``info["restarted"]`` (with its ``"_restarted"`` mask). In ``NEXT_STEP`` mode the next
+step is their autoreset step as usual (the same first observation, reward 0, the reset's info);
+in ``SAME_STEP`` mode ``info["final_obs"]`` holds that first observation too, since the last one
+died with the host. Past the budget the :class:`~asyncsample.WorkerCrashedError` (or
+:class:`~asyncsample.StepTimeoutError`) is raised. After any raised error the failed host's
+sub-envs refuse to step until ``reset()``, which rebuilds them.
 """
 
 from __future__ import annotations
