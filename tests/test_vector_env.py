@@ -611,3 +611,28 @@ def test_send_recv_arguments(no_leaks: None) -> None:
         env.close()
     with pytest.raises(ValueError, match="batch_size must be <= num_envs=4"):
         VectorEnv("CartPole-v1", 4, batch_size=5)
+
+
+def test_exit_without_close_leaves_nothing(tmp_path: Any) -> None:
+    """A script that never closes its VectorEnv: its env hosts end with it."""
+    import subprocess
+
+    script = tmp_path / "forget.py"
+    script.write_text(
+        "from asyncsample.vector import VectorEnv\n"
+        "env = VectorEnv('CartPole-v1', 4, n_processes=2)\n"
+        "env.reset(seed=0)\n"
+        "print(*env.pids, flush=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": root},
+        check=True,
+    )
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    assert not wait_gone(pids)
