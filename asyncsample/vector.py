@@ -532,6 +532,22 @@ class _Engine:
 
     def write_actions(self, actions: Any) -> None:
         n = self.num_envs
+        if type(actions) is np.ndarray and isinstance(self.hosts[0].buffers.actions, np.ndarray):
+            # The common case (Box, Discrete, Multi* action spaces): one slice copy per host.
+            if actions.ndim == 0 or actions.shape[0] != n:
+                raise ValueError(
+                    f"actions must be a batch of num_envs={n} actions (leading axis {n}) for "
+                    f"the action space {self.single_action_space}, got shape {actions.shape}"
+                )
+            try:
+                for (a, b), host in zip(self.slices, self.hosts):
+                    host.buffers.actions[...] = actions[a:b]
+            except ValueError as exc:
+                raise ValueError(
+                    f"actions do not fit the batched action space "
+                    f"{batch_space(self.single_action_space, n)}: {exc}"
+                ) from exc
+            return
 
         def put_all(h: int) -> Callable[..., None]:
             a, b = self.slices[h]
@@ -588,8 +604,13 @@ class _Engine:
         With ``hosts``, only those hosts take part, and the result's ``obs`` is ``None`` (the
         other hosts may be writing theirs): read the rows with :meth:`host_obs`.
         """
-        plans = []
+        plans: list[tuple[np.ndarray | None, np.ndarray | None]] = []
+        any_reset = bool(reset_mask.any())
+        everyone = not any_reset and bool(step_mask.all())
         for a, b in self.slices:
+            if everyone:  # the common lockstep step: whole hosts, no resets
+                plans.append((np.ones(b - a, dtype=np.bool_), None))
+                continue
             s = step_mask[a:b]
             r = reset_mask[a:b]
             plans.append((s.copy() if s.any() else None, r.copy() if r.any() else None))
@@ -650,9 +671,14 @@ class _Engine:
             s_opt = plans[h][0]
             assert s_opt is not None
             s = s_opt
-            rewards[a:b][s] = buf.rewards[s]
-            terminated[a:b][s] = buf.terminated[s]
-            truncated[a:b][s] = buf.truncated[s]
+            if everyone:
+                rewards[a:b] = buf.rewards
+                terminated[a:b] = buf.terminated
+                truncated[a:b] = buf.truncated
+            else:
+                rewards[a:b][s] = buf.rewards[s]
+                terminated[a:b][s] = buf.terminated[s]
+                truncated[a:b][s] = buf.truncated[s]
             if step_infos.env_infos is not None:
                 for k, info in enumerate(step_infos.env_infos):
                     if info and s[k]:
