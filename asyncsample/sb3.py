@@ -1,0 +1,273 @@
+"""A Stable-Baselines3 ``VecEnv`` whose sub-envs live on asyncsample's process pool.
+
+``pip install 'asyncsample[sb3]'``. :class:`AsyncSampleVecEnv` is a drop-in for SB3's
+``SubprocVecEnv``: the same results as ``DummyVecEnv`` for the same seeds and actions, with
+sub-envs packed ``num_envs / n_processes`` to an env host (one round trip per host and step, not
+one per env), and with crashed hosts rebuilt (see :mod:`asyncsample.vector` for the fault model:
+a restarted sub-env's step reports ``done=True`` with ``info["restarted"]`` set,
+``info["TimeLimit.truncated"] = True`` and, as its ``terminal_observation``, the first observation
+of its new episode, since the last one died with the host).
+
+Stable-Baselines3 is imported only by this module, so ``import asyncsample`` does not need it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from copy import deepcopy
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector.utils import concatenate, create_empty_array
+
+from asyncsample.vector import (
+    _check_count,
+    _Engine,
+    _env_sources,
+    _finalize,
+    _StepResult,
+)
+
+try:
+    from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "asyncsample.sb3 needs Stable-Baselines3: pip install 'asyncsample[sb3]'"
+    ) from exc
+
+__all__ = ["AsyncSampleVecEnv"]
+
+
+class AsyncSampleVecEnv(VecEnv):
+    """An SB3 ``VecEnv`` stepping its sub-envs in asyncsample's env-host processes.
+
+    Args:
+        env_fns: one zero-argument factory per sub-env (as for ``SubprocVecEnv``), or a single
+            factory or gymnasium id together with ``num_envs``.
+        num_envs: number of sub-envs when ``env_fns`` is a single factory or id.
+        n_processes: env-host processes (default: the number of CPUs, at most the sub-envs).
+        step_timeout: seconds a host may spend on one step before it is killed and rebuilt.
+        max_restarts: how often each host may be rebuilt over the env's life before the error
+            is raised.
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], gym.Env[Any, Any]]] | Callable[[], gym.Env[Any, Any]] | str,
+        num_envs: int | None = None,
+        *,
+        n_processes: int | None = None,
+        step_timeout: float | None = None,
+        max_restarts: int = 3,
+    ) -> None:
+        if isinstance(env_fns, (list, tuple)):
+            if not env_fns:
+                raise ValueError("env_fns must hold at least one env factory, got an empty list")
+            if num_envs is not None and num_envs != len(env_fns):
+                raise ValueError(
+                    f"num_envs={num_envs} does not match the {len(env_fns)} factories in env_fns"
+                )
+            n = len(env_fns)
+        else:
+            if num_envs is None:
+                raise TypeError("num_envs is required when env_fns is a single factory or id")
+            count = _check_count("num_envs", num_envs, 1)
+            assert count is not None
+            n = count
+        _check_count("n_processes", n_processes, 1, allow_none=True)
+        _check_count("max_restarts", max_restarts, 0)
+        if step_timeout is not None and not (
+            isinstance(step_timeout, (int, float))
+            and not isinstance(step_timeout, bool)
+            and step_timeout > 0
+        ):
+            raise ValueError(
+                f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}"
+            )
+        sources = _env_sources(list(env_fns) if isinstance(env_fns, (list, tuple)) else env_fns, n)
+        self._engine = _Engine(
+            sources,
+            n_processes=n_processes,
+            step_timeout=step_timeout,
+            max_restarts=max_restarts,
+            defer=False,
+            ship_final_obs=True,
+        )
+        self._finalizer = weakref.finalize(self, _finalize, self._engine)
+        self._actions: Any = None
+        self._waiting = False
+        self.closed = False
+        try:
+            super().__init__(
+                n, self._engine.single_observation_space, self._engine.single_action_space
+            )
+        except BaseException:
+            self._engine.close()
+            raise
+
+    @property
+    def n_processes(self) -> int:
+        """Number of env-host processes."""
+        return self._engine.n_procs
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live env-host processes."""
+        return list(getattr(self._engine.backend, "pids", []))
+
+    # -- observations -----------------------------------------------------------------------
+
+    def _format_obs(self, obs: Any) -> Any:
+        # SB3's layout: an OrderedDict for Dict spaces, a tuple for Tuple spaces, else an array.
+        if isinstance(self.observation_space, gym.spaces.Dict):
+            return OrderedDict((k, obs[k]) for k in self.observation_space.spaces)
+        return obs
+
+    # -- VecEnv -----------------------------------------------------------------------------
+
+    def reset(self) -> Any:
+        """Reset every sub-env with the seeds and options set beforehand (used once)."""
+        eng = self._engine
+        n = self.num_envs
+        seeds = list(self._seeds)
+        mask = np.ones(n, dtype=np.bool_)
+        # One reset per distinct options dict (SB3 passes options only when non-empty).
+        groups: dict[int, list[int]] = {}
+        option_of: dict[int, Any] = {}
+        for i, opts in enumerate(self._options):
+            key = id(opts) if opts else 0
+            groups.setdefault(key, []).append(i)
+            option_of[key] = opts if opts else None
+        infos: dict[int, dict[str, Any]] = {}
+        for key, members in groups.items():
+            sub = np.zeros(n, dtype=np.bool_)
+            sub[members] = True
+            infos.update(eng.runner.run(eng.reset(sub & mask, seeds, option_of[key])))
+        for i in range(n):
+            self.reset_infos[i] = infos.get(i, {})
+        self._reset_seeds()
+        self._reset_options()
+        return self._format_obs(eng.read_obs())
+
+    def step(self, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        """Step every sub-env (one pass of the private event loop, not two)."""
+        if self._waiting:
+            raise RuntimeError("step was called while a step_async is waiting for step_wait")
+        return self._finish(self._engine.runner.run(self._send(actions)))
+
+    def step_async(self, actions: np.ndarray) -> None:
+        """Send the actions to the env hosts (the step is awaited by :meth:`step_wait`)."""
+        eng = self._engine
+        self._task = eng.runner.loop.create_task(self._send(actions))
+        self._waiting = True
+        eng.runner.run(_yield())
+
+    def _send(self, actions: Any) -> Coroutine[Any, Any, _StepResult]:
+        eng = self._engine
+        eng.check_open()
+        n = self.num_envs
+        if isinstance(actions, list) and len(actions) == n:
+            # SB3 also accepts one action per sub-env in a list (DummyVecEnv indexes it).
+            out: Any = create_empty_array(self.action_space, n)
+            actions = concatenate(self.action_space, actions, out)
+        eng.write_actions(actions)
+        return eng.step(np.ones(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_))
+
+    def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        """Results of the step sent by :meth:`step_async`, autoresetting finished sub-envs."""
+        eng = self._engine
+        if not self._waiting:
+            raise RuntimeError("step_wait was called without step_async")
+        self._waiting = False
+        return self._finish(eng.runner.run(self._task))
+
+    def _finish(self, res: _StepResult) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        eng = self._engine
+        n = self.num_envs
+        dones = res.terminated | res.truncated
+        infos: list[dict[str, Any]] = []
+        for i in range(n):
+            info = dict(res.env_infos[i])
+            if i in res.restarted:
+                info["restarted"] = res.restarted[i]
+                info["TimeLimit.truncated"] = True
+                info["terminal_observation"] = eng.obs_row(i)
+            else:
+                info["TimeLimit.truncated"] = bool(res.truncated[i] and not res.terminated[i])
+                if dones[i]:
+                    info["terminal_observation"] = (
+                        res.final_obs[i] if i in res.final_obs else eng.obs_row(i, final=True)
+                    )
+            if dones[i]:
+                self.reset_infos[i] = res.reset_infos.get(i, {})
+            infos.append(info)
+        rewards = res.rewards.astype(np.float32)
+        return self._format_obs(res.obs), rewards, dones, deepcopy(infos)
+
+    def close(self) -> None:
+        """Stop the env hosts; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._finalizer.detach()
+        self._engine.close()
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        """The attribute of the selected sub-envs (through their wrappers)."""
+        idx = self._idx(indices)
+        return self._engine.call("_asyncsample_get", (attr_name,), {}, idx)
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        """Set the attribute on the selected sub-envs (on their outermost wrapper, as SB3 does)."""
+        idx = self._idx(indices)
+        self._engine.call("_asyncsample_setattr", (attr_name, value), {}, idx)
+
+    def env_method(
+        self,
+        method_name: str,
+        *method_args: Any,
+        indices: VecEnvIndices = None,
+        **method_kwargs: Any,
+    ) -> list[Any]:
+        """Call a method of the selected sub-envs; one result per sub-env."""
+        args = (method_name, method_args, method_kwargs)
+        return self._engine.call("_asyncsample_method", args, {}, self._idx(indices))
+
+    def env_is_wrapped(
+        self, wrapper_class: type[gym.Wrapper[Any, Any, Any, Any]], indices: VecEnvIndices = None
+    ) -> list[bool]:
+        """Whether each selected sub-env is wrapped with ``wrapper_class``."""
+        idx = self._idx(indices)
+        return [
+            bool(r) for r in self._engine.call("_asyncsample_is_wrapped", (wrapper_class,), {}, idx)
+        ]
+
+    def get_images(self) -> Sequence[np.ndarray | None]:
+        """The ``rgb_array`` frames of every sub-env."""
+        if self.render_mode != "rgb_array":
+            import warnings
+
+            warnings.warn(
+                f"The render mode is {self.render_mode}, but this method assumes it is "
+                "`rgb_array` to obtain images.",
+                stacklevel=2,
+            )
+            return [None for _ in range(self.num_envs)]
+        return self.env_method("render")
+
+    def _idx(self, indices: VecEnvIndices) -> list[int]:
+        chosen: Iterable[int] = self._get_indices(indices)
+        out = [int(i) for i in chosen]
+        for i in out:
+            if not -self.num_envs <= i < self.num_envs:
+                raise IndexError(f"indices: {i} is out of range for {self.num_envs} sub-envs")
+        return [i % self.num_envs for i in out]
+
+
+async def _yield() -> None:
+    import asyncio
+
+    await asyncio.sleep(0)

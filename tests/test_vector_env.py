@@ -1,0 +1,638 @@
+"""asyncsample.VectorEnv against gymnasium's own expectations of a vector env.
+
+The checks follow gymnasium's tests/vector suite (sync and async must agree step for step; the
+three autoreset modes; final observations and infos; call/get_attr/set_attr), rewritten here with
+our VectorEnv in place of AsyncVectorEnv and SyncVectorEnv as the reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.spaces import Box, Dict, Discrete, Tuple
+from gymnasium.utils.env_checker import data_equivalence
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from test_process_backend import new_shm_entries, our_processes, shm_entries, wait_gone
+
+from asyncsample import StepTimeoutError, WorkerCrashedError
+from asyncsample.vector import SubEnvError, VectorEnv
+
+# The env-host processes cannot import this module by name: ship its envs by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP]
+
+
+class RandomEpisodesEnv(gym.Env[Any, Any]):
+    """Random observations, rewards, episode ends and infos, all drawn from ``np_random``.
+
+    ``kind`` picks the observation space: a Box, a Discrete, a Dict or a Tuple. Reset options
+    ``{"shift": k}`` shift the first observation; they show in the reset info.
+    """
+
+    def __init__(self, kind: str = "box") -> None:
+        self.kind = kind
+        self.observation_space = {
+            "box": Box(-2.0, 2.0, (3,), np.float32),
+            "discrete": Discrete(7),
+            "dict": Dict({"pos": Box(-2.0, 2.0, (2,), np.float32), "id": Discrete(5)}),
+            "tuple": Tuple((Discrete(4), Box(-2.0, 2.0, (2, 2), np.float64))),
+        }[kind]
+        self.action_space = Box(-1.0, 1.0, (2,), np.float32)
+        self.t = 0
+
+    def _obs(self, shift: float = 0.0) -> Any:
+        rng = self.np_random
+        if self.kind == "box":
+            return (rng.uniform(-1, 1, 3) + shift).astype(np.float32)
+        if self.kind == "discrete":
+            return np.int64(rng.integers(7))
+        if self.kind == "dict":
+            return {
+                "pos": (rng.uniform(-1, 1, 2) + shift).astype(np.float32),
+                "id": np.int64(rng.integers(5)),
+            }
+        return (np.int64(rng.integers(4)), rng.uniform(-1, 1, (2, 2)) + shift)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        super().reset(seed=seed)
+        self.t = 0
+        shift = float((options or {}).get("shift", 0.0))
+        info: dict[str, Any] = {"shift": shift} if options else {}
+        if self.np_random.random() < 0.5:
+            info["start"] = int(self.np_random.integers(100))
+        return self._obs(shift), info
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        self.t += 1
+        rng = self.np_random
+        reward = float(np.sum(action)) + float(rng.normal())
+        terminated = bool(rng.random() < 0.08)
+        truncated = self.t >= 12
+        info: dict[str, Any] = {}
+        if rng.random() < 0.3:
+            info["t"] = self.t
+        if rng.random() < 0.2:
+            info["noise"] = rng.normal(size=2)
+        if rng.random() < 0.1:
+            info["nested"] = {"a": self.t, "b": "x"}
+        return self._obs(), reward, terminated, truncated, info
+
+
+def count_env(max_count: int = 3) -> gym.Env[Any, Any]:
+    return CountEnv(max_count)
+
+
+class CountEnv(gym.Env[Any, Any]):
+    """Observation counts steps since reset (or from the reset seed); ends at ``max_count``."""
+
+    def __init__(self, max_count: int = 3) -> None:
+        self.observation_space = Discrete(10)
+        self.action_space = Discrete(5)
+        self.max_count = max_count
+        self.count = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        super().reset(seed=seed)
+        self.count = seed if seed is not None else 0
+        return self.count, {}
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return self.count, int(action), self.count == self.max_count, False, {}
+
+
+class FaultyEnv(gym.Env[Any, Any]):
+    """Box observations; ``fault`` at step ``at``: "raise", "kill" (SIGKILL its host) or "hang"."""
+
+    def __init__(self, fault: str = "", at: int = 3) -> None:
+        self.observation_space = Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = Discrete(2)
+        self.fault = fault
+        self.at = at
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        self.t += 1
+        if self.fault and self.t == self.at:
+            if self.fault == "raise":
+                raise ZeroDivisionError("the env divided by zero")
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "hang":
+                threading.Event().wait()
+        return np.full(2, self.t / 100, np.float32), 1.0, False, False, {}
+
+    def arm(self, fault: str, at: int) -> str:
+        self.fault, self.at, self.t = fault, at, 0
+        return f"armed {fault}"
+
+
+class RenderEnv(CountEnv):
+    """A CountEnv that renders an RGB frame showing its count."""
+
+    metadata = {"render_modes": ["rgb_array"]}  # noqa: RUF012
+
+    def __init__(self) -> None:
+        super().__init__(5)
+        self.render_mode = "rgb_array"
+
+    def render(self) -> np.ndarray:  # type: ignore[override]
+        return np.full((4, 4, 3), self.count, np.uint8)
+
+
+def assert_same(ours: Any, theirs: Any, what: str) -> None:
+    assert data_equivalence(ours, theirs, exact=True), f"{what} differ:\n{ours!r}\n{theirs!r}"
+
+
+@pytest.fixture
+def no_leaks():  # type: ignore[no-untyped-def]
+    """Fail if a test leaves a child process or a /dev/shm entry behind."""
+    before_procs = set(our_processes())
+    before_shm = shm_entries()
+    yield
+    gc.collect()
+    left = wait_gone([p for p in our_processes() if p not in before_procs])
+    assert not left, f"child processes left behind: {left}"
+    assert not new_shm_entries(before_shm)
+
+
+# -- the same results as SyncVectorEnv ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("kind", ["box", "discrete", "dict", "tuple"])
+def test_equal_to_sync(kind: str, mode: AutoresetMode, no_leaks: None) -> None:
+    """100 random steps, seeded and optioned resets, partial resets: exactly SyncVectorEnv."""
+    n = 5
+    fns = [lambda: RandomEpisodesEnv(kind) for _ in range(n)]
+    ours = VectorEnv(fns, n, n_processes=2, autoreset_mode=mode)
+    sync = SyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        assert ours.num_envs == sync.num_envs
+        assert ours.observation_space == sync.observation_space
+        assert ours.single_observation_space == sync.single_observation_space
+        assert ours.action_space == sync.action_space
+        assert ours.single_action_space == sync.single_action_space
+        assert ours.metadata["autoreset_mode"] == mode
+
+        assert_same(ours.reset(seed=7), sync.reset(seed=7), "first reset")
+        ours.action_space.seed(3)
+        for t in range(100):
+            actions = ours.action_space.sample()
+            assert_same(ours.step(actions), sync.step(actions), f"step {t}")
+            if t == 40:
+                seeds = [11, None, 13, None, 15]
+                got = ours.reset(seed=seeds, options={"shift": 1.0})
+                assert_same(got, sync.reset(seed=seeds, options={"shift": 1.0}), "reset")
+            if t == 70:
+                # An unseeded reset in the middle of episodes, some of which just ended.
+                assert_same(ours.reset(), sync.reset(), "unseeded reset")
+            if t == 85:
+                mask = np.array([True, False, True, False, False])
+                options = {"reset_mask": mask, "shift": -1.0}
+                got = ours.reset(seed=3, options=dict(options))
+                assert_same(got, sync.reset(seed=3, options=dict(options)), "partial reset")
+    finally:
+        ours.close()
+        sync.close()
+
+
+def test_equal_to_sync_cartpole_by_id(no_leaks: None) -> None:
+    """A registered id, more sub-envs than processes, the constructor's seed."""
+    ours = VectorEnv("CartPole-v1", 6, n_processes=2, seed=5)
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(6)])
+    try:
+        assert_same(ours.reset(), sync.reset(seed=5), "reset")
+        assert ours.np_random_seed == tuple(range(5, 11))
+        rng = np.random.default_rng(0)
+        for t in range(200):
+            actions = rng.integers(0, 2, 6)
+            assert_same(ours.step(actions), sync.step(actions), f"step {t}")
+        assert repr(ours) == "asyncsample.VectorEnv(CartPole-v1, num_envs=6, n_processes=2)"
+    finally:
+        ours.close()
+
+
+# -- autoreset modes (gymnasium's test_autoreset_mode, in our words) ----------------------------
+
+
+def counting(mode: AutoresetMode) -> VectorEnv:
+    env = VectorEnv([count_env] * 3, 3, n_processes=2, autoreset_mode=mode)
+    env.set_attr("max_count", [2, 3, 3])
+    return env
+
+
+def test_next_step_autoreset(no_leaks: None) -> None:
+    env = counting(AutoresetMode.NEXT_STEP)
+    try:
+        obs, info = env.reset()
+        assert obs.tolist() == [0, 0, 0] and info == {}
+        expected = [
+            ([1, 1, 1], [1, 2, 3], [False, False, False]),
+            ([2, 2, 2], [1, 2, 3], [True, False, False]),
+            ([0, 3, 3], [0, 2, 3], [False, True, True]),  # sub-env 0 reset: action ignored
+            ([1, 0, 0], [1, 0, 0], [False, False, False]),
+        ]
+        for want_obs, want_rew, want_term in expected:
+            obs, rew, term, trunc, info = env.step(np.array([1, 2, 3]))
+            assert obs.tolist() == want_obs
+            assert rew.tolist() == want_rew
+            assert term.tolist() == want_term
+            assert not trunc.any() and info == {}
+    finally:
+        env.close()
+
+
+def test_same_step_autoreset(no_leaks: None) -> None:
+    env = counting(AutoresetMode.SAME_STEP)
+    try:
+        env.reset()
+        obs, rew, term, _, info = env.step(np.array([1, 2, 3]))
+        assert obs.tolist() == [1, 1, 1] and info == {}
+        obs, rew, term, _, info = env.step(np.array([1, 2, 3]))
+        assert obs.tolist() == [0, 2, 2] and term.tolist() == [True, False, False]
+        assert rew.tolist() == [1, 2, 3]
+        assert info["final_obs"][0] == 2 and info["_final_obs"].tolist() == [True, False, False]
+        assert info["final_info"] == {} and info["_final_info"].tolist() == [True, False, False]
+        obs, rew, term, _, info = env.step(np.array([1, 2, 3]))
+        assert obs.tolist() == [1, 0, 0] and term.tolist() == [False, True, True]
+        assert info["final_obs"][1] == 3 and info["final_obs"][2] == 3
+        assert info["_final_obs"].tolist() == [False, True, True]
+    finally:
+        env.close()
+
+
+def test_disabled_autoreset(no_leaks: None) -> None:
+    env = counting(AutoresetMode.DISABLED)
+    sync = SyncVectorEnv([count_env] * 3, autoreset_mode=AutoresetMode.DISABLED)
+    sync.set_attr("max_count", [2, 3, 3])
+    try:
+        assert env.metadata["autoreset_mode"] == AutoresetMode.DISABLED
+        assert_same(env.reset(), sync.reset(), "reset")
+        actions = np.array([1, 2, 3])
+        for _ in range(2):
+            assert_same(env.step(actions), sync.step(actions), "step")
+        with pytest.raises(RuntimeError, match=r"sub-envs \[0\].*reset_mask"):
+            env.step(actions)
+        mask = np.array([True, False, False])
+        got = env.reset(options={"reset_mask": mask})
+        assert got[0].tolist() == [0, 2, 2]
+        assert_same(got, sync.reset(options={"reset_mask": mask}), "partial reset")
+        *_, term, _, _ = sync.step(actions)
+        assert_same(env.step(actions)[2], term, "terminations")
+    finally:
+        env.close()
+
+
+def test_final_obs_and_info_same_step(no_leaks: None) -> None:
+    """The final observation is the env's own object and the final info its last step info."""
+
+    class Ends(CountEnv):
+        def step(self, action: Any):  # type: ignore[no-untyped-def]
+            obs, *rest, _info = super().step(action)
+            return obs, *rest, {"action": int(action), "obs": obs}
+
+    env = VectorEnv([lambda: Ends(2)], 1, n_processes=1, autoreset_mode="SameStep")
+    try:
+        env.reset()
+        env.step(np.array([4]))
+        obs, _, term, _, info = env.step(np.array([3]))
+        assert term.tolist() == [True] and obs.tolist() == [0]
+        assert type(info["final_obs"][0]) is int and info["final_obs"][0] == 2
+        assert info["final_info"]["action"].tolist() == [3]
+        assert info["final_info"]["_obs"].tolist() == [True]
+    finally:
+        env.close()
+
+
+def test_reset_mask_is_checked(no_leaks: None) -> None:
+    env = counting(AutoresetMode.NEXT_STEP)
+    try:
+        env.reset()
+        with pytest.raises(ValueError, match=r"reset_mask.*shape \(3,\)"):
+            env.reset(options={"reset_mask": np.array([True])})
+        with pytest.raises(TypeError, match=r"reset_mask.*dtype bool"):
+            env.reset(options={"reset_mask": np.array([1, 1, 0])})
+        with pytest.raises(TypeError, match=r"reset_mask.*numpy array"):
+            env.reset(options={"reset_mask": [True, True, False]})
+        with pytest.raises(ValueError, match=r"reset_mask.*at least one"):
+            env.reset(options={"reset_mask": np.zeros(3, bool)})
+        with pytest.raises(ValueError, match=r"seed.*num_envs=3"):
+            env.reset(seed=[1, 2])
+    finally:
+        env.close()
+
+
+# -- calls, attributes, rendering ---------------------------------------------------------------
+
+
+def test_call_get_attr_set_attr_render(no_leaks: None) -> None:
+    env = VectorEnv([RenderEnv] * 3, 3, n_processes=2)
+    try:
+        assert env.render_mode == "rgb_array"
+        env.reset(seed=[1, 2, 3])
+        assert env.get_attr("count") == (1, 2, 3)
+        env.set_attr("max_count", 7)
+        assert env.get_attr("max_count") == (7, 7, 7)
+        env.set_attr("max_count", [4, 5, 6])
+        assert env.get_attr("max_count") == (4, 5, 6)
+        with pytest.raises(ValueError, match=r"values.*num_envs=3"):
+            env.set_attr("max_count", [1, 2])
+        frames = env.render()
+        assert [f[0, 0, 0] for f in frames] == [1, 2, 3]
+        assert env.call("render")[2].shape == (4, 4, 3)
+        assert env.np_random_seed == (1, 2, 3)
+        # A method with arguments; an attribute nobody has names the sub-env.
+        assert env.call("step", 0)[0][0] == 2
+        with pytest.raises(SubEnvError, match=r"sub-env 0 .*AttributeError.*no_such_thing"):
+            env.get_attr("no_such_thing")
+        with pytest.raises(AttributeError):  # what gymnasium and SB3 code catch
+            env.get_attr("no_such_thing")
+    finally:
+        env.close()
+
+
+def test_step_async_step_wait(no_leaks: None) -> None:
+    env = counting(AutoresetMode.NEXT_STEP)
+    try:
+        env.reset()
+        env.step_async(np.array([1, 1, 1]))
+        with pytest.raises(RuntimeError, match="twice"):
+            env.step_async(np.array([1, 1, 1]))
+        obs, *_ = env.step_wait()
+        assert obs.tolist() == [1, 1, 1]
+        with pytest.raises(RuntimeError, match="without step_async"):
+            env.step_wait()
+        with pytest.raises(ValueError, match=r"actions.*num_envs=3"):
+            env.step(np.array([1, 1]))
+    finally:
+        env.close()
+
+
+# -- lifecycle ----------------------------------------------------------------------------------
+
+
+def test_close_twice_and_nothing_left(no_leaks: None) -> None:
+    env = VectorEnv("CartPole-v1", 4, n_processes=2)
+    pids = env.pids
+    assert len(pids) == 2
+    env.reset(seed=0)
+    env.close()
+    env.close()
+    assert env.closed
+    assert not wait_gone(pids)
+    with pytest.raises(RuntimeError, match="closed"):
+        env.step(np.zeros(4, np.int64))
+
+
+def test_garbage_collected_env_leaves_nothing(no_leaks: None) -> None:
+    env = VectorEnv("CartPole-v1", 2, n_processes=2)
+    env.reset(seed=0)
+    pids = env.pids
+    del env
+    gc.collect()
+    assert not wait_gone(pids)
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(TypeError, match="num_envs must be an int"):
+        VectorEnv("CartPole-v1", 2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_envs must be >= 1"):
+        VectorEnv("CartPole-v1", 0)
+    with pytest.raises(ValueError, match="n_processes must be >= 1"):
+        VectorEnv("CartPole-v1", 2, n_processes=0)
+    with pytest.raises(ValueError, match="max_restarts must be >= 0"):
+        VectorEnv("CartPole-v1", 2, max_restarts=-1)
+    with pytest.raises(ValueError, match="autoreset_mode must be"):
+        VectorEnv("CartPole-v1", 2, autoreset_mode="Sometimes")
+    with pytest.raises(ValueError, match="step_timeout must be"):
+        VectorEnv("CartPole-v1", 2, step_timeout=0)
+    with pytest.raises(ValueError, match=r"env: a list of factories must have num_envs=3"):
+        VectorEnv([count_env, count_env], 3)
+    with pytest.raises(TypeError, match=r"env\[1\] must be a gymnasium id"):
+        VectorEnv([count_env, 5], 2)
+
+
+async def test_used_inside_a_running_event_loop(no_leaks: None) -> None:
+    """A synchronous API called from a coroutine: it blocks that loop, and works."""
+    env = VectorEnv("CartPole-v1", 4, n_processes=2, seed=1)
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
+    try:
+        assert_same(env.reset(), sync.reset(seed=1), "reset")
+        for _ in range(30):
+            actions = np.ones(4, np.int64)
+            assert_same(env.step(actions), sync.step(actions), "step")
+        await asyncio.sleep(0)
+        assert env.get_attr("np_random_seed") == (1, 2, 3, 4)
+    finally:
+        env.close()
+
+
+# -- faults -------------------------------------------------------------------------------------
+
+
+def faulty(fault: str = "", at: int = 3) -> Any:
+    return lambda: FaultyEnv(fault, at)
+
+
+def test_env_that_raises_names_the_sub_env(no_leaks: None) -> None:
+    fns = [faulty(), faulty(), faulty(), faulty("raise", 2)]
+    env = VectorEnv(fns, 4, n_processes=2)
+    try:
+        env.reset()
+        env.step(np.zeros(4, np.int64))
+        with pytest.raises(SubEnvError) as info:
+            env.step(np.zeros(4, np.int64))
+        err = info.value
+        assert err.sub_env == 3
+        assert "sub-env 3" in str(err) and "ZeroDivisionError: the env divided by zero" in str(err)
+        assert "Remote traceback" in str(err) and "in step" in (err.remote_traceback or "")
+        assert isinstance(err.__cause__, ZeroDivisionError)
+        with pytest.raises(RuntimeError, match=r"call reset\(\) before stepping"):
+            env.step(np.zeros(4, np.int64))
+        # reset() rebuilds the failed host's sub-envs; the env is usable again.
+        obs, _ = env.reset()
+        assert obs.shape == (4, 2)
+        obs, rew, *_ = env.step(np.zeros(4, np.int64))
+        assert rew.tolist() == [1.0] * 4
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_killed_host_is_restarted(mode: AutoresetMode, no_leaks: None) -> None:
+    fns = [faulty(), faulty(), faulty("kill", 2), faulty()]
+    env = VectorEnv(fns, 4, n_processes=2, autoreset_mode=mode, max_restarts=1)
+    try:
+        env.reset(seed=0)
+        old = env.pids
+        env.step(np.zeros(4, np.int64))
+        obs, rew, term, trunc, info = env.step(np.zeros(4, np.int64))
+        # Host 1 (sub-envs 2 and 3) died: they start new episodes, reported as truncated.
+        assert trunc.tolist() == [False, False, True, True]
+        assert rew.tolist() == [1.0, 1.0, 0.0, 0.0] and not term.any()
+        assert info["_restarted"].tolist() == [False, False, True, True]
+        assert "SIGKILL" in info["restarted"][2]
+        assert obs[2:].tolist() == [[0.0, 0.0]] * 2  # the new episodes' first observations
+        if mode == AutoresetMode.SAME_STEP:
+            assert info["_final_obs"].tolist() == [False, False, True, True]
+        assert env.pids[0] == old[0] and env.pids[1] != old[1]
+        obs, rew, term, trunc, info = env.step(np.zeros(4, np.int64))
+        if mode == AutoresetMode.NEXT_STEP:
+            # The next step is the autoreset step: no new reset, the same first observation.
+            assert rew.tolist() == [1.0, 1.0, 0.0, 0.0]
+            assert obs[2:].tolist() == [[0.0, 0.0]] * 2
+        else:
+            assert rew.tolist() == [1.0] * 4
+        assert not trunc.any()
+        # Every sub-env dies at its next step: host 0 is restarted, host 1 has spent its
+        # budget (max_restarts=1), so its crash is raised.
+        assert env.call("arm", "kill", 1) == ("armed kill",) * 4
+        with pytest.raises(WorkerCrashedError, match=r"sub-envs 2\.\.3 \(env host 1\).*SIGKILL"):
+            env.step(np.zeros(4, np.int64))
+    finally:
+        env.close()
+
+
+def test_killed_host_without_restarts_raises(no_leaks: None) -> None:
+    fns = [faulty("kill", 2), faulty()]
+    env = VectorEnv(fns, 2, n_processes=2, max_restarts=0)
+    try:
+        env.reset()
+        env.step(np.zeros(2, np.int64))
+        with pytest.raises(WorkerCrashedError, match=r"sub-envs 0\.\.0 .*max_restarts=0"):
+            env.step(np.zeros(2, np.int64))
+    finally:
+        env.close()
+
+
+def test_step_timeout_kills_and_restarts_the_host(no_leaks: None) -> None:
+    fns = [faulty("hang", 2), faulty()]
+    env = VectorEnv(fns, 2, n_processes=2, step_timeout=1.5, max_restarts=1)
+    try:
+        env.reset()
+        env.step(np.zeros(2, np.int64))
+        _, _, _, trunc, info = env.step(np.zeros(2, np.int64))
+        assert trunc.tolist() == [True, False]
+        assert "step_timeout=1.5s" in info["restarted"][0]
+        env.step(np.zeros(2, np.int64))  # the autoreset step of sub-env 0's new episode
+        env.call("arm", "hang", 1)  # both hang now; host 0 has spent its budget
+        with pytest.raises(StepTimeoutError, match=r"sub-envs 0\.\.0"):
+            env.step(np.zeros(2, np.int64))
+    finally:
+        env.close()
+
+
+# -- EnvPool-style send/recv --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+def test_send_recv_matches_each_env_stepped_alone(mode: AutoresetMode, no_leaks: None) -> None:
+    """recv returns batch_size sub-envs at a time; each one's story is its own env's."""
+    n = 6
+    env = VectorEnv(
+        [lambda: RandomEpisodesEnv("dict")] * n,
+        n,
+        n_processes=2,
+        batch_size=2,
+        autoreset_mode=mode,
+    )
+    ref = SyncVectorEnv([lambda: RandomEpisodesEnv("dict")] * n, autoreset_mode=mode)
+    try:
+        assert env.n_processes == 2 and len(env.pids) == 2
+        env.async_reset(seed=0)
+        ref_obs, _ = ref.reset(seed=0)
+        # The reference steps one sub-env at a time: a 1-env SyncVectorEnv per sub-env.
+        singles = [
+            SyncVectorEnv([lambda: RandomEpisodesEnv("dict")], autoreset_mode=mode)
+            for _ in range(n)
+        ]
+        for i, single in enumerate(singles):
+            single.reset(seed=i)
+        expected: dict[int, Any] = {
+            i: ({k: v[i : i + 1] for k, v in ref_obs.items()}, 0.0, False, False) for i in range(n)
+        }
+        rng = np.random.default_rng(1)
+        counts = np.zeros(n, dtype=int)
+        for _ in range(120):
+            obs, rew, term, trunc, info = env.recv()
+            ids = info["env_id"]
+            assert len(ids) == 2 and rew.shape == (2,)
+            for k, i in enumerate(ids.tolist()):
+                want_obs, want_rew, want_term, want_trunc = expected[i]
+                assert_same({key: v[k : k + 1] for key, v in obs.items()}, want_obs, f"obs {i}")
+                assert (rew[k], term[k], trunc[k]) == (want_rew, want_term, want_trunc)
+                counts[i] += 1
+            actions = rng.uniform(-1, 1, (2, 2)).astype(np.float32)
+            for k, i in enumerate(ids.tolist()):
+                o, r, te, tr, _ = singles[i].step(actions[k : k + 1])
+                expected[i] = (o, float(r[0]), bool(te[0]), bool(tr[0]))
+            env.send(actions, ids)
+        assert counts.sum() == 240 and (counts > 0).all()
+        with pytest.raises(ValueError, match="not received yet"):
+            env.send(np.zeros((2, 2), np.float32), ids)
+    finally:
+        env.close()
+        ref.close()
+
+
+def test_send_recv_arguments(no_leaks: None) -> None:
+    env = VectorEnv("CartPole-v1", 4, n_processes=2, batch_size=2)
+    try:
+        with pytest.raises(RuntimeError, match="async_reset"):
+            env.recv()
+        env.async_reset(seed=0)
+        _, _, _, _, info = env.recv()
+        with pytest.raises(ValueError, match="sent a host at a time"):
+            env.send(np.zeros(1, np.int64), info["env_id"][:1])
+        with pytest.raises(ValueError, match=r"env_ids must be sub-env indices"):
+            env.send(np.zeros(1, np.int64), [9])
+        env.send(np.zeros(2, np.int64), info["env_id"])
+        # A lockstep reset in between drains what is in flight.
+        obs, _ = env.reset(seed=1)
+        assert obs.shape == (4, 4)
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="batch_size must be <= num_envs=4"):
+        VectorEnv("CartPole-v1", 4, batch_size=5)
+
+
+def test_exit_without_close_leaves_nothing(tmp_path: Any) -> None:
+    """A script that never closes its VectorEnv: its env hosts end with it."""
+    import subprocess
+
+    script = tmp_path / "forget.py"
+    script.write_text(
+        "from asyncsample.vector import VectorEnv\n"
+        "env = VectorEnv('CartPole-v1', 4, n_processes=2)\n"
+        "env.reset(seed=0)\n"
+        "print(*env.pids, flush=True)\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": root},
+        check=True,
+    )
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    assert not wait_gone(pids)
