@@ -22,6 +22,7 @@ from asyncsample.evaluation import Evaluation
 from asyncsample.inference import Batched
 from asyncsample.sampler import AgentUpdateArg, EnvUpdateArg, Sampler
 from asyncsample.stats import SampleStats
+from asyncsample.vector import SubEnvAttributeError, SubEnvError, VectorEnv
 from asyncsample.worker import FragmentWorker, Transition, VecWorker, Worker, WorkerFactory
 
 __version__ = "0.1.0"
@@ -63,9 +64,12 @@ __all__ = [
     "SetTaskUpdate",
     "StepTimeoutError",
     "StepType",
+    "SubEnvAttributeError",
+    "SubEnvError",
     "Transition",
     "Tree",
     "VecWorker",
+    "VectorEnv",
     "Worker",
     "WorkerCrashedError",
     "WorkerError",
