@@ -37,6 +37,10 @@ from stable_baselines3.common.vec_env import (
 from asyncsample import WorkerCrashedError
 from asyncsample.sb3 import AsyncSampleVecEnv
 
+# Every test builds SB3 wrappers over a fresh pool (8-12 s each on 2 loaded cores): run in CI with
+# -m slow, not in the default run.
+pytestmark = pytest.mark.slow
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 N_ENVS = 3
