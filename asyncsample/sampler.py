@@ -284,7 +284,7 @@ class Sampler:
             await asyncio.shield(backend.aclose())
             raise
         self.workers = workers
-        if self._inference is not None:  # --- hook: inference="batched" ---
+        if isinstance(self._inference, Batched):  # --- hook: inference="batched" ---
             self._batcher = Batcher(self._shared_agent_now, self._inference)
             for worker in workers:
                 worker.batcher = self._batcher
@@ -609,7 +609,7 @@ class Sampler:
             prepared = self._host.prepare_update(agent_update)  # checked before anything applies
             self._apply_agent_update_now(agent_update, reset=reset)
             seeds = [s.agent_seed for s in self._seeds]
-            self._host.forward_update(self.workers, prepared, seeds)  # type: ignore[arg-type]
+            self._host.forward_update(self.workers, prepared, seeds)
             return
         if self._batcher is not None:  # --- hook: never while the batcher's thread runs the agent
             with self._batcher.exclusive():

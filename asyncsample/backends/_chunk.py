@@ -99,7 +99,7 @@ def chunk_capacity(
         a.nbytes for a in tree_leaves(probe.actions)
     )
     row = (row + 10) * n_envs
-    return max(1, min(steps, CHUNK_BYTES // max(row, 1)))
+    return int(max(1, min(steps, CHUNK_BYTES // max(row, 1))))
 
 
 @dataclass
@@ -298,7 +298,9 @@ class ChunkRunner:
                 continue
             index = np.flatnonzero(done)
 
-            def put_final(dst: np.ndarray, src: np.ndarray, j: int = j) -> None:
+            def put_final(
+                dst: np.ndarray, src: np.ndarray, j: int = j, index: np.ndarray = index
+            ) -> None:
                 dst[j, index] = src[index]
 
             tree_map(put_final, chunk.final_obs, buf.final_obs)
@@ -325,9 +327,7 @@ def _pack_infos(
     first = per_step[0]
     if all(
         infos.keys() == keys
-        and all(
-            infos[k].shape == first[k].shape and infos[k].dtype == first[k].dtype for k in keys
-        )
+        and all(infos[k].shape == first[k].shape and infos[k].dtype == first[k].dtype for k in keys)
         for infos in per_step
     ):
         return {k: np.stack([infos[k] for infos in per_step]) for k in keys}

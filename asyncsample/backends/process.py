@@ -546,7 +546,6 @@ class ProcessHost(RemoteHost[_Conn]):
         env_infos, reset_infos = pickle.loads(payload)
         return StepInfos(env_infos, reset_infos)
 
-
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
         """``inference="host"``: run a chunk with the host's agent copy (installed or updated
         first where needed); the reply and the agent version the chunk ran with.

@@ -333,9 +333,7 @@ def _record(
 
     # The observation after step j is the one acted on at j + 1, or the host's current one
     # after the chunk's last step.
-    nxt = tree_map(
-        lambda o, f, n: next_obs(o, f, n), chunk.obs, chunk.final_obs, host.buffers.obs
-    )
+    nxt = tree_map(lambda o, f, n: next_obs(o, f, n), chunk.obs, chunk.final_obs, host.buffers.obs)
     transition = Transition(
         observations=tree_map(lambda x: x[t], worker._recorder.rows.obs),
         actions=tree_map(lambda x: x[t], worker._recorder.rows.actions),
