@@ -77,7 +77,7 @@ class Sampler:
             ``"batched"`` (one shared agent; the workers' concurrent calls become one call on
             the stacked observations), or an :class:`asyncsample.inference.Batched` with
             batching options, or ``"host"`` (a copy of the agent in every env host, stepping
-            chunks of steps; ``process`` backend only; see :mod:`asyncsample.inference.host`),
+            chunks of steps; ``process`` and ``ray`` backends; see :mod:`asyncsample.inference.host`),
             or an :class:`asyncsample.inference.Host` with chunking options.
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
@@ -673,10 +673,10 @@ class Sampler:
 
     def _check_host_mode(self, agent: Any, worker_class: type[Worker]) -> None:
         """inference="host": the backend, the worker class and the agents must allow it."""
-        if self.backend_name != "process":
+        if self.backend_name == "local":
             raise ValueError(
-                f"inference='host' runs the agent inside env-host processes: it needs "
-                f"backend='process', got backend={self.backend_name!r} (with 'local' every env "
+                "inference='host' runs the agent inside the env hosts: it needs "
+                "backend='process' or 'ray', got backend='local' (with 'local' every env "
                 "already lives in this process: use inference='per_worker')"
             )
         if worker_class.compute_actions is not Worker.compute_actions:

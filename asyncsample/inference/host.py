@@ -25,7 +25,12 @@ with the parameters it started with, and episodes are stamped with the version a
 ran with, so ``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
 step: a chunk of ``k`` steps may take ``k * step_timeout``.
 
-Limits: the ``process`` backend only (``local`` and ``ray`` refuse with a ``ValueError``); async
+On ``ray`` a chunk is one actor call; its records come back in the reply (through Ray's object
+store when large; observation leaves compressed with the backend's ``compress_threshold``) and
+are copied into the worker's local chunk buffers.
+
+Limits: ``backend="local"`` is refused with a ``ValueError`` (its envs already live in the
+caller's process: use ``"per_worker"``); async
 agents are refused (``ValueError``); a ``worker_class`` that overrides ``compute_actions`` is
 refused (the main process does not see the actions being chosen). Errors of the agent in the host
 (and actions outside the action space) are :class:`~asyncsample.WorkerError` with the remote
