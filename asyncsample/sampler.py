@@ -77,8 +77,9 @@ class Sampler:
             ``"batched"`` (one shared agent; the workers' concurrent calls become one call on
             the stacked observations), or an :class:`asyncsample.inference.Batched` with
             batching options, or ``"host"`` (a copy of the agent in every env host, stepping
-            chunks of steps; ``process`` and ``ray`` backends; see :mod:`asyncsample.inference.host`),
-            or an :class:`asyncsample.inference.Host` with chunking options.
+            chunks of steps; ``process`` and ``ray`` backends; see
+            :mod:`asyncsample.inference.host`), or an :class:`asyncsample.inference.Host` with
+            chunking options.
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.

@@ -1,4 +1,4 @@
-"""``Sampler(inference="host")``: the agent runs inside the env hosts, a chunk of steps per request."""
+"""``Sampler(inference="host")``: the agent runs in the env hosts, a chunk of steps per request."""
 
 from __future__ import annotations
 
@@ -305,11 +305,11 @@ async def test_stream_versions_are_exact_and_lag_is_enforced() -> None:
 
 
 def test_constructor_errors() -> None:
-    with pytest.raises(ValueError, match="backend='process'.*'local'"):
+    with pytest.raises(ValueError, match=r"backend='process'.*'local'"):
         Sampler(NoisyEnv, LinearAgent(), backend="local", inference="host")
-    with pytest.raises(ValueError, match="async agent.*AsyncAgent"):
+    with pytest.raises(ValueError, match=r"async agent.*AsyncAgent"):
         Sampler(NoisyEnv, AsyncAgent(), inference="host")
-    with pytest.raises(TypeError, match="LockedAgent.*cannot be pickled"):
+    with pytest.raises(TypeError, match=r"LockedAgent.*cannot be pickled"):
         Sampler(NoisyEnv, LockedAgent(), inference="host")
     with pytest.raises(ValueError, match="overrides compute_actions"):
 
@@ -324,7 +324,7 @@ def test_constructor_errors() -> None:
 
 async def test_unpicklable_or_async_agent_update_is_refused_before_it_applies() -> None:
     async with make(VersionAgent(), n_workers=2) as s:
-        with pytest.raises(TypeError, match="LockedAgent.*cannot be pickled"):
+        with pytest.raises(TypeError, match=r"LockedAgent.*cannot be pickled"):
             await s.obtain_samples(20, agent_update=LockedAgent())
         with pytest.raises(ValueError, match="async agent"):
             await s.update_agent(AsyncAgent())
@@ -346,7 +346,7 @@ async def test_env_error_names_worker_and_env(no_leaks: None) -> None:
 
 async def test_agent_error_in_host_is_a_worker_error(no_leaks: None) -> None:
     async with make(RaisingAgent(at=3), n_workers=2) as s:
-        with pytest.raises(WorkerError, match="agent of worker .* raised in its env host") as info:
+        with pytest.raises(WorkerError, match=r"agent of worker .* raised in its env host") as info:
             await s.obtain_samples(100)
         assert info.value.retry is False
         assert "ArithmeticError: agent broke" in (info.value.remote_traceback or "")
