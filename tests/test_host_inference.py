@@ -16,6 +16,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from envs import AlwaysFailingEnv, FailingEnv, HangingEnv, KillSelfEnv, NoisyEnv
+from helpers import run_python
 
 from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
 from asyncsample.inference import Host
@@ -406,3 +407,89 @@ async def test_cancellation_mid_chunk_leaves_the_sampler_usable(no_leaks: None) 
             assert_complete(batch)
             assert batch.episode_infos["worker"].tolist() == [0, 0, 1, 1, 2, 2]
         assert expected.n_episodes == 6
+
+
+# -- ray ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_ray_matches_per_worker_and_takes_updates(ray_cluster: Any) -> None:
+    expected = await four_calls(make(LinearAgent(), "per_worker"))
+    got = await four_calls(make(LinearAgent(), Host(chunk_steps=5), backend="ray"))
+    for a, b in zip(expected, got, strict=True):
+        assert_equal_batches(a, b)
+    async with make(VersionAgent(), Host(chunk_steps=4), backend="ray", n_workers=2) as s:
+        batch = await s.obtain_samples(60, agent_update={"version": 4})
+        assert (batch.agent_infos["version"] == 4).all()
+        assert (batch.episode_infos["agent_version"] == 1).all()
+        batch = await s.obtain_exact_episodes(2, agent_update=FixedAgent(1))
+        assert (batch.actions == 1).all()
+        assert batch.n_episodes == 4
+
+
+CLUSTER_SCRIPT = """
+import asyncio, functools
+import cloudpickle, envs, ray
+from ray.cluster_utils import Cluster
+from asyncsample import Sampler, StepType
+from asyncsample.inference import Host
+from asyncsample.worker import VecWorker
+cloudpickle.register_pickle_by_value(envs)
+
+class Noticing(VecWorker):
+    started = None  # set once a worker recorded 40 transitions of the call
+
+    def process_transition(self, history, transition):
+        n = (history or 0) + int(transition.active.sum())
+        if n >= 40 and Noticing.started is not None:
+            Noticing.started.set()
+        return n
+
+async def main():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]  # one actor on each
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        async with Sampler(
+            functools.partial(envs.SleepyEnv, 0.002), None, n_workers=4, envs_per_worker=2,
+            n_processes=2, seed=0, max_episode_length=20, backend="ray",
+            inference=Host(chunk_steps=8), worker_class=Noticing,
+            backend_options={"num_cpus": 1},
+        ) as s:
+            await s.obtain_samples(100)
+            cluster.add_node(num_cpus=1)  # room for the actor that replaces the lost one
+            cluster.wait_for_nodes()
+            for w in s.workers:
+                w.history = 0
+            Noticing.started = asyncio.Event()
+            call = asyncio.ensure_future(s.obtain_samples(2000))
+            await Noticing.started.wait()  # the call is under way
+            cluster.remove_node(nodes[0], allow_graceful=False)
+            batch = await call
+            workers = batch.episode_infos["worker"]
+            shares = [int(batch.lengths[workers == w].sum()) for w in range(4)]
+            ends = [StepType(ep.step_types[-1]) for ep in batch.split()]
+            again = await s.obtain_exact_episodes(2)
+            print("RESULT", s.restarts, min(shares), set(ends) <= {StepType.TERMINAL,
+                  StepType.TIMEOUT}, again.n_episodes)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ray_cluster_node_removed_mid_call() -> None:
+    # A fresh interpreter: the cluster's Ray must not meet the session's.
+    result = run_python(CLUSTER_SCRIPT, timeout=360)
+    lines = [ln for ln in result.stdout.splitlines() if ln.startswith("RESULT")]
+    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-5000:]
+    restarts, min_share, complete, episodes = lines[-1].split()[1:]
+    assert int(restarts) >= 1  # the lost node's actor was recreated
+    assert int(min_share) >= 500  # every worker's quota met, its lost episodes redone
+    assert complete == "True"  # no half-made episode returned
+    assert int(episodes) == 8  # the recreated actor serves the next call

@@ -99,6 +99,8 @@ class ChunkHost(Protocol):
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]: ...
 
+    async def _sync_agent(self) -> int: ...
+
 
 def check_host_agent(agent: Any, name: str = "agent") -> None:
     """Refuse agents the hosts cannot run: async ones (``ValueError``)."""
@@ -185,6 +187,9 @@ class HostInference:
     async def run(self, worker: Worker, mode: str, share: int, leave: Resume) -> Plan:
         """One worker's part of a call (its plan), as ``Worker._run_*`` would do it step by step."""
         recorder = worker._recorder
+        # The agent copy is in place before the envs are reset, so it sees the same
+        # reset(mask) calls as an agent in the main process.
+        await _host(worker)._sync_agent()
         if mode == "samples":
             await worker.start_episode()
             while recorder.completed_steps < share:
