@@ -281,6 +281,23 @@ async def test_parameter_and_agent_updates_reach_every_host() -> None:
         assert (batch.episode_infos["agent_version"] == 4).all()
 
 
+@pytest.mark.parametrize("fragments", [False, True])
+async def test_stream_matches_per_worker(fragments: bool) -> None:
+    async def run(inference: Any) -> list[EpisodeBatch]:
+        out = []
+        async with make(LinearAgent(), inference) as s:
+            async with contextlib.aclosing(s.stream(90, fragments=fragments)) as it:
+                async for batch in it:
+                    out.append(batch)
+                    if len(out) == 4:
+                        break
+        return out
+
+    expected = await run("per_worker")
+    for a, b in zip(expected, await run(Host(chunk_steps=6)), strict=True):
+        assert_equal_batches(a, b)
+
+
 async def test_stream_versions_are_exact_and_lag_is_enforced() -> None:
     agent = VersionAgent()
     async with make(agent, Host(chunk_steps=3), n_workers=2, n_processes=2) as s:
