@@ -274,7 +274,7 @@ async def test_parameter_and_agent_updates_reach_every_host() -> None:
         batch = await s.obtain_samples(40, agent_update=FixedAgent(2))
         assert (batch.agent_infos["version"] == -2).all()
         assert (batch.actions == 2).all()
-        per_worker = [FixedAgent(w % 3) for w in range(4)]
+        per_worker: list[Any] = [FixedAgent(w % 3) for w in range(4)]
         batch = await s.obtain_exact_episodes(1, agent_update=per_worker)
         workers = np.repeat(batch.episode_infos["worker"], batch.lengths)
         assert np.array_equal(batch.actions, workers % 3)
