@@ -30,7 +30,7 @@ from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvChoice, EnvSource, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.evaluation import Evaluation
-from asyncsample.inference import Batched, Batcher, check_inference
+from asyncsample.inference import Batched, Batcher, Host, HostInference, check_inference
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerDriver, WorkerFactory
@@ -76,7 +76,10 @@ class Sampler:
         inference: where the policy runs: ``"per_worker"`` (each worker calls its agent) or
             ``"batched"`` (one shared agent; the workers' concurrent calls become one call on
             the stacked observations), or an :class:`asyncsample.inference.Batched` with
-            batching options.
+            batching options, or ``"host"`` (a copy of the agent in every env host, stepping
+            chunks of steps; ``process`` and ``ray`` backends; see
+            :mod:`asyncsample.inference.host`), or an :class:`asyncsample.inference.Host` with
+            chunking options.
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
@@ -99,7 +102,7 @@ class Sampler:
         worker_args: dict[str, Any] | None = None,
         backend_options: dict[str, Any] | None = None,
         test_env: EnvSource | None = None,
-        inference: str | Batched = "per_worker",
+        inference: str | Batched | Host = "per_worker",
     ) -> None:
         self._closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -154,6 +157,12 @@ class Sampler:
         # --- hook: inference= (validated before any work) ---
         self._inference = check_inference(inference, agent)
         self._batcher: Batcher | None = None
+        # --- hook: inference="host" (the agent runs in the env hosts; see inference/host.py) ---
+        self._host: HostInference | None = None
+        if isinstance(self._inference, Host):
+            self._host = HostInference(self._inference)
+            self._inference = None
+            self._check_host_mode(agent, worker_class)
         self._env_spec, self._time_limited = self._probe_env(self._env_sources[0])
         self.seed, self._seeds = worker_seeds(seed, n_workers, envs_per_worker)
         if agent is None:
@@ -255,6 +264,7 @@ class Sampler:
                     observation_space=self._env_spec.observation_space,
                     action_space=self._env_spec.action_space,
                     max_episode_length=self.max_episode_length,
+                    chunk_steps=self._chunk_steps(),  # --- hook: inference="host" ---
                 )
                 for w in range(self.n_workers)
             ]
@@ -268,12 +278,14 @@ class Sampler:
                     for w, (worker, host) in enumerate(zip(workers, hosts))
                 ]
             )
+            if self._host is not None:  # --- hook: inference="host": agents to the hosts ---
+                self._host.install(workers, [s.agent_seed for s in self._seeds])
         except BaseException:
             self._backend = None
             await asyncio.shield(backend.aclose())
             raise
         self.workers = workers
-        if self._inference is not None:  # --- hook: inference="batched" ---
+        if isinstance(self._inference, Batched):  # --- hook: inference="batched" ---
             self._batcher = Batcher(self._shared_agent_now, self._inference)
             for worker in workers:
                 worker.batcher = self._batcher
@@ -524,6 +536,8 @@ class Sampler:
                             w,
                             dropped,
                         )
+                if self._host is not None:  # --- hook: inference="host": chunks ---
+                    return await self._host.run(worker, mode, share, leave)  # type: ignore[arg-type]
                 if mode == "samples":
                     return await worker._run_samples(share, leave=leave)
                 if mode == "episodes":
@@ -592,6 +606,12 @@ class Sampler:
     def _apply_agent_update(self, agent_update: Any, *, reset: bool = True) -> None:
         if agent_update is None:
             return
+        if self._host is not None:  # --- hook: inference="host": updates travel to the hosts ---
+            prepared = self._host.prepare_update(agent_update)  # checked before anything applies
+            self._apply_agent_update_now(agent_update, reset=reset)
+            seeds = [s.agent_seed for s in self._seeds]
+            self._host.forward_update(self.workers, prepared, seeds)
+            return
         if self._batcher is not None:  # --- hook: never while the batcher's thread runs the agent
             with self._batcher.exclusive():
                 self._apply_agent_update_now(agent_update, reset=reset)
@@ -651,6 +671,39 @@ class Sampler:
                     f"agent must have a get_actions(observations) method, got {type(a).__name__}"
                 )
         return list(agents)
+
+    def _check_host_mode(self, agent: Any, worker_class: type[Worker]) -> None:
+        """inference="host": the backend, the worker class and the agents must allow it."""
+        if self.backend_name == "local":
+            raise ValueError(
+                "inference='host' runs the agent inside the env hosts: it needs "
+                "backend='process' or 'ray', got backend='local' (with 'local' every env "
+                "already lives in this process: use inference='per_worker')"
+            )
+        if worker_class.compute_actions is not Worker.compute_actions:
+            raise ValueError(
+                f"inference='host': worker_class {worker_class.__name__} overrides "
+                "compute_actions, which would never be called (the agent runs in the env "
+                "hosts); wrap the agent instead, or use inference='per_worker'"
+            )
+        if agent is not None:
+            from asyncsample.inference.host import pickle_agent
+
+            for a in {id(a): a for a in self._agents}.values():
+                pickle_agent(a)  # TypeError naming the agent when it cannot travel
+
+    def _chunk_steps(self) -> int:
+        """The chunk capacity of each host slot (``0`` unless inference="host")."""
+        if self._host is None:
+            return 0
+        from asyncsample.backends._chunk import chunk_capacity
+
+        return chunk_capacity(
+            self._env_spec.observation_space,
+            self._env_spec.action_space,
+            self.envs_per_worker,
+            self._host.options.chunk_steps,
+        )
 
     def _probe_env(self, source: Any) -> tuple[EnvSpec, bool]:
         """Build one env in this process to read its spaces (as gymnasium's vector envs do)."""

@@ -332,7 +332,7 @@ async def test_stream_with_batched_inference() -> None:
 
 
 def test_constructor_errors() -> None:
-    with pytest.raises(ValueError, match=r"inference='host'.*not available"):
+    with pytest.raises(ValueError, match=r"inference='host'.*backend='process'"):
         Sampler(NoisyEnv, LinearAgent(), backend="local", inference="host")
     with pytest.raises(ValueError, match=r"inference must be one of.*'gpu'"):
         Sampler(NoisyEnv, LinearAgent(), backend="local", inference="gpu")

@@ -27,12 +27,16 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample.backends._chunk import ChunkBuffers, ChunkRunner
 from asyncsample.backends._transport import (
     HELLO_ID,
+    OP_AGENT,
     OP_BUILD,
     OP_CALL,
+    OP_CHUNK,
     OP_CLOSE,
     OP_EXIT,
+    OP_PARAMS,
     OP_RESET,
     OP_RESET_ARGS,
     OP_SET_ATTR,
@@ -105,7 +109,12 @@ def _kill_descendants() -> None:
             child.kill()
 
 
-def main(sock: socket.socket, slots_blob: bytes, raw_buffers: list[list[Any]]) -> None:
+def main(
+    sock: socket.socket,
+    slots_blob: bytes,
+    raw_buffers: list[list[Any]],
+    raw_chunks: list[tuple[int, list[Any]] | None] | None = None,
+) -> None:
     """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
 
     Args:
@@ -114,6 +123,8 @@ def main(sock: socket.socket, slots_blob: bytes, raw_buffers: list[list[Any]]) -
             max_episode_length)``, one per slot.
         raw_buffers: per slot, the shared blocks of its step buffers (see
             :func:`~asyncsample.backends._transport.shared_buffers`).
+        raw_chunks: per slot, ``(capacity, blocks)`` of its chunk buffers when the slot runs
+            its own agent (``inference="host"``), else ``None``.
     """
     _die_with_parent()
     _isolate()
@@ -123,13 +134,24 @@ def main(sock: socket.socket, slots_blob: bytes, raw_buffers: list[list[Any]]) -
     sock.setblocking(True)
     slots = pickle.loads(slots_blob)
     groups: list[EnvGroup] = []
-    for (worker, n_envs, obs_space, act_space, max_len), raw in zip(slots, raw_buffers):
+    runners: list[ChunkRunner | None] = []
+    chunks = raw_chunks or [None] * len(slots)
+    for (worker, n_envs, obs_space, act_space, max_len), raw, raw_chunk in zip(
+        slots, raw_buffers, chunks
+    ):
         buffers = view_buffers(obs_space, act_space, n_envs, raw)
-        groups.append(EnvGroup(worker, buffers, obs_space, act_space, max_len))
+        group = EnvGroup(worker, buffers, obs_space, act_space, max_len)
+        groups.append(group)
+        runner = None
+        if raw_chunk is not None:
+            capacity, blocks = raw_chunk
+            flat = view_buffers(obs_space, act_space, capacity * n_envs, blocks)
+            runner = ChunkRunner(group, ChunkBuffers.from_flat(flat, capacity, n_envs), act_space)
+        runners.append(runner)
     reader = FrameReader(sock)
     try:
         send_frame(sock, HELLO_ID, ST_OK)
-        _serve(sock, reader, groups)
+        _serve(sock, reader, groups, runners)
     except (BrokenPipeError, ConnectionError):
         pass  # the parent went away: nothing left to answer
     finally:
@@ -140,7 +162,12 @@ def main(sock: socket.socket, slots_blob: bytes, raw_buffers: list[list[Any]]) -
         _kill_descendants()
 
 
-def _serve(sock: socket.socket, reader: FrameReader, groups: list[EnvGroup]) -> None:
+def _serve(
+    sock: socket.socket,
+    reader: FrameReader,
+    groups: list[EnvGroup],
+    runners: list[ChunkRunner | None],
+) -> None:
     unpack_slot = SLOT.unpack_from
     slot_size = SLOT.size
     while True:
@@ -151,15 +178,22 @@ def _serve(sock: socket.socket, reader: FrameReader, groups: list[EnvGroup]) -> 
         if op == OP_EXIT:
             return
         try:
-            group = groups[unpack_slot(payload)[0]]
-            if op == OP_STEP:
+            slot = unpack_slot(payload)[0]
+            group = groups[slot]
+            if op == OP_CHUNK:
+                reply = _runner(runners, slot).run(pickle.loads(payload[slot_size:]))
+                send_frame(sock, rid, ST_OK, dumps(reply))
+            elif op == OP_STEP:
                 infos = group.step(np.frombuffer(payload, np.bool_, offset=slot_size))
                 if infos.env_infos is None and not infos.reset_infos:
                     send_frame(sock, rid, ST_OK)
                 else:
                     send_frame(sock, rid, ST_OK, dumps((infos.env_infos, infos.reset_infos)))
             elif op == OP_RESET:
-                reset_infos = group.reset(np.frombuffer(payload, np.bool_, offset=slot_size))
+                mask = np.frombuffer(payload, np.bool_, offset=slot_size)
+                reset_infos = group.reset(mask)
+                if runners[slot] is not None:
+                    _runner(runners, slot).reset_agent(mask)
                 send_frame(sock, rid, ST_OK, dumps(reset_infos) if reset_infos else b"")
             elif op == OP_BUILD:
                 chains, seeds = _load_sources(payload[slot_size:])
@@ -182,7 +216,15 @@ def _serve(sock: socket.socket, reader: FrameReader, groups: list[EnvGroup]) -> 
                 seeds, options = pickle.loads(payload[end:])
                 mask = np.frombuffer(payload[slot_size:end], np.bool_)
                 reset_infos = group.reset(mask, seeds, options)
+                if runners[slot] is not None:
+                    _runner(runners, slot).reset_agent(mask)
                 send_frame(sock, rid, ST_OK, dumps(reset_infos) if reset_infos else b"")
+            elif op == OP_AGENT:
+                _runner(runners, slot).install(payload[slot_size:])
+                send_frame(sock, rid, ST_OK)
+            elif op == OP_PARAMS:
+                _runner(runners, slot).set_params(payload[slot_size:])
+                send_frame(sock, rid, ST_OK)
             elif op == OP_CLOSE:
                 group.close()
                 send_frame(sock, rid, ST_OK)
@@ -196,6 +238,13 @@ def _serve(sock: socket.socket, reader: FrameReader, groups: list[EnvGroup]) -> 
             # Env sources that cannot be unpickled here (a module missing in this process),
             # infos that cannot be pickled: deterministic, so not worth a restart.
             send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))
+
+
+def _runner(runners: list[ChunkRunner | None], slot: int) -> ChunkRunner:
+    runner = runners[slot]
+    if runner is None:
+        raise RuntimeError("this env host was not started for inference='host'")
+    return runner
 
 
 def _load_sources(blob: bytes) -> tuple[Any, Any]:

@@ -277,6 +277,14 @@ class RemoteHost(ABC, Generic[IncT]):
         self._member = member
         self._timeout = step_timeout
         self._incarnation: IncT | None = member.current
+        # inference="host": what the host's agent copy should be, and what it is.
+        self._agent_blob: bytes | None = None
+        self._params_blob: bytes | None = None
+        self._agent_version = 0
+        self._agent_dirty = False
+        self._params_dirty = False
+        self._agent_inc: IncT | None = None
+        self._synced_version = 0
 
     # -- one round trip (backend specific) ------------------------------------------------------
 
@@ -360,6 +368,62 @@ class RemoteHost(ABC, Generic[IncT]):
             )
         blob = self._pickle("attribute values", (name, list(values), indices))
         await self._request("set_attr", blob)
+
+    # -- inference="host": the agent copy inside the host --------------------------------------
+
+    def set_agent(self, blob: bytes, version: int) -> None:
+        """Install ``blob`` (a cloudpickled ``(agent, seed)``) before the next chunk.
+
+        It replaces any earlier parameters; ``version`` is the worker's agent version after it.
+        """
+        self._agent_blob = blob
+        self._params_blob = None
+        self._params_dirty = False
+        self._agent_dirty = True
+        self._agent_version = version
+
+    def set_params(self, blob: bytes, version: int) -> None:
+        """``set_param_values`` with the pickled parameters ``blob`` before the next chunk."""
+        self._params_blob = blob
+        self._params_dirty = True
+        self._agent_version = version
+
+    async def _sync_agent(self) -> int:
+        """Send the agent and parameters the host lacks; the agent version in force there.
+
+        A new incarnation of the host (after a crash or a kill) gets the agent again, then the
+        latest parameters. Updates made while a message is in flight are sent next, so the
+        version returned is exactly the one whose parameters the next chunk runs with.
+        """
+        while True:
+            inc = self._incarnation
+            if self._agent_blob is None:
+                raise RuntimeError(f"worker {self.worker}: no agent was given to its env host")
+            if self._agent_inc is not inc:
+                self._agent_dirty = True
+                self._params_dirty = self._params_blob is not None
+            if not (self._agent_dirty or self._params_dirty):
+                return self._synced_version
+            if self._agent_dirty:
+                blob, version = self._agent_blob, self._agent_version
+                self._agent_dirty = False
+                try:
+                    await self._request("agent install", blob)
+                except BaseException:
+                    self._agent_dirty = True
+                    raise
+                self._agent_inc = inc
+                self._synced_version = version
+                self._params_dirty = self._params_blob is not None
+            if self._params_dirty and self._params_blob is not None:
+                blob, version = self._params_blob, self._agent_version
+                self._params_dirty = False
+                try:
+                    await self._request("parameter update", blob)
+                except BaseException:
+                    self._params_dirty = True
+                    raise
+                self._synced_version = version
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         """Replace a dead or killed host (once for all its workers), then rebuild the envs.

@@ -60,6 +60,10 @@ OP_EXIT = 6  # no payload, no reply: close every env and exit
 OP_CALL = 7  # payload: slot + cloudpickle((name, args, kwargs, envs)); reply: pickled results
 OP_SET_ATTR = 8  # payload: slot + cloudpickle((name, values, envs))
 OP_RESET_ARGS = 9  # payload: slot + mask bytes + cloudpickle((seeds, options))
+# inference="host" (see asyncsample.backends._chunk):
+OP_AGENT = 10  # payload: slot + cloudpickle((agent, seed)): install the slot's agent copy
+OP_PARAMS = 11  # payload: slot + pickle(params): agent.set_param_values(params)
+OP_CHUNK = 12  # payload: slot + pickle(ChunkRequest); reply: pickle(ChunkReply)
 
 OP_NAMES = {
     OP_STEP: "step",
@@ -71,6 +75,9 @@ OP_NAMES = {
     OP_CALL: "call",
     OP_SET_ATTR: "set_attr",
     OP_RESET_ARGS: "reset_args",
+    OP_AGENT: "agent install",
+    OP_PARAMS: "parameter update",
+    OP_CHUNK: "chunk",
 }
 
 # Reply statuses.

@@ -29,6 +29,9 @@ class HostSpec:
         n_envs: how many env copies the worker steps together.
         observation_space, action_space: the env's spaces (for the step buffers).
         max_episode_length: the host truncates episodes at this length (``None``: never).
+        chunk_steps: ``inference="host"``: the capacity, in worker steps, of the chunk buffers
+            the host's own agent copy fills per request (see :mod:`asyncsample.backends._chunk`);
+            ``0``: the worker asks for actions itself, one step per request.
     """
 
     worker: int
@@ -36,6 +39,7 @@ class HostSpec:
     observation_space: gym.Space[Any]
     action_space: gym.Space[Any]
     max_episode_length: int | None
+    chunk_steps: int = 0
 
 
 class EnvHost(Protocol):

@@ -46,23 +46,27 @@ import numpy as np
 import psutil
 
 from asyncsample.backends import _host_main
+from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
 from asyncsample.backends._remote import (
     HostDied,
     Incarnation,
     PendingCall,
     PoolMember,
     RemoteHost,
+    closed_error,
     place,
     pool_size,
 )
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
+    OP_CHUNK,
     OP_EXIT,
     OP_NAMES,
     OP_STEP,
     SLOT,
     ST_OK,
+    dumps,
     load_failure,
     shared_buffers,
 )
@@ -389,10 +393,18 @@ async def _start_process(process: Any) -> None:
 class _Member(PoolMember[_Conn]):
     """One place in the pool: the worker slots it hosts and its current process."""
 
-    def __init__(self, index: int, ctx: Any, specs: list[HostSpec], raw: list[list[Any]]) -> None:
+    def __init__(
+        self,
+        index: int,
+        ctx: Any,
+        specs: list[HostSpec],
+        raw: list[list[Any]],
+        raw_chunks: list[tuple[int, list[Any]] | None] | None = None,
+    ) -> None:
         super().__init__(index, specs)
         self.ctx = ctx
         self.raw = raw  # per slot, the shared blocks of its step buffers
+        self.raw_chunks = raw_chunks  # per slot, (capacity, blocks) of its chunk buffers
 
     def _discard(self, incarnation: _Conn) -> None:
         incarnation.release()
@@ -404,7 +416,7 @@ class _Member(PoolMember[_Conn]):
         try:
             process = self.ctx.Process(
                 target=_host_main.main,
-                args=(child_sock, self.slots_blob, self.raw),
+                args=(child_sock, self.slots_blob, self.raw, self.raw_chunks),
                 name=f"asyncsample-host-{self.index}",
             )
             await _start_process(process)
@@ -480,6 +492,8 @@ class ProcessHost(RemoteHost[_Conn]):
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
+        self.chunk: ChunkBuffers | None = None
+        """``inference="host"``: the chunk buffers the host fills (shared memory)."""
 
     @property
     def pid(self) -> int | None:
@@ -531,6 +545,28 @@ class ProcessHost(RemoteHost[_Conn]):
             return StepInfos(None, {})
         env_infos, reset_infos = pickle.loads(payload)
         return StepInfos(env_infos, reset_infos)
+
+    async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
+        """``inference="host"``: run a chunk with the host's agent copy (installed or updated
+        first where needed); the reply and the agent version the chunk ran with.
+
+        ``step_timeout`` applies per step: the chunk may take ``step_timeout * request.steps``.
+        """
+        version = await self._sync_agent()
+        inc = self._incarnation
+        if inc is None or self._member.closed:
+            raise closed_error(self.worker, "run its chunk")
+        timeout = None if self._timeout is None else self._timeout * max(1, request.steps)
+        call = inc.send(OP_CHUNK, self._slot + dumps(request), timeout, self.worker)
+        try:
+            status, payload = await call.future
+        except HostDied:
+            err = self._death_error(inc, call)
+            raise err from err.__cause__
+        if status != ST_OK:
+            raise failure_error(self.worker, load_failure(payload))
+        reply: ChunkReply = pickle.loads(payload)
+        return reply, version
 
 
 _OPS = {name: op for op, name in OP_NAMES.items()}
@@ -601,13 +637,31 @@ class ProcessBackend:
         ctx = _context()
         buffers: list[StepBuffers] = []
         raws: list[list[Any]] = []
+        chunks: list[ChunkBuffers | None] = []
+        raw_chunks: list[tuple[int, list[Any]] | None] = []
         for spec in specs:
             buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
             buffers.append(buf)
             raws.append(raw)
+            if spec.chunk_steps > 0:  # inference="host": the chunk buffers too
+                cap = spec.chunk_steps
+                flat, raw_chunk = shared_buffers(
+                    spec.observation_space, spec.action_space, cap * spec.n_envs, ctx
+                )
+                chunks.append(ChunkBuffers.from_flat(flat, cap, spec.n_envs))
+                raw_chunks.append((cap, raw_chunk))
+            else:
+                chunks.append(None)
+                raw_chunks.append(None)
         layout = place(specs, n)
         self._members = [
-            _Member(m, ctx, member_specs, [raws[w] for w in range(m, len(specs), n)])
+            _Member(
+                m,
+                ctx,
+                member_specs,
+                [raws[w] for w in range(m, len(specs), n)],
+                [raw_chunks[w] for w in range(m, len(specs), n)],
+            )
             for m, member_specs in enumerate(layout)
         ]
         self._token = token = next(_TOKENS)
@@ -631,6 +685,8 @@ class ProcessBackend:
             ProcessHost(spec, self._members[w % n], w // n, buffers[w], self.step_timeout)
             for w, spec in enumerate(specs)
         ]
+        for host, chunk in zip(self._hosts, chunks):
+            host.chunk = chunk
         return list(self._hosts)
 
     async def aclose(self) -> None:

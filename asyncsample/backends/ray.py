@@ -56,6 +56,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, ChunkRunner
 from asyncsample.backends._remote import (
     HostDied,
     Incarnation,
@@ -238,6 +239,7 @@ class EnvActor:
             self.groups[worker] = EnvGroup(worker, buffers, obs_space, act_space, max_len)
             obs_bytes = sum(leaf.nbytes for leaf in tree_leaves(buffers.obs))
             self.large[worker] = obs_bytes >= LARGE_REPLY
+        self.runners: dict[int, ChunkRunner] = {}  # inference="host", by worker
         self.threshold = compress_threshold
         self.skip: dict[tuple[int, str, int], int] = {}
         self.codec = codec if codec != "lz4" or best_codec() == "lz4" else "zlib"
@@ -339,6 +341,9 @@ class EnvActor:
 
         def reset() -> tuple[Tree, dict[int, dict[str, Any]]]:
             infos = group.reset(mask, seeds, options)
+            runner = self.runners.get(worker)
+            if runner is not None:  # inference="host": the agent copy starts episodes too
+                runner.reset_agent(mask)
             return self._pack(worker, "obs", group.buffers.obs), infos
 
         return self._run(reset, worker=worker)
@@ -394,6 +399,47 @@ class EnvActor:
         except Exception as exc:
             return _dumps((_FAIL, _unpickle_failure(exc, "attribute values")))
         return self._run(self.groups[worker].set_attr, name, values, envs)
+
+    # -- inference="host": the worker's agent copy runs chunks here ---------------------------
+
+    def install_agent(self, worker: int, capacity: int, blob: bytes) -> Any:
+        """Install the worker's agent copy (``pickle((cloudpickled agent, seed))``); the first
+        install allocates the worker's chunk buffers of ``capacity`` steps."""
+        group = self.groups[worker]
+        runner = self.runners.get(worker)
+        if runner is None:
+            flat = StepBuffers.allocate(
+                group.observation_space, group.action_space, capacity * group.n_envs
+            )
+            chunk = ChunkBuffers.from_flat(flat, capacity, group.n_envs)
+            runner = self.runners[worker] = ChunkRunner(group, chunk, group.action_space)
+        return self._run(runner.install, blob)
+
+    def set_params(self, worker: int, blob: bytes) -> Any:
+        """``set_param_values`` on the worker's agent copy with the pickled parameters."""
+        return self._run(self.runners[worker].set_params, blob)
+
+    def run_chunk(self, worker: int, request: bytes) -> Any:
+        """Run a chunk (:class:`ChunkRequest`, pickled); payload: the :class:`ChunkReply`, the
+        chunk's first ``steps`` records and the current observations."""
+        runner = self.runners[worker]
+        buf, chunk = runner.group.buffers, runner.chunk
+
+        def run() -> tuple[Any, ...]:
+            reply = runner.run(pickle.loads(request))
+            k = reply.steps
+            return (
+                reply,
+                self._pack(worker, "chunk_obs", tree_map(lambda x: x[:k], chunk.obs)),
+                tree_map(lambda x: x[:k], chunk.actions),
+                chunk.rewards[:k],
+                chunk.terminated[:k],
+                chunk.truncated[:k],
+                self._pack(worker, "chunk_final", tree_map(lambda x: x[:k], chunk.final_obs)),
+                self._pack(worker, "obs", buf.obs),
+            )
+
+        return self._run(run)
 
     def close(self, worker: int) -> Any:
         """Close the envs of ``worker``."""
@@ -589,6 +635,14 @@ class RayHost(RemoteHost[_Actor]):
     def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
         buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
         super().__init__(spec, member, buffers, step_timeout)
+        self.chunk: ChunkBuffers | None = None
+        """``inference="host"``: this worker's copy of the chunk records (filled per reply)."""
+        if spec.chunk_steps > 0:
+            flat = StepBuffers.allocate(
+                spec.observation_space, spec.action_space, spec.chunk_steps * spec.n_envs
+            )
+            self.chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, spec.n_envs)
+        self._chunk_timeout: float | None = None
 
     @property
     def actor(self) -> Any:
@@ -596,11 +650,18 @@ class RayHost(RemoteHost[_Actor]):
         return None if self._incarnation is None else self._incarnation.handle
 
     def _submit(self, incarnation: _Actor, op: str, payload: tuple[Any, ...]) -> PendingCall:
+        timeout = self._timeout
         if op in ("reset", "step"):
             args = payload  # the request carries the worker
+        elif op == "agent install":  # inference="host"
+            op, args = "install_agent", (self.worker, self.spec.chunk_steps, *payload)
+        elif op == "parameter update":
+            op, args = "set_params", (self.worker, *payload)
+        elif op == "chunk":
+            op, args, timeout = "run_chunk", (self.worker, *payload), self._chunk_timeout
         else:
             args = (self.worker, *payload)
-        return incarnation.submit(op, args, self._timeout, self.worker)
+        return incarnation.submit(op, args, timeout, self.worker)
 
     def _unpack(self, reply: Any) -> Any:
         status, payload = pickle.loads(reply) if isinstance(reply, bytes) else reply
@@ -637,6 +698,31 @@ class RayHost(RemoteHost[_Actor]):
             _copy_into(buf.final_obs, final, done)
         result: StepInfos = infos
         return result
+
+    async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
+        """``inference="host"``: one actor call runs a chunk with the actor's agent copy
+        (installed or updated first where needed); the reply and the agent version it ran with.
+
+        ``step_timeout`` applies per step: the call may take ``step_timeout * request.steps``.
+        """
+        version = await self._sync_agent()
+        chunk = self.chunk
+        assert chunk is not None
+        self._chunk_timeout = None if self._timeout is None else self._timeout * request.steps
+        payload = await self._request("chunk", _dumps(request))
+        reply, obs, actions, rewards, terminated, truncated, final, current = payload
+        k = reply.steps
+        if k:
+            head = slice(0, k)
+            _copy_into(chunk.obs, obs, head)
+            _copy_into(chunk.actions, actions, head)
+            chunk.rewards[:k] = rewards
+            chunk.terminated[:k] = terminated
+            chunk.truncated[:k] = truncated
+            _copy_into(chunk.final_obs, final, head)
+        _copy_into(self.buffers.obs, current)
+        result: ChunkReply = reply
+        return result, version
 
 
 # A local Ray instance started by a RayBackend, shared by the backends that use it meanwhile;
