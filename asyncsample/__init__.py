@@ -19,7 +19,7 @@ from asyncsample.errors import (
     WorkerError,
 )
 from asyncsample.evaluation import Evaluation
-from asyncsample.inference import Batched
+from asyncsample.inference import Batched, Host
 from asyncsample.sampler import AgentUpdateArg, EnvUpdateArg, Sampler
 from asyncsample.stats import SampleStats
 from asyncsample.vector import SubEnvAttributeError, SubEnvError, VectorEnv
@@ -56,6 +56,7 @@ __all__ = [
     "EpisodeBatch",
     "Evaluation",
     "FragmentWorker",
+    "Host",
     "NewEnvUpdate",
     "RandomAgent",
     "SampleStats",
