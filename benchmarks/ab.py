@@ -1,0 +1,156 @@
+"""A/B: the same sampling workloads on two source trees of asyncsample, interleaved in one run.
+
+Usage: ``python -m benchmarks.ab --a /path/to/old/checkout --b /path/to/new/checkout``.
+
+Each run is a fresh interpreter with ``PYTHONPATH`` set to one tree, so both versions see the
+same machine at nearly the same time (runs alternate A, B, A, B...). Workloads use only the API
+both versions have (``Sampler``, ``obtain_fragments``, a per-worker agent), with a random agent
+and with the torch MLP of :mod:`benchmarks.policies`. Reported per workload: the median
+steps/s of each tree, B/A, and the main process's CPU microseconds per transition (less
+sensitive to other load than wall-clock rates). Results go to ``--out`` as JSON and markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: name -> (env id, workers, envs per worker, processes, policy?, transitions)
+WORKLOADS: dict[str, tuple[str, int, int, int, bool, int]] = {
+    "CartPole-v1 4x8 random": ("CartPole-v1", 4, 8, 2, False, 200_000),
+    "FixedCost-v0 2x4 random": ("benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
+    "CartPole-v1 2x4 MLP": ("CartPole-v1", 2, 4, 2, True, 40_000),
+    "CartPole-v1 8x4 MLP": ("CartPole-v1", 8, 4, 2, True, 60_000),
+}
+
+_CHILD = """
+import asyncio, json, sys, time, resource
+sys.path.append({bench_root!r})  # after PYTHONPATH: asyncsample comes from the tree
+import benchmarks.envs  # registers the benchmark envs
+from asyncsample import Sampler
+env_id, workers, envs, procs, policy, n = {args!r}
+agent = None
+if policy:
+    import gymnasium as gym
+    import importlib.util  # this checkout's policies, whatever tree's benchmarks/ comes first
+    spec = importlib.util.spec_from_file_location("ab_policies", {policies!r})
+    policies = importlib.util.module_from_spec(spec); spec.loader.exec_module(policies)
+    MLPAgent = policies.MLPAgent
+    probe = gym.make(env_id)
+    agent = [MLPAgent(probe.observation_space, probe.action_space, seed=w) for w in range(workers)]
+async def main():
+    async with Sampler(env_id, agent, n_workers=workers, envs_per_worker=envs,
+                       n_processes=procs, seed=0) as s:
+        await s.obtain_fragments(max(n // 10, workers * envs))  # warm-up
+        cpu0, t0, done = time.process_time(), time.perf_counter(), 0
+        while done < n:
+            done += (await s.obtain_fragments(max(n // 10, workers * envs))).n_transitions
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    import asyncsample
+    print(json.dumps({{"steps_per_s": done / wall, "main_cpu_us": 1e6 * cpu / done,
+                      "module": asyncsample.__file__}}))
+asyncio.run(main())
+"""
+
+
+def run_once(tree: Path, workload: tuple[str, int, int, int, bool, int]) -> dict[str, Any]:
+    """One fresh-interpreter run of ``workload`` on the asyncsample found in ``tree``."""
+    code = _CHILD.format(
+        bench_root=str(REPO_ROOT),
+        policies=str(REPO_ROOT / "benchmarks" / "policies.py"),
+        args=list(workload),
+    )
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        cwd=tempfile.gettempdir(),  # not a checkout: the tree's asyncsample must win
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"run failed on {tree}: {done.stderr.strip().splitlines()[-3:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(result.pop("module")).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the run on {tree} imported another asyncsample")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every workload ``--repeats`` times on both trees, alternating, and write the results."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__)
+    parser.add_argument("--a", type=Path, required=True, help="source tree A (the baseline)")
+    parser.add_argument("--b", type=Path, default=REPO_ROOT, help="source tree B (default: here)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "ab")
+    args = parser.parse_args(argv)
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {}
+    load = [os.getloadavg()[0]]
+    for r in range(args.repeats):
+        for name in args.workloads:
+            order = ("a", "b") if r % 2 == 0 else ("b", "a")
+            for side in order:
+                tree = args.a if side == "a" else args.b
+                res = run_once(tree, WORKLOADS[name])
+                runs.setdefault(name, {"a": [], "b": []})[side].append(res)
+                load.append(os.getloadavg()[0])
+                print(f"{name} [{side}] {res['steps_per_s']:,.0f} steps/s", file=sys.stderr)
+    rows: list[dict[str, Any]] = []
+    for name, sides in runs.items():
+
+        def med(side: str, key: str, sides: dict[str, list[dict[str, float]]] = sides) -> float:
+            return statistics.median(x[key] for x in sides[side])
+
+        rows.append(
+            {
+                "workload": name,
+                "a_steps_per_s": med("a", "steps_per_s"),
+                "b_steps_per_s": med("b", "steps_per_s"),
+                "ratio": med("b", "steps_per_s") / med("a", "steps_per_s"),
+                "a_main_cpu_us": med("a", "main_cpu_us"),
+                "b_main_cpu_us": med("b", "main_cpu_us"),
+                "runs": sides,
+            }
+        )
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "load_average_min_max": [min(load), max(load)],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ab.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    lines = [
+        f"A = `{args.a}`, B = `{args.b}`; {args.repeats} alternating runs each, medians; "
+        f"{machine['cores']} cores, Python {machine['python']}, {machine['date']}, load average "
+        f"{min(load):.1f}-{max(load):.1f} during the run.",
+        "",
+        "| workload | A steps/s | B steps/s | B/A | A main CPU us/step | B main CPU us/step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['workload']} | {row['a_steps_per_s']:,.0f} | {row['b_steps_per_s']:,.0f} | "
+            f"{row['ratio']:.2f}x | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} |"
+        )
+    (args.out / "ab.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
