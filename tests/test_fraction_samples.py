@@ -172,9 +172,7 @@ async def test_slow_env_every_worker_reaches_its_minimum() -> None:
 
 
 async def test_worker_without_a_share_takes_no_part() -> None:
-    async with Sampler(
-        functools.partial(CounterEnv, 3), n_workers=3, backend="local", seed=0
-    ) as s:
+    async with Sampler(functools.partial(CounterEnv, 3), n_workers=3, backend="local", seed=0) as s:
         batch = await s.obtain_samples(2, fraction_samples=0.5)
         assert s.last_stats is not None
         assert s.last_stats.worker_transitions[2] == 0
