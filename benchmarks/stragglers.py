@@ -1,0 +1,246 @@
+"""Stragglers at the call level: ``fraction_samples`` against the fixed per-worker split.
+
+Run from the repository root::
+
+    python -m benchmarks.stragglers            # about a minute on 2 cores
+    python -m benchmarks.stragglers --quick    # a few seconds (a smoke run)
+
+One sampler, ``n_workers`` workers of ``envs_per_worker`` envs on ``n_processes`` env hosts
+(process backend, the built-in seeded random agent). Every env is ``FixedCost-v0`` from
+:mod:`benchmarks.envs` (its step busy-waits on CPU time), but worker ``--slow-worker``'s envs
+cost ``--slow-cost`` a step (2 ms) and the others' ``--fast-cost`` (200 us): a 10x straggler.
+Episodes are truncated at ``--episode-length`` steps.
+
+Each call is ``obtain_samples(n, fraction_samples=f)`` (and ``obtain_fragments`` likewise), for
+every ``f`` in ``--fractions``, the fractions taking turns call by call so that a change in the
+machine's load hits them alike. Per call it records the wall time, the transitions and the
+per-worker transitions and waits from ``last_stats``, and checks the guarantees: every worker
+at or above ``ceil(f * share)`` and the total at or above ``n``. The machine is shared: the load
+average (``uptime``) before and after is recorded with the results, in
+``benchmarks/results/stragglers.json`` and ``.md`` (the table is also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+
+from asyncsample import Sampler
+from benchmarks.envs import full_id
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_env(step_cost: float) -> gym.Env[Any, Any]:
+    """A ``FixedCost-v0`` env whose steps cost ``step_cost`` seconds of CPU time."""
+    return gym.make(full_id("FixedCost-v0"), step_cost=step_cost)
+
+
+def uptime() -> str:
+    """The output of ``uptime`` (load averages), or the load averages alone."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def minimums(n: int, n_workers: int, fraction: float) -> list[int]:
+    """Each worker's minimum: ``ceil(fraction * share)`` (as the sampler computes it)."""
+    shares = [n // n_workers + (w < n % n_workers) for w in range(n_workers)]
+    return [math.ceil(round(fraction * s, 9)) for s in shares]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time every (call, fraction) pair; return the raw records and a summary."""
+    envs = [
+        functools.partial(make_env, args.slow_cost if w == args.slow_worker else args.fast_cost)
+        for w in range(args.n_workers)
+    ]
+    records: list[dict[str, Any]] = []
+    async with Sampler(
+        envs,
+        n_workers=args.n_workers,
+        envs_per_worker=args.envs_per_worker,
+        n_processes=args.n_processes,
+        max_episode_length=args.episode_length,
+        seed=0,
+        backend="process",
+    ) as sampler:
+        for mode in args.modes:
+            call = sampler.obtain_samples if mode == "samples" else sampler.obtain_fragments
+            for f in args.fractions:  # warm-up: first steps, buffers
+                await call(args.n, fraction_samples=f)
+            for i in range(args.calls):
+                for f in args.fractions:
+                    start = time.perf_counter()
+                    batch = await call(args.n, fraction_samples=f)
+                    seconds = time.perf_counter() - start
+                    stats = sampler.last_stats
+                    assert stats is not None
+                    mins = minimums(args.n, args.n_workers, f)
+                    per_worker = list(stats.worker_transitions)
+                    records.append(
+                        {
+                            "mode": mode,
+                            "fraction": f,
+                            "call": i,
+                            "seconds": seconds,
+                            "transitions": batch.n_transitions,
+                            "worker_transitions": per_worker,
+                            "worker_minimums": mins,
+                            "worker_wait_seconds": list(stats.worker_wait_seconds),
+                            "every_worker_at_minimum": all(
+                                c >= m for c, m in zip(per_worker, mins)
+                            ),
+                            "total_at_least_n": batch.n_transitions >= args.n,
+                        }
+                    )
+    return {"records": records, "summary": summarise(records, args)}
+
+
+def summarise(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Median seconds per call for each (mode, fraction) and the speed-up against 1.0."""
+    rows = []
+    for mode in args.modes:
+        base = None
+        for f in args.fractions:
+            mine = [r for r in records if r["mode"] == mode and r["fraction"] == f]
+            median = statistics.median(r["seconds"] for r in mine)
+            if f == 1.0:
+                base = median
+            per_worker = [
+                statistics.mean(r["worker_transitions"][w] for r in mine)
+                for w in range(args.n_workers)
+            ]
+            waits = [
+                statistics.mean(r["worker_wait_seconds"][w] for r in mine)
+                for w in range(args.n_workers)
+            ]
+            rows.append(
+                {
+                    "mode": mode,
+                    "fraction": f,
+                    "calls": len(mine),
+                    "median_seconds": median,
+                    "min_seconds": min(r["seconds"] for r in mine),
+                    "max_seconds": max(r["seconds"] for r in mine),
+                    "mean_transitions": statistics.mean(r["transitions"] for r in mine),
+                    "mean_worker_transitions": per_worker,
+                    "mean_worker_wait_seconds": waits,
+                    "worker_minimums": mine[0]["worker_minimums"],
+                    "guarantees_held": all(
+                        r["every_worker_at_minimum"] and r["total_at_least_n"] for r in mine
+                    ),
+                }
+            )
+        for row in rows:
+            if row["mode"] == mode and base is not None:
+                row["speedup_vs_1"] = base / row["median_seconds"]
+    return rows
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The summary as a markdown table, with the set-up and the machine's load."""
+    cfg = result["config"]
+    lines = [
+        "# Stragglers at the call level (`fraction_samples`)",
+        "",
+        f"`python -m benchmarks.stragglers {' '.join(cfg['argv'])}`".replace(" `", "`"),
+        "",
+        f"{cfg['n_workers']} workers x {cfg['envs_per_worker']} envs on {cfg['n_processes']} "
+        f"env-host processes; worker {cfg['slow_worker']}'s envs cost "
+        f"{cfg['slow_cost'] * 1e3:g} ms a step, the others' {cfg['fast_cost'] * 1e6:g} us "
+        f"(CPU time); episodes of {cfg['episode_length']} steps; n = {cfg['n']} per call; "
+        f"{cfg['calls']} timed calls per row (fractions interleaved), median shown.",
+        "",
+        f"Load before: `{result['uptime_before']}`  ",
+        f"Load after: `{result['uptime_after']}`  ",
+        f"{result['machine']}",
+        "",
+        "| call | fraction_samples | s/call (median) | min..max | speed-up vs 1.0 "
+        "| transitions | per-worker transitions (mean) | per-worker minimum "
+        "| per-worker wait s (mean) | guarantees |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["summary"]:
+        call = "obtain_samples" if r["mode"] == "samples" else "obtain_fragments"
+        lines.append(
+            f"| {call} | {r['fraction']:g} | {r['median_seconds']:.3f} "
+            f"| {r['min_seconds']:.3f}..{r['max_seconds']:.3f} "
+            f"| {r.get('speedup_vs_1', float('nan')):.2f}x "
+            f"| {r['mean_transitions']:.0f} "
+            f"| {', '.join(f'{x:.0f}' for x in r['mean_worker_transitions'])} "
+            f"| {', '.join(str(x) for x in r['worker_minimums'])} "
+            f"| {', '.join(f'{x:.3f}' for x in r['mean_worker_wait_seconds'])} "
+            f"| {'held' if r['guarantees_held'] else 'VIOLATED'} |"
+        )
+    lines += [
+        "",
+        "Guarantees: in every timed call every worker returned at least "
+        "`ceil(fraction_samples * share)` transitions and the call at least `n`. The wait of a "
+        "worker is the time it sat idle between finishing its part and the end of the call. "
+        "Below 1.0 the split between workers depends on timing.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    p.add_argument("--n", type=int, default=4000, help="num_samples per call")
+    p.add_argument("--calls", type=int, default=5, help="timed calls per fraction")
+    p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
+    p.add_argument("--modes", nargs="+", default=["samples", "fragments"])
+    p.add_argument("--n-workers", type=int, default=4)
+    p.add_argument("--envs-per-worker", type=int, default=4)
+    p.add_argument("--n-processes", type=int, default=2)
+    p.add_argument("--episode-length", type=int, default=10)
+    p.add_argument("--slow-worker", type=int, default=1)
+    p.add_argument("--slow-cost", type=float, default=2e-3, help="seconds per step")
+    p.add_argument("--fast-cost", type=float, default=200e-6, help="seconds per step")
+    p.add_argument("--quick", action="store_true", help="a smoke run: n=800, 1 call")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory of the results")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.n, args.calls = 800, 1
+    if 1.0 not in args.fractions:
+        args.fractions = [1.0, *args.fractions]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, write the JSON and markdown results, print the table."""
+    args = parse(argv)
+    before = uptime()
+    result = asyncio.run(run(args))
+    result["uptime_before"] = before
+    result["uptime_after"] = uptime()
+    result["machine"] = (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    )
+    result["config"] = {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+    } | {"argv": list(argv) if argv is not None else __import__("sys").argv[1:]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "stragglers.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result)
+    (args.out / "stragglers.md").write_text(text)
+    print(text)
+    return result
+
+
+if __name__ == "__main__":
+    main()
