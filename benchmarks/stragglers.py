@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     result["config"] = {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-    } | {"argv": list(argv) if argv is not None else __import__("sys").argv[1:]}
+    } | {"argv": list(argv) if argv is not None else sys.argv[1:]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "stragglers.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)
