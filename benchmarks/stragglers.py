@@ -39,14 +39,28 @@ from typing import Any
 import gymnasium as gym
 
 from asyncsample import Sampler
-from benchmarks.envs import full_id
+from benchmarks.envs import FixedCostEnv, full_id
 
 RESULTS = Path(__file__).parent / "results"
 
 
-def make_env(step_cost: float) -> gym.Env[Any, Any]:
-    """A ``FixedCost-v0`` env whose steps cost ``step_cost`` seconds of CPU time."""
-    return gym.make(full_id("FixedCost-v0"), step_cost=step_cost)
+class SleepCostEnv(FixedCostEnv):
+    """:class:`FixedCostEnv` whose step *waits* ``step_cost`` (``time.sleep``) instead of spinning.
+
+    The latency of a remote simulator or of a busy node: the step takes time without using a
+    core of this machine (``time.sleep`` adds some 50-100 us of its own to every step).
+    """
+
+    def _cost(self) -> None:
+        time.sleep(self.step_cost)
+
+
+def make_env(step_cost: float, clock: str) -> gym.Env[Any, Any]:
+    """An env whose steps cost ``step_cost`` seconds: of CPU time (``clock="cpu"``, the
+    ``FixedCost-v0`` benchmark env) or of waiting (``clock="sleep"``, :class:`SleepCostEnv`)."""
+    if clock == "sleep":
+        return SleepCostEnv(step_cost)
+    return gym.make(full_id("FixedCost-v0"), step_cost=step_cost, clock=clock)
 
 
 def uptime() -> str:
@@ -64,9 +78,22 @@ def minimums(n: int, n_workers: int, fraction: float) -> list[int]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Time every (call, fraction) pair; return the raw records and a summary."""
+    """Time every scenario (clock, n_processes); return the raw records and a summary."""
+    records: list[dict[str, Any]] = []
+    for clock in args.clocks:
+        for n_processes in args.n_processes:
+            records += await run_scenario(args, clock, n_processes)
+    return {"records": records, "summary": summarise(records, args)}
+
+
+async def run_scenario(
+    args: argparse.Namespace, clock: str, n_processes: int
+) -> list[dict[str, Any]]:
+    """Time every (call, fraction) pair on one sampler."""
     envs = [
-        functools.partial(make_env, args.slow_cost if w == args.slow_worker else args.fast_cost)
+        functools.partial(
+            make_env, args.slow_cost if w == args.slow_worker else args.fast_cost, clock
+        )
         for w in range(args.n_workers)
     ]
     records: list[dict[str, Any]] = []
@@ -74,7 +101,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         envs,
         n_workers=args.n_workers,
         envs_per_worker=args.envs_per_worker,
-        n_processes=args.n_processes,
+        n_processes=n_processes,
         max_episode_length=args.episode_length,
         seed=0,
         backend="process",
@@ -94,6 +121,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     per_worker = list(stats.worker_transitions)
                     records.append(
                         {
+                            "clock": clock,
+                            "n_processes": n_processes,
                             "mode": mode,
                             "fraction": f,
                             "call": i,
@@ -108,16 +137,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             "total_at_least_n": batch.n_transitions >= args.n,
                         }
                     )
-    return {"records": records, "summary": summarise(records, args)}
+    return records
 
 
 def summarise(records: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Median seconds per call for each (mode, fraction) and the speed-up against 1.0."""
-    rows = []
-    for mode in args.modes:
+    """Median seconds per call for each scenario and fraction, and the speed-up against 1.0."""
+    rows: list[dict[str, Any]] = []
+    scenarios = [(c, p, m) for c in args.clocks for p in args.n_processes for m in args.modes]
+    for clock, n_processes, mode in scenarios:
         base = None
+        first = len(rows)
         for f in args.fractions:
-            mine = [r for r in records if r["mode"] == mode and r["fraction"] == f]
+            mine = [
+                r
+                for r in records
+                if (r["clock"], r["n_processes"], r["mode"], r["fraction"])
+                == (clock, n_processes, mode, f)
+            ]
             median = statistics.median(r["seconds"] for r in mine)
             if f == 1.0:
                 base = median
@@ -131,6 +167,8 @@ def summarise(records: list[dict[str, Any]], args: argparse.Namespace) -> list[d
             ]
             rows.append(
                 {
+                    "clock": clock,
+                    "n_processes": n_processes,
                     "mode": mode,
                     "fraction": f,
                     "calls": len(mine),
@@ -146,8 +184,8 @@ def summarise(records: list[dict[str, Any]], args: argparse.Namespace) -> list[d
                     ),
                 }
             )
-        for row in rows:
-            if row["mode"] == mode and base is not None:
+        for row in rows[first:]:
+            if base is not None:
                 row["speedup_vs_1"] = base / row["median_seconds"]
     return rows
 
@@ -160,25 +198,28 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"`python -m benchmarks.stragglers {' '.join(cfg['argv'])}`".replace(" `", "`"),
         "",
-        f"{cfg['n_workers']} workers x {cfg['envs_per_worker']} envs on {cfg['n_processes']} "
-        f"env-host processes; worker {cfg['slow_worker']}'s envs cost "
-        f"{cfg['slow_cost'] * 1e3:g} ms a step, the others' {cfg['fast_cost'] * 1e6:g} us "
-        f"(CPU time); episodes of {cfg['episode_length']} steps; n = {cfg['n']} per call; "
-        f"{cfg['calls']} timed calls per row (fractions interleaved), median shown.",
+        f"{cfg['n_workers']} workers x {cfg['envs_per_worker']} envs on `n_processes` env-host "
+        f"processes (worker w on host w % n_processes); worker {cfg['slow_worker']}'s envs "
+        f"cost {cfg['slow_cost'] * 1e3:g} ms a step, the others' {cfg['fast_cost'] * 1e6:g} us; "
+        f"episodes of {cfg['episode_length']} steps; n = {cfg['n']} per call; "
+        f"{cfg['calls']} timed calls per row (fractions interleaved), median shown. Cost "
+        "`cpu`: the step spins on CPU time (`FixedCost-v0`); `sleep`: it waits "
+        "(`time.sleep`, a remote simulator or a busy node: no core of this machine is used).",
         "",
         f"Load before: `{result['uptime_before']}`  ",
         f"Load after: `{result['uptime_after']}`  ",
         f"{result['machine']}",
         "",
-        "| call | fraction_samples | s/call (median) | min..max | speed-up vs 1.0 "
-        "| transitions | per-worker transitions (mean) | per-worker minimum "
+        "| cost | n_processes | call | fraction_samples | s/call (median) | min..max "
+        "| speed-up vs 1.0 | transitions | per-worker transitions (mean) | per-worker minimum "
         "| per-worker wait s (mean) | guarantees |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["summary"]:
         call = "obtain_samples" if r["mode"] == "samples" else "obtain_fragments"
         lines.append(
-            f"| {call} | {r['fraction']:g} | {r['median_seconds']:.3f} "
+            f"| {r['clock']} | {r['n_processes']} | {call} | {r['fraction']:g} "
+            f"| {r['median_seconds']:.3f} "
             f"| {r['min_seconds']:.3f}..{r['max_seconds']:.3f} "
             f"| {r.get('speedup_vs_1', float('nan')):.2f}x "
             f"| {r['mean_transitions']:.0f} "
@@ -204,10 +245,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=4000, help="num_samples per call")
     p.add_argument("--calls", type=int, default=5, help="timed calls per fraction")
     p.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.25])
-    p.add_argument("--modes", nargs="+", default=["samples", "fragments"])
+    p.add_argument("--modes", nargs="+", default=["samples"], choices=["samples", "fragments"])
+    p.add_argument("--clocks", nargs="+", default=["cpu", "sleep"], choices=["cpu", "sleep"])
     p.add_argument("--n-workers", type=int, default=4)
     p.add_argument("--envs-per-worker", type=int, default=4)
-    p.add_argument("--n-processes", type=int, default=2)
+    p.add_argument("--n-processes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--episode-length", type=int, default=10)
     p.add_argument("--slow-worker", type=int, default=1)
     p.add_argument("--slow-cost", type=float, default=2e-3, help="seconds per step")
