@@ -228,6 +228,19 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {', '.join(f'{x:.3f}' for x in r['mean_worker_wait_seconds'])} "
             f"| {'held' if r['guarantees_held'] else 'VIOLATED'} |"
         )
+    for p in cfg["n_processes"]:
+        mates = [
+            w
+            for w in range(cfg["n_workers"])
+            if w != cfg["slow_worker"] and w % p == cfg["slow_worker"] % p
+        ]
+        if mates:
+            lines += [
+                "",
+                f"With n_processes={p}, worker(s) {', '.join(map(str, mates))} share the slow "
+                f"worker's env host, which serves its workers' steps one at a time: they are "
+                "held up behind the slow worker's steps too, so fewer workers can fill in.",
+            ]
     lines += [
         "",
         "Guarantees: in every timed call every worker returned at least "
