@@ -19,7 +19,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
-from envs import ConstantAgent, NoisyEnv, SleepyEnv
+from envs import ConstantAgent, NoisyEnv, SleepyEnv, first_to_claim
 
 from asyncsample import EpisodeBatch, Sampler, StepType
 from asyncsample.agent import AgentOutput
@@ -275,6 +275,43 @@ async def test_fragments_without_straggler_every_env_continues() -> None:
     total = sum(b.n_transitions for b in batches)
     # Endless episodes: the last observation of each env is its step count over all calls.
     assert sum(open_pieces.values()) == total
+
+
+class FailingCounterEnv(CounterEnv):
+    """:class:`CounterEnv` whose ``fail_at``-th step raises, once per ``flag`` file."""
+
+    def __init__(self, flag: str, fail_at: int) -> None:
+        super().__init__()
+        self.flag = flag
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self.calls += 1
+        if self.calls == self.fail_at and first_to_claim(self.flag):
+            raise RuntimeError("injected failure in step")
+        return super().step(action)
+
+
+@pytest.mark.parametrize("mode", ["samples", "fragments"])
+async def test_a_restart_during_a_fraction_call(mode: str, tmp_path: Any) -> None:
+    # Worker 0's host fails in its 7th step: the fragments it had in progress are dropped (its
+    # count goes down) and redone; the guarantees still hold at the end of the call.
+    flag = str(tmp_path / "failed")
+    gate = Gate(open_at=12)
+    envs = [functools.partial(FailingCounterEnv, flag, 7), CounterEnv]
+    async with gated("local", gate, env=envs, max_episode_length=5) as s:
+        call = s.obtain_samples if mode == "samples" else s.obtain_fragments
+        batch = await call(40, fraction_samples=0.5)
+        assert s.restarts == 1
+        assert s.last_stats is not None and s.last_stats.restarts == 1
+    counts = per_worker(batch, 2)
+    assert counts[0] >= 10 and counts[1] >= 10 and sum(counts) >= 40
+    for ep in batch.split():
+        obs = ep.observations[:, 0]
+        assert np.array_equal(np.diff(obs), np.ones(len(obs) - 1))
+        if mode == "samples":
+            assert obs.tolist() == [0, 1, 2, 3, 4]
 
 
 # -- stream ------------------------------------------------------------------------------------
