@@ -337,7 +337,8 @@ class Sampler:
                 holds the call. The split between workers then depends on timing: the batch is
                 not reproducible for a fixed seed (``episode_infos["worker"]`` and
                 ``last_stats.worker_transitions`` say who contributed what). ``1.0`` (default)
-                is the fixed, reproducible split.
+                is the fixed, reproducible split, where no worker goes past its share. A worker
+                whose share is 0 (``num_samples < n_workers``) takes no part either way.
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)

@@ -33,7 +33,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ENDS = (StepType.TERMINAL, StepType.TIMEOUT)
 
 
-class CounterEnv(gym.Env[np.ndarray, int]):
+class CounterEnv(gym.Env[np.ndarray, np.int64]):
     """Observation = steps taken in the episode; terminates after ``length`` steps.
 
     Makes continuity checkable: a fragment that continues an episode starts at the observation
@@ -53,7 +53,7 @@ class CounterEnv(gym.Env[np.ndarray, int]):
         self.t = 0
         return np.array([0.0]), {}
 
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+    def step(self, action: np.int64) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         self.t += 1
         done = self.length is not None and self.t >= self.length
         return np.array([float(self.t)]), 1.0, done, False, {}
@@ -286,7 +286,7 @@ class FailingCounterEnv(CounterEnv):
         self.fail_at = fail_at
         self.calls = 0
 
-    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+    def step(self, action: np.int64) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         self.calls += 1
         if self.calls == self.fail_at and first_to_claim(self.flag):
             raise RuntimeError("injected failure in step")
