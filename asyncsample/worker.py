@@ -82,13 +82,6 @@ class SharedQuota:
         """Whether ``worker`` has its minimum and the call's total has reached the target."""
         return self.counts[worker] >= self.minimums[worker] and self.total >= self.target
 
-    @property
-    def met(self) -> bool:
-        """Whether the call may end: the total is reached and every worker has its minimum."""
-        return self.total >= self.target and all(
-            self.counts[w] >= m for w, m in self.minimums.items()
-        )
-
 
 @dataclass
 class Transition:
