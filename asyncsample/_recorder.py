@@ -226,6 +226,13 @@ class Recorder:
             self.completed_steps += stop - start
         self.piece_start[env] = stop
 
+    def open_steps(self) -> int:
+        """Transitions of the episodes still running that this call recorded (fragments-to-be).
+
+        Rows a restart dropped are not counted: a reset moves the env's piece start past them.
+        """
+        return int(np.maximum(self.rows.size - self.piece_start, 0).sum())
+
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
         """The plan of the pieces recorded since the last collection; forgets them."""
         plan = self._plan(self.pieces, like_obs, like_actions)

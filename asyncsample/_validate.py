@@ -21,6 +21,7 @@ __all__ = [
     "check_picklable",
     "env_source",
     "flag",
+    "fraction",
     "nonnegative_int",
     "optional_nonnegative_int",
     "optional_positive_int",
@@ -103,6 +104,17 @@ def flag(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {_shown(value)}")
     return bool(value)
+
+
+def fraction(name: str, value: object) -> float:
+    """``value`` as a float in ``(0, 1]`` (ints and numpy numbers accepted, bool rejected)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(f"{name} must be a number in (0, 1], got {_shown(value)}")
+    if not 0 < value <= 1:  # also rejects NaN
+        raise ValueError(f"{name} must be > 0 and <= 1, got {value!r}")
+    return float(value)
 
 
 def options_dict(name: str, value: object) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from asyncsample.evaluation import Evaluation
 from asyncsample.inference import Batched, Batcher, Host, HostInference, check_inference
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
-from asyncsample.worker import VecWorker, Worker, WorkerDriver, WorkerFactory
+from asyncsample.worker import SharedQuota, VecWorker, Worker, WorkerDriver, WorkerFactory
 
 __all__ = ["AgentUpdateArg", "EnvUpdateArg", "Sampler"]
 
@@ -328,16 +328,33 @@ class Sampler:
     # -- sampling -----------------------------------------------------------------------------
 
     async def obtain_samples(
-        self, num_samples: int, agent_update: AgentUpdateArg = None, env_update: EnvUpdateArg = None
+        self,
+        num_samples: int,
+        agent_update: AgentUpdateArg = None,
+        env_update: EnvUpdateArg = None,
+        *,
+        fraction_samples: float = 1.0,
     ) -> EpisodeBatch:
         """Complete episodes whose lengths add up to at least ``num_samples``.
 
         Worker ``w`` steps its envs until the lengths of its completed episodes reach its share
         ``num_samples // n_workers + (w < num_samples % n_workers)``; every episode completing
         on that last step is kept, episodes still running are discarded. Worker-major order.
+
+        Args:
+            fraction_samples: in ``(0, 1]``. Below 1, a worker only has to reach
+                ``ceil(fraction_samples * share)`` and fast workers go on past their share
+                while the call's total is short of ``num_samples``; the call ends as soon as the
+                total is reached and every worker has its minimum, so a straggler no longer
+                holds the call. The split between workers then depends on timing: the batch is
+                not reproducible for a fixed seed (``episode_infos["worker"]`` and
+                ``last_stats.worker_transitions`` say who contributed what). ``1.0`` (default)
+                is the fixed, reproducible split, where no worker goes past its share. A worker
+                whose share is 0 (``num_samples < n_workers``) takes no part either way.
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
-        return await self._call("samples", num_samples, agent_update, env_update)
+        fraction = _validate.fraction("fraction_samples", fraction_samples)
+        return await self._call("samples", num_samples, agent_update, env_update, fraction)
 
     async def obtain_exact_episodes(
         self,
@@ -353,16 +370,31 @@ class Sampler:
         return await self._call("episodes", n_eps_per_worker, agent_update, env_update)
 
     async def obtain_fragments(
-        self, num_samples: int, agent_update: AgentUpdateArg = None, env_update: EnvUpdateArg = None
+        self,
+        num_samples: int,
+        agent_update: AgentUpdateArg = None,
+        env_update: EnvUpdateArg = None,
+        *,
+        fraction_samples: float = 1.0,
     ) -> EpisodeBatch:
         """At least ``num_samples`` transitions of complete episodes and running fragments.
 
         Each worker steps all its envs ``ceil(share / envs_per_worker)`` times. Fragments of
         episodes still running continue in the next ``obtain_fragments`` call (any other call or
         update resets them).
+
+        Args:
+            fraction_samples: in ``(0, 1]``. Below 1, a worker only has to return
+                ``ceil(fraction_samples * share)`` transitions (steps x envs) and fast workers
+                keep stepping while the call's total is short of ``num_samples``; the call ends
+                as soon as the total is reached and every worker has its minimum. Every worker
+                stops at a step boundary, so its fragments continue correctly in the next call.
+                The split between workers then depends on timing (not reproducible for a fixed
+                seed); ``1.0`` (default) is the fixed, reproducible split.
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
-        return await self._call("fragments", num_samples, agent_update, env_update)
+        fraction = _validate.fraction("fraction_samples", fraction_samples)
+        return await self._call("fragments", num_samples, agent_update, env_update, fraction)
 
     async def update_agent(self, agent_update: AgentUpdateArg) -> None:
         """Apply an agent update now; it bumps the agent version of the workers it touches.
@@ -388,6 +420,7 @@ class Sampler:
         agent_update: AgentUpdateArg = None,
         max_policy_lag: int | None = None,
         buffer_size: int = 2,
+        fraction_samples: float = 1.0,
     ) -> AsyncGenerator[EpisodeBatch, None]:
         """Yield batches of at least ``num_samples`` transitions while sampling goes on.
 
@@ -401,6 +434,10 @@ class Sampler:
         never yielded are dropped and not counted. Other calls wait until the stream closes;
         a sampling call from the task that holds the open stream raises ``RuntimeError`` (it
         could never proceed). The arguments are checked when the first batch is asked for.
+
+        ``fraction_samples`` (in ``(0, 1]``) applies to every sampling round as in
+        :meth:`obtain_samples` (or :meth:`obtain_fragments` with ``fragments``): below 1, fast
+        workers fill in for slow ones and the split between workers depends on timing.
         """
         return streaming.stream(
             self,
@@ -409,6 +446,7 @@ class Sampler:
             agent_update=agent_update,
             max_policy_lag=max_policy_lag,
             buffer_size=buffer_size,
+            fraction_samples=fraction_samples,
         )
 
     async def evaluate(
@@ -445,7 +483,12 @@ class Sampler:
         )
 
     async def _call(
-        self, mode: Mode, quota: int, agent_update: AgentUpdateArg, env_update: EnvUpdateArg
+        self,
+        mode: Mode,
+        quota: int,
+        agent_update: AgentUpdateArg,
+        env_update: EnvUpdateArg,
+        fraction: float = 1.0,
     ) -> EpisodeBatch:
         self._check_open()
         self._check_agent_update(agent_update)
@@ -465,7 +508,7 @@ class Sampler:
             if mode == "fragments" and self._last_mode == "fragments":
                 resume = Resume.FRAGMENTS
             self._last_mode = mode
-            batch, stats = await self._sample(mode, quota, resume=resume)
+            batch, stats = await self._sample(mode, quota, resume=resume, fraction=fraction)
         self._total_env_steps += batch.n_transitions
         self.last_stats = stats
         return batch
@@ -477,16 +520,28 @@ class Sampler:
         *,
         resume: Resume = Resume.NOTHING,
         leave: Resume = Resume.NOTHING,
+        fraction: float = 1.0,
     ) -> tuple[EpisodeBatch, SampleStats]:
         """Run every worker's share of one call and put the pieces together, worker-major.
 
         ``resume`` says what the call continues from the previous one; ``leave`` what a
         ``samples`` call leaves running for the next (``Resume.EPISODES`` in a stream).
+        ``fraction`` below 1 (``fraction_samples``) shares the quota between the workers (see
+        :class:`SharedQuota`); 1 keeps the fixed per-worker shares.
         """
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
             worker.finished.clear()
-        plans = await _run_all([self._drive(w, mode, quota, resume, leave) for w in self.workers])
+        shared = self._shared_quota(mode, quota, fraction)
+        done_at = [start] * self.n_workers
+
+        async def drive(worker: WorkerDriver) -> Plan | None:
+            plan = await self._drive(worker, mode, quota, resume, leave, shared)
+            done_at[worker.worker_number] = time.perf_counter()
+            return plan
+
+        plans = await _run_all([drive(w) for w in self.workers])
+        end = time.perf_counter()
         batch = await _assemble(self._env_spec, [p for p in plans if p is not None])
         stats = SampleStats.collect(
             [f for w in self.workers for f in w.finished],
@@ -494,14 +549,31 @@ class Sampler:
             seconds=time.perf_counter() - start,
             agent_version=max(w.agent_version for w in self.workers),
             restarts=self.restarts - restarts,
+            worker_transitions=[0 if p is None else int(p.lengths.sum()) for p in plans],
+            worker_wait_seconds=[end - t for t in done_at],
         )
         return batch, stats
 
     def _share(self, quota: int, worker: int) -> int:
         return quota // self.n_workers + (worker < quota % self.n_workers)
 
+    def _shared_quota(self, mode: Mode, quota: int, fraction: float) -> SharedQuota | None:
+        """The call's shared quota when ``fraction_samples < 1`` (``None``: fixed shares)."""
+        if fraction >= 1.0 or mode == "episodes":
+            return None
+        shares = {w: self._share(quota, w) for w in range(self.n_workers)}
+        # round() first: 0.1 * 30 is 3.0000000000000004 in floating point (ceil: 4, not 3).
+        minimums = {w: math.ceil(round(fraction * n, 9)) for w, n in shares.items() if n > 0}
+        return SharedQuota(quota, minimums)
+
     async def _drive(
-        self, worker: WorkerDriver, mode: Mode, quota: int, resume: Resume, leave: Resume
+        self,
+        worker: WorkerDriver,
+        mode: Mode,
+        quota: int,
+        resume: Resume,
+        leave: Resume,
+        shared: SharedQuota | None = None,
     ) -> Plan | None:
         """Run one worker's part of a call, rebuilding its host after failures."""
         w = worker.worker_number
@@ -510,15 +582,22 @@ class Sampler:
             return None
         worker._begin_call(resume, episodes=share if mode == "episodes" else None)
         if self._batcher is None:
-            return await self._drive_steps(worker, mode, share, leave)
+            return await self._drive_steps(worker, mode, share, leave, shared)
         self._batcher.join(w)  # inference="batched": the batcher waits for this worker's rows
         try:
-            return await self._drive_steps(worker, mode, share, leave)
+            return await self._drive_steps(worker, mode, share, leave, shared)
         finally:
+            # A worker done with its part (also one that stopped at its minimum under
+            # fraction_samples) leaves, so the flushes of the others do not wait for it.
             self._batcher.leave(w)
 
     async def _drive_steps(
-        self, worker: WorkerDriver, mode: Mode, share: int, leave: Resume
+        self,
+        worker: WorkerDriver,
+        mode: Mode,
+        share: int,
+        leave: Resume,
+        shared: SharedQuota | None = None,
     ) -> Plan:
         """The retry loop of :meth:`_drive`: run the worker's plan, recovering after failures."""
         w = worker.worker_number
@@ -539,10 +618,10 @@ class Sampler:
                 if self._host is not None:  # --- hook: inference="host": chunks ---
                     return await self._host.run(worker, mode, share, leave)  # type: ignore[arg-type]
                 if mode == "samples":
-                    return await worker._run_samples(share, leave=leave)
+                    return await worker._run_samples(share, leave=leave, quota=shared)
                 if mode == "episodes":
                     return await worker._run_episodes()
-                return await worker._run_fragments(share)
+                return await worker._run_fragments(share, quota=shared)
             except WorkerError as exc:
                 worker._mark_broken()
                 if not exc.retry or restarts >= self.max_restarts:

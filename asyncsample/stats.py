@@ -28,6 +28,12 @@ class SampleStats:
         steps_per_second: ``transitions / seconds``.
         agent_version: the newest agent version among the workers.
         restarts: env-host restarts during the call.
+        worker_transitions: transitions each worker contributed to the batch (index = worker).
+            With ``fraction_samples < 1`` this split depends on timing: fast workers fill in
+            for slow ones.
+        worker_wait_seconds: per worker, the seconds it sat idle between finishing its part and
+            the end of the call (a worker with no part in the call waited the whole call). A
+            straggler shows up as high waits of everyone else.
     """
 
     transitions: int
@@ -41,6 +47,8 @@ class SampleStats:
     steps_per_second: float
     agent_version: int
     restarts: int
+    worker_transitions: tuple[int, ...] = ()
+    worker_wait_seconds: tuple[float, ...] = ()
 
     @classmethod
     def collect(
@@ -51,6 +59,8 @@ class SampleStats:
         seconds: float,
         agent_version: int,
         restarts: int,
+        worker_transitions: Sequence[int] = (),
+        worker_wait_seconds: Sequence[float] = (),
     ) -> SampleStats:
         """Summarise ``(return, length, version)`` of the finished episodes."""
         returns = np.array([f[0] for f in finished], dtype=np.float64)
@@ -68,6 +78,8 @@ class SampleStats:
             steps_per_second=transitions / seconds if seconds > 0 else 0.0,
             agent_version=agent_version,
             restarts=restarts,
+            worker_transitions=tuple(int(n) for n in worker_transitions),
+            worker_wait_seconds=tuple(float(t) for t in worker_wait_seconds),
         )
 
     def as_dict(self) -> dict[str, Any]:

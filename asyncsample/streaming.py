@@ -12,6 +12,8 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from asyncsample import _validate
 from asyncsample._recorder import Resume
 from asyncsample.batch import EpisodeBatch
@@ -33,9 +35,11 @@ async def stream(
     agent_update: Any = None,
     max_policy_lag: int | None = None,
     buffer_size: int = 2,
+    fraction_samples: float = 1.0,
 ) -> AsyncGenerator[EpisodeBatch, None]:
     """The body of :meth:`Sampler.stream` (see there)."""
     num_samples = _validate.positive_int("num_samples", num_samples)
+    fraction = _validate.fraction("fraction_samples", fraction_samples)
     fragments = _validate.flag("fragments", fragments)
     buffer_size = _validate.positive_int("buffer_size", buffer_size)
     max_policy_lag = _validate.optional_nonnegative_int("max_policy_lag", max_policy_lag)
@@ -62,7 +66,9 @@ async def stream(
             leave = Resume.FRAGMENTS if fragments else Resume.EPISODES
             try:
                 while True:
-                    result = await sampler._sample(mode, num_samples, resume=resume, leave=leave)
+                    result = await sampler._sample(
+                        mode, num_samples, resume=resume, leave=leave, fraction=fraction
+                    )
                     sampler._last_mode = mode
                     resume = leave
                     await queue.put(result)
@@ -99,7 +105,9 @@ async def stream(
                     stats.append(stat)
                 out = EpisodeBatch.concatenate(*parts) if len(parts) > 1 else parts[0]
                 sampler._total_env_steps += out.n_transitions
-                sampler.last_stats = merge_stats(stats, out.n_transitions)
+                sampler.last_stats = merge_stats(
+                    stats, out.n_transitions, _worker_transitions(out, sampler.n_workers)
+                )
                 yield out
         finally:
             sampler._streaming = False
@@ -107,10 +115,27 @@ async def stream(
             await asyncio.gather(producer, return_exceptions=True)
 
 
-def merge_stats(stats: list[SampleStats], transitions: int) -> SampleStats:
-    """The statistics of several sampling rounds that made one streamed batch."""
+def _worker_transitions(batch: EpisodeBatch, n_workers: int) -> tuple[int, ...]:
+    """Transitions of ``batch`` per worker (``episode_infos["worker"]``)."""
+    workers = np.asarray(batch.episode_infos.get("worker", np.zeros(0)), dtype=np.int64)
+    if len(workers) != len(batch.lengths):
+        return ()
+    counts = np.bincount(workers, weights=batch.lengths, minlength=n_workers)
+    return tuple(int(c) for c in counts)
+
+
+def merge_stats(
+    stats: list[SampleStats], transitions: int, worker_transitions: tuple[int, ...] = ()
+) -> SampleStats:
+    """The statistics of several sampling rounds that made one streamed batch.
+
+    ``worker_transitions`` are the batch's per-worker transitions (after ``max_policy_lag``
+    dropped episodes); the workers' waits add up over the rounds.
+    """
     if len(stats) == 1 and stats[0].transitions == transitions:
         return stats[0]
+    waits = [s.worker_wait_seconds for s in stats if s.worker_wait_seconds]
+    wait_sums = tuple(float(sum(w)) for w in zip(*waits)) if waits else ()
     episodes = sum(s.episodes for s in stats)
     seconds = sum(s.seconds for s in stats)
     weighted = [s for s in stats if s.episodes]
@@ -132,4 +157,6 @@ def merge_stats(stats: list[SampleStats], transitions: int) -> SampleStats:
         steps_per_second=transitions / seconds if seconds > 0 else 0.0,
         agent_version=max(s.agent_version for s in stats),
         restarts=sum(s.restarts for s in stats),
+        worker_transitions=worker_transitions,
+        worker_wait_seconds=wait_sums,
     )

@@ -14,7 +14,7 @@ This is the small surface a user subclasses. What a worker records lives in
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -35,6 +35,7 @@ from asyncsample.seeding import WorkerSeeds
 __all__ = [
     "FinishedEpisode",
     "FragmentWorker",
+    "SharedQuota",
     "Transition",
     "VecWorker",
     "Worker",
@@ -49,6 +50,37 @@ class FinishedEpisode(NamedTuple):
     ret: float
     length: int
     agent_version: int
+
+
+class SharedQuota:
+    """The quota of one call with ``fraction_samples < 1``, shared by the workers of the call.
+
+    Each worker reports, after every step, how many transitions it would return if it stopped
+    now (complete-episode transitions for ``obtain_samples``, steps x envs for fragments). A
+    worker may stop once it has its own minimum *and* the call's total has reached the target:
+    fast workers therefore keep going past their share while the total is short, and the last
+    worker to stop has both conditions hold for everyone. The object lives beside the worker
+    coroutines in the event loop's thread on every backend, so it needs no lock.
+
+    Args:
+        target: the call's ``num_samples``.
+        minimums: per worker taking part, ``ceil(fraction_samples * share)``.
+    """
+
+    def __init__(self, target: int, minimums: Mapping[int, int]) -> None:
+        self.target = target
+        self.minimums = dict(minimums)
+        self.counts = dict.fromkeys(self.minimums, 0)
+        self.total = 0
+
+    def report(self, worker: int, count: int) -> None:
+        """Worker ``worker`` would now return ``count`` transitions (it may go down: restarts)."""
+        self.total += count - self.counts[worker]
+        self.counts[worker] = count
+
+    def may_stop(self, worker: int) -> bool:
+        """Whether ``worker`` has its minimum and the call's total has reached the target."""
+        return self.counts[worker] >= self.minimums[worker] and self.total >= self.target
 
 
 @dataclass
@@ -376,15 +408,28 @@ class Worker:
             self._active[:] = self._episodes_left > 0
         self._everyone = bool(self._active.all())
 
-    async def _run_samples(self, share: int, *, leave: Resume = Resume.NOTHING) -> Plan:
+    async def _run_samples(
+        self, share: int, *, leave: Resume = Resume.NOTHING, quota: SharedQuota | None = None
+    ) -> Plan:
         """Complete episodes until their lengths reach ``share``.
 
         Episodes still running are discarded, or with ``leave=Resume.EPISODES`` carried over
-        (with their steps so far) to the next call.
+        (with their steps so far) to the next call. With a shared ``quota``
+        (``fraction_samples < 1``) the worker steps until :meth:`SharedQuota.may_stop` instead;
+        it decides at step boundaries only, so the step it is in when the call's quota is met
+        completes and is recorded once, and it takes no step after that.
         """
         await self.start_episode()
-        while self._recorder.completed_steps < share:
-            await self.step_episode()
+        recorder = self._recorder
+        if quota is None:
+            while recorder.completed_steps < share:
+                await self.step_episode()
+        else:
+            w = self.worker_number
+            quota.report(w, recorder.completed_steps)
+            while not quota.may_stop(w):
+                await self.step_episode()
+                quota.report(w, recorder.completed_steps)
         plan = self._collect_plan()
         self._end_call(leave)
         return plan
@@ -398,9 +443,24 @@ class Worker:
         self._end_call(Resume.NOTHING)
         return plan
 
-    async def _run_fragments(self, share: int) -> Plan:
-        """Step every env ``ceil(share / n_envs)`` times; running episodes become fragments."""
+    async def _run_fragments(self, share: int, *, quota: SharedQuota | None = None) -> Plan:
+        """Step every env ``ceil(share / n_envs)`` times; running episodes become fragments.
+
+        With a shared ``quota`` (``fraction_samples < 1``) the worker steps until
+        :meth:`SharedQuota.may_stop`, counting the transitions it would return (completed
+        pieces and open fragments, steps x envs), and stops at a step boundary.
+        """
         self._share = share
+        if quota is not None:
+            await self.start_episode()
+            recorder, w = self._recorder, self.worker_number
+            quota.report(w, recorder.completed_steps + recorder.open_steps())
+            while not quota.may_stop(w):
+                await self.step_episode()
+                quota.report(w, recorder.completed_steps + recorder.open_steps())
+            plan = self._collect_plan(fragments=True)
+            self._end_call(Resume.FRAGMENTS)
+            return plan
         if self._steps_left is None:
             self._steps_left = math.ceil(share / self.n_envs)
         await self.start_episode()
@@ -582,11 +642,13 @@ class WorkerDriver(Protocol):
 
     def _begin_call(self, resume: Resume, *, episodes: int | None = None) -> None: ...
 
-    async def _run_samples(self, share: int, *, leave: Resume = Resume.NOTHING) -> Plan: ...
+    async def _run_samples(
+        self, share: int, *, leave: Resume = Resume.NOTHING, quota: SharedQuota | None = None
+    ) -> Plan: ...
 
     async def _run_episodes(self) -> Plan: ...
 
-    async def _run_fragments(self, share: int) -> Plan: ...
+    async def _run_fragments(self, share: int, *, quota: SharedQuota | None = None) -> Plan: ...
 
     async def _recover(self) -> int: ...
 
