@@ -616,7 +616,7 @@ class Sampler:
                             dropped,
                         )
                 if self._host is not None:  # --- hook: inference="host": chunks ---
-                    return await self._host.run(worker, mode, share, leave)  # type: ignore[arg-type]
+                    return await self._host.run(worker, mode, share, leave, shared)  # type: ignore[arg-type]
                 if mode == "samples":
                     return await worker._run_samples(share, leave=leave, quota=shared)
                 if mode == "episodes":

@@ -403,3 +403,68 @@ async def test_fraction_accepts_numpy_and_int() -> None:
         for value in (np.float32(0.5), np.float64(0.25), 1, np.int64(1)):
             batch = await s.obtain_samples(12, fraction_samples=value)  # type: ignore[arg-type]
             assert batch.n_transitions >= 12
+
+
+# -- inference="host": the workers decide between chunks ------------------------------------------
+
+
+class FileGateEnv(CounterEnv):
+    """A :class:`CounterEnv` across processes: the ``opener`` creates ``path`` at its
+    ``open_at``-th step (counted over its life); the others wait for ``path`` before each step."""
+
+    def __init__(self, length: int, path: str, opener: bool, open_at: int = 0) -> None:
+        super().__init__(length)
+        self.path, self.opener, self.open_at, self.steps = path, opener, open_at, 0
+
+    def step(self, action: np.int64) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        import os
+        import time
+
+        self.steps += 1
+        if self.opener:
+            if self.steps == self.open_at:
+                with open(self.path, "w"):
+                    pass
+        else:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(self.path) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return super().step(action)
+
+
+@pytest.mark.parametrize("chunk_steps", [1, 8])
+async def test_host_inference_fast_worker_fills_in(chunk_steps: int, tmp_path: Any) -> None:
+    from asyncsample import Host
+
+    def sampler(gate: str) -> Sampler:
+        # Worker 1 cannot take a step before worker 0 has stepped each env 60 times (120
+        # transitions, more than its share of 100): worker 0 must have gone past its share.
+        envs = [
+            functools.partial(FileGateEnv, 5, gate, True, 60),
+            functools.partial(FileGateEnv, 5, gate, False),
+        ]
+        return Sampler(
+            envs,
+            n_workers=2,
+            envs_per_worker=2,
+            backend="process",
+            n_processes=2,
+            seed=2,
+            inference=Host(chunk_steps=chunk_steps),
+        )
+
+    async with sampler(str(tmp_path / "samples")) as s:
+        batch = await s.obtain_samples(200, fraction_samples=0.25)
+        counts = per_worker(batch, 2)
+        assert counts[0] >= 110 and counts[1] >= minimum(0.25, 100) and sum(counts) >= 200
+        assert s.last_stats is not None and list(s.last_stats.worker_transitions) == counts
+        check_worker_major(batch)
+        check_whole_episodes(batch, 5)
+    async with sampler(str(tmp_path / "fragments")) as s:
+        fragments = [await s.obtain_fragments(200, fraction_samples=0.25)]
+        counts = per_worker(fragments[0], 2)
+        assert counts[0] >= 120 and counts[1] >= 25 and sum(counts) >= 200
+        fragments += [await s.obtain_fragments(40, fraction_samples=0.5) for _ in range(2)]
+        for frag in fragments:
+            check_worker_major(frag)
+    check_fragment_continuity(fragments, 5)

@@ -63,7 +63,7 @@ from asyncsample.batch import StepType
 
 if TYPE_CHECKING:
     from asyncsample._assembly import Plan
-    from asyncsample.worker import Worker
+    from asyncsample.worker import SharedQuota, Worker
 
 __all__ = ["Host", "HostInference", "check_host_agent", "pickle_agent"]
 
@@ -184,12 +184,28 @@ class HostInference:
 
     # -- a call ---------------------------------------------------------------------------------
 
-    async def run(self, worker: Worker, mode: str, share: int, leave: Resume) -> Plan:
-        """One worker's part of a call (its plan), as ``Worker._run_*`` would do it step by step."""
+    async def run(
+        self,
+        worker: Worker,
+        mode: str,
+        share: int,
+        leave: Resume,
+        quota: SharedQuota | None = None,
+    ) -> Plan:
+        """One worker's part of a call (its plan), as ``Worker._run_*`` would do it step by step.
+
+        With a shared ``quota`` (``fraction_samples < 1``) the worker asks for chunks until
+        :meth:`SharedQuota.may_stop`; it decides between chunks, and each chunk asks for no more
+        than what the worker's minimum or the call's total still lacks, so a worker goes past
+        the point where it may stop by less than one episode (samples) or one step of its envs
+        (fragments).
+        """
         recorder = worker._recorder
         # The agent copy is in place before the envs are reset, so it sees the same
         # reset(mask) calls as an agent in the main process.
         await _host(worker)._sync_agent()
+        if quota is not None:
+            return await self._run_shared(worker, mode, leave, quota)
         if mode == "samples":
             await worker.start_episode()
             while recorder.completed_steps < share:
@@ -215,6 +231,29 @@ class HostInference:
             worker._steps_left -= steps
         plan = worker._collect_plan(fragments=True)
         worker._end_call(Resume.FRAGMENTS)
+        return plan
+
+    async def _run_shared(
+        self, worker: Worker, mode: str, leave: Resume, quota: SharedQuota
+    ) -> Plan:
+        recorder, w = worker._recorder, worker.worker_number
+        fragments = mode == "fragments"
+
+        def count() -> int:
+            return recorder.completed_steps + (recorder.open_steps() if fragments else 0)
+
+        await worker.start_episode()
+        quota.report(w, count())
+        while not quota.may_stop(w):
+            lacking = max(quota.minimums[w] - quota.counts[w], quota.target - quota.total, 1)
+            if fragments:
+                k = min(self._capacity(worker), math.ceil(lacking / worker.n_envs))
+                await self._chunk(worker, MODE_FRAGMENTS, k, 0)
+            else:
+                await self._chunk(worker, MODE_SAMPLES, self._capacity(worker), lacking)
+            quota.report(w, count())
+        plan = worker._collect_plan(fragments=fragments)
+        worker._end_call(Resume.FRAGMENTS if fragments else leave)
         return plan
 
     def _capacity(self, worker: Worker) -> int:
