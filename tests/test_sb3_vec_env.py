@@ -20,7 +20,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
-from test_process_backend import new_shm_entries, our_processes, shm_entries, wait_gone
+from helpers import host_processes as our_processes
+from helpers import new_shm_entries, shm_entries, wait_gone
 
 pytest.importorskip("stable_baselines3")
 

@@ -22,7 +22,8 @@ import pytest
 from gymnasium.spaces import Box, Dict, Discrete, Tuple
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
-from test_process_backend import new_shm_entries, our_processes, shm_entries, wait_gone
+from helpers import host_processes as our_processes
+from helpers import new_shm_entries, shm_entries, wait_gone
 
 from asyncsample import StepTimeoutError, WorkerCrashedError
 from asyncsample.vector import SubEnvError, VectorEnv
