@@ -380,6 +380,17 @@ class _Round:
         return [c for e in self.calls if isinstance(e, tuple) for c in e if c is not None]
 
 
+def _quiet(outcome: Any) -> bool:
+    """Whether a host's round outcome is a step with no info and no reset (nor a failure)."""
+    return (
+        type(outcome) is tuple
+        and not outcome[1]
+        and outcome[0] is not None
+        and outcome[0].env_infos is None
+        and not outcome[0].reset_infos
+    )
+
+
 def _crash_like(exc: BaseException) -> bool:
     return isinstance(exc, (WorkerCrashedError, StepTimeoutError))
 
@@ -640,6 +651,8 @@ class _Engine:
     def read_obs(self) -> Tree:
         """A fresh batch of every sub-env's current observation."""
         parts = [host.buffers.obs for host in self.hosts]
+        if type(parts[0]) is np.ndarray:
+            return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
         if len(parts) == 1:
             return tree_map(np.copy, parts[0])
         return tree_map(lambda *xs: np.concatenate(xs, axis=0), *parts)
@@ -802,6 +815,19 @@ class _Engine:
     ) -> _StepResult:
         """Merge the hosts' answers (and restarts) into one result, in sub-env order."""
         n = self.num_envs
+        if rnd.everyone and rnd.whole and all(_quiet(o) for o in outcomes):
+            # The common step: every sub-env stepped, no info, no reset, no failure.
+            bufs = [host.buffers for host in self.hosts]
+            return _StepResult(
+                self.read_obs(),
+                np.concatenate([b.rewards for b in bufs]),
+                np.concatenate([b.terminated for b in bufs]),
+                np.concatenate([b.truncated for b in bufs]),
+                [{} for _ in range(n)],
+                {},
+                {},
+                {},
+            )
         everyone = rnd.everyone
         rewards = np.zeros(n, dtype=np.float64)
         terminated = np.zeros(n, dtype=np.bool_)
@@ -1176,6 +1202,21 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         self, res: _StepResult
     ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         step_mask, reset_mask = self._step_masks
+        if (
+            not res.reset_infos
+            and not res.restarted
+            and not self._fresh_infos
+            and not any(res.env_infos)
+        ):
+            # The common step: no info anywhere. What _infos does then, on whole arrays.
+            done = res.terminated | res.truncated
+            if self.autoreset_mode != AutoresetMode.SAME_STEP:
+                np.logical_and(done, step_mask, out=self._autoreset)
+                self._fresh[:] = False
+                return res.obs, res.rewards, res.terminated, res.truncated, {}
+            if not done.any():
+                self._autoreset[:] = False
+                return res.obs, res.rewards, res.terminated, res.truncated, {}
         ids = list(range(self.num_envs))
         infos = self._infos(res, ids, self, step_mask, reset_mask)
         return res.obs, res.rewards, res.terminated, res.truncated, infos
