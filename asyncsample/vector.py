@@ -24,7 +24,9 @@ Calls: :class:`VectorEnv` is synchronous, as gymnasium's API is. Each call runs 
 loop until its requests are answered: in the caller's thread, or, when the caller is itself inside
 a running event loop (a coroutine, a notebook), in a helper thread while the caller waits. Either
 way the caller's thread is blocked for the call, as with any gymnasium vector env; from async code
-prefer :class:`~asyncsample.Sampler`, which never blocks its loop.
+prefer :class:`~asyncsample.Sampler`, which never blocks its loop. A step costs the main process
+little: its requests go out before the loop runs (``step_async`` returns right then), and the
+loop runs once, until the hosts' replies are in, with no task created per step.
 
 EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
 :meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
