@@ -153,7 +153,7 @@ class RenderEnv(CountEnv):
         super().__init__(5)
         self.render_mode = "rgb_array"
 
-    def render(self) -> np.ndarray:  # type: ignore[override]
+    def render(self) -> np.ndarray:
         return np.full((4, 4, 3), self.count, np.uint8)
 
 
