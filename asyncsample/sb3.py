@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from copy import deepcopy
 from typing import Any
 
@@ -28,6 +28,7 @@ from asyncsample.vector import (
     _Engine,
     _env_sources,
     _finalize,
+    _Round,
     _StepResult,
 )
 
@@ -99,6 +100,10 @@ class AsyncSampleVecEnv(VecEnv):
         self._finalizer = weakref.finalize(self, _finalize, self._engine)
         self._actions: Any = None
         self._waiting = False
+        self._round_sent: _Round | None = None
+        # The masks of every step (all sub-envs step, none is reset by the caller): read-only.
+        self._all_envs = np.ones(n, dtype=np.bool_)
+        self._no_envs = np.zeros(n, dtype=np.bool_)
         self.closed = False
         try:
             super().__init__(
@@ -153,19 +158,25 @@ class AsyncSampleVecEnv(VecEnv):
         return self._format_obs(eng.read_obs())
 
     def step(self, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
-        """Step every sub-env (one pass of the private event loop, not two)."""
+        """Step every sub-env (one run of the private event loop, no task)."""
         if self._waiting:
             raise RuntimeError("step was called while a step_async is waiting for step_wait")
-        return self._finish(self._engine.runner.run(self._send(actions)))
+        self._send(actions)
+        return self._finish(self._engine.runner.call(self._round))
+
+    def _round(self) -> _StepResult:
+        eng = self._engine
+        return eng.finish(eng.start(self._all_envs, self._no_envs))
 
     def step_async(self, actions: np.ndarray) -> None:
         """Send the actions to the env hosts (the step is awaited by :meth:`step_wait`)."""
         eng = self._engine
-        self._task = eng.runner.loop.create_task(self._send(actions))
+        self._send(actions)
+        # The requests go out now, without running the loop.
+        self._round_sent = eng.runner.call(eng.start, self._all_envs, self._no_envs)
         self._waiting = True
-        eng.runner.run(_yield())
 
-    def _send(self, actions: Any) -> Coroutine[Any, Any, _StepResult]:
+    def _send(self, actions: Any) -> None:
         eng = self._engine
         eng.check_open()
         n = self.num_envs
@@ -174,20 +185,26 @@ class AsyncSampleVecEnv(VecEnv):
             out: Any = create_empty_array(self.action_space, n)
             actions = concatenate(self.action_space, actions, out)
         eng.write_actions(actions)
-        return eng.step(np.ones(n, dtype=np.bool_), np.zeros(n, dtype=np.bool_))
 
     def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         """Results of the step sent by :meth:`step_async`, autoresetting finished sub-envs."""
         eng = self._engine
-        if not self._waiting:
+        if not self._waiting or self._round_sent is None:
             raise RuntimeError("step_wait was called without step_async")
         self._waiting = False
-        return self._finish(eng.runner.run(self._task))
+        rnd, self._round_sent = self._round_sent, None
+        return self._finish(eng.runner.call(eng.finish, rnd))
 
     def _finish(self, res: _StepResult) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         eng = self._engine
         n = self.num_envs
         dones = res.terminated | res.truncated
+        rewards = res.rewards.astype(np.float32)
+        if not res.restarted and not dones.any() and not any(res.env_infos):
+            # The common step: no info, no episode ended. These dicts are new and share nothing,
+            # so the deep copy below (DummyVecEnv's) would change nothing.
+            quiet = [{"TimeLimit.truncated": False} for _ in range(n)]
+            return self._format_obs(res.obs), rewards, dones, quiet
         infos: list[dict[str, Any]] = []
         for i in range(n):
             info = dict(res.env_infos[i])
@@ -204,7 +221,6 @@ class AsyncSampleVecEnv(VecEnv):
             if dones[i]:
                 self.reset_infos[i] = res.reset_infos.get(i, {})
             infos.append(info)
-        rewards = res.rewards.astype(np.float32)
         return self._format_obs(res.obs), rewards, dones, deepcopy(infos)
 
     def close(self) -> None:
@@ -265,9 +281,3 @@ class AsyncSampleVecEnv(VecEnv):
             if not -self.num_envs <= i < self.num_envs:
                 raise IndexError(f"indices: {i} is out of range for {self.num_envs} sub-envs")
         return [i % self.num_envs for i in out]
-
-
-async def _yield() -> None:
-    import asyncio
-
-    await asyncio.sleep(0)

@@ -24,7 +24,9 @@ Calls: :class:`VectorEnv` is synchronous, as gymnasium's API is. Each call runs 
 loop until its requests are answered: in the caller's thread, or, when the caller is itself inside
 a running event loop (a coroutine, a notebook), in a helper thread while the caller waits. Either
 way the caller's thread is blocked for the call, as with any gymnasium vector env; from async code
-prefer :class:`~asyncsample.Sampler`, which never blocks its loop.
+prefer :class:`~asyncsample.Sampler`, which never blocks its loop. A step costs the main process
+little: its requests go out before the loop runs (``step_async`` returns right then), and the
+loop runs once, until the hosts' replies are in, with no task created per step.
 
 EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
 :meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
@@ -231,6 +233,22 @@ class _LoopRunner:
         with self._lock:
             return self.loop.run_until_complete(coro)
 
+    def call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, which may run :attr:`loop` itself (``run_until_complete``), in the
+        thread that may run the loop: the caller's, or the helper thread (see :meth:`run`)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            with self._lock:
+                return fn(*args)
+        if self._helper is None:
+            self._helper = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-vector-env")
+        return self._helper.submit(self._call_locked, fn, *args).result()
+
+    def _call_locked(self, fn: Callable[..., _T], *args: Any) -> _T:
+        with self._lock:
+            return fn(*args)
+
     def close(self) -> None:
         if self._helper is not None:
             self._helper.shutdown(wait=True)
@@ -254,6 +272,125 @@ class _StepResult:
     reset_infos: dict[int, dict[str, Any]]
     final_obs: dict[int, Any]
     restarted: dict[int, str]
+
+
+class _HostCall:
+    """One request to an env host, its coroutine advanced by hand instead of by a task.
+
+    The process backend sends a request synchronously (its bytes go out inside the coroutine's
+    first step), so a lockstep round starts every host's requests before the event loop runs,
+    then runs the loop only until their reply futures resolve: no task per round, host or call,
+    and no loop pass just to start them. The coroutine must only await futures of the engine's
+    loop (or yield bare, as ``asyncio.sleep(0)`` does), which the hosts' ``step`` and ``reset``
+    do.
+    """
+
+    __slots__ = ("_coro", "done", "error", "value", "waiting")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self._coro = coro
+        self.waiting: asyncio.Future[Any] | None = None
+        self.done = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.advance()
+
+    def advance(self) -> None:
+        """Run the coroutine until it waits on a future that is not done, or ends."""
+        coro = self._coro
+        try:
+            yielded = coro.send(None)
+            while not isinstance(yielded, asyncio.Future) or yielded.done():
+                if yielded is None or isinstance(yielded, asyncio.Future):
+                    yielded = coro.send(None)  # a bare yield, or a future already resolved
+                else:
+                    yielded = coro.throw(
+                        RuntimeError(f"an env-host call awaited {yielded!r}, not a future")
+                    )
+        except StopIteration as stop:
+            self.value = stop.value
+        except BaseException as exc:  # the call's failure: the round deals with it
+            self.error = exc
+        else:
+            self.waiting = yielded
+            return
+        self.done = True
+        self.waiting = None
+
+    async def wait_async(self) -> None:
+        """Wait for the call from a coroutine on its loop (cancelling it leaves the call)."""
+        while not self.done:
+            fut = self.waiting
+            assert fut is not None
+            await asyncio.wait({fut})
+            self.advance()
+
+
+def _wait_calls(loop: asyncio.AbstractEventLoop, calls: Sequence[_HostCall]) -> None:
+    """Run ``loop`` (not running) until every call in ``calls`` ended.
+
+    One ``run_forever`` for all the futures the calls wait on (``run_until_complete`` per
+    future would start and stop the loop once per host), stopped by the last one resolved.
+    """
+    while True:
+        waiting = [c.waiting for c in calls if c.waiting is not None and not c.waiting.done()]
+        if waiting:
+            # [futures left, still running]: a run cut short (KeyboardInterrupt) must never
+            # stop a later one when its futures resolve at last.
+            state = [len(waiting), True]
+
+            def one_done(_: asyncio.Future[Any], state: list[int] = state) -> None:
+                state[0] -= 1
+                if state[0] == 0 and state[1]:
+                    loop.stop()
+
+            for fut in waiting:
+                fut.add_done_callback(one_done)
+            try:
+                loop.run_forever()
+            finally:
+                state[1] = False
+                for fut in waiting:
+                    fut.remove_done_callback(one_done)
+        busy = False
+        for call in calls:
+            if not call.done:
+                call.advance()
+                busy = busy or not call.done
+        if not busy:
+            return
+
+
+#: What a host does in a round: (reset mask, step mask) in the host's own sub-env numbering.
+_Plan = tuple[np.ndarray | None, np.ndarray | None]
+
+
+@dataclass
+class _Round:
+    """A lockstep round sent to the hosts and not finished yet.
+
+    ``calls[h]`` is host ``h``'s ``(reset, step)`` calls, ``None`` for a host that takes no
+    part, or the error of a host that cannot (failed earlier and not rebuilt).
+    """
+
+    plans: list[_Plan]
+    calls: list[tuple[_HostCall | None, _HostCall | None] | BaseException | None]
+    everyone: bool
+    whole: bool
+
+    def pending(self) -> list[_HostCall]:
+        return [c for e in self.calls if isinstance(e, tuple) for c in e if c is not None]
+
+
+def _quiet(outcome: Any) -> bool:
+    """Whether a host's round outcome is a step with no info and no reset (nor a failure)."""
+    return (
+        type(outcome) is tuple
+        and not outcome[1]
+        and outcome[0] is not None
+        and outcome[0].env_infos is None
+        and not outcome[0].reset_infos
+    )
 
 
 def _crash_like(exc: BaseException) -> bool:
@@ -343,6 +480,8 @@ class _Engine:
         bounds = np.linspace(0, self.num_envs, n_hosts + 1).round().astype(int).tolist()
         self.slices = [(bounds[h], bounds[h + 1]) for h in range(n_hosts)]
         self.host_of = np.repeat(np.arange(n_hosts), [b - a for a, b in self.slices])
+        # Every sub-env of a host (read-only): the step mask of the common lockstep step.
+        self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
         self.runner = _LoopRunner()
         self.n_procs = n_procs
         options: dict[str, Any] = {"n_processes": n_procs}
@@ -514,6 +653,8 @@ class _Engine:
     def read_obs(self) -> Tree:
         """A fresh batch of every sub-env's current observation."""
         parts = [host.buffers.obs for host in self.hosts]
+        if type(parts[0]) is np.ndarray:
+            return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
         if len(parts) == 1:
             return tree_map(np.copy, parts[0])
         return tree_map(lambda *xs: np.concatenate(xs, axis=0), *parts)
@@ -578,67 +719,118 @@ class _Engine:
 
     # -- lockstep rounds --------------------------------------------------------------------
 
-    async def _round(
-        self, h: int, step_local: np.ndarray | None, reset_local: np.ndarray | None
-    ) -> tuple[Any, dict[int, dict[str, Any]]]:
-        host = self.hosts[h]
-        if reset_local is None:
-            # The common case: one request, awaited directly (no extra task).
-            return (await host.step(step_local), {}) if step_local is not None else (None, {})
-        if step_local is None:
-            return None, await host.reset(reset_local)
-        # Both go out at once on the host's stream; the host serves them in order.
-        results = await asyncio.gather(
-            host.reset(reset_local), host.step(step_local), return_exceptions=True
-        )
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return results[1], results[0]  # type: ignore[return-value]
-
-    async def step(
+    def start(
         self, step_mask: np.ndarray, reset_mask: np.ndarray, hosts: Sequence[int] | None = None
-    ) -> _StepResult:
-        """Step the sub-envs in ``step_mask``, reset those in ``reset_mask`` (none in both).
+    ) -> _Round:
+        """Send a round: step the sub-envs in ``step_mask``, reset those in ``reset_mask`` (none
+        in both). Synchronous: the requests are on their way when it returns (see
+        :class:`_HostCall`); :meth:`finish` or :meth:`step` collects the answers.
 
         With ``hosts``, only those hosts take part, and the result's ``obs`` is ``None`` (the
         other hosts may be writing theirs): read the rows with :meth:`host_obs`.
         """
-        plans: list[tuple[np.ndarray | None, np.ndarray | None]] = []
+        plans: list[_Plan] = []
         any_reset = bool(reset_mask.any())
         everyone = not any_reset and bool(step_mask.all())
-        for a, b in self.slices:
-            if everyone:  # the common lockstep step: whole hosts, no resets
-                plans.append((np.ones(b - a, dtype=np.bool_), None))
-                continue
-            s = step_mask[a:b]
-            r = reset_mask[a:b]
-            plans.append((s.copy() if s.any() else None, r.copy() if r.any() else None))
-        chosen = set(range(len(self.slices)) if hosts is None else hosts)
+        if everyone:  # the common lockstep step: whole hosts, no resets
+            plans = [(None, whole) for whole in self._whole]
+        else:
+            for a, b in self.slices:
+                s = step_mask[a:b]
+                r = reset_mask[a:b]
+                plans.append((r.copy() if r.any() else None, s.copy() if s.any() else None))
+        calls: list[tuple[_HostCall | None, _HostCall | None] | BaseException | None] = []
+        for h, (r_local, s_local) in enumerate(plans):
+            if hosts is not None and h not in hosts:
+                calls.append(None)
+            elif h in self.broken:
+                a, b = self.slices[h]
+                calls.append(
+                    RuntimeError(
+                        f"sub-envs {a}..{b - 1} (env host {h}) failed earlier and were not "
+                        "rebuilt: call reset() before stepping again"
+                    )
+                )
+            else:
+                # Reset first: both go out at once on the host's stream, served in order.
+                host = self.hosts[h]
+                calls.append(
+                    (
+                        None if r_local is None else _HostCall(host.reset(r_local)),
+                        None if s_local is None else _HostCall(host.step(s_local)),
+                    )
+                )
+        return _Round(plans, calls, everyone, hosts is None)
 
-        # Tasks awaited in turn rather than gather(): the same concurrency, less loop work.
-        loop = asyncio.get_running_loop()
-        tasks = [
-            loop.create_task(self._broken_round(h) if h in self.broken else self._round(h, s, r))
-            if h in chosen
-            else None
-            for h, (s, r) in enumerate(plans)
-        ]
-        outcomes: list[Any] = []
-        for task in tasks:
-            if task is None:
-                outcomes.append((None, {}))
-                continue
-            try:
-                outcomes.append(await task)
-            except asyncio.CancelledError:
-                for t in tasks:
-                    if t is not None:
-                        t.cancel()
-                raise
-            except BaseException as exc:
-                outcomes.append(exc)
+    def finish(self, rnd: _Round) -> _StepResult:
+        """Run the private loop (not running, in this thread) until ``rnd`` is answered."""
+        loop = self.runner.loop
+        _wait_calls(loop, rnd.pending())
+        outcomes = [self._outcome(e) for e in rnd.calls]
+        recovered: dict[int, dict[int, dict[str, Any]] | BaseException] = {}
+        for h, outcome in enumerate(outcomes):
+            if isinstance(outcome, BaseException):
+                try:
+                    recovered[h] = loop.run_until_complete(self._recover(h, outcome))
+                except BaseException as exc:
+                    recovered[h] = exc
+        return self._result(rnd, outcomes, recovered)
+
+    async def step(
+        self, step_mask: np.ndarray, reset_mask: np.ndarray, hosts: Sequence[int] | None = None
+    ) -> _StepResult:
+        """:meth:`start` and :meth:`finish` from a coroutine on the private loop."""
+        rnd = self.start(step_mask, reset_mask, hosts)
+        for call in rnd.pending():
+            await call.wait_async()
+        outcomes = [self._outcome(e) for e in rnd.calls]
+        recovered: dict[int, dict[int, dict[str, Any]] | BaseException] = {}
+        for h, outcome in enumerate(outcomes):
+            if isinstance(outcome, BaseException):
+                try:
+                    recovered[h] = await self._recover(h, outcome)
+                except BaseException as exc:
+                    recovered[h] = exc
+        return self._result(rnd, outcomes, recovered)
+
+    @staticmethod
+    def _outcome(
+        entry: tuple[_HostCall | None, _HostCall | None] | BaseException | None,
+    ) -> Any:
+        """A host's ``(step infos or None, reset infos)``, or the error its round ended with."""
+        if entry is None or isinstance(entry, BaseException):
+            return (None, {}) if entry is None else entry
+        reset_call, step_call = entry
+        for call in entry:
+            if call is not None and call.error is not None:
+                return call.error
+        return (
+            None if step_call is None else step_call.value,
+            {} if reset_call is None else reset_call.value,
+        )
+
+    def _result(
+        self,
+        rnd: _Round,
+        outcomes: list[Any],
+        recovered: dict[int, dict[int, dict[str, Any]] | BaseException],
+    ) -> _StepResult:
+        """Merge the hosts' answers (and restarts) into one result, in sub-env order."""
         n = self.num_envs
+        if rnd.everyone and rnd.whole and all(_quiet(o) for o in outcomes):
+            # The common step: every sub-env stepped, no info, no reset, no failure.
+            bufs = [host.buffers for host in self.hosts]
+            return _StepResult(
+                self.read_obs(),
+                np.concatenate([b.rewards for b in bufs]),
+                np.concatenate([b.terminated for b in bufs]),
+                np.concatenate([b.truncated for b in bufs]),
+                [{} for _ in range(n)],
+                {},
+                {},
+                {},
+            )
+        everyone = rnd.everyone
         rewards = np.zeros(n, dtype=np.float64)
         terminated = np.zeros(n, dtype=np.bool_)
         truncated = np.zeros(n, dtype=np.bool_)
@@ -650,10 +842,9 @@ class _Engine:
         for h, outcome in enumerate(outcomes):
             a, b = self.slices[h]
             if isinstance(outcome, BaseException):
-                try:
-                    fresh = await self._recover(h, outcome)
-                except BaseException as exc:
-                    failure = failure or exc
+                fresh = recovered[h]
+                if isinstance(fresh, BaseException):
+                    failure = failure or fresh
                     continue
                 reason = str(outcome.args[0] if outcome.args else outcome)
                 for k in range(b - a):
@@ -668,9 +859,8 @@ class _Engine:
             if step_infos is None:
                 continue
             buf = self.hosts[h].buffers
-            s_opt = plans[h][0]
-            assert s_opt is not None
-            s = s_opt
+            s = rnd.plans[h][1]
+            assert s is not None
             if everyone:
                 rewards[a:b] = buf.rewards
                 terminated[a:b] = buf.terminated
@@ -691,7 +881,7 @@ class _Engine:
         if failure is not None:
             raise failure
         return _StepResult(
-            self.read_obs() if hosts is None else None,
+            self.read_obs() if rnd.whole else None,
             rewards,
             terminated,
             truncated,
@@ -699,13 +889,6 @@ class _Engine:
             reset_infos,
             final_obs,
             restarted,
-        )
-
-    async def _broken_round(self, h: int) -> Any:
-        a, b = self.slices[h]
-        raise RuntimeError(
-            f"sub-envs {a}..{b - 1} (env host {h}) failed earlier and were not rebuilt: call "
-            "reset() before stepping again"
         )
 
     async def reset(
@@ -877,7 +1060,10 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         self._autoreset = np.zeros(num, dtype=np.bool_)
         self._fresh = np.zeros(num, dtype=np.bool_)
         self._fresh_infos: dict[int, dict[str, Any]] = {}
-        self._pending: asyncio.Task[_StepResult] | None = None
+        self._pending: _Round | None = None
+        # The masks of the common step (every sub-env steps, none resets): read-only.
+        self._all_envs = np.ones(num, dtype=np.bool_)
+        self._no_envs = np.zeros(num, dtype=np.bool_)
         # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
         self._inflight: dict[int, tuple[asyncio.Task[_StepResult], np.ndarray, np.ndarray]] = {}
         self._answered: list[int] = []
@@ -966,18 +1152,23 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
 
     def step(self, actions: Any) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Step every sub-env with its action (see the module doc for the autoreset modes)."""
-        coro = self._send(actions)
-        return self._finish(self._engine.runner.run(coro))
+        eng = self._engine
+        step_mask, reset_mask = self._send(actions)
+        return self._finish(eng.runner.call(self._round, step_mask, reset_mask))
+
+    def _round(self, step_mask: np.ndarray, reset_mask: np.ndarray) -> _StepResult:
+        eng = self._engine
+        return eng.finish(eng.start(step_mask, reset_mask))
 
     def step_async(self, actions: Any) -> None:
         """Send the actions; the hosts step while the caller does something else."""
         eng = self._engine
-        coro = self._send(actions)
-        self._pending = eng.runner.loop.create_task(coro)
-        # Run the loop once so that the requests go out now.
-        eng.runner.run(asyncio.sleep(0))
+        step_mask, reset_mask = self._send(actions)
+        # The requests go out now, without running the loop (see _HostCall).
+        self._pending = eng.runner.call(eng.start, step_mask, reset_mask)
 
-    def _send(self, actions: Any) -> Coroutine[Any, Any, _StepResult]:
+    def _send(self, actions: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Check the state, write the actions; the step and reset masks of the round."""
         eng = self._engine
         eng.check_open()
         if self._pending is not None:
@@ -990,29 +1181,44 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
                 "with reset(options={'reset_mask': mask}) before stepping"
             )
         eng.write_actions(actions)
-        if mode == AutoresetMode.NEXT_STEP:
+        if mode == AutoresetMode.NEXT_STEP and (self._autoreset.any() or self._fresh.any()):
             reset_mask = self._autoreset.copy()
             step_mask = ~(reset_mask | self._fresh)
         else:
-            reset_mask = np.zeros(self.num_envs, dtype=np.bool_)
-            step_mask = np.ones(self.num_envs, dtype=np.bool_)
+            reset_mask = self._no_envs
+            step_mask = self._all_envs
         self._step_masks = (step_mask, reset_mask)
-        return eng.step(step_mask, reset_mask)
+        return step_mask, reset_mask
 
     def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Wait for the step sent by :meth:`step_async` and return its results."""
         eng = self._engine
         eng.check_open()
-        task = self._pending
-        if task is None:
+        rnd = self._pending
+        if rnd is None:
             raise RuntimeError("step_wait was called without step_async")
         self._pending = None
-        return self._finish(eng.runner.run(task))
+        return self._finish(eng.runner.call(eng.finish, rnd))
 
     def _finish(
         self, res: _StepResult
     ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         step_mask, reset_mask = self._step_masks
+        if (
+            not res.reset_infos
+            and not res.restarted
+            and not self._fresh_infos
+            and not any(res.env_infos)
+        ):
+            # The common step: no info anywhere. What _infos does then, on whole arrays.
+            done = res.terminated | res.truncated
+            if self.autoreset_mode != AutoresetMode.SAME_STEP:
+                np.logical_and(done, step_mask, out=self._autoreset)
+                self._fresh[:] = False
+                return res.obs, res.rewards, res.terminated, res.truncated, {}
+            if not done.any():
+                self._autoreset[:] = False
+                return res.obs, res.rewards, res.terminated, res.truncated, {}
         ids = list(range(self.num_envs))
         infos = self._infos(res, ids, self, step_mask, reset_mask)
         return res.obs, res.rewards, res.terminated, res.truncated, infos
@@ -1080,10 +1286,11 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
 
     def _drain(self) -> None:
         """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
-        task, self._pending = self._pending, None
+        rnd, self._pending = self._pending, None
+        if rnd is not None:
+            with contextlib.suppress(Exception):
+                self._engine.runner.call(self._engine.finish, rnd)
         tasks = [t for t, _, _ in self._inflight.values()]
-        if task is not None:
-            tasks.append(task)
         if tasks:
             with contextlib.suppress(Exception):
                 self._engine.runner.run(asyncio.wait(tasks))

@@ -70,10 +70,11 @@ def cpu_seconds() -> float:
     return total
 
 
-def measure(make: Callable[[], Any], seconds: float, repeats: int) -> tuple[float, float]:
-    """Best vector steps per second over ``repeats`` timed runs of about ``seconds`` each, and
-    the CPU time all processes spent per vector step over all runs (a figure the machine's other
-    load disturbs far less than wall time: it shows what each step costs, not who got the cores).
+def measure(make: Callable[[], Any], seconds: float, repeats: int) -> tuple[float, float, float]:
+    """Best vector steps per second over ``repeats`` timed runs of about ``seconds`` each, the
+    CPU time all processes spent per vector step over all runs (a figure the machine's other
+    load disturbs far less than wall time: it shows what each step costs, not who got the cores),
+    and the part of it the main process spent (on 2 cores, taken from the envs' processes).
     """
     env = make()
     try:
@@ -86,6 +87,7 @@ def measure(make: Callable[[], Any], seconds: float, repeats: int) -> tuple[floa
         best = 0.0
         total_steps = 0
         cpu_start = cpu_seconds()
+        main_start = time.process_time()
         for _ in range(repeats):
             steps = 0
             start = time.perf_counter()
@@ -98,7 +100,8 @@ def measure(make: Callable[[], Any], seconds: float, repeats: int) -> tuple[floa
                     break
             best = max(best, steps / elapsed)
             total_steps += steps
-        return best, (cpu_seconds() - cpu_start) / total_steps
+        main_cpu = (time.process_time() - main_start) / total_steps
+        return best, (cpu_seconds() - cpu_start) / total_steps, main_cpu
     finally:
         env.close()
 
@@ -108,8 +111,10 @@ def run(seconds: float, repeats: int) -> dict[str, Any]:
     load_before = os.getloadavg()
     for env_name, peer, target in PAIRS:
         env_id = full_id(env_name)
-        ours, ours_cpu = measure(lambda env_id=env_id: make_ours(env_id), seconds, repeats)
-        theirs, theirs_cpu = measure(
+        ours, ours_cpu, ours_main = measure(
+            lambda env_id=env_id: make_ours(env_id), seconds, repeats
+        )
+        theirs, theirs_cpu, theirs_main = measure(
             lambda env_id=env_id, peer=peer: make_peer(peer, env_id), seconds, repeats
         )
         rows.append(
@@ -122,12 +127,15 @@ def run(seconds: float, repeats: int) -> dict[str, Any]:
                 "target": target,
                 "ours_cpu_us_per_agent_step": ours_cpu / N_ENVS * 1e6,
                 "peer_cpu_us_per_agent_step": theirs_cpu / N_ENVS * 1e6,
+                "ours_main_cpu_us_per_step": ours_main * 1e6,
+                "peer_main_cpu_us_per_step": theirs_main * 1e6,
             }
         )
         print(
             f"{env_name:13s} VectorEnv {ours * N_ENVS:9.0f} agent steps/s, {peer} "
             f"{theirs * N_ENVS:9.0f}: {ours / theirs:.2f}x (target {target}x); CPU per agent "
-            f"step {ours_cpu / N_ENVS * 1e6:.0f} us vs {theirs_cpu / N_ENVS * 1e6:.0f} us",
+            f"step {ours_cpu / N_ENVS * 1e6:.0f} us vs {theirs_cpu / N_ENVS * 1e6:.0f} us; main "
+            f"process CPU per vector step {ours_main * 1e6:.0f} us vs {theirs_main * 1e6:.0f} us",
             flush=True,
         )
     return {
@@ -150,14 +158,16 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['n_processes']} processes, random actions, no policy)",
         "",
         "| env | VectorEnv agent steps/s | peer | peer agent steps/s | ratio | target "
-        "| CPU us per agent step (ours / peer) |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| CPU us per agent step (ours / peer) | main-process CPU us per vector step "
+        "(ours / peer) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['env']} | {r['ours_steps_per_s']:.0f} | {r['peer']} | "
             f"{r['peer_steps_per_s']:.0f} | {r['ratio']:.2f}x | {r['target']}x | "
-            f"{r['ours_cpu_us_per_agent_step']:.0f} / {r['peer_cpu_us_per_agent_step']:.0f} |"
+            f"{r['ours_cpu_us_per_agent_step']:.0f} / {r['peer_cpu_us_per_agent_step']:.0f} | "
+            f"{r['ours_main_cpu_us_per_step']:.0f} / {r['peer_main_cpu_us_per_step']:.0f} |"
         )
     before = ", ".join(f"{x:.1f}" for x in result["load_average_before"])
     after = ", ".join(f"{x:.1f}" for x in result["load_average_after"])

@@ -153,7 +153,7 @@ class RenderEnv(CountEnv):
         super().__init__(5)
         self.render_mode = "rgb_array"
 
-    def render(self) -> np.ndarray:  # type: ignore[override]
+    def render(self) -> np.ndarray:
         return np.full((4, 4, 3), self.count, np.uint8)
 
 
@@ -384,6 +384,49 @@ def test_step_async_step_wait(no_leaks: None) -> None:
             env.step(np.array([1, 1]))
     finally:
         env.close()
+
+
+def test_step_async_and_step_equal_to_sync(no_leaks: None) -> None:
+    """step_async/step_wait (sent without running the loop) and step, mixed: SyncVectorEnv."""
+    ours = VectorEnv("CartPole-v1", 4, n_processes=2)
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
+    try:
+        assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
+        rng = np.random.default_rng(1)
+        for t in range(120):
+            actions = rng.integers(0, 2, 4)
+            if t % 3:
+                ours.step_async(actions)
+                got = ours.step_wait()
+            else:
+                got = ours.step(actions)
+            assert_same(got, sync.step(actions), f"step {t}")
+    finally:
+        ours.close()
+        sync.close()
+
+
+def test_interrupted_step_leaves_a_working_env(no_leaks: None) -> None:
+    """A KeyboardInterrupt while a step waits for its hosts: later resets and steps are exact."""
+    ours = VectorEnv("CartPole-v1", 4, n_processes=2)
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    try:
+        ours.reset(seed=0)
+        ours._engine.runner.loop.call_soon(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            ours.step(np.zeros(4, dtype=np.int64))
+        assert_same(ours.reset(seed=2), sync.reset(seed=2), "reset after the interrupt")
+        rng = np.random.default_rng(2)
+        for t in range(60):
+            actions = rng.integers(0, 2, 4)
+            assert_same(ours.step(actions), sync.step(actions), f"step {t}")
+    finally:
+        ours.close()
+        sync.close()
 
 
 # -- lifecycle ----------------------------------------------------------------------------------
