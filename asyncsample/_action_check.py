@@ -13,7 +13,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["AgentOutputCheck", "make_action_check"]
+from asyncsample._tree import Tree, tree_leaves, tree_map
+
+__all__ = ["AgentOutputCheck", "check_actions", "make_action_check"]
 
 # Returns the indices of the envs whose action is outside the space (empty when all fit).
 Check = Callable[[Any], np.ndarray]
@@ -71,6 +73,55 @@ def make_action_check(space: gym.Space[Any]) -> Check | None:
         parts = [make_action_check(s) for s in space.spaces]
         return lambda a: _union([c(a[i]) for i, c in enumerate(parts) if c is not None])
     return None
+
+
+def check_actions(
+    actions: Tree,
+    expected: Tree,
+    *,
+    worker: int,
+    action_space: gym.Space[Any],
+    values: Check | None,
+    hint: str = "",
+) -> Tree:
+    """``actions`` as arrays shaped like ``expected`` (a worker's action buffers), checked.
+
+    One code path for the main process's workers and the hosts' chunk runners: the number of
+    actions must be the worker's env count, their per-env shape the space's, and, when a
+    ``values`` check is given (``None`` for trusted agents), every action must lie in the space.
+
+    Raises:
+        ValueError: saying "action", naming the worker (and the env for a value outside the space).
+    """
+    if isinstance(expected, np.ndarray):
+        actions = np.asarray(actions)
+        pairs = [] if actions.shape == expected.shape else [(actions, expected)]
+    else:
+        actions = tree_map(np.asarray, actions)
+        pairs = list(zip(tree_leaves(actions), tree_leaves(expected)))
+    for got, want in pairs:
+        if got.shape != want.shape:
+            n = len(want)
+            if got.ndim == 0 or got.shape[0] != n:
+                count = "a scalar" if got.ndim == 0 else f"{got.shape[0]} actions"
+                raise ValueError(
+                    f"action: the agent of worker {worker} must return exactly "
+                    f"envs_per_worker ({n}) actions, got {count}"
+                )
+            raise ValueError(
+                f"action: the agent of worker {worker} returned actions of shape "
+                f"{got.shape[1:]} per env, but the action space {action_space} has shape "
+                f"{want.shape[1:]}"
+            )
+    if values is not None:
+        bad = values(actions)
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"action: the agent of worker {worker} returned an action outside the action "
+                f"space {action_space} for env {i}: {tree_map(lambda a: a[i], actions)!r}.{hint}"
+            )
+    return actions
 
 
 def _union(bad: list[np.ndarray]) -> np.ndarray:

@@ -29,7 +29,9 @@ __all__ = [
     "EnvGroup",
     "StepBuffers",
     "StepInfos",
+    "call_targets",
     "env_indices",
+    "set_attr_targets",
     "rebuild_chain",
     "reset_arguments",
 ]
@@ -493,6 +495,23 @@ def env_indices(n_envs: int, envs: Any) -> list[int]:
             raise ValueError(f"envs: index {i} is out of range for {n_envs} envs")
         out.append(int(i))
     return out
+
+
+def call_targets(name: Any, n_envs: int, envs: Any) -> list[int]:
+    """Check the arguments of a host's ``call`` (an attribute name, env indices); the indices."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be an attribute name (str), got {name!r}")
+    return env_indices(n_envs, envs)
+
+
+def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -> list[int]:
+    """Check the arguments of a host's ``set_attr`` (one value per env); the indices."""
+    indices = call_targets(name, n_envs, envs)
+    if len(values) != len(indices):
+        raise ValueError(
+            f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
+        )
+    return indices
 
 
 def _zeros(space: gym.Space[Any], n: int) -> Any:

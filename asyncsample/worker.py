@@ -20,10 +20,10 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from asyncsample._action_check import AgentOutputCheck, make_action_check
+from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._assembly import Plan, assemble
 from asyncsample._recorder import Recorder, Resume, put_row, row_of, store_agent_infos
-from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample._tree import Tree, tree_map
 from asyncsample.agent import Agent, AgentOutput, AgentUpdate, RandomAgent, get_actions
 from asyncsample.backends.base import EnvHost
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
@@ -557,35 +557,16 @@ class Worker:
             reset(mask.copy())
 
     def _check_actions(self, actions: Tree) -> Tree:
-        assert self.host is not None
-        expected = self.host.buffers.actions
-        if isinstance(expected, np.ndarray):
-            actions = np.asarray(actions)
-            if actions.shape == expected.shape:
-                return self._check_action_values(actions)
-            pairs = [(actions, expected)]
-        else:
-            actions = tree_map(np.asarray, actions)
-            pairs = list(zip(tree_leaves(actions), tree_leaves(expected)))
-        for got, want in pairs:
-            if got.shape != want.shape:
-                if got.ndim == 0 or got.shape[0] != self.n_envs:
-                    count = "a scalar" if got.ndim == 0 else f"{got.shape[0]} actions"
-                    raise ValueError(
-                        f"action: the agent of worker {self.worker_number} must return exactly "
-                        f"envs_per_worker ({self.n_envs}) actions, got {count}"
-                    )
-                raise ValueError(
-                    f"action: the agent of worker {self.worker_number} returned actions of "
-                    f"shape {got.shape[1:]} per env, but the action space "
-                    f"{self.env_spec.action_space if self.env_spec else ''} has shape "
-                    f"{want.shape[1:]}"
-                )
-        return self._check_action_values(actions)
-
-    def _check_action_values(self, actions: Tree) -> Tree:
-        if self._action_check is None or self._trusted_actions:
-            return actions
+        assert self.host is not None and self.env_spec is not None
+        return check_actions(
+            actions,
+            self.host.buffers.actions,
+            worker=self.worker_number,
+            action_space=self.env_spec.action_space,
+            values=None if self._trusted_actions else self._action_check,
+            hint=" Clip or map the agent's actions in Worker.compute_actions if the policy is "
+            "unbounded.",
+        )
         bad = self._action_check(actions)
         if len(bad):
             i = int(bad[0])

@@ -24,7 +24,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from asyncsample._action_check import AgentOutputCheck, make_action_check
+from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent
@@ -223,37 +223,13 @@ class ChunkRunner:
         return self._check_actions(actions), infos
 
     def _check_actions(self, actions: Tree) -> Tree:
-        expected = self.group.buffers.actions
-        worker, n = self.group.worker, self.group.n_envs
-        if isinstance(expected, np.ndarray):
-            actions = np.asarray(actions)
-            pairs = [(actions, expected)]
-        else:
-            actions = tree_map(np.asarray, actions)
-            pairs = list(zip(tree_leaves(actions), tree_leaves(expected)))
-        for got, want in pairs:
-            if got.shape != want.shape:
-                if got.ndim == 0 or got.shape[0] != n:
-                    count = "a scalar" if got.ndim == 0 else f"{got.shape[0]} actions"
-                    raise ValueError(
-                        f"action: the agent of worker {worker} must return exactly "
-                        f"envs_per_worker ({n}) actions, got {count}"
-                    )
-                raise ValueError(
-                    f"action: the agent of worker {worker} returned actions of shape "
-                    f"{got.shape[1:]} per env, but the action space {self.action_space} has "
-                    f"shape {want.shape[1:]}"
-                )
-        if self._action_check is not None and not self._trusted:
-            bad = self._action_check(actions)
-            if len(bad):
-                i = int(bad[0])
-                raise ValueError(
-                    f"action: the agent of worker {worker} returned an action outside the action "
-                    f"space {self.action_space} for env {i}: "
-                    f"{tree_map(lambda a: a[i], actions)!r}"
-                )
-        return actions
+        return check_actions(
+            actions,
+            self.group.buffers.actions,
+            worker=self.group.worker,
+            action_space=self.action_space,
+            values=None if self._trusted else self._action_check,
+        )
 
     # -- the chunk ------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 import cloudpickle
 
 from asyncsample.backends.base import LOGGER, HostSpec
-from asyncsample.env_group import StepBuffers, env_indices
+from asyncsample.env_group import StepBuffers, call_targets, set_attr_targets
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import SamplerClosedError, StepTimeoutError, WorkerCrashedError, WorkerError
 
@@ -348,9 +348,7 @@ class RemoteHost(ABC, Generic[IncT]):
         kwargs: Mapping[str, Any] | None = None,
         envs: Sequence[int] | None = None,
     ) -> list[Any]:
-        if not isinstance(name, str):
-            raise TypeError(f"name must be an attribute name (str), got {name!r}")
-        indices = env_indices(self.spec.n_envs, envs)
+        indices = call_targets(name, self.spec.n_envs, envs)
         blob = self._pickle("call arguments", (name, list(args), dict(kwargs or {}), indices))
         reply = await self._request("call", blob)
         results: list[Any] = pickle.loads(reply)
@@ -359,13 +357,7 @@ class RemoteHost(ABC, Generic[IncT]):
     async def set_attr(
         self, name: str, values: Sequence[Any], envs: Sequence[int] | None = None
     ) -> None:
-        if not isinstance(name, str):
-            raise TypeError(f"name must be an attribute name (str), got {name!r}")
-        indices = env_indices(self.spec.n_envs, envs)
-        if len(values) != len(indices):
-            raise ValueError(
-                f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
-            )
+        indices = set_attr_targets(name, values, self.spec.n_envs, envs)
         blob = self._pickle("attribute values", (name, list(values), indices))
         await self._request("set_attr", blob)
 

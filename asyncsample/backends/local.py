@@ -26,8 +26,9 @@ from asyncsample.env_group import (
     EnvGroup,
     StepBuffers,
     StepInfos,
-    env_indices,
+    call_targets,
     reset_arguments,
+    set_attr_targets,
 )
 from asyncsample.env_update import EnvSource
 
@@ -96,9 +97,7 @@ class LocalHost:
         kwargs: Mapping[str, Any] | None = None,
         envs: Sequence[int] | None = None,
     ) -> list[Any]:
-        if not isinstance(name, str):
-            raise TypeError(f"name must be an attribute name (str), got {name!r}")
-        indices = env_indices(self.spec.n_envs, envs)
+        indices = call_targets(name, self.spec.n_envs, envs)
         results: list[Any] = self._call(
             "call", self._group.call, name, list(args), dict(kwargs or {}), indices, wrap=True
         )
@@ -107,13 +106,7 @@ class LocalHost:
     async def set_attr(
         self, name: str, values: Sequence[Any], envs: Sequence[int] | None = None
     ) -> None:
-        if not isinstance(name, str):
-            raise TypeError(f"name must be an attribute name (str), got {name!r}")
-        indices = env_indices(self.spec.n_envs, envs)
-        if len(values) != len(indices):
-            raise ValueError(
-                f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
-            )
+        indices = set_attr_targets(name, values, self.spec.n_envs, envs)
         self._call("set_attr", self._group.set_attr, name, list(values), indices, wrap=True)
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
