@@ -1053,6 +1053,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "n_workers": spec["n_workers"],
                 "rates": [],
                 "startups": [],
+                "per_core": [],
                 "loadavg": [],
                 "notes": [],
                 "errors": [],
@@ -1062,6 +1063,10 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if rec.get("status") == "ok":
             agg["rates"].append(rec["rate"])
             agg["startups"].append(rec["startup"])
+            own = (rec.get("cpu") or {}).get("own_cores")
+            if own:
+                agg["per_core"].append(rec["rate"] / own)
+                agg.setdefault("own", []).append(own)
             for k in ("pss", "lag", "blocking", "split", "cpu"):
                 if agg.get(k) is None and rec.get(k):
                     agg[k] = rec[k]
@@ -1076,6 +1081,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         agg["median"] = statistics.median(rates) if rates else None
         agg["frames_median"] = agg["median"] * fs if agg["median"] else None
         agg["startup"] = statistics.median(agg["startups"]) if agg["startups"] else None
+        agg["per_core_median"] = statistics.median(agg["per_core"]) if agg["per_core"] else None
         agg["status"] = "ok" if rates else ("error" if agg["errors"] else "skipped")
         agg["key"] = key
     return out
@@ -1158,7 +1164,36 @@ def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
                                "bytes_per_env": (p1 - p0) / (n1 - n0)})  # fmt: skip
     for t in targets:
         t["met"] = None if t["value"] is None else t["value"] >= t["target"]
-    return {"ideal": ideal, "targets": targets, "memory_slope": memory}
+
+    # The same ratios per CPU-second the contender's processes got: on a shared machine a
+    # contender with more runnable processes gets a larger share of the CPUs (the scheduler is
+    # fair per thread), so steps/s alone mixes efficiency with scheduling share.
+    def per_core(c: str, env: str, n: int, pol: bool) -> float | None:
+        b = best_of(summary, c, env, n, pol)
+        return b.get("per_core_median") if b else None
+
+    ide_pc = (summary.get("ideal|Pong-v5|1|random|") or {}).get("per_core_median")
+    per_cpu = [
+        {
+            "what": f"Pong-v5 random, {na} envs: steps per CPU-second / the ideal's",
+            "value": ratio(per_core("asyncsample", "Pong-v5", na, False), ide_pc),
+        },
+        {
+            "what": f"Pong-v5 random, {na} envs: steps per CPU-second / EnvPool async's",
+            "value": ratio(
+                per_core("asyncsample", "Pong-v5", na, False),
+                per_core("envpool-async", "Pong-v5", na, False),
+            ),
+        },
+        {
+            "what": f"HalfCheetah-v5 MLP policy, {nm} envs: steps per CPU-second / EnvPool sync's",
+            "value": ratio(
+                per_core("asyncsample", "HalfCheetah-v5", nm, True),
+                per_core("envpool-sync", "HalfCheetah-v5", nm, True),
+            ),
+        },
+    ]
+    return {"ideal": ideal, "targets": targets, "per_cpu": per_cpu, "memory_slope": memory}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1294,6 +1329,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                     "met" if ok else "**not met**",
                 ]
             )
+    for x in d.get("per_cpu", []):
+        rows.append([f"(same, per CPU used) {x['what']}", "-", _f(x["value"]), "for reference"])
     lines += _table(["target", "goal", "value", ""], rows)
     lines += ["## Single-env step cost (the ideal)", ""]
     rows = []
@@ -1317,7 +1354,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         ide = d["ideal"].get(env, {}).get("ideal_rate")
         fs = ENVS[env].frame_skip
         ep: dict[bool, Any] = {
-            pol: best_of(summary, "envpool-async", env, n, pol) for pol in (False, True)
+            False: best_of(summary, "envpool-async", env, n, False),
+            True: best_of(summary, "envpool-sync", env, n, True),
         }
         lines += [f"## {env}, {n} envs", ""]
         rows = []
@@ -1338,6 +1376,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                 _pct(p["median"] / ide if p and p["median"] and ide else None),
                 _x(p["median"] / ep[True]["median"] if p and p["median"] and ep[True]
                    else None),
+                _f(statistics.median(r["own"]) if r and r.get("own") else None),
+                _k(r.get("per_core_median") if r else None),
                 _f((r or {}).get("split", {}).get("main_cores") if r else None),
                 _mb(((r or {}).get("pss") or {}).get("total_pss") if r else None),
                 _f(ref.get("startup"), "{:.1f}"),
@@ -1346,8 +1386,9 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         head = ["contender", "random: steps/s"]
         if fs > 1:
             head.append("frames/s")
-        head += ["% ideal", "x EnvPool async", "policy: steps/s", "% ideal", "x EnvPool async",
-                 "main-process cores (random)", "PSS MB (random)", "start-up s"]  # fmt: skip
+        head += ["% ideal", "x EnvPool async", "policy: steps/s", "% ideal", "x EnvPool sync",
+                 "cores used (random)", "steps per CPU-s (random)", "main-process cores (random)",
+                 "PSS MB (random)", "start-up s"]  # fmt: skip
         lines += _table(head, rows)
         notes = sorted({n for a in aggs for n in a["notes"] + [e for e in a["errors"] if e]})
         lines += [f"- {n}" for n in notes] + ([""] if notes else [])
