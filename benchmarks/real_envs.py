@@ -1464,6 +1464,17 @@ def guidance(results: dict[str, Any]) -> list[str]:
     hc_ep = r("envpool-sync", "HalfCheetah-v5", nm, True)
     hc_us = r("asyncsample", "HalfCheetah-v5", nm, True)
     hc_sync = r("sync", "HalfCheetah-v5", nm, True)
+    slopes = {(x["env"], x["contender"]): x for x in results["derived"]["memory_slope"]}
+    fps = {f.get("env"): f.get("bytes_per_env") for f in results.get("footprints", [])}
+    mem = ""
+    for env in s["sweep_envs"]:
+        ours, theirs = slopes.get((env, "asyncsample")), slopes.get((env, "async"))
+        if ours and theirs:
+            mem = (
+                f" (here {ours['bytes_per_env'] / 2**20:.2f} MB of PSS per added {env} env, "
+                f"against {theirs['bytes_per_env'] / 2**20:.1f} MB for AsyncVectorEnv; the env "
+                f"itself: {(fps.get(env) or 0) / 2**20:.2f} MB)"
+            )
     out = [
         "- **EnvPool** when the env is one of its C++ ports (Atari, MuJoCo, classic control, "
         "VizDoom, ...) and throughput is the goal: it has no per-step process round trip and no "
@@ -1481,7 +1492,7 @@ def guidance(results: dict[str, Any]) -> list[str]:
         "simulators, games), when the trainer is an asyncio program that must stay responsive "
         "(the event loop keeps running while envs step), when step times vary (workers do not "
         "wait for each other), and when the pool must grow to hundreds of envs without a process "
-        "each (memory per env stays the env's own, see above).",
+        f"each{mem}.",
         "- **Not asyncsample** for an env EnvPool already ships, when raw steps/s is all that "
         "matters; for envs cheaper than a process round trip with few envs per worker (use "
         "SyncVectorEnv, or asyncsample's local backend); or when the policy needs one large batch "
@@ -1584,6 +1595,40 @@ def write_all(out: Path, results: dict[str, Any]) -> None:
 # Entry point
 
 
+def _from_log(out: Path) -> dict[str, Any]:
+    """Results of the default settings from the runs in ``out/real_envs.jsonl``; writes JSON."""
+    from benchmarks.report import machine_info
+
+    records = [json.loads(line) for line in (out / "real_envs.jsonl").read_text().splitlines()]
+    s = Settings()
+    done = {r["repeat"] for r in records if r["group"] == "main"}
+    s.repeats = max(1, len(done))
+    footprints: list[dict[str, Any]] = []
+    for env in dict.fromkeys([*s.envs, *s.sweep_envs]):
+        try:
+            footprints.append(_footprint_in_child(env, s.timeout))
+        except Exception as exc:
+            footprints.append({"env": env, "error": f"{type(exc).__name__}: {exc}"})
+    loads = [r["loadavg"] for r in records if r.get("loadavg")]
+    machine = machine_info() | {
+        "loadavg_start": loads[0] if loads else None,
+        "loadavg_end": loads[-1] if loads else None,
+        "minutes": sum(r.get("wall", 0.0) for r in records) / 60,
+        "note": "rebuilt from real_envs.jsonl (the run was stopped before it wrote its JSON)",
+    }
+    summary = aggregate(records)
+    results = {
+        "machine": machine,
+        "settings": asdict(s),
+        "runs": records,
+        "footprints": footprints,
+        "summary": summary,
+        "derived": derive(summary, s),
+    }
+    (out / "real_envs.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.real_envs [--quick] [--groups ...] [--out DIR]``."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.real_envs", description=__doc__)
@@ -1596,6 +1641,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-n", nargs="+", type=int)
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument("--render", action="store_true", help="only re-render OUT/real_envs.json")
+    p.add_argument(
+        "--from-log",
+        action="store_true",
+        help="with --render: rebuild OUT/real_envs.json from the runs logged so far in "
+        "OUT/real_envs.jsonl (an interrupted run; footprints are measured again)",
+    )
     args = p.parse_args(argv)
     if args.run_one:
         spec = RealSpec(**json.loads(Path(args.run_one[0]).read_text()))
@@ -1603,6 +1654,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    if args.render and args.from_log:
+        write_all(out, _from_log(out))
+        return 0
     if args.render:
         write_all(out, json.loads((out / "real_envs.json").read_text()))
         return 0
