@@ -1105,6 +1105,11 @@ def best_of(
     return max(cands, key=lambda a: a["median"]) if cands else None
 
 
+def _cpu_us(summary: dict[str, dict[str, Any]], key: str) -> float | None:
+    pc = (summary.get(key) or {}).get("per_core_median")
+    return 1e6 / pc if pc else None
+
+
 def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
     """Ideals, ratios and the issue's targets."""
     ideal: dict[str, Any] = {}
@@ -1118,6 +1123,10 @@ def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
                 "ideal_rate": g * s.cores if g else None,
                 "envpool_single_rate": e,
                 "envpool_step_us": 1e6 / e if e else None,
+                # CPU time per step (wall time / cores the run got): the env's own cost even
+                # when other jobs took part of the core during the ideal run.
+                "cpu_us": _cpu_us(summary, f"ideal|{env}|1|random|"),
+                "envpool_cpu_us": _cpu_us(summary, f"ideal-envpool|{env}|1|random|"),
             }
 
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -1305,7 +1314,11 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         "`os.getloadavg()` is in `real_envs.json`.",
         "",
         f"Median [min-max] of {s['repeats']} runs (sweep: {s['sweep_repeats']}), each in a fresh"
-        " process, warm-up excluded. Rates are **agent steps/s**; Atari frames/s = 4 x that.",
+        " process, warm-up excluded (a config that is both in the main comparison and in the "
+        "sweep pools the runs of both). Rates are **agent steps/s**; Atari frames/s = 4 x that. "
+        "*Steps per CPU-s* divides by the cores the contender's processes got, which makes "
+        "contenders comparable when the machine is shared: the scheduler shares the CPUs per "
+        "runnable thread, so a contender with more processes takes more of a busy machine.",
         "",
         ENV_NOTES,
         "## Targets",
@@ -1335,11 +1348,19 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
     lines += ["## Single-env step cost (the ideal)", ""]
     rows = []
     for env, i in d["ideal"].items():
-        rows.append([env, _f(i["step_us"], "{:.0f}"), _k(i["single_rate"]),
-                     _k(i["ideal_rate"]), _f(i["envpool_step_us"], "{:.0f}"),
+        rows.append([env, _f(i["step_us"], "{:.0f}"), _f(i.get("cpu_us"), "{:.0f}"),
+                     _k(i["single_rate"]), _k(i["ideal_rate"]),
+                     _f(i["envpool_step_us"], "{:.0f}"), _f(i.get("envpool_cpu_us"), "{:.0f}"),
                      _k(i["envpool_single_rate"])])  # fmt: skip
-    lines += _table(["env", "gymnasium wrappers: us/step", "steps/s", "ideal (2 x steps/s)",
-                     "EnvPool 1 env 1 thread: us/step", "steps/s"], rows)  # fmt: skip
+    lines += _table(["env", "gymnasium wrappers: us/step (wall)", "CPU us/step", "steps/s",
+                     "ideal (2 x steps/s)", "EnvPool 1 env 1 thread: us/step (wall)",
+                     "CPU us/step", "steps/s"], rows)  # fmt: skip
+    lines += [
+        "Wall-clock us/step is what the ideal uses (as the targets define it); CPU us/step "
+        "divides by the cores the run actually got, i.e. the env's own cost without the other "
+        "jobs' share. Where the two differ a lot, the ideal run itself was slowed by the load.",
+        "",
+    ]
     main = [
         a
         for a in summary.values()
