@@ -779,19 +779,25 @@ def run_one(spec: RealSpec, timeout: float, workdir: Path) -> dict[str, Any]:
             cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
+        timed_out = False
         try:
             proc.wait(timeout=timeout)
         except BaseException as exc:
             _kill_tree(proc)
             if not isinstance(exc, subprocess.TimeoutExpired):
                 raise
+            timed_out = True
     wall = time.perf_counter() - t0
     if out_path.exists():
         outcome: dict[str, Any] = json.loads(out_path.read_text())
     else:
         outcome = {
             "status": "error",
-            "note": f"no result (exit {proc.returncode}; timeout {timeout:.0f} s)",
+            "note": (
+                f"timed out after {timeout:.0f} s (killed)"
+                if timed_out
+                else f"the run process exited {proc.returncode} without a result"
+            ),
             "log_tail": log_path.read_text(errors="replace")[-2000:],
             "loadavg": os.getloadavg(),
         }
