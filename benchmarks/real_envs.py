@@ -1667,7 +1667,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int)
     p.add_argument("--sweep-n", nargs="+", type=int)
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
-    p.add_argument("--render", action="store_true", help="only re-render OUT/real_envs.json")
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="only recompute the summary of OUT/real_envs.json from its runs and re-render",
+    )
     p.add_argument(
         "--from-log",
         action="store_true",
@@ -1685,7 +1689,12 @@ def main(argv: list[str] | None = None) -> int:
         write_all(out, _from_log(out))
         return 0
     if args.render:
-        write_all(out, json.loads((out / "real_envs.json").read_text()))
+        # Summary and derived figures are recomputed from the runs with this code.
+        results = json.loads((out / "real_envs.json").read_text())
+        results["summary"] = aggregate(results["runs"])
+        results["derived"] = derive(results["summary"], Settings(**results["settings"]))
+        (out / "real_envs.json").write_text(json.dumps(results, indent=1, default=str))
+        write_all(out, results)
         return 0
     s = Settings.quick_settings() if args.quick else Settings()
     for name in ("groups", "envs", "contenders", "repeats", "sweep_n"):
