@@ -1585,7 +1585,12 @@ def write_plots(out: Path, results: dict[str, Any]) -> list[Path]:
             series: dict[str, list[dict[str, Any]]] = {}
             for a in sweep:
                 if a["env"] == env:
-                    series.setdefault(_row_label(a), []).append(a)
+                    label = (
+                        f"{a['label']}, {a['n_workers']} workers over 2 processes"
+                        if a["contender"] in OURS
+                        else _row_label(a)
+                    )
+                    series.setdefault(label, []).append(a)
             for i, (name, fn) in enumerate(metrics):
                 ax = axes[i][j]
                 for label, pts in sorted(series.items()):
