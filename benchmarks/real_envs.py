@@ -1,0 +1,1769 @@
+"""Real envs against the strongest peer: Atari and MuJoCo vs EnvPool, and how the cost grows.
+
+``python -m benchmarks.real_envs`` runs three groups, each run in a fresh process:
+
+``ideal``
+    One env in a plain single-process ``env.step`` loop with the same wrappers every gymnasium
+    contender uses (and EnvPool's own env with one env and one thread, for reference). The
+    ideal of every contender is ``cores`` x the gymnasium rate.
+``main``
+    ``ALE/Pong-v5``, ``ALE/Breakout-v5`` (standard Atari preprocessing: the ALE env at
+    ``frameskip=1`` under gymnasium's ``AtariPreprocessing`` with frame skip 4, 84x84 gray,
+    noop 30, then ``FrameStackObservation(4)``), ``HalfCheetah-v5`` and ``Humanoid-v5``, each
+    with a random agent and with a torch policy in the loop (Nature-CNN for Atari, MLP 64x64
+    tanh Gaussian for MuJoCo; one torch thread per process). Contenders: EnvPool (sync, and
+    async with ``batch_size < num_envs``), gymnasium ``SyncVectorEnv``/``AsyncVectorEnv``
+    (shared memory), SB3 ``SubprocVecEnv`` and asyncsample (process backend, two layouts).
+``sweep``
+    CartPole-v1 and Pong-v5 with 8..512 envs: steps/s, main-process CPU share, the PSS of
+    every process, event-loop lag (asyncsample) or the longest blocking call (peers), and the
+    pool's start-up time.
+
+Every run records ``os.getloadavg()``; contenders are interleaved within each repeat so a
+busy spell of the (shared) machine hits all of them alike. Results go to
+``benchmarks/results/real_envs.{json,md}`` and PNG charts beside them.
+
+EnvPool and gymnasium do not run the same code: EnvPool's Atari and MuJoCo envs are its own C++
+ports (with its own resize and frame stack); gymnasium's are ale-py and mujoco driven by Python
+wrappers. EnvPool is configured to match (no fire reset, no sticky actions, noop 30, no episodic
+life, no reward clipping); its single-env rate is measured too, so the difference in the envs'
+own cost is visible next to the difference in the pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import psutil
+
+from benchmarks.contenders import RunSpec, TimedPhase
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+# --------------------------------------------------------------------------------------------
+# Envs
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """How each library names and builds one benchmark env.
+
+    Attributes:
+        family: ``"atari"``, ``"mujoco"`` or ``"classic"``.
+        gym_id: The gymnasium id (ale-py's for Atari).
+        envpool_id: EnvPool's task id.
+        frame_skip: Emulator frames per agent step (4 for Atari, else 1).
+    """
+
+    family: str
+    gym_id: str
+    envpool_id: str
+    frame_skip: int = 1
+
+
+ENVS: dict[str, EnvInfo] = {
+    "Pong-v5": EnvInfo("atari", "ALE/Pong-v5", "Pong-v5", 4),
+    "Breakout-v5": EnvInfo("atari", "ALE/Breakout-v5", "Breakout-v5", 4),
+    "HalfCheetah-v5": EnvInfo("mujoco", "HalfCheetah-v5", "HalfCheetah-v5"),
+    "Humanoid-v5": EnvInfo("mujoco", "Humanoid-v5", "Humanoid-v5"),
+    "CartPole-v1": EnvInfo("classic", "CartPole-v1", "CartPole-v1"),
+}
+MAIN_ENVS = ["Pong-v5", "Breakout-v5", "HalfCheetah-v5", "Humanoid-v5"]
+SWEEP_ENVS = ["CartPole-v1", "Pong-v5"]
+
+#: EnvPool options that make its Atari env match gymnasium's AtariPreprocessing stack.
+ENVPOOL_ATARI = {
+    "use_fire_reset": False,
+    "repeat_action_probability": 0.0,
+    "noop_max": 30,
+    "episodic_life": False,
+    "reward_clip": False,
+    "stack_num": 4,
+    "frame_skip": 4,
+    "img_height": 84,
+    "img_width": 84,
+    "gray_scale": True,
+}
+
+
+def make_env(name: str) -> gym.Env[Any, Any]:
+    """Build one env the way gymnasium, SB3 and asyncsample users build it.
+
+    Atari: ``gym.make(id, frameskip=1, repeat_action_probability=0)`` under
+    ``AtariPreprocessing(noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True)`` and
+    ``FrameStackObservation(4)``: observations ``(4, 84, 84)`` uint8, as EnvPool's.
+
+    Args:
+        name: A key of :data:`ENVS`.
+
+    Returns:
+        The env (module-level function: ``functools.partial(make_env, name)`` pickles).
+    """
+    info = ENVS[name]
+    if info.family != "atari":
+        return gym.make(info.gym_id)
+    import ale_py
+    from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
+
+    gym.register_envs(ale_py)
+    env = gym.make(
+        info.gym_id,
+        frameskip=1,
+        repeat_action_probability=0.0,
+        full_action_space=False,
+        max_num_frames_per_episode=108_000,
+    )
+    env = AtariPreprocessing(
+        env,
+        noop_max=30,
+        frame_skip=4,
+        screen_size=84,
+        terminal_on_life_loss=False,
+        grayscale_obs=True,
+        scale_obs=False,
+    )
+    return FrameStackObservation(env, 4)
+
+
+def env_factory(name: str) -> Callable[[], gym.Env[Any, Any]]:
+    """A picklable zero-argument factory of :func:`make_env`."""
+    return functools.partial(make_env, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Policies (torch is imported lazily: env hosts never load it)
+
+
+def _torch_one_thread() -> Any:
+    import torch
+
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):
+        torch.set_num_interop_threads(1)
+    return torch
+
+
+def make_policy(name: str, seed: int = 0) -> Any:
+    """A :class:`~asyncsample.torch_agent.TorchAgent` for ``name``: Nature-CNN or MLP 64x64.
+
+    Atari: the Nature-CNN (conv 32x8x8/4, 64x4x4/2, 64x3x3/1, dense 512) with a categorical
+    head, uint8 frames scaled by 1/255 inside the module. MuJoCo and classic control: an MLP
+    64x64 tanh with a state-independent log-std (Gaussian) or logits (Discrete). The same agent
+    object drives every contender, so the policy's cost is the same for all.
+
+    Args:
+        name: A key of :data:`ENVS`.
+        seed: Seed of the weights and of the sampling generator.
+
+    Returns:
+        The agent (``get_actions(obs) -> (actions, infos)``).
+    """
+    torch = _torch_one_thread()
+    from torch import nn
+
+    from asyncsample.torch_agent import TorchAgent
+
+    torch.manual_seed(seed)
+    env = make_env(name)
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    module: nn.Module
+    if ENVS[name].family == "atari":
+        assert isinstance(act_space, gym.spaces.Discrete)
+
+        class NatureCNN(nn.Module):
+            def __init__(self, n_actions: int) -> None:
+                super().__init__()
+                self.net = nn.Sequential(
+                    nn.Conv2d(4, 32, 8, stride=4),
+                    nn.ReLU(),
+                    nn.Conv2d(32, 64, 4, stride=2),
+                    nn.ReLU(),
+                    nn.Conv2d(64, 64, 3, stride=1),
+                    nn.ReLU(),
+                    nn.Flatten(),
+                    nn.Linear(64 * 7 * 7, 512),
+                    nn.ReLU(),
+                    nn.Linear(512, n_actions),
+                )
+
+            def forward(self, x: Any) -> Any:
+                return self.net(x.float() / 255.0)
+
+        module = NatureCNN(int(act_space.n))
+    else:
+        obs_dim = int(np.prod(obs_space.shape or (1,)))
+        discrete = isinstance(act_space, gym.spaces.Discrete)
+        out = int(act_space.n) if discrete else int(np.prod(act_space.shape or (1,)))  # type: ignore[attr-defined]
+
+        class MLP(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = nn.Sequential(
+                    nn.Linear(obs_dim, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                    nn.Linear(64, out),
+                )  # fmt: skip
+                self.log_std = nn.Parameter(torch.zeros(out))
+
+            def forward(self, x: Any) -> Any:
+                return self.net(x.reshape(x.shape[0], -1))
+
+        module = MLP()
+    module.eval()
+    return TorchAgent(module, act_space, seed=seed)
+
+
+# --------------------------------------------------------------------------------------------
+# One run
+
+
+CONTENDER_LABELS: dict[str, str] = {
+    "ideal": "plain env.step loop (1 process, gymnasium wrappers)",
+    "ideal-envpool": "EnvPool, 1 env, 1 thread",
+    "envpool-sync": "EnvPool sync",
+    "envpool-async": "EnvPool async",
+    "sync": "gymnasium SyncVectorEnv",
+    "async": "gymnasium AsyncVectorEnv (shm)",
+    "sb3": "SB3 SubprocVecEnv",
+    "asyncsample": "asyncsample process",
+    "asyncsample-batched": "asyncsample process, inference=batched",
+}
+PEERS = ["envpool-sync", "envpool-async", "sync", "async", "sb3"]
+OURS = ["asyncsample", "asyncsample-batched"]
+
+
+class Skip(Exception):
+    """The run cannot happen here (missing library or feature)."""
+
+
+@dataclass
+class RealSpec:
+    """One run.
+
+    Attributes:
+        contender: A key of :data:`CONTENDER_LABELS`.
+        env: A key of :data:`ENVS`.
+        n_envs: Env copies.
+        policy: Drive the envs with the torch policy (else a seeded random agent).
+        n_transitions: Timed agent steps (at least; real transitions, resets excluded).
+        warmup: Untimed agent steps first.
+        seed: Seed of envs and agent.
+        n_workers: asyncsample workers.
+        envs_per_worker: asyncsample envs per worker.
+        n_processes: asyncsample env-host processes.
+        cores: The CPU budget (EnvPool threads).
+        batch_size: EnvPool async ``batch_size``.
+        fragment_steps: asyncsample steps per env per ``obtain_fragments`` call.
+        min_seconds: The timed phase lasts at least this long.
+        memory: Read the PSS of every process at the end of the timed phase.
+    """
+
+    contender: str
+    env: str
+    n_envs: int
+    policy: bool = False
+    n_transitions: int = 2000
+    warmup: int = 200
+    seed: int = 0
+    n_workers: int = 1
+    envs_per_worker: int = 1
+    n_processes: int = 2
+    cores: int = 2
+    batch_size: int = 0
+    fragment_steps: int = 16
+    min_seconds: float = 1.0
+    memory: bool = True
+
+    @property
+    def layout(self) -> str:
+        """``WxK/PN`` for asyncsample, ``bB`` for EnvPool async, else empty."""
+        if self.contender in OURS:
+            return f"{self.n_workers}x{self.envs_per_worker}/P{self.n_processes}"
+        if self.contender == "envpool-async":
+            return f"b{self.batch_size}"
+        return ""
+
+    @property
+    def key(self) -> str:
+        """Unique id of the config (repeats share it)."""
+        agent = "policy" if self.policy else "random"
+        return f"{self.contender}|{self.env}|{self.n_envs}|{agent}|{self.layout}"
+
+    def timed(self) -> RunSpec:
+        """The :class:`RunSpec` that :class:`TimedPhase` reads."""
+        return RunSpec(
+            contender=self.contender,
+            env=self.env,
+            env_id=ENVS[self.env].gym_id,
+            n_envs=self.n_envs,
+            n_transitions=self.n_transitions,
+            warmup=self.warmup,
+            seed=self.seed,
+            cores=self.cores,
+            instrument=False,
+            min_seconds=self.min_seconds,
+        )
+
+
+def pss_tree(root: psutil.Process | None = None) -> dict[str, Any]:
+    """PSS of ``root`` (default: this process) and of each descendant, in bytes.
+
+    PSS splits shared pages among the processes that map them, so the sum is what the tree
+    really costs (RSS double-counts the copy-on-write pages of forked children).
+    """
+    root = root or psutil.Process(os.getpid())
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        procs = [root]
+    children: list[int] = []
+    main = 0
+    for proc in procs:
+        try:
+            pss = int(getattr(proc.memory_full_info(), "pss", 0))
+        except (psutil.Error, OSError):
+            continue
+        if proc.pid == root.pid:
+            main = pss
+        else:
+            children.append(pss)
+    return {
+        "main_pss": main,
+        "children_pss": sum(children),
+        "n_children": len(children),
+        "children_pss_max": max(children, default=0),
+        "total_pss": main + sum(children),
+    }
+
+
+class CpuSplit:
+    """CPU seconds of this process and of its descendants over a phase (main-process share)."""
+
+    def __init__(self) -> None:
+        """Create the account; call :meth:`start` and :meth:`stop`."""
+        self._me = psutil.Process(os.getpid())
+        self._main0 = 0.0
+        self._kids0: dict[int, float] = {}
+        self._t0 = 0.0
+        self.result: dict[str, float] = {}
+
+    def _kids(self) -> dict[int, float]:
+        out: dict[int, float] = {}
+        with contextlib.suppress(psutil.Error):
+            for proc in self._me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    t = proc.cpu_times()
+                    out[proc.pid] = t.user + t.system
+        return out
+
+    def _main(self) -> float:
+        t = self._me.cpu_times()
+        return float(t.user + t.system)
+
+    def start(self) -> None:
+        """Snapshot the counters."""
+        self._main0, self._kids0, self._t0 = self._main(), self._kids(), time.perf_counter()
+
+    def stop(self) -> None:
+        """Snapshot again: cores used by the main process and by the children."""
+        wall = time.perf_counter() - self._t0
+        main = self._main() - self._main0
+        kids = sum(c - self._kids0.get(pid, 0.0) for pid, c in self._kids().items())
+        total = main + kids
+        self.result = {
+            "main_cores": main / wall,
+            "children_cores": kids / wall,
+            "main_share": main / total if total > 0 else float("nan"),
+        }
+
+
+class Blocking:
+    """Durations of the calls that would block an event loop (the peers' step calls)."""
+
+    def __init__(self) -> None:
+        """Start empty."""
+        self.durations: list[float] = []
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Time one call."""
+        t = time.perf_counter()
+        yield
+        self.durations.append(time.perf_counter() - t)
+
+    def summary(self) -> dict[str, Any] | None:
+        """p50/p99/max in milliseconds."""
+        if not self.durations:
+            return None
+        arr = np.asarray(self.durations) * 1e3
+        return {
+            "n": int(arr.size),
+            "p50_ms": float(np.percentile(arr, 50)),
+            "p99_ms": float(np.percentile(arr, 99)),
+            "max_ms": float(arr.max()),
+        }
+
+
+@dataclass
+class Measured:
+    """What one run measured (before it is written as JSON)."""
+
+    transitions: int
+    seconds: float
+    startup: float
+    cpu: dict[str, float] | None
+    split: dict[str, float]
+    pss: dict[str, Any] | None
+    lag: dict[str, Any] | None = None
+    blocking: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class _Run:
+    """Timing scaffold shared by the contenders: warm-up, timed phase, CPU split, PSS."""
+
+    def __init__(self, spec: RealSpec) -> None:
+        self.spec = spec
+        self.split = CpuSplit()
+        self.blocking = Blocking()
+        self.startup = 0.0
+
+    def measure(self, step: Callable[[], int], notes: list[str] | None = None) -> Measured:
+        """Step untimed for the warm-up, then timed; ``step`` returns real transitions."""
+        warm = 0
+        while warm < self.spec.warmup:
+            warm += step()
+        done = 0
+        self.blocking.durations.clear()
+        with TimedPhase(self.spec.timed()) as phase:
+            self.split.start()
+            while phase.more(done):
+                with self.blocking.call():
+                    done += step()
+            self.split.stop()
+        return Measured(
+            transitions=done,
+            seconds=phase.seconds,
+            startup=self.startup,
+            cpu=phase.cpu.result,
+            split=self.split.result,
+            pss=pss_tree() if self.spec.memory else None,
+            blocking=self.blocking.summary(),
+            notes=notes or [],
+        )
+
+
+def _actor(spec: RealSpec, single: gym.Space[Any], rows: int) -> Callable[[Any], Any]:
+    """``obs -> actions`` for ``rows`` envs: the torch policy, or seeded random actions."""
+    if spec.policy:
+        agent = make_policy(spec.env, spec.seed)
+        return lambda obs: agent.get_actions(obs)[0]
+    space = gym.vector.utils.batch_space(single, rows)
+    space.seed(spec.seed)
+    return lambda obs: space.sample()
+
+
+def run_ideal(spec: RealSpec) -> Measured:
+    """One env, plain ``env.step`` loop, pre-drawn random actions: the env's own cost."""
+    run = _Run(spec)
+    t0 = time.perf_counter()
+    env = make_env(spec.env)
+    try:
+        env.reset(seed=spec.seed)
+        run.startup = time.perf_counter() - t0
+        env.action_space.seed(spec.seed)
+        acts = [env.action_space.sample() for _ in range(256)]
+        i = 0
+
+        def step() -> int:
+            nonlocal i
+            i += 1
+            _, _, term, trunc, _ = env.step(acts[i & 255])
+            if term or trunc:
+                env.reset()
+            return 1
+
+        return run.measure(step)
+    finally:
+        env.close()
+
+
+def _envpool_make(spec: RealSpec, n_envs: int, batch: int, threads: int) -> Any:
+    try:
+        import envpool
+    except Exception as exc:
+        raise Skip(f"envpool not importable ({type(exc).__name__}: {exc})") from exc
+    info = ENVS[spec.env]
+    extra = ENVPOOL_ATARI if info.family == "atari" else {}
+    return envpool.make_gymnasium(
+        info.envpool_id,
+        num_envs=n_envs,
+        batch_size=batch,
+        num_threads=threads,
+        seed=spec.seed,
+        **extra,
+    )
+
+
+def run_envpool(spec: RealSpec) -> Measured:
+    """EnvPool: sync (``batch_size == num_envs``), async (``send``/``recv``) or one env.
+
+    EnvPool resets a finished env on its next step (the action is ignored, reward 0): that
+    step is not a transition and is not counted.
+    """
+    run = _Run(spec)
+    n = 1 if spec.contender == "ideal-envpool" else spec.n_envs
+    threads = 1 if spec.contender == "ideal-envpool" else spec.cores
+    asynchronous = spec.contender == "envpool-async"
+    batch = spec.batch_size if asynchronous else n
+    t0 = time.perf_counter()
+    pool = _envpool_make(spec, n, batch, threads)
+    try:
+        resetting = np.zeros(n, dtype=bool)
+        act = _actor(spec, pool.single_action_space if hasattr(pool, "single_action_space")
+                     else pool.action_space, batch)  # fmt: skip
+        if asynchronous:
+            pool.async_reset()
+            obs, _, _, _, info = pool.recv()
+            run.startup = time.perf_counter() - t0
+            ids = np.asarray(info["env_id"])
+
+            def step() -> int:
+                nonlocal obs, ids
+                pool.send(act(obs), ids)
+                obs, _, term, trunc, info = pool.recv()
+                ids = np.asarray(info["env_id"])
+                real = len(ids) - int(resetting[ids].sum())
+                resetting[ids] = np.logical_or(term, trunc)
+                return real
+
+        else:
+            obs, _ = pool.reset()
+            run.startup = time.perf_counter() - t0
+
+            def step() -> int:
+                nonlocal obs, resetting
+                obs, _, term, trunc, _ = pool.step(act(obs))
+                real = n - int(resetting.sum())
+                resetting = np.logical_or(term, trunc)
+                return real
+
+        return run.measure(step)
+    finally:
+        with contextlib.suppress(Exception):
+            pool.close()
+
+
+def run_gym_vector(spec: RealSpec) -> Measured:
+    """gymnasium ``SyncVectorEnv`` or ``AsyncVectorEnv(shared_memory=True)``, same-step reset."""
+    from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+
+    run = _Run(spec)
+    fns = [env_factory(spec.env) for _ in range(spec.n_envs)]
+    t0 = time.perf_counter()
+    envs: Any = None
+    try:
+        if spec.contender == "sync":
+            envs = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        else:
+            envs = AsyncVectorEnv(fns, shared_memory=True, autoreset_mode=AutoresetMode.SAME_STEP)
+        obs, _ = envs.reset(seed=spec.seed)
+        run.startup = time.perf_counter() - t0
+        act = _actor(spec, envs.single_action_space, spec.n_envs)
+
+        def step() -> int:
+            nonlocal obs
+            obs, *_ = envs.step(act(obs))
+            return spec.n_envs
+
+        return run.measure(step)
+    finally:
+        if envs is not None:
+            envs.close()
+
+
+def run_sb3(spec: RealSpec) -> Measured:
+    """SB3 ``SubprocVecEnv`` (its default start method: forkserver where available)."""
+    try:
+        from stable_baselines3.common.vec_env import SubprocVecEnv
+    except Exception as exc:
+        raise Skip(f"stable-baselines3 not importable ({type(exc).__name__}: {exc})") from exc
+    run = _Run(spec)
+    t0 = time.perf_counter()
+    venv: Any = None
+    try:
+        # The forkserver imports SB3 (and torch) once instead of in every child: the same
+        # stepping, a start-up that fits a loaded machine; memory is then shared like this.
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload([SubprocVecEnv.__module__, __name__])
+        venv = SubprocVecEnv([env_factory(spec.env) for _ in range(spec.n_envs)])
+        venv.seed(spec.seed)
+        obs = venv.reset()
+        run.startup = time.perf_counter() - t0
+        act = _actor(spec, venv.action_space, spec.n_envs)
+
+        def step() -> int:
+            nonlocal obs
+            obs, *_ = venv.step(act(obs))
+            return spec.n_envs
+
+        return run.measure(step)
+    finally:
+        if venv is not None:
+            venv.close()
+
+
+def _batch_len(batch: Any) -> int:
+    lengths = getattr(batch, "lengths", None)
+    return int(np.sum(lengths)) if lengths is not None else len(batch.actions)
+
+
+async def _asyncsample_run(spec: RealSpec) -> Measured:
+    from asyncsample import Sampler
+    from benchmarks.contenders import LagProbe
+
+    kwargs: dict[str, Any] = {
+        "n_workers": spec.n_workers,
+        "envs_per_worker": spec.envs_per_worker,
+        "n_processes": spec.n_processes,
+        "backend": "process",
+        "seed": spec.seed,
+    }
+    if spec.contender == "asyncsample-batched":
+        if "inference" not in inspect.signature(Sampler).parameters:
+            raise Skip("Sampler has no `inference` argument in this build (not merged yet)")
+        kwargs["inference"] = "batched"
+    agent = make_policy(spec.env, spec.seed) if spec.policy else None
+    run = _Run(spec)
+    probe = LagProbe()
+    t0 = time.perf_counter()
+    sampler = Sampler(env_factory(spec.env), agent, **kwargs)
+    try:
+        await sampler.__aenter__()
+        run.startup = time.perf_counter() - t0
+        chunk = spec.n_envs * spec.fragment_steps
+        warm = 0
+        while warm < spec.warmup:
+            warm += _batch_len(await sampler.obtain_fragments(min(chunk, spec.warmup)))
+        done = 0
+        split = CpuSplit()
+        probe.start()
+        try:
+            with TimedPhase(spec.timed()) as phase:
+                split.start()
+                while phase.more(done):
+                    done += _batch_len(await sampler.obtain_fragments(chunk))
+                split.stop()
+        finally:
+            await probe.stop()
+        pss = pss_tree() if spec.memory else None
+    finally:
+        await sampler.aclose()
+    return Measured(
+        transitions=done,
+        seconds=phase.seconds,
+        startup=run.startup,
+        cpu=phase.cpu.result,
+        split=split.result,
+        pss=pss,
+        lag=probe.summary(),
+    )
+
+
+def run_asyncsample(spec: RealSpec) -> Measured:
+    """asyncsample, process backend, on uvloop; the agent (if any) runs in this process."""
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(_asyncsample_run(spec))
+
+
+RUNNERS: dict[str, Callable[[RealSpec], Measured]] = {
+    "ideal": run_ideal,
+    "ideal-envpool": run_envpool,
+    "envpool-sync": run_envpool,
+    "envpool-async": run_envpool,
+    "sync": run_gym_vector,
+    "async": run_gym_vector,
+    "sb3": run_sb3,
+    "asyncsample": run_asyncsample,
+    "asyncsample-batched": run_asyncsample,
+}
+
+
+def run_in_this_process(spec: RealSpec) -> dict[str, Any]:
+    """Run ``spec`` here and return its JSON-able outcome (``status`` ok/skipped/error)."""
+    import traceback
+    import warnings
+
+    warnings.simplefilter("ignore")
+    load = os.getloadavg()
+    try:
+        m = RUNNERS[spec.contender](spec)
+    except Skip as exc:
+        return {"status": "skipped", "note": str(exc), "loadavg": load}
+    except BaseException as exc:
+        return {
+            "status": "error",
+            "note": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(limit=15),
+            "loadavg": load,
+        }
+    out = asdict(m)
+    out.update(
+        status="ok",
+        rate=m.transitions / m.seconds,
+        frames_rate=m.transitions * ENVS[spec.env].frame_skip / m.seconds,
+        loadavg=load,
+        loadavg_end=os.getloadavg(),
+    )
+    return out
+
+
+def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """Kill a run process we started, and its descendants."""
+    try:
+        parent = psutil.Process(proc.pid)
+        victims = [*parent.children(recursive=True), parent]
+    except psutil.Error:
+        victims = []
+    for victim in victims:
+        with contextlib.suppress(psutil.Error):
+            victim.kill()
+    psutil.wait_procs(victims, timeout=5)
+    proc.wait()
+
+
+def run_one(spec: RealSpec, timeout: float, workdir: Path) -> dict[str, Any]:
+    """Run ``spec`` in a fresh ``python -m benchmarks.real_envs --run-one`` process."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="real-", suffix=".json", dir=workdir)
+    os.close(fd)
+    spec_path = Path(name)
+    out_path = spec_path.with_suffix(".out.json")
+    log_path = spec_path.with_suffix(".log")
+    spec_path.write_text(json.dumps(asdict(spec)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    t0 = time.perf_counter()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.real_envs", "--run-one", str(spec_path),
+             str(out_path)],
+            cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except BaseException as exc:
+            _kill_tree(proc)
+            if not isinstance(exc, subprocess.TimeoutExpired):
+                raise
+            timed_out = True
+    wall = time.perf_counter() - t0
+    if out_path.exists():
+        outcome: dict[str, Any] = json.loads(out_path.read_text())
+    else:
+        outcome = {
+            "status": "error",
+            "note": (
+                f"timed out after {timeout:.0f} s (killed)"
+                if timed_out
+                else f"the run process exited {proc.returncode} without a result"
+            ),
+            "log_tail": log_path.read_text(errors="replace")[-2000:],
+            "loadavg": os.getloadavg(),
+        }
+    outcome["wall"] = wall
+    for path in (spec_path, out_path, log_path):
+        path.unlink(missing_ok=True)
+    return outcome
+
+
+# --------------------------------------------------------------------------------------------
+# Footprint: what one env costs in memory by itself
+
+
+def env_footprint(name: str, k: int = 16) -> dict[str, Any]:
+    """Bytes of PSS one more env adds to a process (``k`` envs built, reset and stepped)."""
+    import gc
+
+    me = psutil.Process(os.getpid())
+    first = make_env(name)  # imports and the first env's one-off costs are not the env's own
+    first.reset(seed=0)
+    gc.collect()
+    before = int(me.memory_full_info().pss)
+    envs = [make_env(name) for _ in range(k)]
+    for i, env in enumerate(envs):
+        env.reset(seed=i)
+        for _ in range(10):
+            env.step(env.action_space.sample())
+    gc.collect()
+    after = int(me.memory_full_info().pss)
+    for env in [first, *envs]:
+        env.close()
+    return {"env": name, "k": k, "bytes_per_env": (after - before) / k, "base_pss": before}
+
+
+# --------------------------------------------------------------------------------------------
+# Plan
+
+
+@dataclass
+class Settings:
+    """What the full run does.
+
+    Attributes:
+        groups: ``ideal``, ``main``, ``sweep`` (any subset).
+        envs: Envs of the main comparison.
+        contenders: Contenders of the main comparison (the ideal always runs).
+        repeats: Repeats of every ideal and main config (interleaved).
+        sweep_repeats: Repeats of every sweep config.
+        cores: CPU budget.
+        n_envs_atari: Envs of the main comparison on Atari.
+        n_envs_mujoco: Envs of the main comparison on MuJoCo.
+        sweep_envs: Envs of the sweep.
+        sweep_n: Env counts of the sweep.
+        sweep_process_cap: Largest env count for one-process-per-env peers in the sweep.
+        transitions: Timed agent steps per env (main comparison and sweep).
+        min_seconds: Minimum length of a timed phase.
+        timeout: Seconds before a run is killed.
+        quick: Smoke-test sizes.
+    """
+
+    groups: list[str] = field(default_factory=lambda: ["ideal", "main", "sweep", "footprint"])
+    envs: list[str] = field(default_factory=lambda: list(MAIN_ENVS))
+    contenders: list[str] = field(default_factory=lambda: [*PEERS, *OURS])
+    repeats: int = 2
+    sweep_repeats: int = 1
+    cores: int = 2
+    n_envs_atari: int = 8
+    n_envs_mujoco: int = 32
+    sweep_envs: list[str] = field(default_factory=lambda: list(SWEEP_ENVS))
+    sweep_n: list[int] = field(default_factory=lambda: [8, 32, 128, 512])
+    sweep_process_cap: dict[str, int] = field(
+        default_factory=lambda: {"CartPole-v1": 128, "Pong-v5": 64}
+    )
+    transitions: dict[str, int] = field(
+        default_factory=lambda: {
+            "Pong-v5": 2000,
+            "Breakout-v5": 2000,
+            "HalfCheetah-v5": 6000,
+            "Humanoid-v5": 3000,
+            "CartPole-v1": 40_000,
+        }
+    )
+    min_seconds: float = 1.5
+    timeout: float = 240.0
+    quick: bool = False
+
+    @classmethod
+    def quick_settings(cls) -> Settings:
+        """Seconds-long runs of a few configs: the smoke test."""
+        return cls(
+            groups=["ideal", "main", "sweep", "footprint"],
+            envs=["Pong-v5", "HalfCheetah-v5"],
+            contenders=["envpool-async", "sync", "asyncsample"],
+            repeats=1,
+            sweep_repeats=1,
+            n_envs_atari=4,
+            n_envs_mujoco=4,
+            sweep_envs=["CartPole-v1"],
+            sweep_n=[4, 8],
+            transitions=dict.fromkeys(ENVS, 200),
+            min_seconds=0.0,
+            timeout=120.0,
+            quick=True,
+        )
+
+
+def _n_main(s: Settings, env: str) -> int:
+    return s.n_envs_atari if ENVS[env].family == "atari" else s.n_envs_mujoco
+
+
+def _ours(contender: str, env: str, n: int, w: int, policy: bool, s: Settings) -> RealSpec:
+    w = max(1, min(w, n))
+    total = s.transitions[env]
+    frag = max(1, min(32, total // (4 * n)))
+    return RealSpec(contender, env, n, policy, total, max(n, total // 10), n_workers=w,
+                    envs_per_worker=n // w, n_processes=2, cores=s.cores, fragment_steps=frag,
+                    min_seconds=s.min_seconds)  # fmt: skip
+
+
+def _peer(contender: str, env: str, n: int, policy: bool, s: Settings) -> RealSpec:
+    total = s.transitions[env]
+    return RealSpec(contender, env, n, policy, total, max(n, total // 10), cores=s.cores,
+                    batch_size=max(1, n // 2), min_seconds=s.min_seconds)  # fmt: skip
+
+
+def plan(s: Settings) -> dict[str, list[RealSpec]]:
+    """The runs of each group, in run order (one repeat)."""
+    out: dict[str, list[RealSpec]] = {g: [] for g in s.groups}
+    if "ideal" in out:
+        envs = list(dict.fromkeys([*s.envs, *(s.sweep_envs if "sweep" in out else [])]))
+        for env in envs:
+            total = s.transitions[env]
+            for c in ("ideal", "ideal-envpool"):
+                out["ideal"].append(RealSpec(c, env, 1, False, total // 2, total // 20,
+                                             cores=s.cores, min_seconds=s.min_seconds))  # fmt: skip
+    if "main" in out:
+        for env in s.envs:
+            n = _n_main(s, env)
+            for policy in (False, True):
+                for c in s.contenders:
+                    if c in OURS:
+                        for w in (2, 4) if not s.quick else (2,):
+                            out["main"].append(_ours(c, env, n, w, policy, s))
+                    else:
+                        out["main"].append(_peer(c, env, n, policy, s))
+    if "sweep" in out:
+        for env in s.sweep_envs:
+            for n in s.sweep_n:
+                for c in ("envpool-sync", "sync", "async"):
+                    if c == "async" and n > s.sweep_process_cap.get(env, 128):
+                        continue
+                    spec = _peer(c, env, n, False, s)
+                    spec.n_transitions = max(spec.n_transitions, 3 * n)
+                    out["sweep"].append(spec)
+                for w in (2, 8):
+                    spec = _ours("asyncsample", env, n, w, False, s)
+                    spec.n_transitions = max(spec.n_transitions, 3 * n)
+                    spec.fragment_steps = max(1, min(32, spec.n_transitions // (4 * n)))
+                    out["sweep"].append(spec)
+    return out
+
+
+def _progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def execute(s: Settings, workdir: Path, log: Path | None = None) -> dict[str, Any]:
+    """Run the plan: every group's runs, repeats interleaved; footprints once."""
+    groups = plan(s)
+    records: list[dict[str, Any]] = []
+    footprints: list[dict[str, Any]] = []
+    if "footprint" in s.groups:
+        for env in dict.fromkeys([*s.envs, *s.sweep_envs]):
+            try:
+                footprints.append(_footprint_in_child(env, s.timeout))
+            except Exception as exc:
+                footprints.append({"env": env, "error": f"{type(exc).__name__}: {exc}"})
+    seen: set[tuple[str, str]] = set()
+    runs: list[tuple[str, RealSpec]] = []
+    for g, specs in groups.items():
+        for spec in specs:
+            if (g, spec.key) not in seen:
+                seen.add((g, spec.key))
+                runs.append((g, spec))
+    n_rep = max(s.repeats, s.sweep_repeats)
+    batched = _has_batched_inference()
+    for g, spec in list(runs):
+        if spec.contender == "asyncsample-batched" and not batched:
+            runs.remove((g, spec))
+            records.append({"group": g, "key": spec.key, "repeat": -1, "spec": asdict(spec),
+                            "layout": spec.layout, "status": "skipped",
+                            "note": "Sampler has no `inference` argument in this build",
+                            "loadavg": os.getloadavg()})  # fmt: skip
+    total = sum(s.sweep_repeats if g == "sweep" else s.repeats for g, _ in runs)
+    i = 0
+    for repeat in range(n_rep):
+        for g, spec in runs:
+            if repeat >= (s.sweep_repeats if g == "sweep" else s.repeats):
+                continue
+            i += 1
+            _progress(f"{i}/{total} r{repeat} {g} {spec.key}")
+            outcome = run_one(spec, s.timeout, workdir)
+            rec = {"group": g, "key": spec.key, "repeat": repeat, "spec": asdict(spec),
+                   "layout": spec.layout, **outcome}  # fmt: skip
+            records.append(rec)
+            if rec.get("status") != "ok":
+                _progress(f"  -> {rec.get('status')}: {rec.get('note')}")
+            if log is not None:
+                with log.open("a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+    return {"records": records, "footprints": footprints}
+
+
+def _has_batched_inference() -> bool:
+    """Whether this build's ``Sampler`` takes ``inference=`` (checked without starting it)."""
+    try:
+        from asyncsample import Sampler
+    except Exception:
+        return False
+    return "inference" in inspect.signature(Sampler).parameters
+
+
+def _footprint_in_child(env: str, timeout: float) -> dict[str, Any]:
+    code = (
+        "import json, warnings; warnings.simplefilter('ignore');"
+        "from benchmarks.real_envs import env_footprint;"
+        f"print(json.dumps(env_footprint({env!r})))"
+    )
+    envvars = dict(os.environ)
+    envvars["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), envvars.get("PYTHONPATH", "")) if p
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=envvars, capture_output=True,
+        timeout=timeout, check=True, text=True,
+    )  # fmt: skip
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def aggregate(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per config key: median rate over repeats, and the first ok run's instruments."""
+    out: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        spec = rec["spec"]
+        agg = out.setdefault(
+            rec["key"],
+            {
+                "contender": spec["contender"],
+                "label": CONTENDER_LABELS[spec["contender"]],
+                "env": spec["env"],
+                "n_envs": spec["n_envs"],
+                "policy": spec["policy"],
+                "layout": rec["layout"],
+                "n_workers": spec["n_workers"],
+                "rates": [],
+                "startups": [],
+                "groups": [],
+                "per_core": [],
+                "loadavg": [],
+                "notes": [],
+                "errors": [],
+            },
+        )
+        agg["loadavg"].append(rec.get("loadavg"))
+        if rec["group"] not in agg["groups"]:
+            agg["groups"].append(rec["group"])
+        if rec.get("status") == "ok":
+            agg["rates"].append(rec["rate"])
+            agg["startups"].append(rec["startup"])
+            own = (rec.get("cpu") or {}).get("own_cores")
+            if own:
+                agg["per_core"].append(rec["rate"] / own)
+                agg.setdefault("own", []).append(own)
+            for k in ("pss", "lag", "blocking", "split", "cpu"):
+                if agg.get(k) is None and rec.get(k):
+                    agg[k] = rec[k]
+        elif rec.get("status") == "skipped":
+            if rec["note"] not in agg["notes"]:
+                agg["notes"].append(rec["note"])
+        else:
+            agg["errors"].append(rec.get("note"))
+    for key, agg in out.items():
+        rates = agg["rates"]
+        fs = ENVS[agg["env"]].frame_skip
+        agg["median"] = statistics.median(rates) if rates else None
+        agg["frames_median"] = agg["median"] * fs if agg["median"] else None
+        agg["startup"] = statistics.median(agg["startups"]) if agg["startups"] else None
+        agg["per_core_median"] = statistics.median(agg["per_core"]) if agg["per_core"] else None
+        agg["status"] = "ok" if rates else ("error" if agg["errors"] else "skipped")
+        agg["key"] = key
+    return out
+
+
+def _med(summary: dict[str, dict[str, Any]], key: str) -> float | None:
+    agg = summary.get(key)
+    return agg["median"] if agg else None
+
+
+def best_of(
+    summary: dict[str, dict[str, Any]],
+    contender: str,
+    env: str,
+    n: int,
+    policy: bool,
+    group: str | None = "main",
+) -> dict[str, Any] | None:
+    """The fastest config of ``contender`` on ``env`` with ``n`` envs (any layout).
+
+    Only configs of ``group`` (default: the main comparison, whose configs all ran the same
+    number of interleaved repeats) compete; ``None`` takes any.
+    """
+    cands = [
+        a
+        for a in summary.values()
+        if a["contender"] == contender and a["env"] == env and a["n_envs"] == n
+        and a["policy"] == policy and a["median"]
+        and (group is None or group in a.get("groups", [group]))
+    ]  # fmt: skip
+    return max(cands, key=lambda a: a["median"]) if cands else None
+
+
+def _cpu_us(summary: dict[str, dict[str, Any]], key: str) -> float | None:
+    pc = (summary.get(key) or {}).get("per_core_median")
+    return 1e6 / pc if pc else None
+
+
+def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
+    """Ideals, ratios and the issue's targets."""
+    ideal: dict[str, Any] = {}
+    for env in ENVS:
+        g = _med(summary, f"ideal|{env}|1|random|")
+        e = _med(summary, f"ideal-envpool|{env}|1|random|")
+        if g or e:
+            ideal[env] = {
+                "single_rate": g,
+                "step_us": 1e6 / g if g else None,
+                "ideal_rate": g * s.cores if g else None,
+                "envpool_single_rate": e,
+                "envpool_step_us": 1e6 / e if e else None,
+                # CPU time per step (wall time / cores the run got): the env's own cost even
+                # when other jobs took part of the core during the ideal run.
+                "cpu_us": _cpu_us(summary, f"ideal|{env}|1|random|"),
+                "envpool_cpu_us": _cpu_us(summary, f"ideal-envpool|{env}|1|random|"),
+            }
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    def rate(c: str, env: str, n: int, policy: bool) -> float | None:
+        b = best_of(summary, c, env, n, policy)
+        return b["median"] if b else None
+
+    na, nm = s.n_envs_atari, s.n_envs_mujoco
+    ours_pong = rate("asyncsample", "Pong-v5", na, False)
+    targets: list[dict[str, Any]] = [
+        {
+            "what": f"Pong-v5 random, {na} envs: % of the {s.cores}-core ideal",
+            "target": 0.90,
+            "value": ratio(ours_pong, ideal.get("Pong-v5", {}).get("ideal_rate")),
+        },
+        {
+            "what": f"Pong-v5 random, {na} envs: x EnvPool async",
+            "target": 0.80,
+            "value": ratio(ours_pong, rate("envpool-async", "Pong-v5", na, False)),
+        },
+        {
+            "what": f"HalfCheetah-v5 MLP policy, {nm} envs: x EnvPool sync",
+            "target": 1.0,
+            "value": ratio(
+                rate("asyncsample", "HalfCheetah-v5", nm, True),
+                rate("envpool-sync", "HalfCheetah-v5", nm, True),
+            ),
+        },
+    ]
+    memory: list[dict[str, Any]] = []
+    for env in s.sweep_envs:
+        for c in ("asyncsample", "async", "sync", "envpool-sync"):
+            pts = sorted(
+                (a["n_envs"], a["pss"]["total_pss"])
+                for a in summary.values()
+                if a["contender"] == c and a["env"] == env and not a["policy"]
+                and a.get("pss") and a["n_workers"] in (0, 1, 2)
+            )  # fmt: skip
+            if len(pts) >= 2:
+                (n0, p0), (n1, p1) = pts[0], pts[-1]
+                memory.append({"env": env, "contender": c, "from_n": n0, "to_n": n1,
+                               "bytes_per_env": (p1 - p0) / (n1 - n0)})  # fmt: skip
+    for t in targets:
+        t["met"] = None if t["value"] is None else t["value"] >= t["target"]
+
+    # The same ratios per CPU-second the contender's processes got: on a shared machine a
+    # contender with more runnable processes gets a larger share of the CPUs (the scheduler is
+    # fair per thread), so steps/s alone mixes efficiency with scheduling share.
+    def per_core(c: str, env: str, n: int, pol: bool) -> float | None:
+        b = best_of(summary, c, env, n, pol)
+        return b.get("per_core_median") if b else None
+
+    ide_pc = (summary.get("ideal|Pong-v5|1|random|") or {}).get("per_core_median")
+    per_cpu = [
+        {
+            "what": f"Pong-v5 random, {na} envs: steps per CPU-second / the ideal's",
+            "value": ratio(per_core("asyncsample", "Pong-v5", na, False), ide_pc),
+        },
+        {
+            "what": f"Pong-v5 random, {na} envs: steps per CPU-second / EnvPool async's",
+            "value": ratio(
+                per_core("asyncsample", "Pong-v5", na, False),
+                per_core("envpool-async", "Pong-v5", na, False),
+            ),
+        },
+        {
+            "what": f"HalfCheetah-v5 MLP policy, {nm} envs: steps per CPU-second / EnvPool sync's",
+            "value": ratio(
+                per_core("asyncsample", "HalfCheetah-v5", nm, True),
+                per_core("envpool-sync", "HalfCheetah-v5", nm, True),
+            ),
+        },
+    ]
+    return {"ideal": ideal, "targets": targets, "per_cpu": per_cpu, "memory_slope": memory}
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+
+
+ENV_NOTES = """\
+How the envs differ between the libraries (the same task, not the same code):
+
+- Atari: gymnasium/SB3/asyncsample run ale-py's `ALE/*-v5` at `frameskip=1` under
+  `AtariPreprocessing(noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True)` and
+  `FrameStackObservation(4)` (Python wrappers, OpenCV resize, max-pool of the last two frames).
+  EnvPool runs its own C++ ALE loop with the same settings in C++ (`stack_num=4`, `frame_skip=4`,
+  `noop_max=30`, area resize, gray); it is set to match gymnasium's defaults: no fire reset (its
+  default is on), no sticky actions, no episodic life, no reward clipping. Both end an episode at
+  108k frames. EnvPool's single-env rate is therefore a *different env's* rate: the ideal below is
+  always 2 x the gymnasium-wrapper rate, the same number for every contender.
+- MuJoCo: gymnasium's `HalfCheetah-v5`/`Humanoid-v5` call the `mujoco` Python bindings per step;
+  EnvPool has its own C++ port of the v5 tasks (same XML, same reward terms).
+- Autoreset: EnvPool resets a finished env on its *next* step (that step is not counted here); the
+  gymnasium vector envs run in same-step mode, SB3 resets in the same step, asyncsample's workers
+  reset inside the env host. Every rate counts real transitions only.
+- Agent: "random" is a seeded uniform action per env per step (asyncsample: its built-in per-worker
+  RandomAgent). "policy" is a torch `TorchAgent` (Nature-CNN for Atari, MLP 64x64 tanh Gaussian
+  for MuJoCo) on one torch thread, called once per vector step on the stacked observations (EnvPool
+  async: once per `recv` batch; asyncsample `per_worker`: once per worker step, i.e. `n_workers`
+  calls per round).
+"""
+
+
+def _k(v: float | None) -> str:
+    if v is None or v != v:
+        return "-"
+    if v >= 1e6:
+        return f"{v / 1e6:.2f}M"
+    if v >= 1e4:
+        return f"{v / 1e3:.1f}k"
+    if v >= 1e3:
+        return f"{v / 1e3:.2f}k"
+    return f"{v:.0f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None or v != v else f"{100 * v:.0f}%"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None or v != v else f"{v:.2f}x"
+
+
+def _mb(v: float | None) -> str:
+    return "-" if v is None else f"{v / 2**20:.0f}"
+
+
+def _f(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None or v != v else fmt.format(v)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+    ]
+
+
+def _cell(agg: dict[str, Any] | None) -> str:
+    if not agg:
+        return "-"
+    if agg["status"] != "ok":
+        return str(agg["status"])
+    rates = agg["rates"]
+    span = f" [{_k(min(rates))}-{_k(max(rates))}]" if len(rates) > 1 else ""
+    return f"{_k(agg['median'])}{span}"
+
+
+def _row_label(agg: dict[str, Any]) -> str:
+    return f"{agg['label']} {agg['layout']}".strip()
+
+
+def _loads(results: dict[str, Any]) -> tuple[float, float, float]:
+    ones = [r["loadavg"][0] for r in results["runs"] if r.get("loadavg")]
+    return (min(ones), statistics.median(ones), max(ones)) if ones else (0.0, 0.0, 0.0)
+
+
+def _foreign(results: dict[str, Any]) -> float | None:
+    f = [r["cpu"]["foreign_cores"] for r in results["runs"] if r.get("cpu")]
+    return statistics.median(f) if f else None
+
+
+def write_markdown(path: Path, results: dict[str, Any]) -> None:
+    """Render ``real_envs.md``: machine, env notes, targets, main tables, sweep, guidance."""
+    m, s, summary, d = (results["machine"], results["settings"], results["summary"],
+                        results["derived"])  # fmt: skip
+    lo, med, hi = _loads(results)
+    lines = [
+        "# Real envs: Atari and MuJoCo against EnvPool, and how the cost grows",
+        "",
+        f"{m['date']} · {m['cpu_affinity']} cores ({m['cpu_model']}) · "
+        f"{m['memory_gib']} GiB · Python {m['python']} · run took {m.get('minutes', 0):.0f} min"
+        f" · `python -m benchmarks.real_envs`",
+        "",
+        f"**Load.** The machine was shared with other jobs: 1-minute load average {lo:.1f} to "
+        f"{hi:.1f} (median {med:.1f}) on {m['cpu_affinity']} cores during the runs; other "
+        f"processes took a median {_f(_foreign(results))} cores during the timed phases. "
+        "Absolute rates are therefore low and noisy; compare contenders *within* this run "
+        "(they were interleaved within each repeat, so a busy spell hit all alike). Every run's "
+        "`os.getloadavg()` is in `real_envs.json`.",
+        "",
+        f"Median [min-max] of {s['repeats']} runs (sweep: {s['sweep_repeats']}), each in a fresh"
+        " process, warm-up excluded (a config that is both in the main comparison and in the "
+        "sweep pools the runs of both). Rates are **agent steps/s**; Atari frames/s = 4 x that. "
+        "*Steps per CPU-s* divides by the cores the contender's processes got, which makes "
+        "contenders comparable when the machine is shared: the scheduler shares the CPUs per "
+        "runnable thread, so a contender with more processes takes more of a busy machine.",
+        "",
+        ENV_NOTES,
+        "## Targets",
+        "",
+    ]
+    rows = []
+    for t in d["targets"]:
+        met = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
+        rows.append([t["what"], _f(t["target"]), _f(t["value"]), met])
+    for fp in results.get("footprints", []):
+        slope = next((x for x in d["memory_slope"] if x["env"] == fp.get("env")
+                      and x["contender"] == "asyncsample"), None)  # fmt: skip
+        if slope and "bytes_per_env" in fp:
+            ok = slope["bytes_per_env"] <= fp["bytes_per_env"]
+            rows.append(
+                [
+                    f"{fp['env']}: asyncsample PSS per added env ({slope['from_n']}->"
+                    f"{slope['to_n']} envs) <= the env's own footprint (MB)",
+                    f"{fp['bytes_per_env'] / 2**20:.3f}",
+                    f"{slope['bytes_per_env'] / 2**20:.3f}",
+                    "met" if ok else "**not met**",
+                ]
+            )
+    for x in d.get("per_cpu", []):
+        rows.append([f"(same, per CPU used) {x['what']}", "-", _f(x["value"]), "for reference"])
+    lines += _table(["target", "goal", "value", ""], rows)
+    got = (summary.get("ideal|Pong-v5|1|random|") or {}).get("own")
+    if got and statistics.median(got) < 0.9:
+        lines += [
+            f"**Read the wall-clock targets with care.** The single-env ideal run of Pong-v5 got "
+            f"only {statistics.median(got):.2f} of a core (the other jobs took the rest), so "
+            "the wall-clock ideal is deflated and a '% of ideal' above 100% is possible. The "
+            "per-CPU rows compare steps per CPU-second instead, which the load distorts far "
+            "less: they are the more trustworthy figures from this machine.",
+            "",
+        ]
+    lines += ["## Single-env step cost (the ideal)", ""]
+    rows = []
+    for env, i in d["ideal"].items():
+        rows.append([env, _f(i["step_us"], "{:.0f}"), _f(i.get("cpu_us"), "{:.0f}"),
+                     _k(i["single_rate"]), _k(i["ideal_rate"]),
+                     _f(i["envpool_step_us"], "{:.0f}"), _f(i.get("envpool_cpu_us"), "{:.0f}"),
+                     _k(i["envpool_single_rate"])])  # fmt: skip
+    lines += _table(["env", "gymnasium wrappers: us/step (wall)", "CPU us/step", "steps/s",
+                     "ideal (2 x steps/s)", "EnvPool 1 env 1 thread: us/step (wall)",
+                     "CPU us/step", "steps/s"], rows)  # fmt: skip
+    lines += [
+        "Wall-clock us/step is what the ideal uses (as the targets define it); CPU us/step "
+        "divides by the cores the run actually got, i.e. the env's own cost without the other "
+        "jobs' share. Where the two differ a lot, the ideal run itself was slowed by the load.",
+        "",
+    ]
+    main = [
+        a
+        for a in summary.values()
+        if a["contender"] not in ("ideal", "ideal-envpool")
+        and any(r["key"] == a["key"] and r["group"] == "main" for r in results["runs"])
+    ]
+    for env in s["envs"]:
+        aggs = [a for a in main if a["env"] == env]
+        if not aggs:
+            continue
+        n = aggs[0]["n_envs"]
+        ide = d["ideal"].get(env, {}).get("ideal_rate")
+        fs = ENVS[env].frame_skip
+        ep: dict[bool, Any] = {
+            False: best_of(summary, "envpool-async", env, n, False),
+            True: best_of(summary, "envpool-sync", env, n, True),
+        }
+        lines += [f"## {env}, {n} envs", ""]
+        rows = []
+        labels = list(dict.fromkeys(_row_label(a) for a in aggs))
+        for label in labels:
+            r = next((a for a in aggs if _row_label(a) == label and not a["policy"]), None)
+            p = next((a for a in aggs if _row_label(a) == label and a["policy"]), None)
+            ref = r or p
+            assert ref is not None
+            if all(a is None or a["status"] == "skipped" for a in (r, p)):
+                continue
+            row = [label, _cell(r)]
+            if fs > 1:
+                row.append(_k(r["frames_median"]) if r else "-")
+            row += [
+                _pct(r["median"] / ide if r and r["median"] and ide else None),
+                _x(r["median"] / ep[False]["median"] if r and r["median"] and ep[False]
+                   else None),
+                _cell(p),
+                _pct(p["median"] / ide if p and p["median"] and ide else None),
+                _x(p["median"] / ep[True]["median"] if p and p["median"] and ep[True]
+                   else None),
+                _f(statistics.median(r["own"]) if r and r.get("own") else None),
+                _k(r.get("per_core_median") if r else None),
+                _f((r or {}).get("split", {}).get("main_cores") if r else None),
+                _mb(((r or {}).get("pss") or {}).get("total_pss") if r else None),
+                _f(ref.get("startup"), "{:.1f}"),
+            ]  # fmt: skip
+            rows.append(row)
+        head = ["contender", "random: steps/s"]
+        if fs > 1:
+            head.append("frames/s")
+        head += ["% ideal", "x EnvPool async", "policy: steps/s", "% ideal", "x EnvPool sync",
+                 "cores used (random)", "steps per CPU-s (random)", "main-process cores (random)",
+                 "PSS MB (random)", "start-up s"]  # fmt: skip
+        lines += _table(head, rows)
+        notes = sorted({n for a in aggs for n in a["notes"] + [e for e in a["errors"] if e]})
+        lines += [f"- {n}" for n in notes] + ([""] if notes else [])
+    sweep = [
+        a
+        for a in summary.values()
+        if any(r["key"] == a["key"] and r["group"] == "sweep" for r in results["runs"])
+    ]
+    if sweep:
+        lines += [
+            "## How the cost grows (random agent)",
+            "",
+            "![scaling](real_envs_scaling.png)",
+            "",
+            "Main cores: CPU of the process that drives the pool (EnvPool's C++ threads live in "
+            "it; for SyncVectorEnv it is all the work). PSS: the whole process tree, summed at the "
+            "end "
+            "of the timed phase. Stall p99: asyncsample's event-loop lag (a 1 ms sleeper's "
+            "lateness); for the peers, the p99 duration of one blocking `step` call, which is what"
+            " an event loop calling them directly would stall. "
+            f"One-process-per-env peers are capped ({s['sweep_process_cap']}) to keep the "
+            "shared machine's memory and start-up time in bounds.",
+            "",
+        ]
+        for env in s["sweep_envs"]:
+            rows = []
+            for a in sorted(
+                (a for a in sweep if a["env"] == env),
+                key=lambda a: (a["n_envs"], a["contender"], a["layout"]),
+            ):
+                stall = a.get("lag") or a.get("blocking") or {}
+                rows.append([str(a["n_envs"]), _row_label(a), _cell(a),
+                             _f((a.get("split") or {}).get("main_cores")),
+                             _pct((a.get("split") or {}).get("main_share")),
+                             _mb((a.get("pss") or {}).get("total_pss")),
+                             _mb((a.get("pss") or {}).get("main_pss")),
+                             str((a.get("pss") or {}).get("n_children", "-")),
+                             _f(stall.get("p99_ms"), "{:.1f}"),
+                             _f(a.get("startup"), "{:.1f}")])  # fmt: skip
+            lines += [f"### {env}", ""]
+            walls = {r["key"]: r.get("wall", 0.0) for r in results["runs"]}
+            failed = [
+                f"- {a['n_envs']} envs, {_row_label(a)}: "
+                + (
+                    f"no result within the {s['timeout']:.0f} s run timeout (start-up included);"
+                    " killed"
+                    if walls.get(a["key"], 0.0) >= 0.99 * s["timeout"]
+                    else "; ".join(map(str, a["errors"]))
+                )
+                for a in sweep
+                if a["env"] == env and a["status"] == "error"
+            ]
+            lines += [*failed, ""] if failed else []
+            lines += _table(["envs", "contender", "steps/s", "main cores", "main share of CPU",
+                             "PSS total MB", "PSS main MB", "children", "stall p99 ms",
+                             "start-up s"], rows)  # fmt: skip
+        rows = []
+        fps = {f.get("env"): f for f in results.get("footprints", [])}
+        for x in d["memory_slope"]:
+            fp = fps.get(x["env"], {}).get("bytes_per_env")
+            rows.append([x["env"], CONTENDER_LABELS[x["contender"]],
+                         f"{x['from_n']}->{x['to_n']}",
+                         f"{x['bytes_per_env'] / 2**20:.3f}",
+                         f"{fp / 2**20:.3f}" if fp is not None else "-"])  # fmt: skip
+        lines += ["### Memory per added env", ""]
+        lines += _table(["env", "contender", "envs", "PSS MB per added env",
+                         "the env's own footprint MB (in-process)"], rows)  # fmt: skip
+    lines += ["## Which to pick", "", *guidance(results), ""]
+    path.write_text("\n".join(lines))
+
+
+def guidance(results: dict[str, Any]) -> list[str]:
+    """README sentences: which contender for which situation, from this run's numbers."""
+    summary, s = results["summary"], results["settings"]
+    na, nm = s["n_envs_atari"], s["n_envs_mujoco"]
+
+    def r(c: str, env: str, n: int, pol: bool) -> float | None:
+        b = best_of(summary, c, env, n, pol)
+        return b["median"] if b else None
+
+    def vs(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a and b else "n/a"
+
+    pong_ep = r("envpool-async", "Pong-v5", na, False)
+    pong_us = r("asyncsample", "Pong-v5", na, False)
+    hc_ep = r("envpool-sync", "HalfCheetah-v5", nm, True)
+    hc_us = r("asyncsample", "HalfCheetah-v5", nm, True)
+    hc_sync = r("sync", "HalfCheetah-v5", nm, True)
+    slopes = {(x["env"], x["contender"]): x for x in results["derived"]["memory_slope"]}
+    fps = {f.get("env"): f.get("bytes_per_env") for f in results.get("footprints", [])}
+    mem = ""
+    for env in s["sweep_envs"]:
+        ours, theirs = slopes.get((env, "asyncsample")), slopes.get((env, "async"))
+        if ours and theirs:
+            mem = (
+                f" (here {ours['bytes_per_env'] / 2**20:.2f} MB of PSS per added {env} env, "
+                f"against {theirs['bytes_per_env'] / 2**20:.1f} MB for AsyncVectorEnv; the env "
+                f"itself: {(fps.get(env) or 0) / 2**20:.2f} MB)"
+            )
+    out = [
+        "- **EnvPool** when the env is one of its C++ ports (Atari, MuJoCo, classic control, "
+        "VizDoom, ...) and throughput is the goal: it has no per-step process round trip and no "
+        f"Python in the env loop. Here asyncsample reached {vs(pong_us, pong_ep)} of EnvPool "
+        f"async on Pong (random agent, {na} envs) and {vs(hc_us, hc_ep)} of EnvPool sync on "
+        f"HalfCheetah with the MLP ({nm} envs). EnvPool cannot run a Python env, a custom "
+        "wrapper stack in Python, or an env that must live on another machine.",
+        "- **gymnasium SyncVectorEnv** when the env steps in microseconds (CartPole-class) and one "
+        "core is enough: no processes, no copies, the least memory. It blocks the caller for the "
+        "whole step of all envs, so it does not belong inside an event loop that serves "
+        "anything else. On HalfCheetah with the policy asyncsample was "
+        f"{vs(hc_us, hc_sync)} of it.",
+        "- **asyncsample** when the envs are Python envs that cost more than the round trip "
+        "(tens of microseconds and up: ALE with Python wrappers, MuJoCo through the bindings, "
+        "simulators, games), when the trainer is an asyncio program that must stay responsive "
+        "(the event loop keeps running while envs step), when step times vary (workers do not "
+        "wait for each other), and when the pool must grow to hundreds of envs without a process "
+        f"each{mem}.",
+        "- **Not asyncsample** for an env EnvPool already ships, when raw steps/s is all that "
+        "matters; for envs cheaper than a process round trip with few envs per worker (use "
+        "SyncVectorEnv, or asyncsample's local backend); or when the policy needs one large batch "
+        'per step over all envs and `inference="batched"` is not available in your version '
+        "(with per-worker inference the policy runs once per worker step, `n_workers` calls "
+        "per round).",
+        "- **AsyncVectorEnv / SB3 SubprocVecEnv** pay one process per env and one round trip per "
+        "env step: fine for a few slow envs, the most memory and start-up time as envs grow.",
+    ]
+    return out
+
+
+def write_plots(out: Path, results: dict[str, Any]) -> list[Path]:
+    """``real_envs_scaling.png`` (the sweep) and ``real_envs_main.png`` (% of the ideal)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary, s, d = results["summary"], results["settings"], results["derived"]
+    paths: list[Path] = []
+    sweep_keys = {r["key"] for r in results["runs"] if r["group"] == "sweep"}
+    sweep = [a for a in summary.values() if a["key"] in sweep_keys and a["median"]]
+    if sweep:
+        metrics: list[tuple[str, Callable[[dict[str, Any]], float | None]]] = [
+            ("steps/s", lambda a: a["median"]),
+            ("main-process cores", lambda a: (a.get("split") or {}).get("main_cores")),
+            ("PSS, all processes (MB)",
+             lambda a: (a.get("pss") or {}).get("total_pss", 0) / 2**20 or None),
+            ("stall p99 (ms): loop lag / step call",
+             lambda a: (a.get("lag") or a.get("blocking") or {}).get("p99_ms")),
+            ("start-up (s)", lambda a: a.get("startup")),
+        ]  # fmt: skip
+        envs = s["sweep_envs"]
+        fig, axes = plt.subplots(len(metrics), len(envs), figsize=(5.5 * len(envs), 14),
+                                 squeeze=False)  # fmt: skip
+        for j, env in enumerate(envs):
+            series: dict[str, list[dict[str, Any]]] = {}
+            for a in sweep:
+                if a["env"] == env:
+                    label = (
+                        f"{a['label']}, {a['n_workers']} workers over 2 processes"
+                        if a["contender"] in OURS
+                        else _row_label(a)
+                    )
+                    series.setdefault(label, []).append(a)
+            for i, (name, fn) in enumerate(metrics):
+                ax = axes[i][j]
+                for label, pts in sorted(series.items()):
+                    pts.sort(key=lambda a: a["n_envs"])
+                    xs = [a["n_envs"] for a in pts if fn(a) is not None]
+                    ys = [fn(a) for a in pts if fn(a) is not None]
+                    ax.plot(xs, ys, marker="o", label=label)
+                ax.set_xscale("log", base=2)
+                if i in (0, 2, 3, 4):
+                    ax.set_yscale("log")
+                ax.set_title(f"{env}: {name}", fontsize=9)
+                ax.grid(True, alpha=0.3)
+                if i == len(metrics) - 1:
+                    ax.set_xlabel("envs")
+            axes[0][j].legend(fontsize=7)
+        fig.suptitle(f"How the cost grows ({s['cores']} cores, load avg "
+                     f"{_loads(results)[1]:.0f})", fontsize=11)  # fmt: skip
+        fig.tight_layout()
+        p = out / "real_envs_scaling.png"
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        paths.append(p)
+    main_keys = {r["key"] for r in results["runs"] if r["group"] == "main"}
+    main = [a for a in summary.values() if a["key"] in main_keys and a["median"]]
+    if main:
+        envs = [e for e in s["envs"] if any(a["env"] == e for a in main)]
+        fig, axes = plt.subplots(1, len(envs), figsize=(4.5 * len(envs), 4.5), squeeze=False)
+        for j, env in enumerate(envs):
+            ax = axes[0][j]
+            ide = d["ideal"].get(env, {}).get("ideal_rate") or 1.0
+            labels = sorted({_row_label(a) for a in main if a["env"] == env})
+            pos = np.arange(len(labels))
+            for k, pol in enumerate((False, True)):
+                ys = []
+                for label in labels:
+                    a = next((a for a in main if a["env"] == env and _row_label(a) == label
+                              and a["policy"] == pol), None)  # fmt: skip
+                    ys.append(100 * a["median"] / ide if a else 0.0)
+                ax.bar(pos + (k - 0.5) * 0.4, ys, 0.4, label="policy" if pol else "random")
+            ax.axhline(100, color="k", lw=0.8, ls="--")
+            ax.set_xticks(pos, labels, rotation=60, ha="right", fontsize=7)
+            ax.set_title(f"{env}: % of the {s['cores']}-core ideal", fontsize=9)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out / "real_envs_main.png"
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def write_all(out: Path, results: dict[str, Any]) -> None:
+    """Write ``real_envs.md`` and the PNG charts from ``results``."""
+    write_plots(out, results)
+    write_markdown(out / "real_envs.md", results)
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _from_log(out: Path) -> dict[str, Any]:
+    """Results of the default settings from the runs in ``out/real_envs.jsonl``; writes JSON."""
+    from benchmarks.report import machine_info
+
+    records = [json.loads(line) for line in (out / "real_envs.jsonl").read_text().splitlines()]
+    s = Settings()
+    done = {r["repeat"] for r in records if r["group"] == "main"}
+    s.repeats = max(1, len(done))
+    footprints: list[dict[str, Any]] = []
+    for env in dict.fromkeys([*s.envs, *s.sweep_envs]):
+        try:
+            footprints.append(_footprint_in_child(env, s.timeout))
+        except Exception as exc:
+            footprints.append({"env": env, "error": f"{type(exc).__name__}: {exc}"})
+    loads = [r["loadavg"] for r in records if r.get("loadavg")]
+    machine = machine_info() | {
+        "loadavg_start": loads[0] if loads else None,
+        "loadavg_end": loads[-1] if loads else None,
+        "minutes": sum(r.get("wall", 0.0) for r in records) / 60,
+        "note": "rebuilt from real_envs.jsonl (the run was stopped before it wrote its JSON)",
+    }
+    summary = aggregate(records)
+    results = {
+        "machine": machine,
+        "settings": asdict(s),
+        "runs": records,
+        "footprints": footprints,
+        "summary": summary,
+        "derived": derive(summary, s),
+    }
+    (out / "real_envs.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.real_envs [--quick] [--groups ...] [--out DIR]``."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.real_envs", description=__doc__)
+    p.add_argument("--run-one", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="seconds-long smoke test")
+    p.add_argument("--groups", nargs="+", choices=["ideal", "main", "sweep", "footprint"])
+    p.add_argument("--envs", nargs="+", choices=MAIN_ENVS)
+    p.add_argument("--contenders", nargs="+", choices=[*PEERS, *OURS])
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--sweep-n", nargs="+", type=int)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument(
+        "--render",
+        action="store_true",
+        help="only recompute the summary of OUT/real_envs.json from its runs and re-render",
+    )
+    p.add_argument(
+        "--from-log",
+        action="store_true",
+        help="with --render: rebuild OUT/real_envs.json from the runs logged so far in "
+        "OUT/real_envs.jsonl (an interrupted run; footprints are measured again)",
+    )
+    args = p.parse_args(argv)
+    if args.run_one:
+        spec = RealSpec(**json.loads(Path(args.run_one[0]).read_text()))
+        Path(args.run_one[1]).write_text(json.dumps(run_in_this_process(spec)))
+        return 0
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if args.render and args.from_log:
+        write_all(out, _from_log(out))
+        return 0
+    if args.render:
+        # Summary and derived figures are recomputed from the runs with this code.
+        results = json.loads((out / "real_envs.json").read_text())
+        results["summary"] = aggregate(results["runs"])
+        results["derived"] = derive(results["summary"], Settings(**results["settings"]))
+        (out / "real_envs.json").write_text(json.dumps(results, indent=1, default=str))
+        write_all(out, results)
+        return 0
+    s = Settings.quick_settings() if args.quick else Settings()
+    for name in ("groups", "envs", "contenders", "repeats", "sweep_n"):
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    from benchmarks.report import machine_info
+
+    machine = machine_info() | {"loadavg_start": os.getloadavg()}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="real-envs-") as tmp:
+        ran = execute(s, Path(tmp), log=out / "real_envs.jsonl" if not s.quick else None)
+    machine["loadavg_end"] = os.getloadavg()
+    machine["minutes"] = (time.perf_counter() - t0) / 60
+    summary = aggregate(ran["records"])
+    results = {
+        "machine": machine,
+        "settings": asdict(s),
+        "runs": ran["records"],
+        "footprints": ran["footprints"],
+        "summary": summary,
+        "derived": derive(summary, s),
+    }
+    (out / "real_envs.json").write_text(json.dumps(results, indent=1, default=str))
+    write_all(out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
