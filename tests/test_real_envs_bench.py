@@ -11,13 +11,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-for _module in ("ale_py", "cv2", "envpool", "mujoco", "torch"):
-    pytest.importorskip(_module)
+# The `test` extra installs them: a missing one is an error, not a skip.
+import ale_py  # noqa: E402, F401
+import cv2  # noqa: E402, F401
+import envpool  # noqa: E402
+import mujoco  # noqa: E402, F401
 
 
 def test_gymnasium_atari_stack_matches_envpool_spaces() -> None:
     """The wrapper stack gives EnvPool's observation layout: (4, 84, 84) uint8, same actions."""
-    import envpool
 
     from benchmarks.real_envs import ENVPOOL_ATARI, make_env
 
