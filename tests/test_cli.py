@@ -157,6 +157,7 @@ def test_a_short_run_prints_the_summary() -> None:
     assert re.search(r"episodes:\s+[1-9]\d* completed", done.stdout)
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 def test_ctrl_c_prints_the_summary_so_far_and_leaves_nothing_running() -> None:
     before_shm = shm_entries()
     args = ["run", "--backend", "process", "--processes", "2", "--workers", "2",

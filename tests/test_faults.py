@@ -264,6 +264,7 @@ asyncio.run(main())  # returns without aclose(): the interpreter exits with host
     assert shm_entries() - before == set()
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 def test_keyboard_interrupt_in_the_middle_of_sampling() -> None:
     before = shm_entries()
     result = run_python(
@@ -290,6 +291,7 @@ except KeyboardInterrupt:
     assert shm_entries() - before == set()
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 def test_parent_killed_takes_its_hosts_along() -> None:
     result = run_python(
         SCRIPT_HEAD

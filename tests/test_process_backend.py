@@ -408,6 +408,7 @@ async def test_step_timeout_kills_the_process_tree_then_restart() -> None:
             await host.step(np.ones(1, bool))
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 async def test_step_timeout_counts_from_when_the_host_starts_the_request() -> None:
     # Four workers in one process, each step takes 1 s: the fourth waits 3 s in line, more than
     # step_timeout, but its own step is well within it (wide margins: on a loaded 2-core machine
@@ -420,6 +421,7 @@ async def test_step_timeout_counts_from_when_the_host_starts_the_request() -> No
         await asyncio.gather(*(h.step(np.ones(1, bool)) for h in hosts))
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 async def test_step_timeout_spares_a_reply_that_came_in_time_to_a_stalled_loop() -> None:
     # Wide margins: on a loaded 2-core machine building an env alone has taken over a second.
     async with started([spec(BoxEnv, 1)], step_timeout=3.0) as (_, (host,)):
@@ -577,6 +579,7 @@ def _run_script(body: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 def test_hosts_end_at_interpreter_exit_without_aclose() -> None:
     began = time.monotonic()
     result = _run_script(

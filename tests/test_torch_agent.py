@@ -339,6 +339,7 @@ async def test_evaluate_uses_the_deterministic_mode() -> None:
         assert set(np.unique(sampled.batch.actions).tolist()) == {0, 1}
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 async def test_one_seeded_agent_per_worker_gives_reproducible_batches() -> None:
     async def run(agent_seed: int) -> Any:
         agents: list[Agent] = [
@@ -360,6 +361,7 @@ def _seeded_module() -> nn.Module:
     return Categorical(n_in=4, n_actions=2, value=True)
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 def test_import_asyncsample_does_not_import_torch() -> None:
     code = (
         "import sys, asyncsample\n"

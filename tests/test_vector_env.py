@@ -657,6 +657,7 @@ def test_send_recv_arguments(no_leaks: None) -> None:
         VectorEnv("CartPole-v1", 4, batch_size=5)
 
 
+@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
 def test_exit_without_close_leaves_nothing(tmp_path: Any) -> None:
     """A script that never closes its VectorEnv: its env hosts end with it."""
     import subprocess
