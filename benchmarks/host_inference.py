@@ -1,4 +1,4 @@
-"""``inference="host"`` (the agent inside the env hosts) against the targets of issue 12.
+"""``inference="host"`` (the agent inside the env hosts) against the ratios it is built for.
 
 Run from the repository root::
 

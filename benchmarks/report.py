@@ -382,7 +382,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         lines += _policy_markdown(results)
 
     if derived["targets"] and any(t["value"] is not None for t in derived["targets"]):
-        lines += ["## Targets of issue 4 (best asyncsample layout)", ""]
+        lines += ["## Ratios against the goals (best asyncsample layout)", ""]
         rows = []
         for t in derived["targets"]:
             val = t["value"]
@@ -475,7 +475,7 @@ def _policy_markdown(results: dict[str, Any]) -> list[str]:
                 lines += _table(header, rows)
     targets = derived.get("policy", {}).get("targets", [])
     if targets:
-        lines += ["### Targets of issue 11", ""]
+        lines += ["### Policy workload: ratios against the goals", ""]
         rows = []
         for t in targets:
             met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]

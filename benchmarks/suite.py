@@ -724,7 +724,7 @@ def derive(
     }
 
 
-#: Issue 11's targets: best asyncsample vs SyncVectorEnv with the MLP, by (env, envs).
+#: The policy workload's goals: best asyncsample vs SyncVectorEnv with the MLP, by (env, envs).
 POLICY_TARGETS = {
     ("CartPole-v1", 8): 1.2,
     ("CartPole-v1", 32): 1.5,
