@@ -138,6 +138,25 @@ class NoisyEnv(gym.Env):
         return obs, float(action) + float(obs[0]), done, False, {"t": self.t}
 
 
+class DictObsEnv(gym.Env):
+    """NoisyEnv with a dict observation ``{"pos": Box(3), "t": Discrete(1000)}``."""
+
+    def __init__(self) -> None:
+        self.inner = NoisyEnv()
+        self.observation_space = gym.spaces.Dict(
+            {"pos": self.inner.observation_space, "t": gym.spaces.Discrete(1000)}
+        )
+        self.action_space = self.inner.action_space
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        obs, info = self.inner.reset(seed=seed)
+        return {"pos": obs, "t": 0}, info
+
+    def step(self, action: Any) -> Any:
+        obs, r, term, trunc, info = self.inner.step(action)
+        return {"pos": obs, "t": min(self.inner.t, 999)}, r, term, trunc, info
+
+
 class FailingEnv(NoisyEnv):
     """Raises once in ``step`` (or ``reset``) at its ``fail_at``-th call.
 

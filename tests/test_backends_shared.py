@@ -23,7 +23,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
-from envs import NoisyEnv
+from envs import NoisyEnv, SignallingAgent
 from test_process_backend import leaves_nothing
 
 from asyncsample import Sampler, SamplerClosedError, StepTimeoutError, WorkerCrashedError
@@ -164,28 +164,14 @@ class SlowEnv(NoisyEnv):
         return super().step(action)
 
 
-class SignallingAgent:
-    """A random agent that sets ``called`` when it has been asked for actions a few times."""
-
-    def __init__(self) -> None:
-        self.called = asyncio.Event()
-        self.calls = 0
-
-    def get_actions(self, observations: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        self.calls += 1
-        if self.calls >= 3:
-            self.called.set()
-        return np.zeros(len(observations), np.int64), {}
-
-
 @pytest.mark.parametrize("name", BACKENDS)
 async def test_call_in_flight_when_closed_raises_sampler_closed(name: str) -> None:
     async with leaves_nothing():
-        agent = SignallingAgent()
+        agent = SignallingAgent(after=3)
         sampler = Sampler(SlowEnv, agent, n_workers=2, envs_per_worker=2, backend=name, seed=0)
         await sampler.start()
         task = asyncio.ensure_future(sampler.obtain_samples(10**6))
-        await agent.called.wait()  # sampling is under way: steps are in flight
+        await agent.event.wait()  # sampling is under way: steps are in flight
         await sampler.aclose()
         with pytest.raises(SamplerClosedError):
             await task

@@ -9,10 +9,9 @@ import threading
 from typing import Any
 
 import cloudpickle
-import gymnasium as gym
 import numpy as np
 import pytest
-from envs import NoisyEnv
+from envs import DictObsEnv, NoisyEnv
 
 from asyncsample import EpisodeBatch, Sampler
 from asyncsample.inference import Batched
@@ -56,25 +55,6 @@ class RngAgent:
 
     def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         return self.rng.integers(0, 3, len(observations)), {}
-
-
-class DictObsEnv(gym.Env):  # type: ignore[type-arg]
-    """NoisyEnv with a dict observation ``{"pos": Box(3), "t": Discrete(1000)}``."""
-
-    def __init__(self) -> None:
-        self.inner = NoisyEnv()
-        self.observation_space = gym.spaces.Dict(
-            {"pos": self.inner.observation_space, "t": gym.spaces.Discrete(1000)}
-        )
-        self.action_space = self.inner.action_space
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
-        obs, info = self.inner.reset(seed=seed)
-        return {"pos": obs, "t": 0}, info
-
-    def step(self, action: Any) -> Any:
-        obs, r, term, trunc, info = self.inner.step(action)
-        return {"pos": obs, "t": min(self.inner.t, 999)}, r, term, trunc, info
 
 
 def make(backend: str, agent: Any, inference: Any = "per_worker", **kw: Any) -> Sampler:

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
-import gymnasium as gym
 import numpy as np
 import pytest
-from envs import AlwaysFailingEnv, FailingEnv, HangingEnv, KillSelfEnv, NoisyEnv
+from envs import AlwaysFailingEnv, DictObsEnv, FailingEnv, HangingEnv, KillSelfEnv, NoisyEnv
 from helpers import run_python
 
 from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
@@ -110,25 +109,6 @@ class LockedAgent(LinearAgent):
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-
-
-class DictObsEnv(gym.Env):  # type: ignore[type-arg]
-    """NoisyEnv with a dict observation ``{"pos": Box(3), "t": Discrete(1000)}``."""
-
-    def __init__(self) -> None:
-        self.inner = NoisyEnv()
-        self.observation_space = gym.spaces.Dict(
-            {"pos": self.inner.observation_space, "t": gym.spaces.Discrete(1000)}
-        )
-        self.action_space = self.inner.action_space
-
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
-        obs, info = self.inner.reset(seed=seed)
-        return {"pos": obs, "t": 0}, info
-
-    def step(self, action: Any) -> Any:
-        obs, r, term, trunc, info = self.inner.step(action)
-        return {"pos": obs, "t": min(self.inner.t, 999)}, r, term, trunc, info
 
 
 class RecordingWorker(VecWorker):

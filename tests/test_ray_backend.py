@@ -22,7 +22,15 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
-from envs import SCRIPT, AlwaysFailingEnv, FailingEnv, GridWorldEnv, NoisyEnv, ScriptedAgent
+from envs import (
+    SCRIPT,
+    AlwaysFailingEnv,
+    FailingEnv,
+    GridWorldEnv,
+    NoisyEnv,
+    ScriptedAgent,
+    SignallingAgent,
+)
 
 from asyncsample import (
     EpisodeBatch,
@@ -440,25 +448,13 @@ def test_cluster_ownership(cluster: Any, tmp_path: Any) -> None:
 # -- closing, host extensions -----------------------------------------------------------------
 
 
-class _SignallingAgent:
-    def __init__(self) -> None:
-        self.called = asyncio.Event()
-        self.calls = 0
-
-    def get_actions(self, observations: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
-        self.calls += 1
-        if self.calls >= 3:
-            self.called.set()
-        return np.zeros(len(observations), np.int64), {}
-
-
 @pytest.mark.slow
 async def test_call_in_flight_when_closed_raises_sampler_closed(cluster: Any) -> None:
-    agent = _SignallingAgent()
+    agent = SignallingAgent(after=3)
     sampler = make(NoisyEnv, agent=agent, n_workers=2, envs_per_worker=2, seed=0)
     await sampler.start()
     task = asyncio.ensure_future(sampler.obtain_samples(10**6))
-    await agent.called.wait()
+    await agent.event.wait()
     await sampler.aclose()
     with pytest.raises(SamplerClosedError):
         await task
