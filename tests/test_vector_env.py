@@ -25,6 +25,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import host_processes as our_processes
 from helpers import new_shm_entries, shm_entries, wait_gone
 
+import asyncsample.vector as vector_module
 from asyncsample import StepTimeoutError, WorkerCrashedError
 from asyncsample.vector import SubEnvError, VectorEnv
 
@@ -406,19 +407,40 @@ def test_step_async_and_step_equal_to_sync(no_leaks: None) -> None:
         sync.close()
 
 
-def test_interrupted_step_leaves_a_working_env(no_leaks: None) -> None:
-    """A KeyboardInterrupt while a step waits for its hosts: later resets and steps are exact."""
+@pytest.mark.parametrize("where", ["direct read", "event loop"])
+def test_interrupted_step_leaves_a_working_env(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A KeyboardInterrupt while a step waits for its hosts: later resets and steps are exact.
+
+    A lockstep step reads the hosts' replies itself first and runs the event loop only when it
+    must; Ctrl-C can land in either.
+    """
     ours = VectorEnv("CartPole-v1", 4, n_processes=2)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
+    real_select = vector_module.select.select
+    armed = [False]
+
+    def interrupting_select(*args: Any) -> Any:
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real_select(*args)
 
     def interrupt() -> None:
         raise KeyboardInterrupt
 
     try:
         ours.reset(seed=0)
-        ours._engine.runner.loop.call_soon(interrupt)
+        if where == "direct read":
+            monkeypatch.setattr(vector_module.select, "select", interrupting_select)
+            armed[0] = True
+        else:
+            monkeypatch.setattr(vector_module, "_read_directly", lambda calls: False)
+            ours._engine.runner.loop.call_soon(interrupt)
         with pytest.raises(KeyboardInterrupt):
             ours.step(np.zeros(4, dtype=np.int64))
+        assert not armed[0]
         assert_same(ours.reset(seed=2), sync.reset(seed=2), "reset after the interrupt")
         rng = np.random.default_rng(2)
         for t in range(60):

@@ -10,8 +10,9 @@ sends a tiny frame (slot and active mask); the host steps every env of that work
 into shared memory and replies with a header, plus pickled infos only when there are any. See
 :mod:`asyncsample.backends._transport` for the wire format.
 
-In the main process, one reader task per host process owns its stream and resolves per-request
-futures by request id; a caller that is cancelled simply drops its future, and the late reply is
+In the main process, a protocol per host process splits its stream into frames as the bytes
+arrive (no reader task: the event loop's read callback resolves the per-request futures by
+request id directly); a caller that is cancelled simply drops its future, and the late reply is
 discarded. A dead host is noticed at once (end of stream or its process sentinel): every request
 waiting on it fails with :class:`~asyncsample.WorkerCrashedError`. ``step_timeout`` is measured
 from the moment the host starts on a request (requests of the workers sharing a host are served
@@ -39,7 +40,7 @@ import socket
 import sys
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,8 @@ _KILL_WAIT = 5.0
 #: Seconds to wait for a host's exit status after its stream ended.
 _EOF_GRACE = 1.0
 _MAX_ID = 0xFFFFFFFF
+#: Bytes asked of the socket per read (replies are small; infos and chunk replies may not be).
+_READ_SIZE = 1 << 18
 
 
 def _context() -> Any:
@@ -157,14 +160,95 @@ def _mask_bytes(mask: np.ndarray) -> bytes:
     return np.asarray(mask, dtype=np.bool_).tobytes()
 
 
+class _ReplyProtocol(asyncio.Protocol):
+    """Splits an env host's reply stream into frames as the bytes arrive.
+
+    Frames go to the owner's ``on_frame`` straight from the event loop's read callback, with no
+    reader task and no per-frame future in between: the reply to a step costs one callback.
+    Until an owner is attached, bytes are kept. :meth:`feed` is the same entry point for a
+    caller that read the socket itself (see :meth:`_Conn.read_now`).
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._on_frame: Callable[[int, int, bytes], None] | None = None
+        self._on_eof: Callable[[], None] | None = None
+        self.ended = False
+
+    def attach(
+        self, on_frame: Callable[[int, int, bytes], None], on_eof: Callable[[], None]
+    ) -> None:
+        """Start handing frames (and the end of the stream) to the owner."""
+        self._on_frame = on_frame
+        self._on_eof = on_eof
+        self._parse()
+        if self.ended:
+            on_eof()
+
+    def data_received(self, data: bytes) -> None:
+        self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        """Take bytes read from the host's socket."""
+        buf = self._buf
+        on_frame = self._on_frame
+        if not buf and on_frame is not None and len(data) >= _HSIZE:
+            # The common case: exactly one whole frame, taken without a copy into the buffer.
+            length, rid, status = _unpack_header(data)
+            if len(data) == _HSIZE + length:
+                on_frame(rid, status, data[_HSIZE:] if length else b"")
+                return
+        buf += data
+        self._parse()
+
+    def pending_bytes(self) -> int:
+        """Bytes received that do not make a whole frame yet (or wait for an owner)."""
+        return len(self._buf)
+
+    def _parse(self) -> None:
+        on_frame = self._on_frame
+        if on_frame is None:
+            return
+        buf = self._buf
+        pos = 0
+        end_of_data = len(buf)
+        while end_of_data - pos >= _HSIZE:
+            length, rid, status = _unpack_header(buf, pos)
+            end = pos + _HSIZE + length
+            if end > end_of_data:
+                break
+            payload = bytes(buf[pos + _HSIZE : end]) if length else b""
+            pos = end
+            on_frame(rid, status, payload)
+        if pos:
+            del buf[:pos]
+
+    def eof_received(self) -> bool:
+        self._ended()
+        return False  # let the transport close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended()
+
+    def _ended(self) -> None:
+        if not self.ended:
+            self.ended = True
+            if self._on_eof is not None:
+                self._on_eof()
+
+
+_HSIZE = HEADER.size
+_unpack_header = HEADER.unpack_from
+
+
 class _Conn(Incarnation):
-    """One incarnation of an env-host process: the process, its stream and its reader task."""
+    """One incarnation of an env-host process: the process and its control stream."""
 
     def __init__(
         self,
         process: Any,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
+        transport: asyncio.WriteTransport,
+        protocol: _ReplyProtocol,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         super().__init__(loop)
@@ -174,8 +258,8 @@ class _Conn(Incarnation):
             self.ps: psutil.Process | None = psutil.Process(self.pid)
         except psutil.Error:
             self.ps = None
-        self.reader = reader
-        self.writer = writer
+        self.transport = transport
+        self.protocol = protocol
         # Calls by request id, until answered (a cancelled caller's call stays: its reply is
         # dropped when it comes).
         self.pending: dict[int, PendingCall] = {}
@@ -183,11 +267,12 @@ class _Conn(Incarnation):
         self.ready: asyncio.Future[str | None] = loop.create_future()
         self.exited: asyncio.Future[int | None] = loop.create_future()
         self.sentinel: int = process.sentinel
-        sock = writer.get_extra_info("socket")
+        sock = transport.get_extra_info("socket")
         self.fd: int = sock.fileno() if sock is not None else -1
         self.watching = True
+        self.eof_timer: asyncio.TimerHandle | None = None
         loop.add_reader(self.sentinel, self._on_sentinel)
-        self.task = loop.create_task(self._read_loop(), name=f"asyncsample-host-{self.pid}-reader")
+        protocol.attach(self._on_frame, self._on_eof)
 
     def describe(self) -> str:
         return f"env-host process {self.pid}"
@@ -204,58 +289,65 @@ class _Conn(Incarnation):
         call.key = rid
         self.pending[rid] = call
         try:
-            self.writer.write(HEADER.pack(len(body), rid, op) + body)
+            self.transport.write(HEADER.pack(len(body), rid, op) + body)
         except Exception as exc:  # the transport broke: the host is gone
             self.die(f"could not be sent a request ({exc!r})")  # fails the call too
         return call
 
-    async def _read_loop(self) -> None:
-        reader = self.reader
-        readexactly = reader.readexactly
-        unpack = HEADER.unpack
-        size = HEADER.size
-        pending = self.pending
-        answered = self.answered
-        try:
-            while True:
-                length, rid, status = unpack(await readexactly(size))
-                payload = await readexactly(length) if length else b""
-                if rid == HELLO_ID:
-                    if not self.ready.done():
-                        self.ready.set_result(None)
-                    continue
-                call = pending.pop(rid, None)
-                if call is None:
-                    continue
-                # The host serves requests in order: it starts on the next one now, so that
-                # is when that one's timeout starts.
-                answered(call)
-                fut = call.future
-                if not fut.done():
-                    fut.set_result((status, payload))
-        except (asyncio.IncompleteReadError, OSError):
-            pass  # end of stream
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # never leave waiters hanging on a reader bug
-            self.die(f"broke its control stream ({exc!r})")
+    def _on_frame(self, rid: int, status: int, payload: bytes) -> None:
+        if rid == HELLO_ID:
+            if not self.ready.done():
+                self.ready.set_result(None)
             return
-        if not self.dead:
-            # The host closed its end: it is exiting or gone. Its exit status follows shortly.
-            await asyncio.wait({self.exited}, timeout=_EOF_GRACE)
-            self.die("closed its control connection")
+        call = self.pending.pop(rid, None)
+        if call is None:
+            return
+        # The host serves requests in order: it starts on the next one now, so that is when
+        # that one's timeout starts.
+        self.answered(call)
+        fut = call.future
+        if not fut.done():
+            fut.set_result((status, payload))
+
+    def _on_eof(self) -> None:
+        if not self.dead and self.eof_timer is None:
+            # The host closed its end: it is exiting or gone. Its exit status (the sentinel)
+            # usually follows at once and names the cause; if not, this does.
+            self.eof_timer = self.loop.call_later(
+                _EOF_GRACE, self.die, "closed its control connection"
+            )
+
+    def read_now(self) -> bool:
+        """Read what the host has sent, without the event loop (which must not be running).
+
+        For a synchronous caller that waits on this host alone (the vector env): bytes go
+        through the same :class:`_ReplyProtocol`. Returns ``False`` when the stream needs the
+        event loop instead (end of stream, an error, or writes still queued in the transport).
+        """
+        if self.fd < 0 or self.dead or self.protocol.ended:
+            return False
+        if self.transport.get_write_buffer_size():
+            return False
+        try:
+            data = os.read(self.fd, _READ_SIZE)  # non-blocking: the transport made it so
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        self.protocol.feed(data)
+        return True
 
     def _defer_timeout(self, call: PendingCall) -> bool:
-        """Whether a reply has arrived that the reader task has not handled yet.
+        """Whether a reply has arrived that the loop has not read yet.
 
         A stalled loop may run the timer before it reads a reply that came in time (the host
-        answers in order: a waiting reply is this call's). Looking again shortly, the reader
-        task will have handled the reply.
+        answers in order: a waiting reply is this call's). Looking again shortly, the loop's
+        read callback will have handled the reply.
         """
-        if self.task.done():
+        if self.protocol.ended:
             return False
-        if getattr(self.reader, "_buffer", None):
-            return True  # read from the socket, the reader task runs next
         try:
             return bool(select.select([self.fd], [], [], 0)[0])
         except (OSError, ValueError):
@@ -287,28 +379,27 @@ class _Conn(Incarnation):
 
     def _on_death(self) -> None:
         self.pending.clear()
+        if self.eof_timer is not None:
+            self.eof_timer.cancel()
+            self.eof_timer = None
         if not self.ready.done():
             with contextlib.suppress(RuntimeError):
                 self.ready.set_result(self.reason)
         with contextlib.suppress(Exception):
-            self.writer.close()
+            self.transport.close()
 
     async def shutdown(self, grace: float) -> None:
         """Ask the host to exit, kill it if it does not in ``grace`` seconds, release all."""
         self.closing = True
         if not self.dead:
             with contextlib.suppress(Exception):
-                self.writer.write(HEADER.pack(0, HELLO_ID, OP_EXIT))
+                self.transport.write(HEADER.pack(0, HELLO_ID, OP_EXIT))
         if not self.exited.done() and self.watching:
             await asyncio.wait({self.exited}, timeout=grace)
         if not self.exited.done() and self.watching:
             self.die(f"was killed: it did not exit within {grace:g}s of being asked to")
             await asyncio.wait({self.exited}, timeout=_KILL_WAIT)
         self.die("was shut down")
-        self.task.cancel()
-        await asyncio.wait({self.task})
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
         self.release()
 
     def release(self) -> None:
@@ -323,9 +414,7 @@ class _Conn(Incarnation):
         with contextlib.suppress(Exception):
             self.process.close()
         with contextlib.suppress(Exception):
-            self.task.cancel()
-        with contextlib.suppress(Exception):
-            self.writer.transport.abort()
+            self.transport.abort()
 
 
 _START_LOCK = threading.Lock()
@@ -426,7 +515,9 @@ class _Member(PoolMember[_Conn]):
         finally:
             child_sock.close()
         try:
-            reader, writer = await asyncio.open_unix_connection(sock=parent_sock, limit=1 << 20)
+            transport, protocol = await loop.create_unix_connection(
+                _ReplyProtocol, sock=parent_sock
+            )
         except BaseException:
             _kill_tree(None, process.pid)
             with contextlib.suppress(Exception):
@@ -435,7 +526,7 @@ class _Member(PoolMember[_Conn]):
                 process.close()
             parent_sock.close()
             raise
-        conn = _Conn(process, reader, writer, loop)
+        conn = _Conn(process, transport, protocol, loop)
         self.current = conn
         self.incarnations.append(conn)
         done, _ = await asyncio.wait({conn.ready}, timeout=START_TIMEOUT)
@@ -499,6 +590,12 @@ class ProcessHost(RemoteHost[_Conn]):
     def pid(self) -> int | None:
         """Pid of the process that hosts these envs (``None`` before start)."""
         return None if self._incarnation is None else self._incarnation.pid
+
+    def sync_reader(self) -> _Conn | None:
+        """The live connection, for a synchronous caller that reads its replies itself while
+        the event loop is not running (see :meth:`_Conn.read_now`); ``None`` if there is none."""
+        inc = self._incarnation
+        return None if inc is None or inc.dead else inc
 
     def _submit(self, incarnation: _Conn, op: str, payload: tuple[Any, ...]) -> PendingCall:
         body = self._slot + payload[0] if payload else self._slot
