@@ -56,11 +56,13 @@ import contextlib
 import functools
 import math
 import os
+import select
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Protocol, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -71,6 +73,7 @@ from gymnasium.vector.utils import batch_space
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend
 from asyncsample.backends.base import EnvHost, HostSpec
+from asyncsample.backends.process import ProcessHost
 from asyncsample.env_update import EnvId, make_env
 from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
 
@@ -285,15 +288,19 @@ class _HostCall:
     do.
     """
 
-    __slots__ = ("_coro", "done", "error", "value", "waiting")
+    __slots__ = ("_coro", "done", "error", "reader", "value", "waiting")
 
-    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def __init__(
+        self, coro: Coroutine[Any, Any, Any], reader: Callable[[], _Reader | None] | None = None
+    ) -> None:
         self._coro = coro
         self.waiting: asyncio.Future[Any] | None = None
         self.done = False
         self.value: Any = None
         self.error: BaseException | None = None
         self.advance()
+        #: Where the reply comes from, for a wait that reads it without the loop (or None).
+        self.reader = None if reader is None or self.done else reader()
 
     def advance(self) -> None:
         """Run the coroutine until it waits on a future that is not done, or ends."""
@@ -326,12 +333,71 @@ class _HostCall:
             self.advance()
 
 
+class _Reader(Protocol):
+    """A host connection whose replies a synchronous caller may read itself (process hosts)."""
+
+    fd: int
+
+    def read_now(self) -> bool:
+        """Read what arrived and resolve the calls it answers; ``False``: use the loop."""
+        ...
+
+
+#: How long a synchronous wait reads the hosts' sockets itself before it hands over to the
+#: event loop, which also runs ``step_timeout`` timers (at most this late) and host-death
+#: callbacks. A dead host ends its stream, which hands over at once.
+_DIRECT_SLICE = 0.1
+
+
+def _read_directly(calls: Sequence[_HostCall]) -> bool:
+    """Wait for ``calls`` by reading their hosts' sockets here, without running the loop.
+
+    Starting and stopping an event loop, its selector pass and the callbacks between the
+    socket and the call cost more main-process CPU than the rest of a lockstep step of a
+    fast env. Returns ``True`` when every call ended, ``False`` to let the loop take over
+    (a call with no direct reader, a stream that ended or needs the loop, the time slice
+    used up); the loop then carries on from wherever this left off.
+    """
+    deadline = 0.0
+    while True:
+        readers: dict[int, _Reader] = {}
+        for call in calls:
+            if call.done:
+                continue
+            if call.waiting is not None and call.waiting.done():
+                call.advance()
+                if call.done:
+                    continue
+            if call.reader is None or call.waiting is None:
+                return False
+            readers[call.reader.fd] = call.reader
+        if not readers:
+            return True
+        now = time.monotonic()
+        if not deadline:
+            deadline = now + _DIRECT_SLICE
+        elif now >= deadline:
+            return False
+        try:
+            ready = select.select(list(readers), [], [], deadline - now)[0]
+        except (OSError, ValueError):
+            return False
+        if not ready:
+            return False
+        for fd in ready:
+            if not readers[fd].read_now():
+                return False
+
+
 def _wait_calls(loop: asyncio.AbstractEventLoop, calls: Sequence[_HostCall]) -> None:
     """Run ``loop`` (not running) until every call in ``calls`` ended.
 
-    One ``run_forever`` for all the futures the calls wait on (``run_until_complete`` per
-    future would start and stop the loop once per host), stopped by the last one resolved.
+    The replies are read directly where possible (see :func:`_read_directly`). Otherwise one
+    ``run_forever`` for all the futures the calls wait on (``run_until_complete`` per future
+    would start and stop the loop once per host), stopped by the last one resolved.
     """
+    if _read_directly(calls):
+        return
     while True:
         waiting = [c.waiting for c in calls if c.waiting is not None and not c.waiting.done()]
         if waiting:
@@ -754,10 +820,11 @@ class _Engine:
             else:
                 # Reset first: both go out at once on the host's stream, served in order.
                 host = self.hosts[h]
+                reader = host.sync_reader if isinstance(host, ProcessHost) else None
                 calls.append(
                     (
-                        None if r_local is None else _HostCall(host.reset(r_local)),
-                        None if s_local is None else _HostCall(host.step(s_local)),
+                        None if r_local is None else _HostCall(host.reset(r_local), reader),
+                        None if s_local is None else _HostCall(host.step(s_local), reader),
                     )
                 )
         return _Round(plans, calls, everyone, hosts is None)
