@@ -788,6 +788,23 @@ def asyncsample_local(spec: RunSpec) -> RunResult:
     return _asyncsample(spec, "local")
 
 
+def asyncsample_vector(spec: RunSpec) -> RunResult:
+    """``asyncsample.VectorEnv``: gymnasium's vector-env face on asyncsample's process pool.
+
+    The sub-envs are packed onto ``cores`` env-host processes (``n_envs / cores`` each), the
+    layout a drop-in replacement of ``AsyncVectorEnv`` gets by default on this machine.
+    """
+    try:
+        from asyncsample.vector import VectorEnv
+    except ImportError as exc:
+        raise Skipped(f"asyncsample.VectorEnv is not available: {exc}") from exc
+
+    def make(fns: list[Callable[[], gym.Env]], **kwargs: Any) -> gym.vector.VectorEnv:
+        return VectorEnv(spec.env_id, len(fns), n_processes=spec.cores, **kwargs)
+
+    return _gym_vector(spec, make)
+
+
 #: Contender key -> (function, human label).
 CONTENDERS: dict[str, tuple[Callable[[RunSpec], RunResult], str]] = {
     "ideal": (ideal_single, "plain env.step loop (1 process)"),
@@ -799,6 +816,7 @@ CONTENDERS: dict[str, tuple[Callable[[RunSpec], RunResult], str]] = {
     "envpool": (envpool_pool, "EnvPool (C++ threads)"),
     "asyncsample": (asyncsample_process, "asyncsample process"),
     "asyncsample-local": (asyncsample_local, "asyncsample local"),
+    "asyncsample-vector": (asyncsample_vector, "asyncsample VectorEnv"),
 }
 
 

@@ -42,13 +42,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 ALL_ENVS = ["CartPole-v1", "FixedCost-v0", "HeavyTail-v0", "Image-v0", "NoOp-v0"]
 PEERS = ["sync", "async", "sb3", "tianshou-subproc", "tianshou-shmem", "envpool"]
-OURS = ["asyncsample", "asyncsample-local"]
+OURS = ["asyncsample", "asyncsample-local", "asyncsample-vector"]
 ALL_CONTENDERS = PEERS + OURS
 GROUPS = ["ideal", "main", "big", "scaling", "overhead"]
 #: Groups that run only when named (``--groups policy``).
 EXTRA_GROUPS = ["policy"]
 POLICY_ENVS = ["CartPole-v1", "HalfCheetah-v5"]
-POLICY_PEERS = ["sync", "async", "sb3"]
+#: Contenders driven like a gymnasium vector env (one policy call per vector step).
+POLICY_PEERS = ["sync", "async", "sb3", "asyncsample-vector"]
 
 #: Contender -> module that must be importable for it to run.
 REQUIRES = {
@@ -58,6 +59,7 @@ REQUIRES = {
     "envpool": "envpool",
     "asyncsample": "asyncsample",
     "asyncsample-local": "asyncsample",
+    "asyncsample-vector": "asyncsample",
 }
 #: Peers that import torch (slow to start); ``--quick`` skips them unless named.
 TORCH_PEERS = {"sb3", "tianshou-subproc", "tianshou-shmem"}
@@ -255,7 +257,7 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
     if "scaling" in groups and cartpole:
         for n in s.scaling:
             for c in chosen:
-                if c in ("sync", "async"):
+                if c in ("sync", "async", "asyncsample-vector"):
                     groups["scaling"].append(Config(c, "CartPole-v1", n))
                 elif c == "asyncsample":
                     groups["scaling"].append(
