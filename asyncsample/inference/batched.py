@@ -49,8 +49,9 @@ _FLUSH_RULES = ("lockstep", "eager")
 
 _RUNNING, _WAITING, _ON_HOST = 0, 1, 2
 
-#: ``"eager"`` decides this many loop iterations after the last request: a host reply takes
-#: two iterations from the socket to its worker (reader callback, reader task, worker task).
+#: ``"eager"`` decides this many loop iterations after the last request: a host reply reaches
+#: its worker one iteration after the socket is read (the read callback resolves the future, the
+#: worker task runs next); the rest is margin for replies that arrive while the loop is busy.
 SETTLE_ITERATIONS = 3
 
 
