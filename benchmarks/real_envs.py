@@ -53,9 +53,9 @@ import gymnasium as gym
 import numpy as np
 import psutil
 
+from benchmarks._runner import REPO_ROOT, run_fresh
 from benchmarks.contenders import RunSpec, TimedPhase
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
@@ -746,64 +746,15 @@ def run_in_this_process(spec: RealSpec) -> dict[str, Any]:
     return out
 
 
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """Kill a run process we started, and its descendants."""
-    try:
-        parent = psutil.Process(proc.pid)
-        victims = [*parent.children(recursive=True), parent]
-    except psutil.Error:
-        victims = []
-    for victim in victims:
-        with contextlib.suppress(psutil.Error):
-            victim.kill()
-    psutil.wait_procs(victims, timeout=5)
-    proc.wait()
-
-
 def run_one(spec: RealSpec, timeout: float, workdir: Path) -> dict[str, Any]:
-    """Run ``spec`` in a fresh ``python -m benchmarks.real_envs --run-one`` process."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix="real-", suffix=".json", dir=workdir)
-    os.close(fd)
-    spec_path = Path(name)
-    out_path = spec_path.with_suffix(".out.json")
-    log_path = spec_path.with_suffix(".log")
-    spec_path.write_text(json.dumps(asdict(spec)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    t0 = time.perf_counter()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.real_envs", "--run-one", str(spec_path),
-             str(out_path)],
-            cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except BaseException as exc:
-            _kill_tree(proc)
-            if not isinstance(exc, subprocess.TimeoutExpired):
-                raise
-            timed_out = True
-    wall = time.perf_counter() - t0
-    if out_path.exists():
-        outcome: dict[str, Any] = json.loads(out_path.read_text())
-    else:
-        outcome = {
-            "status": "error",
-            "note": (
-                f"timed out after {timeout:.0f} s (killed)"
-                if timed_out
-                else f"the run process exited {proc.returncode} without a result"
-            ),
-            "log_tail": log_path.read_text(errors="replace")[-2000:],
-            "loadavg": os.getloadavg(),
-        }
-    outcome["wall"] = wall
-    for path in (spec_path, out_path, log_path):
-        path.unlink(missing_ok=True)
+    """Run ``spec`` in a fresh ``python -m benchmarks.real_envs --run-one`` process.
+
+    See :func:`benchmarks._runner.run_fresh` (``status`` ``"timeout"`` when it was killed).
+    """
+    outcome = run_fresh(
+        ("-m", "benchmarks.real_envs", "--run-one"), asdict(spec), timeout, workdir
+    )
+    outcome.setdefault("loadavg", os.getloadavg())
     return outcome
 
 
