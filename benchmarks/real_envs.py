@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import inspect
 import json
 import os
 import statistics
@@ -246,11 +245,15 @@ CONTENDER_LABELS: dict[str, str] = {
     "sync": "gymnasium SyncVectorEnv",
     "async": "gymnasium AsyncVectorEnv (shm)",
     "sb3": "SB3 SubprocVecEnv",
-    "asyncsample": "asyncsample process",
-    "asyncsample-batched": "asyncsample process, inference=batched",
+    "asyncsample": "asyncsample per_worker",
+    "asyncsample-batched": "asyncsample batched",
+    "asyncsample-host": "asyncsample host",
 }
 PEERS = ["envpool-sync", "envpool-async", "sync", "async", "sb3"]
-OURS = ["asyncsample", "asyncsample-batched"]
+OURS = ["asyncsample", "asyncsample-batched", "asyncsample-host"]
+#: ``Sampler(inference=...)`` of each asyncsample contender (all on the process backend).
+INFERENCE = {"asyncsample": "per_worker", "asyncsample-batched": "batched",
+             "asyncsample-host": "host"}  # fmt: skip
 
 
 class Skip(Exception):
@@ -640,6 +643,62 @@ def _batch_len(batch: Any) -> int:
     return int(np.sum(lengths)) if lengths is not None else len(batch.actions)
 
 
+class OneTorchThread:
+    """A torch agent that keeps to one torch thread in whatever process it is unpickled in.
+
+    ``inference="host"`` cloudpickles the agent into every env host; torch there would start
+    with one thread per core (2 hosts x 2 threads on 2 cores). Unpickling this wrapper sets one
+    intra-op and one inter-op thread first, as :func:`make_policy` does in the main process.
+    """
+
+    def __init__(self, agent: Any) -> None:
+        """Wrap ``agent`` (``get_actions``; ``seed`` and the param methods are passed on)."""
+        self.agent = agent
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _torch_one_thread()
+        self.__dict__.update(state)
+
+    def get_actions(self, observations: Any) -> Any:
+        """The wrapped agent's actions and infos."""
+        return self.agent.get_actions(observations)
+
+    def seed(self, seed: int | None = None) -> None:
+        """Reseed the wrapped agent (the host seeds each worker's copy from the seed tree)."""
+        self.agent.seed(seed)
+
+    def get_param_values(self) -> Any:
+        """The wrapped agent's parameters."""
+        return self.agent.get_param_values()
+
+    def set_param_values(self, params: Any) -> None:
+        """Load parameters into the wrapped agent."""
+        self.agent.set_param_values(params)
+
+
+def _our_agent(spec: RealSpec) -> Any:
+    """The agent of an asyncsample contender (``None``: a seeded RandomAgent per worker).
+
+    Random agent: the built-in :class:`~asyncsample.RandomAgent` in every mode; per_worker and
+    host take ``agent=None`` (one per worker, seeded from the seed tree; host mode pickles them
+    into the hosts, so the random actions are drawn there), batched needs one shared agent: one
+    ``RandomAgent(seed)`` called on all workers' stacked rows. Policy: the same torch agent in
+    every mode, one torch thread in every process that runs it.
+    """
+    from asyncsample import RandomAgent
+
+    if spec.policy:
+        agent = make_policy(spec.env, spec.seed)
+        return OneTorchThread(agent) if INFERENCE[spec.contender] == "host" else agent
+    if INFERENCE[spec.contender] == "batched":
+        env = make_env(spec.env)
+        try:
+            return RandomAgent(env.action_space, seed=spec.seed)
+        finally:
+            env.close()
+    return None
+
+
 async def _asyncsample_run(spec: RealSpec) -> Measured:
     from asyncsample import Sampler
     from benchmarks.contenders import LagProbe
@@ -650,12 +709,9 @@ async def _asyncsample_run(spec: RealSpec) -> Measured:
         "n_processes": spec.n_processes,
         "backend": "process",
         "seed": spec.seed,
+        "inference": INFERENCE[spec.contender],
     }
-    if spec.contender == "asyncsample-batched":
-        if "inference" not in inspect.signature(Sampler).parameters:
-            raise Skip("Sampler has no `inference` argument in this build (not merged yet)")
-        kwargs["inference"] = "batched"
-    agent = make_policy(spec.env, spec.seed) if spec.policy else None
+    agent = _our_agent(spec)
     run = _Run(spec)
     probe = LagProbe()
     t0 = time.perf_counter()
@@ -693,7 +749,7 @@ async def _asyncsample_run(spec: RealSpec) -> Measured:
 
 
 def run_asyncsample(spec: RealSpec) -> Measured:
-    """asyncsample, process backend, on uvloop; the agent (if any) runs in this process."""
+    """asyncsample, process backend, on uvloop, in the spec's ``inference`` mode."""
     try:
         import uvloop
 
@@ -714,6 +770,7 @@ RUNNERS: dict[str, Callable[[RealSpec], Measured]] = {
     "sb3": run_sb3,
     "asyncsample": run_asyncsample,
     "asyncsample-batched": run_asyncsample,
+    "asyncsample-host": run_asyncsample,
 }
 
 
@@ -803,9 +860,14 @@ class Settings:
         sweep_envs: Envs of the sweep.
         sweep_n: Env counts of the sweep.
         sweep_process_cap: Largest env count for one-process-per-env peers in the sweep.
+        layouts: Per asyncsample contender and env family (``atari``, ``mujoco``, ``classic``),
+            the worker counts of the main comparison (``n_envs / workers`` envs per worker, two
+            env-host processes); a family left out does not run that contender.
+        sweep_peers: The peers of the sweep.
+        sweep_layouts: Per asyncsample contender, the worker counts of the sweep.
         transitions: Timed agent steps per env (main comparison and sweep).
         min_seconds: Minimum length of a timed phase.
-        timeout: Seconds before a run is killed.
+        timeout: Seconds before a run is killed, plus :data:`STARTUP_S` per env (x3).
         quick: Smoke-test sizes.
     """
 
@@ -821,6 +883,17 @@ class Settings:
     sweep_n: list[int] = field(default_factory=lambda: [8, 32, 128, 512])
     sweep_process_cap: dict[str, int] = field(
         default_factory=lambda: {"CartPole-v1": 128, "Pong-v5": 64}
+    )
+    layouts: dict[str, dict[str, list[int]]] = field(
+        default_factory=lambda: {
+            "asyncsample": {"atari": [2, 4], "mujoco": [2, 4], "classic": [2]},
+            "asyncsample-batched": {"atari": [2], "mujoco": [4], "classic": [2]},
+            "asyncsample-host": {"atari": [2], "mujoco": [2, 4], "classic": [2]},
+        }
+    )
+    sweep_peers: list[str] = field(default_factory=lambda: ["envpool-sync", "sync", "async"])
+    sweep_layouts: dict[str, list[int]] = field(
+        default_factory=lambda: {"asyncsample": [2, 8], "asyncsample-host": [2]}
     )
     transitions: dict[str, int] = field(
         default_factory=lambda: {
@@ -841,7 +914,7 @@ class Settings:
         return cls(
             groups=["ideal", "main", "sweep", "footprint"],
             envs=["Pong-v5", "HalfCheetah-v5"],
-            contenders=["envpool-async", "sync", "asyncsample"],
+            contenders=["envpool-async", "sync", *OURS],
             repeats=1,
             sweep_repeats=1,
             n_envs_atari=4,
@@ -890,25 +963,113 @@ def plan(s: Settings) -> dict[str, list[RealSpec]]:
             for policy in (False, True):
                 for c in s.contenders:
                     if c in OURS:
-                        for w in (2, 4) if not s.quick else (2,):
+                        for w in s.layouts.get(c, {}).get(ENVS[env].family, []):
                             out["main"].append(_ours(c, env, n, w, policy, s))
                     else:
                         out["main"].append(_peer(c, env, n, policy, s))
     if "sweep" in out:
         for env in s.sweep_envs:
             for n in s.sweep_n:
-                for c in ("envpool-sync", "sync", "async"):
+                for c in s.sweep_peers:
                     if c == "async" and n > s.sweep_process_cap.get(env, 128):
                         continue
                     spec = _peer(c, env, n, False, s)
                     spec.n_transitions = max(spec.n_transitions, 3 * n)
                     out["sweep"].append(spec)
-                for w in (2, 8):
-                    spec = _ours("asyncsample", env, n, w, False, s)
-                    spec.n_transitions = max(spec.n_transitions, 3 * n)
-                    spec.fragment_steps = max(1, min(32, spec.n_transitions // (4 * n)))
-                    out["sweep"].append(spec)
+                for c, workers in s.sweep_layouts.items():
+                    for w in workers:
+                        spec = _ours(c, env, n, w, False, s)
+                        spec.n_transitions = max(spec.n_transitions, 3 * n)
+                        spec.fragment_steps = max(1, min(32, spec.n_transitions // (4 * n)))
+                        out["sweep"].append(spec)
     return out
+
+
+#: Seconds one env takes to build and reset on a quiet core (Pong: ~0.3 s: ALE start-up and
+#: up to 30 no-op steps), for the run timeouts and the plan's estimate.
+STARTUP_S = {"atari": 0.3, "mujoco": 0.05, "classic": 0.002}
+
+
+def run_timeout(spec: RealSpec, s: Settings) -> float:
+    """``s.timeout`` plus three times the envs' start-up in one process (512 Pong: +461 s)."""
+    return s.timeout + 3 * spec.n_envs * STARTUP_S[ENVS[spec.env].family]
+
+
+def _previous_walls(path: Path) -> dict[str, list[float]]:
+    """Wall seconds of each config's runs (ok or not) in an earlier ``real_envs.json``."""
+    try:
+        runs = json.loads(path.read_text())["runs"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    walls: dict[str, list[float]] = {}
+    for r in runs:
+        if r.get("wall") and r.get("status") == "ok":
+            walls.setdefault(r["key"], []).append(float(r["wall"]))
+    return walls
+
+
+#: Quiet-machine wall / the last run's wall, measured: the ideal and main Pong-v5 configs of
+#: every asyncsample mode and EnvPool async took 84 s at load 1.5-2 where the walls of
+#: ``benchmarks/results/real_envs.json`` (load 4-13) add up to 268 s.
+QUIET = 0.35
+
+
+def estimate_seconds(spec: RealSpec, walls: dict[str, list[float]], scale: float = 1.0) -> float:
+    """The wall time of one run: ``scale`` x the same config's median wall in ``walls``.
+
+    Else the nearest config that ran (asyncsample in another inference mode or layout with the
+    same env, env count and agent), else a model: 5 s of
+    interpreter and imports (+5 s with a torch policy), the envs' start-up (:data:`STARTUP_S`,
+    over two processes for asyncsample) and 10 s of stepping.
+    """
+    if walls.get(spec.key):
+        return scale * statistics.median(walls[spec.key])
+    agent = "policy" if spec.policy else "random"
+    near = [
+        f"asyncsample|{spec.env}|{spec.n_envs}|{agent}|{spec.layout}",
+        *(k for k in walls if k.startswith("asyncsample|") and k.split("|")[1:4]
+          == [spec.env, str(spec.n_envs), agent] and spec.contender in OURS),
+    ]  # fmt: skip
+    for key in near:
+        if walls.get(key):
+            return scale * statistics.median(walls[key])
+    start = spec.n_envs * STARTUP_S[ENVS[spec.env].family]
+    start /= 2 if spec.contender in OURS else 1
+    return 5.0 + (5.0 if spec.policy else 0.0) + start + 10.0
+
+
+def estimate_plan(
+    s: Settings, walls: dict[str, list[float]], scale: float = 1.0
+) -> dict[str, float]:
+    """Estimated seconds of each group of the plan (repeats included) and of the footprints."""
+    out: dict[str, float] = {}
+    for g, specs in plan(s).items():
+        reps = s.sweep_repeats if g == "sweep" else s.repeats
+        out[g] = reps * sum(estimate_seconds(spec, walls, scale) for spec in specs)
+    if "footprint" in s.groups:
+        envs = dict.fromkeys([*s.envs, *s.sweep_envs])
+        out["footprint"] = sum(6.0 + 17 * STARTUP_S[ENVS[e].family] for e in envs)
+    return out
+
+
+def print_plan(s: Settings, verbose: bool = False) -> float:
+    """Print the plan's estimated length (and with ``verbose`` every run); its seconds."""
+    walls = _previous_walls(RESULTS_DIR / "real_envs.json")
+    est = estimate_plan(s, walls, QUIET)
+    upper = sum(estimate_plan(s, walls).values())
+    if verbose:
+        for g, specs in plan(s).items():
+            for spec in specs:
+                print(f"{g:6} {spec.key:55} ~{estimate_seconds(spec, walls, QUIET):5.0f} s "
+                      f"(timeout {run_timeout(spec, s):.0f} s)")  # fmt: skip
+    total = sum(est.values())
+    _progress(
+        f"plan: {sum(len(v) for v in plan(s).values())} configs, {s.repeats} repeats "
+        f"(sweep {s.sweep_repeats}); estimated {total / 60:.0f} min on a quiet machine ("
+        + ", ".join(f"{g} {v / 60:.1f}" for g, v in est.items())
+        + f"), at most {upper / 60:.0f} min at the load of the last run (4-13 on 2 cores)"
+    )
+    return total
 
 
 def _progress(msg: str) -> None:
@@ -934,14 +1095,6 @@ def execute(s: Settings, workdir: Path, log: Path | None = None) -> dict[str, An
                 seen.add((g, spec.key))
                 runs.append((g, spec))
     n_rep = max(s.repeats, s.sweep_repeats)
-    batched = _has_batched_inference()
-    for g, spec in list(runs):
-        if spec.contender == "asyncsample-batched" and not batched:
-            runs.remove((g, spec))
-            records.append({"group": g, "key": spec.key, "repeat": -1, "spec": asdict(spec),
-                            "layout": spec.layout, "status": "skipped",
-                            "note": "Sampler has no `inference` argument in this build",
-                            "loadavg": os.getloadavg()})  # fmt: skip
     total = sum(s.sweep_repeats if g == "sweep" else s.repeats for g, _ in runs)
     i = 0
     for repeat in range(n_rep):
@@ -950,7 +1103,7 @@ def execute(s: Settings, workdir: Path, log: Path | None = None) -> dict[str, An
                 continue
             i += 1
             _progress(f"{i}/{total} r{repeat} {g} {spec.key}")
-            outcome = run_one(spec, s.timeout, workdir)
+            outcome = run_one(spec, run_timeout(spec, s), workdir)
             rec = {"group": g, "key": spec.key, "repeat": repeat, "spec": asdict(spec),
                    "layout": spec.layout, **outcome}  # fmt: skip
             records.append(rec)
@@ -960,15 +1113,6 @@ def execute(s: Settings, workdir: Path, log: Path | None = None) -> dict[str, An
                 with log.open("a") as fh:
                     fh.write(json.dumps(rec) + "\n")
     return {"records": records, "footprints": footprints}
-
-
-def _has_batched_inference() -> bool:
-    """Whether this build's ``Sampler`` takes ``inference=`` (checked without starting it)."""
-    try:
-        from asyncsample import Sampler
-    except Exception:
-        return False
-    return "inference" in inspect.signature(Sampler).parameters
 
 
 def _footprint_in_child(env: str, timeout: float) -> dict[str, Any]:
@@ -1659,7 +1803,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--envs", nargs="+", choices=MAIN_ENVS)
     p.add_argument("--contenders", nargs="+", choices=[*PEERS, *OURS])
     p.add_argument("--repeats", type=int)
+    p.add_argument("--sweep-envs", nargs="+", choices=SWEEP_ENVS)
     p.add_argument("--sweep-n", nargs="+", type=int)
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the runs and the estimated length, run nothing",
+    )
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument(
         "--render",
@@ -1691,9 +1841,15 @@ def main(argv: list[str] | None = None) -> int:
         write_all(out, results)
         return 0
     s = Settings.quick_settings() if args.quick else Settings()
-    for name in ("groups", "envs", "contenders", "repeats", "sweep_n"):
+    for name in ("groups", "envs", "contenders", "repeats", "sweep_envs", "sweep_n"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
+    if args.contenders is not None:  # the sweep too runs only the contenders named
+        s.sweep_layouts = {c: w for c, w in s.sweep_layouts.items() if c in args.contenders}
+        s.sweep_peers = [c for c in s.sweep_peers if c in args.contenders]
+    print_plan(s, verbose=args.plan)
+    if args.plan:
+        return 0
     from benchmarks.report import machine_info
 
     machine = machine_info() | {"loadavg_start": os.getloadavg()}
