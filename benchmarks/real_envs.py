@@ -13,11 +13,20 @@
     with a random agent and with a torch policy in the loop (Nature-CNN for Atari, MLP 64x64
     tanh Gaussian for MuJoCo; one torch thread per process). Contenders: EnvPool (sync, and
     async with ``batch_size < num_envs``), gymnasium ``SyncVectorEnv``/``AsyncVectorEnv``
-    (shared memory), SB3 ``SubprocVecEnv`` and asyncsample (process backend, two layouts).
+    (shared memory), SB3 ``SubprocVecEnv`` and asyncsample (process backend) in each
+    ``inference`` mode: ``per_worker``, ``batched`` and ``host`` (layouts: :class:`Settings`).
 ``sweep``
     CartPole-v1 and Pong-v5 with 8..512 envs: steps/s, main-process CPU share, the PSS of
-    every process, event-loop lag (asyncsample) or the longest blocking call (peers), and the
-    pool's start-up time.
+    every process (and of the shared memory), event-loop lag (asyncsample) or the longest
+    blocking call (peers), and the pool's start-up time; asyncsample ``per_worker`` and
+    ``host``. Each run's timeout grows with its env count (512 Pong envs take minutes to
+    start).
+``footprint``
+    The PSS one env adds to a process by itself, against which the pools' growth is set.
+
+``--plan`` prints the runs and the estimated length; ``--envs``, ``--contenders``,
+``--groups``, ``--sweep-envs`` and ``--sweep-n`` run a subset, e.g.
+``--groups main --envs Pong-v5 --contenders asyncsample-host``.
 
 Every run records ``os.getloadavg()``; contenders are interleaved within each repeat so a
 busy spell of the (shared) machine hits all of them alike. Results go to
@@ -333,7 +342,9 @@ def pss_tree(root: psutil.Process | None = None) -> dict[str, Any]:
     """PSS of ``root`` (default: this process) and of each descendant, in bytes.
 
     PSS splits shared pages among the processes that map them, so the sum is what the tree
-    really costs (RSS double-counts the copy-on-write pages of forked children).
+    really costs (RSS double-counts the copy-on-write pages of forked children). ``*_shm_pss``
+    is the part in ``/dev/shm`` mappings: multiprocessing's shared arenas, which hold
+    asyncsample's step and chunk buffers (and AsyncVectorEnv's shared observations).
     """
     root = root or psutil.Process(os.getpid())
     try:
@@ -341,22 +352,28 @@ def pss_tree(root: psutil.Process | None = None) -> dict[str, Any]:
     except psutil.Error:
         procs = [root]
     children: list[int] = []
-    main = 0
+    main = main_shm = children_shm = 0
     for proc in procs:
         try:
             pss = int(getattr(proc.memory_full_info(), "pss", 0))
+            shm = sum(int(m.pss) for m in proc.memory_maps(grouped=True)
+                      if m.path.startswith("/dev/shm/"))  # fmt: skip
         except (psutil.Error, OSError):
             continue
         if proc.pid == root.pid:
-            main = pss
+            main, main_shm = pss, shm
         else:
             children.append(pss)
+            children_shm += shm
     return {
         "main_pss": main,
         "children_pss": sum(children),
         "n_children": len(children),
         "children_pss_max": max(children, default=0),
         "total_pss": main + sum(children),
+        "main_shm_pss": main_shm,
+        "children_shm_pss": children_shm,
+        "shm_pss": main_shm + children_shm,
     }
 
 
@@ -441,6 +458,7 @@ class Measured:
     lag: dict[str, Any] | None = None
     blocking: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    buffers: dict[str, Any] | None = None
 
 
 class _Run:
@@ -699,6 +717,43 @@ def _our_agent(spec: RealSpec) -> Any:
     return None
 
 
+def shared_buffer_bytes(spec: RealSpec) -> dict[str, Any]:
+    """Bytes of shared memory asyncsample allocates for ``spec`` (RawArrays: zeroed, resident).
+
+    Step buffers: one row per env (observation, final observation, action, reward, flags).
+    ``inference="host"`` adds per worker chunk buffers of ``chunk_steps`` rows per env, where
+    ``chunk_steps`` is ``chunk_capacity`` (64 steps, fewer when the buffers would pass 8 MB).
+    """
+    from asyncsample.backends._chunk import DEFAULT_CHUNK_STEPS, chunk_capacity
+    from asyncsample.env_group import StepBuffers
+
+    env = make_env(spec.env)
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    one = StepBuffers.allocate(obs_space, act_space, 1)
+    row = sum(
+        int(np.asarray(a).nbytes)
+        for part in (one.obs, one.final_obs, one.actions, one.rewards, one.terminated,
+                     one.truncated)
+        for a in (part.values() if isinstance(part, dict) else [part])
+    )  # fmt: skip
+    k = spec.envs_per_worker
+    steps = 0
+    if INFERENCE.get(spec.contender) == "host":
+        steps = chunk_capacity(obs_space, act_space, k, DEFAULT_CHUNK_STEPS)
+    obs = sum(int(np.asarray(a).nbytes)
+              for a in (one.obs.values() if isinstance(one.obs, dict) else [one.obs]))  # fmt: skip
+    return {
+        "obs_bytes": obs,
+        "row_bytes": row,
+        "step_bytes": spec.n_envs * row,
+        "chunk_steps": steps,
+        "chunk_bytes": spec.n_workers * steps * k * row,
+    }
+
+
 async def _asyncsample_run(spec: RealSpec) -> Measured:
     from asyncsample import Sampler
     from benchmarks.contenders import LagProbe
@@ -745,6 +800,7 @@ async def _asyncsample_run(spec: RealSpec) -> Measured:
         split=split.result,
         pss=pss,
         lag=probe.summary(),
+        buffers=shared_buffer_bytes(spec),
     )
 
 
@@ -819,25 +875,39 @@ def run_one(spec: RealSpec, timeout: float, workdir: Path) -> dict[str, Any]:
 # Footprint: what one env costs in memory by itself
 
 
-def env_footprint(name: str, k: int = 16) -> dict[str, Any]:
-    """Bytes of PSS one more env adds to a process (``k`` envs built, reset and stepped)."""
+def env_footprint(name: str, k: int = 32, steps: int = 100) -> dict[str, Any]:
+    """Bytes of PSS one more env adds to a process: the env's own footprint.
+
+    Measured as the pool's growth is (PSS, one process, after warm-up): one env is built and
+    stepped ``steps`` times first, so the imports, the first env's one-off costs and the
+    stepping code paths (OpenCV buffers, ...) are in the base; then ``k`` more envs are built,
+    reset and stepped ``steps`` times each, as the envs of a pool are.
+    """
     import gc
 
     me = psutil.Process(os.getpid())
-    first = make_env(name)  # imports and the first env's one-off costs are not the env's own
-    first.reset(seed=0)
+
+    def warm(env: gym.Env[Any, Any], seed: int) -> None:
+        env.reset(seed=seed)
+        env.action_space.seed(seed)
+        for _ in range(steps):
+            _, _, term, trunc, _ = env.step(env.action_space.sample())
+            if term or trunc:
+                env.reset()
+
+    first = make_env(name)
+    warm(first, 0)
     gc.collect()
     before = int(me.memory_full_info().pss)
     envs = [make_env(name) for _ in range(k)]
     for i, env in enumerate(envs):
-        env.reset(seed=i)
-        for _ in range(10):
-            env.step(env.action_space.sample())
+        warm(env, i + 1)
     gc.collect()
     after = int(me.memory_full_info().pss)
     for env in [first, *envs]:
         env.close()
-    return {"env": name, "k": k, "bytes_per_env": (after - before) / k, "base_pss": before}
+    return {"env": name, "k": k, "steps": steps, "bytes_per_env": (after - before) / k,
+            "base_pss": before}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -1152,6 +1222,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "policy": spec["policy"],
                 "layout": rec["layout"],
                 "n_workers": spec["n_workers"],
+                "fragment_steps": spec.get("fragment_steps", 0),
                 "rates": [],
                 "startups": [],
                 "groups": [],
@@ -1171,7 +1242,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if own:
                 agg["per_core"].append(rec["rate"] / own)
                 agg.setdefault("own", []).append(own)
-            for k in ("pss", "lag", "blocking", "split", "cpu"):
+            for k in ("pss", "lag", "blocking", "split", "cpu", "buffers"):
                 if agg.get(k) is None and rec.get(k):
                     agg[k] = rec[k]
         elif rec.get("status") == "skipped":
@@ -1219,9 +1290,68 @@ def best_of(
     return max(cands, key=lambda a: a["median"]) if cands else None
 
 
+def best_ours(
+    summary: dict[str, dict[str, Any]], env: str, n: int, policy: bool
+) -> dict[str, Any] | None:
+    """The fastest asyncsample config (any inference mode, any layout) of the main comparison."""
+    cands = [b for c in OURS if (b := best_of(summary, c, env, n, policy))]
+    return max(cands, key=lambda a: a["median"]) if cands else None
+
+
 def _cpu_us(summary: dict[str, dict[str, Any]], key: str) -> float | None:
     pc = (summary.get(key) or {}).get("per_core_median")
     return 1e6 / pc if pc else None
+
+
+def memory_slope(
+    summary: dict[str, dict[str, Any]], env: str, contender: str
+) -> dict[str, Any] | None:
+    """PSS per added env of ``contender`` over the sweep (fewest to most envs), split up.
+
+    ``bytes_per_env`` is the whole process tree's growth. For asyncsample it is split into:
+    ``hosts_per_env`` (the env hosts without shared memory: the envs themselves, to compare
+    with their footprint), ``shm_per_env`` (PSS of the shared buffers; ``step_alloc_per_env``
+    and ``chunk_alloc_per_env`` are what asyncsample allocates for them) and ``main_per_env``
+    (the main process without shared memory: mostly the recorder rows of the steps a call
+    returns, ``call_data_per_env`` = envs x fragment steps x observation, which any sampler
+    must hold, and the returned batch).
+    """
+    pts = sorted(
+        (a for a in summary.values()
+         if a["contender"] == contender and a["env"] == env and not a["policy"]
+         and a.get("pss") and a["n_workers"] in (0, 1, 2)),
+        key=lambda a: a["n_envs"],
+    )  # fmt: skip
+    if len(pts) < 2:
+        return None
+    a0, a1 = pts[0], pts[-1]
+    dn = a1["n_envs"] - a0["n_envs"]
+    p0, p1 = a0["pss"], a1["pss"]
+
+    def per_env(f: Callable[[dict[str, Any]], float]) -> float:
+        return (f(p1) - f(p0)) / dn
+
+    out: dict[str, Any] = {
+        "env": env,
+        "contender": contender,
+        "from_n": a0["n_envs"],
+        "to_n": a1["n_envs"],
+        "bytes_per_env": per_env(lambda p: p["total_pss"]),
+    }
+    if "shm_pss" in p0 and "shm_pss" in p1:
+        out["shm_per_env"] = per_env(lambda p: p["shm_pss"])
+        out["main_per_env"] = per_env(lambda p: p["main_pss"] - p["main_shm_pss"])
+        out["hosts_per_env"] = per_env(lambda p: p["children_pss"] - p["children_shm_pss"])
+    b0, b1 = a0.get("buffers"), a1.get("buffers")
+    if b0 and b1:
+        out["step_alloc_per_env"] = (b1["step_bytes"] - b0["step_bytes"]) / dn
+        out["chunk_alloc_per_env"] = (b1["chunk_bytes"] - b0["chunk_bytes"]) / dn
+        out["chunk_steps"] = [b0["chunk_steps"], b1["chunk_steps"]]
+        if "obs_bytes" in b0:
+            calls = [a["n_envs"] * a["fragment_steps"] * b["obs_bytes"]
+                     for a, b in ((a0, b0), (a1, b1))]  # fmt: skip
+            out["call_data_per_env"] = (calls[1] - calls[0]) / dn
+    return out
 
 
 def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
@@ -1247,14 +1377,21 @@ def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
         return a / b if a and b else None
 
     def rate(c: str, env: str, n: int, policy: bool) -> float | None:
-        b = best_of(summary, c, env, n, policy)
+        b = best_ours(summary, env, n, policy) if c == "ours" else best_of(
+            summary, c, env, n, policy
+        )
         return b["median"] if b else None
 
+    def which(env: str, n: int, policy: bool) -> str:
+        b = best_ours(summary, env, n, policy)
+        return f" (best asyncsample: {_row_label(b)})" if b else ""
+
     na, nm = s.n_envs_atari, s.n_envs_mujoco
-    ours_pong = rate("asyncsample", "Pong-v5", na, False)
+    ours_pong = rate("ours", "Pong-v5", na, False)
     targets: list[dict[str, Any]] = [
         {
-            "what": f"Pong-v5 random, {na} envs: % of the {s.cores}-core ideal",
+            "what": f"Pong-v5 random, {na} envs: % of the {s.cores}-core ideal"
+            + which("Pong-v5", na, False),
             "target": 0.90,
             "value": ratio(ours_pong, ideal.get("Pong-v5", {}).get("ideal_rate")),
         },
@@ -1264,27 +1401,21 @@ def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
             "value": ratio(ours_pong, rate("envpool-async", "Pong-v5", na, False)),
         },
         {
-            "what": f"HalfCheetah-v5 MLP policy, {nm} envs: x EnvPool sync",
+            "what": f"HalfCheetah-v5 MLP policy, {nm} envs: x EnvPool sync"
+            + which("HalfCheetah-v5", nm, True),
             "target": 1.0,
             "value": ratio(
-                rate("asyncsample", "HalfCheetah-v5", nm, True),
+                rate("ours", "HalfCheetah-v5", nm, True),
                 rate("envpool-sync", "HalfCheetah-v5", nm, True),
             ),
         },
     ]
-    memory: list[dict[str, Any]] = []
-    for env in s.sweep_envs:
-        for c in ("asyncsample", "async", "sync", "envpool-sync"):
-            pts = sorted(
-                (a["n_envs"], a["pss"]["total_pss"])
-                for a in summary.values()
-                if a["contender"] == c and a["env"] == env and not a["policy"]
-                and a.get("pss") and a["n_workers"] in (0, 1, 2)
-            )  # fmt: skip
-            if len(pts) >= 2:
-                (n0, p0), (n1, p1) = pts[0], pts[-1]
-                memory.append({"env": env, "contender": c, "from_n": n0, "to_n": n1,
-                               "bytes_per_env": (p1 - p0) / (n1 - n0)})  # fmt: skip
+    memory = [
+        m
+        for env in s.sweep_envs
+        for c in ("asyncsample", "asyncsample-host", "async", "sync", "envpool-sync")
+        if (m := memory_slope(summary, env, c)) is not None
+    ]
     for t in targets:
         t["met"] = None if t["value"] is None else t["value"] >= t["target"]
 
@@ -1292,26 +1423,26 @@ def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
     # contender with more runnable processes gets a larger share of the CPUs (the scheduler is
     # fair per thread), so steps/s alone mixes efficiency with scheduling share.
     def per_core(c: str, env: str, n: int, pol: bool) -> float | None:
-        b = best_of(summary, c, env, n, pol)
+        b = best_ours(summary, env, n, pol) if c == "ours" else best_of(summary, c, env, n, pol)
         return b.get("per_core_median") if b else None
 
     ide_pc = (summary.get("ideal|Pong-v5|1|random|") or {}).get("per_core_median")
     per_cpu = [
         {
             "what": f"Pong-v5 random, {na} envs: steps per CPU-second / the ideal's",
-            "value": ratio(per_core("asyncsample", "Pong-v5", na, False), ide_pc),
+            "value": ratio(per_core("ours", "Pong-v5", na, False), ide_pc),
         },
         {
             "what": f"Pong-v5 random, {na} envs: steps per CPU-second / EnvPool async's",
             "value": ratio(
-                per_core("asyncsample", "Pong-v5", na, False),
+                per_core("ours", "Pong-v5", na, False),
                 per_core("envpool-async", "Pong-v5", na, False),
             ),
         },
         {
             "what": f"HalfCheetah-v5 MLP policy, {nm} envs: steps per CPU-second / EnvPool sync's",
             "value": ratio(
-                per_core("asyncsample", "HalfCheetah-v5", nm, True),
+                per_core("ours", "HalfCheetah-v5", nm, True),
                 per_core("envpool-sync", "HalfCheetah-v5", nm, True),
             ),
         },
@@ -1339,11 +1470,15 @@ How the envs differ between the libraries (the same task, not the same code):
 - Autoreset: EnvPool resets a finished env on its *next* step (that step is not counted here); the
   gymnasium vector envs run in same-step mode, SB3 resets in the same step, asyncsample's workers
   reset inside the env host. Every rate counts real transitions only.
-- Agent: "random" is a seeded uniform action per env per step (asyncsample: its built-in per-worker
-  RandomAgent). "policy" is a torch `TorchAgent` (Nature-CNN for Atari, MLP 64x64 tanh Gaussian
-  for MuJoCo) on one torch thread, called once per vector step on the stacked observations (EnvPool
-  async: once per `recv` batch; asyncsample `per_worker`: once per worker step, i.e. `n_workers`
-  calls per round).
+- Agent: "random" is a seeded uniform action per env per step (asyncsample: its built-in
+  RandomAgent, one per worker in `per_worker` and `host` mode, where the hosts draw the actions;
+  one shared by all workers in `batched` mode). "policy" is a torch `TorchAgent` (Nature-CNN for
+  Atari, MLP 64x64 tanh Gaussian for MuJoCo) on one torch thread in every process that runs it,
+  called once per vector step on the stacked observations (EnvPool async: once per `recv` batch;
+  asyncsample `per_worker`: once per worker step, `n_workers` calls per round; `batched`: the
+  workers' concurrent calls merged into one; `host`: a copy in each of the 2 env hosts, once per
+  worker step there, no round trip per step).
+- asyncsample layouts are `WxK/P2`: W workers of K envs each over 2 env-host processes.
 """
 
 
@@ -1443,19 +1578,31 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         met = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
         rows.append([t["what"], _f(t["target"]), _f(t["value"]), met])
     for fp in results.get("footprints", []):
-        slope = next((x for x in d["memory_slope"] if x["env"] == fp.get("env")
-                      and x["contender"] == "asyncsample"), None)  # fmt: skip
-        if slope and "bytes_per_env" in fp:
+        for slope in d["memory_slope"]:
+            if slope["env"] != fp.get("env") or slope["contender"] not in OURS:
+                continue
+            if "bytes_per_env" not in fp:
+                continue
             ok = slope["bytes_per_env"] <= fp["bytes_per_env"]
             rows.append(
                 [
-                    f"{fp['env']}: asyncsample PSS per added env ({slope['from_n']}->"
-                    f"{slope['to_n']} envs) <= the env's own footprint (MB)",
+                    f"{fp['env']}: {CONTENDER_LABELS[slope['contender']]} PSS per added env "
+                    f"({slope['from_n']}->{slope['to_n']} envs) <= the env's own footprint (MB)",
                     f"{fp['bytes_per_env'] / 2**20:.3f}",
                     f"{slope['bytes_per_env'] / 2**20:.3f}",
                     "met" if ok else "**not met**",
                 ]
             )
+            if "hosts_per_env" in slope:
+                hosts = slope["hosts_per_env"]
+                rows.append(
+                    [
+                        "(same, env hosts only, shared memory excluded: the envs' own growth)",
+                        f"{fp['bytes_per_env'] / 2**20:.3f}",
+                        f"{hosts / 2**20:.3f}",
+                        "for reference",
+                    ]
+                )
     for x in d.get("per_cpu", []):
         rows.append([f"(same, per CPU used) {x['what']}", "-", _f(x["value"]), "for reference"])
     lines += _table(["target", "goal", "value", ""], rows)
@@ -1594,15 +1741,39 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                              "start-up s"], rows)  # fmt: skip
         rows = []
         fps = {f.get("env"): f for f in results.get("footprints", [])}
+
+        def mb3(v: float | None) -> str:
+            return "-" if v is None else f"{v / 2**20:.3f}"
+
         for x in d["memory_slope"]:
             fp = fps.get(x["env"], {}).get("bytes_per_env")
             rows.append([x["env"], CONTENDER_LABELS[x["contender"]],
-                         f"{x['from_n']}->{x['to_n']}",
-                         f"{x['bytes_per_env'] / 2**20:.3f}",
-                         f"{fp / 2**20:.3f}" if fp is not None else "-"])  # fmt: skip
-        lines += ["### Memory per added env", ""]
-        lines += _table(["env", "contender", "envs", "PSS MB per added env",
-                         "the env's own footprint MB (in-process)"], rows)  # fmt: skip
+                         f"{x['from_n']}->{x['to_n']}", mb3(x["bytes_per_env"]),
+                         mb3(x.get("hosts_per_env")), mb3(x.get("shm_per_env")),
+                         mb3(x.get("step_alloc_per_env")), mb3(x.get("chunk_alloc_per_env")),
+                         mb3(x.get("main_per_env")), mb3(x.get("call_data_per_env")),
+                         mb3(fp)])  # fmt: skip
+        lines += [
+            "### Memory per added env",
+            "",
+            "PSS growth per added env between the fewest and the most envs of the sweep (one "
+            "run each), in MB. asyncsample's growth is split: *env hosts* (their PSS without "
+            "shared memory: the envs themselves, to set against the env's own footprint, "
+            "measured the same way: PSS of one process holding 32 envs stepped 100 times "
+            "after a warmed-up first env), *shared memory* (PSS of the `/dev/shm` arenas, "
+            "counted in whichever process touched the pages; what asyncsample allocates for "
+            "them: step buffers, one row of observation + final observation + action + "
+            "reward + flags per env, and with `inference=\"host\"` chunk buffers, that many "
+            "rows per step of a chunk, 64 steps or as many as fit 8 MB per worker), and the "
+            "*main process* without shared memory (mostly the recorder rows of the steps one "
+            "call returns: envs x fragment steps x observation, a sampler's data, not the "
+            "pool's).",
+            "",
+        ]
+        lines += _table(["env", "contender", "envs", "PSS per added env", "env hosts",
+                         "shared memory", "allocated: step buffers", "allocated: chunk buffers",
+                         "main process", "the call's steps", "the env's own footprint"],
+                        rows)  # fmt: skip
     lines += ["## Which to pick", "", *guidance(results), ""]
     path.write_text("\n".join(lines))
 
@@ -1613,16 +1784,16 @@ def guidance(results: dict[str, Any]) -> list[str]:
     na, nm = s["n_envs_atari"], s["n_envs_mujoco"]
 
     def r(c: str, env: str, n: int, pol: bool) -> float | None:
-        b = best_of(summary, c, env, n, pol)
+        b = best_ours(summary, env, n, pol) if c == "ours" else best_of(summary, c, env, n, pol)
         return b["median"] if b else None
 
     def vs(a: float | None, b: float | None) -> str:
         return f"{a / b:.2f}x" if a and b else "n/a"
 
     pong_ep = r("envpool-async", "Pong-v5", na, False)
-    pong_us = r("asyncsample", "Pong-v5", na, False)
+    pong_us = r("ours", "Pong-v5", na, False)
     hc_ep = r("envpool-sync", "HalfCheetah-v5", nm, True)
-    hc_us = r("asyncsample", "HalfCheetah-v5", nm, True)
+    hc_us = r("ours", "HalfCheetah-v5", nm, True)
     hc_sync = r("sync", "HalfCheetah-v5", nm, True)
     slopes = {(x["env"], x["contender"]): x for x in results["derived"]["memory_slope"]}
     fps = {f.get("env"): f.get("bytes_per_env") for f in results.get("footprints", [])}
@@ -1653,16 +1824,46 @@ def guidance(results: dict[str, Any]) -> list[str]:
         "(the event loop keeps running while envs step), when step times vary (workers do not "
         "wait for each other), and when the pool must grow to hundreds of envs without a process "
         f"each{mem}.",
+        *modes_guidance(results),
         "- **Not asyncsample** for an env EnvPool already ships, when raw steps/s is all that "
-        "matters; for envs cheaper than a process round trip with few envs per worker (use "
-        "SyncVectorEnv, or asyncsample's local backend); or when the policy needs one large batch "
-        'per step over all envs and `inference="batched"` is not available in your version '
-        "(with per-worker inference the policy runs once per worker step, `n_workers` calls "
-        "per round).",
+        "matters; or for envs cheaper than a process round trip with few envs per worker (use "
+        "SyncVectorEnv, or asyncsample's local backend).",
         "- **AsyncVectorEnv / SB3 SubprocVecEnv** pay one process per env and one round trip per "
         "env step: fine for a few slow envs, the most memory and start-up time as envs grow.",
     ]
     return out
+
+
+def modes_guidance(results: dict[str, Any]) -> list[str]:
+    """Which ``inference`` mode won where, from this run's main comparison (one line per case)."""
+    summary, s = results["summary"], results["settings"]
+    cases = []
+    for env in s["envs"]:
+        n = s["n_envs_atari"] if ENVS[env].family == "atari" else s["n_envs_mujoco"]
+        for pol in (False, True):
+            best = {c: b for c in OURS if (b := best_of(summary, c, env, n, pol))}
+            if len(best) < 2:
+                continue
+            ranked = sorted(best.values(), key=lambda a: -a["median"])
+            base = best.get("asyncsample")
+            rel = ", ".join(
+                f"{INFERENCE[a['contender']]} {a['layout']} {_k(a['median'])}"
+                + (f" ({a['median'] / base['median']:.2f}x per_worker)"
+                   if base and a is not base else "")
+                for a in ranked
+            )  # fmt: skip
+            cases.append(f"{env} {'policy' if pol else 'random'}: {rel}")
+    if not cases:
+        return []
+    return [
+        "- **Which `inference` mode** (best layout of each, steps/s, fastest first): "
+        + "; ".join(cases)
+        + ". `per_worker` runs the agent in the main process once per worker step; `batched` "
+        "merges the workers' concurrent calls into one (fewer policy calls, same round trips); "
+        "`host` runs a copy of the agent in every env host and steps chunks of up to 64 steps "
+        "with no per-step round trip (the main process only copies the chunks; with a policy "
+        "each host pays its own forward passes on its own core share).",
+    ]
 
 
 def write_plots(out: Path, results: dict[str, Any]) -> list[Path]:
