@@ -991,6 +991,8 @@ class Settings:
             n_envs_mujoco=4,
             sweep_envs=["CartPole-v1"],
             sweep_n=[4, 8],
+            layouts={c: {"atari": [2], "mujoco": [2], "classic": [2]} for c in OURS},
+            sweep_layouts={"asyncsample": [2], "asyncsample-host": [2]},
             transitions=dict.fromkeys(ENVS, 200),
             min_seconds=0.0,
             timeout=120.0,
