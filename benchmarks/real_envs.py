@@ -1314,9 +1314,10 @@ def memory_slope(
     ``hosts_per_env`` (the env hosts without shared memory: the envs themselves, to compare
     with their footprint), ``shm_per_env`` (PSS of the shared buffers; ``step_alloc_per_env``
     and ``chunk_alloc_per_env`` are what asyncsample allocates for them) and ``main_per_env``
-    (the main process without shared memory: mostly the recorder rows of the steps a call
-    returns, ``call_data_per_env`` = envs x fragment steps x observation, which any sampler
-    must hold, and the returned batch).
+    (the main process without shared memory: mostly the data of one call,
+    ``call_data_per_env``, estimated as envs x (2 x fragment steps + 2) observations: the
+    recorder rows and the batch's observations, fragment steps each, the batch's last
+    observations and the episode pieces' copies of them, one each).
     """
     pts = sorted(
         (a for a in summary.values()
@@ -1350,7 +1351,7 @@ def memory_slope(
         out["chunk_alloc_per_env"] = (b1["chunk_bytes"] - b0["chunk_bytes"]) / dn
         out["chunk_steps"] = [b0["chunk_steps"], b1["chunk_steps"]]
         if "obs_bytes" in b0:
-            calls = [a["n_envs"] * a["fragment_steps"] * b["obs_bytes"]
+            calls = [a["n_envs"] * (2 * a["fragment_steps"] + 2) * b["obs_bytes"]
                      for a, b in ((a0, b0), (a1, b1))]  # fmt: skip
             out["call_data_per_env"] = (calls[1] - calls[0]) / dn
     return out
@@ -1767,14 +1768,16 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
             "them: step buffers, one row of observation + final observation + action + "
             "reward + flags per env, and with `inference=\"host\"` chunk buffers, that many "
             "rows per step of a chunk, 64 steps or as many as fit 8 MB per worker), and the "
-            "*main process* without shared memory (mostly the recorder rows of the steps one "
-            "call returns: envs x fragment steps x observation, a sampler's data, not the "
-            "pool's).",
+            "*main process* without shared memory (mostly the data of one call, a sampler's "
+            "data, not the pool's: *the call's data* estimates it as envs x (2 x fragment steps"
+            " + 2) observations: recorder rows and the batch's observations, the batch's last "
+            "observations and the episode pieces' copies of them; the sweep's largest runs use "
+            "1 fragment step, so 4 observations per env).",
             "",
         ]
         lines += _table(["env", "contender", "envs", "PSS per added env", "env hosts",
                          "shared memory", "allocated: step buffers", "allocated: chunk buffers",
-                         "main process", "the call's steps", "the env's own footprint"],
+                         "main process", "the call's data (est.)", "the env's own footprint"],
                         rows)  # fmt: skip
     lines += ["## Which to pick", "", *guidance(results), ""]
     path.write_text("\n".join(lines))
