@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(out / "results.json", results)
     (out / "runs.jsonl").unlink(missing_ok=True)  # results.json holds every run now
     pngs = _write_reports(out, results, settings, groups)
-    errors = [r for r in records if r.get("status") == "error"]
+    errors = [r for r in records if r.get("status") in ("error", "timeout")]
     skipped = {r["key"] for r in records if r.get("status") == "skipped"}
     print(
         f"{len(records)} runs in {elapsed:.0f} s ({len(skipped)} configs skipped, "

@@ -13,11 +13,20 @@
     with a random agent and with a torch policy in the loop (Nature-CNN for Atari, MLP 64x64
     tanh Gaussian for MuJoCo; one torch thread per process). Contenders: EnvPool (sync, and
     async with ``batch_size < num_envs``), gymnasium ``SyncVectorEnv``/``AsyncVectorEnv``
-    (shared memory), SB3 ``SubprocVecEnv`` and asyncsample (process backend, two layouts).
+    (shared memory), SB3 ``SubprocVecEnv`` and asyncsample (process backend) in each
+    ``inference`` mode: ``per_worker``, ``batched`` and ``host`` (layouts: :class:`Settings`).
 ``sweep``
     CartPole-v1 and Pong-v5 with 8..512 envs: steps/s, main-process CPU share, the PSS of
-    every process, event-loop lag (asyncsample) or the longest blocking call (peers), and the
-    pool's start-up time.
+    every process (and of the shared memory), event-loop lag (asyncsample) or the longest
+    blocking call (peers), and the pool's start-up time; asyncsample ``per_worker`` and
+    ``host``. Each run's timeout grows with its env count (512 Pong envs take minutes to
+    start).
+``footprint``
+    The PSS one env adds to a process by itself, against which the pools' growth is set.
+
+``--plan`` prints the runs and the estimated length; ``--envs``, ``--contenders``,
+``--groups``, ``--sweep-envs`` and ``--sweep-n`` run a subset, e.g.
+``--groups main --envs Pong-v5 --contenders asyncsample-host``.
 
 Every run records ``os.getloadavg()``; contenders are interleaved within each repeat so a
 busy spell of the (shared) machine hits all of them alike. Results go to
@@ -36,7 +45,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import inspect
 import json
 import os
 import statistics
@@ -53,9 +61,9 @@ import gymnasium as gym
 import numpy as np
 import psutil
 
+from benchmarks._runner import REPO_ROOT, run_fresh
 from benchmarks.contenders import RunSpec, TimedPhase
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
@@ -246,11 +254,15 @@ CONTENDER_LABELS: dict[str, str] = {
     "sync": "gymnasium SyncVectorEnv",
     "async": "gymnasium AsyncVectorEnv (shm)",
     "sb3": "SB3 SubprocVecEnv",
-    "asyncsample": "asyncsample process",
-    "asyncsample-batched": "asyncsample process, inference=batched",
+    "asyncsample": "asyncsample per_worker",
+    "asyncsample-batched": "asyncsample batched",
+    "asyncsample-host": "asyncsample host",
 }
 PEERS = ["envpool-sync", "envpool-async", "sync", "async", "sb3"]
-OURS = ["asyncsample", "asyncsample-batched"]
+OURS = ["asyncsample", "asyncsample-batched", "asyncsample-host"]
+#: ``Sampler(inference=...)`` of each asyncsample contender (all on the process backend).
+INFERENCE = {"asyncsample": "per_worker", "asyncsample-batched": "batched",
+             "asyncsample-host": "host"}  # fmt: skip
 
 
 class Skip(Exception):
@@ -330,7 +342,9 @@ def pss_tree(root: psutil.Process | None = None) -> dict[str, Any]:
     """PSS of ``root`` (default: this process) and of each descendant, in bytes.
 
     PSS splits shared pages among the processes that map them, so the sum is what the tree
-    really costs (RSS double-counts the copy-on-write pages of forked children).
+    really costs (RSS double-counts the copy-on-write pages of forked children). ``*_shm_pss``
+    is the part in ``/dev/shm`` mappings: multiprocessing's shared arenas, which hold
+    asyncsample's step and chunk buffers (and AsyncVectorEnv's shared observations).
     """
     root = root or psutil.Process(os.getpid())
     try:
@@ -338,22 +352,28 @@ def pss_tree(root: psutil.Process | None = None) -> dict[str, Any]:
     except psutil.Error:
         procs = [root]
     children: list[int] = []
-    main = 0
+    main = main_shm = children_shm = 0
     for proc in procs:
         try:
             pss = int(getattr(proc.memory_full_info(), "pss", 0))
+            shm = sum(int(m.pss) for m in proc.memory_maps(grouped=True)
+                      if m.path.startswith("/dev/shm/"))  # fmt: skip
         except (psutil.Error, OSError):
             continue
         if proc.pid == root.pid:
-            main = pss
+            main, main_shm = pss, shm
         else:
             children.append(pss)
+            children_shm += shm
     return {
         "main_pss": main,
         "children_pss": sum(children),
         "n_children": len(children),
         "children_pss_max": max(children, default=0),
         "total_pss": main + sum(children),
+        "main_shm_pss": main_shm,
+        "children_shm_pss": children_shm,
+        "shm_pss": main_shm + children_shm,
     }
 
 
@@ -438,6 +458,7 @@ class Measured:
     lag: dict[str, Any] | None = None
     blocking: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    buffers: dict[str, Any] | None = None
 
 
 class _Run:
@@ -640,6 +661,99 @@ def _batch_len(batch: Any) -> int:
     return int(np.sum(lengths)) if lengths is not None else len(batch.actions)
 
 
+class OneTorchThread:
+    """A torch agent that keeps to one torch thread in whatever process it is unpickled in.
+
+    ``inference="host"`` cloudpickles the agent into every env host; torch there would start
+    with one thread per core (2 hosts x 2 threads on 2 cores). Unpickling this wrapper sets one
+    intra-op and one inter-op thread first, as :func:`make_policy` does in the main process.
+    """
+
+    def __init__(self, agent: Any) -> None:
+        """Wrap ``agent`` (``get_actions``; ``seed`` and the param methods are passed on)."""
+        self.agent = agent
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _torch_one_thread()
+        self.__dict__.update(state)
+
+    def get_actions(self, observations: Any) -> Any:
+        """The wrapped agent's actions and infos."""
+        return self.agent.get_actions(observations)
+
+    def seed(self, seed: int | None = None) -> None:
+        """Reseed the wrapped agent (the host seeds each worker's copy from the seed tree)."""
+        self.agent.seed(seed)
+
+    def get_param_values(self) -> Any:
+        """The wrapped agent's parameters."""
+        return self.agent.get_param_values()
+
+    def set_param_values(self, params: Any) -> None:
+        """Load parameters into the wrapped agent."""
+        self.agent.set_param_values(params)
+
+
+def _our_agent(spec: RealSpec) -> Any:
+    """The agent of an asyncsample contender (``None``: a seeded RandomAgent per worker).
+
+    Random agent: the built-in :class:`~asyncsample.RandomAgent` in every mode; per_worker and
+    host take ``agent=None`` (one per worker, seeded from the seed tree; host mode pickles them
+    into the hosts, so the random actions are drawn there), batched needs one shared agent: one
+    ``RandomAgent(seed)`` called on all workers' stacked rows. Policy: the same torch agent in
+    every mode, one torch thread in every process that runs it.
+    """
+    from asyncsample import RandomAgent
+
+    if spec.policy:
+        agent = make_policy(spec.env, spec.seed)
+        return OneTorchThread(agent) if INFERENCE[spec.contender] == "host" else agent
+    if INFERENCE[spec.contender] == "batched":
+        env = make_env(spec.env)
+        try:
+            return RandomAgent(env.action_space, seed=spec.seed)
+        finally:
+            env.close()
+    return None
+
+
+def shared_buffer_bytes(spec: RealSpec) -> dict[str, Any]:
+    """Bytes of shared memory asyncsample allocates for ``spec`` (RawArrays: zeroed, resident).
+
+    Step buffers: one row per env (observation, final observation, action, reward, flags).
+    ``inference="host"`` adds per worker chunk buffers of ``chunk_steps`` rows per env, where
+    ``chunk_steps`` is ``chunk_capacity`` (64 steps, fewer when the buffers would pass 8 MB).
+    """
+    from asyncsample.backends._chunk import DEFAULT_CHUNK_STEPS, chunk_capacity
+    from asyncsample.env_group import StepBuffers
+
+    env = make_env(spec.env)
+    try:
+        obs_space, act_space = env.observation_space, env.action_space
+    finally:
+        env.close()
+    one = StepBuffers.allocate(obs_space, act_space, 1)
+    row = sum(
+        int(np.asarray(a).nbytes)
+        for part in (one.obs, one.final_obs, one.actions, one.rewards, one.terminated,
+                     one.truncated)
+        for a in (part.values() if isinstance(part, dict) else [part])
+    )  # fmt: skip
+    k = spec.envs_per_worker
+    steps = 0
+    if INFERENCE.get(spec.contender) == "host":
+        steps = chunk_capacity(obs_space, act_space, k, DEFAULT_CHUNK_STEPS)
+    obs = sum(int(np.asarray(a).nbytes)
+              for a in (one.obs.values() if isinstance(one.obs, dict) else [one.obs]))  # fmt: skip
+    return {
+        "obs_bytes": obs,
+        "row_bytes": row,
+        "step_bytes": spec.n_envs * row,
+        "chunk_steps": steps,
+        "chunk_bytes": spec.n_workers * steps * k * row,
+    }
+
+
 async def _asyncsample_run(spec: RealSpec) -> Measured:
     from asyncsample import Sampler
     from benchmarks.contenders import LagProbe
@@ -650,12 +764,9 @@ async def _asyncsample_run(spec: RealSpec) -> Measured:
         "n_processes": spec.n_processes,
         "backend": "process",
         "seed": spec.seed,
+        "inference": INFERENCE[spec.contender],
     }
-    if spec.contender == "asyncsample-batched":
-        if "inference" not in inspect.signature(Sampler).parameters:
-            raise Skip("Sampler has no `inference` argument in this build (not merged yet)")
-        kwargs["inference"] = "batched"
-    agent = make_policy(spec.env, spec.seed) if spec.policy else None
+    agent = _our_agent(spec)
     run = _Run(spec)
     probe = LagProbe()
     t0 = time.perf_counter()
@@ -689,11 +800,12 @@ async def _asyncsample_run(spec: RealSpec) -> Measured:
         split=split.result,
         pss=pss,
         lag=probe.summary(),
+        buffers=shared_buffer_bytes(spec),
     )
 
 
 def run_asyncsample(spec: RealSpec) -> Measured:
-    """asyncsample, process backend, on uvloop; the agent (if any) runs in this process."""
+    """asyncsample, process backend, on uvloop, in the spec's ``inference`` mode."""
     try:
         import uvloop
 
@@ -714,6 +826,7 @@ RUNNERS: dict[str, Callable[[RealSpec], Measured]] = {
     "sb3": run_sb3,
     "asyncsample": run_asyncsample,
     "asyncsample-batched": run_asyncsample,
+    "asyncsample-host": run_asyncsample,
 }
 
 
@@ -746,64 +859,15 @@ def run_in_this_process(spec: RealSpec) -> dict[str, Any]:
     return out
 
 
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """Kill a run process we started, and its descendants."""
-    try:
-        parent = psutil.Process(proc.pid)
-        victims = [*parent.children(recursive=True), parent]
-    except psutil.Error:
-        victims = []
-    for victim in victims:
-        with contextlib.suppress(psutil.Error):
-            victim.kill()
-    psutil.wait_procs(victims, timeout=5)
-    proc.wait()
-
-
 def run_one(spec: RealSpec, timeout: float, workdir: Path) -> dict[str, Any]:
-    """Run ``spec`` in a fresh ``python -m benchmarks.real_envs --run-one`` process."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix="real-", suffix=".json", dir=workdir)
-    os.close(fd)
-    spec_path = Path(name)
-    out_path = spec_path.with_suffix(".out.json")
-    log_path = spec_path.with_suffix(".log")
-    spec_path.write_text(json.dumps(asdict(spec)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    t0 = time.perf_counter()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.real_envs", "--run-one", str(spec_path),
-             str(out_path)],
-            cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except BaseException as exc:
-            _kill_tree(proc)
-            if not isinstance(exc, subprocess.TimeoutExpired):
-                raise
-            timed_out = True
-    wall = time.perf_counter() - t0
-    if out_path.exists():
-        outcome: dict[str, Any] = json.loads(out_path.read_text())
-    else:
-        outcome = {
-            "status": "error",
-            "note": (
-                f"timed out after {timeout:.0f} s (killed)"
-                if timed_out
-                else f"the run process exited {proc.returncode} without a result"
-            ),
-            "log_tail": log_path.read_text(errors="replace")[-2000:],
-            "loadavg": os.getloadavg(),
-        }
-    outcome["wall"] = wall
-    for path in (spec_path, out_path, log_path):
-        path.unlink(missing_ok=True)
+    """Run ``spec`` in a fresh ``python -m benchmarks.real_envs --run-one`` process.
+
+    See :func:`benchmarks._runner.run_fresh` (``status`` ``"timeout"`` when it was killed).
+    """
+    outcome = run_fresh(
+        ("-m", "benchmarks.real_envs", "--run-one"), asdict(spec), timeout, workdir
+    )
+    outcome.setdefault("loadavg", os.getloadavg())
     return outcome
 
 
@@ -811,25 +875,39 @@ def run_one(spec: RealSpec, timeout: float, workdir: Path) -> dict[str, Any]:
 # Footprint: what one env costs in memory by itself
 
 
-def env_footprint(name: str, k: int = 16) -> dict[str, Any]:
-    """Bytes of PSS one more env adds to a process (``k`` envs built, reset and stepped)."""
+def env_footprint(name: str, k: int = 32, steps: int = 100) -> dict[str, Any]:
+    """Bytes of PSS one more env adds to a process: the env's own footprint.
+
+    Measured as the pool's growth is (PSS, one process, after warm-up): one env is built and
+    stepped ``steps`` times first, so the imports, the first env's one-off costs and the
+    stepping code paths (OpenCV buffers, ...) are in the base; then ``k`` more envs are built,
+    reset and stepped ``steps`` times each, as the envs of a pool are.
+    """
     import gc
 
     me = psutil.Process(os.getpid())
-    first = make_env(name)  # imports and the first env's one-off costs are not the env's own
-    first.reset(seed=0)
+
+    def warm(env: gym.Env[Any, Any], seed: int) -> None:
+        env.reset(seed=seed)
+        env.action_space.seed(seed)
+        for _ in range(steps):
+            _, _, term, trunc, _ = env.step(env.action_space.sample())
+            if term or trunc:
+                env.reset()
+
+    first = make_env(name)
+    warm(first, 0)
     gc.collect()
     before = int(me.memory_full_info().pss)
     envs = [make_env(name) for _ in range(k)]
     for i, env in enumerate(envs):
-        env.reset(seed=i)
-        for _ in range(10):
-            env.step(env.action_space.sample())
+        warm(env, i + 1)
     gc.collect()
     after = int(me.memory_full_info().pss)
     for env in [first, *envs]:
         env.close()
-    return {"env": name, "k": k, "bytes_per_env": (after - before) / k, "base_pss": before}
+    return {"env": name, "k": k, "steps": steps, "bytes_per_env": (after - before) / k,
+            "base_pss": before}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -852,9 +930,14 @@ class Settings:
         sweep_envs: Envs of the sweep.
         sweep_n: Env counts of the sweep.
         sweep_process_cap: Largest env count for one-process-per-env peers in the sweep.
+        layouts: Per asyncsample contender and env family (``atari``, ``mujoco``, ``classic``),
+            the worker counts of the main comparison (``n_envs / workers`` envs per worker, two
+            env-host processes); a family left out does not run that contender.
+        sweep_peers: The peers of the sweep.
+        sweep_layouts: Per asyncsample contender, the worker counts of the sweep.
         transitions: Timed agent steps per env (main comparison and sweep).
         min_seconds: Minimum length of a timed phase.
-        timeout: Seconds before a run is killed.
+        timeout: Seconds before a run is killed, plus :data:`STARTUP_S` per env (x3).
         quick: Smoke-test sizes.
     """
 
@@ -870,6 +953,17 @@ class Settings:
     sweep_n: list[int] = field(default_factory=lambda: [8, 32, 128, 512])
     sweep_process_cap: dict[str, int] = field(
         default_factory=lambda: {"CartPole-v1": 128, "Pong-v5": 64}
+    )
+    layouts: dict[str, dict[str, list[int]]] = field(
+        default_factory=lambda: {
+            "asyncsample": {"atari": [2, 4], "mujoco": [2, 4], "classic": [2]},
+            "asyncsample-batched": {"atari": [2], "mujoco": [4], "classic": [2]},
+            "asyncsample-host": {"atari": [2], "mujoco": [2, 4], "classic": [2]},
+        }
+    )
+    sweep_peers: list[str] = field(default_factory=lambda: ["envpool-sync", "sync", "async"])
+    sweep_layouts: dict[str, list[int]] = field(
+        default_factory=lambda: {"asyncsample": [2, 8], "asyncsample-host": [2]}
     )
     transitions: dict[str, int] = field(
         default_factory=lambda: {
@@ -890,13 +984,15 @@ class Settings:
         return cls(
             groups=["ideal", "main", "sweep", "footprint"],
             envs=["Pong-v5", "HalfCheetah-v5"],
-            contenders=["envpool-async", "sync", "asyncsample"],
+            contenders=["envpool-async", "sync", *OURS],
             repeats=1,
             sweep_repeats=1,
             n_envs_atari=4,
             n_envs_mujoco=4,
             sweep_envs=["CartPole-v1"],
             sweep_n=[4, 8],
+            layouts={c: {"atari": [2], "mujoco": [2], "classic": [2]} for c in OURS},
+            sweep_layouts={"asyncsample": [2], "asyncsample-host": [2]},
             transitions=dict.fromkeys(ENVS, 200),
             min_seconds=0.0,
             timeout=120.0,
@@ -939,25 +1035,113 @@ def plan(s: Settings) -> dict[str, list[RealSpec]]:
             for policy in (False, True):
                 for c in s.contenders:
                     if c in OURS:
-                        for w in (2, 4) if not s.quick else (2,):
+                        for w in s.layouts.get(c, {}).get(ENVS[env].family, []):
                             out["main"].append(_ours(c, env, n, w, policy, s))
                     else:
                         out["main"].append(_peer(c, env, n, policy, s))
     if "sweep" in out:
         for env in s.sweep_envs:
             for n in s.sweep_n:
-                for c in ("envpool-sync", "sync", "async"):
+                for c in s.sweep_peers:
                     if c == "async" and n > s.sweep_process_cap.get(env, 128):
                         continue
                     spec = _peer(c, env, n, False, s)
                     spec.n_transitions = max(spec.n_transitions, 3 * n)
                     out["sweep"].append(spec)
-                for w in (2, 8):
-                    spec = _ours("asyncsample", env, n, w, False, s)
-                    spec.n_transitions = max(spec.n_transitions, 3 * n)
-                    spec.fragment_steps = max(1, min(32, spec.n_transitions // (4 * n)))
-                    out["sweep"].append(spec)
+                for c, workers in s.sweep_layouts.items():
+                    for w in workers:
+                        spec = _ours(c, env, n, w, False, s)
+                        spec.n_transitions = max(spec.n_transitions, 3 * n)
+                        spec.fragment_steps = max(1, min(32, spec.n_transitions // (4 * n)))
+                        out["sweep"].append(spec)
     return out
+
+
+#: Seconds one env takes to build and reset on a quiet core (Pong: ~0.3 s: ALE start-up and
+#: up to 30 no-op steps), for the run timeouts and the plan's estimate.
+STARTUP_S = {"atari": 0.3, "mujoco": 0.05, "classic": 0.002}
+
+
+def run_timeout(spec: RealSpec, s: Settings) -> float:
+    """``s.timeout`` plus three times the envs' start-up in one process (512 Pong: +461 s)."""
+    return s.timeout + 3 * spec.n_envs * STARTUP_S[ENVS[spec.env].family]
+
+
+def _previous_walls(path: Path) -> dict[str, list[float]]:
+    """Wall seconds of each config's runs (ok or not) in an earlier ``real_envs.json``."""
+    try:
+        runs = json.loads(path.read_text())["runs"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    walls: dict[str, list[float]] = {}
+    for r in runs:
+        if r.get("wall") and r.get("status") == "ok":
+            walls.setdefault(r["key"], []).append(float(r["wall"]))
+    return walls
+
+
+#: Quiet-machine wall / the last run's wall, measured: the ideal and main Pong-v5 configs of
+#: every asyncsample mode and EnvPool async took 84 s at load 1.5-2 where the walls of
+#: ``benchmarks/results/real_envs.json`` (load 4-13) add up to 268 s.
+QUIET = 0.35
+
+
+def estimate_seconds(spec: RealSpec, walls: dict[str, list[float]], scale: float = 1.0) -> float:
+    """The wall time of one run: ``scale`` x the same config's median wall in ``walls``.
+
+    Else the nearest config that ran (asyncsample in another inference mode or layout with the
+    same env, env count and agent), else a model: 5 s of
+    interpreter and imports (+5 s with a torch policy), the envs' start-up (:data:`STARTUP_S`,
+    over two processes for asyncsample) and 10 s of stepping.
+    """
+    if walls.get(spec.key):
+        return scale * statistics.median(walls[spec.key])
+    agent = "policy" if spec.policy else "random"
+    near = [
+        f"asyncsample|{spec.env}|{spec.n_envs}|{agent}|{spec.layout}",
+        *(k for k in walls if k.startswith("asyncsample|") and k.split("|")[1:4]
+          == [spec.env, str(spec.n_envs), agent] and spec.contender in OURS),
+    ]  # fmt: skip
+    for key in near:
+        if walls.get(key):
+            return scale * statistics.median(walls[key])
+    start = spec.n_envs * STARTUP_S[ENVS[spec.env].family]
+    start /= 2 if spec.contender in OURS else 1
+    return 5.0 + (5.0 if spec.policy else 0.0) + start + 10.0
+
+
+def estimate_plan(
+    s: Settings, walls: dict[str, list[float]], scale: float = 1.0
+) -> dict[str, float]:
+    """Estimated seconds of each group of the plan (repeats included) and of the footprints."""
+    out: dict[str, float] = {}
+    for g, specs in plan(s).items():
+        reps = s.sweep_repeats if g == "sweep" else s.repeats
+        out[g] = reps * sum(estimate_seconds(spec, walls, scale) for spec in specs)
+    if "footprint" in s.groups:
+        envs = dict.fromkeys([*s.envs, *s.sweep_envs])
+        out["footprint"] = sum(6.0 + 17 * STARTUP_S[ENVS[e].family] for e in envs)
+    return out
+
+
+def print_plan(s: Settings, verbose: bool = False) -> float:
+    """Print the plan's estimated length (and with ``verbose`` every run); its seconds."""
+    walls = _previous_walls(RESULTS_DIR / "real_envs.json")
+    est = estimate_plan(s, walls, QUIET)
+    upper = sum(estimate_plan(s, walls).values())
+    if verbose:
+        for g, specs in plan(s).items():
+            for spec in specs:
+                print(f"{g:6} {spec.key:55} ~{estimate_seconds(spec, walls, QUIET):5.0f} s "
+                      f"(timeout {run_timeout(spec, s):.0f} s)")  # fmt: skip
+    total = sum(est.values())
+    _progress(
+        f"plan: {sum(len(v) for v in plan(s).values())} configs, {s.repeats} repeats "
+        f"(sweep {s.sweep_repeats}); estimated {total / 60:.0f} min on a quiet machine ("
+        + ", ".join(f"{g} {v / 60:.1f}" for g, v in est.items())
+        + f"), at most {upper / 60:.0f} min at the load of the last run (4-13 on 2 cores)"
+    )
+    return total
 
 
 def _progress(msg: str) -> None:
@@ -983,14 +1167,6 @@ def execute(s: Settings, workdir: Path, log: Path | None = None) -> dict[str, An
                 seen.add((g, spec.key))
                 runs.append((g, spec))
     n_rep = max(s.repeats, s.sweep_repeats)
-    batched = _has_batched_inference()
-    for g, spec in list(runs):
-        if spec.contender == "asyncsample-batched" and not batched:
-            runs.remove((g, spec))
-            records.append({"group": g, "key": spec.key, "repeat": -1, "spec": asdict(spec),
-                            "layout": spec.layout, "status": "skipped",
-                            "note": "Sampler has no `inference` argument in this build",
-                            "loadavg": os.getloadavg()})  # fmt: skip
     total = sum(s.sweep_repeats if g == "sweep" else s.repeats for g, _ in runs)
     i = 0
     for repeat in range(n_rep):
@@ -999,7 +1175,7 @@ def execute(s: Settings, workdir: Path, log: Path | None = None) -> dict[str, An
                 continue
             i += 1
             _progress(f"{i}/{total} r{repeat} {g} {spec.key}")
-            outcome = run_one(spec, s.timeout, workdir)
+            outcome = run_one(spec, run_timeout(spec, s), workdir)
             rec = {"group": g, "key": spec.key, "repeat": repeat, "spec": asdict(spec),
                    "layout": spec.layout, **outcome}  # fmt: skip
             records.append(rec)
@@ -1009,15 +1185,6 @@ def execute(s: Settings, workdir: Path, log: Path | None = None) -> dict[str, An
                 with log.open("a") as fh:
                     fh.write(json.dumps(rec) + "\n")
     return {"records": records, "footprints": footprints}
-
-
-def _has_batched_inference() -> bool:
-    """Whether this build's ``Sampler`` takes ``inference=`` (checked without starting it)."""
-    try:
-        from asyncsample import Sampler
-    except Exception:
-        return False
-    return "inference" in inspect.signature(Sampler).parameters
 
 
 def _footprint_in_child(env: str, timeout: float) -> dict[str, Any]:
@@ -1057,6 +1224,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 "policy": spec["policy"],
                 "layout": rec["layout"],
                 "n_workers": spec["n_workers"],
+                "fragment_steps": spec.get("fragment_steps", 0),
                 "rates": [],
                 "startups": [],
                 "groups": [],
@@ -1076,7 +1244,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if own:
                 agg["per_core"].append(rec["rate"] / own)
                 agg.setdefault("own", []).append(own)
-            for k in ("pss", "lag", "blocking", "split", "cpu"):
+            for k in ("pss", "lag", "blocking", "split", "cpu", "buffers"):
                 if agg.get(k) is None and rec.get(k):
                     agg[k] = rec[k]
         elif rec.get("status") == "skipped":
@@ -1124,9 +1292,69 @@ def best_of(
     return max(cands, key=lambda a: a["median"]) if cands else None
 
 
+def best_ours(
+    summary: dict[str, dict[str, Any]], env: str, n: int, policy: bool
+) -> dict[str, Any] | None:
+    """The fastest asyncsample config (any inference mode, any layout) of the main comparison."""
+    cands = [b for c in OURS if (b := best_of(summary, c, env, n, policy))]
+    return max(cands, key=lambda a: a["median"]) if cands else None
+
+
 def _cpu_us(summary: dict[str, dict[str, Any]], key: str) -> float | None:
     pc = (summary.get(key) or {}).get("per_core_median")
     return 1e6 / pc if pc else None
+
+
+def memory_slope(
+    summary: dict[str, dict[str, Any]], env: str, contender: str
+) -> dict[str, Any] | None:
+    """PSS per added env of ``contender`` over the sweep (fewest to most envs), split up.
+
+    ``bytes_per_env`` is the whole process tree's growth. For asyncsample it is split into:
+    ``hosts_per_env`` (the env hosts without shared memory: the envs themselves, to compare
+    with their footprint), ``shm_per_env`` (PSS of the shared buffers; ``step_alloc_per_env``
+    and ``chunk_alloc_per_env`` are what asyncsample allocates for them) and ``main_per_env``
+    (the main process without shared memory: mostly the data of one call,
+    ``call_data_per_env``, estimated as envs x (2 x fragment steps + 2) observations: the
+    recorder rows and the batch's observations, fragment steps each, the batch's last
+    observations and the episode pieces' copies of them, one each).
+    """
+    pts = sorted(
+        (a for a in summary.values()
+         if a["contender"] == contender and a["env"] == env and not a["policy"]
+         and a.get("pss") and a["n_workers"] in (0, 1, 2)),
+        key=lambda a: a["n_envs"],
+    )  # fmt: skip
+    if len(pts) < 2:
+        return None
+    a0, a1 = pts[0], pts[-1]
+    dn = a1["n_envs"] - a0["n_envs"]
+    p0, p1 = a0["pss"], a1["pss"]
+
+    def per_env(f: Callable[[dict[str, Any]], float]) -> float:
+        return (f(p1) - f(p0)) / dn
+
+    out: dict[str, Any] = {
+        "env": env,
+        "contender": contender,
+        "from_n": a0["n_envs"],
+        "to_n": a1["n_envs"],
+        "bytes_per_env": per_env(lambda p: p["total_pss"]),
+    }
+    if "shm_pss" in p0 and "shm_pss" in p1:
+        out["shm_per_env"] = per_env(lambda p: p["shm_pss"])
+        out["main_per_env"] = per_env(lambda p: p["main_pss"] - p["main_shm_pss"])
+        out["hosts_per_env"] = per_env(lambda p: p["children_pss"] - p["children_shm_pss"])
+    b0, b1 = a0.get("buffers"), a1.get("buffers")
+    if b0 and b1:
+        out["step_alloc_per_env"] = (b1["step_bytes"] - b0["step_bytes"]) / dn
+        out["chunk_alloc_per_env"] = (b1["chunk_bytes"] - b0["chunk_bytes"]) / dn
+        out["chunk_steps"] = [b0["chunk_steps"], b1["chunk_steps"]]
+        if "obs_bytes" in b0:
+            calls = [a["n_envs"] * (2 * a["fragment_steps"] + 2) * b["obs_bytes"]
+                     for a, b in ((a0, b0), (a1, b1))]  # fmt: skip
+            out["call_data_per_env"] = (calls[1] - calls[0]) / dn
+    return out
 
 
 def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
@@ -1152,14 +1380,21 @@ def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
         return a / b if a and b else None
 
     def rate(c: str, env: str, n: int, policy: bool) -> float | None:
-        b = best_of(summary, c, env, n, policy)
+        b = best_ours(summary, env, n, policy) if c == "ours" else best_of(
+            summary, c, env, n, policy
+        )
         return b["median"] if b else None
 
+    def which(env: str, n: int, policy: bool) -> str:
+        b = best_ours(summary, env, n, policy)
+        return f" (best asyncsample: {_row_label(b)})" if b else ""
+
     na, nm = s.n_envs_atari, s.n_envs_mujoco
-    ours_pong = rate("asyncsample", "Pong-v5", na, False)
+    ours_pong = rate("ours", "Pong-v5", na, False)
     targets: list[dict[str, Any]] = [
         {
-            "what": f"Pong-v5 random, {na} envs: % of the {s.cores}-core ideal",
+            "what": f"Pong-v5 random, {na} envs: % of the {s.cores}-core ideal"
+            + which("Pong-v5", na, False),
             "target": 0.90,
             "value": ratio(ours_pong, ideal.get("Pong-v5", {}).get("ideal_rate")),
         },
@@ -1169,27 +1404,21 @@ def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
             "value": ratio(ours_pong, rate("envpool-async", "Pong-v5", na, False)),
         },
         {
-            "what": f"HalfCheetah-v5 MLP policy, {nm} envs: x EnvPool sync",
+            "what": f"HalfCheetah-v5 MLP policy, {nm} envs: x EnvPool sync"
+            + which("HalfCheetah-v5", nm, True),
             "target": 1.0,
             "value": ratio(
-                rate("asyncsample", "HalfCheetah-v5", nm, True),
+                rate("ours", "HalfCheetah-v5", nm, True),
                 rate("envpool-sync", "HalfCheetah-v5", nm, True),
             ),
         },
     ]
-    memory: list[dict[str, Any]] = []
-    for env in s.sweep_envs:
-        for c in ("asyncsample", "async", "sync", "envpool-sync"):
-            pts = sorted(
-                (a["n_envs"], a["pss"]["total_pss"])
-                for a in summary.values()
-                if a["contender"] == c and a["env"] == env and not a["policy"]
-                and a.get("pss") and a["n_workers"] in (0, 1, 2)
-            )  # fmt: skip
-            if len(pts) >= 2:
-                (n0, p0), (n1, p1) = pts[0], pts[-1]
-                memory.append({"env": env, "contender": c, "from_n": n0, "to_n": n1,
-                               "bytes_per_env": (p1 - p0) / (n1 - n0)})  # fmt: skip
+    memory = [
+        m
+        for env in s.sweep_envs
+        for c in ("asyncsample", "asyncsample-host", "async", "sync", "envpool-sync")
+        if (m := memory_slope(summary, env, c)) is not None
+    ]
     for t in targets:
         t["met"] = None if t["value"] is None else t["value"] >= t["target"]
 
@@ -1197,26 +1426,26 @@ def derive(summary: dict[str, dict[str, Any]], s: Settings) -> dict[str, Any]:
     # contender with more runnable processes gets a larger share of the CPUs (the scheduler is
     # fair per thread), so steps/s alone mixes efficiency with scheduling share.
     def per_core(c: str, env: str, n: int, pol: bool) -> float | None:
-        b = best_of(summary, c, env, n, pol)
+        b = best_ours(summary, env, n, pol) if c == "ours" else best_of(summary, c, env, n, pol)
         return b.get("per_core_median") if b else None
 
     ide_pc = (summary.get("ideal|Pong-v5|1|random|") or {}).get("per_core_median")
     per_cpu = [
         {
             "what": f"Pong-v5 random, {na} envs: steps per CPU-second / the ideal's",
-            "value": ratio(per_core("asyncsample", "Pong-v5", na, False), ide_pc),
+            "value": ratio(per_core("ours", "Pong-v5", na, False), ide_pc),
         },
         {
             "what": f"Pong-v5 random, {na} envs: steps per CPU-second / EnvPool async's",
             "value": ratio(
-                per_core("asyncsample", "Pong-v5", na, False),
+                per_core("ours", "Pong-v5", na, False),
                 per_core("envpool-async", "Pong-v5", na, False),
             ),
         },
         {
             "what": f"HalfCheetah-v5 MLP policy, {nm} envs: steps per CPU-second / EnvPool sync's",
             "value": ratio(
-                per_core("asyncsample", "HalfCheetah-v5", nm, True),
+                per_core("ours", "HalfCheetah-v5", nm, True),
                 per_core("envpool-sync", "HalfCheetah-v5", nm, True),
             ),
         },
@@ -1244,11 +1473,15 @@ How the envs differ between the libraries (the same task, not the same code):
 - Autoreset: EnvPool resets a finished env on its *next* step (that step is not counted here); the
   gymnasium vector envs run in same-step mode, SB3 resets in the same step, asyncsample's workers
   reset inside the env host. Every rate counts real transitions only.
-- Agent: "random" is a seeded uniform action per env per step (asyncsample: its built-in per-worker
-  RandomAgent). "policy" is a torch `TorchAgent` (Nature-CNN for Atari, MLP 64x64 tanh Gaussian
-  for MuJoCo) on one torch thread, called once per vector step on the stacked observations (EnvPool
-  async: once per `recv` batch; asyncsample `per_worker`: once per worker step, i.e. `n_workers`
-  calls per round).
+- Agent: "random" is a seeded uniform action per env per step (asyncsample: its built-in
+  RandomAgent, one per worker in `per_worker` and `host` mode, where the hosts draw the actions;
+  one shared by all workers in `batched` mode). "policy" is a torch `TorchAgent` (Nature-CNN for
+  Atari, MLP 64x64 tanh Gaussian for MuJoCo) on one torch thread in every process that runs it,
+  called once per vector step on the stacked observations (EnvPool async: once per `recv` batch;
+  asyncsample `per_worker`: once per worker step, `n_workers` calls per round; `batched`: the
+  workers' concurrent calls merged into one; `host`: a copy in each of the 2 env hosts, once per
+  worker step there, no round trip per step).
+- asyncsample layouts are `WxK/P2`: W workers of K envs each over 2 env-host processes.
 """
 
 
@@ -1348,19 +1581,31 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         met = {True: "met", False: "**not met**", None: "not measured"}[t["met"]]
         rows.append([t["what"], _f(t["target"]), _f(t["value"]), met])
     for fp in results.get("footprints", []):
-        slope = next((x for x in d["memory_slope"] if x["env"] == fp.get("env")
-                      and x["contender"] == "asyncsample"), None)  # fmt: skip
-        if slope and "bytes_per_env" in fp:
+        for slope in d["memory_slope"]:
+            if slope["env"] != fp.get("env") or slope["contender"] not in OURS:
+                continue
+            if "bytes_per_env" not in fp:
+                continue
             ok = slope["bytes_per_env"] <= fp["bytes_per_env"]
             rows.append(
                 [
-                    f"{fp['env']}: asyncsample PSS per added env ({slope['from_n']}->"
-                    f"{slope['to_n']} envs) <= the env's own footprint (MB)",
+                    f"{fp['env']}: {CONTENDER_LABELS[slope['contender']]} PSS per added env "
+                    f"({slope['from_n']}->{slope['to_n']} envs) <= the env's own footprint (MB)",
                     f"{fp['bytes_per_env'] / 2**20:.3f}",
                     f"{slope['bytes_per_env'] / 2**20:.3f}",
                     "met" if ok else "**not met**",
                 ]
             )
+            if "hosts_per_env" in slope:
+                hosts = slope["hosts_per_env"]
+                rows.append(
+                    [
+                        "(same, env hosts only, shared memory excluded: the envs' own growth)",
+                        f"{fp['bytes_per_env'] / 2**20:.3f}",
+                        f"{hosts / 2**20:.3f}",
+                        "for reference",
+                    ]
+                )
     for x in d.get("per_cpu", []):
         rows.append([f"(same, per CPU used) {x['what']}", "-", _f(x["value"]), "for reference"])
     lines += _table(["target", "goal", "value", ""], rows)
@@ -1481,15 +1726,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                              _f(stall.get("p99_ms"), "{:.1f}"),
                              _f(a.get("startup"), "{:.1f}")])  # fmt: skip
             lines += [f"### {env}", ""]
-            walls = {r["key"]: r.get("wall", 0.0) for r in results["runs"]}
             failed = [
-                f"- {a['n_envs']} envs, {_row_label(a)}: "
-                + (
-                    f"no result within the {s['timeout']:.0f} s run timeout (start-up included);"
-                    " killed"
-                    if walls.get(a["key"], 0.0) >= 0.99 * s["timeout"]
-                    else "; ".join(map(str, a["errors"]))
-                )
+                f"- {a['n_envs']} envs, {_row_label(a)}: " + "; ".join(map(str, a["errors"]))
                 for a in sweep
                 if a["env"] == env and a["status"] == "error"
             ]
@@ -1499,15 +1737,41 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                              "start-up s"], rows)  # fmt: skip
         rows = []
         fps = {f.get("env"): f for f in results.get("footprints", [])}
+
+        def mb3(v: float | None) -> str:
+            return "-" if v is None else f"{v / 2**20:.3f}"
+
         for x in d["memory_slope"]:
             fp = fps.get(x["env"], {}).get("bytes_per_env")
             rows.append([x["env"], CONTENDER_LABELS[x["contender"]],
-                         f"{x['from_n']}->{x['to_n']}",
-                         f"{x['bytes_per_env'] / 2**20:.3f}",
-                         f"{fp / 2**20:.3f}" if fp is not None else "-"])  # fmt: skip
-        lines += ["### Memory per added env", ""]
-        lines += _table(["env", "contender", "envs", "PSS MB per added env",
-                         "the env's own footprint MB (in-process)"], rows)  # fmt: skip
+                         f"{x['from_n']}->{x['to_n']}", mb3(x["bytes_per_env"]),
+                         mb3(x.get("hosts_per_env")), mb3(x.get("shm_per_env")),
+                         mb3(x.get("step_alloc_per_env")), mb3(x.get("chunk_alloc_per_env")),
+                         mb3(x.get("main_per_env")), mb3(x.get("call_data_per_env")),
+                         mb3(fp)])  # fmt: skip
+        lines += [
+            "### Memory per added env",
+            "",
+            "PSS growth per added env between the fewest and the most envs of the sweep (one "
+            "run each), in MB. asyncsample's growth is split: *env hosts* (their PSS without "
+            "shared memory: the envs themselves, to set against the env's own footprint, "
+            "measured the same way: PSS of one process holding 32 envs stepped 100 times "
+            "after a warmed-up first env), *shared memory* (PSS of the `/dev/shm` arenas, "
+            "counted in whichever process touched the pages; what asyncsample allocates for "
+            "them: step buffers, one row of observation + final observation + action + "
+            "reward + flags per env, and with `inference=\"host\"` chunk buffers, that many "
+            "rows per step of a chunk, 64 steps or as many as fit 8 MB per worker), and the "
+            "*main process* without shared memory (mostly the data of one call, a sampler's "
+            "data, not the pool's: *the call's data* estimates it as envs x (2 x fragment steps"
+            " + 2) observations: recorder rows and the batch's observations, the batch's last "
+            "observations and the episode pieces' copies of them; the sweep's largest runs use "
+            "1 fragment step, so 4 observations per env).",
+            "",
+        ]
+        lines += _table(["env", "contender", "envs", "PSS per added env", "env hosts",
+                         "shared memory", "allocated: step buffers", "allocated: chunk buffers",
+                         "main process", "the call's data (est.)", "the env's own footprint"],
+                        rows)  # fmt: skip
     lines += ["## Which to pick", "", *guidance(results), ""]
     path.write_text("\n".join(lines))
 
@@ -1518,16 +1782,16 @@ def guidance(results: dict[str, Any]) -> list[str]:
     na, nm = s["n_envs_atari"], s["n_envs_mujoco"]
 
     def r(c: str, env: str, n: int, pol: bool) -> float | None:
-        b = best_of(summary, c, env, n, pol)
+        b = best_ours(summary, env, n, pol) if c == "ours" else best_of(summary, c, env, n, pol)
         return b["median"] if b else None
 
     def vs(a: float | None, b: float | None) -> str:
         return f"{a / b:.2f}x" if a and b else "n/a"
 
     pong_ep = r("envpool-async", "Pong-v5", na, False)
-    pong_us = r("asyncsample", "Pong-v5", na, False)
+    pong_us = r("ours", "Pong-v5", na, False)
     hc_ep = r("envpool-sync", "HalfCheetah-v5", nm, True)
-    hc_us = r("asyncsample", "HalfCheetah-v5", nm, True)
+    hc_us = r("ours", "HalfCheetah-v5", nm, True)
     hc_sync = r("sync", "HalfCheetah-v5", nm, True)
     slopes = {(x["env"], x["contender"]): x for x in results["derived"]["memory_slope"]}
     fps = {f.get("env"): f.get("bytes_per_env") for f in results.get("footprints", [])}
@@ -1558,16 +1822,46 @@ def guidance(results: dict[str, Any]) -> list[str]:
         "(the event loop keeps running while envs step), when step times vary (workers do not "
         "wait for each other), and when the pool must grow to hundreds of envs without a process "
         f"each{mem}.",
+        *modes_guidance(results),
         "- **Not asyncsample** for an env EnvPool already ships, when raw steps/s is all that "
-        "matters; for envs cheaper than a process round trip with few envs per worker (use "
-        "SyncVectorEnv, or asyncsample's local backend); or when the policy needs one large batch "
-        'per step over all envs and `inference="batched"` is not available in your version '
-        "(with per-worker inference the policy runs once per worker step, `n_workers` calls "
-        "per round).",
+        "matters; or for envs cheaper than a process round trip with few envs per worker (use "
+        "SyncVectorEnv, or asyncsample's local backend).",
         "- **AsyncVectorEnv / SB3 SubprocVecEnv** pay one process per env and one round trip per "
         "env step: fine for a few slow envs, the most memory and start-up time as envs grow.",
     ]
     return out
+
+
+def modes_guidance(results: dict[str, Any]) -> list[str]:
+    """Which ``inference`` mode won where, from this run's main comparison (one line per case)."""
+    summary, s = results["summary"], results["settings"]
+    cases = []
+    for env in s["envs"]:
+        n = s["n_envs_atari"] if ENVS[env].family == "atari" else s["n_envs_mujoco"]
+        for pol in (False, True):
+            best = {c: b for c in OURS if (b := best_of(summary, c, env, n, pol))}
+            if len(best) < 2:
+                continue
+            ranked = sorted(best.values(), key=lambda a: -a["median"])
+            base = best.get("asyncsample")
+            rel = ", ".join(
+                f"{INFERENCE[a['contender']]} {a['layout']} {_k(a['median'])}"
+                + (f" ({a['median'] / base['median']:.2f}x per_worker)"
+                   if base and a is not base else "")
+                for a in ranked
+            )  # fmt: skip
+            cases.append(f"{env} {'policy' if pol else 'random'}: {rel}")
+    if not cases:
+        return []
+    return [
+        "- **Which `inference` mode** (best layout of each, steps/s, fastest first): "
+        + "; ".join(cases)
+        + ". `per_worker` runs the agent in the main process once per worker step; `batched` "
+        "merges the workers' concurrent calls into one (fewer policy calls, same round trips); "
+        "`host` runs a copy of the agent in every env host and steps chunks of up to 64 steps "
+        "with no per-step round trip (the main process only copies the chunks; with a policy "
+        "each host pays its own forward passes on its own core share).",
+    ]
 
 
 def write_plots(out: Path, results: dict[str, Any]) -> list[Path]:
@@ -1708,7 +2002,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--envs", nargs="+", choices=MAIN_ENVS)
     p.add_argument("--contenders", nargs="+", choices=[*PEERS, *OURS])
     p.add_argument("--repeats", type=int)
+    p.add_argument("--sweep-envs", nargs="+", choices=SWEEP_ENVS)
     p.add_argument("--sweep-n", nargs="+", type=int)
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the runs and the estimated length, run nothing",
+    )
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.add_argument(
         "--render",
@@ -1740,9 +2040,15 @@ def main(argv: list[str] | None = None) -> int:
         write_all(out, results)
         return 0
     s = Settings.quick_settings() if args.quick else Settings()
-    for name in ("groups", "envs", "contenders", "repeats", "sweep_n"):
+    for name in ("groups", "envs", "contenders", "repeats", "sweep_envs", "sweep_n"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
+    if args.contenders is not None:  # the sweep too runs only the contenders named
+        s.sweep_layouts = {c: w for c, w in s.sweep_layouts.items() if c in args.contenders}
+        s.sweep_peers = [c for c in s.sweep_peers if c in args.contenders]
+    print_plan(s, verbose=args.plan)
+    if args.plan:
+        return 0
     from benchmarks.report import machine_info
 
     machine = machine_info() | {"loadavg_start": os.getloadavg()}

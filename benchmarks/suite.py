@@ -22,23 +22,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from benchmarks._runner import run_fresh
 from benchmarks.contenders import CONTENDERS, RunSpec
 from benchmarks.envs import full_id
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 ALL_ENVS = ["CartPole-v1", "FixedCost-v0", "HeavyTail-v0", "Image-v0", "NoOp-v0"]
 PEERS = ["sync", "async", "sb3", "tianshou-subproc", "tianshou-shmem", "envpool"]
@@ -338,20 +331,8 @@ def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
     )
 
 
-def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """Kill a runner process we started and all its descendants."""
-    try:
-        parent = psutil.Process(proc.pid)
-        victims = [*parent.children(recursive=True), parent]
-    except psutil.Error:
-        victims = []
-    for victim in victims:
-        try:
-            victim.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(victims, timeout=5)
-    proc.wait()
+#: How a suite run's fresh process is started (``python -m benchmarks._runner SPEC OUT``).
+RUNNER: tuple[str, ...] = ("-m", "benchmarks._runner")
 
 
 def run_one(spec: RunSpec, timeout: float, workdir: Path) -> dict[str, Any]:
@@ -363,48 +344,10 @@ def run_one(spec: RunSpec, timeout: float, workdir: Path) -> dict[str, Any]:
         workdir: Scratch directory for the spec, outcome and log files.
 
     Returns:
-        The runner's outcome dict plus ``wall`` (seconds of the whole process).
+        The runner's outcome dict (``status`` ``"timeout"`` when it was killed) plus ``wall``
+        (seconds of the whole process); see :func:`benchmarks._runner.run_fresh`.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix="run-", suffix=".json", dir=workdir)
-    os.close(fd)
-    spec_path = Path(name)
-    out_path = spec_path.with_suffix(".out.json")
-    log_path = spec_path.with_suffix(".log")
-    spec_path.write_text(json.dumps(spec.to_dict()))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    t0 = time.perf_counter()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks._runner", str(spec_path), str(out_path)],
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc)
-        except BaseException:
-            _kill_tree(proc)
-            raise
-    wall = time.perf_counter() - t0
-    log_tail = log_path.read_text(errors="replace")[-3000:]
-    if out_path.exists():
-        outcome: dict[str, Any] = json.loads(out_path.read_text())
-    elif proc.returncode is not None and proc.returncode >= 0 and wall < timeout:
-        outcome = {"status": "error", "note": f"runner exited {proc.returncode} with no result"}
-    else:
-        outcome = {"status": "error", "note": f"timed out after {timeout:.0f} s (killed)"}
-    if outcome["status"] == "error":
-        outcome["log_tail"] = log_tail
-    outcome["wall"] = wall
-    for path in (spec_path, out_path, log_path):
-        path.unlink(missing_ok=True)
-    return outcome
+    return run_fresh(RUNNER, spec.to_dict(), timeout, workdir)
 
 
 def execute(
