@@ -154,6 +154,8 @@ class EnvGroup:
         self.max_episode_length = max_episode_length
         self.n_envs = len(buffers.rewards)
         self.envs: list[gym.Env | None] = [None] * self.n_envs
+        # Each env's current observation where the buffers do not hold it (nested spaces, and
+        # observations the fast shape test could not vouch for); None where a buffer row does.
         self._obs: list[Any] = [None] * self.n_envs
         self._lengths = [0] * self.n_envs
         self._seeds: list[int | None] = [None] * self.n_envs
@@ -237,6 +239,7 @@ class EnvGroup:
         if self._flat_obs:
             if getattr(obs, "shape", ()) == self._obs_shape:
                 self.buffers.obs[i] = obs
+                self._obs[i] = None  # the buffer row holds it: keep no second copy
             else:
                 self._store_misfits([i])
         return info  # type: ignore[no-any-return]
@@ -263,18 +266,23 @@ class EnvGroup:
         truncs: list[bool] = []
         env_infos: list[dict[str, Any]] | None = None
         done: list[int] = []
+        finals: list[Any] = []
         misfits: list[int] = []
         mel = self.max_episode_length
         i = -1
         try:
             for i, action in zip(indices, actions):
                 o, r, term, trunc, info = envs[i].step(action)  # type: ignore[union-attr]
-                obs[i] = o
-                if obs_out is not None:
-                    if getattr(o, "shape", ()) == obs_shape:
-                        obs_out[i] = o
-                    else:
-                        misfits.append(i)
+                if obs_out is None:
+                    obs[i] = o
+                elif getattr(o, "shape", ()) == obs_shape:
+                    # The buffer row holds it: no reference kept (for image observations,
+                    # a second copy of every env's observation).
+                    obs_out[i] = o
+                    obs[i] = None
+                else:
+                    obs[i] = o
+                    misfits.append(i)
                 rewards.append(r)
                 terms.append(term)
                 n = lengths[i] + 1
@@ -288,6 +296,7 @@ class EnvGroup:
                     env_infos[i] = info
                 if term or trunc:
                     done.append(i)
+                    finals.append(o)
         except Exception as exc:
             raise EnvFailureError(EnvFailure(i, exc, traceback.format_exc())) from exc
         if misfits:
@@ -299,7 +308,7 @@ class EnvGroup:
         reset_infos: dict[int, dict[str, Any]] = {}
         if done:
             try:
-                self._write(buf.final_obs, done, [obs[i] for i in done])
+                self._write(buf.final_obs, done, finals)
             except (ValueError, TypeError, IndexError) as exc:
                 self._raise_bad_observation(exc)
             for i in done:
@@ -381,6 +390,8 @@ class EnvGroup:
     def _raise_bad_observation(self, exc: Exception) -> None:
         expected = _shapes(self.observation_space)
         for i, o in enumerate(self._obs):
+            if o is None:
+                continue  # stored in its buffer row already: it fit
             got = _obs_shapes(o, self.observation_space)
             if got != expected:
                 err = ValueError(

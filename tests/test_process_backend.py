@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from asyncsample._tree import tree_leaves
 from asyncsample.backends.base import HostSpec
 from asyncsample.backends.local import LocalHost
 from asyncsample.backends.process import ProcessBackend, ProcessHost
+from asyncsample.env_group import EnvGroup, StepBuffers
 from asyncsample.errors import (
     SamplerClosedError,
     StepTimeoutError,
@@ -301,6 +303,57 @@ async def test_observation_that_does_not_fit_is_not_retried() -> None:
         err = info.value
         assert err.worker == 3 and err.env == 1 and not err.retry
         assert isinstance(err.__cause__, ValueError) and "observation" in str(err)
+
+
+class _GoesBadAtStep3(BoxEnv):
+    def _obs(self) -> Any:
+        return np.zeros(5 if self.steps >= 3 else 3, np.float32)
+
+
+class _TrackedObs(BoxEnv):
+    """Remembers a weak reference to every observation it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[np.ndarray]] = []
+
+    def _obs(self) -> Any:
+        obs = super()._obs()
+        self.refs.append(weakref.ref(obs))
+        return obs
+
+
+def test_env_group_keeps_no_copy_of_stored_observations() -> None:
+    """An observation written into its buffer row is not also kept by the group (an image env
+    would otherwise hold every env's observation twice in its host)."""
+    space, act = BoxEnv.observation_space, BoxEnv.action_space
+    group = EnvGroup(0, StepBuffers.allocate(space, act, 2), space, act, 4)
+    group.build([[_TrackedObs], [_TrackedObs]], [1, 2])
+    try:
+        group.reset(np.ones(2, bool))
+        for _ in range(6):  # episodes end within these steps: final observations too
+            group.step(np.ones(2, bool))
+        gc.collect()
+        refs = [ref for env in group.envs for ref in env.unwrapped.refs]  # type: ignore[union-attr]
+        assert len(refs) >= 14
+        assert all(ref() is None for ref in refs)
+        assert group.buffers.obs.shape == (2, 3)
+    finally:
+        group.close()
+
+
+async def test_observation_that_stops_fitting_names_its_env() -> None:
+    """The host keeps no copy of observations stored in their buffer rows; a later misfit is
+    still reported with its own env index (not one of the envs that fit)."""
+    async with started([spec(BoxEnv, 3, worker=2)]) as (_, (host,)):
+        await host.build([[BoxEnv], [_GoesBadAtStep3], [BoxEnv]], [1, 2, 3])
+        await host.reset(np.ones(3, bool))
+        with pytest.raises(WorkerError) as info:
+            for _ in range(5):
+                await host.step(np.ones(3, bool))
+        err = info.value
+        assert err.worker == 2 and err.env == 1 and not err.retry
+        assert "env 1" in str(err) and "(5,)" in str(err)
 
 
 class _Unpicklable(Exception):
