@@ -1003,6 +1003,10 @@ class Settings:
         min_seconds: Minimum length of a timed phase.
         timeout: Seconds before a run is killed, plus :data:`STARTUP_S` per env (x3).
         quick: Smoke-test sizes.
+        fragment_steps: asyncsample steps per env per ``obtain_fragments`` call in the main
+            comparison (``0``: up to 32, so that a run makes at least 4 calls). A PPO-style
+            trainer's rollout length (128 for Atari in CleanRL and the SB3 zoo) is the call
+            size a user pays the call boundary at.
     """
 
     groups: list[str] = field(default_factory=lambda: ["ideal", "main", "sweep", "footprint"])
@@ -1041,6 +1045,7 @@ class Settings:
     min_seconds: float = 1.5
     timeout: float = 240.0
     quick: bool = False
+    fragment_steps: int = 0
 
     @classmethod
     def quick_settings(cls) -> Settings:
@@ -1071,7 +1076,7 @@ def _n_main(s: Settings, env: str) -> int:
 def _ours(contender: str, env: str, n: int, w: int, policy: bool, s: Settings) -> RealSpec:
     w = max(1, min(w, n))
     total = s.transitions[env]
-    frag = max(1, min(32, total // (4 * n)))
+    frag = s.fragment_steps or max(1, min(32, total // (4 * n)))
     return RealSpec(contender, env, n, policy, total, max(n, total // 10), n_workers=w,
                     envs_per_worker=n // w, n_processes=2, cores=s.cores, fragment_steps=frag,
                     min_seconds=s.min_seconds)  # fmt: skip
@@ -1567,6 +1572,21 @@ How the envs differ between the libraries (the same task, not the same code):
 """
 
 
+def _calls_note(results: dict[str, Any]) -> str:
+    """How large asyncsample's sampling calls were in the main comparison."""
+    frags = sorted(
+        {r["spec"]["fragment_steps"] for r in results["runs"]
+         if r.get("group") == "main" and r["spec"]["contender"] in OURS}
+    )  # fmt: skip
+    size = ", ".join(str(f) for f in frags) or "-"
+    return (
+        f"- asyncsample's main-comparison runs call `obtain_fragments` for {size} steps per env "
+        "(`--fragment-steps`); every call ends at a barrier where the workers wait for each "
+        "other, so longer calls (a PPO rollout of 128 steps, say) idle the hosts less. The "
+        "peers step without calls."
+    )
+
+
 def _k(v: float | None) -> str:
     if v is None or v != v:
         return "-"
@@ -1678,6 +1698,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         "runnable thread, so a contender with more processes takes more of a busy machine.",
         "",
         ENV_NOTES,
+        _calls_note(results),
+        "",
         "## Targets",
         "",
     ]
@@ -2117,6 +2139,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep-envs", nargs="+", choices=SWEEP_ENVS)
     p.add_argument("--sweep-n", nargs="+", type=int)
     p.add_argument(
+        "--fragment-steps",
+        type=int,
+        help="asyncsample steps per env per call in the main comparison (default: up to 32)",
+    )
+    p.add_argument(
         "--plan",
         action="store_true",
         help="print the runs and the estimated length, run nothing",
@@ -2152,7 +2179,8 @@ def main(argv: list[str] | None = None) -> int:
         write_all(out, results)
         return 0
     s = Settings.quick_settings() if args.quick else Settings()
-    for name in ("groups", "envs", "contenders", "repeats", "sweep_envs", "sweep_n"):
+    for name in ("groups", "envs", "contenders", "repeats", "sweep_envs", "sweep_n",
+                 "fragment_steps"):  # fmt: skip
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     if args.contenders is not None:  # the sweep too runs only the contenders named
