@@ -23,8 +23,9 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+from asyncsample import _validate
 from asyncsample.vector import (
-    _check_count,
+    _check_step_timeout,
     _Engine,
     _env_sources,
     _finalize,
@@ -75,19 +76,10 @@ class AsyncSampleVecEnv(VecEnv):
         else:
             if num_envs is None:
                 raise TypeError("num_envs is required when env_fns is a single factory or id")
-            count = _check_count("num_envs", num_envs, 1)
-            assert count is not None
-            n = count
-        _check_count("n_processes", n_processes, 1, allow_none=True)
-        _check_count("max_restarts", max_restarts, 0)
-        if step_timeout is not None and not (
-            isinstance(step_timeout, (int, float))
-            and not isinstance(step_timeout, bool)
-            and step_timeout > 0
-        ):
-            raise ValueError(
-                f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}"
-            )
+            n = _validate.positive_int("num_envs", num_envs)
+        _validate.optional_positive_int("n_processes", n_processes)
+        _validate.nonnegative_int("max_restarts", max_restarts)
+        _check_step_timeout(step_timeout)
         sources = _env_sources(list(env_fns) if isinstance(env_fns, (list, tuple)) else env_fns, n)
         self._engine = _Engine(
             sources,

@@ -70,6 +70,7 @@ from gymnasium.vector import AutoresetMode
 from gymnasium.vector import VectorEnv as _GymVectorEnv
 from gymnasium.vector.utils import batch_space
 
+from asyncsample import _validate
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend
 from asyncsample.backends.base import EnvHost, HostSpec
@@ -500,15 +501,12 @@ def _env_sources(env: Any, num_envs: int) -> list[Any]:
     return out
 
 
-def _check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        expected = "an int or None" if allow_none else "an int"
-        raise TypeError(f"{name} must be {expected}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+def _check_step_timeout(value: Any) -> None:
+    """``step_timeout`` of the vector faces: ``None`` or a number of seconds > 0."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+    ):
+        raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {value!r}")
 
 
 class _Engine:
@@ -1072,20 +1070,12 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         max_restarts: int = 3,
         batch_size: int | None = None,
     ) -> None:
-        num = _check_count("num_envs", num_envs, 1)
-        assert num is not None
-        _check_count("n_processes", n_processes, 1, allow_none=True)
-        _check_count("max_restarts", max_restarts, 0)
+        num = _validate.positive_int("num_envs", num_envs)
+        _validate.optional_positive_int("n_processes", n_processes)
+        _validate.nonnegative_int("max_restarts", max_restarts)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        if step_timeout is not None and (
-            isinstance(step_timeout, bool)
-            or not isinstance(step_timeout, (int, float))
-            or not step_timeout > 0
-        ):
-            raise ValueError(
-                f"step_timeout must be a number of seconds > 0 or None, got {step_timeout!r}"
-            )
+        _check_step_timeout(step_timeout)
         if autoreset_mode is None:
             mode = AutoresetMode.NEXT_STEP
         else:
@@ -1096,7 +1086,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
                     "autoreset_mode must be an AutoresetMode or one of "
                     f"{[m.value for m in AutoresetMode]}, got {autoreset_mode!r}"
                 ) from None
-        batch = _check_count("batch_size", batch_size, 1, allow_none=True)
+        batch = _validate.optional_positive_int("batch_size", batch_size)
         if batch is not None and batch > num:
             raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
         sources = _env_sources(env, num)

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from asyncsample import _validate
 from asyncsample.backends import _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
 from asyncsample.backends._remote import (
@@ -200,10 +201,6 @@ class _ReplyProtocol(asyncio.Protocol):
                 return
         buf += data
         self._parse()
-
-    def pending_bytes(self) -> int:
-        """Bytes received that do not make a whole frame yet (or wait for an owner)."""
-        return len(self._buf)
 
     def _parse(self) -> None:
         on_frame = self._on_frame
@@ -630,14 +627,7 @@ class ProcessHost(RemoteHost[_Conn]):
         if inc is None or self._member.closed:
             payload = await self._request("step", _mask_bytes(mask))
         else:
-            call = inc.send(OP_STEP, self._slot + _mask_bytes(mask), self._timeout, self.worker)
-            try:
-                status, payload = await call.future
-            except HostDied:
-                err = self._death_error(inc, call)
-                raise err from err.__cause__
-            if status != ST_OK:
-                raise failure_error(self.worker, load_failure(payload))
+            payload = await self._send(inc, OP_STEP, _mask_bytes(mask), self._timeout)
         if not payload:
             return StepInfos(None, {})
         env_infos, reset_infos = pickle.loads(payload)
@@ -654,7 +644,13 @@ class ProcessHost(RemoteHost[_Conn]):
         if inc is None or self._member.closed:
             raise closed_error(self.worker, "run its chunk")
         timeout = None if self._timeout is None else self._timeout * max(1, request.steps)
-        call = inc.send(OP_CHUNK, self._slot + dumps(request), timeout, self.worker)
+        reply: ChunkReply = pickle.loads(await self._send(inc, OP_CHUNK, dumps(request), timeout))
+        return reply, version
+
+    async def _send(self, inc: _Conn, op: int, body: bytes, timeout: float | None) -> bytes:
+        """One request on a live incarnation, without :meth:`_request`'s generic layers (the
+        step and chunk paths): the reply's payload, or the error a failure or death means."""
+        call = inc.send(op, self._slot + body, timeout, self.worker)
         try:
             status, payload = await call.future
         except HostDied:
@@ -662,8 +658,7 @@ class ProcessHost(RemoteHost[_Conn]):
             raise err from err.__cause__
         if status != ST_OK:
             raise failure_error(self.worker, load_failure(payload))
-        reply: ChunkReply = pickle.loads(payload)
-        return reply, version
+        return payload  # type: ignore[no-any-return]
 
 
 _OPS = {name: op for op, name in OP_NAMES.items()}
@@ -691,12 +686,7 @@ class ProcessBackend:
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
-        if n_processes is not None and (
-            isinstance(n_processes, bool) or not isinstance(n_processes, (int, np.integer))
-        ):
-            raise TypeError(f"n_processes must be an int or None, got {n_processes!r}")
-        if n_processes is not None and n_processes < 1:
-            raise ValueError(f"n_processes must be >= 1, got {n_processes}")
+        n_processes = _validate.optional_positive_int("n_processes", n_processes)
         if step_timeout is not None and (
             isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
         ):
@@ -705,7 +695,7 @@ class ProcessBackend:
             )
         if step_timeout is not None and not step_timeout > 0:
             raise ValueError(f"step_timeout must be > 0 seconds or None, got {step_timeout!r}")
-        self.n_processes = None if n_processes is None else int(n_processes)
+        self.n_processes = n_processes
         self.step_timeout = None if step_timeout is None else float(step_timeout)
         self._members: list[_Member] = []
         self._hosts: list[ProcessHost] = []

@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from asyncsample import _validate
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, ChunkRunner
 from asyncsample.backends._remote import (
@@ -792,9 +793,13 @@ class RayBackend:
     ) -> None:
         reject_unknown_options("ray", unknown, self.OPTIONS)
         self.ray = _import_ray()
-        self.n_processes = _optional_int("n_processes", n_processes, 1)
-        self.workers_per_actor = _optional_int("workers_per_actor", workers_per_actor, 1)
-        self.compress_threshold = _optional_int("compress_threshold", compress_threshold, 0)
+        self.n_processes = _validate.optional_positive_int("n_processes", n_processes)
+        self.workers_per_actor = _validate.optional_positive_int(
+            "workers_per_actor", workers_per_actor
+        )
+        self.compress_threshold = _validate.optional_nonnegative_int(
+            "compress_threshold", compress_threshold
+        )
         self.step_timeout = _optional_seconds("step_timeout", step_timeout)
         self.start_timeout = _optional_seconds("start_timeout", start_timeout)
         if address is not None and not isinstance(address, str):
@@ -802,7 +807,7 @@ class RayBackend:
         self.address = address
         self.num_cpus = _amount("num_cpus", num_cpus)
         self.num_gpus = _amount("num_gpus", num_gpus)
-        self.memory = _optional_int("memory", memory, 1)
+        self.memory = _validate.optional_positive_int("memory", memory)
         if resources is not None and not isinstance(resources, Mapping):
             raise TypeError(
                 f"resources must be a dict of resource name to amount, got {resources!r}"
@@ -1060,16 +1065,6 @@ def _release_ray(ray: Any) -> None:
 
 
 # -- argument checks ----------------------------------------------------------------------------
-
-
-def _optional_int(name: str, value: Any, minimum: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int >= {minimum} or None, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _optional_seconds(name: str, value: Any) -> float | None:
