@@ -676,17 +676,26 @@ def run_gym_vector(spec: RealSpec) -> Measured:
             envs = AsyncVectorEnv(fns, shared_memory=True, autoreset_mode=AutoresetMode.SAME_STEP)
         obs, _ = envs.reset(seed=spec.seed)
         run.startup = time.perf_counter() - t0
-        act = _actor(spec, envs.single_action_space, spec.n_envs)
-
-        def step() -> int:
-            nonlocal obs
-            obs, *_ = envs.step(act(obs))
-            return spec.n_envs
-
-        return run.measure(step)
+        return _measure_vector(run, envs.step, obs, envs.single_action_space)
     finally:
         if envs is not None:
             envs.close()
+
+
+def _measure_vector(
+    run: _Run, step_envs: Callable[[Any], Any], obs: Any, single: gym.Space[Any]
+) -> Measured:
+    """Time a vector env (gymnasium's or SB3's: ``step`` returns the observations first) driven
+    by the run's actor from its latest observations."""
+    spec = run.spec
+    act = _actor(spec, single, spec.n_envs)
+
+    def step() -> int:
+        nonlocal obs
+        obs, *_ = step_envs(act(obs))
+        return spec.n_envs
+
+    return run.measure(step)
 
 
 def run_sb3(spec: RealSpec) -> Measured:
@@ -708,14 +717,7 @@ def run_sb3(spec: RealSpec) -> Measured:
         venv.seed(spec.seed)
         obs = venv.reset()
         run.startup = time.perf_counter() - t0
-        act = _actor(spec, venv.action_space, spec.n_envs)
-
-        def step() -> int:
-            nonlocal obs
-            obs, *_ = venv.step(act(obs))
-            return spec.n_envs
-
-        return run.measure(step)
+        return _measure_vector(run, venv.step, obs, venv.action_space)
     finally:
         if venv is not None:
             venv.close()
