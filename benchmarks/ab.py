@@ -4,7 +4,8 @@ Usage: ``python -m benchmarks.ab --a /path/to/old/checkout --b /path/to/new/chec
 
 Each run is a fresh interpreter with ``PYTHONPATH`` set to one tree, so both versions see the
 same machine at nearly the same time (runs alternate A, B, A, B...). Workloads use only the API
-both versions have (``Sampler``, ``obtain_fragments``, a per-worker agent), with a random agent
+both versions have: the ``Sampler`` (``obtain_fragments``, a per-worker agent) and the gymnasium
+face ``VectorEnv`` (lockstep ``step``, one agent call per vector step), each with a random agent
 and with the torch MLP of :mod:`benchmarks.policies`. Reported per workload: the median
 steps/s of each tree, B/A, and the main process's CPU microseconds per transition (less
 sensitive to other load than wall-clock rates). Results go to ``--out`` as JSON and markdown.
@@ -26,12 +27,24 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-#: name -> (env id, workers, envs per worker, processes, policy?, transitions)
-WORKLOADS: dict[str, tuple[str, int, int, int, bool, int]] = {
-    "CartPole-v1 4x8 random": ("CartPole-v1", 4, 8, 2, False, 200_000),
-    "FixedCost-v0 2x4 random": ("benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
-    "CartPole-v1 2x4 MLP": ("CartPole-v1", 2, 4, 2, True, 40_000),
-    "CartPole-v1 8x4 MLP": ("CartPole-v1", 8, 4, 2, True, 60_000),
+#: name -> (face, env id, workers, envs per worker, processes, policy?, transitions); the
+#: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``.
+WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
+    "CartPole-v1 4x8 random": ("sampler", "CartPole-v1", 4, 8, 2, False, 200_000),
+    "FixedCost-v0 2x4 random": ("sampler", "benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
+    "CartPole-v1 2x4 MLP": ("sampler", "CartPole-v1", 2, 4, 2, True, 40_000),
+    "CartPole-v1 8x4 MLP": ("sampler", "CartPole-v1", 8, 4, 2, True, 60_000),
+    "VectorEnv CartPole-v1 8 random": ("vector", "CartPole-v1", 1, 8, 2, False, 80_000),
+    "VectorEnv FixedCost-v0 8 random": (
+        "vector",
+        "benchmarks.envs:FixedCost-v0",
+        1,
+        8,
+        2,
+        False,
+        16_000,
+    ),
+    "VectorEnv CartPole-v1 8 MLP": ("vector", "CartPole-v1", 1, 8, 2, True, 40_000),
 }
 
 _CHILD = """
@@ -39,7 +52,7 @@ import asyncio, json, sys, time, resource
 sys.path.append({bench_root!r})  # after PYTHONPATH: asyncsample comes from the tree
 import benchmarks.envs  # registers the benchmark envs
 from asyncsample import Sampler
-env_id, workers, envs, procs, policy, n = {args!r}
+face, env_id, workers, envs, procs, policy, n = {args!r}
 agent = None
 if policy:
     import gymnasium as gym
@@ -49,6 +62,21 @@ if policy:
     MLPAgent = policies.MLPAgent
     probe = gym.make(env_id)
     agent = [MLPAgent(probe.observation_space, probe.action_space, seed=w) for w in range(workers)]
+def vector():
+    from asyncsample import VectorEnv
+    venv = VectorEnv(env_id, workers * envs, n_processes=procs)
+    obs, _ = venv.reset(seed=0)
+    venv.action_space.seed(0)
+    act = (lambda o: agent[0].act(o)) if policy else (lambda o: venv.action_space.sample())
+    for _ in range(max(n // 10 // (workers * envs), 1)):  # warm-up
+        obs = venv.step(act(obs))[0]
+    cpu0, t0, done = time.process_time(), time.perf_counter(), 0
+    while done < n:
+        obs = venv.step(act(obs))[0]
+        done += workers * envs
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    venv.close()
+    return done, wall, cpu
 async def main():
     async with Sampler(env_id, agent, n_workers=workers, envs_per_worker=envs,
                        n_processes=procs, seed=0) as s:
@@ -57,14 +85,15 @@ async def main():
         while done < n:
             done += (await s.obtain_fragments(max(n // 10, workers * envs))).n_transitions
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    import asyncsample
-    print(json.dumps({{"steps_per_s": done / wall, "main_cpu_us": 1e6 * cpu / done,
-                      "module": asyncsample.__file__}}))
-asyncio.run(main())
+    return done, wall, cpu
+done, wall, cpu = vector() if face == "vector" else asyncio.run(main())
+import asyncsample
+print(json.dumps({{"steps_per_s": done / wall, "main_cpu_us": 1e6 * cpu / done,
+                  "module": asyncsample.__file__}}))
 """
 
 
-def run_once(tree: Path, workload: tuple[str, int, int, int, bool, int]) -> dict[str, Any]:
+def run_once(tree: Path, workload: tuple[str, str, int, int, int, bool, int]) -> dict[str, Any]:
     """One fresh-interpreter run of ``workload`` on the asyncsample found in ``tree``."""
     code = _CHILD.format(
         bench_root=str(REPO_ROOT),
