@@ -22,7 +22,8 @@ import pytest
 
 from asyncsample import EpisodeBatch, Sampler
 
-#: "env/agent" -> digest (the same for every backend and inference mode) of the scenario's batches, computed at 95afb8f.
+#: "env/agent" -> digest of the scenario's batches, computed at 95afb8f (the same for every
+#: backend and inference mode).
 EXPECTED: dict[str, str] = {
     "cartpole/random": "eef1c2563f218566b97c30a3fc65c3297b4b1903f30e8a9378d543ebaa1622c5",
     "cartpole/policy": "45fb17881e522c8cb53db20dfe76b0ad328adb582569a193ce91488341945d1b",
@@ -48,7 +49,8 @@ def _feed(h: Any, value: Any) -> None:
         h.update(b")")
     elif isinstance(value, np.ndarray):
         if value.dtype == object:
-            value = np.array([int(v) if hasattr(v, "__index__") else repr(v) for v in value.ravel()])
+            items = value.ravel()
+            value = np.array([int(v) if hasattr(v, "__index__") else repr(v) for v in items])
         h.update(f"{value.dtype.str}{value.shape}".encode())
         h.update(np.ascontiguousarray(value).tobytes())
     else:
@@ -72,7 +74,7 @@ def batch_digest(batch: EpisodeBatch, h: Any) -> None:
 
 
 class ObsAgent:
-    """A deterministic policy of the observation, with agent infos (a policy "as users write it")."""
+    """A deterministic policy of the observation, with agent infos."""
 
     def __init__(self, n_actions: int) -> None:
         self.n_actions = n_actions
