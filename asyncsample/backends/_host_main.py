@@ -120,7 +120,7 @@ def main(
     Args:
         sock: the host's end of the control socket pair (blocking).
         slots_blob: pickled list of ``(worker, n_envs, observation_space, action_space,
-            max_episode_length)``, one per slot.
+            max_episode_length, autoreset)``, one per slot.
         raw_buffers: per slot, the shared blocks of its step buffers (see
             :func:`~asyncsample.backends._transport.shared_buffers`).
         raw_chunks: per slot, ``(capacity, blocks)`` of its chunk buffers when the slot runs
@@ -136,11 +136,11 @@ def main(
     groups: list[EnvGroup] = []
     runners: list[ChunkRunner | None] = []
     chunks = raw_chunks or [None] * len(slots)
-    for (worker, n_envs, obs_space, act_space, max_len), raw, raw_chunk in zip(
+    for (worker, n_envs, obs_space, act_space, max_len, autoreset), raw, raw_chunk in zip(
         slots, raw_buffers, chunks
     ):
         buffers = view_buffers(obs_space, act_space, n_envs, raw)
-        group = EnvGroup(worker, buffers, obs_space, act_space, max_len)
+        group = EnvGroup(worker, buffers, obs_space, act_space, max_len, autoreset)
         groups.append(group)
         runner = None
         if raw_chunk is not None:

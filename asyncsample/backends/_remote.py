@@ -456,10 +456,17 @@ def place(specs: Sequence[HostSpec], n: int) -> list[list[HostSpec]]:
 
 def slots_blob(specs: Sequence[HostSpec]) -> bytes:
     """What a remote host is started with: ``(worker, n_envs, observation_space, action_space,
-    max_episode_length)`` per slot, cloudpickled."""
+    max_episode_length, autoreset)`` per slot, cloudpickled."""
     blob: bytes = cloudpickle.dumps(
         [
-            (s.worker, s.n_envs, s.observation_space, s.action_space, s.max_episode_length)
+            (
+                s.worker,
+                s.n_envs,
+                s.observation_space,
+                s.action_space,
+                s.max_episode_length,
+                s.autoreset,
+            )
             for s in specs
         ],
         protocol=pickle.HIGHEST_PROTOCOL,

@@ -226,7 +226,7 @@ class EnvActor:
 
     Args:
         slots_blob: cloudpickled ``[(worker, n_envs, observation_space, action_space,
-            max_episode_length), ...]``, one entry per hosted worker.
+            max_episode_length, autoreset), ...]``, one entry per hosted worker.
         compress_threshold: compress observation leaves of at least this many bytes (``None``:
             never).
         codec: ``"lz4"`` or ``"zlib"``; zlib is used when lz4 is not installed here.
@@ -235,9 +235,11 @@ class EnvActor:
     def __init__(self, slots_blob: bytes, compress_threshold: int | None, codec: str) -> None:
         self.groups: dict[int, EnvGroup] = {}
         self.large: dict[int, bool] = {}
-        for worker, n_envs, obs_space, act_space, max_len in pickle.loads(slots_blob):
+        for worker, n_envs, obs_space, act_space, max_len, autoreset in pickle.loads(slots_blob):
             buffers = StepBuffers.allocate(obs_space, act_space, n_envs)
-            self.groups[worker] = EnvGroup(worker, buffers, obs_space, act_space, max_len)
+            self.groups[worker] = EnvGroup(
+                worker, buffers, obs_space, act_space, max_len, autoreset
+            )
             obs_bytes = sum(leaf.nbytes for leaf in tree_leaves(buffers.obs))
             self.large[worker] = obs_bytes >= LARGE_REPLY
         self.runners: dict[int, ChunkRunner] = {}  # inference="host", by worker
