@@ -1,0 +1,535 @@
+"""The gymnasium face: :class:`VectorEnv`, a ``gymnasium.vector.VectorEnv`` on the env hosts.
+
+``num_envs`` sub-envs live ``num_envs / n_processes`` to an env host of the ``process`` backend
+(see :mod:`asyncsample.vector.hosted`): the sampler's env-group code, shared-memory step buffers
+and framed transport, one round trip per host and step (not one per env). For the same seeds and
+actions it returns exactly what :class:`gymnasium.vector.SyncVectorEnv` returns.
+
+The autoreset modes are the hosts' own (an option of their env groups): in ``NEXT_STEP`` mode the
+host resets an ended sub-env at its next step (reward 0, both flags false, the reset's info); in
+``SAME_STEP`` mode it resets it in the step that ended the episode, and the true last observation
+comes home in the step buffers' ``final_obs`` rows; in ``DISABLED`` mode it never resets it, and
+stepping a finished sub-env is a ``RuntimeError`` here, before anything is sent.
+
+Calls are synchronous, as gymnasium's API is: each runs the face's
+:class:`~asyncsample.vector.portal.BlockingPortal` until the hosts answered (see there for where
+its loop runs and why). ``step_async`` sends the requests and returns; ``step_wait`` collects.
+
+EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
+:meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
+``gcd(num_envs, batch_size)`` to an env host, hosts answer independently, and ``recv`` returns the
+first ``batch_size`` sub-envs answered with their indices in ``info["env_id"]``.
+
+Faults: a sub-env that raises fails the call with :class:`~asyncsample.SubEnvError` naming the
+sub-env. A host process that dies or outlives ``step_timeout`` during a step is rebuilt (at most
+``max_restarts`` times per host over the vector env's life) and its sub-envs start new episodes:
+that step returns them with ``truncated=True``, ``terminated=False``, reward 0, the new episode's
+first observation and the reason in ``info["restarted"]``. In ``NEXT_STEP`` mode the next step is
+their autoreset step as usual (the same first observation, reward 0, the reset's info); in
+``SAME_STEP`` mode ``info["final_obs"]`` holds that first observation too, since the last one
+died with the host. Past the budget the error is raised; the failed host's sub-envs then refuse to
+step until ``reset()``, which rebuilds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector import VectorEnv as _GymVectorEnv
+from gymnasium.vector.utils import batch_space
+
+from asyncsample import _validate
+from asyncsample._tree import tree_map
+from asyncsample.vector.hosted import (
+    HostedEnvs,
+    StepResult,
+    check_step_timeout,
+    env_sources,
+    finalize,
+)
+
+__all__ = ["VectorEnv"]
+
+_Step = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
+
+
+class _InfoBatch:
+    """Builds gymnasium vector infos for a batch of ``num_envs`` rows (for :meth:`recv`)."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.num_envs = num_envs
+
+    _add_info = _GymVectorEnv._add_info
+
+
+def _scatter(leaf: Any, ids: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
+    """Rows of ``leaf`` (one per id) placed at rows ``ids`` of an ``n``-row array."""
+    arr = np.asarray(leaf)
+    if arr.ndim == 0 or arr.shape[0] != len(ids):
+        raise ValueError(
+            f"actions must have one row per env id ({len(ids)}), got shape {arr.shape}"
+        )
+    out = np.zeros((n, *arr.shape[1:]), dtype=arr.dtype)
+    out[ids[order]] = arr[order]
+    return out
+
+
+def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
+    """Copy the rows ``a:b`` of one host's result into another result."""
+    into.rewards[a:b] = res.rewards[a:b]
+    into.terminated[a:b] = res.terminated[a:b]
+    into.truncated[a:b] = res.truncated[a:b]
+    if res.env_infos is not None:
+        if into.env_infos is None:
+            into.env_infos = [{} for _ in range(len(into.rewards))]
+        into.env_infos[a:b] = res.env_infos[a:b]
+    into.reset_infos.update({i: v for i, v in res.reset_infos.items() if a <= i < b})
+    into.restarted.update({i: v for i, v in res.restarted.items() if a <= i < b})
+
+
+class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
+    """A gymnasium vector env whose sub-envs live ``num_envs / n_processes`` to an env host.
+
+    Args:
+        env: a gymnasium id, a zero-argument factory, or a list of ``num_envs`` factories.
+        num_envs: number of sub-envs.
+        n_processes: env-host processes (default: the number of CPUs, at most ``num_envs``).
+        seed: seeds the first ``reset()`` that is given no seed (sub-env ``i`` gets
+            ``seed + i``), so ``VectorEnv(..., seed=s).reset()`` is ``reset(seed=s)``.
+        autoreset_mode: ``"NextStep"`` (default), ``"SameStep"`` or ``"Disabled"`` (a
+            :class:`gymnasium.vector.AutoresetMode` or its value).
+        step_timeout: seconds a host may spend on one step, reset or call before it is killed
+            (and restarted, see ``max_restarts``).
+        max_restarts: how often each host may be rebuilt after it died or timed out, over the
+            vector env's life; past that the error is raised.
+        batch_size: for EnvPool-style :meth:`send`/:meth:`recv`: how many sub-envs ``recv``
+            returns. Sub-envs are then grouped ``gcd(num_envs, batch_size)`` to an env host
+            (several hosts share a process), and hosts answer independently.
+
+    All sub-envs must share the observation and action spaces of the first one. Actions are
+    stored in the action space's dtype before they reach the sub-envs.
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        num_envs: int,
+        *,
+        n_processes: int | None = None,
+        seed: int | None = None,
+        autoreset_mode: str | AutoresetMode | None = None,
+        step_timeout: float | None = None,
+        max_restarts: int = 3,
+        batch_size: int | None = None,
+    ) -> None:
+        num = _validate.positive_int("num_envs", num_envs)
+        _validate.optional_positive_int("n_processes", n_processes)
+        _validate.nonnegative_int("max_restarts", max_restarts)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        check_step_timeout(step_timeout)
+        if autoreset_mode is None:
+            mode = AutoresetMode.NEXT_STEP
+        else:
+            try:
+                mode = AutoresetMode(autoreset_mode)
+            except ValueError:
+                raise ValueError(
+                    "autoreset_mode must be an AutoresetMode or one of "
+                    f"{[m.value for m in AutoresetMode]}, got {autoreset_mode!r}"
+                ) from None
+        batch = _validate.optional_positive_int("batch_size", batch_size)
+        if batch is not None and batch > num:
+            raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
+        sources = env_sources(env, num)
+        self.autoreset_mode = mode
+        self.num_envs = num
+        self._hosted = HostedEnvs(
+            sources,
+            n_processes=n_processes,
+            step_timeout=step_timeout,
+            max_restarts=max_restarts,
+            autoreset=mode.value,
+            group_size=None if batch is None else math.gcd(num, batch),
+        )
+        self.batch_size = num if batch is None else batch
+        self._finalizer = weakref.finalize(self, finalize, self._hosted)
+        hosted = self._hosted
+        self.metadata = dict(hosted.metadata)
+        self.metadata["autoreset_mode"] = mode
+        self.render_mode = hosted.render_mode
+        self.single_observation_space = hosted.single_observation_space
+        self.single_action_space = hosted.single_action_space
+        self.observation_space = batch_space(self.single_observation_space, num)
+        self.action_space = batch_space(self.single_action_space, num)
+        self._initial_seed = None if seed is None else int(seed)
+        # DISABLED: sub-envs whose episode ended and that the caller has not reset yet.
+        self._ended = np.zeros(num, dtype=np.bool_)
+        # NEXT_STEP: sub-envs reset by a host restart, whose next step is their autoreset step
+        # (they are not stepped; their reset info shows then).
+        self._fresh = np.zeros(num, dtype=np.bool_)
+        self._fresh_infos: dict[int, dict[str, Any]] = {}
+        self._pending: asyncio.Task[StepResult] | None = None
+        self._pending_mask: np.ndarray | None = None
+        # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
+        self._inflight: dict[int, asyncio.Future[StepResult]] = {}
+        self._answered: list[int] = []
+
+    @property
+    def n_processes(self) -> int:
+        """Number of env-host processes."""
+        return self._hosted.n_procs
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live env-host processes."""
+        return self._hosted.pids
+
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
+        """The ``np_random_seed`` of every sub-env."""
+        return self.get_attr("np_random_seed")
+
+    @property  # type: ignore[misc]
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
+        """The ``np_random`` generator of every sub-env (copies from their hosts)."""
+        return self.get_attr("np_random")
+
+    # -- reset ------------------------------------------------------------------------------
+
+    def reset(
+        self,
+        *,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset the sub-envs (all, or those in ``options["reset_mask"]``).
+
+        Args:
+            seed: ``None``, an int (sub-env ``i`` gets ``seed + i``) or one seed per sub-env.
+            options: passed to every reset sub-env; ``"reset_mask"`` (a bool array of shape
+                ``(num_envs,)``) selects the sub-envs to reset and is not passed on.
+        """
+        hosted = self._hosted
+        hosted.check_open()
+        self._drain()
+        n = self.num_envs
+        if seed is None and self._initial_seed is not None:
+            seed = self._initial_seed
+        self._initial_seed = None
+        if seed is None:
+            seeds: list[int | None] = [None] * n
+        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            seeds = [int(seed) + i for i in range(n)]
+        elif isinstance(seed, (list, tuple)):
+            if len(seed) != n:
+                raise ValueError(
+                    f"seed: a list of seeds must have num_envs={n} entries, got {len(seed)}"
+                )
+            seeds = list(seed)
+        else:
+            raise TypeError(f"seed must be None, an int or a list of ints, got {seed!r}")
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"options must be a dict or None, got {type(options).__name__}")
+        mask = np.ones(n, dtype=np.bool_)
+        if options is not None and "reset_mask" in options:
+            options = dict(options)
+            mask = options.pop("reset_mask")
+            if not isinstance(mask, np.ndarray):
+                raise TypeError(
+                    f"options['reset_mask'] must be a numpy array, got {type(mask).__name__}"
+                )
+            if mask.shape != (n,):
+                raise ValueError(f"options['reset_mask'] must have shape ({n},), got {mask.shape}")
+            if mask.dtype != np.bool_:
+                raise TypeError(f"options['reset_mask'] must have dtype bool, got {mask.dtype}")
+            if not mask.any():
+                raise ValueError("options['reset_mask'] must select at least one sub-env")
+        reset_infos = hosted.portal.call(hosted.reset, mask, seeds, options)
+        self._last_reset = reset_infos
+        self._ended[mask] = False
+        self._fresh[mask] = False
+        infos: dict[str, Any] = {}
+        for i in np.flatnonzero(mask).tolist():
+            self._fresh_infos.pop(i, None)
+            infos = self._add_info(infos, reset_infos.get(i, {}), i)
+        return hosted.read_obs(), infos
+
+    # -- step -------------------------------------------------------------------------------
+
+    def step(self, actions: Any) -> _Step:
+        """Step every sub-env with its action (see the module doc for the autoreset modes)."""
+        hosted = self._hosted
+        mask = self._send(actions)
+        return self._finish(hosted.portal.call(hosted.step, mask), mask)
+
+    def step_async(self, actions: Any) -> None:
+        """Send the actions; the hosts step while the caller does something else."""
+        hosted = self._hosted
+        mask = self._send(actions)
+        self._pending = hosted.portal.start(hosted.step, mask)
+        self._pending_mask = mask
+
+    def step_wait(self) -> _Step:
+        """Wait for the step sent by :meth:`step_async` and return its results."""
+        hosted = self._hosted
+        hosted.check_open()
+        task = self._pending
+        if task is None:
+            raise RuntimeError("step_wait was called without step_async")
+        self._pending = None
+        return self._finish(hosted.portal.wait(task), self._pending_mask)
+
+    def _send(self, actions: Any) -> np.ndarray | None:
+        """Check the state and write the actions; the step mask (``None``: every sub-env)."""
+        hosted = self._hosted
+        hosted.check_open()
+        if self._pending is not None:
+            raise RuntimeError("step_async was called twice without step_wait in between")
+        if self.autoreset_mode == AutoresetMode.DISABLED and self._ended.any():
+            done = np.flatnonzero(self._ended).tolist()
+            raise RuntimeError(
+                f"sub-envs {done} ended their episodes and autoreset_mode is DISABLED: reset them "
+                "with reset(options={'reset_mask': mask}) before stepping"
+            )
+        hosted.write_actions(actions)
+        return ~self._fresh if self._fresh.any() else None
+
+    def _finish(self, res: StepResult, mask: np.ndarray | None) -> _Step:
+        mode = self.autoreset_mode
+        if res.quiet and mask is None:
+            # The common step: no info anywhere. What _infos does then, on whole arrays.
+            if mode == AutoresetMode.DISABLED:
+                np.logical_or(res.terminated, res.truncated, out=self._ended)
+            elif mode == AutoresetMode.SAME_STEP and (res.terminated.any() or res.truncated.any()):
+                pass
+            else:
+                return res.obs, res.rewards, res.terminated, res.truncated, {}
+        infos = self._infos(res, list(range(self.num_envs)), self)
+        return res.obs, res.rewards, res.terminated, res.truncated, infos
+
+    def _infos(self, res: StepResult, ids: list[int], batch: Any) -> dict[str, Any]:
+        """The vector info of sub-envs ``ids`` (row ``k`` of ``batch`` is ``ids[k]``); updates
+        the autoreset state of those sub-envs."""
+        hosted = self._hosted
+        mode = self.autoreset_mode
+        infos: dict[str, Any] = {}
+        where = np.asarray(ids, dtype=np.int64)
+        done = res.terminated[where] | res.truncated[where]
+        for k, i in enumerate(ids):
+            reset_info = res.reset_infos.get(i, {})
+            if i in res.restarted:
+                if mode == AutoresetMode.SAME_STEP:
+                    final = {"final_obs": hosted.obs_row(i), "final_info": {}}
+                    infos = batch._add_info(infos, final, k)
+                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
+                    infos = batch._add_info(infos, reset_info, k)
+                else:
+                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
+            elif self._fresh[i]:
+                infos = batch._add_info(infos, self._fresh_infos.pop(i, {}), k)
+            elif mode == AutoresetMode.SAME_STEP and done[k]:
+                final = {"final_obs": hosted.obs_row(i, final=True), "final_info": res.info(i)}
+                infos = batch._add_info(infos, final, k)
+                infos = batch._add_info(infos, reset_info, k)
+            else:
+                # NEXT_STEP: a sub-env its host reset in this step was not stepped.
+                infos = batch._add_info(infos, res.info(i), k)
+                infos = batch._add_info(infos, reset_info, k)
+        self._fresh[where] = False
+        if mode == AutoresetMode.DISABLED:
+            self._ended[where] = done
+        for i in ids:
+            if i in res.restarted:
+                if mode == AutoresetMode.NEXT_STEP:
+                    self._fresh[i] = True
+                    self._fresh_infos[i] = res.reset_infos.get(i, {})
+                elif mode == AutoresetMode.DISABLED:
+                    self._ended[i] = True
+        return infos
+
+    def _drain(self) -> None:
+        """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
+        task, self._pending = self._pending, None
+        hosted = self._hosted
+        if task is not None:
+            with contextlib.suppress(Exception):
+                hosted.portal.wait(task)
+        waiting = list(self._inflight.values())
+        if waiting:
+            with contextlib.suppress(Exception):
+                hosted.portal.call(asyncio.wait, waiting)
+        self._inflight.clear()
+        self._answered.clear()
+
+    # -- EnvPool-style asynchronous stepping --------------------------------------------------
+
+    def async_reset(
+        self,
+        *,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Reset every sub-env; :meth:`recv` returns their first observations, a batch at a time."""
+        self.reset(seed=seed, options=options)
+        n = self.num_envs
+        zeros = np.zeros(n, dtype=np.bool_)
+        res = StepResult(None, np.zeros(n), zeros, zeros.copy(), None, self._last_reset, {})
+        loop = self._hosted.portal.loop
+        for h in range(len(self._hosted.slices)):
+            fut: asyncio.Future[StepResult] = loop.create_future()
+            fut.set_result(res)
+            self._inflight[h] = fut
+            self._answered.append(h)
+
+    def send(self, actions: Any, env_ids: Any) -> None:
+        """Send actions to the sub-envs ``env_ids`` (those of an earlier :meth:`recv`).
+
+        ``actions[k]`` goes to sub-env ``env_ids[k]``. The hosts of these sub-envs start at once;
+        :meth:`recv` returns whichever ``batch_size`` sub-envs are answered first.
+        """
+        hosted = self._hosted
+        hosted.check_open()
+        if self._pending is not None:
+            raise RuntimeError("send() while a step_async is waiting for step_wait")
+        if self.autoreset_mode == AutoresetMode.DISABLED:
+            raise ValueError("send/recv needs autoreset_mode NextStep or SameStep, not Disabled")
+        ids = np.asarray(env_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= self.num_envs:
+            raise ValueError(f"env_ids must be sub-env indices in [0, {self.num_envs}), got {ids}")
+        hosts = sorted({int(hosted.host_of[i]) for i in ids})
+        covered = sorted(ids.tolist())
+        expected = [i for h in hosts for i in range(*hosted.slices[h])]
+        if covered != expected:
+            raise ValueError(
+                "env_ids must be the sub-envs of one or more earlier recv() batches (sub-envs are "
+                f"sent a host at a time: groups {[hosted.slices[h] for h in hosts]}), got {ids}"
+            )
+        if any(h in self._inflight for h in hosts):
+            raise ValueError(
+                f"env_ids include sub-envs whose last step was not received yet: {ids}"
+            )
+        # Rows of ``actions`` follow ``env_ids``; put them in sub-env order for the buffers.
+        order = np.argsort(ids, kind="stable")
+        full = tree_map(lambda leaf: _scatter(leaf, ids, order, self.num_envs), actions)
+        hosted.write_actions(full, hosts)
+        mask = ~self._fresh if self._fresh.any() else None
+        hosted.portal.call(self._launch, hosts, mask)
+
+    async def _launch(self, hosts: list[int], mask: np.ndarray | None) -> None:
+        """Start one step task per host in ``hosts``; their requests go out before returning."""
+        for h in hosts:
+            task = asyncio.get_running_loop().create_task(self._hosted.step(mask, [h]))
+            task.add_done_callback(functools.partial(self._on_answer, h))
+            self._inflight[h] = task
+        await asyncio.sleep(0)
+
+    def _on_answer(self, h: int, task: asyncio.Future[StepResult]) -> None:
+        if self._inflight.get(h) is task:
+            self._answered.append(h)
+
+    def recv(self) -> _Step:
+        """The first ``batch_size`` sub-envs answered, with ``info["env_id"]`` naming them.
+
+        Same layout as :meth:`step` for those sub-envs only (row ``k`` is sub-env
+        ``info["env_id"][k]``), same autoreset mode.
+        """
+        hosted = self._hosted
+        hosted.check_open()
+
+        def size(h: int) -> int:
+            return int(hosted.slices[h][1] - hosted.slices[h][0])
+
+        if sum(size(h) for h in self._answered) < self.batch_size:
+            if sum(size(h) for h in self._inflight) < self.batch_size:
+                raise RuntimeError(
+                    f"recv() needs at least batch_size={self.batch_size} sub-envs sent "
+                    "(call async_reset() first, then send() what recv() returned)"
+                )
+            waiting = [t for h, t in self._inflight.items() if h not in self._answered]
+
+            async def enough() -> None:
+                pending = set(waiting)
+                while sum(size(h) for h in self._answered) < self.batch_size and pending:
+                    _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+            hosted.portal.call(enough)
+        chosen: list[int] = []
+        count = 0
+        while count < self.batch_size:
+            h = self._answered.pop(0)
+            chosen.append(h)
+            count += size(h)
+        results = [self._inflight.pop(h) for h in chosen]
+        for fut in results:
+            error = fut.exception()
+            if error is not None:
+                raise error
+        ids = [i for h in chosen for i in range(*hosted.slices[h])]
+        where = np.asarray(ids, dtype=np.int64)
+        merged = results[0].result()
+        for h, fut in zip(chosen, results):
+            res = fut.result()
+            if res is not merged:
+                a, b = hosted.slices[h]
+                _merge_rows(merged, res, a, b)
+        infos = self._infos(merged, ids, _InfoBatch(len(ids)))
+        infos["env_id"] = where.copy()
+        return (
+            hosted.read_obs(chosen),
+            merged.rewards[where],
+            merged.terminated[where],
+            merged.truncated[where],
+            infos,
+        )
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Call ``name`` on every sub-env (or read it, if it is not callable)."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._drain()
+        return tuple(hosted.portal.call(hosted.call, name, args, kwargs, range(self.num_envs)))
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """The attribute ``name`` of every sub-env (called if it is a method, as gymnasium does)."""
+        return self.call(name)
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | object) -> None:
+        """Set ``name`` on every sub-env: one value for all, or a list with one per sub-env."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._drain()
+        if not isinstance(values, (list, tuple)):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise ValueError(
+                f"values: a list must have num_envs={self.num_envs} entries, got {len(values)}"
+            )
+        hosted.portal.call(hosted.set_attr, name, list(values), range(self.num_envs))
+
+    def render(self) -> tuple[Any, ...]:
+        """The frames rendered by every sub-env."""
+        return self.call("render")
+
+    def close_extras(self, **kwargs: Any) -> None:
+        """Stop the env hosts and release their processes and shared memory."""
+        self._pending = None
+        self._finalizer.detach()
+        self._hosted.close()
+
+    def __repr__(self) -> str:
+        spec = self._hosted.spec
+        what = f"{spec.id}, " if spec is not None else ""
+        return (
+            f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, n_processes={self.n_processes})"
+        )
