@@ -329,9 +329,11 @@ class HostedEnvs:
 
     def read_obs(self, hosts: Sequence[int] | None = None) -> Tree:
         """A fresh batch of the current observations of the sub-envs of ``hosts`` (all)."""
-        parts = [h.buffers.obs for h in self.hosts] if hosts is None else [
-            self.hosts[h].buffers.obs for h in hosts
-        ]
+        parts = (
+            [h.buffers.obs for h in self.hosts]
+            if hosts is None
+            else [self.hosts[h].buffers.obs for h in hosts]
+        )
         if type(parts[0]) is np.ndarray:
             return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
         if len(parts) == 1:
@@ -443,8 +445,12 @@ class HostedEnvs:
         finally:
             for task in others:
                 task.cancel()  # only those still running: this step was cancelled
-        if mask is None and hosts is None and all(
-            type(o) is StepInfos and o.env_infos is None and not o.reset_infos for o in outcomes
+        if (
+            mask is None
+            and hosts is None
+            and all(
+                type(o) is StepInfos and o.env_infos is None and not o.reset_infos for o in outcomes
+            )
         ):
             # The common step: every sub-env stepped, no info, no reset, no failure.
             bufs = [host.buffers for host in self.hosts]
