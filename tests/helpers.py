@@ -14,8 +14,12 @@ import textwrap
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
+
+if TYPE_CHECKING:
+    from asyncsample import Sampler
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -23,6 +27,14 @@ TESTS = REPO / "tests"
 #: Seconds a process that was told to end may take to be gone. Generous: on a loaded 2-core
 #: machine reaping can take a while, and a test only waits this long when something leaked.
 GONE_TIMEOUT = 30.0
+
+
+class SamplerFactory(Protocol):
+    """The type of the ``make_sampler`` fixture (``tests/conftest.py``)."""
+
+    def __call__(
+        self, backend: str | None = None, env: Any = None, agent: Any = None, **kwargs: Any
+    ) -> Sampler: ...
 
 
 def shm_entries() -> set[str]:
