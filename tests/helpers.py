@@ -106,12 +106,25 @@ def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def new_shm_entries(before: set[str]) -> list[str]:
+def new_shm_entries(before: set[str], settle: float = 2.0) -> list[str]:
     """Entries of /dev/shm that appeared since ``before`` and are ours.
 
     Other programs on the machine may create entries meanwhile; an entry counts as ours when this
-    process or one of its descendants holds it, or when no process holds it (a leak).
+    process or one of its descendants holds it, or when no process holds it (a leak). Another
+    program's short-lived entries (multiprocessing's named semaphores, unlinked right after they
+    are made) can look unheld for a moment: an entry is only reported if it is still ours after
+    up to ``settle`` seconds; the answer comes at once when there is none.
     """
+    deadline = time.monotonic() + settle
+    while True:
+        found = _new_shm_entries_now(before)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
+def _new_shm_entries_now(before: set[str]) -> list[str]:
+    """One look for :func:`new_shm_entries`."""
     new = {e for e in shm_entries() - before if os.path.exists(f"/dev/shm/{e}")}
     if not new:
         return []
@@ -128,7 +141,9 @@ def new_shm_entries(before: set[str]) -> list[str]:
             if path in maps or path in fds:
                 holders[e].add(pid)
     mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-    return sorted(e for e in new if not holders[e] or holders[e] & mine)
+    return sorted(
+        e for e in new if (not holders[e] or holders[e] & mine) and os.path.exists(f"/dev/shm/{e}")
+    )
 
 
 def alive(pid: int) -> bool:
