@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
 import os
 import signal
 import sys
@@ -19,6 +20,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.spaces import Box, Dict, Discrete, Tuple
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
@@ -326,16 +328,26 @@ def test_final_obs_and_info_same_step(no_leaks: None) -> None:
 
 
 def test_reset_mask_is_checked(no_leaks: None) -> None:
+    """gymnasium's reset_mask checks, with its messages word for word."""
     env = counting(AutoresetMode.NEXT_STEP)
     try:
         env.reset()
-        with pytest.raises(ValueError, match=r"reset_mask.*shape \(3,\)"):
+        with pytest.raises(
+            ValueError, match=r"^`options\['reset_mask'\]` must have shape `\(3,\)`, got \(1,\)$"
+        ):
             env.reset(options={"reset_mask": np.array([True])})
-        with pytest.raises(TypeError, match=r"reset_mask.*dtype bool"):
+        with pytest.raises(
+            TypeError, match=r"^`options\['reset_mask'\]` must have `dtype=np.bool_`, got int64$"
+        ):
             env.reset(options={"reset_mask": np.array([1, 1, 0])})
-        with pytest.raises(TypeError, match=r"reset_mask.*numpy array"):
+        with pytest.raises(
+            TypeError,
+            match=r"^`options\['reset_mask'\]` must be a numpy array, got <class 'list'>$",
+        ):
             env.reset(options={"reset_mask": [True, True, False]})
-        with pytest.raises(ValueError, match=r"reset_mask.*at least one"):
+        with pytest.raises(
+            ValueError, match=r"must contain a boolean array with at least one True value"
+        ):
             env.reset(options={"reset_mask": np.zeros(3, bool)})
         with pytest.raises(ValueError, match=r"seed.*num_envs=3"):
             env.reset(seed=[1, 2])
@@ -387,6 +399,110 @@ def test_step_async_step_wait(no_leaks: None) -> None:
             env.step(np.array([1, 1]))
     finally:
         env.close()
+
+
+def test_gymnasium_error_types_and_async_calls(no_leaks: None) -> None:
+    """AsyncVectorEnv's async methods, its error types and its timeouts."""
+    env = counting(AutoresetMode.NEXT_STEP)
+    try:
+        env.reset_async(seed=[1, 2, 3])
+        with pytest.raises(AlreadyPendingCallError):
+            env.step_async(np.array([1, 1, 1]))
+        with pytest.raises(NoAsyncCallError):
+            env.step_wait()
+        obs, _ = env.reset_wait(timeout=10)
+        assert obs.tolist() == [1, 2, 3]
+        with pytest.raises(NoAsyncCallError):
+            env.reset_wait()
+        env.step_async(np.array([1, 1, 1]))
+        assert env.step_wait(timeout=10)[0].tolist() == [2, 3, 4]
+        env.call_async("max_count")
+        assert env.call_wait(timeout=10) == (2, 3, 3)
+        with pytest.raises(TypeError):  # a single action for a batch, as gymnasium
+            env.step(0)
+    finally:
+        env.close()
+    with pytest.raises(ClosedEnvironmentError):
+        env.step(np.array([1, 1, 1]))
+
+
+class OtherActions(CountEnv):
+    def __init__(self) -> None:
+        super().__init__()
+        self.action_space = Discrete(2)
+
+
+class SlowEnv(CountEnv):
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        threading.Event().wait(0.5)
+        return super().step(action)
+
+
+def test_wait_past_its_timeout_raises_what_async_vector_env_raises(no_leaks: None) -> None:
+    env = VectorEnv([SlowEnv] * 2, 2, n_processes=1)
+    try:
+        env.reset()
+        env.step_async(np.array([1, 1]))
+        with pytest.raises(multiprocessing.TimeoutError):
+            env.step_wait(timeout=0.05)
+        obs, *_ = env.step_wait()  # still pending: wait again
+        assert obs.tolist() == [1, 1]
+    finally:
+        env.close()
+
+
+def test_float_actions_for_an_integer_space_are_refused(no_leaks: None) -> None:
+    """A cast would hide a policy bug (gymnasium hands the env the floats, which it refuses)."""
+    env = VectorEnv("CartPole-v1", 2, n_processes=1)
+    try:
+        env.reset(seed=0)
+        with pytest.raises(ValueError, match=r"dtype float64 do not fit the action space"):
+            env.step(np.array([0.5, 1.7]))
+        env.step(np.array([0, 1]))  # the env still works
+    finally:
+        env.close()
+    box = VectorEnv([lambda: RandomEpisodesEnv("box")], 1, n_processes=1)
+    try:
+        box.reset(seed=0)
+        with pytest.raises(ValueError, match="overflow"):
+            box.step(np.array([[1e40, 0.0]]))
+        box.step(np.array([[0.5, 0.0]]))  # float64 within float32's range: fine
+    finally:
+        box.close()
+
+
+def test_async_vector_env_arguments(no_leaks: None) -> None:
+    """AsyncVectorEnv's arguments are accepted; what cannot apply is refused, saying why."""
+    env = VectorEnv(
+        "CartPole-v1",
+        2,
+        n_processes=1,
+        shared_memory=False,
+        copy=False,
+        context="spawn",
+        daemon=False,
+        observation_mode="same",
+    )
+    env.close()
+    with pytest.raises(ValueError, match="custom worker function cannot be used"):
+        VectorEnv("CartPole-v1", 2, worker=lambda *args: None)
+    with pytest.raises(ValueError, match="context must be None or one of"):
+        VectorEnv("CartPole-v1", 2, context="teleport")
+    with pytest.raises(ValueError, match="observation_mode: only 'same'"):
+        VectorEnv("CartPole-v1", 2, observation_mode="different")
+    with pytest.raises(TypeError, match="shared_memory"):
+        VectorEnv("CartPole-v1", 2, shared_memory="yes")  # type: ignore[arg-type]
+
+
+def test_sub_envs_with_different_spaces_are_refused(no_leaks: None) -> None:
+    with pytest.raises(RuntimeError, match="observation spaces are not equivalent"):
+        VectorEnv(
+            [lambda: RandomEpisodesEnv("box"), lambda: RandomEpisodesEnv("discrete")],
+            2,
+            n_processes=1,
+        )
+    with pytest.raises(RuntimeError, match="action space different"):
+        VectorEnv([lambda: CountEnv(), lambda: OtherActions()], 2, n_processes=1)
 
 
 def test_step_async_and_step_equal_to_sync(no_leaks: None) -> None:

@@ -37,11 +37,13 @@ import asyncio
 import contextlib
 import functools
 import math
+import multiprocessing
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector import VectorEnv as _GymVectorEnv
 from gymnasium.vector.utils import batch_space
@@ -59,6 +61,47 @@ from asyncsample.vector.hosted import (
 __all__ = ["VectorEnv"]
 
 _Step = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
+
+
+class _AlreadyPending(AlreadyPendingCallError, RuntimeError):
+    """gymnasium's ``AlreadyPendingCallError``, also a ``RuntimeError`` (as before)."""
+
+
+class _NoAsyncCall(NoAsyncCallError, RuntimeError):
+    """gymnasium's ``NoAsyncCallError``, also a ``RuntimeError`` (as before)."""
+
+
+def _timed_out(what: str, timeout: float | None) -> multiprocessing.TimeoutError:
+    return multiprocessing.TimeoutError(
+        f"The call to `{what}` has timed out after {timeout} second(s)."
+    )
+
+
+def _check_async_vector_env_options(
+    shared_memory: Any, copy: Any, context: Any, daemon: Any, worker: Any, observation_mode: Any
+) -> None:
+    """``AsyncVectorEnv``'s own arguments: checked as it checks them, refused where they cannot
+    apply (see :class:`VectorEnv`)."""
+    _validate.flag("shared_memory", shared_memory)
+    _validate.flag("copy", copy)
+    _validate.flag("daemon", daemon)
+    if context is not None:
+        if not isinstance(context, str) or context not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"context must be None or one of {multiprocessing.get_all_start_methods()}, got "
+                f"{context!r}"
+            )
+    if worker is not None:
+        raise ValueError(
+            "worker: a custom worker function cannot be used: the sub-envs live in asyncsample's "
+            "env hosts, several to a process, which step them with the sampler's own env-group "
+            "code (no per-env pipe for a worker function to serve); wrap the env instead"
+        )
+    if observation_mode != "same":
+        raise ValueError(
+            "observation_mode: only 'same' is supported (every sub-env shares the first one's "
+            f"observation space, batched in shared memory), got {observation_mode!r}"
+        )
 
 
 class _InfoBatch:
@@ -113,9 +156,20 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         batch_size: for EnvPool-style :meth:`send`/:meth:`recv`: how many sub-envs ``recv``
             returns. Sub-envs are then grouped ``gcd(num_envs, batch_size)`` to an env host
             (several hosts share a process), and hosts answer independently.
+        shared_memory, copy, context, daemon, worker, observation_mode: ``AsyncVectorEnv``'s
+            arguments, so that code written for it runs unchanged. ``shared_memory`` and
+            ``copy`` are accepted and change nothing (observations always travel in shared
+            memory, and every call returns fresh arrays); ``context`` (a start method) and
+            ``daemon`` are checked and change nothing (env hosts always start from asyncsample's
+            forkserver and never outlive the main process); a custom ``worker`` is refused (the
+            hosts step the sub-envs with their own code), and so is an ``observation_mode``
+            other than ``"same"``.
 
-    All sub-envs must share the observation and action spaces of the first one. Actions are
-    stored in the action space's dtype before they reach the sub-envs.
+    All sub-envs must share the observation and action spaces of the first one (a list of
+    factories whose spaces differ is a ``RuntimeError`` at construction, as with
+    ``AsyncVectorEnv``). Actions are stored in the action space's dtype before they reach the
+    sub-envs; actions that dtype would change (floats for a ``Discrete`` space, float64 values
+    that overflow a float32 ``Box``) are a ``ValueError``.
     """
 
     def __init__(
@@ -129,8 +183,17 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         step_timeout: float | None = None,
         max_restarts: int = 3,
         batch_size: int | None = None,
+        shared_memory: bool = True,
+        copy: bool = True,
+        context: str | None = None,
+        daemon: bool = True,
+        worker: Any = None,
+        observation_mode: Any = "same",
     ) -> None:
         num = _validate.positive_int("num_envs", num_envs)
+        _check_async_vector_env_options(
+            shared_memory, copy, context, daemon, worker, observation_mode
+        )
         _validate.optional_positive_int("n_processes", n_processes)
         _validate.nonnegative_int("max_restarts", max_restarts)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
@@ -177,11 +240,19 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         # (they are not stepped; their reset info shows then).
         self._fresh = np.zeros(num, dtype=np.bool_)
         self._fresh_infos: dict[int, dict[str, Any]] = {}
-        self._pending: asyncio.Task[StepResult] | None = None
-        self._pending_mask: np.ndarray | None = None
+        # The call sent by step_async, reset_async or call_async, and what it was.
+        self._pending: asyncio.Task[Any] | None = None
+        self._pending_kind = ""
+        self._pending_args: Any = None
         # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
         self._inflight: dict[int, asyncio.Future[StepResult]] = {}
         self._answered: list[int] = []
+        if isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1:
+            try:
+                self._check_spaces()
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def n_processes(self) -> int:
@@ -221,6 +292,36 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         hosted = self._hosted
         hosted.check_open()
         self._drain()
+        mask, seeds, options = self._reset_args(seed, options)
+        return self._reset_done(mask, hosted.portal.call(hosted.reset, mask, seeds, options))
+
+    def reset_async(
+        self,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Send the reset (see :meth:`reset`); :meth:`reset_wait` returns its results."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("reset_async")
+        mask, seeds, options = self._reset_args(seed, options)
+        self._pending = hosted.portal.start(hosted.reset, mask, seeds, options)
+        self._pending_kind, self._pending_args = "reset", mask
+
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
+        """The results of the reset sent by :meth:`reset_async`.
+
+        Raises:
+            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the reset is still
+                pending: wait again).
+        """
+        infos = self._wait("reset", timeout)
+        return self._reset_done(self._pending_args, infos)
+
+    def _reset_args(
+        self, seed: Any, options: Any
+    ) -> tuple[np.ndarray, list[int | None], dict[str, Any] | None]:
+        """Check :meth:`reset`'s arguments; the mask of sub-envs, their seeds, the options."""
         n = self.num_envs
         if seed is None and self._initial_seed is not None:
             seed = self._initial_seed
@@ -241,19 +342,29 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             raise TypeError(f"options must be a dict or None, got {type(options).__name__}")
         mask = np.ones(n, dtype=np.bool_)
         if options is not None and "reset_mask" in options:
+            # gymnasium's checks and messages, word for word.
             options = dict(options)
             mask = options.pop("reset_mask")
             if not isinstance(mask, np.ndarray):
-                raise TypeError(
-                    f"options['reset_mask'] must be a numpy array, got {type(mask).__name__}"
-                )
+                raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
             if mask.shape != (n,):
-                raise ValueError(f"options['reset_mask'] must have shape ({n},), got {mask.shape}")
+                raise ValueError(
+                    f"`options['reset_mask']` must have shape `({n},)`, got {mask.shape}"
+                )
             if mask.dtype != np.bool_:
-                raise TypeError(f"options['reset_mask'] must have dtype bool, got {mask.dtype}")
+                raise TypeError(
+                    f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}"
+                )
             if not mask.any():
-                raise ValueError("options['reset_mask'] must select at least one sub-env")
-        reset_infos = hosted.portal.call(hosted.reset, mask, seeds, options)
+                raise ValueError(
+                    "`options['reset_mask']` must contain a boolean array with at least one "
+                    f"True value, got reset_mask={mask}"
+                )
+        return mask, seeds, options
+
+    def _reset_done(
+        self, mask: np.ndarray, reset_infos: dict[int, dict[str, Any]]
+    ) -> tuple[Any, dict[str, Any]]:
         self._last_reset = reset_infos
         self._ended[mask] = False
         self._fresh[mask] = False
@@ -261,46 +372,91 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         for i in np.flatnonzero(mask).tolist():
             self._fresh_infos.pop(i, None)
             infos = self._add_info(infos, reset_infos.get(i, {}), i)
-        return hosted.read_obs(), infos
+        return self._hosted.read_obs(), infos
+
+    def _check_not_pending(self, what: str) -> None:
+        if self._pending is not None:
+            raise _AlreadyPending(
+                f"Calling `{what}` while waiting for a pending call to `{self._pending_kind}` "
+                "to complete (step_async was called twice without step_wait in between, or "
+                "another call is pending)",
+                str(self._pending_kind),
+            )
+
+    def _wait(self, kind: str, timeout: float | None) -> Any:
+        """The outcome of the pending ``kind`` call (see :meth:`step_wait`)."""
+        hosted = self._hosted
+        hosted.check_open()
+        task = self._pending
+        if task is None or self._pending_kind != kind:
+            raise _NoAsyncCall(
+                f"Calling `{kind}_wait` without any prior call to `{kind}_async` (step_wait was "
+                "called without step_async)",
+                kind,
+            )
+        try:
+            result = hosted.portal.wait(task, timeout)
+        except TimeoutError:
+            raise _timed_out(f"{kind}_wait", timeout) from None
+        finally:
+            if task.done():
+                self._pending = None
+        return result
+
+    def _check_spaces(self) -> None:
+        """Every sub-env's spaces are the first one's (``AsyncVectorEnv``'s check and words)."""
+        obs = self.call("observation_space")
+        act = self.call("action_space")
+        if any(space != self.single_observation_space for space in obs):
+            raise RuntimeError(
+                "VectorEnv(..., observation_mode='same') however some of the sub-environments "
+                "observation spaces are not equivalent."
+            )
+        if any(space != self.single_action_space for space in act):
+            raise RuntimeError(
+                f"Some environments have an action space different from "
+                f"`{self.single_action_space}`. In order to batch actions, the action spaces "
+                "from all environments must be equal."
+            )
 
     # -- step -------------------------------------------------------------------------------
 
     def step(self, actions: Any) -> _Step:
         """Step every sub-env with its action (see the module doc for the autoreset modes)."""
         hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("step")
         mask = self._send(actions)
         return self._finish(hosted.portal.call(hosted.step, mask), mask)
 
     def step_async(self, actions: Any) -> None:
         """Send the actions; the hosts step while the caller does something else."""
         hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("step_async")
         mask = self._send(actions)
         self._pending = hosted.portal.start(hosted.step, mask)
-        self._pending_mask = mask
+        self._pending_kind, self._pending_args = "step", mask
 
-    def step_wait(self) -> _Step:
-        """Wait for the step sent by :meth:`step_async` and return its results."""
-        hosted = self._hosted
-        hosted.check_open()
-        task = self._pending
-        if task is None:
-            raise RuntimeError("step_wait was called without step_async")
-        self._pending = None
-        return self._finish(hosted.portal.wait(task), self._pending_mask)
+    def step_wait(self, timeout: float | None = None) -> _Step:
+        """Wait for the step sent by :meth:`step_async` and return its results.
+
+        Raises:
+            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the step is still
+                pending: wait again).
+        """
+        res = self._wait("step", timeout)
+        return self._finish(res, self._pending_args)
 
     def _send(self, actions: Any) -> np.ndarray | None:
         """Check the state and write the actions; the step mask (``None``: every sub-env)."""
-        hosted = self._hosted
-        hosted.check_open()
-        if self._pending is not None:
-            raise RuntimeError("step_async was called twice without step_wait in between")
         if self.autoreset_mode == AutoresetMode.DISABLED and self._ended.any():
             done = np.flatnonzero(self._ended).tolist()
             raise RuntimeError(
                 f"sub-envs {done} ended their episodes and autoreset_mode is DISABLED: reset them "
                 "with reset(options={'reset_mask': mask}) before stepping"
             )
-        hosted.write_actions(actions)
+        self._hosted.write_actions(actions)
         return ~self._fresh if self._fresh.any() else None
 
     def _finish(self, res: StepResult, mask: np.ndarray | None) -> _Step:
@@ -363,6 +519,9 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         if task is not None:
             with contextlib.suppress(Exception):
                 hosted.portal.wait(task)
+            if self._pending_kind == "step":
+                with contextlib.suppress(Exception):
+                    self._finish(task.result(), self._pending_args)  # keep the state in step
         waiting = list(self._inflight.values())
         if waiting:
             with contextlib.suppress(Exception):
@@ -398,8 +557,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         """
         hosted = self._hosted
         hosted.check_open()
-        if self._pending is not None:
-            raise RuntimeError("send() while a step_async is waiting for step_wait")
+        self._check_not_pending("send")
         if self.autoreset_mode == AutoresetMode.DISABLED:
             raise ValueError("send/recv needs autoreset_mode NextStep or SameStep, not Disabled")
         ids = np.asarray(env_ids, dtype=np.int64).reshape(-1)
@@ -499,6 +657,23 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         hosted.check_open()
         self._drain()
         return tuple(hosted.portal.call(hosted.call, name, args, kwargs, range(self.num_envs)))
+
+    def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Send :meth:`call`; :meth:`call_wait` returns its results."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("call_async")
+        self._pending = hosted.portal.start(hosted.call, name, args, kwargs, range(self.num_envs))
+        self._pending_kind = "call"
+
+    def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
+        """The results of the call sent by :meth:`call_async`, one per sub-env.
+
+        Raises:
+            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the call is still
+                pending: wait again).
+        """
+        return tuple(self._wait("call", timeout))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """The attribute ``name`` of every sub-env (called if it is a method, as gymnasium does)."""

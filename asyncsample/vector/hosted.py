@@ -29,6 +29,7 @@ from typing import Any, NoReturn, TypeVar
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector.utils import batch_space
 
 from asyncsample._tree import Tree, tree_map
@@ -40,6 +41,7 @@ from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashed
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = [
+    "ClosedError",
     "HostedEnvs",
     "StepResult",
     "SubEnvAttributeError",
@@ -78,6 +80,11 @@ class SubEnvError(WorkerError):
 class SubEnvAttributeError(SubEnvError, AttributeError):
     """A sub-env has no such attribute (also an ``AttributeError``, as SB3's ``has_attr`` and
     gymnasium expect)."""
+
+
+class ClosedError(ClosedEnvironmentError, RuntimeError):
+    """A call on a closed vector env: gymnasium's ``ClosedEnvironmentError``, also a
+    ``RuntimeError`` (what SB3 code and earlier versions of the faces raised)."""
 
 
 @dataclass
@@ -275,9 +282,13 @@ class HostedEnvs:
                 self.backend.close_now()  # whatever the graceful path could not do
             self.portal.close()
 
-    def check_open(self) -> None:
+    def check_open(self, face: str = "VectorEnv") -> None:
+        """Raise :class:`ClosedError` after :meth:`close`."""
         if self.closed:
-            raise RuntimeError("the vector env is closed")
+            raise ClosedError(
+                f"Trying to operate on `{face}`, after a call to `close()`: the vector env is "
+                "closed"
+            )
 
     # -- errors -----------------------------------------------------------------------------
 
@@ -351,13 +362,21 @@ class HostedEnvs:
         """Write a batch of ``num_envs`` actions into the hosts' buffers (of ``hosts``: all)."""
         n = self.num_envs
         targets = range(len(self.hosts)) if hosts is None else hosts
-        if type(actions) is np.ndarray and isinstance(self.hosts[0].buffers.actions, np.ndarray):
+        first = self.hosts[0].buffers.actions
+        if type(actions) is np.ndarray and isinstance(first, np.ndarray):
             # The common case (Box, Discrete, Multi* action spaces): one slice copy per host.
-            if actions.ndim == 0 or actions.shape[0] != n:
+            if actions.ndim == 0:
+                raise TypeError(
+                    f"actions must be a batch of num_envs={n} actions for the action space "
+                    f"{self.single_action_space}, got a single value {actions!r}"
+                )
+            if actions.shape[0] != n:
                 raise ValueError(
                     f"actions must be a batch of num_envs={n} actions (leading axis {n}) for "
                     f"the action space {self.single_action_space}, got shape {actions.shape}"
                 )
+            if actions.dtype != first.dtype:
+                self._check_cast(actions, first.dtype)
             try:
                 for h in targets:
                     a, b = self.slices[h]
@@ -378,6 +397,11 @@ class HostedEnvs:
                 )
             return arr
 
+        if not isinstance(actions, (dict, tuple)) and np.ndim(actions) == 0:
+            raise TypeError(
+                f"actions must be a batch of num_envs={n} actions for the action space "
+                f"{self.single_action_space}, got a single value {actions!r}"
+            )
         try:
             batch = tree_map(check, actions)
             for h in targets:
@@ -392,6 +416,29 @@ class HostedEnvs:
                 f"actions do not fit the batched action space "
                 f"{batch_space(self.single_action_space, n)}: {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _check_cast(self, actions: np.ndarray, dtype: np.dtype[Any]) -> None:
+        """Refuse actions the buffers' dtype would change: floats for an integer space (a cast
+        would hide a policy bug that the env itself would refuse) and finite floats that
+        overflow a narrower float type."""
+        space = self.single_action_space
+        if not np.can_cast(actions.dtype, dtype, casting="same_kind"):
+            raise ValueError(
+                f"actions of dtype {actions.dtype} do not fit the action space {space} "
+                f"(dtype {dtype}): a cast would change them silently, got {actions!r}"
+            )
+        if (
+            actions.dtype.kind == "f"
+            and dtype.kind == "f"
+            and dtype.itemsize < actions.dtype.itemsize
+        ):
+            limit = np.finfo(dtype).max
+            finite = np.isfinite(actions)
+            if (np.abs(actions[finite]) > limit).any():
+                raise ValueError(
+                    f"actions overflow the dtype {dtype} of the action space {space}: values "
+                    f"beyond +-{limit} would become infinite, got {actions!r}"
+                )
 
     # -- lockstep rounds --------------------------------------------------------------------
 

@@ -62,12 +62,16 @@ class BlockingPortal:
             return self._in_helper(self._start, fn, args)
         return self._start(fn, args)
 
-    def wait(self, task: asyncio.Task[_T]) -> _T:
-        """Run the loop until ``task`` (from :meth:`start`) ends; its result or its exception."""
+    def wait(self, task: asyncio.Task[_T], timeout: float | None = None) -> _T:
+        """Run the loop until ``task`` (from :meth:`start`) ends; its result or its exception.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first; the task runs on (wait again).
+        """
         if _in_running_loop():
-            result: _T = self._in_helper(self._wait, task)
+            result: _T = self._in_helper(self._wait, task, timeout)
             return result
-        return self._wait(task)
+        return self._wait(task, timeout)
 
     def close(self) -> None:
         """Stop the helper thread and close the loop (idempotent)."""
@@ -91,8 +95,12 @@ class BlockingPortal:
             self.loop.run_until_complete(_one_pass())
             return task
 
-    def _wait(self, task: asyncio.Task[_T]) -> _T:
+    def _wait(self, task: asyncio.Task[_T], timeout: float | None) -> _T:
         with self._lock:
+            if timeout is not None and not task.done():
+                self.loop.run_until_complete(asyncio.wait({task}, timeout=max(0.0, timeout)))
+                if not task.done():
+                    raise TimeoutError(f"the call did not end within {timeout} seconds")
             return self._until_done(task)
 
     def _until_done(self, task: asyncio.Task[_T]) -> _T:
