@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -113,6 +114,10 @@ class AsyncSampleVecEnv(VecEnv):
         step_timeout: seconds a host may spend on one step before it is killed and rebuilt.
         max_restarts: how often each host may be rebuilt over the env's life before the error
             is raised.
+        start_method: ``SubprocVecEnv``'s argument, validated as it validates it (a name
+            ``multiprocessing.get_context`` knows, else its ``ValueError``). It changes nothing:
+            env hosts always start from asyncsample's forkserver (several sub-envs to a process),
+            which is safe with threads and CUDA in the main process, as ``"forkserver"`` is.
     """
 
     def __init__(
@@ -123,7 +128,10 @@ class AsyncSampleVecEnv(VecEnv):
         n_processes: int | None = None,
         step_timeout: float | None = None,
         max_restarts: int = 3,
+        start_method: str | None = None,
     ) -> None:
+        if start_method is not None:
+            multiprocessing.get_context(start_method)  # SubprocVecEnv's check and error
         if isinstance(env_fns, (list, tuple)):
             if not env_fns:
                 raise ValueError("env_fns must hold at least one env factory, got an empty list")
@@ -238,8 +246,7 @@ class AsyncSampleVecEnv(VecEnv):
         return self._finish(self._hosted.portal.wait(task))
 
     def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError("the vector env is closed")
+        self._hosted.check_open("AsyncSampleVecEnv")
 
     def _drain(self) -> None:
         """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
