@@ -393,7 +393,7 @@ def test_step_async_step_wait(no_leaks: None) -> None:
             env.step_async(np.array([1, 1, 1]))
         obs, *_ = env.step_wait()
         assert obs.tolist() == [1, 1, 1]
-        with pytest.raises(RuntimeError, match="without step_async"):
+        with pytest.raises(RuntimeError, match="without any prior call to `step_async`"):
             env.step_wait()
         with pytest.raises(ValueError, match=r"actions.*num_envs=3"):
             env.step(np.array([1, 1]))

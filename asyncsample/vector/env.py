@@ -38,6 +38,7 @@ import contextlib
 import functools
 import math
 import multiprocessing
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -97,6 +98,14 @@ def _check_async_vector_env_options(
             "env hosts, several to a process, which step them with the sampler's own env-group "
             "code (no per-env pipe for a worker function to serve); wrap the env instead"
         )
+    valid = observation_mode in ("same", "different") or (
+        isinstance(observation_mode, tuple) and len(observation_mode) == 2
+    )
+    if not valid:
+        raise ValueError(  # gymnasium's words
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
+            f"batch observation space, actual got {observation_mode}"
+        )
     if observation_mode != "same":
         raise ValueError(
             "observation_mode: only 'same' is supported (every sub-env shares the first one's "
@@ -143,7 +152,8 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
 
     Args:
         env: a gymnasium id, a zero-argument factory, or a list of ``num_envs`` factories.
-        num_envs: number of sub-envs.
+        num_envs: number of sub-envs (default, for a list of factories: its length, so
+            ``VectorEnv(env_fns)`` reads as ``AsyncVectorEnv(env_fns)``).
         n_processes: env-host processes (default: the number of CPUs, at most ``num_envs``).
         seed: seeds the first ``reset()`` that is given no seed (sub-env ``i`` gets
             ``seed + i``), so ``VectorEnv(..., seed=s).reset()`` is ``reset(seed=s)``.
@@ -163,7 +173,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             ``daemon`` are checked and change nothing (env hosts always start from asyncsample's
             forkserver and never outlive the main process); a custom ``worker`` is refused (the
             hosts step the sub-envs with their own code), and so is an ``observation_mode``
-            other than ``"same"``.
+            other than ``"same"``. ``env_fns`` is another name for ``env``.
 
     All sub-envs must share the observation and action spaces of the first one (a list of
     factories whose spaces differ is a ``RuntimeError`` at construction, as with
@@ -174,8 +184,8 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
 
     def __init__(
         self,
-        env: Any,
-        num_envs: int,
+        env: Any = None,
+        num_envs: int | None = None,
         *,
         n_processes: int | None = None,
         seed: int | None = None,
@@ -189,7 +199,18 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         daemon: bool = True,
         worker: Any = None,
         observation_mode: Any = "same",
+        env_fns: Any = None,
     ) -> None:
+        if env_fns is not None:  # AsyncVectorEnv(env_fns=...), as gymnasium.make_vec calls it
+            if env is not None:
+                raise TypeError("give env or env_fns (its AsyncVectorEnv name), not both")
+            env = env_fns
+        if env is None:
+            raise TypeError("env is required: a gymnasium id, a factory or a list of factories")
+        if num_envs is None:
+            if not isinstance(env, (list, tuple)):
+                raise TypeError("num_envs is required when env is a single gymnasium id or factory")
+            num_envs = len(env)  # AsyncVectorEnv(env_fns): one sub-env per factory
         num = _validate.positive_int("num_envs", num_envs)
         _check_async_vector_env_options(
             shared_memory, copy, context, daemon, worker, observation_mode
@@ -390,9 +411,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         task = self._pending
         if task is None or self._pending_kind != kind:
             raise _NoAsyncCall(
-                f"Calling `{kind}_wait` without any prior call to `{kind}_async` (step_wait was "
-                "called without step_async)",
-                kind,
+                f"Calling `{kind}_wait` without any prior call to `{kind}_async`.", kind
             )
         try:
             result = hosted.portal.wait(task, timeout)
@@ -410,7 +429,9 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         if any(space != self.single_observation_space for space in obs):
             raise RuntimeError(
                 "VectorEnv(..., observation_mode='same') however some of the sub-environments "
-                "observation spaces are not equivalent."
+                "observation spaces are not equivalent. If this is intentional, use "
+                "`observation_mode='different'` instead (with gymnasium's AsyncVectorEnv: "
+                "asyncsample's VectorEnv batches identical spaces only)."
             )
         if any(space != self.single_action_space for space in act):
             raise RuntimeError(
@@ -697,7 +718,18 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         return self.call("render")
 
     def close_extras(self, **kwargs: Any) -> None:
-        """Stop the env hosts and release their processes and shared memory."""
+        """Stop the env hosts and release their processes and shared memory.
+
+        ``kwargs`` (``AsyncVectorEnv``'s ``timeout``, ``terminate``) change nothing: hosts that
+        do not exit when asked are killed.
+        """
+        if self._pending is not None:
+            warnings.warn(  # AsyncVectorEnv's warning, word for word
+                f"Calling `close` while waiting for a pending call to `{self._pending_kind}` to "
+                "complete.",
+                UserWarning,
+                stacklevel=3,
+            )
         self._pending = None
         self._finalizer.detach()
         self._hosted.close()

@@ -282,6 +282,16 @@ class HostedEnvs:
                 self.backend.close_now()  # whatever the graceful path could not do
             self.portal.close()
 
+    def close_now(self) -> None:
+        """Kill every host at once and release everything, without the event loop."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.backend.close_now()
+        finally:
+            self.portal.close_now()
+
     def check_open(self, face: str = "VectorEnv") -> None:
         """Raise :class:`ClosedError` after :meth:`close`."""
         if self.closed:
@@ -658,6 +668,10 @@ def _joined(parts: Sequence[dict[int, dict[str, Any]]]) -> dict[int, dict[str, A
 
 
 def finalize(hosted: HostedEnvs) -> None:
-    """Close ``hosted`` from a finalizer (an env garbage-collected without ``close()``)."""
+    """Release ``hosted`` from a finalizer (an env garbage-collected without ``close()``).
+
+    Synchronous and without the event loop: a collection can run anywhere, also inside another
+    vector env's portal call, so the hosts are killed (the backend's ``close_now``), not asked.
+    """
     with contextlib.suppress(Exception):
-        hosted.close()
+        hosted.close_now()

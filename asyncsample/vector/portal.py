@@ -81,6 +81,14 @@ class BlockingPortal:
         if not self.loop.is_closed() and not self.loop.is_running():
             self.loop.close()
 
+    def close_now(self) -> None:
+        """:meth:`close` for finalizers: never waits for the helper thread."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=False)
+            self._helper = None
+        if not self.loop.is_closed() and not self.loop.is_running():
+            self.loop.close()
+
     # -- in the thread that runs the loop -------------------------------------------------------
 
     def _run(self, fn: Callable[..., Coroutine[Any, Any, _T]], args: tuple[Any, ...]) -> _T:
