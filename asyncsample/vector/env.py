@@ -53,6 +53,7 @@ from asyncsample import _validate
 from asyncsample._tree import tree_map
 from asyncsample.vector.hosted import (
     HostedEnvs,
+    HostedFace,
     StepResult,
     check_step_timeout,
     env_sources,
@@ -147,7 +148,7 @@ def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
     into.restarted.update({i: v for i, v in res.restarted.items() if a <= i < b})
 
 
-class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
+class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     """A gymnasium vector env whose sub-envs live ``num_envs / n_processes`` to an env host.
 
     Args:
@@ -274,16 +275,6 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             except BaseException:
                 self.close()
                 raise
-
-    @property
-    def n_processes(self) -> int:
-        """Number of env-host processes."""
-        return self._hosted.n_procs
-
-    @property
-    def pids(self) -> list[int]:
-        """Pids of the live env-host processes."""
-        return self._hosted.pids
 
     @property
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]

@@ -43,6 +43,7 @@ from asyncsample.vector.portal import BlockingPortal
 __all__ = [
     "ClosedError",
     "HostedEnvs",
+    "HostedFace",
     "StepResult",
     "SubEnvAttributeError",
     "SubEnvError",
@@ -658,6 +659,22 @@ async def _all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
         if isinstance(r, BaseException):
             raise r
     return results  # type: ignore[return-value]
+
+
+class HostedFace:
+    """What both faces show of their hosts (a mixin: the face sets ``_hosted``)."""
+
+    _hosted: HostedEnvs
+
+    @property
+    def n_processes(self) -> int:
+        """Number of env-host processes."""
+        return self._hosted.n_procs
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live env-host processes."""
+        return self._hosted.pids
 
 
 def _joined(parts: Sequence[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:

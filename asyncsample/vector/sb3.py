@@ -34,6 +34,7 @@ from asyncsample import _validate
 from asyncsample.env_update import make_env
 from asyncsample.vector.hosted import (
     HostedEnvs,
+    HostedFace,
     StepResult,
     check_step_timeout,
     env_sources,
@@ -103,7 +104,7 @@ class _Factory:
         return _SB3Access(make_env(self.source))
 
 
-class AsyncSampleVecEnv(VecEnv):
+class AsyncSampleVecEnv(HostedFace, VecEnv):
     """An SB3 ``VecEnv`` stepping its sub-envs in asyncsample's env-host processes.
 
     Args:
@@ -165,16 +166,6 @@ class AsyncSampleVecEnv(VecEnv):
         except BaseException:
             self._hosted.close()
             raise
-
-    @property
-    def n_processes(self) -> int:
-        """Number of env-host processes."""
-        return self._hosted.n_procs
-
-    @property
-    def pids(self) -> list[int]:
-        """Pids of the live env-host processes."""
-        return self._hosted.pids
 
     # -- observations -----------------------------------------------------------------------
 
