@@ -23,6 +23,7 @@ import numpy as np
 from asyncsample import _validate, evaluation, streaming
 from asyncsample._assembly import Plan, assemble
 from asyncsample._recorder import Resume
+from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
 from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
@@ -42,6 +43,7 @@ logger = logging.getLogger("asyncsample")
 Mode = Literal["samples", "episodes", "fragments"]
 _PARAMS = (dict, tuple, np.ndarray)
 _T = TypeVar("_T")
+
 
 AgentUpdateArg = AgentUpdate | list[AgentUpdate]
 """An agent update for a sampler call: one for every worker, or a list of one per worker."""
@@ -172,7 +174,7 @@ class Sampler:
         self.workers: list[Worker] = []
         self._backend: Backend | None = None
         self._lock: asyncio.Lock | None = None
-        self._lock_holder: tuple[asyncio.Task[Any] | None, str] | None = None
+        self._stream_guard = StreamGuard()
         self._started = False
         self._closed = False
         self._last_mode: Mode | None = None
@@ -243,6 +245,8 @@ class Sampler:
     async def start(self) -> None:
         """Start the backend and build every worker's envs (the first call does it if needed)."""
         self._check_open()
+        if self._started:
+            return
         async with self._locked("start"):
             await self._start()
 
@@ -432,8 +436,9 @@ class Sampler:
         and ``max_policy_lag=k`` drops episodes that started more than ``k`` versions before
         the newest. Closing the stream stops the background sampling; batches buffered but
         never yielded are dropped and not counted. Other calls wait until the stream closes;
-        a sampling call from the task that holds the open stream raises ``RuntimeError`` (it
-        could never proceed). The arguments are checked when the first batch is asked for.
+        a sampling call from the stream's own body (or from a task the body waits for) raises
+        :class:`SamplerBusyError` at once (it could never proceed). The arguments are checked
+        when the first batch is asked for.
 
         ``fraction_samples`` (in ``(0, 1]``) applies to every sampling round as in
         :meth:`obtain_samples` (or :meth:`obtain_fragments` with ``fragments``): below 1, fast
@@ -822,26 +827,22 @@ class Sampler:
     async def _locked(self, call: str) -> AsyncIterator[None]:
         """Hold the sampler for ``call``; calls from other tasks queue behind the holder.
 
-        A call from the task that holds an open stream could never get the sampler: it raises
-        ``RuntimeError`` instead of waiting forever.
+        A call from the body of an open ``stream()`` of this sampler could never get the
+        sampler: it raises :class:`SamplerBusyError` at once instead of waiting forever (see
+        :mod:`asyncsample._stream_guard`).
         """
         if self._lock is None:
             self._lock = asyncio.Lock()
-        task = asyncio.current_task()
-        holder = self._lock_holder
-        if holder is not None and holder[1] == "stream" and holder[0] is task:
-            raise RuntimeError(
-                f"{call}() was called from the task that holds an open stream() of this "
-                "sampler: it would wait for the stream to close, forever. Close the stream "
-                "first (leave its 'async for' loop or aclose() it), or make the call from "
-                "another task (it then runs when the stream closes)"
-            )
+        self._stream_guard.check(call)
         async with self._lock:
-            self._lock_holder = (task, call)
+            if call != "stream":
+                yield
+                return
+            self._stream_guard.opened()
             try:
                 yield
             finally:
-                self._lock_holder = None
+                self._stream_guard.closed()
 
 
 def _time_limit(env: gym.Env) -> int | None:

@@ -108,6 +108,7 @@ async def stream(
                 sampler.last_stats = merge_stats(
                     stats, out.n_transitions, _worker_transitions(out, sampler.n_workers)
                 )
+                sampler._stream_guard.handing_out()
                 yield out
         finally:
             sampler._streaming = False

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from envs import SCRIPT, GridWorldEnv, NoisyEnv, ParamAgent, ScriptedAgent
 
-from asyncsample import EpisodeBatch, Sampler, StepType
+from asyncsample import EpisodeBatch, Sampler, SamplerBusyError, StepType
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -230,3 +230,56 @@ def test_batch_select_keeps_chosen_episodes() -> None:
     chosen = batch.select([1, 3])
     assert chosen.lengths.tolist() == batch.lengths[[1, 3]].tolist()
     assert chosen.split()[1].equals(batch.split()[3])
+
+
+@pytest.mark.both_loops
+async def test_calls_from_the_stream_body_raise_at_once() -> None:
+    async with make("local", agent=ScriptedAgent(), n_workers=1, max_episode_length=20) as s:
+        async with contextlib.aclosing(s.stream(6)) as it:
+            async for _ in it:
+                for call in (
+                    lambda: s.obtain_samples(6),
+                    lambda: s.obtain_exact_episodes(1),
+                    lambda: s.obtain_fragments(6),
+                ):
+                    with pytest.raises(SamplerBusyError, match="body of an open stream"):
+                        await call()
+                    # A task the body starts (as wait_for does on Python 3.11) is the body too.
+                    with pytest.raises(SamplerBusyError, match="Close the stream first"):
+                        await asyncio.wait_for(call(), 5)
+                    with pytest.raises(SamplerBusyError):
+                        await asyncio.gather(call())
+                    with pytest.raises(ExceptionGroup) as group_error:
+                        async with asyncio.TaskGroup() as group:
+                            group.create_task(call())
+                    assert group_error.group_contains(SamplerBusyError)
+                # What needs no lock still works: updates, and evaluation on its own envs.
+                await s.update_agent(None)
+                await s.start()
+                evaluation = await asyncio.wait_for(s.evaluate(1), 30)
+                assert len(evaluation.lengths) == 1
+                break
+        # Once the stream is closed the same task samples again.
+        batch = await asyncio.wait_for(s.obtain_samples(6), 30)
+    assert batch.n_transitions >= 6
+
+
+@pytest.mark.both_loops
+async def test_other_tasks_still_queue_behind_the_stream_body() -> None:
+    async with make("local", agent=ScriptedAgent(), n_workers=1, max_episode_length=20) as s:
+        outside = asyncio.Event()
+
+        async def later() -> EpisodeBatch:
+            await outside.wait()
+            return await s.obtain_samples(6)
+
+        task = asyncio.ensure_future(later())  # started before the stream: not its body
+        async with contextlib.aclosing(s.stream(6)) as it:
+            async for _ in it:
+                outside.set()
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                assert not task.done()  # queued behind the stream, not refused
+                break
+        batch = await asyncio.wait_for(task, 30)
+    assert batch.n_transitions >= 6
