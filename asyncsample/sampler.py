@@ -22,6 +22,7 @@ import numpy as np
 
 from asyncsample import _validate, evaluation, streaming
 from asyncsample._assembly import Plan, assemble
+from asyncsample._engine import CallMode, SharedQuota, Stepper, StepStepper, StopRule, run_part
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
@@ -34,7 +35,7 @@ from asyncsample.evaluation import Evaluation
 from asyncsample.inference import Batched, Batcher, Host, HostInference, check_inference
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
-from asyncsample.worker import SharedQuota, VecWorker, Worker, WorkerDriver, WorkerFactory
+from asyncsample.worker import VecWorker, Worker, WorkerFactory
 
 __all__ = ["AgentUpdateArg", "EnvUpdateArg", "Sampler"]
 
@@ -540,7 +541,7 @@ class Sampler:
         shared = self._shared_quota(mode, quota, fraction)
         done_at = [start] * self.n_workers
 
-        async def drive(worker: WorkerDriver) -> Plan | None:
+        async def drive(worker: Worker) -> Plan | None:
             plan = await self._drive(worker, mode, quota, resume, leave, shared)
             done_at[worker.worker_number] = time.perf_counter()
             return plan
@@ -573,7 +574,7 @@ class Sampler:
 
     async def _drive(
         self,
-        worker: WorkerDriver,
+        worker: Worker,
         mode: Mode,
         quota: int,
         resume: Resume,
@@ -585,12 +586,14 @@ class Sampler:
         share = quota if mode == "episodes" else self._share(quota, w)
         if share == 0:
             return None
-        worker._begin_call(resume, episodes=share if mode == "episodes" else None)
+        rule = StopRule.for_call(_CALL_MODES[mode], share, worker.n_envs)
+        worker.episodes.begin(resume, rule)
+        stepper: Stepper = StepStepper(worker) if self._host is None else self._host.stepper(worker)
         if self._batcher is None:
-            return await self._drive_steps(worker, mode, share, leave, shared)
+            return await self._drive_steps(worker, stepper, leave, shared)
         self._batcher.join(w)  # inference="batched": the batcher waits for this worker's rows
         try:
-            return await self._drive_steps(worker, mode, share, leave, shared)
+            return await self._drive_steps(worker, stepper, leave, shared)
         finally:
             # A worker done with its part (also one that stopped at its minimum under
             # fraction_samples) leaves, so the flushes of the others do not wait for it.
@@ -598,20 +601,19 @@ class Sampler:
 
     async def _drive_steps(
         self,
-        worker: WorkerDriver,
-        mode: Mode,
-        share: int,
+        worker: Worker,
+        stepper: Stepper,
         leave: Resume,
         shared: SharedQuota | None = None,
     ) -> Plan:
-        """The retry loop of :meth:`_drive`: run the worker's plan, recovering after failures."""
+        """The retry loop of :meth:`_drive`: run the worker's part, recovering after failures."""
         w = worker.worker_number
-        needs_recovery = worker._needs_recovery
+        needs_recovery = worker.episodes.broken
         restarts = 0
         while True:
             try:
                 if needs_recovery:
-                    dropped = await worker._recover()
+                    dropped = await worker.restart_host()
                     needs_recovery = False
                     if dropped:
                         logger.info(
@@ -620,15 +622,9 @@ class Sampler:
                             w,
                             dropped,
                         )
-                if self._host is not None:  # --- hook: inference="host": chunks ---
-                    return await self._host.run(worker, mode, share, leave, shared)  # type: ignore[arg-type]
-                if mode == "samples":
-                    return await worker._run_samples(share, leave=leave, quota=shared)
-                if mode == "episodes":
-                    return await worker._run_episodes()
-                return await worker._run_fragments(share, quota=shared)
+                return await run_part(worker, stepper, leave, shared)
             except WorkerError as exc:
-                worker._mark_broken()
+                worker.episodes.broken = True
                 if not exc.retry or restarts >= self.max_restarts:
                     raise
                 restarts += 1
@@ -853,6 +849,12 @@ def _time_limit(env: gym.Env) -> int | None:
         env = env.env
     return None
 
+
+_CALL_MODES: dict[Mode, CallMode] = {
+    "samples": CallMode.SAMPLES,
+    "episodes": CallMode.EPISODES,
+    "fragments": CallMode.FRAGMENTS,
+}
 
 _CALL_NAMES: dict[Mode, str] = {
     "samples": "obtain_samples",
