@@ -49,6 +49,7 @@ __all__ = [
     "StopRule",
     "Transition",
     "run_part",
+    "share_of",
 ]
 
 
@@ -536,3 +537,9 @@ async def run_part(
         leave = Resume.NOTHING
     episodes.end(leave)
     return plan
+
+
+def share_of(quota: int, n_workers: int, worker: int) -> int:
+    """Worker ``worker``'s fixed share of a call's ``quota``: an even split, the remainder to
+    the first workers."""
+    return quota // n_workers + (worker < quota % n_workers)

@@ -67,16 +67,21 @@ class StreamGuard:
         if stream is None or body is None:
             return
         task = asyncio.current_task()
-        if task is body or (
-            task is not None and stream in _BODIES.get() and _waits_for(body, task)
-        ):
-            raise SamplerBusyError(
-                f"{call}() was called from the body of an open stream() of this sampler: the "
-                "stream holds the sampler until it closes, so the call would wait forever. "
-                "Close the stream first (leave its 'async for' loop or aclose() it), or make the "
-                "call from a task the stream's body does not wait for (it then runs when the "
-                "stream closes); update_agent() applies at once during a stream"
+        if task is body:
+            where = "the task that iterates an open stream() of this sampler (in the body"
+        elif task is not None and stream in _BODIES.get() and _waits_for(body, task):
+            where = (
+                "a task that the body of an open stream() of this sampler waits for (in the body"
             )
+        else:
+            return
+        raise SamplerBusyError(
+            f"{call}() was called from {where} of an open stream): the stream holds the sampler "
+            "until it closes, so the call would wait forever. Close the stream first (leave its "
+            "'async for' loop or aclose() it), or make the call from a task the stream's body "
+            "does not wait for (it then runs when the stream closes); update_agent() applies at "
+            "once during a stream"
+        )
 
 
 def _waits_for(waiter: asyncio.Task[Any], task: asyncio.Task[Any]) -> bool:
