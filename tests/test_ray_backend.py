@@ -492,3 +492,22 @@ async def test_reset_seeds_options_call_and_set_attr(cluster: Any) -> None:
     finally:
         await backend.aclose()
     assert alive_actors() == []
+
+
+class _ThreadsEnv(_AttrEnv):
+    def threads(self) -> tuple[str | None, int]:
+        import torch  # imported here, after the actor set its thread variables
+
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_actors_run_host_threads_threads(cluster: Any, threads: int) -> None:
+    backend, (host,) = await start_hosts(
+        _ThreadsEnv, n_workers=1, n_envs=1, n_processes=1, host_threads=threads
+    )
+    try:
+        assert await host.call("threads") == [(str(threads), threads)]
+    finally:
+        await backend.aclose()
+    assert alive_actors() == []
