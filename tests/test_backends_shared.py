@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -487,3 +488,39 @@ async def test_sampler_passes_host_threads_to_the_hosts_and_the_agent_copy() -> 
     ) as sampler:
         batch = await sampler.obtain_samples(20)
     assert set(batch.agent_infos["threads"].tolist()) == {2}
+
+
+# -- the host's side: one slot object, operations as an enum --------------------------------------
+
+
+def test_operations_are_an_int_enum_with_labels() -> None:
+    from asyncsample.backends._transport import HEADER, Op
+
+    assert HEADER.unpack(HEADER.pack(0, 7, Op.CHUNK))[2] == Op.CHUNK == 12
+    assert Op(1) is Op.STEP and Op.AGENT.label == "agent install"
+    assert Op.PARAMS.label == "parameter update" and Op.SET_ATTR.label == "set_attr"
+
+
+def test_host_slot_serves_every_operation_from_bytes() -> None:
+    from asyncsample.backends._slot import HostSlot
+    from asyncsample.backends._transport import Op
+    from asyncsample.env_group import EnvFailureError
+
+    slot = HostSlot.allocate(host_spec(2))
+    all_envs = np.ones(2, np.bool_).tobytes()
+    assert slot.serve(Op.BUILD, cloudpickle.dumps(([[RecordingEnv]] * 2, [1, 2]))) == b""
+    infos = pickle.loads(slot.serve(Op.RESET, all_envs))
+    assert infos[0]["seed"] == 1 and infos[1]["seed"] == 2
+    slot.group.buffers.actions[:] = 1
+    assert slot.serve(Op.STEP, all_envs) == b""  # nothing to say: an empty reply
+    args = cloudpickle.dumps(("scaled", [2.0], {"factor": 3.0}, [1]))
+    assert pickle.loads(slot.serve(Op.CALL, args)) == [7.0]
+    with pytest.raises(ValueError, match="unknown request opcode 99"):
+        slot.serve(99, b"")
+    with pytest.raises(RuntimeError, match="not started for inference='host'"):
+        slot.serve(Op.AGENT, b"")
+    with pytest.raises(EnvFailureError) as info:
+        slot.serve(Op.UPDATE, b"not a pickle")
+    failure = info.value.failure
+    assert not failure.retry and "env update could not be unpickled" in str(failure.error)
+    assert slot.serve(Op.CLOSE, b"") == b""
