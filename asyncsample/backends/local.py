@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample import _validate
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends.base import (
     LOGGER,
@@ -172,7 +173,8 @@ class LocalBackend:
         **unknown: object,
     ) -> None:
         reject_unknown_options("local", unknown, self.OPTIONS)
-        if step_timeout is not None:
+        n_processes = _validate.optional_positive_int("n_processes", n_processes)
+        if _validate.positive_seconds("step_timeout", step_timeout) is not None:
             raise ValueError(
                 "step_timeout cannot be used with backend='local': a step that blocks the event "
                 f"loop's thread cannot be pre-empted (got step_timeout={step_timeout!r}); use "

@@ -687,16 +687,8 @@ class ProcessBackend:
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
         n_processes = _validate.optional_positive_int("n_processes", n_processes)
-        if step_timeout is not None and (
-            isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float))
-        ):
-            raise TypeError(
-                f"step_timeout must be a number of seconds or None, got {step_timeout!r}"
-            )
-        if step_timeout is not None and not step_timeout > 0:
-            raise ValueError(f"step_timeout must be > 0 seconds or None, got {step_timeout!r}")
         self.n_processes = n_processes
-        self.step_timeout = None if step_timeout is None else float(step_timeout)
+        self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         self._members: list[_Member] = []
         self._hosts: list[ProcessHost] = []
         self._started = False

@@ -800,35 +800,22 @@ class RayBackend:
         self.compress_threshold = _validate.optional_nonnegative_int(
             "compress_threshold", compress_threshold
         )
-        self.step_timeout = _optional_seconds("step_timeout", step_timeout)
-        self.start_timeout = _optional_seconds("start_timeout", start_timeout)
-        if address is not None and not isinstance(address, str):
-            raise TypeError(f"address must be a str or None, got {address!r}")
-        self.address = address
-        self.num_cpus = _amount("num_cpus", num_cpus)
-        self.num_gpus = _amount("num_gpus", num_gpus)
+        self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
+        self.start_timeout = _validate.positive_seconds("start_timeout", start_timeout)
+        self.address = _validate.optional_str("address", address)
+        self.num_cpus = _validate.amount("num_cpus", num_cpus)
+        self.num_gpus = _validate.amount("num_gpus", num_gpus)
         self.memory = _validate.optional_positive_int("memory", memory)
-        if resources is not None and not isinstance(resources, Mapping):
-            raise TypeError(
-                f"resources must be a dict of resource name to amount, got {resources!r}"
-            )
-        self.resources = {
-            str(k): _amount(f"resources[{k!r}]", v) for k, v in (resources or {}).items()
-        }
-        if placement_strategy is not None and placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(
-                f"placement_strategy must be one of {', '.join(map(repr, PLACEMENT_STRATEGIES))} "
-                f"or None, got {placement_strategy!r}"
-            )
+        self.resources = _validate.amounts("resources", resources)
+        if placement_strategy is not None:
+            _validate.choice("placement_strategy", placement_strategy, PLACEMENT_STRATEGIES)
         self.placement_strategy = placement_strategy
         if placement_strategy is not None and not self._bundle():
             raise ValueError(
                 "placement_strategy needs actors that ask for some resource (num_cpus, num_gpus, "
                 "memory or resources): a placement-group bundle cannot be empty"
             )
-        if init_kwargs is not None and not isinstance(init_kwargs, Mapping):
-            raise TypeError(f"init_kwargs must be a dict or None, got {init_kwargs!r}")
-        self.init_kwargs = dict(init_kwargs or {})
+        self.init_kwargs = _validate.options_dict("init_kwargs", init_kwargs)
         if self.address is None and isinstance(self.init_kwargs.get("address"), str):
             self.address = self.init_kwargs["address"]
         self.init_kwargs.pop("address", None)
@@ -1062,24 +1049,3 @@ def _release_ray(ray: Any) -> None:
         _owned["users"] = max(0, _owned["users"] - 1)
         if _owned["users"] == 0 and ray.is_initialized():
             ray.shutdown()
-
-
-# -- argument checks ----------------------------------------------------------------------------
-
-
-def _optional_seconds(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds or None, got {value!r}")
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0 seconds or None, got {value!r}")
-    return float(value)
-
-
-def _amount(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise TypeError(f"{name} must be a number >= 0, got {value!r}")
-    if not value >= 0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-    return float(value)
