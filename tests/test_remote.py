@@ -128,6 +128,17 @@ async def pool(
     return clock, member, hosts
 
 
+async def one_call(
+    step_timeout: float | None = None,
+) -> tuple[FakeClock, FakeMember, FakeHost, FakeIncarnation, asyncio.Future[None]]:
+    """A one-worker pool with one ``build`` sent and not answered yet."""
+    clock, member, (host,) = await pool(1, step_timeout)
+    inc = current(member)
+    task = asyncio.ensure_future(host.build([[]], [0]))
+    await sent(inc, 1)
+    return clock, member, host, inc, task
+
+
 def current(member: FakeMember) -> FakeIncarnation:
     assert member.current is not None
     return member.current
@@ -216,10 +227,7 @@ async def test_a_call_to_a_dead_host_fails_at_once() -> None:
 
 
 async def test_a_death_after_the_backend_closed_is_sampler_closed() -> None:
-    _, member, (host,) = await pool(1)
-    inc = current(member)
-    task = asyncio.ensure_future(host.build([[]], [0]))
-    await sent(inc, 1)
+    _, member, host, inc, task = await one_call()
     member.closed = True
     inc.closing = True
     inc.die("was shut down")
@@ -267,10 +275,7 @@ async def test_the_head_call_timing_out_kills_the_host_and_fails_the_queue() -> 
 
 
 async def test_a_timer_of_an_answered_call_does_nothing() -> None:
-    clock, member, (host,) = await pool(1, step_timeout=1.0)
-    inc = current(member)
-    task = asyncio.ensure_future(host.build([[]], [0]))
-    await sent(inc, 1)
+    clock, _, _, inc, task = await one_call(step_timeout=1.0)
     (timer,) = clock.armed
     inc.reply(inc.calls[0])
     await task
@@ -279,10 +284,7 @@ async def test_a_timer_of_an_answered_call_does_nothing() -> None:
 
 
 async def test_no_timer_without_step_timeout() -> None:
-    clock, member, (host,) = await pool(1)
-    inc = current(member)
-    task = asyncio.ensure_future(host.build([[]], [0]))
-    await sent(inc, 1)
+    clock, _, _, inc, task = await one_call()
     assert clock.timers == []
     inc.reply(inc.calls[0])
     await task

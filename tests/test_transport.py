@@ -61,32 +61,34 @@ def test_frames_sent_one_by_one_are_read_back(pair: tuple[socket.socket, socket.
     reader.close()
 
 
-def test_several_frames_in_one_write_are_read_one_at_a_time(
-    pair: tuple[socket.socket, socket.socket],
+def _cut(data: bytes, cuts: list[int]) -> list[bytes]:
+    return [data[i:j] for i, j in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
+_WIRE = encode(FRAMES)
+_TWO = len(encode(FRAMES[:2]))
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [_WIRE],  # several frames in one write
+        # Cut inside the first header, inside a payload, and at a frame boundary.
+        _cut(_WIRE, [4, HEADER.size + 2, _TWO, _TWO + 1000]),
+    ],
+    ids=["one write", "split writes"],
+)
+def test_frames_are_read_whole_however_they_were_written(
+    pair: tuple[socket.socket, socket.socket], pieces: list[bytes]
 ) -> None:
     a, b = pair
     reader = FrameReader(b)
-    writer = threading.Thread(target=a.sendall, args=(encode(FRAMES),))
-    writer.start()  # the big frame may not fit the socket buffer: write while reading
-    assert [reader.read() for _ in FRAMES] == FRAMES
-    writer.join()
-    reader.close()
-
-
-def test_a_frame_split_across_writes_is_read_whole(
-    pair: tuple[socket.socket, socket.socket],
-) -> None:
-    a, b = pair
-    reader = FrameReader(b)
-    data = encode(FRAMES)
-    # Cut inside the first header, inside a payload, and at a frame boundary.
-    cuts = [0, 4, HEADER.size + 2, len(encode(FRAMES[:2])), len(encode(FRAMES[:2])) + 1000]
-    pieces = [data[i:j] for i, j in zip(cuts, [*cuts[1:], len(data)], strict=True)]
 
     def write() -> None:
         for piece in pieces:
             a.sendall(piece)
 
+    # The big frame may not fit the socket buffer: write while reading.
     writer = threading.Thread(target=write)
     writer.start()
     assert [reader.read() for _ in FRAMES] == FRAMES
