@@ -81,6 +81,7 @@ class SamplerCore:
         backend_options: dict[str, Any] | None = None,
         test_env: EnvSource | None = None,
         inference: str | Batched | Host = "per_worker",
+        host_threads: int | None = 1,
     ) -> None:
         self.closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -101,6 +102,7 @@ class SamplerCore:
                 "event loop's thread cannot be pre-empted; use backend='process'"
             )
         max_restarts = _validate.nonnegative_int("max_restarts", max_restarts)
+        host_threads = _validate.optional_positive_int("host_threads", host_threads)
         if not (isinstance(worker_class, type) and issubclass(worker_class, Worker)):
             raise TypeError(f"worker_class must be a subclass of Worker, got {worker_class!r}")
         worker_args = _validate.options_dict("worker_args", worker_args)
@@ -122,6 +124,7 @@ class SamplerCore:
         self.max_episode_length = max_episode_length
         self.backend_name = backend
         self.step_timeout = step_timeout
+        self.host_threads = host_threads
         self.max_restarts = int(max_restarts)
         self._factory = WorkerFactory(
             max_episode_length=max_episode_length,
@@ -175,6 +178,7 @@ class SamplerCore:
         options: dict[str, Any] = {
             "n_processes": self._requested_processes or os.cpu_count() or 1,
             "step_timeout": self.step_timeout,
+            "host_threads": self.host_threads,
         }
         options.update(self.backend_options)
         backend = make_backend(self.backend_name, **options)

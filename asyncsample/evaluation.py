@@ -201,6 +201,7 @@ class TestEnvs:
                 backend=core.backend_name,
                 step_timeout=core.step_timeout,
                 max_restarts=core.max_restarts,
+                host_threads=core.host_threads,
                 backend_options=core.backend_options,
             )
             self.evaluators[render] = (evaluator, key)

@@ -56,6 +56,10 @@ class Sampler:
             chunks of steps; ``process`` and ``ray`` backends; see
             :mod:`asyncsample.inference.host`), or an :class:`asyncsample.inference.Host` with
             chunking options.
+        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
+            in each env host (process or Ray actor); ``None`` leaves the libraries' defaults.
+            One by default: hosts share the cores, and a library that spreads each small
+            product over all of them makes the hosts fight over them. Ignored by ``local``.
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
@@ -79,6 +83,7 @@ class Sampler:
         backend_options: dict[str, Any] | None = None,
         test_env: EnvSource | None = None,
         inference: str | Batched | Host = "per_worker",
+        host_threads: int | None = 1,
     ) -> None:
         self._core = core = SamplerCore(
             env,
@@ -96,6 +101,7 @@ class Sampler:
             backend_options=backend_options,
             test_env=test_env,
             inference=inference,
+            host_threads=host_threads,
         )
         self._test_envs = TestEnvs(type(self))
         self.n_workers: int = core.n_workers
@@ -109,6 +115,7 @@ class Sampler:
         self.backend_name: str = core.backend_name
         self.step_timeout: float | None = core.step_timeout
         self.max_restarts: int = core.max_restarts
+        self.host_threads: int | None = core.host_threads
         self.seed: int = core.seed
         """The root seed (drawn when ``seed=None`` was passed)."""
 

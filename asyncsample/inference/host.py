@@ -95,7 +95,7 @@ class ChunkHost(Protocol):
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]: ...
 
-    async def _sync_agent(self) -> int: ...
+    async def sync_agent(self) -> int: ...
 
 
 def check_host_agent(agent: Any, name: str = "agent") -> None:
@@ -220,7 +220,7 @@ class ChunkStepper:
     async def start(self) -> None:
         """Reset the envs that need it, once the host's agent copy is in place (so it sees the
         same ``reset(mask)`` calls as an agent in the main process)."""
-        await self.host._sync_agent()
+        await self.host.sync_agent()
         await self.worker.start_episode()
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
