@@ -129,13 +129,11 @@ class StopRule:
             return self.steps > 0
         return bool(active.any())
 
-    def ended(self, envs: np.ndarray, lengths: np.ndarray, active: np.ndarray) -> bool:
-        """Episodes of ``envs`` ended after ``lengths`` recorded steps; whether any env stopped.
-
-        Envs whose episode budget is spent are made inactive in ``active``.
-        """
+    def ended(self, envs: np.ndarray, steps: int, active: np.ndarray) -> bool:
+        """The episodes of ``envs`` ended, ``steps`` recorded steps in all; whether an env
+        stopped (envs whose episode budget is spent are made inactive in ``active``)."""
         if self.mode is CallMode.SAMPLES:
-            self.need -= int(lengths.sum())
+            self.need -= steps
             return False
         left = self.episodes_left
         if left is None:
@@ -343,10 +341,8 @@ class Episodes:
             version: the agent version episodes starting now run under.
         """
         recorder = self.recorder
-        rule = self.rule
-        if rule is not None and rule.ended(envs, t + 1 - recorder.piece_start[envs], self.active):
-            self.everyone = False
         lengths, returns, infos = self.lengths, self.returns, self.episode_info
+        steps = recorder.completed_steps
         for i in envs.tolist():
             end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
             last = tree_map(lambda x, i=i: x[i].copy(), final_obs)
@@ -359,6 +355,10 @@ class Episodes:
             infos[i] = self.fresh_info(reset_infos.get(i, {}), i, version)
             lengths[i] = 0
             recorder.piece_position[i] = 0
+        rule = self.rule
+        if rule is not None:
+            if rule.ended(envs, recorder.completed_steps - steps, self.active):
+                self.everyone = False
 
     def replay(
         self,

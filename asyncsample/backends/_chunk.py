@@ -267,7 +267,7 @@ class ChunkRunner:
                 dst[j, index] = src[index]
 
             tree_map(put_final, chunk.final_obs, buf.final_obs)
-            if rule.ended(index, counts[index], active):
+            if rule.ended(index, int(counts[index].sum()), active):
                 everyone = False
             counts[index] = 0
             self.reset_agent(done)
