@@ -30,7 +30,7 @@ from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
-from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend
+from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend, pool_size
 from asyncsample.backends._chunk import chunk_capacity
 from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvChoice, EnvSource, make_env
@@ -612,10 +612,9 @@ def _hosts_started(
     if backend == "local":
         return 1
     n_processes = options.get("n_processes", n_processes)  # the option overrides, as in _start
-    per_actor = options.get("workers_per_actor")
-    if backend == "ray" and per_actor is not None:
-        return math.ceil(n_workers / _validate.positive_int("workers_per_actor", per_actor))
-    return min(n_processes or os.cpu_count() or 1, n_workers)
+    per_actor = options.get("workers_per_actor") if backend == "ray" else None
+    per_actor = _validate.optional_positive_int("workers_per_actor", per_actor)
+    return pool_size(n_processes, n_workers, per_actor)
 
 
 async def run_all(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
