@@ -44,6 +44,8 @@ from asyncsample import (
 )
 from asyncsample.backends import HostSpec, make_backend
 from asyncsample.backends import ray as ray_backend
+from asyncsample.backends._remote import slots_blob
+from asyncsample.backends._transport import Op
 from asyncsample.backends.ray import (
     INSTALL_HINT,
     EnvActor,
@@ -240,7 +242,7 @@ async def test_identical_batches_to_local(cluster: Any, make_sampler: SamplerFac
 def test_actor_encodings_and_compression_in_process() -> None:
     """The actor class without Ray: raw and pickled actions, plain and compressed replies."""
     probe = DictEnv()
-    slots = cloudpickle.dumps([(0, 4, probe.observation_space, probe.action_space, 20)])
+    slots = slots_blob([HostSpec(0, 4, probe.observation_space, probe.action_space, 20)])
     plain = EnvActor(slots, None, "zlib")
     packed = EnvActor(slots, 1000, best_codec())
     blob = cloudpickle.dumps(([[DictEnv]] * 4, [1, 2, 3, 4]))
@@ -248,7 +250,7 @@ def test_actor_encodings_and_compression_in_process() -> None:
     actions = {"force": np.full((4, 2), 0.5, np.float32), "move": np.array([0, 1, 2, 1])}
     replies = []
     for actor in (plain, packed):
-        assert pickle.loads(actor.build(0, blob)) == (0, None)
+        assert pickle.loads(actor.serve(0, Op.BUILD, blob)) == (0, b"")
         reset = actor.reset(_request(0, mask))
         assert isinstance(reset, tuple) == (actor is plain)  # large replies stay arrays
         for _ in range(30):
@@ -265,7 +267,7 @@ def test_actor_encodings_and_compression_in_process() -> None:
     objects = {"force": actions["force"], "move": actions["move"].astype(object)}
     assert _request(0, mask, objects)[4] == 2 and _request(0, mask, actions)[4] == 1
     again = EnvActor(slots, None, "zlib")
-    again.build(0, blob)
+    again.serve(0, Op.BUILD, blob)
     again.reset(_request(0, mask))
     for _ in range(30):
         step_c = again.step(_request(0, mask, objects))
@@ -491,6 +493,25 @@ async def test_reset_seeds_options_call_and_set_attr(cluster: Any) -> None:
         with pytest.raises(WorkerError) as info:
             await host.call("missing", envs=[1])
         assert (info.value.env, info.value.retry) == (1, False)
+    finally:
+        await backend.aclose()
+    assert alive_actors() == []
+
+
+class _ThreadsEnv(_AttrEnv):
+    def threads(self) -> tuple[str | None, int]:
+        import torch  # imported here, after the actor set its thread variables
+
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_actors_run_host_threads_threads(cluster: Any, threads: int) -> None:
+    backend, (host,) = await start_hosts(
+        _ThreadsEnv, n_workers=1, n_envs=1, n_processes=1, host_threads=threads
+    )
+    try:
+        assert await host.call("threads") == [(str(threads), threads)]
     finally:
         await backend.aclose()
     assert alive_actors() == []
