@@ -132,8 +132,8 @@ async def test_calls_wait_for_an_open_stream(make_sampler: SamplerFactory) -> No
         async with contextlib.aclosing(s.stream(6)) as it:
             await anext(it)
             call = asyncio.ensure_future(s.obtain_samples(6))
-            await anext(it)  # the stream makes another round while the call waits
-            assert not call.done()
+            await anext(it)  # the stream goes on while the call waits...
+            assert await stays(lambda: not call.done(), 0.05)  # ...and the call keeps waiting
             order.append("stream closed")
         batch = await call
         order.append("call done")
