@@ -126,7 +126,7 @@ def _write_reports(
     """Write results.md and the charts; return the charts written."""
     full = results | {"_settings": settings, "_groups": groups}
     report.write_markdown(out / "results.md", full)
-    return report.write_plots(out, full)
+    return report.draw_charts(report.write_plots, out, full)
 
 
 def render(results_json: Path, out: Path) -> int:

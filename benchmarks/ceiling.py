@@ -30,7 +30,9 @@ __all__ = ["ceiling"]
 SEED_STRIDE = 1000
 
 
-def _random_loop(spec: RunSpec, seed: int, warmup: int, target: int, start: Any) -> tuple[int, float]:
+def _random_loop(
+    spec: RunSpec, seed: int, warmup: int, target: int, start: Any
+) -> tuple[int, float]:
     """One env in a plain ``env.step`` loop with pre-drawn actions; returns (steps, seconds)."""
     env = gym.make(spec.env_id)
     try:
@@ -89,7 +91,7 @@ def _policy_loop(
 
 
 def _child(spec: RunSpec, index: int, parts: int, start: Any, out: Any) -> None:
-    """A loop process: run its loop, put ``(index, transitions, seconds)`` or an error on ``out``."""
+    """A loop process: runs its loop, puts ``(index, transitions, seconds, error)`` on ``out``."""
     try:
         seed = spec.seed + SEED_STRIDE * index
         warmup = max(1, spec.warmup // parts)
@@ -149,4 +151,3 @@ def ceiling(spec: RunSpec) -> RunResult:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-

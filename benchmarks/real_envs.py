@@ -63,6 +63,12 @@ import psutil
 
 from benchmarks._runner import REPO_ROOT, run_fresh
 from benchmarks.contenders import RunSpec, TimedPhase
+from benchmarks.fmt import f as _f
+from benchmarks.fmt import k as _k
+from benchmarks.fmt import mb as _mb
+from benchmarks.fmt import pct as _pct
+from benchmarks.fmt import table as _table
+from benchmarks.fmt import x as _x
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -1589,41 +1595,10 @@ def _calls_note(results: dict[str, Any]) -> str:
     )
 
 
-def _k(v: float | None) -> str:
-    if v is None or v != v:
-        return "-"
-    if v >= 1e6:
-        return f"{v / 1e6:.2f}M"
-    if v >= 1e4:
-        return f"{v / 1e3:.1f}k"
-    if v >= 1e3:
-        return f"{v / 1e3:.2f}k"
-    return f"{v:.0f}"
 
 
-def _pct(v: float | None) -> str:
-    return "-" if v is None or v != v else f"{100 * v:.0f}%"
 
 
-def _x(v: float | None) -> str:
-    return "-" if v is None or v != v else f"{v:.2f}x"
-
-
-def _mb(v: float | None) -> str:
-    return "-" if v is None else f"{v / 2**20:.0f}"
-
-
-def _f(v: float | None, fmt: str = "{:.2f}") -> str:
-    return "-" if v is None or v != v else fmt.format(v)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(r) + " |" for r in rows),
-        "",
-    ]
 
 
 def _cell(agg: dict[str, Any] | None) -> str:
@@ -2086,9 +2061,11 @@ def write_plots(out: Path, results: dict[str, Any]) -> list[Path]:
 
 
 def write_all(out: Path, results: dict[str, Any]) -> None:
-    """Write ``real_envs.md`` and the PNG charts from ``results``."""
-    write_plots(out, results)
+    """Write ``real_envs.md`` and the PNG charts from ``results`` (charts only with matplotlib)."""
+    from benchmarks.report import draw_charts
+
     write_markdown(out / "real_envs.md", results)
+    draw_charts(write_plots, out, results)
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ def _require() -> None:
         import torchrl  # noqa: F401
     except Exception as exc:
         raise Skipped(
-            f"torchrl not importable ({type(exc).__name__}: {exc}; pip install 'asyncsample[bench]')"
+            f"torchrl not importable ({type(exc).__name__}: {exc}); "
+            "pip install 'asyncsample[bench]'"
         ) from exc
 
 
