@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_min_max": [min(load), max(load)],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ab.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    (args.out / "results.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
     lines = [
         f"A = `{args.a}`, B = `{args.b}`; {args.repeats} alternating runs each, medians; "
         f"{machine['cores']} cores, Python {machine['python']}, {machine['date']}, load average "
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['workload']} | {row['a_steps_per_s']:,.0f} | {row['b_steps_per_s']:,.0f} | "
             f"{row['ratio']:.2f}x | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} |"
         )
-    (args.out / "ab.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
