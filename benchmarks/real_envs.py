@@ -1596,12 +1596,6 @@ def _calls_note(results: dict[str, Any]) -> str:
     )
 
 
-
-
-
-
-
-
 def _cell(agg: dict[str, Any] | None) -> str:
     if not agg:
         return "-"

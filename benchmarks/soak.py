@@ -4,7 +4,8 @@ Every returned episode is checked step by step: the env's observation carries th
 a missing, repeated or foreign transition shows up as a gap. Reports steps/s, faults injected and
 survived, transitions lost from completed episodes (must be 0), and memory of every process.
 
-Run: ``python -m benchmarks.soak --minutes 3`` (writes ``benchmarks/results/soak/results.json`` and ``.md``).
+Run: ``python -m benchmarks.soak --minutes 3`` (writes ``benchmarks/results/soak/results.json``
+and ``.md``).
 """
 
 from __future__ import annotations

@@ -102,6 +102,7 @@ class Settings:
         host_envs: Envs of the ``host`` group (``inference="host"``, random agent).
         host_layouts: asyncsample layouts of the ``host`` group (every one a user may pick).
         host_fragment_steps: Steps per env per call in the ``host`` group.
+        once: Contenders run in the first repeat only (slow to start, far from the others).
     """
 
     envs: list[str] = field(default_factory=lambda: list(ALL_ENVS))
@@ -152,6 +153,7 @@ class Settings:
     )
     host_layouts: list[tuple[int, int]] = field(default_factory=lambda: [(2, 4), (4, 2), (8, 1)])
     host_fragment_steps: int = 256
+    once: list[str] = field(default_factory=list)
 
     @classmethod
     def quick_settings(cls, **overrides: Any) -> Settings:
@@ -444,8 +446,9 @@ def execute(
             runnable.append(cfg)
         else:
             records.append(_record(cfg, -1, {"status": "skipped", "note": reason}))
+    once = sum(cfg.contender in settings.once for cfg in runnable)
     bar = tqdm(
-        total=len(runnable) * settings.repeats,
+        total=len(runnable) * settings.repeats - once * (settings.repeats - 1),
         desc="benchmarks",
         unit="run",
         disable=not progress,
@@ -454,6 +457,8 @@ def execute(
     try:
         for repeat in range(settings.repeats):
             for cfg in runnable:
+                if repeat and cfg.contender in settings.once:
+                    continue
                 bar.set_postfix_str(f"r{repeat + 1} {cfg.env} {cfg.label} n={cfg.n_envs}")
                 spec = make_spec(cfg, settings, instrument=(repeat == 0))
                 outcome = run_one(spec, settings.timeout, workdir)
