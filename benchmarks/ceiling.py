@@ -90,7 +90,7 @@ def _policy_loop(
         envs.close()
 
 
-def _child(spec: RunSpec, index: int, parts: int, start: Any, out: Any) -> None:
+def _child(spec: RunSpec, index: int, parts: int, start: Any, out: Any, finish: Any) -> None:
     """A loop process: runs its loop, puts ``(index, transitions, seconds, error)`` on ``out``."""
     try:
         seed = spec.seed + SEED_STRIDE * index
@@ -102,6 +102,7 @@ def _child(spec: RunSpec, index: int, parts: int, start: Any, out: Any) -> None:
         else:
             done, seconds = _random_loop(spec, seed, warmup, target, start)
         out.put((index, done, seconds, None))
+        finish.wait(60)  # alive until the parent's timed phase ends: its CPU is counted
     except BaseException as exc:  # the parent reports it; a child never dies silently
         start.abort()
         out.put((index, 0, 0.0, f"{type(exc).__name__}: {exc}"))
@@ -122,8 +123,9 @@ def ceiling(spec: RunSpec) -> RunResult:
     ctx = multiprocessing.get_context("fork")  # a fresh run process: nothing to inherit
     start = ctx.Barrier(parts + 1)
     out = ctx.Queue()
+    finish = ctx.Event()
     procs = [
-        ctx.Process(target=_child, args=(spec, i, parts, start, out), daemon=True)
+        ctx.Process(target=_child, args=(spec, i, parts, start, out, finish), daemon=True)
         for i in range(parts)
     ]
     for proc in procs:
@@ -132,6 +134,7 @@ def ceiling(spec: RunSpec) -> RunResult:
         start.wait()
         with TimedPhase(spec) as phase:
             loops = [out.get() for _ in procs]
+        finish.set()
         errors = [err for *_, err in loops if err]
         if errors:
             raise RuntimeError(f"a ceiling loop failed: {errors[0]}")
@@ -147,6 +150,7 @@ def ceiling(spec: RunSpec) -> RunResult:
         errors = [err for *_, err in loops if err]
         raise RuntimeError(f"a ceiling loop failed: {errors[0] if errors else exc}") from exc
     finally:
+        finish.set()
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():

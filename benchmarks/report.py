@@ -396,7 +396,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
             *cell_tables(results, "host"),
         ]
 
-    if derived["targets"] and any(t["value"] is not None for t in derived["targets"]):
+    main_targets = [t for t in derived["targets"] if not t.get("lower_is_better")]
+    if any(t["value"] is not None for t in main_targets):
         lines += ["## Ratios against the goals (best asyncsample layout)", ""]
         rows = []
         for t in derived["targets"]:
