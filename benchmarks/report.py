@@ -457,7 +457,7 @@ def _policy_markdown(results: dict[str, Any]) -> list[str]:
         "processes; calls of "
         f"{settings.fragment_steps} steps per env. The ceiling: {settings.cores} "
         f"`SyncVectorEnv(n/{settings.cores})` + policy loops side by side, one process each; "
-        "`x ceiling` is against the larger of it and SyncVectorEnv. TorchRL's collectors drive "
+        "`% ceiling` is against the larger of it and SyncVectorEnv. TorchRL's collectors drive "
         "the same MLP as a `TensorDictModule`. CPU: cores used by the main process and by "
         "everything else the contender started, per second of wall time (median over runs).",
         "",
