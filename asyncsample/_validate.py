@@ -8,8 +8,8 @@ argument, what was expected and what was given.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, TypeGuard
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeGuard, TypeVar
 
 import cloudpickle
 import gymnasium as gym
@@ -18,27 +18,50 @@ import numpy as np
 from asyncsample.env_update import EnvId, EnvSource, is_env_source
 
 __all__ = [
+    "amount",
+    "amounts",
+    "attr_name",
     "check_picklable",
+    "choice",
+    "env_indices",
     "env_source",
     "flag",
     "fraction",
+    "has_method",
     "nonnegative_int",
     "optional_nonnegative_int",
     "optional_positive_int",
+    "optional_str",
     "options_dict",
     "per_worker_sources",
     "positive_int",
     "positive_seconds",
     "seed",
+    "seed_list",
+    "subclass",
+    "unit_interval",
 ]
+
+
+_T = TypeVar("_T")
 
 
 def _is_int(value: object) -> TypeGuard[int | np.integer[Any]]:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> TypeGuard[int | float | np.integer[Any] | np.floating[Any]]:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
 def _shown(value: object) -> str:
     return f"{type(value).__name__} {value!r}"
+
+
+def _is_sequence(value: object) -> TypeGuard[Sequence[Any] | np.ndarray[Any, Any]]:
+    return isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (str, bytes))
 
 
 def positive_int(name: str, value: object) -> int:
@@ -92,7 +115,7 @@ def positive_seconds(name: str, value: object) -> float | None:
     """``None`` or a finite number of seconds > 0."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _is_number(value):
         raise TypeError(f"{name} must be a number of seconds or None, got {_shown(value)}")
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
@@ -108,13 +131,133 @@ def flag(name: str, value: object) -> bool:
 
 def fraction(name: str, value: object) -> float:
     """``value`` as a float in ``(0, 1]`` (ints and numpy numbers accepted, bool rejected)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating)
-    ):
+    if not _is_number(value):
         raise TypeError(f"{name} must be a number in (0, 1], got {_shown(value)}")
     if not 0 < value <= 1:  # also rejects NaN
         raise ValueError(f"{name} must be > 0 and <= 1, got {value!r}")
     return float(value)
+
+
+def unit_interval(name: str, value: object) -> float:
+    """``value`` as a float in ``[0, 1]`` (ints and numpy numbers accepted, bool rejected)."""
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number in [0, 1], got {_shown(value)}")
+    if not 0 <= value <= 1:  # also rejects NaN
+        raise ValueError(f"{name} must be >= 0 and <= 1, got {value!r}")
+    return float(value)
+
+
+def amount(name: str, value: object) -> float:
+    """``value`` as a finite float >= 0: an amount of a resource (CPUs, GPUs, ...)."""
+    if not _is_number(value):
+        raise TypeError(f"{name} must be a number >= 0, got {_shown(value)}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be >= 0 and finite, got {value!r}")
+    return float(value)
+
+
+def amounts(name: str, value: object) -> dict[str, float]:
+    """``None`` (nothing) or a mapping of resource name (str) to :func:`amount`, copied."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be a dict of resource name to amount or None, got {_shown(value)}"
+        )
+    out: dict[str, float] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name} keys must be resource names (str), got {_shown(key)}")
+        out[key] = amount(f"{name}[{key!r}]", item)
+    return out
+
+
+def choice(name: str, value: _T, choices: Sequence[_T]) -> _T:
+    """``value`` if it is one of ``choices``; a ``ValueError`` listing them otherwise.
+
+    Anything else is a ``ValueError``, whatever its type: the value is not among the choices
+    (the way an ``enum`` lookup fails).
+    """
+    try:
+        if value in choices:
+            return value
+    except TypeError:  # unhashable or uncomparable: not one of them either
+        pass
+    raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def optional_str(name: str, value: object) -> str | None:
+    """``None`` or a str."""
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str or None, got {_shown(value)}")
+    return value
+
+
+def subclass(name: str, value: object, base: type[_T]) -> type[_T]:
+    """``value`` if it is a class derived from ``base`` (or ``base`` itself)."""
+    if not (isinstance(value, type) and issubclass(value, base)):
+        raise TypeError(f"{name} must be a subclass of {base.__name__}, got {value!r}")
+    return value
+
+
+def has_method(name: str, value: object, method: str, *, optional: bool = False) -> None:
+    """Raise ``TypeError`` unless ``value`` has a callable ``method`` (or is ``None``, if optional).
+
+    For duck-typed arguments such as agents (``get_actions``).
+    """
+    if optional and value is None:
+        return
+    if not callable(getattr(value, method, None)):
+        tail = " or be None" if optional else ""
+        raise TypeError(
+            f"{name} must have a {method}(...) method{tail}, got {type(value).__name__}"
+        )
+
+
+def seed_list(name: str, value: object, n: int) -> list[int | None] | None:
+    """``None``, or a sequence of ``n`` seeds (each an int >= 0 or ``None``), as a list."""
+    if value is None:
+        return None
+    if not _is_sequence(value) or isinstance(value, Mapping):
+        raise TypeError(
+            f"{name} must be None or a sequence of {n} ints or None, got {type(value).__name__}"
+        )
+    if len(value) != n:
+        raise ValueError(f"{name} must hold one seed per env ({n}), got {len(value)}")
+    out: list[int | None] = []
+    for k, item in enumerate(value):
+        if item is None:
+            out.append(None)
+        elif not _is_int(item):
+            raise TypeError(f"{name}[{k}] must be an int >= 0 or None, got {item!r}")
+        elif item < 0:
+            raise ValueError(f"{name}[{k}] must be an int >= 0 or None, got {item}")
+        else:
+            out.append(int(item))
+    return out
+
+
+def env_indices(name: str, value: object, n: int) -> list[int]:
+    """``None`` (every env) or a sequence of env indices in ``[0, n)``, as a list of ints."""
+    if value is None:
+        return list(range(n))
+    if not _is_sequence(value):
+        raise TypeError(f"{name} must be None or a sequence of env indices, got {value!r}")
+    out: list[int] = []
+    for i in value:
+        if not _is_int(i):
+            raise TypeError(f"{name} must hold int env indices, got {i!r}")
+        if not 0 <= i < n:
+            raise ValueError(f"{name}: index {i} is out of range for {n} envs")
+        out.append(int(i))
+    return out
+
+
+def attr_name(name: str, value: object) -> str:
+    """``value`` as the name of an attribute or method (a str)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be an attribute name (str), got {value!r}")
+    return value
 
 
 def options_dict(name: str, value: object) -> dict[str, Any]:

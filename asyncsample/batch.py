@@ -47,6 +47,9 @@ so ``concatenate(*batch.split())`` equals ``batch``); :meth:`EpisodeBatch.split`
 :meth:`EpisodeBatch.select` and :meth:`EpisodeBatch.to_list` slice masks with their keys; the
 ``padded_*`` views pad masks with False and masked keys with their fill value;
 :meth:`EpisodeBatch.equals` compares masks like any other array.
+
+The rule is implemented in :mod:`asyncsample._infos` and the field checks in
+:mod:`asyncsample._batch_checks`; this module holds the batch itself.
 """
 
 from __future__ import annotations
@@ -54,16 +57,28 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
 import gymnasium
 import numpy as np
 
-from asyncsample._tree import tree_concat, tree_index, tree_leaves, tree_map
+from asyncsample._batch_checks import check_fields
+from asyncsample._infos import (
+    MISSING,
+    as_info_arrays,
+    concat_infos,
+    fill_value,
+    filled,
+    key_rows,
+    mask_key,
+    stack_column,
+    stack_infos,
+)
+from asyncsample._tree import tree_concat, tree_equal, tree_index, tree_leaves, tree_map
 
+# The info helpers live in ``_infos``; they stay importable from here, where they always were.
 __all__ = [
     "MISSING",
     "EnvSpec",
@@ -144,412 +159,6 @@ class EnvSpec:
     max_episode_length: int | None = None
 
 
-# --------------------------------------------------------------------------------------------
-# Info dicts
-# --------------------------------------------------------------------------------------------
-
-
-MISSING: Any = object()
-"""Marks a row on which an info key is absent (see :func:`stack_column`)."""
-
-
-def mask_key(key: str) -> str:
-    """The name of the presence mask of info key ``key``: ``"_" + key`` (gymnasium's naming)."""
-    return "_" + key
-
-
-def _is_mask(key: str, keys: Iterable[str]) -> bool:
-    """Whether ``key`` is the presence mask of another key among ``keys``."""
-    return key.startswith("_") and key[1:] in keys
-
-
-def _stack_values(values: list[Any]) -> np.ndarray:
-    """Stack per-item values into one array; ragged values become a 1-D object array."""
-    try:
-        return np.asarray(values)
-    except ValueError:  # inhomogeneous shapes: keep each value as one object
-        out = np.empty(len(values), dtype=object)
-        for i, value in enumerate(values):
-            out[i] = value
-        return out
-
-
-def fill_value(dtype: np.dtype[Any]) -> Any:
-    """What an info array holds where its key is absent.
-
-    NaN for floating and complex dtypes, ``None`` for object dtype (ragged values, Python
-    objects), and zero (``0``, ``False``, the empty string) for every other dtype.
-    """
-    if dtype.kind in "fc":
-        return np.nan
-    if dtype.kind == "O":
-        return None
-    return np.zeros((), dtype).item()
-
-
-def filled(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-    """An array of ``shape`` and ``dtype`` holding only :func:`fill_value`."""
-    if dtype.kind in "fc":
-        return np.full(shape, np.nan, dtype=dtype)
-    if dtype.kind == "O":
-        return np.empty(shape, dtype=object)  # all None
-    return np.zeros(shape, dtype=dtype)
-
-
-def key_rows(infos: Sequence[Mapping[str, Any]]) -> dict[str, list[int] | None]:
-    """Every key of ``infos``, in order of first appearance, with the rows that carry it.
-
-    ``None`` stands for every row. Rows are grouped by their set of keys first, so the cost is
-    one pass over the rows plus one per distinct key set, not one per key and row.
-    """
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for i, info in enumerate(infos):
-        groups.setdefault(tuple(info), []).append(i)
-    parts: dict[str, list[list[int]]] = {}
-    for keys, rows in groups.items():
-        for key in keys:
-            parts.setdefault(key, []).append(rows)
-    n = len(infos)
-    out: dict[str, list[int] | None] = {}
-    for key, lists in parts.items():
-        if len(lists) == 1:
-            out[key] = None if len(lists[0]) == n else lists[0]
-        else:
-            rows = sorted(itertools.chain.from_iterable(lists))
-            out[key] = None if len(rows) == n else rows
-    return out
-
-
-def _stack_key(
-    infos: Sequence[Mapping[str, Any]], key: str, rows: list[int] | None
-) -> tuple[Any, np.ndarray | None]:
-    """Stack ``key`` of ``infos``, present on ``rows`` (``None``: all); returns (value, mask)."""
-    n = len(infos)
-    if rows is None:
-        values = [d[key] for d in infos]
-        if isinstance(values[0], Mapping) and all(isinstance(v, Mapping) for v in values):
-            return stack_infos(values), None
-        return _stack_values(values), None
-    mask = np.zeros(n, dtype=bool)
-    mask[rows] = True
-    present = [infos[i][key] for i in rows]
-    if all(isinstance(v, Mapping) for v in present):
-        nested: list[Mapping[str, Any]] = [{}] * n
-        for i, v in zip(rows, present, strict=True):
-            nested[i] = v
-        return stack_infos(nested), mask
-    stacked = _stack_values(present)
-    out = filled((n, *stacked.shape[1:]), stacked.dtype)
-    out[rows] = stacked
-    return out, mask
-
-
-def stack_column(values: Sequence[Any]) -> tuple[Any, np.ndarray | None]:
-    """Stack one info key's values, one per row, :data:`MISSING` where the key is absent.
-
-    Returns:
-        ``(stacked, mask)``: the stacked array (or, when every present value is a dict, a dict
-        stacked by :func:`stack_infos`), and a boolean presence mask, ``None`` when the key is
-        present on every row. Absent rows hold :func:`fill_value`.
-    """
-    rows = [i for i, v in enumerate(values) if v is not MISSING]
-    infos = [{} if v is MISSING else {"": v} for v in values]
-    return _stack_key(infos, "", None if len(rows) == len(values) else rows)
-
-
-def stack_infos(
-    infos: Sequence[Mapping[str, Any]],
-    *,
-    name: str = "infos",
-    keys: Iterable[str] | None = None,
-    rows: Mapping[str, list[int] | None] | None = None,
-) -> dict[str, Any]:
-    """Stack one info dict per step (or per episode) into a dict of arrays.
-
-    Nothing is dropped. A key present in every dict is stacked into one array with a row per
-    dict. A key present in only some dicts is stacked the same way, with :func:`fill_value`
-    (NaN, zero or ``None``, by dtype) in the rows that lack it, and gets a boolean mask
-    ``"_" + key`` right after it, true where the key was present: gymnasium's vector-info
-    convention. Nested dicts are stacked recursively under the same rule (a row that lacks the
-    parent lacks every child). Values that do not form a regular array (ragged shapes) are kept
-    as a 1-D object array. The common case, every dict empty, costs one truthiness check per
-    dict.
-
-    Args:
-        infos: the info dicts, one per step or per episode.
-        name: what the dicts are (e.g. ``"env_infos"``); kept for callers of earlier versions.
-        keys: stack only these keys (in this order); default every key, in order of first
-            appearance.
-        rows: :func:`key_rows` of ``infos``, if the caller has it already.
-
-    Returns:
-        A dict mapping each key to its stacked array (or, for nested dicts, to a dict of
-        stacked arrays), followed by its mask where it was absent somewhere. ``{}`` for empty
-        input.
-    """
-    del name  # no warning any more: nothing is dropped
-    if rows is None:
-        if not any(infos):  # the common case: no info at all
-            return {}
-        first = infos[0].keys()
-        if all(d.keys() == first for d in infos):  # every key on every row: no masks
-            rows = dict.fromkeys(first)
-        else:
-            rows = key_rows(infos)
-    out: dict[str, Any] = {}
-    for key in rows if keys is None else keys:
-        stacked, mask = _stack_key(infos, key, rows[key])
-        out[key] = stacked
-        if mask is not None:
-            out[mask_key(key)] = mask
-    return out
-
-
-def _as_object_rows(array: np.ndarray) -> np.ndarray:
-    """View an array as a 1-D object array of its rows (for concatenating ragged info)."""
-    out = np.empty(len(array), dtype=object)
-    for i, row in enumerate(array):
-        out[i] = row
-    return out
-
-
-def _concat_arrays(arrays: list[np.ndarray]) -> np.ndarray:
-    """Concatenate along the leading axis, falling back to object rows for mismatched shapes."""
-    try:
-        return np.concatenate(arrays, axis=0)
-    except ValueError:
-        return np.concatenate([_as_object_rows(a) for a in arrays], axis=0)
-
-
-def _value_keys(dicts: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Keys of ``dicts`` in order of first appearance, without the masks of other keys."""
-    union: dict[str, None] = {}
-    for d in dicts:
-        union.update(dict.fromkeys(d))
-    return [k for k in union if not _is_mask(k, union)]
-
-
-def concat_infos(
-    dicts: Sequence[Mapping[str, Any]], sizes: Sequence[int], where: str = "infos"
-) -> dict[str, Any]:
-    """Concatenate info dicts of arrays along the leading axis, keeping every key.
-
-    ``sizes`` gives each dict's number of rows (needed for dicts that lack a key). A key that
-    some dicts lack is filled there with :func:`fill_value` and gets (or keeps) its ``"_" + key``
-    mask; a mask, once present in any input, is kept even when it is true everywhere, so
-    splitting a batch and concatenating the pieces gives it back. Values where a mask is false
-    are reset to the fill value.
-
-    Raises:
-        ValueError: if a key holds a dict in one input and an array in another.
-    """
-    if not any(dicts):
-        return {}
-    out: dict[str, Any] = {}
-    for key in _value_keys(dicts):
-        mkey = mask_key(key)
-        parts = [d.get(key, MISSING) for d in dicts]
-        has_mask = any(mkey in d for d in dicts) or any(p is MISSING for p in parts)
-        present = [p for p in parts if p is not MISSING]
-        if all(isinstance(p, Mapping) for p in present):
-            out[key] = concat_infos(
-                [{} if p is MISSING else p for p in parts], sizes, f"{where}[{key!r}]"
-            )
-        elif any(isinstance(p, Mapping) for p in present):
-            raise ValueError(
-                f"{where}[{key!r}] is a dict in some inputs and an array in others; they "
-                "cannot be concatenated"
-            )
-        else:
-            like = present[0]
-            value = _concat_arrays(
-                [
-                    filled((n, *like.shape[1:]), like.dtype) if p is MISSING else p
-                    for p, n in zip(parts, sizes, strict=True)
-                ]
-            )
-            out[key] = value
-        if has_mask:
-            mask = np.concatenate(
-                [
-                    np.asarray(d[mkey], dtype=bool)
-                    if mkey in d
-                    else np.full(n, key in d, dtype=bool)
-                    for d, n in zip(dicts, sizes, strict=True)
-                ]
-            )
-            if isinstance(out[key], np.ndarray) and not mask.all():
-                out[key][~mask] = fill_value(out[key].dtype)
-            out[mkey] = mask
-    return out
-
-
-def _as_info_arrays(info: Any, where: str) -> dict[str, Any]:
-    """Accept a path's info either as a dict of arrays or as a list of per-step dicts."""
-    if info is None:
-        return {}
-    if isinstance(info, Mapping):
-        return {
-            k: _as_info_arrays(v, f"{where}[{k!r}]") if isinstance(v, Mapping) else np.asarray(v)
-            for k, v in info.items()
-        }
-    if isinstance(info, Sequence) and all(isinstance(d, Mapping) for d in info):
-        return stack_infos(info, name=where)
-    raise ValueError(
-        f"{where} must be a dict of arrays or a list of dicts, not {type(info).__name__}"
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Validation helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _leaves_with_paths(tree: ArrayTree, path: str = "") -> Iterator[tuple[str, Any]]:
-    """Yield ``(path, leaf)`` for every leaf of a dict/tuple tree, e.g. ``("['pos']", arr)``."""
-    if isinstance(tree, Mapping):
-        for key, sub in tree.items():
-            yield from _leaves_with_paths(sub, f"{path}[{key!r}]")
-    elif isinstance(tree, tuple):
-        for i, sub in enumerate(tree):
-            yield from _leaves_with_paths(sub, f"{path}[{i}]")
-    else:
-        yield path, tree
-
-
-def _check_batched(tree: ArrayTree, field: str, size: int, what: str) -> None:
-    """Every leaf of ``tree`` must be an ndarray with leading dimension ``size``."""
-    for path, leaf in _leaves_with_paths(tree):
-        name = f"{field}{path}"
-        if not isinstance(leaf, np.ndarray):
-            raise ValueError(
-                f"{name} is of type {type(leaf).__name__}, but must be a numpy.ndarray"
-            )
-        if leaf.ndim == 0:
-            raise ValueError(
-                f"{name} has shape (), but must have batch size {size} to match {what}"
-            )
-        if leaf.shape[0] != size:
-            raise ValueError(
-                f"{name} has batch size {leaf.shape[0]}, but must have batch size {size} to "
-                f"match {what}"
-            )
-
-
-def _flatdim(space: gymnasium.Space[Any]) -> int | None:
-    """gymnasium's flat dimension of ``space``, or ``None`` when it has none."""
-    try:
-        return int(gymnasium.spaces.flatdim(space))
-    except (NotImplementedError, ValueError, TypeError):
-        return None
-
-
-def _space_mismatch(tree: ArrayTree, space: gymnasium.Space[Any], path: str = "") -> str | None:
-    """Describe how one item of a batched ``tree`` fails to fit ``space``, or ``None`` if it fits.
-
-    Shapes only (dtype and bounds are not checked, as in garage): an item fits when its shape is
-    the space's shape or, failing that, when its size equals the space's flat dimension. Dict and
-    Tuple spaces are matched part by part. Spaces without a fixed shape accept anything.
-    """
-    is_dict = isinstance(space, gymnasium.spaces.Dict)
-    is_tuple = isinstance(space, gymnasium.spaces.Tuple)
-    if isinstance(tree, np.ndarray):
-        shape = tuple(tree.shape[1:])
-        expected = space.shape
-        if expected is not None and shape == tuple(expected):
-            return None
-        if expected is None and not (is_dict or is_tuple):
-            return None
-        flat = _flatdim(space)
-        if flat is not None and math.prod(shape) == flat:
-            return None
-        wanted = f"shape {expected} or " if expected is not None else ""
-        return (
-            f"{path} has shape {shape}, but must have {wanted}{flat} entries to match the "
-            f"space {space}"
-        )
-    if isinstance(space, gymnasium.spaces.Dict) and isinstance(tree, Mapping):
-        if set(tree) != set(space.spaces):
-            return (
-                f"{path} has keys {sorted(tree)}, but must have the keys "
-                f"{sorted(space.spaces)} of the space {space}"
-            )
-        for key, sub in space.spaces.items():
-            problem = _space_mismatch(tree[key], sub, f"{path}[{key!r}]")
-            if problem is not None:
-                return problem
-        return None
-    if isinstance(space, gymnasium.spaces.Tuple) and isinstance(tree, tuple):
-        if len(tree) != len(space.spaces):
-            return (
-                f"{path} has {len(tree)} parts, but must have the {len(space.spaces)} parts of "
-                f"the space {space}"
-            )
-        for i, (sub_tree, sub) in enumerate(zip(tree, space.spaces, strict=True)):
-            problem = _space_mismatch(sub_tree, sub, f"{path}[{i}]")
-            if problem is not None:
-                return problem
-        return None
-    return f"{path} is a {type(tree).__name__}, which does not fit the space {space}"
-
-
-def _check_infos(infos: Any, name: str, size: int, what: str) -> None:
-    """An info dict holds arrays (or nested dicts of them) with leading dimension ``size``."""
-    if not isinstance(infos, Mapping):
-        raise ValueError(f"{name} is of type {type(infos).__name__}, but must be a dict")
-    for key, value in infos.items():
-        if isinstance(value, Mapping):
-            _check_infos(value, f"{name}[{key!r}]", size, what)
-        elif not isinstance(value, np.ndarray):
-            raise ValueError(
-                f"Entry {key!r} in {name} is of type {type(value).__name__}, but must be a "
-                "numpy.ndarray or a dict"
-            )
-        elif value.ndim == 0 or value.shape[0] != size:
-            got = value.shape[0] if value.ndim else "() (a scalar)"
-            raise ValueError(
-                f"Entry {key!r} in {name} has batch size {got}, but must have batch size "
-                f"{size} to match {what}"
-            )
-
-
-def _check_step_types(step_types: Any, n_transitions: int) -> None:
-    """``step_types``: shape ``(T,)``, StepType members (object dtype) or integers in 0..3."""
-    if not isinstance(step_types, np.ndarray):
-        raise ValueError(
-            f"step_types is of type {type(step_types).__name__}, but must be a numpy.ndarray"
-        )
-    if step_types.ndim != 1:
-        raise ValueError(
-            f"step_types has shape {step_types.shape}, but must have shape ({n_transitions},)"
-        )
-    if step_types.shape[0] != n_transitions:
-        raise ValueError(
-            f"step_types has batch size {step_types.shape[0]}, but must have batch size "
-            f"{n_transitions} to match rewards"
-        )
-    if step_types.dtype == object:
-        kinds = set(map(type, step_types.tolist()))
-        if not all(issubclass(k, int | np.integer) and k is not bool for k in kinds):
-            names = sorted(k.__name__ for k in kinds)
-            raise ValueError(
-                f"step_types holds objects of type {names}, but must hold StepType members"
-            )
-        values = step_types.astype(np.int64)
-    elif np.issubdtype(step_types.dtype, np.integer):
-        values = step_types
-    else:
-        raise ValueError(
-            f"step_types has dtype {step_types.dtype}, but must have dtype StepType or an "
-            "integer dtype"
-        )
-    if values.size and (values.min() < StepType.FIRST or values.max() > StepType.TIMEOUT):
-        raise ValueError(
-            f"step_types has values from {values.min()} to {values.max()}, but must be StepType "
-            "values in 0..3"
-        )
-
-
 def _pad(
     array: np.ndarray, lengths: np.ndarray, length: int, *, absent: bool = False
 ) -> np.ndarray:
@@ -565,46 +174,6 @@ def _pad(
         position = np.arange(array.shape[0]) - np.repeat(starts, lengths)
         out[episode, position] = array
     return out
-
-
-def _leaf_equal(a: Any, b: Any) -> bool:
-    """Exact equality of two leaves: type, shape, dtype and every value (NaN equals NaN)."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        if a.dtype == object:
-            return all(_leaf_equal(x, y) for x, y in zip(a.flat, b.flat, strict=True))
-        if np.issubdtype(a.dtype, np.inexact):
-            return bool(np.array_equal(a, b, equal_nan=True))
-        return bool(np.array_equal(a, b))
-    if isinstance(a, Mapping) or isinstance(b, Mapping):
-        return _tree_equal(a, b)
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):
-        return False
-
-
-def _tree_equal(a: Any, b: Any) -> bool:
-    """Exact equality of two dict/tuple trees of arrays."""
-    if isinstance(a, Mapping) or isinstance(b, Mapping):
-        if not (isinstance(a, Mapping) and isinstance(b, Mapping)) or list(a) != list(b):
-            return False
-        return all(_tree_equal(a[k], b[k]) for k in a)
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        if not (isinstance(a, tuple) and isinstance(b, tuple)) or len(a) != len(b):
-            return False
-        return all(_tree_equal(x, y) for x, y in zip(a, b, strict=True))
-    return _leaf_equal(a, b)
-
-
-# --------------------------------------------------------------------------------------------
-# EpisodeBatch
-# --------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -651,64 +220,8 @@ class EpisodeBatch:
     lengths: np.ndarray
 
     def __post_init__(self) -> None:
-        """Check shapes, dtypes and consistency of every field."""
-        lengths = self.lengths
-        if not isinstance(lengths, np.ndarray):
-            raise ValueError(
-                f"lengths is of type {type(lengths).__name__}, but must be a numpy.ndarray"
-            )
-        if lengths.ndim != 1:
-            raise ValueError(
-                f"lengths has shape {lengths.shape}, but must be 1-D with one entry per episode"
-            )
-        if not np.issubdtype(lengths.dtype, np.integer):
-            raise ValueError(f"lengths has dtype {lengths.dtype}, but must have an integer dtype")
-        if lengths.size and lengths.min() < 1:
-            raise ValueError(
-                f"lengths has entry {lengths.min()}, but every episode needs at least 1 step"
-            )
-        n_episodes = lengths.shape[0]
-        expected_steps = int(lengths.sum())
-
-        rewards = self.rewards
-        if not isinstance(rewards, np.ndarray):
-            raise ValueError(
-                f"rewards is of type {type(rewards).__name__}, but must be a numpy.ndarray"
-            )
-        if rewards.ndim != 1:
-            raise ValueError(
-                f"rewards has shape {rewards.shape}, but must have shape ({expected_steps},)"
-            )
-        n_steps = rewards.shape[0]
-        if n_steps != expected_steps:
-            raise ValueError(
-                f"lengths sum to {expected_steps}, but the batch has {n_steps} transitions "
-                "(entries of rewards)"
-            )
-
-        obs_space = self.env_spec.observation_space
-        _check_batched(self.observations, "observations", n_steps, "rewards")
-        problem = _space_mismatch(self.observations, obs_space)
-        if problem is not None:
-            raise ValueError(f"Each observation{problem}")
-
-        _check_batched(self.last_observations, "last_observations", n_episodes, "lengths")
-        problem = _space_mismatch(self.last_observations, obs_space)
-        if problem is not None:
-            raise ValueError(
-                "last_observations must have the same number of entries as the observation "
-                f"space: each last observation{problem}"
-            )
-
-        _check_batched(self.actions, "actions", n_steps, "rewards")
-        problem = _space_mismatch(self.actions, self.env_spec.action_space)
-        if problem is not None:
-            raise ValueError(f"Each action{problem}")
-
-        _check_step_types(self.step_types, n_steps)
-        _check_infos(self.env_infos, "env_infos", n_steps, "rewards")
-        _check_infos(self.agent_infos, "agent_infos", n_steps, "rewards")
-        _check_infos(self.episode_infos, "episode_infos", n_episodes, "lengths")
+        """Check shapes, dtypes and consistency of every field (see :func:`check_fields`)."""
+        check_fields(self, StepType)
 
     def __repr__(self) -> str:
         """A short summary instead of every array."""
@@ -1033,12 +546,12 @@ class EpisodeBatch:
             else:
                 raise ValueError(f"path {i} has neither 'step_types' nor 'dones'")
         env_infos = concat_infos(
-            [_as_info_arrays(p.get("env_infos"), "env_infos") for p in paths],
+            [as_info_arrays(p.get("env_infos"), "env_infos") for p in paths],
             lengths.tolist(),
             "env_infos",
         )
         agent_infos = concat_infos(
-            [_as_info_arrays(p.get("agent_infos"), "agent_infos") for p in paths],
+            [as_info_arrays(p.get("agent_infos"), "agent_infos") for p in paths],
             lengths.tolist(),
             "agent_infos",
         )
@@ -1074,7 +587,7 @@ class EpisodeBatch:
         ):
             return False
         return all(
-            _tree_equal(getattr(self, f.name), getattr(other, f.name))
+            tree_equal(getattr(self, f.name), getattr(other, f.name))
             for f in dataclasses.fields(self)
             if f.name != "env_spec"
         )

@@ -176,6 +176,7 @@ async def evaluate(
             backend=sampler.backend_name,
             step_timeout=sampler.step_timeout,
             max_restarts=sampler.max_restarts,
+            host_threads=sampler.host_threads,
             backend_options=sampler._backend_options,
         )
         sampler._evaluators[render] = (evaluator, key)

@@ -80,6 +80,10 @@ class Sampler:
             chunks of steps; ``process`` and ``ray`` backends; see
             :mod:`asyncsample.inference.host`), or an :class:`asyncsample.inference.Host` with
             chunking options.
+        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
+            in each env host (process or Ray actor); ``None`` leaves the libraries' defaults.
+            One by default: hosts share the cores, and a library that spreads each small
+            product over all of them makes the hosts fight over them. Ignored by ``local``.
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
@@ -103,6 +107,7 @@ class Sampler:
         backend_options: dict[str, Any] | None = None,
         test_env: EnvSource | None = None,
         inference: str | Batched | Host = "per_worker",
+        host_threads: int | None = 1,
     ) -> None:
         self._closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -123,6 +128,7 @@ class Sampler:
                 "event loop's thread cannot be pre-empted; use backend='process'"
             )
         max_restarts = _validate.nonnegative_int("max_restarts", max_restarts)
+        host_threads = _validate.optional_positive_int("host_threads", host_threads)
         if not (isinstance(worker_class, type) and issubclass(worker_class, Worker)):
             raise TypeError(f"worker_class must be a subclass of Worker, got {worker_class!r}")
         worker_args = _validate.options_dict("worker_args", worker_args)
@@ -144,6 +150,7 @@ class Sampler:
         self.max_episode_length = max_episode_length
         self.backend_name = backend
         self.step_timeout = step_timeout
+        self.host_threads = host_threads
         self.max_restarts = int(max_restarts)
         self._factory = WorkerFactory(
             max_episode_length=max_episode_length,
@@ -252,6 +259,7 @@ class Sampler:
         options: dict[str, Any] = {
             "n_processes": self._requested_processes or os.cpu_count() or 1,
             "step_timeout": self.step_timeout,
+            "host_threads": self.host_threads,
         }
         options.update(self._backend_options)
         backend = make_backend(self.backend_name, **options)

@@ -74,7 +74,6 @@ from asyncsample import _validate
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend
 from asyncsample.backends.base import EnvHost, HostSpec
-from asyncsample.backends.process import ProcessHost
 from asyncsample.env_update import EnvId, make_env
 from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
 
@@ -523,6 +522,7 @@ class _Engine:
         ship_final_obs: bool,
         group_size: int | None = None,
         backend: str = "process",
+        host_threads: int | None = 1,
     ) -> None:
         self.num_envs = len(sources)
         probe = make_env(sources[0])
@@ -548,7 +548,7 @@ class _Engine:
         self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
         self.runner = _LoopRunner()
         self.n_procs = n_procs
-        options: dict[str, Any] = {"n_processes": n_procs}
+        options: dict[str, Any] = {"n_processes": n_procs, "host_threads": host_threads}
         if backend == "process":
             options["step_timeout"] = step_timeout
         self.backend = make_backend(backend, **options)
@@ -818,7 +818,7 @@ class _Engine:
             else:
                 # Reset first: both go out at once on the host's stream, served in order.
                 host = self.hosts[h]
-                reader = host.sync_reader if isinstance(host, ProcessHost) else None
+                reader = host.direct_reader
                 calls.append(
                     (
                         None if r_local is None else _HostCall(host.reset(r_local), reader),
@@ -1053,6 +1053,8 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         batch_size: for EnvPool-style :meth:`send`/:meth:`recv`: how many sub-envs ``recv``
             returns. Sub-envs are then grouped ``gcd(num_envs, batch_size)`` to an env host
             (several hosts share a process), and hosts answer independently.
+        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
+            in each env-host process; ``None`` leaves the libraries' defaults.
 
     All sub-envs must share the observation and action spaces of the first one. Actions are
     stored in the action space's dtype before they reach the sub-envs.
@@ -1069,8 +1071,10 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
         step_timeout: float | None = None,
         max_restarts: int = 3,
         batch_size: int | None = None,
+        host_threads: int | None = 1,
     ) -> None:
         num = _validate.positive_int("num_envs", num_envs)
+        host_threads = _validate.optional_positive_int("host_threads", host_threads)
         _validate.optional_positive_int("n_processes", n_processes)
         _validate.nonnegative_int("max_restarts", max_restarts)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
@@ -1100,6 +1104,7 @@ class VectorEnv(_GymVectorEnv[Any, Any, np.ndarray]):
             defer=mode != AutoresetMode.SAME_STEP,
             ship_final_obs=mode == AutoresetMode.SAME_STEP,
             group_size=None if batch is None else math.gcd(num, batch),
+            host_threads=host_threads,
         )
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, _finalize, self._engine)

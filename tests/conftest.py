@@ -1,5 +1,5 @@
 """Shared test set-up: the event loops every async test runs under, the ``slow`` marks, the one
-Ray fixture and the leak-check fixture.
+Ray fixture, the leak-check fixture and the one sampler factory, ``make_sampler``.
 
 Every async test is parametrised over asyncio's default loop and uvloop. The default run
 (``python -m pytest``, which deselects ``slow``) runs the uvloop variant only for a representative
@@ -13,14 +13,17 @@ loops.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator, Mapping
+import functools
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import cloudpickle
 import envs as _test_envs
 import pytest
 import uvloop
-from helpers import leaves_nothing
+from helpers import SamplerFactory, leaves_nothing
+
+from asyncsample import Sampler
 
 # The test envs live in a module the env-host processes cannot import by name: ship them by value.
 cloudpickle.register_pickle_by_value(_test_envs)
@@ -55,6 +58,15 @@ def _is_slow(item: pytest.Item) -> bool:
     return on_uvloop and not representative
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the marker that sets ``make_sampler``'s defaults."""
+    config.addinivalue_line(
+        "markers",
+        "sampler_defaults(**kwargs): default Sampler arguments of the make_sampler fixture "
+        "(the closest marker wins per argument: test, then class, then module)",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the slow tests (see the module docstring)."""
     for item in items:
@@ -86,3 +98,57 @@ def no_leaks() -> Iterator[None]:
     """Fail the test if it leaves a child process or a /dev/shm entry of ours behind."""
     with leaves_nothing():
         yield
+
+
+#: ``make_sampler``'s defaults when neither the call nor a ``sampler_defaults`` marker gives them.
+SAMPLER_DEFAULTS: dict[str, Any] = {"n_processes": 2}
+
+
+@pytest.fixture
+async def make_sampler(request: pytest.FixtureRequest) -> AsyncIterator[SamplerFactory]:
+    """The one sampler factory of the suite: builds samplers, closes them, checks for leaks.
+
+    ``make_sampler(backend=None, env=None, agent=None, **kwargs)`` returns a new, unstarted
+    :class:`Sampler`. Each argument the call leaves out comes from the closest
+    ``@pytest.mark.sampler_defaults(...)`` marker (test, class, then module ``pytestmark``), then
+    from :data:`SAMPLER_DEFAULTS`; ``env`` defaults to the 4x4 grid world and ``backend`` to the
+    test's own ``backend`` fixture when it has one (set up first, so a Ray cluster it starts is
+    not taken for a leak), else ``"local"``.
+
+    At the end of the test every sampler it made is closed (whether or not the test closed it),
+    and, unless one of them ran on Ray (whose worker pool outlives its actors), the test fails if
+    it left a child process or a /dev/shm entry of ours behind.
+    """
+    default_backend = "local"
+    if "backend" in request.fixturenames:
+        default_backend = str(request.getfixturevalue("backend"))
+    defaults: dict[str, Any] = {}
+    for marker in request.node.iter_markers("sampler_defaults"):  # closest first
+        for key, value in marker.kwargs.items():
+            defaults.setdefault(key, value)
+    for key, value in SAMPLER_DEFAULTS.items():
+        defaults.setdefault(key, value)
+    made: list[Sampler] = []
+
+    def make(
+        backend: str | None = None, env: Any = None, agent: Any = None, **kwargs: Any
+    ) -> Sampler:
+        options = {**defaults, **kwargs}
+        backend = backend or options.pop("backend", default_backend)
+        env = env if env is not None else options.pop("env", None)
+        agent = agent if agent is not None else options.pop("agent", None)
+        for key in ("backend", "env", "agent"):
+            options.pop(key, None)
+        if env is None:
+            env = functools.partial(_test_envs.GridWorldEnv, "4x4")
+        sampler = Sampler(env, agent, backend=backend, **options)
+        made.append(sampler)
+        return sampler
+
+    check = leaves_nothing()
+    check.__enter__()
+    yield make
+    for sampler in made:
+        await sampler.aclose()
+    if all(s.backend_name != "ray" for s in made):
+        check.__exit__(None, None, None)

@@ -233,18 +233,31 @@ class KillSelfEnv(NoisyEnv):
 
 
 class HangingEnv(NoisyEnv):
-    """Hangs (sleeps ``seconds``) in its ``hang_at``-th step; once if given a ``flag`` path."""
+    """Hangs (sleeps ``seconds``) in its ``hang_at``-th step; once if given a ``flag`` path.
 
-    def __init__(self, hang_at: int = 10, seconds: float = 3600.0, flag: str | None = None) -> None:
+    With a ``hanging`` path it creates that file as it starts to hang, so a test can wait until
+    the env hangs instead of sleeping and hoping.
+    """
+
+    def __init__(
+        self,
+        hang_at: int = 10,
+        seconds: float = 3600.0,
+        flag: str | None = None,
+        hanging: str | None = None,
+    ) -> None:
         super().__init__()
         self.hang_at = hang_at
         self.seconds = seconds
         self.flag = flag
+        self.hanging = hanging
         self.steps = 0
 
     def step(self, action: Any):
         self.steps += 1
         if self.steps == self.hang_at and (self.flag is None or first_to_claim(self.flag)):
+            if self.hanging is not None:
+                open(self.hanging, "a").close()
             time.sleep(self.seconds)
         return super().step(action)
 

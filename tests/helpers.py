@@ -1,4 +1,11 @@
-"""Helpers shared by the tests: leak checks and running Python in a fresh interpreter.
+"""Helpers shared by the tests: leak checks, waiting for a condition, and running Python in a
+fresh interpreter.
+
+Tests wait for what they mean: an ``asyncio.Event`` set by an agent or worker, a flag file an env
+creates in its host process (:func:`touch`), or, where a process must be watched from outside,
+a bounded poll of a predicate (:func:`wait_until`). They never sleep a fixed time and hope it was
+enough. The one exception, checking that something does *not* happen, has its own helper,
+:func:`stays`, which names the window it watches.
 
 The scripted envs and agents live in ``tests/envs.py`` (shipped to env hosts by value); the one
 Ray fixture, ``ray_cluster``, and the ``no_leaks`` fixture are in ``tests/conftest.py``.
@@ -6,16 +13,21 @@ Ray fixture, ``ray_cluster``, and the ``no_leaks`` fixture are in ``tests/confte
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
+
+if TYPE_CHECKING:
+    from asyncsample import Sampler
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -25,17 +37,94 @@ TESTS = REPO / "tests"
 GONE_TIMEOUT = 30.0
 
 
+class SamplerFactory(Protocol):
+    """The type of the ``make_sampler`` fixture (``tests/conftest.py``)."""
+
+    def __call__(
+        self, backend: str | None = None, env: Any = None, agent: Any = None, **kwargs: Any
+    ) -> Sampler: ...
+
+
+#: Seconds a test waits for a condition that should come quickly before it fails. Generous, for
+#: a loaded 2-core machine: a healthy test only waits as long as the condition takes.
+WAIT_TIMEOUT = 30.0
+#: Seconds between two looks at a polled condition.
+POLL = 0.005
+
+
+def touch(path: str | os.PathLike[str]) -> None:
+    """Create ``path`` (a flag file: any process can see it, e.g. an env in its host process)."""
+    with open(path, "a"):
+        pass
+
+
+async def wait_until(
+    predicate: Callable[[], object], what: str, timeout: float = WAIT_TIMEOUT
+) -> None:
+    """Return as soon as ``predicate()`` is true; fail the test if it is not within ``timeout``.
+
+    For conditions the event loop cannot be told about (another process's state, a flag file).
+    The loop keeps running while it waits.
+
+    Raises:
+        AssertionError: naming ``what`` was awaited, after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout} s for {what}")
+        await asyncio.sleep(POLL)
+
+
+def wait_until_blocking(
+    predicate: Callable[[], object], what: str, timeout: float = WAIT_TIMEOUT
+) -> None:
+    """:func:`wait_until` that blocks the thread (and so the event loop, when that is the point)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout} s for {what}")
+        time.sleep(POLL)
+
+
+async def stays(predicate: Callable[[], object], seconds: float) -> bool:
+    """Whether ``predicate()`` holds throughout the next ``seconds`` (the loop runs meanwhile).
+
+    The one timed wait of the suite: that something does *not* happen can only be watched for a
+    while. Returns False as soon as the predicate fails, so a broken test fails fast.
+    """
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not predicate():
+            return False
+        await asyncio.sleep(POLL)
+    return bool(predicate())
+
+
 def shm_entries() -> set[str]:
     """Names in /dev/shm (empty where there is no /dev/shm)."""
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def new_shm_entries(before: set[str]) -> list[str]:
+def new_shm_entries(before: set[str], settle: float = 2.0) -> list[str]:
     """Entries of /dev/shm that appeared since ``before`` and are ours.
 
     Other programs on the machine may create entries meanwhile; an entry counts as ours when this
-    process or one of its descendants holds it, or when no process holds it (a leak).
+    process or one of its descendants holds it, or when no process holds it (a leak). Another
+    program's short-lived entries (multiprocessing's named semaphores, unlinked right after they
+    are made) can look unheld for a moment: an entry is only reported if it is still ours after
+    up to ``settle`` seconds; the answer comes at once when there is none.
     """
+    deadline = time.monotonic() + settle
+    while True:
+        found = _new_shm_entries_now(before)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)
+
+
+def _new_shm_entries_now(before: set[str]) -> list[str]:
+    """One look for :func:`new_shm_entries`."""
     new = {e for e in shm_entries() - before if os.path.exists(f"/dev/shm/{e}")}
     if not new:
         return []
@@ -52,7 +141,9 @@ def new_shm_entries(before: set[str]) -> list[str]:
             if path in maps or path in fds:
                 holders[e].add(pid)
     mine = {os.getpid(), *(p.pid for p in psutil.Process().children(recursive=True))}
-    return sorted(e for e in new if not holders[e] or holders[e] & mine)
+    return sorted(
+        e for e in new if (not holders[e] or holders[e] & mine) and os.path.exists(f"/dev/shm/{e}")
+    )
 
 
 def alive(pid: int) -> bool:

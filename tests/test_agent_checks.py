@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any
 
 import numpy as np
 import pytest
-from envs import SCRIPT, GridWorldEnv, ScriptedAgent
-
-from asyncsample import Sampler
-
-pytestmark = pytest.mark.timeout(60)
+from envs import SCRIPT, ScriptedAgent
+from helpers import SamplerFactory
 
 N_ENVS = 3
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.sampler_defaults(n_workers=1, envs_per_worker=N_ENVS, n_processes=1, seed=0),
+]
 
 
 class OutputAgent(ScriptedAgent):
@@ -81,23 +82,11 @@ BAD_OUTPUTS = {
 }
 
 
-def make(backend: str, agent: Any) -> Sampler:
-    return Sampler(
-        functools.partial(GridWorldEnv, "4x4"),
-        agent,
-        n_workers=1,
-        envs_per_worker=N_ENVS,
-        n_processes=1,
-        backend=backend,
-        seed=0,
-    )
-
-
-async def _check(backend: str, case: str) -> None:
+async def _check(make_sampler: SamplerFactory, backend: str, case: str) -> None:
     bad, pattern = BAD_OUTPUTS[case]
     # Checks that compare with an earlier step need one good step first.
     agent = OutputAgent(bad, bad_from=2 if "changes" in case else 0)
-    async with make(backend, agent) as s:
+    async with make_sampler(backend, agent=agent) as s:
         with pytest.raises(ValueError, match=pattern):
             await s.obtain_samples(30)
         # The sampler stays usable: the next call, with a good agent, returns correct data.
@@ -107,29 +96,29 @@ async def _check(backend: str, case: str) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(BAD_OUTPUTS))
-async def test_bad_agent_output_local(case: str) -> None:
-    await _check("local", case)
+async def test_bad_agent_output_local(case: str, make_sampler: SamplerFactory) -> None:
+    await _check(make_sampler, "local", case)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_OUTPUTS))
-async def test_bad_agent_output_process(case: str) -> None:
-    await _check("process", case)
+async def test_bad_agent_output_process(case: str, make_sampler: SamplerFactory) -> None:
+    await _check(make_sampler, "process", case)
 
 
 @pytest.mark.slow
-async def test_bad_agent_output_ray(ray_cluster: Any) -> None:
-    await _check("ray", "infos too short")
+async def test_bad_agent_output_ray(ray_cluster: Any, make_sampler: SamplerFactory) -> None:
+    await _check(make_sampler, "ray", "infos too short")
 
 
-async def test_none_infos_count_as_empty() -> None:
+async def test_none_infos_count_as_empty(make_sampler: SamplerFactory) -> None:
     agent = OutputAgent(lambda a: (a, None))
-    async with make("local", agent) as s:
+    async with make_sampler("local", agent=agent) as s:
         batch = await s.obtain_samples(12)
     assert batch.agent_infos == {}
     assert batch.lengths.tolist() == [6, 6, 6]
 
 
-async def test_infos_are_stored_per_env_and_step() -> None:
+async def test_infos_are_stored_per_env_and_step(make_sampler: SamplerFactory) -> None:
     class Infos(ScriptedAgent):
         def get_actions(self, observations: np.ndarray) -> Any:
             actions, _ = super().get_actions(observations)
@@ -137,26 +126,28 @@ async def test_infos_are_stored_per_env_and_step() -> None:
             # Python lists are array-like too; the value records the observation it saw.
             return actions, {"obs": obs.tolist(), "pair": np.stack([obs, -obs], axis=1)}
 
-    async with make("local", Infos()) as s:
+    async with make_sampler("local", agent=Infos()) as s:
         batch = await s.obtain_samples(12)
     assert batch.agent_infos["obs"].tolist() == batch.observations.tolist()
     assert batch.agent_infos["pair"][:, 1].tolist() == (-batch.observations).tolist()
 
 
-async def test_a_new_agent_may_change_its_info_dtypes() -> None:
+async def test_a_new_agent_may_change_its_info_dtypes(make_sampler: SamplerFactory) -> None:
     # The dtype/shape rule holds while the agent is the same object; a new agent starts afresh.
     floats = OutputAgent(lambda a: (a, {"v": np.zeros(len(a))}))
     strings = OutputAgent(lambda a: (a, {"v": np.array(["s"] * len(a))}))
-    async with make("local", floats) as s:
+    async with make_sampler("local", agent=floats) as s:
         first = await s.obtain_samples(12)
         second = await s.obtain_samples(12, agent_update=strings)
     assert first.agent_infos["v"].dtype.kind == "f"
     assert second.agent_infos["v"].tolist() == ["s"] * 18
 
 
-async def test_bad_output_in_a_stream_leaves_the_sampler_usable() -> None:
+async def test_bad_output_in_a_stream_leaves_the_sampler_usable(
+    make_sampler: SamplerFactory,
+) -> None:
     agent = OutputAgent(lambda a: (a, {"logp": np.zeros(1)}), bad_from=10)
-    async with make("local", agent) as s:
+    async with make_sampler("local", agent=agent) as s:
         with pytest.raises(ValueError, match=r"agent_infos\['logp'\]"):
             async with contextlib.aclosing(s.stream(6)) as it:
                 async for _ in it:

@@ -235,13 +235,19 @@ async def test_unclosed_sampler_warns_and_cleans_up_when_collected(no_leaks: Non
 
 
 SCRIPT_HEAD = """
-import asyncio, os, psutil, signal, sys
+import asyncio, os, psutil, signal, sys, tempfile, time
 import cloudpickle, envs
 cloudpickle.register_pickle_by_value(envs)
 from asyncsample import Sampler
 
 def hosts():
     return [p.pid for p in psutil.Process().children(recursive=True)]
+
+async def until_exists(path, what):
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"waited 30 s for {what}"
+        await asyncio.sleep(0.005)
 """
 
 
@@ -264,18 +270,31 @@ asyncio.run(main())  # returns without aclose(): the interpreter exits with host
     assert shm_entries() - before == set()
 
 
-@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
+@pytest.mark.slow  # a fresh interpreter: CI runs it with -m slow
 def test_keyboard_interrupt_in_the_middle_of_sampling() -> None:
     before = shm_entries()
     result = run_python(
         SCRIPT_HEAD
         + """
+import numpy as np
+
+class InterruptAt:  # action 0; once armed, SIGINT (Ctrl-C) to this process after `left` calls
+    def __init__(self):
+        self.left = None
+    def get_actions(self, observations):
+        if self.left is not None:
+            self.left -= 1
+            if self.left == 0:
+                os.kill(os.getpid(), signal.SIGINT)  # in the middle of sampling
+        return np.zeros(len(observations), dtype=np.int64), {}
+
 async def main():
     env = lambda: envs.SleepyEnv(0.001)
-    async with Sampler(env, n_workers=2, n_processes=2, max_episode_length=50) as s:
+    agent = InterruptAt()
+    async with Sampler(env, agent, n_workers=2, n_processes=2, max_episode_length=50) as s:
         await s.obtain_samples(10)
         print(" ".join(map(str, hosts())), flush=True)
-        asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGINT)
+        agent.left = 20  # interrupt the next call after 20 steps
         await s.obtain_samples(10**7)
 try:
     asyncio.run(main())
@@ -291,18 +310,19 @@ except KeyboardInterrupt:
     assert shm_entries() - before == set()
 
 
-@pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
+@pytest.mark.slow  # a fresh interpreter: CI runs it with -m slow
 def test_parent_killed_takes_its_hosts_along() -> None:
     result = run_python(
         SCRIPT_HEAD
         + """
 async def main():
-    env = lambda: envs.HangingEnv(3, 3600.0)  # the hosts are stuck in an env step
+    hanging = os.path.join(tempfile.mkdtemp(), "hanging")
+    env = lambda: envs.HangingEnv(3, 3600.0, hanging=hanging)  # the hosts get stuck in a step
     s = Sampler(env, n_workers=2, n_processes=2, max_episode_length=50)
     await s.start()
     print(" ".join(map(str, hosts())), flush=True)
     task = asyncio.ensure_future(s.obtain_samples(100))
-    await asyncio.sleep(0.5)
+    await until_exists(hanging, "an env to hang")
     os.kill(os.getpid(), signal.SIGKILL)
 asyncio.run(main())
 """

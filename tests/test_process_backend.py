@@ -17,13 +17,14 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.vector.utils import concatenate
-from helpers import alive, leaves_nothing, wait_gone
+from helpers import alive, leaves_nothing, touch, wait_gone, wait_until, wait_until_blocking
 
 from asyncsample._tree import tree_leaves
 from asyncsample.backends.base import HostSpec
@@ -67,11 +68,23 @@ class _CountingEnv(gym.Env):
         fail_at: raise :class:`KaboomError` on this step of the first episode.
         delay: seconds each step sleeps.
         children: start this many ``sleep`` processes (as a simulator would) at construction.
+        stepping: a flag file created when a step begins, so a test can wait until the env is
+            in its (slow) step.
+        stepped: a flag file created when a step is done.
     """
 
-    def __init__(self, fail_at: int | None = None, delay: float = 0.0, children: int = 0) -> None:
+    def __init__(
+        self,
+        fail_at: int | None = None,
+        delay: float = 0.0,
+        children: int = 0,
+        stepping: str | None = None,
+        stepped: str | None = None,
+    ) -> None:
         self.fail_at = fail_at
         self.delay = delay
+        self.stepping = stepping
+        self.stepped = stepped
         self.procs = [subprocess.Popen(["sleep", "120"]) for _ in range(children)]
         self.steps = 0
         self.t = 0
@@ -87,6 +100,8 @@ class _CountingEnv(gym.Env):
 
     def step(self, action: Any) -> Any:
         self.steps += 1
+        if self.stepping is not None:
+            touch(self.stepping)
         if self.fail_at is not None and self.steps == self.fail_at:
             raise KaboomError(f"kaboom at step {self.steps}")
         if self.delay:
@@ -95,6 +110,8 @@ class _CountingEnv(gym.Env):
         self.x += 0.1 * _action_sum(action) + 0.01 * self.t
         end = self.t >= self.horizon
         info = {"t": self.t, "x": self.x} if self.t % 3 == 0 else {}
+        if self.stepped is not None:
+            touch(self.stepped)
         return (
             self._obs(),
             self.x,
@@ -388,10 +405,11 @@ async def test_factory_that_cannot_be_pickled_is_a_type_error() -> None:
 # -- crashes, timeouts -----------------------------------------------------------------------
 
 
-async def test_sigkill_mid_step_is_noticed_at_once_then_restart() -> None:
+async def test_sigkill_mid_step_is_noticed_at_once_then_restart(tmp_path: Path) -> None:
     specs = [spec(BoxEnv, 1, worker=0), spec(BoxEnv, 1, worker=1)]
+    stepping = str(tmp_path / "stepping")
     async with leaves_nothing(), started(specs, n_processes=1) as (backend, (slow, neighbour)):
-        await slow.build([[lambda: BoxEnv(delay=30)]], [1])
+        await slow.build([[lambda: BoxEnv(delay=30, stepping=stepping)]], [1])
         await neighbour.build([[BoxEnv]], [2])
         await slow.reset(np.ones(1, bool))
         await neighbour.reset(np.ones(1, bool))
@@ -399,7 +417,7 @@ async def test_sigkill_mid_step_is_noticed_at_once_then_restart() -> None:
         buffers = slow.buffers
         assert pid is not None and neighbour.pid == pid and backend.pids == [pid]
         task = asyncio.ensure_future(slow.step(np.ones(1, bool)))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: os.path.exists(stepping), "the env to be in its 30 s step")
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(WorkerCrashedError) as info:
@@ -422,8 +440,9 @@ async def test_sigkill_mid_step_is_noticed_at_once_then_restart() -> None:
         assert not alive(pid)
 
 
-async def test_step_timeout_kills_the_process_tree_then_restart() -> None:
+async def test_step_timeout_kills_the_process_tree_then_restart(tmp_path: Path) -> None:
     specs = [spec(BoxEnv, 1, worker=0), spec(BoxEnv, 1, worker=1)]
+    stepping = str(tmp_path / "stepping")
     async with (
         leaves_nothing(),
         # Wide margins: building envs that start processes can take a while on a busy machine.
@@ -432,7 +451,7 @@ async def test_step_timeout_kills_the_process_tree_then_restart() -> None:
             (hung, neighbour),
         ),
     ):
-        await hung.build([[lambda: BoxEnv(delay=60, children=2)]], [1])
+        await hung.build([[lambda: BoxEnv(delay=60, children=2, stepping=stepping)]], [1])
         await neighbour.build([[BoxEnv]], [2])
         infos = await hung.reset(np.ones(1, bool))
         await neighbour.reset(np.ones(1, bool))
@@ -440,10 +459,10 @@ async def test_step_timeout_kills_the_process_tree_then_restart() -> None:
         pid = hung.pid
         assert pid is not None and all(alive(p) for p in sims)
         # The neighbour's step is queued behind the hung one and is not what times out.
-        hung_step = asyncio.ensure_future(hung.step(np.ones(1, bool)))
-        await asyncio.sleep(0.05)
-        neighbour_step = asyncio.ensure_future(neighbour.step(np.ones(1, bool)))
         began = time.monotonic()
+        hung_step = asyncio.ensure_future(hung.step(np.ones(1, bool)))
+        await wait_until(lambda: os.path.exists(stepping), "the env to be in its 60 s step")
+        neighbour_step = asyncio.ensure_future(neighbour.step(np.ones(1, bool)))
         with pytest.raises(StepTimeoutError) as info:
             await hung_step
         # Not before step_timeout; well before the 60 s step would end (a loaded-machine margin).
@@ -475,14 +494,21 @@ async def test_step_timeout_counts_from_when_the_host_starts_the_request() -> No
 
 
 @pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
-async def test_step_timeout_spares_a_reply_that_came_in_time_to_a_stalled_loop() -> None:
+async def test_step_timeout_spares_a_reply_that_came_in_time_to_a_stalled_loop(
+    tmp_path: Path,
+) -> None:
     # Wide margins: on a loaded 2-core machine building an env alone has taken over a second.
+    stepped = str(tmp_path / "stepped")
     async with started([spec(BoxEnv, 1)], step_timeout=3.0) as (_, (host,)):
-        await host.build([[lambda: BoxEnv(delay=0.2)]], [1])
+        await host.build([[lambda: BoxEnv(delay=0.2, stepped=stepped)]], [1])
         await host.reset(np.ones(1, bool))
         step = asyncio.ensure_future(host.step(np.ones(1, bool)))
-        await asyncio.sleep(0)  # sent
-        time.sleep(4.0)  # the loop stalls: the reply is in, and the timer is due
+        await asyncio.sleep(0)  # one turn of the loop: the task sends the request
+        sent = time.monotonic()
+        # The loop stalls (the thread blocks) until the env has answered and, past that, until
+        # the step_timeout timer is due (with a margin): the reply is in before the timer runs.
+        wait_until_blocking(lambda: os.path.exists(stepped), "the env to finish its step")
+        wait_until_blocking(lambda: time.monotonic() - sent > 3.0 + 1.0, "step_timeout to pass")
         await step
         await host.step(np.ones(1, bool))
 
@@ -594,16 +620,20 @@ async def test_garbage_collected_backend_leaves_nothing() -> None:
         del backend, hosts
         gc.collect()
         assert not wait_gone(pids)
-        await asyncio.sleep(0.05)  # let the reader tasks see their streams close
+        # One turn of the loop runs the connection_lost callbacks that the collected backend's
+        # transport.abort() scheduled (call_soon), before the loop closes.
+        await asyncio.sleep(0)
 
 
-def _run_script(body: str) -> subprocess.CompletedProcess[str]:
+def _run_script(body: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     script = textwrap.dedent(
         """
         import asyncio, os, signal, sys, time
         import numpy as np, gymnasium as gym
         from asyncsample.backends.base import HostSpec
         from asyncsample.backends.process import ProcessBackend
+
+        HUNG = os.environ["HUNG_FLAG"]  # created by an env when it starts to hang
 
         class Env(gym.Env):
             observation_space = gym.spaces.Box(-1, 1, (2,))
@@ -612,8 +642,15 @@ def _run_script(body: str) -> subprocess.CompletedProcess[str]:
                 return np.zeros(2, np.float32), {}
             def step(self, action):
                 if action == 1:
+                    open(HUNG, "a").close()
                     time.sleep(120)  # hangs
                 return np.zeros(2, np.float32), 0.0, False, False, {}
+
+        async def until_hung():
+            deadline = time.monotonic() + 30
+            while not os.path.exists(HUNG):
+                assert time.monotonic() < deadline, "the env never started to hang"
+                await asyncio.sleep(0.005)
 
         async def start():
             space = Env.observation_space, Env.action_space
@@ -627,13 +664,14 @@ def _run_script(body: str) -> subprocess.CompletedProcess[str]:
             return backend, hosts
         """
     ) + textwrap.dedent(body)
+    env = {**os.environ, "HUNG_FLAG": str(tmp_path / "hung")}
     return subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50, env=env
     )
 
 
 @pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
-def test_hosts_end_at_interpreter_exit_without_aclose() -> None:
+def test_hosts_end_at_interpreter_exit_without_aclose(tmp_path: Path) -> None:
     began = time.monotonic()
     result = _run_script(
         """
@@ -642,9 +680,10 @@ def test_hosts_end_at_interpreter_exit_without_aclose() -> None:
             keep = await start()
             keep[1][0].buffers.actions[:] = 1
             asyncio.ensure_future(keep[1][0].step(np.ones(1, bool)))  # a hung env
-            await asyncio.sleep(0.2)
+            await until_hung()
         asyncio.run(main())
-        """
+        """,
+        tmp_path,
     )
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - began < 50  # the exit did not wait for the hung env's 120 s
@@ -653,17 +692,18 @@ def test_hosts_end_at_interpreter_exit_without_aclose() -> None:
     assert not wait_gone(pids)
 
 
-def test_hosts_die_with_a_killed_parent() -> None:
+def test_hosts_die_with_a_killed_parent(tmp_path: Path) -> None:
     result = _run_script(
         """
         async def main():
             backend, hosts = await start()
             hosts[0].buffers.actions[:] = 1
             asyncio.ensure_future(hosts[0].step(np.ones(1, bool)))  # a hung env
-            await asyncio.sleep(0.3)
+            await until_hung()
             os.kill(os.getpid(), signal.SIGKILL)
         asyncio.run(main())
-        """
+        """,
+        tmp_path,
     )
     assert result.returncode == -signal.SIGKILL
     pids = [int(p) for p in result.stdout.split()]

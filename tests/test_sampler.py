@@ -22,6 +22,7 @@ from envs import (
     PointEnv,
     ScriptedAgent,
 )
+from helpers import SamplerFactory
 
 from asyncsample import (
     EpisodeBatch,
@@ -55,11 +56,6 @@ def grid(desc: str = "4x4"):
     return functools.partial(GridWorldEnv, desc)
 
 
-def make(backend: str, env=None, agent=None, **kwargs) -> Sampler:
-    kwargs.setdefault("n_processes", 2)
-    return Sampler(env if env is not None else grid(), agent, backend=backend, **kwargs)
-
-
 def assert_scripted(batch: EpisodeBatch) -> None:
     for ep in batch.split():
         assert ep.observations.tolist() == SCRIPTED_OBS
@@ -76,8 +72,10 @@ def per_worker_lengths(batch: EpisodeBatch, n_workers: int) -> list[int]:
     return [int(batch.lengths[workers == w].sum()) for w in range(n_workers)]
 
 
-async def test_obtain_samples_scripted_trajectories(backend: str) -> None:
-    async with make(backend, agent=ScriptedAgent(), n_workers=4, envs_per_worker=3) as s:
+async def test_obtain_samples_scripted_trajectories(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    async with make_sampler(backend, agent=ScriptedAgent(), n_workers=4, envs_per_worker=3) as s:
         batch = await s.obtain_samples(100)
     assert_scripted(batch)
     # Each worker's share is 25: its complete episodes reach it, and at most the episodes that
@@ -87,8 +85,8 @@ async def test_obtain_samples_scripted_trajectories(backend: str) -> None:
     assert s.total_env_steps == batch.n_transitions
 
 
-async def test_output_is_worker_major(backend: str) -> None:
-    async with make(backend, env=NoisyEnv, n_workers=3, envs_per_worker=2, seed=3) as s:
+async def test_output_is_worker_major(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(backend, env=NoisyEnv, n_workers=3, envs_per_worker=2, seed=3) as s:
         batch = await s.obtain_samples(300)
     workers = batch.episode_infos["worker"]
     assert workers.tolist() == sorted(workers.tolist())
@@ -96,9 +94,11 @@ async def test_output_is_worker_major(backend: str) -> None:
     assert set(batch.episode_infos["env"].tolist()) == {0, 1}
 
 
-async def test_obtain_exact_episodes_per_worker_and_env(backend: str) -> None:
+async def test_obtain_exact_episodes_per_worker_and_env(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     agents = [ConstantAgent(w % 4) for w in range(8)]
-    async with make(
+    async with make_sampler(
         backend, agent=agents, n_workers=8, envs_per_worker=2, max_episode_length=15
     ) as s:
         batch = await s.obtain_exact_episodes(3)
@@ -113,8 +113,10 @@ async def test_obtain_exact_episodes_per_worker_and_env(backend: str) -> None:
     assert (np.sort(envs, axis=1) == [0, 0, 1]).all()
 
 
-async def test_max_episode_length_gives_timeout_with_true_last_observation(backend: str) -> None:
-    async with make(
+async def test_max_episode_length_gives_timeout_with_true_last_observation(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    async with make_sampler(
         backend, env=grid("no_goal"), agent=ConstantAgent(1), n_workers=2, max_episode_length=5
     ) as s:
         batch = await s.obtain_exact_episodes(2)
@@ -128,25 +130,27 @@ async def test_max_episode_length_gives_timeout_with_true_last_observation(backe
     assert s.env_spec.max_episode_length == 5
 
 
-async def test_env_truncation_gives_timeout(backend: str) -> None:
+async def test_env_truncation_gives_timeout(backend: str, make_sampler: SamplerFactory) -> None:
     env = functools.partial(gym.wrappers.TimeLimit, GridWorldEnv("no_goal"), 7)
-    async with make(backend, env=env, agent=ConstantAgent(2), n_workers=1) as s:
+    async with make_sampler(backend, env=env, agent=ConstantAgent(2), n_workers=1) as s:
         batch = await s.obtain_exact_episodes(2)
         assert s.env_spec.max_episode_length == 7
     assert batch.lengths.tolist() == [7, 7]
     assert [StepType(t) for t in batch.step_types[[6, 13]]] == [StepType.TIMEOUT] * 2
 
 
-async def test_one_step_episodes_are_terminal(backend: str) -> None:
-    async with make(backend, env=grid("hole_first"), agent=ConstantAgent(2), n_workers=2) as s:
+async def test_one_step_episodes_are_terminal(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(
+        backend, env=grid("hole_first"), agent=ConstantAgent(2), n_workers=2
+    ) as s:
         batch = await s.obtain_samples(10)
     assert set(batch.lengths.tolist()) == {1}
     assert {StepType(t) for t in batch.step_types} == {StepType.TERMINAL}
 
 
-async def test_fragments_sizes_and_continuation(backend: str) -> None:
+async def test_fragments_sizes_and_continuation(backend: str, make_sampler: SamplerFactory) -> None:
     n_workers, n_envs = 2, 5
-    async with make(
+    async with make_sampler(
         backend, agent=ScriptedAgent(), n_workers=n_workers, envs_per_worker=n_envs
     ) as s:
         batches = [await s.obtain_fragments(16) for _ in range(5)]
@@ -176,8 +180,8 @@ async def test_fragments_sizes_and_continuation(backend: str) -> None:
         assert len(stream) == 10
 
 
-async def test_other_calls_reset_fragments(backend: str) -> None:
-    async with make(backend, agent=ScriptedAgent(), n_workers=1, envs_per_worker=2) as s:
+async def test_other_calls_reset_fragments(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(backend, agent=ScriptedAgent(), n_workers=1, envs_per_worker=2) as s:
         await s.obtain_fragments(4)  # 2 steps of each env
         await s.obtain_samples(6)
         batch = await s.obtain_fragments(4)
@@ -185,9 +189,11 @@ async def test_other_calls_reset_fragments(backend: str) -> None:
     assert [StepType(t) for t in batch.step_types] == [StepType.FIRST, StepType.MID] * 2
 
 
-async def test_agent_update_resets_fragments_and_bumps_version(backend: str) -> None:
+async def test_agent_update_resets_fragments_and_bumps_version(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     agent = ParamAgent()
-    async with make(backend, agent=[agent], n_workers=1) as s:
+    async with make_sampler(backend, agent=[agent], n_workers=1) as s:
         first = await s.obtain_fragments(3)
         second = await s.obtain_fragments(3, agent_update=np.asarray(SCRIPT))
     assert first.episode_infos["agent_version"].tolist() == [0]
@@ -195,14 +201,16 @@ async def test_agent_update_resets_fragments_and_bumps_version(backend: str) -> 
     assert second.observations.tolist() == [0, 1, 2]  # restarted, not continued
 
 
-async def test_vec_worker_matches_single_env_workers(backend: str) -> None:
+async def test_vec_worker_matches_single_env_workers(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     maps = ["4x4", "hole_first", "no_goal", "4x4", "hole_first"]
     envs = [grid(m) for m in maps]
-    async with make(
+    async with make_sampler(
         backend, env=envs, agent=ScriptedAgent(), n_workers=5, max_episode_length=9
     ) as singles:
         a = await singles.obtain_samples(100)
-    async with make(
+    async with make_sampler(
         backend,
         env=[envs],
         agent=ScriptedAgent(),
@@ -219,10 +227,12 @@ async def test_vec_worker_matches_single_env_workers(backend: str) -> None:
     assert len(episodes(a)) == 3  # goal, 1-step hole, 9-step truncation
 
 
-async def test_env_update_gives_each_worker_its_task(backend: str) -> None:
+async def test_env_update_gives_each_worker_its_task(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     goals = [(float(i), -float(i)) for i in range(4)]
     updates = [SetTaskUpdate(PointEnv, {"goal": g}) for g in goals]
-    async with make(backend, env=PointEnv, n_workers=4, max_episode_length=16, seed=0) as s:
+    async with make_sampler(backend, env=PointEnv, n_workers=4, max_episode_length=16, seed=0) as s:
         batch = await s.obtain_samples(161, env_update=updates)
         with pytest.raises(ValueError, match="n_workers"):
             await s.obtain_samples(10, env_update=updates + updates[:1])
@@ -233,9 +243,11 @@ async def test_env_update_gives_each_worker_its_task(backend: str) -> None:
     assert np.var([e.rewards.mean() for e in batch.split()]) > 1e-2
 
 
-async def test_init_with_env_updates_and_new_env_update(backend: str) -> None:
+async def test_init_with_env_updates_and_new_env_update(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     updates = [SetTaskUpdate(PointEnv, {"goal": (2.0, 2.0)}) for _ in range(2)]
-    async with make(backend, env=updates, n_workers=2, max_episode_length=10, seed=1) as s:
+    async with make_sampler(backend, env=updates, n_workers=2, max_episode_length=10, seed=1) as s:
         batch = await s.obtain_samples(40)
         assert {tuple(g) for g in batch.episode_infos["goal"].tolist()} == {(2.0, 2.0)}
         batch = await s.obtain_samples(40, env_update=NewEnvUpdate(lambda: PointEnv((3.0, 0.0))))
@@ -244,7 +256,7 @@ async def test_init_with_env_updates_and_new_env_update(backend: str) -> None:
         inner = [[lambda: PointEnv((0.5, 0.5)), lambda: PointEnv((-0.5, 0.5))]] * 2
         with pytest.raises(ValueError, match="envs_per_worker"):
             await s.obtain_samples(40, env_update=inner)
-    async with make(
+    async with make_sampler(
         backend, env=PointEnv, n_workers=2, envs_per_worker=2, max_episode_length=10
     ) as s:
         batch = await s.obtain_exact_episodes(2, env_update=inner)
@@ -252,8 +264,10 @@ async def test_init_with_env_updates_and_new_env_update(backend: str) -> None:
         assert {tuple(g) for g in goals.tolist()} == {(-0.5, 0.5)}
 
 
-async def test_list_length_errors_before_any_work(backend: str) -> None:
-    async with make(backend, agent=ScriptedAgent(), n_workers=3) as s:
+async def test_list_length_errors_before_any_work(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    async with make_sampler(backend, agent=ScriptedAgent(), n_workers=3) as s:
         with pytest.raises(ValueError, match="n_workers"):
             await s.obtain_samples(10, agent_update=[None, None])
         with pytest.raises(ValueError, match="list of agents"):
@@ -268,15 +282,15 @@ async def test_list_length_errors_before_any_work(backend: str) -> None:
 
 
 @pytest.mark.parametrize("bad", [True, 2.0, "3", None])
-async def test_quota_type_errors(bad: object) -> None:
-    async with make("local", agent=ScriptedAgent()) as s:
+async def test_quota_type_errors(bad: object, make_sampler: SamplerFactory) -> None:
+    async with make_sampler("local", agent=ScriptedAgent()) as s:
         for call in (s.obtain_samples, s.obtain_exact_episodes, s.obtain_fragments):
             with pytest.raises(TypeError, match="must be an int"):
                 await call(bad)  # type: ignore[arg-type]
 
 
-async def test_quota_value_errors_and_numpy_ints() -> None:
-    async with make("local", agent=ScriptedAgent()) as s:
+async def test_quota_value_errors_and_numpy_ints(make_sampler: SamplerFactory) -> None:
+    async with make_sampler("local", agent=ScriptedAgent()) as s:
         with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
             await s.obtain_samples(0)
         with pytest.raises(ValueError, match="n_eps_per_worker must be >= 1, got -1"):
@@ -285,9 +299,13 @@ async def test_quota_value_errors_and_numpy_ints() -> None:
     assert batch.n_episodes == 4
 
 
-async def test_same_seed_same_batches_different_seed_different(backend: str) -> None:
+async def test_same_seed_same_batches_different_seed_different(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     async def run(seed: int) -> list[EpisodeBatch]:
-        async with make(backend, env="CartPole-v1", n_workers=3, envs_per_worker=2, seed=seed) as s:
+        async with make_sampler(
+            backend, env="CartPole-v1", n_workers=3, envs_per_worker=2, seed=seed
+        ) as s:
             return [
                 await s.obtain_samples(500),
                 await s.obtain_exact_episodes(3),
@@ -300,13 +318,15 @@ async def test_same_seed_same_batches_different_seed_different(backend: str) -> 
     assert not a[0].equals(c[0])
 
 
-async def test_async_agent(backend: str) -> None:
-    async with make(backend, agent=AsyncScriptedAgent(), n_workers=2, envs_per_worker=2) as s:
+async def test_async_agent(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(
+        backend, agent=AsyncScriptedAgent(), n_workers=2, envs_per_worker=2
+    ) as s:
         batch = await s.obtain_samples(30)
     assert_scripted(batch)
 
 
-async def test_custom_worker_hooks(backend: str) -> None:
+async def test_custom_worker_hooks(backend: str, make_sampler: SamplerFactory) -> None:
     class FlippingWorker(VecWorker):
         """Post-processes actions (maps 'left' to 'right') and records rewards."""
 
@@ -319,7 +339,7 @@ async def test_custom_worker_hooks(backend: str) -> None:
             history.append(float(transition.rewards[transition.active].sum()))
             return history
 
-    async with make(
+    async with make_sampler(
         backend,
         agent=ConstantAgent(0),
         n_workers=2,
@@ -355,8 +375,8 @@ async def test_from_worker_factory(backend: str) -> None:
         factory.prepare_worker_messages([1, 2, 3])
 
 
-async def test_concurrent_calls_are_queued(backend: str) -> None:
-    async with make(backend, agent=ScriptedAgent(), n_workers=2, envs_per_worker=2) as s:
+async def test_concurrent_calls_are_queued(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(backend, agent=ScriptedAgent(), n_workers=2, envs_per_worker=2) as s:
         batches = await asyncio.gather(*(s.obtain_samples(24) for _ in range(6)))
     for batch in batches:
         assert_scripted(batch)
@@ -364,31 +384,31 @@ async def test_concurrent_calls_are_queued(backend: str) -> None:
     assert s.total_env_steps == sum(b.n_transitions for b in batches)
 
 
-async def test_closed_sampler(backend: str) -> None:
-    s = make(backend, agent=ScriptedAgent())
+async def test_closed_sampler(backend: str, make_sampler: SamplerFactory) -> None:
+    s = make_sampler(backend, agent=ScriptedAgent())
     await s.obtain_samples(6)
     await s.aclose()
     await s.aclose()
     with pytest.raises(SamplerClosedError):
         await s.obtain_samples(6)
-    never_started = make(backend, agent=ScriptedAgent())
+    never_started = make_sampler(backend, agent=ScriptedAgent())
     await never_started.aclose()
     with pytest.raises(SamplerClosedError):
         await never_started.obtain_fragments(6)
 
 
-async def test_wrong_number_of_actions() -> None:
+async def test_wrong_number_of_actions(make_sampler: SamplerFactory) -> None:
     class TooFew:
         def get_actions(self, observations):
             return np.zeros(len(observations) - 1, dtype=np.int64), {}
 
-    async with make("local", agent=TooFew(), envs_per_worker=3) as s:
+    async with make_sampler("local", agent=TooFew(), envs_per_worker=3) as s:
         with pytest.raises(ValueError, match=r"action.*worker 0.*exactly envs_per_worker \(3\)"):
             await s.obtain_samples(10)
 
 
-async def test_observation_that_does_not_fit(backend: str) -> None:
-    async with make(backend, env=BadShapeEnv, n_workers=1) as s:
+async def test_observation_that_does_not_fit(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(backend, env=BadShapeEnv, n_workers=1) as s:
         with pytest.raises((ValueError, WorkerError), match=r"observation.*worker 0, env 0"):
             await s.obtain_samples(10)
         assert s.restarts == 0  # the caller's mistake: never retried
@@ -396,10 +416,10 @@ async def test_observation_that_does_not_fit(backend: str) -> None:
 
 @pytest.mark.parametrize("where", ["step", "reset"])
 async def test_env_exception_is_retried_and_quota_still_met(
-    backend: str, where: str, tmp_path
+    backend: str, where: str, tmp_path, make_sampler: SamplerFactory
 ) -> None:
     env = functools.partial(FailingEnv, str(tmp_path / "failed"), 3, where)
-    async with make(backend, env=env, n_workers=2, seed=0, envs_per_worker=2) as s:
+    async with make_sampler(backend, env=env, n_workers=2, seed=0, envs_per_worker=2) as s:
         batch = await s.obtain_samples(200)
         assert s.restarts == 1
     for total in per_worker_lengths(batch, 2):
@@ -408,8 +428,8 @@ async def test_env_exception_is_retried_and_quota_still_met(
         assert StepType(ep.step_types[-1]) in (StepType.TERMINAL, StepType.TIMEOUT)
 
 
-async def test_env_exception_past_the_budget(backend: str) -> None:
-    async with make(backend, env=AlwaysFailingEnv, n_workers=2, max_restarts=2) as s:
+async def test_env_exception_past_the_budget(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(backend, env=AlwaysFailingEnv, n_workers=2, max_restarts=2) as s:
         with pytest.raises(WorkerError, match=r"worker \d, env 0") as info:
             await s.obtain_samples(50)
         assert isinstance(info.value.__cause__, ValueError)
@@ -418,8 +438,8 @@ async def test_env_exception_past_the_budget(backend: str) -> None:
     assert s.closed
 
 
-async def test_warns_when_episodes_may_never_end() -> None:
-    async with make("local", env=grid(), agent=ScriptedAgent()) as s:
+async def test_warns_when_episodes_may_never_end(make_sampler: SamplerFactory) -> None:
+    async with make_sampler("local", env=grid(), agent=ScriptedAgent()) as s:
         with pytest.warns(RuntimeWarning, match="no time limit"):
             await s.obtain_samples(6)
         with warnings.catch_warnings():
@@ -460,8 +480,8 @@ def test_unpicklable_env_factory() -> None:
     Sampler(factory, backend="local")  # nothing to pickle in-process
 
 
-def test_quota_split_is_fixed() -> None:
-    s = make("local", agent=ScriptedAgent(), n_workers=3)
+def test_quota_split_is_fixed(make_sampler: SamplerFactory) -> None:
+    s = make_sampler("local", agent=ScriptedAgent(), n_workers=3)
     assert [s._share(10, w) for w in range(3)] == [4, 3, 3]
     assert sum(s._share(11, w) for w in range(3)) == 11
 
@@ -482,11 +502,12 @@ class ImageEnv(NoisyEnv):
         return self.np_random.integers(0, 255, (84, 84, 4), dtype=np.uint8), r, term, trunc, info
 
 
-async def test_large_image_batches_agree_across_backends() -> None:
+async def test_large_image_batches_agree_across_backends(make_sampler: SamplerFactory) -> None:
     # Over 1 MiB of observations per call: batches are put together in a thread.
     async def run(backend: str) -> list[EpisodeBatch]:
-        async with make(backend, env=ImageEnv, n_workers=2, envs_per_worker=3, seed=11,
-                        max_episode_length=40) as s:
+        async with make_sampler(
+            backend, env=ImageEnv, n_workers=2, envs_per_worker=3, seed=11, max_episode_length=40
+        ) as s:
             return [await s.obtain_fragments(120), await s.obtain_samples(120)]
 
     local, process = await run("local"), await run("process")

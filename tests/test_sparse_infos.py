@@ -16,6 +16,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
+from helpers import SamplerFactory
 
 from asyncsample import EpisodeBatch, Sampler, StepType
 from asyncsample._assembly import Plan, assemble
@@ -24,7 +25,7 @@ from asyncsample.batch import EnvSpec
 # The envs below must reach the env-host processes, which cannot import this module by name.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.sampler_defaults(seed=7)]
 
 
 class SparseInfoEnv(gym.Env):
@@ -127,12 +128,6 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-def make(backend: str, env: Any, agent: Any = None, **kwargs: Any) -> Sampler:
-    kwargs.setdefault("n_processes", 2)
-    kwargs.setdefault("seed", 7)
-    return Sampler(env, agent, backend=backend, **kwargs)
-
-
 def check_episode_statistics(batch: EpisodeBatch) -> None:
     """``episode`` is in episode_infos only, and its r/l are the batch's returns and lengths."""
     assert "episode" not in batch.env_infos
@@ -160,10 +155,12 @@ def check_episode_statistics(batch: EpisodeBatch) -> None:
 # ------------------------------------------------------------------- RecordEpisodeStatistics
 
 
-async def test_record_episode_statistics_samples_and_exact(backend: str) -> None:
+async def test_record_episode_statistics_samples_and_exact(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the old "Dropped ..." warning is gone
-        async with make(backend, cartpole_with_stats, n_workers=2, envs_per_worker=2) as s:
+        async with make_sampler(backend, cartpole_with_stats, n_workers=2, envs_per_worker=2) as s:
             for _ in range(2):
                 batch = await s.obtain_samples(300)
                 check_episode_statistics(batch)
@@ -174,10 +171,12 @@ async def test_record_episode_statistics_samples_and_exact(backend: str) -> None
                 assert "_episode" not in batch.episode_infos
 
 
-async def test_episodes_cut_by_the_sampler_lack_statistics(backend: str) -> None:
+async def test_episodes_cut_by_the_sampler_lack_statistics(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     # max_episode_length truncates in the sampler: the env (and its wrapper) never sees an
     # episode end there, so those episodes have no statistics and are masked out.
-    async with make(backend, cartpole_with_stats, n_workers=2, max_episode_length=15) as s:
+    async with make_sampler(backend, cartpole_with_stats, n_workers=2, max_episode_length=15) as s:
         batch = await s.obtain_samples(400)
     check_episode_statistics(batch)
     has = batch.episode_infos["_episode"]
@@ -190,8 +189,9 @@ async def test_episodes_cut_by_the_sampler_lack_statistics(backend: str) -> None
 
 async def test_fragments_carry_episode_end_keys_into_the_call_where_they_end(
     backend: str,
+    make_sampler: SamplerFactory,
 ) -> None:
-    async with make(backend, cartpole_with_stats, n_workers=2, envs_per_worker=2) as s:
+    async with make_sampler(backend, cartpole_with_stats, n_workers=2, envs_per_worker=2) as s:
         running: dict[tuple[int, int], tuple[float, int]] = {}
         ended_in_later_call = 0
         for call in range(6):
@@ -221,10 +221,12 @@ async def test_fragments_carry_episode_end_keys_into_the_call_where_they_end(
         assert ended_in_later_call > 0
 
 
-async def test_stream_carries_episodes_with_their_statistics_and_masks(backend: str) -> None:
+async def test_stream_carries_episodes_with_their_statistics_and_masks(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     # A stream of complete episodes carries the running ones (their rows, agent-info presence
     # included) into the next round; each yielded batch is a concatenation of rounds.
-    async with make(backend, cartpole_with_stats, SometimesObsAgent(), n_workers=2) as s:
+    async with make_sampler(backend, cartpole_with_stats, SometimesObsAgent(), n_workers=2) as s:
         async with contextlib.aclosing(s.stream(150)) as stream:
             seen = 0
             async for batch in stream:
@@ -271,8 +273,8 @@ def check_sparse_env_infos(batch: EpisodeBatch) -> None:
         assert has.tolist() == terminal.tolist()
 
 
-async def test_periodic_nested_and_final_keys(backend: str) -> None:
-    async with make(
+async def test_periodic_nested_and_final_keys(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(
         backend, sparse_env, n_workers=2, envs_per_worker=2, max_episode_length=12
     ) as s:
         for batch in (
@@ -284,9 +286,11 @@ async def test_periodic_nested_and_final_keys(backend: str) -> None:
             check_sparse_env_infos(batch)
 
 
-async def test_key_emitted_by_some_envs_of_a_worker(backend: str) -> None:
+async def test_key_emitted_by_some_envs_of_a_worker(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     envs = [[sparse_env_extra, sparse_env], [sparse_env, sparse_env_extra]]
-    async with make(backend, envs, n_workers=2, envs_per_worker=2) as s:
+    async with make_sampler(backend, envs, n_workers=2, envs_per_worker=2) as s:
         batch = await s.obtain_samples(200)
     by_step = batch.episode_infos_by_step
     expected = (by_step["worker"] == by_step["env"]).tolist()  # worker 0 env 0, worker 1 env 1
@@ -299,8 +303,8 @@ async def test_key_emitted_by_some_envs_of_a_worker(backend: str) -> None:
     assert (extra[~mask] == 0).all()
 
 
-async def test_sparse_agent_infos(backend: str) -> None:
-    async with make(backend, sparse_env, SometimesInfoAgent(), n_workers=2) as s:
+async def test_sparse_agent_infos(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(backend, sparse_env, SometimesInfoAgent(), n_workers=2) as s:
         for batch in (await s.obtain_samples(150), await s.obtain_fragments(50)):
             infos = batch.agent_infos
             assert "_value" not in infos
@@ -316,11 +320,11 @@ async def test_sparse_agent_infos(backend: str) -> None:
 # ------------------------------------------------------------------- backends agree
 
 
-async def test_backends_give_the_same_batch() -> None:
+async def test_backends_give_the_same_batch(make_sampler: SamplerFactory) -> None:
     envs = [[sparse_env_extra, sparse_env], [sparse_env, sparse_env_extra]]
     results: dict[str, list[EpisodeBatch]] = {}
     for backend in ("local", "process"):
-        async with make(
+        async with make_sampler(
             backend,
             envs,
             SometimesInfoAgent(),
@@ -339,10 +343,12 @@ async def test_backends_give_the_same_batch() -> None:
         assert local.equals(process)
 
 
-async def test_infos_are_snapshots_on_every_backend(backend: str) -> None:
+async def test_infos_are_snapshots_on_every_backend(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     # The local backend must not keep references to what the env mutates later: it copies
     # infos as the process backend's pickling does.
-    async with make(backend, ReusedInfoEnv, n_workers=1, max_episode_length=50) as s:
+    async with make_sampler(backend, ReusedInfoEnv, n_workers=1, max_episode_length=50) as s:
         batch = await s.obtain_samples(12)
     t = batch.env_infos["t"]
     assert t.tolist() == list(range(1, 13))
@@ -424,10 +430,11 @@ def sparse_batch() -> EpisodeBatch:
     import asyncio
 
     async def sample() -> EpisodeBatch:
-        async with make(
-            "local",
+        async with Sampler(  # a module-scoped fixture: make_sampler is per test
             [[sparse_env_extra, sparse_env]],
             SometimesInfoAgent(),
+            backend="local",
+            seed=7,
             n_workers=1,
             envs_per_worker=2,
             max_episode_length=8,

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
-from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import pytest
 from envs import SCRIPT, GridWorldEnv, NoisyEnv, ParamAgent, ScriptedAgent
+from helpers import SamplerFactory, stays
 
-from asyncsample import EpisodeBatch, Sampler, StepType
+from asyncsample import EpisodeBatch, StepType
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,11 +22,6 @@ SCRIPTED_OBS = [0, 1, 2, 6, 10, 14]
 @pytest.fixture(params=["local", "process"])
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param
-
-
-def make(backend: str, env: Any = None, agent: Any = None, **kwargs: Any) -> Sampler:
-    kwargs.setdefault("n_processes", 2)
-    return Sampler(env or functools.partial(GridWorldEnv, "4x4"), agent, backend=backend, **kwargs)
 
 
 class CountingAgent(ParamAgent):
@@ -46,8 +40,10 @@ class CountingAgent(ParamAgent):
         return super().get_actions(observations)
 
 
-async def test_stream_yields_whole_episodes_that_span_rounds(backend: str) -> None:
-    async with make(backend, agent=ScriptedAgent(), n_workers=2, envs_per_worker=2) as s:
+async def test_stream_yields_whole_episodes_that_span_rounds(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    async with make_sampler(backend, agent=ScriptedAgent(), n_workers=2, envs_per_worker=2) as s:
         seen = 0
         async with contextlib.aclosing(s.stream(10)) as batches:
             async for batch in batches:
@@ -66,8 +62,8 @@ async def test_stream_yields_whole_episodes_that_span_rounds(backend: str) -> No
     assert batch.n_transitions >= 12
 
 
-async def test_stream_fragments_continue(backend: str) -> None:
-    async with make(backend, agent=ScriptedAgent(), n_workers=1, envs_per_worker=1) as s:
+async def test_stream_fragments_continue(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(backend, agent=ScriptedAgent(), n_workers=1, envs_per_worker=1) as s:
         observations: list[int] = []
         async with contextlib.aclosing(s.stream(4, fragments=True)) as batches:
             async for batch in batches:
@@ -77,10 +73,12 @@ async def test_stream_fragments_continue(backend: str) -> None:
     assert observations[:12] == SCRIPTED_OBS * 2
 
 
-async def test_agent_updates_during_stream_take_effect_and_are_tagged(backend: str) -> None:
+async def test_agent_updates_during_stream_take_effect_and_are_tagged(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     agent = ParamAgent()
     left = np.zeros(16, dtype=np.int64)  # always 'left': stuck in cell 0 until truncated
-    async with make(backend, agent=[agent], n_workers=1, max_episode_length=6) as s:
+    async with make_sampler(backend, agent=[agent], n_workers=1, max_episode_length=6) as s:
         versions: list[int] = []
         async with contextlib.aclosing(s.stream(6)) as batches:
             async for batch in batches:
@@ -95,42 +93,46 @@ async def test_agent_updates_during_stream_take_effect_and_are_tagged(backend: s
     assert versions == sorted(versions)
 
 
-async def test_max_policy_lag_drops_stale_episodes(backend: str) -> None:
-    agent = CountingAgent()
-    async with make(backend, agent=[agent], n_workers=1, envs_per_worker=4) as s:
+async def test_max_policy_lag_drops_stale_episodes(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    # Every round is 6 steps (4 scripted envs, 6-step episodes): the yielded round and three
+    # buffered ones are 4 x 6 agent calls.
+    agent = CountingAgent(notify_at=4 * 6)
+    async with make_sampler(backend, agent=[agent], n_workers=1, envs_per_worker=4) as s:
         async with contextlib.aclosing(s.stream(6, max_policy_lag=0, buffer_size=3)) as it:
             first = await anext(it)
             assert first.episode_infos["agent_version"].tolist() == [0] * first.n_episodes
-            await asyncio.sleep(0.05)  # let batches of version 0 pile up in the buffer
+            await agent.reached.wait()  # batches of version 0 have piled up in the buffer
             await s.update_agent(np.asarray(SCRIPT))
             second = await anext(it)
     assert set(second.episode_infos["agent_version"].tolist()) == {1}
 
 
-async def test_slow_consumer_pauses_sampling_and_closing_stops_it(backend: str) -> None:
+async def test_slow_consumer_pauses_sampling_and_closing_stops_it(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     # One yielded, two buffered, one being produced: four rounds of 6 steps, then a pause.
     agent = CountingAgent(notify_at=4 * 6)
-    async with make(backend, agent=[agent], n_workers=1, envs_per_worker=2) as s:
+    async with make_sampler(backend, agent=[agent], n_workers=1, envs_per_worker=2) as s:
         async with contextlib.aclosing(s.stream(12, buffer_size=2)) as it:
             await anext(it)
             await agent.reached.wait()  # a slow consumer: the buffer has filled meanwhile
             calls = agent.calls
             assert calls <= 5 * 6
-            await asyncio.sleep(0.1)
-            assert agent.calls == calls  # paused, not sampling into memory
+            assert await stays(lambda: agent.calls == calls, 0.1)  # paused, not sampling on
         stopped = agent.calls
-        await asyncio.sleep(0.1)
-        assert agent.calls == stopped
+        assert await stays(lambda: agent.calls == stopped, 0.1)  # closed: stopped for good
         assert s.total_env_steps == 12
 
 
-async def test_calls_wait_for_an_open_stream() -> None:
-    async with make("local", agent=ScriptedAgent(), n_workers=1) as s:
+async def test_calls_wait_for_an_open_stream(make_sampler: SamplerFactory) -> None:
+    async with make_sampler("local", agent=ScriptedAgent(), n_workers=1) as s:
         order: list[str] = []
         async with contextlib.aclosing(s.stream(6)) as it:
             await anext(it)
             call = asyncio.ensure_future(s.obtain_samples(6))
-            await asyncio.sleep(0.05)
+            await anext(it)  # the stream makes another round while the call waits
             assert not call.done()
             order.append("stream closed")
         batch = await call
@@ -139,8 +141,8 @@ async def test_calls_wait_for_an_open_stream() -> None:
     assert batch.n_transitions == 6
 
 
-async def test_stream_argument_errors() -> None:
-    async with make("local", agent=ScriptedAgent()) as s:
+async def test_stream_argument_errors(make_sampler: SamplerFactory) -> None:
+    async with make_sampler("local", agent=ScriptedAgent()) as s:
         with pytest.raises(ValueError, match="num_samples must be >= 1"):
             await anext(s.stream(0))
         with pytest.raises(ValueError, match="max_policy_lag must be >= 0"):
@@ -149,8 +151,8 @@ async def test_stream_argument_errors() -> None:
             await anext(s.stream(5, buffer_size=1.5))  # type: ignore[arg-type]
 
 
-async def test_stats_beside_each_batch(backend: str) -> None:
-    async with make(
+async def test_stats_beside_each_batch(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(
         backend, env=NoisyEnv, n_workers=2, envs_per_worker=2, seed=4, max_episode_length=30
     ) as s:
         batch = await s.obtain_exact_episodes(5)
@@ -191,8 +193,8 @@ class MaybeGreedy(ScriptedAgent):
         return np.zeros(len(observations), dtype=np.int64), {}
 
 
-async def test_evaluate_on_test_envs(backend: str) -> None:
-    async with make(
+async def test_evaluate_on_test_envs(backend: str, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(
         backend, env=FrameEnv, agent=MaybeGreedy(), n_workers=2, max_episode_length=8
     ) as s:
         result = await s.evaluate(4)
@@ -219,9 +221,9 @@ def test_evaluation_render_needs_rgb_array() -> None:
     assert isinstance(RenderingEnvFactory(FrameEnv)(), gym.Wrapper)
 
 
-def test_batch_select_keeps_chosen_episodes() -> None:
+def test_batch_select_keeps_chosen_episodes(make_sampler: SamplerFactory) -> None:
     async def sample() -> EpisodeBatch:
-        async with make(
+        async with make_sampler(
             "local", env=NoisyEnv, n_workers=1, envs_per_worker=3, seed=2, max_episode_length=20
         ) as s:
             return await s.obtain_exact_episodes(4)

@@ -184,3 +184,135 @@ async def test_policy_lag_drops_are_logged(caplog: pytest.LogCaptureFixture) -> 
             assert (batch.episode_infos["agent_version"] == 2).all()
     drops = [r for r in caplog.records if "max_policy_lag=0" in r.getMessage()]
     assert drops and all(r.levelno == logging.INFO for r in drops)
+
+
+# -- the same mistake, the same error, wherever it is made ---------------------------------------
+
+
+def _sampler(**kwargs: Any) -> object:
+    return Sampler(GRID, backend="process", **kwargs)
+
+
+def _backend(name: str) -> Any:
+    def make(**kwargs: Any) -> object:
+        from asyncsample.backends import make_backend
+
+        if name == "ray":
+            pytest.importorskip("ray")
+
+        return make_backend(name, **kwargs)
+
+    return make
+
+
+def _vector_env(**kwargs: Any) -> object:
+    from asyncsample.vector import VectorEnv
+
+    return VectorEnv("CartPole-v1", 2, **kwargs)
+
+
+def _sb3(**kwargs: Any) -> object:
+    pytest.importorskip("stable_baselines3")
+    from asyncsample.sb3 import AsyncSampleVecEnv
+
+    return AsyncSampleVecEnv("CartPole-v1", 2, **kwargs)
+
+
+# vector.py and sb3.py belong to the faces' rewrite: their step_timeout check is listed for it.
+_FACES_PENDING = pytest.mark.xfail(
+    strict=True, raises=(ValueError, AssertionError), reason="VectorEnv checks step_timeout itself"
+)
+STEP_TIMEOUT_FACES = [
+    pytest.param(_sampler, id="Sampler"),
+    pytest.param(_backend("process"), id="process"),
+    pytest.param(_backend("local"), id="local"),
+    pytest.param(_backend("ray"), id="ray"),
+    pytest.param(_vector_env, id="VectorEnv", marks=_FACES_PENDING),
+    pytest.param(_sb3, id="AsyncSampleVecEnv", marks=_FACES_PENDING),
+]
+
+
+@pytest.mark.parametrize("make", STEP_TIMEOUT_FACES)
+def test_step_timeout_of_the_wrong_type_is_the_same_type_error_everywhere(make: Any) -> None:
+    with pytest.raises(
+        TypeError, match=r"step_timeout must be a number of seconds or None, got str"
+    ):
+        make(step_timeout="1")
+    with pytest.raises(TypeError, match=r"step_timeout must be a number of seconds or None"):
+        make(step_timeout=True)
+
+
+@pytest.mark.parametrize("make", [STEP_TIMEOUT_FACES[i] for i in (0, 1, 3)])
+def test_step_timeout_out_of_range_is_the_same_value_error_everywhere(make: Any) -> None:
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"step_timeout must be a finite number of seconds"):
+            make(step_timeout=bad)
+
+
+def test_backend_names_and_options_go_through_validate() -> None:
+    from asyncsample.backends import backend_options, make_backend
+
+    for bad in ("threads", 3, None):
+        with pytest.raises(ValueError, match=r"backend must be one of 'process', 'local', 'ray'"):
+            make_backend(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"backend must be one of"):
+            backend_options(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"n_processes must be >= 1, got 0"):
+        make_backend("local", n_processes=0)
+    with pytest.raises(TypeError, match=r"n_processes must be an int >= 1 or None, got str"):
+        make_backend("process", n_processes="2")
+
+
+def test_validate_helpers() -> None:
+    from asyncsample import _validate as v
+
+    assert v.amount("num_cpus", np.float32(0.5)) == 0.5
+    with pytest.raises(ValueError, match=r"num_cpus must be >= 0 and finite, got inf"):
+        v.amount("num_cpus", float("inf"))
+    with pytest.raises(TypeError, match=r"num_cpus must be a number >= 0, got bool"):
+        v.amount("num_cpus", True)
+    assert v.amounts("resources", {"sim": 2}) == {"sim": 2.0} and v.amounts("r", None) == {}
+    with pytest.raises(TypeError, match=r"resources must be a dict of resource name"):
+        v.amounts("resources", ["sim"])
+    with pytest.raises(TypeError, match=r"resources keys must be resource names"):
+        v.amounts("resources", {1: 2})
+    with pytest.raises(ValueError, match=r"resources\['sim'\] must be >= 0"):
+        v.amounts("resources", {"sim": -1})
+    assert v.choice("mode", "a", ("a", "b")) == "a"
+    for bad in ("c", ["a"], None):
+        with pytest.raises(ValueError, match=r"mode must be one of 'a', 'b', got"):
+            v.choice("mode", bad, ("a", "b"))
+    assert v.optional_str("address", None) is None
+    with pytest.raises(TypeError, match=r"address must be a str or None, got int 1"):
+        v.optional_str("address", 1)
+    assert v.subclass("cls", bool, int) is bool
+    with pytest.raises(TypeError, match=r"cls must be a subclass of int, got 1"):
+        v.subclass("cls", 1, int)
+    v.has_method("agent", None, "get_actions", optional=True)
+    with pytest.raises(TypeError, match=r"agent must have a get_actions\(...\) method or be None"):
+        v.has_method("agent", 3, "get_actions", optional=True)
+    assert v.unit_interval("min_fraction", 0) == 0.0
+    with pytest.raises(ValueError, match=r"min_fraction must be >= 0 and <= 1, got nan"):
+        v.unit_interval("min_fraction", float("nan"))
+    assert v.seed_list("seeds", None, 2) is None
+    assert v.seed_list("seeds", np.array([3, 4]), 2) == [3, 4]
+    assert v.seed_list("seeds", [None, 1], 2) == [None, 1]
+    with pytest.raises(TypeError, match=r"seeds must be None or a sequence of 2 ints"):
+        v.seed_list("seeds", "12", 2)
+    with pytest.raises(ValueError, match=r"seeds must hold one seed per env \(2\), got 1"):
+        v.seed_list("seeds", [1], 2)
+    with pytest.raises(ValueError, match=r"seeds\[1\] must be an int >= 0 or None, got -1"):
+        v.seed_list("seeds", [1, -1], 2)
+    with pytest.raises(TypeError, match=r"seeds\[0\] must be an int >= 0 or None, got True"):
+        v.seed_list("seeds", [True, 1], 2)
+    assert v.env_indices("envs", None, 3) == [0, 1, 2]
+    assert v.env_indices("envs", (np.int8(2),), 3) == [2]
+    with pytest.raises(ValueError, match=r"envs: index 3 is out of range for 3 envs"):
+        v.env_indices("envs", [3], 3)
+    with pytest.raises(TypeError, match=r"envs must hold int env indices, got 1.0"):
+        v.env_indices("envs", [1.0], 3)
+    with pytest.raises(TypeError, match=r"envs must be None or a sequence of env indices"):
+        v.env_indices("envs", 1, 3)
+    assert v.attr_name("name", "render") == "render"
+    with pytest.raises(TypeError, match=r"name must be an attribute name \(str\), got 3"):
+        v.attr_name("name", 3)

@@ -8,46 +8,65 @@ in a pool of env-host processes, ``ray`` in Ray actors; the worker and sampler c
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from asyncsample.backends.base import Backend, EnvHost, HostSpec, reject_unknown_options
+from asyncsample import _validate
+from asyncsample.backends.base import (
+    AgentHost,
+    Backend,
+    DirectReader,
+    EnvHost,
+    HostSpec,
+    reject_unknown_options,
+)
+from asyncsample.backends.placement import Placement, placement, pool_size
 
-__all__ = ["Backend", "EnvHost", "HostSpec", "backend_options", "check_options", "make_backend"]
+if TYPE_CHECKING:
+    from asyncsample.backends.local import LocalBackend
+    from asyncsample.backends.process import ProcessBackend
+    from asyncsample.backends.ray import RayBackend
+
+__all__ = [
+    "AgentHost",
+    "Backend",
+    "DirectReader",
+    "EnvHost",
+    "HostSpec",
+    "Placement",
+    "backend_options",
+    "check_options",
+    "make_backend",
+    "placement",
+    "pool_size",
+]
 
 BACKENDS = ("process", "local", "ray")
 
 
-def make_backend(name: str, **options: object) -> Backend:
-    """Create the backend called ``name`` with its options (``n_processes``, ...)."""
+def _backend_class(name: object) -> type[LocalBackend | ProcessBackend | RayBackend]:
+    """The class of backend ``name``, imported on first use (so ``ray`` only when asked for)."""
+    name = _validate.choice("backend", name, BACKENDS)
     if name == "local":
         from asyncsample.backends.local import LocalBackend
 
-        return LocalBackend(**options)  # type: ignore[arg-type]
+        return LocalBackend
     if name == "process":
         from asyncsample.backends.process import ProcessBackend
 
-        return ProcessBackend(**options)  # type: ignore[arg-type]
-    if name == "ray":
-        from asyncsample.backends.ray import RayBackend
+        return ProcessBackend
+    from asyncsample.backends.ray import RayBackend
 
-        return RayBackend(**options)  # type: ignore[arg-type]
-    raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+    return RayBackend
+
+
+def make_backend(name: str, **options: object) -> Backend:
+    """Create the backend called ``name`` with its options (``n_processes``, ...)."""
+    return _backend_class(name)(**options)  # type: ignore[arg-type]
 
 
 def backend_options(name: str) -> tuple[str, ...]:
     """The options backend ``name`` accepts (without importing ray)."""
-    if name == "local":
-        from asyncsample.backends.local import LocalBackend
-
-        return LocalBackend.OPTIONS
-    if name == "process":
-        from asyncsample.backends.process import ProcessBackend
-
-        return ProcessBackend.OPTIONS
-    if name == "ray":
-        from asyncsample.backends.ray import RayBackend
-
-        return RayBackend.OPTIONS
-    raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+    return _backend_class(name).OPTIONS
 
 
 def check_options(name: str, options: Mapping[str, object]) -> None:

@@ -99,7 +99,7 @@ class ChunkHost(Protocol):
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]: ...
 
-    async def _sync_agent(self) -> int: ...
+    async def sync_agent(self) -> int: ...
 
 
 def check_host_agent(agent: Any, name: str = "agent") -> None:
@@ -203,7 +203,7 @@ class HostInference:
         recorder = worker._recorder
         # The agent copy is in place before the envs are reset, so it sees the same
         # reset(mask) calls as an agent in the main process.
-        await _host(worker)._sync_agent()
+        await _host(worker).sync_agent()
         if quota is not None:
             return await self._run_shared(worker, mode, leave, quota)
         if mode == "samples":

@@ -1,0 +1,241 @@
+"""The checks an :class:`~asyncsample.batch.EpisodeBatch` runs on its fields when it is built.
+
+A malformed batch should fail where it is made, with a ``ValueError`` naming the field and what
+it should have been, not deep inside a learner. :func:`check_fields` is the whole check, run by
+``EpisodeBatch.__post_init__``; the helpers below it check one kind of field each.
+
+This module does not import :mod:`asyncsample.batch` (which imports it): the batch passes
+itself and its :class:`~asyncsample.batch.StepType` in.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import gymnasium
+import numpy as np
+
+from asyncsample._tree import Tree
+
+if TYPE_CHECKING:
+    from asyncsample.batch import EpisodeBatch
+
+__all__ = ["check_batched", "check_fields", "check_infos", "check_step_types", "space_mismatch"]
+
+
+def check_fields(batch: EpisodeBatch, step_type: type[enum.IntEnum]) -> None:
+    """Check the shapes, dtypes and consistency of every field of ``batch``.
+
+    Args:
+        batch: the batch being built.
+        step_type: the enum its ``step_types`` hold (:class:`~asyncsample.batch.StepType`).
+
+    Raises:
+        ValueError: naming the first field that is malformed.
+    """
+    lengths = batch.lengths
+    if not isinstance(lengths, np.ndarray):
+        raise ValueError(
+            f"lengths is of type {type(lengths).__name__}, but must be a numpy.ndarray"
+        )
+    if lengths.ndim != 1:
+        raise ValueError(
+            f"lengths has shape {lengths.shape}, but must be 1-D with one entry per episode"
+        )
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"lengths has dtype {lengths.dtype}, but must have an integer dtype")
+    if lengths.size and lengths.min() < 1:
+        raise ValueError(
+            f"lengths has entry {lengths.min()}, but every episode needs at least 1 step"
+        )
+    n_episodes = lengths.shape[0]
+    expected_steps = int(lengths.sum())
+
+    rewards = batch.rewards
+    if not isinstance(rewards, np.ndarray):
+        raise ValueError(
+            f"rewards is of type {type(rewards).__name__}, but must be a numpy.ndarray"
+        )
+    if rewards.ndim != 1:
+        raise ValueError(
+            f"rewards has shape {rewards.shape}, but must have shape ({expected_steps},)"
+        )
+    n_steps = rewards.shape[0]
+    if n_steps != expected_steps:
+        raise ValueError(
+            f"lengths sum to {expected_steps}, but the batch has {n_steps} transitions "
+            "(entries of rewards)"
+        )
+
+    obs_space = batch.env_spec.observation_space
+    check_batched(batch.observations, "observations", n_steps, "rewards")
+    problem = space_mismatch(batch.observations, obs_space)
+    if problem is not None:
+        raise ValueError(f"Each observation{problem}")
+
+    check_batched(batch.last_observations, "last_observations", n_episodes, "lengths")
+    problem = space_mismatch(batch.last_observations, obs_space)
+    if problem is not None:
+        raise ValueError(
+            "last_observations must have the same number of entries as the observation "
+            f"space: each last observation{problem}"
+        )
+
+    check_batched(batch.actions, "actions", n_steps, "rewards")
+    problem = space_mismatch(batch.actions, batch.env_spec.action_space)
+    if problem is not None:
+        raise ValueError(f"Each action{problem}")
+
+    check_step_types(batch.step_types, n_steps, step_type)
+    check_infos(batch.env_infos, "env_infos", n_steps, "rewards")
+    check_infos(batch.agent_infos, "agent_infos", n_steps, "rewards")
+    check_infos(batch.episode_infos, "episode_infos", n_episodes, "lengths")
+
+
+def _leaves_with_paths(tree: Tree, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Yield ``(path, leaf)`` for every leaf of a dict/tuple tree, e.g. ``("['pos']", arr)``."""
+    if isinstance(tree, Mapping):
+        for key, sub in tree.items():
+            yield from _leaves_with_paths(sub, f"{path}[{key!r}]")
+    elif isinstance(tree, tuple):
+        for i, sub in enumerate(tree):
+            yield from _leaves_with_paths(sub, f"{path}[{i}]")
+    else:
+        yield path, tree
+
+
+def check_batched(tree: Tree, field: str, size: int, what: str) -> None:
+    """Every leaf of ``tree`` must be an ndarray with leading dimension ``size``."""
+    for path, leaf in _leaves_with_paths(tree):
+        name = f"{field}{path}"
+        if not isinstance(leaf, np.ndarray):
+            raise ValueError(
+                f"{name} is of type {type(leaf).__name__}, but must be a numpy.ndarray"
+            )
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{name} has shape (), but must have batch size {size} to match {what}"
+            )
+        if leaf.shape[0] != size:
+            raise ValueError(
+                f"{name} has batch size {leaf.shape[0]}, but must have batch size {size} to "
+                f"match {what}"
+            )
+
+
+def _flatdim(space: gymnasium.Space[Any]) -> int | None:
+    """gymnasium's flat dimension of ``space``, or ``None`` when it has none."""
+    try:
+        return int(gymnasium.spaces.flatdim(space))
+    except (NotImplementedError, ValueError, TypeError):
+        return None
+
+
+def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> str | None:
+    """Describe how one item of a batched ``tree`` fails to fit ``space``, or ``None`` if it fits.
+
+    Shapes only (dtype and bounds are not checked, as in garage): an item fits when its shape is
+    the space's shape or, failing that, when its size equals the space's flat dimension. Dict and
+    Tuple spaces are matched part by part. Spaces without a fixed shape accept anything.
+    """
+    is_dict = isinstance(space, gymnasium.spaces.Dict)
+    is_tuple = isinstance(space, gymnasium.spaces.Tuple)
+    if isinstance(tree, np.ndarray):
+        shape = tuple(tree.shape[1:])
+        expected = space.shape
+        if expected is not None and shape == tuple(expected):
+            return None
+        if expected is None and not (is_dict or is_tuple):
+            return None
+        flat = _flatdim(space)
+        if flat is not None and math.prod(shape) == flat:
+            return None
+        wanted = f"shape {expected} or " if expected is not None else ""
+        return (
+            f"{path} has shape {shape}, but must have {wanted}{flat} entries to match the "
+            f"space {space}"
+        )
+    if isinstance(space, gymnasium.spaces.Dict) and isinstance(tree, Mapping):
+        if set(tree) != set(space.spaces):
+            return (
+                f"{path} has keys {sorted(tree)}, but must have the keys "
+                f"{sorted(space.spaces)} of the space {space}"
+            )
+        for key, sub in space.spaces.items():
+            problem = space_mismatch(tree[key], sub, f"{path}[{key!r}]")
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(space, gymnasium.spaces.Tuple) and isinstance(tree, tuple):
+        if len(tree) != len(space.spaces):
+            return (
+                f"{path} has {len(tree)} parts, but must have the {len(space.spaces)} parts of "
+                f"the space {space}"
+            )
+        for i, (sub_tree, sub) in enumerate(zip(tree, space.spaces, strict=True)):
+            problem = space_mismatch(sub_tree, sub, f"{path}[{i}]")
+            if problem is not None:
+                return problem
+        return None
+    return f"{path} is a {type(tree).__name__}, which does not fit the space {space}"
+
+
+def check_infos(infos: Any, name: str, size: int, what: str) -> None:
+    """An info dict holds arrays (or nested dicts of them) with leading dimension ``size``."""
+    if not isinstance(infos, Mapping):
+        raise ValueError(f"{name} is of type {type(infos).__name__}, but must be a dict")
+    for key, value in infos.items():
+        if isinstance(value, Mapping):
+            check_infos(value, f"{name}[{key!r}]", size, what)
+        elif not isinstance(value, np.ndarray):
+            raise ValueError(
+                f"Entry {key!r} in {name} is of type {type(value).__name__}, but must be a "
+                "numpy.ndarray or a dict"
+            )
+        elif value.ndim == 0 or value.shape[0] != size:
+            got = value.shape[0] if value.ndim else "() (a scalar)"
+            raise ValueError(
+                f"Entry {key!r} in {name} has batch size {got}, but must have batch size "
+                f"{size} to match {what}"
+            )
+
+
+def check_step_types(step_types: Any, n_transitions: int, step_type: type[enum.IntEnum]) -> None:
+    """``step_types``: shape ``(T,)``, ``step_type`` members (object dtype) or their integers."""
+    if not isinstance(step_types, np.ndarray):
+        raise ValueError(
+            f"step_types is of type {type(step_types).__name__}, but must be a numpy.ndarray"
+        )
+    if step_types.ndim != 1:
+        raise ValueError(
+            f"step_types has shape {step_types.shape}, but must have shape ({n_transitions},)"
+        )
+    if step_types.shape[0] != n_transitions:
+        raise ValueError(
+            f"step_types has batch size {step_types.shape[0]}, but must have batch size "
+            f"{n_transitions} to match rewards"
+        )
+    if step_types.dtype == object:
+        kinds = set(map(type, step_types.tolist()))
+        if not all(issubclass(k, int | np.integer) and k is not bool for k in kinds):
+            names = sorted(k.__name__ for k in kinds)
+            raise ValueError(
+                f"step_types holds objects of type {names}, but must hold StepType members"
+            )
+        values = step_types.astype(np.int64)
+    elif np.issubdtype(step_types.dtype, np.integer):
+        values = step_types
+    else:
+        raise ValueError(
+            f"step_types has dtype {step_types.dtype}, but must have dtype StepType or an "
+            "integer dtype"
+        )
+    low, high = int(min(step_type)), int(max(step_type))
+    if values.size and (values.min() < low or values.max() > high):
+        raise ValueError(
+            f"step_types has values from {values.min()} to {values.max()}, but must be StepType "
+            f"values in {low}..{high}"
+        )

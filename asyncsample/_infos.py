@@ -1,0 +1,282 @@
+"""The info-key rules: how per-step (or per-episode) info dicts become dicts of arrays.
+
+An env or agent may put any key in any info dict, on any subset of steps. This module turns such
+dicts into the arrays of an :class:`~asyncsample.batch.EpisodeBatch` without dropping anything:
+keys on every row are stacked, keys on some rows are stacked with a fill value where absent and
+a ``"_" + key`` presence mask (gymnasium's vector-info convention), nested dicts recursively.
+The rule users see (which key goes per step, which per episode) is described in
+:mod:`asyncsample.batch` ("Info keys"); the sorting of keys between ``env_infos`` and
+``episode_infos`` is done by the assembly (``_assembly.py``) with the helpers here.
+
+It depends on numpy only, so the batch, its checks and the assembly can all build on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "MISSING",
+    "as_info_arrays",
+    "concat_infos",
+    "fill_value",
+    "filled",
+    "key_rows",
+    "mask_key",
+    "stack_column",
+    "stack_infos",
+]
+
+MISSING: Any = object()
+"""Marks a row on which an info key is absent (see :func:`stack_column`)."""
+
+
+def mask_key(key: str) -> str:
+    """The name of the presence mask of info key ``key``: ``"_" + key`` (gymnasium's naming)."""
+    return "_" + key
+
+
+def _is_mask(key: str, keys: Iterable[str]) -> bool:
+    """Whether ``key`` is the presence mask of another key among ``keys``."""
+    return key.startswith("_") and key[1:] in keys
+
+
+def _stack_values(values: list[Any]) -> np.ndarray:
+    """Stack per-item values into one array; ragged values become a 1-D object array."""
+    try:
+        return np.asarray(values)
+    except ValueError:  # inhomogeneous shapes: keep each value as one object
+        out = np.empty(len(values), dtype=object)
+        for i, value in enumerate(values):
+            out[i] = value
+        return out
+
+
+def fill_value(dtype: np.dtype[Any]) -> Any:
+    """What an info array holds where its key is absent.
+
+    NaN for floating and complex dtypes, ``None`` for object dtype (ragged values, Python
+    objects), and zero (``0``, ``False``, the empty string) for every other dtype.
+    """
+    if dtype.kind in "fc":
+        return np.nan
+    if dtype.kind == "O":
+        return None
+    return np.zeros((), dtype).item()
+
+
+def filled(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` holding only :func:`fill_value`."""
+    if dtype.kind in "fc":
+        return np.full(shape, np.nan, dtype=dtype)
+    if dtype.kind == "O":
+        return np.empty(shape, dtype=object)  # all None
+    return np.zeros(shape, dtype=dtype)
+
+
+def key_rows(infos: Sequence[Mapping[str, Any]]) -> dict[str, list[int] | None]:
+    """Every key of ``infos``, in order of first appearance, with the rows that carry it.
+
+    ``None`` stands for every row. Rows are grouped by their set of keys first, so the cost is
+    one pass over the rows plus one per distinct key set, not one per key and row.
+    """
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, info in enumerate(infos):
+        groups.setdefault(tuple(info), []).append(i)
+    parts: dict[str, list[list[int]]] = {}
+    for keys, rows in groups.items():
+        for key in keys:
+            parts.setdefault(key, []).append(rows)
+    n = len(infos)
+    out: dict[str, list[int] | None] = {}
+    for key, lists in parts.items():
+        if len(lists) == 1:
+            out[key] = None if len(lists[0]) == n else lists[0]
+        else:
+            rows = sorted(itertools.chain.from_iterable(lists))
+            out[key] = None if len(rows) == n else rows
+    return out
+
+
+def _stack_key(
+    infos: Sequence[Mapping[str, Any]], key: str, rows: list[int] | None
+) -> tuple[Any, np.ndarray | None]:
+    """Stack ``key`` of ``infos``, present on ``rows`` (``None``: all); returns (value, mask)."""
+    n = len(infos)
+    if rows is None:
+        values = [d[key] for d in infos]
+        if isinstance(values[0], Mapping) and all(isinstance(v, Mapping) for v in values):
+            return stack_infos(values), None
+        return _stack_values(values), None
+    mask = np.zeros(n, dtype=bool)
+    mask[rows] = True
+    present = [infos[i][key] for i in rows]
+    if all(isinstance(v, Mapping) for v in present):
+        nested: list[Mapping[str, Any]] = [{}] * n
+        for i, v in zip(rows, present, strict=True):
+            nested[i] = v
+        return stack_infos(nested), mask
+    stacked = _stack_values(present)
+    out = filled((n, *stacked.shape[1:]), stacked.dtype)
+    out[rows] = stacked
+    return out, mask
+
+
+def stack_column(values: Sequence[Any]) -> tuple[Any, np.ndarray | None]:
+    """Stack one info key's values, one per row, :data:`MISSING` where the key is absent.
+
+    Returns:
+        ``(stacked, mask)``: the stacked array (or, when every present value is a dict, a dict
+        stacked by :func:`stack_infos`), and a boolean presence mask, ``None`` when the key is
+        present on every row. Absent rows hold :func:`fill_value`.
+    """
+    rows = [i for i, v in enumerate(values) if v is not MISSING]
+    infos = [{} if v is MISSING else {"": v} for v in values]
+    return _stack_key(infos, "", None if len(rows) == len(values) else rows)
+
+
+def stack_infos(
+    infos: Sequence[Mapping[str, Any]],
+    *,
+    name: str = "infos",
+    keys: Iterable[str] | None = None,
+    rows: Mapping[str, list[int] | None] | None = None,
+) -> dict[str, Any]:
+    """Stack one info dict per step (or per episode) into a dict of arrays.
+
+    Nothing is dropped. A key present in every dict is stacked into one array with a row per
+    dict. A key present in only some dicts is stacked the same way, with :func:`fill_value`
+    (NaN, zero or ``None``, by dtype) in the rows that lack it, and gets a boolean mask
+    ``"_" + key`` right after it, true where the key was present: gymnasium's vector-info
+    convention. Nested dicts are stacked recursively under the same rule (a row that lacks the
+    parent lacks every child). Values that do not form a regular array (ragged shapes) are kept
+    as a 1-D object array. The common case, every dict empty, costs one truthiness check per
+    dict.
+
+    Args:
+        infos: the info dicts, one per step or per episode.
+        name: what the dicts are (e.g. ``"env_infos"``); kept for callers of earlier versions.
+        keys: stack only these keys (in this order); default every key, in order of first
+            appearance.
+        rows: :func:`key_rows` of ``infos``, if the caller has it already.
+
+    Returns:
+        A dict mapping each key to its stacked array (or, for nested dicts, to a dict of
+        stacked arrays), followed by its mask where it was absent somewhere. ``{}`` for empty
+        input.
+    """
+    del name  # no warning any more: nothing is dropped
+    if rows is None:
+        if not any(infos):  # the common case: no info at all
+            return {}
+        first = infos[0].keys()
+        if all(d.keys() == first for d in infos):  # every key on every row: no masks
+            rows = dict.fromkeys(first)
+        else:
+            rows = key_rows(infos)
+    out: dict[str, Any] = {}
+    for key in rows if keys is None else keys:
+        stacked, mask = _stack_key(infos, key, rows[key])
+        out[key] = stacked
+        if mask is not None:
+            out[mask_key(key)] = mask
+    return out
+
+
+def _as_object_rows(array: np.ndarray) -> np.ndarray:
+    """View an array as a 1-D object array of its rows (for concatenating ragged info)."""
+    out = np.empty(len(array), dtype=object)
+    for i, row in enumerate(array):
+        out[i] = row
+    return out
+
+
+def _concat_arrays(arrays: list[np.ndarray]) -> np.ndarray:
+    """Concatenate along the leading axis, falling back to object rows for mismatched shapes."""
+    try:
+        return np.concatenate(arrays, axis=0)
+    except ValueError:
+        return np.concatenate([_as_object_rows(a) for a in arrays], axis=0)
+
+
+def _value_keys(dicts: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Keys of ``dicts`` in order of first appearance, without the masks of other keys."""
+    union: dict[str, None] = {}
+    for d in dicts:
+        union.update(dict.fromkeys(d))
+    return [k for k in union if not _is_mask(k, union)]
+
+
+def concat_infos(
+    dicts: Sequence[Mapping[str, Any]], sizes: Sequence[int], where: str = "infos"
+) -> dict[str, Any]:
+    """Concatenate info dicts of arrays along the leading axis, keeping every key.
+
+    ``sizes`` gives each dict's number of rows (needed for dicts that lack a key). A key that
+    some dicts lack is filled there with :func:`fill_value` and gets (or keeps) its ``"_" + key``
+    mask; a mask, once present in any input, is kept even when it is true everywhere, so
+    splitting a batch and concatenating the pieces gives it back. Values where a mask is false
+    are reset to the fill value.
+
+    Raises:
+        ValueError: if a key holds a dict in one input and an array in another.
+    """
+    if not any(dicts):
+        return {}
+    out: dict[str, Any] = {}
+    for key in _value_keys(dicts):
+        mkey = mask_key(key)
+        parts = [d.get(key, MISSING) for d in dicts]
+        has_mask = any(mkey in d for d in dicts) or any(p is MISSING for p in parts)
+        present = [p for p in parts if p is not MISSING]
+        if all(isinstance(p, Mapping) for p in present):
+            out[key] = concat_infos(
+                [{} if p is MISSING else p for p in parts], sizes, f"{where}[{key!r}]"
+            )
+        elif any(isinstance(p, Mapping) for p in present):
+            raise ValueError(
+                f"{where}[{key!r}] is a dict in some inputs and an array in others; they "
+                "cannot be concatenated"
+            )
+        else:
+            like = present[0]
+            value = _concat_arrays(
+                [
+                    filled((n, *like.shape[1:]), like.dtype) if p is MISSING else p
+                    for p, n in zip(parts, sizes, strict=True)
+                ]
+            )
+            out[key] = value
+        if has_mask:
+            mask = np.concatenate(
+                [
+                    np.asarray(d[mkey], dtype=bool)
+                    if mkey in d
+                    else np.full(n, key in d, dtype=bool)
+                    for d, n in zip(dicts, sizes, strict=True)
+                ]
+            )
+            if isinstance(out[key], np.ndarray) and not mask.all():
+                out[key][~mask] = fill_value(out[key].dtype)
+            out[mkey] = mask
+    return out
+
+
+def as_info_arrays(info: Any, where: str) -> dict[str, Any]:
+    """Accept a path's info either as a dict of arrays or as a list of per-step dicts."""
+    if info is None:
+        return {}
+    if isinstance(info, Mapping):
+        return {
+            k: as_info_arrays(v, f"{where}[{k!r}]") if isinstance(v, Mapping) else np.asarray(v)
+            for k, v in info.items()
+        }
+    if isinstance(info, Sequence) and all(isinstance(d, Mapping) for d in info):
+        return stack_infos(info, name=where)
+    raise ValueError(
+        f"{where} must be a dict of arrays or a list of dicts, not {type(info).__name__}"
+    )
