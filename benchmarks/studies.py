@@ -186,7 +186,7 @@ STUDIES: list[Study] = [
         "ab",
         "A/B of two source trees, alternating runs: --a OLD_TREE [--b NEW_TREE] (own runner)",
         script="benchmarks.ab",
-        script_args=(("--repeats", "3"), ("--repeats", "1")),
+        script_args=(("--repeats", "3"), ("--repeats", "1", "--quick")),
         minutes=6.0,
         needs="--a PATH of the baseline tree; not in `all`",
     ),
