@@ -477,8 +477,9 @@ def _policy_markdown(results: dict[str, Any]) -> list[str]:
 def cell_tables(results: dict[str, Any], group: str) -> list[str]:
     """One table per (env, env count) cell of ``group``, the ceiling first, then by steps/s.
 
-    Columns: steps/s (median [min-max]), x ceiling, x SyncVectorEnv, the cores of the main
-    process and of the rest of the contender's processes, and rows per agent call (asyncsample).
+    Columns: steps/s (median [min-max]), % ceiling, x SyncVectorEnv and x AsyncVectorEnv, the
+    cores of the main process and of the rest of the contender's processes, and rows per agent
+    call (asyncsample).
     """
     summary: dict[str, dict[str, Any]] = results["summary"]
     ratios = results["derived"]["ratios"]
@@ -514,6 +515,7 @@ def cell_tables(results: dict[str, Any], group: str) -> list[str]:
                     _cell(agg),
                     _pct(r.get("vs_ceiling")),
                     _x(r.get("vs_sync")),
+                    _x(r.get("vs_async")),
                     _cores(_median((agg or {}).get("main_cores"))),
                     _cores(_median((agg or {}).get("host_cores"))),
                     calls.replace(" per agent call", ""),
@@ -525,6 +527,7 @@ def cell_tables(results: dict[str, Any], group: str) -> list[str]:
             "steps/s",
             "% ceiling",
             "x sync",
+            "x async",
             "main CPU",
             "others CPU",
             "per call",

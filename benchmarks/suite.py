@@ -625,12 +625,14 @@ def derive(
     def ratios(cfg: Config) -> dict[str, float | None]:
         rate = med(cfg.key)
         sync = med(Config("sync", cfg.env, cfg.n_envs, policy=cfg.policy).key)
+        peer = med(Config("async", cfg.env, cfg.n_envs, policy=cfg.policy).key)
         ide = ideal.get(cfg.env, {}).get("ideal_rate")
         ceil = med(ceiling_config(cfg.env, cfg.n_envs, cfg.policy, cores).key)
         if cfg.policy and sync and ceil:
             ceil = max(ceil, sync)  # a policy's ceiling: the larger of the two
         return {
             "vs_sync": rate / sync if rate and sync else None,
+            "vs_async": rate / peer if rate and peer else None,
             "vs_ideal": None if cfg.policy else (rate / ide if rate and ide else None),
             "vs_ceiling": rate / ceil if rate and ceil else None,
         }
