@@ -262,14 +262,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name == "all":
-        codes = [run_study(s, rest) for s in studies.STUDIES if s.name != "ab"]
-        return max(codes, default=0)
+        return run_all(rest)
     try:
         study = studies.get(name)
     except KeyError as exc:
         print(f"asyncsample bench: error: {exc.args[0]}", file=sys.stderr)
         return 2
     return run_study(study, rest)
+
+
+def run_all(argv: list[str]) -> int:
+    """Every study but ``ab`` in turn, each to its own results directory.
+
+    Only ``--quick``, ``--repeats N`` and ``--no-progress`` apply to all of them.
+    """
+    parser = argparse.ArgumentParser(prog="asyncsample bench all")
+    parser.add_argument("--quick", action="store_true", help="every study at its CI budget")
+    parser.add_argument("--repeats", type=int, help="runs per config in every study")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    common = ["--quick"] if args.quick else []
+    if args.repeats is not None:
+        common += ["--repeats", str(args.repeats)]
+    chosen = [s for s in studies.STUDIES if s.name != "ab"]
+    total = sum(studies.estimate_minutes(s, args.quick) for s in chosen)
+    print(f"all: {len(chosen)} studies, about {total:.0f} min (rough)", file=sys.stderr)
+    codes = []
+    for study in chosen:
+        extra = ["--no-progress"] if args.no_progress and study.is_plan else []
+        codes.append(run_study(study, [*common, *extra]))
+    return max(codes, default=0)
 
 
 def run_study(study: studies.Study, argv: list[str]) -> int:
