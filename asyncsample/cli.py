@@ -1,5 +1,5 @@
 """The ``asyncsample`` command line: ``run`` samples an env with a random agent; ``bench`` runs the
-benchmark suite of a source checkout.
+benchmark studies of a source checkout (``asyncsample bench --list``, ``asyncsample bench STUDY``).
 
 Exit status of ``run``: 0 when done, 2 for a usage error (a bad argument or env id), 1 for a
 runtime error (an env that fails past its restart budget, a missing optional dependency), 130
@@ -216,7 +216,7 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def _bench_command(rest: Sequence[str]) -> int:
-    """Run ``benchmarks`` from the source checkout this is run in (it is not installed)."""
+    """Run a study of ``benchmarks`` from the source checkout this is run in (not installed)."""
     for folder in [Path.cwd(), *Path.cwd().parents, Path(__file__).resolve().parents[1]]:
         if (folder / "benchmarks" / "__main__.py").exists():
             sys.path.insert(0, str(folder))
@@ -225,7 +225,7 @@ def _bench_command(rest: Sequence[str]) -> int:
         from benchmarks.__main__ import main as bench_main
     except ImportError as exc:
         print(
-            "asyncsample bench runs the benchmark suite of a source checkout: run it from the "
+            "asyncsample bench runs the benchmark studies of a source checkout: run it from the "
             f"repository (where benchmarks/ is). ({exc})",
             file=sys.stderr,
         )
@@ -302,7 +302,9 @@ def _parser() -> argparse.ArgumentParser:
         "-v", "--verbose", action="store_true", help="print env-host restarts as they happen"
     )
     sub.add_parser(
-        "bench", help="run the benchmark suite (arguments go to benchmarks)", add_help=False
+        "bench",
+        help="run a benchmark study of a checkout (bench --list lists them)",
+        add_help=False,
     )
     return parser
 

@@ -1,8 +1,9 @@
-"""Command line of the benchmark suite: ``python -m benchmarks [--quick] [...]``.
+"""Command line of the benchmarks: ``asyncsample bench --list | STUDY [--quick] [...]``.
 
-Runs every contender on every env (see ``benchmarks.suite``) with a progress bar, then
-writes ``results.json``, ``results.md``, ``throughput.png`` and ``scaling.png`` to ``--out``
-(and ``policy.png`` for ``--groups policy``).
+``python -m benchmarks`` is the same. A plan study (see :mod:`benchmarks.studies`) runs its
+configs with a progress bar, each run in a fresh process, then writes ``results.json``,
+``results.md`` and its charts to ``benchmarks/results/STUDY`` (or ``--out``); a script study
+runs its module's ``main``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report, suite
+from benchmarks import report, studies, suite
 
 
 def _cores() -> int:
@@ -27,43 +28,44 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (also used by ``asyncsample bench``)."""
+def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
+    """The argument parser of one plan study (also what ``asyncsample bench STUDY`` parses)."""
+    name = study.name if study else "STUDY"
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
-        description="Benchmark asyncsample against gymnasium, SB3, tianshou and EnvPool.",
+        prog=f"asyncsample bench {name}",
+        description=study.measures if study else "Run one benchmark study.",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="tiny runs of everything (a smoke test, seconds)"
+        "--quick", action="store_true", help="the CI budget: tiny runs (a smoke test, seconds)"
     )
+    parser.add_argument("--plan", action="store_true", help="print the runs and exit")
     parser.add_argument(
         "--envs",
         nargs="+",
         choices=suite.ALL_ENVS,
         metavar="ENV",
-        help=f"envs to run (default: all of {', '.join(suite.ALL_ENVS)})",
+        help=f"envs to run (default: the study's; any of {', '.join(suite.ALL_ENVS)})",
     )
     parser.add_argument(
         "--contenders",
         nargs="+",
         choices=suite.ALL_CONTENDERS,
         metavar="NAME",
-        help=f"contenders to run (default: all of {', '.join(suite.ALL_CONTENDERS)})",
+        help=f"contenders to run (default: the study's; any of {', '.join(suite.ALL_CONTENDERS)})",
     )
     parser.add_argument(
         "--groups",
         nargs="+",
         choices=suite.GROUPS + suite.EXTRA_GROUPS,
         metavar="GROUP",
-        help=f"parts of the suite to run (default: all of {', '.join(suite.GROUPS)}; "
-        f"only when named: {', '.join(suite.EXTRA_GROUPS)})",
+        help="groups to run (default: the study's)",
     )
-    parser.add_argument("--repeats", type=int, help="runs per config (default 3; --quick: 1)")
+    parser.add_argument("--repeats", type=int, help="runs per config (default: the study's)")
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).resolve().parent / "results",
-        help="output directory (default: benchmarks/results)",
+        default=study.out() if study else None,
+        help="output directory (default: benchmarks/results/STUDY)",
     )
     parser.add_argument("--timeout", type=float, help="seconds before a run is killed")
     parser.add_argument(
@@ -91,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from_args(args: argparse.Namespace) -> suite.Settings:
-    """Turn parsed arguments into :class:`~benchmarks.suite.Settings`."""
+def settings_from_args(study: studies.Study, args: argparse.Namespace) -> suite.Settings:
+    """The settings of ``study`` with the arguments' overrides."""
     overrides: dict[str, Any] = {"cores": _cores()}
     if args.envs:
         overrides["envs"] = list(dict.fromkeys(args.envs))
@@ -100,7 +102,7 @@ def settings_from_args(args: argparse.Namespace) -> suite.Settings:
         overrides["contenders"] = list(dict.fromkeys(args.contenders))
         overrides["explicit"] = True
     if args.groups:
-        overrides["groups"] = list(dict.fromkeys(["ideal", *args.groups]))
+        overrides["groups"] = list(dict.fromkeys(args.groups))
     if args.repeats is not None:
         if args.repeats < 1:
             raise SystemExit("--repeats must be >= 1")
@@ -109,12 +111,29 @@ def settings_from_args(args: argparse.Namespace) -> suite.Settings:
         overrides["timeout"] = args.timeout
     overrides["retry_disturbed"] = max(0, args.retry_disturbed)
     overrides["max_foreign"] = args.max_foreign
-    if args.quick:
-        return suite.Settings.quick_settings(**overrides)
-    settings = suite.Settings()
-    for key, value in overrides.items():
-        setattr(settings, key, value)
+    settings: suite.Settings = studies.settings_for(study, args.quick, **overrides)
     return settings
+
+
+def print_plan(study: studies.Study, settings: suite.Settings, verbose: bool) -> None:
+    """Print the study's runs (with ``verbose``, each config) and its estimated length."""
+    groups = suite.plan(settings)
+    configs = suite.unique_configs(groups)
+    runs, seconds = studies.estimate_seconds(settings)
+    skipped = [c for c in configs if suite.pre_skip(c, settings) is not None]
+    print(
+        f"{study.name}: groups {', '.join(g for g in groups if groups[g])}; "
+        f"{len(configs) - len(skipped)} configs x {settings.repeats} repeats = {runs} runs "
+        f"({len(skipped)} configs skipped); about {seconds / 60:.1f} min on a quiet 2-core "
+        "machine (rough)",
+        file=sys.stderr,
+        flush=True,
+    )
+    if verbose:
+        for cfg in configs:
+            why = suite.pre_skip(cfg, settings)
+            print(f"  {cfg.env:<15} n={cfg.n_envs:<3} {cfg.label}"
+                  + (f"  (skipped: {why})" if why else ""), file=sys.stderr)  # fmt: skip
 
 
 def _write_reports(
@@ -126,7 +145,7 @@ def _write_reports(
     """Write results.md and the charts; return the charts written."""
     full = results | {"_settings": settings, "_groups": groups}
     report.write_markdown(out / "results.md", full)
-    return report.write_plots(out, full)
+    return report.draw_charts(report.write_plots, out, full)
 
 
 def render(results_json: Path, out: Path) -> int:
@@ -136,6 +155,7 @@ def render(results_json: Path, out: Path) -> int:
     settings = suite.Settings(**{k: v for k, v in results["settings"].items() if k in fields})
     settings.layouts = [(int(w), int(k)) for w, k in settings.layouts]
     settings.big_layouts = [(int(w), int(k)) for w, k in settings.big_layouts]
+    settings.host_layouts = [(int(w), int(k)) for w, k in settings.host_layouts]
     settings.policy_layouts = {
         int(n): [(int(w), int(k)) for w, k in layouts]
         for n, layouts in settings.policy_layouts.items()
@@ -148,22 +168,22 @@ def render(results_json: Path, out: Path) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the suite.
-
-    Args:
-        argv: Arguments (default: ``sys.argv[1:]``).
+def run_plan(study: studies.Study, argv: list[str]) -> int:
+    """Run a plan study: its runs in fresh processes, then results.json, results.md, charts.
 
     Returns:
         0 when every run finished or was skipped; 1 when a run failed (the results are
         written either way).
     """
-    args = build_parser().parse_args(argv)
+    args = build_parser(study).parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     if args.render is not None:
         return render(args.render, out)
-    settings = settings_from_args(args)
+    settings = settings_from_args(study, args)
+    print_plan(study, settings, verbose=args.plan)
+    if args.plan:
+        return 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="asyncsample-bench-") as tmp:
         log = out / "runs.jsonl"
@@ -174,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = suite.aggregate(records, settings.max_foreign)
     derived = suite.derive(summary, groups, settings)
     results: dict[str, Any] = {
+        "study": study.name,
         "machine": report.machine_info(),
         "settings": settings.to_dict(),
         "elapsed_s": elapsed,
@@ -188,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = [r for r in records if r.get("status") in ("error", "timeout")]
     skipped = {r["key"] for r in records if r.get("status") == "skipped"}
     print(
-        f"{len(records)} runs in {elapsed:.0f} s ({len(skipped)} configs skipped, "
+        f"{study.name}: {len(records)} runs in {elapsed:.0f} s ({len(skipped)} configs skipped, "
         f"{len(errors)} runs failed); wrote {out / 'results.json'}, {out / 'results.md'}"
         + "".join(f", {p}" for p in pngs),
         file=sys.stderr,
@@ -196,6 +217,86 @@ def main(argv: list[str] | None = None) -> int:
     for rec in errors:
         print(f"  failed: {rec['label']} on {rec['env']}: {rec.get('note')}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def run_script_study(study: studies.Study, argv: list[str]) -> int:
+    """Run a script study: ``--quick``, ``--out`` and ``--repeats`` mapped, the rest passed on."""
+    parser = argparse.ArgumentParser(prog=f"asyncsample bench {study.name}", add_help=False)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=study.out())
+    parser.add_argument("--repeats", type=int)
+    args, extra = parser.parse_known_args(argv)
+    if args.repeats is not None:
+        flag = {"ray": "--repeat", "real_envs": "--repeats", "ab": "--repeats"}.get(study.name)
+        if flag is None:
+            print(f"{study.name} has no repeats: --repeats ignored", file=sys.stderr)
+        else:
+            extra = [flag, str(args.repeats), *extra]
+    args.out.mkdir(parents=True, exist_ok=True)
+    return studies.run_script(study, args.quick, args.out, extra)
+
+
+USAGE = """usage: asyncsample bench --list | STUDY [--quick] [--repeats N] [--plan] [...] | all
+
+Runs one benchmark study; it writes benchmarks/results/STUDY/{results.json,results.md,*.png}.
+`asyncsample bench STUDY -h` shows a study's options; `all [--quick]` runs every study but `ab`.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``asyncsample bench``: list the studies, run one, or run them all.
+
+    Args:
+        argv: Arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        0 when done; 1 when a run failed (the results are written either way); 2 for a usage
+        error.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE + "\nstudies (default budget on a quiet 2-core machine):\n" + studies.listing())
+        return 0 if argv else 2
+    if argv[0] == "--list":
+        print(studies.listing())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "all":
+        return run_all(rest)
+    try:
+        study = studies.get(name)
+    except KeyError as exc:
+        print(f"asyncsample bench: error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    return run_study(study, rest)
+
+
+def run_all(argv: list[str]) -> int:
+    """Every study but ``ab`` in turn, each to its own results directory.
+
+    Only ``--quick``, ``--repeats N`` and ``--no-progress`` apply to all of them.
+    """
+    parser = argparse.ArgumentParser(prog="asyncsample bench all")
+    parser.add_argument("--quick", action="store_true", help="every study at its CI budget")
+    parser.add_argument("--repeats", type=int, help="runs per config in every study")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    common = ["--quick"] if args.quick else []
+    if args.repeats is not None:
+        common += ["--repeats", str(args.repeats)]
+    chosen = [s for s in studies.STUDIES if s.name != "ab"]
+    total = sum(studies.estimate_minutes(s, args.quick) for s in chosen)
+    print(f"all: {len(chosen)} studies, about {total:.0f} min (rough)", file=sys.stderr)
+    codes = []
+    for study in chosen:
+        extra = ["--no-progress"] if args.no_progress and study.is_plan else []
+        codes.append(run_study(study, [*common, *extra]))
+    return max(codes, default=0)
+
+
+def run_study(study: studies.Study, argv: list[str]) -> int:
+    """Run ``study`` with its arguments."""
+    return run_plan(study, argv) if study.is_plan else run_script_study(study, argv)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "ab")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: 1/50 of each workload's transitions"
+    )
     args = parser.parse_args(argv)
     runs: dict[str, dict[str, list[dict[str, float]]]] = {}
     load = [os.getloadavg()[0]]
@@ -133,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
             order = ("a", "b") if r % 2 == 0 else ("b", "a")
             for side in order:
                 tree = args.a if side == "a" else args.b
-                res = run_once(tree, WORKLOADS[name])
+                workload = WORKLOADS[name]
+                if args.quick:
+                    workload = (*workload[:-1], max(1_000, workload[-1] // 50))
+                res = run_once(tree, workload)
                 runs.setdefault(name, {"a": [], "b": []})[side].append(res)
                 load.append(os.getloadavg()[0])
                 print(f"{name} [{side}] {res['steps_per_s']:,.0f} steps/s", file=sys.stderr)
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_min_max": [min(load), max(load)],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ab.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    (args.out / "results.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
     lines = [
         f"A = `{args.a}`, B = `{args.b}`; {args.repeats} alternating runs each, medians; "
         f"{machine['cores']} cores, Python {machine['python']}, {machine['date']}, load average "
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['workload']} | {row['a_steps_per_s']:,.0f} | {row['b_steps_per_s']:,.0f} | "
             f"{row['ratio']:.2f}x | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} |"
         )
-    (args.out / "ab.md").write_text("\n".join(lines) + "\n")
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -696,6 +696,7 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
         from benchmarks.policies import make_policy
 
         agent = make_policy(spec.policy, spec.env_id, seed=spec.seed)
+    if spec.policy or spec.inference != "per_worker":
         kwargs["inference"] = _inference(spec.inference)
     notes: list[str] = []
     try:
@@ -740,7 +741,7 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
 
 def _inference(name: str) -> Any:
     """The ``Sampler(inference=...)`` value of a spec's inference name."""
-    if name == "per_worker":
+    if name in ("per_worker", "host"):
         return name
     from asyncsample.inference import Batched
 
@@ -818,6 +819,14 @@ CONTENDERS: dict[str, tuple[Callable[[RunSpec], RunResult], str]] = {
     "asyncsample-local": (asyncsample_local, "asyncsample local"),
     "asyncsample-vector": (asyncsample_vector, "asyncsample VectorEnv"),
 }
+
+# The contenders of modules of their own (they import this one's instruments, so they are
+# imported here, once every name they need exists).
+from benchmarks.ceiling import ceiling  # noqa: E402
+from benchmarks.torchrl_peers import TORCHRL_CONTENDERS  # noqa: E402
+
+CONTENDERS["ceiling"] = (ceiling, "ceiling: loops side by side")
+CONTENDERS.update(TORCHRL_CONTENDERS)
 
 
 def run_contender(spec: RunSpec) -> RunResult:

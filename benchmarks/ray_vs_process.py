@@ -22,7 +22,7 @@ cluster, e.g. ``--layouts 64x32x32 --backends ray`` (``n_processes`` is the numb
 
 Ray runs connect to one local Ray instance started before them (its start-up time is reported
 apart); the process runs come first, before Ray starts, so that Ray's idle daemons do not slow
-them. Results: a markdown table on stdout and ``benchmarks/results/ray_vs_process.json``.
+them. Results: a markdown table on stdout and ``benchmarks/results/ray/results.json`` (and ``.md``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 import gymnasium as gym
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results" / "ray_vs_process.json"
+RESULTS = Path(__file__).resolve().parent / "results" / "ray" / "results.json"
 
 
 class NoiseImageEnv(gym.Env[np.ndarray, np.int64]):
@@ -361,8 +361,8 @@ def _layout(text: str) -> tuple[int, int, int]:
     return w, e, p
 
 
-def main() -> None:
-    """Parse arguments, run, print the table, write the JSON."""
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run, print the table, write the JSON and the markdown beside it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="timed seconds per run")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each configuration")
@@ -383,7 +383,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one layout, two envs, 3 s runs")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks of skipped runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.quick:
         args.seconds = min(args.seconds, 3.0)
         args.repeat = 1
@@ -424,8 +424,10 @@ def main() -> None:
         print(f"note: {note}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(table(results) + "\n")
     print(f"\nwrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -30,7 +30,7 @@
 
 Every run records ``os.getloadavg()``; contenders are interleaved within each repeat so a
 busy spell of the (shared) machine hits all of them alike. Results go to
-``benchmarks/results/real_envs.{json,md}`` and PNG charts beside them.
+``benchmarks/results/real_envs/results.{json,md}`` and PNG charts beside them.
 
 EnvPool and gymnasium do not run the same code: EnvPool's Atari and MuJoCo envs are its own C++
 ports (with its own resize and frame stack); gymnasium's are ale-py and mujoco driven by Python
@@ -63,6 +63,12 @@ import psutil
 
 from benchmarks._runner import REPO_ROOT, run_fresh
 from benchmarks.contenders import RunSpec, TimedPhase
+from benchmarks.fmt import f as _f
+from benchmarks.fmt import k as _k
+from benchmarks.fmt import mb as _mb
+from benchmarks.fmt import pct as _pct
+from benchmarks.fmt import table as _table
+from benchmarks.fmt import x as _x
 
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -1139,7 +1145,7 @@ def run_timeout(spec: RealSpec, s: Settings) -> float:
 
 
 def _previous_walls(path: Path) -> dict[str, list[float]]:
-    """Wall seconds of each config's runs (ok or not) in an earlier ``real_envs.json``."""
+    """Wall seconds of each config's runs (ok or not) in an earlier ``results.json``."""
     try:
         runs = json.loads(path.read_text())["runs"]
     except (OSError, ValueError, KeyError):
@@ -1197,7 +1203,8 @@ def estimate_plan(
 
 def print_plan(s: Settings, verbose: bool = False) -> float:
     """Print the plan's estimated length (and with ``verbose`` every run); its seconds."""
-    walls = _previous_walls(RESULTS_DIR / "real_envs.json")
+    latest = RESULTS_DIR / "real_envs" / "results.json"
+    walls = _previous_walls(latest if latest.exists() else RESULTS_DIR / "real_envs.json")
     est = estimate_plan(s, walls, QUIET)
     if verbose:
         for g, specs in plan(s).items():
@@ -1589,43 +1596,6 @@ def _calls_note(results: dict[str, Any]) -> str:
     )
 
 
-def _k(v: float | None) -> str:
-    if v is None or v != v:
-        return "-"
-    if v >= 1e6:
-        return f"{v / 1e6:.2f}M"
-    if v >= 1e4:
-        return f"{v / 1e3:.1f}k"
-    if v >= 1e3:
-        return f"{v / 1e3:.2f}k"
-    return f"{v:.0f}"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None or v != v else f"{100 * v:.0f}%"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None or v != v else f"{v:.2f}x"
-
-
-def _mb(v: float | None) -> str:
-    return "-" if v is None else f"{v / 2**20:.0f}"
-
-
-def _f(v: float | None, fmt: str = "{:.2f}") -> str:
-    return "-" if v is None or v != v else fmt.format(v)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(r) + " |" for r in rows),
-        "",
-    ]
-
-
 def _cell(agg: dict[str, Any] | None) -> str:
     if not agg:
         return "-"
@@ -1668,18 +1638,18 @@ def _load_paragraph(results: dict[str, Any], lo: float, med: float, hi: float) -
             f"**Load.** Nothing else ran: {where}. The load average counts the contenders' own "
             "processes (AsyncVectorEnv and SB3 start one per env). Runs still vary by about "
             "10-20% between repeats on this VM, so the ranges are given. Every run's "
-            "`os.getloadavg()` is in `real_envs.json`."
+            "`os.getloadavg()` is in `results.json`."
         )
     return (
         f"**Load.** The machine was shared with other jobs: {where}. Absolute rates are "
         "therefore low and noisy; compare contenders *within* this run (they were interleaved "
         "within each repeat, so a busy spell hit all alike). Every run's `os.getloadavg()` is "
-        "in `real_envs.json`."
+        "in `results.json`."
     )
 
 
 def write_markdown(path: Path, results: dict[str, Any]) -> None:
-    """Render ``real_envs.md``: machine, env notes, targets, main tables, sweep, guidance."""
+    """Render ``results.md``: machine, env notes, targets, main tables, sweep, guidance."""
     m, s, summary, d = (results["machine"], results["settings"], results["summary"],
                         results["derived"])  # fmt: skip
     lo, med, hi = _loads(results)
@@ -2086,9 +2056,11 @@ def write_plots(out: Path, results: dict[str, Any]) -> list[Path]:
 
 
 def write_all(out: Path, results: dict[str, Any]) -> None:
-    """Write ``real_envs.md`` and the PNG charts from ``results``."""
-    write_plots(out, results)
-    write_markdown(out / "real_envs.md", results)
+    """Write ``results.md`` and the PNG charts from ``results`` (charts only with matplotlib)."""
+    from benchmarks.report import draw_charts
+
+    write_markdown(out / "results.md", results)
+    draw_charts(write_plots, out, results)
 
 
 # --------------------------------------------------------------------------------------------
@@ -2096,10 +2068,10 @@ def write_all(out: Path, results: dict[str, Any]) -> None:
 
 
 def _from_log(out: Path) -> dict[str, Any]:
-    """Results of the default settings from the runs in ``out/real_envs.jsonl``; writes JSON."""
+    """Results of the default settings from the runs in ``out/runs.jsonl``; writes JSON."""
     from benchmarks.report import machine_info
 
-    records = [json.loads(line) for line in (out / "real_envs.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     s = Settings()
     done = {r["repeat"] for r in records if r["group"] == "main"}
     s.repeats = max(1, len(done))
@@ -2114,7 +2086,7 @@ def _from_log(out: Path) -> dict[str, Any]:
         "loadavg_start": loads[0] if loads else None,
         "loadavg_end": loads[-1] if loads else None,
         "minutes": sum(r.get("wall", 0.0) for r in records) / 60,
-        "note": "rebuilt from real_envs.jsonl (the run was stopped before it wrote its JSON)",
+        "note": "rebuilt from runs.jsonl (the run was stopped before it wrote its JSON)",
     }
     summary = aggregate(records)
     results = {
@@ -2125,7 +2097,7 @@ def _from_log(out: Path) -> dict[str, Any]:
         "summary": summary,
         "derived": derive(summary, s),
     }
-    (out / "real_envs.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return results
 
 
@@ -2150,17 +2122,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the runs and the estimated length, run nothing",
     )
-    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "real_envs")
     p.add_argument(
         "--render",
         action="store_true",
-        help="only recompute the summary of OUT/real_envs.json from its runs and re-render",
+        help="only recompute the summary of OUT/results.json from its runs and re-render",
     )
     p.add_argument(
         "--from-log",
         action="store_true",
-        help="with --render: rebuild OUT/real_envs.json from the runs logged so far in "
-        "OUT/real_envs.jsonl (an interrupted run; footprints are measured again)",
+        help="with --render: rebuild OUT/results.json from the runs logged so far in "
+        "OUT/results.jsonl (an interrupted run; footprints are measured again)",
     )
     args = p.parse_args(argv)
     if args.run_one:
@@ -2174,10 +2146,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.render:
         # Summary and derived figures are recomputed from the runs with this code.
-        results = json.loads((out / "real_envs.json").read_text())
+        results = json.loads((out / "results.json").read_text())
         results["summary"] = aggregate(results["runs"])
         results["derived"] = derive(results["summary"], Settings(**results["settings"]))
-        (out / "real_envs.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
         write_all(out, results)
         return 0
     s = Settings.quick_settings() if args.quick else Settings()
@@ -2196,7 +2168,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info() | {"loadavg_start": os.getloadavg()}
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="real-envs-") as tmp:
-        ran = execute(s, Path(tmp), log=out / "real_envs.jsonl" if not s.quick else None)
+        ran = execute(s, Path(tmp), log=out / "runs.jsonl" if not s.quick else None)
     machine["loadavg_end"] = os.getloadavg()
     machine["minutes"] = (time.perf_counter() - t0) / 60
     summary = aggregate(ran["records"])
@@ -2208,7 +2180,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary,
         "derived": derive(summary, s),
     }
-    (out / "real_envs.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     write_all(out, results)
     return 0
 

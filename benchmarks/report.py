@@ -9,15 +9,35 @@ import os
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from benchmarks.contenders import CONTENDERS
+from benchmarks.fmt import cores as _cores
+from benchmarks.fmt import k as _k
+from benchmarks.fmt import mb as _mb
+from benchmarks.fmt import pct as _pct
+from benchmarks.fmt import table as _table
+from benchmarks.fmt import x as _x
 from benchmarks.suite import Config, Settings
 
-__all__ = ["machine_info", "write_json", "write_markdown", "write_plots"]
+__all__ = [
+    "CHARTS_SKIPPED",
+    "draw_charts",
+    "machine_info",
+    "write_json",
+    "write_markdown",
+    "write_plots",
+]
+
+#: What a run without matplotlib says instead of drawing its charts.
+CHARTS_SKIPPED = (
+    "charts skipped: matplotlib is not installed (pip install matplotlib, or the bench extra); "
+    "the results and tables are written"
+)
 
 _VERSIONED = [
     "numpy",
@@ -73,21 +93,6 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 # Markdown
 
 
-def _k(rate: float | None) -> str:
-    """Format steps/s compactly: 1234 -> 1.23k."""
-    if rate is None:
-        return "-"
-    if rate >= 1e6:
-        return f"{rate / 1e6:.2f}M"
-    if rate >= 1e3:
-        return f"{rate / 1e3:.1f}k"
-    return f"{rate:.0f}"
-
-
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f}"
-
-
 def _cell(agg: dict[str, Any] | None) -> str:
     """``median [min-max]`` (``!`` when other processes disturbed a run), or why no number."""
     if agg is None:
@@ -104,20 +109,6 @@ def _cores_cell(agg: dict[str, Any] | None) -> str:
     if not agg or not agg.get("own_cores"):
         return "-"
     return f"{statistics.median(agg['own_cores']):.2f}"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return [*out, ""]
 
 
 def _rows_main(
@@ -198,13 +189,17 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         rows.append(ideal_row)
         lines += _table(header, rows)
 
-        lines += ["### Ratios: x SyncVectorEnv / % of ideal", ""]
+        lines += ["### Ratios: x SyncVectorEnv / % of the ceiling / % of ideal", ""]
         rows = []
         for name, cfgs in _rows_main(results, "main", envs):
             cells = []
             for cfg in cfgs:
                 r = ratios.get(cfg.key) if cfg else None
-                cells.append(f"{_x(r['vs_sync'])} / {_pct(r['vs_ideal'])}" if r else "-")
+                cells.append(
+                    f"{_x(r['vs_sync'])} / {_pct(r.get('vs_ceiling'))} / {_pct(r['vs_ideal'])}"
+                    if r
+                    else "-"
+                )
             rows.append([name, *cells])
         lines += _table(["contender", *envs], rows)
 
@@ -241,10 +236,11 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                     cfg.label,
                     _cell(summary.get(cfg.key)),
                     _x(r.get("vs_sync")),
+                    _pct(r.get("vs_ceiling")),
                     _pct(r.get("vs_ideal")),
                 ]
             )
-        lines += _table(["contender", "steps/s", "x sync", "% ideal"], rows)
+        lines += _table(["contender", "steps/s", "x sync", "% ceiling", "% ideal"], rows)
 
     if groups.get("scaling"):
         lines += ["## Scaling: CartPole-v1 steps/s against the number of envs", ""]
@@ -380,8 +376,28 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
 
     if groups.get("policy"):
         lines += _policy_markdown(results)
+    if groups.get("vector"):
+        lines += [
+            f"## asyncsample.VectorEnv against gymnasium's vector envs ({settings.n_envs} envs)",
+            "",
+            "Random actions, lockstep `step` (agent steps/s = vector steps x envs). The "
+            f"ceiling: {settings.cores} plain single-env loops side by side, one process each.",
+            "",
+            *cell_tables(results, "vector"),
+        ]
+    if groups.get("host"):
+        lines += [
+            '## inference="host" with a random agent, every layout',
+            "",
+            "The built-in random agent runs inside the env hosts (`host`) or in the main "
+            f"process (`per_worker`); calls of {settings.host_fragment_steps} steps per env; "
+            f"the ceiling: {settings.cores} plain single-env loops side by side.",
+            "",
+            *cell_tables(results, "host"),
+        ]
 
-    if derived["targets"] and any(t["value"] is not None for t in derived["targets"]):
+    main_targets = [t for t in derived["targets"] if not t.get("lower_is_better")]
+    if any(t["value"] is not None for t in main_targets):
         lines += ["## Ratios against the goals (best asyncsample layout)", ""]
         rows = []
         for t in derived["targets"]:
@@ -425,62 +441,98 @@ def _median(values: list[float] | None) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _cores(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
 def _policy_markdown(results: dict[str, Any]) -> list[str]:
     """The policy workload: steps/s, x SyncVectorEnv, CPU of main process and env hosts."""
     settings: Settings = results["_settings"]
-    summary: dict[str, dict[str, Any]] = results["summary"]
     derived = results["derived"]
-    configs: list[Config] = results["_groups"]["policy"]
-    ratios = derived["ratios"]
     lines = [
         "## Policy workload: a torch MLP drives every contender",
         "",
         "The same MLP (64x64 tanh, one torch thread per process, stochastic actions: "
         "Categorical on CartPole, Gaussian clipped to the box on HalfCheetah) picks every "
-        "action, in the main process, for every contender. asyncsample's inference modes: "
-        "`per_worker` (one agent call per worker step), `batched` (the workers' calls merged "
-        "into one, lockstep: reproducible), `batched-threaded` (the same, the agent call in a "
-        "helper thread), `eager` (flush as soon as no worker runs Python; timing-dependent "
-        f"batches). Layouts are workers x envs per worker over {settings.n_processes} "
-        "env-host processes. CPU: cores used by the main process and by everything else the "
-        "contender started (env processes), per second of wall time (median over runs).",
+        "action, for every contender. asyncsample's inference modes: `per_worker` (one agent "
+        "call per worker step), `batched` (the workers' calls merged into one, lockstep), "
+        "`host` (a copy of the agent in each env host, chunks of steps per request). "
+        f"Layouts are workers x envs per worker over {settings.n_processes} env-host "
+        "processes; calls of "
+        f"{settings.fragment_steps} steps per env. The ceiling: {settings.cores} "
+        f"`SyncVectorEnv(n/{settings.cores})` + policy loops side by side, one process each; "
+        "`% ceiling` is against the larger of it and SyncVectorEnv. TorchRL's collectors drive "
+        "the same MLP as a `TensorDictModule`. CPU: cores used by the main process and by "
+        "everything else the contender started, per second of wall time (median over runs).",
         "",
     ]
-    for env in settings.policy_envs:
-        for n in settings.policy_n_envs:
-            rows = []
-            for cfg in configs:
-                if cfg.env != env or cfg.n_envs != n:
-                    continue
-                agg = summary.get(cfg.key)
-                r = ratios.get(cfg.key) or {}
-                calls = next((x for x in (agg or {}).get("notes", []) if "per agent call" in x), "")
-                rows.append(
-                    [
-                        cfg.label,
-                        _cell(agg),
-                        _x(r.get("vs_sync")),
-                        _cores(_median((agg or {}).get("main_cores"))),
-                        _cores(_median((agg or {}).get("host_cores"))),
-                        calls.replace(" per agent call", ""),
-                    ]
-                )
-            if rows:
-                lines += [f"### {env}, {n} envs", ""]
-                header = ["contender", "steps/s", "x sync", "main CPU", "hosts CPU", "per call"]
-                lines += _table(header, rows)
+    lines += cell_tables(results, "policy")
     targets = derived.get("policy", {}).get("targets", [])
     if targets:
         lines += ["### Policy workload: ratios against the goals", ""]
         rows = []
         for t in targets:
             met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-            rows.append([t["what"], f">= {t['target']:.1f}x", _x(t["value"]), t["by"] or "-", met])
+            rows.append([t["what"], f">= {t['target']:.2f}x", _x(t["value"]), t["by"] or "-", met])
         lines += _table(["target", "goal", "measured", "by", ""], rows)
+    return lines
+
+
+def cell_tables(results: dict[str, Any], group: str) -> list[str]:
+    """One table per (env, env count) cell of ``group``, the ceiling first, then by steps/s.
+
+    Columns: steps/s (median [min-max]), % ceiling, x SyncVectorEnv and x AsyncVectorEnv, the
+    cores of the main process and of the rest of the contender's processes, and rows per agent
+    call (asyncsample).
+    """
+    summary: dict[str, dict[str, Any]] = results["summary"]
+    ratios = results["derived"]["ratios"]
+    configs: list[Config] = results["_groups"].get(group, [])
+    cells: dict[tuple[str, int], list[Config]] = {}
+    for cfg in configs:
+        n = cfg.n_envs
+        if cfg.contender == "ceiling" and not cfg.policy:
+            # a random agent's ceiling (one env per loop) stands beside every env count
+            for other in configs:
+                if other.env == cfg.env and other.contender != "ceiling":
+                    n = other.n_envs
+                    cells.setdefault((cfg.env, n), [])
+                    if cfg not in cells[(cfg.env, n)]:
+                        cells[(cfg.env, n)].append(cfg)
+            continue
+        cells.setdefault((cfg.env, n), []).append(cfg)
+
+    def order(cfg: Config) -> tuple[int, float]:
+        agg = summary.get(cfg.key) or {}
+        return (0 if cfg.contender == "ceiling" else 1, -(agg.get("median") or 0.0))
+
+    lines: list[str] = []
+    for (env, n), members in cells.items():
+        rows = []
+        for cfg in sorted(members, key=order):
+            agg = summary.get(cfg.key)
+            r = ratios.get(cfg.key) or {}
+            calls = next((x for x in (agg or {}).get("notes", []) if "per agent call" in x), "")
+            rows.append(
+                [
+                    cfg.label,
+                    _cell(agg),
+                    _pct(r.get("vs_ceiling")),
+                    _x(r.get("vs_sync")),
+                    _x(r.get("vs_async")),
+                    _cores(_median((agg or {}).get("main_cores"))),
+                    _cores(_median((agg or {}).get("host_cores"))),
+                    calls.replace(" per agent call", ""),
+                ]
+            )
+        lines += [f"### {env}, {n} envs", ""]
+        header = [
+            "contender",
+            "steps/s",
+            "% ceiling",
+            "x sync",
+            "x async",
+            "main CPU",
+            "others CPU",
+            "per call",
+        ]
+        lines += _table(header, rows)
     return lines
 
 
@@ -494,6 +546,26 @@ def _ms(v: float | None) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Charts
+
+
+def draw_charts(
+    draw: Callable[[Path, dict[str, Any]], list[Path]], out: Path, results: dict[str, Any]
+) -> list[Path]:
+    """Draw the charts of a run with ``draw``, or say on stderr that they were skipped.
+
+    matplotlib is optional (a plain ``pip install`` has none): the measurements of a long run
+    are worth more than its charts, so a missing matplotlib skips them instead of failing the
+    run after it measured.
+
+    Returns:
+        The files written (none when matplotlib is missing).
+    """
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(CHARTS_SKIPPED, file=sys.stderr)
+        return []
+    return draw(out, results)
 
 
 def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:

@@ -4,7 +4,8 @@ Every returned episode is checked step by step: the env's observation carries th
 a missing, repeated or foreign transition shows up as a gap. Reports steps/s, faults injected and
 survived, transitions lost from completed episodes (must be 0), and memory of every process.
 
-Run: ``python -m benchmarks.soak --minutes 3`` (writes ``benchmarks/results/soak.json``).
+Run: ``python -m benchmarks.soak --minutes 3`` (writes ``benchmarks/results/soak/results.json``
+and ``.md``).
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p-kill", type=float, default=5e-5)
     parser.add_argument("--p-hang", type=float, default=2e-5)
     parser.add_argument("--step-timeout", type=float, default=1.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "soak" / "results.json")
     args = parser.parse_args(argv)
     result = uvloop.run(soak(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)

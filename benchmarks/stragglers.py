@@ -17,7 +17,7 @@ machine's load hits them alike. Per call it records the wall time, the transitio
 per-worker transitions and waits from ``last_stats``, and checks the guarantees: every worker
 at or above ``ceil(f * share)`` and the total at or above ``n``. The machine is shared: the load
 average (``uptime``) before and after is recorded with the results, in
-``benchmarks/results/stragglers.json`` and ``.md`` (the table is also printed).
+``benchmarks/results/stragglers/results.json`` and ``.md`` (the table is also printed).
 """
 
 from __future__ import annotations
@@ -268,7 +268,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-cost", type=float, default=2e-3, help="seconds per step")
     p.add_argument("--fast-cost", type=float, default=200e-6, help="seconds per step")
     p.add_argument("--quick", action="store_true", help="a smoke run: n=800, 1 call")
-    p.add_argument("--out", type=Path, default=RESULTS, help="directory of the results")
+    p.add_argument(
+        "--out", type=Path, default=RESULTS / "stragglers", help="directory of the results"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.n, args.calls = 800, 1
@@ -291,9 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
     } | {"argv": list(argv) if argv is not None else sys.argv[1:]}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stragglers.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)
-    (args.out / "stragglers.md").write_text(text)
+    (args.out / "results.md").write_text(text)
     print(text)
     return result
 

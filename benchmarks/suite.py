@@ -36,13 +36,18 @@ from benchmarks.envs import full_id
 ALL_ENVS = ["CartPole-v1", "FixedCost-v0", "HeavyTail-v0", "Image-v0", "NoOp-v0"]
 PEERS = ["sync", "async", "sb3", "tianshou-subproc", "tianshou-shmem", "envpool"]
 OURS = ["asyncsample", "asyncsample-local", "asyncsample-vector"]
-ALL_CONTENDERS = PEERS + OURS
+#: TorchRL's collectors (the policy workload only; :mod:`benchmarks.torchrl_peers`).
+TORCHRL = ["torchrl-collector", "torchrl-multisync", "torchrl-multiasync", "torchrl-asyncbatched"]
+#: The machine's ceiling (:mod:`benchmarks.ceiling`): a contender of every group but ``ideal``.
+CEILING = "ceiling"
+ALL_CONTENDERS = [CEILING, *PEERS, *OURS, *TORCHRL]
 GROUPS = ["ideal", "main", "big", "scaling", "overhead"]
-#: Groups that run only when named (``--groups policy``).
-EXTRA_GROUPS = ["policy"]
+#: Groups that run only when named (``--groups policy``) or by their study.
+EXTRA_GROUPS = ["policy", "vector", "host"]
 POLICY_ENVS = ["CartPole-v1", "HalfCheetah-v5"]
-#: Contenders driven like a gymnasium vector env (one policy call per vector step).
-POLICY_PEERS = ["sync", "async", "sb3", "asyncsample-vector"]
+#: Contenders driven like a gymnasium vector env (one policy call per vector step), and the rest
+#: of the policy workload's peers.
+POLICY_PEERS = ["sync", "async", "sb3", "asyncsample-vector", CEILING, *TORCHRL]
 
 #: Contender -> module that must be importable for it to run.
 REQUIRES = {
@@ -53,9 +58,10 @@ REQUIRES = {
     "asyncsample": "asyncsample",
     "asyncsample-local": "asyncsample",
     "asyncsample-vector": "asyncsample",
+    **dict.fromkeys(TORCHRL, "torchrl"),
 }
 #: Peers that import torch (slow to start); ``--quick`` skips them unless named.
-TORCH_PEERS = {"sb3", "tianshou-subproc", "tianshou-shmem"}
+TORCH_PEERS = {"sb3", "tianshou-subproc", "tianshou-shmem", *TORCHRL}
 
 
 @dataclass
@@ -87,6 +93,16 @@ class Settings:
         max_foreign: Cores other processes may take before a run counts as disturbed.
         quick: Tiny smoke-test settings.
         explicit: The contenders were named on the command line.
+        policy_envs: Envs of the policy workload.
+        policy_n_envs: Env counts of the policy workload.
+        policy_layouts: asyncsample layouts of the policy workload, by env count.
+        policy_inference: asyncsample inference modes of the policy workload.
+        policy_transitions: Timed transitions of a policy run, per env.
+        vector_envs: Envs of the ``vector`` group (``VectorEnv`` against gymnasium's).
+        host_envs: Envs of the ``host`` group (``inference="host"``, random agent).
+        host_layouts: asyncsample layouts of the ``host`` group (every one a user may pick).
+        host_fragment_steps: Steps per env per call in the ``host`` group.
+        once: Contenders run in the first repeat only (slow to start, far from the others).
     """
 
     envs: list[str] = field(default_factory=lambda: list(ALL_ENVS))
@@ -125,12 +141,19 @@ class Settings:
     policy_layouts: dict[int, list[tuple[int, int]]] = field(
         default_factory=lambda: {8: [(2, 4), (8, 1)], 32: [(2, 16), (8, 4)]}
     )
-    policy_inference: list[str] = field(
-        default_factory=lambda: ["per_worker", "batched", "batched-threaded", "eager"]
-    )
+    policy_inference: list[str] = field(default_factory=lambda: ["per_worker", "batched", "host"])
     policy_transitions: dict[str, int] = field(
         default_factory=lambda: {"CartPole-v1": 10_000, "HalfCheetah-v5": 5_000}
     )
+    vector_envs: list[str] = field(
+        default_factory=lambda: ["CartPole-v1", "FixedCost-v0", "Image-v0"]
+    )
+    host_envs: list[str] = field(
+        default_factory=lambda: ["FixedCost-v0", "HeavyTail-v0", "CartPole-v1"]
+    )
+    host_layouts: list[tuple[int, int]] = field(default_factory=lambda: [(2, 4), (4, 2), (8, 1)])
+    host_fragment_steps: int = 256
+    once: list[str] = field(default_factory=list)
 
     @classmethod
     def quick_settings(cls, **overrides: Any) -> Settings:
@@ -148,7 +171,9 @@ class Settings:
             quick=True,
             policy_n_envs=[8],
             policy_layouts={8: [(2, 4)]},
-            policy_inference=["per_worker", "batched"],
+            policy_inference=["per_worker", "batched", "host"],
+            host_layouts=[(2, 4)],
+            host_fragment_steps=16,
             policy_transitions={"CartPole-v1": 1_000, "HalfCheetah-v5": 500},
         )
         for key, value in overrides.items():
@@ -176,13 +201,16 @@ class Config:
     envs_per_worker: int = 0
     n_processes: int = 0
     policy: str = ""  # "" random actions; "mlp": the policy workload
-    inference: str = ""  # asyncsample's inference mode with a policy
+    inference: str = ""  # asyncsample's inference mode ("" is per_worker)
+    steps: int = 0  # steps per env per call, when not the settings' fragment_steps
 
     @property
     def key(self) -> str:
         """Unique id of the config."""
         key = f"{self.contender}|{self.env}|{self.n_envs}|{self.layout}"
-        return f"{key}|{self.policy}|{self.inference}" if self.policy else key
+        if self.policy or self.inference:
+            key = f"{key}|{self.policy}|{self.inference}"
+        return f"{key}|s{self.steps}" if self.steps else key
 
     @property
     def layout(self) -> str:
@@ -228,7 +256,7 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
                         groups[group].append(_ours(c, env, n, w, s.n_processes))
             elif c == "asyncsample-local":
                 groups[group].append(_ours(c, env, n, s.local_workers, 0))
-            else:
+            elif c not in (CEILING, *TORCHRL):
                 groups[group].append(Config(c, env, n))
 
     if "ideal" in groups:
@@ -260,7 +288,7 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
         for env in s.policy_envs:
             for n in s.policy_n_envs:
                 for c in chosen:
-                    if c in POLICY_PEERS:
+                    if c in POLICY_PEERS and c != CEILING:
                         groups["policy"].append(Config(c, env, n, policy="mlp"))
                     elif c == "asyncsample":
                         for inference in s.policy_inference:
@@ -269,6 +297,25 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
                                     groups["policy"].append(
                                         Config(c, env, n, w, k, s.n_processes, "mlp", inference)
                                     )
+    if "vector" in groups:
+        for env in s.vector_envs:
+            for c in chosen:
+                if c in ("sync", "async", "asyncsample-vector"):
+                    groups["vector"].append(Config(c, env, s.n_envs))
+    if "host" in groups:
+        for env in s.host_envs:
+            for c in chosen:
+                if c == "async":
+                    groups["host"].append(Config(c, env, s.n_envs))
+                elif c == "asyncsample":
+                    for w, k in s.host_layouts:
+                        for inference in ("per_worker", "host"):
+                            groups["host"].append(
+                                Config(c, env, w * k, w, k, s.n_processes, "", inference,
+                                       s.host_fragment_steps)
+                            )  # fmt: skip
+    if CEILING in chosen:
+        _add_ceilings(groups, s)
     if "overhead" in groups and "NoOp-v0" in s.envs:
         for c in chosen:
             if c in ("sync", "async"):
@@ -279,6 +326,29 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
             elif c == "asyncsample-local":
                 groups["overhead"].append(Config(c, "NoOp-v0", 1, 1, 1, 0))
     return groups
+
+
+def ceiling_config(env: str, n_envs: int, policy: str, cores: int) -> Config:
+    """The ceiling config a run of ``env`` with ``n_envs`` envs is set against.
+
+    A random agent's ceiling is one env per loop whatever ``n_envs``; a policy's is
+    ``SyncVectorEnv(n_envs / cores)`` per loop.
+    """
+    return Config(CEILING, env, n_envs if policy else cores, policy=policy)
+
+
+def _add_ceilings(groups: dict[str, list[Config]], s: Settings) -> None:
+    """Put the ceiling of every (env, env count, policy) cell into the group of that cell."""
+    for name, configs in groups.items():
+        if name in ("ideal", "overhead"):
+            continue
+        cells = {(c.env, c.n_envs, c.policy) for c in configs if c.contender != CEILING}
+        have = {c.key for c in configs}
+        for env, n, policy in sorted(cells):
+            cfg = ceiling_config(env, n, policy, s.cores)
+            if cfg.key not in have:
+                configs.append(cfg)
+                have.add(cfg.key)
 
 
 def unique_configs(groups: dict[str, list[Config]]) -> list[Config]:
@@ -323,7 +393,7 @@ def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
         envs_per_worker=cfg.envs_per_worker or cfg.n_envs,
         n_processes=cfg.n_processes or settings.cores,
         cores=settings.cores,
-        fragment_steps=settings.fragment_steps,
+        fragment_steps=cfg.steps or settings.fragment_steps,
         instrument=instrument,
         min_seconds=settings.min_seconds,
         policy=cfg.policy,
@@ -376,8 +446,9 @@ def execute(
             runnable.append(cfg)
         else:
             records.append(_record(cfg, -1, {"status": "skipped", "note": reason}))
+    once = sum(cfg.contender in settings.once for cfg in runnable)
     bar = tqdm(
-        total=len(runnable) * settings.repeats,
+        total=len(runnable) * settings.repeats - once * (settings.repeats - 1),
         desc="benchmarks",
         unit="run",
         disable=not progress,
@@ -386,6 +457,8 @@ def execute(
     try:
         for repeat in range(settings.repeats):
             for cfg in runnable:
+                if repeat and cfg.contender in settings.once:
+                    continue
                 bar.set_postfix_str(f"r{repeat + 1} {cfg.env} {cfg.label} n={cfg.n_envs}")
                 spec = make_spec(cfg, settings, instrument=(repeat == 0))
                 outcome = run_one(spec, settings.timeout, workdir)
@@ -551,11 +624,17 @@ def derive(
 
     def ratios(cfg: Config) -> dict[str, float | None]:
         rate = med(cfg.key)
-        sync = med(Config("sync", cfg.env, cfg.n_envs).key)
+        sync = med(Config("sync", cfg.env, cfg.n_envs, policy=cfg.policy).key)
+        peer = med(Config("async", cfg.env, cfg.n_envs, policy=cfg.policy).key)
         ide = ideal.get(cfg.env, {}).get("ideal_rate")
+        ceil = med(ceiling_config(cfg.env, cfg.n_envs, cfg.policy, cores).key)
+        if cfg.policy and sync and ceil:
+            ceil = max(ceil, sync)  # a policy's ceiling: the larger of the two
         return {
             "vs_sync": rate / sync if rate and sync else None,
-            "vs_ideal": rate / ide if rate and ide else None,
+            "vs_async": rate / peer if rate and peer else None,
+            "vs_ideal": None if cfg.policy else (rate / ide if rate and ide else None),
+            "vs_ceiling": rate / ceil if rate and ceil else None,
         }
 
     best: dict[str, dict[str, Any]] = {}
@@ -657,8 +736,8 @@ def derive(
             t["met"] = t["value"] < t["target"]
         else:
             t["met"] = t["value"] >= t["target"]
-    policy = _derive_policy(med, groups.get("policy", []))
-    per_config.update(policy.pop("ratios"))
+    policy = _derive_policy(med, groups.get("policy", []), cores)
+    policy.pop("ratios")  # ``per_config`` has them, with the ceiling
     return {
         "policy": policy,
         "ideal": ideal,
@@ -669,59 +748,47 @@ def derive(
     }
 
 
-#: The policy workload's goals: best asyncsample vs SyncVectorEnv with the MLP, by (env, envs).
+#: The policy workload's cells (env, envs) and issue 25's goal in each: the best asyncsample
+#: mode and layout at this fraction of the ceiling (the larger of SyncVectorEnv and the loops).
 POLICY_TARGETS = {
-    ("CartPole-v1", 8): 1.2,
-    ("CartPole-v1", 32): 1.5,
-    ("HalfCheetah-v5", 8): 1.5,
-    ("HalfCheetah-v5", 32): 1.8,
+    ("CartPole-v1", 8): 0.9,
+    ("CartPole-v1", 32): 0.9,
+    ("HalfCheetah-v5", 8): 0.9,
+    ("HalfCheetah-v5", 32): 0.9,
 }
 
 
-def _derive_policy(med: Any, configs: list[Config]) -> dict[str, Any]:
-    """Ratios, best asyncsample mode/layout and targets of the policy workload."""
-    ratios: dict[str, dict[str, float | None]] = {}
+def _derive_policy(med: Any, configs: list[Config], cores: int = 2) -> dict[str, Any]:
+    """Best asyncsample mode/layout per cell and the targets of the policy workload."""
     best: dict[str, dict[str, Any]] = {}
     for cfg in configs:
         rate = med(cfg.key)
-        if not rate:
+        if not rate or cfg.contender != "asyncsample":
             continue
-        sync = med(Config("sync", cfg.env, cfg.n_envs, policy=cfg.policy).key)
-        ratios[cfg.key] = {"vs_sync": rate / sync if sync else None, "vs_ideal": None}
-        if cfg.contender == "asyncsample":
-            slot = f"{cfg.env}|{cfg.n_envs}"
-            if slot not in best or rate > best[slot]["median"]:
-                best[slot] = {
-                    "key": cfg.key,
-                    "label": cfg.label,
-                    "median": rate,
-                    "vs_sync": ratios[cfg.key]["vs_sync"],
-                }
+        slot = f"{cfg.env}|{cfg.n_envs}"
+        if slot not in best or rate > best[slot]["median"]:
+            sync = med(Config("sync", cfg.env, cfg.n_envs, policy=cfg.policy).key)
+            loops = med(ceiling_config(cfg.env, cfg.n_envs, cfg.policy, cores).key)
+            ceil = max(sync or 0.0, loops or 0.0) or None
+            best[slot] = {
+                "key": cfg.key,
+                "label": cfg.label,
+                "median": rate,
+                "vs_sync": rate / sync if sync else None,
+                "ceiling": ceil,
+                "vs_ceiling": rate / ceil if ceil else None,
+            }
     targets: list[dict[str, Any]] = []
     for (env, n), goal in POLICY_TARGETS.items():
         slot = best.get(f"{env}|{n}")
         targets.append(
             {
-                "what": f"{env} ({n} envs, MLP): best asyncsample x SyncVectorEnv",
+                "what": f"{env} ({n} envs, MLP): best asyncsample x ceiling",
                 "target": goal,
-                "value": slot["vs_sync"] if slot else None,
+                "value": slot["vs_ceiling"] if slot else None,
                 "by": slot["label"] if slot else None,
             }
         )
-    per_worker = med(Config("asyncsample", "CartPole-v1", 32, 8, 4, 2, "mlp", "per_worker").key)
-    modes = ("batched", "batched-threaded", "eager")
-    batched = {
-        m: med(Config("asyncsample", "CartPole-v1", 32, 8, 4, 2, "mlp", m).key) for m in modes
-    }
-    best_mode = max((m for m in modes if batched[m]), key=lambda m: batched[m], default=None)
-    targets.append(
-        {
-            "what": "CartPole-v1 8x4 (MLP): batched x per_worker",
-            "target": 2.0,
-            "value": batched[best_mode] / per_worker if best_mode and per_worker else None,
-            "by": best_mode,
-        }
-    )
     for t in targets:
         t["met"] = None if t["value"] is None else t["value"] >= t["target"]
-    return {"ratios": ratios, "best": best, "targets": targets}
+    return {"ratios": {}, "best": best, "targets": targets}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -28,9 +29,9 @@ from test_process_backend import leaves_nothing
 
 from asyncsample import Sampler, SamplerClosedError, StepTimeoutError, WorkerCrashedError
 from asyncsample.backends import check_options, make_backend
-from asyncsample.backends._remote import place, pool_size
 from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.backends.local import LocalBackend
+from asyncsample.backends.placement import placement, pool_size
 from asyncsample.backends.process import ProcessBackend
 from asyncsample.errors import WorkerError
 
@@ -129,10 +130,16 @@ def test_local_refuses_step_timeout() -> None:
 
 def test_pool_layout_helpers() -> None:
     specs = [host_spec(1, worker=w) for w in range(5)]
-    layout = place(specs, 2)
+    where = placement(5, 2)
+    layout = where.split(specs)
     assert [[s.worker for s in m] for m in layout] == [[0, 2, 4], [1, 3]]
+    assert [where.member(w) for w in range(5)] == [0, 1, 0, 1, 0]
+    assert [where.slot(w) for w in range(5)] == [0, 0, 1, 1, 2]
+    assert list(where.workers(1)) == [1, 3]
     assert pool_size(8, 3) == 3 and pool_size(2, 5) == 2
     assert pool_size(None, 1) == 1
+    assert pool_size(8, 5, workers_per_actor=2) == 3  # Ray's option wins over n_processes
+    assert placement(5, None, 2).n_members == 3
 
 
 # -- close_now ----------------------------------------------------------------------------------
@@ -400,3 +407,130 @@ async def test_call_and_reset_agree_across_backends(name: str) -> None:
             results[backend] = (host.buffers.obs.copy(), await host.call("resets"))
     np.testing.assert_array_equal(results["local"][0], results[name][0])
     assert results["local"][1] == results[name][1] == [1, 1]
+
+
+# -- host_threads ---------------------------------------------------------------------------------
+
+
+class ThreadsEnv(RecordingEnv):
+    """Reports the threads of the numeric libraries in the process that hosts it."""
+
+    def threads(self) -> dict[str, Any]:
+        import torch  # imported here, after the host set its thread variables
+
+        from asyncsample.backends._threads import openblas_threads
+
+        return {
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "torch": torch.get_num_threads(),
+            "openblas": openblas_threads(),
+        }
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_process_hosts_run_host_threads_threads(threads: int) -> None:
+    async with hosts_on("process", [host_spec(1, env=ThreadsEnv)], host_threads=threads) as (
+        _,
+        (host,),
+    ):
+        await host.build([[ThreadsEnv]], [1])
+        (report,) = await host.call("threads")
+    assert report["omp"] == str(threads) and report["torch"] == threads
+    assert set(report["openblas"]) <= {threads}  # numpy's, loaded before the host started
+
+
+async def test_process_hosts_default_to_one_thread_and_none_leaves_the_defaults() -> None:
+    async with hosts_on("process", [host_spec(1, env=ThreadsEnv)]) as (_, (host,)):
+        await host.build([[ThreadsEnv]], [1])
+        (report,) = await host.call("threads")
+    assert report["omp"] == "1" and report["torch"] == 1
+    async with hosts_on("process", [host_spec(1, env=ThreadsEnv)], host_threads=None) as (
+        _,
+        (host,),
+    ):
+        await host.build([[ThreadsEnv]], [1])
+        (report,) = await host.call("threads")
+    assert report["omp"] == os.environ.get("OMP_NUM_THREADS")  # the caller's, untouched
+
+
+class TorchThreadsAgent:
+    """A host-mode agent that reports torch's thread count in the host with each action."""
+
+    def get_actions(self, observations: Any) -> Any:
+        import torch
+
+        n = len(observations)
+        return np.zeros(n, np.int64), {"threads": np.full(n, torch.get_num_threads())}
+
+
+def test_host_threads_is_checked_everywhere() -> None:
+    for make in (
+        lambda **kw: Sampler(RecordingEnv, backend="local", **kw),
+        lambda **kw: make_backend("process", **kw),
+        lambda **kw: make_backend("local", **kw),
+    ):
+        with pytest.raises(ValueError, match=r"host_threads must be >= 1, got 0"):
+            make(host_threads=0)
+        with pytest.raises(TypeError, match=r"host_threads must be an int >= 1 or None"):
+            make(host_threads=1.5)
+
+
+async def test_sampler_passes_host_threads_to_the_hosts_and_the_agent_copy() -> None:
+    async with Sampler(
+        ThreadsEnv,
+        TorchThreadsAgent(),
+        n_workers=2,
+        backend="process",
+        inference="host",
+        host_threads=2,
+        seed=0,
+        max_episode_length=5,
+    ) as sampler:
+        batch = await sampler.obtain_samples(20)
+    assert set(batch.agent_infos["threads"].tolist()) == {2}
+
+
+# -- the host's side: one slot object, operations as an enum --------------------------------------
+
+
+def test_operations_are_an_int_enum_with_labels() -> None:
+    from asyncsample.backends._transport import HEADER, Op
+
+    assert HEADER.unpack(HEADER.pack(0, 7, Op.CHUNK))[2] == Op.CHUNK == 12
+    assert Op(1) is Op.STEP and Op.AGENT.label == "agent install"
+    assert Op.PARAMS.label == "parameter update" and Op.SET_ATTR.label == "set_attr"
+
+
+def test_host_slot_serves_every_operation_from_bytes() -> None:
+    from asyncsample.backends._slot import HostSlot
+    from asyncsample.backends._transport import Op
+    from asyncsample.env_group import EnvFailureError
+
+    slot = HostSlot.allocate(host_spec(2))
+    all_envs = np.ones(2, np.bool_).tobytes()
+    assert slot.serve(Op.BUILD, cloudpickle.dumps(([[RecordingEnv]] * 2, [1, 2]))) == b""
+    infos = pickle.loads(slot.serve(Op.RESET, all_envs))
+    assert infos[0]["seed"] == 1 and infos[1]["seed"] == 2
+    slot.group.buffers.actions[:] = 1
+    assert slot.serve(Op.STEP, all_envs) == b""  # nothing to say: an empty reply
+    args = cloudpickle.dumps(("scaled", [2.0], {"factor": 3.0}, [1]))
+    assert pickle.loads(slot.serve(Op.CALL, args)) == [7.0]
+    with pytest.raises(ValueError, match="unknown request opcode 99"):
+        slot.serve(99, b"")
+    with pytest.raises(RuntimeError, match="not started for inference='host'"):
+        slot.serve(Op.AGENT, b"")
+    with pytest.raises(EnvFailureError) as info:
+        slot.serve(Op.UPDATE, b"not a pickle")
+    failure = info.value.failure
+    assert not failure.retry and "env update could not be unpickled" in str(failure.error)
+    assert slot.serve(Op.CLOSE, b"") == b""
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+async def test_direct_reader_is_a_capability_of_the_host(name: str) -> None:
+    async with hosts_on(name, [host_spec(1)]) as (_, (host,)):
+        reader = host.direct_reader()
+        if name == "local":
+            assert reader is None  # no stream: the calls run in the caller's thread
+        else:
+            assert reader is not None and reader.fd >= 0 and callable(reader.read_now)

@@ -12,11 +12,17 @@ import cloudpickle
 import numpy as np
 import pytest
 from envs import DictObsEnv, NoisyEnv
+from helpers import SamplerFactory
 
 from asyncsample import EpisodeBatch, Sampler
 from asyncsample.inference import Batched
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [
+    pytest.mark.timeout(90),
+    pytest.mark.sampler_defaults(
+        env=NoisyEnv, n_workers=4, envs_per_worker=2, max_episode_length=30, seed=7
+    ),
+]
 
 # The dict-observation env below must reach the env-host processes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -57,17 +63,6 @@ class RngAgent:
         return self.rng.integers(0, 3, len(observations)), {}
 
 
-def make(backend: str, agent: Any, inference: Any = "per_worker", **kw: Any) -> Sampler:
-    kw.setdefault("n_workers", 4)
-    kw.setdefault("envs_per_worker", 2)
-    kw.setdefault("max_episode_length", 30)
-    kw.setdefault("env", NoisyEnv)
-    if backend == "process":
-        kw.setdefault("n_processes", 2)
-    env = kw.pop("env")
-    return Sampler(env, agent, seed=7, backend=backend, inference=inference, **kw)
-
-
 def assert_equal_batches(a: EpisodeBatch, b: EpisodeBatch) -> None:
     assert np.array_equal(a.lengths, b.lengths)
     for x, y in ((a.observations, b.observations), (a.last_observations, b.last_observations)):
@@ -105,12 +100,12 @@ MODES = [
 @pytest.mark.parametrize("backend", ["local", "process"])
 @pytest.mark.parametrize(("call", "options"), MODES, ids=[f"{c}-{o.flush}" for c, o in MODES])
 async def test_deterministic_agent_matches_per_worker(
-    backend: str, call: str, options: Batched
+    backend: str, call: str, options: Batched, make_sampler: SamplerFactory
 ) -> None:
     agent_cls = AsyncLinearAgent if call == "async" else LinearAgent
-    expected = await three_calls(make(backend, agent_cls()))
+    expected = await three_calls(make_sampler(backend, agent=agent_cls()))
     agent = agent_cls()
-    got = await three_calls(make(backend, agent, options))
+    got = await three_calls(make_sampler(backend, agent=agent, inference=options))
     for a, b in zip(expected, got):
         assert_equal_batches(a, b)
     # Some calls merged several workers' rows (2 per worker here).
@@ -118,26 +113,34 @@ async def test_deterministic_agent_matches_per_worker(
 
 
 @pytest.mark.parametrize("backend", ["local", "process"])
-async def test_dict_observations_match_per_worker(backend: str) -> None:
-    expected = await three_calls(make(backend, LinearAgent(), env=DictObsEnv))
-    got = await three_calls(make(backend, LinearAgent(), "batched", env=DictObsEnv))
+async def test_dict_observations_match_per_worker(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    expected = await three_calls(make_sampler(backend, agent=LinearAgent(), env=DictObsEnv))
+    got = await three_calls(
+        make_sampler(backend, agent=LinearAgent(), inference="batched", env=DictObsEnv)
+    )
     for a, b in zip(expected, got):
         assert_equal_batches(a, b)
 
 
 @pytest.mark.parametrize("backend", ["local", "process"])
-async def test_lockstep_merges_every_worker(backend: str) -> None:
+async def test_lockstep_merges_every_worker(backend: str, make_sampler: SamplerFactory) -> None:
     agent = LinearAgent()
     # Fragments: every worker steps its envs the same number of times, in lockstep.
-    async with make(backend, agent, "batched", env=DictObsEnv, n_workers=4) as sampler:
+    async with make_sampler(
+        backend, agent=agent, inference="batched", env=DictObsEnv, n_workers=4
+    ) as sampler:
         await sampler.obtain_fragments(4 * 2 * 10)
     assert agent.calls == [8] * 10
 
 
 @pytest.mark.parametrize("backend", ["local", "process"])
-async def test_eager_merges_several_workers(backend: str) -> None:
+async def test_eager_merges_several_workers(backend: str, make_sampler: SamplerFactory) -> None:
     agent = LinearAgent()
-    async with make(backend, agent, Batched("eager"), n_workers=4) as sampler:
+    async with make_sampler(
+        backend, agent=agent, inference=Batched("eager"), n_workers=4
+    ) as sampler:
         await sampler.obtain_fragments(4 * 2 * 50)
         stats = sampler._batcher.stats  # type: ignore[union-attr]
     assert sum(agent.calls) == 4 * 2 * 50
@@ -146,9 +149,11 @@ async def test_eager_merges_several_workers(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["local", "process"])
-async def test_stochastic_agent_is_reproducible_in_lockstep(backend: str) -> None:
+async def test_stochastic_agent_is_reproducible_in_lockstep(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     async def run() -> list[EpisodeBatch]:
-        async with make(backend, RngAgent(3), "batched") as sampler:
+        async with make_sampler(backend, agent=RngAgent(3), inference="batched") as sampler:
             return [await sampler.obtain_samples(300), await sampler.obtain_fragments(100)]
 
     first, second = await run(), await run()
@@ -172,10 +177,10 @@ class FailingAgent(LinearAgent):
 @pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("backend", ["local", "process"])
 async def test_agent_error_reaches_the_call_and_sampler_stays_usable(
-    backend: str, threaded: bool
+    backend: str, threaded: bool, make_sampler: SamplerFactory
 ) -> None:
     agent = FailingAgent(fail_at=5)
-    async with make(backend, agent, Batched(threaded=threaded)) as sampler:
+    async with make_sampler(backend, agent=agent, inference=Batched(threaded=threaded)) as sampler:
         with pytest.raises(RuntimeError, match="agent exploded"):
             await sampler.obtain_samples(500)
         batch = await sampler.obtain_samples(200)
@@ -196,13 +201,15 @@ class WrongRows(LinearAgent):
 
 
 @pytest.mark.parametrize("what", ["actions", "infos"])
-async def test_wrong_number_of_rows_is_a_value_error_naming_the_workers(what: str) -> None:
-    async with make("local", WrongRows(what), "batched") as sampler:
+async def test_wrong_number_of_rows_is_a_value_error_naming_the_workers(
+    what: str, make_sampler: SamplerFactory
+) -> None:
+    async with make_sampler("local", agent=WrongRows(what), inference="batched") as sampler:
         with pytest.raises(ValueError, match=r"workers 0, 1, 2, 3.*raised in worker \d") as info:
             await sampler.obtain_samples(100)
         assert ("action" if what == "actions" else "agent info 'twice'") in str(info.value)
     # The sampler is still usable after the error (a fresh agent this time).
-    async with make("local", WrongRows(what), "batched") as sampler:
+    async with make_sampler("local", agent=WrongRows(what), inference="batched") as sampler:
         await sampler.update_agent(LinearAgent())
         assert (await sampler.obtain_samples(50)).n_transitions >= 50
 
@@ -223,9 +230,13 @@ class ParamLinear(LinearAgent):
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-async def test_agent_updates_parameters_and_new_agent(threaded: bool) -> None:
+async def test_agent_updates_parameters_and_new_agent(
+    threaded: bool, make_sampler: SamplerFactory
+) -> None:
     agent = ParamLinear()
-    async with make("process", agent, Batched(threaded=threaded)) as sampler:
+    async with make_sampler(
+        "process", agent=agent, inference=Batched(threaded=threaded)
+    ) as sampler:
         batch = await sampler.obtain_samples(100, agent_update=np.array([1]))
         assert agent.offset == 1
         assert np.array_equal(batch.actions, (LinearAgent().act(batch.observations) + 1) % 3)
@@ -268,10 +279,12 @@ class BlockingThreadAgent(LinearAgent):
 
 @pytest.mark.parametrize("kind", ["async", "threaded"])
 @pytest.mark.parametrize("backend", ["local", "process"])
-async def test_cancelled_call_leaves_no_stuck_request(backend: str, kind: str) -> None:
+async def test_cancelled_call_leaves_no_stuck_request(
+    backend: str, kind: str, make_sampler: SamplerFactory
+) -> None:
     agent: Any = BlockingAsyncAgent() if kind == "async" else BlockingThreadAgent()
     options = Batched(threaded=kind == "threaded")
-    async with make(backend, agent, options) as sampler:
+    async with make_sampler(backend, agent=agent, inference=options) as sampler:
         await sampler.obtain_samples(50)
         agent.block = True
         task = asyncio.ensure_future(sampler.obtain_samples(10_000))
@@ -290,9 +303,9 @@ async def test_cancelled_call_leaves_no_stuck_request(backend: str, kind: str) -
     assert np.all(batch.lengths >= 1)
 
 
-async def test_stream_with_batched_inference() -> None:
+async def test_stream_with_batched_inference(make_sampler: SamplerFactory) -> None:
     agent = ParamLinear()
-    async with make("process", agent, "batched") as sampler:
+    async with make_sampler("process", agent=agent, inference="batched") as sampler:
         async with contextlib.aclosing(sampler.stream(100)) as it:
             n = 0
             async for batch in it:
@@ -325,10 +338,12 @@ def test_constructor_errors() -> None:
 
 
 @pytest.mark.parametrize("backend", ["local", "process"])
-async def test_eager_min_fraction_one_waits_for_every_worker(backend: str) -> None:
+async def test_eager_min_fraction_one_waits_for_every_worker(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
     agent = LinearAgent()
     options = Batched("eager", min_fraction=1.0)
-    async with make(backend, agent, options, n_workers=4) as sampler:
+    async with make_sampler(backend, agent=agent, inference=options, n_workers=4) as sampler:
         await sampler.obtain_fragments(4 * 2 * 10)
     assert agent.calls == [8] * 10
     with pytest.raises(ValueError, match="min_fraction must be between 0 and 1"):

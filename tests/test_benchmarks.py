@@ -1,4 +1,5 @@
-"""The benchmark suite and the soak benchmark run end to end (tiny versions)."""
+"""Every benchmark study runs end to end at its CI budget (``--quick``), and the runner's
+fresh-process guarantees hold."""
 
 from __future__ import annotations
 
@@ -14,34 +15,81 @@ sys.path.insert(0, str(REPO))
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_benchmark_suite_quick_run(tmp_path: Path) -> None:
-    from benchmarks.__main__ import main
+#: Each study's CI smoke run: ``--quick`` and, for the plan studies, the fewest contenders that
+#: still show the study's point (every plan study keeps its ceiling).
+SMOKE: dict[str, list[str]] = {
+    "throughput": ["--envs", "CartPole-v1", "NoOp-v0", "--contenders", "ceiling", "sync",
+                   "asyncsample"],
+    "big": ["--contenders", "ceiling", "sync", "asyncsample"],
+    "scaling": ["--contenders", "ceiling", "sync", "asyncsample"],
+    "overhead": ["--contenders", "sync", "asyncsample"],
+    "policy": ["--contenders", "ceiling", "sync", "asyncsample"],
+    "vector": ["--contenders", "ceiling", "sync", "asyncsample-vector"],
+    "host": ["--contenders", "ceiling", "asyncsample"],
+    "stragglers": [],
+    "soak": [],
+    "ray": ["--envs", "CartPole-v1", "--backends", "process"],
+    "real_envs": ["--contenders", "sync", "asyncsample"],
+    "ab": ["--a", str(REPO), "--workloads", "CartPole-v1 4x8 random"],
+}  # fmt: skip
 
-    code = main(
-        [
-            "--quick",
-            "--envs", "CartPole-v1", "NoOp-v0",
-            "--contenders", "sync", "asyncsample",
-            "--groups", "ideal", "main",
-            "--out", str(tmp_path),
-            "--no-progress",
-        ]
-    )  # fmt: skip
+
+def test_every_study_has_a_smoke_run_and_a_row_in_the_readmes() -> None:
+    from benchmarks.studies import STUDIES
+
+    names = [s.name for s in STUDIES]
+    assert sorted(SMOKE) == sorted(names)
+    for readme in (REPO / "benchmarks" / "README.md", REPO / "README.md"):
+        text = readme.read_text()
+        for name in names:
+            assert f"asyncsample bench {name}" in text, (readme, name)
+
+
+@pytest.mark.parametrize("name", list(SMOKE))
+def test_study_smoke_run(name: str, tmp_path: Path) -> None:
+    """``asyncsample bench NAME --quick`` writes results.json and results.md to ``--out``."""
+    from benchmarks.__main__ import main
+    from benchmarks.studies import get
+
+    study = get(name)
+    extra = ["--no-progress"] if study.is_plan else []
+    code = main([name, "--quick", "--out", str(tmp_path), *extra, *SMOKE[name]])
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "results.md").read_text().strip()
+    if not study.is_plan:
+        return
+    assert results["study"] == name
     rates = [r["rate"] for r in results["runs"] if r.get("rate")]
     assert rates and all(rate > 0 for rate in rates)
-    table = (tmp_path / "results.md").read_text()
-    assert "SyncVectorEnv" in table and "asyncsample" in table
-    assert (tmp_path / "throughput.png").stat().st_size > 1000
+    if name != "overhead":  # every other plan study sets its contenders against the ceiling
+        ratios = results["derived"]["ratios"]
+        ceilings = [r for r in results["runs"] if r["contender"] == "ceiling" and r.get("rate")]
+        assert ceilings, "the ceiling ran"
+        assert any(r.get("vs_ceiling") for r in ratios.values())
+        assert "ceiling" in (tmp_path / "results.md").read_text()
+    if name == "throughput":
+        assert (tmp_path / "throughput.png").stat().st_size > 1000
+
+
+def test_torchrl_collector_drives_the_policy(tmp_path: Path) -> None:
+    pytest.importorskip("torchrl")
+    from benchmarks.__main__ import main
+
+    code = main(["policy", "--quick", "--no-progress", "--out", str(tmp_path),
+                 "--contenders", "torchrl-collector"])  # fmt: skip
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    runs = [r for r in results["runs"] if r["contender"] == "torchrl-collector"]
+    assert runs and all(r.get("rate", 0) > 0 for r in runs), runs
 
 
 def test_soak_loses_nothing(tmp_path: Path) -> None:
     from benchmarks.soak import main
 
-    out = tmp_path / "soak.json"
+    out = tmp_path / "results.json"
     code = main(["--minutes", "0.15", "--batch", "800", "--p-raise", "2e-3", "--p-kill", "5e-4",
-                 "--p-hang", "0", "--out", str(out)])
+                 "--p-hang", "0", "--out", str(out)])  # fmt: skip
     result = json.loads(out.read_text())
     assert code == 0
     assert result["transitions_lost"] == 0

@@ -4,11 +4,13 @@ sampled so far and leaves no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import psutil
 import pytest
@@ -19,6 +21,7 @@ from asyncsample.cli import main
 pytestmark = pytest.mark.timeout(120)
 
 CLI = [sys.executable, "-m", "asyncsample.cli"]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
@@ -190,3 +193,68 @@ def test_ctrl_c_prints_the_summary_so_far_and_leaves_nothing_running() -> None:
     assert "interrupted" in stderr.decode()
     assert wait_gone(children) == [], "processes outlived the interrupted command"
     assert new_shm_entries(before_shm) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# asyncsample bench
+
+
+def run_bench(
+    *args: str, prelude: str = "", timeout: float = 100
+) -> subprocess.CompletedProcess[str]:
+    """``asyncsample bench *args`` from the repository root, in a fresh interpreter."""
+    code = f"{prelude}\nimport sys\nfrom asyncsample.cli import main\nsys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", code, "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=python_env(),
+        cwd=REPO,
+    )
+
+
+def test_bench_list_names_every_study_on_one_line() -> None:
+    sys.path.insert(0, str(REPO))
+    from benchmarks.studies import STUDIES
+
+    done = run_bench("--list")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert [ln.split()[0] for ln in lines] == [s.name for s in STUDIES]
+    assert all("min" in ln for ln in lines)  # each with the length of its default budget
+
+
+def test_bench_unknown_study_is_one_line_and_status_2() -> None:
+    done = run_bench("no-such-study")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "no study 'no-such-study'" in done.stderr and "policy" in done.stderr
+
+
+def test_bench_plan_prints_the_runs_and_the_estimated_length() -> None:
+    done = run_bench("host", "--plan")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"host: groups ideal, host; \d+ configs x 2 repeats = \d+ runs", done.stderr)
+    assert "about" in done.stderr and "min" in done.stderr
+    assert "ceiling" in done.stderr and "host 4x2/P2" in done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_bench_without_matplotlib_writes_its_results_and_says_the_charts_were_skipped(
+    tmp_path: Path,
+) -> None:
+    """Issue 21: ``pip install .`` has no matplotlib; the run must not die after measuring."""
+    done = run_bench(
+        "overhead", "--quick", "--contenders", "sync", "--no-progress", "--out", str(tmp_path),
+        prelude="import sys; sys.modules['matplotlib'] = None  # as if not installed",
+        timeout=280,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "charts skipped: matplotlib is not installed" in done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["study"] == "overhead"
+    assert any(r.get("rate") for r in results["runs"])
+    assert (tmp_path / "results.md").read_text().startswith("# asyncsample benchmarks")
+    assert not list(tmp_path.glob("*.png"))

@@ -15,13 +15,24 @@ import cloudpickle
 import numpy as np
 import pytest
 from envs import AlwaysFailingEnv, DictObsEnv, FailingEnv, HangingEnv, KillSelfEnv, NoisyEnv
-from helpers import run_python
+from helpers import SamplerFactory, run_python
 
 from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
 from asyncsample.inference import Host
 from asyncsample.worker import Transition, VecWorker
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.sampler_defaults(
+        backend="process",
+        env=NoisyEnv,
+        inference="host",
+        n_workers=4,
+        envs_per_worker=2,
+        max_episode_length=30,
+        seed=7,
+    ),
+]
 
 # The agents and envs below must reach the env-host processes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -120,16 +131,6 @@ class RecordingWorker(VecWorker):
         return n + len(rows), total + float(np.sum(transition.next_observations[rows]))
 
 
-def make(agent: Any, inference: Any = "host", **kw: Any) -> Sampler:
-    kw.setdefault("n_workers", 4)
-    kw.setdefault("envs_per_worker", 2)
-    kw.setdefault("max_episode_length", 30)
-    kw.setdefault("n_processes", 2)
-    kw.setdefault("seed", 7)
-    env = kw.pop("env", NoisyEnv)
-    return Sampler(env, agent, inference=inference, **kw)
-
-
 def assert_equal_batches(a: EpisodeBatch, b: EpisodeBatch) -> None:
     assert np.array_equal(a.lengths, b.lengths)
     for x, y in ((a.observations, b.observations), (a.last_observations, b.last_observations)):
@@ -175,33 +176,39 @@ def assert_complete(batch: EpisodeBatch) -> None:
 
 @pytest.mark.parametrize("chunk_steps", [None, 1, 3])
 async def test_deterministic_agent_matches_per_worker(
-    chunk_steps: int | None, no_leaks: None
+    chunk_steps: int | None, no_leaks: None, make_sampler: SamplerFactory
 ) -> None:
-    expected = await four_calls(make(LinearAgent(), "per_worker"))
+    expected = await four_calls(make_sampler(agent=LinearAgent(), inference="per_worker"))
     inference = "host" if chunk_steps is None else Host(chunk_steps=chunk_steps)
-    got = await four_calls(make(LinearAgent(), inference))
+    got = await four_calls(make_sampler(agent=LinearAgent(), inference=inference))
     for a, b in zip(expected, got, strict=True):
         assert_equal_batches(a, b)
 
 
-async def test_random_agents_match_per_worker(no_leaks: None) -> None:
+async def test_random_agents_match_per_worker(no_leaks: None, make_sampler: SamplerFactory) -> None:
     # agent=None: a seeded RandomAgent per worker; its generator travels with the copy.
-    expected = await four_calls(make(None, "per_worker"))
-    got = await four_calls(make(None))
+    expected = await four_calls(make_sampler(agent=None, inference="per_worker"))
+    got = await four_calls(make_sampler(agent=None))
     for a, b in zip(expected, got, strict=True):
         assert_equal_batches(a, b)
 
 
-async def test_dict_observations_match_per_worker() -> None:
-    expected = await four_calls(make(LinearAgent(), "per_worker", env=DictObsEnv))
-    got = await four_calls(make(LinearAgent(), Host(chunk_steps=5), env=DictObsEnv))
+async def test_dict_observations_match_per_worker(make_sampler: SamplerFactory) -> None:
+    expected = await four_calls(
+        make_sampler(agent=LinearAgent(), inference="per_worker", env=DictObsEnv)
+    )
+    got = await four_calls(
+        make_sampler(agent=LinearAgent(), inference=Host(chunk_steps=5), env=DictObsEnv)
+    )
     for a, b in zip(expected, got, strict=True):
         assert_equal_batches(a, b)
 
 
-async def test_process_transition_matches_per_worker() -> None:
+async def test_process_transition_matches_per_worker(make_sampler: SamplerFactory) -> None:
     async def run(inference: str) -> list[Any]:
-        async with make(LinearAgent(), inference, worker_class=RecordingWorker) as s:
+        async with make_sampler(
+            agent=LinearAgent(), inference=inference, worker_class=RecordingWorker
+        ) as s:
             await s.obtain_samples(150)
             await s.obtain_fragments(60)
             return [w.history for w in s.workers]
@@ -209,8 +216,12 @@ async def test_process_transition_matches_per_worker() -> None:
     assert await run("host") == await run("per_worker")
 
 
-async def test_seeded_agent_is_reproducible_for_any_n_processes() -> None:
-    runs = [await four_calls(make(SeededAgent(), n_processes=n)) for n in (1, 2, 2, 4)]
+async def test_seeded_agent_is_reproducible_for_any_n_processes(
+    make_sampler: SamplerFactory,
+) -> None:
+    runs = [
+        await four_calls(make_sampler(agent=SeededAgent(), n_processes=n)) for n in (1, 2, 2, 4)
+    ]
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             assert_equal_batches(a, b)
@@ -224,8 +235,8 @@ async def test_seeded_agent_is_reproducible_for_any_n_processes() -> None:
 # -- quotas -----------------------------------------------------------------------------------
 
 
-async def test_quotas_hold_exactly() -> None:
-    async with make(LinearAgent(), Host(chunk_steps=7)) as s:
+async def test_quotas_hold_exactly(make_sampler: SamplerFactory) -> None:
+    async with make_sampler(agent=LinearAgent(), inference=Host(chunk_steps=7)) as s:
         batch = await s.obtain_exact_episodes(5)
         assert_complete(batch)
         assert batch.episode_infos["worker"].tolist() == [w for w in range(4) for _ in range(5)]
@@ -239,8 +250,8 @@ async def test_quotas_hold_exactly() -> None:
 # -- agent updates --------------------------------------------------------------------------------
 
 
-async def test_parameter_and_agent_updates_reach_every_host() -> None:
-    async with make(VersionAgent(), Host(chunk_steps=4)) as s:
+async def test_parameter_and_agent_updates_reach_every_host(make_sampler: SamplerFactory) -> None:
+    async with make_sampler(agent=VersionAgent(), inference=Host(chunk_steps=4)) as s:
         batch = await s.obtain_samples(80)
         assert (batch.agent_infos["version"] == 0).all()
         batch = await s.obtain_samples(80, agent_update={"version": 5})
@@ -262,10 +273,10 @@ async def test_parameter_and_agent_updates_reach_every_host() -> None:
 
 
 @pytest.mark.parametrize("fragments", [False, True])
-async def test_stream_matches_per_worker(fragments: bool) -> None:
+async def test_stream_matches_per_worker(fragments: bool, make_sampler: SamplerFactory) -> None:
     async def run(inference: Any) -> list[EpisodeBatch]:
         out = []
-        async with make(LinearAgent(), inference) as s:
+        async with make_sampler(agent=LinearAgent(), inference=inference) as s:
             async with contextlib.aclosing(s.stream(90, fragments=fragments)) as it:
                 async for batch in it:
                     out.append(batch)
@@ -278,9 +289,11 @@ async def test_stream_matches_per_worker(fragments: bool) -> None:
         assert_equal_batches(a, b)
 
 
-async def test_stream_versions_are_exact_and_lag_is_enforced() -> None:
+async def test_stream_versions_are_exact_and_lag_is_enforced(make_sampler: SamplerFactory) -> None:
     agent = VersionAgent()
-    async with make(agent, Host(chunk_steps=3), n_workers=2, n_processes=2) as s:
+    async with make_sampler(
+        agent=agent, inference=Host(chunk_steps=3), n_workers=2, n_processes=2
+    ) as s:
         seen = 0
         async with contextlib.aclosing(s.stream(40, buffer_size=2, max_policy_lag=1)) as it:
             async for batch in it:
@@ -320,8 +333,10 @@ def test_constructor_errors() -> None:
         Host(chunk_steps=0)
 
 
-async def test_unpicklable_or_async_agent_update_is_refused_before_it_applies() -> None:
-    async with make(VersionAgent(), n_workers=2) as s:
+async def test_unpicklable_or_async_agent_update_is_refused_before_it_applies(
+    make_sampler: SamplerFactory,
+) -> None:
+    async with make_sampler(agent=VersionAgent(), n_workers=2) as s:
         with pytest.raises(TypeError, match=r"LockedAgent.*cannot be pickled"):
             await s.obtain_samples(20, agent_update=LockedAgent())
         with pytest.raises(ValueError, match="async agent"):
@@ -335,27 +350,33 @@ async def test_unpicklable_or_async_agent_update_is_refused_before_it_applies() 
 # -- faults ------------------------------------------------------------------------------------
 
 
-async def test_env_error_names_worker_and_env(no_leaks: None) -> None:
-    async with make(LinearAgent(), env=AlwaysFailingEnv, max_restarts=0) as s:
+async def test_env_error_names_worker_and_env(no_leaks: None, make_sampler: SamplerFactory) -> None:
+    async with make_sampler(agent=LinearAgent(), env=AlwaysFailingEnv, max_restarts=0) as s:
         with pytest.raises(WorkerError, match=r"worker \d, env \d: ValueError") as info:
             await s.obtain_samples(50)
         assert "this env always fails" in (info.value.remote_traceback or "")
 
 
-async def test_agent_error_in_host_is_a_worker_error(no_leaks: None) -> None:
-    async with make(RaisingAgent(at=3), n_workers=2) as s:
+async def test_agent_error_in_host_is_a_worker_error(
+    no_leaks: None, make_sampler: SamplerFactory
+) -> None:
+    async with make_sampler(agent=RaisingAgent(at=3), n_workers=2) as s:
         with pytest.raises(WorkerError, match=r"agent of worker .* raised in its env host") as info:
             await s.obtain_samples(100)
         assert info.value.retry is False
         assert "ArithmeticError: agent broke" in (info.value.remote_traceback or "")
-    async with make(OutOfRangeAgent(), n_workers=2) as s:
+    async with make_sampler(agent=OutOfRangeAgent(), n_workers=2) as s:
         with pytest.raises(WorkerError, match="outside the action space"):
             await s.obtain_samples(10)
 
 
-async def test_env_failure_is_recovered_and_quota_met(tmp_path: Path, no_leaks: None) -> None:
+async def test_env_failure_is_recovered_and_quota_met(
+    tmp_path: Path, no_leaks: None, make_sampler: SamplerFactory
+) -> None:
     env = functools.partial(FailingEnv, str(tmp_path / "failed"), 9)
-    async with make(LinearAgent(), Host(chunk_steps=16), env=env, n_workers=2) as s:
+    async with make_sampler(
+        agent=LinearAgent(), inference=Host(chunk_steps=16), env=env, n_workers=2
+    ) as s:
         batch = await s.obtain_samples(300)
         assert s.restarts == 1
         assert all(t >= 150 for t in per_worker_steps(batch, 2))
@@ -364,9 +385,11 @@ async def test_env_failure_is_recovered_and_quota_met(tmp_path: Path, no_leaks: 
         assert per_worker_steps(frags, 2) == [32, 32]
 
 
-async def test_killed_host_is_restarted_agent_reinstalled(tmp_path: Path, no_leaks: None) -> None:
+async def test_killed_host_is_restarted_agent_reinstalled(
+    tmp_path: Path, no_leaks: None, make_sampler: SamplerFactory
+) -> None:
     env = functools.partial(KillSelfEnv, 25, str(tmp_path / "killed"))
-    async with make(VersionAgent(), env=env, n_workers=2, max_episode_length=20) as s:
+    async with make_sampler(agent=VersionAgent(), env=env, n_workers=2, max_episode_length=20) as s:
         await s.update_agent({"version": 3})
         batch = await s.obtain_samples(400)
         assert s.restarts >= 1
@@ -379,10 +402,12 @@ async def test_killed_host_is_restarted_agent_reinstalled(tmp_path: Path, no_lea
         assert episodes.n_episodes == 4
 
 
-async def test_hung_chunk_times_out_and_is_replaced(tmp_path: Path, no_leaks: None) -> None:
+async def test_hung_chunk_times_out_and_is_replaced(
+    tmp_path: Path, no_leaks: None, make_sampler: SamplerFactory
+) -> None:
     env = functools.partial(HangingEnv, 8, 3600.0, str(tmp_path / "hung"))
-    async with make(
-        LinearAgent(), Host(chunk_steps=4), env=env, n_workers=2, step_timeout=1.0
+    async with make_sampler(
+        agent=LinearAgent(), inference=Host(chunk_steps=4), env=env, n_workers=2, step_timeout=1.0
     ) as s:
         batch = await s.obtain_samples(100)  # the hour-long step ends at 4 x step_timeout
         assert s.restarts >= 1
@@ -390,9 +415,11 @@ async def test_hung_chunk_times_out_and_is_replaced(tmp_path: Path, no_leaks: No
     assert_complete(batch)
 
 
-async def test_cancellation_mid_chunk_leaves_the_sampler_usable(no_leaks: None) -> None:
+async def test_cancellation_mid_chunk_leaves_the_sampler_usable(
+    no_leaks: None, make_sampler: SamplerFactory
+) -> None:
     rng = random.Random(0)
-    async with make(LinearAgent(), Host(chunk_steps=50), n_workers=3) as s:
+    async with make_sampler(agent=LinearAgent(), inference=Host(chunk_steps=50), n_workers=3) as s:
         expected = await s.obtain_exact_episodes(2)
         for i in range(9):
             call = [s.obtain_samples, s.obtain_fragments, s.obtain_exact_episodes][i % 3]
@@ -410,12 +437,18 @@ async def test_cancellation_mid_chunk_leaves_the_sampler_usable(no_leaks: None) 
 
 
 @pytest.mark.slow
-async def test_ray_matches_per_worker_and_takes_updates(ray_cluster: Any) -> None:
-    expected = await four_calls(make(LinearAgent(), "per_worker"))
-    got = await four_calls(make(LinearAgent(), Host(chunk_steps=5), backend="ray"))
+async def test_ray_matches_per_worker_and_takes_updates(
+    ray_cluster: Any, make_sampler: SamplerFactory
+) -> None:
+    expected = await four_calls(make_sampler(agent=LinearAgent(), inference="per_worker"))
+    got = await four_calls(
+        make_sampler(agent=LinearAgent(), inference=Host(chunk_steps=5), backend="ray")
+    )
     for a, b in zip(expected, got, strict=True):
         assert_equal_batches(a, b)
-    async with make(VersionAgent(), Host(chunk_steps=4), backend="ray", n_workers=2) as s:
+    async with make_sampler(
+        agent=VersionAgent(), inference=Host(chunk_steps=4), backend="ray", n_workers=2
+    ) as s:
         batch = await s.obtain_samples(60, agent_update={"version": 4})
         assert (batch.agent_infos["version"] == 4).all()
         assert (batch.episode_infos["agent_version"] == 1).all()

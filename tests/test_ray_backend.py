@@ -31,6 +31,7 @@ from envs import (
     ScriptedAgent,
     SignallingAgent,
 )
+from helpers import SamplerFactory
 
 from asyncsample import (
     EpisodeBatch,
@@ -43,6 +44,8 @@ from asyncsample import (
 )
 from asyncsample.backends import HostSpec, make_backend
 from asyncsample.backends import ray as ray_backend
+from asyncsample.backends._remote import slots_blob
+from asyncsample.backends._transport import Op
 from asyncsample.backends.ray import (
     INSTALL_HINT,
     EnvActor,
@@ -64,7 +67,7 @@ except ImportError as exc:  # pragma: no cover - CI installs ray with the test e
         f"tests/test_ray_backend.py needs ray: {INSTALL_HINT} (the test extra includes it)"
     ) from exc
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.sampler_defaults(backend="ray")]
 
 # Envs defined here reach the actors by value, like those of tests/envs.py.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -145,11 +148,6 @@ def alive_actors() -> list[str]:
     return [aid for aid, info in state.actors().items() if info["State"] != "DEAD"]
 
 
-def make(env: Any, backend: str = "ray", **kwargs: Any) -> Sampler:
-    kwargs.setdefault("n_processes", 2)
-    return Sampler(env, backend=backend, **kwargs)
-
-
 async def start_hosts(
     env: Any, n_workers: int = 2, n_envs: int = 2, seed: int = 0, **options: Any
 ) -> tuple[RayBackend, list[RayHost]]:
@@ -222,17 +220,17 @@ async def _four_calls(sampler: Sampler) -> list[EpisodeBatch]:
         ]
 
 
-async def test_identical_batches_to_local(cluster: Any) -> None:
+async def test_identical_batches_to_local(cluster: Any, make_sampler: SamplerFactory) -> None:
     kw: dict[str, Any] = {"n_workers": 3, "envs_per_worker": 2, "seed": 7}
-    local = await _four_calls(make("CartPole-v1", "local", **kw))
-    remote = await _four_calls(make("CartPole-v1", **kw))
+    local = await _four_calls(make_sampler(env="CartPole-v1", backend="local", **kw))
+    remote = await _four_calls(make_sampler(env="CartPole-v1", **kw))
     assert all(a.equals(b) for a, b in zip(local, remote))
     # Dict observations and actions, env and reset infos; replies large enough to travel as
     # arrays through the object store; one worker per actor, in a placement group.
     kw = {"n_workers": 2, "envs_per_worker": 4, "seed": 3, "max_episode_length": 20}
-    local = await _four_calls(make(DictEnv, "local", **kw))
+    local = await _four_calls(make_sampler(env=DictEnv, backend="local", **kw))
     options = {"placement_strategy": "PACK", "workers_per_actor": 1}
-    remote = await _four_calls(make(DictEnv, backend_options=options, **kw))
+    remote = await _four_calls(make_sampler(env=DictEnv, backend_options=options, **kw))
     assert all(a.equals(b) for a, b in zip(local, remote))
     assert "t" in remote[0].env_infos and "start" in remote[0].episode_infos
     assert alive_actors() == []
@@ -244,7 +242,7 @@ async def test_identical_batches_to_local(cluster: Any) -> None:
 def test_actor_encodings_and_compression_in_process() -> None:
     """The actor class without Ray: raw and pickled actions, plain and compressed replies."""
     probe = DictEnv()
-    slots = cloudpickle.dumps([(0, 4, probe.observation_space, probe.action_space, 20)])
+    slots = slots_blob([HostSpec(0, 4, probe.observation_space, probe.action_space, 20)])
     plain = EnvActor(slots, None, "zlib")
     packed = EnvActor(slots, 1000, best_codec())
     blob = cloudpickle.dumps(([[DictEnv]] * 4, [1, 2, 3, 4]))
@@ -252,7 +250,7 @@ def test_actor_encodings_and_compression_in_process() -> None:
     actions = {"force": np.full((4, 2), 0.5, np.float32), "move": np.array([0, 1, 2, 1])}
     replies = []
     for actor in (plain, packed):
-        assert pickle.loads(actor.build(0, blob)) == (0, None)
+        assert pickle.loads(actor.serve(0, Op.BUILD, blob)) == (0, b"")
         reset = actor.reset(_request(0, mask))
         assert isinstance(reset, tuple) == (actor is plain)  # large replies stay arrays
         for _ in range(30):
@@ -269,7 +267,7 @@ def test_actor_encodings_and_compression_in_process() -> None:
     objects = {"force": actions["force"], "move": actions["move"].astype(object)}
     assert _request(0, mask, objects)[4] == 2 and _request(0, mask, actions)[4] == 1
     again = EnvActor(slots, None, "zlib")
-    again.build(0, blob)
+    again.serve(0, Op.BUILD, blob)
     again.reset(_request(0, mask))
     for _ in range(30):
         step_c = again.step(_request(0, mask, objects))
@@ -308,9 +306,11 @@ async def test_env_exception_is_a_worker_error_and_only_its_slot_is_rebuilt(clus
     assert alive_actors() == []
 
 
-async def test_env_exception_restart_still_meets_quota(cluster: Any, tmp_path: Any) -> None:
+async def test_env_exception_restart_still_meets_quota(
+    cluster: Any, tmp_path: Any, make_sampler: SamplerFactory
+) -> None:
     env = functools.partial(FailingEnv, str(tmp_path / "failed"), 3, "step")
-    async with make(env, n_workers=2, envs_per_worker=2, seed=0) as s:
+    async with make_sampler(env=env, n_workers=2, envs_per_worker=2, seed=0) as s:
         batch = await s.obtain_samples(200)
         assert s.restarts == 1
     workers = batch.episode_infos["worker"]
@@ -337,9 +337,13 @@ async def test_killed_actor_fails_its_workers_and_is_recreated_once(cluster: Any
     assert alive_actors() == []
 
 
-async def test_actor_death_mid_run_is_restarted_and_quota_met(cluster: Any, tmp_path: Any) -> None:
+async def test_actor_death_mid_run_is_restarted_and_quota_met(
+    cluster: Any, tmp_path: Any, make_sampler: SamplerFactory
+) -> None:
     env = functools.partial(KillOnceEnv, str(tmp_path / "killed"), 10)
-    async with make(env, n_workers=2, n_processes=1, seed=1, max_episode_length=30) as s:
+    async with make_sampler(
+        env=env, n_workers=2, n_processes=1, seed=1, max_episode_length=30
+    ) as s:
         batch = await s.obtain_samples(400)
         assert s.restarts == 2  # both workers lived on the killed actor
         assert len(s._backend._members[0].incarnations) == 2  # type: ignore[union-attr]
@@ -352,11 +356,11 @@ async def test_actor_death_mid_run_is_restarted_and_quota_met(cluster: Any, tmp_
 
 
 async def test_step_timeout_kills_the_actor_then_restart_recovers(
-    cluster: Any, tmp_path: Any
+    cluster: Any, tmp_path: Any, make_sampler: SamplerFactory
 ) -> None:
     env = functools.partial(HangOnceEnv, str(tmp_path / "hung"), 5)
     # step_timeout well above a loaded machine's actor start and env build, far below the hang
-    async with make(env, n_workers=1, step_timeout=5.0, max_restarts=0, seed=2) as s:
+    async with make_sampler(env=env, n_workers=1, step_timeout=5.0, max_restarts=0, seed=2) as s:
         start = time.monotonic()
         with pytest.raises(StepTimeoutError, match=r"worker 0.*step_timeout=5s") as info:
             await s.obtain_samples(50)
@@ -369,9 +373,9 @@ async def test_step_timeout_kills_the_actor_then_restart_recovers(
     assert alive_actors() == []
 
 
-async def test_cancelled_call_leaks_nothing(cluster: Any) -> None:
+async def test_cancelled_call_leaks_nothing(cluster: Any, make_sampler: SamplerFactory) -> None:
     grid = functools.partial(GridWorldEnv, "4x4")
-    async with make(grid, agent=ScriptedAgent(), n_workers=2, envs_per_worker=2) as s:
+    async with make_sampler(env=grid, agent=ScriptedAgent(), n_workers=2, envs_per_worker=2) as s:
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.3):
                 await s.obtain_samples(10**9)
@@ -449,9 +453,11 @@ def test_cluster_ownership(cluster: Any, tmp_path: Any) -> None:
 
 
 @pytest.mark.slow
-async def test_call_in_flight_when_closed_raises_sampler_closed(cluster: Any) -> None:
+async def test_call_in_flight_when_closed_raises_sampler_closed(
+    cluster: Any, make_sampler: SamplerFactory
+) -> None:
     agent = SignallingAgent(after=3)
-    sampler = make(NoisyEnv, agent=agent, n_workers=2, envs_per_worker=2, seed=0)
+    sampler = make_sampler(env=NoisyEnv, agent=agent, n_workers=2, envs_per_worker=2, seed=0)
     await sampler.start()
     task = asyncio.ensure_future(sampler.obtain_samples(10**6))
     await agent.event.wait()
@@ -487,6 +493,25 @@ async def test_reset_seeds_options_call_and_set_attr(cluster: Any) -> None:
         with pytest.raises(WorkerError) as info:
             await host.call("missing", envs=[1])
         assert (info.value.env, info.value.retry) == (1, False)
+    finally:
+        await backend.aclose()
+    assert alive_actors() == []
+
+
+class _ThreadsEnv(_AttrEnv):
+    def threads(self) -> tuple[str | None, int]:
+        import torch  # imported here, after the actor set its thread variables
+
+        return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+async def test_actors_run_host_threads_threads(cluster: Any, threads: int) -> None:
+    backend, (host,) = await start_hosts(
+        _ThreadsEnv, n_workers=1, n_envs=1, n_processes=1, host_threads=threads
+    )
+    try:
+        assert await host.call("threads") == [(str(threads), threads)]
     finally:
         await backend.aclose()
     assert alive_actors() == []

@@ -44,7 +44,7 @@ def test_real_envs_quick_run(tmp_path: Path) -> None:
     from benchmarks.real_envs import main
 
     assert main(["--quick", "--out", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "real_envs.json").read_text())
+    results = json.loads((tmp_path / "results.json").read_text())
     assert results["machine"]["cpu_model"] and len(results["machine"]["loadavg_start"]) == 3
     runs = results["runs"]
     assert all(len(r["loadavg"]) == 3 for r in runs)
@@ -74,7 +74,7 @@ def test_real_envs_quick_run(tmp_path: Path) -> None:
     slopes = {x["contender"]: x for x in results["derived"]["memory_slope"]}
     assert {"asyncsample", "asyncsample-host"} <= set(slopes)
     assert all("hosts_per_env" in slopes[c] for c in ("asyncsample", "asyncsample-host"))
-    table = (tmp_path / "real_envs.md").read_text()
+    table = (tmp_path / "results.md").read_text()
     assert "EnvPool async" in table and "Which to pick" in table and "How the cost grows" in table
     assert "Which `inference` mode" in table
     for png in ("real_envs_scaling.png", "real_envs_main.png"):

@@ -11,14 +11,34 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from asyncsample import _validate
-from asyncsample.backends.base import Backend, EnvHost, HostSpec, reject_unknown_options
+from asyncsample.backends.base import (
+    AgentHost,
+    Backend,
+    DirectReader,
+    EnvHost,
+    HostSpec,
+    reject_unknown_options,
+)
+from asyncsample.backends.placement import Placement, placement, pool_size
 
 if TYPE_CHECKING:
     from asyncsample.backends.local import LocalBackend
     from asyncsample.backends.process import ProcessBackend
     from asyncsample.backends.ray import RayBackend
 
-__all__ = ["Backend", "EnvHost", "HostSpec", "backend_options", "check_options", "make_backend"]
+__all__ = [
+    "AgentHost",
+    "Backend",
+    "DirectReader",
+    "EnvHost",
+    "HostSpec",
+    "Placement",
+    "backend_options",
+    "check_options",
+    "make_backend",
+    "placement",
+    "pool_size",
+]
 
 BACKENDS = ("process", "local", "ray")
 

@@ -25,34 +25,22 @@ import socket
 import sys
 from typing import Any
 
-import numpy as np
-
-from asyncsample.backends._chunk import ChunkBuffers, ChunkRunner
+from asyncsample.backends import _threads
+from asyncsample.backends._chunk import ChunkBuffers
+from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import (
     HELLO_ID,
-    OP_AGENT,
-    OP_BUILD,
-    OP_CALL,
-    OP_CHUNK,
-    OP_CLOSE,
-    OP_EXIT,
-    OP_PARAMS,
-    OP_RESET,
-    OP_RESET_ARGS,
-    OP_SET_ATTR,
-    OP_STEP,
-    OP_UPDATE,
     SLOT,
     ST_FAIL,
     ST_OK,
     FrameReader,
+    Op,
     dump_failure,
-    dumps,
     failure_from_exception,
     send_frame,
     view_buffers,
 )
-from asyncsample.env_group import EnvFailureError, EnvGroup
+from asyncsample.env_group import EnvFailureError
 
 __all__ = ["main"]
 
@@ -114,60 +102,55 @@ def main(
     slots_blob: bytes,
     raw_buffers: list[list[Any]],
     raw_chunks: list[tuple[int, list[Any]] | None] | None = None,
+    host_threads: int | None = None,
 ) -> None:
     """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
 
     Args:
         sock: the host's end of the control socket pair (blocking).
-        slots_blob: pickled list of ``(worker, n_envs, observation_space, action_space,
-            max_episode_length, autoreset)``, one per slot.
+        slots_blob: pickled list of the :class:`~asyncsample.backends.base.HostSpec` of each
+            slot.
         raw_buffers: per slot, the shared blocks of its step buffers (see
             :func:`~asyncsample.backends._transport.shared_buffers`).
         raw_chunks: per slot, ``(capacity, blocks)`` of its chunk buffers when the slot runs
             its own agent (``inference="host"``), else ``None``.
+        host_threads: threads of the numeric libraries here (``None``: their defaults).
     """
+    _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     _isolate()
     # What the forkserver imported is shared copy-on-write; keep the collector from touching
     # (and so copying) all of it at its first full collection.
     gc.freeze()
     sock.setblocking(True)
-    slots = pickle.loads(slots_blob)
-    groups: list[EnvGroup] = []
-    runners: list[ChunkRunner | None] = []
-    chunks = raw_chunks or [None] * len(slots)
-    for (worker, n_envs, obs_space, act_space, max_len, autoreset), raw, raw_chunk in zip(
-        slots, raw_buffers, chunks
-    ):
+    specs = pickle.loads(slots_blob)
+    slots: list[HostSlot] = []
+    chunks = raw_chunks or [None] * len(specs)
+    for spec, raw, raw_chunk in zip(specs, raw_buffers, chunks):
+        obs_space, act_space, n_envs = spec.observation_space, spec.action_space, spec.n_envs
         buffers = view_buffers(obs_space, act_space, n_envs, raw)
-        group = EnvGroup(worker, buffers, obs_space, act_space, max_len, autoreset)
-        groups.append(group)
-        runner = None
+        chunk = None
         if raw_chunk is not None:
             capacity, blocks = raw_chunk
             flat = view_buffers(obs_space, act_space, capacity * n_envs, blocks)
-            runner = ChunkRunner(group, ChunkBuffers.from_flat(flat, capacity, n_envs), act_space)
-        runners.append(runner)
+            chunk = ChunkBuffers.from_flat(flat, capacity, n_envs)
+        slots.append(HostSlot(spec, buffers, chunk, host_threads, "env-host process"))
     reader = FrameReader(sock)
     try:
         send_frame(sock, HELLO_ID, ST_OK)
-        _serve(sock, reader, groups, runners)
+        _serve(sock, reader, slots)
     except (BrokenPipeError, ConnectionError):
         pass  # the parent went away: nothing left to answer
     finally:
-        for group in groups:
-            group.close()
+        for slot in slots:
+            slot.close()
         reader.close()
         sock.close()
         _kill_descendants()
 
 
-def _serve(
-    sock: socket.socket,
-    reader: FrameReader,
-    groups: list[EnvGroup],
-    runners: list[ChunkRunner | None],
-) -> None:
+def _serve(sock: socket.socket, reader: FrameReader, slots: list[HostSlot]) -> None:
+    """Read a frame, hand it to its slot, reply; until ``exit`` or the end of the stream."""
     unpack_slot = SLOT.unpack_from
     slot_size = SLOT.size
     while True:
@@ -175,78 +158,16 @@ def _serve(
         if frame is None:
             return
         rid, op, payload = frame
-        if op == OP_EXIT:
+        if op == Op.EXIT:
             return
         try:
-            slot = unpack_slot(payload)[0]
-            group = groups[slot]
-            if op == OP_CHUNK:
-                reply = _runner(runners, slot).run(pickle.loads(payload[slot_size:]))
-                send_frame(sock, rid, ST_OK, dumps(reply))
-            elif op == OP_STEP:
-                infos = group.step(np.frombuffer(payload, np.bool_, offset=slot_size))
-                if infos.env_infos is None and not infos.reset_infos:
-                    send_frame(sock, rid, ST_OK)
-                else:
-                    send_frame(sock, rid, ST_OK, dumps((infos.env_infos, infos.reset_infos)))
-            elif op == OP_RESET:
-                mask = np.frombuffer(payload, np.bool_, offset=slot_size)
-                reset_infos = group.reset(mask)
-                if runners[slot] is not None:
-                    _runner(runners, slot).reset_agent(mask)
-                send_frame(sock, rid, ST_OK, dumps(reset_infos) if reset_infos else b"")
-            elif op == OP_BUILD:
-                chains, seeds = _load_sources(payload[slot_size:])
-                group.build(chains, seeds)
-                send_frame(sock, rid, ST_OK)
-            elif op == OP_UPDATE:
-                updates, seeds = _load_sources(payload[slot_size:])
-                group.update(updates, seeds)
-                send_frame(sock, rid, ST_OK)
-            elif op == OP_CALL:
-                name, args, kwargs, envs = pickle.loads(payload[slot_size:])
-                results = group.call(name, args, kwargs, envs)
-                send_frame(sock, rid, ST_OK, dumps(results))
-            elif op == OP_SET_ATTR:
-                name, values, envs = pickle.loads(payload[slot_size:])
-                group.set_attr(name, values, envs)
-                send_frame(sock, rid, ST_OK)
-            elif op == OP_RESET_ARGS:
-                end = slot_size + group.n_envs
-                seeds, options = pickle.loads(payload[end:])
-                mask = np.frombuffer(payload[slot_size:end], np.bool_)
-                reset_infos = group.reset(mask, seeds, options)
-                if runners[slot] is not None:
-                    _runner(runners, slot).reset_agent(mask)
-                send_frame(sock, rid, ST_OK, dumps(reset_infos) if reset_infos else b"")
-            elif op == OP_AGENT:
-                _runner(runners, slot).install(payload[slot_size:])
-                send_frame(sock, rid, ST_OK)
-            elif op == OP_PARAMS:
-                _runner(runners, slot).set_params(payload[slot_size:])
-                send_frame(sock, rid, ST_OK)
-            elif op == OP_CLOSE:
-                group.close()
-                send_frame(sock, rid, ST_OK)
-            else:
-                raise ValueError(f"unknown request opcode {op}")
+            slot = slots[unpack_slot(payload)[0]]
+            send_frame(sock, rid, ST_OK, slot.serve(op, memoryview(payload)[slot_size:]))
         except EnvFailureError as exc:
             send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
         except (BrokenPipeError, ConnectionError):
             raise
         except Exception as exc:
-            # Env sources that cannot be unpickled here (a module missing in this process),
-            # infos that cannot be pickled: deterministic, so not worth a restart.
+            # A bug of the host, infos that cannot be pickled: deterministic, so not worth a
+            # restart.
             send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))
-
-
-def _runner(runners: list[ChunkRunner | None], slot: int) -> ChunkRunner:
-    runner = runners[slot]
-    if runner is None:
-        raise RuntimeError("this env host was not started for inference='host'")
-    return runner
-
-
-def _load_sources(blob: bytes) -> tuple[Any, Any]:
-    sources, seeds = pickle.loads(blob)
-    return sources, seeds

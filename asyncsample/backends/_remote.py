@@ -14,16 +14,14 @@ the same, and this module holds that common shape:
   restart and close in terms of one backend-specific round trip, and the translation of a dead
   host into :class:`~asyncsample.WorkerCrashedError`, :class:`~asyncsample.StepTimeoutError` or,
   once the backend is closed, :class:`~asyncsample.SamplerClosedError`.
-* :func:`place`: worker ``w`` lives on member ``w % n``.
-
-What moves the bytes (sockets and shared memory, or Ray calls) stays in each backend.
+Which worker lives on which member is :class:`~asyncsample.backends.placement.Placement`'s
+decision. What moves the bytes (sockets and shared memory, or Ray calls) stays in each backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import pickle
 from abc import ABC, abstractmethod
 from collections import deque
@@ -32,7 +30,8 @@ from typing import Any, Generic, TypeVar
 
 import cloudpickle
 
-from asyncsample.backends.base import LOGGER, HostSpec
+from asyncsample.backends._transport import Op
+from asyncsample.backends.base import LOGGER, DirectReader, HostSpec
 from asyncsample.env_group import StepBuffers, call_targets, set_attr_targets
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import SamplerClosedError, StepTimeoutError, WorkerCrashedError, WorkerError
@@ -43,8 +42,7 @@ __all__ = [
     "PendingCall",
     "PoolMember",
     "RemoteHost",
-    "place",
-    "pool_size",
+    "closed_error",
     "slots_blob",
 ]
 
@@ -289,20 +287,20 @@ class RemoteHost(ABC, Generic[IncT]):
     # -- one round trip (backend specific) ------------------------------------------------------
 
     @abstractmethod
-    def _submit(self, incarnation: IncT, op: str, payload: tuple[Any, ...]) -> PendingCall:
+    def _submit(self, incarnation: IncT, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         """Send one request for this worker's slot; the call's future gets the raw reply."""
 
     @abstractmethod
     def _unpack(self, reply: Any) -> Any:
         """The payload of a raw reply, or raise the :class:`~asyncsample.WorkerError` in it."""
 
-    async def _request(self, op: str, *payload: Any) -> Any:
+    async def _request(self, op: Op, *payload: Any) -> Any:
         """Send ``op`` with ``payload``, await the reply, translate a dead host into an error."""
         inc = self._incarnation
         if inc is None:
             raise RuntimeError(f"the backend has not started the host of worker {self.worker}")
         if self._member.closed:
-            raise closed_error(self.worker, op)
+            raise closed_error(self.worker, op.label)
         call = self._submit(inc, op, payload)
         try:
             reply = await call.future
@@ -335,11 +333,11 @@ class RemoteHost(ABC, Generic[IncT]):
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         blob = self._pickle("env", ([list(c) for c in chains], list(seeds)))
-        await self._request("build", blob)
+        await self._request(Op.BUILD, blob)
 
     async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
         blob = self._pickle("env update", (list(updates), list(seeds)))
-        await self._request("update", blob)
+        await self._request(Op.UPDATE, blob)
 
     async def call(
         self,
@@ -350,7 +348,7 @@ class RemoteHost(ABC, Generic[IncT]):
     ) -> list[Any]:
         indices = call_targets(name, self.spec.n_envs, envs)
         blob = self._pickle("call arguments", (name, list(args), dict(kwargs or {}), indices))
-        reply = await self._request("call", blob)
+        reply = await self._request(Op.CALL, blob)
         results: list[Any] = pickle.loads(reply)
         return results
 
@@ -359,7 +357,7 @@ class RemoteHost(ABC, Generic[IncT]):
     ) -> None:
         indices = set_attr_targets(name, values, self.spec.n_envs, envs)
         blob = self._pickle("attribute values", (name, list(values), indices))
-        await self._request("set_attr", blob)
+        await self._request(Op.SET_ATTR, blob)
 
     # -- inference="host": the agent copy inside the host --------------------------------------
 
@@ -380,7 +378,7 @@ class RemoteHost(ABC, Generic[IncT]):
         self._params_dirty = True
         self._agent_version = version
 
-    async def _sync_agent(self) -> int:
+    async def sync_agent(self) -> int:
         """Send the agent and parameters the host lacks; the agent version in force there.
 
         A new incarnation of the host (after a crash or a kill) gets the agent again, then the
@@ -400,7 +398,7 @@ class RemoteHost(ABC, Generic[IncT]):
                 blob, version = self._agent_blob, self._agent_version
                 self._agent_dirty = False
                 try:
-                    await self._request("agent install", blob)
+                    await self._request(Op.AGENT, blob)
                 except BaseException:
                     self._agent_dirty = True
                     raise
@@ -411,11 +409,15 @@ class RemoteHost(ABC, Generic[IncT]):
                 blob, version = self._params_blob, self._agent_version
                 self._params_dirty = False
                 try:
-                    await self._request("parameter update", blob)
+                    await self._request(Op.PARAMS, blob)
                 except BaseException:
                     self._params_dirty = True
                     raise
                 self._synced_version = version
+
+    def direct_reader(self) -> DirectReader | None:
+        """No synchronous reading by default (see :meth:`EnvHost.direct_reader`)."""
+        return None
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         """Replace a dead or killed host (once for all its workers), then rebuild the envs.
@@ -434,41 +436,11 @@ class RemoteHost(ABC, Generic[IncT]):
         if inc is None or inc.dead or self._member.closed:
             return
         with contextlib.suppress(WorkerError, SamplerClosedError):
-            await self._request("close")
-
-
-def pool_size(n_processes: int | None, n_workers: int) -> int:
-    """How many members a pool gets: ``n_processes`` (default: the CPU count), at most one per
-    worker."""
-    return min(n_processes or os.cpu_count() or 1, n_workers)
-
-
-def place(specs: Sequence[HostSpec], n: int) -> list[list[HostSpec]]:
-    """The specs of each of ``n`` members: worker ``w`` lives on member ``w % n``, in order.
-
-    The slot of the worker of ``specs[w]`` in its member is ``w // n``.
-    """
-    members: list[list[HostSpec]] = [[] for _ in range(n)]
-    for w, spec in enumerate(specs):
-        members[w % n].append(spec)
-    return members
+            await self._request(Op.CLOSE)
 
 
 def slots_blob(specs: Sequence[HostSpec]) -> bytes:
-    """What a remote host is started with: ``(worker, n_envs, observation_space, action_space,
-    max_episode_length, autoreset)`` per slot, cloudpickled."""
-    blob: bytes = cloudpickle.dumps(
-        [
-            (
-                s.worker,
-                s.n_envs,
-                s.observation_space,
-                s.action_space,
-                s.max_episode_length,
-                s.autoreset,
-            )
-            for s in specs
-        ],
-        protocol=pickle.HIGHEST_PROTOCOL,
-    )
+    """What a remote host is started with: the :class:`HostSpec` of each slot, cloudpickled
+    (spaces may be defined in the user's script)."""
+    blob: bytes = cloudpickle.dumps(list(specs), protocol=pickle.HIGHEST_PROTOCOL)
     return blob

@@ -17,6 +17,7 @@ Two channels:
 
 from __future__ import annotations
 
+import enum
 import pickle
 import socket
 import struct
@@ -34,11 +35,13 @@ from asyncsample.env_group import EnvFailure, StepBuffers
 __all__ = [
     "HEADER",
     "SLOT",
+    "Op",
     "FrameReader",
     "RawArrayContext",
     "SharedArray",
     "dump_failure",
     "dumps",
+    "failure_from_exception",
     "load_failure",
     "send_frame",
     "shared_buffers",
@@ -50,35 +53,36 @@ HEADER = struct.Struct("<IIB")
 #: The worker slot a request is for (the index of the worker's envs within its host process).
 SLOT = struct.Struct("<H")
 
-# Request opcodes.
-OP_STEP = 1  # payload: slot + mask bytes
-OP_RESET = 2  # payload: slot + mask bytes
-OP_BUILD = 3  # payload: slot + cloudpickle((chains, seeds))
-OP_UPDATE = 4  # payload: slot + cloudpickle((updates, seeds))
-OP_CLOSE = 5  # payload: slot
-OP_EXIT = 6  # no payload, no reply: close every env and exit
-OP_CALL = 7  # payload: slot + cloudpickle((name, args, kwargs, envs)); reply: pickled results
-OP_SET_ATTR = 8  # payload: slot + cloudpickle((name, values, envs))
-OP_RESET_ARGS = 9  # payload: slot + mask bytes + cloudpickle((seeds, options))
-# inference="host" (see asyncsample.backends._chunk):
-OP_AGENT = 10  # payload: slot + cloudpickle((agent, seed)): install the slot's agent copy
-OP_PARAMS = 11  # payload: slot + pickle(params): agent.set_param_values(params)
-OP_CHUNK = 12  # payload: slot + pickle(ChunkRequest); reply: pickle(ChunkReply)
 
-OP_NAMES = {
-    OP_STEP: "step",
-    OP_RESET: "reset",
-    OP_BUILD: "build",
-    OP_UPDATE: "update",
-    OP_CLOSE: "close",
-    OP_EXIT: "exit",
-    OP_CALL: "call",
-    OP_SET_ATTR: "set_attr",
-    OP_RESET_ARGS: "reset_args",
-    OP_AGENT: "agent install",
-    OP_PARAMS: "parameter update",
-    OP_CHUNK: "chunk",
+class Op(enum.IntEnum):
+    """What a request asks of an env host (the opcode of a request frame; Ray's call too)."""
+
+    STEP = 1  # payload: slot + mask bytes
+    RESET = 2  # payload: slot + mask bytes
+    BUILD = 3  # payload: slot + cloudpickle((chains, seeds))
+    UPDATE = 4  # payload: slot + cloudpickle((updates, seeds))
+    CLOSE = 5  # payload: slot
+    EXIT = 6  # no payload, no reply: close every env and exit
+    CALL = 7  # payload: slot + cloudpickle((name, args, kwargs, envs)); reply: pickled results
+    SET_ATTR = 8  # payload: slot + cloudpickle((name, values, envs))
+    RESET_ARGS = 9  # payload: slot + mask bytes + cloudpickle((seeds, options))
+    # inference="host" (see asyncsample.backends._chunk):
+    AGENT = 10  # payload: slot + cloudpickle((agent, seed)): install the slot's agent copy
+    PARAMS = 11  # payload: slot + pickle(params): agent.set_param_values(params)
+    CHUNK = 12  # payload: slot + pickle(ChunkRequest); reply: pickle(ChunkReply)
+
+    @property
+    def label(self) -> str:
+        """What the request is called in messages (``"step"``, ``"agent install"``...)."""
+        return _LABELS[self]
+
+
+_LABELS = {
+    **{op: op.name.lower() for op in Op},
+    Op.AGENT: "agent install",
+    Op.PARAMS: "parameter update",
 }
+
 
 # Reply statuses.
 ST_OK = 0  # payload: empty, or a pickle of the result

@@ -1,11 +1,18 @@
-"""The interface between a worker and the host of its envs."""
+"""The interface between a worker and the host of its envs: the whole seam.
+
+Everything the sampler, a worker, the host-inference strategy or a vector env may ask of an env
+host is a public method of a protocol here: :class:`EnvHost` (the envs), :class:`AgentHost`
+(``inference="host"``: the agent copy and its chunks) and :class:`DirectReader` (a synchronous
+caller reading replies itself). Nothing outside ``asyncsample.backends`` needs a backend's
+concrete classes or private members.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import gymnasium as gym
 import numpy as np
@@ -14,7 +21,19 @@ from asyncsample.env_group import EnvFailure, StepBuffers, StepInfos
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import WorkerError
 
-__all__ = ["LOGGER", "Backend", "EnvHost", "HostSpec", "failure_error", "reject_unknown_options"]
+if TYPE_CHECKING:
+    from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
+
+__all__ = [
+    "LOGGER",
+    "AgentHost",
+    "Backend",
+    "DirectReader",
+    "EnvHost",
+    "HostSpec",
+    "failure_error",
+    "reject_unknown_options",
+]
 
 #: Where backends report restarts, timeouts and dead hosts (warning level).
 LOGGER = logging.getLogger("asyncsample")
@@ -110,6 +129,60 @@ class EnvHost(Protocol):
 
     async def close(self) -> None:
         """Close the envs. Idempotent."""
+        ...
+
+    def direct_reader(self) -> DirectReader | None:
+        """Where a synchronous caller may read this host's replies itself, or ``None``.
+
+        Only a caller that runs the event loop itself, and only while it is not running, may
+        use it (the vector env does, to skip a loop pass per lockstep step). ``None``: the host
+        has no such stream (``local``, ``ray``) or it is dead; wait through the loop instead.
+        """
+        ...
+
+
+class DirectReader(Protocol):
+    """A host connection whose replies a synchronous caller may read without the event loop."""
+
+    fd: int
+    """The file descriptor to wait on (``select``) for replies."""
+
+    def read_now(self) -> bool:
+        """Read what arrived and resolve the calls it answers; ``False``: use the loop now
+        (end of stream, an error, or writes still queued)."""
+        ...
+
+
+class AgentHost(EnvHost, Protocol):
+    """An env host that also runs the worker's agent (``inference="host"``).
+
+    The host keeps a copy of the worker's agent, steps chunks of steps with it and writes their
+    records into :attr:`chunk`. :meth:`set_agent` and :meth:`set_params` only record what the
+    copy should be; :meth:`sync_agent` (and every :meth:`run_chunk`) sends what the host lacks,
+    also to a host that was just restarted.
+    """
+
+    @property
+    def chunk(self) -> ChunkBuffers | None:
+        """The chunk records the host fills (``None``: the spec asked for no chunks)."""
+        ...
+
+    def set_agent(self, blob: bytes, version: int) -> None:
+        """Install ``blob`` (a pickled ``(cloudpickled agent, seed)``) before the next chunk;
+        it replaces earlier parameters. ``version``: the worker's agent version after it."""
+        ...
+
+    def set_params(self, blob: bytes, version: int) -> None:
+        """``set_param_values`` with the pickled parameters ``blob`` before the next chunk."""
+        ...
+
+    async def sync_agent(self) -> int:
+        """Send the agent and parameters the host lacks; the agent version in force there."""
+        ...
+
+    async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
+        """Run one chunk with the host's agent copy (synced first); the reply and the agent
+        version the chunk ran with. ``step_timeout`` applies per step of the chunk."""
         ...
 
 

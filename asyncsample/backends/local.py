@@ -17,6 +17,7 @@ from asyncsample import _validate
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends.base import (
     LOGGER,
+    DirectReader,
     EnvHost,
     HostSpec,
     failure_error,
@@ -119,6 +120,10 @@ class LocalHost:
     async def close(self) -> None:
         self._group.close()
 
+    def direct_reader(self) -> DirectReader | None:
+        """None: there is no stream to read, the calls run in the caller's thread."""
+        return None
+
     def shut(self) -> None:
         """Close the envs for good: every later call raises ``SamplerClosedError``."""
         self.closed = True
@@ -159,22 +164,26 @@ class LocalBackend:
         n_processes: accepted for a uniform interface and ignored (there are no processes).
         step_timeout: must be ``None``: a step that blocks the event loop's thread cannot be
             pre-empted.
+        host_threads: accepted for a uniform interface and ignored: the envs run in the
+            caller's process, whose threads are the caller's business.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed).
         ValueError: a ``step_timeout``.
     """
 
-    OPTIONS = ("n_processes", "step_timeout")
+    OPTIONS = ("n_processes", "step_timeout", "host_threads")
 
     def __init__(
         self,
         n_processes: int | None = None,
         step_timeout: float | None = None,
+        host_threads: int | None = 1,
         **unknown: object,
     ) -> None:
         reject_unknown_options("local", unknown, self.OPTIONS)
         n_processes = _validate.optional_positive_int("n_processes", n_processes)
+        _validate.optional_positive_int("host_threads", host_threads)
         if _validate.positive_seconds("step_timeout", step_timeout) is not None:
             raise ValueError(
                 "step_timeout cannot be used with backend='local': a step that blocks the event "

@@ -56,23 +56,25 @@ from asyncsample.backends._remote import (
     PoolMember,
     RemoteHost,
     closed_error,
-    place,
-    pool_size,
 )
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
-    OP_CHUNK,
-    OP_EXIT,
-    OP_NAMES,
-    OP_STEP,
     SLOT,
     ST_OK,
+    Op,
     dumps,
     load_failure,
     shared_buffers,
 )
-from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
+from asyncsample.backends.base import (
+    DirectReader,
+    EnvHost,
+    HostSpec,
+    failure_error,
+    reject_unknown_options,
+)
+from asyncsample.backends.placement import placement
 from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
 from asyncsample.errors import WorkerCrashedError
 
@@ -276,11 +278,11 @@ class _Conn(Incarnation):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def send(self, op: int, body: bytes, timeout: float | None, worker: int) -> PendingCall:
+    def send(self, op: Op, body: bytes, timeout: float | None, worker: int) -> PendingCall:
         """Send one request; its future resolves to ``(status, payload)``."""
         rid = self.next_id
         self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
-        call = self.new_call(OP_NAMES[op], worker, timeout)
+        call = self.new_call(op.label, worker, timeout)
         if self.dead:
             return call
         call.key = rid
@@ -390,7 +392,7 @@ class _Conn(Incarnation):
         self.closing = True
         if not self.dead:
             with contextlib.suppress(Exception):
-                self.transport.write(HEADER.pack(0, HELLO_ID, OP_EXIT))
+                self.transport.write(HEADER.pack(0, HELLO_ID, Op.EXIT))
         if not self.exited.done() and self.watching:
             await asyncio.wait({self.exited}, timeout=grace)
         if not self.exited.done() and self.watching:
@@ -486,9 +488,11 @@ class _Member(PoolMember[_Conn]):
         specs: list[HostSpec],
         raw: list[list[Any]],
         raw_chunks: list[tuple[int, list[Any]] | None] | None = None,
+        host_threads: int | None = None,
     ) -> None:
         super().__init__(index, specs)
         self.ctx = ctx
+        self.host_threads = host_threads
         self.raw = raw  # per slot, the shared blocks of its step buffers
         self.raw_chunks = raw_chunks  # per slot, (capacity, blocks) of its chunk buffers
 
@@ -502,7 +506,7 @@ class _Member(PoolMember[_Conn]):
         try:
             process = self.ctx.Process(
                 target=_host_main.main,
-                args=(child_sock, self.slots_blob, self.raw, self.raw_chunks),
+                args=(child_sock, self.slots_blob, self.raw, self.raw_chunks, self.host_threads),
                 name=f"asyncsample-host-{self.index}",
             )
             await _start_process(process)
@@ -588,15 +592,15 @@ class ProcessHost(RemoteHost[_Conn]):
         """Pid of the process that hosts these envs (``None`` before start)."""
         return None if self._incarnation is None else self._incarnation.pid
 
-    def sync_reader(self) -> _Conn | None:
+    def direct_reader(self) -> DirectReader | None:
         """The live connection, for a synchronous caller that reads its replies itself while
         the event loop is not running (see :meth:`_Conn.read_now`); ``None`` if there is none."""
         inc = self._incarnation
         return None if inc is None or inc.dead else inc
 
-    def _submit(self, incarnation: _Conn, op: str, payload: tuple[Any, ...]) -> PendingCall:
+    def _submit(self, incarnation: _Conn, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         body = self._slot + payload[0] if payload else self._slot
-        return incarnation.send(_OPS[op], body, self._timeout, self.worker)
+        return incarnation.send(op, body, self._timeout, self.worker)
 
     def _unpack(self, reply: Any) -> Any:
         status, payload = reply
@@ -611,11 +615,11 @@ class ProcessHost(RemoteHost[_Conn]):
         options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[int, dict[str, object]]:
         if seeds is None and options is None:
-            payload = await self._request("reset", _mask_bytes(mask))
+            payload = await self._request(Op.RESET, _mask_bytes(mask))
         else:
             args = reset_arguments(self.spec.n_envs, seeds, options)
             blob = self._pickle("reset options", args)
-            payload = await self._request("reset_args", _mask_bytes(mask) + blob)
+            payload = await self._request(Op.RESET_ARGS, _mask_bytes(mask) + blob)
         if not payload:
             return {}
         infos: dict[int, dict[str, object]] = pickle.loads(payload)
@@ -625,9 +629,9 @@ class ProcessHost(RemoteHost[_Conn]):
         # The hot path: _request without its generic layers, same checks.
         inc = self._incarnation
         if inc is None or self._member.closed:
-            payload = await self._request("step", _mask_bytes(mask))
+            payload = await self._request(Op.STEP, _mask_bytes(mask))
         else:
-            payload = await self._send(inc, OP_STEP, _mask_bytes(mask), self._timeout)
+            payload = await self._send(inc, Op.STEP, _mask_bytes(mask), self._timeout)
         if not payload:
             return StepInfos(None, {})
         env_infos, reset_infos = pickle.loads(payload)
@@ -639,15 +643,15 @@ class ProcessHost(RemoteHost[_Conn]):
 
         ``step_timeout`` applies per step: the chunk may take ``step_timeout * request.steps``.
         """
-        version = await self._sync_agent()
+        version = await self.sync_agent()
         inc = self._incarnation
         if inc is None or self._member.closed:
             raise closed_error(self.worker, "run its chunk")
         timeout = None if self._timeout is None else self._timeout * max(1, request.steps)
-        reply: ChunkReply = pickle.loads(await self._send(inc, OP_CHUNK, dumps(request), timeout))
+        reply: ChunkReply = pickle.loads(await self._send(inc, Op.CHUNK, dumps(request), timeout))
         return reply, version
 
-    async def _send(self, inc: _Conn, op: int, body: bytes, timeout: float | None) -> bytes:
+    async def _send(self, inc: _Conn, op: Op, body: bytes, timeout: float | None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
         step and chunk paths): the reply's payload, or the error a failure or death means."""
         call = inc.send(op, self._slot + body, timeout, self.worker)
@@ -661,9 +665,6 @@ class ProcessHost(RemoteHost[_Conn]):
         return payload  # type: ignore[no-any-return]
 
 
-_OPS = {name: op for op, name in OP_NAMES.items()}
-
-
 class ProcessBackend:
     """Hosts the envs of all workers in a pool of env-host processes.
 
@@ -672,23 +673,26 @@ class ProcessBackend:
             workers.
         step_timeout: seconds a host may spend on one build, update, reset or step before it is
             killed and the request fails with :class:`~asyncsample.StepTimeoutError`.
+        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
+            in each host process; ``None`` leaves the libraries' defaults (every core each).
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
     """
 
-    OPTIONS = ("n_processes", "step_timeout")
+    OPTIONS = ("n_processes", "step_timeout", "host_threads")
 
     def __init__(
         self,
         n_processes: int | None = None,
         step_timeout: float | None = None,
+        host_threads: int | None = 1,
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
-        n_processes = _validate.optional_positive_int("n_processes", n_processes)
-        self.n_processes = n_processes
+        self.n_processes = _validate.optional_positive_int("n_processes", n_processes)
         self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
+        self.host_threads = _validate.optional_positive_int("host_threads", host_threads)
         self._members: list[_Member] = []
         self._hosts: list[ProcessHost] = []
         self._started = False
@@ -712,7 +716,7 @@ class ProcessBackend:
         specs = list(specs)
         if not specs:
             return []
-        n = pool_size(self.n_processes, len(specs))
+        where = placement(len(specs), self.n_processes)
         ctx = _context()
         buffers: list[StepBuffers] = []
         raws: list[list[Any]] = []
@@ -732,16 +736,11 @@ class ProcessBackend:
             else:
                 chunks.append(None)
                 raw_chunks.append(None)
-        layout = place(specs, n)
         self._members = [
-            _Member(
-                m,
-                ctx,
-                member_specs,
-                [raws[w] for w in range(m, len(specs), n)],
-                [raw_chunks[w] for w in range(m, len(specs), n)],
+            _Member(m, ctx, member_specs, member_raws, member_chunks, self.host_threads)
+            for m, (member_specs, member_raws, member_chunks) in enumerate(
+                zip(where.split(specs), where.split(raws), where.split(raw_chunks))
             )
-            for m, member_specs in enumerate(layout)
         ]
         self._token = token = next(_TOKENS)
         self._finalizer = weakref.finalize(self, _release_all, self._members, token)
@@ -761,7 +760,9 @@ class ProcessBackend:
             self._release()
             raise
         self._hosts = [
-            ProcessHost(spec, self._members[w % n], w // n, buffers[w], self.step_timeout)
+            ProcessHost(
+                spec, self._members[where.member(w)], where.slot(w), buffers[w], self.step_timeout
+            )
             for w, spec in enumerate(specs)
         ]
         for host, chunk in zip(self._hosts, chunks):

@@ -57,23 +57,23 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample._tree import Tree, tree_leaves, tree_map
-from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, ChunkRunner
+from asyncsample.backends import _threads
+from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
 from asyncsample.backends._remote import (
     HostDied,
     Incarnation,
     PendingCall,
     PoolMember,
     RemoteHost,
-    place,
-    pool_size,
 )
-from asyncsample.backends._transport import dump_failure, load_failure
+from asyncsample.backends._slot import HostSlot
+from asyncsample.backends._transport import Op, dump_failure, load_failure
 from asyncsample.backends._transport import dumps as _dumps
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
+from asyncsample.backends.placement import placement
 from asyncsample.env_group import (
     EnvFailure,
     EnvFailureError,
-    EnvGroup,
     StepBuffers,
     StepInfos,
     reset_arguments,
@@ -215,34 +215,43 @@ def _request(worker: int, mask: np.ndarray, actions: Tree | None = None) -> byte
 
 
 class EnvActor:
-    """Hosts the envs of several workers, one :class:`EnvGroup` per worker slot.
+    """Hosts the envs of several workers, one :class:`~asyncsample.backends._slot.HostSlot` per
+    worker slot.
 
     Made a Ray actor class by :class:`RayBackend` (``ray.remote(EnvActor)``), so that this module
-    does not import ray. ``reset`` and ``step`` take one bytes request (see :func:`_request`).
-    Every env method replies ``(status, payload)``, pickled into one bytes object when it is
-    small (cheapest for Ray to ship), or as a tuple of arrays when the observations are large
-    (Ray moves them through its object store without copies). An env failure is a ``_FAIL``
-    status with a pickled :class:`EnvFailure`, never a raised exception.
+    does not import ray. What each operation does is the slot's; the actor only decodes requests
+    and encodes replies. ``reset`` and ``step`` take one bytes request (see :func:`_request`) and
+    reply with the observations (there is no shared memory); ``run_chunk`` replies with the
+    chunk's records; every other operation goes through :meth:`serve` as the slot's bytes.
+    Every method replies ``(status, payload)``, pickled into one bytes object when it is small
+    (cheapest for Ray to ship), or as a tuple of arrays when the observations are large (Ray
+    moves them through its object store without copies). An env failure is a ``_FAIL`` status
+    with a pickled :class:`EnvFailure`, never a raised exception.
 
     Args:
-        slots_blob: cloudpickled ``[(worker, n_envs, observation_space, action_space,
-            max_episode_length, autoreset), ...]``, one entry per hosted worker.
+        slots_blob: the cloudpickled :class:`HostSpec` of each hosted worker.
         compress_threshold: compress observation leaves of at least this many bytes (``None``:
             never).
         codec: ``"lz4"`` or ``"zlib"``; zlib is used when lz4 is not installed here.
+        host_threads: threads of the numeric libraries in this actor (``None``: their
+            defaults).
     """
 
-    def __init__(self, slots_blob: bytes, compress_threshold: int | None, codec: str) -> None:
-        self.groups: dict[int, EnvGroup] = {}
+    def __init__(
+        self,
+        slots_blob: bytes,
+        compress_threshold: int | None,
+        codec: str,
+        host_threads: int | None = None,
+    ) -> None:
+        _threads.limit(host_threads)
+        self.slots: dict[int, HostSlot] = {}
         self.large: dict[int, bool] = {}
-        for worker, n_envs, obs_space, act_space, max_len, autoreset in pickle.loads(slots_blob):
-            buffers = StepBuffers.allocate(obs_space, act_space, n_envs)
-            self.groups[worker] = EnvGroup(
-                worker, buffers, obs_space, act_space, max_len, autoreset
-            )
-            obs_bytes = sum(leaf.nbytes for leaf in tree_leaves(buffers.obs))
-            self.large[worker] = obs_bytes >= LARGE_REPLY
-        self.runners: dict[int, ChunkRunner] = {}  # inference="host", by worker
+        for spec in pickle.loads(slots_blob):
+            slot = HostSlot.allocate(spec, host_threads, "env-host actor")
+            self.slots[spec.worker] = slot
+            obs_bytes = sum(leaf.nbytes for leaf in tree_leaves(slot.group.buffers.obs))
+            self.large[spec.worker] = obs_bytes >= LARGE_REPLY
         self.threshold = compress_threshold
         self.skip: dict[tuple[int, str, int], int] = {}
         self.codec = codec if codec != "lz4" or best_codec() == "lz4" else "zlib"
@@ -302,52 +311,39 @@ class EnvActor:
                 large = raw >= LARGE_REPLY
         return (_OK, payload) if large else _dumps((_OK, payload))
 
-    def build(self, worker: int, blob: bytes) -> Any:
-        """Build the envs of ``worker`` from cloudpickled ``(chains, seeds)``."""
-        try:
-            chains, seeds = pickle.loads(blob)
-        except Exception as exc:
-            return _dumps((_FAIL, _unpickle_failure(exc, "env")))
-        return self._run(self.groups[worker].build, chains, seeds)
+    def serve(self, worker: int, op: int, body: bytes) -> Any:
+        """Operation ``op`` of the worker's slot with the request ``body`` (build, update, call,
+        set_attr, agent install, parameter update, close); payload: the slot's reply bytes."""
+        return self._run(self.slots[worker].serve, op, body)
 
-    def update(self, worker: int, blob: bytes) -> Any:
-        """Apply cloudpickled ``(updates, seeds)`` to the envs of ``worker``."""
-        try:
-            updates, seeds = pickle.loads(blob)
-        except Exception as exc:
-            return _dumps((_FAIL, _unpickle_failure(exc, "env update")))
-        return self._run(self.groups[worker].update, updates, seeds)
-
-    def _decode(self, request: bytes) -> tuple[int, EnvGroup, np.ndarray]:
-        """Split a request; actions, if any, are written into the group's buffers."""
+    def _decode(self, request: bytes) -> tuple[int, HostSlot, np.ndarray]:
+        """Split a request; actions, if any, are written into the slot's buffers."""
         worker, kind = _HEAD.unpack_from(request)
-        group = self.groups[worker]
-        offset = _HEAD.size + group.n_envs
-        mask = np.frombuffer(request, np.bool_, group.n_envs, _HEAD.size)
+        slot = self.slots[worker]
+        n_envs = slot.group.n_envs
+        offset = _HEAD.size + n_envs
+        mask = np.frombuffer(request, np.bool_, n_envs, _HEAD.size)
         if kind == _RAW_ACTIONS:
-            for leaf in tree_leaves(group.buffers.actions):
+            for leaf in tree_leaves(slot.group.buffers.actions):
                 leaf[...] = np.frombuffer(request, leaf.dtype, leaf.size, offset).reshape(
                     leaf.shape
                 )
                 offset += leaf.nbytes
         elif kind == _PICKLED_ACTIONS:
-            _copy_into(group.buffers.actions, pickle.loads(request[offset:]))
-        return worker, group, mask
+            _copy_into(slot.group.buffers.actions, pickle.loads(request[offset:]))
+        return worker, slot, mask
 
     def reset(self, request: bytes, args: bytes | None = None) -> Any:
         """Reset the masked envs of a worker; payload ``(obs, reset_infos)``.
 
         ``args``: ``None`` (pending seeds, no options), or pickled ``(seeds, options)``.
         """
-        worker, group, mask = self._decode(request)
-        seeds, options = (None, None) if args is None else pickle.loads(args)
+        worker, slot, mask = self._decode(request)
 
         def reset() -> tuple[Tree, dict[int, dict[str, Any]]]:
-            infos = group.reset(mask, seeds, options)
-            runner = self.runners.get(worker)
-            if runner is not None:  # inference="host": the agent copy starts episodes too
-                runner.reset_agent(mask)
-            return self._pack(worker, "obs", group.buffers.obs), infos
+            seeds, options = (None, None) if args is None else slot.load(args, "reset options")
+            infos = slot.reset(mask, seeds, options)
+            return self._pack(worker, "obs", slot.group.buffers.obs), infos
 
         return self._run(reset, worker=worker)
 
@@ -357,11 +353,11 @@ class EnvActor:
         Payload: ``(obs, rewards, terminated, truncated, done, final_obs, infos)`` where ``done``
         indexes the stepped envs whose episode ended and ``final_obs`` holds only their rows.
         """
-        worker, group, mask = self._decode(request)
-        buf = group.buffers
+        worker, slot, mask = self._decode(request)
+        buf = slot.group.buffers
 
         def step() -> tuple[Any, ...]:
-            infos = group.step(mask)
+            infos = slot.step(mask)
             done = np.flatnonzero((buf.terminated | buf.truncated) & mask)
             final = tree_map(lambda x: x[done], buf.final_obs) if len(done) else None
             return (
@@ -376,60 +372,14 @@ class EnvActor:
 
         return self._run(step, worker=worker)
 
-    def call(self, worker: int, blob: bytes) -> Any:
-        """:meth:`EnvGroup.call` with cloudpickled ``(name, args, kwargs, envs)``; payload: the
-        pickled results."""
-        try:
-            name, args, kwargs, envs = pickle.loads(blob)
-        except Exception as exc:
-            return _dumps((_FAIL, _unpickle_failure(exc, "call arguments")))
-        group = self.groups[worker]
-
-        def call() -> bytes:
-            results = group.call(name, args, kwargs, envs)
-            try:
-                return _dumps(results)
-            except Exception as exc:  # deterministic: a restart would not help
-                text = "".join(traceback.format_exception(exc))
-                raise EnvFailureError(EnvFailure(None, exc, text, retry=False)) from exc
-
-        return self._run(call)
-
-    def set_attr(self, worker: int, blob: bytes) -> Any:
-        """:meth:`EnvGroup.set_attr` with cloudpickled ``(name, values, envs)``."""
-        try:
-            name, values, envs = pickle.loads(blob)
-        except Exception as exc:
-            return _dumps((_FAIL, _unpickle_failure(exc, "attribute values")))
-        return self._run(self.groups[worker].set_attr, name, values, envs)
-
-    # -- inference="host": the worker's agent copy runs chunks here ---------------------------
-
-    def install_agent(self, worker: int, capacity: int, blob: bytes) -> Any:
-        """Install the worker's agent copy (``pickle((cloudpickled agent, seed))``); the first
-        install allocates the worker's chunk buffers of ``capacity`` steps."""
-        group = self.groups[worker]
-        runner = self.runners.get(worker)
-        if runner is None:
-            flat = StepBuffers.allocate(
-                group.observation_space, group.action_space, capacity * group.n_envs
-            )
-            chunk = ChunkBuffers.from_flat(flat, capacity, group.n_envs)
-            runner = self.runners[worker] = ChunkRunner(group, chunk, group.action_space)
-        return self._run(runner.install, blob)
-
-    def set_params(self, worker: int, blob: bytes) -> Any:
-        """``set_param_values`` on the worker's agent copy with the pickled parameters."""
-        return self._run(self.runners[worker].set_params, blob)
-
     def run_chunk(self, worker: int, request: bytes) -> Any:
         """Run a chunk (:class:`ChunkRequest`, pickled); payload: the :class:`ChunkReply`, the
         chunk's first ``steps`` records and the current observations."""
-        runner = self.runners[worker]
-        buf, chunk = runner.group.buffers, runner.chunk
+        slot = self.slots[worker]
 
         def run() -> tuple[Any, ...]:
-            reply = runner.run(pickle.loads(request))
+            reply = slot.run_chunk(slot.load(request, "chunk request"))
+            chunk = slot.runner.chunk  # type: ignore[union-attr]  # run_chunk checked it
             k = reply.steps
             return (
                 reply,
@@ -439,30 +389,15 @@ class EnvActor:
                 chunk.terminated[:k],
                 chunk.truncated[:k],
                 self._pack(worker, "chunk_final", tree_map(lambda x: x[:k], chunk.final_obs)),
-                self._pack(worker, "obs", buf.obs),
+                self._pack(worker, "obs", slot.group.buffers.obs),
             )
 
         return self._run(run)
 
-    def close(self, worker: int) -> Any:
-        """Close the envs of ``worker``."""
-        return self._run(self.groups[worker].close)
-
     def shutdown(self) -> None:
         """Close every env of this actor (before it is killed)."""
-        for group in self.groups.values():
-            group.close()
-
-
-def _unpickle_failure(exc: Exception, what: str) -> bytes:
-    """A failure for sources that cannot be unpickled here: a restart would not help."""
-    error = RuntimeError(
-        f"the {what} could not be unpickled on the env-host actor's node ({type(exc).__name__}: "
-        f"{exc}); install the packages it needs on every node, or ship them with a Ray "
-        "runtime_env (init_kwargs={'runtime_env': {...}})"
-    )
-    error.__cause__ = exc
-    return dump_failure(EnvFailure(None, error, "".join(traceback.format_exception(exc)), False))
+        for slot in self.slots.values():
+            slot.close()
 
 
 # -- the main process's side ------------------------------------------------------------------
@@ -482,9 +417,15 @@ class _Actor(Incarnation):
         return f"env-host actor {self.index}" + (f" ({self.where})" if self.where else "")
 
     def submit(
-        self, method: str, args: tuple[Any, ...], timeout: float | None, worker: int
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        worker: int,
+        label: str | None = None,
     ) -> PendingCall:
-        """Call ``method`` on the actor; the call's future gets its reply.
+        """Call ``method`` on the actor (``label``: what the call is named in messages, by
+        default ``method``); the call's future gets its reply.
 
         The future fails with :class:`HostDied` when the actor is (or becomes) dead, and with a
         :class:`~asyncsample.WorkerError` when the actor method itself raised (a bug, not an env
@@ -493,7 +434,7 @@ class _Actor(Incarnation):
         if not self.dead and not self.ray.is_initialized():
             # Someone shut Ray down: its actors died with it (and a call now would start Ray).
             self.die("is gone: Ray was shut down")
-        call = self.new_call(method, worker, timeout)
+        call = self.new_call(label or method, worker, timeout)
         if self.dead:
             return call
         try:
@@ -652,19 +593,15 @@ class RayHost(RemoteHost[_Actor]):
         """The Ray actor handle this worker's envs currently live in."""
         return None if self._incarnation is None else self._incarnation.handle
 
-    def _submit(self, incarnation: _Actor, op: str, payload: tuple[Any, ...]) -> PendingCall:
+    def _submit(self, incarnation: _Actor, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         timeout = self._timeout
-        if op in ("reset", "step"):
-            args = payload  # the request carries the worker
-        elif op == "agent install":  # inference="host"
-            op, args = "install_agent", (self.worker, self.spec.chunk_steps, *payload)
-        elif op == "parameter update":
-            op, args = "set_params", (self.worker, *payload)
-        elif op == "chunk":
-            op, args, timeout = "run_chunk", (self.worker, *payload), self._chunk_timeout
+        if op is Op.STEP or op is Op.RESET:
+            method, args = op.label, payload  # the request carries the worker
+        elif op is Op.CHUNK:  # inference="host"
+            method, args, timeout = "run_chunk", (self.worker, *payload), self._chunk_timeout
         else:
-            args = (self.worker, *payload)
-        return incarnation.submit(op, args, timeout, self.worker)
+            method, args = "serve", (self.worker, int(op), *(payload or (b"",)))
+        return incarnation.submit(method, args, timeout, self.worker, op.label)
 
     def _unpack(self, reply: Any) -> Any:
         status, payload = pickle.loads(reply) if isinstance(reply, bytes) else reply
@@ -680,10 +617,10 @@ class RayHost(RemoteHost[_Actor]):
     ) -> dict[int, dict[str, object]]:
         request = _request(self.worker, mask)
         if seeds is None and options is None:
-            obs, infos = await self._request("reset", request)
+            obs, infos = await self._request(Op.RESET, request)
         else:
             args = reset_arguments(self.spec.n_envs, seeds, options)
-            obs, infos = await self._request("reset", request, self._pickle("reset options", args))
+            obs, infos = await self._request(Op.RESET, request, self._pickle("reset options", args))
         _copy_into(self.buffers.obs, obs)
         result: dict[int, dict[str, object]] = infos
         return result
@@ -691,7 +628,7 @@ class RayHost(RemoteHost[_Actor]):
     async def step(self, mask: np.ndarray) -> StepInfos:
         buf = self.buffers
         # The request is a copy of the actions: the worker may write the next ones meanwhile.
-        payload = await self._request("step", _request(self.worker, mask, buf.actions))
+        payload = await self._request(Op.STEP, _request(self.worker, mask, buf.actions))
         obs, rewards, terminated, truncated, done, final, infos = payload
         _copy_into(buf.obs, obs)
         buf.rewards[:] = rewards
@@ -708,11 +645,11 @@ class RayHost(RemoteHost[_Actor]):
 
         ``step_timeout`` applies per step: the call may take ``step_timeout * request.steps``.
         """
-        version = await self._sync_agent()
+        version = await self.sync_agent()
         chunk = self.chunk
         assert chunk is not None
         self._chunk_timeout = None if self._timeout is None else self._timeout * request.steps
-        payload = await self._request("chunk", _dumps(request))
+        payload = await self._request(Op.CHUNK, _dumps(request))
         reply, obs, actions, rewards, terminated, truncated, final, current = payload
         k = reply.steps
         if k:
@@ -760,6 +697,8 @@ class RayBackend:
         start_timeout: seconds to wait for the placement group and each actor to be scheduled
             and up before failing; ``None``: wait as long as it takes (an autoscaler may be
             adding nodes).
+        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL,
+            OpenBLAS) in each actor; ``None`` leaves the libraries' defaults.
     """
 
     OPTIONS = (
@@ -775,6 +714,7 @@ class RayBackend:
         "compress_threshold",
         "init_kwargs",
         "start_timeout",
+        "host_threads",
     )
 
     def __init__(
@@ -791,6 +731,7 @@ class RayBackend:
         compress_threshold: int | None = None,
         init_kwargs: Mapping[str, Any] | None = None,
         start_timeout: float | None = None,
+        host_threads: int | None = 1,
         **unknown: object,
     ) -> None:
         reject_unknown_options("ray", unknown, self.OPTIONS)
@@ -804,6 +745,7 @@ class RayBackend:
         )
         self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         self.start_timeout = _validate.positive_seconds("start_timeout", start_timeout)
+        self.host_threads = _validate.optional_positive_int("host_threads", host_threads)
         self.address = _validate.optional_str("address", address)
         self.num_cpus = _validate.amount("num_cpus", num_cpus)
         self.num_gpus = _validate.amount("num_gpus", num_gpus)
@@ -850,7 +792,9 @@ class RayBackend:
 
     def new_actor(self, index: int, slots_blob: bytes) -> Any:
         """A new env-host actor for pool member ``index`` (its handle)."""
-        return self._actor_options(index).remote(slots_blob, self.compress_threshold, self.codec)
+        return self._actor_options(index).remote(
+            slots_blob, self.compress_threshold, self.codec, self.host_threads
+        )
 
     def _actor_options(self, index: int) -> Any:
         options: dict[str, Any] = {
@@ -889,10 +833,8 @@ class RayBackend:
         specs = list(specs)
         if not specs:
             return []
-        if self.workers_per_actor is not None:
-            n = math.ceil(len(specs) / self.workers_per_actor)
-        else:
-            n = pool_size(self.n_processes, len(specs))
+        where = placement(len(specs), self.n_processes, self.workers_per_actor)
+        n = where.n_members
         try:
             await asyncio.to_thread(self._connect, math.ceil(n * self.num_cpus))
             ray = self.ray
@@ -911,7 +853,7 @@ class RayBackend:
                         f"{self.placement_strategy}) was not ready within start_timeout="
                         f"{self.start_timeout:g}s: the cluster lacks the resources"
                     ) from None
-            self._members = [_Member(self, i, s) for i, s in enumerate(place(specs, n))]
+            self._members = [_Member(self, i, s) for i, s in enumerate(where.split(specs))]
             results = await asyncio.gather(
                 *(m.live() for m in self._members), return_exceptions=True
             )
@@ -919,7 +861,7 @@ class RayBackend:
                 if isinstance(result, BaseException):
                     raise result
             self._hosts = [
-                RayHost(spec, self._members[w % n], self.step_timeout)
+                RayHost(spec, self._members[where.member(w)], self.step_timeout)
                 for w, spec in enumerate(specs)
             ]
         except BaseException:

@@ -167,6 +167,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         batch_size: for EnvPool-style :meth:`send`/:meth:`recv`: how many sub-envs ``recv``
             returns. Sub-envs are then grouped ``gcd(num_envs, batch_size)`` to an env host
             (several hosts share a process), and hosts answer independently.
+        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
+            in each env-host process; ``None`` leaves the libraries' defaults.
         shared_memory, copy, context, daemon, worker, observation_mode: ``AsyncVectorEnv``'s
             arguments, so that code written for it runs unchanged. ``shared_memory`` and
             ``copy`` are accepted and change nothing (observations always travel in shared
@@ -194,6 +196,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         step_timeout: float | None = None,
         max_restarts: int = 3,
         batch_size: int | None = None,
+        host_threads: int | None = 1,
         shared_memory: bool = True,
         copy: bool = True,
         context: str | None = None,
@@ -213,6 +216,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 raise TypeError("num_envs is required when env is a single gymnasium id or factory")
             num_envs = len(env)  # AsyncVectorEnv(env_fns): one sub-env per factory
         num = _validate.positive_int("num_envs", num_envs)
+        host_threads = _validate.optional_positive_int("host_threads", host_threads)
         _check_async_vector_env_options(
             shared_memory, copy, context, daemon, worker, observation_mode
         )
@@ -244,6 +248,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             max_restarts=max_restarts,
             autoreset=mode.value,
             group_size=None if batch is None else math.gcd(num, batch),
+            host_threads=host_threads,
         )
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)

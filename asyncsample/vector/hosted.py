@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -33,7 +32,7 @@ from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector.utils import batch_space
 
 from asyncsample._tree import Tree, tree_map
-from asyncsample.backends import make_backend
+from asyncsample.backends import make_backend, pool_size
 from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.env_group import StepInfos
 from asyncsample.env_update import EnvId, make_env
@@ -182,6 +181,8 @@ class HostedEnvs:
         group_size: sub-envs per host (default: ``num_envs / n_processes``, rounded); EnvPool-style
             stepping asks for smaller hosts, several to a process.
         backend: the backend's name.
+        host_threads: intra-op threads of the numeric libraries in each env-host process
+            (``None``: the libraries' defaults).
     """
 
     def __init__(
@@ -194,6 +195,7 @@ class HostedEnvs:
         autoreset: str,
         group_size: int | None = None,
         backend: str = "process",
+        host_threads: int | None = 1,
     ) -> None:
         self.num_envs = len(sources)
         probe = make_env(sources[0])
@@ -210,7 +212,7 @@ class HostedEnvs:
         self.restarts: list[int] = []
         self.closed = False
         self._chains = [[s] for s in sources]
-        n_procs = min(n_processes or os.cpu_count() or 1, self.num_envs)
+        n_procs = pool_size(n_processes, self.num_envs)
         n_hosts = n_procs if group_size is None else self.num_envs // group_size
         self.n_procs = min(n_procs, n_hosts)
         bounds = np.linspace(0, self.num_envs, n_hosts + 1).round().astype(int).tolist()
@@ -219,7 +221,7 @@ class HostedEnvs:
         # Every sub-env of a host (read-only): the step mask of the common lockstep step.
         self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
         self.portal = BlockingPortal()
-        options: dict[str, Any] = {"n_processes": self.n_procs}
+        options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
         if backend == "process":
             options["step_timeout"] = step_timeout
         self.backend = make_backend(backend, **options)

@@ -1,0 +1,222 @@
+"""One worker slot inside an env host: what every remote host does with a request, once.
+
+An env host (a process of the ``process`` backend, an actor of the ``ray`` backend) hosts the
+envs of several workers, one :class:`HostSlot` each: the slot's
+:class:`~asyncsample.env_group.EnvGroup` and, with ``inference="host"``, its
+:class:`~asyncsample.backends._chunk.ChunkRunner`. The slot has one method per operation of
+:class:`~asyncsample.backends._transport.Op`, and :meth:`HostSlot.serve` runs an operation from
+its request body to its reply payload, so the process host's server loop and Ray's actor only
+move bytes: what a reset does to the agent copy, how call results are pickled, what an
+unpicklable request means, is written here alone.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from asyncsample.backends import _threads
+from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, ChunkRunner
+from asyncsample.backends._transport import Op, dumps
+from asyncsample.backends.base import HostSpec
+from asyncsample.env_group import (
+    EnvFailure,
+    EnvFailureError,
+    EnvGroup,
+    StepBuffers,
+    StepInfos,
+)
+
+__all__ = ["HostSlot"]
+
+_Body = bytes | memoryview
+
+
+class HostSlot:
+    """One worker's envs (and agent copy) inside an env host.
+
+    Args:
+        spec: the worker's host spec.
+        buffers: the slot's step buffers (shared memory in a process host, local in an actor).
+        chunk: ``inference="host"``: the slot's chunk buffers; ``None`` otherwise.
+        host_threads: intra-op threads of the numeric libraries (see
+            :mod:`asyncsample.backends._threads`), applied again after each agent install.
+        where: how the host is called in messages (``"env-host process"``...).
+    """
+
+    def __init__(
+        self,
+        spec: HostSpec,
+        buffers: StepBuffers,
+        chunk: ChunkBuffers | None = None,
+        host_threads: int | None = None,
+        where: str = "env host",
+    ) -> None:
+        self.group = EnvGroup(
+            spec.worker,
+            buffers,
+            spec.observation_space,
+            spec.action_space,
+            spec.max_episode_length,
+            spec.autoreset,
+        )
+        self.runner = None if chunk is None else ChunkRunner(self.group, chunk, spec.action_space)
+        self.host_threads = host_threads
+        self.where = where
+        self._ops: dict[int, Callable[[_Body], bytes]] = {
+            Op.STEP: self._serve_step,
+            Op.RESET: self._serve_reset,
+            Op.RESET_ARGS: self._serve_reset_args,
+            Op.BUILD: self._serve_build,
+            Op.UPDATE: self._serve_update,
+            Op.CALL: self._serve_call,
+            Op.SET_ATTR: self._serve_set_attr,
+            Op.AGENT: self._serve_agent,
+            Op.PARAMS: self._serve_params,
+            Op.CHUNK: self._serve_chunk,
+            Op.CLOSE: self._serve_close,
+        }
+
+    @classmethod
+    def allocate(
+        cls, spec: HostSpec, host_threads: int | None = None, where: str = "env host"
+    ) -> HostSlot:
+        """A slot with buffers of its own (an actor's: nothing is shared with the caller)."""
+        obs_space, act_space, n = spec.observation_space, spec.action_space, spec.n_envs
+        chunk = None
+        if spec.chunk_steps > 0:
+            flat = StepBuffers.allocate(obs_space, act_space, spec.chunk_steps * n)
+            chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, n)
+        return cls(spec, StepBuffers.allocate(obs_space, act_space, n), chunk, host_threads, where)
+
+    # -- one method per operation ---------------------------------------------------------------
+
+    def build(self, chains: Sequence[Sequence[Any]], seeds: Sequence[int]) -> None:
+        self.group.build(chains, seeds)
+
+    def update(self, updates: Sequence[Any], seeds: Sequence[int]) -> None:
+        self.group.update(updates, seeds)
+
+    def reset(
+        self, mask: np.ndarray, seeds: Any = None, options: Any = None
+    ) -> dict[int, dict[str, Any]]:
+        """Reset the envs in ``mask``; the agent copy (``inference="host"``) starts them too."""
+        infos = self.group.reset(mask, seeds, options)
+        if self.runner is not None:
+            self.runner.reset_agent(mask)
+        return infos
+
+    def step(self, mask: np.ndarray) -> StepInfos:
+        return self.group.step(mask)
+
+    def call(self, name: str, args: Any, kwargs: Any, envs: Any) -> bytes:
+        """The pickled results of :meth:`EnvGroup.call`; results that cannot be pickled are a
+        failure not worth a restart."""
+        results = self.group.call(name, args, kwargs, envs)
+        try:
+            return dumps(results)
+        except Exception as exc:
+            text = "".join(traceback.format_exception(exc))
+            raise EnvFailureError(EnvFailure(None, exc, text, retry=False)) from exc
+
+    def set_attr(self, name: str, values: Any, envs: Any) -> None:
+        self.group.set_attr(name, values, envs)
+
+    def install_agent(self, blob: bytes) -> None:
+        """Install the agent copy (``pickle((cloudpickled agent, seed))``); unpickling it may
+        have imported torch, whose threads are set then."""
+        self._runner().install(blob)
+        _threads.apply_torch(self.host_threads)
+
+    def set_params(self, blob: bytes) -> None:
+        self._runner().set_params(blob)
+
+    def run_chunk(self, request: ChunkRequest) -> ChunkReply:
+        return self._runner().run(request)
+
+    def close(self) -> None:
+        self.group.close()
+
+    def _runner(self) -> ChunkRunner:
+        if self.runner is None:
+            raise RuntimeError(f"this {self.where} was not started for inference='host'")
+        return self.runner
+
+    # -- the same operations from request bytes to reply bytes ---------------------------------
+
+    def serve(self, op: int, body: _Body) -> bytes:
+        """Run request ``op`` with its ``body`` (after the slot); the reply's payload.
+
+        Raises:
+            EnvFailureError: what the envs or the agent raised, or a request that cannot be
+                unpickled here (``retry`` false: a restart would not help).
+        """
+        handler = self._ops.get(op)
+        if handler is None:
+            raise ValueError(f"unknown request opcode {op}")
+        return handler(body)
+
+    def _serve_step(self, body: _Body) -> bytes:
+        infos = self.group.step(np.frombuffer(body, np.bool_))
+        if infos.env_infos is None and not infos.reset_infos:
+            return b""
+        return dumps((infos.env_infos, infos.reset_infos))
+
+    def _serve_reset(self, body: _Body) -> bytes:
+        infos = self.reset(np.frombuffer(body, np.bool_))
+        return dumps(infos) if infos else b""
+
+    def _serve_reset_args(self, body: _Body) -> bytes:
+        n = self.group.n_envs
+        seeds, options = self.load(body[n:], "reset options")
+        infos = self.reset(np.frombuffer(body[:n], np.bool_), seeds, options)
+        return dumps(infos) if infos else b""
+
+    def _serve_build(self, body: _Body) -> bytes:
+        self.build(*self.load(body, "env"))
+        return b""
+
+    def _serve_update(self, body: _Body) -> bytes:
+        self.update(*self.load(body, "env update"))
+        return b""
+
+    def _serve_call(self, body: _Body) -> bytes:
+        return self.call(*self.load(body, "call arguments"))
+
+    def _serve_set_attr(self, body: _Body) -> bytes:
+        self.set_attr(*self.load(body, "attribute values"))
+        return b""
+
+    def _serve_agent(self, body: _Body) -> bytes:
+        self.install_agent(bytes(body))
+        return b""
+
+    def _serve_params(self, body: _Body) -> bytes:
+        self.set_params(bytes(body))
+        return b""
+
+    def _serve_chunk(self, body: _Body) -> bytes:
+        return dumps(self.run_chunk(self.load(body, "chunk request")))
+
+    def _serve_close(self, body: _Body) -> bytes:
+        self.close()
+        return b""
+
+    def load(self, body: _Body, what: str) -> Any:
+        """Unpickle a request's ``body``; a failure (a module missing here) is not retried."""
+        try:
+            return pickle.loads(body)
+        except Exception as exc:
+            error = RuntimeError(
+                f"the {what} could not be unpickled in the {self.where} "
+                f"({type(exc).__name__}: {exc}); install the packages it needs where the env "
+                "hosts run (with Ray: on every node, or ship them with a Ray runtime_env, "
+                "init_kwargs={'runtime_env': {...}})"
+            )
+            error.__cause__ = exc
+            text = "".join(traceback.format_exception(exc))
+            raise EnvFailureError(EnvFailure(None, error, text, retry=False)) from exc
