@@ -55,7 +55,6 @@ from asyncsample.vector.hosted import (
     HostedEnvs,
     HostedFace,
     StepResult,
-    check_step_timeout,
     env_sources,
     finalize,
 )
@@ -224,7 +223,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         _validate.nonnegative_int("max_restarts", max_restarts)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        check_step_timeout(step_timeout)
+        step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         if autoreset_mode is None:
             mode = AutoresetMode.NEXT_STEP
         else:

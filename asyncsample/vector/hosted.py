@@ -46,7 +46,6 @@ __all__ = [
     "StepResult",
     "SubEnvAttributeError",
     "SubEnvError",
-    "check_step_timeout",
     "env_sources",
     "finalize",
 ]
@@ -141,14 +140,6 @@ def env_sources(env: Any, num_envs: int) -> list[Any]:
                 f"gymnasium.Env, got {type(source).__name__}"
             )
     return out
-
-
-def check_step_timeout(value: Any) -> None:
-    """``step_timeout`` of the vector faces: ``None`` or a number of seconds > 0."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-    ):
-        raise ValueError(f"step_timeout must be a number of seconds > 0 or None, got {value!r}")
 
 
 def _crash_like(exc: BaseException) -> bool:

@@ -36,7 +36,6 @@ from asyncsample.vector.hosted import (
     HostedEnvs,
     HostedFace,
     StepResult,
-    check_step_timeout,
     env_sources,
     finalize,
 )
@@ -147,7 +146,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             n = _validate.positive_int("num_envs", num_envs)
         _validate.optional_positive_int("n_processes", n_processes)
         _validate.nonnegative_int("max_restarts", max_restarts)
-        check_step_timeout(step_timeout)
+        step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         sources = env_sources(list(env_fns) if isinstance(env_fns, (list, tuple)) else env_fns, n)
         self._hosted = HostedEnvs(
             [_Factory(s) for s in sources],
