@@ -494,6 +494,28 @@ def test_async_vector_env_arguments(no_leaks: None) -> None:
         VectorEnv("CartPole-v1", 2, shared_memory="yes")  # type: ignore[arg-type]
 
 
+class TextObservations(CountEnv):
+    """A Dict observation with a Text part: no fixed-size row in the shared buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = Dict({"n": Discrete(10), "name": gym.spaces.Text(8)})
+
+
+def test_text_observations_are_refused_not_replaced_by_placeholders(no_leaks: None) -> None:
+    """They used to come back as placeholder strings, silently: now a clear error at once."""
+    with pytest.raises(TypeError, match=r"Text\(1, 8, .*no fixed-size row"):
+        VectorEnv([TextObservations] * 2, n_processes=1)
+    with pytest.raises(TypeError, match="dynamic shape"):
+        VectorEnv([lambda: GraphObservations()] * 2, n_processes=1)
+
+
+class GraphObservations(CountEnv):
+    def __init__(self) -> None:
+        super().__init__()
+        self.observation_space = gym.spaces.Graph(Box(0.0, 1.0, (2,)), None)
+
+
 def test_sub_envs_with_different_spaces_are_refused(no_leaks: None) -> None:
     with pytest.raises(RuntimeError, match="observation spaces are not equivalent"):
         VectorEnv(

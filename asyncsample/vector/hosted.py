@@ -142,6 +142,44 @@ def env_sources(env: Any, num_envs: int) -> list[Any]:
     return out
 
 
+_FIXED_SPACES = (
+    gym.spaces.Box,
+    gym.spaces.Discrete,
+    gym.spaces.MultiBinary,
+    gym.spaces.MultiDiscrete,
+)
+
+
+def _check_bufferable(what: str, space: gym.Space[Any]) -> None:
+    """Refuse a space whose values have no fixed-size row in the shared step buffers.
+
+    Observations and actions travel in shared memory allocated once per space. ``Text``,
+    ``OneOf``, ``Sequence``, ``Graph`` and custom spaces have no such row: stored anyway they would
+    come back as placeholders (wrong data, no error), so they are refused here, at construction.
+    The message for ``Sequence`` and ``Graph`` is gymnasium's own for shared memory.
+    """
+    if isinstance(space, gym.spaces.Dict):
+        for sub in space.spaces.values():
+            _check_bufferable(what, sub)
+        return
+    if isinstance(space, gym.spaces.Tuple):
+        for sub in space.spaces:
+            _check_bufferable(what, sub)
+        return
+    if isinstance(space, _FIXED_SPACES):
+        return
+    if isinstance(space, (gym.spaces.Sequence, gym.spaces.Graph)):
+        raise TypeError(
+            f"the {what} space {space} has a dynamic shape so its not possible to make a static "
+            "shared memory."
+        )
+    raise TypeError(
+        f"the {what} space contains {space}, whose values have no fixed-size row in the shared "
+        "step buffers of asyncsample's vector envs (Text, OneOf and custom spaces are not "
+        "supported yet); use gymnasium's AsyncVectorEnv for this env"
+    )
+
+
 def _crash_like(exc: BaseException) -> bool:
     return isinstance(exc, (WorkerCrashedError, StepTimeoutError))
 
@@ -198,6 +236,8 @@ class HostedEnvs:
             self.spec = probe.spec
         finally:
             probe.close()
+        _check_bufferable("observation", self.single_observation_space)
+        _check_bufferable("action", self.single_action_space)
         self.autoreset = autoreset
         self.max_restarts = max_restarts
         self.restarts: list[int] = []
