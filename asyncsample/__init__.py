@@ -13,6 +13,7 @@ from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
     AsyncSampleError,
+    SamplerBusyError,
     SamplerClosedError,
     StepTimeoutError,
     WorkerCrashedError,
@@ -61,6 +62,7 @@ __all__ = [
     "RandomAgent",
     "SampleStats",
     "Sampler",
+    "SamplerBusyError",
     "SamplerClosedError",
     "SetTaskUpdate",
     "StepTimeoutError",

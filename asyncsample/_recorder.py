@@ -17,7 +17,17 @@ from asyncsample._assembly import Plan, step_types_of
 from asyncsample._tree import Tree, tree_map
 from asyncsample.batch import StepType
 
-__all__ = ["Piece", "Recorder", "Resume", "Rows", "put_row", "row_of", "store_agent_infos"]
+__all__ = [
+    "Piece",
+    "Recorder",
+    "Resume",
+    "Rows",
+    "put_row",
+    "put_rows",
+    "row_of",
+    "store_agent_info_block",
+    "store_agent_infos",
+]
 
 
 class Resume(enum.Enum):
@@ -93,6 +103,14 @@ class Rows:
         self.size = t + 1
         return t
 
+    def reserve(self, n: int, obs: Tree, actions_like: Tree) -> int:
+        """Index of the first of ``n`` new rows (growing the buffers as :meth:`next_row` does)."""
+        t = self.size
+        while t + n > self.capacity:
+            self._grow(obs, actions_like)
+        self.size = t + n
+        return t
+
     def _grow(self, obs: Tree, actions_like: Tree) -> None:
         new = max(64, 2 * self.capacity)
 
@@ -120,6 +138,14 @@ def put_row(dst: Tree, index: Any, src: Tree) -> None:
         dst[index] = src
     else:
         tree_map(lambda d, s: d.__setitem__(index, s), dst, src)
+
+
+def put_rows(dst: Tree, start: int, src: Tree, n: int) -> None:
+    """``dst[start:start + n] = src[:n]`` leaf by leaf."""
+    if isinstance(dst, np.ndarray):
+        dst[start : start + n] = src[:n]
+    else:
+        tree_map(lambda d, s: d.__setitem__(slice(start, start + n), s[:n]), dst, src)
 
 
 def row_of(tree: Tree, index: int) -> Tree:
@@ -158,6 +184,29 @@ def store_agent_infos(rows: Rows, t: int, agent_infos: dict[str, np.ndarray]) ->
     for name, present in store.items():
         if name.startswith(_PRESENT):
             present[t] = name[len(_PRESENT) :] in agent_infos
+
+
+def store_agent_info_block(
+    rows: Rows, start: int, n: int, agent_infos: dict[str, np.ndarray]
+) -> None:
+    """:func:`store_agent_infos` for ``n`` rows from ``start`` at once: ``agent_infos`` holds
+    every key of those rows, stacked over them (leading axis ``n``)."""
+    store = rows.agent_infos
+    block = slice(start, start + n)
+    for key, value in agent_infos.items():
+        column = store.get(key)
+        if (
+            column is None
+            or column.shape[1:] != value.shape[1:]
+            or column.dtype.kind != value.dtype.kind
+        ):
+            column = np.zeros((rows.capacity, *value.shape[1:]), dtype=value.dtype)
+            store[key] = column
+            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
+        column[block] = value[:n]
+    for name, present in store.items():
+        if name.startswith(_PRESENT):
+            present[block] = name[len(_PRESENT) :] in agent_infos
 
 
 def _agent_info_masks(

@@ -200,17 +200,20 @@ def subclass(name: str, value: object, base: type[_T]) -> type[_T]:
     return value
 
 
-def has_method(name: str, value: object, method: str, *, optional: bool = False) -> None:
+def has_method(
+    name: str, value: object, method: str, *, args: str = "...", optional: bool = False
+) -> None:
     """Raise ``TypeError`` unless ``value`` has a callable ``method`` (or is ``None``, if optional).
 
-    For duck-typed arguments such as agents (``get_actions``).
+    For duck-typed arguments such as agents: ``has_method("agent", agent, "get_actions",
+    args="observations", optional=True)``; ``args`` only shows the call in the message.
     """
     if optional and value is None:
         return
     if not callable(getattr(value, method, None)):
         tail = " or be None" if optional else ""
         raise TypeError(
-            f"{name} must have a {method}(...) method{tail}, got {type(value).__name__}"
+            f"{name} must have a {method}({args}) method{tail}, got {type(value).__name__}"
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 __all__ = [
     "AsyncSampleError",
+    "SamplerBusyError",
     "SamplerClosedError",
     "StepTimeoutError",
     "WorkerCrashedError",
@@ -73,3 +74,12 @@ class StepTimeoutError(WorkerError, TimeoutError):
 
 class SamplerClosedError(AsyncSampleError, RuntimeError):
     """The sampler was closed; create a new one to sample again."""
+
+
+class SamplerBusyError(AsyncSampleError, RuntimeError):
+    """A call was made from the body of this sampler's own open ``stream()``.
+
+    The stream holds the sampler until it closes, so the call could never run: it raises at once
+    instead of waiting forever. Close the stream first, or make the call from a task that the
+    stream's body did not start (it then queues behind the stream).
+    """

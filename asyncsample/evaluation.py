@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import gymnasium as gym
 import numpy as np
@@ -16,9 +17,9 @@ from asyncsample.batch import EpisodeBatch
 from asyncsample.env_update import EnvId, EnvSource, make_env
 
 if TYPE_CHECKING:
-    from asyncsample.sampler import Sampler
+    from asyncsample._core import SamplerCore
 
-__all__ = ["DeterministicAgent", "Evaluation", "RenderFrames", "RenderingEnvFactory", "evaluate"]
+__all__ = ["DeterministicAgent", "Evaluation", "RenderFrames", "RenderingEnvFactory", "TestEnvs"]
 
 
 @dataclass(frozen=True)
@@ -122,68 +123,92 @@ def frames_of_first_episode(batch: EpisodeBatch) -> np.ndarray:
     return np.concatenate([first.episode_infos["frame"][:1], first.env_infos["frame"]])
 
 
-async def evaluate(
-    sampler: Sampler,
-    n_episodes: int = 10,
-    *,
-    agent: Agent | None = None,
-    env: EnvSource | None = None,
-    deterministic: bool = True,
-    render: bool = False,
-) -> Evaluation:
-    """The body of :meth:`Sampler.evaluate` (see there).
+class Evaluator(Protocol):
+    """What evaluation needs of the one-worker sampler it builds (a :class:`Sampler`)."""
 
-    The test envs live in a one-worker sampler of their own (per ``render`` setting), built on
-    first use and kept until the test env changes or the sampler closes.
+    async def obtain_exact_episodes(
+        self, n_eps_per_worker: int, agent_update: Any = None
+    ) -> EpisodeBatch: ...
+
+    async def aclose(self) -> None: ...
+
+
+class TestEnvs:
+    """The test envs of one sampler: a one-worker sampler of their own per ``render`` setting,
+    built on first use and kept until the test env changes or the sampler closes.
+
+    Args:
+        make_sampler: builds a sampler (the :class:`Sampler` class; passed in, so this module
+            does not import the sampler's).
     """
-    n_episodes = _validate.positive_int("n_episodes", n_episodes)
-    deterministic = _validate.flag("deterministic", deterministic)
-    render = _validate.flag("render", render)
-    if agent is not None and not callable(getattr(agent, "get_actions", None)):
-        raise TypeError(
-            f"agent must have a get_actions(observations) method or be None, got "
-            f"{type(agent).__name__}"
-        )
-    sampler._check_open()
-    source = env if env is not None else sampler._test_env
-    if source is None:
-        source = sampler._env_sources[0]
-        source = source[0] if isinstance(source, list) else source
-    source = _validate.env_source("env", source)
-    if agent is None:
-        if not sampler.workers:
-            await sampler.start()
-        agent = sampler.workers[0].agent
-    assert agent is not None
-    evaluator_agent: Agent = DeterministicAgent(agent) if deterministic else agent
-    key = source.id if isinstance(source, EnvId) else source
-    evaluator, evaluated = sampler._evaluators.get(render, (None, None))
-    if evaluator is not None and evaluated != key:
-        # Another test env: its hosts replace the previous ones.
-        await evaluator.aclose()
-        evaluator = None
-    if evaluator is None:
-        from asyncsample.sampler import Sampler  # here: the sampler module imports this one
 
-        evaluator = Sampler(
-            RenderingEnvFactory(source) if render else source,
-            evaluator_agent,
-            n_workers=1,
-            envs_per_worker=min(n_episodes, sampler.envs_per_worker * sampler.n_workers),
-            n_processes=1,
-            max_episode_length=sampler.max_episode_length,
-            seed=int(np.random.SeedSequence([sampler.seed, 1]).generate_state(1)[0]),
-            backend=sampler.backend_name,
-            step_timeout=sampler.step_timeout,
-            max_restarts=sampler.max_restarts,
-            host_threads=sampler.host_threads,
-            backend_options=sampler._backend_options,
+    def __init__(self, make_sampler: Callable[..., Evaluator]) -> None:
+        self.make_sampler = make_sampler
+        self.evaluators: dict[bool, tuple[Evaluator, Any]] = {}
+
+    async def aclose(self) -> None:
+        """Close every evaluator."""
+        evaluators, self.evaluators = [e for e, _ in self.evaluators.values()], {}
+        for evaluator in evaluators:
+            await evaluator.aclose()
+
+    async def evaluate(
+        self,
+        core: SamplerCore,
+        n_episodes: int = 10,
+        *,
+        agent: Agent | None = None,
+        env: EnvSource | None = None,
+        deterministic: bool = True,
+        render: bool = False,
+    ) -> Evaluation:
+        """The body of :meth:`Sampler.evaluate` (see there) for the sampler whose core is
+        ``core``."""
+        n_episodes = _validate.positive_int("n_episodes", n_episodes)
+        deterministic = _validate.flag("deterministic", deterministic)
+        render = _validate.flag("render", render)
+        if agent is not None and not callable(getattr(agent, "get_actions", None)):
+            raise TypeError(
+                f"agent must have a get_actions(observations) method or be None, got "
+                f"{type(agent).__name__}"
+            )
+        core.check_open()
+        source = env if env is not None else core.test_env
+        if source is None:
+            source = core.env_sources[0]
+            source = source[0] if isinstance(source, list) else source
+        source = _validate.env_source("env", source)
+        if agent is None:
+            await core.start()
+            agent = core.first_agent()
+        assert agent is not None
+        evaluator_agent: Agent = DeterministicAgent(agent) if deterministic else agent
+        key = source.id if isinstance(source, EnvId) else source
+        evaluator, evaluated = self.evaluators.get(render, (None, None))
+        if evaluator is not None and evaluated != key:
+            # Another test env: its hosts replace the previous ones.
+            await evaluator.aclose()
+            evaluator = None
+        if evaluator is None:
+            evaluator = self.make_sampler(
+                RenderingEnvFactory(source) if render else source,
+                evaluator_agent,
+                n_workers=1,
+                envs_per_worker=min(n_episodes, core.envs_per_worker * core.n_workers),
+                n_processes=1,
+                max_episode_length=core.max_episode_length,
+                seed=int(np.random.SeedSequence([core.seed, 1]).generate_state(1)[0]),
+                backend=core.backend_name,
+                step_timeout=core.step_timeout,
+                max_restarts=core.max_restarts,
+                host_threads=core.host_threads,
+                backend_options=core.backend_options,
+            )
+            self.evaluators[render] = (evaluator, key)
+        batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
+        return Evaluation(
+            returns=batch.returns,
+            lengths=batch.lengths.copy(),
+            frames=frames_of_first_episode(batch) if render else None,
+            batch=batch,
         )
-        sampler._evaluators[render] = (evaluator, key)
-    batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
-    return Evaluation(
-        returns=batch.returns,
-        lengths=batch.lengths.copy(),
-        frames=frames_of_first_episode(batch) if render else None,
-        batch=batch,
-    )

@@ -20,7 +20,7 @@ from asyncsample.batch import EpisodeBatch
 from asyncsample.stats import SampleStats
 
 if TYPE_CHECKING:
-    from asyncsample.sampler import Mode, Sampler
+    from asyncsample._core import Mode, SamplerCore
 
 __all__ = ["merge_stats", "stream"]
 
@@ -28,7 +28,7 @@ logger = logging.getLogger("asyncsample")
 
 
 async def stream(
-    sampler: Sampler,
+    sampler: SamplerCore,
     num_samples: int,
     *,
     fragments: bool = False,
@@ -37,21 +37,21 @@ async def stream(
     buffer_size: int = 2,
     fraction_samples: float = 1.0,
 ) -> AsyncGenerator[EpisodeBatch, None]:
-    """The body of :meth:`Sampler.stream` (see there)."""
+    """The body of :meth:`Sampler.stream` (see there), over the sampler's core."""
     num_samples = _validate.positive_int("num_samples", num_samples)
     fraction = _validate.fraction("fraction_samples", fraction_samples)
     fragments = _validate.flag("fragments", fragments)
     buffer_size = _validate.positive_int("buffer_size", buffer_size)
     max_policy_lag = _validate.optional_nonnegative_int("max_policy_lag", max_policy_lag)
-    sampler._check_open()
-    sampler._check_agent_update(agent_update)
+    sampler.check_open()
+    sampler.check_agent_update(agent_update)
     mode: Mode = "fragments" if fragments else "samples"
-    async with sampler._locked("stream"):
-        sampler._check_open()
-        await sampler._start()
-        if not fragments and not sampler._warned_endless:
-            sampler._warn_if_endless()
-        sampler._apply_agent_update(agent_update)
+    async with sampler.locked("stream"):
+        sampler.check_open()
+        await sampler.start_unlocked()
+        if not fragments and not sampler.warned_endless:
+            sampler.warn_if_endless()
+        sampler.apply_agent_update(agent_update)
         queue: asyncio.Queue[tuple[EpisodeBatch, SampleStats] | BaseException] = asyncio.Queue(
             maxsize=buffer_size
         )
@@ -60,16 +60,16 @@ async def stream(
             # The first round continues the fragments of a previous obtain_fragments call;
             # every later round continues what the round before left running.
             if fragments:
-                resume = Resume.FRAGMENTS if sampler._last_mode == "fragments" else Resume.NOTHING
+                resume = Resume.FRAGMENTS if sampler.last_mode == "fragments" else Resume.NOTHING
             else:
                 resume = Resume.NOTHING
             leave = Resume.FRAGMENTS if fragments else Resume.EPISODES
             try:
                 while True:
-                    result = await sampler._sample(
+                    result = await sampler.sample_round(
                         mode, num_samples, resume=resume, leave=leave, fraction=fraction
                     )
-                    sampler._last_mode = mode
+                    sampler.last_mode = mode
                     resume = leave
                     await queue.put(result)
             except asyncio.CancelledError:
@@ -77,7 +77,7 @@ async def stream(
             except BaseException as exc:  # handed to the consumer, raised there
                 await queue.put(exc)
 
-        sampler._streaming = True
+        sampler.streaming = True
         producer = asyncio.ensure_future(produce())
         try:
             while True:
@@ -89,7 +89,7 @@ async def stream(
                         raise item
                     batch, stat = item
                     if max_policy_lag is not None:
-                        newest = max(w.agent_version for w in sampler.workers)
+                        newest = sampler.newest_agent_version()
                         fresh = batch.episode_infos["agent_version"] >= newest - max_policy_lag
                         if not fresh.all():
                             logger.info(
@@ -104,13 +104,14 @@ async def stream(
                     parts.append(batch)
                     stats.append(stat)
                 out = EpisodeBatch.concatenate(*parts) if len(parts) > 1 else parts[0]
-                sampler._total_env_steps += out.n_transitions
+                sampler.total_env_steps += out.n_transitions
                 sampler.last_stats = merge_stats(
                     stats, out.n_transitions, _worker_transitions(out, sampler.n_workers)
                 )
+                sampler.stream_guard.handing_out()
                 yield out
         finally:
-            sampler._streaming = False
+            sampler.streaming = False
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
 

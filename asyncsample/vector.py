@@ -55,7 +55,6 @@ import concurrent.futures
 import contextlib
 import functools
 import math
-import os
 import select
 import threading
 import time
@@ -72,7 +71,7 @@ from gymnasium.vector.utils import batch_space
 
 from asyncsample import _validate
 from asyncsample._tree import Tree, tree_map
-from asyncsample.backends import make_backend
+from asyncsample.backends import make_backend, pool_size
 from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.env_update import EnvId, make_env
 from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
@@ -538,7 +537,7 @@ class _Engine:
         self.restarts: list[int] = []
         self.closed = False
         self._chains = [[_Factory(s, defer, ship_final_obs)] for s in sources]
-        n_procs = min(n_processes or os.cpu_count() or 1, self.num_envs)
+        n_procs = pool_size(n_processes, self.num_envs)
         n_hosts = n_procs if group_size is None else self.num_envs // group_size
         n_procs = min(n_procs, n_hosts)
         bounds = np.linspace(0, self.num_envs, n_hosts + 1).round().astype(int).tolist()

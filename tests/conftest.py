@@ -111,9 +111,9 @@ async def make_sampler(request: pytest.FixtureRequest) -> AsyncIterator[SamplerF
     ``make_sampler(backend=None, env=None, agent=None, **kwargs)`` returns a new, unstarted
     :class:`Sampler`. Each argument the call leaves out comes from the closest
     ``@pytest.mark.sampler_defaults(...)`` marker (test, class, then module ``pytestmark``), then
-    from :data:`SAMPLER_DEFAULTS`; ``env`` defaults to the 4x4 grid world and ``backend`` to the
-    test's own ``backend`` fixture when it has one (set up first, so a Ray cluster it starts is
-    not taken for a leak), else ``"local"``.
+    from :data:`SAMPLER_DEFAULTS`. When none of them gives it, ``env`` is the 4x4 grid world and
+    ``backend`` the value of the test's own ``backend`` fixture if it has one (set up first, so a
+    Ray cluster it starts is not taken for a leak), else ``"local"``.
 
     At the end of the test every sampler it made is closed (whether or not the test closed it),
     and, unless one of them ran on Ray (whose worker pool outlives its actors), the test fails if

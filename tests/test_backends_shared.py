@@ -524,3 +524,13 @@ def test_host_slot_serves_every_operation_from_bytes() -> None:
     failure = info.value.failure
     assert not failure.retry and "env update could not be unpickled" in str(failure.error)
     assert slot.serve(Op.CLOSE, b"") == b""
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+async def test_direct_reader_is_a_capability_of_the_host(name: str) -> None:
+    async with hosts_on(name, [host_spec(1)]) as (_, (host,)):
+        reader = host.direct_reader()
+        if name == "local":
+            assert reader is None  # no stream: the calls run in the caller's thread
+        else:
+            assert reader is not None and reader.fd >= 0 and callable(reader.read_now)

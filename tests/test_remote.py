@@ -18,6 +18,7 @@ import gymnasium as gym
 import pytest
 
 from asyncsample.backends._remote import Incarnation, PendingCall, PoolMember, RemoteHost
+from asyncsample.backends._transport import Op
 from asyncsample.backends.base import HostSpec
 from asyncsample.errors import SamplerClosedError, StepTimeoutError, WorkerCrashedError
 
@@ -107,8 +108,8 @@ class FakeMember(PoolMember[FakeIncarnation]):
 class FakeHost(RemoteHost[FakeIncarnation]):
     """One worker's view of the fake member: each request is one pending call."""
 
-    def _submit(self, incarnation: FakeIncarnation, op: str, payload: tuple[Any, ...]) -> Any:
-        call = incarnation.new_call(op, self.worker, self._timeout)
+    def _submit(self, incarnation: FakeIncarnation, op: Op, payload: tuple[Any, ...]) -> Any:
+        call = incarnation.new_call(op.label, self.worker, self._timeout)
         call.key = payload
         return call
 
@@ -190,7 +191,7 @@ async def test_a_reply_behind_an_unanswered_head_waits_for_it() -> None:
 async def test_replies_reach_their_caller() -> None:
     _, member, (host,) = await pool(1)
     inc = current(member)
-    task = asyncio.ensure_future(host._request("call", "x"))
+    task = asyncio.ensure_future(host._request(Op.CALL, "x"))
     await sent(inc, 1)
     (call,) = inc.calls
     assert call.key == ("x",)

@@ -37,6 +37,7 @@ from asyncsample import (
     WorkerError,
     WorkerFactory,
 )
+from asyncsample._engine import share_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -480,10 +481,9 @@ def test_unpicklable_env_factory() -> None:
     Sampler(factory, backend="local")  # nothing to pickle in-process
 
 
-def test_quota_split_is_fixed(make_sampler: SamplerFactory) -> None:
-    s = make_sampler("local", agent=ScriptedAgent(), n_workers=3)
-    assert [s._share(10, w) for w in range(3)] == [4, 3, 3]
-    assert sum(s._share(11, w) for w in range(3)) == 11
+def test_quota_split_is_fixed() -> None:
+    assert [share_of(10, 3, w) for w in range(3)] == [4, 3, 3]
+    assert sum(share_of(11, 3, w) for w in range(3)) == 11
 
 
 class ImageEnv(NoisyEnv):

@@ -12,7 +12,7 @@ import pytest
 from envs import SCRIPT, GridWorldEnv, NoisyEnv, ParamAgent, ScriptedAgent
 from helpers import SamplerFactory, stays
 
-from asyncsample import EpisodeBatch, StepType
+from asyncsample import EpisodeBatch, SamplerBusyError, StepType
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,8 +132,8 @@ async def test_calls_wait_for_an_open_stream(make_sampler: SamplerFactory) -> No
         async with contextlib.aclosing(s.stream(6)) as it:
             await anext(it)
             call = asyncio.ensure_future(s.obtain_samples(6))
-            await anext(it)  # the stream makes another round while the call waits
-            assert not call.done()
+            await anext(it)  # the stream goes on while the call waits...
+            assert await stays(lambda: not call.done(), 0.05)  # ...and the call keeps waiting
             order.append("stream closed")
         batch = await call
         order.append("call done")
@@ -232,3 +232,62 @@ def test_batch_select_keeps_chosen_episodes(make_sampler: SamplerFactory) -> Non
     chosen = batch.select([1, 3])
     assert chosen.lengths.tolist() == batch.lengths[[1, 3]].tolist()
     assert chosen.split()[1].equals(batch.split()[3])
+
+
+@pytest.mark.both_loops
+async def test_calls_from_the_stream_body_raise_at_once(make_sampler: SamplerFactory) -> None:
+    async with make_sampler(
+        "local", agent=ScriptedAgent(), n_workers=1, max_episode_length=20
+    ) as s:
+        async with contextlib.aclosing(s.stream(6)) as it:
+            async for _ in it:
+                for call in (
+                    lambda: s.obtain_samples(6),
+                    lambda: s.obtain_exact_episodes(1),
+                    lambda: s.obtain_fragments(6),
+                ):
+                    with pytest.raises(SamplerBusyError, match="body of an open stream"):
+                        await call()
+                    # A task the body starts (as wait_for does on Python 3.11) is the body too.
+                    with pytest.raises(SamplerBusyError, match="Close the stream first"):
+                        await asyncio.wait_for(call(), 5)
+                    with pytest.raises(SamplerBusyError):
+                        await asyncio.gather(call())
+                    with pytest.raises(ExceptionGroup) as group_error:
+                        async with asyncio.TaskGroup() as group:
+                            group.create_task(call())
+                    assert group_error.group_contains(SamplerBusyError)
+                # What needs no lock still works: updates, and evaluation on its own envs.
+                await s.update_agent(None)
+                await s.start()
+                evaluation = await asyncio.wait_for(s.evaluate(1), 30)
+                assert len(evaluation.lengths) == 1
+                break
+        # Once the stream is closed the same task samples again.
+        batch = await asyncio.wait_for(s.obtain_samples(6), 30)
+    assert batch.n_transitions >= 6
+
+
+@pytest.mark.both_loops
+async def test_other_tasks_still_queue_behind_the_stream_body(
+    make_sampler: SamplerFactory,
+) -> None:
+    async with make_sampler(
+        "local", agent=ScriptedAgent(), n_workers=1, max_episode_length=20
+    ) as s:
+        outside = asyncio.Event()
+
+        async def later() -> EpisodeBatch:
+            await outside.wait()
+            return await s.obtain_samples(6)
+
+        task = asyncio.ensure_future(later())  # started before the stream: not its body
+        async with contextlib.aclosing(s.stream(6)) as it:
+            async for _ in it:
+                outside.set()
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                assert not task.done()  # queued behind the stream, not refused
+                break
+        batch = await asyncio.wait_for(task, 30)
+    assert batch.n_transitions >= 6

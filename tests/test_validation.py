@@ -291,6 +291,8 @@ def test_validate_helpers() -> None:
     v.has_method("agent", None, "get_actions", optional=True)
     with pytest.raises(TypeError, match=r"agent must have a get_actions\(...\) method or be None"):
         v.has_method("agent", 3, "get_actions", optional=True)
+    with pytest.raises(TypeError, match=r"agent must have a get_actions\(observations\) method,"):
+        v.has_method("agent", 3, "get_actions", args="observations")
     assert v.unit_interval("min_fraction", 0) == 0.0
     with pytest.raises(ValueError, match=r"min_fraction must be >= 0 and <= 1, got nan"):
         v.unit_interval("min_fraction", float("nan"))

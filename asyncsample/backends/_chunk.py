@@ -8,9 +8,9 @@ small :class:`ChunkReply` (agent infos and env infos, pickled only when there ar
 then turns the chunk into the same recorder rows per-step stepping makes (see
 :mod:`asyncsample.inference.host`).
 
-The host stops a chunk early exactly where per-step stepping would stop the call, so no quota is
-overshot: in ``samples`` mode once the completed episodes' steps reach ``need``; in ``episodes``
-mode once every env ran its budget (an env is no longer stepped once it has its share).
+The host stops a chunk exactly where per-step stepping would stop the call, so no quota is
+overshot: the request carries a copy of the worker's :class:`~asyncsample._engine.StopRule` and
+the host applies it before every step and at every episode end, as the worker does.
 """
 
 from __future__ import annotations
@@ -25,25 +25,19 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
+from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
 
 __all__ = [
-    "MODE_EPISODES",
-    "MODE_FRAGMENTS",
-    "MODE_SAMPLES",
     "ChunkBuffers",
     "ChunkReply",
     "ChunkRequest",
     "ChunkRunner",
     "chunk_capacity",
 ]
-
-MODE_SAMPLES = 0
-MODE_EPISODES = 1
-MODE_FRAGMENTS = 2
 
 #: Default longest chunk, in worker steps (an agent update waits at most this long to apply).
 DEFAULT_CHUNK_STEPS = 64
@@ -107,20 +101,16 @@ class ChunkRequest:
     """What the worker asks its host to run.
 
     Attributes:
-        mode: ``MODE_SAMPLES``, ``MODE_EPISODES`` or ``MODE_FRAGMENTS``.
+        rule: where the worker's part of the call stops (a copy the host may consume).
         steps: the most worker steps to run (at most the chunk capacity).
-        need: ``MODE_SAMPLES``: steps of completed episodes still missing from the worker's share.
         counts: per env, rows of its current episode already recorded by the worker.
         active: per env, whether it is stepped.
-        episodes_left: ``MODE_EPISODES``: per env, episodes it must still complete.
     """
 
-    mode: int
+    rule: StopRule
     steps: int
-    need: int
     counts: np.ndarray
     active: np.ndarray
-    episodes_left: np.ndarray | None = None
 
 
 @dataclass
@@ -239,19 +229,15 @@ class ChunkRunner:
             raise RuntimeError(f"worker {self.group.worker}: no agent installed in its env host")
         group, chunk = self.group, self.chunk
         buf = group.buffers
-        mode = request.mode
+        rule = request.rule.copy()
         active = request.active.copy()
         everyone = bool(active.all())
         counts = request.counts.astype(np.int64, copy=True)
-        need = int(request.need)
-        left = None if request.episodes_left is None else request.episodes_left.copy()
         infos_per_step: list[dict[str, np.ndarray]] = []
         step_infos: dict[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]] = {}
         steps = 0
         for j in range(min(request.steps, chunk.capacity)):
-            if mode == MODE_SAMPLES and need <= 0:
-                break
-            if mode == MODE_EPISODES and not active.any():
+            if not rule.more(active):
                 break
             put_row(chunk.obs, j, buf.obs)
             observations = row_of(chunk.obs, j)
@@ -266,6 +252,7 @@ class ChunkRunner:
             chunk.terminated[j] = buf.terminated
             chunk.truncated[j] = buf.truncated
             steps = j + 1
+            rule.took(1)
             counts += 1
             done = buf.terminated | buf.truncated
             if not everyone:
@@ -280,15 +267,9 @@ class ChunkRunner:
                 dst[j, index] = src[index]
 
             tree_map(put_final, chunk.final_obs, buf.final_obs)
-            if mode == MODE_SAMPLES:
-                need -= int(counts[index].sum())
+            if rule.ended(index, int(counts[index].sum()), active):
+                everyone = False
             counts[index] = 0
-            if left is not None:
-                left[index] -= 1
-                finished = index[left[index] <= 0]
-                if len(finished):
-                    active[finished] = False
-                    everyone = False
             self.reset_agent(done)
         return ChunkReply(steps, _pack_infos(infos_per_step), step_infos)
 

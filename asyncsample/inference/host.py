@@ -40,32 +40,26 @@ traceback and ``retry=False``.
 from __future__ import annotations
 
 import inspect
-import math
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import cloudpickle
 import numpy as np
 
-from asyncsample._recorder import Resume, put_row, row_of, store_agent_infos
-from asyncsample._tree import tree_map
+from asyncsample._assembly import Plan
+from asyncsample._engine import Episodes, StopRule, Transition
+from asyncsample._tree import Tree, tree_map
 from asyncsample.backends._chunk import (
     DEFAULT_CHUNK_STEPS,
-    MODE_EPISODES,
-    MODE_FRAGMENTS,
-    MODE_SAMPLES,
     ChunkBuffers,
     ChunkReply,
     ChunkRequest,
 )
-from asyncsample.batch import StepType
+from asyncsample.backends.base import EnvHost
 
-if TYPE_CHECKING:
-    from asyncsample._assembly import Plan
-    from asyncsample.worker import SharedQuota, Worker
-
-__all__ = ["Host", "HostInference", "check_host_agent", "pickle_agent"]
+__all__ = ["ChunkStepper", "Host", "HostInference", "check_host_agent", "pickle_agent"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +84,8 @@ class Host:
 
 class ChunkHost(Protocol):
     """What a worker's env host offers for ``inference="host"``."""
+
+    buffers: Any
 
     chunk: ChunkBuffers | None
 
@@ -138,9 +134,28 @@ def pickle_params(params: Any) -> bytes:
     return blob
 
 
+class HostWorker(Protocol):
+    """What ``inference="host"`` needs of a worker (its public surface)."""
+
+    worker_number: int
+    n_envs: int
+    agent: Any
+    agent_version: int
+    host: EnvHost | None
+    episodes: Episodes
+    records_transitions: bool
+    history: Any
+
+    async def start_episode(self) -> None: ...
+
+    def current_plan(self, *, fragments: bool) -> Plan: ...
+
+    def process_transition(self, history: Any, transition: Transition) -> Any: ...
+
+
 class HostInference:
-    """The sampler's side of ``inference="host"``: installs agents, forwards updates, and runs
-    each worker's part of a call as chunks.
+    """The sampler's side of ``inference="host"``: installs agents, forwards updates, and makes
+    each worker's :class:`ChunkStepper`.
 
     Args:
         options: the chunking options.
@@ -151,7 +166,7 @@ class HostInference:
 
     # -- agents ---------------------------------------------------------------------------------
 
-    def install(self, workers: list[Worker], seeds: list[int]) -> None:
+    def install(self, workers: Sequence[HostWorker], seeds: list[int]) -> None:
         """Give every worker's host a copy of the worker's agent, seeded with ``seeds[w]``."""
         blobs: dict[int, bytes] = {}
         for worker, seed in zip(workers, seeds):
@@ -170,7 +185,9 @@ class HostInference:
             return ("params", pickle_params(update))
         return ("agent", pickle_agent(update, "agent_update"))
 
-    def forward_update(self, workers: list[Worker], prepared: Any, seeds: list[int]) -> None:
+    def forward_update(
+        self, workers: Sequence[HostWorker], prepared: Any, seeds: list[int]
+    ) -> None:
         """Send a prepared update to the hosts of ``workers`` (after the workers applied it)."""
         items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
         for worker, item, seed in zip(workers, items, seeds):
@@ -182,98 +199,118 @@ class HostInference:
             else:
                 _host(worker).set_agent(_with_seed(blob, seed), worker.agent_version)
 
-    # -- a call ---------------------------------------------------------------------------------
+    def stepper(self, worker: HostWorker) -> ChunkStepper:
+        """The stepper of ``worker``'s part of a call: one chunk per request."""
+        return ChunkStepper(worker, self.options.chunk_steps)
 
-    async def run(
-        self,
-        worker: Worker,
-        mode: str,
-        share: int,
-        leave: Resume,
-        quota: SharedQuota | None = None,
-    ) -> Plan:
-        """One worker's part of a call (its plan), as ``Worker._run_*`` would do it step by step.
 
-        With a shared ``quota`` (``fraction_samples < 1``) the worker asks for chunks until
-        :meth:`SharedQuota.may_stop`; it decides between chunks, and each chunk asks for no more
-        than what the worker's minimum or the call's total still lacks, so a worker goes past
-        the point where it may stop by less than one episode (samples) or one step of its envs
-        (fragments).
-        """
-        recorder = worker._recorder
-        # The agent copy is in place before the envs are reset, so it sees the same
-        # reset(mask) calls as an agent in the main process.
-        await _host(worker).sync_agent()
-        if quota is not None:
-            return await self._run_shared(worker, mode, leave, quota)
-        if mode == "samples":
-            await worker.start_episode()
-            while recorder.completed_steps < share:
-                need = share - recorder.completed_steps
-                await self._chunk(worker, MODE_SAMPLES, self._capacity(worker), need)
-            plan = worker._collect_plan()
-            worker._end_call(leave)
-            return plan
-        if mode == "episodes":
-            await worker.start_episode()
-            while worker._active.any():
-                await self._chunk(worker, MODE_EPISODES, self._capacity(worker), 0)
-            plan = worker._collect_plan()
-            worker._end_call(Resume.NOTHING)
-            return plan
-        worker._share = share
-        if worker._steps_left is None:
-            worker._steps_left = math.ceil(share / worker.n_envs)
-        await worker.start_episode()
-        while worker._steps_left > 0:
-            k = min(self._capacity(worker), worker._steps_left)
-            steps = await self._chunk(worker, MODE_FRAGMENTS, k, 0)
-            worker._steps_left -= steps
-        plan = worker._collect_plan(fragments=True)
-        worker._end_call(Resume.FRAGMENTS)
-        return plan
+class ChunkStepper:
+    """One chunk of steps per request: the host runs them with its agent copy, under a copy of
+    the call's :class:`~asyncsample._engine.StopRule`, and the worker replays them into its
+    records (:meth:`~asyncsample._engine.Episodes.replay`)."""
 
-    async def _run_shared(
-        self, worker: Worker, mode: str, leave: Resume, quota: SharedQuota
-    ) -> Plan:
-        recorder, w = worker._recorder, worker.worker_number
-        fragments = mode == "fragments"
-
-        def count() -> int:
-            return recorder.completed_steps + (recorder.open_steps() if fragments else 0)
-
-        await worker.start_episode()
-        quota.report(w, count())
-        while not quota.may_stop(w):
-            lacking = max(quota.minimums[w] - quota.counts[w], quota.target - quota.total, 1)
-            if fragments:
-                k = min(self._capacity(worker), math.ceil(lacking / worker.n_envs))
-                await self._chunk(worker, MODE_FRAGMENTS, k, 0)
-            else:
-                await self._chunk(worker, MODE_SAMPLES, self._capacity(worker), lacking)
-            quota.report(w, count())
-        plan = worker._collect_plan(fragments=fragments)
-        worker._end_call(Resume.FRAGMENTS if fragments else leave)
-        return plan
-
-    def _capacity(self, worker: Worker) -> int:
-        chunk = _host(worker).chunk
+    def __init__(self, worker: HostWorker, chunk_steps: int) -> None:
+        self.worker = worker
+        self.host = _host(worker)
+        chunk = self.host.chunk
         assert chunk is not None
-        return min(chunk.capacity, self.options.chunk_steps)
+        self.chunk = chunk
+        self.capacity = min(chunk.capacity, chunk_steps)
 
-    async def _chunk(self, worker: Worker, mode: int, steps: int, need: int) -> int:
-        recorder = worker._recorder
+    async def start(self) -> None:
+        """Reset the envs that need it, once the host's agent copy is in place (so it sees the
+        same ``reset(mask)`` calls as an agent in the main process)."""
+        await self.host.sync_agent()
+        await self.worker.start_episode()
+
+    async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
+        """One chunk, stopping where ``rule`` (or, given ``lacking``, its limit) stops."""
+        worker = self.worker
+        episodes = worker.episodes
+        recorder = episodes.recorder
+        sent = rule.copy() if lacking is None else rule.limited(lacking, worker.n_envs)
         request = ChunkRequest(
-            mode=mode,
-            steps=steps,
-            need=need,
+            rule=sent,
+            steps=self.capacity,
             counts=recorder.rows.size - recorder.piece_start,
-            active=worker._active.copy(),
-            episodes_left=None if worker._episodes_left is None else worker._episodes_left.copy(),
+            active=episodes.active.copy(),
         )
-        reply, version = await _host(worker).run_chunk(request)
-        _replay(worker, reply, version)
+        reply, version = await self.host.run_chunk(request)
+        self._replay(reply, version)
+        if lacking is None:
+            rule.took(reply.steps)
         return reply.steps
+
+    async def run(self, rule: StopRule) -> None:
+        """Chunks until ``rule`` stops."""
+        active = self.worker.episodes.active
+        while rule.more(active):
+            await self.advance(rule)
+
+    def _replay(self, reply: ChunkReply, version: int) -> None:
+        worker = self.worker
+        buffers = self.host.buffers
+        record = None
+        if worker.records_transitions:
+
+            def record(
+                j: int,
+                t: int,
+                agent_infos: dict[str, Any],
+                env_infos: list[dict[str, Any]] | None,
+                done: np.ndarray,
+            ) -> None:
+                self._record(j, t, reply.steps, agent_infos, env_infos, done)
+
+        current = worker.agent_version
+        worker.agent_version = version  # what process_transition sees during the chunk
+        try:
+            worker.episodes.replay(
+                self.chunk,
+                reply.steps,
+                reply.agent_infos,
+                reply.step_infos,
+                version,
+                (buffers.obs, buffers.actions),
+                record,
+            )
+        finally:
+            worker.agent_version = current
+
+    def _record(
+        self,
+        j: int,
+        t: int,
+        steps: int,
+        agent_infos: dict[str, Any],
+        env_infos: list[dict[str, Any]] | None,
+        done: np.ndarray,
+    ) -> None:
+        """``Worker.process_transition`` for step ``j`` of a chunk of ``steps`` steps."""
+        worker, chunk = self.worker, self.chunk
+        last = j + 1 == steps
+
+        def next_obs(obs_seq: np.ndarray, final_seq: np.ndarray, now: np.ndarray) -> np.ndarray:
+            out = (now if last else obs_seq[j + 1]).copy()
+            out[done] = final_seq[j][done]
+            return out
+
+        # The observation after step j is the one acted on at j + 1, or the host's current one
+        # after the chunk's last step.
+        nxt: Tree = tree_map(next_obs, chunk.obs, chunk.final_obs, self.host.buffers.obs)
+        rows = worker.episodes.recorder.rows
+        transition = Transition(
+            observations=tree_map(lambda x: x[t], rows.obs),
+            actions=tree_map(lambda x: x[t], rows.actions),
+            rewards=rows.rewards[t],
+            next_observations=nxt,
+            terminated=chunk.terminated[j].copy(),
+            truncated=chunk.truncated[j].copy(),
+            env_infos=env_infos,
+            agent_infos=agent_infos,
+            active=worker.episodes.active.copy(),
+        )
+        worker.history = worker.process_transition(worker.history, transition)
 
 
 def _with_seed(blob: bytes, seed: int) -> bytes:
@@ -281,117 +318,6 @@ def _with_seed(blob: bytes, seed: int) -> bytes:
     return pickle.dumps((blob, seed), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _host(worker: Worker) -> ChunkHost:
+def _host(worker: HostWorker) -> ChunkHost:
     host: Any = worker.host
     return host  # type: ignore[no-any-return]
-
-
-def _replay(worker: Worker, reply: ChunkReply, version: int) -> None:
-    """Turn a chunk into recorder rows and episodes, exactly as ``Worker.step_episode`` would.
-
-    The episodes that start in it (or had not taken a step before it) are stamped with the agent
-    version the chunk ran with.
-    """
-    host = worker.host
-    assert host is not None
-    chunk = _host(worker).chunk
-    assert chunk is not None
-    buffers = host.buffers
-    recorder = worker._recorder
-    rows = recorder.rows
-    active = worker._active
-    lengths, returns = worker._lengths, worker._returns
-    current = worker.agent_version
-    worker.agent_version = version
-    try:
-        for i in np.flatnonzero(lengths == 0).tolist():
-            worker._episode_info[i] = worker._fresh_info(worker._episode_info[i], i)
-        for j in range(reply.steps):
-            t = rows.next_row(buffers.obs, buffers.actions)
-            put_row(rows.obs, t, row_of(chunk.obs, j))
-            put_row(rows.actions, t, row_of(chunk.actions, j))
-            agent_infos = reply.infos_at(j)
-            if agent_infos or rows.agent_infos:
-                store_agent_infos(rows, t, agent_infos)
-            env_infos, reset_infos = reply.step_infos.get(j, (None, {}))
-            rewards = chunk.rewards[j]
-            rows.rewards[t] = rewards
-            if env_infos is not None:
-                rows.env_infos[t] = env_infos
-            terminated = chunk.terminated[j]
-            done = terminated | chunk.truncated[j]
-            if worker._everyone:
-                lengths += 1
-                returns += rewards
-            else:
-                lengths[active] += 1
-                returns[active] += rewards[active]
-                done &= active
-            if worker._records_transitions:
-                last = j + 1 == reply.steps
-                _record(worker, chunk, j, t, agent_infos, env_infos, done, last)
-            if not done.any():
-                continue
-            for i in np.flatnonzero(done).tolist():
-                end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
-                last = tree_map(lambda x, i=i, j=j: x[j, i].copy(), chunk.final_obs)
-                info = worker._episode_info[i]
-                recorder.close_piece(i, t + 1, end, last, info)
-                worker.finished.append(
-                    _finished(float(returns[i]), int(lengths[i]), int(info["agent_version"]))
-                )
-                returns[i] = 0.0
-                worker._episode_info[i] = worker._fresh_info(reset_infos.get(i, {}), i)
-                lengths[i] = 0
-                recorder.piece_position[i] = 0
-                if worker._episodes_left is not None:
-                    worker._episodes_left[i] -= 1
-                    if worker._episodes_left[i] <= 0:
-                        active[i] = False
-                        worker._everyone = False
-    finally:
-        worker.agent_version = current
-
-
-def _finished(ret: float, length: int, version: int) -> Any:
-    from asyncsample.worker import FinishedEpisode
-
-    return FinishedEpisode(ret, length, version)
-
-
-def _record(
-    worker: Worker,
-    chunk: ChunkBuffers,
-    j: int,
-    t: int,
-    agent_infos: dict[str, Any],
-    env_infos: list[dict[str, Any]] | None,
-    done: np.ndarray,
-    last: bool,
-) -> None:
-    """``Worker.process_transition`` for step ``j`` of a chunk (``last``: its final step)."""
-    from asyncsample.worker import Transition
-
-    host = worker.host
-    assert host is not None
-
-    def next_obs(obs_seq: np.ndarray, final_seq: np.ndarray, now: np.ndarray) -> np.ndarray:
-        out = (now if last else obs_seq[j + 1]).copy()
-        out[done] = final_seq[j][done]
-        return out
-
-    # The observation after step j is the one acted on at j + 1, or the host's current one
-    # after the chunk's last step.
-    nxt = tree_map(lambda o, f, n: next_obs(o, f, n), chunk.obs, chunk.final_obs, host.buffers.obs)
-    transition = Transition(
-        observations=tree_map(lambda x: x[t], worker._recorder.rows.obs),
-        actions=tree_map(lambda x: x[t], worker._recorder.rows.actions),
-        rewards=worker._recorder.rows.rewards[t],
-        next_observations=nxt,
-        terminated=chunk.terminated[j].copy(),
-        truncated=chunk.truncated[j].copy(),
-        env_infos=env_infos,
-        agent_infos=agent_infos,
-        active=worker._active.copy(),
-    )
-    worker.history = worker.process_transition(worker.history, transition)

@@ -1,0 +1,653 @@
+"""The sampler's core: state, lock, start, one sampling round, agent and env updates.
+
+:class:`SamplerCore` is what every layer builds on: the public :class:`~asyncsample.Sampler`
+(:mod:`asyncsample.sampler`), ``stream()`` (:mod:`asyncsample.streaming`) and ``evaluate()``
+(:mod:`asyncsample.evaluation`) use it through its methods only. Its names are package-internal:
+not part of the public API. The inference mode is a strategy chosen at construction
+(:mod:`asyncsample.inference.modes`); the rules of a worker's part of a call live in
+:mod:`asyncsample._engine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any, Literal, TypeVar
+
+import gymnasium as gym
+import numpy as np
+
+from asyncsample import _validate
+from asyncsample._assembly import Plan, assemble
+from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
+from asyncsample._recorder import Resume
+from asyncsample._stream_guard import StreamGuard
+from asyncsample._tree import tree_leaves
+from asyncsample.agent import Agent, AgentUpdate, RandomAgent
+from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend, pool_size
+from asyncsample.backends._chunk import chunk_capacity
+from asyncsample.batch import EnvSpec, EpisodeBatch
+from asyncsample.env_update import EnvChoice, EnvSource, make_env
+from asyncsample.errors import SamplerClosedError, WorkerError
+from asyncsample.inference import Batched, check_inference
+from asyncsample.inference.host import Host, pickle_agent
+from asyncsample.inference.modes import InferenceMode, make_mode
+from asyncsample.seeding import worker_seeds
+from asyncsample.stats import SampleStats
+from asyncsample.worker import VecWorker, Worker, WorkerFactory
+
+__all__ = ["AgentUpdateArg", "EnvUpdateArg", "Mode", "SamplerCore", "run_all"]
+
+logger = logging.getLogger("asyncsample")
+
+Mode = Literal["samples", "episodes", "fragments"]
+_PARAMS = (dict, tuple, np.ndarray)
+_T = TypeVar("_T")
+
+AgentUpdateArg = AgentUpdate | list[AgentUpdate]
+"""An agent update for a sampler call: one for every worker, or a list of one per worker."""
+
+EnvUpdateArg = EnvChoice | list[EnvChoice]
+"""An env update for a sampler call: one for every worker, or a list of one per worker."""
+
+
+class SamplerCore:
+    """The state of one sampler and what every call is made of (see the module docstring).
+
+    Takes the arguments of :class:`~asyncsample.Sampler` (checked here).
+    """
+
+    def __init__(
+        self,
+        env: EnvSource | list[Any],
+        agent: Agent | list[Agent] | None = None,
+        *,
+        n_workers: int = 2,
+        envs_per_worker: int = 1,
+        n_processes: int | None = None,
+        max_episode_length: int | None = None,
+        seed: int | None = None,
+        backend: str = "process",
+        step_timeout: float | None = None,
+        max_restarts: int = 3,
+        worker_class: type[Worker] = VecWorker,
+        worker_args: dict[str, Any] | None = None,
+        backend_options: dict[str, Any] | None = None,
+        test_env: EnvSource | None = None,
+        inference: str | Batched | Host = "per_worker",
+        host_threads: int | None = 1,
+    ) -> None:
+        self.closed = True  # until construction succeeds: __del__ must not warn
+        n_workers = _validate.positive_int("n_workers", n_workers)
+        envs_per_worker = _validate.positive_int("envs_per_worker", envs_per_worker)
+        n_processes = _validate.optional_positive_int("n_processes", n_processes)
+        max_episode_length = _validate.optional_positive_int(
+            "max_episode_length", max_episode_length
+        )
+        seed = _validate.seed("seed", seed)
+        if not isinstance(backend, str) or backend not in BACKENDS:
+            raise ValueError(
+                f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
+            )
+        step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
+        if step_timeout is not None and backend == "local":
+            raise ValueError(
+                "step_timeout cannot be used with backend='local': a step that blocks the "
+                "event loop's thread cannot be pre-empted; use backend='process'"
+            )
+        max_restarts = _validate.nonnegative_int("max_restarts", max_restarts)
+        host_threads = _validate.optional_positive_int("host_threads", host_threads)
+        if not (isinstance(worker_class, type) and issubclass(worker_class, Worker)):
+            raise TypeError(f"worker_class must be a subclass of Worker, got {worker_class!r}")
+        worker_args = _validate.options_dict("worker_args", worker_args)
+        if worker_args.setdefault("n_envs", envs_per_worker) != envs_per_worker:
+            raise ValueError(
+                f"worker_args: n_envs ({worker_args['n_envs']}) must equal envs_per_worker "
+                f"({envs_per_worker}); set envs_per_worker instead"
+            )
+        backend_options = _validate.options_dict("backend_options", backend_options)
+
+        self.n_workers = n_workers
+        self.envs_per_worker = envs_per_worker
+        self.n_processes = _hosts_started(backend, n_processes, n_workers, backend_options)
+        """Env hosts the backend starts: ``min(n_processes or cpu count, n_workers)`` processes
+        or actors (worker ``w`` lives on host ``w % n_processes``; Ray's ``workers_per_actor``
+        option sets ``ceil(n_workers / workers_per_actor)``); ``1`` for ``local``, whose envs all
+        live in this process."""
+        self._requested_processes = n_processes
+        self.max_episode_length = max_episode_length
+        self.backend_name = backend
+        self.step_timeout = step_timeout
+        self.host_threads = host_threads
+        self.max_restarts = int(max_restarts)
+        self._factory = WorkerFactory(
+            max_episode_length=max_episode_length,
+            seed=seed,
+            n_workers=n_workers,
+            worker_class=worker_class,
+            worker_args=worker_args,
+        )
+        self.env_sources = self._check_envs(env, "env")
+        self.agents = self._check_agents(agent)
+        options = check_inference(inference, agent)  # validated before any work
+        self.mode: InferenceMode = make_mode(options, self._shared_agent_now)
+        """The inference mode's strategy (:mod:`asyncsample.inference.modes`)."""
+        if isinstance(options, Host):
+            self._check_host_mode(agent, worker_class)
+        self.env_spec, self._time_limited = self._probe_env(self.env_sources[0])
+        self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
+        if agent is None:
+            space = self.env_spec.action_space
+            self.agents = [RandomAgent(space, seed=s.agent_seed) for s in self.seeds]
+        self.backend_options = backend_options
+        self.workers: list[Worker] = []
+        self.backend: Backend | None = None
+        self._lock: asyncio.Lock | None = None
+        self.stream_guard = StreamGuard()
+        self.started = False
+        self.closed = False
+        self.last_mode: Mode | None = None
+        self.warned_endless = False
+        self.total_env_steps = 0
+        self.streaming = False
+        self.test_env: EnvSource | None = None
+        if test_env is not None:
+            self.test_env = _validate.env_source("test_env", test_env)
+        self.restarts = 0
+        """Env-host restarts so far (after env failures or crashes)."""
+        self.last_stats: SampleStats | None = None
+        """Statistics of the last call, or of the batch a stream yielded last."""
+
+    async def start(self) -> None:
+        """Start the backend and build every worker's envs (the first call does it if needed)."""
+        self.check_open()
+        if self.started:
+            return
+        async with self.locked("start"):
+            await self.start_unlocked()
+
+    async def start_unlocked(self) -> None:
+        if self.started:
+            return
+        options: dict[str, Any] = {
+            "n_processes": self._requested_processes or os.cpu_count() or 1,
+            "step_timeout": self.step_timeout,
+            "host_threads": self.host_threads,
+        }
+        options.update(self.backend_options)
+        backend = make_backend(self.backend_name, **options)
+        self.backend = backend
+        try:
+            specs = [
+                HostSpec(
+                    worker=w,
+                    n_envs=self.envs_per_worker,
+                    observation_space=self.env_spec.observation_space,
+                    action_space=self.env_spec.action_space,
+                    max_episode_length=self.max_episode_length,
+                    chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
+                )
+                for w in range(self.n_workers)
+            ]
+            hosts = await backend.start(specs)
+            workers = [self._factory(w) for w in range(self.n_workers)]
+            await run_all(
+                [
+                    worker.attach(
+                        host, self.env_spec, self.agents[w], self.env_sources[w], self.seeds[w]
+                    )
+                    for w, (worker, host) in enumerate(zip(workers, hosts))
+                ]
+            )
+            self.mode.attach(workers, self._agent_seeds())
+        except BaseException:
+            self.backend = None
+            await asyncio.shield(backend.aclose())
+            raise
+        self.workers = workers
+        self.started = True
+
+    async def aclose(self) -> None:
+        """Stop every worker and env host and release their resources. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        backend, self.backend = self.backend, None
+        if backend is not None:
+            await asyncio.shield(backend.aclose())
+        self.mode.close()
+
+    def close_now(self) -> bool:
+        """Release the hosts without awaiting (garbage collection of an unclosed sampler);
+        whether there was anything to release."""
+        if self.closed or self.backend is None:
+            return False
+        close_now = getattr(self.backend, "close_now", None)
+        if close_now is not None:
+            close_now()
+        return True
+
+    async def update_agent(self, agent_update: AgentUpdateArg) -> None:
+        """:meth:`Sampler.update_agent`: at once during a stream, else under the lock."""
+        self.check_open()
+        self.check_agent_update(agent_update)
+        if self.streaming:
+            self.apply_agent_update(agent_update, reset=False)
+            return
+        async with self.locked("update_agent"):
+            self.check_open()
+            await self.start_unlocked()
+            self.apply_agent_update(agent_update)
+
+    def newest_agent_version(self) -> int:
+        """The highest agent version of the workers."""
+        return max(w.agent_version for w in self.workers)
+
+    def first_agent(self) -> Agent | None:
+        """Worker 0's agent (``None`` before the sampler starts)."""
+        return self.workers[0].agent if self.workers else None
+
+    async def call(
+        self,
+        mode: Mode,
+        quota: int,
+        agent_update: AgentUpdateArg,
+        env_update: EnvUpdateArg,
+        fraction: float = 1.0,
+    ) -> EpisodeBatch:
+        self.check_open()
+        self.check_agent_update(agent_update)
+        env_updates = self.check_env_update(env_update)
+        async with self.locked(_CALL_NAMES[mode]):
+            self.check_open()
+            await self.start_unlocked()
+            if mode != "fragments" and not self.warned_endless:
+                self.warn_if_endless()
+            self.apply_agent_update(agent_update)
+            if env_updates is not None:
+                await run_all(
+                    [w.update_env(u) for w, u in zip(self.workers, env_updates) if u is not None]
+                )
+            # obtain_fragments continues the fragments of a previous obtain_fragments call.
+            resume = Resume.NOTHING
+            if mode == "fragments" and self.last_mode == "fragments":
+                resume = Resume.FRAGMENTS
+            self.last_mode = mode
+            batch, stats = await self.sample_round(mode, quota, resume=resume, fraction=fraction)
+        self.total_env_steps += batch.n_transitions
+        self.last_stats = stats
+        return batch
+
+    async def sample_round(
+        self,
+        mode: Mode,
+        quota: int,
+        *,
+        resume: Resume = Resume.NOTHING,
+        leave: Resume = Resume.NOTHING,
+        fraction: float = 1.0,
+    ) -> tuple[EpisodeBatch, SampleStats]:
+        """Run every worker's share of one call and put the pieces together, worker-major.
+
+        ``resume`` says what the call continues from the previous one; ``leave`` what a
+        ``samples`` call leaves running for the next (``Resume.EPISODES`` in a stream).
+        ``fraction`` below 1 (``fraction_samples``) shares the quota between the workers (see
+        :class:`SharedQuota`); 1 keeps the fixed per-worker shares.
+        """
+        start, restarts = time.perf_counter(), self.restarts
+        for worker in self.workers:
+            worker.finished.clear()
+        shared = self._shared_quota(mode, quota, fraction)
+        done_at = [start] * self.n_workers
+
+        async def drive(worker: Worker) -> Plan | None:
+            plan = await self._drive(worker, mode, quota, resume, leave, shared)
+            done_at[worker.worker_number] = time.perf_counter()
+            return plan
+
+        plans = await run_all([drive(w) for w in self.workers])
+        end = time.perf_counter()
+        batch = await _assemble(self.env_spec, [p for p in plans if p is not None])
+        stats = SampleStats.collect(
+            [f for w in self.workers for f in w.finished],
+            transitions=batch.n_transitions,
+            seconds=time.perf_counter() - start,
+            agent_version=max(w.agent_version for w in self.workers),
+            restarts=self.restarts - restarts,
+            worker_transitions=[0 if p is None else int(p.lengths.sum()) for p in plans],
+            worker_wait_seconds=[end - t for t in done_at],
+        )
+        return batch, stats
+
+    def _shared_quota(self, mode: Mode, quota: int, fraction: float) -> SharedQuota | None:
+        """The call's shared quota when ``fraction_samples < 1`` (``None``: fixed shares)."""
+        if fraction >= 1.0 or mode == "episodes":
+            return None
+        shares = {w: share_of(quota, self.n_workers, w) for w in range(self.n_workers)}
+        # round() first: 0.1 * 30 is 3.0000000000000004 in floating point (ceil: 4, not 3).
+        minimums = {w: math.ceil(round(fraction * n, 9)) for w, n in shares.items() if n > 0}
+        return SharedQuota(quota, minimums)
+
+    async def _drive(
+        self,
+        worker: Worker,
+        mode: Mode,
+        quota: int,
+        resume: Resume,
+        leave: Resume,
+        shared: SharedQuota | None = None,
+    ) -> Plan | None:
+        """Run one worker's part of a call, rebuilding its host after failures."""
+        w = worker.worker_number
+        share = quota if mode == "episodes" else share_of(quota, self.n_workers, w)
+        if share == 0:
+            return None
+        rule = StopRule.for_call(_CALL_MODES[mode], share, worker.n_envs)
+        worker.episodes.begin(resume, rule)
+        async with self.mode.part(worker):
+            return await self._drive_steps(worker, self.mode.stepper(worker), leave, shared)
+
+    async def _drive_steps(
+        self,
+        worker: Worker,
+        stepper: Any,
+        leave: Resume,
+        shared: SharedQuota | None = None,
+    ) -> Plan:
+        """The retry loop of :meth:`_drive`: run the worker's part, recovering after failures."""
+        w = worker.worker_number
+        needs_recovery = worker.episodes.broken
+        restarts = 0
+        while True:
+            try:
+                if needs_recovery:
+                    dropped = await worker.restart_host()
+                    needs_recovery = False
+                    if dropped:
+                        logger.info(
+                            "worker %d: %d episode(s) in progress were dropped by the env-host "
+                            "restart and will be redone",
+                            w,
+                            dropped,
+                        )
+                return await run_part(worker, stepper, leave, shared)
+            except WorkerError as exc:
+                worker.episodes.broken = True
+                if not exc.retry or restarts >= self.max_restarts:
+                    raise
+                restarts += 1
+                self.restarts += 1
+                logger.warning(
+                    "worker %d: restarting its env host (restart %d of at most %d in this "
+                    "call, %d in all) after %s: %s",
+                    w,
+                    restarts,
+                    self.max_restarts,
+                    worker.restarts + 1,
+                    type(exc).__name__,
+                    str(exc).split("\n", 1)[0],
+                )
+                needs_recovery = True
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def check_agent_update(self, agent_update: Any) -> None:
+        if agent_update is None:
+            return
+        items = agent_update if isinstance(agent_update, list) else [agent_update]
+        self.mode.check_update(agent_update)
+        if isinstance(agent_update, list):
+            if len(agent_update) != self.n_workers:
+                raise ValueError(
+                    f"agent_update: a list must hold exactly n_workers ({self.n_workers}) "
+                    f"updates, one per worker, got {len(agent_update)}"
+                )
+            if any(isinstance(u, _PARAMS) for u in items) and self._shared_agent():
+                raise ValueError(
+                    "agent_update: a list of parameter sets needs a list of agents (one per "
+                    "worker), but the sampler has one shared agent"
+                )
+        for u in items:
+            if (
+                u is not None
+                and not isinstance(u, _PARAMS)
+                and not callable(getattr(u, "get_actions", None))
+            ):
+                raise TypeError(
+                    "agent_update must be None, parameters (dict, tuple or numpy.ndarray), an "
+                    f"Agent (with get_actions), or a list of those; got {type(u).__name__}"
+                )
+
+    def _shared_agent_now(self) -> Agent:
+        agent = self.workers[0].agent  # inference="batched": every worker has the same one
+        assert agent is not None
+        return agent
+
+    def _shared_agent(self) -> bool:
+        agents = [w.agent for w in self.workers] if self.workers else self.agents
+        return len({id(a) for a in agents}) < len(agents)
+
+    def apply_agent_update(self, agent_update: Any, *, reset: bool = True) -> None:
+        if agent_update is None:
+            return
+        self.mode.apply_update(
+            agent_update,
+            lambda: self._apply_agent_update_now(agent_update, reset=reset),
+            self.workers,
+            self._agent_seeds(),
+        )
+
+    def _agent_seeds(self) -> list[int]:
+        return [s.agent_seed for s in self.seeds]
+
+    def _apply_agent_update_now(self, agent_update: Any, *, reset: bool) -> None:
+        if isinstance(agent_update, list):
+            for worker, update in zip(self.workers, agent_update):
+                worker.update_agent(update, reset=reset)
+            return
+        seen: set[int] = set()
+        for worker in self.workers:
+            # Parameters go to each distinct agent once; every worker bumps its version.
+            first = id(worker.agent) not in seen
+            seen.add(id(worker.agent))
+            apply = first or not isinstance(agent_update, _PARAMS)
+            worker.update_agent(agent_update, apply=apply, reset=reset)
+
+    def check_env_update(self, env_update: Any) -> list[Any] | None:
+        if env_update is None:
+            return None
+        per_worker = _validate.per_worker_sources(
+            "env_update", env_update, self.n_workers, self.envs_per_worker
+        )
+        if self.backend_name != "local":
+            for update in per_worker:
+                _validate.check_picklable("env_update", update)
+        return per_worker
+
+    # -- construction checks ------------------------------------------------------------------
+
+    def _check_envs(self, env: Any, name: str) -> list[Any]:
+        if env is None:
+            raise TypeError(f"{name} must be a gymnasium id or an env factory, got None")
+        per_worker = _validate.per_worker_sources(name, env, self.n_workers, self.envs_per_worker)
+        for item in per_worker:
+            if item is None or (isinstance(item, list) and None in item):
+                raise TypeError(f"{name} must not contain None")
+        if self.backend_name != "local":
+            for item in per_worker:
+                _validate.check_picklable(name, item)
+        return per_worker
+
+    def _check_agents(self, agent: Any) -> list[Agent]:
+        if agent is None:
+            return [None] * self.n_workers  # type: ignore[list-item]
+        agents = agent if isinstance(agent, list) else [agent] * self.n_workers
+        if isinstance(agent, list) and len(agent) != self.n_workers:
+            raise ValueError(
+                f"agent: a list must hold exactly n_workers ({self.n_workers}) agents, got "
+                f"{len(agent)}"
+            )
+        for a in agents:
+            if not callable(getattr(a, "get_actions", None)):
+                raise TypeError(
+                    f"agent must have a get_actions(observations) method, got {type(a).__name__}"
+                )
+        return list(agents)
+
+    def _check_host_mode(self, agent: Any, worker_class: type[Worker]) -> None:
+        """inference="host": the backend, the worker class and the agents must allow it."""
+        if self.backend_name == "local":
+            raise ValueError(
+                "inference='host' runs the agent inside the env hosts: it needs "
+                "backend='process' or 'ray', got backend='local' (with 'local' every env "
+                "already lives in this process: use inference='per_worker')"
+            )
+        if worker_class.compute_actions is not Worker.compute_actions:
+            raise ValueError(
+                f"inference='host': worker_class {worker_class.__name__} overrides "
+                "compute_actions, which would never be called (the agent runs in the env "
+                "hosts); wrap the agent instead, or use inference='per_worker'"
+            )
+        if agent is not None:
+            for a in {id(a): a for a in self.agents}.values():
+                pickle_agent(a)  # TypeError naming the agent when it cannot travel
+
+    def _chunk_capacity(self, chunk_steps: int) -> int:
+        """The chunk capacity of each host slot for chunks of ``chunk_steps`` (host mode)."""
+        return chunk_capacity(
+            self.env_spec.observation_space,
+            self.env_spec.action_space,
+            self.envs_per_worker,
+            chunk_steps,
+        )
+
+    def _probe_env(self, source: Any) -> tuple[EnvSpec, bool]:
+        """Build one env in this process to read its spaces (as gymnasium's vector envs do)."""
+        first = source[0] if isinstance(source, list) else source
+        try:
+            env = make_env(first)
+        except Exception as exc:
+            raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
+        try:
+            limit = _time_limit(env)
+            spec = EnvSpec(
+                observation_space=env.observation_space,
+                action_space=env.action_space,
+                max_episode_length=self._factory.max_episode_length or limit,
+            )
+        finally:
+            env.close()
+        return spec, limit is not None
+
+    def warn_if_endless(self) -> None:
+        self.warned_endless = True
+        if self.max_episode_length is None and not self._time_limited:
+            warnings.warn(
+                "the env has no time limit and max_episode_length is None: if its episodes "
+                "never terminate, a complete-episode call never returns",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise SamplerClosedError("the sampler is closed; create a new one to sample again")
+
+    @contextlib.asynccontextmanager
+    async def locked(self, call: str) -> AsyncIterator[None]:
+        """Hold the sampler for ``call``; calls from other tasks queue behind the holder.
+
+        A call from the body of an open ``stream()`` of this sampler could never get the
+        sampler: it raises :class:`SamplerBusyError` at once instead of waiting forever (see
+        :mod:`asyncsample._stream_guard`).
+        """
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        self.stream_guard.check(call)
+        async with self._lock:
+            if call != "stream":
+                yield
+                return
+            self.stream_guard.opened()
+            try:
+                yield
+            finally:
+                self.stream_guard.closed()
+
+
+def _time_limit(env: gym.Env) -> int | None:
+    """The episode limit of a ``TimeLimit`` wrapper around ``env``, if any."""
+    while isinstance(env, gym.Wrapper):
+        if isinstance(env, gym.wrappers.TimeLimit):
+            return int(env._max_episode_steps)
+        env = env.env
+    return None
+
+
+_CALL_MODES: dict[Mode, CallMode] = {
+    "samples": CallMode.SAMPLES,
+    "episodes": CallMode.EPISODES,
+    "fragments": CallMode.FRAGMENTS,
+}
+
+_CALL_NAMES: dict[Mode, str] = {
+    "samples": "obtain_samples",
+    "episodes": "obtain_exact_episodes",
+    "fragments": "obtain_fragments",
+}
+
+
+def _hosts_started(
+    backend: str, n_processes: int | None, n_workers: int, options: dict[str, Any]
+) -> int:
+    """How many env hosts ``backend`` starts for ``n_workers`` (its placement: ``w % n``)."""
+    if backend == "local":
+        return 1
+    n_processes = options.get("n_processes", n_processes)  # the option overrides, as in _start
+    per_actor = options.get("workers_per_actor") if backend == "ray" else None
+    per_actor = _validate.optional_positive_int("workers_per_actor", per_actor)
+    return pool_size(n_processes, n_workers, per_actor)
+
+
+async def run_all(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
+    """Run ``coros`` concurrently; the first error cancels the others and is raised as itself.
+
+    A cancellation of the caller cancels them all and waits for them, so nothing keeps running.
+    """
+    tasks: list[asyncio.Task[_T]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as group_error:
+        error = group_error.exceptions[0]
+        raise error from error.__cause__
+    return [t.result() for t in tasks]
+
+
+#: Batches larger than this are put together in a thread: numpy releases the GIL while it
+#: copies, so the event loop keeps running (a 28 MB image batch takes ~10 ms to copy).
+ASSEMBLE_IN_THREAD_BYTES = 1 << 20
+
+
+async def _assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
+    """:func:`assemble`, off the event loop's thread when the batch is large."""
+    size = sum(len(p.rows) for p in plans) * sum(
+        leaf[0].nbytes for leaf in tree_leaves(plans[0].like_obs)
+    )
+    if size < ASSEMBLE_IN_THREAD_BYTES:
+        return assemble(env_spec, plans)
+    fut = asyncio.get_running_loop().run_in_executor(None, assemble, env_spec, plans)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        # The copy reads the workers' step records: let it finish before anything reuses them.
+        await asyncio.wait({fut})
+        raise

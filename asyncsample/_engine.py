@@ -1,0 +1,545 @@
+"""The episode engine: one worker's episodes during a call, and where its part of a call stops.
+
+Every inference mode runs the same rules, written once here:
+
+- :class:`Episodes` is a worker's bookkeeping (lengths, returns, which envs are active, the info
+  of every running episode, the recorder) and the one place where episodes end
+  (:meth:`Episodes.close_episodes`) and where a chunk of steps run elsewhere becomes recorder
+  rows (:meth:`Episodes.replay`, array work per chunk).
+- :class:`StopRule` is where a worker's part of a call stops in each call mode (``samples``,
+  exact ``episodes``, ``fragments``). It is a small picklable object: a chunk request carries a
+  copy, so the host (:class:`~asyncsample.backends._chunk.ChunkRunner`) stops exactly where the
+  worker would.
+- :func:`run_part` drives a call through a :class:`Stepper`, with ``fraction_samples``
+  (:class:`SharedQuota`) decided between units. :class:`StepStepper` takes one env step per
+  request (``per_worker`` and ``batched``); :class:`~asyncsample.inference.host.ChunkStepper`
+  one chunk per request (``host``). A stepper only moves the envs and reports what happened
+  through :class:`Episodes`; it never decides where a call stops, so a new one (one coroutine
+  per env, for async envs) needs no change to the rules.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from asyncsample._assembly import Plan
+from asyncsample._recorder import (
+    Recorder,
+    Resume,
+    put_rows,
+    store_agent_info_block,
+    store_agent_infos,
+)
+from asyncsample._tree import Tree, tree_map
+from asyncsample.batch import StepType
+
+__all__ = [
+    "CallMode",
+    "Episodes",
+    "FinishedEpisode",
+    "SharedQuota",
+    "StepStepper",
+    "Stepper",
+    "StopRule",
+    "Transition",
+    "run_part",
+    "share_of",
+]
+
+
+class CallMode(enum.IntEnum):
+    """The three call modes: what a worker's share counts and where its part stops."""
+
+    SAMPLES = 0
+    """Steps of completed episodes, until they reach the share."""
+    EPISODES = 1
+    """A fixed number of complete episodes per env; an env is stepped no more once it has them."""
+    FRAGMENTS = 2
+    """A number of worker steps; episodes still running become fragments."""
+
+
+class FinishedEpisode(NamedTuple):
+    """Return, length and agent version of one completed episode (for the call's statistics)."""
+
+    ret: float
+    length: int
+    agent_version: int
+
+
+@dataclass
+class Transition:
+    """One worker step over all of its envs, as :meth:`Worker.process_transition` sees it.
+
+    Rows of envs that were not stepped (``active`` false) hold stale values.
+    """
+
+    observations: Tree
+    actions: Tree
+    rewards: np.ndarray
+    next_observations: Tree
+    terminated: np.ndarray
+    truncated: np.ndarray
+    env_infos: list[dict[str, Any]] | None
+    agent_infos: dict[str, np.ndarray]
+    active: np.ndarray
+
+
+@dataclass
+class StopRule:
+    """Where one worker's part of a call stops (picklable: chunk requests carry a copy).
+
+    Attributes:
+        mode: the call mode.
+        share: the worker's share (``SAMPLES``/``FRAGMENTS``: transitions).
+        need: ``SAMPLES``: steps of completed episodes still missing from the share.
+        steps: ``FRAGMENTS``: worker steps still to take.
+        episodes_left: ``EPISODES``: per env, episodes it must still complete.
+    """
+
+    mode: CallMode
+    share: int = 0
+    need: int = 0
+    steps: int = 0
+    episodes_left: np.ndarray | None = None
+
+    @classmethod
+    def for_call(cls, mode: CallMode, share: int, n_envs: int) -> StopRule:
+        """The rule of a worker's ``share`` of a call (``EPISODES``: its episodes)."""
+        if mode is CallMode.EPISODES:
+            left = np.array(
+                [share // n_envs + (i < share % n_envs) for i in range(n_envs)], dtype=np.int64
+            )
+            return cls(mode, share, episodes_left=left)
+        if mode is CallMode.FRAGMENTS:
+            return cls(mode, share, steps=math.ceil(share / n_envs))
+        return cls(mode, share, need=share)
+
+    def more(self, active: np.ndarray) -> bool:
+        """Whether the worker takes another step (checked before every step)."""
+        mode = self.mode
+        if mode is CallMode.SAMPLES:
+            return self.need > 0
+        if mode is CallMode.FRAGMENTS:
+            return self.steps > 0
+        return bool(active.any())
+
+    def ended(self, envs: np.ndarray, steps: int, active: np.ndarray) -> bool:
+        """The episodes of ``envs`` ended, ``steps`` recorded steps in all; whether an env
+        stopped (envs whose episode budget is spent are made inactive in ``active``)."""
+        if self.mode is CallMode.SAMPLES:
+            self.need -= steps
+            return False
+        left = self.episodes_left
+        if left is None:
+            return False
+        left[envs] -= 1
+        spent = envs[left[envs] <= 0]
+        if len(spent):
+            active[spent] = False
+            return True
+        return False
+
+    def took(self, steps: int) -> None:
+        """The worker took ``steps`` more steps."""
+        if self.mode is CallMode.FRAGMENTS:
+            self.steps -= steps
+
+    def limited(self, lacking: int, n_envs: int) -> StopRule:
+        """A copy that stops once ``lacking`` more transitions are in (``fraction_samples``)."""
+        if self.mode is CallMode.FRAGMENTS:
+            return StopRule(self.mode, self.share, steps=math.ceil(lacking / n_envs))
+        return StopRule(self.mode, self.share, need=lacking)
+
+    def copy(self) -> StopRule:
+        """An independent copy (what a chunk request carries)."""
+        left = None if self.episodes_left is None else self.episodes_left.copy()
+        return StopRule(self.mode, self.share, self.need, self.steps, left)
+
+    def recovered(self, completed_steps: int, n_envs: int) -> None:
+        """After a restart dropped the fragments in progress, redo their steps (``FRAGMENTS``)."""
+        if self.mode is CallMode.FRAGMENTS:
+            self.steps = math.ceil(max(self.share - completed_steps, 0) / n_envs)
+
+
+class SharedQuota:
+    """The quota of one call with ``fraction_samples < 1``, shared by the workers of the call.
+
+    Each worker reports, after every step (or chunk), how many transitions it would return if it
+    stopped now (complete-episode transitions for ``obtain_samples``, steps x envs for
+    fragments). A worker may stop once it has its own minimum *and* the call's total has reached
+    the target: fast workers therefore keep going past their share while the total is short, and
+    the last worker to stop has both conditions hold for everyone. The object lives beside the
+    worker coroutines in the event loop's thread on every backend, so it needs no lock.
+
+    Args:
+        target: the call's ``num_samples``.
+        minimums: per worker taking part, ``ceil(fraction_samples * share)``.
+    """
+
+    def __init__(self, target: int, minimums: Mapping[int, int]) -> None:
+        self.target = target
+        self.minimums = dict(minimums)
+        self.counts = dict.fromkeys(self.minimums, 0)
+        self.total = 0
+
+    def report(self, worker: int, count: int) -> None:
+        """Worker ``worker`` would now return ``count`` transitions (it may go down: restarts)."""
+        self.total += count - self.counts[worker]
+        self.counts[worker] = count
+
+    def may_stop(self, worker: int) -> bool:
+        """Whether ``worker`` has its minimum and the call's total has reached the target."""
+        return self.counts[worker] >= self.minimums[worker] and self.total >= self.target
+
+    def lacking(self, worker: int) -> int:
+        """What ``worker``'s minimum or the call's total still lacks (at least 1)."""
+        return max(self.minimums[worker] - self.counts[worker], self.target - self.total, 1)
+
+
+class ChunkRecords(Protocol):
+    """The records of a chunk of steps run elsewhere, leading axes ``(steps, n_envs)``."""
+
+    obs: Tree
+    final_obs: Tree
+    actions: Tree
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+
+
+class Episodes:
+    """One worker's episodes: bookkeeping, the current call's rule, and its records.
+
+    Attributes:
+        lengths, returns: per env, steps and return of the episode in progress.
+        active: per env, whether it is stepped (``EPISODES``: false once its budget is spent).
+        everyone: every env is active (the per-step path skips its masks).
+        needs_reset: per env, whether the next :meth:`Worker.start_episode` resets it.
+        episode_info: per env, the info of the episode in progress.
+        recorder: the step rows and pieces of the current call.
+        rule: where the current call stops (``None`` outside a call).
+        finished: every episode completed since the sampler read it.
+    """
+
+    def __init__(self, worker: int, n_envs: int) -> None:
+        self.worker = worker
+        self.n_envs = n_envs
+        self.lengths = np.zeros(n_envs, dtype=np.int64)
+        self.returns = np.zeros(n_envs, dtype=np.float64)
+        self.done = np.zeros(n_envs, dtype=bool)  # scratch of the per-step path
+        self.active = np.ones(n_envs, dtype=bool)
+        self.everyone = True
+        self.needs_reset = np.ones(n_envs, dtype=bool)
+        self.episode_info: list[dict[str, Any]] = [{} for _ in range(n_envs)]
+        self.recorder = Recorder(n_envs)
+        self.rule: StopRule | None = None
+        self.finished: list[FinishedEpisode] = []
+        self.in_call = False
+        self.broken = False
+
+    # -- a call ---------------------------------------------------------------------------------
+
+    def begin(self, resume: Resume, rule: StopRule | None) -> None:
+        """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``."""
+        if self.in_call or self.broken:
+            # The previous call was cancelled or failed midway: nothing of it may leak.
+            resume = Resume.NOTHING
+            self.needs_reset[:] = True
+        if resume is Resume.NOTHING:
+            self.needs_reset |= self.lengths > 0
+        self.in_call = True
+        self.recorder.begin(resume, self.lengths)
+        self.rule = rule
+        self.active[:] = True
+        if rule is not None and rule.episodes_left is not None:
+            self.active[:] = rule.episodes_left > 0
+        self.everyone = bool(self.active.all())
+
+    def end(self, leave: Resume) -> None:
+        """End a call; what ``leave`` says stays running for the next one.
+
+        The step records stay as they are until the next call begins: the plans returned by this
+        call point into them.
+        """
+        self.recorder.end(leave)
+        if leave is Resume.NOTHING:
+            self.needs_reset |= self.lengths > 0
+        self.rule = None
+        self.active[:] = True
+        self.everyone = True
+        self.in_call = False
+
+    def recovered(self) -> int:
+        """The host was rebuilt: episodes in progress are dropped; returns how many."""
+        dropped = int(np.count_nonzero(self.lengths))
+        self.needs_reset[:] = True
+        self.lengths[:] = 0
+        self.returns[:] = 0.0
+        if self.rule is not None:
+            self.rule.recovered(self.recorder.completed_steps, self.n_envs)
+        return dropped
+
+    def count(self, fragments: bool) -> int:
+        """Transitions the worker would return if it stopped now."""
+        recorder = self.recorder
+        return recorder.completed_steps + (recorder.open_steps() if fragments else 0)
+
+    def collect(self, current_obs: Tree, like_actions: Tree, *, fragments: bool = False) -> Plan:
+        """Where the call's pieces lie in the records; with ``fragments`` the running episodes
+        are cut as fragments ending at ``current_obs``."""
+        recorder = self.recorder
+        if fragments:
+            stop = recorder.rows.size
+            for i in range(self.n_envs):
+                if self.active[i] and stop > recorder.piece_start[i]:
+                    current = tree_map(lambda x, i=i: x[i].copy(), current_obs)
+                    recorder.close_piece(i, stop, None, current, self.episode_info[i])
+                    recorder.piece_position[i] = self.lengths[i]
+        return recorder.collect(current_obs, like_actions)
+
+    # -- episodes -------------------------------------------------------------------------------
+
+    def fresh_info(self, info: dict[str, Any], env: int, version: int) -> dict[str, Any]:
+        """The info of an episode of ``env`` starting under agent ``version``."""
+        return {**info, "worker": self.worker, "env": env, "agent_version": version}
+
+    def stamp_unstarted(self, version: int) -> None:
+        """Episodes that have not taken a step yet start under agent ``version``."""
+        for i in np.flatnonzero(self.lengths == 0).tolist():
+            self.episode_info[i] = self.fresh_info(self.episode_info[i], i, version)
+
+    def started(self, mask: np.ndarray, infos: Mapping[int, dict[str, Any]]) -> None:
+        """The envs in ``mask`` were reset, with reset ``infos`` by env."""
+        self.needs_reset &= ~mask
+        self.lengths[mask] = 0
+        self.returns[mask] = 0.0
+        for i in np.flatnonzero(mask).tolist():
+            self.episode_info[i] = dict(infos.get(i, {}))  # empty infos do not travel
+        self.recorder.start_episodes(mask)
+
+    def close_episodes(
+        self,
+        envs: np.ndarray,
+        t: int,
+        terminated: np.ndarray,
+        final_obs: Tree,
+        reset_infos: Mapping[int, dict[str, Any]],
+        version: int,
+    ) -> None:
+        """The episodes of ``envs`` ended at row ``t``: cut them, count them, start the next.
+
+        Args:
+            terminated: per env, whether the episode terminated (else it was truncated).
+            final_obs: per env, the true last observation.
+            reset_infos: by env, the info of the episode that starts next.
+            version: the agent version episodes starting now run under.
+        """
+        recorder = self.recorder
+        lengths, returns, infos = self.lengths, self.returns, self.episode_info
+        steps = recorder.completed_steps
+        for i in envs.tolist():
+            end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
+            last = tree_map(lambda x, i=i: x[i].copy(), final_obs)
+            info = infos[i]
+            recorder.close_piece(i, t + 1, end, last, info)
+            self.finished.append(
+                FinishedEpisode(float(returns[i]), int(lengths[i]), int(info["agent_version"]))
+            )
+            returns[i] = 0.0
+            infos[i] = self.fresh_info(reset_infos.get(i, {}), i, version)
+            lengths[i] = 0
+            recorder.piece_position[i] = 0
+        rule = self.rule
+        if rule is not None:
+            if rule.ended(envs, recorder.completed_steps - steps, self.active):
+                self.everyone = False
+
+    def replay(
+        self,
+        chunk: ChunkRecords,
+        steps: int,
+        agent_infos: dict[str, np.ndarray] | list[tuple[int, dict[str, np.ndarray]]],
+        step_infos: Mapping[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]],
+        version: int,
+        like: tuple[Tree, Tree],
+        record: Any = None,
+    ) -> None:
+        """Turn ``steps`` steps run elsewhere into recorder rows and episodes.
+
+        Rows are copied as blocks; only the steps where an episode ends (and, with a ``record``
+        callback for ``process_transition``, every step) are visited one by one. Episodes that
+        start in the chunk, or had not taken a step before it, run under ``version``.
+
+        Args:
+            chunk: the chunk's records.
+            agent_infos: stacked over the steps, or ``(step, infos)`` for the steps with any.
+            step_infos: by step, ``(env_infos, reset_infos)`` where either is non-empty.
+            like: observations and actions shaped like one row (to grow the records).
+            record: ``record(j, t, agent_infos, env_infos, done)`` after each step, if given.
+        """
+        self.stamp_unstarted(version)
+        if steps <= 0:
+            return
+        rows = self.recorder.rows
+        t0 = rows.reserve(steps, *like)
+        put_rows(rows.obs, t0, chunk.obs, steps)
+        put_rows(rows.actions, t0, chunk.actions, steps)
+        rewards = chunk.rewards[:steps]
+        rows.rewards[t0 : t0 + steps] = rewards
+        if isinstance(agent_infos, dict):
+            if agent_infos or rows.agent_infos:
+                store_agent_info_block(rows, t0, steps, agent_infos)
+        elif agent_infos or rows.agent_infos:
+            listed = dict(agent_infos)
+            for j in range(steps):
+                store_agent_infos(rows, t0 + j, listed.get(j, {}))
+        for j, (env_infos, _) in step_infos.items():
+            if env_infos is not None:
+                rows.env_infos[t0 + j] = env_infos
+        flags = chunk.terminated[:steps] | chunk.truncated[:steps]
+        events = np.flatnonzero(flags.any(axis=1)).tolist()
+        if record is not None:
+            events = list(range(steps))
+        no_infos: tuple[None, dict[int, dict[str, Any]]] = (None, {})
+        j0 = 0
+        for j in events:
+            self._advance(rewards[j0 : j + 1])
+            j0 = j + 1
+            done = flags[j] if self.everyone else flags[j] & self.active
+            if record is not None:
+                info_j = (
+                    {k: v[j] for k, v in agent_infos.items()}
+                    if isinstance(agent_infos, dict)
+                    else dict(agent_infos).get(j, {})
+                )
+                record(j, t0 + j, info_j, step_infos.get(j, no_infos)[0], done)
+            if done.any():
+                final = tree_map(lambda x, j=j: x[j], chunk.final_obs)
+                reset_infos = step_infos.get(j, no_infos)[1]
+                self.close_episodes(
+                    np.flatnonzero(done), t0 + j, chunk.terminated[j], final, reset_infos, version
+                )
+        self._advance(rewards[j0:steps])
+
+    def _advance(self, rewards: np.ndarray) -> None:
+        """The active envs took ``len(rewards)`` steps (the same float sums as step by step)."""
+        n = len(rewards)
+        if n == 0:
+            return
+        if self.everyone:
+            self.lengths += n
+            if n == 1:
+                self.returns += rewards[0]
+            else:
+                stacked = np.concatenate([self.returns[None], rewards])
+                self.returns[:] = np.add.accumulate(stacked, axis=0)[-1]
+            return
+        active = self.active
+        self.lengths[active] += n
+        stacked = np.concatenate([self.returns[active][None], rewards[:, active]])
+        self.returns[active] = np.add.accumulate(stacked, axis=0)[-1]
+
+
+class Stepper(Protocol):
+    """How a worker's envs move: one env step, or one chunk of steps, per request.
+
+    ``start`` resets what needs a reset; ``advance`` moves at least one worker step and never
+    past where ``rule`` stops (nor, given ``lacking``, past ``lacking`` more transitions: see
+    :meth:`StopRule.limited`), recording through the worker's :class:`Episodes`, and returns the
+    worker steps taken; ``run`` advances until ``rule`` stops.
+    """
+
+    async def start(self) -> None: ...
+
+    async def advance(self, rule: StopRule, lacking: int | None = None) -> int: ...
+
+    async def run(self, rule: StopRule) -> None: ...
+
+
+class StepperWorker(Protocol):
+    """What :class:`StepStepper` and :func:`run_part` need of a worker."""
+
+    worker_number: int
+    n_envs: int
+    episodes: Episodes
+
+    async def start_episode(self) -> None: ...
+
+    async def step_episode(self) -> bool: ...
+
+    def current_plan(self, *, fragments: bool) -> Plan: ...
+
+
+class StepStepper:
+    """One env step per request: garage's ``start_episode``/``step_episode`` of the worker."""
+
+    def __init__(self, worker: StepperWorker) -> None:
+        self.worker = worker
+
+    async def start(self) -> None:
+        """Reset the envs that need it."""
+        await self.worker.start_episode()
+
+    async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
+        """One step of every active env."""
+        await self.worker.step_episode()
+        return 1
+
+    async def run(self, rule: StopRule) -> None:
+        """Step until ``rule`` stops (the per-step loop: no await besides the step)."""
+        step, more, active = self.worker.step_episode, rule.more, self.worker.episodes.active
+        if rule.mode is CallMode.FRAGMENTS:
+            while more(active):
+                await step()
+                rule.steps -= 1
+        else:
+            while more(active):
+                await step()
+
+
+async def run_part(
+    worker: StepperWorker,
+    stepper: Stepper,
+    leave: Resume,
+    quota: SharedQuota | None = None,
+) -> Plan:
+    """Run the worker's part of the call begun with :meth:`Episodes.begin`; its plan.
+
+    Without ``quota`` the stepper runs until the call's rule stops. With a shared ``quota``
+    (``fraction_samples < 1``) the worker advances until :meth:`SharedQuota.may_stop`, deciding
+    between units (a step, or a chunk that asks for no more than what is still lacking), so it
+    goes past the point where it may stop by less than one episode (samples) or one step of its
+    envs (fragments). A retry after a failure calls it again and it resumes.
+    """
+    episodes = worker.episodes
+    rule = episodes.rule
+    assert rule is not None
+    fragments = rule.mode is CallMode.FRAGMENTS
+    await stepper.start()
+    if quota is None:
+        await stepper.run(rule)
+    else:
+        w = worker.worker_number
+        quota.report(w, episodes.count(fragments))
+        while not quota.may_stop(w):
+            await stepper.advance(rule, quota.lacking(w))
+            quota.report(w, episodes.count(fragments))
+    plan = worker.current_plan(fragments=fragments)
+    if fragments:
+        leave = Resume.FRAGMENTS
+    elif rule.mode is CallMode.EPISODES:
+        leave = Resume.NOTHING
+    episodes.end(leave)
+    return plan
+
+
+def share_of(quota: int, n_workers: int, worker: int) -> int:
+    """Worker ``worker``'s fixed share of a call's ``quota``: an even split, the remainder to
+    the first workers."""
+    return quota // n_workers + (worker < quota % n_workers)

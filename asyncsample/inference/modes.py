@@ -1,0 +1,175 @@
+"""The inference modes as strategies the sampler chooses once, at construction.
+
+A mode answers the few questions where ``per_worker``, ``batched`` and ``host`` differ: what the
+hosts must allocate (chunk buffers), what happens once the workers exist (a shared batcher, or
+the agents installed in the hosts), which stepper runs a worker's part of a call, what surrounds
+that part (the batcher's membership), how an agent update is checked and applied, and what
+closing releases. The sampler itself has no ``if`` on the mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+from asyncsample._engine import Episodes, Stepper, StepStepper
+from asyncsample.agent import Agent
+from asyncsample.inference.batched import Batched, Batcher
+from asyncsample.inference.host import Host, HostInference, HostWorker
+
+__all__ = ["BatchedMode", "HostMode", "InferenceMode", "ModeWorker", "PerWorkerMode", "make_mode"]
+
+
+class ModeWorker(HostWorker, Protocol):
+    """What a mode needs of a worker."""
+
+    episodes: Episodes
+    batcher: Batcher | None
+
+    async def step_episode(self) -> bool: ...
+
+
+class InferenceMode:
+    """``"per_worker"``: each worker asks its own agent, one env step per request.
+
+    The base class of the other modes, which override what differs.
+    """
+
+    name = "per_worker"
+
+    def chunk_steps(self, capacity: Callable[[int], int]) -> int:
+        """The chunk capacity each host slot allocates (``0``: no chunks)."""
+        return 0
+
+    def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
+        """The workers exist and their envs are built."""
+
+    def stepper(self, worker: ModeWorker) -> Stepper:
+        """How ``worker``'s part of a call moves its envs."""
+        return StepStepper(worker)
+
+    @asynccontextmanager
+    async def part(self, worker: ModeWorker) -> AsyncIterator[None]:
+        """Surrounds ``worker``'s part of a call."""
+        yield
+
+    def check_update(self, agent_update: Any) -> None:
+        """Refuse an update the mode cannot apply (before anything is applied)."""
+
+    def apply_update(
+        self,
+        agent_update: Any,
+        apply: Callable[[], None],
+        workers: Sequence[ModeWorker],
+        agent_seeds: list[int],
+    ) -> None:
+        """Apply ``agent_update`` with ``apply`` (which updates the workers' agents)."""
+        apply()
+
+    def close(self) -> None:
+        """The sampler closed."""
+
+
+PerWorkerMode = InferenceMode
+
+
+class BatchedMode(InferenceMode):
+    """``"batched"``: one shared agent; the workers' concurrent calls become one call."""
+
+    name = "batched"
+
+    def __init__(self, options: Batched, shared_agent: Callable[[], Agent]) -> None:
+        self.options = options
+        self.shared_agent = shared_agent
+        self.batcher: Batcher | None = None
+
+    def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
+        """One batcher for every worker."""
+        self.batcher = Batcher(self.shared_agent, self.options)
+        for worker in workers:
+            worker.batcher = self.batcher
+
+    @asynccontextmanager
+    async def part(self, worker: ModeWorker) -> AsyncIterator[None]:
+        """The batcher waits for this worker's rows while it takes part."""
+        batcher = self.batcher
+        assert batcher is not None
+        batcher.join(worker.worker_number)
+        try:
+            yield
+        finally:
+            # A worker done with its part (also one that stopped at its minimum under
+            # fraction_samples) leaves, so the flushes of the others do not wait for it.
+            batcher.leave(worker.worker_number)
+
+    def check_update(self, agent_update: Any) -> None:
+        """One shared agent: one update, not a list."""
+        if isinstance(agent_update, list):
+            raise ValueError(
+                "agent_update: inference='batched' shares one agent between all workers; pass "
+                "one update (parameters or an agent), not a list"
+            )
+
+    def apply_update(
+        self,
+        agent_update: Any,
+        apply: Callable[[], None],
+        workers: Sequence[ModeWorker],
+        agent_seeds: list[int],
+    ) -> None:
+        """Never while the batcher's thread runs the agent."""
+        if self.batcher is None:
+            apply()
+            return
+        with self.batcher.exclusive():
+            apply()
+
+    def close(self) -> None:
+        """Stop the batcher's thread."""
+        if self.batcher is not None:
+            self.batcher.close()
+
+
+class HostMode(InferenceMode):
+    """``"host"``: a copy of the agent in every env host, one chunk of steps per request."""
+
+    name = "host"
+
+    def __init__(self, options: Host) -> None:
+        self.options = options
+        self.inference = HostInference(options)
+
+    def chunk_steps(self, capacity: Callable[[int], int]) -> int:
+        """The chunk capacity for :attr:`Host.chunk_steps`."""
+        return capacity(self.options.chunk_steps)
+
+    def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
+        """Every worker's host gets its copy of the worker's agent."""
+        self.inference.install(workers, agent_seeds)
+
+    def stepper(self, worker: ModeWorker) -> Stepper:
+        """One chunk per request."""
+        return self.inference.stepper(worker)
+
+    def apply_update(
+        self,
+        agent_update: Any,
+        apply: Callable[[], None],
+        workers: Sequence[ModeWorker],
+        agent_seeds: list[int],
+    ) -> None:
+        """Check and pickle first (an update the hosts cannot take changes nothing), apply, then
+        record it on every worker's host for the next chunk."""
+        prepared = self.inference.prepare_update(agent_update)
+        apply()
+        self.inference.forward_update(workers, prepared, agent_seeds)
+
+
+def make_mode(options: Batched | Host | None, shared_agent: Callable[[], Agent]) -> InferenceMode:
+    """The strategy for the options :func:`asyncsample.inference.check_inference` returned."""
+    if isinstance(options, Host):
+        return HostMode(options)
+    if isinstance(options, Batched):
+        return BatchedMode(options, shared_agent)
+    return InferenceMode()

@@ -1,0 +1,111 @@
+"""Unit tests of the episode engine: the stop rules and the replay of a chunk into the records."""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from asyncsample._engine import CallMode, Episodes, SharedQuota, StopRule, share_of
+from asyncsample._recorder import Resume
+
+
+def test_rules_stop_where_the_modes_say() -> None:
+    samples = StopRule.for_call(CallMode.SAMPLES, 10, 2)
+    active = np.ones(2, dtype=bool)
+    assert samples.more(active)
+    assert not samples.ended(np.array([0]), 7, active)
+    assert samples.more(active)
+    samples.ended(np.array([1]), 3, active)
+    assert not samples.more(active)
+
+    fragments = StopRule.for_call(CallMode.FRAGMENTS, 5, 2)  # ceil(5 / 2) steps of both envs
+    assert fragments.steps == 3
+    fragments.took(3)
+    assert not fragments.more(active)
+    fragments.recovered(completed_steps=2, n_envs=2)  # a restart dropped the fragments
+    assert fragments.steps == 2  # ceil((5 - 2) / 2)
+
+    episodes = StopRule.for_call(CallMode.EPISODES, 3, 2)  # env 0: 2 episodes, env 1: 1
+    assert episodes.episodes_left is not None
+    assert episodes.episodes_left.tolist() == [2, 1]
+    assert episodes.ended(np.array([1]), 5, active)  # env 1 is done: inactive
+    assert active.tolist() == [True, False]
+    assert not episodes.ended(np.array([0]), 5, active)
+    assert episodes.more(active)
+    assert episodes.ended(np.array([0]), 5, active)
+    assert not episodes.more(active)
+
+
+def test_a_rule_travels_as_a_copy() -> None:
+    rule = StopRule.for_call(CallMode.EPISODES, 4, 2)
+    sent = pickle.loads(pickle.dumps(rule.copy()))
+    sent.ended(np.array([0, 1]), 2, np.ones(2, dtype=bool))
+    assert rule.episodes_left is not None and rule.episodes_left.tolist() == [2, 2]
+    limited = StopRule.for_call(CallMode.FRAGMENTS, 100, 4).limited(lacking=6, n_envs=4)
+    assert limited.steps == 2
+    assert StopRule.for_call(CallMode.SAMPLES, 100, 4).limited(6, 4).need == 6
+
+
+def test_shared_quota_and_shares() -> None:
+    quota = SharedQuota(10, {0: 3, 1: 3})
+    quota.report(0, 8)
+    assert not quota.may_stop(0)  # the total is short
+    assert quota.lacking(1) == 3
+    quota.report(1, 3)
+    assert quota.may_stop(0) and quota.may_stop(1)
+    assert [share_of(10, 3, w) for w in range(3)] == [4, 3, 3]
+
+
+def _chunk(rewards: np.ndarray, terminated: np.ndarray) -> SimpleNamespace:
+    k, n = rewards.shape
+    obs = np.arange(k * n, dtype=np.float32).reshape(k, n, 1)
+    return SimpleNamespace(
+        obs=obs,
+        final_obs=obs + 100,
+        actions=np.zeros((k, n), dtype=np.int64),
+        rewards=rewards,
+        terminated=terminated,
+        truncated=np.zeros_like(terminated),
+    )
+
+
+@pytest.mark.parametrize("mode", [CallMode.SAMPLES, CallMode.EPISODES])
+def test_replay_equals_step_by_step(mode: CallMode) -> None:
+    rng = np.random.default_rng(3)
+    k, n = 40, 3
+    rewards = rng.normal(size=(k, n)) * 1e3
+    terminated = rng.random((k, n)) < 0.2
+    like = (np.zeros((n, 1), dtype=np.float32), np.zeros(n, dtype=np.int64))
+
+    def fresh() -> Episodes:
+        episodes = Episodes(0, n)
+        episodes.begin(
+            Resume.NOTHING, StopRule.for_call(mode, 40 if mode is CallMode.SAMPLES else 12, n)
+        )
+        episodes.started(np.ones(n, dtype=bool), {})
+        return episodes
+
+    whole = fresh()
+    whole.replay(_chunk(rewards, terminated), k, {}, {}, 0, like)
+    by_step = fresh()
+    for j in range(k):
+        if not by_step.active.any():
+            break
+        chunk = _chunk(rewards[j : j + 1], terminated[j : j + 1])
+        chunk.obs, chunk.final_obs = chunk.obs + j * n, chunk.final_obs + j * n
+        by_step.replay(chunk, 1, {}, {}, 0, like)
+    # The same episodes, lengths and (bit-for-bit) returns; the same records.
+    assert whole.finished == by_step.finished
+    assert whole.lengths.tolist() == by_step.lengths.tolist()
+    assert whole.returns.tobytes() == by_step.returns.tobytes()
+    assert whole.active.tolist() == by_step.active.tolist()
+    a, b = whole.recorder, by_step.recorder
+    assert [(p.env, p.start, p.stop, p.end) for p in a.pieces] == [
+        (p.env, p.start, p.stop, p.end) for p in b.pieces
+    ]
+    rows = min(a.rows.size, b.rows.size)
+    assert np.array_equal(a.rows.obs[:rows], b.rows.obs[:rows])
+    assert np.array_equal(a.rows.rewards[:rows], b.rows.rewards[:rows])
