@@ -25,6 +25,7 @@ from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
 
 __all__ = [
+    "AUTORESET_MODES",
     "EnvFailure",
     "EnvGroup",
     "StepBuffers",
@@ -36,6 +37,13 @@ __all__ = [
     "reset_arguments",
 ]
 
+
+#: How a group restarts an env whose episode ended (gymnasium's ``AutoresetMode`` values):
+#: ``"SameStep"`` resets it in the step that ended the episode (the true last observation goes to
+#: ``final_obs``: the sampler's mode), ``"NextStep"`` resets it in the env's next step instead of
+#: stepping it (reward 0, both flags false, the reset's info), ``"Disabled"`` never resets it
+#: (stepping it again is an error; the caller resets it).
+AUTORESET_MODES = ("SameStep", "NextStep", "Disabled")
 
 #: "Use the env's pending seed": the default of a reset.
 _PENDING = object()
@@ -137,6 +145,8 @@ class EnvGroup:
         observation_space: the declared observation space (shapes are checked against it).
         action_space: the declared action space.
         max_episode_length: steps after which the host truncates an episode, or ``None``.
+        autoreset: one of :data:`AUTORESET_MODES` (the vector-env faces choose; the sampler
+            uses ``"SameStep"``).
     """
 
     def __init__(
@@ -146,7 +156,10 @@ class EnvGroup:
         observation_space: gym.Space[Any],
         action_space: gym.Space[Any],
         max_episode_length: int | None,
+        autoreset: str = "SameStep",
     ) -> None:
+        if autoreset not in AUTORESET_MODES:
+            raise ValueError(f"autoreset must be one of {AUTORESET_MODES}, got {autoreset!r}")
         self.worker = worker
         self.buffers = buffers
         self.observation_space = observation_space
@@ -162,6 +175,10 @@ class EnvGroup:
         # Observations of a plain (Box, Discrete, Multi*) space go straight into their row.
         self._flat_obs = isinstance(buffers.obs, np.ndarray)
         self._obs_shape = tuple(observation_space.shape or ())
+        self._same_step = autoreset == "SameStep"
+        self._next_step = autoreset == "NextStep"
+        # "NextStep"/"Disabled": envs whose episode ended and that were not reset since.
+        self._ended = [False] * self.n_envs
 
     # -- building ---------------------------------------------------------------------------
 
@@ -178,6 +195,7 @@ class EnvGroup:
         self.envs[i] = env
         self._seeds[i] = seed
         self._lengths[i] = 0
+        self._ended[i] = False
 
     def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
         """Apply one update per env; an env that becomes a new object gets its new seed."""
@@ -236,6 +254,7 @@ class EnvGroup:
             obs, info = self._guard(i, env.reset, seed=seed, options=options)
         self._obs[i] = obs
         self._lengths[i] = 0
+        self._ended[i] = False
         if self._flat_obs:
             if getattr(obs, "shape", ()) == self._obs_shape:
                 self.buffers.obs[i] = obs
@@ -249,7 +268,9 @@ class EnvGroup:
 
         An env whose episode ends (terminated, truncated by the env, or at ``max_episode_length``)
         has its last observation written to ``final_obs`` and is reset at once, so ``obs`` always
-        holds what the agent acts on next.
+        holds what the agent acts on next. In ``"NextStep"`` mode it keeps its last observation
+        and this method resets it the next time it is in ``mask`` (its reset info goes to
+        ``reset_infos``); in ``"Disabled"`` mode stepping it again is an error.
         """
         # The hot path: plain Python per env, one numpy write per result field at the end.
         buf = self.buffers
@@ -269,9 +290,20 @@ class EnvGroup:
         finals: list[Any] = []
         misfits: list[int] = []
         mel = self.max_episode_length
+        ended = self._ended
+        deferred = not self._same_step
+        reset_infos: dict[int, dict[str, Any]] = {}
         i = -1
         try:
             for i, action in zip(indices, actions):
+                if deferred and ended[i]:
+                    # The reset deferred from the step that ended the episode: reward 0, both
+                    # flags false, the first observation (gymnasium's next-step autoreset).
+                    self._restart_ended(i, reset_infos)
+                    rewards.append(0.0)
+                    terms.append(False)
+                    truncs.append(False)
+                    continue
                 o, r, term, trunc, info = envs[i].step(action)  # type: ignore[union-attr]
                 if obs_out is None:
                     obs[i] = o
@@ -297,6 +329,8 @@ class EnvGroup:
                 if term or trunc:
                     done.append(i)
                     finals.append(o)
+        except EnvFailureError:
+            raise
         except Exception as exc:
             raise EnvFailureError(EnvFailure(i, exc, traceback.format_exc())) from exc
         if misfits:
@@ -305,8 +339,10 @@ class EnvGroup:
         buf.rewards[where] = rewards
         buf.terminated[where] = terms
         buf.truncated[where] = truncs
-        reset_infos: dict[int, dict[str, Any]] = {}
-        if done:
+        if done and deferred:
+            for i in done:
+                ended[i] = True
+        elif done:
             try:
                 self._write(buf.final_obs, done, finals)
             except (ValueError, TypeError, IndexError) as exc:
@@ -318,6 +354,17 @@ class EnvGroup:
         if obs_out is None:
             self._write_obs()
         return StepInfos(env_infos, reset_infos)
+
+    def _restart_ended(self, i: int, reset_infos: dict[int, dict[str, Any]]) -> None:
+        if not self._next_step:
+            err = RuntimeError(
+                f"env {i} of worker {self.worker} ended its episode and autoreset is "
+                "'Disabled': it must be reset before it is stepped again"
+            )
+            raise EnvFailureError(EnvFailure(i, err, "", retry=False))
+        info = self._reset_one(i)
+        if info:
+            reset_infos[i] = info
 
     # -- attributes (the vector-env faces: call, get_attr, set_attr, render) -----------------
 

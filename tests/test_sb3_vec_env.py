@@ -432,3 +432,28 @@ def test_arguments_are_checked() -> None:
         AsyncSampleVecEnv([lambda: gym.make("CartPole-v1")] * 2, 3)
     with pytest.raises(ValueError, match="env_fns must hold"):
         AsyncSampleVecEnv([])
+    with pytest.raises(ValueError, match="cannot find context for 'teleport'"):
+        AsyncSampleVecEnv([lambda: gym.make("CartPole-v1")], start_method="teleport")
+
+
+def test_start_method_as_subproc_vec_env_takes_it() -> None:
+    env = AsyncSampleVecEnv([lambda: gym.make("CartPole-v1")] * 2, start_method="spawn")
+    try:
+        assert env.reset().shape == (2, 4)
+    finally:
+        env.close()
+
+
+def test_calls_after_close_say_the_env_is_closed() -> None:
+    """reset() included (it used to fail with "Event loop is closed")."""
+    env = AsyncSampleVecEnv([lambda: gym.make("CartPole-v1")] * 2, n_processes=1)
+    env.reset()
+    env.close()
+    for call in (
+        env.reset,
+        lambda: env.step(np.zeros(2, np.int64)),
+        lambda: env.get_attr("spec"),
+        lambda: env.env_method("render"),
+    ):
+        with pytest.raises(RuntimeError, match=r"after a call to `close\(\)`"):
+            call()

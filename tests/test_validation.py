@@ -218,17 +218,13 @@ def _sb3(**kwargs: Any) -> object:
     return AsyncSampleVecEnv("CartPole-v1", 2, **kwargs)
 
 
-# vector.py and sb3.py belong to the faces' rewrite: their step_timeout check is listed for it.
-_FACES_PENDING = pytest.mark.xfail(
-    strict=True, raises=(ValueError, AssertionError), reason="VectorEnv checks step_timeout itself"
-)
 STEP_TIMEOUT_FACES = [
     pytest.param(_sampler, id="Sampler"),
     pytest.param(_backend("process"), id="process"),
     pytest.param(_backend("local"), id="local"),
     pytest.param(_backend("ray"), id="ray"),
-    pytest.param(_vector_env, id="VectorEnv", marks=_FACES_PENDING),
-    pytest.param(_sb3, id="AsyncSampleVecEnv", marks=_FACES_PENDING),
+    pytest.param(_vector_env, id="VectorEnv"),
+    pytest.param(_sb3, id="AsyncSampleVecEnv"),
 ]
 
 
@@ -242,7 +238,7 @@ def test_step_timeout_of_the_wrong_type_is_the_same_type_error_everywhere(make: 
         make(step_timeout=True)
 
 
-@pytest.mark.parametrize("make", [STEP_TIMEOUT_FACES[i] for i in (0, 1, 3)])
+@pytest.mark.parametrize("make", [STEP_TIMEOUT_FACES[i] for i in (0, 1, 3, 4, 5)])
 def test_step_timeout_out_of_range_is_the_same_value_error_everywhere(make: Any) -> None:
     for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"step_timeout must be a finite number of seconds"):

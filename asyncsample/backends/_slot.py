@@ -57,7 +57,12 @@ class HostSlot:
         where: str = "env host",
     ) -> None:
         self.group = EnvGroup(
-            spec.worker, buffers, spec.observation_space, spec.action_space, spec.max_episode_length
+            spec.worker,
+            buffers,
+            spec.observation_space,
+            spec.action_space,
+            spec.max_episode_length,
+            spec.autoreset,
         )
         self.runner = None if chunk is None else ChunkRunner(self.group, chunk, spec.action_space)
         self.host_threads = host_threads

@@ -51,6 +51,8 @@ class HostSpec:
         chunk_steps: ``inference="host"``: the capacity, in worker steps, of the chunk buffers
             the host's own agent copy fills per request (see :mod:`asyncsample.backends._chunk`);
             ``0``: the worker asks for actions itself, one step per request.
+        autoreset: how the host's env group restarts an ended episode, one of
+            :data:`~asyncsample.env_group.AUTORESET_MODES` (the vector-env faces choose it).
     """
 
     worker: int
@@ -59,6 +61,7 @@ class HostSpec:
     action_space: gym.Space[Any]
     max_episode_length: int | None
     chunk_steps: int = 0
+    autoreset: str = "SameStep"
 
 
 class EnvHost(Protocol):

@@ -49,6 +49,7 @@ class LocalHost:
             spec.observation_space,
             spec.action_space,
             spec.max_episode_length,
+            spec.autoreset,
         )
         self.closed = False
 

@@ -1,0 +1,737 @@
+"""The gymnasium face: :class:`VectorEnv`, a ``gymnasium.vector.VectorEnv`` on the env hosts.
+
+``num_envs`` sub-envs live ``num_envs / n_processes`` to an env host of the ``process`` backend
+(see :mod:`asyncsample.vector.hosted`): the sampler's env-group code, shared-memory step buffers
+and framed transport, one round trip per host and step (not one per env). For the same seeds and
+actions it returns exactly what :class:`gymnasium.vector.SyncVectorEnv` returns.
+
+The autoreset modes are the hosts' own (an option of their env groups): in ``NEXT_STEP`` mode the
+host resets an ended sub-env at its next step (reward 0, both flags false, the reset's info); in
+``SAME_STEP`` mode it resets it in the step that ended the episode, and the true last observation
+comes home in the step buffers' ``final_obs`` rows; in ``DISABLED`` mode it never resets it, and
+stepping a finished sub-env is a ``RuntimeError`` here, before anything is sent.
+
+Calls are synchronous, as gymnasium's API is: each runs the face's
+:class:`~asyncsample.vector.portal.BlockingPortal` until the hosts answered (see there for where
+its loop runs and why). ``step_async`` sends the requests and returns; ``step_wait`` collects.
+
+EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
+:meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
+``gcd(num_envs, batch_size)`` to an env host, hosts answer independently, and ``recv`` returns the
+first ``batch_size`` sub-envs answered with their indices in ``info["env_id"]``.
+
+Faults: a sub-env that raises fails the call with :class:`~asyncsample.SubEnvError` naming the
+sub-env. A host process that dies or outlives ``step_timeout`` during a step is rebuilt (at most
+``max_restarts`` times per host over the vector env's life) and its sub-envs start new episodes:
+that step returns them with ``truncated=True``, ``terminated=False``, reward 0, the new episode's
+first observation and the reason in ``info["restarted"]``. In ``NEXT_STEP`` mode the next step is
+their autoreset step as usual (the same first observation, reward 0, the reset's info); in
+``SAME_STEP`` mode ``info["final_obs"]`` holds that first observation too, since the last one
+died with the host. Past the budget the error is raised; the failed host's sub-envs then refuse to
+step until ``reset()``, which rebuilds them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import math
+import multiprocessing
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError
+from gymnasium.vector import AutoresetMode
+from gymnasium.vector import VectorEnv as _GymVectorEnv
+from gymnasium.vector.utils import batch_space
+
+from asyncsample import _validate
+from asyncsample._tree import tree_map
+from asyncsample.vector.hosted import (
+    HostedEnvs,
+    HostedFace,
+    StepResult,
+    env_sources,
+    finalize,
+)
+
+__all__ = ["VectorEnv"]
+
+_Step = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
+
+
+class _AlreadyPending(AlreadyPendingCallError, RuntimeError):
+    """gymnasium's ``AlreadyPendingCallError``, also a ``RuntimeError`` (as before)."""
+
+
+class _NoAsyncCall(NoAsyncCallError, RuntimeError):
+    """gymnasium's ``NoAsyncCallError``, also a ``RuntimeError`` (as before)."""
+
+
+def _timed_out(what: str, timeout: float | None) -> multiprocessing.TimeoutError:
+    return multiprocessing.TimeoutError(
+        f"The call to `{what}` has timed out after {timeout} second(s)."
+    )
+
+
+def _check_async_vector_env_options(
+    shared_memory: Any, copy: Any, context: Any, daemon: Any, worker: Any, observation_mode: Any
+) -> None:
+    """``AsyncVectorEnv``'s own arguments: checked as it checks them, refused where they cannot
+    apply (see :class:`VectorEnv`)."""
+    _validate.flag("shared_memory", shared_memory)
+    _validate.flag("copy", copy)
+    _validate.flag("daemon", daemon)
+    if context is not None:
+        if not isinstance(context, str) or context not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"context must be None or one of {multiprocessing.get_all_start_methods()}, got "
+                f"{context!r}"
+            )
+    if worker is not None:
+        raise ValueError(
+            "worker: a custom worker function cannot be used: the sub-envs live in asyncsample's "
+            "env hosts, several to a process, which step them with the sampler's own env-group "
+            "code (no per-env pipe for a worker function to serve); wrap the env instead"
+        )
+    valid = observation_mode in ("same", "different") or (
+        isinstance(observation_mode, tuple) and len(observation_mode) == 2
+    )
+    if not valid:
+        raise ValueError(  # gymnasium's words
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
+            f"batch observation space, actual got {observation_mode}"
+        )
+    if observation_mode != "same":
+        raise ValueError(
+            "observation_mode: only 'same' is supported (every sub-env shares the first one's "
+            f"observation space, batched in shared memory), got {observation_mode!r}"
+        )
+
+
+class _InfoBatch:
+    """Builds gymnasium vector infos for a batch of ``num_envs`` rows (for :meth:`recv`)."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.num_envs = num_envs
+
+    _add_info = _GymVectorEnv._add_info
+
+
+def _scatter(leaf: Any, ids: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
+    """Rows of ``leaf`` (one per id) placed at rows ``ids`` of an ``n``-row array."""
+    arr = np.asarray(leaf)
+    if arr.ndim == 0 or arr.shape[0] != len(ids):
+        raise ValueError(
+            f"actions must have one row per env id ({len(ids)}), got shape {arr.shape}"
+        )
+    out = np.zeros((n, *arr.shape[1:]), dtype=arr.dtype)
+    out[ids[order]] = arr[order]
+    return out
+
+
+def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
+    """Copy the rows ``a:b`` of one host's result into another result."""
+    into.rewards[a:b] = res.rewards[a:b]
+    into.terminated[a:b] = res.terminated[a:b]
+    into.truncated[a:b] = res.truncated[a:b]
+    if res.env_infos is not None:
+        if into.env_infos is None:
+            into.env_infos = [{} for _ in range(len(into.rewards))]
+        into.env_infos[a:b] = res.env_infos[a:b]
+    into.reset_infos.update({i: v for i, v in res.reset_infos.items() if a <= i < b})
+    into.restarted.update({i: v for i, v in res.restarted.items() if a <= i < b})
+
+
+class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
+    """A gymnasium vector env whose sub-envs live ``num_envs / n_processes`` to an env host.
+
+    Args:
+        env: a gymnasium id, a zero-argument factory, or a list of ``num_envs`` factories.
+        num_envs: number of sub-envs (default, for a list of factories: its length, so
+            ``VectorEnv(env_fns)`` reads as ``AsyncVectorEnv(env_fns)``).
+        n_processes: env-host processes (default: the number of CPUs, at most ``num_envs``).
+        seed: seeds the first ``reset()`` that is given no seed (sub-env ``i`` gets
+            ``seed + i``), so ``VectorEnv(..., seed=s).reset()`` is ``reset(seed=s)``.
+        autoreset_mode: ``"NextStep"`` (default), ``"SameStep"`` or ``"Disabled"`` (a
+            :class:`gymnasium.vector.AutoresetMode` or its value).
+        step_timeout: seconds a host may spend on one step, reset or call before it is killed
+            (and restarted, see ``max_restarts``).
+        max_restarts: how often each host may be rebuilt after it died or timed out, over the
+            vector env's life; past that the error is raised.
+        batch_size: for EnvPool-style :meth:`send`/:meth:`recv`: how many sub-envs ``recv``
+            returns. Sub-envs are then grouped ``gcd(num_envs, batch_size)`` to an env host
+            (several hosts share a process), and hosts answer independently.
+        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
+            in each env-host process; ``None`` leaves the libraries' defaults.
+        shared_memory, copy, context, daemon, worker, observation_mode: ``AsyncVectorEnv``'s
+            arguments, so that code written for it runs unchanged. ``shared_memory`` and
+            ``copy`` are accepted and change nothing (observations always travel in shared
+            memory, and every call returns fresh arrays); ``context`` (a start method) and
+            ``daemon`` are checked and change nothing (env hosts always start from asyncsample's
+            forkserver and never outlive the main process); a custom ``worker`` is refused (the
+            hosts step the sub-envs with their own code), and so is an ``observation_mode``
+            other than ``"same"``. ``env_fns`` is another name for ``env``.
+
+    All sub-envs must share the observation and action spaces of the first one (a list of
+    factories whose spaces differ is a ``RuntimeError`` at construction, as with
+    ``AsyncVectorEnv``). Actions are stored in the action space's dtype before they reach the
+    sub-envs; actions that dtype would change (floats for a ``Discrete`` space, float64 values
+    that overflow a float32 ``Box``) are a ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        env: Any = None,
+        num_envs: int | None = None,
+        *,
+        n_processes: int | None = None,
+        seed: int | None = None,
+        autoreset_mode: str | AutoresetMode | None = None,
+        step_timeout: float | None = None,
+        max_restarts: int = 3,
+        batch_size: int | None = None,
+        host_threads: int | None = 1,
+        shared_memory: bool = True,
+        copy: bool = True,
+        context: str | None = None,
+        daemon: bool = True,
+        worker: Any = None,
+        observation_mode: Any = "same",
+        env_fns: Any = None,
+    ) -> None:
+        if env_fns is not None:  # AsyncVectorEnv(env_fns=...), as gymnasium.make_vec calls it
+            if env is not None:
+                raise TypeError("give env or env_fns (its AsyncVectorEnv name), not both")
+            env = env_fns
+        if env is None:
+            raise TypeError("env is required: a gymnasium id, a factory or a list of factories")
+        if num_envs is None:
+            if not isinstance(env, (list, tuple)):
+                raise TypeError("num_envs is required when env is a single gymnasium id or factory")
+            num_envs = len(env)  # AsyncVectorEnv(env_fns): one sub-env per factory
+        num = _validate.positive_int("num_envs", num_envs)
+        host_threads = _validate.optional_positive_int("host_threads", host_threads)
+        _check_async_vector_env_options(
+            shared_memory, copy, context, daemon, worker, observation_mode
+        )
+        _validate.optional_positive_int("n_processes", n_processes)
+        _validate.nonnegative_int("max_restarts", max_restarts)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
+        if autoreset_mode is None:
+            mode = AutoresetMode.NEXT_STEP
+        else:
+            try:
+                mode = AutoresetMode(autoreset_mode)
+            except ValueError:
+                raise ValueError(
+                    "autoreset_mode must be an AutoresetMode or one of "
+                    f"{[m.value for m in AutoresetMode]}, got {autoreset_mode!r}"
+                ) from None
+        batch = _validate.optional_positive_int("batch_size", batch_size)
+        if batch is not None and batch > num:
+            raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
+        sources = env_sources(env, num)
+        self.autoreset_mode = mode
+        self.num_envs = num
+        self._hosted = HostedEnvs(
+            sources,
+            n_processes=n_processes,
+            step_timeout=step_timeout,
+            max_restarts=max_restarts,
+            autoreset=mode.value,
+            group_size=None if batch is None else math.gcd(num, batch),
+            host_threads=host_threads,
+        )
+        self.batch_size = num if batch is None else batch
+        self._finalizer = weakref.finalize(self, finalize, self._hosted)
+        hosted = self._hosted
+        self.metadata = dict(hosted.metadata)
+        self.metadata["autoreset_mode"] = mode
+        self.render_mode = hosted.render_mode
+        self.single_observation_space = hosted.single_observation_space
+        self.single_action_space = hosted.single_action_space
+        self.observation_space = batch_space(self.single_observation_space, num)
+        self.action_space = batch_space(self.single_action_space, num)
+        self._initial_seed = None if seed is None else int(seed)
+        # DISABLED: sub-envs whose episode ended and that the caller has not reset yet.
+        self._ended = np.zeros(num, dtype=np.bool_)
+        # NEXT_STEP: sub-envs reset by a host restart, whose next step is their autoreset step
+        # (they are not stepped; their reset info shows then).
+        self._fresh = np.zeros(num, dtype=np.bool_)
+        self._fresh_infos: dict[int, dict[str, Any]] = {}
+        # The call sent by step_async, reset_async or call_async, and what it was.
+        self._pending: asyncio.Task[Any] | None = None
+        self._pending_kind = ""
+        self._pending_args: Any = None
+        # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
+        self._inflight: dict[int, asyncio.Future[StepResult]] = {}
+        self._answered: list[int] = []
+        if isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1:
+            try:
+                self._check_spaces()
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
+        """The ``np_random_seed`` of every sub-env."""
+        return self.get_attr("np_random_seed")
+
+    @property  # type: ignore[misc]
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
+        """The ``np_random`` generator of every sub-env (copies from their hosts)."""
+        return self.get_attr("np_random")
+
+    # -- reset ------------------------------------------------------------------------------
+
+    def reset(
+        self,
+        *,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Reset the sub-envs (all, or those in ``options["reset_mask"]``).
+
+        Args:
+            seed: ``None``, an int (sub-env ``i`` gets ``seed + i``) or one seed per sub-env.
+            options: passed to every reset sub-env; ``"reset_mask"`` (a bool array of shape
+                ``(num_envs,)``) selects the sub-envs to reset and is not passed on.
+        """
+        hosted = self._hosted
+        hosted.check_open()
+        self._drain()
+        mask, seeds, options = self._reset_args(seed, options)
+        return self._reset_done(mask, hosted.portal.call(hosted.reset, mask, seeds, options))
+
+    def reset_async(
+        self,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Send the reset (see :meth:`reset`); :meth:`reset_wait` returns its results."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("reset_async")
+        mask, seeds, options = self._reset_args(seed, options)
+        self._pending = hosted.portal.start(hosted.reset, mask, seeds, options)
+        self._pending_kind, self._pending_args = "reset", mask
+
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
+        """The results of the reset sent by :meth:`reset_async`.
+
+        Raises:
+            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the reset is still
+                pending: wait again).
+        """
+        infos = self._wait("reset", timeout)
+        return self._reset_done(self._pending_args, infos)
+
+    def _reset_args(
+        self, seed: Any, options: Any
+    ) -> tuple[np.ndarray, list[int | None], dict[str, Any] | None]:
+        """Check :meth:`reset`'s arguments; the mask of sub-envs, their seeds, the options."""
+        n = self.num_envs
+        if seed is None and self._initial_seed is not None:
+            seed = self._initial_seed
+        self._initial_seed = None
+        if seed is None:
+            seeds: list[int | None] = [None] * n
+        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            seeds = [int(seed) + i for i in range(n)]
+        elif isinstance(seed, (list, tuple)):
+            if len(seed) != n:
+                raise ValueError(
+                    f"seed: a list of seeds must have num_envs={n} entries, got {len(seed)}"
+                )
+            seeds = list(seed)
+        else:
+            raise TypeError(f"seed must be None, an int or a list of ints, got {seed!r}")
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"options must be a dict or None, got {type(options).__name__}")
+        mask = np.ones(n, dtype=np.bool_)
+        if options is not None and "reset_mask" in options:
+            # gymnasium's checks and messages, word for word.
+            options = dict(options)
+            mask = options.pop("reset_mask")
+            if not isinstance(mask, np.ndarray):
+                raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+            if mask.shape != (n,):
+                raise ValueError(
+                    f"`options['reset_mask']` must have shape `({n},)`, got {mask.shape}"
+                )
+            if mask.dtype != np.bool_:
+                raise TypeError(
+                    f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}"
+                )
+            if not mask.any():
+                raise ValueError(
+                    "`options['reset_mask']` must contain a boolean array with at least one "
+                    f"True value, got reset_mask={mask}"
+                )
+        return mask, seeds, options
+
+    def _reset_done(
+        self, mask: np.ndarray, reset_infos: dict[int, dict[str, Any]]
+    ) -> tuple[Any, dict[str, Any]]:
+        self._last_reset = reset_infos
+        self._ended[mask] = False
+        self._fresh[mask] = False
+        infos: dict[str, Any] = {}
+        for i in np.flatnonzero(mask).tolist():
+            self._fresh_infos.pop(i, None)
+            infos = self._add_info(infos, reset_infos.get(i, {}), i)
+        return self._hosted.read_obs(), infos
+
+    def _check_not_pending(self, what: str) -> None:
+        if self._pending is not None:
+            raise _AlreadyPending(
+                f"Calling `{what}` while waiting for a pending call to `{self._pending_kind}` "
+                "to complete (step_async was called twice without step_wait in between, or "
+                "another call is pending)",
+                str(self._pending_kind),
+            )
+
+    def _wait(self, kind: str, timeout: float | None) -> Any:
+        """The outcome of the pending ``kind`` call (see :meth:`step_wait`)."""
+        hosted = self._hosted
+        hosted.check_open()
+        task = self._pending
+        if task is None or self._pending_kind != kind:
+            raise _NoAsyncCall(
+                f"Calling `{kind}_wait` without any prior call to `{kind}_async`.", kind
+            )
+        try:
+            result = hosted.portal.wait(task, timeout)
+        except TimeoutError:
+            raise _timed_out(f"{kind}_wait", timeout) from None
+        finally:
+            if task.done():
+                self._pending = None
+        return result
+
+    def _check_spaces(self) -> None:
+        """Every sub-env's spaces are the first one's (``AsyncVectorEnv``'s check and words)."""
+        obs = self.call("observation_space")
+        act = self.call("action_space")
+        if any(space != self.single_observation_space for space in obs):
+            raise RuntimeError(
+                "VectorEnv(..., observation_mode='same') however some of the sub-environments "
+                "observation spaces are not equivalent. If this is intentional, use "
+                "`observation_mode='different'` instead (with gymnasium's AsyncVectorEnv: "
+                "asyncsample's VectorEnv batches identical spaces only)."
+            )
+        if any(space != self.single_action_space for space in act):
+            raise RuntimeError(
+                f"Some environments have an action space different from "
+                f"`{self.single_action_space}`. In order to batch actions, the action spaces "
+                "from all environments must be equal."
+            )
+
+    # -- step -------------------------------------------------------------------------------
+
+    def step(self, actions: Any) -> _Step:
+        """Step every sub-env with its action (see the module doc for the autoreset modes)."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("step")
+        mask = self._send(actions)
+        return self._finish(hosted.portal.call(hosted.step, mask), mask)
+
+    def step_async(self, actions: Any) -> None:
+        """Send the actions; the hosts step while the caller does something else."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("step_async")
+        mask = self._send(actions)
+        self._pending = hosted.portal.start(hosted.step, mask)
+        self._pending_kind, self._pending_args = "step", mask
+
+    def step_wait(self, timeout: float | None = None) -> _Step:
+        """Wait for the step sent by :meth:`step_async` and return its results.
+
+        Raises:
+            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the step is still
+                pending: wait again).
+        """
+        res = self._wait("step", timeout)
+        return self._finish(res, self._pending_args)
+
+    def _send(self, actions: Any) -> np.ndarray | None:
+        """Check the state and write the actions; the step mask (``None``: every sub-env)."""
+        if self.autoreset_mode == AutoresetMode.DISABLED and self._ended.any():
+            done = np.flatnonzero(self._ended).tolist()
+            raise RuntimeError(
+                f"sub-envs {done} ended their episodes and autoreset_mode is DISABLED: reset them "
+                "with reset(options={'reset_mask': mask}) before stepping"
+            )
+        self._hosted.write_actions(actions)
+        return ~self._fresh if self._fresh.any() else None
+
+    def _finish(self, res: StepResult, mask: np.ndarray | None) -> _Step:
+        mode = self.autoreset_mode
+        if res.quiet and mask is None:
+            # The common step: no info anywhere. What _infos does then, on whole arrays.
+            if mode == AutoresetMode.DISABLED:
+                np.logical_or(res.terminated, res.truncated, out=self._ended)
+            elif mode == AutoresetMode.SAME_STEP and (res.terminated.any() or res.truncated.any()):
+                pass
+            else:
+                return res.obs, res.rewards, res.terminated, res.truncated, {}
+        infos = self._infos(res, list(range(self.num_envs)), self)
+        return res.obs, res.rewards, res.terminated, res.truncated, infos
+
+    def _infos(self, res: StepResult, ids: list[int], batch: Any) -> dict[str, Any]:
+        """The vector info of sub-envs ``ids`` (row ``k`` of ``batch`` is ``ids[k]``); updates
+        the autoreset state of those sub-envs."""
+        hosted = self._hosted
+        mode = self.autoreset_mode
+        infos: dict[str, Any] = {}
+        where = np.asarray(ids, dtype=np.int64)
+        done = res.terminated[where] | res.truncated[where]
+        for k, i in enumerate(ids):
+            reset_info = res.reset_infos.get(i, {})
+            if i in res.restarted:
+                if mode == AutoresetMode.SAME_STEP:
+                    final = {"final_obs": hosted.obs_row(i), "final_info": {}}
+                    infos = batch._add_info(infos, final, k)
+                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
+                    infos = batch._add_info(infos, reset_info, k)
+                else:
+                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
+            elif self._fresh[i]:
+                infos = batch._add_info(infos, self._fresh_infos.pop(i, {}), k)
+            elif mode == AutoresetMode.SAME_STEP and done[k]:
+                final = {"final_obs": hosted.obs_row(i, final=True), "final_info": res.info(i)}
+                infos = batch._add_info(infos, final, k)
+                infos = batch._add_info(infos, reset_info, k)
+            else:
+                # NEXT_STEP: a sub-env its host reset in this step was not stepped.
+                infos = batch._add_info(infos, res.info(i), k)
+                infos = batch._add_info(infos, reset_info, k)
+        self._fresh[where] = False
+        if mode == AutoresetMode.DISABLED:
+            self._ended[where] = done
+        for i in ids:
+            if i in res.restarted:
+                if mode == AutoresetMode.NEXT_STEP:
+                    self._fresh[i] = True
+                    self._fresh_infos[i] = res.reset_infos.get(i, {})
+                elif mode == AutoresetMode.DISABLED:
+                    self._ended[i] = True
+        return infos
+
+    def _drain(self) -> None:
+        """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
+        task, self._pending = self._pending, None
+        hosted = self._hosted
+        if task is not None:
+            with contextlib.suppress(Exception):
+                hosted.portal.wait(task)
+            if self._pending_kind == "step":
+                with contextlib.suppress(Exception):
+                    self._finish(task.result(), self._pending_args)  # keep the state in step
+        waiting = list(self._inflight.values())
+        if waiting:
+            with contextlib.suppress(Exception):
+                hosted.portal.call(asyncio.wait, waiting)
+        self._inflight.clear()
+        self._answered.clear()
+
+    # -- EnvPool-style asynchronous stepping --------------------------------------------------
+
+    def async_reset(
+        self,
+        *,
+        seed: int | Sequence[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        """Reset every sub-env; :meth:`recv` returns their first observations, a batch at a time."""
+        self.reset(seed=seed, options=options)
+        n = self.num_envs
+        zeros = np.zeros(n, dtype=np.bool_)
+        res = StepResult(None, np.zeros(n), zeros, zeros.copy(), None, self._last_reset, {})
+        loop = self._hosted.portal.loop
+        for h in range(len(self._hosted.slices)):
+            fut: asyncio.Future[StepResult] = loop.create_future()
+            fut.set_result(res)
+            self._inflight[h] = fut
+            self._answered.append(h)
+
+    def send(self, actions: Any, env_ids: Any) -> None:
+        """Send actions to the sub-envs ``env_ids`` (those of an earlier :meth:`recv`).
+
+        ``actions[k]`` goes to sub-env ``env_ids[k]``. The hosts of these sub-envs start at once;
+        :meth:`recv` returns whichever ``batch_size`` sub-envs are answered first.
+        """
+        hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("send")
+        if self.autoreset_mode == AutoresetMode.DISABLED:
+            raise ValueError("send/recv needs autoreset_mode NextStep or SameStep, not Disabled")
+        ids = np.asarray(env_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= self.num_envs:
+            raise ValueError(f"env_ids must be sub-env indices in [0, {self.num_envs}), got {ids}")
+        hosts = sorted({int(hosted.host_of[i]) for i in ids})
+        covered = sorted(ids.tolist())
+        expected = [i for h in hosts for i in range(*hosted.slices[h])]
+        if covered != expected:
+            raise ValueError(
+                "env_ids must be the sub-envs of one or more earlier recv() batches (sub-envs are "
+                f"sent a host at a time: groups {[hosted.slices[h] for h in hosts]}), got {ids}"
+            )
+        if any(h in self._inflight for h in hosts):
+            raise ValueError(
+                f"env_ids include sub-envs whose last step was not received yet: {ids}"
+            )
+        # Rows of ``actions`` follow ``env_ids``; put them in sub-env order for the buffers.
+        order = np.argsort(ids, kind="stable")
+        full = tree_map(lambda leaf: _scatter(leaf, ids, order, self.num_envs), actions)
+        hosted.write_actions(full, hosts)
+        mask = ~self._fresh if self._fresh.any() else None
+        hosted.portal.call(self._launch, hosts, mask)
+
+    async def _launch(self, hosts: list[int], mask: np.ndarray | None) -> None:
+        """Start one step task per host in ``hosts``; their requests go out before returning."""
+        for h in hosts:
+            task = asyncio.get_running_loop().create_task(self._hosted.step(mask, [h]))
+            task.add_done_callback(functools.partial(self._on_answer, h))
+            self._inflight[h] = task
+        await asyncio.sleep(0)
+
+    def _on_answer(self, h: int, task: asyncio.Future[StepResult]) -> None:
+        if self._inflight.get(h) is task:
+            self._answered.append(h)
+
+    def recv(self) -> _Step:
+        """The first ``batch_size`` sub-envs answered, with ``info["env_id"]`` naming them.
+
+        Same layout as :meth:`step` for those sub-envs only (row ``k`` is sub-env
+        ``info["env_id"][k]``), same autoreset mode.
+        """
+        hosted = self._hosted
+        hosted.check_open()
+
+        def size(h: int) -> int:
+            return int(hosted.slices[h][1] - hosted.slices[h][0])
+
+        if sum(size(h) for h in self._answered) < self.batch_size:
+            if sum(size(h) for h in self._inflight) < self.batch_size:
+                raise RuntimeError(
+                    f"recv() needs at least batch_size={self.batch_size} sub-envs sent "
+                    "(call async_reset() first, then send() what recv() returned)"
+                )
+            waiting = [t for h, t in self._inflight.items() if h not in self._answered]
+
+            async def enough() -> None:
+                pending = set(waiting)
+                while sum(size(h) for h in self._answered) < self.batch_size and pending:
+                    _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+
+            hosted.portal.call(enough)
+        chosen: list[int] = []
+        count = 0
+        while count < self.batch_size:
+            h = self._answered.pop(0)
+            chosen.append(h)
+            count += size(h)
+        results = [self._inflight.pop(h) for h in chosen]
+        for fut in results:
+            error = fut.exception()
+            if error is not None:
+                raise error
+        ids = [i for h in chosen for i in range(*hosted.slices[h])]
+        where = np.asarray(ids, dtype=np.int64)
+        merged = results[0].result()
+        for h, fut in zip(chosen, results):
+            res = fut.result()
+            if res is not merged:
+                a, b = hosted.slices[h]
+                _merge_rows(merged, res, a, b)
+        infos = self._infos(merged, ids, _InfoBatch(len(ids)))
+        infos["env_id"] = where.copy()
+        return (
+            hosted.read_obs(chosen),
+            merged.rewards[where],
+            merged.terminated[where],
+            merged.truncated[where],
+            infos,
+        )
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Call ``name`` on every sub-env (or read it, if it is not callable)."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._drain()
+        return tuple(hosted.portal.call(hosted.call, name, args, kwargs, range(self.num_envs)))
+
+    def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Send :meth:`call`; :meth:`call_wait` returns its results."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._check_not_pending("call_async")
+        self._pending = hosted.portal.start(hosted.call, name, args, kwargs, range(self.num_envs))
+        self._pending_kind = "call"
+
+    def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
+        """The results of the call sent by :meth:`call_async`, one per sub-env.
+
+        Raises:
+            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the call is still
+                pending: wait again).
+        """
+        return tuple(self._wait("call", timeout))
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """The attribute ``name`` of every sub-env (called if it is a method, as gymnasium does)."""
+        return self.call(name)
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | object) -> None:
+        """Set ``name`` on every sub-env: one value for all, or a list with one per sub-env."""
+        hosted = self._hosted
+        hosted.check_open()
+        self._drain()
+        if not isinstance(values, (list, tuple)):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise ValueError(
+                f"values: a list must have num_envs={self.num_envs} entries, got {len(values)}"
+            )
+        hosted.portal.call(hosted.set_attr, name, list(values), range(self.num_envs))
+
+    def render(self) -> tuple[Any, ...]:
+        """The frames rendered by every sub-env."""
+        return self.call("render")
+
+    def close_extras(self, **kwargs: Any) -> None:
+        """Stop the env hosts and release their processes and shared memory.
+
+        ``kwargs`` (``AsyncVectorEnv``'s ``timeout``, ``terminate``) change nothing: hosts that
+        do not exit when asked are killed.
+        """
+        if self._pending is not None:
+            warnings.warn(  # AsyncVectorEnv's warning, word for word
+                f"Calling `close` while waiting for a pending call to `{self._pending_kind}` to "
+                "complete.",
+                UserWarning,
+                stacklevel=3,
+            )
+        self._pending = None
+        self._finalizer.detach()
+        self._hosted.close()
+
+    def __repr__(self) -> str:
+        spec = self._hosted.spec
+        what = f"{spec.id}, " if spec is not None else ""
+        return (
+            f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, n_processes={self.n_processes})"
+        )

@@ -1,0 +1,687 @@
+"""Sub-envs on the sampler's env hosts, as both vector-env faces use them.
+
+:class:`HostedEnvs` is not an engine of its own: it places ``num_envs`` sub-envs on hosts of a
+backend (each host is one slot of the backend's pool, a "worker" in the sampler's words: the
+backend's placement puts slot ``h`` on process ``h % n_processes``), and drives them through the
+public :class:`~asyncsample.backends.base.EnvHost` protocol, the same ``build``, ``reset``,
+``step``, ``call``, ``set_attr`` and ``restart`` the sampler's workers use. The hosts run the
+same :class:`~asyncsample.env_group.EnvGroup` as for the sampler, in the face's autoreset mode
+(an option of the group, :attr:`HostSpec.autoreset <asyncsample.backends.base.HostSpec>`), so
+nothing here fakes a reset: in ``"NextStep"`` mode the host itself resets an ended sub-env at its
+next step, and in ``"SameStep"`` mode the true last observation comes back in the step buffers'
+own ``final_obs`` rows.
+
+What is the faces' own: the lockstep round over all hosts (one ``step`` request per host, all in
+flight at once), the restart budget per host over the env's life (``max_restarts``), and the
+translation of a host's :class:`~asyncsample.WorkerError` into one that names the sub-env
+(:class:`SubEnvError`). Everything is a coroutine on the face's
+:class:`~asyncsample.vector.portal.BlockingPortal`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.error import ClosedEnvironmentError
+from gymnasium.vector.utils import batch_space
+
+from asyncsample._tree import Tree, tree_map
+from asyncsample.backends import make_backend, pool_size
+from asyncsample.backends.base import EnvHost, HostSpec
+from asyncsample.env_group import StepInfos
+from asyncsample.env_update import EnvId, make_env
+from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
+from asyncsample.vector.portal import BlockingPortal
+
+__all__ = [
+    "ClosedError",
+    "HostedEnvs",
+    "HostedFace",
+    "StepResult",
+    "SubEnvAttributeError",
+    "SubEnvError",
+    "env_sources",
+    "finalize",
+]
+
+_T = TypeVar("_T")
+
+
+class SubEnvError(WorkerError):
+    """A sub-env of a :class:`~asyncsample.VectorEnv` (or of the SB3 face) raised.
+
+    Attributes:
+        sub_env: index of the sub-env in the vector env.
+        worker: index of the env host that held it; ``env``: the same as ``sub_env``.
+        remote_traceback: the traceback text from the env-host process.
+    """
+
+    def __init__(
+        self, message: str, *, sub_env: int, host: int, remote_traceback: str | None = None
+    ) -> None:
+        text = f"sub-env {sub_env} (env host {host}): {message}"
+        if remote_traceback:
+            text += f"\n\nRemote traceback:\n{remote_traceback.rstrip()}"
+        AsyncSampleError.__init__(self, text)
+        self.sub_env = sub_env
+        self.worker = host
+        self.env = sub_env
+        self.remote_traceback = remote_traceback
+        self.retry = True
+
+
+class SubEnvAttributeError(SubEnvError, AttributeError):
+    """A sub-env has no such attribute (also an ``AttributeError``, as SB3's ``has_attr`` and
+    gymnasium expect)."""
+
+
+class ClosedError(ClosedEnvironmentError, RuntimeError):
+    """A call on a closed vector env: gymnasium's ``ClosedEnvironmentError``, also a
+    ``RuntimeError`` (what SB3 code and earlier versions of the faces raised)."""
+
+
+@dataclass
+class StepResult:
+    """What one lockstep round returned, per sub-env (the faces format it).
+
+    Attributes:
+        obs: every sub-env's current observation (``None`` for a round of some hosts only).
+        rewards, terminated, truncated: one entry per sub-env (zero for sub-envs not stepped).
+        env_infos: the step info of each sub-env, or ``None`` when every one was empty.
+        reset_infos: the non-empty infos of the resets the round did, by sub-env: the hosts'
+            autoresets, and the resets of the sub-envs of a restarted host.
+        restarted: sub-envs whose host was restarted during the round, with the reason.
+    """
+
+    obs: Tree | None
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    env_infos: list[dict[str, Any]] | None
+    reset_infos: dict[int, dict[str, Any]]
+    restarted: dict[int, str]
+
+    def info(self, i: int) -> dict[str, Any]:
+        """The step info of sub-env ``i``."""
+        return {} if self.env_infos is None else self.env_infos[i]
+
+    @property
+    def quiet(self) -> bool:
+        """No info, no reset and no restart anywhere (the common step)."""
+        return self.env_infos is None and not self.reset_infos and not self.restarted
+
+
+def env_sources(env: Any, num_envs: int) -> list[Any]:
+    """The source of every sub-env: ``env`` is an id, a factory or a list of ``num_envs``."""
+    if isinstance(env, (list, tuple)):
+        if len(env) != num_envs:
+            raise ValueError(
+                f"env: a list of factories must have num_envs={num_envs} entries, got {len(env)}"
+            )
+        sources = list(env)
+    else:
+        sources = [env] * num_envs
+    out: list[Any] = []
+    for i, source in enumerate(sources):
+        if isinstance(source, str):
+            out.append(EnvId(source))
+        elif callable(source) and not isinstance(source, gym.Env):
+            out.append(source)
+        else:
+            what = f"env[{i}]" if isinstance(env, (list, tuple)) else "env"
+            raise TypeError(
+                f"{what} must be a gymnasium id (str) or a zero-argument callable returning a "
+                f"gymnasium.Env, got {type(source).__name__}"
+            )
+    return out
+
+
+def _crash_like(exc: BaseException) -> bool:
+    return isinstance(exc, (WorkerCrashedError, StepTimeoutError))
+
+
+def _with_text(exc: WorkerError, text: str) -> WorkerError:
+    """A copy of ``exc`` (same class and fields) with a message that names sub-envs."""
+    err = type(exc).__new__(type(exc))
+    Exception.__init__(err, text)
+    err.__dict__.update(exc.__dict__)
+    return err
+
+
+def _raise(err: BaseException, original: BaseException) -> NoReturn:
+    """Raise ``err``, chained to the env's own exception when there is one."""
+    raise err from (err.__cause__ if err.__cause__ is not None else original)
+
+
+class HostedEnvs:
+    """``num_envs`` sub-envs on the hosts of a backend, driven in lockstep (see the module doc).
+
+    Args:
+        sources: one env source per sub-env (see :func:`env_sources`), or already wrapped by
+            the face.
+        n_processes: env-host processes (default: the CPU count, at most ``num_envs``).
+        step_timeout: seconds a host may spend on one request before it is killed.
+        max_restarts: how often each host may be rebuilt over the env's life.
+        autoreset: the hosts' autoreset mode (see :data:`~asyncsample.env_group.AUTORESET_MODES`).
+        group_size: sub-envs per host (default: ``num_envs / n_processes``, rounded); EnvPool-style
+            stepping asks for smaller hosts, several to a process.
+        backend: the backend's name.
+        host_threads: intra-op threads of the numeric libraries in each env-host process
+            (``None``: the libraries' defaults).
+    """
+
+    def __init__(
+        self,
+        sources: list[Any],
+        *,
+        n_processes: int | None,
+        step_timeout: float | None,
+        max_restarts: int,
+        autoreset: str,
+        group_size: int | None = None,
+        backend: str = "process",
+        host_threads: int | None = 1,
+    ) -> None:
+        self.num_envs = len(sources)
+        probe = make_env(sources[0])
+        try:
+            self.single_observation_space: gym.Space[Any] = probe.observation_space
+            self.single_action_space: gym.Space[Any] = probe.action_space
+            self.metadata: dict[str, Any] = dict(probe.metadata)
+            self.render_mode: str | None = probe.render_mode
+            self.spec = probe.spec
+        finally:
+            probe.close()
+        self.autoreset = autoreset
+        self.max_restarts = max_restarts
+        self.restarts: list[int] = []
+        self.closed = False
+        self._chains = [[s] for s in sources]
+        n_procs = pool_size(n_processes, self.num_envs)
+        n_hosts = n_procs if group_size is None else self.num_envs // group_size
+        self.n_procs = min(n_procs, n_hosts)
+        bounds = np.linspace(0, self.num_envs, n_hosts + 1).round().astype(int).tolist()
+        self.slices = [(bounds[h], bounds[h + 1]) for h in range(n_hosts)]
+        self.host_of = np.repeat(np.arange(n_hosts), [b - a for a, b in self.slices])
+        # Every sub-env of a host (read-only): the step mask of the common lockstep step.
+        self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
+        self.portal = BlockingPortal()
+        options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
+        if backend == "process":
+            options["step_timeout"] = step_timeout
+        self.backend = make_backend(backend, **options)
+        self.hosts: list[EnvHost] = []
+        self.broken: set[int] = set()
+        try:
+            self.portal.call(self._start)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        specs = [
+            HostSpec(
+                h,
+                b - a,
+                self.single_observation_space,
+                self.single_action_space,
+                None,
+                autoreset=self.autoreset,
+            )
+            for h, (a, b) in enumerate(self.slices)
+        ]
+        self.hosts = await self.backend.start(specs)
+        self.restarts = [0] * len(self.hosts)
+        await asyncio.gather(*(self._build(h) for h in range(len(self.hosts))))
+
+    def _host_chains(self, h: int) -> tuple[list[list[Any]], list[Any]]:
+        a, b = self.slices[h]
+        return self._chains[a:b], [None] * (b - a)
+
+    async def _build(self, h: int) -> None:
+        chains, seeds = self._host_chains(h)
+        try:
+            await self.hosts[h].build(chains, seeds)
+        except WorkerError as exc:
+            _raise(self.translate(h, exc), exc)
+
+    async def _restart(self, h: int) -> None:
+        chains, seeds = self._host_chains(h)
+        await self.hosts[h].restart(chains, seeds)
+        self.broken.discard(h)
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live env-host processes (empty for a backend without processes)."""
+        return list(getattr(self.backend, "pids", []))
+
+    def close(self) -> None:
+        """Stop every host (idempotent); nothing is left behind."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self.portal.loop.is_closed() and not self.portal.loop.is_running():
+                self.portal.call(self.backend.aclose)
+        finally:
+            with contextlib.suppress(Exception):
+                self.backend.close_now()  # whatever the graceful path could not do
+            self.portal.close()
+
+    def close_now(self) -> None:
+        """Kill every host at once and release everything, without the event loop."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.backend.close_now()
+        finally:
+            self.portal.close_now()
+
+    def check_open(self, face: str = "VectorEnv") -> None:
+        """Raise :class:`ClosedError` after :meth:`close`."""
+        if self.closed:
+            raise ClosedError(
+                f"Trying to operate on `{face}`, after a call to `close()`: the vector env is "
+                "closed"
+            )
+
+    # -- errors -----------------------------------------------------------------------------
+
+    def translate(self, h: int, exc: WorkerError) -> WorkerError:
+        """``exc`` from host ``h``, naming the sub-env (or the host's sub-envs) it concerns."""
+        a, b = self.slices[h]
+        cause = exc.__cause__
+        if _crash_like(exc):
+            restarts = self.restarts[h] if self.restarts else 0
+            text = (
+                f"sub-envs {a}..{b - 1} (env host {h}): {exc.args[0] if exc.args else exc}"
+                f" (restarted {restarts} of max_restarts={self.max_restarts} times)"
+            )
+            return _with_text(exc, text)
+        if exc.env is not None:
+            message = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+            kind = SubEnvAttributeError if isinstance(cause, AttributeError) else SubEnvError
+            err = kind(message, sub_env=a + exc.env, host=h, remote_traceback=exc.remote_traceback)
+            err.retry = exc.retry
+            err.__cause__ = cause
+            return err
+        return _with_text(exc, f"sub-envs {a}..{b - 1} (env host {h}): {exc}")
+
+    def _fail(self, h: int, exc: BaseException) -> NoReturn:
+        """Raise a host's failure, translated; a crashed host stays broken until a reset."""
+        if isinstance(exc, WorkerError):
+            if _crash_like(exc):
+                self.broken.add(h)
+            _raise(self.translate(h, exc), exc)
+        raise exc
+
+    async def _recover(self, h: int, exc: BaseException) -> dict[int, dict[str, Any]]:
+        """Restart a crashed host within budget; the reset infos of its new episodes."""
+        if not isinstance(exc, WorkerError):
+            raise exc
+        if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
+            self.broken.add(h)
+            _raise(self.translate(h, exc), exc)
+        self.restarts[h] += 1
+        try:
+            await self._restart(h)
+            infos = await self.hosts[h].reset(np.ones_like(self._whole[h]))
+        except WorkerError as again:
+            self.broken.add(h)
+            _raise(self.translate(h, again), again)
+        return infos
+
+    # -- observations and actions -----------------------------------------------------------
+
+    def read_obs(self, hosts: Sequence[int] | None = None) -> Tree:
+        """A fresh batch of the current observations of the sub-envs of ``hosts`` (all)."""
+        parts = (
+            [h.buffers.obs for h in self.hosts]
+            if hosts is None
+            else [self.hosts[h].buffers.obs for h in hosts]
+        )
+        if type(parts[0]) is np.ndarray:
+            return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
+        if len(parts) == 1:
+            return tree_map(np.copy, parts[0])
+        return tree_map(lambda *xs: np.concatenate(xs, axis=0), *parts)
+
+    def obs_row(self, i: int, final: bool = False) -> Any:
+        """Sub-env ``i``'s current observation, or (``final``) the last one of its episode."""
+        h = int(self.host_of[i])
+        buf = self.hosts[h].buffers
+        k = i - self.slices[h][0]
+        return tree_map(lambda leaf: leaf[k].copy(), buf.final_obs if final else buf.obs)
+
+    def write_actions(self, actions: Any, hosts: Sequence[int] | None = None) -> None:
+        """Write a batch of ``num_envs`` actions into the hosts' buffers (of ``hosts``: all)."""
+        n = self.num_envs
+        targets = range(len(self.hosts)) if hosts is None else hosts
+        first = self.hosts[0].buffers.actions
+        if type(actions) is np.ndarray and isinstance(first, np.ndarray):
+            # The common case (Box, Discrete, Multi* action spaces): one slice copy per host.
+            if actions.ndim == 0:
+                raise TypeError(
+                    f"actions must be a batch of num_envs={n} actions for the action space "
+                    f"{self.single_action_space}, got a single value {actions!r}"
+                )
+            if actions.shape[0] != n:
+                raise ValueError(
+                    f"actions must be a batch of num_envs={n} actions (leading axis {n}) for "
+                    f"the action space {self.single_action_space}, got shape {actions.shape}"
+                )
+            if actions.dtype != first.dtype:
+                self._check_cast(actions, first.dtype)
+            try:
+                for h in targets:
+                    a, b = self.slices[h]
+                    self.hosts[h].buffers.actions[...] = actions[a:b]
+            except ValueError as exc:
+                raise ValueError(
+                    f"actions do not fit the batched action space "
+                    f"{batch_space(self.single_action_space, n)}: {exc}"
+                ) from exc
+            return
+
+        def check(leaf: Any) -> np.ndarray:
+            arr = np.asarray(leaf)
+            if arr.ndim == 0 or arr.shape[0] != n:
+                raise ValueError(
+                    f"actions must be a batch of num_envs={n} actions (leading axis {n}) for "
+                    f"the action space {self.single_action_space}, got shape {arr.shape}"
+                )
+            return arr
+
+        if not isinstance(actions, (dict, tuple)) and np.ndim(actions) == 0:
+            raise TypeError(
+                f"actions must be a batch of num_envs={n} actions for the action space "
+                f"{self.single_action_space}, got a single value {actions!r}"
+            )
+        try:
+            batch = tree_map(check, actions)
+            for h in targets:
+                a, b = self.slices[h]
+
+                def put(dst: np.ndarray, src: Any, a: int = a, b: int = b) -> None:
+                    dst[...] = src[a:b]
+
+                tree_map(put, self.hosts[h].buffers.actions, batch)
+        except (KeyError, IndexError, TypeError) as exc:
+            raise ValueError(
+                f"actions do not fit the batched action space "
+                f"{batch_space(self.single_action_space, n)}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _check_cast(self, actions: np.ndarray, dtype: np.dtype[Any]) -> None:
+        """Refuse actions the buffers' dtype would change: floats for an integer space (a cast
+        would hide a policy bug that the env itself would refuse) and finite floats that
+        overflow a narrower float type."""
+        space = self.single_action_space
+        if not np.can_cast(actions.dtype, dtype, casting="same_kind"):
+            raise ValueError(
+                f"actions of dtype {actions.dtype} do not fit the action space {space} "
+                f"(dtype {dtype}): a cast would change them silently, got {actions!r}"
+            )
+        if (
+            actions.dtype.kind == "f"
+            and dtype.kind == "f"
+            and dtype.itemsize < actions.dtype.itemsize
+        ):
+            limit = np.finfo(dtype).max
+            finite = np.isfinite(actions)
+            if (np.abs(actions[finite]) > limit).any():
+                raise ValueError(
+                    f"actions overflow the dtype {dtype} of the action space {space}: values "
+                    f"beyond +-{limit} would become infinite, got {actions!r}"
+                )
+
+    # -- lockstep rounds --------------------------------------------------------------------
+
+    async def step(
+        self, mask: np.ndarray | None = None, hosts: Sequence[int] | None = None
+    ) -> StepResult:
+        """Step the sub-envs in ``mask`` (default: all) of ``hosts`` (default: all).
+
+        One ``step`` request per host, all in flight together. A host that died or timed out is
+        restarted within budget: its sub-envs come back in ``restarted``, with the new episodes'
+        first observations in the buffers. With ``hosts``, the result's ``obs`` is ``None``
+        (other hosts may be writing theirs): read the rows with :meth:`read_obs`.
+        """
+        targets = range(len(self.hosts)) if hosts is None else hosts
+        for h in targets:
+            if h in self.broken:
+                a, b = self.slices[h]
+                raise RuntimeError(
+                    f"sub-envs {a}..{b - 1} (env host {h}) failed earlier and were not "
+                    "rebuilt: call reset() before stepping again"
+                )
+        stepped: list[tuple[int, np.ndarray]] = []
+        for h in targets:
+            if mask is None:
+                stepped.append((h, self._whole[h]))
+            else:
+                a, b = self.slices[h]
+                local = mask[a:b]
+                if local.any():
+                    stepped.append((h, local.copy()))
+        if not stepped:
+            return await self._merge([], [], whole=hosts is None)
+        # The other hosts' requests go out as tasks; the first host's is awaited right here
+        # (no task), and the tasks one after the other: cheaper than gather, which adds a
+        # task per host and a callback per answer to the loop's work of every step.
+        loop = asyncio.get_running_loop()
+        hosts_ = self.hosts
+        others = [loop.create_task(hosts_[h].step(local)) for h, local in stepped[1:]]
+        outcomes: list[StepInfos | BaseException] = []
+        try:
+            h, local = stepped[0]
+            try:
+                outcomes.append(await hosts_[h].step(local))
+            except Exception as exc:
+                outcomes.append(exc)
+            for task in others:
+                try:
+                    outcomes.append(await task)
+                except Exception as exc:
+                    outcomes.append(exc)
+        finally:
+            for task in others:
+                task.cancel()  # only those still running: this step was cancelled
+        if (
+            mask is None
+            and hosts is None
+            and all(
+                type(o) is StepInfos and o.env_infos is None and not o.reset_infos for o in outcomes
+            )
+        ):
+            # The common step: every sub-env stepped, no info, no reset, no failure.
+            bufs = [host.buffers for host in self.hosts]
+            return StepResult(
+                self.read_obs(),
+                np.concatenate([b.rewards for b in bufs]),
+                np.concatenate([b.terminated for b in bufs]),
+                np.concatenate([b.truncated for b in bufs]),
+                None,
+                {},
+                {},
+            )
+        return await self._merge(stepped, outcomes, whole=hosts is None)
+
+    async def _merge(
+        self,
+        stepped: list[tuple[int, np.ndarray]],
+        outcomes: Sequence[StepInfos | BaseException],
+        whole: bool,
+    ) -> StepResult:
+        """The hosts' answers (restarting crashed hosts) as one result, in sub-env order."""
+        n = self.num_envs
+        res = StepResult(
+            None,
+            np.zeros(n, dtype=np.float64),
+            np.zeros(n, dtype=np.bool_),
+            np.zeros(n, dtype=np.bool_),
+            None,
+            {},
+            {},
+        )
+        failure: BaseException | None = None
+        for (h, local), outcome in zip(stepped, outcomes):
+            a, b = self.slices[h]
+            if isinstance(outcome, BaseException):
+                try:
+                    fresh = await self._recover(h, outcome)
+                except BaseException as exc:
+                    failure = failure or exc
+                    continue
+                reason = str(outcome.args[0] if outcome.args else outcome)
+                res.truncated[a:b] = True
+                for k in range(b - a):
+                    res.restarted[a + k] = reason
+                res.reset_infos.update({a + k: info for k, info in fresh.items()})
+                continue
+            buf = self.hosts[h].buffers
+            res.rewards[a:b][local] = buf.rewards[local]
+            res.terminated[a:b][local] = buf.terminated[local]
+            res.truncated[a:b][local] = buf.truncated[local]
+            if outcome.env_infos is not None:
+                if res.env_infos is None:
+                    res.env_infos = [{} for _ in range(n)]
+                for k, info in enumerate(outcome.env_infos):
+                    if info and local[k]:
+                        res.env_infos[a + k] = info
+            res.reset_infos.update({a + k: info for k, info in outcome.reset_infos.items()})
+        if failure is not None:
+            raise failure
+        if whole:
+            res.obs = self.read_obs()
+        return res
+
+    async def reset(
+        self, mask: np.ndarray, seeds: Sequence[int | None], options: dict[str, Any] | None
+    ) -> dict[int, dict[str, Any]]:
+        """Reset the sub-envs in ``mask`` with their seeds and ``options``; their reset infos.
+
+        A host that failed earlier is rebuilt first (all its sub-envs are reset then); one that
+        crashes during the reset is rebuilt within budget and tried again.
+        """
+
+        async def one(h: int) -> dict[int, dict[str, Any]]:
+            a, b = self.slices[h]
+            local = mask[a:b].copy()
+            if h in self.broken:
+                await self._restart(h)
+                local[:] = True
+            if not local.any():
+                return {}
+            host = self.hosts[h]
+            host_seeds = list(seeds[a:b])
+            while True:
+                try:
+                    infos = await host.reset(local, seeds=host_seeds, options=options)
+                except WorkerError as exc:
+                    if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
+                        self.broken.add(h)
+                        _raise(self.translate(h, exc), exc)
+                    self.restarts[h] += 1
+                    await self._restart(h)
+                    local[:] = True
+                    continue
+                return {a + k: info for k, info in infos.items()}
+
+        return _joined(await _all(one(h) for h in range(len(self.slices))))
+
+    # -- attributes -------------------------------------------------------------------------
+
+    def _by_host(self, indices: Sequence[int]) -> dict[int, list[int]]:
+        """The positions in ``indices`` of the sub-envs of each host."""
+        groups: dict[int, list[int]] = {}
+        for pos, i in enumerate(indices):
+            groups.setdefault(int(self.host_of[i]), []).append(pos)
+        return groups
+
+    async def call(
+        self, name: str, args: Sequence[Any], kwargs: dict[str, Any], indices: Sequence[int]
+    ) -> list[Any]:
+        """``call`` on the sub-envs ``indices`` (gymnasium's semantics); one result per index."""
+        groups = self._by_host(indices)
+
+        async def one(h: int, positions: list[int]) -> list[Any]:
+            a = self.slices[h][0]
+            envs = [indices[p] - a for p in positions]
+            try:
+                return await self.hosts[h].call(name, args, kwargs, envs=envs)
+            except Exception as exc:
+                self._fail(h, exc)
+
+        hosts = list(groups)
+        results = await _all(one(h, groups[h]) for h in hosts)
+        out: list[Any] = [None] * len(indices)
+        for h, values in zip(hosts, results):
+            for p, value in zip(groups[h], values):
+                out[p] = value
+        return out
+
+    async def set_attr(self, name: str, values: Sequence[Any], indices: Sequence[int]) -> None:
+        """Set ``name`` to ``values[k]`` on sub-env ``indices[k]`` (through its wrappers)."""
+        groups = self._by_host(indices)
+
+        async def one(h: int, positions: list[int]) -> None:
+            a = self.slices[h][0]
+            envs = [indices[p] - a for p in positions]
+            try:
+                await self.hosts[h].set_attr(name, [values[p] for p in positions], envs=envs)
+            except Exception as exc:
+                self._fail(h, exc)
+
+        await _all(one(h, ps) for h, ps in groups.items())
+
+
+async def _all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
+    """Await every coroutine to its end (none is left running); the first failure is raised."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]
+
+
+class HostedFace:
+    """What both faces show of their hosts (a mixin: the face sets ``_hosted``)."""
+
+    _hosted: HostedEnvs
+
+    @property
+    def n_processes(self) -> int:
+        """Number of env-host processes."""
+        return self._hosted.n_procs
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live env-host processes."""
+        return self._hosted.pids
+
+
+def _joined(parts: Sequence[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for part in parts:
+        out.update(part)
+    return out
+
+
+def finalize(hosted: HostedEnvs) -> None:
+    """Release ``hosted`` from a finalizer (an env garbage-collected without ``close()``).
+
+    Synchronous and without the event loop: a collection can run anywhere, also inside another
+    vector env's portal call, so the hosts are killed (the backend's ``close_now``), not asked.
+    """
+    with contextlib.suppress(Exception):
+        hosted.close_now()

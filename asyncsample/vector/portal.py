@@ -1,0 +1,138 @@
+"""A blocking portal: synchronous callers run coroutines on one private event loop.
+
+The vector-env faces are synchronous (gymnasium's and SB3's APIs are), while the hosts they drive
+speak asyncio. :class:`BlockingPortal` is the bridge, as anyio's ``BlockingPortal`` is: one event
+loop owned by the face, and ``call(fn, *args)`` runs the coroutine ``fn(*args)`` on it to the end.
+
+Where the loop runs is the one design choice, and it is made for the main process's CPU per step:
+
+* **In the caller's thread** when that thread runs no event loop (the usual case: a training
+  script). ``call`` runs the loop right there until the coroutine ends. A lockstep step then costs
+  one loop run, with no thread handoff: no wake-up of another thread, no lock hand-over, no
+  second GIL owner. Measured (process CPU time, a coroutine that yields once, 2026-11-23 on a
+  loaded 2-core machine): 32 us per call run here, 149 us per call handed to a loop running in
+  another thread (anyio's portal design, ``run_coroutine_threadsafe``): every call wakes two
+  threads and the GIL changes hands twice, which is more than a CartPole lockstep step's work.
+* **In a helper thread** when the caller is itself inside a running loop (a coroutine, a notebook
+  cell): a loop cannot be run from inside another one in the same thread, so the helper thread
+  runs the private loop while the caller's thread blocks, as any synchronous call blocks.
+
+Between calls the loop is not running: replies that arrive then wait in the sockets and are read
+at the next call. A call interrupted by an exception from outside (``KeyboardInterrupt``) cancels
+its coroutine; the cancellation completes at the next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["BlockingPortal"]
+
+_T = TypeVar("_T")
+
+
+class BlockingPortal:
+    """One private event loop, run on behalf of synchronous callers (see the module doc)."""
+
+    def __init__(self) -> None:
+        # asyncio's own loop, not uvloop: uvloop sets up its signal wake-up socket pair every
+        # time it starts running in the main thread, and this loop is started once per call.
+        self.loop = asyncio.new_event_loop()
+        self._lock = threading.Lock()
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def call(self, fn: Callable[..., Coroutine[Any, Any, _T]], *args: Any) -> _T:
+        """Run ``fn(*args)`` on the portal's loop until it ends; its result or its exception."""
+        if _in_running_loop():
+            result: _T = self._in_helper(self._run, fn, args)
+            return result
+        return self._run(fn, args)
+
+    def start(self, fn: Callable[..., Coroutine[Any, Any, _T]], *args: Any) -> asyncio.Task[_T]:
+        """Start ``fn(*args)`` as a task and run the loop until it waits on something.
+
+        For ``step_async``: the coroutine's requests are on their way when this returns; collect
+        the outcome with :meth:`wait`.
+        """
+        if _in_running_loop():
+            return self._in_helper(self._start, fn, args)
+        return self._start(fn, args)
+
+    def wait(self, task: asyncio.Task[_T], timeout: float | None = None) -> _T:
+        """Run the loop until ``task`` (from :meth:`start`) ends; its result or its exception.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first; the task runs on (wait again).
+        """
+        if _in_running_loop():
+            result: _T = self._in_helper(self._wait, task, timeout)
+            return result
+        return self._wait(task, timeout)
+
+    def close(self) -> None:
+        """Stop the helper thread and close the loop (idempotent)."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
+            self._helper = None
+        if not self.loop.is_closed() and not self.loop.is_running():
+            self.loop.close()
+
+    def close_now(self) -> None:
+        """:meth:`close` for finalizers: never waits for the helper thread."""
+        if self._helper is not None:
+            self._helper.shutdown(wait=False)
+            self._helper = None
+        if not self.loop.is_closed() and not self.loop.is_running():
+            self.loop.close()
+
+    # -- in the thread that runs the loop -------------------------------------------------------
+
+    def _run(self, fn: Callable[..., Coroutine[Any, Any, _T]], args: tuple[Any, ...]) -> _T:
+        with self._lock:
+            return self._until_done(self.loop.create_task(fn(*args)))
+
+    def _start(
+        self, fn: Callable[..., Coroutine[Any, Any, _T]], args: tuple[Any, ...]
+    ) -> asyncio.Task[_T]:
+        with self._lock:
+            task = self.loop.create_task(fn(*args))
+            self.loop.run_until_complete(_one_pass())
+            return task
+
+    def _wait(self, task: asyncio.Task[_T], timeout: float | None) -> _T:
+        with self._lock:
+            if timeout is not None and not task.done():
+                self.loop.run_until_complete(asyncio.wait({task}, timeout=max(0.0, timeout)))
+                if not task.done():
+                    raise TimeoutError(f"the call did not end within {timeout} seconds")
+            return self._until_done(task)
+
+    def _until_done(self, task: asyncio.Task[_T]) -> _T:
+        try:
+            return self.loop.run_until_complete(task)
+        except BaseException:
+            if not task.done():
+                task.cancel()  # interrupted from outside: the next run completes the cancel
+            raise
+
+    def _in_helper(self, fn: Callable[..., _T], *args: Any) -> _T:
+        if self._helper is None:
+            self._helper = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-portal")
+        return self._helper.submit(fn, *args).result()
+
+
+async def _one_pass() -> None:
+    """Let every ready task run once (a task started just before sends its requests)."""
+    await asyncio.sleep(0)
+
+
+def _in_running_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

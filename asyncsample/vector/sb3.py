@@ -1,0 +1,334 @@
+"""The Stable-Baselines3 face: a ``VecEnv`` whose sub-envs live on asyncsample's env hosts.
+
+``pip install 'asyncsample[sb3]'``. :class:`AsyncSampleVecEnv` is a drop-in for SB3's
+``SubprocVecEnv``: the same results as ``DummyVecEnv`` for the same seeds and actions, with
+sub-envs packed ``num_envs / n_processes`` to an env host (one round trip per host and step, not
+one per env), on the same :class:`~asyncsample.vector.hosted.HostedEnvs` as the gymnasium face,
+whose hosts reset an ended sub-env in the same step (SB3's autoreset) and keep its true last
+observation in their ``final_obs`` buffer, and with crashed hosts rebuilt (the fault model of
+:mod:`asyncsample.vector.env`:
+a restarted sub-env's step reports ``done=True`` with ``info["restarted"]`` set,
+``info["TimeLimit.truncated"] = True`` and, as its ``terminal_observation``, the first observation
+of its new episode, since the last one died with the host).
+
+Stable-Baselines3 is imported only by this module, so ``import asyncsample`` does not need it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from copy import deepcopy
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector.utils import concatenate, create_empty_array
+
+from asyncsample import _validate
+from asyncsample.env_update import make_env
+from asyncsample.vector.hosted import (
+    HostedEnvs,
+    HostedFace,
+    StepResult,
+    env_sources,
+    finalize,
+)
+
+try:
+    from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "asyncsample.sb3 needs Stable-Baselines3: pip install 'asyncsample[sb3]'"
+    ) from exc
+
+__all__ = ["AsyncSampleVecEnv"]
+
+
+class _SB3Access(gym.Wrapper[Any, Any, Any, Any]):
+    """Wraps every sub-env in its host to give SB3's attribute semantics through ``call``.
+
+    SB3's ``get_attr`` reads without calling, ``set_attr`` sets on the outermost env and
+    ``env_is_wrapped`` walks the wrappers: none is a gymnasium ``call``, so these methods are
+    called by name. Everything else passes through (``get_wrapper_attr`` and
+    ``set_wrapper_attr`` are forwarded), so the wrapper is invisible to the user's code.
+    """
+
+    @property
+    def spec(self) -> Any:  # type: ignore[override]
+        return self.env.spec
+
+    def get_wrapper_attr(self, name: str) -> Any:
+        if name.startswith("_asyncsample_"):
+            return getattr(self, name)
+        return self.env.get_wrapper_attr(name)
+
+    def set_wrapper_attr(self, name: str, value: Any, *, force: bool = True) -> bool:
+        return self.env.set_wrapper_attr(name, value, force=force)
+
+    def _asyncsample_get(self, name: str) -> Any:
+        """The attribute ``name`` of the env, never called (SB3's ``get_attr``)."""
+        return self.env.get_wrapper_attr(name)
+
+    def _asyncsample_setattr(self, name: str, value: Any) -> None:
+        """Plain ``setattr`` on the user's outermost env (SB3's ``set_attr``)."""
+        setattr(self.env, name, value)
+
+    def _asyncsample_method(self, name: str, args: Any, kwargs: Any) -> Any:
+        """Call the method ``name`` of the env (SB3's ``env_method``)."""
+        return self.env.get_wrapper_attr(name)(*args, **kwargs)
+
+    def _asyncsample_is_wrapped(self, wrapper_class: type) -> bool:
+        """Whether the user's env is wrapped with ``wrapper_class`` (SB3's ``env_is_wrapped``)."""
+        env: Any = self.env
+        while isinstance(env, gym.Wrapper):
+            if isinstance(env, wrapper_class):
+                return True
+            env = env.env
+        return False
+
+
+@dataclass
+class _Factory:
+    """Builds one sub-env in its host: the user's env inside an :class:`_SB3Access`."""
+
+    source: Any
+
+    def __call__(self) -> gym.Env[Any, Any]:
+        return _SB3Access(make_env(self.source))
+
+
+class AsyncSampleVecEnv(HostedFace, VecEnv):
+    """An SB3 ``VecEnv`` stepping its sub-envs in asyncsample's env-host processes.
+
+    Args:
+        env_fns: one zero-argument factory per sub-env (as for ``SubprocVecEnv``), or a single
+            factory or gymnasium id together with ``num_envs``.
+        num_envs: number of sub-envs when ``env_fns`` is a single factory or id.
+        n_processes: env-host processes (default: the number of CPUs, at most the sub-envs).
+        step_timeout: seconds a host may spend on one step before it is killed and rebuilt.
+        max_restarts: how often each host may be rebuilt over the env's life before the error
+            is raised.
+        start_method: ``SubprocVecEnv``'s argument, validated as it validates it (a name
+            ``multiprocessing.get_context`` knows, else its ``ValueError``). It changes nothing:
+            env hosts always start from asyncsample's forkserver (several sub-envs to a process),
+            which is safe with threads and CUDA in the main process, as ``"forkserver"`` is.
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], gym.Env[Any, Any]]] | Callable[[], gym.Env[Any, Any]] | str,
+        num_envs: int | None = None,
+        *,
+        n_processes: int | None = None,
+        step_timeout: float | None = None,
+        max_restarts: int = 3,
+        start_method: str | None = None,
+    ) -> None:
+        if start_method is not None:
+            multiprocessing.get_context(start_method)  # SubprocVecEnv's check and error
+        if isinstance(env_fns, (list, tuple)):
+            if not env_fns:
+                raise ValueError("env_fns must hold at least one env factory, got an empty list")
+            if num_envs is not None and num_envs != len(env_fns):
+                raise ValueError(
+                    f"num_envs={num_envs} does not match the {len(env_fns)} factories in env_fns"
+                )
+            n = len(env_fns)
+        else:
+            if num_envs is None:
+                raise TypeError("num_envs is required when env_fns is a single factory or id")
+            n = _validate.positive_int("num_envs", num_envs)
+        _validate.optional_positive_int("n_processes", n_processes)
+        _validate.nonnegative_int("max_restarts", max_restarts)
+        step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
+        sources = env_sources(list(env_fns) if isinstance(env_fns, (list, tuple)) else env_fns, n)
+        self._hosted = HostedEnvs(
+            [_Factory(s) for s in sources],
+            n_processes=n_processes,
+            step_timeout=step_timeout,
+            max_restarts=max_restarts,
+            autoreset="SameStep",
+        )
+        self._finalizer = weakref.finalize(self, finalize, self._hosted)
+        self._sent: asyncio.Task[StepResult] | None = None
+        self.closed = False
+        try:
+            super().__init__(
+                n, self._hosted.single_observation_space, self._hosted.single_action_space
+            )
+        except BaseException:
+            self._hosted.close()
+            raise
+
+    # -- observations -----------------------------------------------------------------------
+
+    def _format_obs(self, obs: Any) -> Any:
+        # SB3's layout: an OrderedDict for Dict spaces, a tuple for Tuple spaces, else an array.
+        if isinstance(self.observation_space, gym.spaces.Dict):
+            return OrderedDict((k, obs[k]) for k in self.observation_space.spaces)
+        return obs
+
+    # -- VecEnv -----------------------------------------------------------------------------
+
+    def reset(self) -> Any:
+        """Reset every sub-env with the seeds and options set beforehand (used once)."""
+        hosted = self._hosted
+        self._check_open()
+        self._drain()
+        n = self.num_envs
+        seeds = list(self._seeds)
+        mask = np.ones(n, dtype=np.bool_)
+        # One reset per distinct options dict (SB3 passes options only when non-empty).
+        groups: dict[int, list[int]] = {}
+        option_of: dict[int, Any] = {}
+        for i, opts in enumerate(self._options):
+            key = id(opts) if opts else 0
+            groups.setdefault(key, []).append(i)
+            option_of[key] = opts if opts else None
+        infos: dict[int, dict[str, Any]] = {}
+        for key, members in groups.items():
+            sub = np.zeros(n, dtype=np.bool_)
+            sub[members] = True
+            infos.update(hosted.portal.call(hosted.reset, sub & mask, seeds, option_of[key]))
+        for i in range(n):
+            self.reset_infos[i] = infos.get(i, {})
+        self._reset_seeds()
+        self._reset_options()
+        return self._format_obs(hosted.read_obs())
+
+    def step(self, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        """Step every sub-env (one run of the portal's event loop)."""
+        if self._sent is not None:
+            raise RuntimeError("step was called while a step_async is waiting for step_wait")
+        hosted = self._hosted
+        self._send(actions)
+        return self._finish(hosted.portal.call(hosted.step))
+
+    def step_async(self, actions: np.ndarray) -> None:
+        """Send the actions to the env hosts (the step is awaited by :meth:`step_wait`)."""
+        if self._sent is not None:
+            raise RuntimeError("step_async was called twice without step_wait in between")
+        hosted = self._hosted
+        self._send(actions)
+        self._sent = hosted.portal.start(hosted.step)
+
+    def _send(self, actions: Any) -> None:
+        self._check_open()
+        n = self.num_envs
+        if isinstance(actions, list) and len(actions) == n:
+            # SB3 also accepts one action per sub-env in a list (DummyVecEnv indexes it).
+            out: Any = create_empty_array(self.action_space, n)
+            actions = concatenate(self.action_space, actions, out)
+        self._hosted.write_actions(actions)
+
+    def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        """Results of the step sent by :meth:`step_async`, autoresetting finished sub-envs."""
+        self._check_open()
+        task, self._sent = self._sent, None
+        if task is None:
+            raise RuntimeError("step_wait was called without step_async")
+        return self._finish(self._hosted.portal.wait(task))
+
+    def _check_open(self) -> None:
+        self._hosted.check_open("AsyncSampleVecEnv")
+
+    def _drain(self) -> None:
+        """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
+        task, self._sent = self._sent, None
+        if task is not None:
+            with contextlib.suppress(Exception):
+                self._hosted.portal.wait(task)
+
+    def _finish(self, res: StepResult) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+        hosted = self._hosted
+        n = self.num_envs
+        dones = res.terminated | res.truncated
+        rewards = res.rewards.astype(np.float32)
+        if not res.restarted and not dones.any() and res.env_infos is None:
+            # The common step: no info, no episode ended. These dicts are new and share nothing,
+            # so the deep copy below (DummyVecEnv's) would change nothing.
+            quiet = [{"TimeLimit.truncated": False} for _ in range(n)]
+            return self._format_obs(res.obs), rewards, dones, quiet
+        infos: list[dict[str, Any]] = []
+        for i in range(n):
+            info = dict(res.info(i))
+            if i in res.restarted:
+                info["restarted"] = res.restarted[i]
+                info["TimeLimit.truncated"] = True
+                info["terminal_observation"] = hosted.obs_row(i)
+            else:
+                info["TimeLimit.truncated"] = bool(res.truncated[i] and not res.terminated[i])
+                if dones[i]:
+                    info["terminal_observation"] = hosted.obs_row(i, final=True)
+            if dones[i]:
+                self.reset_infos[i] = res.reset_infos.get(i, {})
+            infos.append(info)
+        return self._format_obs(res.obs), rewards, dones, deepcopy(infos)
+
+    def close(self) -> None:
+        """Stop the env hosts; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._sent = None
+        self._finalizer.detach()
+        self._hosted.close()
+
+    def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
+        """The attribute of the selected sub-envs (through their wrappers)."""
+        return self._call("_asyncsample_get", (attr_name,), indices)
+
+    def set_attr(self, attr_name: str, value: Any, indices: VecEnvIndices = None) -> None:
+        """Set the attribute on the selected sub-envs (on their outermost wrapper, as SB3 does)."""
+        self._call("_asyncsample_setattr", (attr_name, value), indices)
+
+    def env_method(
+        self,
+        method_name: str,
+        *method_args: Any,
+        indices: VecEnvIndices = None,
+        **method_kwargs: Any,
+    ) -> list[Any]:
+        """Call a method of the selected sub-envs; one result per sub-env."""
+        args = (method_name, method_args, method_kwargs)
+        return self._call("_asyncsample_method", args, indices)
+
+    def env_is_wrapped(
+        self, wrapper_class: type[gym.Wrapper[Any, Any, Any, Any]], indices: VecEnvIndices = None
+    ) -> list[bool]:
+        """Whether each selected sub-env is wrapped with ``wrapper_class``."""
+        return [bool(r) for r in self._call("_asyncsample_is_wrapped", (wrapper_class,), indices)]
+
+    def get_images(self) -> Sequence[np.ndarray | None]:
+        """The ``rgb_array`` frames of every sub-env."""
+        if self.render_mode != "rgb_array":
+            import warnings
+
+            warnings.warn(
+                f"The render mode is {self.render_mode}, but this method assumes it is "
+                "`rgb_array` to obtain images.",
+                stacklevel=2,
+            )
+            return [None for _ in range(self.num_envs)]
+        return self.env_method("render")
+
+    def _call(self, name: str, args: tuple[Any, ...], indices: VecEnvIndices) -> list[Any]:
+        """One of :class:`_SB3Access`'s methods on the selected sub-envs; one result each."""
+        self._check_open()
+        self._drain()
+        hosted = self._hosted
+        return hosted.portal.call(hosted.call, name, args, {}, self._idx(indices))
+
+    def _idx(self, indices: VecEnvIndices) -> list[int]:
+        chosen: Iterable[int] = self._get_indices(indices)
+        out = [int(i) for i in chosen]
+        for i in out:
+            if not -self.num_envs <= i < self.num_envs:
+                raise IndexError(f"indices: {i} is out of range for {self.num_envs} sub-envs")
+        return [i % self.num_envs for i in out]
