@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -41,8 +41,10 @@ from asyncsample.batch import StepType
 
 __all__ = [
     "CallMode",
+    "ChunkRecords",
     "Episodes",
     "FinishedEpisode",
+    "RecordStep",
     "SharedQuota",
     "StepStepper",
     "Stepper",
@@ -200,6 +202,12 @@ class SharedQuota:
     def lacking(self, worker: int) -> int:
         """What ``worker``'s minimum or the call's total still lacks (at least 1)."""
         return max(self.minimums[worker] - self.counts[worker], self.target - self.total, 1)
+
+
+RecordStep = Callable[
+    [int, int, dict[str, np.ndarray], list[dict[str, Any]] | None, np.ndarray], None
+]
+"""``record(j, t, agent_infos, env_infos, done)``: step ``j`` of a chunk became row ``t``."""
 
 
 class ChunkRecords(Protocol):
@@ -368,7 +376,7 @@ class Episodes:
         step_infos: Mapping[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]],
         version: int,
         like: tuple[Tree, Tree],
-        record: Any = None,
+        record: RecordStep | None = None,
     ) -> None:
         """Turn ``steps`` steps run elsewhere into recorder rows and episodes.
 

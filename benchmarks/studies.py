@@ -150,8 +150,8 @@ STUDIES: list[Study] = [
     ),
     Study(
         "real_envs",
-        "Atari (Pong, Breakout) and MuJoCo (HalfCheetah, Humanoid) against EnvPool and the "
-        "gymnasium peers, random and policy; the 8-512 env sweep (own runner)",
+        "Pong-v5 and HalfCheetah-v5 against EnvPool and the gymnasium peers, random and policy "
+        "(own runner; --groups sweep footprint and --envs Breakout-v5 Humanoid-v5 for the rest)",
         script="benchmarks.real_envs",
         script_args=(
             ("--repeats", "1", "--groups", "ideal", "main", "--envs", "Pong-v5", "HalfCheetah-v5"),

@@ -3,6 +3,11 @@
 A worker talks to its envs through one small async interface, :class:`EnvHost`. A
 :class:`Backend` starts one host per worker. ``local`` keeps envs in the main process, ``process``
 in a pool of env-host processes, ``ray`` in Ray actors; the worker and sampler code is the same.
+
+What code outside this package may use is exported here: the protocols of the seam
+(:class:`EnvHost`, :class:`AgentHost`, :class:`DirectReader`, :class:`Backend`), the placement
+of workers on hosts, and the chunk records of ``inference="host"``. The underscored modules are
+the backends' own.
 """
 
 from __future__ import annotations
@@ -11,6 +16,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from asyncsample import _validate
+from asyncsample.backends._chunk import (
+    DEFAULT_CHUNK_STEPS,
+    ChunkBuffers,
+    ChunkReply,
+    ChunkRequest,
+    chunk_capacity,
+)
 from asyncsample.backends.base import (
     AgentHost,
     Backend,
@@ -27,14 +39,19 @@ if TYPE_CHECKING:
     from asyncsample.backends.ray import RayBackend
 
 __all__ = [
+    "DEFAULT_CHUNK_STEPS",
     "AgentHost",
     "Backend",
+    "ChunkBuffers",
+    "ChunkReply",
+    "ChunkRequest",
     "DirectReader",
     "EnvHost",
     "HostSpec",
     "Placement",
     "backend_options",
     "check_options",
+    "chunk_capacity",
     "make_backend",
     "placement",
     "pool_size",

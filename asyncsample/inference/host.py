@@ -49,7 +49,7 @@ import cloudpickle
 import numpy as np
 
 from asyncsample._assembly import Plan
-from asyncsample._engine import Episodes, StopRule, Transition
+from asyncsample._engine import Episodes, RecordStep, StopRule, Transition
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends._chunk import (
     DEFAULT_CHUNK_STEPS,
@@ -250,13 +250,13 @@ class ChunkStepper:
     def _replay(self, reply: ChunkReply, version: int) -> None:
         worker = self.worker
         buffers = self.host.buffers
-        record = None
+        record: RecordStep | None = None
         if worker.records_transitions:
 
             def record(
                 j: int,
                 t: int,
-                agent_infos: dict[str, Any],
+                agent_infos: dict[str, np.ndarray],
                 env_infos: list[dict[str, Any]] | None,
                 done: np.ndarray,
             ) -> None:
