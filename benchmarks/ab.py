@@ -28,7 +28,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: name -> (face, env id, workers, envs per worker, processes, policy?, transitions); the
-#: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``.
+#: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``;
+#: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent).
 WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     "CartPole-v1 4x8 random": ("sampler", "CartPole-v1", 4, 8, 2, False, 200_000),
     "FixedCost-v0 2x4 random": ("sampler", "benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
@@ -45,6 +46,9 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         16_000,
     ),
     "VectorEnv CartPole-v1 8 MLP": ("vector", "CartPole-v1", 1, 8, 2, True, 40_000),
+    "CartPole-v1 8x4 MLP batched": ("batched", "CartPole-v1", 8, 4, 2, True, 60_000),
+    "CartPole-v1 2x4 random host": ("host", "CartPole-v1", 2, 4, 2, False, 200_000),
+    "CartPole-v1 2x4 MLP host": ("host", "CartPole-v1", 2, 4, 2, True, 60_000),
 }
 
 _CHILD = """
@@ -78,8 +82,10 @@ def vector():
     venv.close()
     return done, wall, cpu
 async def main():
-    async with Sampler(env_id, agent, n_workers=workers, envs_per_worker=envs,
-                       n_processes=procs, seed=0) as s:
+    inference = face if face in ("batched", "host") else "per_worker"
+    shared = agent[0] if inference == "batched" else agent
+    async with Sampler(env_id, shared, n_workers=workers, envs_per_worker=envs,
+                       n_processes=procs, seed=0, inference=inference) as s:
         await s.obtain_fragments(max(n // 10, workers * envs))  # warm-up
         cpu0, t0, done = time.process_time(), time.perf_counter(), 0
         while done < n:
