@@ -168,14 +168,16 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             (several hosts share a process), and hosts answer independently.
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each env-host process; ``None`` leaves the libraries' defaults.
-        shared_memory, copy, context, daemon, worker, observation_mode: ``AsyncVectorEnv``'s
-            arguments, so that code written for it runs unchanged. ``shared_memory`` and
-            ``copy`` are accepted and change nothing (observations always travel in shared
-            memory, and every call returns fresh arrays); ``context`` (a start method) and
-            ``daemon`` are checked and change nothing (env hosts always start from asyncsample's
-            forkserver and never outlive the main process); a custom ``worker`` is refused (the
-            hosts step the sub-envs with their own code), and so is an ``observation_mode``
-            other than ``"same"``. ``env_fns`` is another name for ``env``.
+        shared_memory: ``AsyncVectorEnv``'s argument, accepted so that code written for it
+            runs unchanged; changes nothing (observations always travel in shared memory).
+        copy: accepted likewise; changes nothing (every call returns fresh arrays).
+        context: a start method, checked as ``AsyncVectorEnv`` checks it; changes nothing (env
+            hosts always start from asyncsample's forkserver).
+        daemon: checked; changes nothing (env hosts never outlive the main process).
+        worker: must be ``None``: the hosts step the sub-envs with their own code, so a custom
+            worker function is refused.
+        observation_mode: only ``"same"`` is supported; another value is refused.
+        env_fns: another name for ``env``, as ``AsyncVectorEnv`` calls it.
 
     All sub-envs must share the observation and action spaces of the first one (a list of
     factories whose spaces differ is a ``RuntimeError`` at construction, as with
