@@ -364,5 +364,6 @@ def test_an_agent_error_in_a_chunk_is_not_retried() -> None:
     with pytest.raises(EnvFailureError) as info:
         run.run(request(CallMode.SAMPLES, 12, steps=5))
     failure = info.value.failure
-    assert failure.retry is False and "raised in its env host" in str(failure.error)
+    assert failure.retry is False and isinstance(failure.error, KeyError)
+    assert "the agent of worker 0 raised in its env host" in failure.error.__notes__
     assert "KeyError" in failure.traceback

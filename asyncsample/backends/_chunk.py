@@ -29,6 +29,8 @@ from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent
+from asyncsample.backends._transport import round_trips
+from asyncsample.backends.base import agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
 
 __all__ = [
@@ -144,7 +146,22 @@ class ChunkReply:
 
 
 class AgentFailure(Exception):
-    """What an agent raised inside a host."""
+    """What an agent raised inside a host, when that exception cannot be pickled."""
+
+
+def agent_error(exc: Exception, worker: int) -> BaseException:
+    """The error to report for ``exc``, raised by the agent of ``worker`` inside its host.
+
+    The original exception itself when it survives pickling (the caller then finds it as the
+    ``WorkerError``'s ``__cause__``, as for env errors), marked with a note saying where it was
+    raised; else an :class:`AgentFailure` that describes it in text.
+    """
+    note = agent_note(worker)
+    if round_trips(exc):
+        if note not in getattr(exc, "__notes__", ()):
+            exc.add_note(note)
+        return exc
+    return AgentFailure(f"{note}: {type(exc).__name__}: {exc}")
 
 
 class ChunkRunner:
@@ -200,10 +217,7 @@ class ChunkRunner:
         try:
             return fn(*args)
         except Exception as exc:
-            error = AgentFailure(
-                f"the agent of worker {self.group.worker} raised in its env host: "
-                f"{type(exc).__name__}: {exc}"
-            )
+            error = agent_error(exc, self.group.worker)
             failure = EnvFailure(None, error, traceback.format_exc(), retry=False)
             raise EnvFailureError(failure) from exc
 

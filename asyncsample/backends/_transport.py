@@ -43,6 +43,7 @@ __all__ = [
     "dumps",
     "failure_from_exception",
     "load_failure",
+    "round_trips",
     "send_frame",
     "shared_buffers",
     "view_buffers",
@@ -104,15 +105,19 @@ def dumps(obj: Any) -> bytes:
         return blob
 
 
-def _portable_error(error: BaseException) -> BaseException:
-    """``error`` if it survives a pickle round trip, else a RuntimeError that describes it."""
+def round_trips(error: BaseException) -> bool:
+    """Whether ``error`` survives a pickle round trip (so it can be rebuilt in the caller)."""
     try:
         blob = cloudpickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
-        restored = pickle.loads(blob)
-        if isinstance(restored, BaseException):
-            return error
-    except Exception:  # whatever went wrong, the exception is replaced
-        pass
+        return isinstance(pickle.loads(blob), BaseException)
+    except Exception:  # whatever went wrong, the exception cannot travel
+        return False
+
+
+def _portable_error(error: BaseException) -> BaseException:
+    """``error`` if it survives a pickle round trip, else a RuntimeError that describes it."""
+    if round_trips(error):
+        return error
     return RuntimeError(f"{error!r} (the original exception could not be pickled)")
 
 

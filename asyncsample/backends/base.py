@@ -31,6 +31,7 @@ __all__ = [
     "DirectReader",
     "EnvHost",
     "HostSpec",
+    "agent_note",
     "failure_error",
     "reject_unknown_options",
 ]
@@ -207,14 +208,24 @@ class Backend(Protocol):
         ...
 
 
+def agent_note(worker: int) -> str:
+    """The note an agent's exception raised inside a host carries (see ``failure_error``)."""
+    return f"the agent of worker {worker} raised in its env host"
+
+
 def failure_error(worker: int, failure: EnvFailure) -> BaseException:
     """The exception a worker raises for an env failure reported by its host.
 
     A failure that is the caller's own mistake (an observation that does not fit the declared
-    space) is not worth a restart: it is wrapped with ``retry = False``.
+    space, an agent that raised) is not worth a restart: it is wrapped with ``retry = False``.
+    The original exception, rebuilt here, is the ``WorkerError``'s ``__cause__``.
     """
+    error = failure.error
+    what = f"{type(error).__name__}: {error}"
+    if failure.env is None and agent_note(worker) in getattr(error, "__notes__", ()):
+        what = f"{agent_note(worker)}: {what}"  # the agent's own exception, rebuilt here
     err = WorkerError(
-        f"{type(failure.error).__name__}: {failure.error}",
+        what,
         worker=worker,
         env=failure.env,
         remote_traceback=failure.traceback or None,
