@@ -535,6 +535,8 @@ class SamplerCore:
         except Exception as exc:
             raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
         try:
+            _validate.recordable_space("env: observation_space", env.observation_space)
+            _validate.recordable_space("env: action_space", env.action_space)
             limit = _time_limit(env)
             spec = EnvSpec(
                 observation_space=env.observation_space,

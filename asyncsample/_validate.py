@@ -18,6 +18,7 @@ import numpy as np
 from asyncsample.env_update import EnvId, EnvSource, is_env_source
 
 __all__ = [
+    "RECORDABLE_SPACES",
     "amount",
     "amounts",
     "attr_name",
@@ -36,6 +37,7 @@ __all__ = [
     "per_worker_sources",
     "positive_int",
     "positive_seconds",
+    "recordable_space",
     "seed",
     "seed_list",
     "subclass",
@@ -328,3 +330,47 @@ def check_picklable(name: str, obj: object) -> None:
             f"{name} must be picklable with cloudpickle to reach the env hosts, but pickling "
             f"{obj!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+#: The leaf spaces the sampler records (as numpy arrays), nested in any ``Dict`` or ``Tuple``.
+RECORDABLE_SPACES: tuple[type[gym.Space[Any]], ...] = (
+    gym.spaces.Box,
+    gym.spaces.Discrete,
+    gym.spaces.MultiDiscrete,
+    gym.spaces.MultiBinary,
+)
+
+
+def recordable_space(name: str, space: object) -> None:
+    """Refuse a space the sampler cannot record into arrays (``Text``, ``Sequence``, ``Graph``,
+    ``OneOf``, custom spaces), naming where it is inside ``space`` and what to do instead.
+
+    Such spaces would pass the constructor and fail mid-call with an internal error otherwise.
+    """
+    found = _unrecordable(name, space)
+    if found is None:
+        return
+    path, leaf = found
+    wrapper = "ActionWrapper" if name.endswith("action_space") else "ObservationWrapper"
+    raise ValueError(
+        f"{path} is {leaf!r} ({type(leaf).__name__}), which the sampler cannot record: it "
+        "records Box, Discrete, MultiDiscrete and MultiBinary spaces, nested in Dict and Tuple; "
+        f"wrap the env in a gymnasium.{wrapper} that encodes it as one of these (a Text as a "
+        "Box of character indices, a Sequence as a padded Box with a length)"
+    )
+
+
+def _unrecordable(path: str, space: object) -> tuple[str, object] | None:
+    if isinstance(space, gym.spaces.Dict):
+        for key, sub in space.spaces.items():
+            found = _unrecordable(f"{path}[{key!r}]", sub)
+            if found is not None:
+                return found
+        return None
+    if isinstance(space, gym.spaces.Tuple):
+        for i, sub in enumerate(space.spaces):
+            found = _unrecordable(f"{path}[{i}]", sub)
+            if found is not None:
+                return found
+        return None
+    return None if isinstance(space, RECORDABLE_SPACES) else (path, space)

@@ -3,13 +3,15 @@ record refused up front, memory limits checked before any work starts."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from helpers import SamplerFactory
 
-from asyncsample import WorkerError
+from asyncsample import Sampler, WorkerError
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.both_loops]
 
@@ -86,3 +88,70 @@ async def test_an_agent_error_that_cannot_travel_is_described(
     assert type(info.value.__cause__).__name__ == "AgentFailure"
     assert "cannot travel" in str(info.value.__cause__)
     assert info.value.retry is False
+
+
+# -- spaces the sampler cannot record ---------------------------------------------------------
+
+
+class CustomSpace(gym.Space[int]):
+    """A space of the user's own, which the sampler cannot batch."""
+
+    def sample(self, mask: Any = None, probability: Any = None) -> int:
+        return 0
+
+    def contains(self, x: Any) -> bool:
+        return x == 0
+
+
+class SpacedEnv(gym.Env[Any, Any]):
+    """An env with the given spaces (never stepped: the constructor must refuse it)."""
+
+    def __init__(self, observation_space: gym.Space[Any], action_space: gym.Space[Any]) -> None:
+        self.observation_space = observation_space
+        self.action_space = action_space
+
+
+_BOX = gym.spaces.Box(-1, 1, (2,), np.float32)
+_UNRECORDABLE = [
+    (gym.spaces.Dict({"pos": _BOX, "name": gym.spaces.Text(8)}), r"\['name'\] is .*\(Text\)"),
+    (gym.spaces.Tuple((_BOX, gym.spaces.Sequence(_BOX))), r"\[1\] is .*\(Sequence\)"),
+    (gym.spaces.Graph(_BOX, gym.spaces.Discrete(3)), r" is .*\(Graph\)"),
+    (gym.spaces.OneOf((_BOX, gym.spaces.Discrete(2))), r" is .*\(OneOf\)"),
+    (
+        gym.spaces.Dict({"a": gym.spaces.Tuple((_BOX, gym.spaces.Dict({"b": CustomSpace()})))}),
+        r"\['a'\]\[1\]\['b'\] is .*\(CustomSpace\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("space", "where"), _UNRECORDABLE)
+@pytest.mark.parametrize("backend", ["local", "process"])
+def test_an_observation_space_that_cannot_be_recorded_is_refused(
+    space: gym.Space[Any], where: str, backend: str
+) -> None:
+    env = functools.partial(SpacedEnv, space, gym.spaces.Discrete(2))
+    with pytest.raises(ValueError, match=r"env: observation_space" + where) as info:
+        Sampler(env, backend=backend)
+    message = str(info.value)
+    assert "records Box, Discrete, MultiDiscrete and MultiBinary" in message
+    assert "ObservationWrapper" in message
+
+
+@pytest.mark.parametrize(("space", "where"), _UNRECORDABLE)
+def test_an_action_space_that_cannot_be_recorded_is_refused(
+    space: gym.Space[Any], where: str
+) -> None:
+    env = functools.partial(SpacedEnv, _BOX, space)
+    with pytest.raises(ValueError, match=r"env: action_space" + where) as info:
+        Sampler(env, backend="local")
+    assert "ActionWrapper" in str(info.value)
+
+
+def test_nested_recordable_spaces_are_accepted() -> None:
+    space = gym.spaces.Dict(
+        {
+            "a": gym.spaces.Tuple((_BOX, gym.spaces.MultiBinary(3))),
+            "b": gym.spaces.MultiDiscrete([2, 3]),
+        }
+    )
+    Sampler(functools.partial(SpacedEnv, space, gym.spaces.Discrete(2)), backend="local")
