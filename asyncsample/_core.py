@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import time
 import warnings
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -22,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import gymnasium as gym
 import numpy as np
+import psutil
 
 from asyncsample import _validate
 from asyncsample._assembly import Plan, assemble
@@ -141,6 +143,7 @@ class SamplerCore:
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
         self.env_spec, self._time_limited = self._probe_env(self.env_sources[0])
+        self._check_memory(n_workers, envs_per_worker, backend)
         self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
         if agent is None:
             space = self.env_spec.action_space
@@ -517,6 +520,27 @@ class SamplerCore:
         if agent is not None:
             for a in {id(a): a for a in self.agents}.values():
                 pickle_agent(a)  # TypeError naming the agent when it cannot travel
+
+    def _check_memory(self, n_workers: int, envs_per_worker: int, backend: str) -> None:
+        """Refuse, before any work, envs and buffers that cannot fit in memory (see
+        :func:`~asyncsample._validate.memory_fits`)."""
+        shm_free: int | None = None
+        shared = backend == "process"
+        if shared:
+            try:
+                shm_free = shutil.disk_usage("/dev/shm").free
+            except OSError:  # no /dev/shm (macOS): shared memory comes from ordinary memory
+                shared = False
+        _validate.memory_fits(
+            self.env_spec.observation_space,
+            self.env_spec.action_space,
+            n_workers=n_workers,
+            envs_per_worker=envs_per_worker,
+            chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
+            shared=shared,
+            available=psutil.virtual_memory().available,
+            shm_free=shm_free,
+        )
 
     def _chunk_capacity(self, chunk_steps: int) -> int:
         """The chunk capacity of each host slot for chunks of ``chunk_steps`` (host mode)."""

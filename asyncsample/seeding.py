@@ -16,17 +16,25 @@ class WorkerSeeds:
     """
 
     def __init__(self, sequence: np.random.SeedSequence, n_envs: int) -> None:
-        agent, *envs = sequence.spawn(1 + n_envs)
-        self.agent_seed = _to_int(agent)
-        self._envs = envs
+        self._sequence = sequence
+        self._n_envs = n_envs
+        self.agent_seed = _to_int(_child(sequence, 0))
+        # Env children are made on first use (what ``sequence.spawn(1 + n_envs)`` would give),
+        # so a sampler with a million envs per worker is built at once, not in seconds.
+        self._envs: dict[int, np.random.SeedSequence] = {}
 
     def next_env_seed(self, env: int) -> int:
         """The seed for the next (re)build of env ``env``."""
-        return _to_int(self._envs[env].spawn(1)[0])
+        if not 0 <= env < self._n_envs:
+            raise IndexError(f"env {env} out of range for {self._n_envs} envs")
+        child = self._envs.get(env)
+        if child is None:
+            child = self._envs[env] = _child(self._sequence, 1 + env)
+        return _to_int(child.spawn(1)[0])
 
     def next_env_seeds(self) -> list[int]:
         """The next seed of every env, in env order."""
-        return [self.next_env_seed(i) for i in range(len(self._envs))]
+        return [self.next_env_seed(i) for i in range(self._n_envs)]
 
 
 def worker_seeds(seed: int | None, n_workers: int, n_envs: int) -> tuple[int, list[WorkerSeeds]]:
@@ -35,6 +43,15 @@ def worker_seeds(seed: int | None, n_workers: int, n_envs: int) -> tuple[int, li
         seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
     root = np.random.SeedSequence(seed)
     return seed, [WorkerSeeds(child, n_envs) for child in root.spawn(n_workers)]
+
+
+def _child(sequence: np.random.SeedSequence, index: int) -> np.random.SeedSequence:
+    """The ``index``-th child ``sequence.spawn`` gives, made without spawning the ones before."""
+    return np.random.SeedSequence(
+        sequence.entropy,
+        spawn_key=(*sequence.spawn_key, index),
+        pool_size=sequence.pool_size,
+    )
 
 
 def _to_int(sequence: np.random.SeedSequence) -> int:
