@@ -3,15 +3,21 @@ record refused up front, memory limits checked before any work starts."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import re
+import shutil
+import time
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 from helpers import SamplerFactory
 
 from asyncsample import Sampler, WorkerError
+from asyncsample.seeding import worker_seeds
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.both_loops]
 
@@ -147,11 +153,101 @@ def test_an_action_space_that_cannot_be_recorded_is_refused(
     assert "ActionWrapper" in str(info.value)
 
 
-def test_nested_recordable_spaces_are_accepted() -> None:
+async def test_nested_recordable_spaces_are_accepted() -> None:
     space = gym.spaces.Dict(
         {
             "a": gym.spaces.Tuple((_BOX, gym.spaces.MultiBinary(3))),
             "b": gym.spaces.MultiDiscrete([2, 3]),
         }
     )
-    Sampler(functools.partial(SpacedEnv, space, gym.spaces.Discrete(2)), backend="local")
+    env = functools.partial(SpacedEnv, space, gym.spaces.Discrete(2))
+    await Sampler(env, backend="local").aclose()
+
+
+# -- limits up front --------------------------------------------------------------------------
+
+
+class _Memory:
+    def __init__(self, available: int) -> None:
+        self.available = available
+
+
+def _with_memory(monkeypatch: pytest.MonkeyPatch, available: int, shm_free: int) -> None:
+    """Pretend this machine has ``available`` bytes of memory and ``shm_free`` in /dev/shm."""
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(available))
+    real = shutil.disk_usage
+
+    def disk_usage(path: Any) -> Any:
+        usage = real(path)
+        return usage._replace(free=shm_free) if str(path) == "/dev/shm" else usage
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+async def test_a_million_cartpoles_per_worker_are_refused_at_once(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    _with_memory(monkeypatch, available=16 << 30, shm_free=8 << 30)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="envs_per_worker=1000000") as info:
+        Sampler("CartPole-v1", envs_per_worker=10**6, backend=backend)
+    assert time.perf_counter() - start < 1.0
+    message = str(info.value)
+    assert "2,000,000 envs" in message and "16.0 GiB is available" in message
+    assert re.search(r"need about \d+\.\d GiB of memory", message)
+
+
+async def test_shared_memory_is_checked_for_the_process_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _with_memory(monkeypatch, available=1 << 40, shm_free=1 << 20)
+    box = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
+    env = functools.partial(SpacedEnv, box, gym.spaces.Discrete(4))
+    with pytest.raises(ValueError, match=r"shared memory in /dev/shm, but only 1\.0 MiB"):
+        Sampler(env, envs_per_worker=64, backend="process")
+    await Sampler(env, envs_per_worker=64, backend="local").aclose()  # ordinary memory: fits
+
+
+async def test_host_mode_counts_its_chunk_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    box = gym.spaces.Box(0, 255, (84, 84), np.uint8)
+    env = functools.partial(SpacedEnv, box, gym.spaces.Discrete(4))
+    # 2 workers x 8 envs x (2 x 7056 + 18) bytes: 226 KiB of step buffers, 64 times that in chunks
+    _with_memory(monkeypatch, available=1 << 40, shm_free=1 << 20)
+    await Sampler(env, envs_per_worker=8, backend="process").aclose()
+    with pytest.raises(ValueError, match="step and chunk buffers"):
+        Sampler(env, envs_per_worker=8, backend="process", inference="host")
+
+
+async def test_a_large_sampler_is_built_without_stalling_the_loop() -> None:
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    start = time.perf_counter()
+    try:
+        sampler = Sampler("CartPole-v1", envs_per_worker=100_000, backend="process")
+    except ValueError as exc:  # a small machine: refused at once, with the reason
+        assert "need about" in str(exc)
+    else:
+        await sampler.aclose()
+    elapsed = time.perf_counter() - start
+    ticker.cancel()
+    assert elapsed < 0.5, f"building took {elapsed:.2f} s of loop time"
+
+
+def test_lazy_seeds_are_the_seeds_spawn_gives() -> None:
+    _, seeds = worker_seeds(7, 2, 5)
+    root = np.random.SeedSequence(7)
+    for worker, child in zip(seeds, root.spawn(2), strict=True):
+        agent, *envs = child.spawn(1 + 5)
+        assert worker.agent_seed == int(agent.generate_state(1, np.uint32)[0])
+        expected = [int(e.spawn(1)[0].generate_state(1, np.uint32)[0]) for e in envs]
+        assert worker.next_env_seeds() == expected
+    assert worker_seeds(7, 1, 10**7)[1][0].next_env_seed(10**7 - 1) > 0  # no spawning of all
