@@ -1,0 +1,270 @@
+"""The package's layout rules, checked from the source alone (nothing is imported).
+
+* **No import cycle inside ``asyncsample/``.** Edges are the imports a module runs when it is
+  imported: module-level ``import`` and ``from ... import`` statements, including those inside
+  module-level ``if``/``try``/``with`` blocks and class bodies, and ``from package import name``
+  where ``name`` is a submodule. Imports under ``if TYPE_CHECKING:`` never count (they never
+  run). Importing ``a.b.c`` is an edge to ``a.b.c`` only, not to the packages above it, so a
+  package ``__init__`` that re-exports its modules is no cycle.
+* **Nor through lazy imports.** An import inside a function that closes a loop dodges the cycle
+  at import time but keeps the two modules tied together: the second check counts imports inside
+  functions too.
+* **No module over** :data:`MAX_LINES` **lines**, except those in :data:`LONG_MODULES`, each with
+  the reason it reads better whole.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Mapping
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "asyncsample"
+#: The most lines a module may have (unless allowed below).
+MAX_LINES = 800
+
+#: Modules allowed over MAX_LINES: path relative to the package -> why it reads better whole.
+#: Add an entry only for one responsibility that would lose by being split, and say which.
+LONG_MODULES: dict[str, str] = {}
+
+
+def module_name(path: Path) -> str:
+    """``asyncsample/backends/process.py`` -> ``asyncsample.backends.process``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package by dotted name."""
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``."""
+    if isinstance(test, ast.Name):
+        return test.id == "TYPE_CHECKING"
+    return isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+
+
+class _ImportFinder(ast.NodeVisitor):
+    """Collects the import statements of a module, skipping ``if TYPE_CHECKING:`` bodies and,
+    unless ``lazy``, function bodies (they do not run at import time)."""
+
+    def __init__(self, lazy: bool) -> None:
+        self.lazy = lazy
+        self.found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit_If(self, node: ast.If) -> None:
+        if not _is_type_checking(node.test):
+            for child in node.body:
+                self.visit(child)
+        for child in node.orelse:
+            self.visit(child)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
+        if self.lazy:
+            self.generic_visit(node)
+
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> None:
+        if self.lazy:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:
+        self.found.append(node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        self.found.append(node)
+
+
+def imports(name: str, path: Path, known: Mapping[str, object], lazy: bool = False) -> set[str]:
+    """The package modules that module ``name`` imports (see the module docstring).
+
+    Args:
+        name: the module's dotted name.
+        path: its source file.
+        known: the package's modules by dotted name.
+        lazy: count imports inside functions too.
+    """
+    finder = _ImportFinder(lazy)
+    finder.visit(ast.parse(path.read_text(), str(path)))
+    is_package = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in finder.found:
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names if alias.name in known)
+            continue
+        if node.level:
+            base = name.split(".")
+            # From a package's __init__, level 1 is the package itself.
+            drop = node.level - 1 if is_package else node.level
+            base = base[: len(base) - drop] if drop else base
+            parent = ".".join([*base, node.module] if node.module else base)
+        else:
+            parent = node.module or ""
+        for alias in node.names:
+            submodule = f"{parent}.{alias.name}"
+            if submodule in known:
+                out.add(submodule)
+            elif parent in known:
+                out.add(parent)
+    out.discard(name)
+    return out
+
+
+def import_graph(lazy: bool = False) -> dict[str, set[str]]:
+    """Module -> the package modules it imports at import time (and, if ``lazy``, later)."""
+    known = modules()
+    return {name: imports(name, path, known, lazy) for name, path in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module, as a path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; the package is small enough to recurse
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_in(graph, set(c)) for c in components]
+
+
+def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest cycle through the first module of a strongly connected component."""
+    start = min(component)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    return [*paths[v], start]
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")  # cannot happen in a component
+
+
+def describe(found: list[list[str]]) -> str:
+    return "\n".join("  " + " -> ".join(cycle) for cycle in found)
+
+
+def test_no_import_cycle_inside_the_package() -> None:
+    found = cycles(import_graph())
+    assert not found, (
+        f"import cycles inside asyncsample/ (module-level imports):\n{describe(found)}"
+    )
+
+
+def test_no_import_cycle_through_lazy_imports() -> None:
+    found = cycles(import_graph(lazy=True))
+    assert not found, (
+        f"import cycles inside asyncsample/ closed by imports inside functions:\n{describe(found)}"
+    )
+
+
+def test_no_module_is_too_long() -> None:
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = str(path.relative_to(PACKAGE))
+        n = len(path.read_text().splitlines())
+        if n > MAX_LINES and relative not in LONG_MODULES:
+            long[relative] = n
+    assert not long, (
+        f"modules over {MAX_LINES} lines (split them, or allow them in LONG_MODULES with the "
+        "reason they read better whole):\n"
+        + "\n".join(f"  asyncsample/{p}: {n} lines" for p, n in long.items())
+    )
+
+
+def test_the_allowed_long_modules_exist() -> None:
+    missing = [p for p in LONG_MODULES if not (PACKAGE / p).is_file()]
+    assert not missing, f"LONG_MODULES names modules that do not exist: {missing}"
+
+
+# -- the checker itself, on made-up sources ------------------------------------------------------
+
+
+def test_the_checker_sees_the_imports_that_run_and_skips_the_others(tmp_path: Path) -> None:
+    source = """
+from __future__ import annotations
+import os
+from typing import TYPE_CHECKING
+from asyncsample import errors
+from asyncsample.backends import base
+from . import seeding
+from .backends.local import LocalHost
+if TYPE_CHECKING:
+    from asyncsample import sampler
+else:
+    import asyncsample.stats
+try:
+    from asyncsample import agent
+except ImportError:
+    from asyncsample import env_update
+
+def lazy():
+    from asyncsample import vector
+"""
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    known = {
+        n: PACKAGE
+        for n in [
+            "asyncsample",
+            "asyncsample.errors",
+            "asyncsample.backends",
+            "asyncsample.backends.base",
+            "asyncsample.backends.local",
+            "asyncsample.seeding",
+            "asyncsample.sampler",
+            "asyncsample.stats",
+            "asyncsample.agent",
+            "asyncsample.env_update",
+            "asyncsample.vector",
+        ]
+    }
+    assert imports("asyncsample.probe", path, known) == {
+        "asyncsample.errors",
+        "asyncsample.backends.base",
+        "asyncsample.seeding",
+        "asyncsample.backends.local",
+        "asyncsample.stats",
+        "asyncsample.agent",
+        "asyncsample.env_update",
+    }
+    lazy = imports("asyncsample.probe", path, known, lazy=True)
+    assert "asyncsample.vector" in lazy and "asyncsample.sampler" not in lazy
+
+
+def test_the_checker_finds_a_cycle_and_names_it() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
