@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
-__all__ = ["WorkerSeeds", "worker_seeds"]
+__all__ = ["OFF_LOOP_ENVS", "WorkerSeeds", "worker_seeds"]
+
+#: From this many envs per worker, their seeds are drawn in a thread, off the event loop.
+OFF_LOOP_ENVS = 4096
 
 
 class WorkerSeeds:
@@ -35,6 +40,13 @@ class WorkerSeeds:
     def next_env_seeds(self) -> list[int]:
         """The next seed of every env, in env order."""
         return [self.next_env_seed(i) for i in range(self._n_envs)]
+
+    async def next_env_seeds_off_loop(self) -> list[int]:
+        """:meth:`next_env_seeds`, in a thread when there are many envs (about 50 us each), so a
+        worker with 100,000 envs does not stall the event loop for seconds as it starts."""
+        if self._n_envs < OFF_LOOP_ENVS:
+            return self.next_env_seeds()
+        return await asyncio.to_thread(self.next_env_seeds)
 
 
 def worker_seeds(seed: int | None, n_workers: int, n_envs: int) -> tuple[int, list[WorkerSeeds]]:

@@ -132,7 +132,7 @@ class Worker:
         self._seeds = seeds
         sources = self._per_env(env, "env")
         self._chains = [[s] for s in sources]
-        await host.build(self._chains, seeds.next_env_seeds())
+        await host.build(self._chains, await seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
 
     async def restart_host(self) -> int:
@@ -144,7 +144,7 @@ class Worker:
         assert self.host is not None and self._seeds is not None
         self.restarts += 1
         self.episodes.broken = True
-        await self.host.restart(self._chains, self._seeds.next_env_seeds())
+        await self.host.restart(self._chains, await self._seeds.next_env_seeds_off_loop())
         self.episodes.broken = False
         return self.episodes.recovered()
 
@@ -209,7 +209,7 @@ class Worker:
         updates = self._per_env(env_update, "env_update")
         assert self.host is not None and self._seeds is not None
         self._chains = [rebuild_chain(c, u) for c, u in zip(self._chains, updates)]
-        await self.host.update(updates, self._seeds.next_env_seeds())
+        await self.host.update(updates, await self._seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
 
     async def start_episode(self) -> None:

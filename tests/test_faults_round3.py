@@ -17,7 +17,7 @@ import pytest
 from helpers import SamplerFactory
 
 from asyncsample import Sampler, WorkerError
-from asyncsample.seeding import worker_seeds
+from asyncsample.seeding import OFF_LOOP_ENVS, worker_seeds
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.both_loops]
 
@@ -251,3 +251,23 @@ def test_lazy_seeds_are_the_seeds_spawn_gives() -> None:
         expected = [int(e.spawn(1)[0].generate_state(1, np.uint32)[0]) for e in envs]
         assert worker.next_env_seeds() == expected
     assert worker_seeds(7, 1, 10**7)[1][0].next_env_seed(10**7 - 1) > 0  # no spawning of all
+
+
+async def test_many_env_seeds_are_drawn_off_the_loop() -> None:
+    n = OFF_LOOP_ENVS * 4
+    _, (threaded,) = worker_seeds(3, 1, n)
+    _, (inline,) = worker_seeds(3, 1, n)
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    seeds = await threaded.next_env_seeds_off_loop()
+    ticker.cancel()
+    assert seeds == inline.next_env_seeds()
+    assert ticks > 1  # the loop kept running while they were drawn
+    assert await threaded.next_env_seeds_off_loop() == inline.next_env_seeds()  # next ones
