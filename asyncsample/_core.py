@@ -32,8 +32,14 @@ from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
-from asyncsample.backends import BACKENDS, Backend, HostSpec, make_backend, pool_size
-from asyncsample.backends._chunk import chunk_capacity
+from asyncsample.backends import (
+    BACKENDS,
+    Backend,
+    HostSpec,
+    chunk_capacity,
+    make_backend,
+    pool_size,
+)
 from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvChoice, EnvSource, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
@@ -93,10 +99,7 @@ class SamplerCore:
             "max_episode_length", max_episode_length
         )
         seed = _validate.seed("seed", seed)
-        if not isinstance(backend, str) or backend not in BACKENDS:
-            raise ValueError(
-                f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}"
-            )
+        backend = _validate.choice("backend", backend, BACKENDS)
         step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         if step_timeout is not None and backend == "local":
             raise ValueError(
@@ -105,8 +108,7 @@ class SamplerCore:
             )
         max_restarts = _validate.nonnegative_int("max_restarts", max_restarts)
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
-        if not (isinstance(worker_class, type) and issubclass(worker_class, Worker)):
-            raise TypeError(f"worker_class must be a subclass of Worker, got {worker_class!r}")
+        worker_class = _validate.subclass("worker_class", worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", worker_args)
         if worker_args.setdefault("n_envs", envs_per_worker) != envs_per_worker:
             raise ValueError(

@@ -167,11 +167,7 @@ class TestEnvs:
         n_episodes = _validate.positive_int("n_episodes", n_episodes)
         deterministic = _validate.flag("deterministic", deterministic)
         render = _validate.flag("render", render)
-        if agent is not None and not callable(getattr(agent, "get_actions", None)):
-            raise TypeError(
-                f"agent must have a get_actions(observations) method or be None, got "
-                f"{type(agent).__name__}"
-            )
+        _validate.has_method("agent", agent, "get_actions", args="observations", optional=True)
         core.check_open()
         source = env if env is not None else core.test_env
         if source is None:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
 
+from asyncsample import _validate
 from asyncsample._tree import Tree, tree_leaves, tree_map
 
 __all__ = ["TorchAgent"]
@@ -398,9 +399,8 @@ def _keywords(fn: Callable[..., Any], names: tuple[str, ...]) -> set[str]:
 
 def _choose_head(head: str | None, action_space: gym.Space[Any] | None) -> Head:
     if head is not None:
-        if head not in ("categorical", "gaussian"):
-            raise ValueError(f"head must be 'categorical' or 'gaussian', got {head!r}")
-        return head  # type: ignore[return-value]
+        heads: tuple[str, ...] = ("categorical", "gaussian")
+        return cast(Head, _validate.choice("head", head, heads))
     if isinstance(action_space, gym.spaces.Discrete):
         return "categorical"
     if isinstance(action_space, gym.spaces.Box):

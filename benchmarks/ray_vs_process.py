@@ -174,7 +174,7 @@ def compression_costs(factories: dict[str, Any], n_envs: int) -> dict[str, Any]:
         codecs.append("lz4")
     except ImportError:
         pass
-    from asyncsample.backends.ray import _Packed
+    from asyncsample.backends._ray_actor import _Packed
 
     for name in ("Image-v0", "NoiseImage-v0"):
         frames = []

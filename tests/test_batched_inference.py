@@ -346,5 +346,5 @@ async def test_eager_min_fraction_one_waits_for_every_worker(
     async with make_sampler(backend, agent=agent, inference=options, n_workers=4) as sampler:
         await sampler.obtain_fragments(4 * 2 * 10)
     assert agent.calls == [8] * 10
-    with pytest.raises(ValueError, match="min_fraction must be between 0 and 1"):
+    with pytest.raises(ValueError, match="min_fraction must be >= 0 and <= 1"):
         Batched("eager", min_fraction=1.5)

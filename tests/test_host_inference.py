@@ -329,8 +329,10 @@ def test_constructor_errors() -> None:
                 return await super().compute_actions(observations)
 
         Sampler(NoisyEnv, LinearAgent(), inference="host", worker_class=Custom)
-    with pytest.raises(ValueError, match="chunk_steps must be an int >= 1"):
+    with pytest.raises(ValueError, match="chunk_steps must be >= 1, got 0"):
         Host(chunk_steps=0)
+    with pytest.raises(TypeError, match="chunk_steps must be an int >= 1, got str"):
+        Host(chunk_steps="8")  # type: ignore[arg-type]
 
 
 async def test_unpicklable_or_async_agent_update_is_refused_before_it_applies(

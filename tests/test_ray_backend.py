@@ -44,18 +44,10 @@ from asyncsample import (
 )
 from asyncsample.backends import HostSpec, make_backend
 from asyncsample.backends import ray as ray_backend
+from asyncsample.backends._ray_actor import EnvActor, _Packed, best_codec, copy_into, encode_request
 from asyncsample.backends._remote import slots_blob
 from asyncsample.backends._transport import Op
-from asyncsample.backends.ray import (
-    INSTALL_HINT,
-    EnvActor,
-    RayBackend,
-    RayHost,
-    _copy_into,
-    _Packed,
-    _request,
-    best_codec,
-)
+from asyncsample.backends.ray import INSTALL_HINT, RayBackend, RayHost
 from asyncsample.env_group import StepBuffers
 from asyncsample.env_update import make_env
 from asyncsample.seeding import worker_seeds
@@ -251,10 +243,10 @@ def test_actor_encodings_and_compression_in_process() -> None:
     replies = []
     for actor in (plain, packed):
         assert pickle.loads(actor.serve(0, Op.BUILD, blob)) == (0, b"")
-        reset = actor.reset(_request(0, mask))
+        reset = actor.reset(encode_request(0, mask))
         assert isinstance(reset, tuple) == (actor is plain)  # large replies stay arrays
         for _ in range(30):
-            step = actor.step(_request(0, mask, actions))
+            step = actor.step(encode_request(0, mask, actions))
         replies.append((reset, step))
     (_, step_a), (reset_b, step_b) = replies
     for codec in {"zlib", best_codec()}:
@@ -265,19 +257,19 @@ def test_actor_encodings_and_compression_in_process() -> None:
     assert packed.skip[(0, "obs", 0)] > 0  # and not tried again for a while
     # Object arrays (Text, Graph... spaces) are pickled rather than sent as raw bytes.
     objects = {"force": actions["force"], "move": actions["move"].astype(object)}
-    assert _request(0, mask, objects)[4] == 2 and _request(0, mask, actions)[4] == 1
+    assert encode_request(0, mask, objects)[4] == 2 and encode_request(0, mask, actions)[4] == 1
     again = EnvActor(slots, None, "zlib")
     again.serve(0, Op.BUILD, blob)
-    again.reset(_request(0, mask))
+    again.reset(encode_request(0, mask))
     for _ in range(30):
-        step_c = again.step(_request(0, mask, objects))
+        step_c = again.step(encode_request(0, mask, objects))
     assert np.array_equal(step_c[1][0]["image"], step_a[1][0]["image"])
     assert np.array_equal(step_c[1][1], step_a[1][1])
     obs_b = pickle.loads(reset_b)[1][0]["image"]
     assert obs_b.codec == best_codec() and len(obs_b.data) < obs_b.unpack().nbytes / 10
     a, b = step_a[1], pickle.loads(step_b)[1]
     out = StepBuffers.allocate(probe.observation_space, probe.action_space, 4)
-    _copy_into(out.obs, b[0])
+    copy_into(out.obs, b[0])
     assert np.array_equal(out.obs["image"], a[0]["image"])
     assert np.array_equal(a[1], b[1]) and a[6] == b[6]
 

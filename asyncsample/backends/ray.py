@@ -41,24 +41,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import math
 import os
 import pickle
-import struct
 import threading
-import traceback
 import warnings
-import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._tree import Tree, tree_leaves, tree_map
-from asyncsample.backends import _threads
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
+from asyncsample.backends._ray_actor import (
+    OK,
+    EnvActor,
+    best_codec,
+    copy_into,
+    encode_request,
+)
 from asyncsample.backends._remote import (
     HostDied,
     Incarnation,
@@ -66,14 +67,11 @@ from asyncsample.backends._remote import (
     PoolMember,
     RemoteHost,
 )
-from asyncsample.backends._slot import HostSlot
-from asyncsample.backends._transport import Op, dump_failure, load_failure
+from asyncsample.backends._transport import Op, load_failure
 from asyncsample.backends._transport import dumps as _dumps
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
 from asyncsample.backends.placement import placement
 from asyncsample.env_group import (
-    EnvFailure,
-    EnvFailureError,
     StepBuffers,
     StepInfos,
     reset_arguments,
@@ -93,24 +91,6 @@ PENDING_WARNING = 10.0
 #: Seconds to wait for Ray to confirm that killed actors are dead.
 _KILL_WAIT = 5.0
 
-#: Replies whose observations reach this many bytes travel as arrays through Ray's object
-#: store (no copies); smaller ones as one pickled bytes object (fewer, cheaper serialisations).
-LARGE_REPLY = 100 * 1024
-
-# Compression must shrink a payload this many times to be kept; after a miss the leaf is sent
-# uncompressed for this many replies before compression is tried again.
-_MIN_RATIO = 1.25
-_SKIP_AFTER_MISS = 1000
-
-# Reply statuses of the actor's methods.
-_OK = 0
-_FAIL = 1
-# Requests of reset and step: worker index and how the actions are encoded, then the mask.
-_HEAD = struct.Struct("<iB")
-_NO_ACTIONS = 0
-_RAW_ACTIONS = 1
-_PICKLED_ACTIONS = 2
-
 
 def _import_ray() -> Any:
     """The ``ray`` module, or an ImportError that says how to install it."""
@@ -121,286 +101,6 @@ def _import_ray() -> Any:
             f"backend='ray' needs the ray package, which is not installed: {INSTALL_HINT}"
         ) from exc
     return ray
-
-
-# -- payloads ---------------------------------------------------------------------------------
-
-
-class _Packed:
-    """A compressed array (one leaf of an observation payload)."""
-
-    __slots__ = ("codec", "data", "dtype", "shape")
-
-    def __init__(self, codec: str, data: bytes, dtype: str, shape: tuple[int, ...]) -> None:
-        self.codec = codec
-        self.data = data
-        self.dtype = dtype
-        self.shape = shape
-
-    def __reduce__(self) -> Any:
-        return (_Packed, (self.codec, self.data, self.dtype, self.shape))
-
-    @classmethod
-    def pack(cls, array: np.ndarray, codec: str) -> _Packed:
-        """Compress ``array`` with ``codec`` (``"lz4"`` or ``"zlib"``)."""
-        raw = np.ascontiguousarray(array).data
-        if codec == "lz4":
-            import lz4.frame
-
-            data = lz4.frame.compress(raw)
-        else:
-            data = zlib.compress(raw, 1)
-        return cls(codec, data, array.dtype.str, tuple(array.shape))
-
-    def unpack(self) -> np.ndarray:
-        """The original array (read-only)."""
-        if self.codec == "lz4":
-            import lz4.frame
-
-            raw = lz4.frame.decompress(self.data)
-        else:
-            raw = zlib.decompress(self.data)
-        return np.frombuffer(raw, dtype=np.dtype(self.dtype)).reshape(self.shape)
-
-
-def best_codec() -> str:
-    """``"lz4"`` when the lz4 package is installed (fast), else ``"zlib"`` (level 1)."""
-    try:
-        import lz4.frame  # noqa: F401
-    except ImportError:
-        return "zlib"
-    return "lz4"
-
-
-def _copy_leaf(dst: np.ndarray, src: Any, index: Any) -> None:
-    if isinstance(src, _Packed):
-        src = src.unpack()
-    dst[index] = src
-
-
-def _copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
-    """``dst[index] = src`` leaf by leaf, unpacking compressed leaves."""
-    if isinstance(dst, np.ndarray):
-        _copy_leaf(dst, src, index)
-    else:
-        tree_map(lambda d, s: _copy_leaf(d, s, index), dst, src)
-
-
-# Env failures cross the actor boundary pickled like the process backend's (see _transport).
-
-
-def _request(worker: int, mask: np.ndarray, actions: Tree | None = None) -> bytes:
-    """One bytes object for a reset or step: ``worker``, the mask, then the actions.
-
-    One small bytes argument is the cheapest thing to send through Ray (about half the cost of
-    three separately serialised arguments). Actions that are fixed-size arrays (every Box,
-    Discrete, MultiDiscrete... and Dict/Tuple of them) go as raw bytes, leaf by leaf, in the
-    order of the buffers both sides allocated from the same space; anything else is pickled.
-    """
-    kind = _NO_ACTIONS
-    parts = [b"", np.asarray(mask, dtype=np.bool_).tobytes()]
-    if actions is not None:
-        leaves = tree_leaves(actions)
-        if all(isinstance(leaf, np.ndarray) and leaf.dtype != object for leaf in leaves):
-            kind = _RAW_ACTIONS
-            parts.extend(leaf.tobytes() for leaf in leaves)
-        else:
-            kind = _PICKLED_ACTIONS
-            parts.append(_dumps(actions))
-    parts[0] = _HEAD.pack(worker, kind)
-    return b"".join(parts)
-
-
-# -- the actor (runs in a Ray worker process) -------------------------------------------------
-
-
-class EnvActor:
-    """Hosts the envs of several workers, one :class:`~asyncsample.backends._slot.HostSlot` per
-    worker slot.
-
-    Made a Ray actor class by :class:`RayBackend` (``ray.remote(EnvActor)``), so that this module
-    does not import ray. What each operation does is the slot's; the actor only decodes requests
-    and encodes replies. ``reset`` and ``step`` take one bytes request (see :func:`_request`) and
-    reply with the observations (there is no shared memory); ``run_chunk`` replies with the
-    chunk's records; every other operation goes through :meth:`serve` as the slot's bytes.
-    Every method replies ``(status, payload)``, pickled into one bytes object when it is small
-    (cheapest for Ray to ship), or as a tuple of arrays when the observations are large (Ray
-    moves them through its object store without copies). An env failure is a ``_FAIL`` status
-    with a pickled :class:`EnvFailure`, never a raised exception.
-
-    Args:
-        slots_blob: the cloudpickled :class:`HostSpec` of each hosted worker.
-        compress_threshold: compress observation leaves of at least this many bytes (``None``:
-            never).
-        codec: ``"lz4"`` or ``"zlib"``; zlib is used when lz4 is not installed here.
-        host_threads: threads of the numeric libraries in this actor (``None``: their
-            defaults).
-    """
-
-    def __init__(
-        self,
-        slots_blob: bytes,
-        compress_threshold: int | None,
-        codec: str,
-        host_threads: int | None = None,
-    ) -> None:
-        _threads.limit(host_threads)
-        self.slots: dict[int, HostSlot] = {}
-        self.large: dict[int, bool] = {}
-        for spec in pickle.loads(slots_blob):
-            slot = HostSlot.allocate(spec, host_threads, "env-host actor")
-            self.slots[spec.worker] = slot
-            obs_bytes = sum(leaf.nbytes for leaf in tree_leaves(slot.group.buffers.obs))
-            self.large[spec.worker] = obs_bytes >= LARGE_REPLY
-        self.threshold = compress_threshold
-        self.skip: dict[tuple[int, str, int], int] = {}
-        self.codec = codec if codec != "lz4" or best_codec() == "lz4" else "zlib"
-
-    def _pack(self, worker: int, what: str, tree: Tree) -> Tree:
-        """Compress the leaves of ``tree`` of at least ``compress_threshold`` bytes, where it pays.
-
-        A leaf that compresses by less than ``_MIN_RATIO`` (noise does not compress) is sent
-        as is, and not tried again for its next ``_SKIP_AFTER_MISS`` replies: compressing
-        incompressible data costs time for nothing.
-        """
-        threshold = self.threshold
-        if threshold is None or tree is None:
-            return tree
-        skip = self.skip
-        index = itertools.count()
-
-        def pack(leaf: np.ndarray) -> Any:
-            key = (worker, what, next(index))
-            if leaf.nbytes < threshold:
-                return leaf
-            left = skip.get(key, 0)
-            if left:
-                skip[key] = left - 1
-                return leaf
-            packed = _Packed.pack(leaf, self.codec)
-            if len(packed.data) * _MIN_RATIO > leaf.nbytes:
-                skip[key] = _SKIP_AFTER_MISS
-                return leaf
-            return packed
-
-        return tree_map(pack, tree)
-
-    def ready(self) -> tuple[int, str]:
-        """The actor's pid and node address, once it is up."""
-        import ray
-
-        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        return os.getpid(), ip
-
-    def _run(self, fn: Callable[..., Any], *args: Any, worker: int | None = None) -> Any:
-        """``(status, payload)`` of ``fn(*args)``; as arrays if large observations are in it."""
-        try:
-            payload = fn(*args)
-        except EnvFailureError as exc:
-            return _dumps((_FAIL, dump_failure(exc.failure)))
-        except Exception as exc:  # a bug of the host itself: report it like an env failure
-            text = "".join(traceback.format_exception(exc))
-            return _dumps((_FAIL, dump_failure(EnvFailure(None, exc, text))))
-        large = False
-        if worker is not None:
-            if self.threshold is None:
-                large = self.large[worker]
-            else:  # what compression left as arrays: all of it, for frames that do not shrink
-                obs = (payload[0], payload[5]) if len(payload) > 2 else payload[0]
-                raw = sum(x.nbytes for x in tree_leaves(obs) if isinstance(x, np.ndarray))
-                large = raw >= LARGE_REPLY
-        return (_OK, payload) if large else _dumps((_OK, payload))
-
-    def serve(self, worker: int, op: int, body: bytes) -> Any:
-        """Operation ``op`` of the worker's slot with the request ``body`` (build, update, call,
-        set_attr, agent install, parameter update, close); payload: the slot's reply bytes."""
-        return self._run(self.slots[worker].serve, op, body)
-
-    def _decode(self, request: bytes) -> tuple[int, HostSlot, np.ndarray]:
-        """Split a request; actions, if any, are written into the slot's buffers."""
-        worker, kind = _HEAD.unpack_from(request)
-        slot = self.slots[worker]
-        n_envs = slot.group.n_envs
-        offset = _HEAD.size + n_envs
-        mask = np.frombuffer(request, np.bool_, n_envs, _HEAD.size)
-        if kind == _RAW_ACTIONS:
-            for leaf in tree_leaves(slot.group.buffers.actions):
-                leaf[...] = np.frombuffer(request, leaf.dtype, leaf.size, offset).reshape(
-                    leaf.shape
-                )
-                offset += leaf.nbytes
-        elif kind == _PICKLED_ACTIONS:
-            _copy_into(slot.group.buffers.actions, pickle.loads(request[offset:]))
-        return worker, slot, mask
-
-    def reset(self, request: bytes, args: bytes | None = None) -> Any:
-        """Reset the masked envs of a worker; payload ``(obs, reset_infos)``.
-
-        ``args``: ``None`` (pending seeds, no options), or pickled ``(seeds, options)``.
-        """
-        worker, slot, mask = self._decode(request)
-
-        def reset() -> tuple[Tree, dict[int, dict[str, Any]]]:
-            seeds, options = (None, None) if args is None else slot.load(args, "reset options")
-            infos = slot.reset(mask, seeds, options)
-            return self._pack(worker, "obs", slot.group.buffers.obs), infos
-
-        return self._run(reset, worker=worker)
-
-    def step(self, request: bytes) -> Any:
-        """Step the masked envs of a worker with the actions in the request.
-
-        Payload: ``(obs, rewards, terminated, truncated, done, final_obs, infos)`` where ``done``
-        indexes the stepped envs whose episode ended and ``final_obs`` holds only their rows.
-        """
-        worker, slot, mask = self._decode(request)
-        buf = slot.group.buffers
-
-        def step() -> tuple[Any, ...]:
-            infos = slot.step(mask)
-            done = np.flatnonzero((buf.terminated | buf.truncated) & mask)
-            final = tree_map(lambda x: x[done], buf.final_obs) if len(done) else None
-            return (
-                self._pack(worker, "obs", buf.obs),
-                buf.rewards,
-                buf.terminated,
-                buf.truncated,
-                done,
-                self._pack(worker, "final", final),
-                infos,
-            )
-
-        return self._run(step, worker=worker)
-
-    def run_chunk(self, worker: int, request: bytes) -> Any:
-        """Run a chunk (:class:`ChunkRequest`, pickled); payload: the :class:`ChunkReply`, the
-        chunk's first ``steps`` records and the current observations."""
-        slot = self.slots[worker]
-
-        def run() -> tuple[Any, ...]:
-            reply = slot.run_chunk(slot.load(request, "chunk request"))
-            chunk = slot.runner.chunk  # type: ignore[union-attr]  # run_chunk checked it
-            k = reply.steps
-            return (
-                reply,
-                self._pack(worker, "chunk_obs", tree_map(lambda x: x[:k], chunk.obs)),
-                tree_map(lambda x: x[:k], chunk.actions),
-                chunk.rewards[:k],
-                chunk.terminated[:k],
-                chunk.truncated[:k],
-                self._pack(worker, "chunk_final", tree_map(lambda x: x[:k], chunk.final_obs)),
-                self._pack(worker, "obs", slot.group.buffers.obs),
-            )
-
-        return self._run(run)
-
-    def shutdown(self) -> None:
-        """Close every env of this actor (before it is killed)."""
-        for slot in self.slots.values():
-            slot.close()
-
-
-# -- the main process's side ------------------------------------------------------------------
 
 
 class _Actor(Incarnation):
@@ -605,7 +305,7 @@ class RayHost(RemoteHost[_Actor]):
 
     def _unpack(self, reply: Any) -> Any:
         status, payload = pickle.loads(reply) if isinstance(reply, bytes) else reply
-        if status != _OK:
+        if status != OK:
             raise failure_error(self.worker, load_failure(payload))
         return payload
 
@@ -615,27 +315,27 @@ class RayHost(RemoteHost[_Actor]):
         seeds: Sequence[int | None] | None = None,
         options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[int, dict[str, object]]:
-        request = _request(self.worker, mask)
+        request = encode_request(self.worker, mask)
         if seeds is None and options is None:
             obs, infos = await self._request(Op.RESET, request)
         else:
             args = reset_arguments(self.spec.n_envs, seeds, options)
             obs, infos = await self._request(Op.RESET, request, self._pickle("reset options", args))
-        _copy_into(self.buffers.obs, obs)
+        copy_into(self.buffers.obs, obs)
         result: dict[int, dict[str, object]] = infos
         return result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         buf = self.buffers
         # The request is a copy of the actions: the worker may write the next ones meanwhile.
-        payload = await self._request(Op.STEP, _request(self.worker, mask, buf.actions))
+        payload = await self._request(Op.STEP, encode_request(self.worker, mask, buf.actions))
         obs, rewards, terminated, truncated, done, final, infos = payload
-        _copy_into(buf.obs, obs)
+        copy_into(buf.obs, obs)
         buf.rewards[:] = rewards
         buf.terminated[:] = terminated
         buf.truncated[:] = truncated
         if final is not None:
-            _copy_into(buf.final_obs, final, done)
+            copy_into(buf.final_obs, final, done)
         result: StepInfos = infos
         return result
 
@@ -654,13 +354,13 @@ class RayHost(RemoteHost[_Actor]):
         k = reply.steps
         if k:
             head = slice(0, k)
-            _copy_into(chunk.obs, obs, head)
-            _copy_into(chunk.actions, actions, head)
+            copy_into(chunk.obs, obs, head)
+            copy_into(chunk.actions, actions, head)
             chunk.rewards[:k] = rewards
             chunk.terminated[:k] = terminated
             chunk.truncated[:k] = truncated
-            _copy_into(chunk.final_obs, final, head)
-        _copy_into(self.buffers.obs, current)
+            copy_into(chunk.final_obs, final, head)
+        copy_into(self.buffers.obs, current)
         result: ChunkReply = reply
         return result, version
 

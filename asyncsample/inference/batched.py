@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from asyncsample import _validate
 from asyncsample._tree import Tree, tree_concat, tree_leaves, tree_map
 from asyncsample.agent import Agent, AgentOutput
 
@@ -76,14 +77,9 @@ class Batched:
     min_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.flush not in _FLUSH_RULES:
-            raise ValueError(
-                f"flush must be one of {', '.join(map(repr, _FLUSH_RULES))}, got {self.flush!r}"
-            )
-        if not isinstance(self.threaded, bool):
-            raise TypeError(f"threaded must be a bool, got {self.threaded!r}")
-        if not 0.0 <= self.min_fraction <= 1.0:
-            raise ValueError(f"min_fraction must be between 0 and 1, got {self.min_fraction!r}")
+        _validate.choice("flush", self.flush, _FLUSH_RULES)
+        _validate.flag("threaded", self.threaded)
+        _validate.unit_interval("min_fraction", self.min_fraction)
 
 
 @dataclass

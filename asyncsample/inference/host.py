@@ -48,16 +48,17 @@ from typing import Any, Protocol
 import cloudpickle
 import numpy as np
 
+from asyncsample import _validate
 from asyncsample._assembly import Plan
 from asyncsample._engine import Episodes, RecordStep, StopRule, Transition
 from asyncsample._tree import Tree, tree_map
-from asyncsample.backends._chunk import (
+from asyncsample.backends import (
     DEFAULT_CHUNK_STEPS,
-    ChunkBuffers,
+    AgentHost,
     ChunkReply,
     ChunkRequest,
+    EnvHost,
 )
-from asyncsample.backends.base import EnvHost
 
 __all__ = ["ChunkStepper", "Host", "HostInference", "check_host_agent", "pickle_agent"]
 
@@ -74,28 +75,7 @@ class Host:
     chunk_steps: int = DEFAULT_CHUNK_STEPS
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.chunk_steps, bool)
-            or not isinstance(self.chunk_steps, (int, np.integer))
-            or self.chunk_steps < 1
-        ):
-            raise ValueError(f"Host: chunk_steps must be an int >= 1, got {self.chunk_steps!r}")
-
-
-class ChunkHost(Protocol):
-    """What a worker's env host offers for ``inference="host"``."""
-
-    buffers: Any
-
-    chunk: ChunkBuffers | None
-
-    def set_agent(self, blob: bytes, version: int) -> None: ...
-
-    def set_params(self, blob: bytes, version: int) -> None: ...
-
-    async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]: ...
-
-    async def sync_agent(self) -> int: ...
+        _validate.positive_int("chunk_steps", self.chunk_steps)
 
 
 def check_host_agent(agent: Any, name: str = "agent") -> None:
@@ -318,6 +298,6 @@ def _with_seed(blob: bytes, seed: int) -> bytes:
     return pickle.dumps((blob, seed), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _host(worker: HostWorker) -> ChunkHost:
+def _host(worker: HostWorker) -> AgentHost:
     host: Any = worker.host
     return host  # type: ignore[no-any-return]
