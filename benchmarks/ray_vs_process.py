@@ -267,7 +267,10 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     else:
         notes.append("lz4 is not installed: compression measured with zlib only")
     began = time.perf_counter()
-    if args.address:
+    started = not ray.is_initialized()  # a Ray already running in this process is reused
+    if not started:
+        notes.append("Ray was already initialised in this process: reused, not restarted")
+    elif args.address:
         ray.init(address=args.address, log_to_driver=False)
     else:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
@@ -282,7 +285,8 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
                         for codec in codecs:
                             await one(env, "ray", layout, codec)
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     return {
         "runs": runs,
         "summary": summarise(runs),
