@@ -183,6 +183,14 @@ STUDIES: list[Study] = [
         minutes=1.0,
     ),
     Study(
+        "async_envs",
+        "envs whose step waits (mean 50 ms, heavy tail) at 100-10,000 concurrent episodes: "
+        "backend asyncio/thread against AsyncVectorEnv and thread pools (own runner)",
+        script="benchmarks.async_envs",
+        script_args=((), ("--quick",)),
+        minutes=25.0,
+    ),
+    Study(
         "ab",
         "A/B of two source trees, alternating runs: --a OLD_TREE [--b NEW_TREE] (own runner)",
         script="benchmarks.ab",

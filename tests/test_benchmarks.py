@@ -31,6 +31,8 @@ SMOKE: dict[str, list[str]] = {
     "ray": ["--envs", "CartPole-v1", "--backends", "process"],
     "real_envs": ["--contenders", "sync", "asyncsample"],
     "ab": ["--a", str(REPO), "--workloads", "CartPole-v1 4x8 random"],
+    "async_envs": ["--levels", "10", "--contenders", "gym-async", "pool-32", "ours-thread",
+                   "ours-asyncio", "--seconds", "0.5"],
 }  # fmt: skip
 
 

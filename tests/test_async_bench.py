@@ -1,0 +1,110 @@
+"""The ``async_envs`` study (issue 23, item 6): its envs, its probe and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import async_envs as ae  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_latency_model_has_the_asked_mean_and_tail() -> None:
+    model = ae.LatencyModel()
+    draws = model.draw(np.random.default_rng(0), 200_000)
+    assert draws.mean() == pytest.approx(0.050, rel=0.02)
+    tail = draws > 5 * model.base
+    assert tail.mean() == pytest.approx(0.01, abs=0.002)
+    assert draws[tail].min() >= 20 * model.base * 0.8 - 1e-12
+    assert not ae.LatencyModel(mean=0.0).draw(np.random.default_rng(0), 5).any()
+
+
+def test_blocking_and_async_envs_wait_the_same_seeded_latencies() -> None:
+    kwargs = {"mean": 0.004, "episode_length": 5}
+    expected = ae.make_sleep_env(**kwargs)
+    expected.reset(seed=3)
+    waits = [expected._wait() for _ in range(5)]  # the latencies a seed-3 episode waits
+    assert len(set(waits)) == 5
+
+    sync_env = ae.make_sleep_env(**kwargs)
+    obs, _ = sync_env.reset(seed=3)
+    assert sync_env.observation_space.contains(obs)
+    t0 = time.perf_counter()
+    sync_ends = [sync_env.step(1)[3] for _ in range(5)]
+    sync_s = time.perf_counter() - t0
+
+    async_env = ae.make_async_env(**kwargs)
+
+    async def episode() -> list[bool]:
+        await async_env.reset(seed=3)
+        return [(await async_env.step(0))[3] for _ in range(5)]
+
+    t0 = time.perf_counter()
+    async_ends = asyncio.run(episode())
+    async_s = time.perf_counter() - t0
+    assert sync_ends == async_ends == [False, False, False, False, True]
+    assert min(sync_s, async_s) >= 0.95 * sum(waits)
+    assert sync_env._wait() == async_env._wait()  # still the same stream after the episode
+
+
+def test_lag_probe_sees_a_blocked_loop() -> None:
+    async def run() -> dict[str, float | None]:
+        probe = ae.LagProbe()
+        probe.start()
+        await asyncio.sleep(0.05)
+        time.sleep(0.03)  # the loop is blocked: the probe wakes ~30 ms late once
+        await asyncio.sleep(0.02)
+        return await probe.stop()
+
+    lag = asyncio.run(run())
+    assert lag["n"] and lag["max_ms"] is not None and lag["max_ms"] >= 25
+    assert lag["p50_ms"] is not None and lag["p50_ms"] < 10
+
+
+def test_plan_layouts_and_the_64_env_cap() -> None:
+    _, plan = ae.parse(["--levels", "100", "1000", "--threads", "64"])
+    specs = list(ae.cells(plan))
+    asyncio_layouts = [
+        (s.n_workers, s.envs_per_worker)
+        for s in specs
+        if s.contender == "ours-asyncio" and s.n_episodes == 1000
+    ]
+    assert asyncio_layouts == [(1000, 1), (10, 100)]
+    gym = [s for s in specs if s.contender == "gym-async" and s.n_episodes == 1000]
+    assert gym[0].n_envs == 64 and gym[0].ideal == pytest.approx(1000 / 0.05)
+    zero = [s for s in specs if s.contender == "ours-asyncio-zero"]
+    assert zero and all(s.mean == 0 and s.n_episodes == 1000 for s in zero)
+    assert {s.threads for s in specs if s.contender == "ours-thread"} == {64}
+
+
+def test_quick_run_end_to_end(tmp_path: Path) -> None:
+    """A tiny run of every peer (fresh processes) writes the JSON, the table and the chart."""
+    code = ae.main(
+        ["--quick", "--levels", "4", "--contenders", "gym-async", "pool-32",
+         "--latency-ms", "5", "--episode-length", "5", "--seconds", "0.3", "--warmup", "0.1",
+         "--calls", "2", "--out", str(tmp_path)]
+    )  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0, [r.get("note") for r in results["runs"]]
+    runs = {r["spec"]["contender"]: r for r in results["runs"]}
+    assert set(runs) == {"gym-async", "pool-32"}
+    for run in runs.values():
+        assert run["status"] == "ok"
+        assert run["steps_per_s"] > 0 and 0 < run["ratio_to_ideal"] < 1.5
+        assert run["cpu_us_per_step"] is not None
+        assert len(run["calls"]) == 2 and all(s == 4 * 5 for s in run["call_steps"])
+    assert runs["pool-32"]["lag"]["p99_ms"] is not None
+    assert runs["gym-async"]["lag"] == {}  # no event loop
+    text = (tmp_path / "results.md").read_text()
+    assert "| 4 | `pool-32` |" in text and "## Targets (issue 23)" in text
+    assert (tmp_path / "async_envs.png").stat().st_size > 1000
