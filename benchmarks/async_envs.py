@@ -482,6 +482,7 @@ class CellResult:
             "bytes_per_episode": (self.rss_open - self.rss_before) / spec.n_envs
             if self.rss_open
             else None,
+            "call_steps_per_s": sum(self.call_steps) / sum(self.calls) if self.calls else None,
             "call_p50_s": percentile(self.calls, 50),
             "call_p99_s": percentile(self.calls, 99),
             "timeout_call_p50_s": percentile(self.timeout_calls, 50),
