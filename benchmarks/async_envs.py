@@ -66,6 +66,7 @@ import psutil
 from gymnasium import spaces
 
 from benchmarks import fmt
+from benchmarks.contenders import LagProbe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async_envs"
 
@@ -94,12 +95,10 @@ __all__ = [
     "CONTENDERS",
     "AsyncLatencyEnv",
     "CellSpec",
-    "LagProbe",
     "LatencyModel",
     "SleepLatencyEnv",
     "main",
-    "make_async_env",
-    "make_sleep_env",
+    "make_env",
     "run_cell",
 ]
 
@@ -264,89 +263,24 @@ class AsyncLatencyEnv(_LatencyCore):
         return self
 
 
-def make_sleep_env(
+def make_env(
+    blocking: bool,
     mean: float = MEAN_LATENCY_S,
     tail_probability: float = TAIL_PROBABILITY,
     tail_factor: float = TAIL_FACTOR,
     jitter: float = JITTER,
     episode_length: int = EPISODE_LENGTH,
-) -> SleepLatencyEnv:
-    """A :class:`SleepLatencyEnv` (module level: picklable by reference, for subprocesses)."""
-    return SleepLatencyEnv(
-        LatencyModel(mean, tail_probability, tail_factor, jitter), episode_length
-    )
+) -> SleepLatencyEnv | AsyncLatencyEnv:
+    """A :class:`SleepLatencyEnv` (``blocking``) or an :class:`AsyncLatencyEnv`.
 
-
-def make_async_env(
-    mean: float = MEAN_LATENCY_S,
-    tail_probability: float = TAIL_PROBABILITY,
-    tail_factor: float = TAIL_FACTOR,
-    jitter: float = JITTER,
-    episode_length: int = EPISODE_LENGTH,
-) -> AsyncLatencyEnv:
-    """An :class:`AsyncLatencyEnv` (module level: picklable by reference, for subprocesses)."""
-    return AsyncLatencyEnv(
-        LatencyModel(mean, tail_probability, tail_factor, jitter), episode_length
-    )
+    Module level, so ``functools.partial(make_env, ...)`` pickles by reference for subprocesses.
+    """
+    cls = SleepLatencyEnv if blocking else AsyncLatencyEnv
+    return cls(LatencyModel(mean, tail_probability, tail_factor, jitter), episode_length)
 
 
 # --------------------------------------------------------------------------------------------
 # Measuring
-
-
-class LagProbe:
-    """How late the event loop runs a ready task: a task sleeps ``interval`` again and again.
-
-    Each wake-up records ``actual - interval``: the time the loop was busy elsewhere (plus the
-    timer's granularity, which the idle measurement before a run shows).
-
-    Args:
-        interval: Seconds the probe sleeps each time.
-    """
-
-    def __init__(self, interval: float = 0.001) -> None:
-        self.interval = interval
-        self.lags: list[float] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        clock = time.perf_counter
-        while True:
-            t0 = clock()
-            await asyncio.sleep(self.interval)
-            self.lags.append(clock() - t0 - self.interval)
-
-    def start(self) -> None:
-        """Start probing (in the running loop); forget earlier samples."""
-        self.lags = []
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    def clear(self) -> None:
-        """Forget the samples so far (e.g. those of a warm-up)."""
-        self.lags = []
-
-    async def stop(self) -> dict[str, float | None]:
-        """Stop probing; return the lag's p50, p99 and max in milliseconds, and the count."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        return lag_summary(self.lags)
-
-
-def lag_summary(lags: list[float]) -> dict[str, float | None]:
-    """p50, p99 and max of lags (seconds) in milliseconds, and how many there were."""
-    if not lags:
-        return {"p50_ms": None, "p99_ms": None, "max_ms": None, "n": 0}
-    a = np.asarray(lags) * 1e3
-    return {
-        "p50_ms": float(np.percentile(a, 50)),
-        "p99_ms": float(np.percentile(a, 99)),
-        "max_ms": float(a.max()),
-        "n": len(lags),
-    }
 
 
 def tree_rss() -> int:
@@ -412,7 +346,7 @@ class CellSpec:
     seed: int = 0
 
     def env_kwargs(self) -> dict[str, Any]:
-        """Arguments of :func:`make_sleep_env` / :func:`make_async_env`."""
+        """Arguments of :func:`make_env` but ``blocking``."""
         return {
             "mean": self.mean,
             "tail_probability": self.tail_probability,
@@ -420,6 +354,10 @@ class CellSpec:
             "jitter": self.jitter,
             "episode_length": self.episode_length,
         }
+
+    def latency(self) -> LatencyModel:
+        """The spec's latency model."""
+        return LatencyModel(self.mean, self.tail_probability, self.tail_factor, self.jitter)
 
     @property
     def n_envs(self) -> int:
@@ -454,8 +392,8 @@ class CellResult:
     rss_before: int = 0
     rss_open: int = 0
     start_s: float = 0.0
-    lag: dict[str, float | None] = field(default_factory=dict)
-    idle_lag: dict[str, float | None] = field(default_factory=dict)
+    lag: dict[str, Any] = field(default_factory=dict)
+    idle_lag: dict[str, Any] = field(default_factory=dict)
     calls: list[float] = field(default_factory=list)
     call_steps: list[int] = field(default_factory=list)
     timeout_calls: list[float] = field(default_factory=list)
@@ -498,16 +436,16 @@ async def _timed_phase(
     await asyncio.sleep(spec.warmup_s)
     result.rss_open = tree_rss()
     if probe is not None:
-        probe.clear()
+        probe.lags.clear()
     s0, c0, t0 = count(), time.process_time(), time.perf_counter()
     await asyncio.sleep(spec.seconds)
     s1, c1, t1 = count(), time.process_time(), time.perf_counter()
     result.steps, result.cpu_s, result.seconds = s1 - s0, c1 - c0, t1 - t0
     if probe is not None:
-        result.lag = lag_summary(probe.lags)
+        result.lag = probe.summary()
 
 
-async def _idle_lag(seconds: float = 0.3) -> dict[str, float | None]:
+async def _idle_lag(seconds: float = 0.3) -> dict[str, Any]:
     """The probe on the idle loop: its lag (the timer's own granularity) and its own CPU cost.
 
     ``probe_cpu_share`` (CPU seconds per second) is subtracted from the timed phase's CPU, so
@@ -518,7 +456,8 @@ async def _idle_lag(seconds: float = 0.3) -> dict[str, float | None]:
     c0, t0 = time.process_time(), time.perf_counter()
     probe.start()
     await asyncio.sleep(seconds)
-    lag = await probe.stop()
+    await probe.stop()
+    lag = probe.summary()
     lag["probe_cpu_share"] = (time.process_time() - c0) / (time.perf_counter() - t0)
     return lag
 
@@ -552,7 +491,7 @@ def run_gym_async(spec: CellSpec) -> CellResult:
         )
     result.rss_before = tree_rss()
     t0 = time.perf_counter()
-    env_fn = functools.partial(make_sleep_env, **spec.env_kwargs())
+    env_fn = functools.partial(make_env, True, **spec.env_kwargs())
     venv = gym.vector.AsyncVectorEnv(
         [env_fn] * spec.n_envs,
         shared_memory=True,
@@ -601,7 +540,7 @@ async def run_pool(spec: CellSpec) -> CellResult:
     t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
     pool = concurrent.futures.ThreadPoolExecutor(spec.threads, thread_name_prefix="env")
-    envs = [make_sleep_env(**spec.env_kwargs()) for _ in range(spec.n_envs)]
+    envs = [SleepLatencyEnv(spec.latency(), spec.episode_length) for _ in range(spec.n_envs)]
     for i, env in enumerate(envs):
         env.reset(seed=spec.seed + i)
     steps = [0]
@@ -666,7 +605,7 @@ async def run_ours(spec: CellSpec) -> CellResult:
     result.rss_before = tree_rss()
     t0 = time.perf_counter()
     thread = spec.contender == "ours-thread"
-    factory = functools.partial(make_sleep_env if thread else make_async_env, **spec.env_kwargs())
+    factory = functools.partial(make_env, thread, **spec.env_kwargs())
     agent = RandomAgent(spaces.Discrete(2), seed=spec.seed)
     common: dict[str, Any] = {
         "n_workers": spec.n_workers,
@@ -713,7 +652,7 @@ async def _stream_phase(
             if time.perf_counter() >= t_end:
                 break
         result.rss_open = tree_rss()
-        probe.clear()
+        probe.lags.clear()
         steps = 0
         c0, t0 = time.process_time(), time.perf_counter()
         async for batch in batches:
@@ -723,7 +662,7 @@ async def _stream_phase(
         result.cpu_s = time.process_time() - c0
         result.seconds = time.perf_counter() - t0
         result.steps = steps
-        result.lag = lag_summary(probe.lags)
+        result.lag = probe.summary()
 
 
 async def _calls(
@@ -997,7 +936,7 @@ def markdown(results: dict[str, Any]) -> str:
     """The study's report: set-up, the table (best layout), targets, every run, notes."""
     cfg = dataclasses.asdict(CellSpec("", 0, **results["plan"]["spec"]))
     records = results["runs"]
-    model = LatencyModel(cfg["mean"], cfg["tail_probability"], cfg["tail_factor"], cfg["jitter"])
+    model = CellSpec("", 0, **results["plan"]["spec"]).latency()
     lines = [
         "# Envs that wait: thousands of concurrent episodes (`asyncsample bench async_envs`)",
         "",

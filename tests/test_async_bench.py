@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,19 +32,19 @@ def test_latency_model_has_the_asked_mean_and_tail() -> None:
 
 def test_blocking_and_async_envs_wait_the_same_seeded_latencies() -> None:
     kwargs = {"mean": 0.004, "episode_length": 5}
-    expected = ae.make_sleep_env(**kwargs)
+    expected = ae.make_env(True, **kwargs)
     expected.reset(seed=3)
     waits = [expected._wait() for _ in range(5)]  # the latencies a seed-3 episode waits
     assert len(set(waits)) == 5
 
-    sync_env = ae.make_sleep_env(**kwargs)
+    sync_env = ae.make_env(True, **kwargs)
     obs, _ = sync_env.reset(seed=3)
     assert sync_env.observation_space.contains(obs)
     t0 = time.perf_counter()
     sync_ends = [sync_env.step(1)[3] for _ in range(5)]
     sync_s = time.perf_counter() - t0
 
-    async_env = ae.make_async_env(**kwargs)
+    async_env = ae.make_env(False, **kwargs)
 
     async def episode() -> list[bool]:
         await async_env.reset(seed=3)
@@ -58,13 +59,14 @@ def test_blocking_and_async_envs_wait_the_same_seeded_latencies() -> None:
 
 
 def test_lag_probe_sees_a_blocked_loop() -> None:
-    async def run() -> dict[str, float | None]:
+    async def run() -> dict[str, Any]:
         probe = ae.LagProbe()
         probe.start()
         await asyncio.sleep(0.05)
         time.sleep(0.03)  # the loop is blocked: the probe wakes ~30 ms late once
         await asyncio.sleep(0.02)
-        return await probe.stop()
+        await probe.stop()
+        return probe.summary()
 
     lag = asyncio.run(run())
     assert lag["n"] and lag["max_ms"] is not None and lag["max_ms"] >= 25
