@@ -467,10 +467,10 @@ def _call_budget_ok(spec: CellSpec, result: CellResult) -> bool:
     if spec.calls <= 0:
         return False
     rate = result.steps / result.seconds if result.seconds else 0.0
-    expected = spec.n_episodes * spec.episode_length / rate if rate else math.inf
+    expected = spec.n_envs * spec.episode_length / rate if rate else math.inf
     if expected > spec.call_limit_s:
         result.notes.append(
-            f"call durations skipped: a call of {spec.n_episodes} episodes would take "
+            f"call durations skipped: a call of {spec.n_envs} episodes would take "
             f"~{expected:.0f} s at the measured rate (limit {spec.call_limit_s:.0f} s)"
         )
         return False
