@@ -30,7 +30,7 @@ Ours run with one shared seeded ``RandomAgent`` and ``inference="batched"`` in t
 env per worker and 100 envs per worker (``n_workers x envs_per_worker`` = N); the table shows
 the better, a second table both.
 
-Per cell: steps/s (a ``stream(fragments=True)`` for ours, the envs' own loop for the peers)
+Per cell: steps/s (a ``stream`` for ours, of fragments by default, the envs' own loop for the peers)
 against the ideal (N / mean latency), the event-loop lag p50/p99 (a probe task sleeps 1 ms and
 records how late it wakes), the main process's CPU per step (``time.process_time``), the memory
 per open episode (growth of the RSS of the process tree / N), and the duration of a call of N
@@ -324,6 +324,7 @@ class CellSpec:
             rate) skips the call durations.
         timeout_factor: Ours' ``episode_timeout`` in mean episode durations (0: no such calls).
         loop: ``"uvloop"`` or ``"asyncio"``.
+        fragments: Ours' steps/s from a stream of fragments (else of complete episodes).
         seed: Seed of the envs and agents.
     """
 
@@ -343,6 +344,7 @@ class CellSpec:
     call_limit_s: float = 20.0
     timeout_factor: float = 3.0
     loop: str = "uvloop"
+    fragments: bool = True
     seed: int = 0
 
     def env_kwargs(self) -> dict[str, Any]:
@@ -595,7 +597,7 @@ async def run_pool(spec: CellSpec) -> CellResult:
 async def run_ours(spec: CellSpec) -> CellResult:
     """asyncsample's ``thread`` or ``asyncio`` backend with a batched seeded random agent.
 
-    Steps/s, CPU and lag come from ``stream(fragments=True)`` (episodes carry over between
+    Steps/s, CPU and lag come from ``stream(fragments=spec.fragments)`` (episodes carry over between
     batches); the call durations from ``obtain_samples(N * episode_length)``, then again with
     ``episode_timeout`` at ``timeout_factor`` mean episode durations.
     """
@@ -645,8 +647,9 @@ async def run_ours(spec: CellSpec) -> CellResult:
 async def _stream_phase(
     spec: CellSpec, result: CellResult, sampler: Any, chunk: int, probe: LagProbe
 ) -> None:
-    """Consume a fragments stream: warm up, then count the transitions of ``seconds``."""
-    async with contextlib.aclosing(sampler.stream(chunk, fragments=True)) as batches:
+    """Consume a stream: warm up, then count the transitions of ``seconds``."""
+    stream = sampler.stream(chunk, fragments=spec.fragments)
+    async with contextlib.aclosing(stream) as batches:
         t_end = time.perf_counter() + spec.warmup_s
         async for _ in batches:
             if time.perf_counter() >= t_end:
@@ -972,8 +975,8 @@ def markdown(results: dict[str, Any]) -> str:
         "- `pool-N`: one asyncio task per env awaiting `loop.run_in_executor`; its call is "
         "every env running one episode. A call whose length at the measured rate would pass "
         f"{cfg['call_limit_s']:g} s is skipped.",
-        "- Ours: steps/s from `stream(fragments=True)`, calls are `obtain_samples(N x "
-        "episode length)`.",
+        f"- Ours: steps/s from `stream(fragments={cfg['fragments']})`, calls are "
+        "`obtain_samples(N x episode length)`.",
         "- CPU us/step: `time.process_time()` of the main process over the timed phase / steps "
         "(for `gym-async`, the env processes' CPU is not in it). KiB/episode: growth of the RSS "
         "of the process tree (RSS double-counts shared pages of child processes) / envs.",
@@ -1068,6 +1071,12 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
     )
     p.add_argument("--threads", type=int, default=256, help="ours-thread's max_concurrency")
     p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    p.add_argument(
+        "--stream",
+        choices=["fragments", "episodes"],
+        default="fragments",
+        help="ours' steps/s from a stream of fragments or of complete episodes",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed")
     p.add_argument(
         "--in-process", action="store_true", help="run the cells in this process (tests, debugging)"
@@ -1087,6 +1096,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
         "calls": pick(args.calls, 5, 2),
         "call_limit_s": pick(args.call_limit, 20.0, 5.0),
         "loop": args.loop,
+        "fragments": args.stream == "fragments",
     }
     if args.loop == "uvloop":
         try:
