@@ -26,6 +26,7 @@ __all__ = [
     "put_rows",
     "row_of",
     "store_agent_info_block",
+    "store_agent_info_cell",
     "store_agent_infos",
 ]
 
@@ -196,6 +197,26 @@ def store_agent_infos(rows: Rows, t: int, agent_infos: dict[str, np.ndarray]) ->
     for name, present in store.items():
         if name.startswith(_PRESENT):
             present[t] = name[len(_PRESENT) :] in agent_infos
+
+
+def store_agent_info_cell(rows: Rows, t: int, env: int, agent_infos: dict[str, np.ndarray]) -> None:
+    """:func:`store_agent_infos` for one env's step ``t`` (envs not stepped in lockstep):
+    ``agent_infos`` holds that env's row of each key."""
+    store = rows.agent_infos
+    for key, value in agent_infos.items():
+        column = store.get(key)
+        if (
+            column is None
+            or column.shape[2:] != value.shape
+            or column.dtype.kind != value.dtype.kind
+        ):
+            column = np.zeros((rows.capacity, rows.n_envs, *value.shape), dtype=value.dtype)
+            store[key] = column
+            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
+        column[t, env] = value
+    for name, present in store.items():
+        if name.startswith(_PRESENT):
+            present[t, env] = name[len(_PRESENT) :] in agent_infos
 
 
 def store_agent_info_block(
