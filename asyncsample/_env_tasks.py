@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import inspect
 import math
 from typing import TYPE_CHECKING, Any
@@ -95,9 +96,7 @@ class ActionRequests:
             if inspect.isawaitable(result):
                 task = asyncio.ensure_future(result)
                 self._tasks.add(task)
-                task.add_done_callback(
-                    lambda t, a=agent, w=worker, live=live: self._awaited(a, w, live, t)
-                )
+                task.add_done_callback(functools.partial(self._awaited, agent, worker, live))
             else:
                 self._deliver(agent, worker, live, result)
 
@@ -251,7 +250,8 @@ class _Call:
             if self.rule.need <= 0:
                 return False
             limit = self.limit
-            return limit is None or self.episodes.recorder.completed_steps - self.start_completed < limit
+            done = self.episodes.recorder.completed_steps - self.start_completed
+            return limit is None or done < limit
         if mode is CallMode.FRAGMENTS:
             return bool(self.steps_left[i] > 0)
         return bool(self.episodes.active[i])

@@ -429,7 +429,7 @@ class EpisodeBatch:
             agent_versions=(
                 None
                 if any(b.agent_versions is None for b in batches)
-                else np.concatenate([b.agent_versions for b in batches])  # type: ignore[misc]
+                else np.concatenate([b.agent_versions for b in batches])
             ),
         )
 

@@ -297,7 +297,7 @@ class LaneHost:
             calls = [
                 self.reset_one(
                     i,
-                    _PENDING if seeds is None else seed_list[i],
+                    _PENDING if seed_list is None else seed_list[i],
                     None if option_list is None else option_list[i],
                 )
                 for i in indices
