@@ -58,13 +58,14 @@ import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import psutil
 from gymnasium import spaces
 
+from asyncsample import AsyncEnv
 from benchmarks import fmt
 from benchmarks.contenders import LagProbe
 
@@ -142,11 +143,14 @@ class LatencyModel:
 
 
 class _LatencyCore:
-    """What both latency envs share: spaces, seeding, the latency stream and the episode.
+    """What both latency envs share: spaces, the latency stream and the episode.
 
-    Latencies are drawn from ``np_random`` in blocks (one generator call per 256 steps, not
-    two per step), so the two envs see the same latencies for the same seed.
+    Latencies are drawn from the env's ``np_random`` (seeded by its base class's ``reset``, as
+    gymnasium seeds it) in blocks, one generator call per 256 steps rather than two per step;
+    the two envs see the same latencies for the same seed.
     """
+
+    np_random: np.random.Generator  # the base class's (gymnasium.Env or AsyncEnv)
 
     _BLOCK = 256
 
@@ -155,21 +159,13 @@ class _LatencyCore:
         self.action_space = spaces.Discrete(2)
         self.latency = latency
         self.episode_length = episode_length
-        self._np_random: np.random.Generator | None = None
         self._block = np.zeros(0)
         self._next = 0
         self._t = 0
 
-    @property
-    def np_random(self) -> np.random.Generator:
-        """The env's generator (seeded by ``reset(seed=...)``, else from the OS)."""
-        if self._np_random is None:
-            self._np_random = np.random.default_rng()
-        return self._np_random
-
     def _begin(self, seed: int | None) -> tuple[np.ndarray, dict[str, Any]]:
-        if seed is not None:
-            self._np_random = np.random.default_rng(seed)
+        """Start an episode, after the base class's ``reset`` seeded ``np_random``."""
+        if seed is not None:  # a new generator: latencies drawn from the old one are void
             self._block = np.zeros(0)
             self._next = 0
         self._t = 0
@@ -211,6 +207,7 @@ class SleepLatencyEnv(_LatencyCore, gym.Env[np.ndarray, np.int64]):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[np.ndarray, dict[str, Any]]:
         """Start an episode (instantly: only steps wait)."""
+        super().reset(seed=seed)
         return self._begin(seed)
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
@@ -221,20 +218,15 @@ class SleepLatencyEnv(_LatencyCore, gym.Env[np.ndarray, np.int64]):
         return self._advance(action)
 
 
-class AsyncLatencyEnv(_LatencyCore):
+class AsyncLatencyEnv(_LatencyCore, AsyncEnv[np.ndarray, np.int64]):
     """The async env: its step awaits ``asyncio.sleep`` of a latency of :class:`LatencyModel`.
 
-    gymnasium's ``Env`` shape with coroutine ``reset``/``step``/``close``. With a zero mean the
-    step returns without awaiting anything (the asyncio path's own cost).
+    With a zero mean the step returns without awaiting anything (the asyncio path's own cost).
 
     Args:
         latency: The latency model (default: mean 50 ms, 1% of steps 20x longer).
         episode_length: Steps per episode (the last one is truncated).
     """
-
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": []}
-    spec = None
-    render_mode = None
 
     def __init__(
         self, latency: LatencyModel | None = None, episode_length: int = EPISODE_LENGTH
@@ -245,6 +237,7 @@ class AsyncLatencyEnv(_LatencyCore):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[np.ndarray, dict[str, Any]]:
         """Start an episode (instantly: only steps wait)."""
+        await super().reset(seed=seed)
         return self._begin(seed)
 
     async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
@@ -253,14 +246,6 @@ class AsyncLatencyEnv(_LatencyCore):
         if wait > 0:
             await asyncio.sleep(wait)
         return self._advance(action)
-
-    async def close(self) -> None:
-        """Nothing to release."""
-
-    @property
-    def unwrapped(self) -> AsyncLatencyEnv:
-        """The env itself (no wrappers)."""
-        return self
 
 
 def make_env(
