@@ -20,6 +20,8 @@ Contenders, each cell in a fresh process (:func:`benchmarks._runner.run_fresh`):
 - ``pool-32``, ``pool-256``: a ``concurrent.futures.ThreadPoolExecutor`` of 32 / 256 threads
   stepping N blocking envs, driven as the LLM-agent stacks drive theirs: one asyncio task per
   env, each awaiting ``loop.run_in_executor(pool, env.step, action)``.
+- ``plain-asyncio``: the async env with nothing between it and the loop: one task per env
+  awaiting ``env.step`` (the ceiling of the asyncio path on this machine).
 - ``ours-thread``: ``Sampler(backend="thread")`` on the blocking env (``max_concurrency``
   threads, 256 by default).
 - ``ours-asyncio``: ``Sampler(backend="asyncio")`` on the async env.
@@ -84,6 +86,7 @@ MAX_PROCESS_ENVS = 64
 WIDE_ENVS_PER_WORKER = 100
 
 CONTENDERS = [
+    "plain-asyncio",
     "gym-async",
     "pool-32",
     "pool-256",
@@ -310,6 +313,9 @@ class CellSpec:
         timeout_factor: Ours' ``episode_timeout`` in mean episode durations (0: no such calls).
         loop: ``"uvloop"`` or ``"asyncio"``.
         fragments: Ours' steps/s from a stream of fragments (else of complete episodes).
+        chunk_s: Ours' stream batches: this many seconds of steps at the ideal rate.
+        fraction: Ours' stream's ``fraction_samples`` (below 1, fast workers fill in for slow
+            ones and a round need not wait for its slowest worker).
         seed: Seed of the envs and agents.
     """
 
@@ -330,6 +336,8 @@ class CellSpec:
     timeout_factor: float = 3.0
     loop: str = "uvloop"
     fragments: bool = True
+    chunk_s: float = 0.25
+    fraction: float = 1.0
     seed: int = 0
 
     def env_kwargs(self) -> dict[str, Any]:
@@ -366,6 +374,8 @@ class CellSpec:
             return text + (f", {self.threads} threads" if self.contender == "ours-thread" else "")
         if self.contender.startswith("pool-"):
             return f"{self.n_envs} envs, {self.threads} threads"
+        if self.contender == "plain-asyncio":
+            return f"{self.n_envs} tasks"
         return f"{self.n_envs} processes"
 
 
@@ -432,7 +442,7 @@ async def _timed_phase(
         result.lag = probe.summary()
 
 
-async def _idle_lag(seconds: float = 0.3) -> dict[str, Any]:
+async def _idle_lag(seconds: float = 0.2) -> dict[str, Any]:
     """The probe on the idle loop: its lag (the timer's own granularity) and its own CPU cost.
 
     ``probe_cpu_share`` (CPU seconds per second) is subtracted from the timed phase's CPU, so
@@ -516,38 +526,45 @@ def run_gym_async(spec: CellSpec) -> CellResult:
     return result
 
 
-async def run_pool(spec: CellSpec) -> CellResult:
-    """A thread pool of ``threads`` stepping N blocking envs, one asyncio task per env.
+async def run_tasks(spec: CellSpec) -> CellResult:
+    """One asyncio task per env, each running its env's episodes with random actions.
 
-    Each task runs its env's episodes: ``await loop.run_in_executor(pool, env.step, a)`` with a
-    random action from its own generator, resetting at the end of every episode.
+    ``pool-*``: a thread pool of ``threads`` steps the blocking envs, each task awaiting
+    ``loop.run_in_executor(pool, env.step, a)``. ``plain-asyncio``: each task awaits its async
+    env's ``step`` directly, nothing between them (the asyncio path's ceiling). Actions come
+    from each task's own generator; a task resets its env at the end of every episode.
     """
     result = CellResult(idle_lag=await _idle_lag())
     result.rss_before = tree_rss()
     t0 = time.perf_counter()
     loop = asyncio.get_running_loop()
-    pool = concurrent.futures.ThreadPoolExecutor(spec.threads, thread_name_prefix="env")
-    envs = [SleepLatencyEnv(spec.latency(), spec.episode_length) for _ in range(spec.n_envs)]
+    blocking = spec.contender.startswith("pool-")
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, spec.threads), thread_name_prefix="env")
+    envs = [make_env(blocking, **spec.env_kwargs()) for _ in range(spec.n_envs)]
+
+    async def call(fn: Callable[..., Any], *args: Any) -> Any:
+        if blocking:
+            return await loop.run_in_executor(pool, fn, *args)
+        return await fn(*args)
+
     for i, env in enumerate(envs):
-        env.reset(seed=spec.seed + i)
+        await call(functools.partial(env.reset, seed=spec.seed + i))
     steps = [0]
 
     stop = asyncio.Event()
 
-    async def episode(env: SleepLatencyEnv, rng: np.random.Generator) -> int:
-        await loop.run_in_executor(pool, env.reset)
+    async def episode(env: Any, rng: np.random.Generator) -> int:
+        await call(env.reset)
         n = 0
         while not stop.is_set():
-            *_, terminated, truncated, _ = await loop.run_in_executor(
-                pool, env.step, int(rng.integers(2))
-            )
+            *_, terminated, truncated, _ = await call(env.step, int(rng.integers(2)))
             n += 1
             steps[0] += 1
             if terminated or truncated:
                 break
         return n
 
-    async def forever(env: SleepLatencyEnv, rng: np.random.Generator) -> None:
+    async def forever(env: Any, rng: np.random.Generator) -> None:
         while not stop.is_set():
             await episode(env, rng)
 
@@ -605,8 +622,8 @@ async def run_ours(spec: CellSpec) -> CellResult:
     if thread:
         common["max_concurrency"] = spec.threads
     probe = LagProbe()
-    # Batches of about a quarter second of steps at the ideal rate (at least one per episode).
-    chunk = max(spec.n_episodes, int(0.25 * (spec.ideal or 20_000.0)))
+    # Batches of ``chunk_s`` seconds of steps at the ideal rate (at least one per episode).
+    chunk = max(spec.n_episodes, int(spec.chunk_s * (spec.ideal or 20_000.0)))
     try:
         async with Sampler(factory, agent, **common) as sampler:
             result.start_s = time.perf_counter() - t0
@@ -633,7 +650,7 @@ async def _stream_phase(
     spec: CellSpec, result: CellResult, sampler: Any, chunk: int, probe: LagProbe
 ) -> None:
     """Consume a stream: warm up, then count the transitions of ``seconds``."""
-    stream = sampler.stream(chunk, fragments=spec.fragments)
+    stream = sampler.stream(chunk, fragments=spec.fragments, fraction_samples=spec.fraction)
     async with contextlib.aclosing(stream) as batches:
         t_end = time.perf_counter() + spec.warmup_s
         async for _ in batches:
@@ -672,8 +689,8 @@ def run_cell(spec: CellSpec) -> dict[str, Any]:
     """Run one cell in this process; return its numbers (see :meth:`CellResult.finish`)."""
     if spec.contender == "gym-async":
         return run_gym_async(spec).finish(spec)
-    if spec.contender.startswith("pool-"):
-        coro: Callable[[CellSpec], Awaitable[CellResult]] = run_pool
+    if spec.contender.startswith("pool-") or spec.contender == "plain-asyncio":
+        coro: Callable[[CellSpec], Awaitable[CellResult]] = run_tasks
     elif spec.contender.startswith("ours-"):
         coro = run_ours
     else:
@@ -748,8 +765,9 @@ def cells(plan: Plan) -> Iterator[CellSpec]:
 
 
 def _layouts(n: int) -> list[tuple[int, int]]:
-    """Ours' layouts of N episodes: one env per worker, and 100 envs per worker (or 10)."""
-    wide = WIDE_ENVS_PER_WORKER if n >= 2 * WIDE_ENVS_PER_WORKER else max(1, n // 10)
+    """Ours' layouts of N episodes: one env per worker, and 100 envs per worker (N / 10 below
+    200 episodes, at least 2)."""
+    wide = WIDE_ENVS_PER_WORKER if n >= 2 * WIDE_ENVS_PER_WORKER else max(2, n // 10)
     layouts = [(n, 1)]
     if wide > 1 and n % wide == 0:
         layouts.append((n // wide, wide))
@@ -1062,6 +1080,18 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
         default="fragments",
         help="ours' steps/s from a stream of fragments or of complete episodes",
     )
+    p.add_argument(
+        "--chunk",
+        type=float,
+        default=0.25,
+        help="ours' stream batches, in seconds of steps at the ideal rate (default 0.25)",
+    )
+    p.add_argument(
+        "--fraction",
+        type=float,
+        default=1.0,
+        help="ours' stream's fraction_samples (default 1.0)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed")
     p.add_argument(
         "--in-process", action="store_true", help="run the cells in this process (tests, debugging)"
@@ -1082,6 +1112,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
         "call_limit_s": pick(args.call_limit, 20.0, 5.0),
         "loop": args.loop,
         "fragments": args.stream == "fragments",
+        "chunk_s": args.chunk,
+        "fraction": args.fraction,
     }
     if args.loop == "uvloop":
         try:

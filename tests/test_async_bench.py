@@ -92,21 +92,52 @@ def test_plan_layouts_and_the_64_env_cap() -> None:
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
     """A tiny run of every peer (fresh processes) writes the JSON, the table and the chart."""
     code = ae.main(
-        ["--quick", "--levels", "4", "--contenders", "gym-async", "pool-32",
+        ["--quick", "--levels", "2", "--contenders", "gym-async", "pool-32", "plain-asyncio",
          "--latency-ms", "5", "--episode-length", "5", "--seconds", "0.3", "--warmup", "0.1",
          "--calls", "2", "--out", str(tmp_path)]
     )  # fmt: skip
     results = json.loads((tmp_path / "results.json").read_text())
     assert code == 0, [r.get("note") for r in results["runs"]]
     runs = {r["spec"]["contender"]: r for r in results["runs"]}
-    assert set(runs) == {"gym-async", "pool-32"}
+    assert set(runs) == {"gym-async", "pool-32", "plain-asyncio"}
     for run in runs.values():
         assert run["status"] == "ok"
         assert run["steps_per_s"] > 0 and 0 < run["ratio_to_ideal"] < 1.5
         assert run["cpu_us_per_step"] is not None
-        assert len(run["calls"]) == 2 and all(s == 4 * 5 for s in run["call_steps"])
+        assert len(run["calls"]) == 2 and all(s == 2 * 5 for s in run["call_steps"])
     assert runs["pool-32"]["lag"]["p99_ms"] is not None
     assert runs["gym-async"]["lag"] == {}  # no event loop
     text = (tmp_path / "results.md").read_text()
-    assert "| 4 | `pool-32` |" in text and "## Targets (issue 23)" in text
+    assert "| 2 | `pool-32` |" in text and "## Targets (issue 23)" in text
     assert (tmp_path / "async_envs.png").stat().st_size > 1000
+
+
+def test_ours_in_process(tmp_path: Path) -> None:
+    """Our thread and asyncio backends (and the zero-latency cell) measure every column."""
+    code = ae.main(
+        ["--quick", "--levels", "10", "--contenders", "ours-thread", "ours-asyncio",
+         "ours-asyncio-zero", "--zero-episodes", "10", "--latency-ms", "5",
+         "--episode-length", "5", "--seconds", "0.1", "--warmup", "0.02", "--calls", "1",
+         "--in-process", "--out", str(tmp_path)]
+    )  # fmt: skip
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0, [r.get("note") for r in results["runs"]]
+    runs = results["runs"]
+    layouts = sorted((r["spec"]["contender"], r["layout"]) for r in runs)
+    assert layouts == [
+        ("ours-asyncio", "10x1"),
+        ("ours-asyncio", "5x2"),
+        ("ours-asyncio-zero", "10x1"),
+        ("ours-asyncio-zero", "5x2"),
+        ("ours-thread", "10x1, 10 threads"),
+        ("ours-thread", "5x2, 10 threads"),
+    ]
+    for run in runs:
+        assert run["steps_per_s"] > 0 and run["cpu_us_per_step"] is not None
+        assert run["lag"]["p99_ms"] is not None and run["bytes_per_episode"] is not None
+        if run["spec"]["contender"] == "ours-asyncio-zero":
+            assert run["ratio_to_ideal"] is None and run["calls"] == []
+        else:
+            assert len(run["calls"]) == len(run["timeout_calls"]) == 1
+            assert all(n >= 10 * 5 for n in run["call_steps"])
+    assert "`ours-asyncio-zero`" in (tmp_path / "results.md").read_text()
