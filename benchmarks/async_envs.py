@@ -54,6 +54,7 @@ import json
 import math
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -145,6 +146,9 @@ class LatencyModel:
         return self.base * scale * (1.0 - self.jitter + 2.0 * self.jitter * u[1])
 
 
+_COUNT_LOCK = threading.Lock()
+
+
 class _LatencyCore:
     """What both latency envs share: spaces, the latency stream and the episode.
 
@@ -156,6 +160,13 @@ class _LatencyCore:
     np_random: np.random.Generator  # the base class's (gymnasium.Env or AsyncEnv)
 
     _BLOCK = 256
+    #: Steps taken by every latency env of this process (what the timed phases count).
+    steps_taken = 0
+
+    @staticmethod
+    def count() -> int:
+        """Steps taken so far by the latency envs of this process."""
+        return _LatencyCore.steps_taken
 
     def _setup(self, latency: LatencyModel, episode_length: int) -> None:
         self.observation_space = spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
@@ -218,6 +229,8 @@ class SleepLatencyEnv(_LatencyCore, gym.Env[np.ndarray, np.int64]):
         wait = self._wait()
         if wait > 0:
             time.sleep(wait)
+        with _COUNT_LOCK:  # steps of threads: an unlocked += could lose a count
+            _LatencyCore.steps_taken += 1
         return self._advance(action)
 
 
@@ -248,6 +261,7 @@ class AsyncLatencyEnv(_LatencyCore, AsyncEnv[np.ndarray, np.int64]):
         wait = self._wait()
         if wait > 0:
             await asyncio.sleep(wait)
+        _LatencyCore.steps_taken += 1
         return self._advance(action)
 
 
@@ -649,25 +663,26 @@ async def run_ours(spec: CellSpec) -> CellResult:
 async def _stream_phase(
     spec: CellSpec, result: CellResult, sampler: Any, chunk: int, probe: LagProbe
 ) -> None:
-    """Consume a stream: warm up, then count the transitions of ``seconds``."""
-    stream = sampler.stream(chunk, fragments=spec.fragments, fraction_samples=spec.fraction)
-    async with contextlib.aclosing(stream) as batches:
-        t_end = time.perf_counter() + spec.warmup_s
-        async for _ in batches:
-            if time.perf_counter() >= t_end:
-                break
-        result.rss_open = tree_rss()
-        probe.lags.clear()
-        steps = 0
-        c0, t0 = time.process_time(), time.perf_counter()
-        async for batch in batches:
-            steps += batch.n_transitions
-            if time.perf_counter() - t0 >= spec.seconds:
-                break
-        result.cpu_s = time.process_time() - c0
-        result.seconds = time.perf_counter() - t0
-        result.steps = steps
-        result.lag = probe.summary()
+    """Consume a stream in the background while :func:`_timed_phase` counts the env steps.
+
+    Steps are counted where they happen (:attr:`_LatencyCore.steps_taken`), not from the
+    batches: a batch of complete episodes arrives seconds apart, too coarse for a timed phase
+    of a few seconds.
+    """
+
+    async def consume() -> None:
+        stream = sampler.stream(chunk, fragments=spec.fragments, fraction_samples=spec.fraction)
+        async with contextlib.aclosing(stream) as batches:
+            async for _ in batches:
+                pass
+
+    task = asyncio.get_running_loop().create_task(consume())
+    try:
+        await _timed_phase(spec, result, _LatencyCore.count, probe)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _calls(
