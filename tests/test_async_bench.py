@@ -135,6 +135,10 @@ def test_ours_in_process(tmp_path: Path) -> None:
     for run in runs:
         assert run["steps_per_s"] > 0 and run["cpu_us_per_step"] is not None
         assert run["lag"]["p99_ms"] is not None and run["bytes_per_episode"] is not None
+        assert set(run["streams"]) == {"episodes", "fragments"}  # both measured, the better kept
+        assert run["steps_per_s"] == max(m["steps_per_s"] for m in run["streams"].values()) or (
+            run["spec"]["contender"] == "ours-asyncio-zero"
+        )
         if run["spec"]["contender"] == "ours-asyncio-zero":
             assert run["ratio_to_ideal"] is None and run["calls"] == []
         else:
