@@ -28,6 +28,17 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+#: The settings field that holds a group's envs (``--envs`` sets it; ``envs`` for the others).
+ENV_FIELDS = {
+    "policy": "policy_envs",
+    "vector": "vector_envs",
+    "host": "host_envs",
+    "real": "real_envs",
+    "sweep": "sweep_envs",
+    "ray": "ray_envs",
+}
+
+
 def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
     """The argument parser of one plan study (also what ``asyncsample bench STUDY`` parses)."""
     name = study.name if study else "STUDY"
@@ -42,9 +53,9 @@ def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--envs",
         nargs="+",
-        choices=suite.ALL_ENVS,
+        choices=suite.KNOWN_ENVS,
         metavar="ENV",
-        help=f"envs to run (default: the study's; any of {', '.join(suite.ALL_ENVS)})",
+        help=f"envs to run (default: the study's; any of {', '.join(suite.KNOWN_ENVS)})",
     )
     parser.add_argument(
         "--contenders",
@@ -96,8 +107,12 @@ def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
 def settings_from_args(study: studies.Study, args: argparse.Namespace) -> suite.Settings:
     """The settings of ``study`` with the arguments' overrides."""
     overrides: dict[str, Any] = {"cores": _cores()}
-    if args.envs:
-        overrides["envs"] = list(dict.fromkeys(args.envs))
+    if args.envs:  # the envs of every group the study runs
+        envs = list(dict.fromkeys(args.envs))
+        overrides["envs"] = envs
+        for group in args.groups or study.groups:
+            if group in ENV_FIELDS:
+                overrides[ENV_FIELDS[group]] = envs
     if args.contenders:
         overrides["contenders"] = list(dict.fromkeys(args.contenders))
         overrides["explicit"] = True
@@ -156,6 +171,9 @@ def render(results_json: Path, out: Path) -> int:
     settings.layouts = [(int(w), int(k)) for w, k in settings.layouts]
     settings.big_layouts = [(int(w), int(k)) for w, k in settings.big_layouts]
     settings.host_layouts = [(int(w), int(k)) for w, k in settings.host_layouts]
+    settings.ray_layouts = [(int(w), int(k)) for w, k in settings.ray_layouts]
+    w, k = settings.straggler_layout
+    settings.straggler_layout = (int(w), int(k))
     settings.policy_layouts = {
         int(n): [(int(w), int(k)) for w, k in layouts]
         for n, layouts in settings.policy_layouts.items()
@@ -227,7 +245,7 @@ def run_script_study(study: studies.Study, argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int)
     args, extra = parser.parse_known_args(argv)
     if args.repeats is not None:
-        flag = {"ray": "--repeat", "real_envs": "--repeats", "ab": "--repeats"}.get(study.name)
+        flag = {"ab": "--repeats"}.get(study.name)
         if flag is None:
             print(f"{study.name} has no repeats: --repeats ignored", file=sys.stderr)
         else:

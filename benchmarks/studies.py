@@ -6,9 +6,11 @@ budget: it runs on the one settings / plan / fresh-process runner / aggregation 
 and ``suite.derive``, :mod:`benchmarks.report`), and every one of its groups carries the
 machine's ceiling (:mod:`benchmarks.ceiling`) as a contender measured in the same run.
 
-A *script study* still has a runner of its own (its module's ``main(argv)``), given
-``--out benchmarks/results/STUDY`` and a tiny budget for ``--quick``: ``real_envs`` (Atari and
-MuJoCo against EnvPool, with its own ceiling), ``ray``, ``soak``, ``stragglers`` and ``ab``.
+A *script study* is not a throughput measurement and keeps a runner of its own (its module's
+``main(argv)``), given ``--out benchmarks/results/STUDY`` and a tiny budget for ``--quick``:
+``soak`` (faults injected for minutes: nothing lost) and ``ab`` (an A/B of two source trees,
+a tool). To add a study, add a :class:`Study` to :data:`STUDIES` (a plan study names its
+groups; a new group goes in ``suite.plan``).
 
 Every study writes ``benchmarks/results/STUDY/results.json`` and ``results.md`` (and its
 charts, when matplotlib is installed).
@@ -150,30 +152,49 @@ STUDIES: list[Study] = [
     ),
     Study(
         "real_envs",
-        "Pong-v5 and HalfCheetah-v5 against EnvPool and the gymnasium peers, random and policy "
-        "(own runner; --groups sweep footprint and --envs Breakout-v5 Humanoid-v5 for the rest)",
-        script="benchmarks.real_envs",
-        script_args=(
-            ("--repeats", "1", "--groups", "ideal", "main", "--envs", "Pong-v5", "HalfCheetah-v5"),
-            ("--quick", "--groups", "ideal", "main", "--envs", "HalfCheetah-v5"),
-        ),
-        minutes=4.0,
-        needs="ale-py, mujoco, EnvPool",
+        "Pong-v5 (8 envs) and HalfCheetah-v5 (32 envs), random agent and policy: asyncsample's "
+        "modes against EnvPool sync/async, the gymnasium peers, SB3 and the ceiling",
+        groups=("ideal", "real"),
+        settings={
+            "envs": ["Pong-v5", "HalfCheetah-v5"],
+            "contenders": [
+                "ceiling",
+                "sync",
+                "async",
+                "sb3",
+                "envpool",
+                "envpool-async",
+                "asyncsample",
+            ],
+            "repeats": 2,
+        },
+        quick={"envs": ["HalfCheetah-v5"]},
+        needs="ale-py, mujoco, EnvPool, torch",
+    ),
+    Study(
+        "sweep",
+        "CartPole-v1 and Pong-v5 with 8 to 512 envs: steps/s, memory (PSS) and run length "
+        "against EnvPool, Sync/AsyncVectorEnv and the ceiling",
+        groups=("sweep",),
+        settings={
+            "contenders": ["ceiling", "sync", "async", "envpool", "asyncsample"],
+            "repeats": 1,
+        },
+        needs="ale-py, EnvPool",
     ),
     Study(
         "ray",
-        'backend="ray" against backend="process", same layout (own runner)',
-        script="benchmarks.ray_vs_process",
-        script_args=(("--repeat", "1", "--seconds", "3"), ("--quick", "--seconds", "0.5")),
-        minutes=2.0,
+        'backend="ray" against backend="process", same layout: CartPole-v1, Image-v0, '
+        "NoiseImage-v0",
+        groups=("ray",),
+        settings={"contenders": ["ceiling", "asyncsample", "asyncsample-ray"], "repeats": 2},
         needs="ray",
     ),
     Study(
         "stragglers",
-        "fraction_samples against the fixed per-worker split with a 10x slower worker (own runner)",
-        script="benchmarks.stragglers",
-        script_args=((), ("--quick",)),
-        minutes=1.0,
+        "fraction_samples against the fixed per-worker split with a 10x slower worker",
+        groups=("stragglers",),
+        settings={"contenders": ["ceiling", "asyncsample"], "repeats": 3},
     ),
     Study(
         "soak",
@@ -250,7 +271,9 @@ STARTUP_S = {
     "tianshou-subproc": 6.0,
     "tianshou-shmem": 6.0,
     "envpool": 1.0,
+    "envpool-async": 1.0,
     "asyncsample": 2.0,
+    "asyncsample-ray": 12.0,
     "asyncsample-local": 1.0,
     "asyncsample-vector": 2.0,
     "torchrl-collector": 6.0,
@@ -259,7 +282,7 @@ STARTUP_S = {
     "torchrl-asyncbatched": 30.0,
 }
 #: Steps/s assumed for the timed phase when nothing better is known (rough, for the plan only).
-GUESS_RATE = {"": 20_000.0, "mlp": 8_000.0}
+GUESS_RATE = {"": 20_000.0, "mlp": 8_000.0, "atari": 1_500.0, "cnn": 700.0, "mujoco": 8_000.0}
 
 
 def estimate_seconds(settings: Any) -> tuple[int, float]:
@@ -272,10 +295,16 @@ def estimate_seconds(settings: Any) -> tuple[int, float]:
         if suite.pre_skip(cfg, settings) is not None:
             continue
         n = suite.make_spec(cfg, settings, instrument=False).n_transitions
-        timed = max(settings.min_seconds, n / GUESS_RATE.get(cfg.policy, 20_000.0))
+        rate = min(GUESS_RATE.get(cfg.policy, 20_000.0),
+                   GUESS_RATE.get(suite.family(cfg.env), 20_000.0))  # fmt: skip
+        if cfg.fraction:  # a 2 ms straggler among 200 us envs
+            rate = 4_000.0
+        timed = max(settings.min_seconds, n / rate)
         start = STARTUP_S.get(cfg.contender, 2.0) + (1.5 if cfg.policy else 0.0)
         if cfg.contender == "async":
             start += 0.1 * cfg.n_envs
+        # the envs' own start-up, over the env hosts (or the peers' processes, or one)
+        start += cfg.n_envs * suite.STARTUP_S[suite.family(cfg.env)] / (cfg.n_processes or 1)
         per_run = start + timed * (1 + settings.warmup_fraction)
         repeats = 1 if cfg.contender in settings.once else settings.repeats
         runs += repeats
@@ -294,7 +323,7 @@ def run_script(study: Study, quick: bool, out: Path, extra: Sequence[str]) -> in
     """Run a script study's ``main(argv)`` with its budget, ``--out`` and ``extra``."""
     module = importlib.import_module(study.script)
     main: Callable[[list[str]], Any] = module.main
-    out_arg = out / "results.json" if study.name in ("ray", "soak") else out
+    out_arg = out / "results.json" if study.name == "soak" else out
     argv = [*study.script_args[1 if quick else 0], "--out", str(out_arg), *extra]
     print(f"{study.name}: python -m {study.script} {' '.join(argv)}", flush=True)
     result = main(argv)

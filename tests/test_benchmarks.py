@@ -26,10 +26,12 @@ SMOKE: dict[str, list[str]] = {
     "policy": ["--contenders", "ceiling", "sync", "asyncsample"],
     "vector": ["--contenders", "ceiling", "sync", "asyncsample-vector"],
     "host": ["--contenders", "ceiling", "asyncsample"],
-    "stragglers": [],
+    "stragglers": ["--contenders", "ceiling", "asyncsample"],
     "soak": [],
-    "ray": ["--envs", "CartPole-v1", "--backends", "process"],
-    "real_envs": ["--contenders", "sync", "asyncsample"],
+    "ray": ["--contenders", "ceiling", "asyncsample", "asyncsample-ray"],
+    "real_envs": ["--envs", "Pong-v5", "--contenders", "ceiling", "envpool-async",
+                  "asyncsample"],
+    "sweep": ["--contenders", "ceiling", "envpool", "asyncsample"],
     "ab": ["--a", str(REPO), "--workloads", "CartPole-v1 4x8 random"],
 }  # fmt: skip
 
