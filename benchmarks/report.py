@@ -255,7 +255,16 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         for cfg in groups["scaling"]:
             if cfg.contender not in names:
                 names.append(cfg.contender)
-        sizes = sorted({c.n_envs for c in groups["scaling"]})
+        ceiling = next((c for c in groups["scaling"] if c.contender == "ceiling"), None)
+        if ceiling is not None:  # one env per loop: the same ceiling beside every env count
+            names.remove("ceiling")
+            ceil = _k((summary.get(ceiling.key) or {}).get("median"))
+            lines += [
+                f"The ceiling ({settings.cores} plain single-env loops side by side): {ceil} "
+                "steps/s; each cell: steps/s (% ceiling).",
+                "",
+            ]
+        sizes = sorted({c.n_envs for c in groups["scaling"] if c.contender != "ceiling"})
         rows = []
         for n in sizes:
             row = [str(n)]
@@ -263,7 +272,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                 cfg = next(
                     (c for c in groups["scaling"] if c.contender == name and c.n_envs == n), None
                 )
-                row.append(_cell(summary.get(cfg.key)) if cfg else "-")
+                pct = _pct((ratios.get(cfg.key) or {}).get("vs_ceiling")) if cfg else "-"
+                row.append(f"{_cell(summary.get(cfg.key))} ({pct})" if cfg else "-")
             rows.append(row)
         labels = [CONTENDERS[name][1] for name in names]
         if "asyncsample" in names:
@@ -807,6 +817,10 @@ def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         by: dict[str, list[Config]] = {}
         for cfg in groups["scaling"]:
             by.setdefault(cfg.contender, []).append(cfg)
+        for point in by.pop("ceiling", []):  # one env per loop: a line across every count
+            agg = summary.get(point.key)
+            if agg and agg["status"] == "ok":
+                ax.axhline(agg["median"], color="C3", ls=":", lw=1.5, label="ceiling (loops)")
         for name, series in by.items():
             xs, ys, lo, hi = [], [], [], []
             for point in sorted(series, key=lambda c: c.n_envs):
@@ -823,7 +837,7 @@ def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         if ideal:
             ax.axhline(ideal, color="k", ls="--", lw=1, label="ideal (cores x single loop)")
         ax.set_xscale("log", base=2)
-        sizes = sorted({c.n_envs for c in groups["scaling"]})
+        sizes = sorted({c.n_envs for c in groups["scaling"] if c.contender != "ceiling"})
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.minorticks_off()
         ax.set_xlabel("env copies")
