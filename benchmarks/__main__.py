@@ -255,9 +255,12 @@ def run_script_study(study: studies.Study, argv: list[str]) -> int:
 
 
 USAGE = """usage: asyncsample bench --list | STUDY [--quick] [--repeats N] [--plan] [...] | all
+       asyncsample bench --pages [--check]
 
 Runs one benchmark study; it writes benchmarks/results/STUDY/{results.json,results.md,*.png}.
 `asyncsample bench STUDY -h` shows a study's options; `all [--quick]` runs every study but `ab`.
+`--pages` copies the studies' tables into the README and docs/performance.md (the blocks marked
+there), each naming its results file; `--pages --check` only says whether a page is out of date.
 """
 
 
@@ -278,6 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--list":
         print(studies.listing())
         return 0
+    if argv[0] == "--pages":
+        from benchmarks import pages
+
+        check = "--check" in argv[1:]
+        changed = pages.update(check=check)
+        for page in changed:
+            print(f"{'out of date' if check else 'updated'}: {page}", file=sys.stderr)
+        return 1 if check and changed else 0
     name, rest = argv[0], argv[1:]
     if name == "all":
         return run_all(rest)

@@ -72,3 +72,40 @@ def test_cnn_policy_acts_on_atari_frames() -> None:
     policy = make_policy("cnn", full_id("Pong-v5"))
     actions = policy.act(np.zeros((3, 4, 84, 84), dtype=np.uint8))
     assert actions.shape == (3,) and actions.dtype.kind == "i"
+
+
+def test_pages_are_in_step_with_the_results_files() -> None:
+    """README, benchmarks/README and docs/performance.md hold what ``--pages`` writes."""
+    from benchmarks import pages
+
+    assert pages.update(check=True) == []
+
+
+def test_pages_copy_a_section_under_the_name_and_date_of_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from benchmarks import pages
+
+    study = tmp_path / "results" / "stragglers"
+    study.mkdir(parents=True)
+    (study / "results.json").write_text(
+        json.dumps({"study": "stragglers", "machine": {"date": "2026-11-24T03:00:00+00:00"}})
+    )
+    (study / "results.md").write_text(
+        "# title\n\n## Stragglers: x\n\nintro\n\n### FixedCost-v0, 16 envs\n\n| a |\n|---|\n"
+        "| 1 |\n\n## Notes\n\n- not copied\n"
+    )
+    monkeypatch.setattr(pages, "RESULTS", tmp_path / "results")
+    page = pages.REPO / "docs" / "performance.md"
+    text = (
+        "<!-- results: stragglers#Stragglers: x -->\nold\n<!-- /results -->\n"
+        "<!-- results: ray#anything -->\n<!-- /results -->\n<!-- studies -->\n<!-- /studies -->\n"
+    )
+    out = pages.render(page, text)
+    assert "run of 2026-11-24" in out and "**FixedCost-v0, 16 envs**" in out and "| 1 |" in out
+    assert "old" not in out and "not copied" not in out
+    assert "Awaits a quiet run: `asyncsample bench ray`" in out
+    assert "| stragglers | `asyncsample bench stragglers` |" in out
+    assert pages.render(page, out) == out  # a second pass changes nothing
