@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_all(argv: list[str]) -> int:
-    """Every study but ``ab`` in turn, each to its own results directory.
+    """Every study but ``ab`` in turn, each to its own results directory; then ``--pages``.
 
     Only ``--quick``, ``--repeats N`` and ``--no-progress`` apply to all of them.
     """
@@ -320,6 +320,11 @@ def run_all(argv: list[str]) -> int:
     for study in chosen:
         extra = ["--no-progress"] if args.no_progress and study.is_plan else []
         codes.append(run_study(study, [*common, *extra]))
+    if not args.quick:  # the pages quote the new results files
+        from benchmarks import pages
+
+        for page in pages.update():
+            print(f"updated: {page}", file=sys.stderr)
     return max(codes, default=0)
 
 

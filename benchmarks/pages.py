@@ -52,7 +52,8 @@ def _date(study: str) -> str | None:
     """The date of the study's last run (from its results.json), or None.
 
     A plan study's results.json names its study: one without the name was written before the
-    framework (the policy workload's first runs) and is not the study's last result.
+    framework (the policy workload's first runs) and is not the study's last result; nor is a
+    ``--quick`` smoke run.
     """
     try:
         results = json.loads((RESULTS / study / "results.json").read_text())
@@ -61,6 +62,8 @@ def _date(study: str) -> str | None:
     if not isinstance(results, dict) or results.get("study", study) != study:
         return None
     if get(study).is_plan and "study" not in results:
+        return None
+    if (results.get("settings") or {}).get("quick"):  # a smoke run is not a measurement
         return None
     date = (results.get("machine") or {}).get("date") or results.get("date") or ""
     return str(date)[:10] or "date unknown"
