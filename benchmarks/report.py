@@ -806,7 +806,17 @@ def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    for group in ("policy", "vector", "host", "real", "sweep", "ray", "stragglers"):
+    for group in (
+        "big",
+        "overhead",
+        "policy",
+        "vector",
+        "host",
+        "real",
+        "sweep",
+        "ray",
+        "stragglers",
+    ):
         if groups.get(group):
             path = _cells_plot(out_dir, results, plt, group)
             if path is not None:
