@@ -23,7 +23,7 @@ SMOKE: dict[str, list[str]] = {
     "big": ["--contenders", "ceiling", "sync", "asyncsample"],
     "scaling": ["--contenders", "ceiling", "sync", "asyncsample"],
     "overhead": ["--contenders", "sync", "asyncsample"],
-    "policy": ["--contenders", "ceiling", "sync", "asyncsample"],
+    "policy": ["--envs", "HalfCheetah-v5", "--contenders", "ceiling", "sync", "asyncsample"],
     "vector": ["--contenders", "ceiling", "sync", "asyncsample-vector"],
     "host": ["--contenders", "ceiling", "asyncsample"],
     "stragglers": ["--contenders", "ceiling", "asyncsample"],
