@@ -670,53 +670,34 @@ def _actor(spec: RunSpec, single: gym.Space, rows: int) -> Callable[[Any], Any]:
     return lambda obs: actions.sample()
 
 
-def envpool_pool(spec: RunSpec) -> RunResult:
-    """EnvPool synchronous (``batch_size == num_envs``), ``cores`` threads, its own envs only.
+def _envpool(spec: RunSpec, asynchronous: bool) -> RunResult:
+    """Time EnvPool synchronously (``step``) or asynchronously (``send``/``recv``).
 
-    EnvPool resets a done env on the next ``step`` call (the action is ignored, reward 0):
-    that step is not a transition and is not counted. The Atari games run with
-    :data:`~benchmarks.envs.ENVPOOL_ATARI`, the preprocessing of the gymnasium stack.
+    EnvPool resets a done env on its next step (the action is ignored, reward 0): that step is
+    not a transition and is not counted.
     """
     n = spec.n_envs
-    pool = _envpool_make(spec, n)
-    try:
-        obs, _ = pool.reset()
-        act = _actor(spec, pool.action_space, n)
-        resetting = np.zeros(n, dtype=bool)
-
-        def step() -> int:
-            nonlocal obs, resetting
-            obs, _, term, trunc, _ = pool.step(act(obs))
-            real = n - int(resetting.sum())
-            resetting = np.logical_or(term, trunc)
-            return real
-
-        return _timed_loop(spec, step)
-    finally:
-        with contextlib.suppress(Exception):
-            pool.close()
-
-
-def envpool_async(spec: RunSpec) -> RunResult:
-    """EnvPool asynchronous: ``send``/``recv`` with ``batch_size`` (default half) of the envs.
-
-    Each ``recv`` returns the first ``batch_size`` envs to finish their step; the agent acts
-    on those while the others step. Reset steps are not counted (see :func:`envpool_pool`).
-    """
-    batch = spec.batch_size or max(1, spec.n_envs // 2)
+    batch = (spec.batch_size or max(1, n // 2)) if asynchronous else n
     pool = _envpool_make(spec, batch)
     try:
-        pool.async_reset()
-        obs, _, _, _, info = pool.recv()
-        ids = np.asarray(info["env_id"])
         act = _actor(spec, pool.action_space, batch)
-        resetting = np.zeros(spec.n_envs, dtype=bool)
+        resetting = np.zeros(n, dtype=bool)
+        if asynchronous:
+            pool.async_reset()
+            obs, *_, info = pool.recv()
+            ids = np.asarray(info["env_id"])
+        else:
+            obs, _ = pool.reset()
+            ids = np.arange(n)
 
         def step() -> int:
             nonlocal obs, ids
-            pool.send(act(obs), ids)
-            obs, _, term, trunc, info = pool.recv()
-            ids = np.asarray(info["env_id"])
+            if asynchronous:
+                pool.send(act(obs), ids)
+                obs, _, term, trunc, info = pool.recv()
+                ids = np.asarray(info["env_id"])
+            else:
+                obs, _, term, trunc, _ = pool.step(act(obs))
             real = len(ids) - int(resetting[ids].sum())
             resetting[ids] = np.logical_or(term, trunc)
             return real
@@ -725,6 +706,24 @@ def envpool_async(spec: RunSpec) -> RunResult:
     finally:
         with contextlib.suppress(Exception):
             pool.close()
+
+
+def envpool_pool(spec: RunSpec) -> RunResult:
+    """EnvPool synchronous (``batch_size == num_envs``), ``cores`` threads, its own envs only.
+
+    The Atari games run with :data:`~benchmarks.envs.ENVPOOL_ATARI`, the preprocessing of the
+    gymnasium stack.
+    """
+    return _envpool(spec, asynchronous=False)
+
+
+def envpool_async(spec: RunSpec) -> RunResult:
+    """EnvPool asynchronous: ``send``/``recv`` with ``batch_size`` (default half) of the envs.
+
+    Each ``recv`` returns the first ``batch_size`` envs to finish their step; the agent acts
+    on those while the others step.
+    """
+    return _envpool(spec, asynchronous=True)
 
 
 def _count(batch: Any) -> int:
