@@ -1018,4 +1018,11 @@ def _derive_real(
         n = s.real_n_envs.get(env, s.n_envs)
         targets.append({"what": f"{env} ({n} envs) {what}", "target": goal, "value": val,
                         "by": by, "met": None if val is None else val >= goal})  # fmt: skip
+    for cfg in configs:  # issue 25: host mode in every layout a user may pick, not the best only
+        if cfg.env == "Pong-v5" and not cfg.policy and cfg.inference == "host":
+            val = ratios.get(cfg.key, {}).get("vs_ceiling")
+            targets.append({"what": f"Pong-v5 ({cfg.n_envs} envs) random agent, host "
+                            f"{cfg.n_workers}x{cfg.envs_per_worker}: x ceiling", "target": 0.95,
+                            "value": val, "by": cfg.label,
+                            "met": None if val is None else val >= 0.95})  # fmt: skip
     return {"best": best, "targets": targets}
