@@ -39,6 +39,20 @@ ENV_FIELDS = {
 }
 
 
+#: The settings field that holds a group's asyncsample layouts (``--layouts`` sets it).
+LAYOUT_FIELDS = {"main": "layouts", "big": "big_layouts", "host": "host_layouts",
+                 "ray": "ray_layouts"}  # fmt: skip
+
+
+def _layout(text: str) -> tuple[int, int]:
+    """``"4x8"`` -> ``(4, 8)``."""
+    try:
+        w, k = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a layout is WxK, e.g. 4x8, not {text!r}") from None
+    return w, k
+
+
 def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
     """The argument parser of one plan study (also what ``asyncsample bench STUDY`` parses)."""
     name = study.name if study else "STUDY"
@@ -79,6 +93,22 @@ def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
         help="output directory (default: benchmarks/results/STUDY)",
     )
     parser.add_argument("--timeout", type=float, help="seconds before a run is killed")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        type=_layout,
+        metavar="WxK",
+        help="asyncsample layouts (workers x envs per worker) of the study's main, big, host or "
+        "ray group, e.g. --layouts 2x4 4x2",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="asyncsample env hosts (process backend) or actors (Ray; default 2). On a Ray "
+        "cluster: RAY_ADDRESS=auto asyncsample bench ray --contenders asyncsample-ray "
+        "--layouts 64x32 --processes 32",
+    )
     parser.add_argument(
         "--retry-disturbed",
         type=int,
@@ -124,6 +154,12 @@ def settings_from_args(study: studies.Study, args: argparse.Namespace) -> suite.
         overrides["repeats"] = args.repeats
     if args.timeout is not None:
         overrides["timeout"] = args.timeout
+    if args.layouts:
+        for group in args.groups or study.groups:
+            if group in LAYOUT_FIELDS:
+                overrides[LAYOUT_FIELDS[group]] = list(args.layouts)
+    if args.processes is not None:
+        overrides["n_processes"] = args.processes
     overrides["retry_disturbed"] = max(0, args.retry_disturbed)
     overrides["max_foreign"] = args.max_foreign
     settings: suite.Settings = studies.settings_for(study, args.quick, **overrides)
