@@ -116,7 +116,7 @@ def _rows_main(
     results: dict[str, Any], group: str, envs: list[str]
 ) -> list[tuple[str, list[Config | None]]]:
     """Rows of a contender x env matrix: asyncsample shown once, with its best layout."""
-    configs: list[Config] = results["_groups"][group]
+    configs: list[Config] = _ceiling_first(results["_groups"][group])
     best = results["derived"]["best_layout"]
     rows: dict[str, list[Config | None]] = {}
     for cfg in configs:
@@ -131,6 +131,11 @@ def _rows_main(
             name = cfg.label
         rows.setdefault(name, [None] * len(envs))[idx] = cfg
     return list(rows.items())
+
+
+def _ceiling_first(configs: list[Config]) -> list[Config]:
+    """``configs`` with the ceiling's first (every table opens with what the machine gives)."""
+    return sorted(configs, key=lambda c: c.contender != "ceiling")
 
 
 def write_markdown(path: Path, results: dict[str, Any]) -> None:
@@ -236,7 +241,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
     if groups.get("big"):
         lines += [f"## CartPole-v1, {settings.big_n_envs} envs", ""]
         rows = []
-        for cfg in groups["big"]:
+        for cfg in _ceiling_first(groups["big"]):
             r = ratios.get(cfg.key, {})
             rows.append(
                 [
