@@ -1,5 +1,6 @@
-"""Faults and bad input, round 3 (issue 24): causes kept in host mode, spaces the sampler cannot
-record refused up front, memory limits checked before any work starts."""
+"""Faults and bad input, round 3 (issue 24): a hung step found in step_timeout in host mode,
+causes kept in host mode, spaces the sampler cannot record refused up front, memory limits
+checked before any work starts."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import gymnasium as gym
 import numpy as np
 import psutil
 import pytest
+from envs import HangingEnv, SleepyEnv
 from helpers import SamplerFactory
 
-from asyncsample import Sampler, WorkerError
+from asyncsample import Host, Sampler, StepTimeoutError, WorkerError
 from asyncsample.seeding import OFF_LOOP_ENVS, worker_seeds
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.both_loops]
@@ -271,3 +273,68 @@ async def test_many_env_seeds_are_drawn_off_the_loop() -> None:
     assert seeds == inline.next_env_seeds()
     assert ticks > 1  # the loop kept running while they were drawn
     assert await threaded.next_env_seeds_off_loop() == inline.next_env_seeds()  # next ones
+
+
+# -- item 1: step_timeout means one step in host mode --------------------------------------------
+
+
+async def test_a_hung_step_of_a_chunk_fails_in_step_timeout(
+    tmp_path: Any, make_sampler: SamplerFactory
+) -> None:
+    # The env hangs in the 5th step of a 64-step chunk: found after 0.5 s, not 64 x 0.5 s.
+    env = functools.partial(HangingEnv, 5, 3600.0, str(tmp_path / "hung"))
+    async with make_sampler(
+        backend="process",
+        env=env,
+        inference=Host(chunk_steps=64),
+        n_workers=1,
+        step_timeout=0.5,
+        max_restarts=0,
+    ) as s:
+        start = time.monotonic()
+        with pytest.raises(StepTimeoutError) as info:
+            await s.obtain_fragments(64)
+        elapsed = time.monotonic() - start
+    assert elapsed < 2.0, elapsed
+    message = str(info.value)
+    assert "step_timeout=0.5s" in message, message
+    assert "step 5 of a chunk" in message, message
+    assert info.value.worker == 0
+
+
+async def test_a_hung_step_of_a_chunk_is_restarted_in_step_timeout(
+    tmp_path: Any, make_sampler: SamplerFactory
+) -> None:
+    env = functools.partial(HangingEnv, 9, 3600.0, str(tmp_path / "hung"))
+    async with make_sampler(
+        backend="process", env=env, inference=Host(chunk_steps=64), n_workers=2, step_timeout=0.5
+    ) as s:
+        await s.obtain_fragments(8)  # the hosts are up, nobody has hung yet
+        start = time.monotonic()
+        batch = await s.obtain_fragments(200)
+        elapsed = time.monotonic() - start
+        assert s.last_stats is not None and s.last_stats.restarts == 1
+    assert batch.lengths.sum() >= 200
+    assert elapsed < 5.0, elapsed  # 0.5 s to notice, a new host, 200 steps: was 32 s
+
+
+async def test_a_slow_step_that_keeps_going_does_not_time_out(
+    make_sampler: SamplerFactory,
+) -> None:
+    # 16 steps of 0.3 s in one chunk: 4.8 s, every step well within step_timeout=0.5.
+    env = functools.partial(SleepyEnv, 0.3)
+    async with make_sampler(
+        backend="process",
+        env=env,
+        inference=Host(chunk_steps=16),
+        n_workers=1,
+        envs_per_worker=1,
+        step_timeout=0.5,
+        max_restarts=0,
+    ) as s:
+        start = time.monotonic()
+        batch = await s.obtain_fragments(16)
+        elapsed = time.monotonic() - start
+        assert s.restarts == 0
+    assert batch.lengths.sum() == 16
+    assert elapsed >= 4.8
