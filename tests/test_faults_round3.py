@@ -278,28 +278,40 @@ async def test_many_env_seeds_are_drawn_off_the_loop() -> None:
 # -- item 1: step_timeout means one step in host mode --------------------------------------------
 
 
+def _one_env(
+    make_sampler: SamplerFactory, env: Any, chunk_steps: int, backend: str = "process"
+) -> Sampler:
+    """A host-mode sampler of one worker with one env, ``step_timeout=0.5``, no restarts."""
+    return make_sampler(
+        backend=backend,
+        env=env,
+        inference=Host(chunk_steps=chunk_steps),
+        n_workers=1,
+        envs_per_worker=1,
+        step_timeout=0.5,
+        max_restarts=0,
+    )
+
+
+async def _timed_out(sampler: Sampler, fragments: int) -> tuple[StepTimeoutError, float]:
+    """The error of ``obtain_fragments(fragments)``, which must time out, and how long it took."""
+    async with sampler:
+        start = time.monotonic()
+        with pytest.raises(StepTimeoutError) as info:
+            await sampler.obtain_fragments(fragments)
+        return info.value, time.monotonic() - start
+
+
 async def test_a_hung_step_of_a_chunk_fails_in_step_timeout(
     tmp_path: Any, make_sampler: SamplerFactory
 ) -> None:
     # The env hangs in the 5th step of a 64-step chunk: found after 0.5 s, not 64 x 0.5 s.
     env = functools.partial(HangingEnv, 5, 3600.0, str(tmp_path / "hung"))
-    async with make_sampler(
-        backend="process",
-        env=env,
-        inference=Host(chunk_steps=64),
-        n_workers=1,
-        step_timeout=0.5,
-        max_restarts=0,
-    ) as s:
-        start = time.monotonic()
-        with pytest.raises(StepTimeoutError) as info:
-            await s.obtain_fragments(64)
-        elapsed = time.monotonic() - start
+    error, elapsed = await _timed_out(_one_env(make_sampler, env, 64), 64)
     assert elapsed < 2.0, elapsed
-    message = str(info.value)
-    assert "step_timeout=0.5s" in message, message
-    assert "step 5 of a chunk" in message, message
-    assert info.value.worker == 0
+    message = str(error)
+    assert "step 5 of a chunk took longer than step_timeout=0.5s" in message, message
+    assert error.worker == 0
 
 
 async def test_a_hung_step_of_a_chunk_is_restarted_in_step_timeout(
@@ -322,19 +334,22 @@ async def test_a_slow_step_that_keeps_going_does_not_time_out(
     make_sampler: SamplerFactory,
 ) -> None:
     # 16 steps of 0.3 s in one chunk: 4.8 s, every step well within step_timeout=0.5.
-    env = functools.partial(SleepyEnv, 0.3)
-    async with make_sampler(
-        backend="process",
-        env=env,
-        inference=Host(chunk_steps=16),
-        n_workers=1,
-        envs_per_worker=1,
-        step_timeout=0.5,
-        max_restarts=0,
-    ) as s:
+    async with _one_env(make_sampler, functools.partial(SleepyEnv, 0.3), 16) as s:
         start = time.monotonic()
         batch = await s.obtain_fragments(16)
         elapsed = time.monotonic() - start
         assert s.restarts == 0
     assert batch.lengths.sum() == 16
     assert elapsed >= 4.8
+
+
+@pytest.mark.slow
+async def test_on_ray_a_hung_chunk_is_bounded_by_its_steps_and_says_so(
+    tmp_path: Any, ray_cluster: Any, make_sampler: SamplerFactory
+) -> None:
+    # An actor runs one call at a time: its chunk may take steps x step_timeout, and the message
+    # says exactly that.
+    env = functools.partial(HangingEnv, 2, 3600.0, str(tmp_path / "hung"))
+    error, elapsed = await _timed_out(_one_env(make_sampler, env, 4, "ray"), 4)
+    assert "chunk of 4 steps took longer than 4 x step_timeout=0.5s" in str(error), str(error)
+    assert elapsed < 10.0, elapsed
