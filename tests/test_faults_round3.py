@@ -19,6 +19,7 @@ from envs import HangingEnv, SleepyEnv
 from helpers import SamplerFactory
 
 from asyncsample import Host, Sampler, StepTimeoutError, WorkerError
+from asyncsample.backends._remote import HostDied, Incarnation, progress_poll
 from asyncsample.seeding import OFF_LOOP_ENVS, worker_seeds
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.both_loops]
@@ -353,3 +354,76 @@ async def test_on_ray_a_hung_chunk_is_bounded_by_its_steps_and_says_so(
     error, elapsed = await _timed_out(_one_env(make_sampler, env, 4, "ray"), 4)
     assert "chunk of 4 steps took longer than 4 x step_timeout=0.5s" in str(error), str(error)
     assert elapsed < 10.0, elapsed
+
+
+class _Clock:
+    """A loop whose time and timers the test drives: ``call_later`` only records."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.now = 0.0
+        self.timers: list[tuple[float, Any, tuple[Any, ...]]] = []
+
+    def create_future(self) -> asyncio.Future[Any]:
+        return self.loop.create_future()
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, fn: Any, *args: Any) -> Any:
+        self.timers.append((self.now + delay, fn, args))
+        return _Handle()
+
+    def advance_to_next(self) -> None:
+        """Move the time to the next timer and fire it."""
+        when, fn, args = self.timers.pop(0)
+        self.now = when
+        fn(*args)
+
+
+class _Handle:
+    def cancel(self) -> None:
+        pass
+
+
+class _Host(Incarnation):
+    def describe(self) -> str:
+        return "fake host"
+
+    def _kill(self) -> None:
+        pass
+
+
+async def test_a_chunk_is_judged_by_how_long_its_step_counter_stands_still() -> None:
+    clock = _Clock()
+    host = _Host(clock)  # type: ignore[arg-type]
+    counter = np.zeros(1, np.int64)
+    counter[0] = 7  # earlier chunks' steps
+    call = host.new_call("chunk", 3, 1.0, counter)
+    assert clock.timers[0][0] == pytest.approx(progress_poll(1.0)) == pytest.approx(0.1)
+    # Steps of 0.9 s each, for far longer than the timeout: never killed.
+    for step in range(1, 40):
+        while clock.now < step * 0.9 - 1e-9:
+            clock.advance_to_next()
+            assert not host.dead
+        counter[0] += 1
+    assert clock.now > 30.0 and not host.dead
+    # Then a step hangs: killed between 1.0 and 1.1 s after the last step ended.
+    hang = clock.now
+    while not host.dead:
+        clock.advance_to_next()
+    assert 1.0 <= clock.now - hang <= 1.0 + progress_poll(1.0) + 1e-9
+    assert call.timed_out
+    assert "step 40 of a chunk of worker 3 took longer than step_timeout=1s" in host.reason
+    with pytest.raises(HostDied):
+        call.future.result()
+
+
+async def test_a_call_without_a_counter_keeps_one_timeout_for_the_whole_call() -> None:
+    clock = _Clock()
+    host = _Host(clock)  # type: ignore[arg-type]
+    call = host.new_call("step", 0, 2.0)
+    assert [t[0] for t in clock.timers] == [2.0]
+    clock.advance_to_next()
+    assert host.dead and call.timed_out
+    assert "a step of worker 0 took longer than step_timeout=2s" in host.reason
