@@ -74,14 +74,10 @@ class ChunkBuffers:
 
     @classmethod
     def from_flat(
-        cls,
-        flat: StepBuffers,
-        capacity: int,
-        n_envs: int,
-        progress: np.ndarray | None = None,
+        cls, flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None
     ) -> ChunkBuffers:
-        """View step buffers allocated for ``capacity * n_envs`` envs as chunk buffers
-        (``progress``: the step counter, a local one by default)."""
+        """View step buffers allocated for ``capacity * n_envs`` envs as chunk buffers;
+        ``counter``: the memory of the step counter (one ``int64``; default: a local one)."""
 
         def shape(a: np.ndarray) -> np.ndarray:
             return a.reshape(capacity, n_envs, *a.shape[1:])
@@ -94,7 +90,7 @@ class ChunkBuffers:
             terminated=shape(flat.terminated),
             truncated=shape(flat.truncated),
             capacity=capacity,
-            progress=np.zeros(1, np.int64) if progress is None else progress,
+            progress=np.zeros(1, np.int64) if counter is None else np.frombuffer(counter, np.int64),
         )
 
 

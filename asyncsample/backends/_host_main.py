@@ -25,8 +25,6 @@ import socket
 import sys
 from typing import Any
 
-import numpy as np
-
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import ChunkBuffers
 from asyncsample.backends._slot import HostSlot
@@ -135,8 +133,7 @@ def main(
         if raw_chunk is not None:
             capacity, blocks, counter = raw_chunk
             flat = view_buffers(obs_space, act_space, capacity * n_envs, blocks)
-            progress = np.frombuffer(counter, np.int64)
-            chunk = ChunkBuffers.from_flat(flat, capacity, n_envs, progress)
+            chunk = ChunkBuffers.from_flat(flat, capacity, n_envs, counter)
         slots.append(HostSlot(spec, buffers, chunk, host_threads, "env-host process"))
     reader = FrameReader(sock)
     try:

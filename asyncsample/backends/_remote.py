@@ -205,9 +205,7 @@ class Incarnation(ABC):
         left = call.since + timeout - now
         if left <= 0:
             return False
-        self.timer = self.loop.call_later(
-            min(left, progress_poll(timeout)), self._on_timeout, call
-        )
+        self.timer = self.loop.call_later(min(left, progress_poll(timeout)), self._on_timeout, call)
         return True
 
     def answered(self, call: PendingCall) -> None:

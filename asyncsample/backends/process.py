@@ -279,15 +279,10 @@ class _Conn(Incarnation):
     # -- requests -------------------------------------------------------------------------------
 
     def send(
-        self,
-        op: Op,
-        body: bytes,
-        timeout: float | None,
-        worker: int,
-        progress: np.ndarray | None = None,
+        self, op: Op, body: bytes, timeout: float | None, worker: int, progress: Any = None
     ) -> PendingCall:
-        """Send one request; its future resolves to ``(status, payload)``. ``progress``: the
-        step counter that makes ``timeout`` bound each step (see :meth:`Incarnation.new_call`)."""
+        """Send one request; its future resolves to ``(status, payload)`` (``progress``: see
+        :meth:`Incarnation.new_call`)."""
         rid = self.next_id
         self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
         call = self.new_call(op.label, worker, timeout, progress)
@@ -502,8 +497,7 @@ class _Member(PoolMember[_Conn]):
         self.ctx = ctx
         self.host_threads = host_threads
         self.raw = raw  # per slot, the shared blocks of its step buffers
-        # per slot, (capacity, blocks, step counter) of its chunk buffers
-        self.raw_chunks = raw_chunks
+        self.raw_chunks = raw_chunks  # per slot, (capacity, blocks, counter) of its chunks
 
     def _discard(self, incarnation: _Conn) -> None:
         incarnation.release()
@@ -640,7 +634,7 @@ class ProcessHost(RemoteHost[_Conn]):
         if inc is None or self._member.closed:
             payload = await self._request(Op.STEP, _mask_bytes(mask))
         else:
-            payload = await self._send(inc, Op.STEP, _mask_bytes(mask), self._timeout)
+            payload = await self._send(inc, Op.STEP, _mask_bytes(mask))
         if not payload:
             return StepInfos(None, {})
         env_infos, reset_infos = pickle.loads(payload)
@@ -650,32 +644,22 @@ class ProcessHost(RemoteHost[_Conn]):
         """``inference="host"``: run a chunk with the host's agent copy (installed or updated
         first where needed); the reply and the agent version the chunk ran with.
 
-        ``step_timeout`` applies to each step of the chunk: the host bumps a step counter in
-        shared memory after every step, and the chunk fails (its host killed) when the counter
-        stands still for ``step_timeout`` (see :class:`~asyncsample.backends._remote.Incarnation`).
+        ``step_timeout`` bounds each step: the chunk fails when the host's step counter (shared
+        memory, bumped after every step) stands still for that long (see ``Incarnation``).
         """
         version = await self.sync_agent()
-        inc = self._incarnation
-        chunk = self.chunk
+        inc, chunk = self._incarnation, self.chunk
         if inc is None or self._member.closed or chunk is None:
             raise closed_error(self.worker, "run its chunk")
-        body = dumps(request)
-        reply: ChunkReply = pickle.loads(
-            await self._send(inc, Op.CHUNK, body, self._timeout, chunk.progress)
-        )
+        payload = await self._send(inc, Op.CHUNK, dumps(request), chunk.progress)
+        reply: ChunkReply = pickle.loads(payload)
         return reply, version
 
-    async def _send(
-        self,
-        inc: _Conn,
-        op: Op,
-        body: bytes,
-        timeout: float | None,
-        progress: np.ndarray | None = None,
-    ) -> bytes:
+    async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
-        step and chunk paths): the reply's payload, or the error a failure or death means."""
-        call = inc.send(op, self._slot + body, timeout, self.worker, progress)
+        step and chunk paths): the reply's payload, or the error a failure or death means.
+        ``progress``: a chunk's step counter (``step_timeout`` then bounds each step)."""
+        call = inc.send(op, self._slot + body, self._timeout, self.worker, progress)
         try:
             status, payload = await call.future
         except HostDied:
@@ -753,8 +737,7 @@ class ProcessBackend:
                     spec.observation_space, spec.action_space, cap * spec.n_envs, ctx
                 )
                 counter = ctx.RawArray("q", 1)  # the host's step counter (see run_chunk)
-                progress = np.frombuffer(counter, np.int64)
-                chunks.append(ChunkBuffers.from_flat(flat, cap, spec.n_envs, progress))
+                chunks.append(ChunkBuffers.from_flat(flat, cap, spec.n_envs, counter))
                 raw_chunks.append((cap, raw_chunk, counter))
             else:
                 chunks.append(None)
