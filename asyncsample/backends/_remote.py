@@ -69,7 +69,8 @@ class PendingCall:
             bumps after each step (shared memory); ``timeout`` then bounds each step, judged
             by how long the counter stood still. ``None``: ``timeout`` bounds the whole call.
         base: the counter's value when the host started on the call.
-        seen: its value at the last look, and ``since``: the loop time it was first seen so.
+        seen: its value at the last look, and ``since``: the loop time it was first seen so
+            (the latest the current step can have started).
     """
 
     __slots__ = (
@@ -199,7 +200,9 @@ class Incarnation(ABC):
             return False
         now = self.loop.time()
         count = int(progress[0])
-        if count != call.seen:  # a step ended since the last look: the next one started
+        if count != call.seen:
+            # A step ended since the last look. Its successor started now at the latest, so a
+            # step is only judged hung once it has surely outlived ``timeout``.
             call.seen = count
             call.since = now
         left = call.since + timeout - now
