@@ -212,10 +212,11 @@ STUDIES: list[Study] = [
     ),
     Study(
         "soak",
-        "minutes of sampling while envs raise, are killed and hang: nothing lost (own runner)",
+        "minutes of sampling in the host, batched and per_worker modes while envs raise, hang "
+        "and end their host: nothing lost, short, half-made or left behind (own runner)",
         script="benchmarks.soak",
-        script_args=(("--minutes", "1"), ("--minutes", "0.15", "--batch", "800")),
-        minutes=1.0,
+        script_args=(("--minutes", "3"), ("--minutes", "0.15", "--batch", "800")),
+        minutes=3.0,
         before=("soak.md",),
     ),
     Study(
