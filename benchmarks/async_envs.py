@@ -1170,6 +1170,12 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
     return args, plan
 
 
+def _default_budget(args: argparse.Namespace) -> bool:
+    """Whether the run used the study's default budget (no --quick, no override of it)."""
+    budget = ("levels", "latency_ms", "episode_length", "seconds", "warmup", "calls", "call_limit")
+    return not args.quick and all(getattr(args, name) is None for name in budget)
+
+
 def _load() -> str:
     import os
 
@@ -1196,6 +1202,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["asyncsample bench async_envs", *argv]),
         "machine": report.machine_info(),
         "plan": dataclasses.asdict(plan),
+        # The pages (benchmarks/pages.py) cite only a run of the default budget; --quick or any
+        # budget override makes this a smoke run.
+        "settings": {"quick": not _default_budget(args), "budget": plan.spec},
         "elapsed_s": time.perf_counter() - t0,
         "load_before": load_before,
         "load_after": _load(),

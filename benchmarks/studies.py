@@ -221,8 +221,10 @@ STUDIES: list[Study] = [
     ),
     Study(
         "async_envs",
-        "envs whose step waits (mean 50 ms, heavy tail) at 100-10,000 concurrent episodes: "
-        "backend asyncio/thread against AsyncVectorEnv and thread pools (own runner)",
+        "envs whose step waits (mean 50 ms, 1% of steps 20x longer) at 100, 1,000 and 10,000 "
+        "concurrent episodes: backend asyncio/thread against AsyncVectorEnv, thread pools of "
+        "32 and 256 and plain asyncio tasks; loop lag, CPU and memory per episode, call p99 "
+        "with episode_timeout (own runner)",
         script="benchmarks.async_envs",
         script_args=((), ("--quick",)),
         minutes=25.0,
