@@ -1111,6 +1111,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
     )
     p.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=CONTENDERS)
     p.add_argument("--latency-ms", type=float, help="mean step latency (default 50; quick 20)")
+    p.add_argument(
+        "--tail", type=float, help="share of the steps in the tail (default 0.01; 0: no tail)"
+    )
     p.add_argument("--episode-length", type=int, help="steps per episode (default 100; quick 20)")
     p.add_argument("--seconds", type=float, help="timed phase per run (default 5; quick 1)")
     p.add_argument("--warmup", type=float, help="warm-up per run, seconds (default 2; quick 0.5)")
@@ -1158,6 +1161,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
 
     spec = {
         "mean": pick(args.latency_ms, 50.0, 20.0) / 1e3,
+        "tail_probability": pick(args.tail, TAIL_PROBABILITY, TAIL_PROBABILITY),
         "episode_length": pick(args.episode_length, EPISODE_LENGTH, 20),
         "seconds": pick(args.seconds, 5.0, 1.0),
         "warmup_s": pick(args.warmup, 2.0, 0.5),
@@ -1181,7 +1185,16 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
 
 def _default_budget(args: argparse.Namespace) -> bool:
     """Whether the run used the study's default budget (no --quick, no override of it)."""
-    budget = ("levels", "latency_ms", "episode_length", "seconds", "warmup", "calls", "call_limit")
+    budget = (
+        "levels",
+        "latency_ms",
+        "tail",
+        "episode_length",
+        "seconds",
+        "warmup",
+        "calls",
+        "call_limit",
+    )
     return not args.quick and all(getattr(args, name) is None for name in budget)
 
 
