@@ -303,8 +303,9 @@ class Episodes:
         are cut as fragments ending at ``current_obs``."""
         recorder = self.recorder
         if fragments:
-            stop = recorder.rows.size
+            stops = np.broadcast_to(recorder.positions(), (self.n_envs,))
             for i in range(self.n_envs):
+                stop = int(stops[i])
                 if self.active[i] and stop > recorder.piece_start[i]:
                     current = tree_map(lambda x, i=i: x[i].copy(), current_obs)
                     recorder.close_piece(i, stop, None, current, self.episode_info[i])
@@ -400,6 +401,7 @@ class Episodes:
         put_rows(rows.actions, t0, chunk.actions, steps)
         rewards = chunk.rewards[:steps]
         rows.rewards[t0 : t0 + steps] = rewards
+        rows.versions[t0 : t0 + steps] = version
         if isinstance(agent_infos, dict):
             if agent_infos or rows.agent_infos:
                 store_agent_info_block(rows, t0, steps, agent_infos)

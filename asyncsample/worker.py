@@ -250,6 +250,7 @@ class Worker:
         if batcher is not None:
             batcher.host_done(self.worker_number)
         rows.rewards[t] = buffers.rewards
+        rows.versions[t] = self.agent_version
         if infos.env_infos is not None:
             rows.env_infos[t] = infos.env_infos
         done = np.logical_or(buffers.terminated, buffers.truncated, out=episodes.done)
