@@ -365,6 +365,12 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
         inner: AsyncEnv[Any, Any] = getattr(self.env, "unwrapped", self.env)
         return inner
 
+    @property
+    def max_episode_steps(self) -> int | None:
+        """The step limit an :class:`AsyncTimeLimit` in this stack puts on episodes (the tightest
+        if there are several), ``None`` if there is none: what the sampler reads as the limit."""
+        return time_limit(self)
+
     def has_wrapper_attr(self, name: str) -> bool:
         """Whether this wrapper or an env below it has the attribute ``name``."""
         if hasattr(self, name):
@@ -409,9 +415,9 @@ class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
     """Truncates episodes after ``max_episode_steps`` steps (gymnasium's ``TimeLimit``).
 
     The step that reaches the limit returns ``truncated=True`` (``terminated`` stays what the env
-    said). The sampler reads the limit from :attr:`max_episode_steps` through any wrappers above
-    (see :func:`time_limit`), as it reads gymnasium's ``TimeLimit``, so batches record the limit
-    in ``env_spec.max_episode_length``.
+    said). Every wrapper above it reports the limit as ``max_episode_steps`` (see
+    :func:`time_limit`), where the sampler reads it, as it reads gymnasium's ``TimeLimit``: batches
+    record it in ``env_spec.max_episode_length``.
 
     Args:
         env: the async env to wrap.
@@ -427,11 +433,6 @@ class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
         super().__init__(env)
         self._max_episode_steps = limit
         self._elapsed_steps: int | None = None
-
-    @property
-    def max_episode_steps(self) -> int:
-        """The step limit of an episode."""
-        return self._max_episode_steps
 
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -547,6 +548,6 @@ def time_limit(env: object) -> int | None:
     limits = []
     while isinstance(env, AsyncWrapper):
         if isinstance(env, AsyncTimeLimit):
-            limits.append(env.max_episode_steps)
+            limits.append(env._max_episode_steps)
         env = env.env
     return min(limits) if limits else None

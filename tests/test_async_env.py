@@ -384,6 +384,9 @@ async def test_wrapper_forwards() -> None:
     assert time_limit(env) == 7
     assert time_limit(AsyncTimeLimit(AsyncTimeLimit(inner, 9), 20)) == 9
     assert time_limit(inner) is None and time_limit(AsyncWrapper(inner)) is None
+    # Every layer reports the stack's limit, where the sampler reads it.
+    assert env.max_episode_steps == 7 and AsyncWrapper(inner).max_episode_steps is None
+    assert AsyncWrapper(AsyncTimeLimit(AsyncTimeLimit(inner, 9), 20)).max_episode_steps == 9
 
 
 async def test_wrapper_can_set_its_own_spaces_and_metadata() -> None:
@@ -458,3 +461,43 @@ def test_public_names() -> None:
     ):
         assert name in asyncsample.__all__
         assert getattr(asyncsample, name) is getattr(asyncsample.async_env, name)
+
+
+# --- the wrappers under the sampler ---------------------------------------------------------
+
+
+def async_stack() -> AsyncRecordEpisodeStatistics[Any, Any]:
+    return AsyncRecordEpisodeStatistics(AsyncTimeLimit(RandomLengthAsyncEnv(2, 20), 8))
+
+
+def gym_stack() -> gym.Env[Any, Any]:
+    return gym.wrappers.RecordEpisodeStatistics(gym.wrappers.TimeLimit(RandomLengthEnv(2, 20), 8))
+
+
+def assert_same_batches(a: Any, b: Any) -> None:
+    """Equal batches, but for the wall-clock seconds of the episode statistics."""
+    for field in ("observations", "actions", "rewards", "lengths", "step_types", "agent_versions"):
+        assert np.array_equal(getattr(a, field), getattr(b, field)), field
+    ea, eb = dict(a.episode_infos), dict(b.episode_infos)
+    sa, sb = ea.pop("episode"), eb.pop("episode")
+    assert same(ea, eb) and same(a.env_infos, b.env_infos)
+    assert same({k: sa[k] for k in "rl"}, {k: sb[k] for k in "rl"})
+
+
+@pytest.mark.timeout(60)
+async def test_wrappers_under_the_asyncio_backend_match_gymnasiums_under_thread() -> None:
+    from asyncsample import Sampler
+
+    options: dict[str, Any] = {"n_workers": 2, "envs_per_worker": 3, "seed": 5}
+    async with Sampler(async_stack, backend="asyncio", **options) as sampler:
+        assert sampler.env_spec.max_episode_length == 8  # read through the statistics wrapper
+        ours = await sampler.obtain_exact_episodes(5)
+    async with Sampler(gym_stack, backend="thread", **options) as sampler:
+        assert sampler.env_spec.max_episode_length == 8
+        ref = await sampler.obtain_exact_episodes(5)
+    assert_same_batches(ours, ref)
+    stats = ours.episode_infos["episode"]
+    assert np.array_equal(stats["l"], ours.lengths)
+    starts = np.concatenate([[0], ours.lengths.cumsum()[:-1]])
+    assert np.allclose(stats["r"], np.add.reduceat(ours.rewards, starts))
+    assert (ours.lengths <= 8).all() and (ours.lengths == 8).any()
