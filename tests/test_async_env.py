@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import async_envs
@@ -249,17 +250,26 @@ async def test_hanging_env_is_cancellable() -> None:
     await env.step(0)
 
 
-async def test_factories_record_and_switch() -> None:
-    factory = async_envs.failing(fail_at=1, times=1, length=2)
-    first, second = factory(), factory()
-    assert isinstance(first, FailingAsyncEnv) and type(second) is CountingAsyncEnv
-    assert factory.made == [first, second]
+async def test_factories_record_and_spend_their_budget_on_misbehaving() -> None:
+    factory = async_envs.failing(fail_at=2, times=1, length=5)
+    probe, first, second = factory(), factory(), factory()
+    assert factory.made == [probe, first, second]
+    for env in (first, second):
+        await env.reset(seed=0)
+        await env.step(0)
+    with pytest.raises(RuntimeError, match="step 2"):
+        await first.step(0)
+    await second.step(0)  # the budget (one failure) is spent
+    assert first.failed and not second.failed and not probe.failed
     hang = async_envs.hanging(hang_at=1, times=2)
-    assert [type(hang()).__name__ for _ in range(3)] == [
-        "HangingAsyncEnv",
-        "HangingAsyncEnv",
-        "CountingAsyncEnv",
-    ]
+    envs = [hang() for _ in range(3)]
+    for env in envs:
+        await env.reset(seed=0)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.01):
+                await env.step(0)
+    assert [env.hung for env in envs] == [True, True, False]
+    assert [env.cancelled for env in envs] == [True, True, False]
     before = async_envs.open_envs()
     env = async_envs.counting(3)()
     assert async_envs.open_envs() == before + 1
