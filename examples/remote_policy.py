@@ -455,7 +455,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="a run of a few seconds")
+    parser.add_argument(
+        "--quick", action="store_true", help="a run of a few seconds (4 x 16 envs, 2 x 1,000 steps)"
+    )
     parser.add_argument("--workers", type=int, default=4, help="worker coroutines")
     parser.add_argument("--envs", type=int, default=64, help="envs per worker")
     parser.add_argument("--iterations", type=int, default=5, help="obtain_samples calls")
@@ -464,10 +466,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-wait-ms", type=float, default=2.0, help="the policy server's batching window"
     )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.workers, args.envs, args.iterations, args.steps = 4, 16, 2, 1_000
-    return args
+    if parser.parse_args(argv).quick:  # smaller defaults; options given explicitly still win
+        parser.set_defaults(workers=4, envs=16, iterations=2, steps=1_000)
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import async_envs
 import numpy as np
 import pytest
 from aiohttp import web
+from helpers import leaves_nothing
 
 from asyncsample import Sampler
 
@@ -218,3 +219,19 @@ def test_remote_policy_example_runs_end_to_end(tmp_path: Path) -> None:
     calls = re.search(r"tool service: (\d+) calls", out)
     assert calls is not None and int(calls.group(1)) >= 2_000
     assert "policy server exited with code 0" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_remote_policy_run_in_this_loop_leaves_nothing_running() -> None:
+    """The example's ``run`` under the test's loop (asyncio's and uvloop): figures, then no task
+    and no child process left."""
+    args = example.parse_args(["--quick", "--iterations", "1", "--steps", "400"])
+    with leaves_nothing(collect=False):
+        figures = await example.run(args)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    (row,) = figures["iterations"]
+    assert row["steps"] >= 400 and row["episodes"] >= 1
+    assert 0.0 <= row["found"] <= 1.0
+    assert figures["policy"]["passes"] < figures["policy"]["requests"]
+    assert figures["tool_calls"] >= 400 and figures["policy_exitcode"] == 0
