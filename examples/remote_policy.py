@@ -90,7 +90,7 @@ def make_policy(config: PolicyConfig) -> Callable[[np.ndarray], tuple[np.ndarray
     )
     generator = torch.Generator().manual_seed(config.seed)
 
-    @torch.no_grad()  # type: ignore[misc]
+    @torch.no_grad()
     def forward(observations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         logits: torch.Tensor = model(torch.as_tensor(observations, dtype=torch.float32))
         log_probs = torch.log_softmax(logits, dim=-1)
@@ -130,6 +130,7 @@ class MicroBatcher:
 
     async def submit(self, observations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Queue a request's observations; returns its actions and log-probs."""
+        future: asyncio.Future[tuple[np.ndarray, np.ndarray]]
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((observations, future))
         self._rows += len(observations)
@@ -345,7 +346,7 @@ class ToolService:
             self._runner = None
 
 
-class ToolEnv(AsyncEnv[np.ndarray, int]):
+class ToolEnv(AsyncEnv[np.ndarray, np.int64]):
     """Find a hidden target on a line of ``SIZE`` cells, asking a tool for the distance each step.
 
     Observation ``[position, distance, 1 if the last move got closer]`` scaled to [-1, 1] (the
@@ -371,7 +372,11 @@ class ToolEnv(AsyncEnv[np.ndarray, int]):
 
     async def _measure(self) -> int:
         delay_ms = self.np_random.uniform(*TOOL_DELAY_MS)
-        params = {"pos": self.position, "target": self.target, "delay_ms": f"{delay_ms:.3f}"}
+        params = {
+            "pos": str(self.position),
+            "target": str(self.target),
+            "delay_ms": f"{delay_ms:.3f}",
+        }
         async with self.session.get(f"{self.tool_url}/measure", params=params) as response:
             response.raise_for_status()
             return int((await response.json())["distance"])
@@ -391,14 +396,14 @@ class ToolEnv(AsyncEnv[np.ndarray, int]):
         self.distance = await self._measure()
         return self._obs(False), {}
 
-    async def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+    async def step(self, action: np.int64) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         self.position = min(max(self.position + (1 if int(action) == 1 else -1), 0), SIZE - 1)
         before, self.distance = self.distance, await self._measure()
         found = self.distance == 0
         return self._obs(self.distance < before), 1.0 if found else -0.01, found, False, {}
 
 
-def make_env(session: aiohttp.ClientSession, tool_url: str) -> AsyncTimeLimit[np.ndarray, int]:
+def make_env(session: aiohttp.ClientSession, tool_url: str) -> AsyncTimeLimit[np.ndarray, np.int64]:
     """The sampler's env factory (bound to the session and URL with ``functools.partial``)."""
     return AsyncTimeLimit(ToolEnv(session, tool_url), MAX_EPISODE_STEPS)
 
