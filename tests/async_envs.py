@@ -133,62 +133,63 @@ class Budget:
         return True
 
 
-class FailingAsyncEnv(CountingAsyncEnv):
-    """Raises ``RuntimeError`` on its ``fail_at``-th step (counted over its life, from 1), while
-    ``budget`` allows (by default always)."""
+class _Misbehaving(CountingAsyncEnv):
+    """A counting env that misbehaves (:meth:`misbehave`) on its ``at``-th step (counted over
+    its life, from 1), while ``budget`` allows (by default always)."""
 
-    def __init__(
-        self,
-        fail_at: int = 3,
-        length: int = 10,
-        latency: float = 0.0,
-        budget: Budget | None = None,
-    ) -> None:
+    def __init__(self, at: int, length: int, latency: float, budget: Budget | None) -> None:
         super().__init__(length, latency)
-        self.fail_at = fail_at
+        self.at = at
         self.budget = budget or Budget(None)
-        self.failed = False
+
+    async def misbehave(self) -> None:
+        raise NotImplementedError
 
     async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        if self.logic.steps_taken + 1 == self.fail_at and self.budget.take():
+        if self.logic.steps_taken + 1 == self.at and self.budget.take():
             self.logic.steps_taken += 1
-            self.failed = True
-            await asyncio.sleep(0)
-            raise RuntimeError(f"FailingAsyncEnv failed on its step {self.fail_at}")
+            await self.misbehave()
         return await super().step(action)
 
 
-class HangingAsyncEnv(CountingAsyncEnv):
-    """Awaits forever on its ``hang_at``-th step (counted over its life, from 1), while
-    ``budget`` allows (by default always).
+class FailingAsyncEnv(_Misbehaving):
+    """Raises ``RuntimeError`` on its ``fail_at``-th step (see :class:`_Misbehaving`)."""
+
+    def __init__(
+        self, fail_at: int = 3, length: int = 10, latency: float = 0.0, budget: Budget | None = None
+    ) -> None:
+        super().__init__(fail_at, length, latency, budget)
+        self.fail_at = fail_at
+        self.failed = False
+
+    async def misbehave(self) -> None:
+        self.failed = True
+        await asyncio.sleep(0)
+        raise RuntimeError(f"FailingAsyncEnv failed on its step {self.fail_at}")
+
+
+class HangingAsyncEnv(_Misbehaving):
+    """Awaits forever on its ``hang_at``-th step (see :class:`_Misbehaving`).
 
     The wait is cancellable; ``hung`` says the env reached it and ``cancelled`` that it was
     cancelled there.
     """
 
     def __init__(
-        self,
-        hang_at: int = 3,
-        length: int = 10,
-        latency: float = 0.0,
-        budget: Budget | None = None,
+        self, hang_at: int = 3, length: int = 10, latency: float = 0.0, budget: Budget | None = None
     ) -> None:
-        super().__init__(length, latency)
+        super().__init__(hang_at, length, latency, budget)
         self.hang_at = hang_at
-        self.budget = budget or Budget(None)
         self.hung = False
         self.cancelled = False
 
-    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        if self.logic.steps_taken + 1 == self.hang_at and self.budget.take():
-            self.logic.steps_taken += 1
-            self.hung = True
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self.cancelled = True
-                raise
-        return await super().step(action)
+    async def misbehave(self) -> None:
+        self.hung = True
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
 
 
 class DuckAsyncEnv:

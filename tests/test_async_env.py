@@ -494,11 +494,20 @@ def assert_same_batches(a: Any, b: Any) -> None:
     assert same({k: sa[k] for k in "rl"}, {k: sb[k] for k in "rl"})
 
 
+class ObservationAgent:
+    """Acts on its input alone (the built-in RandomAgent draws for whichever envs are ready
+    together, which on ``thread`` depends on the threads' timing)."""
+
+    def get_actions(self, observations: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        return (np.asarray(observations)[:, 1] > 0.5).astype(np.int64), {}
+
+
 @pytest.mark.timeout(60)
 async def test_wrappers_under_the_asyncio_backend_match_gymnasiums_under_thread() -> None:
     from asyncsample import Sampler
 
     options: dict[str, Any] = {"n_workers": 2, "envs_per_worker": 3, "seed": 5}
+    options["agent"] = ObservationAgent()
     async with Sampler(async_stack, backend="asyncio", **options) as sampler:
         assert sampler.env_spec.max_episode_length == 8  # read through the statistics wrapper
         ours = await sampler.obtain_exact_episodes(5)
