@@ -22,6 +22,7 @@ import collections
 import functools
 import inspect
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -177,51 +178,64 @@ def _fail(live: list[tuple[Tree, asyncio.Future[Any]]], exc: BaseException) -> N
 class Admission:
     """Staleness at admission (``stream(max_policy_lag=k)`` on the lane backends).
 
-    Tracks the agent version of every open episode. An env may start a new episode under
-    version ``v`` only while ``v - oldest open version <= k``; otherwise it waits until the older
-    episodes end (or are dropped). So the versions in flight never spread by more than ``k``,
-    rather than episodes being run to the end and thrown away afterwards.
+    Tracks the agent version of every open episode, per worker. An env may start a new episode
+    under version ``v`` only while ``v - oldest open version of its worker <= k``; otherwise it
+    waits until its worker's older episodes end (or the call's share is in). So the versions in
+    flight never spread by more than ``k``, rather than episodes being run to the end and thrown
+    away afterwards. Per worker, because the workers' shares are separate: a worker waiting on
+    another's episode, which that worker would only finish in the next round, could wait forever.
     """
 
     def __init__(self, max_lag: int) -> None:
         self.max_lag = max_lag
-        self.versions: collections.Counter[int] = collections.Counter()
+        self._versions: dict[int, collections.Counter[int]] = collections.defaultdict(
+            collections.Counter
+        )
         self._open: dict[tuple[int, int], int] = {}
         self._changed = asyncio.Event()
         self.waits = 0
         """How many times an env was held back."""
 
-    def oldest(self) -> int | None:
-        """The oldest agent version among the open episodes."""
-        return min(self.versions) if self.versions else None
+    def oldest(self, worker: int) -> int | None:
+        """The oldest agent version among ``worker``'s open episodes."""
+        versions = self._versions.get(worker)
+        return min(versions) if versions else None
 
-    async def admit(self, key: tuple[int, int], version: int) -> None:
-        """Wait until env ``key`` (worker, env) may start an episode under ``version``; then
-        count it open. An episode of ``key`` still counted (dropped by a restart) is forgotten."""
+    async def admit(
+        self, key: tuple[int, int], version: int, still: Callable[[], bool] = lambda: True
+    ) -> bool:
+        """Wait until env ``key`` (worker, env) may start an episode under ``version``, then
+        count it open and return true; return false as soon as ``still()`` is false (the call
+        needs no more episodes). An episode of ``key`` still counted (dropped by a restart)
+        is forgotten first."""
         self.closed(key)
         held = False
         while True:
-            oldest = self.oldest()
+            oldest = self.oldest(key[0])
             if oldest is None or version - oldest <= self.max_lag:
                 break
+            if not still():
+                return False
             if not held:
                 self.waits += 1
                 held = True
             self._changed.clear()
             await self._changed.wait()
         self._open[key] = version
-        self.versions[version] += 1
+        self._versions[key[0]][version] += 1
+        return True
 
     def closed(self, key: tuple[int, int]) -> None:
         """Env ``key``'s episode ended or was dropped (nothing if it had none open)."""
         version = self._open.pop(key, None)
         if version is None:
             return
-        count = self.versions[version] - 1
+        versions = self._versions[key[0]]
+        count = versions[version] - 1
         if count > 0:
-            self.versions[version] = count
+            versions[version] = count
         else:
-            del self.versions[version]
+            del versions[version]
         self._changed.set()
 
 
@@ -359,8 +373,7 @@ class LaneStepper:
         try:
             while call.more(i):
                 if episodes.needs_reset[i]:
-                    await self._start_episode(i, one)
-                    if not call.more(i):
+                    if not await self._start_episode(i, one, call):
                         break
                 observation = tree_map(lambda x: x[i].copy(), buffers.obs)
                 action, infos = await self.requests.request(
@@ -406,13 +419,15 @@ class LaneStepper:
             episodes.needs_reset[i] = True
             raise
 
-    async def _start_episode(self, i: int, one: np.ndarray) -> None:
+    async def _start_episode(self, i: int, one: np.ndarray, call: _Call) -> bool:
+        """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""
         worker = self.worker
         episodes = worker.episodes
         version = worker.agent_version
         key = (worker.worker_number, i)
         if self.admission is not None:
-            await self.admission.admit(key, version)
+            if not await self.admission.admit(key, version, lambda: call.more(i)):
+                return False
         try:
             info = await self.host.reset_one(i)
         except BaseException:
@@ -426,6 +441,7 @@ class LaneStepper:
             reset(one.copy())
         if self.episode_timeout is not None:
             self.deadlines[i] = asyncio.get_running_loop().time() + self.episode_timeout
+        return call.more(i)
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""
