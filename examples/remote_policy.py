@@ -20,7 +20,7 @@ the distance the tool reported; an episode ends at the target (reward 1) or afte
 ``MAX_EPISODE_STEPS`` steps (:class:`asyncsample.AsyncTimeLimit`). The policy is untrained: the
 example is about the plumbing, not the learning.
 
-Run it::
+Run it (it needs torch and aiohttp: ``pip install '.[torch,examples]'``)::
 
     python examples/remote_policy.py --quick      # a few seconds
     python examples/remote_policy.py --workers 8 --envs 128 --iterations 5
