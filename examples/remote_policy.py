@@ -46,7 +46,14 @@ import gymnasium as gym
 import numpy as np
 from aiohttp import web
 
-from asyncsample import AsyncEnv, AsyncTimeLimit, Sampler, StepType
+from asyncsample import (
+    AsyncEnv,
+    AsyncRecordEpisodeStatistics,
+    AsyncTimeLimit,
+    EpisodeBatch,
+    Sampler,
+    StepType,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +64,6 @@ SIZE = 16
 MAX_EPISODE_STEPS = 40
 OBS_DIM = 3
 N_ACTIONS = 2
-TERMINAL = StepType.TERMINAL
 #: The tool's latency is drawn per call from this range (milliseconds), by the env's np_random.
 TOOL_DELAY_MS = (2.0, 8.0)
 
@@ -403,9 +409,33 @@ class ToolEnv(AsyncEnv[np.ndarray, np.int64]):
         return self._obs(self.distance < before), 1.0 if found else -0.01, found, False, {}
 
 
-def make_env(session: aiohttp.ClientSession, tool_url: str) -> AsyncTimeLimit[np.ndarray, np.int64]:
-    """The sampler's env factory (bound to the session and URL with ``functools.partial``)."""
-    return AsyncTimeLimit(ToolEnv(session, tool_url), MAX_EPISODE_STEPS)
+def make_env(
+    session: aiohttp.ClientSession, tool_url: str
+) -> AsyncRecordEpisodeStatistics[np.ndarray, np.int64]:
+    """The sampler's env factory (bound to the session and URL with ``functools.partial``):
+    the env under a time limit, with its episodes' return, length and seconds in the info of
+    their last step (``batch.episode_infos["episode"]``)."""
+    return AsyncRecordEpisodeStatistics(
+        AsyncTimeLimit(ToolEnv(session, tool_url), MAX_EPISODE_STEPS)
+    )
+
+
+def summarise(batch: EpisodeBatch, seconds: float) -> dict[str, Any]:
+    """One call's figures: counts, how episodes ended, mean return and duration, speed."""
+    ends = batch.step_types[batch.lengths.cumsum() - 1]
+    stats = batch.episode_infos["episode"]
+    # An episode cut by the sampler's episode_timeout never reached the wrapper's last step.
+    recorded = batch.episode_infos.get("_episode", np.ones(batch.n_episodes, bool))
+    deadline = batch.episode_infos.get("deadline", np.zeros(batch.n_episodes, bool))
+    return {
+        "steps": batch.n_transitions,
+        "episodes": batch.n_episodes,
+        "found": int(np.sum(ends == StepType.TERMINAL)),
+        "deadline": int(np.sum(deadline)),
+        "mean_return": float(batch.returns.mean()),
+        "mean_episode_seconds": float(stats["t"][recorded].mean()) if recorded.any() else None,
+        "steps_per_second": batch.n_transitions / seconds,
+    }
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -428,25 +458,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             n_workers=args.workers,
             envs_per_worker=args.envs,
             seed=args.seed,
+            episode_timeout=args.episode_timeout,
         )
         async with sampler:
             for i in range(args.iterations):
                 t0 = time.perf_counter()
                 batch = await sampler.obtain_samples(args.steps)
-                seconds = time.perf_counter() - t0
-                row = {
-                    "steps": batch.n_transitions,
-                    "episodes": batch.n_episodes,
-                    "mean_return": float(batch.returns.mean()),
-                    "found": float(
-                        np.mean(batch.step_types[batch.lengths.cumsum() - 1] == TERMINAL)
-                    ),
-                    "steps_per_second": batch.n_transitions / seconds,
-                }
+                row = summarise(batch, time.perf_counter() - t0)
                 figures["iterations"].append(row)
+                duration = row["mean_episode_seconds"]
                 print(
-                    f"iteration {i + 1}: {row['steps']} steps, {row['episodes']} episodes, "
-                    f"mean return {row['mean_return']:.3f}, "
+                    f"iteration {i + 1}: {row['steps']} steps, {row['episodes']} episodes "
+                    f"({row['found']} found the target, {row['deadline']} cut at the deadline), "
+                    f"mean return {row['mean_return']:.3f}, mean episode "
+                    f"{'-' if duration is None else f'{duration:.2f} s'}, "
                     f"{row['steps_per_second']:.0f} steps/s",
                     flush=True,
                 )
@@ -468,6 +493,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=5, help="obtain_samples calls")
     parser.add_argument("--steps", type=int, default=20_000, help="env steps per call")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--episode-timeout",
+        type=float,
+        default=10.0,
+        help="seconds after which a running episode is cut as truncated",
+    )
     parser.add_argument(
         "--batch-wait-ms", type=float, default=2.0, help="the policy server's batching window"
     )
