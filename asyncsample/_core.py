@@ -120,11 +120,6 @@ class SamplerCore:
                 "step at once)"
             )
         episode_timeout = _validate.positive_seconds("episode_timeout", episode_timeout)
-        if episode_timeout is not None and backend not in LANE_BACKENDS:
-            raise ValueError(
-                "episode_timeout is implemented for backend='asyncio' and 'thread', got "
-                f"backend={backend!r}"
-            )
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
         worker_class = _validate.subclass("worker_class", worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", worker_args)
@@ -171,6 +166,13 @@ class SamplerCore:
         """The inference mode's strategy (:mod:`asyncsample.inference.modes`)."""
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
+            if episode_timeout is not None:
+                raise ValueError(
+                    "episode_timeout needs inference='per_worker' or 'batched' (the sampler "
+                    "checks deadlines between steps; with inference='host' a chunk of steps "
+                    f"runs in the env host), got episode_timeout={episode_timeout!r} with "
+                    "inference='host'"
+                )
         self.env_spec, self._time_limited = self._probe_env(self.env_sources[0])
         self._check_memory(n_workers, envs_per_worker, backend)
         self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
@@ -232,6 +234,8 @@ class SamplerCore:
             ]
             hosts = await backend.start(specs)
             workers = [self._factory(w) for w in range(self.n_workers)]
+            for worker in workers:
+                worker.episodes.episode_timeout = self.episode_timeout
             await run_all(
                 [
                     worker.attach(

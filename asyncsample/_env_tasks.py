@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ActionRequests", "Admission", "LaneStepper"]
 
+_NEVER = np.inf
+"""The deadline of an episode without one."""
+
 
 class ActionRequests:
     """Batches the action requests of the envs that are ready in the same pass of the loop.
@@ -308,7 +311,9 @@ class LaneStepper:
         recorder = worker.episodes.recorder
         if recorder.cursor is None:
             recorder.cursor = np.zeros(n, dtype=np.int64)
-        self.deadlines = np.full(n, np.inf)
+        self.deadlines = worker.episodes.deadlines
+        # step_one takes deadlines in the loop's time
+        worker.episodes.clock = asyncio.get_running_loop().time
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -370,29 +375,37 @@ class LaneStepper:
         one = np.zeros(worker.n_envs, dtype=bool)
         one[i] = True
         cut_on_stop = self.leave is Resume.NOTHING and call.mode is CallMode.SAMPLES
+        flat = isinstance(buffers.obs, np.ndarray) and isinstance(buffers.actions, np.ndarray)
+        request = self.requests.request
+        step = host.step_one
+        w = worker.worker_number
+        lengths, returns, deadlines = episodes.lengths, episodes.returns, self.deadlines
         try:
             while call.more(i):
                 if episodes.needs_reset[i]:
                     if not await self._start_episode(i, one, call):
                         break
-                observation = tree_map(lambda x: x[i].copy(), buffers.obs)
-                action, infos = await self.requests.request(
-                    worker.agent,  # type: ignore[arg-type]
-                    worker.worker_number,
-                    observation,
-                )
-                version = worker.agent_version
+                if flat:
+                    observation = buffers.obs[i].copy()
+                else:
+                    observation = tree_map(lambda x: x[i].copy(), buffers.obs)
+                action, infos = await request(worker.agent, w, observation)  # type: ignore[arg-type]
                 t = int(cursor[i])
-                rows.cover(t, buffers.obs, buffers.actions)
-                put_row(rows.obs, (t, i), observation)
-                put_row(rows.actions, (t, i), action)
+                if t >= rows.size:
+                    rows.cover(t, buffers.obs, buffers.actions)
+                if flat:
+                    rows.obs[t, i] = observation
+                    rows.actions[t, i] = action
+                else:
+                    put_row(rows.obs, (t, i), observation)
+                    put_row(rows.actions, (t, i), action)
                 if infos or rows.agent_infos:
                     store_agent_info_cell(rows, t, i, infos)
-                rows.versions[t, i] = version
-                deadline = self.deadlines[i]
+                rows.versions[t, i] = worker.agent_version
+                deadline = deadlines[i]
                 try:
-                    reward, terminated, truncated, info = await host.step_one(
-                        i, action, None if deadline == np.inf else float(deadline)
+                    reward, terminated, truncated, info = await step(
+                        i, action, None if deadline == _NEVER else float(deadline)
                     )
                 except DeadlinePassed:
                     self._cut(i)
@@ -404,14 +417,14 @@ class LaneStepper:
                     if row is None:
                         row = rows.env_infos[t] = [{} for _ in range(worker.n_envs)]
                     row[i] = info
-                episodes.lengths[i] += 1
-                episodes.returns[i] += reward
+                lengths[i] += 1
+                returns[i] += reward
                 call.took(i)
                 if terminated or truncated:
                     self._end(i, t)
                     if cut_on_stop and call.rule.need <= 0 and not stop.done():
                         stop.set_result(None)
-                elif self.deadlines[i] <= asyncio.get_running_loop().time():
+                elif deadline != _NEVER and deadline <= asyncio.get_running_loop().time():
                     self._cut(i)
         except asyncio.CancelledError:
             # Cut off mid-call (its share is in, or the call was cancelled): the env may be
@@ -439,8 +452,6 @@ class LaneStepper:
         reset = getattr(worker.agent, "reset", None)
         if reset is not None:
             reset(one.copy())
-        if self.episode_timeout is not None:
-            self.deadlines[i] = asyncio.get_running_loop().time() + self.episode_timeout
         return call.more(i)
 
     def _end(self, i: int, t: int) -> None:

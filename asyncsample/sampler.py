@@ -66,9 +66,11 @@ class Sampler:
             product over all of them makes the hosts fight over them. Ignored by ``local``.
         max_concurrency: ``"asyncio"``: the env calls in flight at once across the sampler
             (``None``: no cap); ``"thread"``: the thread pool's size (default: 4 per core).
-        episode_timeout: ``"asyncio"``/``"thread"``: seconds after its start at which an episode
-            still running ends as truncated (``TIMEOUT``, ``episode_infos["deadline"]`` true;
-            a step in flight is cancelled and the env reset before its next use).
+        episode_timeout: seconds after its start at which an episode still running ends as
+            truncated (``TIMEOUT``, ``episode_infos["deadline"]`` true). On ``"asyncio"`` and
+            ``"thread"`` a step in flight at the deadline is cancelled (the env is reset before
+            its next use); on the lockstep backends the deadline is checked after each step
+            (not with ``inference="host"``, which runs chunks of steps in the hosts).
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.

@@ -363,3 +363,32 @@ async def test_env_update_on_asyncio(make_sampler: SamplerFactory) -> None:
     await sampler.obtain_samples(20)
     batch = await sampler.obtain_samples(20, env_update=lambda: CountingAsyncEnv(3))
     assert (batch.lengths == 3).all()
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+async def test_episode_timeout_on_lockstep_backends(
+    make_sampler: SamplerFactory, backend: str
+) -> None:
+    """The deadline is checked after each step: episodes of 20 steps of 10 ms are cut."""
+    sampler = make_sampler(
+        backend,
+        lambda: CountingEnv(20, latency=0.01),
+        n_workers=2,
+        envs_per_worker=2,
+        episode_timeout=0.05,
+        seed=0,
+    )
+    batch = await sampler.obtain_exact_episodes(3)
+    _check_whole(batch)
+    ends = batch.step_types[np.cumsum(batch.lengths) - 1]
+    assert (ends == StepType.TIMEOUT).all()
+    assert batch.episode_infos["deadline"].all()
+    assert (batch.lengths < 20).all()
+    # The next episode of a cut env starts fresh: its observations count from 0 again.
+    again = await sampler.obtain_samples(40)
+    _check_whole(again)
+
+
+async def test_episode_timeout_refused_with_host_inference() -> None:
+    with pytest.raises(ValueError, match="episode_timeout needs inference='per_worker'"):
+        Sampler("CartPole-v1", inference="host", episode_timeout=1.0)

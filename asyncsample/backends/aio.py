@@ -139,6 +139,7 @@ class LaneHost:
         self._seeds: list[int | None] = [None] * spec.n_envs
         self._lengths = [0] * spec.n_envs
         self._flat = isinstance(self.buffers.obs, np.ndarray)
+        self._plain = step_timeout is None and limiter is None
         self._obs_shape = tuple(spec.observation_space.shape or ())
         self.closed = False
 
@@ -206,21 +207,32 @@ class LaneHost:
             StepTimeoutError: the step took longer than ``step_timeout``.
             WorkerError: the env raised (the original exception is its ``__cause__``).
         """
-        self._check_open("step")
-        obs, reward, terminated, truncated, info = await self._await(
-            i, "step", self.envs[i].step(action), deadline
-        )
+        if self.closed:
+            raise closed_error(self.spec.worker, "step")
+        call = self.envs[i].step(action)
+        if deadline is None and self._plain:
+            # The hot path (no limiter, no timeout): the env's own coroutine, awaited here.
+            try:
+                obs, reward, terminated, truncated, info = await call
+            except (asyncio.CancelledError, WorkerError):
+                raise
+            except Exception as exc:
+                raise _env_error(self.spec.worker, i, "step", exc) from exc
+        else:
+            obs, reward, terminated, truncated, info = await self._await(i, "step", call, deadline)
         n = self._lengths[i] + 1
         self._lengths[i] = n
         limit = self.spec.max_episode_length
         if limit is not None and n >= limit:
             truncated = True
         buffers = self.buffers
-        self._store(i, obs, buffers.obs)
-        buffers.terminated[i] = terminated
-        buffers.truncated[i] = truncated
-        buffers.rewards[i] = reward
+        if self._flat and getattr(obs, "shape", None) == self._obs_shape:
+            buffers.obs[i] = obs
+        else:
+            self._store(i, obs, buffers.obs)
         if terminated or truncated:
+            buffers.terminated[i] = terminated
+            buffers.truncated[i] = truncated
             self._store(i, obs, buffers.final_obs)
         return float(reward), bool(terminated), bool(truncated), info
 
