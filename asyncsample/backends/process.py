@@ -278,11 +278,14 @@ class _Conn(Incarnation):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def send(self, op: Op, body: bytes, timeout: float | None, worker: int) -> PendingCall:
-        """Send one request; its future resolves to ``(status, payload)``."""
+    def send(
+        self, op: Op, body: bytes, timeout: float | None, worker: int, progress: Any = None
+    ) -> PendingCall:
+        """Send one request; its future resolves to ``(status, payload)`` (``progress``: see
+        :meth:`Incarnation.new_call`)."""
         rid = self.next_id
         self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
-        call = self.new_call(op.label, worker, timeout)
+        call = self.new_call(op.label, worker, timeout, progress)
         if self.dead:
             return call
         call.key = rid
@@ -487,14 +490,14 @@ class _Member(PoolMember[_Conn]):
         ctx: Any,
         specs: list[HostSpec],
         raw: list[list[Any]],
-        raw_chunks: list[tuple[int, list[Any]] | None] | None = None,
+        raw_chunks: list[tuple[int, list[Any], Any] | None] | None = None,
         host_threads: int | None = None,
     ) -> None:
         super().__init__(index, specs)
         self.ctx = ctx
         self.host_threads = host_threads
         self.raw = raw  # per slot, the shared blocks of its step buffers
-        self.raw_chunks = raw_chunks  # per slot, (capacity, blocks) of its chunk buffers
+        self.raw_chunks = raw_chunks  # per slot, (capacity, blocks, counter) of its chunks
 
     def _discard(self, incarnation: _Conn) -> None:
         incarnation.release()
@@ -631,7 +634,7 @@ class ProcessHost(RemoteHost[_Conn]):
         if inc is None or self._member.closed:
             payload = await self._request(Op.STEP, _mask_bytes(mask))
         else:
-            payload = await self._send(inc, Op.STEP, _mask_bytes(mask), self._timeout)
+            payload = await self._send(inc, Op.STEP, _mask_bytes(mask))
         if not payload:
             return StepInfos(None, {})
         env_infos, reset_infos = pickle.loads(payload)
@@ -641,20 +644,22 @@ class ProcessHost(RemoteHost[_Conn]):
         """``inference="host"``: run a chunk with the host's agent copy (installed or updated
         first where needed); the reply and the agent version the chunk ran with.
 
-        ``step_timeout`` applies per step: the chunk may take ``step_timeout * request.steps``.
+        ``step_timeout`` bounds each step: the chunk fails when the host's step counter (shared
+        memory, bumped after every step) stands still for that long (see ``Incarnation``).
         """
         version = await self.sync_agent()
-        inc = self._incarnation
-        if inc is None or self._member.closed:
+        inc, chunk = self._incarnation, self.chunk
+        if inc is None or self._member.closed or chunk is None:
             raise closed_error(self.worker, "run its chunk")
-        timeout = None if self._timeout is None else self._timeout * max(1, request.steps)
-        reply: ChunkReply = pickle.loads(await self._send(inc, Op.CHUNK, dumps(request), timeout))
+        payload = await self._send(inc, Op.CHUNK, dumps(request), chunk.progress)
+        reply: ChunkReply = pickle.loads(payload)
         return reply, version
 
-    async def _send(self, inc: _Conn, op: Op, body: bytes, timeout: float | None) -> bytes:
+    async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
-        step and chunk paths): the reply's payload, or the error a failure or death means."""
-        call = inc.send(op, self._slot + body, timeout, self.worker)
+        step and chunk paths): the reply's payload, or the error a failure or death means.
+        ``progress``: a chunk's step counter (``step_timeout`` then bounds each step)."""
+        call = inc.send(op, self._slot + body, self._timeout, self.worker, progress)
         try:
             status, payload = await call.future
         except HostDied:
@@ -721,7 +726,7 @@ class ProcessBackend:
         buffers: list[StepBuffers] = []
         raws: list[list[Any]] = []
         chunks: list[ChunkBuffers | None] = []
-        raw_chunks: list[tuple[int, list[Any]] | None] = []
+        raw_chunks: list[tuple[int, list[Any], Any] | None] = []
         for spec in specs:
             buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
             buffers.append(buf)
@@ -731,8 +736,9 @@ class ProcessBackend:
                 flat, raw_chunk = shared_buffers(
                     spec.observation_space, spec.action_space, cap * spec.n_envs, ctx
                 )
-                chunks.append(ChunkBuffers.from_flat(flat, cap, spec.n_envs))
-                raw_chunks.append((cap, raw_chunk))
+                counter = ctx.RawArray("q", 1)  # the host's step counter (see run_chunk)
+                chunks.append(ChunkBuffers.from_flat(flat, cap, spec.n_envs, counter))
+                raw_chunks.append((cap, raw_chunk, counter))
             else:
                 chunks.append(None)
                 raw_chunks.append(None)
