@@ -487,7 +487,8 @@ class EpisodeBatch:
 
         Keys: ``episode_infos`` (each value for this episode, without the episode axis),
         ``observations``, ``next_observations``, ``actions``, ``rewards``, ``env_infos``,
-        ``agent_infos`` and ``step_types``. :meth:`from_list` turns the list back into a batch.
+        ``agent_infos``, ``step_types`` and, when the batch has them, ``agent_versions``.
+        :meth:`from_list` turns the list back into a batch.
         """
         next_obs = self.next_observations
         paths = []
@@ -502,6 +503,11 @@ class EpisodeBatch:
                     "env_infos": tree_index(self.env_infos, steps),
                     "agent_infos": tree_index(self.agent_infos, steps),
                     "step_types": self.step_types[steps],
+                    **(
+                        {}
+                        if self.agent_versions is None
+                        else {"agent_versions": self.agent_versions[steps]}
+                    ),
                 }
             )
         return paths
@@ -516,7 +522,8 @@ class EpisodeBatch:
         come from ``step_types``, or else from ``dones`` via :meth:`StepType.get_step_type`
         (so the first step is ``FIRST`` and a step reaching the time limit ``TIMEOUT``).
         ``env_infos``/``agent_infos`` may be dicts of arrays or lists of per-step dicts, and
-        ``episode_infos`` a dict of per-episode values; all three are optional. Keys that only
+        ``episode_infos`` a dict of per-episode values; all three are optional, as is
+        ``agent_versions`` (kept when every path has it). Keys that only
         some paths (or steps) carry are kept, filled and masked as in :meth:`concatenate`; a
         list of per-step dicts is stacked by :func:`stack_infos`, without moving any key to
         ``episode_infos``.
@@ -584,6 +591,11 @@ class EpisodeBatch:
             agent_infos=agent_infos,
             step_types=np.concatenate(step_types),
             lengths=lengths,
+            agent_versions=(
+                np.concatenate([np.asarray(p["agent_versions"], dtype=np.int64) for p in paths])
+                if all(p.get("agent_versions") is not None for p in paths)
+                else None
+            ),
         )
 
     # ---------------------------------------------------------------- comparison
