@@ -32,15 +32,15 @@ Ours run with one shared seeded ``RandomAgent`` and ``inference="batched"`` in t
 env per worker and 100 envs per worker (``n_workers x envs_per_worker`` = N); the table shows
 the better, a second table both.
 
-Per cell: steps/s (for ours the better of a ``stream`` of complete episodes and one of
-fragments, for the peers their envs' own loop)
-against the ideal (N / mean latency), the event-loop lag p50/p99 (a probe task sleeps 1 ms and
-records how late it wakes), the main process's CPU per step (``time.process_time``), the memory
-per open episode (growth of the RSS of the process tree / N), and the duration of a call of N
-episodes' worth of steps (``obtain_samples(N * 100)`` a few times; for the peers, every env
-running one episode) with its p50/p99, for ours also with ``episode_timeout`` at 3x the mean
-episode duration. Results: ``benchmarks/results/async_envs/`` (``results.json``,
-``results.md``, ``async_envs.png``).
+Per cell: env steps/s, counted as the steps happen (for ours the better of a ``stream`` of
+complete episodes and one of fragments on the same sampler, for the peers their envs' own
+loop), against the ideal (N / mean latency); the event-loop lag p50/p99 (a probe task sleeps
+1 ms and records how late it wakes); the main process's CPU per step
+(``time.process_time``); the memory per open episode (growth of the RSS of the process tree /
+N); and the duration of a call of N episodes' worth of steps (``obtain_samples(N * 100)`` a
+few times; for the peers, every env running one episode) with its p50/p99, for ours also with
+``episode_timeout`` at 3x the mean episode duration. Results:
+``benchmarks/results/async_envs/`` (``results.json``, ``results.md``, ``async_envs.png``).
 """
 
 from __future__ import annotations
