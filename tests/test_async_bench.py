@@ -87,6 +87,8 @@ def test_plan_layouts_and_the_64_env_cap() -> None:
     zero = [s for s in specs if s.contender == "ours-asyncio-zero"]
     assert zero and all(s.mean == 0 and s.n_episodes == 1000 for s in zero)
     assert {s.threads for s in specs if s.contender == "ours-thread"} == {64}
+    shown = ae.command_line(["--quick", "--out", "/tmp/x", "--levels", "10", "--out=/y"])
+    assert shown == "asyncsample bench async_envs --quick --levels 10"
 
 
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
