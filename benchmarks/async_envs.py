@@ -1077,6 +1077,7 @@ def write_chart(out: Path, results: dict[str, Any]) -> list[Path]:
     rate_ax.set_title(f"steps/s against the ideal (steps wait {mean_ms:g} ms on average)")
     rate_ax.legend(fontsize=8)
     lag_ax.axhline(20, color="k", linestyle="dashed", label="target p99 (20 ms)")
+    lag_ax.set_yscale("symlog", linthresh=1.0)  # from well under 1 ms to seconds
     lag_ax.set_ylabel("ms")
     lag_ax.set_title("event-loop lag p99 (gym-async has no loop)")
     lag_ax.legend(fontsize=8)
