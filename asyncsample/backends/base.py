@@ -54,6 +54,8 @@ class HostSpec:
             ``0``: the worker asks for actions itself, one step per request.
         autoreset: how the host's env group restarts an ended episode, one of
             :data:`~asyncsample.env_group.AUTORESET_MODES` (the vector-env faces choose it).
+        final_in_reply: the env group also returns the final observations themselves, in
+            :attr:`StepInfos.final_obs <asyncsample.env_group.StepInfos>` (the gymnasium face).
     """
 
     worker: int
@@ -63,6 +65,7 @@ class HostSpec:
     max_episode_length: int | None
     chunk_steps: int = 0
     autoreset: str = "SameStep"
+    final_in_reply: bool = False
 
 
 class EnvHost(Protocol):

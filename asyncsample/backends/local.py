@@ -50,6 +50,7 @@ class LocalHost:
             spec.action_space,
             spec.max_episode_length,
             spec.autoreset,
+            spec.final_in_reply,
         )
         self.closed = False
 
@@ -87,7 +88,9 @@ class LocalHost:
     async def step(self, mask: np.ndarray) -> StepInfos:
         result: StepInfos = self._call("step", self._group.step, mask)
         if result.env_infos is not None or result.reset_infos:
-            result = StepInfos(_snapshot(result.env_infos), _snapshot(result.reset_infos))
+            result = StepInfos(
+                _snapshot(result.env_infos), _snapshot(result.reset_infos), result.final_obs
+            )
         # Let other tasks run between steps: a call is many steps, the loop must not wait for
         # all of them.
         await asyncio.sleep(0)

@@ -620,22 +620,31 @@ class ProcessHost(RemoteHost[_Conn]):
             args = reset_arguments(self.spec.n_envs, seeds, options)
             blob = self._pickle("reset options", args)
             payload = await self._request(Op.RESET_ARGS, _mask_bytes(mask) + blob)
+        infos: dict[int, dict[str, object]]
+        if isinstance(self.buffers.obs, list):  # observations without fixed-size rows
+            infos, self.buffers.obs[:] = pickle.loads(payload)
+            return infos
         if not payload:
             return {}
-        infos: dict[int, dict[str, object]] = pickle.loads(payload)
+        infos = pickle.loads(payload)
         return infos
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         # The hot path: _request without its generic layers, same checks.
         inc = self._incarnation
+        body = _mask_bytes(mask)
+        if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
+            body += self._pickle("actions", self.buffers.actions)
         if inc is None or self._member.closed:
-            payload = await self._request(Op.STEP, _mask_bytes(mask))
+            payload = await self._request(Op.STEP, body)
         else:
-            payload = await self._send(inc, Op.STEP, _mask_bytes(mask), self._timeout)
+            payload = await self._send(inc, Op.STEP, body, self._timeout)
         if not payload:
             return StepInfos(None, {})
-        env_infos, reset_infos = pickle.loads(payload)
-        return StepInfos(env_infos, reset_infos)
+        parts = pickle.loads(payload)
+        if len(parts) > 3:  # observations without fixed-size rows come home pickled
+            self.buffers.obs[:] = parts[3]
+        return StepInfos(*parts[:3])
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
         """``inference="host"``: run a chunk with the host's agent copy (installed or updated

@@ -44,13 +44,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError
+from gymnasium.error import AlreadyPendingCallError, CustomSpaceError, NoAsyncCallError
+from gymnasium.spaces import Space
+from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector import VectorEnv as _GymVectorEnv
-from gymnasium.vector.utils import batch_space
+from gymnasium.vector.utils import (
+    batch_differing_spaces,
+    batch_space,
+    create_shared_memory,
+)
 
 from asyncsample import _validate
 from asyncsample._tree import tree_map
+from asyncsample.env_update import make_env
 from asyncsample.vector.hosted import (
     HostedEnvs,
     HostedFace,
@@ -98,19 +105,62 @@ def _check_async_vector_env_options(
             "env hosts, several to a process, which step them with the sampler's own env-group "
             "code (no per-env pipe for a worker function to serve); wrap the env instead"
         )
-    valid = observation_mode in ("same", "different") or (
-        isinstance(observation_mode, tuple) and len(observation_mode) == 2
-    )
-    if not valid:
+    if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
+        if not all(isinstance(space, Space) for space in observation_mode):
+            raise TypeError(  # gymnasium's words
+                "Expected both elements of observation_mode to be Spaces, got "
+                f"{type(observation_mode[0])} and {type(observation_mode[1])}"
+            )
+    elif not (isinstance(observation_mode, str) and observation_mode in ("same", "different")):
         raise ValueError(  # gymnasium's words
             "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
             f"batch observation space, actual got {observation_mode}"
         )
-    if observation_mode != "same":
-        raise ValueError(
-            "observation_mode: only 'same' is supported (every sub-env shares the first one's "
-            f"observation space, batched in shared memory), got {observation_mode!r}"
-        )
+
+
+class _NoMemory:
+    """A ``ctx`` for gymnasium's ``create_shared_memory`` that allocates nothing: only to learn
+    whether ``AsyncVectorEnv(shared_memory=True)`` could hold a space."""
+
+    def Array(self, typecode_or_type: Any, size: int) -> None:
+        return None
+
+
+def _check_shared_memory(space: Space[Any]) -> None:
+    """Refuse what ``AsyncVectorEnv(shared_memory=True)`` refuses, with its errors: a custom
+    space is a ``ValueError``, ``Sequence`` and ``Graph`` are gymnasium's ``TypeError``.
+
+    asyncsample's own buffers would not need this (values without fixed-size rows travel
+    pickled), but code written against ``AsyncVectorEnv`` gets what it expects.
+    """
+    try:
+        create_shared_memory(space, n=1, ctx=_NoMemory())  # type: ignore[arg-type]
+    except CustomSpaceError as exc:
+        raise ValueError(  # gymnasium's words
+            "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable this "
+            "feature with `shared_memory=False` however this is slower."
+        ) from exc
+
+
+def _observation_spaces(
+    observation_mode: Any, sources: list[Any]
+) -> tuple[Space[Any] | None, Space[Any] | None]:
+    """The single and batched observation spaces ``observation_mode`` asks for (``None``: the
+    first sub-env's, batched), as ``AsyncVectorEnv`` computes them."""
+    if isinstance(observation_mode, tuple):
+        batched, single = observation_mode
+        return single, batched
+    if observation_mode == "different":
+        # Each sub-env built once in this process, as AsyncVectorEnv does.
+        spaces = []
+        for source in sources:
+            env = make_env(source)
+            try:
+                spaces.append(env.observation_space)
+            finally:
+                env.close()
+        return spaces[0], batch_differing_spaces(spaces)
+    return None, None
 
 
 class _InfoBatch:
@@ -145,6 +195,7 @@ def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
         into.env_infos[a:b] = res.env_infos[a:b]
     into.reset_infos.update({i: v for i, v in res.reset_infos.items() if a <= i < b})
     into.restarted.update({i: v for i, v in res.restarted.items() if a <= i < b})
+    into.final_obs.update({i: v for i, v in res.final_obs.items() if a <= i < b})
 
 
 class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
@@ -240,8 +291,10 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         if batch is not None and batch > num:
             raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
         sources = env_sources(env, num)
+        single_obs, batched_obs = _observation_spaces(observation_mode, sources)
         self.autoreset_mode = mode
         self.num_envs = num
+        self.observation_mode = observation_mode
         self._hosted = HostedEnvs(
             sources,
             n_processes=n_processes,
@@ -250,6 +303,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             autoreset=mode.value,
             group_size=None if batch is None else math.gcd(num, batch),
             host_threads=host_threads,
+            object_rows=True,
+            observation_space=single_obs,
         )
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
@@ -259,7 +314,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self.render_mode = hosted.render_mode
         self.single_observation_space = hosted.single_observation_space
         self.single_action_space = hosted.single_action_space
-        self.observation_space = batch_space(self.single_observation_space, num)
+        self.observation_space = (
+            batch_space(self.single_observation_space, num) if batched_obs is None else batched_obs
+        )
         self.action_space = batch_space(self.single_action_space, num)
         self._initial_seed = None if seed is None else int(seed)
         # DISABLED: sub-envs whose episode ended and that the caller has not reset yet.
@@ -275,12 +332,15 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
         self._inflight: dict[int, asyncio.Future[StepResult]] = {}
         self._answered: list[int] = []
-        if isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1:
-            try:
+        several = isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1
+        try:
+            if shared_memory:
+                _check_shared_memory(self.single_observation_space)
+            if several or observation_mode != "same":
                 self._check_spaces()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -423,7 +483,14 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         """Every sub-env's spaces are the first one's (``AsyncVectorEnv``'s check and words)."""
         obs = self.call("observation_space")
         act = self.call("action_space")
-        if any(space != self.single_observation_space for space in obs):
+        single = self.single_observation_space
+        if self.observation_mode != "same":
+            if not all(is_space_dtype_shape_equiv(single, space) for space in obs):
+                raise RuntimeError(
+                    "VectorEnv(..., observation_mode='different' or custom space) however the "
+                    "sub-environment's observation spaces do not share a common shape and dtype."
+                )
+        elif any(space != single for space in obs):
             raise RuntimeError(
                 "VectorEnv(..., observation_mode='same') however some of the sub-environments "
                 "observation spaces are not equivalent. If this is intentional, use "
@@ -511,7 +578,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             elif self._fresh[i]:
                 infos = batch._add_info(infos, self._fresh_infos.pop(i, {}), k)
             elif mode == AutoresetMode.SAME_STEP and done[k]:
-                final = {"final_obs": hosted.obs_row(i, final=True), "final_info": res.info(i)}
+                final = {"final_obs": hosted.final_row(res, i), "final_info": res.info(i)}
                 infos = batch._add_info(infos, final, k)
                 infos = batch._add_info(infos, reset_info, k)
             else:

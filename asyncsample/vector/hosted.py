@@ -23,18 +23,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Coroutine, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.error import ClosedEnvironmentError
-from gymnasium.vector.utils import batch_space
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend, pool_size
 from asyncsample.backends.base import EnvHost, HostSpec
-from asyncsample.env_group import StepInfos
+from asyncsample.env_group import StepInfos, fixed_rows
 from asyncsample.env_update import EnvId, make_env
 from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
 from asyncsample.vector.portal import BlockingPortal
@@ -81,6 +81,44 @@ class SubEnvAttributeError(SubEnvError, AttributeError):
     gymnasium expect)."""
 
 
+_ERROR_CLASSES: dict[type[BaseException], type[SubEnvError]] = {}
+
+
+def _sub_env_error_class(cause: type[BaseException]) -> type[SubEnvError]:
+    """:class:`SubEnvError` that is also a ``cause`` (``except ValueError`` still catches a
+    sub-env's ``ValueError``, as with gymnasium's vector envs, which re-raise the env's own
+    exception); plain :class:`SubEnvError` where the two classes cannot be combined."""
+    kind = _ERROR_CLASSES.get(cause)
+    if kind is None:
+        kind = _ERROR_CLASSES[cause] = _combined_error_class(cause)
+    return kind
+
+
+def _combined_error_class(cause: type[BaseException]) -> type[SubEnvError]:
+    if issubclass(cause, AttributeError):
+        return SubEnvAttributeError
+    if not issubclass(cause, Exception) or issubclass(cause, AsyncSampleError):
+        return SubEnvError
+    try:
+        combined = type(f"SubEnvError[{cause.__name__}]", (SubEnvError, cause), {})
+        combined.__module__ = __name__
+        # The combined class is built here, not importable: it pickles as a plain SubEnvError.
+        combined.__reduce__ = _reduce_sub_env_error  # type: ignore[method-assign,assignment]
+        probe = combined("probe", sub_env=0, host=0)
+        if "probe" not in str(probe):  # a cause with a __str__ of its own (UnicodeError...)
+            return SubEnvError
+    except Exception:  # a cause whose __init__ or layout does not fit
+        return SubEnvError
+    return combined
+
+
+def _reduce_sub_env_error(err: SubEnvError) -> Any:
+    plain = SubEnvError.__new__(SubEnvError)
+    Exception.__init__(plain, *err.args)
+    plain.__dict__.update(err.__dict__)
+    return plain.__reduce_ex__(2)
+
+
 class ClosedError(ClosedEnvironmentError, RuntimeError):
     """A call on a closed vector env: gymnasium's ``ClosedEnvironmentError``, also a
     ``RuntimeError`` (what SB3 code and earlier versions of the faces raised)."""
@@ -97,6 +135,8 @@ class StepResult:
         reset_infos: the non-empty infos of the resets the round did, by sub-env: the hosts'
             autoresets, and the resets of the sub-envs of a restarted host.
         restarted: sub-envs whose host was restarted during the round, with the reason.
+        final_obs: the envs' own last observations of the episodes that ended, by sub-env,
+            where the hosts sent them (``object_rows``); else they are in the buffers.
     """
 
     obs: Tree | None
@@ -106,6 +146,7 @@ class StepResult:
     env_infos: list[dict[str, Any]] | None
     reset_infos: dict[int, dict[str, Any]]
     restarted: dict[int, str]
+    final_obs: dict[int, Any] = field(default_factory=dict)
 
     def info(self, i: int) -> dict[str, Any]:
         """The step info of sub-env ``i``."""
@@ -142,42 +183,34 @@ def env_sources(env: Any, num_envs: int) -> list[Any]:
     return out
 
 
-_FIXED_SPACES = (
-    gym.spaces.Box,
-    gym.spaces.Discrete,
-    gym.spaces.MultiBinary,
-    gym.spaces.MultiDiscrete,
-)
-
-
 def _check_bufferable(what: str, space: gym.Space[Any]) -> None:
-    """Refuse a space whose values have no fixed-size row in the shared step buffers.
+    """Refuse a space whose values have no fixed-size row in the shared step buffers (the SB3
+    face, which has no other way to carry them).
 
-    Observations and actions travel in shared memory allocated once per space. ``Text``,
-    ``OneOf``, ``Sequence``, ``Graph`` and custom spaces have no such row: stored anyway they would
-    come back as placeholders (wrong data, no error), so they are refused here, at construction.
-    The message for ``Sequence`` and ``Graph`` is gymnasium's own for shared memory.
+    Stored anyway they would come back as placeholders (wrong data, no error), so they are
+    refused at construction. The message for ``Sequence`` and ``Graph`` is gymnasium's own for
+    shared memory.
     """
-    if isinstance(space, gym.spaces.Dict):
-        for sub in space.spaces.values():
-            _check_bufferable(what, sub)
+    if fixed_rows(space):
         return
-    if isinstance(space, gym.spaces.Tuple):
-        for sub in space.spaces:
-            _check_bufferable(what, sub)
-        return
-    if isinstance(space, _FIXED_SPACES):
-        return
-    if isinstance(space, (gym.spaces.Sequence, gym.spaces.Graph)):
+    if any(isinstance(s, (gym.spaces.Sequence, gym.spaces.Graph)) for s in _leaves(space)):
         raise TypeError(
             f"the {what} space {space} has a dynamic shape so its not possible to make a static "
             "shared memory."
         )
     raise TypeError(
-        f"the {what} space contains {space}, whose values have no fixed-size row in the shared "
-        "step buffers of asyncsample's vector envs (Text, OneOf and custom spaces are not "
-        "supported yet); use gymnasium's AsyncVectorEnv for this env"
+        f"the {what} space {space} has values without a fixed-size row in the shared step "
+        "buffers of this vector env (Text, OneOf, Sequence, Graph and custom spaces are not "
+        "supported here; asyncsample.VectorEnv supports them)"
     )
+
+
+def _leaves(space: gym.Space[Any]) -> list[gym.Space[Any]]:
+    if isinstance(space, gym.spaces.Dict):
+        return [leaf for sub in space.spaces.values() for leaf in _leaves(sub)]
+    if isinstance(space, gym.spaces.Tuple):
+        return [leaf for sub in space.spaces for leaf in _leaves(sub)]
+    return [space]
 
 
 def _crash_like(exc: BaseException) -> bool:
@@ -212,6 +245,13 @@ class HostedEnvs:
         backend: the backend's name.
         host_threads: intra-op threads of the numeric libraries in each env-host process
             (``None``: the libraries' defaults).
+        object_rows: the gymnasium face's transport: observations and actions of spaces
+            without fixed-size rows (``Text``, ``OneOf``, ``Sequence``, ``Graph``, custom)
+            travel pickled in the hosts' requests and replies and are batched as gymnasium
+            batches them, and final observations come home as the envs' own objects. Without
+            it such spaces are refused.
+        observation_space: the single observation space of the buffers (default: the first
+            sub-env's), for gymnasium's ``observation_mode``.
     """
 
     def __init__(
@@ -225,19 +265,25 @@ class HostedEnvs:
         group_size: int | None = None,
         backend: str = "process",
         host_threads: int | None = 1,
+        object_rows: bool = False,
+        observation_space: gym.Space[Any] | None = None,
     ) -> None:
         self.num_envs = len(sources)
         probe = make_env(sources[0])
         try:
-            self.single_observation_space: gym.Space[Any] = probe.observation_space
+            self.single_observation_space: gym.Space[Any] = (
+                probe.observation_space if observation_space is None else observation_space
+            )
             self.single_action_space: gym.Space[Any] = probe.action_space
             self.metadata: dict[str, Any] = dict(probe.metadata)
             self.render_mode: str | None = probe.render_mode
             self.spec = probe.spec
         finally:
             probe.close()
-        _check_bufferable("observation", self.single_observation_space)
-        _check_bufferable("action", self.single_action_space)
+        if not object_rows:
+            _check_bufferable("observation", self.single_observation_space)
+            _check_bufferable("action", self.single_action_space)
+        self.object_rows = object_rows
         self.autoreset = autoreset
         self.max_restarts = max_restarts
         self.restarts: list[int] = []
@@ -275,6 +321,7 @@ class HostedEnvs:
                 self.single_action_space,
                 None,
                 autoreset=self.autoreset,
+                final_in_reply=self.object_rows,
             )
             for h, (a, b) in enumerate(self.slices)
         ]
@@ -349,7 +396,7 @@ class HostedEnvs:
             return _with_text(exc, text)
         if exc.env is not None:
             message = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-            kind = SubEnvAttributeError if isinstance(cause, AttributeError) else SubEnvError
+            kind = SubEnvError if cause is None else _sub_env_error_class(cause.__class__)
             err = kind(message, sub_env=a + exc.env, host=h, remote_traceback=exc.remote_traceback)
             err.retry = exc.retry
             err.__cause__ = cause
@@ -389,6 +436,13 @@ class HostedEnvs:
             if hosts is None
             else [self.hosts[h].buffers.obs for h in hosts]
         )
+        if type(parts[0]) is list:
+            # Observations without fixed-size rows (unpickled from the replies: nothing else
+            # holds them), batched as gymnasium batches them.
+            rows = [o for part in parts for o in part]
+            space = self.single_observation_space
+            out: Any = create_empty_array(space, len(rows), fn=np.zeros)
+            return concatenate(space, rows, out)
         if type(parts[0]) is np.ndarray:
             return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
         if len(parts) == 1:
@@ -400,13 +454,26 @@ class HostedEnvs:
         h = int(self.host_of[i])
         buf = self.hosts[h].buffers
         k = i - self.slices[h][0]
-        return tree_map(lambda leaf: leaf[k].copy(), buf.final_obs if final else buf.obs)
+        rows = buf.final_obs if final else buf.obs
+        if isinstance(rows, list):
+            return rows[k]
+        return tree_map(lambda leaf: leaf[k].copy(), rows)
+
+    def final_row(self, res: StepResult, i: int) -> Any:
+        """Sub-env ``i``'s last observation of the episode that ended in the round ``res``: the
+        env's own object when its host sent it, else its row of the ``final_obs`` buffer."""
+        if i in res.final_obs:
+            return res.final_obs[i]
+        return self.obs_row(i, final=True)
 
     def write_actions(self, actions: Any, hosts: Sequence[int] | None = None) -> None:
         """Write a batch of ``num_envs`` actions into the hosts' buffers (of ``hosts``: all)."""
         n = self.num_envs
         targets = range(len(self.hosts)) if hosts is None else hosts
         first = self.hosts[0].buffers.actions
+        if isinstance(first, list):
+            self._write_object_actions(actions, targets)
+            return
         if type(actions) is np.ndarray and isinstance(first, np.ndarray):
             # The common case (Box, Discrete, Multi* action spaces): one slice copy per host.
             if actions.ndim == 0:
@@ -460,6 +527,27 @@ class HostedEnvs:
                 f"actions do not fit the batched action space "
                 f"{batch_space(self.single_action_space, n)}: {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _write_object_actions(self, actions: Any, targets: Iterable[int]) -> None:
+        """Actions of a space without fixed-size rows: split with gymnasium's ``iterate`` over
+        the batched space, one object per sub-env, handed to the hosts as they are."""
+        n = self.num_envs
+        batched = batch_space(self.single_action_space, n)
+        try:
+            rows = list(iterate(batched, actions))
+        except Exception as exc:
+            raise ValueError(
+                f"actions do not fit the batched action space {batched}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if len(rows) != n:
+            raise ValueError(
+                f"actions must be a batch of num_envs={n} actions for the action space "
+                f"{self.single_action_space}, got {len(rows)}"
+            )
+        for h in targets:
+            a, b = self.slices[h]
+            self.hosts[h].buffers.actions[:] = rows[a:b]
 
     def _check_cast(self, actions: np.ndarray, dtype: np.dtype[Any]) -> None:
         """Refuse actions the buffers' dtype would change: floats for an integer space (a cast
@@ -540,7 +628,11 @@ class HostedEnvs:
             mask is None
             and hosts is None
             and all(
-                type(o) is StepInfos and o.env_infos is None and not o.reset_infos for o in outcomes
+                type(o) is StepInfos
+                and o.env_infos is None
+                and not o.reset_infos
+                and not o.final_obs
+                for o in outcomes
             )
         ):
             # The common step: every sub-env stepped, no info, no reset, no failure.
@@ -599,6 +691,8 @@ class HostedEnvs:
                     if info and local[k]:
                         res.env_infos[a + k] = info
             res.reset_infos.update({a + k: info for k, info in outcome.reset_infos.items()})
+            if outcome.final_obs:
+                res.final_obs.update({a + k: o for k, o in outcome.final_obs.items()})
         if failure is not None:
             raise failure
         if whole:
