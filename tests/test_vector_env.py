@@ -29,6 +29,7 @@ from helpers import new_shm_entries, shm_entries, wait_gone
 
 from asyncsample import StepTimeoutError, WorkerCrashedError
 from asyncsample.vector import SubEnvError, VectorEnv
+from asyncsample.vector import hosted as hosted_module
 
 # The env-host processes cannot import this module by name: ship its envs by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -680,23 +681,28 @@ def test_step_async_and_step_equal_to_sync(no_leaks: None) -> None:
         sync.close()
 
 
-def test_interrupted_step_leaves_a_working_env(no_leaks: None) -> None:
-    """A KeyboardInterrupt while a step waits for its hosts: later resets and steps are exact.
-
-    The interrupt lands in the portal's event loop while the step's requests are in flight.
-    """
+def test_interrupted_step_leaves_a_working_env(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt while a step waits for its hosts (outside the event loop, in the
+    lockstep step's ``select``), and one in the portal's event loop while a reset's requests
+    are in flight: later resets and steps are exact."""
     ours = VectorEnv("CartPole-v1", 4, n_processes=2)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
 
-    def interrupt() -> None:
+    def interrupt(*args: Any) -> Any:
         raise KeyboardInterrupt
 
     try:
         ours.reset(seed=0)
+        with monkeypatch.context() as patch:
+            patch.setattr(hosted_module.select, "select", interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                ours.step(np.zeros(4, dtype=np.int64))
         ours._hosted.portal.loop.call_soon(interrupt)
         with pytest.raises(KeyboardInterrupt):
-            ours.step(np.zeros(4, dtype=np.int64))
-        assert_same(ours.reset(seed=2), sync.reset(seed=2), "reset after the interrupt")
+            ours.reset(seed=1)
+        assert_same(ours.reset(seed=2), sync.reset(seed=2), "reset after the interrupts")
         rng = np.random.default_rng(2)
         for t in range(60):
             actions = rng.integers(0, 2, 4)

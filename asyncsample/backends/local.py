@@ -20,6 +20,7 @@ from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
     HostSpec,
+    SentStep,
     failure_error,
     reject_unknown_options,
 )
@@ -125,6 +126,10 @@ class LocalHost:
 
     def direct_reader(self) -> DirectReader | None:
         """None: there is no stream to read, the calls run in the caller's thread."""
+        return None
+
+    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
+        """None: there is no stream (use :meth:`step`)."""
         return None
 
     def shut(self) -> None:

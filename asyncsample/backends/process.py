@@ -71,6 +71,7 @@ from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
     HostSpec,
+    SentStep,
     failure_error,
     reject_unknown_options,
 )
@@ -632,13 +633,30 @@ class ProcessHost(RemoteHost[_Conn]):
     async def step(self, mask: np.ndarray) -> StepInfos:
         # The hot path: _request without its generic layers, same checks.
         inc = self._incarnation
-        body = _mask_bytes(mask)
-        if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
-            body += self._pickle("actions", self.buffers.actions)
+        body = self._step_body(mask)
         if inc is None or self._member.closed:
             payload = await self._request(Op.STEP, body)
         else:
             payload = await self._send(inc, Op.STEP, body, self._timeout)
+        return self._step_infos(payload)
+
+    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
+        """Send a step request now, without the event loop (see :meth:`EnvHost.step_nowait`)."""
+        inc = self._incarnation
+        if inc is None or inc.dead or self._member.closed:
+            return None
+        body = self._step_body(mask)
+        return _SentStep(
+            self, inc, inc.send(Op.STEP, self._slot + body, self._timeout, self.worker)
+        )
+
+    def _step_body(self, mask: np.ndarray) -> bytes:
+        body = _mask_bytes(mask)
+        if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
+            body += self._pickle("actions", self.buffers.actions)
+        return body
+
+    def _step_infos(self, payload: bytes) -> StepInfos:
         if not payload:
             return StepInfos(None, {})
         parts = pickle.loads(payload)
@@ -663,7 +681,10 @@ class ProcessHost(RemoteHost[_Conn]):
     async def _send(self, inc: _Conn, op: Op, body: bytes, timeout: float | None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
         step and chunk paths): the reply's payload, or the error a failure or death means."""
-        call = inc.send(op, self._slot + body, timeout, self.worker)
+        return await self._reply(inc, inc.send(op, self._slot + body, timeout, self.worker))
+
+    async def _reply(self, inc: _Conn, call: PendingCall) -> bytes:
+        """The payload of ``call``'s reply, or the error a failure or death means."""
         try:
             status, payload = await call.future
         except HostDied:
@@ -672,6 +693,32 @@ class ProcessHost(RemoteHost[_Conn]):
         if status != ST_OK:
             raise failure_error(self.worker, load_failure(payload))
         return payload  # type: ignore[no-any-return]
+
+
+class _SentStep:
+    """A step request sent by :meth:`ProcessHost.step_nowait` (see :class:`SentStep`)."""
+
+    __slots__ = ("call", "host", "inc")
+
+    def __init__(self, host: ProcessHost, inc: _Conn, call: PendingCall) -> None:
+        self.host = host
+        self.inc = inc
+        self.call = call
+
+    def done(self) -> bool:
+        return self.call.future.done()
+
+    def result_now(self) -> StepInfos | None:
+        fut = self.call.future
+        if not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        status, payload = fut.result()
+        if status != ST_OK:
+            return None
+        return self.host._step_infos(payload)
+
+    async def wait(self) -> StepInfos:
+        return self.host._step_infos(await self.host._reply(self.inc, self.call))
 
 
 class ProcessBackend:

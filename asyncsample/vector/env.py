@@ -324,6 +324,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         # NEXT_STEP: sub-envs reset by a host restart, whose next step is their autoreset step
         # (they are not stepped; their reset info shows then).
         self._fresh = np.zeros(num, dtype=np.bool_)
+        self._maybe_fresh = False  # False: no sub-env in _fresh (the common step skips a test)
         self._fresh_infos: dict[int, dict[str, Any]] = {}
         # The call sent by step_async, reset_async or call_async, and what it was.
         self._pending: asyncio.Task[Any] | None = None
@@ -512,6 +513,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         hosted.check_open()
         self._check_not_pending("step")
         mask = self._send(actions)
+        if mask is None:
+            return self._finish(hosted.lockstep(), None)
         return self._finish(hosted.portal.call(hosted.step, mask), mask)
 
     def step_async(self, actions: Any) -> None:
@@ -542,7 +545,16 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 "with reset(options={'reset_mask': mask}) before stepping"
             )
         self._hosted.write_actions(actions)
-        return ~self._fresh if self._fresh.any() else None
+        return self._step_mask()
+
+    def _step_mask(self) -> np.ndarray | None:
+        """Which sub-envs a step steps: ``None`` for all (the sub-envs in ``_fresh`` are not)."""
+        if not self._maybe_fresh:
+            return None
+        if self._fresh.any():
+            return ~self._fresh
+        self._maybe_fresh = False
+        return None
 
     def _finish(self, res: StepResult, mask: np.ndarray | None) -> _Step:
         mode = self.autoreset_mode
@@ -592,6 +604,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             if i in res.restarted:
                 if mode == AutoresetMode.NEXT_STEP:
                     self._fresh[i] = True
+                    self._maybe_fresh = True
                     self._fresh_infos[i] = res.reset_infos.get(i, {})
                 elif mode == AutoresetMode.DISABLED:
                     self._ended[i] = True
@@ -664,7 +677,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         order = np.argsort(ids, kind="stable")
         full = tree_map(lambda leaf: _scatter(leaf, ids, order, self.num_envs), actions)
         hosted.write_actions(full, hosts)
-        mask = ~self._fresh if self._fresh.any() else None
+        mask = self._step_mask()
         hosted.portal.call(self._launch, hosts, mask)
 
     async def _launch(self, hosts: list[int], mask: np.ndarray | None) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
@@ -33,7 +34,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend, pool_size
-from asyncsample.backends.base import EnvHost, HostSpec
+from asyncsample.backends.base import DirectReader, EnvHost, HostSpec, SentStep
 from asyncsample.env_group import StepInfos, fixed_rows
 from asyncsample.env_update import EnvId, make_env
 from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
@@ -51,6 +52,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+#: How long :meth:`HostedEnvs.lockstep` waits for replies outside the event loop before it hands
+#: the round to the loop (where a step timeout, a dying host's sentinel... are seen).
+_DIRECT_WAIT = 0.05
 
 
 class SubEnvError(WorkerError):
@@ -624,29 +629,116 @@ class HostedEnvs:
         finally:
             for task in others:
                 task.cancel()  # only those still running: this step was cancelled
-        if (
-            mask is None
-            and hosts is None
-            and all(
-                type(o) is StepInfos
-                and o.env_infos is None
-                and not o.reset_infos
-                and not o.final_obs
-                for o in outcomes
-            )
-        ):
-            # The common step: every sub-env stepped, no info, no reset, no failure.
-            bufs = [host.buffers for host in self.hosts]
-            return StepResult(
-                self.read_obs(),
-                np.concatenate([b.rewards for b in bufs]),
-                np.concatenate([b.terminated for b in bufs]),
-                np.concatenate([b.truncated for b in bufs]),
-                None,
-                {},
-                {},
-            )
+        if mask is None and hosts is None:
+            quiet = self._quiet_result(outcomes)
+            if quiet is not None:
+                return quiet
         return await self._merge(stepped, outcomes, whole=hosts is None)
+
+    def _quiet_result(self, outcomes: Sequence[StepInfos | BaseException]) -> StepResult | None:
+        """The result of a lockstep step of every sub-env with no info, no reset and no failure
+        anywhere (the common step), straight from the buffers; ``None`` for any other."""
+        for o in outcomes:
+            if type(o) is not StepInfos or o.env_infos is not None or o.reset_infos or o.final_obs:
+                return None
+        bufs = [host.buffers for host in self.hosts]
+        if len(bufs) == 1:
+            b = bufs[0]
+            return StepResult(
+                self.read_obs(), b.rewards.copy(), b.terminated.copy(), b.truncated.copy(),
+                None, {}, {},
+            )  # fmt: skip
+        return StepResult(
+            self.read_obs(),
+            np.concatenate([b.rewards for b in bufs]),
+            np.concatenate([b.terminated for b in bufs]),
+            np.concatenate([b.truncated for b in bufs]),
+            None,
+            {},
+            {},
+        )
+
+    def lockstep(self) -> StepResult:
+        """:meth:`step` of every sub-env, from the caller's thread, without the event loop
+        where it can be done without it.
+
+        The common lockstep step costs the main process what its event-loop machinery costs,
+        more than the rest of the round trip together: so when the caller's thread runs no
+        loop, the requests go out at once (:meth:`EnvHost.step_nowait`), the replies are read
+        from the hosts' connections (:meth:`EnvHost.direct_reader`) while the caller waits in
+        ``select``, and a quiet round is built from the buffers. Anything else (an info, a
+        reset, a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's
+        business, a host with no such connection) is finished through the portal, exactly as
+        :meth:`step` finishes it.
+        """
+        portal = self.portal
+        if self.broken or not portal.in_caller_thread():
+            return portal.call(self.step)
+        hosts = self.hosts
+        sent: list[SentStep] = []
+        readers: dict[int, DirectReader] | None = {}
+        for h, host in enumerate(hosts):
+            request = host.step_nowait(self._whole[h])
+            if request is None:
+                break
+            sent.append(request)
+            reader = host.direct_reader()
+            if reader is None or readers is None:
+                readers = None
+            else:
+                readers[reader.fd] = reader
+        if len(sent) == len(hosts) and readers is not None:
+            outcomes = self._read_direct(sent, readers)
+            if outcomes is not None:
+                quiet = self._quiet_result(outcomes)
+                if quiet is not None:
+                    return quiet
+                stepped = [(h, self._whole[h]) for h in range(len(hosts))]
+                return portal.call(self._merge, stepped, outcomes, True)
+        return portal.call(self._collect, sent)
+
+    @staticmethod
+    def _read_direct(
+        sent: list[SentStep], readers: dict[int, DirectReader]
+    ) -> list[StepInfos | BaseException] | None:
+        """Wait for the replies to ``sent`` in ``select`` and read them from ``readers`` (by
+        file descriptor) without the loop; their outcomes, or ``None``: the loop must finish
+        the round (see :meth:`lockstep`)."""
+        fds = list(readers)
+        outcomes: list[StepInfos | BaseException] = []
+        for request in sent:
+            while not request.done():
+                ready, _, _ = select.select(fds, [], [], _DIRECT_WAIT)
+                if not ready:
+                    return None
+                for fd in ready:
+                    if not readers[fd].read_now():
+                        return None
+            infos = request.result_now()
+            if infos is None:
+                return None
+            outcomes.append(infos)
+        return outcomes
+
+    async def _collect(self, sent: list[SentStep]) -> StepResult:
+        """Finish, in the loop, a lockstep round whose first ``len(sent)`` requests went out
+        without it (see :meth:`lockstep`): the others are sent now."""
+        outcomes: list[StepInfos | BaseException] = []
+        for request in sent:
+            try:
+                outcomes.append(await request.wait())
+            except Exception as exc:
+                outcomes.append(exc)
+        for h in range(len(sent), len(self.hosts)):
+            try:
+                outcomes.append(await self.hosts[h].step(self._whole[h]))
+            except Exception as exc:
+                outcomes.append(exc)
+        stepped = [(h, self._whole[h]) for h in range(len(self.hosts))]
+        quiet = self._quiet_result(outcomes)
+        if quiet is not None:
+            return quiet
+        return await self._merge(stepped, outcomes, whole=True)
 
     async def _merge(
         self,
