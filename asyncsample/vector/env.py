@@ -8,12 +8,18 @@ actions it returns exactly what :class:`gymnasium.vector.SyncVectorEnv` returns.
 The autoreset modes are the hosts' own (an option of their env groups): in ``NEXT_STEP`` mode the
 host resets an ended sub-env at its next step (reward 0, both flags false, the reset's info); in
 ``SAME_STEP`` mode it resets it in the step that ended the episode, and the true last observation
-comes home in the step buffers' ``final_obs`` rows; in ``DISABLED`` mode it never resets it, and
-stepping a finished sub-env is a ``RuntimeError`` here, before anything is sent.
+comes home in the step's reply (the env's own object); in ``DISABLED`` mode it never resets it,
+and stepping a finished sub-env is a ``RuntimeError`` here, before anything is sent.
+
+Spaces whose values have no fixed-size row in the shared buffers (``Text``, ``OneOf``,
+``Sequence``, ``Graph``, custom spaces) travel pickled in the hosts' requests and replies and are
+batched with gymnasium's own ``concatenate`` and ``iterate``.
 
 Calls are synchronous, as gymnasium's API is: each runs the face's
 :class:`~asyncsample.vector.portal.BlockingPortal` until the hosts answered (see there for where
-its loop runs and why). ``step_async`` sends the requests and returns; ``step_wait`` collects.
+its loop runs and why), except the common lockstep ``step``, which needs no event loop (see
+:meth:`~asyncsample.vector.hosted.HostedEnvs.lockstep`). ``step_async`` sends the requests and
+returns; ``step_wait`` collects.
 
 EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
 :meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
@@ -219,20 +225,24 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             (several hosts share a process), and hosts answer independently.
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each env-host process; ``None`` leaves the libraries' defaults.
-        shared_memory: ``AsyncVectorEnv``'s argument, accepted so that code written for it
-            runs unchanged; changes nothing (observations always travel in shared memory).
+        shared_memory: ``AsyncVectorEnv``'s argument: ``True`` refuses the observation spaces
+            its shared memory refuses, with its errors (a custom space: ``ValueError``;
+            ``Sequence``, ``Graph``: ``TypeError``); ``False`` accepts them. Observations of
+            fixed-size spaces travel in shared memory either way, the others pickled.
         copy: accepted likewise; changes nothing (every call returns fresh arrays).
         context: a start method, checked as ``AsyncVectorEnv`` checks it; changes nothing (env
             hosts always start from asyncsample's forkserver).
         daemon: checked; changes nothing (env hosts never outlive the main process).
         worker: must be ``None``: the hosts step the sub-envs with their own code, so a custom
             worker function is refused.
-        observation_mode: only ``"same"`` is supported; another value is refused.
+        observation_mode: ``"same"``, ``"different"`` (sub-envs' observation spaces may differ
+            in bounds, not in shape or dtype; batched with ``batch_differing_spaces``) or a
+            ``(batched, single)`` pair of spaces, as for ``AsyncVectorEnv``.
         env_fns: another name for ``env``, as ``AsyncVectorEnv`` calls it.
 
-    All sub-envs must share the observation and action spaces of the first one (a list of
-    factories whose spaces differ is a ``RuntimeError`` at construction, as with
-    ``AsyncVectorEnv``). Actions are stored in the action space's dtype before they reach the
+    All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
+    first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
+    with ``AsyncVectorEnv``). Actions are stored in the action space's dtype before they reach the
     sub-envs; actions that dtype would change (floats for a ``Discrete`` space, float64 values
     that overflow a float32 ``Box``) are a ``ValueError``.
     """

@@ -8,14 +8,16 @@ public :class:`~asyncsample.backends.base.EnvHost` protocol, the same ``build``,
 same :class:`~asyncsample.env_group.EnvGroup` as for the sampler, in the face's autoreset mode
 (an option of the group, :attr:`HostSpec.autoreset <asyncsample.backends.base.HostSpec>`), so
 nothing here fakes a reset: in ``"NextStep"`` mode the host itself resets an ended sub-env at its
-next step, and in ``"SameStep"`` mode the true last observation comes back in the step buffers'
-own ``final_obs`` rows.
+next step, and in ``"SameStep"`` mode the true last observation comes back in the host's reply
+(``object_rows``, the gymnasium face) or in the step buffers' own ``final_obs`` rows (SB3's).
 
 What is the faces' own: the lockstep round over all hosts (one ``step`` request per host, all in
 flight at once), the restart budget per host over the env's life (``max_restarts``), and the
 translation of a host's :class:`~asyncsample.WorkerError` into one that names the sub-env
 (:class:`SubEnvError`). Everything is a coroutine on the face's
-:class:`~asyncsample.vector.portal.BlockingPortal`.
+:class:`~asyncsample.vector.portal.BlockingPortal`, except the common lockstep round
+(:meth:`HostedEnvs.lockstep`), which sends its requests and reads the replies from the caller's
+thread while the loop is idle (the backends' ``step_nowait`` and ``direct_reader``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,11 @@ Where the loop runs is the one design choice, and it is made for the main proces
   runs the private loop while the caller's thread blocks, as any synchronous call blocks.
 
 Between calls the loop is not running: replies that arrive then wait in the sockets and are read
-at the next call. A call interrupted by an exception from outside (``KeyboardInterrupt``) cancels
+at the next call. While it is idle, a caller in its thread may also resolve the loop's futures
+itself (the common lockstep step reads its replies so, see
+:meth:`HostedEnvs.lockstep <asyncsample.vector.hosted.HostedEnvs.lockstep>`): the loop's
+machinery (a task, the loop's iterations, its read callbacks) costs the main process more than
+the rest of such a step. A call interrupted by an exception from outside (``KeyboardInterrupt``) cancels
 its coroutine; the cancellation completes at the next call.
 """
 
