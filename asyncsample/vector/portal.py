@@ -22,8 +22,8 @@ at the next call. While it is idle, a caller in its thread may also resolve the 
 itself (the common lockstep step reads its replies so, see
 :meth:`HostedEnvs.lockstep <asyncsample.vector.hosted.HostedEnvs.lockstep>`): the loop's
 machinery (a task, the loop's iterations, its read callbacks) costs the main process more than
-the rest of such a step. A call interrupted by an exception from outside (``KeyboardInterrupt``) cancels
-its coroutine; the cancellation completes at the next call.
+the rest of such a step. A call interrupted by an exception from outside (``KeyboardInterrupt``)
+cancels its coroutine; the cancellation completes at the next call.
 """
 
 from __future__ import annotations
