@@ -9,6 +9,7 @@ from typing import Any
 
 from asyncsample._tree import Tree
 from asyncsample.agent import Agent, AgentOutput, AgentParams, AgentUpdate, RandomAgent
+from asyncsample.async_env import AsyncEnv, is_async_env
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
@@ -47,6 +48,7 @@ __all__ = [
     "AgentParams",
     "AgentUpdate",
     "AgentUpdateArg",
+    "AsyncEnv",
     "AsyncSampleError",
     "Batched",
     "EnvChoice",
@@ -77,4 +79,5 @@ __all__ = [
     "WorkerCrashedError",
     "WorkerError",
     "WorkerFactory",
+    "is_async_env",
 ]

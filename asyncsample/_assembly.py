@@ -41,6 +41,7 @@ class Plan:
 
     Attributes:
         obs, actions, rewards, agent_infos: the worker's records, shape ``(rows, n_envs, ...)``.
+        versions: the agent version of every step, ``(rows, n_envs)``.
         env_infos: non-empty env infos by row (a list over envs), if any step had one.
         like_obs, like_actions: arrays of the right dtype and trailing shape (for empty plans).
         rows, envs: for every transition of the batch, in order, its row and env.
@@ -66,6 +67,7 @@ class Plan:
     last_observations: list[Tree] = field(default_factory=list)
     episode_infos: list[dict[str, Any]] = field(default_factory=list)
     agent_info_masks: dict[str, np.ndarray] = field(default_factory=dict)
+    versions: np.ndarray | None = None
 
     @property
     def n_envs(self) -> int:
@@ -122,6 +124,11 @@ def assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
         rewards = np.zeros(0)
     else:
         rewards = _gather(live, rewards_records, [r[0] for r in rewards_records])
+    version_records = [p.versions for p in live if p.versions is not None]
+    if len(version_records) < len(live):
+        versions = np.zeros(len(rewards), dtype=np.int64)
+    else:
+        versions = _gather(live, version_records, [v[0] for v in version_records])
     step_types = np.concatenate([p.step_types for p in plans])
     lengths = np.concatenate([p.lengths for p in plans])
     ends = np.cumsum(lengths) - 1
@@ -152,6 +159,7 @@ def assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
         agent_infos=agent_infos,
         step_types=step_types,
         lengths=lengths,
+        agent_versions=versions,
     )
 
 

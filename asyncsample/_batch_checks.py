@@ -70,6 +70,17 @@ def check_fields(batch: EpisodeBatch, step_type: type[enum.IntEnum]) -> None:
             "(entries of rewards)"
         )
 
+    versions = batch.agent_versions
+    if versions is not None and (
+        not isinstance(versions, np.ndarray)
+        or versions.shape != (n_steps,)
+        or not np.issubdtype(versions.dtype, np.integer)
+    ):
+        raise ValueError(
+            f"agent_versions must be None or an integer numpy.ndarray of shape ({n_steps},), "
+            f"got {_describe_array(versions)}"
+        )
+
     obs_space = batch.env_spec.observation_space
     check_batched(batch.observations, "observations", n_steps, "rewards")
     problem = space_mismatch(batch.observations, obs_space)
@@ -239,3 +250,10 @@ def check_step_types(step_types: Any, n_transitions: int, step_type: type[enum.I
             f"step_types has values from {values.min()} to {values.max()}, but must be StepType "
             f"values in {low}..{high}"
         )
+
+
+def _describe_array(value: object) -> str:
+    """Type, shape and dtype of ``value`` for an error message."""
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"

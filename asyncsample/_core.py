@@ -28,12 +28,15 @@ import psutil
 from asyncsample import _validate
 from asyncsample._assembly import Plan, assemble
 from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
+from asyncsample._env_tasks import ActionRequests, Admission, LaneStepper
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
+from asyncsample.async_env import check_async_env
 from asyncsample.backends import (
     BACKENDS,
+    LANE_BACKENDS,
     Backend,
     HostSpec,
     chunk_capacity,
@@ -90,6 +93,8 @@ class SamplerCore:
         test_env: EnvSource | None = None,
         inference: str | Batched | Host = "per_worker",
         host_threads: int | None = 1,
+        max_concurrency: int | None = None,
+        episode_timeout: float | None = None,
     ) -> None:
         self.closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -107,6 +112,14 @@ class SamplerCore:
                 "event loop's thread cannot be pre-empted; use backend='process'"
             )
         max_restarts = _validate.nonnegative_int("max_restarts", max_restarts)
+        max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
+        if max_concurrency is not None and backend not in LANE_BACKENDS:
+            raise ValueError(
+                "max_concurrency caps the env calls in flight of backend='asyncio' or 'thread', "
+                f"got it with backend={backend!r} (there, n_workers x envs_per_worker envs "
+                "step at once)"
+            )
+        episode_timeout = _validate.positive_seconds("episode_timeout", episode_timeout)
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
         worker_class = _validate.subclass("worker_class", worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", worker_args)
@@ -127,6 +140,13 @@ class SamplerCore:
         self._requested_processes = n_processes
         self.max_episode_length = max_episode_length
         self.backend_name = backend
+        self.lanes = backend in LANE_BACKENDS
+        """Whether each env is stepped on its own (:mod:`asyncsample._env_tasks`)."""
+        self.max_concurrency = max_concurrency
+        self.episode_timeout = episode_timeout
+        self.requests: ActionRequests | None = None
+        self.admission: Admission | None = None
+        """The open stream's admission control (lane backends with ``max_policy_lag``)."""
         self.step_timeout = step_timeout
         self.host_threads = host_threads
         self.max_restarts = int(max_restarts)
@@ -140,10 +160,19 @@ class SamplerCore:
         self.env_sources = self._check_envs(env, "env")
         self.agents = self._check_agents(agent)
         options = check_inference(inference, agent)  # validated before any work
+        if self.lanes:
+            options = self._check_lane_inference(options, worker_class)
         self.mode: InferenceMode = make_mode(options, self._shared_agent_now)
         """The inference mode's strategy (:mod:`asyncsample.inference.modes`)."""
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
+            if episode_timeout is not None:
+                raise ValueError(
+                    "episode_timeout needs inference='per_worker' or 'batched' (the sampler "
+                    "checks deadlines between steps; with inference='host' a chunk of steps "
+                    f"runs in the env host), got episode_timeout={episode_timeout!r} with "
+                    "inference='host'"
+                )
         self.env_spec, self._time_limited = self._probe_env(self.env_sources[0])
         self._check_memory(n_workers, envs_per_worker, backend)
         self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
@@ -185,6 +214,9 @@ class SamplerCore:
             "step_timeout": self.step_timeout,
             "host_threads": self.host_threads,
         }
+        if self.lanes:
+            options["max_concurrency"] = self.max_concurrency
+            self.requests = ActionRequests(self.env_spec.action_space)
         options.update(self.backend_options)
         backend = make_backend(self.backend_name, **options)
         self.backend = backend
@@ -202,6 +234,8 @@ class SamplerCore:
             ]
             hosts = await backend.start(specs)
             workers = [self._factory(w) for w in range(self.n_workers)]
+            for worker in workers:
+                worker.episodes.episode_timeout = self.episode_timeout
             await run_all(
                 [
                     worker.attach(
@@ -226,6 +260,8 @@ class SamplerCore:
         backend, self.backend = self.backend, None
         if backend is not None:
             await asyncio.shield(backend.aclose())
+        if self.requests is not None:
+            await self.requests.aclose()
         self.mode.close()
 
     def close_now(self) -> bool:
@@ -355,6 +391,15 @@ class SamplerCore:
             return None
         rule = StopRule.for_call(_CALL_MODES[mode], share, worker.n_envs)
         worker.episodes.begin(resume, rule)
+        if self.requests is not None:
+            stepper = LaneStepper(
+                worker,
+                self.requests,
+                leave=leave,
+                episode_timeout=self.episode_timeout,
+                admission=self.admission,
+            )
+            return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):
             return await self._drive_steps(worker, self.mode.stepper(worker), leave, shared)
 
@@ -470,7 +515,7 @@ class SamplerCore:
         per_worker = _validate.per_worker_sources(
             "env_update", env_update, self.n_workers, self.envs_per_worker
         )
-        if self.backend_name != "local":
+        if self.backend_name != "local" and not self.lanes:
             for update in per_worker:
                 _validate.check_picklable("env_update", update)
         return per_worker
@@ -484,10 +529,32 @@ class SamplerCore:
         for item in per_worker:
             if item is None or (isinstance(item, list) and None in item):
                 raise TypeError(f"{name} must not contain None")
-        if self.backend_name != "local":
+        if self.backend_name != "local" and not self.lanes:
             for item in per_worker:
                 _validate.check_picklable(name, item)
         return per_worker
+
+    def _check_lane_inference(
+        self, options: Batched | Host | None, worker_class: type[Worker]
+    ) -> Batched | Host | None:
+        """The lane backends ask the agents for the envs ready at each moment, batched across
+        workers (:class:`ActionRequests`); the chunked ``host`` mode and a worker's
+        ``compute_actions`` do not apply there."""
+        if isinstance(options, Host):
+            raise ValueError(
+                f"inference='host' needs backend='process' or 'ray', got "
+                f"backend={self.backend_name!r}: its envs live in this process, so the agent "
+                "already runs beside them (use inference='per_worker' or 'batched')"
+            )
+        if worker_class.compute_actions is not Worker.compute_actions or (
+            worker_class.process_transition is not Worker.process_transition
+        ):
+            raise ValueError(
+                f"worker_class {worker_class.__name__} overrides compute_actions or "
+                f"process_transition, which backend={self.backend_name!r} does not call (its "
+                "envs are not stepped in lockstep): wrap the agent instead"
+            )
+        return options
 
     def _check_agents(self, agent: Any) -> list[Agent]:
         if agent is None:
@@ -556,6 +623,8 @@ class SamplerCore:
     def _probe_env(self, source: Any) -> tuple[EnvSpec, bool]:
         """Build one env in this process to read its spaces (as gymnasium's vector envs do)."""
         first = source[0] if isinstance(source, list) else source
+        if self.backend_name == "asyncio":
+            return self._probe_async_env(first)
         try:
             env = make_env(first)
         except Exception as exc:
@@ -571,6 +640,38 @@ class SamplerCore:
             )
         finally:
             env.close()
+        return spec, limit is not None
+
+    def _probe_async_env(self, source: Any) -> tuple[EnvSpec, bool]:
+        """:meth:`_probe_env` for ``backend="asyncio"``: the env must be an async env."""
+        if isinstance(source, str) or not callable(source):
+            raise TypeError(
+                "env: backend='asyncio' takes a zero-argument callable returning an "
+                f"asyncsample.AsyncEnv, got {type(source).__name__} {source!r:.60}"
+            )
+        try:
+            env = source()
+        except Exception as exc:
+            raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
+        if isinstance(env, gym.Env):
+            raise TypeError(
+                f"env: backend='asyncio' needs envs whose reset and step are coroutines (an "
+                f"asyncsample.AsyncEnv); {source!r} returned {type(env).__name__}, a blocking "
+                "gymnasium.Env: use backend='thread' (or 'process') for it"
+            )
+        check_async_env(env, "env")
+        _validate.recordable_space("env: observation_space", env.observation_space)
+        _validate.recordable_space("env: action_space", env.action_space)
+        limit = getattr(env, "max_episode_steps", None)
+        if limit is None:
+            spec = getattr(env, "spec", None)
+            limit = getattr(spec, "max_episode_steps", None)
+        spec = EnvSpec(
+            observation_space=env.observation_space,
+            action_space=env.action_space,
+            max_episode_length=self._factory.max_episode_length or limit,
+        )
+        _close_later(env)
         return spec, limit is not None
 
     def warn_if_endless(self) -> None:
@@ -633,11 +734,32 @@ _CALL_NAMES: dict[Mode, str] = {
 }
 
 
+_CLOSING: set[asyncio.Task[Any]] = set()
+
+
+def _close_later(env: Any) -> None:
+    """Close an async env read only for its spaces: now if no loop runs in this thread, else as a
+    task of the running loop (a constructor cannot await)."""
+
+    async def close() -> None:
+        with contextlib.suppress(Exception):
+            await env.close()
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(close())
+        return
+    task = loop.create_task(close())
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
+
+
 def _hosts_started(
     backend: str, n_processes: int | None, n_workers: int, options: dict[str, Any]
 ) -> int:
     """How many env hosts ``backend`` starts for ``n_workers`` (its placement: ``w % n``)."""
-    if backend == "local":
+    if backend in ("local", *LANE_BACKENDS):
         return 1
     n_processes = options.get("n_processes", n_processes)  # the option overrides, as in _start
     per_actor = options.get("workers_per_actor") if backend == "ray" else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -250,6 +251,12 @@ class Episodes:
         self.finished: list[FinishedEpisode] = []
         self.in_call = False
         self.broken = False
+        self.episode_timeout: float | None = None
+        """Seconds an episode may run before it is cut as truncated (``None``: no deadline)."""
+        self.deadlines = np.full(n_envs, np.inf)
+        """Per env, when its episode in progress passes ``episode_timeout`` (``clock`` time)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """The clock of ``deadlines`` (the event loop's, on the lane backends)."""
 
     # -- a call ---------------------------------------------------------------------------------
 
@@ -303,8 +310,9 @@ class Episodes:
         are cut as fragments ending at ``current_obs``."""
         recorder = self.recorder
         if fragments:
-            stop = recorder.rows.size
+            stops = np.broadcast_to(recorder.positions(), (self.n_envs,))
             for i in range(self.n_envs):
+                stop = int(stops[i])
                 if self.active[i] and stop > recorder.piece_start[i]:
                     current = tree_map(lambda x, i=i: x[i].copy(), current_obs)
                     recorder.close_piece(i, stop, None, current, self.episode_info[i])
@@ -327,6 +335,8 @@ class Episodes:
         self.needs_reset &= ~mask
         self.lengths[mask] = 0
         self.returns[mask] = 0.0
+        if self.episode_timeout is not None:
+            self.deadlines[mask] = self.clock() + self.episode_timeout
         for i in np.flatnonzero(mask).tolist():
             self.episode_info[i] = dict(infos.get(i, {}))  # empty infos do not travel
         self.recorder.start_episodes(mask)
@@ -363,6 +373,8 @@ class Episodes:
             infos[i] = self.fresh_info(reset_infos.get(i, {}), i, version)
             lengths[i] = 0
             recorder.piece_position[i] = 0
+        if self.episode_timeout is not None:  # the next episodes start now (autoreset)
+            self.deadlines[envs] = self.clock() + self.episode_timeout
         rule = self.rule
         if rule is not None:
             if rule.ended(envs, recorder.completed_steps - steps, self.active):
@@ -400,6 +412,7 @@ class Episodes:
         put_rows(rows.actions, t0, chunk.actions, steps)
         rewards = chunk.rewards[:steps]
         rows.rewards[t0 : t0 + steps] = rewards
+        rows.versions[t0 : t0 + steps] = version
         if isinstance(agent_infos, dict):
             if agent_infos or rows.agent_infos:
                 store_agent_info_block(rows, t0, steps, agent_infos)
@@ -434,6 +447,13 @@ class Episodes:
                     np.flatnonzero(done), t0 + j, chunk.terminated[j], final, reset_infos, version
                 )
         self._advance(rewards[j0:steps])
+
+    def late(self) -> np.ndarray:
+        """The envs whose episode in progress passed its deadline (``episode_timeout``)."""
+        late = (self.deadlines <= self.clock()) & (self.lengths > 0)
+        if not self.everyone:
+            late &= self.active
+        return np.flatnonzero(late)
 
     def _advance(self, rewards: np.ndarray) -> None:
         """The active envs took ``len(rewards)`` steps (the same float sums as step by step)."""

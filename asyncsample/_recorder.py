@@ -26,6 +26,7 @@ __all__ = [
     "put_rows",
     "row_of",
     "store_agent_info_block",
+    "store_agent_info_cell",
     "store_agent_infos",
 ]
 
@@ -71,6 +72,8 @@ class Rows:
     rewards: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     agent_infos: dict[str, np.ndarray] = field(default_factory=dict)
     env_infos: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    versions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
+    """The agent version each step was taken under, ``(rows, n_envs)``."""
 
     def clear(self) -> None:
         """Forget every row (the buffers are kept for reuse)."""
@@ -90,6 +93,7 @@ class Rows:
             tree_map(shift, self.obs)
             tree_map(shift, self.actions)
             shift(self.rewards)
+            shift(self.versions)
             for column in self.agent_infos.values():
                 shift(column)
         self.env_infos = {t - start: v for t, v in self.env_infos.items() if t >= start}
@@ -111,6 +115,13 @@ class Rows:
         self.size = t + n
         return t
 
+    def cover(self, t: int, obs: Tree, actions_like: Tree) -> None:
+        """Make row ``t`` exist (the envs of a non-lockstep worker each write their own rows)."""
+        while t >= self.capacity:
+            self._grow(obs, actions_like)
+        if t >= self.size:
+            self.size = t + 1
+
     def _grow(self, obs: Tree, actions_like: Tree) -> None:
         new = max(64, 2 * self.capacity)
 
@@ -124,10 +135,12 @@ class Rows:
             self.obs = tree_map(lambda x: grow(None, x), obs)
             self.actions = tree_map(lambda x: grow(None, x), actions_like)
             self.rewards = grow(None, np.zeros(self.n_envs))
+            self.versions = grow(None, np.zeros(self.n_envs, dtype=np.int64))
         else:
             self.obs = tree_map(grow, self.obs, obs)
             self.actions = tree_map(grow, self.actions, actions_like)
             self.rewards = grow(self.rewards, self.rewards[0])
+            self.versions = grow(self.versions, self.versions[0])
             self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
         self.capacity = new
 
@@ -186,6 +199,26 @@ def store_agent_infos(rows: Rows, t: int, agent_infos: dict[str, np.ndarray]) ->
             present[t] = name[len(_PRESENT) :] in agent_infos
 
 
+def store_agent_info_cell(rows: Rows, t: int, env: int, agent_infos: dict[str, np.ndarray]) -> None:
+    """:func:`store_agent_infos` for one env's step ``t`` (envs not stepped in lockstep):
+    ``agent_infos`` holds that env's row of each key."""
+    store = rows.agent_infos
+    for key, value in agent_infos.items():
+        column = store.get(key)
+        if (
+            column is None
+            or column.shape[2:] != value.shape
+            or column.dtype.kind != value.dtype.kind
+        ):
+            column = np.zeros((rows.capacity, rows.n_envs, *value.shape), dtype=value.dtype)
+            store[key] = column
+            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
+        column[t, env] = value
+    for name, present in store.items():
+        if name.startswith(_PRESENT):
+            present[t, env] = name[len(_PRESENT) :] in agent_infos
+
+
 def store_agent_info_block(
     rows: Rows, start: int, n: int, agent_infos: dict[str, np.ndarray]
 ) -> None:
@@ -236,7 +269,15 @@ class Recorder:
         self.piece_position = np.zeros(n_envs, dtype=np.int64)
         self.completed_steps = 0
         """Transitions of the episodes completed (not fragments) since the last collection."""
+        self.cursor: np.ndarray | None = None
+        """Per env, the next row it writes, when its envs are not stepped in lockstep (one
+        coroutine per env: :mod:`asyncsample._env_tasks`); ``None``: every env writes row
+        ``rows.size`` (lockstep)."""
         self._carry_from: int | None = None
+
+    def positions(self) -> np.ndarray | int:
+        """Per env (or for all, in lockstep), the row its next step goes to."""
+        return self.rows.size if self.cursor is None else self.cursor
 
     def begin(self, resume: Resume, lengths: np.ndarray) -> None:
         """Start a call's records; with :attr:`Resume.EPISODES` the running episodes keep theirs.
@@ -248,10 +289,14 @@ class Recorder:
             # Episodes left running keep their steps: move their rows to the front.
             self.rows.drop_before(self._carry_from)
             self.piece_start -= self._carry_from
+            if self.cursor is not None:
+                self.cursor -= self._carry_from
         else:
             self.rows.clear()
             self.piece_start[:] = 0
             self.piece_position[:] = lengths
+            if self.cursor is not None:
+                self.cursor[:] = 0
         self._carry_from = None
         self.pieces = []
         self.completed_steps = 0
@@ -262,7 +307,10 @@ class Recorder:
 
     def start_episodes(self, mask: np.ndarray) -> None:
         """Envs in ``mask`` start a new episode at the next row."""
-        self.piece_start[mask] = self.rows.size
+        if self.cursor is None:
+            self.piece_start[mask] = self.rows.size
+        else:
+            self.piece_start[mask] = self.cursor[mask]
         self.piece_position[mask] = 0
 
     def close_piece(
@@ -280,7 +328,7 @@ class Recorder:
 
         Rows a restart dropped are not counted: a reset moves the env's piece start past them.
         """
-        return int(np.maximum(self.rows.size - self.piece_start, 0).sum())
+        return int(np.maximum(self.positions() - self.piece_start, 0).sum())
 
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
         """The plan of the pieces recorded since the last collection; forgets them."""
@@ -302,6 +350,7 @@ class Recorder:
             obs=rows.obs,
             actions=rows.actions,
             rewards=rows.rewards if rows.capacity else None,
+            versions=rows.versions if rows.capacity else None,
             agent_infos={k: v for k, v in rows.agent_infos.items() if not k.startswith(_PRESENT)},
             agent_info_masks=_agent_info_masks(rows.agent_infos, t_idx, e_idx),
             env_infos=dict(rows.env_infos),

@@ -159,6 +159,11 @@ class EnvSpec:
     max_episode_length: int | None = None
 
 
+def _index(values: np.ndarray | None, where: Any) -> np.ndarray | None:
+    """``values[where]``, or ``None`` for a column the batch does not have."""
+    return None if values is None else values[where]
+
+
 def _pad(
     array: np.ndarray, lengths: np.ndarray, length: int, *, absent: bool = False
 ) -> np.ndarray:
@@ -206,6 +211,10 @@ class EpisodeBatch:
         step_types: ``(T,)`` :class:`StepType` values, as an object array of members or any
             integer array.
         lengths: ``(N,)`` integer length of each episode, each at least 1.
+        agent_versions: ``(T,)`` the agent version each step was taken under (the number of
+            agent updates its worker had applied), or ``None`` where unknown (a batch built by
+            hand). An episode can span several versions in a stream, or on a ``stream`` of
+            async envs; ``episode_infos["agent_version"]`` is its first step's.
     """
 
     env_spec: EnvSpec
@@ -218,6 +227,7 @@ class EpisodeBatch:
     agent_infos: dict[str, Any]
     step_types: np.ndarray
     lengths: np.ndarray
+    agent_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         """Check shapes, dtypes and consistency of every field (see :func:`check_fields`)."""
@@ -416,6 +426,11 @@ class EpisodeBatch:
             agent_infos=agent_infos,
             step_types=np.concatenate([b.step_types for b in batches]),
             lengths=np.concatenate([b.lengths for b in batches]),
+            agent_versions=(
+                None
+                if any(b.agent_versions is None for b in batches)
+                else np.concatenate([b.agent_versions for b in batches])
+            ),
         )
 
     def split(self) -> list[EpisodeBatch]:
@@ -435,6 +450,7 @@ class EpisodeBatch:
                     agent_infos=tree_index(self.agent_infos, steps),
                     step_types=self.step_types[steps],
                     lengths=self.lengths[one],
+                    agent_versions=_index(self.agent_versions, steps),
                 )
             )
         return out
@@ -463,6 +479,7 @@ class EpisodeBatch:
             agent_infos=tree_index(self.agent_infos, steps),
             step_types=self.step_types[steps],
             lengths=lengths,
+            agent_versions=_index(self.agent_versions, steps),
         )
 
     def to_list(self) -> list[dict[str, Any]]:
@@ -470,7 +487,8 @@ class EpisodeBatch:
 
         Keys: ``episode_infos`` (each value for this episode, without the episode axis),
         ``observations``, ``next_observations``, ``actions``, ``rewards``, ``env_infos``,
-        ``agent_infos`` and ``step_types``. :meth:`from_list` turns the list back into a batch.
+        ``agent_infos``, ``step_types`` and, when the batch has them, ``agent_versions``.
+        :meth:`from_list` turns the list back into a batch.
         """
         next_obs = self.next_observations
         paths = []
@@ -485,6 +503,11 @@ class EpisodeBatch:
                     "env_infos": tree_index(self.env_infos, steps),
                     "agent_infos": tree_index(self.agent_infos, steps),
                     "step_types": self.step_types[steps],
+                    **(
+                        {}
+                        if self.agent_versions is None
+                        else {"agent_versions": self.agent_versions[steps]}
+                    ),
                 }
             )
         return paths
@@ -499,7 +522,8 @@ class EpisodeBatch:
         come from ``step_types``, or else from ``dones`` via :meth:`StepType.get_step_type`
         (so the first step is ``FIRST`` and a step reaching the time limit ``TIMEOUT``).
         ``env_infos``/``agent_infos`` may be dicts of arrays or lists of per-step dicts, and
-        ``episode_infos`` a dict of per-episode values; all three are optional. Keys that only
+        ``episode_infos`` a dict of per-episode values; all three are optional, as is
+        ``agent_versions`` (kept when every path has it). Keys that only
         some paths (or steps) carry are kept, filled and masked as in :meth:`concatenate`; a
         list of per-step dicts is stacked by :func:`stack_infos`, without moving any key to
         ``episode_infos``.
@@ -567,6 +591,11 @@ class EpisodeBatch:
             agent_infos=agent_infos,
             step_types=np.concatenate(step_types),
             lengths=lengths,
+            agent_versions=(
+                np.concatenate([np.asarray(p["agent_versions"], dtype=np.int64) for p in paths])
+                if all(p.get("agent_versions") is not None for p in paths)
+                else None
+            ),
         )
 
     # ---------------------------------------------------------------- comparison

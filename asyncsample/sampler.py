@@ -41,7 +41,11 @@ class Sampler:
             the CPU count); the attribute of that name reports how many are actually started.
         max_episode_length: episodes are truncated (TIMEOUT) at this many steps.
         seed: root of every seed; ``None`` draws one (see :attr:`seed`).
-        backend: ``"process"``, ``"local"`` (in the event loop's thread) or ``"ray"``.
+        backend: ``"process"``, ``"local"`` (in the event loop's thread), ``"ray"``,
+            ``"asyncio"`` (envs whose ``reset``/``step`` are coroutines, an
+            :class:`~asyncsample.AsyncEnv`, living in the event loop) or ``"thread"`` (blocking
+            envs stepped in a bounded pool of threads). On the last two a worker's envs are not
+            stepped in lockstep: each env runs its own episodes (see :mod:`asyncsample._env_tasks`).
         step_timeout: seconds after which a step counts as a worker failure.
         max_restarts: per worker and call, how often a failed env host is rebuilt before the
             error is raised.
@@ -60,6 +64,13 @@ class Sampler:
             in each env host (process or Ray actor); ``None`` leaves the libraries' defaults.
             One by default: hosts share the cores, and a library that spreads each small
             product over all of them makes the hosts fight over them. Ignored by ``local``.
+        max_concurrency: ``"asyncio"``: the env calls in flight at once across the sampler
+            (``None``: no cap); ``"thread"``: the thread pool's size (default: 4 per core).
+        episode_timeout: seconds after its start at which an episode still running ends as
+            truncated (``TIMEOUT``, ``episode_infos["deadline"]`` true). On ``"asyncio"`` and
+            ``"thread"`` a step in flight at the deadline is cancelled (the env is reset before
+            its next use); on the lockstep backends the deadline is checked after each step
+            (not with ``inference="host"``, which runs chunks of steps in the hosts).
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
@@ -84,6 +95,8 @@ class Sampler:
         test_env: EnvSource | None = None,
         inference: str | Batched | Host = "per_worker",
         host_threads: int | None = 1,
+        max_concurrency: int | None = None,
+        episode_timeout: float | None = None,
     ) -> None:
         self._core = core = SamplerCore(
             env,
@@ -102,6 +115,8 @@ class Sampler:
             test_env=test_env,
             inference=inference,
             host_threads=host_threads,
+            max_concurrency=max_concurrency,
+            episode_timeout=episode_timeout,
         )
         self._test_envs = TestEnvs(type(self))
         self.n_workers: int = core.n_workers
@@ -116,6 +131,8 @@ class Sampler:
         self.step_timeout: float | None = core.step_timeout
         self.max_restarts: int = core.max_restarts
         self.host_threads: int | None = core.host_threads
+        self.max_concurrency: int | None = core.max_concurrency
+        self.episode_timeout: float | None = core.episode_timeout
         self.seed: int = core.seed
         """The root seed (drawn when ``seed=None`` was passed)."""
 

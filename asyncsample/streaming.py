@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._env_tasks import Admission
 from asyncsample._recorder import Resume
 from asyncsample.batch import EpisodeBatch
 from asyncsample.stats import SampleStats
@@ -78,6 +79,10 @@ async def stream(
                 await queue.put(exc)
 
         sampler.streaming = True
+        if sampler.lanes and max_policy_lag is not None and not fragments:
+            # Staleness at admission: no episode starts while the versions in flight would
+            # spread by more than max_policy_lag (the filter below still drops what outlived it).
+            sampler.admission = Admission(max_policy_lag)
         producer = asyncio.ensure_future(produce())
         try:
             while True:
@@ -114,6 +119,7 @@ async def stream(
             sampler.streaming = False
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
+            sampler.admission = None
 
 
 def _worker_transitions(batch: EpisodeBatch, n_workers: int) -> tuple[int, ...]:

@@ -250,6 +250,7 @@ class Worker:
         if batcher is not None:
             batcher.host_done(self.worker_number)
         rows.rewards[t] = buffers.rewards
+        rows.versions[t] = self.agent_version
         if infos.env_infos is not None:
             rows.env_infos[t] = infos.env_infos
         done = np.logical_or(buffers.terminated, buffers.truncated, out=episodes.done)
@@ -262,17 +263,48 @@ class Worker:
             done &= active
         if self.records_transitions:
             self._record(t, agent_infos, infos.env_infos, done)
-        if not np.count_nonzero(done):
+        ended = bool(np.count_nonzero(done))
+        if ended:
+            episodes.close_episodes(
+                np.flatnonzero(done),
+                t,
+                buffers.terminated,
+                buffers.final_obs,
+                infos.reset_infos,
+                self.agent_version,
+            )
+            self._reset_agent(done)
+        if episodes.episode_timeout is not None and await self._cut_late(t):
+            return True
+        return ended
+
+    async def _cut_late(self, t: int) -> bool:
+        """End the episodes past their deadline after step ``t`` as truncated, their
+        ``episode_infos["deadline"]`` true, and reset their envs (``episode_timeout``; in
+        lockstep a step in flight cannot be cut, so the deadline is checked after each step).
+        Envs whose episode ended on this step were closed already; whether any was cut."""
+        episodes = self.episodes
+        late = episodes.late()
+        host = self.host
+        assert host is not None
+        buffers = host.buffers
+        if not len(late):
             return False
+        mask = np.zeros(self.n_envs, dtype=bool)
+        mask[late] = True
+        final = tree_map(np.copy, buffers.obs)  # the reset overwrites these rows
+        reset_infos = await host.reset(mask)
+        for i in late.tolist():
+            episodes.episode_info[i]["deadline"] = True
         episodes.close_episodes(
-            np.flatnonzero(done),
+            late,
             t,
-            buffers.terminated,
-            buffers.final_obs,
-            infos.reset_infos,
+            np.zeros(self.n_envs, dtype=bool),
+            final,
+            reset_infos,
             self.agent_version,
         )
-        self._reset_agent(done)
+        self._reset_agent(mask)
         return True
 
     def collect_episode(self, *, fragments: bool = False) -> EpisodeBatch:

@@ -28,6 +28,31 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
+#: The settings field that holds a group's envs (``--envs`` sets it; ``envs`` for the others).
+ENV_FIELDS = {
+    "policy": "policy_envs",
+    "vector": "vector_envs",
+    "host": "host_envs",
+    "real": "real_envs",
+    "sweep": "sweep_envs",
+    "ray": "ray_envs",
+}
+
+
+#: The settings field that holds a group's asyncsample layouts (``--layouts`` sets it).
+LAYOUT_FIELDS = {"main": "layouts", "big": "big_layouts", "host": "host_layouts",
+                 "ray": "ray_layouts"}  # fmt: skip
+
+
+def _layout(text: str) -> tuple[int, int]:
+    """``"4x8"`` -> ``(4, 8)``."""
+    try:
+        w, k = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a layout is WxK, e.g. 4x8, not {text!r}") from None
+    return w, k
+
+
 def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
     """The argument parser of one plan study (also what ``asyncsample bench STUDY`` parses)."""
     name = study.name if study else "STUDY"
@@ -42,9 +67,9 @@ def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
     parser.add_argument(
         "--envs",
         nargs="+",
-        choices=suite.ALL_ENVS,
+        choices=suite.KNOWN_ENVS,
         metavar="ENV",
-        help=f"envs to run (default: the study's; any of {', '.join(suite.ALL_ENVS)})",
+        help=f"envs to run (default: the study's; any of {', '.join(suite.KNOWN_ENVS)})",
     )
     parser.add_argument(
         "--contenders",
@@ -68,6 +93,22 @@ def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
         help="output directory (default: benchmarks/results/STUDY)",
     )
     parser.add_argument("--timeout", type=float, help="seconds before a run is killed")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        type=_layout,
+        metavar="WxK",
+        help="asyncsample layouts (workers x envs per worker) of the study's main, big, host or "
+        "ray group, e.g. --layouts 2x4 4x2",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="asyncsample env hosts (process backend) or actors (Ray; default 2). On a Ray "
+        "cluster: RAY_ADDRESS=auto asyncsample bench ray --contenders asyncsample-ray "
+        "--layouts 64x32 --processes 32",
+    )
     parser.add_argument(
         "--retry-disturbed",
         type=int,
@@ -96,8 +137,12 @@ def build_parser(study: studies.Study | None = None) -> argparse.ArgumentParser:
 def settings_from_args(study: studies.Study, args: argparse.Namespace) -> suite.Settings:
     """The settings of ``study`` with the arguments' overrides."""
     overrides: dict[str, Any] = {"cores": _cores()}
-    if args.envs:
-        overrides["envs"] = list(dict.fromkeys(args.envs))
+    if args.envs:  # the envs of every group the study runs
+        envs = list(dict.fromkeys(args.envs))
+        overrides["envs"] = envs
+        for group in args.groups or study.groups:
+            if group in ENV_FIELDS:
+                overrides[ENV_FIELDS[group]] = envs
     if args.contenders:
         overrides["contenders"] = list(dict.fromkeys(args.contenders))
         overrides["explicit"] = True
@@ -109,6 +154,12 @@ def settings_from_args(study: studies.Study, args: argparse.Namespace) -> suite.
         overrides["repeats"] = args.repeats
     if args.timeout is not None:
         overrides["timeout"] = args.timeout
+    if args.layouts:
+        for group in args.groups or study.groups:
+            if group in LAYOUT_FIELDS:
+                overrides[LAYOUT_FIELDS[group]] = list(args.layouts)
+    if args.processes is not None:
+        overrides["n_processes"] = args.processes
     overrides["retry_disturbed"] = max(0, args.retry_disturbed)
     overrides["max_foreign"] = args.max_foreign
     settings: suite.Settings = studies.settings_for(study, args.quick, **overrides)
@@ -156,6 +207,9 @@ def render(results_json: Path, out: Path) -> int:
     settings.layouts = [(int(w), int(k)) for w, k in settings.layouts]
     settings.big_layouts = [(int(w), int(k)) for w, k in settings.big_layouts]
     settings.host_layouts = [(int(w), int(k)) for w, k in settings.host_layouts]
+    settings.ray_layouts = [(int(w), int(k)) for w, k in settings.ray_layouts]
+    w, k = settings.straggler_layout
+    settings.straggler_layout = (int(w), int(k))
     settings.policy_layouts = {
         int(n): [(int(w), int(k)) for w, k in layouts]
         for n, layouts in settings.policy_layouts.items()
@@ -227,7 +281,7 @@ def run_script_study(study: studies.Study, argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int)
     args, extra = parser.parse_known_args(argv)
     if args.repeats is not None:
-        flag = {"ray": "--repeat", "real_envs": "--repeats", "ab": "--repeats"}.get(study.name)
+        flag = {"ab": "--repeats"}.get(study.name)
         if flag is None:
             print(f"{study.name} has no repeats: --repeats ignored", file=sys.stderr)
         else:
@@ -237,9 +291,12 @@ def run_script_study(study: studies.Study, argv: list[str]) -> int:
 
 
 USAGE = """usage: asyncsample bench --list | STUDY [--quick] [--repeats N] [--plan] [...] | all
+       asyncsample bench --pages [--check]
 
 Runs one benchmark study; it writes benchmarks/results/STUDY/{results.json,results.md,*.png}.
 `asyncsample bench STUDY -h` shows a study's options; `all [--quick]` runs every study but `ab`.
+`--pages` copies the studies' tables into the README and docs/performance.md (the blocks marked
+there), each naming its results file; `--pages --check` only says whether a page is out of date.
 """
 
 
@@ -260,6 +317,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--list":
         print(studies.listing())
         return 0
+    if argv[0] == "--pages":
+        from benchmarks import pages
+
+        check = "--check" in argv[1:]
+        changed = pages.update(check=check)
+        for page in changed:
+            print(f"{'out of date' if check else 'updated'}: {page}", file=sys.stderr)
+        return 1 if check and changed else 0
     name, rest = argv[0], argv[1:]
     if name == "all":
         return run_all(rest)
@@ -272,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_all(argv: list[str]) -> int:
-    """Every study but ``ab`` in turn, each to its own results directory.
+    """Every study but ``ab`` in turn, each to its own results directory; then ``--pages``.
 
     Only ``--quick``, ``--repeats N`` and ``--no-progress`` apply to all of them.
     """
@@ -291,6 +356,11 @@ def run_all(argv: list[str]) -> int:
     for study in chosen:
         extra = ["--no-progress"] if args.no_progress and study.is_plan else []
         codes.append(run_study(study, [*common, *extra]))
+    if not args.quick:  # the pages quote the new results files
+        from benchmarks import pages
+
+        for page in pages.update():
+            print(f"updated: {page}", file=sys.stderr)
     return max(codes, default=0)
 
 

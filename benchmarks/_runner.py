@@ -1,8 +1,8 @@
 """Every benchmark run in a fresh process: the parent's :func:`run_fresh`, the suite's child.
 
 ``python -m benchmarks._runner SPEC.json OUT.json`` runs one suite contender in this (fresh)
-process. The suite (and ``real_envs``, with its own child entry point) start one such process
-per run with :func:`run_fresh`, so every run starts clean (no leftovers of the previous
+process. The suite starts one such process per run (every plan study's) with
+:func:`run_fresh`, so every run starts clean (no leftovers of the previous
 contender in memory, threads or event-loop policy), its memory is its own, and a run that
 hangs is killed with its whole process tree and reported as timed out.
 """
@@ -88,7 +88,7 @@ def run_fresh(
 ) -> dict[str, Any]:
     """Run ``python COMMAND SPEC.json OUT.json`` in a fresh process with a time limit.
 
-    The one runner of the benchmark scripts (``suite``, ``real_envs``): the spec goes in as a
+    The one runner of the benchmark studies: the spec goes in as a
     JSON file, the child writes its outcome (``{"status": "ok"|"skipped"|"error", ...}``) as
     JSON, and a child that outlives ``timeout`` is killed with its whole process tree.
 

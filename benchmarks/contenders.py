@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import multiprocessing
 import os
 import threading
@@ -40,6 +41,8 @@ __all__ = [
     "TimedPhase",
     "asyncsample_local",
     "asyncsample_process",
+    "asyncsample_ray",
+    "envpool_async",
     "envpool_pool",
     "gym_async",
     "gym_sync",
@@ -76,10 +79,17 @@ class RunSpec:
         memory_interval: Seconds between memory samples.
         min_seconds: Keep stepping past ``n_transitions`` until the timed phase lasted
             this long (fast contenders get a measurement long enough to be stable).
-        policy: ``""``: random actions; ``"mlp"``: the policy workload's torch MLP.
+        policy: ``""``: random actions; ``"mlp"``: the policy workload's torch MLP;
+            ``"cnn"``: the Nature-CNN (Atari).
         inference: asyncsample's ``inference`` with a policy: ``"per_worker"``,
             ``"batched"`` (lockstep), ``"batched-threaded"``, ``"eager"`` or
             ``"eager-threaded"``.
+        batch_size: EnvPool async's ``batch_size`` (0: half the envs).
+        call: asyncsample's call: ``"fragments"`` (``obtain_fragments``) or ``"samples"``.
+        fraction: asyncsample's ``fraction_samples``.
+        slow_worker: With ``slow_cost``, the worker whose envs are stragglers (-1: none).
+        slow_cost: Step cost of the straggler's envs (``FixedCost-v0``'s ``step_cost``).
+        episode_length: asyncsample's ``max_episode_length`` (0: the env's own).
     """
 
     contender: str
@@ -99,6 +109,12 @@ class RunSpec:
     min_seconds: float = 1.0
     policy: str = ""
     inference: str = "per_worker"
+    batch_size: int = 0
+    call: str = "fragments"
+    fraction: float = 1.0
+    slow_worker: int = -1
+    slow_cost: float = 0.0
+    episode_length: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Return the spec as a JSON-able dict."""
@@ -142,12 +158,17 @@ class RunResult:
 # Instruments
 
 
-def _uss_of(proc: psutil.Process) -> int | None:
-    """USS of a process (None where it cannot be read)."""
+def _uss_of(proc: psutil.Process) -> tuple[int | None, int | None]:
+    """USS and PSS of a process (None where they cannot be read).
+
+    PSS splits the shared pages among the processes that map them, so the PSS of a process
+    tree adds up to what the tree costs (RSS counts a forked child's shared pages twice).
+    """
     try:
-        return int(getattr(proc.memory_full_info(), "uss", 0)) or None
+        info = proc.memory_full_info()
     except (psutil.AccessDenied, AttributeError, NotImplementedError, OSError):
-        return None
+        return None, None
+    return int(getattr(info, "uss", 0)) or None, int(getattr(info, "pss", 0)) or None
 
 
 class MemoryMonitor:
@@ -192,14 +213,15 @@ class MemoryMonitor:
                 rss = int(proc.memory_info().rss)
                 peak = self._peaks.get(proc.pid)
                 if peak is None:
-                    peak = {"pid": proc.pid, "name": proc.name(), "rss_peak": 0, "uss": None}
+                    peak = {"pid": proc.pid, "name": proc.name(), "rss_peak": 0, "uss": None,
+                            "pss": None}  # fmt: skip
                     self._peaks[proc.pid] = peak
             except psutil.Error:
                 continue
             total_rss += rss
             peak["rss_peak"] = max(peak["rss_peak"], rss)
             if uss:
-                peak["uss"] = _uss_of(proc)
+                peak["uss"], peak["pss"] = _uss_of(proc)
                 total_uss = (
                     None if total_uss is None or peak["uss"] is None else (total_uss + peak["uss"])
                 )
@@ -236,6 +258,7 @@ class MemoryMonitor:
         main = self._peaks.get(self._main.pid, {"rss_peak": 0, "uss": None})
         children = [p for pid, p in self._peaks.items() if pid != self._main.pid]
         ussv = [c["uss"] for c in children]
+        pssv = [c.get("pss") for c in children]
         return {
             "samples": self._samples,
             "main_rss": main["rss_peak"],
@@ -246,6 +269,7 @@ class MemoryMonitor:
             "children_rss_max": max((c["rss_peak"] for c in children), default=0),
             "total_rss_peak": self._total_rss,
             "total_uss": self._total_uss,
+            "total_pss": (main.get("pss") or 0) + sum(p or 0 for p in pssv) or None,
             "children": sorted(children, key=lambda c: c["pid"]),
         }
 
@@ -435,13 +459,18 @@ def _timed_steps(spec: RunSpec, step: Callable[[Any], int], actions: gym.Space) 
     Returns:
         The timed result.
     """
+    return _timed_loop(spec, lambda: step(actions.sample()))
+
+
+def _timed_loop(spec: RunSpec, step: Callable[[], int]) -> RunResult:
+    """Call ``step`` (it returns the real transitions it made): warm-up untimed, then timed."""
     warm = 0
     while warm < spec.warmup:
-        warm += step(actions.sample())
+        warm += step()
     done = 0
     with TimedPhase(spec) as phase:
         while phase.more(done):
-            done += step(actions.sample())
+            done += step()
     return phase.result(done)
 
 
@@ -611,41 +640,90 @@ def tianshou_shmem(spec: RunSpec) -> RunResult:
     return _tianshou(spec, shmem=True)
 
 
-def envpool_pool(spec: RunSpec) -> RunResult:
-    """EnvPool's C++ CartPole, synchronous mode, ``cores`` threads (its own envs only).
+def _envpool_make(spec: RunSpec, batch_size: int) -> Any:
+    """EnvPool's own C++ port of ``spec.env`` (CartPole-v1, the Atari games, MuJoCo)."""
+    from benchmarks.envs import ATARI, ENVPOOL_ATARI
 
-    EnvPool resets a done env on the next ``step`` call (that step is not a transition),
-    so only real transitions are counted.
-    """
-    if spec.env != "CartPole-v1":
-        raise Skipped("EnvPool runs only its own C++ envs (here: CartPole-v1)")
+    if spec.env not in ("CartPole-v1", "HalfCheetah-v5", "Humanoid-v5", *ATARI):
+        raise Skipped("EnvPool runs only its own C++ envs (CartPole, Atari, MuJoCo)")
     try:
         import envpool
     except Exception as exc:
         raise Skipped(f"envpool not importable ({type(exc).__name__}: {exc})") from exc
-    pool = envpool.make_gymnasium(
-        "CartPole-v1",
+    return envpool.make_gymnasium(
+        spec.env,
         num_envs=spec.n_envs,
-        batch_size=spec.n_envs,
+        batch_size=batch_size,
         num_threads=spec.cores,
         seed=spec.seed,
+        **(ENVPOOL_ATARI if spec.env in ATARI else {}),
     )
-    try:
-        pool.reset()
-        resetting = np.zeros(spec.n_envs, dtype=bool)
 
-        def step(action: Any) -> int:
-            nonlocal resetting
-            _, _, term, trunc, _ = pool.step(action)
-            real = spec.n_envs - int(resetting.sum())
-            resetting = np.logical_or(term, trunc)
+
+def _actor(spec: RunSpec, single: gym.Space, rows: int) -> Callable[[Any], Any]:
+    """``obs -> actions`` for ``rows`` envs: the policy, or seeded random actions."""
+    if spec.policy:
+        from benchmarks.policies import make_policy
+
+        return make_policy(spec.policy, spec.env_id, seed=spec.seed).act
+    actions = _batched_actions(single, rows, spec.seed)
+    return lambda obs: actions.sample()
+
+
+def _envpool(spec: RunSpec, asynchronous: bool) -> RunResult:
+    """Time EnvPool synchronously (``step``) or asynchronously (``send``/``recv``).
+
+    EnvPool resets a done env on its next step (the action is ignored, reward 0): that step is
+    not a transition and is not counted.
+    """
+    n = spec.n_envs
+    batch = (spec.batch_size or max(1, n // 2)) if asynchronous else n
+    pool = _envpool_make(spec, batch)
+    try:
+        act = _actor(spec, pool.action_space, batch)
+        resetting = np.zeros(n, dtype=bool)
+        if asynchronous:
+            pool.async_reset()
+            obs, *_, info = pool.recv()
+            ids = np.asarray(info["env_id"])
+        else:
+            obs, _ = pool.reset()
+            ids = np.arange(n)
+
+        def step() -> int:
+            nonlocal obs, ids
+            if asynchronous:
+                pool.send(act(obs), ids)
+                obs, _, term, trunc, info = pool.recv()
+                ids = np.asarray(info["env_id"])
+            else:
+                obs, _, term, trunc, _ = pool.step(act(obs))
+            real = len(ids) - int(resetting[ids].sum())
+            resetting[ids] = np.logical_or(term, trunc)
             return real
 
-        actions = _batched_actions(pool.action_space, spec.n_envs, spec.seed)
-        return _timed_steps(spec, step, actions)
+        return _timed_loop(spec, step)
     finally:
         with contextlib.suppress(Exception):
             pool.close()
+
+
+def envpool_pool(spec: RunSpec) -> RunResult:
+    """EnvPool synchronous (``batch_size == num_envs``), ``cores`` threads, its own envs only.
+
+    The Atari games run with :data:`~benchmarks.envs.ENVPOOL_ATARI`, the preprocessing of the
+    gymnasium stack.
+    """
+    return _envpool(spec, asynchronous=False)
+
+
+def envpool_async(spec: RunSpec) -> RunResult:
+    """EnvPool asynchronous: ``send``/``recv`` with ``batch_size`` (default half) of the envs.
+
+    Each ``recv`` returns the first ``batch_size`` envs to finish their step; the agent acts
+    on those while the others step.
+    """
+    return _envpool(spec, asynchronous=True)
 
 
 def _count(batch: Any) -> int:
@@ -689,18 +767,33 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
         "backend": backend,
         "seed": spec.seed,
     }
-    if backend == "process":
+    if backend in ("process", "ray"):
         kwargs["n_processes"] = spec.n_processes
+    if spec.episode_length:
+        kwargs["max_episode_length"] = spec.episode_length
     agent: Any = None
     if spec.policy:
         from benchmarks.policies import make_policy
 
         agent = make_policy(spec.policy, spec.env_id, seed=spec.seed)
+    elif spec.inference.startswith(("batched", "eager")):
+        # one shared agent for the merged calls: the built-in RandomAgent, seeded
+        probe_env = gym.make(spec.env_id)
+        agent = asyncsample.RandomAgent(probe_env.action_space, seed=spec.seed)
+        probe_env.close()
     if spec.policy or spec.inference != "per_worker":
         kwargs["inference"] = _inference(spec.inference)
     notes: list[str] = []
+    env: Any = spec.env_id
+    if spec.slow_worker >= 0:  # stragglers: one worker's envs cost slow_cost a step
+        env = [
+            functools.partial(gym.make, spec.env_id, step_cost=spec.slow_cost)
+            if w == spec.slow_worker
+            else functools.partial(gym.make, spec.env_id)
+            for w in range(spec.n_workers)
+        ]
     try:
-        sampler = asyncsample.Sampler(spec.env_id, agent, **kwargs)
+        sampler = asyncsample.Sampler(env, agent, **kwargs)
     except ValueError as exc:
         if ":" not in spec.env_id or "env" not in str(exc):
             raise
@@ -710,20 +803,42 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
             "Sampler rejected gymnasium's 'module:EnvId' id form (gymnasium.make imports the "
             "module, gymnasium.spec does not); it was given functools.partial(gym.make, id)"
         )
+    obtain = sampler.obtain_samples if spec.call == "samples" else sampler.obtain_fragments
+    held = calls = 0
+
+    async def call(n: int) -> int:
+        nonlocal held, calls
+        if spec.fraction >= 1.0:
+            return _count(await obtain(n))
+        batch = await obtain(n, fraction_samples=spec.fraction)
+        stats = sampler.last_stats
+        if stats is not None:  # each worker reached its minimum, and the call its n
+            shares = [n // spec.n_workers + (w < n % spec.n_workers)
+                      for w in range(spec.n_workers)]  # fmt: skip
+            mins = [math.ceil(round(spec.fraction * share, 9)) for share in shares]
+            per_worker = list(stats.worker_transitions)
+            held += all(c >= m for c, m in zip(per_worker, mins, strict=False)) and (
+                _count(batch) >= n
+            )
+            calls += 1
+        return _count(batch)
+
     try:
         chunk = spec.n_envs * spec.fragment_steps
         warm = 0
         while warm < spec.warmup:
-            warm += _count(await sampler.obtain_fragments(min(chunk, spec.warmup)))
+            warm += await call(min(chunk, spec.warmup))
         if spec.instrument:
             probe.start()
         done = 0
         try:
             with TimedPhase(spec) as phase:
                 while phase.more(done):
-                    done += _count(await sampler.obtain_fragments(chunk))
+                    done += await call(chunk)
         finally:
             await probe.stop()
+        if calls:
+            notes.append(f"fraction_samples guarantees held in {held} of {calls} calls")
         batcher = getattr(sampler, "_batcher", None)
         if batcher is not None and batcher.stats.calls:
             st = batcher.stats
@@ -784,6 +899,15 @@ def asyncsample_process(spec: RunSpec) -> RunResult:
     return _asyncsample(spec, "process")
 
 
+def asyncsample_ray(spec: RunSpec) -> RunResult:
+    """asyncsample ``backend="ray"``: the same layout, ``n_processes`` Ray actors (local Ray)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as exc:
+        raise Skipped(f"ray is not installed: {exc}") from exc
+    return _asyncsample(spec, "ray")
+
+
 def asyncsample_local(spec: RunSpec) -> RunResult:
     """asyncsample ``backend="local"``: envs stepped in the event loop's thread (one core)."""
     return _asyncsample(spec, "local")
@@ -814,8 +938,10 @@ CONTENDERS: dict[str, tuple[Callable[[RunSpec], RunResult], str]] = {
     "sb3": (sb3_subproc, "SB3 SubprocVecEnv"),
     "tianshou-subproc": (tianshou_subproc, "tianshou SubprocVectorEnv"),
     "tianshou-shmem": (tianshou_shmem, "tianshou ShmemVectorEnv"),
-    "envpool": (envpool_pool, "EnvPool (C++ threads)"),
+    "envpool": (envpool_pool, "EnvPool sync (C++ threads)"),
+    "envpool-async": (envpool_async, "EnvPool async (C++ threads)"),
     "asyncsample": (asyncsample_process, "asyncsample process"),
+    "asyncsample-ray": (asyncsample_ray, "asyncsample ray"),
     "asyncsample-local": (asyncsample_local, "asyncsample local"),
     "asyncsample-vector": (asyncsample_vector, "asyncsample VectorEnv"),
 }

@@ -23,12 +23,16 @@ import numpy as np
 from gymnasium import spaces
 
 __all__ = [
+    "ATARI",
+    "ENVPOOL_ATARI",
     "ENV_IDS",
     "FixedCostEnv",
     "HeavyTailEnv",
     "ImageEnv",
     "NoOpEnv",
+    "NoiseImageEnv",
     "full_id",
+    "make_atari",
     "spin",
 ]
 
@@ -41,6 +45,27 @@ ENV_IDS: dict[str, str] = {
     "HeavyTail-v0": f"{_MODULE}:HeavyTail-v0",
     "Image-v0": f"{_MODULE}:Image-v0",
     "NoOp-v0": f"{_MODULE}:NoOp-v0",
+    "NoiseImage-v0": f"{_MODULE}:NoiseImage-v0",
+    "Pong-v5": f"{_MODULE}:Pong-v5",
+    "Breakout-v5": f"{_MODULE}:Breakout-v5",
+}
+
+#: The Atari games, by short name: ale-py's id (under the standard preprocessing of
+#: :func:`make_atari`; EnvPool knows them by the short name).
+ATARI: dict[str, str] = {"Pong-v5": "ALE/Pong-v5", "Breakout-v5": "ALE/Breakout-v5"}
+
+#: EnvPool options that make its Atari env match :func:`make_atari`'s stack.
+ENVPOOL_ATARI: dict[str, Any] = {
+    "use_fire_reset": False,
+    "repeat_action_probability": 0.0,
+    "noop_max": 30,
+    "episodic_life": False,
+    "reward_clip": False,
+    "stack_num": 4,
+    "frame_skip": 4,
+    "img_height": 84,
+    "img_width": 84,
+    "gray_scale": True,
 }
 
 
@@ -173,6 +198,65 @@ class ImageEnv(gym.Env[np.ndarray, np.int64]):
         return self._frame.copy(), float(action == self._t % 4), False, False, {}
 
 
+class NoiseImageEnv(ImageEnv):
+    """:class:`ImageEnv` whose frames are random noise (one row redrawn per step).
+
+    The worst case for compression (the Ray backend compresses large observations): noise
+    does not compress, where the flat frames of ``Image-v0`` (and Atari screens) do.
+    """
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Fill the frame with noise; ``seed`` seeds ``np_random``."""
+        gym.Env.reset(self, seed=seed)
+        self._t = 0
+        self._frame[:] = self.np_random.integers(0, 256, size=self._frame.shape, dtype=np.uint8)
+        return self._frame.copy(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        """Redraw one row with noise and return a fresh copy of the frame."""
+        self._t += 1
+        row = self._frame[self._t % 84]
+        row[:] = self.np_random.integers(0, 256, size=row.shape, dtype=np.uint8)
+        return self._frame.copy(), float(action == self._t % 4), False, False, {}
+
+
+def make_atari(game: str = "ALE/Pong-v5", **kwargs: Any) -> gym.Env[Any, Any]:
+    """An Atari game under the standard preprocessing, as EnvPool, SB3 and CleanRL users run it.
+
+    ale-py's env at ``frameskip=1`` without sticky actions under
+    ``AtariPreprocessing(noop_max=30, frame_skip=4, screen_size=84, grayscale_obs=True)`` and
+    ``FrameStackObservation(4)``: ``(4, 84, 84)`` uint8 observations, EnvPool's layout with
+    :data:`ENVPOOL_ATARI`.
+
+    Args:
+        game: ale-py's id.
+        **kwargs: Ignored (gymnasium passes ``render_mode`` and the like).
+    """
+    import ale_py
+    from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
+
+    gym.register_envs(ale_py)
+    env = gym.make(
+        game,
+        frameskip=1,
+        repeat_action_probability=0.0,
+        full_action_space=False,
+        max_num_frames_per_episode=108_000,
+    )
+    env = AtariPreprocessing(
+        env,
+        noop_max=30,
+        frame_skip=4,
+        screen_size=84,
+        terminal_on_life_loss=False,
+        grayscale_obs=True,
+        scale_obs=False,
+    )
+    return FrameStackObservation(env, 4)
+
+
 def _register() -> None:
     """Register the envs (idempotent: a re-import does not warn)."""
     entries = {
@@ -180,10 +264,15 @@ def _register() -> None:
         "HeavyTail-v0": (f"{_MODULE}:HeavyTailEnv", 200),
         "Image-v0": (f"{_MODULE}:ImageEnv", 100),
         "NoOp-v0": (f"{_MODULE}:NoOpEnv", 200),
+        "NoiseImage-v0": (f"{_MODULE}:NoiseImageEnv", 100),
     }
     for env_id, (entry_point, length) in entries.items():
         if env_id not in gym.registry:
             gym.register(id=env_id, entry_point=entry_point, max_episode_steps=length)
+    for name, game in ATARI.items():  # the game's own frame limit ends its episodes
+        if name not in gym.registry:
+            gym.register(id=name, entry_point=f"{_MODULE}:make_atari", kwargs={"game": game},
+                         order_enforce=False, disable_env_checker=True)  # fmt: skip
 
 
 _register()

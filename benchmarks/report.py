@@ -17,6 +17,7 @@ import psutil
 
 from benchmarks.contenders import CONTENDERS
 from benchmarks.fmt import cores as _cores
+from benchmarks.fmt import f as _f
 from benchmarks.fmt import k as _k
 from benchmarks.fmt import mb as _mb
 from benchmarks.fmt import pct as _pct
@@ -115,7 +116,7 @@ def _rows_main(
     results: dict[str, Any], group: str, envs: list[str]
 ) -> list[tuple[str, list[Config | None]]]:
     """Rows of a contender x env matrix: asyncsample shown once, with its best layout."""
-    configs: list[Config] = results["_groups"][group]
+    configs: list[Config] = _ceiling_first(results["_groups"][group])
     best = results["derived"]["best_layout"]
     rows: dict[str, list[Config | None]] = {}
     for cfg in configs:
@@ -130,6 +131,11 @@ def _rows_main(
             name = cfg.label
         rows.setdefault(name, [None] * len(envs))[idx] = cfg
     return list(rows.items())
+
+
+def _ceiling_first(configs: list[Config]) -> list[Config]:
+    """``configs`` with the ceiling's first (every table opens with what the machine gives)."""
+    return sorted(configs, key=lambda c: c.contender != "ceiling")
 
 
 def write_markdown(path: Path, results: dict[str, Any]) -> None:
@@ -154,12 +160,18 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         f"asyncsample {v['asyncsample'] or '(not installed)'}",
         "",
         f"Transitions per second (median [min-max] of {settings.repeats} runs, each in a fresh "
-        f"process, warm-up excluded); every contender gets {settings.cores} cores and a random "
-        f"agent. {settings.n_envs} env copies: asyncsample over {settings.n_processes} "
-        f"processes, peers that need one process per env get {settings.n_envs}. "
-        "Ideal = cores x a plain single-process `env.step` loop.",
+        f"process, warm-up excluded); every contender gets {settings.cores} cores. The "
+        f"ceiling: {settings.cores} independent loops side by side, one process each, in the "
+        "same run (`% ceiling` in every table).",
         "",
     ]
+    if groups.get("main"):
+        lines += [
+            f"Random agent. {settings.n_envs} env copies: asyncsample over "
+            f"{settings.n_processes} processes, peers that need one process per env get "
+            f"{settings.n_envs}. Ideal = cores x a plain single-process `env.step` loop.",
+            "",
+        ]
     foreign = [f for agg in summary.values() for f in agg.get("foreign_cores") or []]
     if foreign:
         n_bad = sum(f > settings.max_foreign for f in foreign)
@@ -229,7 +241,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
     if groups.get("big"):
         lines += [f"## CartPole-v1, {settings.big_n_envs} envs", ""]
         rows = []
-        for cfg in groups["big"]:
+        for cfg in _ceiling_first(groups["big"]):
             r = ratios.get(cfg.key, {})
             rows.append(
                 [
@@ -248,7 +260,16 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         for cfg in groups["scaling"]:
             if cfg.contender not in names:
                 names.append(cfg.contender)
-        sizes = sorted({c.n_envs for c in groups["scaling"]})
+        ceiling = next((c for c in groups["scaling"] if c.contender == "ceiling"), None)
+        if ceiling is not None:  # one env per loop: the same ceiling beside every env count
+            names.remove("ceiling")
+            ceil = _k((summary.get(ceiling.key) or {}).get("median"))
+            lines += [
+                f"The ceiling ({settings.cores} plain single-env loops side by side): {ceil} "
+                "steps/s; each cell: steps/s (% ceiling).",
+                "",
+            ]
+        sizes = sorted({c.n_envs for c in groups["scaling"] if c.contender != "ceiling"})
         rows = []
         for n in sizes:
             row = [str(n)]
@@ -256,7 +277,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                 cfg = next(
                     (c for c in groups["scaling"] if c.contender == name and c.n_envs == n), None
                 )
-                row.append(_cell(summary.get(cfg.key)) if cfg else "-")
+                pct = _pct((ratios.get(cfg.key) or {}).get("vs_ceiling")) if cfg else "-"
+                row.append(f"{_cell(summary.get(cfg.key))} ({pct})" if cfg else "-")
             rows.append(row)
         labels = [CONTENDERS[name][1] for name in names]
         if "asyncsample" in names:
@@ -305,7 +327,9 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
     lag_rows = []
     for agg in summary.values():
         lag = agg.get("lag")
-        if agg["contender"] in ("asyncsample", "asyncsample-local") and lag and lag.get("n"):
+        if agg["contender"] in ("asyncsample", "asyncsample-local", "asyncsample-ray") and (
+            lag and lag.get("n")
+        ):
             idle = lag.get("idle") or {}
             lag_rows.append(
                 [
@@ -395,6 +419,24 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
             "",
             *cell_tables(results, "host"),
         ]
+    if groups.get("real"):
+        lines += _real_markdown(results)
+    if groups.get("sweep"):
+        lines += _sweep_markdown(results)
+    if groups.get("ray"):
+        lines += [
+            '## backend="ray" against backend="process"',
+            "",
+            "The same layout (workers x envs per worker over the same number of env hosts or Ray "
+            f"actors), the built-in random agent, calls of {settings.ray_fragment_steps} steps per "
+            "env; Ray started by the run (its start-up is not timed). `Image-v0`'s frames "
+            "compress well, `NoiseImage-v0`'s not at all (the Ray backend compresses large "
+            "observations). `x process`: against the process backend in the same layout.",
+            "",
+            *cell_tables(results, "ray"),
+        ]
+    if groups.get("stragglers"):
+        lines += _stragglers_markdown(results)
 
     main_targets = [t for t in derived["targets"] if not t.get("lower_is_better")]
     if any(t["value"] is not None for t in main_targets):
@@ -464,51 +506,62 @@ def _policy_markdown(results: dict[str, Any]) -> list[str]:
     ]
     lines += cell_tables(results, "policy")
     targets = derived.get("policy", {}).get("targets", [])
-    if targets:
-        lines += ["### Policy workload: ratios against the goals", ""]
-        rows = []
-        for t in targets:
-            met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-            rows.append([t["what"], f">= {t['target']:.2f}x", _x(t["value"]), t["by"] or "-", met])
-        lines += _table(["target", "goal", "measured", "by", ""], rows)
-    return lines
+    return lines + _targets_table(targets, "Policy workload: ratios against the goals")
+
+
+def cells(results: dict[str, Any], group: str) -> dict[tuple[str, int, str], list[Config]]:
+    """The configs of ``group`` by (env, env count, policy), each cell with its ceiling.
+
+    A random agent's ceiling (one env per loop) stands beside every env count of its env.
+    """
+    configs: list[Config] = results["_groups"].get(group, [])
+    out: dict[tuple[str, int, str], list[Config]] = {}
+    for cfg in configs:
+        if cfg.contender == "ceiling" and not cfg.policy:
+            for other in configs:
+                if other.env == cfg.env and other.contender != "ceiling" and not other.policy:
+                    members = out.setdefault((cfg.env, other.n_envs, ""), [])
+                    if cfg not in members:
+                        members.append(cfg)
+            continue
+        out.setdefault((cfg.env, cfg.n_envs, cfg.policy), []).append(cfg)
+    return out
+
+
+#: Extra ratio columns of a group's cell tables: (header, key of the derived ratios).
+EXTRA_RATIOS: dict[str, list[tuple[str, str]]] = {
+    "real": [("x EnvPool", "vs_envpool")],
+    "sweep": [("x EnvPool", "vs_envpool")],
+    "ray": [("x process", "vs_process")],
+    "stragglers": [("x fraction 1", "vs_full")],
+}
+POLICY_NAMES = {"mlp": "MLP policy", "cnn": "Nature-CNN policy"}
 
 
 def cell_tables(results: dict[str, Any], group: str) -> list[str]:
-    """One table per (env, env count) cell of ``group``, the ceiling first, then by steps/s.
+    """One table per (env, env count, policy) cell of ``group``, the ceiling first, then by
+    steps/s.
 
-    Columns: steps/s (median [min-max]), % ceiling, x SyncVectorEnv and x AsyncVectorEnv, the
-    cores of the main process and of the rest of the contender's processes, and rows per agent
-    call (asyncsample).
+    Columns: steps/s (median [min-max]), % ceiling, x SyncVectorEnv and x AsyncVectorEnv (and
+    the group's :data:`EXTRA_RATIOS`), the cores of the main process and of the rest of the
+    contender's processes, and rows per agent call (asyncsample).
     """
     summary: dict[str, dict[str, Any]] = results["summary"]
     ratios = results["derived"]["ratios"]
-    configs: list[Config] = results["_groups"].get(group, [])
-    cells: dict[tuple[str, int], list[Config]] = {}
-    for cfg in configs:
-        n = cfg.n_envs
-        if cfg.contender == "ceiling" and not cfg.policy:
-            # a random agent's ceiling (one env per loop) stands beside every env count
-            for other in configs:
-                if other.env == cfg.env and other.contender != "ceiling":
-                    n = other.n_envs
-                    cells.setdefault((cfg.env, n), [])
-                    if cfg not in cells[(cfg.env, n)]:
-                        cells[(cfg.env, n)].append(cfg)
-            continue
-        cells.setdefault((cfg.env, n), []).append(cfg)
+    extra = EXTRA_RATIOS.get(group, [])
 
     def order(cfg: Config) -> tuple[int, float]:
         agg = summary.get(cfg.key) or {}
         return (0 if cfg.contender == "ceiling" else 1, -(agg.get("median") or 0.0))
 
     lines: list[str] = []
-    for (env, n), members in cells.items():
+    for (env, n, policy), members in cells(results, group).items():
         rows = []
         for cfg in sorted(members, key=order):
             agg = summary.get(cfg.key)
             r = ratios.get(cfg.key) or {}
-            calls = next((x for x in (agg or {}).get("notes", []) if "per agent call" in x), "")
+            notes = (agg or {}).get("notes", [])
+            calls = next((x for x in notes if "per agent call" in x), "")
             rows.append(
                 [
                     cfg.label,
@@ -516,24 +569,130 @@ def cell_tables(results: dict[str, Any], group: str) -> list[str]:
                     _pct(r.get("vs_ceiling")),
                     _x(r.get("vs_sync")),
                     _x(r.get("vs_async")),
+                    *(_x(r.get(key)) for _, key in extra),
                     _cores(_median((agg or {}).get("main_cores"))),
                     _cores(_median((agg or {}).get("host_cores"))),
                     calls.replace(" per agent call", ""),
                 ]
             )
-        lines += [f"### {env}, {n} envs", ""]
+        agent = f", {POLICY_NAMES.get(policy, policy)}" if policy else ""
+        lines += [f"### {env}, {n} envs{agent}", ""]
         header = [
             "contender",
             "steps/s",
             "% ceiling",
             "x sync",
             "x async",
+            *(name for name, _ in extra),
             "main CPU",
             "others CPU",
             "per call",
         ]
         lines += _table(header, rows)
     return lines
+
+
+def _targets_table(targets: list[dict[str, Any]], title: str) -> list[str]:
+    """A table of ratio targets: what, goal, measured, by which config, met or not."""
+    if not targets:
+        return []
+    rows = []
+    for t in targets:
+        met = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
+        rows.append([t["what"], f">= {t['target']:.2f}x", _x(t["value"]), t.get("by") or "-", met])
+    return [f"### {title}", "", *_table(["target", "goal", "measured", "by", ""], rows)]
+
+
+def _real_markdown(results: dict[str, Any]) -> list[str]:
+    """The ``real`` group: Atari and MuJoCo against EnvPool and the gymnasium peers."""
+    settings: Settings = results["_settings"]
+    lines = [
+        "## Real envs: Atari and MuJoCo against EnvPool",
+        "",
+        "Atari: ale-py's game at `frameskip=1` under `AtariPreprocessing(noop_max=30, "
+        "frame_skip=4, screen_size=84, grayscale_obs=True)` and `FrameStackObservation(4)` "
+        "(`benchmarks.envs.make_atari`); EnvPool runs its own C++ port with the same settings "
+        "(no fire reset, no sticky actions, no episodic life, no reward clipping), MuJoCo its "
+        "own port too: the same task, not the same code. With a policy, the Nature-CNN "
+        "(Atari) or the MLP 64x64 (MuJoCo) picks every action, one torch thread per process. "
+        f"asyncsample: workers x envs per worker over {settings.n_processes} env hosts, calls "
+        f"of {settings.real_fragment_steps} steps per env; EnvPool async: half the envs per "
+        f"`recv`. The ceiling: {settings.cores} plain single-env loops side by side (random "
+        f"agent) or {settings.cores} `SyncVectorEnv(n/{settings.cores})` + policy loops "
+        "(policy; `% ceiling` against the larger of it and SyncVectorEnv). Steps are agent "
+        "steps (4 frames each on Atari).",
+        "",
+        *cell_tables(results, "real"),
+    ]
+    return lines + _targets_table(results["derived"].get("real", {}).get("targets", []),
+                                  "Real envs: ratios against the goals")  # fmt: skip
+
+
+def _sweep_markdown(results: dict[str, Any]) -> list[str]:
+    """The ``sweep`` group: steps/s, memory (PSS) and run length against the env count."""
+    summary: dict[str, dict[str, Any]] = results["summary"]
+    configs: list[Config] = results["_groups"]["sweep"]
+    lines = [
+        "## Sweep: 8 to 512 envs",
+        "",
+        "Random agent. `PSS` is the proportional set size of the contender's whole process "
+        "tree at the end of the timed phase (shared pages split among the processes that map "
+        "them, so it adds up to what the tree costs), from the instrumented run. `run s`: the "
+        "wall time of the whole run process (start-up, warm-up, timed phase, close).",
+        "",
+    ]
+    ratios = results["derived"]["ratios"]
+
+    def series(cfg: Config) -> str:
+        name = CONTENDERS[cfg.contender][1]
+        if cfg.contender == "asyncsample":
+            name += f" {cfg.inference or 'per_worker'}, {cfg.n_workers} workers"
+        return name
+
+    for env in dict.fromkeys(c.env for c in configs):
+        mine = [c for c in configs if c.env == env and c.contender != "ceiling"]
+        names = list(dict.fromkeys(series(c) for c in mine))
+        sizes = sorted({c.n_envs for c in mine})
+        by = {(series(c), c.n_envs): c for c in mine}
+
+        def steps(cfg: Config) -> str:
+            pct = _pct((ratios.get(cfg.key) or {}).get("vs_ceiling"))
+            return f"{_cell(summary.get(cfg.key))} ({pct})"
+
+        def pss(cfg: Config) -> str:
+            return _mb(((summary.get(cfg.key) or {}).get("memory") or {}).get("total_pss"))
+
+        def wall(cfg: Config) -> str:
+            return _f(_median((summary.get(cfg.key) or {}).get("walls")), "{:.0f}")
+
+        ceiling = next((c for c in configs if c.env == env and c.contender == "ceiling"), None)
+        ceil = _k((summary.get(ceiling.key) or {}).get("median")) if ceiling else "-"
+        for title, fmt in (("steps/s (% ceiling)", steps), ("PSS MiB", pss), ("run s", wall)):
+            lines += [f"### {env}: {title}; the ceiling: {ceil} steps/s", ""]
+            rows = [
+                [str(n), *(fmt(by[(name, n)]) if (name, n) in by else "-" for name in names)]
+                for n in sizes
+            ]
+            lines += _table(["envs", *names], rows)
+    return lines
+
+
+def _stragglers_markdown(results: dict[str, Any]) -> list[str]:
+    """The ``stragglers`` group: steps/s by call and ``fraction_samples``."""
+    settings: Settings = results["_settings"]
+    w, k = settings.straggler_layout
+    return [
+        "## Stragglers: `fraction_samples` against the fixed per-worker split",
+        "",
+        f"{w} workers x {k} envs of `FixedCost-v0` over {settings.n_processes} env hosts; "
+        f"worker 1's envs cost {settings.straggler_cost * 1e3:g} ms a step, the others' "
+        f"200 us; episodes of {settings.straggler_episode_length} steps; calls of "
+        f"{settings.straggler_steps} steps per env. `x fraction 1`: steps/s against the same "
+        "call with `fraction_samples=1` (every worker its full share). The notes say in how "
+        "many calls the guarantees held (every worker at its minimum, the call at its n).",
+        "",
+        *cell_tables(results, "stragglers"),
+    ]
 
 
 def _us(v: float | None) -> str:
@@ -652,16 +811,31 @@ def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    if groups.get("policy"):
-        path = _policy_plot(out_dir, results, plt)
-        if path is not None:
-            written.append(path)
+    for group in (
+        "big",
+        "overhead",
+        "policy",
+        "vector",
+        "host",
+        "real",
+        "sweep",
+        "ray",
+        "stragglers",
+    ):
+        if groups.get(group):
+            path = _cells_plot(out_dir, results, plt, group)
+            if path is not None:
+                written.append(path)
 
     if groups.get("scaling"):
         fig, ax = plt.subplots(figsize=(6.5, 4.4))
         by: dict[str, list[Config]] = {}
         for cfg in groups["scaling"]:
             by.setdefault(cfg.contender, []).append(cfg)
+        for point in by.pop("ceiling", []):  # one env per loop: a line across every count
+            agg = summary.get(point.key)
+            if agg and agg["status"] == "ok":
+                ax.axhline(agg["median"], color="C3", ls=":", lw=1.5, label="ceiling (loops)")
         for name, series in by.items():
             xs, ys, lo, hi = [], [], [], []
             for point in sorted(series, key=lambda c: c.n_envs):
@@ -678,7 +852,7 @@ def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
         if ideal:
             ax.axhline(ideal, color="k", ls="--", lw=1, label="ideal (cores x single loop)")
         ax.set_xscale("log", base=2)
-        sizes = sorted({c.n_envs for c in groups["scaling"]})
+        sizes = sorted({c.n_envs for c in groups["scaling"] if c.contender != "ceiling"})
         ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.minorticks_off()
         ax.set_xlabel("env copies")
@@ -696,55 +870,54 @@ def write_plots(out_dir: Path, results: dict[str, Any]) -> list[Path]:
     return written
 
 
-def _policy_plot(out_dir: Path, results: dict[str, Any], plt: Any) -> Path | None:
-    """``policy.png``: steps/s of every contender driven by the MLP, one panel per env and size."""
+def _cells_plot(out_dir: Path, results: dict[str, Any], plt: Any, group: str) -> Path | None:
+    """``GROUP.png``: steps/s of every contender of ``group``, one panel per cell (at most 8)."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     settings: Settings = results["_settings"]
     summary = results["summary"]
-    configs: list[Config] = results["_groups"]["policy"]
-    panels = [
-        (env, n)
-        for env in settings.policy_envs
-        for n in settings.policy_n_envs
-        if any(
-            c.env == env and c.n_envs == n and summary.get(c.key, {}).get("status") == "ok"
-            for c in configs
-        )
-    ]
+    ok = {key for key, agg in summary.items() if agg["status"] == "ok"}
+    panels = [(cell, members) for cell, members in cells(results, group).items()
+              if any(c.key in ok for c in members)][:8]  # fmt: skip
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels) + 1.5, 5.2), squeeze=False)
-    colors = {"sync": "C0", "async": "C1", "sb3": "C2"}
-    modes = {"per_worker": "C3", "batched": "C4", "batched-threaded": "C5", "eager": "C6"}
-    for ax, (env, n) in zip(axes[0], panels, strict=True):
-        names, meds, cols = [], [], []
-        for cfg in configs:
+    cols = min(4, len(panels))
+    rows_n = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_n, cols, figsize=(3.8 * cols + 1.5, 4.6 * rows_n), squeeze=False)
+    colors = {"ceiling": "k", "sync": "C0", "async": "C1", "sb3": "C2", "envpool": "C8",
+              "envpool-async": "C9", "asyncsample-ray": "C6"}  # fmt: skip
+    modes = {"per_worker": "C3", "batched": "C4", "host": "C5"}
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, ((env, n, policy), members) in zip(axes.flat, panels, strict=False):
+        names, meds, hues = [], [], []
+        for cfg in members:
             agg = summary.get(cfg.key)
-            if cfg.env != env or cfg.n_envs != n or not agg or agg["status"] != "ok":
+            if cfg.key not in ok or not agg:
                 continue
             names.append(cfg.label.replace("gymnasium ", "").replace("asyncsample process ", ""))
             meds.append(agg["median"])
-            cols.append(colors.get(cfg.contender) or modes.get(cfg.inference, "C7"))
+            hues.append(colors.get(cfg.contender) or modes.get(cfg.inference, "C7"))
         y = list(range(len(names)))
-        ax.barh(y, meds, color=cols)
+        ax.barh(y, meds, color=hues)
         ax.set_yticks(y, names, fontsize=6)
         for yi, m in zip(y, meds, strict=True):
             ax.text(m, yi, f" {_k(m)}", va="center", fontsize=6)
         ax.set_xlim(0, 1.3 * max(meds))
-        ax.set_title(f"{env}, {n} envs", fontsize=9)
+        agent = f", {POLICY_NAMES.get(policy, policy)}" if policy else ""
+        ax.set_title(f"{env}, {n} envs{agent}", fontsize=9)
         ax.set_xlabel("transitions / s", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
         ax.xaxis.set_major_locator(MaxNLocator(4))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _k(v)))
         ax.invert_yaxis()
     fig.suptitle(
-        f"Policy workload: torch MLP 64x64 drives every contender, {settings.cores} cores "
-        "(asyncsample: inference mode, workers x envs/worker / processes)",
+        f"{group}: steps/s on {settings.cores} cores (ceiling in black; asyncsample: inference "
+        "mode, workers x envs/worker / processes)",
         fontsize=10,
     )
     fig.tight_layout()
-    path = out_dir / "policy.png"
+    path = out_dir / f"{group}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -6,9 +6,11 @@ budget: it runs on the one settings / plan / fresh-process runner / aggregation 
 and ``suite.derive``, :mod:`benchmarks.report`), and every one of its groups carries the
 machine's ceiling (:mod:`benchmarks.ceiling`) as a contender measured in the same run.
 
-A *script study* still has a runner of its own (its module's ``main(argv)``), given
-``--out benchmarks/results/STUDY`` and a tiny budget for ``--quick``: ``real_envs`` (Atari and
-MuJoCo against EnvPool, with its own ceiling), ``ray``, ``soak``, ``stragglers`` and ``ab``.
+A *script study* is not a throughput measurement and keeps a runner of its own (its module's
+``main(argv)``), given ``--out benchmarks/results/STUDY`` and a tiny budget for ``--quick``:
+``soak`` (faults injected for minutes: nothing lost) and ``ab`` (an A/B of two source trees,
+a tool). To add a study, add a :class:`Study` to :data:`STUDIES` (a plan study names its
+groups; a new group goes in ``suite.plan``).
 
 Every study writes ``benchmarks/results/STUDY/results.json`` and ``results.md`` (and its
 charts, when matplotlib is installed).
@@ -43,6 +45,8 @@ class Study:
         minutes: Rough length of the default budget on a quiet 2-core machine (script studies;
             plan studies estimate theirs from the plan).
         needs: What the study needs beyond the test extra (shown in the listing).
+        before: Results files (under ``benchmarks/results``) of the study's earlier runs,
+            before the framework: the pages cite them until the study has run.
     """
 
     name: str
@@ -54,6 +58,7 @@ class Study:
     script_args: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     minutes: float = 0.0
     needs: str = ""
+    before: tuple[str, ...] = ()
 
     @property
     def is_plan(self) -> bool:
@@ -90,6 +95,7 @@ STUDIES: list[Study] = [
             "repeats": 1,
         },
         needs="SB3, tianshou, EnvPool (bench extra) or skipped",
+        before=("results.md",),
     ),
     Study(
         "big",
@@ -101,6 +107,7 @@ STUDIES: list[Study] = [
             "contenders": ["ceiling", "sync", "async", "asyncsample"],
             "repeats": 2,
         },
+        before=("results.md",),
     ),
     Study(
         "scaling",
@@ -111,12 +118,14 @@ STUDIES: list[Study] = [
             "contenders": ["ceiling", "sync", "async", "asyncsample", "asyncsample-vector"],
             "repeats": 1,
         },
+        before=("results.md",),
     ),
     Study(
         "overhead",
         "NoOp-v0: the sampler's own cost per transition and per worker round trip",
         groups=("ideal", "overhead"),
         settings={"envs": ["NoOp-v0"], "contenders": ["sync", "async", "asyncsample"]},
+        before=("results.md",),
     ),
     Study(
         "policy",
@@ -125,6 +134,7 @@ STUDIES: list[Study] = [
         groups=("policy",),
         settings={"contenders": _POLICY, "repeats": 2, "once": _POLICY[-4:]},
         needs="torch, mujoco; TorchRL (bench extra) or skipped",
+        before=("policy/results.md", "host_policy.json"),
     ),
     Study(
         "vector",
@@ -136,6 +146,7 @@ STUDIES: list[Study] = [
             "contenders": ["ceiling", "sync", "async", "asyncsample-vector"],
             "repeats": 2,
         },
+        before=("vector_env.md",),
     ),
     Study(
         "host",
@@ -147,40 +158,66 @@ STUDIES: list[Study] = [
             "contenders": ["ceiling", "async", "asyncsample"],
             "repeats": 2,
         },
+        before=("host_inference.md",),
     ),
     Study(
         "real_envs",
-        "Pong-v5 and HalfCheetah-v5 against EnvPool and the gymnasium peers, random and policy "
-        "(own runner; --groups sweep footprint and --envs Breakout-v5 Humanoid-v5 for the rest)",
-        script="benchmarks.real_envs",
-        script_args=(
-            ("--repeats", "1", "--groups", "ideal", "main", "--envs", "Pong-v5", "HalfCheetah-v5"),
-            ("--quick", "--groups", "ideal", "main", "--envs", "HalfCheetah-v5"),
-        ),
-        minutes=4.0,
-        needs="ale-py, mujoco, EnvPool",
+        "Pong-v5 (8 envs) and HalfCheetah-v5 (32 envs), random agent and policy: asyncsample's "
+        "modes against EnvPool sync/async, the gymnasium peers, SB3 and the ceiling",
+        groups=("ideal", "real"),
+        settings={
+            "envs": ["Pong-v5", "HalfCheetah-v5"],
+            "contenders": [
+                "ceiling",
+                "sync",
+                "async",
+                "sb3",
+                "envpool",
+                "envpool-async",
+                "asyncsample",
+            ],
+            "repeats": 2,
+        },
+        quick={"envs": ["HalfCheetah-v5"]},
+        needs="ale-py, mujoco, EnvPool, torch",
+        before=("real_envs.md",),
+    ),
+    Study(
+        "sweep",
+        "CartPole-v1 and Pong-v5 with 8 to 512 envs: steps/s, memory (PSS) and run length "
+        "against EnvPool, Sync/AsyncVectorEnv and the ceiling",
+        groups=("sweep",),
+        settings={
+            "contenders": ["ceiling", "sync", "async", "envpool", "asyncsample"],
+            "repeats": 1,
+        },
+        needs="ale-py, EnvPool",
+        before=("real_envs.md",),
     ),
     Study(
         "ray",
-        'backend="ray" against backend="process", same layout (own runner)',
-        script="benchmarks.ray_vs_process",
-        script_args=(("--repeat", "1", "--seconds", "3"), ("--quick", "--seconds", "0.5")),
-        minutes=2.0,
+        'backend="ray" against backend="process", same layout: CartPole-v1, Image-v0, '
+        "NoiseImage-v0",
+        groups=("ray",),
+        settings={"contenders": ["ceiling", "asyncsample", "asyncsample-ray"], "repeats": 2},
         needs="ray",
+        before=("ray_vs_process.json",),
     ),
     Study(
         "stragglers",
-        "fraction_samples against the fixed per-worker split with a 10x slower worker (own runner)",
-        script="benchmarks.stragglers",
-        script_args=((), ("--quick",)),
-        minutes=1.0,
+        "fraction_samples against the fixed per-worker split with a 10x slower worker",
+        groups=("stragglers",),
+        settings={"contenders": ["ceiling", "asyncsample"], "repeats": 3},
+        before=("stragglers.md",),
     ),
     Study(
         "soak",
-        "minutes of sampling while envs raise, are killed and hang: nothing lost (own runner)",
+        "minutes of sampling in the host, batched and per_worker modes while envs raise, hang "
+        "and end their host: nothing lost, short, half-made or left behind (own runner)",
         script="benchmarks.soak",
-        script_args=(("--minutes", "1"), ("--minutes", "0.15", "--batch", "800")),
-        minutes=1.0,
+        script_args=(("--minutes", "3"), ("--minutes", "0.15", "--batch", "800")),
+        minutes=3.0,
+        before=("soak.md",),
     ),
     Study(
         "ab",
@@ -189,6 +226,7 @@ STUDIES: list[Study] = [
         script_args=(("--repeats", "3"), ("--repeats", "1", "--quick")),
         minutes=6.0,
         needs="--a PATH of the baseline tree; not in `all`",
+        before=("ab/ab.md",),
     ),
 ]
 
@@ -250,7 +288,9 @@ STARTUP_S = {
     "tianshou-subproc": 6.0,
     "tianshou-shmem": 6.0,
     "envpool": 1.0,
+    "envpool-async": 1.0,
     "asyncsample": 2.0,
+    "asyncsample-ray": 12.0,
     "asyncsample-local": 1.0,
     "asyncsample-vector": 2.0,
     "torchrl-collector": 6.0,
@@ -259,7 +299,7 @@ STARTUP_S = {
     "torchrl-asyncbatched": 30.0,
 }
 #: Steps/s assumed for the timed phase when nothing better is known (rough, for the plan only).
-GUESS_RATE = {"": 20_000.0, "mlp": 8_000.0}
+GUESS_RATE = {"": 20_000.0, "mlp": 8_000.0, "atari": 1_500.0, "cnn": 700.0, "mujoco": 8_000.0}
 
 
 def estimate_seconds(settings: Any) -> tuple[int, float]:
@@ -272,10 +312,16 @@ def estimate_seconds(settings: Any) -> tuple[int, float]:
         if suite.pre_skip(cfg, settings) is not None:
             continue
         n = suite.make_spec(cfg, settings, instrument=False).n_transitions
-        timed = max(settings.min_seconds, n / GUESS_RATE.get(cfg.policy, 20_000.0))
+        rate = min(GUESS_RATE.get(cfg.policy, 20_000.0),
+                   GUESS_RATE.get(suite.family(cfg.env), 20_000.0))  # fmt: skip
+        if cfg.fraction:  # a 2 ms straggler among 200 us envs
+            rate = 4_000.0
+        timed = max(settings.min_seconds, n / rate)
         start = STARTUP_S.get(cfg.contender, 2.0) + (1.5 if cfg.policy else 0.0)
         if cfg.contender == "async":
             start += 0.1 * cfg.n_envs
+        # the envs' own start-up, over the env hosts (or the peers' processes, or one)
+        start += cfg.n_envs * suite.STARTUP_S[suite.family(cfg.env)] / (cfg.n_processes or 1)
         per_run = start + timed * (1 + settings.warmup_fraction)
         repeats = 1 if cfg.contender in settings.once else settings.repeats
         runs += repeats
@@ -294,7 +340,7 @@ def run_script(study: Study, quick: bool, out: Path, extra: Sequence[str]) -> in
     """Run a script study's ``main(argv)`` with its budget, ``--out`` and ``extra``."""
     module = importlib.import_module(study.script)
     main: Callable[[list[str]], Any] = module.main
-    out_arg = out / "results.json" if study.name in ("ray", "soak") else out
+    out_arg = out / "results.json" if study.name == "soak" else out
     argv = [*study.script_args[1 if quick else 0], "--out", str(out_arg), *extra]
     print(f"{study.name}: python -m {study.script} {' '.join(argv)}", flush=True)
     result = main(argv)

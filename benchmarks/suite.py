@@ -16,10 +16,21 @@ Groups:
     ``policy`` (not run by default; ``--groups policy``): the same torch MLP drives every
         contender (SyncVectorEnv, AsyncVectorEnv, SB3 SubprocVecEnv, asyncsample in each
         ``inference`` mode and layout) on ``policy_envs`` with ``policy_n_envs`` envs.
+    ``vector``: ``asyncsample.VectorEnv`` against gymnasium's vector envs.
+    ``host``: ``inference="host"`` with a random agent in every layout.
+    ``real``: the Atari games and MuJoCo (``real_envs``) against EnvPool (sync and async) and
+        the gymnasium peers, with a random agent and with a torch policy (Nature-CNN for
+        Atari, the MLP for MuJoCo), asyncsample in each inference mode.
+    ``sweep``: CartPole-v1 and Pong-v5 with 8 to 512 envs: steps/s, memory (PSS) and the
+        length of a run (start-up included) as the envs grow.
+    ``ray``: ``backend="ray"`` against ``backend="process"`` in the same layout.
+    ``stragglers``: ``fraction_samples`` below 1 against the fixed per-worker split, one worker
+        10x slower than the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import statistics
@@ -34,8 +45,15 @@ from benchmarks.contenders import CONTENDERS, RunSpec
 from benchmarks.envs import full_id
 
 ALL_ENVS = ["CartPole-v1", "FixedCost-v0", "HeavyTail-v0", "Image-v0", "NoOp-v0"]
-PEERS = ["sync", "async", "sb3", "tianshou-subproc", "tianshou-shmem", "envpool"]
-OURS = ["asyncsample", "asyncsample-local", "asyncsample-vector"]
+#: The real envs (``real`` and ``sweep`` groups): Atari under the standard preprocessing
+#: (:func:`benchmarks.envs.make_atari`) and MuJoCo, each with its policy in the loop.
+REAL_ENVS = {"Pong-v5": "cnn", "Breakout-v5": "cnn", "HalfCheetah-v5": "mlp", "Humanoid-v5": "mlp"}
+#: Env copies of the ``real`` group: 8 for Atari, 32 for MuJoCo.
+REAL_N_ENVS = {"Pong-v5": 8, "Breakout-v5": 8, "HalfCheetah-v5": 32, "Humanoid-v5": 32}
+#: Every env a study may run (``--envs``).
+KNOWN_ENVS = [*ALL_ENVS, "NoiseImage-v0", *REAL_ENVS]
+PEERS = ["sync", "async", "sb3", "tianshou-subproc", "tianshou-shmem", "envpool", "envpool-async"]
+OURS = ["asyncsample", "asyncsample-local", "asyncsample-vector", "asyncsample-ray"]
 #: TorchRL's collectors (the policy workload only; :mod:`benchmarks.torchrl_peers`).
 TORCHRL = ["torchrl-collector", "torchrl-multisync", "torchrl-multiasync", "torchrl-asyncbatched"]
 #: The machine's ceiling (:mod:`benchmarks.ceiling`): a contender of every group but ``ideal``.
@@ -43,7 +61,7 @@ CEILING = "ceiling"
 ALL_CONTENDERS = [CEILING, *PEERS, *OURS, *TORCHRL]
 GROUPS = ["ideal", "main", "big", "scaling", "overhead"]
 #: Groups that run only when named (``--groups policy``) or by their study.
-EXTRA_GROUPS = ["policy", "vector", "host"]
+EXTRA_GROUPS = ["policy", "vector", "host", "real", "sweep", "ray", "stragglers"]
 POLICY_ENVS = ["CartPole-v1", "HalfCheetah-v5"]
 #: Contenders driven like a gymnasium vector env (one policy call per vector step), and the rest
 #: of the policy workload's peers.
@@ -55,7 +73,9 @@ REQUIRES = {
     "tianshou-subproc": "tianshou",
     "tianshou-shmem": "tianshou",
     "envpool": "envpool",
+    "envpool-async": "envpool",
     "asyncsample": "asyncsample",
+    "asyncsample-ray": "ray",
     "asyncsample-local": "asyncsample",
     "asyncsample-vector": "asyncsample",
     **dict.fromkeys(TORCHRL, "torchrl"),
@@ -103,6 +123,25 @@ class Settings:
         host_layouts: asyncsample layouts of the ``host`` group (every one a user may pick).
         host_fragment_steps: Steps per env per call in the ``host`` group.
         once: Contenders run in the first repeat only (slow to start, far from the others).
+        real_envs: Envs of the ``real`` group.
+        real_n_envs: Env copies of the ``real`` group, by env.
+        real_layouts: asyncsample worker counts of the ``real`` group (``n / workers`` envs
+            each, ``n_processes`` hosts), by inference mode and env family (atari, mujoco).
+        real_fragment_steps: Steps per env per call in the ``real`` group (CleanRL's PPO
+            rollout: 128).
+        sweep_envs: Envs of the ``sweep`` group.
+        sweep_n: Env counts of the ``sweep`` group.
+        sweep_process_cap: Largest env count of AsyncVectorEnv (one process per env) per env.
+        sweep_layouts: asyncsample worker counts of the ``sweep`` group, by inference mode.
+        ray_envs: Envs of the ``ray`` group.
+        ray_layouts: asyncsample layouts (workers, envs per worker) of the ``ray`` group.
+        ray_fragment_steps: Steps per env per call in the ``ray`` group.
+        straggler_layout: (workers, envs per worker) of the ``stragglers`` group.
+        straggler_fractions: ``fraction_samples`` values of the ``stragglers`` group.
+        straggler_calls: The calls of the ``stragglers`` group (``samples``, ``fragments``).
+        straggler_cost: Step cost (seconds) of the slow worker's envs (the others': 200 us).
+        straggler_episode_length: Steps per episode in the ``stragglers`` group.
+        straggler_steps: Steps per env per call in the ``stragglers`` group.
     """
 
     envs: list[str] = field(default_factory=lambda: list(ALL_ENVS))
@@ -125,6 +164,11 @@ class Settings:
             "HeavyTail-v0": 6_000,
             "Image-v0": 10_000,
             "NoOp-v0": 10_000,
+            "NoiseImage-v0": 10_000,
+            "Pong-v5": 2_000,
+            "Breakout-v5": 2_000,
+            "HalfCheetah-v5": 6_000,
+            "Humanoid-v5": 3_000,
         }
     )
     ideal_factor: float = 1.0
@@ -143,7 +187,13 @@ class Settings:
     )
     policy_inference: list[str] = field(default_factory=lambda: ["per_worker", "batched", "host"])
     policy_transitions: dict[str, int] = field(
-        default_factory=lambda: {"CartPole-v1": 10_000, "HalfCheetah-v5": 5_000}
+        default_factory=lambda: {
+            "CartPole-v1": 10_000,
+            "HalfCheetah-v5": 5_000,
+            "Humanoid-v5": 3_000,
+            "Pong-v5": 2_000,
+            "Breakout-v5": 2_000,
+        }
     )
     vector_envs: list[str] = field(
         default_factory=lambda: ["CartPole-v1", "FixedCost-v0", "Image-v0"]
@@ -154,6 +204,35 @@ class Settings:
     host_layouts: list[tuple[int, int]] = field(default_factory=lambda: [(2, 4), (4, 2), (8, 1)])
     host_fragment_steps: int = 256
     once: list[str] = field(default_factory=list)
+    real_envs: list[str] = field(default_factory=lambda: ["Pong-v5", "HalfCheetah-v5"])
+    real_n_envs: dict[str, int] = field(default_factory=lambda: dict(REAL_N_ENVS))
+    real_layouts: dict[str, dict[str, list[int]]] = field(
+        default_factory=lambda: {
+            "per_worker": {"atari": [2, 4], "mujoco": [2, 4]},
+            "batched": {"atari": [2], "mujoco": [4]},
+            "host": {"atari": [2, 4, 8], "mujoco": [2, 4]},
+        }
+    )
+    real_fragment_steps: int = 128
+    sweep_envs: list[str] = field(default_factory=lambda: ["CartPole-v1", "Pong-v5"])
+    sweep_n: list[int] = field(default_factory=lambda: [8, 32, 128, 512])
+    sweep_process_cap: dict[str, int] = field(
+        default_factory=lambda: {"CartPole-v1": 128, "Pong-v5": 64}
+    )
+    sweep_layouts: dict[str, list[int]] = field(
+        default_factory=lambda: {"per_worker": [2, 8], "host": [2]}
+    )
+    ray_envs: list[str] = field(
+        default_factory=lambda: ["CartPole-v1", "Image-v0", "NoiseImage-v0"]
+    )
+    ray_layouts: list[tuple[int, int]] = field(default_factory=lambda: [(4, 8), (4, 32)])
+    ray_fragment_steps: int = 16
+    straggler_layout: tuple[int, int] = (4, 4)
+    straggler_fractions: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.25])
+    straggler_calls: list[str] = field(default_factory=lambda: ["samples", "fragments"])
+    straggler_cost: float = 2e-3
+    straggler_episode_length: int = 10
+    straggler_steps: int = 250
 
     @classmethod
     def quick_settings(cls, **overrides: Any) -> Settings:
@@ -174,16 +253,30 @@ class Settings:
             policy_inference=["per_worker", "batched", "host"],
             host_layouts=[(2, 4)],
             host_fragment_steps=16,
-            policy_transitions={"CartPole-v1": 1_000, "HalfCheetah-v5": 500},
-        )
+            policy_transitions={"CartPole-v1": 1_000, "HalfCheetah-v5": 500, "Pong-v5": 100},
+            real_envs=["HalfCheetah-v5"],
+            real_n_envs={"Pong-v5": 4, "HalfCheetah-v5": 4},
+            real_layouts={"per_worker": {"mujoco": [2]}, "host": {"atari": [2], "mujoco": [2]}},
+            real_fragment_steps=16,
+            sweep_envs=["CartPole-v1"],
+            sweep_n=[4, 16],
+            sweep_layouts={"per_worker": [2]},
+            ray_envs=["CartPole-v1"],
+            ray_layouts=[(2, 2)],
+            straggler_fractions=[1.0, 0.5],
+            straggler_calls=["fragments"],
+            straggler_steps=25,
+        )  # fmt: skip
+        base.transitions |= {"Pong-v5": 100, "HalfCheetah-v5": 500}
         for key, value in overrides.items():
             setattr(base, key, value)
         return base
 
-    def n_transitions(self, env: str, n_envs: int, policy: str = "") -> int:
-        """Timed transitions of a run: the env's budget, and at least 4 asyncsample calls."""
+    def n_transitions(self, env: str, n_envs: int, policy: str = "", steps: int = 0) -> int:
+        """Timed transitions of a run: the env's budget, and at least 4 asyncsample calls
+        (of ``steps`` per env, default ``fragment_steps``)."""
         budget = (self.policy_transitions if policy else self.transitions).get(env, 10_000)
-        return max(budget, 4 * n_envs * self.fragment_steps)
+        return max(budget, 4 * n_envs * (steps or self.fragment_steps))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able settings."""
@@ -203,6 +296,8 @@ class Config:
     policy: str = ""  # "" random actions; "mlp": the policy workload
     inference: str = ""  # asyncsample's inference mode ("" is per_worker)
     steps: int = 0  # steps per env per call, when not the settings' fragment_steps
+    fraction: float = 0.0  # stragglers: fraction_samples (0: not a straggler run)
+    call: str = ""  # stragglers: "samples" or "fragments" ("": obtain_fragments)
 
     @property
     def key(self) -> str:
@@ -210,12 +305,14 @@ class Config:
         key = f"{self.contender}|{self.env}|{self.n_envs}|{self.layout}"
         if self.policy or self.inference:
             key = f"{key}|{self.policy}|{self.inference}"
+        if self.fraction:
+            key = f"{key}|f{self.fraction:g}|{self.call}"
         return f"{key}|s{self.steps}" if self.steps else key
 
     @property
     def layout(self) -> str:
         """``WxK/PN`` for asyncsample (``WxK`` for local), empty for peers."""
-        if self.contender == "asyncsample":
+        if self.contender in ("asyncsample", "asyncsample-ray"):
             return f"{self.n_workers}x{self.envs_per_worker}/P{self.n_processes}"
         if self.contender == "asyncsample-local":
             return f"{self.n_workers}x{self.envs_per_worker}"
@@ -227,12 +324,22 @@ class Config:
         name = CONTENDERS[self.contender][1]
         if self.inference:
             name = f"{name} {self.inference}"
+        if self.fraction:
+            name = f"{name} obtain_{self.call} fraction_samples={self.fraction:g}"
         return f"{name} {self.layout}" if self.layout else name
 
 
-def _ours(contender: str, env: str, n: int, w: int, p: int) -> Config:
+def _ours(contender: str, env: str, n: int, w: int, p: int, **kw: Any) -> Config:
     w = max(1, min(w, n))
-    return Config(contender, env, n, w, n // w, p if contender == "asyncsample" else 0)
+    procs = p if contender in ("asyncsample", "asyncsample-ray") else 0
+    return Config(contender, env, n, w, n // w, procs, **kw)
+
+
+def family(env: str) -> str:
+    """``atari``, ``mujoco`` or ``""`` (the synthetic envs and classic control)."""
+    if REAL_ENVS.get(env) == "cnn":
+        return "atari"
+    return "mujoco" if env in REAL_ENVS else ""
 
 
 def plan(settings: Settings) -> dict[str, list[Config]]:
@@ -314,6 +421,26 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
                                 Config(c, env, w * k, w, k, s.n_processes, "", inference,
                                        s.host_fragment_steps)
                             )  # fmt: skip
+    if "real" in groups:
+        _plan_real(groups["real"], chosen, s)
+    if "sweep" in groups:
+        _plan_sweep(groups["sweep"], chosen, s)
+    if "ray" in groups:
+        for env in s.ray_envs:
+            for c in chosen:
+                if c in ("asyncsample", "asyncsample-ray"):
+                    for w, k in s.ray_layouts:
+                        groups["ray"].append(
+                            _ours(c, env, w * k, w, s.n_processes, steps=s.ray_fragment_steps)
+                        )
+    if "stragglers" in groups and "asyncsample" in chosen:
+        w, k = s.straggler_layout
+        for call in s.straggler_calls:
+            for f in s.straggler_fractions:
+                groups["stragglers"].append(
+                    Config("asyncsample", "FixedCost-v0", w * k, w, k, s.n_processes,
+                           steps=s.straggler_steps, fraction=f, call=call)
+                )  # fmt: skip
     if CEILING in chosen:
         _add_ceilings(groups, s)
     if "overhead" in groups and "NoOp-v0" in s.envs:
@@ -326,6 +453,41 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
             elif c == "asyncsample-local":
                 groups["overhead"].append(Config(c, "NoOp-v0", 1, 1, 1, 0))
     return groups
+
+
+def _plan_real(configs: list[Config], chosen: list[str], s: Settings) -> None:
+    """The ``real`` group: every real env with a random agent, then with its policy."""
+    for env in s.real_envs:
+        n = s.real_n_envs.get(env, s.n_envs)
+        for policy in ("", REAL_ENVS[env]):
+            for c in chosen:
+                if c in ("sync", "async", "sb3", "envpool", "envpool-async"):
+                    configs.append(Config(c, env, n, policy=policy))
+                elif c == "asyncsample":
+                    for inference, by_family in s.real_layouts.items():
+                        for w in by_family.get(family(env), []):
+                            configs.append(_ours(c, env, n, w, s.n_processes, policy=policy,
+                                                 inference=inference,
+                                                 steps=s.real_fragment_steps))  # fmt: skip
+
+
+def _plan_sweep(configs: list[Config], chosen: list[str], s: Settings) -> None:
+    """The ``sweep`` group: random agent, 8 to 512 envs (asyncsample: fewer steps per call)."""
+    for env in s.sweep_envs:
+        budget = s.transitions.get(env, 10_000)
+        for n in s.sweep_n:
+            steps = max(1, min(32, budget // (4 * n)))
+            for c in chosen:
+                if c in ("sync", "envpool") or (
+                    c == "async" and n <= s.sweep_process_cap.get(env, 128)
+                ):
+                    configs.append(Config(c, env, n))
+                elif c == "asyncsample":
+                    for inference, workers in s.sweep_layouts.items():
+                        for w in workers:
+                            mode = "" if inference == "per_worker" else inference
+                            configs.append(_ours(c, env, n, w, s.n_processes, inference=mode,
+                                                 steps=steps))  # fmt: skip
 
 
 def ceiling_config(env: str, n_envs: int, policy: str, cores: int) -> Config:
@@ -362,12 +524,14 @@ def unique_configs(groups: dict[str, list[Config]]) -> list[Config]:
 
 def pre_skip(cfg: Config, settings: Settings) -> str | None:
     """A reason to skip ``cfg`` without starting a process, or None."""
-    if cfg.contender == "envpool" and cfg.env != "CartPole-v1":
-        return "EnvPool runs only its own C++ envs (here: CartPole-v1)"
+    if cfg.contender.startswith("envpool") and cfg.env not in ("CartPole-v1", *REAL_ENVS):
+        return "EnvPool runs only its own C++ envs (CartPole-v1, Atari, MuJoCo)"
     if cfg.policy and importlib.util.find_spec("torch") is None:
         return "the policy workload needs torch (pip install torch)"
-    if cfg.env.startswith("HalfCheetah") and importlib.util.find_spec("mujoco") is None:
-        return "HalfCheetah needs mujoco (pip install 'gymnasium[mujoco]')"
+    if family(cfg.env) == "mujoco" and importlib.util.find_spec("mujoco") is None:
+        return f"{cfg.env} needs mujoco (pip install 'gymnasium[mujoco]')"
+    if family(cfg.env) == "atari" and importlib.util.find_spec("ale_py") is None:
+        return f"{cfg.env} needs ale-py (pip install ale-py)"
     if settings.quick and cfg.contender in TORCH_PEERS and not settings.explicit:
         return "--quick skips the torch-based peers (slow to start) unless --contenders names them"
     module = REQUIRES.get(cfg.contender)
@@ -378,7 +542,7 @@ def pre_skip(cfg: Config, settings: Settings) -> str | None:
 
 def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
     """The :class:`RunSpec` of one run of ``cfg``."""
-    n = settings.n_transitions(cfg.env, cfg.n_envs, cfg.policy)
+    n = settings.n_transitions(cfg.env, cfg.n_envs, cfg.policy, cfg.steps)
     if cfg.contender == "ideal":
         n = int(n * settings.ideal_factor)
     return RunSpec(
@@ -398,7 +562,22 @@ def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
         min_seconds=settings.min_seconds,
         policy=cfg.policy,
         inference=cfg.inference or "per_worker",
+        call=cfg.call or "fragments",
+        fraction=cfg.fraction or 1.0,
+        slow_worker=1 if cfg.fraction else -1,
+        slow_cost=settings.straggler_cost,
+        episode_length=settings.straggler_episode_length if cfg.fraction else 0,
     )
+
+
+#: Seconds one env takes to build and reset on a quiet core (Pong: ALE start-up and up to 30
+#: no-op steps): a run's timeout grows with it (512 Pong envs take minutes to start).
+STARTUP_S = {"atari": 0.3, "mujoco": 0.05, "": 0.002}
+
+
+def run_timeout(cfg: Config, settings: Settings) -> float:
+    """``settings.timeout`` plus three times the envs' start-up in one process."""
+    return settings.timeout + 3 * cfg.n_envs * STARTUP_S[family(cfg.env)]
 
 
 #: How a suite run's fresh process is started (``python -m benchmarks._runner SPEC OUT``).
@@ -461,13 +640,14 @@ def execute(
                     continue
                 bar.set_postfix_str(f"r{repeat + 1} {cfg.env} {cfg.label} n={cfg.n_envs}")
                 spec = make_spec(cfg, settings, instrument=(repeat == 0))
-                outcome = run_one(spec, settings.timeout, workdir)
+                timeout = run_timeout(cfg, settings)
+                outcome = run_one(spec, timeout, workdir)
                 attempts = 1
                 while attempts <= settings.retry_disturbed and _foreign(outcome) > (
                     settings.max_foreign
                 ):
                     time.sleep(2.0)
-                    again = run_one(spec, settings.timeout, workdir)
+                    again = run_one(spec, timeout, workdir)
                     attempts += 1
                     if again.get("status") != "ok" or _foreign(again) < _foreign(outcome):
                         outcome = again
@@ -553,11 +733,13 @@ def aggregate(
                 "main_cores": [],
                 "host_cores": [],
                 "foreign_cores": [],
+                "walls": [],
             },
         )
         status = rec.get("status")
         if status == "ok":
             agg["rates"].append(rec["rate"])
+            agg["walls"].append(rec.get("wall"))
             for note in rec.get("notes") or []:
                 if note not in agg["notes"]:
                     agg["notes"].append(note)
@@ -630,12 +812,23 @@ def derive(
         ceil = med(ceiling_config(cfg.env, cfg.n_envs, cfg.policy, cores).key)
         if cfg.policy and sync and ceil:
             ceil = max(ceil, sync)  # a policy's ceiling: the larger of the two
-        return {
+        pools = [med(Config(c, cfg.env, cfg.n_envs, policy=cfg.policy).key)
+                 for c in ("envpool", "envpool-async")]  # fmt: skip
+        envpool = max((r for r in pools if r), default=None)
+        out = {
             "vs_sync": rate / sync if rate and sync else None,
             "vs_async": rate / peer if rate and peer else None,
             "vs_ideal": None if cfg.policy else (rate / ide if rate and ide else None),
             "vs_ceiling": rate / ceil if rate and ceil else None,
+            "vs_envpool": rate / envpool if rate and envpool else None,
         }
+        if cfg.contender == "asyncsample-ray":  # against the process backend, same layout
+            process = med(dataclasses.replace(cfg, contender="asyncsample").key)
+            out["vs_process"] = rate / process if rate and process else None
+        if cfg.fraction:  # against the fixed split (fraction_samples=1), same call
+            full = med(dataclasses.replace(cfg, fraction=1.0).key)
+            out["vs_full"] = rate / full if rate and full else None
+        return out
 
     best: dict[str, dict[str, Any]] = {}
     for group in ("main", "big"):
@@ -736,10 +929,11 @@ def derive(
             t["met"] = t["value"] < t["target"]
         else:
             t["met"] = t["value"] >= t["target"]
-    policy = _derive_policy(med, groups.get("policy", []), cores)
-    policy.pop("ratios")  # ``per_config`` has them, with the ceiling
+    policy = _derive_policy(med, groups.get("policy", []), per_config)
+    real = _derive_real(med, groups.get("real", []), per_config, settings)
     return {
         "policy": policy,
+        "real": real,
         "ideal": ideal,
         "ratios": per_config,
         "best_layout": best,
@@ -758,29 +952,31 @@ POLICY_TARGETS = {
 }
 
 
-def _derive_policy(med: Any, configs: list[Config], cores: int = 2) -> dict[str, Any]:
-    """Best asyncsample mode/layout per cell and the targets of the policy workload."""
+def _best_ours(
+    med: Any, configs: list[Config], ratios: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """The fastest asyncsample config (any mode, any layout) per ``env|n_envs|policy`` cell,
+    with its ratios (``vs_ceiling`` against the larger of the loops and SyncVectorEnv)."""
     best: dict[str, dict[str, Any]] = {}
     for cfg in configs:
         rate = med(cfg.key)
         if not rate or cfg.contender != "asyncsample":
             continue
-        slot = f"{cfg.env}|{cfg.n_envs}"
+        slot = f"{cfg.env}|{cfg.n_envs}|{cfg.policy}"
         if slot not in best or rate > best[slot]["median"]:
-            sync = med(Config("sync", cfg.env, cfg.n_envs, policy=cfg.policy).key)
-            loops = med(ceiling_config(cfg.env, cfg.n_envs, cfg.policy, cores).key)
-            ceil = max(sync or 0.0, loops or 0.0) or None
-            best[slot] = {
-                "key": cfg.key,
-                "label": cfg.label,
-                "median": rate,
-                "vs_sync": rate / sync if sync else None,
-                "ceiling": ceil,
-                "vs_ceiling": rate / ceil if ceil else None,
-            }
+            best[slot] = {"key": cfg.key, "label": cfg.label, "median": rate,
+                          **ratios.get(cfg.key, {})}  # fmt: skip
+    return best
+
+
+def _derive_policy(
+    med: Any, configs: list[Config], ratios: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Best asyncsample mode/layout per cell and the targets of the policy workload."""
+    best = _best_ours(med, configs, ratios)
     targets: list[dict[str, Any]] = []
     for (env, n), goal in POLICY_TARGETS.items():
-        slot = best.get(f"{env}|{n}")
+        slot = best.get(f"{env}|{n}|mlp")
         targets.append(
             {
                 "what": f"{env} ({n} envs, MLP): best asyncsample x ceiling",
@@ -791,4 +987,42 @@ def _derive_policy(med: Any, configs: list[Config], cores: int = 2) -> dict[str,
         )
     for t in targets:
         t["met"] = None if t["value"] is None else t["value"] >= t["target"]
-    return {"ratios": {}, "best": best, "targets": targets}
+    return {"best": best, "targets": targets}
+
+
+def _derive_real(
+    med: Any, configs: list[Config], ratios: dict[str, dict[str, Any]], s: Settings
+) -> dict[str, Any]:
+    """The ``real`` group: the best asyncsample mode and layout per cell, and the targets.
+
+    Targets (issue 25 and the real-env goals): Pong-v5 with a random agent at >= 0.95 of the
+    ceiling (two plain loops side by side) and >= 0.8x EnvPool; HalfCheetah-v5 with the MLP
+    at >= 1x EnvPool.
+    """
+    best = _best_ours(med, configs, ratios)
+
+    def value(env: str, policy: str, ratio: str) -> tuple[float | None, str | None]:
+        slot = best.get(f"{env}|{s.real_n_envs.get(env, s.n_envs)}|{policy}")
+        return (slot.get(ratio), slot["label"]) if slot else (None, None)
+
+    targets: list[dict[str, Any]] = []
+    for env, policy, ratio, goal, what in (
+        ("Pong-v5", "", "vs_ceiling", 0.95, "random agent: x ceiling"),
+        ("Pong-v5", "", "vs_envpool", 0.8, "random agent: x EnvPool (the faster mode)"),
+        ("HalfCheetah-v5", "mlp", "vs_envpool", 1.0, "MLP policy: x EnvPool (the faster mode)"),
+        ("HalfCheetah-v5", "mlp", "vs_ceiling", 0.9, "MLP policy: x ceiling"),
+    ):
+        if env not in s.real_envs:
+            continue
+        val, by = value(env, policy, ratio)
+        n = s.real_n_envs.get(env, s.n_envs)
+        targets.append({"what": f"{env} ({n} envs) {what}", "target": goal, "value": val,
+                        "by": by, "met": None if val is None else val >= goal})  # fmt: skip
+    for cfg in configs:  # issue 25: host mode in every layout a user may pick, not the best only
+        if cfg.env == "Pong-v5" and not cfg.policy and cfg.inference == "host":
+            val = ratios.get(cfg.key, {}).get("vs_ceiling")
+            targets.append({"what": f"Pong-v5 ({cfg.n_envs} envs) random agent, host "
+                            f"{cfg.n_workers}x{cfg.envs_per_worker}: x ceiling", "target": 0.95,
+                            "value": val, "by": cfg.label,
+                            "met": None if val is None else val >= 0.95})  # fmt: skip
+    return {"best": best, "targets": targets}

@@ -122,6 +122,7 @@ def test_field_order_matches_garage() -> None:
         "agent_infos",
         "step_types",
         "lengths",
+        "agent_versions",  # ours, after garage's fields (optional: None for hand-built batches)
     ]
 
 

@@ -1,5 +1,6 @@
-"""Faults and bad input, round 3 (issue 24): causes kept in host mode, spaces the sampler cannot
-record refused up front, memory limits checked before any work starts."""
+"""Faults and bad input, round 3 (issue 24): a hung step found in step_timeout in host mode,
+causes kept in host mode, spaces the sampler cannot record refused up front, memory limits
+checked before any work starts."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import gymnasium as gym
 import numpy as np
 import psutil
 import pytest
+from envs import HangingEnv, SleepyEnv
 from helpers import SamplerFactory
 
-from asyncsample import Sampler, WorkerError
+from asyncsample import Host, Sampler, StepTimeoutError, WorkerError
+from asyncsample.backends._remote import HostDied, Incarnation, progress_poll
 from asyncsample.seeding import OFF_LOOP_ENVS, worker_seeds
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.both_loops]
@@ -271,3 +274,156 @@ async def test_many_env_seeds_are_drawn_off_the_loop() -> None:
     assert seeds == inline.next_env_seeds()
     assert ticks > 1  # the loop kept running while they were drawn
     assert await threaded.next_env_seeds_off_loop() == inline.next_env_seeds()  # next ones
+
+
+# -- item 1: step_timeout means one step in host mode --------------------------------------------
+
+
+def _one_env(
+    make_sampler: SamplerFactory, env: Any, chunk_steps: int, backend: str = "process"
+) -> Sampler:
+    """A host-mode sampler of one worker with one env, ``step_timeout=0.5``, no restarts."""
+    return make_sampler(
+        backend=backend,
+        env=env,
+        inference=Host(chunk_steps=chunk_steps),
+        n_workers=1,
+        envs_per_worker=1,
+        step_timeout=0.5,
+        max_restarts=0,
+    )
+
+
+async def _timed_out(sampler: Sampler, fragments: int) -> tuple[StepTimeoutError, float]:
+    """The error of ``obtain_fragments(fragments)``, which must time out, and how long it took."""
+    async with sampler:
+        start = time.monotonic()
+        with pytest.raises(StepTimeoutError) as info:
+            await sampler.obtain_fragments(fragments)
+        return info.value, time.monotonic() - start
+
+
+async def test_a_hung_step_of_a_chunk_fails_in_step_timeout(
+    tmp_path: Any, make_sampler: SamplerFactory
+) -> None:
+    # The env hangs in the 5th step of a 64-step chunk: found after 0.5 s, not 64 x 0.5 s.
+    env = functools.partial(HangingEnv, 5, 3600.0, str(tmp_path / "hung"))
+    error, elapsed = await _timed_out(_one_env(make_sampler, env, 64), 64)
+    assert elapsed < 2.0, elapsed
+    message = str(error)
+    assert "step 5 of a chunk took longer than step_timeout=0.5s" in message, message
+    assert error.worker == 0
+
+
+async def test_a_hung_step_of_a_chunk_is_restarted_in_step_timeout(
+    tmp_path: Any, make_sampler: SamplerFactory
+) -> None:
+    env = functools.partial(HangingEnv, 9, 3600.0, str(tmp_path / "hung"))
+    async with make_sampler(
+        backend="process", env=env, inference=Host(chunk_steps=64), n_workers=2, step_timeout=0.5
+    ) as s:
+        await s.obtain_fragments(8)  # the hosts are up, nobody has hung yet
+        start = time.monotonic()
+        batch = await s.obtain_fragments(200)
+        elapsed = time.monotonic() - start
+        assert s.last_stats is not None and s.last_stats.restarts == 1
+    assert batch.lengths.sum() >= 200
+    assert elapsed < 5.0, elapsed  # 0.5 s to notice, a new host, 200 steps: was 32 s
+
+
+async def test_a_slow_step_that_keeps_going_does_not_time_out(
+    make_sampler: SamplerFactory,
+) -> None:
+    # 16 steps of 0.3 s in one chunk: 4.8 s, every step well within step_timeout=0.5.
+    async with _one_env(make_sampler, functools.partial(SleepyEnv, 0.3), 16) as s:
+        start = time.monotonic()
+        batch = await s.obtain_fragments(16)
+        elapsed = time.monotonic() - start
+        assert s.restarts == 0
+    assert batch.lengths.sum() == 16
+    assert elapsed >= 4.8
+
+
+@pytest.mark.slow
+async def test_on_ray_a_hung_chunk_is_bounded_by_its_steps_and_says_so(
+    tmp_path: Any, ray_cluster: Any, make_sampler: SamplerFactory
+) -> None:
+    # An actor runs one call at a time: its chunk may take steps x step_timeout, and the message
+    # says exactly that.
+    env = functools.partial(HangingEnv, 2, 3600.0, str(tmp_path / "hung"))
+    error, elapsed = await _timed_out(_one_env(make_sampler, env, 4, "ray"), 4)
+    assert "chunk of 4 steps took longer than 4 x step_timeout=0.5s" in str(error), str(error)
+    assert elapsed < 10.0, elapsed
+
+
+class _Clock:
+    """A loop whose time and timers the test drives: ``call_later`` only records."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.now = 0.0
+        self.timers: list[tuple[float, Any, tuple[Any, ...]]] = []
+
+    def create_future(self) -> asyncio.Future[Any]:
+        return self.loop.create_future()
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, fn: Any, *args: Any) -> Any:
+        self.timers.append((self.now + delay, fn, args))
+        return _Handle()
+
+    def advance_to_next(self) -> None:
+        """Move the time to the next timer and fire it."""
+        when, fn, args = self.timers.pop(0)
+        self.now = when
+        fn(*args)
+
+
+class _Handle:
+    def cancel(self) -> None:
+        pass
+
+
+class _Host(Incarnation):
+    def describe(self) -> str:
+        return "fake host"
+
+    def _kill(self) -> None:
+        pass
+
+
+async def test_a_chunk_is_judged_by_how_long_its_step_counter_stands_still() -> None:
+    clock = _Clock()
+    host = _Host(clock)  # type: ignore[arg-type]
+    counter = np.zeros(1, np.int64)
+    counter[0] = 7  # earlier chunks' steps
+    call = host.new_call("chunk", 3, 1.0, counter)
+    assert clock.timers[0][0] == pytest.approx(progress_poll(1.0)) == pytest.approx(0.1)
+    # Steps of 0.9 s each, for far longer than the timeout: never killed.
+    for step in range(1, 40):
+        while clock.now < step * 0.9 - 1e-9:
+            clock.advance_to_next()
+            assert not host.dead
+        counter[0] += 1
+    assert clock.now > 30.0 and not host.dead
+    # Then a step hangs: killed between 1.0 and 1.1 s after the last step ended.
+    hang = clock.now
+    while not host.dead:
+        clock.advance_to_next()
+    assert 1.0 <= clock.now - hang <= 1.0 + progress_poll(1.0) + 1e-9
+    assert call.timed_out
+    assert "step 40 of a chunk of worker 3 took longer than step_timeout=1s" in host.reason
+    with pytest.raises(HostDied):
+        call.future.result()
+
+
+async def test_a_call_without_a_counter_keeps_one_timeout_for_the_whole_call() -> None:
+    clock = _Clock()
+    host = _Host(clock)  # type: ignore[arg-type]
+    call = host.new_call("step", 0, 2.0)
+    assert [t[0] for t in clock.timers] == [2.0]
+    clock.advance_to_next()
+    assert host.dead and call.timed_out
+    assert "a step of worker 0 took longer than step_timeout=2s" in host.reason

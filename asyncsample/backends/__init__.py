@@ -36,12 +36,14 @@ from asyncsample.backends.base import (
 from asyncsample.backends.placement import Placement, placement, pool_size
 
 if TYPE_CHECKING:
+    from asyncsample.backends.aio import AsyncioBackend
     from asyncsample.backends.local import LocalBackend
     from asyncsample.backends.process import ProcessBackend
     from asyncsample.backends.ray import RayBackend
 
 __all__ = [
     "DEFAULT_CHUNK_STEPS",
+    "LANE_BACKENDS",
     "AgentHost",
     "Backend",
     "ChunkBuffers",
@@ -60,12 +62,26 @@ __all__ = [
     "pool_size",
 ]
 
-BACKENDS = ("process", "local", "ray")
+BACKENDS = ("process", "local", "ray", "asyncio", "thread")
+
+#: Backends whose envs live in the caller's process, each env stepped on its own
+#: (:mod:`asyncsample.backends.aio`, :mod:`asyncsample._env_tasks`).
+LANE_BACKENDS = ("asyncio", "thread")
 
 
-def _backend_class(name: object) -> type[LocalBackend | ProcessBackend | RayBackend]:
+def _backend_class(
+    name: object,
+) -> type[LocalBackend | ProcessBackend | RayBackend | AsyncioBackend]:
     """The class of backend ``name``, imported on first use (so ``ray`` only when asked for)."""
     name = _validate.choice("backend", name, BACKENDS)
+    if name == "asyncio":
+        from asyncsample.backends.aio import AsyncioBackend
+
+        return AsyncioBackend
+    if name == "thread":
+        from asyncsample.backends.aio import ThreadBackend
+
+        return ThreadBackend
     if name == "local":
         from asyncsample.backends.local import LocalBackend
 

@@ -58,6 +58,9 @@ class ChunkBuffers:
         actions, rewards, terminated, truncated: per step, as in
             :class:`~asyncsample.env_group.StepBuffers`.
         capacity: the most steps one chunk can hold.
+        progress: one ``int64`` the host bumps after every step of a chunk, never reset (shared
+            memory in a process host): the main process reads it to judge each step against
+            ``step_timeout`` while the chunk runs.
     """
 
     obs: Tree
@@ -67,10 +70,14 @@ class ChunkBuffers:
     terminated: np.ndarray
     truncated: np.ndarray
     capacity: int
+    progress: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
 
     @classmethod
-    def from_flat(cls, flat: StepBuffers, capacity: int, n_envs: int) -> ChunkBuffers:
-        """View step buffers allocated for ``capacity * n_envs`` envs as chunk buffers."""
+    def from_flat(
+        cls, flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None
+    ) -> ChunkBuffers:
+        """View step buffers allocated for ``capacity * n_envs`` envs as chunk buffers;
+        ``counter``: the memory of the step counter (one ``int64``; default: a local one)."""
 
         def shape(a: np.ndarray) -> np.ndarray:
             return a.reshape(capacity, n_envs, *a.shape[1:])
@@ -83,6 +90,7 @@ class ChunkBuffers:
             terminated=shape(flat.terminated),
             truncated=shape(flat.truncated),
             capacity=capacity,
+            progress=np.zeros(1, np.int64) if counter is None else np.frombuffer(counter, np.int64),
         )
 
 
@@ -247,6 +255,7 @@ class ChunkRunner:
         active = request.active.copy()
         everyone = bool(active.all())
         counts = request.counts.astype(np.int64, copy=True)
+        progress = chunk.progress
         infos_per_step: list[dict[str, np.ndarray]] = []
         step_infos: dict[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]] = {}
         steps = 0
@@ -260,6 +269,7 @@ class ChunkRunner:
             put_row(buf.actions, Ellipsis, actions)
             infos_per_step.append(infos)
             result = group.step(active)
+            progress[0] += 1  # a step ended: the main process judges the next from now
             if result.env_infos is not None or result.reset_infos:
                 step_infos[j] = (result.env_infos, result.reset_infos)
             chunk.rewards[j] = buf.rewards

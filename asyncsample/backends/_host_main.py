@@ -101,7 +101,7 @@ def main(
     sock: socket.socket,
     slots_blob: bytes,
     raw_buffers: list[list[Any]],
-    raw_chunks: list[tuple[int, list[Any]] | None] | None = None,
+    raw_chunks: list[tuple[int, list[Any], Any] | None] | None = None,
     host_threads: int | None = None,
 ) -> None:
     """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
@@ -112,8 +112,8 @@ def main(
             slot.
         raw_buffers: per slot, the shared blocks of its step buffers (see
             :func:`~asyncsample.backends._transport.shared_buffers`).
-        raw_chunks: per slot, ``(capacity, blocks)`` of its chunk buffers when the slot runs
-            its own agent (``inference="host"``), else ``None``.
+        raw_chunks: per slot, ``(capacity, blocks, step counter)`` of its chunk buffers when
+            the slot runs its own agent (``inference="host"``), else ``None``.
         host_threads: threads of the numeric libraries here (``None``: their defaults).
     """
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
@@ -131,9 +131,9 @@ def main(
         buffers = view_buffers(obs_space, act_space, n_envs, raw)
         chunk = None
         if raw_chunk is not None:
-            capacity, blocks = raw_chunk
+            capacity, blocks, counter = raw_chunk
             flat = view_buffers(obs_space, act_space, capacity * n_envs, blocks)
-            chunk = ChunkBuffers.from_flat(flat, capacity, n_envs)
+            chunk = ChunkBuffers.from_flat(flat, capacity, n_envs, counter)
         slots.append(HostSlot(spec, buffers, chunk, host_threads, "env-host process"))
     reader = FrameReader(sock)
     try:

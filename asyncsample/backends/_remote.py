@@ -44,6 +44,7 @@ __all__ = [
     "PoolMember",
     "RemoteHost",
     "closed_error",
+    "progress_poll",
     "slots_blob",
 ]
 
@@ -63,12 +64,38 @@ class PendingCall:
         key: the backend's handle of the call (a request id, an ObjectRef).
         done: the host answered it.
         timed_out: it outlived ``timeout`` and its host was killed for it.
+        limit: how the timeout is named in messages (``"step_timeout=1s"``).
+        progress: for a call of many steps (a chunk, ``inference="host"``), a counter the host
+            bumps after each step (shared memory); ``timeout`` then bounds each step, judged
+            by how long the counter stood still. ``None``: ``timeout`` bounds the whole call.
+        base: the counter's value when the host started on the call.
+        seen: its value at the last look, and ``since``: the loop time it was first seen so
+            (the latest the current step can have started).
     """
 
-    __slots__ = ("done", "future", "key", "label", "timed_out", "timeout", "worker")
+    __slots__ = (
+        "base",
+        "done",
+        "future",
+        "key",
+        "label",
+        "limit",
+        "progress",
+        "seen",
+        "since",
+        "timed_out",
+        "timeout",
+        "worker",
+    )
 
     def __init__(
-        self, label: str, worker: int, timeout: float | None, future: asyncio.Future[Any]
+        self,
+        label: str,
+        worker: int,
+        timeout: float | None,
+        future: asyncio.Future[Any],
+        progress: np.ndarray | None = None,
+        limit: str | None = None,
     ) -> None:
         self.label = label
         self.worker = worker
@@ -77,13 +104,35 @@ class PendingCall:
         self.key: Any = None
         self.done = False
         self.timed_out = False
+        self.limit = limit if limit is not None or timeout is None else f"step_timeout={timeout:g}s"
+        self.progress = progress
+        self.base = self.seen = 0
+        self.since = 0.0
+
+    def what(self) -> str:
+        """What outlived the timeout: ``"step"``, ``"step 3 of a chunk"``..."""
+        if self.progress is None:
+            return self.label
+        return f"step {self.seen - self.base + 1} of a {self.label}"
+
+
+def progress_poll(timeout: float) -> float:
+    """How often the counter of a call judged per step is read: a tenth of the timeout, at most
+    :data:`PROGRESS_POLL` (a hang is found at most this long after ``timeout``)."""
+    return max(min(timeout / 10, PROGRESS_POLL), 0.001)
+
+
+#: The longest pause between two looks at a chunk's step counter, in seconds.
+PROGRESS_POLL = 0.25
 
 
 class Incarnation(ABC):
     """One life of a remote host, as the main process sees it.
 
     A host serves its calls in the order they were sent, so only the head of :attr:`calls` can
-    be running: its timeout starts when the call before it was answered.
+    be running: its timeout starts when the call before it was answered. A call of many steps
+    with a step counter (a chunk) is judged per step: it fails when the counter has stood still
+    for ``timeout``, looked at every :func:`progress_poll` seconds.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -109,17 +158,58 @@ class Incarnation(ABC):
 
     # -- calls ----------------------------------------------------------------------------------
 
-    def new_call(self, label: str, worker: int, timeout: float | None) -> PendingCall:
-        """A call, queued as the host will serve it; failed at once if the host is dead."""
-        call = PendingCall(label, worker, timeout, self.loop.create_future())
+    def new_call(
+        self,
+        label: str,
+        worker: int,
+        timeout: float | None,
+        progress: np.ndarray | None = None,
+        limit: str | None = None,
+    ) -> PendingCall:
+        """A call, queued as the host will serve it; failed at once if the host is dead.
+
+        ``progress`` (a step counter the host bumps, see :class:`PendingCall`) makes
+        ``timeout`` bound each step of the call rather than the whole call; ``limit`` names
+        the timeout in messages.
+        """
+        call = PendingCall(label, worker, timeout, self.loop.create_future(), progress, limit)
         if self.dead:
             call.future.set_exception(HostDied(self.reason))
             return call
         calls = self.calls
         calls.append(call)
         if timeout is not None and len(calls) == 1:
-            self.timer = self.loop.call_later(timeout, self._on_timeout, call)
+            self._arm(call, timeout)
         return call
+
+    def _arm(self, call: PendingCall, timeout: float) -> None:
+        """Start the clock of ``call``, which the host works on from now."""
+        progress = call.progress
+        if progress is None:
+            self.timer = self.loop.call_later(timeout, self._on_timeout, call)
+            return
+        call.base = call.seen = int(progress[0])
+        call.since = self.loop.time()
+        self.timer = self.loop.call_later(progress_poll(timeout), self._on_timeout, call)
+
+    def _still_going(self, call: PendingCall, timeout: float) -> bool:
+        """For a call judged per step: whether its current step is younger than ``timeout``
+        (then the next look is scheduled)."""
+        progress = call.progress
+        if progress is None:
+            return False
+        now = self.loop.time()
+        count = int(progress[0])
+        if count != call.seen:
+            # A step ended since the last look. Its successor started now at the latest, so a
+            # step is only judged hung once it has surely outlived ``timeout``.
+            call.seen = count
+            call.since = now
+        left = call.since + timeout - now
+        if left <= 0:
+            return False
+        self.timer = self.loop.call_later(min(left, progress_poll(timeout)), self._on_timeout, call)
+        return True
 
     def answered(self, call: PendingCall) -> None:
         """The host answered ``call``: the next queued call is what it works on now."""
@@ -134,19 +224,19 @@ class Incarnation(ABC):
             if calls and not self.dead:
                 head = calls[0]
                 if head.timeout is not None:
-                    self.timer = self.loop.call_later(head.timeout, self._on_timeout, head)
+                    self._arm(head, head.timeout)
 
     def _on_timeout(self, call: PendingCall) -> None:
         self.timer = None
-        if call.done or self.dead:
+        if call.done or self.dead or call.timeout is None:
+            return
+        if self._still_going(call, call.timeout):
             return
         if self._defer_timeout(call):
             self.timer = self.loop.call_later(0.001, self._on_timeout, call)
             return
         call.timed_out = True
-        what = (
-            f"{call.label} of worker {call.worker} took longer than step_timeout={call.timeout:g}s"
-        )
+        what = f"{call.what()} of worker {call.worker} took longer than {call.limit}"
         self.die(f"was killed: a {what}")
 
     # -- death ----------------------------------------------------------------------------------
@@ -315,8 +405,7 @@ class RemoteHost(ABC, Generic[IncT]):
             return closed_error(self.worker, f"finish its {call.label}")
         if call.timed_out:
             return StepTimeoutError(
-                f"{call.label} took longer than step_timeout={call.timeout:g}s; "
-                f"{inc.describe()} was killed",
+                f"{call.what()} took longer than {call.limit}; {inc.describe()} was killed",
                 worker=self.worker,
             )
         return inc.crashed(self.worker)

@@ -40,7 +40,7 @@ import socket
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,7 @@ from asyncsample.backends._transport import (
     load_failure,
     shared_buffers,
 )
+from asyncsample.backends._transport import ReplyProtocol as _ReplyProtocol
 from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
@@ -164,83 +165,6 @@ def _mask_bytes(mask: np.ndarray) -> bytes:
     return np.asarray(mask, dtype=np.bool_).tobytes()
 
 
-class _ReplyProtocol(asyncio.Protocol):
-    """Splits an env host's reply stream into frames as the bytes arrive.
-
-    Frames go to the owner's ``on_frame`` straight from the event loop's read callback, with no
-    reader task and no per-frame future in between: the reply to a step costs one callback.
-    Until an owner is attached, bytes are kept. :meth:`feed` is the same entry point for a
-    caller that read the socket itself (see :meth:`_Conn.read_now`).
-    """
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._on_frame: Callable[[int, int, bytes], None] | None = None
-        self._on_eof: Callable[[], None] | None = None
-        self.ended = False
-
-    def attach(
-        self, on_frame: Callable[[int, int, bytes], None], on_eof: Callable[[], None]
-    ) -> None:
-        """Start handing frames (and the end of the stream) to the owner."""
-        self._on_frame = on_frame
-        self._on_eof = on_eof
-        self._parse()
-        if self.ended:
-            on_eof()
-
-    def data_received(self, data: bytes) -> None:
-        self.feed(data)
-
-    def feed(self, data: bytes) -> None:
-        """Take bytes read from the host's socket."""
-        buf = self._buf
-        on_frame = self._on_frame
-        if not buf and on_frame is not None and len(data) >= _HSIZE:
-            # The common case: exactly one whole frame, taken without a copy into the buffer.
-            length, rid, status = _unpack_header(data)
-            if len(data) == _HSIZE + length:
-                on_frame(rid, status, data[_HSIZE:] if length else b"")
-                return
-        buf += data
-        self._parse()
-
-    def _parse(self) -> None:
-        on_frame = self._on_frame
-        if on_frame is None:
-            return
-        buf = self._buf
-        pos = 0
-        end_of_data = len(buf)
-        while end_of_data - pos >= _HSIZE:
-            length, rid, status = _unpack_header(buf, pos)
-            end = pos + _HSIZE + length
-            if end > end_of_data:
-                break
-            payload = bytes(buf[pos + _HSIZE : end]) if length else b""
-            pos = end
-            on_frame(rid, status, payload)
-        if pos:
-            del buf[:pos]
-
-    def eof_received(self) -> bool:
-        self._ended()
-        return False  # let the transport close
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._ended()
-
-    def _ended(self) -> None:
-        if not self.ended:
-            self.ended = True
-            if self._on_eof is not None:
-                self._on_eof()
-
-
-_HSIZE = HEADER.size
-_unpack_header = HEADER.unpack_from
-
-
 class _Conn(Incarnation):
     """One incarnation of an env-host process: the process and its control stream."""
 
@@ -279,11 +203,14 @@ class _Conn(Incarnation):
 
     # -- requests -------------------------------------------------------------------------------
 
-    def send(self, op: Op, body: bytes, timeout: float | None, worker: int) -> PendingCall:
-        """Send one request; its future resolves to ``(status, payload)``."""
+    def send(
+        self, op: Op, body: bytes, timeout: float | None, worker: int, progress: Any = None
+    ) -> PendingCall:
+        """Send one request; its future resolves to ``(status, payload)`` (``progress``: see
+        :meth:`Incarnation.new_call`)."""
         rid = self.next_id
         self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
-        call = self.new_call(op.label, worker, timeout)
+        call = self.new_call(op.label, worker, timeout, progress)
         if self.dead:
             return call
         call.key = rid
@@ -488,14 +415,14 @@ class _Member(PoolMember[_Conn]):
         ctx: Any,
         specs: list[HostSpec],
         raw: list[list[Any]],
-        raw_chunks: list[tuple[int, list[Any]] | None] | None = None,
+        raw_chunks: list[tuple[int, list[Any], Any] | None] | None = None,
         host_threads: int | None = None,
     ) -> None:
         super().__init__(index, specs)
         self.ctx = ctx
         self.host_threads = host_threads
         self.raw = raw  # per slot, the shared blocks of its step buffers
-        self.raw_chunks = raw_chunks  # per slot, (capacity, blocks) of its chunk buffers
+        self.raw_chunks = raw_chunks  # per slot, (capacity, blocks, counter) of its chunks
 
     def _discard(self, incarnation: _Conn) -> None:
         incarnation.release()
@@ -637,7 +564,7 @@ class ProcessHost(RemoteHost[_Conn]):
         if inc is None or self._member.closed:
             payload = await self._request(Op.STEP, body)
         else:
-            payload = await self._send(inc, Op.STEP, body, self._timeout)
+            payload = await self._send(inc, Op.STEP, body)
         return self._step_infos(payload)
 
     def step_nowait(self, mask: np.ndarray) -> SentStep | None:
@@ -645,10 +572,8 @@ class ProcessHost(RemoteHost[_Conn]):
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
-        body = self._step_body(mask)
-        return _SentStep(
-            self, inc, inc.send(Op.STEP, self._slot + body, self._timeout, self.worker)
-        )
+        call = inc.send(Op.STEP, self._slot + self._step_body(mask), self._timeout, self.worker)
+        return _SentStep(self, inc, call)
 
     def _step_body(self, mask: np.ndarray) -> bytes:
         body = _mask_bytes(mask)
@@ -668,20 +593,23 @@ class ProcessHost(RemoteHost[_Conn]):
         """``inference="host"``: run a chunk with the host's agent copy (installed or updated
         first where needed); the reply and the agent version the chunk ran with.
 
-        ``step_timeout`` applies per step: the chunk may take ``step_timeout * request.steps``.
+        ``step_timeout`` bounds each step: the chunk fails when the host's step counter (shared
+        memory, bumped after every step) stands still for that long (see ``Incarnation``).
         """
         version = await self.sync_agent()
-        inc = self._incarnation
-        if inc is None or self._member.closed:
+        inc, chunk = self._incarnation, self.chunk
+        if inc is None or self._member.closed or chunk is None:
             raise closed_error(self.worker, "run its chunk")
-        timeout = None if self._timeout is None else self._timeout * max(1, request.steps)
-        reply: ChunkReply = pickle.loads(await self._send(inc, Op.CHUNK, dumps(request), timeout))
+        payload = await self._send(inc, Op.CHUNK, dumps(request), chunk.progress)
+        reply: ChunkReply = pickle.loads(payload)
         return reply, version
 
-    async def _send(self, inc: _Conn, op: Op, body: bytes, timeout: float | None) -> bytes:
+    async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
-        step and chunk paths): the reply's payload, or the error a failure or death means."""
-        return await self._reply(inc, inc.send(op, self._slot + body, timeout, self.worker))
+        step and chunk paths): the reply's payload, or the error a failure or death means.
+        ``progress``: a chunk's step counter (``step_timeout`` then bounds each step)."""
+        call = inc.send(op, self._slot + body, self._timeout, self.worker, progress)
+        return await self._reply(inc, call)
 
     async def _reply(self, inc: _Conn, call: PendingCall) -> bytes:
         """The payload of ``call``'s reply, or the error a failure or death means."""
@@ -777,7 +705,7 @@ class ProcessBackend:
         buffers: list[StepBuffers] = []
         raws: list[list[Any]] = []
         chunks: list[ChunkBuffers | None] = []
-        raw_chunks: list[tuple[int, list[Any]] | None] = []
+        raw_chunks: list[tuple[int, list[Any], Any] | None] = []
         for spec in specs:
             buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
             buffers.append(buf)
@@ -787,8 +715,9 @@ class ProcessBackend:
                 flat, raw_chunk = shared_buffers(
                     spec.observation_space, spec.action_space, cap * spec.n_envs, ctx
                 )
-                chunks.append(ChunkBuffers.from_flat(flat, cap, spec.n_envs))
-                raw_chunks.append((cap, raw_chunk))
+                counter = ctx.RawArray("q", 1)  # the host's step counter (see run_chunk)
+                chunks.append(ChunkBuffers.from_flat(flat, cap, spec.n_envs, counter))
+                raw_chunks.append((cap, raw_chunk, counter))
             else:
                 chunks.append(None)
                 raw_chunks.append(None)

@@ -123,9 +123,11 @@ class _Actor(Incarnation):
         timeout: float | None,
         worker: int,
         label: str | None = None,
+        limit: str | None = None,
     ) -> PendingCall:
         """Call ``method`` on the actor (``label``: what the call is named in messages, by
-        default ``method``); the call's future gets its reply.
+        default ``method``; ``limit``: how its timeout is named); the call's future gets its
+        reply.
 
         The future fails with :class:`HostDied` when the actor is (or becomes) dead, and with a
         :class:`~asyncsample.WorkerError` when the actor method itself raised (a bug, not an env
@@ -134,7 +136,7 @@ class _Actor(Incarnation):
         if not self.dead and not self.ray.is_initialized():
             # Someone shut Ray down: its actors died with it (and a call now would start Ray).
             self.die("is gone: Ray was shut down")
-        call = self.new_call(label or method, worker, timeout)
+        call = self.new_call(label or method, worker, timeout, limit=limit)
         if self.dead:
             return call
         try:
@@ -286,7 +288,7 @@ class RayHost(RemoteHost[_Actor]):
                 spec.observation_space, spec.action_space, spec.chunk_steps * spec.n_envs
             )
             self.chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, spec.n_envs)
-        self._chunk_timeout: float | None = None
+        self._chunk_steps = 1
 
     @property
     def actor(self) -> Any:
@@ -294,14 +296,19 @@ class RayHost(RemoteHost[_Actor]):
         return None if self._incarnation is None else self._incarnation.handle
 
     def _submit(self, incarnation: _Actor, op: Op, payload: tuple[Any, ...]) -> PendingCall:
-        timeout = self._timeout
+        timeout, label, limit = self._timeout, op.label, None
         if op is Op.STEP or op is Op.RESET:
             method, args = op.label, payload  # the request carries the worker
         elif op is Op.CHUNK:  # inference="host"
-            method, args, timeout = "run_chunk", (self.worker, *payload), self._chunk_timeout
+            method, args = "run_chunk", (self.worker, *payload)
+            if timeout is not None:
+                steps = self._chunk_steps
+                label = f"chunk of {steps} steps"
+                limit = f"{steps} x step_timeout={timeout:g}s"
+                timeout *= steps
         else:
             method, args = "serve", (self.worker, int(op), *(payload or (b"",)))
-        return incarnation.submit(method, args, timeout, self.worker, op.label)
+        return incarnation.submit(method, args, timeout, self.worker, label, limit)
 
     def _unpack(self, reply: Any) -> Any:
         status, payload = pickle.loads(reply) if isinstance(reply, bytes) else reply
@@ -343,12 +350,14 @@ class RayHost(RemoteHost[_Actor]):
         """``inference="host"``: one actor call runs a chunk with the actor's agent copy
         (installed or updated first where needed); the reply and the agent version it ran with.
 
-        ``step_timeout`` applies per step: the call may take ``step_timeout * request.steps``.
+        ``step_timeout`` bounds the chunk as a whole here: the call may take ``step_timeout *
+        request.steps``. (An actor serves one call at a time, so it cannot be asked how far a
+        chunk has got while it runs; the ``process`` backend judges each step.)
         """
         version = await self.sync_agent()
         chunk = self.chunk
         assert chunk is not None
-        self._chunk_timeout = None if self._timeout is None else self._timeout * request.steps
+        self._chunk_steps = max(1, request.steps)
         payload = await self._request(Op.CHUNK, _dumps(request))
         reply, obs, actions, rewards, terminated, truncated, final, current = payload
         k = reply.steps

@@ -23,7 +23,9 @@ A copy reinstalled after a host restart gets the same seed again.
 Agent versions: an update reaches the hosts before their next chunk; the chunk in flight ends
 with the parameters it started with, and episodes are stamped with the version a chunk really
 ran with, so ``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
-step: a chunk of ``k`` steps may take ``k * step_timeout``.
+step: on ``process`` the host bumps a step counter in shared memory after every step and the
+main process fails the chunk when the counter stands still for ``step_timeout``; on ``ray`` a
+chunk of ``k`` steps may take ``k * step_timeout``.
 
 On ``ray`` a chunk is one actor call; its records come back in the reply (through Ray's object
 store when large; observation leaves compressed with the backend's ``compress_threshold``) and

@@ -43,27 +43,29 @@ import asyncio
 import contextlib
 import functools
 import math
-import multiprocessing
 import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gymnasium.error import AlreadyPendingCallError, CustomSpaceError, NoAsyncCallError
-from gymnasium.spaces import Space
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector import VectorEnv as _GymVectorEnv
 from gymnasium.vector.utils import (
-    batch_differing_spaces,
     batch_space,
-    create_shared_memory,
 )
 
 from asyncsample import _validate
 from asyncsample._tree import tree_map
-from asyncsample.env_update import make_env
+from asyncsample.vector._gym_args import (
+    AlreadyPending,
+    NoAsyncCall,
+    check_async_vector_env_options,
+    check_shared_memory,
+    observation_spaces,
+    timed_out,
+)
 from asyncsample.vector.hosted import (
     HostedEnvs,
     HostedFace,
@@ -75,98 +77,6 @@ from asyncsample.vector.hosted import (
 __all__ = ["VectorEnv"]
 
 _Step = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
-
-
-class _AlreadyPending(AlreadyPendingCallError, RuntimeError):
-    """gymnasium's ``AlreadyPendingCallError``, also a ``RuntimeError`` (as before)."""
-
-
-class _NoAsyncCall(NoAsyncCallError, RuntimeError):
-    """gymnasium's ``NoAsyncCallError``, also a ``RuntimeError`` (as before)."""
-
-
-def _timed_out(what: str, timeout: float | None) -> multiprocessing.TimeoutError:
-    return multiprocessing.TimeoutError(
-        f"The call to `{what}` has timed out after {timeout} second(s)."
-    )
-
-
-def _check_async_vector_env_options(
-    shared_memory: Any, copy: Any, context: Any, daemon: Any, worker: Any, observation_mode: Any
-) -> None:
-    """``AsyncVectorEnv``'s own arguments: checked as it checks them, refused where they cannot
-    apply (see :class:`VectorEnv`)."""
-    _validate.flag("shared_memory", shared_memory)
-    _validate.flag("copy", copy)
-    _validate.flag("daemon", daemon)
-    if context is not None:
-        if not isinstance(context, str) or context not in multiprocessing.get_all_start_methods():
-            raise ValueError(
-                f"context must be None or one of {multiprocessing.get_all_start_methods()}, got "
-                f"{context!r}"
-            )
-    if worker is not None:
-        raise ValueError(
-            "worker: a custom worker function cannot be used: the sub-envs live in asyncsample's "
-            "env hosts, several to a process, which step them with the sampler's own env-group "
-            "code (no per-env pipe for a worker function to serve); wrap the env instead"
-        )
-    if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
-        if not all(isinstance(space, Space) for space in observation_mode):
-            raise TypeError(  # gymnasium's words
-                "Expected both elements of observation_mode to be Spaces, got "
-                f"{type(observation_mode[0])} and {type(observation_mode[1])}"
-            )
-    elif not (isinstance(observation_mode, str) and observation_mode in ("same", "different")):
-        raise ValueError(  # gymnasium's words
-            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
-            f"batch observation space, actual got {observation_mode}"
-        )
-
-
-class _NoMemory:
-    """A ``ctx`` for gymnasium's ``create_shared_memory`` that allocates nothing: only to learn
-    whether ``AsyncVectorEnv(shared_memory=True)`` could hold a space."""
-
-    def Array(self, typecode_or_type: Any, size: int) -> None:
-        return None
-
-
-def _check_shared_memory(space: Space[Any]) -> None:
-    """Refuse what ``AsyncVectorEnv(shared_memory=True)`` refuses, with its errors: a custom
-    space is a ``ValueError``, ``Sequence`` and ``Graph`` are gymnasium's ``TypeError``.
-
-    asyncsample's own buffers would not need this (values without fixed-size rows travel
-    pickled), but code written against ``AsyncVectorEnv`` gets what it expects.
-    """
-    try:
-        create_shared_memory(space, n=1, ctx=_NoMemory())  # type: ignore[arg-type]
-    except CustomSpaceError as exc:
-        raise ValueError(  # gymnasium's words
-            "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable this "
-            "feature with `shared_memory=False` however this is slower."
-        ) from exc
-
-
-def _observation_spaces(
-    observation_mode: Any, sources: list[Any]
-) -> tuple[Space[Any] | None, Space[Any] | None]:
-    """The single and batched observation spaces ``observation_mode`` asks for (``None``: the
-    first sub-env's, batched), as ``AsyncVectorEnv`` computes them."""
-    if isinstance(observation_mode, tuple):
-        batched, single = observation_mode
-        return single, batched
-    if observation_mode == "different":
-        # Each sub-env built once in this process, as AsyncVectorEnv does.
-        spaces = []
-        for source in sources:
-            env = make_env(source)
-            try:
-                spaces.append(env.observation_space)
-            finally:
-                env.close()
-        return spaces[0], batch_differing_spaces(spaces)
-    return None, None
 
 
 class _InfoBatch:
@@ -279,7 +189,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             num_envs = len(env)  # AsyncVectorEnv(env_fns): one sub-env per factory
         num = _validate.positive_int("num_envs", num_envs)
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
-        _check_async_vector_env_options(
+        check_async_vector_env_options(
             shared_memory, copy, context, daemon, worker, observation_mode
         )
         _validate.optional_positive_int("n_processes", n_processes)
@@ -301,7 +211,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         if batch is not None and batch > num:
             raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
         sources = env_sources(env, num)
-        single_obs, batched_obs = _observation_spaces(observation_mode, sources)
+        single_obs, batched_obs = observation_spaces(observation_mode, sources)
         self.autoreset_mode = mode
         self.num_envs = num
         self.observation_mode = observation_mode
@@ -346,7 +256,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         several = isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1
         try:
             if shared_memory:
-                _check_shared_memory(self.single_observation_space)
+                check_shared_memory(self.single_observation_space)
             if several or observation_mode != "same":
                 self._check_spaces()
         except BaseException:
@@ -465,7 +375,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def _check_not_pending(self, what: str) -> None:
         if self._pending is not None:
-            raise _AlreadyPending(
+            raise AlreadyPending(
                 f"Calling `{what}` while waiting for a pending call to `{self._pending_kind}` "
                 "to complete (step_async was called twice without step_wait in between, or "
                 "another call is pending)",
@@ -478,13 +388,13 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         hosted.check_open()
         task = self._pending
         if task is None or self._pending_kind != kind:
-            raise _NoAsyncCall(
+            raise NoAsyncCall(
                 f"Calling `{kind}_wait` without any prior call to `{kind}_async`.", kind
             )
         try:
             result = hosted.portal.wait(task, timeout)
         except TimeoutError:
-            raise _timed_out(f"{kind}_wait", timeout) from None
+            raise timed_out(f"{kind}_wait", timeout) from None
         finally:
             if task.done():
                 self._pending = None

@@ -31,15 +31,24 @@ from typing import Any, NoReturn, TypeVar
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.error import ClosedEnvironmentError
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend, pool_size
 from asyncsample.backends.base import DirectReader, EnvHost, HostSpec, SentStep
-from asyncsample.env_group import StepInfos, fixed_rows
-from asyncsample.env_update import EnvId, make_env
-from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
+from asyncsample.env_group import StepInfos
+from asyncsample.env_update import make_env
+from asyncsample.errors import WorkerError
+from asyncsample.vector._sources import check_bufferable, env_sources
+from asyncsample.vector.errors import (
+    ClosedError,
+    SubEnvAttributeError,
+    SubEnvError,
+    crash_like,
+    reraise,
+    sub_env_error_class,
+    with_text,
+)
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = [
@@ -58,77 +67,6 @@ _T = TypeVar("_T")
 #: How long :meth:`HostedEnvs.lockstep` waits for replies outside the event loop before it hands
 #: the round to the loop (where a step timeout, a dying host's sentinel... are seen).
 _DIRECT_WAIT = 0.05
-
-
-class SubEnvError(WorkerError):
-    """A sub-env of a :class:`~asyncsample.VectorEnv` (or of the SB3 face) raised.
-
-    Attributes:
-        sub_env: index of the sub-env in the vector env.
-        worker: index of the env host that held it; ``env``: the same as ``sub_env``.
-        remote_traceback: the traceback text from the env-host process.
-    """
-
-    def __init__(
-        self, message: str, *, sub_env: int, host: int, remote_traceback: str | None = None
-    ) -> None:
-        text = f"sub-env {sub_env} (env host {host}): {message}"
-        if remote_traceback:
-            text += f"\n\nRemote traceback:\n{remote_traceback.rstrip()}"
-        AsyncSampleError.__init__(self, text)
-        self.sub_env = sub_env
-        self.worker = host
-        self.env = sub_env
-        self.remote_traceback = remote_traceback
-        self.retry = True
-
-
-class SubEnvAttributeError(SubEnvError, AttributeError):
-    """A sub-env has no such attribute (also an ``AttributeError``, as SB3's ``has_attr`` and
-    gymnasium expect)."""
-
-
-_ERROR_CLASSES: dict[type[BaseException], type[SubEnvError]] = {}
-
-
-def _sub_env_error_class(cause: type[BaseException]) -> type[SubEnvError]:
-    """:class:`SubEnvError` that is also a ``cause`` (``except ValueError`` still catches a
-    sub-env's ``ValueError``, as with gymnasium's vector envs, which re-raise the env's own
-    exception); plain :class:`SubEnvError` where the two classes cannot be combined."""
-    kind = _ERROR_CLASSES.get(cause)
-    if kind is None:
-        kind = _ERROR_CLASSES[cause] = _combined_error_class(cause)
-    return kind
-
-
-def _combined_error_class(cause: type[BaseException]) -> type[SubEnvError]:
-    if issubclass(cause, AttributeError):
-        return SubEnvAttributeError
-    if not issubclass(cause, Exception) or issubclass(cause, AsyncSampleError):
-        return SubEnvError
-    try:
-        combined = type(f"SubEnvError[{cause.__name__}]", (SubEnvError, cause), {})
-        combined.__module__ = __name__
-        # The combined class is built here, not importable: it pickles as a plain SubEnvError.
-        combined.__reduce__ = _reduce_sub_env_error  # type: ignore[method-assign,assignment]
-        probe = combined("probe", sub_env=0, host=0)
-        if "probe" not in str(probe):  # a cause with a __str__ of its own (UnicodeError...)
-            return SubEnvError
-    except Exception:  # a cause whose __init__ or layout does not fit
-        return SubEnvError
-    return combined
-
-
-def _reduce_sub_env_error(err: SubEnvError) -> Any:
-    plain = SubEnvError.__new__(SubEnvError)
-    Exception.__init__(plain, *err.args)
-    plain.__dict__.update(err.__dict__)
-    return plain.__reduce_ex__(2)
-
-
-class ClosedError(ClosedEnvironmentError, RuntimeError):
-    """A call on a closed vector env: gymnasium's ``ClosedEnvironmentError``, also a
-    ``RuntimeError`` (what SB3 code and earlier versions of the faces raised)."""
 
 
 @dataclass
@@ -163,78 +101,6 @@ class StepResult:
     def quiet(self) -> bool:
         """No info, no reset and no restart anywhere (the common step)."""
         return self.env_infos is None and not self.reset_infos and not self.restarted
-
-
-def env_sources(env: Any, num_envs: int) -> list[Any]:
-    """The source of every sub-env: ``env`` is an id, a factory or a list of ``num_envs``."""
-    if isinstance(env, (list, tuple)):
-        if len(env) != num_envs:
-            raise ValueError(
-                f"env: a list of factories must have num_envs={num_envs} entries, got {len(env)}"
-            )
-        sources = list(env)
-    else:
-        sources = [env] * num_envs
-    out: list[Any] = []
-    for i, source in enumerate(sources):
-        if isinstance(source, str):
-            out.append(EnvId(source))
-        elif callable(source) and not isinstance(source, gym.Env):
-            out.append(source)
-        else:
-            what = f"env[{i}]" if isinstance(env, (list, tuple)) else "env"
-            raise TypeError(
-                f"{what} must be a gymnasium id (str) or a zero-argument callable returning a "
-                f"gymnasium.Env, got {type(source).__name__}"
-            )
-    return out
-
-
-def _check_bufferable(what: str, space: gym.Space[Any]) -> None:
-    """Refuse a space whose values have no fixed-size row in the shared step buffers (the SB3
-    face, which has no other way to carry them).
-
-    Stored anyway they would come back as placeholders (wrong data, no error), so they are
-    refused at construction. The message for ``Sequence`` and ``Graph`` is gymnasium's own for
-    shared memory.
-    """
-    if fixed_rows(space):
-        return
-    if any(isinstance(s, (gym.spaces.Sequence, gym.spaces.Graph)) for s in _leaves(space)):
-        raise TypeError(
-            f"the {what} space {space} has a dynamic shape so its not possible to make a static "
-            "shared memory."
-        )
-    raise TypeError(
-        f"the {what} space {space} has values without a fixed-size row in the shared step "
-        "buffers of this vector env (Text, OneOf, Sequence, Graph and custom spaces are not "
-        "supported here; asyncsample.VectorEnv supports them)"
-    )
-
-
-def _leaves(space: gym.Space[Any]) -> list[gym.Space[Any]]:
-    if isinstance(space, gym.spaces.Dict):
-        return [leaf for sub in space.spaces.values() for leaf in _leaves(sub)]
-    if isinstance(space, gym.spaces.Tuple):
-        return [leaf for sub in space.spaces for leaf in _leaves(sub)]
-    return [space]
-
-
-def _crash_like(exc: BaseException) -> bool:
-    return isinstance(exc, (WorkerCrashedError, StepTimeoutError))
-
-
-def _with_text(exc: WorkerError, text: str) -> WorkerError:
-    """A copy of ``exc`` (same class and fields) with a message that names sub-envs."""
-    err = type(exc).__new__(type(exc))
-    Exception.__init__(err, text)
-    err.__dict__.update(exc.__dict__)
-    return err
-
-
-def _raise(err: BaseException, original: BaseException) -> NoReturn:
-    """Raise ``err``, chained to the env's own exception when there is one."""
-    raise err from (err.__cause__ if err.__cause__ is not None else original)
 
 
 class HostedEnvs:
@@ -288,8 +154,8 @@ class HostedEnvs:
         finally:
             probe.close()
         if not object_rows:
-            _check_bufferable("observation", self.single_observation_space)
-            _check_bufferable("action", self.single_action_space)
+            check_bufferable("observation", self.single_observation_space)
+            check_bufferable("action", self.single_action_space)
         self.object_rows = object_rows
         self.autoreset = autoreset
         self.max_restarts = max_restarts
@@ -345,7 +211,7 @@ class HostedEnvs:
         try:
             await self.hosts[h].build(chains, seeds)
         except WorkerError as exc:
-            _raise(self.translate(h, exc), exc)
+            reraise(self.translate(h, exc), exc)
 
     async def _restart(self, h: int) -> None:
         chains, seeds = self._host_chains(h)
@@ -394,44 +260,44 @@ class HostedEnvs:
         """``exc`` from host ``h``, naming the sub-env (or the host's sub-envs) it concerns."""
         a, b = self.slices[h]
         cause = exc.__cause__
-        if _crash_like(exc):
+        if crash_like(exc):
             restarts = self.restarts[h] if self.restarts else 0
             text = (
                 f"sub-envs {a}..{b - 1} (env host {h}): {exc.args[0] if exc.args else exc}"
                 f" (restarted {restarts} of max_restarts={self.max_restarts} times)"
             )
-            return _with_text(exc, text)
+            return with_text(exc, text)
         if exc.env is not None:
             message = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-            kind = SubEnvError if cause is None else _sub_env_error_class(cause.__class__)
+            kind = SubEnvError if cause is None else sub_env_error_class(cause.__class__)
             err = kind(message, sub_env=a + exc.env, host=h, remote_traceback=exc.remote_traceback)
             err.retry = exc.retry
             err.__cause__ = cause
             return err
-        return _with_text(exc, f"sub-envs {a}..{b - 1} (env host {h}): {exc}")
+        return with_text(exc, f"sub-envs {a}..{b - 1} (env host {h}): {exc}")
 
     def _fail(self, h: int, exc: BaseException) -> NoReturn:
         """Raise a host's failure, translated; a crashed host stays broken until a reset."""
         if isinstance(exc, WorkerError):
-            if _crash_like(exc):
+            if crash_like(exc):
                 self.broken.add(h)
-            _raise(self.translate(h, exc), exc)
+            reraise(self.translate(h, exc), exc)
         raise exc
 
     async def _recover(self, h: int, exc: BaseException) -> dict[int, dict[str, Any]]:
         """Restart a crashed host within budget; the reset infos of its new episodes."""
         if not isinstance(exc, WorkerError):
             raise exc
-        if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
+        if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
             self.broken.add(h)
-            _raise(self.translate(h, exc), exc)
+            reraise(self.translate(h, exc), exc)
         self.restarts[h] += 1
         try:
             await self._restart(h)
             infos = await self.hosts[h].reset(np.ones_like(self._whole[h]))
         except WorkerError as again:
             self.broken.add(h)
-            _raise(self.translate(h, again), again)
+            reraise(self.translate(h, again), again)
         return infos
 
     # -- observations and actions -----------------------------------------------------------
@@ -816,9 +682,9 @@ class HostedEnvs:
                 try:
                     infos = await host.reset(local, seeds=host_seeds, options=options)
                 except WorkerError as exc:
-                    if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
+                    if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
                         self.broken.add(h)
-                        _raise(self.translate(h, exc), exc)
+                        reraise(self.translate(h, exc), exc)
                     self.restarts[h] += 1
                     await self._restart(h)
                     local[:] = True

@@ -1,0 +1,491 @@
+"""One coroutine per env: the stepper of the ``asyncio`` and ``thread`` backends.
+
+A worker's envs are not stepped in lockstep here. Each env runs its own loop (reset when it must,
+ask for an action, step, record), so a slow env never stalls a fast one, and every env writes its
+steps to its own column of the worker's step records (the recorder's per-env cursor): an
+episode's steps stay contiguous in that column, so the engine's bookkeeping, stop rules and batch
+assembly apply unchanged.
+
+- :class:`ActionRequests` merges the action requests of every env that became ready in one pass
+  of the event loop into one agent call per agent (a policy service sees batches, however many
+  one-env workers there are).
+- :class:`Admission` holds back new episodes in ``stream`` while the open episodes' agent
+  versions would spread by more than ``max_policy_lag``.
+- :class:`LaneStepper` is the :class:`~asyncsample._engine.Stepper`; where a call stops is the
+  engine's :class:`~asyncsample._engine.StopRule`, applied per env.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
+from asyncsample._engine import CallMode, StopRule
+from asyncsample._recorder import Resume, put_row, store_agent_info_cell
+from asyncsample._tree import Tree, tree_map
+from asyncsample.agent import Agent, RandomAgent
+from asyncsample.backends.aio import DeadlinePassed, LaneHost
+
+if TYPE_CHECKING:
+    from asyncsample.worker import Worker
+
+__all__ = ["ActionRequests", "Admission", "LaneStepper"]
+
+_NEVER = np.inf
+"""The deadline of an episode without one."""
+
+
+class ActionRequests:
+    """Batches the action requests of the envs that are ready in the same pass of the loop.
+
+    Each request is one env's observation; the first request of a pass schedules a flush at the
+    end of the pass, which stacks the observations per agent, calls the agent once (awaiting it
+    when it is async) and hands every env its row of the actions and agent infos.
+
+    Args:
+        action_space: checks the actions' shapes and values.
+    """
+
+    def __init__(self, action_space: Any) -> None:
+        self.action_space = action_space
+        self._values = make_action_check(action_space)
+        self._groups: dict[int, tuple[Agent, int, list[tuple[Tree, asyncio.Future[Any]]]]] = {}
+        self._checks: dict[int, AgentOutputCheck] = {}
+        self._scheduled = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.calls = 0
+        """Agent calls made so far."""
+        self.rows = 0
+        """Observations answered so far (``rows / calls``: the mean batch)."""
+
+    def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
+        """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        group = self._groups.get(id(agent))
+        if group is None:
+            self._groups[id(agent)] = (agent, worker, [(observation, future)])
+        else:
+            group[2].append((observation, future))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        groups, self._groups = self._groups, {}
+        for agent, worker, requests in groups.values():
+            live = [(o, f) for o, f in requests if not f.done()]  # cancelled lanes drop out
+            if not live:
+                continue
+            first = live[0][0]
+            if isinstance(first, np.ndarray):
+                stacked: Tree = np.stack([o for o, _ in live])
+            else:
+                stacked = tree_map(lambda *xs: np.stack(xs), *[o for o, _ in live])
+            try:
+                result = agent.get_actions(stacked)
+            except Exception as exc:
+                _fail(live, exc)
+                continue
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(result)
+                self._tasks.add(task)
+                task.add_done_callback(functools.partial(self._awaited, agent, worker, live))
+            else:
+                self._deliver(agent, worker, live, result)
+
+    def _awaited(
+        self,
+        agent: Agent,
+        worker: int,
+        live: list[tuple[Tree, asyncio.Future[Any]]],
+        task: asyncio.Task[Any],
+    ) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            _fail(live, asyncio.CancelledError())
+        elif task.exception() is not None:
+            _fail(live, task.exception())  # type: ignore[arg-type]
+        else:
+            self._deliver(agent, worker, live, task.result())
+
+    def _deliver(
+        self, agent: Agent, worker: int, live: list[tuple[Tree, asyncio.Future[Any]]], result: Any
+    ) -> None:
+        n = len(live)
+        try:
+            check = self._checks.get(id(agent))
+            if check is None:
+                check = self._checks[id(agent)] = AgentOutputCheck(worker, n)
+            check.worker, check.n_envs = worker, n
+            actions, infos = check.output(result)
+            trusted = type(agent) is RandomAgent and agent.action_space == self.action_space
+            actions = check_actions(
+                actions,
+                _like_rows(actions, n),
+                worker=worker,
+                action_space=self.action_space,
+                values=None if trusted else self._values,
+            )
+        except Exception as exc:
+            _fail(live, exc)
+            return
+        self.calls += 1
+        self.rows += n
+        plain = isinstance(actions, np.ndarray)
+        for j, (_, future) in enumerate(live):
+            if future.done():
+                continue
+            action = actions[j] if plain else tree_map(lambda a, j=j: a[j], actions)
+            future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
+
+    def forget(self, agent: Agent) -> None:
+        """``agent`` was replaced: forget the info kinds and shapes it returned."""
+        self._checks.pop(id(agent), None)
+
+    async def aclose(self) -> None:
+        """Cancel the agent calls still awaited."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+def _like_rows(actions: Tree, n: int) -> Tree:
+    """What :func:`check_actions` compares shapes against: ``n`` rows of the space's shape."""
+
+    def like(a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        return np.empty((n, *a.shape[1:]), dtype=a.dtype) if a.ndim else a
+
+    return tree_map(like, actions)
+
+
+def _fail(live: list[tuple[Tree, asyncio.Future[Any]]], exc: BaseException) -> None:
+    for _, future in live:
+        if not future.done():
+            future.set_exception(exc)
+
+
+class Admission:
+    """Staleness at admission (``stream(max_policy_lag=k)`` on the lane backends).
+
+    Tracks the agent version of every open episode, per worker. An env may start a new episode
+    under version ``v`` only while ``v - oldest open version of its worker <= k``; otherwise it
+    waits until its worker's older episodes end (or the call's share is in). So the versions in
+    flight never spread by more than ``k``, rather than episodes being run to the end and thrown
+    away afterwards. Per worker, because the workers' shares are separate: a worker waiting on
+    another's episode, which that worker would only finish in the next round, could wait forever.
+    """
+
+    def __init__(self, max_lag: int) -> None:
+        self.max_lag = max_lag
+        self._versions: dict[int, collections.Counter[int]] = collections.defaultdict(
+            collections.Counter
+        )
+        self._open: dict[tuple[int, int], int] = {}
+        self._changed = asyncio.Event()
+        self.waits = 0
+        """How many times an env was held back."""
+
+    def oldest(self, worker: int) -> int | None:
+        """The oldest agent version among ``worker``'s open episodes."""
+        versions = self._versions.get(worker)
+        return min(versions) if versions else None
+
+    async def admit(
+        self, key: tuple[int, int], version: int, still: Callable[[], bool] = lambda: True
+    ) -> bool:
+        """Wait until env ``key`` (worker, env) may start an episode under ``version``, then
+        count it open and return true; return false as soon as ``still()`` is false (the call
+        needs no more episodes). An episode of ``key`` still counted (dropped by a restart)
+        is forgotten first."""
+        self.closed(key)
+        held = False
+        while True:
+            oldest = self.oldest(key[0])
+            if oldest is None or version - oldest <= self.max_lag:
+                break
+            if not still():
+                return False
+            if not held:
+                self.waits += 1
+                held = True
+            self._changed.clear()
+            await self._changed.wait()
+        self._open[key] = version
+        self._versions[key[0]][version] += 1
+        return True
+
+    def closed(self, key: tuple[int, int]) -> None:
+        """Env ``key``'s episode ended or was dropped (nothing if it had none open)."""
+        version = self._open.pop(key, None)
+        if version is None:
+            return
+        versions = self._versions[key[0]]
+        count = versions[version] - 1
+        if count > 0:
+            versions[version] = count
+        else:
+            del versions[version]
+        self._changed.set()
+
+
+class _Call:
+    """Where this stepper run stops, per env (the engine's rule, plus a ``lacking`` limit)."""
+
+    def __init__(self, stepper: LaneStepper, rule: StopRule, lacking: int | None) -> None:
+        episodes = stepper.worker.episodes
+        self.episodes = episodes
+        self.rule = rule
+        self.mode = rule.mode
+        n = episodes.n_envs
+        self.limit = None
+        self.start_completed = episodes.recorder.completed_steps
+        if self.mode is CallMode.FRAGMENTS:
+            steps = rule.steps if lacking is None else min(rule.steps, math.ceil(lacking / n))
+            self.steps_left = np.full(n, max(steps, 0), dtype=np.int64)
+            self.steps = steps
+        elif self.mode is CallMode.SAMPLES and lacking is not None:
+            self.limit = lacking
+
+    def more(self, i: int) -> bool:
+        """Whether env ``i`` takes another step."""
+        mode = self.mode
+        if mode is CallMode.SAMPLES:
+            if self.rule.need <= 0:
+                return False
+            limit = self.limit
+            done = self.episodes.recorder.completed_steps - self.start_completed
+            return limit is None or done < limit
+        if mode is CallMode.FRAGMENTS:
+            return bool(self.steps_left[i] > 0)
+        return bool(self.episodes.active[i])
+
+    def took(self, i: int) -> None:
+        if self.mode is CallMode.FRAGMENTS:
+            self.steps_left[i] -= 1
+
+
+class LaneStepper:
+    """Runs one coroutine per env of ``worker`` (see the module docstring).
+
+    Args:
+        worker: the worker; its host must be a :class:`~asyncsample.backends.aio.LaneHost`.
+        requests: the sampler's :class:`ActionRequests`.
+        leave: what the call leaves running (``Resume.NOTHING``: once a ``samples`` call has its
+            share, steps still in flight are cancelled, since their episodes would be dropped).
+        episode_timeout: seconds an episode may run before it is cut as truncated.
+        admission: the stream's :class:`Admission`, if any.
+    """
+
+    def __init__(
+        self,
+        worker: Worker,
+        requests: ActionRequests,
+        *,
+        leave: Resume,
+        episode_timeout: float | None,
+        admission: Admission | None = None,
+    ) -> None:
+        host = worker.host
+        assert isinstance(host, LaneHost)
+        self.worker = worker
+        self.host = host
+        self.requests = requests
+        self.leave = leave
+        self.episode_timeout = episode_timeout
+        self.admission = admission
+        n = worker.n_envs
+        recorder = worker.episodes.recorder
+        if recorder.cursor is None:
+            recorder.cursor = np.zeros(n, dtype=np.int64)
+        self.deadlines = worker.episodes.deadlines
+        # step_one takes deadlines in the loop's time
+        worker.episodes.clock = asyncio.get_running_loop().time
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """Episodes that have not taken a step start under the current agent version (resets
+        happen in each env's own coroutine)."""
+        self.worker.episodes.stamp_unstarted(self.worker.agent_version)
+
+    async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
+        """Step every env until the rule, or ``lacking`` more transitions, say stop."""
+        await self._run(_Call(self, rule, lacking))
+        return 1
+
+    async def run(self, rule: StopRule) -> None:
+        """Step every env until ``rule`` says stop."""
+        await self._run(_Call(self, rule, None))
+
+    async def _run(self, call: _Call) -> None:
+        loop = asyncio.get_running_loop()
+        stop = loop.create_future()
+        tasks = [
+            asyncio.ensure_future(self._lane(i, call, stop)) for i in range(self.worker.n_envs)
+        ]
+        self._tasks = tasks
+        try:
+            pending: set[asyncio.Future[Any]] = set(tasks)
+            cut = False
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending | ({stop} if not cut else set()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                pending.discard(stop)
+                for task in done:
+                    if task is not stop and not task.cancelled() and task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
+                if stop.done() and not cut:
+                    cut = True
+                    for task in pending:  # the share is in: steps in flight would be dropped
+                        task.cancel()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            if not stop.done():
+                stop.cancel()
+            self._tasks = []
+        if call.mode is CallMode.FRAGMENTS:
+            call.rule.took(call.steps)
+
+    async def _lane(self, i: int, call: _Call, stop: asyncio.Future[None]) -> None:
+        worker = self.worker
+        episodes = worker.episodes
+        host = self.host
+        buffers = host.buffers
+        recorder = episodes.recorder
+        rows = recorder.rows
+        cursor = recorder.cursor
+        assert cursor is not None
+        one = np.zeros(worker.n_envs, dtype=bool)
+        one[i] = True
+        cut_on_stop = self.leave is Resume.NOTHING and call.mode is CallMode.SAMPLES
+        flat = isinstance(buffers.obs, np.ndarray) and isinstance(buffers.actions, np.ndarray)
+        request = self.requests.request
+        step = host.step_one
+        w = worker.worker_number
+        lengths, returns, deadlines = episodes.lengths, episodes.returns, self.deadlines
+        try:
+            while call.more(i):
+                if episodes.needs_reset[i]:
+                    if not await self._start_episode(i, one, call):
+                        break
+                if flat:
+                    observation = buffers.obs[i].copy()
+                else:
+                    observation = tree_map(lambda x: x[i].copy(), buffers.obs)
+                action, infos = await request(worker.agent, w, observation)  # type: ignore[arg-type]
+                t = int(cursor[i])
+                if t >= rows.size:
+                    rows.cover(t, buffers.obs, buffers.actions)
+                if flat:
+                    rows.obs[t, i] = observation
+                    rows.actions[t, i] = action
+                else:
+                    put_row(rows.obs, (t, i), observation)
+                    put_row(rows.actions, (t, i), action)
+                if infos or rows.agent_infos:
+                    store_agent_info_cell(rows, t, i, infos)
+                rows.versions[t, i] = worker.agent_version
+                deadline = deadlines[i]
+                try:
+                    reward, terminated, truncated, info = await step(
+                        i, action, None if deadline == _NEVER else float(deadline)
+                    )
+                except DeadlinePassed:
+                    self._cut(i)
+                    continue
+                cursor[i] = t + 1
+                rows.rewards[t, i] = reward
+                if info:
+                    row = rows.env_infos.get(t)
+                    if row is None:
+                        row = rows.env_infos[t] = [{} for _ in range(worker.n_envs)]
+                    row[i] = info
+                lengths[i] += 1
+                returns[i] += reward
+                call.took(i)
+                if terminated or truncated:
+                    self._end(i, t)
+                    if cut_on_stop and call.rule.need <= 0 and not stop.done():
+                        stop.set_result(None)
+                elif deadline != _NEVER and deadline <= asyncio.get_running_loop().time():
+                    self._cut(i)
+        except asyncio.CancelledError:
+            # Cut off mid-call (its share is in, or the call was cancelled): the env may be
+            # mid-step, so it is reset before it is used again.
+            episodes.needs_reset[i] = True
+            raise
+
+    async def _start_episode(self, i: int, one: np.ndarray, call: _Call) -> bool:
+        """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""
+        worker = self.worker
+        episodes = worker.episodes
+        version = worker.agent_version
+        key = (worker.worker_number, i)
+        if self.admission is not None:
+            if not await self.admission.admit(key, version, lambda: call.more(i)):
+                return False
+        try:
+            info = await self.host.reset_one(i)
+        except BaseException:
+            if self.admission is not None:
+                self.admission.closed(key)
+            raise
+        episodes.started(one, {i: info} if info else {})
+        episodes.episode_info[i] = episodes.fresh_info(episodes.episode_info[i], i, version)
+        reset = getattr(worker.agent, "reset", None)
+        if reset is not None:
+            reset(one.copy())
+        return call.more(i)
+
+    def _end(self, i: int, t: int) -> None:
+        """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""
+        episodes = self.worker.episodes
+        buffers = self.host.buffers
+        episodes.close_episodes(
+            np.array([i]),
+            t,
+            buffers.terminated,
+            buffers.final_obs,
+            {},
+            self.worker.agent_version,
+        )
+        episodes.needs_reset[i] = True
+        self.deadlines[i] = np.inf
+        if self.admission is not None:
+            self.admission.closed((self.worker.worker_number, i))
+
+    def _cut(self, i: int) -> None:
+        """Env ``i``'s episode passed its deadline: it ends as truncated at its last step, its
+        ``episode_infos["deadline"]`` true; the env is reset before its next step."""
+        episodes = self.worker.episodes
+        cursor = episodes.recorder.cursor
+        assert cursor is not None
+        if episodes.lengths[i] > 0:
+            buffers = self.host.buffers
+            buffers.terminated[i] = False
+            buffers.truncated[i] = True
+            put_row(buffers.final_obs, i, tree_map(lambda x: x[i], buffers.obs))
+            episodes.episode_info[i]["deadline"] = True
+            self._end(i, int(cursor[i]) - 1)
+        else:
+            episodes.needs_reset[i] = True
+            self.deadlines[i] = np.inf
+            if self.admission is not None:
+                self.admission.closed((self.worker.worker_number, i))

@@ -1,0 +1,573 @@
+"""The ``asyncio`` and ``thread`` backends: envs in the caller's process, each on its own.
+
+``asyncio`` hosts envs whose ``reset``/``step``/``close`` are coroutines (an
+:class:`~asyncsample.AsyncEnv`) in the sampler's event loop; ``thread`` hosts ordinary blocking
+gymnasium envs behind the same coroutine interface, their calls run in a bounded pool of threads
+(:class:`ThreadedEnv`), so the loop never blocks. Either way a worker's envs are not stepped in
+lockstep: :class:`LaneHost` offers one env at a time (:meth:`LaneHost.reset_one`,
+:meth:`LaneHost.step_one`) and :mod:`asyncsample._env_tasks` runs one coroutine per env. The
+lockstep :class:`~asyncsample.backends.base.EnvHost` methods exist too (``step(mask)`` gathers the
+envs' steps), so every caller of the seam works unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from asyncsample import _validate
+from asyncsample._tree import tree_map
+from asyncsample.async_env import check_async_env
+from asyncsample.backends._remote import closed_error
+from asyncsample.backends.base import (
+    LOGGER,
+    DirectReader,
+    EnvHost,
+    HostSpec,
+    SentStep,
+    reject_unknown_options,
+)
+from asyncsample.env_group import (
+    StepBuffers,
+    StepInfos,
+    call_targets,
+    reset_arguments,
+    set_attr_targets,
+)
+from asyncsample.env_update import EnvSource, EnvUpdate, make_env
+from asyncsample.errors import StepTimeoutError, WorkerError
+
+__all__ = [
+    "AsyncioBackend",
+    "DeadlinePassed",
+    "LaneHost",
+    "ThreadBackend",
+    "ThreadedEnv",
+    "default_threads",
+]
+
+_PENDING = object()
+"""``reset_one``'s default seed: the env's pending seed (its first reset's), if any."""
+
+
+class DeadlinePassed(Exception):
+    """The episode's deadline (``episode_timeout``) passed during a step; the step was cancelled."""
+
+
+def default_threads() -> int:
+    """The ``thread`` backend's pool size when ``max_concurrency`` is not given: 4 per core."""
+    return 4 * (os.cpu_count() or 1)
+
+
+class ThreadedEnv:
+    """A blocking gymnasium env behind coroutine ``reset``/``step``/``close``.
+
+    Calls run in ``executor``, one at a time per env: a call waits for the previous one to
+    finish, also when the previous one's awaiting coroutine was cancelled (a thread cannot be
+    interrupted; the env is not touched by two threads at once).
+    """
+
+    def __init__(self, env: gym.Env, executor: concurrent.futures.Executor) -> None:
+        self.env = env
+        self.observation_space = env.observation_space
+        self.action_space = env.action_space
+        self._executor = executor
+        self._busy: concurrent.futures.Future[Any] | None = None
+
+    @property
+    def unwrapped(self) -> Any:
+        """The blocking env's own ``unwrapped`` (``SetTaskUpdate`` reaches it this way)."""
+        return self.env.unwrapped
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        busy = self._busy
+        if busy is not None and not busy.done():
+            await asyncio.wait([asyncio.wrap_future(busy)])
+        future = self._executor.submit(fn, *args, **kwargs)
+        self._busy = future
+        return await asyncio.wrap_future(future)
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """``env.reset`` in a pool thread."""
+        if options is None:
+            return await self._run(self.env.reset, seed=seed)  # type: ignore[no-any-return]
+        return await self._run(self.env.reset, seed=seed, options=options)  # type: ignore[no-any-return]
+
+    async def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        """``env.step`` in a pool thread."""
+        return await self._run(self.env.step, action)  # type: ignore[no-any-return]
+
+    async def close(self) -> None:
+        """``env.close`` in a pool thread, after any call still running."""
+        await self._run(self.env.close)
+
+
+class LaneHost:
+    """Hosts one worker's envs in the caller's process, each reset and stepped on its own.
+
+    Args:
+        spec: what to host.
+        make: builds an env from a source (a factory, an id, an env update); the backend's
+            choice (async envs as they are, blocking envs wrapped in :class:`ThreadedEnv`).
+        step_timeout: seconds a step may take before it counts as a failure (``None``: never).
+        limiter: caps the env calls in flight across the sampler (``None``: no cap).
+    """
+
+    def __init__(
+        self,
+        spec: HostSpec,
+        make: Callable[[EnvSource, Any], Any],
+        step_timeout: float | None,
+        limiter: asyncio.Semaphore | None,
+    ) -> None:
+        self.spec = spec
+        self.n_envs = spec.n_envs
+        self.buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
+        self._make = make
+        self.step_timeout = step_timeout
+        self._limiter = limiter
+        self.envs: list[Any] = [None] * spec.n_envs
+        self._seeds: list[int | None] = [None] * spec.n_envs
+        self._lengths = [0] * spec.n_envs
+        self._flat = isinstance(self.buffers.obs, np.ndarray)
+        self._plain = step_timeout is None and limiter is None
+        self._obs_shape = tuple(spec.observation_space.shape or ())
+        self.closed = False
+
+    # -- building -----------------------------------------------------------------------------
+
+    async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
+        """Build env ``i`` from ``chains[i]``; its first reset gets ``seeds[i]``."""
+        self._check_open("build")
+        await self._close_envs()
+        for i, chain in enumerate(chains):
+            env = self._guard(i, "build", self._make, chain[0], None)
+            for update in chain[1:]:
+                env = self._guard(i, "build", self._make, update, env)
+            self.envs[i] = env
+            self._seeds[i] = seeds[i]
+            self._lengths[i] = 0
+
+    async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
+        """Apply one update per env (``None`` keeps it); a new env object gets its new seed."""
+        self._check_open("update")
+        for i, update in enumerate(updates):
+            if update is None:
+                continue
+            old = self.envs[i]
+            env = self._guard(i, "update", self._make, update, old)
+            if env is not old:
+                if not isinstance(update, EnvUpdate) and old is not None:
+                    await _close_quietly(old)
+                self._seeds[i] = seeds[i]
+            self.envs[i] = env
+
+    async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
+        """Rebuild every env of the worker from its chain (after an env raised or hung)."""
+        LOGGER.info("worker %d: rebuilding its envs in the event loop", self.spec.worker)
+        await self.build(chains, seeds)
+
+    # -- one env at a time (the non-lockstep stepper) ----------------------------------------
+
+    async def reset_one(
+        self, i: int, seed: Any = _PENDING, options: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Reset env ``i`` (with its pending seed by default); its observation goes to
+        ``buffers.obs[i]``; returns the reset info."""
+        self._check_open("reset")
+        env = self.envs[i]
+        pending, self._seeds[i] = self._seeds[i], None
+        if seed is _PENDING:
+            seed = pending
+        call = env.reset(seed=seed) if options is None else env.reset(seed=seed, options=options)
+        obs, info = await self._await(i, "reset", call, None)
+        self._lengths[i] = 0
+        self._store(i, obs, self.buffers.obs)
+        return info  # type: ignore[no-any-return]
+
+    async def step_one(
+        self, i: int, action: Any, deadline: float | None = None
+    ) -> tuple[float, bool, bool, dict[str, Any]]:
+        """Step env ``i`` with ``action``: ``(reward, terminated, truncated, info)``.
+
+        The new observation goes to ``buffers.obs[i]``, and when the episode ends (also at
+        ``max_episode_length``) to ``buffers.final_obs[i]``; the flags to ``buffers``.
+
+        Raises:
+            DeadlinePassed: the loop time ``deadline`` came first; the step was cancelled.
+            StepTimeoutError: the step took longer than ``step_timeout``.
+            WorkerError: the env raised (the original exception is its ``__cause__``).
+        """
+        if self.closed:
+            raise closed_error(self.spec.worker, "step")
+        call = self.envs[i].step(action)
+        if deadline is None and self._plain:
+            # The hot path (no limiter, no timeout): the env's own coroutine, awaited here.
+            try:
+                obs, reward, terminated, truncated, info = await call
+            except (asyncio.CancelledError, WorkerError):
+                raise
+            except Exception as exc:
+                raise _env_error(self.spec.worker, i, "step", exc) from exc
+        else:
+            obs, reward, terminated, truncated, info = await self._await(i, "step", call, deadline)
+        n = self._lengths[i] + 1
+        self._lengths[i] = n
+        limit = self.spec.max_episode_length
+        if limit is not None and n >= limit:
+            truncated = True
+        buffers = self.buffers
+        if self._flat and getattr(obs, "shape", None) == self._obs_shape:
+            buffers.obs[i] = obs
+        else:
+            self._store(i, obs, buffers.obs)
+        if terminated or truncated:
+            buffers.terminated[i] = terminated
+            buffers.truncated[i] = truncated
+            self._store(i, obs, buffers.final_obs)
+        return float(reward), bool(terminated), bool(truncated), info
+
+    async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
+        """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
+        loop = asyncio.get_running_loop()
+        timeout = self.step_timeout
+        step_when = None if timeout is None else loop.time() + timeout
+        by_deadline = deadline is not None and (step_when is None or deadline <= step_when)
+        when = deadline if by_deadline else step_when
+        limiter = self._limiter
+        try:
+            if limiter is not None:
+                await limiter.acquire()
+            try:
+                if when is None:
+                    return await call
+                async with asyncio.timeout_at(when):
+                    return await call
+            finally:
+                if limiter is not None:
+                    limiter.release()
+        except TimeoutError:
+            if by_deadline:
+                raise DeadlinePassed from None
+            raise StepTimeoutError(
+                f"env {i} of worker {self.spec.worker}: {what} took longer than "
+                f"step_timeout={timeout:g}s",
+                worker=self.spec.worker,
+                env=i,
+            ) from None
+        except (asyncio.CancelledError, WorkerError):
+            raise
+        except Exception as exc:
+            raise _env_error(self.spec.worker, i, what, exc) from exc
+        finally:
+            if asyncio.iscoroutine(call):
+                call.close()  # never awaited when the limiter wait was cancelled
+
+    def _store(self, i: int, obs: Any, out: Any) -> None:
+        """Write env ``i``'s observation into row ``i`` of ``out``, checking its shape."""
+        try:
+            if self._flat:
+                if getattr(obs, "shape", None) != self._obs_shape and np.shape(obs) != (
+                    self._obs_shape
+                ):
+                    raise ValueError(f"shape {np.shape(obs)}")
+                out[i] = obs
+            else:
+                tree_map(lambda leaf, o: leaf.__setitem__(i, o), out, obs)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise WorkerError(
+                f"observation of worker {self.spec.worker}, env {i} does not fit the "
+                f"observation space {self.spec.observation_space}: {exc}",
+                worker=self.spec.worker,
+                env=i,
+                retry=False,
+            ) from exc
+
+    # -- the lockstep seam (EnvHost) ----------------------------------------------------------
+
+    async def reset(
+        self,
+        mask: np.ndarray,
+        seeds: Sequence[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+    ) -> dict[int, dict[str, object]]:
+        """Reset the envs in ``mask`` concurrently; their non-empty reset infos by env."""
+        indices = np.flatnonzero(mask).tolist()
+        if seeds is None and options is None:
+            calls = [self.reset_one(i) for i in indices]
+        else:
+            seed_list, option_list = reset_arguments(self.n_envs, seeds, options)
+            calls = [
+                self.reset_one(
+                    i,
+                    _PENDING if seed_list is None else seed_list[i],
+                    None if option_list is None else option_list[i],
+                )
+                for i in indices
+            ]
+        infos = await _gather(calls)
+        return {i: info for i, info in zip(indices, infos) if info}
+
+    async def step(self, mask: np.ndarray) -> StepInfos:
+        """Step the envs in ``mask`` concurrently with ``buffers.actions``; ended episodes are
+        reset in the same step (the sampler's same-step autoreset)."""
+        indices = np.flatnonzero(mask).tolist()
+        actions = self.buffers.actions
+        results = await _gather(
+            [self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions)) for i in indices]
+        )
+        env_infos: list[dict[str, Any]] | None = None
+        ended = []
+        for i, (_, terminated, truncated, info) in zip(indices, results):
+            if info:
+                if env_infos is None:
+                    env_infos = [{} for _ in range(self.n_envs)]
+                env_infos[i] = info
+            if terminated or truncated:
+                ended.append(i)
+        infos = await _gather([self.reset_one(i) for i in ended])
+        return StepInfos(env_infos, {i: info for i, info in zip(ended, infos) if info})
+
+    async def call(
+        self,
+        name: str,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        envs: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """``getattr(env, name)`` of each env, called with the arguments when callable (and
+        awaited when that returns an awaitable)."""
+        self._check_open("call")
+        out = []
+        for i in call_targets(name, self.n_envs, envs):
+            try:
+                value = getattr(self.envs[i], name)
+                if callable(value):
+                    value = value(*args, **dict(kwargs or {}))
+                if asyncio.iscoroutine(value) or isinstance(value, asyncio.Future):
+                    value = await value
+            except Exception as exc:
+                err = _env_error(self.spec.worker, i, f"call {name!r}", exc)
+                err.retry = not isinstance(exc, AttributeError)
+                raise err from exc
+            out.append(value)
+        return out
+
+    async def set_attr(
+        self, name: str, values: Sequence[Any], envs: Sequence[int] | None = None
+    ) -> None:
+        """Set attribute ``name`` of env ``envs[k]`` to ``values[k]``."""
+        self._check_open("set_attr")
+        for i, value in zip(set_attr_targets(name, values, self.n_envs, envs), values):
+            setattr(self.envs[i], name, value)
+
+    async def close(self) -> None:
+        """Close the envs (awaiting their ``close``). Idempotent."""
+        await self._close_envs()
+
+    def direct_reader(self) -> DirectReader | None:
+        """None: the envs live in the loop; there is no stream to read."""
+        return None
+
+    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
+        """None: the envs live in the loop (use :meth:`step`)."""
+        return None
+
+    async def shut(self) -> None:
+        """Close the envs for good: every later call raises ``SamplerClosedError``."""
+        self.closed = True
+        await self._close_envs()
+
+    async def _close_envs(self) -> None:
+        envs, self.envs = self.envs, [None] * self.n_envs
+        await asyncio.gather(*(_close_quietly(env) for env in envs if env is not None))
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise closed_error(self.spec.worker, what)
+
+    def _guard(self, i: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except (TypeError, ValueError) as exc:  # the caller's mistake: no retry
+            err = _env_error(self.spec.worker, i, what, exc)
+            err.retry = False
+            raise err from exc
+        except Exception as exc:
+            raise _env_error(self.spec.worker, i, what, exc) from exc
+
+
+def _env_error(worker: int, env: int, what: str, exc: BaseException) -> WorkerError:
+    """The ``WorkerError`` for env ``env``'s exception during ``what``."""
+    return WorkerError(
+        f"env {env} of worker {worker} raised during {what}: {type(exc).__name__}: {exc}",
+        worker=worker,
+        env=env,
+        remote_traceback="".join(traceback.format_exception(exc)),
+    )
+
+
+async def _gather(calls: Sequence[Any]) -> list[Any]:
+    """Await ``calls`` concurrently; on the first failure cancel the rest, then raise it."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    if not tasks:
+        return []
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+
+
+async def _close_quietly(env: Any) -> None:
+    """Close ``env`` (a coroutine or a plain ``close``), ignoring its errors."""
+    try:
+        result = env.close()
+        if asyncio.iscoroutine(result):
+            await result
+    except Exception as exc:
+        logging.getLogger("asyncsample").debug("closing an env raised %r", exc)
+
+
+def make_async_env(source: EnvSource, old: Any) -> Any:
+    """An async env from a factory or an env update (``asyncio`` backend)."""
+    if isinstance(source, EnvUpdate):
+        env = source(old)
+    elif callable(source):
+        env = source()
+    else:
+        raise TypeError(
+            "env: backend='asyncio' takes a zero-argument callable returning an "
+            f"asyncsample.AsyncEnv, got {type(source).__name__}"
+        )
+    check_async_env(env, "env")
+    return env
+
+
+class AsyncioBackend:
+    """Creates a :class:`LaneHost` per worker for envs whose calls are coroutines.
+
+    Args:
+        n_processes, host_threads: accepted for a uniform interface and ignored (no processes).
+        step_timeout: seconds a step may take; a step past it is cancelled and counts as a
+            failure (the worker's envs are rebuilt).
+        max_concurrency: env calls in flight at once across the sampler (``None``: no cap).
+    """
+
+    OPTIONS = ("n_processes", "step_timeout", "host_threads", "max_concurrency")
+    NAME = "asyncio"
+
+    def __init__(
+        self,
+        n_processes: int | None = None,
+        step_timeout: float | None = None,
+        host_threads: int | None = 1,
+        max_concurrency: int | None = None,
+        **unknown: object,
+    ) -> None:
+        reject_unknown_options(self.NAME, unknown, self.OPTIONS)
+        _validate.optional_positive_int("n_processes", n_processes)
+        _validate.optional_positive_int("host_threads", host_threads)
+        self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
+        self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
+        self._hosts: list[LaneHost] = []
+        self._closed = False
+
+    def _limiter(self) -> asyncio.Semaphore | None:
+        n = self.max_concurrency
+        return None if n is None else asyncio.Semaphore(n)
+
+    def _make(self, source: EnvSource, old: Any) -> Any:
+        return make_async_env(source, old)
+
+    async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
+        """One :class:`LaneHost` per spec; one limiter shared by all."""
+        if self._closed:
+            raise RuntimeError(f"the {self.NAME} backend is closed")
+        limiter = self._limiter()
+        self._hosts = [LaneHost(s, self._make, self.step_timeout, limiter) for s in specs]
+        return list(self._hosts)
+
+    async def aclose(self) -> None:
+        """Close every env (awaiting their ``close``). Idempotent."""
+        self._closed = True
+        hosts, self._hosts = self._hosts, []
+        await asyncio.gather(*(h.shut() for h in hosts))
+
+    def close_now(self) -> None:
+        """Forget the envs without awaiting their ``close`` (an unclosed sampler collected)."""
+        self._closed = True
+        for host in self._hosts:
+            host.closed = True
+        self._hosts = []
+
+
+class ThreadBackend(AsyncioBackend):
+    """Blocking gymnasium envs stepped in a bounded pool of threads (:class:`ThreadedEnv`).
+
+    Args:
+        max_concurrency: the pool's size (default :func:`default_threads`): at most that many
+            env calls run at once.
+    """
+
+    NAME = "thread"
+
+    def __init__(
+        self,
+        n_processes: int | None = None,
+        step_timeout: float | None = None,
+        host_threads: int | None = 1,
+        max_concurrency: int | None = None,
+        **unknown: object,
+    ) -> None:
+        super().__init__(n_processes, step_timeout, host_threads, max_concurrency, **unknown)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.max_concurrency or default_threads(),
+            thread_name_prefix="asyncsample-env",
+        )
+
+    def _limiter(self) -> asyncio.Semaphore | None:
+        return None  # the pool is the limit
+
+    def _make(self, source: EnvSource, old: Any) -> Any:
+        if isinstance(source, EnvUpdate):
+            inner = source(None if old is None else old.env)
+            if not isinstance(inner, gym.Env):
+                raise TypeError(f"env update {source!r} must return a gymnasium.Env")
+            if old is not None and inner is old.env:
+                return old
+        else:
+            inner = make_env(source)
+        return ThreadedEnv(inner, self._executor)
+
+    async def aclose(self) -> None:
+        """Close every env in the pool, then stop the pool's threads (waiting up to 10 s for
+        a call still running: a thread cannot be interrupted)."""
+        try:
+            await super().aclose()
+        finally:
+            executor = self._executor
+            executor.shutdown(wait=False, cancel_futures=True)
+            waiter = asyncio.ensure_future(asyncio.to_thread(executor.shutdown, wait=True))
+            done, _ = await asyncio.wait([waiter], timeout=10.0)
+            if not done:
+                LOGGER.warning(
+                    "backend 'thread': an env call still runs 10 s after close; its thread is "
+                    "left to finish on its own"
+                )
+
+    def close_now(self) -> None:
+        """Stop the pool without waiting."""
+        super().close_now()
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,271 @@
+"""Small async envs for the tests of ``backend="asyncio"`` and of the async wrappers.
+
+Every env draws its randomness from its own seeded ``np_random``, so a fixed seed gives the same
+episodes however the steps of different envs interleave. Each async env has a blocking twin
+(:class:`CountingEnv`, :class:`RandomLengthEnv`) built on the same logic, for ``backend="thread"``
+and for comparing the async wrappers with gymnasium's.
+
+Factories (:class:`EnvFactory`) record the envs they built, so a test can check rebuilds and
+closes; :func:`open_envs` counts the test envs not closed yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from asyncsample.async_env import AsyncEnv
+
+#: The test envs (async and blocking) built and not closed yet.
+_OPEN: set[object] = set()
+
+#: A latency: none, a fixed number of seconds, or a (low, high) range drawn from ``np_random``.
+Latency = float | tuple[float, float] | None
+
+
+def open_envs() -> int:
+    """How many test envs are built and not closed."""
+    return len(_OPEN)
+
+
+class _Episode:
+    """The logic every env here shares: a counter that ends at a length drawn per episode.
+
+    The observation is ``[t, u]``: the step count and a uniform draw from the env's ``np_random``
+    (so seeds show in the data). The reward is the action taken; an episode terminates after
+    ``length`` steps, ``length`` drawn from ``np_random`` in ``[lo, hi]`` at each reset.
+    """
+
+    observation_space = gym.spaces.Box(0.0, np.inf, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, lo: int, hi: int, latency: Latency) -> None:
+        if not 1 <= lo <= hi:
+            raise ValueError(f"need 1 <= lo <= hi, got {lo}, {hi}")
+        self.lo, self.hi, self.latency = lo, hi, latency
+        self.t = 0
+        self.length = lo
+        self.steps_taken = 0  # over the env's life, every episode
+
+    def begin(self, rng: np.random.Generator) -> tuple[np.ndarray, dict[str, Any]]:
+        self.t = 0
+        self.length = int(rng.integers(self.lo, self.hi + 1))
+        return self._obs(rng), {"length": self.length}
+
+    def advance(
+        self, rng: np.random.Generator, action: Any
+    ) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self.t += 1
+        self.steps_taken += 1
+        return self._obs(rng), float(action), self.t >= self.length, False, {"t": self.t}
+
+    def delay(self, rng: np.random.Generator) -> float:
+        """Seconds this step waits (drawn before the step, from the same generator)."""
+        if self.latency is None:
+            return 0.0
+        if isinstance(self.latency, tuple):
+            return float(rng.uniform(*self.latency))
+        return float(self.latency)
+
+    def _obs(self, rng: np.random.Generator) -> np.ndarray:
+        return np.array([self.t, rng.random()], dtype=np.float32)
+
+
+class RandomLengthAsyncEnv(AsyncEnv[np.ndarray, Any]):
+    """Episodes of ``lo`` to ``hi`` steps; each step awaits its latency (see :class:`_Episode`).
+
+    A latency of 0 or ``None`` still yields to the loop once per step (``asyncio.sleep(0)``).
+    """
+
+    def __init__(self, lo: int = 1, hi: int = 20, latency: Latency = None) -> None:
+        self.logic = _Episode(lo, hi, latency)
+        self.observation_space = _Episode.observation_space
+        self.action_space = _Episode.action_space
+        self.closed = False
+        _OPEN.add(self)
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        await super().reset(seed=seed)
+        await asyncio.sleep(0)
+        return self.logic.begin(self.np_random)
+
+    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        await asyncio.sleep(self.logic.delay(self.np_random))
+        return self.logic.advance(self.np_random, action)
+
+    async def close(self) -> None:
+        self.closed = True
+        _OPEN.discard(self)
+
+
+class CountingAsyncEnv(RandomLengthAsyncEnv):
+    """Every episode is ``length`` steps; each step awaits ``latency`` seconds."""
+
+    def __init__(self, length: int = 10, latency: float = 0.0) -> None:
+        super().__init__(length, length, latency)
+
+
+class FailingAsyncEnv(CountingAsyncEnv):
+    """Raises ``RuntimeError`` on its ``fail_at``-th step (counted over its life, from 1)."""
+
+    def __init__(self, fail_at: int = 3, length: int = 10, latency: float = 0.0) -> None:
+        super().__init__(length, latency)
+        self.fail_at = fail_at
+
+    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        if self.logic.steps_taken + 1 == self.fail_at:
+            self.logic.steps_taken += 1
+            await asyncio.sleep(0)
+            raise RuntimeError(f"FailingAsyncEnv failed on its step {self.fail_at}")
+        return await super().step(action)
+
+
+class HangingAsyncEnv(CountingAsyncEnv):
+    """Awaits forever on its ``hang_at``-th step (counted over its life, from 1).
+
+    The wait is cancellable; ``hung`` says the env reached it and ``cancelled`` that it was
+    cancelled there.
+    """
+
+    def __init__(self, hang_at: int = 3, length: int = 10, latency: float = 0.0) -> None:
+        super().__init__(length, latency)
+        self.hang_at = hang_at
+        self.hung = False
+        self.cancelled = False
+
+    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        if self.logic.steps_taken + 1 == self.hang_at:
+            self.logic.steps_taken += 1
+            self.hung = True
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled = True
+                raise
+        return await super().step(action)
+
+
+class DuckAsyncEnv:
+    """Not an :class:`AsyncEnv`: coroutine ``reset``/``step``, the two spaces, a plain ``close``.
+
+    Behaves as :class:`CountingAsyncEnv` (seeded by its first ``reset``).
+    """
+
+    def __init__(self, length: int = 10) -> None:
+        self.logic = _Episode(length, length, None)
+        self.observation_space = _Episode.observation_space
+        self.action_space = _Episode.action_space
+        self.rng = np.random.default_rng()
+        self.closed = False
+        _OPEN.add(self)
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        if seed is not None:
+            self.rng = np.random.default_rng(seed)
+        await asyncio.sleep(0)
+        return self.logic.begin(self.rng)
+
+    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        await asyncio.sleep(0)
+        return self.logic.advance(self.rng, action)
+
+    def close(self) -> None:
+        self.closed = True
+        _OPEN.discard(self)
+
+
+class RandomLengthEnv(gym.Env[np.ndarray, Any]):
+    """The blocking twin of :class:`RandomLengthAsyncEnv`: same seed, same episodes.
+
+    A latency blocks in ``time.sleep`` (for ``backend="thread"``).
+    """
+
+    def __init__(self, lo: int = 1, hi: int = 20, latency: Latency = None) -> None:
+        self.logic = _Episode(lo, hi, latency)
+        self.observation_space = _Episode.observation_space
+        self.action_space = _Episode.action_space
+        self.closed = False
+        _OPEN.add(self)
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        return self.logic.begin(self.np_random)
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        delay = self.logic.delay(self.np_random)
+        if delay > 0:
+            time.sleep(delay)
+        return self.logic.advance(self.np_random, action)
+
+    def close(self) -> None:
+        self.closed = True
+        _OPEN.discard(self)
+
+
+class CountingEnv(RandomLengthEnv):
+    """The blocking twin of :class:`CountingAsyncEnv`."""
+
+    def __init__(self, length: int = 10, latency: float = 0.0) -> None:
+        super().__init__(length, length, latency)
+
+
+class EnvFactory:
+    """A zero-argument env factory that records what it built.
+
+    Args:
+        build: makes the env number ``i`` (0 for the first built by this factory).
+    """
+
+    def __init__(self, build: Callable[[int], Any]) -> None:
+        self.build = build
+        self.made: list[Any] = []
+
+    def __call__(self) -> Any:
+        env = self.build(len(self.made))
+        self.made.append(env)
+        return env
+
+
+def counting(length: int = 10, latency: float = 0.0) -> EnvFactory:
+    """Builds :class:`CountingAsyncEnv`."""
+    return EnvFactory(lambda i: CountingAsyncEnv(length, latency))
+
+
+def random_length(lo: int = 1, hi: int = 20, latency: Latency = None) -> EnvFactory:
+    """Builds :class:`RandomLengthAsyncEnv`."""
+    return EnvFactory(lambda i: RandomLengthAsyncEnv(lo, hi, latency))
+
+
+def failing(fail_at: int = 3, times: int = 1, length: int = 10) -> EnvFactory:
+    """The first ``times`` envs built fail on their ``fail_at``-th step; later ones count."""
+    return EnvFactory(
+        lambda i: FailingAsyncEnv(fail_at, length) if i < times else CountingAsyncEnv(length)
+    )
+
+
+def hanging(hang_at: int = 3, times: int = 1, length: int = 10) -> EnvFactory:
+    """The first ``times`` envs built hang on their ``hang_at``-th step; later ones count."""
+    return EnvFactory(
+        lambda i: HangingAsyncEnv(hang_at, length) if i < times else CountingAsyncEnv(length)
+    )
+
+
+def duck(length: int = 10) -> EnvFactory:
+    """Builds :class:`DuckAsyncEnv` (the duck-typed async env)."""
+    return EnvFactory(lambda i: DuckAsyncEnv(length))
+
+
+def blocking_counting(length: int = 10, latency: float = 0.0) -> EnvFactory:
+    """Builds :class:`CountingEnv` (blocking; for ``backend="thread"``)."""
+    return EnvFactory(lambda i: CountingEnv(length, latency))
