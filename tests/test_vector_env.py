@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import cloudpickle
@@ -707,6 +708,58 @@ def test_interrupted_step_leaves_a_working_env(
         for t in range(60):
             actions = rng.integers(0, 2, 4)
             assert_same(ours.step(actions), sync.step(actions), f"step {t}")
+    finally:
+        ours.close()
+        sync.close()
+
+
+class SlowAt(CountEnv):
+    """Steps take 0.12 s at ``at`` (longer than the lockstep round waits outside the loop)."""
+
+    def __init__(self, at: int = 2) -> None:
+        super().__init__(max_count=7)
+        self.at = at
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        if self.count + 1 == self.at:
+            time.sleep(0.12)
+        return super().step(action)
+
+
+def test_quiet_lockstep_steps_run_no_event_loop(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The common step sends and reads without the portal's loop; a slow host, infos and
+    episode ends go through the loop, with the same results as ``SyncVectorEnv``."""
+    fns = [lambda: SlowAt(2), lambda: SlowAt(3), lambda: SlowAt(9)]
+    ours = VectorEnv(fns, n_processes=3, autoreset_mode="SameStep")
+    sync = SyncVectorEnv(fns, autoreset_mode="SameStep")
+    try:
+        assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
+        loop = ours._hosted.portal.loop
+        runs = 0
+        run_forever = loop.run_forever
+
+        def counted() -> None:
+            nonlocal runs
+            runs += 1
+            run_forever()
+
+        monkeypatch.setattr(loop, "run_forever", counted)
+        actions = np.array([1, 1, 1])
+        quiet_steps = 0
+        for t in range(12):
+            # The sync env's sub-envs mirror ours: which of ours is slow at this step.
+            slow = any(e.count + 1 == e.at for e in sync.envs)
+            before = runs
+            got = ours.step(actions)
+            assert_same(got, sync.step(actions), f"step {t}")
+            if not slow and not got[4]:
+                quiet_steps += 1
+                assert runs == before, f"step {t} ran the event loop"
+            elif slow:
+                assert runs > before, f"step {t} (slow) did not hand the round to the loop"
+        assert quiet_steps >= 3 and runs > 0
     finally:
         ours.close()
         sync.close()
