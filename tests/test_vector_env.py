@@ -30,7 +30,6 @@ from helpers import new_shm_entries, shm_entries, wait_gone
 
 from asyncsample import StepTimeoutError, WorkerCrashedError
 from asyncsample.vector import SubEnvError, VectorEnv
-from asyncsample.vector import hosted as hosted_module
 
 # The env-host processes cannot import this module by name: ship its envs by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -686,7 +685,7 @@ def test_interrupted_step_leaves_a_working_env(
     no_leaks: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A KeyboardInterrupt while a step waits for its hosts (outside the event loop, in the
-    lockstep step's ``select``), and one in the portal's event loop while a reset's requests
+    lockstep step's ``poll``), and one in the portal's event loop while a reset's requests
     are in flight: later resets and steps are exact."""
     ours = VectorEnv("CartPole-v1", 4, n_processes=2)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
@@ -697,7 +696,7 @@ def test_interrupted_step_leaves_a_working_env(
     try:
         ours.reset(seed=0)
         with monkeypatch.context() as patch:
-            patch.setattr(hosted_module.select, "select", interrupt)
+            patch.setattr(ours._hosted, "_wait_readable", interrupt)
             with pytest.raises(KeyboardInterrupt):
                 ours.step(np.zeros(4, dtype=np.int64))
         ours._hosted.portal.loop.call_soon(interrupt)

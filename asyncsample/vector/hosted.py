@@ -171,6 +171,9 @@ class HostedEnvs:
         # Every sub-env of a host (read-only): the step mask of the common lockstep step.
         self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
         self.portal = BlockingPortal()
+        # lockstep(): the poller of the hosts' connections, and their file descriptors.
+        self._poller = select.poll()
+        self._polled: tuple[int, ...] = ()
         options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
         if backend == "process":
             options["step_timeout"] = step_timeout
@@ -534,7 +537,7 @@ class HostedEnvs:
         more than the rest of the round trip together: so when the caller's thread runs no
         loop, the requests go out at once (:meth:`EnvHost.step_nowait`), the replies are read
         from the hosts' connections (:meth:`EnvHost.direct_reader`) while the caller waits in
-        ``select``, and a quiet round is built from the buffers. Anything else (an info, a
+        ``poll``, and a quiet round is built from the buffers. Anything else (an info, a
         reset, a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's
         business, a host with no such connection) is finished through the portal, exactly as
         :meth:`step` finishes it.
@@ -565,21 +568,19 @@ class HostedEnvs:
                 return portal.call(self._merge, stepped, outcomes, True)
         return portal.call(self._collect, sent)
 
-    @staticmethod
     def _read_direct(
-        sent: list[SentStep], readers: dict[int, DirectReader]
+        self, sent: list[SentStep], readers: dict[int, DirectReader]
     ) -> list[StepInfos | BaseException] | None:
-        """Wait for the replies to ``sent`` in ``select`` and read them from ``readers`` (by
+        """Wait for the replies to ``sent`` in ``poll`` and read them from ``readers`` (by
         file descriptor) without the loop; their outcomes, or ``None``: the loop must finish
         the round (see :meth:`lockstep`)."""
-        fds = list(readers)
         outcomes: list[StepInfos | BaseException] = []
         for request in sent:
             while not request.done():
-                ready, _, _ = select.select(fds, [], [], _DIRECT_WAIT)
+                ready = self._wait_readable(tuple(readers))
                 if not ready:
                     return None
-                for fd in ready:
+                for fd, _ in ready:
                     if not readers[fd].read_now():
                         return None
             infos = request.result_now()
@@ -587,6 +588,17 @@ class HostedEnvs:
                 return None
             outcomes.append(infos)
         return outcomes
+
+    def _wait_readable(self, fds: tuple[int, ...]) -> list[tuple[int, int]]:
+        """``poll`` the hosts' connections ``fds`` for at most ``_DIRECT_WAIT``; what is ready.
+
+        One poller for as long as the connections stay the same (a restart changes them)."""
+        if fds != self._polled:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            self._poller, self._polled = poller, fds
+        return self._poller.poll(_DIRECT_WAIT * 1000)
 
     async def _collect(self, sent: list[SentStep]) -> StepResult:
         """Finish, in the loop, a lockstep round whose first ``len(sent)`` requests went out

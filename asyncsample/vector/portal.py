@@ -169,8 +169,4 @@ async def _one_pass() -> None:
 
 
 def _in_running_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+    return asyncio._get_running_loop() is not None  # get_running_loop's test, without raising
