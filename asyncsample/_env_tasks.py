@@ -60,6 +60,7 @@ class ActionRequests:
         self._groups: dict[int, tuple[Agent, int, list[tuple[Tree, asyncio.Future[Any]]]]] = {}
         self._checks: dict[int, AgentOutputCheck] = {}
         self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.calls = 0
         """Agent calls made so far."""
@@ -68,7 +69,9 @@ class ActionRequests:
 
     def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
         """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         group = self._groups.get(id(agent))
         if group is None:
@@ -273,9 +276,12 @@ class _Call:
             return bool(self.steps_left[i] > 0)
         return bool(self.episodes.active[i])
 
-    def took(self, i: int) -> None:
-        if self.mode is CallMode.FRAGMENTS:
-            self.steps_left[i] -= 1
+    def more_of(self, i: int) -> Callable[[], bool]:
+        """:meth:`more` of env ``i`` as a cheap zero-argument check (asked before every step)."""
+        if self.mode is CallMode.SAMPLES and self.limit is None:
+            rule = self.rule
+            return lambda: rule.need > 0
+        return functools.partial(self.more, i)
 
 
 class LaneStepper:
@@ -364,6 +370,12 @@ class LaneStepper:
             call.rule.took(call.steps)
 
     async def _lane(self, i: int, call: _Call, stop: asyncio.Future[None]) -> None:
+        """Env ``i``'s loop: reset when it must, ask for an action, step, record.
+
+        The env's cursor, episode length and return live in locals while it runs (numpy
+        scalar reads and writes cost more than the rest of a step) and go back to the
+        engine's arrays wherever the engine reads them: an episode's end, a cut, the exit.
+        """
         worker = self.worker
         episodes = worker.episodes
         host = self.host
@@ -379,18 +391,25 @@ class LaneStepper:
         request = self.requests.request
         step = host.step_one
         w = worker.worker_number
-        lengths, returns, deadlines = episodes.lengths, episodes.returns, self.deadlines
+        needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
+        deadlines = self.deadlines
+        steps_left = call.steps_left if call.mode is CallMode.FRAGMENTS else None
+        more = call.more_of(i)
+        loop = asyncio.get_running_loop()
+        t, length, ret = int(cursor[i]), int(lengths[i]), float(returns[i])
+        deadline = float(deadlines[i])
         try:
-            while call.more(i):
-                if episodes.needs_reset[i]:
-                    if not await self._start_episode(i, one, call):
+            while more():
+                if needs_reset[i]:
+                    started = await self._start_episode(i, one, call)
+                    length, ret, deadline = 0, 0.0, float(deadlines[i])
+                    if not started:
                         break
                 if flat:
                     observation = buffers.obs[i].copy()
                 else:
                     observation = tree_map(lambda x: x[i].copy(), buffers.obs)
                 action, infos = await request(worker.agent, w, observation)  # type: ignore[arg-type]
-                t = int(cursor[i])
                 if t >= rows.size:
                     rows.cover(t, buffers.obs, buffers.actions)
                 if flat:
@@ -402,35 +421,43 @@ class LaneStepper:
                 if infos or rows.agent_infos:
                     store_agent_info_cell(rows, t, i, infos)
                 rows.versions[t, i] = worker.agent_version
-                deadline = deadlines[i]
                 try:
                     reward, terminated, truncated, info = await step(
-                        i, action, None if deadline == _NEVER else float(deadline)
+                        i, action, None if deadline == _NEVER else deadline
                     )
                 except DeadlinePassed:
+                    cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
+                    length, ret = 0, 0.0
                     continue
-                cursor[i] = t + 1
                 rows.rewards[t, i] = reward
                 if info:
                     row = rows.env_infos.get(t)
                     if row is None:
                         row = rows.env_infos[t] = [{} for _ in range(worker.n_envs)]
                     row[i] = info
-                lengths[i] += 1
-                returns[i] += reward
-                call.took(i)
+                t += 1
+                length += 1
+                ret += reward
+                if steps_left is not None:
+                    steps_left[i] -= 1
                 if terminated or truncated:
-                    self._end(i, t)
+                    cursor[i], lengths[i], returns[i] = t, length, ret
+                    self._end(i, t - 1)
+                    length, ret = 0, 0.0
                     if cut_on_stop and call.rule.need <= 0 and not stop.done():
                         stop.set_result(None)
-                elif deadline != _NEVER and deadline <= asyncio.get_running_loop().time():
+                elif deadline != _NEVER and deadline <= loop.time():
+                    cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
+                    length, ret = 0, 0.0
         except asyncio.CancelledError:
             # Cut off mid-call (its share is in, or the call was cancelled): the env may be
             # mid-step, so it is reset before it is used again.
-            episodes.needs_reset[i] = True
+            needs_reset[i] = True
             raise
+        finally:
+            cursor[i], lengths[i], returns[i] = t, length, ret
 
     async def _start_episode(self, i: int, one: np.ndarray, call: _Call) -> bool:
         """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""
