@@ -69,7 +69,8 @@ class Sampler:
         episode_timeout: seconds after its start at which an episode still running ends as
             truncated (``TIMEOUT``, ``episode_infos["deadline"]`` true). On ``"asyncio"`` and
             ``"thread"`` a step in flight at the deadline is cancelled (the env is reset before
-            its next use); on the lockstep backends the deadline is checked after each step
+            its next use; on ``"thread"`` that reset waits for the step still running in its
+            thread); on the lockstep backends the deadline is checked after each step
             (not with ``inference="host"``, which runs chunks of steps in the hosts).
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
