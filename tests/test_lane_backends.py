@@ -181,7 +181,7 @@ async def test_agent_is_asked_for_the_ready_envs_at_once(make_sampler: SamplerFa
 
 
 async def test_env_error_rebuilds_and_keeps_the_cause(make_sampler: SamplerFactory) -> None:
-    factory = failing(fail_at=3, times=2)  # the first env built is the sampler's probe
+    factory = failing(fail_at=3, times=2)
     sampler = make_sampler("asyncio", factory, n_workers=1, envs_per_worker=2, seed=0)
     batch = await sampler.obtain_samples(50)
     _check_whole(batch)
@@ -198,7 +198,7 @@ async def test_env_error_rebuilds_and_keeps_the_cause(make_sampler: SamplerFacto
 
 
 async def test_hung_step_found_in_step_timeout(make_sampler: SamplerFactory) -> None:
-    factory = hanging(hang_at=2, times=2)  # the first env built is the sampler's probe
+    factory = hanging(hang_at=2, times=2)
     sampler = make_sampler(
         "asyncio", factory, n_workers=1, envs_per_worker=2, step_timeout=0.2, seed=0
     )
