@@ -392,3 +392,23 @@ async def test_episode_timeout_on_lockstep_backends(
 async def test_episode_timeout_refused_with_host_inference() -> None:
     with pytest.raises(ValueError, match="episode_timeout needs inference='per_worker'"):
         Sampler("CartPole-v1", inference="host", episode_timeout=1.0)
+
+
+async def test_fraction_samples_on_lanes(make_sampler: SamplerFactory) -> None:
+    """One worker's envs take 30 ms a step, the other's 1 ms: with fraction_samples=0.25 the
+    fast worker fills in and the call ends long before the slow worker has its share."""
+    factory = EnvFactory(lambda i: CountingAsyncEnv(5, latency=0.03 if i in (1, 2) else 0.001))
+    sampler = make_sampler("asyncio", factory, n_workers=2, envs_per_worker=2, seed=0)
+    batch = await sampler.obtain_samples(200, fraction_samples=0.25)
+    _check_whole(batch)
+    assert batch.n_transitions >= 200
+    per_worker = np.bincount(batch.episode_infos["worker"], weights=batch.lengths, minlength=2)
+    assert per_worker[0] >= 25  # its minimum: ceil(0.25 * 100)
+    assert per_worker[1] > per_worker[0]
+
+
+async def test_evaluate_on_lanes(make_sampler: SamplerFactory, lane: str) -> None:
+    sampler = make_sampler(lane, LANES[lane](), Versioned(), n_workers=2, seed=0)
+    result = await sampler.evaluate(5)
+    assert len(result.returns) == 5
+    _check_whole(result.batch)
