@@ -412,3 +412,32 @@ async def test_evaluate_on_lanes(make_sampler: SamplerFactory, lane: str) -> Non
     result = await sampler.evaluate(5)
     assert len(result.returns) == 5
     _check_whole(result.batch)
+
+
+async def test_thread_backend_rebuild_does_not_wait_for_a_stuck_step(
+    make_sampler: SamplerFactory,
+) -> None:
+    """A blocking step that sleeps 3 s is found at step_timeout; the worker's envs are rebuilt
+    at once (the stuck thread finishes on its own, and its env is closed then)."""
+    built = 0
+
+    class Stuck(CountingEnv):
+        def __init__(self) -> None:
+            nonlocal built
+            built += 1
+            super().__init__(5)
+            self.stuck = built == 2  # the first worker env (the probe is the first built)
+
+        def step(self, action: Any) -> Any:
+            if self.stuck and self.logic.steps_taken == 2:
+                self.stuck = False
+                time.sleep(3.0)
+            return super().step(action)
+
+    sampler = make_sampler(
+        "thread", Stuck, n_workers=1, envs_per_worker=2, step_timeout=0.3, max_concurrency=4, seed=0
+    )
+    start = time.perf_counter()
+    batch = await sampler.obtain_samples(30)
+    assert time.perf_counter() - start < 2.5
+    _check_whole(batch)
