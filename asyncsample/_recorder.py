@@ -331,7 +331,14 @@ class Recorder:
         return int(np.maximum(self.positions() - self.piece_start, 0).sum())
 
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
-        """The plan of the pieces recorded since the last collection; forgets them."""
+        """The plan of the pieces recorded since the last collection; forgets them.
+
+        With a per-env cursor (envs not in lockstep) the pieces are put in the order lockstep
+        stepping would have closed them, by the env's own step count at the piece's end, then
+        by env: the wall-clock order in which envs happened to finish does not show in a batch.
+        """
+        if self.cursor is not None:
+            self.pieces.sort(key=lambda p: (p.stop, p.env))
         plan = self._plan(self.pieces, like_obs, like_actions)
         self.pieces = []
         self.completed_steps = 0

@@ -19,6 +19,7 @@ from async_envs import (
     CountingEnv,
     EnvFactory,
     FailingAsyncEnv,
+    RandomLengthAsyncEnv,
     RandomLengthEnv,
     counting,
     failing,
@@ -441,3 +442,33 @@ async def test_thread_backend_rebuild_does_not_wait_for_a_stuck_step(
     batch = await sampler.obtain_samples(30)
     assert time.perf_counter() - start < 2.5
     _check_whole(batch)
+
+
+async def test_exact_episodes_and_fragments_reproducible_whatever_the_latency(
+    make_sampler: SamplerFactory,
+) -> None:
+    """Random latencies change which env finishes first, not the batch: each env's episodes and
+    steps are fixed by the call, and pieces are ordered by the env's own step count."""
+
+    class ByObs:
+        def get_actions(self, observations: np.ndarray) -> Any:
+            return (observations[:, 1] > 0.5).astype(np.int64), {}
+
+    batches = []
+    for run in range(2):
+        # Different latencies per run: a latency draw of its own rng, seeded by the run.
+        rng = np.random.default_rng(run)
+        factory = EnvFactory(
+            lambda i, rng=rng: RandomLengthAsyncEnv(1, 10, latency=float(rng.uniform(0, 0.004)))
+        )
+        sampler = make_sampler("asyncio", factory, ByObs(), n_workers=2, envs_per_worker=3, seed=5)
+        batches.append(
+            [
+                await sampler.obtain_exact_episodes(4),
+                await sampler.obtain_fragments(40),
+                await sampler.obtain_fragments(40),
+            ]
+        )
+        await sampler.aclose()
+    for a, b in zip(*batches):
+        assert a.equals(b)
