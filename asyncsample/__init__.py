@@ -9,7 +9,13 @@ from typing import Any
 
 from asyncsample._tree import Tree
 from asyncsample.agent import Agent, AgentOutput, AgentParams, AgentUpdate, RandomAgent
-from asyncsample.async_env import AsyncEnv, is_async_env
+from asyncsample.async_env import (
+    AsyncEnv,
+    AsyncRecordEpisodeStatistics,
+    AsyncTimeLimit,
+    AsyncWrapper,
+    is_async_env,
+)
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
@@ -49,7 +55,10 @@ __all__ = [
     "AgentUpdate",
     "AgentUpdateArg",
     "AsyncEnv",
+    "AsyncRecordEpisodeStatistics",
     "AsyncSampleError",
+    "AsyncTimeLimit",
+    "AsyncWrapper",
     "Batched",
     "EnvChoice",
     "EnvSource",

@@ -33,7 +33,6 @@ from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
-from asyncsample.async_env import check_async_env
 from asyncsample.backends import (
     BACKENDS,
     LANE_BACKENDS,
@@ -43,6 +42,7 @@ from asyncsample.backends import (
     make_backend,
     pool_size,
 )
+from asyncsample.backends.aio import probe_async_env
 from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvChoice, EnvSource, make_env
 from asyncsample.errors import SamplerClosedError, WorkerError
@@ -398,6 +398,7 @@ class SamplerCore:
                 leave=leave,
                 episode_timeout=self.episode_timeout,
                 admission=self.admission,
+                quota=shared,
             )
             return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):
@@ -644,34 +645,14 @@ class SamplerCore:
 
     def _probe_async_env(self, source: Any) -> tuple[EnvSpec, bool]:
         """:meth:`_probe_env` for ``backend="asyncio"``: the env must be an async env."""
-        if isinstance(source, str) or not callable(source):
-            raise TypeError(
-                "env: backend='asyncio' takes a zero-argument callable returning an "
-                f"asyncsample.AsyncEnv, got {type(source).__name__} {source!r:.60}"
-            )
-        try:
-            env = source()
-        except Exception as exc:
-            raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
-        if isinstance(env, gym.Env):
-            raise TypeError(
-                f"env: backend='asyncio' needs envs whose reset and step are coroutines (an "
-                f"asyncsample.AsyncEnv); {source!r} returned {type(env).__name__}, a blocking "
-                "gymnasium.Env: use backend='thread' (or 'process') for it"
-            )
-        check_async_env(env, "env")
-        _validate.recordable_space("env: observation_space", env.observation_space)
-        _validate.recordable_space("env: action_space", env.action_space)
-        limit = getattr(env, "max_episode_steps", None)
-        if limit is None:
-            spec = getattr(env, "spec", None)
-            limit = getattr(spec, "max_episode_steps", None)
+        observation_space, action_space, limit = probe_async_env(source)
+        _validate.recordable_space("env: observation_space", observation_space)
+        _validate.recordable_space("env: action_space", action_space)
         spec = EnvSpec(
-            observation_space=env.observation_space,
-            action_space=env.action_space,
+            observation_space=observation_space,
+            action_space=action_space,
             max_episode_length=self._factory.max_episode_length or limit,
         )
-        _close_later(env)
         return spec, limit is not None
 
     def warn_if_endless(self) -> None:
@@ -732,27 +713,6 @@ _CALL_NAMES: dict[Mode, str] = {
     "episodes": "obtain_exact_episodes",
     "fragments": "obtain_fragments",
 }
-
-
-_CLOSING: set[asyncio.Task[Any]] = set()
-
-
-def _close_later(env: Any) -> None:
-    """Close an async env read only for its spaces: now if no loop runs in this thread, else as a
-    task of the running loop (a constructor cannot await)."""
-
-    async def close() -> None:
-        with contextlib.suppress(Exception):
-            await env.close()
-
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(close())
-        return
-    task = loop.create_task(close())
-    _CLOSING.add(task)
-    task.add_done_callback(_CLOSING.discard)
 
 
 def _hosts_started(

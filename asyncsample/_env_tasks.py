@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
-from asyncsample._engine import CallMode, StopRule
-from asyncsample._recorder import Resume, put_row, store_agent_info_cell
+from asyncsample._engine import CallMode, SharedQuota, StopRule
+from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import Tree, tree_map
 from asyncsample.agent import Agent, RandomAgent
 from asyncsample.backends.aio import DeadlinePassed, LaneHost
@@ -60,6 +60,7 @@ class ActionRequests:
         self._groups: dict[int, tuple[Agent, int, list[tuple[Tree, asyncio.Future[Any]]]]] = {}
         self._checks: dict[int, AgentOutputCheck] = {}
         self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.calls = 0
         """Agent calls made so far."""
@@ -68,7 +69,9 @@ class ActionRequests:
 
     def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
         """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         group = self._groups.get(id(agent))
         if group is None:
@@ -243,18 +246,23 @@ class Admission:
 
 
 class _Call:
-    """Where this stepper run stops, per env (the engine's rule, plus a ``lacking`` limit)."""
+    """Where this stepper run stops, per env: the engine's rule, or, for a unit of a call with
+    ``fraction_samples`` (``lacking`` given), once ``lacking`` more transitions are in (as
+    :meth:`StopRule.limited` says for a chunk: past the worker's own share if the call's total
+    still lacks them)."""
 
     def __init__(self, stepper: LaneStepper, rule: StopRule, lacking: int | None) -> None:
         episodes = stepper.worker.episodes
         self.episodes = episodes
+        self.quota = stepper.quota
+        self.worker = stepper.worker.worker_number
         self.rule = rule
         self.mode = rule.mode
         n = episodes.n_envs
         self.limit = None
         self.start_completed = episodes.recorder.completed_steps
         if self.mode is CallMode.FRAGMENTS:
-            steps = rule.steps if lacking is None else min(rule.steps, math.ceil(lacking / n))
+            steps = rule.steps if lacking is None else math.ceil(lacking / n)
             self.steps_left = np.full(n, max(steps, 0), dtype=np.int64)
             self.steps = steps
         elif self.mode is CallMode.SAMPLES and lacking is not None:
@@ -264,18 +272,29 @@ class _Call:
         """Whether env ``i`` takes another step."""
         mode = self.mode
         if mode is CallMode.SAMPLES:
-            if self.rule.need <= 0:
-                return False
-            limit = self.limit
-            done = self.episodes.recorder.completed_steps - self.start_completed
-            return limit is None or done < limit
+            return not self.satisfied()
         if mode is CallMode.FRAGMENTS:
             return bool(self.steps_left[i] > 0)
         return bool(self.episodes.active[i])
 
-    def took(self, i: int) -> None:
-        if self.mode is CallMode.FRAGMENTS:
-            self.steps_left[i] -= 1
+    def satisfied(self) -> bool:
+        """``SAMPLES``: the completed episodes this run asked for are in (with a shared quota:
+        the worker may stop, re-judged at every step, since the other workers move it too)."""
+        quota = self.quota
+        if quota is not None:
+            quota.report(self.worker, self.episodes.count(False))
+            return quota.may_stop(self.worker)
+        limit = self.limit
+        if limit is None:
+            return self.rule.need <= 0
+        return self.episodes.recorder.completed_steps - self.start_completed >= limit
+
+    def more_of(self, i: int) -> Callable[[], bool]:
+        """:meth:`more` of env ``i`` as a cheap zero-argument check (asked before every step)."""
+        if self.mode is CallMode.SAMPLES and self.limit is None:
+            rule = self.rule
+            return lambda: rule.need > 0
+        return functools.partial(self.more, i)
 
 
 class LaneStepper:
@@ -288,6 +307,8 @@ class LaneStepper:
             share, steps still in flight are cancelled, since their episodes would be dropped).
         episode_timeout: seconds an episode may run before it is cut as truncated.
         admission: the stream's :class:`Admission`, if any.
+        quota: the call's shared quota (``fraction_samples < 1``), if any: each env checks it
+            before every step, so a worker stops as soon as the call may spare it.
     """
 
     def __init__(
@@ -298,6 +319,7 @@ class LaneStepper:
         leave: Resume,
         episode_timeout: float | None,
         admission: Admission | None = None,
+        quota: SharedQuota | None = None,
     ) -> None:
         host = worker.host
         assert isinstance(host, LaneHost)
@@ -307,6 +329,7 @@ class LaneStepper:
         self.leave = leave
         self.episode_timeout = episode_timeout
         self.admission = admission
+        self.quota = quota
         n = worker.n_envs
         recorder = worker.episodes.recorder
         if recorder.cursor is None:
@@ -364,6 +387,12 @@ class LaneStepper:
             call.rule.took(call.steps)
 
     async def _lane(self, i: int, call: _Call, stop: asyncio.Future[None]) -> None:
+        """Env ``i``'s loop: reset when it must, ask for an action, step, record.
+
+        The env's cursor, episode length and return live in locals while it runs (numpy
+        scalar reads and writes cost more than the rest of a step) and go back to the
+        engine's arrays wherever the engine reads them: an episode's end, a cut, the exit.
+        """
         worker = self.worker
         episodes = worker.episodes
         host = self.host
@@ -379,18 +408,25 @@ class LaneStepper:
         request = self.requests.request
         step = host.step_one
         w = worker.worker_number
-        lengths, returns, deadlines = episodes.lengths, episodes.returns, self.deadlines
+        needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
+        deadlines = self.deadlines
+        steps_left = call.steps_left if call.mode is CallMode.FRAGMENTS else None
+        more = call.more_of(i)
+        loop = asyncio.get_running_loop()
+        t, length, ret = int(cursor[i]), int(lengths[i]), float(returns[i])
+        deadline = float(deadlines[i])
         try:
-            while call.more(i):
-                if episodes.needs_reset[i]:
-                    if not await self._start_episode(i, one, call):
+            while more():
+                if needs_reset[i]:
+                    started = await self._start_episode(i, one, call)
+                    length, ret, deadline = 0, 0.0, float(deadlines[i])
+                    if not started:
                         break
                 if flat:
                     observation = buffers.obs[i].copy()
                 else:
                     observation = tree_map(lambda x: x[i].copy(), buffers.obs)
                 action, infos = await request(worker.agent, w, observation)  # type: ignore[arg-type]
-                t = int(cursor[i])
                 if t >= rows.size:
                     rows.cover(t, buffers.obs, buffers.actions)
                 if flat:
@@ -400,37 +436,45 @@ class LaneStepper:
                     put_row(rows.obs, (t, i), observation)
                     put_row(rows.actions, (t, i), action)
                 if infos or rows.agent_infos:
-                    store_agent_info_cell(rows, t, i, infos)
+                    store_agent_infos(rows, t, infos, i)
                 rows.versions[t, i] = worker.agent_version
-                deadline = deadlines[i]
                 try:
                     reward, terminated, truncated, info = await step(
-                        i, action, None if deadline == _NEVER else float(deadline)
+                        i, action, None if deadline == _NEVER else deadline
                     )
                 except DeadlinePassed:
+                    cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
+                    length, ret = 0, 0.0
                     continue
-                cursor[i] = t + 1
                 rows.rewards[t, i] = reward
                 if info:
                     row = rows.env_infos.get(t)
                     if row is None:
                         row = rows.env_infos[t] = [{} for _ in range(worker.n_envs)]
                     row[i] = info
-                lengths[i] += 1
-                returns[i] += reward
-                call.took(i)
+                t += 1
+                length += 1
+                ret += reward
+                if steps_left is not None:
+                    steps_left[i] -= 1
                 if terminated or truncated:
-                    self._end(i, t)
-                    if cut_on_stop and call.rule.need <= 0 and not stop.done():
+                    cursor[i], lengths[i], returns[i] = t, length, ret
+                    self._end(i, t - 1)
+                    length, ret = 0, 0.0
+                    if cut_on_stop and call.satisfied() and not stop.done():
                         stop.set_result(None)
-                elif deadline != _NEVER and deadline <= asyncio.get_running_loop().time():
+                elif deadline != _NEVER and deadline <= loop.time():
+                    cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
+                    length, ret = 0, 0.0
         except asyncio.CancelledError:
             # Cut off mid-call (its share is in, or the call was cancelled): the env may be
             # mid-step, so it is reset before it is used again.
-            episodes.needs_reset[i] = True
+            needs_reset[i] = True
             raise
+        finally:
+            cursor[i], lengths[i], returns[i] = t, length, ret
 
     async def _start_episode(self, i: int, one: np.ndarray, call: _Call) -> bool:
         """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""

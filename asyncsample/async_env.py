@@ -13,11 +13,15 @@ says clearly what is wrong with anything else.
 
 from __future__ import annotations
 
+import copy
 import inspect
+import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Generic, SupportsFloat, TypeVar
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.error import ResetNeeded
 from gymnasium.utils import seeding
 
 if TYPE_CHECKING:
@@ -29,8 +33,12 @@ __all__ = [
     "ObsType",
     "check_async_env",
     "check_blocking_env",
+    "AsyncRecordEpisodeStatistics",
+    "AsyncTimeLimit",
+    "AsyncWrapper",
     "close_env",
     "is_async_env",
+    "time_limit",
 ]
 
 ObsType = TypeVar("ObsType")
@@ -126,6 +134,14 @@ class AsyncEnv(Generic[ObsType, ActType]):
             self._np_random, self._np_random_seed = seeding.np_random()
         return self._np_random_seed
 
+    def has_wrapper_attr(self, name: str) -> bool:
+        """Whether this env, or an env it wraps, has the attribute ``name`` (gymnasium's)."""
+        return hasattr(self, name)
+
+    def get_wrapper_attr(self, name: str) -> Any:
+        """The attribute ``name`` of the outermost env that has it (gymnasium's)."""
+        return getattr(self, name)
+
     async def __aenter__(self) -> AsyncEnv[ObsType, ActType]:
         return self
 
@@ -162,12 +178,20 @@ def _describe(obj: object) -> str:
     return type(obj).__name__
 
 
-def check_async_env(obj: object, name: str) -> None:
+def check_async_env(
+    obj: object,
+    name: str,
+    *,
+    needed_by: str = "backend='asyncio'",
+    advice: str = "use backend='thread' (or 'process') for it",
+) -> None:
     """Refuse, before any work, what cannot be stepped as an async env.
 
     Args:
         obj: what an env factory returned.
         name: the argument it came from, for the message (``"env"``).
+        needed_by: who needs an async env, for the message.
+        advice: what to do with a blocking env instead, for the message.
 
     Raises:
         TypeError: ``obj`` is a blocking env (with advice on the backend to use), lacks
@@ -181,12 +205,12 @@ def check_async_env(obj: object, name: str) -> None:
             what = "a blocking gymnasium.Env" if isinstance(obj, gym.Env) else "a blocking env"
             blocking = [m for m in ("reset", "step") if not _is_coroutine_method(obj, m)]
             raise TypeError(
-                f"{name}: backend='asyncio' needs envs whose reset/step are coroutines (an "
+                f"{name}: {needed_by} needs envs whose reset/step are coroutines (an "
                 f"asyncsample.AsyncEnv); got {kind}, {what} ({' and '.join(blocking)} not "
-                "async def): use backend='thread' (or 'process') for it"
+                f"async def): {advice}"
             )
         raise TypeError(
-            f"{name}: backend='asyncio' needs an env (an asyncsample.AsyncEnv, or an object with "
+            f"{name}: {needed_by} needs an env (an asyncsample.AsyncEnv, or an object with "
             f"async def reset/step and observation_space/action_space); got {kind}"
         )
     for space in _SPACES:
@@ -233,3 +257,297 @@ async def close_env(env: object) -> None:
     result = close()
     if inspect.isawaitable(result):
         await result
+
+
+class AsyncWrapper(AsyncEnv[ObsType, ActType]):
+    """Wraps an async env to change part of its behaviour; forwards the rest (gymnasium's
+    ``Wrapper``, for coroutine envs).
+
+    Spaces and ``metadata`` are the wrapped env's unless set on the wrapper; ``spec``,
+    ``render_mode``, ``np_random`` and ``np_random_seed`` are always the wrapped env's, so seeding
+    through any layer seeds the innermost env. A subclass overrides ``reset``/``step`` and awaits
+    ``super()``'s (or ``self.env``'s) to reach the env below.
+
+    Args:
+        env: the async env to wrap (an :class:`AsyncEnv` or any object :func:`is_async_env`
+            accepts).
+
+    Raises:
+        TypeError: ``env`` is not an async env (a blocking gymnasium env takes gymnasium's own
+            wrappers).
+    """
+
+    def __init__(self, env: AsyncEnv[ObsType, ActType]) -> None:
+        check_async_env(
+            env, "env", needed_by=type(self).__name__, advice="use gymnasium's wrappers for it"
+        )
+        self.env = env
+        self._observation_space: gym.Space[ObsType] | None = None
+        self._action_space: gym.Space[ActType] | None = None
+        self._metadata: dict[str, Any] | None = None
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[ObsType, dict[str, Any]]:
+        """Reset the wrapped env (see :meth:`AsyncEnv.reset`)."""
+        return await self.env.reset(seed=seed, options=options)
+
+    async def step(
+        self, action: ActType
+    ) -> tuple[ObsType, SupportsFloat, bool, bool, dict[str, Any]]:
+        """Step the wrapped env (see :meth:`AsyncEnv.step`)."""
+        return await self.env.step(action)
+
+    async def close(self) -> None:
+        """Close the wrapped env (its ``close`` may be a coroutine, a function, or absent)."""
+        await close_env(self.env)
+
+    @property
+    def observation_space(self) -> gym.Space[ObsType]:
+        """The wrapped env's observation space, unless this wrapper sets its own."""
+        if self._observation_space is None:
+            return self.env.observation_space
+        return self._observation_space
+
+    @observation_space.setter
+    def observation_space(self, space: gym.Space[ObsType]) -> None:
+        self._observation_space = space
+
+    @property
+    def action_space(self) -> gym.Space[ActType]:
+        """The wrapped env's action space, unless this wrapper sets its own."""
+        if self._action_space is None:
+            return self.env.action_space
+        return self._action_space
+
+    @action_space.setter
+    def action_space(self, space: gym.Space[ActType]) -> None:
+        self._action_space = space
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The wrapped env's metadata, unless this wrapper sets its own."""
+        if self._metadata is None:
+            return getattr(self.env, "metadata", {})
+        return self._metadata
+
+    @metadata.setter
+    def metadata(self, value: dict[str, Any]) -> None:
+        self._metadata = value
+
+    @property
+    def spec(self) -> GymEnvSpec | None:  # type: ignore[override]
+        """The wrapped env's spec."""
+        return getattr(self.env, "spec", None)
+
+    @property
+    def render_mode(self) -> str | None:  # type: ignore[override]
+        """The wrapped env's render mode."""
+        return getattr(self.env, "render_mode", None)
+
+    @property
+    def np_random(self) -> np.random.Generator:
+        """The wrapped env's generator (setting it sets the wrapped env's)."""
+        return self.env.np_random
+
+    @np_random.setter
+    def np_random(self, value: np.random.Generator) -> None:
+        self.env.np_random = value
+
+    @property
+    def np_random_seed(self) -> int:
+        """The wrapped env's seed."""
+        return self.env.np_random_seed
+
+    @property
+    def unwrapped(self) -> AsyncEnv[Any, Any]:
+        """The innermost env."""
+        inner: AsyncEnv[Any, Any] = getattr(self.env, "unwrapped", self.env)
+        return inner
+
+    @property
+    def max_episode_steps(self) -> int | None:
+        """The step limit an :class:`AsyncTimeLimit` in this stack puts on episodes (the tightest
+        if there are several), ``None`` if there is none: what the sampler reads as the limit."""
+        return time_limit(self)
+
+    def has_wrapper_attr(self, name: str) -> bool:
+        """Whether this wrapper or an env below it has the attribute ``name``."""
+        if hasattr(self, name):
+            return True
+        below = getattr(self.env, "has_wrapper_attr", None)
+        return bool(below(name)) if below is not None else hasattr(self.env, name)
+
+    def get_wrapper_attr(self, name: str) -> Any:
+        """The attribute ``name`` of the outermost layer that has it.
+
+        Raises:
+            AttributeError: no layer has it.
+        """
+        if hasattr(self, name):
+            return getattr(self, name)
+        below = getattr(self.env, "get_wrapper_attr", None)
+        if below is not None:
+            return below(name)
+        try:
+            return getattr(self.env, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{self} and the envs it wraps have no attribute {name!r}"
+            ) from None
+
+    def __str__(self) -> str:
+        return f"<{type(self).__name__}{self.env}>"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value}")
+    return int(value)
+
+
+class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
+    """Truncates episodes after ``max_episode_steps`` steps (gymnasium's ``TimeLimit``).
+
+    The step that reaches the limit returns ``truncated=True`` (``terminated`` stays what the env
+    said). Every wrapper above it reports the limit as ``max_episode_steps`` (see
+    :func:`time_limit`), where the sampler reads it, as it reads gymnasium's ``TimeLimit``: batches
+    record it in ``env_spec.max_episode_length``.
+
+    Args:
+        env: the async env to wrap.
+        max_episode_steps: steps after which an episode is truncated (an int >= 1).
+
+    Raises:
+        TypeError: ``max_episode_steps`` is not an int.
+        ValueError: ``max_episode_steps`` is below 1.
+    """
+
+    def __init__(self, env: AsyncEnv[ObsType, ActType], max_episode_steps: int) -> None:
+        limit = _positive_int("max_episode_steps", max_episode_steps)
+        super().__init__(env)
+        self._max_episode_steps = limit
+        self._elapsed_steps: int | None = None
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[ObsType, dict[str, Any]]:
+        """Reset the env and the step count."""
+        self._elapsed_steps = 0
+        return await self.env.reset(seed=seed, options=options)
+
+    async def step(
+        self, action: ActType
+    ) -> tuple[ObsType, SupportsFloat, bool, bool, dict[str, Any]]:
+        """Step the env; ``truncated`` is set on the step that reaches the limit.
+
+        Raises:
+            gymnasium.error.ResetNeeded: called before the first ``reset``.
+        """
+        if self._elapsed_steps is None:
+            raise ResetNeeded("AsyncTimeLimit: call reset() before step()")
+        obs, reward, terminated, truncated, info = await self.env.step(action)
+        self._elapsed_steps += 1
+        if self._elapsed_steps >= self._max_episode_steps:
+            truncated = True
+        return obs, reward, terminated, truncated, info
+
+    @property
+    def spec(self) -> GymEnvSpec | None:  # type: ignore[override]
+        """The wrapped env's spec with this limit as ``max_episode_steps`` (``None`` if none)."""
+        spec: GymEnvSpec | None = getattr(self.env, "spec", None)
+        if spec is None:
+            return None
+        spec = copy.deepcopy(spec)
+        spec.max_episode_steps = self._max_episode_steps
+        return spec
+
+
+class AsyncRecordEpisodeStatistics(AsyncWrapper[ObsType, ActType]):
+    """Adds the episode's return, length and duration to the info of its last step (gymnasium's
+    ``RecordEpisodeStatistics``).
+
+    On the step that terminates or truncates an episode, ``info[stats_key]`` is
+    ``{"r": return, "l": length, "t": seconds since reset}`` (the seconds rounded to 6 digits; on
+    an async env they include the time the step spent waiting). The last ``buffer_length``
+    episodes' figures are kept in ``return_queue``, ``length_queue`` and ``time_queue``.
+
+    Args:
+        env: the async env to wrap.
+        buffer_length: how many episodes the queues keep.
+        stats_key: the info key of the statistics.
+    """
+
+    def __init__(
+        self,
+        env: AsyncEnv[ObsType, ActType],
+        buffer_length: int = 100,
+        stats_key: str = "episode",
+    ) -> None:
+        super().__init__(env)
+        self._stats_key = stats_key
+        self.episode_count = 0
+        self.episode_start_time = -1.0
+        self.episode_returns = 0.0
+        self.episode_lengths = 0
+        self.time_queue: deque[float] = deque(maxlen=buffer_length)
+        self.return_queue: deque[float] = deque(maxlen=buffer_length)
+        self.length_queue: deque[int] = deque(maxlen=buffer_length)
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[ObsType, dict[str, Any]]:
+        """Reset the env and start counting a new episode."""
+        obs, info = await self.env.reset(seed=seed, options=options)
+        self.episode_start_time = time.perf_counter()
+        self.episode_returns = 0.0
+        self.episode_lengths = 0
+        return obs, info
+
+    async def step(
+        self, action: ActType
+    ) -> tuple[ObsType, SupportsFloat, bool, bool, dict[str, Any]]:
+        """Step the env and count; the statistics go into the info of the episode's last step.
+
+        Raises:
+            ValueError: the env's own info already has ``stats_key``.
+        """
+        obs, reward, terminated, truncated, info = await self.env.step(action)
+        self.episode_returns += float(reward)
+        self.episode_lengths += 1
+        if terminated or truncated:
+            if self._stats_key in info:
+                raise ValueError(
+                    f"AsyncRecordEpisodeStatistics: the env's info already has the key "
+                    f"{self._stats_key!r}; pass another stats_key"
+                )
+            seconds = round(time.perf_counter() - self.episode_start_time, 6)
+            info[self._stats_key] = {
+                "r": self.episode_returns,
+                "l": self.episode_lengths,
+                "t": seconds,
+            }
+            self.time_queue.append(seconds)
+            self.return_queue.append(self.episode_returns)
+            self.length_queue.append(self.episode_lengths)
+            self.episode_count += 1
+            self.episode_start_time = time.perf_counter()
+        return obs, reward, terminated, truncated, info
+
+
+def time_limit(env: object) -> int | None:
+    """The step limit an :class:`AsyncTimeLimit` puts on ``env``, looking through its wrappers.
+
+    The tightest limit wins when several are stacked. ``None`` when there is none.
+    """
+    limits = []
+    while isinstance(env, AsyncWrapper):
+        if isinstance(env, AsyncTimeLimit):
+            limits.append(env._max_episode_steps)
+        env = env.env
+    return min(limits) if limits else None

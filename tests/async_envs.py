@@ -6,7 +6,8 @@ episodes however the steps of different envs interleave. Each async env has a bl
 and for comparing the async wrappers with gymnasium's.
 
 Factories (:class:`EnvFactory`) record the envs they built, so a test can check rebuilds and
-closes; :func:`open_envs` counts the test envs not closed yet.
+closes (``made`` includes the env the sampler builds to read the spaces, first); :func:`open_envs`
+counts the test envs not closed yet.
 """
 
 from __future__ import annotations
@@ -112,44 +113,83 @@ class CountingAsyncEnv(RandomLengthAsyncEnv):
         super().__init__(length, length, latency)
 
 
-class FailingAsyncEnv(CountingAsyncEnv):
-    """Raises ``RuntimeError`` on its ``fail_at``-th step (counted over its life, from 1)."""
+class Budget:
+    """How many more times the envs sharing it may misbehave (``None``: without limit).
 
-    def __init__(self, fail_at: int = 3, length: int = 10, latency: float = 0.0) -> None:
+    Shared by the envs of one factory, and spent when an env actually misbehaves (not when it is
+    built), so the env the sampler builds only to read the spaces does not use it up.
+    """
+
+    def __init__(self, times: int | None) -> None:
+        self.left = times
+
+    def take(self) -> bool:
+        """Spend one misbehaviour; false when none is left."""
+        if self.left is None:
+            return True
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
+class _Misbehaving(CountingAsyncEnv):
+    """A counting env that misbehaves (:meth:`misbehave`) on its ``at``-th step (counted over
+    its life, from 1), while ``budget`` allows (by default always)."""
+
+    def __init__(self, at: int, length: int, latency: float, budget: Budget | None) -> None:
         super().__init__(length, latency)
-        self.fail_at = fail_at
+        self.at = at
+        self.budget = budget or Budget(None)
+
+    async def misbehave(self) -> None:
+        raise NotImplementedError
 
     async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        if self.logic.steps_taken + 1 == self.fail_at:
+        if self.logic.steps_taken + 1 == self.at and self.budget.take():
             self.logic.steps_taken += 1
-            await asyncio.sleep(0)
-            raise RuntimeError(f"FailingAsyncEnv failed on its step {self.fail_at}")
+            await self.misbehave()
         return await super().step(action)
 
 
-class HangingAsyncEnv(CountingAsyncEnv):
-    """Awaits forever on its ``hang_at``-th step (counted over its life, from 1).
+class FailingAsyncEnv(_Misbehaving):
+    """Raises ``RuntimeError`` on its ``fail_at``-th step (see :class:`_Misbehaving`)."""
+
+    def __init__(
+        self, fail_at: int = 3, length: int = 10, latency: float = 0.0, budget: Budget | None = None
+    ) -> None:
+        super().__init__(fail_at, length, latency, budget)
+        self.fail_at = fail_at
+        self.failed = False
+
+    async def misbehave(self) -> None:
+        self.failed = True
+        await asyncio.sleep(0)
+        raise RuntimeError(f"FailingAsyncEnv failed on its step {self.fail_at}")
+
+
+class HangingAsyncEnv(_Misbehaving):
+    """Awaits forever on its ``hang_at``-th step (see :class:`_Misbehaving`).
 
     The wait is cancellable; ``hung`` says the env reached it and ``cancelled`` that it was
     cancelled there.
     """
 
-    def __init__(self, hang_at: int = 3, length: int = 10, latency: float = 0.0) -> None:
-        super().__init__(length, latency)
+    def __init__(
+        self, hang_at: int = 3, length: int = 10, latency: float = 0.0, budget: Budget | None = None
+    ) -> None:
+        super().__init__(hang_at, length, latency, budget)
         self.hang_at = hang_at
         self.hung = False
         self.cancelled = False
 
-    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        if self.logic.steps_taken + 1 == self.hang_at:
-            self.logic.steps_taken += 1
-            self.hung = True
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                self.cancelled = True
-                raise
-        return await super().step(action)
+    async def misbehave(self) -> None:
+        self.hung = True
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
 
 
 class DuckAsyncEnv:
@@ -247,18 +287,22 @@ def random_length(lo: int = 1, hi: int = 20, latency: Latency = None) -> EnvFact
     return EnvFactory(lambda i: RandomLengthAsyncEnv(lo, hi, latency))
 
 
-def failing(fail_at: int = 3, times: int = 1, length: int = 10) -> EnvFactory:
-    """The first ``times`` envs built fail on their ``fail_at``-th step; later ones count."""
-    return EnvFactory(
-        lambda i: FailingAsyncEnv(fail_at, length) if i < times else CountingAsyncEnv(length)
-    )
+def failing(
+    fail_at: int = 3, times: int | None = 1, length: int = 10, latency: float = 0.0
+) -> EnvFactory:
+    """Builds :class:`FailingAsyncEnv`: the first ``times`` envs to reach their ``fail_at``-th
+    step fail there (``None``: every env does); the others behave as :class:`CountingAsyncEnv`."""
+    budget = Budget(times)
+    return EnvFactory(lambda i: FailingAsyncEnv(fail_at, length, latency, budget))
 
 
-def hanging(hang_at: int = 3, times: int = 1, length: int = 10) -> EnvFactory:
-    """The first ``times`` envs built hang on their ``hang_at``-th step; later ones count."""
-    return EnvFactory(
-        lambda i: HangingAsyncEnv(hang_at, length) if i < times else CountingAsyncEnv(length)
-    )
+def hanging(
+    hang_at: int = 3, times: int | None = 1, length: int = 10, latency: float = 0.0
+) -> EnvFactory:
+    """Builds :class:`HangingAsyncEnv`: the first ``times`` envs to reach their ``hang_at``-th
+    step hang there (``None``: every env does); the others behave as :class:`CountingAsyncEnv`."""
+    budget = Budget(times)
+    return EnvFactory(lambda i: HangingAsyncEnv(hang_at, length, latency, budget))
 
 
 def duck(length: int = 10) -> EnvFactory:

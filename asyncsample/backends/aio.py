@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import traceback
@@ -25,7 +26,7 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample._tree import tree_map
-from asyncsample.async_env import check_async_env
+from asyncsample.async_env import check_async_env, close_env
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends.base import (
     LOGGER,
@@ -52,6 +53,8 @@ __all__ = [
     "ThreadBackend",
     "ThreadedEnv",
     "default_threads",
+    "make_async_env",
+    "probe_async_env",
 ]
 
 _PENDING = object()
@@ -108,7 +111,20 @@ class ThreadedEnv:
         return await self._run(self.env.step, action)  # type: ignore[no-any-return]
 
     async def close(self) -> None:
-        """``env.close`` in a pool thread, after any call still running."""
+        """``env.close`` in a pool thread. With a call still running (a step that hung past
+        ``step_timeout``, or cut at a deadline) the close is queued behind it and not awaited:
+        the env is being replaced, and a thread cannot be interrupted, so waiting could hold
+        the caller as long as the stuck call lasts."""
+        busy = self._busy
+        if busy is not None and not busy.done():
+            env, executor = self.env, self._executor
+
+            def close_after(_: concurrent.futures.Future[Any]) -> None:
+                with contextlib.suppress(RuntimeError):  # the pool was shut down meanwhile
+                    executor.submit(env.close)
+
+            busy.add_done_callback(close_after)
+            return
         await self._run(self.env.close)
 
 
@@ -433,11 +449,51 @@ async def _gather(calls: Sequence[Any]) -> list[Any]:
 async def _close_quietly(env: Any) -> None:
     """Close ``env`` (a coroutine or a plain ``close``), ignoring its errors."""
     try:
-        result = env.close()
-        if asyncio.iscoroutine(result):
-            await result
+        await close_env(env)
     except Exception as exc:
         logging.getLogger("asyncsample").debug("closing an env raised %r", exc)
+
+
+_CLOSING: set[asyncio.Task[Any]] = set()
+
+
+def probe_async_env(source: Any) -> tuple[gym.Space[Any], gym.Space[Any], int | None]:
+    """Build one async env from ``source`` to read its spaces and step limit (as gymnasium's
+    vector envs read a sub-env's), then close it: now if no loop runs in this thread, else as a
+    task of the running loop (a sampler's constructor cannot await).
+
+    Raises:
+        TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
+        ValueError: the factory raised.
+    """
+    if isinstance(source, str) or not callable(source):
+        raise TypeError(
+            "env: backend='asyncio' takes a zero-argument callable returning an "
+            f"asyncsample.AsyncEnv, got {type(source).__name__} {source!r:.60}"
+        )
+    try:
+        env = source()
+    except Exception as exc:
+        raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
+    if isinstance(env, gym.Env):
+        raise TypeError(
+            f"env: backend='asyncio' needs envs whose reset and step are coroutines (an "
+            f"asyncsample.AsyncEnv); {source!r} returned {type(env).__name__}, a blocking "
+            "gymnasium.Env: use backend='thread' (or 'process') for it"
+        )
+    check_async_env(env, "env")
+    limit = getattr(env, "max_episode_steps", None)
+    if limit is None:
+        limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        asyncio.run(_close_quietly(env))
+    else:
+        task = loop.create_task(_close_quietly(env))
+        _CLOSING.add(task)
+        task.add_done_callback(_CLOSING.discard)
+    return env.observation_space, env.action_space, limit
 
 
 def make_async_env(source: EnvSource, old: Any) -> Any:
