@@ -68,14 +68,15 @@ async def test_a_hung_step_of_a_chunk_fails_in_step_timeout(
 async def test_a_hung_step_of_a_chunk_is_restarted_in_step_timeout(
     tmp_path: Any, ray_cluster: Any, make_sampler: SamplerFactory
 ) -> None:
-    # Hangs once (the flag): the actor is killed after ~0.5 s, a new one finishes the call.
+    # Hangs once (the flag): the actor is killed after ~0.5 s, a new one finishes the call. Both
+    # workers lived on it: each counts the restart.
     env = functools.partial(HangingEnv, 9, 3600.0, str(tmp_path / "hung"))
     async with _host_sampler(make_sampler, env, 64, n_workers=2, max_restarts=2) as s:
         await s.obtain_fragments(8)  # the actor is up, nobody has hung yet
         start = time.monotonic()
         batch = await s.obtain_fragments(200)
         elapsed = time.monotonic() - start
-        assert s.last_stats is not None and s.last_stats.restarts == 1
+        assert s.last_stats is not None and s.last_stats.restarts == 2
     assert batch.lengths.sum() >= 200
     # 0.5 s to notice, a new actor (a few seconds on a loaded machine), 200 steps: was 32 s.
     assert elapsed < 15.0, elapsed
