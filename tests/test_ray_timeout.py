@@ -14,6 +14,7 @@ import pickle
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from envs import HangingEnv, NoisyEnv, SleepyEnv
 from helpers import SamplerFactory
@@ -144,3 +145,33 @@ def test_the_actor_reports_the_steps_of_the_running_chunk_only() -> None:
     reply = actor.run_chunk(0, b"not a chunk request")
     assert pickle.loads(reply)[0] == FAIL
     assert actor.chunk_start == {} and actor.progress(0) == 0
+
+
+async def test_batches_with_the_progress_thread_are_those_of_the_process_backend(
+    ray_cluster: Any, make_sampler: SamplerFactory
+) -> None:
+    # The actor with a progress group runs every other call on one thread, in order: the same
+    # batches as the process backend (3 workers on 2 actors, a step_timeout that never fires).
+    batches = []
+    for backend in ("process", "ray"):
+        async with make_sampler(
+            backend=backend,
+            env=NoisyEnv,
+            inference=Host(chunk_steps=16),
+            n_workers=3,
+            envs_per_worker=2,
+            n_processes=2,
+            max_episode_length=40,
+            seed=7,
+            step_timeout=30.0,
+        ) as s:
+            batches.append(
+                (await s.obtain_samples(150), await s.obtain_fragments(60), s.total_env_steps)
+            )
+    (samples_p, fragments_p, steps_p), (samples_r, fragments_r, steps_r) = batches
+    assert steps_p == steps_r
+    for a, b in ((samples_p, samples_r), (fragments_p, fragments_r)):
+        assert np.array_equal(a.observations, b.observations)
+        assert np.array_equal(a.actions, b.actions)
+        assert np.array_equal(a.rewards, b.rewards)
+        assert np.array_equal(a.lengths, b.lengths)
