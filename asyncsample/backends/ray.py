@@ -365,14 +365,14 @@ class RayHost(RemoteHost[_Actor]):
         if op is Op.STEP or op is Op.RESET:
             method, args = op.label, payload  # the request carries the worker
         elif op is Op.CHUNK:  # inference="host"
-            chunk = self.chunk
             args = (worker, *payload)
-            if timeout is None or chunk is None:
+            if timeout is None:
                 return incarnation.submit("run_chunk", args, None, worker, op.label)
             # step_timeout bounds each step: the actor's count of this chunk's steps is polled
-            # into the local counter while the chunk runs (see _Actor.watch).
-            chunk.progress[0] = 0
-            call = incarnation.submit("run_chunk", args, timeout, worker, op.label, chunk.progress)
+            # into a counter of the call's own while the chunk runs (see _Actor.watch); a chunk
+            # whose caller was cancelled may still run before it, polled into its own.
+            counter = np.zeros(1, np.int64)
+            call = incarnation.submit("run_chunk", args, timeout, worker, op.label, counter)
             incarnation.watch(call, worker, timeout)
             return call
         else:
