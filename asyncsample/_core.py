@@ -398,6 +398,7 @@ class SamplerCore:
                 leave=leave,
                 episode_timeout=self.episode_timeout,
                 admission=self.admission,
+                quota=shared,
             )
             return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
-from asyncsample._engine import CallMode, StopRule
-from asyncsample._recorder import Resume, put_row, store_agent_info_cell
+from asyncsample._engine import CallMode, SharedQuota, StopRule
+from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import Tree, tree_map
 from asyncsample.agent import Agent, RandomAgent
 from asyncsample.backends.aio import DeadlinePassed, LaneHost
@@ -246,18 +246,23 @@ class Admission:
 
 
 class _Call:
-    """Where this stepper run stops, per env (the engine's rule, plus a ``lacking`` limit)."""
+    """Where this stepper run stops, per env: the engine's rule, or, for a unit of a call with
+    ``fraction_samples`` (``lacking`` given), once ``lacking`` more transitions are in (as
+    :meth:`StopRule.limited` says for a chunk: past the worker's own share if the call's total
+    still lacks them)."""
 
     def __init__(self, stepper: LaneStepper, rule: StopRule, lacking: int | None) -> None:
         episodes = stepper.worker.episodes
         self.episodes = episodes
+        self.quota = stepper.quota
+        self.worker = stepper.worker.worker_number
         self.rule = rule
         self.mode = rule.mode
         n = episodes.n_envs
         self.limit = None
         self.start_completed = episodes.recorder.completed_steps
         if self.mode is CallMode.FRAGMENTS:
-            steps = rule.steps if lacking is None else min(rule.steps, math.ceil(lacking / n))
+            steps = rule.steps if lacking is None else math.ceil(lacking / n)
             self.steps_left = np.full(n, max(steps, 0), dtype=np.int64)
             self.steps = steps
         elif self.mode is CallMode.SAMPLES and lacking is not None:
@@ -267,14 +272,22 @@ class _Call:
         """Whether env ``i`` takes another step."""
         mode = self.mode
         if mode is CallMode.SAMPLES:
-            if self.rule.need <= 0:
-                return False
-            limit = self.limit
-            done = self.episodes.recorder.completed_steps - self.start_completed
-            return limit is None or done < limit
+            return not self.satisfied()
         if mode is CallMode.FRAGMENTS:
             return bool(self.steps_left[i] > 0)
         return bool(self.episodes.active[i])
+
+    def satisfied(self) -> bool:
+        """``SAMPLES``: the completed episodes this run asked for are in (with a shared quota:
+        the worker may stop, re-judged at every step, since the other workers move it too)."""
+        quota = self.quota
+        if quota is not None:
+            quota.report(self.worker, self.episodes.count(False))
+            return quota.may_stop(self.worker)
+        limit = self.limit
+        if limit is None:
+            return self.rule.need <= 0
+        return self.episodes.recorder.completed_steps - self.start_completed >= limit
 
     def more_of(self, i: int) -> Callable[[], bool]:
         """:meth:`more` of env ``i`` as a cheap zero-argument check (asked before every step)."""
@@ -294,6 +307,8 @@ class LaneStepper:
             share, steps still in flight are cancelled, since their episodes would be dropped).
         episode_timeout: seconds an episode may run before it is cut as truncated.
         admission: the stream's :class:`Admission`, if any.
+        quota: the call's shared quota (``fraction_samples < 1``), if any: each env checks it
+            before every step, so a worker stops as soon as the call may spare it.
     """
 
     def __init__(
@@ -304,6 +319,7 @@ class LaneStepper:
         leave: Resume,
         episode_timeout: float | None,
         admission: Admission | None = None,
+        quota: SharedQuota | None = None,
     ) -> None:
         host = worker.host
         assert isinstance(host, LaneHost)
@@ -313,6 +329,7 @@ class LaneStepper:
         self.leave = leave
         self.episode_timeout = episode_timeout
         self.admission = admission
+        self.quota = quota
         n = worker.n_envs
         recorder = worker.episodes.recorder
         if recorder.cursor is None:
@@ -419,7 +436,7 @@ class LaneStepper:
                     put_row(rows.obs, (t, i), observation)
                     put_row(rows.actions, (t, i), action)
                 if infos or rows.agent_infos:
-                    store_agent_info_cell(rows, t, i, infos)
+                    store_agent_infos(rows, t, infos, i)
                 rows.versions[t, i] = worker.agent_version
                 try:
                     reward, terminated, truncated, info = await step(
@@ -445,7 +462,7 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
                     length, ret = 0, 0.0
-                    if cut_on_stop and call.rule.need <= 0 and not stop.done():
+                    if cut_on_stop and call.satisfied() and not stop.done():
                         stop.set_result(None)
                 elif deadline != _NEVER and deadline <= loop.time():
                     cursor[i], lengths[i], returns[i] = t, length, ret

@@ -199,6 +199,8 @@ class TestEnvs:
                 max_restarts=core.max_restarts,
                 host_threads=core.host_threads,
                 backend_options=core.backend_options,
+                max_concurrency=core.max_concurrency,
+                episode_timeout=core.episode_timeout,
             )
             self.evaluators[render] = (evaluator, key)
         batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)

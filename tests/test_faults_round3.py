@@ -22,7 +22,8 @@ from asyncsample import Host, Sampler, StepTimeoutError, WorkerError
 from asyncsample.backends._remote import HostDied, Incarnation, progress_poll
 from asyncsample.seeding import OFF_LOOP_ENVS, worker_seeds
 
-pytestmark = [pytest.mark.timeout(90), pytest.mark.both_loops]
+# The uvloop variants run in the slow pass (the default run keeps under its time budget).
+pytestmark = [pytest.mark.timeout(90)]
 
 
 class ValueErrorAgent:

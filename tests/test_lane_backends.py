@@ -19,6 +19,7 @@ from async_envs import (
     CountingEnv,
     EnvFactory,
     FailingAsyncEnv,
+    RandomLengthAsyncEnv,
     RandomLengthEnv,
     counting,
     failing,
@@ -392,3 +393,82 @@ async def test_episode_timeout_on_lockstep_backends(
 async def test_episode_timeout_refused_with_host_inference() -> None:
     with pytest.raises(ValueError, match="episode_timeout needs inference='per_worker'"):
         Sampler("CartPole-v1", inference="host", episode_timeout=1.0)
+
+
+async def test_fraction_samples_on_lanes(make_sampler: SamplerFactory) -> None:
+    """One worker's envs take 30 ms a step, the other's 1 ms: with fraction_samples=0.25 the
+    fast worker fills in and the call ends long before the slow worker has its share."""
+    factory = EnvFactory(lambda i: CountingAsyncEnv(5, latency=0.03 if i in (1, 2) else 0.001))
+    sampler = make_sampler("asyncio", factory, n_workers=2, envs_per_worker=2, seed=0)
+    batch = await sampler.obtain_samples(200, fraction_samples=0.25)
+    _check_whole(batch)
+    assert batch.n_transitions >= 200
+    per_worker = np.bincount(batch.episode_infos["worker"], weights=batch.lengths, minlength=2)
+    assert per_worker[0] >= 25  # its minimum: ceil(0.25 * 100)
+    assert per_worker[1] > per_worker[0]
+
+
+async def test_evaluate_on_lanes(make_sampler: SamplerFactory, lane: str) -> None:
+    sampler = make_sampler(lane, LANES[lane](), Versioned(), n_workers=2, seed=0)
+    result = await sampler.evaluate(5)
+    assert len(result.returns) == 5
+    _check_whole(result.batch)
+
+
+async def test_thread_backend_rebuild_does_not_wait_for_a_stuck_step(
+    make_sampler: SamplerFactory,
+) -> None:
+    """A blocking step that sleeps 3 s is found at step_timeout; the worker's envs are rebuilt
+    at once (the stuck thread finishes on its own, and its env is closed then)."""
+    built = 0
+
+    class Stuck(CountingEnv):
+        def __init__(self) -> None:
+            nonlocal built
+            built += 1
+            super().__init__(5)
+            self.stuck = built == 2  # the first worker env (the probe is the first built)
+
+        def step(self, action: Any) -> Any:
+            if self.stuck and self.logic.steps_taken == 2:
+                self.stuck = False
+                time.sleep(3.0)
+            return super().step(action)
+
+    sampler = make_sampler(
+        "thread", Stuck, n_workers=1, envs_per_worker=2, step_timeout=0.3, max_concurrency=4, seed=0
+    )
+    start = time.perf_counter()
+    batch = await sampler.obtain_samples(30)
+    assert time.perf_counter() - start < 2.5
+    _check_whole(batch)
+
+
+async def test_exact_episodes_and_fragments_reproducible_whatever_the_latency(
+    make_sampler: SamplerFactory,
+) -> None:
+    """Random latencies change which env finishes first, not the batch: each env's episodes and
+    steps are fixed by the call, and pieces are ordered by the env's own step count."""
+
+    class ByObs:
+        def get_actions(self, observations: np.ndarray) -> Any:
+            return (observations[:, 1] > 0.5).astype(np.int64), {}
+
+    batches = []
+    for run in range(2):
+        # Different latencies per run: a latency draw of its own rng, seeded by the run.
+        rng = np.random.default_rng(run)
+        factory = EnvFactory(
+            lambda i, rng=rng: RandomLengthAsyncEnv(1, 10, latency=float(rng.uniform(0, 0.004)))
+        )
+        sampler = make_sampler("asyncio", factory, ByObs(), n_workers=2, envs_per_worker=3, seed=5)
+        batches.append(
+            [
+                await sampler.obtain_exact_episodes(4),
+                await sampler.obtain_fragments(40),
+                await sampler.obtain_fragments(40),
+            ]
+        )
+        await sampler.aclose()
+    for a, b in zip(*batches):
+        assert a.equals(b)

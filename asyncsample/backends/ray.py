@@ -18,10 +18,13 @@ reply is copied into the worker's local :class:`~asyncsample.env_group.StepBuffe
 Observation arrays of at least ``compress_threshold`` bytes can be compressed before they leave
 the actor (lz4 when installed, else zlib); a leaf that does not shrink by a quarter is sent as
 is and not tried again for its next 1000 replies, so incompressible (noise-like) observations
-cost one try. Measured on one machine (``benchmarks/ray_vs_process.py``): lz4 on compressible
-84x84x4 frames pays even there (1.5-2x steps/s), because small replies stay inline instead of
-going through the object store; zlib pays with 8 frames per reply but loses with 32 (it takes
-about 0.5 ms per 220 KiB to compress, more than the object store costs for large replies).
+cost one try. Measured on one machine (``benchmarks/results/ray_vs_process.json``, written
+before the benchmark framework; ``asyncsample bench ray`` runs the comparison now, and
+``RAY_ADDRESS=auto asyncsample bench ray --contenders asyncsample-ray --layouts 64x32
+--processes 32`` on a cluster): lz4 on compressible 84x84x4 frames pays even there (1.5-2x
+steps/s), because small replies stay inline instead of going through the object store; zlib pays
+with 8 frames per reply but loses with 32 (it takes about 0.5 ms per 220 KiB to compress, more
+than the object store costs for large replies).
 
 Calls are awaited as futures in the event loop (a Ray thread resolves them with
 ``call_soon_threadsafe``). An actor serves its calls in submission order, so a caller that is
@@ -454,7 +457,9 @@ class RayBackend:
         n_processes: number of env-host actors (default: the CPU count of this machine), capped
             at the number of workers. On a cluster, set it (or ``workers_per_actor``).
         step_timeout: seconds an actor may spend on one build, update, reset or step before it is
-            killed and the call fails with :class:`~asyncsample.StepTimeoutError`.
+            killed and the call fails with :class:`~asyncsample.StepTimeoutError`; a chunk of
+            ``k`` steps (``inference="host"``) may take ``k * step_timeout``, since an actor
+            cannot be asked how far it got while it runs one.
         address: address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``,
             ``"host:6379"``). Default: an already initialised Ray, else ``RAY_ADDRESS``, else a
             local Ray instance started here (and shut down by :meth:`aclose`), which counts
