@@ -457,9 +457,9 @@ class RayBackend:
         n_processes: number of env-host actors (default: the CPU count of this machine), capped
             at the number of workers. On a cluster, set it (or ``workers_per_actor``).
         step_timeout: seconds an actor may spend on one build, update, reset or step before it is
-            killed and the call fails with :class:`~asyncsample.StepTimeoutError`; a chunk of
-            ``k`` steps (``inference="host"``) may take ``k * step_timeout``, since an actor
-            cannot be asked how far it got while it runs one.
+            killed and the call fails with :class:`~asyncsample.StepTimeoutError`; with
+            ``inference="host"``, on each step of a chunk (the actor is asked how far the chunk
+            has got while it runs, see ``_Actor.watch``).
         address: address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``,
             ``"host:6379"``). Default: an already initialised Ray, else ``RAY_ADDRESS``, else a
             local Ray instance started here (and shut down by :meth:`aclose`), which counts
