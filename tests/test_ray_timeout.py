@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import pickle
+import sys
 import time
 from typing import Any
 
+import cloudpickle
 import numpy as np
 import pytest
 from envs import HangingEnv, NoisyEnv, SleepyEnv
@@ -106,6 +108,42 @@ async def test_time_queued_behind_another_workers_chunk_does_not_count(
         batch = await s.obtain_fragments(16)
         assert s.restarts == 0
     assert batch.lengths.sum() == 16
+
+
+class GilHoggingEnv(SleepyEnv):
+    """Steps of 0.1 s (the caller sees them end), then its ``hang_at``-th step runs one long C
+    loop that never lets go of the GIL (seconds on any machine, and bounded, should a kill not
+    land): the actor's progress thread cannot answer meanwhile."""
+
+    def __init__(self, hang_at: int) -> None:
+        super().__init__(0.1)
+        self.hang_at = hang_at
+        self.steps = 0
+
+    def step(self, action: Any) -> Any:
+        self.steps += 1
+        result = super().step(action)  # the 0.1 s first: the look sees the step before end
+        if self.steps == self.hang_at:
+            sum(range(10**9))  # one C call, the GIL held throughout
+        return result
+
+
+# The actors unpickle GilHoggingEnv: ship this module by value, as conftest does the envs.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+async def test_a_step_that_holds_the_gil_is_found_within_twice_step_timeout(
+    ray_cluster: Any, make_sampler: SamplerFactory
+) -> None:
+    # The look at the counter the actor cannot answer is waited for one more step_timeout.
+    sampler = _host_sampler(make_sampler, functools.partial(GilHoggingEnv, 5), 64)
+    async with sampler as s:
+        start = time.monotonic()
+        with pytest.raises(StepTimeoutError) as info:
+            await s.obtain_fragments(64)
+        elapsed = time.monotonic() - start
+    assert "step 5 of a chunk took longer than step_timeout=0.5s" in str(info.value)
+    assert elapsed < 3.0, elapsed  # 2 x 0.5 s and a look; the loop alone takes many seconds
 
 
 class _FakeRay:

@@ -206,7 +206,8 @@ class _Actor(Incarnation):
 
         A loaded machine or Ray may delay the answer, which can show a step that ended in time.
         An env that hangs holding the GIL keeps the actor from answering at all: it is then
-        found after at most twice ``step_timeout``.
+        found after at most twice ``step_timeout`` (and the message quotes the first step not
+        seen to end, which is the hung one unless it came less than a look after the last).
         """
         sent = self.polling.get(call)
         timeout = call.timeout
