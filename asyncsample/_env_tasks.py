@@ -29,7 +29,7 @@ import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._engine import CallMode, SharedQuota, StopRule
-from asyncsample._recorder import Resume, put_row, store_agent_info_cell
+from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import Tree, tree_map
 from asyncsample.agent import Agent, RandomAgent
 from asyncsample.backends.aio import DeadlinePassed, LaneHost
@@ -436,7 +436,7 @@ class LaneStepper:
                     put_row(rows.obs, (t, i), observation)
                     put_row(rows.actions, (t, i), action)
                 if infos or rows.agent_infos:
-                    store_agent_info_cell(rows, t, i, infos)
+                    store_agent_infos(rows, t, infos, i)
                 rows.versions[t, i] = worker.agent_version
                 try:
                     reward, terminated, truncated, info = await step(

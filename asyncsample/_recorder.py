@@ -26,7 +26,6 @@ __all__ = [
     "put_rows",
     "row_of",
     "store_agent_info_block",
-    "store_agent_info_cell",
     "store_agent_infos",
 ]
 
@@ -172,8 +171,11 @@ _PRESENT = "\x00present:"
 """Prefix of the agent-info columns that record where a key was present."""
 
 
-def store_agent_infos(rows: Rows, t: int, agent_infos: dict[str, np.ndarray]) -> None:
-    """Write the (already checked) agent infos of step ``t`` into their columns.
+def store_agent_infos(
+    rows: Rows, t: int, agent_infos: dict[str, np.ndarray], env: int | None = None
+) -> None:
+    """Write the (already checked) agent infos of step ``t`` into their columns: every env's
+    row of each key, or with ``env`` only that env's (envs not stepped in lockstep).
 
     Called on every step once any agent info was seen, so a key absent at ``t`` is marked absent
     there: presence lives beside the values, in a bool column under ``_PRESENT + key``, so the
@@ -183,40 +185,18 @@ def store_agent_infos(rows: Rows, t: int, agent_infos: dict[str, np.ndarray]) ->
     that did not carry it.
     """
     store = rows.agent_infos
+    where: Any = t if env is None else (t, env)
     for key, value in agent_infos.items():
+        per_env = value.shape if env is not None else value.shape[1:]
         column = store.get(key)
-        if (
-            column is None
-            or column.shape[1:] != value.shape
-            or column.dtype.kind != value.dtype.kind
-        ):
-            column = np.zeros((rows.capacity, *value.shape), dtype=value.dtype)
+        if column is None or column.shape[2:] != per_env or column.dtype.kind != value.dtype.kind:
+            column = np.zeros((rows.capacity, rows.n_envs, *per_env), dtype=value.dtype)
             store[key] = column
             store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
-        column[t] = value
+        column[where] = value
     for name, present in store.items():
         if name.startswith(_PRESENT):
-            present[t] = name[len(_PRESENT) :] in agent_infos
-
-
-def store_agent_info_cell(rows: Rows, t: int, env: int, agent_infos: dict[str, np.ndarray]) -> None:
-    """:func:`store_agent_infos` for one env's step ``t`` (envs not stepped in lockstep):
-    ``agent_infos`` holds that env's row of each key."""
-    store = rows.agent_infos
-    for key, value in agent_infos.items():
-        column = store.get(key)
-        if (
-            column is None
-            or column.shape[2:] != value.shape
-            or column.dtype.kind != value.dtype.kind
-        ):
-            column = np.zeros((rows.capacity, rows.n_envs, *value.shape), dtype=value.dtype)
-            store[key] = column
-            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
-        column[t, env] = value
-    for name, present in store.items():
-        if name.startswith(_PRESENT):
-            present[t, env] = name[len(_PRESENT) :] in agent_infos
+            present[where] = name[len(_PRESENT) :] in agent_infos
 
 
 def store_agent_info_block(
@@ -331,7 +311,14 @@ class Recorder:
         return int(np.maximum(self.positions() - self.piece_start, 0).sum())
 
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
-        """The plan of the pieces recorded since the last collection; forgets them."""
+        """The plan of the pieces recorded since the last collection; forgets them.
+
+        With a per-env cursor (envs not in lockstep) the pieces are put in the order lockstep
+        stepping would have closed them, by the env's own step count at the piece's end, then
+        by env: the wall-clock order in which envs happened to finish does not show in a batch.
+        """
+        if self.cursor is not None:
+            self.pieces.sort(key=lambda p: (p.stop, p.env))
         plan = self._plan(self.pieces, like_obs, like_actions)
         self.pieces = []
         self.completed_steps = 0

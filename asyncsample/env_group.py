@@ -32,6 +32,7 @@ __all__ = [
     "StepInfos",
     "call_targets",
     "env_indices",
+    "fixed_rows",
     "set_attr_targets",
     "rebuild_chain",
     "reset_arguments",
@@ -48,6 +49,30 @@ AUTORESET_MODES = ("SameStep", "NextStep", "Disabled")
 #: "Use the env's pending seed": the default of a reset.
 _PENDING = object()
 
+_FIXED_SPACES = (
+    gym.spaces.Box,
+    gym.spaces.Discrete,
+    gym.spaces.MultiBinary,
+    gym.spaces.MultiDiscrete,
+)
+
+
+def fixed_rows(space: gym.Space[Any]) -> bool:
+    """Whether every value of ``space`` fits one fixed-size row of an array buffer.
+
+    True for ``Box``, ``Discrete``, ``MultiBinary``, ``MultiDiscrete`` and ``Dict``/``Tuple`` of
+    them. Values of other spaces (``Text``, ``OneOf``, ``Sequence``, ``Graph``, custom spaces)
+    have no such row: :class:`StepBuffers` keeps them as Python objects, one per env, which a
+    remote host ships pickled in its replies (observations) and receives pickled in its step
+    requests (actions).
+    """
+    if isinstance(space, gym.spaces.Dict):
+        return all(fixed_rows(sub) for sub in space.spaces.values())
+    if isinstance(space, gym.spaces.Tuple):
+        return all(fixed_rows(sub) for sub in space.spaces)
+    return isinstance(space, _FIXED_SPACES)
+
+
 _REWARD_SPACE = gym.spaces.Box(-np.inf, np.inf, (), np.float64)
 _FLAG_SPACE = gym.spaces.Box(0, 1, (), np.bool_)  # type: ignore[arg-type]
 
@@ -60,6 +85,12 @@ class StepBuffers:
         obs: observation each env shows now (after an autoreset, the new episode's first one).
         final_obs: for envs whose episode ended on the last step, the true last observation.
         actions: written by the worker before a step.
+
+    For a space whose values have no fixed-size row (see :func:`fixed_rows`), ``obs`` and
+    ``final_obs`` (observation space) or ``actions`` (action space) are a plain list of
+    ``n_envs`` Python objects instead, never shared: a remote host's replies carry its
+    observations pickled and the caller stores them there, and a step request carries the
+    actions pickled.
         rewards, terminated, truncated: results of the last step (``truncated`` includes the
             sampler's ``max_episode_length``).
     """
@@ -79,12 +110,17 @@ class StepBuffers:
         n_envs: int,
         make: Callable[[gym.Space[Any], int], Any] | None = None,
     ) -> StepBuffers:
-        """Allocate buffers; ``make(space, n)`` builds one (nested) array, default in-process."""
+        """Allocate buffers; ``make(space, n)`` builds one (nested) array, default in-process.
+
+        Spaces without fixed-size rows get lists of objects, not ``make`` (see the class doc).
+        """
         make = make or _zeros
+        fixed_obs = fixed_rows(observation_space)
+        fixed_act = fixed_rows(action_space)
         return cls(
-            obs=make(observation_space, n_envs),
-            final_obs=make(observation_space, n_envs),
-            actions=make(action_space, n_envs),
+            obs=make(observation_space, n_envs) if fixed_obs else [None] * n_envs,
+            final_obs=make(observation_space, n_envs) if fixed_obs else [None] * n_envs,
+            actions=make(action_space, n_envs) if fixed_act else [None] * n_envs,
             rewards=make(_REWARD_SPACE, n_envs),
             terminated=make(_FLAG_SPACE, n_envs),
             truncated=make(_FLAG_SPACE, n_envs),
@@ -99,10 +135,15 @@ class StepInfos:
         env_infos: ``None`` when every stepped env returned an empty info dict (the common case,
             kept cheap), else one dict per env (empty for envs not stepped).
         reset_infos: info dicts from the autoresets this step did, by env index.
+        final_obs: when the group sends final observations in its replies (``final_in_reply``,
+            or observations without fixed-size rows), the true last observation of each env
+            whose episode ended in this step, by env index: the env's own object, not a buffer
+            row in the space's dtype. ``None`` otherwise.
     """
 
     env_infos: list[dict[str, Any]] | None
     reset_infos: dict[int, dict[str, Any]]
+    final_obs: dict[int, Any] | None = None
 
 
 @dataclass
@@ -147,6 +188,10 @@ class EnvGroup:
         max_episode_length: steps after which the host truncates an episode, or ``None``.
         autoreset: one of :data:`AUTORESET_MODES` (the vector-env faces choose; the sampler
             uses ``"SameStep"``).
+        final_in_reply: also return the final observations themselves, in
+            :attr:`StepInfos.final_obs` (the gymnasium face: gymnasium hands back the env's own
+            last observation, a Python ``int`` stays an ``int``). Always on for observations
+            without fixed-size rows.
     """
 
     def __init__(
@@ -157,6 +202,7 @@ class EnvGroup:
         action_space: gym.Space[Any],
         max_episode_length: int | None,
         autoreset: str = "SameStep",
+        final_in_reply: bool = False,
     ) -> None:
         if autoreset not in AUTORESET_MODES:
             raise ValueError(f"autoreset must be one of {AUTORESET_MODES}, got {autoreset!r}")
@@ -174,6 +220,9 @@ class EnvGroup:
         self._seeds: list[int | None] = [None] * self.n_envs
         # Observations of a plain (Box, Discrete, Multi*) space go straight into their row.
         self._flat_obs = isinstance(buffers.obs, np.ndarray)
+        # Observations without fixed-size rows: buffers.obs is a list of the envs' own objects.
+        self._object_obs = isinstance(buffers.obs, list)
+        self._final_in_reply = final_in_reply or self._object_obs
         self._obs_shape = tuple(observation_space.shape or ())
         self._same_step = autoreset == "SameStep"
         self._next_step = autoreset == "NextStep"
@@ -233,7 +282,8 @@ class EnvGroup:
                 info = self._reset_one(i)
             else:
                 seed = _PENDING if seeds is None else seeds[i]
-                info = self._reset_one(i, seed, None if options is None else options[i])
+                opts = None if options is None else options[i]
+                info = self._reset_one(i, seed, opts, requested=True)
             if info:
                 infos[i] = info
         if not self._flat_obs:
@@ -241,14 +291,21 @@ class EnvGroup:
         return infos
 
     def _reset_one(
-        self, i: int, seed: int | object | None = _PENDING, options: dict[str, Any] | None = None
+        self,
+        i: int,
+        seed: int | object | None = _PENDING,
+        options: dict[str, Any] | None = None,
+        requested: bool = False,
     ) -> dict[str, Any]:
+        """Reset env ``i``. A ``requested`` reset (the caller's, with seeds or options) passes
+        ``options=`` even when it is ``None``, as gymnasium's vector envs do: an env whose
+        ``reset`` requires it works the same here."""
         env = self.envs[i]
         assert env is not None
         pending, self._seeds[i] = self._seeds[i], None
         if seed is _PENDING:
             seed = pending
-        if options is None:
+        if options is None and not requested:
             obs, info = self._guard(i, env.reset, seed=seed)
         else:
             obs, info = self._guard(i, env.reset, seed=seed, options=options)
@@ -339,10 +396,13 @@ class EnvGroup:
         buf.rewards[where] = rewards
         buf.terminated[where] = terms
         buf.truncated[where] = truncs
+        finals_out: dict[int, Any] | None = None
         if done and deferred:
             for i in done:
                 ended[i] = True
         elif done:
+            if self._final_in_reply:
+                finals_out = dict(zip(done, finals))
             try:
                 self._write(buf.final_obs, done, finals)
             except (ValueError, TypeError, IndexError) as exc:
@@ -353,7 +413,7 @@ class EnvGroup:
                     reset_infos[i] = info
         if obs_out is None:
             self._write_obs()
-        return StepInfos(env_infos, reset_infos)
+        return StepInfos(env_infos, reset_infos, finals_out)
 
     def _restart_ended(self, i: int, reset_infos: dict[int, dict[str, Any]]) -> None:
         if not self._next_step:
@@ -401,6 +461,8 @@ class EnvGroup:
 
     def _actions_for(self, indices: list[int], everyone: bool) -> list[Any]:
         actions = self.buffers.actions
+        if isinstance(actions, list):  # an action space without fixed-size rows
+            return actions[:] if everyone else [actions[i] for i in indices]
         if isinstance(actions, np.ndarray):
             # A copy: envs may keep the action they were given, and the buffer is reused.
             chosen = actions.copy() if everyone else actions[indices]
@@ -419,7 +481,11 @@ class EnvGroup:
             out[i] = o
 
     def _write_obs(self) -> None:
-        """Write the current observation of every env into nested (Dict, Tuple) buffers."""
+        """Write the current observation of every env into nested (Dict, Tuple) buffers, or
+        (observations without fixed-size rows) into the list of objects."""
+        if self._object_obs:
+            self.buffers.obs[:] = self._obs
+            return
         try:
             concatenate(self.observation_space, self._obs, self.buffers.obs)
         except (ValueError, TypeError, IndexError) as exc:
@@ -431,6 +497,9 @@ class EnvGroup:
 
         if isinstance(out, np.ndarray):
             out[indices] = items
+        elif isinstance(out, list):  # observations without fixed-size rows
+            for i, item in zip(indices, items):
+                out[i] = item
         else:
             tree_map(lambda leaf, *vals: put(leaf, *vals), out, *items)
 

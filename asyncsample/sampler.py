@@ -69,7 +69,8 @@ class Sampler:
         episode_timeout: seconds after its start at which an episode still running ends as
             truncated (``TIMEOUT``, ``episode_infos["deadline"]`` true). On ``"asyncio"`` and
             ``"thread"`` a step in flight at the deadline is cancelled (the env is reset before
-            its next use); on the lockstep backends the deadline is checked after each step
+            its next use; on ``"thread"`` that reset waits for the step still running in its
+            thread); on the lockstep backends the deadline is checked after each step
             (not with ``inference="host"``, which runs chunks of steps in the hosts).
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
@@ -259,6 +260,19 @@ class Sampler:
         on that last step is kept, episodes still running are discarded. Worker-major order.
 
         Args:
+            num_samples: the quota of transitions, an int of at least 1 (numpy ints accepted,
+                ``bool`` not).
+            agent_update: applied before sampling: ``None`` keeps the agent; parameters
+                (a ``dict``, ``tuple`` or ``numpy.ndarray``) go to ``set_param_values`` of each
+                distinct agent once; an agent replaces it; a list holds one update per worker
+                (exactly ``n_workers``). It bumps the agent version and resets the episodes in
+                progress of the workers it reaches.
+            env_update: applied before sampling: ``None`` keeps the envs; an
+                :class:`EnvUpdate` is called with the old env and returns the new one; a
+                ``gymnasium.Env`` (deep-copied per env), a gymnasium id or a zero-argument
+                factory replaces them; a list holds one per worker (exactly ``n_workers``), a
+                list inside it one per env (exactly ``envs_per_worker``). An updated env starts
+                a new episode.
             fraction_samples: in ``(0, 1]``. Below 1, a worker only has to reach
                 ``ceil(fraction_samples * share)`` and fast workers go on past their share
                 while the call's total is short of ``num_samples``; the call ends as soon as the
@@ -268,6 +282,23 @@ class Sampler:
                 ``last_stats.worker_transitions`` say who contributed what). ``1.0`` (default)
                 is the fixed, reproducible split, where no worker goes past its share. A worker
                 whose share is 0 (``num_samples < n_workers``) takes no part either way.
+
+        Returns:
+            At least ``num_samples`` transitions of complete episodes (each ends in
+            ``TERMINAL`` or ``TIMEOUT``), worker-major; :attr:`last_stats` describes the call.
+
+        Raises:
+            TypeError: a quota or argument of the wrong type, or an update of the wrong kind (or
+                that cloudpickle cannot pickle), before any env is stepped.
+            ValueError: a quota below 1 or an argument out of range, or an update list of the
+                wrong length, before any env is stepped; or, while sampling, an observation or
+                action that does not fit its space (your code's mistake: not retried).
+            WorkerError: an env kept failing after ``max_restarts`` restarts of its worker in
+                this call (its subclasses :class:`WorkerCrashedError`, a host died, and
+                :class:`StepTimeoutError`, a step outlived ``step_timeout``), or your agent's
+                mistake in an env host (``retry=False``, not retried).
+            SamplerClosedError: the sampler was closed.
+            SamplerBusyError: called from the body of this sampler's own open :meth:`stream`.
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)
@@ -281,7 +312,39 @@ class Sampler:
     ) -> EpisodeBatch:
         """Exactly ``n_eps_per_worker`` complete episodes from every worker, worker-major.
 
-        Env ``i`` of a worker runs ``n // envs_per_worker + (i < n % envs_per_worker)`` of them.
+        Env ``i`` of a worker runs ``n // envs_per_worker + (i < n % envs_per_worker)`` of them
+        (not the first ``n`` to finish, which would favour short episodes). Each call starts fresh
+        episodes.
+
+        Args:
+            n_eps_per_worker: episodes per worker, an int of at least 1.
+            agent_update: applied before sampling: ``None`` keeps the agent; parameters
+                (a ``dict``, ``tuple`` or ``numpy.ndarray``) go to ``set_param_values`` of each
+                distinct agent once; an agent replaces it; a list holds one update per worker
+                (exactly ``n_workers``). It bumps the agent version and resets the episodes in
+                progress of the workers it reaches.
+            env_update: applied before sampling: ``None`` keeps the envs; an
+                :class:`EnvUpdate` is called with the old env and returns the new one; a
+                ``gymnasium.Env`` (deep-copied per env), a gymnasium id or a zero-argument
+                factory replaces them; a list holds one per worker (exactly ``n_workers``), a
+                list inside it one per env (exactly ``envs_per_worker``). An updated env starts
+                a new episode.
+
+        Returns:
+            ``n_workers * n_eps_per_worker`` complete episodes, worker-major.
+
+        Raises:
+            TypeError: a quota or argument of the wrong type, or an update of the wrong kind (or
+                that cloudpickle cannot pickle), before any env is stepped.
+            ValueError: a quota below 1 or an argument out of range, or an update list of the
+                wrong length, before any env is stepped; or, while sampling, an observation or
+                action that does not fit its space (your code's mistake: not retried).
+            WorkerError: an env kept failing after ``max_restarts`` restarts of its worker in
+                this call (its subclasses :class:`WorkerCrashedError`, a host died, and
+                :class:`StepTimeoutError`, a step outlived ``step_timeout``), or your agent's
+                mistake in an env host (``retry=False``, not retried).
+            SamplerClosedError: the sampler was closed.
+            SamplerBusyError: called from the body of this sampler's own open :meth:`stream`.
         """
         n_eps_per_worker = _validate.positive_int("n_eps_per_worker", n_eps_per_worker)
         return await self._core.call("episodes", n_eps_per_worker, agent_update, env_update)
@@ -301,6 +364,18 @@ class Sampler:
         update resets them).
 
         Args:
+            num_samples: the quota of transitions, an int of at least 1.
+            agent_update: applied before sampling: ``None`` keeps the agent; parameters
+                (a ``dict``, ``tuple`` or ``numpy.ndarray``) go to ``set_param_values`` of each
+                distinct agent once; an agent replaces it; a list holds one update per worker
+                (exactly ``n_workers``). It bumps the agent version and resets the episodes in
+                progress of the workers it reaches.
+            env_update: applied before sampling: ``None`` keeps the envs; an
+                :class:`EnvUpdate` is called with the old env and returns the new one; a
+                ``gymnasium.Env`` (deep-copied per env), a gymnasium id or a zero-argument
+                factory replaces them; a list holds one per worker (exactly ``n_workers``), a
+                list inside it one per env (exactly ``envs_per_worker``). An updated env starts
+                a new episode.
             fraction_samples: in ``(0, 1]``. Below 1, a worker only has to return
                 ``ceil(fraction_samples * share)`` transitions (steps x envs) and fast workers
                 keep stepping while the call's total is short of ``num_samples``; the call ends
@@ -308,6 +383,26 @@ class Sampler:
                 stops at a step boundary, so its fragments continue correctly in the next call.
                 The split between workers then depends on timing (not reproducible for a fixed
                 seed); ``1.0`` (default) is the fixed, reproducible split.
+
+        Returns:
+            At least ``num_samples`` and fewer than ``num_samples + n_workers *
+            envs_per_worker`` transitions (with ``fraction_samples=1``), worker-major: the
+            episodes completed during the call, whole, and the episodes still running as
+            fragments (ending in ``FIRST`` or ``MID``; their ``last_observations`` row is the
+            current observation).
+
+        Raises:
+            TypeError: a quota or argument of the wrong type, or an update of the wrong kind (or
+                that cloudpickle cannot pickle), before any env is stepped.
+            ValueError: a quota below 1 or an argument out of range, or an update list of the
+                wrong length, before any env is stepped; or, while sampling, an observation or
+                action that does not fit its space (your code's mistake: not retried).
+            WorkerError: an env kept failing after ``max_restarts`` restarts of its worker in
+                this call (its subclasses :class:`WorkerCrashedError`, a host died, and
+                :class:`StepTimeoutError`, a step outlived ``step_timeout``), or your agent's
+                mistake in an env host (``retry=False``, not retried).
+            SamplerClosedError: the sampler was closed.
+            SamplerBusyError: called from the body of this sampler's own open :meth:`stream`.
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)
@@ -317,7 +412,23 @@ class Sampler:
         """Apply an agent update now; it bumps the agent version of the workers it touches.
 
         During a :meth:`stream` it takes effect at the next step boundary without resetting the
-        episodes in progress; otherwise the next call starts fresh episodes.
+        episodes in progress (it is the one call allowed from the stream's body); otherwise it
+        waits for the call in progress, if any, and the next call starts fresh episodes.
+
+        Args:
+            agent_update: ``None`` (nothing), parameters (a ``dict``, ``tuple`` or
+                ``numpy.ndarray``) for ``set_param_values`` of each distinct agent once, an
+                agent that replaces it, or a list of exactly ``n_workers`` of those, one per
+                worker (a list of parameter sets needs one agent per worker). With
+                ``inference="host"`` the update also reaches the agent copies in the hosts.
+
+        Raises:
+            TypeError: an update of the wrong kind, or (``inference="host"``) an agent that
+                cloudpickle cannot pickle.
+            ValueError: a list of the wrong length, a list of parameter sets for one shared
+                agent, or an update the inference mode refuses (an async agent with
+                ``inference="host"``); raised before anything changes.
+            SamplerClosedError: the sampler was closed.
         """
         await self._core.update_agent(agent_update)
 
@@ -345,9 +456,33 @@ class Sampler:
         :class:`SamplerBusyError` at once (it could never proceed). The arguments are checked
         when the first batch is asked for.
 
-        ``fraction_samples`` (in ``(0, 1]``) applies to every sampling round as in
-        :meth:`obtain_samples` (or :meth:`obtain_fragments` with ``fragments``): below 1, fast
-        workers fill in for slow ones and the split between workers depends on timing.
+        Args:
+            num_samples: transitions per yielded batch, at least (an int of at least 1).
+            fragments: yield fragments of running episodes too (as :meth:`obtain_fragments`)
+                instead of complete episodes only.
+            agent_update: applied once, before the first round (as in :meth:`obtain_samples`);
+                later updates go through :meth:`update_agent`.
+            max_policy_lag: ``None`` or an int ``k >= 0``: drop, from each batch, the episodes
+                that started more than ``k`` agent versions before the newest. On ``asyncio``
+                and ``thread`` (complete episodes) it also holds back starting new episodes
+                while the versions of a worker's open episodes would spread by more than ``k``.
+            buffer_size: batches kept ready ahead of the consumer (an int of at least 1); when
+                they are, sampling pauses.
+            fraction_samples: in ``(0, 1]``, applied to every sampling round as in
+                :meth:`obtain_samples` (or :meth:`obtain_fragments` with ``fragments``): below 1,
+                fast workers fill in for slow ones and the split between workers depends on
+                timing.
+
+        Returns:
+            An async generator of :class:`EpisodeBatch`; each carries, per step, the agent
+            version it was sampled under (``agent_versions``).
+
+        Raises:
+            TypeError: an argument of the wrong type (when the first batch is asked for).
+            ValueError: an argument out of range (when the first batch is asked for).
+            WorkerError: as in :meth:`obtain_samples`, raised where the next batch is awaited.
+            SamplerClosedError: the sampler was closed.
+            SamplerBusyError: opened from the body of this sampler's own open stream.
         """
         return streaming.stream(
             self._core,
@@ -382,6 +517,18 @@ class Sampler:
             env: the test env (default: the sampler's ``test_env`` or training env).
             deterministic: ask the agent for deterministic actions.
             render: also return the ``rgb_array`` frames of the first episode (for a video).
+
+        Returns:
+            The episodes' returns and lengths, the frames with ``render``, and the batch
+            itself (:class:`Evaluation`).
+
+        Raises:
+            TypeError: an argument of the wrong type (``n_episodes`` not an int, an ``agent``
+                without ``get_actions``, an ``env`` that is not an env source).
+            ValueError: ``n_episodes`` below 1, or ``render`` with an env whose render mode is
+                not ``rgb_array``.
+            WorkerError: a test env kept failing after ``max_restarts`` restarts.
+            SamplerClosedError: the sampler was closed.
         """
         return await self._test_envs.evaluate(
             self._core,

@@ -43,7 +43,7 @@ def _link(page: Path, target: Path) -> str:
     """A markdown link from ``page`` to ``target``; a code path on a docs page (mkdocs builds
     only ``docs/``, so a link out of it would not resolve)."""
     rel = Path("benchmarks", "results", target.relative_to(RESULTS))
-    if page.parent.name == "docs":
+    if page.parent == REPO / "docs":
         return f"`{rel}`"
     return f"[{rel}]({Path(*(['..'] * len(page.parent.relative_to(REPO).parts)), rel)})"
 

@@ -428,6 +428,7 @@ class ThreadsEnv(RecordingEnv):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.slow  # starts hosts that import torch: seconds each
 async def test_process_hosts_run_host_threads_threads(threads: int) -> None:
     async with hosts_on("process", [host_spec(1, env=ThreadsEnv)], host_threads=threads) as (
         _,
@@ -439,6 +440,7 @@ async def test_process_hosts_run_host_threads_threads(threads: int) -> None:
     assert set(report["openblas"]) <= {threads}  # numpy's, loaded before the host started
 
 
+@pytest.mark.slow  # starts hosts that import torch: seconds each
 async def test_process_hosts_default_to_one_thread_and_none_leaves_the_defaults() -> None:
     async with hosts_on("process", [host_spec(1, env=ThreadsEnv)]) as (_, (host,)):
         await host.build([[ThreadsEnv]], [1])
@@ -475,6 +477,7 @@ def test_host_threads_is_checked_everywhere() -> None:
             make(host_threads=1.5)
 
 
+@pytest.mark.slow  # starts hosts that import torch: seconds each
 async def test_sampler_passes_host_threads_to_the_hosts_and_the_agent_copy() -> None:
     async with Sampler(
         ThreadsEnv,

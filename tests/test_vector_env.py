@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import cloudpickle
@@ -304,9 +305,9 @@ def test_disabled_autoreset(no_leaks: None) -> None:
 
 
 def test_final_obs_and_info_same_step(no_leaks: None) -> None:
-    """The final observation is the env's last one, read from the hosts' own ``final_obs``
-    buffer (so in the observation space's dtype, as every batched observation is), and the
-    final info is its last step info."""
+    """The final observation is the env's own last one (sent home in the host's reply, so a
+    Python ``int`` stays an ``int``, as with gymnasium's vector envs), and the final info is its
+    last step info."""
 
     class Ends(CountEnv):
         def step(self, action: Any):  # type: ignore[no-untyped-def]
@@ -320,7 +321,7 @@ def test_final_obs_and_info_same_step(no_leaks: None) -> None:
         obs, _, term, _, info = env.step(np.array([3]))
         assert term.tolist() == [True] and obs.tolist() == [0]
         final = info["final_obs"][0]
-        assert final == 2 and final.dtype == env.single_observation_space.dtype
+        assert final == 2 and type(final) is int
         assert info["final_info"]["action"].tolist() == [3]
         assert info["final_info"]["_obs"].tolist() == [True]
     finally:
@@ -488,8 +489,10 @@ def test_async_vector_env_arguments(no_leaks: None) -> None:
         VectorEnv("CartPole-v1", 2, worker=lambda *args: None)
     with pytest.raises(ValueError, match="context must be None or one of"):
         VectorEnv("CartPole-v1", 2, context="teleport")
-    with pytest.raises(ValueError, match="observation_mode: only 'same'"):
-        VectorEnv("CartPole-v1", 2, observation_mode="different")
+    with pytest.raises(ValueError, match="Invalid `observation_mode`"):
+        VectorEnv("CartPole-v1", 2, observation_mode="mixed")
+    with pytest.raises(TypeError, match="Expected both elements of observation_mode"):
+        VectorEnv("CartPole-v1", 2, observation_mode=(Discrete(2), "box"))
     with pytest.raises(TypeError, match="shared_memory"):
         VectorEnv("CartPole-v1", 2, shared_memory="yes")  # type: ignore[arg-type]
 
@@ -501,19 +504,150 @@ class TextObservations(CountEnv):
         super().__init__()
         self.observation_space = Dict({"n": Discrete(10), "name": gym.spaces.Text(8)})
 
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        n, info = super().reset(seed=seed, options=options)
+        return {"n": n, "name": f"reset{n}"}, info
 
-def test_text_observations_are_refused_not_replaced_by_placeholders(no_leaks: None) -> None:
-    """They used to come back as placeholder strings, silently: now a clear error at once."""
-    with pytest.raises(TypeError, match=r"Text\(1, 8, .*no fixed-size row"):
-        VectorEnv([TextObservations] * 2, n_processes=1)
-    with pytest.raises(TypeError, match="dynamic shape"):
-        VectorEnv([lambda: GraphObservations()] * 2, n_processes=1)
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        n, *rest = super().step(action)
+        return {"n": n, "name": "x" * n}, *rest
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
+def test_text_observations_are_the_envs_not_placeholders(
+    mode: AutoresetMode, no_leaks: None
+) -> None:
+    """They used to come back as placeholder strings (``'00000000'``), silently. Observations
+    without fixed-size rows now travel pickled and are batched as gymnasium batches them: the
+    same as ``SyncVectorEnv``, final observations included."""
+    fns = [lambda: TextObservations(), lambda: TextObservations()]
+    env = VectorEnv(fns, n_processes=2, autoreset_mode=mode)
+    sync = SyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        assert env.observation_space == sync.observation_space
+        obs, info = env.reset(seed=[1, 0])
+        sync_obs, sync_info = sync.reset(seed=[1, 0])
+        assert data_equivalence(obs, sync_obs) and data_equivalence(info, sync_info)
+        assert obs["name"] == ("reset1", "reset0")
+        for t in range(5):
+            actions = np.array([t % 5, 1])
+            got = env.step(actions)
+            want = sync.step(actions)
+            for a, b in zip(got, want):
+                assert data_equivalence(a, b), (t, a, b)
+    finally:
+        env.close()
+        sync.close()
 
 
 class GraphObservations(CountEnv):
     def __init__(self) -> None:
         super().__init__()
         self.observation_space = gym.spaces.Graph(Box(0.0, 1.0, (2,)), None)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        super().reset(seed=seed, options=options)
+        return self.observation_space.sample(), {}
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        _, *rest = super().step(action)
+        return self.observation_space.sample(), *rest
+
+
+def test_graph_observations_need_shared_memory_off(no_leaks: None) -> None:
+    """``shared_memory=True`` (the default) refuses what ``AsyncVectorEnv``'s shared memory
+    cannot hold, with gymnasium's own errors; ``shared_memory=False`` runs them."""
+    with pytest.raises(TypeError, match="dynamic shape"):
+        VectorEnv([lambda: GraphObservations()] * 2, n_processes=1)
+    env = VectorEnv([lambda: GraphObservations()] * 2, n_processes=1, shared_memory=False)
+    try:
+        obs, _ = env.reset(seed=0)
+        assert obs in env.observation_space and len(obs) == 2
+        obs, *_ = env.step(np.array([1, 2]))
+        assert obs in env.observation_space
+    finally:
+        env.close()
+
+
+class Word(gym.Space[str]):
+    """A custom space: gymnasium batches it as a tuple, its shared memory refuses it."""
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        return "w"
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str)
+
+
+class WordEnv(gym.Env[str, str]):
+    def __init__(self) -> None:
+        self.observation_space = Word()
+        self.action_space = Word()
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        return "start", {}
+
+    def step(self, action: str):  # type: ignore[no-untyped-def]
+        return f"got {action}", 0.0, action == "stop", False, {}
+
+
+def test_custom_spaces_travel_pickled(no_leaks: None) -> None:
+    with pytest.raises(ValueError, match="shared_memory=False"):
+        VectorEnv([WordEnv] * 3, n_processes=1)
+    env = VectorEnv([WordEnv] * 3, n_processes=2, shared_memory=False, autoreset_mode="SameStep")
+    try:
+        assert isinstance(env.observation_space, Tuple) and len(env.observation_space) == 3
+        obs, _ = env.reset()
+        assert obs == ("start",) * 3
+        obs, _, term, _, info = env.step(("a", "stop", "c"))
+        assert obs == ("got a", "start", "got c") and term.tolist() == [False, True, False]
+        assert info["final_obs"][1] == "got stop" and info["_final_obs"].tolist() == [0, 1, 0]
+        with pytest.raises(ValueError, match="num_envs=3"):
+            env.step(("a", "b"))
+    finally:
+        env.close()
+
+
+def test_observation_mode_different(no_leaks: None) -> None:
+    """Sub-envs whose observation spaces differ in bounds only, batched as gymnasium does."""
+
+    class Bounded(CountEnv):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.observation_space = Discrete(n)
+
+    fns = [lambda: Bounded(10), lambda: Bounded(12)]
+    with pytest.raises(RuntimeError, match="not equivalent"):
+        VectorEnv(fns, n_processes=1)
+    env = VectorEnv(fns, n_processes=1, observation_mode="different")
+    try:
+        assert env.observation_space == gym.spaces.MultiDiscrete([10, 12])
+        assert env.single_observation_space == Discrete(10)
+        obs, _ = env.reset(seed=[1, 2])
+        assert obs.tolist() == [1, 2]
+    finally:
+        env.close()
+
+
+class NeedsOptions(CountEnv):
+    def reset(self, seed, options):  # type: ignore[no-untyped-def,override]
+        if seed == 7:
+            raise ValueError("Error in reset")
+        return super().reset(seed=seed, options=options)
+
+
+def test_requested_resets_pass_options_and_env_errors_keep_their_type(no_leaks: None) -> None:
+    """A reset the caller asks for passes ``options=`` (``None`` too), as gymnasium does; a
+    sub-env's exception is a ``SubEnvError`` that is also of the env's own type."""
+    env = VectorEnv([NeedsOptions] * 2, n_processes=1)
+    try:
+        obs, _ = env.reset(seed=[0, 0])
+        assert obs.tolist() == [0, 0]
+        with pytest.raises(ValueError, match="Error in reset") as info:
+            env.reset(seed=[7, 0])
+        assert isinstance(info.value, SubEnvError) and info.value.sub_env == 0
+    finally:
+        env.close()
 
 
 def test_sub_envs_with_different_spaces_are_refused(no_leaks: None) -> None:
@@ -547,27 +681,84 @@ def test_step_async_and_step_equal_to_sync(no_leaks: None) -> None:
         sync.close()
 
 
-def test_interrupted_step_leaves_a_working_env(no_leaks: None) -> None:
-    """A KeyboardInterrupt while a step waits for its hosts: later resets and steps are exact.
-
-    The interrupt lands in the portal's event loop while the step's requests are in flight.
-    """
+def test_interrupted_step_leaves_a_working_env(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt while a step waits for its hosts (outside the event loop, in the
+    lockstep step's ``poll``), and one in the portal's event loop while a reset's requests
+    are in flight: later resets and steps are exact."""
     ours = VectorEnv("CartPole-v1", 4, n_processes=2)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
 
-    def interrupt() -> None:
+    def interrupt(*args: Any) -> Any:
         raise KeyboardInterrupt
 
     try:
         ours.reset(seed=0)
+        with monkeypatch.context() as patch:
+            patch.setattr(ours._hosted, "_wait_readable", interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                ours.step(np.zeros(4, dtype=np.int64))
         ours._hosted.portal.loop.call_soon(interrupt)
         with pytest.raises(KeyboardInterrupt):
-            ours.step(np.zeros(4, dtype=np.int64))
-        assert_same(ours.reset(seed=2), sync.reset(seed=2), "reset after the interrupt")
+            ours.reset(seed=1)
+        assert_same(ours.reset(seed=2), sync.reset(seed=2), "reset after the interrupts")
         rng = np.random.default_rng(2)
         for t in range(60):
             actions = rng.integers(0, 2, 4)
             assert_same(ours.step(actions), sync.step(actions), f"step {t}")
+    finally:
+        ours.close()
+        sync.close()
+
+
+class SlowAt(CountEnv):
+    """Steps take 0.12 s at ``at`` (longer than the lockstep round waits outside the loop)."""
+
+    def __init__(self, at: int = 2) -> None:
+        super().__init__(max_count=7)
+        self.at = at
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        if self.count + 1 == self.at:
+            time.sleep(0.12)
+        return super().step(action)
+
+
+def test_quiet_lockstep_steps_run_no_event_loop(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The common step sends and reads without the portal's loop; a slow host, infos and
+    episode ends go through the loop, with the same results as ``SyncVectorEnv``."""
+    fns = [lambda: SlowAt(2), lambda: SlowAt(3), lambda: SlowAt(9)]
+    ours = VectorEnv(fns, n_processes=3, autoreset_mode="SameStep")
+    sync = SyncVectorEnv(fns, autoreset_mode="SameStep")
+    try:
+        assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
+        loop = ours._hosted.portal.loop
+        runs = 0
+        run_forever = loop.run_forever
+
+        def counted() -> None:
+            nonlocal runs
+            runs += 1
+            run_forever()
+
+        monkeypatch.setattr(loop, "run_forever", counted)
+        actions = np.array([1, 1, 1])
+        quiet_steps = 0
+        for t in range(12):
+            # The sync env's sub-envs mirror ours: which of ours is slow at this step.
+            slow = any(e.count + 1 == e.at for e in sync.envs)
+            before = runs
+            got = ours.step(actions)
+            assert_same(got, sync.step(actions), f"step {t}")
+            if not slow and not got[4]:
+                quiet_steps += 1
+                assert runs == before, f"step {t} ran the event loop"
+            elif slow:
+                assert runs > before, f"step {t} (slow) did not hand the round to the loop"
+        assert quiet_steps >= 3 and runs > 0
     finally:
         ours.close()
         sync.close()

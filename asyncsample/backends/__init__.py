@@ -5,7 +5,8 @@ A worker talks to its envs through one small async interface, :class:`EnvHost`. 
 in a pool of env-host processes, ``ray`` in Ray actors; the worker and sampler code is the same.
 
 What code outside this package may use is exported here: the protocols of the seam
-(:class:`EnvHost`, :class:`AgentHost`, :class:`DirectReader`, :class:`Backend`), the placement
+(:class:`EnvHost`, :class:`AgentHost`, :class:`DirectReader`, :class:`SentStep`,
+:class:`Backend`), the placement
 of workers on hosts, and the chunk records of ``inference="host"``. The underscored modules are
 the backends' own.
 """
@@ -29,6 +30,7 @@ from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
     HostSpec,
+    SentStep,
     reject_unknown_options,
 )
 from asyncsample.backends.placement import Placement, placement, pool_size
@@ -51,6 +53,7 @@ __all__ = [
     "EnvHost",
     "HostSpec",
     "Placement",
+    "SentStep",
     "backend_options",
     "check_options",
     "chunk_capacity",

@@ -36,6 +36,7 @@ __all__ = [
     "FAIL",
     "LARGE_REPLY",
     "OK",
+    "PROGRESS_GROUP",
     "EnvActor",
     "best_codec",
     "copy_into",
@@ -45,6 +46,10 @@ __all__ = [
 #: Replies whose observations reach this many bytes travel as arrays through Ray's object
 #: store (no copies); smaller ones as one pickled bytes object (fewer, cheaper serialisations).
 LARGE_REPLY = 100 * 1024
+
+#: The Ray concurrency group of :meth:`EnvActor.progress` (one thread of its own) when chunks are
+#: judged per step: it answers while the actor's other thread runs a chunk.
+PROGRESS_GROUP = "progress"
 
 # Compression must shrink a payload this many times to be kept; after a miss the leaf is sent
 # uncompressed for this many replies before compression is tried again.
@@ -166,6 +171,12 @@ class EnvActor:
     moves them through its object store without copies). An env failure is a ``FAIL`` status
     with a pickled :class:`EnvFailure`, never a raised exception.
 
+    With ``inference="host"`` and a ``step_timeout``, :class:`RayBackend` gives the actor a
+    second concurrency group, :data:`PROGRESS_GROUP`, for :meth:`progress` alone: every other
+    method still runs in order on one thread (the default group's), so the slots are never used
+    from two threads at once, while :meth:`progress` reads how many steps the running chunk has
+    taken (a counter the chunk loop bumps after every step, read under the GIL).
+
     Args:
         slots_blob: the cloudpickled :class:`HostSpec` of each hosted worker.
         compress_threshold: compress observation leaves of at least this many bytes (``None``:
@@ -192,6 +203,8 @@ class EnvActor:
             self.large[spec.worker] = obs_bytes >= LARGE_REPLY
         self.threshold = compress_threshold
         self.skip: dict[tuple[int, str, int], int] = {}
+        # Per worker whose chunk is running: its step counter's value when the chunk started.
+        self.chunk_start: dict[int, int] = {}
         self.codec = codec if codec != "lz4" or best_codec() == "lz4" else "zlib"
 
     def _pack(self, worker: int, what: str, tree: Tree) -> Tree:
@@ -316,7 +329,13 @@ class EnvActor:
         slot = self.slots[worker]
 
         def run() -> tuple[Any, ...]:
-            reply = slot.run_chunk(slot.load(request, "chunk request"))
+            runner = slot.runner
+            if runner is not None:  # (slot.run_chunk raises the error otherwise)
+                self.chunk_start[worker] = int(runner.chunk.progress[0])
+            try:
+                reply = slot.run_chunk(slot.load(request, "chunk request"))
+            finally:
+                self.chunk_start.pop(worker, None)
             chunk = slot.runner.chunk  # type: ignore[union-attr]  # run_chunk checked it
             k = reply.steps
             return (
@@ -331,6 +350,19 @@ class EnvActor:
             )
 
         return self._run(run)
+
+    def progress(self, worker: int) -> int:
+        """How many steps the worker's running chunk has taken (0 when none is running).
+
+        Called in :data:`PROGRESS_GROUP`, from its own thread, while :meth:`run_chunk` runs:
+        the caller judges each step of the chunk against ``step_timeout`` by whether this
+        number moves (see :class:`~asyncsample.backends.ray.RayHost`).
+        """
+        start = self.chunk_start.get(worker)
+        runner = self.slots[worker].runner
+        if start is None or runner is None:
+            return 0
+        return int(runner.chunk.progress[0]) - start
 
     def shutdown(self) -> None:
         """Close every env of this actor (before it is killed)."""

@@ -63,6 +63,7 @@ class HostSlot:
             spec.action_space,
             spec.max_episode_length,
             spec.autoreset,
+            spec.final_in_reply,
         )
         self.runner = None if chunk is None else ChunkRunner(self.group, chunk, spec.action_space)
         self.host_threads = host_threads
@@ -161,20 +162,33 @@ class HostSlot:
         return handler(body)
 
     def _serve_step(self, body: _Body) -> bytes:
+        buffers = self.group.buffers
+        if isinstance(buffers.actions, list):  # actions without fixed-size rows: pickled
+            n = self.group.n_envs
+            buffers.actions[:] = self.load(body[n:], "actions")
+            body = body[:n]
         infos = self.group.step(np.frombuffer(body, np.bool_))
+        if isinstance(buffers.obs, list):  # observations without fixed-size rows: pickled
+            return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, buffers.obs))
+        if infos.final_obs:
+            return dumps((infos.env_infos, infos.reset_infos, infos.final_obs))
         if infos.env_infos is None and not infos.reset_infos:
             return b""
         return dumps((infos.env_infos, infos.reset_infos))
 
-    def _serve_reset(self, body: _Body) -> bytes:
-        infos = self.reset(np.frombuffer(body, np.bool_))
+    def _reset_reply(self, infos: dict[int, dict[str, Any]]) -> bytes:
+        obs = self.group.buffers.obs
+        if isinstance(obs, list):  # observations without fixed-size rows: pickled
+            return dumps((infos, obs))
         return dumps(infos) if infos else b""
+
+    def _serve_reset(self, body: _Body) -> bytes:
+        return self._reset_reply(self.reset(np.frombuffer(body, np.bool_)))
 
     def _serve_reset_args(self, body: _Body) -> bytes:
         n = self.group.n_envs
         seeds, options = self.load(body[n:], "reset options")
-        infos = self.reset(np.frombuffer(body[:n], np.bool_), seeds, options)
-        return dumps(infos) if infos else b""
+        return self._reset_reply(self.reset(np.frombuffer(body[:n], np.bool_), seeds, options))
 
     def _serve_build(self, body: _Body) -> bytes:
         self.build(*self.load(body, "env"))

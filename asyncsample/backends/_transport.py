@@ -17,6 +17,7 @@ Two channels:
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import pickle
 import socket
@@ -38,6 +39,7 @@ __all__ = [
     "Op",
     "FrameReader",
     "RawArrayContext",
+    "ReplyProtocol",
     "SharedArray",
     "dump_failure",
     "dumps",
@@ -178,6 +180,87 @@ def send_frame(sock: socket.socket, rid: int, code: int, payload: bytes = b"") -
         sock.sendall(HEADER.pack(len(payload), rid, code) + payload)
     else:
         sock.sendall(HEADER.pack(0, rid, code))
+
+
+# -- frames on the main process's side (the event loop's protocol) ------------------------
+
+
+class ReplyProtocol(asyncio.Protocol):
+    """Splits an env host's reply stream into frames as the bytes arrive.
+
+    Frames go to the owner's ``on_frame`` straight from the event loop's read callback, with no
+    reader task and no per-frame future in between: the reply to a step costs one callback.
+    Until an owner is attached, bytes are kept. :meth:`feed` is the same entry point for a
+    caller that read the socket itself (see ``DirectReader.read_now`` in
+    :mod:`asyncsample.backends.base`).
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._on_frame: Callable[[int, int, bytes], None] | None = None
+        self._on_eof: Callable[[], None] | None = None
+        self.ended = False
+
+    def attach(
+        self, on_frame: Callable[[int, int, bytes], None], on_eof: Callable[[], None]
+    ) -> None:
+        """Start handing frames (and the end of the stream) to the owner."""
+        self._on_frame = on_frame
+        self._on_eof = on_eof
+        self._parse()
+        if self.ended:
+            on_eof()
+
+    def data_received(self, data: bytes) -> None:
+        self.feed(data)
+
+    def feed(self, data: bytes) -> None:
+        """Take bytes read from the host's socket."""
+        buf = self._buf
+        on_frame = self._on_frame
+        if not buf and on_frame is not None and len(data) >= _HSIZE:
+            # The common case: exactly one whole frame, taken without a copy into the buffer.
+            length, rid, status = _unpack_header(data)
+            if len(data) == _HSIZE + length:
+                on_frame(rid, status, data[_HSIZE:] if length else b"")
+                return
+        buf += data
+        self._parse()
+
+    def _parse(self) -> None:
+        on_frame = self._on_frame
+        if on_frame is None:
+            return
+        buf = self._buf
+        pos = 0
+        end_of_data = len(buf)
+        while end_of_data - pos >= _HSIZE:
+            length, rid, status = _unpack_header(buf, pos)
+            end = pos + _HSIZE + length
+            if end > end_of_data:
+                break
+            payload = bytes(buf[pos + _HSIZE : end]) if length else b""
+            pos = end
+            on_frame(rid, status, payload)
+        if pos:
+            del buf[:pos]
+
+    def eof_received(self) -> bool:
+        self._ended()
+        return False  # let the transport close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended()
+
+    def _ended(self) -> None:
+        if not self.ended:
+            self.ended = True
+            if self._on_eof is not None:
+                self._on_eof()
+
+
+_HSIZE = HEADER.size
+_unpack_header = HEADER.unpack_from
 
 
 # -- shared memory --------------------------------------------------------------------------

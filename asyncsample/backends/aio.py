@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import traceback
@@ -32,6 +33,7 @@ from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
     HostSpec,
+    SentStep,
     reject_unknown_options,
 )
 from asyncsample.env_group import (
@@ -109,7 +111,20 @@ class ThreadedEnv:
         return await self._run(self.env.step, action)  # type: ignore[no-any-return]
 
     async def close(self) -> None:
-        """``env.close`` in a pool thread, after any call still running."""
+        """``env.close`` in a pool thread. With a call still running (a step that hung past
+        ``step_timeout``, or cut at a deadline) the close is queued behind it and not awaited:
+        the env is being replaced, and a thread cannot be interrupted, so waiting could hold
+        the caller as long as the stuck call lasts."""
+        busy = self._busy
+        if busy is not None and not busy.done():
+            env, executor = self.env, self._executor
+
+            def close_after(_: concurrent.futures.Future[Any]) -> None:
+                with contextlib.suppress(RuntimeError):  # the pool was shut down meanwhile
+                    executor.submit(env.close)
+
+            busy.add_done_callback(close_after)
+            return
         await self._run(self.env.close)
 
 
@@ -378,6 +393,10 @@ class LaneHost:
 
     def direct_reader(self) -> DirectReader | None:
         """None: the envs live in the loop; there is no stream to read."""
+        return None
+
+    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
+        """None: the envs live in the loop (use :meth:`step`)."""
         return None
 
     async def shut(self) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "DirectReader",
     "EnvHost",
     "HostSpec",
+    "SentStep",
     "agent_note",
     "failure_error",
     "reject_unknown_options",
@@ -54,6 +55,8 @@ class HostSpec:
             ``0``: the worker asks for actions itself, one step per request.
         autoreset: how the host's env group restarts an ended episode, one of
             :data:`~asyncsample.env_group.AUTORESET_MODES` (the vector-env faces choose it).
+        final_in_reply: the env group also returns the final observations themselves, in
+            :attr:`StepInfos.final_obs <asyncsample.env_group.StepInfos>` (the gymnasium face).
     """
 
     worker: int
@@ -63,6 +66,7 @@ class HostSpec:
     max_episode_length: int | None
     chunk_steps: int = 0
     autoreset: str = "SameStep"
+    final_in_reply: bool = False
 
 
 class EnvHost(Protocol):
@@ -132,6 +136,13 @@ class EnvHost(Protocol):
         """Close the envs. Idempotent."""
         ...
 
+    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
+        """Send a step request at once, from a synchronous caller whose event loop is not
+        running (the vector env's lockstep step), or ``None``: no live connection for it (use
+        :meth:`step`). Read the reply with :meth:`direct_reader`, then take the outcome from the
+        :class:`SentStep`."""
+        ...
+
     def direct_reader(self) -> DirectReader | None:
         """Where a synchronous caller may read this host's replies itself, or ``None``.
 
@@ -151,6 +162,23 @@ class DirectReader(Protocol):
     def read_now(self) -> bool:
         """Read what arrived and resolve the calls it answers; ``False``: use the loop now
         (end of stream, an error, or writes still queued)."""
+        ...
+
+
+class SentStep(Protocol):
+    """A step request sent by :meth:`EnvHost.step_nowait`."""
+
+    def done(self) -> bool:
+        """Whether its outcome is known (the reply was read, or the host is dead)."""
+        ...
+
+    def result_now(self) -> StepInfos | None:
+        """What :meth:`EnvHost.step` returns, if the reply is in and is not a failure; else
+        ``None`` (await :meth:`wait`)."""
+        ...
+
+    async def wait(self) -> StepInfos:
+        """What :meth:`EnvHost.step` returns or raises for this request (in the event loop)."""
         ...
 
 

@@ -20,6 +20,7 @@ from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
     HostSpec,
+    SentStep,
     failure_error,
     reject_unknown_options,
 )
@@ -50,6 +51,7 @@ class LocalHost:
             spec.action_space,
             spec.max_episode_length,
             spec.autoreset,
+            spec.final_in_reply,
         )
         self.closed = False
 
@@ -87,7 +89,9 @@ class LocalHost:
     async def step(self, mask: np.ndarray) -> StepInfos:
         result: StepInfos = self._call("step", self._group.step, mask)
         if result.env_infos is not None or result.reset_infos:
-            result = StepInfos(_snapshot(result.env_infos), _snapshot(result.reset_infos))
+            result = StepInfos(
+                _snapshot(result.env_infos), _snapshot(result.reset_infos), result.final_obs
+            )
         # Let other tasks run between steps: a call is many steps, the loop must not wait for
         # all of them.
         await asyncio.sleep(0)
@@ -122,6 +126,10 @@ class LocalHost:
 
     def direct_reader(self) -> DirectReader | None:
         """None: there is no stream to read, the calls run in the caller's thread."""
+        return None
+
+    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
+        """None: there is no stream (use :meth:`step`)."""
         return None
 
     def shut(self) -> None:

@@ -40,7 +40,7 @@ import socket
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,10 +67,12 @@ from asyncsample.backends._transport import (
     load_failure,
     shared_buffers,
 )
+from asyncsample.backends._transport import ReplyProtocol as _ReplyProtocol
 from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
     HostSpec,
+    SentStep,
     failure_error,
     reject_unknown_options,
 )
@@ -161,83 +163,6 @@ def _mask_bytes(mask: np.ndarray) -> bytes:
     if type(mask) is np.ndarray and mask.dtype is _BOOL:
         return mask.tobytes()
     return np.asarray(mask, dtype=np.bool_).tobytes()
-
-
-class _ReplyProtocol(asyncio.Protocol):
-    """Splits an env host's reply stream into frames as the bytes arrive.
-
-    Frames go to the owner's ``on_frame`` straight from the event loop's read callback, with no
-    reader task and no per-frame future in between: the reply to a step costs one callback.
-    Until an owner is attached, bytes are kept. :meth:`feed` is the same entry point for a
-    caller that read the socket itself (see :meth:`_Conn.read_now`).
-    """
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._on_frame: Callable[[int, int, bytes], None] | None = None
-        self._on_eof: Callable[[], None] | None = None
-        self.ended = False
-
-    def attach(
-        self, on_frame: Callable[[int, int, bytes], None], on_eof: Callable[[], None]
-    ) -> None:
-        """Start handing frames (and the end of the stream) to the owner."""
-        self._on_frame = on_frame
-        self._on_eof = on_eof
-        self._parse()
-        if self.ended:
-            on_eof()
-
-    def data_received(self, data: bytes) -> None:
-        self.feed(data)
-
-    def feed(self, data: bytes) -> None:
-        """Take bytes read from the host's socket."""
-        buf = self._buf
-        on_frame = self._on_frame
-        if not buf and on_frame is not None and len(data) >= _HSIZE:
-            # The common case: exactly one whole frame, taken without a copy into the buffer.
-            length, rid, status = _unpack_header(data)
-            if len(data) == _HSIZE + length:
-                on_frame(rid, status, data[_HSIZE:] if length else b"")
-                return
-        buf += data
-        self._parse()
-
-    def _parse(self) -> None:
-        on_frame = self._on_frame
-        if on_frame is None:
-            return
-        buf = self._buf
-        pos = 0
-        end_of_data = len(buf)
-        while end_of_data - pos >= _HSIZE:
-            length, rid, status = _unpack_header(buf, pos)
-            end = pos + _HSIZE + length
-            if end > end_of_data:
-                break
-            payload = bytes(buf[pos + _HSIZE : end]) if length else b""
-            pos = end
-            on_frame(rid, status, payload)
-        if pos:
-            del buf[:pos]
-
-    def eof_received(self) -> bool:
-        self._ended()
-        return False  # let the transport close
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._ended()
-
-    def _ended(self) -> None:
-        if not self.ended:
-            self.ended = True
-            if self._on_eof is not None:
-                self._on_eof()
-
-
-_HSIZE = HEADER.size
-_unpack_header = HEADER.unpack_from
 
 
 class _Conn(Incarnation):
@@ -623,22 +548,46 @@ class ProcessHost(RemoteHost[_Conn]):
             args = reset_arguments(self.spec.n_envs, seeds, options)
             blob = self._pickle("reset options", args)
             payload = await self._request(Op.RESET_ARGS, _mask_bytes(mask) + blob)
+        infos: dict[int, dict[str, object]]
+        if isinstance(self.buffers.obs, list):  # observations without fixed-size rows
+            infos, self.buffers.obs[:] = pickle.loads(payload)
+            return infos
         if not payload:
             return {}
-        infos: dict[int, dict[str, object]] = pickle.loads(payload)
+        infos = pickle.loads(payload)
         return infos
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         # The hot path: _request without its generic layers, same checks.
         inc = self._incarnation
+        body = self._step_body(mask)
         if inc is None or self._member.closed:
-            payload = await self._request(Op.STEP, _mask_bytes(mask))
+            payload = await self._request(Op.STEP, body)
         else:
-            payload = await self._send(inc, Op.STEP, _mask_bytes(mask))
+            payload = await self._send(inc, Op.STEP, body)
+        return self._step_infos(payload)
+
+    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
+        """Send a step request now, without the event loop (see :meth:`EnvHost.step_nowait`)."""
+        inc = self._incarnation
+        if inc is None or inc.dead or self._member.closed:
+            return None
+        call = inc.send(Op.STEP, self._slot + self._step_body(mask), self._timeout, self.worker)
+        return _SentStep(self, inc, call)
+
+    def _step_body(self, mask: np.ndarray) -> bytes:
+        body = _mask_bytes(mask)
+        if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
+            body += self._pickle("actions", self.buffers.actions)
+        return body
+
+    def _step_infos(self, payload: bytes) -> StepInfos:
         if not payload:
             return StepInfos(None, {})
-        env_infos, reset_infos = pickle.loads(payload)
-        return StepInfos(env_infos, reset_infos)
+        parts = pickle.loads(payload)
+        if len(parts) > 3:  # observations without fixed-size rows come home pickled
+            self.buffers.obs[:] = parts[3]
+        return StepInfos(*parts[:3])
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
         """``inference="host"``: run a chunk with the host's agent copy (installed or updated
@@ -660,6 +609,10 @@ class ProcessHost(RemoteHost[_Conn]):
         step and chunk paths): the reply's payload, or the error a failure or death means.
         ``progress``: a chunk's step counter (``step_timeout`` then bounds each step)."""
         call = inc.send(op, self._slot + body, self._timeout, self.worker, progress)
+        return await self._reply(inc, call)
+
+    async def _reply(self, inc: _Conn, call: PendingCall) -> bytes:
+        """The payload of ``call``'s reply, or the error a failure or death means."""
         try:
             status, payload = await call.future
         except HostDied:
@@ -668,6 +621,32 @@ class ProcessHost(RemoteHost[_Conn]):
         if status != ST_OK:
             raise failure_error(self.worker, load_failure(payload))
         return payload  # type: ignore[no-any-return]
+
+
+class _SentStep:
+    """A step request sent by :meth:`ProcessHost.step_nowait` (see :class:`SentStep`)."""
+
+    __slots__ = ("call", "host", "inc")
+
+    def __init__(self, host: ProcessHost, inc: _Conn, call: PendingCall) -> None:
+        self.host = host
+        self.inc = inc
+        self.call = call
+
+    def done(self) -> bool:
+        return self.call.future.done()
+
+    def result_now(self) -> StepInfos | None:
+        fut = self.call.future
+        if not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        status, payload = fut.result()
+        if status != ST_OK:
+            return None
+        return self.host._step_infos(payload)
+
+    async def wait(self) -> StepInfos:
+        return self.host._step_infos(await self.host._reply(self.inc, self.call))
 
 
 class ProcessBackend:

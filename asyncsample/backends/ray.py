@@ -18,17 +18,23 @@ reply is copied into the worker's local :class:`~asyncsample.env_group.StepBuffe
 Observation arrays of at least ``compress_threshold`` bytes can be compressed before they leave
 the actor (lz4 when installed, else zlib); a leaf that does not shrink by a quarter is sent as
 is and not tried again for its next 1000 replies, so incompressible (noise-like) observations
-cost one try. Measured on one machine (``benchmarks/ray_vs_process.py``): lz4 on compressible
-84x84x4 frames pays even there (1.5-2x steps/s), because small replies stay inline instead of
-going through the object store; zlib pays with 8 frames per reply but loses with 32 (it takes
-about 0.5 ms per 220 KiB to compress, more than the object store costs for large replies).
+cost one try. Measured on one machine (``benchmarks/results/ray_vs_process.json``, written
+before the benchmark framework; ``asyncsample bench ray`` runs the comparison now, and
+``RAY_ADDRESS=auto asyncsample bench ray --contenders asyncsample-ray --layouts 64x32
+--processes 32`` on a cluster): lz4 on compressible 84x84x4 frames pays even there (1.5-2x
+steps/s), because small replies stay inline instead of going through the object store; zlib pays
+with 8 frames per reply but loses with 32 (it takes about 0.5 ms per 220 KiB to compress, more
+than the object store costs for large replies).
 
 Calls are awaited as futures in the event loop (a Ray thread resolves them with
 ``call_soon_threadsafe``). An actor serves its calls in submission order, so a caller that is
 cancelled simply stops waiting: its reply is dropped when it arrives and can never be taken for
 another call's. ``step_timeout`` is measured from the moment the actor can start on a call (after
 the reply to the call queued before it): a call that outlives it fails with
-:class:`~asyncsample.StepTimeoutError`, and the actor is killed. An actor that dies (killed, out of
+:class:`~asyncsample.StepTimeoutError`, and the actor is killed. With ``inference="host"`` a call
+runs a chunk of many steps and ``step_timeout`` still bounds each step: the actor answers how far
+the chunk has got from a second thread (a Ray concurrency group), and the chunk fails when that
+count stands still for ``step_timeout``. An actor that dies (killed, out of
 memory, its node lost) fails every call waiting on it with
 :class:`~asyncsample.WorkerCrashedError`; ``restart`` creates a new actor once for all the
 workers it hosted, while an env that merely raised only has its own worker's envs rebuilt.
@@ -55,6 +61,7 @@ from asyncsample import _validate
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
 from asyncsample.backends._ray_actor import (
     OK,
+    PROGRESS_GROUP,
     EnvActor,
     best_codec,
     copy_into,
@@ -66,6 +73,7 @@ from asyncsample.backends._remote import (
     PendingCall,
     PoolMember,
     RemoteHost,
+    progress_poll,
 )
 from asyncsample.backends._transport import Op, load_failure
 from asyncsample.backends._transport import dumps as _dumps
@@ -112,6 +120,10 @@ class _Actor(Incarnation):
         self.handle = handle
         self.index = index
         self.where = ""
+        # Chunks judged per step: the tasks that poll their step counters (see watch), and the
+        # loop time the counter of a call was asked for, while that question is unanswered.
+        self.watchers: set[asyncio.Task[None]] = set()
+        self.polling: dict[PendingCall, float] = {}
 
     def describe(self) -> str:
         return f"env-host actor {self.index}" + (f" ({self.where})" if self.where else "")
@@ -123,11 +135,11 @@ class _Actor(Incarnation):
         timeout: float | None,
         worker: int,
         label: str | None = None,
-        limit: str | None = None,
+        progress: np.ndarray | None = None,
     ) -> PendingCall:
         """Call ``method`` on the actor (``label``: what the call is named in messages, by
-        default ``method``; ``limit``: how its timeout is named); the call's future gets its
-        reply.
+        default ``method``; ``progress``: a chunk's step counter, see :meth:`watch`); the
+        call's future gets its reply.
 
         The future fails with :class:`HostDied` when the actor is (or becomes) dead, and with a
         :class:`~asyncsample.WorkerError` when the actor method itself raised (a bug, not an env
@@ -136,7 +148,7 @@ class _Actor(Incarnation):
         if not self.dead and not self.ray.is_initialized():
             # Someone shut Ray down: its actors died with it (and a call now would start Ray).
             self.die("is gone: Ray was shut down")
-        call = self.new_call(label or method, worker, timeout, limit=limit)
+        call = self.new_call(label or method, worker, timeout, progress)
         if self.dead:
             return call
         try:
@@ -147,6 +159,64 @@ class _Actor(Incarnation):
         call.key = ref
         ref.future().add_done_callback(lambda cf: self._from_ray_thread(call, cf))
         return call
+
+    def watch(self, call: PendingCall, worker: int, timeout: float) -> None:
+        """Judge a chunk ``call`` per step: keep its ``progress`` counter up to date with the
+        actor's count of the chunk's steps while it runs.
+
+        An actor has no memory shared with the caller, so the count is asked for: every
+        :func:`~asyncsample.backends._remote.progress_poll` seconds, once the actor works on
+        ``call`` (the head of :attr:`calls`), :meth:`EnvActor.progress` is called in its own
+        concurrency group, which answers while the chunk runs. The incarnation's timer then
+        judges the counter as the ``process`` backend's shared one: the chunk fails when it
+        stands still for ``timeout``.
+        """
+        task = self.loop.create_task(self._poll(call, worker, timeout))
+        self.watchers.add(task)
+        task.add_done_callback(self.watchers.discard)
+
+    async def _poll(self, call: PendingCall, worker: int, timeout: float) -> None:
+        counter = call.progress
+        assert counter is not None
+        interval = progress_poll(timeout)
+        progress = self.handle.progress.options(concurrency_group=PROGRESS_GROUP)
+        while True:
+            await asyncio.sleep(interval)
+            if call.done or self.dead:
+                return
+            calls = self.calls
+            if not calls or calls[0] is not call:
+                continue  # queued behind another worker's call: the chunk has not started
+            try:
+                ref = progress.remote(worker)
+            except Exception:  # Ray is gone: the call learns it from its own reply
+                return
+            self.polling[call] = self.loop.time()
+            try:
+                steps = await asyncio.wrap_future(ref.future())
+            except Exception:  # the actor died: so did the call, which says why
+                return
+            finally:
+                self.polling.pop(call, None)
+            if not call.done:
+                counter[0] = steps
+
+    def _defer_timeout(self, call: PendingCall) -> bool:
+        """Whether the step counter of ``call`` is being asked for, for less than its timeout.
+
+        A loaded machine or Ray may delay the answer, which can show a step that ended in time.
+        An env that hangs holding the GIL keeps the actor from answering at all: it is then
+        found after at most twice ``step_timeout`` (and the message quotes the first step not
+        seen to end, which is the hung one unless it came less than a look after the last).
+        """
+        sent = self.polling.get(call)
+        timeout = call.timeout
+        return sent is not None and timeout is not None and self.loop.time() - sent < timeout
+
+    def _on_death(self) -> None:
+        for task in list(self.watchers):
+            task.cancel()
+        self.polling.clear()
 
     def _from_ray_thread(self, call: PendingCall, cf: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
@@ -288,7 +358,6 @@ class RayHost(RemoteHost[_Actor]):
                 spec.observation_space, spec.action_space, spec.chunk_steps * spec.n_envs
             )
             self.chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, spec.n_envs)
-        self._chunk_steps = 1
 
     @property
     def actor(self) -> Any:
@@ -296,19 +365,23 @@ class RayHost(RemoteHost[_Actor]):
         return None if self._incarnation is None else self._incarnation.handle
 
     def _submit(self, incarnation: _Actor, op: Op, payload: tuple[Any, ...]) -> PendingCall:
-        timeout, label, limit = self._timeout, op.label, None
+        timeout, worker = self._timeout, self.worker
         if op is Op.STEP or op is Op.RESET:
             method, args = op.label, payload  # the request carries the worker
         elif op is Op.CHUNK:  # inference="host"
-            method, args = "run_chunk", (self.worker, *payload)
-            if timeout is not None:
-                steps = self._chunk_steps
-                label = f"chunk of {steps} steps"
-                limit = f"{steps} x step_timeout={timeout:g}s"
-                timeout *= steps
+            args = (worker, *payload)
+            if timeout is None:
+                return incarnation.submit("run_chunk", args, None, worker, op.label)
+            # step_timeout bounds each step: the actor's count of this chunk's steps is polled
+            # into a counter of the call's own while the chunk runs (see _Actor.watch); a chunk
+            # whose caller was cancelled may still run before it, polled into its own.
+            counter = np.zeros(1, np.int64)
+            call = incarnation.submit("run_chunk", args, timeout, worker, op.label, counter)
+            incarnation.watch(call, worker, timeout)
+            return call
         else:
-            method, args = "serve", (self.worker, int(op), *(payload or (b"",)))
-        return incarnation.submit(method, args, timeout, self.worker, label, limit)
+            method, args = "serve", (worker, int(op), *(payload or (b"",)))
+        return incarnation.submit(method, args, timeout, worker, op.label)
 
     def _unpack(self, reply: Any) -> Any:
         status, payload = pickle.loads(reply) if isinstance(reply, bytes) else reply
@@ -350,14 +423,12 @@ class RayHost(RemoteHost[_Actor]):
         """``inference="host"``: one actor call runs a chunk with the actor's agent copy
         (installed or updated first where needed); the reply and the agent version it ran with.
 
-        ``step_timeout`` bounds the chunk as a whole here: the call may take ``step_timeout *
-        request.steps``. (An actor serves one call at a time, so it cannot be asked how far a
-        chunk has got while it runs; the ``process`` backend judges each step.)
+        ``step_timeout`` bounds each step: the chunk fails when the actor's count of its steps,
+        polled while it runs, stands still for that long (see ``_Actor.watch``).
         """
         version = await self.sync_agent()
         chunk = self.chunk
         assert chunk is not None
-        self._chunk_steps = max(1, request.steps)
         payload = await self._request(Op.CHUNK, _dumps(request))
         reply, obs, actions, rewards, terminated, truncated, final, current = payload
         k = reply.steps
@@ -387,7 +458,9 @@ class RayBackend:
         n_processes: number of env-host actors (default: the CPU count of this machine), capped
             at the number of workers. On a cluster, set it (or ``workers_per_actor``).
         step_timeout: seconds an actor may spend on one build, update, reset or step before it is
-            killed and the call fails with :class:`~asyncsample.StepTimeoutError`.
+            killed and the call fails with :class:`~asyncsample.StepTimeoutError`; with
+            ``inference="host"``, on each step of a chunk (the actor is asked how far the chunk
+            has got while it runs, see ``_Actor.watch``).
         address: address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``,
             ``"host:6379"``). Default: an already initialised Ray, else ``RAY_ADDRESS``, else a
             local Ray instance started here (and shut down by :meth:`aclose`), which counts
@@ -547,7 +620,13 @@ class RayBackend:
         try:
             await asyncio.to_thread(self._connect, math.ceil(n * self.num_cpus))
             ray = self.ray
-            self._actor_class = ray.remote(EnvActor)
+            if self.step_timeout is not None and any(s.chunk_steps > 0 for s in specs):
+                # Chunks judged per step: EnvActor.progress answers from a thread of its own
+                # while a chunk runs; every other method still runs in order, on one thread.
+                groups = {PROGRESS_GROUP: 1}
+                self._actor_class = ray.remote(concurrency_groups=groups)(EnvActor)
+            else:
+                self._actor_class = ray.remote(EnvActor)
             if self.placement_strategy is not None:
                 from ray.util.placement_group import placement_group
 

@@ -24,8 +24,8 @@ Agent versions: an update reaches the hosts before their next chunk; the chunk i
 with the parameters it started with, and episodes are stamped with the version a chunk really
 ran with, so ``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
 step: on ``process`` the host bumps a step counter in shared memory after every step and the
-main process fails the chunk when the counter stands still for ``step_timeout``; on ``ray`` a
-chunk of ``k`` steps may take ``k * step_timeout``.
+main process fails the chunk when the counter stands still for ``step_timeout``; on ``ray`` the
+main process asks the actor for that count while the chunk runs, with the same verdict.
 
 On ``ray`` a chunk is one actor call; its records come back in the reply (through Ray's object
 store when large; observation leaves compressed with the backend's ``compress_threshold``) and

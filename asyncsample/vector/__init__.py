@@ -5,6 +5,7 @@
   on its own: it needs SB3);
 * :mod:`asyncsample.vector.hosted`: what both faces stand on, sub-envs placed on the hosts of a
   backend and driven through the public ``EnvHost`` protocol (restarts, error translation);
+* :mod:`asyncsample.vector.errors`: :class:`SubEnvError` and the faces' other errors;
 * :mod:`asyncsample.vector.portal`: the blocking portal that runs the faces' coroutines for
   synchronous callers.
 """
@@ -12,6 +13,6 @@
 from __future__ import annotations
 
 from asyncsample.vector.env import VectorEnv
-from asyncsample.vector.hosted import SubEnvAttributeError, SubEnvError
+from asyncsample.vector.errors import SubEnvAttributeError, SubEnvError
 
 __all__ = ["SubEnvAttributeError", "SubEnvError", "VectorEnv"]

@@ -8,12 +8,18 @@ actions it returns exactly what :class:`gymnasium.vector.SyncVectorEnv` returns.
 The autoreset modes are the hosts' own (an option of their env groups): in ``NEXT_STEP`` mode the
 host resets an ended sub-env at its next step (reward 0, both flags false, the reset's info); in
 ``SAME_STEP`` mode it resets it in the step that ended the episode, and the true last observation
-comes home in the step buffers' ``final_obs`` rows; in ``DISABLED`` mode it never resets it, and
-stepping a finished sub-env is a ``RuntimeError`` here, before anything is sent.
+comes home in the step's reply (the env's own object); in ``DISABLED`` mode it never resets it,
+and stepping a finished sub-env is a ``RuntimeError`` here, before anything is sent.
+
+Spaces whose values have no fixed-size row in the shared buffers (``Text``, ``OneOf``,
+``Sequence``, ``Graph``, custom spaces) travel pickled in the hosts' requests and replies and are
+batched with gymnasium's own ``concatenate`` and ``iterate``.
 
 Calls are synchronous, as gymnasium's API is: each runs the face's
 :class:`~asyncsample.vector.portal.BlockingPortal` until the hosts answered (see there for where
-its loop runs and why). ``step_async`` sends the requests and returns; ``step_wait`` collects.
+its loop runs and why), except the common lockstep ``step``, which needs no event loop (see
+:meth:`~asyncsample.vector.hosted.HostedEnvs.lockstep`). ``step_async`` sends the requests and
+returns; ``step_wait`` collects.
 
 EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
 :meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
@@ -37,20 +43,29 @@ import asyncio
 import contextlib
 import functools
 import math
-import multiprocessing
 import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gymnasium.error import AlreadyPendingCallError, NoAsyncCallError
+from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector import VectorEnv as _GymVectorEnv
-from gymnasium.vector.utils import batch_space
+from gymnasium.vector.utils import (
+    batch_space,
+)
 
 from asyncsample import _validate
 from asyncsample._tree import tree_map
+from asyncsample.vector._gym_args import (
+    AlreadyPending,
+    NoAsyncCall,
+    check_async_vector_env_options,
+    check_shared_memory,
+    observation_spaces,
+    timed_out,
+)
 from asyncsample.vector.hosted import (
     HostedEnvs,
     HostedFace,
@@ -62,55 +77,6 @@ from asyncsample.vector.hosted import (
 __all__ = ["VectorEnv"]
 
 _Step = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
-
-
-class _AlreadyPending(AlreadyPendingCallError, RuntimeError):
-    """gymnasium's ``AlreadyPendingCallError``, also a ``RuntimeError`` (as before)."""
-
-
-class _NoAsyncCall(NoAsyncCallError, RuntimeError):
-    """gymnasium's ``NoAsyncCallError``, also a ``RuntimeError`` (as before)."""
-
-
-def _timed_out(what: str, timeout: float | None) -> multiprocessing.TimeoutError:
-    return multiprocessing.TimeoutError(
-        f"The call to `{what}` has timed out after {timeout} second(s)."
-    )
-
-
-def _check_async_vector_env_options(
-    shared_memory: Any, copy: Any, context: Any, daemon: Any, worker: Any, observation_mode: Any
-) -> None:
-    """``AsyncVectorEnv``'s own arguments: checked as it checks them, refused where they cannot
-    apply (see :class:`VectorEnv`)."""
-    _validate.flag("shared_memory", shared_memory)
-    _validate.flag("copy", copy)
-    _validate.flag("daemon", daemon)
-    if context is not None:
-        if not isinstance(context, str) or context not in multiprocessing.get_all_start_methods():
-            raise ValueError(
-                f"context must be None or one of {multiprocessing.get_all_start_methods()}, got "
-                f"{context!r}"
-            )
-    if worker is not None:
-        raise ValueError(
-            "worker: a custom worker function cannot be used: the sub-envs live in asyncsample's "
-            "env hosts, several to a process, which step them with the sampler's own env-group "
-            "code (no per-env pipe for a worker function to serve); wrap the env instead"
-        )
-    valid = observation_mode in ("same", "different") or (
-        isinstance(observation_mode, tuple) and len(observation_mode) == 2
-    )
-    if not valid:
-        raise ValueError(  # gymnasium's words
-            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
-            f"batch observation space, actual got {observation_mode}"
-        )
-    if observation_mode != "same":
-        raise ValueError(
-            "observation_mode: only 'same' is supported (every sub-env shares the first one's "
-            f"observation space, batched in shared memory), got {observation_mode!r}"
-        )
 
 
 class _InfoBatch:
@@ -145,6 +111,7 @@ def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
         into.env_infos[a:b] = res.env_infos[a:b]
     into.reset_infos.update({i: v for i, v in res.reset_infos.items() if a <= i < b})
     into.restarted.update({i: v for i, v in res.restarted.items() if a <= i < b})
+    into.final_obs.update({i: v for i, v in res.final_obs.items() if a <= i < b})
 
 
 class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
@@ -168,20 +135,24 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             (several hosts share a process), and hosts answer independently.
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each env-host process; ``None`` leaves the libraries' defaults.
-        shared_memory: ``AsyncVectorEnv``'s argument, accepted so that code written for it
-            runs unchanged; changes nothing (observations always travel in shared memory).
+        shared_memory: ``AsyncVectorEnv``'s argument: ``True`` refuses the observation spaces
+            its shared memory refuses, with its errors (a custom space: ``ValueError``;
+            ``Sequence``, ``Graph``: ``TypeError``); ``False`` accepts them. Observations of
+            fixed-size spaces travel in shared memory either way, the others pickled.
         copy: accepted likewise; changes nothing (every call returns fresh arrays).
         context: a start method, checked as ``AsyncVectorEnv`` checks it; changes nothing (env
             hosts always start from asyncsample's forkserver).
         daemon: checked; changes nothing (env hosts never outlive the main process).
         worker: must be ``None``: the hosts step the sub-envs with their own code, so a custom
             worker function is refused.
-        observation_mode: only ``"same"`` is supported; another value is refused.
+        observation_mode: ``"same"``, ``"different"`` (sub-envs' observation spaces may differ
+            in bounds, not in shape or dtype; batched with ``batch_differing_spaces``) or a
+            ``(batched, single)`` pair of spaces, as for ``AsyncVectorEnv``.
         env_fns: another name for ``env``, as ``AsyncVectorEnv`` calls it.
 
-    All sub-envs must share the observation and action spaces of the first one (a list of
-    factories whose spaces differ is a ``RuntimeError`` at construction, as with
-    ``AsyncVectorEnv``). Actions are stored in the action space's dtype before they reach the
+    All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
+    first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
+    with ``AsyncVectorEnv``). Actions are stored in the action space's dtype before they reach the
     sub-envs; actions that dtype would change (floats for a ``Discrete`` space, float64 values
     that overflow a float32 ``Box``) are a ``ValueError``.
     """
@@ -218,7 +189,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             num_envs = len(env)  # AsyncVectorEnv(env_fns): one sub-env per factory
         num = _validate.positive_int("num_envs", num_envs)
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
-        _check_async_vector_env_options(
+        check_async_vector_env_options(
             shared_memory, copy, context, daemon, worker, observation_mode
         )
         _validate.optional_positive_int("n_processes", n_processes)
@@ -240,8 +211,10 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         if batch is not None and batch > num:
             raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
         sources = env_sources(env, num)
+        single_obs, batched_obs = observation_spaces(observation_mode, sources)
         self.autoreset_mode = mode
         self.num_envs = num
+        self.observation_mode = observation_mode
         self._hosted = HostedEnvs(
             sources,
             n_processes=n_processes,
@@ -250,6 +223,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             autoreset=mode.value,
             group_size=None if batch is None else math.gcd(num, batch),
             host_threads=host_threads,
+            object_rows=True,
+            observation_space=single_obs,
         )
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
@@ -259,7 +234,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self.render_mode = hosted.render_mode
         self.single_observation_space = hosted.single_observation_space
         self.single_action_space = hosted.single_action_space
-        self.observation_space = batch_space(self.single_observation_space, num)
+        self.observation_space = (
+            batch_space(self.single_observation_space, num) if batched_obs is None else batched_obs
+        )
         self.action_space = batch_space(self.single_action_space, num)
         self._initial_seed = None if seed is None else int(seed)
         # DISABLED: sub-envs whose episode ended and that the caller has not reset yet.
@@ -267,6 +244,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         # NEXT_STEP: sub-envs reset by a host restart, whose next step is their autoreset step
         # (they are not stepped; their reset info shows then).
         self._fresh = np.zeros(num, dtype=np.bool_)
+        self._maybe_fresh = False  # False: no sub-env in _fresh (the common step skips a test)
         self._fresh_infos: dict[int, dict[str, Any]] = {}
         # The call sent by step_async, reset_async or call_async, and what it was.
         self._pending: asyncio.Task[Any] | None = None
@@ -275,12 +253,15 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
         self._inflight: dict[int, asyncio.Future[StepResult]] = {}
         self._answered: list[int] = []
-        if isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1:
-            try:
+        several = isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1
+        try:
+            if shared_memory:
+                check_shared_memory(self.single_observation_space)
+            if several or observation_mode != "same":
                 self._check_spaces()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -394,7 +375,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def _check_not_pending(self, what: str) -> None:
         if self._pending is not None:
-            raise _AlreadyPending(
+            raise AlreadyPending(
                 f"Calling `{what}` while waiting for a pending call to `{self._pending_kind}` "
                 "to complete (step_async was called twice without step_wait in between, or "
                 "another call is pending)",
@@ -407,13 +388,13 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         hosted.check_open()
         task = self._pending
         if task is None or self._pending_kind != kind:
-            raise _NoAsyncCall(
+            raise NoAsyncCall(
                 f"Calling `{kind}_wait` without any prior call to `{kind}_async`.", kind
             )
         try:
             result = hosted.portal.wait(task, timeout)
         except TimeoutError:
-            raise _timed_out(f"{kind}_wait", timeout) from None
+            raise timed_out(f"{kind}_wait", timeout) from None
         finally:
             if task.done():
                 self._pending = None
@@ -423,7 +404,14 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         """Every sub-env's spaces are the first one's (``AsyncVectorEnv``'s check and words)."""
         obs = self.call("observation_space")
         act = self.call("action_space")
-        if any(space != self.single_observation_space for space in obs):
+        single = self.single_observation_space
+        if self.observation_mode != "same":
+            if not all(is_space_dtype_shape_equiv(single, space) for space in obs):
+                raise RuntimeError(
+                    "VectorEnv(..., observation_mode='different' or custom space) however the "
+                    "sub-environment's observation spaces do not share a common shape and dtype."
+                )
+        elif any(space != single for space in obs):
             raise RuntimeError(
                 "VectorEnv(..., observation_mode='same') however some of the sub-environments "
                 "observation spaces are not equivalent. If this is intentional, use "
@@ -445,6 +433,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         hosted.check_open()
         self._check_not_pending("step")
         mask = self._send(actions)
+        if mask is None:
+            return self._finish(hosted.lockstep(), None)
         return self._finish(hosted.portal.call(hosted.step, mask), mask)
 
     def step_async(self, actions: Any) -> None:
@@ -475,7 +465,16 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 "with reset(options={'reset_mask': mask}) before stepping"
             )
         self._hosted.write_actions(actions)
-        return ~self._fresh if self._fresh.any() else None
+        return self._step_mask()
+
+    def _step_mask(self) -> np.ndarray | None:
+        """Which sub-envs a step steps: ``None`` for all (the sub-envs in ``_fresh`` are not)."""
+        if not self._maybe_fresh:
+            return None
+        if self._fresh.any():
+            return ~self._fresh
+        self._maybe_fresh = False
+        return None
 
     def _finish(self, res: StepResult, mask: np.ndarray | None) -> _Step:
         mode = self.autoreset_mode
@@ -511,7 +510,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             elif self._fresh[i]:
                 infos = batch._add_info(infos, self._fresh_infos.pop(i, {}), k)
             elif mode == AutoresetMode.SAME_STEP and done[k]:
-                final = {"final_obs": hosted.obs_row(i, final=True), "final_info": res.info(i)}
+                final = {"final_obs": hosted.final_row(res, i), "final_info": res.info(i)}
                 infos = batch._add_info(infos, final, k)
                 infos = batch._add_info(infos, reset_info, k)
             else:
@@ -525,6 +524,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             if i in res.restarted:
                 if mode == AutoresetMode.NEXT_STEP:
                     self._fresh[i] = True
+                    self._maybe_fresh = True
                     self._fresh_infos[i] = res.reset_infos.get(i, {})
                 elif mode == AutoresetMode.DISABLED:
                     self._ended[i] = True
@@ -597,7 +597,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         order = np.argsort(ids, kind="stable")
         full = tree_map(lambda leaf: _scatter(leaf, ids, order, self.num_envs), actions)
         hosted.write_actions(full, hosts)
-        mask = ~self._fresh if self._fresh.any() else None
+        mask = self._step_mask()
         hosted.portal.call(self._launch, hosts, mask)
 
     async def _launch(self, hosts: list[int], mask: np.ndarray | None) -> None:

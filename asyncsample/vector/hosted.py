@@ -8,35 +8,47 @@ public :class:`~asyncsample.backends.base.EnvHost` protocol, the same ``build``,
 same :class:`~asyncsample.env_group.EnvGroup` as for the sampler, in the face's autoreset mode
 (an option of the group, :attr:`HostSpec.autoreset <asyncsample.backends.base.HostSpec>`), so
 nothing here fakes a reset: in ``"NextStep"`` mode the host itself resets an ended sub-env at its
-next step, and in ``"SameStep"`` mode the true last observation comes back in the step buffers'
-own ``final_obs`` rows.
+next step, and in ``"SameStep"`` mode the true last observation comes back in the host's reply
+(``object_rows``, the gymnasium face) or in the step buffers' own ``final_obs`` rows (SB3's).
 
 What is the faces' own: the lockstep round over all hosts (one ``step`` request per host, all in
 flight at once), the restart budget per host over the env's life (``max_restarts``), and the
 translation of a host's :class:`~asyncsample.WorkerError` into one that names the sub-env
 (:class:`SubEnvError`). Everything is a coroutine on the face's
-:class:`~asyncsample.vector.portal.BlockingPortal`.
+:class:`~asyncsample.vector.portal.BlockingPortal`, except the common lockstep round
+(:meth:`HostedEnvs.lockstep`), which sends its requests and reads the replies from the caller's
+thread while the loop is idle (the backends' ``step_nowait`` and ``direct_reader``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 from collections.abc import Coroutine, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.error import ClosedEnvironmentError
-from gymnasium.vector.utils import batch_space
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend, pool_size
-from asyncsample.backends.base import EnvHost, HostSpec
+from asyncsample.backends.base import DirectReader, EnvHost, HostSpec, SentStep
 from asyncsample.env_group import StepInfos
-from asyncsample.env_update import EnvId, make_env
-from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
+from asyncsample.env_update import make_env
+from asyncsample.errors import WorkerError
+from asyncsample.vector._sources import check_bufferable, env_sources
+from asyncsample.vector.errors import (
+    ClosedError,
+    SubEnvAttributeError,
+    SubEnvError,
+    crash_like,
+    reraise,
+    sub_env_error_class,
+    with_text,
+)
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = [
@@ -52,38 +64,9 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-
-class SubEnvError(WorkerError):
-    """A sub-env of a :class:`~asyncsample.VectorEnv` (or of the SB3 face) raised.
-
-    Attributes:
-        sub_env: index of the sub-env in the vector env.
-        worker: index of the env host that held it; ``env``: the same as ``sub_env``.
-        remote_traceback: the traceback text from the env-host process.
-    """
-
-    def __init__(
-        self, message: str, *, sub_env: int, host: int, remote_traceback: str | None = None
-    ) -> None:
-        text = f"sub-env {sub_env} (env host {host}): {message}"
-        if remote_traceback:
-            text += f"\n\nRemote traceback:\n{remote_traceback.rstrip()}"
-        AsyncSampleError.__init__(self, text)
-        self.sub_env = sub_env
-        self.worker = host
-        self.env = sub_env
-        self.remote_traceback = remote_traceback
-        self.retry = True
-
-
-class SubEnvAttributeError(SubEnvError, AttributeError):
-    """A sub-env has no such attribute (also an ``AttributeError``, as SB3's ``has_attr`` and
-    gymnasium expect)."""
-
-
-class ClosedError(ClosedEnvironmentError, RuntimeError):
-    """A call on a closed vector env: gymnasium's ``ClosedEnvironmentError``, also a
-    ``RuntimeError`` (what SB3 code and earlier versions of the faces raised)."""
+#: How long :meth:`HostedEnvs.lockstep` waits for replies outside the event loop before it hands
+#: the round to the loop (where a step timeout, a dying host's sentinel... are seen).
+_DIRECT_WAIT = 0.05
 
 
 @dataclass
@@ -97,6 +80,8 @@ class StepResult:
         reset_infos: the non-empty infos of the resets the round did, by sub-env: the hosts'
             autoresets, and the resets of the sub-envs of a restarted host.
         restarted: sub-envs whose host was restarted during the round, with the reason.
+        final_obs: the envs' own last observations of the episodes that ended, by sub-env,
+            where the hosts sent them (``object_rows``); else they are in the buffers.
     """
 
     obs: Tree | None
@@ -106,6 +91,7 @@ class StepResult:
     env_infos: list[dict[str, Any]] | None
     reset_infos: dict[int, dict[str, Any]]
     restarted: dict[int, str]
+    final_obs: dict[int, Any] = field(default_factory=dict)
 
     def info(self, i: int) -> dict[str, Any]:
         """The step info of sub-env ``i``."""
@@ -115,86 +101,6 @@ class StepResult:
     def quiet(self) -> bool:
         """No info, no reset and no restart anywhere (the common step)."""
         return self.env_infos is None and not self.reset_infos and not self.restarted
-
-
-def env_sources(env: Any, num_envs: int) -> list[Any]:
-    """The source of every sub-env: ``env`` is an id, a factory or a list of ``num_envs``."""
-    if isinstance(env, (list, tuple)):
-        if len(env) != num_envs:
-            raise ValueError(
-                f"env: a list of factories must have num_envs={num_envs} entries, got {len(env)}"
-            )
-        sources = list(env)
-    else:
-        sources = [env] * num_envs
-    out: list[Any] = []
-    for i, source in enumerate(sources):
-        if isinstance(source, str):
-            out.append(EnvId(source))
-        elif callable(source) and not isinstance(source, gym.Env):
-            out.append(source)
-        else:
-            what = f"env[{i}]" if isinstance(env, (list, tuple)) else "env"
-            raise TypeError(
-                f"{what} must be a gymnasium id (str) or a zero-argument callable returning a "
-                f"gymnasium.Env, got {type(source).__name__}"
-            )
-    return out
-
-
-_FIXED_SPACES = (
-    gym.spaces.Box,
-    gym.spaces.Discrete,
-    gym.spaces.MultiBinary,
-    gym.spaces.MultiDiscrete,
-)
-
-
-def _check_bufferable(what: str, space: gym.Space[Any]) -> None:
-    """Refuse a space whose values have no fixed-size row in the shared step buffers.
-
-    Observations and actions travel in shared memory allocated once per space. ``Text``,
-    ``OneOf``, ``Sequence``, ``Graph`` and custom spaces have no such row: stored anyway they would
-    come back as placeholders (wrong data, no error), so they are refused here, at construction.
-    The message for ``Sequence`` and ``Graph`` is gymnasium's own for shared memory.
-    """
-    if isinstance(space, gym.spaces.Dict):
-        for sub in space.spaces.values():
-            _check_bufferable(what, sub)
-        return
-    if isinstance(space, gym.spaces.Tuple):
-        for sub in space.spaces:
-            _check_bufferable(what, sub)
-        return
-    if isinstance(space, _FIXED_SPACES):
-        return
-    if isinstance(space, (gym.spaces.Sequence, gym.spaces.Graph)):
-        raise TypeError(
-            f"the {what} space {space} has a dynamic shape so its not possible to make a static "
-            "shared memory."
-        )
-    raise TypeError(
-        f"the {what} space contains {space}, whose values have no fixed-size row in the shared "
-        "step buffers of asyncsample's vector envs (Text, OneOf and custom spaces are not "
-        "supported yet); use gymnasium's AsyncVectorEnv for this env"
-    )
-
-
-def _crash_like(exc: BaseException) -> bool:
-    return isinstance(exc, (WorkerCrashedError, StepTimeoutError))
-
-
-def _with_text(exc: WorkerError, text: str) -> WorkerError:
-    """A copy of ``exc`` (same class and fields) with a message that names sub-envs."""
-    err = type(exc).__new__(type(exc))
-    Exception.__init__(err, text)
-    err.__dict__.update(exc.__dict__)
-    return err
-
-
-def _raise(err: BaseException, original: BaseException) -> NoReturn:
-    """Raise ``err``, chained to the env's own exception when there is one."""
-    raise err from (err.__cause__ if err.__cause__ is not None else original)
 
 
 class HostedEnvs:
@@ -212,6 +118,13 @@ class HostedEnvs:
         backend: the backend's name.
         host_threads: intra-op threads of the numeric libraries in each env-host process
             (``None``: the libraries' defaults).
+        object_rows: the gymnasium face's transport: observations and actions of spaces
+            without fixed-size rows (``Text``, ``OneOf``, ``Sequence``, ``Graph``, custom)
+            travel pickled in the hosts' requests and replies and are batched as gymnasium
+            batches them, and final observations come home as the envs' own objects. Without
+            it such spaces are refused.
+        observation_space: the single observation space of the buffers (default: the first
+            sub-env's), for gymnasium's ``observation_mode``.
     """
 
     def __init__(
@@ -225,19 +138,25 @@ class HostedEnvs:
         group_size: int | None = None,
         backend: str = "process",
         host_threads: int | None = 1,
+        object_rows: bool = False,
+        observation_space: gym.Space[Any] | None = None,
     ) -> None:
         self.num_envs = len(sources)
         probe = make_env(sources[0])
         try:
-            self.single_observation_space: gym.Space[Any] = probe.observation_space
+            self.single_observation_space: gym.Space[Any] = (
+                probe.observation_space if observation_space is None else observation_space
+            )
             self.single_action_space: gym.Space[Any] = probe.action_space
             self.metadata: dict[str, Any] = dict(probe.metadata)
             self.render_mode: str | None = probe.render_mode
             self.spec = probe.spec
         finally:
             probe.close()
-        _check_bufferable("observation", self.single_observation_space)
-        _check_bufferable("action", self.single_action_space)
+        if not object_rows:
+            check_bufferable("observation", self.single_observation_space)
+            check_bufferable("action", self.single_action_space)
+        self.object_rows = object_rows
         self.autoreset = autoreset
         self.max_restarts = max_restarts
         self.restarts: list[int] = []
@@ -252,6 +171,9 @@ class HostedEnvs:
         # Every sub-env of a host (read-only): the step mask of the common lockstep step.
         self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
         self.portal = BlockingPortal()
+        # lockstep(): the poller of the hosts' connections, and their file descriptors.
+        self._poller = select.poll()
+        self._polled: tuple[int, ...] = ()
         options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
         if backend == "process":
             options["step_timeout"] = step_timeout
@@ -275,6 +197,7 @@ class HostedEnvs:
                 self.single_action_space,
                 None,
                 autoreset=self.autoreset,
+                final_in_reply=self.object_rows,
             )
             for h, (a, b) in enumerate(self.slices)
         ]
@@ -291,7 +214,7 @@ class HostedEnvs:
         try:
             await self.hosts[h].build(chains, seeds)
         except WorkerError as exc:
-            _raise(self.translate(h, exc), exc)
+            reraise(self.translate(h, exc), exc)
 
     async def _restart(self, h: int) -> None:
         chains, seeds = self._host_chains(h)
@@ -340,44 +263,44 @@ class HostedEnvs:
         """``exc`` from host ``h``, naming the sub-env (or the host's sub-envs) it concerns."""
         a, b = self.slices[h]
         cause = exc.__cause__
-        if _crash_like(exc):
+        if crash_like(exc):
             restarts = self.restarts[h] if self.restarts else 0
             text = (
                 f"sub-envs {a}..{b - 1} (env host {h}): {exc.args[0] if exc.args else exc}"
                 f" (restarted {restarts} of max_restarts={self.max_restarts} times)"
             )
-            return _with_text(exc, text)
+            return with_text(exc, text)
         if exc.env is not None:
             message = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-            kind = SubEnvAttributeError if isinstance(cause, AttributeError) else SubEnvError
+            kind = SubEnvError if cause is None else sub_env_error_class(cause.__class__)
             err = kind(message, sub_env=a + exc.env, host=h, remote_traceback=exc.remote_traceback)
             err.retry = exc.retry
             err.__cause__ = cause
             return err
-        return _with_text(exc, f"sub-envs {a}..{b - 1} (env host {h}): {exc}")
+        return with_text(exc, f"sub-envs {a}..{b - 1} (env host {h}): {exc}")
 
     def _fail(self, h: int, exc: BaseException) -> NoReturn:
         """Raise a host's failure, translated; a crashed host stays broken until a reset."""
         if isinstance(exc, WorkerError):
-            if _crash_like(exc):
+            if crash_like(exc):
                 self.broken.add(h)
-            _raise(self.translate(h, exc), exc)
+            reraise(self.translate(h, exc), exc)
         raise exc
 
     async def _recover(self, h: int, exc: BaseException) -> dict[int, dict[str, Any]]:
         """Restart a crashed host within budget; the reset infos of its new episodes."""
         if not isinstance(exc, WorkerError):
             raise exc
-        if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
+        if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
             self.broken.add(h)
-            _raise(self.translate(h, exc), exc)
+            reraise(self.translate(h, exc), exc)
         self.restarts[h] += 1
         try:
             await self._restart(h)
             infos = await self.hosts[h].reset(np.ones_like(self._whole[h]))
         except WorkerError as again:
             self.broken.add(h)
-            _raise(self.translate(h, again), again)
+            reraise(self.translate(h, again), again)
         return infos
 
     # -- observations and actions -----------------------------------------------------------
@@ -389,6 +312,13 @@ class HostedEnvs:
             if hosts is None
             else [self.hosts[h].buffers.obs for h in hosts]
         )
+        if type(parts[0]) is list:
+            # Observations without fixed-size rows (unpickled from the replies: nothing else
+            # holds them), batched as gymnasium batches them.
+            rows = [o for part in parts for o in part]
+            space = self.single_observation_space
+            out: Any = create_empty_array(space, len(rows), fn=np.zeros)
+            return concatenate(space, rows, out)
         if type(parts[0]) is np.ndarray:
             return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
         if len(parts) == 1:
@@ -400,13 +330,26 @@ class HostedEnvs:
         h = int(self.host_of[i])
         buf = self.hosts[h].buffers
         k = i - self.slices[h][0]
-        return tree_map(lambda leaf: leaf[k].copy(), buf.final_obs if final else buf.obs)
+        rows = buf.final_obs if final else buf.obs
+        if isinstance(rows, list):
+            return rows[k]
+        return tree_map(lambda leaf: leaf[k].copy(), rows)
+
+    def final_row(self, res: StepResult, i: int) -> Any:
+        """Sub-env ``i``'s last observation of the episode that ended in the round ``res``: the
+        env's own object when its host sent it, else its row of the ``final_obs`` buffer."""
+        if i in res.final_obs:
+            return res.final_obs[i]
+        return self.obs_row(i, final=True)
 
     def write_actions(self, actions: Any, hosts: Sequence[int] | None = None) -> None:
         """Write a batch of ``num_envs`` actions into the hosts' buffers (of ``hosts``: all)."""
         n = self.num_envs
         targets = range(len(self.hosts)) if hosts is None else hosts
         first = self.hosts[0].buffers.actions
+        if isinstance(first, list):
+            self._write_object_actions(actions, targets)
+            return
         if type(actions) is np.ndarray and isinstance(first, np.ndarray):
             # The common case (Box, Discrete, Multi* action spaces): one slice copy per host.
             if actions.ndim == 0:
@@ -460,6 +403,27 @@ class HostedEnvs:
                 f"actions do not fit the batched action space "
                 f"{batch_space(self.single_action_space, n)}: {type(exc).__name__}: {exc}"
             ) from exc
+
+    def _write_object_actions(self, actions: Any, targets: Iterable[int]) -> None:
+        """Actions of a space without fixed-size rows: split with gymnasium's ``iterate`` over
+        the batched space, one object per sub-env, handed to the hosts as they are."""
+        n = self.num_envs
+        batched = batch_space(self.single_action_space, n)
+        try:
+            rows = list(iterate(batched, actions))
+        except Exception as exc:
+            raise ValueError(
+                f"actions do not fit the batched action space {batched}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if len(rows) != n:
+            raise ValueError(
+                f"actions must be a batch of num_envs={n} actions for the action space "
+                f"{self.single_action_space}, got {len(rows)}"
+            )
+        for h in targets:
+            a, b = self.slices[h]
+            self.hosts[h].buffers.actions[:] = rows[a:b]
 
     def _check_cast(self, actions: np.ndarray, dtype: np.dtype[Any]) -> None:
         """Refuse actions the buffers' dtype would change: floats for an integer space (a cast
@@ -536,25 +500,125 @@ class HostedEnvs:
         finally:
             for task in others:
                 task.cancel()  # only those still running: this step was cancelled
-        if (
-            mask is None
-            and hosts is None
-            and all(
-                type(o) is StepInfos and o.env_infos is None and not o.reset_infos for o in outcomes
-            )
-        ):
-            # The common step: every sub-env stepped, no info, no reset, no failure.
-            bufs = [host.buffers for host in self.hosts]
-            return StepResult(
-                self.read_obs(),
-                np.concatenate([b.rewards for b in bufs]),
-                np.concatenate([b.terminated for b in bufs]),
-                np.concatenate([b.truncated for b in bufs]),
-                None,
-                {},
-                {},
-            )
+        if mask is None and hosts is None:
+            quiet = self._quiet_result(outcomes)
+            if quiet is not None:
+                return quiet
         return await self._merge(stepped, outcomes, whole=hosts is None)
+
+    def _quiet_result(self, outcomes: Sequence[StepInfos | BaseException]) -> StepResult | None:
+        """The result of a lockstep step of every sub-env with no info, no reset and no failure
+        anywhere (the common step), straight from the buffers; ``None`` for any other."""
+        for o in outcomes:
+            if type(o) is not StepInfos or o.env_infos is not None or o.reset_infos or o.final_obs:
+                return None
+        bufs = [host.buffers for host in self.hosts]
+        if len(bufs) == 1:
+            b = bufs[0]
+            return StepResult(
+                self.read_obs(), b.rewards.copy(), b.terminated.copy(), b.truncated.copy(),
+                None, {}, {},
+            )  # fmt: skip
+        return StepResult(
+            self.read_obs(),
+            np.concatenate([b.rewards for b in bufs]),
+            np.concatenate([b.terminated for b in bufs]),
+            np.concatenate([b.truncated for b in bufs]),
+            None,
+            {},
+            {},
+        )
+
+    def lockstep(self) -> StepResult:
+        """:meth:`step` of every sub-env, from the caller's thread, without the event loop
+        where it can be done without it.
+
+        The common lockstep step costs the main process what its event-loop machinery costs,
+        more than the rest of the round trip together: so when the caller's thread runs no
+        loop, the requests go out at once (:meth:`EnvHost.step_nowait`), the replies are read
+        from the hosts' connections (:meth:`EnvHost.direct_reader`) while the caller waits in
+        ``poll``, and a quiet round is built from the buffers. Anything else (an info, a
+        reset, a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's
+        business, a host with no such connection) is finished through the portal, exactly as
+        :meth:`step` finishes it.
+        """
+        portal = self.portal
+        if self.broken or not portal.in_caller_thread():
+            return portal.call(self.step)
+        hosts = self.hosts
+        sent: list[SentStep] = []
+        readers: dict[int, DirectReader] | None = {}
+        for h, host in enumerate(hosts):
+            request = host.step_nowait(self._whole[h])
+            if request is None:
+                break
+            sent.append(request)
+            reader = host.direct_reader()
+            if reader is None or readers is None:
+                readers = None
+            else:
+                readers[reader.fd] = reader
+        if len(sent) == len(hosts) and readers is not None:
+            outcomes = self._read_direct(sent, readers)
+            if outcomes is not None:
+                quiet = self._quiet_result(outcomes)
+                if quiet is not None:
+                    return quiet
+                stepped = [(h, self._whole[h]) for h in range(len(hosts))]
+                return portal.call(self._merge, stepped, outcomes, True)
+        return portal.call(self._collect, sent)
+
+    def _read_direct(
+        self, sent: list[SentStep], readers: dict[int, DirectReader]
+    ) -> list[StepInfos | BaseException] | None:
+        """Wait for the replies to ``sent`` in ``poll`` and read them from ``readers`` (by
+        file descriptor) without the loop; their outcomes, or ``None``: the loop must finish
+        the round (see :meth:`lockstep`)."""
+        outcomes: list[StepInfos | BaseException] = []
+        for request in sent:
+            while not request.done():
+                ready = self._wait_readable(tuple(readers))
+                if not ready:
+                    return None
+                for fd, _ in ready:
+                    if not readers[fd].read_now():
+                        return None
+            infos = request.result_now()
+            if infos is None:
+                return None
+            outcomes.append(infos)
+        return outcomes
+
+    def _wait_readable(self, fds: tuple[int, ...]) -> list[tuple[int, int]]:
+        """``poll`` the hosts' connections ``fds`` for at most ``_DIRECT_WAIT``; what is ready.
+
+        One poller for as long as the connections stay the same (a restart changes them)."""
+        if fds != self._polled:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            self._poller, self._polled = poller, fds
+        return self._poller.poll(_DIRECT_WAIT * 1000)
+
+    async def _collect(self, sent: list[SentStep]) -> StepResult:
+        """Finish, in the loop, a lockstep round whose first ``len(sent)`` requests went out
+        without it (see :meth:`lockstep`): the others are sent now."""
+        outcomes: list[StepInfos | BaseException] = []
+        for request in sent:
+            try:
+                outcomes.append(await request.wait())
+            except Exception as exc:
+                outcomes.append(exc)
+        for h in range(len(sent), len(self.hosts)):
+            try:
+                outcomes.append(await self.hosts[h].step(self._whole[h]))
+            except Exception as exc:
+                outcomes.append(exc)
+        stepped = [(h, self._whole[h]) for h in range(len(self.hosts))]
+        quiet = self._quiet_result(outcomes)
+        if quiet is not None:
+            return quiet
+        return await self._merge(stepped, outcomes, whole=True)
 
     async def _merge(
         self,
@@ -599,6 +663,8 @@ class HostedEnvs:
                     if info and local[k]:
                         res.env_infos[a + k] = info
             res.reset_infos.update({a + k: info for k, info in outcome.reset_infos.items()})
+            if outcome.final_obs:
+                res.final_obs.update({a + k: o for k, o in outcome.final_obs.items()})
         if failure is not None:
             raise failure
         if whole:
@@ -628,9 +694,9 @@ class HostedEnvs:
                 try:
                     infos = await host.reset(local, seeds=host_seeds, options=options)
                 except WorkerError as exc:
-                    if not _crash_like(exc) or self.restarts[h] >= self.max_restarts:
+                    if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
                         self.broken.add(h)
-                        _raise(self.translate(h, exc), exc)
+                        reraise(self.translate(h, exc), exc)
                     self.restarts[h] += 1
                     await self._restart(h)
                     local[:] = True

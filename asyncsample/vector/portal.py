@@ -18,8 +18,12 @@ Where the loop runs is the one design choice, and it is made for the main proces
   runs the private loop while the caller's thread blocks, as any synchronous call blocks.
 
 Between calls the loop is not running: replies that arrive then wait in the sockets and are read
-at the next call. A call interrupted by an exception from outside (``KeyboardInterrupt``) cancels
-its coroutine; the cancellation completes at the next call.
+at the next call. While it is idle, a caller in its thread may also resolve the loop's futures
+itself (the common lockstep step reads its replies so, see
+:meth:`HostedEnvs.lockstep <asyncsample.vector.hosted.HostedEnvs.lockstep>`): the loop's
+machinery (a task, the loop's iterations, its read callbacks) costs the main process more than
+the rest of such a step. A call interrupted by an exception from outside (``KeyboardInterrupt``)
+cancels its coroutine; the cancellation completes at the next call.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class BlockingPortal:
         self.loop = asyncio.new_event_loop()
         self._lock = threading.Lock()
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
+        # The task of the call now running the loop (see _run).
+        self._running: asyncio.Task[Any] | None = None
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, _T]], *args: Any) -> _T:
         """Run ``fn(*args)`` on the portal's loop until it ends; its result or its exception."""
@@ -73,6 +79,12 @@ class BlockingPortal:
             return result
         return self._wait(task, timeout)
 
+    def in_caller_thread(self) -> bool:
+        """Whether calls run the loop in the caller's thread (no loop running there, nor this
+        one): then the caller may also use the loop's futures and hosts' connections while the
+        loop is idle (see :meth:`HostedEnvs.lockstep <asyncsample.vector.hosted.HostedEnvs>`)."""
+        return not self.loop.is_running() and not self.loop.is_closed() and not _in_running_loop()
+
     def close(self) -> None:
         """Stop the helper thread and close the loop (idempotent)."""
         if self._helper is not None:
@@ -92,8 +104,34 @@ class BlockingPortal:
     # -- in the thread that runs the loop -------------------------------------------------------
 
     def _run(self, fn: Callable[..., Coroutine[Any, Any, _T]], args: tuple[Any, ...]) -> _T:
+        # Not run_until_complete: its done callback costs the loop one more iteration (and the
+        # future plumbing around it) per call. The task stops the loop itself as it ends.
         with self._lock:
-            return self._until_done(self.loop.create_task(fn(*args)))
+            loop = self.loop
+            task = loop.create_task(self._stop_at_end(fn, args))
+            self._running = task
+            try:
+                loop.run_forever()
+            except BaseException:
+                if not task.done():
+                    task.cancel()  # interrupted from outside: the next run completes the cancel
+                raise
+            finally:
+                self._running = None
+            if not task.done():  # the loop was stopped by something else: finish the call
+                return self._until_done(task)
+            return task.result()
+
+    async def _stop_at_end(
+        self, fn: Callable[..., Coroutine[Any, Any, _T]], args: tuple[Any, ...]
+    ) -> _T:
+        """Await ``fn(*args)``, then stop the loop if this is still the call it runs (a call
+        cancelled by an interruption ends during a later call, which it must not stop)."""
+        try:
+            return await fn(*args)
+        finally:
+            if self._running is not None and self._running is asyncio.current_task(self.loop):
+                self.loop.stop()
 
     def _start(
         self, fn: Callable[..., Coroutine[Any, Any, _T]], args: tuple[Any, ...]
@@ -131,8 +169,4 @@ async def _one_pass() -> None:
 
 
 def _in_running_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
+    return asyncio._get_running_loop() is not None  # get_running_loop's test, without raising

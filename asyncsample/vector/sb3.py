@@ -203,12 +203,13 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         return self._format_obs(hosted.read_obs())
 
     def step(self, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
-        """Step every sub-env (one run of the portal's event loop)."""
+        """Step every sub-env (a lockstep round, see :meth:`HostedEnvs.lockstep
+        <asyncsample.vector.hosted.HostedEnvs.lockstep>`)."""
         if self._sent is not None:
             raise RuntimeError("step was called while a step_async is waiting for step_wait")
         hosted = self._hosted
         self._send(actions)
-        return self._finish(hosted.portal.call(hosted.step))
+        return self._finish(hosted.lockstep())
 
     def step_async(self, actions: np.ndarray) -> None:
         """Send the actions to the env hosts (the step is awaited by :meth:`step_wait`)."""

@@ -1,0 +1,115 @@
+"""``AsyncVectorEnv``'s arguments and errors, as :class:`~asyncsample.VectorEnv` takes and raises
+them: its users switch with one line, and code that catches its errors keeps working."""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any
+
+from gymnasium.error import AlreadyPendingCallError, CustomSpaceError, NoAsyncCallError
+from gymnasium.spaces import Space
+from gymnasium.vector.utils import batch_differing_spaces, create_shared_memory
+
+from asyncsample import _validate
+from asyncsample.env_update import make_env
+
+__all__ = [
+    "AlreadyPending",
+    "NoAsyncCall",
+    "check_async_vector_env_options",
+    "check_shared_memory",
+    "observation_spaces",
+    "timed_out",
+]
+
+
+class AlreadyPending(AlreadyPendingCallError, RuntimeError):
+    """gymnasium's ``AlreadyPendingCallError``, also a ``RuntimeError`` (as before)."""
+
+
+class NoAsyncCall(NoAsyncCallError, RuntimeError):
+    """gymnasium's ``NoAsyncCallError``, also a ``RuntimeError`` (as before)."""
+
+
+def timed_out(what: str, timeout: float | None) -> multiprocessing.TimeoutError:
+    return multiprocessing.TimeoutError(
+        f"The call to `{what}` has timed out after {timeout} second(s)."
+    )
+
+
+def check_async_vector_env_options(
+    shared_memory: Any, copy: Any, context: Any, daemon: Any, worker: Any, observation_mode: Any
+) -> None:
+    """``AsyncVectorEnv``'s own arguments: checked as it checks them, refused where they cannot
+    apply (see :class:`VectorEnv`)."""
+    _validate.flag("shared_memory", shared_memory)
+    _validate.flag("copy", copy)
+    _validate.flag("daemon", daemon)
+    if context is not None:
+        if not isinstance(context, str) or context not in multiprocessing.get_all_start_methods():
+            raise ValueError(
+                f"context must be None or one of {multiprocessing.get_all_start_methods()}, got "
+                f"{context!r}"
+            )
+    if worker is not None:
+        raise ValueError(
+            "worker: a custom worker function cannot be used: the sub-envs live in asyncsample's "
+            "env hosts, several to a process, which step them with the sampler's own env-group "
+            "code (no per-env pipe for a worker function to serve); wrap the env instead"
+        )
+    if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
+        if not all(isinstance(space, Space) for space in observation_mode):
+            raise TypeError(  # gymnasium's words
+                "Expected both elements of observation_mode to be Spaces, got "
+                f"{type(observation_mode[0])} and {type(observation_mode[1])}"
+            )
+    elif not (isinstance(observation_mode, str) and observation_mode in ("same", "different")):
+        raise ValueError(  # gymnasium's words
+            "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
+            f"batch observation space, actual got {observation_mode}"
+        )
+
+
+class _NoMemory:
+    """A ``ctx`` for gymnasium's ``create_shared_memory`` that allocates nothing: only to learn
+    whether ``AsyncVectorEnv(shared_memory=True)`` could hold a space."""
+
+    def Array(self, typecode_or_type: Any, size: int) -> None:
+        return None
+
+
+def check_shared_memory(space: Space[Any]) -> None:
+    """Refuse what ``AsyncVectorEnv(shared_memory=True)`` refuses, with its errors: a custom
+    space is a ``ValueError``, ``Sequence`` and ``Graph`` are gymnasium's ``TypeError``.
+
+    asyncsample's own buffers would not need this (values without fixed-size rows travel
+    pickled), but code written against ``AsyncVectorEnv`` gets what it expects.
+    """
+    try:
+        create_shared_memory(space, n=1, ctx=_NoMemory())  # type: ignore[arg-type]
+    except CustomSpaceError as exc:
+        raise ValueError(  # gymnasium's words
+            "Using `AsyncVector(..., shared_memory=True)` caused an error, you can disable this "
+            "feature with `shared_memory=False` however this is slower."
+        ) from exc
+
+
+def observation_spaces(
+    observation_mode: Any, sources: list[Any]
+) -> tuple[Space[Any] | None, Space[Any] | None]:
+    """The single and batched observation spaces ``observation_mode`` asks for (``None``: the
+    first sub-env's, batched), as ``AsyncVectorEnv`` computes them."""
+    if isinstance(observation_mode, tuple):
+        batched, single = observation_mode
+        return single, batched
+    if observation_mode == "different":
+        # Each sub-env built once in this process, as AsyncVectorEnv does.
+        spaces = []
+        for source in sources:
+            env = make_env(source)
+            try:
+                spaces.append(env.observation_space)
+            finally:
+                env.close()
+        return spaces[0], batch_differing_spaces(spaces)
+    return None, None
