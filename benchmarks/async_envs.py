@@ -169,7 +169,10 @@ class _LatencyCore:
         """Steps taken so far by the latency envs of this process."""
         return _LatencyCore.steps_taken
 
-    def _setup(self, latency: LatencyModel, episode_length: int) -> None:
+    def __init__(
+        self, latency: LatencyModel | None = None, episode_length: int = EPISODE_LENGTH
+    ) -> None:
+        latency = latency or LatencyModel()
         self.observation_space = spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
         self.action_space = spaces.Discrete(2)
         self.latency = latency
@@ -213,11 +216,6 @@ class SleepLatencyEnv(_LatencyCore, gym.Env[np.ndarray, np.int64]):
         episode_length: Steps per episode (the last one is truncated).
     """
 
-    def __init__(
-        self, latency: LatencyModel | None = None, episode_length: int = EPISODE_LENGTH
-    ) -> None:
-        self._setup(latency or LatencyModel(), episode_length)
-
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[np.ndarray, dict[str, Any]]:
@@ -244,11 +242,6 @@ class AsyncLatencyEnv(_LatencyCore, AsyncEnv[np.ndarray, np.int64]):
         latency: The latency model (default: mean 50 ms, 1% of steps 20x longer).
         episode_length: Steps per episode (the last one is truncated).
     """
-
-    def __init__(
-        self, latency: LatencyModel | None = None, episode_length: int = EPISODE_LENGTH
-    ) -> None:
-        self._setup(latency or LatencyModel(), episode_length)
 
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
