@@ -399,6 +399,7 @@ class SamplerCore:
                 episode_timeout=self.episode_timeout,
                 admission=self.admission,
                 quota=shared,
+                resume=resume,
             )
             return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):

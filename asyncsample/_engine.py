@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -325,10 +325,12 @@ class Episodes:
         """The info of an episode of ``env`` starting under agent ``version``."""
         return {**info, "worker": self.worker, "env": env, "agent_version": version}
 
-    def stamp_unstarted(self, version: int) -> None:
-        """Episodes that have not taken a step yet start under agent ``version``."""
+    def stamp_unstarted(self, version: int, stepping: Collection[int] = ()) -> None:
+        """Episodes that have not taken a step yet start under agent ``version`` (except those
+        of the envs in ``stepping``, whose first step is under way)."""
         for i in np.flatnonzero(self.lengths == 0).tolist():
-            self.episode_info[i] = self.fresh_info(self.episode_info[i], i, version)
+            if i not in stepping:
+                self.episode_info[i] = self.fresh_info(self.episode_info[i], i, version)
 
     def started(self, mask: np.ndarray, infos: Mapping[int, dict[str, Any]]) -> None:
         """The envs in ``mask`` were reset, with reset ``infos`` by env."""

@@ -304,7 +304,10 @@ class LaneStepper:
         worker: the worker; its host must be a :class:`~asyncsample.backends.aio.LaneHost`.
         requests: the sampler's :class:`ActionRequests`.
         leave: what the call leaves running (``Resume.NOTHING``: once a ``samples`` call has its
-            share, steps still in flight are cancelled, since their episodes would be dropped).
+            share, steps still in flight are cancelled, since their episodes would be dropped;
+            ``Resume.EPISODES``, a stream's round: they are left running for the next round).
+        resume: what the call continues (steps a previous round left running are taken up
+            only by a continuing ``Resume.EPISODES`` call; any other call drops them).
         episode_timeout: seconds an episode may run before it is cut as truncated.
         admission: the stream's :class:`Admission`, if any.
         quota: the call's shared quota (``fraction_samples < 1``), if any: each env checks it
@@ -320,6 +323,7 @@ class LaneStepper:
         episode_timeout: float | None,
         admission: Admission | None = None,
         quota: SharedQuota | None = None,
+        resume: Resume = Resume.NOTHING,
     ) -> None:
         host = worker.host
         assert isinstance(host, LaneHost)
@@ -330,6 +334,12 @@ class LaneStepper:
         self.episode_timeout = episode_timeout
         self.admission = admission
         self.quota = quota
+        self.resume = resume
+        self.carry = leave is Resume.EPISODES
+        """A stream of complete episodes: at the end of a round, steps still in flight are left
+        running (:attr:`LaneHost.in_flight`) and the next round takes them up, so no round
+        waits for its stragglers."""
+        self.detaching = False
         n = worker.n_envs
         recorder = worker.episodes.recorder
         if recorder.cursor is None:
@@ -341,8 +351,17 @@ class LaneStepper:
 
     async def start(self) -> None:
         """Episodes that have not taken a step start under the current agent version (resets
-        happen in each env's own coroutine)."""
-        self.worker.episodes.stamp_unstarted(self.worker.agent_version)
+        happen in each env's own coroutine); steps a previous round left running are dropped
+        unless this call continues that round's episodes."""
+        episodes = self.worker.episodes
+        if self.host.in_flight:
+            if self.resume is Resume.EPISODES:
+                stale = [i for i in self.host.in_flight if episodes.needs_reset[i]]
+                dropped = await self.host.drop_in_flight(stale)
+            else:
+                dropped = await self.host.drop_in_flight()
+            episodes.needs_reset[dropped] = True
+        episodes.stamp_unstarted(self.worker.agent_version, self.host.in_flight)
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """Step every env until the rule, or ``lacking`` more transitions, say stop."""
@@ -373,8 +392,11 @@ class LaneStepper:
                     if task is not stop and not task.cancelled() and task.exception() is not None:
                         raise task.exception()  # type: ignore[misc]
                 if stop.done() and not cut:
+                    # The share is in. A plain call's steps in flight would be dropped: cut
+                    # them; a stream round's are left running for the next round.
                     cut = True
-                    for task in pending:  # the share is in: steps in flight would be dropped
+                    self.detaching = self.carry
+                    for task in pending:
                         task.cancel()
         finally:
             for task in tasks:
@@ -383,6 +405,7 @@ class LaneStepper:
             if not stop.done():
                 stop.cancel()
             self._tasks = []
+            self.detaching = False
         if call.mode is CallMode.FRAGMENTS:
             call.rule.took(call.steps)
 
@@ -403,7 +426,10 @@ class LaneStepper:
         assert cursor is not None
         one = np.zeros(worker.n_envs, dtype=bool)
         one[i] = True
-        cut_on_stop = self.leave is Resume.NOTHING and call.mode is CallMode.SAMPLES
+        samples = call.mode is CallMode.SAMPLES
+        stop_when_in = samples and (self.leave is Resume.NOTHING or self.carry)
+        carry = self.carry
+        in_flight = host.in_flight
         flat = isinstance(buffers.obs, np.ndarray) and isinstance(buffers.actions, np.ndarray)
         request = self.requests.request
         step = host.step_one
@@ -415,38 +441,60 @@ class LaneStepper:
         loop = asyncio.get_running_loop()
         t, length, ret = int(cursor[i]), int(lengths[i]), float(returns[i])
         deadline = float(deadlines[i])
+        # A step the previous round left running: its observation and action are in row t.
+        carried = in_flight.get(i)
+        stepping = False
         try:
-            while more():
-                if needs_reset[i]:
-                    started = await self._start_episode(i, one, call)
-                    length, ret, deadline = 0, 0.0, float(deadlines[i])
-                    if not started:
-                        break
-                if flat:
-                    observation = buffers.obs[i].copy()
-                else:
-                    observation = tree_map(lambda x: x[i].copy(), buffers.obs)
-                action, infos = await request(worker.agent, w, observation)  # type: ignore[arg-type]
-                if t >= rows.size:
-                    rows.cover(t, buffers.obs, buffers.actions)
-                if flat:
-                    rows.obs[t, i] = observation
-                    rows.actions[t, i] = action
-                else:
-                    put_row(rows.obs, (t, i), observation)
-                    put_row(rows.actions, (t, i), action)
-                if infos or rows.agent_infos:
-                    store_agent_infos(rows, t, infos, i)
-                rows.versions[t, i] = worker.agent_version
+            while carried is not None or more():
                 try:
-                    reward, terminated, truncated, info = await step(
-                        i, action, None if deadline == _NEVER else deadline
-                    )
+                    if carried is not None:
+                        stepping = True
+                        result = await asyncio.shield(carried)
+                    else:
+                        if needs_reset[i]:
+                            started = await self._start_episode(i, one, call)
+                            length, ret, deadline = 0, 0.0, float(deadlines[i])
+                            if not started:
+                                break
+                        if flat:
+                            observation = buffers.obs[i].copy()
+                        else:
+                            observation = tree_map(lambda x: x[i].copy(), buffers.obs)
+                        action, infos = await request(
+                            worker.agent,  # type: ignore[arg-type]
+                            w,
+                            observation,
+                        )
+                        if t >= rows.size:
+                            rows.cover(t, buffers.obs, buffers.actions)
+                        if flat:
+                            rows.obs[t, i] = observation
+                            rows.actions[t, i] = action
+                        else:
+                            put_row(rows.obs, (t, i), observation)
+                            put_row(rows.actions, (t, i), action)
+                        if infos or rows.agent_infos:
+                            store_agent_infos(rows, t, infos, i)
+                        rows.versions[t, i] = worker.agent_version
+                        stepping = True
+                        when = None if deadline == _NEVER else deadline
+                        if carry:  # a task of its own, which a round's end may leave running
+                            carried = in_flight[i] = loop.create_task(step(i, action, when))
+                            result = await asyncio.shield(carried)
+                        else:
+                            result = await step(i, action, when)
                 except DeadlinePassed:
+                    in_flight.pop(i, None)
+                    carried, stepping = None, False
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
                     length, ret = 0, 0.0
                     continue
+                if carried is not None:
+                    in_flight.pop(i, None)
+                    carried = None
+                stepping = False
+                reward, terminated, truncated, info = result
                 rows.rewards[t, i] = reward
                 if info:
                     row = rows.env_infos.get(t)
@@ -462,16 +510,20 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
                     length, ret = 0, 0.0
-                    if cut_on_stop and call.satisfied() and not stop.done():
+                    if stop_when_in and call.satisfied() and not stop.done():
                         stop.set_result(None)
                 elif deadline != _NEVER and deadline <= loop.time():
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
                     length, ret = 0, 0.0
         except asyncio.CancelledError:
-            # Cut off mid-call (its share is in, or the call was cancelled): the env may be
-            # mid-step, so it is reset before it is used again.
-            needs_reset[i] = True
+            if not (self.detaching and i in in_flight) and (stepping or not self.detaching):
+                # Cut off mid-step (its share is in, or the call was cancelled): the env may
+                # be mid-step, so it is reset before it is used again.
+                needs_reset[i] = True
+                task = in_flight.pop(i, None)
+                if task is not None:
+                    task.cancel()
             raise
         finally:
             cursor[i], lengths[i], returns[i] = t, length, ret

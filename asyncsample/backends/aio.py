@@ -157,6 +157,9 @@ class LaneHost:
         self._lengths = [0] * spec.n_envs
         self._flat = isinstance(self.buffers.obs, np.ndarray)
         self._plain = step_timeout is None and limiter is None
+        self.in_flight: dict[int, asyncio.Task[Any]] = {}
+        """Steps still running that a stream's round left behind for the next round, by env
+        (:class:`~asyncsample._env_tasks.LaneStepper` carries them)."""
         self._obs_shape = tuple(spec.observation_space.shape or ())
         self.closed = False
 
@@ -165,6 +168,7 @@ class LaneHost:
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         """Build env ``i`` from ``chains[i]``; its first reset gets ``seeds[i]``."""
         self._check_open("build")
+        await self.drop_in_flight()
         await self._close_envs()
         for i, chain in enumerate(chains):
             env = self._guard(i, "build", self._make, chain[0], None)
@@ -402,7 +406,22 @@ class LaneHost:
     async def shut(self) -> None:
         """Close the envs for good: every later call raises ``SamplerClosedError``."""
         self.closed = True
+        await self.drop_in_flight()
         await self._close_envs()
+
+    async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
+        """Cancel the carried steps of ``envs`` (default: all) and wait for them; which envs had
+        one (they must be reset before their next step)."""
+        dropped = [i for i in (self.in_flight if envs is None else envs) if i in self.in_flight]
+        tasks = [self.in_flight.pop(i) for i in dropped]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()  # retrieved: a step that failed after its round is dropped too
+        return dropped
 
     async def _close_envs(self) -> None:
         envs, self.envs = self.envs, [None] * self.n_envs
