@@ -28,7 +28,7 @@ import psutil
 from asyncsample import _validate
 from asyncsample._assembly import Plan, assemble
 from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
-from asyncsample._env_tasks import ActionRequests, Admission, LaneStepper
+from asyncsample._env_tasks import ActionRequests, Admission, LaneRound, LaneStepper
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
@@ -347,8 +347,14 @@ class SamplerCore:
         shared = self._shared_quota(mode, quota, fraction)
         done_at = [start] * self.n_workers
 
+        lane_round = None
+        if self.lanes and leave is Resume.EPISODES and mode == "samples":
+            lane_round = LaneRound(
+                sum(share_of(quota, self.n_workers, w) > 0 for w in range(self.n_workers))
+            )
+
         async def drive(worker: Worker) -> Plan | None:
-            plan = await self._drive(worker, mode, quota, resume, leave, shared)
+            plan = await self._drive(worker, mode, quota, resume, leave, shared, lane_round)
             done_at[worker.worker_number] = time.perf_counter()
             return plan
 
@@ -383,6 +389,7 @@ class SamplerCore:
         resume: Resume,
         leave: Resume,
         shared: SharedQuota | None = None,
+        lane_round: LaneRound | None = None,
     ) -> Plan | None:
         """Run one worker's part of a call, rebuilding its host after failures."""
         w = worker.worker_number
@@ -400,6 +407,7 @@ class SamplerCore:
                 admission=self.admission,
                 quota=shared,
                 resume=resume,
+                lane_round=lane_round,
             )
             return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):

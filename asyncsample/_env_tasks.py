@@ -37,7 +37,7 @@ from asyncsample.backends.aio import DeadlinePassed, LaneHost
 if TYPE_CHECKING:
     from asyncsample.worker import Worker
 
-__all__ = ["ActionRequests", "Admission", "LaneStepper"]
+__all__ = ["ActionRequests", "Admission", "LaneRound", "LaneStepper"]
 
 _NEVER = np.inf
 """The deadline of an episode without one."""
@@ -245,6 +245,42 @@ class Admission:
         self._changed.set()
 
 
+class LaneRound:
+    """One round of a stream of complete episodes, across its workers: no env stops stepping
+    until every worker has its share (a worker done early keeps its envs stepping into the
+    episodes the next round continues, rather than idling behind the slowest worker); then every
+    worker's steps in flight are left for the next round.
+
+    Args:
+        workers: the workers taking part (those with a share).
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.waiting = workers
+        self.done = workers == 0
+        self._stops: list[asyncio.Future[None]] = []
+        self._satisfied: set[int] = set()
+
+    def join(self, stop: asyncio.Future[None]) -> None:
+        """``stop`` is set when the round is done."""
+        if self.done:
+            stop.set_result(None)
+        else:
+            self._stops.append(stop)
+
+    def satisfied(self, worker: int) -> None:
+        """``worker`` has its share; the round is done once every worker has said so."""
+        if worker in self._satisfied:
+            return
+        self._satisfied.add(worker)
+        self.waiting -= 1
+        if self.waiting <= 0 and not self.done:
+            self.done = True
+            for stop in self._stops:
+                if not stop.done():
+                    stop.set_result(None)
+
+
 class _Call:
     """Where this stepper run stops, per env: the engine's rule, or, for a unit of a call with
     ``fraction_samples`` (``lacking`` given), once ``lacking`` more transitions are in (as
@@ -289,8 +325,11 @@ class _Call:
             return self.rule.need <= 0
         return self.episodes.recorder.completed_steps - self.start_completed >= limit
 
-    def more_of(self, i: int) -> Callable[[], bool]:
-        """:meth:`more` of env ``i`` as a cheap zero-argument check (asked before every step)."""
+    def more_of(self, i: int, lane_round: LaneRound | None = None) -> Callable[[], bool]:
+        """:meth:`more` of env ``i`` as a cheap zero-argument check (asked before every step);
+        within a :class:`LaneRound`, until the round is done."""
+        if lane_round is not None:
+            return lambda: not lane_round.done
         if self.mode is CallMode.SAMPLES and self.limit is None:
             rule = self.rule
             return lambda: rule.need > 0
@@ -308,6 +347,7 @@ class LaneStepper:
             ``Resume.EPISODES``, a stream's round: they are left running for the next round).
         resume: what the call continues (steps a previous round left running are taken up
             only by a continuing ``Resume.EPISODES`` call; any other call drops them).
+        lane_round: the stream round this call is part of (see :class:`LaneRound`).
         episode_timeout: seconds an episode may run before it is cut as truncated.
         admission: the stream's :class:`Admission`, if any.
         quota: the call's shared quota (``fraction_samples < 1``), if any: each env checks it
@@ -324,6 +364,7 @@ class LaneStepper:
         admission: Admission | None = None,
         quota: SharedQuota | None = None,
         resume: Resume = Resume.NOTHING,
+        lane_round: LaneRound | None = None,
     ) -> None:
         host = worker.host
         assert isinstance(host, LaneHost)
@@ -340,6 +381,7 @@ class LaneStepper:
         running (:attr:`LaneHost.in_flight`) and the next round takes them up, so no round
         waits for its stragglers."""
         self.detaching = False
+        self.round = lane_round if self.carry and quota is None else None
         n = worker.n_envs
         recorder = worker.episodes.recorder
         if recorder.cursor is None:
@@ -375,6 +417,8 @@ class LaneStepper:
     async def _run(self, call: _Call) -> None:
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
+        if self.round is not None:
+            self.round.join(stop)
         tasks = [
             asyncio.ensure_future(self._lane(i, call, stop)) for i in range(self.worker.n_envs)
         ]
@@ -437,7 +481,8 @@ class LaneStepper:
         needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
         deadlines = self.deadlines
         steps_left = call.steps_left if call.mode is CallMode.FRAGMENTS else None
-        more = call.more_of(i)
+        lane_round = self.round
+        more = call.more_of(i, lane_round)
         loop = asyncio.get_running_loop()
         t, length, ret = int(cursor[i]), int(lengths[i]), float(returns[i])
         deadline = float(deadlines[i])
@@ -452,7 +497,7 @@ class LaneStepper:
                         result = await asyncio.shield(carried)
                     else:
                         if needs_reset[i]:
-                            started = await self._start_episode(i, one, call)
+                            started = await self._start_episode(i, one, more)
                             length, ret, deadline = 0, 0.0, float(deadlines[i])
                             if not started:
                                 break
@@ -510,8 +555,11 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
                     length, ret = 0, 0.0
-                    if stop_when_in and call.satisfied() and not stop.done():
-                        stop.set_result(None)
+                    if stop_when_in and call.satisfied():
+                        if lane_round is not None:
+                            lane_round.satisfied(w)  # sets every worker's stop when all are in
+                        elif not stop.done():
+                            stop.set_result(None)
                 elif deadline != _NEVER and deadline <= loop.time():
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
@@ -528,14 +576,14 @@ class LaneStepper:
         finally:
             cursor[i], lengths[i], returns[i] = t, length, ret
 
-    async def _start_episode(self, i: int, one: np.ndarray, call: _Call) -> bool:
+    async def _start_episode(self, i: int, one: np.ndarray, more: Callable[[], bool]) -> bool:
         """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""
         worker = self.worker
         episodes = worker.episodes
         version = worker.agent_version
         key = (worker.worker_number, i)
         if self.admission is not None:
-            if not await self.admission.admit(key, version, lambda: call.more(i)):
+            if not await self.admission.admit(key, version, more):
                 return False
         try:
             info = await self.host.reset_one(i)
@@ -548,7 +596,7 @@ class LaneStepper:
         reset = getattr(worker.agent, "reset", None)
         if reset is not None:
             reset(one.copy())
-        return call.more(i)
+        return more()
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""
