@@ -375,6 +375,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     The sampler's log records (a warning per restart) are counted, not printed.
     """
     shm_before = shm_entries()
+    # Processes that were children before (a Ray cluster the test suite started, say) are not
+    # the soak's to close.
+    children_before = set(host_children())
     share = args.minutes * 60 / len(args.modes)
     logger = logging.getLogger("asyncsample")
     counter = _Counter()
@@ -389,10 +392,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         logger.propagate, logger.level = propagate, level
     # Closing a sampler waits for its hosts: any process or segment left now is a leak.
     deadline = time.monotonic() + 5.0
-    left = host_children()
+    left = [p for p in host_children() if p not in children_before]
     while left and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-        left = host_children()
+        left = [p for p in host_children() if p not in children_before]
     shm_left = sorted(shm_entries() - shm_before)
     ok = (
         not left
