@@ -22,6 +22,7 @@ import collections
 import functools
 import inspect
 import math
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -58,14 +59,10 @@ class ActionRequests:
         self.action_space = action_space
         self._values = make_action_check(action_space)
         self._groups: dict[int, tuple[Agent, int, list[tuple[Tree, asyncio.Future[Any]]]]] = {}
-        self._checks: dict[int, AgentOutputCheck] = {}
+        self._checks: dict[int, tuple[Callable[[], object], AgentOutputCheck]] = {}
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.calls = 0
-        """Agent calls made so far."""
-        self.rows = 0
-        """Observations answered so far (``rows / calls``: the mean batch)."""
 
     def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
         """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``."""
@@ -127,9 +124,7 @@ class ActionRequests:
     ) -> None:
         n = len(live)
         try:
-            check = self._checks.get(id(agent))
-            if check is None:
-                check = self._checks[id(agent)] = AgentOutputCheck(worker, n)
+            check = self._check_of(agent, worker)
             check.worker, check.n_envs = worker, n
             actions, infos = check.output(result)
             trusted = type(agent) is RandomAgent and agent.action_space == self.action_space
@@ -143,8 +138,6 @@ class ActionRequests:
         except Exception as exc:
             _fail(live, exc)
             return
-        self.calls += 1
-        self.rows += n
         plain = isinstance(actions, np.ndarray)
         for j, (_, future) in enumerate(live):
             if future.done():
@@ -152,9 +145,19 @@ class ActionRequests:
             action = actions[j] if plain else tree_map(lambda a, j=j: a[j], actions)
             future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
 
-    def forget(self, agent: Agent) -> None:
-        """``agent`` was replaced: forget the info kinds and shapes it returned."""
-        self._checks.pop(id(agent), None)
+    def _check_of(self, agent: Agent, worker: int) -> AgentOutputCheck:
+        """The output check of ``agent`` (a new agent object, such as one an update put in,
+        gets a new one: the kinds and shapes of its infos may differ from its predecessor's)."""
+        known = self._checks.get(id(agent))
+        if known is not None and known[0]() is agent:
+            return known[1]
+        try:
+            ref: Callable[[], object] = weakref.ref(agent)
+        except TypeError:  # not weakly referenceable: keep it (its id cannot be reused then)
+            ref = functools.partial(_same, agent)
+        check = AgentOutputCheck(worker, 1)
+        self._checks[id(agent)] = (ref, check)
+        return check
 
     async def aclose(self) -> None:
         """Cancel the agent calls still awaited."""
@@ -163,6 +166,11 @@ class ActionRequests:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+
+def _same(value: object) -> object:
+    """``value`` (a strong reference standing in for a weak one)."""
+    return value
 
 
 def _like_rows(actions: Tree, n: int) -> Tree:
@@ -389,7 +397,6 @@ class LaneStepper:
         self.deadlines = worker.episodes.deadlines
         # step_one takes deadlines in the loop's time
         worker.episodes.clock = asyncio.get_running_loop().time
-        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         """Episodes that have not taken a step start under the current agent version (resets
@@ -422,7 +429,6 @@ class LaneStepper:
         tasks = [
             asyncio.ensure_future(self._lane(i, call, stop)) for i in range(self.worker.n_envs)
         ]
-        self._tasks = tasks
         try:
             pending: set[asyncio.Future[Any]] = set(tasks)
             cut = False
@@ -448,7 +454,6 @@ class LaneStepper:
             await asyncio.wait(tasks)
             if not stop.done():
                 stop.cancel()
-            self._tasks = []
             self.detaching = False
         if call.mode is CallMode.FRAGMENTS:
             call.rule.took(call.steps)
