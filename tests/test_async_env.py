@@ -505,7 +505,6 @@ class ObservationAgent:
 
 @pytest.mark.timeout(60)
 async def test_wrappers_under_the_asyncio_backend_match_gymnasiums_under_thread() -> None:
-
     options: dict[str, Any] = {"n_workers": 2, "envs_per_worker": 3, "seed": 5}
     options["agent"] = ObservationAgent()
     async with Sampler(async_stack, backend="asyncio", **options) as sampler:
