@@ -1016,3 +1016,30 @@ def test_exit_without_close_leaves_nothing(tmp_path: Any) -> None:
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2
     assert not wait_gone(pids)
+
+
+def test_quiet_lockstep_step_sends_bare_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a step_timeout the common step costs no call object (no future, no timer) on
+    the process backend: its requests go out bare and the batches are gymnasium's."""
+    from asyncsample.backends import _remote
+
+    made: list[str] = []
+    original = _remote.Incarnation.new_call
+
+    def counting(self: Any, label: str, *args: Any, **kwargs: Any) -> Any:
+        made.append(label)
+        return original(self, label, *args, **kwargs)
+
+    fns = [lambda: gym.make("CartPole-v1") for _ in range(4)]
+    ours = VectorEnv(fns, n_processes=2, autoreset_mode=AutoresetMode.SAME_STEP)
+    ref = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    try:
+        assert data_equivalence(ours.reset(seed=3), ref.reset(seed=3))
+        monkeypatch.setattr(_remote.Incarnation, "new_call", counting)
+        for t in range(60):  # episodes end on the way: final observations in the infos
+            actions = np.array([t % 2, 1, 0, (t // 3) % 2])
+            assert data_equivalence(ours.step(actions), ref.step(actions))
+        assert "step" not in made
+    finally:
+        ours.close()
+        ref.close()

@@ -57,6 +57,7 @@ from asyncsample.backends._remote import (
     RemoteHost,
     closed_error,
 )
+from asyncsample.backends._sent_steps import DirectStep, QueuedStep
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -187,6 +188,9 @@ class _Conn(Incarnation):
         # Calls by request id, until answered (a cancelled caller's call stays: its reply is
         # dropped when it comes).
         self.pending: dict[int, PendingCall] = {}
+        # Steps sent by the vector env's loop-free path (:meth:`send_direct`), by request id,
+        # until their reply is read or the loop takes them over (see :class:`DirectStep`).
+        self.direct: dict[int, DirectStep] = {}
         self.next_id = HELLO_ID + 1
         self.ready: asyncio.Future[str | None] = loop.create_future()
         self.exited: asyncio.Future[int | None] = loop.create_future()
@@ -208,8 +212,7 @@ class _Conn(Incarnation):
     ) -> PendingCall:
         """Send one request; its future resolves to ``(status, payload)`` (``progress``: see
         :meth:`Incarnation.new_call`)."""
-        rid = self.next_id
-        self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
+        rid = self._next_rid()
         call = self.new_call(op.label, worker, timeout, progress)
         if self.dead:
             return call
@@ -221,7 +224,37 @@ class _Conn(Incarnation):
             self.die(f"could not be sent a request ({exc!r})")  # fails the call too
         return call
 
+    def _next_rid(self) -> int:
+        rid = self.next_id
+        self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
+        return rid
+
+    def send_direct(self, step: DirectStep, body: bytes) -> bool:
+        """Send a step request for the vector env's loop-free path: no call, no future, no
+        timer (the caller waits in ``poll``, then hands anything unusual to the loop, see
+        :meth:`DirectStep.wait`). ``False``: nothing was sent, use :meth:`send`."""
+        if self.dead or self.calls or self.fd < 0 or self.transport.get_write_buffer_size():
+            return False
+        rid = self._next_rid()
+        data = HEADER.pack(len(body), rid, Op.STEP) + body
+        try:
+            n = os.write(self.fd, data)  # non-blocking: the transport made it so
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            return False  # the connection broke: the normal path finds out why
+        step.rid = rid
+        self.direct[rid] = step
+        if n < len(data):
+            self.transport.write(data[n:])  # the rest goes out with the loop
+        return True
+
     def _on_frame(self, rid: int, status: int, payload: bytes) -> None:
+        if self.direct:
+            step = self.direct.pop(rid, None)
+            if step is not None:
+                step.reply = (status, payload)
+                return
         if rid == HELLO_ID:
             if not self.ready.done():
                 self.ready.set_result(None)
@@ -568,12 +601,21 @@ class ProcessHost(RemoteHost[_Conn]):
         return self._step_infos(payload)
 
     def step_nowait(self, mask: np.ndarray) -> SentStep | None:
-        """Send a step request now, without the event loop (see :meth:`EnvHost.step_nowait`)."""
+        """Send a step request now, without the event loop (see :meth:`EnvHost.step_nowait`).
+
+        Without a ``step_timeout`` (whose clock is the loop's) the request is sent bare
+        (:meth:`_Conn.send_direct`): the common lockstep step then costs no call, future or
+        callback, only the bytes each way."""
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
-        call = inc.send(Op.STEP, self._slot + self._step_body(mask), self._timeout, self.worker)
-        return _SentStep(self, inc, call)
+        body = self._slot + self._step_body(mask)
+        if self._timeout is None:
+            step = DirectStep(self, inc)
+            if inc.send_direct(step, body):
+                return step
+        call = inc.send(Op.STEP, body, self._timeout, self.worker)
+        return QueuedStep(self, inc, call)
 
     def _step_body(self, mask: np.ndarray) -> bytes:
         body = _mask_bytes(mask)
@@ -621,32 +663,6 @@ class ProcessHost(RemoteHost[_Conn]):
         if status != ST_OK:
             raise failure_error(self.worker, load_failure(payload))
         return payload  # type: ignore[no-any-return]
-
-
-class _SentStep:
-    """A step request sent by :meth:`ProcessHost.step_nowait` (see :class:`SentStep`)."""
-
-    __slots__ = ("call", "host", "inc")
-
-    def __init__(self, host: ProcessHost, inc: _Conn, call: PendingCall) -> None:
-        self.host = host
-        self.inc = inc
-        self.call = call
-
-    def done(self) -> bool:
-        return self.call.future.done()
-
-    def result_now(self) -> StepInfos | None:
-        fut = self.call.future
-        if not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return None
-        status, payload = fut.result()
-        if status != ST_OK:
-            return None
-        return self.host._step_infos(payload)
-
-    async def wait(self) -> StepInfos:
-        return self.host._step_infos(await self.host._reply(self.inc, self.call))
 
 
 class ProcessBackend:
