@@ -69,6 +69,7 @@ from asyncsample.vector._gym_args import (
 from asyncsample.vector.hosted import (
     HostedEnvs,
     HostedFace,
+    PendingRound,
     StepResult,
     env_sources,
     finalize,
@@ -246,8 +247,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self._fresh = np.zeros(num, dtype=np.bool_)
         self._maybe_fresh = False  # False: no sub-env in _fresh (the common step skips a test)
         self._fresh_infos: dict[int, dict[str, Any]] = {}
-        # The call sent by step_async, reset_async or call_async, and what it was.
-        self._pending: asyncio.Task[Any] | None = None
+        # The call sent by step_async (a lockstep round), reset_async or call_async (a task on
+        # the portal's loop), and what it was.
+        self._pending: asyncio.Task[Any] | PendingRound | None = None
         self._pending_kind = ""
         self._pending_args: Any = None
         # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
@@ -392,13 +394,21 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 f"Calling `{kind}_wait` without any prior call to `{kind}_async`.", kind
             )
         try:
-            result = hosted.portal.wait(task, timeout)
+            result = self._outcome(task, timeout)
         except TimeoutError:
             raise timed_out(f"{kind}_wait", timeout) from None
         finally:
             if task.done():
                 self._pending = None
         return result
+
+    def _outcome(self, task: asyncio.Task[Any] | PendingRound, timeout: float | None) -> Any:
+        """Wait for a pending call (a lockstep round or a task) until it ends or ``timeout``
+        passes (``TimeoutError``); its result or its exception."""
+        hosted = self._hosted
+        if isinstance(task, PendingRound):
+            return hosted.lockstep_wait(task, timeout)
+        return hosted.portal.wait(task, timeout)
 
     def _check_spaces(self) -> None:
         """Every sub-env's spaces are the first one's (``AsyncVectorEnv``'s check and words)."""
@@ -438,12 +448,17 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         return self._finish(hosted.portal.call(hosted.step, mask), mask)
 
     def step_async(self, actions: Any) -> None:
-        """Send the actions; the hosts step while the caller does something else."""
+        """Send the actions; the hosts step while the caller does something else.
+
+        The requests go out as :meth:`step` sends them (without the event loop, see
+        :meth:`HostedEnvs.lockstep_send <asyncsample.vector.hosted.HostedEnvs.lockstep_send>`),
+        so ``step_async`` then ``step_wait`` costs the main process what ``step`` costs.
+        """
         hosted = self._hosted
         hosted.check_open()
         self._check_not_pending("step_async")
         mask = self._send(actions)
-        self._pending = hosted.portal.start(hosted.step, mask)
+        self._pending = hosted.lockstep_send(mask)
         self._pending_kind, self._pending_args = "step", mask
 
     def step_wait(self, timeout: float | None = None) -> _Step:
@@ -536,10 +551,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         hosted = self._hosted
         if task is not None:
             with contextlib.suppress(Exception):
-                hosted.portal.wait(task)
-            if self._pending_kind == "step":
-                with contextlib.suppress(Exception):
-                    self._finish(task.result(), self._pending_args)  # keep the state in step
+                result = self._outcome(task, None)
+                if self._pending_kind == "step":
+                    self._finish(result, self._pending_args)  # keep the state in step
         waiting = list(self._inflight.values())
         if waiting:
             with contextlib.suppress(Exception):

@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
-from collections.abc import Coroutine, Iterable, Sequence
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
@@ -55,6 +56,7 @@ __all__ = [
     "ClosedError",
     "HostedEnvs",
     "HostedFace",
+    "PendingRound",
     "StepResult",
     "SubEnvAttributeError",
     "SubEnvError",
@@ -101,6 +103,29 @@ class StepResult:
     def quiet(self) -> bool:
         """No info, no reset and no restart anywhere (the common step)."""
         return self.env_infos is None and not self.reset_infos and not self.restarted
+
+
+@dataclass(slots=True)
+class PendingRound:
+    """A lockstep round sent by :meth:`HostedEnvs.lockstep_send`; :meth:`HostedEnvs.lockstep_wait`
+    finishes it.
+
+    Attributes:
+        sent: the step requests that went out without the event loop, host by host from host 0.
+        readers: the hosts' connections by file descriptor (``None``: some host has none).
+        task: the round as a task on the portal's loop (started at the send, or by a wait that
+            timed out), or ``None``.
+        finished: a wait returned its result or raised its error.
+    """
+
+    sent: list[SentStep]
+    readers: dict[int, DirectReader] | None
+    task: asyncio.Task[StepResult] | None = None
+    finished: bool = False
+
+    def done(self) -> bool:
+        """Whether the round is over (nothing is left to wait for)."""
+        return self.finished
 
 
 class HostedEnvs:
@@ -174,6 +199,8 @@ class HostedEnvs:
         # lockstep(): the poller of the hosts' connections, and their file descriptors.
         self._poller = select.poll()
         self._polled: tuple[int, ...] = ()
+        # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
+        self._round: PendingRound | None = None
         options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
         if backend == "process":
             options["step_timeout"] = step_timeout
@@ -237,6 +264,7 @@ class HostedEnvs:
         finally:
             with contextlib.suppress(Exception):
                 self.backend.close_now()  # whatever the graceful path could not do
+            self._drop_round()
             self.portal.close()
 
     def close_now(self) -> None:
@@ -247,6 +275,7 @@ class HostedEnvs:
         try:
             self.backend.close_now()
         finally:
+            self._drop_round()
             self.portal.close_now()
 
     def check_open(self, face: str = "VectorEnv") -> None:
@@ -540,11 +569,73 @@ class HostedEnvs:
         ``poll``, and a quiet round is built from the buffers. Anything else (an info, a
         reset, a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's
         business, a host with no such connection) is finished through the portal, exactly as
-        :meth:`step` finishes it.
+        :meth:`step` finishes it. :meth:`lockstep_send` and :meth:`lockstep_wait` are its two
+        halves, for ``step_async`` and ``step_wait``.
         """
         portal = self.portal
         if self.broken or not portal.in_caller_thread():
             return portal.call(self.step)
+        return self._finish_round(self._send_round(), None)
+
+    def lockstep_send(self, mask: np.ndarray | None = None) -> PendingRound:
+        """The send half of :meth:`lockstep` (``step_async``): the requests go out now, without
+        the event loop; :meth:`lockstep_wait` finishes the round.
+
+        A step of the sub-envs in ``mask`` only, a host that failed earlier or a caller inside
+        a running event loop: the round is :meth:`step`, started on the portal's loop.
+        """
+        portal = self.portal
+        if mask is not None or self.broken or not portal.in_caller_thread():
+            round_ = PendingRound([], None, portal.start(self.step, mask))
+        else:
+            round_ = self._send_round()
+        self._round = round_
+        return round_
+
+    def lockstep_wait(self, round_: PendingRound, timeout: float | None = None) -> StepResult:
+        """The wait half of :meth:`lockstep` (``step_wait``): the result of ``round_``, read as
+        :meth:`lockstep` reads it (without the loop when the round is quiet).
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first. The round is then the loop's (a
+                task: the hosts' ``step_timeout`` timers run while it is waited for) and is
+                still pending: wait again.
+        """
+        portal = self.portal
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            if round_.task is not None:
+                res = portal.wait(round_.task, timeout)
+            elif not portal.in_caller_thread():  # waited for from inside a running loop
+                res = self._in_loop(round_, deadline, self._collect, round_.sent)
+            else:
+                res = self._finish_round(round_, deadline)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._round_over(round_)
+            raise
+        self._round_over(round_)
+        return res
+
+    def _round_over(self, round_: PendingRound) -> None:
+        round_.finished = True
+        if self._round is round_:
+            self._round = None
+
+    def _drop_round(self) -> None:
+        """Once the hosts are stopped: take the outcomes of a round sent by
+        :meth:`lockstep_send` and never waited for (asyncio would log a host's failure that
+        nobody retrieved)."""
+        round_, self._round = self._round, None
+        if round_ is not None:
+            for request in round_.sent:
+                with contextlib.suppress(Exception):
+                    request.result_now()
+
+    def _send_round(self) -> PendingRound:
+        """Send the hosts their step requests without the loop, host 0 first, as long as they
+        take one (a dead host takes none: the loop sends the rest)."""
         hosts = self.hosts
         sent: list[SentStep] = []
         readers: dict[int, DirectReader] | None = {}
@@ -558,26 +649,49 @@ class HostedEnvs:
                 readers = None
             else:
                 readers[reader.fd] = reader
+        return PendingRound(sent, readers)
+
+    def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
+        """Read the replies of a round sent by :meth:`_send_round` (see :meth:`lockstep`)."""
+        hosts = self.hosts
+        sent, readers = round_.sent, round_.readers
         if len(sent) == len(hosts) and readers is not None:
-            outcomes = self._read_direct(sent, readers)
+            outcomes = self._read_direct(sent, readers, deadline)
             if outcomes is not None:
                 quiet = self._quiet_result(outcomes)
                 if quiet is not None:
                     return quiet
                 stepped = [(h, self._whole[h]) for h in range(len(hosts))]
-                return portal.call(self._merge, stepped, outcomes, True)
-        return portal.call(self._collect, sent)
+                return self._in_loop(round_, deadline, self._merge, stepped, outcomes, True)
+        return self._in_loop(round_, deadline, self._collect, sent)
+
+    def _in_loop(
+        self,
+        round_: PendingRound,
+        deadline: float | None,
+        fn: Callable[..., Coroutine[Any, Any, StepResult]],
+        *args: Any,
+    ) -> StepResult:
+        """Finish ``round_`` in the portal's loop with ``fn(*args)``: run to its end, or (with a
+        ``deadline``) started as the round's task and waited for until then."""
+        if deadline is None:
+            return self.portal.call(fn, *args)
+        round_.task = self.portal.start(fn, *args)
+        return self.portal.wait(round_.task, deadline - time.monotonic())
 
     def _read_direct(
-        self, sent: list[SentStep], readers: dict[int, DirectReader]
+        self,
+        sent: list[SentStep],
+        readers: dict[int, DirectReader],
+        deadline: float | None = None,
     ) -> list[StepInfos | BaseException] | None:
         """Wait for the replies to ``sent`` in ``poll`` and read them from ``readers`` (by
         file descriptor) without the loop; their outcomes, or ``None``: the loop must finish
-        the round (see :meth:`lockstep`)."""
+        the round (see :meth:`lockstep`; also when ``deadline`` passes first)."""
         outcomes: list[StepInfos | BaseException] = []
         for request in sent:
             while not request.done():
-                ready = self._wait_readable(tuple(readers))
+                ready = self._wait_readable(tuple(readers), deadline)
                 if not ready:
                     return None
                 for fd, _ in ready:
@@ -589,8 +703,11 @@ class HostedEnvs:
             outcomes.append(infos)
         return outcomes
 
-    def _wait_readable(self, fds: tuple[int, ...]) -> list[tuple[int, int]]:
-        """``poll`` the hosts' connections ``fds`` for at most ``_DIRECT_WAIT``; what is ready.
+    def _wait_readable(
+        self, fds: tuple[int, ...], deadline: float | None = None
+    ) -> list[tuple[int, int]]:
+        """``poll`` the hosts' connections ``fds`` for at most ``_DIRECT_WAIT`` (and not past
+        ``deadline``); what is ready.
 
         One poller for as long as the connections stay the same (a restart changes them)."""
         if fds != self._polled:
@@ -598,7 +715,10 @@ class HostedEnvs:
             for fd in fds:
                 poller.register(fd, select.POLLIN)
             self._poller, self._polled = poller, fds
-        return self._poller.poll(_DIRECT_WAIT * 1000)
+        wait = _DIRECT_WAIT
+        if deadline is not None:
+            wait = max(0.0, min(wait, deadline - time.monotonic()))
+        return self._poller.poll(wait * 1000)
 
     async def _collect(self, sent: list[SentStep]) -> StepResult:
         """Finish, in the loop, a lockstep round whose first ``len(sent)`` requests went out
