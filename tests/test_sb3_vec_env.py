@@ -239,6 +239,47 @@ def test_same_as_dummy(kind: str, wrapper: Any, no_leaks: None) -> None:
         theirs.close()
 
 
+def test_quiet_step_async_step_wait_run_no_event_loop(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """step_async/step_wait pay what step pays: a step with no episode end sends and reads
+    without the portal's loop, with the results DummyVecEnv returns."""
+    fns = [functools.partial(StepEnv, 50)] * 4
+    ours = AsyncSampleVecEnv(fns, n_processes=2)
+    theirs = DummyVecEnv(fns)
+    try:
+        assert_obs_equal(ours.reset(), theirs.reset())
+        loop = ours._hosted.portal.loop
+        runs = 0
+        run_forever = loop.run_forever
+
+        def counted() -> None:
+            nonlocal runs
+            runs += 1
+            run_forever()
+
+        monkeypatch.setattr(loop, "run_forever", counted)
+        for t in range(20):
+            actions = np.full(4, t % 2, np.int64)
+            ours.step_async(actions)
+            with pytest.raises(RuntimeError, match="twice"):
+                ours.step_async(actions)
+            o1, r1, d1, i1 = ours.step_wait()
+            o2, r2, d2, i2 = theirs.step(actions)
+            assert_obs_equal(o1, o2)
+            assert np.array_equal(r1, r2) and np.array_equal(d1, d2), t
+            for x, y in zip(i1, i2):
+                assert_info_equal(x, y)
+        assert runs == 0, "a quiet step_async/step_wait ran the event loop"
+        with pytest.raises(RuntimeError, match="without step_async"):
+            ours.step_wait()
+        ours.step_async(np.zeros(4, np.int64))
+        assert_obs_equal(ours.reset(), theirs.reset())  # finishes the pending step first
+    finally:
+        ours.close()
+        theirs.close()
+
+
 # -- SB3's own checks, for SubprocVecEnv --------------------------------------------------------
 
 
