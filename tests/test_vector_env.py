@@ -499,6 +499,74 @@ def test_async_vector_env_arguments(no_leaks: None) -> None:
         VectorEnv("CartPole-v1", 2, shared_memory="yes")  # type: ignore[arg-type]
 
 
+class TimedEnv(CountEnv):
+    """Steps and resets take 0.05 s; their start and end times (``time.monotonic``, the same
+    clock in every process) are in the info."""
+
+    def __init__(self) -> None:
+        super().__init__(max_count=10)
+
+    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        time.sleep(0.05)
+        *rest, info = fn(*args, **kwargs)
+        return (*rest, {**info, "start": start, "end": time.monotonic()})
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        return self._timed(super().reset, seed=seed, options=options)
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        return self._timed(super().step, action)
+
+
+def most_at_once(infos: list[dict[str, Any]]) -> int:
+    """The most sub-envs whose (start, end) intervals overlap, over the calls' vector infos."""
+    events = sorted(
+        (t, +1 if which == "start" else -1)
+        for info in infos
+        for which in ("start", "end")
+        for t in info[which][info["_" + which]]
+    )
+    now = top = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        now += delta
+        top = max(top, now)
+    return top
+
+
+@pytest.mark.parametrize(("limit", "n_processes"), [(1, None), (2, None), (2, 2), (3, 3)])
+def test_max_concurrency_caps_the_sub_envs_stepping_at_once(
+    limit: int, n_processes: int | None, no_leaks: None
+) -> None:
+    """gymnasium 1.4's ``AsyncVectorEnv(max_concurrency=...)``: at most that many sub-envs in
+    ``reset`` or ``step`` at once; the results are unchanged."""
+    env = VectorEnv([TimedEnv] * 6, n_processes=n_processes, max_concurrency=np.int64(limit))
+    try:
+        assert env.max_concurrency == limit and env.n_processes <= limit
+        obs, info = env.reset(seed=0)
+        infos = [info]
+        for _ in range(3):
+            obs, _, _, _, info = env.step(np.ones(6, np.int64))
+            infos.append(info)
+        env.step_async(np.ones(6, np.int64))
+        infos.append(env.step_wait()[4])
+        assert obs.tolist() == [3, 4, 5, 6, 7, 8]
+        assert 1 <= most_at_once(infos) <= limit
+    finally:
+        env.close()
+
+
+def test_max_concurrency_is_checked_as_gymnasium_checks_it() -> None:
+    for bad in ("2", 1.5, None.__class__):
+        with pytest.raises(ValueError, match="`max_concurrency` must be an integer or None"):
+            VectorEnv("CartPole-v1", 2, max_concurrency=bad)  # type: ignore[arg-type]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="`max_concurrency` must be a positive or None"):
+            VectorEnv("CartPole-v1", 2, max_concurrency=bad)
+    with pytest.raises(ValueError, match=r"n_processes=3 .* more than max_concurrency=2"):
+        VectorEnv("CartPole-v1", 4, n_processes=3, max_concurrency=2)
+
+
 class TextObservations(CountEnv):
     """A Dict observation with a Text part: no fixed-size row in the shared buffers."""
 

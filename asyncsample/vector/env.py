@@ -58,6 +58,7 @@ from gymnasium.vector.utils import (
 
 from asyncsample import _validate
 from asyncsample._tree import tree_map
+from asyncsample.backends import pool_size
 from asyncsample.vector._gym_args import (
     AlreadyPending,
     NoAsyncCall,
@@ -115,6 +116,30 @@ def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
     into.final_obs.update({i: v for i, v in res.final_obs.items() if a <= i < b})
 
 
+def _concurrency_limit(max_concurrency: Any, n_processes: int | None, num_envs: int) -> int | None:
+    """The ``n_processes`` that keeps at most ``max_concurrency`` sub-envs in ``reset`` or
+    ``step`` at once: an env-host process steps its sub-envs one after another."""
+    if max_concurrency is None:
+        return n_processes
+    # AsyncVectorEnv's checks and words (gymnasium 1.4).
+    if not isinstance(max_concurrency, (int, np.integer)):
+        raise ValueError(
+            f"`max_concurrency` must be an integer or None, got {type(max_concurrency)}."
+        )
+    if max_concurrency < 1:
+        raise ValueError(f"`max_concurrency` must be a positive or None, got {max_concurrency}.")
+    limit = int(max_concurrency)
+    if n_processes is None:
+        return min(pool_size(None, num_envs), limit)
+    if n_processes > limit:
+        raise ValueError(
+            f"n_processes={n_processes} would step up to {n_processes} sub-envs at once (one per "
+            f"env-host process), more than max_concurrency={limit}: give one of them, or "
+            "n_processes <= max_concurrency"
+        )
+    return n_processes
+
+
 class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     """A gymnasium vector env whose sub-envs live ``num_envs / n_processes`` to an env host.
 
@@ -150,6 +175,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             in bounds, not in shape or dtype; batched with ``batch_differing_spaces``) or a
             ``(batched, single)`` pair of spaces, as for ``AsyncVectorEnv``.
         env_fns: another name for ``env``, as ``AsyncVectorEnv`` calls it.
+        max_concurrency: gymnasium 1.4's ``AsyncVectorEnv`` argument: at most this many sub-envs
+            in ``reset`` or ``step`` at once (a positive int or ``None``, checked as gymnasium
+            checks it). An env-host process steps its sub-envs one after another, so this caps
+            the env-host processes at ``max_concurrency`` (an ``n_processes`` above it is a
+            ``ValueError``); ``call``, ``render`` and the attribute calls are capped alike.
 
     All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
     first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
@@ -177,6 +207,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         worker: Any = None,
         observation_mode: Any = "same",
         env_fns: Any = None,
+        max_concurrency: int | None = None,
     ) -> None:
         if env_fns is not None:  # AsyncVectorEnv(env_fns=...), as gymnasium.make_vec calls it
             if env is not None:
@@ -194,6 +225,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             shared_memory, copy, context, daemon, worker, observation_mode
         )
         _validate.optional_positive_int("n_processes", n_processes)
+        n_processes = _concurrency_limit(max_concurrency, n_processes, num)
         _validate.nonnegative_int("max_restarts", max_restarts)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
@@ -216,6 +248,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self.autoreset_mode = mode
         self.num_envs = num
         self.observation_mode = observation_mode
+        self.max_concurrency = max_concurrency
         self._hosted = HostedEnvs(
             sources,
             n_processes=n_processes,
