@@ -58,12 +58,12 @@ from gymnasium.vector.utils import (
 
 from asyncsample import _validate
 from asyncsample._tree import tree_map
-from asyncsample.backends import pool_size
 from asyncsample.vector._gym_args import (
     AlreadyPending,
     NoAsyncCall,
     check_async_vector_env_options,
     check_shared_memory,
+    concurrency_limit,
     observation_spaces,
     timed_out,
 )
@@ -114,30 +114,6 @@ def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
     into.reset_infos.update({i: v for i, v in res.reset_infos.items() if a <= i < b})
     into.restarted.update({i: v for i, v in res.restarted.items() if a <= i < b})
     into.final_obs.update({i: v for i, v in res.final_obs.items() if a <= i < b})
-
-
-def _concurrency_limit(max_concurrency: Any, n_processes: int | None, num_envs: int) -> int | None:
-    """The ``n_processes`` that keeps at most ``max_concurrency`` sub-envs in ``reset`` or
-    ``step`` at once: an env-host process steps its sub-envs one after another."""
-    if max_concurrency is None:
-        return n_processes
-    # AsyncVectorEnv's checks and words (gymnasium 1.4).
-    if not isinstance(max_concurrency, (int, np.integer)):
-        raise ValueError(
-            f"`max_concurrency` must be an integer or None, got {type(max_concurrency)}."
-        )
-    if max_concurrency < 1:
-        raise ValueError(f"`max_concurrency` must be a positive or None, got {max_concurrency}.")
-    limit = int(max_concurrency)
-    if n_processes is None:
-        return min(pool_size(None, num_envs), limit)
-    if n_processes > limit:
-        raise ValueError(
-            f"n_processes={n_processes} would step up to {n_processes} sub-envs at once (one per "
-            f"env-host process), more than max_concurrency={limit}: give one of them, or "
-            "n_processes <= max_concurrency"
-        )
-    return n_processes
 
 
 class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
@@ -225,7 +201,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             shared_memory, copy, context, daemon, worker, observation_mode
         )
         _validate.optional_positive_int("n_processes", n_processes)
-        n_processes = _concurrency_limit(max_concurrency, n_processes, num)
+        n_processes = concurrency_limit(max_concurrency, n_processes, num)
         _validate.nonnegative_int("max_restarts", max_restarts)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
