@@ -18,8 +18,8 @@ batched with gymnasium's own ``concatenate`` and ``iterate``.
 Calls are synchronous, as gymnasium's API is: each runs the face's
 :class:`~asyncsample.vector.portal.BlockingPortal` until the hosts answered (see there for where
 its loop runs and why), except the common lockstep ``step``, which needs no event loop (see
-:meth:`~asyncsample.vector.hosted.HostedEnvs.lockstep`). ``step_async`` sends the requests and
-returns; ``step_wait`` collects.
+:meth:`~asyncsample.vector.hosted.HostedEnvs.lockstep`). ``step_async`` and ``step_wait`` are its
+two halves: the first sends the requests and returns, the second collects, as cheaply.
 
 EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
 :meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
