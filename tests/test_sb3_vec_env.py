@@ -20,8 +20,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
+from helpers import count_loop_runs, new_shm_entries, shm_entries, wait_gone
 from helpers import host_processes as our_processes
-from helpers import new_shm_entries, shm_entries, wait_gone
 
 pytest.importorskip("stable_baselines3")
 
@@ -249,16 +249,7 @@ def test_quiet_step_async_step_wait_run_no_event_loop(
     theirs = DummyVecEnv(fns)
     try:
         assert_obs_equal(ours.reset(), theirs.reset())
-        loop = ours._hosted.portal.loop
-        runs = 0
-        run_forever = loop.run_forever
-
-        def counted() -> None:
-            nonlocal runs
-            runs += 1
-            run_forever()
-
-        monkeypatch.setattr(loop, "run_forever", counted)
+        runs = count_loop_runs(ours, monkeypatch)
         for t in range(20):
             actions = np.full(4, t % 2, np.int64)
             ours.step_async(actions)
@@ -270,7 +261,7 @@ def test_quiet_step_async_step_wait_run_no_event_loop(
             assert np.array_equal(r1, r2) and np.array_equal(d1, d2), t
             for x, y in zip(i1, i2):
                 assert_info_equal(x, y)
-        assert runs == 0, "a quiet step_async/step_wait ran the event loop"
+        assert runs[0] == 0, "a quiet step_async/step_wait ran the event loop"
         with pytest.raises(RuntimeError, match="without step_async"):
             ours.step_wait()
         ours.step_async(np.zeros(4, np.int64))

@@ -27,8 +27,8 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoA
 from gymnasium.spaces import Box, Dict, Discrete, Tuple
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from helpers import count_loop_runs, new_shm_entries, shm_entries, wait_gone
 from helpers import host_processes as our_processes
-from helpers import new_shm_entries, shm_entries, wait_gone
 
 from asyncsample import StepTimeoutError, WorkerCrashedError
 from asyncsample.vector import SubEnvError, VectorEnv
@@ -795,66 +795,13 @@ class SlowAt(CountEnv):
         return super().step(action)
 
 
+@pytest.mark.parametrize("call", ["step", "step_async"])
 def test_quiet_lockstep_steps_run_no_event_loop(
-    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+    call: str, no_leaks: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The common step sends and reads without the portal's loop; a slow host, infos and
-    episode ends go through the loop, with the same results as ``SyncVectorEnv``."""
-    fns = [lambda: SlowAt(2), lambda: SlowAt(3), lambda: SlowAt(9)]
-    ours = VectorEnv(fns, n_processes=3, autoreset_mode="SameStep")
-    sync = SyncVectorEnv(fns, autoreset_mode="SameStep")
-    try:
-        assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
-        loop = ours._hosted.portal.loop
-        runs = 0
-        run_forever = loop.run_forever
-
-        def counted() -> None:
-            nonlocal runs
-            runs += 1
-            run_forever()
-
-        monkeypatch.setattr(loop, "run_forever", counted)
-        actions = np.array([1, 1, 1])
-        quiet_steps = 0
-        for t in range(12):
-            # The sync env's sub-envs mirror ours: which of ours is slow at this step.
-            slow = any(e.count + 1 == e.at for e in sync.envs)
-            before = runs
-            got = ours.step(actions)
-            assert_same(got, sync.step(actions), f"step {t}")
-            if not slow and not got[4]:
-                quiet_steps += 1
-                assert runs == before, f"step {t} ran the event loop"
-            elif slow:
-                assert runs > before, f"step {t} (slow) did not hand the round to the loop"
-        assert quiet_steps >= 3 and runs > 0
-    finally:
-        ours.close()
-        sync.close()
-
-
-def count_loop_runs(env: VectorEnv, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A one-item list counting the runs of ``env``'s portal loop from now on (every portal
-    call, start and wait runs ``run_forever``)."""
-    loop = env._hosted.portal.loop
-    runs = [0]
-    run_forever = loop.run_forever
-
-    def counted() -> None:
-        runs[0] += 1
-        run_forever()
-
-    monkeypatch.setattr(loop, "run_forever", counted)
-    return runs
-
-
-def test_quiet_step_async_step_wait_run_no_event_loop(
-    no_leaks: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """step_async/step_wait pay what step pays: the common step sends and reads without the
-    portal's loop (with or without a timeout); a slow host, infos and episode ends go
-    through the loop, with the same results as ``SyncVectorEnv``."""
+    episode ends go through the loop, with the same results as ``SyncVectorEnv``. The same for
+    ``step_async`` then ``step_wait`` (with or without a timeout): they pay what ``step`` pays."""
     fns = [lambda: SlowAt(2), lambda: SlowAt(3), lambda: SlowAt(9)]
     ours = VectorEnv(fns, n_processes=3, autoreset_mode="SameStep")
     sync = SyncVectorEnv(fns, autoreset_mode="SameStep")
@@ -864,17 +811,21 @@ def test_quiet_step_async_step_wait_run_no_event_loop(
         actions = np.array([1, 1, 1])
         quiet_steps = 0
         for t in range(12):
+            # The sync env's sub-envs mirror ours: which of ours is slow at this step.
             slow = any(e.count + 1 == e.at for e in sync.envs)
             before = runs[0]
-            ours.step_async(actions)
-            got = ours.step_wait(timeout=30 if t % 2 else None)
+            if call == "step":
+                got = ours.step(actions)
+            else:
+                ours.step_async(actions)
+                got = ours.step_wait(timeout=30 if t % 2 else None)
             assert_same(got, sync.step(actions), f"step {t}")
             if not slow and not got[4]:
                 quiet_steps += 1
                 assert runs[0] == before, f"step {t} ran the event loop"
             elif slow:
                 assert runs[0] > before, f"step {t} (slow) did not hand the round to the loop"
-        assert quiet_steps >= 3
+        assert quiet_steps >= 3 and runs[0] > 0
     finally:
         ours.close()
         sync.close()

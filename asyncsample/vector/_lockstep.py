@@ -106,22 +106,10 @@ class LockstepRounds:
     # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
     _round: PendingRound | None
 
-    async def step(
-        self, mask: np.ndarray | None = None, hosts: Sequence[int] | None = None
-    ) -> StepResult:
-        """The round in the event loop (``HostedEnvs.step``)."""
-        raise NotImplementedError
-
-    def _quiet_result(self, outcomes: Sequence[StepInfos | BaseException]) -> StepResult | None:
-        raise NotImplementedError
-
-    async def _merge(
-        self,
-        stepped: list[tuple[int, np.ndarray]],
-        outcomes: Sequence[StepInfos | BaseException],
-        whole: bool,
-    ) -> StepResult:
-        raise NotImplementedError
+    # HostedEnvs's own: the round in the event loop, the common step's result, the merge.
+    step: Callable[..., Coroutine[Any, Any, StepResult]]
+    _quiet_result: Callable[[Sequence[StepInfos | BaseException]], StepResult | None]
+    _merge: Callable[..., Coroutine[Any, Any, StepResult]]
 
     def lockstep(self) -> StepResult:
         """:meth:`step` of every sub-env, from the caller's thread, without the event loop
