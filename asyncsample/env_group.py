@@ -320,8 +320,9 @@ class EnvGroup:
                 self._store_misfits([i])
         return info  # type: ignore[no-any-return]
 
-    def step(self, mask: np.ndarray) -> StepInfos:
-        """Step the envs where ``mask`` is true with the actions in the buffers.
+    def step(self, mask: np.ndarray, given: Sequence[Any] | None = None) -> StepInfos:
+        """Step the envs where ``mask`` is true with the actions in the buffers (or, ``given``,
+        with those: one per env, handed to the envs as they are).
 
         An env whose episode ends (terminated, truncated by the env, or at ``max_episode_length``)
         has its last observation written to ``final_obs`` and is reset at once, so ``obs`` always
@@ -336,7 +337,10 @@ class EnvGroup:
         lengths = self._lengths
         everyone = bool(mask.all())
         indices = list(range(self.n_envs)) if everyone else np.flatnonzero(mask).tolist()
-        actions = self._actions_for(indices, everyone)
+        if given is None:
+            actions = self._actions_for(indices, everyone)
+        else:
+            actions = list(given) if everyone else [given[i] for i in indices]
         obs_out = buf.obs if self._flat_obs else None
         obs_shape = self._obs_shape
         rewards: list[Any] = []

@@ -464,14 +464,46 @@ def test_float_actions_for_an_integer_space_are_refused(no_leaks: None) -> None:
         env.step(np.array([0, 1]))  # the env still works
     finally:
         env.close()
-    box = VectorEnv([lambda: RandomEpisodesEnv("box")], 1, n_processes=1)
+
+
+class ActionEchoEnv(gym.Env[np.ndarray, Any]):
+    """Reports the action it was handed: its type and value (in the info)."""
+
+    def __init__(self) -> None:
+        self.observation_space = Box(-1.0, 1.0, (1,), np.float32)
+        self.action_space = Box(0.0, 1.0, (), np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        info = {"type": type(action).__name__, "value": float(action)}
+        return np.zeros(1, np.float32), 0.0, False, False, info
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_float_actions_reach_the_envs_as_given(dtype: Any, no_leaks: None) -> None:
+    """Floats of another dtype than the space's reach each sub-env as AsyncVectorEnv hands
+    them over (its row of the caller's array, nothing cast): a float64 stays a float64, 1e40
+    stays finite, 0.1 stays 0.1."""
+    fns = [ActionEchoEnv] * 4
+    ours = VectorEnv(fns, n_processes=2)
+    ref = SyncVectorEnv(fns)
     try:
-        box.reset(seed=0)
-        with pytest.raises(ValueError, match="overflow"):
-            box.step(np.array([[1e40, 0.0]]))
-        box.step(np.array([[0.5, 0.0]]))  # float64 within float32's range: fine
+        ours.reset(seed=0)
+        ref.reset(seed=0)
+        for actions in ([0.1, 0.25, 1e-3, 0.5], [1e4, -0.0, 0.3, 2.5]):
+            batch = np.array(actions, dtype=dtype)
+            got, want = ours.step(batch)[4], ref.step(batch)[4]
+            assert list(got["type"]) == list(want["type"]) == [np.dtype(dtype).type.__name__] * 4
+            assert got["value"].tolist() == want["value"].tolist()
+        if dtype is np.float64:
+            info = ours.step(np.array([1e40, 0.0, 0.0, 0.0]))[4]
+            assert info["value"][0] == 1e40  # not inf: nothing was cast to float32
     finally:
-        box.close()
+        ours.close()
+        ref.close()
 
 
 def test_async_vector_env_arguments(no_leaks: None) -> None:

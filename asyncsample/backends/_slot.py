@@ -163,11 +163,15 @@ class HostSlot:
 
     def _serve_step(self, body: _Body) -> bytes:
         buffers = self.group.buffers
+        n = self.group.n_envs
+        given = None
         if isinstance(buffers.actions, list):  # actions without fixed-size rows: pickled
-            n = self.group.n_envs
             buffers.actions[:] = self.load(body[n:], "actions")
             body = body[:n]
-        infos = self.group.step(np.frombuffer(body, np.bool_))
+        elif len(body) > n:  # actions the caller gave in another dtype: pickled, as given
+            given = self.load(body[n:], "actions")
+            body = body[:n]
+        infos = self.group.step(np.frombuffer(body, np.bool_), given)
         if isinstance(buffers.obs, list):  # observations without fixed-size rows: pickled
             return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, buffers.obs))
         if infos.final_obs:

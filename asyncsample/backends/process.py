@@ -499,6 +499,9 @@ class ProcessHost(RemoteHost[_Conn]):
         # The lockstep's read-only mask of every env, and its request body (see step_nowait).
         self._whole_mask: np.ndarray | None = None
         self._whole_body = b""
+        # The next step's actions when the caller gave them in a dtype other than the action
+        # buffer's: sent pickled and handed to the envs as they are (the vector env's faces).
+        self.given_actions: list[Any] | None = None
         self.chunk: ChunkBuffers | None = None
         """``inference="host"``: the chunk buffers the host fills (shared memory)."""
 
@@ -563,7 +566,7 @@ class ProcessHost(RemoteHost[_Conn]):
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
-        if mask is self._whole_mask:  # the lockstep's own read-only mask of every env
+        if mask is self._whole_mask and self.given_actions is None:  # the lockstep's own mask
             body = self._whole_body
         else:
             body = self._slot + self._step_body(mask)
@@ -580,6 +583,9 @@ class ProcessHost(RemoteHost[_Conn]):
         body = _mask_bytes(mask)
         if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
             body += self._pickle("actions", self.buffers.actions)
+        elif self.given_actions is not None:  # this step's actions, as the caller gave them
+            body += self._pickle("actions", self.given_actions)
+            self.given_actions = None
         return body
 
     def _step_infos(self, payload: bytes) -> StepInfos:

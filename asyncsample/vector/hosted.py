@@ -335,11 +335,16 @@ class HostedEnvs(LockstepRounds):
                     f"the action space {self.single_action_space}, got shape {actions.shape}"
                 )
             if actions.dtype != first.dtype:
+                if self._hand_over_as_given(actions, first, targets):
+                    return
                 self._check_cast(actions, first.dtype)
             try:
                 for h in targets:
                     a, b = self.slices[h]
-                    self.hosts[h].buffers.actions[...] = actions[a:b]
+                    host: Any = self.hosts[h]
+                    host.buffers.actions[...] = actions[a:b]
+                    if getattr(host, "given_actions", None) is not None:
+                        host.given_actions = None  # from an earlier step that did not run
             except ValueError as exc:
                 raise ValueError(
                     f"actions do not fit the batched action space "
@@ -396,6 +401,29 @@ class HostedEnvs(LockstepRounds):
         for h in targets:
             a, b = self.slices[h]
             self.hosts[h].buffers.actions[:] = rows[a:b]
+
+    def _hand_over_as_given(
+        self, actions: np.ndarray, buffer: np.ndarray, targets: Iterable[int]
+    ) -> bool:
+        """Float actions of another float dtype than the action space's go to the envs as the
+        caller gave them (``AsyncVectorEnv`` hands each sub-env its row of the caller's array:
+        a ``float64`` stays a ``float64``, a value beyond ``float32`` stays finite), pickled
+        with the step request instead of cast into the buffers. ``False``: not such actions."""
+        hosts = [self.hosts[h] for h in targets]
+        if actions.dtype.kind != "f" or buffer.dtype.kind != "f":
+            return False
+        if not all(hasattr(host, "given_actions") for host in hosts):
+            return False  # a backend that cannot send them: cast (and checked) as before
+        if actions.shape[1:] != buffer.shape[1:]:
+            raise ValueError(
+                f"actions do not fit the batched action space "
+                f"{batch_space(self.single_action_space, self.num_envs)}: got shape "
+                f"{actions.shape}"
+            )
+        for h, host in zip(targets, hosts):
+            a, b = self.slices[h]
+            host.given_actions = list(actions[a:b])  # type: ignore[attr-defined]
+        return True
 
     def _check_cast(self, actions: np.ndarray, dtype: np.dtype[Any]) -> None:
         """Refuse actions the buffers' dtype would change: floats for an integer space (a cast
