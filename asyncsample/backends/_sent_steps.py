@@ -14,7 +14,11 @@ from asyncsample.env_group import StepInfos
 if TYPE_CHECKING:
     from asyncsample.backends.process import ProcessHost, _Conn
 
-__all__ = ["DirectStep", "QueuedStep"]
+__all__ = ["QUIET", "DirectStep", "QueuedStep"]
+
+#: The outcome of a step with no info, reset or final observation anywhere: one shared object,
+#: read by the lockstep round and never changed.
+QUIET = StepInfos(None, {})
 
 
 class QueuedStep:
@@ -64,6 +68,8 @@ class DirectStep:
         reply = self.reply
         if reply is None or reply[0] != ST_OK:
             return None
+        if not reply[1]:
+            return QUIET  # the common step: nothing to unpickle, nothing to build
         return self.host._step_infos(reply[1])
 
     async def wait(self) -> StepInfos:

@@ -242,9 +242,10 @@ class LockstepRounds:
         file descriptor) without the loop; their outcomes, or ``None``: the loop must finish
         the round (see :meth:`lockstep`; also when ``deadline`` passes first)."""
         outcomes: list[StepInfos | BaseException] = []
+        fds = tuple(readers)
         for request in sent:
             while not request.done():
-                ready = self._wait_readable(tuple(readers), deadline)
+                ready = self._wait_readable(fds, deadline)
                 if not ready:
                     return None
                 for fd, _ in ready:

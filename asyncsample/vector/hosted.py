@@ -134,6 +134,8 @@ class HostedEnvs(LockstepRounds):
         self.host_of = np.repeat(np.arange(n_hosts), [b - a for a, b in self.slices])
         # Every sub-env of a host (read-only): the step mask of the common lockstep step.
         self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
+        for whole in self._whole:
+            whole.flags.writeable = False  # a host may keep its request body (step_nowait)
         self.portal = BlockingPortal()
         # lockstep(): the poller of the hosts' connections, and their file descriptors.
         self._poller = select.poll()
