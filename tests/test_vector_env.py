@@ -863,12 +863,17 @@ def test_quiet_lockstep_steps_run_no_event_loop(
         sync.close()
 
 
-def test_step_wait_timeout_on_a_loop_free_round(no_leaks: None) -> None:
+# Without a step_timeout the loop-free step sends bare requests; with one, ordinary calls.
+STEP_TIMEOUTS = pytest.mark.parametrize("step_timeout", [None, 60.0], ids=["bare", "timed"])
+
+
+@STEP_TIMEOUTS
+def test_step_wait_timeout_on_a_loop_free_round(step_timeout: float | None, no_leaks: None) -> None:
     """A wait past its timeout leaves the round pending (in the loop, where the hosts'
     ``step_timeout`` timers run); ``timeout=0`` returns replies that are already in, as
     ``AsyncVectorEnv`` does; the results are ``SyncVectorEnv``'s throughout."""
     fns = [lambda: SlowAt(2), lambda: SlowAt(9)]
-    ours = VectorEnv(fns, n_processes=1)
+    ours = VectorEnv(fns, n_processes=1, step_timeout=step_timeout)
     sync = SyncVectorEnv(fns)
     try:
         assert_same(ours.reset(seed=0), sync.reset(seed=0), "reset")
@@ -898,13 +903,14 @@ def test_step_wait_timeout_on_a_loop_free_round(no_leaks: None) -> None:
         sync.close()
 
 
+@STEP_TIMEOUTS
 def test_step_async_then_other_calls_or_close(
-    no_leaks: None, caplog: pytest.LogCaptureFixture
+    step_timeout: float | None, no_leaks: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A step sent and never waited for: another call finishes it first (its results are
     lost, the episode state is kept), ``close`` warns, and a garbage-collected env leaves
     nothing behind; asyncio logs no outcome that nobody retrieved."""
-    ours = VectorEnv(count_env, 3, n_processes=2)
+    ours = VectorEnv(count_env, 3, n_processes=2, step_timeout=step_timeout)
     try:
         ours.reset()
         ours.step_async(np.array([1, 1, 1]))
@@ -920,7 +926,7 @@ def test_step_async_then_other_calls_or_close(
     finally:
         ours.close()
     with caplog.at_level(logging.ERROR, logger="asyncio"):
-        dropped = VectorEnv(count_env, 3, n_processes=2)
+        dropped = VectorEnv(count_env, 3, n_processes=2, step_timeout=step_timeout)
         dropped.reset()
         dropped.step_async(np.array([1, 1, 1]))
         del dropped
