@@ -280,7 +280,8 @@ class ChunkStepper:
                 if not rule.more(active):
                     return
                 if out:  # the next chunk runs in the other set: queue the one after it
-                    out.append((await self._follow(host, b), b))
+                    if self._may_follow(rule):
+                        out.append((await self._follow(host, b), b))
                 else:
                     out.append((await host.send_chunk(self._request(rule, b)), b))
                     if self._may_follow(rule):
@@ -306,8 +307,8 @@ class ChunkStepper:
         return await host.send_chunk(NextChunk(self.capacity, buffer, int(self.chunk.epoch[0])))
 
     def _may_follow(self, rule: StopRule) -> bool:
-        """Whether the part may need a chunk after the one just asked for (``fragments``: the
-        steps left exceed a chunk; other modes depend on how episodes end)."""
+        """Whether the part may need a chunk after the next one (``fragments``: the steps left
+        exceed a chunk; in the other modes it depends on how episodes end)."""
         return rule.mode is not CallMode.FRAGMENTS or rule.steps > self.capacity
 
     def _replay(self, reply: ChunkReply, version: int, chunk: ChunkBuffers | None = None) -> None:
