@@ -228,8 +228,6 @@ class ChunkStepper:
         host: Any = self.host
         sets: list[ChunkBuffers] = getattr(host, "chunks", [])
         self.pipe: PipelinedHost | None = host if len(sets) > 1 else None
-        #: Chunks run by following requests (:class:`NextChunk`), for tests and studies.
-        self.followed = 0
 
     async def start(self) -> None:
         """Reset the envs that need it, once the host's agent copy is in place (so it sees the
@@ -270,29 +268,35 @@ class ChunkStepper:
         active = episodes.active
         if not rule.more(active):
             return
-        sets = host.chunks
-        out: deque[tuple[SentChunk, int]] = deque()
+        sets, epoch = host.chunks, self.chunk.epoch
+        out: deque[tuple[SentChunk, int, int | None]] = deque()  # (request, set, NextChunk epoch)
         try:
-            out.append((await host.send_chunk(self._request(rule, 0)), 0))
+            out.append((await host.send_chunk(self._request(rule, 0)), 0, None))
             if self._may_follow(rule):
-                out.append((await self._follow(host, 1), 1))
+                out.append(await self._follow(host, 1))
             while out:
-                sent, b = out.popleft()
+                sent, b, sent_epoch = out.popleft()
                 reply = await sent.wait()
                 if reply.steps:
                     self._replay(reply, sent.version, sets[b])
                     rule.took(reply.steps)
                 if not rule.more(active):
                     return
+                if not reply.steps and sent_epoch == int(epoch[0]):
+                    # Not skipped for an update: the host's rule and ours disagree.
+                    raise RuntimeError(
+                        f"worker {self.worker.worker_number}: its env host ran no steps of a "
+                        "chunk the call still needs (the host's stop rule went out of step)"
+                    )
                 if out:  # the next chunk runs in the other set: queue the one after it
                     if self._may_follow(rule):
-                        out.append((await self._follow(host, b), b))
+                        out.append(await self._follow(host, b))
                 else:
-                    out.append((await host.send_chunk(self._request(rule, b)), b))
+                    out.append((await host.send_chunk(self._request(rule, b)), b, None))
                     if self._may_follow(rule):
-                        out.append((await self._follow(host, 1 - b), 1 - b))
+                        out.append(await self._follow(host, 1 - b))
         finally:
-            for sent, _ in out:
+            for sent, _, _ in out:
                 sent.abandon()
 
     def _request(self, rule: StopRule, buffer: int) -> ChunkRequest:
@@ -307,9 +311,12 @@ class ChunkStepper:
             buffer=buffer,
         )
 
-    async def _follow(self, host: PipelinedHost, buffer: int) -> SentChunk:
-        self.followed += 1
-        return await host.send_chunk(NextChunk(self.capacity, buffer, int(self.chunk.epoch[0])))
+    async def _follow(self, host: PipelinedHost, buffer: int) -> tuple[SentChunk, int, int]:
+        """Send a :class:`NextChunk` into set ``buffer``. Its epoch is read before the updates
+        made so far are sent (``send_chunk`` syncs the agent first): one made meanwhile can
+        only make the host skip it."""
+        epoch = int(self.chunk.epoch[0])
+        return await host.send_chunk(NextChunk(self.capacity, buffer, epoch)), buffer, epoch
 
     def _may_follow(self, rule: StopRule) -> bool:
         """Whether the part may need a chunk after the next one (``fragments``: the steps left
