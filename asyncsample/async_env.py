@@ -227,20 +227,21 @@ def check_async_env(
             )
 
 
-def check_blocking_env(obj: object, name: str, backend: str) -> None:
+def check_blocking_env(obj: object, name: str, backend: str | None = None) -> None:
     """Refuse an async env on a backend that calls ``reset``/``step`` without awaiting them.
 
     Args:
         obj: what an env factory returned.
         name: the argument it came from, for the message.
-        backend: the sampler's backend, for the message.
+        backend: the sampler's backend, for the message (``None``: "this backend").
 
     Raises:
         TypeError: ``obj`` is an async env.
     """
     if is_async_env(obj):
+        which = "this backend" if backend is None else f"backend={backend!r}"
         raise TypeError(
-            f"{name}: backend={backend!r} steps blocking gymnasium envs; got {_describe(obj)}, "
+            f"{name}: {which} steps blocking gymnasium envs; got {_describe(obj)}, "
             "an async env (coroutine reset/step): use backend='asyncio' for it"
         )
 

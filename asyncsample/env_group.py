@@ -402,7 +402,17 @@ class EnvGroup:
                 ended[i] = True
         elif done:
             if self._final_in_reply:
-                finals_out = dict(zip(done, finals))
+                # A final observation its buffer row holds exactly (an array of the row's dtype
+                # and shape) is read from there: only the others travel in the reply.
+                row = buf.final_obs if self._flat_obs else None
+                finals_out = {
+                    i: o
+                    for i, o in zip(done, finals)
+                    if row is None
+                    or type(o) is not np.ndarray
+                    or o.dtype != row.dtype
+                    or o.shape != obs_shape
+                } or None
             try:
                 self._write(buf.final_obs, done, finals)
             except (ValueError, TypeError, IndexError) as exc:

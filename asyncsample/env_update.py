@@ -14,6 +14,8 @@ from typing import Any
 
 import gymnasium as gym
 
+from asyncsample.async_env import check_blocking_env
+
 __all__ = [
     "EnvChoice",
     "EnvId",
@@ -134,6 +136,7 @@ class EnvId:
 
 def _checked_env(env: Any, source: Any) -> gym.Env:
     if not isinstance(env, gym.Env):
+        check_blocking_env(env, f"env factory {source!r}")
         raise TypeError(
             f"env factory {source!r} must return a gymnasium.Env, got {type(env).__name__}"
         )

@@ -139,7 +139,7 @@ STUDIES: list[Study] = [
     Study(
         "vector",
         "asyncsample.VectorEnv against gymnasium's vector envs: CartPole-v1, FixedCost-v0, "
-        "Image-v0, 8 envs, random actions",
+        "Image-v0 with 8 envs and CartPole-v1 with 64, random actions",
         groups=("ideal", "vector"),
         settings={
             "envs": ["CartPole-v1", "FixedCost-v0", "Image-v0"],

@@ -119,6 +119,8 @@ class Settings:
         policy_inference: asyncsample inference modes of the policy workload.
         policy_transitions: Timed transitions of a policy run, per env.
         vector_envs: Envs of the ``vector`` group (``VectorEnv`` against gymnasium's).
+        vector_big_envs: Those of ``vector_envs`` the ``vector`` group also runs with
+            ``big_n_envs`` envs (where a cross-process round costs more than the envs).
         host_envs: Envs of the ``host`` group (``inference="host"``, random agent).
         host_layouts: asyncsample layouts of the ``host`` group (every one a user may pick).
         host_fragment_steps: Steps per env per call in the ``host`` group.
@@ -198,6 +200,7 @@ class Settings:
     vector_envs: list[str] = field(
         default_factory=lambda: ["CartPole-v1", "FixedCost-v0", "Image-v0"]
     )
+    vector_big_envs: list[str] = field(default_factory=lambda: ["CartPole-v1"])
     host_envs: list[str] = field(
         default_factory=lambda: ["FixedCost-v0", "HeavyTail-v0", "CartPole-v1"]
     )
@@ -405,10 +408,12 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
                                         Config(c, env, n, w, k, s.n_processes, "mlp", inference)
                                     )
     if "vector" in groups:
-        for env in s.vector_envs:
+        cells = [(env, s.n_envs) for env in s.vector_envs]
+        cells += [(env, s.big_n_envs) for env in s.vector_big_envs if env in s.vector_envs]
+        for env, n in cells:
             for c in chosen:
                 if c in ("sync", "async", "asyncsample-vector"):
-                    groups["vector"].append(Config(c, env, s.n_envs))
+                    groups["vector"].append(Config(c, env, n))
     if "host" in groups:
         for env in s.host_envs:
             for c in chosen:

@@ -20,6 +20,7 @@ from async_envs import (
     RandomLengthEnv,
 )
 
+from asyncsample import Sampler
 from asyncsample.async_env import (
     AsyncEnv,
     AsyncRecordEpisodeStatistics,
@@ -504,8 +505,6 @@ class ObservationAgent:
 
 @pytest.mark.timeout(60)
 async def test_wrappers_under_the_asyncio_backend_match_gymnasiums_under_thread() -> None:
-    from asyncsample import Sampler
-
     options: dict[str, Any] = {"n_workers": 2, "envs_per_worker": 3, "seed": 5}
     options["agent"] = ObservationAgent()
     async with Sampler(async_stack, backend="asyncio", **options) as sampler:
@@ -520,3 +519,10 @@ async def test_wrappers_under_the_asyncio_backend_match_gymnasiums_under_thread(
     starts = np.concatenate([[0], ours.lengths.cumsum()[:-1]])
     assert np.allclose(stats["r"], np.add.reduceat(ours.rewards, starts))
     assert (ours.lengths <= 8).all() and (ours.lengths == 8).any()
+
+
+@pytest.mark.parametrize("backend", ["local", "thread", "process"])
+def test_blocking_backends_name_an_async_env(backend: str) -> None:
+    """An async env on a backend that steps blocking envs is refused with what to use."""
+    with pytest.raises(ValueError, match=r"CountingAsyncEnv, an async env .* backend='asyncio'"):
+        Sampler(CountingAsyncEnv, backend=backend)

@@ -333,6 +333,8 @@ class HostedEnvs:
         rows = buf.final_obs if final else buf.obs
         if isinstance(rows, list):
             return rows[k]
+        if type(rows) is np.ndarray:
+            return rows[k].copy()
         return tree_map(lambda leaf: leaf[k].copy(), rows)
 
     def final_row(self, res: StepResult, i: int) -> Any:
