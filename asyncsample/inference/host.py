@@ -64,11 +64,13 @@ from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import (
     DEFAULT_CHUNK_STEPS,
     AgentHost,
+    ChunkBuffers,
     ChunkReply,
     ChunkRequest,
     EnvHost,
+    NextChunk,
+    SentChunk,
 )
-from asyncsample.backends._chunk import ChunkBuffers, NextChunk, SentChunk
 
 __all__ = ["ChunkStepper", "Host", "HostInference", "check_host_agent", "pickle_agent"]
 
