@@ -26,6 +26,7 @@ from asyncsample.backends import ChunkReply
 from asyncsample.backends._chunk import ChunkBuffers
 from asyncsample.inference import Host
 from asyncsample.inference.host import ChunkStepper
+from asyncsample.worker import Transition, VecWorker
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -108,6 +109,14 @@ def count_follows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count
 
 
+class NextObsWorker(VecWorker):
+    """Collects every step's next observations through ``process_transition``."""
+
+    def process_transition(self, history: Any, transition: Transition) -> Any:
+        rows = np.flatnonzero(transition.active)
+        return [*(history or []), transition.next_observations[rows].copy()]
+
+
 def assert_same_steps(a: EpisodeBatch, b: EpisodeBatch) -> None:
     assert np.array_equal(a.lengths, b.lengths)
     assert np.array_equal(a.observations, b.observations)
@@ -169,6 +178,27 @@ async def test_batches_do_not_depend_on_how_far_ahead_the_host_is(
             assert b.n_transitions >= 100
             continue
         assert_same_steps(a, b)
+
+
+async def test_next_observations_are_right_while_the_host_runs_ahead(
+    monkeypatch: pytest.MonkeyPatch, make_sampler: SamplerFactory
+) -> None:
+    # The observation after a chunk's last step comes from the chunk's spare row: the host's
+    # current observations already belong to the next chunk.
+    async def run(inference: Any) -> list[Any]:
+        async with make_sampler(
+            agent=ClockAgent(), inference=inference, worker_class=NextObsWorker
+        ) as s:
+            await s.obtain_samples(120)
+            await s.obtain_fragments(40)
+            return s.workers[0].history  # type: ignore[no-any-return]
+
+    expected = await run("per_worker")
+    record_replays(monkeypatch, seconds=0.005)
+    got = await run(Host(chunk_steps=3))
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        assert np.array_equal(a, b)
 
 
 async def test_chunks_started_after_an_update_run_with_it(
