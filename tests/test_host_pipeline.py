@@ -9,6 +9,7 @@ import functools
 import gc
 import itertools
 import logging
+import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -22,8 +23,11 @@ from envs import KillSelfEnv, NoisyEnv, SleepyEnv
 from helpers import SamplerFactory
 
 from asyncsample import EpisodeBatch
-from asyncsample.backends import ChunkReply
-from asyncsample.backends._chunk import ChunkBuffers
+from asyncsample._engine import CallMode, StopRule
+from asyncsample.agent import RandomAgent
+from asyncsample.backends import ChunkReply, ChunkRequest, NextChunk
+from asyncsample.backends._chunk import ChunkBuffers, ChunkRunner, chunk_rows, chunk_sets
+from asyncsample.env_group import EnvFailureError, EnvGroup, StepBuffers
 from asyncsample.inference import Host
 from asyncsample.inference.host import ChunkStepper
 from asyncsample.worker import Transition, VecWorker
@@ -127,6 +131,65 @@ def assert_same_steps(a: EpisodeBatch, b: EpisodeBatch) -> None:
     assert np.array_equal(a.env_infos["t"], b.env_infos["t"])
     for k in ("worker", "env", "agent_version"):
         assert np.array_equal(a.episode_infos[k], b.episode_infos[k])
+
+
+# -- the host's side, in this process -----------------------------------------------------------
+
+
+def pipelined_runner(n_envs: int = 2, capacity: int = 5) -> ChunkRunner:
+    """A chunk runner with two sets of buffers over ``n_envs`` NoisyEnvs, reset."""
+    env = NoisyEnv()
+    obs_space, act_space = env.observation_space, env.action_space
+    group = EnvGroup(
+        0, StepBuffers.allocate(obs_space, act_space, n_envs), obs_space, act_space, 30
+    )
+    group.build([[NoisyEnv]] * n_envs, list(range(n_envs)))
+    group.reset(np.ones(n_envs, dtype=bool))
+    flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(capacity, 2) * n_envs)
+    runner = ChunkRunner(group, chunk_sets(flat, capacity, n_envs), act_space)
+    runner.install(pickle.dumps((cloudpickle.dumps(RandomAgent(act_space, seed=0)), 0)))
+    return runner
+
+
+def fragments(steps: int, n_envs: int = 2) -> ChunkRequest:
+    rule = StopRule.for_call(CallMode.FRAGMENTS, steps * n_envs, n_envs)
+    return ChunkRequest(rule, 5, np.zeros(n_envs, np.int64), np.ones(n_envs, dtype=bool))
+
+
+def test_next_chunk_goes_on_from_the_last_chunks_state() -> None:
+    runner = pipelined_runner()
+    sets = runner.chunks
+    assert len(sets) == 2 and sets[0].progress is not sets[1].progress
+    assert np.shares_memory(sets[0].progress, sets[1].progress)
+    assert runner.run(NextChunk(5, 1, 0)).steps == 0  # nothing to go on from yet
+    assert runner.run(fragments(12)).steps == 5
+    after_first = sets[0].obs[5].copy()  # the spare row: the observations after the chunk
+    reply = runner.run(NextChunk(5, 1, 0))
+    assert reply.steps == 5
+    assert np.array_equal(sets[1].obs[0], after_first)
+    assert runner.run(NextChunk(5, 0, 0)).steps == 2  # 12 steps in all
+    assert runner.run(NextChunk(5, 1, 0)).steps == 0  # the part is over
+
+
+def test_next_chunk_is_skipped_after_an_update_or_a_failure() -> None:
+    runner = pipelined_runner()
+    assert runner.run(fragments(20)).steps == 5
+    runner.chunk.epoch[0] += 1  # an update was made after the next request was sent
+    assert runner.run(NextChunk(5, 1, 0)).steps == 0
+    assert runner.run(NextChunk(5, 1, 1)).steps == 5  # the state was kept for the next one
+
+    class Broken:
+        def get_actions(self, observations: Any) -> Any:
+            raise KeyError("boom")
+
+    runner.install(pickle.dumps((cloudpickle.dumps(Broken()), 0)))
+    with pytest.raises(EnvFailureError):
+        runner.run(fragments(20))
+    runner.install(pickle.dumps((cloudpickle.dumps(RandomAgent(runner.action_space)), 0)))
+    assert runner.run(NextChunk(5, 1, 1)).steps == 0  # a failed chunk leaves no state
+
+
+# -- through the sampler --------------------------------------------------------------------------
 
 
 async def test_host_runs_the_next_chunk_while_the_last_is_replayed(
