@@ -47,15 +47,8 @@ import numpy as np
 import psutil
 
 from asyncsample import _validate
-from asyncsample.backends import _host_main
-from asyncsample.backends._chunk import (
-    ChunkBuffers,
-    ChunkReply,
-    ChunkRequest,
-    NextChunk,
-    SentChunk,
-    shared_chunk_sets,
-)
+from asyncsample.backends import _chunk, _host_main
+from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._remote import (
     HostDied,
     Incarnation,
@@ -520,12 +513,9 @@ class ProcessHost(RemoteHost[_Conn]):
         super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
         self.chunks: list[ChunkBuffers] = []
-        """``inference="host"``: the sets of chunk buffers the host fills (shared memory)."""
-
-    @property
-    def chunk(self) -> ChunkBuffers | None:
-        """``inference="host"``: the first set of chunk buffers."""
-        return self.chunks[0] if self.chunks else None
+        """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
+        self.chunk: ChunkBuffers | None = None
+        """``inference="host"``: the first set."""
 
     @property
     def pid(self) -> int | None:
@@ -611,7 +601,7 @@ class ProcessHost(RemoteHost[_Conn]):
         sent = await self.send_chunk(request)
         return await sent.wait(), sent.version
 
-    async def send_chunk(self, request: ChunkRequest | NextChunk) -> SentChunk:
+    async def send_chunk(self, request: ChunkRequest | NextChunk) -> _chunk.SentChunk:
         """Send a chunk request (after syncing the agent copy) without awaiting its reply; the
         host serves it after the requests sent before it (pipelining: see ``ChunkStepper``)."""
         version = await self.sync_agent()
@@ -620,7 +610,7 @@ class ProcessHost(RemoteHost[_Conn]):
             raise closed_error(self.worker, "run its chunk")
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
-        return SentChunk(call.future, lambda: self._reply(inc, call), version)
+        return _chunk.SentChunk(call.future, lambda: self._reply(inc, call), version)
 
     async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
@@ -728,7 +718,7 @@ class ProcessBackend:
             buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
             buffers.append(buf)
             raws.append(raw)
-            sets, raw_chunk = shared_chunk_sets(spec, ctx)  # inference="host": chunk buffers
+            sets, raw_chunk = _chunk.shared_chunk_sets(spec, ctx)  # inference="host"
             chunks.append(sets)
             raw_chunks.append(raw_chunk)
         self._members = [
@@ -761,7 +751,7 @@ class ProcessBackend:
             for w, spec in enumerate(specs)
         ]
         for host, sets in zip(self._hosts, chunks):
-            host.chunks = sets
+            host.chunks, host.chunk = sets, sets[0] if sets else None
         return list(self._hosts)
 
     async def aclose(self) -> None:
