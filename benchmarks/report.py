@@ -112,6 +112,36 @@ def _cores_cell(agg: dict[str, Any] | None) -> str:
     return f"{statistics.median(agg['own_cores']):.2f}"
 
 
+def _scaling_cpu(configs: list[Any], summary: dict[str, Any], sizes: list[int]) -> list[str]:
+    """The main process's CPU per vector step of the lockstep contenders at each env count
+    (issue 22: ``VectorEnv``'s step must cost the caller less than ``AsyncVectorEnv``'s)."""
+    names = [
+        n for n in ("sync", "async", "asyncsample-vector") if any(c.contender == n for c in configs)
+    ]
+    if not names:
+        return []
+    rows = []
+    for n in sizes:
+        row = [str(n)]
+        for name in names:
+            cfg = next((c for c in configs if c.contender == name and c.n_envs == n), None)
+            s = summary.get(cfg.key) if cfg else None
+            per_step = [
+                cores / rate * n * 1e6
+                for cores, rate in zip((s or {}).get("main_cores", []), (s or {}).get("rates", []))
+                if rate
+            ]
+            row.append(f"{statistics.median(per_step):,.0f}" if per_step else "-")
+        rows.append(row)
+    return [
+        "",
+        "Main-process CPU per vector step (microseconds: the main process's cores / vector "
+        "steps per second; lower is better). `SyncVectorEnv` steps every env in that process.",
+        "",
+        *_table(["envs", *(CONTENDERS[name][1] for name in names)], rows),
+    ]
+
+
 def _rows_main(
     results: dict[str, Any], group: str, envs: list[str]
 ) -> list[tuple[str, list[Config | None]]]:
@@ -286,6 +316,7 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
                 f" ({settings.scaling_workers} workers, P{settings.n_processes})"
             )
         lines += _table(["envs", *labels], rows)
+        lines += _scaling_cpu(groups["scaling"], summary, sizes)
 
     if derived["overhead"]:
         lines += [

@@ -156,7 +156,7 @@ class Settings:
     layouts: list[tuple[int, int]] = field(default_factory=lambda: [(2, 4), (4, 2), (8, 1)])
     big_n_envs: int = 64
     big_layouts: list[tuple[int, int]] = field(default_factory=lambda: [(2, 32), (4, 16), (8, 8)])
-    scaling: list[int] = field(default_factory=lambda: [2, 4, 8, 16, 32, 64])
+    scaling: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     scaling_workers: int = 4
     local_workers: int = 2
     transitions: dict[str, int] = field(

@@ -243,3 +243,18 @@ def run_python(code: str, *, timeout: float = 120) -> subprocess.CompletedProces
         timeout=timeout,
         env=python_env(),
     )
+
+
+def count_loop_runs(face: Any, monkeypatch: Any) -> list[int]:
+    """A one-item list counting the runs of a vector-env face's portal loop from now on (every
+    portal call, start and wait runs ``run_forever``): the loop-free lockstep steps run none."""
+    loop = face._hosted.portal.loop
+    runs = [0]
+    run_forever = loop.run_forever
+
+    def counted() -> None:
+        runs[0] += 1
+        run_forever()
+
+    monkeypatch.setattr(loop, "run_forever", counted)
+    return runs

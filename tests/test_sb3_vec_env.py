@@ -20,8 +20,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
+from helpers import count_loop_runs, new_shm_entries, shm_entries, wait_gone
 from helpers import host_processes as our_processes
-from helpers import new_shm_entries, shm_entries, wait_gone
 
 pytest.importorskip("stable_baselines3")
 
@@ -236,6 +236,38 @@ def test_same_as_dummy(kind: str, wrapper: Any, no_leaks: None) -> None:
         assert base._seeds == [None] * 4
     finally:
         base.close()
+        theirs.close()
+
+
+def test_quiet_step_async_step_wait_run_no_event_loop(
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """step_async/step_wait pay what step pays: a step with no episode end sends and reads
+    without the portal's loop, with the results DummyVecEnv returns."""
+    fns = [functools.partial(StepEnv, 50)] * 4
+    ours = AsyncSampleVecEnv(fns, n_processes=2)
+    theirs = DummyVecEnv(fns)
+    try:
+        assert_obs_equal(ours.reset(), theirs.reset())
+        runs = count_loop_runs(ours, monkeypatch)
+        for t in range(20):
+            actions = np.full(4, t % 2, np.int64)
+            ours.step_async(actions)
+            with pytest.raises(RuntimeError, match="twice"):
+                ours.step_async(actions)
+            o1, r1, d1, i1 = ours.step_wait()
+            o2, r2, d2, i2 = theirs.step(actions)
+            assert_obs_equal(o1, o2)
+            assert np.array_equal(r1, r2) and np.array_equal(d1, d2), t
+            for x, y in zip(i1, i2):
+                assert_info_equal(x, y)
+        assert runs[0] == 0, "a quiet step_async/step_wait ran the event loop"
+        with pytest.raises(RuntimeError, match="without step_async"):
+            ours.step_wait()
+        ours.step_async(np.zeros(4, np.int64))
+        assert_obs_equal(ours.reset(), theirs.reset())  # finishes the pending step first
+    finally:
+        ours.close()
         theirs.close()
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -25,8 +27,8 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoA
 from gymnasium.spaces import Box, Dict, Discrete, Tuple
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from helpers import count_loop_runs, new_shm_entries, shm_entries, wait_gone
 from helpers import host_processes as our_processes
-from helpers import new_shm_entries, shm_entries, wait_gone
 
 from asyncsample import StepTimeoutError, WorkerCrashedError
 from asyncsample.vector import SubEnvError, VectorEnv
@@ -497,6 +499,74 @@ def test_async_vector_env_arguments(no_leaks: None) -> None:
         VectorEnv("CartPole-v1", 2, shared_memory="yes")  # type: ignore[arg-type]
 
 
+class TimedEnv(CountEnv):
+    """Steps and resets take 0.05 s; their start and end times (``time.monotonic``, the same
+    clock in every process) are in the info."""
+
+    def __init__(self) -> None:
+        super().__init__(max_count=10)
+
+    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        time.sleep(0.05)
+        *rest, info = fn(*args, **kwargs)
+        return (*rest, {**info, "start": start, "end": time.monotonic()})
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        return self._timed(super().reset, seed=seed, options=options)
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        return self._timed(super().step, action)
+
+
+def most_at_once(infos: list[dict[str, Any]]) -> int:
+    """The most sub-envs whose (start, end) intervals overlap, over the calls' vector infos."""
+    events = sorted(
+        (t, +1 if which == "start" else -1)
+        for info in infos
+        for which in ("start", "end")
+        for t in info[which][info["_" + which]]
+    )
+    now = top = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        now += delta
+        top = max(top, now)
+    return top
+
+
+@pytest.mark.parametrize(("limit", "n_processes"), [(1, None), (2, None), (2, 2), (3, 3)])
+def test_max_concurrency_caps_the_sub_envs_stepping_at_once(
+    limit: int, n_processes: int | None, no_leaks: None
+) -> None:
+    """gymnasium 1.4's ``AsyncVectorEnv(max_concurrency=...)``: at most that many sub-envs in
+    ``reset`` or ``step`` at once; the results are unchanged."""
+    env = VectorEnv([TimedEnv] * 6, n_processes=n_processes, max_concurrency=np.int64(limit))
+    try:
+        assert env.max_concurrency == limit and env.n_processes <= limit
+        obs, info = env.reset(seed=0)
+        infos = [info]
+        for _ in range(3):
+            obs, _, _, _, info = env.step(np.ones(6, np.int64))
+            infos.append(info)
+        env.step_async(np.ones(6, np.int64))
+        infos.append(env.step_wait()[4])
+        assert obs.tolist() == [3, 4, 5, 6, 7, 8]
+        assert 1 <= most_at_once(infos) <= limit
+    finally:
+        env.close()
+
+
+def test_max_concurrency_is_checked_as_gymnasium_checks_it() -> None:
+    for bad in ("2", 1.5, None.__class__):
+        with pytest.raises(ValueError, match="`max_concurrency` must be an integer or None"):
+            VectorEnv("CartPole-v1", 2, max_concurrency=bad)  # type: ignore[arg-type]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="`max_concurrency` must be a positive or None"):
+            VectorEnv("CartPole-v1", 2, max_concurrency=bad)
+    with pytest.raises(ValueError, match=r"n_processes=3 .* more than max_concurrency=2"):
+        VectorEnv("CartPole-v1", 4, n_processes=3, max_concurrency=2)
+
+
 class TextObservations(CountEnv):
     """A Dict observation with a Text part: no fixed-size row in the shared buffers."""
 
@@ -725,42 +795,148 @@ class SlowAt(CountEnv):
         return super().step(action)
 
 
+@pytest.mark.parametrize("call", ["step", "step_async"])
 def test_quiet_lockstep_steps_run_no_event_loop(
-    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+    call: str, no_leaks: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The common step sends and reads without the portal's loop; a slow host, infos and
-    episode ends go through the loop, with the same results as ``SyncVectorEnv``."""
+    episode ends go through the loop, with the same results as ``SyncVectorEnv``. The same for
+    ``step_async`` then ``step_wait`` (with or without a timeout): they pay what ``step`` pays."""
     fns = [lambda: SlowAt(2), lambda: SlowAt(3), lambda: SlowAt(9)]
     ours = VectorEnv(fns, n_processes=3, autoreset_mode="SameStep")
     sync = SyncVectorEnv(fns, autoreset_mode="SameStep")
     try:
         assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
-        loop = ours._hosted.portal.loop
-        runs = 0
-        run_forever = loop.run_forever
-
-        def counted() -> None:
-            nonlocal runs
-            runs += 1
-            run_forever()
-
-        monkeypatch.setattr(loop, "run_forever", counted)
+        runs = count_loop_runs(ours, monkeypatch)
         actions = np.array([1, 1, 1])
         quiet_steps = 0
         for t in range(12):
             # The sync env's sub-envs mirror ours: which of ours is slow at this step.
             slow = any(e.count + 1 == e.at for e in sync.envs)
-            before = runs
-            got = ours.step(actions)
+            before = runs[0]
+            if call == "step":
+                got = ours.step(actions)
+            else:
+                ours.step_async(actions)
+                got = ours.step_wait(timeout=30 if t % 2 else None)
             assert_same(got, sync.step(actions), f"step {t}")
             if not slow and not got[4]:
                 quiet_steps += 1
-                assert runs == before, f"step {t} ran the event loop"
+                assert runs[0] == before, f"step {t} ran the event loop"
             elif slow:
-                assert runs > before, f"step {t} (slow) did not hand the round to the loop"
-        assert quiet_steps >= 3 and runs > 0
+                assert runs[0] > before, f"step {t} (slow) did not hand the round to the loop"
+        assert quiet_steps >= 3 and runs[0] > 0
     finally:
         ours.close()
+        sync.close()
+
+
+def test_step_wait_timeout_on_a_loop_free_round(no_leaks: None) -> None:
+    """A wait past its timeout leaves the round pending (in the loop, where the hosts'
+    ``step_timeout`` timers run); ``timeout=0`` returns replies that are already in, as
+    ``AsyncVectorEnv`` does; the results are ``SyncVectorEnv``'s throughout."""
+    fns = [lambda: SlowAt(2), lambda: SlowAt(9)]
+    ours = VectorEnv(fns, n_processes=1)
+    sync = SyncVectorEnv(fns)
+    try:
+        assert_same(ours.reset(seed=0), sync.reset(seed=0), "reset")
+        actions = np.array([1, 1])
+        # Step 1 is quick: wait for its reply to be in, then take it without waiting.
+        ours.step_async(actions)
+        pending = ours._pending
+        assert pending is not None and not isinstance(pending, asyncio.Task)
+        assert pending.readers is not None  # sent without the loop
+        select.select(list(pending.readers), [], [], 30)
+        assert_same(ours.step_wait(timeout=0), sync.step(actions), "step 1")
+        # Step 2 takes 0.12 s: a 0.01 s wait times out, twice, and the step stays pending.
+        ours.step_async(actions)
+        for _ in range(2):
+            with pytest.raises(multiprocessing.TimeoutError, match=r"`step_wait` has timed out"):
+                ours.step_wait(timeout=0.01)
+        with pytest.raises(AlreadyPendingCallError):
+            ours.step_async(actions)
+        assert_same(ours.step_wait(timeout=30), sync.step(actions), "step 2")
+        with pytest.raises(NoAsyncCallError):
+            ours.step_wait()
+        for t in range(3, 10):
+            ours.step_async(actions)
+            assert_same(ours.step_wait(), sync.step(actions), f"step {t}")
+    finally:
+        ours.close()
+        sync.close()
+
+
+def test_step_async_then_other_calls_or_close(
+    no_leaks: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step sent and never waited for: another call finishes it first (its results are
+    lost, the episode state is kept), ``close`` warns, and a garbage-collected env leaves
+    nothing behind; asyncio logs no outcome that nobody retrieved."""
+    ours = VectorEnv(count_env, 3, n_processes=2)
+    try:
+        ours.reset()
+        ours.step_async(np.array([1, 1, 1]))
+        assert ours.call("count") == (1, 1, 1)
+        ours.step_async(np.array([1, 1, 1]))
+        obs, _ = ours.reset(seed=[4, 5, 6])  # the step happened, then the reset
+        assert obs.tolist() == [4, 5, 6]
+        ours.step_async(np.array([1, 1, 1]))
+        with pytest.warns(UserWarning, match="pending call to `step`"):
+            ours.close()
+        with pytest.raises(ClosedEnvironmentError):
+            ours.step_wait()
+    finally:
+        ours.close()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        dropped = VectorEnv(count_env, 3, n_processes=2)
+        dropped.reset()
+        dropped.step_async(np.array([1, 1, 1]))
+        del dropped
+        gc.collect()
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+def test_killed_host_during_step_async_is_restarted(no_leaks: None) -> None:
+    """A host that dies while the caller works between step_async and step_wait: the loop
+    finishes the round (restart within budget), as for step."""
+    fns = [faulty(), faulty("kill", 2)]
+    env = VectorEnv(fns, 2, n_processes=2, max_restarts=1)
+    try:
+        env.reset(seed=0)
+        old = env.pids
+        env.step_async(np.zeros(2, np.int64))
+        env.step_wait()
+        env.step_async(np.zeros(2, np.int64))
+        time.sleep(0.2)  # the caller's own work: the host dies meanwhile
+        _, rew, _, trunc, info = env.step_wait()
+        assert trunc.tolist() == [False, True] and rew.tolist() == [1.0, 0.0]
+        assert "SIGKILL" in info["restarted"][1]
+        assert env.pids[0] == old[0] and env.pids[1] != old[1]
+        env.step_async(np.zeros(2, np.int64))
+        assert env.step_wait()[1].tolist() == [1.0, 0.0]  # its autoreset step
+        env.call("arm", "raise", 1)
+        env.step_async(np.zeros(2, np.int64))
+        with pytest.raises(SubEnvError, match="sub-env 0"):
+            env.step_wait()
+        with pytest.raises(NoAsyncCallError):  # the failed step is over
+            env.step_wait()
+    finally:
+        env.close()
+
+
+async def test_step_async_inside_a_running_event_loop(no_leaks: None) -> None:
+    """From a coroutine the round goes through the portal (its loop in a helper thread)."""
+    env = VectorEnv("CartPole-v1", 4, n_processes=2)
+    sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
+    try:
+        assert_same(env.reset(seed=3), sync.reset(seed=3), "reset")
+        for t in range(20):
+            actions = np.full(4, t % 2, np.int64)
+            env.step_async(actions)
+            await asyncio.sleep(0)
+            assert_same(env.step_wait(timeout=30), sync.step(actions), f"step {t}")
+    finally:
+        env.close()
         sync.close()
 
 
@@ -1016,3 +1192,30 @@ def test_exit_without_close_leaves_nothing(tmp_path: Any) -> None:
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2
     assert not wait_gone(pids)
+
+
+def test_quiet_lockstep_step_sends_bare_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a step_timeout the common step costs no call object (no future, no timer) on
+    the process backend: its requests go out bare and the batches are gymnasium's."""
+    from asyncsample.backends import _remote
+
+    made: list[str] = []
+    original = _remote.Incarnation.new_call
+
+    def counting(self: Any, label: str, *args: Any, **kwargs: Any) -> Any:
+        made.append(label)
+        return original(self, label, *args, **kwargs)
+
+    fns = [lambda: gym.make("CartPole-v1") for _ in range(4)]
+    ours = VectorEnv(fns, n_processes=2, autoreset_mode=AutoresetMode.SAME_STEP)
+    ref = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    try:
+        assert data_equivalence(ours.reset(seed=3), ref.reset(seed=3))
+        monkeypatch.setattr(_remote.Incarnation, "new_call", counting)
+        for t in range(60):  # episodes end on the way: final observations in the infos
+            actions = np.array([t % 2, 1, 0, (t // 3) % 2])
+            assert data_equivalence(ours.step(actions), ref.step(actions))
+        assert "step" not in made
+    finally:
+        ours.close()
+        ref.close()

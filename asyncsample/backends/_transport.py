@@ -245,6 +245,11 @@ class ReplyProtocol(asyncio.Protocol):
         if pos:
             del buf[:pos]
 
+    @property
+    def buffered(self) -> bool:
+        """Whether part of a frame is waiting for the rest."""
+        return bool(self._buf)
+
     def eof_received(self) -> bool:
         self._ended()
         return False  # let the transport close

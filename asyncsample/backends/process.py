@@ -35,7 +35,6 @@ import multiprocessing.util  # before our atexit hook: hooks run last-in first-o
 import os
 import pickle
 import select
-import signal
 import socket
 import sys
 import threading
@@ -49,6 +48,12 @@ import psutil
 from asyncsample import _validate
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
+from asyncsample.backends._procs import (
+    describe_exit,
+    forkserver_context,
+    kill_tree,
+    support_process_pids,
+)
 from asyncsample.backends._remote import (
     HostDied,
     Incarnation,
@@ -57,6 +62,7 @@ from asyncsample.backends._remote import (
     RemoteHost,
     closed_error,
 )
+from asyncsample.backends._sent_steps import DirectStep, QueuedStep
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -82,11 +88,6 @@ from asyncsample.errors import WorkerCrashedError
 
 __all__ = ["ProcessBackend", "ProcessHost", "support_process_pids"]
 
-#: Imported once by the forkserver, so that every host process starts with them loaded.
-#: Not ``__main__``: env factories and updates travel by cloudpickle (by value when defined in the
-#: main script) and gymnasium ids as their registered EnvSpec, so hosts never import the user's
-#: script, which therefore needs no ``if __name__ == "__main__":`` guard.
-_PRELOAD = ["numpy", "gymnasium", "asyncsample.backends._host_main"]
 #: Seconds a host gets to close its envs and exit when asked to, before it is killed.
 EXIT_GRACE = 2.0
 #: Seconds a new host may take to import what it needs and report ready.
@@ -98,62 +99,6 @@ _EOF_GRACE = 1.0
 _MAX_ID = 0xFFFFFFFF
 #: Bytes asked of the socket per read (replies are small; infos and chunk replies may not be).
 _READ_SIZE = 1 << 18
-
-
-def _context() -> Any:
-    """The forkserver context, with numpy, gymnasium and the host module preloaded."""
-    ctx = multiprocessing.get_context("forkserver")
-    from multiprocessing import forkserver
-
-    current = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])
-    wanted = current + [m for m in _PRELOAD if m not in current]
-    if wanted != current:
-        ctx.set_forkserver_preload(wanted)
-    return ctx
-
-
-def support_process_pids() -> set[int]:
-    """Pids of Python's own multiprocessing helpers (the forkserver and the resource tracker).
-
-    They are started once per interpreter, shared by every user of ``multiprocessing`` in it, and
-    end with the interpreter; they host no envs. Tests that check that no child process is left
-    behind should leave them out.
-    """
-    from multiprocessing import forkserver, resource_tracker
-
-    pids = {
-        getattr(forkserver._forkserver, "_forkserver_pid", None),
-        getattr(resource_tracker._resource_tracker, "_pid", None),
-    }
-    return {pid for pid in pids if pid is not None}
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "died"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "unknown signal"
-        return f"was killed by signal {-code} ({name})"
-    return f"exited with code {code}"
-
-
-def _kill_tree(proc: psutil.Process | None, pid: int) -> None:
-    """SIGKILL a host process, its descendants, and whatever is left in its process group."""
-    children: list[psutil.Process] = []
-    if proc is not None:
-        with contextlib.suppress(psutil.Error):
-            children = proc.children(recursive=True)
-        with contextlib.suppress(psutil.Error):
-            proc.kill()  # psutil refuses if the pid was reused by another process
-    for child in children:
-        with contextlib.suppress(psutil.Error):
-            child.kill()
-    # The host made itself leader of its own group: this also reaches orphans of a dead host.
-    with contextlib.suppress(OSError):
-        os.killpg(pid, signal.SIGKILL)
 
 
 _BOOL = np.dtype(np.bool_)
@@ -187,6 +132,9 @@ class _Conn(Incarnation):
         # Calls by request id, until answered (a cancelled caller's call stays: its reply is
         # dropped when it comes).
         self.pending: dict[int, PendingCall] = {}
+        # Steps sent by the vector env's loop-free path (:meth:`send_direct`), by request id,
+        # until their reply is read or the loop takes them over (see :class:`DirectStep`).
+        self.direct: dict[int, DirectStep] = {}
         self.next_id = HELLO_ID + 1
         self.ready: asyncio.Future[str | None] = loop.create_future()
         self.exited: asyncio.Future[int | None] = loop.create_future()
@@ -208,8 +156,7 @@ class _Conn(Incarnation):
     ) -> PendingCall:
         """Send one request; its future resolves to ``(status, payload)`` (``progress``: see
         :meth:`Incarnation.new_call`)."""
-        rid = self.next_id
-        self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
+        rid = self._next_rid()
         call = self.new_call(op.label, worker, timeout, progress)
         if self.dead:
             return call
@@ -221,7 +168,37 @@ class _Conn(Incarnation):
             self.die(f"could not be sent a request ({exc!r})")  # fails the call too
         return call
 
+    def _next_rid(self) -> int:
+        rid = self.next_id
+        self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
+        return rid
+
+    def send_direct(self, step: DirectStep, body: bytes) -> bool:
+        """Send a step request for the vector env's loop-free path: no call, no future, no
+        timer (the caller waits in ``poll``, then hands anything unusual to the loop, see
+        :meth:`DirectStep.wait`). ``False``: nothing was sent, use :meth:`send`."""
+        if self.dead or self.calls or self.fd < 0 or self.transport.get_write_buffer_size():
+            return False
+        rid = self._next_rid()
+        data = HEADER.pack(len(body), rid, Op.STEP) + body
+        try:
+            n = os.write(self.fd, data)  # non-blocking: the transport made it so
+        except (BlockingIOError, InterruptedError):
+            n = 0
+        except OSError:
+            return False  # the connection broke: the normal path finds out why
+        step.rid = rid
+        self.direct[rid] = step
+        if n < len(data):
+            self.transport.write(data[n:])  # the rest goes out with the loop
+        return True
+
     def _on_frame(self, rid: int, status: int, payload: bytes) -> None:
+        if self.direct:
+            step = self.direct.pop(rid, None)
+            if step is not None:
+                step.reply = (status, payload)
+                return
         if rid == HELLO_ID:
             if not self.ready.done():
                 self.ready.set_result(None)
@@ -263,6 +240,13 @@ class _Conn(Incarnation):
             return False
         if not data:
             return False
+        if len(data) == HEADER.size and self.direct and not self.protocol.buffered:
+            # The common reply, to a bare step: one frame, header only (a quiet step).
+            length, rid, status = HEADER.unpack(data)
+            step = self.direct.pop(rid, None) if length == 0 else None
+            if step is not None:
+                step.reply = (status, b"")
+                return True
         self.protocol.feed(data)
         return True
 
@@ -291,7 +275,7 @@ class _Conn(Incarnation):
             code = None
         if not self.exited.done():
             self.exited.set_result(code)
-        self.die("was shut down" if self.closing else _describe_exit(code))
+        self.die("was shut down" if self.closing else describe_exit(code))
         with contextlib.suppress(Exception):
             self.process.close()
 
@@ -302,7 +286,7 @@ class _Conn(Incarnation):
                 self.loop.remove_reader(self.sentinel)
 
     def _kill(self) -> None:
-        _kill_tree(None if self.exited.done() else self.ps, self.pid)
+        kill_tree(None if self.exited.done() else self.ps, self.pid)
 
     def _on_death(self) -> None:
         self.pending.clear()
@@ -398,7 +382,7 @@ async def _start_process(process: Any) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({fut})
         if not fut.cancelled() and fut.exception() is None:
-            _kill_tree(None, process.pid)
+            kill_tree(None, process.pid)
             with contextlib.suppress(Exception):
                 process.kill()
                 process.join(_KILL_WAIT)
@@ -448,7 +432,7 @@ class _Member(PoolMember[_Conn]):
                 _ReplyProtocol, sock=parent_sock
             )
         except BaseException:
-            _kill_tree(None, process.pid)
+            kill_tree(None, process.pid)
             with contextlib.suppress(Exception):
                 process.kill()
                 process.join(_KILL_WAIT)
@@ -512,6 +496,9 @@ class ProcessHost(RemoteHost[_Conn]):
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
+        # The lockstep's read-only mask of every env, and its request body (see step_nowait).
+        self._whole_mask: np.ndarray | None = None
+        self._whole_body = b""
         self.chunks: list[ChunkBuffers] = []
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
         self.chunk: ChunkBuffers | None = None
@@ -570,12 +557,26 @@ class ProcessHost(RemoteHost[_Conn]):
         return self._step_infos(payload)
 
     def step_nowait(self, mask: np.ndarray) -> SentStep | None:
-        """Send a step request now, without the event loop (see :meth:`EnvHost.step_nowait`)."""
+        """Send a step request now, without the event loop (see :meth:`EnvHost.step_nowait`).
+
+        Without a ``step_timeout`` (whose clock is the loop's) the request is sent bare
+        (:meth:`_Conn.send_direct`): the common lockstep step then costs no call, future or
+        callback, only the bytes each way."""
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
-        call = inc.send(Op.STEP, self._slot + self._step_body(mask), self._timeout, self.worker)
-        return _SentStep(self, inc, call)
+        if mask is self._whole_mask:  # the lockstep's own read-only mask of every env
+            body = self._whole_body
+        else:
+            body = self._slot + self._step_body(mask)
+            if not (mask.flags.writeable or isinstance(self.buffers.actions, list)) and mask.all():
+                self._whole_mask, self._whole_body = mask, body
+        if self._timeout is None:
+            step = DirectStep(self, inc)
+            if inc.send_direct(step, body):
+                return step
+        call = inc.send(Op.STEP, body, self._timeout, self.worker)
+        return QueuedStep(self, inc, call)
 
     def _step_body(self, mask: np.ndarray) -> bytes:
         body = _mask_bytes(mask)
@@ -631,32 +632,6 @@ class ProcessHost(RemoteHost[_Conn]):
         return payload  # type: ignore[no-any-return]
 
 
-class _SentStep:
-    """A step request sent by :meth:`ProcessHost.step_nowait` (see :class:`SentStep`)."""
-
-    __slots__ = ("call", "host", "inc")
-
-    def __init__(self, host: ProcessHost, inc: _Conn, call: PendingCall) -> None:
-        self.host = host
-        self.inc = inc
-        self.call = call
-
-    def done(self) -> bool:
-        return self.call.future.done()
-
-    def result_now(self) -> StepInfos | None:
-        fut = self.call.future
-        if not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return None
-        status, payload = fut.result()
-        if status != ST_OK:
-            return None
-        return self.host._step_infos(payload)
-
-    async def wait(self) -> StepInfos:
-        return self.host._step_infos(await self.host._reply(self.inc, self.call))
-
-
 class ProcessBackend:
     """Hosts the envs of all workers in a pool of env-host processes.
 
@@ -709,7 +684,7 @@ class ProcessBackend:
         if not specs:
             return []
         where = placement(len(specs), self.n_processes)
-        ctx = _context()
+        ctx = forkserver_context()
         buffers: list[StepBuffers] = []
         raws: list[list[Any]] = []
         chunks: list[list[ChunkBuffers]] = []

@@ -6,11 +6,13 @@ from __future__ import annotations
 import multiprocessing
 from typing import Any
 
+import numpy as np
 from gymnasium.error import AlreadyPendingCallError, CustomSpaceError, NoAsyncCallError
 from gymnasium.spaces import Space
 from gymnasium.vector.utils import batch_differing_spaces, create_shared_memory
 
 from asyncsample import _validate
+from asyncsample.backends import pool_size
 from asyncsample.env_update import make_env
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "NoAsyncCall",
     "check_async_vector_env_options",
     "check_shared_memory",
+    "concurrency_limit",
     "observation_spaces",
     "timed_out",
 ]
@@ -68,6 +71,31 @@ def check_async_vector_env_options(
             "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single and "
             f"batch observation space, actual got {observation_mode}"
         )
+
+
+def concurrency_limit(max_concurrency: Any, n_processes: int | None, num_envs: int) -> int | None:
+    """gymnasium 1.4's ``max_concurrency``, checked as ``AsyncVectorEnv`` checks it: the
+    ``n_processes`` that keeps at most that many sub-envs in ``reset`` or ``step`` at once (an
+    env-host process steps its sub-envs one after another)."""
+    if max_concurrency is None:
+        return n_processes
+    # AsyncVectorEnv's checks and words (gymnasium 1.4).
+    if not isinstance(max_concurrency, (int, np.integer)):
+        raise ValueError(
+            f"`max_concurrency` must be an integer or None, got {type(max_concurrency)}."
+        )
+    if max_concurrency < 1:
+        raise ValueError(f"`max_concurrency` must be a positive or None, got {max_concurrency}.")
+    limit = int(max_concurrency)
+    if n_processes is None:
+        return min(pool_size(None, num_envs), limit)
+    if n_processes > limit:
+        raise ValueError(
+            f"n_processes={n_processes} would step up to {n_processes} sub-envs at once (one per "
+            f"env-host process), more than max_concurrency={limit}: give one of them, or "
+            "n_processes <= max_concurrency"
+        )
+    return n_processes
 
 
 class _NoMemory:

@@ -18,8 +18,8 @@ batched with gymnasium's own ``concatenate`` and ``iterate``.
 Calls are synchronous, as gymnasium's API is: each runs the face's
 :class:`~asyncsample.vector.portal.BlockingPortal` until the hosts answered (see there for where
 its loop runs and why), except the common lockstep ``step``, which needs no event loop (see
-:meth:`~asyncsample.vector.hosted.HostedEnvs.lockstep`). ``step_async`` sends the requests and
-returns; ``step_wait`` collects.
+:meth:`~asyncsample.vector.hosted.HostedEnvs.lockstep`). ``step_async`` and ``step_wait`` are its
+two halves: the first sends the requests and returns, the second collects, as cheaply.
 
 EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
 :meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
@@ -63,12 +63,14 @@ from asyncsample.vector._gym_args import (
     NoAsyncCall,
     check_async_vector_env_options,
     check_shared_memory,
+    concurrency_limit,
     observation_spaces,
     timed_out,
 )
 from asyncsample.vector.hosted import (
     HostedEnvs,
     HostedFace,
+    PendingRound,
     StepResult,
     env_sources,
     finalize,
@@ -149,6 +151,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             in bounds, not in shape or dtype; batched with ``batch_differing_spaces``) or a
             ``(batched, single)`` pair of spaces, as for ``AsyncVectorEnv``.
         env_fns: another name for ``env``, as ``AsyncVectorEnv`` calls it.
+        max_concurrency: gymnasium 1.4's ``AsyncVectorEnv`` argument: at most this many sub-envs
+            in ``reset`` or ``step`` at once (a positive int or ``None``, checked as gymnasium
+            checks it). An env-host process steps its sub-envs one after another, so this caps
+            the env-host processes at ``max_concurrency`` (an ``n_processes`` above it is a
+            ``ValueError``); ``call``, ``render`` and the attribute calls are capped alike.
 
     All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
     first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
@@ -176,6 +183,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         worker: Any = None,
         observation_mode: Any = "same",
         env_fns: Any = None,
+        max_concurrency: int | None = None,
     ) -> None:
         if env_fns is not None:  # AsyncVectorEnv(env_fns=...), as gymnasium.make_vec calls it
             if env is not None:
@@ -193,6 +201,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             shared_memory, copy, context, daemon, worker, observation_mode
         )
         _validate.optional_positive_int("n_processes", n_processes)
+        n_processes = concurrency_limit(max_concurrency, n_processes, num)
         _validate.nonnegative_int("max_restarts", max_restarts)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
@@ -215,6 +224,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self.autoreset_mode = mode
         self.num_envs = num
         self.observation_mode = observation_mode
+        self.max_concurrency = max_concurrency
         self._hosted = HostedEnvs(
             sources,
             n_processes=n_processes,
@@ -246,8 +256,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self._fresh = np.zeros(num, dtype=np.bool_)
         self._maybe_fresh = False  # False: no sub-env in _fresh (the common step skips a test)
         self._fresh_infos: dict[int, dict[str, Any]] = {}
-        # The call sent by step_async, reset_async or call_async, and what it was.
-        self._pending: asyncio.Task[Any] | None = None
+        # The call sent by step_async (a lockstep round), reset_async or call_async (a task on
+        # the portal's loop), and what it was.
+        self._pending: asyncio.Task[Any] | PendingRound | None = None
         self._pending_kind = ""
         self._pending_args: Any = None
         # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
@@ -392,13 +403,21 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 f"Calling `{kind}_wait` without any prior call to `{kind}_async`.", kind
             )
         try:
-            result = hosted.portal.wait(task, timeout)
+            result = self._outcome(task, timeout)
         except TimeoutError:
             raise timed_out(f"{kind}_wait", timeout) from None
         finally:
             if task.done():
                 self._pending = None
         return result
+
+    def _outcome(self, task: asyncio.Task[Any] | PendingRound, timeout: float | None) -> Any:
+        """Wait for a pending call (a lockstep round or a task) until it ends or ``timeout``
+        passes (``TimeoutError``); its result or its exception."""
+        hosted = self._hosted
+        if isinstance(task, PendingRound):
+            return hosted.lockstep_wait(task, timeout)
+        return hosted.portal.wait(task, timeout)
 
     def _check_spaces(self) -> None:
         """Every sub-env's spaces are the first one's (``AsyncVectorEnv``'s check and words)."""
@@ -438,12 +457,17 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         return self._finish(hosted.portal.call(hosted.step, mask), mask)
 
     def step_async(self, actions: Any) -> None:
-        """Send the actions; the hosts step while the caller does something else."""
+        """Send the actions; the hosts step while the caller does something else.
+
+        The requests go out as :meth:`step` sends them (without the event loop, see
+        :meth:`HostedEnvs.lockstep_send <asyncsample.vector.hosted.HostedEnvs.lockstep_send>`),
+        so ``step_async`` then ``step_wait`` costs the main process what ``step`` costs.
+        """
         hosted = self._hosted
         hosted.check_open()
         self._check_not_pending("step_async")
         mask = self._send(actions)
-        self._pending = hosted.portal.start(hosted.step, mask)
+        self._pending = hosted.lockstep_send(mask)
         self._pending_kind, self._pending_args = "step", mask
 
     def step_wait(self, timeout: float | None = None) -> _Step:
@@ -563,10 +587,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         hosted = self._hosted
         if task is not None:
             with contextlib.suppress(Exception):
-                hosted.portal.wait(task)
-            if self._pending_kind == "step":
-                with contextlib.suppress(Exception):
-                    self._finish(task.result(), self._pending_args)  # keep the state in step
+                result = self._outcome(task, None)
+                if self._pending_kind == "step":
+                    self._finish(result, self._pending_args)  # keep the state in step
         waiting = list(self._inflight.values())
         if waiting:
             with contextlib.suppress(Exception):

@@ -17,7 +17,8 @@ translation of a host's :class:`~asyncsample.WorkerError` into one that names th
 (:class:`SubEnvError`). Everything is a coroutine on the face's
 :class:`~asyncsample.vector.portal.BlockingPortal`, except the common lockstep round
 (:meth:`HostedEnvs.lockstep`), which sends its requests and reads the replies from the caller's
-thread while the loop is idle (the backends' ``step_nowait`` and ``direct_reader``).
+thread while the loop is idle (the backends' ``step_nowait`` and ``direct_reader``): that round,
+and its halves for ``step_async``, are in :mod:`asyncsample.vector._lockstep`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import asyncio
 import contextlib
 import select
 from collections.abc import Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import gymnasium as gym
@@ -35,10 +35,11 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend, pool_size
-from asyncsample.backends.base import DirectReader, EnvHost, HostSpec, SentStep
+from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.env_group import StepInfos
 from asyncsample.env_update import make_env
 from asyncsample.errors import WorkerError
+from asyncsample.vector._lockstep import LockstepRounds, PendingRound, StepResult
 from asyncsample.vector._sources import check_bufferable, env_sources
 from asyncsample.vector.errors import (
     ClosedError,
@@ -55,6 +56,7 @@ __all__ = [
     "ClosedError",
     "HostedEnvs",
     "HostedFace",
+    "PendingRound",
     "StepResult",
     "SubEnvAttributeError",
     "SubEnvError",
@@ -64,46 +66,8 @@ __all__ = [
 
 _T = TypeVar("_T")
 
-#: How long :meth:`HostedEnvs.lockstep` waits for replies outside the event loop before it hands
-#: the round to the loop (where a step timeout, a dying host's sentinel... are seen).
-_DIRECT_WAIT = 0.05
 
-
-@dataclass
-class StepResult:
-    """What one lockstep round returned, per sub-env (the faces format it).
-
-    Attributes:
-        obs: every sub-env's current observation (``None`` for a round of some hosts only).
-        rewards, terminated, truncated: one entry per sub-env (zero for sub-envs not stepped).
-        env_infos: the step info of each sub-env, or ``None`` when every one was empty.
-        reset_infos: the non-empty infos of the resets the round did, by sub-env: the hosts'
-            autoresets, and the resets of the sub-envs of a restarted host.
-        restarted: sub-envs whose host was restarted during the round, with the reason.
-        final_obs: the envs' own last observations of the episodes that ended, by sub-env,
-            where the hosts sent them (``object_rows``); else they are in the buffers.
-    """
-
-    obs: Tree | None
-    rewards: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
-    env_infos: list[dict[str, Any]] | None
-    reset_infos: dict[int, dict[str, Any]]
-    restarted: dict[int, str]
-    final_obs: dict[int, Any] = field(default_factory=dict)
-
-    def info(self, i: int) -> dict[str, Any]:
-        """The step info of sub-env ``i``."""
-        return {} if self.env_infos is None else self.env_infos[i]
-
-    @property
-    def quiet(self) -> bool:
-        """No info, no reset and no restart anywhere (the common step)."""
-        return self.env_infos is None and not self.reset_infos and not self.restarted
-
-
-class HostedEnvs:
+class HostedEnvs(LockstepRounds):
     """``num_envs`` sub-envs on the hosts of a backend, driven in lockstep (see the module doc).
 
     Args:
@@ -170,10 +134,14 @@ class HostedEnvs:
         self.host_of = np.repeat(np.arange(n_hosts), [b - a for a, b in self.slices])
         # Every sub-env of a host (read-only): the step mask of the common lockstep step.
         self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
+        for whole in self._whole:
+            whole.flags.writeable = False  # a host may keep its request body (step_nowait)
         self.portal = BlockingPortal()
         # lockstep(): the poller of the hosts' connections, and their file descriptors.
         self._poller = select.poll()
         self._polled: tuple[int, ...] = ()
+        # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
+        self._round: PendingRound | None = None
         options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
         if backend == "process":
             options["step_timeout"] = step_timeout
@@ -237,6 +205,7 @@ class HostedEnvs:
         finally:
             with contextlib.suppress(Exception):
                 self.backend.close_now()  # whatever the graceful path could not do
+            self._drop_round()
             self.portal.close()
 
     def close_now(self) -> None:
@@ -247,6 +216,7 @@ class HostedEnvs:
         try:
             self.backend.close_now()
         finally:
+            self._drop_round()
             self.portal.close_now()
 
     def check_open(self, face: str = "VectorEnv") -> None:
@@ -530,97 +500,6 @@ class HostedEnvs:
             {},
             {},
         )
-
-    def lockstep(self) -> StepResult:
-        """:meth:`step` of every sub-env, from the caller's thread, without the event loop
-        where it can be done without it.
-
-        The common lockstep step costs the main process what its event-loop machinery costs,
-        more than the rest of the round trip together: so when the caller's thread runs no
-        loop, the requests go out at once (:meth:`EnvHost.step_nowait`), the replies are read
-        from the hosts' connections (:meth:`EnvHost.direct_reader`) while the caller waits in
-        ``poll``, and a quiet round is built from the buffers. Anything else (an info, a
-        reset, a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's
-        business, a host with no such connection) is finished through the portal, exactly as
-        :meth:`step` finishes it.
-        """
-        portal = self.portal
-        if self.broken or not portal.in_caller_thread():
-            return portal.call(self.step)
-        hosts = self.hosts
-        sent: list[SentStep] = []
-        readers: dict[int, DirectReader] | None = {}
-        for h, host in enumerate(hosts):
-            request = host.step_nowait(self._whole[h])
-            if request is None:
-                break
-            sent.append(request)
-            reader = host.direct_reader()
-            if reader is None or readers is None:
-                readers = None
-            else:
-                readers[reader.fd] = reader
-        if len(sent) == len(hosts) and readers is not None:
-            outcomes = self._read_direct(sent, readers)
-            if outcomes is not None:
-                quiet = self._quiet_result(outcomes)
-                if quiet is not None:
-                    return quiet
-                stepped = [(h, self._whole[h]) for h in range(len(hosts))]
-                return portal.call(self._merge, stepped, outcomes, True)
-        return portal.call(self._collect, sent)
-
-    def _read_direct(
-        self, sent: list[SentStep], readers: dict[int, DirectReader]
-    ) -> list[StepInfos | BaseException] | None:
-        """Wait for the replies to ``sent`` in ``poll`` and read them from ``readers`` (by
-        file descriptor) without the loop; their outcomes, or ``None``: the loop must finish
-        the round (see :meth:`lockstep`)."""
-        outcomes: list[StepInfos | BaseException] = []
-        for request in sent:
-            while not request.done():
-                ready = self._wait_readable(tuple(readers))
-                if not ready:
-                    return None
-                for fd, _ in ready:
-                    if not readers[fd].read_now():
-                        return None
-            infos = request.result_now()
-            if infos is None:
-                return None
-            outcomes.append(infos)
-        return outcomes
-
-    def _wait_readable(self, fds: tuple[int, ...]) -> list[tuple[int, int]]:
-        """``poll`` the hosts' connections ``fds`` for at most ``_DIRECT_WAIT``; what is ready.
-
-        One poller for as long as the connections stay the same (a restart changes them)."""
-        if fds != self._polled:
-            poller = select.poll()
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            self._poller, self._polled = poller, fds
-        return self._poller.poll(_DIRECT_WAIT * 1000)
-
-    async def _collect(self, sent: list[SentStep]) -> StepResult:
-        """Finish, in the loop, a lockstep round whose first ``len(sent)`` requests went out
-        without it (see :meth:`lockstep`): the others are sent now."""
-        outcomes: list[StepInfos | BaseException] = []
-        for request in sent:
-            try:
-                outcomes.append(await request.wait())
-            except Exception as exc:
-                outcomes.append(exc)
-        for h in range(len(sent), len(self.hosts)):
-            try:
-                outcomes.append(await self.hosts[h].step(self._whole[h]))
-            except Exception as exc:
-                outcomes.append(exc)
-        stepped = [(h, self._whole[h]) for h in range(len(self.hosts))]
-        quiet = self._quiet_result(outcomes)
-        if quiet is not None:
-            return quiet
-        return await self._merge(stepped, outcomes, whole=True)
 
     async def _merge(
         self,

@@ -16,7 +16,6 @@ Stable-Baselines3 is imported only by this module, so ``import asyncsample`` doe
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import multiprocessing
 import weakref
@@ -35,6 +34,7 @@ from asyncsample.env_update import make_env
 from asyncsample.vector.hosted import (
     HostedEnvs,
     HostedFace,
+    PendingRound,
     StepResult,
     env_sources,
     finalize,
@@ -156,7 +156,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             autoreset="SameStep",
         )
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
-        self._sent: asyncio.Task[StepResult] | None = None
+        self._sent: PendingRound | None = None
         self.closed = False
         try:
             super().__init__(
@@ -212,12 +212,17 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         return self._finish(hosted.lockstep())
 
     def step_async(self, actions: np.ndarray) -> None:
-        """Send the actions to the env hosts (the step is awaited by :meth:`step_wait`)."""
+        """Send the actions to the env hosts (the step is awaited by :meth:`step_wait`).
+
+        The requests go out as :meth:`step` sends them, without the event loop (see
+        :meth:`HostedEnvs.lockstep_send <asyncsample.vector.hosted.HostedEnvs.lockstep_send>`),
+        so ``step_async`` then ``step_wait`` costs the main process what ``step`` costs.
+        """
         if self._sent is not None:
             raise RuntimeError("step_async was called twice without step_wait in between")
         hosted = self._hosted
         self._send(actions)
-        self._sent = hosted.portal.start(hosted.step)
+        self._sent = hosted.lockstep_send()
 
     def _send(self, actions: Any) -> None:
         self._check_open()
@@ -234,7 +239,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         task, self._sent = self._sent, None
         if task is None:
             raise RuntimeError("step_wait was called without step_async")
-        return self._finish(self._hosted.portal.wait(task))
+        return self._finish(self._hosted.lockstep_wait(task))
 
     def _check_open(self) -> None:
         self._hosted.check_open("AsyncSampleVecEnv")
@@ -244,7 +249,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         task, self._sent = self._sent, None
         if task is not None:
             with contextlib.suppress(Exception):
-                self._hosted.portal.wait(task)
+                self._hosted.lockstep_wait(task)
 
     def _finish(self, res: StepResult) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         hosted = self._hosted

@@ -1,0 +1,77 @@
+"""Env-host processes as processes: the forkserver they start from, Python's own helper
+processes beside them, how an exit is told, and how a host's process tree is killed."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+from typing import Any
+
+import psutil
+
+__all__ = ["forkserver_context", "describe_exit", "kill_tree", "support_process_pids"]
+
+#: Imported once by the forkserver, so that every host process starts with them loaded.
+#: Not ``__main__``: env factories and updates travel by cloudpickle (by value when defined in the
+#: main script) and gymnasium ids as their registered EnvSpec, so hosts never import the user's
+#: script, which therefore needs no ``if __name__ == "__main__":`` guard.
+_PRELOAD = ["numpy", "gymnasium", "asyncsample.backends._host_main"]
+
+
+def forkserver_context() -> Any:
+    """The forkserver context, with numpy, gymnasium and the host module preloaded."""
+    ctx = multiprocessing.get_context("forkserver")
+    from multiprocessing import forkserver
+
+    current = list(getattr(forkserver._forkserver, "_preload_modules", None) or [])
+    wanted = current + [m for m in _PRELOAD if m not in current]
+    if wanted != current:
+        ctx.set_forkserver_preload(wanted)
+    return ctx
+
+
+def support_process_pids() -> set[int]:
+    """Pids of Python's own multiprocessing helpers (the forkserver and the resource tracker).
+
+    They are started once per interpreter, shared by every user of ``multiprocessing`` in it, and
+    end with the interpreter; they host no envs. Tests that check that no child process is left
+    behind should leave them out.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    }
+    return {pid for pid in pids if pid is not None}
+
+
+def describe_exit(code: int | None) -> str:
+    """How a host process ended, from its exit code (``None``: unknown), for messages."""
+    if code is None:
+        return "died"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"was killed by signal {-code} ({name})"
+    return f"exited with code {code}"
+
+
+def kill_tree(proc: psutil.Process | None, pid: int) -> None:
+    """SIGKILL a host process, its descendants, and whatever is left in its process group."""
+    children: list[psutil.Process] = []
+    if proc is not None:
+        with contextlib.suppress(psutil.Error):
+            children = proc.children(recursive=True)
+        with contextlib.suppress(psutil.Error):
+            proc.kill()  # psutil refuses if the pid was reused by another process
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    # The host made itself leader of its own group: this also reaches orphans of a dead host.
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)

@@ -1,0 +1,90 @@
+"""The step requests the process backend sends for the vector env's loop-free lockstep path
+(:meth:`~asyncsample.backends.process.ProcessHost.step_nowait`), as seen by the caller that
+waits for them in ``poll``: one queued as an ordinary call, and one sent bare."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from asyncsample.backends._remote import PendingCall
+from asyncsample.backends._transport import ST_OK, Op, load_failure
+from asyncsample.backends.base import failure_error
+from asyncsample.env_group import StepInfos
+
+if TYPE_CHECKING:
+    from asyncsample.backends.process import ProcessHost, _Conn
+
+__all__ = ["QUIET", "DirectStep", "QueuedStep"]
+
+#: The outcome of a step with no info, reset or final observation anywhere: one shared object,
+#: read by the lockstep round and never changed.
+QUIET = StepInfos(None, {})
+
+
+class QueuedStep:
+    """A step request queued as an ordinary call (see
+    :class:`~asyncsample.backends.base.SentStep`)."""
+
+    __slots__ = ("call", "host", "inc")
+
+    def __init__(self, host: ProcessHost, inc: _Conn, call: PendingCall) -> None:
+        self.host = host
+        self.inc = inc
+        self.call = call
+
+    def done(self) -> bool:
+        return self.call.future.done()
+
+    def result_now(self) -> StepInfos | None:
+        fut = self.call.future
+        if not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        status, payload = fut.result()
+        if status != ST_OK:
+            return None
+        return self.host._step_infos(payload)
+
+    async def wait(self) -> StepInfos:
+        return self.host._step_infos(await self.host._reply(self.inc, self.call))
+
+
+class DirectStep:
+    """A step request sent bare (no call, future or timer: see ``_Conn.send_direct``): its
+    reply is kept here when read; awaited before that, it becomes an ordinary call, so the
+    loop's death and failure handling applies to it as to any other."""
+
+    __slots__ = ("host", "inc", "reply", "rid")
+
+    def __init__(self, host: ProcessHost, inc: _Conn) -> None:
+        self.host = host
+        self.inc = inc
+        self.rid = 0
+        self.reply: tuple[int, bytes] | None = None
+
+    def done(self) -> bool:
+        return self.reply is not None or self.inc.dead
+
+    def result_now(self) -> StepInfos | None:
+        reply = self.reply
+        if reply is None or reply[0] != ST_OK:
+            return None
+        if not reply[1]:
+            return QUIET  # the common step: nothing to unpickle, nothing to build
+        return self.host._step_infos(reply[1])
+
+    async def wait(self) -> StepInfos:
+        host, inc = self.host, self.inc
+        if self.reply is None and inc.direct.pop(self.rid, None) is not None:
+            # Taken over by the loop: the call the request would have had (it is the only one
+            # in flight on this connection, so the host is working on it now).
+            call = inc.new_call(Op.STEP.label, host.worker, None)
+            if not inc.dead:
+                call.key = self.rid
+                inc.pending[self.rid] = call
+            return host._step_infos(await host._reply(inc, call))
+        if self.reply is None:  # read by the loop meanwhile? (never both: the pop decides)
+            raise RuntimeError("a bare step request lost its reply")
+        status, payload = self.reply
+        if status != ST_OK:
+            raise failure_error(host.worker, load_failure(payload))
+        return host._step_infos(payload)

@@ -1,0 +1,295 @@
+"""The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs`, without the event loop
+where it can be done without it, and its two halves for ``step_async`` and ``step_wait``.
+
+The common lockstep step costs the main process what its event-loop machinery costs, more than
+the rest of the round trip together: so when the caller's thread runs no loop, the requests go
+out at once (the backends' ``step_nowait``), the replies are read from the hosts' connections
+(``direct_reader``) while the caller waits in ``poll``, and a quiet round is built from the step
+buffers. Anything else is finished on the face's
+:class:`~asyncsample.vector.portal.BlockingPortal`, exactly as ``HostedEnvs.step`` finishes it.
+:class:`LockstepRounds` is a part of ``HostedEnvs`` (a mixin), kept apart for its size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import select
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncsample._tree import Tree
+from asyncsample.backends.base import DirectReader, EnvHost, SentStep
+from asyncsample.env_group import StepInfos
+from asyncsample.vector.portal import BlockingPortal
+
+__all__ = ["LockstepRounds", "PendingRound", "StepResult"]
+
+#: How long :meth:`LockstepRounds.lockstep` waits for replies outside the event loop before it hands
+#: the round to the loop (where a step timeout, a dying host's sentinel... are seen).
+_DIRECT_WAIT = 0.05
+
+
+@dataclass
+class StepResult:
+    """What one lockstep round returned, per sub-env (the faces format it).
+
+    Attributes:
+        obs: every sub-env's current observation (``None`` for a round of some hosts only).
+        rewards, terminated, truncated: one entry per sub-env (zero for sub-envs not stepped).
+        env_infos: the step info of each sub-env, or ``None`` when every one was empty.
+        reset_infos: the non-empty infos of the resets the round did, by sub-env: the hosts'
+            autoresets, and the resets of the sub-envs of a restarted host.
+        restarted: sub-envs whose host was restarted during the round, with the reason.
+        final_obs: the envs' own last observations of the episodes that ended, by sub-env,
+            where the hosts sent them (``object_rows``); else they are in the buffers.
+    """
+
+    obs: Tree | None
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    env_infos: list[dict[str, Any]] | None
+    reset_infos: dict[int, dict[str, Any]]
+    restarted: dict[int, str]
+    final_obs: dict[int, Any] = field(default_factory=dict)
+
+    def info(self, i: int) -> dict[str, Any]:
+        """The step info of sub-env ``i``."""
+        return {} if self.env_infos is None else self.env_infos[i]
+
+    @property
+    def quiet(self) -> bool:
+        """No info, no reset and no restart anywhere (the common step)."""
+        return self.env_infos is None and not self.reset_infos and not self.restarted
+
+
+@dataclass(slots=True)
+class PendingRound:
+    """A lockstep round sent by :meth:`HostedEnvs.lockstep_send`; :meth:`HostedEnvs.lockstep_wait`
+    finishes it.
+
+    Attributes:
+        sent: the step requests that went out without the event loop, host by host from host 0.
+        readers: the hosts' connections by file descriptor (``None``: some host has none).
+        task: the round as a task on the portal's loop (started at the send, or by a wait that
+            timed out), or ``None``.
+        finished: a wait returned its result or raised its error.
+    """
+
+    sent: list[SentStep]
+    readers: dict[int, DirectReader] | None
+    task: asyncio.Task[StepResult] | None = None
+    finished: bool = False
+
+    def done(self) -> bool:
+        """Whether the round is over (nothing is left to wait for)."""
+        return self.finished
+
+
+class LockstepRounds:
+    """The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs` (see the module
+    doc); ``HostedEnvs`` provides the state and the loop's own round (:meth:`step`)."""
+
+    portal: BlockingPortal
+    hosts: list[EnvHost]
+    broken: set[int]
+    # Every sub-env of a host (read-only): the step mask of the common lockstep step.
+    _whole: list[np.ndarray]
+    # The poller of the hosts' connections, and their file descriptors.
+    _poller: select.poll
+    _polled: tuple[int, ...]
+    # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
+    _round: PendingRound | None
+
+    # HostedEnvs's own: the round in the event loop, the common step's result, the merge.
+    step: Callable[..., Coroutine[Any, Any, StepResult]]
+    _quiet_result: Callable[[Sequence[StepInfos | BaseException]], StepResult | None]
+    _merge: Callable[..., Coroutine[Any, Any, StepResult]]
+
+    def lockstep(self) -> StepResult:
+        """:meth:`step` of every sub-env, from the caller's thread, without the event loop
+        where it can be done without it.
+
+        The common lockstep step costs the main process what its event-loop machinery costs,
+        more than the rest of the round trip together: so when the caller's thread runs no
+        loop, the requests go out at once (:meth:`EnvHost.step_nowait`), the replies are read
+        from the hosts' connections (:meth:`EnvHost.direct_reader`) while the caller waits in
+        ``poll``, and a quiet round is built from the buffers. Anything else (an info, a
+        reset, a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's
+        business, a host with no such connection) is finished through the portal, exactly as
+        :meth:`step` finishes it. :meth:`lockstep_send` and :meth:`lockstep_wait` are its two
+        halves, for ``step_async`` and ``step_wait``.
+        """
+        portal = self.portal
+        if self.broken or not portal.in_caller_thread():
+            return portal.call(self.step)
+        return self._finish_round(self._send_round(), None)
+
+    def lockstep_send(self, mask: np.ndarray | None = None) -> PendingRound:
+        """The send half of :meth:`lockstep` (``step_async``): the requests go out now, without
+        the event loop; :meth:`lockstep_wait` finishes the round.
+
+        A step of the sub-envs in ``mask`` only, a host that failed earlier or a caller inside
+        a running event loop: the round is :meth:`step`, started on the portal's loop.
+        """
+        portal = self.portal
+        if mask is not None or self.broken or not portal.in_caller_thread():
+            round_ = PendingRound([], None, portal.start(self.step, mask))
+        else:
+            round_ = self._send_round()
+        self._round = round_
+        return round_
+
+    def lockstep_wait(self, round_: PendingRound, timeout: float | None = None) -> StepResult:
+        """The wait half of :meth:`lockstep` (``step_wait``): the result of ``round_``, read as
+        :meth:`lockstep` reads it (without the loop when the round is quiet).
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first. The round is then the loop's (a
+                task: the hosts' ``step_timeout`` timers run while it is waited for) and is
+                still pending: wait again.
+        """
+        portal = self.portal
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            if round_.task is not None:
+                res = portal.wait(round_.task, timeout)
+            elif not portal.in_caller_thread():  # waited for from inside a running loop
+                res = self._in_loop(round_, deadline, self._collect, round_.sent)
+            else:
+                res = self._finish_round(round_, deadline)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._round_over(round_)
+            raise
+        self._round_over(round_)
+        return res
+
+    def _round_over(self, round_: PendingRound) -> None:
+        round_.finished = True
+        if self._round is round_:
+            self._round = None
+
+    def _drop_round(self) -> None:
+        """Once the hosts are stopped: take the outcomes of a round sent by
+        :meth:`lockstep_send` and never waited for (asyncio would log a host's failure that
+        nobody retrieved)."""
+        round_, self._round = self._round, None
+        if round_ is not None:
+            for request in round_.sent:
+                with contextlib.suppress(Exception):
+                    request.result_now()
+
+    def _send_round(self) -> PendingRound:
+        """Send the hosts their step requests without the loop, host 0 first, as long as they
+        take one (a dead host takes none: the loop sends the rest)."""
+        hosts = self.hosts
+        sent: list[SentStep] = []
+        readers: dict[int, DirectReader] | None = {}
+        for h, host in enumerate(hosts):
+            request = host.step_nowait(self._whole[h])
+            if request is None:
+                break
+            sent.append(request)
+            reader = host.direct_reader()
+            if reader is None or readers is None:
+                readers = None
+            else:
+                readers[reader.fd] = reader
+        return PendingRound(sent, readers)
+
+    def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
+        """Read the replies of a round sent by :meth:`_send_round` (see :meth:`lockstep`)."""
+        hosts = self.hosts
+        sent, readers = round_.sent, round_.readers
+        if len(sent) == len(hosts) and readers is not None:
+            outcomes = self._read_direct(sent, readers, deadline)
+            if outcomes is not None:
+                quiet = self._quiet_result(outcomes)
+                if quiet is not None:
+                    return quiet
+                stepped = [(h, self._whole[h]) for h in range(len(hosts))]
+                return self._in_loop(round_, deadline, self._merge, stepped, outcomes, True)
+        return self._in_loop(round_, deadline, self._collect, sent)
+
+    def _in_loop(
+        self,
+        round_: PendingRound,
+        deadline: float | None,
+        fn: Callable[..., Coroutine[Any, Any, StepResult]],
+        *args: Any,
+    ) -> StepResult:
+        """Finish ``round_`` in the portal's loop with ``fn(*args)``: run to its end, or (with a
+        ``deadline``) started as the round's task and waited for until then."""
+        if deadline is None:
+            return self.portal.call(fn, *args)
+        round_.task = self.portal.start(fn, *args)
+        return self.portal.wait(round_.task, deadline - time.monotonic())
+
+    def _read_direct(
+        self,
+        sent: list[SentStep],
+        readers: dict[int, DirectReader],
+        deadline: float | None = None,
+    ) -> list[StepInfos | BaseException] | None:
+        """Wait for the replies to ``sent`` in ``poll`` and read them from ``readers`` (by
+        file descriptor) without the loop; their outcomes, or ``None``: the loop must finish
+        the round (see :meth:`lockstep`; also when ``deadline`` passes first)."""
+        outcomes: list[StepInfos | BaseException] = []
+        fds = tuple(readers)
+        for request in sent:
+            while not request.done():
+                ready = self._wait_readable(fds, deadline)
+                if not ready:
+                    return None
+                for fd, _ in ready:
+                    if not readers[fd].read_now():
+                        return None
+            infos = request.result_now()
+            if infos is None:
+                return None
+            outcomes.append(infos)
+        return outcomes
+
+    def _wait_readable(
+        self, fds: tuple[int, ...], deadline: float | None = None
+    ) -> list[tuple[int, int]]:
+        """``poll`` the hosts' connections ``fds`` for at most ``_DIRECT_WAIT`` (and not past
+        ``deadline``); what is ready.
+
+        One poller for as long as the connections stay the same (a restart changes them)."""
+        if fds != self._polled:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            self._poller, self._polled = poller, fds
+        wait = _DIRECT_WAIT
+        if deadline is not None:
+            wait = max(0.0, min(wait, deadline - time.monotonic()))
+        return self._poller.poll(wait * 1000)
+
+    async def _collect(self, sent: list[SentStep]) -> StepResult:
+        """Finish, in the loop, a lockstep round whose first ``len(sent)`` requests went out
+        without it (see :meth:`lockstep`): the others are sent now."""
+        outcomes: list[StepInfos | BaseException] = []
+        for request in sent:
+            try:
+                outcomes.append(await request.wait())
+            except Exception as exc:
+                outcomes.append(exc)
+        for h in range(len(sent), len(self.hosts)):
+            try:
+                outcomes.append(await self.hosts[h].step(self._whole[h]))
+            except Exception as exc:
+                outcomes.append(exc)
+        stepped = [(h, self._whole[h]) for h in range(len(self.hosts))]
+        quiet = self._quiet_result(outcomes)
+        if quiet is not None:
+            return quiet
+        return await self._merge(stepped, outcomes, whole=True)
