@@ -53,7 +53,7 @@ __all__ = [
 
 #: Default longest chunk, in worker steps (an agent update waits at most this long to apply).
 DEFAULT_CHUNK_STEPS = 64
-#: Shared memory a worker's chunk buffers may take at most; long rows get shorter chunks.
+#: Shared memory one set of a worker's chunk buffers may take at most (long rows: shorter chunks).
 CHUNK_BYTES = 8 << 20
 #: Sets of chunk buffers of a pipelined slot (one replayed while the host fills the other).
 PIPELINE_SETS = 2
