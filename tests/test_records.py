@@ -293,7 +293,7 @@ def runner(agent: Any, capacity: int = 20, n_envs: int = 2) -> ChunkRunner:
     chunk = ChunkBuffers.from_flat(
         StepBuffers.allocate(obs_space, act_space, capacity * n_envs), capacity, n_envs
     )
-    run = ChunkRunner(group, chunk, act_space)
+    run = ChunkRunner(group, [chunk], act_space)
     run.install(pickle.dumps((cloudpickle.dumps(agent), 0)))
     return run
 

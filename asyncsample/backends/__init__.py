@@ -22,6 +22,8 @@ from asyncsample.backends._chunk import (
     ChunkBuffers,
     ChunkReply,
     ChunkRequest,
+    NextChunk,
+    SentChunk,
     chunk_capacity,
 )
 from asyncsample.backends.base import (
@@ -52,7 +54,9 @@ __all__ = [
     "DirectReader",
     "EnvHost",
     "HostSpec",
+    "NextChunk",
     "Placement",
+    "SentChunk",
     "SentStep",
     "backend_options",
     "check_options",

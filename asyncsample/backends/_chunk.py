@@ -11,13 +11,19 @@ then turns the chunk into the same recorder rows per-step stepping makes (see
 The host stops a chunk exactly where per-step stepping would stop the call, so no quota is
 overshot: the request carries a copy of the worker's :class:`~asyncsample._engine.StopRule` and
 the host applies it before every step and at every episode end, as the worker does.
+
+Pipelining (the ``process`` backend): a slot has two sets of chunk buffers. After a chunk the
+host keeps its copy of the rule, ``active`` and ``counts``, which are then exactly the worker's
+once it has replayed the chunk; a :class:`NextChunk` request runs the following chunk from that
+state into the other set, so the worker keeps one such request queued while it replays, and the
+host goes from one chunk to the next without waiting (see :mod:`asyncsample.inference.host`).
 """
 
 from __future__ import annotations
 
 import pickle
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +35,8 @@ from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent
-from asyncsample.backends._transport import round_trips
-from asyncsample.backends.base import agent_note
+from asyncsample.backends._transport import round_trips, shared_buffers
+from asyncsample.backends.base import HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
 
 __all__ = [
@@ -38,21 +44,29 @@ __all__ = [
     "ChunkReply",
     "ChunkRequest",
     "ChunkRunner",
+    "NextChunk",
+    "SentChunk",
     "chunk_capacity",
+    "chunk_rows",
+    "chunk_sets",
 ]
 
 #: Default longest chunk, in worker steps (an agent update waits at most this long to apply).
 DEFAULT_CHUNK_STEPS = 64
-#: Shared memory a worker's chunk buffers may take at most; long rows get shorter chunks.
+#: Shared memory one set of a worker's chunk buffers may take at most (long rows: shorter chunks).
 CHUNK_BYTES = 8 << 20
+#: Sets of chunk buffers of a pipelined slot (one replayed while the host fills the other).
+PIPELINE_SETS = 2
 
 
 @dataclass
 class ChunkBuffers:
-    """The records of one chunk: every array has leading axes ``(capacity, n_envs)``.
+    """The records of one chunk: every array has leading axes ``(rows, n_envs)``, ``rows`` at
+    least ``capacity`` (see :func:`chunk_rows`).
 
     Attributes:
-        obs: the observation each env's action was chosen for, per step.
+        obs: the observation each env's action was chosen for, per step; with a spare row, the
+            host also writes the observations after the chunk's last step in row ``steps``.
         final_obs: at a step where an env's episode ended, its true last observation (other
             rows are stale).
         actions, rewards, terminated, truncated: per step, as in
@@ -61,6 +75,8 @@ class ChunkBuffers:
         progress: one ``int64`` the host bumps after every step of a chunk, never reset (shared
             memory in a process host): the main process reads it to judge each step against
             ``step_timeout`` while the chunk runs.
+        epoch: one ``int64`` the main process bumps at every agent update (shared memory in a
+            process host): a :class:`NextChunk` sent before the update is not run.
     """
 
     obs: Tree
@@ -71,16 +87,24 @@ class ChunkBuffers:
     truncated: np.ndarray
     capacity: int
     progress: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    epoch: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
 
     @classmethod
     def from_flat(
         cls, flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None
     ) -> ChunkBuffers:
-        """View step buffers allocated for ``capacity * n_envs`` envs as chunk buffers;
-        ``counter``: the memory of the step counter (one ``int64``; default: a local one)."""
+        """View step buffers allocated for ``rows * n_envs`` envs (``rows >= capacity``) as
+        chunk buffers; ``counter``: the memory of the step counter and the update epoch (two
+        ``int64``; default: local ones)."""
+        rows = len(flat.rewards) // n_envs
 
         def shape(a: np.ndarray) -> np.ndarray:
-            return a.reshape(capacity, n_envs, *a.shape[1:])
+            return a.reshape(rows, n_envs, *a.shape[1:])
+
+        if counter is None:
+            counters = np.zeros(2, np.int64)
+        else:
+            counters = np.frombuffer(counter, np.int64)
 
         return cls(
             obs=tree_map(shape, flat.obs),
@@ -90,8 +114,42 @@ class ChunkBuffers:
             terminated=shape(flat.terminated),
             truncated=shape(flat.truncated),
             capacity=capacity,
-            progress=np.zeros(1, np.int64) if counter is None else np.frombuffer(counter, np.int64),
+            progress=counters[0:1],
+            epoch=counters[1:2] if len(counters) > 1 else np.zeros(1, np.int64),
         )
+
+
+def chunk_rows(capacity: int, sets: int = 1) -> int:
+    """Rows to allocate for ``sets`` sets of chunk buffers of ``capacity`` steps (each set with
+    a spare row for the observations after its last step)."""
+    return (capacity + 1) * sets
+
+
+def chunk_sets(
+    flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None
+) -> list[ChunkBuffers]:
+    """Split step buffers allocated for ``chunk_rows(capacity, sets) * n_envs`` envs into the
+    ``sets`` sets of chunk buffers of a slot, sharing one step counter and epoch."""
+    rows = capacity + 1
+    sets = len(flat.rewards) // (rows * n_envs)
+    counters = np.zeros(2, np.int64) if counter is None else counter
+    out = []
+    for k in range(sets):
+        part = slice(k * rows * n_envs, (k + 1) * rows * n_envs)
+
+        def cut(a: np.ndarray, part: slice = part) -> np.ndarray:
+            return a[part]
+
+        view = StepBuffers(
+            obs=tree_map(cut, flat.obs),
+            final_obs=tree_map(cut, flat.final_obs),
+            actions=tree_map(cut, flat.actions),
+            rewards=flat.rewards[part],
+            terminated=flat.terminated[part],
+            truncated=flat.truncated[part],
+        )
+        out.append(ChunkBuffers.from_flat(view, capacity, n_envs, counters))
+    return out
 
 
 def chunk_capacity(
@@ -106,6 +164,22 @@ def chunk_capacity(
     return int(max(1, min(steps, CHUNK_BYTES // max(row, 1))))
 
 
+def shared_chunk_sets(
+    spec: HostSpec, ctx: Any
+) -> tuple[list[ChunkBuffers], tuple[int, int, list[Any], Any] | None]:
+    """A process host slot's :data:`PIPELINE_SETS` sets of chunk buffers in shared memory
+    (none when ``spec`` asks for no chunks), and what the host needs to view them:
+    ``(capacity, rows, blocks, counters)``."""
+    if spec.chunk_steps <= 0:
+        return [], None
+    capacity, rows = spec.chunk_steps, chunk_rows(spec.chunk_steps, PIPELINE_SETS)
+    flat, blocks = shared_buffers(
+        spec.observation_space, spec.action_space, rows * spec.n_envs, ctx
+    )
+    counters = ctx.RawArray("q", 2)  # the step counter and the update epoch
+    return chunk_sets(flat, capacity, spec.n_envs, counters), (capacity, rows, blocks, counters)
+
+
 @dataclass
 class ChunkRequest:
     """What the worker asks its host to run.
@@ -115,12 +189,64 @@ class ChunkRequest:
         steps: the most worker steps to run (at most the chunk capacity).
         counts: per env, rows of its current episode already recorded by the worker.
         active: per env, whether it is stepped.
+        buffer: which set of the slot's chunk buffers to fill.
     """
 
     rule: StopRule
     steps: int
     counts: np.ndarray
     active: np.ndarray
+    buffer: int = 0
+
+
+@dataclass
+class NextChunk:
+    """Run the chunk that follows the host's last one, from the state that chunk left (its copy
+    of the rule, ``active`` and ``counts``), into set ``buffer``; nothing (a reply of no steps)
+    when that state says the worker's part is over, when the last chunk failed, or when an
+    agent update was made after this request's ``epoch`` (the worker then asks again, after
+    the update).
+
+    Attributes:
+        steps: the most worker steps to run.
+        buffer: which set of the slot's chunk buffers to fill.
+        epoch: the chunk buffers' update epoch when the request was sent.
+    """
+
+    steps: int
+    buffer: int
+    epoch: int
+
+
+class SentChunk:
+    """A chunk request sent and not awaited yet (see ``ProcessHost.send_chunk``).
+
+    Args:
+        future: the request's future (cancelled by :meth:`abandon`, so that its reply or its
+            host's death is dropped quietly).
+        reply: awaits the reply's payload (or raises the error the reply or a death means).
+        version: the agent version the chunk runs with.
+    """
+
+    __slots__ = ("future", "reply", "version")
+
+    def __init__(self, future: Any, reply: Callable[[], Awaitable[bytes]], version: int) -> None:
+        self.future = future
+        self.reply = reply
+        self.version = version
+
+    async def wait(self) -> ChunkReply:
+        """The chunk's reply."""
+        result: ChunkReply = pickle.loads(await self.reply())
+        return result
+
+    def abandon(self) -> None:
+        """Nobody will wait for this chunk: its reply, or its host's death, is dropped."""
+        future = self.future
+        if not future.done():
+            future.cancel()
+        elif not future.cancelled():
+            future.exception()  # retrieved: no "exception was never retrieved" at collection
 
 
 @dataclass
@@ -177,14 +303,19 @@ class ChunkRunner:
 
     Args:
         group: the slot's envs.
-        chunk: the slot's chunk buffers.
+        chunks: the slot's sets of chunk buffers (one, or two for pipelining).
         action_space: the env's action space (actions are checked against it).
     """
 
-    def __init__(self, group: EnvGroup, chunk: ChunkBuffers, action_space: gym.Space[Any]) -> None:
+    def __init__(
+        self, group: EnvGroup, chunks: list[ChunkBuffers], action_space: gym.Space[Any]
+    ) -> None:
         self.group = group
-        self.chunk = chunk
+        self.chunks = chunks
+        self.chunk = chunks[0]
         self.action_space = action_space
+        # After a chunk that ran to its end: its rule, active and counts (see NextChunk).
+        self._state: tuple[StopRule, np.ndarray, np.ndarray] | None = None
         self.agent: Any = None
         self._output_check = AgentOutputCheck(group.worker, group.n_envs)
         self._action_check = make_action_check(action_space)
@@ -245,21 +376,42 @@ class ChunkRunner:
 
     # -- the chunk ------------------------------------------------------------------------------
 
-    def run(self, request: ChunkRequest) -> ChunkReply:
+    def run(self, request: ChunkRequest | NextChunk) -> ChunkReply:
         """Run up to ``request.steps`` worker steps; see the module docstring for where it stops."""
         if self.agent is None:
             raise RuntimeError(f"worker {self.group.worker}: no agent installed in its env host")
-        group, chunk = self.group, self.chunk
+        if isinstance(request, NextChunk):
+            state = self._state
+            if state is None or int(self.chunk.epoch[0]) != request.epoch:
+                return ChunkReply(0)
+            rule, active, counts = state
+        else:
+            rule = request.rule.copy()
+            active = request.active.copy()
+            counts = request.counts.astype(np.int64, copy=True)
+        self._state = None  # until this chunk has run to its end
+        chunk = self.chunks[request.buffer]
+        reply = self._run(chunk, request.steps, rule, active, counts)
+        self._state = (rule, active, counts)
+        return reply
+
+    def _run(
+        self,
+        chunk: ChunkBuffers,
+        max_steps: int,
+        rule: StopRule,
+        active: np.ndarray,
+        counts: np.ndarray,
+    ) -> ChunkReply:
+        """The chunk loop: ``rule``, ``active`` and ``counts`` are consumed in place."""
+        group = self.group
         buf = group.buffers
-        rule = request.rule.copy()
-        active = request.active.copy()
         everyone = bool(active.all())
-        counts = request.counts.astype(np.int64, copy=True)
         progress = chunk.progress
         infos_per_step: list[dict[str, np.ndarray]] = []
         step_infos: dict[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]] = {}
         steps = 0
-        for j in range(min(request.steps, chunk.capacity)):
+        for j in range(min(max_steps, chunk.capacity)):
             if not rule.more(active):
                 break
             put_row(chunk.obs, j, buf.obs)
@@ -295,6 +447,8 @@ class ChunkRunner:
                 everyone = False
             counts[index] = 0
             self.reset_agent(done)
+        if steps and len(chunk.rewards) > chunk.capacity:  # the spare row: what comes next
+            put_row(chunk.obs, steps, buf.obs)
         return ChunkReply(steps, _pack_infos(infos_per_step), step_infos)
 
 

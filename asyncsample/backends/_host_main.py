@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from asyncsample.backends import _threads
-from asyncsample.backends._chunk import ChunkBuffers
+from asyncsample.backends._chunk import chunk_sets
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import (
     HELLO_ID,
@@ -101,7 +101,7 @@ def main(
     sock: socket.socket,
     slots_blob: bytes,
     raw_buffers: list[list[Any]],
-    raw_chunks: list[tuple[int, list[Any], Any] | None] | None = None,
+    raw_chunks: list[tuple[int, int, list[Any], Any] | None] | None = None,
     host_threads: int | None = None,
 ) -> None:
     """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
@@ -112,8 +112,9 @@ def main(
             slot.
         raw_buffers: per slot, the shared blocks of its step buffers (see
             :func:`~asyncsample.backends._transport.shared_buffers`).
-        raw_chunks: per slot, ``(capacity, blocks, step counter)`` of its chunk buffers when
-            the slot runs its own agent (``inference="host"``), else ``None``.
+        raw_chunks: per slot, ``(capacity, rows, blocks, counters)`` of its sets of chunk
+            buffers (``rows`` in all) when the slot runs its own agent (``inference="host"``),
+            else ``None``.
         host_threads: threads of the numeric libraries here (``None``: their defaults).
     """
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
@@ -129,12 +130,12 @@ def main(
     for spec, raw, raw_chunk in zip(specs, raw_buffers, chunks):
         obs_space, act_space, n_envs = spec.observation_space, spec.action_space, spec.n_envs
         buffers = view_buffers(obs_space, act_space, n_envs, raw)
-        chunk = None
+        sets = None
         if raw_chunk is not None:
-            capacity, blocks, counter = raw_chunk
-            flat = view_buffers(obs_space, act_space, capacity * n_envs, blocks)
-            chunk = ChunkBuffers.from_flat(flat, capacity, n_envs, counter)
-        slots.append(HostSlot(spec, buffers, chunk, host_threads, "env-host process"))
+            capacity, rows, blocks, counters = raw_chunk
+            flat = view_buffers(obs_space, act_space, rows * n_envs, blocks)
+            sets = chunk_sets(flat, capacity, n_envs, counters)
+        slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process"))
     reader = FrameReader(sock)
     try:
         send_frame(sock, HELLO_ID, ST_OK)

@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 
 from asyncsample.backends import _threads
-from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, ChunkRunner
+from asyncsample.backends._chunk import (
+    ChunkBuffers,
+    ChunkReply,
+    ChunkRequest,
+    ChunkRunner,
+    NextChunk,
+    chunk_rows,
+    chunk_sets,
+)
 from asyncsample.backends._transport import Op, dumps
 from asyncsample.backends.base import HostSpec
 from asyncsample.env_group import (
@@ -42,7 +50,8 @@ class HostSlot:
     Args:
         spec: the worker's host spec.
         buffers: the slot's step buffers (shared memory in a process host, local in an actor).
-        chunk: ``inference="host"``: the slot's chunk buffers; ``None`` otherwise.
+        chunks: ``inference="host"``: the slot's sets of chunk buffers (two when the host
+            pipelines its chunks); ``None`` otherwise.
         host_threads: intra-op threads of the numeric libraries (see
             :mod:`asyncsample.backends._threads`), applied again after each agent install.
         where: how the host is called in messages (``"env-host process"``...).
@@ -52,7 +61,7 @@ class HostSlot:
         self,
         spec: HostSpec,
         buffers: StepBuffers,
-        chunk: ChunkBuffers | None = None,
+        chunks: list[ChunkBuffers] | None = None,
         host_threads: int | None = None,
         where: str = "env host",
     ) -> None:
@@ -65,7 +74,7 @@ class HostSlot:
             spec.autoreset,
             spec.final_in_reply,
         )
-        self.runner = None if chunk is None else ChunkRunner(self.group, chunk, spec.action_space)
+        self.runner = None if not chunks else ChunkRunner(self.group, chunks, spec.action_space)
         self.host_threads = host_threads
         self.where = where
         self._ops: dict[int, Callable[[_Body], bytes]] = {
@@ -88,11 +97,11 @@ class HostSlot:
     ) -> HostSlot:
         """A slot with buffers of its own (an actor's: nothing is shared with the caller)."""
         obs_space, act_space, n = spec.observation_space, spec.action_space, spec.n_envs
-        chunk = None
-        if spec.chunk_steps > 0:
-            flat = StepBuffers.allocate(obs_space, act_space, spec.chunk_steps * n)
-            chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, n)
-        return cls(spec, StepBuffers.allocate(obs_space, act_space, n), chunk, host_threads, where)
+        chunks = None
+        if spec.chunk_steps > 0:  # one set: an actor's chunks are not pipelined
+            flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(spec.chunk_steps) * n)
+            chunks = chunk_sets(flat, spec.chunk_steps, n)
+        return cls(spec, StepBuffers.allocate(obs_space, act_space, n), chunks, host_threads, where)
 
     # -- one method per operation ---------------------------------------------------------------
 
@@ -136,7 +145,7 @@ class HostSlot:
     def set_params(self, blob: bytes) -> None:
         self._runner().set_params(blob)
 
-    def run_chunk(self, request: ChunkRequest) -> ChunkReply:
+    def run_chunk(self, request: ChunkRequest | NextChunk) -> ChunkReply:
         return self._runner().run(request)
 
     def close(self) -> None:

@@ -46,8 +46,8 @@ import numpy as np
 import psutil
 
 from asyncsample import _validate
-from asyncsample.backends import _host_main
-from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
+from asyncsample.backends import _chunk, _host_main
+from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._procs import (
     describe_exit,
     forkserver_context,
@@ -399,14 +399,14 @@ class _Member(PoolMember[_Conn]):
         ctx: Any,
         specs: list[HostSpec],
         raw: list[list[Any]],
-        raw_chunks: list[tuple[int, list[Any], Any] | None] | None = None,
+        raw_chunks: list[tuple[int, int, list[Any], Any] | None] | None = None,
         host_threads: int | None = None,
     ) -> None:
         super().__init__(index, specs)
         self.ctx = ctx
         self.host_threads = host_threads
         self.raw = raw  # per slot, the shared blocks of its step buffers
-        self.raw_chunks = raw_chunks  # per slot, (capacity, blocks, counter) of its chunks
+        self.raw_chunks = raw_chunks  # per slot, (capacity, rows, blocks, counters) of its chunks
 
     def _discard(self, incarnation: _Conn) -> None:
         incarnation.release()
@@ -502,8 +502,10 @@ class ProcessHost(RemoteHost[_Conn]):
         # The next step's actions when the caller gave them in a dtype other than the action
         # buffer's: sent pickled and handed to the envs as they are (the vector env's faces).
         self.given_actions: list[Any] | None = None
+        self.chunks: list[ChunkBuffers] = []
+        """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
         self.chunk: ChunkBuffers | None = None
-        """``inference="host"``: the chunk buffers the host fills (shared memory)."""
+        """``inference="host"``: the first set."""
 
     @property
     def pid(self) -> int | None:
@@ -603,13 +605,19 @@ class ProcessHost(RemoteHost[_Conn]):
         ``step_timeout`` bounds each step: the chunk fails when the host's step counter (shared
         memory, bumped after every step) stands still for that long (see ``Incarnation``).
         """
+        sent = await self.send_chunk(request)
+        return await sent.wait(), sent.version
+
+    async def send_chunk(self, request: ChunkRequest | NextChunk) -> _chunk.SentChunk:
+        """Send a chunk request (after syncing the agent copy) without awaiting its reply; the
+        host serves it after the requests sent before it (pipelining: see ``ChunkStepper``)."""
         version = await self.sync_agent()
         inc, chunk = self._incarnation, self.chunk
         if inc is None or self._member.closed or chunk is None:
             raise closed_error(self.worker, "run its chunk")
-        payload = await self._send(inc, Op.CHUNK, dumps(request), chunk.progress)
-        reply: ChunkReply = pickle.loads(payload)
-        return reply, version
+        body = self._slot + dumps(request)
+        call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
+        return _chunk.SentChunk(call.future, lambda: self._reply(inc, call), version)
 
     async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
@@ -685,23 +693,15 @@ class ProcessBackend:
         ctx = forkserver_context()
         buffers: list[StepBuffers] = []
         raws: list[list[Any]] = []
-        chunks: list[ChunkBuffers | None] = []
-        raw_chunks: list[tuple[int, list[Any], Any] | None] = []
+        chunks: list[list[ChunkBuffers]] = []
+        raw_chunks: list[tuple[int, int, list[Any], Any] | None] = []
         for spec in specs:
             buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
             buffers.append(buf)
             raws.append(raw)
-            if spec.chunk_steps > 0:  # inference="host": the chunk buffers too
-                cap = spec.chunk_steps
-                flat, raw_chunk = shared_buffers(
-                    spec.observation_space, spec.action_space, cap * spec.n_envs, ctx
-                )
-                counter = ctx.RawArray("q", 1)  # the host's step counter (see run_chunk)
-                chunks.append(ChunkBuffers.from_flat(flat, cap, spec.n_envs, counter))
-                raw_chunks.append((cap, raw_chunk, counter))
-            else:
-                chunks.append(None)
-                raw_chunks.append(None)
+            sets, raw_chunk = _chunk.shared_chunk_sets(spec, ctx)  # inference="host"
+            chunks.append(sets)
+            raw_chunks.append(raw_chunk)
         self._members = [
             _Member(m, ctx, member_specs, member_raws, member_chunks, self.host_threads)
             for m, (member_specs, member_raws, member_chunks) in enumerate(
@@ -731,8 +731,8 @@ class ProcessBackend:
             )
             for w, spec in enumerate(specs)
         ]
-        for host, chunk in zip(self._hosts, chunks):
-            host.chunk = chunk
+        for host, sets in zip(self._hosts, chunks):
+            host.chunks, host.chunk = sets, sets[0] if sets else None
         return list(self._hosts)
 
     async def aclose(self) -> None:

@@ -12,7 +12,11 @@ How a call maps to chunks: a chunk is at most :attr:`Host.chunk_steps` worker st
 when the shared buffers would pass :data:`~asyncsample.backends._chunk.CHUNK_BYTES`), and the
 host stops it exactly where per-step stepping stops the call (``samples``: the completed
 episodes reach the share; ``exact episodes``: each env has its share of episodes and is stepped
-no more; ``fragments``: the remaining steps), so no quota is ever overshot.
+no more; ``fragments``: the remaining steps), so no quota is ever overshot. On the ``process``
+backend the chunks of a worker's part are pipelined (:meth:`ChunkStepper.run`): the request for
+the next chunk waits in the host while the worker replays the last one. Not across calls (the
+next call may update the agent or the envs, or reset episodes), nor under ``fraction_samples``
+(whether a worker goes on depends on the other workers), nor on ``ray``.
 
 Reproducibility: a worker's copy is installed with the worker's agent seed from the sampler's
 seed tree; an agent with a ``seed(int)`` method has it called with that seed in the host, which
@@ -20,8 +24,9 @@ is what a stochastic agent must implement to be reproducible across runs and ``n
 (the built-in :class:`~asyncsample.RandomAgent` per worker carries its seeded generator over).
 A copy reinstalled after a host restart gets the same seed again.
 
-Agent versions: an update reaches the hosts before their next chunk; the chunk in flight ends
-with the parameters it started with, and episodes are stamped with the version a chunk really
+Agent versions: an update reaches the hosts before their next chunk (a pipelined request sent
+before it is skipped by the host and asked again); the chunk in flight ends with the parameters
+it started with, and episodes are stamped with the version a chunk really
 ran with, so ``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
 step: on ``process`` the host bumps a step counter in shared memory after every step and the
 main process fails the chunk when the counter stands still for ``step_timeout``; on ``ray`` the
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -52,14 +58,18 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample._assembly import Plan
-from asyncsample._engine import Episodes, RecordStep, StopRule, Transition
+from asyncsample._engine import CallMode, Episodes, RecordStep, StopRule, Transition
+from asyncsample._recorder import row_of
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import (
     DEFAULT_CHUNK_STEPS,
     AgentHost,
+    ChunkBuffers,
     ChunkReply,
     ChunkRequest,
     EnvHost,
+    NextChunk,
+    SentChunk,
 )
 
 __all__ = ["ChunkStepper", "Host", "HostInference", "check_host_agent", "pickle_agent"]
@@ -176,20 +186,39 @@ class HostInference:
             if item is None:
                 continue
             kind, blob = item
+            host = _host(worker)
             if kind == "params":
-                _host(worker).set_params(blob, worker.agent_version)
+                host.set_params(blob, worker.agent_version)
             else:
-                _host(worker).set_agent(_with_seed(blob, seed), worker.agent_version)
+                host.set_agent(_with_seed(blob, seed), worker.agent_version)
+            if host.chunk is not None:  # a queued NextChunk must not run before the update
+                host.chunk.epoch[0] += 1
 
     def stepper(self, worker: HostWorker) -> ChunkStepper:
         """The stepper of ``worker``'s part of a call: one chunk per request."""
         return ChunkStepper(worker, self.options.chunk_steps)
 
 
+class PipelinedHost(AgentHost, Protocol):
+    """A host that pipelines chunks (the ``process`` backend): two sets of chunk buffers, and
+    requests sent without awaiting their replies."""
+
+    chunks: list[ChunkBuffers]
+
+    async def send_chunk(self, request: ChunkRequest | NextChunk) -> SentChunk: ...
+
+
 class ChunkStepper:
     """One chunk of steps per request: the host runs them with its agent copy, under a copy of
     the call's :class:`~asyncsample._engine.StopRule`, and the worker replays them into its
-    records (:meth:`~asyncsample._engine.Episodes.replay`)."""
+    records (:meth:`~asyncsample._engine.Episodes.replay`).
+
+    On a host with two sets of chunk buffers (:class:`PipelinedHost`), :meth:`run` keeps the
+    request for the next chunk queued in the host while it replays the last one: the host goes
+    on from its own copy of the rule (:class:`~asyncsample.backends._chunk.NextChunk`), which
+    after a chunk is exactly the worker's after the replay, so the records are those of one
+    request per chunk and the host never waits for the replay.
+    """
 
     def __init__(self, worker: HostWorker, chunk_steps: int) -> None:
         self.worker = worker
@@ -198,6 +227,9 @@ class ChunkStepper:
         assert chunk is not None
         self.chunk = chunk
         self.capacity = min(chunk.capacity, chunk_steps)
+        host: Any = self.host
+        sets: list[ChunkBuffers] = getattr(host, "chunks", [])
+        self.pipe: PipelinedHost | None = host if len(sets) > 1 else None
 
     async def start(self) -> None:
         """Reset the envs that need it, once the host's agent copy is in place (so it sees the
@@ -207,16 +239,8 @@ class ChunkStepper:
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """One chunk, stopping where ``rule`` (or, given ``lacking``, its limit) stops."""
-        worker = self.worker
-        episodes = worker.episodes
-        recorder = episodes.recorder
-        sent = rule.copy() if lacking is None else rule.limited(lacking, worker.n_envs)
-        request = ChunkRequest(
-            rule=sent,
-            steps=self.capacity,
-            counts=recorder.rows.size - recorder.piece_start,
-            active=episodes.active.copy(),
-        )
+        limited = None if lacking is None else rule.limited(lacking, self.worker.n_envs)
+        request = self._request(rule if limited is None else limited, 0)
         reply, version = await self.host.run_chunk(request)
         self._replay(reply, version)
         if lacking is None:
@@ -224,14 +248,87 @@ class ChunkStepper:
         return reply.steps
 
     async def run(self, rule: StopRule) -> None:
-        """Chunks until ``rule`` stops."""
+        """Chunks until ``rule`` stops (pipelined on a :class:`PipelinedHost`)."""
+        if self.pipe is not None:
+            await self._run_pipelined(self.pipe, rule)
+            return
         active = self.worker.episodes.active
         while rule.more(active):
             await self.advance(rule)
 
-    def _replay(self, reply: ChunkReply, version: int) -> None:
+    async def _run_pipelined(self, host: PipelinedHost, rule: StopRule) -> None:
+        """Chunks until ``rule`` stops, with the next chunk's request always queued in the host.
+
+        The request for set ``b`` is sent only once set ``b``'s last chunk is replayed, so at
+        most two requests are out, one per set, answered in order. A reply of no steps while
+        the rule wants more (the host skipped a request sent before an agent update) is simply
+        followed by the next request. Requests still out when the part ends, or fails, are
+        abandoned: the host's copy of the rule says stop (or its last chunk failed), so they
+        run nothing, except after a cancellation, where the next call resets every env anyway.
+        """
+        episodes = self.worker.episodes
+        active = episodes.active
+        if not rule.more(active):
+            return
+        sets, epoch = host.chunks, self.chunk.epoch
+        out: deque[tuple[SentChunk, int, int | None]] = deque()  # (request, set, NextChunk epoch)
+        try:
+            out.append((await host.send_chunk(self._request(rule, 0)), 0, None))
+            if self._may_follow(rule):
+                out.append(await self._follow(host, 1))
+            while out:
+                sent, b, sent_epoch = out.popleft()
+                reply = await sent.wait()
+                if reply.steps:
+                    self._replay(reply, sent.version, sets[b])
+                    rule.took(reply.steps)
+                if not rule.more(active):
+                    return
+                if not reply.steps and sent_epoch == int(epoch[0]):
+                    # Not skipped for an update: the host's rule and ours disagree.
+                    raise RuntimeError(
+                        f"worker {self.worker.worker_number}: its env host ran no steps of a "
+                        "chunk the call still needs (the host's stop rule went out of step)"
+                    )
+                if out:  # the next chunk runs in the other set: queue the one after it
+                    if self._may_follow(rule):
+                        out.append(await self._follow(host, b))
+                else:
+                    out.append((await host.send_chunk(self._request(rule, b)), b, None))
+                    if self._may_follow(rule):
+                        out.append(await self._follow(host, 1 - b))
+        finally:
+            for sent, _, _ in out:
+                sent.abandon()
+
+    def _request(self, rule: StopRule, buffer: int) -> ChunkRequest:
+        """A request carrying the worker's state (the first chunk of a part)."""
+        episodes = self.worker.episodes
+        recorder = episodes.recorder
+        return ChunkRequest(
+            rule=rule.copy(),
+            steps=self.capacity,
+            counts=recorder.rows.size - recorder.piece_start,
+            active=episodes.active.copy(),
+            buffer=buffer,
+        )
+
+    async def _follow(self, host: PipelinedHost, buffer: int) -> tuple[SentChunk, int, int]:
+        """Send a :class:`NextChunk` into set ``buffer``. Its epoch is read before the updates
+        made so far are sent (``send_chunk`` syncs the agent first): one made meanwhile can
+        only make the host skip it."""
+        epoch = int(self.chunk.epoch[0])
+        return await host.send_chunk(NextChunk(self.capacity, buffer, epoch)), buffer, epoch
+
+    def _may_follow(self, rule: StopRule) -> bool:
+        """Whether the part may need a chunk after the next one (``fragments``: the steps left
+        exceed a chunk; in the other modes it depends on how episodes end)."""
+        return rule.mode is not CallMode.FRAGMENTS or rule.steps > self.capacity
+
+    def _replay(self, reply: ChunkReply, version: int, chunk: ChunkBuffers | None = None) -> None:
         worker = self.worker
         buffers = self.host.buffers
+        chunk = self.chunk if chunk is None else chunk
         record: RecordStep | None = None
         if worker.records_transitions:
 
@@ -242,13 +339,13 @@ class ChunkStepper:
                 env_infos: list[dict[str, Any]] | None,
                 done: np.ndarray,
             ) -> None:
-                self._record(j, t, reply.steps, agent_infos, env_infos, done)
+                self._record(chunk, j, t, reply.steps, agent_infos, env_infos, done)
 
         current = worker.agent_version
         worker.agent_version = version  # what process_transition sees during the chunk
         try:
             worker.episodes.replay(
-                self.chunk,
+                chunk,
                 reply.steps,
                 reply.agent_infos,
                 reply.step_infos,
@@ -261,6 +358,7 @@ class ChunkStepper:
 
     def _record(
         self,
+        chunk: ChunkBuffers,
         j: int,
         t: int,
         steps: int,
@@ -269,7 +367,7 @@ class ChunkStepper:
         done: np.ndarray,
     ) -> None:
         """``Worker.process_transition`` for step ``j`` of a chunk of ``steps`` steps."""
-        worker, chunk = self.worker, self.chunk
+        worker = self.worker
         last = j + 1 == steps
 
         def next_obs(obs_seq: np.ndarray, final_seq: np.ndarray, now: np.ndarray) -> np.ndarray:
@@ -277,9 +375,11 @@ class ChunkStepper:
             out[done] = final_seq[j][done]
             return out
 
-        # The observation after step j is the one acted on at j + 1, or the host's current one
-        # after the chunk's last step.
-        nxt: Tree = tree_map(next_obs, chunk.obs, chunk.final_obs, self.host.buffers.obs)
+        # The observation after step j is the one acted on at j + 1, or the one after the
+        # chunk's last step: the host's current one, or, where the host may already be running
+        # the next chunk (pipelining), the spare row it wrote it to.
+        now = self.host.buffers.obs if self.pipe is None else row_of(chunk.obs, steps)
+        nxt: Tree = tree_map(next_obs, chunk.obs, chunk.final_obs, now)
         rows = worker.episodes.recorder.rows
         transition = Transition(
             observations=tree_map(lambda x: x[t], rows.obs),
