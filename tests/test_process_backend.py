@@ -736,3 +736,42 @@ async def test_pool_layout() -> None:
         assert [h.pid for h in hosts] == [backend.pids[w % 2] for w in range(5)]
     async with started(specs[:1], n_processes=8) as (backend, _):
         assert len(backend.pids) == 1  # never more processes than workers
+
+
+def test_host_cpus_pins_only_a_pool_with_a_host_per_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncsample.backends import _procs
+
+    monkeypatch.setattr(_procs.os, "sched_getaffinity", lambda pid: {4, 2}, raising=False)
+    assert _procs.host_cpus(2, None) == [2, 4]
+    assert _procs.host_cpus(3, None) == [2, 4, 2]  # more hosts than CPUs: round robin
+    assert _procs.host_cpus(1, None) == [None]  # a CPU to spare: the scheduler decides
+    assert _procs.host_cpus(1, True) == [2]
+    assert _procs.host_cpus(2, False) == [None, None]
+    monkeypatch.setattr(_procs.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert _procs.host_cpus(2, None) == [None, None]  # one CPU: nothing to spread
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
+@pytest.mark.timeout(60)
+async def test_pin_cpus_pins_each_host_process() -> None:
+    """The lockstep round needs the hosts on different CPUs (see _procs.host_cpus)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    from asyncsample import Sampler
+
+    async with Sampler(
+        "CartPole-v1", n_workers=2, n_processes=2, backend_options={"pin_cpus": True}
+    ) as sampler:
+        await sampler.obtain_samples(10)
+        pids = sampler._core.backend.pids
+        assert [os.sched_getaffinity(pid) for pid in pids] == [
+            {allowed[0]},
+            {allowed[1 % len(allowed)]},
+        ]
+    async with Sampler(
+        "CartPole-v1", n_workers=2, n_processes=2, backend_options={"pin_cpus": False}
+    ) as sampler:
+        await sampler.obtain_samples(10)
+        for pid in sampler._core.backend.pids:
+            assert os.sched_getaffinity(pid) == set(allowed)
+    with pytest.raises(TypeError, match=r"pin_cpus must be True, False or None, got int 1"):
+        ProcessBackend(pin_cpus=1)  # type: ignore[arg-type]

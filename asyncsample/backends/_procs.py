@@ -75,3 +75,30 @@ def kill_tree(proc: psutil.Process | None, pid: int) -> None:
     # The host made itself leader of its own group: this also reaches orphans of a dead host.
     with contextlib.suppress(OSError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def host_cpus(n_hosts: int, pin: bool | None) -> list[int | None]:
+    """The CPU each of ``n_hosts`` host processes is pinned to (``None``: not pinned).
+
+    ``pin=None`` pins only when the pool has a host for every CPU this process may run on: a
+    lockstep round wakes every host at once, and Linux keeps a woken host on the CPU it last
+    ran on while that CPU is busy (a task that ran within the last half millisecond counts as
+    cache-hot and is not pulled to an idle CPU), so two hosts that once met on one CPU can
+    stay there, one waiting for the other every round, while another CPU idles. Pinned hosts
+    cannot meet. With fewer hosts than CPUs the scheduler has room and keeps its freedom.
+    ``True`` pins host ``i`` to the ``i``-th allowed CPU (round robin), ``False`` never pins.
+    """
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if pin is False or getaffinity is None:
+        return [None] * n_hosts
+    allowed = sorted(getaffinity(0))
+    if pin is None and (len(allowed) < 2 or n_hosts < len(allowed)):
+        return [None] * n_hosts
+    return [allowed[i % len(allowed)] for i in range(n_hosts)]
+
+
+def pin(pid: int, cpu: int | None) -> None:
+    """Pin process ``pid`` to ``cpu`` (nothing for ``None``; a failure only costs speed)."""
+    if cpu is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setaffinity(pid, {cpu})

@@ -51,7 +51,9 @@ from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, 
 from asyncsample.backends._procs import (
     describe_exit,
     forkserver_context,
+    host_cpus,
     kill_tree,
+    pin,
     support_process_pids,
 )
 from asyncsample.backends._remote import (
@@ -401,10 +403,12 @@ class _Member(PoolMember[_Conn]):
         raw: list[list[Any]],
         raw_chunks: list[tuple[int, int, list[Any], Any] | None] | None = None,
         host_threads: int | None = None,
+        cpu: int | None = None,
     ) -> None:
         super().__init__(index, specs)
         self.ctx = ctx
         self.host_threads = host_threads
+        self.cpu = cpu  # the CPU its processes are pinned to (None: not pinned)
         self.raw = raw  # per slot, the shared blocks of its step buffers
         self.raw_chunks = raw_chunks  # per slot, (capacity, rows, blocks, counters) of its chunks
 
@@ -422,6 +426,7 @@ class _Member(PoolMember[_Conn]):
                 name=f"asyncsample-host-{self.index}",
             )
             await _start_process(process)
+            pin(process.pid, self.cpu)
         except BaseException:
             parent_sock.close()
             raise
@@ -648,21 +653,30 @@ class ProcessBackend:
             killed and the request fails with :class:`~asyncsample.StepTimeoutError`.
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each host process; ``None`` leaves the libraries' defaults (every core each).
+        pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use; ``None`` (default):
+            only when there is a host for every such CPU (see
+            :func:`~asyncsample.backends._procs.host_cpus` for why), ``False``: never.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
     """
 
-    OPTIONS = ("n_processes", "step_timeout", "host_threads")
+    OPTIONS = ("n_processes", "step_timeout", "host_threads", "pin_cpus")
 
     def __init__(
         self,
         n_processes: int | None = None,
         step_timeout: float | None = None,
         host_threads: int | None = 1,
+        pin_cpus: bool | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
+        if pin_cpus is not None and not isinstance(pin_cpus, bool):
+            raise TypeError(
+                f"pin_cpus must be True, False or None, got {type(pin_cpus).__name__} {pin_cpus!r}"
+            )
+        self.pin_cpus = pin_cpus
         self.n_processes = _validate.optional_positive_int("n_processes", n_processes)
         self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         self.host_threads = _validate.optional_positive_int("host_threads", host_threads)
@@ -702,11 +716,11 @@ class ProcessBackend:
             sets, raw_chunk = _chunk.shared_chunk_sets(spec, ctx)  # inference="host"
             chunks.append(sets)
             raw_chunks.append(raw_chunk)
+        splits = list(zip(where.split(specs), where.split(raws), where.split(raw_chunks)))
+        cpus = host_cpus(len(splits), self.pin_cpus)
         self._members = [
-            _Member(m, ctx, member_specs, member_raws, member_chunks, self.host_threads)
-            for m, (member_specs, member_raws, member_chunks) in enumerate(
-                zip(where.split(specs), where.split(raws), where.split(raw_chunks))
-            )
+            _Member(m, ctx, member_specs, member_raws, member_chunks, self.host_threads, cpus[m])
+            for m, (member_specs, member_raws, member_chunks) in enumerate(splits)
         ]
         self._token = token = next(_TOKENS)
         self._finalizer = weakref.finalize(self, _release_all, self._members, token)
