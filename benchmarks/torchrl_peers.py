@@ -21,14 +21,21 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from benchmarks.contenders import RunResult, RunSpec, Skipped, TimedPhase
+if TYPE_CHECKING:
+    from benchmarks.contenders import RunResult, RunSpec
+
+# benchmarks.contenders imports this module at its end: it is imported here only where it is
+# used, so that a collector's worker process, which unpickles make_serial/make_module and so
+# imports this module first, does not meet the cycle half-way.
 
 __all__ = ["TORCHRL_CONTENDERS"]
 
 
 def _require() -> None:
+    from benchmarks.contenders import Skipped
+
     try:
         import tensordict  # noqa: F401
         import torchrl  # noqa: F401
@@ -79,6 +86,8 @@ def make_module(policy: str, env_id: str, seed: int = 0) -> Any:
 
 def _collect(spec: RunSpec, collector: Any, label: str) -> RunResult:
     """Iterate ``collector``: warm-up batches untimed, then time at least ``n_transitions``."""
+    from benchmarks.contenders import TimedPhase
+
     try:
         batches = iter(collector)
         warm = 0
