@@ -754,7 +754,8 @@ def test_host_cpus_pins_only_a_pool_with_a_host_per_cpu(monkeypatch: pytest.Monk
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux's")
 @pytest.mark.timeout(60)
 async def test_pin_cpus_pins_each_host_process() -> None:
-    """The lockstep round needs the hosts on different CPUs (see _procs.host_cpus)."""
+    """Pinned on request; by default the sampler's hosts are free and a vector env's, one per
+    CPU, pinned (its lockstep round needs them on different CPUs: see _procs.host_cpus)."""
     allowed = sorted(os.sched_getaffinity(0))
     from asyncsample import Sampler
 
@@ -767,11 +768,16 @@ async def test_pin_cpus_pins_each_host_process() -> None:
             {allowed[0]},
             {allowed[1 % len(allowed)]},
         ]
-    async with Sampler(
-        "CartPole-v1", n_workers=2, n_processes=2, backend_options={"pin_cpus": False}
-    ) as sampler:
+    async with Sampler("CartPole-v1", n_workers=2, n_processes=2) as sampler:  # the default
         await sampler.obtain_samples(10)
         for pid in sampler._core.backend.pids:
             assert os.sched_getaffinity(pid) == set(allowed)
+    from asyncsample.vector import VectorEnv
+
+    venv = VectorEnv("CartPole-v1", len(allowed), n_processes=len(allowed))  # a host per CPU
+    try:
+        assert [os.sched_getaffinity(pid) for pid in venv.pids] == [{cpu} for cpu in allowed]
+    finally:
+        venv.close()
     with pytest.raises(TypeError, match=r"pin_cpus must be True, False or None, got int 1"):
         ProcessBackend(pin_cpus=1)  # type: ignore[arg-type]

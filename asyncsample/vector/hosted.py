@@ -145,6 +145,9 @@ class HostedEnvs(LockstepRounds):
         options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
         if backend == "process":
             options["step_timeout"] = step_timeout
+            # Lockstep rounds wake every host at once: pinned, two hosts never share a CPU
+            # while another idles (see asyncsample.backends._procs.host_cpus).
+            options["pin_cpus"] = None
         self.backend = make_backend(backend, **options)
         self.hosts: list[EnvHost] = []
         self.broken: set[int] = set()
