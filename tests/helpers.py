@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -234,6 +235,14 @@ def python_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
 
 
+def default_sigint() -> None:
+    """For ``preexec_fn``: the child gets Ctrl-C's default action. A shell running the suite as
+    a background job (``bash .ci/run &``) ignores SIGINT, an ignored signal stays ignored across
+    ``exec``, and Python then never raises ``KeyboardInterrupt``: the tests of Ctrl-C would test
+    the shell."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_python(code: str, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run ``code`` (dedented) in a fresh interpreter; returns its exit status and output."""
     return subprocess.run(
@@ -242,6 +251,7 @@ def run_python(code: str, *, timeout: float = 120) -> subprocess.CompletedProces
         text=True,
         timeout=timeout,
         env=python_env(),
+        preexec_fn=default_sigint,
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import new_shm_entries, python_env, shm_entries, wait_gone
+from helpers import default_sigint, new_shm_entries, python_env, shm_entries, wait_gone
 
 from asyncsample.cli import main
 
@@ -166,7 +166,11 @@ def test_ctrl_c_prints_the_summary_so_far_and_leaves_nothing_running() -> None:
     args = ["run", "--backend", "process", "--processes", "2", "--workers", "2",
             "--envs-per-worker", "2", "--steps", str(10**9)]  # fmt: skip
     proc = subprocess.Popen(
-        CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=python_env()
+        CLI + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=python_env(),
+        preexec_fn=default_sigint,
     )
     assert proc.stderr is not None
     try:
