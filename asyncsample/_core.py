@@ -421,7 +421,9 @@ class SamplerCore:
             return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):
             mode_stepper = self.mode.stepper(worker, then)
-            return await self._drive_steps(worker, mode_stepper, leave, shared)
+            plan = await self._drive_steps(worker, mode_stepper, leave, shared)
+            await self.mode.ended(mode_stepper)  # the plan is taken: the host may go on
+            return plan
 
     async def _drive_steps(
         self,

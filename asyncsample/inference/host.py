@@ -279,6 +279,7 @@ class ChunkStepper:
         self.then = then
         """What the part leaves for a stream's next round (``None``: no round follows)."""
         self._taken: RunAhead | None = None
+        self._ran: StopRule | None = None  # the rule of a part run by run() on a pipe
         self.host = _host(worker)
         chunk = self.host.chunk
         assert chunk is not None
@@ -340,12 +341,10 @@ class ChunkStepper:
         return reply.steps
 
     async def run(self, rule: StopRule) -> None:
-        """Chunks until ``rule`` stops (pipelined on a :class:`PipelinedHost`); then, when a
-        stream's round follows, its first chunk (:class:`RunAhead`)."""
+        """Chunks until ``rule`` stops (pipelined on a :class:`PipelinedHost`)."""
         if self.pipe is not None:
             await self._run_pipelined(self.pipe, rule)
-            if self.then is not None:
-                await self._run_ahead(self.pipe, rule, self.then)
+            self._ran = rule
             return
         active = self.worker.episodes.active
         while rule.more(active):
@@ -400,11 +399,16 @@ class ChunkStepper:
             for sent, _, _ in out:
                 sent.abandon()
 
-    async def _run_ahead(self, host: PipelinedHost, done: StopRule, then: Resume) -> None:
-        """Send the first chunk of the stream's next round (:class:`RunAhead`): the rule of the
-        same share, from what :meth:`Episodes.next_start` says that round starts with. Nothing
-        when that round would reset an env first, or when the host cannot take the request (the
-        next round meets the same trouble and recovers from it)."""
+    async def ended(self) -> None:
+        """The part ended and its plan was taken (the plan of a ``fragments`` part reads the
+        host's current observations): when a stream's round follows, send its first chunk
+        (:class:`RunAhead`): the rule of the same share, from what :meth:`Episodes.next_start`
+        says that round starts with. Nothing when that round would reset an env first, or when
+        the host cannot take the request (the next round meets the same trouble and recovers
+        from it)."""
+        done, then, host = self._ran, self.then, self.pipe
+        if done is None or then is None or host is None:
+            return
         worker = self.worker
         episodes = worker.episodes
         rule = StopRule.for_call(done.mode, done.share, worker.n_envs)

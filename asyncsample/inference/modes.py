@@ -17,7 +17,7 @@ from asyncsample._engine import Episodes, Stepper, StepStepper
 from asyncsample._recorder import Resume
 from asyncsample.agent import Agent
 from asyncsample.inference.batched import Batched, Batcher
-from asyncsample.inference.host import Host, HostInference, HostWorker
+from asyncsample.inference.host import ChunkStepper, Host, HostInference, HostWorker
 
 __all__ = ["BatchedMode", "HostMode", "InferenceMode", "ModeWorker", "PerWorkerMode", "make_mode"]
 
@@ -50,6 +50,9 @@ class InferenceMode:
         """How ``worker``'s part of a call moves its envs; ``then``: a stream's next round
         follows, continuing what the part leaves (a mode may start it early)."""
         return StepStepper(worker)
+
+    async def ended(self, stepper: Stepper) -> None:
+        """A worker's part of a call ended and its plan was taken (``stepper`` moved it)."""
 
     def drop_ahead(self) -> None:
         """A stream closed: drop what was started early for a round that will not come."""
@@ -156,6 +159,11 @@ class HostMode(InferenceMode):
     def stepper(self, worker: ModeWorker, then: Resume | None = None) -> Stepper:
         """One chunk per request; the next round's first chunk sent as the part ends."""
         return self.inference.stepper(worker, then)
+
+    async def ended(self, stepper: Stepper) -> None:
+        """Start the stream's next round in the host (see :meth:`ChunkStepper.ended`)."""
+        if isinstance(stepper, ChunkStepper):
+            await stepper.ended()
 
     def drop_ahead(self) -> None:
         """Abandon the chunks run ahead (see :class:`~asyncsample.inference.host.RunAhead`)."""
