@@ -169,6 +169,10 @@ class HostMode(InferenceMode):
         """Abandon the chunks run ahead (see :class:`~asyncsample.inference.host.RunAhead`)."""
         self.inference.drop_ahead()
 
+    def close(self) -> None:
+        """The hosts are gone: what was run ahead is dropped quietly."""
+        self.inference.drop_ahead()
+
     def apply_update(
         self,
         agent_update: Any,
