@@ -228,6 +228,11 @@ class EnvGroup:
         self._next_step = autoreset == "NextStep"
         # "NextStep"/"Disabled": envs whose episode ended and that were not reset since.
         self._ended = [False] * self.n_envs
+        #: The envs whose episode ended in the last :meth:`step`, in index order (the hosts'
+        #: chunk loop reads it instead of testing the flags in the buffers).
+        self.last_ended: list[int] = []
+        self._everyone = list(range(self.n_envs))
+        self._discrete = isinstance(action_space, gym.spaces.Discrete)
 
     # -- building ---------------------------------------------------------------------------
 
@@ -320,9 +325,12 @@ class EnvGroup:
                 self._store_misfits([i])
         return info  # type: ignore[no-any-return]
 
-    def step(self, mask: np.ndarray, given: Sequence[Any] | None = None) -> StepInfos:
+    def step(
+        self, mask: np.ndarray, given: Sequence[Any] | None = None, everyone: bool | None = None
+    ) -> StepInfos:
         """Step the envs where ``mask`` is true with the actions in the buffers (or, ``given``,
-        with those: one per env, handed to the envs as they are).
+        with those: one per env, handed to the envs as they are). ``everyone``: whether
+        ``mask`` is all true, when the caller knows (saves testing it).
 
         An env whose episode ends (terminated, truncated by the env, or at ``max_episode_length``)
         has its last observation written to ``final_obs`` and is reset at once, so ``obs`` always
@@ -335,8 +343,9 @@ class EnvGroup:
         envs = self.envs
         obs = self._obs
         lengths = self._lengths
-        everyone = bool(mask.all())
-        indices = list(range(self.n_envs)) if everyone else np.flatnonzero(mask).tolist()
+        if everyone is None:
+            everyone = bool(mask.all())
+        indices = self._everyone if everyone else np.flatnonzero(mask).tolist()
         if given is None:
             actions = self._actions_for(indices, everyone)
         else:
@@ -400,6 +409,7 @@ class EnvGroup:
         buf.rewards[where] = rewards
         buf.terminated[where] = terms
         buf.truncated[where] = truncs
+        self.last_ended = done
         finals_out: dict[int, Any] | None = None
         if done and deferred:
             for i in done:
@@ -478,11 +488,10 @@ class EnvGroup:
         if isinstance(actions, list):  # an action space without fixed-size rows
             return actions[:] if everyone else [actions[i] for i in indices]
         if isinstance(actions, np.ndarray):
+            if self._discrete:  # Python ints: nothing of the buffer is kept
+                return actions.tolist() if everyone else actions[indices].tolist()  # type: ignore[no-any-return]
             # A copy: envs may keep the action they were given, and the buffer is reused.
-            chosen = actions.copy() if everyone else actions[indices]
-            if isinstance(self.action_space, gym.spaces.Discrete):
-                return chosen.tolist()  # type: ignore[no-any-return]
-            return list(chosen)
+            return list(actions.copy() if everyone else actions[indices])
         return [tree_map(lambda a, i=i: a[i].copy(), actions) for i in indices]
 
     def _store_misfits(self, indices: list[int]) -> None:

@@ -360,9 +360,13 @@ class ChunkRunner:
         try:
             return fn(*args)
         except Exception as exc:
-            error = agent_error(exc, self.group.worker)
-            failure = EnvFailure(None, error, traceback.format_exc(), retry=False)
-            raise EnvFailureError(failure) from exc
+            raise self._failure(exc) from exc
+
+    def _failure(self, exc: Exception) -> EnvFailureError:
+        """What the agent's ``exc`` is reported as (call it in the ``except`` block: it takes
+        the traceback being handled)."""
+        error = agent_error(exc, self.group.worker)
+        return EnvFailureError(EnvFailure(None, error, traceback.format_exc(), retry=False))
 
     def _actions(self, observations: Tree) -> tuple[Tree, dict[str, np.ndarray]]:
         result = self.agent.get_actions(observations)
@@ -410,39 +414,59 @@ class ChunkRunner:
         active: np.ndarray,
         counts: np.ndarray,
     ) -> ChunkReply:
-        """The chunk loop: ``rule``, ``active`` and ``counts`` are consumed in place."""
+        """The chunk loop: ``rule``, ``active`` and ``counts`` are consumed in place.
+
+        Written for the cost per step besides the env's (with one env per slot every step is an
+        agent call of its own): plain array rows are copied with one assignment, the episode
+        ends come from the group's list rather than from the flags, and nothing is looked up
+        twice.
+        """
         group = self.group
         buf = group.buffers
         everyone = bool(active.all())
         progress = chunk.progress
         infos_per_step: list[dict[str, np.ndarray]] = []
         step_infos: dict[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]] = {}
+        obs_rows, act_rows, buf_obs, buf_act = chunk.obs, chunk.actions, buf.obs, buf.actions
+        flat_obs = type(obs_rows) is np.ndarray and type(buf_obs) is np.ndarray
+        flat_act = type(act_rows) is np.ndarray and type(buf_act) is np.ndarray
+        rewards, terminated, truncated = chunk.rewards, chunk.terminated, chunk.truncated
+        more, took, step, actions_for = rule.more, rule.took, group.step, self._actions
         steps = 0
         for j in range(min(max_steps, chunk.capacity)):
-            if not rule.more(active):
+            if not more(active):
                 break
-            put_row(chunk.obs, j, buf.obs)
-            observations = row_of(chunk.obs, j)
-            actions, infos = self._guard(self._actions, observations)
-            put_row(chunk.actions, j, actions)
-            put_row(buf.actions, Ellipsis, actions)
+            if flat_obs:
+                obs_rows[j] = buf_obs
+                observations = obs_rows[j]
+            else:
+                put_row(obs_rows, j, buf_obs)
+                observations = row_of(obs_rows, j)
+            try:
+                actions, infos = actions_for(observations)
+            except Exception as exc:
+                raise self._failure(exc) from exc
+            if flat_act:
+                act_rows[j] = actions
+                buf_act[...] = actions
+            else:
+                put_row(act_rows, j, actions)
+                put_row(buf_act, Ellipsis, actions)
             infos_per_step.append(infos)
-            result = group.step(active)
+            result = step(active, None, everyone)
             progress[0] += 1  # a step ended: the main process judges the next from now
             if result.env_infos is not None or result.reset_infos:
                 step_infos[j] = (result.env_infos, result.reset_infos)
-            chunk.rewards[j] = buf.rewards
-            chunk.terminated[j] = buf.terminated
-            chunk.truncated[j] = buf.truncated
+            rewards[j] = buf.rewards
+            terminated[j] = buf.terminated
+            truncated[j] = buf.truncated
             steps = j + 1
-            rule.took(1)
+            took(1)
             counts += 1
-            done = buf.terminated | buf.truncated
-            if not everyone:
-                done &= active
-            if not done.any():
+            ended = group.last_ended
+            if not ended:
                 continue
-            index = np.flatnonzero(done)
+            index = np.array(ended, dtype=np.intp)
 
             def put_final(
                 dst: np.ndarray, src: np.ndarray, j: int = j, index: np.ndarray = index
@@ -453,9 +477,11 @@ class ChunkRunner:
             if rule.ended(index, int(counts[index].sum()), active):
                 everyone = False
             counts[index] = 0
+            done = np.zeros(group.n_envs, dtype=bool)
+            done[index] = True
             self.reset_agent(done)
-        if steps and len(chunk.rewards) > chunk.capacity:  # the spare row: what comes next
-            put_row(chunk.obs, steps, buf.obs)
+        if steps and len(rewards) > chunk.capacity:  # the spare row: what comes next
+            put_row(obs_rows, steps, buf_obs)
         return ChunkReply(steps, _pack_infos(infos_per_step), step_infos)
 
 
