@@ -14,9 +14,11 @@ host stops it exactly where per-step stepping stops the call (``samples``: the c
 episodes reach the share; ``exact episodes``: each env has its share of episodes and is stepped
 no more; ``fragments``: the remaining steps), so no quota is ever overshot. On the ``process``
 backend the chunks of a worker's part are pipelined (:meth:`ChunkStepper.run`): the request for
-the next chunk waits in the host while the worker replays the last one. Not across calls (the
-next call may update the agent or the envs, or reset episodes), nor under ``fraction_samples``
-(whether a worker goes on depends on the other workers), nor on ``ray``.
+the next chunk waits in the host while the worker replays the last one. Across the rounds of a
+``stream`` too: as a worker's part of a round ends, its host starts the next round's first chunk
+(:class:`RunAhead`). Not across plain calls (the next call may update the agent or the envs, or
+reset episodes), nor under ``fraction_samples`` (whether a worker goes on depends on the other
+workers), nor on ``ray``.
 
 Reproducibility: a worker's copy is installed with the worker's agent seed from the sampler's
 seed tree; an agent with a ``seed(int)`` method has it called with that seed in the host, which
@@ -24,10 +26,11 @@ is what a stochastic agent must implement to be reproducible across runs and ``n
 (the built-in :class:`~asyncsample.RandomAgent` per worker carries its seeded generator over).
 A copy reinstalled after a host restart gets the same seed again.
 
-Agent versions: an update reaches the hosts before their next chunk (a pipelined request sent
-before it is skipped by the host and asked again); the chunk in flight ends with the parameters
-it started with, and episodes are stamped with the version a chunk really
-ran with, so ``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
+Agent versions: an update applies from the next chunk to start: it reaches the hosts before
+their next chunk (a pipelined request or a stream's run-ahead sent before it is skipped by the
+host and asked again); the chunk in flight (a run-ahead among them) ends with the parameters it
+started with, and episodes are stamped with the version a chunk really ran with, so
+``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
 step: on ``process`` the host bumps a step counter in shared memory after every step and the
 main process fails the chunk when the counter stands still for ``step_timeout``; on ``ray`` the
 main process asks the actor for that count while the chunk runs, with the same verdict.
@@ -315,12 +318,13 @@ class ChunkStepper:
         ):
             self._taken = ahead
             return
-        ran = ahead is None
-        if ahead is not None:
-            try:
-                ran = (await ahead.sent.wait()).steps > 0
-            finally:
-                ahead.sent.abandon()
+        if ahead is None:  # dropped with an earlier stream: start afresh, as any call would
+            episodes.recovered()
+            return
+        try:
+            ran = (await ahead.sent.wait()).steps > 0
+        finally:
+            ahead.sent.abandon()
         if ran:
             dropped = episodes.recovered()
             logger.info(
