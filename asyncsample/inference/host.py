@@ -296,6 +296,9 @@ class ChunkStepper:
         """Reset the envs that need it, once the host's agent copy is in place (so it sees the
         same ``reset(mask)`` calls as an agent in the main process); take over the chunk run
         ahead for this part, if any (:class:`RunAhead`)."""
+        stale, self._taken = self._taken, None
+        if stale is not None:  # taken over by a try that failed: the retry restarted the host
+            stale.sent.abandon()
         await self.host.sync_agent()
         if self.worker.episodes.ran_ahead:
             await self._take_over()
