@@ -10,7 +10,6 @@ import contextlib
 import functools
 import gc
 import logging
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -21,14 +20,12 @@ import numpy as np
 import pytest
 from envs import KillSelfEnv, NoisyEnv, SleepyEnv
 from helpers import SamplerFactory, stays, wait_until
+from test_host_pipeline import ClockAgent, assert_same_steps, pipelined_runner, record_replays
 
 from asyncsample import EpisodeBatch, Sampler, StepType
 from asyncsample._engine import CallMode, StopRule
-from asyncsample.agent import RandomAgent
-from asyncsample.backends import ChunkReply, ChunkRequest, NextChunk
-from asyncsample.backends._chunk import ChunkBuffers, ChunkRunner, chunk_rows, chunk_sets
+from asyncsample.backends import ChunkRequest, NextChunk
 from asyncsample.backends.process import ProcessHost
-from asyncsample.env_group import EnvGroup, StepBuffers
 from asyncsample.inference import Host
 from asyncsample.inference import host as host_module
 from asyncsample.inference.host import ChunkStepper
@@ -51,35 +48,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 #: Worker steps of each worker's part of a round of ``stream(ROUND, fragments=True)`` (2 x 2 envs).
 STEPS = 20
 ROUND = STEPS * 4
-
-
-class VersionAgent:
-    """Deterministic actions that depend on the parameter; each step reports the host's clock
-    and the parameter it ran with."""
-
-    def __init__(self) -> None:
-        self.version = 0
-
-    def get_param_values(self) -> int:
-        return self.version
-
-    def set_param_values(self, params: Any) -> None:
-        self.version = int(params["version"])
-
-    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        n = len(observations)
-        actions = ((np.asarray(observations)[:, 0] > 0).astype(np.int64) + self.version) % 3
-        return actions, {"t": np.full(n, time.monotonic()), "version": np.full(n, self.version)}
-
-
-def assert_same(a: EpisodeBatch, b: EpisodeBatch) -> None:
-    """The same steps, episodes and stamps (not the host clock of the agent infos)."""
-    for name in ("lengths", "observations", "last_observations", "actions", "rewards"):
-        assert np.array_equal(getattr(a, name), getattr(b, name)), name
-    assert np.array_equal(a.step_types, b.step_types)
-    assert np.array_equal(a.env_infos["t"], b.env_infos["t"])
-    for k in ("worker", "env", "agent_version"):
-        assert np.array_equal(a.episode_infos[k], b.episode_infos[k]), k
 
 
 def assert_from_reset(batch: EpisodeBatch) -> None:
@@ -161,22 +129,8 @@ async def waiting_ahead(s: Sampler) -> None:
 # -- the host's side, in this process -----------------------------------------------------------
 
 
-def runner(n_envs: int = 2, capacity: int = 5) -> ChunkRunner:
-    env = NoisyEnv()
-    obs_space, act_space = env.observation_space, env.action_space
-    group = EnvGroup(
-        0, StepBuffers.allocate(obs_space, act_space, n_envs), obs_space, act_space, 30
-    )
-    group.build([[NoisyEnv]] * n_envs, list(range(n_envs)))
-    group.reset(np.ones(n_envs, dtype=bool))
-    flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(capacity, 2) * n_envs)
-    out = ChunkRunner(group, chunk_sets(flat, capacity, n_envs), act_space)
-    out.install(pickle.dumps((cloudpickle.dumps(RandomAgent(act_space, seed=0)), 0)))
-    return out
-
-
 def test_a_run_ahead_sent_before_an_update_runs_nothing_and_leaves_its_state() -> None:
-    chunks = runner()
+    chunks = pipelined_runner()
     rule = StopRule.for_call(CallMode.FRAGMENTS, 24, 2)
     ahead = ChunkRequest(rule, 5, np.zeros(2, np.int64), np.ones(2, dtype=bool), 0, epoch=0)
     chunks.chunk.epoch[0] += 1  # an update was made after it was sent
@@ -198,7 +152,7 @@ async def test_the_host_runs_the_next_rounds_first_chunk_while_the_consumer_hold
 ) -> None:
     takeovers = count_takeovers(monkeypatch)
     for ahead in (True, False):
-        async with make_sampler(agent=VersionAgent()) as s:
+        async with make_sampler(agent=ClockAgent()) as s:
             s._core.run_ahead = ahead
             it = s.stream(ROUND, fragments=True, buffer_size=1)
             async with contextlib.aclosing(it):
@@ -226,7 +180,7 @@ async def test_batches_equal_those_without_run_ahead(
     make_sampler: SamplerFactory,
 ) -> None:
     async def run(inference: Any, ahead: bool = True) -> list[EpisodeBatch]:
-        async with make_sampler(agent=VersionAgent(), inference=inference) as s:
+        async with make_sampler(agent=ClockAgent(), inference=inference) as s:
             s._core.run_ahead = ahead
             return await stream_batches(
                 s, 6, fragments=fragments, num_samples=ROUND, delay=delay, buffer_size=buffer_size
@@ -238,8 +192,8 @@ async def test_batches_equal_those_without_run_ahead(
     got = await run(Host(chunk_steps=4))
     assert len(takeovers) >= 4 and all(takeovers), takeovers
     for a, b, c in zip(expected, without, got, strict=True):
-        assert_same(a, b)
-        assert_same(a, c)
+        assert_same_steps(a, b)
+        assert_same_steps(a, c)
 
 
 @pytest.mark.parametrize("chunk_steps", [4, 64])  # with and without a NextChunk in the part
@@ -247,7 +201,7 @@ async def test_a_run_ahead_skipped_for_an_update_is_asked_again(
     chunk_steps: int, monkeypatch: pytest.MonkeyPatch, make_sampler: SamplerFactory
 ) -> None:
     async def run(ahead: bool) -> list[EpisodeBatch]:
-        async with make_sampler(agent=VersionAgent(), inference=Host(chunk_steps)) as s:
+        async with make_sampler(agent=ClockAgent(), inference=Host(chunk_steps)) as s:
             s._core.run_ahead = ahead
             return await stream_batches(s, 5, fragments=True)
 
@@ -267,27 +221,16 @@ async def test_a_run_ahead_skipped_for_an_update_is_asked_again(
     got = await run(True)
     assert skipped and takeovers and all(takeovers)
     for a, b in zip(expected, got, strict=True):
-        assert_same(a, b)
+        assert_same_steps(a, b)
 
 
 async def test_an_update_between_rounds_applies_from_the_next_chunk(
     monkeypatch: pytest.MonkeyPatch, make_sampler: SamplerFactory
 ) -> None:
-    chunks: list[tuple[float, int]] = []  # (host clock at the first step, parameter)
-    replay = ChunkStepper._replay
-
-    def logged(
-        self: ChunkStepper, reply: ChunkReply, version: int, chunk: ChunkBuffers | None = None
-    ) -> None:
-        replay(self, reply, version, chunk)
-        infos = reply.agent_infos
-        assert isinstance(infos, dict)
-        chunks.append((float(infos["t"][0][0]), int(infos["version"][0][0])))
-
-    monkeypatch.setattr(ChunkStepper, "_replay", logged)
+    chunks = record_replays(monkeypatch)
     updates: list[tuple[float, int]] = []
     env = functools.partial(SleepyEnv, 0.001)
-    async with make_sampler(agent=VersionAgent(), env=env) as s:
+    async with make_sampler(agent=ClockAgent(), env=env) as s:
         it = s.stream(ROUND, fragments=True, buffer_size=1)
         async with contextlib.aclosing(it):
             version = 0
@@ -300,10 +243,10 @@ async def test_an_update_between_rounds_applies_from_the_next_chunk(
                 await asyncio.sleep(0.01)
                 if version == 6:
                     break
-    for first, v in chunks:
-        made = [u for t, u in updates if t < first]
-        assert v >= max(made, default=0), (first, v, updates)
-    assert {v for _, v in chunks} >= set(range(6))
+    for chunk in chunks:
+        made = [u for t, u in updates if t < chunk.first]
+        assert chunk.version >= max(made, default=0), (chunk, updates)
+    assert {c.version for c in chunks} >= set(range(6))
 
 
 async def test_closing_the_stream_then_calls_start_fresh_episodes(
@@ -316,7 +259,7 @@ async def test_closing_the_stream_then_calls_start_fresh_episodes(
         assert not any(w.episodes.ran_ahead for w in s.workers)
         assert_from_reset(await s.obtain_samples(100))
 
-    async with make_sampler(agent=VersionAgent()) as s:
+    async with make_sampler(agent=ClockAgent()) as s:
         await s.obtain_fragments(ROUND)  # the stream continues these fragments
         it = s.stream(ROUND, fragments=True, buffer_size=1)
         async with contextlib.aclosing(it):
@@ -346,7 +289,7 @@ async def test_a_stream_closed_mid_round_drops_the_chunks_run_ahead(
     # Worker 0 is fast: it finishes its part of round 2 and runs round 3's first chunk while
     # worker 1 is still stepping; the stream closes (the producer is cancelled) meanwhile.
     slow = functools.partial(SleepyEnv, 0.02)
-    async with make_sampler(agent=VersionAgent(), env=[NoisyEnv, slow]) as s:
+    async with make_sampler(agent=ClockAgent(), env=[NoisyEnv, slow]) as s:
         it = s.stream(ROUND, fragments=True, buffer_size=1)
         async with contextlib.aclosing(it):
             async for batch in it:
@@ -365,7 +308,7 @@ async def test_a_stream_closed_mid_round_drops_the_chunks_run_ahead(
 async def test_a_consumer_cancelled_while_the_producer_waits(
     no_leaks: None, make_sampler: SamplerFactory
 ) -> None:
-    async with make_sampler(agent=VersionAgent()) as s:
+    async with make_sampler(agent=ClockAgent()) as s:
         got: list[EpisodeBatch] = []
 
         async def consume() -> None:
@@ -395,7 +338,7 @@ async def test_a_host_killed_during_a_chunk_run_ahead(
     # Each env's 22nd step falls in round 2's first chunk (steps 21-24), which runs ahead.
     env = functools.partial(KillSelfEnv, STEPS + 2, str(tmp_path / "killed"))
     with caplog.at_level(logging.ERROR, logger="asyncio"):
-        async with make_sampler(agent=VersionAgent(), env=env) as s:
+        async with make_sampler(agent=ClockAgent(), env=env) as s:
             batches = await stream_batches(s, 4, fragments=True, delay=0.01, buffer_size=1)
             assert [b.n_transitions for b in batches] == [ROUND] * 4
             assert s.restarts == 1
@@ -416,7 +359,7 @@ async def test_a_host_killed_during_a_chunk_run_ahead_of_a_closed_stream(
     flag = tmp_path / "killed"
     env = functools.partial(KillSelfEnv, 3 * STEPS + 2, str(flag))
     with caplog.at_level(logging.ERROR, logger="asyncio"):
-        async with make_sampler(agent=VersionAgent(), env=env, n_workers=1) as s:
+        async with make_sampler(agent=ClockAgent(), env=env, n_workers=1) as s:
             it = s.stream(ROUND // 2, fragments=True, buffer_size=1)
             async with contextlib.aclosing(it):
                 async for _batch in it:
@@ -438,7 +381,7 @@ async def test_a_run_ahead_that_does_not_match_is_dropped_with_its_episodes(
     # is not replayed: its envs moved past the records, so every env starts a fresh episode.
     monkeypatch.setattr(host_module, "_same_request", lambda a, b: False)
     with caplog.at_level(logging.INFO, logger="asyncsample"):
-        async with make_sampler(agent=VersionAgent()) as s:
+        async with make_sampler(agent=ClockAgent()) as s:
             batches = await stream_batches(s, 4, fragments=True)
     for batch in batches:
         assert batch.n_transitions == ROUND
