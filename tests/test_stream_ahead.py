@@ -18,7 +18,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
-from envs import KillSelfEnv, NoisyEnv, SleepyEnv
+from envs import FailingEnv, KillSelfEnv, NoisyEnv, SleepyEnv
 from helpers import SamplerFactory, stays, wait_until
 from test_host_pipeline import ClockAgent, assert_same_steps, pipelined_runner, record_replays
 
@@ -329,19 +329,29 @@ async def test_a_consumer_cancelled_while_the_producer_waits(
 
 
 @pytest.mark.both_loops
-async def test_a_host_killed_during_a_chunk_run_ahead(
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+async def test_a_host_killed_or_an_env_failing_during_a_chunk_run_ahead(
+    fault: str,
+    monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
     no_leaks: None,
     make_sampler: SamplerFactory,
 ) -> None:
-    # Each env's 22nd step falls in round 2's first chunk (steps 21-24), which runs ahead.
-    env = functools.partial(KillSelfEnv, STEPS + 2, str(tmp_path / "killed"))
+    # Each env's 22nd step falls in round 2's first chunk (steps 21-24), which runs ahead: the
+    # first env there kills its host, or raises; round 2's first chunk fails and is retried.
+    flag = str(tmp_path / "fault")
+    if fault == "kill":
+        env = functools.partial(KillSelfEnv, STEPS + 2, flag)
+    else:
+        env = functools.partial(FailingEnv, flag, STEPS + 2)
+    takeovers = count_takeovers(monkeypatch)
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         async with make_sampler(agent=ClockAgent(), env=env) as s:
             batches = await stream_batches(s, 4, fragments=True, delay=0.01, buffer_size=1)
             assert [b.n_transitions for b in batches] == [ROUND] * 4
             assert s.restarts == 1
+            assert takeovers[:2] == [True, True]  # round 2 took the failing chunk over
             assert_from_reset(await s.obtain_samples(60))
         gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
