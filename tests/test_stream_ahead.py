@@ -159,13 +159,15 @@ async def test_the_host_runs_the_next_rounds_first_chunk_while_the_consumer_hold
                 async for _batch in it:
                     # The producer finishes a round, waits to hand it over (the queue is full),
                     # and, with run-ahead, each host has run the round after it's first chunk.
+                    # The consumer holds batch 1, batch 2 waits in the queue, and the producer
+                    # waits to hand over batch 3: 3 rounds, and with run-ahead round 4's first
+                    # chunk (4 steps), ran in each host before batch 2 reached the consumer.
                     if ahead:
                         await waiting_ahead(s)
+                        assert progress(s) == [3 * STEPS + 4] * 2
                     else:
-                        await wait_until(lambda: min(progress(s)) >= 2 * STEPS, 10)
-                        await asyncio.sleep(0.2)
-                        assert all(p % STEPS == 0 for p in progress(s)), progress(s)
-                    assert min(progress(s)) > STEPS  # past the batch the consumer holds
+                        await wait_until(lambda: progress(s) == [3 * STEPS] * 2, 10)
+                        assert await stays(lambda: progress(s) == [3 * STEPS] * 2, 0.3)
                     break
     assert takeovers and all(takeovers)
 
