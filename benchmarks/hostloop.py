@@ -42,6 +42,8 @@ __all__ = ["main", "measure"]
 ENVS = ["NoOp-v0", "CartPole-v1", "FixedCost-v0"]
 SLOT_ENVS = [1, 4, 16]
 CHUNK = 64
+#: The results page's section (``docs/performance.md`` copies it: ``asyncsample bench --pages``).
+HEADING = "The env host's own cost per step"
 
 
 def _best_of(rounds: int, fn: Callable[[], int]) -> float:
@@ -106,9 +108,11 @@ def measure(env_id: str, n_envs: int, chunks: int, rounds: int) -> dict[str, Any
 def table(result: dict[str, Any]) -> str:
     """The results as a markdown page."""
     lines = [
-        '# The env host\'s own cost per step (`inference="host"`)',
+        "# asyncsample benchmarks: hostloop",
         "",
         f"{result['date']} · Python {result['python']} · asyncsample from `{result['tree']}`",
+        "",
+        f"## {HEADING}",
         "",
         "The host's chunk loop (`ChunkRunner`, a random agent) run in one process, against a "
         "plain `env.step` loop with pre-drawn actions on the same env (the ceiling's loop); "
@@ -155,6 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "tree": str(Path(asyncsample.__file__).resolve().parents[1]),
+        "settings": {"quick": args.quick},
         "chunks": chunks,
         "rounds": rounds,
         "rows": rows,
