@@ -232,7 +232,6 @@ class EnvGroup:
         #: chunk loop reads it instead of testing the flags in the buffers).
         self.last_ended: list[int] = []
         self._everyone = list(range(self.n_envs))
-        self._discrete = isinstance(action_space, gym.spaces.Discrete)
 
     # -- building ---------------------------------------------------------------------------
 
@@ -488,8 +487,10 @@ class EnvGroup:
         if isinstance(actions, list):  # an action space without fixed-size rows
             return actions[:] if everyone else [actions[i] for i in indices]
         if isinstance(actions, np.ndarray):
-            if self._discrete:  # Python ints: nothing of the buffer is kept
-                return actions.tolist() if everyone else actions[indices].tolist()  # type: ignore[no-any-return]
+            if actions.ndim == 1:
+                # Numpy scalars, copies already, as gymnasium's vector envs hand them over (a
+                # Discrete space checks one faster than a Python int).
+                return list(actions) if everyone else list(actions[indices])
             # A copy: envs may keep the action they were given, and the buffer is reused.
             return list(actions.copy() if everyone else actions[indices])
         return [tree_map(lambda a, i=i: a[i].copy(), actions) for i in indices]

@@ -230,6 +230,15 @@ STUDIES: list[Study] = [
         minutes=25.0,
     ),
     Study(
+        "hostloop",
+        'the env host\'s own cost per step in inference="host" (its chunk loop with a random '
+        "agent, in one process) against a plain env.step loop: NoOp-v0, CartPole-v1, "
+        "FixedCost-v0 with 1, 4 and 16 envs per slot (own runner)",
+        script="benchmarks.hostloop",
+        script_args=((), ("--quick",)),
+        minutes=1.0,
+    ),
+    Study(
         "ab",
         "A/B of two source trees, alternating runs: --a OLD_TREE [--b NEW_TREE] (own runner)",
         script="benchmarks.ab",

@@ -28,6 +28,7 @@ SMOKE: dict[str, list[str]] = {
     "host": ["--contenders", "ceiling", "asyncsample"],
     "stragglers": ["--contenders", "ceiling", "asyncsample"],
     "soak": [],
+    "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1"],
     "ray": ["--contenders", "ceiling", "asyncsample", "asyncsample-ray"],
     "real_envs": ["--envs", "Pong-v5", "--contenders", "ceiling", "envpool-async",
                   "asyncsample"],
