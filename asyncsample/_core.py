@@ -190,6 +190,8 @@ class SamplerCore:
         self.warned_endless = False
         self.total_env_steps = 0
         self.streaming = False
+        self.run_ahead = True
+        """Whether a stream's rounds start the next one early where the mode can (a switch)."""
         self.test_env: EnvSource | None = None
         if test_env is not None:
             self.test_env = _validate.env_source("test_env", test_env)
@@ -333,13 +335,16 @@ class SamplerCore:
         resume: Resume = Resume.NOTHING,
         leave: Resume = Resume.NOTHING,
         fraction: float = 1.0,
+        ahead: bool = False,
     ) -> tuple[EpisodeBatch, SampleStats]:
         """Run every worker's share of one call and put the pieces together, worker-major.
 
         ``resume`` says what the call continues from the previous one; ``leave`` what a
         ``samples`` call leaves running for the next (``Resume.EPISODES`` in a stream).
         ``fraction`` below 1 (``fraction_samples``) shares the quota between the workers (see
-        :class:`SharedQuota`); 1 keeps the fixed per-worker shares.
+        :class:`SharedQuota`); 1 keeps the fixed per-worker shares. ``ahead`` (a stream's
+        rounds only): another round of the same call follows, so a mode may start it as a
+        worker's part ends, and this round may take over what the previous one started.
         """
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
@@ -353,8 +358,10 @@ class SamplerCore:
                 sum(share_of(quota, self.n_workers, w) > 0 for w in range(self.n_workers))
             )
 
+        then = leave if ahead and shared is None and mode != "episodes" else None
+
         async def drive(worker: Worker) -> Plan | None:
-            plan = await self._drive(worker, mode, quota, resume, leave, shared, lane_round)
+            plan = await self._drive(worker, mode, quota, resume, leave, shared, lane_round, then)
             done_at[worker.worker_number] = time.perf_counter()
             return plan
 
@@ -390,14 +397,16 @@ class SamplerCore:
         leave: Resume,
         shared: SharedQuota | None = None,
         lane_round: LaneRound | None = None,
+        then: Resume | None = None,
     ) -> Plan | None:
-        """Run one worker's part of a call, rebuilding its host after failures."""
+        """Run one worker's part of a call, rebuilding its host after failures; ``then``: a
+        stream round follows that continues what it leaves (see :meth:`sample_round`)."""
         w = worker.worker_number
         share = quota if mode == "episodes" else share_of(quota, self.n_workers, w)
         if share == 0:
             return None
         rule = StopRule.for_call(_CALL_MODES[mode], share, worker.n_envs)
-        worker.episodes.begin(resume, rule)
+        worker.episodes.begin(resume, rule, ahead=then is not None)
         if self.requests is not None:
             stepper = LaneStepper(
                 worker,
@@ -411,7 +420,10 @@ class SamplerCore:
             )
             return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):
-            return await self._drive_steps(worker, self.mode.stepper(worker), leave, shared)
+            mode_stepper = self.mode.stepper(worker, then)
+            plan = await self._drive_steps(worker, mode_stepper, leave, shared)
+            await self.mode.ended(mode_stepper)  # the plan is taken: the host may go on
+            return plan
 
     async def _drive_steps(
         self,

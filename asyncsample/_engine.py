@@ -234,6 +234,10 @@ class Episodes:
         recorder: the step rows and pieces of the current call.
         rule: where the current call stops (``None`` outside a call).
         finished: every episode completed since the sampler read it.
+        ran_ahead: a chunk past the end of the last call may have run in the env host (a
+            stream's run-ahead, see :mod:`asyncsample.inference.host`): the envs may have moved
+            past the records, so unless the next call takes that chunk over (``begin(...,
+            ahead=True)``), it starts fresh episodes in every env.
     """
 
     def __init__(self, worker: int, n_envs: int) -> None:
@@ -251,6 +255,7 @@ class Episodes:
         self.finished: list[FinishedEpisode] = []
         self.in_call = False
         self.broken = False
+        self.ran_ahead = False
         self.episode_timeout: float | None = None
         """Seconds an episode may run before it is cut as truncated (``None``: no deadline)."""
         self.deadlines = np.full(n_envs, np.inf)
@@ -260,12 +265,18 @@ class Episodes:
 
     # -- a call ---------------------------------------------------------------------------------
 
-    def begin(self, resume: Resume, rule: StopRule | None) -> None:
-        """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``."""
-        if self.in_call or self.broken:
-            # The previous call was cancelled or failed midway: nothing of it may leak.
+    def begin(self, resume: Resume, rule: StopRule | None, *, ahead: bool = False) -> None:
+        """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``.
+
+        ``ahead``: the call may take over a chunk run ahead for it (a stream's next round),
+        whose stepper then settles :attr:`ran_ahead`; any other call resets every env after one.
+        """
+        if self.in_call or self.broken or (self.ran_ahead and not ahead):
+            # The previous call was cancelled or failed midway, or the envs moved past its end:
+            # nothing of it may leak.
             resume = Resume.NOTHING
             self.needs_reset[:] = True
+            self.ran_ahead = False
         if resume is Resume.NOTHING:
             self.needs_reset |= self.lengths > 0
         self.in_call = True
@@ -275,6 +286,28 @@ class Episodes:
         if rule is not None and rule.episodes_left is not None:
             self.active[:] = rule.episodes_left > 0
         self.everyone = bool(self.active.all())
+
+    def next_start(self, resume: Resume, rule: StopRule) -> tuple[np.ndarray, np.ndarray] | None:
+        """What a call continuing ``resume`` and stopping at ``rule`` will start from: per env,
+        the rows of its running episode counted as recorded, and whether it is stepped; ``None``
+        when that call would reset an env first (nothing can run ahead of it).
+
+        Computed without :meth:`begin`, whose records must stay intact until the batch of the
+        call ending now is assembled (its plan points into them). ``resume`` must be what the
+        ending call leaves (:meth:`end`).
+        """
+        if self.broken or self.ran_ahead or self.needs_reset.any():
+            return None
+        if resume is Resume.NOTHING and bool((self.lengths > 0).any()):
+            return None
+        recorder = self.recorder
+        if resume is Resume.EPISODES:  # their rows move to the front: the counts stay
+            counts = (recorder.rows.size - recorder.piece_start).astype(np.int64)
+        else:
+            counts = np.zeros(self.n_envs, dtype=np.int64)
+        left = rule.episodes_left
+        active = np.ones(self.n_envs, dtype=bool) if left is None else left > 0
+        return counts, active
 
     def end(self, leave: Resume) -> None:
         """End a call; what ``leave`` says stays running for the next one.

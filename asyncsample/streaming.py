@@ -2,7 +2,10 @@
 
 The producer runs one sampling round after another, each resuming what the previous one left
 running; the consumer takes rounds off a bounded queue until it has ``num_samples`` transitions,
-so a slow consumer pauses the workers and memory stays flat.
+so a slow consumer pauses the workers and memory stays flat. With ``inference="host"`` on the
+``process`` backend each worker's host starts the next round's first chunk as its part of a
+round ends (:class:`~asyncsample.inference.host.RunAhead`), so the hosts do not idle while the
+slowest worker finishes, the batch is assembled and the consumer takes it.
 """
 
 from __future__ import annotations
@@ -67,8 +70,15 @@ async def stream(
             leave = Resume.FRAGMENTS if fragments else Resume.EPISODES
             try:
                 while True:
+                    # ahead: the next round follows, so inference="host" may start its first
+                    # chunks as each worker's part of this one ends (RunAhead).
                     result = await sampler.sample_round(
-                        mode, num_samples, resume=resume, leave=leave, fraction=fraction
+                        mode,
+                        num_samples,
+                        resume=resume,
+                        leave=leave,
+                        fraction=fraction,
+                        ahead=sampler.run_ahead,
                     )
                     sampler.last_mode = mode
                     resume = leave
@@ -119,6 +129,7 @@ async def stream(
             sampler.streaming = False
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
+            sampler.mode.drop_ahead()  # chunks started for a round that will not come
             sampler.admission = None
 
 

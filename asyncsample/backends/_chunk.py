@@ -190,6 +190,9 @@ class ChunkRequest:
         counts: per env, rows of its current episode already recorded by the worker.
         active: per env, whether it is stepped.
         buffer: which set of the slot's chunk buffers to fill.
+        epoch: ``None``, or (a stream's run-ahead, sent before the next round asks for it) the
+            chunk buffers' update epoch when it was sent: after an update made since, the
+            host runs nothing and keeps the request's state for the :class:`NextChunk` after it.
     """
 
     rule: StopRule
@@ -197,6 +200,7 @@ class ChunkRequest:
     counts: np.ndarray
     active: np.ndarray
     buffer: int = 0
+    epoch: int | None = None
 
 
 @dataclass
@@ -393,6 +397,9 @@ class ChunkRunner:
             rule = request.rule.copy()
             active = request.active.copy()
             counts = request.counts.astype(np.int64, copy=True)
+            if request.epoch is not None and int(self.chunk.epoch[0]) != request.epoch:
+                self._state = (rule, active, counts)  # a run-ahead sent before an update
+                return ChunkReply(0)
         self._state = None  # until this chunk has run to its end
         chunk = self.chunks[request.buffer]
         reply = self._run(chunk, request.steps, rule, active, counts)

@@ -14,9 +14,11 @@ host stops it exactly where per-step stepping stops the call (``samples``: the c
 episodes reach the share; ``exact episodes``: each env has its share of episodes and is stepped
 no more; ``fragments``: the remaining steps), so no quota is ever overshot. On the ``process``
 backend the chunks of a worker's part are pipelined (:meth:`ChunkStepper.run`): the request for
-the next chunk waits in the host while the worker replays the last one. Not across calls (the
-next call may update the agent or the envs, or reset episodes), nor under ``fraction_samples``
-(whether a worker goes on depends on the other workers), nor on ``ray``.
+the next chunk waits in the host while the worker replays the last one. Across the rounds of a
+``stream`` too: as a worker's part of a round ends, its host starts the next round's first chunk
+(:class:`RunAhead`). Not across plain calls (the next call may update the agent or the envs, or
+reset episodes), nor under ``fraction_samples`` (whether a worker goes on depends on the other
+workers), nor on ``ray``.
 
 Reproducibility: a worker's copy is installed with the worker's agent seed from the sampler's
 seed tree; an agent with a ``seed(int)`` method has it called with that seed in the host, which
@@ -24,10 +26,11 @@ is what a stochastic agent must implement to be reproducible across runs and ``n
 (the built-in :class:`~asyncsample.RandomAgent` per worker carries its seeded generator over).
 A copy reinstalled after a host restart gets the same seed again.
 
-Agent versions: an update reaches the hosts before their next chunk (a pipelined request sent
-before it is skipped by the host and asked again); the chunk in flight ends with the parameters
-it started with, and episodes are stamped with the version a chunk really
-ran with, so ``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
+Agent versions: an update applies from the next chunk to start: it reaches the hosts before
+their next chunk (a pipelined request or a stream's run-ahead sent before it is skipped by the
+host and asked again); the chunk in flight (a run-ahead among them) ends with the parameters it
+started with, and episodes are stamped with the version a chunk really ran with, so
+``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
 step: on ``process`` the host bumps a step counter in shared memory after every step and the
 main process fails the chunk when the counter stands still for ``step_timeout``; on ``ray`` the
 main process asks the actor for that count while the chunk runs, with the same verdict.
@@ -47,6 +50,7 @@ traceback and ``retry=False``.
 from __future__ import annotations
 
 import inspect
+import logging
 import pickle
 from collections import deque
 from collections.abc import Sequence
@@ -59,7 +63,7 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._assembly import Plan
 from asyncsample._engine import CallMode, Episodes, RecordStep, StopRule, Transition
-from asyncsample._recorder import row_of
+from asyncsample._recorder import Resume, row_of
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import (
     DEFAULT_CHUNK_STEPS,
@@ -71,8 +75,18 @@ from asyncsample.backends import (
     NextChunk,
     SentChunk,
 )
+from asyncsample.errors import AsyncSampleError
 
-__all__ = ["ChunkStepper", "Host", "HostInference", "check_host_agent", "pickle_agent"]
+__all__ = [
+    "ChunkStepper",
+    "Host",
+    "HostInference",
+    "RunAhead",
+    "check_host_agent",
+    "pickle_agent",
+]
+
+logger = logging.getLogger("asyncsample")
 
 
 @dataclass(frozen=True)
@@ -155,6 +169,8 @@ class HostInference:
 
     def __init__(self, options: Host) -> None:
         self.options = options
+        self.ahead: dict[int, RunAhead] = {}
+        """By worker number, the chunk sent for a stream's next round (see :class:`RunAhead`)."""
 
     # -- agents ---------------------------------------------------------------------------------
 
@@ -194,9 +210,43 @@ class HostInference:
             if host.chunk is not None:  # a queued NextChunk must not run before the update
                 host.chunk.epoch[0] += 1
 
-    def stepper(self, worker: HostWorker) -> ChunkStepper:
-        """The stepper of ``worker``'s part of a call: one chunk per request."""
-        return ChunkStepper(worker, self.options.chunk_steps)
+    def stepper(self, worker: HostWorker, then: Resume | None = None) -> ChunkStepper:
+        """The stepper of ``worker``'s part of a call: one chunk per request. ``then``: a
+        stream's next round follows, continuing what this part leaves (see :class:`RunAhead`)."""
+        return ChunkStepper(worker, self.options.chunk_steps, self.ahead, then)
+
+    def drop_ahead(self) -> None:
+        """The stream closed: nobody takes the chunks run ahead over. Their replies (or their
+        hosts' deaths) are dropped quietly; the workers' :attr:`Episodes.ran_ahead` stays set,
+        so their next call starts fresh episodes."""
+        for ahead in self.ahead.values():
+            ahead.sent.abandon()
+        self.ahead.clear()
+
+
+@dataclass
+class RunAhead:
+    """The first chunk of a stream's next round, sent as a worker's part of a round ends.
+
+    Between two rounds of a stream the hosts would otherwise idle while the slowest worker
+    finishes, the batch is assembled and the consumer takes it: the request the next round's
+    first chunk makes is known when a part ends (the same rule, and the ``counts`` and
+    ``active`` the next :meth:`~asyncsample._engine.Episodes.begin` gives,
+    :meth:`~asyncsample._engine.Episodes.next_start`), so it is sent at once. The next round's
+    stepper takes the chunk over when its own first request is the same; anything else (a
+    mismatch, the stream closed, a failure) abandons it, and the envs, which may have moved past
+    the records, start fresh episodes. The request carries the update epoch: an agent update
+    made before the host starts it makes the host skip it (the next round's first chunk then
+    runs after the update); a chunk already running ends with the parameters it started with
+    and its episodes carry that version.
+
+    Attributes:
+        sent: the request, sent.
+        request: what it asked (compared with the next round's first request).
+    """
+
+    sent: SentChunk
+    request: ChunkRequest
 
 
 class PipelinedHost(AgentHost, Protocol):
@@ -220,8 +270,19 @@ class ChunkStepper:
     request per chunk and the host never waits for the replay.
     """
 
-    def __init__(self, worker: HostWorker, chunk_steps: int) -> None:
+    def __init__(
+        self,
+        worker: HostWorker,
+        chunk_steps: int,
+        ahead: dict[int, RunAhead] | None = None,
+        then: Resume | None = None,
+    ) -> None:
         self.worker = worker
+        self.ahead = {} if ahead is None else ahead
+        self.then = then
+        """What the part leaves for a stream's next round (``None``: no round follows)."""
+        self._taken: RunAhead | None = None
+        self._ran: StopRule | None = None  # the rule of a part run by run() on a pipe
         self.host = _host(worker)
         chunk = self.host.chunk
         assert chunk is not None
@@ -233,9 +294,48 @@ class ChunkStepper:
 
     async def start(self) -> None:
         """Reset the envs that need it, once the host's agent copy is in place (so it sees the
-        same ``reset(mask)`` calls as an agent in the main process)."""
+        same ``reset(mask)`` calls as an agent in the main process); take over the chunk run
+        ahead for this part, if any (:class:`RunAhead`)."""
+        stale, self._taken = self._taken, None
+        if stale is not None:  # taken over by a try that failed: the retry restarted the host
+            stale.sent.abandon()
         await self.host.sync_agent()
+        if self.worker.episodes.ran_ahead:
+            await self._take_over()
         await self.worker.start_episode()
+
+    async def _take_over(self) -> None:
+        """Keep the chunk run ahead for this part when its request is the one the part makes
+        first; else wait for it and, if it ran, drop the episodes in progress (their envs moved
+        past the records): every env is reset."""
+        episodes = self.worker.episodes
+        episodes.ran_ahead = False
+        ahead = self.ahead.pop(self.worker.worker_number, None)
+        rule = episodes.rule
+        if (
+            ahead is not None
+            and self.pipe is not None
+            and rule is not None
+            and not episodes.needs_reset.any()
+            and _same_request(ahead.request, self._request(rule, 0))
+        ):
+            self._taken = ahead
+            return
+        if ahead is None:  # dropped with an earlier stream: start afresh, as any call would
+            episodes.recovered()
+            return
+        try:
+            ran = (await ahead.sent.wait()).steps > 0
+        finally:
+            ahead.sent.abandon()
+        if ran:
+            dropped = episodes.recovered()
+            logger.info(
+                "worker %d: the chunk run ahead for this round was not taken over; %d "
+                "episode(s) in progress were dropped",
+                self.worker.worker_number,
+                dropped,
+            )
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """One chunk, stopping where ``rule`` (or, given ``lacking``, its limit) stops."""
@@ -251,6 +351,7 @@ class ChunkStepper:
         """Chunks until ``rule`` stops (pipelined on a :class:`PipelinedHost`)."""
         if self.pipe is not None:
             await self._run_pipelined(self.pipe, rule)
+            self._ran = rule
             return
         active = self.worker.episodes.active
         while rule.more(active):
@@ -268,12 +369,16 @@ class ChunkStepper:
         """
         episodes = self.worker.episodes
         active = episodes.active
-        if not rule.more(active):
-            return
         sets, epoch = host.chunks, self.chunk.epoch
         out: deque[tuple[SentChunk, int, int | None]] = deque()  # (request, set, NextChunk epoch)
+        taken, self._taken = self._taken, None
+        if taken is not None:  # the first chunk was run ahead (set 0)
+            out.append((taken.sent, 0, taken.request.epoch))
         try:
-            out.append((await host.send_chunk(self._request(rule, 0)), 0, None))
+            if not rule.more(active):
+                return
+            if taken is None:
+                out.append((await host.send_chunk(self._request(rule, 0)), 0, None))
             if self._may_follow(rule):
                 out.append(await self._follow(host, 1))
             while out:
@@ -300,6 +405,34 @@ class ChunkStepper:
         finally:
             for sent, _, _ in out:
                 sent.abandon()
+
+    async def ended(self) -> None:
+        """The part ended and its plan was taken (the plan of a ``fragments`` part reads the
+        host's current observations): when a stream's round follows, send its first chunk
+        (:class:`RunAhead`): the rule of the same share, from what :meth:`Episodes.next_start`
+        says that round starts with. Nothing when that round would reset an env first, or when
+        the host cannot take the request (the next round meets the same trouble and recovers
+        from it)."""
+        done, then, host = self._ran, self.then, self.pipe
+        if done is None or then is None or host is None:
+            return
+        worker = self.worker
+        episodes = worker.episodes
+        rule = StopRule.for_call(done.mode, done.share, worker.n_envs)
+        start = episodes.next_start(then, rule)
+        if start is None:
+            return
+        counts, active = start
+        request = ChunkRequest(rule, self.capacity, counts, active, 0, int(self.chunk.epoch[0]))
+        try:
+            sent = await host.send_chunk(request)
+        except AsyncSampleError:
+            return
+        old = self.ahead.pop(worker.worker_number, None)
+        if old is not None:  # never two: a part takes over (or drops) its own first
+            old.sent.abandon()
+        self.ahead[worker.worker_number] = RunAhead(sent, request)
+        episodes.ran_ahead = True
 
     def _request(self, rule: StopRule, buffer: int) -> ChunkRequest:
         """A request carrying the worker's state (the first chunk of a part)."""
@@ -393,6 +526,22 @@ class ChunkStepper:
             active=worker.episodes.active.copy(),
         )
         worker.history = worker.process_transition(worker.history, transition)
+
+
+def _same_request(a: ChunkRequest, b: ChunkRequest) -> bool:
+    """Whether two chunk requests ask for the same chunk (rule, steps, state, set)."""
+    ra, rb = a.rule, b.rule
+    if (ra.mode, ra.share, ra.need, ra.steps) != (rb.mode, rb.share, rb.need, rb.steps):
+        return False
+    la, lb = ra.episodes_left, rb.episodes_left
+    if not (la is lb is None or (la is not None and lb is not None and np.array_equal(la, lb))):
+        return False
+    return (
+        a.steps == b.steps
+        and a.buffer == b.buffer
+        and np.array_equal(a.counts, b.counts)
+        and np.array_equal(a.active, b.active)
+    )
 
 
 def _with_seed(blob: bytes, seed: int) -> bytes:

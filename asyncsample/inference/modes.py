@@ -14,9 +14,10 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from asyncsample._engine import Episodes, Stepper, StepStepper
+from asyncsample._recorder import Resume
 from asyncsample.agent import Agent
 from asyncsample.inference.batched import Batched, Batcher
-from asyncsample.inference.host import Host, HostInference, HostWorker
+from asyncsample.inference.host import ChunkStepper, Host, HostInference, HostWorker
 
 __all__ = ["BatchedMode", "HostMode", "InferenceMode", "ModeWorker", "PerWorkerMode", "make_mode"]
 
@@ -45,9 +46,16 @@ class InferenceMode:
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
         """The workers exist and their envs are built."""
 
-    def stepper(self, worker: ModeWorker) -> Stepper:
-        """How ``worker``'s part of a call moves its envs."""
+    def stepper(self, worker: ModeWorker, then: Resume | None = None) -> Stepper:
+        """How ``worker``'s part of a call moves its envs; ``then``: a stream's next round
+        follows, continuing what the part leaves (a mode may start it early)."""
         return StepStepper(worker)
+
+    async def ended(self, stepper: Stepper) -> None:
+        """A worker's part of a call ended and its plan was taken (``stepper`` moved it)."""
+
+    def drop_ahead(self) -> None:
+        """A stream closed: drop what was started early for a round that will not come."""
 
     @asynccontextmanager
     async def part(self, worker: ModeWorker) -> AsyncIterator[None]:
@@ -148,9 +156,22 @@ class HostMode(InferenceMode):
         """Every worker's host gets its copy of the worker's agent."""
         self.inference.install(workers, agent_seeds)
 
-    def stepper(self, worker: ModeWorker) -> Stepper:
-        """One chunk per request."""
-        return self.inference.stepper(worker)
+    def stepper(self, worker: ModeWorker, then: Resume | None = None) -> Stepper:
+        """One chunk per request; the next round's first chunk sent as the part ends."""
+        return self.inference.stepper(worker, then)
+
+    async def ended(self, stepper: Stepper) -> None:
+        """Start the stream's next round in the host (see :meth:`ChunkStepper.ended`)."""
+        if isinstance(stepper, ChunkStepper):
+            await stepper.ended()
+
+    def drop_ahead(self) -> None:
+        """Abandon the chunks run ahead (see :class:`~asyncsample.inference.host.RunAhead`)."""
+        self.inference.drop_ahead()
+
+    def close(self) -> None:
+        """The hosts are gone: what was run ahead is dropped quietly."""
+        self.inference.drop_ahead()
 
     def apply_update(
         self,
