@@ -29,7 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: name -> (face, env id, workers, envs per worker, processes, policy?, transitions); the
 #: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``;
-#: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent).
+#: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent);
+#: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``.
 WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     "CartPole-v1 4x8 random": ("sampler", "CartPole-v1", 4, 8, 2, False, 200_000),
     "FixedCost-v0 2x4 random": ("sampler", "benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
@@ -64,6 +65,18 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         "benchmarks.envs:FixedCost-v0",
         8,
         1,
+        2,
+        False,
+        16_000,
+    ),
+    # Sampler.stream(fragments=True), rounds of 256 steps per env (what a stream's run-ahead
+    # changes: the hosts' idle between rounds)
+    "CartPole-v1 2x4 random host stream": ("host-stream", "CartPole-v1", 2, 4, 2, False, 200_000),
+    "FixedCost-v0 2x4 random host stream": (
+        "host-stream",
+        "benchmarks.envs:FixedCost-v0",
+        2,
+        4,
         2,
         False,
         16_000,
@@ -114,7 +127,27 @@ async def main():
             done += (await s.obtain_fragments(max(n // 10, workers * envs))).n_transitions
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return done, wall, cpu
-done, wall, cpu = vector() if face == "vector" else asyncio.run(main())
+async def streamed():
+    import contextlib
+    size = workers * envs * 256
+    async with Sampler(env_id, agent, n_workers=workers, envs_per_worker=envs,
+                       n_processes=procs, seed=0, inference="host") as s:
+        async with contextlib.aclosing(s.stream(size, fragments=True)) as batches:
+            k = done = 0
+            async for batch in batches:
+                k += 1
+                if k == 2:  # the first two rounds warm up
+                    cpu0, t0 = time.process_time(), time.perf_counter()
+                elif k > 2:
+                    done += batch.n_transitions
+                    if done >= n:
+                        break
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return done, wall, cpu
+if face == "vector":
+    done, wall, cpu = vector()
+else:
+    done, wall, cpu = asyncio.run(streamed() if face == "host-stream" else main())
 import asyncsample
 print(json.dumps({{"steps_per_s": done / wall, "main_cpu_us": 1e6 * cpu / done,
                   "module": asyncsample.__file__}}))
