@@ -370,6 +370,8 @@ class ChunkRunner:
 
     def _actions(self, observations: Tree) -> tuple[Tree, dict[str, np.ndarray]]:
         result = self.agent.get_actions(observations)
+        if self._trusted:  # the built-in random agent: rows of its own space, no infos
+            return result  # type: ignore[no-any-return]
         actions, infos = self._output_check.output(result)
         return self._check_actions(actions), infos
 
@@ -432,7 +434,7 @@ class ChunkRunner:
         flat_act = type(act_rows) is np.ndarray and type(buf_act) is np.ndarray
         rewards, terminated, truncated = chunk.rewards, chunk.terminated, chunk.truncated
         more, took, step, actions_for = rule.more, rule.took, group.step, self._actions
-        steps = 0
+        steps = counted = 0  # counts are up to date as of step `counted`
         for j in range(min(max_steps, chunk.capacity)):
             if not more(active):
                 break
@@ -462,11 +464,12 @@ class ChunkRunner:
             truncated[j] = buf.truncated
             steps = j + 1
             took(1)
-            counts += 1
             ended = group.last_ended
             if not ended:
                 continue
             index = np.array(ended, dtype=np.intp)
+            counts += steps - counted  # brought up to date only where an episode ends
+            counted = steps
 
             def put_final(
                 dst: np.ndarray, src: np.ndarray, j: int = j, index: np.ndarray = index
@@ -480,6 +483,7 @@ class ChunkRunner:
             done = np.zeros(group.n_envs, dtype=bool)
             done[index] = True
             self.reset_agent(done)
+        counts += steps - counted
         if steps and len(rewards) > chunk.capacity:  # the spare row: what comes next
             put_row(obs_rows, steps, buf_obs)
         return ChunkReply(steps, _pack_infos(infos_per_step), step_infos)
