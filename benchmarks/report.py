@@ -189,8 +189,10 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         f"Python {machine['python']} · numpy {v['numpy']} · gymnasium {v['gymnasium']} · "
         f"asyncsample {v['asyncsample'] or '(not installed)'}",
         "",
-        f"Transitions per second (median [min-max] of {settings.repeats} runs, each in a fresh "
-        f"process, warm-up excluded); every contender gets {settings.cores} cores. The "
+        f"Transitions per second (median [min-max] of {max(settings.repeats - 1, 1)} "
+        "uninstrumented runs, each in a fresh process, warm-up excluded; one more run per "
+        "config carries the memory and loop-lag probes and is not counted, as its probes cost "
+        f"CPU); every contender gets {settings.cores} cores. The "
         f"ceiling: {settings.cores} independent loops side by side, one process each, in the "
         "same run (`% ceiling` in every table).",
         "",
@@ -206,7 +208,8 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
     if foreign:
         n_bad = sum(f > settings.max_foreign for f in foreign)
         lines += [
-            f"Other processes on the machine used {statistics.mean(foreign):.2f} cores on "
+            f"Other processes on the machine and the hypervisor's steal took "
+            f"{statistics.mean(foreign):.2f} cores on "
             f"average during the timed phases (max {max(foreign):.2f}); {n_bad} of "
             f"{len(foreign)} runs had more than {settings.max_foreign} cores taken by others "
             "(marked `!`: a disturbed measurement).",

@@ -105,7 +105,7 @@ STUDIES: list[Study] = [
         settings={
             "envs": ["CartPole-v1"],
             "contenders": ["ceiling", "sync", "async", "asyncsample"],
-            "repeats": 2,
+            "repeats": 3,
         },
         before=("results.md",),
     ),
@@ -132,7 +132,7 @@ STUDIES: list[Study] = [
         "a torch MLP in the loop (CartPole-v1, HalfCheetah-v5; 8 and 32 envs; 128-step calls): "
         "per_worker/batched/host against Sync/AsyncVectorEnv, the two-loop ceiling and TorchRL",
         groups=("policy",),
-        settings={"contenders": _POLICY, "repeats": 2, "once": _POLICY[-4:]},
+        settings={"contenders": _POLICY, "repeats": 3, "once": _POLICY[-4:]},
         needs="torch, mujoco; TorchRL (bench extra) or skipped",
         before=("policy/results.md", "host_policy.json"),
     ),
@@ -144,7 +144,7 @@ STUDIES: list[Study] = [
         settings={
             "envs": ["CartPole-v1", "FixedCost-v0", "Image-v0"],
             "contenders": ["ceiling", "sync", "async", "asyncsample-vector"],
-            "repeats": 2,
+            "repeats": 3,
         },
         before=("vector_env.md",),
     ),
@@ -156,7 +156,7 @@ STUDIES: list[Study] = [
         settings={
             "envs": ["FixedCost-v0", "HeavyTail-v0", "CartPole-v1"],
             "contenders": ["ceiling", "async", "asyncsample"],
-            "repeats": 2,
+            "repeats": 3,
         },
         before=("host_inference.md",),
     ),
@@ -176,7 +176,7 @@ STUDIES: list[Study] = [
                 "envpool-async",
                 "asyncsample",
             ],
-            "repeats": 2,
+            "repeats": 3,
         },
         quick={"envs": ["HalfCheetah-v5"]},
         needs="ale-py, mujoco, EnvPool, torch",
@@ -199,7 +199,7 @@ STUDIES: list[Study] = [
         'backend="ray" against backend="process", same layout: CartPole-v1, Image-v0, '
         "NoiseImage-v0",
         groups=("ray",),
-        settings={"contenders": ["ceiling", "asyncsample", "asyncsample-ray"], "repeats": 2},
+        settings={"contenders": ["ceiling", "asyncsample", "asyncsample-ray"], "repeats": 3},
         needs="ray",
         before=("ray_vs_process.json",),
     ),
@@ -207,7 +207,7 @@ STUDIES: list[Study] = [
         "stragglers",
         "fraction_samples against the fixed per-worker split with a 10x slower worker",
         groups=("stragglers",),
-        settings={"contenders": ["ceiling", "asyncsample"], "repeats": 3},
+        settings={"contenders": ["ceiling", "asyncsample"], "repeats": 4},
         before=("stragglers.md",),
     ),
     Study(

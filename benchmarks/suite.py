@@ -3,8 +3,9 @@
 A *config* is one contender on one env with one layout; the suite runs every config
 ``repeats`` times, each run in a fresh process (``benchmarks._runner``), interleaving the
 configs inside each repeat so that a slow spell of the machine hits every contender alike.
-The first repeat is instrumented (memory of every process; event-loop lag for asyncsample),
-and counts towards the medians like the others.
+The first repeat is instrumented (memory of every process; event-loop lag for asyncsample);
+its probes cost CPU, so it counts towards the rates only for a config run once
+(:func:`aggregate`).
 
 Groups:
     ``ideal``: one env in a plain ``env.step`` loop; the ideal is ``cores`` x its rate.
@@ -108,9 +109,10 @@ class Settings:
         warmup_fraction: Untimed warm-up, as a fraction of the timed transitions.
         fragment_steps: asyncsample steps per env per ``obtain_fragments`` call.
         timeout: Seconds before a run is killed.
-        retry_disturbed: Re-run a run up to this many times when other processes took more
-            than ``max_foreign`` cores during its timed phase (the least disturbed is kept).
-        max_foreign: Cores other processes may take before a run counts as disturbed.
+        retry_disturbed: Re-run a run up to this many times when others (other processes, the
+            hypervisor's steal) took more than ``max_foreign`` cores during its timed phase
+            (the least disturbed is kept).
+        max_foreign: Cores others may take before a run counts as disturbed.
         quick: Tiny smoke-test settings.
         explicit: The contenders were named on the command line.
         policy_envs: Envs of the policy workload.
@@ -668,9 +670,11 @@ def execute(
 
 
 def _foreign(outcome: dict[str, Any]) -> float:
-    """Cores other processes took during a run's timed phase (0 if unknown)."""
+    """Cores others took during a run's timed phase (0 if unknown): other processes on the
+    machine, and the hypervisor's steal (CPU time a virtual machine's cores were ready to run
+    but another guest had them)."""
     cpu = outcome.get("cpu") or {}
-    return float(cpu.get("foreign_cores", 0.0))
+    return float(cpu.get("foreign_cores", 0.0)) + float(cpu.get("steal_cores", 0.0))
 
 
 def _record(
@@ -702,6 +706,13 @@ def aggregate(
 ) -> dict[str, dict[str, Any]]:
     """Per config: rates of the runs, median, min, max, status and notes.
 
+    The rates (and CPU, wall and disturbance figures) come from the uninstrumented runs when a
+    config has any: the instrumented run's probes (a task waking the sampler's event loop every
+    millisecond, memory sampling of every process) cost CPU the other runs do not pay, which on
+    a 2-core machine whose cores the env hosts keep busy slowed ``inference="host"`` by up to a
+    fifth. A config run once keeps its one run. Memory and loop lag come from the instrumented
+    run.
+
     Args:
         records: Output of :func:`execute`.
         max_foreign: A config is ``disturbed`` when other processes took more cores than
@@ -711,6 +722,7 @@ def aggregate(
         Config key -> summary.
     """
     out: dict[str, dict[str, Any]] = {}
+    plain = {r["key"] for r in records if r.get("status") == "ok" and not r.get("instrumented")}
     for rec in records:
         agg = out.setdefault(
             rec["key"],
@@ -742,7 +754,13 @@ def aggregate(
             },
         )
         status = rec.get("status")
-        if status == "ok":
+        if status == "ok" and rec.get("instrumented") and rec["key"] in plain:
+            for note in rec.get("notes") or []:
+                if note not in agg["notes"]:
+                    agg["notes"].append(note)
+            agg["memory"] = rec.get("memory") or agg["memory"]
+            agg["lag"] = rec.get("lag") or agg["lag"]
+        elif status == "ok":
             agg["rates"].append(rec["rate"])
             agg["walls"].append(rec.get("wall"))
             for note in rec.get("notes") or []:
@@ -757,7 +775,7 @@ def aggregate(
                 if "main_cores" in rec["cpu"]:
                     agg["main_cores"].append(rec["cpu"]["main_cores"])
                     agg["host_cores"].append(rec["cpu"]["host_cores"])
-                agg["foreign_cores"].append(rec["cpu"]["foreign_cores"])
+                agg["foreign_cores"].append(_foreign(rec))
         elif status == "skipped":
             if rec.get("note") and rec["note"] not in agg["notes"]:
                 agg["notes"].append(rec["note"])

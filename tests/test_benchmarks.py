@@ -149,3 +149,41 @@ def test_run_that_exits_without_a_result_reports_its_exit_code(tmp_path: Path) -
     assert outcome["status"] == "error"
     assert "exited 3 without a result" in outcome["note"]
     assert "boom" in outcome["log_tail"]
+
+
+def test_the_instrumented_run_is_not_counted_when_plain_runs_exist() -> None:
+    """Its probes cost CPU: the rates come from the other runs; a config run once keeps it."""
+    from benchmarks.suite import aggregate
+
+    def rec(key: str, rate: float, instrumented: bool, steal: float = 0.0) -> dict[str, object]:
+        cpu = {
+            "own_cores": 1.9,
+            "main_cores": 0.1,
+            "host_cores": 1.8,
+            "foreign_cores": 0.0,
+            "steal_cores": steal,
+        }
+        return {
+            "key": key,
+            "contender": "asyncsample",
+            "label": key,
+            "env": "E",
+            "n_envs": 8,
+            "layout": "2x4",
+            "n_workers": 2,
+            "envs_per_worker": 4,
+            "n_processes": 2,
+            "status": "ok",
+            "rate": rate,
+            "instrumented": instrumented,
+            "cpu": cpu,
+            "lag": {"p99": 1.0} if instrumented else None,
+        }
+
+    runs = [rec("a", 70.0, True), rec("a", 100.0, False), rec("a", 90.0, False)]
+    out = aggregate([*runs, rec("b", 50.0, True), rec("c", 10.0, False, steal=0.3)])
+    assert out["a"]["rates"] == [100.0, 90.0] and out["a"]["median"] == 95.0
+    assert out["a"]["lag"] == {"p99": 1.0}  # the probes' figures are kept
+    assert out["b"]["rates"] == [50.0]  # run once: its only run counts
+    assert out["c"]["disturbed"]  # the hypervisor's steal counts as others' CPU
+    assert not out["a"]["disturbed"]
