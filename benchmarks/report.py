@@ -189,10 +189,16 @@ def write_markdown(path: Path, results: dict[str, Any]) -> None:
         f"Python {machine['python']} · numpy {v['numpy']} · gymnasium {v['gymnasium']} · "
         f"asyncsample {v['asyncsample'] or '(not installed)'}",
         "",
-        f"Transitions per second (median [min-max] of {max(settings.repeats - 1, 1)} "
-        "uninstrumented runs, each in a fresh process, warm-up excluded; one more run per "
-        "config carries the memory and loop-lag probes and is not counted, as its probes cost "
-        f"CPU); every contender gets {settings.cores} cores. The "
+        "Transitions per second ("
+        + (
+            f"median [min-max] of {settings.repeats - 1} uninstrumented runs, each in a fresh "
+            "process, warm-up excluded; one more run per config carries the memory and "
+            "loop-lag probes and is not counted, as its probes cost CPU"
+            if settings.repeats > 1
+            else "one run per config, in a fresh process, warm-up excluded, with the memory "
+            "and loop-lag probes"
+        )
+        + f"); every contender gets {settings.cores} cores. The "
         f"ceiling: {settings.cores} independent loops side by side, one process each, in the "
         "same run (`% ceiling` in every table).",
         "",

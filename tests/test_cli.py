@@ -239,7 +239,7 @@ def test_bench_unknown_study_is_one_line_and_status_2() -> None:
 def test_bench_plan_prints_the_runs_and_the_estimated_length() -> None:
     done = run_bench("host", "--plan")
     assert done.returncode == 0, done.stderr
-    assert re.search(r"host: groups ideal, host; \d+ configs x 2 repeats = \d+ runs", done.stderr)
+    assert re.search(r"host: groups ideal, host; \d+ configs x 3 repeats = \d+ runs", done.stderr)
     assert "about" in done.stderr and "min" in done.stderr
     assert "ceiling" in done.stderr and "host 4x2/P2" in done.stderr
 
