@@ -148,6 +148,12 @@ class StopRule:
             return True
         return False
 
+    def start_active(self, n_envs: int) -> np.ndarray:
+        """Per env, whether a call under this rule steps it from the start (``EPISODES``: the
+        envs with a share of episodes left)."""
+        left = self.episodes_left
+        return np.ones(n_envs, dtype=bool) if left is None else left > 0
+
     def took(self, steps: int) -> None:
         """The worker took ``steps`` more steps."""
         if self.mode is CallMode.FRAGMENTS:
@@ -282,9 +288,7 @@ class Episodes:
         self.in_call = True
         self.recorder.begin(resume, self.lengths)
         self.rule = rule
-        self.active[:] = True
-        if rule is not None and rule.episodes_left is not None:
-            self.active[:] = rule.episodes_left > 0
+        self.active[:] = True if rule is None else rule.start_active(self.n_envs)
         self.everyone = bool(self.active.all())
 
     def next_start(self, resume: Resume, rule: StopRule) -> tuple[np.ndarray, np.ndarray] | None:
@@ -305,9 +309,7 @@ class Episodes:
             counts = (recorder.rows.size - recorder.piece_start).astype(np.int64)
         else:
             counts = np.zeros(self.n_envs, dtype=np.int64)
-        left = rule.episodes_left
-        active = np.ones(self.n_envs, dtype=bool) if left is None else left > 0
-        return counts, active
+        return counts, rule.start_active(self.n_envs)
 
     def end(self, leave: Resume) -> None:
         """End a call; what ``leave`` says stays running for the next one.
