@@ -448,7 +448,8 @@ class SamplerCore:
                             w,
                             dropped,
                         )
-                return await run_part(worker, stepper, leave, shared)
+                with worker.naming_factories():
+                    return await run_part(worker, stepper, leave, shared)
             except WorkerError as exc:
                 worker.episodes.broken = True
                 if not exc.retry or restarts >= self.max_restarts:

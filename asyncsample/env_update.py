@@ -7,9 +7,11 @@ there by :func:`apply_env_update`.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
+import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -24,6 +26,8 @@ __all__ = [
     "NewEnvUpdate",
     "SetTaskUpdate",
     "apply_env_update",
+    "describe_chain",
+    "describe_source",
     "make_env",
 ]
 
@@ -177,6 +181,49 @@ def apply_env_update(
     if old_env is not None and old_env is not new_env:
         old_env.close()
     return new_env, True
+
+
+def describe_source(source: EnvSource) -> str:
+    """Where an env comes from, for error messages: a gymnasium id, or the module and qualified
+    name of its factory (unwrapping ``functools.partial`` and the updates that hold one).
+
+    A factory pickled by value reaches an env host without its file name (cloudpickle >= 3.1.3
+    writes ``<dynamic-code>``), so the remote traceback alone may not say which env failed; the
+    caller still knows the factory.
+    """
+    while isinstance(source, functools.partial):
+        source = source.func
+    if isinstance(source, (str, EnvId)):
+        return f"gymnasium id {str(getattr(source, 'id', source))!r}"
+    if isinstance(source, NewEnvUpdate):
+        return describe_source(source.env_constructor)
+    if isinstance(source, SetTaskUpdate):
+        return f"{_qualified(source.env_type)} with task {source.task!r}"
+    if isinstance(source, gym.Env):
+        return f"a copy of a {_qualified(type(source))}"
+    if isinstance(source, type) or inspect.isroutine(source):
+        return _qualified(source)
+    return f"a {_qualified(type(source))}"
+
+
+def describe_chain(chain: Sequence[EnvSource]) -> str:
+    """:func:`describe_source` of each source that built or updated one env, in order, from the
+    last one that built it anew (an earlier env was closed and is no part of this one)."""
+    start = max(
+        (
+            i
+            for i, s in enumerate(chain)
+            if isinstance(s, NewEnvUpdate) or not isinstance(s, EnvUpdate)
+        ),
+        default=0,
+    )
+    return ", then ".join(describe_source(s) for s in chain[start:])
+
+
+def _qualified(obj: Any) -> str:
+    module = getattr(obj, "__module__", None)
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    return f"{module}.{name}" if module else str(name)
 
 
 def is_env_source(obj: Any) -> bool:

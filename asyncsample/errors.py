@@ -29,6 +29,9 @@ class WorkerError(AsyncSampleError):
         remote_traceback: the traceback text from the process that raised, if any.
         retry: whether restarting the host may help (``False`` for the caller's own mistakes,
             such as an observation that does not fit the declared space).
+        factory: where the failing env came from (its gymnasium id, or its factory's module and
+            qualified name), named by the caller: an env pickled by value has no file name in
+            the remote traceback.
     """
 
     def __init__(
@@ -39,16 +42,30 @@ class WorkerError(AsyncSampleError):
         env: int | None = None,
         remote_traceback: str | None = None,
         retry: bool = True,
+        factory: str | None = None,
     ) -> None:
-        where = f"worker {worker}" + (f", env {env}" if env is not None else "")
-        text = f"{where}: {message}"
-        if remote_traceback:
-            text += f"\n\nRemote traceback:\n{remote_traceback.rstrip()}"
-        super().__init__(text)
+        self.message = message
         self.worker = worker
         self.env = env
         self.remote_traceback = remote_traceback
         self.retry = retry
+        self.factory = factory
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        where = f"worker {self.worker}" + (f", env {self.env}" if self.env is not None else "")
+        if self.factory:
+            where += f" (made by {self.factory})"
+        text = f"{where}: {self.message}"
+        if self.remote_traceback:
+            text += f"\n\nRemote traceback:\n{self.remote_traceback.rstrip()}"
+        return text
+
+    def name_factory(self, factory: str) -> None:
+        """Name the failing env's factory in the message, once (the host may not know it)."""
+        if self.factory is None and self.env is not None and "message" in self.__dict__:
+            self.factory = factory
+            self.args = (self._text(), *self.args[1:])
 
     def __reduce__(self):  # type: ignore[no-untyped-def]
         # Keep the keyword-only fields when pickled (Ray, process boundaries).

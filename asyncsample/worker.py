@@ -13,7 +13,8 @@ as :attr:`Worker.episodes`); the sampler drives a call through the engine, not t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,8 @@ from asyncsample.agent import Agent, AgentOutput, AgentUpdate, RandomAgent, get_
 from asyncsample.backends.base import EnvHost
 from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_group import rebuild_chain
-from asyncsample.env_update import EnvChoice, EnvSource
+from asyncsample.env_update import EnvChoice, EnvSource, describe_chain
+from asyncsample.errors import WorkerError
 from asyncsample.inference.batched import Batcher
 from asyncsample.seeding import WorkerSeeds
 
@@ -132,8 +134,20 @@ class Worker:
         self._seeds = seeds
         sources = self._per_env(env, "env")
         self._chains = [[s] for s in sources]
-        await host.build(self._chains, await seeds.next_env_seeds_off_loop())
+        with self.naming_factories():
+            await host.build(self._chains, await seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
+
+    @contextlib.contextmanager
+    def naming_factories(self) -> Iterator[None]:
+        """A :class:`WorkerError` raised inside names the failing env's factory (see
+        :meth:`WorkerError.name_factory`): the caller knows it, the remote traceback may not."""
+        try:
+            yield
+        except WorkerError as exc:
+            if exc.env is not None and 0 <= exc.env < len(self._chains):
+                exc.name_factory(describe_chain(self._chains[exc.env]))
+            raise
 
     async def restart_host(self) -> int:
         """Rebuild this worker's envs after a failure; in-progress episodes are dropped.
@@ -144,7 +158,8 @@ class Worker:
         assert self.host is not None and self._seeds is not None
         self.restarts += 1
         self.episodes.broken = True
-        await self.host.restart(self._chains, await self._seeds.next_env_seeds_off_loop())
+        with self.naming_factories():
+            await self.host.restart(self._chains, await self._seeds.next_env_seeds_off_loop())
         self.episodes.broken = False
         return self.episodes.recovered()
 
@@ -209,7 +224,8 @@ class Worker:
         updates = self._per_env(env_update, "env_update")
         assert self.host is not None and self._seeds is not None
         self._chains = [rebuild_chain(c, u) for c, u in zip(self._chains, updates)]
-        await self.host.update(updates, await self._seeds.next_env_seeds_off_loop())
+        with self.naming_factories():
+            await self.host.update(updates, await self._seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
 
     async def start_episode(self) -> None:

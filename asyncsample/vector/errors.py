@@ -32,12 +32,21 @@ class SubEnvError(WorkerError):
         sub_env: index of the sub-env in the vector env.
         worker: index of the env host that held it; ``env``: the same as ``sub_env``.
         remote_traceback: the traceback text from the env-host process.
+        factory: where the sub-env came from (its gymnasium id, or its factory's module and
+            qualified name).
     """
 
     def __init__(
-        self, message: str, *, sub_env: int, host: int, remote_traceback: str | None = None
+        self,
+        message: str,
+        *,
+        sub_env: int,
+        host: int,
+        remote_traceback: str | None = None,
+        factory: str | None = None,
     ) -> None:
-        text = f"sub-env {sub_env} (env host {host}): {message}"
+        made_by = f", made by {factory}" if factory else ""
+        text = f"sub-env {sub_env} (env host {host}{made_by}): {message}"
         if remote_traceback:
             text += f"\n\nRemote traceback:\n{remote_traceback.rstrip()}"
         AsyncSampleError.__init__(self, text)
@@ -46,6 +55,7 @@ class SubEnvError(WorkerError):
         self.env = sub_env
         self.remote_traceback = remote_traceback
         self.retry = True
+        self.factory = factory
 
 
 class SubEnvAttributeError(SubEnvError, AttributeError):

@@ -37,7 +37,7 @@ from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend, pool_size
 from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.env_group import StepInfos
-from asyncsample.env_update import make_env
+from asyncsample.env_update import describe_chain, make_env
 from asyncsample.errors import WorkerError
 from asyncsample.vector._lockstep import LockstepRounds, PendingRound, StepResult
 from asyncsample.vector._sources import check_bufferable, env_sources
@@ -246,7 +246,13 @@ class HostedEnvs(LockstepRounds):
         if exc.env is not None:
             message = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
             kind = SubEnvError if cause is None else sub_env_error_class(cause.__class__)
-            err = kind(message, sub_env=a + exc.env, host=h, remote_traceback=exc.remote_traceback)
+            err = kind(
+                message,
+                sub_env=a + exc.env,
+                host=h,
+                remote_traceback=exc.remote_traceback,
+                factory=describe_chain(self._chains[a + exc.env]),
+            )
             err.retry = exc.retry
             err.__cause__ = cause
             return err
