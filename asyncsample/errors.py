@@ -54,9 +54,7 @@ class WorkerError(AsyncSampleError):
 
     def _text(self) -> str:
         where = f"worker {self.worker}" + (f", env {self.env}" if self.env is not None else "")
-        if self.factory:
-            where += f" (made by {self.factory})"
-        text = f"{where}: {self.message}"
+        text = f"{where}: {self.message}" + made_by(self.factory)
         if self.remote_traceback:
             text += f"\n\nRemote traceback:\n{self.remote_traceback.rstrip()}"
         return text
@@ -70,6 +68,11 @@ class WorkerError(AsyncSampleError):
     def __reduce__(self):  # type: ignore[no-untyped-def]
         # Keep the keyword-only fields when pickled (Ray, process boundaries).
         return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def made_by(factory: str | None) -> str:
+    """The end of an error's first line that names where the env came from (or nothing)."""
+    return f" (env made by {factory})" if factory else ""
 
 
 def _rebuild(

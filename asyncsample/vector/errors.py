@@ -12,7 +12,13 @@ from typing import Any, NoReturn
 
 from gymnasium.error import ClosedEnvironmentError
 
-from asyncsample.errors import AsyncSampleError, StepTimeoutError, WorkerCrashedError, WorkerError
+from asyncsample.errors import (
+    AsyncSampleError,
+    StepTimeoutError,
+    WorkerCrashedError,
+    WorkerError,
+    made_by,
+)
 
 __all__ = [
     "ClosedError",
@@ -45,8 +51,7 @@ class SubEnvError(WorkerError):
         remote_traceback: str | None = None,
         factory: str | None = None,
     ) -> None:
-        made_by = f", made by {factory}" if factory else ""
-        text = f"sub-env {sub_env} (env host {host}{made_by}): {message}"
+        text = f"sub-env {sub_env} (env host {host}): {message}" + made_by(factory)
         if remote_traceback:
             text += f"\n\nRemote traceback:\n{remote_traceback.rstrip()}"
         AsyncSampleError.__init__(self, text)
