@@ -95,6 +95,7 @@ class SamplerCore:
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
         episode_timeout: float | None = None,
+        close_timeout: float = 10.0,
     ) -> None:
         self.closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -120,6 +121,11 @@ class SamplerCore:
                 "step at once)"
             )
         episode_timeout = _validate.positive_seconds("episode_timeout", episode_timeout)
+        if close_timeout is None:
+            raise TypeError("close_timeout must be a number of seconds > 0, got None")
+        close_timeout = _validate.positive_seconds("close_timeout", close_timeout)
+        assert close_timeout is not None
+        self.close_timeout = close_timeout
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
         worker_class = _validate.subclass("worker_class", worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", worker_args)
@@ -218,6 +224,7 @@ class SamplerCore:
         }
         if self.lanes:
             options["max_concurrency"] = self.max_concurrency
+            options["close_timeout"] = self.close_timeout
             self.requests = ActionRequests(self.env_spec.action_space)
         options.update(self.backend_options)
         backend = make_backend(self.backend_name, **options)
@@ -417,6 +424,8 @@ class SamplerCore:
                 quota=shared,
                 resume=resume,
                 lane_round=lane_round,
+                max_restarts=self.max_restarts,
+                restarted=self._count_restart,
             )
             return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):
@@ -424,6 +433,9 @@ class SamplerCore:
             plan = await self._drive_steps(worker, mode_stepper, leave, shared)
             await self.mode.ended(mode_stepper)  # the plan is taken: the host may go on
             return plan
+
+    def _count_restart(self) -> None:
+        self.restarts += 1
 
     async def _drive_steps(
         self,

@@ -25,6 +25,7 @@ __all__ = [
     "SetTaskUpdate",
     "apply_env_update",
     "make_env",
+    "replacement",
 ]
 
 EnvSource = Any
@@ -177,6 +178,32 @@ def apply_env_update(
     if old_env is not None and old_env is not new_env:
         old_env.close()
     return new_env, True
+
+
+def replacement(update: EnvUpdate, old_env: Any) -> Any:
+    """What ``update`` puts in place of ``old_env``, without closing ``old_env``.
+
+    For the backends that close envs themselves, with a bound and off the event loop's thread
+    (``asyncio``, ``thread``): there ``old_env`` may be an async env, whose ``close`` is a
+    coroutine that :class:`NewEnvUpdate` and :class:`SetTaskUpdate` could only drop unawaited.
+    The built-in updates build their env here (of any kind: an async env for ``asyncio``); any
+    other :class:`EnvUpdate` is called as it is. The caller closes ``old_env`` when the result
+    is a different object.
+    """
+    if isinstance(update, NewEnvUpdate):
+        return update.env_constructor()
+    if isinstance(update, SetTaskUpdate):
+        if old_env is not None and type(old_env.unwrapped) is update.env_type:
+            old_env.unwrapped.set_task(update.task)
+            return old_env
+        if old_env is not None:
+            warnings.warn(
+                f"SetTaskUpdate: the env has type {type(old_env.unwrapped).__name__}, not "
+                f"{update.env_type.__name__}; closing it and building a new one",
+                stacklevel=2,
+            )
+        return update._make_env()
+    return update(old_env)
 
 
 def is_env_source(obj: Any) -> bool:

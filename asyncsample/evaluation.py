@@ -201,6 +201,7 @@ class TestEnvs:
                 backend_options=core.backend_options,
                 max_concurrency=core.max_concurrency,
                 episode_timeout=core.episode_timeout,
+                close_timeout=core.close_timeout,
             )
             self.evaluators[render] = (evaluator, key)
         batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
