@@ -42,6 +42,7 @@ from asyncsample.backends import (
     make_backend,
     pool_size,
 )
+from asyncsample.backends._closing import close_off_loop
 from asyncsample.backends.aio import probe_async_env
 from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvChoice, EnvSource, make_env
@@ -123,9 +124,11 @@ class SamplerCore:
         episode_timeout = _validate.positive_seconds("episode_timeout", episode_timeout)
         if close_timeout is None:
             raise TypeError("close_timeout must be a number of seconds > 0, got None")
-        close_timeout = _validate.positive_seconds("close_timeout", close_timeout)
-        assert close_timeout is not None
-        self.close_timeout = close_timeout
+        closing = _validate.positive_seconds("close_timeout", close_timeout)
+        assert closing is not None
+        self.close_timeout: float = closing
+        self._probe_closing: asyncio.Future[Any] | None = None
+        """The close of the env built to read the spaces, when it runs off the constructor."""
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
         worker_class = _validate.subclass("worker_class", worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", worker_args)
@@ -269,6 +272,17 @@ class SamplerCore:
         backend, self.backend = self.backend, None
         if backend is not None:
             await asyncio.shield(backend.aclose())
+        closing, self._probe_closing = self._probe_closing, None
+        if closing is not None and not closing.done():
+            # An async close bounds itself; a blocking one in its thread is abandoned here.
+            _, stuck = await asyncio.wait([closing], timeout=self.close_timeout + 1.0)
+            if stuck:
+                warnings.warn(
+                    f"the env built to read the spaces: its close() did not return within "
+                    f"close_timeout={self.close_timeout:g}s; its thread is abandoned",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
         if self.requests is not None:
             await self.requests.aclose()
         self.mode.close()
@@ -673,12 +687,15 @@ class SamplerCore:
                 max_episode_length=self._factory.max_episode_length or limit,
             )
         finally:
-            env.close()
+            self._probe_closing = close_off_loop(env)
         return spec, limit is not None
 
     def _probe_async_env(self, source: Any) -> tuple[EnvSpec, bool]:
         """:meth:`_probe_env` for ``backend="asyncio"``: the env must be an async env."""
-        observation_space, action_space, limit = probe_async_env(source)
+        observation_space, action_space, limit, closing = probe_async_env(
+            source, self.close_timeout
+        )
+        self._probe_closing = closing
         _validate.recordable_space("env: observation_space", observation_space)
         _validate.recordable_space("env: action_space", action_space)
         spec = EnvSpec(

@@ -520,6 +520,9 @@ class LaneStepper:
         needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
         deadlines = self.deadlines
         steps_left = call.steps_left if call.mode is CallMode.FRAGMENTS else None
+        # fraction_samples of fragments: the shared quota counts the steps in the records
+        # before every step, so the cursor cannot wait for the episode's end.
+        live_cursor = steps_left is not None and call.quota is not None
         lane_round = self.round
         more = call.more_of(i, lane_round)
         loop = asyncio.get_running_loop()
@@ -618,6 +621,8 @@ class LaneStepper:
                 ret += reward
                 if steps_left is not None:
                     steps_left[i] -= 1
+                    if live_cursor:
+                        cursor[i] = t
                 if terminated or truncated:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
@@ -703,8 +708,7 @@ class LaneStepper:
             if self.restarted is not None:
                 self.restarted()
             logger.warning(
-                "worker %d: rebuilding env %d (restart %d of at most %d in this call) after "
-                "%s: %s",
+                "worker %d: rebuilding env %d (restart %d of at most %d in this call) after %s: %s",
                 w,
                 i,
                 self.env_restarts[i],

@@ -194,7 +194,7 @@ def replacement(update: EnvUpdate, old_env: Any) -> Any:
         return update.env_constructor()
     if isinstance(update, SetTaskUpdate):
         if old_env is not None and type(old_env.unwrapped) is update.env_type:
-            old_env.unwrapped.set_task(update.task)
+            old_env.unwrapped.set_task(update.task)  # type: ignore[attr-defined]
             return old_env
         if old_env is not None:
             warnings.warn(

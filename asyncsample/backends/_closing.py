@@ -13,8 +13,10 @@ from deep inside the sampler.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import numbers
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +26,7 @@ import numpy as np
 from asyncsample.async_env import close_env
 from asyncsample.errors import WorkerError
 
-__all__ = ["CLOSE_TIMEOUT", "cancelled_by_env", "check_step", "close_bounded"]
+__all__ = ["CLOSE_TIMEOUT", "cancelled_by_env", "check_step", "close_bounded", "close_off_loop"]
 
 LOGGER = logging.getLogger("asyncsample")
 
@@ -78,6 +80,40 @@ async def close_bounded(env: Any, timeout: float, where: str) -> bool:
         stacklevel=2,
     )
     return False
+
+
+def close_off_loop(env: Any) -> asyncio.Future[None] | None:
+    """Close a blocking env without blocking the running loop, if one runs in this thread.
+
+    The close runs in a daemon thread of its own (a close stuck for good can neither freeze
+    the loop nor hold the interpreter's exit, as a pool's thread would); the returned future
+    (``None``: no loop runs here, so the env was closed at once) tells the loop when it is done.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        _close_sync(env)
+        return None
+    future: asyncio.Future[None] = loop.create_future()
+
+    def finished() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    def run() -> None:
+        _close_sync(env)
+        with contextlib.suppress(RuntimeError):  # the loop was closed meanwhile
+            loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=run, name="asyncsample-close", daemon=True).start()
+    return future
+
+
+def _close_sync(env: Any) -> None:
+    try:
+        env.close()
+    except Exception as exc:
+        LOGGER.debug("closing an env raised %r", exc)
 
 
 async def _close_logged(env: Any) -> None:

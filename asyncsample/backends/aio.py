@@ -186,6 +186,8 @@ class LaneHost:
         (:class:`~asyncsample._env_tasks.LaneStepper` carries them)."""
         self._obs_shape = tuple(spec.observation_space.shape or ())
         self.closed = False
+        self._closing: set[asyncio.Task[Any]] = set()
+        """Closes of rebuilt envs still running (each bounded by ``close_timeout``)."""
 
     # -- building -----------------------------------------------------------------------------
 
@@ -222,20 +224,21 @@ class LaneHost:
         await self.build(chains, seeds)
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
-        """Close env ``i`` (waiting at most ``close_timeout``) and build it again from
-        ``chain``; its next reset gets ``seed``. The other envs are not touched: a fault is
-        the env's own, not its worker's."""
+        """Build env ``i`` again from ``chain`` (its next reset gets ``seed``) and close the
+        old one in the background, bounded by ``close_timeout`` (:meth:`shut` waits for those
+        closes). The other envs are not touched: a fault is the env's own, not its worker's;
+        and a dead session whose ``close()`` never returns does not hold the new env back."""
         self._check_open("rebuild")
         env = self._guard(i, "build", self._make, chain[0], None)
         for update in chain[1:]:
             env = self._guard(i, "build", self._make, update, env)
-        # The new env is in place before the old one's close is awaited: a cancellation
-        # during that close leaves a usable env behind.
         old, self.envs[i] = self.envs[i], env
         self._seeds[i] = seed
         self._lengths[i] = 0
         if old is not None:
-            await self._close_one(i, old)
+            task = asyncio.ensure_future(self._close_one(i, old))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def _close_one(self, i: int, env: Any) -> None:
         await close_bounded(env, self.close_timeout, f"env {i} of worker {self.spec.worker}")
@@ -280,7 +283,7 @@ class LaneHost:
             )
         self._lengths[i] = 0
         self._store(i, obs, self.buffers.obs)
-        return info  # type: ignore[no-any-return]
+        return dict(info) if info else {}
 
     async def step_one(
         self, i: int, action: Any, deadline: float | None = None
@@ -494,6 +497,8 @@ class LaneHost:
         self.closed = True
         await self.drop_in_flight()
         await self._close_envs()
+        if self._closing:  # each bounded by close_timeout
+            await asyncio.wait(list(self._closing))
 
     async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
         """Cancel the carried steps of ``envs`` (default: all) and wait for them; which envs had
@@ -561,13 +566,14 @@ async def _close_quietly(env: Any) -> None:
         logging.getLogger("asyncsample").debug("closing an env raised %r", exc)
 
 
-_CLOSING: set[asyncio.Task[Any]] = set()
-
-
-def probe_async_env(source: Any) -> tuple[gym.Space[Any], gym.Space[Any], int | None]:
+def probe_async_env(
+    source: Any, close_timeout: float = CLOSE_TIMEOUT
+) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
     """Build one async env from ``source`` to read its spaces and step limit (as gymnasium's
     vector envs read a sub-env's), then close it: now if no loop runs in this thread, else as a
-    task of the running loop (a sampler's constructor cannot await).
+    task of the running loop (a sampler's constructor cannot await), bounded by
+    ``close_timeout``; that task is returned (``None`` when closed already) for ``aclose()``
+    to wait for.
 
     Raises:
         TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
@@ -592,15 +598,16 @@ def probe_async_env(source: Any) -> tuple[gym.Space[Any], gym.Space[Any], int | 
     limit = getattr(env, "max_episode_steps", None)
     if limit is None:
         limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+    task = None
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        asyncio.run(_close_quietly(env))
+        asyncio.run(close_bounded(env, close_timeout, "the env built to read the spaces"))
     else:
-        task = loop.create_task(_close_quietly(env))
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
-    return env.observation_space, env.action_space, limit
+        task = loop.create_task(
+            close_bounded(env, close_timeout, "the env built to read the spaces")
+        )
+    return env.observation_space, env.action_space, limit, task
 
 
 def make_async_env(source: EnvSource, old: Any) -> Any:
@@ -737,16 +744,19 @@ class ThreadBackend(AsyncioBackend):
             executor = self._executor
             executor.shutdown(wait=False, cancel_futures=True)
             running = [asyncio.wrap_future(f) for f in list(self._running) if not f.done()]
+            stuck: set[Any] = set()
             if running:
                 _, stuck = await asyncio.wait(running, timeout=self.close_timeout)
-                if stuck:
-                    warnings.warn(
-                        f"backend 'thread': {len(stuck)} env call(s) still run "
-                        f"close_timeout={self.close_timeout:g}s after aclose(); their threads "
-                        "are abandoned to finish on their own",
-                        ResourceWarning,
-                        stacklevel=2,
-                    )
+            if not stuck:  # every thread is idle: they exit at once; join them
+                await asyncio.to_thread(executor.shutdown, wait=True)
+            else:
+                warnings.warn(
+                    f"backend 'thread': {len(stuck)} env call(s) still run "
+                    f"close_timeout={self.close_timeout:g}s after aclose(); their threads "
+                    "are abandoned to finish on their own",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
 
     def close_now(self) -> None:
         """Stop the pool without waiting."""
