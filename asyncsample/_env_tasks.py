@@ -63,7 +63,7 @@ class ActionRequests:
     def __init__(self, action_space: Any) -> None:
         self.action_space = action_space
         self._values = make_action_check(action_space)
-        self._groups: dict[int, tuple[Agent, int, list[tuple[Tree, asyncio.Future[Any]]]]] = {}
+        self._groups: dict[int, tuple[Agent, set[int], list[tuple[Tree, asyncio.Future[Any]]]]] = {}
         self._checks: dict[int, tuple[Callable[[], object], AgentOutputCheck]] = {}
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -77,8 +77,9 @@ class ActionRequests:
         future: asyncio.Future[Any] = loop.create_future()
         group = self._groups.get(id(agent))
         if group is None:
-            self._groups[id(agent)] = (agent, worker, [(observation, future)])
+            self._groups[id(agent)] = (agent, {worker}, [(observation, future)])
         else:
+            group[1].add(worker)
             group[2].append((observation, future))
         if not self._scheduled:
             self._scheduled = True
@@ -88,7 +89,7 @@ class ActionRequests:
     def _flush(self) -> None:
         self._scheduled = False
         groups, self._groups = self._groups, {}
-        for agent, worker, requests in groups.values():
+        for agent, workers, requests in groups.values():
             live = [(o, f) for o, f in requests if not f.done()]  # cancelled lanes drop out
             if not live:
                 continue
@@ -105,17 +106,20 @@ class ActionRequests:
             if inspect.isawaitable(result):
                 task = asyncio.ensure_future(result)
                 self._tasks.add(task)
-                task.add_done_callback(functools.partial(self._awaited, agent, worker, live))
+                task.add_done_callback(
+                    functools.partial(self._awaited, agent, workers, live)
+                )
             else:
-                self._deliver(agent, worker, live, result)
+                self._deliver(agent, workers, live, result)
 
     def _awaited(
         self,
         agent: Agent,
-        worker: int,
+        workers: set[int],
         live: list[tuple[Tree, asyncio.Future[Any]]],
         task: asyncio.Task[Any],
     ) -> None:
+        worker = min(workers)
         self._tasks.discard(task)
         if task.cancelled():
             # Not a CancelledError: the lanes would take it for their own cancellation.
@@ -123,23 +127,31 @@ class ActionRequests:
         elif task.exception() is not None:
             _fail(live, task.exception())  # type: ignore[arg-type]
         else:
-            self._deliver(agent, worker, live, task.result())
+            self._deliver(agent, workers, live, task.result())
 
     def _deliver(
-        self, agent: Agent, worker: int, live: list[tuple[Tree, asyncio.Future[Any]]], result: Any
+        self,
+        agent: Agent,
+        workers: set[int],
+        live: list[tuple[Tree, asyncio.Future[Any]]],
+        result: Any,
     ) -> None:
         n = len(live)
+        worker = min(workers)
         try:
             check = self._check_of(agent, worker)
             check.worker, check.n_envs = worker, n
             actions, infos = check.output(result)
             trusted = type(agent) is RandomAgent and agent.action_space == self.action_space
+            names = ", ".join(map(str, sorted(workers)))
             actions = check_actions(
                 actions,
                 _like_rows(actions, n),
                 worker=worker,
                 action_space=self.action_space,
                 values=None if trusted else self._values,
+                rows=f"{n} rows, the observations of the envs ready at once of "
+                f"worker{'s' if len(workers) > 1 else ''} {names}",
             )
         except Exception as exc:
             _fail(live, exc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import warnings
 from typing import Any
@@ -328,3 +329,89 @@ async def test_new_env_update_with_async_envs_closes_what_it_replaces(
     assert (batch.lengths == 7).all()
     assert all(env.closed for env in first.made)  # async close awaited
     assert len(second.made) == 4
+
+
+# -- errors that name the right thing (issue 32, item 5) -------------------------------------------
+
+
+class BadStepEnv(CountingEnv):
+    """A blocking env whose 2nd step returns a malformed ``field``."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(5)
+        self.field = field
+
+    def step(self, action: Any) -> Any:
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.logic.steps_taken == 2:
+            if self.field == "reward":
+                return obs, [reward], terminated, truncated, info
+            return obs, reward, terminated, truncated, [info]
+        return obs, reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("field", ["reward", "info"])
+@pytest.mark.parametrize("backend", ["local", "thread"])
+async def test_a_malformed_step_names_worker_env_field_and_type(
+    make_sampler: SamplerFactory, backend: str, field: str
+) -> None:
+    """Before: a bare ValueError (reward) or AttributeError from the batch assembly (info)."""
+    sampler = make_sampler(backend, lambda: BadStepEnv(field), n_workers=2, max_restarts=0, seed=0)
+    # "local" raises the caller's mistake as itself (no host boundary to cross), others wrap it
+    with pytest.raises((WorkerError, TypeError)) as info:
+        await sampler.obtain_samples(20)
+    expected = (
+        "reward must be a real number, got list"
+        if field == "reward"
+        else ("info must be a dict, got list")
+    )
+    assert expected in str(info.value)
+    assert re.search(r"env 0 of worker [01]", str(info.value))
+    if isinstance(info.value, WorkerError):
+        assert info.value.worker in (0, 1) and info.value.env == 0
+
+
+class OneTooMany:
+    """A shared agent that returns one action more than the rows it was given."""
+
+    def get_actions(self, observations: np.ndarray) -> Any:
+        return np.zeros(len(observations) + 1, dtype=np.int64), {}
+
+
+async def test_a_merged_agent_call_with_too_many_actions_names_the_rows(
+    make_sampler: SamplerFactory,
+) -> None:
+    factory = EnvFactory(lambda j: CountingAsyncEnv(5))
+    sampler = make_sampler("asyncio", factory, OneTooMany(), n_workers=2, envs_per_worker=4)
+    with pytest.raises(ValueError, match="one action per row it was given") as info:
+        await sampler.obtain_samples(20)
+    text = str(info.value)
+    assert "envs_per_worker" not in text  # before: "exactly envs_per_worker (8)" with 4
+    assert "rows" in text and "of worker" in text
+
+
+async def test_evaluate_render_on_asyncio_says_why(make_sampler: SamplerFactory) -> None:
+    sampler = make_sampler("asyncio", EnvFactory(lambda j: CountingAsyncEnv(5)), n_workers=1)
+    with pytest.raises(ValueError, match=r"evaluate\(render=True\).*async env") as info:
+        await sampler.evaluate(2, render=True)
+    assert "use backend='asyncio'" not in str(info.value)  # before: on asyncio already
+
+
+async def test_a_bad_env_module_is_a_clear_error_and_exit_status_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(ValueError, match=r"env: .*'bad_module:Foo-v0'.*'bad_module'"):
+        Sampler("bad_module:Foo-v0")
+    from asyncsample.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # before: status 1, a bare traceback
+        await asyncio.to_thread(main, ["run", "bad_module:Foo-v0", "--steps", "10"])
+    assert exit_info.value.code == 2
+    assert "bad_module" in capsys.readouterr().err
+
+
+async def test_an_async_env_given_to_vector_env_is_told_what_to_use() -> None:
+    from asyncsample import VectorEnv
+
+    with pytest.raises(TypeError, match=r"Sampler\(\.\.\., backend='asyncio'\)"):
+        VectorEnv(lambda: CountingAsyncEnv(5), 2)
