@@ -185,9 +185,9 @@ class SamplerCore:
         self.env_spec, self._time_limited = self._probe_env(self.env_sources[0])
         self._check_memory(n_workers, envs_per_worker, backend)
         self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
-        if agent is None:
-            space = self.env_spec.action_space
-            self.agents = [RandomAgent(space, seed=s.agent_seed) for s in self.seeds]
+        self._random_agents = agent is None
+        """The built-in RandomAgent, one per worker: built as the sampler starts, not here
+        (building a sampler costs the loop O(1) in the number of workers)."""
         self.backend_options = backend_options
         self.workers: list[Worker] = []
         self.backend: Backend | None = None
@@ -230,6 +230,12 @@ class SamplerCore:
             options["close_timeout"] = self.close_timeout
             self.requests = ActionRequests(self.env_spec.action_space)
         options.update(self.backend_options)
+        if self._random_agents:
+            self._random_agents = False
+            if self.n_workers < _OFF_LOOP_WORKERS:
+                self.agents = self._make_random_agents()
+            else:
+                self.agents = await asyncio.to_thread(self._make_random_agents)
         backend = make_backend(self.backend_name, **options)
         self.backend = backend
         try:
@@ -527,7 +533,13 @@ class SamplerCore:
         assert agent is not None
         return agent
 
+    def _make_random_agents(self) -> list[Agent]:
+        space = self.env_spec.action_space
+        return [RandomAgent(space, seed=s.agent_seed) for s in self.seeds]
+
     def _shared_agent(self) -> bool:
+        if self._random_agents:  # one RandomAgent per worker, once started
+            return False
         agents = [w.agent for w in self.workers] if self.workers else self.agents
         return len({id(a) for a in agents}) < len(agents)
 
@@ -574,11 +586,12 @@ class SamplerCore:
         if env is None:
             raise TypeError(f"{name} must be a gymnasium id or an env factory, got None")
         per_worker = _validate.per_worker_sources(name, env, self.n_workers, self.envs_per_worker)
-        for item in per_worker:
+        distinct = {id(item): item for item in per_worker}.values()  # a shared source: once
+        for item in distinct:
             if item is None or (isinstance(item, list) and None in item):
                 raise TypeError(f"{name} must not contain None")
         if self.backend_name != "local" and not self.lanes:
-            for item in per_worker:
+            for item in distinct:
                 _validate.check_picklable(name, item)
         return per_worker
 
@@ -751,6 +764,9 @@ def _time_limit(env: gym.Env) -> int | None:
         env = env.env
     return None
 
+
+#: From this many workers, the built-in RandomAgents are built in a thread, off the loop.
+_OFF_LOOP_WORKERS = 4096
 
 _CALL_MODES: dict[Mode, CallMode] = {
     "samples": CallMode.SAMPLES,

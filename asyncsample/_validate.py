@@ -314,7 +314,9 @@ def per_worker_sources(name: str, value: object, n_workers: int, n_envs: int) ->
             )
         per_worker: list[Any] = value
     else:
-        per_worker = [value] * n_workers
+        # One source for every worker: resolved (and later pickled) once, not per worker.
+        one = per_worker_sources(name, [value], 1, n_envs)[0]
+        return [one] * n_workers
     out: list[Any] = []
     for item in per_worker:
         if isinstance(item, list):

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -415,3 +416,61 @@ async def test_an_async_env_given_to_vector_env_is_told_what_to_use() -> None:
 
     with pytest.raises(TypeError, match=r"Sampler\(\.\.\., backend='asyncio'\)"):
         VectorEnv(lambda: CountingAsyncEnv(5), 2)
+
+
+# -- building a sampler costs the loop O(1) in the number of workers (issue 32, item 6) -----------
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+async def test_a_shared_env_source_is_pickled_once_and_no_agent_is_built_per_worker(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    import asyncsample._core as core_module
+    import asyncsample._validate as validate_module
+    from asyncsample.agent import RandomAgent
+
+    pickled: list[object] = []
+    check = validate_module.check_picklable
+    monkeypatch.setattr(
+        validate_module,
+        "check_picklable",
+        lambda name, obj: (pickled.append(obj), check(name, obj)),
+    )
+    agents = 0
+
+    class Counted(RandomAgent):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            nonlocal agents
+            agents += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "RandomAgent", Counted)
+    sampler = Sampler("CartPole-v1", backend=backend, n_workers=20_000)
+    # before: the source was resolved and cloudpickled once per worker, a RandomAgent built
+    # per worker (about 50 us each in the loop's thread)
+    assert len(pickled) == (1 if backend == "process" else 0)
+    assert agents == 0
+    await sampler.aclose()  # never started: nothing was built
+
+    small = Sampler("CartPole-v1", backend=backend, n_workers=3, n_processes=1, seed=0)
+    async with small:
+        await small.obtain_samples(10)
+    assert agents == 3  # one per worker, built as it started
+
+
+class SlowCloseEnv(CountingEnv):
+    """Records the thread its close() ran in."""
+
+    closed_in: ClassVar[list[str]] = []
+
+    def close(self) -> None:
+        SlowCloseEnv.closed_in.append(threading.current_thread().name)
+        super().close()
+
+
+async def test_the_probe_env_is_closed_off_the_loop(make_sampler: SamplerFactory) -> None:
+    SlowCloseEnv.closed_in.clear()
+    sampler = make_sampler("thread", SlowCloseEnv, n_workers=1, seed=0)
+    await sampler.aclose()  # waits for the probe's close (bounded)
+    assert SlowCloseEnv.closed_in  # the probe, then the worker's env
+    assert SlowCloseEnv.closed_in[0] != threading.current_thread().name  # not the loop's
