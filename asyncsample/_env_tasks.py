@@ -106,9 +106,7 @@ class ActionRequests:
             if inspect.isawaitable(result):
                 task = asyncio.ensure_future(result)
                 self._tasks.add(task)
-                task.add_done_callback(
-                    functools.partial(self._awaited, agent, workers, live)
-                )
+                task.add_done_callback(functools.partial(self._awaited, agent, workers, live))
             else:
                 self._deliver(agent, workers, live, result)
 
