@@ -21,7 +21,6 @@ import warnings
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
-import gymnasium as gym
 import numpy as np
 import psutil
 
@@ -29,6 +28,7 @@ from asyncsample import _validate
 from asyncsample._assembly import Plan, assemble
 from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
 from asyncsample._env_tasks import ActionRequests, Admission, LaneRound, LaneStepper
+from asyncsample._probe import probe_spaces
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
@@ -42,10 +42,8 @@ from asyncsample.backends import (
     make_backend,
     pool_size,
 )
-from asyncsample.backends._closing import close_off_loop
-from asyncsample.backends.aio import probe_async_env
 from asyncsample.batch import EnvSpec, EpisodeBatch
-from asyncsample.env_update import EnvChoice, EnvSource, make_env
+from asyncsample.env_update import EnvChoice, EnvSource
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
 from asyncsample.inference.host import Host, pickle_agent
@@ -182,7 +180,12 @@ class SamplerCore:
                     f"runs in the env host), got episode_timeout={episode_timeout!r} with "
                     "inference='host'"
                 )
-        self.env_spec, self._time_limited = self._probe_env(self.env_sources[0])
+        self.env_spec, self._time_limited, self._probe_closing = probe_spaces(
+            self.env_sources[0],
+            asynchronous=self.backend_name == "asyncio",
+            max_episode_length=self._factory.max_episode_length,
+            close_timeout=self.close_timeout,
+        )
         self._check_memory(n_workers, envs_per_worker, backend)
         self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
         self._random_agents = agent is None
@@ -681,43 +684,6 @@ class SamplerCore:
             chunk_steps,
         )
 
-    def _probe_env(self, source: Any) -> tuple[EnvSpec, bool]:
-        """Build one env in this process to read its spaces (as gymnasium's vector envs do)."""
-        first = source[0] if isinstance(source, list) else source
-        if self.backend_name == "asyncio":
-            return self._probe_async_env(first)
-        try:
-            env = make_env(first)
-        except Exception as exc:
-            raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
-        try:
-            _validate.recordable_space("env: observation_space", env.observation_space)
-            _validate.recordable_space("env: action_space", env.action_space)
-            limit = _time_limit(env)
-            spec = EnvSpec(
-                observation_space=env.observation_space,
-                action_space=env.action_space,
-                max_episode_length=self._factory.max_episode_length or limit,
-            )
-        finally:
-            self._probe_closing = close_off_loop(env)
-        return spec, limit is not None
-
-    def _probe_async_env(self, source: Any) -> tuple[EnvSpec, bool]:
-        """:meth:`_probe_env` for ``backend="asyncio"``: the env must be an async env."""
-        observation_space, action_space, limit, closing = probe_async_env(
-            source, self.close_timeout
-        )
-        self._probe_closing = closing
-        _validate.recordable_space("env: observation_space", observation_space)
-        _validate.recordable_space("env: action_space", action_space)
-        spec = EnvSpec(
-            observation_space=observation_space,
-            action_space=action_space,
-            max_episode_length=self._factory.max_episode_length or limit,
-        )
-        return spec, limit is not None
-
     def warn_if_endless(self) -> None:
         self.warned_endless = True
         if self.max_episode_length is None and not self._time_limited:
@@ -754,15 +720,6 @@ class SamplerCore:
                 yield
             finally:
                 self.stream_guard.closed()
-
-
-def _time_limit(env: gym.Env) -> int | None:
-    """The episode limit of a ``TimeLimit`` wrapper around ``env``, if any."""
-    while isinstance(env, gym.Wrapper):
-        if isinstance(env, gym.wrappers.TimeLimit):
-            return int(env._max_episode_steps)
-        env = env.env
-    return None
 
 
 #: From this many workers, the built-in RandomAgents are built in a thread, off the loop.

@@ -9,8 +9,8 @@ machine's ceiling (:mod:`benchmarks.ceiling`) as a contender measured in the sam
 A *script study* is not a throughput measurement and keeps a runner of its own (its module's
 ``main(argv)``), given ``--out benchmarks/results/STUDY`` and a tiny budget for ``--quick``:
 ``soak`` (faults injected for minutes: nothing lost), ``chaos`` (faults of async envs) and
-``ab`` (an A/B of two source trees, a tool). To add a study, add a :class:`Study` to :data:`STUDIES` (a plan study names its
-groups; a new group goes in ``suite.plan``).
+``ab`` (an A/B of two source trees, a tool). To add a study, add a :class:`Study` to
+:data:`STUDIES` (a plan study names its groups; a new group goes in ``suite.plan``).
 
 Every study writes ``benchmarks/results/STUDY/results.json`` and ``results.md`` (and its
 charts, when matplotlib is installed).
