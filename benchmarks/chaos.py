@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import logging
+import os
 import platform
 import statistics
 import time
@@ -226,7 +228,12 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
         "study": "chaos",
         "backend": "asyncio",
         "not_run": "process: async envs in the env hosts do not exist yet",
-        "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "load_average": os.getloadavg(),
+        },
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "episodes_in_flight": per_worker * args.workers,
         "seconds": total_s,
