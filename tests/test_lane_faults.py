@@ -474,3 +474,32 @@ async def test_the_probe_env_is_closed_off_the_loop(make_sampler: SamplerFactory
     await sampler.aclose()  # waits for the probe's close (bounded)
     assert SlowCloseEnv.closed_in  # the probe, then the worker's env
     assert SlowCloseEnv.closed_in[0] != threading.current_thread().name  # not the loop's
+
+
+class TaskedAsyncEnv(CountingAsyncEnv):
+    """A counting env whose episode length is its task."""
+
+    def set_task(self, task: int) -> None:
+        self.logic.lo = self.logic.hi = task
+
+
+class OtherAsyncEnv(CountingAsyncEnv):
+    """Not a TaskedAsyncEnv: SetTaskUpdate rebuilds it."""
+
+
+async def test_set_task_update_with_async_envs(make_sampler: SamplerFactory) -> None:
+    """Before: every env update failed on backend='asyncio' ('use backend=asyncio')."""
+    from asyncsample import SetTaskUpdate
+
+    first = EnvFactory(lambda j: TaskedAsyncEnv(5))
+    sampler = make_sampler("asyncio", first, n_workers=1, envs_per_worker=2, seed=0)
+    batch = await sampler.obtain_exact_episodes(2, env_update=SetTaskUpdate(TaskedAsyncEnv, 3))
+    assert (batch.lengths == 3).all()
+    assert not any(env.closed for env in first.made[1:])  # retasked in place, not replaced
+
+    other = EnvFactory(lambda j: OtherAsyncEnv(5))
+    sampler = make_sampler("asyncio", other, n_workers=1, envs_per_worker=2, seed=0)
+    with pytest.warns(UserWarning, match="building a new one"):
+        batch = await sampler.obtain_exact_episodes(2, env_update=SetTaskUpdate(TaskedAsyncEnv, 4))
+    assert (batch.lengths == 4).all()
+    assert all(env.closed for env in other.made[1:])  # the replaced envs' async close awaited
