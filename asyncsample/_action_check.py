@@ -83,12 +83,16 @@ def check_actions(
     action_space: gym.Space[Any],
     values: Check | None,
     hint: str = "",
+    rows: str | None = None,
 ) -> Tree:
     """``actions`` as arrays shaped like ``expected`` (a worker's action buffers), checked.
 
     One code path for the main process's workers and the hosts' chunk runners: the number of
     actions must be the worker's env count, their per-env shape the space's, and, when a
     ``values`` check is given (``None`` for trusted agents), every action must lie in the space.
+
+    ``rows`` describes the rows asked for when they are not one worker's envs (a merged call
+    of the lane backends: "5 rows, the ready envs of workers 0, 2"), for the messages.
 
     Raises:
         ValueError: saying "action", naming the worker (and the env for a value outside the space).
@@ -104,6 +108,11 @@ def check_actions(
             n = len(want)
             if got.ndim == 0 or got.shape[0] != n:
                 count = "a scalar" if got.ndim == 0 else f"{got.shape[0]} actions"
+                if rows is not None:
+                    raise ValueError(
+                        f"action: the agent must return one action per row it was given "
+                        f"({rows}), got {count}"
+                    )
                 raise ValueError(
                     f"action: the agent of worker {worker} must return exactly "
                     f"envs_per_worker ({n}) actions, got {count}"

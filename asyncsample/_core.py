@@ -21,7 +21,6 @@ import warnings
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
-import gymnasium as gym
 import numpy as np
 import psutil
 
@@ -29,6 +28,7 @@ from asyncsample import _validate
 from asyncsample._assembly import Plan, assemble
 from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
 from asyncsample._env_tasks import ActionRequests, Admission, LaneRound, LaneStepper
+from asyncsample._probe import probe_spaces
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tree import tree_leaves
@@ -42,9 +42,8 @@ from asyncsample.backends import (
     make_backend,
     pool_size,
 )
-from asyncsample.backends.aio import probe_async_env
 from asyncsample.batch import EnvSpec, EpisodeBatch
-from asyncsample.env_update import EnvChoice, EnvSource, make_env
+from asyncsample.env_update import EnvChoice, EnvSource
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
 from asyncsample.inference.host import Host, pickle_agent
@@ -95,6 +94,7 @@ class SamplerCore:
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
         episode_timeout: float | None = None,
+        close_timeout: float = 10.0,
     ) -> None:
         self.closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -120,6 +120,13 @@ class SamplerCore:
                 "step at once)"
             )
         episode_timeout = _validate.positive_seconds("episode_timeout", episode_timeout)
+        if close_timeout is None:
+            raise TypeError("close_timeout must be a number of seconds > 0, got None")
+        closing = _validate.positive_seconds("close_timeout", close_timeout)
+        assert closing is not None
+        self.close_timeout: float = closing
+        self._probe_closing: asyncio.Future[Any] | None = None
+        """The close of the env built to read the spaces, when it runs off the constructor."""
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
         worker_class = _validate.subclass("worker_class", worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", worker_args)
@@ -173,12 +180,17 @@ class SamplerCore:
                     f"runs in the env host), got episode_timeout={episode_timeout!r} with "
                     "inference='host'"
                 )
-        self.env_spec, self._time_limited = self._probe_env(self.env_sources[0])
+        self.env_spec, self._time_limited, self._probe_closing = probe_spaces(
+            self.env_sources[0],
+            asynchronous=self.backend_name == "asyncio",
+            max_episode_length=self._factory.max_episode_length,
+            close_timeout=self.close_timeout,
+        )
         self._check_memory(n_workers, envs_per_worker, backend)
         self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
-        if agent is None:
-            space = self.env_spec.action_space
-            self.agents = [RandomAgent(space, seed=s.agent_seed) for s in self.seeds]
+        self._random_agents = agent is None
+        """The built-in RandomAgent, one per worker: built as the sampler starts, not here
+        (building a sampler costs the loop O(1) in the number of workers)."""
         self.backend_options = backend_options
         self.workers: list[Worker] = []
         self.backend: Backend | None = None
@@ -218,8 +230,15 @@ class SamplerCore:
         }
         if self.lanes:
             options["max_concurrency"] = self.max_concurrency
+            options["close_timeout"] = self.close_timeout
             self.requests = ActionRequests(self.env_spec.action_space)
         options.update(self.backend_options)
+        if self._random_agents:
+            self._random_agents = False
+            if self.n_workers < _OFF_LOOP_WORKERS:
+                self.agents = self._make_random_agents()
+            else:
+                self.agents = await asyncio.to_thread(self._make_random_agents)
         backend = make_backend(self.backend_name, **options)
         self.backend = backend
         try:
@@ -262,6 +281,17 @@ class SamplerCore:
         backend, self.backend = self.backend, None
         if backend is not None:
             await asyncio.shield(backend.aclose())
+        closing, self._probe_closing = self._probe_closing, None
+        if closing is not None and not closing.done():
+            # An async close bounds itself; a blocking one in its thread is abandoned here.
+            _, stuck = await asyncio.wait([closing], timeout=self.close_timeout + 1.0)
+            if stuck:
+                warnings.warn(
+                    f"the env built to read the spaces: its close() did not return within "
+                    f"close_timeout={self.close_timeout:g}s; its thread is abandoned",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
         if self.requests is not None:
             await self.requests.aclose()
         self.mode.close()
@@ -417,6 +447,8 @@ class SamplerCore:
                 quota=shared,
                 resume=resume,
                 lane_round=lane_round,
+                max_restarts=self.max_restarts,
+                restarted=self._count_restart,
             )
             return await self._drive_steps(worker, stepper, leave, shared)
         async with self.mode.part(worker):
@@ -424,6 +456,9 @@ class SamplerCore:
             plan = await self._drive_steps(worker, mode_stepper, leave, shared)
             await self.mode.ended(mode_stepper)  # the plan is taken: the host may go on
             return plan
+
+    def _count_restart(self) -> None:
+        self.restarts += 1
 
     async def _drive_steps(
         self,
@@ -502,7 +537,13 @@ class SamplerCore:
         assert agent is not None
         return agent
 
+    def _make_random_agents(self) -> list[Agent]:
+        space = self.env_spec.action_space
+        return [RandomAgent(space, seed=s.agent_seed) for s in self.seeds]
+
     def _shared_agent(self) -> bool:
+        if self._random_agents:  # one RandomAgent per worker, once started
+            return False
         agents = [w.agent for w in self.workers] if self.workers else self.agents
         return len({id(a) for a in agents}) < len(agents)
 
@@ -549,11 +590,12 @@ class SamplerCore:
         if env is None:
             raise TypeError(f"{name} must be a gymnasium id or an env factory, got None")
         per_worker = _validate.per_worker_sources(name, env, self.n_workers, self.envs_per_worker)
-        for item in per_worker:
+        distinct = {id(item): item for item in per_worker}.values()  # a shared source: once
+        for item in distinct:
             if item is None or (isinstance(item, list) and None in item):
                 raise TypeError(f"{name} must not contain None")
         if self.backend_name != "local" and not self.lanes:
-            for item in per_worker:
+            for item in distinct:
                 _validate.check_picklable(name, item)
         return per_worker
 
@@ -643,40 +685,6 @@ class SamplerCore:
             chunk_steps,
         )
 
-    def _probe_env(self, source: Any) -> tuple[EnvSpec, bool]:
-        """Build one env in this process to read its spaces (as gymnasium's vector envs do)."""
-        first = source[0] if isinstance(source, list) else source
-        if self.backend_name == "asyncio":
-            return self._probe_async_env(first)
-        try:
-            env = make_env(first)
-        except Exception as exc:
-            raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
-        try:
-            _validate.recordable_space("env: observation_space", env.observation_space)
-            _validate.recordable_space("env: action_space", env.action_space)
-            limit = _time_limit(env)
-            spec = EnvSpec(
-                observation_space=env.observation_space,
-                action_space=env.action_space,
-                max_episode_length=self._factory.max_episode_length or limit,
-            )
-        finally:
-            env.close()
-        return spec, limit is not None
-
-    def _probe_async_env(self, source: Any) -> tuple[EnvSpec, bool]:
-        """:meth:`_probe_env` for ``backend="asyncio"``: the env must be an async env."""
-        observation_space, action_space, limit = probe_async_env(source)
-        _validate.recordable_space("env: observation_space", observation_space)
-        _validate.recordable_space("env: action_space", action_space)
-        spec = EnvSpec(
-            observation_space=observation_space,
-            action_space=action_space,
-            max_episode_length=self._factory.max_episode_length or limit,
-        )
-        return spec, limit is not None
-
     def warn_if_endless(self) -> None:
         self.warned_endless = True
         if self.max_episode_length is None and not self._time_limited:
@@ -715,14 +723,8 @@ class SamplerCore:
                 self.stream_guard.closed()
 
 
-def _time_limit(env: gym.Env) -> int | None:
-    """The episode limit of a ``TimeLimit`` wrapper around ``env``, if any."""
-    while isinstance(env, gym.Wrapper):
-        if isinstance(env, gym.wrappers.TimeLimit):
-            return int(env._max_episode_steps)
-        env = env.env
-    return None
-
+#: From this many workers, the built-in RandomAgents are built in a thread, off the loop.
+_OFF_LOOP_WORKERS = 4096
 
 _CALL_MODES: dict[Mode, CallMode] = {
     "samples": CallMode.SAMPLES,

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import functools
 import inspect
+import logging
 import math
 import weakref
 from collections.abc import Callable
@@ -33,12 +34,16 @@ from asyncsample._engine import CallMode, SharedQuota, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import Tree, tree_map
 from asyncsample.agent import Agent, RandomAgent
+from asyncsample.backends._closing import cancelled_by_env
 from asyncsample.backends.aio import DeadlinePassed, LaneHost
+from asyncsample.errors import WorkerError
 
 if TYPE_CHECKING:
     from asyncsample.worker import Worker
 
 __all__ = ["ActionRequests", "Admission", "LaneRound", "LaneStepper"]
+
+logger = logging.getLogger("asyncsample")
 
 _NEVER = np.inf
 """The deadline of an episode without one."""
@@ -58,7 +63,7 @@ class ActionRequests:
     def __init__(self, action_space: Any) -> None:
         self.action_space = action_space
         self._values = make_action_check(action_space)
-        self._groups: dict[int, tuple[Agent, int, list[tuple[Tree, asyncio.Future[Any]]]]] = {}
+        self._groups: dict[int, tuple[Agent, set[int], list[tuple[Tree, asyncio.Future[Any]]]]] = {}
         self._checks: dict[int, tuple[Callable[[], object], AgentOutputCheck]] = {}
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -72,8 +77,9 @@ class ActionRequests:
         future: asyncio.Future[Any] = loop.create_future()
         group = self._groups.get(id(agent))
         if group is None:
-            self._groups[id(agent)] = (agent, worker, [(observation, future)])
+            self._groups[id(agent)] = (agent, {worker}, [(observation, future)])
         else:
+            group[1].add(worker)
             group[2].append((observation, future))
         if not self._scheduled:
             self._scheduled = True
@@ -83,7 +89,7 @@ class ActionRequests:
     def _flush(self) -> None:
         self._scheduled = False
         groups, self._groups = self._groups, {}
-        for agent, worker, requests in groups.values():
+        for agent, workers, requests in groups.values():
             live = [(o, f) for o, f in requests if not f.done()]  # cancelled lanes drop out
             if not live:
                 continue
@@ -100,40 +106,50 @@ class ActionRequests:
             if inspect.isawaitable(result):
                 task = asyncio.ensure_future(result)
                 self._tasks.add(task)
-                task.add_done_callback(functools.partial(self._awaited, agent, worker, live))
+                task.add_done_callback(functools.partial(self._awaited, agent, workers, live))
             else:
-                self._deliver(agent, worker, live, result)
+                self._deliver(agent, workers, live, result)
 
     def _awaited(
         self,
         agent: Agent,
-        worker: int,
+        workers: set[int],
         live: list[tuple[Tree, asyncio.Future[Any]]],
         task: asyncio.Task[Any],
     ) -> None:
+        worker = min(workers)
         self._tasks.discard(task)
         if task.cancelled():
-            _fail(live, asyncio.CancelledError())
+            # Not a CancelledError: the lanes would take it for their own cancellation.
+            _fail(live, RuntimeError(f"the agent's get_actions (worker {worker}) was cancelled"))
         elif task.exception() is not None:
             _fail(live, task.exception())  # type: ignore[arg-type]
         else:
-            self._deliver(agent, worker, live, task.result())
+            self._deliver(agent, workers, live, task.result())
 
     def _deliver(
-        self, agent: Agent, worker: int, live: list[tuple[Tree, asyncio.Future[Any]]], result: Any
+        self,
+        agent: Agent,
+        workers: set[int],
+        live: list[tuple[Tree, asyncio.Future[Any]]],
+        result: Any,
     ) -> None:
         n = len(live)
+        worker = min(workers)
         try:
             check = self._check_of(agent, worker)
             check.worker, check.n_envs = worker, n
             actions, infos = check.output(result)
             trusted = type(agent) is RandomAgent and agent.action_space == self.action_space
+            names = ", ".join(map(str, sorted(workers)))
             actions = check_actions(
                 actions,
                 _like_rows(actions, n),
                 worker=worker,
                 action_space=self.action_space,
                 values=None if trusted else self._values,
+                rows=f"{n} rows, the observations of the envs ready at once of "
+                f"worker{'s' if len(workers) > 1 else ''} {names}",
             )
         except Exception as exc:
             _fail(live, exc)
@@ -318,7 +334,15 @@ class _Call:
         if mode is CallMode.SAMPLES:
             return not self.satisfied()
         if mode is CallMode.FRAGMENTS:
-            return bool(self.steps_left[i] > 0)
+            if self.steps_left[i] <= 0:
+                return False
+            quota = self.quota
+            if quota is None:
+                return True
+            # fraction_samples: every worker's envs stop once the call's total is in (each
+            # env asks before its step, so the total passes it by at most the steps in flight).
+            quota.report(self.worker, self.episodes.count(True))
+            return not quota.may_stop(self.worker)
         return bool(self.episodes.active[i])
 
     def satisfied(self) -> bool:
@@ -360,6 +384,13 @@ class LaneStepper:
         admission: the stream's :class:`Admission`, if any.
         quota: the call's shared quota (``fraction_samples < 1``), if any: each env checks it
             before every step, so a worker stops as soon as the call may spare it.
+        max_restarts: how often one env may be rebuilt in this call; past it the env's error
+            is raised (``retry`` false: the call fails).
+        restarted: called at each rebuild of an env (the sampler counts them).
+
+    A fault is the env's own: an env that raises (its own ``CancelledError`` included), hangs
+    past ``step_timeout`` or returns a malformed step loses its episode in progress and is
+    closed (bounded by ``close_timeout``) and rebuilt, while every other env's episode goes on.
     """
 
     def __init__(
@@ -373,6 +404,8 @@ class LaneStepper:
         quota: SharedQuota | None = None,
         resume: Resume = Resume.NOTHING,
         lane_round: LaneRound | None = None,
+        max_restarts: int = 3,
+        restarted: Callable[[], None] | None = None,
     ) -> None:
         host = worker.host
         assert isinstance(host, LaneHost)
@@ -390,7 +423,11 @@ class LaneStepper:
         waits for its stragglers."""
         self.detaching = False
         self.round = lane_round if self.carry and quota is None else None
+        self.max_restarts = max_restarts
+        self.restarted = restarted
         n = worker.n_envs
+        self.env_restarts = [0] * n
+        """Rebuilds of each env in this call."""
         recorder = worker.episodes.recorder
         if recorder.cursor is None:
             recorder.cursor = np.zeros(n, dtype=np.int64)
@@ -439,7 +476,14 @@ class LaneStepper:
                 )
                 pending.discard(stop)
                 for task in done:
-                    if task is not stop and not task.cancelled() and task.exception() is not None:
+                    if task is stop:
+                        continue
+                    if task.cancelled():
+                        if not cut:  # a lane ends cancelled only when this loop cancels it
+                            raise RuntimeError(
+                                f"a lane of worker {self.worker.worker_number} ended cancelled"
+                            )
+                    elif task.exception() is not None:
                         raise task.exception()  # type: ignore[misc]
                 if stop.done() and not cut:
                     # The share is in. A plain call's steps in flight would be dropped: cut
@@ -486,6 +530,9 @@ class LaneStepper:
         needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
         deadlines = self.deadlines
         steps_left = call.steps_left if call.mode is CallMode.FRAGMENTS else None
+        # fraction_samples of fragments: the shared quota counts the steps in the records
+        # before every step, so the cursor cannot wait for the episode's end.
+        live_cursor = steps_left is not None and call.quota is not None
         lane_round = self.round
         more = call.more_of(i, lane_round)
         loop = asyncio.get_running_loop()
@@ -502,6 +549,7 @@ class LaneStepper:
                         result = await asyncio.shield(carried)
                     else:
                         if needs_reset[i]:
+                            length, ret = 0, 0.0  # a reset cut by its deadline leaves none
                             started = await self._start_episode(i, one, more)
                             length, ret, deadline = 0, 0.0, float(deadlines[i])
                             if not started:
@@ -540,6 +588,33 @@ class LaneStepper:
                     self._cut(i)
                     length, ret = 0, 0.0
                     continue
+                except WorkerError as exc:
+                    if not exc.retry:
+                        raise
+                    failure: WorkerError = exc
+                except asyncio.CancelledError as exc:
+                    if not cancelled_by_env():
+                        raise
+                    failure = WorkerError(
+                        f"env {i} of worker {w}: a call of its ended with the env's own "
+                        "CancelledError",
+                        worker=w,
+                        env=i,
+                    )
+                    failure.__cause__ = exc
+                else:
+                    failure = None  # type: ignore[assignment]
+                if failure is not None:
+                    # The env's fault, not its worker's: drop its episode, rebuild it alone.
+                    task = in_flight.pop(i, None)
+                    if task is not None:
+                        task.cancel()
+                    carried, stepping = None, False
+                    cursor[i], lengths[i], returns[i] = t, length, ret
+                    self._drop(i, call)
+                    length, ret = 0, 0.0
+                    await self._rebuild(i, failure)
+                    continue
                 if carried is not None:
                     in_flight.pop(i, None)
                     carried = None
@@ -556,6 +631,8 @@ class LaneStepper:
                 ret += reward
                 if steps_left is not None:
                     steps_left[i] -= 1
+                    if live_cursor:
+                        cursor[i] = t
                 if terminated or truncated:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
@@ -590,18 +667,72 @@ class LaneStepper:
         if self.admission is not None:
             if not await self.admission.admit(key, version, more):
                 return False
+        deadline = None
+        if self.episode_timeout is not None:  # the episode's clock starts with its reset
+            deadline = asyncio.get_running_loop().time() + self.episode_timeout
         try:
-            info = await self.host.reset_one(i)
+            info = await self.host.reset_one(i, deadline=deadline)
         except BaseException:
             if self.admission is not None:
                 self.admission.closed(key)
             raise
         episodes.started(one, {i: info} if info else {})
+        if deadline is not None:
+            self.deadlines[i] = deadline
         episodes.episode_info[i] = episodes.fresh_info(episodes.episode_info[i], i, version)
         reset = getattr(worker.agent, "reset", None)
         if reset is not None:
             reset(one.copy())
         return more()
+
+    def _drop(self, i: int, call: _Call) -> None:
+        """Env ``i`` failed: its episode in progress is dropped (its rows are never returned;
+        a fragment call redoes their steps), and it is reset before its next step."""
+        episodes = self.worker.episodes
+        recorder = episodes.recorder
+        cursor = recorder.cursor
+        assert cursor is not None
+        recorded = int(cursor[i] - recorder.piece_start[i])
+        if call.mode is CallMode.FRAGMENTS and recorded > 0:
+            call.steps_left[i] += recorded
+        recorder.piece_start[i] = cursor[i]
+        recorder.piece_position[i] = 0
+        episodes.needs_reset[i] = True
+        episodes.lengths[i] = 0
+        episodes.returns[i] = 0.0
+        self.deadlines[i] = np.inf
+        if self.admission is not None:
+            self.admission.closed((self.worker.worker_number, i))
+
+    async def _rebuild(self, i: int, failure: WorkerError) -> None:
+        """Close env ``i`` (bounded) and build it again, within the call's ``max_restarts``
+        for it; past them ``failure`` (or the rebuild's own error) is raised, not retried."""
+        worker = self.worker
+        w = worker.worker_number
+        while True:
+            if self.env_restarts[i] >= self.max_restarts:
+                failure.retry = False  # the call fails: no worker-wide rebuild either
+                raise failure
+            self.env_restarts[i] += 1
+            worker.restarts += 1
+            if self.restarted is not None:
+                self.restarted()
+            logger.warning(
+                "worker %d: rebuilding env %d (restart %d of at most %d in this call) after %s: %s",
+                w,
+                i,
+                self.env_restarts[i],
+                self.max_restarts,
+                type(failure).__name__,
+                str(failure).split("\n", 1)[0],
+            )
+            try:
+                await self.host.rebuild_one(i, worker.env_chain(i), worker.next_env_seed(i))
+                return
+            except WorkerError as exc:
+                if not exc.retry:
+                    raise
+                failure = exc
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""

@@ -286,6 +286,12 @@ def env_source(name: str, source: object) -> EnvSource:
             return EnvId(source)
         except gym.error.Error as exc:
             raise ValueError(f"{name}: unknown gymnasium env id {source!r} ({exc})") from None
+        except ImportError as exc:  # "module:EnvId": the module that registers the id
+            module = source.rpartition(":")[0]
+            raise ValueError(
+                f"{name}: gymnasium env id {source!r} names the module {module!r} to import "
+                f"first, which could not be imported ({type(exc).__name__}: {exc})"
+            ) from None
     if not is_env_source(source):
         raise TypeError(
             f"{name} must be a gymnasium id (str), a zero-argument callable returning a "
@@ -308,7 +314,9 @@ def per_worker_sources(name: str, value: object, n_workers: int, n_envs: int) ->
             )
         per_worker: list[Any] = value
     else:
-        per_worker = [value] * n_workers
+        # One source for every worker: resolved (and later pickled) once, not per worker.
+        one = per_worker_sources(name, [value], 1, n_envs)[0]
+        return [one] * n_workers
     out: list[Any] = []
     for item in per_worker:
         if isinstance(item, list):

@@ -242,7 +242,10 @@ def check_blocking_env(obj: object, name: str, backend: str | None = None) -> No
         which = "this backend" if backend is None else f"backend={backend!r}"
         raise TypeError(
             f"{name}: {which} steps blocking gymnasium envs; got {_describe(obj)}, "
-            "an async env (coroutine reset/step): use backend='asyncio' for it"
+            "an async env (coroutine reset/step): sample it with "
+            "asyncsample.Sampler(..., backend='asyncio'), which awaits its reset and step "
+            "(the vector-env faces, asyncsample.VectorEnv and the SB3 face, take blocking "
+            "envs only)"
         )
 
 

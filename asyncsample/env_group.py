@@ -13,9 +13,9 @@ control data (infos, errors) travels any other way.
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import gymnasium as gym
 import numpy as np
@@ -392,9 +392,11 @@ class EnvGroup:
                     trunc = True
                 truncs.append(trunc)
                 if info:
+                    if type(info) is not dict and not isinstance(info, Mapping):
+                        self._raise_malformed(i, "info", "a dict", info)
                     if env_infos is None:
                         env_infos = [{} for _ in range(self.n_envs)]
-                    env_infos[i] = info
+                    env_infos[i] = info  # type: ignore[assignment]  # a Mapping is allowed
                 if term or trunc:
                     done.append(i)
                     finals.append(o)
@@ -405,7 +407,17 @@ class EnvGroup:
         if misfits:
             self._store_misfits(misfits)
         where: Any = slice(None) if everyone else indices
-        buf.rewards[where] = rewards
+        try:
+            buf.rewards[where] = rewards
+        except (TypeError, ValueError):
+            for i, r in zip(indices, rewards):
+                try:
+                    ok = np.asarray(r, dtype=np.float64).ndim == 0
+                except (TypeError, ValueError):
+                    ok = False
+                if not ok:
+                    self._raise_malformed(i, "reward", "a real number", r)
+            raise
         buf.terminated[where] = terms
         buf.truncated[where] = truncs
         self.last_ended = done
@@ -526,6 +538,13 @@ class EnvGroup:
                 out[i] = item
         else:
             tree_map(lambda leaf, *vals: put(leaf, *vals), out, *items)
+
+    def _raise_malformed(self, i: int, field: str, expected: str, value: Any) -> NoReturn:
+        err = TypeError(
+            f"env {i} of worker {self.worker} returned a malformed step: {field} must be "
+            f"{expected}, got {type(value).__name__} {value!r:.80}"
+        )
+        raise EnvFailureError(EnvFailure(i, err, "", retry=False))
 
     def _raise_bad_observation(self, exc: Exception) -> None:
         expected = _shapes(self.observation_space)

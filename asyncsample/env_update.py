@@ -29,6 +29,7 @@ __all__ = [
     "describe_chain",
     "describe_source",
     "make_env",
+    "replacement",
 ]
 
 EnvSource = Any
@@ -224,6 +225,32 @@ def _qualified(obj: Any) -> str:
     module = getattr(obj, "__module__", None)
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     return f"{module}.{name}" if module else str(name)
+
+
+def replacement(update: EnvUpdate, old_env: Any) -> Any:
+    """What ``update`` puts in place of ``old_env``, without closing ``old_env``.
+
+    For the backends that close envs themselves, with a bound and off the event loop's thread
+    (``asyncio``, ``thread``): there ``old_env`` may be an async env, whose ``close`` is a
+    coroutine that :class:`NewEnvUpdate` and :class:`SetTaskUpdate` could only drop unawaited.
+    The built-in updates build their env here (of any kind: an async env for ``asyncio``); any
+    other :class:`EnvUpdate` is called as it is. The caller closes ``old_env`` when the result
+    is a different object.
+    """
+    if isinstance(update, NewEnvUpdate):
+        return update.env_constructor()
+    if isinstance(update, SetTaskUpdate):
+        if old_env is not None and type(old_env.unwrapped) is update.env_type:
+            old_env.unwrapped.set_task(update.task)  # type: ignore[attr-defined]
+            return old_env
+        if old_env is not None:
+            warnings.warn(
+                f"SetTaskUpdate: the env has type {type(old_env.unwrapped).__name__}, not "
+                f"{update.env_type.__name__}; closing it and building a new one",
+                stacklevel=2,
+            )
+        return update._make_env()
+    return update(old_env)
 
 
 def is_env_source(obj: Any) -> bool:

@@ -13,6 +13,7 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._tree import Tree
 from asyncsample.agent import Agent, AgentOutput, get_actions
+from asyncsample.async_env import is_async_env
 from asyncsample.batch import EpisodeBatch
 from asyncsample.env_update import EnvId, EnvSource, make_env
 
@@ -108,7 +109,14 @@ class RenderingEnvFactory:
         elif isinstance(self.source, EnvId):
             env = self.source(render_mode="rgb_array")
         else:
-            env = make_env(self.source)
+            built = self.source() if callable(self.source) else None
+            if built is not None and is_async_env(built):
+                raise TypeError(
+                    f"evaluate(render=True): {self.source!r} builds an async env, which has no "
+                    "render() to call between its steps; pass render=False, or have the env "
+                    "put its frames in its step infos"
+                )
+            env = make_env(self.source) if built is None else make_env(lambda: built)
         if env.render_mode != "rgb_array":
             raise ValueError(
                 f"render=True needs an env with render_mode 'rgb_array'; {self.source!r} built "
@@ -201,6 +209,7 @@ class TestEnvs:
                 backend_options=core.backend_options,
                 max_concurrency=core.max_concurrency,
                 episode_timeout=core.episode_timeout,
+                close_timeout=core.close_timeout,
             )
             self.evaluators[render] = (evaluator, key)
         batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)

@@ -48,7 +48,8 @@ class Sampler:
             stepped in lockstep: each env runs its own episodes (see :mod:`asyncsample._env_tasks`).
         step_timeout: seconds after which a step counts as a worker failure.
         max_restarts: per worker and call, how often a failed env host is rebuilt before the
-            error is raised.
+            error is raised; on ``"asyncio"`` and ``"thread"``, where a fault is the env's
+            alone, per env and call, how often that env is rebuilt.
         worker_class: the :class:`Worker` subclass to run (garage's ``worker_class``).
         worker_args: extra keyword arguments for ``worker_class``.
         backend_options: extra keyword arguments for the backend (e.g. Ray resources).
@@ -71,7 +72,15 @@ class Sampler:
             ``"thread"`` a step in flight at the deadline is cancelled (the env is reset before
             its next use; on ``"thread"`` that reset waits for the step still running in its
             thread); on the lockstep backends the deadline is checked after each step
-            (not with ``inference="host"``, which runs chunks of steps in the hosts).
+            (not with ``inference="host"``, which runs chunks of steps in the hosts). On
+            ``"asyncio"`` and ``"thread"`` it counts from the start of the episode's reset, so a
+            reset that hangs is cut too.
+        close_timeout: seconds a restart, an env update or :meth:`aclose` waits at most for an
+            env's ``close()`` (default 10). On ``"asyncio"`` a close still running then is
+            cancelled; on ``"thread"`` a close (or step) stuck in its thread is abandoned with a
+            ``ResourceWarning``. ``"process"`` and ``"ray"`` kill a host that has not exited
+            within ``min(close_timeout, 2 s)`` of being asked to; ``"local"`` closes envs in the
+            loop's thread, where a blocking close cannot be bounded.
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
@@ -98,6 +107,7 @@ class Sampler:
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
         episode_timeout: float | None = None,
+        close_timeout: float = 10.0,
     ) -> None:
         self._core = core = SamplerCore(
             env,
@@ -118,6 +128,7 @@ class Sampler:
             host_threads=host_threads,
             max_concurrency=max_concurrency,
             episode_timeout=episode_timeout,
+            close_timeout=close_timeout,
         )
         self._test_envs = TestEnvs(type(self))
         self.n_workers: int = core.n_workers
@@ -133,6 +144,7 @@ class Sampler:
         self.max_restarts: int = core.max_restarts
         self.host_threads: int | None = core.host_threads
         self.max_concurrency: int | None = core.max_concurrency
+        self.close_timeout: float = core.close_timeout
         self.episode_timeout: float | None = core.episode_timeout
         self.seed: int = core.seed
         """The root seed (drawn when ``seed=None`` was passed)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 
@@ -23,10 +25,17 @@ class WorkerSeeds:
     def __init__(self, sequence: np.random.SeedSequence, n_envs: int) -> None:
         self._sequence = sequence
         self._n_envs = n_envs
-        self.agent_seed = _to_int(_child(sequence, 0))
+        self._agent_seed: int | None = None
         # Env children are made on first use (what ``sequence.spawn(1 + n_envs)`` would give),
         # so a sampler with a million envs per worker is built at once, not in seconds.
         self._envs: dict[int, np.random.SeedSequence] = {}
+
+    @property
+    def agent_seed(self) -> int:
+        """The seed of the worker's built-in ``RandomAgent`` (drawn on first use)."""
+        if self._agent_seed is None:
+            self._agent_seed = _to_int(_child(self._sequence, 0))
+        return self._agent_seed
 
     def next_env_seed(self, env: int) -> int:
         """The seed for the next (re)build of env ``env``."""
@@ -49,12 +58,50 @@ class WorkerSeeds:
         return await asyncio.to_thread(self.next_env_seeds)
 
 
-def worker_seeds(seed: int | None, n_workers: int, n_envs: int) -> tuple[int, list[WorkerSeeds]]:
-    """The seed in use (drawn when ``seed`` is None) and the seeds of each worker."""
+class _LazySeeds(Sequence[WorkerSeeds]):
+    """The seeds of ``n_workers`` workers, each made on first use (what ``root.spawn`` would
+    give), so building a sampler of 100,000 workers costs its loop no per-worker work."""
+
+    def __init__(self, root: np.random.SeedSequence, n_workers: int, n_envs: int) -> None:
+        self._root = root
+        self._n_workers = n_workers
+        self._n_envs = n_envs
+        self._made: dict[int, WorkerSeeds] = {}
+
+    def __len__(self) -> int:
+        return self._n_workers
+
+    @overload
+    def __getitem__(self, index: int) -> WorkerSeeds: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[WorkerSeeds]: ...
+
+    def __getitem__(self, index: int | slice) -> WorkerSeeds | Sequence[WorkerSeeds]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._n_workers))]
+        if index < 0:
+            index += self._n_workers
+        if not 0 <= index < self._n_workers:
+            raise IndexError(f"worker {index} out of range for {self._n_workers} workers")
+        seeds = self._made.get(index)
+        if seeds is None:
+            seeds = self._made[index] = WorkerSeeds(_child(self._root, index), self._n_envs)
+        return seeds
+
+    def __iter__(self) -> Iterator[WorkerSeeds]:
+        return (self[i] for i in range(self._n_workers))
+
+
+def worker_seeds(
+    seed: int | None, n_workers: int, n_envs: int
+) -> tuple[int, Sequence[WorkerSeeds]]:
+    """The seed in use (drawn when ``seed`` is None) and the seeds of each worker (made on
+    first use)."""
     if seed is None:
         seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
     root = np.random.SeedSequence(seed)
-    return seed, [WorkerSeeds(child, n_envs) for child in root.spawn(n_workers)]
+    return seed, _LazySeeds(root, n_workers, n_envs)
 
 
 def _child(sequence: np.random.SeedSequence, index: int) -> np.random.SeedSequence:

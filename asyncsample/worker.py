@@ -163,6 +163,15 @@ class Worker:
         self.episodes.broken = False
         return self.episodes.recovered()
 
+    def env_chain(self, i: int) -> list[EnvSource]:
+        """What env ``i`` is built from: its source, then the updates applied to it since."""
+        return self._chains[i]
+
+    def next_env_seed(self, i: int) -> int:
+        """A fresh seed for env ``i`` rebuilt alone (the next child of its seed tree)."""
+        assert self._seeds is not None
+        return self._seeds.next_env_seed(i)
+
     def current_plan(self, *, fragments: bool = False) -> Plan:
         """Like :meth:`collect_episode`, but only where the episodes lie in the step records.
 

@@ -313,3 +313,98 @@ def duck(length: int = 10) -> EnvFactory:
 def blocking_counting(length: int = 10, latency: float = 0.0) -> EnvFactory:
     """Builds :class:`CountingEnv` (blocking; for ``backend="thread"``)."""
     return EnvFactory(lambda i: CountingEnv(length, latency))
+
+
+#: What a :class:`FaultyAsyncEnv` or :class:`FaultyEnv` does on its misbehaving step.
+FAULTS = ("raise", "cancel", "hang", "reward", "info")
+
+
+def _misbehaving_result(kind: str, result: tuple[Any, ...]) -> tuple[Any, ...]:
+    obs, reward, terminated, truncated, info = result
+    if kind == "reward":
+        return obs, [reward], terminated, truncated, info  # a list: not a number
+    return obs, reward, terminated, truncated, [info]  # an info that is a list
+
+
+class FaultyAsyncEnv(CountingAsyncEnv):
+    """A counting env whose ``at``-th step (over its life) misbehaves as ``kind`` says
+    (:data:`FAULTS`; ``None``: never), while ``budget`` allows: raise ``RuntimeError``, raise
+    ``CancelledError`` itself, hang (cancellably), or return a malformed reward or info."""
+
+    def __init__(
+        self, kind: str | None, at: int = 3, length: int = 10, budget: Budget | None = None
+    ) -> None:
+        super().__init__(length)
+        self.kind, self.at, self.budget = kind, at, budget or Budget(None)
+        self.resets = 0
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        self.resets += 1
+        return await super().reset(seed=seed, options=options)
+
+    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        kind = self.kind
+        if kind and self.logic.steps_taken + 1 == self.at and self.budget.take():
+            if kind == "raise":
+                raise RuntimeError("FaultyAsyncEnv raised")
+            if kind == "cancel":
+                raise asyncio.CancelledError("the env's own request was cancelled")
+            if kind == "hang":
+                await asyncio.Event().wait()
+            if kind in ("reward", "info"):
+                return _misbehaving_result(kind, await super().step(action))  # type: ignore[return-value]
+        return await super().step(action)
+
+
+class FaultyEnv(CountingEnv):
+    """The blocking twin of :class:`FaultyAsyncEnv` (``"hang"`` blocks its thread ``hang``
+    seconds; ``"cancel"`` raises ``asyncio.CancelledError`` from the thread)."""
+
+    def __init__(
+        self,
+        kind: str | None,
+        at: int = 3,
+        length: int = 10,
+        budget: Budget | None = None,
+        hang: float = 1.0,
+    ) -> None:
+        super().__init__(length)
+        self.kind, self.at, self.budget, self.hang = kind, at, budget or Budget(None), hang
+        self.resets = 0
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        self.resets += 1
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        kind = self.kind
+        if kind and self.logic.steps_taken + 1 == self.at and self.budget.take():
+            if kind == "raise":
+                raise RuntimeError("FaultyEnv raised")
+            if kind == "cancel":
+                raise asyncio.CancelledError("the env's own request was cancelled")
+            if kind == "hang":
+                time.sleep(self.hang)
+            if kind in ("reward", "info"):
+                return _misbehaving_result(kind, super().step(action))  # type: ignore[return-value]
+        return super().step(action)
+
+
+def faulty(
+    backend: str, kind: str, slot: int, n_envs: int, times: int | None = 1, length: int = 10
+) -> EnvFactory:
+    """Envs for ``backend`` (``"asyncio"``: async, else blocking) where only the env of worker
+    slot ``slot`` (of ``n_envs``, one worker) and its rebuilds misbehave, ``times`` times in
+    all. The factory builds the probe first (index 0), then the worker's envs in order."""
+    budget = Budget(times)
+    cls: Any = FaultyAsyncEnv if backend == "asyncio" else FaultyEnv
+
+    def build(j: int) -> Any:
+        bad = j == 1 + slot or j > n_envs  # the slot's env, and every env built after
+        return cls(kind if bad else None, 3, length, budget)
+
+    return EnvFactory(build)

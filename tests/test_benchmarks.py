@@ -28,6 +28,7 @@ SMOKE: dict[str, list[str]] = {
     "host": ["--contenders", "ceiling", "asyncsample"],
     "stragglers": ["--contenders", "ceiling", "asyncsample"],
     "soak": [],
+    "chaos": [],
     "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1"],
     "ray": ["--contenders", "ceiling", "asyncsample", "asyncsample-ray"],
     "real_envs": ["--envs", "Pong-v5", "--contenders", "ceiling", "envpool-async",
@@ -75,6 +76,19 @@ def test_study_smoke_run(name: str, tmp_path: Path) -> None:
         assert "ceiling" in (tmp_path / "results.md").read_text()
     if name == "throughput":
         assert (tmp_path / "throughput.png").stat().st_size > 1000
+
+
+def test_chaos_smoke_run_passes_its_checks(tmp_path: Path) -> None:
+    """The chaos study's CI run: faults were injected and every check held."""
+    from benchmarks.chaos import main
+
+    code = main(["--quick", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0, result["checks"]
+    assert result["faults"]["raise"] >= 1 and result["faults"]["dead_env_calls"] >= 1
+    assert result["healthy_episodes_lost"] == 0
+    assert result["peak_env_calls_in_flight"] <= result["args"]["max_concurrency"]
+    assert not result["tasks_left"]
 
 
 def test_torchrl_collector_drives_the_policy(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,12 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env, close_env
+from asyncsample.backends._closing import (
+    CLOSE_TIMEOUT,
+    cancelled_by_env,
+    check_step,
+    close_bounded,
+)
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends.base import (
     LOGGER,
@@ -43,7 +50,7 @@ from asyncsample.env_group import (
     reset_arguments,
     set_attr_targets,
 )
-from asyncsample.env_update import EnvSource, EnvUpdate, make_env
+from asyncsample.env_update import EnvSource, EnvUpdate, make_env, replacement
 from asyncsample.errors import StepTimeoutError, WorkerError
 
 __all__ = [
@@ -78,12 +85,25 @@ class ThreadedEnv:
     interrupted; the env is not touched by two threads at once).
     """
 
-    def __init__(self, env: gym.Env, executor: concurrent.futures.Executor) -> None:
+    def __init__(
+        self,
+        env: gym.Env,
+        executor: concurrent.futures.Executor,
+        running: set[concurrent.futures.Future[Any]] | None = None,
+    ) -> None:
         self.env = env
         self.observation_space = env.observation_space
         self.action_space = env.action_space
         self._executor = executor
         self._busy: concurrent.futures.Future[Any] | None = None
+        self._running = running if running is not None else set()
+        """Every call submitted and not finished (the backend's, shared by its envs)."""
+
+    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        future = self._executor.submit(fn, *args, **kwargs)
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        return future
 
     @property
     def unwrapped(self) -> Any:
@@ -94,7 +114,7 @@ class ThreadedEnv:
         busy = self._busy
         if busy is not None and not busy.done():
             await asyncio.wait([asyncio.wrap_future(busy)])
-        future = self._executor.submit(fn, *args, **kwargs)
+        future = self._submit(fn, *args, **kwargs)
         self._busy = future
         return await asyncio.wrap_future(future)
 
@@ -117,11 +137,11 @@ class ThreadedEnv:
         the caller as long as the stuck call lasts."""
         busy = self._busy
         if busy is not None and not busy.done():
-            env, executor = self.env, self._executor
+            env = self.env
 
             def close_after(_: concurrent.futures.Future[Any]) -> None:
                 with contextlib.suppress(RuntimeError):  # the pool was shut down meanwhile
-                    executor.submit(env.close)
+                    self._submit(env.close)
 
             busy.add_done_callback(close_after)
             return
@@ -137,6 +157,8 @@ class LaneHost:
             choice (async envs as they are, blocking envs wrapped in :class:`ThreadedEnv`).
         step_timeout: seconds a step may take before it counts as a failure (``None``: never).
         limiter: caps the env calls in flight across the sampler (``None``: no cap).
+        close_timeout: the longest an env's ``close()`` is waited for (a rebuild, an update,
+            :meth:`shut`); past it the close is cancelled or abandoned with a warning.
     """
 
     def __init__(
@@ -145,12 +167,14 @@ class LaneHost:
         make: Callable[[EnvSource, Any], Any],
         step_timeout: float | None,
         limiter: asyncio.Semaphore | None,
+        close_timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         self.spec = spec
         self.n_envs = spec.n_envs
         self.buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
         self._make = make
         self.step_timeout = step_timeout
+        self.close_timeout = close_timeout
         self._limiter = limiter
         self.envs: list[Any] = [None] * spec.n_envs
         self._seeds: list[int | None] = [None] * spec.n_envs
@@ -162,6 +186,8 @@ class LaneHost:
         (:class:`~asyncsample._env_tasks.LaneStepper` carries them)."""
         self._obs_shape = tuple(spec.observation_space.shape or ())
         self.closed = False
+        self._closing: set[asyncio.Task[Any]] = set()
+        """Closes of rebuilt envs still running (each bounded by ``close_timeout``)."""
 
     # -- building -----------------------------------------------------------------------------
 
@@ -187,8 +213,8 @@ class LaneHost:
             old = self.envs[i]
             env = self._guard(i, "update", self._make, update, old)
             if env is not old:
-                if not isinstance(update, EnvUpdate) and old is not None:
-                    await _close_quietly(old)
+                if old is not None:  # the lane backends' updates leave the closing to us
+                    await self._close_one(i, old)
                 self._seeds[i] = seeds[i]
             self.envs[i] = env
 
@@ -197,23 +223,67 @@ class LaneHost:
         LOGGER.info("worker %d: rebuilding its envs in the event loop", self.spec.worker)
         await self.build(chains, seeds)
 
+    async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
+        """Build env ``i`` again from ``chain`` (its next reset gets ``seed``) and close the
+        old one in the background, bounded by ``close_timeout`` (:meth:`shut` waits for those
+        closes). The other envs are not touched: a fault is the env's own, not its worker's;
+        and a dead session whose ``close()`` never returns does not hold the new env back."""
+        self._check_open("rebuild")
+        env = self._guard(i, "build", self._make, chain[0], None)
+        for update in chain[1:]:
+            env = self._guard(i, "build", self._make, update, env)
+        old, self.envs[i] = self.envs[i], env
+        self._seeds[i] = seed
+        self._lengths[i] = 0
+        if old is not None:
+            task = asyncio.ensure_future(self._close_one(i, old))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _close_one(self, i: int, env: Any) -> None:
+        await close_bounded(env, self.close_timeout, f"env {i} of worker {self.spec.worker}")
+
     # -- one env at a time (the non-lockstep stepper) ----------------------------------------
 
     async def reset_one(
-        self, i: int, seed: Any = _PENDING, options: dict[str, Any] | None = None
+        self,
+        i: int,
+        seed: Any = _PENDING,
+        options: dict[str, Any] | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
         """Reset env ``i`` (with its pending seed by default); its observation goes to
-        ``buffers.obs[i]``; returns the reset info."""
+        ``buffers.obs[i]``; returns the reset info.
+
+        Raises:
+            DeadlinePassed: the loop time ``deadline`` (the new episode's, which counts from
+                the start of its reset) came first; the reset was cancelled.
+        """
         self._check_open("reset")
         env = self.envs[i]
         pending, self._seeds[i] = self._seeds[i], None
         if seed is _PENDING:
             seed = pending
         call = env.reset(seed=seed) if options is None else env.reset(seed=seed, options=options)
-        obs, info = await self._await(i, "reset", call, None)
+        result = await self._await(i, "reset", call, deadline)
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            raise WorkerError(
+                f"env {i} of worker {self.spec.worker} returned a malformed reset: it must be "
+                f"a tuple (observation, info), got {type(result).__name__} {result!r:.80}",
+                worker=self.spec.worker,
+                env=i,
+            )
+        obs, info = result
+        if info is not None and not isinstance(info, Mapping):
+            raise WorkerError(
+                f"env {i} of worker {self.spec.worker} returned a malformed reset: info must "
+                f"be a dict, got {type(info).__name__} {info!r:.80}",
+                worker=self.spec.worker,
+                env=i,
+            )
         self._lengths[i] = 0
         self._store(i, obs, self.buffers.obs)
-        return info  # type: ignore[no-any-return]
+        return dict(info) if info else {}
 
     async def step_one(
         self, i: int, action: Any, deadline: float | None = None
@@ -234,13 +304,28 @@ class LaneHost:
         if deadline is None and self._plain:
             # The hot path (no limiter, no timeout): the env's own coroutine, awaited here.
             try:
-                obs, reward, terminated, truncated, info = await call
-            except (asyncio.CancelledError, WorkerError):
+                result = await call
+            except WorkerError:
                 raise
+            except asyncio.CancelledError as exc:
+                if not cancelled_by_env():
+                    raise
+                raise _env_error(self.spec.worker, i, "step", exc) from exc
             except Exception as exc:
                 raise _env_error(self.spec.worker, i, "step", exc) from exc
         else:
-            obs, reward, terminated, truncated, info = await self._await(i, "step", call, deadline)
+            result = await self._await(i, "step", call, deadline)
+        if type(result) is tuple and len(result) == 5:
+            obs, reward, terminated, truncated, info = result
+        else:
+            obs, reward, terminated, truncated, info = check_step(result, self.spec.worker, i)
+        if (
+            (type(reward) is not float and type(reward) is not int)
+            or type(terminated) is not bool
+            or type(truncated) is not bool
+            or (type(info) is not dict and info is not None)
+        ):
+            obs, reward, terminated, truncated, info = check_step(result, self.spec.worker, i)
         n = self._lengths[i] + 1
         self._lengths[i] = n
         limit = self.spec.max_episode_length
@@ -255,7 +340,7 @@ class LaneHost:
             buffers.terminated[i] = terminated
             buffers.truncated[i] = truncated
             self._store(i, obs, buffers.final_obs)
-        return float(reward), bool(terminated), bool(truncated), info
+        return float(reward), bool(terminated), bool(truncated), info or {}
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
@@ -285,8 +370,12 @@ class LaneHost:
                 worker=self.spec.worker,
                 env=i,
             ) from None
-        except (asyncio.CancelledError, WorkerError):
+        except WorkerError:
             raise
+        except asyncio.CancelledError as exc:
+            if not cancelled_by_env():
+                raise
+            raise _env_error(self.spec.worker, i, what, exc) from exc
         except Exception as exc:
             raise _env_error(self.spec.worker, i, what, exc) from exc
         finally:
@@ -408,6 +497,8 @@ class LaneHost:
         self.closed = True
         await self.drop_in_flight()
         await self._close_envs()
+        if self._closing:  # each bounded by close_timeout
+            await asyncio.wait(list(self._closing))
 
     async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
         """Cancel the carried steps of ``envs`` (default: all) and wait for them; which envs had
@@ -425,7 +516,9 @@ class LaneHost:
 
     async def _close_envs(self) -> None:
         envs, self.envs = self.envs, [None] * self.n_envs
-        await asyncio.gather(*(_close_quietly(env) for env in envs if env is not None))
+        await asyncio.gather(
+            *(self._close_one(i, env) for i, env in enumerate(envs) if env is not None)
+        )
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -473,13 +566,14 @@ async def _close_quietly(env: Any) -> None:
         logging.getLogger("asyncsample").debug("closing an env raised %r", exc)
 
 
-_CLOSING: set[asyncio.Task[Any]] = set()
-
-
-def probe_async_env(source: Any) -> tuple[gym.Space[Any], gym.Space[Any], int | None]:
+def probe_async_env(
+    source: Any, close_timeout: float = CLOSE_TIMEOUT
+) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
     """Build one async env from ``source`` to read its spaces and step limit (as gymnasium's
     vector envs read a sub-env's), then close it: now if no loop runs in this thread, else as a
-    task of the running loop (a sampler's constructor cannot await).
+    task of the running loop (a sampler's constructor cannot await), bounded by
+    ``close_timeout``; that task is returned (``None`` when closed already) for ``aclose()``
+    to wait for.
 
     Raises:
         TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
@@ -504,21 +598,22 @@ def probe_async_env(source: Any) -> tuple[gym.Space[Any], gym.Space[Any], int | 
     limit = getattr(env, "max_episode_steps", None)
     if limit is None:
         limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+    task = None
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
-        asyncio.run(_close_quietly(env))
+        asyncio.run(close_bounded(env, close_timeout, "the env built to read the spaces"))
     else:
-        task = loop.create_task(_close_quietly(env))
-        _CLOSING.add(task)
-        task.add_done_callback(_CLOSING.discard)
-    return env.observation_space, env.action_space, limit
+        task = loop.create_task(
+            close_bounded(env, close_timeout, "the env built to read the spaces")
+        )
+    return env.observation_space, env.action_space, limit, task
 
 
 def make_async_env(source: EnvSource, old: Any) -> Any:
     """An async env from a factory or an env update (``asyncio`` backend)."""
     if isinstance(source, EnvUpdate):
-        env = source(old)
+        env = replacement(source, old)
     elif callable(source):
         env = source()
     else:
@@ -536,11 +631,12 @@ class AsyncioBackend:
     Args:
         n_processes, host_threads: accepted for a uniform interface and ignored (no processes).
         step_timeout: seconds a step may take; a step past it is cancelled and counts as a
-            failure (the worker's envs are rebuilt).
+            failure (that env is closed and rebuilt).
         max_concurrency: env calls in flight at once across the sampler (``None``: no cap).
+        close_timeout: the longest an env's ``close()`` is waited for.
     """
 
-    OPTIONS = ("n_processes", "step_timeout", "host_threads", "max_concurrency")
+    OPTIONS = ("n_processes", "step_timeout", "host_threads", "max_concurrency", "close_timeout")
     NAME = "asyncio"
 
     def __init__(
@@ -549,9 +645,12 @@ class AsyncioBackend:
         step_timeout: float | None = None,
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
+        close_timeout: float = CLOSE_TIMEOUT,
         **unknown: object,
     ) -> None:
         reject_unknown_options(self.NAME, unknown, self.OPTIONS)
+        timeout = _validate.positive_seconds("close_timeout", close_timeout)
+        self.close_timeout = CLOSE_TIMEOUT if timeout is None else timeout
         _validate.optional_positive_int("n_processes", n_processes)
         _validate.optional_positive_int("host_threads", host_threads)
         self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
@@ -571,7 +670,9 @@ class AsyncioBackend:
         if self._closed:
             raise RuntimeError(f"the {self.NAME} backend is closed")
         limiter = self._limiter()
-        self._hosts = [LaneHost(s, self._make, self.step_timeout, limiter) for s in specs]
+        self._hosts = [
+            LaneHost(s, self._make, self.step_timeout, limiter, self.close_timeout) for s in specs
+        ]
         return list(self._hosts)
 
     async def aclose(self) -> None:
@@ -604,42 +705,57 @@ class ThreadBackend(AsyncioBackend):
         step_timeout: float | None = None,
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
+        close_timeout: float = CLOSE_TIMEOUT,
         **unknown: object,
     ) -> None:
-        super().__init__(n_processes, step_timeout, host_threads, max_concurrency, **unknown)
+        super().__init__(
+            n_processes, step_timeout, host_threads, max_concurrency, close_timeout, **unknown
+        )
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.max_concurrency or default_threads(),
             thread_name_prefix="asyncsample-env",
         )
+        self._running: set[concurrent.futures.Future[Any]] = set()
 
     def _limiter(self) -> asyncio.Semaphore | None:
         return None  # the pool is the limit
 
     def _make(self, source: EnvSource, old: Any) -> Any:
         if isinstance(source, EnvUpdate):
-            inner = source(None if old is None else old.env)
-            if not isinstance(inner, gym.Env):
-                raise TypeError(f"env update {source!r} must return a gymnasium.Env")
+            inner = replacement(source, None if old is None else old.env)
             if old is not None and inner is old.env:
                 return old
+            if not isinstance(inner, gym.Env):
+                raise TypeError(
+                    f"env update {source!r} must give a gymnasium.Env on backend='thread', "
+                    f"got {type(inner).__name__}"
+                )
         else:
             inner = make_env(source)
-        return ThreadedEnv(inner, self._executor)
+        return ThreadedEnv(inner, self._executor, self._running)
 
     async def aclose(self) -> None:
-        """Close every env in the pool, then stop the pool's threads (waiting up to 10 s for
-        a call still running: a thread cannot be interrupted)."""
+        """Close every env in the pool, then stop the pool's threads, waiting at most
+        ``close_timeout`` for calls still running (a thread cannot be interrupted: one still
+        running then is abandoned with a ``ResourceWarning``)."""
         try:
             await super().aclose()
         finally:
             executor = self._executor
             executor.shutdown(wait=False, cancel_futures=True)
-            waiter = asyncio.ensure_future(asyncio.to_thread(executor.shutdown, wait=True))
-            done, _ = await asyncio.wait([waiter], timeout=10.0)
-            if not done:
-                LOGGER.warning(
-                    "backend 'thread': an env call still runs 10 s after close; its thread is "
-                    "left to finish on its own"
+            running = [asyncio.wrap_future(f) for f in list(self._running) if not f.done()]
+            stuck: set[Any] = set()
+            if running:
+                _, stuck = await asyncio.wait(running, timeout=self.close_timeout)
+            if not stuck:  # every thread is idle: they exit at once; join them
+                await asyncio.to_thread(executor.shutdown, wait=True)
+            else:
+                warnings.warn(
+                    f"backend 'thread': {len(stuck)} env call(s) still run "
+                    f"close_timeout={self.close_timeout:g}s after aclose(); their threads "
+                    "are abandoned to finish on their own",
+                    ResourceWarning,
+                    stacklevel=2,
                 )
 
     def close_now(self) -> None:

@@ -1,0 +1,82 @@
+"""The one env a sampler builds in the caller's process to read the spaces and step limit.
+
+As gymnasium's vector envs read a sub-env's spaces, the sampler builds one env from the first
+source at construction. It is closed off the event loop's thread (a close that takes seconds
+must not freeze the loop): a task of the running loop for an async env, a thread of its own for
+a blocking one; the returned future lets ``aclose()`` wait for that close, bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import gymnasium as gym
+
+from asyncsample import _validate
+from asyncsample.backends._closing import close_off_loop
+from asyncsample.backends.aio import probe_async_env
+from asyncsample.batch import EnvSpec
+from asyncsample.env_update import make_env
+
+__all__ = ["probe_spaces", "time_limit"]
+
+
+def probe_spaces(
+    source: Any,
+    *,
+    asynchronous: bool,
+    max_episode_length: int | None,
+    close_timeout: float,
+) -> tuple[EnvSpec, bool, asyncio.Future[Any] | None]:
+    """Build one env from ``source`` (the first of a list) and read its spaces.
+
+    Args:
+        asynchronous: the env must be an async env (``backend="asyncio"``).
+        max_episode_length: the sampler's limit (the env's own time limit otherwise).
+        close_timeout: bounds the async env's close.
+
+    Returns:
+        The env spec, whether the env has a time limit of its own, and the close still
+        running (``None``: closed already, no loop runs in this thread).
+
+    Raises:
+        ValueError: the env could not be built, or its spaces cannot be recorded.
+        TypeError: an env of the wrong kind for the backend.
+    """
+    first = source[0] if isinstance(source, list) else source
+    if asynchronous:
+        observation_space, action_space, limit, closing = probe_async_env(first, close_timeout)
+        _validate.recordable_space("env: observation_space", observation_space)
+        _validate.recordable_space("env: action_space", action_space)
+        spec = EnvSpec(
+            observation_space=observation_space,
+            action_space=action_space,
+            max_episode_length=max_episode_length or limit,
+        )
+        return spec, limit is not None, closing
+    try:
+        env = make_env(first)
+    except Exception as exc:
+        raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
+    try:
+        _validate.recordable_space("env: observation_space", env.observation_space)
+        _validate.recordable_space("env: action_space", env.action_space)
+        limit = time_limit(env)
+        spec = EnvSpec(
+            observation_space=env.observation_space,
+            action_space=env.action_space,
+            max_episode_length=max_episode_length or limit,
+        )
+    finally:
+        blocking_close = close_off_loop(env)
+    return spec, limit is not None, blocking_close
+
+
+def time_limit(env: gym.Env) -> int | None:
+    """The episode limit of a ``TimeLimit`` wrapper around ``env``, if any."""
+    while isinstance(env, gym.Wrapper):
+        if isinstance(env, gym.wrappers.TimeLimit):
+            return int(env._max_episode_steps)
+        env = env.env
+    return None

@@ -1,0 +1,174 @@
+"""Closing envs with a bound (``close_timeout``), and checking what an env's step returned.
+
+An agentic env fails slowly as often as it fails loudly: a dead remote session whose ``close()``
+never returns must not hold a restart, an env update or ``aclose()``. :func:`close_bounded`
+gives an env's close ``close_timeout`` seconds, then cancels it (an async close) or abandons it
+(a blocking close stuck in a thread) with a :class:`ResourceWarning`.
+
+:func:`check_step` turns a malformed step result into a :class:`~asyncsample.WorkerError`
+naming the worker, the env, the field and the value's type, rather than a bare ``ValueError``
+from deep inside the sampler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import numbers
+import threading
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from asyncsample.async_env import close_env
+from asyncsample.errors import WorkerError
+
+__all__ = ["CLOSE_TIMEOUT", "cancelled_by_env", "check_step", "close_bounded", "close_off_loop"]
+
+LOGGER = logging.getLogger("asyncsample")
+
+CLOSE_TIMEOUT = 10.0
+"""The default ``close_timeout``: the longest a restart or ``aclose()`` waits for an env's
+``close()``."""
+
+_CANCEL_GRACE = 0.1
+"""Seconds a cancelled close may take to unwind before it is abandoned."""
+
+
+def cancelled_by_env() -> bool:
+    """Whether a ``CancelledError`` being handled now is the env's own, not the sampler's.
+
+    The sampler cancels a task with ``Task.cancel()``, which the task counts
+    (``Task.cancelling()``); an env that raises ``CancelledError`` itself (a request its
+    server cancelled, a timeout inside the env) leaves that count at zero. The type of the
+    exception cannot tell the two apart.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() == 0
+
+
+async def close_bounded(env: Any, timeout: float, where: str) -> bool:
+    """Close ``env`` (awaiting an async ``close``), waiting at most ``timeout`` seconds.
+
+    Errors of the close are logged and ignored (the env is being replaced or shut). A close
+    still running at the bound is cancelled and, if it will not stop, abandoned with a
+    :class:`ResourceWarning`; the caller goes on either way.
+
+    Args:
+        where: names the env in the warning (``"env 3 of worker 0"``).
+
+    Returns:
+        Whether the close finished within the bound.
+    """
+    task = asyncio.ensure_future(_close_logged(env))
+    try:
+        done, _ = await asyncio.wait([task], timeout=timeout)
+        if done:
+            return True
+        task.cancel()
+        await asyncio.wait([task], timeout=_CANCEL_GRACE)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    warnings.warn(
+        f"{where}: its close() did not return within close_timeout={timeout:g}s; "
+        + ("it was cancelled" if task.done() else "it is abandoned (it ignored cancellation)"),
+        ResourceWarning,
+        stacklevel=2,
+    )
+    return False
+
+
+def close_off_loop(env: Any) -> asyncio.Future[None] | None:
+    """Close a blocking env without blocking the running loop, if one runs in this thread.
+
+    The close runs in a daemon thread of its own (a close stuck for good can neither freeze
+    the loop nor hold the interpreter's exit, as a pool's thread would); the returned future
+    (``None``: no loop runs here, so the env was closed at once) tells the loop when it is done.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        _close_sync(env)
+        return None
+    future: asyncio.Future[None] = loop.create_future()
+
+    def finished() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    def run() -> None:
+        _close_sync(env)
+        with contextlib.suppress(RuntimeError):  # the loop was closed meanwhile
+            loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=run, name="asyncsample-close", daemon=True).start()
+    return future
+
+
+def _close_sync(env: Any) -> None:
+    try:
+        env.close()
+    except Exception as exc:
+        LOGGER.debug("closing an env raised %r", exc)
+
+
+async def _close_logged(env: Any) -> None:
+    try:
+        await close_env(env)
+    except Exception as exc:
+        LOGGER.debug("closing an env raised %r", exc)
+
+
+def check_step(result: Any, worker: int, env: int) -> tuple[Any, Any, Any, Any, Any]:
+    """``result`` as ``(obs, reward, terminated, truncated, info)``, or a ``WorkerError``.
+
+    The fields gymnasium allows pass: a reward of any real type (a 0-d array included), flags
+    of any bool type (or 0 and 1), an info that is a mapping (or ``None``).
+
+    Raises:
+        WorkerError: the step did not return a 5-tuple, its reward is not a real number, a flag
+            is not a bool, or its info is not a mapping (``retry``: the env is rebuilt, as for
+            an env that raised).
+    """
+    if not isinstance(result, (tuple, list)) or len(result) != 5:
+        raise _malformed(
+            worker,
+            env,
+            "the step's result",
+            "a tuple (observation, reward, terminated, truncated, info)",
+            result,
+        )
+    obs, reward, terminated, truncated, info = result
+    if not _real(reward):
+        raise _malformed(worker, env, "reward", "a real number", reward)
+    for name, flag in (("terminated", terminated), ("truncated", truncated)):
+        if not isinstance(flag, (bool, np.bool_)) and not (
+            isinstance(flag, (numbers.Integral, np.integer)) and flag in (0, 1)
+        ):
+            raise _malformed(worker, env, name, "a bool", flag)
+    if info is not None and not isinstance(info, Mapping):
+        raise _malformed(worker, env, "info", "a dict", info)
+    return obs, reward, terminated, truncated, info
+
+
+def _real(value: Any) -> bool:
+    if isinstance(value, (str, bytes, complex, np.complexfloating)):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
+        return True
+    return False
+
+
+def _malformed(worker: int, env: int, field: str, expected: str, value: Any) -> WorkerError:
+    return WorkerError(
+        f"env {env} of worker {worker} returned a malformed step: {field} must be {expected}, "
+        f"got {type(value).__name__} {value!r:.80}",
+        worker=worker,
+        env=env,
+    )

@@ -1,0 +1,505 @@
+"""Faults of envs stepped one at a time (``asyncio``, ``thread``): one env's failure is that env's
+alone, and nothing hangs (issue 32).
+
+The backends under test are listed in :data:`LANE_BACKENDS`; the tests are written against the
+public API and the test envs of ``tests/async_envs.py`` only, so the ``process`` backend joins by
+adding it there once it hosts async envs. Every test runs under both event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import threading
+import time
+import warnings
+from typing import Any, ClassVar
+
+import numpy as np
+import pytest
+from async_envs import (
+    FAULTS,
+    Budget,
+    CountingAsyncEnv,
+    CountingEnv,
+    EnvFactory,
+    FaultyAsyncEnv,
+    FaultyEnv,
+    faulty,
+)
+from helpers import SamplerFactory
+
+from asyncsample import EpisodeBatch, NewEnvUpdate, Sampler, StepType, WorkerError
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.both_loops, pytest.mark.timeout(60)]
+
+#: The backends that step envs one at a time (``process`` with async envs joins here).
+LANE_BACKENDS = ("asyncio", "thread")
+MODES = ("samples", "episodes", "fragments", "stream")
+N_ENVS, SLOT = 50, 17  # one worker of 50 envs; the env in slot 17 misbehaves
+
+
+@pytest.fixture(params=LANE_BACKENDS)
+def lane(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _check_whole(batch: EpisodeBatch, fragments: bool = False) -> None:
+    """Every piece starts at its episode's first step (these envs count their steps in
+    ``obs[:, 0]``); complete episodes end in TERMINAL or TIMEOUT."""
+    for episode in batch.split():
+        np.testing.assert_array_equal(
+            episode.observations[:, 0], np.arange(len(episode.step_types))
+        )
+        assert episode.step_types[0] == StepType.FIRST or len(episode.step_types) == 1
+        if not fragments:
+            assert episode.step_types[-1] in (StepType.TERMINAL, StepType.TIMEOUT)
+
+
+async def _call(sampler: Sampler, mode: str) -> list[EpisodeBatch]:
+    """One call of ``mode`` (two batches of a stream)."""
+    if mode == "samples":
+        return [await sampler.obtain_samples(600)]
+    if mode == "episodes":
+        return [await sampler.obtain_exact_episodes(2 * N_ENVS)]
+    if mode == "fragments":
+        return [await sampler.obtain_fragments(500)]
+    batches = []
+    async with contextlib.aclosing(sampler.stream(300)) as stream:
+        async for batch in stream:
+            batches.append(batch)
+            if len(batches) == 2:
+                break
+    return batches
+
+
+def _lane_sampler(
+    make_sampler: SamplerFactory, backend: str, factory: EnvFactory, **kwargs: Any
+) -> Sampler:
+    options: dict[str, Any] = {"n_workers": 1, "envs_per_worker": N_ENVS, "seed": 0}
+    if backend == "thread":
+        options["max_concurrency"] = 16
+    options.update(kwargs)
+    return make_sampler(backend, factory, **options)
+
+
+def _check_isolated(
+    factory: EnvFactory,
+    batches: list[EpisodeBatch],
+    mode: str,
+    optional: bool = False,
+    closes_later: bool = False,
+) -> None:
+    """Only the misbehaving env was rebuilt (once; ``optional``: or not at all, when the call
+    could end without it); no healthy env was closed or lost an episode: every step it took is
+    in the batch, but for the one episode a complete-episode call leaves running at its end."""
+    rebuilds = len(factory.made) - 1 - N_ENVS  # beside the probe and the worker's envs
+    assert rebuilds == 1 or (optional and rebuilds == 0)
+    worker_envs = factory.made[1 : 1 + N_ENVS]
+    # (a blocking env stuck in its thread is closed once its call returns: ``closes_later``)
+    assert worker_envs[SLOT].closed == bool(rebuilds) or closes_later
+    healthy = [e for i, e in enumerate(worker_envs) if i != SLOT]
+    assert not any(e.closed for e in healthy)
+    assert all(e.resets >= 1 for e in healthy)
+    env_index = np.concatenate([b.episode_infos["env"] for b in batches])
+    lengths = np.concatenate([b.lengths for b in batches])
+    for b in batches:
+        _check_whole(b, fragments=mode == "fragments")
+    for i, env in enumerate(worker_envs):
+        if i == SLOT:
+            continue
+        returned = int(lengths[env_index == i].sum())
+        taken = env.logic.steps_taken
+        if mode in ("episodes", "fragments"):
+            assert taken == returned, (i, taken, returned)
+        else:  # the episode running at the end is dropped by design: at most 9 steps, and
+            # on "thread" a step cut in flight that its thread still finished
+            assert 0 <= taken - returned <= 10, (i, taken, returned)
+    if mode == "episodes":
+        assert np.bincount(env_index, minlength=N_ENVS).tolist() == [2] * N_ENVS
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_one_failing_env_of_fifty_costs_only_its_own_episode(
+    make_sampler: SamplerFactory, lane: str, mode: str
+) -> None:
+    factory = faulty(lane, "raise", SLOT, N_ENVS, times=1)
+    sampler = _lane_sampler(make_sampler, lane, factory)
+    batches = await _call(sampler, mode)
+    _check_isolated(factory, batches, mode)
+    if mode != "stream":
+        assert sampler.last_stats is not None and sampler.last_stats.restarts == 1
+
+
+@pytest.mark.parametrize("kind", FAULTS)
+async def test_every_kind_of_fault_is_the_envs_own(
+    make_sampler: SamplerFactory, lane: str, kind: str
+) -> None:
+    """Raising, raising its own CancelledError, hanging past step_timeout, a reward that is not
+    a number, an info that is a list: the env is rebuilt alone, in every call mode."""
+    for mode in ("samples", "episodes", "fragments"):
+        factory = faulty(lane, kind, SLOT, N_ENVS, times=1)
+        sampler = _lane_sampler(make_sampler, lane, factory, step_timeout=0.3)
+        batches = await _call(sampler, mode)
+        # obtain_samples may have its share before the hung step's step_timeout.
+        _check_isolated(
+            factory,
+            batches,
+            mode,
+            optional=kind == "hang" and mode == "samples",
+            closes_later=kind == "hang" and lane == "thread",
+        )
+        await sampler.aclose()
+
+
+@pytest.mark.parametrize("kind", ["raise", "cancel", "reward"])
+async def test_past_max_restarts_the_call_names_the_worker_and_env(
+    make_sampler: SamplerFactory, lane: str, kind: str
+) -> None:
+    factory = faulty(lane, kind, SLOT, N_ENVS, times=None)
+    sampler = _lane_sampler(make_sampler, lane, factory, max_restarts=2)
+    with pytest.raises(WorkerError) as info:
+        await sampler.obtain_samples(600)
+    err = info.value
+    assert (err.worker, err.env) == (0, SLOT)
+    assert f"env {SLOT} of worker 0" in str(err)
+    assert len(factory.made) == 1 + N_ENVS + 2  # rebuilt exactly max_restarts times
+    if kind == "cancel":
+        assert isinstance(err.__cause__, asyncio.CancelledError)
+    if kind == "reward":
+        assert "reward must be a real number, got list" in str(err)
+
+
+async def test_an_env_whose_own_request_is_cancelled_loses_no_data(
+    make_sampler: SamplerFactory, lane: str
+) -> None:
+    """Issue 32 item 1: one worker of one env raising its own CancelledError (before: 0
+    transitions from obtain_samples(30), a stream that hung)."""
+    for mode, quota in (("samples", 30), ("episodes", 2), ("fragments", 30)):
+        factory = faulty(lane, "cancel", 0, 1, times=1)
+        sampler = make_sampler(lane, factory, n_workers=1, envs_per_worker=1, seed=0)
+        if mode == "samples":
+            batch = await sampler.obtain_samples(quota)
+            assert batch.n_transitions >= quota
+        elif mode == "episodes":
+            batch = await sampler.obtain_exact_episodes(quota)
+            assert len(batch.lengths) == quota
+        else:
+            batch = await sampler.obtain_fragments(quota)
+            assert batch.n_transitions >= quota
+        assert sampler.last_stats is not None and sampler.last_stats.restarts == 1
+        await sampler.aclose()
+    sampler = make_sampler(lane, faulty(lane, "cancel", 0, 1, times=1), n_workers=1, seed=0)
+    async with contextlib.aclosing(sampler.stream(30)) as stream:
+        async for batch in stream:
+            assert batch.n_transitions >= 30
+            break
+
+
+# -- closes are bounded ---------------------------------------------------------------------------
+
+
+class HangingCloseAsyncEnv(FaultyAsyncEnv):
+    """Hangs on its 3rd step (once per budget) and in ``close()``, like a dead remote session."""
+
+    closes_started = 0
+
+    async def close(self) -> None:
+        HangingCloseAsyncEnv.closes_started += 1
+        await asyncio.Event().wait()
+
+
+class HangingCloseEnv(FaultyEnv):
+    """Blocking: hangs 3 s on its 3rd step, and 3 s in ``close()``."""
+
+    def close(self) -> None:
+        time.sleep(3.0)
+        super().close()
+
+
+async def test_a_hung_step_and_a_hung_close_do_not_hold_the_call(
+    make_sampler: SamplerFactory, lane: str
+) -> None:
+    budget = Budget(1)
+    if lane == "asyncio":
+        factory = EnvFactory(lambda j: HangingCloseAsyncEnv("hang", 3, 10, budget))
+    else:
+        factory = EnvFactory(lambda j: HangingCloseEnv("hang", 3, 10, budget, hang=3.0))
+    sampler = make_sampler(lane, factory, n_workers=1, envs_per_worker=2, step_timeout=0.3, seed=0)
+    start = time.perf_counter()
+    batch = await sampler.obtain_samples(40)  # close_timeout is the default 10 s
+    assert time.perf_counter() - start < 5.0  # before: the restart awaited the close forever
+    assert batch.n_transitions >= 40
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        await asyncio.wait_for(sampler.aclose(), 15.0)  # the closes are bounded (10 s)
+
+
+async def test_aclose_is_bounded_by_close_timeout_and_leaves_no_task(
+    make_sampler: SamplerFactory, lane: str
+) -> None:
+    """Every env's close() hangs: aclose() returns after close_timeout, warns, and no task of
+    the sampler's is alive after it (before: aclose() never returned; 8 tasks stayed)."""
+    if lane == "asyncio":
+        factory = EnvFactory(lambda j: HangingCloseAsyncEnv(None))
+    else:
+        factory = EnvFactory(lambda j: HangingCloseEnv(None))
+    before = asyncio.all_tasks()
+    sampler = make_sampler(lane, factory, n_workers=2, envs_per_worker=4, close_timeout=0.5, seed=0)
+    await sampler.obtain_samples(40)
+    start = time.perf_counter()
+    with pytest.warns(ResourceWarning, match="close_timeout=0.5s"):
+        await sampler.aclose()
+    assert time.perf_counter() - start < 4.0  # bounded by close_timeout, with some slack
+    await asyncio.sleep(0)
+    left = asyncio.all_tasks() - before - {asyncio.current_task()}
+    assert not left, left
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "10", None, float("inf")])
+async def test_close_timeout_is_checked(value: Any) -> None:
+    with pytest.raises((TypeError, ValueError), match="close_timeout"):
+        Sampler(lambda: CountingAsyncEnv(), backend="asyncio", close_timeout=value)
+
+
+# -- episode_timeout covers the reset; fraction_samples; env updates -------------------------------
+
+
+class HangingResetAsyncEnv(CountingAsyncEnv):
+    """Its first reset hangs (cancellably); later ones do not."""
+
+    def __init__(self) -> None:
+        super().__init__(5)
+        self.resets = 0
+
+    async def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        self.resets += 1
+        if self.resets == 1:
+            await asyncio.Event().wait()
+        return await super().reset(seed=seed, options=options)
+
+
+class HangingResetEnv(CountingEnv):
+    """Blocking: its first reset blocks 1 s."""
+
+    def __init__(self) -> None:
+        super().__init__(5)
+        self.resets = 0
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        self.resets += 1
+        if self.resets == 1:
+            time.sleep(1.0)
+        return super().reset(seed=seed, options=options)
+
+
+async def test_episode_timeout_cuts_a_hung_reset(make_sampler: SamplerFactory, lane: str) -> None:
+    cls = HangingResetAsyncEnv if lane == "asyncio" else HangingResetEnv
+    sampler = make_sampler(lane, cls, n_workers=1, envs_per_worker=2, episode_timeout=0.3, seed=0)
+    start = time.perf_counter()
+    batch = await sampler.obtain_samples(20)
+    assert time.perf_counter() - start < 5.0  # before: the hung reset held the call forever
+    assert batch.n_transitions >= 20
+    _check_whole(batch)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.99])
+async def test_fraction_samples_of_fragments_stays_near_the_quota(
+    make_sampler: SamplerFactory, lane: str, fraction: float
+) -> None:
+    """Before: every worker took the whole quota (800 transitions from 4 workers for 200)."""
+    factory = EnvFactory(lambda j: CountingAsyncEnv(7) if lane == "asyncio" else CountingEnv(7))
+    sampler = make_sampler(lane, factory, n_workers=4, envs_per_worker=3, seed=0)
+    batch = await sampler.obtain_fragments(200, fraction_samples=fraction)
+    # One step per env in flight past the point where the call may stop; with 0.99 the
+    # minimums (50 per worker) add up to the quota, so a worker that filled in for another
+    # before that one reached its minimum adds up to one more round of its envs.
+    slack = 4 * 3 if fraction < 0.5 else 2 * 4 * 3
+    assert 200 <= batch.n_transitions <= 200 + slack
+
+
+async def test_new_env_update_with_async_envs_closes_what_it_replaces(
+    make_sampler: SamplerFactory,
+) -> None:
+    first = EnvFactory(lambda j: CountingAsyncEnv(5))
+    second = EnvFactory(lambda j: CountingAsyncEnv(7))
+    sampler = make_sampler("asyncio", first, n_workers=2, envs_per_worker=2, seed=0)
+    await sampler.obtain_samples(20)
+    batch = await sampler.obtain_exact_episodes(2, env_update=NewEnvUpdate(second))
+    assert (batch.lengths == 7).all()
+    assert all(env.closed for env in first.made)  # async close awaited
+    assert len(second.made) == 4
+
+
+# -- errors that name the right thing (issue 32, item 5) -------------------------------------------
+
+
+class BadStepEnv(CountingEnv):
+    """A blocking env whose 2nd step returns a malformed ``field``."""
+
+    def __init__(self, field: str) -> None:
+        super().__init__(5)
+        self.field = field
+
+    def step(self, action: Any) -> Any:
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.logic.steps_taken == 2:
+            if self.field == "reward":
+                return obs, [reward], terminated, truncated, info
+            return obs, reward, terminated, truncated, [info]
+        return obs, reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("field", ["reward", "info"])
+@pytest.mark.parametrize("backend", ["local", "thread"])
+async def test_a_malformed_step_names_worker_env_field_and_type(
+    make_sampler: SamplerFactory, backend: str, field: str
+) -> None:
+    """Before: a bare ValueError (reward) or AttributeError from the batch assembly (info)."""
+    sampler = make_sampler(backend, lambda: BadStepEnv(field), n_workers=2, max_restarts=0, seed=0)
+    # "local" raises the caller's mistake as itself (no host boundary to cross), others wrap it
+    with pytest.raises((WorkerError, TypeError)) as info:
+        await sampler.obtain_samples(20)
+    expected = (
+        "reward must be a real number, got list"
+        if field == "reward"
+        else ("info must be a dict, got list")
+    )
+    assert expected in str(info.value)
+    assert re.search(r"env 0 of worker [01]", str(info.value))
+    if isinstance(info.value, WorkerError):
+        assert info.value.worker in (0, 1) and info.value.env == 0
+
+
+class OneTooMany:
+    """A shared agent that returns one action more than the rows it was given."""
+
+    def get_actions(self, observations: np.ndarray) -> Any:
+        return np.zeros(len(observations) + 1, dtype=np.int64), {}
+
+
+async def test_a_merged_agent_call_with_too_many_actions_names_the_rows(
+    make_sampler: SamplerFactory,
+) -> None:
+    factory = EnvFactory(lambda j: CountingAsyncEnv(5))
+    sampler = make_sampler("asyncio", factory, OneTooMany(), n_workers=2, envs_per_worker=4)
+    with pytest.raises(ValueError, match="one action per row it was given") as info:
+        await sampler.obtain_samples(20)
+    text = str(info.value)
+    assert "envs_per_worker" not in text  # before: "exactly envs_per_worker (8)" with 4
+    assert "rows" in text and "of worker" in text
+
+
+async def test_evaluate_render_on_asyncio_says_why(make_sampler: SamplerFactory) -> None:
+    sampler = make_sampler("asyncio", EnvFactory(lambda j: CountingAsyncEnv(5)), n_workers=1)
+    with pytest.raises(ValueError, match=r"evaluate\(render=True\).*async env") as info:
+        await sampler.evaluate(2, render=True)
+    assert "use backend='asyncio'" not in str(info.value)  # before: on asyncio already
+
+
+async def test_a_bad_env_module_is_a_clear_error_and_exit_status_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(ValueError, match=r"env: .*'bad_module:Foo-v0'.*'bad_module'"):
+        Sampler("bad_module:Foo-v0")
+    from asyncsample.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # before: status 1, a bare traceback
+        await asyncio.to_thread(main, ["run", "bad_module:Foo-v0", "--steps", "10"])
+    assert exit_info.value.code == 2
+    assert "bad_module" in capsys.readouterr().err
+
+
+async def test_an_async_env_given_to_vector_env_is_told_what_to_use() -> None:
+    from asyncsample import VectorEnv
+
+    with pytest.raises(TypeError, match=r"Sampler\(\.\.\., backend='asyncio'\)"):
+        VectorEnv(lambda: CountingAsyncEnv(5), 2)
+
+
+# -- building a sampler costs the loop O(1) in the number of workers (issue 32, item 6) -----------
+
+
+@pytest.mark.parametrize("backend", ["process", "thread"])
+async def test_a_shared_env_source_is_pickled_once_and_no_agent_is_built_per_worker(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    import asyncsample._core as core_module
+    import asyncsample._validate as validate_module
+    from asyncsample.agent import RandomAgent
+
+    pickled: list[object] = []
+    check = validate_module.check_picklable
+    monkeypatch.setattr(
+        validate_module,
+        "check_picklable",
+        lambda name, obj: (pickled.append(obj), check(name, obj)),
+    )
+    agents = 0
+
+    class Counted(RandomAgent):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            nonlocal agents
+            agents += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(core_module, "RandomAgent", Counted)
+    sampler = Sampler("CartPole-v1", backend=backend, n_workers=20_000)
+    # before: the source was resolved and cloudpickled once per worker, a RandomAgent built
+    # per worker (about 50 us each in the loop's thread)
+    assert len(pickled) == (1 if backend == "process" else 0)
+    assert agents == 0
+    await sampler.aclose()  # never started: nothing was built
+
+    small = Sampler("CartPole-v1", backend=backend, n_workers=3, n_processes=1, seed=0)
+    async with small:
+        await small.obtain_samples(10)
+    assert agents == 3  # one per worker, built as it started
+
+
+class SlowCloseEnv(CountingEnv):
+    """Records the thread its close() ran in."""
+
+    closed_in: ClassVar[list[str]] = []
+
+    def close(self) -> None:
+        SlowCloseEnv.closed_in.append(threading.current_thread().name)
+        super().close()
+
+
+async def test_the_probe_env_is_closed_off_the_loop(make_sampler: SamplerFactory) -> None:
+    SlowCloseEnv.closed_in.clear()
+    sampler = make_sampler("thread", SlowCloseEnv, n_workers=1, seed=0)
+    await sampler.aclose()  # waits for the probe's close (bounded)
+    assert SlowCloseEnv.closed_in  # the probe, then the worker's env
+    assert SlowCloseEnv.closed_in[0] != threading.current_thread().name  # not the loop's
+
+
+class TaskedAsyncEnv(CountingAsyncEnv):
+    """A counting env whose episode length is its task."""
+
+    def set_task(self, task: int) -> None:
+        self.logic.lo = self.logic.hi = task
+
+
+class OtherAsyncEnv(CountingAsyncEnv):
+    """Not a TaskedAsyncEnv: SetTaskUpdate rebuilds it."""
+
+
+async def test_set_task_update_with_async_envs(make_sampler: SamplerFactory) -> None:
+    """Before: every env update failed on backend='asyncio' ('use backend=asyncio')."""
+    from asyncsample import SetTaskUpdate
+
+    first = EnvFactory(lambda j: TaskedAsyncEnv(5))
+    sampler = make_sampler("asyncio", first, n_workers=1, envs_per_worker=2, seed=0)
+    batch = await sampler.obtain_exact_episodes(2, env_update=SetTaskUpdate(TaskedAsyncEnv, 3))
+    assert (batch.lengths == 3).all()
+    assert not any(env.closed for env in first.made[1:])  # retasked in place, not replaced
+
+    other = EnvFactory(lambda j: OtherAsyncEnv(5))
+    sampler = make_sampler("asyncio", other, n_workers=1, envs_per_worker=2, seed=0)
+    with pytest.warns(UserWarning, match="building a new one"):
+        batch = await sampler.obtain_exact_episodes(2, env_update=SetTaskUpdate(TaskedAsyncEnv, 4))
+    assert (batch.lengths == 4).all()
+    assert all(env.closed for env in other.made[1:])  # the replaced envs' async close awaited
