@@ -180,9 +180,11 @@ def choose(
     n_cpus = cpus() if n_cpus is None else n_cpus
     best_m, (best, best_procs) = num_envs, _predict(num_envs, env_step, hop, num_envs, n_cpus)
     inproc = best
-    for m in range(num_envs):
+    # From the largest caller's share down: of two placements predicted alike, the one with
+    # fewer processes (the caller's core does work a host would do).
+    for m in range(num_envs - 1, -1, -1):
         if m > 0 and n_cpus < 2:
-            break
+            continue
         pred, procs = _predict(num_envs, env_step, hop, m, n_cpus)
         if pred * _MARGIN < inproc and pred < best:
             best_m, best, best_procs = m, pred, procs
