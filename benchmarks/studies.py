@@ -239,6 +239,16 @@ STUDIES: list[Study] = [
         minutes=1.0,
     ),
     Study(
+        "clients",
+        "the vector env inside training loops: a CleanRL-shaped PPO iteration (CartPole-v1 4 "
+        "and 8 envs, HalfCheetah-v5 1 and 4) and SB3's PPO.learn (8 envs): Sync/AsyncVectorEnv, "
+        "DummyVecEnv/SubprocVecEnv and ours in each placement (own runner)",
+        script="benchmarks.clients",
+        script_args=((), ("--quick",)),
+        minutes=15.0,
+        needs="torch, mujoco, SB3",
+    ),
+    Study(
         "ab",
         "A/B of two source trees, alternating runs: --a OLD_TREE [--b NEW_TREE] (own runner)",
         script="benchmarks.ab",

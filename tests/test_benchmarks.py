@@ -29,6 +29,7 @@ SMOKE: dict[str, list[str]] = {
     "stragglers": ["--contenders", "ceiling", "asyncsample"],
     "soak": [],
     "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1"],
+    "clients": ["--contenders", "sync", "dummy", "ours", "ours-inproc"],
     "ray": ["--contenders", "ceiling", "asyncsample", "asyncsample-ray"],
     "real_envs": ["--envs", "Pong-v5", "--contenders", "ceiling", "envpool-async",
                   "asyncsample"],
