@@ -1173,20 +1173,24 @@ def test_step_timeout_kills_and_restarts_the_host(no_leaks: None) -> None:
 # -- EnvPool-style send/recv --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("n_processes", [2, 0], ids=["hosts", "in-process"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_send_recv_matches_each_env_stepped_alone(mode: AutoresetMode, no_leaks: None) -> None:
-    """recv returns batch_size sub-envs at a time; each one's story is its own env's."""
+def test_send_recv_matches_each_env_stepped_alone(
+    mode: AutoresetMode, n_processes: int, no_leaks: None
+) -> None:
+    """recv returns batch_size sub-envs at a time; each one's story is its own env's (also
+    with every sub-env in the caller's process: its groups answer one after another)."""
     n = 6
     env = VectorEnv(
         [lambda: RandomEpisodesEnv("dict")] * n,
         n,
-        n_processes=2,
+        n_processes=n_processes,
         batch_size=2,
         autoreset_mode=mode,
     )
     ref = SyncVectorEnv([lambda: RandomEpisodesEnv("dict")] * n, autoreset_mode=mode)
     try:
-        assert env.n_processes == 2 and len(env.pids) == 2
+        assert env.n_processes == n_processes and len(env.pids) == n_processes
         env.async_reset(seed=0)
         ref_obs, _ = ref.reset(seed=0)
         # The reference steps one sub-env at a time: a 1-env SyncVectorEnv per sub-env.

@@ -26,6 +26,7 @@ host round trip adds to it (framing, the step buffers, the caller's poll), at le
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
@@ -129,7 +130,10 @@ def probe_step_seconds(env: Any) -> float | None:
     or ``None`` when it cannot be stepped so (then nothing is decided from it)."""
     try:
         env.reset()
-        space = env.action_space
+        # A copy, seeded: the env's own space may be shared (a class attribute) with the
+        # sub-envs and the face, whose random stream the probe must not move.
+        space = copy.deepcopy(env.action_space)
+        space.seed(0)
         times: list[float] = []
         start = time.perf_counter()
         while len(times) < _PROBE_STEPS and (
