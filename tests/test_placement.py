@@ -20,7 +20,7 @@ from gymnasium.vector import SyncVectorEnv
 from helpers import host_processes as our_processes
 
 from asyncsample.vector import SubEnvError, VectorEnv
-from asyncsample.vector._placement import choose, probe_step_seconds
+from asyncsample.vector.placement import choose, probe_step_seconds
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -123,13 +123,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         env: a gymnasium id, a zero-argument factory, or a list of ``num_envs`` factories.
         num_envs: number of sub-envs (default, for a list of factories: its length, so
             ``VectorEnv(env_fns)`` reads as ``AsyncVectorEnv(env_fns)``).
-        n_processes: where the sub-envs step. ``0``: all in the caller's process, one after
-            another (``SyncVectorEnv``'s way, on the env hosts' own env-group code); ``k >= 1``:
-            on ``k`` env-host processes (at most ``num_envs``); ``None`` (default): decided from
-            what the face measures before it builds the sub-envs (the probe env's step time
-            against a host round trip): in the caller's process when the envs are too cheap for
-            the hop to pay, else on hosts, or both (see ``caller_envs``). The choice is
-            :attr:`placement`, shown by ``repr`` and logged (logger ``"asyncsample"``, INFO).
+        n_processes: where the sub-envs step: ``0`` all in the caller's process (on the hosts'
+            env-group code), ``k >= 1`` on ``k`` env-host processes, ``None`` (default) decided
+            from the probe env's measured step time against a host round trip (in the caller's
+            process, on hosts, or both: ``caller_envs``); see :attr:`placement`, ``repr``, the
+            log (logger ``"asyncsample"``, INFO) and docs/vector.md.
         seed: seeds the first ``reset()`` that is given no seed (sub-env ``i`` gets
             ``seed + i``), so ``VectorEnv(..., seed=s).reset()`` is ``reset(seed=s)``.
         autoreset_mode: ``"NextStep"`` (default), ``"SameStep"`` or ``"Disabled"`` (a
@@ -162,12 +160,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             checks it). An env-host process steps its sub-envs one after another, so this caps
             the env-host processes at ``max_concurrency`` (an ``n_processes`` above it is a
             ``ValueError``); ``call``, ``render`` and the attribute calls are capped alike.
-        caller_envs: how many sub-envs (the last ones) the caller steps itself in a lockstep
-            step, while the env hosts step the others (the requests go out first, the caller
-            steps its share, then collects): uses the caller's otherwise idle core. ``None``:
-            decided with ``n_processes`` (``0`` with an explicit ``n_processes >= 1``);
-            ``num_envs`` is ``n_processes=0``. A caller's share cannot be timed out, so it is
-            refused with ``step_timeout``.
+        caller_envs: the last ``caller_envs`` sub-envs step in the caller's process, between
+            sending the hosts their requests and reading the replies (``num_envs``:
+            ``n_processes=0``); refused with ``step_timeout``, which only hosts can honour.
 
     All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
     first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
@@ -799,8 +794,4 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     def __repr__(self) -> str:
         spec = self._hosted.spec
         what = f"{spec.id}, " if spec is not None else ""
-        where = self.placement
-        return (
-            f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, n_processes={self.n_processes}"
-            f", caller_envs={where.caller_envs}, placement={where.kind!r})"
-        )
+        return f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, {self._where()})"

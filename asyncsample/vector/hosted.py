@@ -40,7 +40,6 @@ from asyncsample.env_group import StepInfos
 from asyncsample.env_update import make_env
 from asyncsample.errors import WorkerError
 from asyncsample.vector._lockstep import LockstepRounds, PendingRound, StepResult
-from asyncsample.vector._placement import Placement, place
 from asyncsample.vector._sources import check_bufferable, env_sources
 from asyncsample.vector.errors import (
     ClosedError,
@@ -51,6 +50,7 @@ from asyncsample.vector.errors import (
     sub_env_error_class,
     with_text,
 )
+from asyncsample.vector.placement import Placement, place
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = [
@@ -92,7 +92,7 @@ class HostedEnvs(LockstepRounds):
             sub-env's), for gymnasium's ``observation_mode``.
         caller_envs: sub-envs the caller steps itself, in its own process (the last ones);
             with ``n_processes`` and ``caller_envs`` both ``None`` the placement is measured
-            (see :mod:`asyncsample.vector._placement`); ``n_processes=0``: all of them.
+            (see :mod:`asyncsample.vector.placement`); ``n_processes=0``: all of them.
     """
 
     def __init__(
@@ -748,6 +748,14 @@ class HostedFace:
     def placement(self) -> Placement:
         """Where the sub-envs step (the caller's share, the host processes) and why."""
         return self._hosted.placement
+
+    def _where(self) -> str:
+        """The placement, as ``repr`` shows it."""
+        where = self.placement
+        return (
+            f"n_processes={self.n_processes}, caller_envs={where.caller_envs}, "
+            f"placement={where.kind!r}"
+        )
 
 
 def _joined(parts: Sequence[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:

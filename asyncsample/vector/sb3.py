@@ -286,12 +286,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         return self._format_obs(res.obs), rewards, dones, deepcopy(infos)
 
     def __repr__(self) -> str:
-        where = self.placement
-        return (
-            f"asyncsample.sb3.AsyncSampleVecEnv(num_envs={self.num_envs}, "
-            f"n_processes={self.n_processes}, caller_envs={where.caller_envs}, "
-            f"placement={where.kind!r})"
-        )
+        return f"asyncsample.sb3.AsyncSampleVecEnv(num_envs={self.num_envs}, {self._where()})"
 
     def close(self) -> None:
         """Stop the env hosts; idempotent."""

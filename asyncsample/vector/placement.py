@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LOGGER", "Placement", "choose", "hop_seconds", "probe_step_seconds"]
+__all__ = ["LOGGER", "Placement", "choose", "cpus", "hop_seconds", "place", "probe_step_seconds"]
 
 LOGGER = logging.getLogger("asyncsample")
 
