@@ -6,8 +6,10 @@ Two clients, their code as they write it, only the line that builds the vector e
   on HalfCheetah-v5 with 1 and 4 envs, each env wrapped as that script wraps it): an iteration is
   128 lockstep steps of a torch actor-critic through the vector env (``torch.no_grad``, the
   observations to a tensor, the sampled action back to numpy, as CleanRL writes it), then
-  CleanRL's update (GAE, its epochs and minibatches: 4 x 4 for ``ppo.py``, 10 x 32 for the
-  continuous script). Steps per second over the timed iterations, the update included.
+  CleanRL's update (GAE, its epochs and minibatches: 4 epochs of 4 minibatches for ``ppo.py``;
+  10 epochs of 64-sample minibatches for the continuous script, whose 2048 steps in 32
+  minibatches make minibatches of 64). Steps per second over the timed iterations, the update
+  included.
 * **SB3's own** ``PPO("MlpPolicy", venv).learn(...)`` over ``make_vec_env("CartPole-v1",
   n_envs=8, vec_env_cls=...)``, SB3's defaults (2048 steps per env and rollout, 10 epochs of
   64-sample minibatches); steps per second of ``learn``.
@@ -203,7 +205,10 @@ def run_cleanrl(contender: str, env_id: str, n: int, iterations: int, seed: int 
     torch.set_num_threads(1)
     continuous = not env_id.startswith("CartPole")
     num_steps = 128
-    epochs, minibatches = (10, 32) if continuous else (4, 4)
+    # CleanRL's update: ppo.py's 4 epochs of 4 minibatches (its 128 steps are ours); the
+    # continuous script's 10 epochs of 64-sample minibatches (its 2048 steps / 32 minibatches),
+    # so that the update weighs against 128 steps what it weighs against its 2048.
+    epochs = 10 if continuous else 4
     lr = 3e-4 if continuous else 2.5e-4
     gamma, gae_lambda, clip_coef, ent_coef, vf_coef = (
         0.99,
@@ -227,7 +232,7 @@ def run_cleanrl(contender: str, env_id: str, n: int, iterations: int, seed: int 
         dones = torch.zeros((num_steps, n))
         values = torch.zeros((num_steps, n))
         batch_size = num_steps * n
-        minibatch_size = max(1, batch_size // minibatches)
+        minibatch_size = 64 if continuous else batch_size // 4
         next_obs_np, _ = envs.reset(seed=seed)
         next_obs = torch.Tensor(next_obs_np)
         next_done = torch.zeros(n)
