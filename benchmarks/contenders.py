@@ -914,10 +914,10 @@ def asyncsample_local(spec: RunSpec) -> RunResult:
 
 
 def asyncsample_vector(spec: RunSpec) -> RunResult:
-    """``asyncsample.VectorEnv``: gymnasium's vector-env face on asyncsample's process pool.
-
-    The sub-envs are packed onto ``cores`` env-host processes (``n_envs / cores`` each), the
-    layout a drop-in replacement of ``AsyncVectorEnv`` gets by default on this machine.
+    """``asyncsample.VectorEnv``: gymnasium's vector-env face, as a drop-in replacement of
+    ``AsyncVectorEnv`` gets it: in its default placement (in the caller's process, on env
+    hosts or both, as it measures); ``asyncsample-vector-hosts``: forced onto ``cores`` env-host
+    processes (``n_envs / cores`` each), the face's only layout before it placed itself.
     """
     try:
         from asyncsample.vector import VectorEnv
@@ -925,9 +925,13 @@ def asyncsample_vector(spec: RunSpec) -> RunResult:
         raise Skipped(f"asyncsample.VectorEnv is not available: {exc}") from exc
 
     def make(fns: list[Callable[[], gym.Env]], **kwargs: Any) -> gym.vector.VectorEnv:
-        return VectorEnv(spec.env_id, len(fns), n_processes=spec.cores, **kwargs)
+        return VectorEnv(spec.env_id, len(fns), **placement, **kwargs)
 
-    return _gym_vector(spec, make)
+    placement: dict[str, int] = {}
+    if spec.contender == "asyncsample-vector-hosts":
+        placement = {"n_processes": spec.cores}
+    result = _gym_vector(spec, make)
+    return result
 
 
 #: Contender key -> (function, human label).
@@ -944,15 +948,18 @@ CONTENDERS: dict[str, tuple[Callable[[RunSpec], RunResult], str]] = {
     "asyncsample-ray": (asyncsample_ray, "asyncsample ray"),
     "asyncsample-local": (asyncsample_local, "asyncsample local"),
     "asyncsample-vector": (asyncsample_vector, "asyncsample VectorEnv"),
+    "asyncsample-vector-hosts": (asyncsample_vector, "asyncsample VectorEnv (hosts)"),
 }
 
 # The contenders of modules of their own (they import this one's instruments, so they are
 # imported here, once every name they need exists).
 from benchmarks.ceiling import ceiling  # noqa: E402
 from benchmarks.torchrl_peers import TORCHRL_CONTENDERS  # noqa: E402
+from benchmarks.vector_peers import VECTOR_PEERS  # noqa: E402
 
 CONTENDERS["ceiling"] = (ceiling, "ceiling: loops side by side")
 CONTENDERS.update(TORCHRL_CONTENDERS)
+CONTENDERS.update(VECTOR_PEERS)
 
 
 def run_contender(spec: RunSpec) -> RunResult:

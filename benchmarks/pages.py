@@ -28,7 +28,7 @@ __all__ = ["PAGES", "render", "update"]
 
 REPO = RESULTS.parent.parent
 #: The pages whose blocks are rewritten (relative to the repository).
-PAGES = ["README.md", "benchmarks/README.md", "docs/performance.md"]
+PAGES = ["README.md", "benchmarks/README.md", "docs/performance.md", "docs/vector.md"]
 
 _BLOCK = re.compile(
     r"(?P<open><!-- (?P<kind>studies|results)(?:: (?P<arg>[^>]*?))? -->\n)"

@@ -138,14 +138,26 @@ STUDIES: list[Study] = [
     ),
     Study(
         "vector",
-        "asyncsample.VectorEnv against gymnasium's vector envs: CartPole-v1, FixedCost-v0, "
-        "Image-v0 with 8 envs and CartPole-v1 with 64, random actions",
+        "asyncsample.VectorEnv (its default placement, and forced onto hosts) against "
+        "gymnasium's vector envs, PufferLib's multiprocessing (a worker per core, one worker) "
+        "and TorchRL's AsyncEnvPool: CartPole-v1, FixedCost-v0, Image-v0 with 8 envs and "
+        "CartPole-v1 with 64, random actions",
         groups=("ideal", "vector"),
         settings={
             "envs": ["CartPole-v1", "FixedCost-v0", "Image-v0"],
-            "contenders": ["ceiling", "sync", "async", "asyncsample-vector"],
+            "contenders": [
+                "ceiling",
+                "sync",
+                "async",
+                "asyncsample-vector",
+                "asyncsample-vector-hosts",
+                "pufferlib",
+                "pufferlib-1w",
+                "torchrl-pool",
+            ],
             "repeats": 3,
         },
+        needs="pufferlib-core (pip install --no-deps), TorchRL (bench extra) or skipped",
         before=("vector_env.md",),
     ),
     Study(
@@ -248,6 +260,16 @@ STUDIES: list[Study] = [
         minutes=1.0,
     ),
     Study(
+        "clients",
+        "the vector env inside training loops: a CleanRL-shaped PPO iteration (CartPole-v1 4 "
+        "and 8 envs, HalfCheetah-v5 1 and 4) and SB3's PPO.learn (8 envs): Sync/AsyncVectorEnv, "
+        "DummyVecEnv/SubprocVecEnv and ours in each placement (own runner)",
+        script="benchmarks.clients",
+        script_args=((), ("--quick",)),
+        minutes=15.0,
+        needs="torch, mujoco, SB3",
+    ),
+    Study(
         "ab",
         "A/B of two source trees, alternating runs: --a OLD_TREE [--b NEW_TREE] (own runner)",
         script="benchmarks.ab",
@@ -321,6 +343,10 @@ STARTUP_S = {
     "asyncsample-ray": 12.0,
     "asyncsample-local": 1.0,
     "asyncsample-vector": 2.0,
+    "asyncsample-vector-hosts": 2.0,
+    "pufferlib": 3.0,
+    "pufferlib-1w": 3.0,
+    "torchrl-pool": 8.0,
     "torchrl-collector": 6.0,
     "torchrl-multisync": 15.0,
     "torchrl-multiasync": 15.0,

@@ -59,7 +59,10 @@ OURS = ["asyncsample", "asyncsample-local", "asyncsample-vector", "asyncsample-r
 TORCHRL = ["torchrl-collector", "torchrl-multisync", "torchrl-multiasync", "torchrl-asyncbatched"]
 #: The machine's ceiling (:mod:`benchmarks.ceiling`): a contender of every group but ``ideal``.
 CEILING = "ceiling"
-ALL_CONTENDERS = [CEILING, *PEERS, *OURS, *TORCHRL]
+#: Contenders of the ``vector`` group only: our face forced onto hosts, PufferLib's
+#: multiprocessing vectorization and TorchRL's AsyncEnvPool (:mod:`benchmarks.vector_peers`).
+VECTOR_ONLY = ["asyncsample-vector-hosts", "pufferlib", "pufferlib-1w", "torchrl-pool"]
+ALL_CONTENDERS = [CEILING, *PEERS, *OURS, *TORCHRL, *VECTOR_ONLY]
 GROUPS = ["ideal", "main", "big", "scaling", "overhead"]
 #: Groups that run only when named (``--groups policy``) or by their study.
 EXTRA_GROUPS = ["policy", "vector", "host", "real", "sweep", "ray", "stragglers"]
@@ -79,10 +82,14 @@ REQUIRES = {
     "asyncsample-ray": "ray",
     "asyncsample-local": "asyncsample",
     "asyncsample-vector": "asyncsample",
+    "asyncsample-vector-hosts": "asyncsample",
     **dict.fromkeys(TORCHRL, "torchrl"),
+    "pufferlib": "pufferlib.vector",
+    "pufferlib-1w": "pufferlib.vector",
+    "torchrl-pool": "torchrl",
 }
 #: Peers that import torch (slow to start); ``--quick`` skips them unless named.
-TORCH_PEERS = {"sb3", "tianshou-subproc", "tianshou-shmem", *TORCHRL}
+TORCH_PEERS = {"sb3", "tianshou-subproc", "tianshou-shmem", *TORCHRL, "torchrl-pool"}
 
 
 @dataclass
@@ -368,7 +375,7 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
                         groups[group].append(_ours(c, env, n, w, s.n_processes))
             elif c == "asyncsample-local":
                 groups[group].append(_ours(c, env, n, s.local_workers, 0))
-            elif c not in (CEILING, *TORCHRL):
+            elif c not in (CEILING, *TORCHRL, *VECTOR_ONLY):
                 groups[group].append(Config(c, env, n))
 
     if "ideal" in groups:
@@ -414,7 +421,7 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
         cells += [(env, s.big_n_envs) for env in s.vector_big_envs if env in s.vector_envs]
         for env, n in cells:
             for c in chosen:
-                if c in ("sync", "async", "asyncsample-vector"):
+                if c in ("sync", "async", "asyncsample-vector", *VECTOR_ONLY):
                     groups["vector"].append(Config(c, env, n))
     if "host" in groups:
         for env in s.host_envs:

@@ -44,6 +44,22 @@ pytestmark = pytest.mark.slow
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 N_ENVS = 3
+
+#: Where the sub-envs step: on two env hosts, all in the caller's process, and mixed (the last
+#: sub-env in the caller's process, the others on one host): results are the same in each.
+PLACEMENTS = {
+    "hosts": {"n_processes": 2},
+    "in-process": {"n_processes": 0},
+    "mixed": {"n_processes": 1, "caller_envs": 1},
+}
+
+
+@pytest.fixture(params=list(PLACEMENTS))
+def placed(request: pytest.FixtureRequest) -> dict[str, int]:
+    """The placement arguments of a test run in every placement."""
+    return dict(PLACEMENTS[request.param])
+
+
 WRAPPERS = [None, VecNormalize, VecFrameStack]
 SPACES = collections.OrderedDict(
     [
@@ -206,9 +222,9 @@ SAME_AS_DUMMY = [
     SAME_AS_DUMMY,
     ids=[f"{k}-{w.__name__ if w else 'plain'}" for k, w in SAME_AS_DUMMY],
 )
-def test_same_as_dummy(kind: str, wrapper: Any, no_leaks: None) -> None:
+def test_same_as_dummy(kind: str, wrapper: Any, no_leaks: None, placed: dict[str, int]) -> None:
     fns = [lambda: Monitor(RandomEnv(kind)) for _ in range(4)]
-    base = AsyncSampleVecEnv(fns, n_processes=2)
+    base = AsyncSampleVecEnv(fns, **placed)
     theirs = wrap(DummyVecEnv(fns), wrapper)
     try:
         ours = wrap(base, wrapper)
@@ -240,12 +256,12 @@ def test_same_as_dummy(kind: str, wrapper: Any, no_leaks: None) -> None:
 
 
 def test_quiet_step_async_step_wait_run_no_event_loop(
-    no_leaks: None, monkeypatch: pytest.MonkeyPatch
+    no_leaks: None, monkeypatch: pytest.MonkeyPatch, placed: dict[str, int]
 ) -> None:
     """step_async/step_wait pay what step pays: a step with no episode end sends and reads
     without the portal's loop, with the results DummyVecEnv returns."""
     fns = [functools.partial(StepEnv, 50)] * 4
-    ours = AsyncSampleVecEnv(fns, n_processes=2)
+    ours = AsyncSampleVecEnv(fns, **placed)
     theirs = DummyVecEnv(fns)
     try:
         assert_obs_equal(ours.reset(), theirs.reset())
@@ -275,9 +291,9 @@ def test_quiet_step_async_step_wait_run_no_event_loop(
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS, ids=["plain", "VecNormalize", "VecFrameStack"])
-def test_custom_calls(wrapper: Any, no_leaks: None) -> None:
+def test_custom_calls(wrapper: Any, no_leaks: None, placed: dict[str, int]) -> None:
     space = spaces.Box(low=np.zeros(2), high=np.ones(2))
-    base = AsyncSampleVecEnv([lambda: SpaceEnv(space)] * N_ENVS, n_processes=2)
+    base = AsyncSampleVecEnv([lambda: SpaceEnv(space)] * N_ENVS, **placed)
     try:
         venv = wrap(base, wrapper)
         venv.seed(0)
@@ -308,10 +324,10 @@ def test_custom_calls(wrapper: Any, no_leaks: None) -> None:
 
 
 @pytest.mark.parametrize("wrapper", WRAPPERS, ids=["plain", "VecNormalize", "VecFrameStack"])
-def test_terminal_observation(wrapper: Any, no_leaks: None) -> None:
+def test_terminal_observation(wrapper: Any, no_leaks: None, placed: dict[str, int]) -> None:
     step_nums = [i + 5 for i in range(N_ENVS)]
     fns = [functools.partial(StepEnv, n) for n in step_nums]
-    base = AsyncSampleVecEnv(fns, n_processes=2)
+    base = AsyncSampleVecEnv(fns, **placed)
     try:
         venv = wrap(base, wrapper)
         zero = np.zeros(N_ENVS, dtype=np.int64)
@@ -379,10 +395,10 @@ def check_spaces(space: gym.Space[Any], obs_ok: Any) -> None:
         venv.close()
 
 
-def test_env_is_wrapped(no_leaks: None) -> None:
+def test_env_is_wrapped(no_leaks: None, placed: dict[str, int]) -> None:
     space = spaces.Box(low=np.zeros(2), high=np.ones(2))
     fns = [lambda: SpaceEnv(space), lambda: Monitor(SpaceEnv(space))]
-    venv = AsyncSampleVecEnv(fns, n_processes=2)
+    venv = AsyncSampleVecEnv(fns, **placed)
     try:
         assert venv.env_is_wrapped(Monitor) == [False, True]
         assert venv.env_is_wrapped(Monitor, indices=1) == [True]
@@ -391,9 +407,9 @@ def test_env_is_wrapped(no_leaks: None) -> None:
         venv.close()
 
 
-def test_seeding(no_leaks: None) -> None:
+def test_seeding(no_leaks: None, placed: dict[str, int]) -> None:
     space = spaces.Box(low=np.zeros(2), high=np.ones(2))
-    venv = AsyncSampleVecEnv([lambda: SpaceEnv(space)] * N_ENVS, n_processes=2)
+    venv = AsyncSampleVecEnv([lambda: SpaceEnv(space)] * N_ENVS, **placed)
     try:
         venv.seed()
         obs = venv.reset()

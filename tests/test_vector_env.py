@@ -38,6 +38,20 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP]
 
+#: Where the sub-envs step: on two env hosts, all in the caller's process, and mixed (the last
+#: sub-env in the caller's process, the others on one host): results are the same in each.
+PLACEMENTS = {
+    "hosts": {"n_processes": 2},
+    "in-process": {"n_processes": 0},
+    "mixed": {"n_processes": 1, "caller_envs": 1},
+}
+
+
+@pytest.fixture(params=list(PLACEMENTS))
+def placed(request: pytest.FixtureRequest) -> dict[str, int]:
+    """The placement arguments of a test run in every placement."""
+    return dict(PLACEMENTS[request.param])
+
 
 class RandomEpisodesEnv(gym.Env[Any, Any]):
     """Random observations, rewards, episode ends and infos, all drawn from ``np_random``.
@@ -183,11 +197,13 @@ def no_leaks():  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 @pytest.mark.parametrize("kind", ["box", "discrete", "dict", "tuple"])
-def test_equal_to_sync(kind: str, mode: AutoresetMode, no_leaks: None) -> None:
+def test_equal_to_sync(
+    kind: str, mode: AutoresetMode, no_leaks: None, placed: dict[str, int]
+) -> None:
     """100 random steps, seeded and optioned resets, partial resets: exactly SyncVectorEnv."""
     n = 5
     fns = [lambda: RandomEpisodesEnv(kind) for _ in range(n)]
-    ours = VectorEnv(fns, n, n_processes=2, autoreset_mode=mode)
+    ours = VectorEnv(fns, n, **placed, autoreset_mode=mode)
     sync = SyncVectorEnv(fns, autoreset_mode=mode)
     try:
         assert ours.num_envs == sync.num_envs
@@ -219,9 +235,9 @@ def test_equal_to_sync(kind: str, mode: AutoresetMode, no_leaks: None) -> None:
         sync.close()
 
 
-def test_equal_to_sync_cartpole_by_id(no_leaks: None) -> None:
+def test_equal_to_sync_cartpole_by_id(no_leaks: None, placed: dict[str, int]) -> None:
     """A registered id, more sub-envs than processes, the constructor's seed."""
-    ours = VectorEnv("CartPole-v1", 6, n_processes=2, seed=5)
+    ours = VectorEnv("CartPole-v1", 6, **placed, seed=5)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(6)])
     try:
         assert_same(ours.reset(), sync.reset(seed=5), "reset")
@@ -230,7 +246,12 @@ def test_equal_to_sync_cartpole_by_id(no_leaks: None) -> None:
         for t in range(200):
             actions = rng.integers(0, 2, 6)
             assert_same(ours.step(actions), sync.step(actions), f"step {t}")
-        assert repr(ours) == "asyncsample.VectorEnv(CartPole-v1, num_envs=6, n_processes=2)"
+        kind = {0: "in-process", 2: "hosts", 1: "mixed"}[placed["n_processes"]]
+        assert repr(ours) == (
+            f"asyncsample.VectorEnv(CartPole-v1, num_envs=6, n_processes={placed['n_processes']}"
+            f", caller_envs={ours.placement.caller_envs}, placement={kind!r})"
+        )
+        assert ours.placement.kind == kind
     finally:
         ours.close()
 
@@ -238,14 +259,15 @@ def test_equal_to_sync_cartpole_by_id(no_leaks: None) -> None:
 # -- autoreset modes (gymnasium's test_autoreset_mode, in our words) ----------------------------
 
 
-def counting(mode: AutoresetMode) -> VectorEnv:
-    env = VectorEnv([count_env] * 3, 3, n_processes=2, autoreset_mode=mode)
+def counting(mode: AutoresetMode, placed: dict[str, int] | None = None) -> VectorEnv:
+    placed = {"n_processes": 2} if placed is None else placed
+    env = VectorEnv([count_env] * 3, 3, autoreset_mode=mode, **placed)
     env.set_attr("max_count", [2, 3, 3])
     return env
 
 
-def test_next_step_autoreset(no_leaks: None) -> None:
-    env = counting(AutoresetMode.NEXT_STEP)
+def test_next_step_autoreset(no_leaks: None, placed: dict[str, int]) -> None:
+    env = counting(AutoresetMode.NEXT_STEP, placed)
     try:
         obs, info = env.reset()
         assert obs.tolist() == [0, 0, 0] and info == {}
@@ -265,8 +287,8 @@ def test_next_step_autoreset(no_leaks: None) -> None:
         env.close()
 
 
-def test_same_step_autoreset(no_leaks: None) -> None:
-    env = counting(AutoresetMode.SAME_STEP)
+def test_same_step_autoreset(no_leaks: None, placed: dict[str, int]) -> None:
+    env = counting(AutoresetMode.SAME_STEP, placed)
     try:
         env.reset()
         obs, rew, term, _, info = env.step(np.array([1, 2, 3]))
@@ -284,8 +306,8 @@ def test_same_step_autoreset(no_leaks: None) -> None:
         env.close()
 
 
-def test_disabled_autoreset(no_leaks: None) -> None:
-    env = counting(AutoresetMode.DISABLED)
+def test_disabled_autoreset(no_leaks: None, placed: dict[str, int]) -> None:
+    env = counting(AutoresetMode.DISABLED, placed)
     sync = SyncVectorEnv([count_env] * 3, autoreset_mode=AutoresetMode.DISABLED)
     sync.set_attr("max_count", [2, 3, 3])
     try:
@@ -306,7 +328,7 @@ def test_disabled_autoreset(no_leaks: None) -> None:
         env.close()
 
 
-def test_final_obs_and_info_same_step(no_leaks: None) -> None:
+def test_final_obs_and_info_same_step(no_leaks: None, placed: dict[str, int]) -> None:
     """The final observation is the env's own last one (sent home in the host's reply, so a
     Python ``int`` stays an ``int``, as with gymnasium's vector envs), and the final info is its
     last step info."""
@@ -316,7 +338,7 @@ def test_final_obs_and_info_same_step(no_leaks: None) -> None:
             obs, *rest, _info = super().step(action)
             return obs, *rest, {"action": int(action), "obs": obs}
 
-    env = VectorEnv([lambda: Ends(2)], 1, n_processes=1, autoreset_mode="SameStep")
+    env = VectorEnv([lambda: Ends(2)], 1, **placed, autoreset_mode="SameStep")
     try:
         env.reset()
         env.step(np.array([4]))
@@ -361,8 +383,8 @@ def test_reset_mask_is_checked(no_leaks: None) -> None:
 # -- calls, attributes, rendering ---------------------------------------------------------------
 
 
-def test_call_get_attr_set_attr_render(no_leaks: None) -> None:
-    env = VectorEnv([RenderEnv] * 3, 3, n_processes=2)
+def test_call_get_attr_set_attr_render(no_leaks: None, placed: dict[str, int]) -> None:
+    env = VectorEnv([RenderEnv] * 3, 3, **placed)
     try:
         assert env.render_mode == "rgb_array"
         env.reset(seed=[1, 2, 3])
@@ -387,8 +409,8 @@ def test_call_get_attr_set_attr_render(no_leaks: None) -> None:
         env.close()
 
 
-def test_step_async_step_wait(no_leaks: None) -> None:
-    env = counting(AutoresetMode.NEXT_STEP)
+def test_step_async_step_wait(no_leaks: None, placed: dict[str, int]) -> None:
+    env = counting(AutoresetMode.NEXT_STEP, placed)
     try:
         env.reset()
         env.step_async(np.array([1, 1, 1]))
@@ -404,9 +426,9 @@ def test_step_async_step_wait(no_leaks: None) -> None:
         env.close()
 
 
-def test_gymnasium_error_types_and_async_calls(no_leaks: None) -> None:
+def test_gymnasium_error_types_and_async_calls(no_leaks: None, placed: dict[str, int]) -> None:
     """AsyncVectorEnv's async methods, its error types and its timeouts."""
-    env = counting(AutoresetMode.NEXT_STEP)
+    env = counting(AutoresetMode.NEXT_STEP, placed)
     try:
         env.reset_async(seed=[1, 2, 3])
         with pytest.raises(AlreadyPendingCallError):
@@ -483,12 +505,14 @@ class ActionEchoEnv(gym.Env[np.ndarray, Any]):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
-def test_float_actions_reach_the_envs_as_given(dtype: Any, no_leaks: None) -> None:
+def test_float_actions_reach_the_envs_as_given(
+    dtype: Any, no_leaks: None, placed: dict[str, int]
+) -> None:
     """Floats of another dtype than the space's reach each sub-env as AsyncVectorEnv hands
     them over (its row of the caller's array, nothing cast): a float64 stays a float64, 1e40
     stays finite, 0.1 stays 0.1."""
     fns = [ActionEchoEnv] * 4
-    ours = VectorEnv(fns, n_processes=2)
+    ours = VectorEnv(fns, **placed)
     ref = SyncVectorEnv(fns)
     try:
         ours.reset(seed=0)
@@ -617,13 +641,13 @@ class TextObservations(CountEnv):
 
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
 def test_text_observations_are_the_envs_not_placeholders(
-    mode: AutoresetMode, no_leaks: None
+    mode: AutoresetMode, no_leaks: None, placed: dict[str, int]
 ) -> None:
     """They used to come back as placeholder strings (``'00000000'``), silently. Observations
     without fixed-size rows now travel pickled and are batched as gymnasium batches them: the
     same as ``SyncVectorEnv``, final observations included."""
     fns = [lambda: TextObservations(), lambda: TextObservations()]
-    env = VectorEnv(fns, n_processes=2, autoreset_mode=mode)
+    env = VectorEnv(fns, **placed, autoreset_mode=mode)
     sync = SyncVectorEnv(fns, autoreset_mode=mode)
     try:
         assert env.observation_space == sync.observation_space
@@ -693,10 +717,10 @@ class WordEnv(gym.Env[str, str]):
         return f"got {action}", 0.0, action == "stop", False, {}
 
 
-def test_custom_spaces_travel_pickled(no_leaks: None) -> None:
+def test_custom_spaces_travel_pickled(no_leaks: None, placed: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="shared_memory=False"):
-        VectorEnv([WordEnv] * 3, n_processes=1)
-    env = VectorEnv([WordEnv] * 3, n_processes=2, shared_memory=False, autoreset_mode="SameStep")
+        VectorEnv([WordEnv] * 3, **placed)
+    env = VectorEnv([WordEnv] * 3, **placed, shared_memory=False, autoreset_mode="SameStep")
     try:
         assert isinstance(env.observation_space, Tuple) and len(env.observation_space) == 3
         obs, _ = env.reset()
@@ -710,7 +734,7 @@ def test_custom_spaces_travel_pickled(no_leaks: None) -> None:
         env.close()
 
 
-def test_observation_mode_different(no_leaks: None) -> None:
+def test_observation_mode_different(no_leaks: None, placed: dict[str, int]) -> None:
     """Sub-envs whose observation spaces differ in bounds only, batched as gymnasium does."""
 
     class Bounded(CountEnv):
@@ -720,8 +744,8 @@ def test_observation_mode_different(no_leaks: None) -> None:
 
     fns = [lambda: Bounded(10), lambda: Bounded(12)]
     with pytest.raises(RuntimeError, match="not equivalent"):
-        VectorEnv(fns, n_processes=1)
-    env = VectorEnv(fns, n_processes=1, observation_mode="different")
+        VectorEnv(fns, **placed)
+    env = VectorEnv(fns, **placed, observation_mode="different")
     try:
         assert env.observation_space == gym.spaces.MultiDiscrete([10, 12])
         assert env.single_observation_space == Discrete(10)
@@ -738,10 +762,12 @@ class NeedsOptions(CountEnv):
         return super().reset(seed=seed, options=options)
 
 
-def test_requested_resets_pass_options_and_env_errors_keep_their_type(no_leaks: None) -> None:
+def test_requested_resets_pass_options_and_env_errors_keep_their_type(
+    no_leaks: None, placed: dict[str, int]
+) -> None:
     """A reset the caller asks for passes ``options=`` (``None`` too), as gymnasium does; a
     sub-env's exception is a ``SubEnvError`` that is also of the env's own type."""
-    env = VectorEnv([NeedsOptions] * 2, n_processes=1)
+    env = VectorEnv([NeedsOptions] * 2, **placed)
     try:
         obs, _ = env.reset(seed=[0, 0])
         assert obs.tolist() == [0, 0]
@@ -763,9 +789,9 @@ def test_sub_envs_with_different_spaces_are_refused(no_leaks: None) -> None:
         VectorEnv([lambda: CountEnv(), lambda: OtherActions()], 2, n_processes=1)
 
 
-def test_step_async_and_step_equal_to_sync(no_leaks: None) -> None:
+def test_step_async_and_step_equal_to_sync(no_leaks: None, placed: dict[str, int]) -> None:
     """step_async/step_wait (sent without running the loop) and step, mixed: SyncVectorEnv."""
-    ours = VectorEnv("CartPole-v1", 4, n_processes=2)
+    ours = VectorEnv("CartPole-v1", 4, **placed)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
     try:
         assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
@@ -962,9 +988,11 @@ def test_killed_host_during_step_async_is_restarted(no_leaks: None) -> None:
         env.close()
 
 
-async def test_step_async_inside_a_running_event_loop(no_leaks: None) -> None:
+async def test_step_async_inside_a_running_event_loop(
+    no_leaks: None, placed: dict[str, int]
+) -> None:
     """From a coroutine the round goes through the portal (its loop in a helper thread)."""
-    env = VectorEnv("CartPole-v1", 4, n_processes=2)
+    env = VectorEnv("CartPole-v1", 4, **placed)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
     try:
         assert_same(env.reset(seed=3), sync.reset(seed=3), "reset")
@@ -1008,8 +1036,18 @@ def test_arguments_are_checked() -> None:
         VectorEnv("CartPole-v1", 2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_envs must be >= 1"):
         VectorEnv("CartPole-v1", 0)
-    with pytest.raises(ValueError, match="n_processes must be >= 1"):
-        VectorEnv("CartPole-v1", 2, n_processes=0)
+    with pytest.raises(ValueError, match="n_processes must be >= 0"):
+        VectorEnv("CartPole-v1", 2, n_processes=-1)
+    with pytest.raises(ValueError, match=r"caller_envs must be in \[0, num_envs=2\], got 3"):
+        VectorEnv("CartPole-v1", 2, caller_envs=3)
+    with pytest.raises(ValueError, match=r"n_processes=0.*caller_envs must be None or num_envs=2"):
+        VectorEnv("CartPole-v1", 2, n_processes=0, caller_envs=1)
+    with pytest.raises(ValueError, match=r"step_timeout=1.0 needs every sub-env on an env host"):
+        VectorEnv("CartPole-v1", 2, n_processes=0, step_timeout=1.0)
+    with pytest.raises(ValueError, match=r"step_timeout=1.0 .* not caller_envs=1"):
+        VectorEnv("CartPole-v1", 2, caller_envs=1, step_timeout=1.0)
+    with pytest.raises(ValueError, match=r"batch_size .* caller_envs=1"):
+        VectorEnv("CartPole-v1", 4, caller_envs=1, batch_size=2)
     with pytest.raises(ValueError, match="max_restarts must be >= 0"):
         VectorEnv("CartPole-v1", 2, max_restarts=-1)
     with pytest.raises(ValueError, match="autoreset_mode must be"):
@@ -1022,9 +1060,9 @@ def test_arguments_are_checked() -> None:
         VectorEnv([count_env, 5], 2)
 
 
-async def test_used_inside_a_running_event_loop(no_leaks: None) -> None:
+async def test_used_inside_a_running_event_loop(no_leaks: None, placed: dict[str, int]) -> None:
     """A synchronous API called from a coroutine: it blocks that loop, and works."""
-    env = VectorEnv("CartPole-v1", 4, n_processes=2, seed=1)
+    env = VectorEnv("CartPole-v1", 4, **placed, seed=1)
     sync = SyncVectorEnv([lambda: gym.make("CartPole-v1") for _ in range(4)])
     try:
         assert_same(env.reset(), sync.reset(seed=1), "reset")
@@ -1044,9 +1082,9 @@ def faulty(fault: str = "", at: int = 3) -> Any:
     return lambda: FaultyEnv(fault, at)
 
 
-def test_env_that_raises_names_the_sub_env(no_leaks: None) -> None:
+def test_env_that_raises_names_the_sub_env(no_leaks: None, placed: dict[str, int]) -> None:
     fns = [faulty(), faulty(), faulty(), faulty("raise", 2)]
-    env = VectorEnv(fns, 4, n_processes=2)
+    env = VectorEnv(fns, 4, **placed)
     try:
         env.reset()
         env.step(np.zeros(4, np.int64))
@@ -1135,20 +1173,24 @@ def test_step_timeout_kills_and_restarts_the_host(no_leaks: None) -> None:
 # -- EnvPool-style send/recv --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("n_processes", [2, 0], ids=["hosts", "in-process"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
-def test_send_recv_matches_each_env_stepped_alone(mode: AutoresetMode, no_leaks: None) -> None:
-    """recv returns batch_size sub-envs at a time; each one's story is its own env's."""
+def test_send_recv_matches_each_env_stepped_alone(
+    mode: AutoresetMode, n_processes: int, no_leaks: None
+) -> None:
+    """recv returns batch_size sub-envs at a time; each one's story is its own env's (also
+    with every sub-env in the caller's process: its groups answer one after another)."""
     n = 6
     env = VectorEnv(
         [lambda: RandomEpisodesEnv("dict")] * n,
         n,
-        n_processes=2,
+        n_processes=n_processes,
         batch_size=2,
         autoreset_mode=mode,
     )
     ref = SyncVectorEnv([lambda: RandomEpisodesEnv("dict")] * n, autoreset_mode=mode)
     try:
-        assert env.n_processes == 2 and len(env.pids) == 2
+        assert env.n_processes == n_processes and len(env.pids) == n_processes
         env.async_reset(seed=0)
         ref_obs, _ = ref.reset(seed=0)
         # The reference steps one sub-env at a time: a 1-env SyncVectorEnv per sub-env.

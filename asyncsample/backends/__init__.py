@@ -32,6 +32,7 @@ from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
     HostSpec,
+    InlineHost,
     SentStep,
     reject_unknown_options,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "DirectReader",
     "EnvHost",
     "HostSpec",
+    "InlineHost",
     "NextChunk",
     "Placement",
     "SentChunk",

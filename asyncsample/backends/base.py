@@ -31,6 +31,7 @@ __all__ = [
     "DirectReader",
     "EnvHost",
     "HostSpec",
+    "InlineHost",
     "SentStep",
     "agent_note",
     "failure_error",
@@ -150,6 +151,18 @@ class EnvHost(Protocol):
         use it (the vector env does, to skip a loop pass per lockstep step). ``None``: the host
         has no such stream (``local``, ``ray``) or it is dead; wait through the loop instead.
         """
+        ...
+
+
+class InlineHost(EnvHost, Protocol):
+    """An env host whose envs live in the caller's process (``make_backend("local",
+    caller=True)``): a synchronous caller steps them itself, in its own thread."""
+
+    given_actions: list[Any] | None
+    """This step's actions as the caller gave them (one per env), or ``None``: the buffers."""
+
+    def step_now(self, mask: np.ndarray, everyone: bool | None = None) -> StepInfos:
+        """:meth:`EnvHost.step`, synchronously (``everyone``: ``mask`` is all true)."""
         ...
 
 

@@ -35,7 +35,7 @@ from asyncsample.env_group import (
 )
 from asyncsample.env_update import EnvSource
 
-__all__ = ["LocalBackend", "LocalHost"]
+__all__ = ["CallerHost", "LocalBackend", "LocalHost"]
 
 
 class LocalHost:
@@ -138,6 +138,41 @@ class LocalHost:
         self._group.close()
 
 
+class CallerHost(LocalHost):
+    """A :class:`LocalHost` for the vector-env faces' share of sub-envs stepped by the caller.
+
+    :meth:`step_now` steps in the caller's thread without the event loop (the faces' lockstep
+    step, between sending the other hosts' requests and reading their replies); every env
+    failure is a :class:`~asyncsample.WorkerError` naming the env, as a host process reports it
+    (the faces name the sub-env from it); float actions may be handed to the envs as the caller
+    gave them (:attr:`given_actions`, as the process backend's hosts take them). Infos are the
+    envs' own objects, as ``SyncVectorEnv`` hands them on.
+    """
+
+    def __init__(self, spec: HostSpec) -> None:
+        super().__init__(spec)
+        #: This step's actions as the caller gave them (one per env), or ``None``: the buffers.
+        self.given_actions: list[Any] | None = None
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
+        return super()._call(what, fn, *args, wrap=True)
+
+    def step_now(self, mask: np.ndarray, everyone: bool | None = None) -> StepInfos:
+        """:meth:`step`, synchronously, in the caller's thread."""
+        if self.closed:
+            raise closed_error(self.spec.worker, "step")
+        given, self.given_actions = self.given_actions, None
+        try:
+            return self._group.step(mask, given, everyone)
+        except EnvFailureError as exc:
+            raise failure_error(self.spec.worker, exc.failure) from exc.failure.error
+
+    async def step(self, mask: np.ndarray) -> StepInfos:
+        result = self.step_now(mask)
+        await asyncio.sleep(0)
+        return result
+
+
 _SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
@@ -174,19 +209,21 @@ class LocalBackend:
             pre-empted.
         host_threads: accepted for a uniform interface and ignored: the envs run in the
             caller's process, whose threads are the caller's business.
+        caller: hosts for the vector-env faces (:class:`CallerHost`).
 
     Raises:
         TypeError: an unknown option (the valid ones are listed).
         ValueError: a ``step_timeout``.
     """
 
-    OPTIONS = ("n_processes", "step_timeout", "host_threads")
+    OPTIONS = ("n_processes", "step_timeout", "host_threads", "caller")
 
     def __init__(
         self,
         n_processes: int | None = None,
         step_timeout: float | None = None,
         host_threads: int | None = 1,
+        caller: bool = False,
         **unknown: object,
     ) -> None:
         reject_unknown_options("local", unknown, self.OPTIONS)
@@ -199,13 +236,14 @@ class LocalBackend:
                 "backend='process'"
             )
         self.n_processes = n_processes
+        self._kind = CallerHost if caller else LocalHost
         self._hosts: list[LocalHost] = []
         self._closed = False
 
     async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
         if self._closed:
             raise RuntimeError("the local backend is closed")
-        self._hosts = [LocalHost(spec) for spec in specs]
+        self._hosts = [self._kind(spec) for spec in specs]
         return list(self._hosts)
 
     async def aclose(self) -> None:

@@ -5,6 +5,8 @@
   on its own: it needs SB3);
 * :mod:`asyncsample.vector.hosted`: what both faces stand on, sub-envs placed on the hosts of a
   backend and driven through the public ``EnvHost`` protocol (restarts, error translation);
+* :mod:`asyncsample.vector.placement`: where a face steps its sub-envs (the caller's process,
+  env hosts or both), decided from what it measures or forced (:class:`Placement`);
 * :mod:`asyncsample.vector.errors`: :class:`SubEnvError` and the faces' other errors;
 * :mod:`asyncsample.vector.portal`: the blocking portal that runs the faces' coroutines for
   synchronous callers.
@@ -14,5 +16,6 @@ from __future__ import annotations
 
 from asyncsample.vector.env import VectorEnv
 from asyncsample.vector.errors import SubEnvAttributeError, SubEnvError
+from asyncsample.vector.placement import Placement
 
-__all__ = ["SubEnvAttributeError", "SubEnvError", "VectorEnv"]
+__all__ = ["Placement", "SubEnvAttributeError", "SubEnvError", "VectorEnv"]

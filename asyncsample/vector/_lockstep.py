@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample._tree import Tree
-from asyncsample.backends.base import DirectReader, EnvHost, SentStep
+from asyncsample.backends.base import DirectReader, EnvHost, InlineHost, SentStep
 from asyncsample.env_group import StepInfos
 from asyncsample.vector.portal import BlockingPortal
 
@@ -79,12 +79,15 @@ class PendingRound:
         task: the round as a task on the portal's loop (started at the send, or by a wait that
             timed out), or ``None``.
         finished: a wait returned its result or raised its error.
+        inline: the outcomes of the caller's own hosts, once the wait half stepped them
+            (``None``: not yet).
     """
 
     sent: list[SentStep]
     readers: dict[int, DirectReader] | None
     task: asyncio.Task[StepResult] | None = None
     finished: bool = False
+    inline: list[StepInfos | BaseException] | None = None
 
     def done(self) -> bool:
         """Whether the round is over (nothing is left to wait for)."""
@@ -98,6 +101,9 @@ class LockstepRounds:
     portal: BlockingPortal
     hosts: list[EnvHost]
     broken: set[int]
+    # The hosts [0, _remote_hosts) are processes; _inline are the rest, in the caller's process.
+    _remote_hosts: int
+    _inline: list[InlineHost]
     # Every sub-env of a host (read-only): the step mask of the common lockstep step.
     _whole: list[np.ndarray]
     # The poller of the hosts' connections, and their file descriptors.
@@ -110,6 +116,7 @@ class LockstepRounds:
     step: Callable[..., Coroutine[Any, Any, StepResult]]
     _quiet_result: Callable[[Sequence[StepInfos | BaseException]], StepResult | None]
     _merge: Callable[..., Coroutine[Any, Any, StepResult]]
+    _combine: Callable[..., StepResult]
 
     def lockstep(self) -> StepResult:
         """:meth:`step` of every sub-env, from the caller's thread, without the event loop
@@ -187,12 +194,14 @@ class LockstepRounds:
                     request.result_now()
 
     def _send_round(self) -> PendingRound:
-        """Send the hosts their step requests without the loop, host 0 first, as long as they
-        take one (a dead host takes none: the loop sends the rest)."""
+        """Send the host processes their step requests without the loop, host 0 first, as
+        long as they take one (a dead host takes none: the loop sends the rest). The caller's
+        own hosts are stepped by the wait half (:meth:`_finish_round`), while these work."""
         hosts = self.hosts
         sent: list[SentStep] = []
         readers: dict[int, DirectReader] | None = {}
-        for h, host in enumerate(hosts):
+        for h in range(self._remote_hosts):
+            host = hosts[h]
             request = host.step_nowait(self._whole[h])
             if request is None:
                 break
@@ -204,19 +213,36 @@ class LockstepRounds:
                 readers[reader.fd] = reader
         return PendingRound(sent, readers)
 
+    def _step_inline(self, round_: PendingRound) -> list[StepInfos | BaseException]:
+        """Step the caller's own hosts (once per round), in the caller's thread."""
+        if round_.inline is None:
+            outcomes: list[StepInfos | BaseException] = []
+            first = self._remote_hosts
+            for k, host in enumerate(self._inline):
+                try:
+                    outcomes.append(host.step_now(self._whole[first + k], True))
+                except Exception as exc:
+                    outcomes.append(exc)
+            round_.inline = outcomes
+        return round_.inline
+
     def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
-        """Read the replies of a round sent by :meth:`_send_round` (see :meth:`lockstep`)."""
-        hosts = self.hosts
+        """Step the caller's own hosts, then read the replies of a round sent by
+        :meth:`_send_round` (see :meth:`lockstep`)."""
+        inline = self._step_inline(round_)
         sent, readers = round_.sent, round_.readers
-        if len(sent) == len(hosts) and readers is not None:
-            outcomes = self._read_direct(sent, readers, deadline)
+        if len(sent) == self._remote_hosts and readers is not None:
+            outcomes = self._read_direct(sent, readers, deadline) if sent else []
             if outcomes is not None:
+                outcomes += inline
                 quiet = self._quiet_result(outcomes)
                 if quiet is not None:
                     return quiet
-                stepped = [(h, self._whole[h]) for h in range(len(hosts))]
+                stepped = [(h, self._whole[h]) for h in range(len(self.hosts))]
+                if not any(isinstance(o, BaseException) for o in outcomes):
+                    return self._combine(stepped, outcomes, True)
                 return self._in_loop(round_, deadline, self._merge, stepped, outcomes, True)
-        return self._in_loop(round_, deadline, self._collect, sent)
+        return self._in_loop(round_, deadline, self._collect, sent, inline)
 
     def _in_loop(
         self,
@@ -274,20 +300,24 @@ class LockstepRounds:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
         return self._poller.poll(wait * 1000)
 
-    async def _collect(self, sent: list[SentStep]) -> StepResult:
+    async def _collect(
+        self, sent: list[SentStep], inline: list[StepInfos | BaseException]
+    ) -> StepResult:
         """Finish, in the loop, a lockstep round whose first ``len(sent)`` requests went out
-        without it (see :meth:`lockstep`): the others are sent now."""
+        without it (see :meth:`lockstep`) and whose caller's hosts answered ``inline``: the
+        other requests are sent now."""
         outcomes: list[StepInfos | BaseException] = []
         for request in sent:
             try:
                 outcomes.append(await request.wait())
             except Exception as exc:
                 outcomes.append(exc)
-        for h in range(len(sent), len(self.hosts)):
+        for h in range(len(sent), self._remote_hosts):
             try:
                 outcomes.append(await self.hosts[h].step(self._whole[h]))
             except Exception as exc:
                 outcomes.append(exc)
+        outcomes += inline
         stepped = [(h, self._whole[h]) for h in range(len(self.hosts))]
         quiet = self._quiet_result(outcomes)
         if quiet is not None:

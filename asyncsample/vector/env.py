@@ -123,7 +123,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         env: a gymnasium id, a zero-argument factory, or a list of ``num_envs`` factories.
         num_envs: number of sub-envs (default, for a list of factories: its length, so
             ``VectorEnv(env_fns)`` reads as ``AsyncVectorEnv(env_fns)``).
-        n_processes: env-host processes (default: the number of CPUs, at most ``num_envs``).
+        n_processes: where the sub-envs step: ``0`` all in the caller's process (on the hosts'
+            env-group code), ``k >= 1`` on ``k`` env-host processes, ``None`` (default) decided
+            from the probe env's measured step time against a host round trip (in the caller's
+            process, on hosts, or both: ``caller_envs``); see :attr:`placement`, ``repr``, the
+            log (logger ``"asyncsample"``, INFO) and docs/vector.md.
         seed: seeds the first ``reset()`` that is given no seed (sub-env ``i`` gets
             ``seed + i``), so ``VectorEnv(..., seed=s).reset()`` is ``reset(seed=s)``.
         autoreset_mode: ``"NextStep"`` (default), ``"SameStep"`` or ``"Disabled"`` (a
@@ -156,6 +160,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             checks it). An env-host process steps its sub-envs one after another, so this caps
             the env-host processes at ``max_concurrency`` (an ``n_processes`` above it is a
             ``ValueError``); ``call``, ``render`` and the attribute calls are capped alike.
+        caller_envs: the last ``caller_envs`` sub-envs step in the caller's process, between
+            sending the hosts their requests and reading the replies (``num_envs``:
+            ``n_processes=0``); refused with ``step_timeout``, which only hosts can honour.
 
     All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
     first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
@@ -184,6 +191,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         observation_mode: Any = "same",
         env_fns: Any = None,
         max_concurrency: int | None = None,
+        caller_envs: int | None = None,
     ) -> None:
         if env_fns is not None:  # AsyncVectorEnv(env_fns=...), as gymnasium.make_vec calls it
             if env is not None:
@@ -200,7 +208,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         check_async_vector_env_options(
             shared_memory, copy, context, daemon, worker, observation_mode
         )
-        _validate.optional_positive_int("n_processes", n_processes)
+        n_processes = _validate.optional_nonnegative_int("n_processes", n_processes)
+        caller_envs = _validate.optional_nonnegative_int("caller_envs", caller_envs)
         n_processes = concurrency_limit(max_concurrency, n_processes, num)
         _validate.nonnegative_int("max_restarts", max_restarts)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
@@ -235,6 +244,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             host_threads=host_threads,
             object_rows=True,
             observation_space=single_obs,
+            caller_envs=caller_envs,
         )
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
@@ -784,6 +794,4 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     def __repr__(self) -> str:
         spec = self._hosted.spec
         what = f"{spec.id}, " if spec is not None else ""
-        return (
-            f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, n_processes={self.n_processes})"
-        )
+        return f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, {self._where()})"

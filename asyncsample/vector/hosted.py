@@ -27,15 +27,15 @@ import asyncio
 import contextlib
 import select
 from collections.abc import Coroutine, Iterable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from asyncsample._tree import Tree, tree_map
-from asyncsample.backends import make_backend, pool_size
-from asyncsample.backends.base import EnvHost, HostSpec
+from asyncsample.backends import make_backend
+from asyncsample.backends.base import Backend, EnvHost, HostSpec, InlineHost
 from asyncsample.env_group import StepInfos
 from asyncsample.env_update import describe_chain, make_env
 from asyncsample.errors import WorkerError
@@ -50,6 +50,7 @@ from asyncsample.vector.errors import (
     sub_env_error_class,
     with_text,
 )
+from asyncsample.vector.placement import Placement, place
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = [
@@ -89,6 +90,9 @@ class HostedEnvs(LockstepRounds):
             it such spaces are refused.
         observation_space: the single observation space of the buffers (default: the first
             sub-env's), for gymnasium's ``observation_mode``.
+        caller_envs: sub-envs the caller steps itself, in its own process (the last ones);
+            with ``n_processes`` and ``caller_envs`` both ``None`` the placement is measured
+            (see :mod:`asyncsample.vector.placement`); ``n_processes=0``: all of them.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class HostedEnvs(LockstepRounds):
         host_threads: int | None = 1,
         object_rows: bool = False,
         observation_space: gym.Space[Any] | None = None,
+        caller_envs: int | None = None,
     ) -> None:
         self.num_envs = len(sources)
         probe = make_env(sources[0])
@@ -115,21 +120,40 @@ class HostedEnvs(LockstepRounds):
             self.metadata: dict[str, Any] = dict(probe.metadata)
             self.render_mode: str | None = probe.render_mode
             self.spec = probe.spec
+            if not object_rows:
+                check_bufferable("observation", self.single_observation_space)
+                check_bufferable("action", self.single_action_space)
+            self.placement = place(
+                probe,
+                self.num_envs,
+                n_processes=n_processes,
+                caller_envs=caller_envs,
+                step_timeout=step_timeout,
+                batched=group_size is not None,
+                backend=backend,
+            )
         finally:
             probe.close()
-        if not object_rows:
-            check_bufferable("observation", self.single_observation_space)
-            check_bufferable("action", self.single_action_space)
         self.object_rows = object_rows
         self.autoreset = autoreset
         self.max_restarts = max_restarts
         self.restarts: list[int] = []
         self.closed = False
         self._chains = [[s] for s in sources]
-        n_procs = pool_size(n_processes, self.num_envs)
-        n_hosts = n_procs if group_size is None else self.num_envs // group_size
-        self.n_procs = min(n_procs, n_hosts)
-        bounds = np.linspace(0, self.num_envs, n_hosts + 1).round().astype(int).tolist()
+        n_caller = self.placement.caller_envs
+        n_remote = self.num_envs - n_caller
+        n_procs = self.placement.n_processes
+        size = group_size
+        remote_hosts = 0 if n_remote == 0 else (n_procs if size is None else n_remote // size)
+        caller_hosts = 0 if n_caller == 0 else (1 if size is None else n_caller // size)
+        self.n_procs = min(n_procs, remote_hosts)
+        #: The hosts ``[0, _remote_hosts)`` are processes; the rest step in the caller's process.
+        self._remote_hosts = remote_hosts
+        bounds = np.linspace(0, n_remote, remote_hosts + 1).round().astype(int).tolist()
+        bounds += (
+            (n_remote + np.linspace(0, n_caller, caller_hosts + 1)[1:]).round().astype(int).tolist()
+        )
+        n_hosts = remote_hosts + caller_hosts
         self.slices = [(bounds[h], bounds[h + 1]) for h in range(n_hosts)]
         self.host_of = np.repeat(np.arange(n_hosts), [b - a for a, b in self.slices])
         # Every sub-env of a host (read-only): the step mask of the common lockstep step.
@@ -142,14 +166,21 @@ class HostedEnvs(LockstepRounds):
         self._polled: tuple[int, ...] = ()
         # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
         self._round: PendingRound | None = None
-        options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
-        if backend == "process":
-            options["step_timeout"] = step_timeout
-            # Lockstep rounds wake every host at once: pinned, two hosts never share a CPU
-            # while another idles (see asyncsample.backends._procs.host_cpus).
-            options["pin_cpus"] = None
-        self.backend = make_backend(backend, **options)
+        self.backend: Backend | None = None
+        if remote_hosts:
+            options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
+            if backend == "process":
+                options["step_timeout"] = step_timeout
+                # Lockstep rounds wake every host at once: pinned, two hosts never share a CPU
+                # while another idles (see asyncsample.backends._procs.host_cpus). Beside the
+                # caller's own share, the scheduler keeps its freedom (the caller needs a CPU).
+                options["pin_cpus"] = None if not n_caller else False
+            self.backend = make_backend(backend, **options)
+        self._caller_backend: Backend | None = (
+            make_backend("local", caller=True) if caller_hosts else None
+        )
         self.hosts: list[EnvHost] = []
+        self._inline: list[InlineHost] = []
         self.broken: set[int] = set()
         try:
             self.portal.call(self._start)
@@ -172,7 +203,13 @@ class HostedEnvs(LockstepRounds):
             )
             for h, (a, b) in enumerate(self.slices)
         ]
-        self.hosts = await self.backend.start(specs)
+        r = self._remote_hosts
+        if self.backend is not None:
+            self.hosts = list(await self.backend.start(specs[:r]))
+        if self._caller_backend is not None:
+            inline = await self._caller_backend.start(specs[r:])
+            self._inline = [cast(InlineHost, host) for host in inline]
+            self.hosts += inline
         self.restarts = [0] * len(self.hosts)
         await asyncio.gather(*(self._build(h) for h in range(len(self.hosts))))
 
@@ -195,19 +232,22 @@ class HostedEnvs(LockstepRounds):
     @property
     def pids(self) -> list[int]:
         """Pids of the live env-host processes (empty for a backend without processes)."""
-        return list(getattr(self.backend, "pids", []))
+        return list(getattr(self.backend, "pids", [])) if self.backend is not None else []
 
     def close(self) -> None:
         """Stop every host (idempotent); nothing is left behind."""
         if self.closed:
             return
         self.closed = True
+        backends = [b for b in (self.backend, self._caller_backend) if b is not None]
         try:
             if not self.portal.loop.is_closed() and not self.portal.loop.is_running():
-                self.portal.call(self.backend.aclose)
+                for backend in backends:
+                    self.portal.call(backend.aclose)
         finally:
-            with contextlib.suppress(Exception):
-                self.backend.close_now()  # whatever the graceful path could not do
+            for backend in backends:
+                with contextlib.suppress(Exception):
+                    backend.close_now()  # whatever the graceful path could not do
             self._drop_round()
             self.portal.close()
 
@@ -217,7 +257,10 @@ class HostedEnvs(LockstepRounds):
             return
         self.closed = True
         try:
-            self.backend.close_now()
+            for backend in (self.backend, self._caller_backend):
+                if backend is not None:
+                    with contextlib.suppress(Exception):
+                        backend.close_now()
         finally:
             self._drop_round()
             self.portal.close_now()
@@ -545,6 +588,27 @@ class HostedEnvs(LockstepRounds):
         whole: bool,
     ) -> StepResult:
         """The hosts' answers (restarting crashed hosts) as one result, in sub-env order."""
+        fresh: dict[int, dict[int, dict[str, Any]]] = {}
+        failure: BaseException | None = None
+        for (h, _), outcome in zip(stepped, outcomes):
+            if isinstance(outcome, BaseException):
+                try:
+                    fresh[h] = await self._recover(h, outcome)
+                except BaseException as exc:
+                    failure = failure or exc
+        if failure is not None:
+            raise failure
+        return self._combine(stepped, outcomes, whole, fresh)
+
+    def _combine(
+        self,
+        stepped: list[tuple[int, np.ndarray]],
+        outcomes: Sequence[StepInfos | BaseException],
+        whole: bool,
+        fresh: dict[int, dict[int, dict[str, Any]]] | None = None,
+    ) -> StepResult:
+        """The hosts' answers as one result, in sub-env order; a failed host's outcome is its
+        restart, whose new episodes' reset infos are ``fresh[h]``."""
         n = self.num_envs
         res = StepResult(
             None,
@@ -555,20 +619,15 @@ class HostedEnvs(LockstepRounds):
             {},
             {},
         )
-        failure: BaseException | None = None
         for (h, local), outcome in zip(stepped, outcomes):
             a, b = self.slices[h]
             if isinstance(outcome, BaseException):
-                try:
-                    fresh = await self._recover(h, outcome)
-                except BaseException as exc:
-                    failure = failure or exc
-                    continue
                 reason = str(outcome.args[0] if outcome.args else outcome)
                 res.truncated[a:b] = True
                 for k in range(b - a):
                     res.restarted[a + k] = reason
-                res.reset_infos.update({a + k: info for k, info in fresh.items()})
+                infos = (fresh or {}).get(h, {})
+                res.reset_infos.update({a + k: info for k, info in infos.items()})
                 continue
             buf = self.hosts[h].buffers
             res.rewards[a:b][local] = buf.rewards[local]
@@ -583,8 +642,6 @@ class HostedEnvs(LockstepRounds):
             res.reset_infos.update({a + k: info for k, info in outcome.reset_infos.items()})
             if outcome.final_obs:
                 res.final_obs.update({a + k: o for k, o in outcome.final_obs.items()})
-        if failure is not None:
-            raise failure
         if whole:
             res.obs = self.read_obs()
         return res
@@ -692,6 +749,19 @@ class HostedFace:
     def pids(self) -> list[int]:
         """Pids of the live env-host processes."""
         return self._hosted.pids
+
+    @property
+    def placement(self) -> Placement:
+        """Where the sub-envs step (the caller's share, the host processes) and why."""
+        return self._hosted.placement
+
+    def _where(self) -> str:
+        """The placement, as ``repr`` shows it."""
+        where = self.placement
+        return (
+            f"n_processes={self.n_processes}, caller_envs={where.caller_envs}, "
+            f"placement={where.kind!r}"
+        )
 
 
 def _joined(parts: Sequence[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:

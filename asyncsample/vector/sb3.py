@@ -110,7 +110,10 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         env_fns: one zero-argument factory per sub-env (as for ``SubprocVecEnv``), or a single
             factory or gymnasium id together with ``num_envs``.
         num_envs: number of sub-envs when ``env_fns`` is a single factory or id.
-        n_processes: env-host processes (default: the number of CPUs, at most the sub-envs).
+        n_processes: where the sub-envs step: ``0`` in the caller's process (``DummyVecEnv``'s
+            way), ``k >= 1`` on ``k`` env-host processes, ``None`` (default) decided from what
+            the face measures, as :class:`asyncsample.VectorEnv` decides it (its
+            :attr:`placement`, shown by ``repr`` and logged).
         step_timeout: seconds a host may spend on one step before it is killed and rebuilt.
         max_restarts: how often each host may be rebuilt over the env's life before the error
             is raised.
@@ -118,6 +121,8 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             ``multiprocessing.get_context`` knows, else its ``ValueError``). It changes nothing:
             env hosts always start from asyncsample's forkserver (several sub-envs to a process),
             which is safe with threads and CUDA in the main process, as ``"forkserver"`` is.
+        caller_envs: how many sub-envs (the last ones) the caller steps itself while the env
+            hosts step the others, as for :class:`asyncsample.VectorEnv`.
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         step_timeout: float | None = None,
         max_restarts: int = 3,
         start_method: str | None = None,
+        caller_envs: int | None = None,
     ) -> None:
         if start_method is not None:
             multiprocessing.get_context(start_method)  # SubprocVecEnv's check and error
@@ -144,7 +150,8 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             if num_envs is None:
                 raise TypeError("num_envs is required when env_fns is a single factory or id")
             n = _validate.positive_int("num_envs", num_envs)
-        _validate.optional_positive_int("n_processes", n_processes)
+        n_processes = _validate.optional_nonnegative_int("n_processes", n_processes)
+        caller_envs = _validate.optional_nonnegative_int("caller_envs", caller_envs)
         _validate.nonnegative_int("max_restarts", max_restarts)
         step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         sources = env_sources(list(env_fns) if isinstance(env_fns, (list, tuple)) else env_fns, n)
@@ -154,6 +161,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             step_timeout=step_timeout,
             max_restarts=max_restarts,
             autoreset="SameStep",
+            caller_envs=caller_envs,
         )
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
         self._sent: PendingRound | None = None
@@ -276,6 +284,9 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
                 self.reset_infos[i] = res.reset_infos.get(i, {})
             infos.append(info)
         return self._format_obs(res.obs), rewards, dones, deepcopy(infos)
+
+    def __repr__(self) -> str:
+        return f"asyncsample.sb3.AsyncSampleVecEnv(num_envs={self.num_envs}, {self._where()})"
 
     def close(self) -> None:
         """Stop the env hosts; idempotent."""

@@ -1,0 +1,276 @@
+"""Where the sub-envs of a vector-env face step: in the caller's process, on env hosts, or both.
+
+A lockstep step on env hosts costs a round trip (the request out, a host woken, the reply
+read) before and beside the envs' own time; in the caller's process it costs the envs' time
+alone, but on one core. :func:`choose` decides from two measurements, before any sub-env is
+built: the probe env's step time (the face builds the probe for its spaces anyway) and the cost
+of a process hop on this machine, and predicts one lockstep step of each placement:
+
+* in the caller's process: ``n * t``;
+* on ``P`` hosts: ``hop + ceil(n / P) * t`` (the caller idles);
+* mixed, ``m`` sub-envs in the caller and the rest on ``P = min(cpus - 1, n - m)`` hosts: the
+  requests go out first, the caller steps its share, then collects:
+  ``max(m * t + hop / 2, hop + ceil((n - m) / P) * t)`` (the caller also pays its half of the
+  round trip: writing the requests, reading the replies).
+
+It leaves the caller's process only when that is predicted ``_MARGIN`` faster, so envs near the
+break-even stay where they cost nothing to start and the noise of a measurement on a loaded
+machine cannot tip a cheap env onto hosts.
+
+The hop is measured once per interpreter: a one-byte round trip between two threads over a
+socket pair (two kernel wake-ups, as a host round trip has), times ``_HOP_FACTOR`` for what a
+host round trip adds to it (framing, the step buffers, the caller's poll), at least
+``_MIN_HOP``. Starting a process to measure it would cost what an in-process face must not
+(about a second for the first host of an interpreter).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LOGGER", "Placement", "choose", "cpus", "hop_seconds", "place", "probe_step_seconds"]
+
+LOGGER = logging.getLogger("asyncsample")
+
+#: Another placement must be predicted this much faster than the caller's process.
+_MARGIN = 1.2
+#: A host round trip, in thread wake-up round trips (measured against the process backend's
+#: lockstep step of a no-op env, 2026-11-25).
+_HOP_FACTOR = 4.0
+_MIN_HOP = 40e-6
+#: The probe env is stepped for at most this long (and at most _PROBE_STEPS steps).
+_PROBE_BUDGET = 0.02
+_PROBE_STEPS = 50
+
+_hop: float | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the sub-envs of a face step.
+
+    Attributes:
+        caller_envs: sub-envs stepped in the caller's process (the last ones).
+        n_processes: env-host processes for the others (0: none).
+        reason: why (measured, or forced by the arguments).
+        env_step: the probe env's measured step time in seconds (``None``: not measured).
+        hop: the estimated host round trip in seconds (``None``: not measured).
+    """
+
+    caller_envs: int
+    n_processes: int
+    reason: str
+    env_step: float | None = None
+    hop: float | None = None
+
+    @property
+    def kind(self) -> str:
+        """``"in-process"``, ``"hosts"`` or ``"mixed"``."""
+        if self.n_processes == 0:
+            return "in-process"
+        return "mixed" if self.caller_envs else "hosts"
+
+    def describe(self, num_envs: int) -> str:
+        """One line for the log and ``repr``."""
+        hosted = num_envs - self.caller_envs
+        if self.kind == "in-process":
+            where = f"all {num_envs} sub-envs in the caller's process"
+        elif self.kind == "hosts":
+            where = f"{num_envs} sub-envs on {self.n_processes} env-host processes"
+        else:
+            where = (
+                f"{self.caller_envs} sub-envs in the caller's process and {hosted} on "
+                f"{self.n_processes} env-host processes"
+            )
+        return f"{where} ({self.reason})"
+
+
+def hop_seconds() -> float:
+    """The estimated cost of a host round trip on this machine (measured once, see the module)."""
+    global _hop
+    if _hop is None:
+        a, b = socket.socketpair()
+
+        def echo() -> None:
+            while True:
+                data = b.recv(1)
+                if not data or data == b"q":
+                    return
+                b.send(data)
+
+        thread = threading.Thread(target=echo, name="asyncsample-hop-probe", daemon=True)
+        thread.start()
+        times: list[float] = []
+        try:
+            for _ in range(200):
+                t0 = time.perf_counter()
+                a.send(b"x")
+                a.recv(1)
+                times.append(time.perf_counter() - t0)
+            a.send(b"q")
+            thread.join(1.0)
+        finally:
+            a.close()
+            b.close()
+        _hop = max(_MIN_HOP, _HOP_FACTOR * statistics.median(times[20:]))
+    return _hop
+
+
+def probe_step_seconds(env: Any) -> float | None:
+    """The median step time of ``env`` (reset first, random actions, reset at episode ends),
+    or ``None`` when it cannot be stepped so (then nothing is decided from it)."""
+    try:
+        env.reset()
+        # A copy, seeded: the env's own space may be shared (a class attribute) with the
+        # sub-envs and the face, whose random stream the probe must not move.
+        space = copy.deepcopy(env.action_space)
+        space.seed(0)
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < _PROBE_STEPS and (
+            not times or time.perf_counter() - start < _PROBE_BUDGET
+        ):
+            action = space.sample()
+            t0 = time.perf_counter()
+            _, _, terminated, truncated, _ = env.step(action)
+            times.append(time.perf_counter() - t0)
+            if terminated or truncated:
+                env.reset()
+    except Exception:
+        return None
+    return statistics.median(times)
+
+
+def cpus() -> int:
+    """The CPUs this process may run on."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is not None:
+        return max(1, len(getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def _predict(n: int, t: float, hop: float, m: int, n_cpus: int) -> tuple[float, int]:
+    """Predicted lockstep step with ``m`` sub-envs in the caller; and the host processes."""
+    if m == n:
+        return n * t, 0
+    spare = n_cpus if m == 0 else n_cpus - 1
+    procs = max(1, min(spare, n - m))
+    hosts = hop + math.ceil((n - m) / procs) * t
+    if m == 0:
+        return hosts, procs
+    return max(m * t + hop / 2, hosts), procs
+
+
+def choose(
+    num_envs: int,
+    env_step: float | None,
+    *,
+    hop: float | None = None,
+    n_cpus: int | None = None,
+) -> Placement:
+    """The placement for ``num_envs`` sub-envs whose probe stepped in ``env_step`` seconds."""
+    if env_step is None:
+        return Placement(0, min(cpus(), num_envs), "the probe env could not be stepped: hosts")
+    hop = hop_seconds() if hop is None else hop
+    n_cpus = cpus() if n_cpus is None else n_cpus
+    best_m, (best, best_procs) = num_envs, _predict(num_envs, env_step, hop, num_envs, n_cpus)
+    inproc = best
+    # From the largest caller's share down: of two placements predicted alike, the one with
+    # fewer processes (the caller's core does work a host would do).
+    for m in range(num_envs - 1, -1, -1):
+        if m > 0 and n_cpus < 2:
+            continue
+        pred, procs = _predict(num_envs, env_step, hop, m, n_cpus)
+        if pred * _MARGIN < inproc and pred < best:
+            best_m, best, best_procs = m, pred, procs
+    us = f"probe step {env_step * 1e6:.1f} us, host round trip ~{hop * 1e6:.0f} us"
+    if best_m == num_envs:
+        why = f"{us}: the hop would cost more than it saves"
+    else:
+        why = f"{us}: predicted {best * 1e6:.0f} us a step against {inproc * 1e6:.0f} in-process"
+    return Placement(best_m, best_procs, why, env_step, hop)
+
+
+def place(
+    probe: Any,
+    num_envs: int,
+    *,
+    n_processes: int | None,
+    caller_envs: int | None,
+    step_timeout: float | None,
+    batched: bool,
+    backend: str = "process",
+) -> Placement:
+    """The placement of a face's ``num_envs`` sub-envs: forced by the arguments, or measured on
+    the face's ``probe`` env (see :func:`choose`). Logged (logger ``"asyncsample"``, INFO).
+
+    Raises:
+        ValueError: arguments that contradict each other (``n_processes=0`` with a
+            ``caller_envs`` other than ``num_envs``; a caller's share with ``step_timeout``,
+            which only a host process can honour, or with ``batch_size``).
+    """
+    n = num_envs
+    if caller_envs is not None:
+        if isinstance(caller_envs, bool) or not isinstance(caller_envs, int):
+            raise TypeError(f"caller_envs must be an int or None, got {caller_envs!r}")
+        if not 0 <= caller_envs <= n:
+            raise ValueError(f"caller_envs must be in [0, num_envs={n}], got {caller_envs}")
+    if n_processes == 0:
+        if caller_envs not in (None, n):
+            raise ValueError(
+                f"n_processes=0 steps every sub-env in the caller's process: caller_envs must "
+                f"be None or num_envs={n}, got {caller_envs}"
+            )
+        caller_envs = n
+    shared = caller_envs is not None and caller_envs > 0
+    if shared and step_timeout is not None:
+        raise ValueError(
+            f"step_timeout={step_timeout!r} needs every sub-env on an env host (a step in the "
+            f"caller's process cannot be pre-empted): give n_processes >= 1, not "
+            f"{'n_processes=0' if caller_envs == n else f'caller_envs={caller_envs}'}"
+        )
+    if shared and batched and caller_envs != n:
+        raise ValueError(
+            f"batch_size (send/recv) cannot be combined with caller_envs={caller_envs}: use "
+            "n_processes=0 (every sub-env in the caller's process) or hosts only"
+        )
+    if backend != "process" and caller_envs is None:
+        caller_envs = 0
+    if caller_envs is not None:
+        hosted = n - caller_envs
+        if caller_envs == n:
+            placement = Placement(
+                n, 0, "forced: n_processes=0" if n_processes == 0 else f"forced: caller_envs={n}"
+            )
+        elif caller_envs == 0:
+            procs = min(n_processes or cpus(), n)
+            why = (
+                "forced: caller_envs=0"
+                if n_processes is None
+                else f"forced: n_processes={n_processes}"
+            )
+            placement = Placement(0, procs, why)
+        else:
+            procs = min(n_processes or max(1, cpus() - 1), hosted)
+            placement = Placement(caller_envs, procs, f"forced: caller_envs={caller_envs}")
+    elif n_processes is not None:
+        placement = Placement(0, min(n_processes, n), f"forced: n_processes={n_processes}")
+    elif step_timeout is not None:
+        placement = Placement(
+            0, min(cpus(), n), "step_timeout is set: only a host process can be timed out"
+        )
+    elif batched:
+        placement = Placement(0, min(cpus(), n), "batch_size: hosts answer independently")
+    else:
+        placement = choose(n, probe_step_seconds(probe))
+    LOGGER.info("vector env: %s", placement.describe(n))
+    return placement

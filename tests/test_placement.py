@@ -1,0 +1,195 @@
+"""Where the vector-env faces step their sub-envs: the decision, its report and what forces it.
+
+That the results are the same in every placement is checked where the faces are checked
+against gymnasium and SB3 (tests/test_vector_env.py and tests/test_sb3_vec_env.py run their
+equality, autoreset, call and fault checks in each placement).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.vector import SyncVectorEnv
+from helpers import host_processes as our_processes
+
+from asyncsample.vector import SubEnvError, VectorEnv
+from asyncsample.vector.placement import choose, probe_step_seconds
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class BusyEnv(gym.Env[np.ndarray, int]):
+    """Costs ``cost`` seconds of CPU a step (a busy wait, as a simulator costs)."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, cost: float = 0.0, fail_at: int = 0) -> None:
+        self.cost = cost
+        self.fail_at = fail_at
+        self.steps = 0
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        return self.np_random.uniform(-1, 1, 2).astype(np.float32), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        end = time.perf_counter() + self.cost
+        while time.perf_counter() < end:
+            pass
+        self.steps += 1
+        if self.fail_at and self.steps == self.fail_at:
+            raise ValueError("the busy env broke")
+        obs = self.np_random.uniform(-1, 1, 2).astype(np.float32)
+        return obs, float(action), bool(obs[0] > 0.9), False, {}
+
+
+# -- the decision, from its two measurements ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "step_us", "hop_us", "cpus", "want"),
+    [
+        (4, 8, 50, 2, (4, 0)),  # CartPole-like: the hop costs more than 4 steps save
+        (8, 8, 50, 2, (8, 0)),
+        (1, 60, 50, 2, (1, 0)),  # one env: nothing to share
+        (4, 60, 50, 2, (2, 1)),  # HalfCheetah-like: the caller steps half, one host the rest
+        (4, 500, 50, 2, (2, 1)),
+        (8, 500, 50, 4, (2, 3)),  # more cores: more hosts, the caller keeps a share
+        (4, 500, 50, 1, (4, 0)),  # one core: hosts would only add the hop
+        (64, 8, 50, 2, (34, 1)),  # many cheap envs: the hop pays for a large share
+    ],
+)
+def test_choose_predicts_the_fastest_placement(
+    n: int, step_us: float, hop_us: float, cpus: int, want: tuple[int, int]
+) -> None:
+    got = choose(n, step_us * 1e-6, hop=hop_us * 1e-6, n_cpus=cpus)
+    assert (got.caller_envs, got.n_processes) == want
+    assert f"probe step {step_us:.1f} us" in got.reason
+
+
+def test_an_env_that_cannot_be_probed_goes_to_hosts() -> None:
+    class Broken(BusyEnv):
+        def step(self, action: int) -> Any:
+            raise RuntimeError("no")
+
+    assert probe_step_seconds(Broken()) is None
+    got = choose(4, None)
+    assert got.kind == "hosts" and "could not be stepped" in got.reason
+
+
+def test_the_probe_is_stepped_within_its_budget() -> None:
+    t0 = time.perf_counter()
+    step = probe_step_seconds(BusyEnv(0.004))
+    assert step is not None and 0.004 <= step < 0.05
+    assert time.perf_counter() - t0 < 1.0  # a few steps, not _PROBE_STEPS of them
+
+
+# -- what the faces do with it -------------------------------------------------------------------
+
+
+def test_cheap_envs_step_in_the_callers_process_and_say_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    before = set(our_processes())
+    with caplog.at_level(logging.INFO, logger="asyncsample"):
+        env = VectorEnv("CartPole-v1", 4, seed=0)
+    try:
+        assert env.placement.kind == "in-process" and env.n_processes == 0
+        assert env.pids == [] and set(our_processes()) == before  # no process started
+        assert "placement='in-process'" in repr(env) and "caller_envs=4" in repr(env)
+        assert any(
+            "all 4 sub-envs in the caller's process (probe step" in r.getMessage()
+            for r in caplog.records
+        )
+        sync = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
+        assert np.array_equal(env.reset()[0], sync.reset(seed=0)[0])
+        for _ in range(50):
+            a = np.array([0, 1, 1, 0])
+            ours, theirs = env.step(a), sync.step(a)
+            assert all(np.array_equal(x, y) for x, y in zip(ours[:4], theirs[:4]))
+    finally:
+        env.close()
+
+
+def test_costly_envs_leave_the_callers_process(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="asyncsample"):
+        env = VectorEnv([lambda: BusyEnv(0.002)] * 4)
+    try:
+        assert env.placement.kind in ("hosts", "mixed")
+        assert env.n_processes >= 1 and len(env.pids) == env.n_processes
+        assert env.placement.env_step is not None and env.placement.env_step >= 0.002
+        assert any("env-host processes" in r.getMessage() for r in caplog.records)
+    finally:
+        env.close()
+
+
+def test_forced_placements_win_over_the_measurement() -> None:
+    cheap = "CartPole-v1"
+    env = VectorEnv(cheap, 4, n_processes=2)
+    try:
+        assert env.placement.kind == "hosts" and env.placement.reason == "forced: n_processes=2"
+    finally:
+        env.close()
+    env = VectorEnv([lambda: BusyEnv(0.002)] * 4, n_processes=0)
+    try:
+        assert env.placement.kind == "in-process" and env.placement.env_step is None
+    finally:
+        env.close()
+    env = VectorEnv(cheap, 4, caller_envs=3)
+    try:
+        assert (env.placement.kind, env.placement.caller_envs, env.n_processes) == ("mixed", 3, 1)
+    finally:
+        env.close()
+    # A step_timeout can only be honoured by hosts: the measurement is not asked.
+    env = VectorEnv(cheap, 2, step_timeout=10.0)
+    try:
+        assert env.placement.kind == "hosts" and "step_timeout" in env.placement.reason
+    finally:
+        env.close()
+
+
+def test_a_raising_sub_env_in_the_callers_share_is_named() -> None:
+    fns = [lambda: BusyEnv(), lambda: BusyEnv(), lambda: BusyEnv(fail_at=3)]
+    env = VectorEnv(fns, n_processes=1, caller_envs=2)
+    try:
+        env.reset(seed=0)
+        for _ in range(2):
+            env.step(np.zeros(3, np.int64))
+        with pytest.raises(SubEnvError) as info:
+            env.step(np.zeros(3, np.int64))
+        assert info.value.sub_env == 2 and isinstance(info.value, ValueError)
+        assert "the busy env broke" in str(info.value)
+        assert "in step" in (info.value.remote_traceback or "")
+        with pytest.raises(RuntimeError, match=r"sub-envs 1..2 .*call reset\(\) before stepping"):
+            env.step(np.zeros(3, np.int64))
+        obs, _ = env.reset()  # rebuilds the caller's share
+        assert obs.shape == (3, 2)
+        env.step(np.zeros(3, np.int64))
+    finally:
+        env.close()
+
+
+def test_sb3_face_places_as_the_gymnasium_face() -> None:
+    pytest.importorskip("stable_baselines3")
+    from asyncsample.sb3 import AsyncSampleVecEnv
+
+    env = AsyncSampleVecEnv("CartPole-v1", 4)
+    try:
+        assert env.placement.kind == "in-process"
+        assert "placement='in-process'" in repr(env)
+        assert env.reset().shape == (4, 4)
+    finally:
+        env.close()
+    env = AsyncSampleVecEnv("CartPole-v1", 4, caller_envs=1)
+    try:
+        assert env.placement.kind == "mixed" and env.pids
+    finally:
+        env.close()
