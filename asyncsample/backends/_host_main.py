@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from asyncsample.backends import _threads
-from asyncsample.backends._chunk import chunk_sets
+from asyncsample.backends._chunk import RawChunks, chunk_sets, view_arena
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import (
     HELLO_ID,
@@ -101,7 +101,7 @@ def main(
     sock: socket.socket,
     slots_blob: bytes,
     raw_buffers: list[list[Any]],
-    raw_chunks: list[tuple[int, int, list[Any], Any] | None] | None = None,
+    raw_chunks: list[RawChunks | None] | None = None,
     host_threads: int | None = None,
 ) -> None:
     """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
@@ -112,8 +112,8 @@ def main(
             slot.
         raw_buffers: per slot, the shared blocks of its step buffers (see
             :func:`~asyncsample.backends._transport.shared_buffers`).
-        raw_chunks: per slot, ``(capacity, rows, blocks, counters)`` of its sets of chunk
-            buffers (``rows`` in all) when the slot runs its own agent (``inference="host"``),
+        raw_chunks: per slot, ``(capacity, rows, blocks, counters, arena)`` of its sets of
+            chunk buffers (``rows`` in all) and observation arena when the slot runs its own agent (``inference="host"``),
             else ``None``.
         host_threads: threads of the numeric libraries here (``None``: their defaults).
     """
@@ -132,9 +132,12 @@ def main(
         buffers = view_buffers(obs_space, act_space, n_envs, raw)
         sets = None
         if raw_chunk is not None:
-            capacity, rows, blocks, counters = raw_chunk
+            capacity, rows, blocks, counters, raw_arena = raw_chunk
             flat = view_buffers(obs_space, act_space, rows * n_envs, blocks)
-            sets = chunk_sets(flat, capacity, n_envs, counters)
+            arena = None
+            if raw_arena is not None:
+                arena = view_arena(obs_space, n_envs, raw_arena[0], raw_arena[1])
+            sets = chunk_sets(flat, capacity, n_envs, counters, arena)
         slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process"))
     reader = FrameReader(sock)
     try:

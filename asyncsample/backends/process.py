@@ -401,7 +401,7 @@ class _Member(PoolMember[_Conn]):
         ctx: Any,
         specs: list[HostSpec],
         raw: list[list[Any]],
-        raw_chunks: list[tuple[int, int, list[Any], Any] | None] | None = None,
+        raw_chunks: list[_chunk.RawChunks | None] | None = None,
         host_threads: int | None = None,
         cpu: int | None = None,
     ) -> None:
@@ -410,7 +410,7 @@ class _Member(PoolMember[_Conn]):
         self.host_threads = host_threads
         self.cpu = cpu  # the CPU its processes are pinned to (None: not pinned)
         self.raw = raw  # per slot, the shared blocks of its step buffers
-        self.raw_chunks = raw_chunks  # per slot, (capacity, rows, blocks, counters) of its chunks
+        self.raw_chunks = raw_chunks  # per slot, what the host needs to view its chunk buffers
 
     def _discard(self, incarnation: _Conn) -> None:
         incarnation.release()
@@ -712,7 +712,7 @@ class ProcessBackend:
         buffers: list[StepBuffers] = []
         raws: list[list[Any]] = []
         chunks: list[list[ChunkBuffers]] = []
-        raw_chunks: list[tuple[int, int, list[Any], Any] | None] = []
+        raw_chunks: list[_chunk.RawChunks | None] = []
         for spec in specs:
             buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
             buffers.append(buf)
