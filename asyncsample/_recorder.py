@@ -114,7 +114,7 @@ class Rows:
     def _next_base(self, start: int | None, append: bool) -> int:
         """The arena row of row 0 once rows before ``start`` are dropped (``None``: all of
         them; ``append``: past the rows dropped, not over them)."""
-        keep = 0 if start is None else self.size - start
+        keep = 0 if start is None else max(self.size - start, 0)
         if self.on_arena:
             if start is not None:
                 b = self.base + start  # the rows kept stay where they are
@@ -131,7 +131,7 @@ class Rows:
         clear of this call's rows; else -1."""
         if self.arena is None:
             return -1
-        keep = 0 if start is None else self.size - start
+        keep = 0 if start is None else max(self.size - start, 0)
         if not self.on_arena and keep + self.room > self.arena_rows():
             return -1
         p = self._next_base(start, True) + keep
@@ -180,14 +180,18 @@ class Rows:
         n = self.size - start
         if start == 0:
             return
+        keep = max(n, 0)
+        in_arena = self.arena is not None and (
+            self.on_arena or keep + self.room <= self.arena_rows()
+        )
+        if in_arena:
+            self._rebase(self._next_base(start, append), keep, start)
         if n > 0:
 
             def shift(a: np.ndarray) -> None:
                 a[:n] = a[start : self.size]  # numpy copies overlapping ranges correctly
 
-            if self.arena is not None and (self.on_arena or n + self.room <= self.arena_rows()):
-                self._rebase(self._next_base(start, append), n, start)
-            else:
+            if not in_arena:
                 tree_map(shift, self.obs)
             tree_map(shift, self.actions)
             shift(self.rewards)
