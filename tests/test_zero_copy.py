@@ -249,3 +249,36 @@ def test_batch_memory_reuses_only_what_nothing_holds() -> None:
     assert not np.shares_memory(d, b) and not np.shares_memory(d, c)
     e = memory.take(1000, SHAPE, dtype)  # too large for any kept array
     assert e.shape[0] == 1000
+
+
+@pytest.mark.parametrize("n_processes", [1, 2])
+def test_vector_env_copy_false_returns_the_shared_buffer(n_processes: int) -> None:
+    """``VectorEnv(copy=False)`` (gymnasium's semantics): ``reset`` and ``step`` return the
+    hosts' shared observation buffer itself, one array for all sub-envs, with the values a
+    ``copy=True`` vector env returns as fresh arrays of its own (one copy)."""
+    from asyncsample import VectorEnv
+
+    seen: dict[bool, list[np.ndarray]] = {}
+    for copy in (False, True):
+        venv = VectorEnv(FrameEnv, 4, n_processes=n_processes, copy=copy)
+        try:
+            joint = venv._hosted.backend.joint  # type: ignore[attr-defined]
+            assert joint is not None
+            obs, _ = venv.reset(seed=3)
+            frames = [obs.copy()]
+            views = [obs]
+            for t in range(30):
+                obs = venv.step(np.array([t % 3, 1, 2, 0]))[0]
+                frames.append(obs.copy())
+                views.append(obs)
+            for view in views:
+                assert np.shares_memory(view, joint.obs) is (not copy)
+                if copy:
+                    assert view.flags.owndata  # its own memory: made in one copy
+                else:
+                    assert view is joint.obs
+            seen[copy] = frames
+        finally:
+            venv.close()
+    for a, b in zip(seen[False], seen[True], strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -38,6 +38,7 @@ from asyncsample.backends._transport import (
     dump_failure,
     failure_from_exception,
     send_frame,
+    slot_buffers,
     view_buffers,
 )
 from asyncsample.env_group import EnvFailureError
@@ -100,7 +101,7 @@ def _kill_descendants() -> None:
 def main(
     sock: socket.socket,
     slots_blob: bytes,
-    raw_buffers: list[list[Any]],
+    raw_buffers: list[Any],
     raw_chunks: list[RawChunks | None] | None = None,
     host_threads: int | None = None,
 ) -> None:
@@ -129,7 +130,7 @@ def main(
     chunks = raw_chunks or [None] * len(specs)
     for spec, raw, raw_chunk in zip(specs, raw_buffers, chunks):
         obs_space, act_space, n_envs = spec.observation_space, spec.action_space, spec.n_envs
-        buffers = view_buffers(obs_space, act_space, n_envs, raw)
+        buffers = slot_buffers(obs_space, act_space, n_envs, raw)
         sets = None
         if raw_chunk is not None:
             capacity, rows, blocks, counters, raw_arena = raw_chunk

@@ -73,6 +73,7 @@ from asyncsample.backends._transport import (
     Op,
     dumps,
     load_failure,
+    joint_buffers,
     shared_buffers,
 )
 from asyncsample.backends._transport import ReplyProtocol as _ReplyProtocol
@@ -400,7 +401,7 @@ class _Member(PoolMember[_Conn]):
         index: int,
         ctx: Any,
         specs: list[HostSpec],
-        raw: list[list[Any]],
+        raw: list[Any],
         raw_chunks: list[_chunk.RawChunks | None] | None = None,
         host_threads: int | None = None,
         cpu: int | None = None,
@@ -690,6 +691,9 @@ class ProcessBackend:
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._token = -1
+        self.joint: StepBuffers | None = None
+        """The step buffers of every host in one allocation (hosts with the same spaces), in
+        host order: a vector env's ``step`` returns ``joint.obs`` itself with ``copy=False``."""
 
     @property
     def pids(self) -> list[int]:
@@ -710,13 +714,30 @@ class ProcessBackend:
         where = placement(len(specs), self.n_processes)
         ctx = forkserver_context()
         buffers: list[StepBuffers] = []
-        raws: list[list[Any]] = []
+        raws: list[Any] = []
         chunks: list[list[ChunkBuffers]] = []
         raw_chunks: list[_chunk.RawChunks | None] = []
-        for spec in specs:
-            buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
-            buffers.append(buf)
-            raws.append(raw)
+        first = specs[0]
+        joint = None
+        if all(
+            s.observation_space == first.observation_space
+            and s.action_space == first.action_space
+            for s in specs
+        ):
+            joint = joint_buffers(
+                first.observation_space, first.action_space, [s.n_envs for s in specs], ctx
+            )
+        self.joint = None if joint is None else joint[0]
+        for w, spec in enumerate(specs):
+            if joint is not None:
+                buffers.append(joint[1][w])
+                raws.append(joint[2][w])
+            else:
+                buf, raw = shared_buffers(
+                    spec.observation_space, spec.action_space, spec.n_envs, ctx
+                )
+                buffers.append(buf)
+                raws.append(raw)
             sets, raw_chunk = _chunk.shared_chunk_sets(spec, ctx)  # inference="host"
             chunks.append(sets)
             raw_chunks.append(raw_chunk)
