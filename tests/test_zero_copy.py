@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -99,9 +100,7 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
 
 
 @pytest.mark.both_loops
-async def test_one_copy_of_each_observation(
-    make_sampler: SamplerFactory, copies: Copies
-) -> None:
+async def test_one_copy_of_each_observation(make_sampler: SamplerFactory, copies: Copies) -> None:
     """Every call mode: the replay copies no observation (the chunks the host wrote are the
     records, in the arena), the batch is the one copy."""
     async with make_sampler(env=FrameEnv) as s:
@@ -229,7 +228,7 @@ async def test_held_batches_are_never_overwritten(
         for batch, seen, piece in held:
             np.testing.assert_array_equal(batch.observations, seen)
             np.testing.assert_array_equal(piece, seen[: len(piece)])
-        for (a, _, _), (b, _, _) in zip(held, held[1:]):
+        for (a, _, _), (b, _, _) in itertools.pairwise(held):
             assert not np.shares_memory(a.observations, b.observations)
 
 

@@ -185,9 +185,8 @@ def shared_arena(
     observation_space: gym.Space[Any], n_envs: int, rows: int, ctx: Any
 ) -> tuple[Tree, Any]:
     """A worker's observation arena of ``rows`` rows in shared memory, and its raw block."""
-    memory = create_shared_memory(  # type: ignore[arg-type]
-        observation_space, rows * n_envs, ctx=RawArrayContext(ctx)
-    )
+    shm_ctx: Any = RawArrayContext(ctx)
+    memory = create_shared_memory(observation_space, rows * n_envs, ctx=shm_ctx)
     return view_arena(observation_space, n_envs, rows, memory), memory
 
 

@@ -111,11 +111,11 @@ def main(
         sock: the host's end of the control socket pair (blocking).
         slots_blob: pickled list of the :class:`~asyncsample.backends.base.HostSpec` of each
             slot.
-        raw_buffers: per slot, the shared blocks of its step buffers (see
-            :func:`~asyncsample.backends._transport.shared_buffers`).
+        raw_buffers: per slot, the shared blocks of its step buffers, or its rows of blocks
+            shared by several slots (see :func:`~asyncsample.backends._transport.slot_buffers`).
         raw_chunks: per slot, ``(capacity, rows, blocks, counters, arena)`` of its sets of
-            chunk buffers (``rows`` in all) and observation arena when the slot runs its own agent (``inference="host"``),
-            else ``None``.
+            chunk buffers (``rows`` in all) and its observation arena when the slot runs its own
+            agent (``inference="host"``), else ``None``.
         host_threads: threads of the numeric libraries here (``None``: their defaults).
     """
     _threads.limit(host_threads)  # before the envs (or an agent) import anything

@@ -72,8 +72,8 @@ from asyncsample.backends._transport import (
     ST_OK,
     Op,
     dumps,
-    load_failure,
     joint_buffers,
+    load_failure,
     shared_buffers,
 )
 from asyncsample.backends._transport import ReplyProtocol as _ReplyProtocol
@@ -720,8 +720,7 @@ class ProcessBackend:
         first = specs[0]
         joint = None
         if all(
-            s.observation_space == first.observation_space
-            and s.action_space == first.action_space
+            s.observation_space == first.observation_space and s.action_space == first.action_space
             for s in specs
         ):
             joint = joint_buffers(
