@@ -467,7 +467,14 @@ class ChunkRunner:
         self._state = None  # until this chunk has run to its end
         chunk = self.chunks[request.buffer]
         into = self._arena_rows(row, min(request.steps, chunk.capacity))
-        reply = self._run(chunk, request.steps, rule, active, counts, into)
+        buffers = self.group.buffers
+        own = buffers.obs
+        try:
+            reply = self._run(chunk, request.steps, rule, active, counts, into)
+        finally:
+            if buffers.obs is not own:  # the steps wrote into the arena: the last row is current
+                own[...] = buffers.obs
+                buffers.obs = own
         self._state = (rule, active, counts)
         if into is None:
             self._next_row = -1
@@ -520,12 +527,24 @@ class ChunkRunner:
         rewards, terminated, truncated = chunk.rewards, chunk.terminated, chunk.truncated
         more, took, step, actions_for = rule.more, rule.took, group.step, self._actions
         steps = counted = 0  # counts are up to date as of step `counted`
+        # Into the arena, while every env is stepped, each step writes its observations straight
+        # into the next row (the group's buffer points there): no copy of them in the host.
+        swap = into is not None and flat_obs
+        swapped = False  # the current observations are in row j, written there by the last step
         for j in range(min(max_steps, chunk.capacity)):
             if not more(active):
                 break
             if flat_obs:
-                obs_rows[j] = buf_obs
+                if not swapped:
+                    obs_rows[j] = buf_obs
                 observations = obs_rows[j]
+                if swap and everyone:
+                    buf.obs = obs_rows[j + 1]
+                    swapped = True
+                elif swapped:  # some envs stay put: the buffer holds every env's again
+                    buf_obs[...] = observations
+                    buf.obs = buf_obs
+                    swapped = False
             else:
                 put_row(obs_rows, j, buf_obs)
                 observations = row_of(obs_rows, j)
@@ -569,7 +588,7 @@ class ChunkRunner:
             done[index] = True
             self.reset_agent(done)
         counts += steps - counted
-        if steps and (into is not None or len(rewards) > chunk.capacity):  # the spare row
+        if steps and not swapped and (into is not None or len(rewards) > chunk.capacity):
             put_row(obs_rows, steps, buf_obs)
         return ChunkReply(steps, _pack_infos(infos_per_step), step_infos)
 
