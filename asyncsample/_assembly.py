@@ -96,11 +96,12 @@ class BatchMemory:
     sampler's thread pool and event loop take arrays, under a lock.
 
     Args:
-        keep: arrays kept for reuse at most (those still held by batches count too).
+        keep: arrays kept for reuse at most (those still held by batches count too): after the
+            batches are let go, this much memory stays with the sampler until it is closed.
         min_bytes: fields smaller than this are allocated afresh (their pages cost little).
     """
 
-    def __init__(self, keep: int = 4, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, keep: int = 3, min_bytes: int = 1 << 20) -> None:
         self.keep = keep
         self.min_bytes = min_bytes
         self._arrays: list[np.ndarray] = []
