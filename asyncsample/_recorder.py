@@ -113,14 +113,25 @@ class Rows:
 
     def _next_base(self, start: int | None, append: bool) -> int:
         """The arena row of row 0 once rows before ``start`` are dropped (``None``: all of
-        them; ``append``: past the rows dropped, not over them)."""
+        them; ``append``: a chunk may be writing past the rows, which are still to be gathered).
+
+        The front of the arena is taken whenever that is safe, so that the rows in use stay
+        within about two calls' worth and the memory touched stays small: past the rows when a
+        run-ahead could not go to the front, and rows kept for running episodes stay in place
+        (no copy) until they pass the arena's middle.
+        """
         keep = 0 if start is None else max(self.size - start, 0)
+        rows = self.arena_rows()
         if self.on_arena:
-            if start is not None:
-                b = self.base + start  # the rows kept stay where they are
+            if start is None:
+                if not append or self.room <= self.base:
+                    return 0
+                b = self.base + self.size
             else:
-                b = self.base + self.size if append else 0
-            if b + keep + self.room <= self.arena_rows():
+                b = self.base + start  # the rows kept stay where they are
+                if b > rows // 2 and (not append or keep + self.room <= self.base):
+                    return 0  # moved to the front (a copy of the rows kept)
+            if b + keep + self.room <= rows:
                 return b
         return 0
 
