@@ -23,7 +23,7 @@ import pickle
 import socket
 import struct
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
@@ -343,14 +343,19 @@ JointRaw = tuple[list[Tree], int, int]
 
 
 def joint_buffers(
-    observation_space: gym.Space[Any], action_space: gym.Space[Any], counts: list[int], ctx: Any
+    specs: Sequence[Any], ctx: Any
 ) -> tuple[StepBuffers, list[StepBuffers], list[JointRaw]] | None:
-    """Step buffers of several slots with the same spaces in one allocation, each slot's a run
-    of consecutive rows: the observations of all of them are then one array (a vector env's
-    ``step`` hands it out as a view, gymnasium's ``copy=False``). ``None`` for spaces without
-    fixed-size rows. Returns the whole, each slot's rows, and what each slot's host needs."""
-    if not (fixed_rows(observation_space) and fixed_rows(action_space)):
+    """Step buffers of the slots of ``specs`` (``HostSpec``) in one allocation, each slot's a
+    run of consecutive rows: the observations of all of them are then one array (a vector
+    env's ``step`` hands it out as a view, gymnasium's ``copy=False``). ``None`` when the
+    slots' spaces differ or have no fixed-size rows. Returns the whole, each slot's rows, and
+    what each slot's host needs."""
+    observation_space, action_space = specs[0].observation_space, specs[0].action_space
+    if not (fixed_rows(observation_space) and fixed_rows(action_space)) or any(
+        s.observation_space != observation_space or s.action_space != action_space for s in specs
+    ):
         return None
+    counts = [s.n_envs for s in specs]
     total = sum(counts)
     whole, raw = shared_buffers(observation_space, action_space, total, ctx)
     parts, raws, first = [], [], 0

@@ -717,15 +717,7 @@ class ProcessBackend:
         raws: list[Any] = []
         chunks: list[list[ChunkBuffers]] = []
         raw_chunks: list[_chunk.RawChunks | None] = []
-        first = specs[0]
-        joint = None
-        if all(
-            s.observation_space == first.observation_space and s.action_space == first.action_space
-            for s in specs
-        ):
-            joint = joint_buffers(
-                first.observation_space, first.action_space, [s.n_envs for s in specs], ctx
-            )
+        joint = joint_buffers(specs, ctx)  # one allocation when the spaces are the same
         self.joint = None if joint is None else joint[0]
         for w, spec in enumerate(specs):
             if joint is not None:
