@@ -25,6 +25,7 @@ import pickle
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from multiprocessing import sharedctypes
 from typing import Any
 
 import gymnasium as gym
@@ -36,7 +37,7 @@ from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent
-from asyncsample.backends._transport import RawArrayContext, round_trips, shared_buffers
+from asyncsample.backends._transport import SharedArray, round_trips, shared_buffers
 from asyncsample.backends.base import HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
 
@@ -185,9 +186,21 @@ def shared_arena(
     observation_space: gym.Space[Any], n_envs: int, rows: int, ctx: Any
 ) -> tuple[Tree, Any]:
     """A worker's observation arena of ``rows`` rows in shared memory, and its raw block."""
-    shm_ctx: Any = RawArrayContext(ctx)
+    shm_ctx: Any = _Unzeroed()
     memory = create_shared_memory(observation_space, rows * n_envs, ctx=shm_ctx)
     return view_arena(observation_space, n_envs, rows, memory), memory
+
+
+class _Unzeroed:
+    """The ``ctx`` for gymnasium's ``create_shared_memory`` that allocates the arena's blocks
+    like ``RawArray`` but without zeroing them: ``RawArray`` writes every byte, which would
+    make the whole arena resident at once; unwritten, its pages (a ``/dev/shm`` file) take
+    memory only once a chunk is written there. Nothing reads a row before the host wrote it."""
+
+    def Array(self, typecode_or_type: Any, size: int) -> SharedArray:
+        types = sharedctypes.typecode_to_type  # type: ignore[attr-defined]
+        type_ = types.get(typecode_or_type, typecode_or_type)
+        return SharedArray(sharedctypes._new_value(type_ * size))  # type: ignore[attr-defined]
 
 
 def view_arena(observation_space: gym.Space[Any], n_envs: int, rows: int, memory: Any) -> Tree:
