@@ -13,6 +13,8 @@ key stays per step with a ``"_" + key`` presence mask.
 
 from __future__ import annotations
 
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +34,7 @@ from asyncsample.batch import (
     stack_infos,
 )
 
-__all__ = ["Plan", "assemble"]
+__all__ = ["BatchMemory", "Plan", "assemble"]
 
 
 @dataclass
@@ -81,11 +83,71 @@ def tree_first(tree: Tree) -> np.ndarray:
     return tree  # type: ignore[no-any-return]
 
 
-def _gather(plans: list[Plan], records: list[Any], likes: list[np.ndarray]) -> np.ndarray:
+class BatchMemory:
+    """The memory of the large fields of a sampler's batches, used again once let go.
+
+    A new batch of large observations written into freshly allocated memory pays for the
+    kernel mapping and zeroing every page of it at first touch, which for raw image frames
+    costs as much as the copy itself. This keeps the arrays of the last batches and gathers the
+    next batch into one of them, but only into an array that nothing else refers to any more:
+    the batch, its views (slices, ``split``, ``torch.from_numpy``...) and anything the user
+    kept of it each hold a reference to the array (numpy views refer to the array that owns
+    the memory), so an array still reachable from a batch is never written again. Only the
+    sampler's thread pool and event loop take arrays, under a lock.
+
+    Args:
+        keep: arrays kept for reuse at most (those still held by batches count too): after the
+            batches are let go, this much memory stays with the sampler until it is closed.
+        min_bytes: fields smaller than this are allocated afresh (their pages cost little).
+    """
+
+    def __init__(self, keep: int = 3, min_bytes: int = 1 << 20) -> None:
+        self.keep = keep
+        self.min_bytes = min_bytes
+        self._arrays: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self.reused = 0
+        """Arrays handed out again (for tests and benchmarks)."""
+
+    def take(self, n: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """An array of ``n`` rows of ``shape``: memory nothing refers to any more, or new."""
+        row = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if n * row < self.min_bytes:
+            return np.empty((n, *shape), dtype=dtype)
+        with self._lock:
+            arrays = self._arrays
+            for i in range(len(arrays)):
+                # References: the list, and getrefcount's argument; any other is a holder.
+                if sys.getrefcount(arrays[i]) > 2:
+                    continue
+                base = arrays[i]
+                if base.dtype == dtype and base.shape[1:] == shape and n <= len(base) <= 2 * n:
+                    self.reused += 1
+                    return base[:n]
+                del base
+            base = np.empty((n + n // 8, *shape), dtype=dtype)  # room for a slightly larger one
+            if len(arrays) >= self.keep:
+                free = [i for i in range(len(arrays)) if sys.getrefcount(arrays[i]) <= 2]
+                if not free:
+                    return base[:n]
+                del arrays[free[0]]
+            arrays.append(base)
+            return base[:n]
+
+
+def _gather(
+    plans: list[Plan],
+    records: list[Any],
+    likes: list[np.ndarray],
+    memory: BatchMemory | None = None,
+) -> np.ndarray:
     """One field of the batch: every plan's rows of ``records``, gathered into one array."""
     total = sum(len(p.rows) for p in plans)
     like = likes[0]
-    out = np.empty((total, *like.shape[1:]), dtype=like.dtype)
+    if memory is None:
+        out = np.empty((total, *like.shape[1:]), dtype=like.dtype)
+    else:
+        out = memory.take(total, like.shape[1:], like.dtype)
     start = 0
     for plan, record in zip(plans, records):
         n = len(plan.rows)
@@ -102,22 +164,27 @@ def _gather(plans: list[Plan], records: list[Any], likes: list[np.ndarray]) -> n
     return out
 
 
-def assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
-    """The episodes of all ``plans``, in order, as one :class:`EpisodeBatch`."""
+def assemble(
+    env_spec: EnvSpec, plans: list[Plan], memory: BatchMemory | None = None
+) -> EpisodeBatch:
+    """The episodes of all ``plans``, in order, as one :class:`EpisodeBatch`; the observations
+    go into ``memory``'s arrays when given."""
     live = [p for p in plans if len(p.rows)] or plans[:1]
 
-    def field_of(name: str, like: str) -> Tree:
+    def field_of(name: str, like: str, memory: BatchMemory | None = None) -> Tree:
         records = [getattr(p, name) for p in live]
         likes = [getattr(p, like) for p in live]
         if any(r is None for r in records):
             return tree_map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), likes[0])
         return tree_map(
-            lambda *leaves: _gather(live, list(leaves[: len(live)]), list(leaves[len(live) :])),
+            lambda *leaves: _gather(
+                live, list(leaves[: len(live)]), list(leaves[len(live) :]), memory
+            ),
             *records,
             *likes,
         )
 
-    observations = field_of("obs", "like_obs")
+    observations = field_of("obs", "like_obs", memory)
     actions = field_of("actions", "like_actions")
     rewards_records = [p.rewards for p in live if p.rewards is not None]
     if len(rewards_records) < len(live):

@@ -25,7 +25,7 @@ import numpy as np
 import psutil
 
 from asyncsample import _validate
-from asyncsample._assembly import Plan, assemble
+from asyncsample._assembly import BatchMemory, Plan, assemble
 from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
 from asyncsample._env_tasks import ActionRequests, Admission, LaneRound, LaneStepper
 from asyncsample._probe import probe_spaces
@@ -152,6 +152,8 @@ class SamplerCore:
         self.max_concurrency = max_concurrency
         self.episode_timeout = episode_timeout
         self.requests: ActionRequests | None = None
+        self.memory = BatchMemory()
+        """The batches' observation memory, used again once a batch is let go."""
         self.admission: Admission | None = None
         """The open stream's admission control (lane backends with ``max_policy_lag``)."""
         self.step_timeout = step_timeout
@@ -397,7 +399,7 @@ class SamplerCore:
 
         plans = await run_all([drive(w) for w in self.workers])
         end = time.perf_counter()
-        batch = await _assemble(self.env_spec, [p for p in plans if p is not None])
+        batch = await _assemble(self.env_spec, [p for p in plans if p is not None], self.memory)
         stats = SampleStats.collect(
             [f for w in self.workers for f in w.finished],
             transitions=batch.n_transitions,
@@ -771,14 +773,16 @@ async def run_all(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
 ASSEMBLE_IN_THREAD_BYTES = 1 << 20
 
 
-async def _assemble(env_spec: EnvSpec, plans: list[Plan]) -> EpisodeBatch:
+async def _assemble(
+    env_spec: EnvSpec, plans: list[Plan], memory: BatchMemory | None = None
+) -> EpisodeBatch:
     """:func:`assemble`, off the event loop's thread when the batch is large."""
     size = sum(len(p.rows) for p in plans) * sum(
         leaf[0].nbytes for leaf in tree_leaves(plans[0].like_obs)
     )
     if size < ASSEMBLE_IN_THREAD_BYTES:
-        return assemble(env_spec, plans)
-    fut = asyncio.get_running_loop().run_in_executor(None, assemble, env_spec, plans)
+        return assemble(env_spec, plans, memory)
+    fut = asyncio.get_running_loop().run_in_executor(None, assemble, env_spec, plans, memory)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:

@@ -277,6 +277,7 @@ class Episodes:
         ``ahead``: the call may take over a chunk run ahead for it (a stream's next round),
         whose stepper then settles :attr:`ran_ahead`; any other call resets every env after one.
         """
+        append = self.ran_ahead and ahead
         if self.in_call or self.broken or (self.ran_ahead and not ahead):
             # The previous call was cancelled or failed midway, or the envs moved past its end:
             # nothing of it may leak.
@@ -286,7 +287,7 @@ class Episodes:
         if resume is Resume.NOTHING:
             self.needs_reset |= self.lengths > 0
         self.in_call = True
-        self.recorder.begin(resume, self.lengths)
+        self.recorder.begin(resume, self.lengths, append)
         self.rule = rule
         self.active[:] = True if rule is None else rule.start_active(self.n_envs)
         self.everyone = bool(self.active.all())
@@ -426,6 +427,7 @@ class Episodes:
         version: int,
         like: tuple[Tree, Tree],
         record: RecordStep | None = None,
+        obs_row: int = -1,
     ) -> None:
         """Turn ``steps`` steps run elsewhere into recorder rows and episodes.
 
@@ -439,13 +441,17 @@ class Episodes:
             step_infos: by step, ``(env_infos, reset_infos)`` where either is non-empty.
             like: observations and actions shaped like one row (to grow the records).
             record: ``record(j, t, agent_infos, env_infos, done)`` after each step, if given.
+            obs_row: the arena row the host wrote the chunk's observations to (``chunk.obs``
+                is then a view of them), or -1. Where that is the row the records keep them
+                at (:meth:`~asyncsample._recorder.Rows.arena_row`), they are not copied.
         """
         self.stamp_unstarted(version)
         if steps <= 0:
             return
         rows = self.recorder.rows
         t0 = rows.reserve(steps, *like)
-        put_rows(rows.obs, t0, chunk.obs, steps)
+        if obs_row < 0 or not rows.on_arena or rows.base + t0 != obs_row:
+            put_rows(rows.obs, t0, chunk.obs, steps)
         put_rows(rows.actions, t0, chunk.actions, steps)
         rewards = chunk.rewards[:steps]
         rows.rewards[t0 : t0 + steps] = rewards

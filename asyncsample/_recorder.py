@@ -73,23 +73,137 @@ class Rows:
     env_infos: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     versions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
     """The agent version each step was taken under, ``(rows, n_envs)``."""
+    arena: Tree = None
+    """Observation records in shared memory that the env host writes itself, ``(R, n_envs,
+    ...)`` (``inference="host"`` on ``process``: see :class:`ObsArena`), or ``None``. While
+    :attr:`on_arena`, :attr:`obs` is the view ``arena[base:]``: the chunks the host wrote in
+    place are the records, and the batch is gathered from them in one copy."""
+    base: int = 0
+    """The arena row of row 0 (while :attr:`on_arena`)."""
+    on_arena: bool = False
+    room: int = 1
+    """Rows a chunk needs free in the arena (its capacity and the spare row)."""
 
-    def clear(self) -> None:
-        """Forget every row (the buffers are kept for reuse)."""
+    def use_arena(self, arena: Tree, room: int) -> None:
+        """Keep the observations in ``arena`` (see :attr:`arena`): now if no row is recorded,
+        else from the next call on."""
+        if self.arena is None:
+            self.arena, self.room = arena, room
+            if self.size == 0:
+                self._rebase(0, 0)
+
+    def arena_rows(self) -> int:
+        """Rows of the arena (0 without one)."""
+        return 0 if self.arena is None else len(_first_leaf(self.arena))
+
+    def arena_row(self, t: int) -> int:
+        """The arena row a chunk's first step recorded at row ``t`` goes to when the host
+        writes it in place (a chunk's room must fit), else -1."""
+        if not self.on_arena or self.base + t + self.room > self.arena_rows():
+            return -1
+        return self.base + t
+
+    def clear(self, append: bool = False) -> None:
+        """Forget every row (the buffers are kept for reuse); ``append``: new observation rows
+        go after the old ones in the arena (a chunk run ahead is writing there)."""
+        if self.arena is not None:
+            self._rebase(self._next_base(None, append), 0)
         self.size = 0
         self.env_infos = {}
 
-    def drop_before(self, start: int) -> None:
-        """Forget rows before ``start``, moving the rest to the front (episodes in progress)."""
+    def _next_base(self, start: int | None, append: bool) -> int:
+        """The arena row of row 0 once rows before ``start`` are dropped (``None``: all of
+        them; ``append``: a chunk may be writing past the rows, which are still to be gathered).
+
+        The front of the arena is taken whenever that is safe, so that the rows in use stay
+        within about two calls' worth and the memory touched stays small: past the rows when a
+        run-ahead could not go to the front, and rows kept for running episodes stay in place
+        (no copy) until they pass the arena's middle.
+        """
+        keep = 0 if start is None else max(self.size - start, 0)
+        rows = self.arena_rows()
+        if self.on_arena:
+            if start is None:
+                if not append or self.room <= self.base:
+                    return 0
+                b = self.base + self.size
+            else:
+                b = self.base + start  # the rows kept stay where they are
+                if b > rows // 2 and (not append or keep + self.room <= self.base):
+                    return 0  # moved to the front (a copy of the rows kept)
+            if b + keep + self.room <= rows:
+                return b
+        return 0
+
+    def next_arena_row(self, start: int | None) -> int:
+        """Where the first chunk of the next call goes in the arena when it is sent now, before
+        this call's rows are gathered (a stream's run-ahead): the row :meth:`clear` or
+        :meth:`drop_before` with ``append`` will give it, when that and the chunk's room stay
+        clear of this call's rows; else -1."""
+        if self.arena is None:
+            return -1
+        keep = 0 if start is None else max(self.size - start, 0)
+        if not self.on_arena and keep + self.room > self.arena_rows():
+            return -1
+        p = self._next_base(start, True) + keep
+        if p + self.room > self.arena_rows():
+            return -1
+        if self.on_arena and p < self.base + self.size and self.base < p + self.room:
+            return -1
+        return p
+
+    def _rebase(self, base: int, keep: int, start: int = 0) -> None:
+        """Put row 0 at arena row ``base``, with the ``keep`` rows from ``start`` moved there."""
+        arena = self.arena
+        if not self.on_arena and keep + self.room > self.arena_rows():
+            return  # the rows kept do not fit: they stay in local memory
+        if keep:
+            src = self.obs
+            src_at = start
+
+            def move(a: np.ndarray, old: np.ndarray) -> None:
+                a[base : base + keep] = old[src_at : src_at + keep]  # overlap-safe in numpy
+
+            if self.on_arena:
+                if self.base + start != base:
+                    tree_map(move, arena, tree_map(lambda a: a[self.base :], arena))
+            else:
+                tree_map(move, arena, src)
+        self.base = base
+        self.on_arena = True
+        self.obs = tree_map(lambda a: a[base:], arena)
+
+    def _leave_arena(self, rows: int, obs: Tree) -> None:
+        """The records outgrow the arena: the observation rows so far move to local memory."""
+        kept = self.obs
+
+        def local(like: np.ndarray, old: np.ndarray) -> np.ndarray:
+            arr = np.zeros((self.capacity, *like.shape), dtype=like.dtype)
+            arr[:rows] = old[:rows]
+            return arr
+
+        self.obs = tree_map(local, obs, kept)
+        self.on_arena = False
+
+    def drop_before(self, start: int, append: bool = False) -> None:
+        """Forget rows before ``start``, moving the rest to the front (episodes in progress);
+        in the arena, the rows kept stay in place while there is room after them."""
         n = self.size - start
         if start == 0:
             return
+        keep = max(n, 0)
+        in_arena = self.arena is not None and (
+            self.on_arena or keep + self.room <= self.arena_rows()
+        )
+        if in_arena:
+            self._rebase(self._next_base(start, append), keep, start)
         if n > 0:
 
             def shift(a: np.ndarray) -> None:
                 a[:n] = a[start : self.size]  # numpy copies overlapping ranges correctly
 
-            tree_map(shift, self.obs)
+            if not in_arena:
+                tree_map(shift, self.obs)
             tree_map(shift, self.actions)
             shift(self.rewards)
             shift(self.versions)
@@ -103,6 +217,8 @@ class Rows:
         t = self.size
         if t >= self.capacity:
             self._grow(obs, actions_like)
+        if self.on_arena and t >= self.arena_rows() - self.base:
+            self._leave_arena(t, obs)
         self.size = t + 1
         return t
 
@@ -111,6 +227,8 @@ class Rows:
         t = self.size
         while t + n > self.capacity:
             self._grow(obs, actions_like)
+        if self.on_arena and t + n > self.arena_rows() - self.base:
+            self._leave_arena(t, obs)
         self.size = t + n
         return t
 
@@ -118,6 +236,8 @@ class Rows:
         """Make row ``t`` exist (the envs of a non-lockstep worker each write their own rows)."""
         while t >= self.capacity:
             self._grow(obs, actions_like)
+        if self.on_arena and t >= self.arena_rows() - self.base:
+            self._leave_arena(self.size, obs)
         if t >= self.size:
             self.size = t + 1
 
@@ -131,17 +251,25 @@ class Rows:
             return arr
 
         if self.capacity == 0:
-            self.obs = tree_map(lambda x: grow(None, x), obs)
+            if not self.on_arena:
+                self.obs = tree_map(lambda x: grow(None, x), obs)
             self.actions = tree_map(lambda x: grow(None, x), actions_like)
             self.rewards = grow(None, np.zeros(self.n_envs))
             self.versions = grow(None, np.zeros(self.n_envs, dtype=np.int64))
         else:
-            self.obs = tree_map(grow, self.obs, obs)
+            if not self.on_arena:
+                self.obs = tree_map(grow, self.obs, obs)
             self.actions = tree_map(grow, self.actions, actions_like)
             self.rewards = grow(self.rewards, self.rewards[0])
             self.versions = grow(self.versions, self.versions[0])
             self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
         self.capacity = new
+
+
+def _first_leaf(tree: Tree) -> np.ndarray:
+    while isinstance(tree, (dict, tuple)):
+        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
+    return tree  # type: ignore[no-any-return]
 
 
 def put_row(dst: Tree, index: Any, src: Tree) -> None:
@@ -259,20 +387,22 @@ class Recorder:
         """Per env (or for all, in lockstep), the row its next step goes to."""
         return self.rows.size if self.cursor is None else self.cursor
 
-    def begin(self, resume: Resume, lengths: np.ndarray) -> None:
+    def begin(self, resume: Resume, lengths: np.ndarray, append: bool = False) -> None:
         """Start a call's records; with :attr:`Resume.EPISODES` the running episodes keep theirs.
 
         Args:
             lengths: steps each env's current episode has taken so far.
+            append: a chunk run ahead for this call may be writing into the observation arena
+                past the last call's rows (see :meth:`Rows.next_arena_row`).
         """
         if resume is Resume.EPISODES and self._carry_from is not None:
             # Episodes left running keep their steps: move their rows to the front.
-            self.rows.drop_before(self._carry_from)
+            self.rows.drop_before(self._carry_from, append)
             self.piece_start -= self._carry_from
             if self.cursor is not None:
                 self.cursor -= self._carry_from
         else:
-            self.rows.clear()
+            self.rows.clear(append)
             self.piece_start[:] = 0
             self.piece_position[:] = lengths
             if self.cursor is not None:
@@ -280,6 +410,11 @@ class Recorder:
         self._carry_from = None
         self.pieces = []
         self.completed_steps = 0
+
+    def next_arena_row(self) -> int:
+        """Where the first chunk of the call after this one goes in the observation arena when
+        sent now (see :meth:`Rows.next_arena_row`), or -1."""
+        return self.rows.next_arena_row(self._carry_from)
 
     def end(self, leave: Resume) -> None:
         """End a call; with :attr:`Resume.EPISODES` the running episodes' rows are kept."""

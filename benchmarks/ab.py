@@ -85,6 +85,18 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     # Atari (ale-py, bench extra): big observations through the chunk buffers
     "Pong-v5 2x4 random host": ("host", "benchmarks.envs:Pong-v5", 2, 4, 2, False, 12_000),
     "Pong-v5 4x2 random host": ("host", "benchmarks.envs:Pong-v5", 4, 2, 2, False, 12_000),
+    # Raw frames (issue 35: 210x160x3, 100 KB each; calls of 256 steps per env)
+    "PongRaw-v5 2x4 random host": ("host", "benchmarks.envs:PongRaw-v5", 2, 4, 2, False, 20_480),
+    "PongRaw-v5 2x4 random": ("sampler", "benchmarks.envs:PongRaw-v5", 2, 4, 2, False, 20_480),
+    "VectorEnv PongRaw-v5 8 random": (
+        "vector",
+        "benchmarks.envs:PongRaw-v5",
+        1,
+        8,
+        2,
+        False,
+        8_000,
+    ),
 }
 
 _CHILD = """

@@ -642,8 +642,14 @@ def tianshou_shmem(spec: RunSpec) -> RunResult:
 
 def _envpool_make(spec: RunSpec, batch_size: int) -> Any:
     """EnvPool's own C++ port of ``spec.env`` (CartPole-v1, the Atari games, MuJoCo)."""
-    from benchmarks.envs import ATARI, ENVPOOL_ATARI
+    from benchmarks.envs import ATARI, ENVPOOL_ATARI, ENVPOOL_ATARI_RAW
 
+    if spec.env == "PongRaw-v5":  # raw frames, channel-first in EnvPool: (3, 210, 160)
+        import envpool
+
+        return envpool.make_gymnasium("Pong-v5", num_envs=spec.n_envs, batch_size=batch_size,
+                                      num_threads=spec.cores, seed=spec.seed,
+                                      **ENVPOOL_ATARI_RAW)  # fmt: skip
     if spec.env not in ("CartPole-v1", "HalfCheetah-v5", "Humanoid-v5", *ATARI):
         raise Skipped("EnvPool runs only its own C++ envs (CartPole, Atari, MuJoCo)")
     try:

@@ -25,14 +25,19 @@ from gymnasium import spaces
 __all__ = [
     "ATARI",
     "ENVPOOL_ATARI",
+    "ENVPOOL_ATARI_RAW",
     "ENV_IDS",
     "FixedCostEnv",
     "HeavyTailEnv",
     "ImageEnv",
     "NoOpEnv",
     "NoiseImageEnv",
+    "PixelObservation",
+    "RAW_PIXELS",
     "full_id",
     "make_atari",
+    "make_atari_raw",
+    "make_pixels",
     "spin",
 ]
 
@@ -48,6 +53,34 @@ ENV_IDS: dict[str, str] = {
     "NoiseImage-v0": f"{_MODULE}:NoiseImage-v0",
     "Pong-v5": f"{_MODULE}:Pong-v5",
     "Breakout-v5": f"{_MODULE}:Breakout-v5",
+    "PongRaw-v5": f"{_MODULE}:PongRaw-v5",
+    "HalfCheetahPixels84-v5": f"{_MODULE}:HalfCheetahPixels84-v5",
+    "HalfCheetahPixels256-v5": f"{_MODULE}:HalfCheetahPixels256-v5",
+}
+
+#: Raw-pixel envs (issue 35: big observations): ale-py's Pong with gymnasium's defaults (raw
+#: 210x160x3 frames, frameskip 4, sticky actions) and HalfCheetah-v5 observed through its
+#: ``rgb_array`` renders (:class:`PixelObservation`), by short name -> (maker, keyword args).
+RAW_PIXELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "PongRaw-v5": ("make_atari_raw", {"game": "ALE/Pong-v5"}),
+    "HalfCheetahPixels84-v5": ("make_pixels", {"env_id": "HalfCheetah-v5", "size": 84}),
+    "HalfCheetahPixels256-v5": ("make_pixels", {"env_id": "HalfCheetah-v5", "size": 256}),
+}
+
+#: EnvPool options that make its Atari env match :func:`make_atari_raw` (gymnasium's defaults
+#: of ``ALE/Pong-v5``): raw colour frames, EnvPool's channel-first layout ``(3, 210, 160)``.
+ENVPOOL_ATARI_RAW: dict[str, Any] = {
+    "img_height": 210,
+    "img_width": 160,
+    "gray_scale": False,
+    "stack_num": 1,
+    "frame_skip": 4,
+    "repeat_action_probability": 0.25,
+    "noop_max": 1,
+    "episodic_life": False,
+    "reward_clip": False,
+    "use_fire_reset": False,
+    "max_episode_steps": 27_000,
 }
 
 #: The Atari games, by short name: ale-py's id (under the standard preprocessing of
@@ -257,6 +290,67 @@ def make_atari(game: str = "ALE/Pong-v5", **kwargs: Any) -> gym.Env[Any, Any]:
     return FrameStackObservation(env, 4)
 
 
+def make_atari_raw(game: str = "ALE/Pong-v5", **kwargs: Any) -> gym.Env[Any, Any]:
+    """An Atari game as ``gymnasium.make`` gives it: raw ``(210, 160, 3)`` uint8 frames, 100 KB
+    each, ale-py's v5 defaults (frameskip 4, sticky actions 0.25), no preprocessing.
+
+    Args:
+        game: ale-py's id.
+        **kwargs: Ignored (gymnasium passes ``render_mode`` and the like).
+    """
+    import ale_py
+
+    gym.register_envs(ale_py)
+    return gym.make(game)
+
+
+class PixelObservation(gym.Wrapper[np.ndarray, Any, Any, Any]):
+    """Observe an env through its ``rgb_array`` render: each observation is ``env.render()``,
+    ``(size, size, 3)`` uint8 (what pixel-based control learns from)."""
+
+    def __init__(self, env: gym.Env[Any, Any], size: int) -> None:
+        super().__init__(env)
+        self.observation_space = spaces.Box(0, 255, (size, size, 3), np.uint8)
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        """Reset the env; the first render is the observation."""
+        _, info = self.env.reset(seed=seed, options=options)
+        return self._frame(), info
+
+    def step(self, action: Any) -> tuple[np.ndarray, Any, bool, bool, dict[str, Any]]:
+        """Step the env; the render after the step is the observation."""
+        _, reward, terminated, truncated, info = self.env.step(action)
+        return self._frame(), reward, terminated, truncated, info
+
+    def _frame(self) -> np.ndarray:
+        frame = self.env.render()
+        assert isinstance(frame, np.ndarray)
+        return frame
+
+
+def make_pixels(env_id: str = "HalfCheetah-v5", size: int = 84, **kwargs: Any) -> gym.Env[Any, Any]:
+    """A MuJoCo env observed through ``size x size`` renders (:class:`PixelObservation`).
+
+    Rendering needs an OpenGL platform: ``MUJOCO_GL`` defaults to ``egl`` here (on a machine
+    without a GPU, Mesa's software EGL: ``osmesa`` is the other headless choice where it is
+    installed), and Mesa's software rasteriser to one thread (``LP_NUM_THREADS=1``), so that a
+    loop's rendering stays on its own core as every other env's stepping does.
+
+    Args:
+        env_id: gymnasium's id of the MuJoCo env.
+        size: width and height of the renders.
+        **kwargs: Ignored (gymnasium passes ``render_mode`` and the like).
+    """
+    import os
+
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    os.environ.setdefault("LP_NUM_THREADS", "1")
+    env = gym.make(env_id, render_mode="rgb_array", width=size, height=size)
+    return PixelObservation(env, size)
+
+
 def _register() -> None:
     """Register the envs (idempotent: a re-import does not warn)."""
     entries = {
@@ -269,6 +363,10 @@ def _register() -> None:
     for env_id, (entry_point, length) in entries.items():
         if env_id not in gym.registry:
             gym.register(id=env_id, entry_point=entry_point, max_episode_steps=length)
+    for name, (maker, kwargs) in RAW_PIXELS.items():
+        if name not in gym.registry:
+            gym.register(id=name, entry_point=f"{_MODULE}:{maker}", kwargs=kwargs,
+                         order_enforce=False, disable_env_checker=True)  # fmt: skip
     for name, game in ATARI.items():  # the game's own frame limit ends its episodes
         if name not in gym.registry:
             gym.register(id=name, entry_point=f"{_MODULE}:make_atari", kwargs={"game": game},

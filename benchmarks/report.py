@@ -662,6 +662,13 @@ def _real_markdown(results: dict[str, Any]) -> list[str]:
         "(policy; `% ceiling` against the larger of it and SyncVectorEnv). Steps are agent "
         "steps (4 frames each on Atari).",
         "",
+        'Raw pixels (issue 35), random agent: `PongRaw-v5` is `gymnasium.make("ALE/Pong-v5")` '
+        "with its defaults (210x160x3 uint8 frames, 100 KB each, frameskip 4, sticky actions "
+        "0.25; EnvPool: its Pong at the same settings, frames channel-first); "
+        "`HalfCheetahPixels84-v5` and `HalfCheetahPixels256-v5` observe HalfCheetah-v5 through "
+        "its `rgb_array` renders (`benchmarks.envs.make_pixels`: Mesa's EGL, one rasteriser "
+        "thread, where no GPU is present; EnvPool has no pixel MuJoCo).",
+        "",
         *cell_tables(results, "real"),
     ]
     return lines + _targets_table(results["derived"].get("real", {}).get("targets", []),

@@ -174,11 +174,20 @@ STUDIES: list[Study] = [
     ),
     Study(
         "real_envs",
-        "Pong-v5 (8 envs) and HalfCheetah-v5 (32 envs), random agent and policy: asyncsample's "
-        "modes against EnvPool sync/async, the gymnasium peers, SB3 and the ceiling",
+        "Pong-v5 (8 envs) and HalfCheetah-v5 (32 envs), random agent and policy; raw-frame "
+        "Pong (PongRaw-v5) and HalfCheetah observed through 84x84 and 256x256 renders (8 envs, "
+        "random agent): asyncsample's modes against EnvPool sync/async, the gymnasium peers, "
+        "SB3 and the ceiling",
         groups=("ideal", "real"),
         settings={
             "envs": ["Pong-v5", "HalfCheetah-v5"],
+            "real_envs": [
+                "Pong-v5",
+                "HalfCheetah-v5",
+                "PongRaw-v5",
+                "HalfCheetahPixels84-v5",
+                "HalfCheetahPixels256-v5",
+            ],
             "contenders": [
                 "ceiling",
                 "sync",
@@ -190,8 +199,8 @@ STUDIES: list[Study] = [
             ],
             "repeats": 3,
         },
-        quick={"envs": ["HalfCheetah-v5"]},
-        needs="ale-py, mujoco, EnvPool, torch",
+        quick={"envs": ["HalfCheetah-v5"], "real_envs": ["HalfCheetah-v5"]},
+        needs="ale-py, mujoco (EGL or OSMesa for the renders), EnvPool, torch",
         before=("real_envs.md",),
     ),
     Study(

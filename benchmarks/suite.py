@@ -49,10 +49,23 @@ ALL_ENVS = ["CartPole-v1", "FixedCost-v0", "HeavyTail-v0", "Image-v0", "NoOp-v0"
 #: The real envs (``real`` and ``sweep`` groups): Atari under the standard preprocessing
 #: (:func:`benchmarks.envs.make_atari`) and MuJoCo, each with its policy in the loop.
 REAL_ENVS = {"Pong-v5": "cnn", "Breakout-v5": "cnn", "HalfCheetah-v5": "mlp", "Humanoid-v5": "mlp"}
-#: Env copies of the ``real`` group: 8 for Atari, 32 for MuJoCo.
-REAL_N_ENVS = {"Pong-v5": 8, "Breakout-v5": 8, "HalfCheetah-v5": 32, "Humanoid-v5": 32}
+#: Raw-pixel envs of the ``real`` group (issue 35, :data:`benchmarks.envs.RAW_PIXELS`), run
+#: with the random agent only, by family.
+RAW_ENVS = {
+    "PongRaw-v5": "atari",
+    "HalfCheetahPixels84-v5": "mujoco",
+    "HalfCheetahPixels256-v5": "mujoco",
+}
+#: Env copies of the ``real`` group: 8 for Atari and pixels, 32 for MuJoCo.
+REAL_N_ENVS = {
+    "Pong-v5": 8,
+    "Breakout-v5": 8,
+    "HalfCheetah-v5": 32,
+    "Humanoid-v5": 32,
+    **dict.fromkeys(RAW_ENVS, 8),
+}
 #: Every env a study may run (``--envs``).
-KNOWN_ENVS = [*ALL_ENVS, "NoiseImage-v0", *REAL_ENVS]
+KNOWN_ENVS = [*ALL_ENVS, "NoiseImage-v0", *REAL_ENVS, *RAW_ENVS]
 PEERS = ["sync", "async", "sb3", "tianshou-subproc", "tianshou-shmem", "envpool", "envpool-async"]
 OURS = ["asyncsample", "asyncsample-local", "asyncsample-vector", "asyncsample-ray"]
 #: TorchRL's collectors (the policy workload only; :mod:`benchmarks.torchrl_peers`).
@@ -180,6 +193,9 @@ class Settings:
             "Breakout-v5": 2_000,
             "HalfCheetah-v5": 6_000,
             "Humanoid-v5": 3_000,
+            "PongRaw-v5": 4_000,
+            "HalfCheetahPixels84-v5": 300,  # software rendering: ~50 ms of CPU a step
+            "HalfCheetahPixels256-v5": 300,
         }
     )
     ideal_factor: float = 1.0
@@ -267,7 +283,8 @@ class Settings:
             host_fragment_steps=16,
             policy_transitions={"CartPole-v1": 1_000, "HalfCheetah-v5": 500, "Pong-v5": 100},
             real_envs=["HalfCheetah-v5"],
-            real_n_envs={"Pong-v5": 4, "HalfCheetah-v5": 4},
+            real_n_envs={"Pong-v5": 4, "HalfCheetah-v5": 4, "PongRaw-v5": 4,
+                         "HalfCheetahPixels84-v5": 2, "HalfCheetahPixels256-v5": 2},
             real_layouts={"per_worker": {"mujoco": [2]}, "host": {"atari": [2], "mujoco": [2]}},
             real_fragment_steps=16,
             sweep_envs=["CartPole-v1"],
@@ -279,7 +296,13 @@ class Settings:
             straggler_calls=["fragments"],
             straggler_steps=25,
         )  # fmt: skip
-        base.transitions |= {"Pong-v5": 100, "HalfCheetah-v5": 500}
+        base.transitions |= {
+            "Pong-v5": 100,
+            "HalfCheetah-v5": 500,
+            "PongRaw-v5": 200,
+            "HalfCheetahPixels84-v5": 20,
+            "HalfCheetahPixels256-v5": 20,
+        }
         for key, value in overrides.items():
             setattr(base, key, value)
         return base
@@ -349,6 +372,8 @@ def _ours(contender: str, env: str, n: int, w: int, p: int, **kw: Any) -> Config
 
 def family(env: str) -> str:
     """``atari``, ``mujoco`` or ``""`` (the synthetic envs and classic control)."""
+    if env in RAW_ENVS:
+        return RAW_ENVS[env]
     if REAL_ENVS.get(env) == "cnn":
         return "atari"
     return "mujoco" if env in REAL_ENVS else ""
@@ -473,7 +498,7 @@ def _plan_real(configs: list[Config], chosen: list[str], s: Settings) -> None:
     """The ``real`` group: every real env with a random agent, then with its policy."""
     for env in s.real_envs:
         n = s.real_n_envs.get(env, s.n_envs)
-        for policy in ("", REAL_ENVS[env]):
+        for policy in ("",) if env in RAW_ENVS else ("", REAL_ENVS[env]):
             for c in chosen:
                 if c in ("sync", "async", "sb3", "envpool", "envpool-async"):
                     configs.append(Config(c, env, n, policy=policy))
@@ -538,8 +563,9 @@ def unique_configs(groups: dict[str, list[Config]]) -> list[Config]:
 
 def pre_skip(cfg: Config, settings: Settings) -> str | None:
     """A reason to skip ``cfg`` without starting a process, or None."""
-    if cfg.contender.startswith("envpool") and cfg.env not in ("CartPole-v1", *REAL_ENVS):
-        return "EnvPool runs only its own C++ envs (CartPole-v1, Atari, MuJoCo)"
+    envpool_envs = ("CartPole-v1", *REAL_ENVS, "PongRaw-v5")
+    if cfg.contender.startswith("envpool") and cfg.env not in envpool_envs:
+        return "EnvPool runs only its own C++ envs (CartPole-v1, Atari, MuJoCo; no pixel MuJoCo)"
     if cfg.policy and importlib.util.find_spec("torch") is None:
         return "the policy workload needs torch (pip install torch)"
     if family(cfg.env) == "mujoco" and importlib.util.find_spec("mujoco") is None:
@@ -1041,6 +1067,7 @@ def _derive_real(
         ("Pong-v5", "", "vs_envpool", 0.8, "random agent: x EnvPool (the faster mode)"),
         ("HalfCheetah-v5", "mlp", "vs_envpool", 1.0, "MLP policy: x EnvPool (the faster mode)"),
         ("HalfCheetah-v5", "mlp", "vs_ceiling", 0.9, "MLP policy: x ceiling"),
+        ("PongRaw-v5", "", "vs_ceiling", 0.9, "raw frames, random agent: x ceiling (issue 35)"),
     ):
         if env not in s.real_envs:
             continue

@@ -109,3 +109,69 @@ def test_pages_copy_a_section_under_the_name_and_date_of_its_file(
     assert "Awaits a quiet run: `asyncsample bench ray`" in out
     assert "| stragglers | `asyncsample bench stragglers` |" in out
     assert pages.render(page, out) == out  # a second pass changes nothing
+
+
+def test_raw_pixel_envs_are_planned_random_agent_only_with_their_ceiling() -> None:
+    """Issue 35's rows: raw-frame Pong (with EnvPool at the same settings) and HalfCheetah's
+    84x84 and 256x256 renders (no EnvPool), random agent only, each with its ceiling."""
+    from benchmarks import studies, suite
+
+    s = studies.settings_for(studies.get("real_envs"), quick=False)
+    configs = suite.plan(s)["real"]
+    keys = {c.key for c in configs}
+    for key in (
+        "asyncsample|PongRaw-v5|8|2x4/P2||host|s128",
+        "asyncsample|PongRaw-v5|8|2x4/P2||per_worker|s128",
+        "envpool|PongRaw-v5|8|",
+        "envpool-async|PongRaw-v5|8|",
+        "ceiling|PongRaw-v5|2|",
+        "asyncsample|HalfCheetahPixels84-v5|8|2x4/P2||host|s128",
+        "asyncsample|HalfCheetahPixels256-v5|8|2x4/P2||per_worker|s128",
+        "ceiling|HalfCheetahPixels256-v5|2|",
+    ):
+        assert key in keys, key
+    raw = [c for c in configs if c.env in suite.RAW_ENVS]
+    assert raw and not any(c.policy for c in raw)
+    pixels = next(c for c in raw if c.env == "HalfCheetahPixels84-v5" and c.contender == "envpool")
+    assert suite.pre_skip(pixels, s) is not None
+
+
+def test_raw_pong_matches_envpool_at_the_same_settings() -> None:
+    pytest.importorskip("ale_py")
+    envpool = pytest.importorskip("envpool")
+    import gymnasium as gym
+
+    from benchmarks.envs import ENVPOOL_ATARI_RAW, full_id
+
+    env = gym.make(full_id("PongRaw-v5"))
+    pool = envpool.make_gymnasium("Pong-v5", num_envs=1, **ENVPOOL_ATARI_RAW)
+    try:
+        obs, _ = env.reset(seed=0)
+        frames, _ = pool.reset()
+        assert obs.shape == (210, 160, 3) and obs.dtype.name == "uint8"
+        assert frames.shape[1:] == (3, 210, 160)  # EnvPool's channel-first layout
+        assert env.action_space == pool.action_space
+    finally:
+        env.close()
+        pool.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_raw_pixel_rows_smoke_run(tmp_path: Path) -> None:
+    """The new rows run end to end at the CI budget: raw Pong against EnvPool and the ceiling,
+    HalfCheetah's 84x84 renders against the ceiling."""
+    pytest.importorskip("ale_py")
+    pytest.importorskip("mujoco")
+    import json
+
+    from benchmarks.__main__ import main
+
+    code = main(["real_envs", "--quick", "--no-progress", "--out", str(tmp_path), "--envs",
+                 "PongRaw-v5", "HalfCheetahPixels84-v5", "--contenders", "ceiling", "envpool",
+                 "asyncsample"])  # fmt: skip
+    assert code == 0
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    for env in ("PongRaw-v5", "HalfCheetahPixels84-v5"):
+        rates = [r["rate"] for r in runs if r.get("env") == env and r.get("rate")]
+        assert len(rates) >= 3, env  # the ceiling and asyncsample (and EnvPool for Pong)

@@ -25,17 +25,19 @@ import pickle
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from multiprocessing import sharedctypes
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent
-from asyncsample.backends._transport import round_trips, shared_buffers
+from asyncsample.backends._transport import SharedArray, round_trips, shared_buffers
 from asyncsample.backends.base import HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
 
@@ -57,6 +59,11 @@ DEFAULT_CHUNK_STEPS = 64
 CHUNK_BYTES = 8 << 20
 #: Sets of chunk buffers of a pipelined slot (one replayed while the host fills the other).
 PIPELINE_SETS = 2
+#: Shared memory a worker's observation arena may take at most (address space: only the rows
+#: written take memory). The worker's observation records live there (see :class:`ChunkBuffers`).
+ARENA_BYTES = 512 << 20
+#: The most rows of an observation arena (small observations need no more).
+ARENA_MAX_ROWS = 4096
 
 
 @dataclass
@@ -77,6 +84,13 @@ class ChunkBuffers:
             ``step_timeout`` while the chunk runs.
         epoch: one ``int64`` the main process bumps at every agent update (shared memory in a
             process host): a :class:`NextChunk` sent before the update is not run.
+        arena: the worker's observation arena ``(R, n_envs, ...)`` (shared memory in a process
+            host; ``None`` elsewhere), shared by the slot's sets: the main process keeps its
+            observation records there (:class:`~asyncsample._recorder.Rows`), and a request
+            with an ``obs_row`` has the host write the chunk's observations straight into
+            arena rows ``obs_row...`` (``obs_row + steps``: the spare row) instead of
+            :attr:`obs`, so they are the records with no copy, and the batch is gathered from
+            them in the one copy it makes.
     """
 
     obs: Tree
@@ -88,6 +102,7 @@ class ChunkBuffers:
     capacity: int
     progress: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     epoch: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    arena: Tree = None
 
     @classmethod
     def from_flat(
@@ -126,10 +141,11 @@ def chunk_rows(capacity: int, sets: int = 1) -> int:
 
 
 def chunk_sets(
-    flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None
+    flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None, arena: Tree = None
 ) -> list[ChunkBuffers]:
     """Split step buffers allocated for ``chunk_rows(capacity, sets) * n_envs`` envs into the
-    ``sets`` sets of chunk buffers of a slot, sharing one step counter and epoch."""
+    ``sets`` sets of chunk buffers of a slot, sharing one step counter and epoch (and the
+    observation ``arena``, if any)."""
     rows = capacity + 1
     sets = len(flat.rewards) // (rows * n_envs)
     counters = np.zeros(2, np.int64) if counter is None else counter
@@ -148,8 +164,49 @@ def chunk_sets(
             terminated=flat.terminated[part],
             truncated=flat.truncated[part],
         )
-        out.append(ChunkBuffers.from_flat(view, capacity, n_envs, counters))
+        chunk = ChunkBuffers.from_flat(view, capacity, n_envs, counters)
+        chunk.arena = arena
+        out.append(chunk)
     return out
+
+
+def arena_rows(observation_space: gym.Space[Any], n_envs: int, capacity: int) -> int:
+    """Rows of a worker's observation arena: what :data:`ARENA_BYTES` holds, at most
+    :data:`ARENA_MAX_ROWS`; 0 (no arena) when fewer than two chunks fit."""
+    probe = StepBuffers.allocate(observation_space, gym.spaces.Discrete(2), 1)
+    leaves = tree_leaves(probe.obs)
+    if any(a.dtype == object for a in leaves):
+        return 0
+    row = max(sum(a.nbytes for a in leaves) * n_envs, 1)
+    rows = min(ARENA_MAX_ROWS, ARENA_BYTES // row)
+    return rows if rows >= 2 * (capacity + 1) else 0
+
+
+def shared_arena(
+    observation_space: gym.Space[Any], n_envs: int, rows: int, ctx: Any
+) -> tuple[Tree, Any]:
+    """A worker's observation arena of ``rows`` rows in shared memory, and its raw block."""
+    shm_ctx: Any = _Unzeroed()
+    memory = create_shared_memory(observation_space, rows * n_envs, ctx=shm_ctx)
+    return view_arena(observation_space, n_envs, rows, memory), memory
+
+
+class _Unzeroed:
+    """The ``ctx`` for gymnasium's ``create_shared_memory`` that allocates the arena's blocks
+    like ``RawArray`` but without zeroing them: ``RawArray`` writes every byte, which would
+    make the whole arena resident at once; unwritten, its pages (a ``/dev/shm`` file) take
+    memory only once a chunk is written there. Nothing reads a row before the host wrote it."""
+
+    def Array(self, typecode_or_type: Any, size: int) -> SharedArray:
+        types = sharedctypes.typecode_to_type  # type: ignore[attr-defined]
+        type_ = types.get(typecode_or_type, typecode_or_type)
+        return SharedArray(sharedctypes._new_value(type_ * size))  # type: ignore[attr-defined]
+
+
+def view_arena(observation_space: gym.Space[Any], n_envs: int, rows: int, memory: Any) -> Tree:
+    """The arena :func:`shared_arena` made, seen from either process: ``(rows, n_envs, ...)``."""
+    flat = read_from_shared_memory(observation_space, memory, rows * n_envs)
+    return tree_map(lambda a: a.reshape(rows, n_envs, *a.shape[1:]), flat)
 
 
 def chunk_capacity(
@@ -164,12 +221,15 @@ def chunk_capacity(
     return int(max(1, min(steps, CHUNK_BYTES // max(row, 1))))
 
 
-def shared_chunk_sets(
-    spec: HostSpec, ctx: Any
-) -> tuple[list[ChunkBuffers], tuple[int, int, list[Any], Any] | None]:
+RawChunks = tuple[int, int, list[Any], Any, tuple[int, Any] | None]
+"""What a process host needs to view a slot's chunk buffers: ``(capacity, rows, blocks,
+counters, arena)``, ``arena`` the rows and raw block of the observation arena, or ``None``."""
+
+
+def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], RawChunks | None]:
     """A process host slot's :data:`PIPELINE_SETS` sets of chunk buffers in shared memory
-    (none when ``spec`` asks for no chunks), and what the host needs to view them:
-    ``(capacity, rows, blocks, counters)``."""
+    (none when ``spec`` asks for no chunks), with its observation arena, and what the host
+    needs to view them (:data:`RawChunks`)."""
     if spec.chunk_steps <= 0:
         return [], None
     capacity, rows = spec.chunk_steps, chunk_rows(spec.chunk_steps, PIPELINE_SETS)
@@ -177,7 +237,13 @@ def shared_chunk_sets(
         spec.observation_space, spec.action_space, rows * spec.n_envs, ctx
     )
     counters = ctx.RawArray("q", 2)  # the step counter and the update epoch
-    return chunk_sets(flat, capacity, spec.n_envs, counters), (capacity, rows, blocks, counters)
+    arena, raw_arena = None, None
+    n_arena = arena_rows(spec.observation_space, spec.n_envs, capacity)
+    if n_arena:
+        arena, memory = shared_arena(spec.observation_space, spec.n_envs, n_arena, ctx)
+        raw_arena = (n_arena, memory)
+    sets = chunk_sets(flat, capacity, spec.n_envs, counters, arena)
+    return sets, (capacity, rows, blocks, counters, raw_arena)
 
 
 @dataclass
@@ -193,6 +259,8 @@ class ChunkRequest:
         epoch: ``None``, or (a stream's run-ahead, sent before the next round asks for it) the
             chunk buffers' update epoch when it was sent: after an update made since, the
             host runs nothing and keeps the request's state for the :class:`NextChunk` after it.
+        obs_row: the arena row the chunk's observations go to (the next chunk's: right after
+            them), or -1: into the set's own rows (see :attr:`ChunkBuffers.arena`).
     """
 
     rule: StopRule
@@ -201,6 +269,7 @@ class ChunkRequest:
     active: np.ndarray
     buffer: int = 0
     epoch: int | None = None
+    obs_row: int = -1
 
 
 @dataclass
@@ -262,6 +331,8 @@ class ChunkReply:
         agent_infos: per step, the agent infos: either one dict of arrays stacked over the steps
             (every step had the same keys), or a list of ``(step, infos)`` for the steps with any.
         step_infos: by step, ``(env_infos, reset_infos)`` where either is non-empty.
+        obs_row: where the observations went: the arena row of the first step, or -1 (the
+            set's own rows).
     """
 
     steps: int
@@ -271,6 +342,7 @@ class ChunkReply:
     step_infos: dict[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]] = field(
         default_factory=dict
     )
+    obs_row: int = -1
 
     def infos_at(self, step: int) -> dict[str, np.ndarray]:
         """The agent infos of ``step``."""
@@ -320,6 +392,7 @@ class ChunkRunner:
         self.action_space = action_space
         # After a chunk that ran to its end: its rule, active and counts (see NextChunk).
         self._state: tuple[StopRule, np.ndarray, np.ndarray] | None = None
+        self._next_row = -1  # the arena row of the next chunk's observations (NextChunk)
         self.agent: Any = None
         self._output_check = AgentOutputCheck(group.worker, group.n_envs)
         self._action_check = make_action_check(action_space)
@@ -395,18 +468,47 @@ class ChunkRunner:
             if state is None or int(self.chunk.epoch[0]) != request.epoch:
                 return ChunkReply(0)
             rule, active, counts = state
+            row = self._next_row
         else:
             rule = request.rule.copy()
             active = request.active.copy()
             counts = request.counts.astype(np.int64, copy=True)
+            row = self._next_row = request.obs_row
             if request.epoch is not None and int(self.chunk.epoch[0]) != request.epoch:
                 self._state = (rule, active, counts)  # a run-ahead sent before an update
                 return ChunkReply(0)
         self._state = None  # until this chunk has run to its end
         chunk = self.chunks[request.buffer]
-        reply = self._run(chunk, request.steps, rule, active, counts)
+        into = self._arena_rows(row, min(request.steps, chunk.capacity))
+        buffers = self.group.buffers
+        own = buffers.obs
+        try:
+            reply = self._run(chunk, request.steps, rule, active, counts, into)
+        finally:
+            if buffers.obs is not own:  # the steps wrote into the arena: the last row is current
+                own[...] = buffers.obs
+                buffers.obs = own
         self._state = (rule, active, counts)
+        if into is None:
+            self._next_row = -1
+        else:
+            reply.obs_row = row
+            self._next_row = row + reply.steps
         return reply
+
+    def _arena_rows(self, row: int, steps: int) -> Tree:
+        """Arena rows ``row...row + steps`` (the spare row included), or ``None`` when there is
+        no arena, ``row`` is -1 or the rows pass the arena's end."""
+        arena = self.chunk.arena
+        if arena is None or row < 0:
+            return None
+        end = row + steps + 1
+        if type(arena) is np.ndarray:
+            return arena[row:end] if end <= len(arena) else None
+        leaves = tree_leaves(arena)
+        if end > len(leaves[0]):
+            return None
+        return tree_map(lambda a: a[row:end], arena)
 
     def _run(
         self,
@@ -415,8 +517,10 @@ class ChunkRunner:
         rule: StopRule,
         active: np.ndarray,
         counts: np.ndarray,
+        into: Tree = None,
     ) -> ChunkReply:
-        """The chunk loop: ``rule``, ``active`` and ``counts`` are consumed in place.
+        """The chunk loop: ``rule``, ``active`` and ``counts`` are consumed in place;
+        observations go to ``into`` (arena rows) if given, else to the set's rows.
 
         Written for the cost per step besides the env's (with one env per slot every step is an
         agent call of its own): plain array rows are copied with one assignment, the episode
@@ -429,18 +533,31 @@ class ChunkRunner:
         progress = chunk.progress
         infos_per_step: list[dict[str, np.ndarray]] = []
         step_infos: dict[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]] = {}
-        obs_rows, act_rows, buf_obs, buf_act = chunk.obs, chunk.actions, buf.obs, buf.actions
+        obs_rows = chunk.obs if into is None else into
+        act_rows, buf_obs, buf_act = chunk.actions, buf.obs, buf.actions
         flat_obs = type(obs_rows) is np.ndarray and type(buf_obs) is np.ndarray
         flat_act = type(act_rows) is np.ndarray and type(buf_act) is np.ndarray
         rewards, terminated, truncated = chunk.rewards, chunk.terminated, chunk.truncated
         more, took, step, actions_for = rule.more, rule.took, group.step, self._actions
         steps = counted = 0  # counts are up to date as of step `counted`
+        # Into the arena, while every env is stepped, each step writes its observations straight
+        # into the next row (the group's buffer points there): no copy of them in the host.
+        swap = into is not None and flat_obs
+        swapped = False  # the current observations are in row j, written there by the last step
         for j in range(min(max_steps, chunk.capacity)):
             if not more(active):
                 break
             if flat_obs:
-                obs_rows[j] = buf_obs
+                if not swapped:
+                    obs_rows[j] = buf_obs
                 observations = obs_rows[j]
+                if swap and everyone:
+                    buf.obs = obs_rows[j + 1]
+                    swapped = True
+                elif swapped:  # some envs stay put: the buffer holds every env's again
+                    buf_obs[...] = observations
+                    buf.obs = buf_obs
+                    swapped = False
             else:
                 put_row(obs_rows, j, buf_obs)
                 observations = row_of(obs_rows, j)
@@ -484,7 +601,7 @@ class ChunkRunner:
             done[index] = True
             self.reset_agent(done)
         counts += steps - counted
-        if steps and len(rewards) > chunk.capacity:  # the spare row: what comes next
+        if steps and not swapped and (into is not None or len(rewards) > chunk.capacity):
             put_row(obs_rows, steps, buf_obs)
         return ChunkReply(steps, _pack_infos(infos_per_step), step_infos)
 

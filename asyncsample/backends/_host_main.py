@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from asyncsample.backends import _threads
-from asyncsample.backends._chunk import chunk_sets
+from asyncsample.backends._chunk import RawChunks, chunk_sets, view_arena
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import (
     HELLO_ID,
@@ -38,6 +38,7 @@ from asyncsample.backends._transport import (
     dump_failure,
     failure_from_exception,
     send_frame,
+    slot_buffers,
     view_buffers,
 )
 from asyncsample.env_group import EnvFailureError
@@ -100,8 +101,8 @@ def _kill_descendants() -> None:
 def main(
     sock: socket.socket,
     slots_blob: bytes,
-    raw_buffers: list[list[Any]],
-    raw_chunks: list[tuple[int, int, list[Any], Any] | None] | None = None,
+    raw_buffers: list[Any],
+    raw_chunks: list[RawChunks | None] | None = None,
     host_threads: int | None = None,
 ) -> None:
     """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
@@ -110,11 +111,11 @@ def main(
         sock: the host's end of the control socket pair (blocking).
         slots_blob: pickled list of the :class:`~asyncsample.backends.base.HostSpec` of each
             slot.
-        raw_buffers: per slot, the shared blocks of its step buffers (see
-            :func:`~asyncsample.backends._transport.shared_buffers`).
-        raw_chunks: per slot, ``(capacity, rows, blocks, counters)`` of its sets of chunk
-            buffers (``rows`` in all) when the slot runs its own agent (``inference="host"``),
-            else ``None``.
+        raw_buffers: per slot, the shared blocks of its step buffers, or its rows of blocks
+            shared by several slots (see :func:`~asyncsample.backends._transport.slot_buffers`).
+        raw_chunks: per slot, ``(capacity, rows, blocks, counters, arena)`` of its sets of
+            chunk buffers (``rows`` in all) and its observation arena when the slot runs its own
+            agent (``inference="host"``), else ``None``.
         host_threads: threads of the numeric libraries here (``None``: their defaults).
     """
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
@@ -129,12 +130,15 @@ def main(
     chunks = raw_chunks or [None] * len(specs)
     for spec, raw, raw_chunk in zip(specs, raw_buffers, chunks):
         obs_space, act_space, n_envs = spec.observation_space, spec.action_space, spec.n_envs
-        buffers = view_buffers(obs_space, act_space, n_envs, raw)
+        buffers = slot_buffers(obs_space, act_space, n_envs, raw)
         sets = None
         if raw_chunk is not None:
-            capacity, rows, blocks, counters = raw_chunk
+            capacity, rows, blocks, counters, raw_arena = raw_chunk
             flat = view_buffers(obs_space, act_space, rows * n_envs, blocks)
-            sets = chunk_sets(flat, capacity, n_envs, counters)
+            arena = None
+            if raw_arena is not None:
+                arena = view_arena(obs_space, n_envs, raw_arena[0], raw_arena[1])
+            sets = chunk_sets(flat, capacity, n_envs, counters, arena)
         slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process"))
     reader = FrameReader(sock)
     try:

@@ -23,15 +23,15 @@ import pickle
 import socket
 import struct
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
 import gymnasium as gym
 from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 
-from asyncsample._tree import Tree
-from asyncsample.env_group import EnvFailure, StepBuffers
+from asyncsample._tree import Tree, tree_map
+from asyncsample.env_group import EnvFailure, StepBuffers, fixed_rows
 
 __all__ = [
     "HEADER",
@@ -47,7 +47,9 @@ __all__ = [
     "load_failure",
     "round_trips",
     "send_frame",
+    "joint_buffers",
     "shared_buffers",
+    "slot_buffers",
     "view_buffers",
 ]
 
@@ -334,3 +336,62 @@ def view_buffers(
         space, next(blocks), n
     )
     return StepBuffers.allocate(observation_space, action_space, n_envs, make=make)
+
+
+#: A slot's part of step buffers shared by several slots: ``(blocks, total envs, first env)``.
+JointRaw = tuple[list[Tree], int, int]
+
+
+def joint_buffers(
+    specs: Sequence[Any], ctx: Any
+) -> tuple[StepBuffers, list[StepBuffers], list[JointRaw]] | None:
+    """Step buffers of the slots of ``specs`` (``HostSpec``) in one allocation, each slot's a
+    run of consecutive rows: the observations of all of them are then one array (a vector
+    env's ``step`` hands it out as a view, gymnasium's ``copy=False``). ``None`` when the
+    slots' spaces differ or have no fixed-size rows. Returns the whole, each slot's rows, and
+    what each slot's host needs."""
+    observation_space, action_space = specs[0].observation_space, specs[0].action_space
+    if not (fixed_rows(observation_space) and fixed_rows(action_space)) or any(
+        s.observation_space != observation_space or s.action_space != action_space for s in specs
+    ):
+        return None
+    counts = [s.n_envs for s in specs]
+    total = sum(counts)
+    whole, raw = shared_buffers(observation_space, action_space, total, ctx)
+    parts, raws, first = [], [], 0
+    for n in counts:
+        parts.append(buffer_rows(whole, first, first + n))
+        raws.append((raw, total, first))
+        first += n
+    return whole, parts, raws
+
+
+def buffer_rows(buffers: StepBuffers, a: int, b: int) -> StepBuffers:
+    """Rows ``a:b`` of every field of ``buffers`` (views)."""
+
+    def cut(x: Any) -> Any:
+        return x[a:b]
+
+    return StepBuffers(
+        obs=tree_map(cut, buffers.obs),
+        final_obs=tree_map(cut, buffers.final_obs),
+        actions=tree_map(cut, buffers.actions),
+        rewards=buffers.rewards[a:b],
+        terminated=buffers.terminated[a:b],
+        truncated=buffers.truncated[a:b],
+    )
+
+
+def slot_buffers(
+    observation_space: gym.Space[Any],
+    action_space: gym.Space[Any],
+    n_envs: int,
+    raw: list[Tree] | JointRaw,
+) -> StepBuffers:
+    """The host's view of a slot's step buffers: its own blocks (:func:`shared_buffers`) or its
+    rows of joint ones (:func:`joint_buffers`)."""
+    if isinstance(raw, tuple):
+        blocks, total, first = raw
+        whole = view_buffers(observation_space, action_space, total, blocks)
+        return buffer_rows(whole, first, first + n_envs)
+    return view_buffers(observation_space, action_space, n_envs, raw)

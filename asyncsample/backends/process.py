@@ -72,6 +72,7 @@ from asyncsample.backends._transport import (
     ST_OK,
     Op,
     dumps,
+    joint_buffers,
     load_failure,
     shared_buffers,
 )
@@ -400,8 +401,8 @@ class _Member(PoolMember[_Conn]):
         index: int,
         ctx: Any,
         specs: list[HostSpec],
-        raw: list[list[Any]],
-        raw_chunks: list[tuple[int, int, list[Any], Any] | None] | None = None,
+        raw: list[Any],
+        raw_chunks: list[_chunk.RawChunks | None] | None = None,
         host_threads: int | None = None,
         cpu: int | None = None,
     ) -> None:
@@ -410,7 +411,7 @@ class _Member(PoolMember[_Conn]):
         self.host_threads = host_threads
         self.cpu = cpu  # the CPU its processes are pinned to (None: not pinned)
         self.raw = raw  # per slot, the shared blocks of its step buffers
-        self.raw_chunks = raw_chunks  # per slot, (capacity, rows, blocks, counters) of its chunks
+        self.raw_chunks = raw_chunks  # per slot, what the host needs to view its chunk buffers
 
     def _discard(self, incarnation: _Conn) -> None:
         incarnation.release()
@@ -690,6 +691,9 @@ class ProcessBackend:
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._token = -1
+        self.joint: StepBuffers | None = None
+        """The step buffers of every host in one allocation (hosts with the same spaces), in
+        host order: a vector env's ``step`` returns ``joint.obs`` itself with ``copy=False``."""
 
     @property
     def pids(self) -> list[int]:
@@ -710,13 +714,21 @@ class ProcessBackend:
         where = placement(len(specs), self.n_processes)
         ctx = forkserver_context()
         buffers: list[StepBuffers] = []
-        raws: list[list[Any]] = []
+        raws: list[Any] = []
         chunks: list[list[ChunkBuffers]] = []
-        raw_chunks: list[tuple[int, int, list[Any], Any] | None] = []
-        for spec in specs:
-            buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
-            buffers.append(buf)
-            raws.append(raw)
+        raw_chunks: list[_chunk.RawChunks | None] = []
+        joint = joint_buffers(specs, ctx)  # one allocation when the spaces are the same
+        self.joint = None if joint is None else joint[0]
+        for w, spec in enumerate(specs):
+            if joint is not None:
+                buffers.append(joint[1][w])
+                raws.append(joint[2][w])
+            else:
+                buf, raw = shared_buffers(
+                    spec.observation_space, spec.action_space, spec.n_envs, ctx
+                )
+                buffers.append(buf)
+                raws.append(raw)
             sets, raw_chunk = _chunk.shared_chunk_sets(spec, ctx)  # inference="host"
             chunks.append(sets)
             raw_chunks.append(raw_chunk)

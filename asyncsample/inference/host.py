@@ -54,7 +54,7 @@ import logging
 import pickle
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import cloudpickle
@@ -291,6 +291,8 @@ class ChunkStepper:
         host: Any = self.host
         sets: list[ChunkBuffers] = getattr(host, "chunks", [])
         self.pipe: PipelinedHost | None = host if len(sets) > 1 else None
+        if chunk.arena is not None:  # the observation records live where the host writes
+            worker.episodes.recorder.rows.use_arena(chunk.arena, self.capacity + 1)
 
     async def start(self) -> None:
         """Reset the envs that need it, once the host's agent copy is in place (so it sees the
@@ -423,7 +425,15 @@ class ChunkStepper:
         if start is None:
             return
         counts, active = start
-        request = ChunkRequest(rule, self.capacity, counts, active, 0, int(self.chunk.epoch[0]))
+        request = ChunkRequest(
+            rule,
+            self.capacity,
+            counts,
+            active,
+            0,
+            int(self.chunk.epoch[0]),
+            episodes.recorder.next_arena_row(),
+        )
         try:
             sent = await host.send_chunk(request)
         except AsyncSampleError:
@@ -438,12 +448,14 @@ class ChunkStepper:
         """A request carrying the worker's state (the first chunk of a part)."""
         episodes = self.worker.episodes
         recorder = episodes.recorder
+        rows = recorder.rows
         return ChunkRequest(
             rule=rule.copy(),
             steps=self.capacity,
-            counts=recorder.rows.size - recorder.piece_start,
+            counts=rows.size - recorder.piece_start,
             active=episodes.active.copy(),
             buffer=buffer,
+            obs_row=rows.arena_row(rows.size),
         )
 
     async def _follow(self, host: PipelinedHost, buffer: int) -> tuple[SentChunk, int, int]:
@@ -462,6 +474,10 @@ class ChunkStepper:
         worker = self.worker
         buffers = self.host.buffers
         chunk = self.chunk if chunk is None else chunk
+        row = reply.obs_row
+        if row >= 0:  # the host wrote the observations into the arena
+            end = row + reply.steps + 1
+            chunk = replace(chunk, obs=tree_map(lambda a: a[row:end], chunk.arena))
         record: RecordStep | None = None
         if worker.records_transitions:
 
@@ -485,6 +501,7 @@ class ChunkStepper:
                 version,
                 (buffers.obs, buffers.actions),
                 record,
+                row,
             )
         finally:
             worker.agent_version = current

@@ -145,7 +145,10 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             its shared memory refuses, with its errors (a custom space: ``ValueError``;
             ``Sequence``, ``Graph``: ``TypeError``); ``False`` accepts them. Observations of
             fixed-size spaces travel in shared memory either way, the others pickled.
-        copy: accepted likewise; changes nothing (every call returns fresh arrays).
+        copy: as ``AsyncVectorEnv``'s: ``True`` (default), ``reset`` and ``step`` return fresh
+            observations (one copy of the hosts' shared buffers); ``False``, on the ``process``
+            backend they return the hosts' shared buffer itself, which the next ``step`` or
+            ``reset`` overwrites (no copy: copy what you keep).
         context: a start method, checked as ``AsyncVectorEnv`` checks it; changes nothing (env
             hosts always start from asyncsample's forkserver).
         daemon: checked; changes nothing (env hosts never outlive the main process).
@@ -246,6 +249,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             observation_space=single_obs,
             caller_envs=caller_envs,
         )
+        self._hosted.copy = bool(copy)
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
         hosted = self._hosted

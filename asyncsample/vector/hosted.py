@@ -182,6 +182,10 @@ class HostedEnvs(LockstepRounds):
         self.hosts: list[EnvHost] = []
         self._inline: list[InlineHost] = []
         self.broken: set[int] = set()
+        self.copy = True
+        """``False``: :meth:`read_obs` of every sub-env returns the hosts' shared observation
+        buffer itself where it is one array (gymnasium's ``copy=False``: the next step
+        overwrites it); else (and ``True``) one copy."""
         try:
             self.portal.call(self._start)
         except BaseException:
@@ -328,7 +332,13 @@ class HostedEnvs(LockstepRounds):
     # -- observations and actions -----------------------------------------------------------
 
     def read_obs(self, hosts: Sequence[int] | None = None) -> Tree:
-        """A fresh batch of the current observations of the sub-envs of ``hosts`` (all)."""
+        """A fresh batch of the current observations of the sub-envs of ``hosts`` (all), made
+        in one copy; with :attr:`copy` false and every host, the shared buffer itself where the
+        backend keeps all hosts' rows in one array (``process``)."""
+        if not self.copy and hosts is None:
+            joint = getattr(self.backend, "joint", None)
+            if joint is not None:
+                return joint.obs
         parts = (
             [h.buffers.obs for h in self.hosts]
             if hosts is None

@@ -1,0 +1,283 @@
+"""Big observations are copied once in the main process on the ``process`` backend with
+``inference="host"``: the host writes its chunks' observations into the worker's shared
+observation arena, which is the worker's records, and the batch is gathered from there into
+memory of earlier batches that nothing refers to any more (``BatchMemory``). A batch the user
+holds is never written again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+import pytest
+from helpers import SamplerFactory
+
+import asyncsample._assembly as assembly
+import asyncsample._engine as engine
+from asyncsample import EpisodeBatch
+from asyncsample._assembly import BatchMemory
+from asyncsample.backends import _chunk
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.sampler_defaults(
+        backend="process",
+        inference="host",
+        n_workers=2,
+        envs_per_worker=2,
+        n_processes=2,
+        seed=11,
+    ),
+]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SHAPE = (48, 48, 3)
+
+
+class FrameEnv(gym.Env):  # type: ignore[type-arg]
+    """Image frames that differ at every step (a reused buffer would show), episodes of 5 to 40
+    steps."""
+
+    def __init__(self) -> None:
+        self.observation_space = gym.spaces.Box(0, 255, SHAPE, np.uint8)
+        self.action_space = gym.spaces.Discrete(3)
+        self.t = 0
+        self.length = 10
+        self.frame = np.zeros(SHAPE, np.uint8)
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray, dict[str, Any]]:
+        super().reset(seed=seed)
+        self.t = 0
+        self.length = int(self.np_random.integers(5, 40))
+        self.frame[:] = self.np_random.integers(0, 256, SHAPE, dtype=np.uint8)
+        return self.frame.copy(), {}
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self.t += 1
+        self.frame[self.t % SHAPE[0]] = self.np_random.integers(0, 256, SHAPE[1:], dtype=np.uint8)
+        self.frame[0, 0, 0] = (self.t + int(action)) % 256
+        return self.frame.copy(), float(action), self.t >= self.length, False, {}
+
+
+class Copies:
+    """Bytes of observations the main process copies: into the worker's records (the chunk
+    replay) and into batches (the gather)."""
+
+    def __init__(self) -> None:
+        self.replayed = 0
+        self.gathered = 0
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
+    seen = Copies()
+    put_rows, gather = engine.put_rows, assembly._gather
+
+    def counting_put_rows(dst: Any, start: int, src: Any, n: int) -> None:
+        if isinstance(src, np.ndarray) and src.shape[2:] == SHAPE:
+            seen.replayed += src[:n].nbytes
+        put_rows(dst, start, src, n)
+
+    def counting_gather(plans: Any, records: Any, likes: Any, memory: Any = None) -> np.ndarray:
+        out = gather(plans, records, likes, memory)
+        if out.shape[1:] == SHAPE:
+            seen.gathered += out.nbytes
+        return out
+
+    monkeypatch.setattr(engine, "put_rows", counting_put_rows)
+    monkeypatch.setattr(assembly, "_gather", counting_gather)
+    yield seen
+
+
+@pytest.mark.both_loops
+async def test_one_copy_of_each_observation(make_sampler: SamplerFactory, copies: Copies) -> None:
+    """Every call mode: the replay copies no observation (the chunks the host wrote are the
+    records, in the arena), the batch is the one copy."""
+    async with make_sampler(env=FrameEnv) as s:
+        batches = [
+            await s.obtain_samples(300),
+            await s.obtain_fragments(300),
+            await s.obtain_exact_episodes(3),
+            await s.obtain_samples(300),
+        ]
+        for worker in s.workers:
+            rows = worker.episodes.recorder.rows
+            chunk = worker.host.chunk  # type: ignore[union-attr]
+            assert chunk is not None and chunk.arena is not None
+            assert rows.on_arena and np.shares_memory(rows.obs, chunk.arena)
+    assert copies.replayed == 0
+    assert copies.gathered == sum(b.observations.nbytes for b in batches) > 0
+
+
+async def test_stream_run_ahead_writes_in_place(
+    make_sampler: SamplerFactory, copies: Copies
+) -> None:
+    """A stream's rounds (the chunk run ahead for the next round included) go into the arena
+    in place: no replay copy."""
+    async with make_sampler(env=FrameEnv) as s:
+        n = 0
+        async with contextlib.aclosing(s.stream(200, fragments=True)) as batches:
+            async for batch in batches:
+                n += batch.n_transitions
+                if n >= 1200:
+                    break
+    assert copies.replayed == 0
+    assert copies.gathered >= 1200 * np.prod(SHAPE)
+
+
+async def _calls_then_stream(s: Any) -> list[EpisodeBatch]:
+    out = [
+        await s.obtain_samples(250),
+        await s.obtain_fragments(160),
+        await s.obtain_exact_episodes(2),
+    ]
+    async with contextlib.aclosing(s.stream(120)) as episodes:
+        async for batch in episodes:
+            out.append(batch)
+            if len(out) >= 8:
+                break
+    return out
+
+
+async def _fragment_stream(s: Any) -> list[EpisodeBatch]:
+    # Alone in its sampler: what the envs did in a chunk run ahead for a stream closed before
+    # (dropped, the next call starts fresh episodes) depends on timing.
+    out = []
+    async with contextlib.aclosing(s.stream(120, fragments=True)) as fragments:
+        async for batch in fragments:
+            out.append(batch)
+            if len(out) >= 6:
+                break
+    return out
+
+
+async def test_small_arena_and_no_arena_give_the_same_batches(
+    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch, copies: Copies
+) -> None:
+    """Records that outgrow the arena, chunks that do not fit at its end and run-aheads that
+    would overlap the rows still to gather fall back to copies: the batches stay those of a
+    sampler without an arena, and of one with a large arena."""
+    results = []
+    replayed = []
+    for rows in (4096, 24, 0):  # 24 rows: a few chunks of 4 steps
+        monkeypatch.setattr(_chunk, "ARENA_MAX_ROWS", rows)
+        copies.replayed = 0
+        batches = []
+        for run in (_calls_then_stream, _fragment_stream):
+            async with make_sampler(env=FrameEnv, inference=_host(4)) as s:
+                batches += await run(s)
+                arenas = [w.host.chunk.arena for w in s.workers]  # type: ignore[union-attr]
+                assert all((a is not None) == bool(rows) for a in arenas)
+        results.append(batches)
+        replayed.append(copies.replayed)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            _assert_same(a, b)
+    assert replayed[0] == 0  # in place
+    assert replayed[1] > 0 and replayed[2] > 0  # the fallbacks did copy
+
+
+def _host(chunk_steps: int) -> Any:
+    from asyncsample.inference import Host
+
+    return Host(chunk_steps=chunk_steps)
+
+
+def _assert_same(a: EpisodeBatch, b: EpisodeBatch) -> None:
+    np.testing.assert_array_equal(a.observations, b.observations)
+    np.testing.assert_array_equal(a.last_observations, b.last_observations)
+    np.testing.assert_array_equal(a.actions, b.actions)
+    np.testing.assert_array_equal(a.rewards, b.rewards)
+    np.testing.assert_array_equal(a.step_types, b.step_types)
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("inference", ["host", "per_worker"])
+async def test_held_batches_are_never_overwritten(
+    make_sampler: SamplerFactory, inference: str
+) -> None:
+    """A slow consumer keeps every other batch of a stream while later rounds run: each held
+    batch still equals the copy taken when it arrived, and the memory of the batches let go was
+    used again (so the check met reuse)."""
+    async with make_sampler(env=FrameEnv, inference=inference) as s:
+        memory: BatchMemory = s._core.memory
+        held: list[tuple[EpisodeBatch, np.ndarray, np.ndarray]] = []
+        k = 0
+        async with contextlib.aclosing(s.stream(400, fragments=True, buffer_size=2)) as it:
+            async for batch in it:
+                k += 1
+                if k % 2:
+                    piece = batch.split()[0]  # a view kept beyond the batch itself
+                    held.append((batch, batch.observations.copy(), piece.observations))
+                del batch
+                await asyncio.sleep(0.05)  # slow: the producer runs rounds ahead meanwhile
+                if k >= 12:
+                    break
+        assert memory.reused > 0
+        for batch, seen, piece in held:
+            np.testing.assert_array_equal(batch.observations, seen)
+            np.testing.assert_array_equal(piece, seen[: len(piece)])
+        for (a, _, _), (b, _, _) in itertools.pairwise(held):
+            assert not np.shares_memory(a.observations, b.observations)
+
+
+def test_batch_memory_reuses_only_what_nothing_holds() -> None:
+    """The reuse rule itself: an array held through any view is not handed out again."""
+    memory = BatchMemory(keep=2, min_bytes=0)
+    dtype = np.dtype(np.uint8)
+    a = memory.take(100, SHAPE, dtype)
+    view = a[10:20]
+    del a
+    b = memory.take(100, SHAPE, dtype)
+    assert not np.shares_memory(b, view) and memory.reused == 0
+    del view
+    c = memory.take(90, SHAPE, dtype)  # the first array again: nothing holds it
+    assert memory.reused == 1 and c.shape == (90, *SHAPE)
+    d = memory.take(100, SHAPE, dtype)  # b and c are held, the pool is full: a fresh one
+    assert not np.shares_memory(d, b) and not np.shares_memory(d, c)
+    e = memory.take(1000, SHAPE, dtype)  # too large for any kept array
+    assert e.shape[0] == 1000
+
+
+@pytest.mark.parametrize("n_processes", [1, 2])
+def test_vector_env_copy_false_returns_the_shared_buffer(n_processes: int) -> None:
+    """``VectorEnv(copy=False)`` (gymnasium's semantics): ``reset`` and ``step`` return the
+    hosts' shared observation buffer itself, one array for all sub-envs, with the values a
+    ``copy=True`` vector env returns as fresh arrays of its own (one copy)."""
+    from asyncsample import VectorEnv
+
+    seen: dict[bool, list[np.ndarray]] = {}
+    for copy in (False, True):
+        venv = VectorEnv(FrameEnv, 4, n_processes=n_processes, copy=copy)
+        try:
+            joint = venv._hosted.backend.joint  # type: ignore[attr-defined]
+            assert joint is not None
+            obs, _ = venv.reset(seed=3)
+            frames = [obs.copy()]
+            views = [obs]
+            for t in range(30):
+                obs = venv.step(np.array([t % 3, 1, 2, 0]))[0]
+                frames.append(obs.copy())
+                views.append(obs)
+            for view in views:
+                assert np.shares_memory(view, joint.obs) is (not copy)
+                if copy:
+                    assert view.flags.owndata  # its own memory: made in one copy
+                else:
+                    assert view is joint.obs
+            seen[copy] = frames
+        finally:
+            venv.close()
+    for a, b in zip(seen[False], seen[True], strict=True):
+        np.testing.assert_array_equal(a, b)
