@@ -52,9 +52,7 @@ import numpy as np
 from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector import VectorEnv as _GymVectorEnv
-from gymnasium.vector.utils import (
-    batch_space,
-)
+from gymnasium.vector.utils import batch_space
 
 from asyncsample import _validate
 from asyncsample._tree import tree_map
@@ -248,8 +246,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             object_rows=True,
             observation_space=single_obs,
             caller_envs=caller_envs,
+            copy=bool(copy),
         )
-        self._hosted.copy = bool(copy)
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
         hosted = self._hosted

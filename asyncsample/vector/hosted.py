@@ -93,6 +93,7 @@ class HostedEnvs(LockstepRounds):
         caller_envs: sub-envs the caller steps itself, in its own process (the last ones);
             with ``n_processes`` and ``caller_envs`` both ``None`` the placement is measured
             (see :mod:`asyncsample.vector.placement`); ``n_processes=0``: all of them.
+        copy: ``False``: see :attr:`copy` (gymnasium's ``copy=False``).
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class HostedEnvs(LockstepRounds):
         object_rows: bool = False,
         observation_space: gym.Space[Any] | None = None,
         caller_envs: int | None = None,
+        copy: bool = True,
     ) -> None:
         self.num_envs = len(sources)
         probe = make_env(sources[0])
@@ -182,7 +184,7 @@ class HostedEnvs(LockstepRounds):
         self.hosts: list[EnvHost] = []
         self._inline: list[InlineHost] = []
         self.broken: set[int] = set()
-        self.copy = True
+        self.copy = copy
         """``False``: :meth:`read_obs` of every sub-env returns the hosts' shared observation
         buffer itself where it is one array (gymnasium's ``copy=False``: the next step
         overwrites it); else (and ``True``) one copy."""
