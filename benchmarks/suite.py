@@ -575,9 +575,18 @@ def pre_skip(cfg: Config, settings: Settings) -> str | None:
     if settings.quick and cfg.contender in TORCH_PEERS and not settings.explicit:
         return "--quick skips the torch-based peers (slow to start) unless --contenders names them"
     module = REQUIRES.get(cfg.contender)
-    if module is not None and importlib.util.find_spec(module) is None:
+    if module is not None and not installed(module):
         return f"{module} is not installed (pip install 'asyncsample[bench]')"
     return None
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (a dotted name whose package is missing: no, where
+    ``find_spec`` would raise ``ModuleNotFoundError``)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
