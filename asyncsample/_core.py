@@ -21,7 +21,6 @@ import warnings
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
-import gymnasium as gym
 import numpy as np
 import psutil
 
@@ -49,6 +48,7 @@ from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
 from asyncsample.inference.host import Host, pickle_agent
 from asyncsample.inference.modes import InferenceMode, make_mode
+from asyncsample.metrics import make_metrics
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerFactory
@@ -95,6 +95,7 @@ class SamplerCore:
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
         episode_timeout: float | None = None,
+        metrics: Any = None,
     ) -> None:
         self.closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -199,6 +200,8 @@ class SamplerCore:
         """Env-host restarts so far (after env failures or crashes)."""
         self.last_stats: SampleStats | None = None
         """Statistics of the last call, or of the batch a stream yielded last."""
+        self.metrics = make_metrics(metrics, self)
+        """The Prometheus metrics (:mod:`asyncsample.metrics`), ``None`` when off."""
 
     async def start(self) -> None:
         """Start the backend and build every worker's envs (the first call does it if needed)."""
@@ -231,6 +234,7 @@ class SamplerCore:
                     action_space=self.env_spec.action_space,
                     max_episode_length=self.max_episode_length,
                     chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
+                    timed=self.metrics is not None,
                 )
                 for w in range(self.n_workers)
             ]
@@ -247,6 +251,8 @@ class SamplerCore:
                 ]
             )
             self.mode.attach(workers, self._agent_seeds())
+            if self.metrics is not None:
+                self.metrics.attach(workers, self.requests)
         except BaseException:
             self.backend = None
             await asyncio.shield(backend.aclose())
@@ -262,6 +268,8 @@ class SamplerCore:
         backend, self.backend = self.backend, None
         if backend is not None:
             await asyncio.shield(backend.aclose())
+        if self.metrics is not None:
+            self.metrics.close()
         if self.requests is not None:
             await self.requests.aclose()
         self.mode.close()
@@ -307,6 +315,7 @@ class SamplerCore:
         self.check_open()
         self.check_agent_update(agent_update)
         env_updates = self.check_env_update(env_update)
+        started = None if self.metrics is None else self.metrics.call_started()
         async with self.locked(_CALL_NAMES[mode]):
             self.check_open()
             await self.start_unlocked()
@@ -325,6 +334,8 @@ class SamplerCore:
             batch, stats = await self.sample_round(mode, quota, resume=resume, fraction=fraction)
         self.total_env_steps += batch.n_transitions
         self.last_stats = stats
+        if started is not None:
+            self.metrics.call_ended(started)  # type: ignore[union-attr]
         return batch
 
     async def sample_round(
@@ -377,6 +388,8 @@ class SamplerCore:
             worker_transitions=[0 if p is None else int(p.lengths.sum()) for p in plans],
             worker_wait_seconds=[end - t for t in done_at],
         )
+        if self.metrics is not None:  # folded once per round
+            self.metrics.fold(self.workers, batch.agent_versions, end - start)
         return batch, stats
 
     def _shared_quota(self, mode: Mode, quota: int, fraction: float) -> SharedQuota | None:
@@ -451,6 +464,8 @@ class SamplerCore:
                 return await run_part(worker, stepper, leave, shared)
             except WorkerError as exc:
                 worker.episodes.broken = True
+                if self.metrics is not None:
+                    self.metrics.fault(w, exc)
                 if not exc.retry or restarts >= self.max_restarts:
                     raise
                 restarts += 1
@@ -654,7 +669,7 @@ class SamplerCore:
         try:
             _validate.recordable_space("env: observation_space", env.observation_space)
             _validate.recordable_space("env: action_space", env.action_space)
-            limit = _time_limit(env)
+            limit = _validate.time_limit(env)
             spec = EnvSpec(
                 observation_space=env.observation_space,
                 action_space=env.action_space,
@@ -712,15 +727,6 @@ class SamplerCore:
                 yield
             finally:
                 self.stream_guard.closed()
-
-
-def _time_limit(env: gym.Env) -> int | None:
-    """The episode limit of a ``TimeLimit`` wrapper around ``env``, if any."""
-    while isinstance(env, gym.Wrapper):
-        if isinstance(env, gym.wrappers.TimeLimit):
-            return int(env._max_episode_steps)
-        env = env.env
-    return None
 
 
 _CALL_MODES: dict[Mode, CallMode] = {

@@ -268,6 +268,14 @@ class Episodes:
         """Per env, when its episode in progress passes ``episode_timeout`` (``clock`` time)."""
         self.clock: Callable[[], float] = time.monotonic
         """The clock of ``deadlines`` (the event loop's, on the lane backends)."""
+        self.ends = [0, 0, 0]
+        """Episodes ended so far: terminated, truncated, cut at their deadline."""
+        self.dropped_steps = 0
+        """Steps of episodes abandoned unfinished (reset or lost to a restart) so far."""
+        self.started_at: np.ndarray | None = None
+        """With metrics on, per env, when its episode started (``time.perf_counter``)."""
+        self.durations: list[float] = []
+        """With metrics on, the seconds of the episodes ended since the metrics read them."""
 
     # -- a call ---------------------------------------------------------------------------------
 
@@ -328,6 +336,7 @@ class Episodes:
     def recovered(self) -> int:
         """The host was rebuilt: episodes in progress are dropped; returns how many."""
         dropped = int(np.count_nonzero(self.lengths))
+        self.dropped_steps += int(self.lengths.sum())
         self.needs_reset[:] = True
         self.lengths[:] = 0
         self.returns[:] = 0.0
@@ -370,7 +379,10 @@ class Episodes:
     def started(self, mask: np.ndarray, infos: Mapping[int, dict[str, Any]]) -> None:
         """The envs in ``mask`` were reset, with reset ``infos`` by env."""
         self.needs_reset &= ~mask
+        self.dropped_steps += int(self.lengths[mask].sum())
         self.lengths[mask] = 0
+        if self.started_at is not None:
+            self.started_at[mask] = time.perf_counter()
         self.returns[mask] = 0.0
         if self.episode_timeout is not None:
             self.deadlines[mask] = self.clock() + self.episode_timeout
@@ -398,10 +410,12 @@ class Episodes:
         recorder = self.recorder
         lengths, returns, infos = self.lengths, self.returns, self.episode_info
         steps = recorder.completed_steps
+        ends = self.ends
         for i in envs.tolist():
             end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
             last = tree_map(lambda x, i=i: x[i].copy(), final_obs)
             info = infos[i]
+            ends[0 if terminated[i] else 2 if info.get("deadline") else 1] += 1
             recorder.close_piece(i, t + 1, end, last, info)
             self.finished.append(
                 FinishedEpisode(float(returns[i]), int(lengths[i]), int(info["agent_version"]))
@@ -412,6 +426,10 @@ class Episodes:
             recorder.piece_position[i] = 0
         if self.episode_timeout is not None:  # the next episodes start now (autoreset)
             self.deadlines[envs] = self.clock() + self.episode_timeout
+        if self.started_at is not None:  # metrics on: the episodes' wall time
+            now = time.perf_counter()
+            self.durations.extend((now - self.started_at[envs]).tolist())
+            self.started_at[envs] = now
         rule = self.rule
         if rule is not None:
             if rule.ended(envs, recorder.completed_steps - steps, self.active):

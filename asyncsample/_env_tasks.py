@@ -22,6 +22,7 @@ import collections
 import functools
 import inspect
 import math
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
+from asyncsample._clock import AgentTimer
 from asyncsample._engine import CallMode, SharedQuota, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import Tree, tree_map
@@ -63,6 +65,8 @@ class ActionRequests:
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.timer: AgentTimer | None = None
+        """With metrics on, where each agent call's seconds and rows go."""
 
     def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
         """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``."""
@@ -92,6 +96,8 @@ class ActionRequests:
                 stacked: Tree = np.stack([o for o, _ in live])
             else:
                 stacked = tree_map(lambda *xs: np.stack(xs), *[o for o, _ in live])
+            timer = self.timer
+            start = 0.0 if timer is None else time.perf_counter()
             try:
                 result = agent.get_actions(stacked)
             except Exception as exc:
@@ -100,8 +106,12 @@ class ActionRequests:
             if inspect.isawaitable(result):
                 task = asyncio.ensure_future(result)
                 self._tasks.add(task)
+                if timer is not None:
+                    task.add_done_callback(functools.partial(_timed, timer, start, len(live)))
                 task.add_done_callback(functools.partial(self._awaited, agent, worker, live))
             else:
+                if timer is not None:
+                    timer.add(time.perf_counter() - start, len(live))
                 self._deliver(agent, worker, live, result)
 
     def _awaited(
@@ -181,6 +191,10 @@ def _like_rows(actions: Tree, n: int) -> Tree:
         return np.empty((n, *a.shape[1:]), dtype=a.dtype) if a.ndim else a
 
     return tree_map(like, actions)
+
+
+def _timed(timer: AgentTimer, start: float, rows: int, _: object) -> None:
+    timer.add(time.perf_counter() - start, rows)
 
 
 def _fail(live: list[tuple[Tree, asyncio.Future[Any]]], exc: BaseException) -> None:

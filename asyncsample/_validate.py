@@ -447,3 +447,12 @@ def memory_fits(
             f"{what} need about {_size(shm)} of shared memory in /dev/shm, but only "
             f"{_size(shm_free)} is free: {advice}, or enlarge /dev/shm (docker run --shm-size)"
         )
+
+
+def time_limit(env: gym.Env[Any, Any]) -> int | None:
+    """The episode limit of a ``TimeLimit`` wrapper around ``env``, if any."""
+    while isinstance(env, gym.Wrapper):
+        if isinstance(env, gym.wrappers.TimeLimit):
+            return int(env._max_episode_steps)
+        env = env.env
+    return None

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample._clock import timed_agent
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import (
     ChunkBuffers,
@@ -75,6 +76,9 @@ class HostSlot:
             spec.final_in_reply,
         )
         self.runner = None if not chunks else ChunkRunner(self.group, chunks, spec.action_space)
+        if self.runner is not None and buffers.clock is not None:  # metrics: time the agent
+            runner = self.runner
+            runner._actions = timed_agent(runner._actions, buffers.clock, spec.n_envs)  # type: ignore[method-assign]
         self.host_threads = host_threads
         self.where = where
         self._ops: dict[int, Callable[[_Body], bytes]] = {
@@ -101,7 +105,8 @@ class HostSlot:
         if spec.chunk_steps > 0:  # one set: an actor's chunks are not pipelined
             flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(spec.chunk_steps) * n)
             chunks = chunk_sets(flat, spec.chunk_steps, n)
-        return cls(spec, StepBuffers.allocate(obs_space, act_space, n), chunks, host_threads, where)
+        buffers = StepBuffers.allocate(obs_space, act_space, n, timed=spec.timed)
+        return cls(spec, buffers, chunks, host_threads, where)
 
     # -- one method per operation ---------------------------------------------------------------
 

@@ -310,7 +310,11 @@ class RawArrayContext:
 
 
 def shared_buffers(
-    observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, ctx: Any
+    observation_space: gym.Space[Any],
+    action_space: gym.Space[Any],
+    n_envs: int,
+    ctx: Any,
+    timed: bool = False,
 ) -> tuple[StepBuffers, list[Tree]]:
     """Step buffers in shared memory, and the raw blocks to hand to the host process."""
     raw: list[Tree] = []
@@ -321,16 +325,20 @@ def shared_buffers(
         raw.append(memory)
         return read_from_shared_memory(space, memory, n)
 
-    buffers = StepBuffers.allocate(observation_space, action_space, n_envs, make=make)
+    buffers = StepBuffers.allocate(observation_space, action_space, n_envs, make=make, timed=timed)
     return buffers, raw
 
 
 def view_buffers(
-    observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, raw: list[Tree]
+    observation_space: gym.Space[Any],
+    action_space: gym.Space[Any],
+    n_envs: int,
+    raw: list[Tree],
+    timed: bool = False,
 ) -> StepBuffers:
     """The host's view of the buffers :func:`shared_buffers` made (same allocation order)."""
     blocks = iter(raw)
     make: Callable[[gym.Space[Any], int], Tree] = lambda space, n: read_from_shared_memory(  # noqa: E731
         space, next(blocks), n
     )
-    return StepBuffers.allocate(observation_space, action_space, n_envs, make=make)
+    return StepBuffers.allocate(observation_space, action_space, n_envs, make=make, timed=timed)

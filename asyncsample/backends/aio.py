@@ -25,6 +25,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._clock import timed_step_one
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env, close_env
 from asyncsample.backends._remote import closed_error
@@ -148,7 +149,11 @@ class LaneHost:
     ) -> None:
         self.spec = spec
         self.n_envs = spec.n_envs
-        self.buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
+        self.buffers = StepBuffers.allocate(
+            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
+        )
+        if self.buffers.clock is not None:  # metrics: each env step timed where it runs
+            self.step_one = timed_step_one(self.step_one, self.buffers.clock)  # type: ignore[method-assign]
         self._make = make
         self.step_timeout = step_timeout
         self._limiter = limiter

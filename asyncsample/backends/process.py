@@ -714,7 +714,9 @@ class ProcessBackend:
         chunks: list[list[ChunkBuffers]] = []
         raw_chunks: list[tuple[int, int, list[Any], Any] | None] = []
         for spec in specs:
-            buf, raw = shared_buffers(spec.observation_space, spec.action_space, spec.n_envs, ctx)
+            buf, raw = shared_buffers(
+                spec.observation_space, spec.action_space, spec.n_envs, ctx, spec.timed
+            )
             buffers.append(buf)
             raws.append(raw)
             sets, raw_chunk = _chunk.shared_chunk_sets(spec, ctx)  # inference="host"

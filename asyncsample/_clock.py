@@ -1,0 +1,153 @@
+"""Where the time goes, counted in plain arrays (the metrics' raw figures; no dependency).
+
+With ``Sampler(metrics=...)`` every env host keeps a *clock*: a small float64 array beside its
+step buffers (:attr:`StepBuffers.clock <asyncsample.env_group.StepBuffers>`) where the host adds,
+per step of a worker's envs, how long the envs took (bucketed per env step), how many env calls are
+running now and, with ``inference="host"``, its agent copy's calls. The array lives where the
+step buffers live (shared memory for the ``process`` backend), so the figures reach the caller with
+the replies the host sends anyway, without a message of their own; the caller folds them into the
+``prometheus_client`` metrics once per call (:mod:`asyncsample.metrics`).
+
+Nothing here is on any path unless metrics are on: a host without a clock steps as before.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "AGENT",
+    "BOUNDS",
+    "CLOCK_SIZE",
+    "ENV",
+    "IN_FLIGHT",
+    "AgentTimer",
+    "clock_record",
+    "timed_agent",
+    "timed_group_step",
+    "timed_step_one",
+]
+
+#: Upper bounds (seconds) of the latency histograms' buckets: 10 us to 10 s.
+BOUNDS: tuple[float, ...] = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_N = len(BOUNDS) + 1  # the last bucket is +Inf
+
+ENV = 0
+"""Offset of the env-step section: ``_N`` bucket counts (per env step), then the seconds' sum."""
+IN_FLIGHT = _N + 1
+"""Env calls running now in this host (a live count)."""
+AGENT = _N + 2
+"""Offset of the host agent's section (``inference="host"``): bucket counts per call, the
+seconds' sum, then the rows' sum."""
+CLOCK_SIZE = AGENT + _N + 2
+
+_perf = time.perf_counter
+
+
+def clock_record(clock: np.ndarray, section: int, seconds: float, n: int) -> None:
+    """Add ``n`` observations of ``seconds`` each to ``section`` of ``clock`` (sum: ``n *
+    seconds``)."""
+    clock[section + bisect_left(BOUNDS, seconds)] += n
+    clock[section + _N] += seconds * n
+
+
+def timed_group_step(group: Any, step: Any, clock: np.ndarray) -> Any:
+    """``group.step`` that records its envs' time in ``clock``: a worker's envs are stepped one
+    after another, so each env step counts the call's seconds divided by the envs it stepped."""
+
+    def timed(mask: np.ndarray, given: Any = None, everyone: bool | None = None) -> Any:
+        n = group.n_envs if everyone else int(np.count_nonzero(mask))
+        clock[IN_FLIGHT] += n
+        start = _perf()
+        try:
+            return step(mask, given, everyone)
+        finally:
+            seconds = _perf() - start
+            clock[IN_FLIGHT] -= n
+            if n:
+                clock_record(clock, ENV, seconds / n, n)
+
+    return timed
+
+
+def timed_step_one(step_one: Any, clock: np.ndarray) -> Any:
+    """A lane host's ``step_one`` (one env, a coroutine) that records the step's seconds."""
+
+    async def timed(i: int, action: Any, deadline: float | None = None) -> Any:
+        clock[IN_FLIGHT] += 1
+        start = _perf()
+        try:
+            result = await step_one(i, action, deadline)
+        finally:
+            clock[IN_FLIGHT] -= 1
+        clock_record(clock, ENV, _perf() - start, 1)
+        return result
+
+    return timed
+
+
+def timed_agent(actions: Any, clock: np.ndarray, rows: int) -> Any:
+    """A host agent's ``actions(observations)`` that records each call's seconds and rows."""
+
+    def timed(observations: Any) -> Any:
+        start = _perf()
+        result = actions(observations)
+        clock_record(clock, AGENT, _perf() - start, 1)
+        clock[AGENT + _N + 1] += rows
+        return result
+
+    return timed
+
+
+class AgentTimer:
+    """Agent calls made in the caller's process: how many, their seconds and rows (plain lists,
+    folded into the metrics once per call)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.rows: list[int] = []
+
+    def add(self, seconds: float, rows: int) -> None:
+        self.seconds.append(seconds)
+        self.rows.append(rows)
+
+    def drain(self) -> tuple[list[float], list[int]]:
+        seconds, rows = self.seconds, self.rows
+        self.seconds, self.rows = [], []
+        return seconds, rows
+
+    def wrap_compute(self, compute: Any, rows: int) -> Any:
+        """A worker's ``compute_actions`` that records each call (per-worker inference)."""
+
+        async def timed(observations: Any) -> Any:
+            start = _perf()
+            result = await compute(observations)
+            self.seconds.append(_perf() - start)
+            self.rows.append(rows)
+            return result
+
+        return timed
