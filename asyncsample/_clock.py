@@ -23,6 +23,7 @@ __all__ = [
     "AGENT",
     "BOUNDS",
     "CLOCK_SIZE",
+    "ENDS",
     "ENV",
     "IN_FLIGHT",
     "AgentTimer",
@@ -63,7 +64,9 @@ IN_FLIGHT = _N + 1
 AGENT = _N + 2
 """Offset of the host agent's section (``inference="host"``): bucket counts per call, the
 seconds' sum, then the rows' sum."""
-CLOCK_SIZE = AGENT + _N + 2
+ENDS = AGENT + _N + 2
+"""Episodes the host saw end: terminated, then truncated (the vector faces count these)."""
+CLOCK_SIZE = ENDS + 2
 
 _perf = time.perf_counter
 
@@ -84,12 +87,19 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray) -> Any:
         clock[IN_FLIGHT] += n
         start = _perf()
         try:
-            return step(mask, given, everyone)
+            infos = step(mask, given, everyone)
         finally:
             seconds = _perf() - start
             clock[IN_FLIGHT] -= n
-            if n:
-                clock_record(clock, ENV, seconds / n, n)
+        if n:
+            clock_record(clock, ENV, seconds / n, n)
+        ended = group.last_ended
+        if ended:
+            terminated = group.buffers.terminated
+            ends = sum(1 for i in ended if terminated[i])
+            clock[ENDS] += ends
+            clock[ENDS + 1] += len(ended) - ends
+        return infos
 
     return timed
 
@@ -105,6 +115,10 @@ def timed_step_one(step_one: Any, clock: np.ndarray) -> Any:
         finally:
             clock[IN_FLIGHT] -= 1
         clock_record(clock, ENV, _perf() - start, 1)
+        if result[1]:
+            clock[ENDS] += 1
+        elif result[2]:
+            clock[ENDS + 1] += 1
         return result
 
     return timed

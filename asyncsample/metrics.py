@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample._clock import AGENT, BOUNDS, ENV, IN_FLIGHT, AgentTimer
+from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, IN_FLIGHT, AgentTimer
 
 if TYPE_CHECKING:
     from asyncsample._core import SamplerCore
@@ -36,8 +36,10 @@ __all__ = [
     "END_KINDS",
     "FAULT_KINDS",
     "WORKER_LABEL_LIMIT",
+    "FaceMetrics",
     "SamplerMetrics",
     "fault_kind",
+    "make_face_metrics",
     "make_metrics",
 ]
 
@@ -55,13 +57,9 @@ _LENGTH_BOUNDS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.
 _LAG_BOUNDS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 
-def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
-    """The :class:`SamplerMetrics` that ``metrics=`` asks for (``None``: none), for ``core``.
-
-    Raises:
-        ImportError: ``prometheus_client`` is not installed (the ``metrics`` extra).
-        TypeError: ``metrics`` is neither ``None``, ``True`` nor a ``CollectorRegistry``.
-    """
+def _registry(metrics: Any) -> Any:
+    """The registry ``metrics=`` names (``None``: metrics off); the errors of
+    :func:`make_metrics`."""
     if metrics is None or metrics is False:
         return None
     try:
@@ -72,14 +70,25 @@ def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
             "pip install 'asyncsample[metrics]'"
         ) from exc
     if metrics is True:
-        registry = prometheus_client.REGISTRY
-    elif isinstance(metrics, prometheus_client.CollectorRegistry):
-        registry = metrics
-    else:
-        raise TypeError(
-            "metrics must be None, True (prometheus_client's default registry) or a "
-            f"prometheus_client.CollectorRegistry, got {type(metrics).__name__}"
-        )
+        return prometheus_client.REGISTRY
+    if isinstance(metrics, prometheus_client.CollectorRegistry):
+        return metrics
+    raise TypeError(
+        "metrics must be None, True (prometheus_client's default registry) or a "
+        f"prometheus_client.CollectorRegistry, got {type(metrics).__name__}"
+    )
+
+
+def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
+    """The :class:`SamplerMetrics` that ``metrics=`` asks for (``None``: none), for ``core``.
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (the ``metrics`` extra).
+        TypeError: ``metrics`` is neither ``None``, ``True`` nor a ``CollectorRegistry``.
+    """
+    registry = _registry(metrics)
+    if registry is None:
+        return None
     from asyncsample.inference.modes import HostMode
 
     envs = core.n_workers * core.envs_per_worker
@@ -178,6 +187,7 @@ class _State:
         self.bottleneck: str | None = None
         self.clocks: list[np.ndarray] = []  # live: env calls in flight
         self.live = True
+        self.pull: Any = None  # called under the hub's lock before a scrape (the faces)
 
     def slot(self, worker: int) -> int:
         return worker if self.labelled else 0
@@ -199,6 +209,9 @@ class _Hub:
 
         with self.lock:
             states = list(self.states)
+            for s in states:
+                if s.pull is not None:
+                    s.pull()
             counters: dict[str, dict[tuple[str, ...], float]] = {}
 
             def count(name: str, labels: tuple[str, ...], value: float) -> None:
@@ -481,3 +494,75 @@ class SamplerMetrics:
 def _clock(worker: Worker) -> np.ndarray | None:
     host = worker.host
     return None if host is None else host.buffers.clock
+
+
+def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | None:
+    """The :class:`FaceMetrics` that a vector face's ``metrics=`` asks for (``None``: none).
+
+    Raises:
+        ImportError, TypeError: as :func:`make_metrics`.
+    """
+    registry = _registry(metrics)
+    return None if registry is None else FaceMetrics(_hub_of(registry), backend, hosted)
+
+
+class FaceMetrics:
+    """The metrics of a vector face (``VectorEnv``, the SB3 ``VecEnv``): its caller steps it, so
+    there is no call to fold at; everything comes from the env hosts' clocks (steps, episode
+    ends, step latency), read when the registry is scraped, and from the face's restart counts.
+    The ``worker`` label is the env host's index.
+
+    Args:
+        hosted: the face's :class:`~asyncsample.vector.hosted.HostedEnvs` (held weakly).
+    """
+
+    def __init__(self, hub: _Hub, backend: str, hosted: Any) -> None:
+        self._hub = hub
+        self._hosted = weakref.ref(hosted)
+        self.state = _State(backend, len(hosted.slices))
+        self.state.pull = self._pull
+        self._seen: dict[int, np.ndarray] = {}
+        with hub.lock:
+            hub.states.append(self.state)
+
+    def fault(self, host: int, exc: BaseException) -> None:
+        """Env host ``host`` failed with ``exc``."""
+        with self._hub.lock:
+            self.state.faults[fault_kind(exc)][self.state.slot(host)] += 1
+
+    def close(self) -> None:
+        """The face closes: read the clocks a last time (before their memory goes)."""
+        with self._hub.lock:
+            self._pull()
+            self.state.live = False
+            self.state.pull = None
+            self.state.clocks = []
+
+    def _pull(self) -> None:
+        hosted = self._hosted()
+        s = self.state
+        if hosted is None or hosted.closed or not hosted.hosts:
+            return
+        clocks = []
+        restarts = [0] * len(s.restarts)
+        for h, host in enumerate(hosted.hosts):
+            clock = host.buffers.clock
+            if clock is None:
+                continue
+            clocks.append(clock)
+            now = clock.copy()
+            now[IN_FLIGHT] = 0.0
+            seen = self._seen.get(h)
+            delta = now if seen is None else now - seen
+            if (delta < 0).any():
+                delta = now
+            self._seen[h] = now
+            counts = delta[ENV : ENV + _N]
+            s.steps[s.slot(h)] += int(counts.sum())
+            s.hists["env_step_seconds"].add_counts(counts, float(delta[ENV + _N]))
+            s.episodes[0] += int(delta[ENDS])
+            s.episodes[1] += int(delta[ENDS + 1])
+            if h < len(hosted.restarts):
+                restarts[s.slot(h)] += hosted.restarts[h]
+        s.restarts = restarts
+        s.clocks = clocks

@@ -18,7 +18,8 @@ from envs import BadShapeEnv, FailingEnv, HangingEnv, KillSelfEnv, NoisyEnv, Sle
 from helpers import SamplerFactory
 from prometheus_client import CollectorRegistry
 
-from asyncsample import EpisodeBatch, RandomAgent, Sampler, StepType, WorkerError
+from asyncsample import EpisodeBatch, RandomAgent, Sampler, StepType, VectorEnv, WorkerError
+from asyncsample.sb3 import AsyncSampleVecEnv
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -336,3 +337,46 @@ async def test_ray_counts_match_the_run(ray_cluster: Any, make_sampler: SamplerF
     )
     await host.obtain_fragments(60)
     assert host.metrics is not None and host.metrics.state.agent_calls > 0
+
+
+# -- the vector faces -------------------------------------------------------------------------
+
+
+def test_vector_env_counts_match_the_steps(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    killed = functools.partial(KillSelfEnv, 30, str(tmp_path / "killed"))
+    venv = VectorEnv(killed, 4, n_processes=2, seed=0, max_restarts=2, metrics=registry)
+    try:
+        venv.reset()
+        terminated = truncated = 0
+        for _ in range(100):
+            _, _, term, trunc, info = venv.step(venv.action_space.sample())
+            terminated += int(term.sum())
+            # sub-envs of a restarted host end their episode truncated: the face's doing, not
+            # an end the host saw
+            truncated += int((trunc & ~info.get("_restarted", np.zeros(4, bool))).sum())
+        assert value(registry, "env_steps_total", backend="process") >= 4 * 100 - 4
+        assert value(registry, "env_step_seconds_count") == value(registry, "env_steps_total")
+        assert value(registry, "env_faults_total", kind="killed") == 1
+        assert value(registry, "restarts_total") == 1
+    finally:
+        venv.close()
+    # after close the counters stay
+    assert value(registry, "episodes_total", end="terminated") == terminated
+    assert value(registry, "episodes_total", end="truncated") == truncated
+
+
+def test_sb3_face_counts() -> None:
+    registry = CollectorRegistry()
+    venv = AsyncSampleVecEnv("CartPole-v1", 4, n_processes=2, metrics=registry)
+    try:
+        venv.reset()
+        dones = 0
+        for _ in range(200):
+            _, _, done, _ = venv.step(np.array([venv.action_space.sample() for _ in range(4)]))
+            dones += int(done.sum())
+        assert dones > 0
+        assert value(registry, "env_steps_total") == 800
+        assert value(registry, "episodes_total") == dones
+    finally:
+        venv.close()

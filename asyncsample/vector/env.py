@@ -156,6 +156,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             checks it). An env-host process steps its sub-envs one after another, so this caps
             the env-host processes at ``max_concurrency`` (an ``n_processes`` above it is a
             ``ValueError``); ``call``, ``render`` and the attribute calls are capped alike.
+        metrics: ``None`` (default), ``True`` (``prometheus_client``'s default registry) or a
+            ``CollectorRegistry``: the hosts' steps, episode ends, env step latency, faults and
+            restarts as ``asyncsample_*`` metrics (``docs/metrics.md``; the ``metrics`` extra).
 
     All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
     first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
@@ -184,6 +187,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         observation_mode: Any = "same",
         env_fns: Any = None,
         max_concurrency: int | None = None,
+        metrics: Any = None,
     ) -> None:
         if env_fns is not None:  # AsyncVectorEnv(env_fns=...), as gymnasium.make_vec calls it
             if env is not None:
@@ -235,6 +239,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             host_threads=host_threads,
             object_rows=True,
             observation_space=single_obs,
+            metrics=metrics,
         )
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)

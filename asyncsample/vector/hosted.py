@@ -39,6 +39,7 @@ from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.env_group import StepInfos
 from asyncsample.env_update import make_env
 from asyncsample.errors import WorkerError
+from asyncsample.metrics import make_face_metrics
 from asyncsample.vector._lockstep import LockstepRounds, PendingRound, StepResult
 from asyncsample.vector._sources import check_bufferable, env_sources
 from asyncsample.vector.errors import (
@@ -104,6 +105,7 @@ class HostedEnvs(LockstepRounds):
         host_threads: int | None = 1,
         object_rows: bool = False,
         observation_space: gym.Space[Any] | None = None,
+        metrics: Any = None,
     ) -> None:
         self.num_envs = len(sources)
         probe = make_env(sources[0])
@@ -151,6 +153,8 @@ class HostedEnvs(LockstepRounds):
         self.backend = make_backend(backend, **options)
         self.hosts: list[EnvHost] = []
         self.broken: set[int] = set()
+        self.metrics = make_face_metrics(metrics, backend, self)
+        """The face's Prometheus metrics (:mod:`asyncsample.metrics`), ``None`` when off."""
         try:
             self.portal.call(self._start)
         except BaseException:
@@ -169,6 +173,7 @@ class HostedEnvs(LockstepRounds):
                 None,
                 autoreset=self.autoreset,
                 final_in_reply=self.object_rows,
+                timed=self.metrics is not None,
             )
             for h, (a, b) in enumerate(self.slices)
         ]
@@ -187,6 +192,10 @@ class HostedEnvs(LockstepRounds):
         except WorkerError as exc:
             reraise(self.translate(h, exc), exc)
 
+    def _count_fault(self, h: int, exc: WorkerError) -> None:
+        if self.metrics is not None:
+            self.metrics.fault(h, exc)
+
     async def _restart(self, h: int) -> None:
         chains, seeds = self._host_chains(h)
         await self.hosts[h].restart(chains, seeds)
@@ -201,6 +210,8 @@ class HostedEnvs(LockstepRounds):
         """Stop every host (idempotent); nothing is left behind."""
         if self.closed:
             return
+        if self.metrics is not None:  # the hosts' last figures, before their memory goes
+            self.metrics.close()
         self.closed = True
         try:
             if not self.portal.loop.is_closed() and not self.portal.loop.is_running():
@@ -255,6 +266,7 @@ class HostedEnvs(LockstepRounds):
     def _fail(self, h: int, exc: BaseException) -> NoReturn:
         """Raise a host's failure, translated; a crashed host stays broken until a reset."""
         if isinstance(exc, WorkerError):
+            self._count_fault(h, exc)
             if crash_like(exc):
                 self.broken.add(h)
             reraise(self.translate(h, exc), exc)
@@ -264,6 +276,7 @@ class HostedEnvs(LockstepRounds):
         """Restart a crashed host within budget; the reset infos of its new episodes."""
         if not isinstance(exc, WorkerError):
             raise exc
+        self._count_fault(h, exc)
         if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
             self.broken.add(h)
             reraise(self.translate(h, exc), exc)
@@ -606,6 +619,7 @@ class HostedEnvs(LockstepRounds):
                 try:
                     infos = await host.reset(local, seeds=host_seeds, options=options)
                 except WorkerError as exc:
+                    self._count_fault(h, exc)
                     if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
                         self.broken.add(h)
                         reraise(self.translate(h, exc), exc)

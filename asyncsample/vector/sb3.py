@@ -118,6 +118,9 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             ``multiprocessing.get_context`` knows, else its ``ValueError``). It changes nothing:
             env hosts always start from asyncsample's forkserver (several sub-envs to a process),
             which is safe with threads and CUDA in the main process, as ``"forkserver"`` is.
+        metrics: ``None`` (default), ``True`` (``prometheus_client``'s default registry) or a
+            ``CollectorRegistry``: the hosts' steps, episode ends, env step latency, faults and
+            restarts as ``asyncsample_*`` metrics (``docs/metrics.md``; the ``metrics`` extra).
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         step_timeout: float | None = None,
         max_restarts: int = 3,
         start_method: str | None = None,
+        metrics: Any = None,
     ) -> None:
         if start_method is not None:
             multiprocessing.get_context(start_method)  # SubprocVecEnv's check and error
@@ -154,6 +158,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             step_timeout=step_timeout,
             max_restarts=max_restarts,
             autoreset="SameStep",
+            metrics=metrics,
         )
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
         self._sent: PendingRound | None = None
