@@ -305,3 +305,18 @@ async def test_web_service_serves_metrics_while_a_job_runs() -> None:
             assert (await r.json())["status"] == "cancelled"
         await shutdown()
     assert not env_host_pids() - before
+
+
+# -- the metrics readings ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_metrics_readings_name_each_bottleneck(tmp_path: Path) -> None:
+    """The script behind docs/metrics.md's readings: each synthetic run gets its verdict."""
+    command = [sys.executable, str(EXAMPLES / "metrics_readings.py"), "--quick"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "env-bound: bottleneck=env" in done.stdout
+    assert "agent-bound: bottleneck=agent" in done.stdout
+    assert "caller-bound: bottleneck=caller" in done.stdout
+    assert "| `env_steps_total` per second |" in done.stdout
