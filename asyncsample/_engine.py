@@ -271,7 +271,8 @@ class Episodes:
         self.ends = [0, 0, 0]
         """Episodes ended so far: terminated, truncated, cut at their deadline."""
         self.dropped_steps = 0
-        """Steps of episodes abandoned unfinished (reset or lost to a restart) so far."""
+        """Steps of episodes abandoned unfinished (reset or lost to a restart) so far (kept
+        with metrics on)."""
         self.started_at: np.ndarray | None = None
         """With metrics on, per env, when its episode started (``time.perf_counter``)."""
         self.durations: list[float] = []
@@ -379,10 +380,10 @@ class Episodes:
     def started(self, mask: np.ndarray, infos: Mapping[int, dict[str, Any]]) -> None:
         """The envs in ``mask`` were reset, with reset ``infos`` by env."""
         self.needs_reset &= ~mask
-        self.dropped_steps += int(self.lengths[mask].sum())
-        self.lengths[mask] = 0
-        if self.started_at is not None:
+        if self.started_at is not None:  # metrics on
+            self.dropped_steps += int(self.lengths[mask].sum())
             self.started_at[mask] = time.perf_counter()
+        self.lengths[mask] = 0
         self.returns[mask] = 0.0
         if self.episode_timeout is not None:
             self.deadlines[mask] = self.clock() + self.episode_timeout
@@ -411,11 +412,16 @@ class Episodes:
         lengths, returns, infos = self.lengths, self.returns, self.episode_info
         steps = recorder.completed_steps
         ends = self.ends
+        starts = self.started_at  # metrics on: the episodes' wall time
+        now = time.perf_counter() if starts is not None else 0.0
         for i in envs.tolist():
             end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
             last = tree_map(lambda x, i=i: x[i].copy(), final_obs)
             info = infos[i]
             ends[0 if terminated[i] else 2 if info.get("deadline") else 1] += 1
+            if starts is not None:
+                self.durations.append(now - float(starts[i]))
+                starts[i] = now
             recorder.close_piece(i, t + 1, end, last, info)
             self.finished.append(
                 FinishedEpisode(float(returns[i]), int(lengths[i]), int(info["agent_version"]))
@@ -426,10 +432,6 @@ class Episodes:
             recorder.piece_position[i] = 0
         if self.episode_timeout is not None:  # the next episodes start now (autoreset)
             self.deadlines[envs] = self.clock() + self.episode_timeout
-        if self.started_at is not None:  # metrics on: the episodes' wall time
-            now = time.perf_counter()
-            self.durations.extend((now - self.started_at[envs]).tolist())
-            self.started_at[envs] = now
         rule = self.rule
         if rule is not None:
             if rule.ended(envs, recorder.completed_steps - steps, self.active):

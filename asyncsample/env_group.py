@@ -238,6 +238,8 @@ class EnvGroup:
         #: The envs whose episode ended in the last :meth:`step`, in index order (the hosts'
         #: chunk loop reads it instead of testing the flags in the buffers).
         self.last_ended: list[int] = []
+        #: How many envs the last :meth:`step` stepped (the metrics' clock reads it).
+        self.last_stepped = 0
         self._everyone = list(range(self.n_envs))
         if buffers.clock is not None:  # metrics on: the host times its steps
             self.step = timed_group_step(self, self.step, buffers.clock)  # type: ignore[method-assign]
@@ -418,6 +420,7 @@ class EnvGroup:
         buf.terminated[where] = terms
         buf.truncated[where] = truncs
         self.last_ended = done
+        self.last_stepped = len(indices)
         finals_out: dict[int, Any] | None = None
         if done and deferred:
             for i in done:

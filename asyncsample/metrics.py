@@ -96,13 +96,15 @@ def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
         env_parallel = min(envs, core.max_concurrency or envs)
     else:  # a host steps its workers' envs one after another; the hosts run side by side
         env_parallel = core.n_processes
-    return SamplerMetrics(
+    made = SamplerMetrics(
         _hub_of(registry),
         backend=core.backend_name,
         n_workers=core.n_workers,
         env_parallel=env_parallel,
         agent_parallel=core.n_processes if isinstance(core.mode, HostMode) else 1,
     )
+    made.state.lanes = core.lanes
+    return made
 
 
 def fault_kind(exc: BaseException) -> str:
@@ -186,6 +188,7 @@ class _State:
         self.agent_version = 0
         self.bottleneck: str | None = None
         self.clocks: list[np.ndarray] = []  # live: env calls in flight
+        self.lanes = False  # whether the clocks count env calls in flight (lane backends)
         self.live = True
         self.pull: Any = None  # called under the hub's lock before a scrape (the faces)
 
@@ -248,8 +251,9 @@ class _Hub:
                     continue
                 g = gauges["episodes_in_flight"]
                 g[(b,)] = g.get((b,), 0.0) + s.in_flight
-                g = gauges["env_calls_in_flight"]
-                g[(b,)] = g.get((b,), 0.0) + sum(float(c[IN_FLIGHT]) for c in s.clocks)
+                if s.lanes:
+                    g = gauges["env_calls_in_flight"]
+                    g[(b,)] = g.get((b,), 0.0) + sum(float(c[IN_FLIGHT]) for c in s.clocks)
                 g = gauges["agent_version"]
                 g[(b,)] = max(g.get((b,), 0.0), float(s.agent_version))
                 if s.bottleneck is not None:
@@ -282,7 +286,8 @@ class _Hub:
             yield hfamily
         gauge_docs = {
             "episodes_in_flight": "Episodes started and not yet ended.",
-            "env_calls_in_flight": "Env steps running now (compare with max_concurrency).",
+            "env_calls_in_flight": "Env steps running now, on asyncio and thread (compare with "
+            "max_concurrency).",
             "agent_version": "The newest agent version.",
             "bottleneck": "1 for the side the last window's time went to (env, agent, caller).",
         }

@@ -380,3 +380,26 @@ def test_sb3_face_counts() -> None:
         assert value(registry, "episodes_total") == dones
     finally:
         venv.close()
+
+
+@pytest.mark.parametrize("backend", ["asyncio"])
+async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFactory) -> None:
+    # 6 envs, each step 50 ms, max_concurrency=4: scrapes during a call see up to 4 running
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        backend,
+        async_envs.counting(length=1000, latency=0.05),
+        n_workers=2,
+        envs_per_worker=3,
+        max_concurrency=4,
+        metrics=registry,
+    )
+    await sampler.start()
+    call = asyncio.ensure_future(sampler.obtain_fragments(60))
+    seen = []
+    while not call.done():  # scraped while the call runs
+        seen.append(value(registry, "env_calls_in_flight"))
+        await asyncio.sleep(0.01)
+    await call
+    assert max(seen) == 4 and min(seen) >= 0  # never above the cap, which the steps fill
+    assert value(registry, "env_calls_in_flight") == 0

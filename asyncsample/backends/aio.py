@@ -25,7 +25,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import timed_step_one
+from asyncsample._clock import timed_env_call
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env, close_env
 from asyncsample.backends._remote import closed_error
@@ -152,8 +152,9 @@ class LaneHost:
         self.buffers = StepBuffers.allocate(
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
-        if self.buffers.clock is not None:  # metrics: each env step timed where it runs
-            self.step_one = timed_step_one(self.step_one, self.buffers.clock)  # type: ignore[method-assign]
+        clock = self.buffers.clock
+        self._timed = None if clock is None else timed_env_call(clock)
+        """With metrics on, wraps each env step's coroutine to time it where it runs."""
         self._make = make
         self.step_timeout = step_timeout
         self._limiter = limiter
@@ -235,7 +236,8 @@ class LaneHost:
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
-        call = self.envs[i].step(action)
+        timed = self._timed
+        call = self.envs[i].step(action) if timed is None else timed(self.envs[i].step, action)
         if deadline is None and self._plain:
             # The hot path (no limiter, no timeout): the env's own coroutine, awaited here.
             try:
