@@ -195,6 +195,23 @@ class _State:
     def slot(self, worker: int) -> int:
         return worker if self.labelled else 0
 
+    def absorb(self, other: _State) -> None:
+        """Add ``other``'s counters and histograms to these (a closed state's)."""
+
+        def add(mine: list[int], theirs: list[int]) -> None:
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+        add(self.steps, other.steps)
+        add(self.restarts, other.restarts)
+        for kind in FAULT_KINDS:
+            add(self.faults[kind], other.faults[kind])
+        add(self.episodes, other.episodes)
+        self.agent_calls += other.agent_calls
+        for name, h in other.hists.items():
+            self.hists[name].add(h)
+
 
 class _Hub:
     """The collector registered once per registry: the sum of its samplers' states."""
@@ -202,6 +219,20 @@ class _Hub:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.states: list[_State] = []
+
+    def retire(self, state: _State) -> None:
+        """A closed sampler's (or face's) state: its counters and histograms join those of the
+        closed ones of its backend (so a service that makes a sampler per job keeps one state
+        per backend, not one per job), its gauges leave. Call it holding :attr:`lock`."""
+        if state not in self.states:
+            return
+        self.states.remove(state)
+        state.live, state.pull, state.clocks = False, None, []
+        for old in self.states:
+            if not old.live and old.backend == state.backend and old.labelled == state.labelled:
+                old.absorb(state)
+                return
+        self.states.append(state)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
@@ -399,8 +430,7 @@ class SamplerMetrics:
     def close(self) -> None:
         """The sampler closed: its gauges leave the registry, its counters stay."""
         with self._hub.lock:
-            self.state.live = False
-            self.state.clocks = []
+            self._hub.retire(self.state)
 
     # -- the fold ---------------------------------------------------------------------------
 
@@ -539,9 +569,7 @@ class FaceMetrics:
         """The face closes: read the clocks a last time (before their memory goes)."""
         with self._hub.lock:
             self._pull()
-            self.state.live = False
-            self.state.pull = None
-            self.state.clocks = []
+            self._hub.retire(self.state)
 
     def _pull(self) -> None:
         hosted = self._hosted()

@@ -403,3 +403,17 @@ async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFa
     await call
     assert max(seen) == 4 and min(seen) >= 0  # never above the cap, which the steps fill
     assert value(registry, "env_calls_in_flight") == 0
+
+
+async def test_closed_samplers_merge_into_one_state(make_sampler: SamplerFactory) -> None:
+    # a service making a sampler per job: counts add up, the registry keeps one closed state
+    registry = CollectorRegistry()
+    total = 0
+    for n_workers in (1, 3, 2):
+        sampler = make_sampler("local", NoisyEnv, n_workers=n_workers, metrics=registry)
+        total += (await sampler.obtain_fragments(30)).n_transitions
+        await sampler.aclose()
+    assert value(registry, "env_steps_total") == total
+    assert value(registry, "env_steps_total", worker="2") > 0
+    assert sampler.metrics is not None
+    assert len(sampler.metrics._hub.states) == 1
