@@ -89,11 +89,12 @@ def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
     registry = _registry(metrics)
     if registry is None:
         return None
+    from asyncsample.backends.aio import lane_parallel
     from asyncsample.inference.modes import HostMode
 
     envs = core.n_workers * core.envs_per_worker
-    if core.lanes:  # every env steps on its own, up to max_concurrency at once
-        env_parallel = min(envs, core.max_concurrency or envs)
+    if core.lanes:  # every env steps on its own, up to max_concurrency (or the pool) at once
+        env_parallel = lane_parallel(core.backend_name, core.max_concurrency, envs)
     else:  # a host steps its workers' envs one after another; the hosts run side by side
         env_parallel = core.n_processes
     made = SamplerMetrics(

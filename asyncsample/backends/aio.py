@@ -54,6 +54,7 @@ __all__ = [
     "ThreadBackend",
     "ThreadedEnv",
     "default_threads",
+    "lane_parallel",
     "make_async_env",
     "probe_async_env",
 ]
@@ -69,6 +70,13 @@ class DeadlinePassed(Exception):
 def default_threads() -> int:
     """The ``thread`` backend's pool size when ``max_concurrency`` is not given: 4 per core."""
     return 4 * (os.cpu_count() or 1)
+
+
+def lane_parallel(backend: str, max_concurrency: int | None, envs: int) -> int:
+    """How many of ``envs`` env steps a lane backend runs at once: ``max_concurrency``, else
+    the ``thread`` backend's pool or (``asyncio``) every env."""
+    cap = max_concurrency or (default_threads() if backend == "thread" else envs)
+    return min(envs, cap)
 
 
 class ThreadedEnv:
