@@ -166,15 +166,3 @@ class AgentTimer:
         seconds, rows = self.seconds, self.rows
         self.seconds, self.rows = [], []
         return seconds, rows
-
-    def wrap_compute(self, compute: Any, rows: int) -> Any:
-        """A worker's ``compute_actions`` that records each call (per-worker inference)."""
-
-        async def timed(observations: Any) -> Any:
-            start = _perf()
-            result = await compute(observations)
-            self.seconds.append(_perf() - start)
-            self.rows.append(rows)
-            return result
-
-        return timed

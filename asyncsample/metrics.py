@@ -394,9 +394,7 @@ class SamplerMetrics:
             if w.batcher is not None:
                 w.batcher.timer = self.timer
             elif requests is None:  # (with inference="host" the hosts time their agents)
-                w.compute_actions = self.timer.wrap_compute(  # type: ignore[method-assign]
-                    w.compute_actions, w.n_envs
-                )
+                w.agent_timer = self.timer
         self.state.clocks = [c for c in (_clock(w) for w in workers) if c is not None]
 
     def call_started(self) -> float:
