@@ -27,6 +27,7 @@ __all__ = [
     "ENV",
     "IN_FLIGHT",
     "AgentTimer",
+    "HostTiming",
     "clock_record",
     "timed_agent",
     "timed_group_step",
@@ -62,8 +63,8 @@ ENV = 0
 IN_FLIGHT = _N + 1
 """Env calls running now in this host (a live count)."""
 AGENT = _N + 2
-"""Offset of the host agent's section (``inference="host"``): bucket counts per call, the
-seconds' sum, then the rows' sum."""
+"""Offset of the host agent's section (``inference="host"``): bucket counts per timed call, the
+seconds' sum, then the exact count of calls."""
 ENDS = AGENT + _N + 2
 """Episodes the host saw end: terminated, then truncated (the vector faces count these)."""
 CLOCK_SIZE = ENDS + 2
@@ -83,14 +84,15 @@ def clock_record(clock: Any, section: int, seconds: float, n: int) -> None:
     clock[section + _N] += seconds * n
 
 
-def timed_group_step(group: Any, step: Any, clock: np.ndarray) -> Any:
+def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) -> Any:
     """``group.step`` that records its envs' time in ``clock``: a worker's envs are stepped one
     after another, so each env step counts the call's seconds divided by the envs it stepped.
 
     Written for its cost (it runs in the host for every step of a worker's envs): items are
     read and written through a ``memoryview`` (a tenth of a numpy scalar's cost), the envs
     stepped come from the group. A lockstep host does not count its env calls in flight (the
-    caller's worker waits on all of them at once; see ``env_calls_in_flight``).
+    caller's worker waits on all of them at once; see ``env_calls_in_flight``). ``weight``: each
+    timed step stands for that many (a sample of the steps, see :class:`HostTiming`).
     """
     items = _items(clock)
     section, total = ENV, ENV + _N
@@ -101,8 +103,8 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray) -> Any:
         seconds = _perf() - start
         n = group.last_stepped
         if n:
-            items[section + bisect_left(BOUNDS, seconds / n)] += n
-            items[total] += seconds
+            items[section + bisect_left(BOUNDS, seconds / n)] += n * weight
+            items[total] += seconds * weight
         ended = group.last_ended
         if ended:
             terminated = group.buffers.terminated
@@ -135,19 +137,57 @@ def timed_env_call(clock: np.ndarray) -> Any:
     return timed
 
 
-def timed_agent(actions: Any, clock: np.ndarray, rows: int) -> Any:
-    """A host agent's ``actions(observations)`` that records each call's seconds and rows."""
-
+def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
+    """A host agent's ``actions(observations)`` that records each call's seconds, as ``weight``
+    calls (its rows are the slot's envs, every call: the caller knows them)."""
     items = _items(clock)
+    bounds, total = BOUNDS, AGENT + _N
 
     def timed(observations: Any) -> Any:
         start = _perf()
         result = actions(observations)
-        clock_record(items, AGENT, _perf() - start, 1)
-        items[AGENT + _N + 1] += rows
+        seconds = _perf() - start
+        items[AGENT + bisect_left(bounds, seconds)] += weight
+        items[total] += seconds * weight
         return result
 
     return timed
+
+
+class HostTiming:
+    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step.
+
+    A host's chunk loop costs ~10 us per step besides the env (one env per slot); timing every
+    step's agent call and env step would add ~1 us to it. So the slot times a sample of whole
+    chunks (the first, then every :attr:`EVERY`-th) and weighs each timed step by
+    :attr:`EVERY`: the histograms stay the shape of every step's, the sums and counts are
+    estimates; the agent calls are counted exactly (per chunk, from the reply).
+
+    Args:
+        group, runner: the slot's env group and chunk runner (their ``step`` and ``_actions``
+            are swapped per chunk).
+    """
+
+    EVERY = 8
+
+    def __init__(self, group: Any, runner: Any, clock: np.ndarray) -> None:
+        self.group, self.runner = group, runner
+        self.items = _items(clock)
+        self.plain_step = type(group).step.__get__(group)
+        self.timed_step = timed_group_step(group, self.plain_step, clock, self.EVERY)
+        self.plain_actions = runner._actions
+        self.timed_actions = timed_agent(self.plain_actions, clock, self.EVERY)
+        self.chunks = 0
+
+    def run(self, request: Any) -> Any:
+        """Run ``request`` on the runner, timed or not; the runner's reply."""
+        timed = self.chunks % self.EVERY == 0
+        self.chunks += 1
+        self.group.step = self.timed_step if timed else self.plain_step
+        self.runner._actions = self.timed_actions if timed else self.plain_actions
+        reply = self.runner.run(request)
+        self.items[AGENT + _N + 1] += reply.steps
+        return reply
 
 
 class AgentTimer:

@@ -473,7 +473,7 @@ class SamplerMetrics:
                 in_flight += int(np.count_nonzero(ep.lengths))
                 clock = _clock(w)
                 if clock is not None:
-                    env_s, agent_s = self._fold_clock(n, clock)
+                    env_s, agent_s = self._fold_clock(n, clock, w.n_envs)
                     env_seconds += env_s
                     agent_total += agent_s
             hists["agent_call_seconds"].observe(agent_seconds)
@@ -486,9 +486,9 @@ class SamplerMetrics:
             self._judge(seconds, env_seconds, agent_total)
             s.bottleneck = self.verdict
 
-    def _fold_clock(self, worker: int, clock: np.ndarray) -> tuple[float, float]:
-        """Add what worker ``worker``'s host clock gained since the last fold; its env and
-        agent seconds."""
+    def _fold_clock(self, worker: int, clock: np.ndarray, n_envs: int) -> tuple[float, float]:
+        """Add what worker ``worker``'s host clock gained since the last fold (a host agent's
+        calls each take the worker's ``n_envs`` rows); its env and agent seconds."""
         now = clock.copy()
         now[IN_FLIGHT] = 0.0
         seen = self._seen_clock.get(worker)
@@ -498,12 +498,15 @@ class SamplerMetrics:
         self._seen_clock[worker] = now
         hists, s = self.state.hists, self.state
         hists["env_step_seconds"].add_counts(delta[ENV : ENV + _N], float(delta[ENV + _N]))
-        agent_calls = delta[AGENT : AGENT + _N]
-        n_calls = int(agent_calls.sum())
+        n_calls = int(delta[AGENT + _N + 1])  # exact; the buckets weigh a sample of them
         if n_calls:  # inference="host": the hosts' agent copies
-            hists["agent_call_seconds"].add_counts(agent_calls, float(delta[AGENT + _N]))
-            rows = float(delta[AGENT + _N + 1]) / n_calls
-            hists["agent_call_rows"].observe(np.full(n_calls, rows))
+            hists["agent_call_seconds"].add_counts(
+                delta[AGENT : AGENT + _N], float(delta[AGENT + _N])
+            )
+            rows = hists["agent_call_rows"]
+            where = int(np.searchsorted(rows.bounds, n_envs))
+            rows.counts[where] += n_calls
+            rows.sum += float(n_envs * n_calls)
             s.agent_calls += n_calls
         return float(delta[ENV + _N]), float(delta[AGENT + _N])
 

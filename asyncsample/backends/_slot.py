@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample._clock import timed_agent
+from asyncsample._clock import HostTiming
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import (
     ChunkBuffers,
@@ -76,9 +76,10 @@ class HostSlot:
             spec.final_in_reply,
         )
         self.runner = None if not chunks else ChunkRunner(self.group, chunks, spec.action_space)
-        if self.runner is not None and buffers.clock is not None:  # metrics: time the agent
-            runner = self.runner
-            runner._actions = timed_agent(runner._actions, buffers.clock, spec.n_envs)  # type: ignore[method-assign]
+        self.timing: HostTiming | None = None
+        """With metrics on and ``inference="host"``: times a sample of the chunks."""
+        if self.runner is not None and buffers.clock is not None:
+            self.timing = HostTiming(self.group, self.runner, buffers.clock)
         self.host_threads = host_threads
         self.where = where
         self._ops: dict[int, Callable[[_Body], bytes]] = {
@@ -151,7 +152,11 @@ class HostSlot:
         self._runner().set_params(blob)
 
     def run_chunk(self, request: ChunkRequest | NextChunk) -> ChunkReply:
-        return self._runner().run(request)
+        runner = self._runner()
+        if self.timing is not None:
+            reply: ChunkReply = self.timing.run(request)
+            return reply
+        return runner.run(request)
 
     def close(self) -> None:
         self.group.close()
