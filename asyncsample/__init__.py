@@ -28,6 +28,7 @@ from asyncsample.errors import (
 )
 from asyncsample.evaluation import Evaluation
 from asyncsample.inference import Batched, Host
+from asyncsample.metrics import SamplerMetrics
 from asyncsample.sampler import AgentUpdateArg, EnvUpdateArg, Sampler
 from asyncsample.stats import SampleStats
 from asyncsample.vector import SubEnvAttributeError, SubEnvError, VectorEnv
@@ -75,6 +76,7 @@ __all__ = [
     "Sampler",
     "SamplerBusyError",
     "SamplerClosedError",
+    "SamplerMetrics",
     "SetTaskUpdate",
     "StepTimeoutError",
     "StepType",

@@ -13,6 +13,7 @@ key stays per step with a ``"_" + key`` presence mask.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample._tree import Tree, tree_map
+from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.batch import (
     MISSING,
     EnvSpec,
@@ -34,7 +35,7 @@ from asyncsample.batch import (
     stack_infos,
 )
 
-__all__ = ["BatchMemory", "Plan", "assemble"]
+__all__ = ["ASSEMBLE_IN_THREAD_BYTES", "BatchMemory", "Plan", "assemble", "assemble_off_loop"]
 
 
 @dataclass
@@ -320,3 +321,26 @@ def step_types_of(
             out[offset + n - 1] = end
         offset += n
     return out
+
+
+#: Batches larger than this are put together in a thread: numpy releases the GIL while it
+#: copies, so the event loop keeps running (a 28 MB image batch takes ~10 ms to copy).
+ASSEMBLE_IN_THREAD_BYTES = 1 << 20
+
+
+async def assemble_off_loop(
+    env_spec: EnvSpec, plans: list[Plan], memory: BatchMemory | None = None
+) -> EpisodeBatch:
+    """:func:`assemble`, off the event loop's thread when the batch is large."""
+    size = sum(len(p.rows) for p in plans) * sum(
+        leaf[0].nbytes for leaf in tree_leaves(plans[0].like_obs)
+    )
+    if size < ASSEMBLE_IN_THREAD_BYTES:
+        return assemble(env_spec, plans, memory)
+    fut = asyncio.get_running_loop().run_in_executor(None, assemble, env_spec, plans, memory)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        # The copy reads the workers' step records: let it finish before anything reuses them.
+        await asyncio.wait({fut})
+        raise

@@ -25,13 +25,12 @@ import numpy as np
 import psutil
 
 from asyncsample import _validate
-from asyncsample._assembly import BatchMemory, Plan, assemble
+from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
 from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
 from asyncsample._env_tasks import ActionRequests, Admission, LaneRound, LaneStepper
 from asyncsample._probe import probe_spaces
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
-from asyncsample._tree import tree_leaves
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
 from asyncsample.backends import (
     BACKENDS,
@@ -42,12 +41,13 @@ from asyncsample.backends import (
     make_backend,
     pool_size,
 )
-from asyncsample.batch import EnvSpec, EpisodeBatch
+from asyncsample.batch import EpisodeBatch
 from asyncsample.env_update import EnvChoice, EnvSource
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
 from asyncsample.inference.host import Host, pickle_agent
 from asyncsample.inference.modes import InferenceMode, make_mode
+from asyncsample.metrics import make_metrics
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerFactory
@@ -95,6 +95,7 @@ class SamplerCore:
         max_concurrency: int | None = None,
         episode_timeout: float | None = None,
         close_timeout: float = 10.0,
+        metrics: Any = None,
     ) -> None:
         self.closed = True  # until construction succeeds: __del__ must not warn
         n_workers = _validate.positive_int("n_workers", n_workers)
@@ -120,11 +121,7 @@ class SamplerCore:
                 "step at once)"
             )
         episode_timeout = _validate.positive_seconds("episode_timeout", episode_timeout)
-        if close_timeout is None:
-            raise TypeError("close_timeout must be a number of seconds > 0, got None")
-        closing = _validate.positive_seconds("close_timeout", close_timeout)
-        assert closing is not None
-        self.close_timeout: float = closing
+        self.close_timeout = _validate.seconds("close_timeout", close_timeout)
         self._probe_closing: asyncio.Future[Any] | None = None
         """The close of the env built to read the spaces, when it runs off the constructor."""
         host_threads = _validate.optional_positive_int("host_threads", host_threads)
@@ -213,6 +210,8 @@ class SamplerCore:
         """Env-host restarts so far (after env failures or crashes)."""
         self.last_stats: SampleStats | None = None
         """Statistics of the last call, or of the batch a stream yielded last."""
+        self.metrics = make_metrics(metrics, self)
+        """The Prometheus metrics (:mod:`asyncsample.metrics`), ``None`` when off."""
 
     async def start(self) -> None:
         """Start the backend and build every worker's envs (the first call does it if needed)."""
@@ -252,6 +251,7 @@ class SamplerCore:
                     action_space=self.env_spec.action_space,
                     max_episode_length=self.max_episode_length,
                     chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
+                    timed=self.metrics is not None,
                 )
                 for w in range(self.n_workers)
             ]
@@ -268,6 +268,8 @@ class SamplerCore:
                 ]
             )
             self.mode.attach(workers, self._agent_seeds())
+            if self.metrics is not None:
+                self.metrics.attach(workers, self.requests)
         except BaseException:
             self.backend = None
             await asyncio.shield(backend.aclose())
@@ -294,6 +296,8 @@ class SamplerCore:
                     ResourceWarning,
                     stacklevel=2,
                 )
+        if self.metrics is not None:
+            self.metrics.close()
         if self.requests is not None:
             await self.requests.aclose()
         self.mode.close()
@@ -339,6 +343,7 @@ class SamplerCore:
         self.check_open()
         self.check_agent_update(agent_update)
         env_updates = self.check_env_update(env_update)
+        started = None if self.metrics is None else self.metrics.call_started()
         async with self.locked(_CALL_NAMES[mode]):
             self.check_open()
             await self.start_unlocked()
@@ -357,6 +362,8 @@ class SamplerCore:
             batch, stats = await self.sample_round(mode, quota, resume=resume, fraction=fraction)
         self.total_env_steps += batch.n_transitions
         self.last_stats = stats
+        if started is not None:
+            self.metrics.call_ended(started)  # type: ignore[union-attr]
         return batch
 
     async def sample_round(
@@ -399,7 +406,9 @@ class SamplerCore:
 
         plans = await run_all([drive(w) for w in self.workers])
         end = time.perf_counter()
-        batch = await _assemble(self.env_spec, [p for p in plans if p is not None], self.memory)
+        batch = await assemble_off_loop(
+            self.env_spec, [p for p in plans if p is not None], self.memory
+        )
         stats = SampleStats.collect(
             [f for w in self.workers for f in w.finished],
             transitions=batch.n_transitions,
@@ -409,6 +418,8 @@ class SamplerCore:
             worker_transitions=[0 if p is None else int(p.lengths.sum()) for p in plans],
             worker_wait_seconds=[end - t for t in done_at],
         )
+        if self.metrics is not None:  # folded once per round
+            self.metrics.fold(self.workers, batch.agent_versions, end - start)
         return batch, stats
 
     def _shared_quota(self, mode: Mode, quota: int, fraction: float) -> SharedQuota | None:
@@ -459,8 +470,11 @@ class SamplerCore:
             await self.mode.ended(mode_stepper)  # the plan is taken: the host may go on
             return plan
 
-    def _count_restart(self) -> None:
+    def _count_restart(self, worker: int, failure: WorkerError) -> None:
+        """An env of ``worker`` is rebuilt alone after ``failure`` (the lane backends)."""
         self.restarts += 1
+        if self.metrics is not None:
+            self.metrics.fault(worker, failure)
 
     async def _drive_steps(
         self,
@@ -489,6 +503,8 @@ class SamplerCore:
                     return await run_part(worker, stepper, leave, shared)
             except WorkerError as exc:
                 worker.episodes.broken = True
+                if self.metrics is not None:
+                    self.metrics.fault(w, exc)
                 if not exc.retry or restarts >= self.max_restarts:
                     raise
                 restarts += 1
@@ -766,26 +782,3 @@ async def run_all(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
         error = group_error.exceptions[0]
         raise error from error.__cause__
     return [t.result() for t in tasks]
-
-
-#: Batches larger than this are put together in a thread: numpy releases the GIL while it
-#: copies, so the event loop keeps running (a 28 MB image batch takes ~10 ms to copy).
-ASSEMBLE_IN_THREAD_BYTES = 1 << 20
-
-
-async def _assemble(
-    env_spec: EnvSpec, plans: list[Plan], memory: BatchMemory | None = None
-) -> EpisodeBatch:
-    """:func:`assemble`, off the event loop's thread when the batch is large."""
-    size = sum(len(p.rows) for p in plans) * sum(
-        leaf[0].nbytes for leaf in tree_leaves(plans[0].like_obs)
-    )
-    if size < ASSEMBLE_IN_THREAD_BYTES:
-        return assemble(env_spec, plans, memory)
-    fut = asyncio.get_running_loop().run_in_executor(None, assemble, env_spec, plans, memory)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        # The copy reads the workers' step records: let it finish before anything reuses them.
-        await asyncio.wait({fut})
-        raise

@@ -268,6 +268,15 @@ class Episodes:
         """Per env, when its episode in progress passes ``episode_timeout`` (``clock`` time)."""
         self.clock: Callable[[], float] = time.monotonic
         """The clock of ``deadlines`` (the event loop's, on the lane backends)."""
+        self.ends = [0, 0, 0]
+        """Episodes ended so far: terminated, truncated, cut at their deadline."""
+        self.dropped_steps = 0
+        """Steps of episodes abandoned unfinished (reset or lost to a restart) so far (kept
+        with metrics on)."""
+        self.started_at: np.ndarray | None = None
+        """With metrics on, per env, when its episode started (``time.perf_counter``)."""
+        self.durations: list[float] = []
+        """With metrics on, the seconds of the episodes ended since the metrics read them."""
 
     # -- a call ---------------------------------------------------------------------------------
 
@@ -329,6 +338,7 @@ class Episodes:
     def recovered(self) -> int:
         """The host was rebuilt: episodes in progress are dropped; returns how many."""
         dropped = int(np.count_nonzero(self.lengths))
+        self.dropped_steps += int(self.lengths.sum())
         self.needs_reset[:] = True
         self.lengths[:] = 0
         self.returns[:] = 0.0
@@ -371,6 +381,9 @@ class Episodes:
     def started(self, mask: np.ndarray, infos: Mapping[int, dict[str, Any]]) -> None:
         """The envs in ``mask`` were reset, with reset ``infos`` by env."""
         self.needs_reset &= ~mask
+        if self.started_at is not None:  # metrics on
+            self.dropped_steps += int(self.lengths[mask].sum())
+            self.started_at[mask] = time.perf_counter()
         self.lengths[mask] = 0
         self.returns[mask] = 0.0
         if self.episode_timeout is not None:
@@ -399,10 +412,17 @@ class Episodes:
         recorder = self.recorder
         lengths, returns, infos = self.lengths, self.returns, self.episode_info
         steps = recorder.completed_steps
+        ends = self.ends
+        starts = self.started_at  # metrics on: the episodes' wall time
+        now = time.perf_counter() if starts is not None else 0.0
         for i in envs.tolist():
             end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
             last = tree_map(lambda x, i=i: x[i].copy(), final_obs)
             info = infos[i]
+            ends[0 if terminated[i] else 2 if info.get("deadline") else 1] += 1
+            if starts is not None:
+                self.durations.append(now - float(starts[i]))
+                starts[i] = now
             recorder.close_piece(i, t + 1, end, last, info)
             self.finished.append(
                 FinishedEpisode(float(returns[i]), int(lengths[i]), int(info["agent_version"]))

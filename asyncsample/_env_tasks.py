@@ -23,6 +23,7 @@ import functools
 import inspect
 import logging
 import math
+import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
+from asyncsample._clock import AgentTimer
 from asyncsample._engine import CallMode, SharedQuota, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import Tree, tree_map
@@ -68,6 +70,8 @@ class ActionRequests:
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.timer: AgentTimer | None = None
+        """With metrics on, where each agent call's seconds and rows go."""
 
     def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
         """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``."""
@@ -98,6 +102,8 @@ class ActionRequests:
                 stacked: Tree = np.stack([o for o, _ in live])
             else:
                 stacked = tree_map(lambda *xs: np.stack(xs), *[o for o, _ in live])
+            timer = self.timer
+            start = 0.0 if timer is None else time.perf_counter()
             try:
                 result = agent.get_actions(stacked)
             except Exception as exc:
@@ -106,8 +112,12 @@ class ActionRequests:
             if inspect.isawaitable(result):
                 task = asyncio.ensure_future(result)
                 self._tasks.add(task)
+                if timer is not None:
+                    task.add_done_callback(functools.partial(_timed, timer, start, len(live)))
                 task.add_done_callback(functools.partial(self._awaited, agent, workers, live))
             else:
+                if timer is not None:
+                    timer.add(time.perf_counter() - start, len(live))
                 self._deliver(agent, workers, live, result)
 
     def _awaited(
@@ -197,6 +207,10 @@ def _like_rows(actions: Tree, n: int) -> Tree:
         return np.empty((n, *a.shape[1:]), dtype=a.dtype) if a.ndim else a
 
     return tree_map(like, actions)
+
+
+def _timed(timer: AgentTimer, start: float, rows: int, _: object) -> None:
+    timer.add(time.perf_counter() - start, rows)
 
 
 def _fail(live: list[tuple[Tree, asyncio.Future[Any]]], exc: BaseException) -> None:
@@ -386,7 +400,9 @@ class LaneStepper:
             before every step, so a worker stops as soon as the call may spare it.
         max_restarts: how often one env may be rebuilt in this call; past it the env's error
             is raised (``retry`` false: the call fails).
-        restarted: called at each rebuild of an env (the sampler counts them).
+        restarted: called with the worker and the failure at each rebuild of an env (the
+            sampler counts restarts and, with metrics, the fault; a failure past
+            ``max_restarts`` is raised instead and counted where the call fails).
 
     A fault is the env's own: an env that raises (its own ``CancelledError`` included), hangs
     past ``step_timeout`` or returns a malformed step loses its episode in progress and is
@@ -405,7 +421,7 @@ class LaneStepper:
         resume: Resume = Resume.NOTHING,
         lane_round: LaneRound | None = None,
         max_restarts: int = 3,
-        restarted: Callable[[], None] | None = None,
+        restarted: Callable[[int, WorkerError], None] | None = None,
     ) -> None:
         host = worker.host
         assert isinstance(host, LaneHost)
@@ -716,7 +732,7 @@ class LaneStepper:
             self.env_restarts[i] += 1
             worker.restarts += 1
             if self.restarted is not None:
-                self.restarted()
+                self.restarted(w, failure)
             logger.warning(
                 "worker %d: rebuilding env %d (restart %d of at most %d in this call) after %s: %s",
                 w,

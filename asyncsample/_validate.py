@@ -40,6 +40,7 @@ __all__ = [
     "positive_int",
     "positive_seconds",
     "recordable_space",
+    "seconds",
     "seed",
     "seed_list",
     "subclass",
@@ -124,6 +125,15 @@ def positive_seconds(name: str, value: object) -> float | None:
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
     return float(value)
+
+
+def seconds(name: str, value: object) -> float:
+    """A finite number of seconds > 0 (``None`` refused: the argument has a default)."""
+    if value is None:
+        raise TypeError(f"{name} must be a number of seconds > 0, got None")
+    checked = positive_seconds(name, value)
+    assert checked is not None
+    return checked
 
 
 def flag(name: str, value: object) -> bool:

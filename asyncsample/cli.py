@@ -6,7 +6,8 @@ runtime error (an env that fails past its restart budget, a missing optional dep
 when interrupted (Ctrl-C), after printing the summary of what was sampled so far. Errors are one
 line on stderr; ``--debug`` shows the traceback of a runtime error. Env-host restarts are counted
 in the summary; ``--verbose`` also prints each one (the ``asyncsample`` logger's warnings) as it
-happens.
+happens. ``--metrics-port N`` serves the sampler's Prometheus metrics on that port while the run
+goes (the ``metrics`` extra), and the summary then says where the time went (the bottleneck).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import uvloop
@@ -41,6 +42,7 @@ MAX_CHUNK = 50_000
 
 # Optional dependency of each backend: (module to look for, how to install it).
 _BACKEND_NEEDS = {"ray": ("ray", "pip install 'asyncsample[ray]'")}
+_METRICS_NEEDS = ("prometheus_client", "pip install 'asyncsample[metrics]'")
 
 
 class UsageError(Exception):
@@ -56,6 +58,8 @@ class RunSummary:
     returns: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     restarts: int = 0
+    bottleneck: str | None = None
+    shares: dict[str, float] = field(default_factory=dict)
     _open: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
 
     def add(self, batch: EpisodeBatch) -> None:
@@ -91,10 +95,18 @@ class RunSummary:
             lines.append(f"mean length:  {np.mean(self.lengths):.1f}")
         if self.restarts:
             lines.append(f"restarts:     {self.restarts} env-host restarts (see --verbose)")
+        if self.bottleneck is not None:
+            held = {"env": "the envs", "agent": "the agent", "caller": "the caller"}
+            shares = self.shares
+            lines.append(
+                f"bottleneck:   {self.bottleneck} (last call held by {held[self.bottleneck]}: "
+                f"envs busy {shares.get('env', 0.0):.0%}, agent busy "
+                f"{shares.get('agent', 0.0):.0%}, caller idle {shares.get('caller', 0.0):.0%})"
+            )
         return "\n".join(lines)
 
 
-def make_sampler(args: argparse.Namespace) -> Sampler:
+def make_sampler(args: argparse.Namespace, metrics: Any = None) -> Sampler:
     """The sampler ``args`` describe; a bad argument or env id is a :class:`UsageError`."""
     try:
         return Sampler(
@@ -105,6 +117,7 @@ def make_sampler(args: argparse.Namespace) -> Sampler:
             backend=args.backend,
             seed=args.seed,
             max_episode_length=args.max_episode_length,
+            metrics=metrics,
         )
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
@@ -116,7 +129,21 @@ async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> Ru
     ``summary`` is filled as batches arrive, so an interrupted run still has what was sampled.
     """
     summary = RunSummary() if summary is None else summary
-    sampler = make_sampler(args)
+    server = None
+    if args.metrics_port is None:
+        sampler = make_sampler(args)
+    else:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry()
+        sampler = make_sampler(args, registry)
+        try:
+            server, _ = start_http_server(args.metrics_port, args.metrics_addr, registry)
+        except OSError as exc:
+            await sampler.aclose()
+            raise UsageError(f"--metrics-port {args.metrics_port}: {exc}") from exc
+        port = server.server_address[1]
+        print(f"metrics on http://{args.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
     # Transitions per call: small enough that the bar moves and a batch's memory stays bounded
     # however many steps are asked for, at least one step of every env.
     chunk = max(min(args.steps // 50, MAX_CHUNK), args.workers * args.envs_per_worker)
@@ -143,6 +170,12 @@ async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> Ru
     finally:
         summary.seconds = time.perf_counter() - start
         summary.restarts = sampler.restarts
+        if sampler.metrics is not None:
+            summary.bottleneck = sampler.metrics.verdict
+            summary.shares = dict(sampler.metrics.shares)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     return summary
 
 
@@ -171,6 +204,13 @@ def _run_command(args: argparse.Namespace) -> int:
         print(
             f"asyncsample run: error: --backend {args.backend} needs the {need[0]} package, "
             f"which is not installed: {need[1]}",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME
+    if args.metrics_port is not None and not _importable(_METRICS_NEEDS[0]):
+        print(
+            f"asyncsample run: error: --metrics-port needs the {_METRICS_NEEDS[0]} package, "
+            f"which is not installed: {_METRICS_NEEDS[1]}",
             file=sys.stderr,
         )
         return EXIT_RUNTIME
@@ -296,6 +336,16 @@ def _parser() -> argparse.ArgumentParser:
         type=positive,
         default=None,
         help="cut episodes at this length (default: no limit)",
+    )
+    run_p.add_argument(
+        "--metrics-port",
+        type=_int_at_least(0),
+        default=None,
+        help="serve Prometheus metrics on this port while the run goes (0: a free port, printed "
+        "on stderr) and print the bottleneck in the summary (default: no metrics)",
+    )
+    run_p.add_argument(
+        "--metrics-addr", default="127.0.0.1", help="the address --metrics-port listens on"
     )
     run_p.add_argument("--debug", action="store_true", help="show the traceback of a runtime error")
     run_p.add_argument(

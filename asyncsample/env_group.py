@@ -21,6 +21,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+from asyncsample._clock import CLOCK_SIZE, timed_group_step
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
 
@@ -93,6 +94,8 @@ class StepBuffers:
     actions pickled.
         rewards, terminated, truncated: results of the last step (``truncated`` includes the
             sampler's ``max_episode_length``).
+        clock: with metrics on, the host's timings (see :mod:`asyncsample._clock`); else
+            ``None``.
     """
 
     obs: Tree
@@ -101,6 +104,7 @@ class StepBuffers:
     rewards: np.ndarray
     terminated: np.ndarray
     truncated: np.ndarray
+    clock: np.ndarray | None = None
 
     @classmethod
     def allocate(
@@ -109,10 +113,12 @@ class StepBuffers:
         action_space: gym.Space[Any],
         n_envs: int,
         make: Callable[[gym.Space[Any], int], Any] | None = None,
+        timed: bool = False,
     ) -> StepBuffers:
         """Allocate buffers; ``make(space, n)`` builds one (nested) array, default in-process.
 
         Spaces without fixed-size rows get lists of objects, not ``make`` (see the class doc).
+        ``timed``: also a :attr:`clock` (allocated last, so views made in the same order agree).
         """
         make = make or _zeros
         fixed_obs = fixed_rows(observation_space)
@@ -124,6 +130,7 @@ class StepBuffers:
             rewards=make(_REWARD_SPACE, n_envs),
             terminated=make(_FLAG_SPACE, n_envs),
             truncated=make(_FLAG_SPACE, n_envs),
+            clock=make(_REWARD_SPACE, CLOCK_SIZE) if timed else None,
         )
 
 
@@ -231,7 +238,11 @@ class EnvGroup:
         #: The envs whose episode ended in the last :meth:`step`, in index order (the hosts'
         #: chunk loop reads it instead of testing the flags in the buffers).
         self.last_ended: list[int] = []
+        #: How many envs the last :meth:`step` stepped (the metrics' clock reads it).
+        self.last_stepped = 0
         self._everyone = list(range(self.n_envs))
+        if buffers.clock is not None:  # metrics on: the host times its steps
+            self.step = timed_group_step(self, self.step, buffers.clock)  # type: ignore[method-assign]
 
     # -- building ---------------------------------------------------------------------------
 
@@ -421,6 +432,7 @@ class EnvGroup:
         buf.terminated[where] = terms
         buf.truncated[where] = truncs
         self.last_ended = done
+        self.last_stepped = len(indices)
         finals_out: dict[int, Any] | None = None
         if done and deferred:
             for i in done:

@@ -20,6 +20,7 @@ from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvSource
 from asyncsample.evaluation import Evaluation, TestEnvs
 from asyncsample.inference import Batched, Batcher, Host
+from asyncsample.metrics import SamplerMetrics
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerFactory
 
@@ -81,6 +82,12 @@ class Sampler:
             ``ResourceWarning``. ``"process"`` and ``"ray"`` kill a host that has not exited
             within ``min(close_timeout, 2 s)`` of being asked to; ``"local"`` closes envs in the
             loop's thread, where a blocking close cannot be bounded.
+            (not with ``inference="host"``, which runs chunks of steps in the hosts).
+        metrics: ``None`` (default) keeps no metrics; a ``prometheus_client.CollectorRegistry``,
+            or ``True`` for its default registry, keeps the ``asyncsample_*`` metrics of
+            :mod:`asyncsample.metrics` (``docs/metrics.md``): steps, episodes, faults, the
+            env and agent latencies, and which side holds the run back. Needs the ``metrics``
+            extra.
 
     Env-host restarts are logged as warnings, and episodes dropped by a restart or by
     ``max_policy_lag`` at info level, on ``logging.getLogger("asyncsample")``.
@@ -108,6 +115,7 @@ class Sampler:
         max_concurrency: int | None = None,
         episode_timeout: float | None = None,
         close_timeout: float = 10.0,
+        metrics: Any = None,
     ) -> None:
         self._core = core = SamplerCore(
             env,
@@ -129,6 +137,7 @@ class Sampler:
             max_concurrency=max_concurrency,
             episode_timeout=episode_timeout,
             close_timeout=close_timeout,
+            metrics=metrics,
         )
         self._test_envs = TestEnvs(type(self))
         self.n_workers: int = core.n_workers
@@ -201,6 +210,12 @@ class Sampler:
     def restarts(self) -> int:
         """Env-host restarts so far (after env failures or crashes)."""
         return self._core.restarts
+
+    @property
+    def metrics(self) -> SamplerMetrics | None:
+        """The sampler's Prometheus metrics (``None`` unless ``metrics=`` was given); its
+        ``verdict`` says where the last call's (or streamed round's) time went."""
+        return self._core.metrics
 
     @property
     def last_stats(self) -> SampleStats | None:

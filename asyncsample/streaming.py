@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,8 @@ async def stream(
             maxsize=buffer_size
         )
 
+        metrics = sampler.metrics
+
         async def produce() -> None:
             # The first round continues the fragments of a previous obtain_fragments call;
             # every later round continues what the round before left running.
@@ -82,7 +85,12 @@ async def stream(
                     )
                     sampler.last_mode = mode
                     resume = leave
-                    await queue.put(result)
+                    if metrics is None:
+                        await queue.put(result)
+                    else:  # a full queue: the rounds wait for the consumer
+                        waited = time.perf_counter()
+                        await queue.put(result)
+                        metrics.caller_idle(time.perf_counter() - waited)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # handed to the consumer, raised there
@@ -96,6 +104,7 @@ async def stream(
         producer = asyncio.ensure_future(produce())
         try:
             while True:
+                asked = time.perf_counter()
                 parts: list[EpisodeBatch] = []
                 stats: list[SampleStats] = []
                 while sum(p.n_transitions for p in parts) < num_samples:
@@ -124,6 +133,8 @@ async def stream(
                     stats, out.n_transitions, _worker_transitions(out, sampler.n_workers)
                 )
                 sampler.stream_guard.handing_out()
+                if metrics is not None:
+                    metrics.batch_waited(time.perf_counter() - asked)
                 yield out
         finally:
             sampler.streaming = False

@@ -14,6 +14,7 @@ as :attr:`Worker.episodes`); the sampler drives a call through the engine, not t
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._assembly import Plan, assemble
+from asyncsample._clock import AgentTimer
 from asyncsample._engine import (
     CallMode,
     Episodes,
@@ -104,6 +106,8 @@ class Worker:
         """Whether a subclass overrides :meth:`process_transition` (else it is never called)."""
         # --- hook: inference="batched" (the sampler sets it; None: ask the agent directly) ---
         self.batcher: Batcher | None = None
+        # --- hook: metrics (the sampler sets it; None: agent calls are not timed) ---
+        self.agent_timer: AgentTimer | None = None
 
     def __getstate__(self) -> None:
         raise ValueError(
@@ -262,7 +266,14 @@ class Worker:
         t = rows.next_row(buffers.obs, buffers.actions)
         put_row(rows.obs, t, buffers.obs)
         observations = row_of(rows.obs, t)
-        actions, agent_infos = self._output_check.output(await self.compute_actions(observations))
+        timer = self.agent_timer
+        if timer is None:
+            output = await self.compute_actions(observations)
+        else:  # metrics on: time the agent call
+            start = time.perf_counter()
+            output = await self.compute_actions(observations)
+            timer.add(time.perf_counter() - start, self.n_envs)
+        actions, agent_infos = self._output_check.output(output)
         actions = self._check_actions(actions)
         put_row(rows.actions, t, actions)
         put_row(buffers.actions, Ellipsis, actions)

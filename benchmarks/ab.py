@@ -9,6 +9,10 @@ face ``VectorEnv`` (lockstep ``step``, one agent call per vector step), each wit
 and with the torch MLP of :mod:`benchmarks.policies`. Reported per workload: the median
 steps/s of each tree, B/A, and the main process's CPU microseconds per transition (less
 sensitive to other load than wall-clock rates). Results go to ``--out`` as JSON and markdown.
+
+``--metrics b`` (or ``a``, ``both``) runs that side with ``metrics=CollectorRegistry()`` (the
+Sampler's and the faces' Prometheus metrics, scraped once at the end of each run): with
+``--a . --b .`` (one tree), metrics off against on in one interleaved run.
 """
 
 from __future__ import annotations
@@ -105,6 +109,12 @@ sys.path.append({bench_root!r})  # after PYTHONPATH: asyncsample comes from the 
 import benchmarks.envs  # registers the benchmark envs
 from asyncsample import Sampler
 face, env_id, workers, envs, procs, policy, n = {args!r}
+metrics = {metrics!r}
+registry = None
+if metrics:  # only then: a tree without metrics= still runs the other side
+    from prometheus_client import CollectorRegistry, generate_latest
+    registry = CollectorRegistry()
+kw = {{}} if registry is None else {{"metrics": registry}}
 agent = None
 if policy:
     import gymnasium as gym
@@ -116,7 +126,7 @@ if policy:
     agent = [MLPAgent(probe.observation_space, probe.action_space, seed=w) for w in range(workers)]
 def vector():
     from asyncsample import VectorEnv
-    venv = VectorEnv(env_id, workers * envs, n_processes=procs)
+    venv = VectorEnv(env_id, workers * envs, n_processes=procs, **kw)
     obs, _ = venv.reset(seed=0)
     venv.action_space.seed(0)
     act = (lambda o: agent[0].act(o)) if policy else (lambda o: venv.action_space.sample())
@@ -127,24 +137,26 @@ def vector():
         obs = venv.step(act(obs))[0]
         done += workers * envs
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    scrape()
     venv.close()
     return done, wall, cpu
 async def main():
     inference = face if face in ("batched", "host") else "per_worker"
     shared = agent[0] if inference == "batched" else agent
     async with Sampler(env_id, shared, n_workers=workers, envs_per_worker=envs,
-                       n_processes=procs, seed=0, inference=inference) as s:
+                       n_processes=procs, seed=0, inference=inference, **kw) as s:
         await s.obtain_fragments(max(n // 10, workers * envs))  # warm-up
         cpu0, t0, done = time.process_time(), time.perf_counter(), 0
         while done < n:
             done += (await s.obtain_fragments(max(n // 10, workers * envs))).n_transitions
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        scrape()
     return done, wall, cpu
 async def streamed():
     import contextlib
     size = workers * envs * 256
     async with Sampler(env_id, agent, n_workers=workers, envs_per_worker=envs,
-                       n_processes=procs, seed=0, inference="host") as s:
+                       n_processes=procs, seed=0, inference="host", **kw) as s:
         async with contextlib.aclosing(s.stream(size, fragments=True)) as batches:
             k = done = 0
             async for batch in batches:
@@ -156,23 +168,35 @@ async def streamed():
                     if done >= n:
                         break
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        scrape()
     return done, wall, cpu
+scraped = [0.0]
+def scrape():  # what a scraper would read: the steps counted (checks the metrics ran)
+    if registry is None:
+        return
+    text = generate_latest(registry).decode()
+    scraped[0] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("asyncsample_env_steps_total{{"))
 if face == "vector":
     done, wall, cpu = vector()
 else:
     done, wall, cpu = asyncio.run(streamed() if face == "host-stream" else main())
 import asyncsample
 print(json.dumps({{"steps_per_s": done / wall, "main_cpu_us": 1e6 * cpu / done,
-                  "module": asyncsample.__file__}}))
+                  "metrics_steps": scraped[0], "module": asyncsample.__file__}}))
 """
 
 
-def run_once(tree: Path, workload: tuple[str, str, int, int, int, bool, int]) -> dict[str, Any]:
-    """One fresh-interpreter run of ``workload`` on the asyncsample found in ``tree``."""
+def run_once(
+    tree: Path, workload: tuple[str, str, int, int, int, bool, int], metrics: bool = False
+) -> dict[str, Any]:
+    """One fresh-interpreter run of ``workload`` on the asyncsample found in ``tree``, with its
+    Prometheus metrics on if ``metrics``."""
     code = _CHILD.format(
         bench_root=str(REPO_ROOT),
         policies=str(REPO_ROOT / "benchmarks" / "policies.py"),
         args=list(workload),
+        metrics=metrics,
     )
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -188,6 +212,8 @@ def run_once(tree: Path, workload: tuple[str, str, int, int, int, bool, int]) ->
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     if not Path(result.pop("module")).resolve().is_relative_to(tree.resolve()):
         raise RuntimeError(f"the run on {tree} imported another asyncsample")
+    if metrics and not result["metrics_steps"] > 0:
+        raise RuntimeError(f"the run on {tree} with metrics on counted no steps")
     return result
 
 
@@ -208,7 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run: 1/50 of each workload's transitions"
     )
+    parser.add_argument(
+        "--metrics",
+        choices=["off", "a", "b", "both"],
+        default="off",
+        help="the side(s) that run with metrics=CollectorRegistry() (with --a . --b .: metrics "
+        "off against on, one tree)",
+    )
     args = parser.parse_args(argv)
+    metrics_on = {"a": args.metrics in ("a", "both"), "b": args.metrics in ("b", "both")}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {}
     load = [os.getloadavg()[0]]
     for r in range(args.repeats):
@@ -219,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                 workload = WORKLOADS[name]
                 if args.quick:
                     workload = (*workload[:-1], max(1_000, workload[-1] // 50))
-                res = run_once(tree, workload)
+                res = run_once(tree, workload, metrics_on[side])
                 runs.setdefault(name, {"a": [], "b": []})[side].append(res)
                 load.append(os.getloadavg()[0])
                 print(f"{name} [{side}] {res['steps_per_s']:,.0f} steps/s", file=sys.stderr)
@@ -248,9 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_min_max": [min(load), max(load)],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
+    results = {"machine": machine, "metrics": args.metrics, "rows": rows}
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    on = [side.upper() for side in ("a", "b") if metrics_on[side]]
     lines = [
-        f"A = `{args.a}`, B = `{args.b}`; {args.repeats} alternating runs each, medians; "
+        f"A = `{args.a}`, B = `{args.b}`"
+        + (f" (metrics on in {' and '.join(on)})" if on else "")
+        + f"; {args.repeats} alternating runs each, medians; "
         f"{machine['cores']} cores, Python {machine['python']}, {machine['date']}, load average "
         f"{min(load):.1f}-{max(load):.1f} during the run.",
         "",

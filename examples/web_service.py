@@ -13,6 +13,7 @@ Endpoints::
     DELETE /jobs/{id}            cancel the job
     GET    /stats                sampler totals: total_env_steps, last_stats, restarts
     GET    /health               {"status": "ok"}
+    GET    /metrics              the sampler's Prometheus metrics (asyncsample_*, docs/metrics.md)
 
 Run it::
 
@@ -35,6 +36,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from asyncsample import EpisodeBatch, Sampler, SampleStats
 
@@ -194,6 +196,7 @@ class JobRunner:
 SAMPLER = web.AppKey("sampler", Sampler)
 JOBS = web.AppKey("jobs", JobRunner)
 CONFIG: web.AppKey[dict[str, Any]] = web.AppKey("config", dict)
+REGISTRY = web.AppKey("registry", CollectorRegistry)
 
 routes = web.RouteTableDef()
 
@@ -215,6 +218,13 @@ def _bad_request(message: str) -> web.HTTPBadRequest:
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    """The Prometheus text format, for a scraper (the sampler's registry only)."""
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 @routes.post("/jobs")
@@ -314,6 +324,9 @@ def create_app(
         "envs_per_worker": envs_per_worker,
     }
 
+    # The app's own registry: several apps in one process (tests) keep their figures apart.
+    app[REGISTRY] = CollectorRegistry()
+
     async def sampler_ctx(app: web.Application) -> AsyncIterator[None]:
         sampler = Sampler(
             env,
@@ -322,6 +335,7 @@ def create_app(
             n_processes=n_processes,
             backend=backend,
             seed=seed,
+            metrics=app[REGISTRY],
         )
         await sampler.start()  # env hosts up before the first request
         app[SAMPLER] = sampler

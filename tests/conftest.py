@@ -33,8 +33,10 @@ cloudpickle.register_pickle_by_value(_test_envs)
 #: signals and garbage collection are where the two loops' behaviour can differ.
 BOTH_LOOPS_MODULES = frozenset({"test_faults.py", "test_worker.py"})
 #: Modules that are slow as a whole: Ray's start-up, the examples' training and web runs, the
-#: benchmark suite.
-SLOW_MODULES = frozenset({"test_ray_backend.py", "test_examples.py", "test_benchmarks.py"})
+#: benchmark suite (test_async_bench.py: the async-env study's runs).
+SLOW_MODULES = frozenset(
+    {"test_ray_backend.py", "test_examples.py", "test_benchmarks.py", "test_async_bench.py"}
+)
 
 _LOOP_PARAM = "_asyncio_loop_factory"  # pytest-asyncio's parameter for the loop factory
 

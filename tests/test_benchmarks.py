@@ -202,3 +202,19 @@ def test_the_instrumented_run_is_not_counted_when_plain_runs_exist() -> None:
     assert out["b"]["rates"] == [50.0]  # run once: its only run counts
     assert out["c"]["disturbed"]  # the hypervisor's steal counts as others' CPU
     assert not out["a"]["disturbed"]
+
+
+def test_ab_metrics_on_against_off_smoke(tmp_path: Path) -> None:
+    """``ab --metrics b`` on one tree: B runs with metrics on (checked to have counted steps)."""
+    from benchmarks.__main__ import main
+
+    code = main(["ab", "--quick", "--out", str(tmp_path), "--a", str(REPO), "--b", str(REPO),
+                 "--metrics", "b", "--workloads", "CartPole-v1 4x8 random",
+                 "VectorEnv CartPole-v1 8 random"])  # fmt: skip
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["metrics"] == "b"
+    for row in results["rows"]:
+        assert all(run["metrics_steps"] > 0 for run in row["runs"]["b"])
+        assert all(run["metrics_steps"] == 0 for run in row["runs"]["a"])
+    assert "(metrics on in B)" in (tmp_path / "results.md").read_text()

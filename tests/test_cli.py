@@ -10,6 +10,8 @@ import re
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -197,6 +199,78 @@ def test_ctrl_c_prints_the_summary_so_far_and_leaves_nothing_running() -> None:
     assert "interrupted" in stderr.decode()
     assert wait_gone(children) == [], "processes outlived the interrupted command"
     assert new_shm_entries(before_shm) == []
+
+
+def test_a_run_with_metrics_prints_the_bottleneck() -> None:
+    done = run_cli("run", "--backend", "local", "--steps", "2000", "--metrics-port", "0")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"metrics on http://127\.0\.0\.1:\d+/metrics", done.stderr)
+    found = re.search(r"bottleneck:\s+(env|agent|caller) \(", done.stdout)
+    assert found, done.stdout
+    assert "envs busy" in done.stdout and "caller idle" in done.stdout
+
+
+def test_metrics_port_without_the_extra_is_one_line_and_status_1() -> None:
+    done = run_cli(
+        "run",
+        "--steps",
+        "10",
+        "--metrics-port",
+        "0",
+        prelude="import sys; sys.modules['prometheus_client'] = None",
+    )
+    assert_one_line_error(done, 1, "prometheus_client", "asyncsample[metrics]")
+
+
+@pytest.mark.slow  # a fresh interpreter and a deliberate wait: CI runs it with -m slow
+def test_metrics_are_served_while_the_run_goes() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    args = ["run", "--backend", "process", "--processes", "2", "--workers", "2",
+            "--envs-per-worker", "2", "--steps", str(10**9), "--metrics-port", "0"]  # fmt: skip
+    proc = subprocess.Popen(
+        CLI + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=python_env(),
+        preexec_fn=default_sigint,
+    )
+    assert proc.stderr is not None
+
+    def steps(url: str) -> float:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "asyncsample_env_steps_total"
+        )
+
+    try:
+        seen = b""
+        while b"episodes=" not in seen:
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            assert chunk, f"the command ended before sampling: {seen.decode(errors='replace')}"
+            seen += chunk
+        found = re.search(rb"metrics on (http://\S+/metrics)", seen)
+        assert found, seen
+        url = found.group(1).decode()
+        first = steps(url)
+        second = first
+        deadline = time.monotonic() + 60  # the run folds its counts once per call
+        while second <= first and time.monotonic() < deadline:
+            time.sleep(0.2)
+            second = steps(url)
+        assert second > first > 0  # the counter moves while the run goes
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr.decode(errors="replace")
+    assert re.search(r"bottleneck:\s+(env|agent|caller) \(", stdout.decode()), stdout.decode()
 
 
 # ------------------------------------------------------------------------------------------------

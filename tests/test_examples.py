@@ -243,3 +243,80 @@ async def test_web_service_validates_cancels_and_shuts_down_cleanly() -> None:
             assert streamed[-1][0] == "end"
             assert streamed[-1][1]["status"] == "cancelled"
     assert not env_host_pids() - before
+
+
+def scraped(text: str) -> dict[str, float]:
+    """The asyncsample samples of a /metrics page, parsed by prometheus_client's own parser, as
+    ``{name{labels}: value}`` and, per sample name, the sum over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("asyncsample_"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+@pytest.mark.timeout(120)
+async def test_web_service_serves_metrics_while_a_job_runs() -> None:
+    before = env_host_pids()
+    async with running_service(n_workers=2, envs_per_worker=4, n_processes=2, seed=3) as (
+        client,
+        shutdown,
+    ):
+        async with client.post("/jobs", json={"steps": 10**8}) as r:
+            job_id = (await r.json())["id"]
+        await wait_for_status(client, job_id, "running")
+        pages = []
+        for _ in range(3):
+            await asyncio.sleep(0.3)
+            async with client.get("/metrics") as r:
+                assert r.status == 200
+                assert r.headers["Content-Type"].startswith("text/plain")
+                pages.append(scraped(await r.text()))
+            async with client.get(f"/jobs/{job_id}") as r:
+                assert (await r.json())["status"] == "running"  # scraped while the job runs
+        first, last = pages[0], pages[-1]
+        # the counters move while the job runs
+        for name in (
+            "asyncsample_env_steps_total",
+            "asyncsample_agent_calls_total",
+            "asyncsample_episodes_total",
+            "asyncsample_env_step_seconds_count",
+        ):
+            assert last[name] > first[name] > 0, name
+        assert last["asyncsample_env_steps_total{backend=process,worker=0}"] > 0
+        assert last["asyncsample_env_steps_total{backend=process,worker=1}"] > 0
+        assert last["asyncsample_episodes_total{backend=process,end=terminated}"] > 0
+        assert last["asyncsample_env_faults_total"] == 0
+        assert last["asyncsample_restarts_total"] == 0
+        # CartPole's random episodes: about 22 steps each
+        assert (
+            10
+            < last["asyncsample_episode_length_sum"] / last["asyncsample_episode_length_count"]
+            < 40
+        )
+        assert last["asyncsample_bottleneck"] == 1  # exactly one side named
+        async with client.delete(f"/jobs/{job_id}") as r:
+            assert (await r.json())["status"] == "cancelled"
+        await shutdown()
+    assert not env_host_pids() - before
+
+
+# -- the metrics readings ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_metrics_readings_name_each_bottleneck(tmp_path: Path) -> None:
+    """The script behind docs/metrics.md's readings: each synthetic run gets its verdict."""
+    command = [sys.executable, str(EXAMPLES / "metrics_readings.py"), "--quick"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "env-bound: bottleneck=env" in done.stdout
+    assert "agent-bound: bottleneck=agent" in done.stdout
+    assert "caller-bound: bottleneck=caller" in done.stdout
+    assert "| `env_steps_total` per second |" in done.stdout

@@ -332,6 +332,7 @@ async def test_a_hung_step_of_a_chunk_is_restarted_in_step_timeout(
     assert elapsed < 5.0, elapsed  # 0.5 s to notice, a new host, 200 steps: was 32 s
 
 
+@pytest.mark.slow  # seconds of deliberate waiting; the slow pass runs it
 async def test_a_slow_step_that_keeps_going_does_not_time_out(
     make_sampler: SamplerFactory,
 ) -> None:

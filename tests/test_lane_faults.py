@@ -32,7 +32,8 @@ from helpers import SamplerFactory
 
 from asyncsample import EpisodeBatch, NewEnvUpdate, Sampler, StepType, WorkerError
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.both_loops, pytest.mark.timeout(60)]
+# The uvloop variants run in the slow pass (tests/conftest.py), but for the one marked both_loops.
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 #: The backends that step envs one at a time (``process`` with async envs joins here).
 LANE_BACKENDS = ("asyncio", "thread")
@@ -120,6 +121,7 @@ def _check_isolated(
         assert np.bincount(env_index, minlength=N_ENVS).tolist() == [2] * N_ENVS
 
 
+@pytest.mark.both_loops
 @pytest.mark.parametrize("mode", MODES)
 async def test_one_failing_env_of_fifty_costs_only_its_own_episode(
     make_sampler: SamplerFactory, lane: str, mode: str
@@ -218,6 +220,7 @@ class HangingCloseEnv(FaultyEnv):
         super().close()
 
 
+@pytest.mark.slow  # seconds of deliberate hanging; the slow pass runs it
 async def test_a_hung_step_and_a_hung_close_do_not_hold_the_call(
     make_sampler: SamplerFactory, lane: str
 ) -> None:
@@ -226,16 +229,19 @@ async def test_a_hung_step_and_a_hung_close_do_not_hold_the_call(
         factory = EnvFactory(lambda j: HangingCloseAsyncEnv("hang", 3, 10, budget))
     else:
         factory = EnvFactory(lambda j: HangingCloseEnv("hang", 3, 10, budget, hang=3.0))
-    sampler = make_sampler(lane, factory, n_workers=1, envs_per_worker=2, step_timeout=0.3, seed=0)
+    sampler = make_sampler(
+        lane, factory, n_workers=1, envs_per_worker=2, step_timeout=0.3, close_timeout=1.0, seed=0
+    )
     start = time.perf_counter()
-    batch = await sampler.obtain_samples(40)  # close_timeout is the default 10 s
-    assert time.perf_counter() - start < 5.0  # before: the restart awaited the close forever
+    batch = await sampler.obtain_samples(40)
+    assert time.perf_counter() - start < 2.5  # before: the restart awaited the close forever
     assert batch.n_transitions >= 40
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
-        await asyncio.wait_for(sampler.aclose(), 15.0)  # the closes are bounded (10 s)
+        await asyncio.wait_for(sampler.aclose(), 5.0)  # the closes are bounded (1 s)
 
 
+@pytest.mark.slow  # seconds of deliberate hanging; the slow pass runs it
 async def test_aclose_is_bounded_by_close_timeout_and_leaves_no_task(
     make_sampler: SamplerFactory, lane: str
 ) -> None:

@@ -202,7 +202,6 @@ def _assert_same(a: EpisodeBatch, b: EpisodeBatch) -> None:
     np.testing.assert_array_equal(a.lengths, b.lengths)
 
 
-@pytest.mark.both_loops
 @pytest.mark.parametrize("inference", ["host", "per_worker"])
 async def test_held_batches_are_never_overwritten(
     make_sampler: SamplerFactory, inference: str

@@ -130,7 +130,7 @@ def main(
     chunks = raw_chunks or [None] * len(specs)
     for spec, raw, raw_chunk in zip(specs, raw_buffers, chunks):
         obs_space, act_space, n_envs = spec.observation_space, spec.action_space, spec.n_envs
-        buffers = slot_buffers(obs_space, act_space, n_envs, raw)
+        buffers = slot_buffers(obs_space, act_space, n_envs, raw, spec.timed)
         sets = None
         if raw_chunk is not None:
             capacity, rows, blocks, counters, raw_arena = raw_chunk

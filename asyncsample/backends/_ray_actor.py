@@ -30,6 +30,7 @@ from asyncsample.backends._transport import dumps as _dumps
 from asyncsample.env_group import (
     EnvFailure,
     EnvFailureError,
+    StepBuffers,
 )
 
 __all__ = [
@@ -319,6 +320,7 @@ class EnvActor:
                 done,
                 self._pack(worker, "final", final),
                 infos,
+                *_clock_of(buf),
             )
 
         return self._run(step, worker=worker)
@@ -347,6 +349,7 @@ class EnvActor:
                 chunk.truncated[:k],
                 self._pack(worker, "chunk_final", tree_map(lambda x: x[:k], chunk.final_obs)),
                 self._pack(worker, "obs", slot.group.buffers.obs),
+                *_clock_of(slot.group.buffers),
             )
 
         return self._run(run)
@@ -371,3 +374,8 @@ class EnvActor:
 
 
 # -- the main process's side ------------------------------------------------------------------
+
+
+def _clock_of(buffers: StepBuffers) -> tuple[Any, ...]:
+    """With metrics on, the host's clock travels at the end of its step and chunk replies."""
+    return () if buffers.clock is None else (buffers.clock,)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample._clock import HostTiming
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import (
     ChunkBuffers,
@@ -75,6 +76,10 @@ class HostSlot:
             spec.final_in_reply,
         )
         self.runner = None if not chunks else ChunkRunner(self.group, chunks, spec.action_space)
+        self.timing: HostTiming | None = None
+        """With metrics on and ``inference="host"``: times a sample of the chunks."""
+        if self.runner is not None and buffers.clock is not None:
+            self.timing = HostTiming(self.group, self.runner, buffers.clock)
         self.host_threads = host_threads
         self.where = where
         self._ops: dict[int, Callable[[_Body], bytes]] = {
@@ -101,7 +106,8 @@ class HostSlot:
         if spec.chunk_steps > 0:  # one set: an actor's chunks are not pipelined
             flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(spec.chunk_steps) * n)
             chunks = chunk_sets(flat, spec.chunk_steps, n)
-        return cls(spec, StepBuffers.allocate(obs_space, act_space, n), chunks, host_threads, where)
+        buffers = StepBuffers.allocate(obs_space, act_space, n, timed=spec.timed)
+        return cls(spec, buffers, chunks, host_threads, where)
 
     # -- one method per operation ---------------------------------------------------------------
 
@@ -146,7 +152,11 @@ class HostSlot:
         self._runner().set_params(blob)
 
     def run_chunk(self, request: ChunkRequest | NextChunk) -> ChunkReply:
-        return self._runner().run(request)
+        runner = self._runner()
+        if self.timing is not None:
+            reply: ChunkReply = self.timing.run(request)
+            return reply
+        return runner.run(request)
 
     def close(self) -> None:
         self.group.close()

@@ -18,6 +18,7 @@ Two channels:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import pickle
 import socket
@@ -28,8 +29,10 @@ from typing import Any
 
 import cloudpickle
 import gymnasium as gym
+import numpy as np
 from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 
+from asyncsample._clock import CLOCK_SIZE
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_group import EnvFailure, StepBuffers, fixed_rows
 
@@ -312,7 +315,11 @@ class RawArrayContext:
 
 
 def shared_buffers(
-    observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, ctx: Any
+    observation_space: gym.Space[Any],
+    action_space: gym.Space[Any],
+    n_envs: int,
+    ctx: Any,
+    timed: bool = False,
 ) -> tuple[StepBuffers, list[Tree]]:
     """Step buffers in shared memory, and the raw blocks to hand to the host process."""
     raw: list[Tree] = []
@@ -323,23 +330,31 @@ def shared_buffers(
         raw.append(memory)
         return read_from_shared_memory(space, memory, n)
 
-    buffers = StepBuffers.allocate(observation_space, action_space, n_envs, make=make)
+    buffers = StepBuffers.allocate(observation_space, action_space, n_envs, make=make, timed=timed)
     return buffers, raw
 
 
 def view_buffers(
-    observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, raw: list[Tree]
+    observation_space: gym.Space[Any],
+    action_space: gym.Space[Any],
+    n_envs: int,
+    raw: list[Tree],
+    timed: bool = False,
 ) -> StepBuffers:
     """The host's view of the buffers :func:`shared_buffers` made (same allocation order)."""
     blocks = iter(raw)
     make: Callable[[gym.Space[Any], int], Tree] = lambda space, n: read_from_shared_memory(  # noqa: E731
         space, next(blocks), n
     )
-    return StepBuffers.allocate(observation_space, action_space, n_envs, make=make)
+    return StepBuffers.allocate(observation_space, action_space, n_envs, make=make, timed=timed)
 
 
-#: A slot's part of step buffers shared by several slots: ``(blocks, total envs, first env)``.
-JointRaw = tuple[list[Tree], int, int]
+#: A slot's part of step buffers shared by several slots: ``(blocks, total envs, first env,
+#: the slot's own clock block or None)``.
+JointRaw = tuple[list[Tree], int, int, Any]
+
+#: The space of a clock's cells (:attr:`StepBuffers.clock`).
+_CLOCK_SPACE = gym.spaces.Box(-np.inf, np.inf, (), np.float64)
 
 
 def joint_buffers(
@@ -347,9 +362,9 @@ def joint_buffers(
 ) -> tuple[StepBuffers, list[StepBuffers], list[JointRaw]] | None:
     """Step buffers of the slots of ``specs`` (``HostSpec``) in one allocation, each slot's a
     run of consecutive rows: the observations of all of them are then one array (a vector
-    env's ``step`` hands it out as a view, gymnasium's ``copy=False``). ``None`` when the
-    slots' spaces differ or have no fixed-size rows. Returns the whole, each slot's rows, and
-    what each slot's host needs."""
+    env's ``step`` hands it out as a view, gymnasium's ``copy=False``). A timed slot's clock
+    (metrics on) is its own block. ``None`` when the slots' spaces differ or have no
+    fixed-size rows. Returns the whole, each slot's rows, and what each slot's host needs."""
     observation_space, action_space = specs[0].observation_space, specs[0].action_space
     if not (fixed_rows(observation_space) and fixed_rows(action_space)) or any(
         s.observation_space != observation_space or s.action_space != action_space for s in specs
@@ -358,12 +373,22 @@ def joint_buffers(
     counts = [s.n_envs for s in specs]
     total = sum(counts)
     whole, raw = shared_buffers(observation_space, action_space, total, ctx)
+    shm_ctx = RawArrayContext(ctx)
     parts, raws, first = [], [], 0
-    for n in counts:
-        parts.append(buffer_rows(whole, first, first + n))
-        raws.append((raw, total, first))
+    for spec, n in zip(specs, counts):
+        part, clock_block = buffer_rows(whole, first, first + n), None
+        if spec.timed:
+            clock_block = create_shared_memory(_CLOCK_SPACE, CLOCK_SIZE, ctx=shm_ctx)  # type: ignore[arg-type]
+            part = dataclasses.replace(part, clock=_clock_view(clock_block))
+        parts.append(part)
+        raws.append((raw, total, first, clock_block))
         first += n
     return whole, parts, raws
+
+
+def _clock_view(block: Any) -> np.ndarray:
+    """A clock's array in its shared block."""
+    return np.asarray(read_from_shared_memory(_CLOCK_SPACE, block, CLOCK_SIZE))
 
 
 def buffer_rows(buffers: StepBuffers, a: int, b: int) -> StepBuffers:
@@ -387,11 +412,15 @@ def slot_buffers(
     action_space: gym.Space[Any],
     n_envs: int,
     raw: list[Tree] | JointRaw,
+    timed: bool = False,
 ) -> StepBuffers:
     """The host's view of a slot's step buffers: its own blocks (:func:`shared_buffers`) or its
     rows of joint ones (:func:`joint_buffers`)."""
     if isinstance(raw, tuple):
-        blocks, total, first = raw
+        blocks, total, first, clock_block = raw
         whole = view_buffers(observation_space, action_space, total, blocks)
-        return buffer_rows(whole, first, first + n_envs)
-    return view_buffers(observation_space, action_space, n_envs, raw)
+        rows = buffer_rows(whole, first, first + n_envs)
+        if clock_block is None:
+            return rows
+        return dataclasses.replace(rows, clock=_clock_view(clock_block))
+    return view_buffers(observation_space, action_space, n_envs, raw, timed)

@@ -26,6 +26,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._clock import timed_env_call
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env, close_env
 from asyncsample.backends._closing import (
@@ -60,6 +61,7 @@ __all__ = [
     "ThreadBackend",
     "ThreadedEnv",
     "default_threads",
+    "lane_parallel",
     "make_async_env",
     "probe_async_env",
 ]
@@ -75,6 +77,13 @@ class DeadlinePassed(Exception):
 def default_threads() -> int:
     """The ``thread`` backend's pool size when ``max_concurrency`` is not given: 4 per core."""
     return 4 * (os.cpu_count() or 1)
+
+
+def lane_parallel(backend: str, max_concurrency: int | None, envs: int) -> int:
+    """How many of ``envs`` env steps a lane backend runs at once: ``max_concurrency``, else
+    the ``thread`` backend's pool or (``asyncio``) every env."""
+    cap = max_concurrency or (default_threads() if backend == "thread" else envs)
+    return min(envs, cap)
 
 
 class ThreadedEnv:
@@ -171,7 +180,12 @@ class LaneHost:
     ) -> None:
         self.spec = spec
         self.n_envs = spec.n_envs
-        self.buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
+        self.buffers = StepBuffers.allocate(
+            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
+        )
+        clock = self.buffers.clock
+        self._timed = None if clock is None else timed_env_call(clock)
+        """With metrics on, wraps each env step's coroutine to time it where it runs."""
         self._make = make
         self.step_timeout = step_timeout
         self.close_timeout = close_timeout
@@ -300,7 +314,8 @@ class LaneHost:
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
-        call = self.envs[i].step(action)
+        timed = self._timed
+        call = self.envs[i].step(action) if timed is None else timed(self.envs[i].step, action)
         if deadline is None and self._plain:
             # The hot path (no limiter, no timeout): the env's own coroutine, awaited here.
             try:

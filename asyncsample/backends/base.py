@@ -58,6 +58,8 @@ class HostSpec:
             :data:`~asyncsample.env_group.AUTORESET_MODES` (the vector-env faces choose it).
         final_in_reply: the env group also returns the final observations themselves, in
             :attr:`StepInfos.final_obs <asyncsample.env_group.StepInfos>` (the gymnasium face).
+        timed: metrics are on: the host keeps a clock of its steps beside its buffers (see
+            :mod:`asyncsample._clock`).
     """
 
     worker: int
@@ -68,6 +70,7 @@ class HostSpec:
     chunk_steps: int = 0
     autoreset: str = "SameStep"
     final_in_reply: bool = False
+    timed: bool = False
 
 
 class EnvHost(Protocol):

@@ -43,7 +43,9 @@ class LocalHost:
 
     def __init__(self, spec: HostSpec) -> None:
         self.spec = spec
-        self.buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
+        self.buffers = StepBuffers.allocate(
+            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
+        )
         self._group = EnvGroup(
             spec.worker,
             self.buffers,

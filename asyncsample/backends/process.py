@@ -725,7 +725,7 @@ class ProcessBackend:
                 raws.append(joint[2][w])
             else:
                 buf, raw = shared_buffers(
-                    spec.observation_space, spec.action_space, spec.n_envs, ctx
+                    spec.observation_space, spec.action_space, spec.n_envs, ctx, spec.timed
                 )
                 buffers.append(buf)
                 raws.append(raw)

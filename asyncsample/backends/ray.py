@@ -349,7 +349,9 @@ class RayHost(RemoteHost[_Actor]):
     where = "env-host actor"
 
     def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
-        buffers = StepBuffers.allocate(spec.observation_space, spec.action_space, spec.n_envs)
+        buffers = StepBuffers.allocate(
+            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
+        )
         super().__init__(spec, member, buffers, step_timeout)
         self.chunk: ChunkBuffers | None = None
         """``inference="host"``: this worker's copy of the chunk records (filled per reply)."""
@@ -409,7 +411,9 @@ class RayHost(RemoteHost[_Actor]):
         buf = self.buffers
         # The request is a copy of the actions: the worker may write the next ones meanwhile.
         payload = await self._request(Op.STEP, encode_request(self.worker, mask, buf.actions))
-        obs, rewards, terminated, truncated, done, final, infos = payload
+        obs, rewards, terminated, truncated, done, final, infos = payload[:7]
+        if buf.clock is not None:  # metrics: the actor's clock came with the reply
+            buf.clock[:] = payload[7]
         copy_into(buf.obs, obs)
         buf.rewards[:] = rewards
         buf.terminated[:] = terminated
@@ -430,7 +434,9 @@ class RayHost(RemoteHost[_Actor]):
         chunk = self.chunk
         assert chunk is not None
         payload = await self._request(Op.CHUNK, _dumps(request))
-        reply, obs, actions, rewards, terminated, truncated, final, current = payload
+        reply, obs, actions, rewards, terminated, truncated, final, current = payload[:8]
+        if self.buffers.clock is not None:
+            self.buffers.clock[:] = payload[8]
         k = reply.steps
         if k:
             head = slice(0, k)

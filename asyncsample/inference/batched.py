@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import inspect
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._clock import AgentTimer
 from asyncsample._tree import Tree, tree_concat, tree_leaves, tree_map
 from asyncsample.agent import Agent, AgentOutput
 
@@ -132,6 +134,9 @@ class Batcher:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._agent_lock = threading.Lock()
         self.stats = BatchStats()
+        self.timer: AgentTimer | None = None
+        """With metrics on, where each merged call's seconds and rows go."""
+        self._call_start = (0.0, 0)
 
     # -- hooks called by the sampler and the workers ------------------------------------------
 
@@ -222,7 +227,11 @@ class Batcher:
                 if len(requests) == 1
                 else tree_concat([r.observations for r in requests])
             )
-            self.stats.rows += sum(r.rows for r in requests)
+            rows = sum(r.rows for r in requests)
+            self.stats.rows += rows
+            timer = self.timer
+            if timer is not None:
+                self._call_start = (time.perf_counter(), rows)
             if self.options.threaded and not _is_async(agent):
                 self._start(requests, self._call_in_thread(agent, observations))
                 return
@@ -234,6 +243,8 @@ class Batcher:
         except Exception as exc:
             self._fail(requests, exc)
             return
+        if timer is not None:
+            timer.add(time.perf_counter() - self._call_start[0], rows)
         self._deliver(requests, result)
 
     def _call_in_thread(self, agent: Agent, observations: Tree) -> Any:
@@ -257,6 +268,9 @@ class Batcher:
 
     def _finished(self, requests: list[_Request], task: asyncio.Task[Any]) -> None:
         self._busy = False
+        if self.timer is not None:
+            start, rows = self._call_start
+            self.timer.add(time.perf_counter() - start, rows)
         if task.cancelled():
             self._fail(requests, asyncio.CancelledError())
         elif (exc := task.exception()) is not None:

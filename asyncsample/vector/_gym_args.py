@@ -4,11 +4,13 @@ them: its users switch with one line, and code that catches its errors keeps wor
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from gymnasium.error import AlreadyPendingCallError, CustomSpaceError, NoAsyncCallError
 from gymnasium.spaces import Space
+from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector.utils import batch_differing_spaces, create_shared_memory
 
 from asyncsample import _validate
@@ -20,6 +22,7 @@ __all__ = [
     "NoAsyncCall",
     "check_async_vector_env_options",
     "check_shared_memory",
+    "check_spaces",
     "concurrency_limit",
     "observation_spaces",
     "timed_out",
@@ -141,3 +144,33 @@ def observation_spaces(
                 env.close()
         return spaces[0], batch_differing_spaces(spaces)
     return None, None
+
+
+def check_spaces(
+    obs_spaces: Sequence[Space[Any]],
+    act_spaces: Sequence[Space[Any]],
+    single_observation_space: Space[Any],
+    single_action_space: Space[Any],
+    observation_mode: Any,
+) -> None:
+    """Every sub-env's spaces are the first one's (``AsyncVectorEnv``'s check and words)."""
+    single = single_observation_space
+    if observation_mode != "same":
+        if not all(is_space_dtype_shape_equiv(single, space) for space in obs_spaces):
+            raise RuntimeError(
+                "VectorEnv(..., observation_mode='different' or custom space) however the "
+                "sub-environment's observation spaces do not share a common shape and dtype."
+            )
+    elif any(space != single for space in obs_spaces):
+        raise RuntimeError(
+            "VectorEnv(..., observation_mode='same') however some of the sub-environments "
+            "observation spaces are not equivalent. If this is intentional, use "
+            "`observation_mode='different'` instead (with gymnasium's AsyncVectorEnv: "
+            "asyncsample's VectorEnv batches identical spaces only)."
+        )
+    if any(space != single_action_space for space in act_spaces):
+        raise RuntimeError(
+            f"Some environments have an action space different from "
+            f"`{single_action_space}`. In order to batch actions, the action spaces "
+            "from all environments must be equal."
+        )

@@ -49,7 +49,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector import VectorEnv as _GymVectorEnv
 from gymnasium.vector.utils import batch_space
@@ -61,6 +60,7 @@ from asyncsample.vector._gym_args import (
     NoAsyncCall,
     check_async_vector_env_options,
     check_shared_memory,
+    check_spaces,
     concurrency_limit,
     observation_spaces,
     timed_out,
@@ -164,6 +164,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         caller_envs: the last ``caller_envs`` sub-envs step in the caller's process, between
             sending the hosts their requests and reading the replies (``num_envs``:
             ``n_processes=0``); refused with ``step_timeout``, which only hosts can honour.
+        metrics: as :class:`~asyncsample.Sampler`'s: the hosts' steps, episode ends, env step
+            latency, faults and restarts (``docs/metrics.md``; the ``metrics`` extra).
 
     All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
     first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
@@ -193,6 +195,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         env_fns: Any = None,
         max_concurrency: int | None = None,
         caller_envs: int | None = None,
+        metrics: Any = None,
     ) -> None:
         if env_fns is not None:  # AsyncVectorEnv(env_fns=...), as gymnasium.make_vec calls it
             if env is not None:
@@ -247,6 +250,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             observation_space=single_obs,
             caller_envs=caller_envs,
             copy=bool(copy),
+            metrics=metrics,
         )
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
@@ -281,7 +285,13 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             if shared_memory:
                 check_shared_memory(self.single_observation_space)
             if several or observation_mode != "same":
-                self._check_spaces()
+                check_spaces(
+                    self.call("observation_space"),
+                    self.call("action_space"),
+                    self.single_observation_space,
+                    self.single_action_space,
+                    observation_mode,
+                )
         except BaseException:
             self.close()
             raise
@@ -430,31 +440,6 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         if isinstance(task, PendingRound):
             return hosted.lockstep_wait(task, timeout)
         return hosted.portal.wait(task, timeout)
-
-    def _check_spaces(self) -> None:
-        """Every sub-env's spaces are the first one's (``AsyncVectorEnv``'s check and words)."""
-        obs = self.call("observation_space")
-        act = self.call("action_space")
-        single = self.single_observation_space
-        if self.observation_mode != "same":
-            if not all(is_space_dtype_shape_equiv(single, space) for space in obs):
-                raise RuntimeError(
-                    "VectorEnv(..., observation_mode='different' or custom space) however the "
-                    "sub-environment's observation spaces do not share a common shape and dtype."
-                )
-        elif any(space != single for space in obs):
-            raise RuntimeError(
-                "VectorEnv(..., observation_mode='same') however some of the sub-environments "
-                "observation spaces are not equivalent. If this is intentional, use "
-                "`observation_mode='different'` instead (with gymnasium's AsyncVectorEnv: "
-                "asyncsample's VectorEnv batches identical spaces only)."
-            )
-        if any(space != self.single_action_space for space in act):
-            raise RuntimeError(
-                f"Some environments have an action space different from "
-                f"`{self.single_action_space}`. In order to batch actions, the action spaces "
-                "from all environments must be equal."
-            )
 
     # -- step -------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from asyncsample.backends.base import Backend, EnvHost, HostSpec, InlineHost
 from asyncsample.env_group import StepInfos
 from asyncsample.env_update import describe_chain, make_env
 from asyncsample.errors import WorkerError
+from asyncsample.metrics import make_face_metrics
 from asyncsample.vector._lockstep import LockstepRounds, PendingRound, StepResult
 from asyncsample.vector._sources import check_bufferable, env_sources
 from asyncsample.vector.errors import (
@@ -50,7 +51,7 @@ from asyncsample.vector.errors import (
     sub_env_error_class,
     with_text,
 )
-from asyncsample.vector.placement import Placement, place
+from asyncsample.vector.placement import Placement, host_slices, place
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = [
@@ -111,6 +112,7 @@ class HostedEnvs(LockstepRounds):
         observation_space: gym.Space[Any] | None = None,
         caller_envs: int | None = None,
         copy: bool = True,
+        metrics: Any = None,
     ) -> None:
         self.num_envs = len(sources)
         probe = make_env(sources[0])
@@ -143,20 +145,11 @@ class HostedEnvs(LockstepRounds):
         self.closed = False
         self._chains = [[s] for s in sources]
         n_caller = self.placement.caller_envs
-        n_remote = self.num_envs - n_caller
-        n_procs = self.placement.n_processes
-        size = group_size
-        remote_hosts = 0 if n_remote == 0 else (n_procs if size is None else n_remote // size)
-        caller_hosts = 0 if n_caller == 0 else (1 if size is None else n_caller // size)
-        self.n_procs = min(n_procs, remote_hosts)
         #: The hosts ``[0, _remote_hosts)`` are processes; the rest step in the caller's process.
-        self._remote_hosts = remote_hosts
-        bounds = np.linspace(0, n_remote, remote_hosts + 1).round().astype(int).tolist()
-        bounds += (
-            (n_remote + np.linspace(0, n_caller, caller_hosts + 1)[1:]).round().astype(int).tolist()
-        )
-        n_hosts = remote_hosts + caller_hosts
-        self.slices = [(bounds[h], bounds[h + 1]) for h in range(n_hosts)]
+        self.slices, self._remote_hosts = host_slices(self.num_envs, self.placement, group_size)
+        remote_hosts, caller_hosts = self._remote_hosts, len(self.slices) - self._remote_hosts
+        self.n_procs = min(self.placement.n_processes, remote_hosts)
+        n_hosts = len(self.slices)
         self.host_of = np.repeat(np.arange(n_hosts), [b - a for a, b in self.slices])
         # Every sub-env of a host (read-only): the step mask of the common lockstep step.
         self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
@@ -188,6 +181,8 @@ class HostedEnvs(LockstepRounds):
         """``False``: :meth:`read_obs` of every sub-env returns the hosts' shared observation
         buffer itself where it is one array (gymnasium's ``copy=False``: the next step
         overwrites it); else (and ``True``) one copy."""
+        self.metrics = make_face_metrics(metrics, backend, self)
+        """The face's Prometheus metrics (:mod:`asyncsample.metrics`), ``None`` when off."""
         try:
             self.portal.call(self._start)
         except BaseException:
@@ -206,6 +201,7 @@ class HostedEnvs(LockstepRounds):
                 None,
                 autoreset=self.autoreset,
                 final_in_reply=self.object_rows,
+                timed=self.metrics is not None,
             )
             for h, (a, b) in enumerate(self.slices)
         ]
@@ -230,6 +226,10 @@ class HostedEnvs(LockstepRounds):
         except WorkerError as exc:
             reraise(self.translate(h, exc), exc)
 
+    def _count_fault(self, h: int, exc: WorkerError) -> None:
+        if self.metrics is not None:
+            self.metrics.fault(h, exc)
+
     async def _restart(self, h: int) -> None:
         chains, seeds = self._host_chains(h)
         await self.hosts[h].restart(chains, seeds)
@@ -244,6 +244,8 @@ class HostedEnvs(LockstepRounds):
         """Stop every host (idempotent); nothing is left behind."""
         if self.closed:
             return
+        if self.metrics is not None:  # the hosts' last figures, before their memory goes
+            self.metrics.close()
         self.closed = True
         backends = [b for b in (self.backend, self._caller_backend) if b is not None]
         try:
@@ -310,6 +312,7 @@ class HostedEnvs(LockstepRounds):
     def _fail(self, h: int, exc: BaseException) -> NoReturn:
         """Raise a host's failure, translated; a crashed host stays broken until a reset."""
         if isinstance(exc, WorkerError):
+            self._count_fault(h, exc)
             if crash_like(exc):
                 self.broken.add(h)
             reraise(self.translate(h, exc), exc)
@@ -319,6 +322,7 @@ class HostedEnvs(LockstepRounds):
         """Restart a crashed host within budget; the reset infos of its new episodes."""
         if not isinstance(exc, WorkerError):
             raise exc
+        self._count_fault(h, exc)
         if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
             self.broken.add(h)
             reraise(self.translate(h, exc), exc)
@@ -681,6 +685,7 @@ class HostedEnvs(LockstepRounds):
                 try:
                     infos = await host.reset(local, seeds=host_seeds, options=options)
                 except WorkerError as exc:
+                    self._count_fault(h, exc)
                     if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
                         self.broken.add(h)
                         reraise(self.translate(h, exc), exc)

@@ -37,7 +37,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LOGGER", "Placement", "choose", "cpus", "hop_seconds", "place", "probe_step_seconds"]
+import numpy as np
+
+__all__ = [
+    "LOGGER",
+    "Placement",
+    "choose",
+    "cpus",
+    "hop_seconds",
+    "host_slices",
+    "place",
+    "probe_step_seconds",
+]
 
 LOGGER = logging.getLogger("asyncsample")
 
@@ -274,3 +285,21 @@ def place(
         placement = choose(n, probe_step_seconds(probe))
     LOGGER.info("vector env: %s", placement.describe(n))
     return placement
+
+
+def host_slices(
+    num_envs: int, placement: Placement, group_size: int | None
+) -> tuple[list[tuple[int, int]], int]:
+    """The sub-env ranges of the hosts of ``placement`` and how many of them are processes.
+
+    The processes' hosts come first, then the caller's: one host each (``group_size``
+    ``None``) or hosts of ``group_size`` sub-envs (EnvPool-style stepping).
+    """
+    n_caller = placement.caller_envs
+    n_remote = num_envs - n_caller
+    size = group_size
+    remote = 0 if n_remote == 0 else (placement.n_processes if size is None else n_remote // size)
+    caller = 0 if n_caller == 0 else (1 if size is None else n_caller // size)
+    bounds = np.linspace(0, n_remote, remote + 1).round().astype(int).tolist()
+    bounds += (n_remote + np.linspace(0, n_caller, caller + 1)[1:]).round().astype(int).tolist()
+    return [(bounds[h], bounds[h + 1]) for h in range(remote + caller)], remote

@@ -123,6 +123,9 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             which is safe with threads and CUDA in the main process, as ``"forkserver"`` is.
         caller_envs: how many sub-envs (the last ones) the caller steps itself while the env
             hosts step the others, as for :class:`asyncsample.VectorEnv`.
+        metrics: ``None`` (default), ``True`` (``prometheus_client``'s default registry) or a
+            ``CollectorRegistry``: the hosts' steps, episode ends, env step latency, faults and
+            restarts as ``asyncsample_*`` metrics (``docs/metrics.md``; the ``metrics`` extra).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         max_restarts: int = 3,
         start_method: str | None = None,
         caller_envs: int | None = None,
+        metrics: Any = None,
     ) -> None:
         if start_method is not None:
             multiprocessing.get_context(start_method)  # SubprocVecEnv's check and error
@@ -162,6 +166,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             max_restarts=max_restarts,
             autoreset="SameStep",
             caller_envs=caller_envs,
+            metrics=metrics,
         )
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
         self._sent: PendingRound | None = None

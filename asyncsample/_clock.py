@@ -1,0 +1,208 @@
+"""Where the time goes, counted in plain arrays (the metrics' raw figures; no dependency).
+
+With ``Sampler(metrics=...)`` every env host keeps a *clock*: a small float64 array beside its
+step buffers (:attr:`StepBuffers.clock <asyncsample.env_group.StepBuffers>`) where the host adds,
+per step of a worker's envs, how long the envs took (bucketed per env step), how many env calls are
+running now and, with ``inference="host"``, its agent copy's calls. The array lives where the
+step buffers live (shared memory for the ``process`` backend), so the figures reach the caller with
+the replies the host sends anyway, without a message of their own; the caller folds them into the
+``prometheus_client`` metrics once per call (:mod:`asyncsample.metrics`).
+
+Nothing here is on any path unless metrics are on: a host without a clock steps as before.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "AGENT",
+    "BOUNDS",
+    "CLOCK_SIZE",
+    "ENDS",
+    "ENV",
+    "IN_FLIGHT",
+    "AgentTimer",
+    "HostTiming",
+    "clock_record",
+    "timed_agent",
+    "timed_group_step",
+    "timed_env_call",
+]
+
+#: Upper bounds (seconds) of the latency histograms' buckets: 10 us to 10 s.
+BOUNDS: tuple[float, ...] = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+_N = len(BOUNDS) + 1  # the last bucket is +Inf
+
+ENV = 0
+"""Offset of the env-step section: ``_N`` bucket counts (per env step), then the seconds' sum."""
+IN_FLIGHT = _N + 1
+"""Env calls running now in this host (a live count)."""
+AGENT = _N + 2
+"""Offset of the host agent's section (``inference="host"``): bucket counts per timed call, the
+seconds' sum, then the exact count of calls."""
+ENDS = AGENT + _N + 2
+"""Episodes the host saw end: terminated, then truncated (the vector faces count these)."""
+CLOCK_SIZE = ENDS + 2
+
+_perf = time.perf_counter
+
+
+def _items(clock: np.ndarray) -> Any:
+    """Item access to ``clock`` through a ``memoryview`` (cheaper per item than numpy's)."""
+    return clock.data
+
+
+def clock_record(clock: Any, section: int, seconds: float, n: int) -> None:
+    """Add ``n`` observations of ``seconds`` each to ``section`` of ``clock`` (sum: ``n *
+    seconds``); ``clock`` is the array or, cheaper per item, a ``memoryview`` of it."""
+    clock[section + bisect_left(BOUNDS, seconds)] += n
+    clock[section + _N] += seconds * n
+
+
+def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) -> Any:
+    """``group.step`` that records its envs' time in ``clock``: a worker's envs are stepped one
+    after another, so each env step counts the call's seconds divided by the envs it stepped.
+
+    Written for its cost (it runs in the host for every step of a worker's envs): items are
+    read and written through a ``memoryview`` (a tenth of a numpy scalar's cost), the envs
+    stepped come from the group. A lockstep host does not count its env calls in flight (the
+    caller's worker waits on all of them at once; see ``env_calls_in_flight``). ``weight``: each
+    timed step stands for that many (a sample of the steps, see :class:`HostTiming`).
+    """
+    items = _items(clock)
+    section, total = ENV, ENV + _N
+
+    def timed(mask: np.ndarray, given: Any = None, everyone: bool | None = None) -> Any:
+        start = _perf()
+        infos = step(mask, given, everyone)
+        seconds = _perf() - start
+        n = group.last_stepped
+        if n:
+            items[section + bisect_left(BOUNDS, seconds / n)] += n * weight
+            items[total] += seconds * weight
+        ended = group.last_ended
+        if ended:
+            terminated = group.buffers.terminated
+            ends = sum(1 for i in ended if terminated[i])
+            items[ENDS] += ends
+            items[ENDS + 1] += len(ended) - ends
+        return infos
+
+    return timed
+
+
+def timed_env_call(clock: np.ndarray) -> Any:
+    """``timed(env.step, action)``: the env's step as a coroutine timed into ``clock``. A lane host
+    (``asyncio``, ``thread``) awaits the wrapped coroutine, which starts running only once the
+    step may go (after a ``max_concurrency`` slot is taken), so neither the seconds nor the
+    calls in flight count a wait for a slot."""
+    items = _items(clock)
+
+    async def timed(step: Any, action: Any) -> Any:
+        # The env's coroutine is made here, when this one runs: one that never runs (its wait
+        # for a slot was cancelled) leaves no env coroutine behind unawaited.
+        items[IN_FLIGHT] += 1
+        start = _perf()
+        try:
+            return await step(action)
+        finally:
+            items[IN_FLIGHT] -= 1
+            clock_record(items, ENV, _perf() - start, 1)
+
+    return timed
+
+
+def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
+    """A host agent's ``actions(observations)`` that records each call's seconds, as ``weight``
+    calls (its rows are the slot's envs, every call: the caller knows them)."""
+    items = _items(clock)
+    bounds, total = BOUNDS, AGENT + _N
+
+    def timed(observations: Any) -> Any:
+        start = _perf()
+        result = actions(observations)
+        seconds = _perf() - start
+        items[AGENT + bisect_left(bounds, seconds)] += weight
+        items[total] += seconds * weight
+        return result
+
+    return timed
+
+
+class HostTiming:
+    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step.
+
+    A host's chunk loop costs ~10 us per step besides the env (one env per slot); timing every
+    step's agent call and env step would add ~1 us to it. So the slot times a sample of whole
+    chunks (the first, then every :attr:`EVERY`-th) and weighs each timed step by
+    :attr:`EVERY`: the histograms stay the shape of every step's, the sums and counts are
+    estimates; the agent calls are counted exactly (per chunk, from the reply).
+
+    Args:
+        group, runner: the slot's env group and chunk runner (their ``step`` and ``_actions``
+            are swapped per chunk).
+    """
+
+    EVERY = 8
+
+    def __init__(self, group: Any, runner: Any, clock: np.ndarray) -> None:
+        self.group, self.runner = group, runner
+        self.items = _items(clock)
+        self.plain_step = type(group).step.__get__(group)
+        self.timed_step = timed_group_step(group, self.plain_step, clock, self.EVERY)
+        self.plain_actions = runner._actions
+        self.timed_actions = timed_agent(self.plain_actions, clock, self.EVERY)
+        self.chunks = 0
+
+    def run(self, request: Any) -> Any:
+        """Run ``request`` on the runner, timed or not; the runner's reply."""
+        timed = self.chunks % self.EVERY == 0
+        self.chunks += 1
+        self.group.step = self.timed_step if timed else self.plain_step
+        self.runner._actions = self.timed_actions if timed else self.plain_actions
+        reply = self.runner.run(request)
+        self.items[AGENT + _N + 1] += reply.steps
+        return reply
+
+
+class AgentTimer:
+    """Agent calls made in the caller's process: how many, their seconds and rows (plain lists,
+    folded into the metrics once per call)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.rows: list[int] = []
+
+    def add(self, seconds: float, rows: int) -> None:
+        self.seconds.append(seconds)
+        self.rows.append(rows)
+
+    def drain(self) -> tuple[list[float], list[int]]:
+        seconds, rows = self.seconds, self.rows
+        self.seconds, self.rows = [], []
+        return seconds, rows

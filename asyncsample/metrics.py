@@ -1,0 +1,603 @@
+"""Prometheus metrics of a sampler: what it did and where the time went (``metrics=``).
+
+``Sampler(..., metrics=True)`` (the default registry of ``prometheus_client``) or
+``metrics=registry`` keeps the metrics listed in ``docs/metrics.md``, all prefixed
+``asyncsample_`` and labelled by ``backend``. The per-step path only counts in plain ints and
+arrays (the episodes' bookkeeping, the hosts' clocks of :mod:`asyncsample._clock`, an
+:class:`~asyncsample._clock.AgentTimer`); :class:`SamplerMetrics` folds them into its own totals
+once per call (or streamed round), and the registry reads those totals when it is scraped (a
+custom collector: nothing is computed per step, nothing per scrape but the copy).
+
+Several samplers may share a registry (a web service runs one per job): their figures add up per
+label set, and a closed sampler's counters stay counted (counters never go down).
+
+Needs the ``metrics`` extra (``pip install 'asyncsample[metrics]'``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, IN_FLIGHT, AgentTimer
+
+if TYPE_CHECKING:
+    from asyncsample._core import SamplerCore
+    from asyncsample._env_tasks import ActionRequests
+    from asyncsample.worker import Worker
+
+__all__ = [
+    "BOTTLENECKS",
+    "END_KINDS",
+    "FAULT_KINDS",
+    "WORKER_LABEL_LIMIT",
+    "FaceMetrics",
+    "SamplerMetrics",
+    "fault_kind",
+    "make_face_metrics",
+    "make_metrics",
+]
+
+PREFIX = "asyncsample_"
+END_KINDS = ("terminated", "truncated", "deadline")
+FAULT_KINDS = ("raised", "hung", "killed", "malformed")
+BOTTLENECKS = ("env", "agent", "caller")
+WORKER_LABEL_LIMIT = 16
+"""Samplers of at most this many workers label their per-worker counters with the worker's
+index; larger ones count under ``worker="all"`` (a label must not grow without bound)."""
+
+_N = len(BOUNDS) + 1
+_ROWS_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
+_LENGTH_BOUNDS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 10000.0)
+_LAG_BOUNDS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+
+def _registry(metrics: Any) -> Any:
+    """The registry ``metrics=`` names (``None``: metrics off); the errors of
+    :func:`make_metrics`."""
+    if metrics is None or metrics is False:
+        return None
+    try:
+        import prometheus_client
+    except ImportError as exc:
+        raise ImportError(
+            "metrics= needs prometheus_client: install the metrics extra, "
+            "pip install 'asyncsample[metrics]'"
+        ) from exc
+    if metrics is True:
+        return prometheus_client.REGISTRY
+    if isinstance(metrics, prometheus_client.CollectorRegistry):
+        return metrics
+    raise TypeError(
+        "metrics must be None, True (prometheus_client's default registry) or a "
+        f"prometheus_client.CollectorRegistry, got {type(metrics).__name__}"
+    )
+
+
+def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
+    """The :class:`SamplerMetrics` that ``metrics=`` asks for (``None``: none), for ``core``.
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (the ``metrics`` extra).
+        TypeError: ``metrics`` is neither ``None``, ``True`` nor a ``CollectorRegistry``.
+    """
+    registry = _registry(metrics)
+    if registry is None:
+        return None
+    from asyncsample.backends.aio import lane_parallel
+    from asyncsample.inference.modes import HostMode
+
+    envs = core.n_workers * core.envs_per_worker
+    if core.lanes:  # every env steps on its own, up to max_concurrency (or the pool) at once
+        env_parallel = lane_parallel(core.backend_name, core.max_concurrency, envs)
+    else:  # a host steps its workers' envs one after another; the hosts run side by side
+        env_parallel = core.n_processes
+    made = SamplerMetrics(
+        _hub_of(registry),
+        backend=core.backend_name,
+        n_workers=core.n_workers,
+        env_parallel=env_parallel,
+        agent_parallel=core.n_processes if isinstance(core.mode, HostMode) else 1,
+    )
+    made.state.lanes = core.lanes
+    return made
+
+
+def fault_kind(exc: BaseException) -> str:
+    """The ``kind`` label of a worker failure: ``hung`` (step timeout), ``killed`` (the host
+    died), ``malformed`` (what the env returned does not fit, not retried), else ``raised``."""
+    from asyncsample.errors import StepTimeoutError, WorkerCrashedError
+
+    if isinstance(exc, StepTimeoutError):
+        return "hung"
+    if isinstance(exc, WorkerCrashedError):
+        return "killed"
+    if not getattr(exc, "retry", True):
+        return "malformed"
+    return "raised"
+
+
+class _Hist:
+    """A histogram kept as per-bucket counts (the last bucket is +Inf) and a sum."""
+
+    def __init__(self, bounds: Sequence[float] | np.ndarray) -> None:
+        self.bounds = np.asarray(bounds, dtype=np.float64)
+        self.counts = np.zeros(len(bounds) + 1, dtype=np.float64)
+        self.sum = 0.0
+
+    def observe(self, values: Sequence[float] | np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.float64)
+        if not len(values):
+            return
+        where = np.searchsorted(self.bounds, values, side="left")
+        self.counts += np.bincount(where, minlength=len(self.counts))
+        self.sum += float(values.sum())
+
+    def add_counts(self, counts: np.ndarray, total: float) -> None:
+        self.counts += counts
+        self.sum += total
+
+    def add(self, other: _Hist) -> None:
+        self.counts += other.counts
+        self.sum += other.sum
+
+    def buckets(self) -> list[tuple[str, float]]:
+        cumulative = np.cumsum(self.counts)
+        out = [(_le(b), float(c)) for b, c in zip(self.bounds, cumulative)]
+        out.append(("+Inf", float(cumulative[-1])))
+        return out
+
+    @property
+    def count(self) -> float:
+        return float(self.counts.sum())
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+_HISTOGRAMS: dict[str, tuple[Sequence[float], str]] = {
+    "env_step_seconds": (BOUNDS, "Seconds of one env step, measured where the env runs."),
+    "agent_call_seconds": (BOUNDS, "Seconds of one agent call (get_actions)."),
+    "agent_call_rows": (_ROWS_BOUNDS, "Observations (rows) per agent call."),
+    "episode_length": (_LENGTH_BOUNDS, "Steps of each finished episode."),
+    "episode_seconds": (BOUNDS, "Wall-clock seconds of each finished episode."),
+    "call_wait_seconds": (BOUNDS, "Seconds the caller waited for a call or a streamed batch."),
+    "policy_lag": (_LAG_BOUNDS, "Agent versions between each returned step's and the newest."),
+}
+
+
+class _State:
+    """One sampler's totals (guarded by its hub's lock)."""
+
+    def __init__(self, backend: str, n_workers: int) -> None:
+        self.backend = backend
+        self.labelled = n_workers <= WORKER_LABEL_LIMIT
+        slots = n_workers if self.labelled else 1
+        self.steps = [0] * slots
+        self.restarts = [0] * slots
+        self.faults = {k: [0] * slots for k in FAULT_KINDS}
+        self.episodes = [0, 0, 0]
+        self.agent_calls = 0
+        self.hists = {name: _Hist(bounds) for name, (bounds, _) in _HISTOGRAMS.items()}
+        self.in_flight = 0
+        self.agent_version = 0
+        self.bottleneck: str | None = None
+        self.clocks: list[np.ndarray] = []  # live: env calls in flight
+        self.lanes = False  # whether the clocks count env calls in flight (lane backends)
+        self.live = True
+        self.pull: Any = None  # called under the hub's lock before a scrape (the faces)
+
+    def slot(self, worker: int) -> int:
+        return worker if self.labelled else 0
+
+    def absorb(self, other: _State) -> None:
+        """Add ``other``'s counters and histograms to these (a closed state's)."""
+
+        def add(mine: list[int], theirs: list[int]) -> None:
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+        add(self.steps, other.steps)
+        add(self.restarts, other.restarts)
+        for kind in FAULT_KINDS:
+            add(self.faults[kind], other.faults[kind])
+        add(self.episodes, other.episodes)
+        self.agent_calls += other.agent_calls
+        for name, h in other.hists.items():
+            self.hists[name].add(h)
+
+
+class _Hub:
+    """The collector registered once per registry: the sum of its samplers' states."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.states: list[_State] = []
+
+    def retire(self, state: _State) -> None:
+        """A closed sampler's (or face's) state: its counters and histograms join those of the
+        closed ones of its backend (so a service that makes a sampler per job keeps one state
+        per backend, not one per job), its gauges leave. Call it holding :attr:`lock`."""
+        if state not in self.states:
+            return
+        self.states.remove(state)
+        state.live, state.pull, state.clocks = False, None, []
+        for old in self.states:
+            if not old.live and old.backend == state.backend and old.labelled == state.labelled:
+                old.absorb(state)
+                return
+        self.states.append(state)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
+        with self.lock:
+            states = list(self.states)
+            for s in states:
+                if s.pull is not None:
+                    s.pull()
+            counters: dict[str, dict[tuple[str, ...], float]] = {}
+
+            def count(name: str, labels: tuple[str, ...], value: float) -> None:
+                per = counters.setdefault(name, {})
+                per[labels] = per.get(labels, 0.0) + value
+
+            hists: dict[tuple[str, str], _Hist] = {}
+            gauges: dict[str, dict[tuple[str, ...], float]] = {
+                "episodes_in_flight": {},
+                "env_calls_in_flight": {},
+                "agent_version": {},
+                "bottleneck": {},
+            }
+            for s in states:
+                b = s.backend
+
+                def wl(i: int, s: _State = s) -> tuple[str, ...]:
+                    return (s.backend, str(i) if s.labelled else "all")
+
+                for i, n in enumerate(s.steps):
+                    count("env_steps_total", wl(i), n)
+                for i, n in enumerate(s.restarts):
+                    count("restarts_total", wl(i), n)
+                for kind, per_worker in s.faults.items():
+                    for i, n in enumerate(per_worker):
+                        count("env_faults_total", (*wl(i), kind), n)
+                for end, n in zip(END_KINDS, s.episodes):
+                    count("episodes_total", (b, end), n)
+                count("agent_calls_total", (b,), s.agent_calls)
+                for name, h in s.hists.items():
+                    total = hists.setdefault((name, b), _Hist(h.bounds))
+                    total.add(h)
+                if not s.live:
+                    continue
+                g = gauges["episodes_in_flight"]
+                g[(b,)] = g.get((b,), 0.0) + s.in_flight
+                if s.lanes:
+                    g = gauges["env_calls_in_flight"]
+                    g[(b,)] = g.get((b,), 0.0) + sum(float(c[IN_FLIGHT]) for c in s.clocks)
+                g = gauges["agent_version"]
+                g[(b,)] = max(g.get((b,), 0.0), float(s.agent_version))
+                if s.bottleneck is not None:
+                    for side in BOTTLENECKS:
+                        gauges["bottleneck"][(b, side)] = float(side == s.bottleneck)
+        docs = {
+            "env_steps_total": "Env steps taken.",
+            "restarts_total": "Env-host restarts (after env faults or dead hosts).",
+            "env_faults_total": "Env faults by kind (raised, hung, killed, malformed).",
+            "episodes_total": "Episodes finished, by how they ended.",
+            "agent_calls_total": "Agent calls (get_actions).",
+        }
+        for name, totals in counters.items():
+            labels = ["backend"]
+            if name in ("env_steps_total", "restarts_total", "env_faults_total"):
+                labels.append("worker")
+            if name == "env_faults_total":
+                labels.append("kind")
+            if name == "episodes_total":
+                labels.append("end")
+            family = CounterMetricFamily(PREFIX + name, docs[name], labels=labels)
+            for key, value in sorted(totals.items()):
+                family.add_metric(list(key), value)
+            yield family
+        for name, (_, doc) in _HISTOGRAMS.items():
+            hfamily = HistogramMetricFamily(PREFIX + name, doc, labels=["backend"])
+            for (hname, b), h in sorted(hists.items()):
+                if hname == name:
+                    hfamily.add_metric([b], h.buckets(), h.sum)
+            yield hfamily
+        gauge_docs = {
+            "episodes_in_flight": "Episodes started and not yet ended.",
+            "env_calls_in_flight": "Env steps running now, on asyncio and thread (compare with "
+            "max_concurrency).",
+            "agent_version": "The newest agent version.",
+            "bottleneck": "1 for the side the last window's time went to (env, agent, caller).",
+        }
+        for name, values in gauges.items():
+            labels = ["backend", "side"] if name == "bottleneck" else ["backend"]
+            gfamily = GaugeMetricFamily(PREFIX + name, gauge_docs[name], labels=labels)
+            for key, value in sorted(values.items()):
+                gfamily.add_metric(list(key), value)
+            yield gfamily
+
+
+_HUBS: weakref.WeakKeyDictionary[Any, _Hub] = weakref.WeakKeyDictionary()
+_HUBS_LOCK = threading.Lock()
+
+
+def _hub_of(registry: Any) -> _Hub:
+    with _HUBS_LOCK:
+        hub = _HUBS.get(registry)
+        if hub is None:
+            hub = _HUBS[registry] = _Hub()
+            registry.register(hub)
+        return hub
+
+
+class SamplerMetrics:
+    """One sampler's metrics: the hooks the sampler core calls, and the fold.
+
+    Args:
+        backend: the ``backend`` label.
+        n_workers: the sampler's workers (``worker`` labels up to :data:`WORKER_LABEL_LIMIT`).
+        env_parallel: how many env steps can run at once (hosts in parallel), to read the
+            envs' share of a window.
+        agent_parallel: how many agent calls can run at once (1 in the caller's loop; the
+            number of hosts with ``inference="host"``).
+    """
+
+    def __init__(
+        self, hub: _Hub, *, backend: str, n_workers: int, env_parallel: int, agent_parallel: int
+    ) -> None:
+        self._hub = hub
+        self.state = _State(backend, n_workers)
+        self.timer = AgentTimer()
+        """Agent calls made in this process (per-worker, batched, lane inference)."""
+        self.env_parallel = max(1, env_parallel)
+        self.agent_parallel = max(1, agent_parallel)
+        self.verdict: str | None = None
+        """Where the last window's time went: ``"env"``, ``"agent"`` or ``"caller"``."""
+        self.shares: dict[str, float] = {}
+        """The last window's shares behind :attr:`verdict`: busy fractions of the envs and the
+        agent, and the fraction of the window the sampler sat idle waiting for the caller."""
+        self._seen_clock: dict[int, np.ndarray] = {}
+        self._finished_steps: dict[int, int] = {}
+        self._steps_told: dict[int, int] = {}
+        self._ends_told: dict[int, list[int]] = {}
+        self._restarts_told: dict[int, int] = {}
+        self._idle = 0.0
+        self._last_end: float | None = None
+        self._window_env = 0.0
+        self._window_agent = 0.0
+        with hub.lock:
+            hub.states.append(self.state)
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def attach(self, workers: Sequence[Worker], requests: ActionRequests | None) -> None:
+        """The sampler started: time the episodes and the agent calls made here (a lane
+        backend's merged requests, the batcher's merged calls, or each worker's own)."""
+        if requests is not None:
+            requests.timer = self.timer
+        for w in workers:
+            w.episodes.started_at = np.full(w.n_envs, time.perf_counter())
+            if w.batcher is not None:
+                w.batcher.timer = self.timer
+            elif requests is None:  # (with inference="host" the hosts time their agents)
+                w.agent_timer = self.timer
+        self.state.clocks = [c for c in (_clock(w) for w in workers) if c is not None]
+
+    def call_started(self) -> float:
+        """A call begins: the time since the last one ended was the caller's (idle)."""
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self._idle += now - self._last_end
+            self._last_end = None
+        return now
+
+    def call_ended(self, started: float) -> None:
+        """A call returns: the caller waited since ``started``."""
+        now = time.perf_counter()
+        self._last_end = now
+        with self._hub.lock:
+            self.state.hists["call_wait_seconds"].observe([now - started])
+
+    def caller_idle(self, seconds: float) -> None:
+        """A stream's rounds waited ``seconds`` for the consumer to take a batch."""
+        self._idle += seconds
+
+    def batch_waited(self, seconds: float) -> None:
+        """A stream's consumer waited ``seconds`` for its batch."""
+        with self._hub.lock:
+            self.state.hists["call_wait_seconds"].observe([seconds])
+
+    def fault(self, worker: int, exc: BaseException) -> None:
+        """Worker ``worker``'s envs failed with ``exc`` (counted by kind)."""
+        with self._hub.lock:
+            self.state.faults[fault_kind(exc)][self.state.slot(worker)] += 1
+
+    def close(self) -> None:
+        """The sampler closed: its gauges leave the registry, its counters stay."""
+        with self._hub.lock:
+            self._hub.retire(self.state)
+
+    # -- the fold ---------------------------------------------------------------------------
+
+    def fold(self, workers: Sequence[Worker], versions: np.ndarray | None, seconds: float) -> None:
+        """Fold a round's plain counts into the totals, and judge the window.
+
+        Args:
+            workers: the sampler's workers (their ``finished`` lists hold this round's
+                episodes).
+            versions: the agent version of every returned step (for the policy lag).
+            seconds: the round's wall time.
+        """
+        s = self.state
+        agent_seconds, agent_rows = self.timer.drain()
+        env_seconds, agent_total = 0.0, float(sum(agent_seconds))
+        newest = max(w.agent_version for w in workers)
+        with self._hub.lock:
+            hists = s.hists
+            in_flight = 0
+            for w in workers:
+                n = w.worker_number
+                ep = w.episodes
+                slot = s.slot(n)
+                finished = [f.length for f in w.finished]
+                self._finished_steps[n] = self._finished_steps.get(n, 0) + sum(finished)
+                ever = self._finished_steps[n] + int(ep.lengths.sum()) + ep.dropped_steps
+                told = self._steps_told.get(n, 0)
+                if ever > told:
+                    s.steps[slot] += ever - told
+                    self._steps_told[n] = ever
+                ends_told = self._ends_told.setdefault(n, [0, 0, 0])
+                for k in range(3):
+                    s.episodes[k] += ep.ends[k] - ends_told[k]
+                    ends_told[k] = ep.ends[k]
+                s.restarts[slot] += w.restarts - self._restarts_told.get(n, 0)
+                self._restarts_told[n] = w.restarts
+                hists["episode_length"].observe(finished)
+                if ep.durations:
+                    hists["episode_seconds"].observe(ep.durations)
+                    ep.durations = []
+                in_flight += int(np.count_nonzero(ep.lengths))
+                clock = _clock(w)
+                if clock is not None:
+                    env_s, agent_s = self._fold_clock(n, clock, w.n_envs)
+                    env_seconds += env_s
+                    agent_total += agent_s
+            hists["agent_call_seconds"].observe(agent_seconds)
+            hists["agent_call_rows"].observe(agent_rows)
+            s.agent_calls += len(agent_seconds)
+            if versions is not None and len(versions):
+                hists["policy_lag"].observe(newest - np.asarray(versions, dtype=np.float64))
+            s.in_flight = in_flight
+            s.agent_version = newest
+            self._judge(seconds, env_seconds, agent_total)
+            s.bottleneck = self.verdict
+
+    def _fold_clock(self, worker: int, clock: np.ndarray, n_envs: int) -> tuple[float, float]:
+        """Add what worker ``worker``'s host clock gained since the last fold (a host agent's
+        calls each take the worker's ``n_envs`` rows); its env and agent seconds."""
+        now = clock.copy()
+        now[IN_FLIGHT] = 0.0
+        seen = self._seen_clock.get(worker)
+        delta = now if seen is None else now - seen
+        if (delta < 0).any():  # a new host (a restarted actor) started its clock again
+            delta = now
+        self._seen_clock[worker] = now
+        hists, s = self.state.hists, self.state
+        hists["env_step_seconds"].add_counts(delta[ENV : ENV + _N], float(delta[ENV + _N]))
+        n_calls = int(delta[AGENT + _N + 1])  # exact; the buckets weigh a sample of them
+        if n_calls:  # inference="host": the hosts' agent copies
+            hists["agent_call_seconds"].add_counts(
+                delta[AGENT : AGENT + _N], float(delta[AGENT + _N])
+            )
+            rows = hists["agent_call_rows"]
+            where = int(np.searchsorted(rows.bounds, n_envs))
+            rows.counts[where] += n_calls
+            rows.sum += float(n_envs * n_calls)
+            s.agent_calls += n_calls
+        return float(delta[ENV + _N]), float(delta[AGENT + _N])
+
+    def _judge(self, seconds: float, env_seconds: float, agent_seconds: float) -> None:
+        """Where the window (the caller's idle before the round, and the round) went."""
+        idle, self._idle = self._idle, 0.0
+        window = idle + seconds
+        if window <= 0:
+            return
+        env_busy = env_seconds / (seconds * self.env_parallel) if seconds > 0 else 0.0
+        agent_busy = agent_seconds / (seconds * self.agent_parallel) if seconds > 0 else 0.0
+        caller = idle / window
+        self.shares = {"env": env_busy, "agent": agent_busy, "caller": caller}
+        if caller > 0.5:
+            self.verdict = "caller"
+        elif agent_busy > env_busy:
+            self.verdict = "agent"
+        else:
+            self.verdict = "env"
+
+
+def _clock(worker: Worker) -> np.ndarray | None:
+    host = worker.host
+    return None if host is None else host.buffers.clock
+
+
+def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | None:
+    """The :class:`FaceMetrics` that a vector face's ``metrics=`` asks for (``None``: none).
+
+    Raises:
+        ImportError, TypeError: as :func:`make_metrics`.
+    """
+    registry = _registry(metrics)
+    return None if registry is None else FaceMetrics(_hub_of(registry), backend, hosted)
+
+
+class FaceMetrics:
+    """The metrics of a vector face (``VectorEnv``, the SB3 ``VecEnv``): its caller steps it, so
+    there is no call to fold at; everything comes from the env hosts' clocks (steps, episode
+    ends, step latency), read when the registry is scraped, and from the face's restart counts.
+    The ``worker`` label is the env host's index.
+
+    Args:
+        hosted: the face's :class:`~asyncsample.vector.hosted.HostedEnvs` (held weakly).
+    """
+
+    def __init__(self, hub: _Hub, backend: str, hosted: Any) -> None:
+        self._hub = hub
+        self._hosted = weakref.ref(hosted)
+        self.state = _State(backend, len(hosted.slices))
+        self.state.pull = self._pull
+        self._seen: dict[int, np.ndarray] = {}
+        with hub.lock:
+            hub.states.append(self.state)
+
+    def fault(self, host: int, exc: BaseException) -> None:
+        """Env host ``host`` failed with ``exc``."""
+        with self._hub.lock:
+            self.state.faults[fault_kind(exc)][self.state.slot(host)] += 1
+
+    def close(self) -> None:
+        """The face closes: read the clocks a last time (before their memory goes)."""
+        with self._hub.lock:
+            self._pull()
+            self._hub.retire(self.state)
+
+    def _pull(self) -> None:
+        hosted = self._hosted()
+        s = self.state
+        if hosted is None or hosted.closed or not hosted.hosts:
+            return
+        clocks = []
+        restarts = [0] * len(s.restarts)
+        for h, host in enumerate(hosted.hosts):
+            clock = host.buffers.clock
+            if clock is None:
+                continue
+            clocks.append(clock)
+            now = clock.copy()
+            now[IN_FLIGHT] = 0.0
+            seen = self._seen.get(h)
+            delta = now if seen is None else now - seen
+            if (delta < 0).any():
+                delta = now
+            self._seen[h] = now
+            counts = delta[ENV : ENV + _N]
+            s.steps[s.slot(h)] += int(counts.sum())
+            s.hists["env_step_seconds"].add_counts(counts, float(delta[ENV + _N]))
+            s.episodes[0] += int(delta[ENDS])
+            s.episodes[1] += int(delta[ENDS + 1])
+            if h < len(hosted.restarts):
+                restarts[s.slot(h)] += hosted.restarts[h]
+        s.restarts = restarts
+        s.clocks = clocks

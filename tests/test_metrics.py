@@ -1,0 +1,433 @@
+"""Sampler(metrics=...): each metric's value against what the run did, on every backend, and
+the bottleneck gauge in three synthetic runs (a slow env, a slow agent, a slow consumer)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import async_envs
+import numpy as np
+import pytest
+from envs import BadShapeEnv, FailingEnv, HangingEnv, KillSelfEnv, NoisyEnv, SleepyEnv
+from helpers import SamplerFactory
+from prometheus_client import CollectorRegistry
+
+from asyncsample import EpisodeBatch, RandomAgent, Sampler, StepType, VectorEnv, WorkerError
+from asyncsample._clock import HostTiming
+from asyncsample.sb3 import AsyncSampleVecEnv
+
+pytestmark = pytest.mark.timeout(120)
+
+P = "asyncsample_"
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The sum of metric ``name``'s samples that carry ``labels`` (0 when none)."""
+    total = 0.0
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == P + name and all(
+                sample.labels.get(k) == v for k, v in labels.items()
+            ):
+                total += sample.value
+    return total
+
+
+def ends(batches: list[EpisodeBatch], kind: StepType) -> int:
+    return sum(int(np.count_nonzero(np.asarray(b.step_types) == kind)) for b in batches)
+
+
+def open_fragments(batch: EpisodeBatch) -> int:
+    """Episodes of a fragments batch still running at its end."""
+    last = np.cumsum(batch.lengths) - 1
+    types = np.asarray(batch.step_types)[last]
+    return int(np.count_nonzero((types != StepType.TERMINAL) & (types != StepType.TIMEOUT)))
+
+
+def env_for(backend: str) -> Any:
+    if backend == "asyncio":
+        return async_envs.random_length(1, 20)
+    return NoisyEnv
+
+
+def check_counts(
+    registry: CollectorRegistry, backend: str, batches: list[EpisodeBatch], sampled: bool = False
+) -> None:
+    """``sampled``: inference="host", whose hosts time one chunk in HostTiming.EVERY."""
+    steps = sum(b.n_transitions for b in batches)
+    assert value(registry, "env_steps_total", backend=backend) == steps
+    timed = value(registry, "env_step_seconds_count", backend=backend)
+    if sampled:  # a sample of whole chunks, each timed step weighing EVERY
+        assert 0 < timed <= HostTiming.EVERY * steps and timed % HostTiming.EVERY == 0
+    else:  # the hosts measured every env step
+        assert timed == steps
+    assert value(registry, "env_step_seconds_sum", backend=backend) > 0
+    terminated = ends(batches, StepType.TERMINAL)
+    truncated = ends(batches, StepType.TIMEOUT)
+    assert terminated > 0 and truncated > 0
+    assert value(registry, "episodes_total", end="terminated") == terminated
+    assert value(registry, "episodes_total", end="truncated") == truncated
+    assert value(registry, "episodes_total", end="deadline") == 0
+    assert value(registry, "episode_length_count") == terminated + truncated
+    assert value(registry, "episode_seconds_count") == terminated + truncated
+    # every step's action is one row of one agent call
+    calls = value(registry, "agent_calls_total")
+    assert calls > 0
+    if sampled:
+        assert value(registry, "agent_call_seconds_count") > 0
+    else:
+        assert value(registry, "agent_call_seconds_count") == calls
+    assert value(registry, "agent_call_rows_count") == calls
+    assert value(registry, "agent_call_rows_sum") == steps
+    assert value(registry, "policy_lag_count") == steps
+    assert value(registry, "call_wait_seconds_count") == len(batches)
+    assert value(registry, "agent_version") == 0
+    # the barrier: the episodes still running are exactly the last batch's open fragments
+    assert value(registry, "episodes_in_flight") == open_fragments(batches[-1])
+    assert value(registry, "env_calls_in_flight") == 0
+    assert sum(value(registry, "bottleneck", side=s) for s in ("env", "agent", "caller")) == 1
+
+
+@pytest.mark.parametrize("backend", ["local", "process", "thread", "asyncio"])
+async def test_counts_match_the_run(backend: str, make_sampler: SamplerFactory) -> None:
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        backend,
+        env_for(backend),
+        n_workers=2,
+        envs_per_worker=3,
+        max_episode_length=8,
+        seed=3,
+        metrics=registry,
+    )
+    batches = [await sampler.obtain_fragments(150) for _ in range(3)]
+    check_counts(registry, backend, batches)
+    lockstep_calls = sum(b.n_transitions for b in batches) / 3  # a call per worker step
+    if backend in ("local", "process"):
+        assert value(registry, "agent_calls_total") == lockstep_calls
+    # per-worker labels: the workers' steps add up to their own transitions
+    for w in range(2):
+        mine = sum(int(b.lengths[b.episode_infos["worker"] == w].sum()) for b in batches)
+        assert value(registry, "env_steps_total", worker=str(w)) == mine
+
+
+@pytest.mark.parametrize("backend", ["process", "local"])
+async def test_host_and_batched_inference_count_agent_calls(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    registry = CollectorRegistry()
+    inference = "host" if backend == "process" else "batched"
+    agent = RandomAgent(NoisyEnv().action_space, seed=0)  # batched: one shared agent
+    sampler = make_sampler(
+        backend,
+        NoisyEnv,
+        agent,
+        n_workers=2,
+        envs_per_worker=3,
+        max_episode_length=8,
+        seed=4,
+        inference=inference,
+        metrics=registry,
+    )
+    batches = [await sampler.obtain_fragments(150) for _ in range(2)]
+    check_counts(registry, backend, batches, sampled=inference == "host")
+    if inference == "host":  # one agent call per worker step of the hosts, counted exactly
+        assert value(registry, "agent_calls_total") == sum(b.n_transitions for b in batches) / 3
+
+
+async def test_exact_episodes_and_update_version(make_sampler: SamplerFactory) -> None:
+    registry = CollectorRegistry()
+    sampler = make_sampler("local", NoisyEnv, n_workers=2, max_episode_length=8, metrics=registry)
+    batch = await sampler.obtain_exact_episodes(3)
+    await sampler.update_agent(sampler.workers[0].agent)
+    batch2 = await sampler.obtain_exact_episodes(3)
+    assert value(registry, "episodes_total") == batch.n_episodes + batch2.n_episodes == 12
+    assert value(registry, "env_steps_total") == batch.n_transitions + batch2.n_transitions
+    assert value(registry, "agent_version") == 1
+    assert value(registry, "episodes_in_flight") == 0  # exact episodes leave none running
+
+
+async def test_deadline_ends_are_counted(make_sampler: SamplerFactory) -> None:
+    registry = CollectorRegistry()
+    env = async_envs.counting(length=1000, latency=0.002)
+    sampler = make_sampler(
+        "asyncio", env, n_workers=1, envs_per_worker=2, episode_timeout=0.05, metrics=registry
+    )
+    batch = await sampler.obtain_exact_episodes(2)
+    deadline = int(np.count_nonzero(batch.episode_infos.get("deadline", np.zeros(0, bool))))
+    assert deadline == batch.n_episodes > 0
+    assert value(registry, "episodes_total", end="deadline") == deadline
+    assert value(registry, "episodes_total", end="truncated") == 0
+
+
+@pytest.mark.parametrize("backend", ["local", "process", "thread"])
+async def test_faults_injected_equal_faults_counted(
+    backend: str, tmp_path: Path, make_sampler: SamplerFactory
+) -> None:
+    registry = CollectorRegistry()
+    env = functools.partial(FailingEnv, str(tmp_path / "failed"), 5)
+    sampler = make_sampler(backend, env, n_workers=2, envs_per_worker=2, metrics=registry)
+    batch = await sampler.obtain_samples(200)
+    assert (tmp_path / "failed").exists()
+    assert value(registry, "env_faults_total", kind="raised") == 1
+    assert value(registry, "env_faults_total") == 1
+    assert value(registry, "restarts_total") == sampler.restarts == 1
+    # the steps lost with the dropped episodes were taken too: counted, not in the batch
+    assert value(registry, "env_steps_total") >= batch.n_transitions
+
+
+async def test_async_env_faults_counted(make_sampler: SamplerFactory) -> None:
+    registry = CollectorRegistry()
+    # one fault (two envs of a worker failing in the same pass of the loop are one restart)
+    env = async_envs.failing(fail_at=3, times=1)
+    sampler = make_sampler("asyncio", env, n_workers=2, envs_per_worker=2, metrics=registry)
+    await sampler.obtain_samples(100)
+    await sampler.obtain_samples(100)
+    injected = sum(e.failed for e in env.made)
+    assert injected == 1
+    assert value(registry, "env_faults_total", kind="raised") == injected
+    assert value(registry, "restarts_total") == injected == sampler.restarts
+
+
+async def test_hung_and_killed_hosts_are_counted(
+    tmp_path: Path, make_sampler: SamplerFactory
+) -> None:
+    registry = CollectorRegistry()
+    hung = functools.partial(HangingEnv, 6, 3600.0, str(tmp_path / "hung"))
+    sampler = make_sampler(
+        "process", hung, n_workers=2, n_processes=2, step_timeout=1.0, metrics=registry
+    )
+    await sampler.obtain_samples(60)
+    assert value(registry, "env_faults_total", kind="hung") == 1
+    killed = functools.partial(KillSelfEnv, 6, str(tmp_path / "killed"))
+    sampler = make_sampler("process", killed, n_workers=2, n_processes=2, metrics=registry)
+    await sampler.obtain_samples(60)
+    assert value(registry, "env_faults_total", kind="killed") == 1
+    assert value(registry, "env_faults_total", kind="hung") == 1  # two samplers, one registry
+    assert value(registry, "restarts_total") == 2
+
+
+async def test_malformed_observations_are_counted(make_sampler: SamplerFactory) -> None:
+    registry = CollectorRegistry()
+    sampler = make_sampler("process", BadShapeEnv, n_workers=1, metrics=registry)
+    with pytest.raises(WorkerError):
+        await sampler.obtain_samples(20)
+    assert value(registry, "env_faults_total", kind="malformed") == 1
+    assert value(registry, "restarts_total") == 0
+
+
+async def test_closed_sampler_keeps_its_counters(make_sampler: SamplerFactory) -> None:
+    registry = CollectorRegistry()
+    sampler = make_sampler("local", NoisyEnv, metrics=registry)
+    batch = await sampler.obtain_fragments(40)
+    await sampler.aclose()
+    assert value(registry, "env_steps_total") == batch.n_transitions
+    assert value(registry, "episodes_in_flight") == 0
+
+
+def test_bad_metrics_argument() -> None:
+    with pytest.raises(TypeError, match="metrics must be None, True"):
+        Sampler("CartPole-v1", backend="local", metrics="yes")
+
+
+def test_without_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
+    with pytest.raises(ImportError, match=r"asyncsample\[metrics\]"):
+        Sampler("CartPole-v1", backend="local", metrics=True)
+
+
+def test_core_imports_without_prometheus() -> None:
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "import asyncio, asyncsample\n"
+        "async def main():\n"
+        "    async with asyncsample.Sampler('CartPole-v1', backend='local') as s:\n"
+        "        print((await s.obtain_samples(10)).n_transitions >= 10)\n"
+        "asyncio.run(main())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
+# -- the bottleneck ---------------------------------------------------------------------------
+
+
+class SlowAgent:
+    """A random agent that takes ``delay`` seconds per call (a slow policy server)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def get_actions(self, observations: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+        time.sleep(self.delay)
+        return np.zeros(len(observations), dtype=np.int64), {}
+
+
+def verdict(registry: CollectorRegistry) -> str:
+    sides = [s for s in ("env", "agent", "caller") if value(registry, "bottleneck", side=s) == 1]
+    assert len(sides) == 1, sides
+    return sides[0]
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+@pytest.mark.slow  # seconds of deliberate waiting; the slow pass runs it
+async def test_bottleneck_slow_env(backend: str, make_sampler: SamplerFactory) -> None:
+    # env steps take 10 ms, the agent (random) microseconds: the envs hold the run
+    registry = CollectorRegistry()
+    env = functools.partial(SleepyEnv, 0.01)
+    sampler = make_sampler(
+        backend, env, n_workers=2, envs_per_worker=2, n_processes=2, metrics=registry
+    )
+    for _ in range(3):
+        await sampler.obtain_fragments(40)
+        assert verdict(registry) == "env", sampler.metrics.shares  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+@pytest.mark.slow  # seconds of deliberate waiting; the slow pass runs it
+async def test_bottleneck_slow_agent(backend: str, make_sampler: SamplerFactory) -> None:
+    # the agent takes 10 ms per call, the envs microseconds: the envs wait on the agent
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        backend,
+        NoisyEnv,
+        SlowAgent(0.01),
+        n_workers=2,
+        envs_per_worker=2,
+        n_processes=2,
+        metrics=registry,
+    )
+    for _ in range(3):
+        await sampler.obtain_fragments(40)
+        assert verdict(registry) == "agent", sampler.metrics.shares  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+@pytest.mark.slow  # seconds of deliberate waiting; the slow pass runs it
+async def test_bottleneck_slow_consumer(backend: str, make_sampler: SamplerFactory) -> None:
+    # a round takes milliseconds; the consumer holds each batch 0.3 s: the caller holds the run
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        backend, NoisyEnv, n_workers=2, envs_per_worker=2, n_processes=2, metrics=registry
+    )
+    seen = []
+    async for _ in sampler.stream(40, fragments=True, buffer_size=1):
+        seen.append(verdict(registry))
+        if len(seen) == 6:
+            break
+        await asyncio.sleep(0.3)
+    assert seen[3:] == ["caller"] * 3, (seen, sampler.metrics.shares)  # type: ignore[union-attr]
+    assert value(registry, "call_wait_seconds_count") == 6
+
+
+async def test_ray_counts_match_the_run(ray_cluster: Any, make_sampler: SamplerFactory) -> None:
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        "ray",
+        NoisyEnv,
+        n_workers=2,
+        envs_per_worker=3,
+        max_episode_length=8,
+        seed=3,
+        metrics=registry,
+    )
+    batches = [await sampler.obtain_fragments(150) for _ in range(3)]
+    check_counts(registry, "ray", batches)
+    host = make_sampler(
+        "ray",
+        NoisyEnv,
+        n_workers=2,
+        envs_per_worker=3,
+        max_episode_length=8,
+        inference="host",
+        metrics=CollectorRegistry(),
+    )
+    await host.obtain_fragments(60)
+    assert host.metrics is not None and host.metrics.state.agent_calls > 0
+
+
+# -- the vector faces -------------------------------------------------------------------------
+
+
+def test_vector_env_counts_match_the_steps(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    killed = functools.partial(KillSelfEnv, 30, str(tmp_path / "killed"))
+    venv = VectorEnv(killed, 4, n_processes=2, seed=0, max_restarts=2, metrics=registry)
+    try:
+        venv.reset()
+        terminated = truncated = 0
+        for _ in range(100):
+            _, _, term, trunc, info = venv.step(venv.action_space.sample())
+            terminated += int(term.sum())
+            # sub-envs of a restarted host end their episode truncated: the face's doing, not
+            # an end the host saw
+            truncated += int((trunc & ~info.get("_restarted", np.zeros(4, bool))).sum())
+        assert value(registry, "env_steps_total", backend="process") >= 4 * 100 - 4
+        assert value(registry, "env_step_seconds_count") == value(registry, "env_steps_total")
+        assert value(registry, "env_faults_total", kind="killed") == 1
+        assert value(registry, "restarts_total") == 1
+    finally:
+        venv.close()
+    # after close the counters stay
+    assert value(registry, "episodes_total", end="terminated") == terminated
+    assert value(registry, "episodes_total", end="truncated") == truncated
+
+
+def test_sb3_face_counts() -> None:
+    registry = CollectorRegistry()
+    venv = AsyncSampleVecEnv("CartPole-v1", 4, n_processes=2, metrics=registry)
+    try:
+        venv.reset()
+        dones = 0
+        for _ in range(200):
+            _, _, done, _ = venv.step(np.array([venv.action_space.sample() for _ in range(4)]))
+            dones += int(done.sum())
+        assert dones > 0
+        assert value(registry, "env_steps_total") == 800
+        assert value(registry, "episodes_total") == dones
+    finally:
+        venv.close()
+
+
+@pytest.mark.parametrize("backend", ["asyncio"])
+async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFactory) -> None:
+    # 6 envs, each step 50 ms, max_concurrency=4: scrapes during a call see up to 4 running
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        backend,
+        async_envs.counting(length=1000, latency=0.05),
+        n_workers=2,
+        envs_per_worker=3,
+        max_concurrency=4,
+        metrics=registry,
+    )
+    await sampler.start()
+    call = asyncio.ensure_future(sampler.obtain_fragments(60))
+    seen = []
+    while not call.done():  # scraped while the call runs
+        seen.append(value(registry, "env_calls_in_flight"))
+        await asyncio.sleep(0.01)
+    await call
+    assert max(seen) == 4 and min(seen) >= 0  # never above the cap, which the steps fill
+    assert value(registry, "env_calls_in_flight") == 0
+
+
+async def test_closed_samplers_merge_into_one_state(make_sampler: SamplerFactory) -> None:
+    # a service making a sampler per job: counts add up, the registry keeps one closed state
+    registry = CollectorRegistry()
+    total = 0
+    for n_workers in (1, 3, 2):
+        sampler = make_sampler("local", NoisyEnv, n_workers=n_workers, metrics=registry)
+        total += (await sampler.obtain_fragments(30)).n_transitions
+        await sampler.aclose()
+    assert value(registry, "env_steps_total") == total
+    assert value(registry, "env_steps_total", worker="2") > 0
+    assert sampler.metrics is not None
+    assert len(sampler.metrics._hub.states) == 1
