@@ -44,6 +44,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import write_own_results
+
 __all__ = ["main", "run_one"]
 
 #: The results page's section (``docs/vector.md`` and ``docs/performance.md`` copy it).
@@ -523,11 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeats": repeats,
         "cells": cells,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    md = table(result)
-    (args.out / "results.md").write_text(md + "\n")
-    print(md)
+    write_own_results(args.out, result, table(result))
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import pickle
 import platform
 import time
@@ -36,6 +35,7 @@ from asyncsample._engine import CallMode, StopRule
 from asyncsample.agent import RandomAgent
 from asyncsample.backends._chunk import ChunkRequest, ChunkRunner, chunk_rows, chunk_sets
 from asyncsample.env_group import EnvGroup, StepBuffers
+from benchmarks.report import write_own_results
 
 __all__ = ["main", "measure"]
 
@@ -164,11 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": rounds,
         "rows": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    md = table(result)
-    (args.out / "results.md").write_text(md + "\n")
-    print(md)
+    write_own_results(args.out, result, table(result))
     return 0
 
 

@@ -90,6 +90,14 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=1, default=str))
 
 
+def write_own_results(out: Path, result: dict[str, Any], markdown: str) -> None:
+    """An own-runner study's ``results.json`` and ``results.md`` in ``out``; prints the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "results.md").write_text(markdown + "\n")
+    print(markdown)
+
+
 # --------------------------------------------------------------------------------------------
 # Markdown
 

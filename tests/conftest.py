@@ -106,6 +106,22 @@ def ray_cluster() -> Iterator[Any]:
         ray.shutdown()
 
 
+#: Where a vector-env face's sub-envs step (the ``placed`` fixture): on two env hosts, all in the
+#: caller's process, and mixed (the last sub-env in the caller's process, the others on one
+#: host): results are the same in each.
+PLACEMENTS = {
+    "hosts": {"n_processes": 2},
+    "in-process": {"n_processes": 0},
+    "mixed": {"n_processes": 1, "caller_envs": 1},
+}
+
+
+@pytest.fixture(params=list(PLACEMENTS))
+def placed(request: pytest.FixtureRequest) -> dict[str, int]:
+    """The placement arguments of a test run in every placement."""
+    return dict(PLACEMENTS[request.param])
+
+
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
     """Fail the test if it leaves a child process or a /dev/shm entry of ours behind."""

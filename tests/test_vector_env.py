@@ -38,20 +38,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP]
 
-#: Where the sub-envs step: on two env hosts, all in the caller's process, and mixed (the last
-#: sub-env in the caller's process, the others on one host): results are the same in each.
-PLACEMENTS = {
-    "hosts": {"n_processes": 2},
-    "in-process": {"n_processes": 0},
-    "mixed": {"n_processes": 1, "caller_envs": 1},
-}
-
-
-@pytest.fixture(params=list(PLACEMENTS))
-def placed(request: pytest.FixtureRequest) -> dict[str, int]:
-    """The placement arguments of a test run in every placement."""
-    return dict(PLACEMENTS[request.param])
-
 
 class RandomEpisodesEnv(gym.Env[Any, Any]):
     """Random observations, rewards, episode ends and infos, all drawn from ``np_random``.
