@@ -23,6 +23,20 @@ from asyncsample.cli import main
 pytestmark = pytest.mark.timeout(120)
 
 CLI = [sys.executable, "-m", "asyncsample.cli"]
+
+
+def start_run(args: list[str]) -> subprocess.Popen[bytes]:
+    """``asyncsample ARGS`` in a child process with pipes, as a user's shell would start it
+    (SIGINT at its default action, so Ctrl-C reaches it)."""
+    return subprocess.Popen(
+        CLI + args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=python_env(),
+        preexec_fn=default_sigint,
+    )
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -167,13 +181,7 @@ def test_ctrl_c_prints_the_summary_so_far_and_leaves_nothing_running() -> None:
     before_shm = shm_entries()
     args = ["run", "--backend", "process", "--processes", "2", "--workers", "2",
             "--envs-per-worker", "2", "--steps", str(10**9)]  # fmt: skip
-    proc = subprocess.Popen(
-        CLI + args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=python_env(),
-        preexec_fn=default_sigint,
-    )
+    proc = start_run(args)
     assert proc.stderr is not None
     try:
         # Wait until the progress bar reports completed episodes: the hosts run and steps count.
@@ -228,13 +236,7 @@ def test_metrics_are_served_while_the_run_goes() -> None:
 
     args = ["run", "--backend", "process", "--processes", "2", "--workers", "2",
             "--envs-per-worker", "2", "--steps", str(10**9), "--metrics-port", "0"]  # fmt: skip
-    proc = subprocess.Popen(
-        CLI + args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=python_env(),
-        preexec_fn=default_sigint,
-    )
+    proc = start_run(args)
     assert proc.stderr is not None
 
     def steps(url: str) -> float:

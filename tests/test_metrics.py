@@ -277,36 +277,27 @@ def verdict(registry: CollectorRegistry) -> str:
 
 
 @pytest.mark.parametrize("backend", ["local", "process"])
+@pytest.mark.parametrize(
+    ("side", "env", "agent"),
+    [
+        # env steps take 10 ms, the agent (random) microseconds: the envs hold the run
+        ("env", functools.partial(SleepyEnv, 0.01), None),
+        # the agent takes 10 ms per call, the envs microseconds: the envs wait on the agent
+        ("agent", NoisyEnv, SlowAgent(0.01)),
+    ],
+    ids=["slow_env", "slow_agent"],
+)
 @pytest.mark.slow  # seconds of deliberate waiting; the slow pass runs it
-async def test_bottleneck_slow_env(backend: str, make_sampler: SamplerFactory) -> None:
-    # env steps take 10 ms, the agent (random) microseconds: the envs hold the run
+async def test_bottleneck_slow_env_or_agent(
+    backend: str, side: str, env: Any, agent: Any, make_sampler: SamplerFactory
+) -> None:
     registry = CollectorRegistry()
-    env = functools.partial(SleepyEnv, 0.01)
     sampler = make_sampler(
-        backend, env, n_workers=2, envs_per_worker=2, n_processes=2, metrics=registry
+        backend, env, agent, n_workers=2, envs_per_worker=2, n_processes=2, metrics=registry
     )
     for _ in range(3):
         await sampler.obtain_fragments(40)
-        assert verdict(registry) == "env", sampler.metrics.shares  # type: ignore[union-attr]
-
-
-@pytest.mark.parametrize("backend", ["local", "process"])
-@pytest.mark.slow  # seconds of deliberate waiting; the slow pass runs it
-async def test_bottleneck_slow_agent(backend: str, make_sampler: SamplerFactory) -> None:
-    # the agent takes 10 ms per call, the envs microseconds: the envs wait on the agent
-    registry = CollectorRegistry()
-    sampler = make_sampler(
-        backend,
-        NoisyEnv,
-        SlowAgent(0.01),
-        n_workers=2,
-        envs_per_worker=2,
-        n_processes=2,
-        metrics=registry,
-    )
-    for _ in range(3):
-        await sampler.obtain_fragments(40)
-        assert verdict(registry) == "agent", sampler.metrics.shares  # type: ignore[union-attr]
+        assert verdict(registry) == side, sampler.metrics.shares  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("backend", ["local", "process"])
