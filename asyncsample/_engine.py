@@ -93,6 +93,30 @@ class Transition:
     active: np.ndarray
 
 
+def transition_at(
+    episodes: Episodes,
+    t: int,
+    next_observations: Tree,
+    terminated: np.ndarray,
+    truncated: np.ndarray,
+    env_infos: list[dict[str, Any]] | None,
+    agent_infos: dict[str, Any],
+) -> Transition:
+    """The :class:`Transition` of row ``t`` of ``episodes``' records (copies of the flags)."""
+    rows = episodes.recorder.rows
+    return Transition(
+        observations=tree_map(lambda x: x[t], rows.obs),
+        actions=tree_map(lambda x: x[t], rows.actions),
+        rewards=rows.rewards[t],
+        next_observations=next_observations,
+        terminated=terminated.copy(),
+        truncated=truncated.copy(),
+        env_infos=env_infos,
+        agent_infos=agent_infos,
+        active=episodes.active.copy(),
+    )
+
+
 @dataclass
 class StopRule:
     """Where one worker's part of a call stops (picklable: chunk requests carry a copy).

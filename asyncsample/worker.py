@@ -33,6 +33,7 @@ from asyncsample._engine import (
     StopRule,
     Transition,
     run_part,
+    transition_at,
 )
 from asyncsample._recorder import Resume, put_row, row_of, store_agent_infos
 from asyncsample._tree import Tree, tree_map
@@ -437,17 +438,9 @@ class Worker:
             out[done] = final[done]
             return out
 
-        rows = self.episodes.recorder.rows
-        transition = Transition(
-            observations=tree_map(lambda x: x[t], rows.obs),
-            actions=tree_map(lambda x: x[t], rows.actions),
-            rewards=rows.rewards[t],
-            next_observations=tree_map(next_obs, buffers.obs, buffers.final_obs),
-            terminated=buffers.terminated.copy(),
-            truncated=buffers.truncated.copy(),
-            env_infos=env_infos,
-            agent_infos=agent_infos,
-            active=self.episodes.active.copy(),
+        nxt: Tree = tree_map(next_obs, buffers.obs, buffers.final_obs)
+        transition = transition_at(
+            self.episodes, t, nxt, buffers.terminated, buffers.truncated, env_infos, agent_infos
         )
         self.history = self.process_transition(self.history, transition)
 

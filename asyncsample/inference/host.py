@@ -62,7 +62,7 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample._assembly import Plan
-from asyncsample._engine import CallMode, Episodes, RecordStep, StopRule, Transition
+from asyncsample._engine import CallMode, Episodes, RecordStep, StopRule, Transition, transition_at
 from asyncsample._recorder import Resume, row_of
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import (
@@ -530,17 +530,8 @@ class ChunkStepper:
         # the next chunk (pipelining), the spare row it wrote it to.
         now = self.host.buffers.obs if self.pipe is None else row_of(chunk.obs, steps)
         nxt: Tree = tree_map(next_obs, chunk.obs, chunk.final_obs, now)
-        rows = worker.episodes.recorder.rows
-        transition = Transition(
-            observations=tree_map(lambda x: x[t], rows.obs),
-            actions=tree_map(lambda x: x[t], rows.actions),
-            rewards=rows.rewards[t],
-            next_observations=nxt,
-            terminated=chunk.terminated[j].copy(),
-            truncated=chunk.truncated[j].copy(),
-            env_infos=env_infos,
-            agent_infos=agent_infos,
-            active=worker.episodes.active.copy(),
+        transition = transition_at(
+            worker.episodes, t, nxt, chunk.terminated[j], chunk.truncated[j], env_infos, agent_infos
         )
         worker.history = worker.process_transition(worker.history, transition)
 
