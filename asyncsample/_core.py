@@ -18,8 +18,8 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
 import numpy as np
 import psutil
@@ -31,6 +31,7 @@ from asyncsample._env_tasks import ActionRequests, Admission, LaneRound, LaneSte
 from asyncsample._probe import probe_spaces
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
+from asyncsample._tasks import run_all
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
 from asyncsample.backends import (
     BACKENDS,
@@ -58,7 +59,6 @@ logger = logging.getLogger("asyncsample")
 
 Mode = Literal["samples", "episodes", "fragments"]
 _PARAMS = (dict, tuple, np.ndarray)
-_T = TypeVar("_T")
 
 AgentUpdateArg = AgentUpdate | list[AgentUpdate]
 """An agent update for a sampler call: one for every worker, or a list of one per worker."""
@@ -767,18 +767,3 @@ def _hosts_started(
     per_actor = options.get("workers_per_actor") if backend == "ray" else None
     per_actor = _validate.optional_positive_int("workers_per_actor", per_actor)
     return pool_size(n_processes, n_workers, per_actor)
-
-
-async def run_all(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:
-    """Run ``coros`` concurrently; the first error cancels the others and is raised as itself.
-
-    A cancellation of the caller cancels them all and waits for them, so nothing keeps running.
-    """
-    tasks: list[asyncio.Task[_T]] = []
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(c) for c in coros]
-    except BaseExceptionGroup as group_error:
-        error = group_error.exceptions[0]
-        raise error from error.__cause__
-    return [t.result() for t in tasks]

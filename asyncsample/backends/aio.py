@@ -27,6 +27,7 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample._clock import timed_env_call
+from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env, close_env
 from asyncsample.backends._closing import (
@@ -439,7 +440,7 @@ class LaneHost:
                 )
                 for i in indices
             ]
-        infos = await _gather(calls)
+        infos = await run_all(calls)
         return {i: info for i, info in zip(indices, infos) if info}
 
     async def step(self, mask: np.ndarray) -> StepInfos:
@@ -447,7 +448,7 @@ class LaneHost:
         reset in the same step (the sampler's same-step autoreset)."""
         indices = np.flatnonzero(mask).tolist()
         actions = self.buffers.actions
-        results = await _gather(
+        results = await run_all(
             [self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions)) for i in indices]
         )
         env_infos: list[dict[str, Any]] | None = None
@@ -459,7 +460,7 @@ class LaneHost:
                 env_infos[i] = info
             if terminated or truncated:
                 ended.append(i)
-        infos = await _gather([self.reset_one(i) for i in ended])
+        infos = await run_all([self.reset_one(i) for i in ended])
         return StepInfos(env_infos, {i: info for i, info in zip(ended, infos) if info})
 
     async def call(
@@ -558,19 +559,6 @@ def _env_error(worker: int, env: int, what: str, exc: BaseException) -> WorkerEr
         env=env,
         remote_traceback="".join(traceback.format_exception(exc)),
     )
-
-
-async def _gather(calls: Sequence[Any]) -> list[Any]:
-    """Await ``calls`` concurrently; on the first failure cancel the rest, then raise it."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    if not tasks:
-        return []
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)
 
 
 async def _close_quietly(env: Any) -> None:

@@ -46,6 +46,7 @@ import numpy as np
 import psutil
 
 from asyncsample import _validate
+from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._procs import (
@@ -743,12 +744,7 @@ class ProcessBackend:
         self._finalizer.atexit = False  # see _release_at_exit
         _LIVE[token] = self._members
         try:
-            results = await asyncio.gather(
-                *(m.live() for m in self._members), return_exceptions=True
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
+            await wait_all([m.live() for m in self._members])
             if self._closed:
                 raise RuntimeError("the process backend was closed while it started")
         except BaseException:

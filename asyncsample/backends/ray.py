@@ -58,6 +58,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._tasks import wait_all
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
 from asyncsample.backends._ray_actor import (
     OK,
@@ -648,12 +649,7 @@ class RayBackend:
                         f"{self.start_timeout:g}s: the cluster lacks the resources"
                     ) from None
             self._members = [_Member(self, i, s) for i, s in enumerate(where.split(specs))]
-            results = await asyncio.gather(
-                *(m.live() for m in self._members), return_exceptions=True
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
+            await wait_all([m.live() for m in self._members])
             self._hosts = [
                 RayHost(spec, self._members[where.member(w)], self.step_timeout)
                 for w, spec in enumerate(specs)

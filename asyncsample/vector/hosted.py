@@ -26,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
-from collections.abc import Coroutine, Iterable, Sequence
-from typing import Any, NoReturn, TypeVar, cast
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn, cast
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
+from asyncsample._tasks import wait_all
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import make_backend
 from asyncsample.backends.base import Backend, EnvHost, HostSpec, InlineHost
@@ -65,8 +66,6 @@ __all__ = [
     "env_sources",
     "finalize",
 ]
-
-_T = TypeVar("_T")
 
 
 class HostedEnvs(LockstepRounds):
@@ -695,7 +694,7 @@ class HostedEnvs(LockstepRounds):
                     continue
                 return {a + k: info for k, info in infos.items()}
 
-        return _joined(await _all(one(h) for h in range(len(self.slices))))
+        return _joined(await wait_all(one(h) for h in range(len(self.slices))))
 
     # -- attributes -------------------------------------------------------------------------
 
@@ -721,7 +720,7 @@ class HostedEnvs(LockstepRounds):
                 self._fail(h, exc)
 
         hosts = list(groups)
-        results = await _all(one(h, groups[h]) for h in hosts)
+        results = await wait_all(one(h, groups[h]) for h in hosts)
         out: list[Any] = [None] * len(indices)
         for h, values in zip(hosts, results):
             for p, value in zip(groups[h], values):
@@ -740,16 +739,7 @@ class HostedEnvs(LockstepRounds):
             except Exception as exc:
                 self._fail(h, exc)
 
-        await _all(one(h, ps) for h, ps in groups.items())
-
-
-async def _all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
-    """Await every coroutine to its end (none is left running); the first failure is raised."""
-    results = await asyncio.gather(*coros, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results  # type: ignore[return-value]
+        await wait_all(one(h, ps) for h, ps in groups.items())
 
 
 class HostedFace:
