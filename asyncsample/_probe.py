@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import gymnasium as gym
-
 from asyncsample import _validate
+from asyncsample.async_env import time_limit
 from asyncsample.backends._closing import close_off_loop
 from asyncsample.backends.aio import probe_async_env
 from asyncsample.batch import EnvSpec
 from asyncsample.env_update import make_env
 
-__all__ = ["probe_spaces", "time_limit"]
+__all__ = ["probe_spaces"]
 
 
 def probe_spaces(
@@ -71,12 +70,3 @@ def probe_spaces(
     finally:
         blocking_close = close_off_loop(env)
     return spec, limit is not None, blocking_close
-
-
-def time_limit(env: gym.Env) -> int | None:
-    """The episode limit of a ``TimeLimit`` wrapper around ``env``, if any."""
-    while isinstance(env, gym.Wrapper):
-        if isinstance(env, gym.wrappers.TimeLimit):
-            return int(env._max_episode_steps)
-        env = env.env
-    return None

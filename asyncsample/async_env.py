@@ -545,13 +545,15 @@ class AsyncRecordEpisodeStatistics(AsyncWrapper[ObsType, ActType]):
 
 
 def time_limit(env: object) -> int | None:
-    """The step limit an :class:`AsyncTimeLimit` puts on ``env``, looking through its wrappers.
+    """The step limit of ``env``: the tightest ``TimeLimit`` or :class:`AsyncTimeLimit` in its
+    wrapper stack (gymnasium's or ours), ``None`` when there is none.
 
-    The tightest limit wins when several are stacked. ``None`` when there is none.
+    The tightest wins, not the outermost: every layer counts the same steps, and an episode
+    ends at the first truncation, which the smallest limit makes wherever it stands.
     """
     limits = []
-    while isinstance(env, AsyncWrapper):
-        if isinstance(env, AsyncTimeLimit):
-            limits.append(env._max_episode_steps)
+    while isinstance(env, gym.Wrapper | AsyncWrapper):
+        if isinstance(env, gym.wrappers.TimeLimit | AsyncTimeLimit):
+            limits.append(int(env._max_episode_steps))
         env = env.env
-    return min(limits) if limits else None
+    return min(limits, default=None)

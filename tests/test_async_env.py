@@ -495,6 +495,28 @@ def assert_same_batches(a: Any, b: Any) -> None:
     assert same({k: sa[k] for k in "rl"}, {k: sb[k] for k in "rl"})
 
 
+def _two_limits(tight_inside: bool, asynchronous: bool) -> Any:
+    """A stack of two time limits, 4 and 9 steps, over 20-step episodes."""
+    wrap: Any = AsyncTimeLimit if asynchronous else gym.wrappers.TimeLimit
+    env: Any = CountingAsyncEnv(20) if asynchronous else CountingEnv(20)
+    inner, outer = (4, 9) if tight_inside else (9, 4)
+    return wrap(wrap(env, inner), outer)
+
+
+@pytest.mark.parametrize("tight_inside", [True, False], ids=["tight-inside", "tight-outside"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["blocking", "async"])
+async def test_the_tightest_of_two_time_limits_is_read_and_truncates(
+    asynchronous: bool, tight_inside: bool
+) -> None:
+    env = _two_limits(tight_inside, asynchronous)
+    assert time_limit(env) == 4  # the outermost would say 9 where the tight one is inside
+    episodes = await run_episodes(env, 0, 1) if asynchronous else run_sync_episodes(env, 0, 1)
+    assert len(episodes) == 4 + 1 and episodes[-1][3]  # the reset, then truncated at step 4
+    backend = "asyncio" if asynchronous else "local"
+    async with Sampler(lambda: _two_limits(tight_inside, asynchronous), backend=backend) as s:
+        assert s.env_spec.max_episode_length == 4
+
+
 class ObservationAgent:
     """Acts on its input alone (the built-in RandomAgent draws for whichever envs are ready
     together, which on ``thread`` depends on the threads' timing)."""
