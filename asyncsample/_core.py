@@ -26,6 +26,7 @@ import psutil
 
 from asyncsample import _validate
 from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
+from asyncsample._config import SamplerConfig
 from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
 from asyncsample._env_tasks import ActionRequests, Admission, LaneRound, LaneStepper
 from asyncsample._probe import probe_spaces
@@ -51,7 +52,7 @@ from asyncsample.inference.modes import InferenceMode, make_mode
 from asyncsample.metrics import make_metrics
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
-from asyncsample.worker import VecWorker, Worker, WorkerFactory
+from asyncsample.worker import Worker, WorkerFactory
 
 __all__ = ["AgentUpdateArg", "EnvUpdateArg", "Mode", "SamplerCore", "run_all"]
 
@@ -70,69 +71,49 @@ EnvUpdateArg = EnvChoice | list[EnvChoice]
 class SamplerCore:
     """The state of one sampler and what every call is made of (see the module docstring).
 
-    Takes the arguments of :class:`~asyncsample.Sampler` (checked here).
+    Takes the arguments of :class:`~asyncsample.Sampler` as a :class:`SamplerConfig`, checked
+    here.
     """
 
-    def __init__(
-        self,
-        env: EnvSource | list[Any],
-        agent: Agent | list[Agent] | None = None,
-        *,
-        n_workers: int = 2,
-        envs_per_worker: int = 1,
-        n_processes: int | None = None,
-        max_episode_length: int | None = None,
-        seed: int | None = None,
-        backend: str = "process",
-        step_timeout: float | None = None,
-        max_restarts: int = 3,
-        worker_class: type[Worker] = VecWorker,
-        worker_args: dict[str, Any] | None = None,
-        backend_options: dict[str, Any] | None = None,
-        test_env: EnvSource | None = None,
-        inference: str | Batched | Host = "per_worker",
-        host_threads: int | None = 1,
-        max_concurrency: int | None = None,
-        episode_timeout: float | None = None,
-        close_timeout: float = 10.0,
-        metrics: Any = None,
-    ) -> None:
+    def __init__(self, config: SamplerConfig) -> None:
+        env, agent, inference = config.env, config.agent, config.inference
+        test_env, metrics = config.test_env, config.metrics
         self.closed = True  # until construction succeeds: __del__ must not warn
-        n_workers = _validate.positive_int("n_workers", n_workers)
-        envs_per_worker = _validate.positive_int("envs_per_worker", envs_per_worker)
-        n_processes = _validate.optional_positive_int("n_processes", n_processes)
+        n_workers = _validate.positive_int("n_workers", config.n_workers)
+        envs_per_worker = _validate.positive_int("envs_per_worker", config.envs_per_worker)
+        n_processes = _validate.optional_positive_int("n_processes", config.n_processes)
         max_episode_length = _validate.optional_positive_int(
-            "max_episode_length", max_episode_length
+            "max_episode_length", config.max_episode_length
         )
-        seed = _validate.seed("seed", seed)
-        backend = _validate.choice("backend", backend, BACKENDS)
-        step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
+        seed = _validate.seed("seed", config.seed)
+        backend = _validate.choice("backend", config.backend, BACKENDS)
+        step_timeout = _validate.positive_seconds("step_timeout", config.step_timeout)
         if step_timeout is not None and backend == "local":
             raise ValueError(
                 "step_timeout cannot be used with backend='local': a step that blocks the "
                 "event loop's thread cannot be pre-empted; use backend='process'"
             )
-        max_restarts = _validate.nonnegative_int("max_restarts", max_restarts)
-        max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
+        max_restarts = _validate.nonnegative_int("max_restarts", config.max_restarts)
+        max_concurrency = _validate.optional_positive_int("max_concurrency", config.max_concurrency)
         if max_concurrency is not None and backend not in LANE_BACKENDS:
             raise ValueError(
                 "max_concurrency caps the env calls in flight of backend='asyncio' or 'thread', "
                 f"got it with backend={backend!r} (there, n_workers x envs_per_worker envs "
                 "step at once)"
             )
-        episode_timeout = _validate.positive_seconds("episode_timeout", episode_timeout)
-        self.close_timeout = _validate.seconds("close_timeout", close_timeout)
+        episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
+        self.close_timeout = _validate.seconds("close_timeout", config.close_timeout)
         self._probe_closing: asyncio.Future[Any] | None = None
         """The close of the env built to read the spaces, when it runs off the constructor."""
-        host_threads = _validate.optional_positive_int("host_threads", host_threads)
-        worker_class = _validate.subclass("worker_class", worker_class, Worker)
-        worker_args = _validate.options_dict("worker_args", worker_args)
+        host_threads = _validate.optional_positive_int("host_threads", config.host_threads)
+        worker_class = _validate.subclass("worker_class", config.worker_class, Worker)
+        worker_args = _validate.options_dict("worker_args", config.worker_args)
         if worker_args.setdefault("n_envs", envs_per_worker) != envs_per_worker:
             raise ValueError(
                 f"worker_args: n_envs ({worker_args['n_envs']}) must equal envs_per_worker "
                 f"({envs_per_worker}); set envs_per_worker instead"
             )
-        backend_options = _validate.options_dict("backend_options", backend_options)
+        backend_options = _validate.options_dict("backend_options", config.backend_options)
 
         self.n_workers = n_workers
         self.envs_per_worker = envs_per_worker

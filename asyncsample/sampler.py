@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from asyncsample import _validate, streaming
+from asyncsample._config import SamplerConfig
 from asyncsample._core import AgentUpdateArg, EnvUpdateArg, SamplerCore
 from asyncsample.agent import Agent
 from asyncsample.backends import Backend
@@ -118,26 +119,28 @@ class Sampler:
         metrics: Any = None,
     ) -> None:
         self._core = core = SamplerCore(
-            env,
-            agent,
-            n_workers=n_workers,
-            envs_per_worker=envs_per_worker,
-            n_processes=n_processes,
-            max_episode_length=max_episode_length,
-            seed=seed,
-            backend=backend,
-            step_timeout=step_timeout,
-            max_restarts=max_restarts,
-            worker_class=worker_class,
-            worker_args=worker_args,
-            backend_options=backend_options,
-            test_env=test_env,
-            inference=inference,
-            host_threads=host_threads,
-            max_concurrency=max_concurrency,
-            episode_timeout=episode_timeout,
-            close_timeout=close_timeout,
-            metrics=metrics,
+            SamplerConfig(
+                env,
+                agent,
+                n_workers=n_workers,
+                envs_per_worker=envs_per_worker,
+                n_processes=n_processes,
+                max_episode_length=max_episode_length,
+                seed=seed,
+                backend=backend,
+                step_timeout=step_timeout,
+                max_restarts=max_restarts,
+                worker_class=worker_class,
+                worker_args=worker_args,
+                backend_options=backend_options,
+                test_env=test_env,
+                inference=inference,
+                host_threads=host_threads,
+                max_concurrency=max_concurrency,
+                episode_timeout=episode_timeout,
+                close_timeout=close_timeout,
+                metrics=metrics,
+            )
         )
         self._test_envs = TestEnvs(type(self))
         self.n_workers: int = core.n_workers

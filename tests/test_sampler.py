@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import inspect
 import warnings
 
 import gymnasium as gym
@@ -37,6 +39,7 @@ from asyncsample import (
     WorkerError,
     WorkerFactory,
 )
+from asyncsample._config import SamplerConfig
 from asyncsample._engine import share_of
 
 pytestmark = pytest.mark.timeout(60)
@@ -513,3 +516,10 @@ async def test_large_image_batches_agree_across_backends(make_sampler: SamplerFa
     local, process = await run("local"), await run("process")
     assert local[0].observations.nbytes > 1 << 20
     assert all(a.equals(b) for a, b in zip(local, process))
+
+
+def test_the_config_carries_every_argument_of_the_public_signature() -> None:
+    # Sampler builds a SamplerConfig once and the core reads it: an argument added to one and
+    # not the other would be dropped or fail at construction.
+    params = list(inspect.signature(Sampler.__init__).parameters)[1:]
+    assert [f.name for f in dataclasses.fields(SamplerConfig)] == params
