@@ -35,7 +35,7 @@ from asyncsample._clock import AgentTimer
 from asyncsample._engine import CallMode, SharedQuota, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import Tree, tree_map
-from asyncsample.agent import Agent, RandomAgent
+from asyncsample.agent import Agent, trusted_actions
 from asyncsample.backends._closing import cancelled_by_env
 from asyncsample.backends.aio import DeadlinePassed, LaneHost
 from asyncsample.errors import WorkerError
@@ -150,7 +150,7 @@ class ActionRequests:
             check = self._check_of(agent, worker)
             check.worker, check.n_envs = worker, n
             actions, infos = check.output(result)
-            trusted = type(agent) is RandomAgent and agent.action_space == self.action_space
+            trusted = trusted_actions(agent, self.action_space)
             names = ", ".join(map(str, sorted(workers)))
             actions = check_actions(
                 actions,

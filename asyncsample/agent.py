@@ -12,7 +12,15 @@ from gymnasium.vector.utils import batch_space
 
 from asyncsample._tree import Tree
 
-__all__ = ["Agent", "AgentOutput", "AgentParams", "AgentUpdate", "RandomAgent", "get_actions"]
+__all__ = [
+    "Agent",
+    "AgentOutput",
+    "AgentParams",
+    "AgentUpdate",
+    "RandomAgent",
+    "get_actions",
+    "trusted_actions",
+]
 
 AgentOutput = tuple[Tree, dict[str, np.ndarray]]
 """What ``get_actions`` returns: one action per env, and a dict of per-env agent infos."""
@@ -147,3 +155,9 @@ class RandomAgent:
 
     def reset(self, do_resets: Any = None) -> None:
         """Nothing to reset: the agent is stateless."""
+
+
+def trusted_actions(agent: object, action_space: gym.Space[Any]) -> bool:
+    """Whether ``agent``'s actions may skip the range check: the built-in :class:`RandomAgent`
+    (not a subclass, which may return anything) drawing from exactly ``action_space``."""
+    return type(agent) is RandomAgent and agent.action_space == action_space

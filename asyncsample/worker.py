@@ -37,7 +37,7 @@ from asyncsample._engine import (
 )
 from asyncsample._recorder import Resume, put_row, row_of, store_agent_infos
 from asyncsample._tree import Tree, tree_map
-from asyncsample.agent import Agent, AgentOutput, AgentUpdate, RandomAgent, get_actions
+from asyncsample.agent import Agent, AgentOutput, AgentUpdate, get_actions, trusted_actions
 from asyncsample.backends.base import EnvHost
 from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_group import rebuild_chain
@@ -396,14 +396,11 @@ class Worker:
     # -- bookkeeping -------------------------------------------------------------------------
 
     def _trust_agent(self) -> None:
-        # The built-in RandomAgent samples from the action space itself: its actions need no
-        # range check (unless a subclass post-processes them).
+        # Unless a subclass post-processes them in compute_actions.
         self._trusted_actions = (
-            isinstance(self.agent, RandomAgent)
-            and type(self.agent) is RandomAgent
-            and type(self).compute_actions is Worker.compute_actions
+            type(self).compute_actions is Worker.compute_actions
             and self.env_spec is not None
-            and self.agent.action_space == self.env_spec.action_space
+            and trusted_actions(self.agent, self.env_spec.action_space)
         )
 
     def _reset_agent(self, mask: np.ndarray) -> None:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 import pytest
 from envs import SCRIPT, ScriptedAgent
 from helpers import SamplerFactory
+
+from asyncsample import RandomAgent, WorkerError
+from asyncsample.agent import trusted_actions
 
 N_ENVS = 3
 
@@ -154,3 +158,39 @@ async def test_bad_output_in_a_stream_leaves_the_sampler_usable(
                     pass
         batch = await s.obtain_exact_episodes(1, agent_update=ScriptedAgent())
     assert batch.lengths.tolist() == [6]
+
+
+class LoudRandomAgent(RandomAgent):
+    """A RandomAgent subclass whose actions leave the space: it must not be trusted."""
+
+    def get_actions(self, observations: Any) -> Any:
+        actions, infos = super().get_actions(observations)
+        return np.full_like(actions, 7), infos
+
+
+def test_only_the_built_in_random_agent_of_the_env_space_is_trusted() -> None:
+    space = gym.spaces.Discrete(4)
+    assert trusted_actions(RandomAgent(gym.spaces.Discrete(4)), space)
+    assert not trusted_actions(LoudRandomAgent(space), space)
+    assert not trusted_actions(RandomAgent(gym.spaces.Discrete(9)), space)
+    assert not trusted_actions(ScriptedAgent(SCRIPT), space)
+
+
+# Each place that trusts an agent: the worker (per_worker, batched), the lanes' merged requests
+# (thread), the env host's chunk loop (host).
+@pytest.mark.parametrize(
+    "backend, inference",
+    [("local", "per_worker"), ("local", "batched"), ("thread", "per_worker"), ("process", "host")],
+)
+@pytest.mark.parametrize("agent_kind", ["subclass", "other space"])
+async def test_an_untrusted_random_agent_is_range_checked(
+    backend: str, inference: str, agent_kind: str, make_sampler: SamplerFactory
+) -> None:
+    agent = LoudRandomAgent(gym.spaces.Discrete(4), seed=0)
+    if agent_kind == "other space":
+        agent = RandomAgent(gym.spaces.Discrete(9), seed=0)  # draws 4..8 as well
+    async with make_sampler(backend, agent=agent, inference=inference) as s:
+        with pytest.raises((ValueError, WorkerError), match="outside the action space"):
+            await s.obtain_samples(30)
+        good = await s.obtain_samples(12, agent_update=ScriptedAgent())
+        assert good.lengths.tolist() == [6, 6, 6]

@@ -36,7 +36,7 @@ from asyncsample._action_check import AgentOutputCheck, check_actions, make_acti
 from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
-from asyncsample.agent import RandomAgent
+from asyncsample.agent import trusted_actions
 from asyncsample.backends._transport import SharedArray, round_trips, shared_buffers
 from asyncsample.backends.base import HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
@@ -410,7 +410,7 @@ class ChunkRunner:
             self._guard(seeder, int(seed))
         self.agent = agent
         self._output_check.forget()
-        self._trusted = type(agent) is RandomAgent and agent.action_space == self.action_space
+        self._trusted = trusted_actions(agent, self.action_space)
 
     def set_params(self, blob: bytes) -> None:
         """``agent.set_param_values(params)`` with the parameters pickled in ``blob``."""
