@@ -1,8 +1,11 @@
 """asyncsample: collect reinforcement-learning experience with asyncio.
 
-Worker coroutines await env steps hosted in a pool of env-host processes (or in the main process,
-or in Ray actors) and gather complete episodes or fragments until a quota is met. The API follows
-garage's sampler package.
+Worker coroutines await env steps and gather complete episodes or fragments until a quota is
+met. The envs live in a pool of env-host processes, in Ray actors or in the main process, stepped
+in lockstep per worker; or, one episode per env at a time, as coroutines in the event loop
+(``backend="asyncio"``) or in a pool of threads (``"thread"``). The policy runs per worker,
+batched across workers or inside the env hosts (``inference=``). ``VectorEnv`` offers the same
+hosts as a gymnasium vector env. The API follows garage's sampler package.
 """
 
 from typing import Any

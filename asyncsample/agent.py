@@ -1,4 +1,5 @@
-"""The Agent protocol (garage's vectorised Policy) and the built-in :class:`RandomAgent`."""
+"""The Agent protocol (garage's vectorised Policy), the built-in :class:`RandomAgent`, and
+which agents' actions skip the range check (:func:`trusted_actions`)."""
 
 from __future__ import annotations
 

@@ -83,7 +83,6 @@ class Sampler:
             ``ResourceWarning``. ``"process"`` and ``"ray"`` kill a host that has not exited
             within ``min(close_timeout, 2 s)`` of being asked to; ``"local"`` closes envs in the
             loop's thread, where a blocking close cannot be bounded.
-            (not with ``inference="host"``, which runs chunks of steps in the hosts).
         metrics: ``None`` (default) keeps no metrics; a ``prometheus_client.CollectorRegistry``,
             or ``True`` for its default registry, keeps the ``asyncsample_*`` metrics of
             :mod:`asyncsample.metrics` (``docs/metrics.md``): steps, episodes, faults, the
