@@ -27,15 +27,8 @@ __all__ = ["check_batched", "check_fields", "check_infos", "check_step_types", "
 
 
 def check_fields(batch: EpisodeBatch, step_type: type[enum.IntEnum]) -> None:
-    """Check the shapes, dtypes and consistency of every field of ``batch``.
-
-    Args:
-        batch: the batch being built.
-        step_type: the enum its ``step_types`` hold (:class:`~asyncsample.batch.StepType`).
-
-    Raises:
-        ValueError: naming the first field that is malformed.
-    """
+    """Check the shapes, dtypes and consistency of every field of ``batch``, whose
+    ``step_types`` hold ``step_type``; a ``ValueError`` names the first malformed field."""
     lengths = batch.lengths
     if not isinstance(lengths, np.ndarray):
         raise ValueError(

@@ -380,20 +380,24 @@ def recordable_space(name: str, space: object) -> None:
     )
 
 
-def _unrecordable(path: str, space: object) -> tuple[str, object] | None:
+def _subspaces(space: object) -> list[tuple[object, gym.Space[Any]]] | None:
+    """``(key, subspace)`` of a ``Dict`` or ``Tuple`` space; ``None`` for a leaf space."""
     if isinstance(space, gym.spaces.Dict):
-        for key, sub in space.spaces.items():
-            found = _unrecordable(f"{path}[{key!r}]", sub)
-            if found is not None:
-                return found
-        return None
+        return list(space.spaces.items())
     if isinstance(space, gym.spaces.Tuple):
-        for i, sub in enumerate(space.spaces):
-            found = _unrecordable(f"{path}[{i}]", sub)
-            if found is not None:
-                return found
-        return None
-    return None if isinstance(space, RECORDABLE_SPACES) else (path, space)
+        return list(enumerate(space.spaces))
+    return None
+
+
+def _unrecordable(path: str, space: object) -> tuple[str, object] | None:
+    subspaces = _subspaces(space)
+    if subspaces is None:
+        return None if isinstance(space, RECORDABLE_SPACES) else (path, space)
+    for key, sub in subspaces:
+        found = _unrecordable(f"{path}[{key!r}]", sub)
+        if found is not None:
+            return found
+    return None
 
 
 #: Memory one env and the sampler's state for it take beyond the step buffers (measured with
@@ -405,10 +409,9 @@ _ROW_EXTRA_BYTES = 10
 
 def _leaf_bytes(space: gym.Space[Any]) -> int:
     """Bytes one value of a recordable ``space`` takes in a step buffer (nested spaces summed)."""
-    if isinstance(space, gym.spaces.Dict):
-        return sum(_leaf_bytes(s) for s in space.spaces.values())
-    if isinstance(space, gym.spaces.Tuple):
-        return sum(_leaf_bytes(s) for s in space.spaces)
+    subspaces = _subspaces(space)
+    if subspaces is not None:
+        return sum(_leaf_bytes(s) for _, s in subspaces)
     dtype = np.dtype(space.dtype if space.dtype is not None else np.float64)
     return int(math.prod(space.shape or ())) * dtype.itemsize
 

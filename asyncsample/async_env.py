@@ -185,18 +185,9 @@ def check_async_env(
     needed_by: str = "backend='asyncio'",
     advice: str = "use backend='thread' (or 'process') for it",
 ) -> None:
-    """Refuse, before any work, what cannot be stepped as an async env.
-
-    Args:
-        obj: what an env factory returned.
-        name: the argument it came from, for the message (``"env"``).
-        needed_by: who needs an async env, for the message.
-        advice: what to do with a blocking env instead, for the message.
-
-    Raises:
-        TypeError: ``obj`` is a blocking env (with advice on the backend to use), lacks
-            coroutine ``reset``/``step``, or lacks a gymnasium space.
-    """
+    """Refuse, before any work, what an env factory returned if it cannot be stepped as an
+    async env: a ``TypeError`` naming the argument ``name``, who ``needed_by`` an async env
+    and, for a blocking env, the ``advice``; also for a missing or non-gymnasium space."""
     kind = _describe(obj)
     if not (_is_coroutine_method(obj, "reset") and _is_coroutine_method(obj, "step")):
         if isinstance(obj, gym.Env) or (
@@ -228,16 +219,8 @@ def check_async_env(
 
 
 def check_blocking_env(obj: object, name: str, backend: str | None = None) -> None:
-    """Refuse an async env on a backend that calls ``reset``/``step`` without awaiting them.
-
-    Args:
-        obj: what an env factory returned.
-        name: the argument it came from, for the message.
-        backend: the sampler's backend, for the message (``None``: "this backend").
-
-    Raises:
-        TypeError: ``obj`` is an async env.
-    """
+    """Refuse (``TypeError``) an async env on a backend that calls ``reset``/``step`` without
+    awaiting them; ``name`` and ``backend`` (``None``: "this backend") go into the message."""
     if is_async_env(obj):
         which = "this backend" if backend is None else f"backend={backend!r}"
         raise TypeError(

@@ -113,22 +113,10 @@ class StepType(enum.IntEnum):
 
     @classmethod
     def get_step_type(cls, step_cnt: int, max_episode_length: int | None, done: bool) -> StepType:
-        """The step type of the ``step_cnt``-th transition (counting from 1) of an episode.
-
-        Reaching ``max_episode_length`` gives ``TIMEOUT`` even when ``done`` is set, as in
-        garage: the time limit is what ended the episode from the sampler's point of view.
-
-        Args:
-            step_cnt: 1-based index of the transition within its episode.
-            max_episode_length: the time limit, or ``None`` for none.
-            done: whether the env reported the end of the episode at this transition.
-
-        Returns:
-            The step type of that transition.
-
-        Raises:
-            ValueError: if ``step_cnt`` is below 1.
-        """
+        """The step type of the ``step_cnt``-th transition (from 1) of an episode, ``done`` if
+        the env ended it there. Reaching ``max_episode_length`` (``None``: no limit) gives
+        ``TIMEOUT`` even when ``done`` is set, as in garage: the limit is what ended the episode
+        from the sampler's point of view. A ``step_cnt`` below 1 is a ``ValueError``."""
         if max_episode_length is not None and step_cnt >= max_episode_length:
             return cls.TIMEOUT
         if done:

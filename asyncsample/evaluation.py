@@ -67,15 +67,13 @@ class DeterministicAgent:
         """The agent's deterministic actions."""
         if self._method is not None:
             result = self._method(observations)
-            if inspect.isawaitable(result):
-                result = await result
-            return cast(AgentOutput, result)
-        if self._kwargs:
+        elif self._kwargs:
             result = self.agent.get_actions(observations, **self._kwargs)
-            if inspect.isawaitable(result):
-                result = await result
-            return result
-        return await get_actions(self.agent, observations)
+        else:
+            return await get_actions(self.agent, observations)
+        if inspect.isawaitable(result):
+            result = await result
+        return cast(AgentOutput, result)
 
     def reset(self, do_resets: Any = None) -> None:
         """Forward resets to the wrapped agent."""

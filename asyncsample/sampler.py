@@ -347,33 +347,15 @@ class Sampler:
 
         Args:
             n_eps_per_worker: episodes per worker, an int of at least 1.
-            agent_update: applied before sampling: ``None`` keeps the agent; parameters
-                (a ``dict``, ``tuple`` or ``numpy.ndarray``) go to ``set_param_values`` of each
-                distinct agent once; an agent replaces it; a list holds one update per worker
-                (exactly ``n_workers``). It bumps the agent version and resets the episodes in
-                progress of the workers it reaches.
-            env_update: applied before sampling: ``None`` keeps the envs; an
-                :class:`EnvUpdate` is called with the old env and returns the new one; a
-                ``gymnasium.Env`` (deep-copied per env), a gymnasium id or a zero-argument
-                factory replaces them; a list holds one per worker (exactly ``n_workers``), a
-                list inside it one per env (exactly ``envs_per_worker``). An updated env starts
-                a new episode.
+            agent_update: as in :meth:`obtain_samples`.
+            env_update: as in :meth:`obtain_samples`.
 
         Returns:
             ``n_workers * n_eps_per_worker`` complete episodes, worker-major.
 
         Raises:
-            TypeError: a quota or argument of the wrong type, or an update of the wrong kind (or
-                that cloudpickle cannot pickle), before any env is stepped.
-            ValueError: a quota below 1 or an argument out of range, or an update list of the
-                wrong length, before any env is stepped; or, while sampling, an observation or
-                action that does not fit its space (your code's mistake: not retried).
-            WorkerError: an env kept failing after ``max_restarts`` restarts of its worker in
-                this call (its subclasses :class:`WorkerCrashedError`, a host died, and
-                :class:`StepTimeoutError`, a step outlived ``step_timeout``), or your agent's
-                mistake in an env host (``retry=False``, not retried).
-            SamplerClosedError: the sampler was closed.
-            SamplerBusyError: called from the body of this sampler's own open :meth:`stream`.
+            TypeError, ValueError, WorkerError, SamplerClosedError, SamplerBusyError: as in
+                :meth:`obtain_samples`.
         """
         n_eps_per_worker = _validate.positive_int("n_eps_per_worker", n_eps_per_worker)
         return await self._core.call("episodes", n_eps_per_worker, agent_update, env_update)
@@ -394,17 +376,8 @@ class Sampler:
 
         Args:
             num_samples: the quota of transitions, an int of at least 1.
-            agent_update: applied before sampling: ``None`` keeps the agent; parameters
-                (a ``dict``, ``tuple`` or ``numpy.ndarray``) go to ``set_param_values`` of each
-                distinct agent once; an agent replaces it; a list holds one update per worker
-                (exactly ``n_workers``). It bumps the agent version and resets the episodes in
-                progress of the workers it reaches.
-            env_update: applied before sampling: ``None`` keeps the envs; an
-                :class:`EnvUpdate` is called with the old env and returns the new one; a
-                ``gymnasium.Env`` (deep-copied per env), a gymnasium id or a zero-argument
-                factory replaces them; a list holds one per worker (exactly ``n_workers``), a
-                list inside it one per env (exactly ``envs_per_worker``). An updated env starts
-                a new episode.
+            agent_update: as in :meth:`obtain_samples`.
+            env_update: as in :meth:`obtain_samples`.
             fraction_samples: in ``(0, 1]``. Below 1, a worker only has to return
                 ``ceil(fraction_samples * share)`` transitions (steps x envs) and fast workers
                 keep stepping while the call's total is short of ``num_samples``; the call ends
@@ -421,17 +394,8 @@ class Sampler:
             current observation).
 
         Raises:
-            TypeError: a quota or argument of the wrong type, or an update of the wrong kind (or
-                that cloudpickle cannot pickle), before any env is stepped.
-            ValueError: a quota below 1 or an argument out of range, or an update list of the
-                wrong length, before any env is stepped; or, while sampling, an observation or
-                action that does not fit its space (your code's mistake: not retried).
-            WorkerError: an env kept failing after ``max_restarts`` restarts of its worker in
-                this call (its subclasses :class:`WorkerCrashedError`, a host died, and
-                :class:`StepTimeoutError`, a step outlived ``step_timeout``), or your agent's
-                mistake in an env host (``retry=False``, not retried).
-            SamplerClosedError: the sampler was closed.
-            SamplerBusyError: called from the body of this sampler's own open :meth:`stream`.
+            TypeError, ValueError, WorkerError, SamplerClosedError, SamplerBusyError: as in
+                :meth:`obtain_samples`.
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)

@@ -322,25 +322,17 @@ class Worker:
         Envs whose episode ended on this step were closed already; whether any was cut."""
         episodes = self.episodes
         late = episodes.late()
-        host = self.host
-        assert host is not None
-        buffers = host.buffers
         if not len(late):
             return False
+        assert self.host is not None
         mask = np.zeros(self.n_envs, dtype=bool)
         mask[late] = True
-        final = tree_map(np.copy, buffers.obs)  # the reset overwrites these rows
-        reset_infos = await host.reset(mask)
+        final = tree_map(np.copy, self.host.buffers.obs)  # the reset overwrites these rows
+        reset_infos = await self.host.reset(mask)
         for i in late.tolist():
             episodes.episode_info[i]["deadline"] = True
-        episodes.close_episodes(
-            late,
-            t,
-            np.zeros(self.n_envs, dtype=bool),
-            final,
-            reset_infos,
-            self.agent_version,
-        )
+        no = np.zeros(self.n_envs, dtype=bool)
+        episodes.close_episodes(late, t, no, final, reset_infos, self.agent_version)
         self._reset_agent(mask)
         return True
 
