@@ -199,21 +199,17 @@ def _usage_error(prog: str, message: str) -> NoReturn:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    need = _BACKEND_NEEDS.get(args.backend)
-    if need is not None and not _importable(need[0]):
-        print(
-            f"asyncsample run: error: --backend {args.backend} needs the {need[0]} package, "
-            f"which is not installed: {need[1]}",
-            file=sys.stderr,
-        )
-        return EXIT_RUNTIME
-    if args.metrics_port is not None and not _importable(_METRICS_NEEDS[0]):
-        print(
-            f"asyncsample run: error: --metrics-port needs the {_METRICS_NEEDS[0]} package, "
-            f"which is not installed: {_METRICS_NEEDS[1]}",
-            file=sys.stderr,
-        )
-        return EXIT_RUNTIME
+    needs = [(f"--backend {args.backend}", _BACKEND_NEEDS.get(args.backend))]
+    if args.metrics_port is not None:
+        needs.append(("--metrics-port", _METRICS_NEEDS))
+    for option, need in needs:
+        if need is not None and not _importable(need[0]):
+            print(
+                f"asyncsample run: error: {option} needs the {need[0]} package, which is not "
+                f"installed: {need[1]}",
+                file=sys.stderr,
+            )
+            return EXIT_RUNTIME
     _configure_logging(args.verbose)
     summary = RunSummary()
     try:

@@ -103,15 +103,21 @@ class SetTaskUpdate(EnvUpdate):
         return env
 
     def __call__(self, old_env: gym.Env | None = None) -> gym.Env:
+        env: gym.Env = self._apply(old_env, close=True)
+        return env
+
+    def _apply(self, old_env: Any, *, close: bool) -> Any:
+        """Set the task on ``old_env``, or build a new env (``close``: closing the old one)."""
         if old_env is None:
             return self._make_env()
         if type(old_env.unwrapped) is not self.env_type:
             warnings.warn(
                 f"SetTaskUpdate: the env has type {type(old_env.unwrapped).__name__}, not "
                 f"{self.env_type.__name__}; closing it and building a new one",
-                stacklevel=2,
+                stacklevel=3,
             )
-            old_env.close()
+            if close:
+                old_env.close()
             return self._make_env()
         old_env.unwrapped.set_task(self.task)  # type: ignore[attr-defined]
         return old_env
@@ -240,16 +246,7 @@ def replacement(update: EnvUpdate, old_env: Any) -> Any:
     if isinstance(update, NewEnvUpdate):
         return update.env_constructor()
     if isinstance(update, SetTaskUpdate):
-        if old_env is not None and type(old_env.unwrapped) is update.env_type:
-            old_env.unwrapped.set_task(update.task)  # type: ignore[attr-defined]
-            return old_env
-        if old_env is not None:
-            warnings.warn(
-                f"SetTaskUpdate: the env has type {type(old_env.unwrapped).__name__}, not "
-                f"{update.env_type.__name__}; closing it and building a new one",
-                stacklevel=2,
-            )
-        return update._make_env()
+        return update._apply(old_env, close=False)
     return update(old_env)
 
 
