@@ -44,29 +44,24 @@ def probe_spaces(
         TypeError: an env of the wrong kind for the backend.
     """
     first = source[0] if isinstance(source, list) else source
+    closing: asyncio.Future[Any] | None
     if asynchronous:
         observation_space, action_space, limit, closing = probe_async_env(first, close_timeout)
-        _validate.recordable_space("env: observation_space", observation_space)
-        _validate.recordable_space("env: action_space", action_space)
-        spec = EnvSpec(
-            observation_space=observation_space,
-            action_space=action_space,
-            max_episode_length=max_episode_length or limit,
-        )
-        return spec, limit is not None, closing
-    try:
-        env = make_env(first)
-    except Exception as exc:
-        raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
-    try:
-        _validate.recordable_space("env: observation_space", env.observation_space)
-        _validate.recordable_space("env: action_space", env.action_space)
-        limit = time_limit(env)
-        spec = EnvSpec(
-            observation_space=env.observation_space,
-            action_space=env.action_space,
-            max_episode_length=max_episode_length or limit,
-        )
-    finally:
-        blocking_close = close_off_loop(env)
-    return spec, limit is not None, blocking_close
+    else:
+        try:
+            env = make_env(first)
+        except Exception as exc:
+            raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
+        try:
+            observation_space, action_space = env.observation_space, env.action_space
+            limit = time_limit(env)
+        finally:
+            closing = close_off_loop(env)
+    _validate.recordable_space("env: observation_space", observation_space)
+    _validate.recordable_space("env: action_space", action_space)
+    spec = EnvSpec(
+        observation_space=observation_space,
+        action_space=action_space,
+        max_episode_length=max_episode_length or limit,
+    )
+    return spec, limit is not None, closing

@@ -66,10 +66,9 @@ async def stream(
         async def produce() -> None:
             # The first round continues the fragments of a previous obtain_fragments call;
             # every later round continues what the round before left running.
-            if fragments:
-                resume = Resume.FRAGMENTS if sampler.last_mode == "fragments" else Resume.NOTHING
-            else:
-                resume = Resume.NOTHING
+            resume = Resume.NOTHING
+            if fragments and sampler.last_mode == "fragments":
+                resume = Resume.FRAGMENTS
             leave = Resume.FRAGMENTS if fragments else Resume.EPISODES
             try:
                 while True:
