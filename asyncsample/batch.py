@@ -423,25 +423,7 @@ class EpisodeBatch:
 
     def split(self) -> list[EpisodeBatch]:
         """One single-episode batch per episode, in order. The arrays are views into this one."""
-        out = []
-        for i, steps in enumerate(self.episode_slices):
-            one = slice(i, i + 1)
-            out.append(
-                EpisodeBatch(
-                    env_spec=self.env_spec,
-                    episode_infos=tree_index(self.episode_infos, one),
-                    observations=tree_index(self.observations, steps),
-                    last_observations=tree_index(self.last_observations, one),
-                    actions=tree_index(self.actions, steps),
-                    rewards=self.rewards[steps],
-                    env_infos=tree_index(self.env_infos, steps),
-                    agent_infos=tree_index(self.agent_infos, steps),
-                    step_types=self.step_types[steps],
-                    lengths=self.lengths[one],
-                    agent_versions=_index(self.agent_versions, steps),
-                )
-            )
-        return out
+        return [self._take(slice(i, i + 1), s) for i, s in enumerate(self.episode_slices)]
 
     def select(self, episodes: np.ndarray | Sequence[int]) -> EpisodeBatch:
         """A batch of the chosen episodes (a boolean mask or indices over episodes), in order."""
@@ -450,23 +432,26 @@ class EpisodeBatch:
             chosen = np.flatnonzero(chosen)
         ends = np.cumsum(self.lengths)
         starts = ends - self.lengths
-        lengths = self.lengths[chosen]
         steps = (
             np.concatenate([np.arange(starts[i], ends[i]) for i in chosen.tolist()])
             if len(chosen)
             else np.zeros(0, dtype=np.int64)
         )
+        return self._take(chosen, steps)
+
+    def _take(self, episodes: Any, steps: Any) -> EpisodeBatch:
+        """The batch of ``episodes``, whose steps are ``steps`` (slices give views)."""
         return EpisodeBatch(
             env_spec=self.env_spec,
-            episode_infos=tree_index(self.episode_infos, chosen),
+            episode_infos=tree_index(self.episode_infos, episodes),
             observations=tree_index(self.observations, steps),
-            last_observations=tree_index(self.last_observations, chosen),
+            last_observations=tree_index(self.last_observations, episodes),
             actions=tree_index(self.actions, steps),
             rewards=self.rewards[steps],
             env_infos=tree_index(self.env_infos, steps),
             agent_infos=tree_index(self.agent_infos, steps),
             step_types=self.step_types[steps],
-            lengths=lengths,
+            lengths=self.lengths[episodes],
             agent_versions=_index(self.agent_versions, steps),
         )
 
@@ -557,15 +542,9 @@ class EpisodeBatch:
                 )
             else:
                 raise ValueError(f"path {i} has neither 'step_types' nor 'dones'")
-        env_infos = concat_infos(
-            [as_info_arrays(p.get("env_infos"), "env_infos") for p in paths],
-            lengths.tolist(),
-            "env_infos",
-        )
-        agent_infos = concat_infos(
-            [as_info_arrays(p.get("agent_infos"), "agent_infos") for p in paths],
-            lengths.tolist(),
-            "agent_infos",
+        env_infos, agent_infos = (
+            concat_infos([as_info_arrays(p.get(k), k) for p in paths], lengths.tolist(), k)
+            for k in ("env_infos", "agent_infos")
         )
         episode_infos = stack_infos([p.get("episode_infos") or {} for p in paths])
         return cls(
