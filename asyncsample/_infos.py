@@ -50,10 +50,7 @@ def _stack_values(values: list[Any]) -> np.ndarray:
     try:
         return np.asarray(values)
     except ValueError:  # inhomogeneous shapes: keep each value as one object
-        out = np.empty(len(values), dtype=object)
-        for i, value in enumerate(values):
-            out[i] = value
-        return out
+        return _object_rows(values)
 
 
 def fill_value(dtype: np.dtype[Any]) -> Any:
@@ -187,10 +184,10 @@ def stack_infos(
     return out
 
 
-def _as_object_rows(array: np.ndarray) -> np.ndarray:
-    """View an array as a 1-D object array of its rows (for concatenating ragged info)."""
-    out = np.empty(len(array), dtype=object)
-    for i, row in enumerate(array):
+def _object_rows(rows: Sequence[Any] | np.ndarray) -> np.ndarray:
+    """A 1-D object array holding each of ``rows`` as one object (for ragged info)."""
+    out = np.empty(len(rows), dtype=object)
+    for i, row in enumerate(rows):
         out[i] = row
     return out
 
@@ -200,7 +197,7 @@ def _concat_arrays(arrays: list[np.ndarray]) -> np.ndarray:
     try:
         return np.concatenate(arrays, axis=0)
     except ValueError:
-        return np.concatenate([_as_object_rows(a) for a in arrays], axis=0)
+        return np.concatenate([_object_rows(a) for a in arrays], axis=0)
 
 
 def _value_keys(dicts: Sequence[Mapping[str, Any]]) -> list[str]:
