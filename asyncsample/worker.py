@@ -9,6 +9,8 @@ fragments that continue on the next call.
 This is the small surface a user subclasses. A worker's episode bookkeeping, and where a call
 stops, live in :mod:`asyncsample._engine` (:class:`~asyncsample._engine.Episodes`, one per worker,
 as :attr:`Worker.episodes`); the sampler drives a call through the engine, not through this class.
+On ``backend="asyncio"`` and ``"thread"`` the lane stepper (:mod:`asyncsample._env_tasks`) steps
+each of a worker's envs on its own, and the worker holds the agent, records and episodes.
 """
 
 from __future__ import annotations
