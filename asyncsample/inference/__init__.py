@@ -3,9 +3,9 @@
 ``"per_worker"`` (default): each worker calls its agent with its own rows. ``"batched"``: one
 shared agent, the workers' concurrent calls merged into one (see :mod:`.batched`); pass a
 :class:`Batched` instance to choose its flush rule and threading. On ``backend="asyncio"`` and
-``"thread"`` the requests of the envs ready together are merged per agent in either mode. ``"host"``: a copy of the agent
-inside every env host, stepping chunks of steps (see :mod:`.host`); pass a :class:`Host`
-instance to choose the chunk length.
+``"thread"`` the requests of the envs ready together are merged per agent in either mode.
+``"host"``: a copy of the agent inside every env host, stepping chunks of steps (see
+:mod:`.host`); pass a :class:`Host` instance to choose the chunk length.
 """
 
 from __future__ import annotations
