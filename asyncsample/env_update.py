@@ -103,10 +103,10 @@ class SetTaskUpdate(EnvUpdate):
         return env
 
     def __call__(self, old_env: gym.Env | None = None) -> gym.Env:
-        env: gym.Env = self._apply(old_env, close=True)
+        env: gym.Env = self.retask(old_env, close=True)
         return env
 
-    def _apply(self, old_env: Any, *, close: bool) -> Any:
+    def retask(self, old_env: Any, *, close: bool) -> Any:
         """Set the task on ``old_env``, or build a new env (``close``: closing the old one)."""
         if old_env is None:
             return self._make_env()
@@ -246,7 +246,7 @@ def replacement(update: EnvUpdate, old_env: Any) -> Any:
     if isinstance(update, NewEnvUpdate):
         return update.env_constructor()
     if isinstance(update, SetTaskUpdate):
-        return update._apply(old_env, close=False)
+        return update.retask(old_env, close=False)
     return update(old_env)
 
 
