@@ -502,12 +502,11 @@ class ProcessHost(RemoteHost[_Conn]):
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
-        # The lockstep's read-only mask of every env, and its request body (see step_nowait).
-        self._whole_mask: np.ndarray | None = None
+        # The mask of every env, and its step request (see step_nowait).
+        self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
-        # The next step's actions when the caller gave them in a dtype other than the action
-        # buffer's: sent pickled and handed to the envs as they are (the vector env's faces).
-        self.given_actions: list[Any] | None = None
+        # The next step's actions as the caller gave them (see give_actions), sent pickled.
+        self._given: list[Any] | None = None
         self.chunks: list[ChunkBuffers] = []
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
         self.chunk: ChunkBuffers | None = None
@@ -565,8 +564,13 @@ class ProcessHost(RemoteHost[_Conn]):
             payload = await self._send(inc, Op.STEP, body)
         return self._step_infos(payload)
 
-    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
-        """Send a step request now, without the event loop (see :meth:`EnvHost.step_nowait`).
+    def give_actions(self, actions: list[Any] | None) -> None:
+        """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
+        self._given = actions
+
+    def step_nowait(self) -> SentStep | None:
+        """Send a step of every env now, without the event loop (see
+        :meth:`~asyncsample.backends.base.LockstepHost.step_nowait`).
 
         Without a ``step_timeout`` (whose clock is the loop's) the request is sent bare
         (:meth:`_Conn.send_direct`): the common lockstep step then costs no call, future or
@@ -574,12 +578,12 @@ class ProcessHost(RemoteHost[_Conn]):
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
-        if mask is self._whole_mask and self.given_actions is None:  # the lockstep's own mask
-            body = self._whole_body
-        else:
-            body = self._slot + self._step_body(mask)
-            if not (mask.flags.writeable or isinstance(self.buffers.actions, list)) and mask.all():
-                self._whole_mask, self._whole_body = mask, body
+        body = self._whole_body
+        if not body or self._given is not None:
+            cache = self._given is None and not isinstance(self.buffers.actions, list)
+            body = self._slot + self._step_body(self._whole_mask)
+            if cache:  # the same request every step
+                self._whole_body = body
         if self._timeout is None:
             step = DirectStep(self, inc)
             if inc.send_direct(step, body):
@@ -591,9 +595,9 @@ class ProcessHost(RemoteHost[_Conn]):
         body = _mask_bytes(mask)
         if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
             body += self._pickle("actions", self.buffers.actions)
-        elif self.given_actions is not None:  # this step's actions, as the caller gave them
-            body += self._pickle("actions", self.given_actions)
-            self.given_actions = None
+        elif self._given is not None:  # this step's actions, as the caller gave them
+            body += self._pickle("actions", self._given)
+            self._given = None
         return body
 
     def _step_infos(self, payload: bytes) -> StepInfos:
