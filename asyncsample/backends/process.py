@@ -562,7 +562,7 @@ class ProcessHost(RemoteHost[_Conn]):
             payload = await self._request(Op.STEP, body)
         else:
             payload = await self._send(inc, Op.STEP, body)
-        return self._step_infos(payload)
+        return self.step_infos(payload)
 
     def give_actions(self, actions: list[Any] | None) -> None:
         """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
@@ -600,7 +600,9 @@ class ProcessHost(RemoteHost[_Conn]):
             self._given = None
         return body
 
-    def _step_infos(self, payload: bytes) -> StepInfos:
+    def step_infos(self, payload: bytes) -> StepInfos:
+        """What a step reply's ``payload`` says (observations without fixed-size rows go to
+        the buffers)."""
         if not payload:
             return StepInfos(None, {})
         parts = pickle.loads(payload)
@@ -627,16 +629,16 @@ class ProcessHost(RemoteHost[_Conn]):
             raise closed_error(self.worker, "run its chunk")
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
-        return _chunk.SentChunk(call.future, lambda: self._reply(inc, call), version)
+        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
 
     async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
         step and chunk paths): the reply's payload, or the error a failure or death means.
         ``progress``: a chunk's step counter (``step_timeout`` then bounds each step)."""
         call = inc.send(op, self._slot + body, self._timeout, self.worker, progress)
-        return await self._reply(inc, call)
+        return await self.reply(inc, call)
 
-    async def _reply(self, inc: _Conn, call: PendingCall) -> bytes:
+    async def reply(self, inc: _Conn, call: PendingCall) -> bytes:
         """The payload of ``call``'s reply, or the error a failure or death means."""
         try:
             status, payload = await call.future

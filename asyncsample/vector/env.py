@@ -85,7 +85,8 @@ class _InfoBatch:
     def __init__(self, num_envs: int) -> None:
         self.num_envs = num_envs
 
-    _add_info = _GymVectorEnv._add_info
+    # gymnasium's own builder (it calls itself by its private name)
+    add_info = _add_info = _GymVectorEnv._add_info
 
 
 def _scatter(leaf: Any, ids: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
@@ -509,7 +510,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                     finals = self._finals(res, done)
                     return res.obs, res.rewards, res.terminated, res.truncated, finals
             return res.obs, res.rewards, res.terminated, res.truncated, {}
-        infos = self._infos(res, list(range(self.num_envs)), self)
+        infos = self._infos(res, list(range(self.num_envs)), _InfoBatch(self.num_envs))
         return res.obs, res.rewards, res.terminated, res.truncated, infos
 
     def _finals(self, res: StepResult, done: np.ndarray) -> dict[str, Any]:
@@ -550,21 +551,21 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             if i in res.restarted:
                 if mode == AutoresetMode.SAME_STEP:
                     final = {"final_obs": hosted.obs_row(i), "final_info": {}}
-                    infos = batch._add_info(infos, final, k)
-                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
-                    infos = batch._add_info(infos, reset_info, k)
+                    infos = batch.add_info(infos, final, k)
+                    infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
+                    infos = batch.add_info(infos, reset_info, k)
                 else:
-                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
+                    infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
             elif self._fresh[i]:
-                infos = batch._add_info(infos, self._fresh_infos.pop(i, {}), k)
+                infos = batch.add_info(infos, self._fresh_infos.pop(i, {}), k)
             elif mode == AutoresetMode.SAME_STEP and done[k]:
                 final = {"final_obs": hosted.final_row(res, i), "final_info": res.info(i)}
-                infos = batch._add_info(infos, final, k)
-                infos = batch._add_info(infos, reset_info, k)
+                infos = batch.add_info(infos, final, k)
+                infos = batch.add_info(infos, reset_info, k)
             else:
                 # NEXT_STEP: a sub-env its host reset in this step was not stepped.
-                infos = batch._add_info(infos, res.info(i), k)
-                infos = batch._add_info(infos, reset_info, k)
+                infos = batch.add_info(infos, res.info(i), k)
+                infos = batch.add_info(infos, reset_info, k)
         self._fresh[where] = False
         if mode == AutoresetMode.DISABLED:
             self._ended[where] = done
