@@ -665,8 +665,7 @@ class ProcessBackend:
             for: see :func:`~asyncsample.backends._procs.host_cpus` for why), ``False``
             (default) never. The sampler's own calls keep the default: when the main process
             works while the hosts step (an agent per worker step), the scheduler does better
-            with its hands free (CartPole-v1, 8 envs, ``per_worker`` 4x2: 28.6k steps/s free,
-            21.5k with the hosts pinned: ``benchmarks/results/host/pinning/``).
+            with its hands free (``benchmarks/results/host/pinning/``).
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.

@@ -18,13 +18,11 @@ reply is copied into the worker's local :class:`~asyncsample.env_group.StepBuffe
 Observation arrays of at least ``compress_threshold`` bytes can be compressed before they leave
 the actor (lz4 when installed, else zlib); a leaf that does not shrink by a quarter is sent as
 is and not tried again for its next 1000 replies, so incompressible (noise-like) observations
-cost one try. Measured on one machine (``benchmarks/results/ray_vs_process.json``, written
-before the benchmark framework; ``asyncsample bench ray`` runs the comparison now, and
+cost one try. lz4 pays on compressible frames even on one machine, because small replies stay
+inline instead of going through the object store; zlib's compression can cost more than the
+object store does for large replies. ``asyncsample bench ray`` measures it (on a cluster:
 ``RAY_ADDRESS=auto asyncsample bench ray --contenders asyncsample-ray --layouts 64x32
---processes 32`` on a cluster): lz4 on compressible 84x84x4 frames pays even there (1.5-2x
-steps/s), because small replies stay inline instead of going through the object store; zlib pays
-with 8 frames per reply but loses with 32 (it takes about 0.5 ms per 220 KiB to compress, more
-than the object store costs for large replies).
+--processes 32``; figures in ``benchmarks/results/``).
 
 Calls are awaited as futures in the event loop (a Ray thread resolves them with
 ``call_soon_threadsafe``). An actor serves its calls in submission order, so a caller that is
