@@ -3,10 +3,9 @@ where it can be done without it, and its two halves for ``step_async`` and ``ste
 
 The common lockstep step costs the main process what its event-loop machinery costs, more than
 the rest of the round trip together: so when the caller's thread runs no loop, the requests go
-out at once (:meth:`LockstepHost.step_nowait <asyncsample.backends.LockstepHost.step_nowait>`), the
-replies are read from the hosts' connections while the caller waits in ``poll``, and a quiet round
-is built from the step
-buffers. Anything else is finished on the face's
+out at once (:meth:`LockstepHost.step_nowait <asyncsample.backends.LockstepHost.step_nowait>`),
+the replies are read from the hosts' connections while the caller waits in ``poll``, and a quiet
+round is built from the step buffers. Anything else is finished on the face's
 :class:`~asyncsample.vector.portal.BlockingPortal`, exactly as ``HostedEnvs.step`` finishes it.
 :class:`LockstepRounds` is a part of ``HostedEnvs`` (a mixin), kept apart for its size.
 """
@@ -123,18 +122,11 @@ class LockstepRounds:
 
     def lockstep(self) -> StepResult:
         """:meth:`step` of every sub-env, from the caller's thread, without the event loop
-        where it can be done without it.
-
-        The common lockstep step costs the main process what its event-loop machinery costs,
-        more than the rest of the round trip together: so when the caller's thread runs no
-        loop, the requests go out at once (:meth:`LockstepHost.step_nowait`), the replies are read
-        from the hosts' connections (:meth:`LockstepHost.direct_reader`) while the caller waits in
-        ``poll``, and a quiet round is built from the buffers. Anything else (an info, a
-        reset, a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's
-        business, a host with no such connection) is finished through the portal, exactly as
+        where it can be done without it (see the module doc). Anything else (an info, a reset,
+        a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's business, a
+        host that is no :class:`LockstepHost`) is finished through the portal, exactly as
         :meth:`step` finishes it. :meth:`lockstep_send` and :meth:`lockstep_wait` are its two
-        halves, for ``step_async`` and ``step_wait``.
-        """
+        halves, for ``step_async`` and ``step_wait``."""
         portal = self.portal
         if self.broken or not portal.in_caller_thread():
             return portal.call(self.step)
