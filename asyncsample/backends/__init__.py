@@ -47,7 +47,6 @@ from asyncsample.backends.placement import Placement, placement, pool_size
 __all__ = [
     "BACKENDS",
     "DEFAULT_CHUNK_STEPS",
-    "LANE_BACKENDS",
     "TABLE",
     "AgentHost",
     "Backend",
@@ -83,8 +82,8 @@ class Traits:
 
     Attributes:
         name: the backend's name (``Sampler(backend=...)``).
-        cls: where its :class:`Backend` class is, ``"module:Class"`` (imported on first use, so
-            ``ray`` only when asked for).
+        cls: its :class:`Backend` class, ``"module:Class"`` in this package (imported on first
+            use, so ``ray`` only when asked for).
         in_process: its envs live in the caller's process: one host for every worker, env
             sources need not pickle.
         shared_memory: its step buffers are shared memory (``/dev/shm``).
@@ -112,7 +111,7 @@ class Traits:
     def backend_class(self) -> Any:
         """The backend's class, imported now."""
         module, name = self.cls.split(":")
-        return getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
 
     def hosts_started(
         self, n_processes: int | None, n_workers: int, options: Mapping[str, Any]
@@ -137,35 +136,17 @@ class Traits:
 #: Every backend, by name: registering one is an entry here.
 TABLE: dict[str, Traits] = {
     t.name: t
-    for t in (
+    for t in [
         Traits(
-            "process",
-            "asyncsample.backends.process:ProcessBackend",
-            shared_memory=True,
-            host_mode=True,
-            lockstep=True,
+            "process", "process:ProcessBackend", shared_memory=True, host_mode=True, lockstep=True
         ),
-        Traits("local", "asyncsample.backends.local:LocalBackend", in_process=True, preempts=False),
-        Traits(
-            "ray",
-            "asyncsample.backends.ray:RayBackend",
-            host_mode=True,
-            per_host="workers_per_actor",
-        ),
-        Traits(
-            "asyncio",
-            "asyncsample.backends.aio:AsyncioBackend",
-            in_process=True,
-            per_env=True,
-            async_envs=True,
-        ),
-        Traits("thread", "asyncsample.backends.aio:ThreadBackend", in_process=True, per_env=True),
-    )
+        Traits("local", "local:LocalBackend", in_process=True, preempts=False),
+        Traits("ray", "ray:RayBackend", host_mode=True, per_host="workers_per_actor"),
+        Traits("asyncio", "aio:AsyncioBackend", in_process=True, per_env=True, async_envs=True),
+        Traits("thread", "aio:ThreadBackend", in_process=True, per_env=True),
+    ]
 }
 BACKENDS = tuple(TABLE)
-
-#: Backends whose envs live in the caller's process, each env stepped on its own.
-LANE_BACKENDS = tuple(name for name, t in TABLE.items() if t.per_env)
 
 
 def traits(name: object) -> Traits:
