@@ -16,7 +16,9 @@ A task started before the stream, or from anywhere else, queues behind it as the
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+from typing import Any
 
 from asyncsample.errors import SamplerBusyError
 
@@ -33,6 +35,7 @@ class StreamGuard:
 
     def __init__(self) -> None:
         self._open: object | None = None
+        self._task: asyncio.Task[Any] | None = None  # the one the stream last handed a batch to
 
     def opened(self) -> None:
         """A stream took the sampler."""
@@ -40,12 +43,13 @@ class StreamGuard:
 
     def closed(self) -> None:
         """The stream released the sampler."""
-        self._open = None
+        self._open = self._task = None
 
     def handing_out(self) -> None:
         """The stream is about to yield a batch: the current context runs its body."""
         stream = self._open
         if stream is not None:
+            self._task = asyncio.current_task()
             bodies = _BODIES.get()
             if stream not in bodies:
                 # The generator runs in its consumer's context: the marker stays there (and in
@@ -56,9 +60,14 @@ class StreamGuard:
         """Raise :class:`SamplerBusyError` if ``call`` comes from the open stream's body."""
         stream = self._open
         if stream is not None and stream in _BODIES.get():
+            where = (
+                "the task that iterates an open stream() of this sampler (in the body of an open "
+                "stream)"
+                if asyncio.current_task() is self._task
+                else "a task started from the body of an open stream() of this sampler"
+            )
             raise SamplerBusyError(
-                f"{call}() was called from the body of an open stream() of this sampler (its "
-                "task, or a task started from it): the stream holds the sampler until it "
+                f"{call}() was called from {where}: the stream holds the sampler until it "
                 "closes, so the call would wait forever. Close the stream first (leave its "
                 "'async for' loop or aclose() it), or make the call from a task started before "
                 "the stream or outside its body (it then runs when the stream closes); "
