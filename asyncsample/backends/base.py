@@ -5,8 +5,8 @@ host is a public method of a protocol here: :class:`EnvHost` (what every host do
 capabilities some hosts add, checked once when a sampler or face starts: :class:`AgentHost`
 (``inference="host"``: the agent copy and its chunks), :class:`LockstepHost` (a synchronous
 caller steps without the event loop), :class:`GivenActionsHost` (actions of any dtype, as given)
-and :class:`InlineHost` (envs in the caller's thread). Nothing outside ``asyncsample.backends``
-needs a backend's concrete classes or private members.
+and :class:`InlineHost` (envs in the caller's thread), and a backend's, :class:`ProcessPool`.
+Nothing outside ``asyncsample.backends`` needs a backend's concrete classes or private members.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
     "HostSpec",
     "InlineHost",
     "LockstepHost",
+    "ProcessPool",
     "RestartBudget",
     "SentStep",
     "agent_note",
@@ -266,6 +267,19 @@ class Backend(Protocol):
     def close_now(self) -> None:
         """Synchronous last resort (an unclosed sampler being collected): release everything
         without waiting for envs to close. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class ProcessPool(Backend, Protocol):
+    """A backend whose hosts are processes of this machine with shared-memory step buffers."""
+
+    joint: StepBuffers | None
+    """Every host's step buffers in one allocation, in host order (``None``: not so)."""
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live host processes."""
         ...
 
 

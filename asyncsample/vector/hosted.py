@@ -38,6 +38,7 @@ from asyncsample.backends import (
     HostSpec,
     InlineHost,
     LockstepHost,
+    ProcessPool,
     RestartBudget,
     backend_options,
     make_backend,
@@ -179,6 +180,7 @@ class HostedEnvs(LockstepRounds):
                 # caller's own share, the scheduler keeps its freedom (the caller needs a CPU).
                 options["pin_cpus"] = None if not n_caller else False
             self.backend = make_backend(backend, **options)
+        self._pool = self.backend if isinstance(self.backend, ProcessPool) else None
         self._caller_backend: Backend | None = (
             make_backend("local", caller=True) if caller_hosts else None
         )
@@ -255,7 +257,7 @@ class HostedEnvs(LockstepRounds):
     @property
     def pids(self) -> list[int]:
         """Pids of the live env-host processes (empty for a backend without processes)."""
-        return list(getattr(self.backend, "pids", [])) if self.backend is not None else []
+        return [] if self._pool is None else self._pool.pids
 
     def close(self) -> None:
         """Stop every host (idempotent); nothing is left behind."""
@@ -282,10 +284,9 @@ class HostedEnvs(LockstepRounds):
             return
         self.closed = True
         try:
-            for backend in (self.backend, self._caller_backend):
-                if backend is not None:
-                    with contextlib.suppress(Exception):
-                        backend.close_now()
+            for backend in filter(None, (self.backend, self._caller_backend)):
+                with contextlib.suppress(Exception):
+                    backend.close_now()
         finally:
             self._drop_round()
             self.portal.close_now()
@@ -370,10 +371,9 @@ class HostedEnvs(LockstepRounds):
         """A fresh batch of the current observations of the sub-envs of ``hosts`` (all), made
         in one copy; with :attr:`copy` false and every host, the shared buffer itself where the
         backend keeps all hosts' rows in one array (``process``)."""
-        if not self.copy and hosts is None:
-            joint = getattr(self.backend, "joint", None)
-            if joint is not None:
-                return joint.obs
+        joint = None if self._pool is None or self.copy or hosts is not None else self._pool.joint
+        if joint is not None:
+            return joint.obs
         parts = (
             [h.buffers.obs for h in self.hosts]
             if hosts is None
