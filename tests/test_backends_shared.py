@@ -28,7 +28,14 @@ from envs import NoisyEnv, SignallingAgent
 from test_process_backend import leaves_nothing
 
 from asyncsample import Sampler, SamplerClosedError, StepTimeoutError, WorkerCrashedError
-from asyncsample.backends import GivenActionsHost, LockstepHost, check_options, make_backend, traits
+from asyncsample.backends import (
+    GivenActionsHost,
+    LockstepHost,
+    RestartBudget,
+    check_options,
+    make_backend,
+    traits,
+)
 from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.backends.local import LocalBackend
 from asyncsample.backends.placement import placement, pool_size
@@ -553,3 +560,32 @@ async def test_loop_free_lockstep_is_a_capability_of_the_host(name: str) -> None
         sent = host.step_nowait()  # the buffers again: the given actions went with their step
         assert sent is not None and (await sent.wait()).reset_infos == {}
         assert await host.call("last_action") == [1]
+
+
+async def test_the_restart_budget_retries_within_its_limit_and_only_what_may_be_retried() -> None:
+    a, b, c = (WorkerError(x, worker=0) for x in "abc")
+    not_retried = WorkerError("d", worker=0, retry=False)
+    seen: list[WorkerError | None] = []
+
+    def failing(*errors: WorkerError) -> Any:
+        pending = list(errors)
+
+        async def attempt(failure: WorkerError | None) -> str:
+            seen.append(failure)  # None first, then the failure it restarts after
+            if pending:
+                raise pending.pop(0)
+            return "done"
+
+        return attempt
+
+    budget = RestartBudget(2)
+    failures: list[WorkerError] = []
+    assert await budget.run(failing(a, b), lambda exc: exc.retry, failures.append) == "done"
+    assert budget.used == 2 and seen == [None, a, b] and failures == [a, b]
+    with pytest.raises(WorkerError) as info:  # the budget is spent: raised, not retried
+        await budget.run(failing(c), lambda exc: exc.retry)
+    assert info.value is c and budget.used == 2
+    fresh = RestartBudget(5)
+    with pytest.raises(WorkerError) as info:  # not retryable: raised at once
+        await fresh.run(failing(not_retried), lambda exc: exc.retry)
+    assert info.value is not_retried and fresh.used == 0
