@@ -97,6 +97,7 @@ class Traits:
         lockstep: its hosts are :class:`LockstepHost` (the vector env's loop-free step, whose
             cost the faces' measured placement models).
         per_host: the option that sets how many workers share a host (``None``: none).
+        needs: the optional package it needs, also the name of its extra (``None``: none).
     """
 
     name: str
@@ -109,6 +110,7 @@ class Traits:
     async_envs: bool = False
     lockstep: bool = False
     per_host: str | None = None
+    needs: str | None = None
 
     def backend_class(self) -> Any:
         """The backend's class, imported now."""
@@ -143,7 +145,7 @@ TABLE: dict[str, Traits] = {
             "process", "process:ProcessBackend", shared_memory=True, host_mode=True, lockstep=True
         ),
         Traits("local", "local:LocalBackend", in_process=True, preempts=False),
-        Traits("ray", "ray:RayBackend", host_mode=True, per_host="workers_per_actor"),
+        Traits("ray", "ray:RayBackend", host_mode=True, per_host="workers_per_actor", needs="ray"),
         Traits("asyncio", "aio:AsyncioBackend", in_process=True, per_env=True, async_envs=True),
         Traits("thread", "aio:ThreadBackend", in_process=True, per_env=True),
     ]
