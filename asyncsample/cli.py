@@ -27,7 +27,7 @@ import numpy as np
 import uvloop
 from tqdm import tqdm
 
-from asyncsample.backends import BACKENDS
+from asyncsample.backends import BACKENDS, traits
 from asyncsample.batch import EpisodeBatch, StepType
 from asyncsample.sampler import Sampler
 
@@ -40,8 +40,6 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 #: The most transitions ``run`` asks for in one call.
 MAX_CHUNK = 50_000
 
-# Optional dependency of each backend: (module to look for, how to install it).
-_BACKEND_NEEDS = {"ray": ("ray", "pip install 'asyncsample[ray]'")}
 _METRICS_NEEDS = ("prometheus_client", "pip install 'asyncsample[metrics]'")
 
 
@@ -199,17 +197,21 @@ def _usage_error(prog: str, message: str) -> NoReturn:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    needs = [(f"--backend {args.backend}", _BACKEND_NEEDS.get(args.backend))]
-    if args.metrics_port is not None:
-        needs.append(("--metrics-port", _METRICS_NEEDS))
-    for option, need in needs:
-        if need is not None and not _importable(need[0]):
-            print(
-                f"asyncsample run: error: {option} needs the {need[0]} package, which is not "
-                f"installed: {need[1]}",
-                file=sys.stderr,
-            )
-            return EXIT_RUNTIME
+    need = traits(args.backend).needs
+    if need is not None and not _importable(need):
+        print(
+            f"asyncsample run: error: --backend {args.backend} needs the {need} package, "
+            f"which is not installed: pip install 'asyncsample[{need}]'",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME
+    if args.metrics_port is not None and not _importable(_METRICS_NEEDS[0]):
+        print(
+            f"asyncsample run: error: --metrics-port needs the {_METRICS_NEEDS[0]} package, "
+            f"which is not installed: {_METRICS_NEEDS[1]}",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME
     _configure_logging(args.verbose)
     summary = RunSummary()
     try:

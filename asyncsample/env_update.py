@@ -95,7 +95,8 @@ class SetTaskUpdate(EnvUpdate):
         self.task = task
         self.wrapper_constructor = wrapper_constructor
 
-    def _make_env(self) -> gym.Env:
+    def new_env(self) -> gym.Env:
+        """A new env of ``env_type`` with the task set (and wrapped)."""
         env = self.env_type()
         env.unwrapped.set_task(self.task)  # type: ignore[attr-defined]
         if self.wrapper_constructor is not None:
@@ -109,7 +110,7 @@ class SetTaskUpdate(EnvUpdate):
     def retask(self, old_env: Any, *, close: bool) -> Any:
         """Set the task on ``old_env``, or build a new env (``close``: closing the old one)."""
         if old_env is None:
-            return self._make_env()
+            return self.new_env()
         if type(old_env.unwrapped) is not self.env_type:
             warnings.warn(
                 f"SetTaskUpdate: the env has type {type(old_env.unwrapped).__name__}, not "
@@ -118,7 +119,7 @@ class SetTaskUpdate(EnvUpdate):
             )
             if close:
                 old_env.close()
-            return self._make_env()
+            return self.new_env()
         old_env.unwrapped.set_task(self.task)  # type: ignore[attr-defined]
         return old_env
 
