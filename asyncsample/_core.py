@@ -119,10 +119,7 @@ class SamplerCore:
         self.n_workers = n_workers
         self.envs_per_worker = envs_per_worker
         self.n_processes = self.traits.hosts_started(n_processes, n_workers, backend_options)
-        """Env hosts the backend starts: ``min(n_processes or cpu count, n_workers)`` processes
-        or actors (worker ``w`` lives on host ``w % n_processes``; Ray's ``workers_per_actor``
-        option sets ``ceil(n_workers / workers_per_actor)``); ``1`` for ``local``, whose envs all
-        live in this process."""
+        """Env hosts the backend starts (see :attr:`Sampler.n_processes`)."""
         self._requested_processes = n_processes
         self.max_episode_length = max_episode_length
         self.backend_name = backend
