@@ -12,6 +12,7 @@ control data (infos, errors) travels any other way.
 
 from __future__ import annotations
 
+import numbers
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ __all__ = [
     "AUTORESET_MODES",
     "EnvFailure",
     "EnvGroup",
+    "PENDING_SEED",
     "StepBuffers",
     "StepInfos",
     "call_targets",
@@ -48,7 +50,7 @@ __all__ = [
 AUTORESET_MODES = ("SameStep", "NextStep", "Disabled")
 
 #: "Use the env's pending seed": the default of a reset.
-_PENDING = object()
+PENDING_SEED = object()
 
 _FIXED_SPACES = (
     gym.spaces.Box,
@@ -224,6 +226,7 @@ class EnvGroup:
         # observations the fast shape test could not vouch for); None where a buffer row does.
         self._obs: list[Any] = [None] * self.n_envs
         self._lengths = [0] * self.n_envs
+        self._misfits: list[int] = []  # envs whose observation a plain buffer row awaits
         self._seeds: list[int | None] = [None] * self.n_envs
         # Observations of a plain (Box, Discrete, Multi*) space go straight into their row.
         self._flat_obs = isinstance(buffers.obs, np.ndarray)
@@ -241,6 +244,9 @@ class EnvGroup:
         #: How many envs the last :meth:`step` stepped (the metrics' clock reads it).
         self.last_stepped = 0
         self._everyone = list(range(self.n_envs))
+        #: Whether a malformed step is worth rebuilding the env (the lanes: a fault is the
+        #: env's own) or the caller's mistake that fails the call (the lockstep hosts).
+        self.malformed_retry = False
         if buffers.clock is not None:  # metrics on: the host times its steps
             self.step = timed_group_step(self, self.step, buffers.clock)  # type: ignore[method-assign]
 
@@ -256,10 +262,16 @@ class EnvGroup:
         env: gym.Env | None = make_env(chain[0])
         for update in chain[1:]:
             env, _ = apply_env_update(env, update)
+        self.place(i, env, seed)
+
+    def place(self, i: int, env: Any, seed: int | None, fresh: bool = True) -> None:
+        """Env ``i`` is now ``env``, whose next reset gets ``seed``; ``fresh`` (a rebuild,
+        not an update): no episode of it is in progress."""
         self.envs[i] = env
         self._seeds[i] = seed
-        self._lengths[i] = 0
-        self._ended[i] = False
+        if fresh:
+            self._lengths[i] = 0
+            self._ended[i] = False
 
     def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
         """Apply one update per env; an env that becomes a new object gets its new seed."""
@@ -296,44 +308,165 @@ class EnvGroup:
             if seeds is None and options is None:
                 info = self._reset_one(i)
             else:
-                seed = _PENDING if seeds is None else seeds[i]
+                seed = PENDING_SEED if seeds is None else seeds[i]
                 opts = None if options is None else options[i]
                 info = self._reset_one(i, seed, opts, requested=True)
             if info:
                 infos[i] = info
-        if not self._flat_obs:
-            self._write_obs()
+        self._store_pending()
         return infos
 
     def _reset_one(
         self,
         i: int,
-        seed: int | object | None = _PENDING,
+        seed: int | object | None = PENDING_SEED,
         options: dict[str, Any] | None = None,
         requested: bool = False,
     ) -> dict[str, Any]:
-        """Reset env ``i``. A ``requested`` reset (the caller's, with seeds or options) passes
-        ``options=`` even when it is ``None``, as gymnasium's vector envs do: an env whose
-        ``reset`` requires it works the same here."""
         env = self.envs[i]
         assert env is not None
+        kwargs = self.reset_kwargs(i, seed, options, requested)
+        return self.finish_reset(i, self._guard(i, env.reset, **kwargs))
+
+    # -- one env: what every host does before and after an env's own reset or step ----------
+    # The lockstep path calls ``finish(i, env.step(a))``; the lane host (async envs, or blocking
+    # envs behind threads) ``finish(i, await env.step(a))``.
+
+    def reset_kwargs(
+        self,
+        i: int,
+        seed: int | object | None = PENDING_SEED,
+        options: dict[str, Any] | None = None,
+        requested: bool = False,
+    ) -> dict[str, Any]:
+        """The keyword arguments of env ``i``'s next ``reset``: its pending seed by default.
+
+        A ``requested`` reset (the caller's, with seeds or options) passes ``options=`` even
+        when it is ``None``, as gymnasium's vector envs do.
+        """
         pending, self._seeds[i] = self._seeds[i], None
-        if seed is _PENDING:
+        if seed is PENDING_SEED:
             seed = pending
         if options is None and not requested:
-            obs, info = self._guard(i, env.reset, seed=seed)
-        else:
-            obs, info = self._guard(i, env.reset, seed=seed, options=options)
-        self._obs[i] = obs
+            return {"seed": seed}
+        return {"seed": seed, "options": options}
+
+    def finish_reset(self, i: int, result: Any) -> dict[str, Any]:
+        """Env ``i`` was reset with ``result``: check it, keep its observation (in its buffer
+        row when it fits one; else until :meth:`_store_pending`); its reset info."""
+        if type(result) is not tuple or len(result) != 2:
+            if not isinstance(result, (tuple, list)) or len(result) != 2:
+                self._raise_malformed(
+                    i, "the reset's result", "a tuple (observation, info)", result, "reset"
+                )
+        obs, info = result
+        if info is not None and type(info) is not dict and not isinstance(info, Mapping):
+            self._raise_malformed(i, "info", "a dict", info, "reset")
         self._lengths[i] = 0
         self._ended[i] = False
-        if self._flat_obs:
-            if getattr(obs, "shape", ()) == self._obs_shape:
-                self.buffers.obs[i] = obs
-                self._obs[i] = None  # the buffer row holds it: keep no second copy
-            else:
-                self._store_misfits([i])
-        return info  # type: ignore[no-any-return]
+        self._keep_obs(i, obs)
+        return dict(info) if info else {}
+
+    def finish(self, i: int, result: Any) -> tuple[Any, Any, bool, bool, Any]:
+        """Env ``i`` stepped and returned ``result``: check it, keep its observation (as
+        :meth:`finish_reset`), count the step and apply ``max_episode_length``.
+
+        Returns:
+            ``(obs, reward, terminated, truncated, info)``; ``truncated`` includes the time limit.
+
+        Raises:
+            EnvFailureError: a malformed result, naming the worker, the env, the field and the
+                value's type (``retry``: :attr:`malformed_retry`).
+        """
+        if type(result) is not tuple or len(result) != 5:
+            result = self._checked_step(i, result)
+        o, r, term, trunc, info = result
+        if (
+            type(r) not in _FAST_REWARDS
+            or type(term) not in _FAST_FLAGS
+            or type(trunc) not in _FAST_FLAGS
+            or (info and type(info) is not dict)
+        ):
+            o, r, term, trunc, info = self._checked_step(i, result)
+        if not self._flat_obs:
+            self._obs[i] = o
+        elif getattr(o, "shape", ()) == self._obs_shape:
+            self.buffers.obs[i] = o  # the row holds it: no second reference kept
+            self._obs[i] = None
+        else:
+            self._keep_obs(i, o)
+        n = self._lengths[i] + 1
+        self._lengths[i] = n
+        mel = self.max_episode_length
+        if mel is not None and n >= mel:
+            trunc = True
+        return o, r, term, trunc, info
+
+    def settle(self, i: int, obs: Any, terminated: bool, truncated: bool) -> None:
+        """After :meth:`finish` of env ``i`` alone (the lanes): its observation into its row,
+        and when its episode ended the flags and ``final_obs`` row (a lane resets it when it
+        starts its next episode)."""
+        if self._obs[i] is not None:
+            self._store_pending([i])
+        if terminated or truncated:
+            buf = self.buffers
+            buf.terminated[i] = terminated
+            buf.truncated[i] = truncated
+            self._put(buf.final_obs, i, obs)
+
+    def step_results(
+        self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
+    ) -> tuple[StepInfos, list[int]]:
+        """The envs of ``indices`` were stepped one at a time (:meth:`finish`, :meth:`settle`)
+        as one lockstep step, with ``(reward, terminated, truncated, info)`` each: the step's
+        infos, and the envs whose episode ended, to be reset now (the lanes' autoreset is
+        ``"SameStep"``)."""
+        env_infos: list[dict[str, Any]] | None = None
+        done = []
+        for i, (_, terminated, truncated, info) in zip(indices, results):
+            if info:
+                if env_infos is None:
+                    env_infos = [{} for _ in range(self.n_envs)]
+                env_infos[i] = info
+            if terminated or truncated:
+                done.append(i)
+        self.last_ended = done
+        self.last_stepped = len(indices)
+        return StepInfos(env_infos, {}), done
+
+    def _keep_obs(self, i: int, o: Any) -> None:
+        if not self._flat_obs:
+            self._obs[i] = o
+        elif getattr(o, "shape", ()) == self._obs_shape:
+            # The buffer row holds it: no reference kept (for image observations, a second
+            # copy of every env's observation).
+            self.buffers.obs[i] = o
+            self._obs[i] = None
+        else:
+            self._obs[i] = o
+            self._misfits.append(i)
+
+    def _checked_step(self, i: int, result: Any) -> tuple[Any, Any, bool, bool, Any]:
+        """``result`` if gymnasium allows it (a reward of any real type, flags of any bool
+        type or 0 and 1, an info that is a mapping or ``None``); else a malformed error."""
+        if not isinstance(result, (tuple, list)) or len(result) != 5:
+            self._raise_malformed(
+                i,
+                "the step's result",
+                "a tuple (observation, reward, terminated, truncated, info)",
+                result,
+            )
+        obs, reward, terminated, truncated, info = result
+        if not _real(reward):
+            self._raise_malformed(i, "reward", "a real number", reward)
+        for name, flag in (("terminated", terminated), ("truncated", truncated)):
+            if not isinstance(flag, (bool, np.bool_)) and not (
+                isinstance(flag, (numbers.Integral, np.integer)) and flag in (0, 1)
+            ):
+                self._raise_malformed(i, name, "a bool", flag)
+        if info is not None and not isinstance(info, Mapping):
+            self._raise_malformed(i, "info", "a dict", info)
+        return obs, reward, bool(terminated), bool(truncated), info
 
     def step(
         self, mask: np.ndarray, given: Sequence[Any] | None = None, everyone: bool | None = None
@@ -348,11 +481,10 @@ class EnvGroup:
         and this method resets it the next time it is in ``mask`` (its reset info goes to
         ``reset_infos``); in ``"Disabled"`` mode stepping it again is an error.
         """
-        # The hot path: plain Python per env, one numpy write per result field at the end.
+        # The hot path: one :meth:`finish` per env, one numpy write per result field at the end.
         buf = self.buffers
         envs = self.envs
-        obs = self._obs
-        lengths = self._lengths
+        finish = self.finish
         if everyone is None:
             everyone = bool(mask.all())
         indices = self._everyone if everyone else np.flatnonzero(mask).tolist()
@@ -360,16 +492,12 @@ class EnvGroup:
             actions = self._actions_for(indices, everyone)
         else:
             actions = list(given) if everyone else [given[i] for i in indices]
-        obs_out = buf.obs if self._flat_obs else None
-        obs_shape = self._obs_shape
         rewards: list[Any] = []
         terms: list[bool] = []
         truncs: list[bool] = []
         env_infos: list[dict[str, Any]] | None = None
         done: list[int] = []
         finals: list[Any] = []
-        misfits: list[int] = []
-        mel = self.max_episode_length
         ended = self._ended
         deferred = not self._same_step
         reset_infos: dict[int, dict[str, Any]] = {}
@@ -384,30 +512,14 @@ class EnvGroup:
                     terms.append(False)
                     truncs.append(False)
                     continue
-                o, r, term, trunc, info = envs[i].step(action)  # type: ignore[union-attr]
-                if obs_out is None:
-                    obs[i] = o
-                elif getattr(o, "shape", ()) == obs_shape:
-                    # The buffer row holds it: no reference kept (for image observations,
-                    # a second copy of every env's observation).
-                    obs_out[i] = o
-                    obs[i] = None
-                else:
-                    obs[i] = o
-                    misfits.append(i)
+                o, r, term, trunc, info = finish(i, envs[i].step(action))  # type: ignore[union-attr]
                 rewards.append(r)
                 terms.append(term)
-                n = lengths[i] + 1
-                lengths[i] = n
-                if mel is not None and n >= mel:
-                    trunc = True
                 truncs.append(trunc)
                 if info:
-                    if type(info) is not dict and not isinstance(info, Mapping):
-                        self._raise_malformed(i, "info", "a dict", info)
                     if env_infos is None:
                         env_infos = [{} for _ in range(self.n_envs)]
-                    env_infos[i] = info  # type: ignore[assignment]  # a Mapping is allowed
+                    env_infos[i] = info
                 if term or trunc:
                     done.append(i)
                     finals.append(o)
@@ -415,20 +527,8 @@ class EnvGroup:
             raise
         except Exception as exc:
             raise EnvFailureError(EnvFailure(i, exc, traceback.format_exc())) from exc
-        if misfits:
-            self._store_misfits(misfits)
         where: Any = slice(None) if everyone else indices
-        try:
-            buf.rewards[where] = rewards
-        except (TypeError, ValueError):
-            for i, r in zip(indices, rewards):
-                try:
-                    ok = np.asarray(r, dtype=np.float64).ndim == 0
-                except (TypeError, ValueError):
-                    ok = False
-                if not ok:
-                    self._raise_malformed(i, "reward", "a real number", r)
-            raise
+        buf.rewards[where] = rewards
         buf.terminated[where] = terms
         buf.truncated[where] = truncs
         self.last_ended = done
@@ -448,7 +548,7 @@ class EnvGroup:
                     if row is None
                     or type(o) is not np.ndarray
                     or o.dtype != row.dtype
-                    or o.shape != obs_shape
+                    or o.shape != self._obs_shape
                 } or None
             try:
                 self._write(buf.final_obs, done, finals)
@@ -458,8 +558,7 @@ class EnvGroup:
                 info = self._reset_one(i)
                 if info:  # empty infos need not travel
                     reset_infos[i] = info
-        if obs_out is None:
-            self._write_obs()
+        self._store_pending()
         return StepInfos(env_infos, reset_infos, finals_out)
 
     def _restart_ended(self, i: int, reset_infos: dict[int, dict[str, Any]]) -> None:
@@ -519,24 +618,44 @@ class EnvGroup:
             return list(actions.copy() if everyone else actions[indices])
         return [tree_map(lambda a, i=i: a[i].copy(), actions) for i in indices]
 
-    def _store_misfits(self, indices: list[int]) -> None:
-        """Store observations the fast shape test could not vouch for (lists, scalars...)."""
-        out = self.buffers.obs
-        for i in indices:
-            o = self._obs[i]
-            if np.shape(o) != self._obs_shape:
-                self._raise_bad_observation(ValueError(f"shape {np.shape(o)}"))
-            out[i] = o
+    def store(self, i: int) -> None:
+        """Write env ``i``'s observation into its buffer row if :meth:`finish` or
+        :meth:`finish_reset` kept it aside (the lanes, one env at a time)."""
+        if self._obs[i] is not None:
+            self._store_pending([i])
 
-    def _write_obs(self) -> None:
-        """Write the current observation of every env into nested (Dict, Tuple) buffers, or
-        (observations without fixed-size rows) into the list of objects."""
-        if self._object_obs:
-            self.buffers.obs[:] = self._obs
-            return
+    def _store_pending(self, indices: list[int] | None = None) -> None:
+        """Write the observations kept aside into the buffers: those of a plain space the fast
+        shape test could not vouch for (lists, scalars: checked), nested (Dict, Tuple) ones,
+        objects. ``indices``: only those envs' (else every env's)."""
+        out = self.buffers.obs
+        if self._flat_obs:
+            misfits, self._misfits = self._misfits, []
+            for i in misfits:
+                self._put(out, i, self._obs[i])
+        elif indices is not None:
+            for i in indices:
+                self._put(out, i, self._obs[i])
+        elif self._object_obs:
+            out[:] = self._obs
+        else:
+            try:
+                concatenate(self.observation_space, self._obs, out)
+            except (ValueError, TypeError, IndexError) as exc:
+                self._raise_bad_observation(exc)
+
+    def _put(self, out: Tree, i: int, o: Any) -> None:
+        """Write one observation into row ``i`` of ``out``, checking its shape."""
         try:
-            concatenate(self.observation_space, self._obs, self.buffers.obs)
-        except (ValueError, TypeError, IndexError) as exc:
+            if isinstance(out, np.ndarray):
+                if np.shape(o) != self._obs_shape:
+                    raise ValueError(f"shape {np.shape(o)}")
+                out[i] = o
+            elif isinstance(out, list):
+                out[i] = o
+            else:
+                tree_map(lambda leaf, x: leaf.__setitem__(i, x), out, o)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
             self._raise_bad_observation(exc)
 
     def _write(self, out: Tree, indices: list[int], items: list[Any]) -> None:
@@ -551,12 +670,14 @@ class EnvGroup:
         else:
             tree_map(lambda leaf, *vals: put(leaf, *vals), out, *items)
 
-    def _raise_malformed(self, i: int, field: str, expected: str, value: Any) -> NoReturn:
+    def _raise_malformed(
+        self, i: int, field: str, expected: str, value: Any, what: str = "step"
+    ) -> NoReturn:
         err = TypeError(
-            f"env {i} of worker {self.worker} returned a malformed step: {field} must be "
+            f"env {i} of worker {self.worker} returned a malformed {what}: {field} must be "
             f"{expected}, got {type(value).__name__} {value!r:.80}"
         )
-        raise EnvFailureError(EnvFailure(i, err, "", retry=False))
+        raise EnvFailureError(EnvFailure(i, err, "", retry=self.malformed_retry))
 
     def _raise_bad_observation(self, exc: Exception) -> None:
         expected = _shapes(self.observation_space)
@@ -694,6 +815,18 @@ def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -
             f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
         )
     return indices
+
+
+_FAST_REWARDS = frozenset((float, int, np.float64, np.float32))
+_FAST_FLAGS = frozenset((bool, np.bool_))
+
+
+def _real(value: Any) -> bool:
+    if isinstance(value, (str, bytes, complex, np.complexfloating)):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    return isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf"
 
 
 def _zeros(space: gym.Space[Any], n: int) -> Any:
