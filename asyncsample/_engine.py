@@ -20,6 +20,7 @@ Every inference mode runs the same rules, written once here:
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import time
@@ -45,6 +46,8 @@ __all__ = [
     "ChunkRecords",
     "Episodes",
     "FinishedEpisode",
+    "LaneRound",
+    "Part",
     "RecordStep",
     "SharedQuota",
     "StepStepper",
@@ -537,6 +540,63 @@ class Episodes:
         self.returns[active] = np.add.accumulate(stacked, axis=0)[-1]
 
 
+class LaneRound:
+    """One round of a stream of complete episodes on the lanes, across its workers: no env stops
+    stepping
+    until every worker has its share (a worker done early keeps its envs stepping into the
+    episodes the next round continues, rather than idling behind the slowest worker); then every
+    worker's steps in flight are left for the next round.
+
+    Args:
+        workers: the workers taking part (those with a share).
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.waiting = workers
+        self.done = workers == 0
+        self._stops: list[asyncio.Future[None]] = []
+        self._satisfied: set[int] = set()
+
+    def join(self, stop: asyncio.Future[None]) -> None:
+        """``stop`` is set when the round is done."""
+        if self.done:
+            stop.set_result(None)
+        else:
+            self._stops.append(stop)
+
+    def satisfied(self, worker: int) -> None:
+        """``worker`` has its share; the round is done once every worker has said so."""
+        if worker in self._satisfied:
+            return
+        self._satisfied.add(worker)
+        self.waiting -= 1
+        if self.waiting <= 0 and not self.done:
+            self.done = True
+            for stop in self._stops:
+                if not stop.done():
+                    stop.set_result(None)
+
+
+@dataclass
+class Part:
+    """One worker's part of a call, as the mode's stepper sees it.
+
+    Attributes:
+        resume: what the part continues from the previous call.
+        leave: what it leaves running for the next (``Resume.EPISODES``: a stream's round).
+        quota: the call's shared quota (``fraction_samples < 1``), if any.
+        then: a stream round follows that continues what this one leaves (a mode may start it
+            early), else ``None``.
+        lane_round: the stream round this part is in, on the lanes (see :class:`LaneRound`).
+    """
+
+    resume: Resume
+    leave: Resume
+    quota: SharedQuota | None = None
+    then: Resume | None = None
+    lane_round: LaneRound | None = None
+
+
 class Stepper(Protocol):
     """How a worker's envs move: one env step, or one chunk of steps, per request.
 
@@ -586,9 +646,10 @@ class StepStepper:
         """Step until ``rule`` stops (the per-step loop: no await besides the step)."""
         step, more, active = self.worker.step_episode, rule.more, self.worker.episodes.active
         if rule.mode is CallMode.FRAGMENTS:
+            took = rule.took
             while more(active):
                 await step()
-                rule.steps -= 1
+                took(1)
         else:
             while more(active):
                 await step()

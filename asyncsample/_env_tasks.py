@@ -1,4 +1,5 @@
-"""One coroutine per env: the stepper of the ``asyncio`` and ``thread`` backends.
+"""One coroutine per env: the stepper of hosts that step each env on its own (a
+:class:`~asyncsample.backends.base.PerEnvHost`: ``asyncio``, ``thread``).
 
 A worker's envs are not stepped in lockstep here. Each env runs its own loop (reset when it must,
 ask for an action, step, record), so a slow env never stalls a fast one, and every env writes its
@@ -6,9 +7,9 @@ steps to its own column of the worker's step records (the recorder's per-env cur
 episode's steps stay contiguous in that column, so the engine's bookkeeping, stop rules and batch
 assembly apply unchanged.
 
-- :class:`ActionRequests` merges the action requests of every env that became ready in one pass
-  of the event loop into one agent call per agent (a policy service sees batches, however many
-  one-env workers there are).
+- The inference mode's :class:`~asyncsample.inference.batched.Batcher` merges the action
+  requests of every env that became ready in one pass of the event loop into one agent call per
+  agent (a policy service sees batches, however many one-env workers there are).
 - :class:`Admission` holds back new episodes in ``stream`` while the open episodes' agent
   versions would spread by more than ``max_policy_lag``.
 - :class:`LaneStepper` is the :class:`~asyncsample._engine.Stepper`; where a call stops is the
@@ -20,203 +21,31 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import inspect
 import logging
 import math
-import time
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
-from asyncsample._clock import AgentTimer
-from asyncsample._engine import CallMode, SharedQuota, StopRule
+from asyncsample._engine import CallMode, LaneRound, Part, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
-from asyncsample._tree import Tree, tree_map
-from asyncsample.agent import Agent, RandomAgent
+from asyncsample._tree import tree_map
 from asyncsample.backends._closing import cancelled_by_env
-from asyncsample.backends.aio import DeadlinePassed, LaneHost
+from asyncsample.backends.base import DeadlinePassed, PerEnvHost
 from asyncsample.errors import WorkerError
+from asyncsample.inference.batched import Batcher
 
 if TYPE_CHECKING:
     from asyncsample.worker import Worker
 
-__all__ = ["ActionRequests", "Admission", "LaneRound", "LaneStepper"]
+__all__ = ["Admission", "LaneSettings", "LaneStepper"]
 
 logger = logging.getLogger("asyncsample")
 
 _NEVER = np.inf
 """The deadline of an episode without one."""
-
-
-class ActionRequests:
-    """Batches the action requests of the envs that are ready in the same pass of the loop.
-
-    Each request is one env's observation; the first request of a pass schedules a flush at the
-    end of the pass, which stacks the observations per agent, calls the agent once (awaiting it
-    when it is async) and hands every env its row of the actions and agent infos.
-
-    Args:
-        action_space: checks the actions' shapes and values.
-    """
-
-    def __init__(self, action_space: Any) -> None:
-        self.action_space = action_space
-        self._values = make_action_check(action_space)
-        self._groups: dict[int, tuple[Agent, set[int], list[tuple[Tree, asyncio.Future[Any]]]]] = {}
-        self._checks: dict[int, tuple[Callable[[], object], AgentOutputCheck]] = {}
-        self._scheduled = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.timer: AgentTimer | None = None
-        """With metrics on, where each agent call's seconds and rows go."""
-
-    def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
-        """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``."""
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        group = self._groups.get(id(agent))
-        if group is None:
-            self._groups[id(agent)] = (agent, {worker}, [(observation, future)])
-        else:
-            group[1].add(worker)
-            group[2].append((observation, future))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
-        return future
-
-    def _flush(self) -> None:
-        self._scheduled = False
-        groups, self._groups = self._groups, {}
-        for agent, workers, requests in groups.values():
-            live = [(o, f) for o, f in requests if not f.done()]  # cancelled lanes drop out
-            if not live:
-                continue
-            first = live[0][0]
-            if isinstance(first, np.ndarray):
-                stacked: Tree = np.stack([o for o, _ in live])
-            else:
-                stacked = tree_map(lambda *xs: np.stack(xs), *[o for o, _ in live])
-            timer = self.timer
-            start = 0.0 if timer is None else time.perf_counter()
-            try:
-                result = agent.get_actions(stacked)
-            except Exception as exc:
-                _fail(live, exc)
-                continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(result)
-                self._tasks.add(task)
-                if timer is not None:
-                    task.add_done_callback(functools.partial(_timed, timer, start, len(live)))
-                task.add_done_callback(functools.partial(self._awaited, agent, workers, live))
-            else:
-                if timer is not None:
-                    timer.add(time.perf_counter() - start, len(live))
-                self._deliver(agent, workers, live, result)
-
-    def _awaited(
-        self,
-        agent: Agent,
-        workers: set[int],
-        live: list[tuple[Tree, asyncio.Future[Any]]],
-        task: asyncio.Task[Any],
-    ) -> None:
-        worker = min(workers)
-        self._tasks.discard(task)
-        if task.cancelled():
-            # Not a CancelledError: the lanes would take it for their own cancellation.
-            _fail(live, RuntimeError(f"the agent's get_actions (worker {worker}) was cancelled"))
-        elif task.exception() is not None:
-            _fail(live, task.exception())  # type: ignore[arg-type]
-        else:
-            self._deliver(agent, workers, live, task.result())
-
-    def _deliver(
-        self,
-        agent: Agent,
-        workers: set[int],
-        live: list[tuple[Tree, asyncio.Future[Any]]],
-        result: Any,
-    ) -> None:
-        n = len(live)
-        worker = min(workers)
-        try:
-            check = self._check_of(agent, worker)
-            check.worker, check.n_envs = worker, n
-            actions, infos = check.output(result)
-            trusted = type(agent) is RandomAgent and agent.action_space == self.action_space
-            names = ", ".join(map(str, sorted(workers)))
-            actions = check_actions(
-                actions,
-                _like_rows(actions, n),
-                worker=worker,
-                action_space=self.action_space,
-                values=None if trusted else self._values,
-                rows=f"{n} rows, the observations of the envs ready at once of "
-                f"worker{'s' if len(workers) > 1 else ''} {names}",
-            )
-        except Exception as exc:
-            _fail(live, exc)
-            return
-        plain = isinstance(actions, np.ndarray)
-        for j, (_, future) in enumerate(live):
-            if future.done():
-                continue
-            action = actions[j] if plain else tree_map(lambda a, j=j: a[j], actions)
-            future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
-
-    def _check_of(self, agent: Agent, worker: int) -> AgentOutputCheck:
-        """The output check of ``agent`` (a new agent object, such as one an update put in,
-        gets a new one: the kinds and shapes of its infos may differ from its predecessor's)."""
-        known = self._checks.get(id(agent))
-        if known is not None and known[0]() is agent:
-            return known[1]
-        try:
-            ref: Callable[[], object] = weakref.ref(agent)
-        except TypeError:  # not weakly referenceable: keep it (its id cannot be reused then)
-            ref = functools.partial(_same, agent)
-        check = AgentOutputCheck(worker, 1)
-        self._checks[id(agent)] = (ref, check)
-        return check
-
-    async def aclose(self) -> None:
-        """Cancel the agent calls still awaited."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
-
-
-def _same(value: object) -> object:
-    """``value`` (a strong reference standing in for a weak one)."""
-    return value
-
-
-def _like_rows(actions: Tree, n: int) -> Tree:
-    """What :func:`check_actions` compares shapes against: ``n`` rows of the space's shape."""
-
-    def like(a: Any) -> np.ndarray:
-        a = np.asarray(a)
-        return np.empty((n, *a.shape[1:]), dtype=a.dtype) if a.ndim else a
-
-    return tree_map(like, actions)
-
-
-def _timed(timer: AgentTimer, start: float, rows: int, _: object) -> None:
-    timer.add(time.perf_counter() - start, rows)
-
-
-def _fail(live: list[tuple[Tree, asyncio.Future[Any]]], exc: BaseException) -> None:
-    for _, future in live:
-        if not future.done():
-            future.set_exception(exc)
 
 
 class Admission:
@@ -283,42 +112,6 @@ class Admission:
         self._changed.set()
 
 
-class LaneRound:
-    """One round of a stream of complete episodes, across its workers: no env stops stepping
-    until every worker has its share (a worker done early keeps its envs stepping into the
-    episodes the next round continues, rather than idling behind the slowest worker); then every
-    worker's steps in flight are left for the next round.
-
-    Args:
-        workers: the workers taking part (those with a share).
-    """
-
-    def __init__(self, workers: int) -> None:
-        self.waiting = workers
-        self.done = workers == 0
-        self._stops: list[asyncio.Future[None]] = []
-        self._satisfied: set[int] = set()
-
-    def join(self, stop: asyncio.Future[None]) -> None:
-        """``stop`` is set when the round is done."""
-        if self.done:
-            stop.set_result(None)
-        else:
-            self._stops.append(stop)
-
-    def satisfied(self, worker: int) -> None:
-        """``worker`` has its share; the round is done once every worker has said so."""
-        if worker in self._satisfied:
-            return
-        self._satisfied.add(worker)
-        self.waiting -= 1
-        if self.waiting <= 0 and not self.done:
-            self.done = True
-            for stop in self._stops:
-                if not stop.done():
-                    stop.set_result(None)
-
-
 class _Call:
     """Where this stepper run stops, per env: the engine's rule, or, for a unit of a call with
     ``fraction_samples`` (``lacking`` given), once ``lacking`` more transitions are in (as
@@ -382,27 +175,35 @@ class _Call:
         return functools.partial(self.more, i)
 
 
+@dataclass
+class LaneSettings:
+    """What every lane of a sampler shares.
+
+    Attributes:
+        max_restarts: how often one env may be rebuilt in a call; past it the env's error is
+            raised (``retry`` false: the call fails).
+        restarted: called with the worker and the failure at each rebuild of an env (the
+            sampler counts restarts and, with metrics, the fault).
+        admission: the open stream's :class:`Admission`, if any (read at each part).
+    """
+
+    max_restarts: int
+    restarted: Callable[[int, WorkerError], None]
+    admission: Callable[[], Admission | None]
+
+
 class LaneStepper:
     """Runs one coroutine per env of ``worker`` (see the module docstring).
 
     Args:
-        worker: the worker; its host must be a :class:`~asyncsample.backends.aio.LaneHost`.
-        requests: the sampler's :class:`ActionRequests`.
-        leave: what the call leaves running (``Resume.NOTHING``: once a ``samples`` call has its
-            share, steps still in flight are cancelled, since their episodes would be dropped;
-            ``Resume.EPISODES``, a stream's round: they are left running for the next round).
-        resume: what the call continues (steps a previous round left running are taken up
-            only by a continuing ``Resume.EPISODES`` call; any other call drops them).
-        lane_round: the stream round this call is part of (see :class:`LaneRound`).
-        episode_timeout: seconds an episode may run before it is cut as truncated.
-        admission: the stream's :class:`Admission`, if any.
-        quota: the call's shared quota (``fraction_samples < 1``), if any: each env checks it
-            before every step, so a worker stops as soon as the call may spare it.
-        max_restarts: how often one env may be rebuilt in this call; past it the env's error
-            is raised (``retry`` false: the call fails).
-        restarted: called with the worker and the failure at each rebuild of an env (the
-            sampler counts restarts and, with metrics, the fault; a failure past
-            ``max_restarts`` is raised instead and counted where the call fails).
+        worker: the worker; its host must be a :class:`~asyncsample.backends.base.PerEnvHost`.
+        requests: the mode's merger of the envs' agent requests.
+        part: the worker's part of the call. ``part.leave``: once a ``samples`` call has its
+            share, steps still in flight are cancelled (``Resume.NOTHING``: their episodes would
+            be dropped) or left running for the next round (``Resume.EPISODES``, a stream's
+            round), which takes them up (``part.resume``); any other call drops them. With a
+            shared ``part.quota`` each env checks it before every step.
+        settings: see :class:`LaneSettings`.
 
     A fault is the env's own: an env that raises (its own ``CancelledError`` included), hangs
     past ``step_timeout`` or returns a malformed step loses its episode in progress and is
@@ -410,37 +211,24 @@ class LaneStepper:
     """
 
     def __init__(
-        self,
-        worker: Worker,
-        requests: ActionRequests,
-        *,
-        leave: Resume,
-        episode_timeout: float | None,
-        admission: Admission | None = None,
-        quota: SharedQuota | None = None,
-        resume: Resume = Resume.NOTHING,
-        lane_round: LaneRound | None = None,
-        max_restarts: int = 3,
-        restarted: Callable[[int, WorkerError], None] | None = None,
+        self, worker: Worker, requests: Batcher, part: Part, settings: LaneSettings
     ) -> None:
-        host = worker.host
-        assert isinstance(host, LaneHost)
         self.worker = worker
-        self.host = host
+        self.host = cast(PerEnvHost, worker.host)  # checked once, when the mode attached
         self.requests = requests
-        self.leave = leave
-        self.episode_timeout = episode_timeout
-        self.admission = admission
-        self.quota = quota
-        self.resume = resume
-        self.carry = leave is Resume.EPISODES
+        self.leave = part.leave
+        self.episode_timeout = worker.episodes.episode_timeout
+        self.admission = settings.admission()
+        self.quota = quota = part.quota
+        self.resume = part.resume
+        self.carry = part.leave is Resume.EPISODES
         """A stream of complete episodes: at the end of a round, steps still in flight are left
-        running (:attr:`LaneHost.in_flight`) and the next round takes them up, so no round
+        running (:attr:`PerEnvHost.in_flight`) and the next round takes them up, so no round
         waits for its stragglers."""
         self.detaching = False
-        self.round = lane_round if self.carry and quota is None else None
-        self.max_restarts = max_restarts
-        self.restarted = restarted
+        self.round = part.lane_round if self.carry and quota is None else None
+        self.max_restarts = settings.max_restarts
+        self.restarted = settings.restarted
         n = worker.n_envs
         self.env_restarts = [0] * n
         """Rebuilds of each env in this call."""

@@ -1,9 +1,11 @@
-"""The envs of one worker, stepped together inside an env host.
+"""The envs of one worker, and the bookkeeping around each env's own ``reset`` and ``step``.
 
-:class:`EnvGroup` is the one piece of code that touches envs. Every backend runs it where the envs
-live (in the event loop's thread for ``local``, in an env-host process for ``process``, in an actor
-for ``ray``), so all backends reset and step envs at exactly the same points and give identical
-results for a fixed seed.
+:class:`EnvGroup` checks what an env returned, applies the time limit and writes the buffer rows
+(:meth:`EnvGroup.finish_reset`, :meth:`EnvGroup.finish`) for every host: lockstep stepping
+(:meth:`EnvGroup.step`) is a loop over it where the envs live (the event loop's thread for
+``local``, an env-host process for ``process``, an actor for ``ray``), and the lane host of
+``asyncio``/``thread`` awaits each env's call and hands the result to the same methods. So all
+backends give identical results for a fixed seed.
 
 Data moves through :class:`StepBuffers`: arrays with a leading axis of ``n_envs`` that the worker
 and the host both see (plain arrays in-process, shared memory across processes). Only small
@@ -12,6 +14,7 @@ control data (infos, errors) travels any other way.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +25,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+from asyncsample import _validate
 from asyncsample._clock import CLOCK_SIZE, timed_group_step
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
@@ -88,16 +92,14 @@ class StepBuffers:
         obs: observation each env shows now (after an autoreset, the new episode's first one).
         final_obs: for envs whose episode ended on the last step, the true last observation.
         actions: written by the worker before a step.
-
-    For a space whose values have no fixed-size row (see :func:`fixed_rows`), ``obs`` and
-    ``final_obs`` (observation space) or ``actions`` (action space) are a plain list of
-    ``n_envs`` Python objects instead, never shared: a remote host's replies carry its
-    observations pickled and the caller stores them there, and a step request carries the
-    actions pickled.
         rewards, terminated, truncated: results of the last step (``truncated`` includes the
             sampler's ``max_episode_length``).
         clock: with metrics on, the host's timings (see :mod:`asyncsample._clock`); else
             ``None``.
+
+    For a space whose values have no fixed-size row (see :func:`fixed_rows`), ``obs`` and
+    ``final_obs`` or ``actions`` are a plain list of ``n_envs`` Python objects instead, never
+    shared: remote hosts' replies and step requests carry them pickled.
     """
 
     obs: Tree
@@ -328,9 +330,8 @@ class EnvGroup:
         kwargs = self.reset_kwargs(i, seed, options, requested)
         return self.finish_reset(i, self._guard(i, env.reset, **kwargs))
 
-    # -- one env: what every host does before and after an env's own reset or step ----------
-    # The lockstep path calls ``finish(i, env.step(a))``; the lane host (async envs, or blocking
-    # envs behind threads) ``finish(i, await env.step(a))``.
+    # -- one env: before and after its own reset or step (``finish(i, env.step(a))`` here,
+    # ``finish(i, await env.step(a))`` on the lanes) -------------------------------------------
 
     def reset_kwargs(
         self,
@@ -339,10 +340,8 @@ class EnvGroup:
         options: dict[str, Any] | None = None,
         requested: bool = False,
     ) -> dict[str, Any]:
-        """The keyword arguments of env ``i``'s next ``reset``: its pending seed by default.
-
-        A ``requested`` reset (the caller's, with seeds or options) passes ``options=`` even
-        when it is ``None``, as gymnasium's vector envs do.
+        """The keyword arguments of env ``i``'s next ``reset`` (its pending seed by default). A
+        ``requested`` reset passes ``options=`` even when ``None``, as gymnasium's vector envs do.
         """
         pending, self._seeds[i] = self._seeds[i], None
         if seed is PENDING_SEED:
@@ -352,13 +351,10 @@ class EnvGroup:
         return {"seed": seed, "options": options}
 
     def finish_reset(self, i: int, result: Any) -> dict[str, Any]:
-        """Env ``i`` was reset with ``result``: check it, keep its observation (in its buffer
-        row when it fits one; else until :meth:`_store_pending`); its reset info."""
-        if type(result) is not tuple or len(result) != 2:
-            if not isinstance(result, (tuple, list)) or len(result) != 2:
-                self._raise_malformed(
-                    i, "the reset's result", "a tuple (observation, info)", result, "reset"
-                )
+        """Env ``i``'s reset returned ``result``: check it, keep its observation; its info."""
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            what = "a tuple (observation, info)"
+            self._raise_malformed(i, "the reset's result", what, result, "reset")
         obs, info = result
         if info is not None and type(info) is not dict and not isinstance(info, Mapping):
             self._raise_malformed(i, "info", "a dict", info, "reset")
@@ -368,16 +364,9 @@ class EnvGroup:
         return dict(info) if info else {}
 
     def finish(self, i: int, result: Any) -> tuple[Any, Any, bool, bool, Any]:
-        """Env ``i`` stepped and returned ``result``: check it, keep its observation (as
-        :meth:`finish_reset`), count the step and apply ``max_episode_length``.
-
-        Returns:
-            ``(obs, reward, terminated, truncated, info)``; ``truncated`` includes the time limit.
-
-        Raises:
-            EnvFailureError: a malformed result, naming the worker, the env, the field and the
-                value's type (``retry``: :attr:`malformed_retry`).
-        """
+        """Env ``i``'s step returned ``result``: check it (a malformed one raises
+        ``EnvFailureError`` naming the field and type), keep the observation, count the step;
+        ``(obs, reward, terminated, truncated, info)``, ``truncated`` with the time limit."""
         if type(result) is not tuple or len(result) != 5:
             result = self._checked_step(i, result)
         o, r, term, trunc, info = result
@@ -404,8 +393,7 @@ class EnvGroup:
 
     def settle(self, i: int, obs: Any, terminated: bool, truncated: bool) -> None:
         """After :meth:`finish` of env ``i`` alone (the lanes): its observation into its row,
-        and when its episode ended the flags and ``final_obs`` row (a lane resets it when it
-        starts its next episode)."""
+        and the flags and ``final_obs`` row when its episode ended."""
         if self._obs[i] is not None:
             self._store_pending([i])
         if terminated or truncated:
@@ -417,10 +405,9 @@ class EnvGroup:
     def step_results(
         self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
     ) -> tuple[StepInfos, list[int]]:
-        """The envs of ``indices`` were stepped one at a time (:meth:`finish`, :meth:`settle`)
-        as one lockstep step, with ``(reward, terminated, truncated, info)`` each: the step's
-        infos, and the envs whose episode ended, to be reset now (the lanes' autoreset is
-        ``"SameStep"``)."""
+        """The envs of ``indices`` were stepped one at a time as one lockstep step, with
+        ``(reward, terminated, truncated, info)`` each: the step's infos, and the envs whose
+        episode ended, to be reset now (same-step autoreset)."""
         env_infos: list[dict[str, Any]] | None = None
         done = []
         for i, (_, terminated, truncated, info) in zip(indices, results):
@@ -438,24 +425,18 @@ class EnvGroup:
         if not self._flat_obs:
             self._obs[i] = o
         elif getattr(o, "shape", ()) == self._obs_shape:
-            # The buffer row holds it: no reference kept (for image observations, a second
-            # copy of every env's observation).
-            self.buffers.obs[i] = o
+            self.buffers.obs[i] = o  # the row holds it: no second reference kept
             self._obs[i] = None
         else:
             self._obs[i] = o
             self._misfits.append(i)
 
     def _checked_step(self, i: int, result: Any) -> tuple[Any, Any, bool, bool, Any]:
-        """``result`` if gymnasium allows it (a reward of any real type, flags of any bool
-        type or 0 and 1, an info that is a mapping or ``None``); else a malformed error."""
+        """``result`` if gymnasium allows it (a real reward, bool or 0/1 flags, a mapping or
+        ``None`` as info), else a malformed error."""
         if not isinstance(result, (tuple, list)) or len(result) != 5:
-            self._raise_malformed(
-                i,
-                "the step's result",
-                "a tuple (observation, reward, terminated, truncated, info)",
-                result,
-            )
+            what = "a tuple (observation, reward, terminated, truncated, info)"
+            self._raise_malformed(i, "the step's result", what, result)
         obs, reward, terminated, truncated, info = result
         if not _real(reward):
             self._raise_malformed(i, "reward", "a real number", reward)
@@ -619,15 +600,13 @@ class EnvGroup:
         return [tree_map(lambda a, i=i: a[i].copy(), actions) for i in indices]
 
     def store(self, i: int) -> None:
-        """Write env ``i``'s observation into its buffer row if :meth:`finish` or
-        :meth:`finish_reset` kept it aside (the lanes, one env at a time)."""
+        """Write env ``i``'s observation into its buffer row if it was kept aside (the lanes)."""
         if self._obs[i] is not None:
             self._store_pending([i])
 
     def _store_pending(self, indices: list[int] | None = None) -> None:
-        """Write the observations kept aside into the buffers: those of a plain space the fast
-        shape test could not vouch for (lists, scalars: checked), nested (Dict, Tuple) ones,
-        objects. ``indices``: only those envs' (else every env's)."""
+        """Write the observations kept aside into the buffers (of a plain space those the fast
+        shape test could not vouch for, checked); ``indices``: only those envs'."""
         out = self.buffers.obs
         if self._flat_obs:
             misfits, self._misfits = self._misfits, []
@@ -709,10 +688,8 @@ class EnvGroup:
         """Close every env, ignoring errors from envs that are already broken."""
         for i, env in enumerate(self.envs):
             if env is not None:
-                try:
+                with contextlib.suppress(Exception):
                     env.close()
-                except Exception:
-                    pass
             self.envs[i] = None
 
 
@@ -741,25 +718,7 @@ def reset_arguments(
     Raises:
         TypeError, ValueError: naming the argument, what was expected and what was given.
     """
-    seed_list: list[int | None] | None = None
-    if seeds is not None:
-        if isinstance(seeds, (str, bytes, dict)) or not isinstance(seeds, Sequence | np.ndarray):
-            raise TypeError(
-                f"seeds must be None or a sequence of {n_envs} ints or None, got "
-                f"{type(seeds).__name__}"
-            )
-        if len(seeds) != n_envs:
-            raise ValueError(f"seeds must hold one seed per env ({n_envs}), got {len(seeds)}")
-        seed_list = []
-        for k, seed in enumerate(seeds):
-            if seed is None:
-                seed_list.append(None)
-                continue
-            if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-                raise TypeError(f"seeds[{k}] must be an int >= 0 or None, got {seed!r}")
-            if seed < 0:
-                raise ValueError(f"seeds[{k}] must be an int >= 0 or None, got {seed}")
-            seed_list.append(int(seed))
+    seed_list = _validate.seed_list("seeds", seeds, n_envs)
     option_list: list[dict[str, Any] | None] | None = None
     if options is not None:
         if isinstance(options, dict):
@@ -782,28 +741,14 @@ def reset_arguments(
 
 
 def env_indices(n_envs: int, envs: Any) -> list[int]:
-    """Check the ``envs`` argument of :meth:`EnvGroup.call` / ``set_attr``: env indices.
-
-    ``None`` means every env.
-    """
-    if envs is None:
-        return list(range(n_envs))
-    if isinstance(envs, (str, bytes)) or not isinstance(envs, Sequence | np.ndarray):
-        raise TypeError(f"envs must be None or a sequence of env indices, got {envs!r}")
-    out: list[int] = []
-    for i in envs:
-        if isinstance(i, bool) or not isinstance(i, int | np.integer):
-            raise TypeError(f"envs must hold int env indices, got {i!r}")
-        if not 0 <= i < n_envs:
-            raise ValueError(f"envs: index {i} is out of range for {n_envs} envs")
-        out.append(int(i))
-    return out
+    """Check the ``envs`` argument of :meth:`EnvGroup.call` / ``set_attr``: env indices
+    (``None``: every env)."""
+    return _validate.env_indices("envs", envs, n_envs)
 
 
 def call_targets(name: Any, n_envs: int, envs: Any) -> list[int]:
     """Check the arguments of a host's ``call`` (an attribute name, env indices); the indices."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be an attribute name (str), got {name!r}")
+    _validate.attr_name("name", name)
     return env_indices(n_envs, envs)
 
 

@@ -474,3 +474,64 @@ async def test_exact_episodes_and_fragments_reproducible_whatever_the_latency(
         await sampler.aclose()
     for a, b in zip(*batches):
         assert a.equals(b)
+
+
+# -- the inference modes on the lanes: one merger, options honoured or refused (issue 31) -------
+
+
+class ThreadNoting:
+    """A shared agent that notes the thread each call runs in and the rows it was given."""
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.rows: list[int] = []
+
+    def get_actions(self, observations: np.ndarray) -> Any:
+        self.threads.add(threading.current_thread().name)
+        self.rows.append(len(observations))
+        return np.zeros(len(observations), dtype=np.int64), {}
+
+
+@pytest.mark.parametrize("options", [{"flush": "lockstep"}, {"min_fraction": 0.5}])
+async def test_batched_options_the_lanes_cannot_honour_are_refused(
+    lane: str, options: dict[str, Any]
+) -> None:
+    """Before: Batched(flush=..., min_fraction=...) was dropped without a word on the lanes."""
+    from asyncsample.inference import Batched
+
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=rf"{name}.*backend='{lane}'.*one pass"):
+        Sampler(LANES[lane](), ThreadNoting(), backend=lane, inference=Batched(**options))
+
+
+async def test_batched_threaded_runs_the_merged_call_in_the_helper_thread(
+    make_sampler: SamplerFactory, lane: str
+) -> None:
+    """Before: threaded=True was dropped on the lanes (the agent ran in the loop's thread)."""
+    from asyncsample.inference import Batched
+
+    agent = ThreadNoting()
+    inference = Batched(threaded=True)
+    sampler = make_sampler(
+        lane, LANES[lane](), agent, n_workers=3, envs_per_worker=4, seed=1, inference=inference
+    )
+    batch = await sampler.obtain_samples(60)
+    assert batch.n_transitions >= 60
+    assert agent.threads == {"asyncsample-batcher_0"}
+    assert max(agent.rows) > 4  # rows of several workers merged into one call
+
+
+async def test_the_merged_call_reports_the_rows_and_every_worker(
+    make_sampler: SamplerFactory,
+) -> None:
+    """A bad merged output names its rows and all the workers they came from (before: the
+    first requester's worker only)."""
+
+    class Scalar:
+        def get_actions(self, observations: np.ndarray) -> Any:
+            return np.int64(0), {}
+
+    factory = EnvFactory(lambda j: CountingAsyncEnv(5))
+    sampler = make_sampler("asyncio", factory, Scalar(), n_workers=3, envs_per_worker=2)
+    with pytest.raises(ValueError, match=r"6 rows, .* of workers 0, 1, 2\), got a scalar"):
+        await sampler.obtain_samples(20)

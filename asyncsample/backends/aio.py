@@ -37,6 +37,7 @@ from asyncsample.backends._closing import (
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends.base import (
     LOGGER,
+    DeadlinePassed,
     DirectReader,
     EnvHost,
     HostSpec,
@@ -58,7 +59,6 @@ from asyncsample.errors import StepTimeoutError, WorkerError
 
 __all__ = [
     "AsyncioBackend",
-    "DeadlinePassed",
     "LaneHost",
     "ThreadBackend",
     "ThreadedEnv",
@@ -67,10 +67,6 @@ __all__ = [
     "make_async_env",
     "probe_async_env",
 ]
-
-
-class DeadlinePassed(Exception):
-    """The episode's deadline (``episode_timeout``) passed during a step; the step was cancelled."""
 
 
 def default_threads() -> int:
