@@ -106,6 +106,8 @@ class StopRule:
         need: ``SAMPLES``: steps of completed episodes still missing from the share.
         steps: ``FRAGMENTS``: worker steps still to take.
         episodes_left: ``EPISODES``: per env, episodes it must still complete.
+        env_steps: ``FRAGMENTS`` with each env stepped on its own (:meth:`start_envs`): per env,
+            steps still to take.
     """
 
     mode: CallMode
@@ -113,6 +115,7 @@ class StopRule:
     need: int = 0
     steps: int = 0
     episodes_left: np.ndarray | None = None
+    env_steps: np.ndarray | None = None
 
     @classmethod
     def for_call(cls, mode: CallMode, share: int, n_envs: int) -> StopRule:
@@ -134,6 +137,30 @@ class StopRule:
         if mode is CallMode.FRAGMENTS:
             return self.steps > 0
         return bool(active.any())
+
+    def start_envs(self, n_envs: int, lacking: int | None = None) -> int:
+        """Each env will ask :meth:`env_more` on its own (the lanes); ``FRAGMENTS``: each env
+        takes the worker's steps left (``lacking`` given: as :meth:`limited`), which it returns
+        for :meth:`took` at the end."""
+        if self.mode is not CallMode.FRAGMENTS:
+            return 0
+        steps = self.steps if lacking is None else math.ceil(lacking / n_envs)
+        self.env_steps = np.full(n_envs, max(steps, 0), dtype=np.int64)
+        return steps
+
+    def env_more(
+        self, i: int, active: np.ndarray, may_stop: Callable[[], bool] | None = None
+    ) -> bool:
+        """Whether env ``i`` takes another step (asked before each of its steps);
+        ``may_stop``: the call's shared quota lets the worker stop (``fraction_samples``)."""
+        mode = self.mode
+        if mode is CallMode.EPISODES:
+            return bool(active[i])
+        if mode is CallMode.FRAGMENTS and self.env_steps[i] <= 0:  # type: ignore[index]
+            return False
+        if may_stop is not None:
+            return not may_stop()
+        return mode is CallMode.FRAGMENTS or self.need > 0
 
     def ended(self, envs: np.ndarray, steps: int, active: np.ndarray) -> bool:
         """The episodes of ``envs`` ended, ``steps`` recorded steps in all; whether an env

@@ -22,14 +22,13 @@ import asyncio
 import collections
 import functools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from asyncsample._engine import CallMode, LaneRound, Part, StopRule
+from asyncsample._engine import CallMode, Part, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import tree_map
 from asyncsample.backends._closing import cancelled_by_env
@@ -112,69 +111,6 @@ class Admission:
         self._changed.set()
 
 
-class _Call:
-    """Where this stepper run stops, per env: the engine's rule, or, for a unit of a call with
-    ``fraction_samples`` (``lacking`` given), once ``lacking`` more transitions are in (as
-    :meth:`StopRule.limited` says for a chunk: past the worker's own share if the call's total
-    still lacks them)."""
-
-    def __init__(self, stepper: LaneStepper, rule: StopRule, lacking: int | None) -> None:
-        episodes = stepper.worker.episodes
-        self.episodes = episodes
-        self.quota = stepper.quota
-        self.worker = stepper.worker.worker_number
-        self.rule = rule
-        self.mode = rule.mode
-        n = episodes.n_envs
-        self.limit = None
-        self.start_completed = episodes.recorder.completed_steps
-        if self.mode is CallMode.FRAGMENTS:
-            steps = rule.steps if lacking is None else math.ceil(lacking / n)
-            self.steps_left = np.full(n, max(steps, 0), dtype=np.int64)
-            self.steps = steps
-        elif self.mode is CallMode.SAMPLES and lacking is not None:
-            self.limit = lacking
-
-    def more(self, i: int) -> bool:
-        """Whether env ``i`` takes another step."""
-        mode = self.mode
-        if mode is CallMode.SAMPLES:
-            return not self.satisfied()
-        if mode is CallMode.FRAGMENTS:
-            if self.steps_left[i] <= 0:
-                return False
-            quota = self.quota
-            if quota is None:
-                return True
-            # fraction_samples: every worker's envs stop once the call's total is in (each
-            # env asks before its step, so the total passes it by at most the steps in flight).
-            quota.report(self.worker, self.episodes.count(True))
-            return not quota.may_stop(self.worker)
-        return bool(self.episodes.active[i])
-
-    def satisfied(self) -> bool:
-        """``SAMPLES``: the completed episodes this run asked for are in (with a shared quota:
-        the worker may stop, re-judged at every step, since the other workers move it too)."""
-        quota = self.quota
-        if quota is not None:
-            quota.report(self.worker, self.episodes.count(False))
-            return quota.may_stop(self.worker)
-        limit = self.limit
-        if limit is None:
-            return self.rule.need <= 0
-        return self.episodes.recorder.completed_steps - self.start_completed >= limit
-
-    def more_of(self, i: int, lane_round: LaneRound | None = None) -> Callable[[], bool]:
-        """:meth:`more` of env ``i`` as a cheap zero-argument check (asked before every step);
-        within a :class:`LaneRound`, until the round is done."""
-        if lane_round is not None:
-            return lambda: not lane_round.done
-        if self.mode is CallMode.SAMPLES and self.limit is None:
-            rule = self.rule
-            return lambda: rule.need > 0
-        return functools.partial(self.more, i)
-
-
 @dataclass
 class LaneSettings:
     """What every lane of a sampler shares.
@@ -255,20 +191,29 @@ class LaneStepper:
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """Step every env until the rule, or ``lacking`` more transitions, say stop."""
-        await self._run(_Call(self, rule, lacking))
+        await self._run(rule, lacking)
         return 1
 
     async def run(self, rule: StopRule) -> None:
         """Step every env until ``rule`` says stop."""
-        await self._run(_Call(self, rule, None))
+        await self._run(rule, None)
 
-    async def _run(self, call: _Call) -> None:
+    def _may_stop(self, fragments: bool) -> bool:
+        """The call's shared quota lets this worker stop (each env asks before its step, so
+        the total passes the target by at most the steps in flight)."""
+        quota, w = self.quota, self.worker.worker_number
+        assert quota is not None
+        quota.report(w, self.worker.episodes.count(fragments))
+        return quota.may_stop(w)
+
+    async def _run(self, rule: StopRule, lacking: int | None) -> None:
+        steps = rule.start_envs(self.worker.n_envs, lacking)
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
         if self.round is not None:
             self.round.join(stop)
         tasks = [
-            asyncio.ensure_future(self._lane(i, call, stop)) for i in range(self.worker.n_envs)
+            asyncio.ensure_future(self._lane(i, rule, stop)) for i in range(self.worker.n_envs)
         ]
         try:
             pending: set[asyncio.Future[Any]] = set(tasks)
@@ -303,10 +248,9 @@ class LaneStepper:
             if not stop.done():
                 stop.cancel()
             self.detaching = False
-        if call.mode is CallMode.FRAGMENTS:
-            call.rule.took(call.steps)
+        rule.took(steps)
 
-    async def _lane(self, i: int, call: _Call, stop: asyncio.Future[None]) -> None:
+    async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None]) -> None:
         """Env ``i``'s loop: reset when it must, ask for an action, step, record.
 
         The env's cursor, episode length and return live in locals while it runs (numpy
@@ -323,7 +267,7 @@ class LaneStepper:
         assert cursor is not None
         one = np.zeros(worker.n_envs, dtype=bool)
         one[i] = True
-        samples = call.mode is CallMode.SAMPLES
+        samples = rule.mode is CallMode.SAMPLES
         stop_when_in = samples and (self.leave is Resume.NOTHING or self.carry)
         carry = self.carry
         in_flight = host.in_flight
@@ -333,12 +277,20 @@ class LaneStepper:
         w = worker.worker_number
         needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
         deadlines = self.deadlines
-        steps_left = call.steps_left if call.mode is CallMode.FRAGMENTS else None
+        steps_left = rule.env_steps if rule.mode is CallMode.FRAGMENTS else None
         # fraction_samples of fragments: the shared quota counts the steps in the records
         # before every step, so the cursor cannot wait for the episode's end.
-        live_cursor = steps_left is not None and call.quota is not None
+        live_cursor = steps_left is not None and self.quota is not None
         lane_round = self.round
-        more = call.more_of(i, lane_round)
+        may_stop = None
+        if self.quota is not None:
+            may_stop = functools.partial(self._may_stop, steps_left is not None)
+        if lane_round is not None:  # within a stream round: until the round is done
+            more: Callable[[], bool] = lambda: not lane_round.done  # noqa: E731
+        elif samples and may_stop is None:
+            more = lambda: rule.need > 0  # noqa: E731
+        else:
+            more = functools.partial(rule.env_more, i, episodes.active, may_stop)
         loop = asyncio.get_running_loop()
         t, length, ret = int(cursor[i]), int(lengths[i]), float(returns[i])
         deadline = float(deadlines[i])
@@ -415,7 +367,7 @@ class LaneStepper:
                         task.cancel()
                     carried, stepping = None, False
                     cursor[i], lengths[i], returns[i] = t, length, ret
-                    self._drop(i, call)
+                    self._drop(i, rule)
                     length, ret = 0, 0.0
                     await self._rebuild(i, failure)
                     continue
@@ -441,7 +393,7 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
                     length, ret = 0, 0.0
-                    if stop_when_in and call.satisfied():
+                    if stop_when_in and not rule.env_more(i, episodes.active, may_stop):
                         if lane_round is not None:
                             lane_round.satisfied(w)  # sets every worker's stop when all are in
                         elif not stop.done():
@@ -489,7 +441,7 @@ class LaneStepper:
             reset(one.copy())
         return more()
 
-    def _drop(self, i: int, call: _Call) -> None:
+    def _drop(self, i: int, rule: StopRule) -> None:
         """Env ``i`` failed: its episode in progress is dropped (its rows are never returned;
         a fragment call redoes their steps), and it is reset before its next step."""
         episodes = self.worker.episodes
@@ -497,8 +449,8 @@ class LaneStepper:
         cursor = recorder.cursor
         assert cursor is not None
         recorded = int(cursor[i] - recorder.piece_start[i])
-        if call.mode is CallMode.FRAGMENTS and recorded > 0:
-            call.steps_left[i] += recorded
+        if rule.env_steps is not None and recorded > 0:
+            rule.env_steps[i] += recorded
         recorder.piece_start[i] = cursor[i]
         recorder.piece_position[i] = 0
         episodes.needs_reset[i] = True

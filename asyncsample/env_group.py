@@ -363,10 +363,15 @@ class EnvGroup:
         self._keep_obs(i, obs)
         return dict(info) if info else {}
 
-    def finish(self, i: int, result: Any) -> tuple[Any, Any, bool, bool, Any]:
+    def finish(self, i: int, result: Any, alone: bool = False) -> tuple[Any, Any, bool, bool, Any]:
         """Env ``i``'s step returned ``result``: check it (a malformed one raises
         ``EnvFailureError`` naming the field and type), keep the observation, count the step;
-        ``(obs, reward, terminated, truncated, info)``, ``truncated`` with the time limit."""
+        ``(obs, reward, terminated, truncated, info)``, ``truncated`` with the time limit.
+
+        ``alone`` (the lanes: env ``i`` stepped on its own): also write its observation into
+        its row now, and its flags and ``final_obs`` row when its episode ended (the lockstep
+        :meth:`step` writes those for every env at once).
+        """
         if type(result) is not tuple or len(result) != 5:
             result = self._checked_step(i, result)
         o, r, term, trunc, info = result
@@ -377,30 +382,24 @@ class EnvGroup:
             or (info and type(info) is not dict)
         ):
             o, r, term, trunc, info = self._checked_step(i, result)
-        if not self._flat_obs:
-            self._obs[i] = o
-        elif getattr(o, "shape", ()) == self._obs_shape:
+        if self._flat_obs and getattr(o, "shape", ()) == self._obs_shape:
             self.buffers.obs[i] = o  # the row holds it: no second reference kept
             self._obs[i] = None
         else:
             self._keep_obs(i, o)
+            if alone:
+                self._store_pending([i])
         n = self._lengths[i] + 1
         self._lengths[i] = n
         mel = self.max_episode_length
         if mel is not None and n >= mel:
             trunc = True
-        return o, r, term, trunc, info
-
-    def settle(self, i: int, obs: Any, terminated: bool, truncated: bool) -> None:
-        """After :meth:`finish` of env ``i`` alone (the lanes): its observation into its row,
-        and the flags and ``final_obs`` row when its episode ended."""
-        if self._obs[i] is not None:
-            self._store_pending([i])
-        if terminated or truncated:
+        if alone and (term or trunc):
             buf = self.buffers
-            buf.terminated[i] = terminated
-            buf.truncated[i] = truncated
-            self._put(buf.final_obs, i, obs)
+            buf.terminated[i] = term
+            buf.truncated[i] = trunc
+            self._put(buf.final_obs, i, o)
+        return o, r, term, trunc, info
 
     def step_results(
         self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]

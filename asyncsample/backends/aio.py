@@ -311,13 +311,11 @@ class LaneHost:
                 raise _env_error(self.spec.worker, i, "step", exc) from exc
         else:
             result = await self._await(i, "step", call, deadline)
-        group = self.group
         try:
-            obs, reward, terminated, truncated, info = group.finish(i, result)
-            group.settle(i, obs, terminated, truncated)
+            _, reward, terminated, truncated, info = self.group.finish(i, result, True)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
-        return float(reward), bool(terminated), bool(truncated), info or {}
+        return reward, terminated, truncated, info or {}
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""

@@ -111,7 +111,7 @@ class Batched:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     worker: int
     agent: Agent | None  # None: the shared agent, read at the flush
@@ -168,6 +168,8 @@ class Batcher:
         self._state: dict[int, int] = {}
         self._pending: list[_Request] = []
         self._scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mixed = False  # the pending requests ask more than one agent
         self._busy = False  # an async or threaded agent call is in flight (worker rows)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._quiet = 0  # loop iterations since the last state change
@@ -222,11 +224,17 @@ class Batcher:
     def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
         """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``
         asking ``agent`` (envs stepped one at a time)."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(worker, agent, observation, 1, future, one=True))
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        pending = self._pending
+        if pending and pending[0].agent is not agent:
+            self._mixed = True
+        pending.append(_Request(worker, agent, observation, 1, future, True))
         if not self._scheduled:
             self._scheduled = True
-            future.get_loop().call_soon(self._check)
+            loop.call_soon(self._check)
         return future
 
     @contextmanager
@@ -281,11 +289,16 @@ class Batcher:
             return
         pending, self._pending = self._pending, []
         if self._per_pass:  # one call per agent, rows in the order the envs asked
-            groups: dict[int, list[_Request]] = {}
-            for r in pending:
-                if not r.future.done():  # cancelled lanes drop out
-                    groups.setdefault(id(r.agent), []).append(r)
-            for requests in groups.values():
+            live = [r for r in pending if not r.future.done()]  # cancelled lanes drop out
+            mixed, self._mixed = self._mixed, False
+            if not mixed:
+                groups = [live] if live else []
+            else:
+                by_agent: dict[int, list[_Request]] = {}
+                for r in live:
+                    by_agent.setdefault(id(r.agent), []).append(r)
+                groups = list(by_agent.values())
+            for requests in groups:
                 self._call(requests[0].agent, requests)  # type: ignore[arg-type]
             return
         requests = sorted((r for r in pending if not r.future.done()), key=lambda r: r.worker)
@@ -295,10 +308,12 @@ class Batcher:
 
     def _call(self, agent: Agent, requests: list[_Request]) -> None:
         """One agent call on the stacked rows of ``requests``."""
-        self.stats.calls += 1
-        self.stats.workers_per_call[len({r.worker for r in requests})] += 1
-        rows = sum(r.rows for r in requests)
-        self.stats.rows += rows
+        workers = {r.worker for r in requests}
+        rows = len(requests) if requests[0].one else sum(r.rows for r in requests)
+        stats = self.stats
+        stats.calls += 1
+        stats.workers_per_call[len(workers)] += 1
+        stats.rows += rows
         timer = self.timer
         start = 0.0 if timer is None else time.perf_counter()
         try:
@@ -388,7 +403,8 @@ class Batcher:
     def _deliver_rows(self, agent: Agent, requests: list[_Request], result: Any) -> None:
         """Each env its action and agent infos, the merged output checked first as rows."""
         n = len(requests)
-        worker = min(r.worker for r in requests)
+        workers = sorted({r.worker for r in requests})
+        worker = workers[0]
         try:
             check = self._check_of(agent, worker)
             check.worker, check.n_envs = worker, n
@@ -401,7 +417,7 @@ class Batcher:
                 worker=worker,
                 action_space=space,  # type: ignore[arg-type]
                 values=None if trusted else self._values,
-                rows=_rows_of(requests),
+                rows=_rows_of(requests, workers),
             )
         except Exception as exc:
             self._fail(requests, exc)
@@ -453,9 +469,9 @@ def _stack(requests: list[_Request]) -> Tree:
     return tree_concat([r.observations for r in requests])
 
 
-def _rows_of(requests: list[_Request]) -> str:
+def _rows_of(requests: list[_Request], workers: list[int] | None = None) -> str:
     """The rows asked for and the workers they came from, for the messages."""
-    workers = sorted({r.worker for r in requests})
+    workers = workers or sorted({r.worker for r in requests})
     names = ", ".join(map(str, workers))
     if requests[0].one:
         return (
