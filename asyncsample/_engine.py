@@ -1,21 +1,20 @@
 """The episode engine: one worker's episodes during a call, and where its part of a call stops.
 
-Every inference mode runs the same rules, written once here:
+Every inference mode and backend runs the same rules, written once here:
 
 - :class:`Episodes` is a worker's bookkeeping (lengths, returns, which envs are active, the info
   of every running episode, the recorder) and the one place where episodes end
   (:meth:`Episodes.close_episodes`) and where a chunk of steps run elsewhere becomes recorder
   rows (:meth:`Episodes.replay`, array work per chunk).
 - :class:`StopRule` is where a worker's part of a call stops in each call mode (``samples``,
-  exact ``episodes``, ``fragments``). It is a small picklable object: a chunk request carries a
-  copy, so the host (:class:`~asyncsample.backends._chunk.ChunkRunner`) stops exactly where the
-  worker would.
-- :func:`run_part` drives a call through a :class:`Stepper`, with ``fraction_samples``
-  (:class:`SharedQuota`) decided between units. :class:`StepStepper` takes one env step per
-  request (``per_worker`` and ``batched``); :class:`~asyncsample.inference.host.ChunkStepper`
-  one chunk per request (``host``). A stepper only moves the envs and reports what happened
-  through :class:`Episodes`; it never decides where a call stops, so a new one (one coroutine
-  per env, for async envs) needs no change to the rules.
+  exact ``episodes``, ``fragments``), for the worker's envs together or, for envs stepped one at
+  a time, per env (:meth:`StopRule.env_more`). It is a small picklable object: a chunk request
+  carries a copy, so the host (:class:`~asyncsample.backends._chunk.ChunkRunner`) stops exactly
+  where the worker would.
+- :func:`run_part` drives a call through a :class:`Stepper` (the inference mode chooses it, see
+  :mod:`asyncsample.inference.modes`), with ``fraction_samples`` (:class:`SharedQuota`) decided
+  between units. A stepper only moves the envs and reports what happened through
+  :class:`Episodes`; it never decides where a call stops.
 """
 
 from __future__ import annotations

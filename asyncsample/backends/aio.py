@@ -4,10 +4,11 @@
 :class:`~asyncsample.AsyncEnv`) in the sampler's event loop; ``thread`` hosts ordinary blocking
 gymnasium envs behind the same coroutine interface, their calls run in a bounded pool of threads
 (:class:`ThreadedEnv`), so the loop never blocks. Either way a worker's envs are not stepped in
-lockstep: :class:`LaneHost` offers one env at a time (:meth:`LaneHost.reset_one`,
-:meth:`LaneHost.step_one`) and :mod:`asyncsample._env_tasks` runs one coroutine per env. The
-lockstep :class:`~asyncsample.backends.base.EnvHost` methods exist too (``step(mask)`` gathers the
-envs' steps), so every caller of the seam works unchanged.
+lockstep: :class:`LaneHost` is a :class:`~asyncsample.backends.base.PerEnvHost` (one env at a
+time: :meth:`LaneHost.reset_one`, :meth:`LaneHost.step_one`, whose bookkeeping is the
+:class:`~asyncsample.env_group.EnvGroup`'s it holds) and :mod:`asyncsample._env_tasks` runs one
+coroutine per env. The lockstep :class:`~asyncsample.backends.base.EnvHost` methods exist too
+(``step(mask)`` gathers the envs' steps), so every caller of the seam works unchanged.
 """
 
 from __future__ import annotations
