@@ -567,18 +567,13 @@ class Episodes:
 
 
 class LaneRound:
-    """One round of a stream of complete episodes on the lanes, across its workers: no env stops
-    stepping
-    until every worker has its share (a worker done early keeps its envs stepping into the
-    episodes the next round continues, rather than idling behind the slowest worker); then every
-    worker's steps in flight are left for the next round.
-
-    Args:
-        workers: the workers taking part (those with a share).
-    """
+    """One round of a stream of complete episodes on the lanes: no env stops stepping until
+    each of the ``workers`` taking part has its share (a worker done early keeps its envs
+    stepping into the episodes the next round continues); then every worker's steps in flight
+    are left for the next round."""
 
     def __init__(self, workers: int) -> None:
-        self.waiting = workers
+        self.workers = workers
         self.done = workers == 0
         self._stops: list[asyncio.Future[None]] = []
         self._satisfied: set[int] = set()
@@ -592,11 +587,8 @@ class LaneRound:
 
     def satisfied(self, worker: int) -> None:
         """``worker`` has its share; the round is done once every worker has said so."""
-        if worker in self._satisfied:
-            return
         self._satisfied.add(worker)
-        self.waiting -= 1
-        if self.waiting <= 0 and not self.done:
+        if not self.done and len(self._satisfied) >= self.workers:
             self.done = True
             for stop in self._stops:
                 if not stop.done():
@@ -611,9 +603,8 @@ class Part:
         resume: what the part continues from the previous call.
         leave: what it leaves running for the next (``Resume.EPISODES``: a stream's round).
         quota: the call's shared quota (``fraction_samples < 1``), if any.
-        then: a stream round follows that continues what this one leaves (a mode may start it
-            early), else ``None``.
-        lane_round: the stream round this part is in, on the lanes (see :class:`LaneRound`).
+        then: a stream round follows, continuing what this one leaves (a mode may start it).
+        lane_round: the stream round this part is in, on the lanes.
     """
 
     resume: Resume

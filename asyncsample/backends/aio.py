@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import logging
 import os
 import traceback
 import warnings
@@ -29,7 +28,7 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._clock import timed_env_call
 from asyncsample._tree import tree_map
-from asyncsample.async_env import check_async_env, close_env
+from asyncsample.async_env import check_async_env
 from asyncsample.backends._closing import (
     CLOSE_TIMEOUT,
     cancelled_by_env,
@@ -512,14 +511,6 @@ async def _gather(calls: Sequence[Any]) -> list[Any]:
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
-
-
-async def _close_quietly(env: Any) -> None:
-    """Close ``env`` (a coroutine or a plain ``close``), ignoring its errors."""
-    try:
-        await close_env(env)
-    except Exception as exc:
-        logging.getLogger("asyncsample").debug("closing an env raised %r", exc)
 
 
 def probe_async_env(

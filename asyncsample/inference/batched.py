@@ -1,37 +1,30 @@
 """One merger of agent requests: ``inference="batched"``, and the envs stepped one at a time.
 
-:class:`Batcher` stacks the observations that wait for actions, asks each agent once and
-splits actions and agent infos back by rows. A policy call costs about the same for 4 rows as
-for 64 (a torch forward plus a distribution sample is ~200 us), so the number of calls per env
-step is what matters. Requests come in two kinds:
+:class:`Batcher` stacks the observations waiting for actions, asks each agent once and splits
+actions and agent infos back by rows (a policy call costs about the same for 4 rows as for 64).
+Requests are a worker's rows (:meth:`Batcher.get_actions`: ``inference="batched"`` on the
+lockstep backends, one shared agent) or one env's row (:meth:`Batcher.request`: the lanes of
+``asyncio``/``thread``, each env asking its worker's agent; one call per agent).
 
-- a worker's rows (:meth:`Batcher.get_actions`, ``inference="batched"`` on the lockstep
-  backends): every worker asks the one shared agent for its ``envs_per_worker`` rows;
-- one env's row (:meth:`Batcher.request`, the lanes of ``asyncio``/``thread``): each env asks
-  its worker's agent; the requests of one agent are merged (a policy service sees batches,
-  however many one-env workers there are).
-
-When to flush is the whole game. For workers stepping in lockstep the batcher knows the state of
-every worker in the current call: running Python, waiting for actions, or waiting on its env
-host (the worker says so just before and just after it awaits a host step). Two rules:
+When to flush is the whole game. For workers stepping in lockstep the batcher knows what each
+worker in the call is doing: running Python, waiting for actions, or waiting on its env host (the
+worker says so around each host step). Two rules:
 
 - ``"lockstep"`` (the default there, reproducible): flush when every worker still in the call is
   waiting for actions. Every call then holds the same workers in the same order for a fixed
   seed, so even a stochastic agent with one internal RNG draws the same numbers for the same rows
-  on every run. A slow env host delays every worker's next action (a straggler holds the batch).
-- ``"eager"``: flush as soon as no worker is running Python, i.e. when no further request can
-  arrive before some env step completes. Hosts never idle waiting for a straggler, but which
-  workers share a call depends on timing: a stochastic agent's RNG draws go to timing-dependent
-  rows (its output is then not reproducible; an agent whose actions depend only on its input
-  still is).
+  on every run. A slow env host delays every worker's next action.
+- ``"eager"``: flush as soon as no worker is running Python (no further request can arrive
+  before some env step completes). Hosts never idle waiting for a straggler, but which workers
+  share a call, and so a stochastic agent's draws, depend on timing.
 
 A host reply resolves a future, but the worker resumes only when the event loop runs its
 callback; deciding at once would flush one row short. The decision is therefore deferred with
 ``loop.call_soon`` until the ready callbacks of the current loop iteration have run.
 
 Envs stepped one at a time are never all waiting: their requests are flushed at the end of each
-pass of the loop (``"eager"`` with nothing to settle: no host replies in between), so there
-``"lockstep"`` and ``min_fraction`` cannot be honoured and are refused at construction.
+pass of the loop (``"eager"`` with nothing to settle), so ``"lockstep"`` and ``min_fraction``
+are refused there at construction.
 """
 
 from __future__ import annotations
