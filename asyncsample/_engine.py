@@ -467,6 +467,31 @@ class Episodes:
             if rule.ended(envs, recorder.completed_steps - steps, self.active):
                 self.everyone = False
 
+    def end_env(
+        self, i: int, t: int, terminated: np.ndarray, final_obs: Tree, version: int
+    ) -> None:
+        """Env ``i``, stepped on its own, ended its episode at row ``t`` (as
+        :meth:`close_episodes`); it is reset before its next step."""
+        self.close_episodes(np.array([i]), t, terminated, final_obs, {}, version)
+        self.needs_reset[i] = True
+        self.deadlines[i] = np.inf
+
+    def drop_env(self, i: int) -> int:
+        """Env ``i`` failed on its own: its episode in progress is dropped (its rows are never
+        returned) and it is reset before its next step; returns the steps it had recorded."""
+        recorder = self.recorder
+        cursor = recorder.cursor
+        assert cursor is not None
+        recorded = int(cursor[i] - recorder.piece_start[i])
+        recorder.piece_start[i] = cursor[i]
+        recorder.piece_position[i] = 0
+        self.dropped_steps += int(self.lengths[i])
+        self.needs_reset[i] = True
+        self.lengths[i] = 0
+        self.returns[i] = 0.0
+        self.deadlines[i] = np.inf
+        return recorded
+
     def replay(
         self,
         chunk: ChunkRecords,

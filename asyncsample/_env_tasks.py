@@ -113,15 +113,9 @@ class Admission:
 
 @dataclass
 class LaneSettings:
-    """What every lane of a sampler shares.
-
-    Attributes:
-        max_restarts: how often one env may be rebuilt in a call; past it the env's error is
-            raised (``retry`` false: the call fails).
-        restarted: called with the worker and the failure at each rebuild of an env (the
-            sampler counts restarts and, with metrics, the fault).
-        admission: the open stream's :class:`Admission`, if any (read at each part).
-    """
+    """What every lane of a sampler shares: ``max_restarts`` of one env in a call (past it the
+    env's error fails the call), ``restarted(worker, failure)`` at each rebuild (the sampler
+    counts it), ``admission()``: the open stream's :class:`Admission`, if any."""
 
     max_restarts: int
     restarted: Callable[[int, WorkerError], None]
@@ -152,7 +146,6 @@ class LaneStepper:
         self.worker = worker
         self.host = cast(PerEnvHost, worker.host)  # checked once, when the mode attached
         self.requests = requests
-        self.leave = part.leave
         self.episode_timeout = worker.episodes.episode_timeout
         self.admission = settings.admission()
         self.quota = quota = part.quota
@@ -163,8 +156,7 @@ class LaneStepper:
         waits for its stragglers."""
         self.detaching = False
         self.round = part.lane_round if self.carry and quota is None else None
-        self.max_restarts = settings.max_restarts
-        self.restarted = settings.restarted
+        self.settings = settings
         n = worker.n_envs
         self.env_restarts = [0] * n
         """Rebuilds of each env in this call."""
@@ -268,7 +260,6 @@ class LaneStepper:
         one = np.zeros(worker.n_envs, dtype=bool)
         one[i] = True
         samples = rule.mode is CallMode.SAMPLES
-        stop_when_in = samples and (self.leave is Resume.NOTHING or self.carry)
         carry = self.carry
         in_flight = host.in_flight
         flat = isinstance(buffers.obs, np.ndarray) and isinstance(buffers.actions, np.ndarray)
@@ -393,7 +384,7 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
                     length, ret = 0, 0.0
-                    if stop_when_in and not rule.env_more(i, episodes.active, may_stop):
+                    if samples and not rule.env_more(i, episodes.active, may_stop):
                         if lane_round is not None:
                             lane_round.satisfied(w)  # sets every worker's stop when all are in
                         elif not stop.done():
@@ -442,21 +433,14 @@ class LaneStepper:
         return more()
 
     def _drop(self, i: int, rule: StopRule) -> None:
-        """Env ``i`` failed: its episode in progress is dropped (its rows are never returned;
-        a fragment call redoes their steps), and it is reset before its next step."""
-        episodes = self.worker.episodes
-        recorder = episodes.recorder
-        cursor = recorder.cursor
-        assert cursor is not None
-        recorded = int(cursor[i] - recorder.piece_start[i])
+        """Env ``i`` failed: its episode in progress is dropped (a fragment call redoes its
+        steps), and it is reset before its next step."""
+        recorded = self.worker.episodes.drop_env(i)
         if rule.env_steps is not None and recorded > 0:
             rule.env_steps[i] += recorded
-        recorder.piece_start[i] = cursor[i]
-        recorder.piece_position[i] = 0
-        episodes.needs_reset[i] = True
-        episodes.lengths[i] = 0
-        episodes.returns[i] = 0.0
-        self.deadlines[i] = np.inf
+        self._closed(i)
+
+    def _closed(self, i: int) -> None:
         if self.admission is not None:
             self.admission.closed((self.worker.worker_number, i))
 
@@ -466,19 +450,18 @@ class LaneStepper:
         worker = self.worker
         w = worker.worker_number
         while True:
-            if self.env_restarts[i] >= self.max_restarts:
+            if self.env_restarts[i] >= self.settings.max_restarts:
                 failure.retry = False  # the call fails: no worker-wide rebuild either
                 raise failure
             self.env_restarts[i] += 1
             worker.restarts += 1
-            if self.restarted is not None:
-                self.restarted(w, failure)
+            self.settings.restarted(w, failure)
             logger.warning(
                 "worker %d: rebuilding env %d (restart %d of at most %d in this call) after %s: %s",
                 w,
                 i,
                 self.env_restarts[i],
-                self.max_restarts,
+                self.settings.max_restarts,
                 type(failure).__name__,
                 str(failure).split("\n", 1)[0],
             )
@@ -492,20 +475,10 @@ class LaneStepper:
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""
-        episodes = self.worker.episodes
         buffers = self.host.buffers
-        episodes.close_episodes(
-            np.array([i]),
-            t,
-            buffers.terminated,
-            buffers.final_obs,
-            {},
-            self.worker.agent_version,
-        )
-        episodes.needs_reset[i] = True
-        self.deadlines[i] = np.inf
-        if self.admission is not None:
-            self.admission.closed((self.worker.worker_number, i))
+        version = self.worker.agent_version
+        self.worker.episodes.end_env(i, t, buffers.terminated, buffers.final_obs, version)
+        self._closed(i)
 
     def _cut(self, i: int) -> None:
         """Env ``i``'s episode passed its deadline: it ends as truncated at its last step, its
@@ -520,8 +493,6 @@ class LaneStepper:
             put_row(buffers.final_obs, i, tree_map(lambda x: x[i], buffers.obs))
             episodes.episode_info[i]["deadline"] = True
             self._end(i, int(cursor[i]) - 1)
-        else:
-            episodes.needs_reset[i] = True
-            self.deadlines[i] = np.inf
-            if self.admission is not None:
-                self.admission.closed((self.worker.worker_number, i))
+        else:  # no step taken: nothing to end
+            episodes.drop_env(i)
+            self._closed(i)
