@@ -301,22 +301,27 @@ class LaneStepper:
                             length, ret, deadline = 0, 0.0, float(deadlines[i])
                             if not started:
                                 break
-                        if flat:
+                        if t >= rows.size:
+                            rows.cover(t, buffers.obs, buffers.actions)
+                        if flat and not rows.on_arena:
+                            # Recorded first; the agent reads the row (no env writes it again).
+                            row = rows.obs[t]
+                            row[i] = buffers.obs[i]
+                            observation = row[i]
+                        elif flat:
                             observation = buffers.obs[i].copy()
+                            rows.obs[t, i] = observation
                         else:
                             observation = tree_map(lambda x: x[i].copy(), buffers.obs)
+                            put_row(rows.obs, (t, i), observation)
                         action, infos = await request(
                             worker.agent,  # type: ignore[arg-type]
                             w,
                             observation,
                         )
-                        if t >= rows.size:
-                            rows.cover(t, buffers.obs, buffers.actions)
                         if flat:
-                            rows.obs[t, i] = observation
                             rows.actions[t, i] = action
                         else:
-                            put_row(rows.obs, (t, i), observation)
                             put_row(rows.actions, (t, i), action)
                         if infos or rows.agent_infos:
                             store_agent_infos(rows, t, infos, i)

@@ -166,7 +166,8 @@ class Batcher:
         self._busy = False  # an async or threaded agent call is in flight (worker rows)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._quiet = 0  # loop iterations since the last state change
-        self._settle = SETTLE_ITERATIONS if options.flush == "eager" else 0
+        eager = options.flush == "eager" and not self._per_pass  # lanes: nothing to settle
+        self._settle = SETTLE_ITERATIONS if eager else 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._agent_lock = threading.Lock()
         self.stats = BatchStats()

@@ -71,7 +71,7 @@ class InferenceMode:
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
         """The workers exist and their envs are built."""
-        self._attach_lanes(workers, Batched("eager"))
+        self._attach_lanes(workers, Batched())
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
         """How ``worker``'s part of a call moves its envs: one lane per env on hosts that step
