@@ -535,3 +535,27 @@ async def test_the_merged_call_reports_the_rows_and_every_worker(
     sampler = make_sampler("asyncio", factory, Scalar(), n_workers=3, envs_per_worker=2)
     with pytest.raises(ValueError, match=r"6 rows, .* of workers 0, 1, 2\), got a scalar"):
         await sampler.obtain_samples(20)
+
+
+async def test_per_env_stepping_is_a_capability_of_the_lane_hosts_only() -> None:
+    """The engine picks the lanes by the ``PerEnvHost`` protocol, not by a host class; the lane
+    host applies the time limit through the shared per-env bookkeeping (``EnvGroup.finish``)."""
+    from asyncsample.backends.aio import AsyncioBackend
+    from asyncsample.backends.base import HostSpec, PerEnvHost
+    from asyncsample.backends.local import LocalBackend
+
+    env = CountingAsyncEnv(10)
+    spec = HostSpec(0, 1, env.observation_space, env.action_space, max_episode_length=3)
+    lanes, local = AsyncioBackend(), LocalBackend()
+    try:
+        (lane_host,) = await lanes.start([spec])
+        (local_host,) = await local.start([spec])
+        assert isinstance(lane_host, PerEnvHost) and not isinstance(local_host, PerEnvHost)
+        await lane_host.build([[lambda: CountingAsyncEnv(10)]], [0])  # type: ignore[attr-defined]
+        await lane_host.reset_one(0)  # type: ignore[attr-defined]
+        flags = [(await lane_host.step_one(0, 0))[1:3] for _ in range(3)]  # type: ignore[attr-defined]
+        assert flags == [(False, False), (False, False), (False, True)]  # cut at 3, not 10
+        assert lane_host.buffers.truncated[0] and not lane_host.buffers.terminated[0]
+    finally:
+        await lanes.aclose()
+        await local.aclose()
