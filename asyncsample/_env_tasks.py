@@ -303,14 +303,10 @@ class LaneStepper:
                                 break
                         if t >= rows.size:
                             rows.cover(t, buffers.obs, buffers.actions)
-                        if flat and not rows.on_arena:
-                            # Recorded first; the agent reads the row (no env writes it again).
+                        if flat:  # recorded first; the agent reads the row (never an arena's)
                             row = rows.obs[t]
                             row[i] = buffers.obs[i]
                             observation = row[i]
-                        elif flat:
-                            observation = buffers.obs[i].copy()
-                            rows.obs[t, i] = observation
                         else:
                             observation = tree_map(lambda x: x[i].copy(), buffers.obs)
                             put_row(rows.obs, (t, i), observation)

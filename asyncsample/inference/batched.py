@@ -356,10 +356,8 @@ class Batcher:
             self.timer.add(time.perf_counter() - start, sum(r.rows for r in requests))
         if task.cancelled():
             # Not a CancelledError: the requesters would take it for their own cancellation.
-            self._fail(
-                requests,
-                RuntimeError(f"the agent's get_actions ({_rows_of(requests)}) was cancelled"),
-            )
+            what = f"the agent's get_actions ({_rows_of(requests)}) was cancelled"
+            self._fail(requests, RuntimeError(what))
         elif (exc := task.exception()) is not None:
             self._fail(requests, exc)
         else:
@@ -385,9 +383,7 @@ class Batcher:
             parts = _split(result, requests)
         except ValueError as exc:
             for r in requests:
-                if not r.future.done():
-                    self._running(r.worker)
-                    r.future.set_exception(ValueError(f"{exc}; raised in worker {r.worker}"))
+                self._fail([r], ValueError(f"{exc}; raised in worker {r.worker}"))
             return
         for r, part in zip(requests, parts):
             if not r.future.done():

@@ -56,11 +56,9 @@ class InferenceMode:
         """With lanes: check that every host steps envs one at a time; one merger for all."""
         if self.lanes is None:
             return False
-        for worker in workers:
-            if not isinstance(worker.host, PerEnvHost):
-                raise TypeError(
-                    f"worker {worker.worker_number}: its host does not step envs one at a time"
-                )
+        bad = [w.worker_number for w in workers if not isinstance(w.host, PerEnvHost)]
+        if bad:
+            raise TypeError(f"workers {bad}: their hosts do not step envs one at a time")
         assert workers[0].env_spec is not None
         self.merger = Batcher(options, action_space=workers[0].env_spec.action_space)
         return True
