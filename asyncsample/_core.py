@@ -26,7 +26,16 @@ import psutil
 
 from asyncsample import _validate
 from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
-from asyncsample._engine import CallMode, LaneRound, Part, SharedQuota, StopRule, run_part, share_of
+from asyncsample._engine import (
+    CallMode,
+    Continuity,
+    LaneRound,
+    Part,
+    SharedQuota,
+    StopRule,
+    run_part,
+    share_of,
+)
 from asyncsample._env_tasks import Admission, LaneSettings
 from asyncsample._probe import probe_spaces
 from asyncsample._recorder import Resume
@@ -477,7 +486,7 @@ class SamplerCore:
                     type(failure).__name__,
                     str(failure).split("\n", 1)[0],
                 )
-            if worker.episodes.broken:  # failed here, or in an earlier call
+            if worker.episodes.state is Continuity.BROKEN:  # failed here, or in an earlier call
                 dropped = await worker.restart_host()
                 if dropped:
                     logger.info(
@@ -490,7 +499,7 @@ class SamplerCore:
                 return await run_part(worker, stepper, leave, shared)
 
         def failed(exc: WorkerError) -> None:
-            worker.episodes.broken = True
+            worker.episodes.state = Continuity.BROKEN
             if self.metrics is not None:
                 self.metrics.fault(w, exc)
 

@@ -42,6 +42,7 @@ from asyncsample.batch import StepType
 
 __all__ = [
     "CallMode",
+    "Continuity",
     "ChunkRecords",
     "Episodes",
     "FinishedEpisode",
@@ -67,6 +68,30 @@ class CallMode(enum.IntEnum):
     """A fixed number of complete episodes per env; an env is stepped no more once it has them."""
     FRAGMENTS = 2
     """A number of worker steps; episodes still running become fragments."""
+
+
+class Continuity(enum.Enum):
+    """Where a worker's episodes stand between and during calls (:attr:`Episodes.state`).
+
+    The next call continues the records and the envs only from ``IDLE`` (what the last call
+    left, see :meth:`Episodes.begin`) or, in a stream's next round, from ``RAN_AHEAD``; from any
+    other state every env starts afresh.
+    """
+
+    IDLE = "idle"
+    """The last call ended (:meth:`Episodes.end`)."""
+    IN_CALL = "in call"
+    """A call runs; still so at the next :meth:`Episodes.begin` when it was cancelled midway."""
+    BROKEN = "broken"
+    """The env host failed: it is rebuilt (``Worker.restart_host``) before the next step."""
+    RAN_AHEAD = "ran ahead"
+    """A chunk past the end of the last call may have run in the env host (a stream's
+    run-ahead, :mod:`asyncsample.inference.host`): the envs may have moved past the records."""
+    TAKING_OVER = "taking over"
+    """A call began that may take that chunk over; its stepper settles it (then ``IN_CALL``)."""
+
+
+_CONTINUABLE = (Continuity.IDLE, Continuity.IN_CALL)
 
 
 class FinishedEpisode(NamedTuple):
@@ -269,10 +294,7 @@ class Episodes:
         recorder: the step rows and pieces of the current call.
         rule: where the current call stops (``None`` outside a call).
         finished: every episode completed since the sampler read it.
-        ran_ahead: a chunk past the end of the last call may have run in the env host (a
-            stream's run-ahead, see :mod:`asyncsample.inference.host`): the envs may have moved
-            past the records, so unless the next call takes that chunk over (``begin(...,
-            ahead=True)``), it starts fresh episodes in every env.
+        state: where the episodes stand between and during calls (:class:`Continuity`).
     """
 
     def __init__(self, worker: int, n_envs: int) -> None:
@@ -288,9 +310,7 @@ class Episodes:
         self.recorder = Recorder(n_envs)
         self.rule: StopRule | None = None
         self.finished: list[FinishedEpisode] = []
-        self.in_call = False
-        self.broken = False
-        self.ran_ahead = False
+        self.state = Continuity.IDLE
         self.episode_timeout: float | None = None
         """Seconds an episode may run before it is cut as truncated (``None``: no deadline)."""
         self.deadlines = np.full(n_envs, np.inf)
@@ -313,18 +333,21 @@ class Episodes:
         """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``.
 
         ``ahead``: the call may take over a chunk run ahead for it (a stream's next round),
-        whose stepper then settles :attr:`ran_ahead`; any other call resets every env after one.
+        whose stepper then settles it (``Continuity.TAKING_OVER``); any other call resets every
+        env after one.
         """
-        append = self.ran_ahead and ahead
-        if self.in_call or self.broken or (self.ran_ahead and not ahead):
+        state = self.state
+        ran_ahead = state is Continuity.RAN_AHEAD or state is Continuity.TAKING_OVER
+        append = ran_ahead and ahead
+        if state is not Continuity.IDLE and (state is not Continuity.RAN_AHEAD or not ahead):
             # The previous call was cancelled or failed midway, or the envs moved past its end:
             # nothing of it may leak.
             resume = Resume.NOTHING
             self.needs_reset[:] = True
-            self.ran_ahead = False
+            ran_ahead = False
         if resume is Resume.NOTHING:
             self.needs_reset |= self.lengths > 0
-        self.in_call = True
+        self.state = Continuity.TAKING_OVER if ran_ahead else Continuity.IN_CALL
         self.recorder.begin(resume, self.lengths, append)
         self.rule = rule
         self.active[:] = True if rule is None else rule.start_active(self.n_envs)
@@ -339,7 +362,7 @@ class Episodes:
         call ending now is assembled (its plan points into them). ``resume`` must be what the
         ending call leaves (:meth:`end`).
         """
-        if self.broken or self.ran_ahead or self.needs_reset.any():
+        if self.state not in _CONTINUABLE or self.needs_reset.any():
             return None
         if resume is Resume.NOTHING and bool((self.lengths > 0).any()):
             return None
@@ -362,7 +385,10 @@ class Episodes:
         self.rule = None
         self.active[:] = True
         self.everyone = True
-        self.in_call = False
+        if self.state is Continuity.IN_CALL:
+            self.state = Continuity.IDLE
+        elif self.state is Continuity.TAKING_OVER:  # never settled: the chunk is still ahead
+            self.state = Continuity.RAN_AHEAD
 
     def recovered(self) -> int:
         """The host was rebuilt: episodes in progress are dropped; returns how many."""
