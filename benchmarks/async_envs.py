@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks import async_envs_cells
 from benchmarks.async_envs_cells import (
     CONTENDERS,
     HOST_CONTENDERS,
@@ -78,7 +79,7 @@ from benchmarks.async_envs_cells import (
     run_cell,
     run_file,
 )
-from benchmarks.async_envs_report import best_rows, markdown, targets, write_chart
+from benchmarks.async_envs_report import NOT_AVAILABLE, best_rows, markdown, targets, write_chart
 from benchmarks.contenders import LagProbe
 from benchmarks.latency_envs import (
     EPISODE_LENGTH,
@@ -103,10 +104,12 @@ __all__ = [
     "AsyncLatencyEnv",
     "CellResult",
     "CellSpec",
+    "HOST_CONTENDERS",
     "LagProbe",
     "LatencyModel",
     "Plan",
     "SleepLatencyEnv",
+    "async_envs_cells",
     "best_rows",
     "cells",
     "main",
@@ -215,7 +218,7 @@ def execute(plan: Plan, out: Path, in_process: bool = False) -> list[dict[str, A
                     ["-m", "benchmarks.async_envs", "--child"], fields, plan.timeout, Path(tmp)
                 )
             record = {"spec": fields, "layout": spec.layout, **outcome}
-            if outcome.get("status") != "ok":
+            if outcome.get("status") != "ok":  # refused, unavailable, error, timeout
                 print(f"  {outcome.get('status')}: {outcome.get('note')}", file=sys.stderr)
             records.append(record)
             with log.open("a") as f:
@@ -402,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the study; write results.json, results.md and the chart to ``--out``.
 
     Returns:
-        0 when every run finished, 1 when one failed (the results are written either way).
+        0 when every run finished (or was refused, or its peer is not installed), 1 when one
+        failed (the results are written either way).
     """
     from benchmarks import report
 
@@ -432,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "runs.jsonl").unlink(missing_ok=True)
     (out / "results.md").write_text(markdown(results))
     charts = report.draw_charts(write_chart, out, results)
-    failed = [r for r in records if r.get("status") != "ok"]
+    failed = [r for r in records if r.get("status") not in ("ok", *NOT_AVAILABLE)]
     print(
         f"async_envs: {len(records)} runs in {results['elapsed_s']:.0f} s, {len(failed)} failed; "
         f"wrote {out / 'results.json'}, {out / 'results.md'}" + "".join(f", {p}" for p in charts),

@@ -501,7 +501,8 @@ async def run_ours(spec: CellSpec) -> CellResult:
         sampler = Sampler(factory, agent, **common)
     except Exception as exc:
         if spec.contender in HOST_CONTENDERS:  # a configuration the sampler does not take yet
-            raise Refused(f"{type(exc).__name__}: {exc}") from exc
+            message = str(exc).replace(repr(factory), "the async env factory")
+            raise Refused(f"{type(exc).__name__}: {message}") from exc
         raise
     probe = LagProbe()
     # Batches of ``chunk_s`` seconds of steps at the ideal rate (at least one per episode).
