@@ -137,6 +137,7 @@ class Plan:
         timeout: Seconds before a cell's process is killed.
         big: Episodes in flight of the big level (none: no big level).
         big_mean: Mean step latency of the big level, seconds.
+        quick: A smoke run: ``process``/``ray`` cells in one layout only.
     """
 
     levels: list[int]
@@ -147,6 +148,7 @@ class Plan:
     timeout: float = 300.0
     big: list[int] = field(default_factory=list)
     big_mean: float = 1.0
+    quick: bool = False
 
 
 def cells(plan: Plan) -> Iterator[CellSpec]:
@@ -176,7 +178,9 @@ def _level(plan: Plan, n: int, base: dict[str, Any], wide_only: bool) -> Iterato
             continue
         if contender.startswith("ours-"):
             layouts = _layouts(n)
-            for w, e in layouts[-1:] if wide_only else layouts:
+            if wide_only or (plan.quick and contender in HOST_CONTENDERS):
+                layouts = layouts[-1:]  # a quick run: one layout of the refused cells is enough
+            for w, e in layouts:
                 threads = min(plan.thread_pool, n) if contender == "ours-thread" else 0
                 yield CellSpec(contender, n, w, e, threads, **base)
         elif contender.startswith("pool-"):
@@ -211,13 +215,15 @@ def execute(plan: Plan, out: Path, in_process: bool = False) -> list[dict[str, A
                 flush=True,
             )
             fields = dataclasses.asdict(spec)
+            t0 = time.perf_counter()
             if in_process:
                 outcome = outcome_of(spec)
             else:
                 outcome = run_fresh(
                     ["-m", "benchmarks.async_envs", "--child"], fields, plan.timeout, Path(tmp)
                 )
-            record = {"spec": fields, "layout": spec.layout, **outcome}
+            wall = time.perf_counter() - t0  # the cell's length, start-up included
+            record = {"spec": fields, "layout": spec.layout, "wall_s": wall, **outcome}
             if outcome.get("status") != "ok":  # refused, unavailable, error, timeout
                 print(f"  {outcome.get('status')}: {outcome.get('note')}", file=sys.stderr)
             records.append(record)
@@ -347,7 +353,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
     big = args.big if args.big is not None else [] if args.levels else [200] if q else [50_000]
     big_mean = pick(args.big_latency_ms, 1000.0, 100.0) / 1e3
     plan = Plan(
-        levels, list(args.contenders), spec, zero, args.threads, args.timeout, big, big_mean
+        levels, list(args.contenders), spec, zero, args.threads, args.timeout, big, big_mean, q
     )
     return args, plan
 

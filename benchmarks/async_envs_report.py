@@ -80,12 +80,11 @@ def _row(rec: dict[str, Any], ceiling: dict[tuple[int, float], float], base: flo
     if not _ok(rec):
         status = rec.get("status")
         note = str(rec.get("note", ""))
-        text = note if status in NOT_AVAILABLE else f"{status}: {note}"
-        return (
-            head
-            + [("not available: " if status == "refused" else "") + text[:160]]
-            + ["-"] * (len(HEADER) - 4)
-        )
+        if status == "refused":  # the sampler's message, once, under Notes
+            text = "not available: refused by the sampler (see the notes)"
+        else:
+            text = (note if status in NOT_AVAILABLE else f"{status}: {note}")[:160]
+        return head + [text] + ["-"] * (len(HEADER) - 4)
     lag = rec.get("lag") or {}
     per_ep = rec.get("bytes_per_episode")
     top = ceiling.get(level_of(rec))
@@ -335,6 +334,14 @@ def markdown(results: dict[str, Any]) -> str:
         "- Loop lag: a task sleeping 1 ms records how late it wakes; on an idle loop it reads "
         "the timer's granularity (`idle_lag` in results.json).",
     ]
+    refusals: dict[str, list[str]] = {}
+    for rec in records:
+        if rec.get("status") == "refused":
+            names = refusals.setdefault(str(rec.get("note")), [])
+            if rec["spec"]["contender"] not in names:
+                names.append(rec["spec"]["contender"])
+    for note, names in refusals.items():
+        lines.append(f"- {', '.join(f'`{n}`' for n in names)}: {note}")
     for rec in records:
         for note in rec.get("notes") or []:
             lines.append(f"- `{rec['spec']['contender']}` N={rec['spec']['n_episodes']}: {note}")

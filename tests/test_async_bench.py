@@ -185,7 +185,8 @@ def test_host_cells_record_the_samplers_refusal_today(tmp_path: Path) -> None:
     assert torchrl["status"] == "unavailable"  # TorchRL 0.14.1: backend="asyncio" not built
     assert "NotImplementedError" in torchrl["note"] or "not importable" in torchrl["note"]
     text = (tmp_path / "results.md").read_text()
-    assert "not available: refused: " in text and "## Targets (issue 33)" in text
+    assert "not available: refused by the sampler" in text and "refused: ValueError" in text
+    assert "## Targets (issue 33)" in text
     for run in host_runs:  # as if at the targets' level: the process targets say why not
         run["spec"] |= {"n_episodes": 10_000, "mean": 0.05}
     lines = ae.targets(host_runs)

@@ -36,8 +36,8 @@ SMOKE: dict[str, list[str]] = {
                   "asyncsample"],
     "sweep": ["--contenders", "ceiling", "envpool", "asyncsample"],
     "ab": ["--a", str(REPO), "--workloads", "CartPole-v1 4x8 random"],
-    "async_envs": ["--levels", "10", "--contenders", "gym-async", "pool-32", "ours-thread",
-                   "ours-asyncio", "--seconds", "0.5"],
+    "async_envs": ["--levels", "10", "--contenders", "ceiling", "gym-async", "pool-32",
+                   "ours-thread", "ours-asyncio", "ours-process-batched", "--seconds", "0.5"],
 }  # fmt: skip
 
 
