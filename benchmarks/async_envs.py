@@ -156,9 +156,11 @@ def cells(plan: Plan) -> Iterator[CellSpec]:
     base = plan.spec
     for n in plan.levels:
         yield from _level(plan, n, base, wide_only=False)
-    # The big level: steps of ``big_mean``; warm-up and timed phase long enough for a few steps.
+    # The big level: steps of ``big_mean``; warm-up and timed phase long enough for a few steps;
+    # rates and memory only (a call of N episodes would last minutes).
     big = base | {
         "mean": plan.big_mean,
+        "calls": 0,
         "warmup_s": max(base.get("warmup_s", 2.0), 3 * plan.big_mean),
         "seconds": max(base.get("seconds", 5.0), 8 * plan.big_mean),
     }
