@@ -33,13 +33,13 @@ from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample.agent import Agent, AgentUpdate, RandomAgent
 from asyncsample.backends import (
-    BACKENDS,
-    LANE_BACKENDS,
     Backend,
     HostSpec,
+    RestartBudget,
     chunk_capacity,
     make_backend,
-    pool_size,
+    traits,
+    with_trait,
 )
 from asyncsample.batch import EpisodeBatch
 from asyncsample.env_update import EnvChoice, EnvSource
@@ -105,19 +105,20 @@ class SamplerCore:
             "max_episode_length", max_episode_length
         )
         seed = _validate.seed("seed", seed)
-        backend = _validate.choice("backend", backend, BACKENDS)
+        self.traits = traits(backend)
+        """What the backend is (:class:`~asyncsample.backends.Traits`): asked, never its name."""
         step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
-        if step_timeout is not None and backend == "local":
+        if step_timeout is not None and not self.traits.preempts:
             raise ValueError(
-                "step_timeout cannot be used with backend='local': a step that blocks the "
-                "event loop's thread cannot be pre-empted; use backend='process'"
+                f"step_timeout cannot be used with backend={backend!r}: a step that blocks the "
+                f"event loop's thread cannot be pre-empted; use backend={with_trait('preempts')}"
             )
         max_restarts = _validate.nonnegative_int("max_restarts", max_restarts)
         max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
-        if max_concurrency is not None and backend not in LANE_BACKENDS:
+        if max_concurrency is not None and not self.traits.per_env:
             raise ValueError(
-                "max_concurrency caps the env calls in flight of backend='asyncio' or 'thread', "
-                f"got it with backend={backend!r} (there, n_workers x envs_per_worker envs "
+                f"max_concurrency caps the env calls in flight of backend={with_trait('per_env')}"
+                f", got it with backend={backend!r} (there, n_workers x envs_per_worker envs "
                 "step at once)"
             )
         episode_timeout = _validate.positive_seconds("episode_timeout", episode_timeout)
@@ -136,7 +137,7 @@ class SamplerCore:
 
         self.n_workers = n_workers
         self.envs_per_worker = envs_per_worker
-        self.n_processes = _hosts_started(backend, n_processes, n_workers, backend_options)
+        self.n_processes = self.traits.hosts_started(n_processes, n_workers, backend_options)
         """Env hosts the backend starts: ``min(n_processes or cpu count, n_workers)`` processes
         or actors (worker ``w`` lives on host ``w % n_processes``; Ray's ``workers_per_actor``
         option sets ``ceil(n_workers / workers_per_actor)``); ``1`` for ``local``, whose envs all
@@ -144,7 +145,7 @@ class SamplerCore:
         self._requested_processes = n_processes
         self.max_episode_length = max_episode_length
         self.backend_name = backend
-        self.lanes = backend in LANE_BACKENDS
+        self.lanes = self.traits.per_env
         """Whether each env is stepped on its own (:mod:`asyncsample._env_tasks`)."""
         self.max_concurrency = max_concurrency
         self.episode_timeout = episode_timeout
@@ -181,11 +182,11 @@ class SamplerCore:
                 )
         self.env_spec, self._time_limited, self._probe_closing = probe_spaces(
             self.env_sources[0],
-            asynchronous=self.backend_name == "asyncio",
+            asynchronous=self.traits.async_envs,
             max_episode_length=self._factory.max_episode_length,
             close_timeout=self.close_timeout,
         )
-        self._check_memory(n_workers, envs_per_worker, backend)
+        self._check_memory(n_workers, envs_per_worker)
         self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
         self._random_agents = agent is None
         """The built-in RandomAgent, one per worker: built as the sampler starts, not here
@@ -483,43 +484,42 @@ class SamplerCore:
         leave: Resume,
         shared: SharedQuota | None = None,
     ) -> Plan:
-        """The retry loop of :meth:`_drive`: run the worker's part, recovering after failures."""
+        """The retry loop of :meth:`_drive`: run the worker's part, rebuilding its host after
+        failures (at most ``max_restarts`` times in the call)."""
         w = worker.worker_number
-        needs_recovery = worker.episodes.broken
-        restarts = 0
-        while True:
-            try:
-                if needs_recovery:
-                    dropped = await worker.restart_host()
-                    needs_recovery = False
-                    if dropped:
-                        logger.info(
-                            "worker %d: %d episode(s) in progress were dropped by the env-host "
-                            "restart and will be redone",
-                            w,
-                            dropped,
-                        )
-                with worker.naming_factories():
-                    return await run_part(worker, stepper, leave, shared)
-            except WorkerError as exc:
-                worker.episodes.broken = True
-                if self.metrics is not None:
-                    self.metrics.fault(w, exc)
-                if not exc.retry or restarts >= self.max_restarts:
-                    raise
-                restarts += 1
+        budget = RestartBudget(self.max_restarts)
+
+        async def attempt(failure: WorkerError | None) -> Plan:
+            if failure is not None:
                 self.restarts += 1
                 logger.warning(
                     "worker %d: restarting its env host (restart %d of at most %d in this "
                     "call, %d in all) after %s: %s",
                     w,
-                    restarts,
-                    self.max_restarts,
+                    budget.used,
+                    budget.limit,
                     worker.restarts + 1,
-                    type(exc).__name__,
-                    str(exc).split("\n", 1)[0],
+                    type(failure).__name__,
+                    str(failure).split("\n", 1)[0],
                 )
-                needs_recovery = True
+            if worker.episodes.broken:  # failed here, or in an earlier call
+                dropped = await worker.restart_host()
+                if dropped:
+                    logger.info(
+                        "worker %d: %d episode(s) in progress were dropped by the env-host "
+                        "restart and will be redone",
+                        w,
+                        dropped,
+                    )
+            with worker.naming_factories():
+                return await run_part(worker, stepper, leave, shared)
+
+        def failed(exc: WorkerError) -> None:
+            worker.episodes.broken = True
+            if self.metrics is not None:
+                self.metrics.fault(w, exc)
+
+        return await budget.run(attempt, lambda exc: exc.retry, failed)
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -597,7 +597,7 @@ class SamplerCore:
         per_worker = _validate.per_worker_sources(
             "env_update", env_update, self.n_workers, self.envs_per_worker
         )
-        if self.backend_name != "local" and not self.lanes:
+        if not self.traits.in_process:
             for update in per_worker:
                 _validate.check_picklable("env_update", update)
         return per_worker
@@ -612,7 +612,7 @@ class SamplerCore:
         for item in distinct:
             if item is None or (isinstance(item, list) and None in item):
                 raise TypeError(f"{name} must not contain None")
-        if self.backend_name != "local" and not self.lanes:
+        if not self.traits.in_process:
             for item in distinct:
                 _validate.check_picklable(name, item)
         return per_worker
@@ -625,7 +625,7 @@ class SamplerCore:
         ``compute_actions`` do not apply there."""
         if isinstance(options, Host):
             raise ValueError(
-                f"inference='host' needs backend='process' or 'ray', got "
+                f"inference='host' needs backend={with_trait('host_mode')}, got "
                 f"backend={self.backend_name!r}: its envs live in this process, so the agent "
                 "already runs beside them (use inference='per_worker' or 'batched')"
             )
@@ -657,11 +657,12 @@ class SamplerCore:
 
     def _check_host_mode(self, agent: Any, worker_class: type[Worker]) -> None:
         """inference="host": the backend, the worker class and the agents must allow it."""
-        if self.backend_name == "local":
+        name = self.backend_name
+        if not self.traits.host_mode:
             raise ValueError(
                 "inference='host' runs the agent inside the env hosts: it needs "
-                "backend='process' or 'ray', got backend='local' (with 'local' every env "
-                "already lives in this process: use inference='per_worker')"
+                f"backend={with_trait('host_mode')}, got backend={name!r} (with {name!r} every "
+                "env already lives in this process: use inference='per_worker')"
             )
         if worker_class.compute_actions is not Worker.compute_actions:
             raise ValueError(
@@ -673,11 +674,11 @@ class SamplerCore:
             for a in {id(a): a for a in self.agents}.values():
                 pickle_agent(a)  # TypeError naming the agent when it cannot travel
 
-    def _check_memory(self, n_workers: int, envs_per_worker: int, backend: str) -> None:
+    def _check_memory(self, n_workers: int, envs_per_worker: int) -> None:
         """Refuse, before any work, envs and buffers that cannot fit in memory (see
         :func:`~asyncsample._validate.memory_fits`)."""
         shm_free: int | None = None
-        shared = backend == "process"
+        shared = self.traits.shared_memory
         if shared:
             try:
                 shm_free = shutil.disk_usage("/dev/shm").free
@@ -755,18 +756,6 @@ _CALL_NAMES: dict[Mode, str] = {
     "episodes": "obtain_exact_episodes",
     "fragments": "obtain_fragments",
 }
-
-
-def _hosts_started(
-    backend: str, n_processes: int | None, n_workers: int, options: dict[str, Any]
-) -> int:
-    """How many env hosts ``backend`` starts for ``n_workers`` (its placement: ``w % n``)."""
-    if backend in ("local", *LANE_BACKENDS):
-        return 1
-    n_processes = options.get("n_processes", n_processes)  # the option overrides, as in _start
-    per_actor = options.get("workers_per_actor") if backend == "ray" else None
-    per_actor = _validate.optional_positive_int("workers_per_actor", per_actor)
-    return pool_size(n_processes, n_workers, per_actor)
 
 
 async def run_all(coros: Sequence[Coroutine[Any, Any, _T]]) -> list[_T]:

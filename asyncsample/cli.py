@@ -27,7 +27,7 @@ import numpy as np
 import uvloop
 from tqdm import tqdm
 
-from asyncsample.backends import BACKENDS
+from asyncsample.backends import BACKENDS, traits
 from asyncsample.batch import EpisodeBatch, StepType
 from asyncsample.sampler import Sampler
 
@@ -40,8 +40,6 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 #: The most transitions ``run`` asks for in one call.
 MAX_CHUNK = 50_000
 
-# Optional dependency of each backend: (module to look for, how to install it).
-_BACKEND_NEEDS = {"ray": ("ray", "pip install 'asyncsample[ray]'")}
 _METRICS_NEEDS = ("prometheus_client", "pip install 'asyncsample[metrics]'")
 
 
@@ -199,11 +197,11 @@ def _usage_error(prog: str, message: str) -> NoReturn:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    need = _BACKEND_NEEDS.get(args.backend)
-    if need is not None and not _importable(need[0]):
+    need = traits(args.backend).needs
+    if need is not None and not _importable(need):
         print(
-            f"asyncsample run: error: --backend {args.backend} needs the {need[0]} package, "
-            f"which is not installed: {need[1]}",
+            f"asyncsample run: error: --backend {args.backend} needs the {need} package, "
+            f"which is not installed: pip install 'asyncsample[{need}]'",
             file=sys.stderr,
         )
         return EXIT_RUNTIME

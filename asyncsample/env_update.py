@@ -95,7 +95,8 @@ class SetTaskUpdate(EnvUpdate):
         self.task = task
         self.wrapper_constructor = wrapper_constructor
 
-    def _make_env(self) -> gym.Env:
+    def new_env(self) -> gym.Env:
+        """A new env of ``env_type`` with the task set (and wrapped)."""
         env = self.env_type()
         env.unwrapped.set_task(self.task)  # type: ignore[attr-defined]
         if self.wrapper_constructor is not None:
@@ -104,7 +105,7 @@ class SetTaskUpdate(EnvUpdate):
 
     def __call__(self, old_env: gym.Env | None = None) -> gym.Env:
         if old_env is None:
-            return self._make_env()
+            return self.new_env()
         if type(old_env.unwrapped) is not self.env_type:
             warnings.warn(
                 f"SetTaskUpdate: the env has type {type(old_env.unwrapped).__name__}, not "
@@ -112,7 +113,7 @@ class SetTaskUpdate(EnvUpdate):
                 stacklevel=2,
             )
             old_env.close()
-            return self._make_env()
+            return self.new_env()
         old_env.unwrapped.set_task(self.task)  # type: ignore[attr-defined]
         return old_env
 
@@ -249,7 +250,7 @@ def replacement(update: EnvUpdate, old_env: Any) -> Any:
                 f"{update.env_type.__name__}; closing it and building a new one",
                 stacklevel=2,
             )
-        return update._make_env()
+        return update.new_env()
     return update(old_env)
 
 

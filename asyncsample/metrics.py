@@ -89,19 +89,14 @@ def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
     registry = _registry(metrics)
     if registry is None:
         return None
-    from asyncsample.backends.aio import lane_parallel
     from asyncsample.inference.modes import HostMode
 
     envs = core.n_workers * core.envs_per_worker
-    if core.lanes:  # every env steps on its own, up to max_concurrency (or the pool) at once
-        env_parallel = lane_parallel(core.backend_name, core.max_concurrency, envs)
-    else:  # a host steps its workers' envs one after another; the hosts run side by side
-        env_parallel = core.n_processes
     made = SamplerMetrics(
         _hub_of(registry),
         backend=core.backend_name,
         n_workers=core.n_workers,
-        env_parallel=env_parallel,
+        env_parallel=core.traits.env_parallel(core.max_concurrency, envs, core.n_processes),
         agent_parallel=core.n_processes if isinstance(core.mode, HostMode) else 1,
     )
     made.state.lanes = core.lanes

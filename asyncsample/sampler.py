@@ -479,7 +479,7 @@ class Sampler:
         and ``max_policy_lag=k`` drops episodes that started more than ``k`` versions before
         the newest. Closing the stream stops the background sampling; batches buffered but
         never yielded are dropped and not counted. Other calls wait until the stream closes;
-        a sampling call from the stream's own body (or from a task the body waits for) raises
+        a sampling call from the stream's own body (or from a task the body started) raises
         :class:`SamplerBusyError` at once (it could never proceed). The arguments are checked
         when the first batch is asked for.
 

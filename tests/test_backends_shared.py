@@ -28,7 +28,14 @@ from envs import NoisyEnv, SignallingAgent
 from test_process_backend import leaves_nothing
 
 from asyncsample import Sampler, SamplerClosedError, StepTimeoutError, WorkerCrashedError
-from asyncsample.backends import check_options, make_backend
+from asyncsample.backends import (
+    GivenActionsHost,
+    LockstepHost,
+    RestartBudget,
+    check_options,
+    make_backend,
+    traits,
+)
 from asyncsample.backends.base import EnvHost, HostSpec
 from asyncsample.backends.local import LocalBackend
 from asyncsample.backends.placement import placement, pool_size
@@ -61,6 +68,7 @@ class RecordingEnv(gym.Env):  # type: ignore[type-arg]
         return obs, {"seed": seed, "options": options}
 
     def step(self, action: Any) -> Any:
+        self.last_action = action
         return self.np_random.uniform(-1, 1, 2), 1.0, False, False, {}
 
     def scaled(self, x: float, *, factor: float = 1.0) -> float:
@@ -530,10 +538,54 @@ def test_host_slot_serves_every_operation_from_bytes() -> None:
 
 
 @pytest.mark.parametrize("name", BACKENDS)
-async def test_direct_reader_is_a_capability_of_the_host(name: str) -> None:
+async def test_loop_free_lockstep_is_a_capability_of_the_host(name: str) -> None:
     async with hosts_on(name, [host_spec(1)]) as (_, (host,)):
+        assert isinstance(host, LockstepHost) == traits(name).lockstep
+        if not traits(name).lockstep:
+            assert not hasattr(host, "step_nowait")  # no stub: the capability is absent
+            return
         reader = host.direct_reader()
-        if name == "local":
-            assert reader is None  # no stream: the calls run in the caller's thread
-        else:
-            assert reader is not None and reader.fd >= 0 and callable(reader.read_now)
+        assert reader is not None and reader.fd >= 0 and callable(reader.read_now)
+        await host.build([[RecordingEnv]], [0])
+        host.buffers.rewards[:] = 0.0
+        sent = host.step_nowait()
+        assert sent is not None
+        assert (await sent.wait()).reset_infos == {} and host.buffers.rewards[0] == 1.0
+        assert isinstance(host, GivenActionsHost)  # actions as given, not cast into the buffer
+        host.give_actions([1.25])
+        sent = host.step_nowait()
+        assert sent is not None and (await sent.wait()).reset_infos == {}
+        assert await host.call("last_action") == [1.25]
+        host.buffers.actions[:] = 1
+        sent = host.step_nowait()  # the buffers again: the given actions went with their step
+        assert sent is not None and (await sent.wait()).reset_infos == {}
+        assert await host.call("last_action") == [1]
+
+
+async def test_the_restart_budget_retries_within_its_limit_and_only_what_may_be_retried() -> None:
+    a, b, c = (WorkerError(x, worker=0) for x in "abc")
+    not_retried = WorkerError("d", worker=0, retry=False)
+    seen: list[WorkerError | None] = []
+
+    def failing(*errors: WorkerError) -> Any:
+        pending = list(errors)
+
+        async def attempt(failure: WorkerError | None) -> str:
+            seen.append(failure)  # None first, then the failure it restarts after
+            if pending:
+                raise pending.pop(0)
+            return "done"
+
+        return attempt
+
+    budget = RestartBudget(2)
+    failures: list[WorkerError] = []
+    assert await budget.run(failing(a, b), lambda exc: exc.retry, failures.append) == "done"
+    assert budget.used == 2 and seen == [None, a, b] and failures == [a, b]
+    with pytest.raises(WorkerError) as info:  # the budget is spent: raised, not retried
+        await budget.run(failing(c), lambda exc: exc.retry)
+    assert info.value is c and budget.used == 2
+    fresh = RestartBudget(5)
+    with pytest.raises(WorkerError) as info:  # not retryable: raised at once
+        await fresh.run(failing(not_retried), lambda exc: exc.retry)
+    assert info.value is not_retried and fresh.used == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 
 import gymnasium as gym
@@ -129,9 +130,10 @@ async def test_slow_consumer_pauses_sampling_and_closing_stops_it(
 async def test_calls_wait_for_an_open_stream(make_sampler: SamplerFactory) -> None:
     async with make_sampler("local", agent=ScriptedAgent(), n_workers=1) as s:
         order: list[str] = []
+        outside = contextvars.copy_context()  # not the stream's body (see _stream_guard)
         async with contextlib.aclosing(s.stream(6)) as it:
             await anext(it)
-            call = asyncio.ensure_future(s.obtain_samples(6))
+            call = asyncio.get_running_loop().create_task(s.obtain_samples(6), context=outside)
             await anext(it)  # the stream goes on while the call waits...
             assert await stays(lambda: not call.done(), 0.05)  # ...and the call keeps waiting
             order.append("stream closed")
@@ -265,6 +267,31 @@ async def test_calls_from_the_stream_body_raise_at_once(make_sampler: SamplerFac
                 break
         # Once the stream is closed the same task samples again.
         batch = await asyncio.wait_for(s.obtain_samples(6), 30)
+    assert batch.n_transitions >= 6
+
+
+@pytest.mark.both_loops
+async def test_the_body_is_the_context_the_stream_hands_batches_to(
+    make_sampler: SamplerFactory,
+) -> None:
+    async with make_sampler(
+        "local", agent=ScriptedAgent(), n_workers=1, max_episode_length=20
+    ) as s:
+        before = contextvars.copy_context()  # taken before the stream's first batch
+        async with contextlib.aclosing(s.stream(6)) as it:
+            async for _ in it:
+                # A task the body starts is the body, also when the body does not wait for it.
+                started = asyncio.create_task(s.obtain_samples(6))
+                await asyncio.sleep(0)
+                assert started.done() and isinstance(started.exception(), SamplerBusyError)
+                # A task in a context from before the stream is not: it queues behind it.
+                loop = asyncio.get_running_loop()
+                queued = loop.create_task(s.obtain_samples(6), context=before)
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                assert not queued.done()
+                break
+        batch = await asyncio.wait_for(queued, 30)
     assert batch.n_transitions >= 6
 
 

@@ -511,6 +511,9 @@ def test_float_actions_reach_the_envs_as_given(
         if dtype is np.float64:
             info = ours.step(np.array([1e40, 0.0, 0.0, 0.0]))[4]
             assert info["value"][0] == 1e40  # not inf: nothing was cast to float32
+        same = np.full(4, 0.75, dtype=ours.single_action_space.dtype)
+        got = ours.step(same)[4]  # the buffers again: no given actions of a step before
+        assert got["value"].tolist() == [0.75] * 4
     finally:
         ours.close()
         ref.close()

@@ -1,20 +1,23 @@
 """Backends: where the envs of each worker live.
 
 A worker talks to its envs through one small async interface, :class:`EnvHost`. A
-:class:`Backend` starts one host per worker. ``local`` keeps envs in the main process, ``process``
-in a pool of env-host processes, ``ray`` in Ray actors; the worker and sampler code is the same.
+:class:`Backend` starts one host per worker: ``local`` keeps envs in the main process, ``process``
+in a pool of env-host processes, ``ray`` in Ray actors (lockstep: a worker's envs step together);
+``asyncio`` (async envs) and ``thread`` (blocking envs in a thread pool) keep them in the main
+process and step each env on its own. The worker and sampler code is the same for all.
 
-What code outside this package may use is exported here: the protocols of the seam
-(:class:`EnvHost`, :class:`AgentHost`, :class:`DirectReader`, :class:`SentStep`,
-:class:`Backend`), the placement
-of workers on hosts, and the chunk records of ``inference="host"``. The underscored modules are
-the backends' own.
+Registering a backend is one entry of :data:`TABLE`: its class and its :class:`Traits`, which
+the sampler and the faces ask instead of the backend's name. What code outside this package may
+use is exported here: the table, the protocols of the seam, the placement of workers on hosts,
+and the chunk records of ``inference="host"``. The underscored modules are the backends' own.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 from asyncsample import _validate
 from asyncsample.backends._chunk import (
@@ -31,22 +34,21 @@ from asyncsample.backends.base import (
     Backend,
     DirectReader,
     EnvHost,
+    GivenActionsHost,
     HostSpec,
     InlineHost,
+    LockstepHost,
+    ProcessPool,
+    RestartBudget,
     SentStep,
     reject_unknown_options,
 )
 from asyncsample.backends.placement import Placement, placement, pool_size
 
-if TYPE_CHECKING:
-    from asyncsample.backends.aio import AsyncioBackend
-    from asyncsample.backends.local import LocalBackend
-    from asyncsample.backends.process import ProcessBackend
-    from asyncsample.backends.ray import RayBackend
-
 __all__ = [
+    "BACKENDS",
     "DEFAULT_CHUNK_STEPS",
-    "LANE_BACKENDS",
+    "TABLE",
     "AgentHost",
     "Backend",
     "ChunkBuffers",
@@ -54,61 +56,122 @@ __all__ = [
     "ChunkRequest",
     "DirectReader",
     "EnvHost",
+    "GivenActionsHost",
     "HostSpec",
     "InlineHost",
+    "LockstepHost",
     "NextChunk",
     "Placement",
+    "ProcessPool",
+    "RestartBudget",
     "SentChunk",
     "SentStep",
+    "Traits",
     "backend_options",
     "check_options",
     "chunk_capacity",
     "make_backend",
     "placement",
     "pool_size",
+    "traits",
+    "with_trait",
 ]
 
-BACKENDS = ("process", "local", "ray", "asyncio", "thread")
 
-#: Backends whose envs live in the caller's process, each env stepped on its own
-#: (:mod:`asyncsample.backends.aio`, :mod:`asyncsample._env_tasks`).
-LANE_BACKENDS = ("asyncio", "thread")
+@dataclass(frozen=True)
+class Traits:
+    """What a backend is: what the sampler and the faces ask instead of its name.
+
+    Attributes:
+        name: the backend's name (``Sampler(backend=...)``).
+        cls: its :class:`Backend` class, ``"module:Class"`` in this package (imported on first
+            use, so ``ray`` only when asked for).
+        in_process: its envs live in the caller's process: one host for every worker, env
+            sources need not pickle.
+        shared_memory: its step buffers are shared memory (``/dev/shm``).
+        preempts: it can cut a step that outlives ``step_timeout``.
+        host_mode: its hosts are :class:`AgentHost` (``inference="host"``).
+        per_env: it steps each env on its own (:mod:`asyncsample._env_tasks`), not a worker's
+            envs in lockstep.
+        async_envs: its envs are async envs (:class:`~asyncsample.AsyncEnv`).
+        lockstep: its hosts are :class:`LockstepHost` (the vector env's loop-free step, whose
+            cost the faces' measured placement models).
+        per_host: the option that sets how many workers share a host (``None``: none).
+        needs: the optional package it needs, also the name of its extra (``None``: none).
+    """
+
+    name: str
+    cls: str
+    in_process: bool = False
+    shared_memory: bool = False
+    preempts: bool = True
+    host_mode: bool = False
+    per_env: bool = False
+    async_envs: bool = False
+    lockstep: bool = False
+    per_host: str | None = None
+    needs: str | None = None
+
+    def backend_class(self) -> Any:
+        """The backend's class, imported now."""
+        module, name = self.cls.split(":")
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+    def hosts_started(
+        self, n_processes: int | None, n_workers: int, options: Mapping[str, Any]
+    ) -> int:
+        """How many env hosts it starts for ``n_workers`` (its placement: ``w % n``)."""
+        if self.in_process:
+            return 1
+        n_processes = options.get("n_processes", n_processes)  # the option overrides
+        per_host = None if self.per_host is None else options.get(self.per_host)
+        per_host = _validate.optional_positive_int(str(self.per_host), per_host)
+        return pool_size(n_processes, n_workers, per_host)
+
+    def env_parallel(self, max_concurrency: int | None, envs: int, hosts: int) -> int:
+        """How many of ``envs`` env steps it runs at once on ``hosts`` hosts."""
+        if not self.per_env:  # a host steps its workers' envs one after another
+            return hosts
+        from asyncsample.backends.aio import lane_parallel
+
+        return lane_parallel(self.name, max_concurrency, envs)
 
 
-def _backend_class(
-    name: object,
-) -> type[LocalBackend | ProcessBackend | RayBackend | AsyncioBackend]:
-    """The class of backend ``name``, imported on first use (so ``ray`` only when asked for)."""
-    name = _validate.choice("backend", name, BACKENDS)
-    if name == "asyncio":
-        from asyncsample.backends.aio import AsyncioBackend
+#: Every backend, by name: registering one is an entry here.
+TABLE: dict[str, Traits] = {
+    t.name: t
+    for t in [
+        Traits(
+            "process", "process:ProcessBackend", shared_memory=True, host_mode=True, lockstep=True
+        ),
+        Traits("local", "local:LocalBackend", in_process=True, preempts=False),
+        Traits("ray", "ray:RayBackend", host_mode=True, per_host="workers_per_actor", needs="ray"),
+        Traits("asyncio", "aio:AsyncioBackend", in_process=True, per_env=True, async_envs=True),
+        Traits("thread", "aio:ThreadBackend", in_process=True, per_env=True),
+    ]
+}
+BACKENDS = tuple(TABLE)
 
-        return AsyncioBackend
-    if name == "thread":
-        from asyncsample.backends.aio import ThreadBackend
 
-        return ThreadBackend
-    if name == "local":
-        from asyncsample.backends.local import LocalBackend
+def traits(name: object) -> Traits:
+    """The traits of backend ``name`` (a ``ValueError`` listing the names for another)."""
+    return TABLE[str(_validate.choice("backend", name, BACKENDS))]
 
-        return LocalBackend
-    if name == "process":
-        from asyncsample.backends.process import ProcessBackend
 
-        return ProcessBackend
-    from asyncsample.backends.ray import RayBackend
-
-    return RayBackend
+def with_trait(trait: str) -> str:
+    """The backends with ``trait``, for messages: ``'process' or 'ray'``."""
+    names = [repr(n) for n, t in TABLE.items() if getattr(t, trait)]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
 
 
 def make_backend(name: str, **options: object) -> Backend:
     """Create the backend called ``name`` with its options (``n_processes``, ...)."""
-    return _backend_class(name)(**options)  # type: ignore[arg-type]
+    return traits(name).backend_class()(**options)  # type: ignore[no-any-return]
 
 
 def backend_options(name: str) -> tuple[str, ...]:
     """The options backend ``name`` accepts (without importing ray)."""
-    return _backend_class(name).OPTIONS
+    return tuple(traits(name).backend_class().OPTIONS)
 
 
 def check_options(name: str, options: Mapping[str, object]) -> None:

@@ -162,15 +162,12 @@ class EnvActor:
     """Hosts the envs of several workers, one :class:`~asyncsample.backends._slot.HostSlot` per
     worker slot.
 
-    Made a Ray actor class by :class:`RayBackend` (``ray.remote(EnvActor)``), so that this module
-    does not import ray. What each operation does is the slot's; the actor only decodes requests
-    and encodes replies. ``reset`` and ``step`` take one bytes request (see :func:`_request`) and
-    reply with the observations (there is no shared memory); ``run_chunk`` replies with the
-    chunk's records; every other operation goes through :meth:`serve` as the slot's bytes.
-    Every method replies ``(status, payload)``, pickled into one bytes object when it is small
-    (cheapest for Ray to ship), or as a tuple of arrays when the observations are large (Ray
-    moves them through its object store without copies). An env failure is a ``FAIL`` status
-    with a pickled :class:`EnvFailure`, never a raised exception.
+    Made a Ray actor class by :class:`RayBackend` (``ray.remote(EnvActor)``). What each
+    operation does is the slot's; the actor decodes requests and encodes replies (see the module
+    doc): ``reset`` and ``step`` reply with the observations, ``run_chunk`` with the chunk's
+    records, and every other operation goes through :meth:`serve` as the slot's bytes. Every
+    method replies ``(status, payload)``; an env failure is a ``FAIL`` status with a pickled
+    :class:`EnvFailure`, never a raised exception.
 
     With ``inference="host"`` and a ``step_timeout``, :class:`RayBackend` gives the actor a
     second concurrency group, :data:`PROGRESS_GROUP`, for :meth:`progress` alone: every other

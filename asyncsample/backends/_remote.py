@@ -32,7 +32,7 @@ import cloudpickle
 import numpy as np
 
 from asyncsample.backends._transport import Op
-from asyncsample.backends.base import LOGGER, DirectReader, HostSpec, SentStep
+from asyncsample.backends.base import LOGGER, HostSpec
 from asyncsample.env_group import StepBuffers, call_targets, set_attr_targets
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import SamplerClosedError, StepTimeoutError, WorkerCrashedError, WorkerError
@@ -504,14 +504,6 @@ class RemoteHost(ABC, Generic[IncT]):
                     self._params_dirty = True
                     raise
                 self._synced_version = version
-
-    def direct_reader(self) -> DirectReader | None:
-        """No synchronous reading by default (see :meth:`EnvHost.direct_reader`)."""
-        return None
-
-    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
-        """No synchronous requests by default (see :meth:`EnvHost.step_nowait`)."""
-        return None
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         """Replace a dead or killed host (once for all its workers), then rebuild the envs.

@@ -42,10 +42,10 @@ class QueuedStep:
         status, payload = fut.result()
         if status != ST_OK:
             return None
-        return self.host._step_infos(payload)
+        return self.host.step_infos(payload)
 
     async def wait(self) -> StepInfos:
-        return self.host._step_infos(await self.host._reply(self.inc, self.call))
+        return self.host.step_infos(await self.host.reply(self.inc, self.call))
 
 
 class DirectStep:
@@ -70,7 +70,7 @@ class DirectStep:
             return None
         if not reply[1]:
             return QUIET  # the common step: nothing to unpickle, nothing to build
-        return self.host._step_infos(reply[1])
+        return self.host.step_infos(reply[1])
 
     async def wait(self) -> StepInfos:
         host, inc = self.host, self.inc
@@ -81,10 +81,10 @@ class DirectStep:
             if not inc.dead:
                 call.key = self.rid
                 inc.pending[self.rid] = call
-            return host._step_infos(await host._reply(inc, call))
+            return host.step_infos(await host.reply(inc, call))
         if self.reply is None:  # read by the loop meanwhile? (never both: the pop decides)
             raise RuntimeError("a bare step request lost its reply")
         status, payload = self.reply
         if status != ST_OK:
             raise failure_error(host.worker, load_failure(payload))
-        return host._step_infos(payload)
+        return host.step_infos(payload)

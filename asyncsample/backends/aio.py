@@ -38,10 +38,8 @@ from asyncsample.backends._closing import (
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends.base import (
     LOGGER,
-    DirectReader,
     EnvHost,
     HostSpec,
-    SentStep,
     reject_unknown_options,
 )
 from asyncsample.env_group import (
@@ -498,14 +496,6 @@ class LaneHost:
     async def close(self) -> None:
         """Close the envs (awaiting their ``close``). Idempotent."""
         await self._close_envs()
-
-    def direct_reader(self) -> DirectReader | None:
-        """None: the envs live in the loop; there is no stream to read."""
-        return None
-
-    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
-        """None: the envs live in the loop (use :meth:`step`)."""
-        return None
 
     async def shut(self) -> None:
         """Close the envs for good: every later call raises ``SamplerClosedError``."""

@@ -1,18 +1,20 @@
 """The interface between a worker and the host of its envs: the whole seam.
 
 Everything the sampler, a worker, the host-inference strategy or a vector env may ask of an env
-host is a public method of a protocol here: :class:`EnvHost` (the envs), :class:`AgentHost`
-(``inference="host"``: the agent copy and its chunks) and :class:`DirectReader` (a synchronous
-caller reading replies itself). Nothing outside ``asyncsample.backends`` needs a backend's
-concrete classes or private members.
+host is a public method of a protocol here: :class:`EnvHost` (what every host does) and the
+capabilities some hosts add, checked once when a sampler or face starts: :class:`AgentHost`
+(``inference="host"``: the agent copy and its chunks), :class:`LockstepHost` (a synchronous
+caller steps without the event loop), :class:`GivenActionsHost` (actions of any dtype, as given)
+and :class:`InlineHost` (envs in the caller's thread), and a backend's, :class:`ProcessPool`.
+Nothing outside ``asyncsample.backends`` needs a backend's concrete classes or private members.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -30,8 +32,12 @@ __all__ = [
     "Backend",
     "DirectReader",
     "EnvHost",
+    "GivenActionsHost",
     "HostSpec",
     "InlineHost",
+    "LockstepHost",
+    "ProcessPool",
+    "RestartBudget",
     "SentStep",
     "agent_note",
     "failure_error",
@@ -40,6 +46,8 @@ __all__ = [
 
 #: Where backends report restarts, timeouts and dead hosts (warning level).
 LOGGER = logging.getLogger("asyncsample")
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -140,29 +148,39 @@ class EnvHost(Protocol):
         """Close the envs. Idempotent."""
         ...
 
-    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
-        """Send a step request at once, from a synchronous caller whose event loop is not
-        running (the vector env's lockstep step), or ``None``: no live connection for it (use
-        :meth:`step`). Read the reply with :meth:`direct_reader`, then take the outcome from the
-        :class:`SentStep`."""
+
+@runtime_checkable
+class GivenActionsHost(EnvHost, Protocol):
+    """An env host that can hand the envs actions of another dtype than its action buffer's,
+    as the caller gave them (the vector-env faces: ``AsyncVectorEnv`` keeps a ``float64``)."""
+
+    def give_actions(self, actions: list[Any] | None) -> None:
+        """The next step's actions, one per env, in place of ``buffers.actions`` (``None``:
+        the buffers again); the step takes them."""
+        ...
+
+
+@runtime_checkable
+class LockstepHost(EnvHost, Protocol):
+    """An env host a synchronous caller may step without the event loop (the process host).
+
+    Only a caller that runs the event loop itself, and only while it is not running, may use
+    it: the vector env's lockstep step, which skips a loop pass so.
+    """
+
+    def step_nowait(self) -> SentStep | None:
+        """Send a step of every env at once, or ``None``: no live connection (use
+        :meth:`EnvHost.step`). Read the reply with :meth:`direct_reader`."""
         ...
 
     def direct_reader(self) -> DirectReader | None:
-        """Where a synchronous caller may read this host's replies itself, or ``None``.
-
-        Only a caller that runs the event loop itself, and only while it is not running, may
-        use it (the vector env does, to skip a loop pass per lockstep step). ``None``: the host
-        has no such stream (``local``, ``ray``) or it is dead; wait through the loop instead.
-        """
+        """The connection to read this host's replies from, or ``None`` (it is dead)."""
         ...
 
 
-class InlineHost(EnvHost, Protocol):
+class InlineHost(GivenActionsHost, Protocol):
     """An env host whose envs live in the caller's process (``make_backend("local",
     caller=True)``): a synchronous caller steps them itself, in its own thread."""
-
-    given_actions: list[Any] | None
-    """This step's actions as the caller gave them (one per env), or ``None``: the buffers."""
 
     def step_now(self, mask: np.ndarray, everyone: bool | None = None) -> StepInfos:
         """:meth:`EnvHost.step`, synchronously (``everyone``: ``mask`` is all true)."""
@@ -182,7 +200,7 @@ class DirectReader(Protocol):
 
 
 class SentStep(Protocol):
-    """A step request sent by :meth:`EnvHost.step_nowait`."""
+    """A step request sent by :meth:`LockstepHost.step_nowait`."""
 
     def done(self) -> bool:
         """Whether its outcome is known (the reply was read, or the host is dead)."""
@@ -250,6 +268,57 @@ class Backend(Protocol):
         """Synchronous last resort (an unclosed sampler being collected): release everything
         without waiting for envs to close. Idempotent."""
         ...
+
+
+@runtime_checkable
+class ProcessPool(Backend, Protocol):
+    """A backend whose hosts are processes of this machine with shared-memory step buffers."""
+
+    joint: StepBuffers | None
+    """Every host's step buffers in one allocation, in host order (``None``: not so)."""
+
+    @property
+    def pids(self) -> list[int]:
+        """Pids of the live host processes."""
+        ...
+
+
+class RestartBudget:
+    """How often a host may be rebuilt after failures: the one restart loop of the sampler's
+    calls (a budget per call) and of the vector-env faces (a budget per host, for the env's
+    life).
+
+    Attributes:
+        limit: at most this many restarts (``max_restarts``).
+        used: restarts so far.
+    """
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    async def run(
+        self,
+        attempt: Callable[[WorkerError | None], Awaitable[_T]],
+        retryable: Callable[[WorkerError], bool],
+        failed: Callable[[WorkerError], None] | None = None,
+    ) -> _T:
+        """``attempt(None)``, then, after a :class:`~asyncsample.WorkerError` that is
+        ``retryable`` and within budget, ``attempt(error)`` (it rebuilds the host first) until
+        one returns; any other failure is raised. ``failed`` sees each failure first."""
+        failure: WorkerError | None = None
+        while True:
+            try:
+                return await attempt(failure)
+            except WorkerError as exc:
+                if failed is not None:
+                    failed(exc)
+                if not retryable(exc) or self.used >= self.limit:
+                    raise
+                self.used += 1
+                failure = exc
 
 
 def agent_note(worker: int) -> str:

@@ -17,10 +17,8 @@ from asyncsample import _validate
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends.base import (
     LOGGER,
-    DirectReader,
     EnvHost,
     HostSpec,
-    SentStep,
     failure_error,
     reject_unknown_options,
 )
@@ -126,14 +124,6 @@ class LocalHost:
     async def close(self) -> None:
         self._group.close()
 
-    def direct_reader(self) -> DirectReader | None:
-        """None: there is no stream to read, the calls run in the caller's thread."""
-        return None
-
-    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
-        """None: there is no stream (use :meth:`step`)."""
-        return None
-
     def shut(self) -> None:
         """Close the envs for good: every later call raises ``SamplerClosedError``."""
         self.closed = True
@@ -147,14 +137,17 @@ class CallerHost(LocalHost):
     step, between sending the other hosts' requests and reading their replies); every env
     failure is a :class:`~asyncsample.WorkerError` naming the env, as a host process reports it
     (the faces name the sub-env from it); float actions may be handed to the envs as the caller
-    gave them (:attr:`given_actions`, as the process backend's hosts take them). Infos are the
+    gave them (:meth:`give_actions`, as the process backend's hosts take them). Infos are the
     envs' own objects, as ``SyncVectorEnv`` hands them on.
     """
 
     def __init__(self, spec: HostSpec) -> None:
         super().__init__(spec)
-        #: This step's actions as the caller gave them (one per env), or ``None``: the buffers.
-        self.given_actions: list[Any] | None = None
+        self._given: list[Any] | None = None
+
+    def give_actions(self, actions: list[Any] | None) -> None:
+        """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
+        self._given = actions
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
         return super()._call(what, fn, *args, wrap=True)
@@ -163,7 +156,7 @@ class CallerHost(LocalHost):
         """:meth:`step`, synchronously, in the caller's thread."""
         if self.closed:
             raise closed_error(self.spec.worker, "step")
-        given, self.given_actions = self.given_actions, None
+        given, self._given = self._given, None
         try:
             return self._group.step(mask, given, everyone)
         except EnvFailureError as exc:

@@ -502,12 +502,11 @@ class ProcessHost(RemoteHost[_Conn]):
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
-        # The lockstep's read-only mask of every env, and its request body (see step_nowait).
-        self._whole_mask: np.ndarray | None = None
+        # The mask of every env, and its step request (see step_nowait).
+        self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
-        # The next step's actions when the caller gave them in a dtype other than the action
-        # buffer's: sent pickled and handed to the envs as they are (the vector env's faces).
-        self.given_actions: list[Any] | None = None
+        # The next step's actions as the caller gave them (see give_actions), sent pickled.
+        self._given: list[Any] | None = None
         self.chunks: list[ChunkBuffers] = []
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
         self.chunk: ChunkBuffers | None = None
@@ -563,10 +562,15 @@ class ProcessHost(RemoteHost[_Conn]):
             payload = await self._request(Op.STEP, body)
         else:
             payload = await self._send(inc, Op.STEP, body)
-        return self._step_infos(payload)
+        return self.step_infos(payload)
 
-    def step_nowait(self, mask: np.ndarray) -> SentStep | None:
-        """Send a step request now, without the event loop (see :meth:`EnvHost.step_nowait`).
+    def give_actions(self, actions: list[Any] | None) -> None:
+        """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
+        self._given = actions
+
+    def step_nowait(self) -> SentStep | None:
+        """Send a step of every env now, without the event loop (see
+        :meth:`~asyncsample.backends.base.LockstepHost.step_nowait`).
 
         Without a ``step_timeout`` (whose clock is the loop's) the request is sent bare
         (:meth:`_Conn.send_direct`): the common lockstep step then costs no call, future or
@@ -574,12 +578,12 @@ class ProcessHost(RemoteHost[_Conn]):
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
-        if mask is self._whole_mask and self.given_actions is None:  # the lockstep's own mask
-            body = self._whole_body
-        else:
-            body = self._slot + self._step_body(mask)
-            if not (mask.flags.writeable or isinstance(self.buffers.actions, list)) and mask.all():
-                self._whole_mask, self._whole_body = mask, body
+        body = self._whole_body
+        if not body or self._given is not None:
+            cache = self._given is None and not isinstance(self.buffers.actions, list)
+            body = self._slot + self._step_body(self._whole_mask)
+            if cache:  # the same request every step
+                self._whole_body = body
         if self._timeout is None:
             step = DirectStep(self, inc)
             if inc.send_direct(step, body):
@@ -591,12 +595,14 @@ class ProcessHost(RemoteHost[_Conn]):
         body = _mask_bytes(mask)
         if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
             body += self._pickle("actions", self.buffers.actions)
-        elif self.given_actions is not None:  # this step's actions, as the caller gave them
-            body += self._pickle("actions", self.given_actions)
-            self.given_actions = None
+        elif self._given is not None:  # this step's actions, as the caller gave them
+            body += self._pickle("actions", self._given)
+            self._given = None
         return body
 
-    def _step_infos(self, payload: bytes) -> StepInfos:
+    def step_infos(self, payload: bytes) -> StepInfos:
+        """What a step reply's ``payload`` says (observations without fixed-size rows go to
+        the buffers)."""
         if not payload:
             return StepInfos(None, {})
         parts = pickle.loads(payload)
@@ -623,16 +629,16 @@ class ProcessHost(RemoteHost[_Conn]):
             raise closed_error(self.worker, "run its chunk")
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
-        return _chunk.SentChunk(call.future, lambda: self._reply(inc, call), version)
+        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
 
     async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
         """One request on a live incarnation, without :meth:`_request`'s generic layers (the
         step and chunk paths): the reply's payload, or the error a failure or death means.
         ``progress``: a chunk's step counter (``step_timeout`` then bounds each step)."""
         call = inc.send(op, self._slot + body, self._timeout, self.worker, progress)
-        return await self._reply(inc, call)
+        return await self.reply(inc, call)
 
-    async def _reply(self, inc: _Conn, call: PendingCall) -> bytes:
+    async def reply(self, inc: _Conn, call: PendingCall) -> bytes:
         """The payload of ``call``'s reply, or the error a failure or death means."""
         try:
             status, payload = await call.future
@@ -659,8 +665,7 @@ class ProcessBackend:
             for: see :func:`~asyncsample.backends._procs.host_cpus` for why), ``False``
             (default) never. The sampler's own calls keep the default: when the main process
             works while the hosts step (an agent per worker step), the scheduler does better
-            with its hands free (CartPole-v1, 8 envs, ``per_worker`` 4x2: 28.6k steps/s free,
-            21.5k with the hosts pinned: ``benchmarks/results/host/pinning/``).
+            with its hands free (``benchmarks/results/host/pinning/``).
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.

@@ -1,42 +1,28 @@
 """The ``ray`` backend: env hosts as Ray actors, anywhere in a Ray cluster.
 
-The worker coroutines stay in the caller's event loop, exactly as with the other backends; only
-the envs move. ``A = min(n_processes or os.cpu_count(), n_workers)`` env-host actors are created
-(``ceil(n_workers / workers_per_actor)`` when ``workers_per_actor`` is given) and worker ``w``
-lives on actor ``w % A``, so one actor hosts the envs of several workers: while one worker's step
-travels to its actor and back, the next worker's request is already queued there. Each actor runs
-one :class:`~asyncsample.env_group.EnvGroup` per worker slot, the same code as every backend, so
-results are identical for a fixed seed.
+Only the envs move: the worker coroutines stay in the caller's event loop. ``A = min(n_processes
+or os.cpu_count(), n_workers)`` actors are created (``ceil(n_workers / workers_per_actor)`` with
+``workers_per_actor``) and worker ``w`` lives on actor ``w % A``: while one worker's step travels,
+the next worker's request is already queued there. Each actor runs one
+:class:`~asyncsample.env_group.EnvGroup` per worker slot, as every backend does (results are
+identical for a fixed seed).
 
-Per worker step there is one actor call, with one small bytes argument (worker, active mask and a
-copy of ``buffers.actions``): the cheapest thing to send through Ray. The actor steps the envs,
-writes into its own step buffers and returns them: pickled into one bytes object when they are
-small, as numpy arrays when the observations reach :data:`LARGE_REPLY` bytes (Ray moves those
-through its object store, shared memory on one node, and they are read without a copy). The
-reply is copied into the worker's local :class:`~asyncsample.env_group.StepBuffers`.
+Per worker step there is one actor call with one small bytes argument (worker, mask, a copy of
+``buffers.actions``). The actor returns its step buffers pickled into one bytes object when they
+are small, as numpy arrays from :data:`LARGE_REPLY` bytes of observations (through Ray's object
+store, read without a copy); the reply is copied into the worker's local buffers. Observation
+arrays of at least ``compress_threshold`` bytes can be compressed in the actor (lz4 when
+installed, else zlib); a leaf that does not shrink by a quarter is sent as is and not tried again
+for its next 1000 replies. ``asyncsample bench ray`` measures what it pays (figures in
+``benchmarks/results/``).
 
-Observation arrays of at least ``compress_threshold`` bytes can be compressed before they leave
-the actor (lz4 when installed, else zlib); a leaf that does not shrink by a quarter is sent as
-is and not tried again for its next 1000 replies, so incompressible (noise-like) observations
-cost one try. Measured on one machine (``benchmarks/results/ray_vs_process.json``, written
-before the benchmark framework; ``asyncsample bench ray`` runs the comparison now, and
-``RAY_ADDRESS=auto asyncsample bench ray --contenders asyncsample-ray --layouts 64x32
---processes 32`` on a cluster): lz4 on compressible 84x84x4 frames pays even there (1.5-2x
-steps/s), because small replies stay inline instead of going through the object store; zlib pays
-with 8 frames per reply but loses with 32 (it takes about 0.5 ms per 220 KiB to compress, more
-than the object store costs for large replies).
-
-Calls are awaited as futures in the event loop (a Ray thread resolves them with
-``call_soon_threadsafe``). An actor serves its calls in submission order, so a caller that is
-cancelled simply stops waiting: its reply is dropped when it arrives and can never be taken for
-another call's. ``step_timeout`` is measured from the moment the actor can start on a call (after
-the reply to the call queued before it): a call that outlives it fails with
-:class:`~asyncsample.StepTimeoutError`, and the actor is killed. With ``inference="host"`` a call
-runs a chunk of many steps and ``step_timeout`` still bounds each step: the actor answers how far
-the chunk has got from a second thread (a Ray concurrency group), and the chunk fails when that
-count stands still for ``step_timeout``. An actor that dies (killed, out of
-memory, its node lost) fails every call waiting on it with
-:class:`~asyncsample.WorkerCrashedError`; ``restart`` creates a new actor once for all the
+Calls are futures of the event loop (a Ray thread resolves them with ``call_soon_threadsafe``).
+An actor serves its calls in order, so a cancelled caller simply stops waiting: its reply is
+dropped. ``step_timeout`` counts from the moment the actor can start on a call; a call that
+outlives it fails with :class:`~asyncsample.StepTimeoutError` and the actor is killed. With
+``inference="host"`` it bounds each step of a chunk: the actor tells how far the chunk has got
+from a second thread (a Ray concurrency group). An actor that dies fails every call waiting on it
+with :class:`~asyncsample.WorkerCrashedError`; ``restart`` creates a new actor once for all the
 workers it hosted, while an env that merely raised only has its own worker's envs rebuilt.
 
 ``import asyncsample`` never imports ray: this module is imported when ``backend="ray"`` is

@@ -3,9 +3,9 @@ where it can be done without it, and its two halves for ``step_async`` and ``ste
 
 The common lockstep step costs the main process what its event-loop machinery costs, more than
 the rest of the round trip together: so when the caller's thread runs no loop, the requests go
-out at once (the backends' ``step_nowait``), the replies are read from the hosts' connections
-(``direct_reader``) while the caller waits in ``poll``, and a quiet round is built from the step
-buffers. Anything else is finished on the face's
+out at once (:meth:`LockstepHost.step_nowait <asyncsample.backends.LockstepHost.step_nowait>`),
+the replies are read from the hosts' connections while the caller waits in ``poll``, and a quiet
+round is built from the step buffers. Anything else is finished on the face's
 :class:`~asyncsample.vector.portal.BlockingPortal`, exactly as ``HostedEnvs.step`` finishes it.
 :class:`LockstepRounds` is a part of ``HostedEnvs`` (a mixin), kept apart for its size.
 """
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample._tree import Tree
-from asyncsample.backends.base import DirectReader, EnvHost, InlineHost, SentStep
+from asyncsample.backends.base import DirectReader, EnvHost, InlineHost, LockstepHost, SentStep
 from asyncsample.env_group import StepInfos
 from asyncsample.vector.portal import BlockingPortal
 
@@ -104,6 +104,8 @@ class LockstepRounds:
     # The hosts [0, _remote_hosts) are processes; _inline are the rest, in the caller's process.
     _remote_hosts: int
     _inline: list[InlineHost]
+    # The host processes as LockstepHosts (empty: some cannot step without the loop).
+    _direct: list[LockstepHost]
     # Every sub-env of a host (read-only): the step mask of the common lockstep step.
     _whole: list[np.ndarray]
     # The poller of the hosts' connections, and their file descriptors.
@@ -120,18 +122,11 @@ class LockstepRounds:
 
     def lockstep(self) -> StepResult:
         """:meth:`step` of every sub-env, from the caller's thread, without the event loop
-        where it can be done without it.
-
-        The common lockstep step costs the main process what its event-loop machinery costs,
-        more than the rest of the round trip together: so when the caller's thread runs no
-        loop, the requests go out at once (:meth:`EnvHost.step_nowait`), the replies are read
-        from the hosts' connections (:meth:`EnvHost.direct_reader`) while the caller waits in
-        ``poll``, and a quiet round is built from the buffers. Anything else (an info, a
-        reset, a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's
-        business, a host with no such connection) is finished through the portal, exactly as
+        where it can be done without it (see the module doc). Anything else (an info, a reset,
+        a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's business, a
+        host that is no :class:`LockstepHost`) is finished through the portal, exactly as
         :meth:`step` finishes it. :meth:`lockstep_send` and :meth:`lockstep_wait` are its two
-        halves, for ``step_async`` and ``step_wait``.
-        """
+        halves, for ``step_async`` and ``step_wait``."""
         portal = self.portal
         if self.broken or not portal.in_caller_thread():
             return portal.call(self.step)
@@ -197,12 +192,10 @@ class LockstepRounds:
         """Send the host processes their step requests without the loop, host 0 first, as
         long as they take one (a dead host takes none: the loop sends the rest). The caller's
         own hosts are stepped by the wait half (:meth:`_finish_round`), while these work."""
-        hosts = self.hosts
         sent: list[SentStep] = []
         readers: dict[int, DirectReader] | None = {}
-        for h in range(self._remote_hosts):
-            host = hosts[h]
-            request = host.step_nowait(self._whole[h])
+        for host in self._direct:
+            request = host.step_nowait()
             if request is None:
                 break
             sent.append(request)

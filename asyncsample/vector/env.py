@@ -26,15 +26,11 @@ EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv
 ``gcd(num_envs, batch_size)`` to an env host, hosts answer independently, and ``recv`` returns the
 first ``batch_size`` sub-envs answered with their indices in ``info["env_id"]``.
 
-Faults: a sub-env that raises fails the call with :class:`~asyncsample.SubEnvError` naming the
-sub-env. A host process that dies or outlives ``step_timeout`` during a step is rebuilt (at most
-``max_restarts`` times per host over the vector env's life) and its sub-envs start new episodes:
-that step returns them with ``truncated=True``, ``terminated=False``, reward 0, the new episode's
-first observation and the reason in ``info["restarted"]``. In ``NEXT_STEP`` mode the next step is
-their autoreset step as usual (the same first observation, reward 0, the reset's info); in
-``SAME_STEP`` mode ``info["final_obs"]`` holds that first observation too, since the last one
-died with the host. Past the budget the error is raised; the failed host's sub-envs then refuse to
-step until ``reset()``, which rebuilds them.
+Faults (docs/vector.md): a sub-env that raises fails the call with
+:class:`~asyncsample.SubEnvError` naming it. A host that dies or outlives ``step_timeout`` during
+a step is rebuilt (``max_restarts`` per host over the env's life): its sub-envs come back
+truncated, with their new episodes' first observations and the reason in ``info["restarted"]``.
+Past the budget the error is raised, and those sub-envs refuse to step until ``reset()``.
 """
 
 from __future__ import annotations
@@ -85,7 +81,8 @@ class _InfoBatch:
     def __init__(self, num_envs: int) -> None:
         self.num_envs = num_envs
 
-    _add_info = _GymVectorEnv._add_info
+    # gymnasium's own builder (it calls itself by its private name)
+    add_info = _add_info = _GymVectorEnv._add_info
 
 
 def _scatter(leaf: Any, ids: np.ndarray, order: np.ndarray, n: int) -> np.ndarray:
@@ -169,9 +166,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
     first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
-    with ``AsyncVectorEnv``). Actions are stored in the action space's dtype before they reach the
-    sub-envs; actions that dtype would change (floats for a ``Discrete`` space, float64 values
-    that overflow a float32 ``Box``) are a ``ValueError``.
+    with ``AsyncVectorEnv``). Float actions of another float dtype reach the sub-envs as given,
+    as ``AsyncVectorEnv`` hands them over; other actions are stored in the action space's dtype,
+    and actions it would change (floats for a ``Discrete`` space) are a ``ValueError``.
     """
 
     def __init__(
@@ -509,7 +506,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                     finals = self._finals(res, done)
                     return res.obs, res.rewards, res.terminated, res.truncated, finals
             return res.obs, res.rewards, res.terminated, res.truncated, {}
-        infos = self._infos(res, list(range(self.num_envs)), self)
+        infos = self._infos(res, list(range(self.num_envs)), _InfoBatch(self.num_envs))
         return res.obs, res.rewards, res.terminated, res.truncated, infos
 
     def _finals(self, res: StepResult, done: np.ndarray) -> dict[str, Any]:
@@ -550,21 +547,21 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             if i in res.restarted:
                 if mode == AutoresetMode.SAME_STEP:
                     final = {"final_obs": hosted.obs_row(i), "final_info": {}}
-                    infos = batch._add_info(infos, final, k)
-                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
-                    infos = batch._add_info(infos, reset_info, k)
+                    infos = batch.add_info(infos, final, k)
+                    infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
+                    infos = batch.add_info(infos, reset_info, k)
                 else:
-                    infos = batch._add_info(infos, {"restarted": res.restarted[i]}, k)
+                    infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
             elif self._fresh[i]:
-                infos = batch._add_info(infos, self._fresh_infos.pop(i, {}), k)
+                infos = batch.add_info(infos, self._fresh_infos.pop(i, {}), k)
             elif mode == AutoresetMode.SAME_STEP and done[k]:
                 final = {"final_obs": hosted.final_row(res, i), "final_info": res.info(i)}
-                infos = batch._add_info(infos, final, k)
-                infos = batch._add_info(infos, reset_info, k)
+                infos = batch.add_info(infos, final, k)
+                infos = batch.add_info(infos, reset_info, k)
             else:
                 # NEXT_STEP: a sub-env its host reset in this step was not stepped.
-                infos = batch._add_info(infos, res.info(i), k)
-                infos = batch._add_info(infos, reset_info, k)
+                infos = batch.add_info(infos, res.info(i), k)
+                infos = batch.add_info(infos, reset_info, k)
         self._fresh[where] = False
         if mode == AutoresetMode.DISABLED:
             self._ended[where] = done

@@ -1,24 +1,20 @@
 """Sub-envs on the sampler's env hosts, as both vector-env faces use them.
 
-:class:`HostedEnvs` is not an engine of its own: it places ``num_envs`` sub-envs on hosts of a
-backend (each host is one slot of the backend's pool, a "worker" in the sampler's words: the
-backend's placement puts slot ``h`` on process ``h % n_processes``), and drives them through the
-public :class:`~asyncsample.backends.base.EnvHost` protocol, the same ``build``, ``reset``,
-``step``, ``call``, ``set_attr`` and ``restart`` the sampler's workers use. The hosts run the
-same :class:`~asyncsample.env_group.EnvGroup` as for the sampler, in the face's autoreset mode
-(an option of the group, :attr:`HostSpec.autoreset <asyncsample.backends.base.HostSpec>`), so
-nothing here fakes a reset: in ``"NextStep"`` mode the host itself resets an ended sub-env at its
-next step, and in ``"SameStep"`` mode the true last observation comes back in the host's reply
-(``object_rows``, the gymnasium face) or in the step buffers' own ``final_obs`` rows (SB3's).
+:class:`HostedEnvs` is not an engine of its own: it places ``num_envs`` sub-envs on the hosts of a
+backend (host ``h`` is one slot of the backend's pool, a "worker" in the sampler's words) and
+drives them through the public :class:`~asyncsample.backends.EnvHost` protocol, as the sampler's
+workers do. The hosts run the sampler's :class:`~asyncsample.env_group.EnvGroup` in the face's
+autoreset mode (:attr:`HostSpec.autoreset <asyncsample.backends.HostSpec>`), so nothing here fakes
+a reset: in ``"NextStep"`` mode the host resets an ended sub-env at its next step, in
+``"SameStep"`` mode the last observation comes back in the host's reply (``object_rows``) or in
+the buffers' ``final_obs`` rows.
 
 What is the faces' own: the lockstep round over all hosts (one ``step`` request per host, all in
-flight at once), the restart budget per host over the env's life (``max_restarts``), and the
-translation of a host's :class:`~asyncsample.WorkerError` into one that names the sub-env
-(:class:`SubEnvError`). Everything is a coroutine on the face's
-:class:`~asyncsample.vector.portal.BlockingPortal`, except the common lockstep round
-(:meth:`HostedEnvs.lockstep`), which sends its requests and reads the replies from the caller's
-thread while the loop is idle (the backends' ``step_nowait`` and ``direct_reader``): that round,
-and its halves for ``step_async``, are in :mod:`asyncsample.vector._lockstep`.
+flight at once), each host's restart budget over the env's life (``max_restarts``), and the
+translation of a host's :class:`~asyncsample.WorkerError` into one naming the sub-env
+(:class:`SubEnvError`). Everything runs on the face's
+:class:`~asyncsample.vector.portal.BlockingPortal`, except the common lockstep round, which
+:mod:`asyncsample.vector._lockstep` runs from the caller's thread while the loop is idle.
 """
 
 from __future__ import annotations
@@ -26,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from functools import partial
 from typing import Any, NoReturn, TypeVar, cast
 
 import gymnasium as gym
@@ -34,8 +31,18 @@ import numpy as np
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from asyncsample._tree import Tree, tree_map
-from asyncsample.backends import make_backend
-from asyncsample.backends.base import Backend, EnvHost, HostSpec, InlineHost
+from asyncsample.backends import (
+    Backend,
+    EnvHost,
+    GivenActionsHost,
+    HostSpec,
+    InlineHost,
+    LockstepHost,
+    ProcessPool,
+    RestartBudget,
+    backend_options,
+    make_backend,
+)
 from asyncsample.env_group import StepInfos
 from asyncsample.env_update import describe_chain, make_env
 from asyncsample.errors import WorkerError
@@ -141,7 +148,8 @@ class HostedEnvs(LockstepRounds):
         self.object_rows = object_rows
         self.autoreset = autoreset
         self.max_restarts = max_restarts
-        self.restarts: list[int] = []
+        self.budgets: list[RestartBudget] = []
+        """Each host's restart budget over the env's life (``max_restarts``)."""
         self.closed = False
         self._chains = [[s] for s in sources]
         n_caller = self.placement.caller_envs
@@ -149,12 +157,11 @@ class HostedEnvs(LockstepRounds):
         self.slices, self._remote_hosts = host_slices(self.num_envs, self.placement, group_size)
         remote_hosts, caller_hosts = self._remote_hosts, len(self.slices) - self._remote_hosts
         self.n_procs = min(self.placement.n_processes, remote_hosts)
-        n_hosts = len(self.slices)
-        self.host_of = np.repeat(np.arange(n_hosts), [b - a for a, b in self.slices])
+        self.host_of = np.repeat(np.arange(len(self.slices)), [b - a for a, b in self.slices])
         # Every sub-env of a host (read-only): the step mask of the common lockstep step.
         self._whole = [np.ones(b - a, dtype=np.bool_) for a, b in self.slices]
         for whole in self._whole:
-            whole.flags.writeable = False  # a host may keep its request body (step_nowait)
+            whole.flags.writeable = False  # shared by every round: never written
         self.portal = BlockingPortal()
         # lockstep(): the poller of the hosts' connections, and their file descriptors.
         self._poller = select.poll()
@@ -164,18 +171,25 @@ class HostedEnvs(LockstepRounds):
         self.backend: Backend | None = None
         if remote_hosts:
             options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
-            if backend == "process":
+            valid = backend_options(backend)
+            if "step_timeout" in valid:
                 options["step_timeout"] = step_timeout
+            if "pin_cpus" in valid:
                 # Lockstep rounds wake every host at once: pinned, two hosts never share a CPU
                 # while another idles (see asyncsample.backends._procs.host_cpus). Beside the
                 # caller's own share, the scheduler keeps its freedom (the caller needs a CPU).
                 options["pin_cpus"] = None if not n_caller else False
             self.backend = make_backend(backend, **options)
+        self._pool = self.backend if isinstance(self.backend, ProcessPool) else None
         self._caller_backend: Backend | None = (
             make_backend("local", caller=True) if caller_hosts else None
         )
         self.hosts: list[EnvHost] = []
         self._inline: list[InlineHost] = []
+        self._direct: list[LockstepHost] = []
+        # The hosts that take actions as given (all of them, or None), and those holding some.
+        self._givers: list[GivenActionsHost] | None = None
+        self._given_to: set[int] = set()
         self.broken: set[int] = set()
         self.copy = copy
         """``False``: :meth:`read_obs` of every sub-env returns the hosts' shared observation
@@ -212,7 +226,12 @@ class HostedEnvs(LockstepRounds):
             inline = await self._caller_backend.start(specs[r:])
             self._inline = [cast(InlineHost, host) for host in inline]
             self.hosts += inline
-        self.restarts = [0] * len(self.hosts)
+        # Capabilities, checked once: the loop-free lockstep needs it of every host process.
+        direct = [host for host in self.hosts[:r] if isinstance(host, LockstepHost)]
+        self._direct = direct if len(direct) == r else []
+        givers = [host for host in self.hosts if isinstance(host, GivenActionsHost)]
+        self._givers = givers if len(givers) == len(self.hosts) else None
+        self.budgets = [RestartBudget(self.max_restarts) for _ in self.hosts]
         await asyncio.gather(*(self._build(h) for h in range(len(self.hosts))))
 
     def _host_chains(self, h: int) -> tuple[list[list[Any]], list[Any]]:
@@ -238,7 +257,7 @@ class HostedEnvs(LockstepRounds):
     @property
     def pids(self) -> list[int]:
         """Pids of the live env-host processes (empty for a backend without processes)."""
-        return list(getattr(self.backend, "pids", [])) if self.backend is not None else []
+        return [] if self._pool is None else self._pool.pids
 
     def close(self) -> None:
         """Stop every host (idempotent); nothing is left behind."""
@@ -265,10 +284,9 @@ class HostedEnvs(LockstepRounds):
             return
         self.closed = True
         try:
-            for backend in (self.backend, self._caller_backend):
-                if backend is not None:
-                    with contextlib.suppress(Exception):
-                        backend.close_now()
+            for backend in filter(None, (self.backend, self._caller_backend)):
+                with contextlib.suppress(Exception):
+                    backend.close_now()
         finally:
             self._drop_round()
             self.portal.close_now()
@@ -288,7 +306,7 @@ class HostedEnvs(LockstepRounds):
         a, b = self.slices[h]
         cause = exc.__cause__
         if crash_like(exc):
-            restarts = self.restarts[h] if self.restarts else 0
+            restarts = self.budgets[h].used if self.budgets else 0
             text = (
                 f"sub-envs {a}..{b - 1} (env host {h}): {exc.args[0] if exc.args else exc}"
                 f" (restarted {restarts} of max_restarts={self.max_restarts} times)"
@@ -318,22 +336,34 @@ class HostedEnvs(LockstepRounds):
             reraise(self.translate(h, exc), exc)
         raise exc
 
+    @property
+    def restarts(self) -> list[int]:
+        """How often each host was restarted."""
+        return [budget.used for budget in self.budgets]
+
     async def _recover(self, h: int, exc: BaseException) -> dict[int, dict[str, Any]]:
-        """Restart a crashed host within budget; the reset infos of its new episodes."""
+        """Restart a host that crashed in a step, within budget; its new episodes' reset infos."""
         if not isinstance(exc, WorkerError):
             raise exc
-        self._count_fault(h, exc)
-        if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
+
+        async def attempt(failure: WorkerError | None) -> dict[int, dict[str, Any]]:
+            if failure is None:
+                raise exc  # the step's failure
+            await self._restart(h)
+            return await self.hosts[h].reset(np.ones_like(self._whole[h]))
+
+        return await self._with_restarts(h, attempt)
+
+    async def _with_restarts(
+        self, h: int, attempt: Callable[[WorkerError | None], Awaitable[_T]]
+    ) -> _T:
+        """``attempt`` on host ``h`` with its restart budget (a crash is retried, restarted
+        first); a failure it gives up on leaves the host broken and is raised translated."""
+        try:
+            return await self.budgets[h].run(attempt, crash_like, partial(self._count_fault, h))
+        except WorkerError as exc:
             self.broken.add(h)
             reraise(self.translate(h, exc), exc)
-        self.restarts[h] += 1
-        try:
-            await self._restart(h)
-            infos = await self.hosts[h].reset(np.ones_like(self._whole[h]))
-        except WorkerError as again:
-            self.broken.add(h)
-            reraise(self.translate(h, again), again)
-        return infos
 
     # -- observations and actions -----------------------------------------------------------
 
@@ -341,10 +371,9 @@ class HostedEnvs(LockstepRounds):
         """A fresh batch of the current observations of the sub-envs of ``hosts`` (all), made
         in one copy; with :attr:`copy` false and every host, the shared buffer itself where the
         backend keeps all hosts' rows in one array (``process``)."""
-        if not self.copy and hosts is None:
-            joint = getattr(self.backend, "joint", None)
-            if joint is not None:
-                return joint.obs
+        joint = None if self._pool is None or self.copy or hosts is not None else self._pool.joint
+        if joint is not None:
+            return joint.obs
         parts = (
             [h.buffers.obs for h in self.hosts]
             if hosts is None
@@ -393,47 +422,33 @@ class HostedEnvs(LockstepRounds):
         if type(actions) is np.ndarray and isinstance(first, np.ndarray):
             # The common case (Box, Discrete, Multi* action spaces): one slice copy per host.
             if actions.ndim == 0:
-                raise TypeError(
-                    f"actions must be a batch of num_envs={n} actions for the action space "
-                    f"{self.single_action_space}, got a single value {actions!r}"
-                )
+                raise TypeError(self._not_a_batch(f"a single value {actions!r}", axis=False))
             if actions.shape[0] != n:
-                raise ValueError(
-                    f"actions must be a batch of num_envs={n} actions (leading axis {n}) for "
-                    f"the action space {self.single_action_space}, got shape {actions.shape}"
-                )
+                raise ValueError(self._not_a_batch(f"shape {actions.shape}"))
             if actions.dtype != first.dtype:
                 if self._hand_over_as_given(actions, first, targets):
                     return
                 self._check_cast(actions, first.dtype)
+            given, givers = self._given_to, self._givers
             try:
                 for h in targets:
                     a, b = self.slices[h]
-                    host: Any = self.hosts[h]
-                    host.buffers.actions[...] = actions[a:b]
-                    if getattr(host, "given_actions", None) is not None:
-                        host.given_actions = None  # from an earlier step that did not run
+                    self.hosts[h].buffers.actions[...] = actions[a:b]
+                    if h in given and givers is not None:  # for an earlier step that did not run
+                        given.discard(h)
+                        givers[h].give_actions(None)
             except ValueError as exc:
-                raise ValueError(
-                    f"actions do not fit the batched action space "
-                    f"{batch_space(self.single_action_space, n)}: {exc}"
-                ) from exc
+                raise self._misfit(str(exc)) from exc
             return
 
         def check(leaf: Any) -> np.ndarray:
             arr = np.asarray(leaf)
             if arr.ndim == 0 or arr.shape[0] != n:
-                raise ValueError(
-                    f"actions must be a batch of num_envs={n} actions (leading axis {n}) for "
-                    f"the action space {self.single_action_space}, got shape {arr.shape}"
-                )
+                raise ValueError(self._not_a_batch(f"shape {arr.shape}"))
             return arr
 
         if not isinstance(actions, (dict, tuple)) and np.ndim(actions) == 0:
-            raise TypeError(
-                f"actions must be a batch of num_envs={n} actions for the action space "
-                f"{self.single_action_space}, got a single value {actions!r}"
-            )
+            raise TypeError(self._not_a_batch(f"a single value {actions!r}", axis=False))
         try:
             batch = tree_map(check, actions)
             for h in targets:
@@ -444,28 +459,31 @@ class HostedEnvs(LockstepRounds):
 
                 tree_map(put, self.hosts[h].buffers.actions, batch)
         except (KeyError, IndexError, TypeError) as exc:
-            raise ValueError(
-                f"actions do not fit the batched action space "
-                f"{batch_space(self.single_action_space, n)}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._misfit(f"{type(exc).__name__}: {exc}") from exc
+
+    def _not_a_batch(self, got: str, axis: bool = True) -> str:
+        """The message for actions that are not a batch of ``num_envs`` actions."""
+        n = self.num_envs
+        lead = f" (leading axis {n})" if axis else ""
+        return (
+            f"actions must be a batch of num_envs={n} actions{lead} for the action space "
+            f"{self.single_action_space}, got {got}"
+        )
+
+    def _misfit(self, why: str) -> ValueError:
+        """The error for actions that do not fit the batched action space, and why."""
+        batched = batch_space(self.single_action_space, self.num_envs)
+        return ValueError(f"actions do not fit the batched action space {batched}: {why}")
 
     def _write_object_actions(self, actions: Any, targets: Iterable[int]) -> None:
         """Actions of a space without fixed-size rows: split with gymnasium's ``iterate`` over
         the batched space, one object per sub-env, handed to the hosts as they are."""
-        n = self.num_envs
-        batched = batch_space(self.single_action_space, n)
         try:
-            rows = list(iterate(batched, actions))
+            rows = list(iterate(batch_space(self.single_action_space, self.num_envs), actions))
         except Exception as exc:
-            raise ValueError(
-                f"actions do not fit the batched action space {batched}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if len(rows) != n:
-            raise ValueError(
-                f"actions must be a batch of num_envs={n} actions for the action space "
-                f"{self.single_action_space}, got {len(rows)}"
-            )
+            raise self._misfit(f"{type(exc).__name__}: {exc}") from exc
+        if len(rows) != self.num_envs:
+            raise ValueError(self._not_a_batch(str(len(rows)), axis=False))
         for h in targets:
             a, b = self.slices[h]
             self.hosts[h].buffers.actions[:] = rows[a:b]
@@ -477,20 +495,15 @@ class HostedEnvs(LockstepRounds):
         caller gave them (``AsyncVectorEnv`` hands each sub-env its row of the caller's array:
         a ``float64`` stays a ``float64``, a value beyond ``float32`` stays finite), pickled
         with the step request instead of cast into the buffers. ``False``: not such actions."""
-        hosts = [self.hosts[h] for h in targets]
-        if actions.dtype.kind != "f" or buffer.dtype.kind != "f":
-            return False
-        if not all(hasattr(host, "given_actions") for host in hosts):
-            return False  # a backend that cannot send them: cast (and checked) as before
+        givers = self._givers
+        if givers is None or actions.dtype.kind != "f" or buffer.dtype.kind != "f":
+            return False  # not floats, or hosts that cannot take them: cast (and checked)
         if actions.shape[1:] != buffer.shape[1:]:
-            raise ValueError(
-                f"actions do not fit the batched action space "
-                f"{batch_space(self.single_action_space, self.num_envs)}: got shape "
-                f"{actions.shape}"
-            )
-        for h, host in zip(targets, hosts):
+            raise self._misfit(f"got shape {actions.shape}")
+        for h in targets:
             a, b = self.slices[h]
-            host.given_actions = list(actions[a:b])  # type: ignore[attr-defined]
+            givers[h].give_actions(list(actions[a:b]))
+            self._given_to.add(h)
         return True
 
     def _check_cast(self, actions: np.ndarray, dtype: np.dtype[Any]) -> None:
@@ -679,23 +692,19 @@ class HostedEnvs(LockstepRounds):
                 local[:] = True
             if not local.any():
                 return {}
-            host = self.hosts[h]
             host_seeds = list(seeds[a:b])
-            while True:
-                try:
-                    infos = await host.reset(local, seeds=host_seeds, options=options)
-                except WorkerError as exc:
-                    self._count_fault(h, exc)
-                    if not crash_like(exc) or self.restarts[h] >= self.max_restarts:
-                        self.broken.add(h)
-                        reraise(self.translate(h, exc), exc)
-                    self.restarts[h] += 1
+
+            async def attempt(failure: WorkerError | None) -> dict[int, dict[str, Any]]:
+                if failure is not None:
                     await self._restart(h)
                     local[:] = True
-                    continue
-                return {a + k: info for k, info in infos.items()}
+                return await self.hosts[h].reset(local, seeds=host_seeds, options=options)
 
-        return _joined(await _all(one(h) for h in range(len(self.slices))))
+            infos = await self._with_restarts(h, attempt)
+            return {a + k: info for k, info in infos.items()}
+
+        parts = await _all(one(h) for h in range(len(self.slices)))
+        return {i: info for part in parts for i, info in part.items()}
 
     # -- attributes -------------------------------------------------------------------------
 
@@ -779,13 +788,6 @@ class HostedFace:
             f"n_processes={self.n_processes}, caller_envs={where.caller_envs}, "
             f"placement={where.kind!r}"
         )
-
-
-def _joined(parts: Sequence[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for part in parts:
-        out.update(part)
-    return out
 
 
 def finalize(hosted: HostedEnvs) -> None:

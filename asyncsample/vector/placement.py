@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample.backends import traits
+
 __all__ = [
     "LOGGER",
     "Placement",
@@ -254,8 +256,8 @@ def place(
             f"batch_size (send/recv) cannot be combined with caller_envs={caller_envs}: use "
             "n_processes=0 (every sub-env in the caller's process) or hosts only"
         )
-    if backend != "process" and caller_envs is None:
-        caller_envs = 0
+    if not traits(backend).lockstep and caller_envs is None:
+        caller_envs = 0  # the measured costs are those of the loop-free lockstep's hosts
     if caller_envs is not None:
         hosted = n - caller_envs
         if caller_envs == n:

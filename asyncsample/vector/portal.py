@@ -9,10 +9,9 @@ Where the loop runs is the one design choice, and it is made for the main proces
 * **In the caller's thread** when that thread runs no event loop (the usual case: a training
   script). ``call`` runs the loop right there until the coroutine ends. A lockstep step then costs
   one loop run, with no thread handoff: no wake-up of another thread, no lock hand-over, no
-  second GIL owner. Measured (process CPU time, a coroutine that yields once, 2026-11-23 on a
-  loaded 2-core machine): 32 us per call run here, 149 us per call handed to a loop running in
-  another thread (anyio's portal design, ``run_coroutine_threadsafe``): every call wakes two
-  threads and the GIL changes hands twice, which is more than a CartPole lockstep step's work.
+  second GIL owner. A call handed to a loop in another thread (anyio's portal design,
+  ``run_coroutine_threadsafe``) wakes two threads and the GIL changes hands twice: several
+  times the CPU, more than a CartPole lockstep step's work.
 * **In a helper thread** when the caller is itself inside a running loop (a coroutine, a notebook
   cell): a loop cannot be run from inside another one in the same thread, so the helper thread
   runs the private loop while the caller's thread blocks, as any synchronous call blocks.

@@ -2,14 +2,12 @@
 
 ``pip install 'asyncsample[sb3]'``. :class:`AsyncSampleVecEnv` is a drop-in for SB3's
 ``SubprocVecEnv``: the same results as ``DummyVecEnv`` for the same seeds and actions, with
-sub-envs packed ``num_envs / n_processes`` to an env host (one round trip per host and step, not
-one per env), on the same :class:`~asyncsample.vector.hosted.HostedEnvs` as the gymnasium face,
-whose hosts reset an ended sub-env in the same step (SB3's autoreset) and keep its true last
-observation in their ``final_obs`` buffer, and with crashed hosts rebuilt (the fault model of
-:mod:`asyncsample.vector.env`:
-a restarted sub-env's step reports ``done=True`` with ``info["restarted"]`` set,
-``info["TimeLimit.truncated"] = True`` and, as its ``terminal_observation``, the first observation
-of its new episode, since the last one died with the host).
+sub-envs packed ``num_envs / n_processes`` to an env host (one round trip per host and step), on
+the gymnasium face's :class:`~asyncsample.vector.hosted.HostedEnvs`, whose hosts reset an ended
+sub-env in the same step (SB3's autoreset) and keep its last observation in their ``final_obs``
+buffer. Crashed hosts are rebuilt (as in :mod:`asyncsample.vector.env`): a restarted sub-env's
+step reports ``done=True`` with ``info["restarted"]`` set, ``info["TimeLimit.truncated"] = True``
+and, as its ``terminal_observation``, the first observation of its new episode.
 
 Stable-Baselines3 is imported only by this module, so ``import asyncsample`` does not need it.
 """
