@@ -1,4 +1,4 @@
-"""The ``async_envs`` study (issue 23, item 6): its envs, its probe and a tiny end-to-end run."""
+"""The ``async_envs`` study (issues 23 and 33): its envs, probe, plan, cells, tiny runs."""
 
 from __future__ import annotations
 
