@@ -690,34 +690,71 @@ def run_ceiling(spec: CellSpec) -> CellResult:
     return result
 
 
-def run_torchrl(spec: CellSpec) -> CellResult:
-    """TorchRL's ``AsyncEnvPool(backend="asyncio")`` of the latency env, where it exists.
+def _torchrl_env(kwargs: dict[str, Any]) -> Any:
+    """The blocking latency env as a TorchRL ``GymWrapper`` (integer actions)."""
+    from torchrl.envs import GymWrapper
 
-    TorchRL 0.14.1 (the ``bench`` extra's) declares the backend but raises
-    ``NotImplementedError`` for it: the cell then records the peer as unavailable. Where the
-    backend builds, no driver for it is written yet and the cell says so (an error, not a number).
+    return GymWrapper(make_env(True, **kwargs), categorical_action_encoding=True)
+
+
+def run_torchrl(spec: CellSpec, backend: str = "asyncio") -> CellResult:
+    """TorchRL's ``AsyncEnvPool(backend=backend)`` of the blocking latency env, where it exists.
+
+    TorchRL 0.14.1 (the ``bench`` extra's) declares ``backend="asyncio"`` but raises
+    ``NotImplementedError`` for it: the cell then records the peer as unavailable. Where it
+    builds, the pool is driven as its docs show an asynchronous pool: every env sent a step,
+    then each ``async_step_and_maybe_reset_recv(min_get=1)`` returns the envs that are done and
+    sends them their next random action. The pool's API blocks: no event loop, no lag, no call
+    durations. (The tests drive the same code with ``backend="threading"``.)
     """
     try:
+        import torch
         import torchrl
-        from torchrl.envs import AsyncEnvPool, GymWrapper
+        from torchrl.envs import AsyncEnvPool
     except Exception as exc:
         raise Unavailable(f"torchrl not importable ({type(exc).__name__}: {exc})") from exc
-
-    def maker() -> Any:
-        return GymWrapper(make_env(True, **spec.env_kwargs()), categorical_action_encoding=True)
-
+    result = CellResult(rss_before=tree_rss())
+    t0 = time.perf_counter()
+    maker = functools.partial(_torchrl_env, spec.env_kwargs())
     try:
-        pool = AsyncEnvPool([maker] * min(spec.n_envs, 2), backend="asyncio")
+        pool = AsyncEnvPool([maker] * spec.n_envs, backend=backend)
     except NotImplementedError as exc:
         raise Unavailable(
-            f"torchrl {torchrl.__version__}: AsyncEnvPool(backend='asyncio') raises "
+            f"torchrl {torchrl.__version__}: AsyncEnvPool(backend={backend!r}) raises "
             f"NotImplementedError{(': ' + str(exc)) if str(exc) else ''}"
         ) from exc
-    pool.close()
-    raise RuntimeError(
-        f"torchrl {torchrl.__version__} builds AsyncEnvPool(backend='asyncio'): this study has "
-        "no driver for it yet (benchmarks/async_envs_cells.py: run_torchrl)"
-    )
+    try:
+        gen = torch.Generator().manual_seed(spec.seed)
+        roots = pool.reset()
+        roots["action"] = torch.randint(0, 2, (spec.n_envs,), generator=gen)
+        pool.async_step_and_maybe_reset_send(roots)
+        result.start_s = time.perf_counter() - t0
+
+        def pump(seconds: float) -> None:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                _, nxt = pool.async_step_and_maybe_reset_recv(min_get=1)
+                nxt["action"] = torch.randint(0, 2, (nxt.batch_size[0],), generator=gen)
+                index = [int(i) for i in nxt["env_index"]]
+                pool.async_step_and_maybe_reset_send(nxt, env_index=index)
+
+        pump(spec.warmup_s)
+        result.rss_open = tree_rss()
+        s0, c0, h0, t0 = (
+            _LatencyCore.count(),
+            time.process_time(),
+            children_cpu(),
+            time.perf_counter(),
+        )
+        pump(spec.seconds)
+        result.steps = _LatencyCore.count() - s0
+        result.cpu_s, result.seconds = time.process_time() - c0, time.perf_counter() - t0
+        result.host_cpu_s = max(0.0, children_cpu() - h0)
+        pool.async_step_and_maybe_reset_recv(min_get=spec.n_envs)  # every step in flight ends
+        result.notes.append(f"AsyncEnvPool(backend={backend!r}), torchrl {torchrl.__version__}")
+    finally:
+        pool.close()
+    return result
 
 
 def run_cell(spec: CellSpec) -> dict[str, Any]:

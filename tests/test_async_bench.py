@@ -220,3 +220,16 @@ def test_fragment_calls_and_batch_counting_in_process(tmp_path: Path) -> None:
     result = ae.CellResult()
     ae.async_envs_cells._count_batches(result, delivered, 0.4, 2.0)
     assert (result.steps, result.seconds) == (100, 0.5)  # the batch after the first, 0.5 s
+
+
+def test_torchrl_pool_driver_on_the_threading_backend() -> None:
+    """The torchrl-asyncio cell's driver, on the pool backend TorchRL 0.14.1 builds: it
+    measures steps near the ideal (so the day backend="asyncio" builds, the cell measures)."""
+    pytest.importorskip("torchrl")
+    spec = ae.CellSpec(
+        "torchrl-asyncio", 4, mean=0.005, episode_length=5, warmup_s=0.1, seconds=0.5
+    )
+    out = ae.async_envs_cells.run_torchrl(spec, backend="threading").finish(spec)
+    assert 0.2 < out["ratio_to_ideal"] < 1.5  # 4 envs of 5 ms: ~800 steps/s at the ideal
+    assert out["cpu_us_per_step"] is not None and out["lag"] == {}
+    assert "threading" in out["notes"][0]
