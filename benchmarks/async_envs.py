@@ -68,18 +68,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import async_envs_cells
+from benchmarks import async_envs_cells, async_envs_run
 from benchmarks.async_envs_cells import (
     CONTENDERS,
     HOST_CONTENDERS,
     MAX_PROCESS_ENVS,
     CellResult,
     CellSpec,
-    outcome_of,
-    run_cell,
-    run_file,
 )
 from benchmarks.async_envs_report import NOT_AVAILABLE, best_rows, markdown, targets, write_chart
+from benchmarks.async_envs_run import outcome_of, run_cell, run_file
 from benchmarks.contenders import LagProbe
 from benchmarks.latency_envs import (
     EPISODE_LENGTH,
@@ -110,6 +108,7 @@ __all__ = [
     "Plan",
     "SleepLatencyEnv",
     "async_envs_cells",
+    "async_envs_run",
     "best_rows",
     "cells",
     "main",

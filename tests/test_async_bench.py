@@ -229,7 +229,7 @@ def test_torchrl_pool_driver_on_the_threading_backend() -> None:
     spec = ae.CellSpec(
         "torchrl-asyncio", 4, mean=0.005, episode_length=5, warmup_s=0.1, seconds=0.5
     )
-    out = ae.async_envs_cells.run_torchrl(spec, backend="threading").finish(spec)
+    out = ae.async_envs_run.run_torchrl(spec, backend="threading").finish(spec)
     assert 0.2 < out["ratio_to_ideal"] < 1.5  # 4 envs of 5 ms: ~800 steps/s at the ideal
     assert out["cpu_us_per_step"] is not None and out["lag"] == {}
     assert "threading" in out["notes"][0]
