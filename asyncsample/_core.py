@@ -26,8 +26,17 @@ import psutil
 
 from asyncsample import _validate
 from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
-from asyncsample._engine import CallMode, SharedQuota, StopRule, run_part, share_of
-from asyncsample._env_tasks import ActionRequests, Admission, LaneRound, LaneStepper
+from asyncsample._engine import (
+    CallMode,
+    Continuity,
+    LaneRound,
+    Part,
+    SharedQuota,
+    StopRule,
+    run_part,
+    share_of,
+)
+from asyncsample._env_tasks import Admission, LaneSettings
 from asyncsample._probe import probe_spaces
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
@@ -149,7 +158,6 @@ class SamplerCore:
         """Whether each env is stepped on its own (:mod:`asyncsample._env_tasks`)."""
         self.max_concurrency = max_concurrency
         self.episode_timeout = episode_timeout
-        self.requests: ActionRequests | None = None
         self.memory = BatchMemory()
         """The batches' observation memory, used again once a batch is let go."""
         self.admission: Admission | None = None
@@ -167,9 +175,11 @@ class SamplerCore:
         self.env_sources = self._check_envs(env, "env")
         self.agents = self._check_agents(agent)
         options = check_inference(inference, agent)  # validated before any work
+        lanes = None
         if self.lanes:
             options = self._check_lane_inference(options, worker_class)
-        self.mode: InferenceMode = make_mode(options, self._shared_agent_now)
+            lanes = LaneSettings(self.max_restarts, self._count_restart, lambda: self.admission)
+        self.mode: InferenceMode = make_mode(options, self._shared_agent_now, lanes)
         """The inference mode's strategy (:mod:`asyncsample.inference.modes`)."""
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
@@ -233,7 +243,6 @@ class SamplerCore:
         if self.lanes:
             options["max_concurrency"] = self.max_concurrency
             options["close_timeout"] = self.close_timeout
-            self.requests = ActionRequests(self.env_spec.action_space)
         options.update(self.backend_options)
         if self._random_agents:
             self._random_agents = False
@@ -270,7 +279,7 @@ class SamplerCore:
             )
             self.mode.attach(workers, self._agent_seeds())
             if self.metrics is not None:
-                self.metrics.attach(workers, self.requests)
+                self.metrics.attach(workers, self.mode.merger if self.lanes else None)
         except BaseException:
             self.backend = None
             await asyncio.shield(backend.aclose())
@@ -299,9 +308,7 @@ class SamplerCore:
                 )
         if self.metrics is not None:
             self.metrics.close()
-        if self.requests is not None:
-            await self.requests.aclose()
-        self.mode.close()
+        await self.mode.aclose()
 
     def close_now(self) -> bool:
         """Release the hosts without awaiting (garbage collection of an unclosed sampler);
@@ -401,7 +408,8 @@ class SamplerCore:
         then = leave if ahead and shared is None and mode != "episodes" else None
 
         async def drive(worker: Worker) -> Plan | None:
-            plan = await self._drive(worker, mode, quota, resume, leave, shared, lane_round, then)
+            part = Part(resume, leave, shared, then, lane_round)
+            plan = await self._drive(worker, mode, quota, part)
             done_at[worker.worker_number] = time.perf_counter()
             return plan
 
@@ -432,43 +440,19 @@ class SamplerCore:
         minimums = {w: math.ceil(round(fraction * n, 9)) for w, n in shares.items() if n > 0}
         return SharedQuota(quota, minimums)
 
-    async def _drive(
-        self,
-        worker: Worker,
-        mode: Mode,
-        quota: int,
-        resume: Resume,
-        leave: Resume,
-        shared: SharedQuota | None = None,
-        lane_round: LaneRound | None = None,
-        then: Resume | None = None,
-    ) -> Plan | None:
-        """Run one worker's part of a call, rebuilding its host after failures; ``then``: a
-        stream round follows that continues what it leaves (see :meth:`sample_round`)."""
+    async def _drive(self, worker: Worker, mode: Mode, quota: int, part: Part) -> Plan | None:
+        """Run one worker's part of a call, rebuilding its host after failures; ``part.then``:
+        a stream round follows that continues what it leaves (see :meth:`sample_round`)."""
         w = worker.worker_number
         share = quota if mode == "episodes" else share_of(quota, self.n_workers, w)
         if share == 0:
             return None
         rule = StopRule.for_call(_CALL_MODES[mode], share, worker.n_envs)
-        worker.episodes.begin(resume, rule, ahead=then is not None)
-        if self.requests is not None:
-            stepper = LaneStepper(
-                worker,
-                self.requests,
-                leave=leave,
-                episode_timeout=self.episode_timeout,
-                admission=self.admission,
-                quota=shared,
-                resume=resume,
-                lane_round=lane_round,
-                max_restarts=self.max_restarts,
-                restarted=self._count_restart,
-            )
-            return await self._drive_steps(worker, stepper, leave, shared)
+        worker.episodes.begin(part.resume, rule, ahead=part.then is not None)
         async with self.mode.part(worker):
-            mode_stepper = self.mode.stepper(worker, then)
-            plan = await self._drive_steps(worker, mode_stepper, leave, shared)
-            await self.mode.ended(mode_stepper)  # the plan is taken: the host may go on
+            stepper = self.mode.stepper(worker, part)
+            plan = await self._drive_steps(worker, stepper, part.leave, part.quota)
+            await self.mode.ended(stepper)  # the plan is taken: the host may go on
             return plan
 
     def _count_restart(self, worker: int, failure: WorkerError) -> None:
@@ -502,7 +486,7 @@ class SamplerCore:
                     type(failure).__name__,
                     str(failure).split("\n", 1)[0],
                 )
-            if worker.episodes.broken:  # failed here, or in an earlier call
+            if worker.episodes.state is Continuity.BROKEN:  # failed here, or in an earlier call
                 dropped = await worker.restart_host()
                 if dropped:
                     logger.info(
@@ -515,7 +499,7 @@ class SamplerCore:
                 return await run_part(worker, stepper, leave, shared)
 
         def failed(exc: WorkerError) -> None:
-            worker.episodes.broken = True
+            worker.episodes.state = Continuity.BROKEN
             if self.metrics is not None:
                 self.metrics.fault(w, exc)
 
@@ -621,7 +605,8 @@ class SamplerCore:
         self, options: Batched | Host | None, worker_class: type[Worker]
     ) -> Batched | Host | None:
         """The lane backends ask the agents for the envs ready at each moment, batched across
-        workers (:class:`ActionRequests`); the chunked ``host`` mode and a worker's
+        workers (the mode's :class:`Batcher`, flushed every pass of the loop: a ``Batched``
+        option it cannot honour is refused); the chunked ``host`` mode and a worker's
         ``compute_actions`` do not apply there."""
         if isinstance(options, Host):
             raise ValueError(
@@ -629,6 +614,8 @@ class SamplerCore:
                 f"backend={self.backend_name!r}: its envs live in this process, so the agent "
                 "already runs beside them (use inference='per_worker' or 'batched')"
             )
+        if isinstance(options, Batched):
+            options.check_per_env(self.backend_name)
         if worker_class.compute_actions is not Worker.compute_actions or (
             worker_class.process_transition is not Worker.process_transition
         ):

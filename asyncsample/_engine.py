@@ -1,25 +1,25 @@
 """The episode engine: one worker's episodes during a call, and where its part of a call stops.
 
-Every inference mode runs the same rules, written once here:
+Every inference mode and backend runs the same rules, written once here:
 
 - :class:`Episodes` is a worker's bookkeeping (lengths, returns, which envs are active, the info
   of every running episode, the recorder) and the one place where episodes end
   (:meth:`Episodes.close_episodes`) and where a chunk of steps run elsewhere becomes recorder
   rows (:meth:`Episodes.replay`, array work per chunk).
 - :class:`StopRule` is where a worker's part of a call stops in each call mode (``samples``,
-  exact ``episodes``, ``fragments``). It is a small picklable object: a chunk request carries a
-  copy, so the host (:class:`~asyncsample.backends._chunk.ChunkRunner`) stops exactly where the
-  worker would.
-- :func:`run_part` drives a call through a :class:`Stepper`, with ``fraction_samples``
-  (:class:`SharedQuota`) decided between units. :class:`StepStepper` takes one env step per
-  request (``per_worker`` and ``batched``); :class:`~asyncsample.inference.host.ChunkStepper`
-  one chunk per request (``host``). A stepper only moves the envs and reports what happened
-  through :class:`Episodes`; it never decides where a call stops, so a new one (one coroutine
-  per env, for async envs) needs no change to the rules.
+  exact ``episodes``, ``fragments``), for the worker's envs together or, for envs stepped one at
+  a time, per env (:meth:`StopRule.env_more`). It is a small picklable object: a chunk request
+  carries a copy, so the host (:class:`~asyncsample.backends._chunk.ChunkRunner`) stops exactly
+  where the worker would.
+- :func:`run_part` drives a call through a :class:`Stepper` (the inference mode chooses it, see
+  :mod:`asyncsample.inference.modes`), with ``fraction_samples`` (:class:`SharedQuota`) decided
+  between units. A stepper only moves the envs and reports what happened through
+  :class:`Episodes`; it never decides where a call stops.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import math
 import time
@@ -42,9 +42,12 @@ from asyncsample.batch import StepType
 
 __all__ = [
     "CallMode",
+    "Continuity",
     "ChunkRecords",
     "Episodes",
     "FinishedEpisode",
+    "LaneRound",
+    "Part",
     "RecordStep",
     "SharedQuota",
     "StepStepper",
@@ -65,6 +68,30 @@ class CallMode(enum.IntEnum):
     """A fixed number of complete episodes per env; an env is stepped no more once it has them."""
     FRAGMENTS = 2
     """A number of worker steps; episodes still running become fragments."""
+
+
+class Continuity(enum.Enum):
+    """Where a worker's episodes stand between and during calls (:attr:`Episodes.state`).
+
+    The next call continues the records and the envs only from ``IDLE`` (what the last call
+    left, see :meth:`Episodes.begin`) or, in a stream's next round, from ``RAN_AHEAD``; from any
+    other state every env starts afresh.
+    """
+
+    IDLE = "idle"
+    """The last call ended (:meth:`Episodes.end`)."""
+    IN_CALL = "in call"
+    """A call runs; still so at the next :meth:`Episodes.begin` when it was cancelled midway."""
+    BROKEN = "broken"
+    """The env host failed: it is rebuilt (``Worker.restart_host``) before the next step."""
+    RAN_AHEAD = "ran ahead"
+    """A chunk past the end of the last call may have run in the env host (a stream's
+    run-ahead, :mod:`asyncsample.inference.host`): the envs may have moved past the records."""
+    TAKING_OVER = "taking over"
+    """A call began that may take that chunk over; its stepper settles it (then ``IN_CALL``)."""
+
+
+_CONTINUABLE = (Continuity.IDLE, Continuity.IN_CALL)
 
 
 class FinishedEpisode(NamedTuple):
@@ -103,6 +130,8 @@ class StopRule:
         need: ``SAMPLES``: steps of completed episodes still missing from the share.
         steps: ``FRAGMENTS``: worker steps still to take.
         episodes_left: ``EPISODES``: per env, episodes it must still complete.
+        env_steps: ``FRAGMENTS`` with each env stepped on its own (:meth:`start_envs`): per env,
+            steps still to take.
     """
 
     mode: CallMode
@@ -110,6 +139,7 @@ class StopRule:
     need: int = 0
     steps: int = 0
     episodes_left: np.ndarray | None = None
+    env_steps: np.ndarray | None = None
 
     @classmethod
     def for_call(cls, mode: CallMode, share: int, n_envs: int) -> StopRule:
@@ -131,6 +161,30 @@ class StopRule:
         if mode is CallMode.FRAGMENTS:
             return self.steps > 0
         return bool(active.any())
+
+    def start_envs(self, n_envs: int, lacking: int | None = None) -> int:
+        """Each env will ask :meth:`env_more` on its own (the lanes); ``FRAGMENTS``: each env
+        takes the worker's steps left (``lacking`` given: as :meth:`limited`), which it returns
+        for :meth:`took` at the end."""
+        if self.mode is not CallMode.FRAGMENTS:
+            return 0
+        steps = self.steps if lacking is None else math.ceil(lacking / n_envs)
+        self.env_steps = np.full(n_envs, max(steps, 0), dtype=np.int64)
+        return steps
+
+    def env_more(
+        self, i: int, active: np.ndarray, may_stop: Callable[[], bool] | None = None
+    ) -> bool:
+        """Whether env ``i`` takes another step (asked before each of its steps);
+        ``may_stop``: the call's shared quota lets the worker stop (``fraction_samples``)."""
+        mode = self.mode
+        if mode is CallMode.EPISODES:
+            return bool(active[i])
+        if mode is CallMode.FRAGMENTS and self.env_steps[i] <= 0:  # type: ignore[index]
+            return False
+        if may_stop is not None:
+            return not may_stop()
+        return mode is CallMode.FRAGMENTS or self.need > 0
 
     def ended(self, envs: np.ndarray, steps: int, active: np.ndarray) -> bool:
         """The episodes of ``envs`` ended, ``steps`` recorded steps in all; whether an env
@@ -240,10 +294,7 @@ class Episodes:
         recorder: the step rows and pieces of the current call.
         rule: where the current call stops (``None`` outside a call).
         finished: every episode completed since the sampler read it.
-        ran_ahead: a chunk past the end of the last call may have run in the env host (a
-            stream's run-ahead, see :mod:`asyncsample.inference.host`): the envs may have moved
-            past the records, so unless the next call takes that chunk over (``begin(...,
-            ahead=True)``), it starts fresh episodes in every env.
+        state: where the episodes stand between and during calls (:class:`Continuity`).
     """
 
     def __init__(self, worker: int, n_envs: int) -> None:
@@ -259,9 +310,7 @@ class Episodes:
         self.recorder = Recorder(n_envs)
         self.rule: StopRule | None = None
         self.finished: list[FinishedEpisode] = []
-        self.in_call = False
-        self.broken = False
-        self.ran_ahead = False
+        self.state = Continuity.IDLE
         self.episode_timeout: float | None = None
         """Seconds an episode may run before it is cut as truncated (``None``: no deadline)."""
         self.deadlines = np.full(n_envs, np.inf)
@@ -284,18 +333,21 @@ class Episodes:
         """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``.
 
         ``ahead``: the call may take over a chunk run ahead for it (a stream's next round),
-        whose stepper then settles :attr:`ran_ahead`; any other call resets every env after one.
+        whose stepper then settles it (``Continuity.TAKING_OVER``); any other call resets every
+        env after one.
         """
-        append = self.ran_ahead and ahead
-        if self.in_call or self.broken or (self.ran_ahead and not ahead):
+        state = self.state
+        ran_ahead = state is Continuity.RAN_AHEAD or state is Continuity.TAKING_OVER
+        append = ran_ahead and ahead
+        if state is not Continuity.IDLE and (state is not Continuity.RAN_AHEAD or not ahead):
             # The previous call was cancelled or failed midway, or the envs moved past its end:
             # nothing of it may leak.
             resume = Resume.NOTHING
             self.needs_reset[:] = True
-            self.ran_ahead = False
+            ran_ahead = False
         if resume is Resume.NOTHING:
             self.needs_reset |= self.lengths > 0
-        self.in_call = True
+        self.state = Continuity.TAKING_OVER if ran_ahead else Continuity.IN_CALL
         self.recorder.begin(resume, self.lengths, append)
         self.rule = rule
         self.active[:] = True if rule is None else rule.start_active(self.n_envs)
@@ -310,7 +362,7 @@ class Episodes:
         call ending now is assembled (its plan points into them). ``resume`` must be what the
         ending call leaves (:meth:`end`).
         """
-        if self.broken or self.ran_ahead or self.needs_reset.any():
+        if self.state not in _CONTINUABLE or self.needs_reset.any():
             return None
         if resume is Resume.NOTHING and bool((self.lengths > 0).any()):
             return None
@@ -333,7 +385,10 @@ class Episodes:
         self.rule = None
         self.active[:] = True
         self.everyone = True
-        self.in_call = False
+        if self.state is Continuity.IN_CALL:
+            self.state = Continuity.IDLE
+        elif self.state is Continuity.TAKING_OVER:  # never settled: the chunk is still ahead
+            self.state = Continuity.RAN_AHEAD
 
     def recovered(self) -> int:
         """The host was rebuilt: episodes in progress are dropped; returns how many."""
@@ -438,6 +493,31 @@ class Episodes:
             if rule.ended(envs, recorder.completed_steps - steps, self.active):
                 self.everyone = False
 
+    def end_env(
+        self, i: int, t: int, terminated: np.ndarray, final_obs: Tree, version: int
+    ) -> None:
+        """Env ``i``, stepped on its own, ended its episode at row ``t`` (as
+        :meth:`close_episodes`); it is reset before its next step."""
+        self.close_episodes(np.array([i]), t, terminated, final_obs, {}, version)
+        self.needs_reset[i] = True
+        self.deadlines[i] = np.inf
+
+    def drop_env(self, i: int) -> int:
+        """Env ``i`` failed on its own: its episode in progress is dropped (its rows are never
+        returned) and it is reset before its next step; returns the steps it had recorded."""
+        recorder = self.recorder
+        cursor = recorder.cursor
+        assert cursor is not None
+        recorded = int(cursor[i] - recorder.piece_start[i])
+        recorder.piece_start[i] = cursor[i]
+        recorder.piece_position[i] = 0
+        self.dropped_steps += int(self.lengths[i])
+        self.needs_reset[i] = True
+        self.lengths[i] = 0
+        self.returns[i] = 0.0
+        self.deadlines[i] = np.inf
+        return recorded
+
     def replay(
         self,
         chunk: ChunkRecords,
@@ -537,6 +617,54 @@ class Episodes:
         self.returns[active] = np.add.accumulate(stacked, axis=0)[-1]
 
 
+class LaneRound:
+    """One round of a stream of complete episodes on the lanes: no env stops stepping until
+    each of the ``workers`` taking part has its share (a worker done early keeps its envs
+    stepping into the episodes the next round continues); then every worker's steps in flight
+    are left for the next round."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.done = workers == 0
+        self._stops: list[asyncio.Future[None]] = []
+        self._satisfied: set[int] = set()
+
+    def join(self, stop: asyncio.Future[None]) -> None:
+        """``stop`` is set when the round is done."""
+        if self.done:
+            stop.set_result(None)
+        else:
+            self._stops.append(stop)
+
+    def satisfied(self, worker: int) -> None:
+        """``worker`` has its share; the round is done once every worker has said so."""
+        self._satisfied.add(worker)
+        if not self.done and len(self._satisfied) >= self.workers:
+            self.done = True
+            for stop in self._stops:
+                if not stop.done():
+                    stop.set_result(None)
+
+
+@dataclass
+class Part:
+    """One worker's part of a call, as the mode's stepper sees it.
+
+    Attributes:
+        resume: what the part continues from the previous call.
+        leave: what it leaves running for the next (``Resume.EPISODES``: a stream's round).
+        quota: the call's shared quota (``fraction_samples < 1``), if any.
+        then: a stream round follows, continuing what this one leaves (a mode may start it).
+        lane_round: the stream round this part is in, on the lanes.
+    """
+
+    resume: Resume
+    leave: Resume
+    quota: SharedQuota | None = None
+    then: Resume | None = None
+    lane_round: LaneRound | None = None
+
+
 class Stepper(Protocol):
     """How a worker's envs move: one env step, or one chunk of steps, per request.
 
@@ -586,9 +714,10 @@ class StepStepper:
         """Step until ``rule`` stops (the per-step loop: no await besides the step)."""
         step, more, active = self.worker.step_episode, rule.more, self.worker.episodes.active
         if rule.mode is CallMode.FRAGMENTS:
+            took = rule.took
             while more(active):
                 await step()
-                rule.steps -= 1
+                took(1)
         else:
             while more(active):
                 await step()

@@ -1,4 +1,5 @@
-"""One coroutine per env: the stepper of the ``asyncio`` and ``thread`` backends.
+"""One coroutine per env: the stepper of hosts that step each env on its own (a
+:class:`~asyncsample.backends.base.PerEnvHost`: ``asyncio``, ``thread``).
 
 A worker's envs are not stepped in lockstep here. Each env runs its own loop (reset when it must,
 ask for an action, step, record), so a slow env never stalls a fast one, and every env writes its
@@ -6,9 +7,9 @@ steps to its own column of the worker's step records (the recorder's per-env cur
 episode's steps stay contiguous in that column, so the engine's bookkeeping, stop rules and batch
 assembly apply unchanged.
 
-- :class:`ActionRequests` merges the action requests of every env that became ready in one pass
-  of the event loop into one agent call per agent (a policy service sees batches, however many
-  one-env workers there are).
+- The inference mode's :class:`~asyncsample.inference.batched.Batcher` merges the action
+  requests of every env that became ready in one pass of the event loop into one agent call per
+  agent (a policy service sees batches, however many one-env workers there are).
 - :class:`Admission` holds back new episodes in ``stream`` while the open episodes' agent
   versions would spread by more than ``max_policy_lag``.
 - :class:`LaneStepper` is the :class:`~asyncsample._engine.Stepper`; where a call stops is the
@@ -20,203 +21,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import inspect
 import logging
-import math
-import time
-import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
-from asyncsample._clock import AgentTimer
-from asyncsample._engine import CallMode, SharedQuota, StopRule
+from asyncsample._engine import CallMode, Part, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
-from asyncsample._tree import Tree, tree_map
-from asyncsample.agent import Agent, RandomAgent
+from asyncsample._tree import tree_map
 from asyncsample.backends._closing import cancelled_by_env
-from asyncsample.backends.aio import DeadlinePassed, LaneHost
+from asyncsample.backends.base import DeadlinePassed, PerEnvHost
 from asyncsample.errors import WorkerError
+from asyncsample.inference.batched import Batcher
 
 if TYPE_CHECKING:
     from asyncsample.worker import Worker
 
-__all__ = ["ActionRequests", "Admission", "LaneRound", "LaneStepper"]
+__all__ = ["Admission", "LaneSettings", "LaneStepper"]
 
 logger = logging.getLogger("asyncsample")
 
 _NEVER = np.inf
 """The deadline of an episode without one."""
-
-
-class ActionRequests:
-    """Batches the action requests of the envs that are ready in the same pass of the loop.
-
-    Each request is one env's observation; the first request of a pass schedules a flush at the
-    end of the pass, which stacks the observations per agent, calls the agent once (awaiting it
-    when it is async) and hands every env its row of the actions and agent infos.
-
-    Args:
-        action_space: checks the actions' shapes and values.
-    """
-
-    def __init__(self, action_space: Any) -> None:
-        self.action_space = action_space
-        self._values = make_action_check(action_space)
-        self._groups: dict[int, tuple[Agent, set[int], list[tuple[Tree, asyncio.Future[Any]]]]] = {}
-        self._checks: dict[int, tuple[Callable[[], object], AgentOutputCheck]] = {}
-        self._scheduled = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self.timer: AgentTimer | None = None
-        """With metrics on, where each agent call's seconds and rows go."""
-
-    def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
-        """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``."""
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        future: asyncio.Future[Any] = loop.create_future()
-        group = self._groups.get(id(agent))
-        if group is None:
-            self._groups[id(agent)] = (agent, {worker}, [(observation, future)])
-        else:
-            group[1].add(worker)
-            group[2].append((observation, future))
-        if not self._scheduled:
-            self._scheduled = True
-            loop.call_soon(self._flush)
-        return future
-
-    def _flush(self) -> None:
-        self._scheduled = False
-        groups, self._groups = self._groups, {}
-        for agent, workers, requests in groups.values():
-            live = [(o, f) for o, f in requests if not f.done()]  # cancelled lanes drop out
-            if not live:
-                continue
-            first = live[0][0]
-            if isinstance(first, np.ndarray):
-                stacked: Tree = np.stack([o for o, _ in live])
-            else:
-                stacked = tree_map(lambda *xs: np.stack(xs), *[o for o, _ in live])
-            timer = self.timer
-            start = 0.0 if timer is None else time.perf_counter()
-            try:
-                result = agent.get_actions(stacked)
-            except Exception as exc:
-                _fail(live, exc)
-                continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(result)
-                self._tasks.add(task)
-                if timer is not None:
-                    task.add_done_callback(functools.partial(_timed, timer, start, len(live)))
-                task.add_done_callback(functools.partial(self._awaited, agent, workers, live))
-            else:
-                if timer is not None:
-                    timer.add(time.perf_counter() - start, len(live))
-                self._deliver(agent, workers, live, result)
-
-    def _awaited(
-        self,
-        agent: Agent,
-        workers: set[int],
-        live: list[tuple[Tree, asyncio.Future[Any]]],
-        task: asyncio.Task[Any],
-    ) -> None:
-        worker = min(workers)
-        self._tasks.discard(task)
-        if task.cancelled():
-            # Not a CancelledError: the lanes would take it for their own cancellation.
-            _fail(live, RuntimeError(f"the agent's get_actions (worker {worker}) was cancelled"))
-        elif task.exception() is not None:
-            _fail(live, task.exception())  # type: ignore[arg-type]
-        else:
-            self._deliver(agent, workers, live, task.result())
-
-    def _deliver(
-        self,
-        agent: Agent,
-        workers: set[int],
-        live: list[tuple[Tree, asyncio.Future[Any]]],
-        result: Any,
-    ) -> None:
-        n = len(live)
-        worker = min(workers)
-        try:
-            check = self._check_of(agent, worker)
-            check.worker, check.n_envs = worker, n
-            actions, infos = check.output(result)
-            trusted = type(agent) is RandomAgent and agent.action_space == self.action_space
-            names = ", ".join(map(str, sorted(workers)))
-            actions = check_actions(
-                actions,
-                _like_rows(actions, n),
-                worker=worker,
-                action_space=self.action_space,
-                values=None if trusted else self._values,
-                rows=f"{n} rows, the observations of the envs ready at once of "
-                f"worker{'s' if len(workers) > 1 else ''} {names}",
-            )
-        except Exception as exc:
-            _fail(live, exc)
-            return
-        plain = isinstance(actions, np.ndarray)
-        for j, (_, future) in enumerate(live):
-            if future.done():
-                continue
-            action = actions[j] if plain else tree_map(lambda a, j=j: a[j], actions)
-            future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
-
-    def _check_of(self, agent: Agent, worker: int) -> AgentOutputCheck:
-        """The output check of ``agent`` (a new agent object, such as one an update put in,
-        gets a new one: the kinds and shapes of its infos may differ from its predecessor's)."""
-        known = self._checks.get(id(agent))
-        if known is not None and known[0]() is agent:
-            return known[1]
-        try:
-            ref: Callable[[], object] = weakref.ref(agent)
-        except TypeError:  # not weakly referenceable: keep it (its id cannot be reused then)
-            ref = functools.partial(_same, agent)
-        check = AgentOutputCheck(worker, 1)
-        self._checks[id(agent)] = (ref, check)
-        return check
-
-    async def aclose(self) -> None:
-        """Cancel the agent calls still awaited."""
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
-
-
-def _same(value: object) -> object:
-    """``value`` (a strong reference standing in for a weak one)."""
-    return value
-
-
-def _like_rows(actions: Tree, n: int) -> Tree:
-    """What :func:`check_actions` compares shapes against: ``n`` rows of the space's shape."""
-
-    def like(a: Any) -> np.ndarray:
-        a = np.asarray(a)
-        return np.empty((n, *a.shape[1:]), dtype=a.dtype) if a.ndim else a
-
-    return tree_map(like, actions)
-
-
-def _timed(timer: AgentTimer, start: float, rows: int, _: object) -> None:
-    timer.add(time.perf_counter() - start, rows)
-
-
-def _fail(live: list[tuple[Tree, asyncio.Future[Any]]], exc: BaseException) -> None:
-    for _, future in live:
-        if not future.done():
-            future.set_exception(exc)
 
 
 class Admission:
@@ -283,126 +111,29 @@ class Admission:
         self._changed.set()
 
 
-class LaneRound:
-    """One round of a stream of complete episodes, across its workers: no env stops stepping
-    until every worker has its share (a worker done early keeps its envs stepping into the
-    episodes the next round continues, rather than idling behind the slowest worker); then every
-    worker's steps in flight are left for the next round.
+@dataclass
+class LaneSettings:
+    """What every lane of a sampler shares: ``max_restarts`` of one env in a call (past it the
+    env's error fails the call), ``restarted(worker, failure)`` at each rebuild (the sampler
+    counts it), ``admission()``: the open stream's :class:`Admission`, if any."""
 
-    Args:
-        workers: the workers taking part (those with a share).
-    """
-
-    def __init__(self, workers: int) -> None:
-        self.waiting = workers
-        self.done = workers == 0
-        self._stops: list[asyncio.Future[None]] = []
-        self._satisfied: set[int] = set()
-
-    def join(self, stop: asyncio.Future[None]) -> None:
-        """``stop`` is set when the round is done."""
-        if self.done:
-            stop.set_result(None)
-        else:
-            self._stops.append(stop)
-
-    def satisfied(self, worker: int) -> None:
-        """``worker`` has its share; the round is done once every worker has said so."""
-        if worker in self._satisfied:
-            return
-        self._satisfied.add(worker)
-        self.waiting -= 1
-        if self.waiting <= 0 and not self.done:
-            self.done = True
-            for stop in self._stops:
-                if not stop.done():
-                    stop.set_result(None)
-
-
-class _Call:
-    """Where this stepper run stops, per env: the engine's rule, or, for a unit of a call with
-    ``fraction_samples`` (``lacking`` given), once ``lacking`` more transitions are in (as
-    :meth:`StopRule.limited` says for a chunk: past the worker's own share if the call's total
-    still lacks them)."""
-
-    def __init__(self, stepper: LaneStepper, rule: StopRule, lacking: int | None) -> None:
-        episodes = stepper.worker.episodes
-        self.episodes = episodes
-        self.quota = stepper.quota
-        self.worker = stepper.worker.worker_number
-        self.rule = rule
-        self.mode = rule.mode
-        n = episodes.n_envs
-        self.limit = None
-        self.start_completed = episodes.recorder.completed_steps
-        if self.mode is CallMode.FRAGMENTS:
-            steps = rule.steps if lacking is None else math.ceil(lacking / n)
-            self.steps_left = np.full(n, max(steps, 0), dtype=np.int64)
-            self.steps = steps
-        elif self.mode is CallMode.SAMPLES and lacking is not None:
-            self.limit = lacking
-
-    def more(self, i: int) -> bool:
-        """Whether env ``i`` takes another step."""
-        mode = self.mode
-        if mode is CallMode.SAMPLES:
-            return not self.satisfied()
-        if mode is CallMode.FRAGMENTS:
-            if self.steps_left[i] <= 0:
-                return False
-            quota = self.quota
-            if quota is None:
-                return True
-            # fraction_samples: every worker's envs stop once the call's total is in (each
-            # env asks before its step, so the total passes it by at most the steps in flight).
-            quota.report(self.worker, self.episodes.count(True))
-            return not quota.may_stop(self.worker)
-        return bool(self.episodes.active[i])
-
-    def satisfied(self) -> bool:
-        """``SAMPLES``: the completed episodes this run asked for are in (with a shared quota:
-        the worker may stop, re-judged at every step, since the other workers move it too)."""
-        quota = self.quota
-        if quota is not None:
-            quota.report(self.worker, self.episodes.count(False))
-            return quota.may_stop(self.worker)
-        limit = self.limit
-        if limit is None:
-            return self.rule.need <= 0
-        return self.episodes.recorder.completed_steps - self.start_completed >= limit
-
-    def more_of(self, i: int, lane_round: LaneRound | None = None) -> Callable[[], bool]:
-        """:meth:`more` of env ``i`` as a cheap zero-argument check (asked before every step);
-        within a :class:`LaneRound`, until the round is done."""
-        if lane_round is not None:
-            return lambda: not lane_round.done
-        if self.mode is CallMode.SAMPLES and self.limit is None:
-            rule = self.rule
-            return lambda: rule.need > 0
-        return functools.partial(self.more, i)
+    max_restarts: int
+    restarted: Callable[[int, WorkerError], None]
+    admission: Callable[[], Admission | None]
 
 
 class LaneStepper:
     """Runs one coroutine per env of ``worker`` (see the module docstring).
 
     Args:
-        worker: the worker; its host must be a :class:`~asyncsample.backends.aio.LaneHost`.
-        requests: the sampler's :class:`ActionRequests`.
-        leave: what the call leaves running (``Resume.NOTHING``: once a ``samples`` call has its
-            share, steps still in flight are cancelled, since their episodes would be dropped;
-            ``Resume.EPISODES``, a stream's round: they are left running for the next round).
-        resume: what the call continues (steps a previous round left running are taken up
-            only by a continuing ``Resume.EPISODES`` call; any other call drops them).
-        lane_round: the stream round this call is part of (see :class:`LaneRound`).
-        episode_timeout: seconds an episode may run before it is cut as truncated.
-        admission: the stream's :class:`Admission`, if any.
-        quota: the call's shared quota (``fraction_samples < 1``), if any: each env checks it
-            before every step, so a worker stops as soon as the call may spare it.
-        max_restarts: how often one env may be rebuilt in this call; past it the env's error
-            is raised (``retry`` false: the call fails).
-        restarted: called with the worker and the failure at each rebuild of an env (the
-            sampler counts restarts and, with metrics, the fault; a failure past
-            ``max_restarts`` is raised instead and counted where the call fails).
+        worker: the worker; its host must be a :class:`~asyncsample.backends.base.PerEnvHost`.
+        requests: the mode's merger of the envs' agent requests.
+        part: the worker's part of the call. ``part.leave``: once a ``samples`` call has its
+            share, steps still in flight are cancelled (``Resume.NOTHING``: their episodes would
+            be dropped) or left running for the next round (``Resume.EPISODES``, a stream's
+            round), which takes them up (``part.resume``); any other call drops them. With a
+            shared ``part.quota`` each env checks it before every step.
+        settings: see :class:`LaneSettings`.
 
     A fault is the env's own: an env that raises (its own ``CancelledError`` included), hangs
     past ``step_timeout`` or returns a malformed step loses its episode in progress and is
@@ -410,37 +141,22 @@ class LaneStepper:
     """
 
     def __init__(
-        self,
-        worker: Worker,
-        requests: ActionRequests,
-        *,
-        leave: Resume,
-        episode_timeout: float | None,
-        admission: Admission | None = None,
-        quota: SharedQuota | None = None,
-        resume: Resume = Resume.NOTHING,
-        lane_round: LaneRound | None = None,
-        max_restarts: int = 3,
-        restarted: Callable[[int, WorkerError], None] | None = None,
+        self, worker: Worker, requests: Batcher, part: Part, settings: LaneSettings
     ) -> None:
-        host = worker.host
-        assert isinstance(host, LaneHost)
         self.worker = worker
-        self.host = host
+        self.host = cast(PerEnvHost, worker.host)  # checked once, when the mode attached
         self.requests = requests
-        self.leave = leave
-        self.episode_timeout = episode_timeout
-        self.admission = admission
-        self.quota = quota
-        self.resume = resume
-        self.carry = leave is Resume.EPISODES
+        self.episode_timeout = worker.episodes.episode_timeout
+        self.admission = settings.admission()
+        self.quota = quota = part.quota
+        self.resume = part.resume
+        self.carry = part.leave is Resume.EPISODES
         """A stream of complete episodes: at the end of a round, steps still in flight are left
-        running (:attr:`LaneHost.in_flight`) and the next round takes them up, so no round
+        running (:attr:`PerEnvHost.in_flight`) and the next round takes them up, so no round
         waits for its stragglers."""
         self.detaching = False
-        self.round = lane_round if self.carry and quota is None else None
-        self.max_restarts = max_restarts
-        self.restarted = restarted
+        self.round = part.lane_round if self.carry and quota is None else None
+        self.settings = settings
         n = worker.n_envs
         self.env_restarts = [0] * n
         """Rebuilds of each env in this call."""
@@ -467,20 +183,29 @@ class LaneStepper:
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """Step every env until the rule, or ``lacking`` more transitions, say stop."""
-        await self._run(_Call(self, rule, lacking))
+        await self._run(rule, lacking)
         return 1
 
     async def run(self, rule: StopRule) -> None:
         """Step every env until ``rule`` says stop."""
-        await self._run(_Call(self, rule, None))
+        await self._run(rule, None)
 
-    async def _run(self, call: _Call) -> None:
+    def _may_stop(self, fragments: bool) -> bool:
+        """The call's shared quota lets this worker stop (each env asks before its step, so
+        the total passes the target by at most the steps in flight)."""
+        quota, w = self.quota, self.worker.worker_number
+        assert quota is not None
+        quota.report(w, self.worker.episodes.count(fragments))
+        return quota.may_stop(w)
+
+    async def _run(self, rule: StopRule, lacking: int | None) -> None:
+        steps = rule.start_envs(self.worker.n_envs, lacking)
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
         if self.round is not None:
             self.round.join(stop)
         tasks = [
-            asyncio.ensure_future(self._lane(i, call, stop)) for i in range(self.worker.n_envs)
+            asyncio.ensure_future(self._lane(i, rule, stop)) for i in range(self.worker.n_envs)
         ]
         try:
             pending: set[asyncio.Future[Any]] = set(tasks)
@@ -515,10 +240,9 @@ class LaneStepper:
             if not stop.done():
                 stop.cancel()
             self.detaching = False
-        if call.mode is CallMode.FRAGMENTS:
-            call.rule.took(call.steps)
+        rule.took(steps)
 
-    async def _lane(self, i: int, call: _Call, stop: asyncio.Future[None]) -> None:
+    async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None]) -> None:
         """Env ``i``'s loop: reset when it must, ask for an action, step, record.
 
         The env's cursor, episode length and return live in locals while it runs (numpy
@@ -535,8 +259,7 @@ class LaneStepper:
         assert cursor is not None
         one = np.zeros(worker.n_envs, dtype=bool)
         one[i] = True
-        samples = call.mode is CallMode.SAMPLES
-        stop_when_in = samples and (self.leave is Resume.NOTHING or self.carry)
+        samples = rule.mode is CallMode.SAMPLES
         carry = self.carry
         in_flight = host.in_flight
         flat = isinstance(buffers.obs, np.ndarray) and isinstance(buffers.actions, np.ndarray)
@@ -545,12 +268,20 @@ class LaneStepper:
         w = worker.worker_number
         needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
         deadlines = self.deadlines
-        steps_left = call.steps_left if call.mode is CallMode.FRAGMENTS else None
+        steps_left = rule.env_steps if rule.mode is CallMode.FRAGMENTS else None
         # fraction_samples of fragments: the shared quota counts the steps in the records
         # before every step, so the cursor cannot wait for the episode's end.
-        live_cursor = steps_left is not None and call.quota is not None
+        live_cursor = steps_left is not None and self.quota is not None
         lane_round = self.round
-        more = call.more_of(i, lane_round)
+        may_stop = None
+        if self.quota is not None:
+            may_stop = functools.partial(self._may_stop, steps_left is not None)
+        if lane_round is not None:  # within a stream round: until the round is done
+            more: Callable[[], bool] = lambda: not lane_round.done  # noqa: E731
+        elif samples and may_stop is None:
+            more = lambda: rule.need > 0  # noqa: E731
+        else:
+            more = functools.partial(rule.env_more, i, episodes.active, may_stop)
         loop = asyncio.get_running_loop()
         t, length, ret = int(cursor[i]), int(lengths[i]), float(returns[i])
         deadline = float(deadlines[i])
@@ -570,22 +301,23 @@ class LaneStepper:
                             length, ret, deadline = 0, 0.0, float(deadlines[i])
                             if not started:
                                 break
-                        if flat:
-                            observation = buffers.obs[i].copy()
+                        if t >= rows.size:
+                            rows.cover(t, buffers.obs, buffers.actions)
+                        if flat:  # recorded first; the agent reads the row (never an arena's)
+                            row = rows.obs[t]
+                            row[i] = buffers.obs[i]
+                            observation = row[i]
                         else:
                             observation = tree_map(lambda x: x[i].copy(), buffers.obs)
+                            put_row(rows.obs, (t, i), observation)
                         action, infos = await request(
                             worker.agent,  # type: ignore[arg-type]
                             w,
                             observation,
                         )
-                        if t >= rows.size:
-                            rows.cover(t, buffers.obs, buffers.actions)
                         if flat:
-                            rows.obs[t, i] = observation
                             rows.actions[t, i] = action
                         else:
-                            put_row(rows.obs, (t, i), observation)
                             put_row(rows.actions, (t, i), action)
                         if infos or rows.agent_infos:
                             store_agent_infos(rows, t, infos, i)
@@ -627,7 +359,7 @@ class LaneStepper:
                         task.cancel()
                     carried, stepping = None, False
                     cursor[i], lengths[i], returns[i] = t, length, ret
-                    self._drop(i, call)
+                    self._drop(i, rule)
                     length, ret = 0, 0.0
                     await self._rebuild(i, failure)
                     continue
@@ -653,7 +385,7 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
                     length, ret = 0, 0.0
-                    if stop_when_in and call.satisfied():
+                    if samples and not rule.env_more(i, episodes.active, may_stop):
                         if lane_round is not None:
                             lane_round.satisfied(w)  # sets every worker's stop when all are in
                         elif not stop.done():
@@ -701,22 +433,15 @@ class LaneStepper:
             reset(one.copy())
         return more()
 
-    def _drop(self, i: int, call: _Call) -> None:
-        """Env ``i`` failed: its episode in progress is dropped (its rows are never returned;
-        a fragment call redoes their steps), and it is reset before its next step."""
-        episodes = self.worker.episodes
-        recorder = episodes.recorder
-        cursor = recorder.cursor
-        assert cursor is not None
-        recorded = int(cursor[i] - recorder.piece_start[i])
-        if call.mode is CallMode.FRAGMENTS and recorded > 0:
-            call.steps_left[i] += recorded
-        recorder.piece_start[i] = cursor[i]
-        recorder.piece_position[i] = 0
-        episodes.needs_reset[i] = True
-        episodes.lengths[i] = 0
-        episodes.returns[i] = 0.0
-        self.deadlines[i] = np.inf
+    def _drop(self, i: int, rule: StopRule) -> None:
+        """Env ``i`` failed: its episode in progress is dropped (a fragment call redoes its
+        steps), and it is reset before its next step."""
+        recorded = self.worker.episodes.drop_env(i)
+        if rule.env_steps is not None and recorded > 0:
+            rule.env_steps[i] += recorded
+        self._closed(i)
+
+    def _closed(self, i: int) -> None:
         if self.admission is not None:
             self.admission.closed((self.worker.worker_number, i))
 
@@ -726,19 +451,18 @@ class LaneStepper:
         worker = self.worker
         w = worker.worker_number
         while True:
-            if self.env_restarts[i] >= self.max_restarts:
+            if self.env_restarts[i] >= self.settings.max_restarts:
                 failure.retry = False  # the call fails: no worker-wide rebuild either
                 raise failure
             self.env_restarts[i] += 1
             worker.restarts += 1
-            if self.restarted is not None:
-                self.restarted(w, failure)
+            self.settings.restarted(w, failure)
             logger.warning(
                 "worker %d: rebuilding env %d (restart %d of at most %d in this call) after %s: %s",
                 w,
                 i,
                 self.env_restarts[i],
-                self.max_restarts,
+                self.settings.max_restarts,
                 type(failure).__name__,
                 str(failure).split("\n", 1)[0],
             )
@@ -752,20 +476,10 @@ class LaneStepper:
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""
-        episodes = self.worker.episodes
         buffers = self.host.buffers
-        episodes.close_episodes(
-            np.array([i]),
-            t,
-            buffers.terminated,
-            buffers.final_obs,
-            {},
-            self.worker.agent_version,
-        )
-        episodes.needs_reset[i] = True
-        self.deadlines[i] = np.inf
-        if self.admission is not None:
-            self.admission.closed((self.worker.worker_number, i))
+        version = self.worker.agent_version
+        self.worker.episodes.end_env(i, t, buffers.terminated, buffers.final_obs, version)
+        self._closed(i)
 
     def _cut(self, i: int) -> None:
         """Env ``i``'s episode passed its deadline: it ends as truncated at its last step, its
@@ -780,8 +494,6 @@ class LaneStepper:
             put_row(buffers.final_obs, i, tree_map(lambda x: x[i], buffers.obs))
             episodes.episode_info[i]["deadline"] = True
             self._end(i, int(cursor[i]) - 1)
-        else:
-            episodes.needs_reset[i] = True
-            self.deadlines[i] = np.inf
-            if self.admission is not None:
-                self.admission.closed((self.worker.worker_number, i))
+        else:  # no step taken: nothing to end
+            episodes.drop_env(i)
+            self._closed(i)

@@ -1,9 +1,11 @@
-"""The envs of one worker, stepped together inside an env host.
+"""The envs of one worker, and the bookkeeping around each env's own ``reset`` and ``step``.
 
-:class:`EnvGroup` is the one piece of code that touches envs. Every backend runs it where the envs
-live (in the event loop's thread for ``local``, in an env-host process for ``process``, in an actor
-for ``ray``), so all backends reset and step envs at exactly the same points and give identical
-results for a fixed seed.
+:class:`EnvGroup` checks what an env returned, applies the time limit and writes the buffer rows
+(:meth:`EnvGroup.finish_reset`, :meth:`EnvGroup.finish`) for every host: lockstep stepping
+(:meth:`EnvGroup.step`) is a loop over it where the envs live (the event loop's thread for
+``local``, an env-host process for ``process``, an actor for ``ray``), and the lane host of
+``asyncio``/``thread`` awaits each env's call and hands the result to the same methods. So all
+backends give identical results for a fixed seed.
 
 Data moves through :class:`StepBuffers`: arrays with a leading axis of ``n_envs`` that the worker
 and the host both see (plain arrays in-process, shared memory across processes). Only small
@@ -12,6 +14,8 @@ control data (infos, errors) travels any other way.
 
 from __future__ import annotations
 
+import contextlib
+import numbers
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +25,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
+from asyncsample import _validate
 from asyncsample._clock import CLOCK_SIZE, timed_group_step
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
@@ -29,6 +34,7 @@ __all__ = [
     "AUTORESET_MODES",
     "EnvFailure",
     "EnvGroup",
+    "PENDING_SEED",
     "StepBuffers",
     "StepInfos",
     "call_targets",
@@ -48,7 +54,7 @@ __all__ = [
 AUTORESET_MODES = ("SameStep", "NextStep", "Disabled")
 
 #: "Use the env's pending seed": the default of a reset.
-_PENDING = object()
+PENDING_SEED = object()
 
 _FIXED_SPACES = (
     gym.spaces.Box,
@@ -86,16 +92,14 @@ class StepBuffers:
         obs: observation each env shows now (after an autoreset, the new episode's first one).
         final_obs: for envs whose episode ended on the last step, the true last observation.
         actions: written by the worker before a step.
-
-    For a space whose values have no fixed-size row (see :func:`fixed_rows`), ``obs`` and
-    ``final_obs`` (observation space) or ``actions`` (action space) are a plain list of
-    ``n_envs`` Python objects instead, never shared: a remote host's replies carry its
-    observations pickled and the caller stores them there, and a step request carries the
-    actions pickled.
         rewards, terminated, truncated: results of the last step (``truncated`` includes the
             sampler's ``max_episode_length``).
         clock: with metrics on, the host's timings (see :mod:`asyncsample._clock`); else
             ``None``.
+
+    For a space whose values have no fixed-size row (see :func:`fixed_rows`), ``obs`` and
+    ``final_obs`` or ``actions`` are a plain list of ``n_envs`` Python objects instead, never
+    shared: remote hosts' replies and step requests carry them pickled.
     """
 
     obs: Tree
@@ -224,6 +228,7 @@ class EnvGroup:
         # observations the fast shape test could not vouch for); None where a buffer row does.
         self._obs: list[Any] = [None] * self.n_envs
         self._lengths = [0] * self.n_envs
+        self._misfits: list[int] = []  # envs whose observation a plain buffer row awaits
         self._seeds: list[int | None] = [None] * self.n_envs
         # Observations of a plain (Box, Discrete, Multi*) space go straight into their row.
         self._flat_obs = isinstance(buffers.obs, np.ndarray)
@@ -241,6 +246,9 @@ class EnvGroup:
         #: How many envs the last :meth:`step` stepped (the metrics' clock reads it).
         self.last_stepped = 0
         self._everyone = list(range(self.n_envs))
+        #: Whether a malformed step is worth rebuilding the env (the lanes: a fault is the
+        #: env's own) or the caller's mistake that fails the call (the lockstep hosts).
+        self.malformed_retry = False
         if buffers.clock is not None:  # metrics on: the host times its steps
             self.step = timed_group_step(self, self.step, buffers.clock)  # type: ignore[method-assign]
 
@@ -256,10 +264,16 @@ class EnvGroup:
         env: gym.Env | None = make_env(chain[0])
         for update in chain[1:]:
             env, _ = apply_env_update(env, update)
+        self.place(i, env, seed)
+
+    def place(self, i: int, env: Any, seed: int | None, fresh: bool = True) -> None:
+        """Env ``i`` is now ``env``, whose next reset gets ``seed``; ``fresh`` (a rebuild,
+        not an update): no episode of it is in progress."""
         self.envs[i] = env
         self._seeds[i] = seed
-        self._lengths[i] = 0
-        self._ended[i] = False
+        if fresh:
+            self._lengths[i] = 0
+            self._ended[i] = False
 
     def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
         """Apply one update per env; an env that becomes a new object gets its new seed."""
@@ -296,44 +310,143 @@ class EnvGroup:
             if seeds is None and options is None:
                 info = self._reset_one(i)
             else:
-                seed = _PENDING if seeds is None else seeds[i]
+                seed = PENDING_SEED if seeds is None else seeds[i]
                 opts = None if options is None else options[i]
                 info = self._reset_one(i, seed, opts, requested=True)
             if info:
                 infos[i] = info
-        if not self._flat_obs:
-            self._write_obs()
+        self._store_pending()
         return infos
 
     def _reset_one(
         self,
         i: int,
-        seed: int | object | None = _PENDING,
+        seed: int | object | None = PENDING_SEED,
         options: dict[str, Any] | None = None,
         requested: bool = False,
     ) -> dict[str, Any]:
-        """Reset env ``i``. A ``requested`` reset (the caller's, with seeds or options) passes
-        ``options=`` even when it is ``None``, as gymnasium's vector envs do: an env whose
-        ``reset`` requires it works the same here."""
         env = self.envs[i]
         assert env is not None
+        kwargs = self.reset_kwargs(i, seed, options, requested)
+        return self.finish_reset(i, self._guard(i, env.reset, **kwargs))
+
+    # -- one env: before and after its own reset or step (``finish(i, env.step(a))`` here,
+    # ``finish(i, await env.step(a))`` on the lanes) -------------------------------------------
+
+    def reset_kwargs(
+        self,
+        i: int,
+        seed: int | object | None = PENDING_SEED,
+        options: dict[str, Any] | None = None,
+        requested: bool = False,
+    ) -> dict[str, Any]:
+        """The keyword arguments of env ``i``'s next ``reset`` (its pending seed by default). A
+        ``requested`` reset passes ``options=`` even when ``None``, as gymnasium's vector envs do.
+        """
         pending, self._seeds[i] = self._seeds[i], None
-        if seed is _PENDING:
+        if seed is PENDING_SEED:
             seed = pending
         if options is None and not requested:
-            obs, info = self._guard(i, env.reset, seed=seed)
-        else:
-            obs, info = self._guard(i, env.reset, seed=seed, options=options)
-        self._obs[i] = obs
+            return {"seed": seed}
+        return {"seed": seed, "options": options}
+
+    def finish_reset(self, i: int, result: Any) -> dict[str, Any]:
+        """Env ``i``'s reset returned ``result``: check it, keep its observation; its info."""
+        if not isinstance(result, (tuple, list)) or len(result) != 2:
+            what = "a tuple (observation, info)"
+            self._raise_malformed(i, "the reset's result", what, result, "reset")
+        obs, info = result
+        if info is not None and type(info) is not dict and not isinstance(info, Mapping):
+            self._raise_malformed(i, "info", "a dict", info, "reset")
         self._lengths[i] = 0
         self._ended[i] = False
-        if self._flat_obs:
-            if getattr(obs, "shape", ()) == self._obs_shape:
-                self.buffers.obs[i] = obs
-                self._obs[i] = None  # the buffer row holds it: keep no second copy
-            else:
-                self._store_misfits([i])
-        return info  # type: ignore[no-any-return]
+        self._keep_obs(i, obs)
+        return dict(info) if info else {}
+
+    def finish(self, i: int, result: Any, alone: bool = False) -> tuple[Any, Any, bool, bool, Any]:
+        """Env ``i``'s step returned ``result``: check it (a malformed one raises
+        ``EnvFailureError`` naming the field and type), keep the observation, count the step;
+        ``(obs, reward, terminated, truncated, info)``, ``truncated`` with the time limit.
+
+        ``alone`` (the lanes: env ``i`` stepped on its own): also write its observation into
+        its row now, and its flags and ``final_obs`` row when its episode ended (the lockstep
+        :meth:`step` writes those for every env at once).
+        """
+        if type(result) is not tuple or len(result) != 5:
+            result = self._checked_step(i, result)
+        o, r, term, trunc, info = result
+        if (
+            type(r) not in _FAST_REWARDS
+            or type(term) not in _FAST_FLAGS
+            or type(trunc) not in _FAST_FLAGS
+            or (info and type(info) is not dict)
+        ):
+            o, r, term, trunc, info = self._checked_step(i, result)
+        if self._flat_obs and getattr(o, "shape", ()) == self._obs_shape:
+            self.buffers.obs[i] = o  # the row holds it: no second reference kept
+            self._obs[i] = None
+        else:
+            self._keep_obs(i, o)
+            if alone:
+                self._store_pending([i])
+        n = self._lengths[i] + 1
+        self._lengths[i] = n
+        mel = self.max_episode_length
+        if mel is not None and n >= mel:
+            trunc = True
+        if alone and (term or trunc):
+            buf = self.buffers
+            buf.terminated[i] = term
+            buf.truncated[i] = trunc
+            self._put(buf.final_obs, i, o)
+        return o, r, term, trunc, info
+
+    def step_results(
+        self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
+    ) -> tuple[StepInfos, list[int]]:
+        """The envs of ``indices`` were stepped one at a time as one lockstep step, with
+        ``(reward, terminated, truncated, info)`` each: the step's infos, and the envs whose
+        episode ended, to be reset now (same-step autoreset)."""
+        env_infos: list[dict[str, Any]] | None = None
+        done = []
+        for i, (_, terminated, truncated, info) in zip(indices, results):
+            if info:
+                if env_infos is None:
+                    env_infos = [{} for _ in range(self.n_envs)]
+                env_infos[i] = info
+            if terminated or truncated:
+                done.append(i)
+        self.last_ended = done
+        self.last_stepped = len(indices)
+        return StepInfos(env_infos, {}), done
+
+    def _keep_obs(self, i: int, o: Any) -> None:
+        if not self._flat_obs:
+            self._obs[i] = o
+        elif getattr(o, "shape", ()) == self._obs_shape:
+            self.buffers.obs[i] = o  # the row holds it: no second reference kept
+            self._obs[i] = None
+        else:
+            self._obs[i] = o
+            self._misfits.append(i)
+
+    def _checked_step(self, i: int, result: Any) -> tuple[Any, Any, bool, bool, Any]:
+        """``result`` if gymnasium allows it (a real reward, bool or 0/1 flags, a mapping or
+        ``None`` as info), else a malformed error."""
+        if not isinstance(result, (tuple, list)) or len(result) != 5:
+            what = "a tuple (observation, reward, terminated, truncated, info)"
+            self._raise_malformed(i, "the step's result", what, result)
+        obs, reward, terminated, truncated, info = result
+        if not _real(reward):
+            self._raise_malformed(i, "reward", "a real number", reward)
+        for name, flag in (("terminated", terminated), ("truncated", truncated)):
+            if not isinstance(flag, (bool, np.bool_)) and not (
+                isinstance(flag, (numbers.Integral, np.integer)) and flag in (0, 1)
+            ):
+                self._raise_malformed(i, name, "a bool", flag)
+        if info is not None and not isinstance(info, Mapping):
+            self._raise_malformed(i, "info", "a dict", info)
+        return obs, reward, bool(terminated), bool(truncated), info
 
     def step(
         self, mask: np.ndarray, given: Sequence[Any] | None = None, everyone: bool | None = None
@@ -348,11 +461,10 @@ class EnvGroup:
         and this method resets it the next time it is in ``mask`` (its reset info goes to
         ``reset_infos``); in ``"Disabled"`` mode stepping it again is an error.
         """
-        # The hot path: plain Python per env, one numpy write per result field at the end.
+        # The hot path: one :meth:`finish` per env, one numpy write per result field at the end.
         buf = self.buffers
         envs = self.envs
-        obs = self._obs
-        lengths = self._lengths
+        finish = self.finish
         if everyone is None:
             everyone = bool(mask.all())
         indices = self._everyone if everyone else np.flatnonzero(mask).tolist()
@@ -360,16 +472,12 @@ class EnvGroup:
             actions = self._actions_for(indices, everyone)
         else:
             actions = list(given) if everyone else [given[i] for i in indices]
-        obs_out = buf.obs if self._flat_obs else None
-        obs_shape = self._obs_shape
         rewards: list[Any] = []
         terms: list[bool] = []
         truncs: list[bool] = []
         env_infos: list[dict[str, Any]] | None = None
         done: list[int] = []
         finals: list[Any] = []
-        misfits: list[int] = []
-        mel = self.max_episode_length
         ended = self._ended
         deferred = not self._same_step
         reset_infos: dict[int, dict[str, Any]] = {}
@@ -384,30 +492,14 @@ class EnvGroup:
                     terms.append(False)
                     truncs.append(False)
                     continue
-                o, r, term, trunc, info = envs[i].step(action)  # type: ignore[union-attr]
-                if obs_out is None:
-                    obs[i] = o
-                elif getattr(o, "shape", ()) == obs_shape:
-                    # The buffer row holds it: no reference kept (for image observations,
-                    # a second copy of every env's observation).
-                    obs_out[i] = o
-                    obs[i] = None
-                else:
-                    obs[i] = o
-                    misfits.append(i)
+                o, r, term, trunc, info = finish(i, envs[i].step(action))  # type: ignore[union-attr]
                 rewards.append(r)
                 terms.append(term)
-                n = lengths[i] + 1
-                lengths[i] = n
-                if mel is not None and n >= mel:
-                    trunc = True
                 truncs.append(trunc)
                 if info:
-                    if type(info) is not dict and not isinstance(info, Mapping):
-                        self._raise_malformed(i, "info", "a dict", info)
                     if env_infos is None:
                         env_infos = [{} for _ in range(self.n_envs)]
-                    env_infos[i] = info  # type: ignore[assignment]  # a Mapping is allowed
+                    env_infos[i] = info
                 if term or trunc:
                     done.append(i)
                     finals.append(o)
@@ -415,20 +507,8 @@ class EnvGroup:
             raise
         except Exception as exc:
             raise EnvFailureError(EnvFailure(i, exc, traceback.format_exc())) from exc
-        if misfits:
-            self._store_misfits(misfits)
         where: Any = slice(None) if everyone else indices
-        try:
-            buf.rewards[where] = rewards
-        except (TypeError, ValueError):
-            for i, r in zip(indices, rewards):
-                try:
-                    ok = np.asarray(r, dtype=np.float64).ndim == 0
-                except (TypeError, ValueError):
-                    ok = False
-                if not ok:
-                    self._raise_malformed(i, "reward", "a real number", r)
-            raise
+        buf.rewards[where] = rewards
         buf.terminated[where] = terms
         buf.truncated[where] = truncs
         self.last_ended = done
@@ -448,7 +528,7 @@ class EnvGroup:
                     if row is None
                     or type(o) is not np.ndarray
                     or o.dtype != row.dtype
-                    or o.shape != obs_shape
+                    or o.shape != self._obs_shape
                 } or None
             try:
                 self._write(buf.final_obs, done, finals)
@@ -458,8 +538,7 @@ class EnvGroup:
                 info = self._reset_one(i)
                 if info:  # empty infos need not travel
                     reset_infos[i] = info
-        if obs_out is None:
-            self._write_obs()
+        self._store_pending()
         return StepInfos(env_infos, reset_infos, finals_out)
 
     def _restart_ended(self, i: int, reset_infos: dict[int, dict[str, Any]]) -> None:
@@ -519,24 +598,42 @@ class EnvGroup:
             return list(actions.copy() if everyone else actions[indices])
         return [tree_map(lambda a, i=i: a[i].copy(), actions) for i in indices]
 
-    def _store_misfits(self, indices: list[int]) -> None:
-        """Store observations the fast shape test could not vouch for (lists, scalars...)."""
-        out = self.buffers.obs
-        for i in indices:
-            o = self._obs[i]
-            if np.shape(o) != self._obs_shape:
-                self._raise_bad_observation(ValueError(f"shape {np.shape(o)}"))
-            out[i] = o
+    def store(self, i: int) -> None:
+        """Write env ``i``'s observation into its buffer row if it was kept aside (the lanes)."""
+        if self._obs[i] is not None:
+            self._store_pending([i])
 
-    def _write_obs(self) -> None:
-        """Write the current observation of every env into nested (Dict, Tuple) buffers, or
-        (observations without fixed-size rows) into the list of objects."""
-        if self._object_obs:
-            self.buffers.obs[:] = self._obs
-            return
+    def _store_pending(self, indices: list[int] | None = None) -> None:
+        """Write the observations kept aside into the buffers (of a plain space those the fast
+        shape test could not vouch for, checked); ``indices``: only those envs'."""
+        out = self.buffers.obs
+        if self._flat_obs:
+            misfits, self._misfits = self._misfits, []
+            for i in misfits:
+                self._put(out, i, self._obs[i])
+        elif indices is not None:
+            for i in indices:
+                self._put(out, i, self._obs[i])
+        elif self._object_obs:
+            out[:] = self._obs
+        else:
+            try:
+                concatenate(self.observation_space, self._obs, out)
+            except (ValueError, TypeError, IndexError) as exc:
+                self._raise_bad_observation(exc)
+
+    def _put(self, out: Tree, i: int, o: Any) -> None:
+        """Write one observation into row ``i`` of ``out``, checking its shape."""
         try:
-            concatenate(self.observation_space, self._obs, self.buffers.obs)
-        except (ValueError, TypeError, IndexError) as exc:
+            if isinstance(out, np.ndarray):
+                if np.shape(o) != self._obs_shape:
+                    raise ValueError(f"shape {np.shape(o)}")
+                out[i] = o
+            elif isinstance(out, list):
+                out[i] = o
+            else:
+                tree_map(lambda leaf, x: leaf.__setitem__(i, x), out, o)
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
             self._raise_bad_observation(exc)
 
     def _write(self, out: Tree, indices: list[int], items: list[Any]) -> None:
@@ -551,12 +648,14 @@ class EnvGroup:
         else:
             tree_map(lambda leaf, *vals: put(leaf, *vals), out, *items)
 
-    def _raise_malformed(self, i: int, field: str, expected: str, value: Any) -> NoReturn:
+    def _raise_malformed(
+        self, i: int, field: str, expected: str, value: Any, what: str = "step"
+    ) -> NoReturn:
         err = TypeError(
-            f"env {i} of worker {self.worker} returned a malformed step: {field} must be "
+            f"env {i} of worker {self.worker} returned a malformed {what}: {field} must be "
             f"{expected}, got {type(value).__name__} {value!r:.80}"
         )
-        raise EnvFailureError(EnvFailure(i, err, "", retry=False))
+        raise EnvFailureError(EnvFailure(i, err, "", retry=self.malformed_retry))
 
     def _raise_bad_observation(self, exc: Exception) -> None:
         expected = _shapes(self.observation_space)
@@ -588,10 +687,8 @@ class EnvGroup:
         """Close every env, ignoring errors from envs that are already broken."""
         for i, env in enumerate(self.envs):
             if env is not None:
-                try:
+                with contextlib.suppress(Exception):
                     env.close()
-                except Exception:
-                    pass
             self.envs[i] = None
 
 
@@ -620,25 +717,7 @@ def reset_arguments(
     Raises:
         TypeError, ValueError: naming the argument, what was expected and what was given.
     """
-    seed_list: list[int | None] | None = None
-    if seeds is not None:
-        if isinstance(seeds, (str, bytes, dict)) or not isinstance(seeds, Sequence | np.ndarray):
-            raise TypeError(
-                f"seeds must be None or a sequence of {n_envs} ints or None, got "
-                f"{type(seeds).__name__}"
-            )
-        if len(seeds) != n_envs:
-            raise ValueError(f"seeds must hold one seed per env ({n_envs}), got {len(seeds)}")
-        seed_list = []
-        for k, seed in enumerate(seeds):
-            if seed is None:
-                seed_list.append(None)
-                continue
-            if isinstance(seed, bool) or not isinstance(seed, int | np.integer):
-                raise TypeError(f"seeds[{k}] must be an int >= 0 or None, got {seed!r}")
-            if seed < 0:
-                raise ValueError(f"seeds[{k}] must be an int >= 0 or None, got {seed}")
-            seed_list.append(int(seed))
+    seed_list = _validate.seed_list("seeds", seeds, n_envs)
     option_list: list[dict[str, Any] | None] | None = None
     if options is not None:
         if isinstance(options, dict):
@@ -661,28 +740,14 @@ def reset_arguments(
 
 
 def env_indices(n_envs: int, envs: Any) -> list[int]:
-    """Check the ``envs`` argument of :meth:`EnvGroup.call` / ``set_attr``: env indices.
-
-    ``None`` means every env.
-    """
-    if envs is None:
-        return list(range(n_envs))
-    if isinstance(envs, (str, bytes)) or not isinstance(envs, Sequence | np.ndarray):
-        raise TypeError(f"envs must be None or a sequence of env indices, got {envs!r}")
-    out: list[int] = []
-    for i in envs:
-        if isinstance(i, bool) or not isinstance(i, int | np.integer):
-            raise TypeError(f"envs must hold int env indices, got {i!r}")
-        if not 0 <= i < n_envs:
-            raise ValueError(f"envs: index {i} is out of range for {n_envs} envs")
-        out.append(int(i))
-    return out
+    """Check the ``envs`` argument of :meth:`EnvGroup.call` / ``set_attr``: env indices
+    (``None``: every env)."""
+    return _validate.env_indices("envs", envs, n_envs)
 
 
 def call_targets(name: Any, n_envs: int, envs: Any) -> list[int]:
     """Check the arguments of a host's ``call`` (an attribute name, env indices); the indices."""
-    if not isinstance(name, str):
-        raise TypeError(f"name must be an attribute name (str), got {name!r}")
+    _validate.attr_name("name", name)
     return env_indices(n_envs, envs)
 
 
@@ -694,6 +759,18 @@ def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -
             f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
         )
     return indices
+
+
+_FAST_REWARDS = frozenset((float, int, np.float64, np.float32))
+_FAST_FLAGS = frozenset((bool, np.bool_))
+
+
+def _real(value: Any) -> bool:
+    if isinstance(value, (str, bytes, complex, np.complexfloating)):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    return isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf"
 
 
 def _zeros(space: gym.Space[Any], n: int) -> Any:

@@ -28,7 +28,7 @@ from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, IN_FLIGHT, AgentTimer
 
 if TYPE_CHECKING:
     from asyncsample._core import SamplerCore
-    from asyncsample._env_tasks import ActionRequests
+    from asyncsample.inference.batched import Batcher
     from asyncsample.worker import Worker
 
 __all__ = [
@@ -379,7 +379,7 @@ class SamplerMetrics:
 
     # -- hooks ------------------------------------------------------------------------------
 
-    def attach(self, workers: Sequence[Worker], requests: ActionRequests | None) -> None:
+    def attach(self, workers: Sequence[Worker], requests: Batcher | None) -> None:
         """The sampler started: time the episodes and the agent calls made here (a lane
         backend's merged requests, the batcher's merged calls, or each worker's own)."""
         if requests is not None:

@@ -26,6 +26,7 @@ from asyncsample._assembly import Plan, assemble
 from asyncsample._clock import AgentTimer
 from asyncsample._engine import (
     CallMode,
+    Continuity,
     Episodes,
     FinishedEpisode,
     SharedQuota,
@@ -161,10 +162,10 @@ class Worker:
         """
         assert self.host is not None and self._seeds is not None
         self.restarts += 1
-        self.episodes.broken = True
+        self.episodes.state = Continuity.BROKEN
         with self.naming_factories():
             await self.host.restart(self._chains, await self._seeds.next_env_seeds_off_loop())
-        self.episodes.broken = False
+        self.episodes.state = Continuity.IN_CALL
         return self.episodes.recovered()
 
     def env_chain(self, i: int) -> list[EnvSource]:

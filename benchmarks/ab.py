@@ -34,7 +34,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: name -> (face, env id, workers, envs per worker, processes, policy?, transitions); the
 #: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``;
 #: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent);
-#: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``.
+#: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``;
+#: ``"asyncio"`` and ``"thread"`` are the sampler on that backend (the lanes) with the envs of
+#: :mod:`benchmarks.async_envs` at zero latency (async, or blocking for ``thread``): the lane
+#: path's own cost per step.
 WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     "CartPole-v1 4x8 random": ("sampler", "CartPole-v1", 4, 8, 2, False, 200_000),
     "FixedCost-v0 2x4 random": ("sampler", "benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
@@ -86,6 +89,8 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         False,
         16_000,
     ),
+    "AsyncLatency-0 4x16 random asyncio": ("asyncio", "latency-0", 4, 16, 1, False, 100_000),
+    "SleepLatency-0 4x4 random thread": ("thread", "latency-0", 4, 4, 1, False, 40_000),
     # Atari (ale-py, bench extra): big observations through the chunk buffers
     "Pong-v5 2x4 random host": ("host", "benchmarks.envs:Pong-v5", 2, 4, 2, False, 12_000),
     "Pong-v5 4x2 random host": ("host", "benchmarks.envs:Pong-v5", 4, 2, 2, False, 12_000),
@@ -143,8 +148,13 @@ def vector():
 async def main():
     inference = face if face in ("batched", "host") else "per_worker"
     shared = agent[0] if inference == "batched" else agent
-    async with Sampler(env_id, shared, n_workers=workers, envs_per_worker=envs,
-                       n_processes=procs, seed=0, inference=inference, **kw) as s:
+    env, lanes = env_id, {{}}
+    if face in ("asyncio", "thread"):
+        import functools
+        from benchmarks.async_envs import make_env
+        env, lanes = functools.partial(make_env, face == "thread", 0.0), {{"backend": face}}
+    async with Sampler(env, shared, n_workers=workers, envs_per_worker=envs,
+                       n_processes=procs, seed=0, inference=inference, **lanes, **kw) as s:
         await s.obtain_fragments(max(n // 10, workers * envs))  # warm-up
         cpu0, t0, done = time.process_time(), time.perf_counter(), 0
         while done < n:

@@ -218,3 +218,17 @@ def test_ab_metrics_on_against_off_smoke(tmp_path: Path) -> None:
         assert all(run["metrics_steps"] > 0 for run in row["runs"]["b"])
         assert all(run["metrics_steps"] == 0 for run in row["runs"]["a"])
     assert "(metrics on in B)" in (tmp_path / "results.md").read_text()
+
+
+def test_ab_lane_workloads_smoke(tmp_path: Path) -> None:
+    """``ab``'s lane workloads (zero-latency envs on ``asyncio`` and ``thread``) run on a tree."""
+    from benchmarks.__main__ import main
+
+    code = main(["ab", "--quick", "--out", str(tmp_path), "--a", str(REPO), "--b", str(REPO),
+                 "--workloads", "AsyncLatency-0 4x16 random asyncio",
+                 "SleepLatency-0 4x4 random thread"])  # fmt: skip
+    assert code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert all(run["steps_per_s"] > 0 and run["main_cpu_us"] > 0 for run in row["runs"]["a"])

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncsample._engine import CallMode, Episodes, SharedQuota, StopRule, share_of
+from asyncsample._engine import CallMode, Continuity, Episodes, SharedQuota, StopRule, share_of
 from asyncsample._recorder import Resume
 
 
@@ -109,3 +109,32 @@ def test_replay_equals_step_by_step(mode: CallMode) -> None:
     rows = min(a.rows.size, b.rows.size)
     assert np.array_equal(a.rows.obs[:rows], b.rows.obs[:rows])
     assert np.array_equal(a.rows.rewards[:rows], b.rows.rewards[:rows])
+
+
+@pytest.mark.parametrize(
+    ("before", "ahead", "keeps", "after"),
+    [
+        (Continuity.IDLE, False, True, Continuity.IN_CALL),
+        (Continuity.IN_CALL, False, False, Continuity.IN_CALL),  # the last call was cancelled
+        (Continuity.BROKEN, False, False, Continuity.IN_CALL),
+        (Continuity.RAN_AHEAD, False, False, Continuity.IN_CALL),  # not a stream's next round
+        (Continuity.RAN_AHEAD, True, True, Continuity.TAKING_OVER),
+        (Continuity.TAKING_OVER, True, False, Continuity.IN_CALL),  # cancelled before settling
+    ],
+)
+def test_a_call_continues_only_from_a_clean_end(
+    before: Continuity, ahead: bool, keeps: bool, after: Continuity
+) -> None:
+    """Episodes in progress survive into the next call only from IDLE, or from RAN_AHEAD into
+    a stream's next round (whose stepper then settles the chunk run ahead)."""
+    episodes = Episodes(0, 2)
+    episodes.needs_reset[:] = False
+    episodes.lengths[:] = [3, 0]
+    episodes.state = before
+    episodes.begin(Resume.EPISODES, StopRule.for_call(CallMode.SAMPLES, 10, 2), ahead=ahead)
+    assert episodes.state is after
+    assert episodes.needs_reset.tolist() == ([False, False] if keeps else [True, True])
+    episodes.end(Resume.EPISODES)
+    assert episodes.state is (
+        Continuity.RAN_AHEAD if after is Continuity.TAKING_OVER else Continuity.IDLE
+    )

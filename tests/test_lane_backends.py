@@ -474,3 +474,88 @@ async def test_exact_episodes_and_fragments_reproducible_whatever_the_latency(
         await sampler.aclose()
     for a, b in zip(*batches):
         assert a.equals(b)
+
+
+# -- the inference modes on the lanes: one merger, options honoured or refused (issue 31) -------
+
+
+class ThreadNoting:
+    """A shared agent that notes the thread each call runs in and the rows it was given."""
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.rows: list[int] = []
+
+    def get_actions(self, observations: np.ndarray) -> Any:
+        self.threads.add(threading.current_thread().name)
+        self.rows.append(len(observations))
+        return np.zeros(len(observations), dtype=np.int64), {}
+
+
+@pytest.mark.parametrize("options", [{"flush": "lockstep"}, {"min_fraction": 0.5}])
+async def test_batched_options_the_lanes_cannot_honour_are_refused(
+    lane: str, options: dict[str, Any]
+) -> None:
+    """Before: Batched(flush=..., min_fraction=...) was dropped without a word on the lanes."""
+    from asyncsample.inference import Batched
+
+    name = next(iter(options))
+    with pytest.raises(ValueError, match=rf"{name}.*backend='{lane}'.*one pass"):
+        Sampler(LANES[lane](), ThreadNoting(), backend=lane, inference=Batched(**options))
+
+
+async def test_batched_threaded_runs_the_merged_call_in_the_helper_thread(
+    make_sampler: SamplerFactory, lane: str
+) -> None:
+    """Before: threaded=True was dropped on the lanes (the agent ran in the loop's thread)."""
+    from asyncsample.inference import Batched
+
+    agent = ThreadNoting()
+    inference = Batched(threaded=True)
+    sampler = make_sampler(
+        lane, LANES[lane](), agent, n_workers=3, envs_per_worker=4, seed=1, inference=inference
+    )
+    batch = await sampler.obtain_samples(60)
+    assert batch.n_transitions >= 60
+    assert agent.threads == {"asyncsample-batcher_0"}
+    assert max(agent.rows) > 4  # rows of several workers merged into one call
+
+
+async def test_the_merged_call_reports_the_rows_and_every_worker(
+    make_sampler: SamplerFactory,
+) -> None:
+    """A bad merged output names its rows and all the workers they came from (before: the
+    first requester's worker only)."""
+
+    class Scalar:
+        def get_actions(self, observations: np.ndarray) -> Any:
+            return np.int64(0), {}
+
+    factory = EnvFactory(lambda j: CountingAsyncEnv(5))
+    sampler = make_sampler("asyncio", factory, Scalar(), n_workers=3, envs_per_worker=2)
+    with pytest.raises(ValueError, match=r"6 rows, .* of workers 0, 1, 2\), got a scalar"):
+        await sampler.obtain_samples(20)
+
+
+async def test_per_env_stepping_is_a_capability_of_the_lane_hosts_only() -> None:
+    """The engine picks the lanes by the ``PerEnvHost`` protocol, not by a host class; the lane
+    host applies the time limit through the shared per-env bookkeeping (``EnvGroup.finish``)."""
+    from asyncsample.backends.aio import AsyncioBackend
+    from asyncsample.backends.base import HostSpec, PerEnvHost
+    from asyncsample.backends.local import LocalBackend
+
+    env = CountingAsyncEnv(10)
+    spec = HostSpec(0, 1, env.observation_space, env.action_space, max_episode_length=3)
+    lanes, local = AsyncioBackend(), LocalBackend()
+    try:
+        (lane_host,) = await lanes.start([spec])
+        (local_host,) = await local.start([spec])
+        assert isinstance(lane_host, PerEnvHost) and not isinstance(local_host, PerEnvHost)
+        await lane_host.build([[lambda: CountingAsyncEnv(10)]], [0])  # type: ignore[attr-defined]
+        await lane_host.reset_one(0)  # type: ignore[attr-defined]
+        flags = [(await lane_host.step_one(0, 0))[1:3] for _ in range(3)]  # type: ignore[attr-defined]
+        assert flags == [(False, False), (False, False), (False, True)]  # cut at 3, not 10
+        assert lane_host.buffers.truncated[0] and not lane_host.buffers.terminated[0]
+    finally:
+        await lanes.aclose()
+        await local.aclose()

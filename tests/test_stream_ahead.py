@@ -23,7 +23,7 @@ from helpers import SamplerFactory, stays, wait_until
 from test_host_pipeline import ClockAgent, assert_same_steps, pipelined_runner, record_replays
 
 from asyncsample import EpisodeBatch, Sampler, StepType
-from asyncsample._engine import CallMode, StopRule
+from asyncsample._engine import CallMode, Continuity, StopRule
 from asyncsample.backends import ChunkRequest, NextChunk
 from asyncsample.backends.process import ProcessHost
 from asyncsample.inference import Host
@@ -48,6 +48,9 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 #: Worker steps of each worker's part of a round of ``stream(ROUND, fragments=True)`` (2 x 2 envs).
 STEPS = 20
 ROUND = STEPS * 4
+
+#: The states in which a chunk may have run ahead of the records (a stream's run-ahead).
+AHEAD = (Continuity.RAN_AHEAD, Continuity.TAKING_OVER)
 
 
 def assert_from_reset(batch: EpisodeBatch) -> None:
@@ -115,7 +118,7 @@ async def waiting_ahead(s: Sampler) -> None:
 
     def ahead() -> bool:
         return all(p % STEPS == 4 for p in progress(s)) and all(
-            w.episodes.ran_ahead for w in s.workers
+            w.episodes.state in AHEAD for w in s.workers
         )
 
     deadline = time.monotonic() + 10
@@ -258,7 +261,7 @@ async def test_closing_the_stream_then_calls_start_fresh_episodes(
         after = await s.obtain_fragments(ROUND)
         assert after.n_transitions == ROUND
         assert_from_reset(after)
-        assert not any(w.episodes.ran_ahead for w in s.workers)
+        assert not any(w.episodes.state in AHEAD for w in s.workers)
         assert_from_reset(await s.obtain_samples(100))
 
     async with make_sampler(agent=ClockAgent()) as s:
@@ -269,7 +272,7 @@ async def test_closing_the_stream_then_calls_start_fresh_episodes(
                 await waiting_ahead(s)
                 break
         # The hosts ran the next round's first chunk: their envs moved past the records.
-        assert all(w.episodes.ran_ahead for w in s.workers)
+        assert all(w.episodes.state in AHEAD for w in s.workers)
         await fresh_calls(s)
         for fragments in (True, False):
             for batch in await stream_batches(s, 3, fragments=fragments, delay=0.01):
@@ -279,7 +282,7 @@ async def test_closing_the_stream_then_calls_start_fresh_episodes(
                     assert_from_reset(batch)  # whole episodes
             # Each worker's host ran the next round's first chunk, or the producer was cancelled
             # in the worker's part of a round: either way its envs moved past the records.
-            assert all(w.episodes.ran_ahead or w.episodes.in_call for w in s.workers)
+            assert all(w.episodes.state in (*AHEAD, Continuity.IN_CALL) for w in s.workers)
             await fresh_calls(s)
         assert s.restarts == 0
 
@@ -299,7 +302,7 @@ async def test_a_stream_closed_mid_round_drops_the_chunks_run_ahead(
                 await wait_until(lambda: progress(s)[0] == 2 * STEPS + 4, 10)
                 assert progress(s)[1] < 2 * STEPS  # mid-round
                 break
-        assert s.workers[0].episodes.ran_ahead
+        assert s.workers[0].episodes.state in AHEAD
         after = await s.obtain_fragments(ROUND)
         assert after.n_transitions == ROUND
         assert_from_reset(after)

@@ -1,13 +1,9 @@
-"""Closing envs with a bound (``close_timeout``), and checking what an env's step returned.
+"""Closing envs with a bound (``close_timeout``).
 
 An agentic env fails slowly as often as it fails loudly: a dead remote session whose ``close()``
 never returns must not hold a restart, an env update or ``aclose()``. :func:`close_bounded`
 gives an env's close ``close_timeout`` seconds, then cancels it (an async close) or abandons it
 (a blocking close stuck in a thread) with a :class:`ResourceWarning`.
-
-:func:`check_step` turns a malformed step result into a :class:`~asyncsample.WorkerError`
-naming the worker, the env, the field and the value's type, rather than a bare ``ValueError``
-from deep inside the sampler.
 """
 
 from __future__ import annotations
@@ -15,18 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import numbers
 import threading
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from asyncsample.async_env import close_env
-from asyncsample.errors import WorkerError
 
-__all__ = ["CLOSE_TIMEOUT", "cancelled_by_env", "check_step", "close_bounded", "close_off_loop"]
+__all__ = ["CLOSE_TIMEOUT", "cancelled_by_env", "close_bounded", "close_off_loop"]
 
 LOGGER = logging.getLogger("asyncsample")
 
@@ -121,54 +112,3 @@ async def _close_logged(env: Any) -> None:
         await close_env(env)
     except Exception as exc:
         LOGGER.debug("closing an env raised %r", exc)
-
-
-def check_step(result: Any, worker: int, env: int) -> tuple[Any, Any, Any, Any, Any]:
-    """``result`` as ``(obs, reward, terminated, truncated, info)``, or a ``WorkerError``.
-
-    The fields gymnasium allows pass: a reward of any real type (a 0-d array included), flags
-    of any bool type (or 0 and 1), an info that is a mapping (or ``None``).
-
-    Raises:
-        WorkerError: the step did not return a 5-tuple, its reward is not a real number, a flag
-            is not a bool, or its info is not a mapping (``retry``: the env is rebuilt, as for
-            an env that raised).
-    """
-    if not isinstance(result, (tuple, list)) or len(result) != 5:
-        raise _malformed(
-            worker,
-            env,
-            "the step's result",
-            "a tuple (observation, reward, terminated, truncated, info)",
-            result,
-        )
-    obs, reward, terminated, truncated, info = result
-    if not _real(reward):
-        raise _malformed(worker, env, "reward", "a real number", reward)
-    for name, flag in (("terminated", terminated), ("truncated", truncated)):
-        if not isinstance(flag, (bool, np.bool_)) and not (
-            isinstance(flag, (numbers.Integral, np.integer)) and flag in (0, 1)
-        ):
-            raise _malformed(worker, env, name, "a bool", flag)
-    if info is not None and not isinstance(info, Mapping):
-        raise _malformed(worker, env, "info", "a dict", info)
-    return obs, reward, terminated, truncated, info
-
-
-def _real(value: Any) -> bool:
-    if isinstance(value, (str, bytes, complex, np.complexfloating)):
-        return False
-    if isinstance(value, numbers.Real):
-        return True
-    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf":
-        return True
-    return False
-
-
-def _malformed(worker: int, env: int, field: str, expected: str, value: Any) -> WorkerError:
-    return WorkerError(
-        f"env {env} of worker {worker} returned a malformed step: {field} must be {expected}, "
-        f"got {type(value).__name__} {value!r:.80}",
-        worker=worker,
-        env=env,
-    )

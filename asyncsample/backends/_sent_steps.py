@@ -4,17 +4,33 @@ waits for them in ``poll``: one queued as an ordinary call, and one sent bare.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from asyncsample.backends._remote import PendingCall
+from asyncsample.backends._remote import Incarnation, PendingCall
 from asyncsample.backends._transport import ST_OK, Op, load_failure
 from asyncsample.backends.base import failure_error
 from asyncsample.env_group import StepInfos
 
-if TYPE_CHECKING:
-    from asyncsample.backends.process import ProcessHost, _Conn
+__all__ = ["QUIET", "DirectStep", "QueuedStep", "StepConn", "StepHost"]
 
-__all__ = ["QUIET", "DirectStep", "QueuedStep"]
+
+class StepConn(Incarnation):
+    """What a sent step needs of the host's connection: its calls in flight and its bare
+    step requests, by request id (the process backend's connection)."""
+
+    pending: dict[int, PendingCall]
+    direct: dict[int, Any]
+
+
+class StepHost(Protocol):
+    """What a sent step needs of its host (the process backend's host)."""
+
+    worker: int
+
+    def step_infos(self, payload: bytes) -> StepInfos: ...
+
+    async def reply(self, inc: Any, call: PendingCall) -> bytes: ...
+
 
 #: The outcome of a step with no info, reset or final observation anywhere: one shared object,
 #: read by the lockstep round and never changed.
@@ -27,7 +43,7 @@ class QueuedStep:
 
     __slots__ = ("call", "host", "inc")
 
-    def __init__(self, host: ProcessHost, inc: _Conn, call: PendingCall) -> None:
+    def __init__(self, host: StepHost, inc: StepConn, call: PendingCall) -> None:
         self.host = host
         self.inc = inc
         self.call = call
@@ -55,7 +71,7 @@ class DirectStep:
 
     __slots__ = ("host", "inc", "reply", "rid")
 
-    def __init__(self, host: ProcessHost, inc: _Conn) -> None:
+    def __init__(self, host: StepHost, inc: StepConn) -> None:
         self.host = host
         self.inc = inc
         self.rid = 0

@@ -4,10 +4,11 @@
 :class:`~asyncsample.AsyncEnv`) in the sampler's event loop; ``thread`` hosts ordinary blocking
 gymnasium envs behind the same coroutine interface, their calls run in a bounded pool of threads
 (:class:`ThreadedEnv`), so the loop never blocks. Either way a worker's envs are not stepped in
-lockstep: :class:`LaneHost` offers one env at a time (:meth:`LaneHost.reset_one`,
-:meth:`LaneHost.step_one`) and :mod:`asyncsample._env_tasks` runs one coroutine per env. The
-lockstep :class:`~asyncsample.backends.base.EnvHost` methods exist too (``step(mask)`` gathers the
-envs' steps), so every caller of the seam works unchanged.
+lockstep: :class:`LaneHost` is a :class:`~asyncsample.backends.base.PerEnvHost` (one env at a
+time: :meth:`LaneHost.reset_one`, :meth:`LaneHost.step_one`, whose bookkeeping is the
+:class:`~asyncsample.env_group.EnvGroup`'s it holds) and :mod:`asyncsample._env_tasks` runs one
+coroutine per env. The lockstep :class:`~asyncsample.backends.base.EnvHost` methods exist too
+(``step(mask)`` gathers the envs' steps), so every caller of the seam works unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import logging
 import os
 import traceback
 import warnings
@@ -28,21 +28,24 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._clock import timed_env_call
 from asyncsample._tree import tree_map
-from asyncsample.async_env import check_async_env, close_env
+from asyncsample.async_env import check_async_env
 from asyncsample.backends._closing import (
     CLOSE_TIMEOUT,
     cancelled_by_env,
-    check_step,
     close_bounded,
 )
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends.base import (
     LOGGER,
+    DeadlinePassed,
     EnvHost,
     HostSpec,
     reject_unknown_options,
 )
 from asyncsample.env_group import (
+    PENDING_SEED,
+    EnvFailureError,
+    EnvGroup,
     StepBuffers,
     StepInfos,
     call_targets,
@@ -54,7 +57,6 @@ from asyncsample.errors import StepTimeoutError, WorkerError
 
 __all__ = [
     "AsyncioBackend",
-    "DeadlinePassed",
     "LaneHost",
     "ThreadBackend",
     "ThreadedEnv",
@@ -63,13 +65,6 @@ __all__ = [
     "make_async_env",
     "probe_async_env",
 ]
-
-_PENDING = object()
-"""``reset_one``'s default seed: the env's pending seed (its first reset's), if any."""
-
-
-class DeadlinePassed(Exception):
-    """The episode's deadline (``episode_timeout``) passed during a step; the step was cancelled."""
 
 
 def default_threads() -> int:
@@ -184,19 +179,24 @@ class LaneHost:
         clock = self.buffers.clock
         self._timed = None if clock is None else timed_env_call(clock)
         """With metrics on, wraps each env step's coroutine to time it where it runs."""
+        self.group = EnvGroup(
+            spec.worker,
+            self.buffers,
+            spec.observation_space,
+            spec.action_space,
+            spec.max_episode_length,
+        )
+        """The per-env bookkeeping every host shares (checks, time limit, buffer rows)."""
+        self.group.malformed_retry = True  # a fault is the env's own: it is rebuilt
+        self.envs: list[Any] = self.group.envs
         self._make = make
         self.step_timeout = step_timeout
         self.close_timeout = close_timeout
         self._limiter = limiter
-        self.envs: list[Any] = [None] * spec.n_envs
-        self._seeds: list[int | None] = [None] * spec.n_envs
-        self._lengths = [0] * spec.n_envs
-        self._flat = isinstance(self.buffers.obs, np.ndarray)
         self._plain = step_timeout is None and limiter is None
         self.in_flight: dict[int, asyncio.Task[Any]] = {}
         """Steps still running that a stream's round left behind for the next round, by env
         (:class:`~asyncsample._env_tasks.LaneStepper` carries them)."""
-        self._obs_shape = tuple(spec.observation_space.shape or ())
         self.closed = False
         self._closing: set[asyncio.Task[Any]] = set()
         """Closes of rebuilt envs still running (each bounded by ``close_timeout``)."""
@@ -212,9 +212,7 @@ class LaneHost:
             env = self._guard(i, "build", self._make, chain[0], None)
             for update in chain[1:]:
                 env = self._guard(i, "build", self._make, update, env)
-            self.envs[i] = env
-            self._seeds[i] = seeds[i]
-            self._lengths[i] = 0
+            self.group.place(i, env, seeds[i])
 
     async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
         """Apply one update per env (``None`` keeps it); a new env object gets its new seed."""
@@ -227,8 +225,7 @@ class LaneHost:
             if env is not old:
                 if old is not None:  # the lane backends' updates leave the closing to us
                     await self._close_one(i, old)
-                self._seeds[i] = seeds[i]
-            self.envs[i] = env
+                self.group.place(i, env, seeds[i], fresh=False)
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         """Rebuild every env of the worker from its chain (after an env raised or hung)."""
@@ -244,9 +241,8 @@ class LaneHost:
         env = self._guard(i, "build", self._make, chain[0], None)
         for update in chain[1:]:
             env = self._guard(i, "build", self._make, update, env)
-        old, self.envs[i] = self.envs[i], env
-        self._seeds[i] = seed
-        self._lengths[i] = 0
+        old = self.envs[i]
+        self.group.place(i, env, seed)
         if old is not None:
             task = asyncio.ensure_future(self._close_one(i, old))
             self._closing.add(task)
@@ -260,7 +256,7 @@ class LaneHost:
     async def reset_one(
         self,
         i: int,
-        seed: Any = _PENDING,
+        seed: Any = PENDING_SEED,
         options: dict[str, Any] | None = None,
         deadline: float | None = None,
     ) -> dict[str, Any]:
@@ -272,30 +268,15 @@ class LaneHost:
                 the start of its reset) came first; the reset was cancelled.
         """
         self._check_open("reset")
-        env = self.envs[i]
-        pending, self._seeds[i] = self._seeds[i], None
-        if seed is _PENDING:
-            seed = pending
-        call = env.reset(seed=seed) if options is None else env.reset(seed=seed, options=options)
-        result = await self._await(i, "reset", call, deadline)
-        if not isinstance(result, (tuple, list)) or len(result) != 2:
-            raise WorkerError(
-                f"env {i} of worker {self.spec.worker} returned a malformed reset: it must be "
-                f"a tuple (observation, info), got {type(result).__name__} {result!r:.80}",
-                worker=self.spec.worker,
-                env=i,
-            )
-        obs, info = result
-        if info is not None and not isinstance(info, Mapping):
-            raise WorkerError(
-                f"env {i} of worker {self.spec.worker} returned a malformed reset: info must "
-                f"be a dict, got {type(info).__name__} {info!r:.80}",
-                worker=self.spec.worker,
-                env=i,
-            )
-        self._lengths[i] = 0
-        self._store(i, obs, self.buffers.obs)
-        return dict(info) if info else {}
+        group = self.group
+        kwargs = group.reset_kwargs(i, seed, options)
+        result = await self._await(i, "reset", self.envs[i].reset(**kwargs), deadline)
+        try:
+            info = group.finish_reset(i, result)
+            group.store(i)
+        except EnvFailureError as exc:
+            raise _failure(self.spec.worker, exc) from exc.failure.error
+        return info
 
     async def step_one(
         self, i: int, action: Any, deadline: float | None = None
@@ -328,32 +309,11 @@ class LaneHost:
                 raise _env_error(self.spec.worker, i, "step", exc) from exc
         else:
             result = await self._await(i, "step", call, deadline)
-        if type(result) is tuple and len(result) == 5:
-            obs, reward, terminated, truncated, info = result
-        else:
-            obs, reward, terminated, truncated, info = check_step(result, self.spec.worker, i)
-        if (
-            (type(reward) is not float and type(reward) is not int)
-            or type(terminated) is not bool
-            or type(truncated) is not bool
-            or (type(info) is not dict and info is not None)
-        ):
-            obs, reward, terminated, truncated, info = check_step(result, self.spec.worker, i)
-        n = self._lengths[i] + 1
-        self._lengths[i] = n
-        limit = self.spec.max_episode_length
-        if limit is not None and n >= limit:
-            truncated = True
-        buffers = self.buffers
-        if self._flat and getattr(obs, "shape", None) == self._obs_shape:
-            buffers.obs[i] = obs
-        else:
-            self._store(i, obs, buffers.obs)
-        if terminated or truncated:
-            buffers.terminated[i] = terminated
-            buffers.truncated[i] = truncated
-            self._store(i, obs, buffers.final_obs)
-        return float(reward), bool(terminated), bool(truncated), info or {}
+        try:
+            _, reward, terminated, truncated, info = self.group.finish(i, result, True)
+        except EnvFailureError as exc:
+            raise _failure(self.spec.worker, exc) from exc.failure.error
+        return reward, terminated, truncated, info or {}
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
@@ -395,26 +355,6 @@ class LaneHost:
             if asyncio.iscoroutine(call):
                 call.close()  # never awaited when the limiter wait was cancelled
 
-    def _store(self, i: int, obs: Any, out: Any) -> None:
-        """Write env ``i``'s observation into row ``i`` of ``out``, checking its shape."""
-        try:
-            if self._flat:
-                if getattr(obs, "shape", None) != self._obs_shape and np.shape(obs) != (
-                    self._obs_shape
-                ):
-                    raise ValueError(f"shape {np.shape(obs)}")
-                out[i] = obs
-            else:
-                tree_map(lambda leaf, o: leaf.__setitem__(i, o), out, obs)
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise WorkerError(
-                f"observation of worker {self.spec.worker}, env {i} does not fit the "
-                f"observation space {self.spec.observation_space}: {exc}",
-                worker=self.spec.worker,
-                env=i,
-                retry=False,
-            ) from exc
-
     # -- the lockstep seam (EnvHost) ----------------------------------------------------------
 
     async def reset(
@@ -432,7 +372,7 @@ class LaneHost:
             calls = [
                 self.reset_one(
                     i,
-                    _PENDING if seed_list is None else seed_list[i],
+                    PENDING_SEED if seed_list is None else seed_list[i],
                     None if option_list is None else option_list[i],
                 )
                 for i in indices
@@ -448,17 +388,10 @@ class LaneHost:
         results = await _gather(
             [self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions)) for i in indices]
         )
-        env_infos: list[dict[str, Any]] | None = None
-        ended = []
-        for i, (_, terminated, truncated, info) in zip(indices, results):
-            if info:
-                if env_infos is None:
-                    env_infos = [{} for _ in range(self.n_envs)]
-                env_infos[i] = info
-            if terminated or truncated:
-                ended.append(i)
-        infos = await _gather([self.reset_one(i) for i in ended])
-        return StepInfos(env_infos, {i: info for i, info in zip(ended, infos) if info})
+        step_infos, reset_now = self.group.step_results(indices, results)
+        infos = await _gather([self.reset_one(i) for i in reset_now])
+        step_infos.reset_infos = {i: info for i, info in zip(reset_now, infos) if info}
+        return step_infos
 
     async def call(
         self,
@@ -520,7 +453,8 @@ class LaneHost:
         return dropped
 
     async def _close_envs(self) -> None:
-        envs, self.envs = self.envs, [None] * self.n_envs
+        envs = list(self.envs)
+        self.envs[:] = [None] * self.n_envs
         await asyncio.gather(
             *(self._close_one(i, env) for i, env in enumerate(envs) if env is not None)
         )
@@ -538,6 +472,12 @@ class LaneHost:
             raise err from exc
         except Exception as exc:
             raise _env_error(self.spec.worker, i, what, exc) from exc
+
+
+def _failure(worker: int, exc: EnvFailureError) -> WorkerError:
+    """The ``WorkerError`` for what :class:`EnvGroup` found wrong with an env's answer."""
+    failure = exc.failure
+    return WorkerError(str(failure.error), worker=worker, env=failure.env, retry=failure.retry)
 
 
 def _env_error(worker: int, env: int, what: str, exc: BaseException) -> WorkerError:
@@ -561,14 +501,6 @@ async def _gather(calls: Sequence[Any]) -> list[Any]:
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
-
-
-async def _close_quietly(env: Any) -> None:
-    """Close ``env`` (a coroutine or a plain ``close``), ignoring its errors."""
-    try:
-        await close_env(env)
-    except Exception as exc:
-        logging.getLogger("asyncsample").debug("closing an env raised %r", exc)
 
 
 def probe_async_env(

@@ -361,3 +361,45 @@ def reject_unknown_options(
             f"backend {backend!r} got unknown option(s) {', '.join(map(repr, sorted(unknown)))}; "
             f"valid options: {', '.join(valid)}"
         )
+
+
+# -- per-env stepping (the lanes' capability) -------------------------------------------------
+
+
+class DeadlinePassed(Exception):
+    """The episode's deadline (``episode_timeout``) passed during a call; it was cancelled."""
+
+
+@runtime_checkable
+class PerEnvHost(Protocol):
+    """A host that resets and steps each env on its own (``asyncio``, ``thread``): the engine
+    then runs one lane per env (:class:`~asyncsample._env_tasks.LaneStepper`).
+
+    Attributes:
+        buffers: the step buffers; ``reset_one``/``step_one`` write env ``i``'s row.
+        in_flight: steps a stream's round left running for the next round, by env.
+    """
+
+    buffers: StepBuffers
+    in_flight: dict[int, Any]
+
+    async def reset_one(
+        self, i: int, seed: Any = ..., options: Any = None, deadline: float | None = None
+    ) -> dict[str, Any]:
+        """Reset env ``i`` (its pending seed by default); its reset info. Raises
+        :class:`DeadlinePassed` when the loop time ``deadline`` comes first."""
+        ...
+
+    async def step_one(
+        self, i: int, action: Any, deadline: float | None = None
+    ) -> tuple[float, bool, bool, dict[str, Any]]:
+        """Step env ``i``: ``(reward, terminated, truncated, info)``, the time limit applied."""
+        ...
+
+    async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
+        """Build env ``i`` again (after its fault), closing the old one in the background."""
+        ...
+
+    async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
+        """Cancel the carried steps of ``envs`` (default: all); which envs had one."""
+        ...

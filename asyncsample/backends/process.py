@@ -58,13 +58,12 @@ from asyncsample.backends._procs import (
 )
 from asyncsample.backends._remote import (
     HostDied,
-    Incarnation,
     PendingCall,
     PoolMember,
     RemoteHost,
     closed_error,
 )
-from asyncsample.backends._sent_steps import DirectStep, QueuedStep
+from asyncsample.backends._sent_steps import DirectStep, QueuedStep, StepConn
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -113,7 +112,7 @@ def _mask_bytes(mask: np.ndarray) -> bytes:
     return np.asarray(mask, dtype=np.bool_).tobytes()
 
 
-class _Conn(Incarnation):
+class _Conn(StepConn):
     """One incarnation of an env-host process: the process and its control stream."""
 
     def __init__(

@@ -1,49 +1,55 @@
-"""``inference="batched"``: the workers' concurrent ``get_actions`` calls become one call.
+"""One merger of agent requests: ``inference="batched"``, and the envs stepped one at a time.
 
-Each worker hands its observations to the :class:`Batcher` and awaits its rows of the result.
-The batcher stacks the observations of the waiting workers (worker-major rows), asks the one
-shared agent once and splits actions and agent infos back by rows. A policy call costs about the
-same for 4 rows as for 64 (a torch forward plus a distribution sample is ~200 us), so the number
-of calls per env step is what matters.
+:class:`Batcher` stacks the observations waiting for actions, asks each agent once and splits
+actions and agent infos back by rows (a policy call costs about the same for 4 rows as for 64).
+Requests are a worker's rows (:meth:`Batcher.get_actions`: ``inference="batched"`` on the
+lockstep backends, one shared agent) or one env's row (:meth:`Batcher.request`: the lanes of
+``asyncio``/``thread``, each env asking its worker's agent; one call per agent).
 
-When to flush is the whole game. The batcher knows the state of every worker in the current
-call: running Python, waiting for actions, or waiting on its env host (the worker says so just
-before and just after it awaits a host step). Two rules:
+When to flush is the whole game. For workers stepping in lockstep the batcher knows what each
+worker in the call is doing: running Python, waiting for actions, or waiting on its env host (the
+worker says so around each host step). Two rules:
 
-- ``"lockstep"`` (default, reproducible): flush when every worker still in the call is waiting
-  for actions. Every call then holds the same workers in the same order for a fixed seed, so even
-  a stochastic agent with one internal RNG draws the same numbers for the same rows on every run.
-  A slow env host delays every worker's next action (a straggler holds the batch).
-- ``"eager"``: flush as soon as no worker is running Python, i.e. when no further request can
-  arrive before some env step completes. Hosts never idle waiting for a straggler, but which
-  workers share a call depends on timing: a stochastic agent's RNG draws go to timing-dependent
-  rows (its output is then not reproducible; an agent whose actions depend only on its input
-  still is).
+- ``"lockstep"`` (the default there, reproducible): flush when every worker still in the call is
+  waiting for actions. Every call then holds the same workers in the same order for a fixed
+  seed, so even a stochastic agent with one internal RNG draws the same numbers for the same rows
+  on every run. A slow env host delays every worker's next action.
+- ``"eager"``: flush as soon as no worker is running Python (no further request can arrive
+  before some env step completes). Hosts never idle waiting for a straggler, but which workers
+  share a call, and so a stochastic agent's draws, depend on timing.
 
 A host reply resolves a future, but the worker resumes only when the event loop runs its
 callback; deciding at once would flush one row short. The decision is therefore deferred with
 ``loop.call_soon`` until the ready callbacks of the current loop iteration have run.
+
+Envs stepped one at a time are never all waiting: their requests are flushed at the end of each
+pass of the loop (``"eager"`` with nothing to settle), so ``"lockstep"`` and ``min_fraction``
+are refused there at construction.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._clock import AgentTimer
 from asyncsample._tree import Tree, tree_concat, tree_leaves, tree_map
-from asyncsample.agent import Agent, AgentOutput
+from asyncsample.agent import Agent, AgentOutput, RandomAgent
 
 __all__ = ["Batched", "Batcher", "FlushRule"]
 
@@ -65,6 +71,7 @@ class Batched:
     Attributes:
         flush: ``"lockstep"`` (reproducible for a fixed seed, also with a stochastic agent) or
             ``"eager"`` (no waiting for stragglers; batch composition depends on timing).
+            ``None`` (default): ``"lockstep"``, or ``"eager"`` where envs step one at a time.
         threaded: run a blocking ``get_actions`` in a helper thread, so the event loop keeps
             reading host replies during the forward pass (helps when the agent releases the GIL,
             e.g. torch; costs a thread hand-off per call). Async agents are always awaited in
@@ -74,22 +81,37 @@ class Batched:
             every worker is; ``0`` flushes as soon as no worker is running Python.
     """
 
-    flush: FlushRule = "lockstep"
+    flush: FlushRule | None = None
     threaded: bool = False
     min_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        _validate.choice("flush", self.flush, _FLUSH_RULES)
+        if self.flush is not None:
+            _validate.choice("flush", self.flush, _FLUSH_RULES)
         _validate.flag("threaded", self.threaded)
         _validate.unit_interval("min_fraction", self.min_fraction)
 
+    def check_per_env(self, backend: str) -> None:
+        """Refuse what envs stepped one at a time (``backend``) cannot honour (see the module
+        docstring): a ``"lockstep"`` flush, a ``min_fraction``."""
+        if self.flush == "lockstep" or self.min_fraction:
+            raise ValueError(
+                f"inference=Batched(flush={self.flush!r}, min_fraction={self.min_fraction}): "
+                f"backend={backend!r} steps each env on its own and merges the requests of the "
+                "envs ready in one pass of the event loop (flush='eager'); it cannot wait for "
+                "every worker ('lockstep') nor for a fraction of them (min_fraction): leave "
+                "them at their defaults"
+            )
 
-@dataclass
+
+@dataclass(slots=True)
 class _Request:
     worker: int
+    agent: Agent | None  # None: the shared agent, read at the flush
     observations: Tree
     rows: int
-    future: asyncio.Future[AgentOutput]
+    future: asyncio.Future[Any]
+    one: bool = False  # one env's row (no leading axis): answered with its action and infos
 
 
 @dataclass
@@ -114,40 +136,57 @@ class BatchStats:
 
 
 class Batcher:
-    """Merges the concurrent ``get_actions`` calls of a sampler's workers into one.
+    """Merges the concurrent agent requests of a sampler's workers or envs (module docstring).
 
     Args:
-        agent_source: returns the current shared agent (read at every flush, so an agent
-            replaced by an update is used from the next call on).
         options: the flush rule and threading.
+        agent_source: returns the current shared agent, read at every flush (so an agent
+            replaced by an update is used from the next call on), for :meth:`get_actions`.
+        action_space: for :meth:`request` (envs stepped one at a time): checks the merged
+            actions' shapes and values. Given, requests are flushed at the end of every pass.
     """
 
-    def __init__(self, agent_source: Callable[[], Agent], options: Batched) -> None:
+    def __init__(
+        self,
+        options: Batched,
+        agent_source: Callable[[], Agent] | None = None,
+        action_space: gym.Space[Any] | None = None,
+    ) -> None:
         self._agent_source = agent_source
         self.options = options
+        self.action_space = action_space
+        self._per_pass = action_space is not None
+        self._values = None if action_space is None else make_action_check(action_space)
+        self._checks: dict[int, tuple[Callable[[], object], AgentOutputCheck]] = {}
         self._state: dict[int, int] = {}
-        self._pending: dict[int, _Request] = {}
+        self._pending: list[_Request] = []
         self._scheduled = False
-        self._busy = False  # an async or threaded agent call is in flight
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._mixed = False  # the pending requests ask more than one agent
+        self._busy = False  # an async or threaded agent call is in flight (worker rows)
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._quiet = 0  # loop iterations since the last state change
-        self._settle = SETTLE_ITERATIONS if options.flush == "eager" else 0
+        eager = options.flush == "eager" and not self._per_pass  # lanes: nothing to settle
+        self._settle = SETTLE_ITERATIONS if eager else 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._agent_lock = threading.Lock()
         self.stats = BatchStats()
         self.timer: AgentTimer | None = None
         """With metrics on, where each merged call's seconds and rows go."""
-        self._call_start = (0.0, 0)
 
     # -- hooks called by the sampler and the workers ------------------------------------------
 
     def join(self, worker: int) -> None:
         """Worker ``worker`` takes part in the current sampler call."""
-        self._state[worker] = _RUNNING
+        if not self._per_pass:
+            self._state[worker] = _RUNNING
 
     def leave(self, worker: int) -> None:
         """Worker ``worker`` is done with the current call (finished, failed or cancelled)."""
+        if self._per_pass:
+            return
         self._state.pop(worker, None)
-        self._pending.pop(worker, None)
+        self._pending = [r for r in self._pending if r.worker != worker]
         self._schedule()
 
     def host_wait(self, worker: int) -> None:
@@ -165,16 +204,32 @@ class Batcher:
         """Worker ``worker``'s rows of the next merged call on ``observations``."""
         leaf = tree_leaves(observations)[0]
         future: asyncio.Future[AgentOutput] = asyncio.get_running_loop().create_future()
-        request = _Request(worker, observations, len(leaf), future)
-        self._pending[worker] = request
+        request = _Request(worker, None, observations, len(leaf), future)
+        self._pending.append(request)
         self._state[worker] = _WAITING
         self._schedule()
         try:
             return await future
         except asyncio.CancelledError:
-            if self._pending.get(worker) is request:
-                del self._pending[worker]
+            if request in self._pending:
+                self._pending.remove(request)
             raise
+
+    def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
+        """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``
+        asking ``agent`` (envs stepped one at a time)."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        pending = self._pending
+        if pending and pending[0].agent is not agent:
+            self._mixed = True
+        pending.append(_Request(worker, agent, observation, 1, future, True))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._check)
+        return future
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -188,6 +243,14 @@ class Batcher:
             self._executor.shutdown(wait=False)
             self._executor = None
 
+    async def aclose(self) -> None:
+        """Cancel the agent calls still awaited."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
     # -- flushing -----------------------------------------------------------------------------
 
     def _schedule(self) -> None:
@@ -197,11 +260,15 @@ class Batcher:
             asyncio.get_running_loop().call_soon(self._check)
 
     def _ready(self) -> bool:
-        if self._busy or not self._pending:
+        if not self._pending:
+            return False
+        if self._per_pass:
+            return True
+        if self._busy:
             return False
         state = self._state.values()
         waiting, total = len(self._pending), len(self._state)
-        if self.options.flush == "lockstep" or waiting == total:
+        if self.options.flush != "eager" or waiting == total:
             return waiting == total
         return _RUNNING not in state and waiting >= self.options.min_fraction * total
 
@@ -214,38 +281,51 @@ class Batcher:
         self._scheduled = False
         if not self._ready():
             return
-        requests = [self._pending.pop(w) for w in sorted(self._pending)]
-        requests = [r for r in requests if not r.future.done()]
-        if not requests:
+        pending, self._pending = self._pending, []
+        if self._per_pass:  # one call per agent, rows in the order the envs asked
+            live = [r for r in pending if not r.future.done()]  # cancelled lanes drop out
+            mixed, self._mixed = self._mixed, False
+            if not mixed:
+                groups = [live] if live else []
+            else:
+                by_agent: dict[int, list[_Request]] = {}
+                for r in live:
+                    by_agent.setdefault(id(r.agent), []).append(r)
+                groups = list(by_agent.values())
+            for requests in groups:
+                self._call(requests[0].agent, requests)  # type: ignore[arg-type]
             return
-        self.stats.calls += 1
-        self.stats.workers_per_call[len(requests)] += 1
-        agent = self._agent_source()
+        requests = sorted((r for r in pending if not r.future.done()), key=lambda r: r.worker)
+        if requests:
+            assert self._agent_source is not None
+            self._call(self._agent_source(), requests)
+
+    def _call(self, agent: Agent, requests: list[_Request]) -> None:
+        """One agent call on the stacked rows of ``requests``."""
+        workers = {r.worker for r in requests}
+        rows = len(requests) if requests[0].one else sum(r.rows for r in requests)
+        stats = self.stats
+        stats.calls += 1
+        stats.workers_per_call[len(workers)] += 1
+        stats.rows += rows
+        timer = self.timer
+        start = 0.0 if timer is None else time.perf_counter()
         try:
-            observations = (
-                requests[0].observations
-                if len(requests) == 1
-                else tree_concat([r.observations for r in requests])
-            )
-            rows = sum(r.rows for r in requests)
-            self.stats.rows += rows
-            timer = self.timer
-            if timer is not None:
-                self._call_start = (time.perf_counter(), rows)
+            observations = _stack(requests)
             if self.options.threaded and not _is_async(agent):
-                self._start(requests, self._call_in_thread(agent, observations))
+                self._start(agent, requests, self._call_in_thread(agent, observations), start)
                 return
             with self._agent_lock:
                 result = agent.get_actions(observations)
             if type(result) is not tuple and inspect.isawaitable(result):
-                self._start(requests, _await(result))
+                self._start(agent, requests, _await(result), start)
                 return
         except Exception as exc:
             self._fail(requests, exc)
             return
         if timer is not None:
-            timer.add(time.perf_counter() - self._call_start[0], rows)
-        self._deliver(requests, result)
+            timer.add(time.perf_counter() - start, rows)
+        self._deliver(agent, requests, result)
 
     def _call_in_thread(self, agent: Agent, observations: Tree) -> Any:
         if self._executor is None:
@@ -261,50 +341,97 @@ class Batcher:
         loop = asyncio.get_running_loop()
         return _await(loop.run_in_executor(self._executor, call))
 
-    def _start(self, requests: list[_Request], call: Any) -> None:
-        self._busy = True
+    def _start(self, agent: Agent, requests: list[_Request], call: Any, start: float) -> None:
+        self._busy = not self._per_pass
         task = asyncio.get_running_loop().create_task(call)
-        task.add_done_callback(lambda t: self._finished(requests, t))
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._finished, agent, requests, start))
 
-    def _finished(self, requests: list[_Request], task: asyncio.Task[Any]) -> None:
+    def _finished(
+        self, agent: Agent, requests: list[_Request], start: float, task: asyncio.Task[Any]
+    ) -> None:
+        self._tasks.discard(task)
         self._busy = False
         if self.timer is not None:
-            start, rows = self._call_start
-            self.timer.add(time.perf_counter() - start, rows)
+            self.timer.add(time.perf_counter() - start, sum(r.rows for r in requests))
         if task.cancelled():
-            self._fail(requests, asyncio.CancelledError())
+            # Not a CancelledError: the requesters would take it for their own cancellation.
+            what = f"the agent's get_actions ({_rows_of(requests)}) was cancelled"
+            self._fail(requests, RuntimeError(what))
         elif (exc := task.exception()) is not None:
             self._fail(requests, exc)
         else:
-            self._deliver(requests, task.result())
-        self._schedule()
+            self._deliver(agent, requests, task.result())
+        if not self._per_pass:
+            self._schedule()
 
     def _fail(self, requests: list[_Request], exc: BaseException) -> None:
         for r in requests:
             if not r.future.done():
                 self._running(r.worker)
-                if isinstance(exc, asyncio.CancelledError):
-                    r.future.cancel()
-                else:
-                    r.future.set_exception(exc)
+                r.future.set_exception(exc)
 
     def _running(self, worker: int) -> None:
         if worker in self._state:
             self._state[worker] = _RUNNING
 
-    def _deliver(self, requests: list[_Request], result: Any) -> None:
+    def _deliver(self, agent: Agent, requests: list[_Request], result: Any) -> None:
+        if requests[0].one:
+            self._deliver_rows(agent, requests, result)
+            return
         try:
             parts = _split(result, requests)
         except ValueError as exc:
             for r in requests:
-                if not r.future.done():
-                    self._running(r.worker)
-                    r.future.set_exception(ValueError(f"{exc}; raised in worker {r.worker}"))
+                self._fail([r], ValueError(f"{exc}; raised in worker {r.worker}"))
             return
         for r, part in zip(requests, parts):
             if not r.future.done():
                 self._running(r.worker)
                 r.future.set_result(part)
+
+    def _deliver_rows(self, agent: Agent, requests: list[_Request], result: Any) -> None:
+        """Each env its action and agent infos, the merged output checked first as rows."""
+        n = len(requests)
+        workers = sorted({r.worker for r in requests})
+        worker = workers[0]
+        try:
+            check = self._check_of(agent, worker)
+            check.worker, check.n_envs = worker, n
+            actions, infos = check.output(result)
+            space = self.action_space
+            trusted = type(agent) is RandomAgent and agent.action_space == space
+            actions = check_actions(
+                actions,
+                _like_rows(actions, n),
+                worker=worker,
+                action_space=space,  # type: ignore[arg-type]
+                values=None if trusted else self._values,
+                rows=_rows_of(requests, workers),
+            )
+        except Exception as exc:
+            self._fail(requests, exc)
+            return
+        plain = isinstance(actions, np.ndarray)
+        for j, r in enumerate(requests):
+            if r.future.done():
+                continue
+            action = actions[j] if plain else tree_map(lambda a, j=j: a[j], actions)
+            r.future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
+
+    def _check_of(self, agent: Agent, worker: int) -> AgentOutputCheck:
+        """The output check of ``agent`` (a new agent object, such as one an update put in,
+        gets a new one: the kinds and shapes of its infos may differ from its predecessor's)."""
+        known = self._checks.get(id(agent))
+        if known is not None and known[0]() is agent:
+            return known[1]
+        try:
+            ref: Callable[[], object] = weakref.ref(agent)
+        except TypeError:  # not weakly referenceable: keep it (its id cannot be reused then)
+            ref = functools.partial(_same, agent)
+        check = AgentOutputCheck(worker, 1)
+        self._checks[id(agent)] = (ref, check)
+        return check
 
 
 async def _await(awaitable: Any) -> Any:
@@ -315,11 +442,49 @@ def _is_async(agent: Agent) -> bool:
     return inspect.iscoroutinefunction(getattr(agent, "get_actions", None))
 
 
+def _same(value: object) -> object:
+    """``value`` (a strong reference standing in for a weak one)."""
+    return value
+
+
+def _stack(requests: list[_Request]) -> Tree:
+    """The requests' observations as one array (tree) of rows."""
+    if requests[0].one:
+        first = requests[0].observations
+        if isinstance(first, np.ndarray):
+            return np.stack([r.observations for r in requests])
+        return tree_map(lambda *xs: np.stack(xs), *[r.observations for r in requests])
+    if len(requests) == 1:
+        return requests[0].observations
+    return tree_concat([r.observations for r in requests])
+
+
+def _rows_of(requests: list[_Request], workers: list[int] | None = None) -> str:
+    """The rows asked for and the workers they came from, for the messages."""
+    workers = workers or sorted({r.worker for r in requests})
+    names = ", ".join(map(str, workers))
+    if requests[0].one:
+        return (
+            f"{len(requests)} rows, the observations of the envs ready at once of "
+            f"worker{'s' if len(workers) > 1 else ''} {names}"
+        )
+    return f"the {sum(r.rows for r in requests)} stacked observation rows of workers {names}"
+
+
+def _like_rows(actions: Tree, n: int) -> Tree:
+    """What :func:`check_actions` compares shapes against: ``n`` rows of the space's shape."""
+
+    def like(a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        return np.empty((n, *a.shape[1:]), dtype=a.dtype)
+
+    return tree_map(like, actions)
+
+
 def _split(result: Any, requests: list[_Request]) -> list[AgentOutput]:
     """Cut a merged agent output into each request's rows (views, no copies)."""
     total = sum(r.rows for r in requests)
-    workers = ", ".join(str(r.worker) for r in requests)
-    where = f"the {total} stacked observation rows of workers {workers}"
+    where = _rows_of(requests)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ValueError(
             f"action: the shared agent (inference='batched') must return (actions, agent_infos) "

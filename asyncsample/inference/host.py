@@ -62,7 +62,7 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample._assembly import Plan
-from asyncsample._engine import CallMode, Episodes, RecordStep, StopRule, Transition
+from asyncsample._engine import CallMode, Continuity, Episodes, RecordStep, StopRule, Transition
 from asyncsample._recorder import Resume, row_of
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import (
@@ -217,7 +217,7 @@ class HostInference:
 
     def drop_ahead(self) -> None:
         """The stream closed: nobody takes the chunks run ahead over. Their replies (or their
-        hosts' deaths) are dropped quietly; the workers' :attr:`Episodes.ran_ahead` stays set,
+        hosts' deaths) are dropped quietly; the workers' :attr:`Episodes.state` stays ``RAN_AHEAD``,
         so their next call starts fresh episodes."""
         for ahead in self.ahead.values():
             ahead.sent.abandon()
@@ -302,7 +302,7 @@ class ChunkStepper:
         if stale is not None:  # taken over by a try that failed: the retry restarted the host
             stale.sent.abandon()
         await self.host.sync_agent()
-        if self.worker.episodes.ran_ahead:
+        if self.worker.episodes.state is Continuity.TAKING_OVER:
             await self._take_over()
         await self.worker.start_episode()
 
@@ -311,7 +311,7 @@ class ChunkStepper:
         first; else wait for it and, if it ran, drop the episodes in progress (their envs moved
         past the records): every env is reset."""
         episodes = self.worker.episodes
-        episodes.ran_ahead = False
+        episodes.state = Continuity.IN_CALL
         ahead = self.ahead.pop(self.worker.worker_number, None)
         rule = episodes.rule
         if (
@@ -442,7 +442,7 @@ class ChunkStepper:
         if old is not None:  # never two: a part takes over (or drops) its own first
             old.sent.abandon()
         self.ahead[worker.worker_number] = RunAhead(sent, request)
-        episodes.ran_ahead = True
+        episodes.state = Continuity.RAN_AHEAD
 
     def _request(self, rule: StopRule, buffer: int) -> ChunkRequest:
         """A request carrying the worker's state (the first chunk of a part)."""

@@ -1,10 +1,12 @@
 """The inference modes as strategies the sampler chooses once, at construction.
 
-A mode answers the few questions where ``per_worker``, ``batched`` and ``host`` differ: what the
-hosts must allocate (chunk buffers), what happens once the workers exist (a shared batcher, or
-the agents installed in the hosts), which stepper runs a worker's part of a call, what surrounds
-that part (the batcher's membership), how an agent update is checked and applied, and what
-closing releases. The sampler itself has no ``if`` on the mode.
+A mode only chooses where ``get_actions`` runs (each worker's own agent, one shared agent with
+merged calls, or the agents inside the hosts), for any backend. It answers the few questions
+where ``per_worker``, ``batched`` and ``host`` differ: what the hosts must allocate (chunk
+buffers), what happens once the workers exist (a merger of requests, or the agents installed in
+the hosts), which stepper runs a worker's part of a call (one worker step, one chunk, or one lane
+per env on hosts that step each env on its own), what surrounds that part (the merger's
+membership), how an agent update is checked and applied, and what closing releases.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
-from asyncsample._engine import Episodes, Stepper, StepStepper
-from asyncsample._recorder import Resume
+from asyncsample._engine import Episodes, Part, Stepper, StepStepper
+from asyncsample._env_tasks import LaneSettings, LaneStepper
 from asyncsample.agent import Agent
+from asyncsample.backends.base import PerEnvHost
 from asyncsample.inference.batched import Batched, Batcher
 from asyncsample.inference.host import ChunkStepper, Host, HostInference, HostWorker
 
@@ -27,17 +30,38 @@ class ModeWorker(HostWorker, Protocol):
 
     episodes: Episodes
     batcher: Batcher | None
+    env_spec: Any
 
     async def step_episode(self) -> bool: ...
 
 
 class InferenceMode:
-    """``"per_worker"``: each worker asks its own agent, one env step per request.
+    """``"per_worker"``: each worker asks its own agent, one env step per request (on hosts
+    that step each env on its own, the ready envs of one agent are merged into one call).
 
     The base class of the other modes, which override what differs.
+
+    Args:
+        lanes: what the lanes share, when the hosts step each env on their own (else ``None``).
     """
 
     name = "per_worker"
+
+    def __init__(self, lanes: LaneSettings | None = None) -> None:
+        self.lanes = lanes
+        self.merger: Batcher | None = None
+        """The merger of agent requests, where this mode merges them (else ``None``)."""
+
+    def _attach_lanes(self, workers: Sequence[ModeWorker], options: Batched) -> bool:
+        """With lanes: check that every host steps envs one at a time; one merger for all."""
+        if self.lanes is None:
+            return False
+        bad = [w.worker_number for w in workers if not isinstance(w.host, PerEnvHost)]
+        if bad:
+            raise TypeError(f"workers {bad}: their hosts do not step envs one at a time")
+        assert workers[0].env_spec is not None
+        self.merger = Batcher(options, action_space=workers[0].env_spec.action_space)
+        return True
 
     def chunk_steps(self, capacity: Callable[[int], int]) -> int:
         """The chunk capacity each host slot allocates (``0``: no chunks)."""
@@ -45,10 +69,14 @@ class InferenceMode:
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
         """The workers exist and their envs are built."""
+        self._attach_lanes(workers, Batched())
 
-    def stepper(self, worker: ModeWorker, then: Resume | None = None) -> Stepper:
-        """How ``worker``'s part of a call moves its envs; ``then``: a stream's next round
-        follows, continuing what the part leaves (a mode may start it early)."""
+    def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
+        """How ``worker``'s part of a call moves its envs: one lane per env on hosts that step
+        each on its own, else one worker step per request."""
+        if self.lanes is not None:
+            assert self.merger is not None
+            return LaneStepper(worker, self.merger, part, self.lanes)  # type: ignore[arg-type]
         return StepStepper(worker)
 
     async def ended(self, stepper: Stepper) -> None:
@@ -77,6 +105,14 @@ class InferenceMode:
 
     def close(self) -> None:
         """The sampler closed."""
+        if self.merger is not None:
+            self.merger.close()
+
+    async def aclose(self) -> None:
+        """The sampler closed: cancel the merged agent calls still awaited."""
+        if self.merger is not None:
+            await self.merger.aclose()
+        self.close()
 
 
 PerWorkerMode = InferenceMode
@@ -87,14 +123,20 @@ class BatchedMode(InferenceMode):
 
     name = "batched"
 
-    def __init__(self, options: Batched, shared_agent: Callable[[], Agent]) -> None:
+    def __init__(
+        self, options: Batched, shared_agent: Callable[[], Agent], lanes: LaneSettings | None
+    ) -> None:
+        super().__init__(lanes)
         self.options = options
         self.shared_agent = shared_agent
         self.batcher: Batcher | None = None
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
-        """One batcher for every worker."""
-        self.batcher = Batcher(self.shared_agent, self.options)
+        """One batcher for every worker (or every lane)."""
+        if self._attach_lanes(workers, self.options):
+            self.batcher = self.merger
+            return
+        self.batcher = self.merger = Batcher(self.options, self.shared_agent)
         for worker in workers:
             worker.batcher = self.batcher
 
@@ -133,11 +175,6 @@ class BatchedMode(InferenceMode):
         with self.batcher.exclusive():
             apply()
 
-    def close(self) -> None:
-        """Stop the batcher's thread."""
-        if self.batcher is not None:
-            self.batcher.close()
-
 
 class HostMode(InferenceMode):
     """``"host"``: a copy of the agent in every env host, one chunk of steps per request."""
@@ -145,6 +182,7 @@ class HostMode(InferenceMode):
     name = "host"
 
     def __init__(self, options: Host) -> None:
+        super().__init__()
         self.options = options
         self.inference = HostInference(options)
 
@@ -156,9 +194,9 @@ class HostMode(InferenceMode):
         """Every worker's host gets its copy of the worker's agent."""
         self.inference.install(workers, agent_seeds)
 
-    def stepper(self, worker: ModeWorker, then: Resume | None = None) -> Stepper:
+    def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
         """One chunk per request; the next round's first chunk sent as the part ends."""
-        return self.inference.stepper(worker, then)
+        return self.inference.stepper(worker, part.then)
 
     async def ended(self, stepper: Stepper) -> None:
         """Start the stream's next round in the host (see :meth:`ChunkStepper.ended`)."""
@@ -187,10 +225,15 @@ class HostMode(InferenceMode):
         self.inference.forward_update(workers, prepared, agent_seeds)
 
 
-def make_mode(options: Batched | Host | None, shared_agent: Callable[[], Agent]) -> InferenceMode:
-    """The strategy for the options :func:`asyncsample.inference.check_inference` returned."""
+def make_mode(
+    options: Batched | Host | None,
+    shared_agent: Callable[[], Agent],
+    lanes: LaneSettings | None = None,
+) -> InferenceMode:
+    """The strategy for the options :func:`asyncsample.inference.check_inference` returned;
+    ``lanes``: the hosts will step each env on its own."""
     if isinstance(options, Host):
         return HostMode(options)
     if isinstance(options, Batched):
-        return BatchedMode(options, shared_agent)
-    return InferenceMode()
+        return BatchedMode(options, shared_agent, lanes)
+    return InferenceMode(lanes)
