@@ -7,8 +7,9 @@ same machine at nearly the same time (runs alternate A, B, A, B...). Workloads u
 both versions have: the ``Sampler`` (``obtain_fragments``, a per-worker agent) and the gymnasium
 face ``VectorEnv`` (lockstep ``step``, one agent call per vector step), each with a random agent
 and with the torch MLP of :mod:`benchmarks.policies`. Reported per workload: the median
-steps/s of each tree, B/A, and the main process's CPU microseconds per transition (less
-sensitive to other load than wall-clock rates). Results go to ``--out`` as JSON and markdown.
+steps/s of each tree, B/A, and the CPU microseconds per transition of the main process and of
+its env hosts (its descendants, read from ``/proc``; 0 elsewhere): less sensitive to other load
+than wall-clock rates. Results go to ``--out`` as JSON and markdown.
 
 ``--metrics b`` (or ``a``, ``both``) runs that side with ``metrics=CollectorRegistry()`` (the
 Sampler's and the faces' Prometheus metrics, scraped once at the end of each run): with
@@ -104,7 +105,24 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
 }
 
 _CHILD = """
-import asyncio, json, sys, time, resource
+import asyncio, json, os, sys, time, resource
+def hosts_cpu():  # CPU seconds of this process's descendants (the env hosts), from /proc
+    me, tick, parent, cpu = os.getpid(), os.sysconf("SC_CLK_TCK"), {{}}, {{}}
+    for d in os.listdir("/proc") if os.path.isdir("/proc/self") else ():
+        try:
+            stat = open(f"/proc/{{d}}/stat").read() if d.isdigit() else ""
+        except OSError:
+            continue
+        if stat:
+            f = stat[stat.rfind(")") + 2:].split()
+            parent[int(d)], cpu[int(d)] = int(f[1]), (int(f[11]) + int(f[12])) / tick
+    total = 0.0
+    for pid, seconds in cpu.items():
+        up = parent.get(pid)
+        while up and up != me:
+            up = parent.get(up)
+        total += seconds if up == me else 0.0
+    return total
 sys.path.append({bench_root!r})  # after PYTHONPATH: asyncsample comes from the tree
 import benchmarks.envs  # registers the benchmark envs
 from asyncsample import Sampler
@@ -132,11 +150,12 @@ def vector():
     act = (lambda o: agent[0].act(o)) if policy else (lambda o: venv.action_space.sample())
     for _ in range(max(n // 10 // (workers * envs), 1)):  # warm-up
         obs = venv.step(act(obs))[0]
-    cpu0, t0, done = time.process_time(), time.perf_counter(), 0
+    cpu0, t0, done, kids0 = time.process_time(), time.perf_counter(), 0, hosts_cpu()
     while done < n:
         obs = venv.step(act(obs))[0]
         done += workers * envs
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    kids[0] = hosts_cpu() - kids0
     scrape()
     venv.close()
     return done, wall, cpu
@@ -146,10 +165,11 @@ async def main():
     async with Sampler(env_id, shared, n_workers=workers, envs_per_worker=envs,
                        n_processes=procs, seed=0, inference=inference, **kw) as s:
         await s.obtain_fragments(max(n // 10, workers * envs))  # warm-up
-        cpu0, t0, done = time.process_time(), time.perf_counter(), 0
+        cpu0, t0, done, kids0 = time.process_time(), time.perf_counter(), 0, hosts_cpu()
         while done < n:
             done += (await s.obtain_fragments(max(n // 10, workers * envs))).n_transitions
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        kids[0] = hosts_cpu() - kids0
         scrape()
     return done, wall, cpu
 async def streamed():
@@ -162,15 +182,16 @@ async def streamed():
             async for batch in batches:
                 k += 1
                 if k == 2:  # the first two rounds warm up
-                    cpu0, t0 = time.process_time(), time.perf_counter()
+                    cpu0, t0, kids0 = time.process_time(), time.perf_counter(), hosts_cpu()
                 elif k > 2:
                     done += batch.n_transitions
                     if done >= n:
                         break
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        kids[0] = hosts_cpu() - kids0
         scrape()
     return done, wall, cpu
-scraped = [0.0]
+scraped, kids = [0.0], [0.0]
 def scrape():  # what a scraper would read: the steps counted (checks the metrics ran)
     if registry is None:
         return
@@ -183,7 +204,8 @@ else:
     done, wall, cpu = asyncio.run(streamed() if face == "host-stream" else main())
 import asyncsample
 print(json.dumps({{"steps_per_s": done / wall, "main_cpu_us": 1e6 * cpu / done,
-                  "metrics_steps": scraped[0], "module": asyncsample.__file__}}))
+                  "metrics_steps": scraped[0], "hosts_cpu_us": 1e6 * kids[0] / done,
+                  "module": asyncsample.__file__}}))
 """
 
 
@@ -271,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio": med("b", "steps_per_s") / med("a", "steps_per_s"),
                 "a_main_cpu_us": med("a", "main_cpu_us"),
                 "b_main_cpu_us": med("b", "main_cpu_us"),
+                "a_hosts_cpu_us": med("a", "hosts_cpu_us"),
+                "b_hosts_cpu_us": med("b", "hosts_cpu_us"),
                 "runs": sides,
             }
         )
@@ -292,13 +316,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{machine['cores']} cores, Python {machine['python']}, {machine['date']}, load average "
         f"{min(load):.1f}-{max(load):.1f} during the run.",
         "",
-        "| workload | A steps/s | B steps/s | B/A | A main CPU us/step | B main CPU us/step |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| workload | A steps/s | B steps/s | B/A | A main CPU us/step | B main CPU us/step "
+        "| A hosts CPU us/step | B hosts CPU us/step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['workload']} | {row['a_steps_per_s']:,.0f} | {row['b_steps_per_s']:,.0f} | "
-            f"{row['ratio']:.2f}x | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} |"
+            f"{row['ratio']:.2f}x | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} | "
+            f"{row['a_hosts_cpu_us']:.1f} | {row['b_hosts_cpu_us']:.1f} |"
         )
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
