@@ -35,7 +35,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: name -> (face, env id, workers, envs per worker, processes, policy?, transitions); the
 #: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``;
 #: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent);
-#: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``.
+#: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``;
+#: ``"async"`` is ``backend="asyncio"`` on the async env of :mod:`benchmarks.async_envs` (see
+#: below).
 WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     "CartPole-v1 4x8 random": ("sampler", "CartPole-v1", 4, 8, 2, False, 200_000),
     "FixedCost-v0 2x4 random": ("sampler", "benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
@@ -87,6 +89,14 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         False,
         16_000,
     ),
+    # Async envs (benchmarks.async_envs.AsyncLatencyEnv, episodes of 100 steps) on
+    # backend="asyncio", inference="batched" (one agent for every env): the env id is the mean
+    # step latency ("0": the step awaits nothing, the path's own cost); processes are unused
+    "AsyncEnv 0 ms 1x8 random asyncio": ("async", "0", 1, 8, 0, False, 100_000),
+    "AsyncEnv 0 ms 10x100 random asyncio": ("async", "0", 10, 100, 0, False, 100_000),
+    "AsyncEnv 1 ms 10x100 random asyncio": ("async", "0.001", 10, 100, 0, False, 100_000),
+    "AsyncEnv 0 ms 10x100 MLP asyncio": ("async", "0", 10, 100, 0, True, 100_000),
+    "AsyncEnv 1 ms 10x100 MLP asyncio": ("async", "0.001", 10, 100, 0, True, 100_000),
     # Atari (ale-py, bench extra): big observations through the chunk buffers
     "Pong-v5 2x4 random host": ("host", "benchmarks.envs:Pong-v5", 2, 4, 2, False, 12_000),
     "Pong-v5 4x2 random host": ("host", "benchmarks.envs:Pong-v5", 4, 2, 2, False, 12_000),
@@ -134,13 +144,17 @@ if metrics:  # only then: a tree without metrics= still runs the other side
     registry = CollectorRegistry()
 kw = {{}} if registry is None else {{"metrics": registry}}
 agent = None
+if face == "async":  # the async env of the async_envs study, this tree's or (older) ours
+    import functools
+    from benchmarks.async_envs import make_env
+    env_id = functools.partial(make_env, False, mean=float(env_id))
 if policy:
     import gymnasium as gym
     import importlib.util  # this checkout's policies, whatever tree's benchmarks/ comes first
     spec = importlib.util.spec_from_file_location("ab_policies", {policies!r})
     policies = importlib.util.module_from_spec(spec); spec.loader.exec_module(policies)
     MLPAgent = policies.MLPAgent
-    probe = gym.make(env_id)
+    probe = env_id() if face == "async" else gym.make(env_id)
     agent = [MLPAgent(probe.observation_space, probe.action_space, seed=w) for w in range(workers)]
 def vector():
     from asyncsample import VectorEnv
@@ -160,10 +174,14 @@ def vector():
     venv.close()
     return done, wall, cpu
 async def main():
-    inference = face if face in ("batched", "host") else "per_worker"
-    shared = agent[0] if inference == "batched" else agent
+    inference = {{"batched": "batched", "host": "host", "async": "batched"}}.get(face, "per_worker")
+    shared = agent[0] if inference == "batched" and agent else agent
+    if face == "async" and not policy:  # batched needs one agent: the built-in random one
+        from asyncsample import RandomAgent
+        shared = RandomAgent(env_id().action_space, seed=0)
+    where = {{"backend": "asyncio"}} if face == "async" else {{"n_processes": procs}}
     async with Sampler(env_id, shared, n_workers=workers, envs_per_worker=envs,
-                       n_processes=procs, seed=0, inference=inference, **kw) as s:
+                       seed=0, inference=inference, **where, **kw) as s:
         await s.obtain_fragments(max(n // 10, workers * envs))  # warm-up
         cpu0, t0, done, kids0 = time.process_time(), time.perf_counter(), 0, hosts_cpu()
         while done < n:
