@@ -7,7 +7,9 @@ same machine at nearly the same time (runs alternate A, B, A, B...). Workloads u
 both versions have: the ``Sampler`` (``obtain_fragments``, a per-worker agent) and the gymnasium
 face ``VectorEnv`` (lockstep ``step``, one agent call per vector step), each with a random agent
 and with the torch MLP of :mod:`benchmarks.policies`. Reported per workload: the median
-steps/s of each tree, B/A, and the CPU microseconds per transition of the main process and of
+steps/s of each tree, B/A, B/A of each repeat's pair of runs with a verdict (slower when every
+pair is under 0.97, inconclusive when the pairs disagree: the load moved more than the
+difference), and the CPU microseconds per transition of the main process and of
 its env hosts (its descendants, read from ``/proc``; 0 elsewhere): less sensitive to other load
 than wall-clock rates. Results go to ``--out`` as JSON and markdown.
 
@@ -257,6 +259,27 @@ def run_once(
     return result
 
 
+#: What "slower" means here: B under this fraction of A's rate (issue 31: no workload slower by
+#: more than 3%).
+TOLERANCE = 0.97
+
+
+def paired_ratios(sides: dict[str, list[dict[str, float]]]) -> list[float]:
+    """B/A of each repeat's two runs (run back to back, so they saw nearly the same load)."""
+    return [b["steps_per_s"] / a["steps_per_s"] for a, b in zip(sides["a"], sides["b"])]
+
+
+def verdict(pairs: list[float]) -> str:
+    """``"slower"`` when every repeat has B under :data:`TOLERANCE` of A, ``"not slower"`` when
+    none has, else ``"inconclusive"``: the repeats disagree, the machine's load moved more than
+    the difference (run it again with more ``--repeats`` on a quiet machine)."""
+    if all(r < TOLERANCE for r in pairs):
+        return "slower"
+    if all(r >= TOLERANCE for r in pairs):
+        return "not slower"
+    return "inconclusive"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every workload ``--repeats`` times on both trees, alternating, and write the results."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__)
@@ -309,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                 "a_steps_per_s": med("a", "steps_per_s"),
                 "b_steps_per_s": med("b", "steps_per_s"),
                 "ratio": med("b", "steps_per_s") / med("a", "steps_per_s"),
+                "pair_ratios": (pairs := paired_ratios(sides)),
+                "verdict": verdict(pairs),
                 "a_main_cpu_us": med("a", "main_cpu_us"),
                 "b_main_cpu_us": med("b", "main_cpu_us"),
                 "a_hosts_cpu_us": med("a", "hosts_cpu_us"),
@@ -334,14 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{machine['cores']} cores, Python {machine['python']}, {machine['date']}, load average "
         f"{min(load):.1f}-{max(load):.1f} during the run.",
         "",
-        "| workload | A steps/s | B steps/s | B/A | A main CPU us/step | B main CPU us/step "
-        "| A hosts CPU us/step | B hosts CPU us/step |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| workload | A steps/s | B steps/s | B/A | B/A per repeat | verdict | A main CPU us/step "
+        "| B main CPU us/step | A hosts CPU us/step | B hosts CPU us/step |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['workload']} | {row['a_steps_per_s']:,.0f} | {row['b_steps_per_s']:,.0f} | "
-            f"{row['ratio']:.2f}x | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} | "
+            f"{row['ratio']:.2f}x | {' '.join(f'{r:.2f}' for r in row['pair_ratios'])} | "
+            f"{row['verdict']} | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} | "
             f"{row['a_hosts_cpu_us']:.1f} | {row['b_hosts_cpu_us']:.1f} |"
         )
     (args.out / "results.md").write_text("\n".join(lines) + "\n")

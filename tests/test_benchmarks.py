@@ -218,3 +218,44 @@ def test_ab_metrics_on_against_off_smoke(tmp_path: Path) -> None:
         assert all(run["metrics_steps"] > 0 for run in row["runs"]["b"])
         assert all(run["metrics_steps"] == 0 for run in row["runs"]["a"])
     assert "(metrics on in B)" in (tmp_path / "results.md").read_text()
+
+
+def test_ab_async_envs_workloads_smoke(tmp_path: Path) -> None:
+    """The async-envs workloads run (``backend="asyncio"``, random and MLP), and each row
+    carries its pairs' ratios, a verdict and both processes' CPU per step."""
+    from benchmarks.__main__ import main
+
+    workloads = ["AsyncEnv 0 ms 1x8 random asyncio", "AsyncEnv 1 ms 10x100 MLP asyncio"]
+    code = main(["ab", "--quick", "--repeats", "2", "--out", str(tmp_path), "--a", str(REPO),
+                 "--b", str(REPO), "--workloads", *workloads])  # fmt: skip
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["workload"] for row in results["rows"]] == workloads
+    for row in results["rows"]:
+        assert len(row["pair_ratios"]) == 2 and all(r > 0 for r in row["pair_ratios"])
+        assert row["verdict"] in ("slower", "not slower", "inconclusive")
+        for side in ("a", "b"):
+            assert all(
+                run["steps_per_s"] > 0 and run["main_cpu_us"] > 0 for run in row["runs"][side]
+            )
+            assert all(run["hosts_cpu_us"] == 0 for run in row["runs"][side])  # no env hosts
+    assert "verdict" in (tmp_path / "results.md").read_text()
+
+
+def test_ab_counts_the_env_hosts_cpu(tmp_path: Path) -> None:
+    """A process-backend workload's hosts are the run's descendants: their CPU is counted."""
+    from benchmarks.__main__ import main
+
+    code = main(["ab", "--quick", "--repeats", "1", "--out", str(tmp_path), "--a", str(REPO),
+                 "--b", str(REPO), "--workloads", "CartPole-v1 2x4 random host"])  # fmt: skip
+    assert code == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert all(run["hosts_cpu_us"] > 0 for side in ("a", "b") for run in row["runs"][side])
+
+
+def test_ab_verdict() -> None:
+    from benchmarks.ab import verdict
+
+    assert verdict([0.90, 0.96]) == "slower"
+    assert verdict([0.97, 1.2]) == "not slower"
+    assert verdict([0.72, 1.11, 0.96]) == "inconclusive"  # session 8's CartPole 8x1 host pairs
