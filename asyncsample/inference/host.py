@@ -560,10 +560,7 @@ class _ArenaChunk:
     __slots__ = ("actions", "final_obs", "obs", "rewards", "terminated", "truncated")
 
     def __init__(self, chunk: ChunkBuffers, row: int, end: int) -> None:
-        arena = chunk.arena
-        self.obs: Tree = (
-            arena[row:end] if type(arena) is np.ndarray else tree_map(lambda a: a[row:end], arena)
-        )
+        self.obs: Tree = chunk.arena_view(row, end)
         self.final_obs: Tree = chunk.final_obs
         self.actions: Tree = chunk.actions
         self.rewards: np.ndarray = chunk.rewards
