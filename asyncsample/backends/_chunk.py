@@ -135,6 +135,13 @@ class ChunkBuffers:
             arena=arena,
         )
 
+    def with_arena_obs(self, row: int, end: int) -> ChunkBuffers:
+        """This chunk with arena rows ``row:end`` as its observations (where the host wrote
+        them); per chunk, so not ``dataclasses.replace`` (twice the cost)."""
+        chunk = object.__new__(ChunkBuffers)
+        chunk.__dict__.update(self.__dict__, obs=self.arena_view(row, end))
+        return chunk
+
     def arena_view(self, row: int, end: int) -> Tree:
         """Rows ``row:end`` of the observation :attr:`arena` (views)."""
         arena = self.arena

@@ -62,14 +62,7 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample._assembly import Plan
-from asyncsample._engine import (
-    CallMode,
-    ChunkRecords,
-    Episodes,
-    RecordStep,
-    StopRule,
-    Transition,
-)
+from asyncsample._engine import CallMode, Episodes, RecordStep, StopRule, Transition
 from asyncsample._recorder import Resume, row_of
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import (
@@ -482,9 +475,8 @@ class ChunkStepper:
         buffers = self.host.buffers
         chunk = self.chunk if chunk is None else chunk
         row = reply.obs_row
-        records: ChunkRecords = chunk
         if row >= 0:  # the host wrote the observations into the arena
-            records = _ArenaChunk(chunk, row, row + reply.steps + 1)
+            chunk = chunk.with_arena_obs(row, row + reply.steps + 1)
         record: RecordStep | None = None
         if worker.records_transitions:
 
@@ -495,13 +487,13 @@ class ChunkStepper:
                 env_infos: list[dict[str, Any]] | None,
                 done: np.ndarray,
             ) -> None:
-                self._record(records, j, t, reply.steps, agent_infos, env_infos, done)
+                self._record(chunk, j, t, reply.steps, agent_infos, env_infos, done)
 
         current = worker.agent_version
         worker.agent_version = version  # what process_transition sees during the chunk
         try:
             worker.episodes.replay(
-                records,
+                chunk,
                 reply.steps,
                 reply.agent_infos,
                 reply.step_infos,
@@ -515,7 +507,7 @@ class ChunkStepper:
 
     def _record(
         self,
-        chunk: ChunkRecords,
+        chunk: ChunkBuffers,
         j: int,
         t: int,
         steps: int,
@@ -550,22 +542,6 @@ class ChunkStepper:
             active=worker.episodes.active.copy(),
         )
         worker.history = worker.process_transition(worker.history, transition)
-
-
-class _ArenaChunk:
-    """A chunk's records whose observations are rows ``row:end`` of the worker's arena, where
-    the host wrote them (a plain object: this runs per chunk, ``dataclasses.replace`` cost
-    ~10 us of it)."""
-
-    __slots__ = ("actions", "final_obs", "obs", "rewards", "terminated", "truncated")
-
-    def __init__(self, chunk: ChunkBuffers, row: int, end: int) -> None:
-        self.obs: Tree = chunk.arena_view(row, end)
-        self.final_obs: Tree = chunk.final_obs
-        self.actions: Tree = chunk.actions
-        self.rewards: np.ndarray = chunk.rewards
-        self.terminated: np.ndarray = chunk.terminated
-        self.truncated: np.ndarray = chunk.truncated
 
 
 def _same_request(a: ChunkRequest, b: ChunkRequest) -> bool:
