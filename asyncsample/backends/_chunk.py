@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing import sharedctypes
-from typing import Any
+from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
@@ -43,10 +43,11 @@ from asyncsample.backends._transport import (
     round_trips,
     shared_buffers,
 )
-from asyncsample.backends.base import HostSpec, agent_note
+from asyncsample.backends.base import EnvHost, HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
 
 __all__ = [
+    "AgentHost",
     "ChunkBuffers",
     "ChunkReply",
     "ChunkRequest",
@@ -618,3 +619,36 @@ def _pack_infos(
     ):
         return {k: np.stack([infos[k] for infos in per_step]) for k in keys}
     return [(j, infos) for j, infos in enumerate(per_step) if infos]
+
+
+class AgentHost(EnvHost, Protocol):
+    """An env host that also runs the worker's agent (``inference="host"``).
+
+    The host keeps a copy of the worker's agent, steps chunks of steps with it and writes their
+    records into :attr:`chunk`. :meth:`set_agent` and :meth:`set_params` only record what the
+    copy should be; :meth:`sync_agent` (and every :meth:`run_chunk`) sends what the host lacks,
+    also to a host that was just restarted.
+    """
+
+    @property
+    def chunk(self) -> ChunkBuffers | None:
+        """The chunk records the host fills (``None``: the spec asked for no chunks)."""
+        ...
+
+    def set_agent(self, blob: bytes, version: int) -> None:
+        """Install ``blob`` (a pickled ``(cloudpickled agent, seed)``) before the next chunk;
+        it replaces earlier parameters. ``version``: the worker's agent version after it."""
+        ...
+
+    def set_params(self, blob: bytes, version: int) -> None:
+        """``set_param_values`` with the pickled parameters ``blob`` before the next chunk."""
+        ...
+
+    async def sync_agent(self) -> int:
+        """Send the agent and parameters the host lacks; the agent version in force there."""
+        ...
+
+    async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
+        """Run one chunk with the host's agent copy (synced first); the reply and the agent
+        version the chunk ran with. ``step_timeout`` applies per step of the chunk."""
+        ...
