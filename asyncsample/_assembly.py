@@ -75,13 +75,7 @@ class Plan:
     @property
     def n_envs(self) -> int:
         """Envs per row of the records."""
-        return len(tree_first(self.like_obs))
-
-
-def tree_first(tree: Tree) -> np.ndarray:
-    while isinstance(tree, (dict, tuple)):
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return tree  # type: ignore[no-any-return]
+        return len(tree_leaves(self.like_obs)[0])
 
 
 class BatchMemory:

@@ -57,7 +57,7 @@ from asyncsample.env_update import EnvChoice, EnvSource
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
 from asyncsample.inference.host import Host, pickle_agent
-from asyncsample.inference.modes import InferenceMode, make_mode
+from asyncsample.inference.modes import HostMode, InferenceMode, make_mode
 from asyncsample.metrics import make_metrics
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
@@ -199,7 +199,15 @@ class SamplerCore:
         """Env-host restarts so far (after env failures or crashes)."""
         self.last_stats: SampleStats | None = None
         """Statistics of the last call, or of the batch a stream yielded last."""
-        self.metrics = make_metrics(metrics, self)
+        envs = n_workers * envs_per_worker
+        self.metrics = make_metrics(
+            metrics,
+            backend=backend,
+            n_workers=n_workers,
+            env_parallel=self.traits.env_parallel(max_concurrency, envs, self.n_processes),
+            agent_parallel=self.n_processes if isinstance(self.mode, HostMode) else 1,
+            lanes=self.lanes,
+        )
         """The Prometheus metrics (:mod:`asyncsample.metrics`), ``None`` when off."""
 
     async def start(self) -> None:

@@ -27,7 +27,6 @@ import numpy as np
 from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, IN_FLIGHT, AgentTimer
 
 if TYPE_CHECKING:
-    from asyncsample._core import SamplerCore
     from asyncsample.inference.batched import Batcher
     from asyncsample.worker import Worker
 
@@ -79,8 +78,17 @@ def _registry(metrics: Any) -> Any:
     )
 
 
-def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
-    """The :class:`SamplerMetrics` that ``metrics=`` asks for (``None``: none), for ``core``.
+def make_metrics(
+    metrics: Any,
+    *,
+    backend: str,
+    n_workers: int,
+    env_parallel: int,
+    agent_parallel: int,
+    lanes: bool,
+) -> SamplerMetrics | None:
+    """The :class:`SamplerMetrics` that ``metrics=`` asks for (``None``: none), for a sampler
+    whose env steps run ``env_parallel`` at a time and its agent calls ``agent_parallel``.
 
     Raises:
         ImportError: ``prometheus_client`` is not installed (the ``metrics`` extra).
@@ -89,17 +97,14 @@ def make_metrics(metrics: Any, core: SamplerCore) -> SamplerMetrics | None:
     registry = _registry(metrics)
     if registry is None:
         return None
-    from asyncsample.inference.modes import HostMode
-
-    envs = core.n_workers * core.envs_per_worker
     made = SamplerMetrics(
         _hub_of(registry),
-        backend=core.backend_name,
-        n_workers=core.n_workers,
-        env_parallel=core.traits.env_parallel(core.max_concurrency, envs, core.n_processes),
-        agent_parallel=core.n_processes if isinstance(core.mode, HostMode) else 1,
+        backend=backend,
+        n_workers=n_workers,
+        env_parallel=env_parallel,
+        agent_parallel=agent_parallel,
     )
-    made.state.lanes = core.lanes
+    made.state.lanes = lanes
     return made
 
 

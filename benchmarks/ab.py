@@ -7,8 +7,11 @@ same machine at nearly the same time (runs alternate A, B, A, B...). Workloads u
 both versions have: the ``Sampler`` (``obtain_fragments``, a per-worker agent) and the gymnasium
 face ``VectorEnv`` (lockstep ``step``, one agent call per vector step), each with a random agent
 and with the torch MLP of :mod:`benchmarks.policies`. Reported per workload: the median
-steps/s of each tree, B/A, and the main process's CPU microseconds per transition (less
-sensitive to other load than wall-clock rates). Results go to ``--out`` as JSON and markdown.
+steps/s of each tree, B/A, B/A of each repeat's pair of runs with a verdict (slower when every
+pair is under 0.97, inconclusive when the pairs disagree: the load moved more than the
+difference), and the CPU microseconds per transition of the main process and of
+its env hosts (its descendants, read from ``/proc``; 0 elsewhere): less sensitive to other load
+than wall-clock rates. Results go to ``--out`` as JSON and markdown.
 
 ``--metrics b`` (or ``a``, ``both``) runs that side with ``metrics=CollectorRegistry()`` (the
 Sampler's and the faces' Prometheus metrics, scraped once at the end of each run): with
@@ -35,9 +38,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``;
 #: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent);
 #: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``;
-#: ``"asyncio"`` and ``"thread"`` are the sampler on that backend (the lanes) with the envs of
-#: :mod:`benchmarks.async_envs` at zero latency (async, or blocking for ``thread``): the lane
-#: path's own cost per step.
+#: ``"asyncio"``, ``"asyncio-batched"`` and ``"thread"`` are the sampler on that backend (the
+#: lanes; ``-batched``: ``inference="batched"`` with one agent for every env) on the latency envs
+#: of :mod:`benchmarks.async_envs` (async, or blocking for ``thread``; episodes of 100 steps):
+#: the env id is the mean step latency in seconds ("0": the step awaits nothing, the lane path's
+#: own cost); processes are unused.
 WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     "CartPole-v1 4x8 random": ("sampler", "CartPole-v1", 4, 8, 2, False, 200_000),
     "FixedCost-v0 2x4 random": ("sampler", "benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
@@ -89,8 +94,37 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         False,
         16_000,
     ),
-    "AsyncLatency-0 4x16 random asyncio": ("asyncio", "latency-0", 4, 16, 1, False, 100_000),
-    "SleepLatency-0 4x4 random thread": ("thread", "latency-0", 4, 4, 1, False, 40_000),
+    "AsyncEnv 0 ms 4x16 random asyncio": ("asyncio", "0", 4, 16, 0, False, 100_000),
+    "SleepEnv 0 ms 4x4 random thread": ("thread", "0", 4, 4, 0, False, 40_000),
+    "AsyncEnv 0 ms 1x8 random asyncio batched": ("asyncio-batched", "0", 1, 8, 0, False, 100_000),
+    "AsyncEnv 0 ms 10x100 random asyncio batched": (
+        "asyncio-batched",
+        "0",
+        10,
+        100,
+        0,
+        False,
+        100_000,
+    ),
+    "AsyncEnv 1 ms 10x100 random asyncio batched": (
+        "asyncio-batched",
+        "0.001",
+        10,
+        100,
+        0,
+        False,
+        100_000,
+    ),
+    "AsyncEnv 0 ms 10x100 MLP asyncio batched": ("asyncio-batched", "0", 10, 100, 0, True, 100_000),
+    "AsyncEnv 1 ms 10x100 MLP asyncio batched": (
+        "asyncio-batched",
+        "0.001",
+        10,
+        100,
+        0,
+        True,
+        100_000,
+    ),
     # Atari (ale-py, bench extra): big observations through the chunk buffers
     "Pong-v5 2x4 random host": ("host", "benchmarks.envs:Pong-v5", 2, 4, 2, False, 12_000),
     "Pong-v5 4x2 random host": ("host", "benchmarks.envs:Pong-v5", 4, 2, 2, False, 12_000),
@@ -109,7 +143,24 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
 }
 
 _CHILD = """
-import asyncio, json, sys, time, resource
+import asyncio, json, os, sys, time, resource
+def hosts_cpu():  # CPU seconds of this process's descendants (the env hosts), from /proc
+    me, tick, parent, cpu = os.getpid(), os.sysconf("SC_CLK_TCK"), {{}}, {{}}
+    for d in os.listdir("/proc") if os.path.isdir("/proc/self") else ():
+        try:
+            stat = open(f"/proc/{{d}}/stat").read() if d.isdigit() else ""
+        except OSError:
+            continue
+        if stat:
+            f = stat[stat.rfind(")") + 2:].split()
+            parent[int(d)], cpu[int(d)] = int(f[1]), (int(f[11]) + int(f[12])) / tick
+    total = 0.0
+    for pid, seconds in cpu.items():
+        up = parent.get(pid)
+        while up and up != me:
+            up = parent.get(up)
+        total += seconds if up == me else 0.0
+    return total
 sys.path.append({bench_root!r})  # after PYTHONPATH: asyncsample comes from the tree
 import benchmarks.envs  # registers the benchmark envs
 from asyncsample import Sampler
@@ -121,13 +172,18 @@ if metrics:  # only then: a tree without metrics= still runs the other side
     registry = CollectorRegistry()
 kw = {{}} if registry is None else {{"metrics": registry}}
 agent = None
+lanes = face in ("asyncio", "asyncio-batched", "thread")
+if lanes:  # the latency envs of the async_envs study, this tree's or (older) ours
+    import functools
+    from benchmarks.async_envs import make_env
+    env_id = functools.partial(make_env, face == "thread", mean=float(env_id))
 if policy:
     import gymnasium as gym
     import importlib.util  # this checkout's policies, whatever tree's benchmarks/ comes first
     spec = importlib.util.spec_from_file_location("ab_policies", {policies!r})
     policies = importlib.util.module_from_spec(spec); spec.loader.exec_module(policies)
     MLPAgent = policies.MLPAgent
-    probe = gym.make(env_id)
+    probe = env_id() if lanes else gym.make(env_id)
     agent = [MLPAgent(probe.observation_space, probe.action_space, seed=w) for w in range(workers)]
 def vector():
     from asyncsample import VectorEnv
@@ -137,29 +193,32 @@ def vector():
     act = (lambda o: agent[0].act(o)) if policy else (lambda o: venv.action_space.sample())
     for _ in range(max(n // 10 // (workers * envs), 1)):  # warm-up
         obs = venv.step(act(obs))[0]
-    cpu0, t0, done = time.process_time(), time.perf_counter(), 0
+    cpu0, t0, done, kids0 = time.process_time(), time.perf_counter(), 0, hosts_cpu()
     while done < n:
         obs = venv.step(act(obs))[0]
         done += workers * envs
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    kids[0] = hosts_cpu() - kids0
     scrape()
     venv.close()
     return done, wall, cpu
 async def main():
-    inference = face if face in ("batched", "host") else "per_worker"
-    shared = agent[0] if inference == "batched" else agent
-    env, lanes = env_id, {{}}
-    if face in ("asyncio", "thread"):
-        import functools
-        from benchmarks.async_envs import make_env
-        env, lanes = functools.partial(make_env, face == "thread", 0.0), {{"backend": face}}
-    async with Sampler(env, shared, n_workers=workers, envs_per_worker=envs,
-                       n_processes=procs, seed=0, inference=inference, **lanes, **kw) as s:
+    inference = {{"batched": "batched", "host": "host", "asyncio-batched": "batched"}}.get(
+        face, "per_worker"
+    )
+    shared = agent[0] if inference == "batched" and agent else agent
+    if inference == "batched" and not policy:  # batched needs one agent: the built-in random one
+        from asyncsample import RandomAgent
+        shared = RandomAgent(env_id().action_space, seed=0)
+    where = {{"backend": face.split("-")[0]}} if lanes else {{"n_processes": procs}}
+    async with Sampler(env_id, shared, n_workers=workers, envs_per_worker=envs,
+                       seed=0, inference=inference, **where, **kw) as s:
         await s.obtain_fragments(max(n // 10, workers * envs))  # warm-up
-        cpu0, t0, done = time.process_time(), time.perf_counter(), 0
+        cpu0, t0, done, kids0 = time.process_time(), time.perf_counter(), 0, hosts_cpu()
         while done < n:
             done += (await s.obtain_fragments(max(n // 10, workers * envs))).n_transitions
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        kids[0] = hosts_cpu() - kids0
         scrape()
     return done, wall, cpu
 async def streamed():
@@ -172,15 +231,16 @@ async def streamed():
             async for batch in batches:
                 k += 1
                 if k == 2:  # the first two rounds warm up
-                    cpu0, t0 = time.process_time(), time.perf_counter()
+                    cpu0, t0, kids0 = time.process_time(), time.perf_counter(), hosts_cpu()
                 elif k > 2:
                     done += batch.n_transitions
                     if done >= n:
                         break
             wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        kids[0] = hosts_cpu() - kids0
         scrape()
     return done, wall, cpu
-scraped = [0.0]
+scraped, kids = [0.0], [0.0]
 def scrape():  # what a scraper would read: the steps counted (checks the metrics ran)
     if registry is None:
         return
@@ -193,7 +253,8 @@ else:
     done, wall, cpu = asyncio.run(streamed() if face == "host-stream" else main())
 import asyncsample
 print(json.dumps({{"steps_per_s": done / wall, "main_cpu_us": 1e6 * cpu / done,
-                  "metrics_steps": scraped[0], "module": asyncsample.__file__}}))
+                  "metrics_steps": scraped[0], "hosts_cpu_us": 1e6 * kids[0] / done,
+                  "module": asyncsample.__file__}}))
 """
 
 
@@ -225,6 +286,27 @@ def run_once(
     if metrics and not result["metrics_steps"] > 0:
         raise RuntimeError(f"the run on {tree} with metrics on counted no steps")
     return result
+
+
+#: What "slower" means here: B under this fraction of A's rate (issue 31: no workload slower by
+#: more than 3%).
+TOLERANCE = 0.97
+
+
+def paired_ratios(sides: dict[str, list[dict[str, float]]]) -> list[float]:
+    """B/A of each repeat's two runs (run back to back, so they saw nearly the same load)."""
+    return [b["steps_per_s"] / a["steps_per_s"] for a, b in zip(sides["a"], sides["b"])]
+
+
+def verdict(pairs: list[float]) -> str:
+    """``"slower"`` when every repeat has B under :data:`TOLERANCE` of A, ``"not slower"`` when
+    none has, else ``"inconclusive"``: the repeats disagree, the machine's load moved more than
+    the difference (run it again with more ``--repeats`` on a quiet machine)."""
+    if all(r < TOLERANCE for r in pairs):
+        return "slower"
+    if all(r >= TOLERANCE for r in pairs):
+        return "not slower"
+    return "inconclusive"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,8 +361,12 @@ def main(argv: list[str] | None = None) -> int:
                 "a_steps_per_s": med("a", "steps_per_s"),
                 "b_steps_per_s": med("b", "steps_per_s"),
                 "ratio": med("b", "steps_per_s") / med("a", "steps_per_s"),
+                "pair_ratios": (pairs := paired_ratios(sides)),
+                "verdict": verdict(pairs),
                 "a_main_cpu_us": med("a", "main_cpu_us"),
                 "b_main_cpu_us": med("b", "main_cpu_us"),
+                "a_hosts_cpu_us": med("a", "hosts_cpu_us"),
+                "b_hosts_cpu_us": med("b", "hosts_cpu_us"),
                 "runs": sides,
             }
         )
@@ -302,13 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{machine['cores']} cores, Python {machine['python']}, {machine['date']}, load average "
         f"{min(load):.1f}-{max(load):.1f} during the run.",
         "",
-        "| workload | A steps/s | B steps/s | B/A | A main CPU us/step | B main CPU us/step |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| workload | A steps/s | B steps/s | B/A | B/A per repeat | verdict | A main CPU us/step "
+        "| B main CPU us/step | A hosts CPU us/step | B hosts CPU us/step |",
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['workload']} | {row['a_steps_per_s']:,.0f} | {row['b_steps_per_s']:,.0f} | "
-            f"{row['ratio']:.2f}x | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} |"
+            f"{row['ratio']:.2f}x | {' '.join(f'{r:.2f}' for r in row['pair_ratios'])} | "
+            f"{row['verdict']} | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} | "
+            f"{row['a_hosts_cpu_us']:.1f} | {row['b_hosts_cpu_us']:.1f} |"
         )
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

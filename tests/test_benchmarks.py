@@ -36,8 +36,8 @@ SMOKE: dict[str, list[str]] = {
                   "asyncsample"],
     "sweep": ["--contenders", "ceiling", "envpool", "asyncsample"],
     "ab": ["--a", str(REPO), "--workloads", "CartPole-v1 4x8 random"],
-    "async_envs": ["--levels", "10", "--contenders", "gym-async", "pool-32", "ours-thread",
-                   "ours-asyncio", "--seconds", "0.5"],
+    "async_envs": ["--levels", "10", "--contenders", "ceiling", "gym-async", "pool-32",
+                   "ours-thread", "ours-asyncio", "ours-process-batched", "--seconds", "0.5"],
 }  # fmt: skip
 
 
@@ -220,15 +220,47 @@ def test_ab_metrics_on_against_off_smoke(tmp_path: Path) -> None:
     assert "(metrics on in B)" in (tmp_path / "results.md").read_text()
 
 
-def test_ab_lane_workloads_smoke(tmp_path: Path) -> None:
-    """``ab``'s lane workloads (zero-latency envs on ``asyncio`` and ``thread``) run on a tree."""
+def test_ab_async_envs_workloads_smoke(tmp_path: Path) -> None:
+    """The async-envs workloads run (the lanes: ``asyncio`` per worker and batched, ``thread``;
+    random and MLP), and each row
+    carries its pairs' ratios, a verdict and both processes' CPU per step."""
     from benchmarks.__main__ import main
 
-    code = main(["ab", "--quick", "--out", str(tmp_path), "--a", str(REPO), "--b", str(REPO),
-                 "--workloads", "AsyncLatency-0 4x16 random asyncio",
-                 "SleepLatency-0 4x4 random thread"])  # fmt: skip
+    workloads = [
+        "AsyncEnv 0 ms 4x16 random asyncio",
+        "SleepEnv 0 ms 4x4 random thread",
+        "AsyncEnv 1 ms 10x100 MLP asyncio batched",
+    ]
+    code = main(["ab", "--quick", "--repeats", "2", "--out", str(tmp_path), "--a", str(REPO),
+                 "--b", str(REPO), "--workloads", *workloads])  # fmt: skip
     assert code == 0
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
-    assert len(rows) == 2
-    for row in rows:
-        assert all(run["steps_per_s"] > 0 and run["main_cpu_us"] > 0 for run in row["runs"]["a"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["workload"] for row in results["rows"]] == workloads
+    for row in results["rows"]:
+        assert len(row["pair_ratios"]) == 2 and all(r > 0 for r in row["pair_ratios"])
+        assert row["verdict"] in ("slower", "not slower", "inconclusive")
+        for side in ("a", "b"):
+            assert all(
+                run["steps_per_s"] > 0 and run["main_cpu_us"] > 0 for run in row["runs"][side]
+            )
+            assert all(run["hosts_cpu_us"] == 0 for run in row["runs"][side])  # no env hosts
+    assert "verdict" in (tmp_path / "results.md").read_text()
+
+
+def test_ab_counts_the_env_hosts_cpu(tmp_path: Path) -> None:
+    """A process-backend workload's hosts are the run's descendants: their CPU is counted."""
+    from benchmarks.__main__ import main
+
+    code = main(["ab", "--quick", "--repeats", "1", "--out", str(tmp_path), "--a", str(REPO),
+                 "--b", str(REPO), "--workloads", "CartPole-v1 2x4 random host"])  # fmt: skip
+    assert code == 0
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert all(run["hosts_cpu_us"] > 0 for side in ("a", "b") for run in row["runs"][side])
+
+
+def test_ab_verdict() -> None:
+    from benchmarks.ab import verdict
+
+    assert verdict([0.90, 0.96]) == "slower"
+    assert verdict([0.97, 1.2]) == "not slower"
+    assert verdict([0.72, 1.11, 0.96]) == "inconclusive"  # session 8's CartPole 8x1 host pairs

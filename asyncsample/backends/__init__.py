@@ -22,6 +22,7 @@ from typing import Any
 from asyncsample import _validate
 from asyncsample.backends._chunk import (
     DEFAULT_CHUNK_STEPS,
+    AgentHost,
     ChunkBuffers,
     ChunkReply,
     ChunkRequest,
@@ -30,7 +31,6 @@ from asyncsample.backends._chunk import (
     chunk_capacity,
 )
 from asyncsample.backends.base import (
-    AgentHost,
     Backend,
     DirectReader,
     EnvHost,

@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing import sharedctypes
-from typing import Any
+from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
@@ -37,11 +37,17 @@ from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import trusted_actions
-from asyncsample.backends._transport import SharedArray, round_trips, shared_buffers
-from asyncsample.backends.base import HostSpec, agent_note
+from asyncsample.backends._transport import (
+    SharedArray,
+    buffer_rows,
+    round_trips,
+    shared_buffers,
+)
+from asyncsample.backends.base import EnvHost, HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
 
 __all__ = [
+    "AgentHost",
     "ChunkBuffers",
     "ChunkReply",
     "ChunkRequest",
@@ -106,7 +112,7 @@ class ChunkBuffers:
 
     @classmethod
     def from_flat(
-        cls, flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None
+        cls, flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None, arena: Tree = None
     ) -> ChunkBuffers:
         """View step buffers allocated for ``rows * n_envs`` envs (``rows >= capacity``) as
         chunk buffers; ``counter``: the memory of the step counter and the update epoch (two
@@ -116,11 +122,7 @@ class ChunkBuffers:
         def shape(a: np.ndarray) -> np.ndarray:
             return a.reshape(rows, n_envs, *a.shape[1:])
 
-        if counter is None:
-            counters = np.zeros(2, np.int64)
-        else:
-            counters = np.frombuffer(counter, np.int64)
-
+        counters = np.zeros(2, np.int64) if counter is None else np.frombuffer(counter, np.int64)
         return cls(
             obs=tree_map(shape, flat.obs),
             final_obs=tree_map(shape, flat.final_obs),
@@ -130,7 +132,22 @@ class ChunkBuffers:
             truncated=shape(flat.truncated),
             capacity=capacity,
             progress=counters[0:1],
-            epoch=counters[1:2] if len(counters) > 1 else np.zeros(1, np.int64),
+            epoch=counters[1:2],
+            arena=arena,
+        )
+
+    def with_arena_obs(self, row: int, end: int) -> ChunkBuffers:
+        """This chunk with arena rows ``row:end`` as its observations (where the host wrote
+        them); per chunk, so not ``dataclasses.replace`` (twice the cost)."""
+        chunk = object.__new__(ChunkBuffers)
+        chunk.__dict__.update(self.__dict__, obs=self.arena_view(row, end))
+        return chunk
+
+    def arena_view(self, row: int, end: int) -> Tree:
+        """Rows ``row:end`` of the observation :attr:`arena` (views)."""
+        arena = self.arena
+        return (
+            arena[row:end] if type(arena) is np.ndarray else tree_map(lambda a: a[row:end], arena)
         )
 
 
@@ -146,28 +163,14 @@ def chunk_sets(
     """Split step buffers allocated for ``chunk_rows(capacity, sets) * n_envs`` envs into the
     ``sets`` sets of chunk buffers of a slot, sharing one step counter and epoch (and the
     observation ``arena``, if any)."""
-    rows = capacity + 1
-    sets = len(flat.rewards) // (rows * n_envs)
+    per = (capacity + 1) * n_envs
     counters = np.zeros(2, np.int64) if counter is None else counter
-    out = []
-    for k in range(sets):
-        part = slice(k * rows * n_envs, (k + 1) * rows * n_envs)
-
-        def cut(a: np.ndarray, part: slice = part) -> np.ndarray:
-            return a[part]
-
-        view = StepBuffers(
-            obs=tree_map(cut, flat.obs),
-            final_obs=tree_map(cut, flat.final_obs),
-            actions=tree_map(cut, flat.actions),
-            rewards=flat.rewards[part],
-            terminated=flat.terminated[part],
-            truncated=flat.truncated[part],
+    return [
+        ChunkBuffers.from_flat(
+            buffer_rows(flat, k * per, k * per + per), capacity, n_envs, counters, arena
         )
-        chunk = ChunkBuffers.from_flat(view, capacity, n_envs, counters)
-        chunk.arena = arena
-        out.append(chunk)
-    return out
+        for k in range(len(flat.rewards) // per)
+    ]
 
 
 def arena_rows(observation_space: gym.Space[Any], n_envs: int, capacity: int) -> int:
@@ -500,15 +503,10 @@ class ChunkRunner:
         """Arena rows ``row...row + steps`` (the spare row included), or ``None`` when there is
         no arena, ``row`` is -1 or the rows pass the arena's end."""
         arena = self.chunk.arena
-        if arena is None or row < 0:
-            return None
         end = row + steps + 1
-        if type(arena) is np.ndarray:
-            return arena[row:end] if end <= len(arena) else None
-        leaves = tree_leaves(arena)
-        if end > len(leaves[0]):
+        if arena is None or row < 0 or end > len(tree_leaves(arena)[0]):
             return None
-        return tree_map(lambda a: a[row:end], arena)
+        return self.chunk.arena_view(row, end)
 
     def _run(
         self,
@@ -621,3 +619,36 @@ def _pack_infos(
     ):
         return {k: np.stack([infos[k] for infos in per_step]) for k in keys}
     return [(j, infos) for j, infos in enumerate(per_step) if infos]
+
+
+class AgentHost(EnvHost, Protocol):
+    """An env host that also runs the worker's agent (``inference="host"``).
+
+    The host keeps a copy of the worker's agent, steps chunks of steps with it and writes their
+    records into :attr:`chunk`. :meth:`set_agent` and :meth:`set_params` only record what the
+    copy should be; :meth:`sync_agent` (and every :meth:`run_chunk`) sends what the host lacks,
+    also to a host that was just restarted.
+    """
+
+    @property
+    def chunk(self) -> ChunkBuffers | None:
+        """The chunk records the host fills (``None``: the spec asked for no chunks)."""
+        ...
+
+    def set_agent(self, blob: bytes, version: int) -> None:
+        """Install ``blob`` (a pickled ``(cloudpickled agent, seed)``) before the next chunk;
+        it replaces earlier parameters. ``version``: the worker's agent version after it."""
+        ...
+
+    def set_params(self, blob: bytes, version: int) -> None:
+        """``set_param_values`` with the pickled parameters ``blob`` before the next chunk."""
+        ...
+
+    async def sync_agent(self) -> int:
+        """Send the agent and parameters the host lacks; the agent version in force there."""
+        ...
+
+    async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
+        """Run one chunk with the host's agent copy (synced first); the reply and the agent
+        version the chunk ran with. ``step_timeout`` applies per step of the chunk."""
+        ...

@@ -153,10 +153,7 @@ class HostSlot:
 
     def run_chunk(self, request: ChunkRequest | NextChunk) -> ChunkReply:
         runner = self._runner()
-        if self.timing is not None:
-            reply: ChunkReply = self.timing.run(request)
-            return reply
-        return runner.run(request)
+        return runner.run(request) if self.timing is None else self.timing.run(request)
 
     def close(self) -> None:
         self.group.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -23,12 +23,8 @@ from asyncsample.env_group import EnvFailure, StepBuffers, StepInfos
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import WorkerError
 
-if TYPE_CHECKING:
-    from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
-
 __all__ = [
     "LOGGER",
-    "AgentHost",
     "Backend",
     "DirectReader",
     "EnvHost",
@@ -213,39 +209,6 @@ class SentStep(Protocol):
 
     async def wait(self) -> StepInfos:
         """What :meth:`EnvHost.step` returns or raises for this request (in the event loop)."""
-        ...
-
-
-class AgentHost(EnvHost, Protocol):
-    """An env host that also runs the worker's agent (``inference="host"``).
-
-    The host keeps a copy of the worker's agent, steps chunks of steps with it and writes their
-    records into :attr:`chunk`. :meth:`set_agent` and :meth:`set_params` only record what the
-    copy should be; :meth:`sync_agent` (and every :meth:`run_chunk`) sends what the host lacks,
-    also to a host that was just restarted.
-    """
-
-    @property
-    def chunk(self) -> ChunkBuffers | None:
-        """The chunk records the host fills (``None``: the spec asked for no chunks)."""
-        ...
-
-    def set_agent(self, blob: bytes, version: int) -> None:
-        """Install ``blob`` (a pickled ``(cloudpickled agent, seed)``) before the next chunk;
-        it replaces earlier parameters. ``version``: the worker's agent version after it."""
-        ...
-
-    def set_params(self, blob: bytes, version: int) -> None:
-        """``set_param_values`` with the pickled parameters ``blob`` before the next chunk."""
-        ...
-
-    async def sync_agent(self) -> int:
-        """Send the agent and parameters the host lacks; the agent version in force there."""
-        ...
-
-    async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
-        """Run one chunk with the host's agent copy (synced first); the reply and the agent
-        version the chunk ran with. ``step_timeout`` applies per step of the chunk."""
         ...
 
 

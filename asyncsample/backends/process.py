@@ -722,7 +722,9 @@ class ProcessBackend:
         raws: list[Any] = []
         chunks: list[list[ChunkBuffers]] = []
         raw_chunks: list[_chunk.RawChunks | None] = []
-        joint = joint_buffers(specs, ctx)  # one allocation when the spaces are the same
+        # One allocation when the spaces are the same, but not for host-run chunks, whose hosts
+        # would write the same cache lines at every step: only per-step stepping reads them all.
+        joint = None if any(s.chunk_steps for s in specs) else joint_buffers(specs, ctx)
         self.joint = None if joint is None else joint[0]
         for w, spec in enumerate(specs):
             if joint is not None:

@@ -54,7 +54,7 @@ import logging
 import pickle
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import cloudpickle
@@ -484,8 +484,7 @@ class ChunkStepper:
         chunk = self.chunk if chunk is None else chunk
         row = reply.obs_row
         if row >= 0:  # the host wrote the observations into the arena
-            end = row + reply.steps + 1
-            chunk = replace(chunk, obs=tree_map(lambda a: a[row:end], chunk.arena))
+            chunk = chunk.with_arena_obs(row, row + reply.steps + 1)
         record: RecordStep | None = None
         if worker.records_transitions:
 
