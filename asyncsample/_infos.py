@@ -152,19 +152,9 @@ def stack_infos(
     convention. Nested dicts are stacked recursively under the same rule (a row that lacks the
     parent lacks every child). Values that do not form a regular array (ragged shapes) are kept
     as a 1-D object array. The common case, every dict empty, costs one truthiness check per
-    dict.
-
-    Args:
-        infos: the info dicts, one per step or per episode.
-        name: what the dicts are (e.g. ``"env_infos"``); kept for callers of earlier versions.
-        keys: stack only these keys (in this order); default every key, in order of first
-            appearance.
-        rows: :func:`key_rows` of ``infos``, if the caller has it already.
-
-    Returns:
-        A dict mapping each key to its stacked array (or, for nested dicts, to a dict of
-        stacked arrays), followed by its mask where it was absent somewhere. ``{}`` for empty
-        input.
+    dict. ``keys``: only these (in this order; default every key, in order of first
+    appearance); ``rows``: :func:`key_rows` of ``infos`` if the caller has it; ``name`` is kept
+    for callers of earlier versions. Each key's mask, where it has one, follows it.
     """
     del name  # no warning any more: nothing is dropped
     if rows is None:

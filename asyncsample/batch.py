@@ -386,12 +386,6 @@ class EpisodeBatch:
         batch holds per episode and another per step stays in both places, masked in each
         where it is absent. The first batch's ``env_spec`` is used.
 
-        Args:
-            *batches: the batches to join, at least one.
-
-        Returns:
-            A new batch holding every episode of every input.
-
         Raises:
             ValueError: if no batch is given, or an info key is a dict in one batch and an array
                 in another.
@@ -500,13 +494,6 @@ class EpisodeBatch:
         some paths (or steps) carry are kept, filled and masked as in :meth:`concatenate`; a
         list of per-step dicts is stacked by :func:`stack_infos`, without moving any key to
         ``episode_infos``.
-
-        Args:
-            env_spec: the spec of the env the paths came from.
-            paths: the episodes.
-
-        Returns:
-            The batch.
 
         Raises:
             ValueError: if ``paths`` is empty or a path lacks step types and dones.

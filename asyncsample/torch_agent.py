@@ -225,13 +225,8 @@ class TorchAgent:
     # -- internals -----------------------------------------------------------------------------
 
     def _as_tensor(self, array: Any) -> torch.Tensor:
-        """One observation leaf as a tensor on the device, sharing memory where it can.
-
-        Floating arrays take the module's floating dtype; other dtypes (integer or boolean
-        observations) are kept. An array already of the right dtype is shared on the CPU, except
-        a read-only one: a tensor may not share a read-only buffer (torch warns that writes would
-        be undefined), so that one case is copied.
-        """
+        """One observation leaf as a tensor on the device, in the module's floating dtype if
+        floating; shared on the CPU unless read-only (torch refuses to share those: copied)."""
         if not isinstance(array, np.ndarray):
             tensor = torch.as_tensor(array, device=self.device)
             return tensor.to(self._float_dtype) if tensor.is_floating_point() else tensor
