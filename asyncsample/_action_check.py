@@ -85,18 +85,11 @@ def check_actions(
     hint: str = "",
     rows: str | None = None,
 ) -> Tree:
-    """``actions`` as arrays shaped like ``expected`` (a worker's action buffers), checked.
-
-    One code path for the main process's workers and the hosts' chunk runners: the number of
-    actions must be the worker's env count, their per-env shape the space's, and, when a
-    ``values`` check is given (``None`` for trusted agents), every action must lie in the space.
-
-    ``rows`` describes the rows asked for when they are not one worker's envs (a merged call
-    of the lane backends: "5 rows, the ready envs of workers 0, 2"), for the messages.
-
-    Raises:
-        ValueError: saying "action", naming the worker (and the env for a value outside the space).
-    """
+    """``actions`` as arrays shaped like ``expected`` (a worker's action buffers), checked, for
+    the workers, the merger and the hosts' chunk runners alike: one action per env (per row
+    asked for: ``rows`` describes them when they are not one worker's envs), the space's
+    per-env shape, and with ``values`` (``None`` for trusted agents) every action in the space.
+    A ``ValueError`` says "action" and names the worker (and the env for a value outside)."""
     if isinstance(expected, np.ndarray):
         actions = np.asarray(actions)
         pairs = [] if actions.shape == expected.shape else [(actions, expected)]
@@ -147,11 +140,8 @@ class AgentOutputCheck:
     its dtype kind (float, int, bool...) and its per-row shape stay the same for as long as the
     worker keeps the same agent object (an agent update that replaces the agent may change
     them; see :meth:`forget`). Within a kind, later values are stored with the key's first dtype.
-    A key may be missing on some steps.
-
-    Args:
-        worker: the worker's index (for the messages).
-        n_envs: rows every info value must have.
+    A key may be missing on some steps. ``worker`` is named in the messages; every info value
+    must have ``n_envs`` rows.
     """
 
     def __init__(self, worker: int, n_envs: int) -> None:
