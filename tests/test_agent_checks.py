@@ -193,4 +193,6 @@ async def test_an_untrusted_random_agent_is_range_checked(
         with pytest.raises((ValueError, WorkerError), match="outside the action space"):
             await s.obtain_samples(30)
         good = await s.obtain_samples(12, agent_update=ScriptedAgent())
-        assert good.lengths.tolist() == [6, 6, 6]
+        # Still usable: whole scripted episodes (on thread the envs are not in lockstep, so
+        # two or three of them complete by the quota).
+        assert good.n_transitions >= 12 and set(good.lengths.tolist()) == {6}
