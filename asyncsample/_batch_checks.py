@@ -4,8 +4,9 @@ A malformed batch should fail where it is made, with a ``ValueError`` naming the
 it should have been, not deep inside a learner. :func:`check_fields` is the whole check, run by
 ``EpisodeBatch.__post_init__``; the helpers below it check one kind of field each.
 
-This module does not import :mod:`asyncsample.batch` (which imports it): the batch passes
-itself and its :class:`~asyncsample.batch.StepType` in.
+This module does not import :mod:`asyncsample.batch` (which imports it), not even for types:
+the batch passes itself (read as :class:`BatchFields`) and its
+:class:`~asyncsample.batch.StepType` in.
 """
 
 from __future__ import annotations
@@ -13,20 +14,60 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import gymnasium
 import numpy as np
 
 from asyncsample._tree import Tree
 
-if TYPE_CHECKING:
-    from asyncsample.batch import EpisodeBatch
+__all__ = [
+    "BatchFields",
+    "check_batched",
+    "check_fields",
+    "check_infos",
+    "check_step_types",
+    "space_mismatch",
+]
 
-__all__ = ["check_batched", "check_fields", "check_infos", "check_step_types", "space_mismatch"]
+
+class Spaces(Protocol):
+    """The spaces of a batch's ``env_spec``."""
+
+    @property
+    def observation_space(self) -> gymnasium.Space[Any]: ...
+    @property
+    def action_space(self) -> gymnasium.Space[Any]: ...
 
 
-def check_fields(batch: EpisodeBatch, step_type: type[enum.IntEnum]) -> None:
+class BatchFields(Protocol):
+    """The fields of an :class:`~asyncsample.batch.EpisodeBatch` that :func:`check_fields` reads."""
+
+    @property
+    def env_spec(self) -> Spaces: ...
+    @property
+    def episode_infos(self) -> dict[str, Any]: ...
+    @property
+    def observations(self) -> Tree: ...
+    @property
+    def last_observations(self) -> Tree: ...
+    @property
+    def actions(self) -> Tree: ...
+    @property
+    def rewards(self) -> np.ndarray: ...
+    @property
+    def env_infos(self) -> dict[str, Any]: ...
+    @property
+    def agent_infos(self) -> dict[str, Any]: ...
+    @property
+    def step_types(self) -> np.ndarray: ...
+    @property
+    def lengths(self) -> np.ndarray: ...
+    @property
+    def agent_versions(self) -> np.ndarray | None: ...
+
+
+def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
     """Check the shapes, dtypes and consistency of every field of ``batch``, whose
     ``step_types`` hold ``step_type``; a ``ValueError`` names the first malformed field."""
     lengths = batch.lengths
