@@ -264,3 +264,12 @@ def test_ab_verdict() -> None:
     assert verdict([0.90, 0.96]) == "slower"
     assert verdict([0.97, 1.2]) == "not slower"
     assert verdict([0.72, 1.11, 0.96]) == "inconclusive"  # session 8's CartPole 8x1 host pairs
+
+
+def test_group_step_prints_each_trees_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    """``benchmarks.group_step`` times ``EnvGroup.step`` of a tree in a fresh interpreter."""
+    from benchmarks.group_step import main
+
+    main([str(REPO)], rounds=1)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith(f"{REPO}: ") and float(line.split()[1]) > 0
