@@ -83,7 +83,8 @@ class Continuity(enum.Enum):
     IN_CALL = "in call"
     """A call runs; still so at the next :meth:`Episodes.begin` when it was cancelled midway."""
     BROKEN = "broken"
-    """The env host failed: it is rebuilt (``Worker.restart_host``) before the next step."""
+    """The env host failed: it is rebuilt (``Worker.restart_host``) before the next step, in
+    this call or the next one (:meth:`Episodes.begin` and :meth:`Episodes.end` keep it)."""
     RAN_AHEAD = "ran ahead"
     """A chunk past the end of the last call may have run in the env host (a stream's
     run-ahead, :mod:`asyncsample.inference.host`): the envs may have moved past the records."""
@@ -371,7 +372,8 @@ class Episodes:
             ran_ahead = False
         if resume is Resume.NOTHING:
             self.needs_reset |= self.lengths > 0
-        self.state = Continuity.TAKING_OVER if ran_ahead else Continuity.IN_CALL
+        if state is not Continuity.BROKEN:  # a broken host stays so until it is rebuilt
+            self.state = Continuity.TAKING_OVER if ran_ahead else Continuity.IN_CALL
         self.recorder.begin(resume, self.lengths, append)
         self.rule = rule
         self.active[:] = True if rule is None else rule.start_active(self.n_envs)

@@ -99,6 +99,20 @@ async def test_crash_past_the_budget_reaches_the_caller(no_leaks: None) -> None:
     assert s.closed
 
 
+async def test_the_call_after_a_spent_budget_rebuilds_the_host(
+    tmp_path: Path, no_leaks: None
+) -> None:
+    """A host that died past the budget is rebuilt by the next call, before any step of it."""
+    env = functools.partial(KillSelfEnv, 5, str(tmp_path / "killed"))
+    async with Sampler(env, n_workers=1, max_restarts=0, seed=0, max_episode_length=20) as s:
+        with pytest.raises(WorkerCrashedError):
+            await s.obtain_samples(100)
+        batch = await s.obtain_samples(100)  # on the dead host's corpse it would crash again
+        assert s.workers[0].restarts == 1  # rebuilt once, by the second call
+    assert batch.n_transitions >= 100
+    assert_complete(batch)
+
+
 async def test_hanging_env_times_out_and_is_replaced(tmp_path: Path, no_leaks: None) -> None:
     env = functools.partial(HangingEnv, 8, 3600.0, str(tmp_path / "hung"))
     async with Sampler(
