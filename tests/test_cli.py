@@ -37,6 +37,18 @@ def start_run(args: list[str]) -> subprocess.Popen[bytes]:
     )
 
 
+def read_until_sampling(proc: subprocess.Popen[bytes]) -> bytes:
+    """The child's stderr up to its progress bar's first count of completed episodes (the
+    hosts run and steps count); fails if the command ends before."""
+    assert proc.stderr is not None
+    seen = b""
+    while b"episodes=" not in seen:
+        chunk = os.read(proc.stderr.fileno(), 4096)
+        assert chunk, f"the command ended before sampling: {seen.decode(errors='replace')}"
+        seen += chunk
+    return seen
+
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -184,12 +196,7 @@ def test_ctrl_c_prints_the_summary_so_far_and_leaves_nothing_running() -> None:
     proc = start_run(args)
     assert proc.stderr is not None
     try:
-        # Wait until the progress bar reports completed episodes: the hosts run and steps count.
-        seen = b""
-        while b"episodes=" not in seen:
-            chunk = os.read(proc.stderr.fileno(), 4096)
-            assert chunk, f"the command ended before sampling: {seen.decode(errors='replace')}"
-            seen += chunk
+        seen = read_until_sampling(proc)  # the hosts run and steps count
         children = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
         assert children  # env hosts (and multiprocessing's helpers)
         proc.send_signal(signal.SIGINT)
@@ -250,11 +257,7 @@ def test_metrics_are_served_while_the_run_goes() -> None:
         )
 
     try:
-        seen = b""
-        while b"episodes=" not in seen:
-            chunk = os.read(proc.stderr.fileno(), 4096)
-            assert chunk, f"the command ended before sampling: {seen.decode(errors='replace')}"
-            seen += chunk
+        seen = read_until_sampling(proc)
         found = re.search(rb"metrics on (http://\S+/metrics)", seen)
         assert found, seen
         url = found.group(1).decode()
