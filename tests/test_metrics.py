@@ -94,20 +94,24 @@ def check_counts(
     assert sum(value(registry, "bottleneck", side=s) for s in ("env", "agent", "caller")) == 1
 
 
-@pytest.mark.parametrize("backend", ["local", "process", "thread", "asyncio"])
-async def test_counts_match_the_run(backend: str, make_sampler: SamplerFactory) -> None:
+async def counted_run(
+    make_sampler: SamplerFactory, backend: str, env: Any
+) -> tuple[CollectorRegistry, list[EpisodeBatch]]:
+    """Three fragments calls of 2 workers x 3 envs on ``backend`` with metrics on, their counts
+    checked against the batches (:func:`check_counts`); the registry and the batches."""
     registry = CollectorRegistry()
     sampler = make_sampler(
-        backend,
-        env_for(backend),
-        n_workers=2,
-        envs_per_worker=3,
-        max_episode_length=8,
-        seed=3,
+        backend, env, n_workers=2, envs_per_worker=3, max_episode_length=8, seed=3,
         metrics=registry,
-    )
+    )  # fmt: skip
     batches = [await sampler.obtain_fragments(150) for _ in range(3)]
     check_counts(registry, backend, batches)
+    return registry, batches
+
+
+@pytest.mark.parametrize("backend", ["local", "process", "thread", "asyncio"])
+async def test_counts_match_the_run(backend: str, make_sampler: SamplerFactory) -> None:
+    registry, batches = await counted_run(make_sampler, backend, env_for(backend))
     lockstep_calls = sum(b.n_transitions for b in batches) / 3  # a call per worker step
     if backend in ("local", "process"):
         assert value(registry, "agent_calls_total") == lockstep_calls
@@ -319,18 +323,7 @@ async def test_bottleneck_slow_consumer(backend: str, make_sampler: SamplerFacto
 
 
 async def test_ray_counts_match_the_run(ray_cluster: Any, make_sampler: SamplerFactory) -> None:
-    registry = CollectorRegistry()
-    sampler = make_sampler(
-        "ray",
-        NoisyEnv,
-        n_workers=2,
-        envs_per_worker=3,
-        max_episode_length=8,
-        seed=3,
-        metrics=registry,
-    )
-    batches = [await sampler.obtain_fragments(150) for _ in range(3)]
-    check_counts(registry, "ray", batches)
+    await counted_run(make_sampler, "ray", NoisyEnv)
     host = make_sampler(
         "ray",
         NoisyEnv,
