@@ -1,14 +1,7 @@
 """The info-key rules: how per-step (or per-episode) info dicts become dicts of arrays.
 
-An env or agent may put any key in any info dict, on any subset of steps. This module turns such
-dicts into the arrays of an :class:`~asyncsample.batch.EpisodeBatch` without dropping anything:
-keys on every row are stacked, keys on some rows are stacked with a fill value where absent and
-a ``"_" + key`` presence mask (gymnasium's vector-info convention), nested dicts recursively.
-The rule users see (which key goes per step, which per episode) is described in
-:mod:`asyncsample.batch` ("Info keys"); the sorting of keys between ``env_infos`` and
-``episode_infos`` is done by the assembly (``_assembly.py``) with the helpers here.
-
-It depends on numpy only, so the batch, its checks and the assembly can all build on it.
+Nothing is dropped: a key on some rows only is filled where absent and gets a ``"_" + key``
+presence mask (gymnasium's vector-info convention); nested dicts follow the same rule.
 """
 
 from __future__ import annotations
@@ -40,25 +33,16 @@ def mask_key(key: str) -> str:
     return "_" + key
 
 
-def _is_mask(key: str, keys: Iterable[str]) -> bool:
-    """Whether ``key`` is the presence mask of another key among ``keys``."""
-    return key.startswith("_") and key[1:] in keys
-
-
 def _stack_values(values: list[Any]) -> np.ndarray:
     """Stack per-item values into one array; ragged values become a 1-D object array."""
     try:
         return np.asarray(values)
-    except ValueError:  # inhomogeneous shapes: keep each value as one object
+    except ValueError:
         return _object_rows(values)
 
 
 def fill_value(dtype: np.dtype[Any]) -> Any:
-    """What an info array holds where its key is absent.
-
-    NaN for floating and complex dtypes, ``None`` for object dtype (ragged values, Python
-    objects), and zero (``0``, ``False``, the empty string) for every other dtype.
-    """
+    """What an info array holds where its key is absent: NaN, ``None`` (object) or zero."""
     if dtype.kind in "fc":
         return np.nan
     if dtype.kind == "O":
@@ -76,11 +60,8 @@ def filled(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
 
 
 def key_rows(infos: Sequence[Mapping[str, Any]]) -> dict[str, list[int] | None]:
-    """Every key of ``infos``, in order of first appearance, with the rows that carry it.
-
-    ``None`` stands for every row. Rows are grouped by their set of keys first, so the cost is
-    one pass over the rows plus one per distinct key set, not one per key and row.
-    """
+    """Every key of ``infos``, in order of first appearance, with the rows that carry it
+    (``None``: every row); rows are grouped by key set first, for one pass per distinct set."""
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, info in enumerate(infos):
         groups.setdefault(tuple(info), []).append(i)
@@ -143,20 +124,12 @@ def stack_infos(
     keys: Iterable[str] | None = None,
     rows: Mapping[str, list[int] | None] | None = None,
 ) -> dict[str, Any]:
-    """Stack one info dict per step (or per episode) into a dict of arrays.
+    """Stack one info dict per step (or per episode) into a dict of arrays, by the module's rule.
 
-    Nothing is dropped. A key present in every dict is stacked into one array with a row per
-    dict. A key present in only some dicts is stacked the same way, with :func:`fill_value`
-    (NaN, zero or ``None``, by dtype) in the rows that lack it, and gets a boolean mask
-    ``"_" + key`` right after it, true where the key was present: gymnasium's vector-info
-    convention. Nested dicts are stacked recursively under the same rule (a row that lacks the
-    parent lacks every child). Values that do not form a regular array (ragged shapes) are kept
-    as a 1-D object array. The common case, every dict empty, costs one truthiness check per
-    dict. ``keys``: only these (in this order; default every key, in order of first
-    appearance); ``rows``: :func:`key_rows` of ``infos`` if the caller has it; ``name`` is kept
-    for callers of earlier versions. Each key's mask, where it has one, follows it.
+    Ragged values become a 1-D object array. ``keys``: only these, in this order; ``rows``:
+    :func:`key_rows` of ``infos`` if the caller has it; ``name`` is unused (kept for callers).
     """
-    del name  # no warning any more: nothing is dropped
+    del name
     if rows is None:
         if not any(infos):  # the common case: no info at all
             return {}
@@ -175,7 +148,7 @@ def stack_infos(
 
 
 def _object_rows(rows: Sequence[Any] | np.ndarray) -> np.ndarray:
-    """A 1-D object array holding each of ``rows`` as one object (for ragged info)."""
+    """A 1-D object array holding each of ``rows`` as one object."""
     out = np.empty(len(rows), dtype=object)
     for i, row in enumerate(rows):
         out[i] = row
@@ -195,7 +168,7 @@ def _value_keys(dicts: Sequence[Mapping[str, Any]]) -> list[str]:
     union: dict[str, None] = {}
     for d in dicts:
         union.update(dict.fromkeys(d))
-    return [k for k in union if not _is_mask(k, union)]
+    return [k for k in union if not (k.startswith("_") and k[1:] in union)]
 
 
 def concat_infos(
@@ -203,11 +176,9 @@ def concat_infos(
 ) -> dict[str, Any]:
     """Concatenate info dicts of arrays along the leading axis, keeping every key.
 
-    ``sizes`` gives each dict's number of rows (needed for dicts that lack a key). A key that
-    some dicts lack is filled there with :func:`fill_value` and gets (or keeps) its ``"_" + key``
-    mask; a mask, once present in any input, is kept even when it is true everywhere, so
-    splitting a batch and concatenating the pieces gives it back. Values where a mask is false
-    are reset to the fill value.
+    ``sizes`` gives each dict's number of rows. A key some dicts lack is filled there and gets a
+    mask; a mask present in any input is kept even when all true, so a split batch concatenates
+    back to itself.
 
     Raises:
         ValueError: if a key holds a dict in one input and an array in another.
@@ -231,13 +202,12 @@ def concat_infos(
             )
         else:
             like = present[0]
-            value = _concat_arrays(
+            out[key] = _concat_arrays(
                 [
                     filled((n, *like.shape[1:]), like.dtype) if p is MISSING else p
                     for p, n in zip(parts, sizes, strict=True)
                 ]
             )
-            out[key] = value
         if has_mask:
             mask = np.concatenate(
                 [

@@ -1,14 +1,7 @@
-"""Envs whose ``reset``, ``step`` and ``close`` are coroutines.
+"""Envs whose ``reset``, ``step`` and ``close`` are coroutines (for ``backend="asyncio"``).
 
-An I/O-bound env (a step that calls an HTTP service, a sandbox, a simulator behind a socket)
-spends its step waiting. Written as a coroutine, thousands of such envs can wait at once in one
-event loop, where a blocking env would need a thread or a process each. :class:`AsyncEnv` keeps
-gymnasium's ``Env`` shape (spaces, ``metadata``, ``spec``, ``np_random``, the same return tuples),
-so the only change for the env's author is ``async def`` and ``await``.
-
-The sampler's ``backend="asyncio"`` accepts an :class:`AsyncEnv`, or any object that passes
-:func:`is_async_env` (coroutine ``reset``/``step`` and the two spaces); :func:`check_async_env`
-says clearly what is wrong with anything else.
+:class:`AsyncEnv` keeps gymnasium's ``Env`` shape, so an I/O-bound env only adds ``async def``
+and ``await``; thousands of them can wait at once in one event loop.
 """
 
 from __future__ import annotations
@@ -50,12 +43,8 @@ _SPACES = ("observation_space", "action_space")
 class AsyncEnv(Generic[ObsType, ActType]):
     """gymnasium's ``Env`` with coroutine ``reset``, ``step`` and ``close``.
 
-    Subclasses set ``observation_space`` and ``action_space`` in ``__init__`` and implement
-    ``step`` and ``reset``; ``reset`` should begin with ``await super().reset(seed=seed)`` so that
-    ``np_random`` is seeded as gymnasium seeds it. Everything else means what it means on
-    ``gymnasium.Env``: a ``seed`` is given to the first ``reset`` only, later resets continue the
-    same generator, and an env's randomness should come from ``np_random`` so that a fixed seed
-    gives the same episodes however the steps interleave with other envs'.
+    Subclasses set the two spaces in ``__init__`` and implement ``step`` and ``reset``, which
+    begins with ``await super().reset(seed=seed)`` to seed ``np_random`` as gymnasium does.
 
     Attributes:
         observation_space: the space of the observations ``reset`` and ``step`` return.
@@ -77,10 +66,7 @@ class AsyncEnv(Generic[ObsType, ActType]):
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[ObsType, dict[str, Any]]:
-        """Start a new episode and return its first observation and an info dict.
-
-        This base implementation only seeds ``np_random`` (when ``seed`` is given), as
-        ``gymnasium.Env.reset`` does; subclasses call it first, then build their observation.
+        """Start a new episode; this base only seeds ``np_random``, as gymnasium's does.
 
         Args:
             seed: seeds ``np_random`` (and sets ``np_random_seed``); ``None`` keeps the generator.
@@ -123,7 +109,6 @@ class AsyncEnv(Generic[ObsType, ActType]):
 
     @np_random.setter
     def np_random(self, value: np.random.Generator) -> None:
-        # A generator set by hand has no known seed: gymnasium reports -1 for it.
         self._np_random = value
         self._np_random_seed = -1
 
@@ -159,12 +144,8 @@ def _is_coroutine_method(obj: object, name: str) -> bool:
 
 
 def is_async_env(obj: object) -> bool:
-    """Whether ``obj`` can be stepped as an async env.
-
-    True for an :class:`AsyncEnv`, and for any object whose ``reset`` and ``step`` are coroutine
-    functions and that has ``observation_space`` and ``action_space`` (duck typing, as the
-    sampler accepts it).
-    """
+    """Whether ``obj`` is an :class:`AsyncEnv`, or has coroutine ``reset`` and ``step`` and the
+    two spaces (duck typing, as the sampler accepts it)."""
     if isinstance(obj, AsyncEnv):
         return True
     return (
@@ -174,10 +155,6 @@ def is_async_env(obj: object) -> bool:
     )
 
 
-def _describe(obj: object) -> str:
-    return type(obj).__name__
-
-
 def check_async_env(
     obj: object,
     name: str,
@@ -185,10 +162,9 @@ def check_async_env(
     needed_by: str = "backend='asyncio'",
     advice: str = "use backend='thread' (or 'process') for it",
 ) -> None:
-    """Refuse, before any work, what an env factory returned if it cannot be stepped as an
-    async env: a ``TypeError`` naming the argument ``name``, who ``needed_by`` an async env
-    and, for a blocking env, the ``advice``; also for a missing or non-gymnasium space."""
-    kind = _describe(obj)
+    """Raise a ``TypeError`` naming ``name`` and ``needed_by`` if ``obj`` is not an async env
+    (with ``advice`` for a blocking one) or lacks a gymnasium space."""
+    kind = type(obj).__name__
     if not (_is_coroutine_method(obj, "reset") and _is_coroutine_method(obj, "step")):
         if isinstance(obj, gym.Env) or (
             callable(getattr(obj, "reset", None)) and callable(getattr(obj, "step", None))
@@ -219,12 +195,11 @@ def check_async_env(
 
 
 def check_blocking_env(obj: object, name: str, backend: str | None = None) -> None:
-    """Refuse (``TypeError``) an async env on a backend that calls ``reset``/``step`` without
-    awaiting them; ``name`` and ``backend`` (``None``: "this backend") go into the message."""
+    """Refuse (``TypeError``) an async env on a backend that does not await ``reset``/``step``."""
     if is_async_env(obj):
         which = "this backend" if backend is None else f"backend={backend!r}"
         raise TypeError(
-            f"{name}: {which} steps blocking gymnasium envs; got {_describe(obj)}, "
+            f"{name}: {which} steps blocking gymnasium envs; got {type(obj).__name__}, "
             "an async env (coroutine reset/step): sample it with "
             "asyncsample.Sampler(..., backend='asyncio'), which awaits its reset and step "
             "(the vector-env faces, asyncsample.VectorEnv and the SB3 face, take blocking "
@@ -233,11 +208,7 @@ def check_blocking_env(obj: object, name: str, backend: str | None = None) -> No
 
 
 async def close_env(env: object) -> None:
-    """Close an async env however it spells ``close``.
-
-    :class:`AsyncEnv` has ``async def close``; a duck-typed env may have a plain ``close`` or
-    none at all. Both are allowed, so the sampler closes through this.
-    """
+    """Close an env whose ``close`` is a coroutine, a plain function, or absent."""
     close = getattr(env, "close", None)
     if close is None:
         return
@@ -247,13 +218,10 @@ async def close_env(env: object) -> None:
 
 
 class AsyncWrapper(AsyncEnv[ObsType, ActType]):
-    """Wraps an async env to change part of its behaviour; forwards the rest (gymnasium's
-    ``Wrapper``, for coroutine envs).
+    """gymnasium's ``Wrapper`` for async envs: forwards what a subclass does not override.
 
     Spaces and ``metadata`` are the wrapped env's unless set on the wrapper; ``spec``,
-    ``render_mode``, ``np_random`` and ``np_random_seed`` are always the wrapped env's, so seeding
-    through any layer seeds the innermost env. A subclass overrides ``reset``/``step`` and awaits
-    ``super()``'s (or ``self.env``'s) to reach the env below.
+    ``render_mode`` and ``np_random`` are always the wrapped env's.
 
     Args:
         env: the async env to wrap (an :class:`AsyncEnv` or any object :func:`is_async_env`
@@ -276,17 +244,17 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[ObsType, dict[str, Any]]:
-        """Reset the wrapped env (see :meth:`AsyncEnv.reset`)."""
+        """Reset the wrapped env."""
         return await self.env.reset(seed=seed, options=options)
 
     async def step(
         self, action: ActType
     ) -> tuple[ObsType, SupportsFloat, bool, bool, dict[str, Any]]:
-        """Step the wrapped env (see :meth:`AsyncEnv.step`)."""
+        """Step the wrapped env."""
         return await self.env.step(action)
 
     async def close(self) -> None:
-        """Close the wrapped env (its ``close`` may be a coroutine, a function, or absent)."""
+        """Close the wrapped env."""
         await close_env(self.env)
 
     @property
@@ -354,8 +322,7 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
 
     @property
     def max_episode_steps(self) -> int | None:
-        """The step limit an :class:`AsyncTimeLimit` in this stack puts on episodes (the tightest
-        if there are several), ``None`` if there is none: what the sampler reads as the limit."""
+        """The tightest :class:`AsyncTimeLimit` in this stack (``None``: none)."""
         return time_limit(self)
 
     def has_wrapper_attr(self, name: str) -> bool:
@@ -401,10 +368,8 @@ def _positive_int(name: str, value: object) -> int:
 class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
     """Truncates episodes after ``max_episode_steps`` steps (gymnasium's ``TimeLimit``).
 
-    The step that reaches the limit returns ``truncated=True`` (``terminated`` stays what the env
-    said). Every wrapper above it reports the limit as ``max_episode_steps`` (see
-    :func:`time_limit`), where the sampler reads it, as it reads gymnasium's ``TimeLimit``: batches
-    record it in ``env_spec.max_episode_length``.
+    Every wrapper above it reports the limit as ``max_episode_steps``, which the sampler records
+    in ``env_spec.max_episode_length``.
 
     Args:
         env: the async env to wrap.
@@ -456,13 +421,9 @@ class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
 
 
 class AsyncRecordEpisodeStatistics(AsyncWrapper[ObsType, ActType]):
-    """Adds the episode's return, length and duration to the info of its last step (gymnasium's
-    ``RecordEpisodeStatistics``).
-
-    On the step that terminates or truncates an episode, ``info[stats_key]`` is
-    ``{"r": return, "l": length, "t": seconds since reset}`` (the seconds rounded to 6 digits; on
-    an async env they include the time the step spent waiting). The last ``buffer_length``
-    episodes' figures are kept in ``return_queue``, ``length_queue`` and ``time_queue``.
+    """Adds ``{"r": return, "l": length, "t": seconds}`` as ``info[stats_key]`` on an episode's
+    last step (gymnasium's ``RecordEpisodeStatistics``); the last ``buffer_length`` episodes'
+    figures stay in ``return_queue``, ``length_queue`` and ``time_queue``.
 
     Args:
         env: the async env to wrap.
@@ -528,12 +489,8 @@ class AsyncRecordEpisodeStatistics(AsyncWrapper[ObsType, ActType]):
 
 
 def time_limit(env: object) -> int | None:
-    """The step limit of ``env``: the tightest ``TimeLimit`` or :class:`AsyncTimeLimit` in its
-    wrapper stack (gymnasium's or ours), ``None`` when there is none.
-
-    The tightest wins, not the outermost: every layer counts the same steps, and an episode
-    ends at the first truncation, which the smallest limit makes wherever it stands.
-    """
+    """The tightest ``TimeLimit`` or :class:`AsyncTimeLimit` in ``env``'s wrapper stack (``None``:
+    none); not the outermost, since the smallest limit truncates first wherever it stands."""
     limits = []
     while isinstance(env, gym.Wrapper | AsyncWrapper):
         if isinstance(env, gym.wrappers.TimeLimit | AsyncTimeLimit):

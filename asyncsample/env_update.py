@@ -1,8 +1,5 @@
-"""Env updates: how a sampler call swaps or retasks the envs of its workers (garage's semantics).
-
-An update travels to wherever the env lives (by cloudpickle for an env-host process) and is applied
-there by :func:`apply_env_update`.
-"""
+"""Env updates: how a sampler call swaps or retasks the envs of its workers (garage's semantics),
+applied where the env lives by :func:`apply_env_update`."""
 
 from __future__ import annotations
 
@@ -72,10 +69,8 @@ class NewEnvUpdate(EnvUpdate):
 
 
 class SetTaskUpdate(EnvUpdate):
-    """Give the env a new task with ``env.unwrapped.set_task(task)``, rebuilding it if needed.
-
-    The env is rebuilt from ``env_type()`` when there is none yet or when the old env's unwrapped
-    type is not exactly ``env_type`` (then with a warning, as garage does).
+    """Give the env a new task with ``env.unwrapped.set_task(task)``, rebuilding it from
+    ``env_type()`` when there is none or its unwrapped type differs (with a warning, as garage).
 
     Args:
         env_type: the env class to build and set the task on.
@@ -125,17 +120,13 @@ class SetTaskUpdate(EnvUpdate):
 
 
 class EnvId:
-    """A gymnasium id together with its registration (``gym.spec(id)``).
-
-    Env hosts in other processes may never have imported the module that registered the id
-    (the user's script, say); shipping the registered spec lets them build it all the same.
-    """
+    """A gymnasium id with its registration, so hosts that never imported the registering
+    module can build it."""
 
     def __init__(self, env_id: str) -> None:
         self.id = env_id
         module, sep, name = env_id.rpartition(":")
-        if sep:
-            # gymnasium's "module:EnvId" form: the module registers the id when imported.
+        if sep:  # gymnasium's "module:EnvId": importing the module registers the id
             importlib.import_module(module)
         self.spec = gym.spec(name if sep else env_id)
 
@@ -174,12 +165,9 @@ def make_env(source: EnvSource) -> gym.Env:
 def apply_env_update(
     old_env: gym.Env | None, update: EnvSource | None
 ) -> tuple[gym.Env | None, bool]:
-    """Apply one update to one env.
+    """Apply one update to one env: ``(env, changed)``, ``changed`` meaning it needs a reset.
 
-    Returns:
-        ``(env, changed)``: the env to use and whether anything was updated (the env then needs a
-        reset). ``None`` keeps the env; an ``EnvUpdate`` is called with the old env; anything else
-        replaces the env (the old one is closed).
+    ``None`` keeps the env; an ``EnvUpdate`` is called with it; anything else replaces it.
     """
     if update is None:
         return old_env, False
@@ -192,13 +180,8 @@ def apply_env_update(
 
 
 def describe_source(source: EnvSource) -> str:
-    """Where an env comes from, for error messages: a gymnasium id, or the module and qualified
-    name of its factory (unwrapping ``functools.partial`` and the updates that hold one).
-
-    A factory pickled by value reaches an env host without its file name (cloudpickle >= 3.1.3
-    writes ``<dynamic-code>``), so the remote traceback alone may not say which env failed; the
-    caller still knows the factory.
-    """
+    """Where an env comes from, for error messages (a factory pickled by value has no file name
+    in the remote traceback): a gymnasium id, or its factory's module and qualified name."""
     while isinstance(source, functools.partial):
         source = source.func
     if isinstance(source, (str, EnvId)):
@@ -215,8 +198,7 @@ def describe_source(source: EnvSource) -> str:
 
 
 def describe_chain(chain: Sequence[EnvSource]) -> str:
-    """:func:`describe_source` of each source that built or updated one env, in order, from the
-    last one that built it anew (an earlier env was closed and is no part of this one)."""
+    """:func:`describe_source` of each source of one env, from the last that built it anew."""
     start = max(
         (
             i
@@ -235,15 +217,8 @@ def _qualified(obj: Any) -> str:
 
 
 def replacement(update: EnvUpdate, old_env: Any) -> Any:
-    """What ``update`` puts in place of ``old_env``, without closing ``old_env``.
-
-    For the backends that close envs themselves, with a bound and off the event loop's thread
-    (``asyncio``, ``thread``): there ``old_env`` may be an async env, whose ``close`` is a
-    coroutine that :class:`NewEnvUpdate` and :class:`SetTaskUpdate` could only drop unawaited.
-    The built-in updates build their env here (of any kind: an async env for ``asyncio``); any
-    other :class:`EnvUpdate` is called as it is. The caller closes ``old_env`` when the result
-    is a different object.
-    """
+    """What ``update`` puts in place of ``old_env``, without closing it (the caller does, when
+    the result differs): for backends whose envs may be async, with a coroutine ``close``."""
     if isinstance(update, NewEnvUpdate):
         return update.env_constructor()
     if isinstance(update, SetTaskUpdate):

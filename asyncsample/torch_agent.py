@@ -1,14 +1,6 @@
 """An adapter that turns a torch ``nn.Module`` policy into an asyncsample agent.
 
-``TorchAgent(module, action_space)`` is an agent in the sense of :class:`asyncsample.Agent`: the
-workers hand it stacked numpy observations (or dicts/tuples of them), it runs the module on the
-module's device without building an autograd graph, samples actions from the module's output and
-returns numpy actions and per-env agent infos (log-probabilities, values). Its parameters travel
-as a ``state_dict`` of numpy arrays, so ``Sampler.update_agent(agent.get_param_values())`` works
-on every backend and the parameters pickle cheaply.
-
-This module imports torch; nothing else in asyncsample imports this module eagerly, so
-``import asyncsample`` works without torch installed (``pip install 'asyncsample[torch]'``).
+This module imports torch; nothing imports it eagerly, so ``import asyncsample`` needs no torch.
 """
 
 from __future__ import annotations
@@ -37,54 +29,26 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 class TorchAgent:
     """An ``nn.Module`` policy as an agent: numpy in, numpy out, no autograd graph.
 
-    The module is called on the observations turned into tensors on its device (floating arrays
-    are cast to the module's floating dtype; arrays already of that dtype on the CPU are shared,
-    not copied, unless numpy marks them read-only). What it must return depends on the head:
-
-    * ``"categorical"`` (the default for a ``Discrete`` action space): the logits, shape
-      ``(batch, n)``; or ``(logits, value)``; or a dict with ``"logits"`` and optionally
-      ``"value"``.
-    * ``"gaussian"`` (the default for a ``Box`` action space; a diagonal Gaussian): the mean,
-      shape ``(batch, *action_shape)``; or ``(mean, log_std)`` / ``(mean, log_std, value)``; or a
-      dict with ``"mean"`` and optionally ``"log_std"`` and ``"value"``. Where the output has no
-      log-std (or it is ``None``), the module's ``log_std`` attribute is used (typically an
-      ``nn.Parameter``, so it is part of the ``state_dict`` and travels with the parameters).
-    * ``sample_fn``: any output; ``sample_fn(output)`` returns ``(actions, infos)`` as tensors or
-      numpy arrays (actions may be a dict/tuple tree). It also receives ``generator=`` (the
-      agent's ``torch.Generator``, for reproducible sampling) and ``deterministic=`` when its
-      signature names those keywords.
-
-    Agent infos (numpy, leading axis ``batch``): ``"logp"``, the log-probability of each action
-    (for a Gaussian, of the action before clipping); ``"value"`` when the module returns one;
-    for a Gaussian also ``"mean"`` and ``"log_std"``.
-
-    Reproducibility: sampling draws only from the agent's own ``torch.Generator``, seeded by
-    ``seed`` (or :meth:`seed`). With a fixed seed and one agent per worker (``agent=[TorchAgent(
-    ..., seed=s + w) for w in range(n_workers)]``) the sampler's batches are identical on every
-    run, as for any agent whose actions depend only on its input; a single agent shared by
-    several workers draws its random numbers in the order the workers call it. The agent
-    pickles with its module and the generator's state, so a copy (e.g. one sent to an env host)
-    continues the same random stream.
+    What the module must return for each head, and the agent infos each gives, are on the
+    *Torch policies* page of the docs. Sampling draws only from the agent's own seeded
+    ``torch.Generator``, which pickles with it.
 
     Args:
-        module: the policy network. The agent uses it as it is (train/eval mode is the caller's
-            choice) and never changes its parameters except through :meth:`set_param_values`.
+        module: the policy network, used as it is (train/eval mode is the caller's choice).
         action_space: the action space of one env; chooses the default head, the number of
             logits expected, the Discrete ``start`` offset and the bounds for clipping.
         head: ``"categorical"`` or ``"gaussian"``, overriding the default from ``action_space``.
-        sample_fn: a sampling function used instead of a built-in head.
+        sample_fn: ``sample_fn(output)`` returns ``(actions, infos)`` instead of a head; it
+            also gets ``generator=`` and ``deterministic=`` when it names those keywords.
         device: where to run the module (it is moved there); default: the device of its first
             parameter or buffer, else the CPU.
         seed: seed of the sampling generator; ``None`` seeds it from the OS.
-        clip_actions: clip Gaussian actions to a bounded ``Box`` action space (the workers reject
-            actions outside the space).
-        inference_mode: run the module under ``torch.inference_mode()`` (fastest). Set it to
-            ``False`` to use ``torch.no_grad()`` instead, if the module keeps tensors it creates
-            in ``forward`` for later use with autograd (inference tensors cannot be).
+        clip_actions: clip Gaussian actions to a bounded ``Box`` action space.
+        inference_mode: run under ``torch.inference_mode()``; ``False``: ``torch.no_grad()``,
+            for a module that keeps tensors made in ``forward`` for later use with autograd.
 
     Raises:
-        ValueError: if no head can be chosen (no ``sample_fn``, no ``head`` and an action space
-            that is neither ``Discrete`` nor ``Box``), or ``head`` is not a known head.
+        ValueError: if no head can be chosen, or ``head`` is not a known head.
         TypeError: if ``module`` is not an ``nn.Module``.
     """
 
@@ -137,8 +101,6 @@ class TorchAgent:
         self.generator = torch.Generator(device=self.device)
         self.seed(seed)
 
-    # -- the Agent interface -------------------------------------------------------------------
-
     def get_actions(
         self, observations: Tree, deterministic: bool = False
     ) -> tuple[Tree, dict[str, np.ndarray]]:
@@ -146,11 +108,7 @@ class TorchAgent:
 
         Args:
             observations: a numpy array, or a dict/tuple tree of them, one row per env.
-            deterministic: return the most likely action (the argmax of the logits, the
-                Gaussian's mean) instead of a sample; :meth:`Sampler.evaluate` asks for this.
-
-        Returns:
-            The actions (numpy, one row per env) and a dict of numpy agent infos.
+            deterministic: the most likely action (argmax, or the Gaussian's mean), not a sample.
 
         Raises:
             ValueError: if the module's output is not what the head expects, or a sampling
@@ -171,17 +129,11 @@ class TorchAgent:
         return self.get_actions(observations, deterministic=True)
 
     def get_param_values(self) -> dict[str, np.ndarray]:
-        """The module's ``state_dict`` as a dict of numpy arrays (copies, on the CPU).
-
-        bfloat16 tensors, which numpy lacks, come out as float32; loading them back casts.
-        """
+        """The module's ``state_dict`` as numpy copies on the CPU (bfloat16 as float32)."""
         return {key: _numpy(value, copy=True) for key, value in self.module.state_dict().items()}
 
     def set_param_values(self, params: Mapping[str, Any]) -> None:
-        """Load parameters, as numpy arrays or tensors keyed like the module's ``state_dict``.
-
-        Values are copied into the module's own tensors (on its device), so the caller may keep
-        using ``params`` afterwards.
+        """Copy parameters, numpy arrays or tensors keyed like the ``state_dict``, into the module.
 
         Raises:
             TypeError: if ``params`` is not a mapping.
@@ -222,11 +174,8 @@ class TorchAgent:
         how = f"sample_fn={self.sample_fn!r}" if self.sample_fn is not None else self.head
         return f"TorchAgent({type(self.module).__name__}, {how}, device={self.device})"
 
-    # -- internals -----------------------------------------------------------------------------
-
     def _as_tensor(self, array: Any) -> torch.Tensor:
-        """One observation leaf as a tensor on the device, in the module's floating dtype if
-        floating; shared on the CPU unless read-only (torch refuses to share those: copied)."""
+        """One observation leaf on the device, floats in the module's dtype; shared if it can be."""
         if not isinstance(array, np.ndarray):
             tensor = torch.as_tensor(array, device=self.device)
             return tensor.to(self._float_dtype) if tensor.is_floating_point() else tensor
