@@ -1,11 +1,7 @@
 """asyncsample: collect reinforcement-learning experience with asyncio.
 
-Worker coroutines await env steps and gather complete episodes or fragments until a quota is
-met. The envs live in a pool of env-host processes, in Ray actors or in the main process, stepped
-in lockstep per worker; or, one episode per env at a time, as coroutines in the event loop
-(``backend="asyncio"``) or in a pool of threads (``"thread"``). The policy runs per worker,
-batched across workers or inside the env hosts (``inference=``). ``VectorEnv`` offers the same
-hosts as a gymnasium vector env. The API follows garage's sampler package.
+Worker coroutines await env steps (in processes, Ray actors, the main process, the event loop or
+threads) and gather episodes or fragments until a quota is met; the API follows garage's sampler.
 """
 
 from typing import Any
@@ -41,10 +37,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    """Optional faces, imported on first use so that ``import asyncsample`` needs no torch.
-
-    ``TorchAgent`` is left out of ``__all__`` on purpose: a star import must not need torch.
-    """
+    """``TorchAgent``, imported on first use (and not in ``__all__``): no torch needed."""
     if name == "TorchAgent":
         from asyncsample.torch_agent import TorchAgent
 

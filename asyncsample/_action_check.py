@@ -1,9 +1,5 @@
-"""Checks of what an agent returns: the output's form, its agent infos, and its actions.
-
-Actions are checked against the action space in a vectorised way: ``space.contains`` takes one
-action at a time and costs microseconds each; these checks take the stacked actions of all of a
-worker's envs in a few numpy operations.
-"""
+"""Checks of what an agent returns: the output's form, its agent infos, and its actions (against
+the space, for all of a worker's envs in a few numpy operations, not one ``contains`` each)."""
 
 from __future__ import annotations
 
@@ -36,11 +32,8 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 
 def make_action_check(space: gym.Space[Any]) -> Check | None:
-    """A check for the stacked actions of ``space``, or ``None`` for spaces it cannot check.
-
-    The common case (every action fits) costs two reductions; only a failing batch pays for
-    finding which env is wrong.
-    """
+    """A check for the stacked actions of ``space`` (``None``: a space it cannot check); when
+    every action fits it costs two reductions."""
     if isinstance(space, gym.spaces.Box):
         low, high = space.low, space.high
         scalar = np.all(low == low.flat[0]) and np.all(high == high.flat[0])
@@ -85,11 +78,9 @@ def check_actions(
     hint: str = "",
     rows: str | None = None,
 ) -> Tree:
-    """``actions`` as arrays shaped like ``expected`` (a worker's action buffers), checked, for
-    the workers, the merger and the hosts' chunk runners alike: one action per env (per row
-    asked for: ``rows`` describes them when they are not one worker's envs), the space's
-    per-env shape, and with ``values`` (``None`` for trusted agents) every action in the space.
-    A ``ValueError`` says "action" and names the worker (and the env for a value outside)."""
+    """``actions`` as arrays shaped like ``expected`` (a worker's action buffers), checked: one
+    per env (or per row ``rows`` describes), the space's shape, and the values with ``values``
+    (``None`` for trusted agents); a ``ValueError`` names the worker (and the env)."""
     if isinstance(expected, np.ndarray):
         actions = np.asarray(actions)
         pairs = [] if actions.shape == expected.shape else [(actions, expected)]
@@ -133,16 +124,9 @@ def _union(bad: list[np.ndarray]) -> np.ndarray:
 
 
 class AgentOutputCheck:
-    """Checks what a worker's ``compute_actions`` returned, before anything is recorded.
-
-    It must be an ``(actions, agent_infos)`` tuple; ``agent_infos`` a dict (``None`` counts as
-    ``{}``) whose values are array-like with one row per env. The rule for a key across steps:
-    its dtype kind (float, int, bool...) and its per-row shape stay the same for as long as the
-    worker keeps the same agent object (an agent update that replaces the agent may change
-    them; see :meth:`forget`). Within a kind, later values are stored with the key's first dtype.
-    A key may be missing on some steps. ``worker`` is named in the messages; every info value
-    must have ``n_envs`` rows.
-    """
+    """Checks what a worker's agent returned: an ``(actions, agent_infos)`` tuple, the infos a
+    dict (or ``None``) of ``n_envs`` rows each, every key keeping its dtype kind and per-row
+    shape while the agent stays the same object (see :meth:`forget`)."""
 
     def __init__(self, worker: int, n_envs: int) -> None:
         self.worker = worker

@@ -1,9 +1,5 @@
-"""The arguments of a sampler, gathered once: :class:`~asyncsample.Sampler` builds a
-:class:`SamplerConfig` and :class:`~asyncsample._core.SamplerCore` checks and reads it.
-
-Package-internal. The defaults and the documentation of each argument live in one place, the
-public ``Sampler(...)`` signature.
-"""
+"""``Sampler(...)``'s arguments, gathered once for the core (their defaults and documentation live
+in the public signature)."""
 
 from __future__ import annotations
 

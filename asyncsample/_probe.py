@@ -1,10 +1,5 @@
-"""The one env a sampler builds in the caller's process to read the spaces and step limit.
-
-As gymnasium's vector envs read a sub-env's spaces, the sampler builds one env from the first
-source at construction. It is closed off the event loop's thread (a close that takes seconds
-must not freeze the loop): a task of the running loop for an async env, a thread of its own for
-a blocking one; the returned future lets ``aclose()`` wait for that close, bounded.
-"""
+"""The one env a sampler builds in the caller's process to read the spaces and step limit; it is
+closed off the event loop's thread, and ``aclose()`` may wait for that close, bounded."""
 
 from __future__ import annotations
 

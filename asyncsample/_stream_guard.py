@@ -1,17 +1,8 @@
 """Refusing, at once, a call that an open ``stream()`` of the same sampler would block forever.
 
-A stream holds its sampler until it closes, and other calls queue behind it (the contract). A
-call made from the stream's own body can never run: the body would have to finish first. The
-rule, kept with a context variable rather than by reading asyncio's internals: **the body is the
-context the stream hands its batches to**, so a call raises :class:`SamplerBusyError` while the
-stream is open when it runs
-
-- in the task that iterates the stream, once it has received a batch, or
-- in a task started from there after that (a task copies its creator's context): what
-  ``asyncio.wait_for``, ``asyncio.gather`` and an ``asyncio.TaskGroup`` start, and also a task
-  the body starts and does not wait for.
-
-A task started before the stream, or from anywhere else, queues behind it as the contract says.
+A call from the stream's own body could never run. The body is the context the stream hands its
+batches to (a context variable): the iterating task once it has a batch, and the tasks started
+from it after that (they copy its context). Calls from anywhere else queue behind the stream.
 """
 
 from __future__ import annotations
@@ -51,9 +42,7 @@ class StreamGuard:
         if stream is not None:
             self._task = asyncio.current_task()
             bodies = _BODIES.get()
-            if stream not in bodies:
-                # The generator runs in its consumer's context: the marker stays there (and in
-                # the tasks started from it) after the stream closes, never matched again.
+            if stream not in bodies:  # stays after the stream closes, never matched again
                 _BODIES.set((*bodies[-7:], stream))
 
     def check(self, call: str) -> None:

@@ -58,16 +58,8 @@ AgentUpdate = AgentParams | Agent | None
 
 
 class _Blocks:
-    """``draw(n)`` handed out from blocks of rows drawn ahead.
-
-    For a generator's uniform draws (``random``, ``uniform``) the rows come out in the same
-    order, so ``blocks(n)`` returns exactly what ``draw(n)`` would have, one call at a time: the
-    actions of a seeded :class:`RandomAgent` do not depend on the block size.
-
-    Args:
-        draw: returns ``n`` rows of fresh draws.
-        row_bytes: the size of a row (blocks stay near :data:`DRAW_BLOCK_BYTES`).
-    """
+    """``draw(n)`` handed out from blocks of rows drawn ahead; for uniform draws the rows are
+    exactly those of one ``draw(n)`` per call, whatever the block size (``row_bytes`` sets it)."""
 
     def __init__(self, draw: Any, row_bytes: int) -> None:
         self.draw = draw
@@ -109,9 +101,7 @@ class RandomAgent:
         self._sample = self._direct_sampler(action_space)
 
     def _direct_sampler(self, space: gym.Space[Any]) -> _Blocks | None:
-        """Draws for the common spaces, taken from the generator in blocks (gymnasium's
-        sample() costs ~20 us; one generator call per step, ~3 us, is most of what a random
-        agent costs a host's chunk loop)."""
+        """Block draws for the common spaces (gymnasium's ``sample()`` is several times slower)."""
         rng = self._rng
         if isinstance(space, gym.spaces.Discrete):
             start, k = int(space.start), int(space.n)
@@ -137,9 +127,7 @@ class RandomAgent:
 
     def _space(self, n: int) -> gym.Space[Any]:
         space = self._batched.get(n)
-        if space is None:
-            # A batched space samples all envs in one numpy call where a per-env loop would
-            # take n; each batch size gets its own seed drawn from the agent's generator.
+        if space is None:  # one numpy call for all rows, seeded from the agent's generator
             space = batch_space(self.action_space, n)
             space.seed(int(self._rng.integers(2**32)))
             self._batched[n] = space

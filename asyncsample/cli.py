@@ -1,13 +1,7 @@
 """The ``asyncsample`` command line: ``run`` samples an env with a random agent; ``bench`` runs the
 benchmark studies of a source checkout (``asyncsample bench --list``, ``asyncsample bench STUDY``).
 
-Exit status of ``run``: 0 when done, 2 for a usage error (a bad argument or env id), 1 for a
-runtime error (an env that fails past its restart budget, a missing optional dependency), 130
-when interrupted (Ctrl-C), after printing the summary of what was sampled so far. Errors are one
-line on stderr; ``--debug`` shows the traceback of a runtime error. Env-host restarts are counted
-in the summary; ``--verbose`` also prints each one (the ``asyncsample`` logger's warnings) as it
-happens. ``--metrics-port N`` serves the sampler's Prometheus metrics on that port while the run
-goes (the ``metrics`` extra), and the summary then says where the time went (the bottleneck).
+Errors are one line on stderr, with the exit statuses below (``EXIT_*``).
 """
 
 from __future__ import annotations
@@ -39,8 +33,6 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
 #: The most transitions ``run`` asks for in one call.
 MAX_CHUNK = 50_000
-
-_METRICS_NEEDS = ("prometheus_client", "pip install 'asyncsample[metrics]'")
 
 
 class UsageError(Exception):
@@ -122,10 +114,8 @@ def make_sampler(args: argparse.Namespace, metrics: Any = None) -> Sampler:
 
 
 async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> RunSummary:
-    """Sample ``args.steps`` transitions with a random agent into ``summary``, with a progress bar.
-
-    ``summary`` is filled as batches arrive, so an interrupted run still has what was sampled.
-    """
+    """Sample ``args.steps`` transitions with a random agent into ``summary`` (filled as batches
+    arrive, so an interrupted run still has them), with a progress bar."""
     summary = RunSummary() if summary is None else summary
     server = None
     if args.metrics_port is None:
@@ -197,21 +187,20 @@ def _usage_error(prog: str, message: str) -> NoReturn:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    need = traits(args.backend).needs
-    if need is not None and not _importable(need):
-        print(
-            f"asyncsample run: error: --backend {args.backend} needs the {need} package, "
-            f"which is not installed: pip install 'asyncsample[{need}]'",
-            file=sys.stderr,
-        )
-        return EXIT_RUNTIME
-    if args.metrics_port is not None and not _importable(_METRICS_NEEDS[0]):
-        print(
-            f"asyncsample run: error: --metrics-port needs the {_METRICS_NEEDS[0]} package, "
-            f"which is not installed: {_METRICS_NEEDS[1]}",
-            file=sys.stderr,
-        )
-        return EXIT_RUNTIME
+    needs = []  # (option, package, extra) of the optional dependencies asked for
+    backend_needs = traits(args.backend).needs
+    if backend_needs is not None:
+        needs.append((f"--backend {args.backend}", backend_needs, backend_needs))
+    if args.metrics_port is not None:
+        needs.append(("--metrics-port", "prometheus_client", "metrics"))
+    for option, package, extra in needs:
+        if not _importable(package):
+            print(
+                f"asyncsample run: error: {option} needs the {package} package, which is not "
+                f"installed: pip install 'asyncsample[{extra}]'",
+                file=sys.stderr,
+            )
+            return EXIT_RUNTIME
     _configure_logging(args.verbose)
     summary = RunSummary()
     try:
@@ -241,7 +230,7 @@ class _BarSafeHandler(logging.Handler):
 
 
 def _configure_logging(verbose: bool) -> None:
-    """Print the sampler's warnings (restarts, timeouts) only when asked: errors stay one line."""
+    """Print the sampler's warnings (restarts, timeouts) only when asked."""
     logger = logging.getLogger("asyncsample")
     if verbose:
         handler = _BarSafeHandler()
@@ -279,10 +268,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every option's default and keeps the description's line breaks.
-
-    Options whose default is ``None`` or ``False`` say in their own help what the default means.
-    """
+    """Shows every option's default (but ``None`` or ``False``: their help says it)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or action.default is False:

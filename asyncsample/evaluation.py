@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,30 +48,25 @@ class Evaluation:
 
 
 class DeterministicAgent:
-    """Asks ``agent`` for its deterministic actions when its ``get_actions`` takes
-    ``deterministic=True`` (or it has ``get_deterministic_actions``); otherwise passes through."""
+    """Asks ``agent`` for deterministic actions (``get_deterministic_actions``, or
+    ``get_actions(..., deterministic=True)``) where it has them; otherwise passes through."""
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
-        method = getattr(agent, "get_deterministic_actions", None)
-        self._kwargs: dict[str, Any] = {}
-        if method is None:
+        self._method = getattr(agent, "get_deterministic_actions", None)
+        if self._method is None:
             try:
                 params = inspect.signature(agent.get_actions).parameters
             except (TypeError, ValueError):
                 params = {}  # type: ignore[assignment]
             if "deterministic" in params:
-                self._kwargs = {"deterministic": True}
-        self._method = method
+                self._method = functools.partial(cast(Any, agent).get_actions, deterministic=True)
 
     async def get_actions(self, observations: Tree) -> AgentOutput:
         """The agent's deterministic actions."""
-        if self._method is not None:
-            result = self._method(observations)
-        elif self._kwargs:
-            result = self.agent.get_actions(observations, **self._kwargs)
-        else:
+        if self._method is None:
             return await get_actions(self.agent, observations)
+        result = self._method(observations)
         if inspect.isawaitable(result):
             result = await result
         return cast(AgentOutput, result)
@@ -83,8 +79,7 @@ class DeterministicAgent:
 
 
 class RenderFrames(gym.Wrapper[Any, Any, Any, Any]):
-    """Puts ``env.render()`` (an ``rgb_array``) into the info of every reset and step as
-    ``"frame"``, so frames travel back from any env host with the infos."""
+    """Puts ``env.render()`` into every reset's and step's info as ``"frame"``."""
 
     def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         obs, info = self.env.reset(**kwargs)
@@ -123,12 +118,6 @@ class RenderingEnvFactory:
         return RenderFrames(env)
 
 
-def frames_of_first_episode(batch: EpisodeBatch) -> np.ndarray:
-    """The reset frame and step frames of the first episode of a rendered batch."""
-    first = batch.select([0])
-    return np.concatenate([first.episode_infos["frame"][:1], first.env_infos["frame"]])
-
-
 class Evaluator(Protocol):
     """What evaluation needs of the one-worker sampler it builds (a :class:`Sampler`)."""
 
@@ -140,13 +129,8 @@ class Evaluator(Protocol):
 
 
 class TestEnvs:
-    """The test envs of one sampler: a one-worker sampler of their own per ``render`` setting,
-    built on first use and kept until the test env changes or the sampler closes.
-
-    Args:
-        make_sampler: builds a sampler (the :class:`Sampler` class; passed in, so this module
-            does not import the sampler's).
-    """
+    """The test envs of one sampler: a one-worker sampler per ``render`` setting, built on
+    first use and kept until the test env changes; ``make_sampler`` is the ``Sampler`` class."""
 
     def __init__(self, make_sampler: Callable[..., Evaluator]) -> None:
         self.make_sampler = make_sampler
@@ -168,8 +152,7 @@ class TestEnvs:
         deterministic: bool = True,
         render: bool = False,
     ) -> Evaluation:
-        """The body of :meth:`Sampler.evaluate` (see there) for the sampler whose core is
-        ``core``."""
+        """The body of :meth:`Sampler.evaluate` (see there) over the sampler's ``core``."""
         n_episodes = _validate.positive_int("n_episodes", n_episodes)
         deterministic = _validate.flag("deterministic", deterministic)
         render = _validate.flag("render", render)
@@ -188,7 +171,6 @@ class TestEnvs:
         key = source.id if isinstance(source, EnvId) else source
         evaluator, evaluated = self.evaluators.get(render, (None, None))
         if evaluator is not None and evaluated != key:
-            # Another test env: its hosts replace the previous ones.
             await evaluator.aclose()
             evaluator = None
         if evaluator is None:
@@ -211,9 +193,10 @@ class TestEnvs:
             )
             self.evaluators[render] = (evaluator, key)
         batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
+        frames = None
+        if render:  # the first episode's reset frame, then its step frames
+            first = batch.select([0])
+            frames = np.concatenate([first.episode_infos["frame"][:1], first.env_infos["frame"]])
         return Evaluation(
-            returns=batch.returns,
-            lengths=batch.lengths.copy(),
-            frames=frames_of_first_episode(batch) if render else None,
-            batch=batch,
+            returns=batch.returns, lengths=batch.lengths.copy(), frames=frames, batch=batch
         )

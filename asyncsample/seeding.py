@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
-from typing import overload
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -15,19 +14,14 @@ OFF_LOOP_ENVS = 4096
 
 
 class WorkerSeeds:
-    """The seeds of one worker: one for its agent, and a stream of seeds for each env.
-
-    Env ``i`` gets a new seed each time it is built or rebuilt (by an env update or a restart),
-    drawn from its own spawned child, so rebuilt envs never fall back to OS entropy and the
-    sequence is the same on every run and every backend.
-    """
+    """The seeds of one worker: one for its agent, and for each env a new seed per (re)build,
+    from its own spawned child, the same on every run and backend."""
 
     def __init__(self, sequence: np.random.SeedSequence, n_envs: int) -> None:
         self._sequence = sequence
         self._n_envs = n_envs
         self._agent_seed: int | None = None
-        # Env children are made on first use (what ``sequence.spawn(1 + n_envs)`` would give),
-        # so a sampler with a million envs per worker is built at once, not in seconds.
+        # Made on first use (as sequence.spawn(1 + n_envs) would): a million envs build at once.
         self._envs: dict[int, np.random.SeedSequence] = {}
 
     @property
@@ -51,16 +45,14 @@ class WorkerSeeds:
         return [self.next_env_seed(i) for i in range(self._n_envs)]
 
     async def next_env_seeds_off_loop(self) -> list[int]:
-        """:meth:`next_env_seeds`, in a thread when there are many envs (about 50 us each), so a
-        worker with 100,000 envs does not stall the event loop for seconds as it starts."""
+        """:meth:`next_env_seeds`, in a thread when there are many (about 50 us each)."""
         if self._n_envs < OFF_LOOP_ENVS:
             return self.next_env_seeds()
         return await asyncio.to_thread(self.next_env_seeds)
 
 
-class _LazySeeds(Sequence[WorkerSeeds]):
-    """The seeds of ``n_workers`` workers, each made on first use (what ``root.spawn`` would
-    give), so building a sampler of 100,000 workers costs its loop no per-worker work."""
+class _LazySeeds:
+    """The seeds of ``n_workers`` workers, each made on first use (as ``root.spawn`` would)."""
 
     def __init__(self, root: np.random.SeedSequence, n_workers: int, n_envs: int) -> None:
         self._root = root
@@ -71,17 +63,7 @@ class _LazySeeds(Sequence[WorkerSeeds]):
     def __len__(self) -> int:
         return self._n_workers
 
-    @overload
-    def __getitem__(self, index: int) -> WorkerSeeds: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[WorkerSeeds]: ...
-
-    def __getitem__(self, index: int | slice) -> WorkerSeeds | Sequence[WorkerSeeds]:
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(self._n_workers))]
-        if index < 0:
-            index += self._n_workers
+    def __getitem__(self, index: int) -> WorkerSeeds:
         if not 0 <= index < self._n_workers:
             raise IndexError(f"worker {index} out of range for {self._n_workers} workers")
         seeds = self._made.get(index)
@@ -93,11 +75,8 @@ class _LazySeeds(Sequence[WorkerSeeds]):
         return (self[i] for i in range(self._n_workers))
 
 
-def worker_seeds(
-    seed: int | None, n_workers: int, n_envs: int
-) -> tuple[int, Sequence[WorkerSeeds]]:
-    """The seed in use (drawn when ``seed`` is None) and the seeds of each worker (made on
-    first use)."""
+def worker_seeds(seed: int | None, n_workers: int, n_envs: int) -> tuple[int, _LazySeeds]:
+    """The seed in use (drawn when ``seed`` is None) and the seeds of each worker."""
     if seed is None:
         seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
     root = np.random.SeedSequence(seed)

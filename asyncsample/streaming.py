@@ -1,11 +1,7 @@
 """``Sampler.stream``: sampling in a background task, at most ``buffer_size`` batches ahead.
 
-The producer runs one sampling round after another, each resuming what the previous one left
-running; the consumer takes rounds off a bounded queue until it has ``num_samples`` transitions,
-so a slow consumer pauses the workers and memory stays flat. With ``inference="host"`` on the
-``process`` backend each worker's host starts the next round's first chunk as its part of a
-round ends (:class:`~asyncsample.inference.host.RunAhead`), so the hosts do not idle while the
-slowest worker finishes, the batch is assembled and the consumer takes it.
+The producer runs one round after another, each resuming what the last left running, into a
+bounded queue, so a slow consumer pauses the workers and memory stays flat.
 """
 
 from __future__ import annotations
@@ -64,16 +60,14 @@ async def stream(
         metrics = sampler.metrics
 
         async def produce() -> None:
-            # The first round continues the fragments of a previous obtain_fragments call;
-            # every later round continues what the round before left running.
+            # The first round continues a previous obtain_fragments call's fragments.
             resume = Resume.NOTHING
             if fragments and sampler.last_mode == "fragments":
                 resume = Resume.FRAGMENTS
             leave = Resume.FRAGMENTS if fragments else Resume.EPISODES
             try:
                 while True:
-                    # ahead: the next round follows, so inference="host" may start its first
-                    # chunks as each worker's part of this one ends (RunAhead).
+                    # ahead: inference="host" may start the next round's chunks (RunAhead).
                     result = await sampler.sample_round(
                         mode,
                         num_samples,
@@ -84,11 +78,9 @@ async def stream(
                     )
                     sampler.last_mode = mode
                     resume = leave
-                    if metrics is None:
-                        await queue.put(result)
-                    else:  # a full queue: the rounds wait for the consumer
-                        waited = time.perf_counter()
-                        await queue.put(result)
+                    waited = time.perf_counter()
+                    await queue.put(result)  # a full queue: the rounds wait for the consumer
+                    if metrics is not None:
                         metrics.caller_idle(time.perf_counter() - waited)
             except asyncio.CancelledError:
                 raise
@@ -155,11 +147,8 @@ def _worker_transitions(batch: EpisodeBatch, n_workers: int) -> tuple[int, ...]:
 def merge_stats(
     stats: list[SampleStats], transitions: int, worker_transitions: tuple[int, ...] = ()
 ) -> SampleStats:
-    """The statistics of several sampling rounds that made one streamed batch.
-
-    ``worker_transitions`` are the batch's per-worker transitions (after ``max_policy_lag``
-    dropped episodes); the workers' waits add up over the rounds.
-    """
+    """The statistics of the sampling rounds that made one streamed batch of ``transitions``
+    (``worker_transitions`` per worker, after ``max_policy_lag`` dropped episodes)."""
     if len(stats) == 1 and stats[0].transitions == transitions:
         return stats[0]
     waits = [s.worker_wait_seconds for s in stats if s.worker_wait_seconds]
