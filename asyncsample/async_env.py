@@ -66,15 +66,8 @@ class AsyncEnv(Generic[ObsType, ActType]):
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[ObsType, dict[str, Any]]:
-        """Start a new episode; this base only seeds ``np_random``, as gymnasium's does.
-
-        Args:
-            seed: seeds ``np_random`` (and sets ``np_random_seed``); ``None`` keeps the generator.
-            options: env-specific reset options.
-
-        Returns:
-            ``(observation, info)`` in a subclass; the base returns nothing useful.
-        """
+        """Start a new episode: ``(observation, info)``; this base only seeds ``np_random`` (when
+        ``seed`` is given, else the generator goes on), as gymnasium's does."""
         if seed is not None:
             self._np_random, self._np_random_seed = seeding.np_random(seed)
         return None  # type: ignore[return-value]  # gymnasium's base reset returns nothing too
@@ -82,14 +75,7 @@ class AsyncEnv(Generic[ObsType, ActType]):
     async def step(
         self, action: ActType
     ) -> tuple[ObsType, SupportsFloat, bool, bool, dict[str, Any]]:
-        """Advance the episode by one action.
-
-        Args:
-            action: an element of ``action_space``.
-
-        Returns:
-            ``(observation, reward, terminated, truncated, info)``, as gymnasium's ``step``.
-        """
+        """Advance the episode by one action: ``(obs, reward, terminated, truncated, info)``."""
         raise NotImplementedError(f"{type(self).__name__} must implement `async def step`")
 
     async def close(self) -> None:
@@ -223,13 +209,8 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
     Spaces and ``metadata`` are the wrapped env's unless set on the wrapper; ``spec``,
     ``render_mode`` and ``np_random`` are always the wrapped env's.
 
-    Args:
-        env: the async env to wrap (an :class:`AsyncEnv` or any object :func:`is_async_env`
-            accepts).
-
     Raises:
-        TypeError: ``env`` is not an async env (a blocking gymnasium env takes gymnasium's own
-            wrappers).
+        TypeError: ``env`` is not an async env (:func:`is_async_env`).
     """
 
     def __init__(self, env: AsyncEnv[ObsType, ActType]) -> None:
@@ -333,11 +314,7 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
         return bool(below(name)) if below is not None else hasattr(self.env, name)
 
     def get_wrapper_attr(self, name: str) -> Any:
-        """The attribute ``name`` of the outermost layer that has it.
-
-        Raises:
-            AttributeError: no layer has it.
-        """
+        """The attribute ``name`` of the outermost layer that has it (``AttributeError``: none)."""
         if hasattr(self, name):
             return getattr(self, name)
         below = getattr(self.env, "get_wrapper_attr", None)
@@ -357,23 +334,11 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
         return str(self)
 
 
-def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"{name}: expected an int >= 1, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value}")
-    return int(value)
-
-
 class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
     """Truncates episodes after ``max_episode_steps`` steps (gymnasium's ``TimeLimit``).
 
     Every wrapper above it reports the limit as ``max_episode_steps``, which the sampler records
     in ``env_spec.max_episode_length``.
-
-    Args:
-        env: the async env to wrap.
-        max_episode_steps: steps after which an episode is truncated (an int >= 1).
 
     Raises:
         TypeError: ``max_episode_steps`` is not an int.
@@ -381,9 +346,13 @@ class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
     """
 
     def __init__(self, env: AsyncEnv[ObsType, ActType], max_episode_steps: int) -> None:
-        limit = _positive_int("max_episode_steps", max_episode_steps)
+        limit = max_episode_steps
+        if not isinstance(limit, (int, np.integer)) or isinstance(limit, bool):
+            raise TypeError(f"max_episode_steps: expected an int >= 1, got {type(limit).__name__}")
+        if limit < 1:
+            raise ValueError(f"max_episode_steps: expected an int >= 1, got {limit}")
         super().__init__(env)
-        self._max_episode_steps = limit
+        self._max_episode_steps = int(limit)
         self._elapsed_steps: int | None = None
 
     async def reset(
@@ -396,11 +365,7 @@ class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
     async def step(
         self, action: ActType
     ) -> tuple[ObsType, SupportsFloat, bool, bool, dict[str, Any]]:
-        """Step the env; ``truncated`` is set on the step that reaches the limit.
-
-        Raises:
-            gymnasium.error.ResetNeeded: called before the first ``reset``.
-        """
+        """Step the env, truncating at the limit (``ResetNeeded`` before the first ``reset``)."""
         if self._elapsed_steps is None:
             raise ResetNeeded("AsyncTimeLimit: call reset() before step()")
         obs, reward, terminated, truncated, info = await self.env.step(action)
@@ -423,13 +388,7 @@ class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
 class AsyncRecordEpisodeStatistics(AsyncWrapper[ObsType, ActType]):
     """Adds ``{"r": return, "l": length, "t": seconds}`` as ``info[stats_key]`` on an episode's
     last step (gymnasium's ``RecordEpisodeStatistics``); the last ``buffer_length`` episodes'
-    figures stay in ``return_queue``, ``length_queue`` and ``time_queue``.
-
-    Args:
-        env: the async env to wrap.
-        buffer_length: how many episodes the queues keep.
-        stats_key: the info key of the statistics.
-    """
+    figures stay in ``return_queue``, ``length_queue`` and ``time_queue``."""
 
     def __init__(
         self,
@@ -460,11 +419,7 @@ class AsyncRecordEpisodeStatistics(AsyncWrapper[ObsType, ActType]):
     async def step(
         self, action: ActType
     ) -> tuple[ObsType, SupportsFloat, bool, bool, dict[str, Any]]:
-        """Step the env and count; the statistics go into the info of the episode's last step.
-
-        Raises:
-            ValueError: the env's own info already has ``stats_key``.
-        """
+        """Step the env and count (``ValueError`` if the env's own info has ``stats_key``)."""
         obs, reward, terminated, truncated, info = await self.env.step(action)
         self.episode_returns += float(reward)
         self.episode_lengths += 1

@@ -87,17 +87,11 @@ class TorchAgent:
         if isinstance(action_space, gym.spaces.Discrete):
             self._n_actions, self._start = int(action_space.n), int(action_space.start)
         self._bounds: tuple[np.ndarray, np.ndarray] | None = None
-        if (
-            clip_actions
-            and isinstance(action_space, gym.spaces.Box)
-            and action_space.is_bounded("both")
-        ):
-            self._bounds = (action_space.low, action_space.high)
-        self._action_dtype = (
-            action_space.dtype
-            if isinstance(action_space, gym.spaces.Box) and action_space.dtype is not None
-            else None
-        )
+        self._action_dtype: np.dtype[Any] | None = None
+        if isinstance(action_space, gym.spaces.Box):
+            self._action_dtype = action_space.dtype
+            if clip_actions and action_space.is_bounded("both"):
+                self._bounds = (action_space.low, action_space.high)
         self.generator = torch.Generator(device=self.device)
         self.seed(seed)
 
@@ -111,8 +105,7 @@ class TorchAgent:
             deterministic: the most likely action (argmax, or the Gaussian's mean), not a sample.
 
         Raises:
-            ValueError: if the module's output is not what the head expects, or a sampling
-                function returns actions or infos without one row per observation.
+            ValueError: the module's or ``sample_fn``'s output is not what the head expects.
         """
         leaves = tree_leaves(observations)
         n = len(leaves[0]) if leaves else 0
