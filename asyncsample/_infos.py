@@ -52,11 +52,7 @@ def fill_value(dtype: np.dtype[Any]) -> Any:
 
 def filled(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     """An array of ``shape`` and ``dtype`` holding only :func:`fill_value`."""
-    if dtype.kind in "fc":
-        return np.full(shape, np.nan, dtype=dtype)
-    if dtype.kind == "O":
-        return np.empty(shape, dtype=object)  # all None
-    return np.zeros(shape, dtype=dtype)
+    return np.full(shape, fill_value(dtype), dtype=dtype)
 
 
 def key_rows(infos: Sequence[Mapping[str, Any]]) -> dict[str, list[int] | None]:
@@ -72,11 +68,8 @@ def key_rows(infos: Sequence[Mapping[str, Any]]) -> dict[str, list[int] | None]:
     n = len(infos)
     out: dict[str, list[int] | None] = {}
     for key, lists in parts.items():
-        if len(lists) == 1:
-            out[key] = None if len(lists[0]) == n else lists[0]
-        else:
-            rows = sorted(itertools.chain.from_iterable(lists))
-            out[key] = None if len(rows) == n else rows
+        rows = lists[0] if len(lists) == 1 else sorted(itertools.chain.from_iterable(lists))
+        out[key] = None if len(rows) == n else rows
     return out
 
 
@@ -105,13 +98,8 @@ def _stack_key(
 
 
 def stack_column(values: Sequence[Any]) -> tuple[Any, np.ndarray | None]:
-    """Stack one info key's values, one per row, :data:`MISSING` where the key is absent.
-
-    Returns:
-        ``(stacked, mask)``: the stacked array (or, when every present value is a dict, a dict
-        stacked by :func:`stack_infos`), and a boolean presence mask, ``None`` when the key is
-        present on every row. Absent rows hold :func:`fill_value`.
-    """
+    """Stack one info key's values, :data:`MISSING` where absent: ``(stacked, mask)``, the mask
+    ``None`` when the key is on every row (a dict of arrays where every value is a dict)."""
     rows = [i for i, v in enumerate(values) if v is not MISSING]
     infos = [{} if v is MISSING else {"": v} for v in values]
     return _stack_key(infos, "", None if len(rows) == len(values) else rows)

@@ -23,21 +23,10 @@ def probe_spaces(
     max_episode_length: int | None,
     close_timeout: float,
 ) -> tuple[EnvSpec, bool, asyncio.Future[Any] | None]:
-    """Build one env from ``source`` (the first of a list) and read its spaces.
-
-    Args:
-        asynchronous: the env must be an async env (``backend="asyncio"``).
-        max_episode_length: the sampler's limit (the env's own time limit otherwise).
-        close_timeout: bounds the async env's close.
-
-    Returns:
-        The env spec, whether the env has a time limit of its own, and the close still
-        running (``None``: closed already, no loop runs in this thread).
-
-    Raises:
-        ValueError: the env could not be built, or its spaces cannot be recorded.
-        TypeError: an env of the wrong kind for the backend.
-    """
+    """Build one env from ``source`` (the first of a list; an async env if ``asynchronous``)
+    and read its spaces: the env spec, whether the env has a time limit of its own, and the close
+    still running (``None``: closed already). ``ValueError``: it could not be built or recorded;
+    ``TypeError``: an env of the wrong kind for the backend."""
     first = source[0] if isinstance(source, list) else source
     closing: asyncio.Future[Any] | None
     if asynchronous:

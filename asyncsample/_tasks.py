@@ -1,8 +1,5 @@
-"""Awaiting several coroutines at once: the package's one gather helper.
-
-Both functions leave nothing running: when they return or raise, every coroutine has ended,
-and a cancellation of the caller cancels them all and waits for them.
-"""
+"""Awaiting several coroutines at once; both helpers leave nothing running when they return or
+raise (a cancellation of the caller cancels them all and waits for them)."""
 
 from __future__ import annotations
 
@@ -28,12 +25,8 @@ async def run_all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
 
 
 async def wait_all(coros: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
-    """Run ``coros`` concurrently to their ends, none cancelled by another's error; then raise
-    the first error (in the order given), if any.
-
-    For work that must finish everywhere even when one part fails (starting every host, so
-    that a failed start closes what the others opened).
-    """
+    """Run ``coros`` concurrently to their ends, none cancelled by another's error (starting every
+    host, say); then raise the first error (in the order given), if any."""
     results = await asyncio.gather(*coros, return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):

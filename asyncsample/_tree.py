@@ -1,9 +1,5 @@
-"""Helpers over (possibly nested) structures of numpy arrays.
-
-Observations and actions of ``Dict`` and ``Tuple`` spaces are dicts and tuples of arrays, as
-gymnasium's vector utilities produce them. These helpers apply one function to every leaf so the
-rest of the code treats a nested batch like a single array.
-"""
+"""Helpers over the dicts and tuples of arrays of ``Dict`` and ``Tuple`` spaces, so the rest of
+the code treats a nested batch like a single array."""
 
 from __future__ import annotations
 

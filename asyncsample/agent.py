@@ -1,5 +1,4 @@
-"""The Agent protocol (garage's vectorised Policy), the built-in :class:`RandomAgent`, and
-which agents' actions skip the range check (:func:`trusted_actions`)."""
+"""The Agent protocol (garage's vectorised Policy) and the built-in :class:`RandomAgent`."""
 
 from __future__ import annotations
 
@@ -147,6 +146,6 @@ class RandomAgent:
 
 
 def trusted_actions(agent: object, action_space: gym.Space[Any]) -> bool:
-    """Whether ``agent``'s actions may skip the range check: the built-in :class:`RandomAgent`
-    (not a subclass, which may return anything) drawing from exactly ``action_space``."""
+    """Whether ``agent``'s actions may skip the range check: a :class:`RandomAgent` (not a
+    subclass) of exactly ``action_space``."""
     return type(agent) is RandomAgent and agent.action_space == action_space

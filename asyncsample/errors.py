@@ -1,8 +1,5 @@
-"""The sampler's own exceptions, all under :class:`AsyncSampleError`.
-
-Bad arguments raise plain ``ValueError``/``TypeError`` (as Python code does); what goes wrong
-while sampling raises one of these, so a caller can catch the whole family at once.
-"""
+"""The sampler's own exceptions, all under :class:`AsyncSampleError` (bad arguments raise plain
+``ValueError``/``TypeError``)."""
 
 from __future__ import annotations
 
@@ -27,11 +24,8 @@ class WorkerError(AsyncSampleError):
         worker: index of the worker whose env failed.
         env: index of the env within that worker, or ``None`` when the whole host failed.
         remote_traceback: the traceback text from the process that raised, if any.
-        retry: whether restarting the host may help (``False`` for the caller's own mistakes,
-            such as an observation that does not fit the declared space).
-        factory: where the failing env came from (its gymnasium id, or its factory's module and
-            qualified name), named by the caller: an env pickled by value has no file name in
-            the remote traceback.
+        retry: whether restarting the host may help (``False`` for the caller's own mistakes).
+        factory: where the failing env came from (its gymnasium id, or its factory's name).
     """
 
     def __init__(
@@ -65,8 +59,7 @@ class WorkerError(AsyncSampleError):
             self.factory = factory
             self.args = (self._text(), *self.args[1:])
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        # Keep the keyword-only fields when pickled (Ray, process boundaries).
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the keyword-only fields
         return (_rebuild, (type(self), self.args, self.__dict__))
 
 
@@ -97,9 +90,5 @@ class SamplerClosedError(AsyncSampleError, RuntimeError):
 
 
 class SamplerBusyError(AsyncSampleError, RuntimeError):
-    """A call was made from the body of this sampler's own open ``stream()``.
-
-    The stream holds the sampler until it closes, so the call could never run: it raises at once
-    instead of waiting forever. Close the stream first, or make the call from a task that the
-    stream's body did not start (it then queues behind the stream).
-    """
+    """A call was made from the body of this sampler's own open ``stream()``, where it would
+    wait forever: close the stream first, or call from a task the stream's body did not start."""

@@ -15,9 +15,8 @@ __all__ = ["SampleStats"]
 class SampleStats:
     """What one sampler call (or one streamed batch) did.
 
-    Episode figures cover the episodes that *finished* during the call, whole (their returns and
-    lengths include steps taken in earlier calls, as with fragments), whether or not they are in
-    the batch (``obtain_samples`` discards the episodes still running at its quota).
+    Episode figures cover the episodes that *finished* during the call, whole, whether or not
+    they are in the batch.
 
     Attributes:
         transitions: transitions in the batch.
@@ -29,11 +28,8 @@ class SampleStats:
         agent_version: the newest agent version among the workers.
         restarts: env-host restarts during the call.
         worker_transitions: transitions each worker contributed to the batch (index = worker).
-            With ``fraction_samples < 1`` this split depends on timing: fast workers fill in
-            for slow ones.
         worker_wait_seconds: per worker, the seconds it sat idle between finishing its part and
-            the end of the call (a worker with no part in the call waited the whole call). A
-            straggler shows up as high waits of everyone else.
+            the end of the call (a straggler shows up as high waits of everyone else).
     """
 
     transitions: int
