@@ -203,6 +203,20 @@ async def close_env(env: object) -> None:
         await result
 
 
+def _own_or_wrapped(name: str, default: Any = None) -> Any:
+    """A wrapper's property ``name``: the value set on the wrapper, else the wrapped env's."""
+    own = "_own_" + name
+
+    def get(self: AsyncWrapper[Any, Any]) -> Any:
+        value = self.__dict__.get(own)
+        return getattr(self.env, name, default) if value is None else value
+
+    def set_(self: AsyncWrapper[Any, Any], value: Any) -> None:
+        self.__dict__[own] = value
+
+    return property(get, set_, doc=f"The wrapped env's {name}, unless this wrapper sets its own.")
+
+
 class AsyncWrapper(AsyncEnv[ObsType, ActType]):
     """gymnasium's ``Wrapper`` for async envs: forwards what a subclass does not override.
 
@@ -218,9 +232,6 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
             env, "env", needed_by=type(self).__name__, advice="use gymnasium's wrappers for it"
         )
         self.env = env
-        self._observation_space: gym.Space[ObsType] | None = None
-        self._action_space: gym.Space[ActType] | None = None
-        self._metadata: dict[str, Any] | None = None
 
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -238,38 +249,9 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
         """Close the wrapped env."""
         await close_env(self.env)
 
-    @property
-    def observation_space(self) -> gym.Space[ObsType]:
-        """The wrapped env's observation space, unless this wrapper sets its own."""
-        if self._observation_space is None:
-            return self.env.observation_space
-        return self._observation_space
-
-    @observation_space.setter
-    def observation_space(self, space: gym.Space[ObsType]) -> None:
-        self._observation_space = space
-
-    @property
-    def action_space(self) -> gym.Space[ActType]:
-        """The wrapped env's action space, unless this wrapper sets its own."""
-        if self._action_space is None:
-            return self.env.action_space
-        return self._action_space
-
-    @action_space.setter
-    def action_space(self, space: gym.Space[ActType]) -> None:
-        self._action_space = space
-
-    @property
-    def metadata(self) -> dict[str, Any]:
-        """The wrapped env's metadata, unless this wrapper sets its own."""
-        if self._metadata is None:
-            return getattr(self.env, "metadata", {})
-        return self._metadata
-
-    @metadata.setter
-    def metadata(self, value: dict[str, Any]) -> None:
-        self._metadata = value
+    observation_space = _own_or_wrapped("observation_space")
+    action_space = _own_or_wrapped("action_space")
+    metadata = _own_or_wrapped("metadata", {})
 
     @property
     def spec(self) -> GymEnvSpec | None:  # type: ignore[override]
