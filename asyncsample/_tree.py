@@ -40,30 +40,9 @@ def tree_index(tree: Tree, index: Any) -> Tree:
     return tree_map(lambda x: x[index], tree)
 
 
-def _leaf_equal(a: Any, b: Any) -> bool:
-    """Exact equality of two leaves: type, shape, dtype and every value (NaN equals NaN)."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-        if a.dtype == object:
-            return all(_leaf_equal(x, y) for x, y in zip(a.flat, b.flat, strict=True))
-        if np.issubdtype(a.dtype, np.inexact):
-            return bool(np.array_equal(a, b, equal_nan=True))
-        return bool(np.array_equal(a, b))
-    if isinstance(a, Mapping) or isinstance(b, Mapping):
-        return tree_equal(a, b)
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):
-        return False
-
-
 def tree_equal(a: Any, b: Any) -> bool:
-    """Exact equality of two dict/tuple trees of arrays."""
+    """Exact equality of two dict/tuple trees of arrays: types, shapes, dtypes and every value
+    (NaN equals NaN), down into object arrays."""
     if isinstance(a, Mapping) or isinstance(b, Mapping):
         if not (isinstance(a, Mapping) and isinstance(b, Mapping)) or list(a) != list(b):
             return False
@@ -72,4 +51,17 @@ def tree_equal(a: Any, b: Any) -> bool:
         if not (isinstance(a, tuple) and isinstance(b, tuple)) or len(a) != len(b):
             return False
         return all(tree_equal(x, y) for x, y in zip(a, b, strict=True))
-    return _leaf_equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+            return False
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.dtype == object:
+            return all(tree_equal(x, y) for x, y in zip(a.flat, b.flat, strict=True))
+        return bool(np.array_equal(a, b, equal_nan=bool(np.issubdtype(a.dtype, np.inexact))))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False

@@ -217,13 +217,12 @@ class TorchAgent:
                 f"the gaussian head expects a mean of shape (batch={n}, *action_shape), got "
                 f"shape {tuple(mean.shape)}"
             )
-        if self.action_space is not None and self.action_space.shape is not None:
-            if tuple(mean.shape[1:]) != tuple(self.action_space.shape):
-                raise ValueError(
-                    f"the gaussian head expects a mean of shape (batch={n}, "
-                    f"*{tuple(self.action_space.shape)}) (the action space), got shape "
-                    f"{tuple(mean.shape)}"
-                )
+        shape = getattr(self.action_space, "shape", None)
+        if shape is not None and tuple(mean.shape[1:]) != tuple(shape):
+            raise ValueError(
+                f"the gaussian head expects a mean of shape (batch={n}, *{tuple(shape)}) (the "
+                f"action space), got shape {tuple(mean.shape)}"
+            )
         if log_std is None:
             log_std = getattr(self.module, "log_std", None)
             if log_std is None:
@@ -262,17 +261,13 @@ class TorchAgent:
         self, output: Any, n: int, deterministic: bool
     ) -> tuple[Tree, dict[str, np.ndarray]]:
         assert self.sample_fn is not None
-        kwargs: dict[str, Any] = {}
-        if "generator" in self._fn_kwargs:
-            kwargs["generator"] = self.generator
-        if "deterministic" in self._fn_kwargs:
-            kwargs["deterministic"] = deterministic
-        elif deterministic:
+        if deterministic and "deterministic" not in self._fn_kwargs:
             raise ValueError(
                 "deterministic actions need a sample_fn that takes a 'deterministic' keyword; "
                 f"{self.sample_fn!r} does not (evaluate with deterministic=False instead)"
             )
-        result = self.sample_fn(output, **kwargs)
+        given = {"generator": self.generator, "deterministic": deterministic}
+        result = self.sample_fn(output, **{k: v for k, v in given.items() if k in self._fn_kwargs})
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
             raise ValueError(
                 "sample_fn must return a pair (actions, infos) with infos a dict, got "
