@@ -86,12 +86,8 @@ DRAW_BLOCK_BYTES = 64 << 10
 
 
 class RandomAgent:
-    """Samples actions uniformly from ``action_space``, one per env, from its own seeded RNG.
-
-    Args:
-        action_space: the action space of one env.
-        seed: seed of the agent's generator (``None`` draws one from the OS).
-    """
+    """Samples actions uniformly from ``action_space`` (one env's), one per env, from its own
+    generator seeded with ``seed`` (``None``: from the OS)."""
 
     def __init__(self, action_space: gym.Space[Any], seed: int | None = None) -> None:
         self.action_space = action_space
@@ -115,13 +111,11 @@ class RandomAgent:
             and space.is_bounded("both")
             and np.issubdtype(space.dtype, np.floating)
         ):
-            low, high, dtype = space.low, space.high, space.dtype
-            shape = space.shape
-
-            def uniform(n: int) -> np.ndarray:
-                return rng.uniform(low, high, size=(n, *shape)).astype(dtype, copy=False)
-
-            return _Blocks(uniform, int(np.prod(shape)) * dtype.itemsize)
+            low, high, dtype, shape = space.low, space.high, space.dtype, space.shape
+            return _Blocks(
+                lambda n: rng.uniform(low, high, size=(n, *shape)).astype(dtype, copy=False),
+                int(np.prod(shape)) * dtype.itemsize,
+            )
         return None
 
     def _space(self, n: int) -> gym.Space[Any]:

@@ -44,14 +44,8 @@ class AsyncEnv(Generic[ObsType, ActType]):
     """gymnasium's ``Env`` with coroutine ``reset``, ``step`` and ``close``.
 
     Subclasses set the two spaces in ``__init__`` and implement ``step`` and ``reset``, which
-    begins with ``await super().reset(seed=seed)`` to seed ``np_random`` as gymnasium does.
-
-    Attributes:
-        observation_space: the space of the observations ``reset`` and ``step`` return.
-        action_space: the space of the actions ``step`` takes.
-        metadata: free-form facts about the env (gymnasium's ``render_modes``, ``render_fps``).
-        spec: gymnasium's ``EnvSpec`` if the env was made from a registered id, else ``None``.
-        render_mode: the render mode the env was made with, if any.
+    begins with ``await super().reset(seed=seed)`` to seed ``np_random`` as gymnasium does. The
+    attributes (spaces, ``metadata``, ``spec``, ``render_mode``) mean what they do there.
     """
 
     observation_space: gym.Space[ObsType]

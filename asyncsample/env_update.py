@@ -48,11 +48,7 @@ class EnvUpdate:
 
 
 class NewEnvUpdate(EnvUpdate):
-    """Replace the env by a new one from ``env_constructor`` (the old one is closed).
-
-    Args:
-        env_constructor: zero-argument callable returning a gymnasium.Env.
-    """
+    """Replace the env by a new one from ``env_constructor()`` (the old one is closed)."""
 
     def __init__(self, env_constructor: Callable[[], gym.Env]) -> None:
         if not callable(env_constructor):

@@ -6,6 +6,7 @@ This module imports torch; nothing imports it eagerly, so ``import asyncsample``
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
@@ -300,18 +301,12 @@ _NUMPY_DTYPES: dict[torch.dtype, Any] = {
 
 
 def _module_device(module: nn.Module) -> torch.device:
-    for param in module.parameters():
-        return param.device
-    for buffer in module.buffers():
-        return buffer.device
-    return torch.device("cpu")
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 def _module_float_dtype(module: nn.Module) -> torch.dtype:
-    for tensor in module.parameters():
-        if tensor.is_floating_point():
-            return tensor.dtype
-    return torch.float32
+    return next((t.dtype for t in module.parameters() if t.is_floating_point()), torch.float32)
 
 
 def _keywords(fn: Callable[..., Any], names: tuple[str, ...]) -> set[str]:
