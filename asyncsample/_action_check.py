@@ -145,9 +145,8 @@ class AgentOutputCheck:
                 f"agent_infos) tuple, got {_describe(output)}"
             )
         actions, infos = output
-        if not infos:
-            if infos is None or isinstance(infos, dict):
-                return actions, {}
+        if not infos and (infos is None or isinstance(infos, dict)):
+            return actions, {}
         return actions, self.infos(infos)
 
     def infos(self, infos: object) -> dict[str, np.ndarray]:

@@ -167,19 +167,6 @@ async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> Ru
     return summary
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def _importable(module: str) -> bool:
-    try:
-        importlib.import_module(module)
-    except ImportError:
-        return False
-    return True
-
-
 def _usage_error(prog: str, message: str) -> NoReturn:
     """Print a usage error as one line on stderr and exit with status 2."""
     sys.stderr.write(f"{prog}: error: {message} (see {prog} --help)\n")
@@ -194,7 +181,9 @@ def _run_command(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         needs.append(("--metrics-port", "prometheus_client", "metrics"))
     for option, package, extra in needs:
-        if not _importable(package):
+        try:
+            importlib.import_module(package)
+        except ImportError:
             print(
                 f"asyncsample run: error: {option} needs the {package} package, which is not "
                 f"installed: pip install 'asyncsample[{extra}]'",
@@ -216,7 +205,9 @@ def _run_command(args: argparse.Namespace) -> int:
     except Exception as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"asyncsample run: error: {_first_line(exc)}", file=sys.stderr)
+        lines = str(exc).strip().splitlines()
+        what = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        print(f"asyncsample run: error: {what}", file=sys.stderr)
         return EXIT_RUNTIME
     print(summary.text())
     return 0
@@ -232,13 +223,11 @@ class _BarSafeHandler(logging.Handler):
 def _configure_logging(verbose: bool) -> None:
     """Print the sampler's warnings (restarts, timeouts) only when asked."""
     logger = logging.getLogger("asyncsample")
+    logger.setLevel(logging.WARNING if verbose else logging.ERROR)
     if verbose:
         handler = _BarSafeHandler()
         handler.setFormatter(logging.Formatter("asyncsample: %(levelname)s: %(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.WARNING)
-    else:
-        logger.setLevel(logging.ERROR)
     logger.propagate = False
 
 
@@ -348,8 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         return _bench_command(argv[1:])
-    args = _parser().parse_args(argv)
-    return _run_command(args)
+    return _run_command(_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -195,14 +195,10 @@ def describe_source(source: EnvSource) -> str:
 
 def describe_chain(chain: Sequence[EnvSource]) -> str:
     """:func:`describe_source` of each source of one env, from the last that built it anew."""
-    start = max(
-        (
-            i
-            for i, s in enumerate(chain)
-            if isinstance(s, NewEnvUpdate) or not isinstance(s, EnvUpdate)
-        ),
-        default=0,
-    )
+    start = 0
+    for i, source in enumerate(chain):
+        if isinstance(source, NewEnvUpdate) or not isinstance(source, EnvUpdate):
+            start = i
     return ", then ".join(describe_source(s) for s in chain[start:])
 
 
