@@ -151,14 +151,6 @@ def _concat_arrays(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate([_object_rows(a) for a in arrays], axis=0)
 
 
-def _value_keys(dicts: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Keys of ``dicts`` in order of first appearance, without the masks of other keys."""
-    union: dict[str, None] = {}
-    for d in dicts:
-        union.update(dict.fromkeys(d))
-    return [k for k in union if not (k.startswith("_") and k[1:] in union)]
-
-
 def concat_infos(
     dicts: Sequence[Mapping[str, Any]], sizes: Sequence[int], where: str = "infos"
 ) -> dict[str, Any]:
@@ -173,8 +165,11 @@ def concat_infos(
     """
     if not any(dicts):
         return {}
+    union: dict[str, None] = {}  # every key, in order of first appearance
+    for d in dicts:
+        union.update(dict.fromkeys(d))
     out: dict[str, Any] = {}
-    for key in _value_keys(dicts):
+    for key in [k for k in union if not (k.startswith("_") and k[1:] in union)]:  # not masks
         mkey = mask_key(key)
         parts = [d.get(key, MISSING) for d in dicts]
         has_mask = any(mkey in d for d in dicts) or any(p is MISSING for p in parts)

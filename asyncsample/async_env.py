@@ -126,9 +126,7 @@ def _is_coroutine_method(obj: object, name: str) -> bool:
 def is_async_env(obj: object) -> bool:
     """Whether ``obj`` is an :class:`AsyncEnv`, or has coroutine ``reset`` and ``step`` and the
     two spaces (duck typing, as the sampler accepts it)."""
-    if isinstance(obj, AsyncEnv):
-        return True
-    return (
+    return isinstance(obj, AsyncEnv) or (
         _is_coroutine_method(obj, "reset")
         and _is_coroutine_method(obj, "step")
         and all(hasattr(obj, space) for space in _SPACES)

@@ -132,8 +132,7 @@ async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> Ru
             raise UsageError(f"--metrics-port {args.metrics_port}: {exc}") from exc
         port = server.server_address[1]
         print(f"metrics on http://{args.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
-    # Transitions per call: small enough that the bar moves and a batch's memory stays bounded
-    # however many steps are asked for, at least one step of every env.
+    # Per call: small enough that the bar moves and memory stays bounded; one step of every env.
     chunk = max(min(args.steps // 50, MAX_CHUNK), args.workers * args.envs_per_worker)
     start = time.perf_counter()
     try:
@@ -197,8 +196,7 @@ def _run_command(args: argparse.Namespace) -> int:
     except UsageError as exc:
         _usage_error("asyncsample run", str(exc))
     except KeyboardInterrupt:
-        # asyncio's runner cancelled the sampling task on SIGINT: the sampler is closed (its env
-        # hosts are gone) by the time the KeyboardInterrupt reaches us.
+        # asyncio's runner cancelled the sampling task on SIGINT: the sampler is closed by now.
         print(summary.text(), flush=True)
         print("asyncsample run: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

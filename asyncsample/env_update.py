@@ -9,7 +9,7 @@ import importlib
 import inspect
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import gymnasium as gym
 
@@ -95,8 +95,7 @@ class SetTaskUpdate(EnvUpdate):
         return env
 
     def __call__(self, old_env: gym.Env | None = None) -> gym.Env:
-        env: gym.Env = self.retask(old_env, close=True)
-        return env
+        return cast(gym.Env, self.retask(old_env, close=True))
 
     def retask(self, old_env: Any, *, close: bool) -> Any:
         """Set the task on ``old_env``, or build a new env (``close``: closing the old one)."""

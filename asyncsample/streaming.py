@@ -89,8 +89,7 @@ async def stream(
 
         sampler.streaming = True
         if sampler.lanes and max_policy_lag is not None and not fragments:
-            # Staleness at admission: no episode starts while the versions in flight would
-            # spread by more than max_policy_lag (the filter below still drops what outlived it).
+            # No episode starts while the versions in flight would spread by more than the lag.
             sampler.admission = Admission(max_policy_lag)
         producer = asyncio.ensure_future(produce())
         try:

@@ -389,6 +389,4 @@ def _numpy(tensor: torch.Tensor, copy: bool = False) -> np.ndarray:
 
 
 def _numpy_leaf(value: Any) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        return _numpy(value)
-    return np.asarray(value)
+    return _numpy(value) if isinstance(value, torch.Tensor) else np.asarray(value)
