@@ -113,10 +113,9 @@ def make_sampler(args: argparse.Namespace, metrics: Any = None) -> Sampler:
         raise UsageError(str(exc)) from exc
 
 
-async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> RunSummary:
+async def run(args: argparse.Namespace, summary: RunSummary) -> None:
     """Sample ``args.steps`` transitions with a random agent into ``summary`` (filled as batches
     arrive, so an interrupted run still has them), with a progress bar."""
-    summary = RunSummary() if summary is None else summary
     server = None
     if args.metrics_port is None:
         sampler = make_sampler(args)
@@ -163,7 +162,6 @@ async def run(args: argparse.Namespace, summary: RunSummary | None = None) -> Ru
         if server is not None:
             server.shutdown()
             server.server_close()
-    return summary
 
 
 def _usage_error(prog: str, message: str) -> NoReturn:

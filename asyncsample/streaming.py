@@ -119,9 +119,7 @@ async def stream(
                     stats.append(stat)
                 out = EpisodeBatch.concatenate(*parts) if len(parts) > 1 else parts[0]
                 sampler.total_env_steps += out.n_transitions
-                sampler.last_stats = merge_stats(
-                    stats, out.n_transitions, _worker_transitions(out, sampler.n_workers)
-                )
+                sampler.last_stats = merge_stats(stats, out, sampler.n_workers)
                 sampler.stream_guard.handing_out()
                 if metrics is not None:
                     metrics.batch_waited(time.perf_counter() - asked)
@@ -134,22 +132,17 @@ async def stream(
             sampler.admission = None
 
 
-def _worker_transitions(batch: EpisodeBatch, n_workers: int) -> tuple[int, ...]:
-    """Transitions of ``batch`` per worker (``episode_infos["worker"]``)."""
-    workers = np.asarray(batch.episode_infos.get("worker", np.zeros(0)), dtype=np.int64)
-    if len(workers) != len(batch.lengths):
-        return ()
-    counts = np.bincount(workers, weights=batch.lengths, minlength=n_workers)
-    return tuple(int(c) for c in counts)
-
-
-def merge_stats(
-    stats: list[SampleStats], transitions: int, worker_transitions: tuple[int, ...] = ()
-) -> SampleStats:
-    """The statistics of the sampling rounds that made one streamed batch of ``transitions``
-    (``worker_transitions`` per worker, after ``max_policy_lag`` dropped episodes)."""
+def merge_stats(stats: list[SampleStats], batch: EpisodeBatch, n_workers: int) -> SampleStats:
+    """The statistics of the sampling rounds that made one streamed ``batch`` (after
+    ``max_policy_lag`` dropped episodes)."""
+    transitions = batch.n_transitions
     if len(stats) == 1 and stats[0].transitions == transitions:
         return stats[0]
+    workers = np.asarray(batch.episode_infos.get("worker", np.zeros(0)), dtype=np.int64)
+    worker_transitions: tuple[int, ...] = ()
+    if len(workers) == len(batch.lengths):
+        counts = np.bincount(workers, weights=batch.lengths, minlength=n_workers)
+        worker_transitions = tuple(int(c) for c in counts)
     waits = [s.worker_wait_seconds for s in stats if s.worker_wait_seconds]
     wait_sums = tuple(float(sum(w)) for w in zip(*waits)) if waits else ()
     episodes = sum(s.episodes for s in stats)
