@@ -244,16 +244,10 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
     observation_space = _own_or_wrapped("observation_space")
     action_space = _own_or_wrapped("action_space")
     metadata = _own_or_wrapped("metadata", {})
-
-    @property
-    def spec(self) -> GymEnvSpec | None:  # type: ignore[override]
-        """The wrapped env's spec."""
-        return getattr(self.env, "spec", None)
-
-    @property
-    def render_mode(self) -> str | None:  # type: ignore[override]
-        """The wrapped env's render mode."""
-        return getattr(self.env, "render_mode", None)
+    spec = property(lambda self: getattr(self.env, "spec", None), doc="The wrapped env's spec.")
+    render_mode = property(
+        lambda self: getattr(self.env, "render_mode", None), doc="The wrapped env's render mode."
+    )
 
     @property
     def np_random(self) -> np.random.Generator:
