@@ -32,8 +32,7 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 
 def make_action_check(space: gym.Space[Any]) -> Check | None:
-    """A check for the stacked actions of ``space`` (``None``: a space it cannot check); when
-    every action fits it costs two reductions."""
+    """A check for the stacked actions of ``space`` (``None``: cannot); 2 reductions if all fit."""
     if isinstance(space, gym.spaces.Box):
         low, high = space.low, space.high
         scalar = np.all(low == low.flat[0]) and np.all(high == high.flat[0])

@@ -1,5 +1,4 @@
-"""``Sampler(...)``'s arguments, gathered once for the core (their defaults and documentation live
-in the public signature)."""
+"""``Sampler(...)``'s arguments gathered for the core (documented in the public signature)."""
 
 from __future__ import annotations
 

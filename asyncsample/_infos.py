@@ -1,8 +1,5 @@
-"""The info-key rules: how per-step (or per-episode) info dicts become dicts of arrays.
-
-Nothing is dropped: a key on some rows only is filled where absent and gets a ``"_" + key``
-presence mask (gymnasium's vector-info convention); nested dicts follow the same rule.
-"""
+"""How info dicts become dicts of arrays, dropping nothing: a key on some rows only is filled
+where absent and gets a ``"_" + key`` presence mask (gymnasium's); nested dicts likewise."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Helpers over the dicts and tuples of arrays of ``Dict`` and ``Tuple`` spaces, so the rest of
-the code treats a nested batch like a single array."""
+"""Helpers that treat the nested dicts/tuples of arrays of ``Dict``/``Tuple`` spaces as one."""
 
 from __future__ import annotations
 

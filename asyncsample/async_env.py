@@ -1,8 +1,5 @@
-"""Envs whose ``reset``, ``step`` and ``close`` are coroutines (for ``backend="asyncio"``).
-
-:class:`AsyncEnv` keeps gymnasium's ``Env`` shape, so an I/O-bound env only adds ``async def``
-and ``await``; thousands of them can wait at once in one event loop.
-"""
+"""Envs whose ``reset``, ``step`` and ``close`` are coroutines (for ``backend="asyncio"``), in
+gymnasium's ``Env`` shape: thousands of I/O-bound envs can wait at once in one event loop."""
 
 from __future__ import annotations
 

@@ -115,8 +115,7 @@ class SetTaskUpdate(EnvUpdate):
 
 
 class EnvId:
-    """A gymnasium id with its registration, so hosts that never imported the registering
-    module can build it."""
+    """A gymnasium id and its registration, for hosts that never imported the registering module."""
 
     def __init__(self, env_id: str) -> None:
         self.id = env_id

@@ -1,8 +1,5 @@
-"""``Sampler.stream``: sampling in a background task, at most ``buffer_size`` batches ahead.
-
-The producer runs one round after another, each resuming what the last left running, into a
-bounded queue, so a slow consumer pauses the workers and memory stays flat.
-"""
+"""``Sampler.stream``: rounds sampled in a background task into a queue of ``buffer_size``
+batches, each round resuming what the last left running; a slow consumer pauses the workers."""
 
 from __future__ import annotations
 
@@ -133,8 +130,7 @@ async def stream(
 
 
 def merge_stats(stats: list[SampleStats], batch: EpisodeBatch, n_workers: int) -> SampleStats:
-    """The statistics of the sampling rounds that made one streamed ``batch`` (after
-    ``max_policy_lag`` dropped episodes)."""
+    """The statistics of the rounds that made one streamed ``batch`` (after lag drops)."""
     transitions = batch.n_transitions
     if len(stats) == 1 and stats[0].transitions == transitions:
         return stats[0]

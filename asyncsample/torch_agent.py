@@ -1,7 +1,4 @@
-"""An adapter that turns a torch ``nn.Module`` policy into an asyncsample agent.
-
-This module imports torch; nothing imports it eagerly, so ``import asyncsample`` needs no torch.
-"""
+"""A torch ``nn.Module`` policy as an asyncsample agent (imported lazily: no torch needed)."""
 
 from __future__ import annotations
 
@@ -326,8 +323,7 @@ def _keywords(fn: Callable[..., Any], names: tuple[str, ...]) -> set[str]:
 
 def _choose_head(head: str | None, action_space: gym.Space[Any] | None) -> Head:
     if head is not None:
-        heads: tuple[str, ...] = ("categorical", "gaussian")
-        return cast(Head, _validate.choice("head", head, heads))
+        return cast(Head, _validate.choice("head", head, ("categorical", "gaussian")))
     if isinstance(action_space, gym.spaces.Discrete):
         return "categorical"
     if isinstance(action_space, gym.spaces.Box):
