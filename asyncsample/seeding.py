@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,16 +21,13 @@ class WorkerSeeds:
     def __init__(self, sequence: np.random.SeedSequence, n_envs: int) -> None:
         self._sequence = sequence
         self._n_envs = n_envs
-        self._agent_seed: int | None = None
         # Made on first use (as sequence.spawn(1 + n_envs) would): a million envs build at once.
         self._envs: dict[int, np.random.SeedSequence] = {}
 
-    @property
+    @functools.cached_property
     def agent_seed(self) -> int:
         """The seed of the worker's built-in ``RandomAgent`` (drawn on first use)."""
-        if self._agent_seed is None:
-            self._agent_seed = _to_int(_child(self._sequence, 0))
-        return self._agent_seed
+        return _to_int(_child(self._sequence, 0))
 
     def next_env_seed(self, env: int) -> int:
         """The seed for the next (re)build of env ``env``."""
