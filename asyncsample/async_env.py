@@ -238,13 +238,20 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
         """Close the wrapped env."""
         await close_env(self.env)
 
-    observation_space = _own_or_wrapped("observation_space")
-    action_space = _own_or_wrapped("action_space")
-    metadata = _own_or_wrapped("metadata", {})
-    spec = property(lambda self: getattr(self.env, "spec", None), doc="The wrapped env's spec.")
-    render_mode = property(
-        lambda self: getattr(self.env, "render_mode", None), doc="The wrapped env's render mode."
-    )
+    # Annotated with what an instance reads (the factory returns a property).
+    observation_space: gym.Space[ObsType] = _own_or_wrapped("observation_space")
+    action_space: gym.Space[ActType] = _own_or_wrapped("action_space")
+    metadata: dict[str, Any] = _own_or_wrapped("metadata", {})
+
+    @property
+    def spec(self) -> GymEnvSpec | None:  # type: ignore[override]
+        """The wrapped env's spec."""
+        return getattr(self.env, "spec", None)
+
+    @property
+    def render_mode(self) -> str | None:  # type: ignore[override]
+        """The wrapped env's render mode."""
+        return getattr(self.env, "render_mode", None)
 
     @property
     def np_random(self) -> np.random.Generator:
