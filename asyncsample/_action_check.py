@@ -178,10 +178,8 @@ class AgentOutputCheck:
                     f"{got} (shape {array.shape})"
                 )
             sig = (array.dtype.kind, array.shape[1:])
-            known = seen.get(key)
-            if known is None:
-                seen[key] = sig
-            elif known != sig:
+            known = seen.setdefault(key, sig)
+            if known != sig:
                 raise ValueError(
                     f"agent_infos[{key!r}]: the agent of worker {self.worker} changed this key "
                     f"between steps: it had dtype kind {known[0]!r} and per-env shape "

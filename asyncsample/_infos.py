@@ -155,10 +155,7 @@ def concat_infos(
 
     ``sizes`` gives each dict's number of rows. A key some dicts lack is filled there and gets a
     mask; a mask present in any input is kept even when all true, so a split batch concatenates
-    back to itself.
-
-    Raises:
-        ValueError: if a key holds a dict in one input and an array in another.
+    back to itself. A key holding a dict in one input and an array in another: ``ValueError``.
     """
     if not any(dicts):
         return {}

@@ -209,9 +209,6 @@ def _own_or_wrapped(name: str, default: Any = None) -> Any:
 class AsyncWrapper(AsyncEnv[ObsType, ActType]):
     """gymnasium's ``Wrapper`` for async envs: forwards what a subclass does not override.
 
-    Spaces and ``metadata`` are the wrapped env's unless set on the wrapper; ``spec``,
-    ``render_mode`` and ``np_random`` are always the wrapped env's.
-
     Raises:
         TypeError: ``env`` is not an async env (:func:`is_async_env`).
     """
@@ -308,9 +305,6 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
 
 class AsyncTimeLimit(AsyncWrapper[ObsType, ActType]):
     """Truncates episodes after ``max_episode_steps`` steps (gymnasium's ``TimeLimit``).
-
-    Every wrapper above it reports the limit as ``max_episode_steps``, which the sampler records
-    in ``env_spec.max_episode_length``.
 
     Raises:
         TypeError: ``max_episode_steps`` is not an int.

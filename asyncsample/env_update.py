@@ -159,10 +159,8 @@ def make_env(source: EnvSource) -> gym.Env:
 def apply_env_update(
     old_env: gym.Env | None, update: EnvSource | None
 ) -> tuple[gym.Env | None, bool]:
-    """Apply one update to one env: ``(env, changed)``, ``changed`` meaning it needs a reset.
-
-    ``None`` keeps the env; an ``EnvUpdate`` is called with it; anything else replaces it.
-    """
+    """Apply one update to one env: ``(env, changed)`` (``changed``: it needs a reset); ``None``
+    keeps the env, an ``EnvUpdate`` is called with it, anything else replaces it."""
     if update is None:
         return old_env, False
     if isinstance(update, EnvUpdate):
