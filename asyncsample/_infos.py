@@ -133,7 +133,6 @@ def stack_infos(
 
 
 def _object_rows(rows: Sequence[Any] | np.ndarray) -> np.ndarray:
-    """A 1-D object array holding each of ``rows`` as one object."""
     out = np.empty(len(rows), dtype=object)
     for i, row in enumerate(rows):
         out[i] = row

@@ -137,7 +137,6 @@ class TestEnvs:
         self.evaluators: dict[bool, tuple[Evaluator, Any]] = {}
 
     async def aclose(self) -> None:
-        """Close every evaluator."""
         evaluators, self.evaluators = [e for e, _ in self.evaluators.values()], {}
         for evaluator in evaluators:
             await evaluator.aclose()

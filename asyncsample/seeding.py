@@ -58,9 +58,6 @@ class _LazySeeds:
         self._n_envs = n_envs
         self._made: dict[int, WorkerSeeds] = {}
 
-    def __len__(self) -> int:
-        return self._n_workers
-
     def __getitem__(self, index: int) -> WorkerSeeds:
         if not 0 <= index < self._n_workers:
             raise IndexError(f"worker {index} out of range for {self._n_workers} workers")

@@ -27,9 +27,8 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 class TorchAgent:
     """An ``nn.Module`` policy as an agent: numpy in, numpy out, no autograd graph.
 
-    What the module must return for each head, and the agent infos each gives, are on the
-    *Torch policies* page of the docs. Sampling draws only from the agent's own seeded
-    ``torch.Generator``, which pickles with it.
+    What the module returns for each head, and the agent infos, are on the *Torch policies*
+    docs page. Sampling draws only from the agent's own seeded ``torch.Generator``.
 
     Args:
         module: the policy network, used as it is (train/eval mode is the caller's choice).
@@ -38,8 +37,7 @@ class TorchAgent:
         head: ``"categorical"`` or ``"gaussian"``, overriding the default from ``action_space``.
         sample_fn: ``sample_fn(output)`` returns ``(actions, infos)`` instead of a head; it
             also gets ``generator=`` and ``deterministic=`` when it names those keywords.
-        device: where to run the module (it is moved there); default: the device of its first
-            parameter or buffer, else the CPU.
+        device: where to move and run the module; default: where its parameters are (or CPU).
         seed: seed of the sampling generator; ``None`` seeds it from the OS.
         clip_actions: clip Gaussian actions to a bounded ``Box`` action space.
         inference_mode: run under ``torch.inference_mode()``; ``False``: ``torch.no_grad()``,
