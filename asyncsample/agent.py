@@ -41,7 +41,6 @@ class Agent(Protocol):
 
     def get_actions(self, observations: Tree) -> AgentOutput | Awaitable[AgentOutput]:
         """Actions and agent infos for a batch of observations."""
-        ...
 
 
 async def get_actions(agent: Agent, observations: Tree) -> AgentOutput:

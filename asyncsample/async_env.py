@@ -7,7 +7,7 @@ import copy
 import inspect
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Generic, SupportsFloat, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, SupportsFloat, TypeVar, cast
 
 import gymnasium as gym
 import numpy as np
@@ -267,8 +267,7 @@ class AsyncWrapper(AsyncEnv[ObsType, ActType]):
     @property
     def unwrapped(self) -> AsyncEnv[Any, Any]:
         """The innermost env."""
-        inner: AsyncEnv[Any, Any] = getattr(self.env, "unwrapped", self.env)
-        return inner
+        return cast("AsyncEnv[Any, Any]", getattr(self.env, "unwrapped", self.env))
 
     @property
     def max_episode_steps(self) -> int | None:

@@ -1,7 +1,5 @@
 """The ``asyncsample`` command line: ``run`` samples an env with a random agent; ``bench`` runs the
 benchmark studies of a source checkout (``asyncsample bench --list``, ``asyncsample bench STUDY``).
-
-Errors are one line on stderr, with the exit statuses below (``EXIT_*``).
 """
 
 from __future__ import annotations

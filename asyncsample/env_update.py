@@ -66,13 +66,8 @@ class NewEnvUpdate(EnvUpdate):
 
 class SetTaskUpdate(EnvUpdate):
     """Give the env a new task with ``env.unwrapped.set_task(task)``, rebuilding it from
-    ``env_type()`` when there is none or its unwrapped type differs (with a warning, as garage).
-
-    Args:
-        env_type: the env class to build and set the task on.
-        task: whatever the env's ``set_task`` takes.
-        wrapper_constructor: optional ``(env, task) -> wrapped env`` applied to a rebuilt env.
-    """
+    ``env_type()`` when there is none or its unwrapped type differs (with a warning, as garage);
+    ``wrapper_constructor(env, task)``, if given, wraps a rebuilt env."""
 
     def __init__(
         self,

@@ -72,7 +72,6 @@ class DeterministicAgent:
         return cast(AgentOutput, result)
 
     def reset(self, do_resets: Any = None) -> None:
-        """Forward resets to the wrapped agent."""
         reset = getattr(self.agent, "reset", None)
         if reset is not None:
             reset(do_resets)

@@ -73,9 +73,8 @@ class _LazySeeds:
 def worker_seeds(seed: int | None, n_workers: int, n_envs: int) -> tuple[int, _LazySeeds]:
     """The seed in use (drawn when ``seed`` is None) and the seeds of each worker."""
     if seed is None:
-        seed = int(np.random.SeedSequence().generate_state(1, np.uint32)[0])
-    root = np.random.SeedSequence(seed)
-    return seed, _LazySeeds(root, n_workers, n_envs)
+        seed = _to_int(np.random.SeedSequence())
+    return seed, _LazySeeds(np.random.SeedSequence(seed), n_workers, n_envs)
 
 
 def _child(sequence: np.random.SeedSequence, index: int) -> np.random.SeedSequence:
