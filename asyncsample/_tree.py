@@ -42,17 +42,13 @@ def tree_index(tree: Tree, index: Any) -> Tree:
 def tree_equal(a: Any, b: Any) -> bool:
     """Exact equality of two dict/tuple trees of arrays: types, shapes, dtypes and every value
     (NaN equals NaN), down into object arrays."""
-    if isinstance(a, Mapping) or isinstance(b, Mapping):
-        if not (isinstance(a, Mapping) and isinstance(b, Mapping)) or list(a) != list(b):
-            return False
-        return all(tree_equal(a[k], b[k]) for k in a)
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        if not (isinstance(a, tuple) and isinstance(b, tuple)) or len(a) != len(b):
-            return False
-        return all(tree_equal(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
+    if any(isinstance(a, kind) != isinstance(b, kind) for kind in (Mapping, tuple, np.ndarray)):
+        return False
+    if isinstance(a, Mapping):
+        return list(a) == list(b) and all(tree_equal(a[k], b[k]) for k in a)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(tree_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray):
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
         if a.dtype == object:
