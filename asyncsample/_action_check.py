@@ -117,9 +117,7 @@ def check_actions(
 
 
 def _union(bad: list[np.ndarray]) -> np.ndarray:
-    if not bad:
-        return _NONE
-    return np.unique(np.concatenate(bad))
+    return np.unique(np.concatenate(bad)) if bad else _NONE
 
 
 class AgentOutputCheck:
