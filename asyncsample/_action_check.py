@@ -154,7 +154,6 @@ class AgentOutputCheck:
                 f"arrays (or None) as agent infos, got {_describe(infos)}"
             )
         out: dict[str, np.ndarray] = {}
-        seen = self._seen
         for key, value in infos.items():
             if not isinstance(key, str):
                 raise ValueError(
@@ -176,7 +175,7 @@ class AgentOutputCheck:
                     f"{got} (shape {array.shape})"
                 )
             sig = (array.dtype.kind, array.shape[1:])
-            known = seen.setdefault(key, sig)
+            known = self._seen.setdefault(key, sig)
             if known != sig:
                 raise ValueError(
                     f"agent_infos[{key!r}]: the agent of worker {self.worker} changed this key "
