@@ -1,21 +1,11 @@
 """What the ``process`` and ``ray`` backends share: env hosts that live somewhere else.
 
-Both keep a pool of remote hosts (processes or actors), each serving the envs of several workers
-(one :class:`~asyncsample.env_group.EnvGroup` per worker slot). From the main process they look
-the same, and this module holds that common shape:
-
-* :class:`Incarnation` -- one life of a remote host: the calls it has not answered yet, in the
-  order it serves them, a ``step_timeout`` on the head call only (time spent queued behind other
-  workers' calls does not count), and "fail everyone" when it dies or is killed.
-* :class:`PoolMember` -- one place in the pool: which workers it hosts (the pickled slot specs
-  every incarnation is started with) and its current incarnation, replaced once (whoever asks
-  first) when it died.
-* :class:`RemoteHost` -- one worker's view of its member: build, update, call, set_attr,
-  restart and close in terms of one backend-specific round trip, and the translation of a dead
-  host into :class:`~asyncsample.WorkerCrashedError`, :class:`~asyncsample.StepTimeoutError` or,
-  once the backend is closed, :class:`~asyncsample.SamplerClosedError`.
-Which worker lives on which member is :class:`~asyncsample.backends.placement.Placement`'s
-decision. What moves the bytes (sockets and shared memory, or Ray calls) stays in each backend.
+:class:`Incarnation` is one life of a remote host (its unanswered calls in order, ``step_timeout``
+on the head call only, "fail everyone" when it dies); :class:`PoolMember` one place in the pool,
+its incarnation replaced once when it died; :class:`RemoteHost` one worker's view of its member,
+a death translated into :class:`~asyncsample.WorkerCrashedError`,
+:class:`~asyncsample.StepTimeoutError` or :class:`~asyncsample.SamplerClosedError`. What moves
+the bytes stays in each backend.
 """
 
 from __future__ import annotations
@@ -58,19 +48,14 @@ class PendingCall:
 
     Attributes:
         label: what was asked (``"step"``, ``"build"``...), for messages.
-        worker: the worker that asked.
-        timeout: ``step_timeout`` of the call, or ``None``.
         future: resolved with the raw reply, or failed with :class:`HostDied`.
         key: the backend's handle of the call (a request id, an ObjectRef).
-        done: the host answered it.
-        timed_out: it outlived ``timeout`` and its host was killed for it.
-        limit: how the timeout is named in messages (``"step_timeout=1s"``).
-        progress: for a call of many steps (a chunk, ``inference="host"``), a counter the host
-            bumps after each step (shared memory); ``timeout`` then bounds each step, judged
-            by how long the counter stood still. ``None``: ``timeout`` bounds the whole call.
-        base: the counter's value when the host started on the call.
-        seen: its value at the last look, and ``since``: the loop time it was first seen so
-            (the latest the current step can have started).
+        done: the host answered it; ``timed_out``: it outlived ``timeout`` and its host was
+            killed for it. ``limit``: how the timeout is named in messages.
+        progress: for a call of many steps (a chunk), a counter the host bumps after each step;
+            ``timeout`` then bounds each step, judged by how long the counter stood still
+            (``base``: its value when the host started on the call; ``seen``: at the last look,
+            first seen so at loop time ``since``). ``None``: ``timeout`` bounds the whole call.
     """
 
     __slots__ = (
@@ -117,8 +102,8 @@ class PendingCall:
 
 
 def progress_poll(timeout: float) -> float:
-    """How often the counter of a call judged per step is read: a tenth of the timeout, at most
-    :data:`PROGRESS_POLL` (a hang is found at most this long after ``timeout``)."""
+    """How often a call judged per step has its counter read: a tenth of the timeout, at most
+    :data:`PROGRESS_POLL`."""
     return max(min(timeout / 10, PROGRESS_POLL), 0.001)
 
 
@@ -129,10 +114,8 @@ PROGRESS_POLL = 0.25
 class Incarnation(ABC):
     """One life of a remote host, as the main process sees it.
 
-    A host serves its calls in the order they were sent, so only the head of :attr:`calls` can
-    be running: its timeout starts when the call before it was answered. A call of many steps
-    with a step counter (a chunk) is judged per step: it fails when the counter has stood still
-    for ``timeout``, looked at every :func:`progress_poll` seconds.
+    A host serves its calls in order, so only the head of :attr:`calls` runs: its timeout starts
+    when the call before it was answered.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -166,12 +149,8 @@ class Incarnation(ABC):
         progress: np.ndarray | None = None,
         limit: str | None = None,
     ) -> PendingCall:
-        """A call, queued as the host will serve it; failed at once if the host is dead.
-
-        ``progress`` (a step counter the host bumps, see :class:`PendingCall`) makes
-        ``timeout`` bound each step of the call rather than the whole call; ``limit`` names
-        the timeout in messages.
-        """
+        """A call, queued as the host will serve it (see :class:`PendingCall`); failed at once
+        if the host is dead."""
         call = PendingCall(label, worker, timeout, self.loop.create_future(), progress, limit)
         if self.dead:
             call.future.set_exception(HostDied(self.reason))
@@ -193,8 +172,8 @@ class Incarnation(ABC):
         self.timer = self.loop.call_later(progress_poll(timeout), self._on_timeout, call)
 
     def _still_going(self, call: PendingCall, timeout: float) -> bool:
-        """For a call judged per step: whether its current step is younger than ``timeout``
-        (then the next look is scheduled)."""
+        """Whether a call judged per step is on a step younger than ``timeout`` (then the next
+        look is scheduled)."""
         progress = call.progress
         if progress is None:
             return False
@@ -250,7 +229,7 @@ class Incarnation(ABC):
         self.cause = cause
         if not self.closing:
             LOGGER.warning("%s %s; the calls waiting on it fail", self.describe(), reason)
-        # What follows may run from a finalizer after the loop closed: never let it raise.
+        # This may run from a finalizer after the loop closed: never let it raise.
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -277,12 +256,8 @@ IncT = TypeVar("IncT", bound=Incarnation)
 
 
 class PoolMember(ABC, Generic[IncT]):
-    """One place in the pool: the worker slots it hosts and its current incarnation.
-
-    Args:
-        index: the member's place in the pool.
-        specs: the workers it hosts, in slot order.
-    """
+    """One place in the pool (``index``): the workers it hosts (``specs``, in slot order) and
+    its current incarnation."""
 
     kind = "env host"
 
@@ -341,14 +316,8 @@ def closed_error(worker: int, what: str) -> SamplerClosedError:
 
 
 class RemoteHost(ABC, Generic[IncT]):
-    """The host of one worker's envs in a member of a remote pool, as the worker sees it.
-
-    Args:
-        spec: the worker's host spec.
-        member: the pool member that hosts it (started: its incarnation is used).
-        buffers: the worker's step buffers.
-        step_timeout: seconds a host may spend on one call, or ``None``.
-    """
+    """The host of one worker's envs (``spec``) in a started ``member`` of a remote pool, as
+    the worker sees it, with its step ``buffers`` and ``step_timeout``."""
 
     #: How the remote side is called in error messages ("env-host process").
     where = "env host"
@@ -386,29 +355,31 @@ class RemoteHost(ABC, Generic[IncT]):
         """The payload of a raw reply, or raise the :class:`~asyncsample.WorkerError` in it."""
 
     async def _request(self, op: Op, *payload: Any) -> Any:
-        """Send ``op`` with ``payload``, await the reply, translate a dead host into an error."""
+        """Send ``op`` with ``payload`` and await its reply (see :meth:`reply`)."""
         inc = self._incarnation
         if inc is None:
             raise RuntimeError(f"the backend has not started the host of worker {self.worker}")
         if self._member.closed:
             raise closed_error(self.worker, op.label)
-        call = self._submit(inc, op, payload)
+        return await self.reply(inc, self._submit(inc, op, payload))
+
+    async def reply(self, inc: IncT, call: PendingCall) -> Any:
+        """The payload of ``call``'s reply, or the error a failure or death means."""
         try:
             reply = await call.future
         except HostDied:
-            err = self._death_error(inc, call)
+            err: Exception
+            if self._member.closed:
+                err = closed_error(self.worker, f"finish its {call.label}")
+            elif call.timed_out:
+                err = StepTimeoutError(
+                    f"{call.what()} took longer than {call.limit}; {inc.describe()} was killed",
+                    worker=self.worker,
+                )
+            else:
+                err = inc.crashed(self.worker)
             raise err from err.__cause__
         return self._unpack(reply)
-
-    def _death_error(self, inc: IncT, call: PendingCall) -> Exception:
-        if self._member.closed:
-            return closed_error(self.worker, f"finish its {call.label}")
-        if call.timed_out:
-            return StepTimeoutError(
-                f"{call.what()} took longer than {call.limit}; {inc.describe()} was killed",
-                worker=self.worker,
-            )
-        return inc.crashed(self.worker)
 
     # -- what every remote host does the same way ----------------------------------------------
 
@@ -452,10 +423,8 @@ class RemoteHost(ABC, Generic[IncT]):
     # -- inference="host": the agent copy inside the host --------------------------------------
 
     def set_agent(self, blob: bytes, version: int) -> None:
-        """Install ``blob`` (a cloudpickled ``(agent, seed)``) before the next chunk.
-
-        It replaces any earlier parameters; ``version`` is the worker's agent version after it.
-        """
+        """Install ``blob`` (a cloudpickled ``(agent, seed)``) before the next chunk; it
+        replaces earlier parameters. ``version``: the worker's agent version after it."""
         self._agent_blob = blob
         self._params_blob = None
         self._params_dirty = False
@@ -471,9 +440,9 @@ class RemoteHost(ABC, Generic[IncT]):
     async def sync_agent(self) -> int:
         """Send the agent and parameters the host lacks; the agent version in force there.
 
-        A new incarnation of the host (after a crash or a kill) gets the agent again, then the
-        latest parameters. Updates made while a message is in flight are sent next, so the
-        version returned is exactly the one whose parameters the next chunk runs with.
+        A new incarnation gets the agent again, then the latest parameters. Updates made while
+        a message is in flight are sent next, so the version returned is the one the next chunk
+        runs with.
         """
         while True:
             inc = self._incarnation
@@ -506,11 +475,8 @@ class RemoteHost(ABC, Generic[IncT]):
                 self._synced_version = version
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
-        """Replace a dead or killed host (once for all its workers), then rebuild the envs.
-
-        A live host, where an env merely raised, keeps running: only this worker's envs are
-        rebuilt.
-        """
+        """Replace a dead or killed host (once for all its workers), then rebuild the envs (a
+        live host, where an env merely raised, keeps running)."""
         old = self._incarnation
         self._incarnation = inc = await self._member.live()
         if inc is old:

@@ -1,26 +1,12 @@
 """The ``process`` backend: the envs of every worker live in a pool of long-lived processes.
 
-``P = min(n_processes or os.cpu_count(), n_workers)`` env-host processes are started from a
-forkserver; worker ``w`` lives in process ``w % P``, so one process hosts the envs of several
-workers and the agent compute of one worker overlaps the env compute of another.
-
-Per worker step there is one round trip: the worker writes its actions into shared memory and
-sends a tiny frame (slot and active mask); the host steps every env of that worker (autoreset and
-``max_episode_length`` included, by :class:`~asyncsample.env_group.EnvGroup`), writes the results
-into shared memory and replies with a header, plus pickled infos only when there are any. See
-:mod:`asyncsample.backends._transport` for the wire format.
-
-In the main process, a protocol per host process splits its stream into frames as the bytes
-arrive (no reader task: the event loop's read callback resolves the per-request futures by
-request id directly); a caller that is cancelled simply drops its future, and the late reply is
-discarded. A dead host is noticed at once (end of stream or its process sentinel): every request
-waiting on it fails with :class:`~asyncsample.WorkerCrashedError`. ``step_timeout`` is measured
-from the moment the host starts on a request (requests of the workers sharing a host are served
-in order, so time spent queued behind them does not count); a request that outlives it fails with
-:class:`~asyncsample.StepTimeoutError` and the host is killed with its whole process tree.
-
-No child process and no shared-memory segment outlives :meth:`ProcessBackend.aclose`, an error
-during start, the backend's garbage collection, or the interpreter's exit.
+Worker ``w`` lives in env-host process ``w % P`` (started from a forkserver), so the agent compute
+of one worker overlaps the env compute of another. A step is one round trip: actions and results
+in shared memory, a tiny frame each way (see :mod:`asyncsample.backends._transport`). Replies are
+split into frames in the event loop's read callback, which resolves each request's future by id;
+a dead host is noticed at once (end of stream or its process sentinel). No child process or
+shared-memory segment outlives :meth:`ProcessBackend.aclose`, a failed start, the backend's
+collection or the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -58,7 +44,6 @@ from asyncsample.backends._procs import (
     support_process_pids,
 )
 from asyncsample.backends._remote import (
-    HostDied,
     PendingCall,
     PoolMember,
     RemoteHost,
@@ -132,11 +117,9 @@ class _Conn(StepConn):
             self.ps = None
         self.transport = transport
         self.protocol = protocol
-        # Calls by request id, until answered (a cancelled caller's call stays: its reply is
-        # dropped when it comes).
+        # Calls by request id until answered (a cancelled caller's reply is dropped when it comes).
         self.pending: dict[int, PendingCall] = {}
-        # Steps sent by the vector env's loop-free path (:meth:`send_direct`), by request id,
-        # until their reply is read or the loop takes them over (see :class:`DirectStep`).
+        # Bare steps (send_direct) by request id, until read or taken over by the loop.
         self.direct: dict[int, DirectStep] = {}
         self.next_id = HELLO_ID + 1
         self.ready: asyncio.Future[str | None] = loop.create_future()
@@ -152,13 +135,10 @@ class _Conn(StepConn):
     def describe(self) -> str:
         return f"env-host process {self.pid}"
 
-    # -- requests -------------------------------------------------------------------------------
-
     def send(
         self, op: Op, body: bytes, timeout: float | None, worker: int, progress: Any = None
     ) -> PendingCall:
-        """Send one request; its future resolves to ``(status, payload)`` (``progress``: see
-        :meth:`Incarnation.new_call`)."""
+        """Send one request; its future resolves to ``(status, payload)``."""
         rid = self._next_rid()
         call = self.new_call(op.label, worker, timeout, progress)
         if self.dead:
@@ -177,9 +157,8 @@ class _Conn(StepConn):
         return rid
 
     def send_direct(self, step: DirectStep, body: bytes) -> bool:
-        """Send a step request for the vector env's loop-free path: no call, no future, no
-        timer (the caller waits in ``poll``, then hands anything unusual to the loop, see
-        :meth:`DirectStep.wait`). ``False``: nothing was sent, use :meth:`send`."""
+        """Send a bare step request (no call, future or timer: see :class:`DirectStep`);
+        ``False``: nothing was sent, use :meth:`send`."""
         if self.dead or self.calls or self.fd < 0 or self.transport.get_write_buffer_size():
             return False
         rid = self._next_rid()
@@ -209,28 +188,21 @@ class _Conn(StepConn):
         call = self.pending.pop(rid, None)
         if call is None:
             return
-        # The host serves requests in order: it starts on the next one now, so that is when
-        # that one's timeout starts.
-        self.answered(call)
+        self.answered(call)  # the host serves in order: the next call's clock starts now
         fut = call.future
         if not fut.done():
             fut.set_result((status, payload))
 
     def _on_eof(self) -> None:
         if not self.dead and self.eof_timer is None:
-            # The host closed its end: it is exiting or gone. Its exit status (the sentinel)
-            # usually follows at once and names the cause; if not, this does.
+            # The host is exiting or gone: its exit status usually follows and names the cause.
             self.eof_timer = self.loop.call_later(
                 _EOF_GRACE, self.die, "closed its control connection"
             )
 
     def read_now(self) -> bool:
-        """Read what the host has sent, without the event loop (which must not be running).
-
-        For a synchronous caller that waits on this host alone (the vector env): bytes go
-        through the same :class:`_ReplyProtocol`. Returns ``False`` when the stream needs the
-        event loop instead (end of stream, an error, or writes still queued in the transport).
-        """
+        """Read what the host sent, for a synchronous caller while the loop is not running;
+        ``False`` when the stream needs the loop instead (end, error, writes still queued)."""
         if self.fd < 0 or self.dead or self.protocol.ended:
             return False
         if self.transport.get_write_buffer_size():
@@ -254,20 +226,14 @@ class _Conn(StepConn):
         return True
 
     def _defer_timeout(self, call: PendingCall) -> bool:
-        """Whether a reply has arrived that the loop has not read yet.
-
-        A stalled loop may run the timer before it reads a reply that came in time (the host
-        answers in order: a waiting reply is this call's). Looking again shortly, the loop's
-        read callback will have handled the reply.
-        """
+        """Whether a reply (this call's: the host answers in order) waits unread: a stalled
+        loop may run the timer before it reads a reply that came in time."""
         if self.protocol.ended:
             return False
         try:
             return bool(select.select([self.fd], [], [], 0)[0])
         except (OSError, ValueError):
             return False
-
-    # -- death --------------------------------------------------------------------------------
 
     def _on_sentinel(self) -> None:
         self._unwatch()
@@ -344,12 +310,8 @@ def _start_locked(process: Any) -> None:
 
 @contextlib.contextmanager
 def _main_not_imported() -> Iterator[None]:
-    """Start a child without it re-running the main script.
-
-    multiprocessing makes a spawned or forkserver child import ``__main__`` (by ``__spec__``
-    name or ``__file__`` path), which re-runs an unguarded script's top level in every host.
-    Hosts need nothing from it, so both are hidden from ``Process.start`` for its duration.
-    """
+    """Start a child without it re-running the main script: multiprocessing has a forkserver
+    child import ``__main__`` by ``__spec__`` or ``__file__``, so both are hidden meanwhile."""
     main = sys.modules.get("__main__")
     if main is None:
         yield
@@ -367,12 +329,8 @@ def _main_not_imported() -> Iterator[None]:
 
 
 async def _start_process(process: Any) -> None:
-    """``process.start()`` off the event loop's thread.
-
-    A start blocks until the forkserver has forked the child; the first one in an interpreter
-    also waits for the forkserver to import numpy and gymnasium (about a second). If the caller
-    is cancelled meanwhile, the start is waited for and the new process killed, so none leaks.
-    """
+    """``process.start()`` (which blocks on the forkserver) off the event loop's thread; if the
+    caller is cancelled meanwhile, the start is waited for and the process killed."""
     global _starter
     with _STARTER_LOCK:
         if _starter is None:  # our own thread: the loop's default executor may be anything
@@ -385,12 +343,17 @@ async def _start_process(process: Any) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({fut})
         if not fut.cancelled() and fut.exception() is None:
-            kill_tree(None, process.pid)
-            with contextlib.suppress(Exception):
-                process.kill()
-                process.join(_KILL_WAIT)
-                process.close()
+            _kill_started(process)
         raise
+
+
+def _kill_started(process: Any) -> None:
+    """Kill and reap a host process that was started but will not be used."""
+    kill_tree(None, process.pid)
+    with contextlib.suppress(Exception):
+        process.kill()
+        process.join(_KILL_WAIT)
+        process.close()
 
 
 class _Member(PoolMember[_Conn]):
@@ -438,11 +401,7 @@ class _Member(PoolMember[_Conn]):
                 _ReplyProtocol, sock=parent_sock
             )
         except BaseException:
-            kill_tree(None, process.pid)
-            with contextlib.suppress(Exception):
-                process.kill()
-                process.join(_KILL_WAIT)
-                process.close()
+            _kill_started(process)
             parent_sock.close()
             raise
         conn = _Conn(process, transport, protocol, loop)
@@ -467,7 +426,7 @@ def _release_all(members: list[_Member], token: int) -> None:
             conn.release()
 
 
-#: The members of every backend not yet closed, by token: what interpreter exit must release.
+#: The members of every backend not yet closed, by token (released at interpreter exit).
 _LIVE: dict[int, list[_Member]] = {}
 _TOKENS = itertools.count()
 
@@ -477,12 +436,10 @@ def _release_at_exit() -> None:
         _release_all(members, token)
 
 
-# At interpreter exit the hosts must be gone before multiprocessing joins its non-daemon
-# children (else it waits forever on a host blocked reading from us). Two hooks, either may run
-# first: our atexit hook (registered after multiprocessing's, so it runs before it, unless
-# multiprocessing re-registers its own later), and a multiprocessing finalizer, which its exit
-# function runs before joining. (weakref.finalize objects cannot be used here: weakref's own exit
-# hook disables them before ours runs.)
+# The hosts must be gone before multiprocessing joins its children at exit (it would wait
+# forever on a host reading from us): an atexit hook, registered after multiprocessing's so it
+# runs first, and a multiprocessing finalizer, run before the join, whichever comes first
+# (weakref.finalize objects are disabled by then).
 atexit.register(_release_at_exit)
 multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=100)
 
@@ -502,10 +459,8 @@ class ProcessHost(RemoteHost[_Conn]):
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
-        # The mask of every env, and its step request (see step_nowait).
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
-        # The next step's actions as the caller gave them (see give_actions), sent pickled.
         self._given: list[Any] | None = None
         self.chunks: list[ChunkBuffers] = []
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
@@ -518,8 +473,7 @@ class ProcessHost(RemoteHost[_Conn]):
         return None if self._incarnation is None else self._incarnation.pid
 
     def direct_reader(self) -> DirectReader | None:
-        """The live connection, for a synchronous caller that reads its replies itself while
-        the event loop is not running (see :meth:`_Conn.read_now`); ``None`` if there is none."""
+        """The live connection, for a synchronous caller reading replies itself (``None``: none)."""
         inc = self._incarnation
         return None if inc is None or inc.dead else inc
 
@@ -559,22 +513,17 @@ class ProcessHost(RemoteHost[_Conn]):
         inc = self._incarnation
         body = self._step_body(mask)
         if inc is None or self._member.closed:
-            payload = await self._request(Op.STEP, body)
-        else:
-            payload = await self._send(inc, Op.STEP, body)
-        return self.step_infos(payload)
+            return self.step_infos(await self._request(Op.STEP, body))
+        call = inc.send(Op.STEP, self._slot + body, self._timeout, self.worker)
+        return self.step_infos(await self.reply(inc, call))
 
     def give_actions(self, actions: list[Any] | None) -> None:
         """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
         self._given = actions
 
     def step_nowait(self) -> SentStep | None:
-        """Send a step of every env now, without the event loop (see
-        :meth:`~asyncsample.backends.base.LockstepHost.step_nowait`).
-
-        Without a ``step_timeout`` (whose clock is the loop's) the request is sent bare
-        (:meth:`_Conn.send_direct`): the common lockstep step then costs no call, future or
-        callback, only the bytes each way."""
+        """See :meth:`~asyncsample.backends.base.LockstepHost.step_nowait`; without a
+        ``step_timeout`` (whose clock is the loop's) the request is sent bare."""
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
@@ -611,18 +560,12 @@ class ProcessHost(RemoteHost[_Conn]):
         return StepInfos(*parts[:3])
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
-        """``inference="host"``: run a chunk with the host's agent copy (installed or updated
-        first where needed); the reply and the agent version the chunk ran with.
-
-        ``step_timeout`` bounds each step: the chunk fails when the host's step counter (shared
-        memory, bumped after every step) stands still for that long (see ``Incarnation``).
-        """
+        """See :meth:`~asyncsample.backends._chunk.AgentHost.run_chunk`."""
         sent = await self.send_chunk(request)
         return await sent.wait(), sent.version
 
     async def send_chunk(self, request: ChunkRequest | NextChunk) -> _chunk.SentChunk:
-        """Send a chunk request (after syncing the agent copy) without awaiting its reply; the
-        host serves it after the requests sent before it (pipelining: see ``ChunkStepper``)."""
+        """Send a chunk request (after syncing the agent copy) without awaiting its reply."""
         version = await self.sync_agent()
         inc, chunk = self._incarnation, self.chunk
         if inc is None or self._member.closed or chunk is None:
@@ -630,24 +573,6 @@ class ProcessHost(RemoteHost[_Conn]):
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
         return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
-
-    async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
-        """One request on a live incarnation, without :meth:`_request`'s generic layers (the
-        step and chunk paths): the reply's payload, or the error a failure or death means.
-        ``progress``: a chunk's step counter (``step_timeout`` then bounds each step)."""
-        call = inc.send(op, self._slot + body, self._timeout, self.worker, progress)
-        return await self.reply(inc, call)
-
-    async def reply(self, inc: _Conn, call: PendingCall) -> bytes:
-        """The payload of ``call``'s reply, or the error a failure or death means."""
-        try:
-            status, payload = await call.future
-        except HostDied:
-            err = self._death_error(inc, call)
-            raise err from err.__cause__
-        if status != ST_OK:
-            raise failure_error(self.worker, load_failure(payload))
-        return payload  # type: ignore[no-any-return]
 
 
 class ProcessBackend:
@@ -661,11 +586,8 @@ class ProcessBackend:
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each host process; ``None`` leaves the libraries' defaults (every core each).
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
-            ``None`` when there is a host for every such CPU (what the vector-env faces ask
-            for: see :func:`~asyncsample.backends._procs.host_cpus` for why), ``False``
-            (default) never. The sampler's own calls keep the default: when the main process
-            works while the hosts step (an agent per worker step), the scheduler does better
-            with its hands free (``benchmarks/results/host/pinning/``).
+            ``None`` when there is a host for every such CPU (the faces' choice, see
+            :func:`~asyncsample.backends._procs.host_cpus`), ``False`` (default) never.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
@@ -722,8 +644,8 @@ class ProcessBackend:
         raws: list[Any] = []
         chunks: list[list[ChunkBuffers]] = []
         raw_chunks: list[_chunk.RawChunks | None] = []
-        # One allocation when the spaces are the same, but not for host-run chunks, whose hosts
-        # would write the same cache lines at every step: only per-step stepping reads them all.
+        # One allocation when the spaces are the same, but not with chunks (the hosts would
+        # write the same cache lines at every step).
         joint = None if any(s.chunk_steps for s in specs) else joint_buffers(specs, ctx)
         self.joint = None if joint is None else joint[0]
         for w, spec in enumerate(specs):
