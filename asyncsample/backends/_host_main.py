@@ -1,14 +1,6 @@
-"""The env-host process: a plain blocking loop that serves one frame at a time.
-
-Started by :mod:`asyncsample.backends.process` through a forkserver, with the host's end of a
-socket pair, the specs of the worker slots it hosts and their shared step buffers. It reads a
-request, runs the matching :class:`~asyncsample.env_group.EnvGroup` method for that slot, and
-replies. Nothing here runs an event loop or a thread.
-
-The loop ends on an ``exit`` request or at end of stream (the parent closed its end or died).
-If the main process dies while an env hangs, the kernel kills the host (see
-:func:`_die_with_parent`).
-"""
+"""The env-host process: a plain blocking loop (no event loop, no thread) that reads a frame,
+hands it to its slot's :meth:`~asyncsample.backends._slot.HostSlot.serve` and replies, until an
+``exit`` request or the end of the stream."""
 
 from __future__ import annotations
 
@@ -51,12 +43,9 @@ _PR_SET_PDEATHSIG = 1
 def _die_with_parent() -> None:
     """Have the kernel SIGKILL this process when the main process dies, even if an env hangs.
 
-    The host's parent is the forkserver, not the main process, and the forkserver outlives the
-    main process for as long as any of its children run; so ``PR_SET_PDEATHSIG`` alone would not
-    do. ``multiprocessing`` hands every child a "parent sentinel": the read end of a pipe whose
-    write end only the main process holds, at end of file when it dies. With ``O_ASYNC`` and
-    ``F_SETSIG`` the kernel turns that end of file into a SIGKILL, with no thread and nothing in
-    the hot path. ``PR_SET_PDEATHSIG`` covers the death of the forkserver itself.
+    The parent is the forkserver, which outlives the main process, so ``PR_SET_PDEATHSIG``
+    only covers the forkserver's death. The main process's death ends multiprocessing's
+    "parent sentinel" pipe, which ``O_ASYNC`` and ``F_SETSIG`` turn into a SIGKILL (no thread).
     """
     if not sys.platform.startswith("linux"):
         return
@@ -108,21 +97,17 @@ def main(
     """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
 
     Args:
-        sock: the host's end of the control socket pair (blocking).
-        slots_blob: pickled list of the :class:`~asyncsample.backends.base.HostSpec` of each
-            slot.
-        raw_buffers: per slot, the shared blocks of its step buffers, or its rows of blocks
-            shared by several slots (see :func:`~asyncsample.backends._transport.slot_buffers`).
-        raw_chunks: per slot, ``(capacity, rows, blocks, counters, arena)`` of its sets of
-            chunk buffers (``rows`` in all) and its observation arena when the slot runs its own
-            agent (``inference="host"``), else ``None``.
+        sock: the host's end of the control socket pair.
+        slots_blob: the pickled :class:`~asyncsample.backends.base.HostSpec` of each slot.
+        raw_buffers: per slot, what :func:`~asyncsample.backends._transport.slot_buffers`
+            views.
+        raw_chunks: per slot, its :data:`~asyncsample.backends._chunk.RawChunks` or ``None``.
         host_threads: threads of the numeric libraries here (``None``: their defaults).
     """
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     _isolate()
-    # What the forkserver imported is shared copy-on-write; keep the collector from touching
-    # (and so copying) all of it at its first full collection.
+    # Keep the collector from touching (so copying) what the forkserver shared copy-on-write.
     gc.freeze()
     sock.setblocking(True)
     specs = pickle.loads(slots_blob)
@@ -172,7 +157,5 @@ def _serve(sock: socket.socket, reader: FrameReader, slots: list[HostSlot]) -> N
             send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
         except (BrokenPipeError, ConnectionError):
             raise
-        except Exception as exc:
-            # A bug of the host, infos that cannot be pickled: deterministic, so not worth a
-            # restart.
+        except Exception as exc:  # a bug of the host, unpicklable infos: not worth a restart
             send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))

@@ -1,6 +1,5 @@
-"""The step requests the process backend sends for the vector env's loop-free lockstep path
-(:meth:`~asyncsample.backends.process.ProcessHost.step_nowait`), as seen by the caller that
-waits for them in ``poll``: one queued as an ordinary call, and one sent bare."""
+"""The step requests of :meth:`~asyncsample.backends.process.ProcessHost.step_nowait` (the
+faces' loop-free lockstep round): one queued as an ordinary call, one sent bare."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ __all__ = ["QUIET", "DirectStep", "QueuedStep", "StepConn", "StepHost"]
 
 
 class StepConn(Incarnation):
-    """What a sent step needs of the host's connection: its calls in flight and its bare
-    step requests, by request id (the process backend's connection)."""
+    """What a sent step needs of the host's connection: its calls and bare steps by id."""
 
     pending: dict[int, PendingCall]
     direct: dict[int, Any]
@@ -32,8 +30,7 @@ class StepHost(Protocol):
     async def reply(self, inc: Any, call: PendingCall) -> bytes: ...
 
 
-#: The outcome of a step with no info, reset or final observation anywhere: one shared object,
-#: read by the lockstep round and never changed.
+#: The outcome of a step with nothing to report: one shared object, never changed.
 QUIET = StepInfos(None, {})
 
 
@@ -65,9 +62,8 @@ class QueuedStep:
 
 
 class DirectStep:
-    """A step request sent bare (no call, future or timer: see ``_Conn.send_direct``): its
-    reply is kept here when read; awaited before that, it becomes an ordinary call, so the
-    loop's death and failure handling applies to it as to any other."""
+    """A step request sent bare (no call, future or timer): its reply is kept here when read;
+    awaited before that, it becomes an ordinary call, with the loop's failure handling."""
 
     __slots__ = ("host", "inc", "reply", "rid")
 
@@ -91,8 +87,7 @@ class DirectStep:
     async def wait(self) -> StepInfos:
         host, inc = self.host, self.inc
         if self.reply is None and inc.direct.pop(self.rid, None) is not None:
-            # Taken over by the loop: the call the request would have had (it is the only one
-            # in flight on this connection, so the host is working on it now).
+            # Taken over by the loop: the only request in flight, so the host works on it now.
             call = inc.new_call(Op.STEP.label, host.worker, None)
             if not inc.dead:
                 call.key = self.rid
