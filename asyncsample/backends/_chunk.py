@@ -31,6 +31,7 @@ from asyncsample.backends._transport import (
     buffer_rows,
     round_trips,
     shared_buffers,
+    view_buffers,
 )
 from asyncsample.backends.base import EnvHost, HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
@@ -165,15 +166,6 @@ def arena_rows(observation_space: gym.Space[Any], n_envs: int, capacity: int) ->
     return rows if rows >= 2 * (capacity + 1) else 0
 
 
-def shared_arena(
-    observation_space: gym.Space[Any], n_envs: int, rows: int, ctx: Any
-) -> tuple[Tree, Any]:
-    """A worker's observation arena of ``rows`` rows in shared memory, and its raw block."""
-    shm_ctx: Any = _Unzeroed()
-    memory = create_shared_memory(observation_space, rows * n_envs, ctx=shm_ctx)
-    return view_arena(observation_space, n_envs, rows, memory), memory
-
-
 class _Unzeroed:
     """A ``ctx`` for ``create_shared_memory``: ``RawArray`` blocks not zeroed, so the arena's
     pages take memory only once written (nothing reads a row before the host wrote it)."""
@@ -182,12 +174,6 @@ class _Unzeroed:
         types = sharedctypes.typecode_to_type  # type: ignore[attr-defined]
         type_ = types.get(typecode_or_type, typecode_or_type)
         return SharedArray(sharedctypes._new_value(type_ * size))  # type: ignore[attr-defined]
-
-
-def view_arena(observation_space: gym.Space[Any], n_envs: int, rows: int, memory: Any) -> Tree:
-    """The arena :func:`shared_arena` made, seen from either process: ``(rows, n_envs, ...)``."""
-    flat = read_from_shared_memory(observation_space, memory, rows * n_envs)
-    return tree_map(lambda a: a.reshape(rows, n_envs, *a.shape[1:]), flat)
 
 
 def chunk_capacity(
@@ -212,18 +198,33 @@ def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], Raw
     ``spec`` asks for no chunks), and what the host needs to view them."""
     if spec.chunk_steps <= 0:
         return [], None
-    capacity, rows = spec.chunk_steps, chunk_rows(spec.chunk_steps, PIPELINE_SETS)
-    flat, blocks = shared_buffers(
-        spec.observation_space, spec.action_space, rows * spec.n_envs, ctx
-    )
+    obs_space, n_envs = spec.observation_space, spec.n_envs
+    rows = chunk_rows(spec.chunk_steps, PIPELINE_SETS)
+    _, blocks = shared_buffers(obs_space, spec.action_space, rows * n_envs, ctx)
     counters = ctx.RawArray("q", 2)  # the step counter and the update epoch
-    arena, raw_arena = None, None
-    n_arena = arena_rows(spec.observation_space, spec.n_envs, capacity)
+    arena = None
+    n_arena = arena_rows(obs_space, n_envs, spec.chunk_steps)
     if n_arena:
-        arena, memory = shared_arena(spec.observation_space, spec.n_envs, n_arena, ctx)
-        raw_arena = (n_arena, memory)
-    sets = chunk_sets(flat, capacity, spec.n_envs, counters, arena)
-    return sets, (capacity, rows, blocks, counters, raw_arena)
+        memory = create_shared_memory(obs_space, n_arena * n_envs, ctx=_Unzeroed())  # type: ignore[arg-type]
+        arena = (n_arena, memory)
+    raw = (spec.chunk_steps, rows, blocks, counters, arena)
+    return view_chunk_sets(spec, raw), raw
+
+
+def view_chunk_sets(spec: HostSpec, raw: RawChunks) -> list[ChunkBuffers]:
+    """A slot's sets of chunk buffers over the shared memory :func:`shared_chunk_sets` made,
+    seen from either process."""
+    capacity, rows, blocks, counters, raw_arena = raw
+    obs_space, n_envs = spec.observation_space, spec.n_envs
+    flat = view_buffers(obs_space, spec.action_space, rows * n_envs, blocks)
+    arena = None
+    if raw_arena is not None:
+        n_arena, memory = raw_arena
+        arena = tree_map(
+            lambda a: a.reshape(n_arena, n_envs, *a.shape[1:]),
+            read_from_shared_memory(obs_space, memory, n_arena * n_envs),
+        )
+    return chunk_sets(flat, capacity, n_envs, counters, arena)
 
 
 @dataclass
@@ -261,16 +262,14 @@ class NextChunk:
     epoch: int
 
 
+@dataclass(slots=True, eq=False)
 class SentChunk:
     """A chunk request sent and not awaited yet: its call's ``future``, ``reply`` (awaits the
     payload or raises what a failure means) and the agent ``version`` it runs with."""
 
-    __slots__ = ("future", "reply", "version")
-
-    def __init__(self, future: Any, reply: Callable[[], Awaitable[bytes]], version: int) -> None:
-        self.future = future
-        self.reply = reply
-        self.version = version
+    future: Any
+    reply: Callable[[], Awaitable[bytes]]
+    version: int
 
     async def wait(self) -> ChunkReply:
         """The chunk's reply."""

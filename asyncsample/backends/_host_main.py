@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from asyncsample.backends import _threads
-from asyncsample.backends._chunk import RawChunks, chunk_sets, view_arena
+from asyncsample.backends._chunk import RawChunks, view_chunk_sets
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import (
     HELLO_ID,
@@ -31,7 +31,6 @@ from asyncsample.backends._transport import (
     failure_from_exception,
     send_frame,
     slot_buffers,
-    view_buffers,
 )
 from asyncsample.env_group import EnvFailureError
 
@@ -114,16 +113,10 @@ def main(
     slots: list[HostSlot] = []
     chunks = raw_chunks or [None] * len(specs)
     for spec, raw, raw_chunk in zip(specs, raw_buffers, chunks):
-        obs_space, act_space, n_envs = spec.observation_space, spec.action_space, spec.n_envs
-        buffers = slot_buffers(obs_space, act_space, n_envs, raw, spec.timed)
-        sets = None
-        if raw_chunk is not None:
-            capacity, rows, blocks, counters, raw_arena = raw_chunk
-            flat = view_buffers(obs_space, act_space, rows * n_envs, blocks)
-            arena = None
-            if raw_arena is not None:
-                arena = view_arena(obs_space, n_envs, raw_arena[0], raw_arena[1])
-            sets = chunk_sets(flat, capacity, n_envs, counters, arena)
+        buffers = slot_buffers(
+            spec.observation_space, spec.action_space, spec.n_envs, raw, spec.timed
+        )
+        sets = None if raw_chunk is None else view_chunk_sets(spec, raw_chunk)
         slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process"))
     reader = FrameReader(sock)
     try:

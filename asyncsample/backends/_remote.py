@@ -16,6 +16,7 @@ import pickle
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import cloudpickle
@@ -43,6 +44,7 @@ class HostDied(Exception):
     """Set on the futures of calls whose host died, was killed or was shut down."""
 
 
+@dataclass(slots=True, eq=False)
 class PendingCall:
     """One call sent to a remote host and not answered yet.
 
@@ -58,41 +60,22 @@ class PendingCall:
             first seen so at loop time ``since``). ``None``: ``timeout`` bounds the whole call.
     """
 
-    __slots__ = (
-        "base",
-        "done",
-        "future",
-        "key",
-        "label",
-        "limit",
-        "progress",
-        "seen",
-        "since",
-        "timed_out",
-        "timeout",
-        "worker",
-    )
+    label: str
+    worker: int
+    timeout: float | None
+    future: asyncio.Future[Any]
+    progress: np.ndarray | None = None
+    limit: str | None = None
+    key: Any = field(default=None, init=False)
+    done: bool = field(default=False, init=False)
+    timed_out: bool = field(default=False, init=False)
+    base: int = field(default=0, init=False)
+    seen: int = field(default=0, init=False)
+    since: float = field(default=0.0, init=False)
 
-    def __init__(
-        self,
-        label: str,
-        worker: int,
-        timeout: float | None,
-        future: asyncio.Future[Any],
-        progress: np.ndarray | None = None,
-        limit: str | None = None,
-    ) -> None:
-        self.label = label
-        self.worker = worker
-        self.timeout = timeout
-        self.future = future
-        self.key: Any = None
-        self.done = False
-        self.timed_out = False
-        self.limit = limit if limit is not None or timeout is None else f"step_timeout={timeout:g}s"
-        self.progress = progress
-        self.base = self.seen = 0
-        self.since = 0.0
+    def __post_init__(self) -> None:
+        if self.limit is None and self.timeout is not None:
+            self.limit = f"step_timeout={self.timeout:g}s"
 
     def what(self) -> str:
         """What outlived the timeout: ``"step"``, ``"step 3 of a chunk"``..."""

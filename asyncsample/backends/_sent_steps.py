@@ -3,6 +3,7 @@ faces' loop-free lockstep round): one queued as an ordinary call, one sent bare.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from asyncsample.backends._remote import Incarnation, PendingCall
@@ -34,16 +35,14 @@ class StepHost(Protocol):
 QUIET = StepInfos(None, {})
 
 
+@dataclass(slots=True, eq=False)
 class QueuedStep:
     """A step request queued as an ordinary call (see
     :class:`~asyncsample.backends.base.SentStep`)."""
 
-    __slots__ = ("call", "host", "inc")
-
-    def __init__(self, host: StepHost, inc: StepConn, call: PendingCall) -> None:
-        self.host = host
-        self.inc = inc
-        self.call = call
+    host: StepHost
+    inc: StepConn
+    call: PendingCall
 
     def done(self) -> bool:
         return self.call.future.done()
@@ -61,17 +60,15 @@ class QueuedStep:
         return self.host.step_infos(await self.host.reply(self.inc, self.call))
 
 
+@dataclass(slots=True, eq=False)
 class DirectStep:
     """A step request sent bare (no call, future or timer): its reply is kept here when read;
     awaited before that, it becomes an ordinary call, with the loop's failure handling."""
 
-    __slots__ = ("host", "inc", "reply", "rid")
-
-    def __init__(self, host: StepHost, inc: StepConn) -> None:
-        self.host = host
-        self.inc = inc
-        self.rid = 0
-        self.reply: tuple[int, bytes] | None = None
+    host: StepHost
+    inc: StepConn
+    rid: int = 0
+    reply: tuple[int, bytes] | None = None
 
     def done(self) -> bool:
         return self.reply is not None or self.inc.dead

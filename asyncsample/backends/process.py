@@ -297,15 +297,13 @@ class _Conn(StepConn):
             self.transport.abort()
 
 
-_START_LOCK = threading.Lock()
 _STARTER_LOCK = threading.Lock()
 _starter: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def _start_locked(process: Any) -> None:
-    with _START_LOCK:  # Process.start() is not safe to call from several threads at once
-        with _main_not_imported():
-            process.start()
+def _start_hidden(process: Any) -> None:
+    with _main_not_imported():
+        process.start()
 
 
 @contextlib.contextmanager
@@ -333,9 +331,9 @@ async def _start_process(process: Any) -> None:
     caller is cancelled meanwhile, the start is waited for and the process killed."""
     global _starter
     with _STARTER_LOCK:
-        if _starter is None:  # our own thread: the loop's default executor may be anything
+        if _starter is None:  # one thread of our own: Process.start() is not thread-safe
             _starter = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
-    fut = asyncio.get_running_loop().run_in_executor(_starter, _start_locked, process)
+    fut = asyncio.get_running_loop().run_in_executor(_starter, _start_hidden, process)
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -502,10 +500,8 @@ class ProcessHost(RemoteHost[_Conn]):
         infos: dict[int, dict[str, object]]
         if isinstance(self.buffers.obs, list):  # observations without fixed-size rows
             infos, self.buffers.obs[:] = pickle.loads(payload)
-            return infos
-        if not payload:
-            return {}
-        infos = pickle.loads(payload)
+        else:
+            infos = pickle.loads(payload) if payload else {}
         return infos
 
     async def step(self, mask: np.ndarray) -> StepInfos:
@@ -640,27 +636,21 @@ class ProcessBackend:
             return []
         where = placement(len(specs), self.n_processes)
         ctx = forkserver_context()
-        buffers: list[StepBuffers] = []
-        raws: list[Any] = []
-        chunks: list[list[ChunkBuffers]] = []
-        raw_chunks: list[_chunk.RawChunks | None] = []
         # One allocation when the spaces are the same, but not with chunks (the hosts would
         # write the same cache lines at every step).
         joint = None if any(s.chunk_steps for s in specs) else joint_buffers(specs, ctx)
-        self.joint = None if joint is None else joint[0]
-        for w, spec in enumerate(specs):
-            if joint is not None:
-                buffers.append(joint[1][w])
-                raws.append(joint[2][w])
-            else:
-                buf, raw = shared_buffers(
-                    spec.observation_space, spec.action_space, spec.n_envs, ctx, spec.timed
-                )
-                buffers.append(buf)
-                raws.append(raw)
-            sets, raw_chunk = _chunk.shared_chunk_sets(spec, ctx)  # inference="host"
-            chunks.append(sets)
-            raw_chunks.append(raw_chunk)
+        raws: list[Any]
+        if joint is None:
+            self.joint = None
+            own = [
+                shared_buffers(s.observation_space, s.action_space, s.n_envs, ctx, s.timed)
+                for s in specs
+            ]
+            buffers, raws = [buf for buf, _ in own], [raw for _, raw in own]
+        else:
+            self.joint, buffers, raws = joint
+        chunks = [_chunk.shared_chunk_sets(spec, ctx) for spec in specs]  # inference="host"
+        raw_chunks = [raw for _, raw in chunks]
         splits = list(zip(where.split(specs), where.split(raws), where.split(raw_chunks)))
         cpus = host_cpus(len(splits), self.pin_cpus)
         self._members = [
@@ -685,7 +675,7 @@ class ProcessBackend:
             )
             for w, spec in enumerate(specs)
         ]
-        for host, sets in zip(self._hosts, chunks):
+        for host, (sets, _) in zip(self._hosts, chunks):
             host.chunks, host.chunk = sets, sets[0] if sets else None
         return list(self._hosts)
 
