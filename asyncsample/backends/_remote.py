@@ -122,8 +122,6 @@ class Incarnation(ABC):
         """Whether a timeout that fell due should wait a moment (a reply may be in unread)."""
         return False
 
-    # -- calls ----------------------------------------------------------------------------------
-
     def new_call(
         self,
         label: str,
@@ -200,8 +198,6 @@ class Incarnation(ABC):
         call.timed_out = True
         what = f"{call.what()} of worker {call.worker} took longer than {call.limit}"
         self.die(f"was killed: a {what}")
-
-    # -- death ----------------------------------------------------------------------------------
 
     def die(self, reason: str, cause: BaseException | None = None) -> None:
         """Mark the host dead: kill it and fail every call waiting on it. Idempotent."""
@@ -327,8 +323,6 @@ class RemoteHost(ABC, Generic[IncT]):
         self._agent_inc: IncT | None = None
         self._synced_version = 0
 
-    # -- one round trip (backend specific) ------------------------------------------------------
-
     @abstractmethod
     def _submit(self, incarnation: IncT, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         """Send one request for this worker's slot; the call's future gets the raw reply."""
@@ -363,8 +357,6 @@ class RemoteHost(ABC, Generic[IncT]):
                 err = inc.crashed(self.worker)
             raise err from err.__cause__
         return self._unpack(reply)
-
-    # -- what every remote host does the same way ----------------------------------------------
 
     def _pickle(self, what: str, obj: Any) -> bytes:
         try:
@@ -403,11 +395,8 @@ class RemoteHost(ABC, Generic[IncT]):
         blob = self._pickle("attribute values", (name, list(values), indices))
         await self._request(Op.SET_ATTR, blob)
 
-    # -- inference="host": the agent copy inside the host --------------------------------------
-
     def set_agent(self, blob: bytes, version: int) -> None:
-        """Install ``blob`` (a cloudpickled ``(agent, seed)``) before the next chunk; it
-        replaces earlier parameters. ``version``: the worker's agent version after it."""
+        """See :meth:`~asyncsample.backends._chunk.AgentHost.set_agent`."""
         self._agent_blob = blob
         self._params_blob = None
         self._params_dirty = False
@@ -415,7 +404,7 @@ class RemoteHost(ABC, Generic[IncT]):
         self._agent_version = version
 
     def set_params(self, blob: bytes, version: int) -> None:
-        """``set_param_values`` with the pickled parameters ``blob`` before the next chunk."""
+        """See :meth:`~asyncsample.backends._chunk.AgentHost.set_params`."""
         self._params_blob = blob
         self._params_dirty = True
         self._agent_version = version

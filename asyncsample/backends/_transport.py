@@ -256,12 +256,6 @@ class SharedArray:
     def get_obj(self) -> Any:
         return self.obj
 
-    def __getstate__(self) -> Any:
-        return self.obj
-
-    def __setstate__(self, state: Any) -> None:
-        self.obj = state
-
 
 class RawArrayContext:
     """The ``ctx`` for gymnasium's ``create_shared_memory``: lock-free ``RawArray`` blocks (a
