@@ -238,8 +238,6 @@ class PoolMember(ABC, Generic[IncT]):
     """One place in the pool (``index``): the workers it hosts (``specs``, in slot order) and
     its current incarnation."""
 
-    kind = "env host"
-
     def __init__(self, index: int, specs: Sequence[HostSpec]) -> None:
         self.index = index
         self.workers = [s.worker for s in specs]

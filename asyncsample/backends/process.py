@@ -454,15 +454,16 @@ class ProcessHost(RemoteHost[_Conn]):
         slot: int,
         buffers: StepBuffers,
         step_timeout: float | None,
+        chunks: list[ChunkBuffers],
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
         self._given: list[Any] | None = None
-        self.chunks: list[ChunkBuffers] = []
+        self.chunks = chunks
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
-        self.chunk: ChunkBuffers | None = None
+        self.chunk = chunks[0] if chunks else None
         """``inference="host"``: the first set."""
 
     @property
@@ -609,7 +610,6 @@ class ProcessBackend:
         self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         self.host_threads = _validate.optional_positive_int("host_threads", host_threads)
         self._members: list[_Member] = []
-        self._hosts: list[ProcessHost] = []
         self._started = False
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -669,15 +669,13 @@ class ProcessBackend:
             self._closed = True
             self._release()
             raise
-        self._hosts = [
+        members = self._members
+        return [
             ProcessHost(
-                spec, self._members[where.member(w)], where.slot(w), buffers[w], self.step_timeout
+                spec, members[where.member(w)], where.slot(w), buffers[w], self.step_timeout, sets
             )
-            for w, spec in enumerate(specs)
+            for w, (spec, (sets, _)) in enumerate(zip(specs, chunks))
         ]
-        for host, (sets, _) in zip(self._hosts, chunks):
-            host.chunks, host.chunk = sets, sets[0] if sets else None
-        return list(self._hosts)
 
     async def aclose(self) -> None:
         if self._closed:
