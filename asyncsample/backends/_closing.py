@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import threading
 import warnings
 from typing import Any
 
 from asyncsample.async_env import close_env
+from asyncsample.backends.base import LOGGER
 
 __all__ = ["CLOSE_TIMEOUT", "cancelled_by_env", "close_bounded", "close_off_loop"]
-
-LOGGER = logging.getLogger("asyncsample")
 
 CLOSE_TIMEOUT = 10.0
 """The default ``close_timeout``: the longest a restart or ``aclose()`` waits for an env's

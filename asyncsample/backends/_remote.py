@@ -65,7 +65,7 @@ class PendingCall:
     timeout: float | None
     future: asyncio.Future[Any]
     progress: np.ndarray | None = None
-    limit: str | None = None
+    limit: str | None = field(default=None, init=False)
     key: Any = field(default=None, init=False)
     done: bool = field(default=False, init=False)
     timed_out: bool = field(default=False, init=False)
@@ -74,7 +74,7 @@ class PendingCall:
     since: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
-        if self.limit is None and self.timeout is not None:
+        if self.timeout is not None:
             self.limit = f"step_timeout={self.timeout:g}s"
 
     def what(self) -> str:
@@ -128,11 +128,10 @@ class Incarnation(ABC):
         worker: int,
         timeout: float | None,
         progress: np.ndarray | None = None,
-        limit: str | None = None,
     ) -> PendingCall:
         """A call, queued as the host will serve it (see :class:`PendingCall`); failed at once
         if the host is dead."""
-        call = PendingCall(label, worker, timeout, self.loop.create_future(), progress, limit)
+        call = PendingCall(label, worker, timeout, self.loop.create_future(), progress)
         if self.dead:
             call.future.set_exception(HostDied(self.reason))
             return call
