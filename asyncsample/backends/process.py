@@ -26,6 +26,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,12 +45,12 @@ from asyncsample.backends._procs import (
     support_process_pids,
 )
 from asyncsample.backends._remote import (
+    Incarnation,
     PendingCall,
     PoolMember,
     RemoteHost,
     closed_error,
 )
-from asyncsample.backends._sent_steps import DirectStep, QueuedStep, StepConn
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -98,7 +99,7 @@ def _mask_bytes(mask: np.ndarray) -> bytes:
     return np.asarray(mask, dtype=np.bool_).tobytes()
 
 
-class _Conn(StepConn):
+class _Conn(Incarnation):
     """One incarnation of an env-host process: the process and its control stream."""
 
     def __init__(
@@ -440,6 +441,73 @@ def _release_at_exit() -> None:
 # (weakref.finalize objects are disabled by then).
 atexit.register(_release_at_exit)
 multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=100)
+
+
+#: The outcome of a step with nothing to report: one shared object, never changed.
+QUIET = StepInfos(None, {})
+
+
+@dataclass(slots=True, eq=False)
+class QueuedStep:
+    """A step request queued as an ordinary call (see
+    :class:`~asyncsample.backends.base.SentStep`)."""
+
+    host: ProcessHost
+    inc: _Conn
+    call: PendingCall
+
+    def done(self) -> bool:
+        return self.call.future.done()
+
+    def result_now(self) -> StepInfos | None:
+        fut = self.call.future
+        if not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        status, payload = fut.result()
+        if status != ST_OK:
+            return None
+        return self.host.step_infos(payload)
+
+    async def wait(self) -> StepInfos:
+        return self.host.step_infos(await self.host.reply(self.inc, self.call))
+
+
+@dataclass(slots=True, eq=False)
+class DirectStep:
+    """A step request sent bare (no call, future or timer): its reply is kept here when read;
+    awaited before that, it becomes an ordinary call, with the loop's failure handling."""
+
+    host: ProcessHost
+    inc: _Conn
+    rid: int = 0
+    reply: tuple[int, bytes] | None = None
+
+    def done(self) -> bool:
+        return self.reply is not None or self.inc.dead
+
+    def result_now(self) -> StepInfos | None:
+        reply = self.reply
+        if reply is None or reply[0] != ST_OK:
+            return None
+        if not reply[1]:
+            return QUIET  # the common step: nothing to unpickle, nothing to build
+        return self.host.step_infos(reply[1])
+
+    async def wait(self) -> StepInfos:
+        host, inc = self.host, self.inc
+        if self.reply is None and inc.direct.pop(self.rid, None) is not None:
+            # Taken over by the loop: the only request in flight, so the host works on it now.
+            call = inc.new_call(Op.STEP.label, host.worker, None)
+            if not inc.dead:
+                call.key = self.rid
+                inc.pending[self.rid] = call
+            return host.step_infos(await host.reply(inc, call))
+        if self.reply is None:  # read by the loop meanwhile? (never both: the pop decides)
+            raise RuntimeError("a bare step request lost its reply")
+        status, payload = self.reply
+        if status != ST_OK:
+            raise failure_error(host.worker, load_failure(payload))
+        return host.step_infos(payload)
 
 
 class ProcessHost(RemoteHost[_Conn]):
