@@ -442,8 +442,7 @@ class ChunkRunner:
         return reply
 
     def _arena_rows(self, row: int, steps: int) -> Tree:
-        """Arena rows ``row...row + steps`` and the spare row, or ``None`` (no arena, ``row``
-        -1, or past the arena's end)."""
+        """Arena rows ``row...row + steps`` and the spare row, or ``None`` if there are none."""
         arena = self.chunk.arena
         end = row + steps + 1
         if arena is None or row < 0 or end > len(tree_leaves(arena)[0]):

@@ -66,13 +66,6 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _isolate() -> None:
-    """Own process group (so the whole tree can be killed at once, even orphans), no ^C."""
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 def _kill_descendants() -> None:
     """Kill whatever processes the envs started and left behind."""
     try:
@@ -93,19 +86,15 @@ def main(
     raw_chunks: list[RawChunks | None] | None = None,
     host_threads: int | None = None,
 ) -> None:
-    """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
-
-    Args:
-        sock: the host's end of the control socket pair.
-        slots_blob: the pickled :class:`~asyncsample.backends.base.HostSpec` of each slot.
-        raw_buffers: per slot, what :func:`~asyncsample.backends._transport.slot_buffers`
-            views.
-        raw_chunks: per slot, its :data:`~asyncsample.backends._chunk.RawChunks` or ``None``.
-        host_threads: threads of the numeric libraries here (``None``: their defaults).
-    """
+    """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
+    until told to exit or orphaned; per slot, ``raw_buffers`` are what
+    :func:`~asyncsample.backends._transport.slot_buffers` views and ``raw_chunks`` its
+    :data:`~asyncsample.backends._chunk.RawChunks` (or ``None``)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
-    _isolate()
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a group of its own: the whole tree can be killed, even orphans
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the main process's to handle
     # Keep the collector from touching (so copying) what the forkserver shared copy-on-write.
     gc.freeze()
     sock.setblocking(True)

@@ -152,8 +152,7 @@ class Incarnation(ABC):
         self.timer = self.loop.call_later(progress_poll(timeout), self._on_timeout, call)
 
     def _still_going(self, call: PendingCall, timeout: float) -> bool:
-        """Whether a call judged per step is on a step younger than ``timeout`` (then the next
-        look is scheduled)."""
+        """Whether a call judged per step is still on a step younger than ``timeout``."""
         progress = call.progress
         if progress is None:
             return False

@@ -43,16 +43,9 @@ _Body = bytes | memoryview
 
 
 class HostSlot:
-    """One worker's envs (and agent copy) inside an env host.
-
-    Args:
-        spec: the worker's host spec.
-        buffers: the slot's step buffers (shared memory in a process host, local in an actor).
-        chunks: ``inference="host"``: the slot's sets of chunk buffers; ``None`` otherwise.
-        host_threads: intra-op threads of the numeric libraries, applied again after each
-            agent install.
-        where: how the host is called in messages (``"env-host process"``...).
-    """
+    """One worker's envs (``spec``, over its step ``buffers``) and, with ``inference="host"``,
+    its agent copy (over its sets of ``chunks``) inside an env host, called ``where`` in
+    messages; ``host_threads`` are applied again after each agent install."""
 
     def __init__(
         self,
@@ -173,8 +166,7 @@ class HostSlot:
         return self._reset_reply(self.reset(np.frombuffer(body[:n], np.bool_), seeds, options))
 
     def _call(self, name: str, args: Any, kwargs: Any, envs: Any) -> bytes:
-        """The pickled results of :meth:`EnvGroup.call`; results that cannot be pickled are a
-        failure not worth a restart."""
+        """The pickled results of :meth:`EnvGroup.call` (unpicklable ones: a failure, no retry)."""
         results = self.group.call(name, args, kwargs, envs)
         try:
             return dumps(results)
@@ -183,8 +175,7 @@ class HostSlot:
             raise EnvFailureError(EnvFailure(None, exc, text, retry=False)) from exc
 
     def _install_agent(self, body: _Body) -> None:
-        """Install the agent copy; unpickling it may have imported torch, whose threads are set
-        then."""
+        """Install the agent copy (which may import torch: its threads are set after)."""
         self._runner().install(bytes(body))
         _threads.apply_torch(self.host_threads)
 

@@ -62,8 +62,7 @@ def openblas_threads() -> list[int]:
 
 
 def _openblas(verb: str) -> Iterator[Callable[..., Any]]:
-    """``openblas_<verb>_num_threads`` of every BLAS library mapped here (Linux only:
-    ``/proc/self/maps``), under the first of :data:`_OPENBLAS_SETTERS`' names its build has."""
+    """``openblas_<verb>_num_threads`` of every OpenBLAS mapped here (read in /proc/self/maps)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = sorted({line.split()[-1] for line in maps if "blas" in line.lower()})

@@ -23,9 +23,8 @@ import pickle
 import select
 import socket
 import sys
-import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -298,22 +297,17 @@ class _Conn(Incarnation):
             self.transport.abort()
 
 
-_STARTER_LOCK = threading.Lock()
-_starter: concurrent.futures.ThreadPoolExecutor | None = None
+#: Starts host processes off the loop's thread, one at a time (Process.start() is not
+#: thread-safe); a thread of our own, as the loop's default executor may be anything.
+_STARTER = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
 
 
 def _start_hidden(process: Any) -> None:
-    with _main_not_imported():
-        process.start()
-
-
-@contextlib.contextmanager
-def _main_not_imported() -> Iterator[None]:
-    """Start a child without it re-running the main script: multiprocessing has a forkserver
-    child import ``__main__`` by ``__spec__`` or ``__file__``, so both are hidden meanwhile."""
+    """``process.start()`` with ``__main__``'s ``__file__`` and ``__spec__`` hidden, so the new
+    host does not re-run the main script."""
     main = sys.modules.get("__main__")
     if main is None:
-        yield
+        process.start()
         return
     saved: dict[str, Any] = {
         k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
@@ -321,20 +315,15 @@ def _main_not_imported() -> Iterator[None]:
     main.__dict__.pop("__file__", None)
     main.__dict__["__spec__"] = None
     try:
-        yield
+        process.start()
     finally:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
 
 
 async def _start_process(process: Any) -> None:
-    """``process.start()`` (which blocks on the forkserver) off the event loop's thread; if the
-    caller is cancelled meanwhile, the start is waited for and the process killed."""
-    global _starter
-    with _STARTER_LOCK:
-        if _starter is None:  # one thread of our own: Process.start() is not thread-safe
-            _starter = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
-    fut = asyncio.get_running_loop().run_in_executor(_starter, _start_hidden, process)
+    """``process.start()`` off the loop's thread (killed if the caller is cancelled meanwhile)."""
+    fut = asyncio.get_running_loop().run_in_executor(_STARTER, _start_hidden, process)
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
