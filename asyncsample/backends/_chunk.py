@@ -311,10 +311,7 @@ class ChunkReply:
         infos = self.agent_infos
         if isinstance(infos, dict):
             return {k: v[step] for k, v in infos.items()}
-        for j, value in infos:  # short lists: only steps with infos are listed
-            if j == step:
-                return value
-        return {}
+        return next((value for j, value in infos if j == step), {})  # only steps with infos
 
 
 class AgentFailure(Exception):

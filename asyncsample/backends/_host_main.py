@@ -40,12 +40,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the main process dies, even if an env hangs.
-
-    The parent is the forkserver, which outlives the main process, so ``PR_SET_PDEATHSIG``
-    only covers the forkserver's death. The main process's death ends multiprocessing's
-    "parent sentinel" pipe, which ``O_ASYNC`` and ``F_SETSIG`` turn into a SIGKILL (no thread).
-    """
+    """Have the kernel SIGKILL this process when the main process dies, even if an env hangs:
+    ``PR_SET_PDEATHSIG`` covers the forkserver (the parent), ``O_ASYNC`` on multiprocessing's
+    parent sentinel the main process."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

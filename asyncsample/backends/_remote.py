@@ -95,11 +95,8 @@ PROGRESS_POLL = 0.25
 
 
 class Incarnation(ABC):
-    """One life of a remote host, as the main process sees it.
-
-    A host serves its calls in order, so only the head of :attr:`calls` runs: its timeout starts
-    when the call before it was answered.
-    """
+    """One life of a remote host, as the main process sees it. It serves its calls in order,
+    so only the head of :attr:`calls` runs: its timeout starts when the one before is answered."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -143,13 +140,12 @@ class Incarnation(ABC):
 
     def _arm(self, call: PendingCall, timeout: float) -> None:
         """Start the clock of ``call``, which the host works on from now."""
-        progress = call.progress
-        if progress is None:
-            self.timer = self.loop.call_later(timeout, self._on_timeout, call)
-            return
-        call.base = call.seen = int(progress[0])
-        call.since = self.loop.time()
-        self.timer = self.loop.call_later(progress_poll(timeout), self._on_timeout, call)
+        delay = timeout
+        if call.progress is not None:  # judged per step: the counter is looked at from now
+            call.base = call.seen = int(call.progress[0])
+            call.since = self.loop.time()
+            delay = progress_poll(timeout)
+        self.timer = self.loop.call_later(delay, self._on_timeout, call)
 
     def _still_going(self, call: PendingCall, timeout: float) -> bool:
         """Whether a call judged per step is still on a step younger than ``timeout``."""
