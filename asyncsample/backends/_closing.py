@@ -30,12 +30,9 @@ def cancelled_by_env() -> bool:
 
 
 async def close_bounded(env: Any, timeout: float, where: str) -> bool:
-    """Close ``env`` (awaiting an async ``close``), waiting at most ``timeout`` seconds.
-
-    Errors of the close are logged and ignored. A close still running at the bound is cancelled
-    and, if it will not stop, abandoned, with a :class:`ResourceWarning` naming the env
-    (``where``: ``"env 3 of worker 0"``). Returns whether it finished within the bound.
-    """
+    """Close ``env`` (awaiting an async ``close``, errors logged); whether it finished within
+    ``timeout`` seconds. Else it is cancelled, or abandoned if it will not stop, with a
+    :class:`ResourceWarning` naming the env (``where``: ``"env 3 of worker 0"``)."""
     task = asyncio.ensure_future(_close_logged(env))
     try:
         done, _ = await asyncio.wait([task], timeout=timeout)

@@ -74,10 +74,9 @@ def kill_tree(proc: psutil.Process | None, pid: int) -> None:
 def host_cpus(n_hosts: int, pin: bool | None) -> list[int | None]:
     """The CPU each of ``n_hosts`` host processes is pinned to (``None``: not pinned).
 
-    ``True`` pins host ``i`` to the ``i``-th allowed CPU (round robin), ``False`` never.
-    ``None`` pins only with a host for every allowed CPU: a lockstep round wakes every host at
-    once and Linux keeps a woken task on its cache-hot CPU, so two hosts that met on one CPU can
-    stay there, one waiting for the other every round, while another CPU idles.
+    ``True``: host ``i`` on the ``i``-th allowed CPU (round robin); ``None``: so only with a host
+    for every allowed CPU (Linux keeps a woken host on its cache-hot CPU, so two hosts that met
+    on one can stay there, waiting for each other every lockstep round, while another idles).
     """
     getaffinity = getattr(os, "sched_getaffinity", None)
     if pin is False or getaffinity is None:

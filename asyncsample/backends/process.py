@@ -1,12 +1,10 @@
 """The ``process`` backend: the envs of every worker live in a pool of long-lived processes.
 
-Worker ``w`` lives in env-host process ``w % P`` (started from a forkserver), so the agent compute
-of one worker overlaps the env compute of another. A step is one round trip: actions and results
-in shared memory, a tiny frame each way (see :mod:`asyncsample.backends._transport`). Replies are
-split into frames in the event loop's read callback, which resolves each request's future by id;
-a dead host is noticed at once (end of stream or its process sentinel). No child process or
-shared-memory segment outlives :meth:`ProcessBackend.aclose`, a failed start, the backend's
-collection or the interpreter's exit.
+Worker ``w`` lives in env-host process ``w % P`` (started from a forkserver). A step is one round
+trip: data in shared memory, a tiny frame each way (:mod:`asyncsample.backends._transport`);
+replies resolve their request's future by id in the loop's read callback, and a dead host is
+noticed at once (end of stream or its sentinel). No child process or shared memory outlives
+:meth:`ProcessBackend.aclose`, a failed start, the backend's collection or the interpreter.
 """
 
 from __future__ import annotations
