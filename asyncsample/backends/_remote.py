@@ -53,7 +53,7 @@ class PendingCall:
         future: resolved with the raw reply, or failed with :class:`HostDied`.
         key: the backend's handle of the call (a request id, an ObjectRef).
         done: the host answered it; ``timed_out``: it outlived ``timeout`` and its host was
-            killed for it. ``limit``: how the timeout is named in messages.
+            killed for it.
         progress: for a call of many steps (a chunk), a counter the host bumps after each step;
             ``timeout`` then bounds each step, judged by how long the counter stood still
             (``base``: its value when the host started on the call; ``seen``: at the last look,
@@ -65,7 +65,6 @@ class PendingCall:
     timeout: float | None
     future: asyncio.Future[Any]
     progress: np.ndarray | None = None
-    limit: str | None = field(default=None, init=False)
     key: Any = field(default=None, init=False)
     done: bool = field(default=False, init=False)
     timed_out: bool = field(default=False, init=False)
@@ -73,9 +72,10 @@ class PendingCall:
     seen: int = field(default=0, init=False)
     since: float = field(default=0.0, init=False)
 
-    def __post_init__(self) -> None:
-        if self.timeout is not None:
-            self.limit = f"step_timeout={self.timeout:g}s"
+    @property
+    def limit(self) -> str | None:
+        """How the timeout is named in messages."""
+        return None if self.timeout is None else f"step_timeout={self.timeout:g}s"
 
     def what(self) -> str:
         """What outlived the timeout: ``"step"``, ``"step 3 of a chunk"``..."""
