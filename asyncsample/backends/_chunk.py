@@ -1,22 +1,11 @@
 """Chunks of steps run inside an env host by the host's own copy of the agent (inference="host").
 
-The main process sends one request per chunk (:class:`ChunkRequest`); the host asks its agent for
-actions and steps the worker's envs up to ``steps`` times, writing every step's records (the
-observation acted on, actions, rewards, flags, final observations of ended episodes) into the
-worker's :class:`ChunkBuffers` (shared memory for the ``process`` backend) and replying with a
-small :class:`ChunkReply` (agent infos and env infos, pickled only when there are any). The worker
-then turns the chunk into the same recorder rows per-step stepping makes (see
-:mod:`asyncsample.inference.host`).
-
-The host stops a chunk exactly where per-step stepping would stop the call, so no quota is
-overshot: the request carries a copy of the worker's :class:`~asyncsample._engine.StopRule` and
-the host applies it before every step and at every episode end, as the worker does.
-
-Pipelining (the ``process`` backend): a slot has two sets of chunk buffers. After a chunk the
-host keeps its copy of the rule, ``active`` and ``counts``, which are then exactly the worker's
-once it has replayed the chunk; a :class:`NextChunk` request runs the following chunk from that
-state into the other set, so the worker keeps one such request queued while it replays, and the
-host goes from one chunk to the next without waiting (see :mod:`asyncsample.inference.host`).
+One :class:`ChunkRequest` per chunk: the host asks its agent, steps the worker's envs and writes
+each step's records into the worker's :class:`ChunkBuffers`, replying with a small
+:class:`ChunkReply`. The request carries a copy of the worker's
+:class:`~asyncsample._engine.StopRule`, so the host stops exactly where per-step stepping would.
+With two sets of buffers (the ``process`` backend) a :class:`NextChunk` runs the following chunk
+from the state the last one left, while the worker replays that one.
 """
 
 from __future__ import annotations
@@ -42,6 +31,7 @@ from asyncsample.backends._transport import (
     buffer_rows,
     round_trips,
     shared_buffers,
+    view_buffers,
 )
 from asyncsample.backends.base import EnvHost, HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
@@ -78,25 +68,19 @@ class ChunkBuffers:
     least ``capacity`` (see :func:`chunk_rows`).
 
     Attributes:
-        obs: the observation each env's action was chosen for, per step; with a spare row, the
-            host also writes the observations after the chunk's last step in row ``steps``.
-        final_obs: at a step where an env's episode ended, its true last observation (other
-            rows are stale).
+        obs: the observation each env's action was chosen for, per step; a spare row gets the
+            observations after the chunk's last step.
+        final_obs: at a step where an env's episode ended, its true last observation.
         actions, rewards, terminated, truncated: per step, as in
             :class:`~asyncsample.env_group.StepBuffers`.
         capacity: the most steps one chunk can hold.
-        progress: one ``int64`` the host bumps after every step of a chunk, never reset (shared
-            memory in a process host): the main process reads it to judge each step against
-            ``step_timeout`` while the chunk runs.
-        epoch: one ``int64`` the main process bumps at every agent update (shared memory in a
-            process host): a :class:`NextChunk` sent before the update is not run.
+        progress: one ``int64`` the host bumps after every step, never reset: the main process
+            judges each step against ``step_timeout`` by it.
+        epoch: one ``int64`` the main process bumps at every agent update: a
+            :class:`NextChunk` sent before the update is not run.
         arena: the worker's observation arena ``(R, n_envs, ...)`` (shared memory in a process
-            host; ``None`` elsewhere), shared by the slot's sets: the main process keeps its
-            observation records there (:class:`~asyncsample._recorder.Rows`), and a request
-            with an ``obs_row`` has the host write the chunk's observations straight into
-            arena rows ``obs_row...`` (``obs_row + steps``: the spare row) instead of
-            :attr:`obs`, so they are the records with no copy, and the batch is gathered from
-            them in the one copy it makes.
+            host, else ``None``), where the worker keeps its observation records: a request's
+            ``obs_row`` has the host write observations there instead of :attr:`obs`.
     """
 
     obs: Tree
@@ -114,9 +98,8 @@ class ChunkBuffers:
     def from_flat(
         cls, flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None, arena: Tree = None
     ) -> ChunkBuffers:
-        """View step buffers allocated for ``rows * n_envs`` envs (``rows >= capacity``) as
-        chunk buffers; ``counter``: the memory of the step counter and the update epoch (two
-        ``int64``; default: local ones)."""
+        """View step buffers of ``rows * n_envs`` envs as chunk buffers; ``counter``: the memory
+        of the step counter and the update epoch (default: local)."""
         rows = len(flat.rewards) // n_envs
 
         def shape(a: np.ndarray) -> np.ndarray:
@@ -137,8 +120,8 @@ class ChunkBuffers:
         )
 
     def with_arena_obs(self, row: int, end: int) -> ChunkBuffers:
-        """This chunk with arena rows ``row:end`` as its observations (where the host wrote
-        them); per chunk, so not ``dataclasses.replace`` (twice the cost)."""
+        """This chunk with arena rows ``row:end`` as its observations (not
+        ``dataclasses.replace``: twice the cost, per chunk)."""
         chunk = object.__new__(ChunkBuffers)
         chunk.__dict__.update(self.__dict__, obs=self.arena_view(row, end))
         return chunk
@@ -152,17 +135,15 @@ class ChunkBuffers:
 
 
 def chunk_rows(capacity: int, sets: int = 1) -> int:
-    """Rows to allocate for ``sets`` sets of chunk buffers of ``capacity`` steps (each set with
-    a spare row for the observations after its last step)."""
+    """Rows of ``sets`` sets of chunk buffers of ``capacity`` steps, a spare row each."""
     return (capacity + 1) * sets
 
 
 def chunk_sets(
     flat: StepBuffers, capacity: int, n_envs: int, counter: Any = None, arena: Tree = None
 ) -> list[ChunkBuffers]:
-    """Split step buffers allocated for ``chunk_rows(capacity, sets) * n_envs`` envs into the
-    ``sets`` sets of chunk buffers of a slot, sharing one step counter and epoch (and the
-    observation ``arena``, if any)."""
+    """Split step buffers of ``chunk_rows(capacity, sets) * n_envs`` envs into a slot's sets of
+    chunk buffers, sharing one step counter, epoch and ``arena``."""
     per = (capacity + 1) * n_envs
     counters = np.zeros(2, np.int64) if counter is None else counter
     return [
@@ -185,31 +166,14 @@ def arena_rows(observation_space: gym.Space[Any], n_envs: int, capacity: int) ->
     return rows if rows >= 2 * (capacity + 1) else 0
 
 
-def shared_arena(
-    observation_space: gym.Space[Any], n_envs: int, rows: int, ctx: Any
-) -> tuple[Tree, Any]:
-    """A worker's observation arena of ``rows`` rows in shared memory, and its raw block."""
-    shm_ctx: Any = _Unzeroed()
-    memory = create_shared_memory(observation_space, rows * n_envs, ctx=shm_ctx)
-    return view_arena(observation_space, n_envs, rows, memory), memory
-
-
 class _Unzeroed:
-    """The ``ctx`` for gymnasium's ``create_shared_memory`` that allocates the arena's blocks
-    like ``RawArray`` but without zeroing them: ``RawArray`` writes every byte, which would
-    make the whole arena resident at once; unwritten, its pages (a ``/dev/shm`` file) take
-    memory only once a chunk is written there. Nothing reads a row before the host wrote it."""
+    """A ``ctx`` for ``create_shared_memory``: ``RawArray`` blocks not zeroed, so the arena's
+    pages take memory only once written (nothing reads a row before the host wrote it)."""
 
     def Array(self, typecode_or_type: Any, size: int) -> SharedArray:
         types = sharedctypes.typecode_to_type  # type: ignore[attr-defined]
         type_ = types.get(typecode_or_type, typecode_or_type)
         return SharedArray(sharedctypes._new_value(type_ * size))  # type: ignore[attr-defined]
-
-
-def view_arena(observation_space: gym.Space[Any], n_envs: int, rows: int, memory: Any) -> Tree:
-    """The arena :func:`shared_arena` made, seen from either process: ``(rows, n_envs, ...)``."""
-    flat = read_from_shared_memory(observation_space, memory, rows * n_envs)
-    return tree_map(lambda a: a.reshape(rows, n_envs, *a.shape[1:]), flat)
 
 
 def chunk_capacity(
@@ -226,27 +190,41 @@ def chunk_capacity(
 
 RawChunks = tuple[int, int, list[Any], Any, tuple[int, Any] | None]
 """What a process host needs to view a slot's chunk buffers: ``(capacity, rows, blocks,
-counters, arena)``, ``arena`` the rows and raw block of the observation arena, or ``None``."""
+counters, arena)``, ``arena`` the arena's rows and raw block, or ``None``."""
 
 
 def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], RawChunks | None]:
-    """A process host slot's :data:`PIPELINE_SETS` sets of chunk buffers in shared memory
-    (none when ``spec`` asks for no chunks), with its observation arena, and what the host
-    needs to view them (:data:`RawChunks`)."""
+    """A process host slot's sets of chunk buffers and arena in shared memory (none when
+    ``spec`` asks for no chunks), and what the host needs to view them."""
     if spec.chunk_steps <= 0:
         return [], None
-    capacity, rows = spec.chunk_steps, chunk_rows(spec.chunk_steps, PIPELINE_SETS)
-    flat, blocks = shared_buffers(
-        spec.observation_space, spec.action_space, rows * spec.n_envs, ctx
-    )
+    obs_space, n_envs = spec.observation_space, spec.n_envs
+    rows = chunk_rows(spec.chunk_steps, PIPELINE_SETS)
+    _, blocks = shared_buffers(obs_space, spec.action_space, rows * n_envs, ctx)
     counters = ctx.RawArray("q", 2)  # the step counter and the update epoch
-    arena, raw_arena = None, None
-    n_arena = arena_rows(spec.observation_space, spec.n_envs, capacity)
+    arena = None
+    n_arena = arena_rows(obs_space, n_envs, spec.chunk_steps)
     if n_arena:
-        arena, memory = shared_arena(spec.observation_space, spec.n_envs, n_arena, ctx)
-        raw_arena = (n_arena, memory)
-    sets = chunk_sets(flat, capacity, spec.n_envs, counters, arena)
-    return sets, (capacity, rows, blocks, counters, raw_arena)
+        memory = create_shared_memory(obs_space, n_arena * n_envs, ctx=_Unzeroed())  # type: ignore[arg-type]
+        arena = (n_arena, memory)
+    raw = (spec.chunk_steps, rows, blocks, counters, arena)
+    return view_chunk_sets(spec, raw), raw
+
+
+def view_chunk_sets(spec: HostSpec, raw: RawChunks) -> list[ChunkBuffers]:
+    """A slot's sets of chunk buffers over the shared memory :func:`shared_chunk_sets` made,
+    seen from either process."""
+    capacity, rows, blocks, counters, raw_arena = raw
+    obs_space, n_envs = spec.observation_space, spec.n_envs
+    flat = view_buffers(obs_space, spec.action_space, rows * n_envs, blocks)
+    arena = None
+    if raw_arena is not None:
+        n_arena, memory = raw_arena
+        arena = tree_map(
+            lambda a: a.reshape(n_arena, n_envs, *a.shape[1:]),
+            read_from_shared_memory(obs_space, memory, n_arena * n_envs),
+        )
+    return chunk_sets(flat, capacity, n_envs, counters, arena)
 
 
 @dataclass
@@ -259,11 +237,9 @@ class ChunkRequest:
         counts: per env, rows of its current episode already recorded by the worker.
         active: per env, whether it is stepped.
         buffer: which set of the slot's chunk buffers to fill.
-        epoch: ``None``, or (a stream's run-ahead, sent before the next round asks for it) the
-            chunk buffers' update epoch when it was sent: after an update made since, the
-            host runs nothing and keeps the request's state for the :class:`NextChunk` after it.
-        obs_row: the arena row the chunk's observations go to (the next chunk's: right after
-            them), or -1: into the set's own rows (see :attr:`ChunkBuffers.arena`).
+        epoch: ``None``, or (a stream's run-ahead) the update epoch when it was sent: after an
+            update since, the host runs nothing and keeps the state for the next request.
+        obs_row: the arena row the chunk's observations go to, or -1: the set's own rows.
     """
 
     rule: StopRule
@@ -277,39 +253,23 @@ class ChunkRequest:
 
 @dataclass
 class NextChunk:
-    """Run the chunk that follows the host's last one, from the state that chunk left (its copy
-    of the rule, ``active`` and ``counts``), into set ``buffer``; nothing (a reply of no steps)
-    when that state says the worker's part is over, when the last chunk failed, or when an
-    agent update was made after this request's ``epoch`` (the worker then asks again, after
-    the update).
-
-    Attributes:
-        steps: the most worker steps to run.
-        buffer: which set of the slot's chunk buffers to fill.
-        epoch: the chunk buffers' update epoch when the request was sent.
-    """
+    """Run up to ``steps`` steps following the host's last chunk, from the state it left,
+    into set ``buffer``; nothing when the last chunk failed or an agent update was made after
+    ``epoch`` (the worker then asks again)."""
 
     steps: int
     buffer: int
     epoch: int
 
 
+@dataclass(slots=True, eq=False)
 class SentChunk:
-    """A chunk request sent and not awaited yet (see ``ProcessHost.send_chunk``).
+    """A chunk request sent and not awaited yet: its call's ``future``, ``reply`` (awaits the
+    payload or raises what a failure means) and the agent ``version`` it runs with."""
 
-    Args:
-        future: the request's future (cancelled by :meth:`abandon`, so that its reply or its
-            host's death is dropped quietly).
-        reply: awaits the reply's payload (or raises the error the reply or a death means).
-        version: the agent version the chunk runs with.
-    """
-
-    __slots__ = ("future", "reply", "version")
-
-    def __init__(self, future: Any, reply: Callable[[], Awaitable[bytes]], version: int) -> None:
-        self.future = future
-        self.reply = reply
-        self.version = version
+    future: Any
+    reply: Callable[[], Awaitable[bytes]]
+    version: int
 
     async def wait(self) -> ChunkReply:
         """The chunk's reply."""
@@ -331,11 +291,10 @@ class ChunkReply:
 
     Attributes:
         steps: worker steps run (the first ``steps`` rows of the chunk buffers are valid).
-        agent_infos: per step, the agent infos: either one dict of arrays stacked over the steps
-            (every step had the same keys), or a list of ``(step, infos)`` for the steps with any.
+        agent_infos: one dict of arrays stacked over the steps (every step had the same keys),
+            or a list of ``(step, infos)`` for the steps with any.
         step_infos: by step, ``(env_infos, reset_infos)`` where either is non-empty.
-        obs_row: where the observations went: the arena row of the first step, or -1 (the
-            set's own rows).
+        obs_row: the arena row of the first step's observations, or -1 (the set's rows).
     """
 
     steps: int
@@ -352,10 +311,7 @@ class ChunkReply:
         infos = self.agent_infos
         if isinstance(infos, dict):
             return {k: v[step] for k, v in infos.items()}
-        for j, value in infos:  # short lists: only steps with infos are listed
-            if j == step:
-                return value
-        return {}
+        return next((value for j, value in infos if j == step), {})  # only steps with infos
 
 
 class AgentFailure(Exception):
@@ -363,12 +319,8 @@ class AgentFailure(Exception):
 
 
 def agent_error(exc: Exception, worker: int) -> BaseException:
-    """The error to report for ``exc``, raised by the agent of ``worker`` inside its host.
-
-    The original exception itself when it survives pickling (the caller then finds it as the
-    ``WorkerError``'s ``__cause__``, as for env errors), marked with a note saying where it was
-    raised; else an :class:`AgentFailure` that describes it in text.
-    """
+    """The error to report for ``exc``, raised by the agent of ``worker`` inside its host:
+    ``exc`` with a note if it survives pickling, else an :class:`AgentFailure` describing it."""
     note = agent_note(worker)
     if round_trips(exc):
         if note not in getattr(exc, "__notes__", ()):
@@ -378,13 +330,8 @@ def agent_error(exc: Exception, worker: int) -> BaseException:
 
 
 class ChunkRunner:
-    """One worker slot's agent copy and chunk loop inside an env host.
-
-    Args:
-        group: the slot's envs.
-        chunks: the slot's sets of chunk buffers (one, or two for pipelining).
-        action_space: the env's action space (actions are checked against it).
-    """
+    """One worker slot's agent copy and chunk loop over its ``group`` of envs, into its sets of
+    ``chunks``; actions are checked against ``action_space``."""
 
     def __init__(
         self, group: EnvGroup, chunks: list[ChunkBuffers], action_space: gym.Space[Any]
@@ -401,11 +348,8 @@ class ChunkRunner:
         self._action_check = make_action_check(action_space)
         self._trusted = False
 
-    # -- agent ----------------------------------------------------------------------------------
-
     def install(self, blob: bytes) -> None:
-        """Install the agent in ``blob``: ``pickle((cloudpickled agent, seed))``; an agent with
-        a ``seed(int)`` method is seeded."""
+        """Install the agent in ``blob`` (``pickle((cloudpickled agent, seed))``), seeded."""
         agent_blob, seed = pickle.loads(blob)
         agent = pickle.loads(agent_blob)
         seeder = getattr(agent, "seed", None)
@@ -439,8 +383,7 @@ class ChunkRunner:
             raise self._failure(exc) from exc
 
     def _failure(self, exc: Exception) -> EnvFailureError:
-        """What the agent's ``exc`` is reported as (call it in the ``except`` block: it takes
-        the traceback being handled)."""
+        """What the agent's ``exc`` is reported as (in the ``except`` block: the traceback)."""
         error = agent_error(exc, self.group.worker)
         return EnvFailureError(EnvFailure(None, error, traceback.format_exc(), retry=False))
 
@@ -449,21 +392,17 @@ class ChunkRunner:
         if self._trusted:  # the built-in random agent: rows of its own space, no infos
             return result  # type: ignore[no-any-return]
         actions, infos = self._output_check.output(result)
-        return self._check_actions(actions), infos
-
-    def _check_actions(self, actions: Tree) -> Tree:
-        return check_actions(
+        actions = check_actions(
             actions,
             self.group.buffers.actions,
             worker=self.group.worker,
             action_space=self.action_space,
-            values=None if self._trusted else self._action_check,
+            values=self._action_check,
         )
-
-    # -- the chunk ------------------------------------------------------------------------------
+        return actions, infos
 
     def run(self, request: ChunkRequest | NextChunk) -> ChunkReply:
-        """Run up to ``request.steps`` worker steps; see the module docstring for where it stops."""
+        """Run up to ``request.steps`` worker steps, or until the request's rule stops."""
         if self.agent is None:
             raise RuntimeError(f"worker {self.group.worker}: no agent installed in its env host")
         if isinstance(request, NextChunk):
@@ -500,8 +439,7 @@ class ChunkRunner:
         return reply
 
     def _arena_rows(self, row: int, steps: int) -> Tree:
-        """Arena rows ``row...row + steps`` (the spare row included), or ``None`` when there is
-        no arena, ``row`` is -1 or the rows pass the arena's end."""
+        """Arena rows ``row...row + steps`` and the spare row, or ``None`` if there are none."""
         arena = self.chunk.arena
         end = row + steps + 1
         if arena is None or row < 0 or end > len(tree_leaves(arena)[0]):
@@ -518,13 +456,8 @@ class ChunkRunner:
         into: Tree = None,
     ) -> ChunkReply:
         """The chunk loop: ``rule``, ``active`` and ``counts`` are consumed in place;
-        observations go to ``into`` (arena rows) if given, else to the set's rows.
-
-        Written for the cost per step besides the env's (with one env per slot every step is an
-        agent call of its own): plain array rows are copied with one assignment, the episode
-        ends come from the group's list rather than from the flags, and nothing is looked up
-        twice.
-        """
+        observations go to ``into`` (arena rows) if given, else to the set's rows. Written for
+        the cost per step: one assignment per plain row, episode ends from the group's list."""
         group = self.group
         buf = group.buffers
         everyone = bool(active.all())
@@ -608,26 +541,22 @@ def _pack_infos(
     per_step: list[dict[str, np.ndarray]],
 ) -> dict[str, np.ndarray] | list[tuple[int, dict[str, np.ndarray]]]:
     """Stack the agent infos when every step has the same keys and shapes; else list them."""
-    if not per_step or not per_step[0]:
-        return [(j, infos) for j, infos in enumerate(per_step) if infos]
-    keys = per_step[0].keys()
-    first = per_step[0]
-    if all(
-        infos.keys() == keys
-        and all(infos[k].shape == first[k].shape and infos[k].dtype == first[k].dtype for k in keys)
+    first = per_step[0] if per_step else {}
+    if first and all(
+        infos.keys() == first.keys()
+        and all(infos[k].shape == v.shape and infos[k].dtype == v.dtype for k, v in first.items())
         for infos in per_step
     ):
-        return {k: np.stack([infos[k] for infos in per_step]) for k in keys}
+        return {k: np.stack([infos[k] for infos in per_step]) for k in first}
     return [(j, infos) for j, infos in enumerate(per_step) if infos]
 
 
 class AgentHost(EnvHost, Protocol):
-    """An env host that also runs the worker's agent (``inference="host"``).
+    """An env host that also runs a copy of the worker's agent (``inference="host"``).
 
-    The host keeps a copy of the worker's agent, steps chunks of steps with it and writes their
-    records into :attr:`chunk`. :meth:`set_agent` and :meth:`set_params` only record what the
-    copy should be; :meth:`sync_agent` (and every :meth:`run_chunk`) sends what the host lacks,
-    also to a host that was just restarted.
+    :meth:`set_agent` and :meth:`set_params` only record what the copy should be;
+    :meth:`sync_agent` (and every :meth:`run_chunk`) sends what the host lacks, also to a host
+    that was just restarted.
     """
 
     @property

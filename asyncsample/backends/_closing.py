@@ -1,25 +1,18 @@
-"""Closing envs with a bound (``close_timeout``).
-
-An agentic env fails slowly as often as it fails loudly: a dead remote session whose ``close()``
-never returns must not hold a restart, an env update or ``aclose()``. :func:`close_bounded`
-gives an env's close ``close_timeout`` seconds, then cancels it (an async close) or abandons it
-(a blocking close stuck in a thread) with a :class:`ResourceWarning`.
-"""
+"""Closing envs with a bound (``close_timeout``): a ``close()`` that never returns (a dead remote
+session) must not hold a restart, an env update or ``aclose()``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import threading
 import warnings
 from typing import Any
 
 from asyncsample.async_env import close_env
+from asyncsample.backends.base import LOGGER
 
 __all__ = ["CLOSE_TIMEOUT", "cancelled_by_env", "close_bounded", "close_off_loop"]
-
-LOGGER = logging.getLogger("asyncsample")
 
 CLOSE_TIMEOUT = 10.0
 """The default ``close_timeout``: the longest a restart or ``aclose()`` waits for an env's
@@ -30,30 +23,16 @@ _CANCEL_GRACE = 0.1
 
 
 def cancelled_by_env() -> bool:
-    """Whether a ``CancelledError`` being handled now is the env's own, not the sampler's.
-
-    The sampler cancels a task with ``Task.cancel()``, which the task counts
-    (``Task.cancelling()``); an env that raises ``CancelledError`` itself (a request its
-    server cancelled, a timeout inside the env) leaves that count at zero. The type of the
-    exception cannot tell the two apart.
-    """
+    """Whether a ``CancelledError`` being handled now is the env's own, not the sampler's: the
+    sampler's ``Task.cancel()`` is counted by ``Task.cancelling()``, an env's raise is not."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() == 0
 
 
 async def close_bounded(env: Any, timeout: float, where: str) -> bool:
-    """Close ``env`` (awaiting an async ``close``), waiting at most ``timeout`` seconds.
-
-    Errors of the close are logged and ignored (the env is being replaced or shut). A close
-    still running at the bound is cancelled and, if it will not stop, abandoned with a
-    :class:`ResourceWarning`; the caller goes on either way.
-
-    Args:
-        where: names the env in the warning (``"env 3 of worker 0"``).
-
-    Returns:
-        Whether the close finished within the bound.
-    """
+    """Close ``env`` (awaiting an async ``close``, errors logged); whether it finished within
+    ``timeout`` seconds. Else it is cancelled, or abandoned if it will not stop, with a
+    :class:`ResourceWarning` naming the env (``where``: ``"env 3 of worker 0"``)."""
     task = asyncio.ensure_future(_close_logged(env))
     try:
         done, _ = await asyncio.wait([task], timeout=timeout)
@@ -74,12 +53,9 @@ async def close_bounded(env: Any, timeout: float, where: str) -> bool:
 
 
 def close_off_loop(env: Any) -> asyncio.Future[None] | None:
-    """Close a blocking env without blocking the running loop, if one runs in this thread.
-
-    The close runs in a daemon thread of its own (a close stuck for good can neither freeze
-    the loop nor hold the interpreter's exit, as a pool's thread would); the returned future
-    (``None``: no loop runs here, so the env was closed at once) tells the loop when it is done.
-    """
+    """Close a blocking env in a daemon thread of its own (a close stuck for good holds
+    neither the loop nor the interpreter's exit); the future says when it is done (``None``:
+    no loop runs here, the env was closed at once)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:

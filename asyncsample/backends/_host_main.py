@@ -1,14 +1,6 @@
-"""The env-host process: a plain blocking loop that serves one frame at a time.
-
-Started by :mod:`asyncsample.backends.process` through a forkserver, with the host's end of a
-socket pair, the specs of the worker slots it hosts and their shared step buffers. It reads a
-request, runs the matching :class:`~asyncsample.env_group.EnvGroup` method for that slot, and
-replies. Nothing here runs an event loop or a thread.
-
-The loop ends on an ``exit`` request or at end of stream (the parent closed its end or died).
-If the main process dies while an env hangs, the kernel kills the host (see
-:func:`_die_with_parent`).
-"""
+"""The env-host process: a plain blocking loop (no event loop, no thread) that reads a frame,
+hands it to its slot's :meth:`~asyncsample.backends._slot.HostSlot.serve` and replies, until an
+``exit`` request or the end of the stream."""
 
 from __future__ import annotations
 
@@ -26,7 +18,7 @@ import sys
 from typing import Any
 
 from asyncsample.backends import _threads
-from asyncsample.backends._chunk import RawChunks, chunk_sets, view_arena
+from asyncsample.backends._chunk import RawChunks, view_chunk_sets
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import (
     HELLO_ID,
@@ -39,7 +31,6 @@ from asyncsample.backends._transport import (
     failure_from_exception,
     send_frame,
     slot_buffers,
-    view_buffers,
 )
 from asyncsample.env_group import EnvFailureError
 
@@ -49,15 +40,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the main process dies, even if an env hangs.
-
-    The host's parent is the forkserver, not the main process, and the forkserver outlives the
-    main process for as long as any of its children run; so ``PR_SET_PDEATHSIG`` alone would not
-    do. ``multiprocessing`` hands every child a "parent sentinel": the read end of a pipe whose
-    write end only the main process holds, at end of file when it dies. With ``O_ASYNC`` and
-    ``F_SETSIG`` the kernel turns that end of file into a SIGKILL, with no thread and nothing in
-    the hot path. ``PR_SET_PDEATHSIG`` covers the death of the forkserver itself.
-    """
+    """Have the kernel SIGKILL this process when the main process dies, even if an env hangs:
+    ``PR_SET_PDEATHSIG`` covers the forkserver (the parent), ``O_ASYNC`` on multiprocessing's
+    parent sentinel the main process."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
@@ -76,13 +61,6 @@ def _die_with_parent() -> None:
         return
     if select.select([sentinel], [], [], 0)[0]:  # the main process died before we got here
         os._exit(1)
-
-
-def _isolate() -> None:
-    """Own process group (so the whole tree can be killed at once, even orphans), no ^C."""
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _kill_descendants() -> None:
@@ -105,40 +83,26 @@ def main(
     raw_chunks: list[RawChunks | None] | None = None,
     host_threads: int | None = None,
 ) -> None:
-    """Serve requests for the worker slots in ``slots_blob`` until told to exit or orphaned.
-
-    Args:
-        sock: the host's end of the control socket pair (blocking).
-        slots_blob: pickled list of the :class:`~asyncsample.backends.base.HostSpec` of each
-            slot.
-        raw_buffers: per slot, the shared blocks of its step buffers, or its rows of blocks
-            shared by several slots (see :func:`~asyncsample.backends._transport.slot_buffers`).
-        raw_chunks: per slot, ``(capacity, rows, blocks, counters, arena)`` of its sets of
-            chunk buffers (``rows`` in all) and its observation arena when the slot runs its own
-            agent (``inference="host"``), else ``None``.
-        host_threads: threads of the numeric libraries here (``None``: their defaults).
-    """
+    """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
+    until told to exit or orphaned; per slot, ``raw_buffers`` are what
+    :func:`~asyncsample.backends._transport.slot_buffers` views and ``raw_chunks`` its
+    :data:`~asyncsample.backends._chunk.RawChunks` (or ``None``)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
-    _isolate()
-    # What the forkserver imported is shared copy-on-write; keep the collector from touching
-    # (and so copying) all of it at its first full collection.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # a group of its own: the whole tree can be killed, even orphans
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the main process's to handle
+    # Keep the collector from touching (so copying) what the forkserver shared copy-on-write.
     gc.freeze()
     sock.setblocking(True)
     specs = pickle.loads(slots_blob)
     slots: list[HostSlot] = []
     chunks = raw_chunks or [None] * len(specs)
     for spec, raw, raw_chunk in zip(specs, raw_buffers, chunks):
-        obs_space, act_space, n_envs = spec.observation_space, spec.action_space, spec.n_envs
-        buffers = slot_buffers(obs_space, act_space, n_envs, raw, spec.timed)
-        sets = None
-        if raw_chunk is not None:
-            capacity, rows, blocks, counters, raw_arena = raw_chunk
-            flat = view_buffers(obs_space, act_space, rows * n_envs, blocks)
-            arena = None
-            if raw_arena is not None:
-                arena = view_arena(obs_space, n_envs, raw_arena[0], raw_arena[1])
-            sets = chunk_sets(flat, capacity, n_envs, counters, arena)
+        buffers = slot_buffers(
+            spec.observation_space, spec.action_space, spec.n_envs, raw, spec.timed
+        )
+        sets = None if raw_chunk is None else view_chunk_sets(spec, raw_chunk)
         slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process"))
     reader = FrameReader(sock)
     try:
@@ -172,7 +136,5 @@ def _serve(sock: socket.socket, reader: FrameReader, slots: list[HostSlot]) -> N
             send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
         except (BrokenPipeError, ConnectionError):
             raise
-        except Exception as exc:
-            # A bug of the host, infos that cannot be pickled: deterministic, so not worth a
-            # restart.
+        except Exception as exc:  # a bug of the host, unpicklable infos: not worth a restart
             send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))

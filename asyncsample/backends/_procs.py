@@ -13,10 +13,8 @@ import psutil
 
 __all__ = ["forkserver_context", "describe_exit", "kill_tree", "support_process_pids"]
 
-#: Imported once by the forkserver, so that every host process starts with them loaded.
-#: Not ``__main__``: env factories and updates travel by cloudpickle (by value when defined in the
-#: main script) and gymnasium ids as their registered EnvSpec, so hosts never import the user's
-#: script, which therefore needs no ``if __name__ == "__main__":`` guard.
+#: Imported once by the forkserver for every host. Not ``__main__``: envs travel by cloudpickle,
+#: so the user's script needs no ``if __name__ == "__main__":`` guard.
 _PRELOAD = ["numpy", "gymnasium", "asyncsample.backends._host_main"]
 
 
@@ -33,12 +31,8 @@ def forkserver_context() -> Any:
 
 
 def support_process_pids() -> set[int]:
-    """Pids of Python's own multiprocessing helpers (the forkserver and the resource tracker).
-
-    They are started once per interpreter, shared by every user of ``multiprocessing`` in it, and
-    end with the interpreter; they host no envs. Tests that check that no child process is left
-    behind should leave them out.
-    """
+    """Pids of Python's own multiprocessing helpers (the forkserver and the resource tracker),
+    which live as long as the interpreter: leak checks leave them out."""
     from multiprocessing import forkserver, resource_tracker
 
     pids = {
@@ -80,13 +74,9 @@ def kill_tree(proc: psutil.Process | None, pid: int) -> None:
 def host_cpus(n_hosts: int, pin: bool | None) -> list[int | None]:
     """The CPU each of ``n_hosts`` host processes is pinned to (``None``: not pinned).
 
-    ``pin=None`` pins only when the pool has a host for every CPU this process may run on: a
-    lockstep round wakes every host at once, and Linux keeps a woken host on the CPU it last
-    ran on while that CPU is busy (a task that ran within the last half millisecond counts as
-    cache-hot and is not pulled to an idle CPU), so two hosts that once met on one CPU can
-    stay there, one waiting for the other every round, while another CPU idles. Pinned hosts
-    cannot meet. With fewer hosts than CPUs the scheduler has room and keeps its freedom.
-    ``True`` pins host ``i`` to the ``i``-th allowed CPU (round robin), ``False`` never pins.
+    ``True``: host ``i`` on the ``i``-th allowed CPU (round robin); ``None``: so only with a host
+    for every allowed CPU (Linux keeps a woken host on its cache-hot CPU, so two hosts that met
+    on one can stay there, waiting for each other every lockstep round, while another idles).
     """
     getaffinity = getattr(os, "sched_getaffinity", None)
     if pin is False or getaffinity is None:

@@ -1,21 +1,11 @@
 """What the ``process`` and ``ray`` backends share: env hosts that live somewhere else.
 
-Both keep a pool of remote hosts (processes or actors), each serving the envs of several workers
-(one :class:`~asyncsample.env_group.EnvGroup` per worker slot). From the main process they look
-the same, and this module holds that common shape:
-
-* :class:`Incarnation` -- one life of a remote host: the calls it has not answered yet, in the
-  order it serves them, a ``step_timeout`` on the head call only (time spent queued behind other
-  workers' calls does not count), and "fail everyone" when it dies or is killed.
-* :class:`PoolMember` -- one place in the pool: which workers it hosts (the pickled slot specs
-  every incarnation is started with) and its current incarnation, replaced once (whoever asks
-  first) when it died.
-* :class:`RemoteHost` -- one worker's view of its member: build, update, call, set_attr,
-  restart and close in terms of one backend-specific round trip, and the translation of a dead
-  host into :class:`~asyncsample.WorkerCrashedError`, :class:`~asyncsample.StepTimeoutError` or,
-  once the backend is closed, :class:`~asyncsample.SamplerClosedError`.
-Which worker lives on which member is :class:`~asyncsample.backends.placement.Placement`'s
-decision. What moves the bytes (sockets and shared memory, or Ray calls) stays in each backend.
+:class:`Incarnation` is one life of a remote host (its unanswered calls in order, ``step_timeout``
+on the head call only, "fail everyone" when it dies); :class:`PoolMember` one place in the pool,
+its incarnation replaced once when it died; :class:`RemoteHost` one worker's view of its member,
+a death translated into :class:`~asyncsample.WorkerCrashedError`,
+:class:`~asyncsample.StepTimeoutError` or :class:`~asyncsample.SamplerClosedError`. What moves
+the bytes stays in each backend.
 """
 
 from __future__ import annotations
@@ -26,6 +16,7 @@ import pickle
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import cloudpickle
@@ -53,61 +44,38 @@ class HostDied(Exception):
     """Set on the futures of calls whose host died, was killed or was shut down."""
 
 
+@dataclass(slots=True, eq=False)
 class PendingCall:
     """One call sent to a remote host and not answered yet.
 
     Attributes:
         label: what was asked (``"step"``, ``"build"``...), for messages.
-        worker: the worker that asked.
-        timeout: ``step_timeout`` of the call, or ``None``.
         future: resolved with the raw reply, or failed with :class:`HostDied`.
         key: the backend's handle of the call (a request id, an ObjectRef).
-        done: the host answered it.
-        timed_out: it outlived ``timeout`` and its host was killed for it.
-        limit: how the timeout is named in messages (``"step_timeout=1s"``).
-        progress: for a call of many steps (a chunk, ``inference="host"``), a counter the host
-            bumps after each step (shared memory); ``timeout`` then bounds each step, judged
-            by how long the counter stood still. ``None``: ``timeout`` bounds the whole call.
-        base: the counter's value when the host started on the call.
-        seen: its value at the last look, and ``since``: the loop time it was first seen so
-            (the latest the current step can have started).
+        done: the host answered it; ``timed_out``: it outlived ``timeout`` and its host was
+            killed for it.
+        progress: for a call of many steps (a chunk), a counter the host bumps after each step;
+            ``timeout`` then bounds each step, judged by how long the counter stood still
+            (``base``: its value when the host started on the call; ``seen``: at the last look,
+            first seen so at loop time ``since``). ``None``: ``timeout`` bounds the whole call.
     """
 
-    __slots__ = (
-        "base",
-        "done",
-        "future",
-        "key",
-        "label",
-        "limit",
-        "progress",
-        "seen",
-        "since",
-        "timed_out",
-        "timeout",
-        "worker",
-    )
+    label: str
+    worker: int
+    timeout: float | None
+    future: asyncio.Future[Any]
+    progress: np.ndarray | None = None
+    key: Any = field(default=None, init=False)
+    done: bool = field(default=False, init=False)
+    timed_out: bool = field(default=False, init=False)
+    base: int = field(default=0, init=False)
+    seen: int = field(default=0, init=False)
+    since: float = field(default=0.0, init=False)
 
-    def __init__(
-        self,
-        label: str,
-        worker: int,
-        timeout: float | None,
-        future: asyncio.Future[Any],
-        progress: np.ndarray | None = None,
-        limit: str | None = None,
-    ) -> None:
-        self.label = label
-        self.worker = worker
-        self.timeout = timeout
-        self.future = future
-        self.key: Any = None
-        self.done = False
-        self.timed_out = False
-        self.limit = limit if limit is not None or timeout is None else f"step_timeout={timeout:g}s"
-        self.progress = progress
-        self.base = self.seen = 0
-        self.since = 0.0
+    @property
+    def limit(self) -> str | None:
+        """How the timeout is named in messages."""
+        return None if self.timeout is None else f"step_timeout={self.timeout:g}s"
 
     def what(self) -> str:
         """What outlived the timeout: ``"step"``, ``"step 3 of a chunk"``..."""
@@ -117,8 +85,8 @@ class PendingCall:
 
 
 def progress_poll(timeout: float) -> float:
-    """How often the counter of a call judged per step is read: a tenth of the timeout, at most
-    :data:`PROGRESS_POLL` (a hang is found at most this long after ``timeout``)."""
+    """How often a call judged per step has its counter read: a tenth of the timeout, at most
+    :data:`PROGRESS_POLL`."""
     return max(min(timeout / 10, PROGRESS_POLL), 0.001)
 
 
@@ -127,13 +95,8 @@ PROGRESS_POLL = 0.25
 
 
 class Incarnation(ABC):
-    """One life of a remote host, as the main process sees it.
-
-    A host serves its calls in the order they were sent, so only the head of :attr:`calls` can
-    be running: its timeout starts when the call before it was answered. A call of many steps
-    with a step counter (a chunk) is judged per step: it fails when the counter has stood still
-    for ``timeout``, looked at every :func:`progress_poll` seconds.
-    """
+    """One life of a remote host, as the main process sees it. It serves its calls in order,
+    so only the head of :attr:`calls` runs: its timeout starts when the one before is answered."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -156,23 +119,16 @@ class Incarnation(ABC):
         """Whether a timeout that fell due should wait a moment (a reply may be in unread)."""
         return False
 
-    # -- calls ----------------------------------------------------------------------------------
-
     def new_call(
         self,
         label: str,
         worker: int,
         timeout: float | None,
         progress: np.ndarray | None = None,
-        limit: str | None = None,
     ) -> PendingCall:
-        """A call, queued as the host will serve it; failed at once if the host is dead.
-
-        ``progress`` (a step counter the host bumps, see :class:`PendingCall`) makes
-        ``timeout`` bound each step of the call rather than the whole call; ``limit`` names
-        the timeout in messages.
-        """
-        call = PendingCall(label, worker, timeout, self.loop.create_future(), progress, limit)
+        """A call, queued as the host will serve it (see :class:`PendingCall`); failed at once
+        if the host is dead."""
+        call = PendingCall(label, worker, timeout, self.loop.create_future(), progress)
         if self.dead:
             call.future.set_exception(HostDied(self.reason))
             return call
@@ -184,17 +140,15 @@ class Incarnation(ABC):
 
     def _arm(self, call: PendingCall, timeout: float) -> None:
         """Start the clock of ``call``, which the host works on from now."""
-        progress = call.progress
-        if progress is None:
-            self.timer = self.loop.call_later(timeout, self._on_timeout, call)
-            return
-        call.base = call.seen = int(progress[0])
-        call.since = self.loop.time()
-        self.timer = self.loop.call_later(progress_poll(timeout), self._on_timeout, call)
+        delay = timeout
+        if call.progress is not None:  # judged per step: the counter is looked at from now
+            call.base = call.seen = int(call.progress[0])
+            call.since = self.loop.time()
+            delay = progress_poll(timeout)
+        self.timer = self.loop.call_later(delay, self._on_timeout, call)
 
     def _still_going(self, call: PendingCall, timeout: float) -> bool:
-        """For a call judged per step: whether its current step is younger than ``timeout``
-        (then the next look is scheduled)."""
+        """Whether a call judged per step is still on a step younger than ``timeout``."""
         progress = call.progress
         if progress is None:
             return False
@@ -239,8 +193,6 @@ class Incarnation(ABC):
         what = f"{call.what()} of worker {call.worker} took longer than {call.limit}"
         self.die(f"was killed: a {what}")
 
-    # -- death ----------------------------------------------------------------------------------
-
     def die(self, reason: str, cause: BaseException | None = None) -> None:
         """Mark the host dead: kill it and fail every call waiting on it. Idempotent."""
         if self.dead:
@@ -250,7 +202,7 @@ class Incarnation(ABC):
         self.cause = cause
         if not self.closing:
             LOGGER.warning("%s %s; the calls waiting on it fail", self.describe(), reason)
-        # What follows may run from a finalizer after the loop closed: never let it raise.
+        # This may run from a finalizer after the loop closed: never let it raise.
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -277,14 +229,8 @@ IncT = TypeVar("IncT", bound=Incarnation)
 
 
 class PoolMember(ABC, Generic[IncT]):
-    """One place in the pool: the worker slots it hosts and its current incarnation.
-
-    Args:
-        index: the member's place in the pool.
-        specs: the workers it hosts, in slot order.
-    """
-
-    kind = "env host"
+    """One place in the pool (``index``): the workers it hosts (``specs``, in slot order) and
+    its current incarnation."""
 
     def __init__(self, index: int, specs: Sequence[HostSpec]) -> None:
         self.index = index
@@ -341,14 +287,8 @@ def closed_error(worker: int, what: str) -> SamplerClosedError:
 
 
 class RemoteHost(ABC, Generic[IncT]):
-    """The host of one worker's envs in a member of a remote pool, as the worker sees it.
-
-    Args:
-        spec: the worker's host spec.
-        member: the pool member that hosts it (started: its incarnation is used).
-        buffers: the worker's step buffers.
-        step_timeout: seconds a host may spend on one call, or ``None``.
-    """
+    """The host of one worker's envs (``spec``) in a started ``member`` of a remote pool, as
+    the worker sees it, with its step ``buffers`` and ``step_timeout``."""
 
     #: How the remote side is called in error messages ("env-host process").
     where = "env host"
@@ -375,8 +315,6 @@ class RemoteHost(ABC, Generic[IncT]):
         self._agent_inc: IncT | None = None
         self._synced_version = 0
 
-    # -- one round trip (backend specific) ------------------------------------------------------
-
     @abstractmethod
     def _submit(self, incarnation: IncT, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         """Send one request for this worker's slot; the call's future gets the raw reply."""
@@ -386,31 +324,31 @@ class RemoteHost(ABC, Generic[IncT]):
         """The payload of a raw reply, or raise the :class:`~asyncsample.WorkerError` in it."""
 
     async def _request(self, op: Op, *payload: Any) -> Any:
-        """Send ``op`` with ``payload``, await the reply, translate a dead host into an error."""
+        """Send ``op`` with ``payload`` and await its reply (see :meth:`reply`)."""
         inc = self._incarnation
         if inc is None:
             raise RuntimeError(f"the backend has not started the host of worker {self.worker}")
         if self._member.closed:
             raise closed_error(self.worker, op.label)
-        call = self._submit(inc, op, payload)
+        return await self.reply(inc, self._submit(inc, op, payload))
+
+    async def reply(self, inc: IncT, call: PendingCall) -> Any:
+        """The payload of ``call``'s reply, or the error a failure or death means."""
         try:
             reply = await call.future
         except HostDied:
-            err = self._death_error(inc, call)
+            err: Exception
+            if self._member.closed:
+                err = closed_error(self.worker, f"finish its {call.label}")
+            elif call.timed_out:
+                err = StepTimeoutError(
+                    f"{call.what()} took longer than {call.limit}; {inc.describe()} was killed",
+                    worker=self.worker,
+                )
+            else:
+                err = inc.crashed(self.worker)
             raise err from err.__cause__
         return self._unpack(reply)
-
-    def _death_error(self, inc: IncT, call: PendingCall) -> Exception:
-        if self._member.closed:
-            return closed_error(self.worker, f"finish its {call.label}")
-        if call.timed_out:
-            return StepTimeoutError(
-                f"{call.what()} took longer than {call.limit}; {inc.describe()} was killed",
-                worker=self.worker,
-            )
-        return inc.crashed(self.worker)
-
-    # -- what every remote host does the same way ----------------------------------------------
 
     def _pickle(self, what: str, obj: Any) -> bytes:
         try:
@@ -449,13 +387,8 @@ class RemoteHost(ABC, Generic[IncT]):
         blob = self._pickle("attribute values", (name, list(values), indices))
         await self._request(Op.SET_ATTR, blob)
 
-    # -- inference="host": the agent copy inside the host --------------------------------------
-
     def set_agent(self, blob: bytes, version: int) -> None:
-        """Install ``blob`` (a cloudpickled ``(agent, seed)``) before the next chunk.
-
-        It replaces any earlier parameters; ``version`` is the worker's agent version after it.
-        """
+        """See :meth:`~asyncsample.backends._chunk.AgentHost.set_agent`."""
         self._agent_blob = blob
         self._params_blob = None
         self._params_dirty = False
@@ -463,7 +396,7 @@ class RemoteHost(ABC, Generic[IncT]):
         self._agent_version = version
 
     def set_params(self, blob: bytes, version: int) -> None:
-        """``set_param_values`` with the pickled parameters ``blob`` before the next chunk."""
+        """See :meth:`~asyncsample.backends._chunk.AgentHost.set_params`."""
         self._params_blob = blob
         self._params_dirty = True
         self._agent_version = version
@@ -471,9 +404,9 @@ class RemoteHost(ABC, Generic[IncT]):
     async def sync_agent(self) -> int:
         """Send the agent and parameters the host lacks; the agent version in force there.
 
-        A new incarnation of the host (after a crash or a kill) gets the agent again, then the
-        latest parameters. Updates made while a message is in flight are sent next, so the
-        version returned is exactly the one whose parameters the next chunk runs with.
+        A new incarnation gets the agent again, then the latest parameters. Updates made while
+        a message is in flight are sent next, so the version returned is the one the next chunk
+        runs with.
         """
         while True:
             inc = self._incarnation
@@ -506,11 +439,8 @@ class RemoteHost(ABC, Generic[IncT]):
                 self._synced_version = version
 
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
-        """Replace a dead or killed host (once for all its workers), then rebuild the envs.
-
-        A live host, where an env merely raised, keeps running: only this worker's envs are
-        rebuilt.
-        """
+        """Replace a dead or killed host (once for all its workers), then rebuild the envs (a
+        live host, where an env merely raised, keeps running)."""
         old = self._incarnation
         self._incarnation = inc = await self._member.live()
         if inc is old:

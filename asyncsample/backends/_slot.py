@@ -1,20 +1,17 @@
 """One worker slot inside an env host: what every remote host does with a request, once.
 
-An env host (a process of the ``process`` backend, an actor of the ``ray`` backend) hosts the
-envs of several workers, one :class:`HostSlot` each: the slot's
+A process host or a Ray actor holds one :class:`HostSlot` per worker: its
 :class:`~asyncsample.env_group.EnvGroup` and, with ``inference="host"``, its
-:class:`~asyncsample.backends._chunk.ChunkRunner`. The slot has one method per operation of
-:class:`~asyncsample.backends._transport.Op`, and :meth:`HostSlot.serve` runs an operation from
-its request body to its reply payload, so the process host's server loop and Ray's actor only
-move bytes: what a reset does to the agent copy, how call results are pickled, what an
-unpicklable request means, is written here alone.
+:class:`~asyncsample.backends._chunk.ChunkRunner`. :meth:`HostSlot.serve` runs an
+:class:`~asyncsample.backends._transport.Op` from request bytes to reply bytes, so the hosts only
+move bytes.
 """
 
 from __future__ import annotations
 
 import pickle
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,17 +43,9 @@ _Body = bytes | memoryview
 
 
 class HostSlot:
-    """One worker's envs (and agent copy) inside an env host.
-
-    Args:
-        spec: the worker's host spec.
-        buffers: the slot's step buffers (shared memory in a process host, local in an actor).
-        chunks: ``inference="host"``: the slot's sets of chunk buffers (two when the host
-            pipelines its chunks); ``None`` otherwise.
-        host_threads: intra-op threads of the numeric libraries (see
-            :mod:`asyncsample.backends._threads`), applied again after each agent install.
-        where: how the host is called in messages (``"env-host process"``...).
-    """
+    """One worker's envs (``spec``, over its step ``buffers``) and, with ``inference="host"``,
+    its agent copy (over its sets of ``chunks``) inside an env host, called ``where`` in
+    messages; ``host_threads`` are applied again after each agent install."""
 
     def __init__(
         self,
@@ -66,7 +55,7 @@ class HostSlot:
         host_threads: int | None = None,
         where: str = "env host",
     ) -> None:
-        self.group = EnvGroup(
+        self.group = group = EnvGroup(
             spec.worker,
             buffers,
             spec.observation_space,
@@ -75,25 +64,26 @@ class HostSlot:
             spec.autoreset,
             spec.final_in_reply,
         )
-        self.runner = None if not chunks else ChunkRunner(self.group, chunks, spec.action_space)
+        self.runner = None if not chunks else ChunkRunner(group, chunks, spec.action_space)
         self.timing: HostTiming | None = None
         """With metrics on and ``inference="host"``: times a sample of the chunks."""
         if self.runner is not None and buffers.clock is not None:
-            self.timing = HostTiming(self.group, self.runner, buffers.clock)
+            self.timing = HostTiming(group, self.runner, buffers.clock)
         self.host_threads = host_threads
         self.where = where
-        self._ops: dict[int, Callable[[_Body], bytes]] = {
+        # Each operation from its request body to its reply payload (None: an empty reply).
+        self._ops: dict[int, Callable[[_Body], bytes | None]] = {
             Op.STEP: self._serve_step,
-            Op.RESET: self._serve_reset,
+            Op.RESET: lambda body: self._reset_reply(self.reset(np.frombuffer(body, np.bool_))),
             Op.RESET_ARGS: self._serve_reset_args,
-            Op.BUILD: self._serve_build,
-            Op.UPDATE: self._serve_update,
-            Op.CALL: self._serve_call,
-            Op.SET_ATTR: self._serve_set_attr,
-            Op.AGENT: self._serve_agent,
-            Op.PARAMS: self._serve_params,
-            Op.CHUNK: self._serve_chunk,
-            Op.CLOSE: self._serve_close,
+            Op.BUILD: lambda body: group.build(*self.load(body, "env")),
+            Op.UPDATE: lambda body: group.update(*self.load(body, "env update")),
+            Op.CALL: lambda body: self._call(*self.load(body, "call arguments")),
+            Op.SET_ATTR: lambda body: group.set_attr(*self.load(body, "attribute values")),
+            Op.AGENT: self._install_agent,
+            Op.PARAMS: lambda body: self._runner().set_params(bytes(body)),
+            Op.CHUNK: lambda body: dumps(self.run_chunk(self.load(body, "chunk request"))),
+            Op.CLOSE: lambda body: group.close(),
         }
 
     @classmethod
@@ -109,14 +99,6 @@ class HostSlot:
         buffers = StepBuffers.allocate(obs_space, act_space, n, timed=spec.timed)
         return cls(spec, buffers, chunks, host_threads, where)
 
-    # -- one method per operation ---------------------------------------------------------------
-
-    def build(self, chains: Sequence[Sequence[Any]], seeds: Sequence[int]) -> None:
-        self.group.build(chains, seeds)
-
-    def update(self, updates: Sequence[Any], seeds: Sequence[int]) -> None:
-        self.group.update(updates, seeds)
-
     def reset(
         self, mask: np.ndarray, seeds: Any = None, options: Any = None
     ) -> dict[int, dict[str, Any]]:
@@ -128,28 +110,6 @@ class HostSlot:
 
     def step(self, mask: np.ndarray) -> StepInfos:
         return self.group.step(mask)
-
-    def call(self, name: str, args: Any, kwargs: Any, envs: Any) -> bytes:
-        """The pickled results of :meth:`EnvGroup.call`; results that cannot be pickled are a
-        failure not worth a restart."""
-        results = self.group.call(name, args, kwargs, envs)
-        try:
-            return dumps(results)
-        except Exception as exc:
-            text = "".join(traceback.format_exception(exc))
-            raise EnvFailureError(EnvFailure(None, exc, text, retry=False)) from exc
-
-    def set_attr(self, name: str, values: Any, envs: Any) -> None:
-        self.group.set_attr(name, values, envs)
-
-    def install_agent(self, blob: bytes) -> None:
-        """Install the agent copy (``pickle((cloudpickled agent, seed))``); unpickling it may
-        have imported torch, whose threads are set then."""
-        self._runner().install(blob)
-        _threads.apply_torch(self.host_threads)
-
-    def set_params(self, blob: bytes) -> None:
-        self._runner().set_params(blob)
 
     def run_chunk(self, request: ChunkRequest | NextChunk) -> ChunkReply:
         runner = self._runner()
@@ -163,8 +123,6 @@ class HostSlot:
             raise RuntimeError(f"this {self.where} was not started for inference='host'")
         return self.runner
 
-    # -- the same operations from request bytes to reply bytes ---------------------------------
-
     def serve(self, op: int, body: _Body) -> bytes:
         """Run request ``op`` with its ``body`` (after the slot); the reply's payload.
 
@@ -175,7 +133,7 @@ class HostSlot:
         handler = self._ops.get(op)
         if handler is None:
             raise ValueError(f"unknown request opcode {op}")
-        return handler(body)
+        return handler(body) or b""
 
     def _serve_step(self, body: _Body) -> bytes:
         buffers = self.group.buffers
@@ -202,43 +160,24 @@ class HostSlot:
             return dumps((infos, obs))
         return dumps(infos) if infos else b""
 
-    def _serve_reset(self, body: _Body) -> bytes:
-        return self._reset_reply(self.reset(np.frombuffer(body, np.bool_)))
-
     def _serve_reset_args(self, body: _Body) -> bytes:
         n = self.group.n_envs
         seeds, options = self.load(body[n:], "reset options")
         return self._reset_reply(self.reset(np.frombuffer(body[:n], np.bool_), seeds, options))
 
-    def _serve_build(self, body: _Body) -> bytes:
-        self.build(*self.load(body, "env"))
-        return b""
+    def _call(self, name: str, args: Any, kwargs: Any, envs: Any) -> bytes:
+        """The pickled results of :meth:`EnvGroup.call` (unpicklable ones: a failure, no retry)."""
+        results = self.group.call(name, args, kwargs, envs)
+        try:
+            return dumps(results)
+        except Exception as exc:
+            text = "".join(traceback.format_exception(exc))
+            raise EnvFailureError(EnvFailure(None, exc, text, retry=False)) from exc
 
-    def _serve_update(self, body: _Body) -> bytes:
-        self.update(*self.load(body, "env update"))
-        return b""
-
-    def _serve_call(self, body: _Body) -> bytes:
-        return self.call(*self.load(body, "call arguments"))
-
-    def _serve_set_attr(self, body: _Body) -> bytes:
-        self.set_attr(*self.load(body, "attribute values"))
-        return b""
-
-    def _serve_agent(self, body: _Body) -> bytes:
-        self.install_agent(bytes(body))
-        return b""
-
-    def _serve_params(self, body: _Body) -> bytes:
-        self.set_params(bytes(body))
-        return b""
-
-    def _serve_chunk(self, body: _Body) -> bytes:
-        return dumps(self.run_chunk(self.load(body, "chunk request")))
-
-    def _serve_close(self, body: _Body) -> bytes:
-        self.close()
-        return b""
+    def _install_agent(self, body: _Body) -> None:
+        """Install the agent copy (which may import torch: its threads are set after)."""
+        self._runner().install(bytes(body))
+        _threads.apply_torch(self.host_threads)
 
     def load(self, body: _Body, what: str) -> Any:
         """Unpickle a request's ``body``; a failure (a module missing here) is not retried."""

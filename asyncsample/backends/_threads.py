@@ -1,23 +1,19 @@
 """How many threads the numeric libraries of an env host use (``host_threads``).
 
-A host runs one env step (or one agent call) at a time, and several hosts share the machine's
-cores: a library that spreads each small matrix product over every core (torch, OpenMP, MKL,
-OpenBLAS do by default) only makes the hosts fight over the cores. Sample Factory and RLlib pin
-their rollout workers to one intra-op thread for this reason, and so do the env hosts, by default.
-
-Thread pools read their environment variables when the library loads, so :func:`limit` sets them
-first thing in the host (for what the envs or the agent import later, torch among them), then
-sizes the pools already loaded: OpenBLAS (numpy's, preloaded by the forkserver or by Ray) through
-its ``*_set_num_threads`` entry point, torch through ``torch.set_num_threads``. An agent copy
-unpickled later may import torch: :func:`apply_torch` runs again after every agent install.
+Several hosts share the machine's cores, and a library that spreads each small product over every
+core (torch, OpenMP, MKL, OpenBLAS by default) only makes them fight. Pools read their environment
+variables when the library loads, so :func:`limit` sets them first thing in the host, then resizes
+the pools already loaded (OpenBLAS, torch); :func:`apply_torch` runs again after every agent
+install, which may import torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any
 
 __all__ = ["THREAD_VARIABLES", "apply_torch", "limit", "openblas_threads"]
 
@@ -45,7 +41,8 @@ def limit(n: int | None) -> None:
         return
     for name in THREAD_VARIABLES:
         os.environ[name] = str(n)
-    _limit_openblas(n)
+    for setter in _openblas("set"):
+        setter(ctypes.c_int(n))
     apply_torch(n)
 
 
@@ -61,36 +58,23 @@ def apply_torch(n: int | None) -> None:
 
 def openblas_threads() -> list[int]:
     """The thread count of every OpenBLAS loaded in this process (for checks and reports)."""
-    counts = []
-    for lib in _openblas_libraries():
-        for symbol in _OPENBLAS_SETTERS:
-            getter = getattr(lib, symbol.replace("_set_", "_get_"), None)
-            if getter is not None:
-                counts.append(int(getter()))
-                break
-    return counts
+    return [int(getter()) for getter in _openblas("get")]
 
 
-def _limit_openblas(n: int) -> None:
-    """Resize the thread pool of every OpenBLAS already loaded in this process (best effort)."""
-    for lib in _openblas_libraries():
-        for symbol in _OPENBLAS_SETTERS:
-            setter = getattr(lib, symbol, None)
-            if setter is not None:
-                setter(ctypes.c_int(n))
-                break
-
-
-def _openblas_libraries() -> list[ctypes.CDLL]:
-    """The BLAS libraries mapped into this process (Linux only: ``/proc/self/maps``)."""
+def _openblas(verb: str) -> Iterator[Callable[..., Any]]:
+    """``openblas_<verb>_num_threads`` of every OpenBLAS mapped here (read in /proc/self/maps)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = sorted({line.split()[-1] for line in maps if "blas" in line.lower()})
     except OSError:  # not Linux: the environment variables have to do
-        return []
-    libraries = []
-    for path in paths:
-        if path.startswith("/"):
-            with contextlib.suppress(OSError):
-                libraries.append(ctypes.CDLL(path))
-    return libraries
+        return
+    for path in (p for p in paths if p.startswith("/")):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for symbol in _OPENBLAS_SETTERS:
+            function = getattr(lib, symbol.replace("_set_", f"_{verb}_"), None)
+            if function is not None:
+                yield function
+                break

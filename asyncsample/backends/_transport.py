@@ -1,18 +1,12 @@
 """What crosses the boundary between the main process and an env-host process.
 
-Two channels:
-
-* **Shared memory** for the step data (observations, final observations, actions, rewards,
-  flags): the :class:`~asyncsample.env_group.StepBuffers` of every worker are built with
-  gymnasium's ``create_shared_memory`` in the parent and handed to the host process when it
-  starts. They are plain ``RawArray`` blocks of ``multiprocessing``'s heap (files in ``/dev/shm``
-  that are unlinked at once, so nothing is left behind by any exit, however abrupt), without the
-  named semaphore a synchronised ``Array`` would add: the protocol itself orders every access.
-* **A framed byte stream** over a ``socket.socketpair`` for control. Every frame is a fixed
-  :data:`HEADER` (payload length, request id, opcode or status) and a payload. The hot path
-  carries no pickles: a step request is the header, the slot and one byte per env of the active
-  mask; a step reply with nothing to say is the header alone. Infos and errors are pickled only
-  when there are any.
+* **Shared memory** for the step data: the :class:`~asyncsample.env_group.StepBuffers` of every
+  worker are lock-free ``RawArray`` blocks (unlinked at once: nothing is left behind by any
+  exit), made in the parent and handed to the host when it starts.
+* **A framed byte stream** over a ``socket.socketpair`` for control: a :data:`HEADER` (payload
+  length, request id, opcode or status) and a payload. A step request is the slot and one byte
+  per env of the active mask; a quiet step's reply is the header alone. Infos and errors are
+  pickled only when there are any.
 """
 
 from __future__ import annotations
@@ -100,9 +94,6 @@ ST_FAIL = 1  # payload: a pickled EnvFailure
 HELLO_ID = 0
 
 
-# -- pickling -------------------------------------------------------------------------------
-
-
 def dumps(obj: Any) -> bytes:
     """Pickle ``obj`` fast (plain pickle), falling back to cloudpickle for lambdas and the like."""
     try:
@@ -121,18 +112,12 @@ def round_trips(error: BaseException) -> bool:
         return False
 
 
-def _portable_error(error: BaseException) -> BaseException:
-    """``error`` if it survives a pickle round trip, else a RuntimeError that describes it."""
-    if round_trips(error):
-        return error
-    return RuntimeError(f"{error!r} (the original exception could not be pickled)")
-
-
 def dump_failure(failure: EnvFailure) -> bytes:
     """Pickle an :class:`EnvFailure`; an exception that does not survive pickling is replaced."""
-    portable = EnvFailure(
-        failure.env, _portable_error(failure.error), failure.traceback, failure.retry
-    )
+    error = failure.error
+    if not round_trips(error):
+        error = RuntimeError(f"{error!r} (the original exception could not be pickled)")
+    portable = EnvFailure(failure.env, error, failure.traceback, failure.retry)
     blob: bytes = cloudpickle.dumps(portable, protocol=pickle.HIGHEST_PROTOCOL)
     return blob
 
@@ -153,9 +138,6 @@ def load_failure(payload: bytes) -> EnvFailure:
     except Exception as exc:  # report what we can rather than lose the failure
         error = RuntimeError(f"the env host's error report could not be unpickled: {exc!r}")
     return EnvFailure(None, error, "")
-
-
-# -- frames on the host's side (blocking) ---------------------------------------------------
 
 
 class FrameReader:
@@ -181,24 +163,13 @@ class FrameReader:
 
 def send_frame(sock: socket.socket, rid: int, code: int, payload: bytes = b"") -> None:
     """Send one frame on a blocking socket."""
-    if payload:
-        sock.sendall(HEADER.pack(len(payload), rid, code) + payload)
-    else:
-        sock.sendall(HEADER.pack(0, rid, code))
-
-
-# -- frames on the main process's side (the event loop's protocol) ------------------------
+    sock.sendall(HEADER.pack(len(payload), rid, code) + payload)
 
 
 class ReplyProtocol(asyncio.Protocol):
-    """Splits an env host's reply stream into frames as the bytes arrive.
-
-    Frames go to the owner's ``on_frame`` straight from the event loop's read callback, with no
-    reader task and no per-frame future in between: the reply to a step costs one callback.
-    Until an owner is attached, bytes are kept. :meth:`feed` is the same entry point for a
-    caller that read the socket itself (see ``DirectReader.read_now`` in
-    :mod:`asyncsample.backends.base`).
-    """
+    """Splits an env host's reply stream into frames for the owner's ``on_frame``, straight
+    from the loop's read callback (no reader task, no future per frame); bytes are kept until
+    an owner is attached. :meth:`feed` also takes bytes a caller read itself."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
@@ -273,15 +244,9 @@ _HSIZE = HEADER.size
 _unpack_header = HEADER.unpack_from
 
 
-# -- shared memory --------------------------------------------------------------------------
-
-
 class SharedArray:
-    """A ``RawArray`` with the ``get_obj()`` accessor gymnasium's shared-memory readers expect.
-
-    Pickled (only while a process is being started) it travels as a file descriptor of the
-    ``multiprocessing`` heap arena that holds it, so both processes map the same memory.
-    """
+    """A ``RawArray`` with the ``get_obj()`` gymnasium's shared-memory readers expect (pickled
+    while a process starts, it travels as a file descriptor of its heap arena)."""
 
     __slots__ = ("obj",)
 
@@ -291,21 +256,10 @@ class SharedArray:
     def get_obj(self) -> Any:
         return self.obj
 
-    def __getstate__(self) -> Any:
-        return self.obj
-
-    def __setstate__(self, state: Any) -> None:
-        self.obj = state
-
 
 class RawArrayContext:
-    """The ``ctx`` for gymnasium's ``create_shared_memory``: lock-free ``RawArray`` blocks.
-
-    ``ctx.Array`` would wrap every block with a lock, and each lock is a named POSIX semaphore
-    (an entry in ``/dev/shm`` until it is collected). The host protocol already orders every
-    access (the parent writes actions, then sends; the host writes results, then replies), so
-    locks buy nothing here.
-    """
+    """The ``ctx`` for gymnasium's ``create_shared_memory``: lock-free ``RawArray`` blocks (a
+    lock is a named semaphore, and the protocol already orders every access)."""
 
     def __init__(self, ctx: Any) -> None:
         self._ctx = ctx
@@ -360,11 +314,10 @@ _CLOCK_SPACE = gym.spaces.Box(-np.inf, np.inf, (), np.float64)
 def joint_buffers(
     specs: Sequence[Any], ctx: Any
 ) -> tuple[StepBuffers, list[StepBuffers], list[JointRaw]] | None:
-    """Step buffers of the slots of ``specs`` (``HostSpec``) in one allocation, each slot's a
-    run of consecutive rows: the observations of all of them are then one array (a vector
-    env's ``step`` hands it out as a view, gymnasium's ``copy=False``). A timed slot's clock
-    (metrics on) is its own block. ``None`` when the slots' spaces differ or have no
-    fixed-size rows. Returns the whole, each slot's rows, and what each slot's host needs."""
+    """Step buffers of the slots of ``specs`` in one allocation, each slot's a run of rows (a
+    vector env's ``copy=False`` returns the observations as one array); a timed slot's clock
+    is its own block. The whole, each slot's rows, and what each slot's host needs; ``None``
+    when the spaces differ or have no fixed-size rows."""
     observation_space, action_space = specs[0].observation_space, specs[0].action_space
     if not (fixed_rows(observation_space) and fixed_rows(action_space)) or any(
         s.observation_space != observation_space or s.action_space != action_space for s in specs
@@ -393,14 +346,10 @@ def _clock_view(block: Any) -> np.ndarray:
 
 def buffer_rows(buffers: StepBuffers, a: int, b: int) -> StepBuffers:
     """Rows ``a:b`` of every field of ``buffers`` (views)."""
-
-    def cut(x: Any) -> Any:
-        return x[a:b]
-
     return StepBuffers(
-        obs=tree_map(cut, buffers.obs),
-        final_obs=tree_map(cut, buffers.final_obs),
-        actions=tree_map(cut, buffers.actions),
+        obs=tree_map(lambda x: x[a:b], buffers.obs),
+        final_obs=tree_map(lambda x: x[a:b], buffers.final_obs),
+        actions=tree_map(lambda x: x[a:b], buffers.actions),
         rewards=buffers.rewards[a:b],
         terminated=buffers.terminated[a:b],
         truncated=buffers.truncated[a:b],

@@ -1,26 +1,10 @@
 """The ``process`` backend: the envs of every worker live in a pool of long-lived processes.
 
-``P = min(n_processes or os.cpu_count(), n_workers)`` env-host processes are started from a
-forkserver; worker ``w`` lives in process ``w % P``, so one process hosts the envs of several
-workers and the agent compute of one worker overlaps the env compute of another.
-
-Per worker step there is one round trip: the worker writes its actions into shared memory and
-sends a tiny frame (slot and active mask); the host steps every env of that worker (autoreset and
-``max_episode_length`` included, by :class:`~asyncsample.env_group.EnvGroup`), writes the results
-into shared memory and replies with a header, plus pickled infos only when there are any. See
-:mod:`asyncsample.backends._transport` for the wire format.
-
-In the main process, a protocol per host process splits its stream into frames as the bytes
-arrive (no reader task: the event loop's read callback resolves the per-request futures by
-request id directly); a caller that is cancelled simply drops its future, and the late reply is
-discarded. A dead host is noticed at once (end of stream or its process sentinel): every request
-waiting on it fails with :class:`~asyncsample.WorkerCrashedError`. ``step_timeout`` is measured
-from the moment the host starts on a request (requests of the workers sharing a host are served
-in order, so time spent queued behind them does not count); a request that outlives it fails with
-:class:`~asyncsample.StepTimeoutError` and the host is killed with its whole process tree.
-
-No child process and no shared-memory segment outlives :meth:`ProcessBackend.aclose`, an error
-during start, the backend's garbage collection, or the interpreter's exit.
+Worker ``w`` lives in env-host process ``w % P`` (started from a forkserver). A step is one round
+trip: data in shared memory, a tiny frame each way (:mod:`asyncsample.backends._transport`);
+replies resolve their request's future by id in the loop's read callback, and a dead host is
+noticed at once (end of stream or its sentinel). No child process or shared memory outlives
+:meth:`ProcessBackend.aclose`, a failed start, the backend's collection or the interpreter.
 """
 
 from __future__ import annotations
@@ -37,9 +21,9 @@ import pickle
 import select
 import socket
 import sys
-import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,13 +42,12 @@ from asyncsample.backends._procs import (
     support_process_pids,
 )
 from asyncsample.backends._remote import (
-    HostDied,
+    Incarnation,
     PendingCall,
     PoolMember,
     RemoteHost,
     closed_error,
 )
-from asyncsample.backends._sent_steps import DirectStep, QueuedStep, StepConn
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -113,7 +96,7 @@ def _mask_bytes(mask: np.ndarray) -> bytes:
     return np.asarray(mask, dtype=np.bool_).tobytes()
 
 
-class _Conn(StepConn):
+class _Conn(Incarnation):
     """One incarnation of an env-host process: the process and its control stream."""
 
     def __init__(
@@ -132,11 +115,9 @@ class _Conn(StepConn):
             self.ps = None
         self.transport = transport
         self.protocol = protocol
-        # Calls by request id, until answered (a cancelled caller's call stays: its reply is
-        # dropped when it comes).
+        # Calls by request id until answered (a cancelled caller's reply is dropped when it comes).
         self.pending: dict[int, PendingCall] = {}
-        # Steps sent by the vector env's loop-free path (:meth:`send_direct`), by request id,
-        # until their reply is read or the loop takes them over (see :class:`DirectStep`).
+        # Bare steps (send_direct) by request id, until read or taken over by the loop.
         self.direct: dict[int, DirectStep] = {}
         self.next_id = HELLO_ID + 1
         self.ready: asyncio.Future[str | None] = loop.create_future()
@@ -152,13 +133,10 @@ class _Conn(StepConn):
     def describe(self) -> str:
         return f"env-host process {self.pid}"
 
-    # -- requests -------------------------------------------------------------------------------
-
     def send(
         self, op: Op, body: bytes, timeout: float | None, worker: int, progress: Any = None
     ) -> PendingCall:
-        """Send one request; its future resolves to ``(status, payload)`` (``progress``: see
-        :meth:`Incarnation.new_call`)."""
+        """Send one request; its future resolves to ``(status, payload)``."""
         rid = self._next_rid()
         call = self.new_call(op.label, worker, timeout, progress)
         if self.dead:
@@ -177,9 +155,8 @@ class _Conn(StepConn):
         return rid
 
     def send_direct(self, step: DirectStep, body: bytes) -> bool:
-        """Send a step request for the vector env's loop-free path: no call, no future, no
-        timer (the caller waits in ``poll``, then hands anything unusual to the loop, see
-        :meth:`DirectStep.wait`). ``False``: nothing was sent, use :meth:`send`."""
+        """Send a bare step request (no call, future or timer: see :class:`DirectStep`);
+        ``False``: nothing was sent, use :meth:`send`."""
         if self.dead or self.calls or self.fd < 0 or self.transport.get_write_buffer_size():
             return False
         rid = self._next_rid()
@@ -209,28 +186,21 @@ class _Conn(StepConn):
         call = self.pending.pop(rid, None)
         if call is None:
             return
-        # The host serves requests in order: it starts on the next one now, so that is when
-        # that one's timeout starts.
-        self.answered(call)
+        self.answered(call)  # the host serves in order: the next call's clock starts now
         fut = call.future
         if not fut.done():
             fut.set_result((status, payload))
 
     def _on_eof(self) -> None:
         if not self.dead and self.eof_timer is None:
-            # The host closed its end: it is exiting or gone. Its exit status (the sentinel)
-            # usually follows at once and names the cause; if not, this does.
+            # The host is exiting or gone: its exit status usually follows and names the cause.
             self.eof_timer = self.loop.call_later(
                 _EOF_GRACE, self.die, "closed its control connection"
             )
 
     def read_now(self) -> bool:
-        """Read what the host has sent, without the event loop (which must not be running).
-
-        For a synchronous caller that waits on this host alone (the vector env): bytes go
-        through the same :class:`_ReplyProtocol`. Returns ``False`` when the stream needs the
-        event loop instead (end of stream, an error, or writes still queued in the transport).
-        """
+        """Read what the host sent, for a synchronous caller while the loop is not running;
+        ``False`` when the stream needs the loop instead (end, error, writes still queued)."""
         if self.fd < 0 or self.dead or self.protocol.ended:
             return False
         if self.transport.get_write_buffer_size():
@@ -254,20 +224,14 @@ class _Conn(StepConn):
         return True
 
     def _defer_timeout(self, call: PendingCall) -> bool:
-        """Whether a reply has arrived that the loop has not read yet.
-
-        A stalled loop may run the timer before it reads a reply that came in time (the host
-        answers in order: a waiting reply is this call's). Looking again shortly, the loop's
-        read callback will have handled the reply.
-        """
+        """Whether a reply (this call's: the host answers in order) waits unread: a stalled
+        loop may run the timer before it reads a reply that came in time."""
         if self.protocol.ended:
             return False
         try:
             return bool(select.select([self.fd], [], [], 0)[0])
         except (OSError, ValueError):
             return False
-
-    # -- death --------------------------------------------------------------------------------
 
     def _on_sentinel(self) -> None:
         self._unwatch()
@@ -331,28 +295,17 @@ class _Conn(StepConn):
             self.transport.abort()
 
 
-_START_LOCK = threading.Lock()
-_STARTER_LOCK = threading.Lock()
-_starter: concurrent.futures.ThreadPoolExecutor | None = None
+#: Starts host processes off the loop's thread, one at a time (Process.start() is not
+#: thread-safe); a thread of our own, as the loop's default executor may be anything.
+_STARTER = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
 
 
-def _start_locked(process: Any) -> None:
-    with _START_LOCK:  # Process.start() is not safe to call from several threads at once
-        with _main_not_imported():
-            process.start()
-
-
-@contextlib.contextmanager
-def _main_not_imported() -> Iterator[None]:
-    """Start a child without it re-running the main script.
-
-    multiprocessing makes a spawned or forkserver child import ``__main__`` (by ``__spec__``
-    name or ``__file__`` path), which re-runs an unguarded script's top level in every host.
-    Hosts need nothing from it, so both are hidden from ``Process.start`` for its duration.
-    """
+def _start_hidden(process: Any) -> None:
+    """``process.start()`` with ``__main__``'s ``__file__`` and ``__spec__`` hidden, so the new
+    host does not re-run the main script."""
     main = sys.modules.get("__main__")
     if main is None:
-        yield
+        process.start()
         return
     saved: dict[str, Any] = {
         k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
@@ -360,24 +313,15 @@ def _main_not_imported() -> Iterator[None]:
     main.__dict__.pop("__file__", None)
     main.__dict__["__spec__"] = None
     try:
-        yield
+        process.start()
     finally:
         main.__dict__.pop("__spec__", None)
         main.__dict__.update(saved)
 
 
 async def _start_process(process: Any) -> None:
-    """``process.start()`` off the event loop's thread.
-
-    A start blocks until the forkserver has forked the child; the first one in an interpreter
-    also waits for the forkserver to import numpy and gymnasium (about a second). If the caller
-    is cancelled meanwhile, the start is waited for and the new process killed, so none leaks.
-    """
-    global _starter
-    with _STARTER_LOCK:
-        if _starter is None:  # our own thread: the loop's default executor may be anything
-            _starter = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
-    fut = asyncio.get_running_loop().run_in_executor(_starter, _start_locked, process)
+    """``process.start()`` off the loop's thread (killed if the caller is cancelled meanwhile)."""
+    fut = asyncio.get_running_loop().run_in_executor(_STARTER, _start_hidden, process)
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -385,12 +329,17 @@ async def _start_process(process: Any) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait({fut})
         if not fut.cancelled() and fut.exception() is None:
-            kill_tree(None, process.pid)
-            with contextlib.suppress(Exception):
-                process.kill()
-                process.join(_KILL_WAIT)
-                process.close()
+            _kill_started(process)
         raise
+
+
+def _kill_started(process: Any) -> None:
+    """Kill and reap a host process that was started but will not be used."""
+    kill_tree(None, process.pid)
+    with contextlib.suppress(Exception):
+        process.kill()
+        process.join(_KILL_WAIT)
+        process.close()
 
 
 class _Member(PoolMember[_Conn]):
@@ -438,11 +387,7 @@ class _Member(PoolMember[_Conn]):
                 _ReplyProtocol, sock=parent_sock
             )
         except BaseException:
-            kill_tree(None, process.pid)
-            with contextlib.suppress(Exception):
-                process.kill()
-                process.join(_KILL_WAIT)
-                process.close()
+            _kill_started(process)
             parent_sock.close()
             raise
         conn = _Conn(process, transport, protocol, loop)
@@ -467,7 +412,7 @@ def _release_all(members: list[_Member], token: int) -> None:
             conn.release()
 
 
-#: The members of every backend not yet closed, by token: what interpreter exit must release.
+#: The members of every backend not yet closed, by token (released at interpreter exit).
 _LIVE: dict[int, list[_Member]] = {}
 _TOKENS = itertools.count()
 
@@ -477,14 +422,79 @@ def _release_at_exit() -> None:
         _release_all(members, token)
 
 
-# At interpreter exit the hosts must be gone before multiprocessing joins its non-daemon
-# children (else it waits forever on a host blocked reading from us). Two hooks, either may run
-# first: our atexit hook (registered after multiprocessing's, so it runs before it, unless
-# multiprocessing re-registers its own later), and a multiprocessing finalizer, which its exit
-# function runs before joining. (weakref.finalize objects cannot be used here: weakref's own exit
-# hook disables them before ours runs.)
+# The hosts must be gone before multiprocessing joins its children at exit (it would wait
+# forever on a host reading from us): an atexit hook, registered after multiprocessing's so it
+# runs first, and a multiprocessing finalizer, run before the join, whichever comes first
+# (weakref.finalize objects are disabled by then).
 atexit.register(_release_at_exit)
 multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=100)
+
+
+#: The outcome of a step with nothing to report: one shared object, never changed.
+QUIET = StepInfos(None, {})
+
+
+@dataclass(slots=True, eq=False)
+class QueuedStep:
+    """A step request queued as an ordinary call (see
+    :class:`~asyncsample.backends.base.SentStep`)."""
+
+    host: ProcessHost
+    inc: _Conn
+    call: PendingCall
+
+    def done(self) -> bool:
+        return self.call.future.done()
+
+    def result_now(self) -> StepInfos | None:
+        fut = self.call.future
+        if not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return None
+        status, payload = fut.result()
+        if status != ST_OK:
+            return None
+        return self.host.step_infos(payload)
+
+    async def wait(self) -> StepInfos:
+        return self.host.step_infos(await self.host.reply(self.inc, self.call))
+
+
+@dataclass(slots=True, eq=False)
+class DirectStep:
+    """A step request sent bare (no call, future or timer): its reply is kept here when read;
+    awaited before that, it becomes an ordinary call, with the loop's failure handling."""
+
+    host: ProcessHost
+    inc: _Conn
+    rid: int = 0
+    reply: tuple[int, bytes] | None = None
+
+    def done(self) -> bool:
+        return self.reply is not None or self.inc.dead
+
+    def result_now(self) -> StepInfos | None:
+        reply = self.reply
+        if reply is None or reply[0] != ST_OK:
+            return None
+        if not reply[1]:
+            return QUIET  # the common step: nothing to unpickle, nothing to build
+        return self.host.step_infos(reply[1])
+
+    async def wait(self) -> StepInfos:
+        host, inc = self.host, self.inc
+        if self.reply is None and inc.direct.pop(self.rid, None) is not None:
+            # Taken over by the loop: the only request in flight, so the host works on it now.
+            call = inc.new_call(Op.STEP.label, host.worker, None)
+            if not inc.dead:
+                call.key = self.rid
+                inc.pending[self.rid] = call
+            return host.step_infos(await host.reply(inc, call))
+        if self.reply is None:  # read by the loop meanwhile? (never both: the pop decides)
+            raise RuntimeError("a bare step request lost its reply")
+        status, payload = self.reply
+        if status != ST_OK:
+            raise failure_error(host.worker, load_failure(payload))
+        return host.step_infos(payload)
 
 
 class ProcessHost(RemoteHost[_Conn]):
@@ -499,17 +509,16 @@ class ProcessHost(RemoteHost[_Conn]):
         slot: int,
         buffers: StepBuffers,
         step_timeout: float | None,
+        chunks: list[ChunkBuffers],
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
         self._slot = SLOT.pack(slot)
-        # The mask of every env, and its step request (see step_nowait).
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
-        # The next step's actions as the caller gave them (see give_actions), sent pickled.
         self._given: list[Any] | None = None
-        self.chunks: list[ChunkBuffers] = []
+        self.chunks = chunks
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
-        self.chunk: ChunkBuffers | None = None
+        self.chunk = chunks[0] if chunks else None
         """``inference="host"``: the first set."""
 
     @property
@@ -518,8 +527,7 @@ class ProcessHost(RemoteHost[_Conn]):
         return None if self._incarnation is None else self._incarnation.pid
 
     def direct_reader(self) -> DirectReader | None:
-        """The live connection, for a synchronous caller that reads its replies itself while
-        the event loop is not running (see :meth:`_Conn.read_now`); ``None`` if there is none."""
+        """The live connection, for a synchronous caller reading replies itself (``None``: none)."""
         inc = self._incarnation
         return None if inc is None or inc.dead else inc
 
@@ -548,10 +556,8 @@ class ProcessHost(RemoteHost[_Conn]):
         infos: dict[int, dict[str, object]]
         if isinstance(self.buffers.obs, list):  # observations without fixed-size rows
             infos, self.buffers.obs[:] = pickle.loads(payload)
-            return infos
-        if not payload:
-            return {}
-        infos = pickle.loads(payload)
+        else:
+            infos = pickle.loads(payload) if payload else {}
         return infos
 
     async def step(self, mask: np.ndarray) -> StepInfos:
@@ -559,22 +565,17 @@ class ProcessHost(RemoteHost[_Conn]):
         inc = self._incarnation
         body = self._step_body(mask)
         if inc is None or self._member.closed:
-            payload = await self._request(Op.STEP, body)
-        else:
-            payload = await self._send(inc, Op.STEP, body)
-        return self.step_infos(payload)
+            return self.step_infos(await self._request(Op.STEP, body))
+        call = inc.send(Op.STEP, self._slot + body, self._timeout, self.worker)
+        return self.step_infos(await self.reply(inc, call))
 
     def give_actions(self, actions: list[Any] | None) -> None:
         """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
         self._given = actions
 
     def step_nowait(self) -> SentStep | None:
-        """Send a step of every env now, without the event loop (see
-        :meth:`~asyncsample.backends.base.LockstepHost.step_nowait`).
-
-        Without a ``step_timeout`` (whose clock is the loop's) the request is sent bare
-        (:meth:`_Conn.send_direct`): the common lockstep step then costs no call, future or
-        callback, only the bytes each way."""
+        """See :meth:`~asyncsample.backends.base.LockstepHost.step_nowait`; without a
+        ``step_timeout`` (whose clock is the loop's) the request is sent bare."""
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
@@ -611,18 +612,12 @@ class ProcessHost(RemoteHost[_Conn]):
         return StepInfos(*parts[:3])
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
-        """``inference="host"``: run a chunk with the host's agent copy (installed or updated
-        first where needed); the reply and the agent version the chunk ran with.
-
-        ``step_timeout`` bounds each step: the chunk fails when the host's step counter (shared
-        memory, bumped after every step) stands still for that long (see ``Incarnation``).
-        """
+        """See :meth:`~asyncsample.backends._chunk.AgentHost.run_chunk`."""
         sent = await self.send_chunk(request)
         return await sent.wait(), sent.version
 
     async def send_chunk(self, request: ChunkRequest | NextChunk) -> _chunk.SentChunk:
-        """Send a chunk request (after syncing the agent copy) without awaiting its reply; the
-        host serves it after the requests sent before it (pipelining: see ``ChunkStepper``)."""
+        """Send a chunk request (after syncing the agent copy) without awaiting its reply."""
         version = await self.sync_agent()
         inc, chunk = self._incarnation, self.chunk
         if inc is None or self._member.closed or chunk is None:
@@ -630,24 +625,6 @@ class ProcessHost(RemoteHost[_Conn]):
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
         return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
-
-    async def _send(self, inc: _Conn, op: Op, body: bytes, progress: Any = None) -> bytes:
-        """One request on a live incarnation, without :meth:`_request`'s generic layers (the
-        step and chunk paths): the reply's payload, or the error a failure or death means.
-        ``progress``: a chunk's step counter (``step_timeout`` then bounds each step)."""
-        call = inc.send(op, self._slot + body, self._timeout, self.worker, progress)
-        return await self.reply(inc, call)
-
-    async def reply(self, inc: _Conn, call: PendingCall) -> bytes:
-        """The payload of ``call``'s reply, or the error a failure or death means."""
-        try:
-            status, payload = await call.future
-        except HostDied:
-            err = self._death_error(inc, call)
-            raise err from err.__cause__
-        if status != ST_OK:
-            raise failure_error(self.worker, load_failure(payload))
-        return payload  # type: ignore[no-any-return]
 
 
 class ProcessBackend:
@@ -661,11 +638,8 @@ class ProcessBackend:
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each host process; ``None`` leaves the libraries' defaults (every core each).
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
-            ``None`` when there is a host for every such CPU (what the vector-env faces ask
-            for: see :func:`~asyncsample.backends._procs.host_cpus` for why), ``False``
-            (default) never. The sampler's own calls keep the default: when the main process
-            works while the hosts step (an agent per worker step), the scheduler does better
-            with its hands free (``benchmarks/results/host/pinning/``).
+            ``None`` when there is a host for every such CPU (the faces' choice, see
+            :func:`~asyncsample.backends._procs.host_cpus`), ``False`` (default) never.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
@@ -691,7 +665,6 @@ class ProcessBackend:
         self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         self.host_threads = _validate.optional_positive_int("host_threads", host_threads)
         self._members: list[_Member] = []
-        self._hosts: list[ProcessHost] = []
         self._started = False
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -718,27 +691,21 @@ class ProcessBackend:
             return []
         where = placement(len(specs), self.n_processes)
         ctx = forkserver_context()
-        buffers: list[StepBuffers] = []
-        raws: list[Any] = []
-        chunks: list[list[ChunkBuffers]] = []
-        raw_chunks: list[_chunk.RawChunks | None] = []
-        # One allocation when the spaces are the same, but not for host-run chunks, whose hosts
-        # would write the same cache lines at every step: only per-step stepping reads them all.
+        # One allocation when the spaces are the same, but not with chunks (the hosts would
+        # write the same cache lines at every step).
         joint = None if any(s.chunk_steps for s in specs) else joint_buffers(specs, ctx)
-        self.joint = None if joint is None else joint[0]
-        for w, spec in enumerate(specs):
-            if joint is not None:
-                buffers.append(joint[1][w])
-                raws.append(joint[2][w])
-            else:
-                buf, raw = shared_buffers(
-                    spec.observation_space, spec.action_space, spec.n_envs, ctx, spec.timed
-                )
-                buffers.append(buf)
-                raws.append(raw)
-            sets, raw_chunk = _chunk.shared_chunk_sets(spec, ctx)  # inference="host"
-            chunks.append(sets)
-            raw_chunks.append(raw_chunk)
+        raws: list[Any]
+        if joint is None:
+            self.joint = None
+            own = [
+                shared_buffers(s.observation_space, s.action_space, s.n_envs, ctx, s.timed)
+                for s in specs
+            ]
+            buffers, raws = [buf for buf, _ in own], [raw for _, raw in own]
+        else:
+            self.joint, buffers, raws = joint
+        chunks = [_chunk.shared_chunk_sets(spec, ctx) for spec in specs]  # inference="host"
+        raw_chunks = [raw for _, raw in chunks]
         splits = list(zip(where.split(specs), where.split(raws), where.split(raw_chunks)))
         cpus = host_cpus(len(splits), self.pin_cpus)
         self._members = [
@@ -757,15 +724,13 @@ class ProcessBackend:
             self._closed = True
             self._release()
             raise
-        self._hosts = [
+        members = self._members
+        return [
             ProcessHost(
-                spec, self._members[where.member(w)], where.slot(w), buffers[w], self.step_timeout
+                spec, members[where.member(w)], where.slot(w), buffers[w], self.step_timeout, sets
             )
-            for w, spec in enumerate(specs)
+            for w, (spec, (sets, _)) in enumerate(zip(specs, chunks))
         ]
-        for host, sets in zip(self._hosts, chunks):
-            host.chunks, host.chunk = sets, sets[0] if sets else None
-        return list(self._hosts)
 
     async def aclose(self) -> None:
         if self._closed:
