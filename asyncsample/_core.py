@@ -1,11 +1,7 @@
 """The sampler's core: state, lock, start, one sampling round, agent and env updates.
 
-:class:`SamplerCore` is what every layer builds on: the public :class:`~asyncsample.Sampler`
-(:mod:`asyncsample.sampler`), ``stream()`` (:mod:`asyncsample.streaming`) and ``evaluate()``
-(:mod:`asyncsample.evaluation`) use it through its methods only. Its names are package-internal:
-not part of the public API. The inference mode is a strategy chosen at construction
-(:mod:`asyncsample.inference.modes`); the rules of a worker's part of a call live in
-:mod:`asyncsample._engine`.
+Package-internal: the public :class:`~asyncsample.Sampler`, ``stream()`` and ``evaluate()`` are
+layers over :class:`SamplerCore` (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -78,11 +74,8 @@ EnvUpdateArg = EnvChoice | list[EnvChoice]
 
 
 class SamplerCore:
-    """The state of one sampler and what every call is made of (see the module docstring).
-
-    Takes the arguments of :class:`~asyncsample.Sampler` as a :class:`SamplerConfig`, checked
-    here.
-    """
+    """The state of one sampler and what every call is made of; checks the
+    :class:`SamplerConfig` it is built from."""
 
     def __init__(self, config: SamplerConfig) -> None:
         env, agent, inference = config.env, config.agent, config.inference
@@ -95,8 +88,7 @@ class SamplerCore:
             "max_episode_length", config.max_episode_length
         )
         seed = _validate.seed("seed", config.seed)
-        self.traits = traits(backend)
-        """What the backend is (:class:`~asyncsample.backends.Traits`): asked, never its name."""
+        self.traits = traits(backend)  # what the backend is: asked, never its name
         step_timeout = _validate.positive_seconds("step_timeout", config.step_timeout)
         if step_timeout is not None and not self.traits.preempts:
             raise ValueError(
@@ -113,8 +105,7 @@ class SamplerCore:
             )
         episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
         self.close_timeout = _validate.seconds("close_timeout", config.close_timeout)
-        self._probe_closing: asyncio.Future[Any] | None = None
-        """The close of the env built to read the spaces, when it runs off the constructor."""
+        self._probe_closing: asyncio.Future[Any] | None = None  # the probe env's close, if late
         host_threads = _validate.optional_positive_int("host_threads", config.host_threads)
         worker_class = _validate.subclass("worker_class", config.worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", config.worker_args)
@@ -128,16 +119,13 @@ class SamplerCore:
         self.n_workers = n_workers
         self.envs_per_worker = envs_per_worker
         self.n_processes = self.traits.hosts_started(n_processes, n_workers, backend_options)
-        """Env hosts the backend starts (see :attr:`Sampler.n_processes`)."""
         self._requested_processes = n_processes
         self.max_episode_length = max_episode_length
         self.backend_name = backend
-        self.lanes = self.traits.per_env
-        """Whether each env is stepped on its own (:mod:`asyncsample._env_tasks`)."""
+        self.lanes = self.traits.per_env  # each env stepped on its own (_env_tasks)
         self.max_concurrency = max_concurrency
         self.episode_timeout = episode_timeout
         self.memory = BatchMemory()
-        """The batches' observation memory, used again once a batch is let go."""
         self.admission: Admission | None = None
         """The open stream's admission control (lane backends with ``max_policy_lag``)."""
         self.step_timeout = step_timeout
@@ -158,7 +146,6 @@ class SamplerCore:
             options = self._check_lane_inference(options, worker_class)
             lanes = LaneSettings(self.max_restarts, self._count_restart, lambda: self.admission)
         self.mode: InferenceMode = make_mode(options, self._shared_agent_now, lanes)
-        """The inference mode's strategy (:mod:`asyncsample.inference.modes`)."""
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
             if episode_timeout is not None:
@@ -176,9 +163,8 @@ class SamplerCore:
         )
         self._check_memory(n_workers, envs_per_worker)
         self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
+        # RandomAgents are built as the sampler starts: a constructor costs O(1) in workers.
         self._random_agents = agent is None
-        """The built-in RandomAgent, one per worker: built as the sampler starts, not here
-        (building a sampler costs the loop O(1) in the number of workers)."""
         self.backend_options = backend_options
         self.workers: list[Worker] = []
         self.backend: Backend | None = None
@@ -190,15 +176,12 @@ class SamplerCore:
         self.warned_endless = False
         self.total_env_steps = 0
         self.streaming = False
-        self.run_ahead = True
-        """Whether a stream's rounds start the next one early where the mode can (a switch)."""
+        self.run_ahead = True  # a stream's rounds start the next one early where the mode can
         self.test_env: EnvSource | None = None
         if test_env is not None:
             self.test_env = _validate.env_source("test_env", test_env)
         self.restarts = 0
-        """Env-host restarts so far (after env failures or crashes)."""
         self.last_stats: SampleStats | None = None
-        """Statistics of the last call, or of the batch a stream yielded last."""
         envs = n_workers * envs_per_worker
         self.metrics = make_metrics(
             metrics,
@@ -208,10 +191,8 @@ class SamplerCore:
             agent_parallel=self.n_processes if isinstance(self.mode, HostMode) else 1,
             lanes=self.lanes,
         )
-        """The Prometheus metrics (:mod:`asyncsample.metrics`), ``None`` when off."""
 
     async def start(self) -> None:
-        """Start the backend and build every worker's envs (the first call does it if needed)."""
         self.check_open()
         if self.started:
             return
@@ -274,7 +255,6 @@ class SamplerCore:
         self.started = True
 
     async def aclose(self) -> None:
-        """Stop every worker and env host and release their resources. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -297,8 +277,8 @@ class SamplerCore:
         await self.mode.aclose()
 
     def close_now(self) -> bool:
-        """Release the hosts without awaiting (garbage collection of an unclosed sampler);
-        whether there was anything to release."""
+        """Release the hosts without awaiting (an unclosed sampler's ``__del__``); whether there
+        was anything to release."""
         if self.closed or self.backend is None:
             return False
         close_now = getattr(self.backend, "close_now", None)
@@ -319,7 +299,6 @@ class SamplerCore:
             self.apply_agent_update(agent_update)
 
     def newest_agent_version(self) -> int:
-        """The highest agent version of the workers."""
         return max(w.agent_version for w in self.workers)
 
     def first_agent(self) -> Agent | None:
@@ -338,7 +317,7 @@ class SamplerCore:
         self.check_agent_update(agent_update)
         env_updates = self.check_env_update(env_update)
         started = None if self.metrics is None else self.metrics.call_started()
-        async with self.locked(_CALL_NAMES[mode]):
+        async with self.locked(_CALLS[mode][1]):
             self.check_open()
             await self.start_unlocked()
             if mode != "fragments" and not self.warned_endless:
@@ -372,12 +351,9 @@ class SamplerCore:
     ) -> tuple[EpisodeBatch, SampleStats]:
         """Run every worker's share of one call and put the pieces together, worker-major.
 
-        ``resume`` says what the call continues from the previous one; ``leave`` what a
-        ``samples`` call leaves running for the next (``Resume.EPISODES`` in a stream).
-        ``fraction`` below 1 (``fraction_samples``) shares the quota between the workers (see
-        :class:`SharedQuota`); 1 keeps the fixed per-worker shares. ``ahead`` (a stream's
-        rounds only): another round of the same call follows, so a mode may start it as a
-        worker's part ends, and this round may take over what the previous one started.
+        ``resume``/``leave``: what the call continues from the previous one and leaves for the
+        next; ``fraction`` below 1 shares the quota (:class:`SharedQuota`); ``ahead`` (a
+        stream's rounds): another round follows, which a mode may start as a part ends.
         """
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
@@ -408,7 +384,7 @@ class SamplerCore:
             [f for w in self.workers for f in w.finished],
             transitions=batch.n_transitions,
             seconds=time.perf_counter() - start,
-            agent_version=max(w.agent_version for w in self.workers),
+            agent_version=self.newest_agent_version(),
             restarts=self.restarts - restarts,
             worker_transitions=[0 if p is None else int(p.lengths.sum()) for p in plans],
             worker_wait_seconds=[end - t for t in done_at],
@@ -418,7 +394,7 @@ class SamplerCore:
         return batch, stats
 
     def _shared_quota(self, mode: Mode, quota: int, fraction: float) -> SharedQuota | None:
-        """The call's shared quota when ``fraction_samples < 1`` (``None``: fixed shares)."""
+        """The call's shared quota, ``None`` for the fixed shares of ``fraction_samples=1``."""
         if fraction >= 1.0 or mode == "episodes":
             return None
         shares = {w: share_of(quota, self.n_workers, w) for w in range(self.n_workers)}
@@ -427,13 +403,12 @@ class SamplerCore:
         return SharedQuota(quota, minimums)
 
     async def _drive(self, worker: Worker, mode: Mode, quota: int, part: Part) -> Plan | None:
-        """Run one worker's part of a call, rebuilding its host after failures; ``part.then``:
-        a stream round follows that continues what it leaves (see :meth:`sample_round`)."""
+        """Run one worker's part of a call, rebuilding its host after failures."""
         w = worker.worker_number
         share = quota if mode == "episodes" else share_of(quota, self.n_workers, w)
         if share == 0:
             return None
-        rule = StopRule.for_call(_CALL_MODES[mode], share, worker.n_envs)
+        rule = StopRule.for_call(_CALLS[mode][0], share, worker.n_envs)
         worker.episodes.begin(part.resume, rule, ahead=part.then is not None)
         async with self.mode.part(worker):
             stepper = self.mode.stepper(worker, part)
@@ -442,7 +417,7 @@ class SamplerCore:
             return plan
 
     def _count_restart(self, worker: int, failure: WorkerError) -> None:
-        """An env of ``worker`` is rebuilt alone after ``failure`` (the lane backends)."""
+        """Count an env rebuilt alone (the lane backends)."""
         self.restarts += 1
         if self.metrics is not None:
             self.metrics.fault(worker, failure)
@@ -454,8 +429,7 @@ class SamplerCore:
         leave: Resume,
         shared: SharedQuota | None = None,
     ) -> Plan:
-        """The retry loop of :meth:`_drive`: run the worker's part, rebuilding its host after
-        failures (at most ``max_restarts`` times in the call)."""
+        """The retry loop of :meth:`_drive` (at most ``max_restarts`` restarts in the call)."""
         w = worker.worker_number
         budget = RestartBudget(self.max_restarts)
 
@@ -590,9 +564,7 @@ class SamplerCore:
     def _check_lane_inference(
         self, options: Batched | Host | None, worker_class: type[Worker]
     ) -> Batched | Host | None:
-        """The lane backends ask the agents for the envs ready at each moment, batched across
-        workers (the mode's :class:`Batcher`, flushed every pass of the loop: a ``Batched``
-        option it cannot honour is refused); the chunked ``host`` mode and a worker's
+        """The lane backends batch the agent calls themselves; ``host`` mode and
         ``compute_actions`` do not apply there."""
         if isinstance(options, Host):
             raise ValueError(
@@ -622,10 +594,7 @@ class SamplerCore:
                 f"{len(agent)}"
             )
         for a in agents:
-            if not callable(getattr(a, "get_actions", None)):
-                raise TypeError(
-                    f"agent must have a get_actions(observations) method, got {type(a).__name__}"
-                )
+            _validate.has_method("agent", a, "get_actions", args="observations")
         return list(agents)
 
     def _check_host_mode(self, agent: Any, worker_class: type[Worker]) -> None:
@@ -648,8 +617,7 @@ class SamplerCore:
                 pickle_agent(a)  # TypeError naming the agent when it cannot travel
 
     def _check_memory(self, n_workers: int, envs_per_worker: int) -> None:
-        """Refuse, before any work, envs and buffers that cannot fit in memory (see
-        :func:`~asyncsample._validate.memory_fits`)."""
+        """Refuse envs and buffers that cannot fit in memory (:func:`_validate.memory_fits`)."""
         shm_free: int | None = None
         shared = self.traits.shared_memory
         if shared:
@@ -669,7 +637,7 @@ class SamplerCore:
         )
 
     def _chunk_capacity(self, chunk_steps: int) -> int:
-        """The chunk capacity of each host slot for chunks of ``chunk_steps`` (host mode)."""
+        """A host slot's chunk capacity for chunks of ``chunk_steps`` (host mode)."""
         return chunk_capacity(
             self.env_spec.observation_space,
             self.env_spec.action_space,
@@ -695,12 +663,8 @@ class SamplerCore:
 
     @contextlib.asynccontextmanager
     async def locked(self, call: str) -> AsyncIterator[None]:
-        """Hold the sampler for ``call``; calls from other tasks queue behind the holder.
-
-        A call from the body of an open ``stream()`` of this sampler could never get the
-        sampler: it raises :class:`SamplerBusyError` at once instead of waiting forever (see
-        :mod:`asyncsample._stream_guard`).
-        """
+        """Hold the sampler for ``call``; calls from other tasks queue behind the holder, and a
+        call from the body of an open ``stream()`` raises :class:`SamplerBusyError` at once."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         self.stream_guard.check(call)
@@ -718,14 +682,9 @@ class SamplerCore:
 #: From this many workers, the built-in RandomAgents are built in a thread, off the loop.
 _OFF_LOOP_WORKERS = 4096
 
-_CALL_MODES: dict[Mode, CallMode] = {
-    "samples": CallMode.SAMPLES,
-    "episodes": CallMode.EPISODES,
-    "fragments": CallMode.FRAGMENTS,
-}
-
-_CALL_NAMES: dict[Mode, str] = {
-    "samples": "obtain_samples",
-    "episodes": "obtain_exact_episodes",
-    "fragments": "obtain_fragments",
+#: Each call mode's rule for the engine, and the public call's name.
+_CALLS: dict[Mode, tuple[CallMode, str]] = {
+    "samples": (CallMode.SAMPLES, "obtain_samples"),
+    "episodes": (CallMode.EPISODES, "obtain_exact_episodes"),
+    "fragments": (CallMode.FRAGMENTS, "obtain_fragments"),
 }
