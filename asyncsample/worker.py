@@ -1,16 +1,7 @@
 """Workers: coroutines that step the envs of one worker through its env host.
 
-The interface is garage's ``Worker`` (``update_agent``, ``update_env``, ``start_episode``,
-``step_episode``, ``collect_episode``, ``rollout``, ``shutdown``) made async: ``step_episode``
-awaits the host while other workers run. :class:`VecWorker` steps ``n_envs`` envs together and
-returns complete episodes; :class:`FragmentWorker` also returns the episodes still running as
-fragments that continue on the next call.
-
-This is the small surface a user subclasses. A worker's episode bookkeeping, and where a call
-stops, live in :mod:`asyncsample._engine` (:class:`~asyncsample._engine.Episodes`, one per worker,
-as :attr:`Worker.episodes`); the sampler drives a call through the engine, not through this class.
-On ``backend="asyncio"`` and ``"thread"`` the lane stepper (:mod:`asyncsample._env_tasks`) steps
-each of a worker's envs on its own, and the worker holds the agent, records and episodes.
+garage's ``Worker`` interface made async, the small surface a user subclasses; the episode
+bookkeeping and where a call stops live in :mod:`asyncsample._engine`.
 """
 
 from __future__ import annotations
@@ -63,12 +54,9 @@ __all__ = [
 class Worker:
     """garage's Worker interface as an async base class.
 
-    A worker owns ``n_envs`` envs living in an :class:`~asyncsample.backends.EnvHost`, an agent
-    (shared with other workers or its own) and its episodes' bookkeeping (:attr:`episodes`).
-    Subclasses may override the per-step hooks :meth:`compute_actions` (pre/post-processing of
-    observations and actions) and :meth:`process_transition` (record transitions into a custom
-    ``history``), or any of garage's methods. How a sampler call runs is not this class's
-    business: the sampler drives it through :mod:`asyncsample._engine`.
+    A worker owns ``n_envs`` envs living in an env host, an agent (shared or its own) and its
+    episodes' bookkeeping (:attr:`episodes`). Subclasses may override the per-step hooks
+    :meth:`compute_actions` and :meth:`process_transition`, or any of garage's methods.
 
     Args:
         seed: the sampler's seed (the worker's own seeds come from the sampler's seed tree).
@@ -96,7 +84,6 @@ class Worker:
         self.host: EnvHost | None = None
         self.history: Any = None
         self.restarts = 0
-        """Env-host restarts of this worker so far."""
         self.episodes = Episodes(worker_number, n_envs)
         """The episodes' bookkeeping and the current call's records (see :mod:`._engine`)."""
         self.finished: list[FinishedEpisode] = self.episodes.finished
@@ -106,12 +93,10 @@ class Worker:
         self._action_check: Callable[[Any], np.ndarray] | None = None
         self._output_check = AgentOutputCheck(worker_number, n_envs)
         self._trusted_actions = False
+        # process_transition is only called when a subclass overrides it.
         self.records_transitions = type(self).process_transition is not Worker.process_transition
-        """Whether a subclass overrides :meth:`process_transition` (else it is never called)."""
-        # --- hook: inference="batched" (the sampler sets it; None: ask the agent directly) ---
-        self.batcher: Batcher | None = None
-        # --- hook: metrics (the sampler sets it; None: agent calls are not timed) ---
-        self.agent_timer: AgentTimer | None = None
+        self.batcher: Batcher | None = None  # inference="batched", set by the sampler
+        self.agent_timer: AgentTimer | None = None  # metrics on, set by the sampler
 
     def __getstate__(self) -> None:
         raise ValueError(
@@ -129,11 +114,8 @@ class Worker:
         env: EnvSource | Sequence[EnvSource],
         seeds: WorkerSeeds,
     ) -> None:
-        """Give the worker its host, spaces, agent and envs, and build the envs in the host.
-
-        Args:
-            env: one env source for all envs, or a list of exactly ``n_envs`` of them.
-        """
+        """Give the worker its host, spaces, agent and envs (one source, or one per env), and
+        build the envs in the host."""
         self.host = host
         self.env_spec = env_spec
         self._action_check = make_action_check(env_spec.action_space)
@@ -148,8 +130,8 @@ class Worker:
 
     @contextlib.contextmanager
     def naming_factories(self) -> Iterator[None]:
-        """A :class:`WorkerError` raised inside names the failing env's factory (see
-        :meth:`WorkerError.name_factory`): the caller knows it, the remote traceback may not."""
+        """A :class:`WorkerError` raised inside names the failing env's factory (the remote
+        traceback may not)."""
         try:
             yield
         except WorkerError as exc:
@@ -158,11 +140,8 @@ class Worker:
             raise
 
     async def restart_host(self) -> int:
-        """Rebuild this worker's envs after a failure; in-progress episodes are dropped.
-
-        Episodes completed earlier in the call are kept, so the call can resume. Returns how
-        many episodes in progress were dropped.
-        """
+        """Rebuild this worker's envs after a failure; returns how many episodes in progress
+        were dropped (those completed earlier in the call are kept)."""
         assert self.host is not None and self._seeds is not None
         self.restarts += 1
         self.episodes.state = Continuity.BROKEN
@@ -181,11 +160,8 @@ class Worker:
         return self._seeds.next_env_seed(i)
 
     def current_plan(self, *, fragments: bool = False) -> Plan:
-        """Like :meth:`collect_episode`, but only where the episodes lie in the step records.
-
-        The records stay valid until the next call begins, so the sampler can gather the
-        episodes of all workers into one batch in one copy.
-        """
+        """Like :meth:`collect_episode`, but only where the episodes lie in the step records
+        (valid until the next call begins), for the sampler to gather in one copy."""
         assert self.host is not None
         buffers = self.host.buffers
         return self.episodes.collect(buffers.obs, buffers.actions, fragments=fragments)
@@ -208,10 +184,9 @@ class Worker:
     ) -> None:
         """Apply an agent update: parameters (dict, tuple, ndarray) or a new agent.
 
-        ``None`` keeps the agent. Any other update bumps :attr:`agent_version` and, unless
-        ``reset`` is false (updates during a stream), makes the next call start fresh episodes.
-        ``apply=False`` only bumps the version (the sampler sets the parameters of a shared
-        agent once for all workers).
+        Any update but ``None`` bumps :attr:`agent_version` and, unless ``reset`` is false
+        (updates during a stream), makes the next call start fresh episodes. ``apply=False``
+        only bumps the version (a shared agent's parameters are set once for all workers).
         """
         if agent_update is None:
             return
@@ -246,10 +221,8 @@ class Worker:
         self.episodes.needs_reset[:] = True
 
     async def start_episode(self) -> None:
-        """Reset the envs that need it: those with an episode in progress or a pending update.
-
-        Envs already at the start of an episode (just autoreset) are not reset again.
-        """
+        """Reset the envs with an episode in progress or a pending update (not those just
+        autoreset)."""
         assert self.host is not None
         episodes = self.episodes
         mask = episodes.needs_reset.copy()
@@ -319,10 +292,8 @@ class Worker:
         return ended
 
     async def _cut_late(self, t: int) -> bool:
-        """End the episodes past their deadline after step ``t`` as truncated, their
-        ``episode_infos["deadline"]`` true, and reset their envs (``episode_timeout``; in
-        lockstep a step in flight cannot be cut, so the deadline is checked after each step).
-        Envs whose episode ended on this step were closed already; whether any was cut."""
+        """End the episodes past their deadline (``episode_timeout``) after step ``t`` as
+        truncated, ``episode_infos["deadline"]`` true, and reset their envs; whether any was."""
         episodes = self.episodes
         late = episodes.late()
         if not len(late):
@@ -343,9 +314,8 @@ class Worker:
         """The episodes completed since the last collection, as one batch.
 
         Args:
-            fragments: also return the episodes still running as fragments (``FIRST``/``MID``
-                at the end, ``last_observations`` = the current observation); they continue
-                in the next call.
+            fragments: also return the episodes still running as fragments; they continue in
+                the next call.
         """
         assert self.env_spec is not None
         return assemble(self.env_spec, [self.current_plan(fragments=fragments)])
@@ -371,27 +341,25 @@ class Worker:
         """Actions and agent infos for the stacked observations of this worker's envs.
 
         Override to pre-process observations or post-process actions (clipping, scaling,
-        exploration noise). The default asks the agent, awaiting it when it is async. What it
-        returns is checked (an ``(actions, agent_infos)`` tuple, one row per env) before
-        anything is recorded.
+        exploration noise). The default asks the agent. The output is checked before anything
+        is recorded.
         """
         assert self.agent is not None
-        if self.batcher is not None:  # --- hook: inference="batched" ---
+        if self.batcher is not None:
             return await self.batcher.get_actions(self.worker_number, observations)
         return await get_actions(self.agent, observations)
 
     def process_transition(self, history: Any, transition: Transition) -> Any:
-        """Record one step into a custom history; return the new history.
+        """Record one step into :attr:`history` (``None`` at first); return the new history.
 
-        Called after every step with :attr:`history` (``None`` at first), only when a subclass
-        overrides it, so the default costs nothing.
+        Only called when a subclass overrides it, so the default costs nothing.
         """
         return history
 
     # -- bookkeeping -------------------------------------------------------------------------
 
     def _trust_agent(self) -> None:
-        # Unless a subclass post-processes them in compute_actions.
+        # The range check is skipped for a trusted agent, unless compute_actions is overridden.
         self._trusted_actions = (
             type(self).compute_actions is Worker.compute_actions
             and self.env_spec is not None
