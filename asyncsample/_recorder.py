@@ -1,8 +1,7 @@
 """What a worker has recorded during a call: time-major step rows, episode pieces and plans.
 
-Per-step work is a handful of numpy row copies into time-major buffers, whatever the number of
-envs is; episodes are cut out of those buffers with one gather per field when they are collected
-(:func:`asyncsample._assembly.assemble` follows the :class:`Plan` a recorder builds).
+A step costs a few row copies, whatever the number of envs; episodes are cut out of the rows
+with one gather per field when collected (:func:`asyncsample._assembly.assemble`).
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ class Resume(enum.Enum):
 
     Attributes:
         NOTHING: fresh episodes; whatever was running is reset.
-        FRAGMENTS: episodes left running by ``obtain_fragments`` continue; their earlier steps
-            were already returned as fragments.
+        FRAGMENTS: episodes left running by ``obtain_fragments`` continue (their earlier steps
+            were returned as fragments).
         EPISODES: episodes left running continue with their steps so far kept, so they come out
             whole (a stream of complete episodes).
     """
@@ -74,15 +73,12 @@ class Rows:
     versions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
     """The agent version each step was taken under, ``(rows, n_envs)``."""
     arena: Tree = None
-    """Observation records in shared memory that the env host writes itself, ``(R, n_envs,
-    ...)`` (``inference="host"`` on ``process``: see :class:`ObsArena`), or ``None``. While
-    :attr:`on_arena`, :attr:`obs` is the view ``arena[base:]``: the chunks the host wrote in
-    place are the records, and the batch is gathered from them in one copy."""
-    base: int = 0
-    """The arena row of row 0 (while :attr:`on_arena`)."""
+    """Observation records in shared memory that the env host writes itself (``inference=
+    "host"`` on ``process``), or ``None``; while :attr:`on_arena`, :attr:`obs` is the view
+    ``arena[base:]``, so the batch is gathered from the chunks in one copy."""
+    base: int = 0  # the arena row of row 0 (while on_arena)
     on_arena: bool = False
-    room: int = 1
-    """Rows a chunk needs free in the arena (its capacity and the spare row)."""
+    room: int = 1  # rows a chunk needs free in the arena (its capacity and the spare row)
 
     def use_arena(self, arena: Tree, room: int) -> None:
         """Keep the observations in ``arena`` (see :attr:`arena`): now if no row is recorded,
@@ -113,12 +109,11 @@ class Rows:
 
     def _next_base(self, start: int | None, append: bool) -> int:
         """The arena row of row 0 once rows before ``start`` are dropped (``None``: all of
-        them; ``append``: a chunk may be writing past the rows, which are still to be gathered).
+        them; ``append``: a chunk may be writing past the rows, still to be gathered).
 
-        The front of the arena is taken whenever that is safe, so that the rows in use stay
-        within about two calls' worth and the memory touched stays small: past the rows when a
-        run-ahead could not go to the front, and rows kept for running episodes stay in place
-        (no copy) until they pass the arena's middle.
+        The front of the arena is taken whenever that is safe, so that the rows in use (and the
+        memory touched) stay within about two calls' worth; rows kept for running episodes stay
+        in place (no copy) until they pass the arena's middle.
         """
         keep = 0 if start is None else max(self.size - start, 0)
         rows = self.arena_rows()
@@ -136,10 +131,8 @@ class Rows:
         return 0
 
     def next_arena_row(self, start: int | None) -> int:
-        """Where the first chunk of the next call goes in the arena when it is sent now, before
-        this call's rows are gathered (a stream's run-ahead): the row :meth:`clear` or
-        :meth:`drop_before` with ``append`` will give it, when that and the chunk's room stay
-        clear of this call's rows; else -1."""
+        """Where the first chunk of the next call goes in the arena when sent before this call's
+        rows are gathered (a stream's run-ahead), or -1 when it would overlap them."""
         if self.arena is None:
             return -1
         keep = 0 if start is None else max(self.size - start, 0)
@@ -214,16 +207,10 @@ class Rows:
 
     def next_row(self, obs: Tree, actions_like: Tree) -> int:
         """Index of a new row, growing the buffers (shaped like ``obs``/``actions_like``)."""
-        t = self.size
-        if t >= self.capacity:
-            self._grow(obs, actions_like)
-        if self.on_arena and t >= self.arena_rows() - self.base:
-            self._leave_arena(t, obs)
-        self.size = t + 1
-        return t
+        return self.reserve(1, obs, actions_like)
 
     def reserve(self, n: int, obs: Tree, actions_like: Tree) -> int:
-        """Index of the first of ``n`` new rows (growing the buffers as :meth:`next_row` does)."""
+        """Index of the first of ``n`` new rows, growing the buffers as needed."""
         t = self.size
         while t + n > self.capacity:
             self._grow(obs, actions_like)
@@ -234,12 +221,8 @@ class Rows:
 
     def cover(self, t: int, obs: Tree, actions_like: Tree) -> None:
         """Make row ``t`` exist (the envs of a non-lockstep worker each write their own rows)."""
-        while t >= self.capacity:
-            self._grow(obs, actions_like)
-        if self.on_arena and t >= self.arena_rows() - self.base:
-            self._leave_arena(self.size, obs)
         if t >= self.size:
-            self.size = t + 1
+            self.reserve(t + 1 - self.size, obs, actions_like)
 
     def _grow(self, obs: Tree, actions_like: Tree) -> None:
         new = max(64, 2 * self.capacity)
@@ -299,32 +282,38 @@ _PRESENT = "\x00present:"
 """Prefix of the agent-info columns that record where a key was present."""
 
 
+def _column(rows: Rows, key: str, value: np.ndarray, per_env: tuple[int, ...]) -> np.ndarray:
+    """The column of agent info ``key``, allocated with its presence column when the key first
+    appears, and again when its per-env shape or dtype kind changed (only after the agent was
+    replaced: see :class:`asyncsample._action_check.AgentOutputCheck`)."""
+    store = rows.agent_infos
+    column = store.get(key)
+    if column is None or column.shape[2:] != per_env or column.dtype.kind != value.dtype.kind:
+        column = np.zeros((rows.capacity, rows.n_envs, *per_env), dtype=value.dtype)
+        store[key] = column
+        store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
+    return column
+
+
+def _mark_present(rows: Rows, where: Any, agent_infos: dict[str, np.ndarray]) -> None:
+    """Record at ``where`` which keys ``agent_infos`` has (presence lives beside the values, so
+    the rows' growth and carry-over move it with them)."""
+    for name, present in rows.agent_infos.items():
+        if name.startswith(_PRESENT):
+            present[where] = name[len(_PRESENT) :] in agent_infos
+
+
 def store_agent_infos(
     rows: Rows, t: int, agent_infos: dict[str, np.ndarray], env: int | None = None
 ) -> None:
     """Write the (already checked) agent infos of step ``t`` into their columns: every env's
-    row of each key, or with ``env`` only that env's (envs not stepped in lockstep).
-
-    Called on every step once any agent info was seen, so a key absent at ``t`` is marked absent
-    there: presence lives beside the values, in a bool column under ``_PRESENT + key``, so the
-    rows' growth and carry-over move it with them. A column is allocated when a key first
-    appears, and again when its per-row shape or dtype kind changed (only possible after the
-    agent was replaced: see :class:`asyncsample._action_check.AgentOutputCheck`); rows before
-    that did not carry it.
-    """
-    store = rows.agent_infos
+    row of each key, or with ``env`` only that env's (envs not stepped in lockstep). Called on
+    every step once any agent info was seen, so a key absent at ``t`` is marked absent there."""
     where: Any = t if env is None else (t, env)
     for key, value in agent_infos.items():
         per_env = value.shape if env is not None else value.shape[1:]
-        column = store.get(key)
-        if column is None or column.shape[2:] != per_env or column.dtype.kind != value.dtype.kind:
-            column = np.zeros((rows.capacity, rows.n_envs, *per_env), dtype=value.dtype)
-            store[key] = column
-            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
-        column[where] = value
-    for name, present in store.items():
-        if name.startswith(_PRESENT):
-            present[where] = name[len(_PRESENT) :] in agent_infos
+        _column(rows, key, value, per_env)[where] = value
+    _mark_present(rows, where, agent_infos)
 
 
 def store_agent_info_block(
@@ -332,22 +321,10 @@ def store_agent_info_block(
 ) -> None:
     """:func:`store_agent_infos` for ``n`` rows from ``start`` at once: ``agent_infos`` holds
     every key of those rows, stacked over them (leading axis ``n``)."""
-    store = rows.agent_infos
     block = slice(start, start + n)
     for key, value in agent_infos.items():
-        column = store.get(key)
-        if (
-            column is None
-            or column.shape[1:] != value.shape[1:]
-            or column.dtype.kind != value.dtype.kind
-        ):
-            column = np.zeros((rows.capacity, *value.shape[1:]), dtype=value.dtype)
-            store[key] = column
-            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
-        column[block] = value[:n]
-    for name, present in store.items():
-        if name.startswith(_PRESENT):
-            present[block] = name[len(_PRESENT) :] in agent_infos
+        _column(rows, key, value, value.shape[2:])[block] = value[:n]
+    _mark_present(rows, block, agent_infos)
 
 
 def _agent_info_masks(
@@ -362,12 +339,8 @@ def _agent_info_masks(
 
 
 class Recorder:
-    """The step rows and episode pieces of one worker's current call.
-
-    The worker tells it where episodes start and end; it keeps the rows and turns the pieces into
-    a :class:`Plan` when the call collects them. Rows stay valid until the next call begins,
-    because the plans handed to the sampler point into them.
-    """
+    """The step rows and episode pieces of one worker's current call; the rows stay valid until
+    the next call begins, because the plans handed to the sampler point into them."""
 
     def __init__(self, n_envs: int) -> None:
         self.n_envs = n_envs
@@ -375,12 +348,10 @@ class Recorder:
         self.pieces: list[Piece] = []
         self.piece_start = np.zeros(n_envs, dtype=np.int64)
         self.piece_position = np.zeros(n_envs, dtype=np.int64)
-        self.completed_steps = 0
-        """Transitions of the episodes completed (not fragments) since the last collection."""
+        self.completed_steps = 0  # of the episodes completed (not fragments) since collected
+        # Per env, the next row it writes when its envs are not in lockstep (_env_tasks);
+        # None: every env writes row rows.size.
         self.cursor: np.ndarray | None = None
-        """Per env, the next row it writes, when its envs are not stepped in lockstep (one
-        coroutine per env: :mod:`asyncsample._env_tasks`); ``None``: every env writes row
-        ``rows.size`` (lockstep)."""
         self._carry_from: int | None = None
 
     def positions(self) -> np.ndarray | int:
@@ -393,7 +364,7 @@ class Recorder:
         Args:
             lengths: steps each env's current episode has taken so far.
             append: a chunk run ahead for this call may be writing into the observation arena
-                past the last call's rows (see :meth:`Rows.next_arena_row`).
+                past the last call's rows.
         """
         if resume is Resume.EPISODES and self._carry_from is not None:
             # Episodes left running keep their steps: move their rows to the front.
@@ -412,8 +383,7 @@ class Recorder:
         self.completed_steps = 0
 
     def next_arena_row(self) -> int:
-        """Where the first chunk of the call after this one goes in the observation arena when
-        sent now (see :meth:`Rows.next_arena_row`), or -1."""
+        """:meth:`Rows.next_arena_row` for the call after this one."""
         return self.rows.next_arena_row(self._carry_from)
 
     def end(self, leave: Resume) -> None:
@@ -439,18 +409,15 @@ class Recorder:
         self.piece_start[env] = stop
 
     def open_steps(self) -> int:
-        """Transitions of the episodes still running that this call recorded (fragments-to-be).
-
-        Rows a restart dropped are not counted: a reset moves the env's piece start past them.
-        """
+        """Transitions of the episodes still running that this call recorded (rows a restart
+        dropped are not counted)."""
         return int(np.maximum(self.positions() - self.piece_start, 0).sum())
 
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
         """The plan of the pieces recorded since the last collection; forgets them.
 
-        With a per-env cursor (envs not in lockstep) the pieces are put in the order lockstep
-        stepping would have closed them, by the env's own step count at the piece's end, then
-        by env: the wall-clock order in which envs happened to finish does not show in a batch.
+        Envs not in lockstep: pieces are put in the order lockstep stepping would have closed
+        them (by the env's own step count at the piece's end, then by env), not wall-clock.
         """
         if self.cursor is not None:
             self.pieces.sort(key=lambda p: (p.stop, p.env))
