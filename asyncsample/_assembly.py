@@ -1,14 +1,8 @@
 """Cut episodes out of the workers' time-major step records into one batch, in one copy.
 
-Each worker records step ``t`` of env ``e`` at row ``(t, e)``. At the end of a call every worker
-describes its episodes as a :class:`Plan` (which rows, in which order); :func:`assemble` then
-allocates each field of the batch once and gathers every worker's rows straight into it, so a
-batch of image observations costs one copy of them, not one per worker and one more to
-concatenate.
-
-Info keys are sorted here by the rule in :mod:`asyncsample.batch` ("Info keys"): keys on every
-step are stacked, keys only on episodes' last steps go to ``episode_infos``, and any other sparse
-key stays per step with a ``"_" + key`` presence mask.
+Each worker describes its episodes as a :class:`Plan` (which rows, in which order);
+:func:`assemble` allocates each field once and gathers every worker's rows straight into it.
+Info keys are sorted by the rule of :class:`~asyncsample.batch.EpisodeBatch`.
 """
 
 from __future__ import annotations
@@ -81,19 +75,14 @@ class Plan:
 class BatchMemory:
     """The memory of the large fields of a sampler's batches, used again once let go.
 
-    A new batch of large observations written into freshly allocated memory pays for the
-    kernel mapping and zeroing every page of it at first touch, which for raw image frames
-    costs as much as the copy itself. This keeps the arrays of the last batches and gathers the
-    next batch into one of them, but only into an array that nothing else refers to any more:
-    the batch, its views (slices, ``split``, ``torch.from_numpy``...) and anything the user
-    kept of it each hold a reference to the array (numpy views refer to the array that owns
-    the memory), so an array still reachable from a batch is never written again. Only the
-    sampler's thread pool and event loop take arrays, under a lock.
+    Fresh memory for a large batch costs the kernel's zeroing of every page at first touch, as
+    much as the copy for raw image frames. This keeps the arrays of the last batches and
+    gathers the next batch into one that nothing refers to any more (a batch's views and
+    anything kept of it hold a reference to the array that owns the memory).
 
     Args:
-        keep: arrays kept for reuse at most (those still held by batches count too): after the
-            batches are let go, this much memory stays with the sampler until it is closed.
-        min_bytes: fields smaller than this are allocated afresh (their pages cost little).
+        keep: arrays kept for reuse at most (those still held by batches count too).
+        min_bytes: fields smaller than this are allocated afresh.
     """
 
     def __init__(self, keep: int = 3, min_bytes: int = 1 << 20) -> None:
@@ -101,8 +90,7 @@ class BatchMemory:
         self.min_bytes = min_bytes
         self._arrays: list[np.ndarray] = []
         self._lock = threading.Lock()
-        self.reused = 0
-        """Arrays handed out again (for tests and benchmarks)."""
+        self.reused = 0  # arrays handed out again (for tests and benchmarks)
 
     def take(self, n: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         """An array of ``n`` rows of ``shape``: memory nothing refers to any more, or new."""
@@ -162,8 +150,7 @@ def _gather(
 def assemble(
     env_spec: EnvSpec, plans: list[Plan], memory: BatchMemory | None = None
 ) -> EpisodeBatch:
-    """The episodes of all ``plans``, in order, as one :class:`EpisodeBatch`; the observations
-    go into ``memory``'s arrays when given."""
+    """The episodes of all ``plans``, in order, as one batch (observations in ``memory``)."""
     live = [p for p in plans if len(p.rows)] or plans[:1]
 
     def field_of(name: str, like: str, memory: BatchMemory | None = None) -> Tree:
@@ -179,18 +166,16 @@ def assemble(
             *likes,
         )
 
+    def column(name: str, empty: np.ndarray) -> np.ndarray:
+        records = [getattr(p, name) for p in live]
+        if any(r is None for r in records):
+            return empty
+        return _gather(live, records, [r[0] for r in records])
+
     observations = field_of("obs", "like_obs", memory)
     actions = field_of("actions", "like_actions")
-    rewards_records = [p.rewards for p in live if p.rewards is not None]
-    if len(rewards_records) < len(live):
-        rewards = np.zeros(0)
-    else:
-        rewards = _gather(live, rewards_records, [r[0] for r in rewards_records])
-    version_records = [p.versions for p in live if p.versions is not None]
-    if len(version_records) < len(live):
-        versions = np.zeros(len(rewards), dtype=np.int64)
-    else:
-        versions = _gather(live, version_records, [v[0] for v in version_records])
+    rewards = column("rewards", np.zeros(0))
+    versions = column("versions", np.zeros(len(rewards), dtype=np.int64))
     step_types = np.concatenate([p.step_types for p in plans])
     lengths = np.concatenate([p.lengths for p in plans])
     ends = np.cumsum(lengths) - 1
