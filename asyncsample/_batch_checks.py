@@ -1,12 +1,7 @@
 """The checks an :class:`~asyncsample.batch.EpisodeBatch` runs on its fields when it is built.
 
-A malformed batch should fail where it is made, with a ``ValueError`` naming the field and what
-it should have been, not deep inside a learner. :func:`check_fields` is the whole check, run by
-``EpisodeBatch.__post_init__``; the helpers below it check one kind of field each.
-
-This module does not import :mod:`asyncsample.batch` (which imports it), not even for types:
-the batch passes itself (read as :class:`BatchFields`) and its
-:class:`~asyncsample.batch.StepType` in.
+A ``ValueError`` names the malformed field and what it should have been. ``batch`` imports this
+module, so the batch passes itself (read as :class:`BatchFields`) and its ``StepType`` in.
 """
 
 from __future__ import annotations
@@ -71,10 +66,7 @@ def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
     """Check the shapes, dtypes and consistency of every field of ``batch``, whose
     ``step_types`` hold ``step_type``; a ``ValueError`` names the first malformed field."""
     lengths = batch.lengths
-    if not isinstance(lengths, np.ndarray):
-        raise ValueError(
-            f"lengths is of type {type(lengths).__name__}, but must be a numpy.ndarray"
-        )
+    _check_ndarray("lengths", lengths)
     if lengths.ndim != 1:
         raise ValueError(
             f"lengths has shape {lengths.shape}, but must be 1-D with one entry per episode"
@@ -89,10 +81,7 @@ def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
     expected_steps = int(lengths.sum())
 
     rewards = batch.rewards
-    if not isinstance(rewards, np.ndarray):
-        raise ValueError(
-            f"rewards is of type {type(rewards).__name__}, but must be a numpy.ndarray"
-        )
+    _check_ndarray("rewards", rewards)
     if rewards.ndim != 1:
         raise ValueError(
             f"rewards has shape {rewards.shape}, but must have shape ({expected_steps},)"
@@ -140,6 +129,11 @@ def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
     check_infos(batch.episode_infos, "episode_infos", n_episodes, "lengths")
 
 
+def _check_ndarray(name: str, value: object) -> None:
+    if not isinstance(value, np.ndarray):
+        raise ValueError(f"{name} is of type {type(value).__name__}, but must be a numpy.ndarray")
+
+
 def _leaves_with_paths(tree: Tree, path: str = "") -> Iterator[tuple[str, Any]]:
     """Yield ``(path, leaf)`` for every leaf of a dict/tuple tree, e.g. ``("['pos']", arr)``."""
     if isinstance(tree, Mapping):
@@ -156,10 +150,7 @@ def check_batched(tree: Tree, field: str, size: int, what: str) -> None:
     """Every leaf of ``tree`` must be an ndarray with leading dimension ``size``."""
     for path, leaf in _leaves_with_paths(tree):
         name = f"{field}{path}"
-        if not isinstance(leaf, np.ndarray):
-            raise ValueError(
-                f"{name} is of type {type(leaf).__name__}, but must be a numpy.ndarray"
-            )
+        _check_ndarray(name, leaf)
         if leaf.ndim == 0:
             raise ValueError(
                 f"{name} has shape (), but must have batch size {size} to match {what}"
@@ -250,10 +241,7 @@ def check_infos(infos: Any, name: str, size: int, what: str) -> None:
 
 def check_step_types(step_types: Any, n_transitions: int, step_type: type[enum.IntEnum]) -> None:
     """``step_types``: shape ``(T,)``, ``step_type`` members (object dtype) or their integers."""
-    if not isinstance(step_types, np.ndarray):
-        raise ValueError(
-            f"step_types is of type {type(step_types).__name__}, but must be a numpy.ndarray"
-        )
+    _check_ndarray("step_types", step_types)
     if step_types.ndim != 1:
         raise ValueError(
             f"step_types has shape {step_types.shape}, but must have shape ({n_transitions},)"
