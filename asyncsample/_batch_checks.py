@@ -1,7 +1,7 @@
 """The checks an :class:`~asyncsample.batch.EpisodeBatch` runs on its fields when it is built.
 
 A ``ValueError`` names the malformed field and what it should have been. ``batch`` imports this
-module, so the batch passes itself (read as :class:`BatchFields`) and its ``StepType`` in.
+module, so the batch passes its fields and its ``StepType`` in.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import numpy as np
 from asyncsample._tree import Tree
 
 __all__ = [
-    "BatchFields",
     "check_batched",
     "check_fields",
     "check_infos",
@@ -35,37 +34,23 @@ class Spaces(Protocol):
     def action_space(self) -> gymnasium.Space[Any]: ...
 
 
-class BatchFields(Protocol):
-    """The fields of an :class:`~asyncsample.batch.EpisodeBatch` that :func:`check_fields` reads."""
-
-    @property
-    def env_spec(self) -> Spaces: ...
-    @property
-    def episode_infos(self) -> dict[str, Any]: ...
-    @property
-    def observations(self) -> Tree: ...
-    @property
-    def last_observations(self) -> Tree: ...
-    @property
-    def actions(self) -> Tree: ...
-    @property
-    def rewards(self) -> np.ndarray: ...
-    @property
-    def env_infos(self) -> dict[str, Any]: ...
-    @property
-    def agent_infos(self) -> dict[str, Any]: ...
-    @property
-    def step_types(self) -> np.ndarray: ...
-    @property
-    def lengths(self) -> np.ndarray: ...
-    @property
-    def agent_versions(self) -> np.ndarray | None: ...
-
-
-def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
-    """Check the shapes, dtypes and consistency of every field of ``batch``, whose
+def check_fields(
+    step_type: type[enum.IntEnum],
+    *,
+    env_spec: Spaces,
+    episode_infos: dict[str, Any],
+    observations: Tree,
+    last_observations: Tree,
+    actions: Tree,
+    rewards: np.ndarray,
+    env_infos: dict[str, Any],
+    agent_infos: dict[str, Any],
+    step_types: np.ndarray,
+    lengths: np.ndarray,
+    agent_versions: np.ndarray | None,
+) -> None:
+    """Check the shapes, dtypes and consistency of every field of a batch, whose
     ``step_types`` hold ``step_type``; a ``ValueError`` names the first malformed field."""
-    lengths = batch.lengths
     _check_ndarray("lengths", lengths)
     if lengths.ndim != 1:
         raise ValueError(
@@ -80,7 +65,6 @@ def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
     n_episodes = lengths.shape[0]
     expected_steps = int(lengths.sum())
 
-    rewards = batch.rewards
     _check_ndarray("rewards", rewards)
     if rewards.ndim != 1:
         raise ValueError(
@@ -93,40 +77,39 @@ def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
             "(entries of rewards)"
         )
 
-    versions = batch.agent_versions
-    if versions is not None and (
-        not isinstance(versions, np.ndarray)
-        or versions.shape != (n_steps,)
-        or not np.issubdtype(versions.dtype, np.integer)
+    if agent_versions is not None and (
+        not isinstance(agent_versions, np.ndarray)
+        or agent_versions.shape != (n_steps,)
+        or not np.issubdtype(agent_versions.dtype, np.integer)
     ):
         raise ValueError(
             f"agent_versions must be None or an integer numpy.ndarray of shape ({n_steps},), "
-            f"got {_describe_array(versions)}"
+            f"got {_describe_array(agent_versions)}"
         )
 
-    obs_space = batch.env_spec.observation_space
-    check_batched(batch.observations, "observations", n_steps, "rewards")
-    problem = space_mismatch(batch.observations, obs_space)
+    obs_space = env_spec.observation_space
+    check_batched(observations, "observations", n_steps, "rewards")
+    problem = space_mismatch(observations, obs_space)
     if problem is not None:
         raise ValueError(f"Each observation{problem}")
 
-    check_batched(batch.last_observations, "last_observations", n_episodes, "lengths")
-    problem = space_mismatch(batch.last_observations, obs_space)
+    check_batched(last_observations, "last_observations", n_episodes, "lengths")
+    problem = space_mismatch(last_observations, obs_space)
     if problem is not None:
         raise ValueError(
             "last_observations must have the same number of entries as the observation "
             f"space: each last observation{problem}"
         )
 
-    check_batched(batch.actions, "actions", n_steps, "rewards")
-    problem = space_mismatch(batch.actions, batch.env_spec.action_space)
+    check_batched(actions, "actions", n_steps, "rewards")
+    problem = space_mismatch(actions, env_spec.action_space)
     if problem is not None:
         raise ValueError(f"Each action{problem}")
 
-    check_step_types(batch.step_types, n_steps, step_type)
-    check_infos(batch.env_infos, "env_infos", n_steps, "rewards")
-    check_infos(batch.agent_infos, "agent_infos", n_steps, "rewards")
-    check_infos(batch.episode_infos, "episode_infos", n_episodes, "lengths")
+    check_step_types(step_types, n_steps, step_type)
+    check_infos(env_infos, "env_infos", n_steps, "rewards")
+    check_infos(agent_infos, "agent_infos", n_steps, "rewards")
+    check_infos(episode_infos, "episode_infos", n_episodes, "lengths")
 
 
 def _check_ndarray(name: str, value: object) -> None:

@@ -166,7 +166,7 @@ class EpisodeBatch:
     agent_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        check_fields(self, StepType)
+        check_fields(StepType, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def __repr__(self) -> str:
         return (
