@@ -49,7 +49,7 @@ from asyncsample.backends import (
     with_trait,
 )
 from asyncsample.batch import EpisodeBatch
-from asyncsample.env_update import EnvChoice, EnvSource
+from asyncsample.env_update import EnvChoice
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
 from asyncsample.inference.host import Host, pickle_agent
@@ -81,56 +81,50 @@ class SamplerCore:
         env, agent, inference = config.env, config.agent, config.inference
         backend, test_env, metrics = config.backend, config.test_env, config.metrics
         self.closed = True  # until construction succeeds: __del__ must not warn
-        n_workers = _validate.positive_int("n_workers", config.n_workers)
-        envs_per_worker = _validate.positive_int("envs_per_worker", config.envs_per_worker)
+        self.n_workers = n_workers = _validate.positive_int("n_workers", config.n_workers)
+        self.envs_per_worker = _validate.positive_int("envs_per_worker", config.envs_per_worker)
         n_processes = _validate.optional_positive_int("n_processes", config.n_processes)
-        max_episode_length = _validate.optional_positive_int(
+        self.max_episode_length = max_episode_length = _validate.optional_positive_int(
             "max_episode_length", config.max_episode_length
         )
         seed = _validate.seed("seed", config.seed)
         self.traits = traits(backend)  # what the backend is: asked, never its name
-        step_timeout = _validate.positive_seconds("step_timeout", config.step_timeout)
-        if step_timeout is not None and not self.traits.preempts:
+        self.backend_name = backend
+        self.step_timeout = _validate.positive_seconds("step_timeout", config.step_timeout)
+        if self.step_timeout is not None and not self.traits.preempts:
             raise ValueError(
                 f"step_timeout cannot be used with backend={backend!r}: a step that blocks the "
                 f"event loop's thread cannot be pre-empted; use backend={with_trait('preempts')}"
             )
-        max_restarts = _validate.nonnegative_int("max_restarts", config.max_restarts)
-        max_concurrency = _validate.optional_positive_int("max_concurrency", config.max_concurrency)
+        self.max_restarts = _validate.nonnegative_int("max_restarts", config.max_restarts)
+        self.max_concurrency = max_concurrency = _validate.optional_positive_int(
+            "max_concurrency", config.max_concurrency
+        )
         if max_concurrency is not None and not self.traits.per_env:
             raise ValueError(
                 f"max_concurrency caps the env calls in flight of backend={with_trait('per_env')}"
                 f", got it with backend={backend!r} (there, n_workers x envs_per_worker envs "
                 "step at once)"
             )
-        episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
+        self.episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
         self.close_timeout = _validate.seconds("close_timeout", config.close_timeout)
         self._probe_closing: asyncio.Future[Any] | None = None  # the probe env's close, if late
-        host_threads = _validate.optional_positive_int("host_threads", config.host_threads)
+        self.host_threads = _validate.optional_positive_int("host_threads", config.host_threads)
         worker_class = _validate.subclass("worker_class", config.worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", config.worker_args)
-        if worker_args.setdefault("n_envs", envs_per_worker) != envs_per_worker:
+        if worker_args.setdefault("n_envs", self.envs_per_worker) != self.envs_per_worker:
             raise ValueError(
                 f"worker_args: n_envs ({worker_args['n_envs']}) must equal envs_per_worker "
-                f"({envs_per_worker}); set envs_per_worker instead"
+                f"({self.envs_per_worker}); set envs_per_worker instead"
             )
         backend_options = _validate.options_dict("backend_options", config.backend_options)
 
-        self.n_workers = n_workers
-        self.envs_per_worker = envs_per_worker
         self.n_processes = self.traits.hosts_started(n_processes, n_workers, backend_options)
         self._requested_processes = n_processes
-        self.max_episode_length = max_episode_length
-        self.backend_name = backend
         self.lanes = self.traits.per_env  # each env stepped on its own (_env_tasks)
-        self.max_concurrency = max_concurrency
-        self.episode_timeout = episode_timeout
         self.memory = BatchMemory()
         self.admission: Admission | None = None
         """The open stream's admission control (lane backends with ``max_policy_lag``)."""
-        self.step_timeout = step_timeout
-        self.host_threads = host_threads
-        self.max_restarts = int(max_restarts)
         self._factory = WorkerFactory(
             max_episode_length=max_episode_length,
             seed=seed,
@@ -148,11 +142,11 @@ class SamplerCore:
         self.mode: InferenceMode = make_mode(options, self._shared_agent_now, lanes)
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
-            if episode_timeout is not None:
+            if self.episode_timeout is not None:
                 raise ValueError(
                     "episode_timeout needs inference='per_worker' or 'batched' (the sampler "
                     "checks deadlines between steps; with inference='host' a chunk of steps "
-                    f"runs in the env host), got episode_timeout={episode_timeout!r} with "
+                    f"runs in the env host), got episode_timeout={self.episode_timeout!r} with "
                     "inference='host'"
                 )
         self.env_spec, self._time_limited, self._probe_closing = probe_spaces(
@@ -161,8 +155,8 @@ class SamplerCore:
             max_episode_length=self._factory.max_episode_length,
             close_timeout=self.close_timeout,
         )
-        self._check_memory(n_workers, envs_per_worker)
-        self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
+        self._check_memory(n_workers, self.envs_per_worker)
+        self.seed, self.seeds = worker_seeds(seed, n_workers, self.envs_per_worker)
         # RandomAgents are built as the sampler starts: a constructor costs O(1) in workers.
         self._random_agents = agent is None
         self.backend_options = backend_options
@@ -177,17 +171,16 @@ class SamplerCore:
         self.total_env_steps = 0
         self.streaming = False
         self.run_ahead = True  # a stream's rounds start the next one early where the mode can
-        self.test_env: EnvSource | None = None
-        if test_env is not None:
-            self.test_env = _validate.env_source("test_env", test_env)
+        self.test_env = None if test_env is None else _validate.env_source("test_env", test_env)
         self.restarts = 0
         self.last_stats: SampleStats | None = None
-        envs = n_workers * envs_per_worker
         self.metrics = make_metrics(
             metrics,
             backend=backend,
             n_workers=n_workers,
-            env_parallel=self.traits.env_parallel(max_concurrency, envs, self.n_processes),
+            env_parallel=self.traits.env_parallel(
+                max_concurrency, n_workers * self.envs_per_worker, self.n_processes
+            ),
             agent_parallel=self.n_processes if isinstance(self.mode, HostMode) else 1,
             lanes=self.lanes,
         )
