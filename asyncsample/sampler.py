@@ -92,30 +92,9 @@ class Sampler:
         close_timeout: float = 10.0,
         metrics: Any = None,
     ) -> None:
-        self._core = core = SamplerCore(
-            SamplerConfig(
-                env,
-                agent,
-                n_workers=n_workers,
-                envs_per_worker=envs_per_worker,
-                n_processes=n_processes,
-                max_episode_length=max_episode_length,
-                seed=seed,
-                backend=backend,
-                step_timeout=step_timeout,
-                max_restarts=max_restarts,
-                worker_class=worker_class,
-                worker_args=worker_args,
-                backend_options=backend_options,
-                test_env=test_env,
-                inference=inference,
-                host_threads=host_threads,
-                max_concurrency=max_concurrency,
-                episode_timeout=episode_timeout,
-                close_timeout=close_timeout,
-                metrics=metrics,
-            )
-        )
+        # Every argument by name: SamplerConfig's fields are this signature's (a test holds it).
+        arguments = {name: value for name, value in locals().items() if name != "self"}
+        self._core = core = SamplerCore(SamplerConfig(**arguments))
         self._test_envs = TestEnvs(type(self))
         self.n_workers: int = core.n_workers
         self.envs_per_worker: int = core.envs_per_worker
