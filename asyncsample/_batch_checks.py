@@ -154,12 +154,8 @@ def _flatdim(space: gymnasium.Space[Any]) -> int | None:
 
 
 def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> str | None:
-    """Describe how one item of a batched ``tree`` fails to fit ``space``, or ``None`` if it fits.
-
-    Shapes only (dtype and bounds are not checked, as in garage): an item fits when its shape is
-    the space's shape or, failing that, when its size equals the space's flat dimension. Dict and
-    Tuple spaces are matched part by part. Spaces without a fixed shape accept anything.
-    """
+    """How one item of a batched ``tree`` fails to fit ``space`` (shapes only, as in garage: the
+    space's shape or its flat dimension), or ``None`` if it fits."""
     is_dict = isinstance(space, gymnasium.spaces.Dict)
     is_tuple = isinstance(space, gymnasium.spaces.Tuple)
     if isinstance(tree, np.ndarray):

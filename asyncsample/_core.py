@@ -342,12 +342,8 @@ class SamplerCore:
         fraction: float = 1.0,
         ahead: bool = False,
     ) -> tuple[EpisodeBatch, SampleStats]:
-        """Run every worker's share of one call and put the pieces together, worker-major.
-
-        ``resume``/``leave``: what the call continues from the previous one and leaves for the
-        next; ``fraction`` below 1 shares the quota (:class:`SharedQuota`); ``ahead`` (a
-        stream's rounds): another round follows, which a mode may start as a part ends.
-        """
+        """Run every worker's share of one call and put the pieces together, worker-major;
+        ``ahead``: another round of a stream follows, which a mode may start as a part ends."""
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
             worker.finished.clear()

@@ -108,13 +108,8 @@ class Rows:
         self.env_infos = {}
 
     def _next_base(self, start: int | None, append: bool) -> int:
-        """The arena row of row 0 once rows before ``start`` are dropped (``None``: all of
-        them; ``append``: a chunk may be writing past the rows, still to be gathered).
-
-        The front of the arena is taken whenever that is safe, so that the rows in use (and the
-        memory touched) stay within about two calls' worth; rows kept for running episodes stay
-        in place (no copy) until they pass the arena's middle.
-        """
+        """The arena row of row 0 once rows before ``start`` (``None``: all) are dropped: the
+        front whenever safe, so the rows in use stay within about two calls' worth."""
         keep = 0 if start is None else max(self.size - start, 0)
         rows = self.arena_rows()
         if self.on_arena:
@@ -361,10 +356,8 @@ class Recorder:
     def begin(self, resume: Resume, lengths: np.ndarray, append: bool = False) -> None:
         """Start a call's records; with :attr:`Resume.EPISODES` the running episodes keep theirs.
 
-        Args:
-            lengths: steps each env's current episode has taken so far.
-            append: a chunk run ahead for this call may be writing into the observation arena
-                past the last call's rows.
+        ``lengths``: each env's current episode's steps so far; ``append``: a chunk run ahead
+        may be writing into the arena past the last call's rows.
         """
         if resume is Resume.EPISODES and self._carry_from is not None:
             # Episodes left running keep their steps: move their rows to the front.
@@ -414,11 +407,8 @@ class Recorder:
         return int(np.maximum(self.positions() - self.piece_start, 0).sum())
 
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
-        """The plan of the pieces recorded since the last collection; forgets them.
-
-        Envs not in lockstep: pieces are put in the order lockstep stepping would have closed
-        them (by the env's own step count at the piece's end, then by env), not wall-clock.
-        """
+        """The plan of the pieces recorded since the last collection; forgets them. Envs not in
+        lockstep: in the order lockstep would have closed them, not wall-clock order."""
         if self.cursor is not None:
             self.pieces.sort(key=lambda p: (p.stop, p.env))
         plan = self._plan(self.pieces, like_obs, like_actions)

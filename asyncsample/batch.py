@@ -104,10 +104,8 @@ class EnvSpec:
 def _pad(
     array: np.ndarray, lengths: np.ndarray, length: int, *, absent: bool = False
 ) -> np.ndarray:
-    """Scatter a flat ``(T, ...)`` array into a zero-filled ``(N, length, ...)`` array.
-
-    With ``absent`` the padding holds :func:`fill_value` instead (for masked info keys).
-    """
+    """Scatter a flat ``(T, ...)`` array into ``(N, length, ...)``, padded with zeros (or the
+    :func:`fill_value` with ``absent``, for masked info keys)."""
     shape = (len(lengths), length, *array.shape[1:])
     out = filled(shape, array.dtype) if absent else np.zeros(shape, dtype=array.dtype)
     if array.shape[0]:
