@@ -220,27 +220,20 @@ class Rows:
             self.reserve(t + 1 - self.size, obs, actions_like)
 
     def _grow(self, obs: Tree, actions_like: Tree) -> None:
-        new = max(64, 2 * self.capacity)
+        new, old = max(64, 2 * self.capacity), self.capacity
 
-        def grow(old: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+        def grow(records: np.ndarray, like: np.ndarray) -> np.ndarray:
             arr = np.zeros((new, *like.shape), dtype=like.dtype)
-            if old is not None and self.capacity:
-                arr[: self.capacity] = old[: self.capacity]
+            if old:
+                arr[:old] = records[:old]
             return arr
 
-        if self.capacity == 0:
-            if not self.on_arena:
-                self.obs = tree_map(lambda x: grow(None, x), obs)
-            self.actions = tree_map(lambda x: grow(None, x), actions_like)
-            self.rewards = grow(None, np.zeros(self.n_envs))
-            self.versions = grow(None, np.zeros(self.n_envs, dtype=np.int64))
-        else:
-            if not self.on_arena:
-                self.obs = tree_map(grow, self.obs, obs)
-            self.actions = tree_map(grow, self.actions, actions_like)
-            self.rewards = grow(self.rewards, self.rewards[0])
-            self.versions = grow(self.versions, self.versions[0])
-            self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
+        if not self.on_arena:
+            self.obs = tree_map(grow, self.obs if old else obs, obs)
+        self.actions = tree_map(grow, self.actions if old else actions_like, actions_like)
+        self.rewards = grow(self.rewards, np.zeros(self.n_envs))
+        self.versions = grow(self.versions, np.zeros(self.n_envs, dtype=np.int64))
+        self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
         self.capacity = new
 
 
