@@ -88,23 +88,19 @@ def check_fields(
         )
 
     obs_space = env_spec.observation_space
-    check_batched(observations, "observations", n_steps, "rewards")
-    problem = space_mismatch(observations, obs_space)
-    if problem is not None:
-        raise ValueError(f"Each observation{problem}")
-
-    check_batched(last_observations, "last_observations", n_episodes, "lengths")
-    problem = space_mismatch(last_observations, obs_space)
-    if problem is not None:
-        raise ValueError(
-            "last_observations must have the same number of entries as the observation "
-            f"space: each last observation{problem}"
-        )
-
-    check_batched(actions, "actions", n_steps, "rewards")
-    problem = space_mismatch(actions, env_spec.action_space)
-    if problem is not None:
-        raise ValueError(f"Each action{problem}")
+    last_prefix = (
+        "last_observations must have the same number of entries as the observation space: "
+        "each last observation"
+    )
+    for tree, field, size, what, space, prefix in (
+        (observations, "observations", n_steps, "rewards", obs_space, "Each observation"),
+        (last_observations, "last_observations", n_episodes, "lengths", obs_space, last_prefix),
+        (actions, "actions", n_steps, "rewards", env_spec.action_space, "Each action"),
+    ):
+        check_batched(tree, field, size, what)
+        problem = space_mismatch(tree, space)
+        if problem is not None:
+            raise ValueError(f"{prefix}{problem}")
 
     check_step_types(step_types, n_steps, step_type)
     check_infos(env_infos, "env_infos", n_steps, "rewards")
@@ -145,14 +141,6 @@ def check_batched(tree: Tree, field: str, size: int, what: str) -> None:
             )
 
 
-def _flatdim(space: gymnasium.Space[Any]) -> int | None:
-    """gymnasium's flat dimension of ``space``, or ``None`` when it has none."""
-    try:
-        return int(gymnasium.spaces.flatdim(space))
-    except (NotImplementedError, ValueError, TypeError):
-        return None
-
-
 def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> str | None:
     """How one item of a batched ``tree`` fails to fit ``space`` (shapes only, as in garage: the
     space's shape or its flat dimension), or ``None`` if it fits."""
@@ -165,7 +153,10 @@ def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> s
             return None
         if expected is None and not (is_dict or is_tuple):
             return None
-        flat = _flatdim(space)
+        try:
+            flat: int | None = int(gymnasium.spaces.flatdim(space))
+        except (NotImplementedError, ValueError, TypeError):  # no flat dimension
+            flat = None
         if flat is not None and math.prod(shape) == flat:
             return None
         wanted = f"shape {expected} or " if expected is not None else ""
@@ -173,29 +164,28 @@ def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> s
             f"{path} has shape {shape}, but must have {wanted}{flat} entries to match the "
             f"space {space}"
         )
+    parts: list[tuple[Any, Tree, gymnasium.Space[Any]]]
     if isinstance(space, gymnasium.spaces.Dict) and isinstance(tree, Mapping):
         if set(tree) != set(space.spaces):
             return (
                 f"{path} has keys {sorted(tree)}, but must have the keys "
                 f"{sorted(space.spaces)} of the space {space}"
             )
-        for key, sub in space.spaces.items():
-            problem = space_mismatch(tree[key], sub, f"{path}[{key!r}]")
-            if problem is not None:
-                return problem
-        return None
-    if isinstance(space, gymnasium.spaces.Tuple) and isinstance(tree, tuple):
+        parts = [(key, tree[key], sub) for key, sub in space.spaces.items()]
+    elif isinstance(space, gymnasium.spaces.Tuple) and isinstance(tree, tuple):
         if len(tree) != len(space.spaces):
             return (
                 f"{path} has {len(tree)} parts, but must have the {len(space.spaces)} parts of "
                 f"the space {space}"
             )
-        for i, (sub_tree, sub) in enumerate(zip(tree, space.spaces, strict=True)):
-            problem = space_mismatch(sub_tree, sub, f"{path}[{i}]")
-            if problem is not None:
-                return problem
-        return None
-    return f"{path} is a {type(tree).__name__}, which does not fit the space {space}"
+        parts = [(i, sub_tree, sub) for i, (sub_tree, sub) in enumerate(zip(tree, space.spaces))]
+    else:
+        return f"{path} is a {type(tree).__name__}, which does not fit the space {space}"
+    for key, sub_tree, sub in parts:
+        problem = space_mismatch(sub_tree, sub, f"{path}[{key!r}]")
+        if problem is not None:
+            return problem
+    return None
 
 
 def check_infos(infos: Any, name: str, size: int, what: str) -> None:
