@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample._assembly import Plan, step_types_of
-from asyncsample._tree import Tree, tree_map
+from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.batch import StepType
 
 __all__ = [
@@ -90,7 +90,7 @@ class Rows:
 
     def arena_rows(self) -> int:
         """Rows of the arena (0 without one)."""
-        return 0 if self.arena is None else len(_first_leaf(self.arena))
+        return 0 if self.arena is None else len(tree_leaves(self.arena)[0])
 
     def arena_row(self, t: int) -> int:
         """The arena row a chunk's first step recorded at row ``t`` goes to when the host
@@ -237,12 +237,6 @@ class Rows:
         self.capacity = new
 
 
-def _first_leaf(tree: Tree) -> np.ndarray:
-    while isinstance(tree, (dict, tuple)):
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return tree  # type: ignore[no-any-return]
-
-
 def put_row(dst: Tree, index: Any, src: Tree) -> None:
     """``dst[index] = src`` leaf by leaf (one assignment for a plain array)."""
     if isinstance(dst, np.ndarray):
@@ -313,17 +307,6 @@ def store_agent_info_block(
     for key, value in agent_infos.items():
         _column(rows, key, value, value.shape[2:])[block] = value[:n]
     _mark_present(rows, block, agent_infos)
-
-
-def _agent_info_masks(
-    store: dict[str, np.ndarray], rows: np.ndarray, envs: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Presence masks of the agent info keys missing on some of the plan's transitions."""
-    masks = {}
-    for name, present in store.items():
-        if name.startswith(_PRESENT) and not present[rows, envs].all():
-            masks[name[len(_PRESENT) :]] = present
-    return masks
 
 
 class Recorder:
@@ -424,7 +407,11 @@ class Recorder:
             rewards=rows.rewards if rows.capacity else None,
             versions=rows.versions if rows.capacity else None,
             agent_infos={k: v for k, v in rows.agent_infos.items() if not k.startswith(_PRESENT)},
-            agent_info_masks=_agent_info_masks(rows.agent_infos, t_idx, e_idx),
+            agent_info_masks={  # of the keys missing on some of the plan's transitions
+                name[len(_PRESENT) :]: present
+                for name, present in rows.agent_infos.items()
+                if name.startswith(_PRESENT) and not present[t_idx, e_idx].all()
+            },
             env_infos=dict(rows.env_infos),
             like_obs=like_obs,
             like_actions=like_actions,
