@@ -416,11 +416,8 @@ def memory_fits(
     row = 2 * _leaf_bytes(observation_space) + _leaf_bytes(action_space) + _ROW_EXTRA_BYTES
     buffers = envs * row * (1 + chunk_steps)
     ram = envs * (PER_ENV_BYTES + 2 * row)  # envs, their state, this process's copy of a row
-    shm = 0
-    if shared:
-        shm = buffers
-    else:
-        ram += buffers
+    shm = buffers if shared else 0
+    ram += 0 if shared else buffers
     what = (
         f"n_workers={n_workers} x envs_per_worker={envs_per_worker} = {envs:,} envs "
         f"(about {_size(PER_ENV_BYTES + 2 * row)} of memory each, step"

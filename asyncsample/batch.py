@@ -64,9 +64,8 @@ class StepType(enum.IntEnum):
 
     @classmethod
     def get_step_type(cls, step_cnt: int, max_episode_length: int | None, done: bool) -> StepType:
-        """The step type of the ``step_cnt``-th transition (from 1) of an episode.
-
-        Reaching ``max_episode_length`` gives ``TIMEOUT`` even when ``done`` is set, as in garage.
+        """The step type of the ``step_cnt``-th transition (from 1) of an episode; reaching
+        ``max_episode_length`` gives ``TIMEOUT`` even when ``done`` is set, as in garage.
 
         Raises:
             ValueError: ``step_cnt`` is below 1.
@@ -134,21 +133,18 @@ class EpisodeBatch:
 
     Attributes:
         env_spec: spaces of the observations and actions, and the episode time limit.
-        episode_infos: per-episode info, a dict of arrays with leading dimension ``N``: the
-            reset info, ``worker``, ``env``, ``agent_version``, and the keys emitted only on
-            episodes' last steps.
+        episode_infos: per-episode info, a dict of ``(N, ...)`` arrays: the reset info,
+            ``worker``, ``env``, ``agent_version``, and the keys only on episodes' last steps.
         observations: ``(T, ...)`` observation before each action (an array or dict/tuple tree).
         last_observations: ``(N, ...)`` observation after the last action of each episode.
         actions: ``(T, ...)`` actions (an array or dict/tuple tree).
         rewards: ``(T,)`` rewards.
         env_infos: per-step info from the env, dict of ``(T, ...)`` arrays (may nest dicts).
         agent_infos: per-step info from the agent, dict of ``(T, ...)`` arrays (may nest dicts).
-        step_types: ``(T,)`` :class:`StepType` values, as an object array of members or any
-            integer array.
+        step_types: ``(T,)`` :class:`StepType` values (an object array of members or integers).
         lengths: ``(N,)`` integer length of each episode, each at least 1.
         agent_versions: ``(T,)`` the agent version each step was taken under, or ``None`` where
-            unknown (a batch built by hand); ``episode_infos["agent_version"]`` is the first
-            step's.
+            unknown (a batch built by hand).
     """
 
     env_spec: EnvSpec
@@ -357,13 +353,9 @@ class EpisodeBatch:
         chosen = np.asarray(episodes)
         if chosen.dtype == bool:
             chosen = np.flatnonzero(chosen)
-        ends = np.cumsum(self.lengths)
-        starts = ends - self.lengths
-        steps = (
-            np.concatenate([np.arange(starts[i], ends[i]) for i in chosen.tolist()])
-            if len(chosen)
-            else np.zeros(0, dtype=np.int64)
-        )
+        slices = self.episode_slices
+        ranges = [np.arange(slices[i].start, slices[i].stop) for i in chosen.tolist()]
+        steps = np.concatenate([*ranges, np.zeros(0, dtype=np.int64)])
         return self._take(chosen, steps)
 
     def _take(self, episodes: Any, steps: Any) -> EpisodeBatch:
@@ -444,17 +436,10 @@ class EpisodeBatch:
                 last_observations.append(tree_index(source, slice(-1, None)))
             if path.get("step_types") is not None:
                 step_types.append(np.asarray(path["step_types"]))
-            elif path.get("dones") is not None:
+            elif (dones := path.get("dones")) is not None:
                 limit = env_spec.max_episode_length
-                step_types.append(
-                    np.array(
-                        [
-                            StepType.get_step_type(t + 1, limit, bool(done))
-                            for t, done in enumerate(path["dones"])
-                        ],
-                        dtype=object,
-                    )
-                )
+                kinds = [StepType.get_step_type(t, limit, bool(d)) for t, d in enumerate(dones, 1)]
+                step_types.append(np.array(kinds, dtype=object))
             else:
                 raise ValueError(f"path {i} has neither 'step_types' nor 'dones'")
         env_infos, agent_infos = (
