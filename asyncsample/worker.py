@@ -59,9 +59,8 @@ class Worker:
     :meth:`compute_actions` and :meth:`process_transition`, or any of garage's methods.
 
     Args:
-        seed: the sampler's seed (the worker's own seeds come from the sampler's seed tree).
-        max_episode_length: the episode length limit the host applies (TIMEOUT); ``None``:
-            never.
+        seed: unused (garage's signature): the worker's seeds come from the sampler's seed tree.
+        max_episode_length: the episode length limit the host applies (TIMEOUT), or ``None``.
         worker_number: this worker's index.
         n_envs: env copies stepped together.
     """
@@ -74,7 +73,7 @@ class Worker:
         worker_number: int,
         n_envs: int = 1,
     ) -> None:
-        del seed  # the worker's seeds come from the sampler's seed tree (garage's signature)
+        del seed  # garage's signature
         self.max_episode_length = max_episode_length
         self.worker_number = worker_number
         self.n_envs = n_envs
@@ -311,12 +310,8 @@ class Worker:
         return True
 
     def collect_episode(self, *, fragments: bool = False) -> EpisodeBatch:
-        """The episodes completed since the last collection, as one batch.
-
-        Args:
-            fragments: also return the episodes still running as fragments; they continue in
-                the next call.
-        """
+        """The episodes completed since the last collection, as one batch; with ``fragments``
+        also the episodes still running, which continue in the next call."""
         assert self.env_spec is not None
         return assemble(self.env_spec, [self.current_plan(fragments=fragments)])
 
@@ -341,8 +336,7 @@ class Worker:
         """Actions and agent infos for the stacked observations of this worker's envs.
 
         Override to pre-process observations or post-process actions (clipping, scaling,
-        exploration noise). The default asks the agent. The output is checked before anything
-        is recorded.
+        exploration noise); the output is checked before anything is recorded.
         """
         assert self.agent is not None
         if self.batcher is not None:
@@ -351,9 +345,7 @@ class Worker:
 
     def process_transition(self, history: Any, transition: Transition) -> Any:
         """Record one step into :attr:`history` (``None`` at first); return the new history.
-
-        Only called when a subclass overrides it, so the default costs nothing.
-        """
+        Only called when a subclass overrides it."""
         return history
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -446,15 +438,8 @@ class FragmentWorker(Worker):
 
 @dataclass(frozen=True)
 class WorkerFactory:
-    """Builds the workers of a sampler (garage's WorkerFactory).
-
-    Args:
-        max_episode_length: passed to every worker.
-        seed: the sampler's seed.
-        n_workers: how many workers to build.
-        worker_class: the :class:`Worker` subclass to build.
-        worker_args: extra keyword arguments for ``worker_class``.
-    """
+    """Builds the workers of a sampler (garage's WorkerFactory); ``worker_args`` are extra
+    keyword arguments for ``worker_class``."""
 
     max_episode_length: int | None = None
     seed: int | None = None
