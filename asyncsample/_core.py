@@ -321,9 +321,8 @@ class SamplerCore:
                     [w.update_env(u) for w, u in zip(self.workers, env_updates) if u is not None]
                 )
             # obtain_fragments continues the fragments of a previous obtain_fragments call.
-            resume = Resume.NOTHING
-            if mode == "fragments" and self.last_mode == "fragments":
-                resume = Resume.FRAGMENTS
+            fragments = mode == self.last_mode == "fragments"
+            resume = Resume.FRAGMENTS if fragments else Resume.NOTHING
             self.last_mode = mode
             batch, stats = await self.sample_round(mode, quota, resume=resume, fraction=fraction)
         self.total_env_steps += batch.n_transitions

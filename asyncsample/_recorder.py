@@ -146,31 +146,28 @@ class Rows:
         if not self.on_arena and keep + self.room > self.arena_rows():
             return  # the rows kept do not fit: they stay in local memory
         if keep:
-            src = self.obs
-            src_at = start
 
             def move(a: np.ndarray, old: np.ndarray) -> None:
-                a[base : base + keep] = old[src_at : src_at + keep]  # overlap-safe in numpy
+                a[base : base + keep] = old[start : start + keep]  # overlap-safe in numpy
 
             if self.on_arena:
                 if self.base + start != base:
                     tree_map(move, arena, tree_map(lambda a: a[self.base :], arena))
             else:
-                tree_map(move, arena, src)
+                tree_map(move, arena, self.obs)
         self.base = base
         self.on_arena = True
         self.obs = tree_map(lambda a: a[base:], arena)
 
     def _leave_arena(self, rows: int, obs: Tree) -> None:
         """The records outgrow the arena: the observation rows so far move to local memory."""
-        kept = self.obs
 
         def local(like: np.ndarray, old: np.ndarray) -> np.ndarray:
             arr = np.zeros((self.capacity, *like.shape), dtype=like.dtype)
             arr[:rows] = old[:rows]
             return arr
 
-        self.obs = tree_map(local, obs, kept)
+        self.obs = tree_map(local, obs, self.obs)
         self.on_arena = False
 
     def drop_before(self, start: int, append: bool = False) -> None:
