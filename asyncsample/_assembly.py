@@ -119,14 +119,11 @@ class BatchMemory:
 
 
 def _gather(
-    plans: list[Plan],
-    records: list[Any],
-    likes: list[np.ndarray],
-    memory: BatchMemory | None = None,
+    plans: list[Plan], records: list[Any], like: np.ndarray, memory: BatchMemory | None = None
 ) -> np.ndarray:
-    """One field of the batch: every plan's rows of ``records``, gathered into one array."""
+    """One field of the batch: every plan's rows of ``records`` (rows shaped like ``like``),
+    gathered into one array."""
     total = sum(len(p.rows) for p in plans)
-    like = likes[0]
     if memory is None:
         out = np.empty((total, *like.shape[1:]), dtype=like.dtype)
     else:
@@ -155,22 +152,16 @@ def assemble(
 
     def field_of(name: str, like: str, memory: BatchMemory | None = None) -> Tree:
         records = [getattr(p, name) for p in live]
-        likes = [getattr(p, like) for p in live]
+        first = getattr(live[0], like)
         if any(r is None for r in records):
-            return tree_map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), likes[0])
-        return tree_map(
-            lambda *leaves: _gather(
-                live, list(leaves[: len(live)]), list(leaves[len(live) :]), memory
-            ),
-            *records,
-            *likes,
-        )
+            return tree_map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), first)
+        return tree_map(lambda x, *leaves: _gather(live, list(leaves), x, memory), first, *records)
 
     def column(name: str, empty: np.ndarray) -> np.ndarray:
         records = [getattr(p, name) for p in live]
         if any(r is None for r in records):
             return empty
-        return _gather(live, records, [r[0] for r in records])
+        return _gather(live, records, records[0][0])
 
     observations = field_of("obs", "like_obs", memory)
     actions = field_of("actions", "like_actions")
@@ -251,7 +242,7 @@ def _agent_infos(
     for key in keys:
         if all(key in p.agent_infos and key not in p.agent_info_masks for p in live):
             records = [p.agent_infos[key] for p in live]
-            out[key] = _gather(live, records, [r[0] for r in records])
+            out[key] = _gather(live, records, records[0][0])
             continue
         values: list[np.ndarray] = []
         masks: list[np.ndarray] = []

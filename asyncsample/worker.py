@@ -22,7 +22,6 @@ from asyncsample._engine import (
     Continuity,
     Episodes,
     FinishedEpisode,
-    SharedQuota,
     StepStepper,
     StopRule,
     Transition,
@@ -43,7 +42,6 @@ from asyncsample.seeding import WorkerSeeds
 __all__ = [
     "FinishedEpisode",
     "FragmentWorker",
-    "SharedQuota",
     "Transition",
     "VecWorker",
     "Worker",
