@@ -358,10 +358,7 @@ class Recorder:
 
     def start_episodes(self, mask: np.ndarray) -> None:
         """Envs in ``mask`` start a new episode at the next row."""
-        if self.cursor is None:
-            self.piece_start[mask] = self.rows.size
-        else:
-            self.piece_start[mask] = self.cursor[mask]
+        self.piece_start[mask] = self.rows.size if self.cursor is None else self.cursor[mask]
         self.piece_position[mask] = 0
 
     def close_piece(
@@ -382,22 +379,14 @@ class Recorder:
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
         """The plan of the pieces recorded since the last collection; forgets them. Envs not in
         lockstep: in the order lockstep would have closed them, not wall-clock order."""
+        pieces, rows = self.pieces, self.rows
         if self.cursor is not None:
-            self.pieces.sort(key=lambda p: (p.stop, p.env))
-        plan = self._plan(self.pieces, like_obs, like_actions)
+            pieces.sort(key=lambda p: (p.stop, p.env))
         self.pieces = []
         self.completed_steps = 0
-        return plan
-
-    def _plan(self, pieces: list[Piece], like_obs: Tree, like_actions: Tree) -> Plan:
-        """Where ``pieces`` lie in the step records, for :func:`assemble`."""
-        rows = self.rows
         lengths = [p.stop - p.start for p in pieces]
-        if pieces:
-            t_idx = np.concatenate([np.arange(p.start, p.stop) for p in pieces])
-            e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
-        else:
-            t_idx = e_idx = np.zeros(0, dtype=np.int64)
+        t_idx = np.concatenate([*(np.arange(p.start, p.stop) for p in pieces), np.zeros(0, int)])
+        e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
         return Plan(
             obs=rows.obs,
             actions=rows.actions,
