@@ -157,12 +157,13 @@ class SamplerCore:
         )
         self._check_memory(n_workers, self.envs_per_worker)
         self.seed, self.seeds = worker_seeds(seed, n_workers, self.envs_per_worker)
+        self.agent_seeds = [s.agent_seed for s in self.seeds]
         # RandomAgents are built as the sampler starts: a constructor costs O(1) in workers.
         self._random_agents = agent is None
         self.backend_options = backend_options
         self.workers: list[Worker] = []
         self.backend: Backend | None = None
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()  # bound to the loop of its first use
         self.stream_guard = StreamGuard()
         self.started = False
         self.closed = False
@@ -237,7 +238,7 @@ class SamplerCore:
                     for w, (worker, host) in enumerate(zip(workers, hosts))
                 ]
             )
-            self.mode.attach(workers, self._agent_seeds())
+            self.mode.attach(workers, self.agent_seeds)
             if self.metrics is not None:
                 self.metrics.attach(workers, self.mode.merger if self.lanes else None)
         except BaseException:
@@ -489,7 +490,7 @@ class SamplerCore:
 
     def _make_random_agents(self) -> list[Agent]:
         space = self.env_spec.action_space
-        return [RandomAgent(space, seed=s.agent_seed) for s in self.seeds]
+        return [RandomAgent(space, seed=seed) for seed in self.agent_seeds]
 
     def _shared_agent(self) -> bool:
         if self._random_agents:  # one RandomAgent per worker, once started
@@ -504,11 +505,8 @@ class SamplerCore:
             agent_update,
             lambda: self._apply_agent_update_now(agent_update, reset=reset),
             self.workers,
-            self._agent_seeds(),
+            self.agent_seeds,
         )
-
-    def _agent_seeds(self) -> list[int]:
-        return [s.agent_seed for s in self.seeds]
 
     def _apply_agent_update_now(self, agent_update: Any, *, reset: bool) -> None:
         if isinstance(agent_update, list):
@@ -653,8 +651,6 @@ class SamplerCore:
     async def locked(self, call: str) -> AsyncIterator[None]:
         """Hold the sampler for ``call``; calls from other tasks queue behind the holder, and a
         call from the body of an open ``stream()`` raises :class:`SamplerBusyError` at once."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         self.stream_guard.check(call)
         async with self._lock:
             if call != "stream":
