@@ -384,23 +384,19 @@ class EpisodeBatch:
         next_obs = self.next_observations
         paths = []
         for i, steps in enumerate(self.episode_slices):
-            paths.append(
-                {
-                    "episode_infos": tree_index(self.episode_infos, i),
-                    "observations": tree_index(self.observations, steps),
-                    "next_observations": tree_index(next_obs, steps),
-                    "actions": tree_index(self.actions, steps),
-                    "rewards": self.rewards[steps],
-                    "env_infos": tree_index(self.env_infos, steps),
-                    "agent_infos": tree_index(self.agent_infos, steps),
-                    "step_types": self.step_types[steps],
-                    **(
-                        {}
-                        if self.agent_versions is None
-                        else {"agent_versions": self.agent_versions[steps]}
-                    ),
-                }
-            )
+            path = {
+                "episode_infos": tree_index(self.episode_infos, i),
+                "observations": tree_index(self.observations, steps),
+                "next_observations": tree_index(next_obs, steps),
+                "actions": tree_index(self.actions, steps),
+                "rewards": self.rewards[steps],
+                "env_infos": tree_index(self.env_infos, steps),
+                "agent_infos": tree_index(self.agent_infos, steps),
+                "step_types": self.step_types[steps],
+            }
+            if self.agent_versions is not None:
+                path["agent_versions"] = self.agent_versions[steps]
+            paths.append(path)
         return paths
 
     @classmethod
