@@ -454,8 +454,6 @@ class SamplerCore:
 
         return await budget.run(attempt, lambda exc: exc.retry, failed)
 
-    # -- updates ------------------------------------------------------------------------------
-
     def check_agent_update(self, agent_update: Any) -> None:
         if agent_update is None:
             return
@@ -531,8 +529,6 @@ class SamplerCore:
             for update in per_worker:
                 _validate.check_picklable("env_update", update)
         return per_worker
-
-    # -- construction checks ------------------------------------------------------------------
 
     def _check_envs(self, env: Any, name: str) -> list[Any]:
         if env is None:
@@ -640,8 +636,6 @@ class SamplerCore:
                 RuntimeWarning,
                 stacklevel=4,
             )
-
-    # -- helpers ------------------------------------------------------------------------------
 
     def check_open(self) -> None:
         if self.closed:

@@ -169,8 +169,6 @@ class EpisodeBatch:
             f"episode_infos={list(self.episode_infos)})"
         )
 
-    # ---------------------------------------------------------------- sizes and views
-
     @property
     def n_transitions(self) -> int:
         """Number of transitions ``T`` in the batch."""
@@ -231,8 +229,6 @@ class EpisodeBatch:
     def actions_list(self) -> list[ArrayTree]:
         """The actions of each episode, one entry per episode."""
         return [tree_index(self.actions, s) for s in self.episode_slices]
-
-    # ---------------------------------------------------------------- padded views
 
     def _padded_length(self) -> int:
         """The time limit, or the longest episode if longer or unlimited."""
@@ -305,8 +301,6 @@ class EpisodeBatch:
     def valids(self) -> np.ndarray:
         """``(N, L)`` mask, one where a padded step is real (the dtype of :attr:`rewards`)."""
         return _pad(np.ones_like(self.rewards), self.lengths, self._padded_length())
-
-    # ---------------------------------------------------------------- combining and splitting
 
     @classmethod
     def concatenate(cls, *batches: EpisodeBatch) -> EpisodeBatch:
@@ -460,8 +454,6 @@ class EpisodeBatch:
                 else None
             ),
         )
-
-    # ---------------------------------------------------------------- comparison
 
     def equals(self, other: object) -> bool:
         """Whether ``other`` is an EpisodeBatch with the same contents (NaN equals NaN).

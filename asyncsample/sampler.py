@@ -138,8 +138,6 @@ class Sampler:
             **kwargs,
         )
 
-    # -- properties ---------------------------------------------------------------------------
-
     @property
     def env_spec(self) -> EnvSpec:
         """The spaces of the envs and the episode length limit in force."""
@@ -186,8 +184,6 @@ class Sampler:
         batcher: Batcher | None = getattr(self._core.mode, "batcher", None)
         return batcher
 
-    # -- lifecycle ----------------------------------------------------------------------------
-
     async def __aenter__(self) -> Sampler:
         await self.start()
         return self
@@ -222,8 +218,6 @@ class Sampler:
             f"<Sampler backend={self.backend_name!r} n_workers={self.n_workers} "
             f"envs_per_worker={self.envs_per_worker} {state}>"
         )
-
-    # -- sampling -----------------------------------------------------------------------------
 
     async def obtain_samples(
         self,

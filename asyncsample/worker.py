@@ -101,8 +101,6 @@ class Worker:
             "sampler's construction arguments instead."
         )
 
-    # -- wiring (called by the sampler) ------------------------------------------------------
-
     async def attach(
         self,
         host: EnvHost,
@@ -173,8 +171,6 @@ class Worker:
                 )
             return list(value)
         return [value] * self.n_envs
-
-    # -- garage's interface ------------------------------------------------------------------
 
     def update_agent(
         self, agent_update: AgentUpdate, *, apply: bool = True, reset: bool = True
@@ -328,8 +324,6 @@ class Worker:
         if self.host is not None:
             await self.host.close()
 
-    # -- per-step hooks ----------------------------------------------------------------------
-
     async def compute_actions(self, observations: Tree) -> AgentOutput:
         """Actions and agent infos for the stacked observations of this worker's envs.
 
@@ -345,8 +339,6 @@ class Worker:
         """Record one step into :attr:`history` (``None`` at first); return the new history.
         Only called when a subclass overrides it."""
         return history
-
-    # -- bookkeeping -------------------------------------------------------------------------
 
     def _trust_agent(self) -> None:
         # The range check is skipped for a trusted agent, unless compute_actions is overridden.
