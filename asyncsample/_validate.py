@@ -293,19 +293,16 @@ def env_source(name: str, source: object) -> EnvSource:
 def per_worker_sources(name: str, value: object, n_workers: int, n_envs: int) -> list[Any]:
     """One resolved env source (or update) per worker, or a list of one per env; ``None``
     entries (no update) are kept."""
-    if isinstance(value, list):
-        if len(value) != n_workers:
-            raise ValueError(
-                f"{name}: a list must hold exactly n_workers ({n_workers}), one per worker, "
-                f"got {len(value)}"
-            )
-        per_worker: list[Any] = value
-    else:
+    if not isinstance(value, list):
         # One source for every worker: resolved (and later pickled) once, not per worker.
-        one = per_worker_sources(name, [value], 1, n_envs)[0]
-        return [one] * n_workers
+        return per_worker_sources(name, [value], 1, n_envs) * n_workers
+    if len(value) != n_workers:
+        raise ValueError(
+            f"{name}: a list must hold exactly n_workers ({n_workers}), one per worker, "
+            f"got {len(value)}"
+        )
     out: list[Any] = []
-    for item in per_worker:
+    for item in value:
         if isinstance(item, list):
             if len(item) != n_envs:
                 raise ValueError(

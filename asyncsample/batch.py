@@ -89,10 +89,8 @@ class EnvSpec:
     """What a batch's observations and actions look like, and the episode time limit.
 
     Attributes:
-        observation_space: the space one observation belongs to.
-        action_space: the space one action belongs to.
-        max_episode_length: the time limit the sampler enforces, or ``None`` for none. Padded
-            views of an :class:`EpisodeBatch` pad to this length.
+        max_episode_length: the time limit the sampler enforces, or ``None``; padded views of
+            an :class:`EpisodeBatch` pad to it.
     """
 
     observation_space: gymnasium.Space[Any]
