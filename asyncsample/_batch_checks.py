@@ -215,11 +215,7 @@ def check_step_types(step_types: Any, n_transitions: int, step_type: type[enum.I
         raise ValueError(
             f"step_types has shape {step_types.shape}, but must have shape ({n_transitions},)"
         )
-    if step_types.shape[0] != n_transitions:
-        raise ValueError(
-            f"step_types has batch size {step_types.shape[0]}, but must have batch size "
-            f"{n_transitions} to match rewards"
-        )
+    check_batched(step_types, "step_types", n_transitions, "rewards")
     if step_types.dtype == object:
         kinds = set(map(type, step_types.tolist()))
         if not all(issubclass(k, int | np.integer) and k is not bool for k in kinds):

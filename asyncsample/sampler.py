@@ -344,9 +344,6 @@ class Sampler:
             buffer_size: batches kept ready ahead of the consumer (an int of at least 1).
             fraction_samples: in ``(0, 1]``, applied to every round as in :meth:`obtain_samples`.
 
-        Returns:
-            An async generator of :class:`EpisodeBatch`.
-
         Raises:
             TypeError, ValueError: a bad argument (when the first batch is asked for).
             WorkerError: as in :meth:`obtain_samples`, where the next batch is awaited.
