@@ -278,21 +278,6 @@ def _agent_infos(
     return out
 
 
-def step_types_of(
-    lengths: list[int], starts_episode: list[bool], ends: list[StepType | None]
-) -> np.ndarray:
-    """Step types of consecutive pieces: FIRST at an episode's start, its end type last."""
-    out = np.full(sum(lengths), StepType.MID, dtype=np.uint8)
-    offset = 0
-    for n, first, end in zip(lengths, starts_episode, ends):
-        if first:
-            out[offset] = StepType.FIRST
-        if end is not None:
-            out[offset + n - 1] = end
-        offset += n
-    return out
-
-
 #: Batches larger than this are put together in a thread: numpy releases the GIL while it
 #: copies, so the event loop keeps running (a 28 MB image batch takes ~10 ms to copy).
 ASSEMBLE_IN_THREAD_BYTES = 1 << 20

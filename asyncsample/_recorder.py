@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample._assembly import Plan, step_types_of
+from asyncsample._assembly import Plan
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.batch import StepType
 
@@ -387,6 +387,14 @@ class Recorder:
         lengths = [p.stop - p.start for p in pieces]
         t_idx = np.concatenate([*(np.arange(p.start, p.stop) for p in pieces), np.zeros(0, int)])
         e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
+        step_types = np.full(len(t_idx), StepType.MID, dtype=np.uint8)
+        offset = 0
+        for p, n in zip(pieces, lengths):
+            if p.position == 0:  # FIRST at an episode's start, its end type last
+                step_types[offset] = StepType.FIRST
+            if p.end is not None:
+                step_types[offset + n - 1] = p.end
+            offset += n
         return Plan(
             obs=rows.obs,
             actions=rows.actions,
@@ -404,9 +412,7 @@ class Recorder:
             rows=t_idx,
             envs=e_idx,
             lengths=np.array(lengths, dtype=np.int64),
-            step_types=step_types_of(
-                lengths, [p.position == 0 for p in pieces], [p.end for p in pieces]
-            ),
+            step_types=step_types,
             last_observations=[p.last_observation for p in pieces],
             episode_infos=[p.episode_info for p in pieces],
         )
