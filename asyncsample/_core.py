@@ -352,9 +352,7 @@ class SamplerCore:
 
         lane_round = None
         if self.lanes and leave is Resume.EPISODES and mode == "samples":
-            lane_round = LaneRound(
-                sum(share_of(quota, self.n_workers, w) > 0 for w in range(self.n_workers))
-            )
+            lane_round = LaneRound(min(quota, self.n_workers))  # the workers with a share
 
         then = leave if ahead and shared is None and mode != "episodes" else None
 

@@ -244,7 +244,16 @@ class Worker:
             output = await self.compute_actions(observations)
             timer.add(time.perf_counter() - start, self.n_envs)
         actions, agent_infos = self._output_check.output(output)
-        actions = self._check_actions(actions)
+        assert self.env_spec is not None
+        actions = check_actions(
+            actions,
+            buffers.actions,
+            worker=self.worker_number,
+            action_space=self.env_spec.action_space,
+            values=None if self._trusted_actions else self._action_check,
+            hint=" Clip or map the agent's actions in Worker.compute_actions if the policy is "
+            "unbounded.",
+        )
         put_row(rows.actions, t, actions)
         put_row(buffers.actions, Ellipsis, actions)
         if agent_infos or rows.agent_infos:
@@ -352,18 +361,6 @@ class Worker:
         reset = getattr(self.agent, "reset", None)
         if reset is not None:
             reset(mask.copy())
-
-    def _check_actions(self, actions: Tree) -> Tree:
-        assert self.host is not None and self.env_spec is not None
-        return check_actions(
-            actions,
-            self.host.buffers.actions,
-            worker=self.worker_number,
-            action_space=self.env_spec.action_space,
-            values=None if self._trusted_actions else self._action_check,
-            hint=" Clip or map the agent's actions in Worker.compute_actions if the policy is "
-            "unbounded.",
-        )
 
     def _record(
         self,
