@@ -199,11 +199,10 @@ class EpisodeBatch:
     @property
     def returns(self) -> np.ndarray:
         """Undiscounted return of each episode, ``(N,)`` float64."""
-        rewards = self.rewards.astype(np.float64)
         if not self.n_episodes:
             return np.zeros(0, dtype=np.float64)
         starts = np.cumsum(self.lengths) - self.lengths
-        return np.add.reduceat(rewards, starts)
+        return np.add.reduceat(self.rewards.astype(np.float64), starts)
 
     @property
     def next_observations(self) -> ArrayTree:

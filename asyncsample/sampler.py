@@ -25,7 +25,7 @@ __all__ = ["AgentUpdateArg", "EnvUpdateArg", "Sampler"]
 class Sampler:
     """Collects episodes from ``n_workers`` worker coroutines whose envs live in env hosts.
 
-    See [Concepts](concepts.md), [Backends](backends.md) and [the sampler contract](contract.md).
+    See [Concepts](concepts.md) and [the sampler contract](contract.md).
 
     Args:
         env: a gymnasium id, a zero-argument callable returning a ``gymnasium.Env``, a
@@ -40,9 +40,8 @@ class Sampler:
         max_episode_length: episodes are truncated (TIMEOUT) at this many steps.
         seed: root of every seed; ``None`` draws one (see :attr:`seed`).
         backend: ``"process"``, ``"local"`` (in the event loop's thread), ``"ray"``,
-            ``"asyncio"`` (envs whose ``reset``/``step`` are coroutines, in the event loop) or
-            ``"thread"`` (blocking envs in a bounded pool of threads); on the last two each env
-            runs its own episodes, not in lockstep.
+            ``"asyncio"`` (envs whose ``reset``/``step`` are coroutines) or ``"thread"``
+            (blocking envs in a pool of threads); see [Backends](backends.md).
         step_timeout: seconds after which a step counts as a worker failure.
         max_restarts: per worker and call, how often a failed env host is rebuilt before the
             error is raised (on ``"asyncio"`` and ``"thread"``: per env and call).
@@ -50,9 +49,8 @@ class Sampler:
         worker_args: extra keyword arguments for ``worker_class``.
         backend_options: extra keyword arguments for the backend (e.g. Ray resources).
         test_env: the env :meth:`evaluate` uses by default (default: the training env).
-        inference: where the policy runs: ``"per_worker"``, ``"batched"``, ``"host"`` (process
-            and ray only), or a :class:`~asyncsample.inference.Batched` or
-            :class:`~asyncsample.inference.Host` with options; see
+        inference: ``"per_worker"``, ``"batched"``, ``"host"``, or an
+            :class:`~asyncsample.Batched` or :class:`~asyncsample.Host` with options; see
             [Where the policy runs](inference.md).
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each env host; ``None`` leaves the libraries' defaults. Ignored by ``local``.
@@ -63,9 +61,8 @@ class Sampler:
             ``inference="host"``. See [Deadlines](contract.md#deadlines-episode_timeout).
         close_timeout: seconds a restart, an env update or :meth:`aclose` waits at most for an
             env's ``close()``; see [Timeouts](faults.md#timeouts).
-        metrics: ``None`` (default) keeps no metrics; a ``prometheus_client.CollectorRegistry``,
-            or ``True`` for its default registry, keeps the ``asyncsample_*`` metrics of
-            [Metrics](metrics.md). Needs the ``metrics`` extra.
+        metrics: a ``prometheus_client.CollectorRegistry``, or ``True`` for its default one,
+            keeps the [metrics](metrics.md) (the ``metrics`` extra); ``None`` keeps none.
     """
 
     def __init__(

@@ -117,8 +117,7 @@ class Worker:
         self.agent = agent
         self._trust_agent()
         self._seeds = seeds
-        sources = self._per_env(env, "env")
-        self._chains = [[s] for s in sources]
+        self._chains = [[s] for s in self._per_env(env, "env")]
         with self.naming_factories():
             await host.build(self._chains, await seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
