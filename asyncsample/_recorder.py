@@ -244,10 +244,7 @@ def put_row(dst: Tree, index: Any, src: Tree) -> None:
 
 def put_rows(dst: Tree, start: int, src: Tree, n: int) -> None:
     """``dst[start:start + n] = src[:n]`` leaf by leaf."""
-    if isinstance(dst, np.ndarray):
-        dst[start : start + n] = src[:n]
-    else:
-        tree_map(lambda d, s: d.__setitem__(slice(start, start + n), s[:n]), dst, src)
+    tree_map(lambda d, s: d.__setitem__(slice(start, start + n), s[:n]), dst, src)
 
 
 def row_of(tree: Tree, index: int) -> Tree:
