@@ -1,7 +1,7 @@
 """The checks an :class:`~asyncsample.batch.EpisodeBatch` runs on its fields when it is built.
 
 A ``ValueError`` names the malformed field and what it should have been. ``batch`` imports this
-module, so the batch passes its fields and its ``StepType`` in.
+module, so the batch passes its fields, spaces and ``StepType`` in.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import gymnasium
 import numpy as np
@@ -25,19 +25,11 @@ __all__ = [
 ]
 
 
-class Spaces(Protocol):
-    """The spaces of a batch's ``env_spec``."""
-
-    @property
-    def observation_space(self) -> gymnasium.Space[Any]: ...
-    @property
-    def action_space(self) -> gymnasium.Space[Any]: ...
-
-
 def check_fields(
     step_type: type[enum.IntEnum],
+    obs_space: gymnasium.Space[Any],
+    action_space: gymnasium.Space[Any],
     *,
-    env_spec: Spaces,
     episode_infos: dict[str, Any],
     observations: Tree,
     last_observations: Tree,
@@ -87,7 +79,6 @@ def check_fields(
             f"got {_describe_array(agent_versions)}"
         )
 
-    obs_space = env_spec.observation_space
     last_prefix = (
         "last_observations must have the same number of entries as the observation space: "
         "each last observation"
@@ -95,7 +86,7 @@ def check_fields(
     for tree, field, size, what, space, prefix in (
         (observations, "observations", n_steps, "rewards", obs_space, "Each observation"),
         (last_observations, "last_observations", n_episodes, "lengths", obs_space, last_prefix),
-        (actions, "actions", n_steps, "rewards", env_spec.action_space, "Each action"),
+        (actions, "actions", n_steps, "rewards", action_space, "Each action"),
     ):
         check_batched(tree, field, size, what)
         problem = space_mismatch(tree, space)

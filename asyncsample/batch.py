@@ -158,7 +158,9 @@ class EpisodeBatch:
     agent_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        check_fields(StepType, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        spec = fields.pop("env_spec")
+        check_fields(StepType, spec.observation_space, spec.action_space, **fields)
 
     def __repr__(self) -> str:
         return (
