@@ -11,14 +11,12 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import time
 import warnings
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import numpy as np
-import psutil
 
 from asyncsample import _validate
 from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
@@ -155,7 +153,14 @@ class SamplerCore:
             max_episode_length=self._factory.max_episode_length,
             close_timeout=self.close_timeout,
         )
-        self._check_memory(n_workers, self.envs_per_worker)
+        _validate.memory_fits(
+            self.env_spec.observation_space,
+            self.env_spec.action_space,
+            n_workers=n_workers,
+            envs_per_worker=self.envs_per_worker,
+            chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
+            shared=self.traits.shared_memory,
+        )
         self.seed, self.seeds = worker_seeds(seed, n_workers, self.envs_per_worker)
         self.agent_seeds = [s.agent_seed for s in self.seeds]
         # RandomAgents are built as the sampler starts: a constructor costs O(1) in workers.
@@ -595,26 +600,6 @@ class SamplerCore:
         if agent is not None:
             for a in {id(a): a for a in self.agents}.values():
                 pickle_agent(a)  # TypeError naming the agent when it cannot travel
-
-    def _check_memory(self, n_workers: int, envs_per_worker: int) -> None:
-        """Refuse envs and buffers that cannot fit in memory (:func:`_validate.memory_fits`)."""
-        shm_free: int | None = None
-        shared = self.traits.shared_memory
-        if shared:
-            try:
-                shm_free = shutil.disk_usage("/dev/shm").free
-            except OSError:  # no /dev/shm (macOS): shared memory comes from ordinary memory
-                shared = False
-        _validate.memory_fits(
-            self.env_spec.observation_space,
-            self.env_spec.action_space,
-            n_workers=n_workers,
-            envs_per_worker=envs_per_worker,
-            chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
-            shared=shared,
-            available=psutil.virtual_memory().available,
-            shm_free=shm_free,
-        )
 
     def _chunk_capacity(self, chunk_steps: int) -> int:
         """A host slot's chunk capacity for chunks of ``chunk_steps`` (host mode)."""

@@ -5,12 +5,14 @@ out of range a ``ValueError``, each naming the argument, what was expected and w
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard, TypeVar
 
 import cloudpickle
 import gymnasium as gym
 import numpy as np
+import psutil
 
 from asyncsample.env_update import EnvId, EnvSource, is_env_source
 
@@ -403,12 +405,17 @@ def memory_fits(
     envs_per_worker: int,
     chunk_steps: int,
     shared: bool,
-    available: int,
-    shm_free: int | None,
 ) -> None:
     """Refuse a sampler whose envs (``PER_ENV_BYTES`` each), step buffers and, in host mode,
-    chunk buffers (``chunk_steps`` rows per env) cannot fit: in shared memory (``shm_free``
-    bytes, ``None`` where unknown) when ``shared``, else in ``available`` bytes."""
+    chunk buffers (``chunk_steps`` rows per env) cannot fit: in /dev/shm when the buffers are
+    ``shared`` (and there is one), else in the available memory."""
+    shm_free: int | None = None
+    if shared:
+        try:
+            shm_free = shutil.disk_usage("/dev/shm").free
+        except OSError:  # no /dev/shm (macOS): shared memory comes from ordinary memory
+            shared = False
+    available = psutil.virtual_memory().available
     envs = n_workers * envs_per_worker
     row = 2 * _leaf_bytes(observation_space) + _leaf_bytes(action_space) + _ROW_EXTRA_BYTES
     buffers = envs * row * (1 + chunk_steps)
