@@ -76,8 +76,7 @@ class SamplerCore:
     :class:`SamplerConfig` it is built from."""
 
     def __init__(self, config: SamplerConfig) -> None:
-        env, agent, inference = config.env, config.agent, config.inference
-        backend, test_env, metrics = config.backend, config.test_env, config.metrics
+        agent, backend, test_env = config.agent, config.backend, config.test_env
         self.closed = True  # until construction succeeds: __del__ must not warn
         self.n_workers = n_workers = _validate.positive_int("n_workers", config.n_workers)
         self.envs_per_worker = _validate.positive_int("envs_per_worker", config.envs_per_worker)
@@ -130,9 +129,9 @@ class SamplerCore:
             worker_class=worker_class,
             worker_args=worker_args,
         )
-        self.env_sources = self._check_envs(env, "env")
+        self.env_sources = self._check_envs(config.env, "env")
         self.agents = self._check_agents(agent)
-        options = check_inference(inference, agent)  # validated before any work
+        options = check_inference(config.inference, agent)  # validated before any work
         lanes = None
         if self.lanes:
             options = self._check_lane_inference(options, worker_class)
@@ -181,7 +180,7 @@ class SamplerCore:
         self.restarts = 0
         self.last_stats: SampleStats | None = None
         self.metrics = make_metrics(
-            metrics,
+            config.metrics,
             backend=backend,
             n_workers=n_workers,
             env_parallel=self.traits.env_parallel(

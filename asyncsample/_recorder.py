@@ -308,7 +308,6 @@ class Recorder:
     the next call begins, because the plans handed to the sampler point into them."""
 
     def __init__(self, n_envs: int) -> None:
-        self.n_envs = n_envs
         self.rows = Rows(n_envs)
         self.pieces: list[Piece] = []
         self.piece_start = np.zeros(n_envs, dtype=np.int64)

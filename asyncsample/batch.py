@@ -435,10 +435,9 @@ class EpisodeBatch:
             concat_infos([as_info_arrays(p.get(k), k) for p in paths], lengths.tolist(), k)
             for k in ("env_infos", "agent_infos")
         )
-        episode_infos = stack_infos([p.get("episode_infos") or {} for p in paths])
         return cls(
             env_spec=env_spec,
-            episode_infos=episode_infos,
+            episode_infos=stack_infos([p.get("episode_infos") or {} for p in paths]),
             observations=tree_concat(observations),
             last_observations=tree_concat(last_observations),
             actions=tree_concat([tree_map(np.asarray, p["actions"]) for p in paths]),
