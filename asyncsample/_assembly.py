@@ -45,9 +45,8 @@ class Plan:
         lengths, step_types: per episode and per transition.
         last_observations: per episode, the observation after its last step.
         episode_infos: per episode, its info dict.
-        agent_info_masks: for agent info keys not present on every row, a boolean
-            ``(rows, n_envs)`` array, true where the key was present; a key without a mask
-            is present on every row of the plan.
+        agent_info_masks: per agent info key absent on some of the plan's rows, a boolean
+            ``(rows, n_envs)`` array, true where present.
     """
 
     obs: Tree
@@ -75,10 +74,9 @@ class Plan:
 class BatchMemory:
     """The memory of the large fields of a sampler's batches, used again once let go.
 
-    Fresh memory for a large batch costs the kernel's zeroing of every page at first touch, as
-    much as the copy for raw image frames. This keeps the arrays of the last batches and
-    gathers the next batch into one that nothing refers to any more (a batch's views and
-    anything kept of it hold a reference to the array that owns the memory).
+    Fresh memory costs the kernel's zeroing of every page at first touch, as much as the copy
+    for raw image frames. The next batch is gathered into an array of the last batches that
+    nothing refers to any more (every view of a batch refers to the array owning its memory).
 
     Args:
         keep: arrays kept for reuse at most (those still held by batches count too).

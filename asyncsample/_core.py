@@ -1,7 +1,6 @@
-"""The sampler's core: state, lock, start, one sampling round, agent and env updates.
+"""The sampler's core (package-internal): state, lock, start, one sampling round, updates.
 
-Package-internal: the public :class:`~asyncsample.Sampler`, ``stream()`` and ``evaluate()`` are
-layers over :class:`SamplerCore` (see docs/architecture.md).
+:class:`~asyncsample.Sampler`, ``stream()`` and ``evaluate()`` are layers over it.
 """
 
 from __future__ import annotations

@@ -122,12 +122,10 @@ class EpisodeBatch:
     ``ValueError`` naming the offending field. ``==`` is identity; :meth:`equals` compares
     contents.
 
-    Info keys (see [Info keys](contract.md#info-keys)) are never dropped: a key on every step is
-    stacked; a key only on episodes' last steps (``TERMINAL``/``TIMEOUT``, judged per batch)
-    moves to ``episode_infos``, unless its name is taken there; any other sparse key stays per
-    step. A key absent somewhere holds its fill value there (:func:`fill_value`: NaN for floats,
-    ``None`` for objects, else zero), with a boolean ``"_" + key`` mask true where present;
-    nested dicts are masked key by key. Every method keeps masks consistent.
+    Info keys are never dropped (see [Info keys](contract.md#info-keys)): a key absent on some
+    steps (or episodes) holds its fill value there (:func:`fill_value`: NaN for floats, ``None``
+    for objects, else zero) and a boolean ``"_" + key`` mask, true where present (nested dicts
+    key by key); a key only on episodes' last steps moves to ``episode_infos``.
 
     Attributes:
         env_spec: spaces of the observations and actions, and the episode time limit.
