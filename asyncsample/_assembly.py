@@ -119,8 +119,7 @@ class BatchMemory:
 def _gather(
     plans: list[Plan], records: list[Any], like: np.ndarray, memory: BatchMemory | None = None
 ) -> np.ndarray:
-    """One field of the batch: every plan's rows of ``records`` (rows shaped like ``like``),
-    gathered into one array."""
+    """One field of the batch: every plan's rows of ``records`` (shaped like ``like``)."""
     total = sum(len(p.rows) for p in plans)
     if memory is None:
         out = np.empty((total, *like.shape[1:]), dtype=like.dtype)

@@ -41,8 +41,7 @@ def check_fields(
     lengths: np.ndarray,
     agent_versions: np.ndarray | None,
 ) -> None:
-    """Check the shapes, dtypes and consistency of every field of a batch, whose
-    ``step_types`` hold ``step_type``; a ``ValueError`` names the first malformed field."""
+    """Check every field's shape, dtype and consistency; a ``ValueError`` names a bad one."""
     _check_ndarray("lengths", lengths)
     if lengths.ndim != 1:
         raise ValueError(

@@ -71,8 +71,7 @@ EnvUpdateArg = EnvChoice | list[EnvChoice]
 
 
 class SamplerCore:
-    """The state of one sampler and what every call is made of; checks the
-    :class:`SamplerConfig` it is built from."""
+    """The state of one sampler and what every call is made of, from a checked config."""
 
     def __init__(self, config: SamplerConfig) -> None:
         agent, backend, test_env = config.agent, config.backend, config.test_env
@@ -274,8 +273,7 @@ class SamplerCore:
         await self.mode.aclose()
 
     def close_now(self) -> bool:
-        """Release the hosts without awaiting (an unclosed sampler's ``__del__``); whether there
-        was anything to release."""
+        """Release the hosts without awaiting (``__del__``); whether there was anything to."""
         if self.closed or self.backend is None:
             return False
         close_now = getattr(self.backend, "close_now", None)
@@ -547,8 +545,7 @@ class SamplerCore:
     def _check_lane_inference(
         self, options: Batched | Host | None, worker_class: type[Worker]
     ) -> Batched | Host | None:
-        """The lane backends batch the agent calls themselves; ``host`` mode and
-        ``compute_actions`` do not apply there."""
+        """The lane backends batch agent calls themselves: no ``host`` mode or hooks there."""
         if isinstance(options, Host):
             raise ValueError(
                 f"inference='host' needs backend={with_trait('host_mode')}, got "

@@ -81,8 +81,7 @@ class Rows:
     room: int = 1  # rows a chunk needs free in the arena (its capacity and the spare row)
 
     def use_arena(self, arena: Tree, room: int) -> None:
-        """Keep the observations in ``arena`` (see :attr:`arena`): now if no row is recorded,
-        else from the next call on."""
+        """Keep the observations in ``arena``: now if no row is recorded, else from next call."""
         if self.arena is None:
             self.arena, self.room = arena, room
             if self.size == 0:
@@ -93,15 +92,13 @@ class Rows:
         return 0 if self.arena is None else len(tree_leaves(self.arena)[0])
 
     def arena_row(self, t: int) -> int:
-        """The arena row a chunk's first step recorded at row ``t`` goes to when the host
-        writes it in place (a chunk's room must fit), else -1."""
+        """The arena row where the host writes a chunk starting at row ``t`` in place, or -1."""
         if not self.on_arena or self.base + t + self.room > self.arena_rows():
             return -1
         return self.base + t
 
     def clear(self, append: bool = False) -> None:
-        """Forget every row (the buffers are kept for reuse); ``append``: new observation rows
-        go after the old ones in the arena (a chunk run ahead is writing there)."""
+        """Forget every row; ``append``: a chunk run ahead writes past the old rows in the arena."""
         if self.arena is not None:
             self._rebase(self._next_base(None, append), 0)
         self.size = 0
@@ -171,8 +168,7 @@ class Rows:
         self.on_arena = False
 
     def drop_before(self, start: int, append: bool = False) -> None:
-        """Forget rows before ``start``, moving the rest to the front (episodes in progress);
-        in the arena, the rows kept stay in place while there is room after them."""
+        """Forget rows before ``start``; the rest move to the front (or stay put in the arena)."""
         n = self.size - start
         if start == 0:
             return
@@ -272,8 +268,7 @@ def _column(rows: Rows, key: str, value: np.ndarray, per_env: tuple[int, ...]) -
 
 
 def _mark_present(rows: Rows, where: Any, agent_infos: dict[str, np.ndarray]) -> None:
-    """Record at ``where`` which keys ``agent_infos`` has (presence lives beside the values, so
-    the rows' growth and carry-over move it with them)."""
+    """Record at ``where`` which keys ``agent_infos`` has (in columns beside the values)."""
     for name, present in rows.agent_infos.items():
         if name.startswith(_PRESENT):
             present[where] = name[len(_PRESENT) :] in agent_infos
@@ -295,8 +290,7 @@ def store_agent_infos(
 def store_agent_info_block(
     rows: Rows, start: int, n: int, agent_infos: dict[str, np.ndarray]
 ) -> None:
-    """:func:`store_agent_infos` for ``n`` rows from ``start`` at once: ``agent_infos`` holds
-    every key of those rows, stacked over them (leading axis ``n``)."""
+    """:func:`store_agent_infos` for ``n`` rows from ``start``, each key stacked over them."""
     block = slice(start, start + n)
     for key, value in agent_infos.items():
         _column(rows, key, value, value.shape[2:])[block] = value[:n]
@@ -368,8 +362,7 @@ class Recorder:
         self.piece_start[env] = stop
 
     def open_steps(self) -> int:
-        """Transitions of the episodes still running that this call recorded (rows a restart
-        dropped are not counted)."""
+        """Transitions of the running episodes recorded this call (not rows a restart dropped)."""
         return int(np.maximum(self.positions() - self.piece_start, 0).sum())
 
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:

@@ -69,8 +69,7 @@ def _is_sequence(value: object) -> TypeGuard[Sequence[Any] | np.ndarray[Any, Any
 
 
 def _int_at_least(name: str, value: object, low: int, tail: str = "") -> int:
-    """``value`` as an int >= ``low`` (numpy ints accepted, bool rejected); ``tail`` ends the
-    type error's "must be" (``" or None"`` for the optional kinds)."""
+    """``value`` as an int >= ``low``; ``tail`` ends the type error (``" or None"``)."""
     if not _is_int(value):
         raise TypeError(f"{name} must be an int >= {low}{tail}, got {_shown(value)}")
     if value < low:
@@ -174,8 +173,7 @@ def amounts(name: str, value: object) -> dict[str, float]:
 
 
 def choice(name: str, value: _T, choices: Sequence[_T]) -> _T:
-    """``value`` if it is one of ``choices``; else, whatever its type, a ``ValueError`` listing
-    them."""
+    """``value`` if it is one of ``choices``; else (whatever its type) a ``ValueError``."""
     try:
         if value in choices:
             return value
@@ -293,8 +291,7 @@ def env_source(name: str, source: object) -> EnvSource:
 
 
 def per_worker_sources(name: str, value: object, n_workers: int, n_envs: int) -> list[Any]:
-    """One resolved env source (or update) per worker, or a list of one per env; ``None``
-    entries (no update) are kept."""
+    """One resolved env source (or update, ``None`` kept) per worker, or a list per env."""
     if not isinstance(value, list):
         # One source for every worker: resolved (and later pickled) once, not per worker.
         return per_worker_sources(name, [value], 1, n_envs) * n_workers

@@ -96,8 +96,7 @@ class Sampler:
         self.n_workers: int = core.n_workers
         self.envs_per_worker: int = core.envs_per_worker
         self.n_processes: int = core.n_processes
-        """Env hosts the backend starts: ``min(n_processes or cpu count, n_workers)``, ``1`` for
-        ``local`` (see [Backends](backends.md))."""
+        """Env hosts the backend starts (``1`` for ``local``; see [Backends](backends.md))."""
         self.max_episode_length: int | None = core.max_episode_length
         self.backend_name: str = core.backend_name
         self.step_timeout: float | None = core.step_timeout
@@ -117,11 +116,8 @@ class Sampler:
         envs: EnvSource | list[Any],
         **kwargs: Any,
     ) -> Sampler:
-        """Build a sampler from a :class:`WorkerFactory` (garage's constructor).
-
-        ``worker_args["n_envs"]``, if given, sets ``envs_per_worker``; ``kwargs`` are the other
-        constructor arguments.
-        """
+        """Build a sampler from a :class:`WorkerFactory` (garage's constructor); its
+        ``worker_args["n_envs"]``, if given, sets ``envs_per_worker``."""
         worker_args = dict(worker_factory.worker_args)
         kwargs.setdefault("envs_per_worker", worker_args.pop("n_envs", 1))
         return cls(
@@ -243,8 +239,7 @@ class Sampler:
                 [Stragglers](contract.md#stragglers-fraction_samples)).
 
         Returns:
-            At least ``num_samples`` transitions of complete episodes, worker-major;
-            :attr:`last_stats` describes the call.
+            At least ``num_samples`` transitions; :attr:`last_stats` describes the call.
 
         Raises:
             TypeError: an argument or update of the wrong type (or not picklable), before any
