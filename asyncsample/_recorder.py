@@ -30,14 +30,11 @@ __all__ = [
 
 
 class Resume(enum.Enum):
-    """What a sampler call continues from the previous one (and what it leaves for the next).
+    """What a sampler call continues from the previous one (and leaves for the next).
 
-    Attributes:
-        NOTHING: fresh episodes; whatever was running is reset.
-        FRAGMENTS: episodes left running by ``obtain_fragments`` continue (their earlier steps
-            were returned as fragments).
-        EPISODES: episodes left running continue with their steps so far kept, so they come out
-            whole (a stream of complete episodes).
+    ``NOTHING``: fresh episodes. ``FRAGMENTS``: the episodes ``obtain_fragments`` left running
+    continue (their earlier steps were returned). ``EPISODES``: running episodes continue with
+    their steps so far kept, so they come out whole (a stream of complete episodes).
     """
 
     NOTHING = "nothing"
@@ -317,11 +314,8 @@ class Recorder:
         return self.rows.size if self.cursor is None else self.cursor
 
     def begin(self, resume: Resume, lengths: np.ndarray, append: bool = False) -> None:
-        """Start a call's records; with :attr:`Resume.EPISODES` the running episodes keep theirs.
-
-        ``lengths``: each env's current episode's steps so far; ``append``: a chunk run ahead
-        may be writing into the arena past the last call's rows.
-        """
+        """Start a call's records (``lengths``: each env's episode's steps so far; ``append``: as
+        in :meth:`Rows.clear`); with :attr:`Resume.EPISODES` the running episodes keep theirs."""
         if resume is Resume.EPISODES and self._carry_from is not None:
             # Episodes left running keep their steps: move their rows to the front.
             self.rows.drop_before(self._carry_from, append)
