@@ -1,14 +1,8 @@
 """Cut episodes out of the workers' time-major step records into one batch, in one copy.
 
-Each worker records step ``t`` of env ``e`` at row ``(t, e)``. At the end of a call every worker
-describes its episodes as a :class:`Plan` (which rows, in which order); :func:`assemble` then
-allocates each field of the batch once and gathers every worker's rows straight into it, so a
-batch of image observations costs one copy of them, not one per worker and one more to
-concatenate.
-
-Info keys are sorted here by the rule in :mod:`asyncsample.batch` ("Info keys"): keys on every
-step are stacked, keys only on episodes' last steps go to ``episode_infos``, and any other sparse
-key stays per step with a ``"_" + key`` presence mask.
+Each worker describes its episodes as a :class:`Plan` (which rows, in which order);
+:func:`assemble` allocates each field once and gathers every worker's rows straight into it.
+Info keys are sorted by the rule of :class:`~asyncsample.batch.EpisodeBatch`.
 """
 
 from __future__ import annotations
@@ -51,9 +45,8 @@ class Plan:
         lengths, step_types: per episode and per transition.
         last_observations: per episode, the observation after its last step.
         episode_infos: per episode, its info dict.
-        agent_info_masks: for agent info keys not present on every row, a boolean
-            ``(rows, n_envs)`` array, true where the key was present; a key without a mask
-            is present on every row of the plan.
+        agent_info_masks: per agent info key absent on some of the plan's rows, a boolean
+            ``(rows, n_envs)`` array, true where present.
     """
 
     obs: Tree
@@ -81,19 +74,13 @@ class Plan:
 class BatchMemory:
     """The memory of the large fields of a sampler's batches, used again once let go.
 
-    A new batch of large observations written into freshly allocated memory pays for the
-    kernel mapping and zeroing every page of it at first touch, which for raw image frames
-    costs as much as the copy itself. This keeps the arrays of the last batches and gathers the
-    next batch into one of them, but only into an array that nothing else refers to any more:
-    the batch, its views (slices, ``split``, ``torch.from_numpy``...) and anything the user
-    kept of it each hold a reference to the array (numpy views refer to the array that owns
-    the memory), so an array still reachable from a batch is never written again. Only the
-    sampler's thread pool and event loop take arrays, under a lock.
+    Fresh memory costs the kernel's zeroing of every page at first touch, as much as the copy
+    for raw image frames. The next batch is gathered into an array of the last batches that
+    nothing refers to any more (every view of a batch refers to the array owning its memory).
 
     Args:
-        keep: arrays kept for reuse at most (those still held by batches count too): after the
-            batches are let go, this much memory stays with the sampler until it is closed.
-        min_bytes: fields smaller than this are allocated afresh (their pages cost little).
+        keep: arrays kept for reuse at most (those still held by batches count too).
+        min_bytes: fields smaller than this are allocated afresh.
     """
 
     def __init__(self, keep: int = 3, min_bytes: int = 1 << 20) -> None:
@@ -101,8 +88,7 @@ class BatchMemory:
         self.min_bytes = min_bytes
         self._arrays: list[np.ndarray] = []
         self._lock = threading.Lock()
-        self.reused = 0
-        """Arrays handed out again (for tests and benchmarks)."""
+        self.reused = 0  # arrays handed out again (for tests and benchmarks)
 
     def take(self, n: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         """An array of ``n`` rows of ``shape``: memory nothing refers to any more, or new."""
@@ -131,14 +117,10 @@ class BatchMemory:
 
 
 def _gather(
-    plans: list[Plan],
-    records: list[Any],
-    likes: list[np.ndarray],
-    memory: BatchMemory | None = None,
+    plans: list[Plan], records: list[Any], like: np.ndarray, memory: BatchMemory | None = None
 ) -> np.ndarray:
-    """One field of the batch: every plan's rows of ``records``, gathered into one array."""
+    """One field of the batch: every plan's rows of ``records`` (shaped like ``like``)."""
     total = sum(len(p.rows) for p in plans)
-    like = likes[0]
     if memory is None:
         out = np.empty((total, *like.shape[1:]), dtype=like.dtype)
     else:
@@ -162,35 +144,26 @@ def _gather(
 def assemble(
     env_spec: EnvSpec, plans: list[Plan], memory: BatchMemory | None = None
 ) -> EpisodeBatch:
-    """The episodes of all ``plans``, in order, as one :class:`EpisodeBatch`; the observations
-    go into ``memory``'s arrays when given."""
+    """The episodes of all ``plans``, in order, as one batch (observations in ``memory``)."""
     live = [p for p in plans if len(p.rows)] or plans[:1]
 
     def field_of(name: str, like: str, memory: BatchMemory | None = None) -> Tree:
         records = [getattr(p, name) for p in live]
-        likes = [getattr(p, like) for p in live]
+        first = getattr(live[0], like)
         if any(r is None for r in records):
-            return tree_map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), likes[0])
-        return tree_map(
-            lambda *leaves: _gather(
-                live, list(leaves[: len(live)]), list(leaves[len(live) :]), memory
-            ),
-            *records,
-            *likes,
-        )
+            return tree_map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), first)
+        return tree_map(lambda x, *leaves: _gather(live, list(leaves), x, memory), first, *records)
+
+    def column(name: str, empty: np.ndarray) -> np.ndarray:
+        records = [getattr(p, name) for p in live]
+        if any(r is None for r in records):
+            return empty
+        return _gather(live, records, records[0][0])
 
     observations = field_of("obs", "like_obs", memory)
     actions = field_of("actions", "like_actions")
-    rewards_records = [p.rewards for p in live if p.rewards is not None]
-    if len(rewards_records) < len(live):
-        rewards = np.zeros(0)
-    else:
-        rewards = _gather(live, rewards_records, [r[0] for r in rewards_records])
-    version_records = [p.versions for p in live if p.versions is not None]
-    if len(version_records) < len(live):
-        versions = np.zeros(len(rewards), dtype=np.int64)
-    else:
-        versions = _gather(live, version_records, [v[0] for v in version_records])
+    rewards = column("rewards", np.zeros(0))
+    versions = column("versions", np.zeros(len(rewards), dtype=np.int64))
     step_types = np.concatenate([p.step_types for p in plans])
     lengths = np.concatenate([p.lengths for p in plans])
     ends = np.cumsum(lengths) - 1
@@ -266,7 +239,7 @@ def _agent_infos(
     for key in keys:
         if all(key in p.agent_infos and key not in p.agent_info_masks for p in live):
             records = [p.agent_infos[key] for p in live]
-            out[key] = _gather(live, records, [r[0] for r in records])
+            out[key] = _gather(live, records, records[0][0])
             continue
         values: list[np.ndarray] = []
         masks: list[np.ndarray] = []
@@ -299,21 +272,6 @@ def _agent_infos(
         else:
             out[key] = value
             out[mask_key(key)] = present
-    return out
-
-
-def step_types_of(
-    lengths: list[int], starts_episode: list[bool], ends: list[StepType | None]
-) -> np.ndarray:
-    """Step types of consecutive pieces: FIRST at an episode's start, its end type last."""
-    out = np.full(sum(lengths), StepType.MID, dtype=np.uint8)
-    offset = 0
-    for n, first, end in zip(lengths, starts_episode, ends):
-        if first:
-            out[offset] = StepType.FIRST
-        if end is not None:
-            out[offset + n - 1] = end
-        offset += n
     return out
 
 

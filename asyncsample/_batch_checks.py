@@ -1,12 +1,7 @@
 """The checks an :class:`~asyncsample.batch.EpisodeBatch` runs on its fields when it is built.
 
-A malformed batch should fail where it is made, with a ``ValueError`` naming the field and what
-it should have been, not deep inside a learner. :func:`check_fields` is the whole check, run by
-``EpisodeBatch.__post_init__``; the helpers below it check one kind of field each.
-
-This module does not import :mod:`asyncsample.batch` (which imports it), not even for types:
-the batch passes itself (read as :class:`BatchFields`) and its
-:class:`~asyncsample.batch.StepType` in.
+A ``ValueError`` names the malformed field and what it should have been. ``batch`` imports this
+module, so the batch passes its fields, spaces and ``StepType`` in.
 """
 
 from __future__ import annotations
@@ -14,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import gymnasium
 import numpy as np
@@ -22,7 +17,6 @@ import numpy as np
 from asyncsample._tree import Tree
 
 __all__ = [
-    "BatchFields",
     "check_batched",
     "check_fields",
     "check_infos",
@@ -31,50 +25,24 @@ __all__ = [
 ]
 
 
-class Spaces(Protocol):
-    """The spaces of a batch's ``env_spec``."""
-
-    @property
-    def observation_space(self) -> gymnasium.Space[Any]: ...
-    @property
-    def action_space(self) -> gymnasium.Space[Any]: ...
-
-
-class BatchFields(Protocol):
-    """The fields of an :class:`~asyncsample.batch.EpisodeBatch` that :func:`check_fields` reads."""
-
-    @property
-    def env_spec(self) -> Spaces: ...
-    @property
-    def episode_infos(self) -> dict[str, Any]: ...
-    @property
-    def observations(self) -> Tree: ...
-    @property
-    def last_observations(self) -> Tree: ...
-    @property
-    def actions(self) -> Tree: ...
-    @property
-    def rewards(self) -> np.ndarray: ...
-    @property
-    def env_infos(self) -> dict[str, Any]: ...
-    @property
-    def agent_infos(self) -> dict[str, Any]: ...
-    @property
-    def step_types(self) -> np.ndarray: ...
-    @property
-    def lengths(self) -> np.ndarray: ...
-    @property
-    def agent_versions(self) -> np.ndarray | None: ...
-
-
-def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
-    """Check the shapes, dtypes and consistency of every field of ``batch``, whose
-    ``step_types`` hold ``step_type``; a ``ValueError`` names the first malformed field."""
-    lengths = batch.lengths
-    if not isinstance(lengths, np.ndarray):
-        raise ValueError(
-            f"lengths is of type {type(lengths).__name__}, but must be a numpy.ndarray"
-        )
+def check_fields(
+    step_type: type[enum.IntEnum],
+    obs_space: gymnasium.Space[Any],
+    action_space: gymnasium.Space[Any],
+    *,
+    episode_infos: dict[str, Any],
+    observations: Tree,
+    last_observations: Tree,
+    actions: Tree,
+    rewards: np.ndarray,
+    env_infos: dict[str, Any],
+    agent_infos: dict[str, Any],
+    step_types: np.ndarray,
+    lengths: np.ndarray,
+    agent_versions: np.ndarray | None,
+) -> None:
+    """Check every field's shape, dtype and consistency; a ``ValueError`` names a bad one."""
+    _check_ndarray("lengths", lengths)
     if lengths.ndim != 1:
         raise ValueError(
             f"lengths has shape {lengths.shape}, but must be 1-D with one entry per episode"
@@ -88,11 +56,7 @@ def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
     n_episodes = lengths.shape[0]
     expected_steps = int(lengths.sum())
 
-    rewards = batch.rewards
-    if not isinstance(rewards, np.ndarray):
-        raise ValueError(
-            f"rewards is of type {type(rewards).__name__}, but must be a numpy.ndarray"
-        )
+    _check_ndarray("rewards", rewards)
     if rewards.ndim != 1:
         raise ValueError(
             f"rewards has shape {rewards.shape}, but must have shape ({expected_steps},)"
@@ -104,40 +68,39 @@ def check_fields(batch: BatchFields, step_type: type[enum.IntEnum]) -> None:
             "(entries of rewards)"
         )
 
-    versions = batch.agent_versions
-    if versions is not None and (
-        not isinstance(versions, np.ndarray)
-        or versions.shape != (n_steps,)
-        or not np.issubdtype(versions.dtype, np.integer)
+    if agent_versions is not None and (
+        not isinstance(agent_versions, np.ndarray)
+        or agent_versions.shape != (n_steps,)
+        or not np.issubdtype(agent_versions.dtype, np.integer)
     ):
         raise ValueError(
             f"agent_versions must be None or an integer numpy.ndarray of shape ({n_steps},), "
-            f"got {_describe_array(versions)}"
+            f"got {_describe_array(agent_versions)}"
         )
 
-    obs_space = batch.env_spec.observation_space
-    check_batched(batch.observations, "observations", n_steps, "rewards")
-    problem = space_mismatch(batch.observations, obs_space)
-    if problem is not None:
-        raise ValueError(f"Each observation{problem}")
+    last_prefix = (
+        "last_observations must have the same number of entries as the observation space: "
+        "each last observation"
+    )
+    for tree, field, size, what, space, prefix in (
+        (observations, "observations", n_steps, "rewards", obs_space, "Each observation"),
+        (last_observations, "last_observations", n_episodes, "lengths", obs_space, last_prefix),
+        (actions, "actions", n_steps, "rewards", action_space, "Each action"),
+    ):
+        check_batched(tree, field, size, what)
+        problem = space_mismatch(tree, space)
+        if problem is not None:
+            raise ValueError(f"{prefix}{problem}")
 
-    check_batched(batch.last_observations, "last_observations", n_episodes, "lengths")
-    problem = space_mismatch(batch.last_observations, obs_space)
-    if problem is not None:
-        raise ValueError(
-            "last_observations must have the same number of entries as the observation "
-            f"space: each last observation{problem}"
-        )
+    check_step_types(step_types, n_steps, step_type)
+    check_infos(env_infos, "env_infos", n_steps, "rewards")
+    check_infos(agent_infos, "agent_infos", n_steps, "rewards")
+    check_infos(episode_infos, "episode_infos", n_episodes, "lengths")
 
-    check_batched(batch.actions, "actions", n_steps, "rewards")
-    problem = space_mismatch(batch.actions, batch.env_spec.action_space)
-    if problem is not None:
-        raise ValueError(f"Each action{problem}")
 
-    check_step_types(batch.step_types, n_steps, step_type)
-    check_infos(batch.env_infos, "env_infos", n_steps, "rewards")
-    check_infos(batch.agent_infos, "agent_infos", n_steps, "rewards")
-    check_infos(batch.episode_infos, "episode_infos", n_episodes, "lengths")
+def _check_ndarray(name: str, value: object) -> None:
+    if not isinstance(value, np.ndarray):
+        raise ValueError(f"{name} is of type {type(value).__name__}, but must be a numpy.ndarray")
 
 
 def _leaves_with_paths(tree: Tree, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -156,10 +119,7 @@ def check_batched(tree: Tree, field: str, size: int, what: str) -> None:
     """Every leaf of ``tree`` must be an ndarray with leading dimension ``size``."""
     for path, leaf in _leaves_with_paths(tree):
         name = f"{field}{path}"
-        if not isinstance(leaf, np.ndarray):
-            raise ValueError(
-                f"{name} is of type {type(leaf).__name__}, but must be a numpy.ndarray"
-            )
+        _check_ndarray(name, leaf)
         if leaf.ndim == 0:
             raise ValueError(
                 f"{name} has shape (), but must have batch size {size} to match {what}"
@@ -171,21 +131,9 @@ def check_batched(tree: Tree, field: str, size: int, what: str) -> None:
             )
 
 
-def _flatdim(space: gymnasium.Space[Any]) -> int | None:
-    """gymnasium's flat dimension of ``space``, or ``None`` when it has none."""
-    try:
-        return int(gymnasium.spaces.flatdim(space))
-    except (NotImplementedError, ValueError, TypeError):
-        return None
-
-
 def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> str | None:
-    """Describe how one item of a batched ``tree`` fails to fit ``space``, or ``None`` if it fits.
-
-    Shapes only (dtype and bounds are not checked, as in garage): an item fits when its shape is
-    the space's shape or, failing that, when its size equals the space's flat dimension. Dict and
-    Tuple spaces are matched part by part. Spaces without a fixed shape accept anything.
-    """
+    """How one item of a batched ``tree`` fails to fit ``space`` (shapes only, as in garage: the
+    space's shape or its flat dimension), or ``None`` if it fits."""
     is_dict = isinstance(space, gymnasium.spaces.Dict)
     is_tuple = isinstance(space, gymnasium.spaces.Tuple)
     if isinstance(tree, np.ndarray):
@@ -195,7 +143,10 @@ def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> s
             return None
         if expected is None and not (is_dict or is_tuple):
             return None
-        flat = _flatdim(space)
+        try:
+            flat: int | None = int(gymnasium.spaces.flatdim(space))
+        except (NotImplementedError, ValueError, TypeError):  # no flat dimension
+            flat = None
         if flat is not None and math.prod(shape) == flat:
             return None
         wanted = f"shape {expected} or " if expected is not None else ""
@@ -203,29 +154,28 @@ def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> s
             f"{path} has shape {shape}, but must have {wanted}{flat} entries to match the "
             f"space {space}"
         )
+    parts: list[tuple[Any, Tree, gymnasium.Space[Any]]]
     if isinstance(space, gymnasium.spaces.Dict) and isinstance(tree, Mapping):
         if set(tree) != set(space.spaces):
             return (
                 f"{path} has keys {sorted(tree)}, but must have the keys "
                 f"{sorted(space.spaces)} of the space {space}"
             )
-        for key, sub in space.spaces.items():
-            problem = space_mismatch(tree[key], sub, f"{path}[{key!r}]")
-            if problem is not None:
-                return problem
-        return None
-    if isinstance(space, gymnasium.spaces.Tuple) and isinstance(tree, tuple):
+        parts = [(key, tree[key], sub) for key, sub in space.spaces.items()]
+    elif isinstance(space, gymnasium.spaces.Tuple) and isinstance(tree, tuple):
         if len(tree) != len(space.spaces):
             return (
                 f"{path} has {len(tree)} parts, but must have the {len(space.spaces)} parts of "
                 f"the space {space}"
             )
-        for i, (sub_tree, sub) in enumerate(zip(tree, space.spaces, strict=True)):
-            problem = space_mismatch(sub_tree, sub, f"{path}[{i}]")
-            if problem is not None:
-                return problem
-        return None
-    return f"{path} is a {type(tree).__name__}, which does not fit the space {space}"
+        parts = [(i, sub_tree, sub) for i, (sub_tree, sub) in enumerate(zip(tree, space.spaces))]
+    else:
+        return f"{path} is a {type(tree).__name__}, which does not fit the space {space}"
+    for key, sub_tree, sub in parts:
+        problem = space_mismatch(sub_tree, sub, f"{path}[{key!r}]")
+        if problem is not None:
+            return problem
+    return None
 
 
 def check_infos(infos: Any, name: str, size: int, what: str) -> None:
@@ -250,19 +200,12 @@ def check_infos(infos: Any, name: str, size: int, what: str) -> None:
 
 def check_step_types(step_types: Any, n_transitions: int, step_type: type[enum.IntEnum]) -> None:
     """``step_types``: shape ``(T,)``, ``step_type`` members (object dtype) or their integers."""
-    if not isinstance(step_types, np.ndarray):
-        raise ValueError(
-            f"step_types is of type {type(step_types).__name__}, but must be a numpy.ndarray"
-        )
+    _check_ndarray("step_types", step_types)
     if step_types.ndim != 1:
         raise ValueError(
             f"step_types has shape {step_types.shape}, but must have shape ({n_transitions},)"
         )
-    if step_types.shape[0] != n_transitions:
-        raise ValueError(
-            f"step_types has batch size {step_types.shape[0]}, but must have batch size "
-            f"{n_transitions} to match rewards"
-        )
+    check_batched(step_types, "step_types", n_transitions, "rewards")
     if step_types.dtype == object:
         kinds = set(map(type, step_types.tolist()))
         if not all(issubclass(k, int | np.integer) and k is not bool for k in kinds):

@@ -1,11 +1,6 @@
-"""The sampler's core: state, lock, start, one sampling round, agent and env updates.
+"""The sampler's core (package-internal): state, lock, start, one sampling round, updates.
 
-:class:`SamplerCore` is what every layer builds on: the public :class:`~asyncsample.Sampler`
-(:mod:`asyncsample.sampler`), ``stream()`` (:mod:`asyncsample.streaming`) and ``evaluate()``
-(:mod:`asyncsample.evaluation`) use it through its methods only. Its names are package-internal:
-not part of the public API. The inference mode is a strategy chosen at construction
-(:mod:`asyncsample.inference.modes`); the rules of a worker's part of a call live in
-:mod:`asyncsample._engine`.
+:class:`~asyncsample.Sampler`, ``stream()`` and ``evaluate()`` are layers over it.
 """
 
 from __future__ import annotations
@@ -15,14 +10,12 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import time
 import warnings
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import numpy as np
-import psutil
 
 from asyncsample import _validate
 from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
@@ -53,7 +46,7 @@ from asyncsample.backends import (
     with_trait,
 )
 from asyncsample.batch import EpisodeBatch
-from asyncsample.env_update import EnvChoice, EnvSource
+from asyncsample.env_update import EnvChoice
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
 from asyncsample.inference.host import Host, pickle_agent
@@ -78,71 +71,55 @@ EnvUpdateArg = EnvChoice | list[EnvChoice]
 
 
 class SamplerCore:
-    """The state of one sampler and what every call is made of (see the module docstring).
-
-    Takes the arguments of :class:`~asyncsample.Sampler` as a :class:`SamplerConfig`, checked
-    here.
-    """
+    """The state of one sampler and what every call is made of, from a checked config."""
 
     def __init__(self, config: SamplerConfig) -> None:
-        env, agent, inference = config.env, config.agent, config.inference
-        backend, test_env, metrics = config.backend, config.test_env, config.metrics
+        agent, backend, test_env = config.agent, config.backend, config.test_env
         self.closed = True  # until construction succeeds: __del__ must not warn
-        n_workers = _validate.positive_int("n_workers", config.n_workers)
-        envs_per_worker = _validate.positive_int("envs_per_worker", config.envs_per_worker)
+        self.n_workers = n_workers = _validate.positive_int("n_workers", config.n_workers)
+        self.envs_per_worker = _validate.positive_int("envs_per_worker", config.envs_per_worker)
         n_processes = _validate.optional_positive_int("n_processes", config.n_processes)
-        max_episode_length = _validate.optional_positive_int(
+        self.max_episode_length = max_episode_length = _validate.optional_positive_int(
             "max_episode_length", config.max_episode_length
         )
         seed = _validate.seed("seed", config.seed)
-        self.traits = traits(backend)
-        """What the backend is (:class:`~asyncsample.backends.Traits`): asked, never its name."""
-        step_timeout = _validate.positive_seconds("step_timeout", config.step_timeout)
-        if step_timeout is not None and not self.traits.preempts:
+        self.traits = traits(backend)  # what the backend is: asked, never its name
+        self.backend_name = backend
+        self.step_timeout = _validate.positive_seconds("step_timeout", config.step_timeout)
+        if self.step_timeout is not None and not self.traits.preempts:
             raise ValueError(
                 f"step_timeout cannot be used with backend={backend!r}: a step that blocks the "
                 f"event loop's thread cannot be pre-empted; use backend={with_trait('preempts')}"
             )
-        max_restarts = _validate.nonnegative_int("max_restarts", config.max_restarts)
-        max_concurrency = _validate.optional_positive_int("max_concurrency", config.max_concurrency)
+        self.max_restarts = _validate.nonnegative_int("max_restarts", config.max_restarts)
+        self.max_concurrency = max_concurrency = _validate.optional_positive_int(
+            "max_concurrency", config.max_concurrency
+        )
         if max_concurrency is not None and not self.traits.per_env:
             raise ValueError(
                 f"max_concurrency caps the env calls in flight of backend={with_trait('per_env')}"
                 f", got it with backend={backend!r} (there, n_workers x envs_per_worker envs "
                 "step at once)"
             )
-        episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
+        self.episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
         self.close_timeout = _validate.seconds("close_timeout", config.close_timeout)
-        self._probe_closing: asyncio.Future[Any] | None = None
-        """The close of the env built to read the spaces, when it runs off the constructor."""
-        host_threads = _validate.optional_positive_int("host_threads", config.host_threads)
+        self._probe_closing: asyncio.Future[Any] | None = None  # the probe env's close, if late
+        self.host_threads = _validate.optional_positive_int("host_threads", config.host_threads)
         worker_class = _validate.subclass("worker_class", config.worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", config.worker_args)
-        if worker_args.setdefault("n_envs", envs_per_worker) != envs_per_worker:
+        if worker_args.setdefault("n_envs", self.envs_per_worker) != self.envs_per_worker:
             raise ValueError(
                 f"worker_args: n_envs ({worker_args['n_envs']}) must equal envs_per_worker "
-                f"({envs_per_worker}); set envs_per_worker instead"
+                f"({self.envs_per_worker}); set envs_per_worker instead"
             )
         backend_options = _validate.options_dict("backend_options", config.backend_options)
 
-        self.n_workers = n_workers
-        self.envs_per_worker = envs_per_worker
         self.n_processes = self.traits.hosts_started(n_processes, n_workers, backend_options)
-        """Env hosts the backend starts (see :attr:`Sampler.n_processes`)."""
         self._requested_processes = n_processes
-        self.max_episode_length = max_episode_length
-        self.backend_name = backend
-        self.lanes = self.traits.per_env
-        """Whether each env is stepped on its own (:mod:`asyncsample._env_tasks`)."""
-        self.max_concurrency = max_concurrency
-        self.episode_timeout = episode_timeout
+        self.lanes = self.traits.per_env  # each env stepped on its own (_env_tasks)
         self.memory = BatchMemory()
-        """The batches' observation memory, used again once a batch is let go."""
         self.admission: Admission | None = None
         """The open stream's admission control (lane backends with ``max_policy_lag``)."""
-        self.step_timeout = step_timeout
-        self.host_threads = host_threads
-        self.max_restarts = int(max_restarts)
         self._factory = WorkerFactory(
             max_episode_length=max_episode_length,
             seed=seed,
@@ -150,22 +127,21 @@ class SamplerCore:
             worker_class=worker_class,
             worker_args=worker_args,
         )
-        self.env_sources = self._check_envs(env, "env")
+        self.env_sources = self._check_envs(config.env, "env")
         self.agents = self._check_agents(agent)
-        options = check_inference(inference, agent)  # validated before any work
+        options = check_inference(config.inference, agent)  # validated before any work
         lanes = None
         if self.lanes:
             options = self._check_lane_inference(options, worker_class)
             lanes = LaneSettings(self.max_restarts, self._count_restart, lambda: self.admission)
         self.mode: InferenceMode = make_mode(options, self._shared_agent_now, lanes)
-        """The inference mode's strategy (:mod:`asyncsample.inference.modes`)."""
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
-            if episode_timeout is not None:
+            if self.episode_timeout is not None:
                 raise ValueError(
                     "episode_timeout needs inference='per_worker' or 'batched' (the sampler "
                     "checks deadlines between steps; with inference='host' a chunk of steps "
-                    f"runs in the env host), got episode_timeout={episode_timeout!r} with "
+                    f"runs in the env host), got episode_timeout={self.episode_timeout!r} with "
                     "inference='host'"
                 )
         self.env_spec, self._time_limited, self._probe_closing = probe_spaces(
@@ -174,15 +150,22 @@ class SamplerCore:
             max_episode_length=self._factory.max_episode_length,
             close_timeout=self.close_timeout,
         )
-        self._check_memory(n_workers, envs_per_worker)
-        self.seed, self.seeds = worker_seeds(seed, n_workers, envs_per_worker)
+        _validate.memory_fits(
+            self.env_spec.observation_space,
+            self.env_spec.action_space,
+            n_workers=n_workers,
+            envs_per_worker=self.envs_per_worker,
+            chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
+            shared=self.traits.shared_memory,
+        )
+        self.seed, self.seeds = worker_seeds(seed, n_workers, self.envs_per_worker)
+        self.agent_seeds = [s.agent_seed for s in self.seeds]
+        # RandomAgents are built as the sampler starts: a constructor costs O(1) in workers.
         self._random_agents = agent is None
-        """The built-in RandomAgent, one per worker: built as the sampler starts, not here
-        (building a sampler costs the loop O(1) in the number of workers)."""
         self.backend_options = backend_options
         self.workers: list[Worker] = []
         self.backend: Backend | None = None
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()  # bound to the loop of its first use
         self.stream_guard = StreamGuard()
         self.started = False
         self.closed = False
@@ -190,28 +173,22 @@ class SamplerCore:
         self.warned_endless = False
         self.total_env_steps = 0
         self.streaming = False
-        self.run_ahead = True
-        """Whether a stream's rounds start the next one early where the mode can (a switch)."""
-        self.test_env: EnvSource | None = None
-        if test_env is not None:
-            self.test_env = _validate.env_source("test_env", test_env)
+        self.run_ahead = True  # a stream's rounds start the next one early where the mode can
+        self.test_env = None if test_env is None else _validate.env_source("test_env", test_env)
         self.restarts = 0
-        """Env-host restarts so far (after env failures or crashes)."""
         self.last_stats: SampleStats | None = None
-        """Statistics of the last call, or of the batch a stream yielded last."""
-        envs = n_workers * envs_per_worker
         self.metrics = make_metrics(
-            metrics,
+            config.metrics,
             backend=backend,
             n_workers=n_workers,
-            env_parallel=self.traits.env_parallel(max_concurrency, envs, self.n_processes),
+            env_parallel=self.traits.env_parallel(
+                max_concurrency, n_workers * self.envs_per_worker, self.n_processes
+            ),
             agent_parallel=self.n_processes if isinstance(self.mode, HostMode) else 1,
             lanes=self.lanes,
         )
-        """The Prometheus metrics (:mod:`asyncsample.metrics`), ``None`` when off."""
 
     async def start(self) -> None:
-        """Start the backend and build every worker's envs (the first call does it if needed)."""
         self.check_open()
         if self.started:
             return
@@ -263,7 +240,7 @@ class SamplerCore:
                     for w, (worker, host) in enumerate(zip(workers, hosts))
                 ]
             )
-            self.mode.attach(workers, self._agent_seeds())
+            self.mode.attach(workers, self.agent_seeds)
             if self.metrics is not None:
                 self.metrics.attach(workers, self.mode.merger if self.lanes else None)
         except BaseException:
@@ -274,7 +251,6 @@ class SamplerCore:
         self.started = True
 
     async def aclose(self) -> None:
-        """Stop every worker and env host and release their resources. Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -297,8 +273,7 @@ class SamplerCore:
         await self.mode.aclose()
 
     def close_now(self) -> bool:
-        """Release the hosts without awaiting (garbage collection of an unclosed sampler);
-        whether there was anything to release."""
+        """Release the hosts without awaiting (``__del__``); whether there was anything to."""
         if self.closed or self.backend is None:
             return False
         close_now = getattr(self.backend, "close_now", None)
@@ -319,7 +294,6 @@ class SamplerCore:
             self.apply_agent_update(agent_update)
 
     def newest_agent_version(self) -> int:
-        """The highest agent version of the workers."""
         return max(w.agent_version for w in self.workers)
 
     def first_agent(self) -> Agent | None:
@@ -338,7 +312,7 @@ class SamplerCore:
         self.check_agent_update(agent_update)
         env_updates = self.check_env_update(env_update)
         started = None if self.metrics is None else self.metrics.call_started()
-        async with self.locked(_CALL_NAMES[mode]):
+        async with self.locked(_CALLS[mode][1]):
             self.check_open()
             await self.start_unlocked()
             if mode != "fragments" and not self.warned_endless:
@@ -349,9 +323,8 @@ class SamplerCore:
                     [w.update_env(u) for w, u in zip(self.workers, env_updates) if u is not None]
                 )
             # obtain_fragments continues the fragments of a previous obtain_fragments call.
-            resume = Resume.NOTHING
-            if mode == "fragments" and self.last_mode == "fragments":
-                resume = Resume.FRAGMENTS
+            fragments = mode == self.last_mode == "fragments"
+            resume = Resume.FRAGMENTS if fragments else Resume.NOTHING
             self.last_mode = mode
             batch, stats = await self.sample_round(mode, quota, resume=resume, fraction=fraction)
         self.total_env_steps += batch.n_transitions
@@ -370,15 +343,8 @@ class SamplerCore:
         fraction: float = 1.0,
         ahead: bool = False,
     ) -> tuple[EpisodeBatch, SampleStats]:
-        """Run every worker's share of one call and put the pieces together, worker-major.
-
-        ``resume`` says what the call continues from the previous one; ``leave`` what a
-        ``samples`` call leaves running for the next (``Resume.EPISODES`` in a stream).
-        ``fraction`` below 1 (``fraction_samples``) shares the quota between the workers (see
-        :class:`SharedQuota`); 1 keeps the fixed per-worker shares. ``ahead`` (a stream's
-        rounds only): another round of the same call follows, so a mode may start it as a
-        worker's part ends, and this round may take over what the previous one started.
-        """
+        """Run every worker's share of one call and put the pieces together, worker-major;
+        ``ahead``: another round of a stream follows, which a mode may start as a part ends."""
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
             worker.finished.clear()
@@ -387,9 +353,7 @@ class SamplerCore:
 
         lane_round = None
         if self.lanes and leave is Resume.EPISODES and mode == "samples":
-            lane_round = LaneRound(
-                sum(share_of(quota, self.n_workers, w) > 0 for w in range(self.n_workers))
-            )
+            lane_round = LaneRound(min(quota, self.n_workers))  # the workers with a share
 
         then = leave if ahead and shared is None and mode != "episodes" else None
 
@@ -408,7 +372,7 @@ class SamplerCore:
             [f for w in self.workers for f in w.finished],
             transitions=batch.n_transitions,
             seconds=time.perf_counter() - start,
-            agent_version=max(w.agent_version for w in self.workers),
+            agent_version=self.newest_agent_version(),
             restarts=self.restarts - restarts,
             worker_transitions=[0 if p is None else int(p.lengths.sum()) for p in plans],
             worker_wait_seconds=[end - t for t in done_at],
@@ -418,7 +382,7 @@ class SamplerCore:
         return batch, stats
 
     def _shared_quota(self, mode: Mode, quota: int, fraction: float) -> SharedQuota | None:
-        """The call's shared quota when ``fraction_samples < 1`` (``None``: fixed shares)."""
+        """The call's shared quota, ``None`` for the fixed shares of ``fraction_samples=1``."""
         if fraction >= 1.0 or mode == "episodes":
             return None
         shares = {w: share_of(quota, self.n_workers, w) for w in range(self.n_workers)}
@@ -427,13 +391,12 @@ class SamplerCore:
         return SharedQuota(quota, minimums)
 
     async def _drive(self, worker: Worker, mode: Mode, quota: int, part: Part) -> Plan | None:
-        """Run one worker's part of a call, rebuilding its host after failures; ``part.then``:
-        a stream round follows that continues what it leaves (see :meth:`sample_round`)."""
+        """Run one worker's part of a call, rebuilding its host after failures."""
         w = worker.worker_number
         share = quota if mode == "episodes" else share_of(quota, self.n_workers, w)
         if share == 0:
             return None
-        rule = StopRule.for_call(_CALL_MODES[mode], share, worker.n_envs)
+        rule = StopRule.for_call(_CALLS[mode][0], share, worker.n_envs)
         worker.episodes.begin(part.resume, rule, ahead=part.then is not None)
         async with self.mode.part(worker):
             stepper = self.mode.stepper(worker, part)
@@ -442,7 +405,7 @@ class SamplerCore:
             return plan
 
     def _count_restart(self, worker: int, failure: WorkerError) -> None:
-        """An env of ``worker`` is rebuilt alone after ``failure`` (the lane backends)."""
+        """Count an env rebuilt alone (the lane backends)."""
         self.restarts += 1
         if self.metrics is not None:
             self.metrics.fault(worker, failure)
@@ -454,8 +417,7 @@ class SamplerCore:
         leave: Resume,
         shared: SharedQuota | None = None,
     ) -> Plan:
-        """The retry loop of :meth:`_drive`: run the worker's part, rebuilding its host after
-        failures (at most ``max_restarts`` times in the call)."""
+        """The retry loop of :meth:`_drive` (at most ``max_restarts`` restarts in the call)."""
         w = worker.worker_number
         budget = RestartBudget(self.max_restarts)
 
@@ -491,8 +453,6 @@ class SamplerCore:
 
         return await budget.run(attempt, lambda exc: exc.retry, failed)
 
-    # -- updates ------------------------------------------------------------------------------
-
     def check_agent_update(self, agent_update: Any) -> None:
         if agent_update is None:
             return
@@ -527,7 +487,7 @@ class SamplerCore:
 
     def _make_random_agents(self) -> list[Agent]:
         space = self.env_spec.action_space
-        return [RandomAgent(space, seed=s.agent_seed) for s in self.seeds]
+        return [RandomAgent(space, seed=seed) for seed in self.agent_seeds]
 
     def _shared_agent(self) -> bool:
         if self._random_agents:  # one RandomAgent per worker, once started
@@ -542,11 +502,8 @@ class SamplerCore:
             agent_update,
             lambda: self._apply_agent_update_now(agent_update, reset=reset),
             self.workers,
-            self._agent_seeds(),
+            self.agent_seeds,
         )
-
-    def _agent_seeds(self) -> list[int]:
-        return [s.agent_seed for s in self.seeds]
 
     def _apply_agent_update_now(self, agent_update: Any, *, reset: bool) -> None:
         if isinstance(agent_update, list):
@@ -572,8 +529,6 @@ class SamplerCore:
                 _validate.check_picklable("env_update", update)
         return per_worker
 
-    # -- construction checks ------------------------------------------------------------------
-
     def _check_envs(self, env: Any, name: str) -> list[Any]:
         if env is None:
             raise TypeError(f"{name} must be a gymnasium id or an env factory, got None")
@@ -590,10 +545,7 @@ class SamplerCore:
     def _check_lane_inference(
         self, options: Batched | Host | None, worker_class: type[Worker]
     ) -> Batched | Host | None:
-        """The lane backends ask the agents for the envs ready at each moment, batched across
-        workers (the mode's :class:`Batcher`, flushed every pass of the loop: a ``Batched``
-        option it cannot honour is refused); the chunked ``host`` mode and a worker's
-        ``compute_actions`` do not apply there."""
+        """The lane backends batch agent calls themselves: no ``host`` mode or hooks there."""
         if isinstance(options, Host):
             raise ValueError(
                 f"inference='host' needs backend={with_trait('host_mode')}, got "
@@ -622,10 +574,7 @@ class SamplerCore:
                 f"{len(agent)}"
             )
         for a in agents:
-            if not callable(getattr(a, "get_actions", None)):
-                raise TypeError(
-                    f"agent must have a get_actions(observations) method, got {type(a).__name__}"
-                )
+            _validate.has_method("agent", a, "get_actions", args="observations")
         return list(agents)
 
     def _check_host_mode(self, agent: Any, worker_class: type[Worker]) -> None:
@@ -647,29 +596,8 @@ class SamplerCore:
             for a in {id(a): a for a in self.agents}.values():
                 pickle_agent(a)  # TypeError naming the agent when it cannot travel
 
-    def _check_memory(self, n_workers: int, envs_per_worker: int) -> None:
-        """Refuse, before any work, envs and buffers that cannot fit in memory (see
-        :func:`~asyncsample._validate.memory_fits`)."""
-        shm_free: int | None = None
-        shared = self.traits.shared_memory
-        if shared:
-            try:
-                shm_free = shutil.disk_usage("/dev/shm").free
-            except OSError:  # no /dev/shm (macOS): shared memory comes from ordinary memory
-                shared = False
-        _validate.memory_fits(
-            self.env_spec.observation_space,
-            self.env_spec.action_space,
-            n_workers=n_workers,
-            envs_per_worker=envs_per_worker,
-            chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
-            shared=shared,
-            available=psutil.virtual_memory().available,
-            shm_free=shm_free,
-        )
-
     def _chunk_capacity(self, chunk_steps: int) -> int:
-        """The chunk capacity of each host slot for chunks of ``chunk_steps`` (host mode)."""
+        """A host slot's chunk capacity for chunks of ``chunk_steps`` (host mode)."""
         return chunk_capacity(
             self.env_spec.observation_space,
             self.env_spec.action_space,
@@ -687,22 +615,14 @@ class SamplerCore:
                 stacklevel=4,
             )
 
-    # -- helpers ------------------------------------------------------------------------------
-
     def check_open(self) -> None:
         if self.closed:
             raise SamplerClosedError("the sampler is closed; create a new one to sample again")
 
     @contextlib.asynccontextmanager
     async def locked(self, call: str) -> AsyncIterator[None]:
-        """Hold the sampler for ``call``; calls from other tasks queue behind the holder.
-
-        A call from the body of an open ``stream()`` of this sampler could never get the
-        sampler: it raises :class:`SamplerBusyError` at once instead of waiting forever (see
-        :mod:`asyncsample._stream_guard`).
-        """
-        if self._lock is None:
-            self._lock = asyncio.Lock()
+        """Hold the sampler for ``call``; calls from other tasks queue behind the holder, and a
+        call from the body of an open ``stream()`` raises :class:`SamplerBusyError` at once."""
         self.stream_guard.check(call)
         async with self._lock:
             if call != "stream":
@@ -718,14 +638,9 @@ class SamplerCore:
 #: From this many workers, the built-in RandomAgents are built in a thread, off the loop.
 _OFF_LOOP_WORKERS = 4096
 
-_CALL_MODES: dict[Mode, CallMode] = {
-    "samples": CallMode.SAMPLES,
-    "episodes": CallMode.EPISODES,
-    "fragments": CallMode.FRAGMENTS,
-}
-
-_CALL_NAMES: dict[Mode, str] = {
-    "samples": "obtain_samples",
-    "episodes": "obtain_exact_episodes",
-    "fragments": "obtain_fragments",
+#: Each call mode's rule for the engine, and the public call's name.
+_CALLS: dict[Mode, tuple[CallMode, str]] = {
+    "samples": (CallMode.SAMPLES, "obtain_samples"),
+    "episodes": (CallMode.EPISODES, "obtain_exact_episodes"),
+    "fragments": (CallMode.FRAGMENTS, "obtain_fragments"),
 }

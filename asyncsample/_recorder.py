@@ -1,8 +1,7 @@
 """What a worker has recorded during a call: time-major step rows, episode pieces and plans.
 
-Per-step work is a handful of numpy row copies into time-major buffers, whatever the number of
-envs is; episodes are cut out of those buffers with one gather per field when they are collected
-(:func:`asyncsample._assembly.assemble` follows the :class:`Plan` a recorder builds).
+A step costs a few row copies, whatever the number of envs; episodes are cut out of the rows
+with one gather per field when collected (:func:`asyncsample._assembly.assemble`).
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample._assembly import Plan, step_types_of
-from asyncsample._tree import Tree, tree_map
+from asyncsample._assembly import Plan
+from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.batch import StepType
 
 __all__ = [
@@ -31,14 +30,11 @@ __all__ = [
 
 
 class Resume(enum.Enum):
-    """What a sampler call continues from the previous one (and what it leaves for the next).
+    """What a sampler call continues from the previous one (and leaves for the next).
 
-    Attributes:
-        NOTHING: fresh episodes; whatever was running is reset.
-        FRAGMENTS: episodes left running by ``obtain_fragments`` continue; their earlier steps
-            were already returned as fragments.
-        EPISODES: episodes left running continue with their steps so far kept, so they come out
-            whole (a stream of complete episodes).
+    ``NOTHING``: fresh episodes. ``FRAGMENTS``: the episodes ``obtain_fragments`` left running
+    continue (their earlier steps were returned). ``EPISODES``: running episodes continue with
+    their steps so far kept, so they come out whole (a stream of complete episodes).
     """
 
     NOTHING = "nothing"
@@ -74,19 +70,15 @@ class Rows:
     versions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
     """The agent version each step was taken under, ``(rows, n_envs)``."""
     arena: Tree = None
-    """Observation records in shared memory that the env host writes itself, ``(R, n_envs,
-    ...)`` (``inference="host"`` on ``process``: see :class:`ObsArena`), or ``None``. While
-    :attr:`on_arena`, :attr:`obs` is the view ``arena[base:]``: the chunks the host wrote in
-    place are the records, and the batch is gathered from them in one copy."""
-    base: int = 0
-    """The arena row of row 0 (while :attr:`on_arena`)."""
+    """Observation records in shared memory that the env host writes itself (``inference=
+    "host"`` on ``process``), or ``None``; while :attr:`on_arena`, :attr:`obs` is the view
+    ``arena[base:]``, so the batch is gathered from the chunks in one copy."""
+    base: int = 0  # the arena row of row 0 (while on_arena)
     on_arena: bool = False
-    room: int = 1
-    """Rows a chunk needs free in the arena (its capacity and the spare row)."""
+    room: int = 1  # rows a chunk needs free in the arena (its capacity and the spare row)
 
     def use_arena(self, arena: Tree, room: int) -> None:
-        """Keep the observations in ``arena`` (see :attr:`arena`): now if no row is recorded,
-        else from the next call on."""
+        """Keep the observations in ``arena``: now if no row is recorded, else from next call."""
         if self.arena is None:
             self.arena, self.room = arena, room
             if self.size == 0:
@@ -94,32 +86,24 @@ class Rows:
 
     def arena_rows(self) -> int:
         """Rows of the arena (0 without one)."""
-        return 0 if self.arena is None else len(_first_leaf(self.arena))
+        return 0 if self.arena is None else len(tree_leaves(self.arena)[0])
 
     def arena_row(self, t: int) -> int:
-        """The arena row a chunk's first step recorded at row ``t`` goes to when the host
-        writes it in place (a chunk's room must fit), else -1."""
+        """The arena row where the host writes a chunk starting at row ``t`` in place, or -1."""
         if not self.on_arena or self.base + t + self.room > self.arena_rows():
             return -1
         return self.base + t
 
     def clear(self, append: bool = False) -> None:
-        """Forget every row (the buffers are kept for reuse); ``append``: new observation rows
-        go after the old ones in the arena (a chunk run ahead is writing there)."""
+        """Forget every row; ``append``: a chunk run ahead writes past the old rows in the arena."""
         if self.arena is not None:
             self._rebase(self._next_base(None, append), 0)
         self.size = 0
         self.env_infos = {}
 
     def _next_base(self, start: int | None, append: bool) -> int:
-        """The arena row of row 0 once rows before ``start`` are dropped (``None``: all of
-        them; ``append``: a chunk may be writing past the rows, which are still to be gathered).
-
-        The front of the arena is taken whenever that is safe, so that the rows in use stay
-        within about two calls' worth and the memory touched stays small: past the rows when a
-        run-ahead could not go to the front, and rows kept for running episodes stay in place
-        (no copy) until they pass the arena's middle.
-        """
+        """The arena row of row 0 once rows before ``start`` (``None``: all) are dropped: the
+        front whenever safe, so the rows in use stay within about two calls' worth."""
         keep = 0 if start is None else max(self.size - start, 0)
         rows = self.arena_rows()
         if self.on_arena:
@@ -136,10 +120,8 @@ class Rows:
         return 0
 
     def next_arena_row(self, start: int | None) -> int:
-        """Where the first chunk of the next call goes in the arena when it is sent now, before
-        this call's rows are gathered (a stream's run-ahead): the row :meth:`clear` or
-        :meth:`drop_before` with ``append`` will give it, when that and the chunk's room stay
-        clear of this call's rows; else -1."""
+        """Where the first chunk of the next call goes in the arena when sent before this call's
+        rows are gathered (a stream's run-ahead), or -1 when it would overlap them."""
         if self.arena is None:
             return -1
         keep = 0 if start is None else max(self.size - start, 0)
@@ -158,36 +140,32 @@ class Rows:
         if not self.on_arena and keep + self.room > self.arena_rows():
             return  # the rows kept do not fit: they stay in local memory
         if keep:
-            src = self.obs
-            src_at = start
 
             def move(a: np.ndarray, old: np.ndarray) -> None:
-                a[base : base + keep] = old[src_at : src_at + keep]  # overlap-safe in numpy
+                a[base : base + keep] = old[start : start + keep]  # overlap-safe in numpy
 
             if self.on_arena:
                 if self.base + start != base:
                     tree_map(move, arena, tree_map(lambda a: a[self.base :], arena))
             else:
-                tree_map(move, arena, src)
+                tree_map(move, arena, self.obs)
         self.base = base
         self.on_arena = True
         self.obs = tree_map(lambda a: a[base:], arena)
 
     def _leave_arena(self, rows: int, obs: Tree) -> None:
         """The records outgrow the arena: the observation rows so far move to local memory."""
-        kept = self.obs
 
         def local(like: np.ndarray, old: np.ndarray) -> np.ndarray:
             arr = np.zeros((self.capacity, *like.shape), dtype=like.dtype)
             arr[:rows] = old[:rows]
             return arr
 
-        self.obs = tree_map(local, obs, kept)
+        self.obs = tree_map(local, obs, self.obs)
         self.on_arena = False
 
     def drop_before(self, start: int, append: bool = False) -> None:
-        """Forget rows before ``start``, moving the rest to the front (episodes in progress);
-        in the arena, the rows kept stay in place while there is room after them."""
+        """Forget rows before ``start``; the rest move to the front (or stay put in the arena)."""
         n = self.size - start
         if start == 0:
             return
@@ -214,16 +192,10 @@ class Rows:
 
     def next_row(self, obs: Tree, actions_like: Tree) -> int:
         """Index of a new row, growing the buffers (shaped like ``obs``/``actions_like``)."""
-        t = self.size
-        if t >= self.capacity:
-            self._grow(obs, actions_like)
-        if self.on_arena and t >= self.arena_rows() - self.base:
-            self._leave_arena(t, obs)
-        self.size = t + 1
-        return t
+        return self.reserve(1, obs, actions_like)
 
     def reserve(self, n: int, obs: Tree, actions_like: Tree) -> int:
-        """Index of the first of ``n`` new rows (growing the buffers as :meth:`next_row` does)."""
+        """Index of the first of ``n`` new rows, growing the buffers as needed."""
         t = self.size
         while t + n > self.capacity:
             self._grow(obs, actions_like)
@@ -234,42 +206,25 @@ class Rows:
 
     def cover(self, t: int, obs: Tree, actions_like: Tree) -> None:
         """Make row ``t`` exist (the envs of a non-lockstep worker each write their own rows)."""
-        while t >= self.capacity:
-            self._grow(obs, actions_like)
-        if self.on_arena and t >= self.arena_rows() - self.base:
-            self._leave_arena(self.size, obs)
         if t >= self.size:
-            self.size = t + 1
+            self.reserve(t + 1 - self.size, obs, actions_like)
 
     def _grow(self, obs: Tree, actions_like: Tree) -> None:
-        new = max(64, 2 * self.capacity)
+        new, old = max(64, 2 * self.capacity), self.capacity
 
-        def grow(old: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+        def grow(records: np.ndarray, like: np.ndarray) -> np.ndarray:
             arr = np.zeros((new, *like.shape), dtype=like.dtype)
-            if old is not None and self.capacity:
-                arr[: self.capacity] = old[: self.capacity]
+            if old:
+                arr[:old] = records[:old]
             return arr
 
-        if self.capacity == 0:
-            if not self.on_arena:
-                self.obs = tree_map(lambda x: grow(None, x), obs)
-            self.actions = tree_map(lambda x: grow(None, x), actions_like)
-            self.rewards = grow(None, np.zeros(self.n_envs))
-            self.versions = grow(None, np.zeros(self.n_envs, dtype=np.int64))
-        else:
-            if not self.on_arena:
-                self.obs = tree_map(grow, self.obs, obs)
-            self.actions = tree_map(grow, self.actions, actions_like)
-            self.rewards = grow(self.rewards, self.rewards[0])
-            self.versions = grow(self.versions, self.versions[0])
-            self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
+        if not self.on_arena:
+            self.obs = tree_map(grow, self.obs if old else obs, obs)
+        self.actions = tree_map(grow, self.actions if old else actions_like, actions_like)
+        self.rewards = grow(self.rewards, np.zeros(self.n_envs))
+        self.versions = grow(self.versions, np.zeros(self.n_envs, dtype=np.int64))
+        self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
         self.capacity = new
-
-
-def _first_leaf(tree: Tree) -> np.ndarray:
-    while isinstance(tree, (dict, tuple)):
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return tree  # type: ignore[no-any-return]
 
 
 def put_row(dst: Tree, index: Any, src: Tree) -> None:
@@ -282,10 +237,7 @@ def put_row(dst: Tree, index: Any, src: Tree) -> None:
 
 def put_rows(dst: Tree, start: int, src: Tree, n: int) -> None:
     """``dst[start:start + n] = src[:n]`` leaf by leaf."""
-    if isinstance(dst, np.ndarray):
-        dst[start : start + n] = src[:n]
-    else:
-        tree_map(lambda d, s: d.__setitem__(slice(start, start + n), s[:n]), dst, src)
+    tree_map(lambda d, s: d.__setitem__(slice(start, start + n), s[:n]), dst, src)
 
 
 def row_of(tree: Tree, index: int) -> Tree:
@@ -299,88 +251,62 @@ _PRESENT = "\x00present:"
 """Prefix of the agent-info columns that record where a key was present."""
 
 
+def _column(rows: Rows, key: str, value: np.ndarray, per_env: tuple[int, ...]) -> np.ndarray:
+    """The column of agent info ``key``, allocated with its presence column when the key first
+    appears, and again when its per-env shape or dtype kind changed (only after the agent was
+    replaced: see :class:`asyncsample._action_check.AgentOutputCheck`)."""
+    store = rows.agent_infos
+    column = store.get(key)
+    if column is None or column.shape[2:] != per_env or column.dtype.kind != value.dtype.kind:
+        column = np.zeros((rows.capacity, rows.n_envs, *per_env), dtype=value.dtype)
+        store[key] = column
+        store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
+    return column
+
+
+def _mark_present(rows: Rows, where: Any, agent_infos: dict[str, np.ndarray]) -> None:
+    """Record at ``where`` which keys ``agent_infos`` has (in columns beside the values)."""
+    for name, present in rows.agent_infos.items():
+        if name.startswith(_PRESENT):
+            present[where] = name[len(_PRESENT) :] in agent_infos
+
+
 def store_agent_infos(
     rows: Rows, t: int, agent_infos: dict[str, np.ndarray], env: int | None = None
 ) -> None:
     """Write the (already checked) agent infos of step ``t`` into their columns: every env's
-    row of each key, or with ``env`` only that env's (envs not stepped in lockstep).
-
-    Called on every step once any agent info was seen, so a key absent at ``t`` is marked absent
-    there: presence lives beside the values, in a bool column under ``_PRESENT + key``, so the
-    rows' growth and carry-over move it with them. A column is allocated when a key first
-    appears, and again when its per-row shape or dtype kind changed (only possible after the
-    agent was replaced: see :class:`asyncsample._action_check.AgentOutputCheck`); rows before
-    that did not carry it.
-    """
-    store = rows.agent_infos
+    row of each key, or with ``env`` only that env's (envs not stepped in lockstep). Called on
+    every step once any agent info was seen, so a key absent at ``t`` is marked absent there."""
     where: Any = t if env is None else (t, env)
     for key, value in agent_infos.items():
         per_env = value.shape if env is not None else value.shape[1:]
-        column = store.get(key)
-        if column is None or column.shape[2:] != per_env or column.dtype.kind != value.dtype.kind:
-            column = np.zeros((rows.capacity, rows.n_envs, *per_env), dtype=value.dtype)
-            store[key] = column
-            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
-        column[where] = value
-    for name, present in store.items():
-        if name.startswith(_PRESENT):
-            present[where] = name[len(_PRESENT) :] in agent_infos
+        _column(rows, key, value, per_env)[where] = value
+    _mark_present(rows, where, agent_infos)
 
 
 def store_agent_info_block(
     rows: Rows, start: int, n: int, agent_infos: dict[str, np.ndarray]
 ) -> None:
-    """:func:`store_agent_infos` for ``n`` rows from ``start`` at once: ``agent_infos`` holds
-    every key of those rows, stacked over them (leading axis ``n``)."""
-    store = rows.agent_infos
+    """:func:`store_agent_infos` for ``n`` rows from ``start``, each key stacked over them."""
     block = slice(start, start + n)
     for key, value in agent_infos.items():
-        column = store.get(key)
-        if (
-            column is None
-            or column.shape[1:] != value.shape[1:]
-            or column.dtype.kind != value.dtype.kind
-        ):
-            column = np.zeros((rows.capacity, *value.shape[1:]), dtype=value.dtype)
-            store[key] = column
-            store[_PRESENT + key] = np.zeros((rows.capacity, rows.n_envs), dtype=bool)
-        column[block] = value[:n]
-    for name, present in store.items():
-        if name.startswith(_PRESENT):
-            present[block] = name[len(_PRESENT) :] in agent_infos
-
-
-def _agent_info_masks(
-    store: dict[str, np.ndarray], rows: np.ndarray, envs: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Presence masks of the agent info keys missing on some of the plan's transitions."""
-    masks = {}
-    for name, present in store.items():
-        if name.startswith(_PRESENT) and not present[rows, envs].all():
-            masks[name[len(_PRESENT) :]] = present
-    return masks
+        _column(rows, key, value, value.shape[2:])[block] = value[:n]
+    _mark_present(rows, block, agent_infos)
 
 
 class Recorder:
-    """The step rows and episode pieces of one worker's current call.
-
-    The worker tells it where episodes start and end; it keeps the rows and turns the pieces into
-    a :class:`Plan` when the call collects them. Rows stay valid until the next call begins,
-    because the plans handed to the sampler point into them.
-    """
+    """The step rows and episode pieces of one worker's current call; the rows stay valid until
+    the next call begins, because the plans handed to the sampler point into them."""
 
     def __init__(self, n_envs: int) -> None:
-        self.n_envs = n_envs
         self.rows = Rows(n_envs)
         self.pieces: list[Piece] = []
         self.piece_start = np.zeros(n_envs, dtype=np.int64)
         self.piece_position = np.zeros(n_envs, dtype=np.int64)
-        self.completed_steps = 0
-        """Transitions of the episodes completed (not fragments) since the last collection."""
+        self.completed_steps = 0  # of the episodes completed (not fragments) since collected
+        # Per env, the next row it writes when its envs are not in lockstep (_env_tasks);
+        # None: every env writes row rows.size.
         self.cursor: np.ndarray | None = None
-        """Per env, the next row it writes, when its envs are not stepped in lockstep (one
-        coroutine per env: :mod:`asyncsample._env_tasks`); ``None``: every env writes row
-        ``rows.size`` (lockstep)."""
         self._carry_from: int | None = None
 
     def positions(self) -> np.ndarray | int:
@@ -388,13 +314,8 @@ class Recorder:
         return self.rows.size if self.cursor is None else self.cursor
 
     def begin(self, resume: Resume, lengths: np.ndarray, append: bool = False) -> None:
-        """Start a call's records; with :attr:`Resume.EPISODES` the running episodes keep theirs.
-
-        Args:
-            lengths: steps each env's current episode has taken so far.
-            append: a chunk run ahead for this call may be writing into the observation arena
-                past the last call's rows (see :meth:`Rows.next_arena_row`).
-        """
+        """Start a call's records (``lengths``: each env's episode's steps so far; ``append``: as
+        in :meth:`Rows.clear`); with :attr:`Resume.EPISODES` the running episodes keep theirs."""
         if resume is Resume.EPISODES and self._carry_from is not None:
             # Episodes left running keep their steps: move their rows to the front.
             self.rows.drop_before(self._carry_from, append)
@@ -412,8 +333,7 @@ class Recorder:
         self.completed_steps = 0
 
     def next_arena_row(self) -> int:
-        """Where the first chunk of the call after this one goes in the observation arena when
-        sent now (see :meth:`Rows.next_arena_row`), or -1."""
+        """:meth:`Rows.next_arena_row` for the call after this one."""
         return self.rows.next_arena_row(self._carry_from)
 
     def end(self, leave: Resume) -> None:
@@ -422,10 +342,7 @@ class Recorder:
 
     def start_episodes(self, mask: np.ndarray) -> None:
         """Envs in ``mask`` start a new episode at the next row."""
-        if self.cursor is None:
-            self.piece_start[mask] = self.rows.size
-        else:
-            self.piece_start[mask] = self.cursor[mask]
+        self.piece_start[mask] = self.rows.size if self.cursor is None else self.cursor[mask]
         self.piece_position[mask] = 0
 
     def close_piece(
@@ -439,51 +356,46 @@ class Recorder:
         self.piece_start[env] = stop
 
     def open_steps(self) -> int:
-        """Transitions of the episodes still running that this call recorded (fragments-to-be).
-
-        Rows a restart dropped are not counted: a reset moves the env's piece start past them.
-        """
+        """Transitions of the running episodes recorded this call (not rows a restart dropped)."""
         return int(np.maximum(self.positions() - self.piece_start, 0).sum())
 
     def collect(self, like_obs: Tree, like_actions: Tree) -> Plan:
-        """The plan of the pieces recorded since the last collection; forgets them.
-
-        With a per-env cursor (envs not in lockstep) the pieces are put in the order lockstep
-        stepping would have closed them, by the env's own step count at the piece's end, then
-        by env: the wall-clock order in which envs happened to finish does not show in a batch.
-        """
+        """The plan of the pieces recorded since the last collection; forgets them. Envs not in
+        lockstep: in the order lockstep would have closed them, not wall-clock order."""
+        pieces, rows = self.pieces, self.rows
         if self.cursor is not None:
-            self.pieces.sort(key=lambda p: (p.stop, p.env))
-        plan = self._plan(self.pieces, like_obs, like_actions)
+            pieces.sort(key=lambda p: (p.stop, p.env))
         self.pieces = []
         self.completed_steps = 0
-        return plan
-
-    def _plan(self, pieces: list[Piece], like_obs: Tree, like_actions: Tree) -> Plan:
-        """Where ``pieces`` lie in the step records, for :func:`assemble`."""
-        rows = self.rows
         lengths = [p.stop - p.start for p in pieces]
-        if pieces:
-            t_idx = np.concatenate([np.arange(p.start, p.stop) for p in pieces])
-            e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
-        else:
-            t_idx = e_idx = np.zeros(0, dtype=np.int64)
+        t_idx = np.concatenate([*(np.arange(p.start, p.stop) for p in pieces), np.zeros(0, int)])
+        e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
+        step_types = np.full(len(t_idx), StepType.MID, dtype=np.uint8)
+        offset = 0
+        for p, n in zip(pieces, lengths):
+            if p.position == 0:  # FIRST at an episode's start, its end type last
+                step_types[offset] = StepType.FIRST
+            if p.end is not None:
+                step_types[offset + n - 1] = p.end
+            offset += n
         return Plan(
             obs=rows.obs,
             actions=rows.actions,
             rewards=rows.rewards if rows.capacity else None,
             versions=rows.versions if rows.capacity else None,
             agent_infos={k: v for k, v in rows.agent_infos.items() if not k.startswith(_PRESENT)},
-            agent_info_masks=_agent_info_masks(rows.agent_infos, t_idx, e_idx),
+            agent_info_masks={  # of the keys missing on some of the plan's transitions
+                name[len(_PRESENT) :]: present
+                for name, present in rows.agent_infos.items()
+                if name.startswith(_PRESENT) and not present[t_idx, e_idx].all()
+            },
             env_infos=dict(rows.env_infos),
             like_obs=like_obs,
             like_actions=like_actions,
             rows=t_idx,
             envs=e_idx,
             lengths=np.array(lengths, dtype=np.int64),
-            step_types=step_types_of(
-                lengths, [p.position == 0 for p in pieces], [p.end for p in pieces]
-            ),
+            step_types=step_types,
             last_observations=[p.last_observation for p in pieces],
             episode_infos=[p.episode_info for p in pieces],
         )

@@ -1,19 +1,18 @@
-"""Argument checks: one helper per kind of argument, each naming the argument in its message.
-
-Every public constructor and call of the sampler checks its arguments here, before any work
-starts. A wrong type is a ``TypeError``, a value out of range a ``ValueError``; both say which
-argument, what was expected and what was given.
+"""Argument checks, one helper per kind of argument: a wrong type is a ``TypeError``, a value
+out of range a ``ValueError``, each naming the argument, what was expected and what was given.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard, TypeVar
 
 import cloudpickle
 import gymnasium as gym
 import numpy as np
+import psutil
 
 from asyncsample.env_update import EnvId, EnvSource, is_env_source
 
@@ -69,51 +68,38 @@ def _is_sequence(value: object) -> TypeGuard[Sequence[Any] | np.ndarray[Any, Any
     return isinstance(value, (Sequence, np.ndarray)) and not isinstance(value, (str, bytes))
 
 
+def _int_at_least(name: str, value: object, low: int, tail: str = "") -> int:
+    """``value`` as an int >= ``low``; ``tail`` ends the type error (``" or None"``)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int >= {low}{tail}, got {_shown(value)}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
 def positive_int(name: str, value: object) -> int:
     """``value`` as an int >= 1 (numpy ints accepted, bool rejected)."""
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int >= 1, got {_shown(value)}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return int(value)
+    return _int_at_least(name, value, 1)
 
 
 def optional_positive_int(name: str, value: object) -> int | None:
     """``None``, or ``value`` as an int >= 1."""
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int >= 1 or None, got {_shown(value)}")
-    return positive_int(name, value)
+    return None if value is None else _int_at_least(name, value, 1, " or None")
 
 
 def nonnegative_int(name: str, value: object) -> int:
     """``value`` as an int >= 0 (numpy ints accepted, bool rejected)."""
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int >= 0, got {_shown(value)}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return _int_at_least(name, value, 0)
 
 
 def optional_nonnegative_int(name: str, value: object) -> int | None:
     """``None``, or ``value`` as an int >= 0."""
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int >= 0 or None, got {_shown(value)}")
-    return nonnegative_int(name, value)
+    return None if value is None else _int_at_least(name, value, 0, " or None")
 
 
 def seed(name: str, value: object) -> int | None:
     """``None`` or an int in ``[0, 2**128)`` (what ``numpy.random.SeedSequence`` takes)."""
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise TypeError(f"{name} must be an int >= 0 or None, got {_shown(value)}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return optional_nonnegative_int(name, value)
 
 
 def positive_seconds(name: str, value: object) -> float | None:
@@ -187,11 +173,7 @@ def amounts(name: str, value: object) -> dict[str, float]:
 
 
 def choice(name: str, value: _T, choices: Sequence[_T]) -> _T:
-    """``value`` if it is one of ``choices``; a ``ValueError`` listing them otherwise.
-
-    Anything else is a ``ValueError``, whatever its type: the value is not among the choices
-    (the way an ``enum`` lookup fails).
-    """
+    """``value`` if it is one of ``choices``; else (whatever its type) a ``ValueError``."""
     try:
         if value in choices:
             return value
@@ -217,11 +199,8 @@ def subclass(name: str, value: object, base: type[_T]) -> type[_T]:
 def has_method(
     name: str, value: object, method: str, *, args: str = "...", optional: bool = False
 ) -> None:
-    """Raise ``TypeError`` unless ``value`` has a callable ``method`` (or is ``None``, if optional).
-
-    For duck-typed arguments such as agents: ``has_method("agent", agent, "get_actions",
-    args="observations", optional=True)``; ``args`` only shows the call in the message.
-    """
+    """Raise ``TypeError`` unless ``value`` has a callable ``method`` (or is ``None``, if optional);
+    ``args`` only shows the call in the message."""
     if optional and value is None:
         return
     if not callable(getattr(value, method, None)):
@@ -312,23 +291,17 @@ def env_source(name: str, source: object) -> EnvSource:
 
 
 def per_worker_sources(name: str, value: object, n_workers: int, n_envs: int) -> list[Any]:
-    """One resolved env source (or update) per worker, or a list of one per env.
-
-    ``None`` entries (no update) are kept as they are.
-    """
-    if isinstance(value, list):
-        if len(value) != n_workers:
-            raise ValueError(
-                f"{name}: a list must hold exactly n_workers ({n_workers}), one per worker, "
-                f"got {len(value)}"
-            )
-        per_worker: list[Any] = value
-    else:
+    """One resolved env source (or update, ``None`` kept) per worker, or a list per env."""
+    if not isinstance(value, list):
         # One source for every worker: resolved (and later pickled) once, not per worker.
-        one = per_worker_sources(name, [value], 1, n_envs)[0]
-        return [one] * n_workers
+        return per_worker_sources(name, [value], 1, n_envs) * n_workers
+    if len(value) != n_workers:
+        raise ValueError(
+            f"{name}: a list must hold exactly n_workers ({n_workers}), one per worker, "
+            f"got {len(value)}"
+        )
     out: list[Any] = []
-    for item in per_worker:
+    for item in value:
         if isinstance(item, list):
             if len(item) != n_envs:
                 raise ValueError(
@@ -362,11 +335,8 @@ RECORDABLE_SPACES: tuple[type[gym.Space[Any]], ...] = (
 
 
 def recordable_space(name: str, space: object) -> None:
-    """Refuse a space the sampler cannot record into arrays (``Text``, ``Sequence``, ``Graph``,
-    ``OneOf``, custom spaces), naming where it is inside ``space`` and what to do instead.
-
-    Such spaces would pass the constructor and fail mid-call with an internal error otherwise.
-    """
+    """Refuse, naming where it is, a space the sampler cannot record into arrays (``Text``,
+    ``Sequence``, ``Graph``, ``OneOf``, custom spaces), which would otherwise fail mid-call."""
     found = _unrecordable(name, space)
     if found is None:
         return
@@ -432,25 +402,23 @@ def memory_fits(
     envs_per_worker: int,
     chunk_steps: int,
     shared: bool,
-    available: int,
-    shm_free: int | None,
 ) -> None:
-    """Refuse a sampler whose envs and buffers cannot fit, before any work starts.
-
-    Estimates the envs (``PER_ENV_BYTES`` each), the step buffers (observations twice, actions,
-    rewards and flags per env) and, in host mode, the chunk buffers (``chunk_steps`` rows per
-    env). ``shared``: the buffers live in shared memory (``/dev/shm``, with ``shm_free`` bytes
-    free, ``None`` where unknown), else in ordinary memory (``available`` bytes).
-    """
+    """Refuse a sampler whose envs (``PER_ENV_BYTES`` each), step buffers and, in host mode,
+    chunk buffers (``chunk_steps`` rows per env) cannot fit: in /dev/shm when the buffers are
+    ``shared`` (and there is one), else in the available memory."""
+    shm_free: int | None = None
+    if shared:
+        try:
+            shm_free = shutil.disk_usage("/dev/shm").free
+        except OSError:  # no /dev/shm (macOS): shared memory comes from ordinary memory
+            shared = False
+    available = psutil.virtual_memory().available
     envs = n_workers * envs_per_worker
     row = 2 * _leaf_bytes(observation_space) + _leaf_bytes(action_space) + _ROW_EXTRA_BYTES
     buffers = envs * row * (1 + chunk_steps)
     ram = envs * (PER_ENV_BYTES + 2 * row)  # envs, their state, this process's copy of a row
-    shm = 0
-    if shared:
-        shm = buffers
-    else:
-        ram += buffers
+    shm = buffers if shared else 0
+    ram += 0 if shared else buffers
     what = (
         f"n_workers={n_workers} x envs_per_worker={envs_per_worker} = {envs:,} envs "
         f"(about {_size(PER_ENV_BYTES + 2 * row)} of memory each, step"

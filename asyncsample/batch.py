@@ -1,55 +1,7 @@
 """Batch data types: :class:`StepType`, :class:`EnvSpec` and :class:`EpisodeBatch`.
 
-An :class:`EpisodeBatch` is what every sampling call returns: whole episodes (or episode
-fragments) laid end to end along one time axis, with ``lengths`` telling where each one ends.
-The layout follows garage's so code written against garage keeps working; construction checks
-every field so that a malformed batch fails loudly where it is built, not deep inside a learner.
-
-Observations and actions may be plain arrays or, for gymnasium ``Dict``/``Tuple`` spaces, dicts
-and tuples of arrays; every leaf carries the leading batch axis. Info dicts may nest dicts.
-
-Info keys
----------
-The sampler never drops what an env (or agent) put in its info dicts. When it assembles a batch
-it sorts each top-level info key by the steps of that batch that carry it:
-
-* **Every step**: stacked into ``env_infos[key]`` with one row per transition, as garage does.
-* **Only last steps of episodes** (step type ``TERMINAL`` or ``TIMEOUT``), such as gymnasium's
-  ``RecordEpisodeStatistics`` ``"episode"`` or a final ``"is_success"``: moved to
-  ``episode_infos[key]``, one row per episode, so ``batch.episode_infos["episode"]["r"]`` is the
-  return ``RecordEpisodeStatistics`` computed. Nested dicts stay nested, as dicts of arrays.
-  Where some episodes lack the key, ``episode_infos["_" + key]`` is a boolean mask, true for
-  the episodes that have it. A fragment (``obtain_fragments``, a stream of fragments) whose
-  episode goes on in a later call has no last step in this batch, so its row is masked out;
-  the key arrives with the fragment that ends the episode, in the call where it ends. The
-  last step of a cut fragment (``FIRST`` or ``MID``) is not a last step: a key seen there is
-  a sparse step key. The rule is judged per batch, over the steps the batch holds, so a batch
-  in which no episode ends has no such key at all; and a key on every step stays per step even
-  when every step ends an episode (a batch of one-step episodes).
-* **Any other subset of steps** (a key emitted every k steps, on success, by some envs only):
-  kept in ``env_infos[key]`` with one row per transition, holding the key's fill value where
-  it is absent, plus a boolean ``env_infos["_" + key]`` mask, true where it was present
-  (gymnasium's vector-info convention).
-
-Fill values (:func:`fill_value`): NaN for floating and complex dtypes, ``None`` for object
-dtype (ragged values, Python objects), zero (``0``, ``False``, ``""``) for every other dtype.
-Inside a nested dict the same holds key by key, each child with its own ``_child`` mask where
-it is absent (a row lacking the parent lacks every child), as gymnasium's vector envs do.
-
-A key that already names an episode info (``worker``, ``env``, ``agent_version`` or a key of
-the env's reset info) is not moved there: it stays a sparse step key. Agent infos follow the
-same rule, into ``agent_infos`` and ``episode_infos``. A name starting with ``_`` whose rest
-names another key of the same dict is that key's mask.
-
-Every method keeps this consistent: :meth:`EpisodeBatch.concatenate` and
-:meth:`EpisodeBatch.from_list` fill and mask a key some inputs lack (keeping masks once present,
-so ``concatenate(*batch.split())`` equals ``batch``); :meth:`EpisodeBatch.split`,
-:meth:`EpisodeBatch.select` and :meth:`EpisodeBatch.to_list` slice masks with their keys; the
-``padded_*`` views pad masks with False and masked keys with their fill value;
-:meth:`EpisodeBatch.equals` compares masks like any other array.
-
-The rule is implemented in :mod:`asyncsample._infos` and the field checks in
-:mod:`asyncsample._batch_checks`; this module holds the batch itself.
+The layout is garage's (docs/contract.md, "The EpisodeBatch layout"); the info-key rule is
+implemented in :mod:`asyncsample._infos` and the field checks in :mod:`asyncsample._batch_checks`.
 """
 
 from __future__ import annotations
@@ -100,10 +52,9 @@ ArrayTree: TypeAlias = Any
 class StepType(enum.IntEnum):
     """Where a transition sits in its episode.
 
-    ``FIRST`` marks the first transition of an episode (unless it is also the last),
-    ``TERMINAL`` the last one of an episode that ended in a terminal state, ``TIMEOUT`` the last
-    one of an episode cut short by a time limit, and ``MID`` everything else (including the last
-    transition of a fragment whose episode goes on).
+    ``FIRST``: the first transition (unless also the last); ``TERMINAL``: the last one of an
+    episode that ended in a terminal state; ``TIMEOUT``: the last one of an episode cut by a time
+    limit; ``MID``: everything else (including the last transition of a fragment).
     """
 
     FIRST = 0
@@ -113,10 +64,12 @@ class StepType(enum.IntEnum):
 
     @classmethod
     def get_step_type(cls, step_cnt: int, max_episode_length: int | None, done: bool) -> StepType:
-        """The step type of the ``step_cnt``-th transition (from 1) of an episode, ``done`` if
-        the env ended it there. Reaching ``max_episode_length`` (``None``: no limit) gives
-        ``TIMEOUT`` even when ``done`` is set, as in garage: the limit is what ended the episode
-        from the sampler's point of view. A ``step_cnt`` below 1 is a ``ValueError``."""
+        """The step type of the ``step_cnt``-th transition (from 1) of an episode; reaching
+        ``max_episode_length`` gives ``TIMEOUT`` even when ``done`` is set, as in garage.
+
+        Raises:
+            ValueError: ``step_cnt`` is below 1.
+        """
         if max_episode_length is not None and step_cnt >= max_episode_length:
             return cls.TIMEOUT
         if done:
@@ -136,10 +89,8 @@ class EnvSpec:
     """What a batch's observations and actions look like, and the episode time limit.
 
     Attributes:
-        observation_space: the space one observation belongs to.
-        action_space: the space one action belongs to.
-        max_episode_length: the time limit the sampler enforces, or ``None`` for none. Padded
-            views of an :class:`EpisodeBatch` pad to this length.
+        max_episode_length: the time limit the sampler enforces, or ``None``; padded views of
+            an :class:`EpisodeBatch` pad to it.
     """
 
     observation_space: gymnasium.Space[Any]
@@ -147,18 +98,11 @@ class EnvSpec:
     max_episode_length: int | None = None
 
 
-def _index(values: np.ndarray | None, where: Any) -> np.ndarray | None:
-    """``values[where]``, or ``None`` for a column the batch does not have."""
-    return None if values is None else values[where]
-
-
 def _pad(
     array: np.ndarray, lengths: np.ndarray, length: int, *, absent: bool = False
 ) -> np.ndarray:
-    """Scatter a flat ``(T, ...)`` array into a zero-filled ``(N, length, ...)`` array.
-
-    With ``absent`` the padding holds :func:`fill_value` instead (for masked info keys).
-    """
+    """Scatter a flat ``(T, ...)`` array into ``(N, length, ...)``, padded with zeros (or the
+    :func:`fill_value` with ``absent``, for masked info keys)."""
     shape = (len(lengths), length, *array.shape[1:])
     out = filled(shape, array.dtype) if absent else np.zeros(shape, dtype=array.dtype)
     if array.shape[0]:
@@ -171,38 +115,32 @@ def _pad(
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class EpisodeBatch:
-    """A batch of episodes laid end to end along one time axis.
+    """A batch of episodes laid end to end along one time axis (garage's layout).
 
     ``T`` is the number of transitions (``lengths.sum()``) and ``N`` the number of episodes.
     Fields are stored as given (no copies); construction validates them and raises
-    ``ValueError`` naming the offending field.
-
-    ``==`` is identity (arrays have no single truth value); use :meth:`equals` to compare
+    ``ValueError`` naming the offending field. ``==`` is identity; :meth:`equals` compares
     contents.
+
+    Info keys are never dropped (see [Info keys](contract.md#info-keys)): a key absent on some
+    steps (or episodes) holds its fill value there (:func:`fill_value`: NaN for floats, ``None``
+    for objects, else zero) and a boolean ``"_" + key`` mask, true where present (nested dicts
+    key by key); a key only on episodes' last steps moves to ``episode_infos``.
 
     Attributes:
         env_spec: spaces of the observations and actions, and the episode time limit.
-        episode_infos: per-episode info, a dict of arrays with leading dimension ``N`` (garage's
-            ``episode_infos_by_episode``; see :attr:`episode_infos_by_step` for the per-step
-            view): the reset info, ``worker``, ``env``, ``agent_version``, and the info keys
-            emitted only on episodes' last steps, each masked by ``"_" + key`` where some
-            episodes lack it.
+        episode_infos: per-episode info, a dict of ``(N, ...)`` arrays: the reset info,
+            ``worker``, ``env``, ``agent_version``, and the keys only on episodes' last steps.
         observations: ``(T, ...)`` observation before each action (an array or dict/tuple tree).
         last_observations: ``(N, ...)`` observation after the last action of each episode.
         actions: ``(T, ...)`` actions (an array or dict/tuple tree).
         rewards: ``(T,)`` rewards.
-        env_infos: per-step info from the env, dict of ``(T, ...)`` arrays (may nest dicts);
-            a key absent on some steps has a boolean ``"_" + key`` mask (see "Info keys" in
-            the module documentation).
-        agent_infos: per-step info from the agent, dict of ``(T, ...)`` arrays (may nest
-            dicts), masked the same way.
-        step_types: ``(T,)`` :class:`StepType` values, as an object array of members or any
-            integer array.
+        env_infos: per-step info from the env, dict of ``(T, ...)`` arrays (may nest dicts).
+        agent_infos: per-step info from the agent, dict of ``(T, ...)`` arrays (may nest dicts).
+        step_types: ``(T,)`` :class:`StepType` values (an object array of members or integers).
         lengths: ``(N,)`` integer length of each episode, each at least 1.
-        agent_versions: ``(T,)`` the agent version each step was taken under (the number of
-            agent updates its worker had applied), or ``None`` where unknown (a batch built by
-            hand). An episode can span several versions in a stream, or on a ``stream`` of
-            async envs; ``episode_infos["agent_version"]`` is its first step's.
+        agent_versions: ``(T,)`` the agent version each step was taken under, or ``None`` where
+            unknown (a batch built by hand).
     """
 
     env_spec: EnvSpec
@@ -218,18 +156,16 @@ class EpisodeBatch:
     agent_versions: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        """Check shapes, dtypes and consistency of every field (see :func:`check_fields`)."""
-        check_fields(self, StepType)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        spec = fields.pop("env_spec")
+        check_fields(StepType, spec.observation_space, spec.action_space, **fields)
 
     def __repr__(self) -> str:
-        """A short summary instead of every array."""
         return (
             f"EpisodeBatch(n_episodes={self.n_episodes}, n_transitions={self.n_transitions}, "
             f"env_infos={list(self.env_infos)}, agent_infos={list(self.agent_infos)}, "
             f"episode_infos={list(self.episode_infos)})"
         )
-
-    # ---------------------------------------------------------------- sizes and views
 
     @property
     def n_transitions(self) -> int:
@@ -263,11 +199,10 @@ class EpisodeBatch:
     @property
     def returns(self) -> np.ndarray:
         """Undiscounted return of each episode, ``(N,)`` float64."""
-        rewards = self.rewards.astype(np.float64)
         if not self.n_episodes:
             return np.zeros(0, dtype=np.float64)
         starts = np.cumsum(self.lengths) - self.lengths
-        return np.add.reduceat(rewards, starts)
+        return np.add.reduceat(self.rewards.astype(np.float64), starts)
 
     @property
     def next_observations(self) -> ArrayTree:
@@ -292,10 +227,8 @@ class EpisodeBatch:
         """The actions of each episode, one entry per episode."""
         return [tree_index(self.actions, s) for s in self.episode_slices]
 
-    # ---------------------------------------------------------------- padded views
-
     def _padded_length(self) -> int:
-        """Length to pad to: the time limit, or the longest episode if longer or unlimited."""
+        """The time limit, or the longest episode if longer or unlimited."""
         longest = int(self.lengths.max()) if self.n_episodes else 0
         limit = self.env_spec.max_episode_length
         if limit is None:
@@ -311,7 +244,6 @@ class EpisodeBatch:
         return int(limit)
 
     def _pad_tree(self, tree: ArrayTree) -> ArrayTree:
-        """Pad every leaf of a per-step tree to ``(N, L, ...)``."""
         length = self._padded_length()
         return tree_map(lambda x: _pad(x, self.lengths, length), tree)
 
@@ -354,11 +286,7 @@ class EpisodeBatch:
 
     @property
     def padded_agent_infos(self) -> dict[str, Any]:
-        """Agent infos with every array as ``(N, L, ...)``.
-
-        Padding is zero, except for keys with a ``"_" + key`` mask: there it is the key's fill
-        value (NaN for floats) and the mask is False, as on any step that lacks the key.
-        """
+        """Agent infos as ``(N, L, ...)``; a masked key pads with its fill value, its mask False."""
         return self._pad_infos(self.agent_infos)
 
     @property
@@ -368,23 +296,15 @@ class EpisodeBatch:
 
     @property
     def valids(self) -> np.ndarray:
-        """``(N, L)`` mask, one where a padded step is real and zero in the padding.
-
-        Like garage it has the dtype of :attr:`rewards`.
-        """
+        """``(N, L)`` mask, one where a padded step is real (the dtype of :attr:`rewards`)."""
         return _pad(np.ones_like(self.rewards), self.lengths, self._padded_length())
-
-    # ---------------------------------------------------------------- combining and splitting
 
     @classmethod
     def concatenate(cls, *batches: EpisodeBatch) -> EpisodeBatch:
-        """Join batches end to end, episodes in argument order.
+        """Join batches end to end, episodes in argument order (the first batch's ``env_spec``).
 
-        No info key is dropped: a key that some batches lack is filled there (NaN, zero or
-        ``None``, see :func:`fill_value`) and masked by ``"_" + key``; masks already present are
-        kept. Keys are not moved between ``episode_infos`` and ``env_infos``: a key that one
-        batch holds per episode and another per step stays in both places, masked in each
-        where it is absent. The first batch's ``env_spec`` is used.
+        A key that some batches lack is filled there and masked; keys are not moved between
+        ``episode_infos`` and ``env_infos``.
 
         Raises:
             ValueError: if no batch is given, or an info key is a dict in one batch and an array
@@ -424,13 +344,9 @@ class EpisodeBatch:
         chosen = np.asarray(episodes)
         if chosen.dtype == bool:
             chosen = np.flatnonzero(chosen)
-        ends = np.cumsum(self.lengths)
-        starts = ends - self.lengths
-        steps = (
-            np.concatenate([np.arange(starts[i], ends[i]) for i in chosen.tolist()])
-            if len(chosen)
-            else np.zeros(0, dtype=np.int64)
-        )
+        slices = self.episode_slices
+        ranges = [np.arange(slices[i].start, slices[i].stop) for i in chosen.tolist()]
+        steps = np.concatenate([*ranges, np.zeros(0, dtype=np.int64)])
         return self._take(chosen, steps)
 
     def _take(self, episodes: Any, steps: Any) -> EpisodeBatch:
@@ -446,37 +362,32 @@ class EpisodeBatch:
             agent_infos=tree_index(self.agent_infos, steps),
             step_types=self.step_types[steps],
             lengths=self.lengths[episodes],
-            agent_versions=_index(self.agent_versions, steps),
+            agent_versions=None if self.agent_versions is None else self.agent_versions[steps],
         )
 
     def to_list(self) -> list[dict[str, Any]]:
-        """One dict per episode, in garage's path format.
+        """One dict per episode, in garage's path format (:meth:`from_list` turns it back).
 
-        Keys: ``episode_infos`` (each value for this episode, without the episode axis),
-        ``observations``, ``next_observations``, ``actions``, ``rewards``, ``env_infos``,
-        ``agent_infos``, ``step_types`` and, when the batch has them, ``agent_versions``.
-        :meth:`from_list` turns the list back into a batch.
+        Keys: ``episode_infos``, ``observations``, ``next_observations``, ``actions``,
+        ``rewards``, ``env_infos``, ``agent_infos``, ``step_types`` and, when the batch has them,
+        ``agent_versions``.
         """
         next_obs = self.next_observations
         paths = []
         for i, steps in enumerate(self.episode_slices):
-            paths.append(
-                {
-                    "episode_infos": tree_index(self.episode_infos, i),
-                    "observations": tree_index(self.observations, steps),
-                    "next_observations": tree_index(next_obs, steps),
-                    "actions": tree_index(self.actions, steps),
-                    "rewards": self.rewards[steps],
-                    "env_infos": tree_index(self.env_infos, steps),
-                    "agent_infos": tree_index(self.agent_infos, steps),
-                    "step_types": self.step_types[steps],
-                    **(
-                        {}
-                        if self.agent_versions is None
-                        else {"agent_versions": self.agent_versions[steps]}
-                    ),
-                }
-            )
+            path = {
+                "episode_infos": tree_index(self.episode_infos, i),
+                "observations": tree_index(self.observations, steps),
+                "next_observations": tree_index(next_obs, steps),
+                "actions": tree_index(self.actions, steps),
+                "rewards": self.rewards[steps],
+                "env_infos": tree_index(self.env_infos, steps),
+                "agent_infos": tree_index(self.agent_infos, steps),
+                "step_types": self.step_types[steps],
+            }
+            if self.agent_versions is not None:
+                path["agent_versions"] = self.agent_versions[steps]
+            paths.append(path)
         return paths
 
     @classmethod
@@ -484,16 +395,12 @@ class EpisodeBatch:
         """Build a batch from garage-style path dicts, one per episode.
 
         Each path needs ``observations``, ``actions`` and ``rewards``. With one more observation
-        than rewards, the extra one is the last observation; otherwise it is the last
+        than rewards, the extra one is the last observation; else it is the last
         ``next_observations`` entry if present, else the last observation repeated. Step types
-        come from ``step_types``, or else from ``dones`` via :meth:`StepType.get_step_type`
-        (so the first step is ``FIRST`` and a step reaching the time limit ``TIMEOUT``).
-        ``env_infos``/``agent_infos`` may be dicts of arrays or lists of per-step dicts, and
-        ``episode_infos`` a dict of per-episode values; all three are optional, as is
-        ``agent_versions`` (kept when every path has it). Keys that only
-        some paths (or steps) carry are kept, filled and masked as in :meth:`concatenate`; a
-        list of per-step dicts is stacked by :func:`stack_infos`, without moving any key to
-        ``episode_infos``.
+        come from ``step_types``, else from ``dones`` (:meth:`StepType.get_step_type`).
+        ``env_infos``/``agent_infos`` (dicts of arrays or lists of per-step dicts),
+        ``episode_infos`` and ``agent_versions`` are optional; keys only some paths carry are
+        filled and masked as in :meth:`concatenate`.
 
         Raises:
             ValueError: if ``paths`` is empty or a path lacks step types and dones.
@@ -516,27 +423,19 @@ class EpisodeBatch:
                 last_observations.append(tree_index(source, slice(-1, None)))
             if path.get("step_types") is not None:
                 step_types.append(np.asarray(path["step_types"]))
-            elif path.get("dones") is not None:
+            elif (dones := path.get("dones")) is not None:
                 limit = env_spec.max_episode_length
-                step_types.append(
-                    np.array(
-                        [
-                            StepType.get_step_type(t + 1, limit, bool(done))
-                            for t, done in enumerate(path["dones"])
-                        ],
-                        dtype=object,
-                    )
-                )
+                kinds = [StepType.get_step_type(t, limit, bool(d)) for t, d in enumerate(dones, 1)]
+                step_types.append(np.array(kinds, dtype=object))
             else:
                 raise ValueError(f"path {i} has neither 'step_types' nor 'dones'")
         env_infos, agent_infos = (
             concat_infos([as_info_arrays(p.get(k), k) for p in paths], lengths.tolist(), k)
             for k in ("env_infos", "agent_infos")
         )
-        episode_infos = stack_infos([p.get("episode_infos") or {} for p in paths])
         return cls(
             env_spec=env_spec,
-            episode_infos=episode_infos,
+            episode_infos=stack_infos([p.get("episode_infos") or {} for p in paths]),
             observations=tree_concat(observations),
             last_observations=tree_concat(last_observations),
             actions=tree_concat([tree_map(np.asarray, p["actions"]) for p in paths]),
@@ -552,13 +451,11 @@ class EpisodeBatch:
             ),
         )
 
-    # ---------------------------------------------------------------- comparison
-
     def equals(self, other: object) -> bool:
-        """Whether ``other`` is an EpisodeBatch with exactly the same contents.
+        """Whether ``other`` is an EpisodeBatch with the same contents (NaN equals NaN).
 
-        Every array must match in shape, dtype and value (NaN equals NaN); info dicts must have
-        the same keys in the same order; the env specs must have equal spaces and time limit.
+        Arrays must match in shape, dtype and value, info dicts in key order, env specs in
+        spaces and time limit.
         """
         if not isinstance(other, EpisodeBatch):
             return False

@@ -1,16 +1,7 @@
 """Workers: coroutines that step the envs of one worker through its env host.
 
-The interface is garage's ``Worker`` (``update_agent``, ``update_env``, ``start_episode``,
-``step_episode``, ``collect_episode``, ``rollout``, ``shutdown``) made async: ``step_episode``
-awaits the host while other workers run. :class:`VecWorker` steps ``n_envs`` envs together and
-returns complete episodes; :class:`FragmentWorker` also returns the episodes still running as
-fragments that continue on the next call.
-
-This is the small surface a user subclasses. A worker's episode bookkeeping, and where a call
-stops, live in :mod:`asyncsample._engine` (:class:`~asyncsample._engine.Episodes`, one per worker,
-as :attr:`Worker.episodes`); the sampler drives a call through the engine, not through this class.
-On ``backend="asyncio"`` and ``"thread"`` the lane stepper (:mod:`asyncsample._env_tasks`) steps
-each of a worker's envs on its own, and the worker holds the agent, records and episodes.
+garage's ``Worker`` interface made async, the small surface a user subclasses; the episode
+bookkeeping and where a call stops live in :mod:`asyncsample._engine`.
 """
 
 from __future__ import annotations
@@ -31,7 +22,6 @@ from asyncsample._engine import (
     Continuity,
     Episodes,
     FinishedEpisode,
-    SharedQuota,
     StepStepper,
     StopRule,
     Transition,
@@ -52,7 +42,6 @@ from asyncsample.seeding import WorkerSeeds
 __all__ = [
     "FinishedEpisode",
     "FragmentWorker",
-    "SharedQuota",
     "Transition",
     "VecWorker",
     "Worker",
@@ -63,17 +52,13 @@ __all__ = [
 class Worker:
     """garage's Worker interface as an async base class.
 
-    A worker owns ``n_envs`` envs living in an :class:`~asyncsample.backends.EnvHost`, an agent
-    (shared with other workers or its own) and its episodes' bookkeeping (:attr:`episodes`).
-    Subclasses may override the per-step hooks :meth:`compute_actions` (pre/post-processing of
-    observations and actions) and :meth:`process_transition` (record transitions into a custom
-    ``history``), or any of garage's methods. How a sampler call runs is not this class's
-    business: the sampler drives it through :mod:`asyncsample._engine`.
+    A worker owns ``n_envs`` envs living in an env host, an agent (shared or its own) and its
+    episodes' bookkeeping (:attr:`episodes`). Subclasses may override the per-step hooks
+    :meth:`compute_actions` and :meth:`process_transition`, or any of garage's methods.
 
     Args:
-        seed: the sampler's seed (the worker's own seeds come from the sampler's seed tree).
-        max_episode_length: the episode length limit the host applies (TIMEOUT); ``None``:
-            never.
+        seed: unused (garage's signature): the worker's seeds come from the sampler's seed tree.
+        max_episode_length: the episode length limit the host applies (TIMEOUT), or ``None``.
         worker_number: this worker's index.
         n_envs: env copies stepped together.
     """
@@ -86,7 +71,7 @@ class Worker:
         worker_number: int,
         n_envs: int = 1,
     ) -> None:
-        del seed  # the worker's seeds come from the sampler's seed tree (garage's signature)
+        del seed  # garage's signature
         self.max_episode_length = max_episode_length
         self.worker_number = worker_number
         self.n_envs = n_envs
@@ -96,7 +81,6 @@ class Worker:
         self.host: EnvHost | None = None
         self.history: Any = None
         self.restarts = 0
-        """Env-host restarts of this worker so far."""
         self.episodes = Episodes(worker_number, n_envs)
         """The episodes' bookkeeping and the current call's records (see :mod:`._engine`)."""
         self.finished: list[FinishedEpisode] = self.episodes.finished
@@ -106,20 +90,16 @@ class Worker:
         self._action_check: Callable[[Any], np.ndarray] | None = None
         self._output_check = AgentOutputCheck(worker_number, n_envs)
         self._trusted_actions = False
+        # process_transition is only called when a subclass overrides it.
         self.records_transitions = type(self).process_transition is not Worker.process_transition
-        """Whether a subclass overrides :meth:`process_transition` (else it is never called)."""
-        # --- hook: inference="batched" (the sampler sets it; None: ask the agent directly) ---
-        self.batcher: Batcher | None = None
-        # --- hook: metrics (the sampler sets it; None: agent calls are not timed) ---
-        self.agent_timer: AgentTimer | None = None
+        self.batcher: Batcher | None = None  # inference="batched", set by the sampler
+        self.agent_timer: AgentTimer | None = None  # metrics on, set by the sampler
 
     def __getstate__(self) -> None:
         raise ValueError(
             "Workers are not picklable: they hold a connection to their env host. Pickle the "
             "sampler's construction arguments instead."
         )
-
-    # -- wiring (called by the sampler) ------------------------------------------------------
 
     async def attach(
         self,
@@ -129,27 +109,23 @@ class Worker:
         env: EnvSource | Sequence[EnvSource],
         seeds: WorkerSeeds,
     ) -> None:
-        """Give the worker its host, spaces, agent and envs, and build the envs in the host.
-
-        Args:
-            env: one env source for all envs, or a list of exactly ``n_envs`` of them.
-        """
+        """Give the worker its host, spaces, agent and envs (one source, or one per env), and
+        build the envs in the host."""
         self.host = host
         self.env_spec = env_spec
         self._action_check = make_action_check(env_spec.action_space)
         self.agent = agent
         self._trust_agent()
         self._seeds = seeds
-        sources = self._per_env(env, "env")
-        self._chains = [[s] for s in sources]
+        self._chains = [[s] for s in self._per_env(env, "env")]
         with self.naming_factories():
             await host.build(self._chains, await seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
 
     @contextlib.contextmanager
     def naming_factories(self) -> Iterator[None]:
-        """A :class:`WorkerError` raised inside names the failing env's factory (see
-        :meth:`WorkerError.name_factory`): the caller knows it, the remote traceback may not."""
+        """A :class:`WorkerError` raised inside names the failing env's factory (the remote
+        traceback may not)."""
         try:
             yield
         except WorkerError as exc:
@@ -158,11 +134,8 @@ class Worker:
             raise
 
     async def restart_host(self) -> int:
-        """Rebuild this worker's envs after a failure; in-progress episodes are dropped.
-
-        Episodes completed earlier in the call are kept, so the call can resume. Returns how
-        many episodes in progress were dropped.
-        """
+        """Rebuild this worker's envs after a failure; returns how many episodes in progress
+        were dropped (those completed earlier in the call are kept)."""
         assert self.host is not None and self._seeds is not None
         self.restarts += 1
         self.episodes.state = Continuity.BROKEN
@@ -181,11 +154,8 @@ class Worker:
         return self._seeds.next_env_seed(i)
 
     def current_plan(self, *, fragments: bool = False) -> Plan:
-        """Like :meth:`collect_episode`, but only where the episodes lie in the step records.
-
-        The records stay valid until the next call begins, so the sampler can gather the
-        episodes of all workers into one batch in one copy.
-        """
+        """Like :meth:`collect_episode`, but only where the episodes lie in the step records
+        (valid until the next call begins), for the sampler to gather in one copy."""
         assert self.host is not None
         buffers = self.host.buffers
         return self.episodes.collect(buffers.obs, buffers.actions, fragments=fragments)
@@ -201,17 +171,14 @@ class Worker:
             return list(value)
         return [value] * self.n_envs
 
-    # -- garage's interface ------------------------------------------------------------------
-
     def update_agent(
         self, agent_update: AgentUpdate, *, apply: bool = True, reset: bool = True
     ) -> None:
         """Apply an agent update: parameters (dict, tuple, ndarray) or a new agent.
 
-        ``None`` keeps the agent. Any other update bumps :attr:`agent_version` and, unless
-        ``reset`` is false (updates during a stream), makes the next call start fresh episodes.
-        ``apply=False`` only bumps the version (the sampler sets the parameters of a shared
-        agent once for all workers).
+        Any update but ``None`` bumps :attr:`agent_version` and, unless ``reset`` is false
+        (updates during a stream), makes the next call start fresh episodes. ``apply=False``
+        only bumps the version (a shared agent's parameters are set once for all workers).
         """
         if agent_update is None:
             return
@@ -246,10 +213,8 @@ class Worker:
         self.episodes.needs_reset[:] = True
 
     async def start_episode(self) -> None:
-        """Reset the envs that need it: those with an episode in progress or a pending update.
-
-        Envs already at the start of an episode (just autoreset) are not reset again.
-        """
+        """Reset the envs with an episode in progress or a pending update (not those just
+        autoreset)."""
         assert self.host is not None
         episodes = self.episodes
         mask = episodes.needs_reset.copy()
@@ -278,7 +243,16 @@ class Worker:
             output = await self.compute_actions(observations)
             timer.add(time.perf_counter() - start, self.n_envs)
         actions, agent_infos = self._output_check.output(output)
-        actions = self._check_actions(actions)
+        assert self.env_spec is not None
+        actions = check_actions(
+            actions,
+            buffers.actions,
+            worker=self.worker_number,
+            action_space=self.env_spec.action_space,
+            values=None if self._trusted_actions else self._action_check,
+            hint=" Clip or map the agent's actions in Worker.compute_actions if the policy is "
+            "unbounded.",
+        )
         put_row(rows.actions, t, actions)
         put_row(buffers.actions, Ellipsis, actions)
         if agent_infos or rows.agent_infos:
@@ -319,10 +293,8 @@ class Worker:
         return ended
 
     async def _cut_late(self, t: int) -> bool:
-        """End the episodes past their deadline after step ``t`` as truncated, their
-        ``episode_infos["deadline"]`` true, and reset their envs (``episode_timeout``; in
-        lockstep a step in flight cannot be cut, so the deadline is checked after each step).
-        Envs whose episode ended on this step were closed already; whether any was cut."""
+        """End the episodes past their deadline (``episode_timeout``) after step ``t`` as
+        truncated, ``episode_infos["deadline"]`` true, and reset their envs; whether any was."""
         episodes = self.episodes
         late = episodes.late()
         if not len(late):
@@ -340,13 +312,8 @@ class Worker:
         return True
 
     def collect_episode(self, *, fragments: bool = False) -> EpisodeBatch:
-        """The episodes completed since the last collection, as one batch.
-
-        Args:
-            fragments: also return the episodes still running as fragments (``FIRST``/``MID``
-                at the end, ``last_observations`` = the current observation); they continue
-                in the next call.
-        """
+        """The episodes completed since the last collection, as one batch; with ``fragments``
+        also the episodes still running, which continue in the next call."""
         assert self.env_spec is not None
         return assemble(self.env_spec, [self.current_plan(fragments=fragments)])
 
@@ -365,33 +332,24 @@ class Worker:
         if self.host is not None:
             await self.host.close()
 
-    # -- per-step hooks ----------------------------------------------------------------------
-
     async def compute_actions(self, observations: Tree) -> AgentOutput:
         """Actions and agent infos for the stacked observations of this worker's envs.
 
         Override to pre-process observations or post-process actions (clipping, scaling,
-        exploration noise). The default asks the agent, awaiting it when it is async. What it
-        returns is checked (an ``(actions, agent_infos)`` tuple, one row per env) before
-        anything is recorded.
+        exploration noise); the output is checked before anything is recorded.
         """
         assert self.agent is not None
-        if self.batcher is not None:  # --- hook: inference="batched" ---
+        if self.batcher is not None:
             return await self.batcher.get_actions(self.worker_number, observations)
         return await get_actions(self.agent, observations)
 
     def process_transition(self, history: Any, transition: Transition) -> Any:
-        """Record one step into a custom history; return the new history.
-
-        Called after every step with :attr:`history` (``None`` at first), only when a subclass
-        overrides it, so the default costs nothing.
-        """
+        """Record one step into :attr:`history` (``None`` at first); return the new history.
+        Only called when a subclass overrides it."""
         return history
 
-    # -- bookkeeping -------------------------------------------------------------------------
-
     def _trust_agent(self) -> None:
-        # Unless a subclass post-processes them in compute_actions.
+        # The range check is skipped for a trusted agent, unless compute_actions is overridden.
         self._trusted_actions = (
             type(self).compute_actions is Worker.compute_actions
             and self.env_spec is not None
@@ -402,18 +360,6 @@ class Worker:
         reset = getattr(self.agent, "reset", None)
         if reset is not None:
             reset(mask.copy())
-
-    def _check_actions(self, actions: Tree) -> Tree:
-        assert self.host is not None and self.env_spec is not None
-        return check_actions(
-            actions,
-            self.host.buffers.actions,
-            worker=self.worker_number,
-            action_space=self.env_spec.action_space,
-            values=None if self._trusted_actions else self._action_check,
-            hint=" Clip or map the agent's actions in Worker.compute_actions if the policy is "
-            "unbounded.",
-        )
 
     def _record(
         self,
@@ -478,15 +424,8 @@ class FragmentWorker(Worker):
 
 @dataclass(frozen=True)
 class WorkerFactory:
-    """Builds the workers of a sampler (garage's WorkerFactory).
-
-    Args:
-        max_episode_length: passed to every worker.
-        seed: the sampler's seed.
-        n_workers: how many workers to build.
-        worker_class: the :class:`Worker` subclass to build.
-        worker_args: extra keyword arguments for ``worker_class``.
-    """
+    """Builds the workers of a sampler (garage's WorkerFactory); ``worker_args`` are extra
+    keyword arguments for ``worker_class``."""
 
     max_episode_length: int | None = None
     seed: int | None = None
