@@ -1,30 +1,16 @@
 """One merger of agent requests: ``inference="batched"``, and the envs stepped one at a time.
 
 :class:`Batcher` stacks the observations waiting for actions, asks each agent once and splits
-actions and agent infos back by rows (a policy call costs about the same for 4 rows as for 64).
-Requests are a worker's rows (:meth:`Batcher.get_actions`: ``inference="batched"`` on the
-lockstep backends, one shared agent) or one env's row (:meth:`Batcher.request`: the lanes of
-``asyncio``/``thread``, each env asking its worker's agent; one call per agent).
+the output back by rows. Requests are a worker's rows (:meth:`Batcher.get_actions`: one shared
+agent, lockstep backends) or one env's row (:meth:`Batcher.request`: the lanes of
+``asyncio``/``thread``, one call per agent).
 
-When to flush is the whole game. For workers stepping in lockstep the batcher knows what each
-worker in the call is doing: running Python, waiting for actions, or waiting on its env host (the
-worker says so around each host step). Two rules:
-
-- ``"lockstep"`` (the default there, reproducible): flush when every worker still in the call is
-  waiting for actions. Every call then holds the same workers in the same order for a fixed
-  seed, so even a stochastic agent with one internal RNG draws the same numbers for the same rows
-  on every run. A slow env host delays every worker's next action.
-- ``"eager"``: flush as soon as no worker is running Python (no further request can arrive
-  before some env step completes). Hosts never idle waiting for a straggler, but which workers
-  share a call, and so a stochastic agent's draws, depend on timing.
-
-A host reply resolves a future, but the worker resumes only when the event loop runs its
-callback; deciding at once would flush one row short. The decision is therefore deferred with
-``loop.call_soon`` until the ready callbacks of the current loop iteration have run.
-
-Envs stepped one at a time are never all waiting: their requests are flushed at the end of each
-pass of the loop (``"eager"`` with nothing to settle), so ``"lockstep"`` and ``min_fraction``
-are refused there at construction.
+When to flush: the batcher knows whether each worker in the call runs Python, waits for actions
+or waits on its env host. ``"lockstep"`` flushes when every worker still in the call waits for
+actions (the same workers in the same order for a fixed seed: reproducible); ``"eager"`` as soon
+as no worker runs Python (no waiting for stragglers; batches depend on timing). A host reply
+resumes its worker a loop iteration later, so the decision is deferred with ``loop.call_soon``.
+Lanes are never all waiting: their requests are flushed at the end of each pass of the loop.
 """
 
 from __future__ import annotations
@@ -33,6 +19,7 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import itertools
 import threading
 import time
 import weakref
@@ -59,8 +46,7 @@ _FLUSH_RULES = ("lockstep", "eager")
 _RUNNING, _WAITING, _ON_HOST = 0, 1, 2
 
 #: ``"eager"`` decides this many loop iterations after the last request: a host reply reaches
-#: its worker one iteration after the socket is read (the read callback resolves the future, the
-#: worker task runs next); the rest is margin for replies that arrive while the loop is busy.
+#: its worker one iteration after the socket is read; the rest is margin for a busy loop.
 SETTLE_ITERATIONS = 3
 
 
@@ -92,8 +78,8 @@ class Batched:
         _validate.unit_interval("min_fraction", self.min_fraction)
 
     def check_per_env(self, backend: str) -> None:
-        """Refuse what envs stepped one at a time (``backend``) cannot honour (see the module
-        docstring): a ``"lockstep"`` flush, a ``min_fraction``."""
+        """Refuse what envs stepped one at a time (``backend``) cannot honour: a ``"lockstep"``
+        flush, a ``min_fraction``."""
         if self.flush == "lockstep" or self.min_fraction:
             raise ValueError(
                 f"inference=Batched(flush={self.flush!r}, min_fraction={self.min_fraction}): "
@@ -140,10 +126,9 @@ class Batcher:
 
     Args:
         options: the flush rule and threading.
-        agent_source: returns the current shared agent, read at every flush (so an agent
-            replaced by an update is used from the next call on), for :meth:`get_actions`.
-        action_space: for :meth:`request` (envs stepped one at a time): checks the merged
-            actions' shapes and values. Given, requests are flushed at the end of every pass.
+        agent_source: the current shared agent, read at every flush, for :meth:`get_actions`.
+        action_space: for :meth:`request` (lanes): checks the merged actions; given, requests are
+            flushed at the end of every pass.
     """
 
     def __init__(
@@ -216,8 +201,7 @@ class Batcher:
             raise
 
     def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
-        """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``
-        asking ``agent`` (envs stepped one at a time)."""
+        """A future of ``(action, agent_infos)`` for ``observation`` of an env of ``worker``."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -368,12 +352,8 @@ class Batcher:
     def _fail(self, requests: list[_Request], exc: BaseException) -> None:
         for r in requests:
             if not r.future.done():
-                self._running(r.worker)
+                self.host_done(r.worker)
                 r.future.set_exception(exc)
-
-    def _running(self, worker: int) -> None:
-        if worker in self._state:
-            self._state[worker] = _RUNNING
 
     def _deliver(self, agent: Agent, requests: list[_Request], result: Any) -> None:
         if requests[0].one:
@@ -387,7 +367,7 @@ class Batcher:
             return
         for r, part in zip(requests, parts):
             if not r.future.done():
-                self._running(r.worker)
+                self.host_done(r.worker)
                 r.future.set_result(part)
 
     def _deliver_rows(self, agent: Agent, requests: list[_Request], result: Any) -> None:
@@ -420,8 +400,7 @@ class Batcher:
             r.future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
 
     def _check_of(self, agent: Agent, worker: int) -> AgentOutputCheck:
-        """The output check of ``agent`` (a new agent object, such as one an update put in,
-        gets a new one: the kinds and shapes of its infos may differ from its predecessor's)."""
+        """The output check of ``agent`` (a new agent object, e.g. an update's, gets a new one)."""
         known = self._checks.get(id(agent))
         if known is not None and known[0]() is agent:
             return known[1]
@@ -460,7 +439,7 @@ def _stack(requests: list[_Request]) -> Tree:
 
 
 def _rows_of(requests: list[_Request], workers: list[int] | None = None) -> str:
-    """The rows asked for and the workers they came from, for the messages."""
+    """The rows asked for and their workers, for the messages."""
     workers = workers or sorted({r.worker for r in requests})
     names = ", ".join(map(str, workers))
     if requests[0].one:
@@ -472,7 +451,7 @@ def _rows_of(requests: list[_Request], workers: list[int] | None = None) -> str:
 
 
 def _like_rows(actions: Tree, n: int) -> Tree:
-    """What :func:`check_actions` compares shapes against: ``n`` rows of the space's shape."""
+    """``n`` rows of the space's shape, for :func:`check_actions` to compare against."""
 
     def like(a: Any) -> np.ndarray:
         a = np.asarray(a)
@@ -492,26 +471,18 @@ def _split(result: Any, requests: list[_Request]) -> list[AgentOutput]:
         )
     actions, infos = result
     actions = tree_map(np.asarray, actions)
-    for leaf in tree_leaves(actions):
-        n = "a scalar" if leaf.ndim == 0 else f"{leaf.shape[0]} rows"
-        if leaf.ndim == 0 or leaf.shape[0] != total:
-            raise ValueError(
-                f"action: the shared agent (inference='batched') must return exactly one action "
-                f"per row of {where}, got {n}"
-            )
     infos = {k: np.asarray(v) for k, v in (infos or {}).items()}
-    for key, value in infos.items():
+    named = [("action", "exactly one action", leaf) for leaf in tree_leaves(actions)]
+    named += [(f"agent info {k!r}", "one value", v) for k, v in infos.items()]
+    for what, one, value in named:
         if value.ndim == 0 or value.shape[0] != total:
             n = "a scalar" if value.ndim == 0 else f"{value.shape[0]} rows"
             raise ValueError(
-                f"agent info {key!r}: the shared agent (inference='batched') must return one "
-                f"value per row of {where}, got {n}"
+                f"{what}: the shared agent (inference='batched') must return {one} per row of "
+                f"{where}, got {n}"
             )
-    parts: list[AgentOutput] = []
-    start = 0
-    for r in requests:
-        stop = start + r.rows
-        s = slice(start, stop)
-        parts.append((tree_map(lambda x, s=s: x[s], actions), {k: v[s] for k, v in infos.items()}))
-        start = stop
-    return parts
+    bounds = [0, *itertools.accumulate(r.rows for r in requests)]
+    return [
+        (tree_map(lambda x, s=s: x[s], actions), {k: v[s] for k, v in infos.items()})
+        for s in itertools.starmap(slice, itertools.pairwise(bounds))
+    ]

@@ -1,56 +1,19 @@
 """``inference="host"``: a copy of the agent inside every env host, stepping chunks of steps.
 
-Each worker's host slot gets its own cloudpickled copy of the worker's agent (again when an
-agent update passes a new object; parameter updates travel as parameters and are applied with
-``set_param_values`` there). Per request, the host asks that copy for actions and steps the envs
-for a chunk of worker steps, writing the step records into shared memory
-(:mod:`asyncsample.backends._chunk`). The worker turns each chunk into the same recorder rows
-per-step stepping makes, so batches are assembled by the same code and, with a deterministic
-agent, equal those of ``"per_worker"``.
-
-How a call maps to chunks: a chunk is at most :attr:`Host.chunk_steps` worker steps long (fewer
-when the shared buffers would pass :data:`~asyncsample.backends._chunk.CHUNK_BYTES`), and the
-host stops it exactly where per-step stepping stops the call (``samples``: the completed
-episodes reach the share; ``exact episodes``: each env has its share of episodes and is stepped
-no more; ``fragments``: the remaining steps), so no quota is ever overshot. On the ``process``
-backend the chunks of a worker's part are pipelined (:meth:`ChunkStepper.run`): the request for
-the next chunk waits in the host while the worker replays the last one. Across the rounds of a
-``stream`` too: as a worker's part of a round ends, its host starts the next round's first chunk
-(:class:`RunAhead`). Not across plain calls (the next call may update the agent or the envs, or
-reset episodes), nor under ``fraction_samples`` (whether a worker goes on depends on the other
-workers), nor on ``ray``.
-
-Reproducibility: a worker's copy is installed with the worker's agent seed from the sampler's
-seed tree; an agent with a ``seed(int)`` method has it called with that seed in the host, which
-is what a stochastic agent must implement to be reproducible across runs and ``n_processes``
-(the built-in :class:`~asyncsample.RandomAgent` per worker carries its seeded generator over).
-A copy reinstalled after a host restart gets the same seed again.
-
-Agent versions: an update applies from the next chunk to start: it reaches the hosts before
-their next chunk (a pipelined request or a stream's run-ahead sent before it is skipped by the
-host and asked again); the chunk in flight (a run-ahead among them) ends with the parameters it
-started with, and episodes are stamped with the version a chunk really ran with, so
-``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
-step: on ``process`` the host bumps a step counter in shared memory after every step and the
-main process fails the chunk when the counter stands still for ``step_timeout``; on ``ray`` the
-main process asks the actor for that count while the chunk runs, with the same verdict.
-
-On ``ray`` a chunk is one actor call; its records come back in the reply (through Ray's object
-store when large; observation leaves compressed with the backend's ``compress_threshold``) and
-are copied into the worker's local chunk buffers.
-
-Limits: ``backend="local"`` is refused with a ``ValueError`` (its envs already live in the
-caller's process: use ``"per_worker"``); async
-agents are refused (``ValueError``); a ``worker_class`` that overrides ``compute_actions`` is
-refused (the main process does not see the actions being chosen). Errors of the agent in the host
-(and actions outside the action space) are :class:`~asyncsample.WorkerError` with the remote
-traceback and ``retry=False``.
+Each worker's host slot gets a cloudpickled copy of the worker's agent, seeded from the
+sampler's seed tree (parameter updates travel as parameters). Per request the host steps its
+envs for a chunk of worker steps with that copy, stopping exactly where per-step stepping would
+stop the call (:mod:`asyncsample.backends._chunk`); the worker replays the chunk into the same
+recorder rows, so batches equal those of ``"per_worker"`` for a deterministic agent. On
+``process`` a worker's chunks are pipelined (:meth:`ChunkStepper.run`), and a stream's next
+round starts in the host as a part ends (:class:`RunAhead`). An agent update applies from the
+next chunk to start; episodes carry the version a chunk really ran with.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-import logging
 import pickle
 from collections import deque
 from collections.abc import Sequence
@@ -83,6 +46,7 @@ from asyncsample.backends import (
     NextChunk,
     SentChunk,
 )
+from asyncsample.backends.base import LOGGER
 from asyncsample.errors import AsyncSampleError
 
 __all__ = [
@@ -93,8 +57,6 @@ __all__ = [
     "check_host_agent",
     "pickle_agent",
 ]
-
-logger = logging.getLogger("asyncsample")
 
 
 @dataclass(frozen=True)
@@ -168,12 +130,7 @@ class HostWorker(Protocol):
 
 
 class HostInference:
-    """The sampler's side of ``inference="host"``: installs agents, forwards updates, and makes
-    each worker's :class:`ChunkStepper`.
-
-    Args:
-        options: the chunking options.
-    """
+    """The sampler's side of ``inference="host"``: agents, updates and the workers' steppers."""
 
     def __init__(self, options: Host) -> None:
         self.options = options
@@ -219,14 +176,11 @@ class HostInference:
                 host.chunk.epoch[0] += 1
 
     def stepper(self, worker: HostWorker, then: Resume | None = None) -> ChunkStepper:
-        """The stepper of ``worker``'s part of a call: one chunk per request. ``then``: a
-        stream's next round follows, continuing what this part leaves (see :class:`RunAhead`)."""
+        """The stepper of ``worker``'s part (``then``: a stream's next round follows)."""
         return ChunkStepper(worker, self.options.chunk_steps, self.ahead, then)
 
     def drop_ahead(self) -> None:
-        """The stream closed: nobody takes the chunks run ahead over. Their replies (or their
-        hosts' deaths) are dropped quietly; the workers' :attr:`Episodes.state` stays ``RAN_AHEAD``,
-        so their next call starts fresh episodes."""
+        """The stream closed: drop the chunks run ahead (their workers' next call starts afresh)."""
         for ahead in self.ahead.values():
             ahead.sent.abandon()
         self.ahead.clear()
@@ -236,21 +190,9 @@ class HostInference:
 class RunAhead:
     """The first chunk of a stream's next round, sent as a worker's part of a round ends.
 
-    Between two rounds of a stream the hosts would otherwise idle while the slowest worker
-    finishes, the batch is assembled and the consumer takes it: the request the next round's
-    first chunk makes is known when a part ends (the same rule, and the ``counts`` and
-    ``active`` the next :meth:`~asyncsample._engine.Episodes.begin` gives,
-    :meth:`~asyncsample._engine.Episodes.next_start`), so it is sent at once. The next round's
-    stepper takes the chunk over when its own first request is the same; anything else (a
-    mismatch, the stream closed, a failure) abandons it, and the envs, which may have moved past
-    the records, start fresh episodes. The request carries the update epoch: an agent update
-    made before the host starts it makes the host skip it (the next round's first chunk then
-    runs after the update); a chunk already running ends with the parameters it started with
-    and its episodes carry that version.
-
-    Attributes:
-        sent: the request, sent.
-        request: what it asked (compared with the next round's first request).
+    The hosts would otherwise idle between rounds. The next round's stepper takes the chunk over
+    when its own first request is the same (``request``); anything else abandons it, and the envs
+    start fresh episodes. An agent update made before the host starts it makes the host skip it.
     """
 
     sent: SentChunk
@@ -267,15 +209,11 @@ class PipelinedHost(AgentHost, Protocol):
 
 
 class ChunkStepper:
-    """One chunk of steps per request: the host runs them with its agent copy, under a copy of
-    the call's :class:`~asyncsample._engine.StopRule`, and the worker replays them into its
-    records (:meth:`~asyncsample._engine.Episodes.replay`).
+    """One chunk of steps per request, run by the host's agent copy under a copy of the call's
+    :class:`~asyncsample._engine.StopRule`, then replayed into the worker's records.
 
-    On a host with two sets of chunk buffers (:class:`PipelinedHost`), :meth:`run` keeps the
-    request for the next chunk queued in the host while it replays the last one: the host goes
-    on from its own copy of the rule (:class:`~asyncsample.backends._chunk.NextChunk`), which
-    after a chunk is exactly the worker's after the replay, so the records are those of one
-    request per chunk and the host never waits for the replay.
+    On a :class:`PipelinedHost`, :meth:`run` keeps the next chunk's request queued in the host
+    while it replays the last one.
     """
 
     def __init__(
@@ -303,9 +241,8 @@ class ChunkStepper:
             worker.episodes.recorder.rows.use_arena(chunk.arena, self.capacity + 1)
 
     async def start(self) -> None:
-        """Reset the envs that need it, once the host's agent copy is in place (so it sees the
-        same ``reset(mask)`` calls as an agent in the main process); take over the chunk run
-        ahead for this part, if any (:class:`RunAhead`)."""
+        """Reset the envs that need it once the host's agent copy is in place; take over the chunk
+        run ahead for this part, if any."""
         stale, self._taken = self._taken, None
         if stale is not None:  # taken over by a try that failed: the retry restarted the host
             stale.sent.abandon()
@@ -315,9 +252,8 @@ class ChunkStepper:
         await self.worker.start_episode()
 
     async def _take_over(self) -> None:
-        """Keep the chunk run ahead for this part when its request is the one the part makes
-        first; else wait for it and, if it ran, drop the episodes in progress (their envs moved
-        past the records): every env is reset."""
+        """Keep the chunk run ahead if it is the part's first request; else wait for it and, if it
+        ran, drop the episodes in progress (their envs moved past the records)."""
         episodes = self.worker.episodes
         episodes.state = Continuity.IN_CALL
         ahead = self.ahead.pop(self.worker.worker_number, None)
@@ -340,7 +276,7 @@ class ChunkStepper:
             ahead.sent.abandon()
         if ran:
             dropped = episodes.recovered()
-            logger.info(
+            LOGGER.info(
                 "worker %d: the chunk run ahead for this round was not taken over; %d "
                 "episode(s) in progress were dropped",
                 self.worker.worker_number,
@@ -368,14 +304,10 @@ class ChunkStepper:
             await self.advance(rule)
 
     async def _run_pipelined(self, host: PipelinedHost, rule: StopRule) -> None:
-        """Chunks until ``rule`` stops, with the next chunk's request always queued in the host.
+        """Chunks until ``rule`` stops, the next chunk's request always queued in the host.
 
-        The request for set ``b`` is sent only once set ``b``'s last chunk is replayed, so at
-        most two requests are out, one per set, answered in order. A reply of no steps while
-        the rule wants more (the host skipped a request sent before an agent update) is simply
-        followed by the next request. Requests still out when the part ends, or fails, are
-        abandoned: the host's copy of the rule says stop (or its last chunk failed), so they
-        run nothing, except after a cancellation, where the next call resets every env anyway.
+        At most two requests are out, one per set, answered in order; a reply of no steps after an
+        agent update is followed by the next request. Requests still out at the end are abandoned.
         """
         episodes = self.worker.episodes
         active = episodes.active
@@ -417,12 +349,8 @@ class ChunkStepper:
                 sent.abandon()
 
     async def ended(self) -> None:
-        """The part ended and its plan was taken (the plan of a ``fragments`` part reads the
-        host's current observations): when a stream's round follows, send its first chunk
-        (:class:`RunAhead`): the rule of the same share, from what :meth:`Episodes.next_start`
-        says that round starts with. Nothing when that round would reset an env first, or when
-        the host cannot take the request (the next round meets the same trouble and recovers
-        from it)."""
+        """The part ended and its plan was taken: if a stream's round follows, send its first chunk
+        (:class:`RunAhead`), unless that round resets an env first or the host refuses it."""
         done, then, host = self._ran, self.then, self.pipe
         if done is None or then is None or host is None:
             return
@@ -467,15 +395,13 @@ class ChunkStepper:
         )
 
     async def _follow(self, host: PipelinedHost, buffer: int) -> tuple[SentChunk, int, int]:
-        """Send a :class:`NextChunk` into set ``buffer``. Its epoch is read before the updates
-        made so far are sent (``send_chunk`` syncs the agent first): one made meanwhile can
-        only make the host skip it."""
+        """Send a :class:`NextChunk` into set ``buffer``; its epoch is read before the agent syncs,
+        so an update made meanwhile only makes the host skip it."""
         epoch = int(self.chunk.epoch[0])
         return await host.send_chunk(NextChunk(self.capacity, buffer, epoch)), buffer, epoch
 
     def _may_follow(self, rule: StopRule) -> bool:
-        """Whether the part may need a chunk after the next one (``fragments``: the steps left
-        exceed a chunk; in the other modes it depends on how episodes end)."""
+        """Whether the part may need a chunk after the next one."""
         return rule.mode is not CallMode.FRAGMENTS or rule.steps > self.capacity
 
     def _replay(self, reply: ChunkReply, version: int, chunk: ChunkBuffers | None = None) -> None:
@@ -487,16 +413,7 @@ class ChunkStepper:
             chunk = chunk.with_arena_obs(row, row + reply.steps + 1)
         record: RecordStep | None = None
         if worker.records_transitions:
-
-            def record(
-                j: int,
-                t: int,
-                agent_infos: dict[str, np.ndarray],
-                env_infos: list[dict[str, Any]] | None,
-                done: np.ndarray,
-            ) -> None:
-                self._record(chunk, j, t, reply.steps, agent_infos, env_infos, done)
-
+            record = functools.partial(self._record, chunk, reply.steps)
         current = worker.agent_version
         worker.agent_version = version  # what process_transition sees during the chunk
         try:
@@ -516,9 +433,9 @@ class ChunkStepper:
     def _record(
         self,
         chunk: ChunkBuffers,
+        steps: int,
         j: int,
         t: int,
-        steps: int,
         agent_infos: dict[str, Any],
         env_infos: list[dict[str, Any]] | None,
         done: np.ndarray,
@@ -532,9 +449,8 @@ class ChunkStepper:
             out[done] = final_seq[j][done]
             return out
 
-        # The observation after step j is the one acted on at j + 1, or the one after the
-        # chunk's last step: the host's current one, or, where the host may already be running
-        # the next chunk (pipelining), the spare row it wrote it to.
+        # After the chunk's last step: the host's current observation, or, where the host may
+        # already run the next chunk (pipelining), the spare row it wrote it to.
         now = self.host.buffers.obs if self.pipe is None else row_of(chunk.obs, steps)
         nxt: Tree = tree_map(next_obs, chunk.obs, chunk.final_obs, now)
         transition = transition_at(
