@@ -1,18 +1,13 @@
 """The inference modes as strategies the sampler chooses once, at construction.
 
-A mode only chooses where ``get_actions`` runs (each worker's own agent, one shared agent with
-merged calls, or the agents inside the hosts), for any backend. It answers the few questions
-where ``per_worker``, ``batched`` and ``host`` differ: what the hosts must allocate (chunk
-buffers), what happens once the workers exist (a merger of requests, or the agents installed in
-the hosts), which stepper runs a worker's part of a call (one worker step, one chunk, or one lane
-per env on hosts that step each env on its own), what surrounds that part (the merger's
-membership), how an agent update is checked and applied, and what closing releases.
+A mode answers the few questions where ``per_worker``, ``batched`` and ``host`` differ, for any
+backend: the hosts' chunk buffers, the workers' stepper, the merger of requests, agent updates.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any, Protocol
 
 from asyncsample._engine import Episodes, Part, Stepper, StepStepper
@@ -22,7 +17,7 @@ from asyncsample.backends.base import PerEnvHost
 from asyncsample.inference.batched import Batched, Batcher
 from asyncsample.inference.host import ChunkStepper, Host, HostInference, HostWorker
 
-__all__ = ["BatchedMode", "HostMode", "InferenceMode", "ModeWorker", "PerWorkerMode", "make_mode"]
+__all__ = ["BatchedMode", "HostMode", "InferenceMode", "ModeWorker", "make_mode"]
 
 
 class ModeWorker(HostWorker, Protocol):
@@ -39,10 +34,7 @@ class InferenceMode:
     """``"per_worker"``: each worker asks its own agent, one env step per request (on hosts
     that step each env on its own, the ready envs of one agent are merged into one call).
 
-    The base class of the other modes, which override what differs.
-
-    Args:
-        lanes: what the lanes share, when the hosts step each env on their own (else ``None``).
+    The base class of the other modes. ``lanes``: what the lanes share, on such hosts.
     """
 
     name = "per_worker"
@@ -72,8 +64,7 @@ class InferenceMode:
         self._attach_lanes(workers, Batched())
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
-        """How ``worker``'s part of a call moves its envs: one lane per env on hosts that step
-        each on its own, else one worker step per request."""
+        """How ``worker``'s part of a call moves its envs: one lane per env, or worker steps."""
         if self.lanes is not None:
             assert self.merger is not None
             return LaneStepper(worker, self.merger, part, self.lanes)  # type: ignore[arg-type]
@@ -113,9 +104,6 @@ class InferenceMode:
         if self.merger is not None:
             await self.merger.aclose()
         self.close()
-
-
-PerWorkerMode = InferenceMode
 
 
 class BatchedMode(InferenceMode):
@@ -169,10 +157,7 @@ class BatchedMode(InferenceMode):
         agent_seeds: list[int],
     ) -> None:
         """Never while the batcher's thread runs the agent."""
-        if self.batcher is None:
-            apply()
-            return
-        with self.batcher.exclusive():
+        with nullcontext() if self.batcher is None else self.batcher.exclusive():
             apply()
 
 
@@ -218,8 +203,8 @@ class HostMode(InferenceMode):
         workers: Sequence[ModeWorker],
         agent_seeds: list[int],
     ) -> None:
-        """Check and pickle first (an update the hosts cannot take changes nothing), apply, then
-        record it on every worker's host for the next chunk."""
+        """Check and pickle first (a refused update changes nothing), apply, then record it on
+        every worker's host for the next chunk."""
         prepared = self.inference.prepare_update(agent_update)
         apply()
         self.inference.forward_update(workers, prepared, agent_seeds)
@@ -230,8 +215,7 @@ def make_mode(
     shared_agent: Callable[[], Agent],
     lanes: LaneSettings | None = None,
 ) -> InferenceMode:
-    """The strategy for the options :func:`asyncsample.inference.check_inference` returned;
-    ``lanes``: the hosts will step each env on its own."""
+    """The strategy for :func:`~asyncsample.inference.check_inference`'s options."""
     if isinstance(options, Host):
         return HostMode(options)
     if isinstance(options, Batched):
