@@ -1,32 +1,16 @@
 """The ``ray`` backend: env hosts as Ray actors, anywhere in a Ray cluster.
 
-Only the envs move: the worker coroutines stay in the caller's event loop. ``A = min(n_processes
-or os.cpu_count(), n_workers)`` actors are created (``ceil(n_workers / workers_per_actor)`` with
-``workers_per_actor``) and worker ``w`` lives on actor ``w % A``: while one worker's step travels,
-the next worker's request is already queued there. Each actor runs one
-:class:`~asyncsample.env_group.EnvGroup` per worker slot, as every backend does (results are
-identical for a fixed seed).
-
-Per worker step there is one actor call with one small bytes argument (worker, mask, a copy of
-``buffers.actions``). The actor returns its step buffers pickled into one bytes object when they
-are small, as numpy arrays from :data:`LARGE_REPLY` bytes of observations (through Ray's object
-store, read without a copy); the reply is copied into the worker's local buffers. Observation
-arrays of at least ``compress_threshold`` bytes can be compressed in the actor (lz4 when
-installed, else zlib); a leaf that does not shrink by a quarter is sent as is and not tried again
-for its next 1000 replies. ``asyncsample bench ray`` measures what it pays (figures in
-``benchmarks/results/``).
+Only the envs move: the worker coroutines stay in the caller's event loop, and worker ``w``
+lives on actor ``w % A`` (:mod:`~asyncsample.backends.placement`), each actor running one
+:class:`~asyncsample.env_group.EnvGroup` per worker slot as every backend does. A worker step is
+one actor call with one small bytes argument; the reply is copied into the worker's local
+buffers (the wire format is :mod:`~asyncsample.backends._ray_actor`'s).
 
 Calls are futures of the event loop (a Ray thread resolves them with ``call_soon_threadsafe``).
-An actor serves its calls in order, so a cancelled caller simply stops waiting: its reply is
-dropped. ``step_timeout`` counts from the moment the actor can start on a call; a call that
-outlives it fails with :class:`~asyncsample.StepTimeoutError` and the actor is killed. With
-``inference="host"`` it bounds each step of a chunk: the actor tells how far the chunk has got
-from a second thread (a Ray concurrency group). An actor that dies fails every call waiting on it
-with :class:`~asyncsample.WorkerCrashedError`; ``restart`` creates a new actor once for all the
-workers it hosted, while an env that merely raised only has its own worker's envs rebuilt.
-
-``import asyncsample`` never imports ray: this module is imported when ``backend="ray"`` is
-asked for, and ray itself when :class:`RayBackend` is created.
+``step_timeout`` counts from the moment the actor can start on a call; a call that outlives it
+kills the actor (with ``inference="host"``: per step of a chunk, see :meth:`_Actor.watch`). A dead
+actor fails every call waiting on it; ``restart`` creates a new one once for all its workers.
+``import asyncsample`` never imports ray: :class:`RayBackend` does.
 """
 
 from __future__ import annotations
@@ -39,7 +23,7 @@ import pickle
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -87,17 +71,6 @@ PENDING_WARNING = 10.0
 _KILL_WAIT = 5.0
 
 
-def _import_ray() -> Any:
-    """The ``ray`` module, or an ImportError that says how to install it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError(
-            f"backend='ray' needs the ray package, which is not installed: {INSTALL_HINT}"
-        ) from exc
-    return ray
-
-
 class _Actor(Incarnation):
     """One incarnation of an env-host actor, as the main process sees it."""
 
@@ -124,13 +97,11 @@ class _Actor(Incarnation):
         label: str | None = None,
         progress: np.ndarray | None = None,
     ) -> PendingCall:
-        """Call ``method`` on the actor (``label``: what the call is named in messages, by
-        default ``method``; ``progress``: a chunk's step counter, see :meth:`watch`); the
-        call's future gets its reply.
+        """Call ``method`` on the actor; the call's future gets its reply.
 
-        The future fails with :class:`HostDied` when the actor is (or becomes) dead, and with a
-        :class:`~asyncsample.WorkerError` when the actor method itself raised (a bug, not an env
-        failure).
+        ``label`` names the call in messages (default: ``method``); ``progress``: a chunk's step
+        counter (see :meth:`watch`). The future fails with :class:`HostDied` when the actor is (or
+        becomes) dead, with a :class:`~asyncsample.WorkerError` when the actor method raised.
         """
         if not self.dead and not self.ray.is_initialized():
             # Someone shut Ray down: its actors died with it (and a call now would start Ray).
@@ -148,15 +119,11 @@ class _Actor(Incarnation):
         return call
 
     def watch(self, call: PendingCall, worker: int, timeout: float) -> None:
-        """Judge a chunk ``call`` per step: keep its ``progress`` counter up to date with the
-        actor's count of the chunk's steps while it runs.
+        """Judge a chunk ``call`` per step: keep its ``progress`` counter up to date.
 
-        An actor has no memory shared with the caller, so the count is asked for: every
-        :func:`~asyncsample.backends._remote.progress_poll` seconds, once the actor works on
-        ``call`` (the head of :attr:`calls`), :meth:`EnvActor.progress` is called in its own
-        concurrency group, which answers while the chunk runs. The incarnation's timer then
-        judges the counter as the ``process`` backend's shared one: the chunk fails when it
-        stands still for ``timeout``.
+        Once the actor works on ``call``, every :func:`~asyncsample.backends._remote.progress_poll`
+        seconds :meth:`EnvActor.progress` is asked, in its own concurrency group; the incarnation's
+        timer then judges the counter as the ``process`` backend's shared one.
         """
         task = self.loop.create_task(self._poll(call, worker, timeout))
         self.watchers.add(task)
@@ -191,10 +158,8 @@ class _Actor(Incarnation):
     def _defer_timeout(self, call: PendingCall) -> bool:
         """Whether the step counter of ``call`` is being asked for, for less than its timeout.
 
-        A loaded machine or Ray may delay the answer, which can show a step that ended in time.
-        An env that hangs holding the GIL keeps the actor from answering at all: it is then
-        found after at most twice ``step_timeout`` (and the message quotes the first step not
-        seen to end, which is the hung one unless it came less than a look after the last).
+        A loaded machine may delay the answer; an env that hangs holding the GIL keeps the actor
+        from answering at all, and is found after at most twice ``step_timeout``.
         """
         sent = self.polling.get(call)
         timeout = call.timeout
@@ -256,25 +221,10 @@ class _Actor(Incarnation):
                 self.ray.kill(self.handle, no_restart=True)
 
 
-class _Spawner(Protocol):
-    """What a pool member needs from its backend to create an actor."""
-
-    ray: Any
-    start_timeout: float | None
-
-    def new_actor(self, index: int, slots_blob: bytes) -> Any:
-        """A new actor handle for member ``index``."""
-        ...
-
-    def resource_text(self) -> str:
-        """What each actor asks for, for messages."""
-        ...
-
-
 class _Member(PoolMember[_Actor]):
     """One place in the actor pool: the workers it hosts and its current actor."""
 
-    def __init__(self, spawner: _Spawner, index: int, specs: list[HostSpec]) -> None:
+    def __init__(self, spawner: RayBackend, index: int, specs: list[HostSpec]) -> None:
         super().__init__(index, specs)
         self.spawner = spawner
 
@@ -411,12 +361,8 @@ class RayHost(RemoteHost[_Actor]):
         return result
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
-        """``inference="host"``: one actor call runs a chunk with the actor's agent copy
-        (installed or updated first where needed); the reply and the agent version it ran with.
-
-        ``step_timeout`` bounds each step: the chunk fails when the actor's count of its steps,
-        polled while it runs, stands still for that long (see ``_Actor.watch``).
-        """
+        """``inference="host"``: one actor call runs a chunk with the actor's agent copy (synced
+        first); the reply and the agent version it ran with."""
         version = await self.sync_agent()
         chunk = self.chunk
         assert chunk is not None
@@ -445,35 +391,25 @@ _owned: dict[str, int] = {"users": 0}
 
 
 class RayBackend:
-    """Hosts the envs of all workers in Ray actors.
+    """Hosts the envs of all workers in Ray actors (the options are those of docs/backends.md).
 
     Args:
-        n_processes: number of env-host actors (default: the CPU count of this machine), capped
-            at the number of workers. On a cluster, set it (or ``workers_per_actor``).
-        step_timeout: seconds an actor may spend on one build, update, reset or step before it is
-            killed and the call fails with :class:`~asyncsample.StepTimeoutError`; with
-            ``inference="host"``, on each step of a chunk (the actor is asked how far the chunk
-            has got while it runs, see ``_Actor.watch``).
-        address: address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``,
-            ``"host:6379"``). Default: an already initialised Ray, else ``RAY_ADDRESS``, else a
-            local Ray instance started here (and shut down by :meth:`aclose`), which counts
-            at least twice this machine's cores as CPUs so that it can be oversubscribed like the
-            process backend.
-        num_cpus, num_gpus, memory, resources: Ray resources of each actor (``memory`` in
-            bytes; ``resources`` are custom resources, e.g. ``{"sim": 1}``).
-        placement_strategy: ``"SPREAD"``, ``"PACK"`` (or ``"STRICT_SPREAD"``, ``"STRICT_PACK"``)
-            to reserve one placement-group bundle per actor first; ``None``: Ray's default
-            scheduling, no placement group.
+        n_processes: number of env-host actors (default: the CPU count), at most ``n_workers``.
+        step_timeout: seconds an actor may spend on one call (with ``inference="host"``: on each
+            step of a chunk) before it is killed: :class:`~asyncsample.StepTimeoutError`.
+        address: a running Ray cluster. Default: an initialised Ray, else ``RAY_ADDRESS``, else a
+            local instance started here (with twice this machine's cores as CPUs, so that it can
+            be oversubscribed like the process backend) and shut down by :meth:`aclose`.
+        num_cpus, num_gpus, memory, resources: Ray resources of each actor.
+        placement_strategy: reserve one placement-group bundle per actor first (``"SPREAD"``,
+            ``"PACK"``, ``"STRICT_SPREAD"``, ``"STRICT_PACK"``); ``None``: Ray's own scheduling.
         workers_per_actor: host this many workers per actor (overrides ``n_processes``).
-        compress_threshold: compress observation arrays of at least this many bytes before they
-            leave the actor (lz4 when installed, else zlib), e.g. ``16384`` for image
-            observations; ``None``: never.
-        init_kwargs: extra keyword arguments for ``ray.init`` (e.g. ``runtime_env``).
-        start_timeout: seconds to wait for the placement group and each actor to be scheduled
-            and up before failing; ``None``: wait as long as it takes (an autoscaler may be
-            adding nodes).
-        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL,
-            OpenBLAS) in each actor; ``None`` leaves the libraries' defaults.
+        compress_threshold: compress observation arrays of at least this many bytes in the actor
+            (lz4 when installed, else zlib); ``None``: never.
+        init_kwargs: extra keyword arguments for ``ray.init``.
+        start_timeout: seconds to wait for the placement group and each actor to be up; ``None``:
+            as long as it takes.
+        host_threads: intra-op threads of the numeric libraries in each actor (``None``: theirs).
     """
 
     OPTIONS = (
@@ -510,7 +446,13 @@ class RayBackend:
         **unknown: object,
     ) -> None:
         reject_unknown_options("ray", unknown, self.OPTIONS)
-        self.ray = _import_ray()
+        try:
+            import ray
+        except ImportError as exc:
+            raise ImportError(
+                f"backend='ray' needs the ray package, which is not installed: {INSTALL_HINT}"
+            ) from exc
+        self.ray = ray
         self.n_processes = _validate.optional_positive_int("n_processes", n_processes)
         self.workers_per_actor = _validate.optional_positive_int(
             "workers_per_actor", workers_per_actor
@@ -673,11 +615,8 @@ class RayBackend:
             _owned["users"] = 1
 
     async def aclose(self) -> None:
-        """Close the envs, kill every actor, remove the placement group; idempotent.
-
-        Ray is shut down only if this backend started it (the last backend using a local
-        instance started by a backend shuts it down); a cluster it connected to is left as is.
-        """
+        """Close the envs, kill every actor, remove the placement group; idempotent. Ray is shut
+        down only if this backend started it (and no other backend still uses it)."""
         if self._closed:
             return
         self._closed = True
@@ -693,42 +632,16 @@ class RayBackend:
                 self._owner = False
                 _release_ray(self.ray)
             return
-        live = [a for a in actors if not a.dead]
-        goodbyes: list[asyncio.Future[Any]] = []
-        for actor in live:  # let the envs close themselves (env.close()) first
-            with contextlib.suppress(Exception):  # Ray may already be gone
-                goodbyes.append(asyncio.wrap_future(actor.handle.shutdown.remote().future()))
-        if goodbyes:
-            await asyncio.wait(goodbyes, timeout=EXIT_GRACE)
-            for fut in goodbyes:  # retrieve errors of actors that died meanwhile
-                if fut.done() and not fut.cancelled():
-                    fut.exception()
-                else:
-                    fut.cancel()
+        # Let the envs close themselves (env.close()) first.
+        await _settle([a for a in actors if not a.dead], "shutdown", EXIT_GRACE)
         for actor in actors:
             actor.die("was shut down")
             actor.kill()
-        if actors:
-            await self._confirm_dead(actors)
+        await _settle(actors, "ready", _KILL_WAIT)  # until Ray reports the killed actors dead
         self._release()
         if self._owner:
             self._owner = False
             await asyncio.to_thread(_release_ray, self.ray)
-
-    async def _confirm_dead(self, actors: list[_Actor]) -> None:
-        """Wait (a little) until Ray reports every killed actor dead."""
-        probes = []
-        for actor in actors:
-            with contextlib.suppress(Exception):
-                probes.append(asyncio.wrap_future(actor.handle.ready.remote().future()))
-        if not probes:
-            return
-        await asyncio.wait(probes, timeout=_KILL_WAIT)
-        for fut in probes:
-            if fut.done() and not fut.cancelled():
-                fut.exception()
-            else:
-                fut.cancel()
 
     def _release(self) -> None:
         pg, self._placement_group = self._placement_group, None
@@ -762,6 +675,23 @@ class RayBackend:
                 actor.closing = True
                 actors.append(actor)
         return actors
+
+
+async def _settle(actors: list[_Actor], method: str, timeout: float) -> None:
+    """Call ``method`` of every actor and wait up to ``timeout`` for the replies, errors and
+    all (an actor that died meanwhile, Ray gone); cancel the rest."""
+    futures = []
+    for actor in actors:
+        with contextlib.suppress(Exception):  # Ray may already be gone
+            futures.append(asyncio.wrap_future(getattr(actor.handle, method).remote().future()))
+    if not futures:
+        return
+    await asyncio.wait(futures, timeout=timeout)
+    for fut in futures:
+        if fut.done() and not fut.cancelled():
+            fut.exception()
+        else:
+            fut.cancel()
 
 
 def _release_ray(ray: Any) -> None:
