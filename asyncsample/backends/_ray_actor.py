@@ -1,12 +1,9 @@
 """The actor side of the ``ray`` backend: :class:`EnvActor` and the wire format of its calls.
 
-An :class:`EnvActor` holds one :class:`~asyncsample.backends._slot.HostSlot` per worker and only
-encodes: ``reset`` and ``step`` requests are a small bytes header (worker, how the actions
-travel) and the active mask; replies carry the observations pickled inline, or as arrays through
-Ray's object store when they are large, optionally compressed (:class:`_Packed`). The caller's
-side (:class:`~asyncsample.backends.ray.RayHost`, restarts, timeouts) is in
-:mod:`asyncsample.backends.ray`; this module never imports ray, so the actor class can be
-pickled to the cluster by reference.
+Requests are a small bytes header and the active mask (:func:`encode_request`); replies carry
+the observations pickled inline, or as arrays through Ray's object store when large, optionally
+compressed (:class:`_Packed`). This module never imports ray, so the actor class can be pickled
+to the cluster by reference.
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ import struct
 import traceback
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -70,19 +68,14 @@ _PICKLED_ACTIONS = 2
 # -- payloads ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class _Packed:
     """A compressed array (one leaf of an observation payload)."""
 
-    __slots__ = ("codec", "data", "dtype", "shape")
-
-    def __init__(self, codec: str, data: bytes, dtype: str, shape: tuple[int, ...]) -> None:
-        self.codec = codec
-        self.data = data
-        self.dtype = dtype
-        self.shape = shape
-
-    def __reduce__(self) -> Any:
-        return (_Packed, (self.codec, self.data, self.dtype, self.shape))
+    codec: str
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
 
     @classmethod
     def pack(cls, array: np.ndarray, codec: str) -> _Packed:
@@ -130,16 +123,12 @@ def copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
         tree_map(lambda d, s: _copy_leaf(d, s, index), dst, src)
 
 
-# Env failures cross the actor boundary pickled like the process backend's (see _transport).
-
-
 def encode_request(worker: int, mask: np.ndarray, actions: Tree | None = None) -> bytes:
     """One bytes object for a reset or step: ``worker``, the mask, then the actions.
 
-    One small bytes argument is the cheapest thing to send through Ray (about half the cost of
-    three separately serialised arguments). Actions that are fixed-size arrays (every Box,
-    Discrete, MultiDiscrete... and Dict/Tuple of them) go as raw bytes, leaf by leaf, in the
-    order of the buffers both sides allocated from the same space; anything else is pickled.
+    One small bytes argument is the cheapest thing to send through Ray. Fixed-size array actions
+    go as raw bytes, leaf by leaf, in the order of the buffers both sides allocated from the same
+    space; anything else is pickled.
     """
     kind = _NO_ACTIONS
     parts = [b"", np.asarray(mask, dtype=np.bool_).tobytes()]
@@ -160,28 +149,21 @@ def encode_request(worker: int, mask: np.ndarray, actions: Tree | None = None) -
 
 class EnvActor:
     """Hosts the envs of several workers, one :class:`~asyncsample.backends._slot.HostSlot` per
-    worker slot.
+    worker slot (made a Ray actor class by :class:`RayBackend`).
 
-    Made a Ray actor class by :class:`RayBackend` (``ray.remote(EnvActor)``). What each
-    operation does is the slot's; the actor decodes requests and encodes replies (see the module
-    doc): ``reset`` and ``step`` reply with the observations, ``run_chunk`` with the chunk's
-    records, and every other operation goes through :meth:`serve` as the slot's bytes. Every
-    method replies ``(status, payload)``; an env failure is a ``FAIL`` status with a pickled
-    :class:`EnvFailure`, never a raised exception.
-
-    With ``inference="host"`` and a ``step_timeout``, :class:`RayBackend` gives the actor a
-    second concurrency group, :data:`PROGRESS_GROUP`, for :meth:`progress` alone: every other
-    method still runs in order on one thread (the default group's), so the slots are never used
-    from two threads at once, while :meth:`progress` reads how many steps the running chunk has
-    taken (a counter the chunk loop bumps after every step, read under the GIL).
+    The actor only decodes requests and encodes replies: ``reset`` and ``step`` reply with the
+    observations, ``run_chunk`` with the chunk's records, and every other operation goes through
+    :meth:`serve` as the slot's bytes. Every method replies ``(status, payload)``; an env failure
+    is a ``FAIL`` status with a pickled :class:`EnvFailure`, never a raised exception. With chunks
+    judged per step, :meth:`progress` alone runs in :data:`PROGRESS_GROUP`, its own thread; every
+    other method runs in order on one thread.
 
     Args:
         slots_blob: the cloudpickled :class:`HostSpec` of each hosted worker.
         compress_threshold: compress observation leaves of at least this many bytes (``None``:
             never).
         codec: ``"lz4"`` or ``"zlib"``; zlib is used when lz4 is not installed here.
-        host_threads: threads of the numeric libraries in this actor (``None``: their
-            defaults).
+        host_threads: threads of the numeric libraries in this actor (``None``: their defaults).
     """
 
     def __init__(
@@ -206,12 +188,7 @@ class EnvActor:
         self.codec = codec if codec != "lz4" or best_codec() == "lz4" else "zlib"
 
     def _pack(self, worker: int, what: str, tree: Tree) -> Tree:
-        """Compress the leaves of ``tree`` of at least ``compress_threshold`` bytes, where it pays.
-
-        A leaf that compresses by less than ``_MIN_RATIO`` (noise does not compress) is sent
-        as is, and not tried again for its next ``_SKIP_AFTER_MISS`` replies: compressing
-        incompressible data costs time for nothing.
-        """
+        """Compress the leaves of ``tree`` of at least ``compress_threshold`` bytes that shrink."""
         threshold = self.threshold
         if threshold is None or tree is None:
             return tree
@@ -261,8 +238,7 @@ class EnvActor:
         return (OK, payload) if large else _dumps((OK, payload))
 
     def serve(self, worker: int, op: int, body: bytes) -> Any:
-        """Operation ``op`` of the worker's slot with the request ``body`` (build, update, call,
-        set_attr, agent install, parameter update, close); payload: the slot's reply bytes."""
+        """Operation ``op`` of the worker's slot on the request ``body`` (its reply bytes)."""
         return self._run(self.slots[worker].serve, op, body)
 
     def _decode(self, request: bytes) -> tuple[int, HostSlot, np.ndarray]:
@@ -283,10 +259,8 @@ class EnvActor:
         return worker, slot, mask
 
     def reset(self, request: bytes, args: bytes | None = None) -> Any:
-        """Reset the masked envs of a worker; payload ``(obs, reset_infos)``.
-
-        ``args``: ``None`` (pending seeds, no options), or pickled ``(seeds, options)``.
-        """
+        """Reset the masked envs of a worker; payload ``(obs, reset_infos)``. ``args``: ``None``
+        (pending seeds, no options), or pickled ``(seeds, options)``."""
         worker, slot, mask = self._decode(request)
 
         def reset() -> tuple[Tree, dict[int, dict[str, Any]]]:
@@ -297,10 +271,8 @@ class EnvActor:
         return self._run(reset, worker=worker)
 
     def step(self, request: bytes) -> Any:
-        """Step the masked envs of a worker with the actions in the request.
-
-        Payload: ``(obs, rewards, terminated, truncated, done, final_obs, infos)`` where ``done``
-        indexes the stepped envs whose episode ended and ``final_obs`` holds only their rows.
+        """Step the masked envs of a worker with the request's actions; payload ``(obs, rewards,
+        terminated, truncated, done, final_obs, infos)``, ``final_obs`` only the rows of ``done``.
         """
         worker, slot, mask = self._decode(request)
         buf = slot.group.buffers
@@ -352,12 +324,8 @@ class EnvActor:
         return self._run(run)
 
     def progress(self, worker: int) -> int:
-        """How many steps the worker's running chunk has taken (0 when none is running).
-
-        Called in :data:`PROGRESS_GROUP`, from its own thread, while :meth:`run_chunk` runs:
-        the caller judges each step of the chunk against ``step_timeout`` by whether this
-        number moves (see :class:`~asyncsample.backends.ray.RayHost`).
-        """
+        """How many steps the worker's running chunk has taken (0 when none is running); called
+        from :data:`PROGRESS_GROUP`'s thread while :meth:`run_chunk` runs."""
         start = self.chunk_start.get(worker)
         runner = self.slots[worker].runner
         if start is None or runner is None:
@@ -368,9 +336,6 @@ class EnvActor:
         """Close every env of this actor (before it is killed)."""
         for slot in self.slots.values():
             slot.close()
-
-
-# -- the main process's side ------------------------------------------------------------------
 
 
 def _clock_of(buffers: StepBuffers) -> tuple[Any, ...]:
