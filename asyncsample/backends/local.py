@@ -79,11 +79,10 @@ class LocalHost:
         seeds: Sequence[int | None] | None = None,
         options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[int, dict[str, object]]:
-        if seeds is None and options is None:
-            result: dict[int, dict[str, object]] = self._call("reset", self._group.reset, mask)
-        else:
-            seed_list, option_list = reset_arguments(self.spec.n_envs, seeds, options)
-            result = self._call("reset", self._group.reset, mask, seed_list, option_list)
+        seed_list, option_list = reset_arguments(self.spec.n_envs, seeds, options)
+        result: dict[int, dict[str, object]] = self._call(
+            "reset", self._group.reset, mask, seed_list, option_list
+        )
         return _snapshot(result) if result else result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
@@ -92,8 +91,7 @@ class LocalHost:
             result = StepInfos(
                 _snapshot(result.env_infos), _snapshot(result.reset_infos), result.final_obs
             )
-        # Let other tasks run between steps: a call is many steps, the loop must not wait for
-        # all of them.
+        # Let other tasks run between steps: the loop must not wait for a whole call.
         await asyncio.sleep(0)
         return result
 
@@ -131,14 +129,11 @@ class LocalHost:
 
 
 class CallerHost(LocalHost):
-    """A :class:`LocalHost` for the vector-env faces' share of sub-envs stepped by the caller.
+    """A :class:`LocalHost` for the vector-env faces' sub-envs stepped by the caller.
 
-    :meth:`step_now` steps in the caller's thread without the event loop (the faces' lockstep
-    step, between sending the other hosts' requests and reading their replies); every env
-    failure is a :class:`~asyncsample.WorkerError` naming the env, as a host process reports it
-    (the faces name the sub-env from it); float actions may be handed to the envs as the caller
-    gave them (:meth:`give_actions`, as the process backend's hosts take them). Infos are the
-    envs' own objects, as ``SyncVectorEnv`` hands them on.
+    :meth:`step_now` steps in the caller's thread without the event loop; every env failure is a
+    :class:`~asyncsample.WorkerError` naming the env, as a host process reports it; float actions
+    may be handed over as the caller gave them (:meth:`give_actions`). Infos are the envs' own.
     """
 
     def __init__(self, spec: HostSpec) -> None:
@@ -154,13 +149,9 @@ class CallerHost(LocalHost):
 
     def step_now(self, mask: np.ndarray, everyone: bool | None = None) -> StepInfos:
         """:meth:`step`, synchronously, in the caller's thread."""
-        if self.closed:
-            raise closed_error(self.spec.worker, "step")
         given, self._given = self._given, None
-        try:
-            return self._group.step(mask, given, everyone)
-        except EnvFailureError as exc:
-            raise failure_error(self.spec.worker, exc.failure) from exc.failure.error
+        result: StepInfos = self._call("step", self._group.step, mask, given, everyone)
+        return result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         result = self.step_now(mask)
@@ -174,10 +165,9 @@ _SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 def _snapshot(infos: Any) -> Any:
     """A copy of info dicts with the values the process backend would deliver.
 
-    Envs may reuse their info dict or mutate arrays they put in it; without a copy the batch
-    would show their latest values, unlike every other backend (which pickle the infos). Plain
-    dicts, lists and arrays are copied directly and immutable scalars shared, which costs less
-    than a pickle round trip; anything else is deep-copied.
+    Envs may reuse their info dict or mutate arrays in it. Plain dicts, lists and arrays are
+    copied directly and immutable scalars shared (cheaper than a pickle round trip); anything else
+    is deep-copied.
     """
     kind = type(infos)
     if kind in _SCALARS:
@@ -196,19 +186,13 @@ def _snapshot(infos: Any) -> Any:
 
 
 class LocalBackend:
-    """Creates a :class:`LocalHost` per worker.
+    """Creates a :class:`LocalHost` per worker (:class:`CallerHost` with ``caller``).
 
-    Args:
-        n_processes: accepted for a uniform interface and ignored (there are no processes).
-        step_timeout: must be ``None``: a step that blocks the event loop's thread cannot be
-            pre-empted.
-        host_threads: accepted for a uniform interface and ignored: the envs run in the
-            caller's process, whose threads are the caller's business.
-        caller: hosts for the vector-env faces (:class:`CallerHost`).
+    ``n_processes`` and ``host_threads`` are accepted for a uniform interface and ignored.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed).
-        ValueError: a ``step_timeout``.
+        ValueError: a ``step_timeout`` (a step that blocks the loop's thread cannot be pre-empted).
     """
 
     OPTIONS = ("n_processes", "step_timeout", "host_threads", "caller")
