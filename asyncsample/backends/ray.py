@@ -509,11 +509,6 @@ class RayBackend:
 
     def new_actor(self, index: int, slots_blob: bytes) -> Any:
         """A new env-host actor for pool member ``index`` (its handle)."""
-        return self._actor_options(index).remote(
-            slots_blob, self.compress_threshold, self.codec, self.host_threads
-        )
-
-    def _actor_options(self, index: int) -> Any:
         options: dict[str, Any] = {
             "num_cpus": self.num_cpus,
             "num_gpus": self.num_gpus,
@@ -530,7 +525,9 @@ class RayBackend:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._placement_group, placement_group_bundle_index=index
             )
-        return self._actor_class.options(**options)
+        return self._actor_class.options(**options).remote(
+            slots_blob, self.compress_threshold, self.codec, self.host_threads
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -621,23 +618,18 @@ class RayBackend:
             return
         self._closed = True
         actors = self._closing_actors()
-        if not self.ray.is_initialized():
-            # Ray was shut down under us: the actors and placement group went with it, and
-            # any Ray call now would start a new Ray instance.
-            for actor in actors:
-                actor.die("was shut down")
+        # Ray shut down under us took the actors and placement group with it, and any Ray call
+        # now would start a new Ray instance.
+        live = self.ray.is_initialized()
+        if live:  # let the envs close themselves (env.close()) first
+            await _settle([a for a in actors if not a.dead], "shutdown", EXIT_GRACE)
+        else:
             self._placement_group = None
-            self._release()
-            if self._owner:
-                self._owner = False
-                _release_ray(self.ray)
-            return
-        # Let the envs close themselves (env.close()) first.
-        await _settle([a for a in actors if not a.dead], "shutdown", EXIT_GRACE)
         for actor in actors:
             actor.die("was shut down")
             actor.kill()
-        await _settle(actors, "ready", _KILL_WAIT)  # until Ray reports the killed actors dead
+        if live:  # until Ray reports the killed actors dead
+            await _settle(actors, "ready", _KILL_WAIT)
         self._release()
         if self._owner:
             self._owner = False

@@ -147,7 +147,6 @@ class Batcher:
         self._pending: list[_Request] = []
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._mixed = False  # the pending requests ask more than one agent
         self._busy = False  # an async or threaded agent call is in flight (worker rows)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._quiet = 0  # loop iterations since the last state change
@@ -206,10 +205,7 @@ class Batcher:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         future = loop.create_future()
-        pending = self._pending
-        if pending and pending[0].agent is not agent:
-            self._mixed = True
-        pending.append(_Request(worker, agent, observation, 1, future, True))
+        self._pending.append(_Request(worker, agent, observation, 1, future, True))
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._check)
@@ -267,16 +263,11 @@ class Batcher:
             return
         pending, self._pending = self._pending, []
         if self._per_pass:  # one call per agent, rows in the order the envs asked
-            live = [r for r in pending if not r.future.done()]  # cancelled lanes drop out
-            mixed, self._mixed = self._mixed, False
-            if not mixed:
-                groups = [live] if live else []
-            else:
-                by_agent: dict[int, list[_Request]] = {}
-                for r in live:
+            by_agent: dict[int, list[_Request]] = {}
+            for r in pending:
+                if not r.future.done():  # cancelled lanes drop out
                     by_agent.setdefault(id(r.agent), []).append(r)
-                groups = list(by_agent.values())
-            for requests in groups:
+            for requests in by_agent.values():
                 self._call(requests[0].agent, requests)  # type: ignore[arg-type]
             return
         requests = sorted((r for r in pending if not r.future.done()), key=lambda r: r.worker)
