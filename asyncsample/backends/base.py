@@ -227,15 +227,13 @@ class ProcessPool(Backend, Protocol):
         ...
 
 
+@dataclass(slots=True)
 class RestartBudget:
     """How often a host may be rebuilt after failures: per call for the sampler, per host for
     the vector-env faces (``limit``: ``max_restarts``; ``used``: restarts so far)."""
 
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
+    limit: int
+    used: int = 0
 
     async def run(
         self,

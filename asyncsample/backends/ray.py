@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import os
 import pickle
@@ -412,22 +413,6 @@ class RayBackend:
         host_threads: intra-op threads of the numeric libraries in each actor (``None``: theirs).
     """
 
-    OPTIONS = (
-        "n_processes",
-        "step_timeout",
-        "address",
-        "num_cpus",
-        "num_gpus",
-        "memory",
-        "resources",
-        "placement_strategy",
-        "workers_per_actor",
-        "compress_threshold",
-        "init_kwargs",
-        "start_timeout",
-        "host_threads",
-    )
-
     def __init__(
         self,
         n_processes: int | None = None,
@@ -489,6 +474,9 @@ class RayBackend:
         self._hosts: list[RayHost] = []
         self._started = False
         self._closed = False
+
+    #: The options: the keyword arguments of ``__init__``.
+    OPTIONS = tuple(inspect.signature(__init__).parameters)[1:-1]
 
     # -- resources ----------------------------------------------------------------------------
 

@@ -464,15 +464,9 @@ def _same_request(a: ChunkRequest, b: ChunkRequest) -> bool:
     ra, rb = a.rule, b.rule
     if (ra.mode, ra.share, ra.need, ra.steps) != (rb.mode, rb.share, rb.need, rb.steps):
         return False
-    la, lb = ra.episodes_left, rb.episodes_left
-    if not (la is lb is None or (la is not None and lb is not None and np.array_equal(la, lb))):
-        return False
-    return (
-        a.steps == b.steps
-        and a.buffer == b.buffer
-        and np.array_equal(a.counts, b.counts)
-        and np.array_equal(a.active, b.active)
-    )
+    pairs = [(ra.episodes_left, rb.episodes_left), (a.steps, b.steps), (a.buffer, b.buffer)]
+    pairs += [(a.counts, b.counts), (a.active, b.active)]
+    return all(np.array_equal(x, y) for x, y in pairs)  # None and None are equal too
 
 
 def _with_seed(blob: bytes, seed: int) -> bytes:
