@@ -25,11 +25,7 @@ from asyncsample.backends import _threads
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import dump_failure
 from asyncsample.backends._transport import dumps as _dumps
-from asyncsample.env_group import (
-    EnvFailure,
-    EnvFailureError,
-    StepBuffers,
-)
+from asyncsample.env_group import EnvFailure, EnvFailureError, StepBuffers
 
 __all__ = [
     "FAIL",

@@ -51,11 +51,7 @@ from asyncsample.backends._transport import Op, load_failure
 from asyncsample.backends._transport import dumps as _dumps
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
 from asyncsample.backends.placement import placement
-from asyncsample.env_group import (
-    StepBuffers,
-    StepInfos,
-    reset_arguments,
-)
+from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
 from asyncsample.errors import WorkerCrashedError, WorkerError
 
 __all__ = ["INSTALL_HINT", "EnvActor", "RayBackend", "RayHost"]

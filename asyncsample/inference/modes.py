@@ -37,8 +37,6 @@ class InferenceMode:
     The base class of the other modes. ``lanes``: what the lanes share, on such hosts.
     """
 
-    name = "per_worker"
-
     def __init__(self, lanes: LaneSettings | None = None) -> None:
         self.lanes = lanes
         self.merger: Batcher | None = None
@@ -109,29 +107,25 @@ class InferenceMode:
 class BatchedMode(InferenceMode):
     """``"batched"``: one shared agent; the workers' concurrent calls become one call."""
 
-    name = "batched"
-
     def __init__(
         self, options: Batched, shared_agent: Callable[[], Agent], lanes: LaneSettings | None
     ) -> None:
         super().__init__(lanes)
         self.options = options
         self.shared_agent = shared_agent
-        self.batcher: Batcher | None = None
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
         """One batcher for every worker (or every lane)."""
         if self._attach_lanes(workers, self.options):
-            self.batcher = self.merger
             return
-        self.batcher = self.merger = Batcher(self.options, self.shared_agent)
+        self.merger = Batcher(self.options, self.shared_agent)
         for worker in workers:
-            worker.batcher = self.batcher
+            worker.batcher = self.merger
 
     @asynccontextmanager
     async def part(self, worker: ModeWorker) -> AsyncIterator[None]:
         """The batcher waits for this worker's rows while it takes part."""
-        batcher = self.batcher
+        batcher = self.merger
         assert batcher is not None
         batcher.join(worker.worker_number)
         try:
@@ -157,14 +151,12 @@ class BatchedMode(InferenceMode):
         agent_seeds: list[int],
     ) -> None:
         """Never while the batcher's thread runs the agent."""
-        with nullcontext() if self.batcher is None else self.batcher.exclusive():
+        with nullcontext() if self.merger is None else self.merger.exclusive():
             apply()
 
 
 class HostMode(InferenceMode):
     """``"host"``: a copy of the agent in every env host, one chunk of steps per request."""
-
-    name = "host"
 
     def __init__(self, options: Host) -> None:
         super().__init__()
