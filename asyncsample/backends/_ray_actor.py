@@ -105,18 +105,13 @@ def best_codec() -> str:
     return "lz4"
 
 
-def _copy_leaf(dst: np.ndarray, src: Any, index: Any) -> None:
-    if isinstance(src, _Packed):
-        src = src.unpack()
-    dst[index] = src
-
-
 def copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
     """``dst[index] = src`` leaf by leaf, unpacking compressed leaves."""
-    if isinstance(dst, np.ndarray):
-        _copy_leaf(dst, src, index)
-    else:
-        tree_map(lambda d, s: _copy_leaf(d, s, index), dst, src)
+
+    def copy(d: np.ndarray, s: Any) -> None:
+        d[index] = s.unpack() if isinstance(s, _Packed) else s
+
+    tree_map(copy, dst, src)
 
 
 def encode_request(worker: int, mask: np.ndarray, actions: Tree | None = None) -> bytes:

@@ -170,18 +170,14 @@ def _snapshot(infos: Any) -> Any:
     is deep-copied.
     """
     kind = type(infos)
-    if kind in _SCALARS:
+    if kind in _SCALARS or isinstance(infos, np.generic):  # numpy scalars are immutable too
         return infos
     if kind is dict:
         return {k: v if type(v) in _SCALARS else _snapshot(v) for k, v in infos.items()}
-    if kind is list:
-        return [_snapshot(v) for v in infos]
-    if kind is tuple:
-        return tuple(_snapshot(v) for v in infos)
+    if kind is list or kind is tuple:
+        return kind(_snapshot(v) for v in infos)
     if kind is np.ndarray:
         return infos.copy()
-    if isinstance(infos, np.generic):  # numpy scalars are immutable
-        return infos
     return copy.deepcopy(infos)
 
 

@@ -464,8 +464,8 @@ def _same_request(a: ChunkRequest, b: ChunkRequest) -> bool:
     ra, rb = a.rule, b.rule
     if (ra.mode, ra.share, ra.need, ra.steps) != (rb.mode, rb.share, rb.need, rb.steps):
         return False
-    pairs = [(ra.episodes_left, rb.episodes_left), (a.steps, b.steps), (a.buffer, b.buffer)]
-    pairs += [(a.counts, b.counts), (a.active, b.active)]
+    pairs: list[tuple[Any, Any]] = [(ra.episodes_left, rb.episodes_left), (a.steps, b.steps)]
+    pairs += [(a.buffer, b.buffer), (a.counts, b.counts), (a.active, b.active)]
     return all(np.array_equal(x, y) for x, y in pairs)  # None and None are equal too
 
 
