@@ -1,10 +1,6 @@
-"""Backends: where the envs of each worker live.
-
-A :class:`Backend` starts one :class:`EnvHost` per worker: ``local`` (the main process),
-``process`` (env-host processes), ``ray`` (Ray actors), ``asyncio`` and ``thread`` (the main
-process, each env stepped on its own). Registering one is an entry of :data:`TABLE`. What code
-outside this package may use is exported here; the underscored modules are the backends' own.
-"""
+"""Backends: where the envs of each worker live (``local``, ``process``, ``ray``, ``asyncio``,
+``thread``). Registering one is an entry of :data:`TABLE`. What code outside this package may
+use is exported here; the underscored modules are the backends' own."""
 
 from __future__ import annotations
 

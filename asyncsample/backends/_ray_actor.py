@@ -1,9 +1,6 @@
 """The actor side of the ``ray`` backend: :class:`EnvActor` and the wire format of its calls.
 
-Requests are a small bytes header and the active mask (:func:`encode_request`); replies carry
-the observations pickled inline, or as arrays through Ray's object store when large, optionally
-compressed (:class:`_Packed`). This module never imports ray, so the actor class can be pickled
-to the cluster by reference.
+This module never imports ray, so the actor class can be pickled to the cluster by reference.
 """
 
 from __future__ import annotations
@@ -142,12 +139,9 @@ class EnvActor:
     """Hosts the envs of several workers, one :class:`~asyncsample.backends._slot.HostSlot` per
     worker slot (made a Ray actor class by :class:`RayBackend`).
 
-    The actor only decodes requests and encodes replies: ``reset`` and ``step`` reply with the
-    observations, ``run_chunk`` with the chunk's records, and every other operation goes through
-    :meth:`serve` as the slot's bytes. Every method replies ``(status, payload)``; an env failure
-    is a ``FAIL`` status with a pickled :class:`EnvFailure`, never a raised exception. With chunks
-    judged per step, :meth:`progress` alone runs in :data:`PROGRESS_GROUP`, its own thread; every
-    other method runs in order on one thread.
+    It decodes requests and encodes replies; what an operation does is the slot's. Every method
+    replies ``(status, payload)``: an env failure is a ``FAIL`` with a pickled :class:`EnvFailure`.
+    :meth:`progress` alone may run in :data:`PROGRESS_GROUP`, a thread of its own.
 
     Args:
         slots_blob: the cloudpickled :class:`HostSpec` of each hosted worker.

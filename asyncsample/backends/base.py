@@ -1,9 +1,7 @@
 """The interface between a worker and the host of its envs: the whole seam.
 
-:class:`EnvHost` is what every host does; :class:`AgentHost` (``backends._chunk``),
-:class:`LockstepHost`, :class:`GivenActionsHost`, :class:`InlineHost`, :class:`PerEnvHost` and
-:class:`ProcessPool` are capabilities some have, checked once when a sampler or face starts.
-Nothing outside ``asyncsample.backends`` needs a backend's concrete classes.
+:class:`EnvHost` is what every host does; the other protocols are capabilities some have,
+checked once when a sampler or face starts.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The ``ray`` backend: env hosts as Ray actors, anywhere in a Ray cluster.
 
-Only the envs move: the worker coroutines stay in the caller's event loop, and worker ``w``
-lives on actor ``w % A`` (:mod:`~asyncsample.backends.placement`), each actor running one
+Only the envs move: worker ``w`` lives on actor ``w % A``, which runs one
 :class:`~asyncsample.env_group.EnvGroup` per worker slot as every backend does. A worker step is
-one actor call with one small bytes argument; the reply is copied into the worker's local
-buffers (the wire format is :mod:`~asyncsample.backends._ray_actor`'s).
-
-Calls are futures of the event loop (a Ray thread resolves them with ``call_soon_threadsafe``).
-``step_timeout`` counts from the moment the actor can start on a call; a call that outlives it
-kills the actor (with ``inference="host"``: per step of a chunk, see :meth:`_Actor.watch`). A dead
-actor fails every call waiting on it; ``restart`` creates a new one once for all its workers.
-``import asyncsample`` never imports ray: :class:`RayBackend` does.
+one actor call (wire format: :mod:`~asyncsample.backends._ray_actor`) whose future a Ray thread
+resolves with ``call_soon_threadsafe``. A call that outlives ``step_timeout`` (with
+``inference="host"``: a step of a chunk, :meth:`_Actor.watch`) kills the actor; a dead actor
+fails every call waiting on it. ``import asyncsample`` never imports ray: :class:`RayBackend` does.
 """
 
 from __future__ import annotations
@@ -77,8 +72,7 @@ class _Actor(Incarnation):
         self.handle = handle
         self.index = index
         self.where = ""
-        # Chunks judged per step: the tasks that poll their step counters (see watch), and the
-        # loop time the counter of a call was asked for, while that question is unanswered.
+        # Chunks judged per step: the polling tasks (see watch), and when a count was asked for.
         self.watchers: set[asyncio.Task[None]] = set()
         self.polling: dict[PendingCall, float] = {}
 
@@ -602,8 +596,7 @@ class RayBackend:
             return
         self._closed = True
         actors = self._closing_actors()
-        # Ray shut down under us took the actors and placement group with it, and any Ray call
-        # now would start a new Ray instance.
+        # A Ray shut down under us took the actors with it; a Ray call now would start it again.
         live = self.ray.is_initialized()
         if live:  # let the envs close themselves (env.close()) first
             await _settle([a for a in actors if not a.dead], "shutdown", EXIT_GRACE)

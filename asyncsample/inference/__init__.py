@@ -1,9 +1,6 @@
-"""Where the policy runs (``Sampler(inference=...)``).
-
-``"per_worker"`` (default), ``"batched"`` (one shared agent, concurrent calls merged,
-:mod:`.batched`) or ``"host"`` (an agent copy in every env host, :mod:`.host`); a
-:class:`Batched` or :class:`Host` instance carries the mode's options.
-"""
+"""Where the policy runs (``Sampler(inference=...)``): ``"per_worker"`` (default),
+``"batched"`` (:mod:`.batched`) or ``"host"`` (:mod:`.host`); a :class:`Batched` or
+:class:`Host` instance carries the mode's options."""
 
 from __future__ import annotations
 

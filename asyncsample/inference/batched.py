@@ -1,16 +1,12 @@
 """One merger of agent requests: ``inference="batched"``, and the envs stepped one at a time.
 
-:class:`Batcher` stacks the observations waiting for actions, asks each agent once and splits
-the output back by rows. Requests are a worker's rows (:meth:`Batcher.get_actions`: one shared
-agent, lockstep backends) or one env's row (:meth:`Batcher.request`: the lanes of
-``asyncio``/``thread``, one call per agent).
-
-When to flush: the batcher knows whether each worker in the call runs Python, waits for actions
-or waits on its env host. ``"lockstep"`` flushes when every worker still in the call waits for
-actions (the same workers in the same order for a fixed seed: reproducible); ``"eager"`` as soon
-as no worker runs Python (no waiting for stragglers; batches depend on timing). A host reply
-resumes its worker a loop iteration later, so the decision is deferred with ``loop.call_soon``.
-Lanes are never all waiting: their requests are flushed at the end of each pass of the loop.
+:class:`Batcher` stacks the observations waiting for actions (a worker's rows,
+:meth:`Batcher.get_actions`, or one env's row on the lanes, :meth:`Batcher.request`), asks each
+agent once and splits the output back by rows. It knows whether each worker in the call runs
+Python, waits for actions or waits on its host: ``"lockstep"`` flushes when every worker waits
+for actions (reproducible), ``"eager"`` as soon as none runs Python, deferred with
+``loop.call_soon`` so that host replies already read resume their workers first. Lanes are never
+all waiting: their requests are flushed at the end of each pass of the loop.
 """
 
 from __future__ import annotations

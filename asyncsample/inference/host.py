@@ -1,13 +1,9 @@
 """``inference="host"``: a copy of the agent inside every env host, stepping chunks of steps.
 
-Each worker's host slot gets a cloudpickled copy of the worker's agent, seeded from the
-sampler's seed tree (parameter updates travel as parameters). Per request the host steps its
-envs for a chunk of worker steps with that copy, stopping exactly where per-step stepping would
-stop the call (:mod:`asyncsample.backends._chunk`); the worker replays the chunk into the same
-recorder rows, so batches equal those of ``"per_worker"`` for a deterministic agent. On
-``process`` a worker's chunks are pipelined (:meth:`ChunkStepper.run`), and a stream's next
-round starts in the host as a part ends (:class:`RunAhead`). An agent update applies from the
-next chunk to start; episodes carry the version a chunk really ran with.
+Each host slot runs a seeded copy of its worker's agent for a chunk of steps per request,
+stopping where per-step stepping would stop the call; the worker replays the chunk into the same
+records, so batches equal ``"per_worker"``'s for a deterministic agent. On ``process`` chunks are
+pipelined (:meth:`ChunkStepper.run`) and run ahead between a stream's rounds (:class:`RunAhead`).
 """
 
 from __future__ import annotations

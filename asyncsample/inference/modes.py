@@ -1,8 +1,5 @@
-"""The inference modes as strategies the sampler chooses once, at construction.
-
-A mode answers the few questions where ``per_worker``, ``batched`` and ``host`` differ, for any
-backend: the hosts' chunk buffers, the workers' stepper, the merger of requests, agent updates.
-"""
+"""The inference modes as strategies the sampler chooses once: where ``per_worker``,
+``batched`` and ``host`` differ (chunk buffers, stepper, merged requests, agent updates)."""
 
 from __future__ import annotations
 
