@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncsample.inference.batched import Batched, Batcher, BatchStats, FlushRule
-from asyncsample.inference.host import Host, HostInference, check_host_agent
+from asyncsample.inference.host import Host, check_host_agent
 
 __all__ = [
     "BatchStats",
@@ -15,7 +15,6 @@ __all__ = [
     "Batcher",
     "FlushRule",
     "Host",
-    "HostInference",
     "check_inference",
 ]
 

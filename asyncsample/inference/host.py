@@ -12,7 +12,6 @@ import functools
 import inspect
 import pickle
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,10 +47,12 @@ from asyncsample.errors import AsyncSampleError
 __all__ = [
     "ChunkStepper",
     "Host",
-    "HostInference",
     "RunAhead",
+    "agent_host",
     "check_host_agent",
     "pickle_agent",
+    "prepare_update",
+    "with_seed",
 ]
 
 
@@ -97,13 +98,18 @@ def pickle_agent(agent: Any, name: str = "agent") -> bytes:
     return blob
 
 
-def pickle_params(params: Any) -> bytes:
-    """Pickle a parameter update once for all hosts."""
+def prepare_update(update: Any) -> Any:
+    """What to forward to the hosts for ``update`` (checked and pickled once for all hosts)."""
+    if isinstance(update, list):
+        return [prepare_update(u) for u in update]
+    if update is None:
+        return None
+    if not isinstance(update, (dict, tuple, np.ndarray)):
+        return ("agent", pickle_agent(update, "agent_update"))
     try:
-        blob: bytes = pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL)
+        return ("params", pickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:
-        blob = cloudpickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL)
-    return blob
+        return ("params", cloudpickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 class HostWorker(Protocol):
@@ -123,63 +129,6 @@ class HostWorker(Protocol):
     def current_plan(self, *, fragments: bool) -> Plan: ...
 
     def process_transition(self, history: Any, transition: Transition) -> Any: ...
-
-
-class HostInference:
-    """The sampler's side of ``inference="host"``: agents, updates and the workers' steppers."""
-
-    def __init__(self, options: Host) -> None:
-        self.options = options
-        self.ahead: dict[int, RunAhead] = {}
-        """By worker number, the chunk sent for a stream's next round (see :class:`RunAhead`)."""
-
-    # -- agents ---------------------------------------------------------------------------------
-
-    def install(self, workers: Sequence[HostWorker], seeds: list[int]) -> None:
-        """Give every worker's host a copy of the worker's agent, seeded with ``seeds[w]``."""
-        blobs: dict[int, bytes] = {}
-        for worker, seed in zip(workers, seeds):
-            blob = blobs.get(id(worker.agent))
-            if blob is None:  # one pickle per distinct agent
-                blob = blobs[id(worker.agent)] = pickle_agent(worker.agent)
-            _host(worker).set_agent(_with_seed(blob, seed), worker.agent_version)
-
-    def prepare_update(self, update: Any) -> Any:
-        """What to forward for ``update`` (checked and pickled before anything is applied)."""
-        if isinstance(update, list):
-            return [self.prepare_update(u) for u in update]
-        if update is None:
-            return None
-        if isinstance(update, (dict, tuple, np.ndarray)):
-            return ("params", pickle_params(update))
-        return ("agent", pickle_agent(update, "agent_update"))
-
-    def forward_update(
-        self, workers: Sequence[HostWorker], prepared: Any, seeds: list[int]
-    ) -> None:
-        """Send a prepared update to the hosts of ``workers`` (after the workers applied it)."""
-        items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
-        for worker, item, seed in zip(workers, items, seeds):
-            if item is None:
-                continue
-            kind, blob = item
-            host = _host(worker)
-            if kind == "params":
-                host.set_params(blob, worker.agent_version)
-            else:
-                host.set_agent(_with_seed(blob, seed), worker.agent_version)
-            if host.chunk is not None:  # a queued NextChunk must not run before the update
-                host.chunk.epoch[0] += 1
-
-    def stepper(self, worker: HostWorker, then: Resume | None = None) -> ChunkStepper:
-        """The stepper of ``worker``'s part (``then``: a stream's next round follows)."""
-        return ChunkStepper(worker, self.options.chunk_steps, self.ahead, then)
-
-    def drop_ahead(self) -> None:
-        """The stream closed: drop the chunks run ahead (their workers' next call starts afresh)."""
-        for ahead in self.ahead.values():
-            ahead.sent.abandon()
-        self.ahead.clear()
 
 
 @dataclass
@@ -225,7 +174,7 @@ class ChunkStepper:
         """What the part leaves for a stream's next round (``None``: no round follows)."""
         self._taken: RunAhead | None = None
         self._ran: StopRule | None = None  # the rule of a part run by run() on a pipe
-        self.host = _host(worker)
+        self.host = agent_host(worker)
         chunk = self.host.chunk
         assert chunk is not None
         self.chunk = chunk
@@ -465,11 +414,12 @@ def _same_request(a: ChunkRequest, b: ChunkRequest) -> bool:
     return all(np.array_equal(x, y) for x, y in pairs)  # None and None are equal too
 
 
-def _with_seed(blob: bytes, seed: int) -> bytes:
+def with_seed(blob: bytes, seed: int) -> bytes:
     """What a host installs: the pickled agent and the seed of this worker's copy."""
     return pickle.dumps((blob, seed), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _host(worker: HostWorker) -> AgentHost:
+def agent_host(worker: HostWorker) -> AgentHost:
+    """The worker's host, which ``inference="host"`` knows is an :class:`AgentHost`."""
     host: Any = worker.host
     return host  # type: ignore[no-any-return]

@@ -12,7 +12,16 @@ from asyncsample._env_tasks import LaneSettings, LaneStepper
 from asyncsample.agent import Agent
 from asyncsample.backends.base import PerEnvHost
 from asyncsample.inference.batched import Batched, Batcher
-from asyncsample.inference.host import ChunkStepper, Host, HostInference, HostWorker
+from asyncsample.inference.host import (
+    ChunkStepper,
+    Host,
+    HostWorker,
+    RunAhead,
+    agent_host,
+    pickle_agent,
+    prepare_update,
+    with_seed,
+)
 
 __all__ = ["BatchedMode", "HostMode", "InferenceMode", "ModeWorker", "make_mode"]
 
@@ -158,19 +167,25 @@ class HostMode(InferenceMode):
     def __init__(self, options: Host) -> None:
         super().__init__()
         self.options = options
-        self.inference = HostInference(options)
+        self.ahead: dict[int, RunAhead] = {}
+        """By worker number, the chunk sent for a stream's next round (see :class:`RunAhead`)."""
 
     def chunk_steps(self, capacity: Callable[[int], int]) -> int:
         """The chunk capacity for :attr:`Host.chunk_steps`."""
         return capacity(self.options.chunk_steps)
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
-        """Every worker's host gets its copy of the worker's agent."""
-        self.inference.install(workers, agent_seeds)
+        """Every worker's host gets a copy of the worker's agent, seeded with its agent seed."""
+        blobs: dict[int, bytes] = {}
+        for worker, seed in zip(workers, agent_seeds):
+            blob = blobs.get(id(worker.agent))
+            if blob is None:  # one pickle per distinct agent
+                blob = blobs[id(worker.agent)] = pickle_agent(worker.agent)
+            agent_host(worker).set_agent(with_seed(blob, seed), worker.agent_version)
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
         """One chunk per request; the next round's first chunk sent as the part ends."""
-        return self.inference.stepper(worker, part.then)
+        return ChunkStepper(worker, self.options.chunk_steps, self.ahead, part.then)
 
     async def ended(self, stepper: Stepper) -> None:
         """Start the stream's next round in the host (see :meth:`ChunkStepper.ended`)."""
@@ -178,12 +193,14 @@ class HostMode(InferenceMode):
             await stepper.ended()
 
     def drop_ahead(self) -> None:
-        """Abandon the chunks run ahead (see :class:`~asyncsample.inference.host.RunAhead`)."""
-        self.inference.drop_ahead()
+        """The stream closed: drop the chunks run ahead (their workers' next call starts afresh)."""
+        for ahead in self.ahead.values():
+            ahead.sent.abandon()
+        self.ahead.clear()
 
     def close(self) -> None:
         """The hosts are gone: what was run ahead is dropped quietly."""
-        self.inference.drop_ahead()
+        self.drop_ahead()
 
     def apply_update(
         self,
@@ -194,9 +211,20 @@ class HostMode(InferenceMode):
     ) -> None:
         """Check and pickle first (a refused update changes nothing), apply, then record it on
         every worker's host for the next chunk."""
-        prepared = self.inference.prepare_update(agent_update)
+        prepared = prepare_update(agent_update)
         apply()
-        self.inference.forward_update(workers, prepared, agent_seeds)
+        items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
+        for worker, item, seed in zip(workers, items, agent_seeds):
+            if item is None:
+                continue
+            kind, blob = item
+            host = agent_host(worker)
+            if kind == "params":
+                host.set_params(blob, worker.agent_version)
+            else:
+                host.set_agent(with_seed(blob, seed), worker.agent_version)
+            if host.chunk is not None:  # a queued NextChunk must not run before the update
+                host.chunk.epoch[0] += 1
 
 
 def make_mode(
