@@ -256,9 +256,8 @@ class EnvActor:
         return self._run(reset, worker=worker)
 
     def step(self, request: bytes) -> Any:
-        """Step the masked envs of a worker with the request's actions; payload ``(obs, rewards,
-        terminated, truncated, done, final_obs, infos)``, ``final_obs`` only the rows of ``done``.
-        """
+        """Step the masked envs of a worker; payload ``(obs, rewards, terminated, truncated, done,
+        final_obs, infos)``, ``final_obs`` only the rows of ``done``."""
         worker, slot, mask = self._decode(request)
         buf = slot.group.buffers
 
@@ -280,8 +279,7 @@ class EnvActor:
         return self._run(step, worker=worker)
 
     def run_chunk(self, worker: int, request: bytes) -> Any:
-        """Run a chunk (:class:`ChunkRequest`, pickled); payload: the :class:`ChunkReply`, the
-        chunk's first ``steps`` records and the current observations."""
+        """Run a pickled :class:`ChunkRequest`; payload: the reply, its records, the current obs."""
         slot = self.slots[worker]
 
         def run() -> tuple[Any, ...]:

@@ -239,9 +239,9 @@ class RestartBudget:
         retryable: Callable[[WorkerError], bool],
         failed: Callable[[WorkerError], None] | None = None,
     ) -> _T:
-        """``attempt(None)``, then, after a :class:`~asyncsample.WorkerError` that is
-        ``retryable`` and within budget, ``attempt(error)`` (it rebuilds the host first) until
-        one returns; any other failure is raised. ``failed`` sees each failure first."""
+        """``attempt(None)``, then ``attempt(error)`` (it rebuilds the host) after each
+        ``retryable`` :class:`~asyncsample.WorkerError` within budget; ``failed`` sees each first.
+        """
         failure: WorkerError | None = None
         while True:
             try:

@@ -352,8 +352,7 @@ class RayHost(RemoteHost[_Actor]):
         return result
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
-        """``inference="host"``: one actor call runs a chunk with the actor's agent copy (synced
-        first); the reply and the agent version it ran with."""
+        """``inference="host"``: one chunk in one actor call; the reply and its agent version."""
         version = await self.sync_agent()
         chunk = self.chunk
         assert chunk is not None
@@ -590,8 +589,7 @@ class RayBackend:
             _owned["users"] = 1
 
     async def aclose(self) -> None:
-        """Close the envs, kill every actor, remove the placement group; idempotent. Ray is shut
-        down only if this backend started it (and no other backend still uses it)."""
+        """Close the envs, kill the actors, drop the placement group, release Ray; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -647,8 +645,7 @@ class RayBackend:
 
 
 async def _settle(actors: list[_Actor], method: str, timeout: float) -> None:
-    """Call ``method`` of every actor and wait up to ``timeout`` for the replies, errors and
-    all (an actor that died meanwhile, Ray gone); cancel the rest."""
+    """Call ``method`` of every actor; wait up to ``timeout`` for the replies, cancel the rest."""
     futures = []
     for actor in actors:
         with contextlib.suppress(Exception):  # Ray may already be gone

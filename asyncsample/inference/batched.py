@@ -74,8 +74,7 @@ class Batched:
         _validate.unit_interval("min_fraction", self.min_fraction)
 
     def check_per_env(self, backend: str) -> None:
-        """Refuse what envs stepped one at a time (``backend``) cannot honour: a ``"lockstep"``
-        flush, a ``min_fraction``."""
+        """Refuse a ``"lockstep"`` flush or a ``min_fraction``: lanes (``backend``) cannot wait."""
         if self.flush == "lockstep" or self.min_fraction:
             raise ValueError(
                 f"inference=Batched(flush={self.flush!r}, min_fraction={self.min_fraction}): "
@@ -98,13 +97,8 @@ class _Request:
 
 @dataclass
 class BatchStats:
-    """How the batcher's calls were made up (for benchmarks and tuning).
-
-    Attributes:
-        calls: agent calls made.
-        rows: observation rows passed to the agent in all.
-        workers_per_call: how many calls had each number of workers.
-    """
+    """How the batcher's calls were made up (for benchmarks and tuning): agent ``calls``,
+    observation ``rows`` in all, and how many calls had each number of workers."""
 
     calls: int = 0
     rows: int = 0

@@ -186,8 +186,7 @@ class ChunkStepper:
             worker.episodes.recorder.rows.use_arena(chunk.arena, self.capacity + 1)
 
     async def start(self) -> None:
-        """Reset the envs that need it once the host's agent copy is in place; take over the chunk
-        run ahead for this part, if any."""
+        """Reset the envs that need it once the agent copy is in place; take over a run-ahead."""
         stale, self._taken = self._taken, None
         if stale is not None:  # taken over by a try that failed: the retry restarted the host
             stale.sent.abandon()

@@ -209,8 +209,7 @@ class HostMode(InferenceMode):
         workers: Sequence[ModeWorker],
         agent_seeds: list[int],
     ) -> None:
-        """Check and pickle first (a refused update changes nothing), apply, then record it on
-        every worker's host for the next chunk."""
+        """Check and pickle (a refused update changes nothing), apply, then send to the hosts."""
         prepared = prepare_update(agent_update)
         apply()
         items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
