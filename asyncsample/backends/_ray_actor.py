@@ -39,6 +39,9 @@ __all__ = [
 #: store (no copies); smaller ones as one pickled bytes object (fewer, cheaper serialisations).
 LARGE_REPLY = 100 * 1024
 
+#: The records of a chunk a ``run_chunk`` reply carries (the first ``steps`` rows of each).
+CHUNK_RECORDS = ("obs", "actions", "rewards", "terminated", "truncated", "final_obs")
+
 #: The Ray concurrency group of :meth:`EnvActor.progress` (one thread of its own) when chunks are
 #: judged per step: it answers while the actor's other thread runs a chunk.
 PROGRESS_GROUP = "progress"
@@ -292,17 +295,11 @@ class EnvActor:
                 self.chunk_start.pop(worker, None)
             chunk = slot.runner.chunk  # type: ignore[union-attr]  # run_chunk checked it
             k = reply.steps
-            return (
-                reply,
-                self._pack(worker, "chunk_obs", tree_map(lambda x: x[:k], chunk.obs)),
-                tree_map(lambda x: x[:k], chunk.actions),
-                chunk.rewards[:k],
-                chunk.terminated[:k],
-                chunk.truncated[:k],
-                self._pack(worker, "chunk_final", tree_map(lambda x: x[:k], chunk.final_obs)),
-                self._pack(worker, "obs", slot.group.buffers.obs),
-                *_clock_of(slot.group.buffers),
-            )
+            head = {n: tree_map(lambda x: x[:k], getattr(chunk, n)) for n in CHUNK_RECORDS}
+            for name in ("obs", "final_obs"):
+                head[name] = self._pack(worker, f"chunk_{name}", head[name])
+            current = self._pack(worker, "obs", slot.group.buffers.obs)
+            return (reply, head, current, *_clock_of(slot.group.buffers))
 
         return self._run(run)
 

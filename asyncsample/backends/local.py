@@ -202,7 +202,7 @@ class LocalBackend:
         **unknown: object,
     ) -> None:
         reject_unknown_options("local", unknown, self.OPTIONS)
-        n_processes = _validate.optional_positive_int("n_processes", n_processes)
+        _validate.optional_positive_int("n_processes", n_processes)
         _validate.optional_positive_int("host_threads", host_threads)
         if _validate.positive_seconds("step_timeout", step_timeout) is not None:
             raise ValueError(
@@ -210,7 +210,6 @@ class LocalBackend:
                 f"loop's thread cannot be pre-empted (got step_timeout={step_timeout!r}); use "
                 "backend='process'"
             )
-        self.n_processes = n_processes
         self._kind = CallerHost if caller else LocalHost
         self._hosts: list[LocalHost] = []
         self._closed = False

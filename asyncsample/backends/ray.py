@@ -357,18 +357,12 @@ class RayHost(RemoteHost[_Actor]):
         chunk = self.chunk
         assert chunk is not None
         payload = await self._request(Op.CHUNK, _dumps(request))
-        reply, obs, actions, rewards, terminated, truncated, final, current = payload[:8]
+        reply, records, current = payload[:3]
         if self.buffers.clock is not None:
-            self.buffers.clock[:] = payload[8]
-        k = reply.steps
-        if k:
-            head = slice(0, k)
-            copy_into(chunk.obs, obs, head)
-            copy_into(chunk.actions, actions, head)
-            chunk.rewards[:k] = rewards
-            chunk.terminated[:k] = terminated
-            chunk.truncated[:k] = truncated
-            copy_into(chunk.final_obs, final, head)
+            self.buffers.clock[:] = payload[3]
+        if reply.steps:
+            for name, record in records.items():
+                copy_into(getattr(chunk, name), record, slice(0, reply.steps))
         copy_into(self.buffers.obs, current)
         result: ChunkReply = reply
         return result, version

@@ -277,7 +277,7 @@ class Batcher:
         start = 0.0 if timer is None else time.perf_counter()
         try:
             observations = _stack(requests)
-            if self.options.threaded and not _is_async(agent):
+            if self.options.threaded and not inspect.iscoroutinefunction(agent.get_actions):
                 self._start(agent, requests, self._call_in_thread(agent, observations), start)
                 return
             with self._agent_lock:
@@ -396,10 +396,6 @@ class Batcher:
 
 async def _await(awaitable: Any) -> Any:
     return await awaitable
-
-
-def _is_async(agent: Agent) -> bool:
-    return inspect.iscoroutinefunction(getattr(agent, "get_actions", None))
 
 
 def _same(value: object) -> object:
