@@ -379,20 +379,17 @@ class RayBackend:
 
     Args:
         n_processes: number of env-host actors (default: the CPU count), at most ``n_workers``.
-        step_timeout: seconds an actor may spend on one call (with ``inference="host"``: on each
-            step of a chunk) before it is killed: :class:`~asyncsample.StepTimeoutError`.
+        step_timeout: seconds an actor may spend on a call (on a step of a chunk) before it is
+            killed: :class:`~asyncsample.StepTimeoutError`.
         address: a running Ray cluster. Default: an initialised Ray, else ``RAY_ADDRESS``, else a
-            local instance started here (with twice this machine's cores as CPUs, so that it can
-            be oversubscribed like the process backend) and shut down by :meth:`aclose`.
+            local instance started here and shut down by :meth:`aclose`.
         num_cpus, num_gpus, memory, resources: Ray resources of each actor.
         placement_strategy: reserve one placement-group bundle per actor first (``"SPREAD"``,
             ``"PACK"``, ``"STRICT_SPREAD"``, ``"STRICT_PACK"``); ``None``: Ray's own scheduling.
         workers_per_actor: host this many workers per actor (overrides ``n_processes``).
-        compress_threshold: compress observation arrays of at least this many bytes in the actor
-            (lz4 when installed, else zlib); ``None``: never.
+        compress_threshold: compress observation arrays of at least this many bytes (``None``: no).
         init_kwargs: extra keyword arguments for ``ray.init``.
-        start_timeout: seconds to wait for the placement group and each actor to be up; ``None``:
-            as long as it takes.
+        start_timeout: seconds to wait for the actors to be up (``None``: as long as it takes).
         host_threads: intra-op threads of the numeric libraries in each actor (``None``: theirs).
     """
 
