@@ -46,8 +46,7 @@ CHUNK_RECORDS = ("obs", "actions", "rewards", "terminated", "truncated", "final_
 #: judged per step: it answers while the actor's other thread runs a chunk.
 PROGRESS_GROUP = "progress"
 
-# Compression must shrink a payload this many times to be kept; after a miss the leaf is sent
-# uncompressed for this many replies before compression is tried again.
+# Compression must shrink a leaf this many times, else it is sent raw for this many replies.
 _MIN_RATIO = 1.25
 _SKIP_AFTER_MISS = 1000
 

@@ -179,8 +179,7 @@ class _Actor(Incarnation):
     def _on_error(self, call: PendingCall, exc: BaseException) -> None:
         ray = self.ray
         if isinstance(exc, ray.exceptions.RayTaskError):
-            # The actor method raised: a bug of the host, not an env failure. Its cause is the
-            # original exception, its text the remote traceback.
+            # The actor method raised: a bug of the host, not an env failure.
             cause = getattr(exc, "cause", None) or exc
             err = WorkerError(
                 f"{self.describe()} failed in {call.label}: {type(cause).__name__}: {cause}",
@@ -303,8 +302,7 @@ class RayHost(RemoteHost[_Actor]):
             if timeout is None:
                 return incarnation.submit("run_chunk", args, None, worker, op.label)
             # step_timeout bounds each step: the actor's count of this chunk's steps is polled
-            # into a counter of the call's own while the chunk runs (see _Actor.watch); a chunk
-            # whose caller was cancelled may still run before it, polled into its own.
+            # into a counter of the call's own while the chunk runs (see _Actor.watch).
             counter = np.zeros(1, np.int64)
             call = incarnation.submit("run_chunk", args, timeout, worker, op.label, counter)
             incarnation.watch(call, worker, timeout)
@@ -368,8 +366,7 @@ class RayHost(RemoteHost[_Actor]):
         return result, version
 
 
-# A local Ray instance started by a RayBackend, shared by the backends that use it meanwhile;
-# the last of them to close shuts it down.
+# A local Ray started by a RayBackend is shared meanwhile; the last backend to close shuts it.
 _OWNER_LOCK = threading.Lock()
 _owned: dict[str, int] = {"users": 0}
 
@@ -461,15 +458,8 @@ class RayBackend:
     # -- resources ----------------------------------------------------------------------------
 
     def _bundle(self) -> dict[str, float]:
-        bundle: dict[str, float] = {}
-        if self.num_cpus:
-            bundle["CPU"] = self.num_cpus
-        if self.num_gpus:
-            bundle["GPU"] = self.num_gpus
-        if self.memory:
-            bundle["memory"] = self.memory
-        bundle.update({k: v for k, v in self.resources.items() if v})
-        return bundle
+        asked = {"CPU": self.num_cpus, "GPU": self.num_gpus, "memory": self.memory or 0}
+        return {k: v for k, v in [*asked.items(), *self.resources.items()] if v}
 
     def resource_text(self) -> str:
         """What each actor asks for (``"CPU=1, sim=1"``), for messages."""
@@ -521,8 +511,7 @@ class RayBackend:
             await asyncio.to_thread(self._connect, math.ceil(n * self.num_cpus))
             ray = self.ray
             if self.step_timeout is not None and any(s.chunk_steps > 0 for s in specs):
-                # Chunks judged per step: EnvActor.progress answers from a thread of its own
-                # while a chunk runs; every other method still runs in order, on one thread.
+                # Chunks judged per step: EnvActor.progress answers from a thread of its own.
                 groups = {PROGRESS_GROUP: 1}
                 self._actor_class = ray.remote(concurrency_groups=groups)(EnvActor)
             else:
@@ -565,9 +554,8 @@ class RayBackend:
             if address is not None and address != "local":
                 ray.init(address=address, **self.init_kwargs)
                 return
-            # Logical CPUs are scheduling tokens: this local instance exists for the sampler,
-            # so it may oversubscribe the machine as the process backend does (n_processes
-            # above the core count; evaluation hosts beside the training ones).
+            # Logical CPUs are scheduling tokens: this instance exists for the sampler, so it
+            # may oversubscribe the machine as the process backend does.
             cores = os.cpu_count() or 1
             kwargs: dict[str, Any] = {
                 "num_cpus": max(2 * cores, cpus_wanted + cores),

@@ -137,8 +137,7 @@ class BatchedMode(InferenceMode):
         try:
             yield
         finally:
-            # A worker done with its part (also one that stopped at its minimum under
-            # fraction_samples) leaves, so the flushes of the others do not wait for it.
+            # A worker done with its part leaves, so the others' flushes do not wait for it.
             batcher.leave(worker.worker_number)
 
     def check_update(self, agent_update: Any) -> None:
