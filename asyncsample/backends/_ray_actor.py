@@ -5,6 +5,7 @@ This module never imports ray, so the actor class can be pickled to the cluster 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
@@ -75,24 +76,22 @@ class _Packed:
     @classmethod
     def pack(cls, array: np.ndarray, codec: str) -> _Packed:
         """Compress ``array`` with ``codec`` (``"lz4"`` or ``"zlib"``)."""
-        raw = np.ascontiguousarray(array).data
-        if codec == "lz4":
-            import lz4.frame
-
-            data = lz4.frame.compress(raw)
-        else:
-            data = zlib.compress(raw, 1)
+        data = _codec(codec)[0](np.ascontiguousarray(array).data)
         return cls(codec, data, array.dtype.str, tuple(array.shape))
 
     def unpack(self) -> np.ndarray:
         """The original array (read-only)."""
-        if self.codec == "lz4":
-            import lz4.frame
-
-            raw = lz4.frame.decompress(self.data)
-        else:
-            raw = zlib.decompress(self.data)
+        raw = _codec(self.codec)[1](self.data)
         return np.frombuffer(raw, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+def _codec(name: str) -> tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]:
+    """``(compress, decompress)`` of codec ``name`` (zlib at level 1: fast)."""
+    if name == "lz4":
+        import lz4.frame
+
+        return lz4.frame.compress, lz4.frame.decompress
+    return functools.partial(zlib.compress, level=1), zlib.decompress
 
 
 def best_codec() -> str:
@@ -114,12 +113,8 @@ def copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
 
 
 def encode_request(worker: int, mask: np.ndarray, actions: Tree | None = None) -> bytes:
-    """One bytes object for a reset or step: ``worker``, the mask, then the actions.
-
-    One small bytes argument is the cheapest thing to send through Ray. Fixed-size array actions
-    go as raw bytes, leaf by leaf, in the order of the buffers both sides allocated from the same
-    space; anything else is pickled.
-    """
+    """One bytes object for a reset or step (the cheapest thing to send through Ray): ``worker``,
+    the mask, then fixed-size array actions as raw bytes leaf by leaf, or pickled ones."""
     kind = _NO_ACTIONS
     parts = [b"", np.asarray(mask, dtype=np.bool_).tobytes()]
     if actions is not None:

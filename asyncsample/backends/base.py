@@ -68,12 +68,9 @@ class HostSpec:
 
 
 class EnvHost(Protocol):
-    """The host of one worker's envs, as the worker sees it.
-
-    Every method may raise :class:`~asyncsample.WorkerError`,
-    :class:`~asyncsample.WorkerCrashedError` or :class:`~asyncsample.StepTimeoutError`; the host
-    must then be rebuilt with :meth:`restart` before it is used again.
-    """
+    """The host of one worker's envs, as the worker sees it. After any error it raises
+    (:class:`~asyncsample.WorkerError`, :class:`~asyncsample.WorkerCrashedError`,
+    :class:`~asyncsample.StepTimeoutError`) it must be rebuilt with :meth:`restart`."""
 
     buffers: StepBuffers
     """Shared with the host: the worker writes ``actions`` and reads the rest after a step."""
@@ -302,11 +299,7 @@ class DeadlinePassed(Exception):
 @runtime_checkable
 class PerEnvHost(Protocol):
     """A host that resets and steps each env on its own (``asyncio``, ``thread``): the engine
-    then runs one lane per env (:class:`~asyncsample._env_tasks.LaneStepper`).
-
-    ``buffers``: ``reset_one``/``step_one`` write env ``i``'s row; ``in_flight``: steps a stream's
-    round left running for the next round, by env.
-    """
+    runs one lane per env. ``in_flight``: steps a stream's round left running, by env."""
 
     buffers: StepBuffers
     in_flight: dict[int, Any]

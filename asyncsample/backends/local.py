@@ -129,12 +129,9 @@ class LocalHost:
 
 
 class CallerHost(LocalHost):
-    """A :class:`LocalHost` for the vector-env faces' sub-envs stepped by the caller.
-
-    :meth:`step_now` steps in the caller's thread without the event loop; every env failure is a
-    :class:`~asyncsample.WorkerError` naming the env, as a host process reports it; float actions
-    may be handed over as the caller gave them (:meth:`give_actions`). Infos are the envs' own.
-    """
+    """A :class:`LocalHost` for the vector-env faces' sub-envs, stepped by the caller in its own
+    thread (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host process
+    reports it, and actions may be handed over as given (:meth:`give_actions`)."""
 
     def __init__(self, spec: HostSpec) -> None:
         super().__init__(spec)
@@ -163,12 +160,8 @@ _SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
 def _snapshot(infos: Any) -> Any:
-    """A copy of info dicts with the values the process backend would deliver.
-
-    Envs may reuse their info dict or mutate arrays in it. Plain dicts, lists and arrays are
-    copied directly and immutable scalars shared (cheaper than a pickle round trip); anything else
-    is deep-copied.
-    """
+    """A copy of info dicts with the values the process backend would deliver (envs may reuse
+    their info dict or mutate arrays in it), cheaper than a pickle round trip."""
     kind = type(infos)
     if kind in _SCALARS or isinstance(infos, np.generic):  # numpy scalars are immutable too
         return infos

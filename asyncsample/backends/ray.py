@@ -88,12 +88,9 @@ class _Actor(Incarnation):
         label: str | None = None,
         progress: np.ndarray | None = None,
     ) -> PendingCall:
-        """Call ``method`` on the actor; the call's future gets its reply.
-
-        ``label`` names the call in messages (default: ``method``); ``progress``: a chunk's step
-        counter (see :meth:`watch`). The future fails with :class:`HostDied` when the actor is (or
-        becomes) dead, with a :class:`~asyncsample.WorkerError` when the actor method raised.
-        """
+        """Call ``method`` on the actor (``label``: the call's name in messages; ``progress``: a
+        chunk's step counter, :meth:`watch`); its future fails with :class:`HostDied` if the actor
+        is or becomes dead, with a :class:`~asyncsample.WorkerError` if the actor method raised."""
         if not self.dead and not self.ray.is_initialized():
             # Someone shut Ray down: its actors died with it (and a call now would start Ray).
             self.die("is gone: Ray was shut down")
@@ -110,12 +107,9 @@ class _Actor(Incarnation):
         return call
 
     def watch(self, call: PendingCall, worker: int, timeout: float) -> None:
-        """Judge a chunk ``call`` per step: keep its ``progress`` counter up to date.
-
-        Once the actor works on ``call``, every :func:`~asyncsample.backends._remote.progress_poll`
-        seconds :meth:`EnvActor.progress` is asked, in its own concurrency group; the incarnation's
-        timer then judges the counter as the ``process`` backend's shared one.
-        """
+        """Judge a chunk ``call`` per step: while the actor works on it, ask
+        :meth:`EnvActor.progress` (in its own concurrency group) into its ``progress`` counter every
+        :func:`~asyncsample.backends._remote.progress_poll` seconds, which the timer then judges."""
         task = self.loop.create_task(self._poll(call, worker, timeout))
         self.watchers.add(task)
         task.add_done_callback(self.watchers.discard)
@@ -147,11 +141,8 @@ class _Actor(Incarnation):
                 counter[0] = steps
 
     def _defer_timeout(self, call: PendingCall) -> bool:
-        """Whether the step counter of ``call`` is being asked for, for less than its timeout.
-
-        A loaded machine may delay the answer; an env that hangs holding the GIL keeps the actor
-        from answering at all, and is found after at most twice ``step_timeout``.
-        """
+        """Whether the step counter of ``call`` is being asked for, for less than its timeout (an
+        env that hangs holding the GIL is found after at most twice ``step_timeout``)."""
         sent = self.polling.get(call)
         timeout = call.timeout
         return sent is not None and timeout is not None and self.loop.time() - sent < timeout

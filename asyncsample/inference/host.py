@@ -133,12 +133,9 @@ class HostWorker(Protocol):
 
 @dataclass
 class RunAhead:
-    """The first chunk of a stream's next round, sent as a worker's part of a round ends.
-
-    The hosts would otherwise idle between rounds. The next round's stepper takes the chunk over
-    when its own first request is the same (``request``); anything else abandons it, and the envs
-    start fresh episodes. An agent update made before the host starts it makes the host skip it.
-    """
+    """The first chunk of a stream's next round, sent as a worker's part of a round ends (the
+    hosts would otherwise idle between rounds); the next round takes it over if its own first
+    ``request`` is the same, else it is abandoned and the envs start fresh episodes."""
 
     sent: SentChunk
     request: ChunkRequest
@@ -155,11 +152,7 @@ class PipelinedHost(AgentHost, Protocol):
 
 class ChunkStepper:
     """One chunk of steps per request, run by the host's agent copy under a copy of the call's
-    :class:`~asyncsample._engine.StopRule`, then replayed into the worker's records.
-
-    On a :class:`PipelinedHost`, :meth:`run` keeps the next chunk's request queued in the host
-    while it replays the last one.
-    """
+    :class:`~asyncsample._engine.StopRule`, then replayed into the worker's records."""
 
     def __init__(
         self,

@@ -37,11 +37,9 @@ class ModeWorker(HostWorker, Protocol):
 
 
 class InferenceMode:
-    """``"per_worker"``: each worker asks its own agent, one env step per request (on hosts
-    that step each env on its own, the ready envs of one agent are merged into one call).
-
-    The base class of the other modes. ``lanes``: what the lanes share, on such hosts.
-    """
+    """``"per_worker"``, and the base class of the other modes: each worker asks its own agent,
+    one env step per request; ``lanes``: hosts step each env on its own, their ready envs'
+    requests merged per agent."""
 
     def __init__(self, lanes: LaneSettings | None = None) -> None:
         self.lanes = lanes
