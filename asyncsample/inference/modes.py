@@ -117,12 +117,15 @@ class BatchedMode(InferenceMode):
         super().__init__(lanes)
         self.options = options
         self.shared_agent = shared_agent
+        self.batcher: Batcher | None = None
+        """The merger, by the name ``Sampler._batcher`` reads (tests and benchmarks)."""
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
         """One batcher for every worker (or every lane)."""
         if self._attach_lanes(workers, self.options):
+            self.batcher = self.merger
             return
-        self.merger = Batcher(self.options, self.shared_agent)
+        self.batcher = self.merger = Batcher(self.options, self.shared_agent)
         for worker in workers:
             worker.batcher = self.merger
 
