@@ -283,7 +283,7 @@ class Batcher:
             with self._agent_lock:
                 result = agent.get_actions(observations)
             if type(result) is not tuple and inspect.isawaitable(result):
-                self._start(agent, requests, _await(result), start)
+                self._start(agent, requests, result, start)
                 return
         except Exception as exc:
             self._fail(requests, exc)
@@ -304,16 +304,16 @@ class Batcher:
                 return agent.get_actions(observations)
 
         loop = asyncio.get_running_loop()
-        return _await(loop.run_in_executor(self._executor, call))
+        return loop.run_in_executor(self._executor, call)
 
     def _start(self, agent: Agent, requests: list[_Request], call: Any, start: float) -> None:
         self._busy = not self._per_pass
-        task = asyncio.get_running_loop().create_task(call)
+        task = asyncio.ensure_future(call)  # a task, or the helper thread's future
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._finished, agent, requests, start))
 
     def _finished(
-        self, agent: Agent, requests: list[_Request], start: float, task: asyncio.Task[Any]
+        self, agent: Agent, requests: list[_Request], start: float, task: asyncio.Future[Any]
     ) -> None:
         self._tasks.discard(task)
         self._busy = False
@@ -392,10 +392,6 @@ class Batcher:
         check = AgentOutputCheck(worker, 1)
         self._checks[id(agent)] = (ref, check)
         return check
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
 
 
 def _same(value: object) -> object:
