@@ -232,9 +232,8 @@ class EnvActor:
         mask = np.frombuffer(request, np.bool_, n_envs, _HEAD.size)
         if kind == _RAW_ACTIONS:
             for leaf in tree_leaves(slot.group.buffers.actions):
-                leaf[...] = np.frombuffer(request, leaf.dtype, leaf.size, offset).reshape(
-                    leaf.shape
-                )
+                raw = np.frombuffer(request, leaf.dtype, leaf.size, offset)
+                leaf[...] = raw.reshape(leaf.shape)
                 offset += leaf.nbytes
         elif kind == _PICKLED_ACTIONS:
             copy_into(slot.group.buffers.actions, pickle.loads(request[offset:]))

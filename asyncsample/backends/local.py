@@ -79,10 +79,8 @@ class LocalHost:
         seeds: Sequence[int | None] | None = None,
         options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[int, dict[str, object]]:
-        seed_list, option_list = reset_arguments(self.spec.n_envs, seeds, options)
-        result: dict[int, dict[str, object]] = self._call(
-            "reset", self._group.reset, mask, seed_list, option_list
-        )
+        args = reset_arguments(self.spec.n_envs, seeds, options)
+        result: dict[int, dict[str, object]] = self._call("reset", self._group.reset, mask, *args)
         return _snapshot(result) if result else result
 
     async def step(self, mask: np.ndarray) -> StepInfos:

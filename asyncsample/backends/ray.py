@@ -267,16 +267,13 @@ class RayHost(RemoteHost[_Actor]):
     where = "env-host actor"
 
     def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
-        buffers = StepBuffers.allocate(
-            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
-        )
+        spaces = (spec.observation_space, spec.action_space)
+        buffers = StepBuffers.allocate(*spaces, spec.n_envs, timed=spec.timed)
         super().__init__(spec, member, buffers, step_timeout)
         self.chunk: ChunkBuffers | None = None
         """``inference="host"``: this worker's copy of the chunk records (filled per reply)."""
         if spec.chunk_steps > 0:
-            flat = StepBuffers.allocate(
-                spec.observation_space, spec.action_space, spec.chunk_steps * spec.n_envs
-            )
+            flat = StepBuffers.allocate(*spaces, spec.chunk_steps * spec.n_envs)
             self.chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, spec.n_envs)
 
     @property

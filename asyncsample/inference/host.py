@@ -298,15 +298,8 @@ class ChunkStepper:
         if start is None:
             return
         counts, active = start
-        request = ChunkRequest(
-            rule,
-            self.capacity,
-            counts,
-            active,
-            0,
-            int(self.chunk.epoch[0]),
-            episodes.recorder.next_arena_row(),
-        )
+        epoch, row = int(self.chunk.epoch[0]), episodes.recorder.next_arena_row()
+        request = ChunkRequest(rule, self.capacity, counts, active, 0, epoch, row)
         try:
             sent = await host.send_chunk(request)
         except AsyncSampleError:
