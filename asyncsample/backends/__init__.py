@@ -1,16 +1,6 @@
-"""Backends: where the envs of each worker live.
-
-A worker talks to its envs through one small async interface, :class:`EnvHost`. A
-:class:`Backend` starts one host per worker: ``local`` keeps envs in the main process, ``process``
-in a pool of env-host processes, ``ray`` in Ray actors (lockstep: a worker's envs step together);
-``asyncio`` (async envs) and ``thread`` (blocking envs in a thread pool) keep them in the main
-process and step each env on its own. The worker and sampler code is the same for all.
-
-Registering a backend is one entry of :data:`TABLE`: its class and its :class:`Traits`, which
-the sampler and the faces ask instead of the backend's name. What code outside this package may
-use is exported here: the table, the protocols of the seam, the placement of workers on hosts,
-and the chunk records of ``inference="host"``. The underscored modules are the backends' own.
-"""
+"""Backends: where the envs of each worker live (``local``, ``process``, ``ray``, ``asyncio``,
+``thread``). Registering one is an entry of :data:`TABLE`. What code outside this package may
+use is exported here; the underscored modules are the backends' own."""
 
 from __future__ import annotations
 
@@ -84,20 +74,16 @@ class Traits:
 
     Attributes:
         name: the backend's name (``Sampler(backend=...)``).
-        cls: its :class:`Backend` class, ``"module:Class"`` in this package (imported on first
-            use, so ``ray`` only when asked for).
-        in_process: its envs live in the caller's process: one host for every worker, env
-            sources need not pickle.
+        cls: its :class:`Backend` class, ``"module:Class"`` here (imported on first use).
+        in_process: its envs live in the caller's process (one host, sources need not pickle).
         shared_memory: its step buffers are shared memory (``/dev/shm``).
         preempts: it can cut a step that outlives ``step_timeout``.
         host_mode: its hosts are :class:`AgentHost` (``inference="host"``).
-        per_env: it steps each env on its own (:mod:`asyncsample._env_tasks`), not a worker's
-            envs in lockstep.
+        per_env: it steps each env on its own (:mod:`asyncsample._env_tasks`).
         async_envs: its envs are async envs (:class:`~asyncsample.AsyncEnv`).
-        lockstep: its hosts are :class:`LockstepHost` (the vector env's loop-free step, whose
-            cost the faces' measured placement models).
+        lockstep: its hosts are :class:`LockstepHost` (the vector env's loop-free step).
         per_host: the option that sets how many workers share a host (``None``: none).
-        needs: the optional package it needs, also the name of its extra (``None``: none).
+        needs: the optional package it needs, also its extra's name (``None``: none).
     """
 
     name: str
@@ -175,10 +161,6 @@ def backend_options(name: str) -> tuple[str, ...]:
 
 
 def check_options(name: str, options: Mapping[str, object]) -> None:
-    """Raise the ``TypeError`` :func:`make_backend` would for unknown options, before any work.
-
-    For callers that take backend options early (a sampler's constructor) and start the
-    backend later.
-    """
+    """Raise the ``TypeError`` :func:`make_backend` would for unknown options, before any work."""
     valid = backend_options(name)
     reject_unknown_options(name, {k: v for k, v in options.items() if k not in valid}, valid)

@@ -1,16 +1,11 @@
 """The actor side of the ``ray`` backend: :class:`EnvActor` and the wire format of its calls.
 
-An :class:`EnvActor` holds one :class:`~asyncsample.backends._slot.HostSlot` per worker and only
-encodes: ``reset`` and ``step`` requests are a small bytes header (worker, how the actions
-travel) and the active mask; replies carry the observations pickled inline, or as arrays through
-Ray's object store when they are large, optionally compressed (:class:`_Packed`). The caller's
-side (:class:`~asyncsample.backends.ray.RayHost`, restarts, timeouts) is in
-:mod:`asyncsample.backends.ray`; this module never imports ray, so the actor class can be
-pickled to the cluster by reference.
+This module never imports ray, so the actor class can be pickled to the cluster by reference.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import pickle
@@ -18,6 +13,7 @@ import struct
 import traceback
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,11 +23,7 @@ from asyncsample.backends import _threads
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import dump_failure
 from asyncsample.backends._transport import dumps as _dumps
-from asyncsample.env_group import (
-    EnvFailure,
-    EnvFailureError,
-    StepBuffers,
-)
+from asyncsample.env_group import EnvFailure, EnvFailureError, StepBuffers
 
 __all__ = [
     "FAIL",
@@ -48,12 +40,14 @@ __all__ = [
 #: store (no copies); smaller ones as one pickled bytes object (fewer, cheaper serialisations).
 LARGE_REPLY = 100 * 1024
 
+#: The records of a chunk a ``run_chunk`` reply carries (the first ``steps`` rows of each).
+CHUNK_RECORDS = ("obs", "actions", "rewards", "terminated", "truncated", "final_obs")
+
 #: The Ray concurrency group of :meth:`EnvActor.progress` (one thread of its own) when chunks are
 #: judged per step: it answers while the actor's other thread runs a chunk.
 PROGRESS_GROUP = "progress"
 
-# Compression must shrink a payload this many times to be kept; after a miss the leaf is sent
-# uncompressed for this many replies before compression is tried again.
+# Compression must shrink a leaf this many times, else it is sent raw for this many replies.
 _MIN_RATIO = 1.25
 _SKIP_AFTER_MISS = 1000
 
@@ -70,41 +64,34 @@ _PICKLED_ACTIONS = 2
 # -- payloads ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class _Packed:
     """A compressed array (one leaf of an observation payload)."""
 
-    __slots__ = ("codec", "data", "dtype", "shape")
-
-    def __init__(self, codec: str, data: bytes, dtype: str, shape: tuple[int, ...]) -> None:
-        self.codec = codec
-        self.data = data
-        self.dtype = dtype
-        self.shape = shape
-
-    def __reduce__(self) -> Any:
-        return (_Packed, (self.codec, self.data, self.dtype, self.shape))
+    codec: str
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
 
     @classmethod
     def pack(cls, array: np.ndarray, codec: str) -> _Packed:
         """Compress ``array`` with ``codec`` (``"lz4"`` or ``"zlib"``)."""
-        raw = np.ascontiguousarray(array).data
-        if codec == "lz4":
-            import lz4.frame
-
-            data = lz4.frame.compress(raw)
-        else:
-            data = zlib.compress(raw, 1)
+        data = _codec(codec)[0](np.ascontiguousarray(array).data)
         return cls(codec, data, array.dtype.str, tuple(array.shape))
 
     def unpack(self) -> np.ndarray:
         """The original array (read-only)."""
-        if self.codec == "lz4":
-            import lz4.frame
-
-            raw = lz4.frame.decompress(self.data)
-        else:
-            raw = zlib.decompress(self.data)
+        raw = _codec(self.codec)[1](self.data)
         return np.frombuffer(raw, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+
+def _codec(name: str) -> tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]:
+    """``(compress, decompress)`` of codec ``name`` (zlib at level 1: fast)."""
+    if name == "lz4":
+        import lz4.frame
+
+        return lz4.frame.compress, lz4.frame.decompress
+    return functools.partial(zlib.compress, level=1), zlib.decompress
 
 
 def best_codec() -> str:
@@ -116,31 +103,18 @@ def best_codec() -> str:
     return "lz4"
 
 
-def _copy_leaf(dst: np.ndarray, src: Any, index: Any) -> None:
-    if isinstance(src, _Packed):
-        src = src.unpack()
-    dst[index] = src
-
-
 def copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
     """``dst[index] = src`` leaf by leaf, unpacking compressed leaves."""
-    if isinstance(dst, np.ndarray):
-        _copy_leaf(dst, src, index)
-    else:
-        tree_map(lambda d, s: _copy_leaf(d, s, index), dst, src)
 
+    def copy(d: np.ndarray, s: Any) -> None:
+        d[index] = s.unpack() if isinstance(s, _Packed) else s
 
-# Env failures cross the actor boundary pickled like the process backend's (see _transport).
+    tree_map(copy, dst, src)
 
 
 def encode_request(worker: int, mask: np.ndarray, actions: Tree | None = None) -> bytes:
-    """One bytes object for a reset or step: ``worker``, the mask, then the actions.
-
-    One small bytes argument is the cheapest thing to send through Ray (about half the cost of
-    three separately serialised arguments). Actions that are fixed-size arrays (every Box,
-    Discrete, MultiDiscrete... and Dict/Tuple of them) go as raw bytes, leaf by leaf, in the
-    order of the buffers both sides allocated from the same space; anything else is pickled.
-    """
+    """One bytes object for a reset or step (the cheapest thing to send through Ray): ``worker``,
+    the mask, then fixed-size array actions as raw bytes leaf by leaf, or pickled ones."""
     kind = _NO_ACTIONS
     parts = [b"", np.asarray(mask, dtype=np.bool_).tobytes()]
     if actions is not None:
@@ -160,28 +134,18 @@ def encode_request(worker: int, mask: np.ndarray, actions: Tree | None = None) -
 
 class EnvActor:
     """Hosts the envs of several workers, one :class:`~asyncsample.backends._slot.HostSlot` per
-    worker slot.
+    worker slot (made a Ray actor class by :class:`RayBackend`).
 
-    Made a Ray actor class by :class:`RayBackend` (``ray.remote(EnvActor)``). What each
-    operation does is the slot's; the actor decodes requests and encodes replies (see the module
-    doc): ``reset`` and ``step`` reply with the observations, ``run_chunk`` with the chunk's
-    records, and every other operation goes through :meth:`serve` as the slot's bytes. Every
-    method replies ``(status, payload)``; an env failure is a ``FAIL`` status with a pickled
-    :class:`EnvFailure`, never a raised exception.
-
-    With ``inference="host"`` and a ``step_timeout``, :class:`RayBackend` gives the actor a
-    second concurrency group, :data:`PROGRESS_GROUP`, for :meth:`progress` alone: every other
-    method still runs in order on one thread (the default group's), so the slots are never used
-    from two threads at once, while :meth:`progress` reads how many steps the running chunk has
-    taken (a counter the chunk loop bumps after every step, read under the GIL).
+    It decodes requests and encodes replies; what an operation does is the slot's. Every method
+    replies ``(status, payload)``: an env failure is a ``FAIL`` with a pickled :class:`EnvFailure`.
+    :meth:`progress` alone may run in :data:`PROGRESS_GROUP`, a thread of its own.
 
     Args:
         slots_blob: the cloudpickled :class:`HostSpec` of each hosted worker.
         compress_threshold: compress observation leaves of at least this many bytes (``None``:
             never).
         codec: ``"lz4"`` or ``"zlib"``; zlib is used when lz4 is not installed here.
-        host_threads: threads of the numeric libraries in this actor (``None``: their
-            defaults).
+        host_threads: threads of the numeric libraries in this actor (``None``: their defaults).
     """
 
     def __init__(
@@ -206,12 +170,7 @@ class EnvActor:
         self.codec = codec if codec != "lz4" or best_codec() == "lz4" else "zlib"
 
     def _pack(self, worker: int, what: str, tree: Tree) -> Tree:
-        """Compress the leaves of ``tree`` of at least ``compress_threshold`` bytes, where it pays.
-
-        A leaf that compresses by less than ``_MIN_RATIO`` (noise does not compress) is sent
-        as is, and not tried again for its next ``_SKIP_AFTER_MISS`` replies: compressing
-        incompressible data costs time for nothing.
-        """
+        """Compress the leaves of ``tree`` of at least ``compress_threshold`` bytes that shrink."""
         threshold = self.threshold
         if threshold is None or tree is None:
             return tree
@@ -261,8 +220,7 @@ class EnvActor:
         return (OK, payload) if large else _dumps((OK, payload))
 
     def serve(self, worker: int, op: int, body: bytes) -> Any:
-        """Operation ``op`` of the worker's slot with the request ``body`` (build, update, call,
-        set_attr, agent install, parameter update, close); payload: the slot's reply bytes."""
+        """Operation ``op`` of the worker's slot on the request ``body`` (its reply bytes)."""
         return self._run(self.slots[worker].serve, op, body)
 
     def _decode(self, request: bytes) -> tuple[int, HostSlot, np.ndarray]:
@@ -274,19 +232,16 @@ class EnvActor:
         mask = np.frombuffer(request, np.bool_, n_envs, _HEAD.size)
         if kind == _RAW_ACTIONS:
             for leaf in tree_leaves(slot.group.buffers.actions):
-                leaf[...] = np.frombuffer(request, leaf.dtype, leaf.size, offset).reshape(
-                    leaf.shape
-                )
+                raw = np.frombuffer(request, leaf.dtype, leaf.size, offset)
+                leaf[...] = raw.reshape(leaf.shape)
                 offset += leaf.nbytes
         elif kind == _PICKLED_ACTIONS:
             copy_into(slot.group.buffers.actions, pickle.loads(request[offset:]))
         return worker, slot, mask
 
     def reset(self, request: bytes, args: bytes | None = None) -> Any:
-        """Reset the masked envs of a worker; payload ``(obs, reset_infos)``.
-
-        ``args``: ``None`` (pending seeds, no options), or pickled ``(seeds, options)``.
-        """
+        """Reset the masked envs of a worker; payload ``(obs, reset_infos)``. ``args``: ``None``
+        (pending seeds, no options), or pickled ``(seeds, options)``."""
         worker, slot, mask = self._decode(request)
 
         def reset() -> tuple[Tree, dict[int, dict[str, Any]]]:
@@ -297,11 +252,8 @@ class EnvActor:
         return self._run(reset, worker=worker)
 
     def step(self, request: bytes) -> Any:
-        """Step the masked envs of a worker with the actions in the request.
-
-        Payload: ``(obs, rewards, terminated, truncated, done, final_obs, infos)`` where ``done``
-        indexes the stepped envs whose episode ended and ``final_obs`` holds only their rows.
-        """
+        """Step the masked envs of a worker; payload ``(obs, rewards, terminated, truncated, done,
+        final_obs, infos)``, ``final_obs`` only the rows of ``done``."""
         worker, slot, mask = self._decode(request)
         buf = slot.group.buffers
 
@@ -323,8 +275,7 @@ class EnvActor:
         return self._run(step, worker=worker)
 
     def run_chunk(self, worker: int, request: bytes) -> Any:
-        """Run a chunk (:class:`ChunkRequest`, pickled); payload: the :class:`ChunkReply`, the
-        chunk's first ``steps`` records and the current observations."""
+        """Run a pickled :class:`ChunkRequest`; payload: the reply, its records, the current obs."""
         slot = self.slots[worker]
 
         def run() -> tuple[Any, ...]:
@@ -337,27 +288,17 @@ class EnvActor:
                 self.chunk_start.pop(worker, None)
             chunk = slot.runner.chunk  # type: ignore[union-attr]  # run_chunk checked it
             k = reply.steps
-            return (
-                reply,
-                self._pack(worker, "chunk_obs", tree_map(lambda x: x[:k], chunk.obs)),
-                tree_map(lambda x: x[:k], chunk.actions),
-                chunk.rewards[:k],
-                chunk.terminated[:k],
-                chunk.truncated[:k],
-                self._pack(worker, "chunk_final", tree_map(lambda x: x[:k], chunk.final_obs)),
-                self._pack(worker, "obs", slot.group.buffers.obs),
-                *_clock_of(slot.group.buffers),
-            )
+            head = {n: tree_map(lambda x: x[:k], getattr(chunk, n)) for n in CHUNK_RECORDS}
+            for name in ("obs", "final_obs"):
+                head[name] = self._pack(worker, f"chunk_{name}", head[name])
+            current = self._pack(worker, "obs", slot.group.buffers.obs)
+            return (reply, head, current, *_clock_of(slot.group.buffers))
 
         return self._run(run)
 
     def progress(self, worker: int) -> int:
-        """How many steps the worker's running chunk has taken (0 when none is running).
-
-        Called in :data:`PROGRESS_GROUP`, from its own thread, while :meth:`run_chunk` runs:
-        the caller judges each step of the chunk against ``step_timeout`` by whether this
-        number moves (see :class:`~asyncsample.backends.ray.RayHost`).
-        """
+        """How many steps the worker's running chunk has taken (0 when none is running); called
+        from :data:`PROGRESS_GROUP`'s thread while :meth:`run_chunk` runs."""
         start = self.chunk_start.get(worker)
         runner = self.slots[worker].runner
         if start is None or runner is None:
@@ -368,9 +309,6 @@ class EnvActor:
         """Close every env of this actor (before it is killed)."""
         for slot in self.slots.values():
             slot.close()
-
-
-# -- the main process's side ------------------------------------------------------------------
 
 
 def _clock_of(buffers: StepBuffers) -> tuple[Any, ...]:

@@ -1,12 +1,7 @@
 """The interface between a worker and the host of its envs: the whole seam.
 
-Everything the sampler, a worker, the host-inference strategy or a vector env may ask of an env
-host is a public method of a protocol here: :class:`EnvHost` (what every host does) and the
-capabilities some hosts add, checked once when a sampler or face starts: :class:`AgentHost`
-(``inference="host"``: the agent copy and its chunks), :class:`LockstepHost` (a synchronous
-caller steps without the event loop), :class:`GivenActionsHost` (actions of any dtype, as given)
-and :class:`InlineHost` (envs in the caller's thread), and a backend's, :class:`ProcessPool`.
-Nothing outside ``asyncsample.backends`` needs a backend's concrete classes or private members.
+:class:`EnvHost` is what every host does; the other protocols are capabilities some have,
+checked once when a sampler or face starts.
 """
 
 from __future__ import annotations
@@ -51,19 +46,14 @@ class HostSpec:
     """What a backend needs to host the envs of one worker.
 
     Attributes:
-        worker: the worker's index.
-        n_envs: how many env copies the worker steps together.
+        worker, n_envs: the worker's index and how many envs it steps together.
         observation_space, action_space: the env's spaces (for the step buffers).
         max_episode_length: the host truncates episodes at this length (``None``: never).
-        chunk_steps: ``inference="host"``: the capacity, in worker steps, of the chunk buffers
-            the host's own agent copy fills per request (see :mod:`asyncsample.backends._chunk`);
-            ``0``: the worker asks for actions itself, one step per request.
-        autoreset: how the host's env group restarts an ended episode, one of
-            :data:`~asyncsample.env_group.AUTORESET_MODES` (the vector-env faces choose it).
-        final_in_reply: the env group also returns the final observations themselves, in
-            :attr:`StepInfos.final_obs <asyncsample.env_group.StepInfos>` (the gymnasium face).
-        timed: metrics are on: the host keeps a clock of its steps beside its buffers (see
-            :mod:`asyncsample._clock`).
+        chunk_steps: ``inference="host"``: the chunk buffers' capacity in worker steps (``0``:
+            no chunks, the worker asks for actions itself).
+        autoreset: the env group's autoreset mode (:data:`~asyncsample.env_group.AUTORESET_MODES`).
+        final_in_reply: step replies carry the final observations (the gymnasium face).
+        timed: metrics are on: the host keeps a clock of its steps (:mod:`asyncsample._clock`).
     """
 
     worker: int
@@ -78,13 +68,9 @@ class HostSpec:
 
 
 class EnvHost(Protocol):
-    """The host of one worker's envs, as the worker sees it.
-
-    Every method may raise :class:`~asyncsample.WorkerError` (an env raised),
-    :class:`~asyncsample.WorkerCrashedError` (the host died) or
-    :class:`~asyncsample.StepTimeoutError`. After any of them the host must be rebuilt with
-    :meth:`restart` before it is used again.
-    """
+    """The host of one worker's envs, as the worker sees it. After any error it raises
+    (:class:`~asyncsample.WorkerError`, :class:`~asyncsample.WorkerCrashedError`,
+    :class:`~asyncsample.StepTimeoutError`) it must be rebuilt with :meth:`restart`."""
 
     buffers: StepBuffers
     """Shared with the host: the worker writes ``actions`` and reads the rest after a step."""
@@ -103,11 +89,10 @@ class EnvHost(Protocol):
         seeds: Sequence[int | None] | None = None,
         options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[int, dict[str, object]]:
-        """Reset the envs where ``mask`` is true; returns their reset infos by env index.
+        """Reset the envs where ``mask`` is true; their reset infos by env index.
 
-        ``seeds`` (one per env, ``None`` entries: no seed) replace the envs' pending seeds for
-        this reset; ``options`` (one dict for all, or one per env) go to ``env.reset``. The
-        defaults are the sampler's own resets: pending seeds, no options.
+        ``seeds`` (per env, ``None``: no seed) replace the pending seeds for this reset; ``options``
+        (one dict, or one per env) go to ``env.reset``. Defaults: pending seeds, no options.
         """
         ...
 
@@ -118,12 +103,9 @@ class EnvHost(Protocol):
         kwargs: Mapping[str, Any] | None = None,
         envs: Sequence[int] | None = None,
     ) -> list[Any]:
-        """``getattr(env, name)`` of each env in ``envs`` (default: all), called with ``args``
-        and ``kwargs`` when callable (gymnasium's ``VectorEnv.call``); one result per env.
-
-        A failure is a :class:`~asyncsample.WorkerError` naming the env (``retry`` false for an
-        ``AttributeError``).
-        """
+        """``getattr(env, name)`` of each env in ``envs`` (default: all), called with ``args`` and
+        ``kwargs`` when callable; one result per env. A failure is a WorkerError naming the env
+        (``retry`` false for an ``AttributeError``)."""
         ...
 
     async def set_attr(
@@ -158,11 +140,8 @@ class GivenActionsHost(EnvHost, Protocol):
 
 @runtime_checkable
 class LockstepHost(EnvHost, Protocol):
-    """An env host a synchronous caller may step without the event loop (the process host).
-
-    Only a caller that runs the event loop itself, and only while it is not running, may use
-    it: the vector env's lockstep step, which skips a loop pass so.
-    """
+    """An env host a synchronous caller may step without the event loop (the process host),
+    while the loop is not running: the vector env's lockstep step."""
 
     def step_nowait(self) -> SentStep | None:
         """Send a step of every env at once, or ``None``: no live connection (use
@@ -220,11 +199,8 @@ class Backend(Protocol):
         ...
 
     async def aclose(self) -> None:
-        """Stop every host and release every resource (processes, shared memory). Idempotent.
-
-        A host call still in flight, or made afterwards, raises
-        :class:`~asyncsample.SamplerClosedError`.
-        """
+        """Stop every host and release every resource. Idempotent; a host call in flight or
+        made afterwards raises :class:`~asyncsample.SamplerClosedError`."""
         ...
 
     def close_now(self) -> None:
@@ -246,21 +222,13 @@ class ProcessPool(Backend, Protocol):
         ...
 
 
+@dataclass(slots=True)
 class RestartBudget:
-    """How often a host may be rebuilt after failures: the one restart loop of the sampler's
-    calls (a budget per call) and of the vector-env faces (a budget per host, for the env's
-    life).
+    """How often a host may be rebuilt after failures: per call for the sampler, per host for
+    the vector-env faces (``limit``: ``max_restarts``; ``used``: restarts so far)."""
 
-    Attributes:
-        limit: at most this many restarts (``max_restarts``).
-        used: restarts so far.
-    """
-
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
+    limit: int
+    used: int = 0
 
     async def run(
         self,
@@ -268,9 +236,9 @@ class RestartBudget:
         retryable: Callable[[WorkerError], bool],
         failed: Callable[[WorkerError], None] | None = None,
     ) -> _T:
-        """``attempt(None)``, then, after a :class:`~asyncsample.WorkerError` that is
-        ``retryable`` and within budget, ``attempt(error)`` (it rebuilds the host first) until
-        one returns; any other failure is raised. ``failed`` sees each failure first."""
+        """``attempt(None)``, then ``attempt(error)`` (it rebuilds the host) after each
+        ``retryable`` :class:`~asyncsample.WorkerError` within budget; ``failed`` sees each first.
+        """
         failure: WorkerError | None = None
         while True:
             try:
@@ -292,9 +260,8 @@ def agent_note(worker: int) -> str:
 def failure_error(worker: int, failure: EnvFailure) -> BaseException:
     """The exception a worker raises for an env failure reported by its host.
 
-    A failure that is the caller's own mistake (an observation that does not fit the declared
-    space, an agent that raised) is not worth a restart: it is wrapped with ``retry = False``.
-    The original exception, rebuilt here, is the ``WorkerError``'s ``__cause__``.
+    The caller's own mistakes (an observation outside the space, an agent that raised) are not
+    worth a restart: ``retry=False``. The rebuilt original exception is the ``__cause__``.
     """
     error = failure.error
     what = f"{type(error).__name__}: {error}"
@@ -314,11 +281,7 @@ def failure_error(worker: int, failure: EnvFailure) -> BaseException:
 def reject_unknown_options(
     backend: str, unknown: Mapping[str, object], valid: Sequence[str]
 ) -> None:
-    """Raise ``TypeError`` naming the unknown options of ``backend`` and listing the valid ones.
-
-    Every backend treats options it does not know the same way: a mistyped option is an error,
-    never silently ignored.
-    """
+    """Raise ``TypeError`` naming the unknown options of ``backend`` and the valid ones."""
     if unknown:
         raise TypeError(
             f"backend {backend!r} got unknown option(s) {', '.join(map(repr, sorted(unknown)))}; "
@@ -336,12 +299,7 @@ class DeadlinePassed(Exception):
 @runtime_checkable
 class PerEnvHost(Protocol):
     """A host that resets and steps each env on its own (``asyncio``, ``thread``): the engine
-    then runs one lane per env (:class:`~asyncsample._env_tasks.LaneStepper`).
-
-    Attributes:
-        buffers: the step buffers; ``reset_one``/``step_one`` write env ``i``'s row.
-        in_flight: steps a stream's round left running for the next round, by env.
-    """
+    runs one lane per env. ``in_flight``: steps a stream's round left running, by env."""
 
     buffers: StepBuffers
     in_flight: dict[int, Any]

@@ -79,11 +79,8 @@ class LocalHost:
         seeds: Sequence[int | None] | None = None,
         options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[int, dict[str, object]]:
-        if seeds is None and options is None:
-            result: dict[int, dict[str, object]] = self._call("reset", self._group.reset, mask)
-        else:
-            seed_list, option_list = reset_arguments(self.spec.n_envs, seeds, options)
-            result = self._call("reset", self._group.reset, mask, seed_list, option_list)
+        args = reset_arguments(self.spec.n_envs, seeds, options)
+        result: dict[int, dict[str, object]] = self._call("reset", self._group.reset, mask, *args)
         return _snapshot(result) if result else result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
@@ -92,8 +89,7 @@ class LocalHost:
             result = StepInfos(
                 _snapshot(result.env_infos), _snapshot(result.reset_infos), result.final_obs
             )
-        # Let other tasks run between steps: a call is many steps, the loop must not wait for
-        # all of them.
+        # Let other tasks run between steps: the loop must not wait for a whole call.
         await asyncio.sleep(0)
         return result
 
@@ -131,15 +127,9 @@ class LocalHost:
 
 
 class CallerHost(LocalHost):
-    """A :class:`LocalHost` for the vector-env faces' share of sub-envs stepped by the caller.
-
-    :meth:`step_now` steps in the caller's thread without the event loop (the faces' lockstep
-    step, between sending the other hosts' requests and reading their replies); every env
-    failure is a :class:`~asyncsample.WorkerError` naming the env, as a host process reports it
-    (the faces name the sub-env from it); float actions may be handed to the envs as the caller
-    gave them (:meth:`give_actions`, as the process backend's hosts take them). Infos are the
-    envs' own objects, as ``SyncVectorEnv`` hands them on.
-    """
+    """A :class:`LocalHost` for the vector-env faces' sub-envs, stepped by the caller in its own
+    thread (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host process
+    reports it, and actions may be handed over as given (:meth:`give_actions`)."""
 
     def __init__(self, spec: HostSpec) -> None:
         super().__init__(spec)
@@ -154,13 +144,9 @@ class CallerHost(LocalHost):
 
     def step_now(self, mask: np.ndarray, everyone: bool | None = None) -> StepInfos:
         """:meth:`step`, synchronously, in the caller's thread."""
-        if self.closed:
-            raise closed_error(self.spec.worker, "step")
         given, self._given = self._given, None
-        try:
-            return self._group.step(mask, given, everyone)
-        except EnvFailureError as exc:
-            raise failure_error(self.spec.worker, exc.failure) from exc.failure.error
+        result: StepInfos = self._call("step", self._group.step, mask, given, everyone)
+        return result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         result = self.step_now(mask)
@@ -172,43 +158,28 @@ _SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
 def _snapshot(infos: Any) -> Any:
-    """A copy of info dicts with the values the process backend would deliver.
-
-    Envs may reuse their info dict or mutate arrays they put in it; without a copy the batch
-    would show their latest values, unlike every other backend (which pickle the infos). Plain
-    dicts, lists and arrays are copied directly and immutable scalars shared, which costs less
-    than a pickle round trip; anything else is deep-copied.
-    """
+    """A copy of info dicts with the values the process backend would deliver (envs may reuse
+    their info dict or mutate arrays in it), cheaper than a pickle round trip."""
     kind = type(infos)
-    if kind in _SCALARS:
+    if kind in _SCALARS or isinstance(infos, np.generic):  # numpy scalars are immutable too
         return infos
     if kind is dict:
         return {k: v if type(v) in _SCALARS else _snapshot(v) for k, v in infos.items()}
-    if kind is list:
-        return [_snapshot(v) for v in infos]
-    if kind is tuple:
-        return tuple(_snapshot(v) for v in infos)
+    if kind is list or kind is tuple:
+        return kind(_snapshot(v) for v in infos)
     if kind is np.ndarray:
         return infos.copy()
-    if isinstance(infos, np.generic):  # numpy scalars are immutable
-        return infos
     return copy.deepcopy(infos)
 
 
 class LocalBackend:
-    """Creates a :class:`LocalHost` per worker.
+    """Creates a :class:`LocalHost` per worker (:class:`CallerHost` with ``caller``).
 
-    Args:
-        n_processes: accepted for a uniform interface and ignored (there are no processes).
-        step_timeout: must be ``None``: a step that blocks the event loop's thread cannot be
-            pre-empted.
-        host_threads: accepted for a uniform interface and ignored: the envs run in the
-            caller's process, whose threads are the caller's business.
-        caller: hosts for the vector-env faces (:class:`CallerHost`).
+    ``n_processes`` and ``host_threads`` are accepted for a uniform interface and ignored.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed).
-        ValueError: a ``step_timeout``.
+        ValueError: a ``step_timeout`` (a step that blocks the loop's thread cannot be pre-empted).
     """
 
     OPTIONS = ("n_processes", "step_timeout", "host_threads", "caller")
@@ -222,7 +193,7 @@ class LocalBackend:
         **unknown: object,
     ) -> None:
         reject_unknown_options("local", unknown, self.OPTIONS)
-        n_processes = _validate.optional_positive_int("n_processes", n_processes)
+        _validate.optional_positive_int("n_processes", n_processes)
         _validate.optional_positive_int("host_threads", host_threads)
         if _validate.positive_seconds("step_timeout", step_timeout) is not None:
             raise ValueError(
@@ -230,7 +201,6 @@ class LocalBackend:
                 f"loop's thread cannot be pre-empted (got step_timeout={step_timeout!r}); use "
                 "backend='process'"
             )
-        self.n_processes = n_processes
         self._kind = CallerHost if caller else LocalHost
         self._hosts: list[LocalHost] = []
         self._closed = False

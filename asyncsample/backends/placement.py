@@ -1,10 +1,6 @@
-"""Which worker lives on which env host of a pool: decided here, once, for every backend.
-
-A pool (the processes of the ``process`` backend, the actors of ``ray``) has ``n`` members, and
-worker ``w`` lives on member ``w % n``, in slot ``w // n`` of it: consecutive workers land on
-different members, so one worker's agent compute overlaps the next one's env compute. The
-sampler, the backends and the vector env all ask :func:`placement`.
-"""
+"""Which worker lives on which member of a pool (processes, Ray actors), for every backend:
+worker ``w`` on member ``w % n``, in slot ``w // n``, so that one worker's agent compute
+overlaps the next one's env compute."""
 
 from __future__ import annotations
 
@@ -20,11 +16,8 @@ _T = TypeVar("_T")
 
 
 def pool_size(n_processes: int | None, n_workers: int, workers_per_actor: int | None = None) -> int:
-    """How many members a pool of ``n_workers`` gets.
-
-    ``ceil(n_workers / workers_per_actor)`` when ``workers_per_actor`` is given (Ray's option),
-    else ``n_processes`` (default: the CPU count), at most one per worker.
-    """
+    """How many members a pool of ``n_workers`` gets: ``ceil(n_workers / workers_per_actor)``
+    (Ray's option), else ``n_processes`` (default: the CPU count), at most one per worker."""
     if workers_per_actor is not None:
         return math.ceil(n_workers / workers_per_actor)
     return min(n_processes or os.cpu_count() or 1, n_workers)
@@ -32,12 +25,7 @@ def pool_size(n_processes: int | None, n_workers: int, workers_per_actor: int | 
 
 @dataclass(frozen=True)
 class Placement:
-    """``n_workers`` workers over ``n_members`` pool members.
-
-    Attributes:
-        n_workers: how many workers (or, for the vector env, groups of sub-envs).
-        n_members: how many pool members host them.
-    """
+    """``n_workers`` workers (or groups of sub-envs) over ``n_members`` pool members."""
 
     n_workers: int
     n_members: int

@@ -1,45 +1,25 @@
 """The ``ray`` backend: env hosts as Ray actors, anywhere in a Ray cluster.
 
-Only the envs move: the worker coroutines stay in the caller's event loop. ``A = min(n_processes
-or os.cpu_count(), n_workers)`` actors are created (``ceil(n_workers / workers_per_actor)`` with
-``workers_per_actor``) and worker ``w`` lives on actor ``w % A``: while one worker's step travels,
-the next worker's request is already queued there. Each actor runs one
-:class:`~asyncsample.env_group.EnvGroup` per worker slot, as every backend does (results are
-identical for a fixed seed).
-
-Per worker step there is one actor call with one small bytes argument (worker, mask, a copy of
-``buffers.actions``). The actor returns its step buffers pickled into one bytes object when they
-are small, as numpy arrays from :data:`LARGE_REPLY` bytes of observations (through Ray's object
-store, read without a copy); the reply is copied into the worker's local buffers. Observation
-arrays of at least ``compress_threshold`` bytes can be compressed in the actor (lz4 when
-installed, else zlib); a leaf that does not shrink by a quarter is sent as is and not tried again
-for its next 1000 replies. ``asyncsample bench ray`` measures what it pays (figures in
-``benchmarks/results/``).
-
-Calls are futures of the event loop (a Ray thread resolves them with ``call_soon_threadsafe``).
-An actor serves its calls in order, so a cancelled caller simply stops waiting: its reply is
-dropped. ``step_timeout`` counts from the moment the actor can start on a call; a call that
-outlives it fails with :class:`~asyncsample.StepTimeoutError` and the actor is killed. With
-``inference="host"`` it bounds each step of a chunk: the actor tells how far the chunk has got
-from a second thread (a Ray concurrency group). An actor that dies fails every call waiting on it
-with :class:`~asyncsample.WorkerCrashedError`; ``restart`` creates a new actor once for all the
-workers it hosted, while an env that merely raised only has its own worker's envs rebuilt.
-
-``import asyncsample`` never imports ray: this module is imported when ``backend="ray"`` is
-asked for, and ray itself when :class:`RayBackend` is created.
+Only the envs move: worker ``w`` lives on actor ``w % A``, which runs one
+:class:`~asyncsample.env_group.EnvGroup` per worker slot as every backend does. A worker step is
+one actor call (wire format: :mod:`~asyncsample.backends._ray_actor`) whose future a Ray thread
+resolves with ``call_soon_threadsafe``. A call that outlives ``step_timeout`` (with
+``inference="host"``: a step of a chunk, :meth:`_Actor.watch`) kills the actor; a dead actor
+fails every call waiting on it. ``import asyncsample`` never imports ray: :class:`RayBackend` does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import os
 import pickle
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -66,11 +46,7 @@ from asyncsample.backends._transport import Op, load_failure
 from asyncsample.backends._transport import dumps as _dumps
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
 from asyncsample.backends.placement import placement
-from asyncsample.env_group import (
-    StepBuffers,
-    StepInfos,
-    reset_arguments,
-)
+from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
 from asyncsample.errors import WorkerCrashedError, WorkerError
 
 __all__ = ["INSTALL_HINT", "EnvActor", "RayBackend", "RayHost"]
@@ -87,17 +63,6 @@ PENDING_WARNING = 10.0
 _KILL_WAIT = 5.0
 
 
-def _import_ray() -> Any:
-    """The ``ray`` module, or an ImportError that says how to install it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError(
-            f"backend='ray' needs the ray package, which is not installed: {INSTALL_HINT}"
-        ) from exc
-    return ray
-
-
 class _Actor(Incarnation):
     """One incarnation of an env-host actor, as the main process sees it."""
 
@@ -107,8 +72,7 @@ class _Actor(Incarnation):
         self.handle = handle
         self.index = index
         self.where = ""
-        # Chunks judged per step: the tasks that poll their step counters (see watch), and the
-        # loop time the counter of a call was asked for, while that question is unanswered.
+        # Chunks judged per step: the polling tasks (see watch), and when a count was asked for.
         self.watchers: set[asyncio.Task[None]] = set()
         self.polling: dict[PendingCall, float] = {}
 
@@ -124,14 +88,9 @@ class _Actor(Incarnation):
         label: str | None = None,
         progress: np.ndarray | None = None,
     ) -> PendingCall:
-        """Call ``method`` on the actor (``label``: what the call is named in messages, by
-        default ``method``; ``progress``: a chunk's step counter, see :meth:`watch`); the
-        call's future gets its reply.
-
-        The future fails with :class:`HostDied` when the actor is (or becomes) dead, and with a
-        :class:`~asyncsample.WorkerError` when the actor method itself raised (a bug, not an env
-        failure).
-        """
+        """Call ``method`` on the actor (``label``: the call's name in messages; ``progress``: a
+        chunk's step counter, :meth:`watch`); its future fails with :class:`HostDied` if the actor
+        is or becomes dead, with a :class:`~asyncsample.WorkerError` if the actor method raised."""
         if not self.dead and not self.ray.is_initialized():
             # Someone shut Ray down: its actors died with it (and a call now would start Ray).
             self.die("is gone: Ray was shut down")
@@ -148,16 +107,9 @@ class _Actor(Incarnation):
         return call
 
     def watch(self, call: PendingCall, worker: int, timeout: float) -> None:
-        """Judge a chunk ``call`` per step: keep its ``progress`` counter up to date with the
-        actor's count of the chunk's steps while it runs.
-
-        An actor has no memory shared with the caller, so the count is asked for: every
-        :func:`~asyncsample.backends._remote.progress_poll` seconds, once the actor works on
-        ``call`` (the head of :attr:`calls`), :meth:`EnvActor.progress` is called in its own
-        concurrency group, which answers while the chunk runs. The incarnation's timer then
-        judges the counter as the ``process`` backend's shared one: the chunk fails when it
-        stands still for ``timeout``.
-        """
+        """Judge a chunk ``call`` per step: while the actor works on it, ask
+        :meth:`EnvActor.progress` (in its own concurrency group) into its ``progress`` counter every
+        :func:`~asyncsample.backends._remote.progress_poll` seconds, which the timer then judges."""
         task = self.loop.create_task(self._poll(call, worker, timeout))
         self.watchers.add(task)
         task.add_done_callback(self.watchers.discard)
@@ -189,13 +141,8 @@ class _Actor(Incarnation):
                 counter[0] = steps
 
     def _defer_timeout(self, call: PendingCall) -> bool:
-        """Whether the step counter of ``call`` is being asked for, for less than its timeout.
-
-        A loaded machine or Ray may delay the answer, which can show a step that ended in time.
-        An env that hangs holding the GIL keeps the actor from answering at all: it is then
-        found after at most twice ``step_timeout`` (and the message quotes the first step not
-        seen to end, which is the hung one unless it came less than a look after the last).
-        """
+        """Whether the step counter of ``call`` is being asked for, for less than its timeout (an
+        env that hangs holding the GIL is found after at most twice ``step_timeout``)."""
         sent = self.polling.get(call)
         timeout = call.timeout
         return sent is not None and timeout is not None and self.loop.time() - sent < timeout
@@ -223,8 +170,7 @@ class _Actor(Incarnation):
     def _on_error(self, call: PendingCall, exc: BaseException) -> None:
         ray = self.ray
         if isinstance(exc, ray.exceptions.RayTaskError):
-            # The actor method raised: a bug of the host, not an env failure. Its cause is the
-            # original exception, its text the remote traceback.
+            # The actor method raised: a bug of the host, not an env failure.
             cause = getattr(exc, "cause", None) or exc
             err = WorkerError(
                 f"{self.describe()} failed in {call.label}: {type(cause).__name__}: {cause}",
@@ -256,25 +202,10 @@ class _Actor(Incarnation):
                 self.ray.kill(self.handle, no_restart=True)
 
 
-class _Spawner(Protocol):
-    """What a pool member needs from its backend to create an actor."""
-
-    ray: Any
-    start_timeout: float | None
-
-    def new_actor(self, index: int, slots_blob: bytes) -> Any:
-        """A new actor handle for member ``index``."""
-        ...
-
-    def resource_text(self) -> str:
-        """What each actor asks for, for messages."""
-        ...
-
-
 class _Member(PoolMember[_Actor]):
     """One place in the actor pool: the workers it hosts and its current actor."""
 
-    def __init__(self, spawner: _Spawner, index: int, specs: list[HostSpec]) -> None:
+    def __init__(self, spawner: RayBackend, index: int, specs: list[HostSpec]) -> None:
         super().__init__(index, specs)
         self.spawner = spawner
 
@@ -336,16 +267,13 @@ class RayHost(RemoteHost[_Actor]):
     where = "env-host actor"
 
     def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
-        buffers = StepBuffers.allocate(
-            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
-        )
+        spaces = (spec.observation_space, spec.action_space)
+        buffers = StepBuffers.allocate(*spaces, spec.n_envs, timed=spec.timed)
         super().__init__(spec, member, buffers, step_timeout)
         self.chunk: ChunkBuffers | None = None
         """``inference="host"``: this worker's copy of the chunk records (filled per reply)."""
         if spec.chunk_steps > 0:
-            flat = StepBuffers.allocate(
-                spec.observation_space, spec.action_space, spec.chunk_steps * spec.n_envs
-            )
+            flat = StepBuffers.allocate(*spaces, spec.chunk_steps * spec.n_envs)
             self.chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, spec.n_envs)
 
     @property
@@ -362,8 +290,7 @@ class RayHost(RemoteHost[_Actor]):
             if timeout is None:
                 return incarnation.submit("run_chunk", args, None, worker, op.label)
             # step_timeout bounds each step: the actor's count of this chunk's steps is polled
-            # into a counter of the call's own while the chunk runs (see _Actor.watch); a chunk
-            # whose caller was cancelled may still run before it, polled into its own.
+            # into a counter of the call's own while the chunk runs (see _Actor.watch).
             counter = np.zeros(1, np.int64)
             call = incarnation.submit("run_chunk", args, timeout, worker, op.label, counter)
             incarnation.watch(call, worker, timeout)
@@ -411,86 +338,45 @@ class RayHost(RemoteHost[_Actor]):
         return result
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
-        """``inference="host"``: one actor call runs a chunk with the actor's agent copy
-        (installed or updated first where needed); the reply and the agent version it ran with.
-
-        ``step_timeout`` bounds each step: the chunk fails when the actor's count of its steps,
-        polled while it runs, stands still for that long (see ``_Actor.watch``).
-        """
+        """``inference="host"``: one chunk in one actor call; the reply and its agent version."""
         version = await self.sync_agent()
         chunk = self.chunk
         assert chunk is not None
         payload = await self._request(Op.CHUNK, _dumps(request))
-        reply, obs, actions, rewards, terminated, truncated, final, current = payload[:8]
+        reply, records, current = payload[:3]
         if self.buffers.clock is not None:
-            self.buffers.clock[:] = payload[8]
-        k = reply.steps
-        if k:
-            head = slice(0, k)
-            copy_into(chunk.obs, obs, head)
-            copy_into(chunk.actions, actions, head)
-            chunk.rewards[:k] = rewards
-            chunk.terminated[:k] = terminated
-            chunk.truncated[:k] = truncated
-            copy_into(chunk.final_obs, final, head)
+            self.buffers.clock[:] = payload[3]
+        if reply.steps:
+            for name, record in records.items():
+                copy_into(getattr(chunk, name), record, slice(0, reply.steps))
         copy_into(self.buffers.obs, current)
         result: ChunkReply = reply
         return result, version
 
 
-# A local Ray instance started by a RayBackend, shared by the backends that use it meanwhile;
-# the last of them to close shuts it down.
+# A local Ray started by a RayBackend is shared meanwhile; the last backend to close shuts it.
 _OWNER_LOCK = threading.Lock()
 _owned: dict[str, int] = {"users": 0}
 
 
 class RayBackend:
-    """Hosts the envs of all workers in Ray actors.
+    """Hosts the envs of all workers in Ray actors (the options are those of docs/backends.md).
 
     Args:
-        n_processes: number of env-host actors (default: the CPU count of this machine), capped
-            at the number of workers. On a cluster, set it (or ``workers_per_actor``).
-        step_timeout: seconds an actor may spend on one build, update, reset or step before it is
-            killed and the call fails with :class:`~asyncsample.StepTimeoutError`; with
-            ``inference="host"``, on each step of a chunk (the actor is asked how far the chunk
-            has got while it runs, see ``_Actor.watch``).
-        address: address of a running Ray cluster (``"auto"``, ``"ray://host:10001"``,
-            ``"host:6379"``). Default: an already initialised Ray, else ``RAY_ADDRESS``, else a
-            local Ray instance started here (and shut down by :meth:`aclose`), which counts
-            at least twice this machine's cores as CPUs so that it can be oversubscribed like the
-            process backend.
-        num_cpus, num_gpus, memory, resources: Ray resources of each actor (``memory`` in
-            bytes; ``resources`` are custom resources, e.g. ``{"sim": 1}``).
-        placement_strategy: ``"SPREAD"``, ``"PACK"`` (or ``"STRICT_SPREAD"``, ``"STRICT_PACK"``)
-            to reserve one placement-group bundle per actor first; ``None``: Ray's default
-            scheduling, no placement group.
+        n_processes: number of env-host actors (default: the CPU count), at most ``n_workers``.
+        step_timeout: seconds an actor may spend on a call (on a step of a chunk) before it is
+            killed: :class:`~asyncsample.StepTimeoutError`.
+        address: a running Ray cluster. Default: an initialised Ray, else ``RAY_ADDRESS``, else a
+            local instance started here and shut down by :meth:`aclose`.
+        num_cpus, num_gpus, memory, resources: Ray resources of each actor.
+        placement_strategy: reserve one placement-group bundle per actor first (``"SPREAD"``,
+            ``"PACK"``, ``"STRICT_SPREAD"``, ``"STRICT_PACK"``); ``None``: Ray's own scheduling.
         workers_per_actor: host this many workers per actor (overrides ``n_processes``).
-        compress_threshold: compress observation arrays of at least this many bytes before they
-            leave the actor (lz4 when installed, else zlib), e.g. ``16384`` for image
-            observations; ``None``: never.
-        init_kwargs: extra keyword arguments for ``ray.init`` (e.g. ``runtime_env``).
-        start_timeout: seconds to wait for the placement group and each actor to be scheduled
-            and up before failing; ``None``: wait as long as it takes (an autoscaler may be
-            adding nodes).
-        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL,
-            OpenBLAS) in each actor; ``None`` leaves the libraries' defaults.
+        compress_threshold: compress observation arrays of at least this many bytes (``None``: no).
+        init_kwargs: extra keyword arguments for ``ray.init``.
+        start_timeout: seconds to wait for the actors to be up (``None``: as long as it takes).
+        host_threads: intra-op threads of the numeric libraries in each actor (``None``: theirs).
     """
-
-    OPTIONS = (
-        "n_processes",
-        "step_timeout",
-        "address",
-        "num_cpus",
-        "num_gpus",
-        "memory",
-        "resources",
-        "placement_strategy",
-        "workers_per_actor",
-        "compress_threshold",
-        "init_kwargs",
-        "start_timeout",
-        "host_threads",
-    )
 
     def __init__(
         self,
@@ -510,7 +396,13 @@ class RayBackend:
         **unknown: object,
     ) -> None:
         reject_unknown_options("ray", unknown, self.OPTIONS)
-        self.ray = _import_ray()
+        try:
+            import ray
+        except ImportError as exc:
+            raise ImportError(
+                f"backend='ray' needs the ray package, which is not installed: {INSTALL_HINT}"
+            ) from exc
+        self.ray = ray
         self.n_processes = _validate.optional_positive_int("n_processes", n_processes)
         self.workers_per_actor = _validate.optional_positive_int(
             "workers_per_actor", workers_per_actor
@@ -548,18 +440,14 @@ class RayBackend:
         self._started = False
         self._closed = False
 
+    #: The options: the keyword arguments of ``__init__``.
+    OPTIONS = tuple(inspect.signature(__init__).parameters)[1:-1]
+
     # -- resources ----------------------------------------------------------------------------
 
     def _bundle(self) -> dict[str, float]:
-        bundle: dict[str, float] = {}
-        if self.num_cpus:
-            bundle["CPU"] = self.num_cpus
-        if self.num_gpus:
-            bundle["GPU"] = self.num_gpus
-        if self.memory:
-            bundle["memory"] = self.memory
-        bundle.update({k: v for k, v in self.resources.items() if v})
-        return bundle
+        asked = {"CPU": self.num_cpus, "GPU": self.num_gpus, "memory": self.memory or 0}
+        return {k: v for k, v in [*asked.items(), *self.resources.items()] if v}
 
     def resource_text(self) -> str:
         """What each actor asks for (``"CPU=1, sim=1"``), for messages."""
@@ -567,11 +455,6 @@ class RayBackend:
 
     def new_actor(self, index: int, slots_blob: bytes) -> Any:
         """A new env-host actor for pool member ``index`` (its handle)."""
-        return self._actor_options(index).remote(
-            slots_blob, self.compress_threshold, self.codec, self.host_threads
-        )
-
-    def _actor_options(self, index: int) -> Any:
         options: dict[str, Any] = {
             "num_cpus": self.num_cpus,
             "num_gpus": self.num_gpus,
@@ -588,7 +471,9 @@ class RayBackend:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._placement_group, placement_group_bundle_index=index
             )
-        return self._actor_class.options(**options)
+        return self._actor_class.options(**options).remote(
+            slots_blob, self.compress_threshold, self.codec, self.host_threads
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -614,8 +499,7 @@ class RayBackend:
             await asyncio.to_thread(self._connect, math.ceil(n * self.num_cpus))
             ray = self.ray
             if self.step_timeout is not None and any(s.chunk_steps > 0 for s in specs):
-                # Chunks judged per step: EnvActor.progress answers from a thread of its own
-                # while a chunk runs; every other method still runs in order, on one thread.
+                # Chunks judged per step: EnvActor.progress answers from a thread of its own.
                 groups = {PROGRESS_GROUP: 1}
                 self._actor_class = ray.remote(concurrency_groups=groups)(EnvActor)
             else:
@@ -658,9 +542,8 @@ class RayBackend:
             if address is not None and address != "local":
                 ray.init(address=address, **self.init_kwargs)
                 return
-            # Logical CPUs are scheduling tokens: this local instance exists for the sampler,
-            # so it may oversubscribe the machine as the process backend does (n_processes
-            # above the core count; evaluation hosts beside the training ones).
+            # Logical CPUs are scheduling tokens: this instance exists for the sampler, so it
+            # may oversubscribe the machine as the process backend does.
             cores = os.cpu_count() or 1
             kwargs: dict[str, Any] = {
                 "num_cpus": max(2 * cores, cpus_wanted + cores),
@@ -673,62 +556,26 @@ class RayBackend:
             _owned["users"] = 1
 
     async def aclose(self) -> None:
-        """Close the envs, kill every actor, remove the placement group; idempotent.
-
-        Ray is shut down only if this backend started it (the last backend using a local
-        instance started by a backend shuts it down); a cluster it connected to is left as is.
-        """
+        """Close the envs, kill the actors, drop the placement group, release Ray; idempotent."""
         if self._closed:
             return
         self._closed = True
         actors = self._closing_actors()
-        if not self.ray.is_initialized():
-            # Ray was shut down under us: the actors and placement group went with it, and
-            # any Ray call now would start a new Ray instance.
-            for actor in actors:
-                actor.die("was shut down")
+        # A Ray shut down under us took the actors with it; a Ray call now would start it again.
+        live = self.ray.is_initialized()
+        if live:  # let the envs close themselves (env.close()) first
+            await _settle([a for a in actors if not a.dead], "shutdown", EXIT_GRACE)
+        else:
             self._placement_group = None
-            self._release()
-            if self._owner:
-                self._owner = False
-                _release_ray(self.ray)
-            return
-        live = [a for a in actors if not a.dead]
-        goodbyes: list[asyncio.Future[Any]] = []
-        for actor in live:  # let the envs close themselves (env.close()) first
-            with contextlib.suppress(Exception):  # Ray may already be gone
-                goodbyes.append(asyncio.wrap_future(actor.handle.shutdown.remote().future()))
-        if goodbyes:
-            await asyncio.wait(goodbyes, timeout=EXIT_GRACE)
-            for fut in goodbyes:  # retrieve errors of actors that died meanwhile
-                if fut.done() and not fut.cancelled():
-                    fut.exception()
-                else:
-                    fut.cancel()
         for actor in actors:
             actor.die("was shut down")
             actor.kill()
-        if actors:
-            await self._confirm_dead(actors)
+        if live:  # until Ray reports the killed actors dead
+            await _settle(actors, "ready", _KILL_WAIT)
         self._release()
         if self._owner:
             self._owner = False
             await asyncio.to_thread(_release_ray, self.ray)
-
-    async def _confirm_dead(self, actors: list[_Actor]) -> None:
-        """Wait (a little) until Ray reports every killed actor dead."""
-        probes = []
-        for actor in actors:
-            with contextlib.suppress(Exception):
-                probes.append(asyncio.wrap_future(actor.handle.ready.remote().future()))
-        if not probes:
-            return
-        await asyncio.wait(probes, timeout=_KILL_WAIT)
-        for fut in probes:
-            if fut.done() and not fut.cancelled():
-                fut.exception()
-            else:
-                fut.cancel()
 
     def _release(self) -> None:
         pg, self._placement_group = self._placement_group, None
@@ -762,6 +609,22 @@ class RayBackend:
                 actor.closing = True
                 actors.append(actor)
         return actors
+
+
+async def _settle(actors: list[_Actor], method: str, timeout: float) -> None:
+    """Call ``method`` of every actor; wait up to ``timeout`` for the replies, cancel the rest."""
+    futures = []
+    for actor in actors:
+        with contextlib.suppress(Exception):  # Ray may already be gone
+            futures.append(asyncio.wrap_future(getattr(actor.handle, method).remote().future()))
+    if not futures:
+        return
+    await asyncio.wait(futures, timeout=timeout)
+    for fut in futures:
+        if fut.done() and not fut.cancelled():
+            fut.exception()
+        else:
+            fut.cancel()
 
 
 def _release_ray(ray: Any) -> None:

@@ -1,32 +1,22 @@
-"""Where the policy runs (``Sampler(inference=...)``).
-
-``"per_worker"`` (default): each worker calls its agent with its own rows. ``"batched"``: one
-shared agent, the workers' concurrent calls merged into one (see :mod:`.batched`); pass a
-:class:`Batched` instance to choose its flush rule and threading. On ``backend="asyncio"`` and
-``"thread"`` the requests of the envs ready together are merged per agent in either mode.
-``"host"``: a copy of the agent inside every env host, stepping chunks of steps (see
-:mod:`.host`); pass a :class:`Host` instance to choose the chunk length.
-"""
+"""Where the policy runs (``Sampler(inference=...)``): ``"per_worker"`` (default),
+``"batched"`` (:mod:`.batched`) or ``"host"`` (:mod:`.host`); a :class:`Batched` or
+:class:`Host` instance carries the mode's options."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from asyncsample.inference.batched import Batched, Batcher, BatchStats, FlushRule
-from asyncsample.inference.host import Host, HostInference, check_host_agent
+from asyncsample.inference.host import Host, check_host_agent
 
 __all__ = [
-    "INFERENCE_MODES",
     "BatchStats",
     "Batched",
     "Batcher",
     "FlushRule",
     "Host",
-    "HostInference",
     "check_inference",
 ]
-
-INFERENCE_MODES = ("per_worker", "batched", "host")
 
 
 def check_inference(inference: Any, agent: Any) -> Batched | Host | None:

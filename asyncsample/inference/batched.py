@@ -1,30 +1,12 @@
 """One merger of agent requests: ``inference="batched"``, and the envs stepped one at a time.
 
-:class:`Batcher` stacks the observations waiting for actions, asks each agent once and splits
-actions and agent infos back by rows (a policy call costs about the same for 4 rows as for 64).
-Requests are a worker's rows (:meth:`Batcher.get_actions`: ``inference="batched"`` on the
-lockstep backends, one shared agent) or one env's row (:meth:`Batcher.request`: the lanes of
-``asyncio``/``thread``, each env asking its worker's agent; one call per agent).
-
-When to flush is the whole game. For workers stepping in lockstep the batcher knows what each
-worker in the call is doing: running Python, waiting for actions, or waiting on its env host (the
-worker says so around each host step). Two rules:
-
-- ``"lockstep"`` (the default there, reproducible): flush when every worker still in the call is
-  waiting for actions. Every call then holds the same workers in the same order for a fixed
-  seed, so even a stochastic agent with one internal RNG draws the same numbers for the same rows
-  on every run. A slow env host delays every worker's next action.
-- ``"eager"``: flush as soon as no worker is running Python (no further request can arrive
-  before some env step completes). Hosts never idle waiting for a straggler, but which workers
-  share a call, and so a stochastic agent's draws, depend on timing.
-
-A host reply resolves a future, but the worker resumes only when the event loop runs its
-callback; deciding at once would flush one row short. The decision is therefore deferred with
-``loop.call_soon`` until the ready callbacks of the current loop iteration have run.
-
-Envs stepped one at a time are never all waiting: their requests are flushed at the end of each
-pass of the loop (``"eager"`` with nothing to settle), so ``"lockstep"`` and ``min_fraction``
-are refused there at construction.
+:class:`Batcher` stacks the observations waiting for actions (a worker's rows,
+:meth:`Batcher.get_actions`, or one env's row on the lanes, :meth:`Batcher.request`), asks each
+agent once and splits the output back by rows. It knows whether each worker in the call runs
+Python, waits for actions or waits on its host: ``"lockstep"`` flushes when every worker waits
+for actions (reproducible), ``"eager"`` as soon as none runs Python, deferred with
+``loop.call_soon`` so that host replies already read resume their workers first. Lanes are never
+all waiting: their requests are flushed at the end of each pass of the loop.
 """
 
 from __future__ import annotations
@@ -33,6 +15,7 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import itertools
 import threading
 import time
 import weakref
@@ -59,8 +42,7 @@ _FLUSH_RULES = ("lockstep", "eager")
 _RUNNING, _WAITING, _ON_HOST = 0, 1, 2
 
 #: ``"eager"`` decides this many loop iterations after the last request: a host reply reaches
-#: its worker one iteration after the socket is read (the read callback resolves the future, the
-#: worker task runs next); the rest is margin for replies that arrive while the loop is busy.
+#: its worker one iteration after the socket is read; the rest is margin for a busy loop.
 SETTLE_ITERATIONS = 3
 
 
@@ -92,8 +74,7 @@ class Batched:
         _validate.unit_interval("min_fraction", self.min_fraction)
 
     def check_per_env(self, backend: str) -> None:
-        """Refuse what envs stepped one at a time (``backend``) cannot honour (see the module
-        docstring): a ``"lockstep"`` flush, a ``min_fraction``."""
+        """Refuse a ``"lockstep"`` flush or a ``min_fraction``: lanes (``backend``) cannot wait."""
         if self.flush == "lockstep" or self.min_fraction:
             raise ValueError(
                 f"inference=Batched(flush={self.flush!r}, min_fraction={self.min_fraction}): "
@@ -116,13 +97,8 @@ class _Request:
 
 @dataclass
 class BatchStats:
-    """How the batcher's calls were made up (for benchmarks and tuning).
-
-    Attributes:
-        calls: agent calls made.
-        rows: observation rows passed to the agent in all.
-        workers_per_call: how many calls had each number of workers.
-    """
+    """How the batcher's calls were made up (for benchmarks and tuning): agent ``calls``,
+    observation ``rows`` in all, and how many calls had each number of workers."""
 
     calls: int = 0
     rows: int = 0
@@ -140,10 +116,9 @@ class Batcher:
 
     Args:
         options: the flush rule and threading.
-        agent_source: returns the current shared agent, read at every flush (so an agent
-            replaced by an update is used from the next call on), for :meth:`get_actions`.
-        action_space: for :meth:`request` (envs stepped one at a time): checks the merged
-            actions' shapes and values. Given, requests are flushed at the end of every pass.
+        agent_source: the current shared agent, read at every flush, for :meth:`get_actions`.
+        action_space: for :meth:`request` (lanes): checks the merged actions; given, requests are
+            flushed at the end of every pass.
     """
 
     def __init__(
@@ -162,7 +137,6 @@ class Batcher:
         self._pending: list[_Request] = []
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._mixed = False  # the pending requests ask more than one agent
         self._busy = False  # an async or threaded agent call is in flight (worker rows)
         self._tasks: set[asyncio.Future[Any]] = set()
         self._quiet = 0  # loop iterations since the last state change
@@ -216,16 +190,12 @@ class Batcher:
             raise
 
     def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
-        """A future of ``(action, agent_infos)`` for ``observation``, of an env of ``worker``
-        asking ``agent`` (envs stepped one at a time)."""
+        """A future of ``(action, agent_infos)`` for ``observation`` of an env of ``worker``."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         future = loop.create_future()
-        pending = self._pending
-        if pending and pending[0].agent is not agent:
-            self._mixed = True
-        pending.append(_Request(worker, agent, observation, 1, future, True))
+        self._pending.append(_Request(worker, agent, observation, 1, future, True))
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._check)
@@ -283,16 +253,11 @@ class Batcher:
             return
         pending, self._pending = self._pending, []
         if self._per_pass:  # one call per agent, rows in the order the envs asked
-            live = [r for r in pending if not r.future.done()]  # cancelled lanes drop out
-            mixed, self._mixed = self._mixed, False
-            if not mixed:
-                groups = [live] if live else []
-            else:
-                by_agent: dict[int, list[_Request]] = {}
-                for r in live:
+            by_agent: dict[int, list[_Request]] = {}
+            for r in pending:
+                if not r.future.done():  # cancelled lanes drop out
                     by_agent.setdefault(id(r.agent), []).append(r)
-                groups = list(by_agent.values())
-            for requests in groups:
+            for requests in by_agent.values():
                 self._call(requests[0].agent, requests)  # type: ignore[arg-type]
             return
         requests = sorted((r for r in pending if not r.future.done()), key=lambda r: r.worker)
@@ -312,13 +277,13 @@ class Batcher:
         start = 0.0 if timer is None else time.perf_counter()
         try:
             observations = _stack(requests)
-            if self.options.threaded and not _is_async(agent):
+            if self.options.threaded and not inspect.iscoroutinefunction(agent.get_actions):
                 self._start(agent, requests, self._call_in_thread(agent, observations), start)
                 return
             with self._agent_lock:
                 result = agent.get_actions(observations)
             if type(result) is not tuple and inspect.isawaitable(result):
-                self._start(agent, requests, _await(result), start)
+                self._start(agent, requests, result, start)
                 return
         except Exception as exc:
             self._fail(requests, exc)
@@ -339,16 +304,16 @@ class Batcher:
                 return agent.get_actions(observations)
 
         loop = asyncio.get_running_loop()
-        return _await(loop.run_in_executor(self._executor, call))
+        return loop.run_in_executor(self._executor, call)
 
     def _start(self, agent: Agent, requests: list[_Request], call: Any, start: float) -> None:
         self._busy = not self._per_pass
-        task = asyncio.get_running_loop().create_task(call)
+        task = asyncio.ensure_future(call)  # a task, or the helper thread's future
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._finished, agent, requests, start))
 
     def _finished(
-        self, agent: Agent, requests: list[_Request], start: float, task: asyncio.Task[Any]
+        self, agent: Agent, requests: list[_Request], start: float, task: asyncio.Future[Any]
     ) -> None:
         self._tasks.discard(task)
         self._busy = False
@@ -368,12 +333,8 @@ class Batcher:
     def _fail(self, requests: list[_Request], exc: BaseException) -> None:
         for r in requests:
             if not r.future.done():
-                self._running(r.worker)
+                self.host_done(r.worker)
                 r.future.set_exception(exc)
-
-    def _running(self, worker: int) -> None:
-        if worker in self._state:
-            self._state[worker] = _RUNNING
 
     def _deliver(self, agent: Agent, requests: list[_Request], result: Any) -> None:
         if requests[0].one:
@@ -387,7 +348,7 @@ class Batcher:
             return
         for r, part in zip(requests, parts):
             if not r.future.done():
-                self._running(r.worker)
+                self.host_done(r.worker)
                 r.future.set_result(part)
 
     def _deliver_rows(self, agent: Agent, requests: list[_Request], result: Any) -> None:
@@ -420,8 +381,7 @@ class Batcher:
             r.future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
 
     def _check_of(self, agent: Agent, worker: int) -> AgentOutputCheck:
-        """The output check of ``agent`` (a new agent object, such as one an update put in,
-        gets a new one: the kinds and shapes of its infos may differ from its predecessor's)."""
+        """The output check of ``agent`` (a new agent object, e.g. an update's, gets a new one)."""
         known = self._checks.get(id(agent))
         if known is not None and known[0]() is agent:
             return known[1]
@@ -432,14 +392,6 @@ class Batcher:
         check = AgentOutputCheck(worker, 1)
         self._checks[id(agent)] = (ref, check)
         return check
-
-
-async def _await(awaitable: Any) -> Any:
-    return await awaitable
-
-
-def _is_async(agent: Agent) -> bool:
-    return inspect.iscoroutinefunction(getattr(agent, "get_actions", None))
 
 
 def _same(value: object) -> object:
@@ -460,7 +412,7 @@ def _stack(requests: list[_Request]) -> Tree:
 
 
 def _rows_of(requests: list[_Request], workers: list[int] | None = None) -> str:
-    """The rows asked for and the workers they came from, for the messages."""
+    """The rows asked for and their workers, for the messages."""
     workers = workers or sorted({r.worker for r in requests})
     names = ", ".join(map(str, workers))
     if requests[0].one:
@@ -472,7 +424,7 @@ def _rows_of(requests: list[_Request], workers: list[int] | None = None) -> str:
 
 
 def _like_rows(actions: Tree, n: int) -> Tree:
-    """What :func:`check_actions` compares shapes against: ``n`` rows of the space's shape."""
+    """``n`` rows of the space's shape, for :func:`check_actions` to compare against."""
 
     def like(a: Any) -> np.ndarray:
         a = np.asarray(a)
@@ -492,26 +444,18 @@ def _split(result: Any, requests: list[_Request]) -> list[AgentOutput]:
         )
     actions, infos = result
     actions = tree_map(np.asarray, actions)
-    for leaf in tree_leaves(actions):
-        n = "a scalar" if leaf.ndim == 0 else f"{leaf.shape[0]} rows"
-        if leaf.ndim == 0 or leaf.shape[0] != total:
-            raise ValueError(
-                f"action: the shared agent (inference='batched') must return exactly one action "
-                f"per row of {where}, got {n}"
-            )
     infos = {k: np.asarray(v) for k, v in (infos or {}).items()}
-    for key, value in infos.items():
+    named = [("action", "exactly one action", leaf) for leaf in tree_leaves(actions)]
+    named += [(f"agent info {k!r}", "one value", v) for k, v in infos.items()]
+    for what, one, value in named:
         if value.ndim == 0 or value.shape[0] != total:
             n = "a scalar" if value.ndim == 0 else f"{value.shape[0]} rows"
             raise ValueError(
-                f"agent info {key!r}: the shared agent (inference='batched') must return one "
-                f"value per row of {where}, got {n}"
+                f"{what}: the shared agent (inference='batched') must return {one} per row of "
+                f"{where}, got {n}"
             )
-    parts: list[AgentOutput] = []
-    start = 0
-    for r in requests:
-        stop = start + r.rows
-        s = slice(start, stop)
-        parts.append((tree_map(lambda x, s=s: x[s], actions), {k: v[s] for k, v in infos.items()}))
-        start = stop
-    return parts
+    bounds = [0, *itertools.accumulate(r.rows for r in requests)]
+    return [
+        (tree_map(lambda x, s=s: x[s], actions), {k: v[s] for k, v in infos.items()})
+        for s in itertools.starmap(slice, itertools.pairwise(bounds))
+    ]

@@ -1,59 +1,17 @@
 """``inference="host"``: a copy of the agent inside every env host, stepping chunks of steps.
 
-Each worker's host slot gets its own cloudpickled copy of the worker's agent (again when an
-agent update passes a new object; parameter updates travel as parameters and are applied with
-``set_param_values`` there). Per request, the host asks that copy for actions and steps the envs
-for a chunk of worker steps, writing the step records into shared memory
-(:mod:`asyncsample.backends._chunk`). The worker turns each chunk into the same recorder rows
-per-step stepping makes, so batches are assembled by the same code and, with a deterministic
-agent, equal those of ``"per_worker"``.
-
-How a call maps to chunks: a chunk is at most :attr:`Host.chunk_steps` worker steps long (fewer
-when the shared buffers would pass :data:`~asyncsample.backends._chunk.CHUNK_BYTES`), and the
-host stops it exactly where per-step stepping stops the call (``samples``: the completed
-episodes reach the share; ``exact episodes``: each env has its share of episodes and is stepped
-no more; ``fragments``: the remaining steps), so no quota is ever overshot. On the ``process``
-backend the chunks of a worker's part are pipelined (:meth:`ChunkStepper.run`): the request for
-the next chunk waits in the host while the worker replays the last one. Across the rounds of a
-``stream`` too: as a worker's part of a round ends, its host starts the next round's first chunk
-(:class:`RunAhead`). Not across plain calls (the next call may update the agent or the envs, or
-reset episodes), nor under ``fraction_samples`` (whether a worker goes on depends on the other
-workers), nor on ``ray``.
-
-Reproducibility: a worker's copy is installed with the worker's agent seed from the sampler's
-seed tree; an agent with a ``seed(int)`` method has it called with that seed in the host, which
-is what a stochastic agent must implement to be reproducible across runs and ``n_processes``
-(the built-in :class:`~asyncsample.RandomAgent` per worker carries its seeded generator over).
-A copy reinstalled after a host restart gets the same seed again.
-
-Agent versions: an update applies from the next chunk to start: it reaches the hosts before
-their next chunk (a pipelined request or a stream's run-ahead sent before it is skipped by the
-host and asked again); the chunk in flight (a run-ahead among them) ends with the parameters it
-started with, and episodes are stamped with the version a chunk really ran with, so
-``agent_version`` and ``max_policy_lag`` stay exact. ``step_timeout`` applies per
-step: on ``process`` the host bumps a step counter in shared memory after every step and the
-main process fails the chunk when the counter stands still for ``step_timeout``; on ``ray`` the
-main process asks the actor for that count while the chunk runs, with the same verdict.
-
-On ``ray`` a chunk is one actor call; its records come back in the reply (through Ray's object
-store when large; observation leaves compressed with the backend's ``compress_threshold``) and
-are copied into the worker's local chunk buffers.
-
-Limits: ``backend="local"`` is refused with a ``ValueError`` (its envs already live in the
-caller's process: use ``"per_worker"``); async
-agents are refused (``ValueError``); a ``worker_class`` that overrides ``compute_actions`` is
-refused (the main process does not see the actions being chosen). Errors of the agent in the host
-(and actions outside the action space) are :class:`~asyncsample.WorkerError` with the remote
-traceback and ``retry=False``.
+Each host slot runs a seeded copy of its worker's agent for a chunk of steps per request,
+stopping where per-step stepping would stop the call; the worker replays the chunk into the same
+records, so batches equal ``"per_worker"``'s for a deterministic agent. On ``process`` chunks are
+pipelined (:meth:`ChunkStepper.run`) and run ahead between a stream's rounds (:class:`RunAhead`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-import logging
 import pickle
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -83,18 +41,19 @@ from asyncsample.backends import (
     NextChunk,
     SentChunk,
 )
+from asyncsample.backends.base import LOGGER
 from asyncsample.errors import AsyncSampleError
 
 __all__ = [
     "ChunkStepper",
     "Host",
-    "HostInference",
     "RunAhead",
+    "agent_host",
     "check_host_agent",
     "pickle_agent",
+    "prepare_update",
+    "with_seed",
 ]
-
-logger = logging.getLogger("asyncsample")
 
 
 @dataclass(frozen=True)
@@ -139,13 +98,18 @@ def pickle_agent(agent: Any, name: str = "agent") -> bytes:
     return blob
 
 
-def pickle_params(params: Any) -> bytes:
-    """Pickle a parameter update once for all hosts."""
+def prepare_update(update: Any) -> Any:
+    """What to forward to the hosts for ``update`` (checked and pickled once for all hosts)."""
+    if isinstance(update, list):
+        return [prepare_update(u) for u in update]
+    if update is None:
+        return None
+    if not isinstance(update, (dict, tuple, np.ndarray)):
+        return ("agent", pickle_agent(update, "agent_update"))
     try:
-        blob: bytes = pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL)
+        return ("params", pickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:
-        blob = cloudpickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL)
-    return blob
+        return ("params", cloudpickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 class HostWorker(Protocol):
@@ -167,91 +131,11 @@ class HostWorker(Protocol):
     def process_transition(self, history: Any, transition: Transition) -> Any: ...
 
 
-class HostInference:
-    """The sampler's side of ``inference="host"``: installs agents, forwards updates, and makes
-    each worker's :class:`ChunkStepper`.
-
-    Args:
-        options: the chunking options.
-    """
-
-    def __init__(self, options: Host) -> None:
-        self.options = options
-        self.ahead: dict[int, RunAhead] = {}
-        """By worker number, the chunk sent for a stream's next round (see :class:`RunAhead`)."""
-
-    # -- agents ---------------------------------------------------------------------------------
-
-    def install(self, workers: Sequence[HostWorker], seeds: list[int]) -> None:
-        """Give every worker's host a copy of the worker's agent, seeded with ``seeds[w]``."""
-        blobs: dict[int, bytes] = {}
-        for worker, seed in zip(workers, seeds):
-            blob = blobs.get(id(worker.agent))
-            if blob is None:  # one pickle per distinct agent
-                blob = blobs[id(worker.agent)] = pickle_agent(worker.agent)
-            _host(worker).set_agent(_with_seed(blob, seed), worker.agent_version)
-
-    def prepare_update(self, update: Any) -> Any:
-        """What to forward for ``update`` (checked and pickled before anything is applied)."""
-        if isinstance(update, list):
-            return [self.prepare_update(u) for u in update]
-        if update is None:
-            return None
-        if isinstance(update, (dict, tuple, np.ndarray)):
-            return ("params", pickle_params(update))
-        return ("agent", pickle_agent(update, "agent_update"))
-
-    def forward_update(
-        self, workers: Sequence[HostWorker], prepared: Any, seeds: list[int]
-    ) -> None:
-        """Send a prepared update to the hosts of ``workers`` (after the workers applied it)."""
-        items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
-        for worker, item, seed in zip(workers, items, seeds):
-            if item is None:
-                continue
-            kind, blob = item
-            host = _host(worker)
-            if kind == "params":
-                host.set_params(blob, worker.agent_version)
-            else:
-                host.set_agent(_with_seed(blob, seed), worker.agent_version)
-            if host.chunk is not None:  # a queued NextChunk must not run before the update
-                host.chunk.epoch[0] += 1
-
-    def stepper(self, worker: HostWorker, then: Resume | None = None) -> ChunkStepper:
-        """The stepper of ``worker``'s part of a call: one chunk per request. ``then``: a
-        stream's next round follows, continuing what this part leaves (see :class:`RunAhead`)."""
-        return ChunkStepper(worker, self.options.chunk_steps, self.ahead, then)
-
-    def drop_ahead(self) -> None:
-        """The stream closed: nobody takes the chunks run ahead over. Their replies (or their
-        hosts' deaths) are dropped quietly; the workers' :attr:`Episodes.state` stays ``RAN_AHEAD``,
-        so their next call starts fresh episodes."""
-        for ahead in self.ahead.values():
-            ahead.sent.abandon()
-        self.ahead.clear()
-
-
 @dataclass
 class RunAhead:
-    """The first chunk of a stream's next round, sent as a worker's part of a round ends.
-
-    Between two rounds of a stream the hosts would otherwise idle while the slowest worker
-    finishes, the batch is assembled and the consumer takes it: the request the next round's
-    first chunk makes is known when a part ends (the same rule, and the ``counts`` and
-    ``active`` the next :meth:`~asyncsample._engine.Episodes.begin` gives,
-    :meth:`~asyncsample._engine.Episodes.next_start`), so it is sent at once. The next round's
-    stepper takes the chunk over when its own first request is the same; anything else (a
-    mismatch, the stream closed, a failure) abandons it, and the envs, which may have moved past
-    the records, start fresh episodes. The request carries the update epoch: an agent update
-    made before the host starts it makes the host skip it (the next round's first chunk then
-    runs after the update); a chunk already running ends with the parameters it started with
-    and its episodes carry that version.
-
-    Attributes:
-        sent: the request, sent.
-        request: what it asked (compared with the next round's first request).
-    """
+    """The first chunk of a stream's next round, sent as a worker's part of a round ends (the
+    hosts would otherwise idle between rounds); the next round takes it over if its own first
+    ``request`` is the same, else it is abandoned and the envs start fresh episodes."""
 
     sent: SentChunk
     request: ChunkRequest
@@ -267,16 +151,8 @@ class PipelinedHost(AgentHost, Protocol):
 
 
 class ChunkStepper:
-    """One chunk of steps per request: the host runs them with its agent copy, under a copy of
-    the call's :class:`~asyncsample._engine.StopRule`, and the worker replays them into its
-    records (:meth:`~asyncsample._engine.Episodes.replay`).
-
-    On a host with two sets of chunk buffers (:class:`PipelinedHost`), :meth:`run` keeps the
-    request for the next chunk queued in the host while it replays the last one: the host goes
-    on from its own copy of the rule (:class:`~asyncsample.backends._chunk.NextChunk`), which
-    after a chunk is exactly the worker's after the replay, so the records are those of one
-    request per chunk and the host never waits for the replay.
-    """
+    """One chunk of steps per request, run by the host's agent copy under a copy of the call's
+    :class:`~asyncsample._engine.StopRule`, then replayed into the worker's records."""
 
     def __init__(
         self,
@@ -291,7 +167,7 @@ class ChunkStepper:
         """What the part leaves for a stream's next round (``None``: no round follows)."""
         self._taken: RunAhead | None = None
         self._ran: StopRule | None = None  # the rule of a part run by run() on a pipe
-        self.host = _host(worker)
+        self.host = agent_host(worker)
         chunk = self.host.chunk
         assert chunk is not None
         self.chunk = chunk
@@ -303,9 +179,7 @@ class ChunkStepper:
             worker.episodes.recorder.rows.use_arena(chunk.arena, self.capacity + 1)
 
     async def start(self) -> None:
-        """Reset the envs that need it, once the host's agent copy is in place (so it sees the
-        same ``reset(mask)`` calls as an agent in the main process); take over the chunk run
-        ahead for this part, if any (:class:`RunAhead`)."""
+        """Reset the envs that need it once the agent copy is in place; take over a run-ahead."""
         stale, self._taken = self._taken, None
         if stale is not None:  # taken over by a try that failed: the retry restarted the host
             stale.sent.abandon()
@@ -315,9 +189,8 @@ class ChunkStepper:
         await self.worker.start_episode()
 
     async def _take_over(self) -> None:
-        """Keep the chunk run ahead for this part when its request is the one the part makes
-        first; else wait for it and, if it ran, drop the episodes in progress (their envs moved
-        past the records): every env is reset."""
+        """Keep the chunk run ahead if it is the part's first request; else wait for it and, if it
+        ran, drop the episodes in progress (their envs moved past the records)."""
         episodes = self.worker.episodes
         episodes.state = Continuity.IN_CALL
         ahead = self.ahead.pop(self.worker.worker_number, None)
@@ -340,7 +213,7 @@ class ChunkStepper:
             ahead.sent.abandon()
         if ran:
             dropped = episodes.recovered()
-            logger.info(
+            LOGGER.info(
                 "worker %d: the chunk run ahead for this round was not taken over; %d "
                 "episode(s) in progress were dropped",
                 self.worker.worker_number,
@@ -368,14 +241,10 @@ class ChunkStepper:
             await self.advance(rule)
 
     async def _run_pipelined(self, host: PipelinedHost, rule: StopRule) -> None:
-        """Chunks until ``rule`` stops, with the next chunk's request always queued in the host.
+        """Chunks until ``rule`` stops, the next chunk's request always queued in the host.
 
-        The request for set ``b`` is sent only once set ``b``'s last chunk is replayed, so at
-        most two requests are out, one per set, answered in order. A reply of no steps while
-        the rule wants more (the host skipped a request sent before an agent update) is simply
-        followed by the next request. Requests still out when the part ends, or fails, are
-        abandoned: the host's copy of the rule says stop (or its last chunk failed), so they
-        run nothing, except after a cancellation, where the next call resets every env anyway.
+        At most two requests are out, one per set, answered in order; a reply of no steps after an
+        agent update is followed by the next request. Requests still out at the end are abandoned.
         """
         episodes = self.worker.episodes
         active = episodes.active
@@ -417,12 +286,8 @@ class ChunkStepper:
                 sent.abandon()
 
     async def ended(self) -> None:
-        """The part ended and its plan was taken (the plan of a ``fragments`` part reads the
-        host's current observations): when a stream's round follows, send its first chunk
-        (:class:`RunAhead`): the rule of the same share, from what :meth:`Episodes.next_start`
-        says that round starts with. Nothing when that round would reset an env first, or when
-        the host cannot take the request (the next round meets the same trouble and recovers
-        from it)."""
+        """The part ended and its plan was taken: if a stream's round follows, send its first chunk
+        (:class:`RunAhead`), unless that round resets an env first or the host refuses it."""
         done, then, host = self._ran, self.then, self.pipe
         if done is None or then is None or host is None:
             return
@@ -433,15 +298,8 @@ class ChunkStepper:
         if start is None:
             return
         counts, active = start
-        request = ChunkRequest(
-            rule,
-            self.capacity,
-            counts,
-            active,
-            0,
-            int(self.chunk.epoch[0]),
-            episodes.recorder.next_arena_row(),
-        )
+        epoch, row = int(self.chunk.epoch[0]), episodes.recorder.next_arena_row()
+        request = ChunkRequest(rule, self.capacity, counts, active, 0, epoch, row)
         try:
             sent = await host.send_chunk(request)
         except AsyncSampleError:
@@ -467,15 +325,13 @@ class ChunkStepper:
         )
 
     async def _follow(self, host: PipelinedHost, buffer: int) -> tuple[SentChunk, int, int]:
-        """Send a :class:`NextChunk` into set ``buffer``. Its epoch is read before the updates
-        made so far are sent (``send_chunk`` syncs the agent first): one made meanwhile can
-        only make the host skip it."""
+        """Send a :class:`NextChunk` into set ``buffer``; its epoch is read before the agent syncs,
+        so an update made meanwhile only makes the host skip it."""
         epoch = int(self.chunk.epoch[0])
         return await host.send_chunk(NextChunk(self.capacity, buffer, epoch)), buffer, epoch
 
     def _may_follow(self, rule: StopRule) -> bool:
-        """Whether the part may need a chunk after the next one (``fragments``: the steps left
-        exceed a chunk; in the other modes it depends on how episodes end)."""
+        """Whether the part may need a chunk after the next one."""
         return rule.mode is not CallMode.FRAGMENTS or rule.steps > self.capacity
 
     def _replay(self, reply: ChunkReply, version: int, chunk: ChunkBuffers | None = None) -> None:
@@ -487,16 +343,7 @@ class ChunkStepper:
             chunk = chunk.with_arena_obs(row, row + reply.steps + 1)
         record: RecordStep | None = None
         if worker.records_transitions:
-
-            def record(
-                j: int,
-                t: int,
-                agent_infos: dict[str, np.ndarray],
-                env_infos: list[dict[str, Any]] | None,
-                done: np.ndarray,
-            ) -> None:
-                self._record(chunk, j, t, reply.steps, agent_infos, env_infos, done)
-
+            record = functools.partial(self._record, chunk, reply.steps)
         current = worker.agent_version
         worker.agent_version = version  # what process_transition sees during the chunk
         try:
@@ -516,9 +363,9 @@ class ChunkStepper:
     def _record(
         self,
         chunk: ChunkBuffers,
+        steps: int,
         j: int,
         t: int,
-        steps: int,
         agent_infos: dict[str, Any],
         env_infos: list[dict[str, Any]] | None,
         done: np.ndarray,
@@ -532,9 +379,8 @@ class ChunkStepper:
             out[done] = final_seq[j][done]
             return out
 
-        # The observation after step j is the one acted on at j + 1, or the one after the
-        # chunk's last step: the host's current one, or, where the host may already be running
-        # the next chunk (pipelining), the spare row it wrote it to.
+        # After the chunk's last step: the host's current observation, or, where the host may
+        # already run the next chunk (pipelining), the spare row it wrote it to.
         now = self.host.buffers.obs if self.pipe is None else row_of(chunk.obs, steps)
         nxt: Tree = tree_map(next_obs, chunk.obs, chunk.final_obs, now)
         transition = transition_at(
@@ -548,22 +394,17 @@ def _same_request(a: ChunkRequest, b: ChunkRequest) -> bool:
     ra, rb = a.rule, b.rule
     if (ra.mode, ra.share, ra.need, ra.steps) != (rb.mode, rb.share, rb.need, rb.steps):
         return False
-    la, lb = ra.episodes_left, rb.episodes_left
-    if not (la is lb is None or (la is not None and lb is not None and np.array_equal(la, lb))):
-        return False
-    return (
-        a.steps == b.steps
-        and a.buffer == b.buffer
-        and np.array_equal(a.counts, b.counts)
-        and np.array_equal(a.active, b.active)
-    )
+    pairs: list[tuple[Any, Any]] = [(ra.episodes_left, rb.episodes_left), (a.steps, b.steps)]
+    pairs += [(a.buffer, b.buffer), (a.counts, b.counts), (a.active, b.active)]
+    return all(np.array_equal(x, y) for x, y in pairs)  # None and None are equal too
 
 
-def _with_seed(blob: bytes, seed: int) -> bytes:
+def with_seed(blob: bytes, seed: int) -> bytes:
     """What a host installs: the pickled agent and the seed of this worker's copy."""
     return pickle.dumps((blob, seed), protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _host(worker: HostWorker) -> AgentHost:
+def agent_host(worker: HostWorker) -> AgentHost:
+    """The worker's host, which ``inference="host"`` knows is an :class:`AgentHost`."""
     host: Any = worker.host
     return host  # type: ignore[no-any-return]

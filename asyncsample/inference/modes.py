@@ -1,18 +1,10 @@
-"""The inference modes as strategies the sampler chooses once, at construction.
-
-A mode only chooses where ``get_actions`` runs (each worker's own agent, one shared agent with
-merged calls, or the agents inside the hosts), for any backend. It answers the few questions
-where ``per_worker``, ``batched`` and ``host`` differ: what the hosts must allocate (chunk
-buffers), what happens once the workers exist (a merger of requests, or the agents installed in
-the hosts), which stepper runs a worker's part of a call (one worker step, one chunk, or one lane
-per env on hosts that step each env on its own), what surrounds that part (the merger's
-membership), how an agent update is checked and applied, and what closing releases.
-"""
+"""The inference modes as strategies the sampler chooses once: where ``per_worker``,
+``batched`` and ``host`` differ (chunk buffers, stepper, merged requests, agent updates)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from typing import Any, Protocol
 
 from asyncsample._engine import Episodes, Part, Stepper, StepStepper
@@ -20,9 +12,18 @@ from asyncsample._env_tasks import LaneSettings, LaneStepper
 from asyncsample.agent import Agent
 from asyncsample.backends.base import PerEnvHost
 from asyncsample.inference.batched import Batched, Batcher
-from asyncsample.inference.host import ChunkStepper, Host, HostInference, HostWorker
+from asyncsample.inference.host import (
+    ChunkStepper,
+    Host,
+    HostWorker,
+    RunAhead,
+    agent_host,
+    pickle_agent,
+    prepare_update,
+    with_seed,
+)
 
-__all__ = ["BatchedMode", "HostMode", "InferenceMode", "ModeWorker", "PerWorkerMode", "make_mode"]
+__all__ = ["BatchedMode", "HostMode", "InferenceMode", "ModeWorker", "make_mode"]
 
 
 class ModeWorker(HostWorker, Protocol):
@@ -36,16 +37,9 @@ class ModeWorker(HostWorker, Protocol):
 
 
 class InferenceMode:
-    """``"per_worker"``: each worker asks its own agent, one env step per request (on hosts
-    that step each env on its own, the ready envs of one agent are merged into one call).
-
-    The base class of the other modes, which override what differs.
-
-    Args:
-        lanes: what the lanes share, when the hosts step each env on their own (else ``None``).
-    """
-
-    name = "per_worker"
+    """``"per_worker"``, and the base class of the other modes: each worker asks its own agent,
+    one env step per request; ``lanes``: hosts step each env on its own, their ready envs'
+    requests merged per agent."""
 
     def __init__(self, lanes: LaneSettings | None = None) -> None:
         self.lanes = lanes
@@ -72,8 +66,7 @@ class InferenceMode:
         self._attach_lanes(workers, Batched())
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
-        """How ``worker``'s part of a call moves its envs: one lane per env on hosts that step
-        each on its own, else one worker step per request."""
+        """How ``worker``'s part of a call moves its envs: one lane per env, or worker steps."""
         if self.lanes is not None:
             assert self.merger is not None
             return LaneStepper(worker, self.merger, part, self.lanes)  # type: ignore[arg-type]
@@ -115,13 +108,8 @@ class InferenceMode:
         self.close()
 
 
-PerWorkerMode = InferenceMode
-
-
 class BatchedMode(InferenceMode):
     """``"batched"``: one shared agent; the workers' concurrent calls become one call."""
-
-    name = "batched"
 
     def __init__(
         self, options: Batched, shared_agent: Callable[[], Agent], lanes: LaneSettings | None
@@ -130,6 +118,7 @@ class BatchedMode(InferenceMode):
         self.options = options
         self.shared_agent = shared_agent
         self.batcher: Batcher | None = None
+        """The merger, by the name ``Sampler._batcher`` reads (tests and benchmarks)."""
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
         """One batcher for every worker (or every lane)."""
@@ -138,19 +127,18 @@ class BatchedMode(InferenceMode):
             return
         self.batcher = self.merger = Batcher(self.options, self.shared_agent)
         for worker in workers:
-            worker.batcher = self.batcher
+            worker.batcher = self.merger
 
     @asynccontextmanager
     async def part(self, worker: ModeWorker) -> AsyncIterator[None]:
         """The batcher waits for this worker's rows while it takes part."""
-        batcher = self.batcher
+        batcher = self.merger
         assert batcher is not None
         batcher.join(worker.worker_number)
         try:
             yield
         finally:
-            # A worker done with its part (also one that stopped at its minimum under
-            # fraction_samples) leaves, so the flushes of the others do not wait for it.
+            # A worker done with its part leaves, so the others' flushes do not wait for it.
             batcher.leave(worker.worker_number)
 
     def check_update(self, agent_update: Any) -> None:
@@ -169,34 +157,35 @@ class BatchedMode(InferenceMode):
         agent_seeds: list[int],
     ) -> None:
         """Never while the batcher's thread runs the agent."""
-        if self.batcher is None:
-            apply()
-            return
-        with self.batcher.exclusive():
+        with nullcontext() if self.merger is None else self.merger.exclusive():
             apply()
 
 
 class HostMode(InferenceMode):
     """``"host"``: a copy of the agent in every env host, one chunk of steps per request."""
 
-    name = "host"
-
     def __init__(self, options: Host) -> None:
         super().__init__()
         self.options = options
-        self.inference = HostInference(options)
+        self.ahead: dict[int, RunAhead] = {}
+        """By worker number, the chunk sent for a stream's next round (see :class:`RunAhead`)."""
 
     def chunk_steps(self, capacity: Callable[[int], int]) -> int:
         """The chunk capacity for :attr:`Host.chunk_steps`."""
         return capacity(self.options.chunk_steps)
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
-        """Every worker's host gets its copy of the worker's agent."""
-        self.inference.install(workers, agent_seeds)
+        """Every worker's host gets a copy of the worker's agent, seeded with its agent seed."""
+        blobs: dict[int, bytes] = {}
+        for worker, seed in zip(workers, agent_seeds):
+            blob = blobs.get(id(worker.agent))
+            if blob is None:  # one pickle per distinct agent
+                blob = blobs[id(worker.agent)] = pickle_agent(worker.agent)
+            agent_host(worker).set_agent(with_seed(blob, seed), worker.agent_version)
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
         """One chunk per request; the next round's first chunk sent as the part ends."""
-        return self.inference.stepper(worker, part.then)
+        return ChunkStepper(worker, self.options.chunk_steps, self.ahead, part.then)
 
     async def ended(self, stepper: Stepper) -> None:
         """Start the stream's next round in the host (see :meth:`ChunkStepper.ended`)."""
@@ -204,12 +193,14 @@ class HostMode(InferenceMode):
             await stepper.ended()
 
     def drop_ahead(self) -> None:
-        """Abandon the chunks run ahead (see :class:`~asyncsample.inference.host.RunAhead`)."""
-        self.inference.drop_ahead()
+        """The stream closed: drop the chunks run ahead (their workers' next call starts afresh)."""
+        for ahead in self.ahead.values():
+            ahead.sent.abandon()
+        self.ahead.clear()
 
     def close(self) -> None:
         """The hosts are gone: what was run ahead is dropped quietly."""
-        self.inference.drop_ahead()
+        self.drop_ahead()
 
     def apply_update(
         self,
@@ -218,11 +209,21 @@ class HostMode(InferenceMode):
         workers: Sequence[ModeWorker],
         agent_seeds: list[int],
     ) -> None:
-        """Check and pickle first (an update the hosts cannot take changes nothing), apply, then
-        record it on every worker's host for the next chunk."""
-        prepared = self.inference.prepare_update(agent_update)
+        """Check and pickle (a refused update changes nothing), apply, then send to the hosts."""
+        prepared = prepare_update(agent_update)
         apply()
-        self.inference.forward_update(workers, prepared, agent_seeds)
+        items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
+        for worker, item, seed in zip(workers, items, agent_seeds):
+            if item is None:
+                continue
+            kind, blob = item
+            host = agent_host(worker)
+            if kind == "params":
+                host.set_params(blob, worker.agent_version)
+            else:
+                host.set_agent(with_seed(blob, seed), worker.agent_version)
+            if host.chunk is not None:  # a queued NextChunk must not run before the update
+                host.chunk.epoch[0] += 1
 
 
 def make_mode(
@@ -230,8 +231,7 @@ def make_mode(
     shared_agent: Callable[[], Agent],
     lanes: LaneSettings | None = None,
 ) -> InferenceMode:
-    """The strategy for the options :func:`asyncsample.inference.check_inference` returned;
-    ``lanes``: the hosts will step each env on its own."""
+    """The strategy for :func:`~asyncsample.inference.check_inference`'s options."""
     if isinstance(options, Host):
         return HostMode(options)
     if isinstance(options, Batched):
