@@ -25,13 +25,11 @@ __all__ = [
     "CLOCK_SIZE",
     "ENDS",
     "ENV",
-    "IN_FLIGHT",
     "AgentTimer",
     "HostTiming",
-    "clock_record",
+    "record_seconds",
     "timed_agent",
     "timed_group_step",
-    "timed_env_call",
 ]
 
 #: Upper bounds (seconds) of the latency histograms' buckets: 10 us to 10 s.
@@ -60,9 +58,7 @@ _N = len(BOUNDS) + 1  # the last bucket is +Inf
 
 ENV = 0
 """Offset of the env-step section: ``_N`` bucket counts (per env step), then the seconds' sum."""
-IN_FLIGHT = _N + 1
-"""Env calls running now in this host (a live count)."""
-AGENT = _N + 2
+AGENT = _N + 1
 """Offset of the host agent's section (``inference="host"``): bucket counts per timed call, the
 seconds' sum, then the exact count of calls."""
 ENDS = AGENT + _N + 2
@@ -77,11 +73,11 @@ def _items(clock: np.ndarray) -> Any:
     return clock.data
 
 
-def clock_record(clock: Any, section: int, seconds: float, n: int) -> None:
-    """Add ``n`` observations of ``seconds`` each to ``section`` of ``clock`` (sum: ``n *
-    seconds``); ``clock`` is the array or, cheaper per item, a ``memoryview`` of it."""
-    clock[section + bisect_left(BOUNDS, seconds)] += n
-    clock[section + _N] += seconds * n
+def record_seconds(clock: np.ndarray, seconds: list[float]) -> None:
+    """Add env steps of ``seconds`` each to the env-step section of ``clock`` (the lane hosts
+    time each step into a list and add them here before the metrics read the clock)."""
+    clock[ENV : ENV + _N] += np.bincount(np.searchsorted(BOUNDS, seconds), minlength=_N)
+    clock[ENV + _N] += sum(seconds)
 
 
 def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) -> Any:
@@ -112,27 +108,6 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) 
             items[ENDS] += ends
             items[ENDS + 1] += len(ended) - ends
         return infos
-
-    return timed
-
-
-def timed_env_call(clock: np.ndarray) -> Any:
-    """``timed(env.step, action)``: the env's step as a coroutine timed into ``clock``. A lane host
-    (``asyncio``, ``thread``) awaits the wrapped coroutine, which starts running only once the
-    step may go (after a ``max_concurrency`` slot is taken), so neither the seconds nor the
-    calls in flight count a wait for a slot."""
-    items = _items(clock)
-
-    async def timed(step: Any, action: Any) -> Any:
-        # The env's coroutine is made here, when this one runs: one that never runs (its wait
-        # for a slot was cancelled) leaves no env coroutine behind unawaited.
-        items[IN_FLIGHT] += 1
-        start = _perf()
-        try:
-            return await step(action)
-        finally:
-            items[IN_FLIGHT] -= 1
-            clock_record(items, ENV, _perf() - start, 1)
 
     return timed
 

@@ -280,8 +280,13 @@ class LaneStepper:
             more: Callable[[], bool] = lambda: not lane_round.done  # noqa: E731
         elif samples and may_stop is None:
             more = lambda: rule.need > 0  # noqa: E731
+        elif steps_left is not None and may_stop is None:
+            more = lambda: left > 0  # noqa: E731
         else:
             more = functools.partial(rule.env_more, i, episodes.active, may_stop)
+        # Fragments: the env's steps left live in a local too (written back where the quota
+        # reads them, and at the exit).
+        left = 0 if steps_left is None else int(steps_left[i])
         loop = asyncio.get_running_loop()
         t, length, ret = int(cursor[i]), int(lengths[i]), float(returns[i])
         deadline = float(deadlines[i])
@@ -359,7 +364,10 @@ class LaneStepper:
                         task.cancel()
                     carried, stepping = None, False
                     cursor[i], lengths[i], returns[i] = t, length, ret
-                    self._drop(i, rule)
+                    recorded = self._drop(i)
+                    if steps_left is not None:  # a fragment call redoes the dropped steps
+                        left += recorded
+                        steps_left[i] = left
                     length, ret = 0, 0.0
                     await self._rebuild(i, failure)
                     continue
@@ -378,8 +386,9 @@ class LaneStepper:
                 length += 1
                 ret += reward
                 if steps_left is not None:
-                    steps_left[i] -= 1
+                    left -= 1
                     if live_cursor:
+                        steps_left[i] = left
                         cursor[i] = t
                 if terminated or truncated:
                     cursor[i], lengths[i], returns[i] = t, length, ret
@@ -405,6 +414,8 @@ class LaneStepper:
             raise
         finally:
             cursor[i], lengths[i], returns[i] = t, length, ret
+            if steps_left is not None:
+                steps_left[i] = left
 
     async def _start_episode(self, i: int, one: np.ndarray, more: Callable[[], bool]) -> bool:
         """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""
@@ -433,13 +444,12 @@ class LaneStepper:
             reset(one.copy())
         return more()
 
-    def _drop(self, i: int, rule: StopRule) -> None:
-        """Env ``i`` failed: its episode in progress is dropped (a fragment call redoes its
-        steps), and it is reset before its next step."""
+    def _drop(self, i: int) -> int:
+        """Env ``i`` failed: its episode in progress is dropped, and it is reset before its
+        next step; the steps it had recorded."""
         recorded = self.worker.episodes.drop_env(i)
-        if rule.env_steps is not None and recorded > 0:
-            rule.env_steps[i] += recorded
         self._closed(i)
+        return recorded
 
     def _closed(self, i: int) -> None:
         if self.admission is not None:

@@ -222,6 +222,7 @@ class EnvGroup:
         self.observation_space = observation_space
         self.action_space = action_space
         self.max_episode_length = max_episode_length
+        self._limit = max_episode_length or _NO_LIMIT  # the steps at which an episode is cut
         self.n_envs = len(buffers.rewards)
         self.envs: list[gym.Env | None] = [None] * self.n_envs
         # Each env's current observation where the buffers do not hold it (nested spaces, and
@@ -363,22 +364,22 @@ class EnvGroup:
         self._keep_obs(i, obs)
         return dict(info) if info else {}
 
-    def finish(self, i: int, result: Any, alone: bool = False) -> tuple[Any, Any, bool, bool, Any]:
-        """Env ``i``'s step returned ``result``: check it (a malformed one raises
-        ``EnvFailureError`` naming the field and type), keep the observation, count the step;
-        ``(obs, reward, terminated, truncated, info)``, ``truncated`` with the time limit.
-
-        ``alone`` (the lanes: env ``i`` stepped on its own): also write its observation into
-        its row now, and its flags and ``final_obs`` row when its episode ended (the lockstep
-        :meth:`step` writes those for every env at once).
-        """
-        if type(result) is not tuple or len(result) != 5:
+    def finish(self, i: int, result: Any) -> tuple[Any, bool, bool, dict[str, Any]]:
+        """Env ``i``, stepped on its own (the lanes), returned ``result``: check it (a malformed
+        one raises ``EnvFailureError`` naming the field and type), write its observation, and
+        its flags and ``final_obs`` row when its episode ended, count the step; ``(reward,
+        terminated, truncated, info)``, ``truncated`` with the time limit."""
+        if type(result) is not tuple:
             result = self._checked_step(i, result)
-        o, r, term, trunc, info = result
+        try:
+            o, r, term, trunc, info = result
+        except ValueError:
+            self._checked_step(i, result)  # a tuple of another length: raises
+            raise
         if (
             type(r) not in _FAST_REWARDS
-            or type(term) not in _FAST_FLAGS
-            or type(trunc) not in _FAST_FLAGS
+            or (term is not False and type(term) not in _FAST_FLAGS)
+            or (trunc is not False and type(trunc) not in _FAST_FLAGS)
             or (info and type(info) is not dict)
         ):
             o, r, term, trunc, info = self._checked_step(i, result)
@@ -387,19 +388,17 @@ class EnvGroup:
             self._obs[i] = None
         else:
             self._keep_obs(i, o)
-            if alone:
-                self._store_pending([i])
+            self._store_pending([i])
         n = self._lengths[i] + 1
         self._lengths[i] = n
-        mel = self.max_episode_length
-        if mel is not None and n >= mel:
+        if n >= self._limit:
             trunc = True
-        if alone and (term or trunc):
+        if term or trunc:
             buf = self.buffers
             buf.terminated[i] = term
             buf.truncated[i] = trunc
             self._put(buf.final_obs, i, o)
-        return o, r, term, trunc, info
+        return r, term, trunc, info or {}
 
     def step_results(
         self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
@@ -461,10 +460,13 @@ class EnvGroup:
         and this method resets it the next time it is in ``mask`` (its reset info goes to
         ``reset_infos``); in ``"Disabled"`` mode stepping it again is an error.
         """
-        # The hot path: one :meth:`finish` per env, one numpy write per result field at the end.
+        # The hot path: plain Python per env, the attribute reads hoisted, one numpy write per
+        # result field at the end. An env's step passes on its fast path (exact types only) or
+        # gets :meth:`_checked_step`, the checks' one definition (as on the lanes' :meth:`finish`).
         buf = self.buffers
         envs = self.envs
-        finish = self.finish
+        obs = self._obs
+        lengths = self._lengths
         if everyone is None:
             everyone = bool(mask.all())
         indices = self._everyone if everyone else np.flatnonzero(mask).tolist()
@@ -472,12 +474,16 @@ class EnvGroup:
             actions = self._actions_for(indices, everyone)
         else:
             actions = list(given) if everyone else [given[i] for i in indices]
+        obs_out = buf.obs if self._flat_obs else None
+        obs_shape = self._obs_shape
+        limit = self._limit
         rewards: list[Any] = []
         terms: list[bool] = []
         truncs: list[bool] = []
         env_infos: list[dict[str, Any]] | None = None
         done: list[int] = []
         finals: list[Any] = []
+        misfits = self._misfits
         ended = self._ended
         deferred = not self._same_step
         reset_infos: dict[int, dict[str, Any]] = {}
@@ -492,14 +498,41 @@ class EnvGroup:
                     terms.append(False)
                     truncs.append(False)
                     continue
-                o, r, term, trunc, info = finish(i, envs[i].step(action))  # type: ignore[union-attr]
+                result = envs[i].step(action)  # type: ignore[union-attr]
+                if type(result) is not tuple:
+                    result = self._checked_step(i, result)
+                try:
+                    o, r, term, trunc, info = result
+                except ValueError:
+                    self._checked_step(i, result)  # a tuple of another length: raises
+                    raise
+                if type(r) not in _FAST_REWARDS or (info and type(info) is not dict):
+                    o, r, term, trunc, info = self._checked_step(i, result)
+                if obs_out is None:
+                    obs[i] = o
+                elif getattr(o, "shape", ()) == obs_shape:
+                    obs_out[i] = o  # the row holds it: no second reference kept
+                    obs[i] = None
+                else:
+                    obs[i] = o
+                    misfits.append(i)
                 rewards.append(r)
-                terms.append(term)
-                truncs.append(trunc)
+                n = lengths[i] + 1
+                lengths[i] = n
                 if info:
                     if env_infos is None:
                         env_infos = [{} for _ in range(self.n_envs)]
                     env_infos[i] = info
+                if term is False and trunc is False and n < limit:
+                    terms.append(False)
+                    truncs.append(False)
+                    continue
+                if type(term) not in _FAST_FLAGS or type(trunc) not in _FAST_FLAGS:
+                    _, _, term, trunc, _ = self._checked_step(i, result)
+                if n >= limit:
+                    trunc = True
+                terms.append(term)
+                truncs.append(trunc)
                 if term or trunc:
                     done.append(i)
                     finals.append(o)
@@ -528,7 +561,7 @@ class EnvGroup:
                     if row is None
                     or type(o) is not np.ndarray
                     or o.dtype != row.dtype
-                    or o.shape != self._obs_shape
+                    or o.shape != obs_shape
                 } or None
             try:
                 self._write(buf.final_obs, done, finals)
@@ -538,7 +571,8 @@ class EnvGroup:
                 info = self._reset_one(i)
                 if info:  # empty infos need not travel
                     reset_infos[i] = info
-        self._store_pending()
+        if obs_out is None or self._misfits:
+            self._store_pending()
         return StepInfos(env_infos, reset_infos, finals_out)
 
     def _restart_ended(self, i: int, reset_infos: dict[int, dict[str, Any]]) -> None:
@@ -762,6 +796,7 @@ def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -
 
 
 _FAST_REWARDS = frozenset((float, int, np.float64, np.float32))
+_NO_LIMIT = 1 << 62  # the time limit of a group without max_episode_length
 _FAST_FLAGS = frozenset((bool, np.bool_))
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, IN_FLIGHT, AgentTimer
+from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, AgentTimer
 
 if TYPE_CHECKING:
     from asyncsample.inference.batched import Batcher
@@ -188,8 +188,8 @@ class _State:
         self.in_flight = 0
         self.agent_version = 0
         self.bottleneck: str | None = None
-        self.clocks: list[np.ndarray] = []  # live: env calls in flight
-        self.lanes = False  # whether the clocks count env calls in flight (lane backends)
+        self.hosts: list[Any] = []  # the lane hosts, whose env_calls are live
+        self.lanes = False  # whether the hosts count env calls in flight (lane backends)
         self.live = True
         self.pull: Any = None  # called under the hub's lock before a scrape (the faces)
 
@@ -228,7 +228,7 @@ class _Hub:
         if state not in self.states:
             return
         self.states.remove(state)
-        state.live, state.pull, state.clocks = False, None, []
+        state.live, state.pull, state.hosts = False, None, []
         for old in self.states:
             if not old.live and old.backend == state.backend and old.labelled == state.labelled:
                 old.absorb(state)
@@ -285,7 +285,7 @@ class _Hub:
                 g[(b,)] = g.get((b,), 0.0) + s.in_flight
                 if s.lanes:
                     g = gauges["env_calls_in_flight"]
-                    g[(b,)] = g.get((b,), 0.0) + sum(float(c[IN_FLIGHT]) for c in s.clocks)
+                    g[(b,)] = g.get((b,), 0.0) + sum(h.env_calls for h in s.hosts)
                 g = gauges["agent_version"]
                 g[(b,)] = max(g.get((b,), 0.0), float(s.agent_version))
                 if s.bottleneck is not None:
@@ -395,7 +395,7 @@ class SamplerMetrics:
                 w.batcher.timer = self.timer
             elif requests is None:  # (with inference="host" the hosts time their agents)
                 w.agent_timer = self.timer
-        self.state.clocks = [c for c in (_clock(w) for w in workers) if c is not None]
+        self.state.hosts = [w.host for w in workers if w.host is not None]
 
     def call_started(self) -> float:
         """A call begins: the time since the last one ended was the caller's (idle)."""
@@ -490,7 +490,6 @@ class SamplerMetrics:
         """Add what worker ``worker``'s host clock gained since the last fold (a host agent's
         calls each take the worker's ``n_envs`` rows); its env and agent seconds."""
         now = clock.copy()
-        now[IN_FLIGHT] = 0.0
         seen = self._seen_clock.get(worker)
         delta = now if seen is None else now - seen
         if (delta < 0).any():  # a new host (a restarted actor) started its clock again
@@ -530,7 +529,12 @@ class SamplerMetrics:
 
 def _clock(worker: Worker) -> np.ndarray | None:
     host = worker.host
-    return None if host is None else host.buffers.clock
+    if host is None:
+        return None
+    settle = getattr(host, "settle_clock", None)
+    if settle is not None:  # a lane host: the steps it timed since
+        settle()
+    return host.buffers.clock
 
 
 def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | None:
@@ -578,15 +582,12 @@ class FaceMetrics:
         s = self.state
         if hosted is None or hosted.closed or not hosted.hosts:
             return
-        clocks = []
         restarts = [0] * len(s.restarts)
         for h, host in enumerate(hosted.hosts):
             clock = host.buffers.clock
             if clock is None:
                 continue
-            clocks.append(clock)
             now = clock.copy()
-            now[IN_FLIGHT] = 0.0
             seen = self._seen.get(h)
             delta = now if seen is None else now - seen
             if (delta < 0).any():
@@ -600,4 +601,3 @@ class FaceMetrics:
             if h < len(hosted.restarts):
                 restarts[s.slot(h)] += hosted.restarts[h]
         s.restarts = restarts
-        s.clocks = clocks

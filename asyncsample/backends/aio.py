@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +27,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import timed_env_call
+from asyncsample._clock import record_seconds
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
@@ -55,6 +56,8 @@ from asyncsample.env_group import (
 )
 from asyncsample.env_update import EnvSource, EnvUpdate, make_env, replacement
 from asyncsample.errors import StepTimeoutError, WorkerError
+
+_perf = time.perf_counter
 
 __all__ = [
     "AsyncioBackend",
@@ -177,9 +180,10 @@ class LaneHost:
         self.buffers = StepBuffers.allocate(
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
-        clock = self.buffers.clock
-        self._timed = None if clock is None else timed_env_call(clock)
-        """With metrics on, wraps each env step's coroutine to time it where it runs."""
+        self._durations: list[float] | None = None if self.buffers.clock is None else []
+        """With metrics on, the seconds of each env step since :meth:`settle_clock`."""
+        self.env_calls = 0
+        """With metrics on, the env steps running now."""
         self.group = EnvGroup(
             spec.worker,
             self.buffers,
@@ -294,12 +298,15 @@ class LaneHost:
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
-        timed = self._timed
-        call = self.envs[i].step(action) if timed is None else timed(self.envs[i].step, action)
+        durations = self._durations
         if deadline is None and self._plain:
-            # The hot path (no limiter, no timeout): the env's own coroutine, awaited here.
+            # The hot path (no limiter, no timeout): the env's own coroutine, awaited (and with
+            # metrics on, timed) here.
+            if durations is not None:
+                self.env_calls += 1
+                start = _perf()
             try:
-                result = await call
+                result = await self.envs[i].step(action)
             except WorkerError:
                 raise
             except asyncio.CancelledError as exc:
@@ -308,13 +315,38 @@ class LaneHost:
                 raise _env_error(self.spec.worker, i, "step", exc) from exc
             except Exception as exc:
                 raise _env_error(self.spec.worker, i, "step", exc) from exc
+            finally:
+                if durations is not None:
+                    durations.append(_perf() - start)
+                    self.env_calls -= 1
         else:
+            step = self.envs[i].step
+            call = step(action) if durations is None else self._timed(step, action, durations)
             result = await self._await(i, "step", call, deadline)
         try:
-            _, reward, terminated, truncated, info = self.group.finish(i, result, True)
+            return self.group.finish(i, result)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
-        return reward, terminated, truncated, info or {}
+
+    async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
+        """``step(action)`` timed into ``durations``. :meth:`_await` runs it only once the step
+        may go (a ``max_concurrency`` slot taken), so a wait for a slot counts in neither the
+        seconds nor the calls in flight; the env's coroutine is made only then, so one whose
+        wait was cancelled leaves none behind unawaited."""
+        self.env_calls += 1
+        start = _perf()
+        try:
+            return await step(action)
+        finally:
+            durations.append(_perf() - start)
+            self.env_calls -= 1
+
+    def settle_clock(self) -> None:
+        """Add the env steps' seconds timed since the last call to the clock's histogram (the
+        metrics call it before they read the clock)."""
+        if self._durations:
+            record_seconds(self.buffers.clock, self._durations)  # type: ignore[arg-type]
+            self._durations.clear()
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
