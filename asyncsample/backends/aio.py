@@ -1,14 +1,11 @@
 """The ``asyncio`` and ``thread`` backends: envs in the caller's process, each on its own.
 
-``asyncio`` hosts envs whose ``reset``/``step``/``close`` are coroutines (an
-:class:`~asyncsample.AsyncEnv`) in the sampler's event loop; ``thread`` hosts ordinary blocking
-gymnasium envs behind the same coroutine interface, their calls run in a bounded pool of threads
-(:class:`ThreadedEnv`), so the loop never blocks. Either way a worker's envs are not stepped in
-lockstep: :class:`LaneHost` is a :class:`~asyncsample.backends.base.PerEnvHost` (one env at a
-time: :meth:`LaneHost.reset_one`, :meth:`LaneHost.step_one`, whose bookkeeping is the
-:class:`~asyncsample.env_group.EnvGroup`'s it holds) and :mod:`asyncsample._env_tasks` runs one
-coroutine per env. The lockstep :class:`~asyncsample.backends.base.EnvHost` methods exist too
-(``step(mask)`` gathers the envs' steps), so every caller of the seam works unchanged.
+``asyncio`` hosts :class:`~asyncsample.AsyncEnv` envs in the sampler's event loop; ``thread``
+hosts blocking gymnasium envs behind the same coroutine interface, their calls run in a bounded
+pool of threads (:class:`ThreadedEnv`). :class:`LaneHost` steps one env at a time (a
+:class:`~asyncsample.backends.base.PerEnvHost`, for :mod:`asyncsample._env_tasks`), with the
+bookkeeping of the :class:`~asyncsample.env_group.EnvGroup` it holds; its lockstep ``EnvHost``
+methods gather the envs' calls.
 """
 
 from __future__ import annotations
@@ -84,12 +81,8 @@ def lane_parallel(backend: str, max_concurrency: int | None, envs: int) -> int:
 
 
 class ThreadedEnv:
-    """A blocking gymnasium env behind coroutine ``reset``/``step``/``close``.
-
-    Calls run in ``executor``, one at a time per env: a call waits for the previous one to
-    finish, also when the previous one's awaiting coroutine was cancelled (a thread cannot be
-    interrupted; the env is not touched by two threads at once).
-    """
+    """A blocking gymnasium env behind coroutine ``reset``/``step``/``close``, its calls run in
+    ``executor`` one at a time (also after a cancelled one: a thread cannot be interrupted)."""
 
     def __init__(
         self,
@@ -102,8 +95,7 @@ class ThreadedEnv:
         self.action_space = env.action_space
         self._executor = executor
         self._busy: concurrent.futures.Future[Any] | None = None
-        self._running = running if running is not None else set()
-        """Every call submitted and not finished (the backend's, shared by its envs)."""
+        self._running = running if running is not None else set()  # the backend's calls
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         future = self._executor.submit(fn, *args, **kwargs)
@@ -137,10 +129,8 @@ class ThreadedEnv:
         return await self._run(self.env.step, action)  # type: ignore[no-any-return]
 
     async def close(self) -> None:
-        """``env.close`` in a pool thread. With a call still running (a step that hung past
-        ``step_timeout``, or cut at a deadline) the close is queued behind it and not awaited:
-        the env is being replaced, and a thread cannot be interrupted, so waiting could hold
-        the caller as long as the stuck call lasts."""
+        """``env.close`` in a pool thread; behind a call still running (a hung step) it is
+        queued, not awaited: waiting could hold the caller as long as the stuck call."""
         busy = self._busy
         if busy is not None and not busy.done():
             env = self.env
@@ -163,8 +153,7 @@ class LaneHost:
             choice (async envs as they are, blocking envs wrapped in :class:`ThreadedEnv`).
         step_timeout: seconds a step may take before it counts as a failure (``None``: never).
         limiter: caps the env calls in flight across the sampler (``None``: no cap).
-        close_timeout: the longest an env's ``close()`` is waited for (a rebuild, an update,
-            :meth:`shut`); past it the close is cancelled or abandoned with a warning.
+        close_timeout: the longest an env's ``close()`` is waited for.
     """
 
     def __init__(
@@ -191,7 +180,6 @@ class LaneHost:
             spec.action_space,
             spec.max_episode_length,
         )
-        """The per-env bookkeeping every host shares (checks, time limit, buffer rows)."""
         self.group.malformed_retry = True  # a fault is the env's own: it is rebuilt
         self.envs: list[Any] = self.group.envs
         self._make = make
@@ -200,11 +188,9 @@ class LaneHost:
         self._limiter = limiter
         self._plain = step_timeout is None and limiter is None
         self.in_flight: dict[int, asyncio.Task[Any]] = {}
-        """Steps still running that a stream's round left behind for the next round, by env
-        (:class:`~asyncsample._env_tasks.LaneStepper` carries them)."""
+        """Steps a stream's round left running for the next round, by env."""
         self.closed = False
-        self._closing: set[asyncio.Task[Any]] = set()
-        """Closes of rebuilt envs still running (each bounded by ``close_timeout``)."""
+        self._closing: set[asyncio.Task[Any]] = set()  # closes of rebuilt envs still running
 
     # -- building -----------------------------------------------------------------------------
 
@@ -239,9 +225,7 @@ class LaneHost:
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again from ``chain`` (its next reset gets ``seed``) and close the
-        old one in the background, bounded by ``close_timeout`` (:meth:`shut` waits for those
-        closes). The other envs are not touched: a fault is the env's own, not its worker's;
-        and a dead session whose ``close()`` never returns does not hold the new env back."""
+        old one in the background, bounded by ``close_timeout``; the other envs go on."""
         self._check_open("rebuild")
         env = self._guard(i, "build", self._make, chain[0], None)
         for update in chain[1:]:
@@ -265,12 +249,10 @@ class LaneHost:
         options: dict[str, Any] | None = None,
         deadline: float | None = None,
     ) -> dict[str, Any]:
-        """Reset env ``i`` (with its pending seed by default); its observation goes to
-        ``buffers.obs[i]``; returns the reset info.
+        """Reset env ``i`` (with its pending seed by default) into ``buffers.obs[i]``; its info.
 
         Raises:
-            DeadlinePassed: the loop time ``deadline`` (the new episode's, which counts from
-                the start of its reset) came first; the reset was cancelled.
+            DeadlinePassed: the loop time ``deadline`` came first; the reset was cancelled.
         """
         self._check_open("reset")
         group = self.group
@@ -286,10 +268,8 @@ class LaneHost:
     async def step_one(
         self, i: int, action: Any, deadline: float | None = None
     ) -> tuple[float, bool, bool, dict[str, Any]]:
-        """Step env ``i`` with ``action``: ``(reward, terminated, truncated, info)``.
-
-        The new observation goes to ``buffers.obs[i]``, and when the episode ends (also at
-        ``max_episode_length``) to ``buffers.final_obs[i]``; the flags to ``buffers``.
+        """Step env ``i`` with ``action`` (see :meth:`EnvGroup.finish`): ``(reward, terminated,
+        truncated, info)``.
 
         Raises:
             DeadlinePassed: the loop time ``deadline`` came first; the step was cancelled.
@@ -307,14 +287,8 @@ class LaneHost:
                 start = _perf()
             try:
                 result = await self.envs[i].step(action)
-            except WorkerError:
-                raise
-            except asyncio.CancelledError as exc:
-                if not cancelled_by_env():
-                    raise
-                raise _env_error(self.spec.worker, i, "step", exc) from exc
-            except Exception as exc:
-                raise _env_error(self.spec.worker, i, "step", exc) from exc
+            except (asyncio.CancelledError, Exception) as exc:
+                raise self._raised(i, "step", exc) from exc
             finally:
                 if durations is not None:
                     durations.append(_perf() - start)
@@ -329,10 +303,8 @@ class LaneHost:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
     async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
-        """``step(action)`` timed into ``durations``. :meth:`_await` runs it only once the step
-        may go (a ``max_concurrency`` slot taken), so a wait for a slot counts in neither the
-        seconds nor the calls in flight; the env's coroutine is made only then, so one whose
-        wait was cancelled leaves none behind unawaited."""
+        """``step(action)`` timed into ``durations``; :meth:`_await` runs it once a
+        ``max_concurrency`` slot is taken (the wait does not count)."""
         self.env_calls += 1
         start = _perf()
         try:
@@ -342,8 +314,7 @@ class LaneHost:
             self.env_calls -= 1
 
     def settle_clock(self) -> None:
-        """Add the env steps' seconds timed since the last call to the clock's histogram (the
-        metrics call it before they read the clock)."""
+        """Add the env steps timed since the last call to the clock (before the metrics read it)."""
         if self._durations:
             record_seconds(self.buffers.clock, self._durations)  # type: ignore[arg-type]
             self._durations.clear()
@@ -376,17 +347,20 @@ class LaneHost:
                 worker=self.spec.worker,
                 env=i,
             ) from None
-        except WorkerError:
-            raise
-        except asyncio.CancelledError as exc:
-            if not cancelled_by_env():
-                raise
-            raise _env_error(self.spec.worker, i, what, exc) from exc
-        except Exception as exc:
-            raise _env_error(self.spec.worker, i, what, exc) from exc
+        except (asyncio.CancelledError, Exception) as exc:
+            raise self._raised(i, what, exc) from exc
         finally:
             if asyncio.iscoroutine(call):
                 call.close()  # never awaited when the limiter wait was cancelled
+
+    def _raised(self, i: int, what: str, exc: BaseException) -> WorkerError:
+        """The error for ``exc`` from env ``i``'s ``what``; a ``WorkerError``, and a
+        cancellation that is not the env's own, are raised again as they are."""
+        if isinstance(exc, WorkerError) or (
+            isinstance(exc, asyncio.CancelledError) and not cancelled_by_env()
+        ):
+            raise exc
+        return _env_error(self.spec.worker, i, what, exc)
 
     # -- the lockstep seam (EnvHost) ----------------------------------------------------------
 
@@ -526,11 +500,9 @@ def _env_error(worker: int, env: int, what: str, exc: BaseException) -> WorkerEr
 def probe_async_env(
     source: Any, close_timeout: float = CLOSE_TIMEOUT
 ) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
-    """Build one async env from ``source`` to read its spaces and step limit (as gymnasium's
-    vector envs read a sub-env's), then close it: now if no loop runs in this thread, else as a
-    task of the running loop (a sampler's constructor cannot await), bounded by
-    ``close_timeout``; that task is returned (``None`` when closed already) for ``aclose()``
-    to wait for.
+    """Build one async env from ``source`` to read its spaces and step limit, then close it
+    (bounded by ``close_timeout``): now if no loop runs, else in a task of the running loop,
+    returned (else ``None``) for ``aclose()`` to wait for.
 
     Raises:
         TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
