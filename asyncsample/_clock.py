@@ -1,14 +1,10 @@
 """Where the time goes, counted in plain arrays (the metrics' raw figures; no dependency).
 
-With ``Sampler(metrics=...)`` every env host keeps a *clock*: a small float64 array beside its
-step buffers (:attr:`StepBuffers.clock <asyncsample.env_group.StepBuffers>`) where the host adds,
-per step of a worker's envs, how long the envs took (bucketed per env step), how many env calls are
-running now and, with ``inference="host"``, its agent copy's calls. The array lives where the
-step buffers live (shared memory for the ``process`` backend), so the figures reach the caller with
-the replies the host sends anyway, without a message of their own; the caller folds them into the
-``prometheus_client`` metrics once per call (:mod:`asyncsample.metrics`).
-
-Nothing here is on any path unless metrics are on: a host without a clock steps as before.
+With ``Sampler(metrics=...)`` every env host keeps a *clock*, a small float64 array beside its
+step buffers (:attr:`StepBuffers.clock <asyncsample.env_group.StepBuffers>`, shared memory on
+``process``: the figures reach the caller with the replies), where it adds how long its env
+steps and (``inference="host"``) its agent copy's calls took. :mod:`asyncsample.metrics` folds
+them once per call. Nothing here is on any path unless metrics are on.
 """
 
 from __future__ import annotations
@@ -32,26 +28,9 @@ __all__ = [
     "timed_group_step",
 ]
 
-#: Upper bounds (seconds) of the latency histograms' buckets: 10 us to 10 s.
+#: Upper bounds (seconds) of the latency histograms' buckets: 1, 2.5, 5 per decade, 10 us to 10 s.
 BOUNDS: tuple[float, ...] = (
-    1e-5,
-    2.5e-5,
-    5e-5,
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
+    *(float(f"{m}e{e}") for e in range(-5, 1) for m in (1, 2.5, 5)),
     10.0,
 )
 _N = len(BOUNDS) + 1  # the last bucket is +Inf
@@ -81,15 +60,9 @@ def record_seconds(clock: np.ndarray, seconds: list[float]) -> None:
 
 
 def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) -> Any:
-    """``group.step`` that records its envs' time in ``clock``: a worker's envs are stepped one
-    after another, so each env step counts the call's seconds divided by the envs it stepped.
-
-    Written for its cost (it runs in the host for every step of a worker's envs): items are
-    read and written through a ``memoryview`` (a tenth of a numpy scalar's cost), the envs
-    stepped come from the group. A lockstep host does not count its env calls in flight (the
-    caller's worker waits on all of them at once; see ``env_calls_in_flight``). ``weight``: each
-    timed step stands for that many (a sample of the steps, see :class:`HostTiming`).
-    """
+    """``group.step`` that records its envs' time in ``clock``: each env step counts the call's
+    seconds divided by the envs it stepped (one after another), as ``weight`` steps (a sample,
+    see :class:`HostTiming`). Items go through a ``memoryview`` (cheaper than numpy's)."""
     items = _items(clock)
     section, total = ENV, ENV + _N
 
@@ -130,13 +103,9 @@ def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
 
 
 class HostTiming:
-    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step.
-
-    A host's chunk loop costs ~10 us per step besides the env (one env per slot); timing every
-    step's agent call and env step would add ~1 us to it. So the slot times a sample of whole
-    chunks (the first, then every :attr:`EVERY`-th) and weighs each timed step by
-    :attr:`EVERY`: the histograms stay the shape of every step's, the sums and counts are
-    estimates; the agent calls are counted exactly (per chunk, from the reply).
+    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step, each
+    timed step weighing :attr:`EVERY` (timing every step would add ~10% to the chunk loop); the
+    agent calls are counted exactly.
 
     Args:
         group, runner: the slot's env group and chunk runner (their ``step`` and ``_actions``
@@ -166,8 +135,7 @@ class HostTiming:
 
 
 class AgentTimer:
-    """Agent calls made in the caller's process: how many, their seconds and rows (plain lists,
-    folded into the metrics once per call)."""
+    """Agent calls made in the caller's process: their seconds and rows, folded once per call."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
