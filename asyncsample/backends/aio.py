@@ -149,8 +149,7 @@ class LaneHost:
 
     Args:
         spec: what to host.
-        make: builds an env from a source (a factory, an id, an env update); the backend's
-            choice (async envs as they are, blocking envs wrapped in :class:`ThreadedEnv`).
+        make: the backend's ``make(source, old)`` of an env (from a factory, id or update).
         step_timeout: seconds a step may take before it counts as a failure (``None``: never).
         limiter: caps the env calls in flight across the sampler (``None``: no cap).
         close_timeout: the longest an env's ``close()`` is waited for.
@@ -169,10 +168,9 @@ class LaneHost:
         self.buffers = StepBuffers.allocate(
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
+        # With metrics on: the seconds of each env step since settle_clock, the steps running.
         self._durations: list[float] | None = None if self.buffers.clock is None else []
-        """With metrics on, the seconds of each env step since :meth:`settle_clock`."""
         self.env_calls = 0
-        """With metrics on, the env steps running now."""
         self.group = EnvGroup(
             spec.worker,
             self.buffers,
@@ -200,10 +198,7 @@ class LaneHost:
         await self.drop_in_flight()
         await self._close_envs()
         for i, chain in enumerate(chains):
-            env = self._guard(i, "build", self._make, chain[0], None)
-            for update in chain[1:]:
-                env = self._guard(i, "build", self._make, update, env)
-            self.group.place(i, env, seeds[i])
+            self.group.place(i, self._build_env(i, chain), seeds[i])
 
     async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
         """Apply one update per env (``None`` keeps it); a new env object gets its new seed."""
@@ -227,15 +222,19 @@ class LaneHost:
         """Build env ``i`` again from ``chain`` (its next reset gets ``seed``) and close the
         old one in the background, bounded by ``close_timeout``; the other envs go on."""
         self._check_open("rebuild")
-        env = self._guard(i, "build", self._make, chain[0], None)
-        for update in chain[1:]:
-            env = self._guard(i, "build", self._make, update, env)
+        env = self._build_env(i, chain)
         old = self.envs[i]
         self.group.place(i, env, seed)
         if old is not None:
             task = asyncio.ensure_future(self._close_one(i, old))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+    def _build_env(self, i: int, chain: Sequence[EnvSource]) -> Any:
+        env = self._guard(i, "build", self._make, chain[0], None)
+        for update in chain[1:]:
+            env = self._guard(i, "build", self._make, update, env)
+        return env
 
     async def _close_one(self, i: int, env: Any) -> None:
         await close_bounded(env, self.close_timeout, f"env {i} of worker {self.spec.worker}")
@@ -268,8 +267,7 @@ class LaneHost:
     async def step_one(
         self, i: int, action: Any, deadline: float | None = None
     ) -> tuple[float, bool, bool, dict[str, Any]]:
-        """Step env ``i`` with ``action`` (see :meth:`EnvGroup.finish`): ``(reward, terminated,
-        truncated, info)``.
+        """Step env ``i`` with ``action``: :meth:`EnvGroup.finish`'s ``(reward, ...)``.
 
         Raises:
             DeadlinePassed: the loop time ``deadline`` came first; the step was cancelled.
@@ -372,18 +370,15 @@ class LaneHost:
     ) -> dict[int, dict[str, object]]:
         """Reset the envs in ``mask`` concurrently; their non-empty reset infos by env."""
         indices = np.flatnonzero(mask).tolist()
-        if seeds is None and options is None:
-            calls = [self.reset_one(i) for i in indices]
-        else:
-            seed_list, option_list = reset_arguments(self.n_envs, seeds, options)
-            calls = [
-                self.reset_one(
-                    i,
-                    PENDING_SEED if seed_list is None else seed_list[i],
-                    None if option_list is None else option_list[i],
-                )
-                for i in indices
-            ]
+        seed_list, option_list = reset_arguments(self.n_envs, seeds, options)
+        calls = [
+            self.reset_one(
+                i,
+                PENDING_SEED if seed_list is None else seed_list[i],
+                None if option_list is None else option_list[i],
+            )
+            for i in indices
+        ]
         infos = await run_all(calls)
         return {i: info for i, info in zip(indices, infos) if info}
 
@@ -408,7 +403,7 @@ class LaneHost:
         envs: Sequence[int] | None = None,
     ) -> list[Any]:
         """``getattr(env, name)`` of each env, called with the arguments when callable (and
-        awaited when that returns an awaitable)."""
+        awaited)."""
         self._check_open("call")
         out = []
         for i in call_targets(name, self.n_envs, envs):
@@ -628,18 +623,8 @@ class ThreadBackend(AsyncioBackend):
 
     NAME = "thread"
 
-    def __init__(
-        self,
-        n_processes: int | None = None,
-        step_timeout: float | None = None,
-        host_threads: int | None = 1,
-        max_concurrency: int | None = None,
-        close_timeout: float = CLOSE_TIMEOUT,
-        **unknown: object,
-    ) -> None:
-        super().__init__(
-            n_processes, step_timeout, host_threads, max_concurrency, close_timeout, **unknown
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.max_concurrency or default_threads(),
             thread_name_prefix="asyncsample-env",
