@@ -47,11 +47,6 @@ CLOCK_SIZE = ENDS + 2
 _perf = time.perf_counter
 
 
-def _items(clock: np.ndarray) -> Any:
-    """Item access to ``clock`` through a ``memoryview`` (cheaper per item than numpy's)."""
-    return clock.data
-
-
 def record_seconds(clock: np.ndarray, seconds: list[float]) -> None:
     """Add env steps of ``seconds`` each to the env-step section of ``clock`` (the lane hosts
     time each step into a list and add them here before the metrics read the clock)."""
@@ -63,7 +58,7 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) 
     """``group.step`` that records its envs' time in ``clock``: each env step counts the call's
     seconds divided by the envs it stepped (one after another), as ``weight`` steps (a sample,
     see :class:`HostTiming`). Items go through a ``memoryview`` (cheaper than numpy's)."""
-    items = _items(clock)
+    items: Any = clock.data  # item access through a memoryview: cheaper than numpy's
     section, total = ENV, ENV + _N
 
     def timed(mask: np.ndarray, given: Any = None, everyone: bool | None = None) -> Any:
@@ -88,7 +83,7 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) 
 def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
     """A host agent's ``actions(observations)`` that records each call's seconds, as ``weight``
     calls (its rows are the slot's envs, every call: the caller knows them)."""
-    items = _items(clock)
+    items: Any = clock.data
     bounds, total = BOUNDS, AGENT + _N
 
     def timed(observations: Any) -> Any:
@@ -116,7 +111,7 @@ class HostTiming:
 
     def __init__(self, group: Any, runner: Any, clock: np.ndarray) -> None:
         self.group, self.runner = group, runner
-        self.items = _items(clock)
+        self.items = clock.data
         self.plain_step = type(group).step.__get__(group)
         self.timed_step = timed_group_step(group, self.plain_step, clock, self.EVERY)
         self.plain_actions = runner._actions

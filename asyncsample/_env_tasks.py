@@ -117,8 +117,6 @@ class LaneStepper:
             flight are cancelled, or with ``part.leave`` ``Resume.EPISODES`` (a stream's round)
             left running for the next round, which takes them up.
         settings: see :class:`LaneSettings`.
-
-    A fault is the env's own: a failed env loses its episode and is rebuilt; the others go on.
     """
 
     def __init__(
@@ -159,12 +157,8 @@ class LaneStepper:
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """Step every env until the rule, or ``lacking`` more transitions, say stop."""
-        await self._run(rule, lacking)
+        await self.run(rule, lacking)
         return 1
-
-    async def run(self, rule: StopRule) -> None:
-        """Step every env until ``rule`` says stop."""
-        await self._run(rule, None)
 
     def _may_stop(self, fragments: bool) -> bool:
         """The call's shared quota lets this worker stop (each env asks before its step)."""
@@ -173,7 +167,8 @@ class LaneStepper:
         quota.report(w, self.worker.episodes.count(fragments))
         return quota.may_stop(w)
 
-    async def _run(self, rule: StopRule, lacking: int | None) -> None:
+    async def run(self, rule: StopRule, lacking: int | None = None) -> None:
+        """Step every env until ``rule`` (or ``lacking`` more transitions) says stop."""
         steps = rule.start_envs(self.worker.n_envs, lacking)
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
@@ -219,8 +214,7 @@ class LaneStepper:
 
     async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None]) -> None:
         """Env ``i``'s loop: reset when it must, ask for an action, step, record. Its cursor,
-        episode length and return live in locals (numpy items cost more) and go back to the
-        engine's arrays wherever it reads them: an episode's end, a cut, the exit."""
+        length and return live in locals, written back wherever the engine reads them."""
         worker = self.worker
         episodes = worker.episodes
         host = self.host

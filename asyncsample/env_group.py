@@ -451,7 +451,15 @@ class EnvGroup:
                 if deferred and ended[i]:
                     # The reset deferred from the step that ended the episode: reward 0, both
                     # flags false, the first observation (gymnasium's next-step autoreset).
-                    self._restart_ended(i, reset_infos)
+                    if not self._next_step:
+                        err = RuntimeError(
+                            f"env {i} of worker {self.worker} ended its episode and autoreset is "
+                            "'Disabled': it must be reset before it is stepped again"
+                        )
+                        raise EnvFailureError(EnvFailure(i, err, "", retry=False))
+                    info = self._reset_one(i)
+                    if info:
+                        reset_infos[i] = info
                     rewards.append(0.0)
                     terms.append(False)
                     truncs.append(False)
@@ -532,17 +540,6 @@ class EnvGroup:
         if obs_out is None or self._misfits:
             self._store_pending()
         return StepInfos(env_infos, reset_infos, finals_out)
-
-    def _restart_ended(self, i: int, reset_infos: dict[int, dict[str, Any]]) -> None:
-        if not self._next_step:
-            err = RuntimeError(
-                f"env {i} of worker {self.worker} ended its episode and autoreset is "
-                "'Disabled': it must be reset before it is stepped again"
-            )
-            raise EnvFailureError(EnvFailure(i, err, "", retry=False))
-        info = self._reset_one(i)
-        if info:
-            reset_infos[i] = info
 
     # -- attributes (the vector-env faces: call, get_attr, set_attr, render) -----------------
 

@@ -133,23 +133,15 @@ class _Hist:
         self.counts += counts
         self.sum += total
 
-    def add(self, other: _Hist) -> None:
-        self.counts += other.counts
-        self.sum += other.sum
-
     def buckets(self) -> list[tuple[str, float]]:
         cumulative = np.cumsum(self.counts)
-        out = [(_le(b), float(c)) for b, c in zip(self.bounds, cumulative)]
+        out = [(repr(float(b)), float(c)) for b, c in zip(self.bounds, cumulative)]
         out.append(("+Inf", float(cumulative[-1])))
         return out
 
     @property
     def count(self) -> float:
         return float(self.counts.sum())
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 _HISTOGRAMS: dict[str, tuple[Sequence[float], str]] = {
@@ -227,7 +219,7 @@ class _State:
         add(self.episodes, other.episodes)
         self.agent_calls += other.agent_calls
         for name, h in other.hists.items():
-            self.hists[name].add(h)
+            self.hists[name].add_counts(h.counts, h.sum)
 
 
 class _Hub:
@@ -289,7 +281,7 @@ class _Hub:
                 count("agent_calls_total", (b,), s.agent_calls)
                 for name, h in s.hists.items():
                     total = hists.setdefault((name, b), _Hist(h.bounds))
-                    total.add(h)
+                    total.add_counts(h.counts, h.sum)
                 if not s.live:
                     continue
                 g = gauges["episodes_in_flight"]
@@ -424,8 +416,7 @@ class SamplerMetrics:
         """Fold a round's plain counts into the totals, and judge the window.
 
         Args:
-            workers: the sampler's workers (their ``finished`` lists hold this round's
-                episodes).
+            workers: the sampler's workers (``finished`` holds this round's episodes).
             versions: the agent version of every returned step (for the policy lag).
             seconds: the round's wall time.
         """
@@ -531,23 +522,16 @@ def _clock(worker: Worker) -> np.ndarray | None:
 
 
 def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | None:
-    """The :class:`FaceMetrics` that a vector face's ``metrics=`` asks for (``None``: none).
-
-    Raises:
-        ImportError, TypeError: as :func:`make_metrics`.
-    """
+    """The :class:`FaceMetrics` that a vector face's ``metrics=`` asks for (``None``: none);
+    raises as :func:`make_metrics`."""
     registry = _registry(metrics)
     return None if registry is None else FaceMetrics(_hub_of(registry), backend, hosted)
 
 
 class FaceMetrics:
-    """The metrics of a vector face: with no call to fold at, they come from the env hosts'
-    clocks, read when the registry is scraped, and the face's restart counts (``worker``: the
-    env host's index).
-
-    Args:
-        hosted: the face's :class:`~asyncsample.vector.hosted.HostedEnvs` (held weakly).
-    """
+    """The metrics of a vector face (``hosted``: its ``HostedEnvs``, held weakly): the env
+    hosts' clocks, read when the registry is scraped, and the face's restart counts (``worker``:
+    the env host's index)."""
 
     def __init__(self, hub: _Hub, backend: str, hosted: Any) -> None:
         self._hub = hub

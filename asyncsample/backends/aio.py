@@ -554,8 +554,7 @@ class AsyncioBackend:
 
     Args:
         n_processes, host_threads: accepted for a uniform interface and ignored (no processes).
-        step_timeout: seconds a step may take; a step past it is cancelled and counts as a
-            failure (that env is closed and rebuilt).
+        step_timeout: seconds a step may take; past it the env is rebuilt (a failure).
         max_concurrency: env calls in flight at once across the sampler (``None``: no cap).
         close_timeout: the longest an env's ``close()`` is waited for.
     """
@@ -614,12 +613,8 @@ class AsyncioBackend:
 
 
 class ThreadBackend(AsyncioBackend):
-    """Blocking gymnasium envs stepped in a bounded pool of threads (:class:`ThreadedEnv`).
-
-    Args:
-        max_concurrency: the pool's size (default :func:`default_threads`): at most that many
-            env calls run at once.
-    """
+    """Blocking gymnasium envs stepped in a bounded pool of threads (:class:`ThreadedEnv`) of
+    ``max_concurrency`` threads (default :func:`default_threads`)."""
 
     NAME = "thread"
 
@@ -649,9 +644,8 @@ class ThreadBackend(AsyncioBackend):
         return ThreadedEnv(inner, self._executor, self._running)
 
     async def aclose(self) -> None:
-        """Close every env in the pool, then stop the pool's threads, waiting at most
-        ``close_timeout`` for calls still running (a thread cannot be interrupted: one still
-        running then is abandoned with a ``ResourceWarning``)."""
+        """Close every env, then stop the pool's threads, waiting at most ``close_timeout`` for
+        calls still running (then abandoned with a ``ResourceWarning``)."""
         try:
             await super().aclose()
         finally:
