@@ -272,13 +272,10 @@ class EnvGroup:
         dropped; ``options``: one dict (or ``None``) per env for ``env.reset``.
         """
         infos: dict[int, dict[str, Any]] = {}
+        requested = seeds is not None or options is not None
         for i in np.flatnonzero(mask).tolist():
-            if seeds is None and options is None:
-                info = self._reset_one(i)
-            else:
-                seed = PENDING_SEED if seeds is None else seeds[i]
-                opts = None if options is None else options[i]
-                info = self._reset_one(i, seed, opts, requested=True)
+            seed = PENDING_SEED if seeds is None else seeds[i]
+            info = self._reset_one(i, seed, None if options is None else options[i], requested)
             if info:
                 infos[i] = info
         self._store_pending()
