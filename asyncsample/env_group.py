@@ -10,6 +10,7 @@ for a fixed seed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import numbers
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -329,18 +330,13 @@ class EnvGroup:
         one raises ``EnvFailureError`` naming the field and type), write its observation, and
         its flags and ``final_obs`` row when its episode ended, count the step; ``(reward,
         terminated, truncated, info)``, ``truncated`` with the time limit."""
-        if type(result) is not tuple:
-            result = self._checked_step(i, result)
         try:
             o, r, term, trunc, info = result
-        except ValueError:
-            self._checked_step(i, result)  # a tuple of another length: raises
+        except (TypeError, ValueError):
+            self._checked_step(i, result)  # not 5 values: raises
             raise
-        if (
-            type(r) not in _FAST_REWARDS
-            or (term is not False and type(term) not in _FAST_FLAGS)
-            or (trunc is not False and type(trunc) not in _FAST_FLAGS)
-            or (info and type(info) is not dict)
+        if (type(result), type(r), type(term), type(trunc)) not in _FAST_STEPS or (
+            info and type(info) is not dict
         ):
             o, r, term, trunc, info = self._checked_step(i, result)
         if self._flat_obs and getattr(o, "shape", ()) == self._obs_shape:
@@ -462,14 +458,14 @@ class EnvGroup:
                     truncs.append(False)
                     continue
                 result = envs[i].step(action)  # type: ignore[union-attr]
-                if type(result) is not tuple:
-                    result = self._checked_step(i, result)
                 try:
                     o, r, term, trunc, info = result
-                except ValueError:
-                    self._checked_step(i, result)  # a tuple of another length: raises
+                except (TypeError, ValueError):
+                    self._checked_step(i, result)  # not 5 values: raises
                     raise
-                if type(r) not in _FAST_REWARDS or (info and type(info) is not dict):
+                if (type(result), type(r), type(term), type(trunc)) not in _FAST_STEPS or (
+                    info and type(info) is not dict
+                ):
                     o, r, term, trunc, info = self._checked_step(i, result)
                 if obs_out is None:
                     obs[i] = o
@@ -486,12 +482,6 @@ class EnvGroup:
                     if env_infos is None:
                         env_infos = [{} for _ in range(self.n_envs)]
                     env_infos[i] = info
-                if term is False and trunc is False and n < limit:
-                    terms.append(False)
-                    truncs.append(False)
-                    continue
-                if type(term) not in _FAST_FLAGS or type(trunc) not in _FAST_FLAGS:
-                    _, _, term, trunc, _ = self._checked_step(i, result)
                 if n >= limit:
                     trunc = True
                 terms.append(term)
@@ -733,9 +723,11 @@ def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -
     return indices
 
 
-_FAST_REWARDS = frozenset((float, int, np.float64, np.float32))
 _NO_LIMIT = 1 << 62  # the time limit of a group without max_episode_length
-_FAST_FLAGS = frozenset((bool, np.bool_))
+# The types of a step's (result, reward, terminated, truncated) that need no closer look.
+_FAST_STEPS = frozenset(
+    itertools.product((tuple,), (float, int, np.float64, np.float32), *[(bool, np.bool_)] * 2)
+)
 
 
 def _real(value: Any) -> bool:
