@@ -60,7 +60,7 @@ async def main():
         cpu = time.process_time() - cpu
         if prof:
             prof.disable()
-            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(60)
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     return 1e6 * cpu / done
 print(json.dumps(asyncio.run(main())))
 """
