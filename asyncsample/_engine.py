@@ -288,12 +288,10 @@ class Episodes:
     """One worker's episodes: bookkeeping, the current call's rule, and its records.
 
     Attributes:
-        lengths, returns: per env, steps and return of the episode in progress.
+        lengths, returns, episode_info: per env, of the episode in progress.
         active: per env, whether it is stepped; ``everyone``: all are.
         needs_reset: per env, whether the next :meth:`Worker.start_episode` resets it.
-        episode_info: per env, the info of the episode in progress.
-        recorder: the step rows and pieces of the current call.
-        rule: where the current call stops (``None`` outside a call).
+        recorder, rule: the step rows and pieces of the current call, where it stops.
         finished: every episode completed since the sampler read it.
         state: where the episodes stand between and during calls (:class:`Continuity`).
     """
@@ -630,8 +628,7 @@ class Part:
     """One worker's part of a call, as the mode's stepper sees it.
 
     Attributes:
-        resume: what the part continues from the previous call.
-        leave: what it leaves running for the next (``Resume.EPISODES``: a stream's round).
+        resume, leave: what it continues from the previous call, and leaves for the next.
         quota: the call's shared quota (``fraction_samples < 1``), if any.
         then: a stream round follows, continuing what this one leaves (a mode may start it).
         lane_round: the stream round this part is in, on the lanes.

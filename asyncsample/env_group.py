@@ -172,8 +172,7 @@ class EnvGroup:
     Args:
         worker: index of the worker these envs belong to (for error messages).
         buffers: the :class:`StepBuffers` to read actions from and write results to.
-        observation_space: the declared observation space (shapes are checked against it).
-        action_space: the declared action space.
+        observation_space, action_space: the declared spaces (observations are checked).
         max_episode_length: steps after which the host truncates an episode, or ``None``.
         autoreset: one of :data:`AUTORESET_MODES` (the sampler uses ``"SameStep"``).
         final_in_reply: also return the final observations themselves, in

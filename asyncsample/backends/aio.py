@@ -150,9 +150,8 @@ class LaneHost:
     Args:
         spec: what to host.
         make: the backend's ``make(source, old)`` of an env (from a factory, id or update).
-        step_timeout: seconds a step may take before it counts as a failure (``None``: never).
+        step_timeout, close_timeout: see :class:`AsyncioBackend`.
         limiter: caps the env calls in flight across the sampler (``None``: no cap).
-        close_timeout: the longest an env's ``close()`` is waited for.
     """
 
     def __init__(
