@@ -1,14 +1,10 @@
 """Where the time goes, counted in plain arrays (the metrics' raw figures; no dependency).
 
-With ``Sampler(metrics=...)`` every env host keeps a *clock*: a small float64 array beside its
-step buffers (:attr:`StepBuffers.clock <asyncsample.env_group.StepBuffers>`) where the host adds,
-per step of a worker's envs, how long the envs took (bucketed per env step), how many env calls are
-running now and, with ``inference="host"``, its agent copy's calls. The array lives where the
-step buffers live (shared memory for the ``process`` backend), so the figures reach the caller with
-the replies the host sends anyway, without a message of their own; the caller folds them into the
-``prometheus_client`` metrics once per call (:mod:`asyncsample.metrics`).
-
-Nothing here is on any path unless metrics are on: a host without a clock steps as before.
+With ``Sampler(metrics=...)`` every env host keeps a *clock*, a small float64 array beside its
+step buffers (:attr:`StepBuffers.clock <asyncsample.env_group.StepBuffers>`, shared memory on
+``process``: the figures reach the caller with the replies), where it adds how long its env
+steps and (``inference="host"``) its agent copy's calls took. :mod:`asyncsample.metrics` folds
+them once per call. Nothing here is on any path unless metrics are on.
 """
 
 from __future__ import annotations
@@ -25,44 +21,23 @@ __all__ = [
     "CLOCK_SIZE",
     "ENDS",
     "ENV",
-    "IN_FLIGHT",
     "AgentTimer",
     "HostTiming",
-    "clock_record",
+    "record_seconds",
     "timed_agent",
     "timed_group_step",
-    "timed_env_call",
 ]
 
-#: Upper bounds (seconds) of the latency histograms' buckets: 10 us to 10 s.
+#: Upper bounds (seconds) of the latency histograms' buckets: 1, 2.5, 5 per decade, 10 us to 10 s.
 BOUNDS: tuple[float, ...] = (
-    1e-5,
-    2.5e-5,
-    5e-5,
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    1e-2,
-    2.5e-2,
-    5e-2,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
+    *(float(f"{m}e{e}") for e in range(-5, 1) for m in (1, 2.5, 5)),
     10.0,
 )
 _N = len(BOUNDS) + 1  # the last bucket is +Inf
 
 ENV = 0
 """Offset of the env-step section: ``_N`` bucket counts (per env step), then the seconds' sum."""
-IN_FLIGHT = _N + 1
-"""Env calls running now in this host (a live count)."""
-AGENT = _N + 2
+AGENT = _N + 1
 """Offset of the host agent's section (``inference="host"``): bucket counts per timed call, the
 seconds' sum, then the exact count of calls."""
 ENDS = AGENT + _N + 2
@@ -72,29 +47,18 @@ CLOCK_SIZE = ENDS + 2
 _perf = time.perf_counter
 
 
-def _items(clock: np.ndarray) -> Any:
-    """Item access to ``clock`` through a ``memoryview`` (cheaper per item than numpy's)."""
-    return clock.data
-
-
-def clock_record(clock: Any, section: int, seconds: float, n: int) -> None:
-    """Add ``n`` observations of ``seconds`` each to ``section`` of ``clock`` (sum: ``n *
-    seconds``); ``clock`` is the array or, cheaper per item, a ``memoryview`` of it."""
-    clock[section + bisect_left(BOUNDS, seconds)] += n
-    clock[section + _N] += seconds * n
+def record_seconds(clock: np.ndarray, seconds: list[float]) -> None:
+    """Add env steps of ``seconds`` each to the env-step section of ``clock`` (the lane hosts
+    time each step into a list and add them here before the metrics read the clock)."""
+    clock[ENV : ENV + _N] += np.bincount(np.searchsorted(BOUNDS, seconds), minlength=_N)
+    clock[ENV + _N] += sum(seconds)
 
 
 def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) -> Any:
-    """``group.step`` that records its envs' time in ``clock``: a worker's envs are stepped one
-    after another, so each env step counts the call's seconds divided by the envs it stepped.
-
-    Written for its cost (it runs in the host for every step of a worker's envs): items are
-    read and written through a ``memoryview`` (a tenth of a numpy scalar's cost), the envs
-    stepped come from the group. A lockstep host does not count its env calls in flight (the
-    caller's worker waits on all of them at once; see ``env_calls_in_flight``). ``weight``: each
-    timed step stands for that many (a sample of the steps, see :class:`HostTiming`).
-    """
-    items = _items(clock)
+    """``group.step`` that records its envs' time in ``clock``: each env step counts the call's
+    seconds divided by the envs it stepped (one after another), as ``weight`` steps (a sample,
+    see :class:`HostTiming`). Items go through a ``memoryview`` (cheaper than numpy's)."""
+    items: Any = clock.data  # item access through a memoryview: cheaper than numpy's
     section, total = ENV, ENV + _N
 
     def timed(mask: np.ndarray, given: Any = None, everyone: bool | None = None) -> Any:
@@ -116,31 +80,10 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) 
     return timed
 
 
-def timed_env_call(clock: np.ndarray) -> Any:
-    """``timed(env.step, action)``: the env's step as a coroutine timed into ``clock``. A lane host
-    (``asyncio``, ``thread``) awaits the wrapped coroutine, which starts running only once the
-    step may go (after a ``max_concurrency`` slot is taken), so neither the seconds nor the
-    calls in flight count a wait for a slot."""
-    items = _items(clock)
-
-    async def timed(step: Any, action: Any) -> Any:
-        # The env's coroutine is made here, when this one runs: one that never runs (its wait
-        # for a slot was cancelled) leaves no env coroutine behind unawaited.
-        items[IN_FLIGHT] += 1
-        start = _perf()
-        try:
-            return await step(action)
-        finally:
-            items[IN_FLIGHT] -= 1
-            clock_record(items, ENV, _perf() - start, 1)
-
-    return timed
-
-
 def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
     """A host agent's ``actions(observations)`` that records each call's seconds, as ``weight``
     calls (its rows are the slot's envs, every call: the caller knows them)."""
-    items = _items(clock)
+    items: Any = clock.data
     bounds, total = BOUNDS, AGENT + _N
 
     def timed(observations: Any) -> Any:
@@ -155,13 +98,9 @@ def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
 
 
 class HostTiming:
-    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step.
-
-    A host's chunk loop costs ~10 us per step besides the env (one env per slot); timing every
-    step's agent call and env step would add ~1 us to it. So the slot times a sample of whole
-    chunks (the first, then every :attr:`EVERY`-th) and weighs each timed step by
-    :attr:`EVERY`: the histograms stay the shape of every step's, the sums and counts are
-    estimates; the agent calls are counted exactly (per chunk, from the reply).
+    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step, each
+    timed step weighing :attr:`EVERY` (timing every step would add ~10% to the chunk loop); the
+    agent calls are counted exactly.
 
     Args:
         group, runner: the slot's env group and chunk runner (their ``step`` and ``_actions``
@@ -172,7 +111,7 @@ class HostTiming:
 
     def __init__(self, group: Any, runner: Any, clock: np.ndarray) -> None:
         self.group, self.runner = group, runner
-        self.items = _items(clock)
+        self.items = clock.data
         self.plain_step = type(group).step.__get__(group)
         self.timed_step = timed_group_step(group, self.plain_step, clock, self.EVERY)
         self.plain_actions = runner._actions
@@ -191,8 +130,7 @@ class HostTiming:
 
 
 class AgentTimer:
-    """Agent calls made in the caller's process: how many, their seconds and rows (plain lists,
-    folded into the metrics once per call)."""
+    """Agent calls made in the caller's process: their seconds and rows, folded once per call."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []

@@ -1,20 +1,9 @@
 """The episode engine: one worker's episodes during a call, and where its part of a call stops.
 
-Every inference mode and backend runs the same rules, written once here:
-
-- :class:`Episodes` is a worker's bookkeeping (lengths, returns, which envs are active, the info
-  of every running episode, the recorder) and the one place where episodes end
-  (:meth:`Episodes.close_episodes`) and where a chunk of steps run elsewhere becomes recorder
-  rows (:meth:`Episodes.replay`, array work per chunk).
-- :class:`StopRule` is where a worker's part of a call stops in each call mode (``samples``,
-  exact ``episodes``, ``fragments``), for the worker's envs together or, for envs stepped one at
-  a time, per env (:meth:`StopRule.env_more`). It is a small picklable object: a chunk request
-  carries a copy, so the host (:class:`~asyncsample.backends._chunk.ChunkRunner`) stops exactly
-  where the worker would.
-- :func:`run_part` drives a call through a :class:`Stepper` (the inference mode chooses it, see
-  :mod:`asyncsample.inference.modes`), with ``fraction_samples`` (:class:`SharedQuota`) decided
-  between units. A stepper only moves the envs and reports what happened through
-  :class:`Episodes`; it never decides where a call stops.
+The same rules for every inference mode and backend: :class:`Episodes` is a worker's bookkeeping
+and the one place where episodes end; :class:`StopRule` (picklable: a chunk request carries a
+copy) is where a worker's part stops in each call mode; :func:`run_part` drives a call through
+the mode's :class:`Stepper`, which only moves the envs and never decides where a call stops.
 """
 
 from __future__ import annotations
@@ -71,23 +60,18 @@ class CallMode(enum.IntEnum):
 
 
 class Continuity(enum.Enum):
-    """Where a worker's episodes stand between and during calls (:attr:`Episodes.state`).
-
-    The next call continues the records and the envs only from ``IDLE`` (what the last call
-    left, see :meth:`Episodes.begin`) or, in a stream's next round, from ``RAN_AHEAD``; from any
-    other state every env starts afresh.
-    """
+    """Where a worker's episodes stand between and during calls (:attr:`Episodes.state`): the
+    next call continues only from ``IDLE`` or (a stream's next round) ``RAN_AHEAD``."""
 
     IDLE = "idle"
     """The last call ended (:meth:`Episodes.end`)."""
     IN_CALL = "in call"
     """A call runs; still so at the next :meth:`Episodes.begin` when it was cancelled midway."""
     BROKEN = "broken"
-    """The env host failed: it is rebuilt (``Worker.restart_host``) before the next step, in
-    this call or the next one (:meth:`Episodes.begin` and :meth:`Episodes.end` keep it)."""
+    """The env host failed: it is rebuilt before the next step, in this call or the next."""
     RAN_AHEAD = "ran ahead"
     """A chunk past the end of the last call may have run in the env host (a stream's
-    run-ahead, :mod:`asyncsample.inference.host`): the envs may have moved past the records."""
+    run-ahead): the envs may have moved past the records."""
     TAKING_OVER = "taking over"
     """A call began that may take that chunk over; its stepper settles it (then ``IN_CALL``)."""
 
@@ -105,10 +89,8 @@ class FinishedEpisode(NamedTuple):
 
 @dataclass
 class Transition:
-    """One worker step over all of its envs, as :meth:`Worker.process_transition` sees it.
-
-    Rows of envs that were not stepped (``active`` false) hold stale values.
-    """
+    """One worker step over all of its envs, as :meth:`Worker.process_transition` sees it
+    (rows of envs not stepped, ``active`` false, hold stale values)."""
 
     observations: Tree
     actions: Tree
@@ -147,7 +129,7 @@ def transition_at(
 
 @dataclass
 class StopRule:
-    """Where one worker's part of a call stops (picklable: chunk requests carry a copy).
+    """Where one worker's part of a call stops.
 
     Attributes:
         mode: the call mode.
@@ -155,8 +137,7 @@ class StopRule:
         need: ``SAMPLES``: steps of completed episodes still missing from the share.
         steps: ``FRAGMENTS``: worker steps still to take.
         episodes_left: ``EPISODES``: per env, episodes it must still complete.
-        env_steps: ``FRAGMENTS`` with each env stepped on its own (:meth:`start_envs`): per env,
-            steps still to take.
+        env_steps: ``FRAGMENTS`` on the lanes (:meth:`start_envs`): per env, steps to take.
     """
 
     mode: CallMode
@@ -188,9 +169,9 @@ class StopRule:
         return bool(active.any())
 
     def start_envs(self, n_envs: int, lacking: int | None = None) -> int:
-        """Each env will ask :meth:`env_more` on its own (the lanes); ``FRAGMENTS``: each env
-        takes the worker's steps left (``lacking`` given: as :meth:`limited`), which it returns
-        for :meth:`took` at the end."""
+        """Each env will ask :meth:`env_more` on its own (the lanes); ``FRAGMENTS``: each takes
+        the worker's steps left (``lacking`` given: as :meth:`limited`), returned for
+        :meth:`took`."""
         if self.mode is not CallMode.FRAGMENTS:
             return 0
         steps = self.steps if lacking is None else math.ceil(lacking / n_envs)
@@ -200,8 +181,8 @@ class StopRule:
     def env_more(
         self, i: int, active: np.ndarray, may_stop: Callable[[], bool] | None = None
     ) -> bool:
-        """Whether env ``i`` takes another step (asked before each of its steps);
-        ``may_stop``: the call's shared quota lets the worker stop (``fraction_samples``)."""
+        """Whether env ``i`` takes another step; ``may_stop``: the call's shared quota lets the
+        worker stop."""
         mode = self.mode
         if mode is CallMode.EPISODES:
             return bool(active[i])
@@ -213,7 +194,7 @@ class StopRule:
 
     def ended(self, envs: np.ndarray, steps: int, active: np.ndarray) -> bool:
         """The episodes of ``envs`` ended, ``steps`` recorded steps in all; whether an env
-        stopped (envs whose episode budget is spent are made inactive in ``active``)."""
+        stopped (made inactive in ``active``)."""
         if self.mode is CallMode.SAMPLES:
             self.need -= steps
             return False
@@ -228,8 +209,7 @@ class StopRule:
         return False
 
     def start_active(self, n_envs: int) -> np.ndarray:
-        """Per env, whether a call under this rule steps it from the start (``EPISODES``: the
-        envs with a share of episodes left)."""
+        """Per env, whether a call under this rule steps it from the start."""
         left = self.episodes_left
         return np.ones(n_envs, dtype=bool) if left is None else left > 0
 
@@ -258,12 +238,9 @@ class StopRule:
 class SharedQuota:
     """The quota of one call with ``fraction_samples < 1``, shared by the workers of the call.
 
-    Each worker reports, after every step (or chunk), how many transitions it would return if it
-    stopped now (complete-episode transitions for ``obtain_samples``, steps x envs for
-    fragments). A worker may stop once it has its own minimum *and* the call's total has reached
-    the target: fast workers therefore keep going past their share while the total is short, and
-    the last worker to stop has both conditions hold for everyone. The object lives beside the
-    worker coroutines in the event loop's thread on every backend, so it needs no lock.
+    Each worker reports after every step (or chunk) the transitions it would return if it
+    stopped now; it may stop once it has its own minimum *and* the call's total has reached the
+    target (fast workers keep going while the total is short). Used in the loop's thread only.
 
     Args:
         target: the call's ``num_samples``.
@@ -311,13 +288,10 @@ class Episodes:
     """One worker's episodes: bookkeeping, the current call's rule, and its records.
 
     Attributes:
-        lengths, returns: per env, steps and return of the episode in progress.
-        active: per env, whether it is stepped (``EPISODES``: false once its budget is spent).
-        everyone: every env is active (the per-step path skips its masks).
+        lengths, returns, episode_info: per env, of the episode in progress.
+        active: per env, whether it is stepped; ``everyone``: all are.
         needs_reset: per env, whether the next :meth:`Worker.start_episode` resets it.
-        episode_info: per env, the info of the episode in progress.
-        recorder: the step rows and pieces of the current call.
-        rule: where the current call stops (``None`` outside a call).
+        recorder, rule: the step rows and pieces of the current call, where it stops.
         finished: every episode completed since the sampler read it.
         state: where the episodes stand between and during calls (:class:`Continuity`).
     """
@@ -336,37 +310,26 @@ class Episodes:
         self.rule: StopRule | None = None
         self.finished: list[FinishedEpisode] = []
         self.state = Continuity.IDLE
-        self.episode_timeout: float | None = None
-        """Seconds an episode may run before it is cut as truncated (``None``: no deadline)."""
-        self.deadlines = np.full(n_envs, np.inf)
-        """Per env, when its episode in progress passes ``episode_timeout`` (``clock`` time)."""
-        self.clock: Callable[[], float] = time.monotonic
-        """The clock of ``deadlines`` (the event loop's, on the lane backends)."""
-        self.ends = [0, 0, 0]
-        """Episodes ended so far: terminated, truncated, cut at their deadline."""
-        self.dropped_steps = 0
-        """Steps of episodes abandoned unfinished (reset or lost to a restart) so far (kept
-        with metrics on)."""
+        self.episode_timeout: float | None = None  # seconds before an episode is cut
+        self.deadlines = np.full(n_envs, np.inf)  # per env, in ``clock`` time
+        self.clock: Callable[[], float] = time.monotonic  # the loop's, on the lanes
+        self.ends = [0, 0, 0]  # episodes ended so far: terminated, truncated, cut at a deadline
+        self.dropped_steps = 0  # steps of episodes abandoned unfinished so far
+        # With metrics on: per env, when its episode started; the seconds of the episodes
+        # ended since the metrics read them.
         self.started_at: np.ndarray | None = None
-        """With metrics on, per env, when its episode started (``time.perf_counter``)."""
         self.durations: list[float] = []
-        """With metrics on, the seconds of the episodes ended since the metrics read them."""
 
     # -- a call ---------------------------------------------------------------------------------
 
     def begin(self, resume: Resume, rule: StopRule | None, *, ahead: bool = False) -> None:
-        """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``.
-
-        ``ahead``: the call may take over a chunk run ahead for it (a stream's next round),
-        whose stepper then settles it (``Continuity.TAKING_OVER``); any other call resets every
-        env after one.
-        """
+        """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``;
+        ``ahead``: it may take over a chunk run ahead for it (a stream's next round)."""
         state = self.state
         ran_ahead = state is Continuity.RAN_AHEAD or state is Continuity.TAKING_OVER
         append = ran_ahead and ahead
         if state is not Continuity.IDLE and (state is not Continuity.RAN_AHEAD or not ahead):
-            # The previous call was cancelled or failed midway, or the envs moved past its end:
-            # nothing of it may leak.
+            # The previous call ended midway, or the envs moved past its end: nothing may leak.
             resume = Resume.NOTHING
             self.needs_reset[:] = True
             ran_ahead = False
@@ -380,14 +343,10 @@ class Episodes:
         self.everyone = bool(self.active.all())
 
     def next_start(self, resume: Resume, rule: StopRule) -> tuple[np.ndarray, np.ndarray] | None:
-        """What a call continuing ``resume`` and stopping at ``rule`` will start from: per env,
-        the rows of its running episode counted as recorded, and whether it is stepped; ``None``
-        when that call would reset an env first (nothing can run ahead of it).
-
-        Computed without :meth:`begin`, whose records must stay intact until the batch of the
-        call ending now is assembled (its plan points into them). ``resume`` must be what the
-        ending call leaves (:meth:`end`).
-        """
+        """What a call continuing ``resume`` (what the ending call leaves) and stopping at
+        ``rule`` will start from: per env, the rows of its running episode counted as recorded,
+        and whether it is stepped; ``None`` when it would reset an env first. Computed without
+        :meth:`begin`: the records stay intact until the ending call's batch is assembled."""
         if self.state not in _CONTINUABLE or self.needs_reset.any():
             return None
         if resume is Resume.NOTHING and bool((self.lengths > 0).any()):
@@ -400,11 +359,8 @@ class Episodes:
         return counts, rule.start_active(self.n_envs)
 
     def end(self, leave: Resume) -> None:
-        """End a call; what ``leave`` says stays running for the next one.
-
-        The step records stay as they are until the next call begins: the plans returned by this
-        call point into them.
-        """
+        """End a call; what ``leave`` says stays running for the next one (the records stay
+        until the next call begins: this call's plans point into them)."""
         self.recorder.end(leave)
         if leave is Resume.NOTHING:
             self.needs_reset |= self.lengths > 0
@@ -555,10 +511,8 @@ class Episodes:
         record: RecordStep | None = None,
         obs_row: int = -1,
     ) -> None:
-        """Turn ``steps`` steps run elsewhere into recorder rows and episodes.
-
-        Rows are copied as blocks; only the steps where an episode ends (and, with a ``record``
-        callback for ``process_transition``, every step) are visited one by one. Episodes that
+        """Turn ``steps`` steps run elsewhere into recorder rows (block copies) and episodes
+        (visiting only the steps where one ends, or every step with ``record``); episodes that
         start in the chunk, or had not taken a step before it, run under ``version``.
 
         Args:
@@ -568,8 +522,7 @@ class Episodes:
             like: observations and actions shaped like one row (to grow the records).
             record: ``record(j, t, agent_infos, env_infos, done)`` after each step, if given.
             obs_row: the arena row the host wrote the chunk's observations to (``chunk.obs``
-                is then a view of them), or -1. Where that is the row the records keep them
-                at (:meth:`~asyncsample._recorder.Rows.arena_row`), they are not copied.
+                is then a view of them), or -1; not copied where the records keep them there.
         """
         self.stamp_unstarted(version)
         if steps <= 0:
@@ -645,9 +598,7 @@ class Episodes:
 
 class LaneRound:
     """One round of a stream of complete episodes on the lanes: no env stops stepping until
-    each of the ``workers`` taking part has its share (a worker done early keeps its envs
-    stepping into the episodes the next round continues); then every worker's steps in flight
-    are left for the next round."""
+    each of the ``workers`` has its share; then their steps in flight go on into the next."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -677,8 +628,7 @@ class Part:
     """One worker's part of a call, as the mode's stepper sees it.
 
     Attributes:
-        resume: what the part continues from the previous call.
-        leave: what it leaves running for the next (``Resume.EPISODES``: a stream's round).
+        resume, leave: what it continues from the previous call, and leaves for the next.
         quota: the call's shared quota (``fraction_samples < 1``), if any.
         then: a stream round follows, continuing what this one leaves (a mode may start it).
         lane_round: the stream round this part is in, on the lanes.
@@ -692,13 +642,9 @@ class Part:
 
 
 class Stepper(Protocol):
-    """How a worker's envs move: one env step, or one chunk of steps, per request.
-
-    ``start`` resets what needs a reset; ``advance`` moves at least one worker step and never
-    past where ``rule`` stops (nor, given ``lacking``, past ``lacking`` more transitions: see
-    :meth:`StopRule.limited`), recording through the worker's :class:`Episodes`, and returns the
-    worker steps taken; ``run`` advances until ``rule`` stops.
-    """
+    """How a worker's envs move: ``start`` resets what needs a reset; ``advance`` moves at
+    least one worker step, never past where ``rule`` stops (nor past ``lacking`` more
+    transitions), and returns the steps taken; ``run`` advances until ``rule`` stops."""
 
     async def start(self) -> None: ...
 
@@ -755,14 +701,9 @@ async def run_part(
     leave: Resume,
     quota: SharedQuota | None = None,
 ) -> Plan:
-    """Run the worker's part of the call begun with :meth:`Episodes.begin`; its plan.
-
-    Without ``quota`` the stepper runs until the call's rule stops. With a shared ``quota``
-    (``fraction_samples < 1``) the worker advances until :meth:`SharedQuota.may_stop`, deciding
-    between units (a step, or a chunk that asks for no more than what is still lacking), so it
-    goes past the point where it may stop by less than one episode (samples) or one step of its
-    envs (fragments). A retry after a failure calls it again and it resumes.
-    """
+    """Run the worker's part of the call begun with :meth:`Episodes.begin`; its plan. With a
+    shared ``quota`` the worker advances, a unit at a time, until :meth:`SharedQuota.may_stop`.
+    A retry after a failure calls it again and it resumes."""
     episodes = worker.episodes
     rule = episodes.rule
     assert rule is not None
@@ -786,6 +727,5 @@ async def run_part(
 
 
 def share_of(quota: int, n_workers: int, worker: int) -> int:
-    """Worker ``worker``'s fixed share of a call's ``quota``: an even split, the remainder to
-    the first workers."""
+    """Worker ``worker``'s share of ``quota``: an even split, the remainder to the first ones."""
     return quota // n_workers + (worker < quota % n_workers)

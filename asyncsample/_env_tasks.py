@@ -1,19 +1,11 @@
 """One coroutine per env: the stepper of hosts that step each env on its own (a
 :class:`~asyncsample.backends.base.PerEnvHost`: ``asyncio``, ``thread``).
 
-A worker's envs are not stepped in lockstep here. Each env runs its own loop (reset when it must,
-ask for an action, step, record), so a slow env never stalls a fast one, and every env writes its
-steps to its own column of the worker's step records (the recorder's per-env cursor): an
-episode's steps stay contiguous in that column, so the engine's bookkeeping, stop rules and batch
-assembly apply unchanged.
-
-- The inference mode's :class:`~asyncsample.inference.batched.Batcher` merges the action
-  requests of every env that became ready in one pass of the event loop into one agent call per
-  agent (a policy service sees batches, however many one-env workers there are).
-- :class:`Admission` holds back new episodes in ``stream`` while the open episodes' agent
-  versions would spread by more than ``max_policy_lag``.
-- :class:`LaneStepper` is the :class:`~asyncsample._engine.Stepper`; where a call stops is the
-  engine's :class:`~asyncsample._engine.StopRule`, applied per env.
+Each env runs its own loop (reset when it must, ask for an action, step, record), so a slow env
+never stalls a fast one, and writes its steps to its own column of the worker's records (the
+recorder's per-env cursor), so the engine's bookkeeping, stop rules and batch assembly apply
+unchanged. The mode's :class:`~asyncsample.inference.batched.Batcher` merges the envs' action
+requests; :class:`Admission` holds back new episodes in ``stream(max_policy_lag=...)``.
 """
 
 from __future__ import annotations
@@ -50,12 +42,9 @@ _NEVER = np.inf
 class Admission:
     """Staleness at admission (``stream(max_policy_lag=k)`` on the lane backends).
 
-    Tracks the agent version of every open episode, per worker. An env may start a new episode
-    under version ``v`` only while ``v - oldest open version of its worker <= k``; otherwise it
-    waits until its worker's older episodes end (or the call's share is in). So the versions in
-    flight never spread by more than ``k``, rather than episodes being run to the end and thrown
-    away afterwards. Per worker, because the workers' shares are separate: a worker waiting on
-    another's episode, which that worker would only finish in the next round, could wait forever.
+    An env may start an episode under agent version ``v`` only while ``v`` minus the oldest
+    version of its worker's open episodes is at most ``k``; else it waits for those to end (or
+    for the call's share). Per worker: the workers' shares are separate.
     """
 
     def __init__(self, max_lag: int) -> None:
@@ -65,8 +54,7 @@ class Admission:
         )
         self._open: dict[tuple[int, int], int] = {}
         self._changed = asyncio.Event()
-        self.waits = 0
-        """How many times an env was held back."""
+        self.waits = 0  # how many times an env was held back
 
     def oldest(self, worker: int) -> int | None:
         """The oldest agent version among ``worker``'s open episodes."""
@@ -77,9 +65,7 @@ class Admission:
         self, key: tuple[int, int], version: int, still: Callable[[], bool] = lambda: True
     ) -> bool:
         """Wait until env ``key`` (worker, env) may start an episode under ``version``, then
-        count it open and return true; return false as soon as ``still()`` is false (the call
-        needs no more episodes). An episode of ``key`` still counted (dropped by a restart)
-        is forgotten first."""
+        count it open and return true; false as soon as ``still()`` is false."""
         self.closed(key)
         held = False
         while True:
@@ -113,9 +99,8 @@ class Admission:
 
 @dataclass
 class LaneSettings:
-    """What every lane of a sampler shares: ``max_restarts`` of one env in a call (past it the
-    env's error fails the call), ``restarted(worker, failure)`` at each rebuild (the sampler
-    counts it), ``admission()``: the open stream's :class:`Admission`, if any."""
+    """What every lane of a sampler shares: ``max_restarts`` of one env in a call,
+    ``restarted(worker, failure)`` at each rebuild, ``admission()``: the stream's, if any."""
 
     max_restarts: int
     restarted: Callable[[int, WorkerError], None]
@@ -128,16 +113,10 @@ class LaneStepper:
     Args:
         worker: the worker; its host must be a :class:`~asyncsample.backends.base.PerEnvHost`.
         requests: the mode's merger of the envs' agent requests.
-        part: the worker's part of the call. ``part.leave``: once a ``samples`` call has its
-            share, steps still in flight are cancelled (``Resume.NOTHING``: their episodes would
-            be dropped) or left running for the next round (``Resume.EPISODES``, a stream's
-            round), which takes them up (``part.resume``); any other call drops them. With a
-            shared ``part.quota`` each env checks it before every step.
+        part: the worker's part of the call. Once a ``samples`` call has its share, steps in
+            flight are cancelled, or with ``part.leave`` ``Resume.EPISODES`` (a stream's round)
+            left running for the next round, which takes them up.
         settings: see :class:`LaneSettings`.
-
-    A fault is the env's own: an env that raises (its own ``CancelledError`` included), hangs
-    past ``step_timeout`` or returns a malformed step loses its episode in progress and is
-    closed (bounded by ``close_timeout``) and rebuilt, while every other env's episode goes on.
     """
 
     def __init__(
@@ -150,16 +129,12 @@ class LaneStepper:
         self.admission = settings.admission()
         self.quota = quota = part.quota
         self.resume = part.resume
-        self.carry = part.leave is Resume.EPISODES
-        """A stream of complete episodes: at the end of a round, steps still in flight are left
-        running (:attr:`PerEnvHost.in_flight`) and the next round takes them up, so no round
-        waits for its stragglers."""
+        self.carry = part.leave is Resume.EPISODES  # steps in flight go on into the next round
         self.detaching = False
         self.round = part.lane_round if self.carry and quota is None else None
         self.settings = settings
         n = worker.n_envs
-        self.env_restarts = [0] * n
-        """Rebuilds of each env in this call."""
+        self.env_restarts = [0] * n  # rebuilds of each env in this call
         recorder = worker.episodes.recorder
         if recorder.cursor is None:
             recorder.cursor = np.zeros(n, dtype=np.int64)
@@ -168,9 +143,8 @@ class LaneStepper:
         worker.episodes.clock = asyncio.get_running_loop().time
 
     async def start(self) -> None:
-        """Episodes that have not taken a step start under the current agent version (resets
-        happen in each env's own coroutine); steps a previous round left running are dropped
-        unless this call continues that round's episodes."""
+        """Episodes that have not taken a step start under the current agent version; steps a
+        previous round left running are dropped unless this call continues its episodes."""
         episodes = self.worker.episodes
         if self.host.in_flight:
             if self.resume is Resume.EPISODES:
@@ -183,22 +157,18 @@ class LaneStepper:
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """Step every env until the rule, or ``lacking`` more transitions, say stop."""
-        await self._run(rule, lacking)
+        await self.run(rule, lacking)
         return 1
 
-    async def run(self, rule: StopRule) -> None:
-        """Step every env until ``rule`` says stop."""
-        await self._run(rule, None)
-
     def _may_stop(self, fragments: bool) -> bool:
-        """The call's shared quota lets this worker stop (each env asks before its step, so
-        the total passes the target by at most the steps in flight)."""
+        """The call's shared quota lets this worker stop (each env asks before its step)."""
         quota, w = self.quota, self.worker.worker_number
         assert quota is not None
         quota.report(w, self.worker.episodes.count(fragments))
         return quota.may_stop(w)
 
-    async def _run(self, rule: StopRule, lacking: int | None) -> None:
+    async def run(self, rule: StopRule, lacking: int | None = None) -> None:
+        """Step every env until ``rule`` (or ``lacking`` more transitions) says stop."""
         steps = rule.start_envs(self.worker.n_envs, lacking)
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
@@ -243,12 +213,8 @@ class LaneStepper:
         rule.took(steps)
 
     async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None]) -> None:
-        """Env ``i``'s loop: reset when it must, ask for an action, step, record.
-
-        The env's cursor, episode length and return live in locals while it runs (numpy
-        scalar reads and writes cost more than the rest of a step) and go back to the
-        engine's arrays wherever the engine reads them: an episode's end, a cut, the exit.
-        """
+        """Env ``i``'s loop: reset when it must, ask for an action, step, record. Its cursor,
+        length and return live in locals, written back wherever the engine reads them."""
         worker = self.worker
         episodes = worker.episodes
         host = self.host
@@ -269,8 +235,7 @@ class LaneStepper:
         needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
         deadlines = self.deadlines
         steps_left = rule.env_steps if rule.mode is CallMode.FRAGMENTS else None
-        # fraction_samples of fragments: the shared quota counts the steps in the records
-        # before every step, so the cursor cannot wait for the episode's end.
+        # fraction_samples of fragments: the quota counts the recorded steps before every step.
         live_cursor = steps_left is not None and self.quota is not None
         lane_round = self.round
         may_stop = None
@@ -280,8 +245,13 @@ class LaneStepper:
             more: Callable[[], bool] = lambda: not lane_round.done  # noqa: E731
         elif samples and may_stop is None:
             more = lambda: rule.need > 0  # noqa: E731
+        elif steps_left is not None and may_stop is None:
+            more = lambda: left > 0  # noqa: E731
         else:
             more = functools.partial(rule.env_more, i, episodes.active, may_stop)
+        # Fragments: the env's steps left live in a local too (written back where the quota
+        # reads them, and at the exit).
+        left = 0 if steps_left is None else int(steps_left[i])
         loop = asyncio.get_running_loop()
         t, length, ret = int(cursor[i]), int(lengths[i]), float(returns[i])
         deadline = float(deadlines[i])
@@ -359,7 +329,10 @@ class LaneStepper:
                         task.cancel()
                     carried, stepping = None, False
                     cursor[i], lengths[i], returns[i] = t, length, ret
-                    self._drop(i, rule)
+                    recorded = self._drop(i)
+                    if steps_left is not None:  # a fragment call redoes the dropped steps
+                        left += recorded
+                        steps_left[i] = left
                     length, ret = 0, 0.0
                     await self._rebuild(i, failure)
                     continue
@@ -378,8 +351,9 @@ class LaneStepper:
                 length += 1
                 ret += reward
                 if steps_left is not None:
-                    steps_left[i] -= 1
+                    left -= 1
                     if live_cursor:
+                        steps_left[i] = left
                         cursor[i] = t
                 if terminated or truncated:
                     cursor[i], lengths[i], returns[i] = t, length, ret
@@ -405,6 +379,8 @@ class LaneStepper:
             raise
         finally:
             cursor[i], lengths[i], returns[i] = t, length, ret
+            if steps_left is not None:
+                steps_left[i] = left
 
     async def _start_episode(self, i: int, one: np.ndarray, more: Callable[[], bool]) -> bool:
         """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""
@@ -433,21 +409,20 @@ class LaneStepper:
             reset(one.copy())
         return more()
 
-    def _drop(self, i: int, rule: StopRule) -> None:
-        """Env ``i`` failed: its episode in progress is dropped (a fragment call redoes its
-        steps), and it is reset before its next step."""
+    def _drop(self, i: int) -> int:
+        """Env ``i`` failed: its episode in progress is dropped, and it is reset before its
+        next step; the steps it had recorded."""
         recorded = self.worker.episodes.drop_env(i)
-        if rule.env_steps is not None and recorded > 0:
-            rule.env_steps[i] += recorded
         self._closed(i)
+        return recorded
 
     def _closed(self, i: int) -> None:
         if self.admission is not None:
             self.admission.closed((self.worker.worker_number, i))
 
     async def _rebuild(self, i: int, failure: WorkerError) -> None:
-        """Close env ``i`` (bounded) and build it again, within the call's ``max_restarts``
-        for it; past them ``failure`` (or the rebuild's own error) is raised, not retried."""
+        """Close env ``i`` and build it again, within the call's ``max_restarts`` for it; past
+        them ``failure`` (or the rebuild's own error) is raised, not retried."""
         worker = self.worker
         w = worker.worker_number
         while True:
@@ -482,8 +457,8 @@ class LaneStepper:
         self._closed(i)
 
     def _cut(self, i: int) -> None:
-        """Env ``i``'s episode passed its deadline: it ends as truncated at its last step, its
-        ``episode_infos["deadline"]`` true; the env is reset before its next step."""
+        """Env ``i``'s episode passed its deadline: it ends truncated at its last step, with
+        ``episode_infos["deadline"]``."""
         episodes = self.worker.episodes
         cursor = episodes.recorder.cursor
         assert cursor is not None

@@ -1,20 +1,16 @@
 """The envs of one worker, and the bookkeeping around each env's own ``reset`` and ``step``.
 
-:class:`EnvGroup` checks what an env returned, applies the time limit and writes the buffer rows
-(:meth:`EnvGroup.finish_reset`, :meth:`EnvGroup.finish`) for every host: lockstep stepping
-(:meth:`EnvGroup.step`) is a loop over it where the envs live (the event loop's thread for
-``local``, an env-host process for ``process``, an actor for ``ray``), and the lane host of
-``asyncio``/``thread`` awaits each env's call and hands the result to the same methods. So all
-backends give identical results for a fixed seed.
-
-Data moves through :class:`StepBuffers`: arrays with a leading axis of ``n_envs`` that the worker
-and the host both see (plain arrays in-process, shared memory across processes). Only small
-control data (infos, errors) travels any other way.
+:class:`EnvGroup` checks what an env returned, applies the time limit and writes the rows of the
+:class:`StepBuffers` (arrays with a leading axis of ``n_envs``, shared memory across processes)
+for every host: in lockstep (:meth:`EnvGroup.step`) where the envs live, and for the lane hosts,
+which await each env's call (:meth:`EnvGroup.finish`). So all backends give identical results
+for a fixed seed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import numbers
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +34,6 @@ __all__ = [
     "StepBuffers",
     "StepInfos",
     "call_targets",
-    "env_indices",
     "fixed_rows",
     "set_attr_targets",
     "rebuild_chain",
@@ -46,11 +41,9 @@ __all__ = [
 ]
 
 
-#: How a group restarts an env whose episode ended (gymnasium's ``AutoresetMode`` values):
-#: ``"SameStep"`` resets it in the step that ended the episode (the true last observation goes to
-#: ``final_obs``: the sampler's mode), ``"NextStep"`` resets it in the env's next step instead of
-#: stepping it (reward 0, both flags false, the reset's info), ``"Disabled"`` never resets it
-#: (stepping it again is an error; the caller resets it).
+#: How a group restarts an env whose episode ended (gymnasium's ``AutoresetMode`` values): in the
+#: step that ended it (the last observation to ``final_obs``: the sampler's mode), in its next
+#: step instead of stepping it (reward 0, both flags false), or never (the caller resets it).
 AUTORESET_MODES = ("SameStep", "NextStep", "Disabled")
 
 #: "Use the env's pending seed": the default of a reset.
@@ -65,14 +58,8 @@ _FIXED_SPACES = (
 
 
 def fixed_rows(space: gym.Space[Any]) -> bool:
-    """Whether every value of ``space`` fits one fixed-size row of an array buffer.
-
-    True for ``Box``, ``Discrete``, ``MultiBinary``, ``MultiDiscrete`` and ``Dict``/``Tuple`` of
-    them. Values of other spaces (``Text``, ``OneOf``, ``Sequence``, ``Graph``, custom spaces)
-    have no such row: :class:`StepBuffers` keeps them as Python objects, one per env, which a
-    remote host ships pickled in its replies (observations) and receives pickled in its step
-    requests (actions).
-    """
+    """Whether every value of ``space`` fits one fixed-size row of an array buffer (``Box``,
+    ``Discrete``, ``Multi*`` and ``Dict``/``Tuple`` of them); other values travel pickled."""
     if isinstance(space, gym.spaces.Dict):
         return all(fixed_rows(sub) for sub in space.spaces.values())
     if isinstance(space, gym.spaces.Tuple):
@@ -92,14 +79,11 @@ class StepBuffers:
         obs: observation each env shows now (after an autoreset, the new episode's first one).
         final_obs: for envs whose episode ended on the last step, the true last observation.
         actions: written by the worker before a step.
-        rewards, terminated, truncated: results of the last step (``truncated`` includes the
-            sampler's ``max_episode_length``).
-        clock: with metrics on, the host's timings (see :mod:`asyncsample._clock`); else
-            ``None``.
+        rewards, terminated, truncated: results of the last step (with the time limit).
+        clock: with metrics on, the host's timings (:mod:`asyncsample._clock`); else ``None``.
 
-    For a space whose values have no fixed-size row (see :func:`fixed_rows`), ``obs`` and
-    ``final_obs`` or ``actions`` are a plain list of ``n_envs`` Python objects instead, never
-    shared: remote hosts' replies and step requests carry them pickled.
+    For a space without fixed-size rows (:func:`fixed_rows`) ``obs``, ``final_obs`` or
+    ``actions`` is a list of ``n_envs`` Python objects instead, never shared.
     """
 
     obs: Tree
@@ -120,8 +104,6 @@ class StepBuffers:
         timed: bool = False,
     ) -> StepBuffers:
         """Allocate buffers; ``make(space, n)`` builds one (nested) array, default in-process.
-
-        Spaces without fixed-size rows get lists of objects, not ``make`` (see the class doc).
         ``timed``: also a :attr:`clock` (allocated last, so views made in the same order agree).
         """
         make = make or _zeros
@@ -143,13 +125,12 @@ class StepInfos:
     """The small, picklable part of a step's answer.
 
     Attributes:
-        env_infos: ``None`` when every stepped env returned an empty info dict (the common case,
-            kept cheap), else one dict per env (empty for envs not stepped).
+        env_infos: ``None`` when every stepped env returned an empty info dict, else one dict
+            per env (empty for envs not stepped).
         reset_infos: info dicts from the autoresets this step did, by env index.
-        final_obs: when the group sends final observations in its replies (``final_in_reply``,
-            or observations without fixed-size rows), the true last observation of each env
-            whose episode ended in this step, by env index: the env's own object, not a buffer
-            row in the space's dtype. ``None`` otherwise.
+        final_obs: with ``final_in_reply``, by env index, the true last observation of each
+            env whose episode ended (the env's own object, where its buffer row cannot hold
+            it exactly); else ``None``.
     """
 
     env_infos: list[dict[str, Any]] | None
@@ -176,11 +157,8 @@ class EnvFailureError(Exception):
 
 
 def rebuild_chain(chain: list[EnvSource], update: EnvSource) -> list[EnvSource]:
-    """The sources that rebuild an env after ``update``: what a restart replays.
-
-    A replacing update starts a new chain; a ``SetTaskUpdate`` replaces an earlier one; any other
-    ``EnvUpdate`` is appended, since it transforms whatever env it is given.
-    """
+    """The sources that rebuild an env after ``update`` (what a restart replays): a replacing
+    update starts a new chain, a ``SetTaskUpdate`` replaces an earlier one, others append."""
     if not isinstance(update, EnvUpdate):
         return [update]
     if isinstance(update, SetTaskUpdate):
@@ -194,14 +172,11 @@ class EnvGroup:
     Args:
         worker: index of the worker these envs belong to (for error messages).
         buffers: the :class:`StepBuffers` to read actions from and write results to.
-        observation_space: the declared observation space (shapes are checked against it).
-        action_space: the declared action space.
+        observation_space, action_space: the declared spaces (observations are checked).
         max_episode_length: steps after which the host truncates an episode, or ``None``.
-        autoreset: one of :data:`AUTORESET_MODES` (the vector-env faces choose; the sampler
-            uses ``"SameStep"``).
+        autoreset: one of :data:`AUTORESET_MODES` (the sampler uses ``"SameStep"``).
         final_in_reply: also return the final observations themselves, in
-            :attr:`StepInfos.final_obs` (the gymnasium face: gymnasium hands back the env's own
-            last observation, a Python ``int`` stays an ``int``). Always on for observations
+            :attr:`StepInfos.final_obs` (the gymnasium face); always on for observations
             without fixed-size rows.
     """
 
@@ -222,17 +197,15 @@ class EnvGroup:
         self.observation_space = observation_space
         self.action_space = action_space
         self.max_episode_length = max_episode_length
+        self._limit = max_episode_length or _NO_LIMIT  # the steps at which an episode is cut
         self.n_envs = len(buffers.rewards)
         self.envs: list[gym.Env | None] = [None] * self.n_envs
-        # Each env's current observation where the buffers do not hold it (nested spaces, and
-        # observations the fast shape test could not vouch for); None where a buffer row does.
+        # Each env's current observation where no buffer row holds it yet; else None.
         self._obs: list[Any] = [None] * self.n_envs
         self._lengths = [0] * self.n_envs
         self._misfits: list[int] = []  # envs whose observation a plain buffer row awaits
         self._seeds: list[int | None] = [None] * self.n_envs
-        # Observations of a plain (Box, Discrete, Multi*) space go straight into their row.
         self._flat_obs = isinstance(buffers.obs, np.ndarray)
-        # Observations without fixed-size rows: buffers.obs is a list of the envs' own objects.
         self._object_obs = isinstance(buffers.obs, list)
         self._final_in_reply = final_in_reply or self._object_obs
         self._obs_shape = tuple(observation_space.shape or ())
@@ -240,14 +213,12 @@ class EnvGroup:
         self._next_step = autoreset == "NextStep"
         # "NextStep"/"Disabled": envs whose episode ended and that were not reset since.
         self._ended = [False] * self.n_envs
-        #: The envs whose episode ended in the last :meth:`step`, in index order (the hosts'
-        #: chunk loop reads it instead of testing the flags in the buffers).
+        #: The envs whose episode ended in the last :meth:`step`, in index order.
         self.last_ended: list[int] = []
         #: How many envs the last :meth:`step` stepped (the metrics' clock reads it).
         self.last_stepped = 0
         self._everyone = list(range(self.n_envs))
-        #: Whether a malformed step is worth rebuilding the env (the lanes: a fault is the
-        #: env's own) or the caller's mistake that fails the call (the lockstep hosts).
+        #: Whether a malformed step is retried (the lanes rebuild the env) or fails the call.
         self.malformed_retry = False
         if buffers.clock is not None:  # metrics on: the host times its steps
             self.step = timed_group_step(self, self.step, buffers.clock)  # type: ignore[method-assign]
@@ -267,8 +238,7 @@ class EnvGroup:
         self.place(i, env, seed)
 
     def place(self, i: int, env: Any, seed: int | None, fresh: bool = True) -> None:
-        """Env ``i`` is now ``env``, whose next reset gets ``seed``; ``fresh`` (a rebuild,
-        not an update): no episode of it is in progress."""
+        """Env ``i`` is now ``env``, whose next reset gets ``seed``; ``fresh``: a rebuild."""
         self.envs[i] = env
         self._seeds[i] = seed
         if fresh:
@@ -298,21 +268,14 @@ class EnvGroup:
     ) -> dict[int, dict[str, Any]]:
         """Reset the envs where ``mask`` is true; returns their non-empty reset infos by index.
 
-        Args:
-            mask: which envs to reset.
-            seeds: ``None`` (each env gets its pending seed, if any: the usual case), or one seed
-                per env (``None`` entries: no seed) used for this reset instead of the pending
-                one, which is dropped (see :func:`reset_arguments`).
-            options: ``None``, or one ``options`` dict (or ``None``) per env for ``env.reset``.
+        ``seeds``: one per env (``None``: no seed) instead of each env's pending seed, which is
+        dropped; ``options``: one dict (or ``None``) per env for ``env.reset``.
         """
         infos: dict[int, dict[str, Any]] = {}
+        requested = seeds is not None or options is not None
         for i in np.flatnonzero(mask).tolist():
-            if seeds is None and options is None:
-                info = self._reset_one(i)
-            else:
-                seed = PENDING_SEED if seeds is None else seeds[i]
-                opts = None if options is None else options[i]
-                info = self._reset_one(i, seed, opts, requested=True)
+            seed = PENDING_SEED if seeds is None else seeds[i]
+            info = self._reset_one(i, seed, None if options is None else options[i], requested)
             if info:
                 infos[i] = info
         self._store_pending()
@@ -330,8 +293,7 @@ class EnvGroup:
         kwargs = self.reset_kwargs(i, seed, options, requested)
         return self.finish_reset(i, self._guard(i, env.reset, **kwargs))
 
-    # -- one env: before and after its own reset or step (``finish(i, env.step(a))`` here,
-    # ``finish(i, await env.step(a))`` on the lanes) -------------------------------------------
+    # -- one env: before and after its own reset or step -----------------------------------
 
     def reset_kwargs(
         self,
@@ -340,9 +302,8 @@ class EnvGroup:
         options: dict[str, Any] | None = None,
         requested: bool = False,
     ) -> dict[str, Any]:
-        """The keyword arguments of env ``i``'s next ``reset`` (its pending seed by default). A
-        ``requested`` reset passes ``options=`` even when ``None``, as gymnasium's vector envs do.
-        """
+        """The keyword arguments of env ``i``'s next ``reset`` (its pending seed by default); a
+        ``requested`` reset passes ``options=`` even when ``None``, as gymnasium's do."""
         pending, self._seeds[i] = self._seeds[i], None
         if seed is PENDING_SEED:
             seed = pending
@@ -363,23 +324,18 @@ class EnvGroup:
         self._keep_obs(i, obs)
         return dict(info) if info else {}
 
-    def finish(self, i: int, result: Any, alone: bool = False) -> tuple[Any, Any, bool, bool, Any]:
-        """Env ``i``'s step returned ``result``: check it (a malformed one raises
-        ``EnvFailureError`` naming the field and type), keep the observation, count the step;
-        ``(obs, reward, terminated, truncated, info)``, ``truncated`` with the time limit.
-
-        ``alone`` (the lanes: env ``i`` stepped on its own): also write its observation into
-        its row now, and its flags and ``final_obs`` row when its episode ended (the lockstep
-        :meth:`step` writes those for every env at once).
-        """
-        if type(result) is not tuple or len(result) != 5:
-            result = self._checked_step(i, result)
-        o, r, term, trunc, info = result
-        if (
-            type(r) not in _FAST_REWARDS
-            or type(term) not in _FAST_FLAGS
-            or type(trunc) not in _FAST_FLAGS
-            or (info and type(info) is not dict)
+    def finish(self, i: int, result: Any) -> tuple[Any, bool, bool, dict[str, Any]]:
+        """Env ``i``, stepped on its own (the lanes), returned ``result``: check it (a malformed
+        one raises ``EnvFailureError`` naming the field and type), write its observation, and
+        its flags and ``final_obs`` row when its episode ended, count the step; ``(reward,
+        terminated, truncated, info)``, ``truncated`` with the time limit."""
+        try:
+            o, r, term, trunc, info = result
+        except (TypeError, ValueError):
+            self._checked_step(i, result)  # not 5 values: raises
+            raise
+        if (type(result), type(r), type(term), type(trunc)) not in _FAST_STEPS or (
+            info and type(info) is not dict
         ):
             o, r, term, trunc, info = self._checked_step(i, result)
         if self._flat_obs and getattr(o, "shape", ()) == self._obs_shape:
@@ -387,19 +343,17 @@ class EnvGroup:
             self._obs[i] = None
         else:
             self._keep_obs(i, o)
-            if alone:
-                self._store_pending([i])
+            self._store_pending([i])
         n = self._lengths[i] + 1
         self._lengths[i] = n
-        mel = self.max_episode_length
-        if mel is not None and n >= mel:
+        if n >= self._limit:
             trunc = True
-        if alone and (term or trunc):
+        if term or trunc:
             buf = self.buffers
             buf.terminated[i] = term
             buf.truncated[i] = trunc
             self._put(buf.final_obs, i, o)
-        return o, r, term, trunc, info
+        return r, term, trunc, info or {}
 
     def step_results(
         self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
@@ -431,8 +385,7 @@ class EnvGroup:
             self._misfits.append(i)
 
     def _checked_step(self, i: int, result: Any) -> tuple[Any, Any, bool, bool, Any]:
-        """``result`` if gymnasium allows it (a real reward, bool or 0/1 flags, a mapping or
-        ``None`` as info), else a malformed error."""
+        """``result`` if gymnasium allows it, else a malformed error (the checks' definition)."""
         if not isinstance(result, (tuple, list)) or len(result) != 5:
             what = "a tuple (observation, reward, terminated, truncated, info)"
             self._raise_malformed(i, "the step's result", what, result)
@@ -451,20 +404,19 @@ class EnvGroup:
     def step(
         self, mask: np.ndarray, given: Sequence[Any] | None = None, everyone: bool | None = None
     ) -> StepInfos:
-        """Step the envs where ``mask`` is true with the actions in the buffers (or, ``given``,
-        with those: one per env, handed to the envs as they are). ``everyone``: whether
-        ``mask`` is all true, when the caller knows (saves testing it).
+        """Step the envs where ``mask`` is true with the actions in the buffers (or ``given``, one
+        per env); ``everyone``: whether ``mask`` is all true, when the caller knows.
 
-        An env whose episode ends (terminated, truncated by the env, or at ``max_episode_length``)
-        has its last observation written to ``final_obs`` and is reset at once, so ``obs`` always
-        holds what the agent acts on next. In ``"NextStep"`` mode it keeps its last observation
-        and this method resets it the next time it is in ``mask`` (its reset info goes to
-        ``reset_infos``); in ``"Disabled"`` mode stepping it again is an error.
+        An env whose episode ends has its last observation written to ``final_obs`` and is reset
+        at once (``"NextStep"``: at its next step instead; ``"Disabled"``: stepping it again is
+        an error), so ``obs`` holds what the agent acts on next.
         """
-        # The hot path: one :meth:`finish` per env, one numpy write per result field at the end.
+        # The hot path: plain Python per env with the attribute reads hoisted, one numpy write per
+        # field at the end; a step off the fast path (exact types) gets :meth:`_checked_step`.
         buf = self.buffers
         envs = self.envs
-        finish = self.finish
+        obs = self._obs
+        lengths = self._lengths
         if everyone is None:
             everyone = bool(mask.all())
         indices = self._everyone if everyone else np.flatnonzero(mask).tolist()
@@ -472,12 +424,16 @@ class EnvGroup:
             actions = self._actions_for(indices, everyone)
         else:
             actions = list(given) if everyone else [given[i] for i in indices]
+        obs_out = buf.obs if self._flat_obs else None
+        obs_shape = self._obs_shape
+        limit = self._limit
         rewards: list[Any] = []
         terms: list[bool] = []
         truncs: list[bool] = []
         env_infos: list[dict[str, Any]] | None = None
         done: list[int] = []
         finals: list[Any] = []
+        misfits = self._misfits
         ended = self._ended
         deferred = not self._same_step
         reset_infos: dict[int, dict[str, Any]] = {}
@@ -487,19 +443,48 @@ class EnvGroup:
                 if deferred and ended[i]:
                     # The reset deferred from the step that ended the episode: reward 0, both
                     # flags false, the first observation (gymnasium's next-step autoreset).
-                    self._restart_ended(i, reset_infos)
+                    if not self._next_step:
+                        err = RuntimeError(
+                            f"env {i} of worker {self.worker} ended its episode and autoreset is "
+                            "'Disabled': it must be reset before it is stepped again"
+                        )
+                        raise EnvFailureError(EnvFailure(i, err, "", retry=False))
+                    info = self._reset_one(i)
+                    if info:
+                        reset_infos[i] = info
                     rewards.append(0.0)
                     terms.append(False)
                     truncs.append(False)
                     continue
-                o, r, term, trunc, info = finish(i, envs[i].step(action))  # type: ignore[union-attr]
+                result = envs[i].step(action)  # type: ignore[union-attr]
+                try:
+                    o, r, term, trunc, info = result
+                except (TypeError, ValueError):
+                    self._checked_step(i, result)  # not 5 values: raises
+                    raise
+                if (type(result), type(r), type(term), type(trunc)) not in _FAST_STEPS or (
+                    info and type(info) is not dict
+                ):
+                    o, r, term, trunc, info = self._checked_step(i, result)
+                if obs_out is None:
+                    obs[i] = o
+                elif getattr(o, "shape", ()) == obs_shape:
+                    obs_out[i] = o  # the row holds it: no second reference kept
+                    obs[i] = None
+                else:
+                    obs[i] = o
+                    misfits.append(i)
                 rewards.append(r)
-                terms.append(term)
-                truncs.append(trunc)
+                n = lengths[i] + 1
+                lengths[i] = n
                 if info:
                     if env_infos is None:
                         env_infos = [{} for _ in range(self.n_envs)]
                     env_infos[i] = info
+                if n >= limit:
+                    trunc = True
+                terms.append(term)
+                truncs.append(trunc)
                 if term or trunc:
                     done.append(i)
                     finals.append(o)
@@ -528,7 +513,7 @@ class EnvGroup:
                     if row is None
                     or type(o) is not np.ndarray
                     or o.dtype != row.dtype
-                    or o.shape != self._obs_shape
+                    or o.shape != obs_shape
                 } or None
             try:
                 self._write(buf.final_obs, done, finals)
@@ -538,31 +523,17 @@ class EnvGroup:
                 info = self._reset_one(i)
                 if info:  # empty infos need not travel
                     reset_infos[i] = info
-        self._store_pending()
+        if obs_out is None or self._misfits:
+            self._store_pending()
         return StepInfos(env_infos, reset_infos, finals_out)
-
-    def _restart_ended(self, i: int, reset_infos: dict[int, dict[str, Any]]) -> None:
-        if not self._next_step:
-            err = RuntimeError(
-                f"env {i} of worker {self.worker} ended its episode and autoreset is "
-                "'Disabled': it must be reset before it is stepped again"
-            )
-            raise EnvFailureError(EnvFailure(i, err, "", retry=False))
-        info = self._reset_one(i)
-        if info:
-            reset_infos[i] = info
 
     # -- attributes (the vector-env faces: call, get_attr, set_attr, render) -----------------
 
     def call(
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], envs: Sequence[int]
     ) -> list[Any]:
-        """``getattr(env, name)(*args, **kwargs)`` for each env in ``envs``, or its value.
-
-        gymnasium's ``VectorEnv.call`` semantics: an attribute that is not callable is returned
-        as is (so this is also ``get_attr``). Wrapper attributes are looked up through the
-        wrapper chain. A failure names the env; a missing attribute is not worth a restart.
-        """
+        """``getattr(env, name)(*args, **kwargs)`` for each env in ``envs``, or its value when
+        not callable (gymnasium's ``VectorEnv.call``, through the wrappers)."""
         return [self._guard_attr(i, _call_attr, self._env(i), name, args, kwargs) for i in envs]
 
     def set_attr(self, name: str, values: Sequence[Any], envs: Sequence[int]) -> None:
@@ -591,21 +562,19 @@ class EnvGroup:
             return actions[:] if everyone else [actions[i] for i in indices]
         if isinstance(actions, np.ndarray):
             if actions.ndim == 1:
-                # Numpy scalars, copies already, as gymnasium's vector envs hand them over (a
-                # Discrete space checks one faster than a Python int).
+                # Numpy scalars, as gymnasium's vector envs hand them over.
                 return list(actions) if everyone else list(actions[indices])
             # A copy: envs may keep the action they were given, and the buffer is reused.
             return list(actions.copy() if everyone else actions[indices])
         return [tree_map(lambda a, i=i: a[i].copy(), actions) for i in indices]
 
     def store(self, i: int) -> None:
-        """Write env ``i``'s observation into its buffer row if it was kept aside (the lanes)."""
+        """Write env ``i``'s observation into its buffer row if it was kept aside."""
         if self._obs[i] is not None:
             self._store_pending([i])
 
     def _store_pending(self, indices: list[int] | None = None) -> None:
-        """Write the observations kept aside into the buffers (of a plain space those the fast
-        shape test could not vouch for, checked); ``indices``: only those envs'."""
+        """Write the observations kept aside into the buffers (``indices``: those envs')."""
         out = self.buffers.obs
         if self._flat_obs:
             misfits, self._misfits = self._misfits, []
@@ -623,7 +592,6 @@ class EnvGroup:
                 self._raise_bad_observation(exc)
 
     def _put(self, out: Tree, i: int, o: Any) -> None:
-        """Write one observation into row ``i`` of ``out``, checking its shape."""
         try:
             if isinstance(out, np.ndarray):
                 if np.shape(o) != self._obs_shape:
@@ -660,8 +628,8 @@ class EnvGroup:
     def _raise_bad_observation(self, exc: Exception) -> None:
         expected = _shapes(self.observation_space)
         for i, o in enumerate(self._obs):
-            if o is None:
-                continue  # stored in its buffer row already: it fit
+            if o is None:  # in its buffer row already: it fit
+                continue
             got = _obs_shapes(o, self.observation_space)
             if got != expected:
                 err = ValueError(
@@ -709,10 +677,8 @@ def _set_attr(env: gym.Env, name: str, value: Any) -> None:
 def reset_arguments(
     n_envs: int, seeds: Any, options: Any
 ) -> tuple[list[int | None] | None, list[dict[str, Any] | None] | None]:
-    """Check the ``seeds`` and ``options`` of :meth:`EnvGroup.reset`; one entry per env.
-
-    ``seeds``: ``None`` or a sequence of ``n_envs`` ints >= 0 or ``None``. ``options``: ``None``,
-    one dict for every env, or a sequence of ``n_envs`` dicts or ``None``.
+    """Check the ``seeds`` (``None`` or ``n_envs`` ints >= 0 or ``None``) and ``options`` (``None``,
+    one dict, or ``n_envs`` dicts or ``None``) of a reset; one entry per env, or ``None``.
 
     Raises:
         TypeError, ValueError: naming the argument, what was expected and what was given.
@@ -739,16 +705,11 @@ def reset_arguments(
     return seed_list, option_list
 
 
-def env_indices(n_envs: int, envs: Any) -> list[int]:
-    """Check the ``envs`` argument of :meth:`EnvGroup.call` / ``set_attr``: env indices
-    (``None``: every env)."""
-    return _validate.env_indices("envs", envs, n_envs)
-
-
 def call_targets(name: Any, n_envs: int, envs: Any) -> list[int]:
-    """Check the arguments of a host's ``call`` (an attribute name, env indices); the indices."""
+    """Check the arguments of a host's ``call`` (an attribute name, env indices, ``None``:
+    every env); the indices."""
     _validate.attr_name("name", name)
-    return env_indices(n_envs, envs)
+    return _validate.env_indices("envs", envs, n_envs)
 
 
 def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -> list[int]:
@@ -761,8 +722,11 @@ def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -
     return indices
 
 
-_FAST_REWARDS = frozenset((float, int, np.float64, np.float32))
-_FAST_FLAGS = frozenset((bool, np.bool_))
+_NO_LIMIT = 1 << 62  # the time limit of a group without max_episode_length
+# The types of a step's (result, reward, terminated, truncated) that need no closer look.
+_FAST_STEPS = frozenset(
+    itertools.product((tuple,), (float, int, np.float64, np.float32), *[(bool, np.bool_)] * 2)
+)
 
 
 def _real(value: Any) -> bool:

@@ -1,17 +1,10 @@
-"""Prometheus metrics of a sampler: what it did and where the time went (``metrics=``).
+"""Prometheus metrics of a sampler: what it did and where the time went (``metrics=``; the list
+is ``docs/metrics.md``; needs the ``metrics`` extra).
 
-``Sampler(..., metrics=True)`` (the default registry of ``prometheus_client``) or
-``metrics=registry`` keeps the metrics listed in ``docs/metrics.md``, all prefixed
-``asyncsample_`` and labelled by ``backend``. The per-step path only counts in plain ints and
-arrays (the episodes' bookkeeping, the hosts' clocks of :mod:`asyncsample._clock`, an
-:class:`~asyncsample._clock.AgentTimer`); :class:`SamplerMetrics` folds them into its own totals
-once per call (or streamed round), and the registry reads those totals when it is scraped (a
-custom collector: nothing is computed per step, nothing per scrape but the copy).
-
-Several samplers may share a registry (a web service runs one per job): their figures add up per
-label set, and a closed sampler's counters stay counted (counters never go down).
-
-Needs the ``metrics`` extra (``pip install 'asyncsample[metrics]'``).
+The per-step path only counts in plain ints and arrays (the episodes' bookkeeping, the hosts'
+clocks of :mod:`asyncsample._clock`, an :class:`~asyncsample._clock.AgentTimer`);
+:class:`SamplerMetrics` folds them into its totals once per call, which a custom collector reads
+when the registry is scraped. Samplers sharing a registry add up per label set.
 """
 
 from __future__ import annotations
@@ -24,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, IN_FLIGHT, AgentTimer
+from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, AgentTimer
 
 if TYPE_CHECKING:
     from asyncsample.inference.batched import Batcher
@@ -47,8 +40,7 @@ END_KINDS = ("terminated", "truncated", "deadline")
 FAULT_KINDS = ("raised", "hung", "killed", "malformed")
 BOTTLENECKS = ("env", "agent", "caller")
 WORKER_LABEL_LIMIT = 16
-"""Samplers of at most this many workers label their per-worker counters with the worker's
-index; larger ones count under ``worker="all"`` (a label must not grow without bound)."""
+"""Samplers of more workers count under ``worker="all"`` (a label must not grow unbounded)."""
 
 _N = len(BOUNDS) + 1
 _ROWS_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
@@ -57,8 +49,7 @@ _LAG_BOUNDS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 
 def _registry(metrics: Any) -> Any:
-    """The registry ``metrics=`` names (``None``: metrics off); the errors of
-    :func:`make_metrics`."""
+    """The registry ``metrics=`` names (``None``: metrics off); raises as :func:`make_metrics`."""
     if metrics is None or metrics is False:
         return None
     try:
@@ -142,23 +133,15 @@ class _Hist:
         self.counts += counts
         self.sum += total
 
-    def add(self, other: _Hist) -> None:
-        self.counts += other.counts
-        self.sum += other.sum
-
     def buckets(self) -> list[tuple[str, float]]:
         cumulative = np.cumsum(self.counts)
-        out = [(_le(b), float(c)) for b, c in zip(self.bounds, cumulative)]
+        out = [(repr(float(b)), float(c)) for b, c in zip(self.bounds, cumulative)]
         out.append(("+Inf", float(cumulative[-1])))
         return out
 
     @property
     def count(self) -> float:
         return float(self.counts.sum())
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))
 
 
 _HISTOGRAMS: dict[str, tuple[Sequence[float], str]] = {
@@ -169,6 +152,31 @@ _HISTOGRAMS: dict[str, tuple[Sequence[float], str]] = {
     "episode_seconds": (BOUNDS, "Wall-clock seconds of each finished episode."),
     "call_wait_seconds": (BOUNDS, "Seconds the caller waited for a call or a streamed batch."),
     "policy_lag": (_LAG_BOUNDS, "Agent versions between each returned step's and the newest."),
+}
+
+
+#: Counters and gauges: their help text and labels besides ``backend``.
+_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "env_steps_total": ("Env steps taken.", ("worker",)),
+    "restarts_total": ("Env-host restarts (after env faults or dead hosts).", ("worker",)),
+    "env_faults_total": (
+        "Env faults by kind (raised, hung, killed, malformed).",
+        ("worker", "kind"),
+    ),
+    "episodes_total": ("Episodes finished, by how they ended.", ("end",)),
+    "agent_calls_total": ("Agent calls (get_actions).", ()),
+}
+_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "episodes_in_flight": ("Episodes started and not yet ended.", ()),
+    "env_calls_in_flight": (
+        "Env steps running now, on asyncio and thread (compare with max_concurrency).",
+        (),
+    ),
+    "agent_version": ("The newest agent version.", ()),
+    "bottleneck": (
+        "1 for the side the last window's time went to (env, agent, caller).",
+        ("side",),
+    ),
 }
 
 
@@ -188,8 +196,8 @@ class _State:
         self.in_flight = 0
         self.agent_version = 0
         self.bottleneck: str | None = None
-        self.clocks: list[np.ndarray] = []  # live: env calls in flight
-        self.lanes = False  # whether the clocks count env calls in flight (lane backends)
+        self.hosts: list[Any] = []  # the lane hosts, whose env_calls are live
+        self.lanes = False  # whether the hosts count env calls in flight (lane backends)
         self.live = True
         self.pull: Any = None  # called under the hub's lock before a scrape (the faces)
 
@@ -211,7 +219,7 @@ class _State:
         add(self.episodes, other.episodes)
         self.agent_calls += other.agent_calls
         for name, h in other.hists.items():
-            self.hists[name].add(h)
+            self.hists[name].add_counts(h.counts, h.sum)
 
 
 class _Hub:
@@ -223,12 +231,12 @@ class _Hub:
 
     def retire(self, state: _State) -> None:
         """A closed sampler's (or face's) state: its counters and histograms join those of the
-        closed ones of its backend (so a service that makes a sampler per job keeps one state
-        per backend, not one per job), its gauges leave. Call it holding :attr:`lock`."""
+        closed ones of its backend (one state per backend, not per job), its gauges leave. Call
+        it holding :attr:`lock`."""
         if state not in self.states:
             return
         self.states.remove(state)
-        state.live, state.pull, state.clocks = False, None, []
+        state.live, state.pull, state.hosts = False, None, []
         for old in self.states:
             if not old.live and old.backend == state.backend and old.labelled == state.labelled:
                 old.absorb(state)
@@ -254,12 +262,7 @@ class _Hub:
                 per[labels] = per.get(labels, 0.0) + value
 
             hists: dict[tuple[str, str], _Hist] = {}
-            gauges: dict[str, dict[tuple[str, ...], float]] = {
-                "episodes_in_flight": {},
-                "env_calls_in_flight": {},
-                "agent_version": {},
-                "bottleneck": {},
-            }
+            gauges: dict[str, dict[tuple[str, ...], float]] = {name: {} for name in _GAUGES}
             for s in states:
                 b = s.backend
 
@@ -278,35 +281,22 @@ class _Hub:
                 count("agent_calls_total", (b,), s.agent_calls)
                 for name, h in s.hists.items():
                     total = hists.setdefault((name, b), _Hist(h.bounds))
-                    total.add(h)
+                    total.add_counts(h.counts, h.sum)
                 if not s.live:
                     continue
                 g = gauges["episodes_in_flight"]
                 g[(b,)] = g.get((b,), 0.0) + s.in_flight
                 if s.lanes:
                     g = gauges["env_calls_in_flight"]
-                    g[(b,)] = g.get((b,), 0.0) + sum(float(c[IN_FLIGHT]) for c in s.clocks)
+                    g[(b,)] = g.get((b,), 0.0) + sum(h.env_calls for h in s.hosts)
                 g = gauges["agent_version"]
                 g[(b,)] = max(g.get((b,), 0.0), float(s.agent_version))
                 if s.bottleneck is not None:
                     for side in BOTTLENECKS:
                         gauges["bottleneck"][(b, side)] = float(side == s.bottleneck)
-        docs = {
-            "env_steps_total": "Env steps taken.",
-            "restarts_total": "Env-host restarts (after env faults or dead hosts).",
-            "env_faults_total": "Env faults by kind (raised, hung, killed, malformed).",
-            "episodes_total": "Episodes finished, by how they ended.",
-            "agent_calls_total": "Agent calls (get_actions).",
-        }
         for name, totals in counters.items():
-            labels = ["backend"]
-            if name in ("env_steps_total", "restarts_total", "env_faults_total"):
-                labels.append("worker")
-            if name == "env_faults_total":
-                labels.append("kind")
-            if name == "episodes_total":
-                labels.append("end")
-            family = CounterMetricFamily(PREFIX + name, docs[name], labels=labels)
+            doc, labels = _COUNTERS[name]
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["backend", *labels])
             for key, value in sorted(totals.items()):
                 family.add_metric(list(key), value)
             yield family
@@ -316,16 +306,9 @@ class _Hub:
                 if hname == name:
                     hfamily.add_metric([b], h.buckets(), h.sum)
             yield hfamily
-        gauge_docs = {
-            "episodes_in_flight": "Episodes started and not yet ended.",
-            "env_calls_in_flight": "Env steps running now, on asyncio and thread (compare with "
-            "max_concurrency).",
-            "agent_version": "The newest agent version.",
-            "bottleneck": "1 for the side the last window's time went to (env, agent, caller).",
-        }
         for name, values in gauges.items():
-            labels = ["backend", "side"] if name == "bottleneck" else ["backend"]
-            gfamily = GaugeMetricFamily(PREFIX + name, gauge_docs[name], labels=labels)
+            doc, labels = _GAUGES[name]
+            gfamily = GaugeMetricFamily(PREFIX + name, doc, labels=["backend", *labels])
             for key, value in sorted(values.items()):
                 gfamily.add_metric(list(key), value)
             yield gfamily
@@ -361,8 +344,7 @@ class SamplerMetrics:
     ) -> None:
         self._hub = hub
         self.state = _State(backend, n_workers)
-        self.timer = AgentTimer()
-        """Agent calls made in this process (per-worker, batched, lane inference)."""
+        self.timer = AgentTimer()  # agent calls made in this process
         self.env_parallel = max(1, env_parallel)
         self.agent_parallel = max(1, agent_parallel)
         self.verdict: str | None = None
@@ -377,16 +359,13 @@ class SamplerMetrics:
         self._restarts_told: dict[int, int] = {}
         self._idle = 0.0
         self._last_end: float | None = None
-        self._window_env = 0.0
-        self._window_agent = 0.0
         with hub.lock:
             hub.states.append(self.state)
 
     # -- hooks ------------------------------------------------------------------------------
 
     def attach(self, workers: Sequence[Worker], requests: Batcher | None) -> None:
-        """The sampler started: time the episodes and the agent calls made here (a lane
-        backend's merged requests, the batcher's merged calls, or each worker's own)."""
+        """The sampler started: time the episodes and the agent calls made here."""
         if requests is not None:
             requests.timer = self.timer
         for w in workers:
@@ -395,7 +374,7 @@ class SamplerMetrics:
                 w.batcher.timer = self.timer
             elif requests is None:  # (with inference="host" the hosts time their agents)
                 w.agent_timer = self.timer
-        self.state.clocks = [c for c in (_clock(w) for w in workers) if c is not None]
+        self.state.hosts = [w.host for w in workers if w.host is not None]
 
     def call_started(self) -> float:
         """A call begins: the time since the last one ended was the caller's (idle)."""
@@ -437,8 +416,7 @@ class SamplerMetrics:
         """Fold a round's plain counts into the totals, and judge the window.
 
         Args:
-            workers: the sampler's workers (their ``finished`` lists hold this round's
-                episodes).
+            workers: the sampler's workers (``finished`` holds this round's episodes).
             versions: the agent version of every returned step (for the policy lag).
             seconds: the round's wall time.
         """
@@ -489,13 +467,7 @@ class SamplerMetrics:
     def _fold_clock(self, worker: int, clock: np.ndarray, n_envs: int) -> tuple[float, float]:
         """Add what worker ``worker``'s host clock gained since the last fold (a host agent's
         calls each take the worker's ``n_envs`` rows); its env and agent seconds."""
-        now = clock.copy()
-        now[IN_FLIGHT] = 0.0
-        seen = self._seen_clock.get(worker)
-        delta = now if seen is None else now - seen
-        if (delta < 0).any():  # a new host (a restarted actor) started its clock again
-            delta = now
-        self._seen_clock[worker] = now
+        delta = _gained(self._seen_clock, worker, clock)
         hists, s = self.state.hists, self.state
         hists["env_step_seconds"].add_counts(delta[ENV : ENV + _N], float(delta[ENV + _N]))
         n_calls = int(delta[AGENT + _N + 1])  # exact; the buckets weigh a sample of them
@@ -528,30 +500,38 @@ class SamplerMetrics:
             self.verdict = "env"
 
 
+def _gained(seen: dict[int, np.ndarray], key: int, clock: np.ndarray) -> np.ndarray:
+    """What ``clock`` gained since ``seen[key]`` (all of it when a new host started it again)."""
+    now = clock.copy()
+    last = seen.get(key)
+    delta = now if last is None else now - last
+    if (delta < 0).any():
+        delta = now
+    seen[key] = now
+    return delta
+
+
 def _clock(worker: Worker) -> np.ndarray | None:
     host = worker.host
-    return None if host is None else host.buffers.clock
+    if host is None:
+        return None
+    settle = getattr(host, "settle_clock", None)
+    if settle is not None:  # a lane host: the steps it timed since
+        settle()
+    return host.buffers.clock
 
 
 def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | None:
-    """The :class:`FaceMetrics` that a vector face's ``metrics=`` asks for (``None``: none).
-
-    Raises:
-        ImportError, TypeError: as :func:`make_metrics`.
-    """
+    """The :class:`FaceMetrics` that a vector face's ``metrics=`` asks for (``None``: none);
+    raises as :func:`make_metrics`."""
     registry = _registry(metrics)
     return None if registry is None else FaceMetrics(_hub_of(registry), backend, hosted)
 
 
 class FaceMetrics:
-    """The metrics of a vector face (``VectorEnv``, the SB3 ``VecEnv``): its caller steps it, so
-    there is no call to fold at; everything comes from the env hosts' clocks (steps, episode
-    ends, step latency), read when the registry is scraped, and from the face's restart counts.
-    The ``worker`` label is the env host's index.
-
-    Args:
-        hosted: the face's :class:`~asyncsample.vector.hosted.HostedEnvs` (held weakly).
-    """
+    """The metrics of a vector face (``hosted``: its ``HostedEnvs``, held weakly): the env
+    hosts' clocks, read when the registry is scraped, and the face's restart counts (``worker``:
+    the env host's index)."""
 
     def __init__(self, hub: _Hub, backend: str, hosted: Any) -> None:
         self._hub = hub
@@ -578,20 +558,12 @@ class FaceMetrics:
         s = self.state
         if hosted is None or hosted.closed or not hosted.hosts:
             return
-        clocks = []
         restarts = [0] * len(s.restarts)
         for h, host in enumerate(hosted.hosts):
             clock = host.buffers.clock
             if clock is None:
                 continue
-            clocks.append(clock)
-            now = clock.copy()
-            now[IN_FLIGHT] = 0.0
-            seen = self._seen.get(h)
-            delta = now if seen is None else now - seen
-            if (delta < 0).any():
-                delta = now
-            self._seen[h] = now
+            delta = _gained(self._seen, h, clock)
             counts = delta[ENV : ENV + _N]
             s.steps[s.slot(h)] += int(counts.sum())
             s.hists["env_step_seconds"].add_counts(counts, float(delta[ENV + _N]))
@@ -600,4 +572,3 @@ class FaceMetrics:
             if h < len(hosted.restarts):
                 restarts[s.slot(h)] += hosted.restarts[h]
         s.restarts = restarts
-        s.clocks = clocks

@@ -1,14 +1,11 @@
 """The ``asyncio`` and ``thread`` backends: envs in the caller's process, each on its own.
 
-``asyncio`` hosts envs whose ``reset``/``step``/``close`` are coroutines (an
-:class:`~asyncsample.AsyncEnv`) in the sampler's event loop; ``thread`` hosts ordinary blocking
-gymnasium envs behind the same coroutine interface, their calls run in a bounded pool of threads
-(:class:`ThreadedEnv`), so the loop never blocks. Either way a worker's envs are not stepped in
-lockstep: :class:`LaneHost` is a :class:`~asyncsample.backends.base.PerEnvHost` (one env at a
-time: :meth:`LaneHost.reset_one`, :meth:`LaneHost.step_one`, whose bookkeeping is the
-:class:`~asyncsample.env_group.EnvGroup`'s it holds) and :mod:`asyncsample._env_tasks` runs one
-coroutine per env. The lockstep :class:`~asyncsample.backends.base.EnvHost` methods exist too
-(``step(mask)`` gathers the envs' steps), so every caller of the seam works unchanged.
+``asyncio`` hosts :class:`~asyncsample.AsyncEnv` envs in the sampler's event loop; ``thread``
+hosts blocking gymnasium envs behind the same coroutine interface, their calls run in a bounded
+pool of threads (:class:`ThreadedEnv`). :class:`LaneHost` steps one env at a time (a
+:class:`~asyncsample.backends.base.PerEnvHost`, for :mod:`asyncsample._env_tasks`), with the
+bookkeeping of the :class:`~asyncsample.env_group.EnvGroup` it holds; its lockstep ``EnvHost``
+methods gather the envs' calls.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +24,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import timed_env_call
+from asyncsample._clock import record_seconds
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
@@ -56,6 +54,8 @@ from asyncsample.env_group import (
 from asyncsample.env_update import EnvSource, EnvUpdate, make_env, replacement
 from asyncsample.errors import StepTimeoutError, WorkerError
 
+_perf = time.perf_counter
+
 __all__ = [
     "AsyncioBackend",
     "LaneHost",
@@ -81,12 +81,8 @@ def lane_parallel(backend: str, max_concurrency: int | None, envs: int) -> int:
 
 
 class ThreadedEnv:
-    """A blocking gymnasium env behind coroutine ``reset``/``step``/``close``.
-
-    Calls run in ``executor``, one at a time per env: a call waits for the previous one to
-    finish, also when the previous one's awaiting coroutine was cancelled (a thread cannot be
-    interrupted; the env is not touched by two threads at once).
-    """
+    """A blocking gymnasium env behind coroutine ``reset``/``step``/``close``, its calls run in
+    ``executor`` one at a time (also after a cancelled one: a thread cannot be interrupted)."""
 
     def __init__(
         self,
@@ -99,8 +95,7 @@ class ThreadedEnv:
         self.action_space = env.action_space
         self._executor = executor
         self._busy: concurrent.futures.Future[Any] | None = None
-        self._running = running if running is not None else set()
-        """Every call submitted and not finished (the backend's, shared by its envs)."""
+        self._running = running if running is not None else set()  # the backend's calls
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         future = self._executor.submit(fn, *args, **kwargs)
@@ -134,10 +129,8 @@ class ThreadedEnv:
         return await self._run(self.env.step, action)  # type: ignore[no-any-return]
 
     async def close(self) -> None:
-        """``env.close`` in a pool thread. With a call still running (a step that hung past
-        ``step_timeout``, or cut at a deadline) the close is queued behind it and not awaited:
-        the env is being replaced, and a thread cannot be interrupted, so waiting could hold
-        the caller as long as the stuck call lasts."""
+        """``env.close`` in a pool thread; behind a call still running (a hung step) it is
+        queued, not awaited: waiting could hold the caller as long as the stuck call."""
         busy = self._busy
         if busy is not None and not busy.done():
             env = self.env
@@ -156,12 +149,9 @@ class LaneHost:
 
     Args:
         spec: what to host.
-        make: builds an env from a source (a factory, an id, an env update); the backend's
-            choice (async envs as they are, blocking envs wrapped in :class:`ThreadedEnv`).
-        step_timeout: seconds a step may take before it counts as a failure (``None``: never).
+        make: the backend's ``make(source, old)`` of an env (from a factory, id or update).
+        step_timeout, close_timeout: see :class:`AsyncioBackend`.
         limiter: caps the env calls in flight across the sampler (``None``: no cap).
-        close_timeout: the longest an env's ``close()`` is waited for (a rebuild, an update,
-            :meth:`shut`); past it the close is cancelled or abandoned with a warning.
     """
 
     def __init__(
@@ -177,9 +167,9 @@ class LaneHost:
         self.buffers = StepBuffers.allocate(
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
-        clock = self.buffers.clock
-        self._timed = None if clock is None else timed_env_call(clock)
-        """With metrics on, wraps each env step's coroutine to time it where it runs."""
+        # With metrics on: the seconds of each env step since settle_clock, the steps running.
+        self._durations: list[float] | None = None if self.buffers.clock is None else []
+        self.env_calls = 0
         self.group = EnvGroup(
             spec.worker,
             self.buffers,
@@ -187,7 +177,6 @@ class LaneHost:
             spec.action_space,
             spec.max_episode_length,
         )
-        """The per-env bookkeeping every host shares (checks, time limit, buffer rows)."""
         self.group.malformed_retry = True  # a fault is the env's own: it is rebuilt
         self.envs: list[Any] = self.group.envs
         self._make = make
@@ -196,11 +185,9 @@ class LaneHost:
         self._limiter = limiter
         self._plain = step_timeout is None and limiter is None
         self.in_flight: dict[int, asyncio.Task[Any]] = {}
-        """Steps still running that a stream's round left behind for the next round, by env
-        (:class:`~asyncsample._env_tasks.LaneStepper` carries them)."""
+        """Steps a stream's round left running for the next round, by env."""
         self.closed = False
-        self._closing: set[asyncio.Task[Any]] = set()
-        """Closes of rebuilt envs still running (each bounded by ``close_timeout``)."""
+        self._closing: set[asyncio.Task[Any]] = set()  # closes of rebuilt envs still running
 
     # -- building -----------------------------------------------------------------------------
 
@@ -210,10 +197,7 @@ class LaneHost:
         await self.drop_in_flight()
         await self._close_envs()
         for i, chain in enumerate(chains):
-            env = self._guard(i, "build", self._make, chain[0], None)
-            for update in chain[1:]:
-                env = self._guard(i, "build", self._make, update, env)
-            self.group.place(i, env, seeds[i])
+            self.group.place(i, self._build_env(i, chain), seeds[i])
 
     async def update(self, updates: Sequence[EnvSource | None], seeds: Sequence[int]) -> None:
         """Apply one update per env (``None`` keeps it); a new env object gets its new seed."""
@@ -235,19 +219,21 @@ class LaneHost:
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again from ``chain`` (its next reset gets ``seed``) and close the
-        old one in the background, bounded by ``close_timeout`` (:meth:`shut` waits for those
-        closes). The other envs are not touched: a fault is the env's own, not its worker's;
-        and a dead session whose ``close()`` never returns does not hold the new env back."""
+        old one in the background, bounded by ``close_timeout``; the other envs go on."""
         self._check_open("rebuild")
-        env = self._guard(i, "build", self._make, chain[0], None)
-        for update in chain[1:]:
-            env = self._guard(i, "build", self._make, update, env)
+        env = self._build_env(i, chain)
         old = self.envs[i]
         self.group.place(i, env, seed)
         if old is not None:
             task = asyncio.ensure_future(self._close_one(i, old))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+    def _build_env(self, i: int, chain: Sequence[EnvSource]) -> Any:
+        env = self._guard(i, "build", self._make, chain[0], None)
+        for update in chain[1:]:
+            env = self._guard(i, "build", self._make, update, env)
+        return env
 
     async def _close_one(self, i: int, env: Any) -> None:
         await close_bounded(env, self.close_timeout, f"env {i} of worker {self.spec.worker}")
@@ -261,12 +247,10 @@ class LaneHost:
         options: dict[str, Any] | None = None,
         deadline: float | None = None,
     ) -> dict[str, Any]:
-        """Reset env ``i`` (with its pending seed by default); its observation goes to
-        ``buffers.obs[i]``; returns the reset info.
+        """Reset env ``i`` (with its pending seed by default) into ``buffers.obs[i]``; its info.
 
         Raises:
-            DeadlinePassed: the loop time ``deadline`` (the new episode's, which counts from
-                the start of its reset) came first; the reset was cancelled.
+            DeadlinePassed: the loop time ``deadline`` came first; the reset was cancelled.
         """
         self._check_open("reset")
         group = self.group
@@ -282,10 +266,7 @@ class LaneHost:
     async def step_one(
         self, i: int, action: Any, deadline: float | None = None
     ) -> tuple[float, bool, bool, dict[str, Any]]:
-        """Step env ``i`` with ``action``: ``(reward, terminated, truncated, info)``.
-
-        The new observation goes to ``buffers.obs[i]``, and when the episode ends (also at
-        ``max_episode_length``) to ``buffers.final_obs[i]``; the flags to ``buffers``.
+        """Step env ``i`` with ``action``: :meth:`EnvGroup.finish`'s ``(reward, ...)``.
 
         Raises:
             DeadlinePassed: the loop time ``deadline`` came first; the step was cancelled.
@@ -294,27 +275,46 @@ class LaneHost:
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
-        timed = self._timed
-        call = self.envs[i].step(action) if timed is None else timed(self.envs[i].step, action)
+        durations = self._durations
         if deadline is None and self._plain:
-            # The hot path (no limiter, no timeout): the env's own coroutine, awaited here.
+            # The hot path (no limiter, no timeout): the env's own coroutine, awaited (and with
+            # metrics on, timed) here.
+            if durations is not None:
+                self.env_calls += 1
+                start = _perf()
             try:
-                result = await call
-            except WorkerError:
-                raise
-            except asyncio.CancelledError as exc:
-                if not cancelled_by_env():
-                    raise
-                raise _env_error(self.spec.worker, i, "step", exc) from exc
-            except Exception as exc:
-                raise _env_error(self.spec.worker, i, "step", exc) from exc
+                result = await self.envs[i].step(action)
+            except (asyncio.CancelledError, Exception) as exc:
+                raise self._raised(i, "step", exc) from exc
+            finally:
+                if durations is not None:
+                    durations.append(_perf() - start)
+                    self.env_calls -= 1
         else:
+            step = self.envs[i].step
+            call = step(action) if durations is None else self._timed(step, action, durations)
             result = await self._await(i, "step", call, deadline)
         try:
-            _, reward, terminated, truncated, info = self.group.finish(i, result, True)
+            return self.group.finish(i, result)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
-        return reward, terminated, truncated, info or {}
+
+    async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
+        """``step(action)`` timed into ``durations``; :meth:`_await` runs it once a
+        ``max_concurrency`` slot is taken (the wait does not count)."""
+        self.env_calls += 1
+        start = _perf()
+        try:
+            return await step(action)
+        finally:
+            durations.append(_perf() - start)
+            self.env_calls -= 1
+
+    def settle_clock(self) -> None:
+        """Add the env steps timed since the last call to the clock (before the metrics read it)."""
+        if self._durations:
+            record_seconds(self.buffers.clock, self._durations)  # type: ignore[arg-type]
+            self._durations.clear()
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
@@ -344,17 +344,20 @@ class LaneHost:
                 worker=self.spec.worker,
                 env=i,
             ) from None
-        except WorkerError:
-            raise
-        except asyncio.CancelledError as exc:
-            if not cancelled_by_env():
-                raise
-            raise _env_error(self.spec.worker, i, what, exc) from exc
-        except Exception as exc:
-            raise _env_error(self.spec.worker, i, what, exc) from exc
+        except (asyncio.CancelledError, Exception) as exc:
+            raise self._raised(i, what, exc) from exc
         finally:
             if asyncio.iscoroutine(call):
                 call.close()  # never awaited when the limiter wait was cancelled
+
+    def _raised(self, i: int, what: str, exc: BaseException) -> WorkerError:
+        """The error for ``exc`` from env ``i``'s ``what``; a ``WorkerError``, and a
+        cancellation that is not the env's own, are raised again as they are."""
+        if isinstance(exc, WorkerError) or (
+            isinstance(exc, asyncio.CancelledError) and not cancelled_by_env()
+        ):
+            raise exc
+        return _env_error(self.spec.worker, i, what, exc)
 
     # -- the lockstep seam (EnvHost) ----------------------------------------------------------
 
@@ -366,18 +369,15 @@ class LaneHost:
     ) -> dict[int, dict[str, object]]:
         """Reset the envs in ``mask`` concurrently; their non-empty reset infos by env."""
         indices = np.flatnonzero(mask).tolist()
-        if seeds is None and options is None:
-            calls = [self.reset_one(i) for i in indices]
-        else:
-            seed_list, option_list = reset_arguments(self.n_envs, seeds, options)
-            calls = [
-                self.reset_one(
-                    i,
-                    PENDING_SEED if seed_list is None else seed_list[i],
-                    None if option_list is None else option_list[i],
-                )
-                for i in indices
-            ]
+        seed_list, option_list = reset_arguments(self.n_envs, seeds, options)
+        calls = [
+            self.reset_one(
+                i,
+                PENDING_SEED if seed_list is None else seed_list[i],
+                None if option_list is None else option_list[i],
+            )
+            for i in indices
+        ]
         infos = await run_all(calls)
         return {i: info for i, info in zip(indices, infos) if info}
 
@@ -402,7 +402,7 @@ class LaneHost:
         envs: Sequence[int] | None = None,
     ) -> list[Any]:
         """``getattr(env, name)`` of each env, called with the arguments when callable (and
-        awaited when that returns an awaitable)."""
+        awaited)."""
         self._check_open("call")
         out = []
         for i in call_targets(name, self.n_envs, envs):
@@ -494,11 +494,9 @@ def _env_error(worker: int, env: int, what: str, exc: BaseException) -> WorkerEr
 def probe_async_env(
     source: Any, close_timeout: float = CLOSE_TIMEOUT
 ) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
-    """Build one async env from ``source`` to read its spaces and step limit (as gymnasium's
-    vector envs read a sub-env's), then close it: now if no loop runs in this thread, else as a
-    task of the running loop (a sampler's constructor cannot await), bounded by
-    ``close_timeout``; that task is returned (``None`` when closed already) for ``aclose()``
-    to wait for.
+    """Build one async env from ``source`` to read its spaces and step limit, then close it
+    (bounded by ``close_timeout``): now if no loop runs, else in a task of the running loop,
+    returned (else ``None``) for ``aclose()`` to wait for.
 
     Raises:
         TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
@@ -555,8 +553,7 @@ class AsyncioBackend:
 
     Args:
         n_processes, host_threads: accepted for a uniform interface and ignored (no processes).
-        step_timeout: seconds a step may take; a step past it is cancelled and counts as a
-            failure (that env is closed and rebuilt).
+        step_timeout: seconds a step may take; past it the env is rebuilt (a failure).
         max_concurrency: env calls in flight at once across the sampler (``None``: no cap).
         close_timeout: the longest an env's ``close()`` is waited for.
     """
@@ -615,27 +612,13 @@ class AsyncioBackend:
 
 
 class ThreadBackend(AsyncioBackend):
-    """Blocking gymnasium envs stepped in a bounded pool of threads (:class:`ThreadedEnv`).
-
-    Args:
-        max_concurrency: the pool's size (default :func:`default_threads`): at most that many
-            env calls run at once.
-    """
+    """Blocking gymnasium envs stepped in a bounded pool of threads (:class:`ThreadedEnv`) of
+    ``max_concurrency`` threads (default :func:`default_threads`)."""
 
     NAME = "thread"
 
-    def __init__(
-        self,
-        n_processes: int | None = None,
-        step_timeout: float | None = None,
-        host_threads: int | None = 1,
-        max_concurrency: int | None = None,
-        close_timeout: float = CLOSE_TIMEOUT,
-        **unknown: object,
-    ) -> None:
-        super().__init__(
-            n_processes, step_timeout, host_threads, max_concurrency, close_timeout, **unknown
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.max_concurrency or default_threads(),
             thread_name_prefix="asyncsample-env",
@@ -660,9 +643,8 @@ class ThreadBackend(AsyncioBackend):
         return ThreadedEnv(inner, self._executor, self._running)
 
     async def aclose(self) -> None:
-        """Close every env in the pool, then stop the pool's threads, waiting at most
-        ``close_timeout`` for calls still running (a thread cannot be interrupted: one still
-        running then is abandoned with a ``ResourceWarning``)."""
+        """Close every env, then stop the pool's threads, waiting at most ``close_timeout`` for
+        calls still running (then abandoned with a ``ResourceWarning``)."""
         try:
             await super().aclose()
         finally:
