@@ -75,10 +75,11 @@ def check_actions(
     action_space: gym.Space[Any],
     values: Check | None,
     hint: str = "",
-    rows: str | None = None,
+    rows: str | Callable[[], str] | None = None,
 ) -> Tree:
     """``actions`` as arrays shaped like ``expected`` (a worker's action buffers), checked: one
-    per env (or per row ``rows`` describes), the space's shape, and the values with ``values``
+    per env (or per row ``rows`` describes: a callable is called only for the message), the
+    space's shape, and the values with ``values``
     (``None`` for trusted agents); a ``ValueError`` names the worker (and the env)."""
     if isinstance(expected, np.ndarray):
         actions = np.asarray(actions)
@@ -94,7 +95,7 @@ def check_actions(
                 if rows is not None:
                     raise ValueError(
                         f"action: the agent must return one action per row it was given "
-                        f"({rows}), got {count}"
+                        f"({rows() if callable(rows) else rows}), got {count}"
                     )
                 raise ValueError(
                     f"action: the agent of worker {worker} must return exactly "

@@ -132,7 +132,7 @@ class Batcher:
         self.action_space = action_space
         self._per_pass = action_space is not None
         self._values = None if action_space is None else make_action_check(action_space)
-        self._checks: dict[int, tuple[Callable[[], object], AgentOutputCheck]] = {}
+        self._checks: dict[int, tuple[Callable[[], object], AgentOutputCheck, bool]] = {}
         self._state: dict[int, int] = {}
         self._pending: list[_Request] = []
         self._scheduled = False
@@ -354,21 +354,18 @@ class Batcher:
     def _deliver_rows(self, agent: Agent, requests: list[_Request], result: Any) -> None:
         """Each env its action and agent infos, the merged output checked first as rows."""
         n = len(requests)
-        workers = sorted({r.worker for r in requests})
-        worker = workers[0]
+        worker = min(r.worker for r in requests)
         try:
-            check = self._check_of(agent, worker)
+            check, trusted = self._check_of(agent, worker)
             check.worker, check.n_envs = worker, n
             actions, infos = check.output(result)
-            space = self.action_space
-            trusted = trusted_actions(agent, space)  # type: ignore[arg-type]
             actions = check_actions(
                 actions,
                 _like_rows(actions, n),
                 worker=worker,
-                action_space=space,  # type: ignore[arg-type]
+                action_space=self.action_space,  # type: ignore[arg-type]
                 values=None if trusted else self._values,
-                rows=_rows_of(requests, workers),
+                rows=functools.partial(_rows_of, requests),
             )
         except Exception as exc:
             self._fail(requests, exc)
@@ -380,18 +377,20 @@ class Batcher:
             action = actions[j] if plain else tree_map(lambda a, j=j: a[j], actions)
             r.future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
 
-    def _check_of(self, agent: Agent, worker: int) -> AgentOutputCheck:
-        """The output check of ``agent`` (a new agent object, e.g. an update's, gets a new one)."""
+    def _check_of(self, agent: Agent, worker: int) -> tuple[AgentOutputCheck, bool]:
+        """The output check of ``agent`` (a new agent object, e.g. an update's, gets a new one)
+        and whether its actions are trusted (:func:`trusted_actions`, asked once per agent)."""
         known = self._checks.get(id(agent))
         if known is not None and known[0]() is agent:
-            return known[1]
+            return known[1], known[2]
         try:
             ref: Callable[[], object] = weakref.ref(agent)
         except TypeError:  # not weakly referenceable: keep it (its id cannot be reused then)
             ref = functools.partial(_same, agent)
         check = AgentOutputCheck(worker, 1)
-        self._checks[id(agent)] = (ref, check)
-        return check
+        trusted = trusted_actions(agent, self.action_space)  # type: ignore[arg-type]
+        self._checks[id(agent)] = (ref, check, trusted)
+        return check, trusted
 
 
 def _same(value: object) -> object:
@@ -436,11 +435,10 @@ def _like_rows(actions: Tree, n: int) -> Tree:
 def _split(result: Any, requests: list[_Request]) -> list[AgentOutput]:
     """Cut a merged agent output into each request's rows (views, no copies)."""
     total = sum(r.rows for r in requests)
-    where = _rows_of(requests)
     if not (isinstance(result, tuple) and len(result) == 2):
         raise ValueError(
             f"action: the shared agent (inference='batched') must return (actions, agent_infos) "
-            f"for {where}, got {type(result).__name__}"
+            f"for {_rows_of(requests)}, got {type(result).__name__}"
         )
     actions, infos = result
     actions = tree_map(np.asarray, actions)
@@ -452,7 +450,7 @@ def _split(result: Any, requests: list[_Request]) -> list[AgentOutput]:
             n = "a scalar" if value.ndim == 0 else f"{value.shape[0]} rows"
             raise ValueError(
                 f"{what}: the shared agent (inference='batched') must return {one} per row of "
-                f"{where}, got {n}"
+                f"{_rows_of(requests)}, got {n}"
             )
     bounds = [0, *itertools.accumulate(r.rows for r in requests)]
     return [
