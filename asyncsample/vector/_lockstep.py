@@ -120,9 +120,9 @@ class LockstepRounds:
     _merge: Callable[..., Coroutine[Any, Any, StepResult]]
     _combine: Callable[..., StepResult]
 
-    def lockstep(self) -> StepResult:
-        """:meth:`step` of every sub-env, without the event loop where it can do without it."""
-        return self.lockstep_wait(self.lockstep_send())
+    def lockstep(self, mask: np.ndarray | None = None) -> StepResult:
+        """:meth:`step` of the sub-envs in ``mask`` (all), without the event loop if it can."""
+        return self.lockstep_wait(self.lockstep_send(mask))
 
     def lockstep_send(self, mask: np.ndarray | None = None) -> PendingRound:
         """Send a lockstep round (``step_async``); :meth:`lockstep_wait` finishes it.
