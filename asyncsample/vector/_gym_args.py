@@ -77,9 +77,8 @@ def check_async_vector_env_options(
 
 
 def concurrency_limit(max_concurrency: Any, n_processes: int | None, num_envs: int) -> int | None:
-    """gymnasium 1.4's ``max_concurrency``, checked as ``AsyncVectorEnv`` checks it: the
-    ``n_processes`` that keeps at most that many sub-envs in ``reset`` or ``step`` at once (an
-    env-host process steps its sub-envs one after another)."""
+    """The ``n_processes`` that keeps at most ``max_concurrency`` sub-envs stepping at once (a
+    host steps its sub-envs one after another), checked as ``AsyncVectorEnv`` checks it."""
     if max_concurrency is None:
         return n_processes
     # AsyncVectorEnv's checks and words (gymnasium 1.4).
@@ -102,20 +101,15 @@ def concurrency_limit(max_concurrency: Any, n_processes: int | None, num_envs: i
 
 
 class _NoMemory:
-    """A ``ctx`` for gymnasium's ``create_shared_memory`` that allocates nothing: only to learn
-    whether ``AsyncVectorEnv(shared_memory=True)`` could hold a space."""
+    """A ``ctx`` for gymnasium's ``create_shared_memory`` that allocates nothing."""
 
     def Array(self, typecode_or_type: Any, size: int) -> None:
         return None
 
 
 def check_shared_memory(space: Space[Any]) -> None:
-    """Refuse what ``AsyncVectorEnv(shared_memory=True)`` refuses, with its errors: a custom
-    space is a ``ValueError``, ``Sequence`` and ``Graph`` are gymnasium's ``TypeError``.
-
-    asyncsample's own buffers would not need this (values without fixed-size rows travel
-    pickled), but code written against ``AsyncVectorEnv`` gets what it expects.
-    """
+    """Refuse what ``AsyncVectorEnv(shared_memory=True)`` refuses, with its errors (our
+    buffers would not need it, but code written against ``AsyncVectorEnv`` expects it)."""
     try:
         create_shared_memory(space, n=1, ctx=_NoMemory())  # type: ignore[arg-type]
     except CustomSpaceError as exc:

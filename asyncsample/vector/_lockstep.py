@@ -36,14 +36,10 @@ _DIRECT_WAIT = 0.05
 class StepResult:
     """What one lockstep round returned, per sub-env (the faces format it).
 
-    Attributes:
-        obs: every sub-env's current observation (``None`` for a round of some hosts only).
-        rewards, terminated, truncated: one entry per sub-env (zero for sub-envs not stepped).
-        env_infos: the step info of each sub-env, or ``None`` when every one was empty.
-        reset_infos: the non-empty infos of the round's resets (autoresets, restarts).
-        restarted: sub-envs whose host was restarted during the round, with the reason.
-        final_obs: the envs' own last observations of the episodes that ended, where the hosts
-            sent them (``object_rows``); else they are in the buffers.
+    ``obs`` is ``None`` for a round of some hosts only; ``env_infos`` ``None`` when every one
+    was empty; ``reset_infos`` the non-empty infos of the round's resets (autoresets, restarts);
+    ``restarted`` the sub-envs whose host was restarted, with the reason; ``final_obs`` the
+    envs' own last observations where the hosts sent them (``object_rows``).
     """
 
     obs: Tree | None
@@ -59,6 +55,11 @@ class StepResult:
         """The step info of sub-env ``i``."""
         return {} if self.env_infos is None else self.env_infos[i]
 
+    @classmethod
+    def empty(cls, n: int) -> StepResult:
+        """A result of ``n`` sub-envs, none stepped."""
+        return cls(None, np.zeros(n), np.zeros(n, np.bool_), np.zeros(n, np.bool_), None, {}, {})
+
     @property
     def quiet(self) -> bool:
         """No info, no reset and no restart anywhere (the common step)."""
@@ -67,15 +68,10 @@ class StepResult:
 
 @dataclass(slots=True)
 class PendingRound:
-    """A lockstep round sent by :meth:`~LockstepRounds.lockstep_send`.
-
-    Attributes:
-        sent: the step requests that went out without the event loop, from host 0 on.
-        readers: the hosts' connections by file descriptor (``None``: some host has none).
-        task: the round as a task on the portal's loop, or ``None``.
-        finished: a wait returned its result or raised its error.
-        inline: the outcomes of the caller's own hosts, once stepped (``None``: not yet).
-    """
+    """A lockstep round sent by :meth:`~LockstepRounds.lockstep_send`: the requests that went
+    out without the loop (from host 0 on), the hosts' connections by file descriptor (``None``:
+    some host has none), or the round as a task on the portal's loop; the outcomes of the
+    caller's own hosts once stepped."""
 
     sent: list[SentStep]
     readers: dict[int, DirectReader] | None

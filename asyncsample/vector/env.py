@@ -271,12 +271,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self._pending_kind, self._pending_args = "reset", mask
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
-        """The results of the reset sent by :meth:`reset_async`.
-
-        Raises:
-            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the reset is still
-                pending: wait again).
-        """
+        """The results of the reset sent by :meth:`reset_async` (see :meth:`step_wait`)."""
         infos = self._wait("reset", timeout)
         return self._reset_done(self._pending_args, infos)
 
@@ -582,11 +577,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             self._answered.append(h)
 
     def recv(self) -> _Step:
-        """The first ``batch_size`` sub-envs answered, with ``info["env_id"]`` naming them.
-
-        Same layout as :meth:`step` for those sub-envs only (row ``k`` is sub-env
-        ``info["env_id"][k]``), same autoreset mode.
-        """
+        """The first ``batch_size`` sub-envs answered, as :meth:`step` returns them; row ``k`` is
+        sub-env ``info["env_id"][k]``."""
         hosted = self._hosted
         hosted.check_open()
 
@@ -651,12 +643,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self._pending_kind = "call"
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
-        """The results of the call sent by :meth:`call_async`, one per sub-env.
-
-        Raises:
-            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the call is still
-                pending: wait again).
-        """
+        """The results of the call sent by :meth:`call_async` (see :meth:`step_wait`)."""
         return tuple(self._wait("call", timeout))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
@@ -679,11 +666,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         return self.call("render")
 
     def close_extras(self, **kwargs: Any) -> None:
-        """Stop the env hosts and release their processes and shared memory.
-
-        ``kwargs`` (``AsyncVectorEnv``'s ``timeout``, ``terminate``) change nothing: hosts that
-        do not exit when asked are killed.
-        """
+        """Stop the env hosts; ``kwargs`` (``AsyncVectorEnv``'s ``timeout``, ``terminate``)
+        change nothing: hosts that do not exit when asked are killed."""
         if self._pending is not None:
             warnings.warn(  # AsyncVectorEnv's warning, word for word
                 f"Calling `close` while waiting for a pending call to `{self._pending_kind}` to "

@@ -60,25 +60,16 @@ _Infos = dict[int, dict[str, Any]]
 class HostedEnvs(LockstepRounds):
     """``num_envs`` sub-envs on the hosts of a backend, driven in lockstep.
 
+    The arguments are the faces' (``autoreset``: the hosts' mode), and:
+
     Args:
-        sources: one env source per sub-env (see :func:`env_sources`).
-        n_processes: env-host processes (default: measured, see ``caller_envs``).
-        step_timeout: seconds a host may spend on one request before it is killed.
-        max_restarts: how often each host may be rebuilt over the env's life.
-        autoreset: the hosts' autoreset mode (see :data:`~asyncsample.env_group.AUTORESET_MODES`).
         group_size: sub-envs per host (default: ``num_envs / n_processes``, rounded); EnvPool-style
             stepping asks for smaller hosts, several to a process.
-        backend: the backend's name.
-        host_threads: intra-op threads of the numeric libraries in each env-host process.
         object_rows: spaces without fixed-size rows travel pickled in the hosts' requests and
-            replies (the gymnasium face), and final observations come home as the envs' own
-            objects; without it such spaces are refused.
+            replies, and final observations come home as the envs' own objects; without it such
+            spaces are refused.
         observation_space: the single observation space of the buffers (default: the first
             sub-env's).
-        caller_envs: sub-envs the caller steps itself (the last ones); with ``n_processes``
-            also ``None`` the placement is measured (:mod:`asyncsample.vector.placement`).
-        copy: ``False``: see :attr:`copy` (gymnasium's ``copy=False``).
-        metrics: as the faces' ``metrics``.
     """
 
     def __init__(
@@ -340,9 +331,7 @@ class HostedEnvs(LockstepRounds):
             out: Any = create_empty_array(space, len(rows), fn=np.zeros)
             return concatenate(space, rows, out)
         if type(parts[0]) is np.ndarray:
-            return np.concatenate(parts) if len(parts) > 1 else parts[0].copy()
-        if len(parts) == 1:
-            return tree_map(np.copy, parts[0])
+            return np.concatenate(parts)
         return tree_map(lambda *xs: np.concatenate(xs, axis=0), *parts)
 
     def obs_row(self, i: int, final: bool = False) -> Any:
@@ -462,11 +451,7 @@ class HostedEnvs(LockstepRounds):
                 f"actions of dtype {actions.dtype} do not fit the action space {space} "
                 f"(dtype {dtype}): a cast would change them silently, got {actions!r}"
             )
-        if (
-            actions.dtype.kind == "f"
-            and dtype.kind == "f"
-            and dtype.itemsize < actions.dtype.itemsize
-        ):
+        if dtype.kind == "f" and dtype.itemsize < actions.dtype.itemsize:
             limit = np.finfo(dtype).max
             finite = np.isfinite(actions)
             if (np.abs(actions[finite]) > limit).any():
@@ -574,15 +559,7 @@ class HostedEnvs(LockstepRounds):
                 return quiet
             stepped = self._every
         n = self.num_envs
-        res = StepResult(
-            None,
-            np.zeros(n, dtype=np.float64),
-            np.zeros(n, dtype=np.bool_),
-            np.zeros(n, dtype=np.bool_),
-            None,
-            {},
-            {},
-        )
+        res = StepResult.empty(n)
         for (h, local), got in zip(stepped, outcomes):
             a, b = self.slices[h]
             if isinstance(got, BaseException):

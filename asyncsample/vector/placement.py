@@ -210,13 +210,8 @@ def place(
     backend: str = "process",
 ) -> Placement:
     """The placement of a face's ``num_envs`` sub-envs: forced by the arguments, or measured on
-    the face's ``probe`` env (see :func:`choose`). Logged (logger ``"asyncsample"``, INFO).
-
-    Raises:
-        ValueError: arguments that contradict each other (``n_processes=0`` with a
-            ``caller_envs`` other than ``num_envs``; a caller's share with ``step_timeout``,
-            which only a host process can honour, or with ``batch_size``).
-    """
+    the face's ``probe`` env (see :func:`choose`); logged. A ``ValueError`` for arguments that
+    contradict each other."""
     n = num_envs
     if caller_envs is not None and not 0 <= caller_envs <= n:
         raise ValueError(f"caller_envs must be in [0, num_envs={n}], got {caller_envs}")
@@ -265,11 +260,8 @@ def place(
 def host_slices(
     num_envs: int, placement: Placement, group_size: int | None
 ) -> tuple[list[tuple[int, int]], int]:
-    """The sub-env ranges of the hosts of ``placement`` and how many of them are processes.
-
-    The processes' hosts come first, then the caller's: one host each (``group_size``
-    ``None``) or hosts of ``group_size`` sub-envs (EnvPool-style stepping).
-    """
+    """The sub-env ranges of the hosts of ``placement`` (the processes' first, then the
+    caller's; of ``group_size`` sub-envs each if given) and how many are processes."""
     n_caller = placement.caller_envs
     n_remote = num_envs - n_caller
     size = group_size

@@ -11,7 +11,7 @@ import multiprocessing
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
@@ -317,8 +317,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         return hosted.portal.call(hosted.call, name, args, {}, self._idx(indices))
 
     def _idx(self, indices: VecEnvIndices) -> list[int]:
-        chosen: Iterable[int] = self._get_indices(indices)
-        out = [int(i) for i in chosen]
+        out = [int(i) for i in self._get_indices(indices)]
         for i in out:
             if not -self.num_envs <= i < self.num_envs:
                 raise IndexError(f"indices: {i} is out of range for {self.num_envs} sub-envs")
