@@ -189,23 +189,17 @@ class LockstepRounds:
                 readers[reader.fd] = reader
         return PendingRound(sent, readers)
 
-    def _step_inline(self, round_: PendingRound) -> list[StepInfos | BaseException]:
-        """Step the caller's own hosts (once per round), in the caller's thread."""
+    def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
+        """Step the caller's own hosts (once per round), then read the replies of a round sent
+        by :meth:`_send_round`."""
         if round_.inline is None:
-            outcomes: list[StepInfos | BaseException] = []
-            first = self._remote_hosts
+            round_.inline = []
             for k, host in enumerate(self._inline):
                 try:
-                    outcomes.append(host.step_now(self._whole[first + k], True))
+                    round_.inline.append(host.step_now(self._whole[self._remote_hosts + k], True))
                 except Exception as exc:
-                    outcomes.append(exc)
-            round_.inline = outcomes
-        return round_.inline
-
-    def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
-        """Step the caller's own hosts, then read the replies of a round sent by
-        :meth:`_send_round`."""
-        inline = self._step_inline(round_)
+                    round_.inline.append(exc)
+        inline = round_.inline
         sent, readers = round_.sent, round_.readers
         if len(sent) == self._remote_hosts and readers is not None:
             outcomes = self._read_direct(sent, readers, deadline) if sent else []

@@ -14,7 +14,7 @@ import contextlib
 import select
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, cast
 
 import gymnasium as gym
 import numpy as np
@@ -53,7 +53,6 @@ from asyncsample.vector.portal import BlockingPortal
 
 __all__ = ["HostedEnvs", "HostedFace", "PendingRound", "StepResult", "env_sources", "finalize"]
 
-_T = TypeVar("_T")
 _Infos = dict[int, dict[str, Any]]
 
 

@@ -176,8 +176,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
     def reset(self) -> Any:
         """Reset every sub-env with the seeds and options set beforehand (used once)."""
         hosted = self._hosted
-        self._check_open()
-        self._drain()
+        self._idle()
         n = self.num_envs
         seeds = list(self._seeds)
         # One reset per distinct options dict (SB3 passes options only when non-empty).
@@ -229,8 +228,10 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
     def _check_open(self) -> None:
         self._hosted.check_open("AsyncSampleVecEnv")
 
-    def _drain(self) -> None:
-        """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
+    def _idle(self) -> None:
+        """Check the env is open, and finish a step sent by ``step_async`` and never waited for
+        (its results are lost)."""
+        self._check_open()
         task, self._sent = self._sent, None
         if task is not None:
             with contextlib.suppress(Exception):
@@ -311,14 +312,10 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
 
     def _call(self, name: str, args: tuple[Any, ...], indices: VecEnvIndices) -> list[Any]:
         """One of :class:`_SB3Access`'s methods on the selected sub-envs; one result each."""
-        self._check_open()
-        self._drain()
-        hosted = self._hosted
-        return hosted.portal.call(hosted.call, name, args, {}, self._idx(indices))
-
-    def _idx(self, indices: VecEnvIndices) -> list[int]:
+        self._idle()
         out = [int(i) for i in self._get_indices(indices)]
         for i in out:
             if not -self.num_envs <= i < self.num_envs:
                 raise IndexError(f"indices: {i} is out of range for {self.num_envs} sub-envs")
-        return [i % self.num_envs for i in out]
+        hosted = self._hosted
+        return hosted.portal.call(hosted.call, name, args, {}, [i % self.num_envs for i in out])
