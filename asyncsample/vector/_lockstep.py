@@ -1,11 +1,7 @@
 """The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs` without the event loop
-where it can do without it, and its two halves for ``step_async`` and ``step_wait``.
-
-The loop's machinery costs the main process more than the rest of a common lockstep step, so
-when the caller's thread runs no loop the requests go out at once
-(:meth:`LockstepHost.step_nowait <asyncsample.backends.LockstepHost.step_nowait>`), the replies
-are read while the caller waits in ``poll``, and a quiet round is built from the step buffers.
-Anything else is finished on the face's :class:`~asyncsample.vector.portal.BlockingPortal`.
+where it can do without it (the loop's machinery costs more than the rest of a common step):
+requests go out at once, replies are read in ``poll`` and a quiet round is built from the step
+buffers; anything else is finished on the face's portal. Also its ``step_async``/``step_wait``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The gymnasium face: :class:`VectorEnv`, a ``gymnasium.vector.VectorEnv`` on the env hosts.
 
-``num_envs`` sub-envs live several to an env host (:mod:`asyncsample.vector.hosted`), one round
-trip per host and step; for the same seeds and actions it returns what
-:class:`gymnasium.vector.SyncVectorEnv` returns. The autoreset modes are the hosts' own; spaces
-without fixed-size rows travel pickled, batched with gymnasium's ``concatenate`` and ``iterate``.
-Calls are synchronous and run the face's :class:`~asyncsample.vector.portal.BlockingPortal`,
-except the common lockstep ``step`` (see :mod:`asyncsample.vector._lockstep`). EnvPool-style
-stepping (``batch_size``), faults and restarts: see docs/vector.md.
+For the same seeds and actions it returns what :class:`gymnasium.vector.SyncVectorEnv` returns.
+Calls are synchronous, on the face's :class:`~asyncsample.vector.portal.BlockingPortal`, except
+the common lockstep ``step`` (:mod:`asyncsample.vector._lockstep`). See docs/vector.md.
 """
 
 from __future__ import annotations
@@ -494,15 +490,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         return infos
 
     def _idle(self) -> HostedEnvs:
-        """The hosts, once checked open and with no call pending (see :meth:`_drain`)."""
-        self._hosted.check_open()
-        self._drain()
-        return self._hosted
-
-    def _drain(self) -> None:
-        """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
-        task, self._pending = self._pending, None
+        """The hosts, once checked open and with no call pending: a call sent and never waited
+        for is finished (its results are lost), EnvPool-style steps are waited for."""
         hosted = self._hosted
+        hosted.check_open()
+        task, self._pending = self._pending, None
         if task is not None:
             with contextlib.suppress(Exception):
                 result = self._outcome(task, None)
@@ -514,6 +506,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 hosted.portal.call(asyncio.wait, waiting)
         self._inflight.clear()
         self._answered.clear()
+        return hosted
 
     # -- EnvPool-style asynchronous stepping --------------------------------------------------
 

@@ -1,9 +1,6 @@
-"""Sub-envs on the sampler's env hosts, as both vector-env faces use them.
-
-:class:`HostedEnvs` places ``num_envs`` sub-envs on the hosts of a backend and drives them through
-the public :class:`~asyncsample.backends.EnvHost` protocol, as the sampler's workers do; the hosts
-do the autoresets (:attr:`HostSpec.autoreset <asyncsample.backends.HostSpec>`). What is the faces'
-own: the lockstep round over all hosts, each host's restart budget over the env's life, and the
+"""Sub-envs on the sampler's env hosts, as both vector-env faces use them: :class:`HostedEnvs`
+drives them through the public :class:`~asyncsample.backends.EnvHost` protocol (the hosts do the
+autoresets) and adds the lockstep round, each host's restart budget over the env's life, and the
 translation of a host's :class:`~asyncsample.WorkerError` into a :class:`SubEnvError`.
 """
 

@@ -1,13 +1,9 @@
 """A blocking portal: synchronous callers run coroutines on one private event loop.
 
-The faces are synchronous (gymnasium's and SB3's APIs are), the hosts speak asyncio. The loop
-runs **in the caller's thread** when that thread runs no loop (the usual case): a call then costs
-one loop run and no thread handoff, which would cost several times a CartPole step's CPU. A
-caller inside a running loop (a coroutine, a notebook) blocks while a **helper thread** runs it.
-Between calls the loop is idle: replies wait in the sockets, and a caller in its thread may read
-them itself (see :meth:`HostedEnvs.lockstep <asyncsample.vector.hosted.HostedEnvs.lockstep>`). A
-call interrupted from outside (``KeyboardInterrupt``) cancels its coroutine; the cancellation
-completes at the next call.
+The loop runs in the caller's thread when that thread runs no loop (the usual case: no thread
+handoff, which would cost several times a small env's step), else in a helper thread while the
+caller blocks. A call interrupted from outside (``KeyboardInterrupt``) cancels its coroutine; the
+cancellation completes at the next call.
 """
 
 from __future__ import annotations
