@@ -25,7 +25,6 @@ __all__ = [
     "check_spaces",
     "concurrency_limit",
     "observation_spaces",
-    "timed_out",
 ]
 
 
@@ -35,12 +34,6 @@ class AlreadyPending(AlreadyPendingCallError, RuntimeError):
 
 class NoAsyncCall(NoAsyncCallError, RuntimeError):
     """gymnasium's ``NoAsyncCallError``, also a ``RuntimeError`` (as before)."""
-
-
-def timed_out(what: str, timeout: float | None) -> multiprocessing.TimeoutError:
-    return multiprocessing.TimeoutError(
-        f"The call to `{what}` has timed out after {timeout} second(s)."
-    )
 
 
 def check_async_vector_env_options(

@@ -146,10 +146,9 @@ class LockstepRounds:
                 res = self._in_loop(round_, deadline, self._collect, round_.sent)
             else:
                 res = self._finish_round(round_, deadline)
-        except TimeoutError:
-            raise
-        except BaseException:
-            self._round_over(round_)
+        except BaseException as exc:
+            if not isinstance(exc, TimeoutError):  # else the round is still pending
+                self._round_over(round_)
             raise
         self._round_over(round_)
         return res

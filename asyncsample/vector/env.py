@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 import math
+import multiprocessing
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -31,7 +32,6 @@ from asyncsample.vector._gym_args import (
     check_spaces,
     concurrency_limit,
     observation_spaces,
-    timed_out,
 )
 from asyncsample.vector.hosted import (
     HostedEnvs,
@@ -185,8 +185,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self.batch_size = num if batch is None else batch
         self._finalizer = weakref.finalize(self, finalize, self._hosted)
         hosted = self._hosted
-        self.metadata = dict(hosted.metadata)
-        self.metadata["autoreset_mode"] = mode
+        self.metadata = {**hosted.metadata, "autoreset_mode": mode}
         self.render_mode = hosted.render_mode
         self.single_observation_space = hosted.single_observation_space
         self.single_action_space = hosted.single_action_space
@@ -350,7 +349,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         try:
             result = self._outcome(task, timeout)
         except TimeoutError:
-            raise timed_out(f"{kind}_wait", timeout) from None
+            raise multiprocessing.TimeoutError(
+                f"The call to `{kind}_wait` has timed out after {timeout} second(s)."
+            ) from None
         finally:
             if task.done():
                 self._pending = None

@@ -356,10 +356,10 @@ class HostedEnvs(LockstepRounds):
         if isinstance(first, list):
             self._write_object_actions(actions, targets)
             return
+        if not isinstance(actions, (dict, tuple)) and np.ndim(actions) == 0:
+            raise TypeError(self._not_a_batch(f"a single value {actions!r}", axis=False))
         if type(actions) is np.ndarray and isinstance(first, np.ndarray):
             # The common case (Box, Discrete, Multi* action spaces): one slice copy per host.
-            if actions.ndim == 0:
-                raise TypeError(self._not_a_batch(f"a single value {actions!r}", axis=False))
             if actions.shape[0] != n:
                 raise ValueError(self._not_a_batch(f"shape {actions.shape}"))
             if actions.dtype != first.dtype:
@@ -384,8 +384,6 @@ class HostedEnvs(LockstepRounds):
                 raise ValueError(self._not_a_batch(f"shape {arr.shape}"))
             return arr
 
-        if not isinstance(actions, (dict, tuple)) and np.ndim(actions) == 0:
-            raise TypeError(self._not_a_batch(f"a single value {actions!r}", axis=False))
         try:
             batch = tree_map(check, actions)
             for h in targets:
@@ -468,23 +466,18 @@ class HostedEnvs(LockstepRounds):
         first observations in the buffers. With ``hosts``, the result's ``obs`` is ``None``
         (other hosts may be writing theirs): read the rows with :meth:`read_obs`.
         """
-        targets = range(len(self.hosts)) if hosts is None else hosts
-        for h in targets:
+        stepped: list[tuple[int, np.ndarray]] = []
+        for h in range(len(self.hosts)) if hosts is None else hosts:
+            a, b = self.slices[h]
             if h in self.broken:
-                a, b = self.slices[h]
                 raise RuntimeError(
                     f"sub-envs {a}..{b - 1} (env host {h}) failed earlier and were not "
                     "rebuilt: call reset() before stepping again"
                 )
-        stepped: list[tuple[int, np.ndarray]] = []
-        for h in targets:
             if mask is None:
                 stepped.append((h, self._whole[h]))
-            else:
-                a, b = self.slices[h]
-                local = mask[a:b]
-                if local.any():
-                    stepped.append((h, local.copy()))
+            elif mask[a:b].any():
+                stepped.append((h, mask[a:b].copy()))
         if not stepped:
             return await self._merge([], [], whole=hosts is None)
         # The first host's request is awaited right here and the others' tasks one after the
@@ -561,8 +554,7 @@ class HostedEnvs(LockstepRounds):
             if isinstance(got, BaseException):
                 reason = str(got.args[0] if got.args else got)
                 res.truncated[a:b] = True
-                for k in range(b - a):
-                    res.restarted[a + k] = reason
+                res.restarted.update(dict.fromkeys(range(a, b), reason))
                 infos = (fresh or {}).get(h, {})
                 res.reset_infos.update({a + k: info for k, info in infos.items()})
                 continue

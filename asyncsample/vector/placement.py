@@ -80,16 +80,14 @@ class Placement:
 
     def describe(self, num_envs: int) -> str:
         """One line for the log and ``repr``."""
-        hosted = num_envs - self.caller_envs
+        hosts = f"on {self.n_processes} env-host processes"
         if self.kind == "in-process":
             where = f"all {num_envs} sub-envs in the caller's process"
         elif self.kind == "hosts":
-            where = f"{num_envs} sub-envs on {self.n_processes} env-host processes"
+            where = f"{num_envs} sub-envs {hosts}"
         else:
-            where = (
-                f"{self.caller_envs} sub-envs in the caller's process and {hosted} on "
-                f"{self.n_processes} env-host processes"
-            )
+            where = f"{self.caller_envs} sub-envs in the caller's process and "
+            where += f"{num_envs - self.caller_envs} {hosts}"
         return f"{where} ({self.reason})"
 
 
