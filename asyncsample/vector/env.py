@@ -13,7 +13,6 @@ import functools
 import math
 import multiprocessing
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,14 +32,7 @@ from asyncsample.vector._gym_args import (
     concurrency_limit,
     observation_spaces,
 )
-from asyncsample.vector.hosted import (
-    HostedEnvs,
-    HostedFace,
-    PendingRound,
-    StepResult,
-    env_sources,
-    finalize,
-)
+from asyncsample.vector.hosted import HostedEnvs, HostedFace, PendingRound, StepResult, env_sources
 
 __all__ = ["VectorEnv"]
 
@@ -168,7 +160,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self.num_envs = num
         self.observation_mode = observation_mode
         self.max_concurrency = max_concurrency
-        self._hosted = HostedEnvs(
+        hosted = HostedEnvs(
             sources,
             n_processes=n_processes,
             step_timeout=step_timeout,
@@ -182,9 +174,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             copy=bool(copy),
             metrics=metrics,
         )
+        self._own(hosted)
         self.batch_size = num if batch is None else batch
-        self._finalizer = weakref.finalize(self, finalize, self._hosted)
-        hosted = self._hosted
         self.metadata = {**hosted.metadata, "autoreset_mode": mode}
         self.render_mode = hosted.render_mode
         self.single_observation_space = hosted.single_observation_space
@@ -670,8 +661,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 stacklevel=3,
             )
         self._pending = None
-        self._finalizer.detach()
-        self._hosted.close()
+        self._release()
 
     def __repr__(self) -> str:
         spec = self._hosted.spec

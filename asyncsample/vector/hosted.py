@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import select
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, NoReturn, cast
@@ -48,7 +49,7 @@ from asyncsample.vector.errors import (
 from asyncsample.vector.placement import Placement, host_slices, place
 from asyncsample.vector.portal import BlockingPortal
 
-__all__ = ["HostedEnvs", "HostedFace", "PendingRound", "StepResult", "env_sources", "finalize"]
+__all__ = ["HostedEnvs", "HostedFace", "PendingRound", "StepResult", "env_sources"]
 
 _Infos = dict[int, dict[str, Any]]
 
@@ -649,6 +650,16 @@ class HostedFace:
 
     _hosted: HostedEnvs
 
+    def _own(self, hosted: HostedEnvs) -> None:
+        """Keep ``hosted``; a face collected without ``close()`` kills its hosts."""
+        self._hosted = hosted
+        self._finalizer = weakref.finalize(self, _finalize, hosted)
+
+    def _release(self) -> None:
+        """Stop the hosts (the face's ``close``)."""
+        self._finalizer.detach()
+        self._hosted.close()
+
     @property
     def n_processes(self) -> int:
         """Number of env-host processes."""
@@ -673,7 +684,7 @@ class HostedFace:
         )
 
 
-def finalize(hosted: HostedEnvs) -> None:
+def _finalize(hosted: HostedEnvs) -> None:
     """Release ``hosted`` from a finalizer (an env garbage-collected without ``close()``): the
     hosts are killed, not asked, since a collection can run inside another portal call."""
     with contextlib.suppress(Exception):

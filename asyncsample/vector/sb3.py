@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from copy import deepcopy
@@ -22,14 +21,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncsample import _validate
 from asyncsample.env_update import make_env
-from asyncsample.vector.hosted import (
-    HostedEnvs,
-    HostedFace,
-    PendingRound,
-    StepResult,
-    env_sources,
-    finalize,
-)
+from asyncsample.vector.hosted import HostedEnvs, HostedFace, PendingRound, StepResult, env_sources
 
 try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices
@@ -143,7 +135,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         _validate.nonnegative_int("max_restarts", max_restarts)
         step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         sources = env_sources(list(env_fns) if isinstance(env_fns, (list, tuple)) else env_fns, n)
-        self._hosted = HostedEnvs(
+        hosted = HostedEnvs(
             [_Factory(s) for s in sources],
             n_processes=n_processes,
             step_timeout=step_timeout,
@@ -152,15 +144,13 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             caller_envs=caller_envs,
             metrics=metrics,
         )
-        self._finalizer = weakref.finalize(self, finalize, self._hosted)
+        self._own(hosted)
         self._sent: PendingRound | None = None
         self.closed = False
         try:
-            super().__init__(
-                n, self._hosted.single_observation_space, self._hosted.single_action_space
-            )
+            super().__init__(n, hosted.single_observation_space, hosted.single_action_space)
         except BaseException:
-            self._hosted.close()
+            hosted.close()
             raise
 
     # -- observations -----------------------------------------------------------------------
@@ -271,8 +261,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             return
         self.closed = True
         self._sent = None
-        self._finalizer.detach()
-        self._hosted.close()
+        self._release()
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         """The attribute of the selected sub-envs (through their wrappers)."""
