@@ -250,8 +250,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         options: dict[str, Any] | None = None,
     ) -> None:
         """Send the reset (see :meth:`reset`); :meth:`reset_wait` returns its results."""
-        hosted = self._hosted
-        self._check_not_pending("reset_async")
+        hosted = self._free("reset_async")
         mask, seeds, options = self._reset_args(seed, options)
         self._pending = hosted.portal.start(hosted.reset, mask, seeds, options)
         self._pending_kind, self._pending_args = "reset", mask
@@ -317,8 +316,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             infos = self._add_info(infos, reset_infos.get(i, {}), i)
         return self._hosted.read_obs(), infos
 
-    def _check_not_pending(self, what: str) -> None:
-        """Refuse a call on a closed env, or while another call is pending."""
+    def _free(self, what: str) -> HostedEnvs:
+        """The hosts, for a call ``what``: refused on a closed env or while a call is pending."""
         self._hosted.check_open()
         if self._pending is not None:
             raise AlreadyPending(
@@ -327,11 +326,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 "another call is pending)",
                 str(self._pending_kind),
             )
+        return self._hosted
 
     def _wait(self, kind: str, timeout: float | None) -> Any:
         """The outcome of the pending ``kind`` call (see :meth:`step_wait`)."""
-        hosted = self._hosted
-        hosted.check_open()
+        self._hosted.check_open()
         task = self._pending
         if task is None or self._pending_kind != kind:
             raise NoAsyncCall(
@@ -359,15 +358,13 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def step(self, actions: Any) -> _Step:
         """Step every sub-env with its action (see the module doc for the autoreset modes)."""
-        hosted = self._hosted
-        self._check_not_pending("step")
+        hosted = self._free("step")
         mask = self._send(actions)
         return self._finish(hosted.lockstep(mask), mask)
 
     def step_async(self, actions: Any) -> None:
         """Send the actions (as :meth:`step` sends them); the hosts step meanwhile."""
-        hosted = self._hosted
-        self._check_not_pending("step_async")
+        hosted = self._free("step_async")
         mask = self._send(actions)
         self._pending = hosted.lockstep_send(mask)
         self._pending_kind, self._pending_args = "step", mask
@@ -523,8 +520,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     def send(self, actions: Any, env_ids: Any) -> None:
         """Send ``actions[k]`` to sub-env ``env_ids[k]`` (the sub-envs of earlier :meth:`recv`
         batches); their hosts start at once."""
-        hosted = self._hosted
-        self._check_not_pending("send")
+        hosted = self._free("send")
         if self.autoreset_mode == AutoresetMode.DISABLED:
             raise ValueError("send/recv needs autoreset_mode NextStep or SameStep, not Disabled")
         ids = np.asarray(env_ids, dtype=np.int64).reshape(-1)
@@ -622,8 +618,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Send :meth:`call`; :meth:`call_wait` returns its results."""
-        hosted = self._hosted
-        self._check_not_pending("call_async")
+        hosted = self._free("call_async")
         self._pending = hosted.portal.start(hosted.call, name, args, kwargs, range(self.num_envs))
         self._pending_kind = "call"
 

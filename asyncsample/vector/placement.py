@@ -27,16 +27,7 @@ import numpy as np
 
 from asyncsample.backends import traits
 
-__all__ = [
-    "LOGGER",
-    "Placement",
-    "choose",
-    "cpus",
-    "hop_seconds",
-    "host_slices",
-    "place",
-    "probe_step_seconds",
-]
+__all__ = ["Placement", "choose", "host_slices", "place", "probe_step_seconds"]
 
 LOGGER = logging.getLogger("asyncsample")
 

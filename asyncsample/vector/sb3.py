@@ -165,8 +165,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
 
     def reset(self) -> Any:
         """Reset every sub-env with the seeds and options set beforehand (used once)."""
-        hosted = self._hosted
-        self._idle()
+        hosted = self._idle()
         n = self.num_envs
         seeds = list(self._seeds)
         # One reset per distinct options dict (SB3 passes options only when non-empty).
@@ -218,14 +217,15 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
     def _check_open(self) -> None:
         self._hosted.check_open("AsyncSampleVecEnv")
 
-    def _idle(self) -> None:
-        """Check the env is open, and finish a step sent by ``step_async`` and never waited for
-        (its results are lost)."""
+    def _idle(self) -> HostedEnvs:
+        """The hosts, once checked open and with no step pending: a step sent by ``step_async``
+        and never waited for is finished (its results are lost)."""
         self._check_open()
         task, self._sent = self._sent, None
         if task is not None:
             with contextlib.suppress(Exception):
                 self._hosted.lockstep_wait(task)
+        return self._hosted
 
     def _finish(self, res: StepResult) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         hosted = self._hosted
@@ -301,10 +301,9 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
 
     def _call(self, name: str, args: tuple[Any, ...], indices: VecEnvIndices) -> list[Any]:
         """One of :class:`_SB3Access`'s methods on the selected sub-envs; one result each."""
-        self._idle()
+        hosted = self._idle()
         out = [int(i) for i in self._get_indices(indices)]
         for i in out:
             if not -self.num_envs <= i < self.num_envs:
                 raise IndexError(f"indices: {i} is out of range for {self.num_envs} sub-envs")
-        hosted = self._hosted
         return hosted.portal.call(hosted.call, name, args, {}, [i % self.num_envs for i in out])
