@@ -102,11 +102,11 @@ class LockstepRounds:
     _direct: list[LockstepHost]
     # Every sub-env of a host (read-only): the step mask of the common lockstep step.
     _whole: list[np.ndarray]
-    # The poller of the hosts' connections, and their file descriptors.
+    # The poller of the hosts' connections, made for the file descriptors _polled.
     _poller: select.poll
-    _polled: tuple[int, ...]
+    _polled: tuple[int, ...] = ()
     # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
-    _round: PendingRound | None
+    _round: PendingRound | None = None
 
     step: Callable[..., Coroutine[Any, Any, StepResult]]
     _merge: Callable[..., Coroutine[Any, Any, StepResult]]
@@ -117,11 +117,9 @@ class LockstepRounds:
         return self.lockstep_wait(self.lockstep_send(mask))
 
     def lockstep_send(self, mask: np.ndarray | None = None) -> PendingRound:
-        """Send a lockstep round (``step_async``); :meth:`lockstep_wait` finishes it.
-
-        A step of the sub-envs in ``mask`` only, a host that failed earlier or a caller inside
-        a running event loop: the round is :meth:`step`, started on the portal's loop.
-        """
+        """Send a lockstep round (``step_async``); :meth:`lockstep_wait` finishes it. Some
+        sub-envs (``mask``), a broken host or a caller inside a running loop: :meth:`step` is
+        started on the portal's loop."""
         portal = self.portal
         if mask is not None or self.broken or not portal.in_caller_thread():
             round_ = PendingRound([], None, portal.start(self.step, mask))

@@ -401,17 +401,15 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def _finish(self, res: StepResult, mask: np.ndarray | None) -> _Step:
         mode = self.autoreset_mode
-        if res.quiet and mask is None:
-            # The common step: no info anywhere. What _infos does then, on whole arrays.
-            if mode == AutoresetMode.DISABLED:
-                np.logical_or(res.terminated, res.truncated, out=self._ended)
-            elif mode == AutoresetMode.SAME_STEP:
-                done = res.terminated | res.truncated
-                if done.any():
-                    finals = self._finals(res, done)
-                    return res.obs, res.rewards, res.terminated, res.truncated, finals
-            return res.obs, res.rewards, res.terminated, res.truncated, {}
-        infos = self._infos(res, list(range(self.num_envs)), _InfoBatch(self.num_envs))
+        infos: dict[str, Any] = {}
+        if not res.quiet or mask is not None:
+            infos = self._infos(res, list(range(self.num_envs)), _InfoBatch(self.num_envs))
+        elif mode == AutoresetMode.DISABLED:  # the common step: what _infos does, on whole arrays
+            np.logical_or(res.terminated, res.truncated, out=self._ended)
+        elif mode == AutoresetMode.SAME_STEP:
+            done = res.terminated | res.truncated
+            if done.any():
+                infos = self._finals(res, done)
         return res.obs, res.rewards, res.terminated, res.truncated, infos
 
     def _finals(self, res: StepResult, done: np.ndarray) -> dict[str, Any]:
@@ -444,26 +442,25 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             for k, i in enumerate(ids):
                 if i in special or (env_infos is not None and env_infos[i]):
                     wanted[k] = True
+        same_step = mode == AutoresetMode.SAME_STEP
         for k in np.flatnonzero(wanted).tolist():
             i = ids[k]
             reset_info = res.reset_infos.get(i, {})
             if i in res.restarted:
-                if mode == AutoresetMode.SAME_STEP:
+                if same_step:
                     final = {"final_obs": hosted.obs_row(i), "final_info": {}}
                     infos = batch.add_info(infos, final, k)
-                    infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
+                infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
+                if same_step:
                     infos = batch.add_info(infos, reset_info, k)
-                else:
-                    infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
             elif self._fresh[i]:
                 infos = batch.add_info(infos, self._fresh_infos.pop(i, {}), k)
-            elif mode == AutoresetMode.SAME_STEP and done[k]:
-                final = {"final_obs": hosted.final_row(res, i), "final_info": res.info(i)}
-                infos = batch.add_info(infos, final, k)
-                infos = batch.add_info(infos, reset_info, k)
             else:
-                # NEXT_STEP: a sub-env its host reset in this step was not stepped.
-                infos = batch.add_info(infos, res.info(i), k)
+                # In NEXT_STEP mode, a sub-env its host reset in this step was not stepped.
+                info = res.info(i)
+                if same_step and done[k]:
+                    info = {"final_obs": hosted.final_row(res, i), "final_info": info}
+                infos = batch.add_info(infos, info, k)
                 infos = batch.add_info(infos, reset_info, k)
         self._fresh[where] = False
         if mode == AutoresetMode.DISABLED:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import select
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
@@ -57,16 +56,9 @@ _Infos = dict[int, dict[str, Any]]
 class HostedEnvs(LockstepRounds):
     """``num_envs`` sub-envs on the hosts of a backend, driven in lockstep.
 
-    The arguments are the faces' (``autoreset``: the hosts' mode), and:
-
-    Args:
-        group_size: sub-envs per host (default: ``num_envs / n_processes``, rounded); EnvPool-style
-            stepping asks for smaller hosts, several to a process.
-        object_rows: spaces without fixed-size rows travel pickled in the hosts' requests and
-            replies, and final observations come home as the envs' own objects; without it such
-            spaces are refused.
-        observation_space: the single observation space of the buffers (default: the first
-            sub-env's).
+    The arguments are the faces', and ``group_size`` (sub-envs per host, for EnvPool-style
+    stepping), ``object_rows`` (spaces without fixed-size rows travel pickled, else they are
+    refused) and ``observation_space`` (the buffers', default: the first sub-env's).
     """
 
     def __init__(
@@ -125,9 +117,6 @@ class HostedEnvs(LockstepRounds):
             whole.flags.writeable = False  # shared by every round: never written
         self._every = list(enumerate(self._whole))
         self.portal = BlockingPortal()
-        self._poller = select.poll()
-        self._polled: tuple[int, ...] = ()
-        self._round: PendingRound | None = None
         self.backend: Backend | None = None
         if remote_hosts:
             options: dict[str, Any] = {"n_processes": self.n_procs, "host_threads": host_threads}
@@ -460,13 +449,10 @@ class HostedEnvs(LockstepRounds):
     async def step(
         self, mask: np.ndarray | None = None, hosts: Sequence[int] | None = None
     ) -> StepResult:
-        """Step the sub-envs in ``mask`` (default: all) of ``hosts`` (default: all).
-
-        One ``step`` request per host, all in flight together. A host that died or timed out is
-        restarted within budget: its sub-envs come back in ``restarted``, with the new episodes'
-        first observations in the buffers. With ``hosts``, the result's ``obs`` is ``None``
-        (other hosts may be writing theirs): read the rows with :meth:`read_obs`.
-        """
+        """Step the sub-envs in ``mask`` (default: all) of ``hosts`` (default: all), one request
+        per host, all in flight together; a host that died or timed out is restarted within
+        budget (its sub-envs in ``restarted``). With ``hosts``, ``obs`` is ``None``: other hosts
+        may be writing theirs."""
         stepped: list[tuple[int, np.ndarray]] = []
         for h in range(len(self.hosts)) if hosts is None else hosts:
             a, b = self.slices[h]
