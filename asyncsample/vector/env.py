@@ -504,9 +504,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     ) -> None:
         """Reset every sub-env; :meth:`recv` returns their first observations, a batch at a time."""
         self.reset(seed=seed, options=options)
-        n = self.num_envs
-        zeros = np.zeros(n, dtype=np.bool_)
-        res = StepResult(None, np.zeros(n), zeros, zeros.copy(), None, self._last_reset, {})
+        res = StepResult.empty(self.num_envs)
+        res.reset_infos = self._last_reset
         loop = self._hosted.portal.loop
         for h in range(len(self._hosted.slices)):
             fut: asyncio.Future[StepResult] = loop.create_future()
@@ -559,12 +558,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         sub-env ``info["env_id"][k]``."""
         hosted = self._hosted
         hosted.check_open()
-
-        def size(h: int) -> int:
-            return int(hosted.slices[h][1] - hosted.slices[h][0])
-
-        if sum(size(h) for h in self._answered) < self.batch_size:
-            if sum(size(h) for h in self._inflight) < self.batch_size:
+        size = [b - a for a, b in hosted.slices]
+        if sum(size[h] for h in self._answered) < self.batch_size:
+            if sum(size[h] for h in self._inflight) < self.batch_size:
                 raise RuntimeError(
                     f"recv() needs at least batch_size={self.batch_size} sub-envs sent "
                     "(call async_reset() first, then send() what recv() returned)"
@@ -573,7 +569,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
             async def enough() -> None:
                 pending = set(waiting)
-                while sum(size(h) for h in self._answered) < self.batch_size and pending:
+                while sum(size[h] for h in self._answered) < self.batch_size and pending:
                     _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
 
             hosted.portal.call(enough)
@@ -582,7 +578,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         while count < self.batch_size:
             h = self._answered.pop(0)
             chosen.append(h)
-            count += size(h)
+            count += size[h]
         results = [self._inflight.pop(h) for h in chosen]
         for fut in results:
             error = fut.exception()

@@ -102,8 +102,6 @@ class HostedEnvs(LockstepRounds):
             )
         finally:
             probe.close()
-        self.object_rows = object_rows
-        self.autoreset = autoreset
         self.max_restarts = max_restarts
         self.budgets: list[RestartBudget] = []
         self.closed = False
@@ -140,31 +138,21 @@ class HostedEnvs(LockstepRounds):
         self._given_to: set[int] = set()
         self.broken: set[int] = set()
         self.copy = copy
-        """``False``: :meth:`read_obs` of every sub-env returns the hosts' shared observation
-        buffer itself where it is one array (the next step overwrites it); else a copy."""
+        """``False``: :meth:`read_obs` may return the hosts' shared buffer (``copy=False``)."""
         self.metrics = make_face_metrics(metrics, backend, self)
+        timed = self.metrics is not None
+        spec = partial(HostSpec, autoreset=autoreset, final_in_reply=object_rows, timed=timed)
+        obs, act = self.single_observation_space, self.single_action_space
+        specs = [spec(h, b - a, obs, act, None) for h, (a, b) in enumerate(self.slices)]
         try:
-            self.portal.call(self._start)
+            self.portal.call(self._start, specs)
         except BaseException:
             self.close()
             raise
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def _start(self) -> None:
-        specs = [
-            HostSpec(
-                h,
-                b - a,
-                self.single_observation_space,
-                self.single_action_space,
-                None,
-                autoreset=self.autoreset,
-                final_in_reply=self.object_rows,
-                timed=self.metrics is not None,
-            )
-            for h, (a, b) in enumerate(self.slices)
-        ]
+    async def _start(self, specs: list[HostSpec]) -> None:
         r = self._remote_hosts
         if self.backend is not None:
             self.hosts = list(await self.backend.start(specs[:r]))

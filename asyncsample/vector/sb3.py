@@ -185,19 +185,18 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
 
     def step(self, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         """Step every sub-env (one lockstep round)."""
-        if self._sent is not None:
-            raise RuntimeError("step was called while a step_async is waiting for step_wait")
-        self._send(actions)
+        self._send(actions, "step was called while a step_async is waiting for step_wait")
         return self._finish(self._hosted.lockstep())
 
     def step_async(self, actions: np.ndarray) -> None:
         """Send the actions (as :meth:`step` sends them); :meth:`step_wait` collects the step."""
-        if self._sent is not None:
-            raise RuntimeError("step_async was called twice without step_wait in between")
-        self._send(actions)
+        self._send(actions, "step_async was called twice without step_wait in between")
         self._sent = self._hosted.lockstep_send()
 
-    def _send(self, actions: Any) -> None:
+    def _send(self, actions: Any, busy: str) -> None:
+        """Write the actions; ``busy``: the error while a ``step_async`` waits for its wait."""
+        if self._sent is not None:
+            raise RuntimeError(busy)
         self._check_open()
         n = self.num_envs
         if isinstance(actions, list) and len(actions) == n:
@@ -279,8 +278,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         **method_kwargs: Any,
     ) -> list[Any]:
         """Call a method of the selected sub-envs; one result per sub-env."""
-        args = (method_name, method_args, method_kwargs)
-        return self._call("_asyncsample_method", args, indices)
+        return self._call("_asyncsample_method", (method_name, method_args, method_kwargs), indices)
 
     def env_is_wrapped(
         self, wrapper_class: type[gym.Wrapper[Any, Any, Any, Any]], indices: VecEnvIndices = None
