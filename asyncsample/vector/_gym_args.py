@@ -39,8 +39,7 @@ class NoAsyncCall(NoAsyncCallError, RuntimeError):
 def check_async_vector_env_options(
     shared_memory: Any, copy: Any, context: Any, daemon: Any, worker: Any, observation_mode: Any
 ) -> None:
-    """``AsyncVectorEnv``'s own arguments: checked as it checks them, refused where they cannot
-    apply (see :class:`VectorEnv`)."""
+    """``AsyncVectorEnv``'s own arguments, checked as it checks them (a ``worker`` is refused)."""
     _validate.flag("shared_memory", shared_memory)
     _validate.flag("copy", copy)
     _validate.flag("daemon", daemon)

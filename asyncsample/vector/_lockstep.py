@@ -30,13 +30,10 @@ _DIRECT_WAIT = 0.05
 
 @dataclass
 class StepResult:
-    """What one lockstep round returned, per sub-env (the faces format it).
-
-    ``obs`` is ``None`` for a round of some hosts only; ``env_infos`` ``None`` when every one
-    was empty; ``reset_infos`` the non-empty infos of the round's resets (autoresets, restarts);
-    ``restarted`` the sub-envs whose host was restarted, with the reason; ``final_obs`` the
-    envs' own last observations where the hosts sent them (``object_rows``).
-    """
+    """What one lockstep round returned, per sub-env: ``obs`` (``None`` for a round of some
+    hosts only), ``env_infos`` (``None``: all empty), the non-empty ``reset_infos`` of its resets,
+    the ``restarted`` sub-envs with the reason, the envs' own ``final_obs`` if the hosts sent
+    them."""
 
     obs: Tree | None
     rewards: np.ndarray

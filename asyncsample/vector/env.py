@@ -257,8 +257,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """The results of the reset sent by :meth:`reset_async` (see :meth:`step_wait`)."""
-        infos = self._wait("reset", timeout)
-        return self._reset_done(self._pending_args, infos)
+        return self._reset_done(self._pending_args, self._wait("reset", timeout))
 
     def _reset_args(
         self, seed: Any, options: Any
@@ -376,8 +375,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             multiprocessing.TimeoutError: ``timeout`` seconds passed first (the step is still
                 pending: wait again).
         """
-        res = self._wait("step", timeout)
-        return self._finish(res, self._pending_args)
+        return self._finish(self._wait("step", timeout), self._pending_args)
 
     def _send(self, actions: Any) -> np.ndarray | None:
         """Check the state and write the actions; the step mask (``None``: every sub-env)."""

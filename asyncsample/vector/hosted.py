@@ -269,9 +269,8 @@ class HostedEnvs(LockstepRounds):
         options: dict[str, Any] | None = None,
         first: WorkerError | None = None,
     ) -> _Infos:
-        """Reset host ``h``'s sub-envs in ``local`` within its restart budget: a crash (or
-        ``first``, the failure of a step) restarts the host, which then resets all of them; a
-        failure it gives up on leaves the host broken and is raised translated."""
+        """Reset host ``h``'s sub-envs in ``local`` within its budget: a crash (or ``first``, a
+        step's) restarts it, then resets all; a failure past that leaves it broken, translated."""
 
         async def attempt(failure: WorkerError | None) -> _Infos:
             if failure is None and first is not None:
@@ -290,9 +289,8 @@ class HostedEnvs(LockstepRounds):
     # -- observations and actions -----------------------------------------------------------
 
     def read_obs(self, hosts: Sequence[int] | None = None) -> Tree:
-        """A fresh batch of the current observations of the sub-envs of ``hosts`` (all), made
-        in one copy; with :attr:`copy` false and every host, the shared buffer itself where the
-        backend keeps all hosts' rows in one array (``process``)."""
+        """A fresh batch of the observations of the sub-envs of ``hosts`` (all), in one copy; with
+        :attr:`copy` false, the shared buffer itself where it holds all hosts' rows."""
         joint = None if self._pool is None or self.copy or hosts is not None else self._pool.joint
         if joint is not None:
             return joint.obs
@@ -604,19 +602,15 @@ class HostedEnvs(LockstepRounds):
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], indices: Sequence[int]
     ) -> list[Any]:
         """``call`` on the sub-envs ``indices`` (gymnasium's semantics); one result per index."""
-
-        def one(host: EnvHost, envs: list[int], _: list[int]) -> Awaitable[list[Any]]:
-            return host.call(name, args, kwargs, envs=envs)
-
-        return await self._on_hosts(indices, one)
+        return await self._on_hosts(
+            indices, lambda host, envs, _: host.call(name, args, kwargs, envs=envs)
+        )
 
     async def set_attr(self, name: str, values: Sequence[Any], indices: Sequence[int]) -> None:
         """Set ``name`` to ``values[k]`` on sub-env ``indices[k]`` (through its wrappers)."""
-
-        def one(host: EnvHost, envs: list[int], positions: list[int]) -> Awaitable[None]:
-            return host.set_attr(name, [values[p] for p in positions], envs=envs)
-
-        await self._on_hosts(indices, one)
+        await self._on_hosts(
+            indices, lambda host, envs, ps: host.set_attr(name, [values[p] for p in ps], envs=envs)
+        )
 
 
 class HostedFace:

@@ -1,13 +1,10 @@
 """Where the sub-envs of a vector-env face step: in the caller's process, on env hosts, or both.
 
-:func:`choose` predicts one lockstep step of each placement from the probe env's step time ``t``
-and the cost ``hop`` of a host round trip: ``n * t`` in the caller's process; ``hop + ceil(n /
-P) * t`` on ``P`` hosts; ``max(m * t + hop / 2, hop + ceil((n - m) / P) * t)`` with ``m`` sub-envs
-in the caller (which sends the requests, steps its share, then reads the replies). It leaves the
-caller's process only when that is predicted ``_MARGIN`` faster, so the noise of a measurement on
-a loaded machine cannot tip a cheap env onto hosts. The hop is a one-byte round trip between two
-threads over a socket pair (two kernel wake-ups, as a host round trip has) times ``_HOP_FACTOR``,
-measured once per interpreter: starting a process to measure it would cost about a second.
+:func:`choose` predicts one lockstep step of each placement from the probe env's step time and
+the cost of a host round trip (see :func:`_predict`), and leaves the caller's process only when
+that is predicted ``_MARGIN`` faster: measurement noise on a loaded machine cannot tip a cheap env
+onto hosts. The round trip is estimated once per interpreter from two threads over a socket pair
+(two kernel wake-ups, as a host round trip has): starting a process would cost about a second.
 """
 
 from __future__ import annotations
@@ -147,7 +144,9 @@ def cpus() -> int:
 
 
 def _predict(n: int, t: float, hop: float, m: int, n_cpus: int) -> tuple[float, int]:
-    """Predicted lockstep step with ``m`` sub-envs in the caller; and the host processes."""
+    """Predicted lockstep step with ``m`` of ``n`` sub-envs in the caller, and the processes
+    ``P``: ``n * t`` all in the caller, else ``hop + ceil((n - m) / P) * t`` on the hosts, and with
+    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``."""
     if m == n:
         return n * t, 0
     spare = n_cpus if m == 0 else n_cpus - 1
