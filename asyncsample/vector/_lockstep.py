@@ -86,8 +86,8 @@ async def outcome(step: Awaitable[StepInfos]) -> StepInfos | BaseException:
 
 
 class LockstepRounds:
-    """The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs` (a mixin: it has
-    the state, the round in the event loop, :meth:`step`, and the merge of the answers)."""
+    """The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs` (a mixin: the state,
+    the round in the event loop, :meth:`step`, and the merge of the answers are its host's)."""
 
     portal: BlockingPortal
     hosts: list[EnvHost]
