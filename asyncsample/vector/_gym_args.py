@@ -25,7 +25,6 @@ __all__ = [
     "check_spaces",
     "concurrency_limit",
     "observation_spaces",
-    "timed_out",
 ]
 
 
@@ -37,17 +36,10 @@ class NoAsyncCall(NoAsyncCallError, RuntimeError):
     """gymnasium's ``NoAsyncCallError``, also a ``RuntimeError`` (as before)."""
 
 
-def timed_out(what: str, timeout: float | None) -> multiprocessing.TimeoutError:
-    return multiprocessing.TimeoutError(
-        f"The call to `{what}` has timed out after {timeout} second(s)."
-    )
-
-
 def check_async_vector_env_options(
     shared_memory: Any, copy: Any, context: Any, daemon: Any, worker: Any, observation_mode: Any
 ) -> None:
-    """``AsyncVectorEnv``'s own arguments: checked as it checks them, refused where they cannot
-    apply (see :class:`VectorEnv`)."""
+    """``AsyncVectorEnv``'s own arguments, checked as it checks them (a ``worker`` is refused)."""
     _validate.flag("shared_memory", shared_memory)
     _validate.flag("copy", copy)
     _validate.flag("daemon", daemon)
@@ -77,9 +69,8 @@ def check_async_vector_env_options(
 
 
 def concurrency_limit(max_concurrency: Any, n_processes: int | None, num_envs: int) -> int | None:
-    """gymnasium 1.4's ``max_concurrency``, checked as ``AsyncVectorEnv`` checks it: the
-    ``n_processes`` that keeps at most that many sub-envs in ``reset`` or ``step`` at once (an
-    env-host process steps its sub-envs one after another)."""
+    """The ``n_processes`` that keeps at most ``max_concurrency`` sub-envs stepping at once (a
+    host steps its sub-envs one after another), checked as ``AsyncVectorEnv`` checks it."""
     if max_concurrency is None:
         return n_processes
     # AsyncVectorEnv's checks and words (gymnasium 1.4).
@@ -102,20 +93,15 @@ def concurrency_limit(max_concurrency: Any, n_processes: int | None, num_envs: i
 
 
 class _NoMemory:
-    """A ``ctx`` for gymnasium's ``create_shared_memory`` that allocates nothing: only to learn
-    whether ``AsyncVectorEnv(shared_memory=True)`` could hold a space."""
+    """A ``ctx`` for gymnasium's ``create_shared_memory`` that allocates nothing."""
 
     def Array(self, typecode_or_type: Any, size: int) -> None:
         return None
 
 
 def check_shared_memory(space: Space[Any]) -> None:
-    """Refuse what ``AsyncVectorEnv(shared_memory=True)`` refuses, with its errors: a custom
-    space is a ``ValueError``, ``Sequence`` and ``Graph`` are gymnasium's ``TypeError``.
-
-    asyncsample's own buffers would not need this (values without fixed-size rows travel
-    pickled), but code written against ``AsyncVectorEnv`` gets what it expects.
-    """
+    """Refuse what ``AsyncVectorEnv(shared_memory=True)`` refuses, with its errors (our
+    buffers would not need it, but code written against ``AsyncVectorEnv`` expects it)."""
     try:
         create_shared_memory(space, n=1, ctx=_NoMemory())  # type: ignore[arg-type]
     except CustomSpaceError as exc:

@@ -1,13 +1,7 @@
-"""The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs`, without the event loop
-where it can be done without it, and its two halves for ``step_async`` and ``step_wait``.
-
-The common lockstep step costs the main process what its event-loop machinery costs, more than
-the rest of the round trip together: so when the caller's thread runs no loop, the requests go
-out at once (:meth:`LockstepHost.step_nowait <asyncsample.backends.LockstepHost.step_nowait>`),
-the replies are read from the hosts' connections while the caller waits in ``poll``, and a quiet
-round is built from the step buffers. Anything else is finished on the face's
-:class:`~asyncsample.vector.portal.BlockingPortal`, exactly as ``HostedEnvs.step`` finishes it.
-:class:`LockstepRounds` is a part of ``HostedEnvs`` (a mixin), kept apart for its size.
+"""The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs` without the event loop
+where it can do without it (the loop's machinery costs more than the rest of a common step):
+requests go out at once, replies are read in ``poll`` and a quiet round is built from the step
+buffers; anything else is finished on the face's portal. Also its ``step_async``/``step_wait``.
 """
 
 from __future__ import annotations
@@ -16,7 +10,7 @@ import asyncio
 import contextlib
 import select
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,27 +21,19 @@ from asyncsample.backends.base import DirectReader, EnvHost, InlineHost, Lockste
 from asyncsample.env_group import StepInfos
 from asyncsample.vector.portal import BlockingPortal
 
-__all__ = ["LockstepRounds", "PendingRound", "StepResult"]
+__all__ = ["LockstepRounds", "PendingRound", "StepResult", "outcome"]
 
-#: How long :meth:`LockstepRounds.lockstep` waits for replies outside the event loop before it hands
-#: the round to the loop (where a step timeout, a dying host's sentinel... are seen).
+#: How long :meth:`LockstepRounds.lockstep` waits for replies outside the event loop before it
+#: hands the round to the loop (where a step timeout, a dying host's sentinel... are seen).
 _DIRECT_WAIT = 0.05
 
 
 @dataclass
 class StepResult:
-    """What one lockstep round returned, per sub-env (the faces format it).
-
-    Attributes:
-        obs: every sub-env's current observation (``None`` for a round of some hosts only).
-        rewards, terminated, truncated: one entry per sub-env (zero for sub-envs not stepped).
-        env_infos: the step info of each sub-env, or ``None`` when every one was empty.
-        reset_infos: the non-empty infos of the resets the round did, by sub-env: the hosts'
-            autoresets, and the resets of the sub-envs of a restarted host.
-        restarted: sub-envs whose host was restarted during the round, with the reason.
-        final_obs: the envs' own last observations of the episodes that ended, by sub-env,
-            where the hosts sent them (``object_rows``); else they are in the buffers.
-    """
+    """What one lockstep round returned, per sub-env: ``obs`` (``None`` for a round of some
+    hosts only), ``env_infos`` (``None``: all empty), the non-empty ``reset_infos`` of its resets,
+    the ``restarted`` sub-envs with the reason, the envs' own ``final_obs`` if the hosts sent
+    them."""
 
     obs: Tree | None
     rewards: np.ndarray
@@ -62,6 +48,11 @@ class StepResult:
         """The step info of sub-env ``i``."""
         return {} if self.env_infos is None else self.env_infos[i]
 
+    @classmethod
+    def empty(cls, n: int) -> StepResult:
+        """A result of ``n`` sub-envs, none stepped."""
+        return cls(None, np.zeros(n), np.zeros(n, np.bool_), np.zeros(n, np.bool_), None, {}, {})
+
     @property
     def quiet(self) -> bool:
         """No info, no reset and no restart anywhere (the common step)."""
@@ -70,18 +61,10 @@ class StepResult:
 
 @dataclass(slots=True)
 class PendingRound:
-    """A lockstep round sent by :meth:`HostedEnvs.lockstep_send`; :meth:`HostedEnvs.lockstep_wait`
-    finishes it.
-
-    Attributes:
-        sent: the step requests that went out without the event loop, host by host from host 0.
-        readers: the hosts' connections by file descriptor (``None``: some host has none).
-        task: the round as a task on the portal's loop (started at the send, or by a wait that
-            timed out), or ``None``.
-        finished: a wait returned its result or raised its error.
-        inline: the outcomes of the caller's own hosts, once the wait half stepped them
-            (``None``: not yet).
-    """
+    """A lockstep round sent by :meth:`~LockstepRounds.lockstep_send`: the requests that went
+    out without the loop (from host 0 on), the hosts' connections by file descriptor (``None``:
+    some host has none), or the round as a task on the portal's loop; the outcomes of the
+    caller's own hosts once stepped."""
 
     sent: list[SentStep]
     readers: dict[int, DirectReader] | None
@@ -90,13 +73,21 @@ class PendingRound:
     inline: list[StepInfos | BaseException] | None = None
 
     def done(self) -> bool:
-        """Whether the round is over (nothing is left to wait for)."""
+        """Whether the round is over."""
         return self.finished
 
 
+async def outcome(step: Awaitable[StepInfos]) -> StepInfos | BaseException:
+    """A host's answer to a step, or its failure."""
+    try:
+        return await step
+    except Exception as exc:
+        return exc
+
+
 class LockstepRounds:
-    """The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs` (see the module
-    doc); ``HostedEnvs`` provides the state and the loop's own round (:meth:`step`)."""
+    """The lockstep round of :class:`~asyncsample.vector.hosted.HostedEnvs` (a mixin: the state,
+    the round in the event loop, :meth:`step`, and the merge of the answers are its host's)."""
 
     portal: BlockingPortal
     hosts: list[EnvHost]
@@ -108,37 +99,24 @@ class LockstepRounds:
     _direct: list[LockstepHost]
     # Every sub-env of a host (read-only): the step mask of the common lockstep step.
     _whole: list[np.ndarray]
-    # The poller of the hosts' connections, and their file descriptors.
+    # The poller of the hosts' connections, made for the file descriptors _polled.
     _poller: select.poll
-    _polled: tuple[int, ...]
+    _polled: tuple[int, ...] = ()
     # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
-    _round: PendingRound | None
+    _round: PendingRound | None = None
 
-    # HostedEnvs's own: the round in the event loop, the common step's result, the merge.
     step: Callable[..., Coroutine[Any, Any, StepResult]]
-    _quiet_result: Callable[[Sequence[StepInfos | BaseException]], StepResult | None]
     _merge: Callable[..., Coroutine[Any, Any, StepResult]]
     _combine: Callable[..., StepResult]
 
-    def lockstep(self) -> StepResult:
-        """:meth:`step` of every sub-env, from the caller's thread, without the event loop
-        where it can be done without it (see the module doc). Anything else (an info, a reset,
-        a failure, a host slower than ``_DIRECT_WAIT``, whose timeout is the loop's business, a
-        host that is no :class:`LockstepHost`) is finished through the portal, exactly as
-        :meth:`step` finishes it. :meth:`lockstep_send` and :meth:`lockstep_wait` are its two
-        halves, for ``step_async`` and ``step_wait``."""
-        portal = self.portal
-        if self.broken or not portal.in_caller_thread():
-            return portal.call(self.step)
-        return self._finish_round(self._send_round(), None)
+    def lockstep(self, mask: np.ndarray | None = None) -> StepResult:
+        """:meth:`step` of the sub-envs in ``mask`` (all), without the event loop if it can."""
+        return self.lockstep_wait(self.lockstep_send(mask))
 
     def lockstep_send(self, mask: np.ndarray | None = None) -> PendingRound:
-        """The send half of :meth:`lockstep` (``step_async``): the requests go out now, without
-        the event loop; :meth:`lockstep_wait` finishes the round.
-
-        A step of the sub-envs in ``mask`` only, a host that failed earlier or a caller inside
-        a running event loop: the round is :meth:`step`, started on the portal's loop.
-        """
+        """Send a lockstep round (``step_async``); :meth:`lockstep_wait` finishes it. Some
+        sub-envs (``mask``), a broken host or a caller inside a running loop: :meth:`step` is
+        started on the portal's loop."""
         portal = self.portal
         if mask is not None or self.broken or not portal.in_caller_thread():
             round_ = PendingRound([], None, portal.start(self.step, mask))
@@ -148,13 +126,11 @@ class LockstepRounds:
         return round_
 
     def lockstep_wait(self, round_: PendingRound, timeout: float | None = None) -> StepResult:
-        """The wait half of :meth:`lockstep` (``step_wait``): the result of ``round_``, read as
-        :meth:`lockstep` reads it (without the loop when the round is quiet).
+        """The result of ``round_`` (``step_wait``), read without the loop when it is quiet.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first. The round is then the loop's (a
-                task: the hosts' ``step_timeout`` timers run while it is waited for) and is
-                still pending: wait again.
+                task: the hosts' ``step_timeout`` timers run) and still pending: wait again.
         """
         portal = self.portal
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -165,10 +141,9 @@ class LockstepRounds:
                 res = self._in_loop(round_, deadline, self._collect, round_.sent)
             else:
                 res = self._finish_round(round_, deadline)
-        except TimeoutError:
-            raise
-        except BaseException:
-            self._round_over(round_)
+        except BaseException as exc:
+            if not isinstance(exc, TimeoutError):  # else the round is still pending
+                self._round_over(round_)
             raise
         self._round_over(round_)
         return res
@@ -179,9 +154,8 @@ class LockstepRounds:
             self._round = None
 
     def _drop_round(self) -> None:
-        """Once the hosts are stopped: take the outcomes of a round sent by
-        :meth:`lockstep_send` and never waited for (asyncio would log a host's failure that
-        nobody retrieved)."""
+        """Once the hosts are stopped: take the outcomes of a round never waited for (asyncio
+        would log a host's failure that nobody retrieved)."""
         round_, self._round = self._round, None
         if round_ is not None:
             for request in round_.sent:
@@ -190,8 +164,7 @@ class LockstepRounds:
 
     def _send_round(self) -> PendingRound:
         """Send the host processes their step requests without the loop, host 0 first, as
-        long as they take one (a dead host takes none: the loop sends the rest). The caller's
-        own hosts are stepped by the wait half (:meth:`_finish_round`), while these work."""
+        long as they take one (a dead host takes none: the loop sends the rest)."""
         sent: list[SentStep] = []
         readers: dict[int, DirectReader] | None = {}
         for host in self._direct:
@@ -206,35 +179,25 @@ class LockstepRounds:
                 readers[reader.fd] = reader
         return PendingRound(sent, readers)
 
-    def _step_inline(self, round_: PendingRound) -> list[StepInfos | BaseException]:
-        """Step the caller's own hosts (once per round), in the caller's thread."""
+    def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
+        """Step the caller's own hosts (once per round), then read the replies of a round sent
+        by :meth:`_send_round`."""
         if round_.inline is None:
-            outcomes: list[StepInfos | BaseException] = []
-            first = self._remote_hosts
+            round_.inline = []
             for k, host in enumerate(self._inline):
                 try:
-                    outcomes.append(host.step_now(self._whole[first + k], True))
+                    round_.inline.append(host.step_now(self._whole[self._remote_hosts + k], True))
                 except Exception as exc:
-                    outcomes.append(exc)
-            round_.inline = outcomes
-        return round_.inline
-
-    def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
-        """Step the caller's own hosts, then read the replies of a round sent by
-        :meth:`_send_round` (see :meth:`lockstep`)."""
-        inline = self._step_inline(round_)
+                    round_.inline.append(exc)
+        inline = round_.inline
         sent, readers = round_.sent, round_.readers
         if len(sent) == self._remote_hosts and readers is not None:
             outcomes = self._read_direct(sent, readers, deadline) if sent else []
             if outcomes is not None:
                 outcomes += inline
-                quiet = self._quiet_result(outcomes)
-                if quiet is not None:
-                    return quiet
-                stepped = [(h, self._whole[h]) for h in range(len(self.hosts))]
                 if not any(isinstance(o, BaseException) for o in outcomes):
-                    return self._combine(stepped, outcomes, True)
-                return self._in_loop(round_, deadline, self._merge, stepped, outcomes, True)
+                    return self._combine(None, outcomes)
+                return self._in_loop(round_, deadline, self._merge, None, outcomes)
         return self._in_loop(round_, deadline, self._collect, sent, inline)
 
     def _in_loop(
@@ -244,8 +207,8 @@ class LockstepRounds:
         fn: Callable[..., Coroutine[Any, Any, StepResult]],
         *args: Any,
     ) -> StepResult:
-        """Finish ``round_`` in the portal's loop with ``fn(*args)``: run to its end, or (with a
-        ``deadline``) started as the round's task and waited for until then."""
+        """Finish ``round_`` in the portal's loop with ``fn(*args)``: to its end, or (with a
+        ``deadline``) as the round's task, waited for until then."""
         if deadline is None:
             return self.portal.call(fn, *args)
         round_.task = self.portal.start(fn, *args)
@@ -257,9 +220,8 @@ class LockstepRounds:
         readers: dict[int, DirectReader],
         deadline: float | None = None,
     ) -> list[StepInfos | BaseException] | None:
-        """Wait for the replies to ``sent`` in ``poll`` and read them from ``readers`` (by
-        file descriptor) without the loop; their outcomes, or ``None``: the loop must finish
-        the round (see :meth:`lockstep`; also when ``deadline`` passes first)."""
+        """Read the replies to ``sent`` without the loop; ``None``: the loop must finish the
+        round (a reply that is no quiet one, a slow host, or ``deadline`` passed)."""
         outcomes: list[StepInfos | BaseException] = []
         fds = tuple(readers)
         for request in sent:
@@ -279,10 +241,8 @@ class LockstepRounds:
     def _wait_readable(
         self, fds: tuple[int, ...], deadline: float | None = None
     ) -> list[tuple[int, int]]:
-        """``poll`` the hosts' connections ``fds`` for at most ``_DIRECT_WAIT`` (and not past
-        ``deadline``); what is ready.
-
-        One poller for as long as the connections stay the same (a restart changes them)."""
+        """``poll`` the connections ``fds`` for at most ``_DIRECT_WAIT`` (not past
+        ``deadline``), with one poller for as long as they stay the same; what is ready."""
         if fds != self._polled:
             poller = select.poll()
             for fd in fds:
@@ -296,23 +256,9 @@ class LockstepRounds:
     async def _collect(
         self, sent: list[SentStep], inline: list[StepInfos | BaseException]
     ) -> StepResult:
-        """Finish, in the loop, a lockstep round whose first ``len(sent)`` requests went out
-        without it (see :meth:`lockstep`) and whose caller's hosts answered ``inline``: the
-        other requests are sent now."""
-        outcomes: list[StepInfos | BaseException] = []
-        for request in sent:
-            try:
-                outcomes.append(await request.wait())
-            except Exception as exc:
-                outcomes.append(exc)
+        """Finish, in the loop, a round whose first ``len(sent)`` requests went out without
+        it and whose caller's hosts answered ``inline``: the other requests go out now."""
+        outcomes = [await outcome(request.wait()) for request in sent]
         for h in range(len(sent), self._remote_hosts):
-            try:
-                outcomes.append(await self.hosts[h].step(self._whole[h]))
-            except Exception as exc:
-                outcomes.append(exc)
-        outcomes += inline
-        stepped = [(h, self._whole[h]) for h in range(len(self.hosts))]
-        quiet = self._quiet_result(outcomes)
-        if quiet is not None:
-            return quiet
-        return await self._merge(stepped, outcomes, whole=True)
+            outcomes.append(await outcome(self.hosts[h].step(self._whole[h])))
+        return await self._merge(None, outcomes + inline)

@@ -39,12 +39,7 @@ def env_sources(env: Any, num_envs: int) -> list[Any]:
 
 def check_bufferable(what: str, space: gym.Space[Any]) -> None:
     """Refuse a space whose values have no fixed-size row in the shared step buffers (the SB3
-    face, which has no other way to carry them).
-
-    Stored anyway they would come back as placeholders (wrong data, no error), so they are
-    refused at construction. The message for ``Sequence`` and ``Graph`` is gymnasium's own for
-    shared memory.
-    """
+    face's only transport): stored anyway, they would come back as placeholders."""
     if fixed_rows(space):
         return
     if any(isinstance(s, (gym.spaces.Sequence, gym.spaces.Graph)) for s in _leaves(space)):

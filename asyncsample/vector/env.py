@@ -1,36 +1,8 @@
 """The gymnasium face: :class:`VectorEnv`, a ``gymnasium.vector.VectorEnv`` on the env hosts.
 
-``num_envs`` sub-envs live ``num_envs / n_processes`` to an env host of the ``process`` backend
-(see :mod:`asyncsample.vector.hosted`): the sampler's env-group code, shared-memory step buffers
-and framed transport, one round trip per host and step (not one per env). For the same seeds and
-actions it returns exactly what :class:`gymnasium.vector.SyncVectorEnv` returns.
-
-The autoreset modes are the hosts' own (an option of their env groups): in ``NEXT_STEP`` mode the
-host resets an ended sub-env at its next step (reward 0, both flags false, the reset's info); in
-``SAME_STEP`` mode it resets it in the step that ended the episode, and the true last observation
-comes home in the step's reply (the env's own object); in ``DISABLED`` mode it never resets it,
-and stepping a finished sub-env is a ``RuntimeError`` here, before anything is sent.
-
-Spaces whose values have no fixed-size row in the shared buffers (``Text``, ``OneOf``,
-``Sequence``, ``Graph``, custom spaces) travel pickled in the hosts' requests and replies and are
-batched with gymnasium's own ``concatenate`` and ``iterate``.
-
-Calls are synchronous, as gymnasium's API is: each runs the face's
-:class:`~asyncsample.vector.portal.BlockingPortal` until the hosts answered (see there for where
-its loop runs and why), except the common lockstep ``step``, which needs no event loop (see
-:meth:`~asyncsample.vector.hosted.HostedEnvs.lockstep`). ``step_async`` and ``step_wait`` are its
-two halves: the first sends the requests and returns, the second collects, as cheaply.
-
-EnvPool-style stepping: with ``batch_size`` below ``num_envs``, :meth:`VectorEnv.async_reset`,
-:meth:`VectorEnv.send` and :meth:`VectorEnv.recv` drop the lockstep: sub-envs are grouped
-``gcd(num_envs, batch_size)`` to an env host, hosts answer independently, and ``recv`` returns the
-first ``batch_size`` sub-envs answered with their indices in ``info["env_id"]``.
-
-Faults (docs/vector.md): a sub-env that raises fails the call with
-:class:`~asyncsample.SubEnvError` naming it. A host that dies or outlives ``step_timeout`` during
-a step is rebuilt (``max_restarts`` per host over the env's life): its sub-envs come back
-truncated, with their new episodes' first observations and the reason in ``info["restarted"]``.
-Past the budget the error is raised, and those sub-envs refuse to step until ``reset()``.
+For the same seeds and actions it returns what :class:`gymnasium.vector.SyncVectorEnv` returns.
+Calls are synchronous, on the face's :class:`~asyncsample.vector.portal.BlockingPortal`, except
+the common lockstep ``step`` (:mod:`asyncsample.vector._lockstep`). See docs/vector.md.
 """
 
 from __future__ import annotations
@@ -39,8 +11,8 @@ import asyncio
 import contextlib
 import functools
 import math
+import multiprocessing
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,16 +31,8 @@ from asyncsample.vector._gym_args import (
     check_spaces,
     concurrency_limit,
     observation_spaces,
-    timed_out,
 )
-from asyncsample.vector.hosted import (
-    HostedEnvs,
-    HostedFace,
-    PendingRound,
-    StepResult,
-    env_sources,
-    finalize,
-)
+from asyncsample.vector.hosted import HostedEnvs, HostedFace, PendingRound, StepResult, env_sources
 
 __all__ = ["VectorEnv"]
 
@@ -76,7 +40,7 @@ _Step = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
 
 
 class _InfoBatch:
-    """Builds gymnasium vector infos for a batch of ``num_envs`` rows (for :meth:`recv`)."""
+    """Builds gymnasium vector infos for a batch of ``num_envs`` rows."""
 
     def __init__(self, num_envs: int) -> None:
         self.num_envs = num_envs
@@ -114,61 +78,25 @@ def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
 class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     """A gymnasium vector env whose sub-envs live ``num_envs / n_processes`` to an env host.
 
-    Args:
-        env: a gymnasium id, a zero-argument factory, or a list of ``num_envs`` factories.
-        num_envs: number of sub-envs (default, for a list of factories: its length, so
-            ``VectorEnv(env_fns)`` reads as ``AsyncVectorEnv(env_fns)``).
-        n_processes: where the sub-envs step: ``0`` all in the caller's process (on the hosts'
-            env-group code), ``k >= 1`` on ``k`` env-host processes, ``None`` (default) decided
-            from the probe env's measured step time against a host round trip (in the caller's
-            process, on hosts, or both: ``caller_envs``); see :attr:`placement`, ``repr``, the
-            log (logger ``"asyncsample"``, INFO) and docs/vector.md.
-        seed: seeds the first ``reset()`` that is given no seed (sub-env ``i`` gets
-            ``seed + i``), so ``VectorEnv(..., seed=s).reset()`` is ``reset(seed=s)``.
-        autoreset_mode: ``"NextStep"`` (default), ``"SameStep"`` or ``"Disabled"`` (a
-            :class:`gymnasium.vector.AutoresetMode` or its value).
-        step_timeout: seconds a host may spend on one step, reset or call before it is killed
-            (and restarted, see ``max_restarts``).
-        max_restarts: how often each host may be rebuilt after it died or timed out, over the
-            vector env's life; past that the error is raised.
-        batch_size: for EnvPool-style :meth:`send`/:meth:`recv`: how many sub-envs ``recv``
-            returns. Sub-envs are then grouped ``gcd(num_envs, batch_size)`` to an env host
-            (several hosts share a process), and hosts answer independently.
-        host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
-            in each env-host process; ``None`` leaves the libraries' defaults.
-        shared_memory: ``AsyncVectorEnv``'s argument: ``True`` refuses the observation spaces
-            its shared memory refuses, with its errors (a custom space: ``ValueError``;
-            ``Sequence``, ``Graph``: ``TypeError``); ``False`` accepts them. Observations of
-            fixed-size spaces travel in shared memory either way, the others pickled.
-        copy: as ``AsyncVectorEnv``'s: ``True`` (default), ``reset`` and ``step`` return fresh
-            observations (one copy of the hosts' shared buffers); ``False``, on the ``process``
-            backend they return the hosts' shared buffer itself, which the next ``step`` or
-            ``reset`` overwrites (no copy: copy what you keep).
-        context: a start method, checked as ``AsyncVectorEnv`` checks it; changes nothing (env
-            hosts always start from asyncsample's forkserver).
-        daemon: checked; changes nothing (env hosts never outlive the main process).
-        worker: must be ``None``: the hosts step the sub-envs with their own code, so a custom
-            worker function is refused.
-        observation_mode: ``"same"``, ``"different"`` (sub-envs' observation spaces may differ
-            in bounds, not in shape or dtype; batched with ``batch_differing_spaces``) or a
-            ``(batched, single)`` pair of spaces, as for ``AsyncVectorEnv``.
-        env_fns: another name for ``env``, as ``AsyncVectorEnv`` calls it.
-        max_concurrency: gymnasium 1.4's ``AsyncVectorEnv`` argument: at most this many sub-envs
-            in ``reset`` or ``step`` at once (a positive int or ``None``, checked as gymnasium
-            checks it). An env-host process steps its sub-envs one after another, so this caps
-            the env-host processes at ``max_concurrency`` (an ``n_processes`` above it is a
-            ``ValueError``); ``call``, ``render`` and the attribute calls are capped alike.
-        caller_envs: the last ``caller_envs`` sub-envs step in the caller's process, between
-            sending the hosts their requests and reading the replies (``num_envs``:
-            ``n_processes=0``); refused with ``step_timeout``, which only hosts can honour.
-        metrics: as :class:`~asyncsample.Sampler`'s: the hosts' steps, episode ends, env step
-            latency, faults and restarts (``docs/metrics.md``; the ``metrics`` extra).
+    A drop-in for ``AsyncVectorEnv`` (docs/vector.md describes every argument).
 
-    All sub-envs must share the observation (see ``observation_mode``) and action spaces of the
-    first one (a list of factories whose spaces differ is a ``RuntimeError`` at construction, as
-    with ``AsyncVectorEnv``). Float actions of another float dtype reach the sub-envs as given,
-    as ``AsyncVectorEnv`` hands them over; other actions are stored in the action space's dtype,
-    and actions it would change (floats for a ``Discrete`` space) are a ``ValueError``.
+    Args:
+        env: a gymnasium id, a zero-argument factory, or a list of ``num_envs`` factories
+            (``env_fns``: its ``AsyncVectorEnv`` name).
+        num_envs: number of sub-envs (default, for a list of factories: its length).
+        n_processes: ``0``: every sub-env in the caller's process; ``k``: on ``k`` env-host
+            processes; ``None``: decided from what the face measures (see :attr:`placement`).
+        seed: seeds the first ``reset()`` that is given no seed (sub-env ``i`` gets ``seed + i``).
+        autoreset_mode: ``"NextStep"`` (default), ``"SameStep"`` or ``"Disabled"``.
+        step_timeout: seconds a host may spend on one request before it is killed and rebuilt.
+        max_restarts: how often each host may be rebuilt over the env's life.
+        batch_size: how many sub-envs EnvPool-style :meth:`recv` returns.
+        host_threads: intra-op threads of the numeric libraries in each env-host process.
+        shared_memory, copy, context, daemon, worker, observation_mode, max_concurrency:
+            ``AsyncVectorEnv``'s, checked as it checks them; ``context`` and ``daemon`` change
+            nothing, a custom ``worker`` is refused, ``max_concurrency`` caps the processes.
+        caller_envs: the last ``caller_envs`` sub-envs step in the caller's process.
+        metrics: as :class:`~asyncsample.Sampler`'s (``docs/metrics.md``).
     """
 
     def __init__(
@@ -216,16 +144,13 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
-        if autoreset_mode is None:
-            mode = AutoresetMode.NEXT_STEP
-        else:
-            try:
-                mode = AutoresetMode(autoreset_mode)
-            except ValueError:
-                raise ValueError(
-                    "autoreset_mode must be an AutoresetMode or one of "
-                    f"{[m.value for m in AutoresetMode]}, got {autoreset_mode!r}"
-                ) from None
+        try:
+            mode = AutoresetMode("NextStep" if autoreset_mode is None else autoreset_mode)
+        except ValueError:
+            raise ValueError(
+                "autoreset_mode must be an AutoresetMode or one of "
+                f"{[m.value for m in AutoresetMode]}, got {autoreset_mode!r}"
+            ) from None
         batch = _validate.optional_positive_int("batch_size", batch_size)
         if batch is not None and batch > num:
             raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
@@ -235,7 +160,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self.num_envs = num
         self.observation_mode = observation_mode
         self.max_concurrency = max_concurrency
-        self._hosted = HostedEnvs(
+        hosted = HostedEnvs(
             sources,
             n_processes=n_processes,
             step_timeout=step_timeout,
@@ -249,11 +174,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             copy=bool(copy),
             metrics=metrics,
         )
+        self._own(hosted)
         self.batch_size = num if batch is None else batch
-        self._finalizer = weakref.finalize(self, finalize, self._hosted)
-        hosted = self._hosted
-        self.metadata = dict(hosted.metadata)
-        self.metadata["autoreset_mode"] = mode
+        self.metadata = {**hosted.metadata, "autoreset_mode": mode}
         self.render_mode = hosted.render_mode
         self.single_observation_space = hosted.single_observation_space
         self.single_action_space = hosted.single_action_space
@@ -264,13 +187,12 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         self._initial_seed = None if seed is None else int(seed)
         # DISABLED: sub-envs whose episode ended and that the caller has not reset yet.
         self._ended = np.zeros(num, dtype=np.bool_)
-        # NEXT_STEP: sub-envs reset by a host restart, whose next step is their autoreset step
-        # (they are not stepped; their reset info shows then).
+        # NEXT_STEP: sub-envs reset by a host restart, not stepped at their next step (their
+        # autoreset step, which shows their reset info).
         self._fresh = np.zeros(num, dtype=np.bool_)
         self._maybe_fresh = False  # False: no sub-env in _fresh (the common step skips a test)
         self._fresh_infos: dict[int, dict[str, Any]] = {}
-        # The call sent by step_async (a lockstep round), reset_async or call_async (a task on
-        # the portal's loop), and what it was.
+        # The call sent by step_async, reset_async or call_async, and what it was.
         self._pending: asyncio.Task[Any] | PendingRound | None = None
         self._pending_kind = ""
         self._pending_args: Any = None
@@ -318,9 +240,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             options: passed to every reset sub-env; ``"reset_mask"`` (a bool array of shape
                 ``(num_envs,)``) selects the sub-envs to reset and is not passed on.
         """
-        hosted = self._hosted
-        hosted.check_open()
-        self._drain()
+        hosted = self._idle()
         mask, seeds, options = self._reset_args(seed, options)
         return self._reset_done(mask, hosted.portal.call(hosted.reset, mask, seeds, options))
 
@@ -330,22 +250,14 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         options: dict[str, Any] | None = None,
     ) -> None:
         """Send the reset (see :meth:`reset`); :meth:`reset_wait` returns its results."""
-        hosted = self._hosted
-        hosted.check_open()
-        self._check_not_pending("reset_async")
+        hosted = self._free("reset_async")
         mask, seeds, options = self._reset_args(seed, options)
         self._pending = hosted.portal.start(hosted.reset, mask, seeds, options)
         self._pending_kind, self._pending_args = "reset", mask
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
-        """The results of the reset sent by :meth:`reset_async`.
-
-        Raises:
-            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the reset is still
-                pending: wait again).
-        """
-        infos = self._wait("reset", timeout)
-        return self._reset_done(self._pending_args, infos)
+        """The results of the reset sent by :meth:`reset_async` (see :meth:`step_wait`)."""
+        return self._reset_done(self._pending_args, self._wait("reset", timeout))
 
     def _reset_args(
         self, seed: Any, options: Any
@@ -403,7 +315,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             infos = self._add_info(infos, reset_infos.get(i, {}), i)
         return self._hosted.read_obs(), infos
 
-    def _check_not_pending(self, what: str) -> None:
+    def _free(self, what: str) -> HostedEnvs:
+        """The hosts, for a call ``what``: refused on a closed env or while a call is pending."""
+        self._hosted.check_open()
         if self._pending is not None:
             raise AlreadyPending(
                 f"Calling `{what}` while waiting for a pending call to `{self._pending_kind}` "
@@ -411,11 +325,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 "another call is pending)",
                 str(self._pending_kind),
             )
+        return self._hosted
 
     def _wait(self, kind: str, timeout: float | None) -> Any:
         """The outcome of the pending ``kind`` call (see :meth:`step_wait`)."""
-        hosted = self._hosted
-        hosted.check_open()
+        self._hosted.check_open()
         task = self._pending
         if task is None or self._pending_kind != kind:
             raise NoAsyncCall(
@@ -424,15 +338,16 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         try:
             result = self._outcome(task, timeout)
         except TimeoutError:
-            raise timed_out(f"{kind}_wait", timeout) from None
+            raise multiprocessing.TimeoutError(
+                f"The call to `{kind}_wait` has timed out after {timeout} second(s)."
+            ) from None
         finally:
             if task.done():
                 self._pending = None
         return result
 
     def _outcome(self, task: asyncio.Task[Any] | PendingRound, timeout: float | None) -> Any:
-        """Wait for a pending call (a lockstep round or a task) until it ends or ``timeout``
-        passes (``TimeoutError``); its result or its exception."""
+        """The result of a pending call, waited for at most ``timeout`` (``TimeoutError``)."""
         hosted = self._hosted
         if isinstance(task, PendingRound):
             return hosted.lockstep_wait(task, timeout)
@@ -442,24 +357,13 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def step(self, actions: Any) -> _Step:
         """Step every sub-env with its action (see the module doc for the autoreset modes)."""
-        hosted = self._hosted
-        hosted.check_open()
-        self._check_not_pending("step")
+        hosted = self._free("step")
         mask = self._send(actions)
-        if mask is None:
-            return self._finish(hosted.lockstep(), None)
-        return self._finish(hosted.portal.call(hosted.step, mask), mask)
+        return self._finish(hosted.lockstep(mask), mask)
 
     def step_async(self, actions: Any) -> None:
-        """Send the actions; the hosts step while the caller does something else.
-
-        The requests go out as :meth:`step` sends them (without the event loop, see
-        :meth:`HostedEnvs.lockstep_send <asyncsample.vector.hosted.HostedEnvs.lockstep_send>`),
-        so ``step_async`` then ``step_wait`` costs the main process what ``step`` costs.
-        """
-        hosted = self._hosted
-        hosted.check_open()
-        self._check_not_pending("step_async")
+        """Send the actions (as :meth:`step` sends them); the hosts step meanwhile."""
+        hosted = self._free("step_async")
         mask = self._send(actions)
         self._pending = hosted.lockstep_send(mask)
         self._pending_kind, self._pending_args = "step", mask
@@ -471,8 +375,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             multiprocessing.TimeoutError: ``timeout`` seconds passed first (the step is still
                 pending: wait again).
         """
-        res = self._wait("step", timeout)
-        return self._finish(res, self._pending_args)
+        return self._finish(self._wait("step", timeout), self._pending_args)
 
     def _send(self, actions: Any) -> np.ndarray | None:
         """Check the state and write the actions; the step mask (``None``: every sub-env)."""
@@ -496,23 +399,20 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def _finish(self, res: StepResult, mask: np.ndarray | None) -> _Step:
         mode = self.autoreset_mode
-        if res.quiet and mask is None:
-            # The common step: no info anywhere. What _infos does then, on whole arrays.
-            if mode == AutoresetMode.DISABLED:
-                np.logical_or(res.terminated, res.truncated, out=self._ended)
-            elif mode == AutoresetMode.SAME_STEP:
-                done = res.terminated | res.truncated
-                if done.any():
-                    finals = self._finals(res, done)
-                    return res.obs, res.rewards, res.terminated, res.truncated, finals
-            return res.obs, res.rewards, res.terminated, res.truncated, {}
-        infos = self._infos(res, list(range(self.num_envs)), _InfoBatch(self.num_envs))
+        infos: dict[str, Any] = {}
+        if not res.quiet or mask is not None:
+            infos = self._infos(res, list(range(self.num_envs)), _InfoBatch(self.num_envs))
+        elif mode == AutoresetMode.DISABLED:  # the common step: what _infos does, on whole arrays
+            np.logical_or(res.terminated, res.truncated, out=self._ended)
+        elif mode == AutoresetMode.SAME_STEP:
+            done = res.terminated | res.truncated
+            if done.any():
+                infos = self._finals(res, done)
         return res.obs, res.rewards, res.terminated, res.truncated, infos
 
     def _finals(self, res: StepResult, done: np.ndarray) -> dict[str, Any]:
-        """The vector info of a quiet same-step round in which the sub-envs ``done`` ended
-        their episodes: what :meth:`_infos` builds then (gymnasium's ``final_obs`` and an empty
-        ``final_info`` with their masks, keys in its order), without a call per row."""
+        """What :meth:`_infos` builds for a quiet same-step round in which the sub-envs
+        ``done`` ended their episodes, without a call per row."""
         hosted = self._hosted
         final = np.full(self.num_envs, None, dtype=object)
         for i in np.flatnonzero(done).tolist():
@@ -532,8 +432,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         infos: dict[str, Any] = {}
         where = np.asarray(ids, dtype=np.int64)
         done = res.terminated[where] | res.truncated[where]
-        # Only the rows with something to add: an empty info adds nothing (on 64 envs, most
-        # rows of a step in which a few episodes end).
+        # Only the rows with something to add (an empty info adds nothing).
         wanted = done | self._fresh[where]
         env_infos = res.env_infos
         if env_infos is not None or res.reset_infos or res.restarted:
@@ -541,26 +440,25 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             for k, i in enumerate(ids):
                 if i in special or (env_infos is not None and env_infos[i]):
                     wanted[k] = True
+        same_step = mode == AutoresetMode.SAME_STEP
         for k in np.flatnonzero(wanted).tolist():
             i = ids[k]
             reset_info = res.reset_infos.get(i, {})
             if i in res.restarted:
-                if mode == AutoresetMode.SAME_STEP:
+                if same_step:
                     final = {"final_obs": hosted.obs_row(i), "final_info": {}}
                     infos = batch.add_info(infos, final, k)
-                    infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
+                infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
+                if same_step:
                     infos = batch.add_info(infos, reset_info, k)
-                else:
-                    infos = batch.add_info(infos, {"restarted": res.restarted[i]}, k)
             elif self._fresh[i]:
                 infos = batch.add_info(infos, self._fresh_infos.pop(i, {}), k)
-            elif mode == AutoresetMode.SAME_STEP and done[k]:
-                final = {"final_obs": hosted.final_row(res, i), "final_info": res.info(i)}
-                infos = batch.add_info(infos, final, k)
-                infos = batch.add_info(infos, reset_info, k)
             else:
-                # NEXT_STEP: a sub-env its host reset in this step was not stepped.
-                infos = batch.add_info(infos, res.info(i), k)
+                # In NEXT_STEP mode, a sub-env its host reset in this step was not stepped.
+                info = res.info(i)
+                if same_step and done[k]:
+                    info = {"final_obs": hosted.final_row(res, i), "final_info": info}
+                infos = batch.add_info(infos, info, k)
                 infos = batch.add_info(infos, reset_info, k)
         self._fresh[where] = False
         if mode == AutoresetMode.DISABLED:
@@ -575,10 +473,12 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                     self._ended[i] = True
         return infos
 
-    def _drain(self) -> None:
-        """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
-        task, self._pending = self._pending, None
+    def _idle(self) -> HostedEnvs:
+        """The hosts, once checked open and with no call pending: a call sent and never waited
+        for is finished (its results are lost), EnvPool-style steps are waited for."""
         hosted = self._hosted
+        hosted.check_open()
+        task, self._pending = self._pending, None
         if task is not None:
             with contextlib.suppress(Exception):
                 result = self._outcome(task, None)
@@ -590,6 +490,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 hosted.portal.call(asyncio.wait, waiting)
         self._inflight.clear()
         self._answered.clear()
+        return hosted
 
     # -- EnvPool-style asynchronous stepping --------------------------------------------------
 
@@ -601,9 +502,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     ) -> None:
         """Reset every sub-env; :meth:`recv` returns their first observations, a batch at a time."""
         self.reset(seed=seed, options=options)
-        n = self.num_envs
-        zeros = np.zeros(n, dtype=np.bool_)
-        res = StepResult(None, np.zeros(n), zeros, zeros.copy(), None, self._last_reset, {})
+        res = StepResult.empty(self.num_envs)
+        res.reset_infos = self._last_reset
         loop = self._hosted.portal.loop
         for h in range(len(self._hosted.slices)):
             fut: asyncio.Future[StepResult] = loop.create_future()
@@ -612,14 +512,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             self._answered.append(h)
 
     def send(self, actions: Any, env_ids: Any) -> None:
-        """Send actions to the sub-envs ``env_ids`` (those of an earlier :meth:`recv`).
-
-        ``actions[k]`` goes to sub-env ``env_ids[k]``. The hosts of these sub-envs start at once;
-        :meth:`recv` returns whichever ``batch_size`` sub-envs are answered first.
-        """
-        hosted = self._hosted
-        hosted.check_open()
-        self._check_not_pending("send")
+        """Send ``actions[k]`` to sub-env ``env_ids[k]`` (the sub-envs of earlier :meth:`recv`
+        batches); their hosts start at once."""
+        hosted = self._free("send")
         if self.autoreset_mode == AutoresetMode.DISABLED:
             raise ValueError("send/recv needs autoreset_mode NextStep or SameStep, not Disabled")
         ids = np.asarray(env_ids, dtype=np.int64).reshape(-1)
@@ -657,19 +552,13 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             self._answered.append(h)
 
     def recv(self) -> _Step:
-        """The first ``batch_size`` sub-envs answered, with ``info["env_id"]`` naming them.
-
-        Same layout as :meth:`step` for those sub-envs only (row ``k`` is sub-env
-        ``info["env_id"][k]``), same autoreset mode.
-        """
+        """The first ``batch_size`` sub-envs answered, as :meth:`step` returns them; row ``k`` is
+        sub-env ``info["env_id"][k]``."""
         hosted = self._hosted
         hosted.check_open()
-
-        def size(h: int) -> int:
-            return int(hosted.slices[h][1] - hosted.slices[h][0])
-
-        if sum(size(h) for h in self._answered) < self.batch_size:
-            if sum(size(h) for h in self._inflight) < self.batch_size:
+        size = [b - a for a, b in hosted.slices]
+        if sum(size[h] for h in self._answered) < self.batch_size:
+            if sum(size[h] for h in self._inflight) < self.batch_size:
                 raise RuntimeError(
                     f"recv() needs at least batch_size={self.batch_size} sub-envs sent "
                     "(call async_reset() first, then send() what recv() returned)"
@@ -678,7 +567,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
             async def enough() -> None:
                 pending = set(waiting)
-                while sum(size(h) for h in self._answered) < self.batch_size and pending:
+                while sum(size[h] for h in self._answered) < self.batch_size and pending:
                     _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
 
             hosted.portal.call(enough)
@@ -687,7 +576,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         while count < self.batch_size:
             h = self._answered.pop(0)
             chosen.append(h)
-            count += size(h)
+            count += size[h]
         results = [self._inflight.pop(h) for h in chosen]
         for fut in results:
             error = fut.exception()
@@ -715,26 +604,17 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Call ``name`` on every sub-env (or read it, if it is not callable)."""
-        hosted = self._hosted
-        hosted.check_open()
-        self._drain()
+        hosted = self._idle()
         return tuple(hosted.portal.call(hosted.call, name, args, kwargs, range(self.num_envs)))
 
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Send :meth:`call`; :meth:`call_wait` returns its results."""
-        hosted = self._hosted
-        hosted.check_open()
-        self._check_not_pending("call_async")
+        hosted = self._free("call_async")
         self._pending = hosted.portal.start(hosted.call, name, args, kwargs, range(self.num_envs))
         self._pending_kind = "call"
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
-        """The results of the call sent by :meth:`call_async`, one per sub-env.
-
-        Raises:
-            multiprocessing.TimeoutError: ``timeout`` seconds passed first (the call is still
-                pending: wait again).
-        """
+        """The results of the call sent by :meth:`call_async` (see :meth:`step_wait`)."""
         return tuple(self._wait("call", timeout))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
@@ -743,9 +623,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | object) -> None:
         """Set ``name`` on every sub-env: one value for all, or a list with one per sub-env."""
-        hosted = self._hosted
-        hosted.check_open()
-        self._drain()
+        hosted = self._idle()
         if not isinstance(values, (list, tuple)):
             values = [values] * self.num_envs
         if len(values) != self.num_envs:
@@ -759,11 +637,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         return self.call("render")
 
     def close_extras(self, **kwargs: Any) -> None:
-        """Stop the env hosts and release their processes and shared memory.
-
-        ``kwargs`` (``AsyncVectorEnv``'s ``timeout``, ``terminate``) change nothing: hosts that
-        do not exit when asked are killed.
-        """
+        """Stop the env hosts; ``kwargs`` (``AsyncVectorEnv``'s ``timeout``, ``terminate``)
+        change nothing: hosts that do not exit when asked are killed."""
         if self._pending is not None:
             warnings.warn(  # AsyncVectorEnv's warning, word for word
                 f"Calling `close` while waiting for a pending call to `{self._pending_kind}` to "
@@ -772,8 +647,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
                 stacklevel=3,
             )
         self._pending = None
-        self._finalizer.detach()
-        self._hosted.close()
+        self._release()
 
     def __repr__(self) -> str:
         spec = self._hosted.spec

@@ -1,10 +1,4 @@
-"""The errors of the vector-env faces, and how a host's error becomes one that names sub-envs.
-
-:class:`SubEnvError` names the sub-env that raised (a host's
-:class:`~asyncsample.WorkerError` names its env within the host); where it can, it is also an
-instance of the env's own exception class, since gymnasium's vector envs re-raise the env's own
-exception. :class:`ClosedError` is gymnasium's ``ClosedEnvironmentError``.
-"""
+"""The errors of the vector-env faces, and how a host's error becomes one that names sub-envs."""
 
 from __future__ import annotations
 

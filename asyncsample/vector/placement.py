@@ -1,27 +1,10 @@
 """Where the sub-envs of a vector-env face step: in the caller's process, on env hosts, or both.
 
-A lockstep step on env hosts costs a round trip (the request out, a host woken, the reply
-read) before and beside the envs' own time; in the caller's process it costs the envs' time
-alone, but on one core. :func:`choose` decides from two measurements, before any sub-env is
-built: the probe env's step time (the face builds the probe for its spaces anyway) and the cost
-of a process hop on this machine, and predicts one lockstep step of each placement:
-
-* in the caller's process: ``n * t``;
-* on ``P`` hosts: ``hop + ceil(n / P) * t`` (the caller idles);
-* mixed, ``m`` sub-envs in the caller and the rest on ``P = min(cpus - 1, n - m)`` hosts: the
-  requests go out first, the caller steps its share, then collects:
-  ``max(m * t + hop / 2, hop + ceil((n - m) / P) * t)`` (the caller also pays its half of the
-  round trip: writing the requests, reading the replies).
-
-It leaves the caller's process only when that is predicted ``_MARGIN`` faster, so envs near the
-break-even stay where they cost nothing to start and the noise of a measurement on a loaded
-machine cannot tip a cheap env onto hosts.
-
-The hop is measured once per interpreter: a one-byte round trip between two threads over a
-socket pair (two kernel wake-ups, as a host round trip has), times ``_HOP_FACTOR`` for what a
-host round trip adds to it (framing, the step buffers, the caller's poll), at least
-``_MIN_HOP``. Starting a process to measure it would cost what an in-process face must not
-(about a second for the first host of an interpreter).
+:func:`choose` predicts one lockstep step of each placement from the probe env's step time and
+the cost of a host round trip (see :func:`_predict`), and leaves the caller's process only when
+that is predicted ``_MARGIN`` faster: measurement noise on a loaded machine cannot tip a cheap env
+onto hosts. The round trip is estimated once per interpreter from two threads over a socket pair
+(two kernel wake-ups, as a host round trip has): starting a process would cost about a second.
 """
 
 from __future__ import annotations
@@ -41,16 +24,7 @@ import numpy as np
 
 from asyncsample.backends import traits
 
-__all__ = [
-    "LOGGER",
-    "Placement",
-    "choose",
-    "cpus",
-    "hop_seconds",
-    "host_slices",
-    "place",
-    "probe_step_seconds",
-]
+__all__ = ["Placement", "choose", "host_slices", "place", "probe_step_seconds"]
 
 LOGGER = logging.getLogger("asyncsample")
 
@@ -94,16 +68,14 @@ class Placement:
 
     def describe(self, num_envs: int) -> str:
         """One line for the log and ``repr``."""
-        hosted = num_envs - self.caller_envs
+        hosts = f"on {self.n_processes} env-host processes"
         if self.kind == "in-process":
             where = f"all {num_envs} sub-envs in the caller's process"
         elif self.kind == "hosts":
-            where = f"{num_envs} sub-envs on {self.n_processes} env-host processes"
+            where = f"{num_envs} sub-envs {hosts}"
         else:
-            where = (
-                f"{self.caller_envs} sub-envs in the caller's process and {hosted} on "
-                f"{self.n_processes} env-host processes"
-            )
+            where = f"{self.caller_envs} sub-envs in the caller's process and "
+            where += f"{num_envs - self.caller_envs} {hosts}"
         return f"{where} ({self.reason})"
 
 
@@ -172,7 +144,9 @@ def cpus() -> int:
 
 
 def _predict(n: int, t: float, hop: float, m: int, n_cpus: int) -> tuple[float, int]:
-    """Predicted lockstep step with ``m`` sub-envs in the caller; and the host processes."""
+    """Predicted lockstep step with ``m`` of ``n`` sub-envs in the caller, and the processes
+    ``P``: ``n * t`` all in the caller, else ``hop + ceil((n - m) / P) * t`` on the hosts, and with
+    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``."""
     if m == n:
         return n * t, 0
     spare = n_cpus if m == 0 else n_cpus - 1
@@ -224,19 +198,11 @@ def place(
     backend: str = "process",
 ) -> Placement:
     """The placement of a face's ``num_envs`` sub-envs: forced by the arguments, or measured on
-    the face's ``probe`` env (see :func:`choose`). Logged (logger ``"asyncsample"``, INFO).
-
-    Raises:
-        ValueError: arguments that contradict each other (``n_processes=0`` with a
-            ``caller_envs`` other than ``num_envs``; a caller's share with ``step_timeout``,
-            which only a host process can honour, or with ``batch_size``).
-    """
+    the face's ``probe`` env (see :func:`choose`); logged. A ``ValueError`` for arguments that
+    contradict each other."""
     n = num_envs
-    if caller_envs is not None:
-        if isinstance(caller_envs, bool) or not isinstance(caller_envs, int):
-            raise TypeError(f"caller_envs must be an int or None, got {caller_envs!r}")
-        if not 0 <= caller_envs <= n:
-            raise ValueError(f"caller_envs must be in [0, num_envs={n}], got {caller_envs}")
+    if caller_envs is not None and not 0 <= caller_envs <= n:
+        raise ValueError(f"caller_envs must be in [0, num_envs={n}], got {caller_envs}")
     if n_processes == 0:
         if caller_envs not in (None, n):
             raise ValueError(
@@ -258,29 +224,19 @@ def place(
         )
     if not traits(backend).lockstep and caller_envs is None:
         caller_envs = 0  # the measured costs are those of the loop-free lockstep's hosts
-    if caller_envs is not None:
-        hosted = n - caller_envs
-        if caller_envs == n:
-            placement = Placement(
-                n, 0, "forced: n_processes=0" if n_processes == 0 else f"forced: caller_envs={n}"
-            )
-        elif caller_envs == 0:
-            procs = min(n_processes or cpus(), n)
-            why = (
-                "forced: caller_envs=0"
-                if n_processes is None
-                else f"forced: n_processes={n_processes}"
-            )
-            placement = Placement(0, procs, why)
-        else:
-            procs = min(n_processes or max(1, cpus() - 1), hosted)
-            placement = Placement(caller_envs, procs, f"forced: caller_envs={caller_envs}")
+    if caller_envs == n:
+        why = "forced: n_processes=0" if n_processes == 0 else f"forced: caller_envs={n}"
+        placement = Placement(n, 0, why)
+    elif caller_envs:
+        procs = min(n_processes or max(1, cpus() - 1), n - caller_envs)
+        placement = Placement(caller_envs, procs, f"forced: caller_envs={caller_envs}")
     elif n_processes is not None:
         placement = Placement(0, min(n_processes, n), f"forced: n_processes={n_processes}")
+    elif caller_envs == 0:
+        placement = Placement(0, min(cpus(), n), "forced: caller_envs=0")
     elif step_timeout is not None:
-        placement = Placement(
-            0, min(cpus(), n), "step_timeout is set: only a host process can be timed out"
-        )
+        why = "step_timeout is set: only a host process can be timed out"
+        placement = Placement(0, min(cpus(), n), why)
     elif batched:
         placement = Placement(0, min(cpus(), n), "batch_size: hosts answer independently")
     else:
@@ -292,11 +248,8 @@ def place(
 def host_slices(
     num_envs: int, placement: Placement, group_size: int | None
 ) -> tuple[list[tuple[int, int]], int]:
-    """The sub-env ranges of the hosts of ``placement`` and how many of them are processes.
-
-    The processes' hosts come first, then the caller's: one host each (``group_size``
-    ``None``) or hosts of ``group_size`` sub-envs (EnvPool-style stepping).
-    """
+    """The sub-env ranges of the hosts of ``placement`` (the processes' first, then the
+    caller's; of ``group_size`` sub-envs each if given) and how many are processes."""
     n_caller = placement.caller_envs
     n_remote = num_envs - n_caller
     size = group_size

@@ -1,28 +1,9 @@
 """A blocking portal: synchronous callers run coroutines on one private event loop.
 
-The vector-env faces are synchronous (gymnasium's and SB3's APIs are), while the hosts they drive
-speak asyncio. :class:`BlockingPortal` is the bridge, as anyio's ``BlockingPortal`` is: one event
-loop owned by the face, and ``call(fn, *args)`` runs the coroutine ``fn(*args)`` on it to the end.
-
-Where the loop runs is the one design choice, and it is made for the main process's CPU per step:
-
-* **In the caller's thread** when that thread runs no event loop (the usual case: a training
-  script). ``call`` runs the loop right there until the coroutine ends. A lockstep step then costs
-  one loop run, with no thread handoff: no wake-up of another thread, no lock hand-over, no
-  second GIL owner. A call handed to a loop in another thread (anyio's portal design,
-  ``run_coroutine_threadsafe``) wakes two threads and the GIL changes hands twice: several
-  times the CPU, more than a CartPole lockstep step's work.
-* **In a helper thread** when the caller is itself inside a running loop (a coroutine, a notebook
-  cell): a loop cannot be run from inside another one in the same thread, so the helper thread
-  runs the private loop while the caller's thread blocks, as any synchronous call blocks.
-
-Between calls the loop is not running: replies that arrive then wait in the sockets and are read
-at the next call. While it is idle, a caller in its thread may also resolve the loop's futures
-itself (the common lockstep step reads its replies so, see
-:meth:`HostedEnvs.lockstep <asyncsample.vector.hosted.HostedEnvs.lockstep>`): the loop's
-machinery (a task, the loop's iterations, its read callbacks) costs the main process more than
-the rest of such a step. A call interrupted by an exception from outside (``KeyboardInterrupt``)
-cancels its coroutine; the cancellation completes at the next call.
+The loop runs in the caller's thread when that thread runs no loop (the usual case: no thread
+handoff, which would cost several times a small env's step), else in a helper thread while the
+caller blocks. A call interrupted from outside (``KeyboardInterrupt``) cancels its coroutine; the
+cancellation completes at the next call.
 """
 
 from __future__ import annotations
@@ -52,20 +33,13 @@ class BlockingPortal:
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, _T]], *args: Any) -> _T:
         """Run ``fn(*args)`` on the portal's loop until it ends; its result or its exception."""
-        if _in_running_loop():
-            result: _T = self._in_helper(self._run, fn, args)
-            return result
-        return self._run(fn, args)
+        result: _T = self._dispatch(self._run, fn, args)
+        return result
 
     def start(self, fn: Callable[..., Coroutine[Any, Any, _T]], *args: Any) -> asyncio.Task[_T]:
-        """Start ``fn(*args)`` as a task and run the loop until it waits on something.
-
-        For ``step_async``: the coroutine's requests are on their way when this returns; collect
-        the outcome with :meth:`wait`.
-        """
-        if _in_running_loop():
-            return self._in_helper(self._start, fn, args)
-        return self._start(fn, args)
+        """Start ``fn(*args)`` as a task and run the loop until it waits on something (for
+        ``step_async``: its requests are on their way); :meth:`wait` collects it."""
+        return self._dispatch(self._start, fn, args)
 
     def wait(self, task: asyncio.Task[_T], timeout: float | None = None) -> _T:
         """Run the loop until ``task`` (from :meth:`start`) ends; its result or its exception.
@@ -73,29 +47,19 @@ class BlockingPortal:
         Raises:
             TimeoutError: ``timeout`` seconds passed first; the task runs on (wait again).
         """
-        if _in_running_loop():
-            result: _T = self._in_helper(self._wait, task, timeout)
-            return result
-        return self._wait(task, timeout)
+        result: _T = self._dispatch(self._wait, task, timeout)
+        return result
 
     def in_caller_thread(self) -> bool:
-        """Whether calls run the loop in the caller's thread (no loop running there, nor this
-        one): then the caller may also use the loop's futures and hosts' connections while the
-        loop is idle (see :meth:`HostedEnvs.lockstep <asyncsample.vector.hosted.HostedEnvs>`)."""
+        """Whether calls run the loop in the caller's thread, which may then also use the
+        loop's futures and the hosts' connections while the loop is idle."""
         return not self.loop.is_running() and not self.loop.is_closed() and not _in_running_loop()
 
-    def close(self) -> None:
-        """Stop the helper thread and close the loop (idempotent)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the helper thread (``wait=False``, for finalizers: without waiting for it) and
+        close the loop (idempotent)."""
         if self._helper is not None:
-            self._helper.shutdown(wait=True)
-            self._helper = None
-        if not self.loop.is_closed() and not self.loop.is_running():
-            self.loop.close()
-
-    def close_now(self) -> None:
-        """:meth:`close` for finalizers: never waits for the helper thread."""
-        if self._helper is not None:
-            self._helper.shutdown(wait=False)
+            self._helper.shutdown(wait=wait)
             self._helper = None
         if not self.loop.is_closed() and not self.loop.is_running():
             self.loop.close()
@@ -137,7 +101,7 @@ class BlockingPortal:
     ) -> asyncio.Task[_T]:
         with self._lock:
             task = self.loop.create_task(fn(*args))
-            self.loop.run_until_complete(_one_pass())
+            self.loop.run_until_complete(asyncio.sleep(0))  # ready tasks run once
             return task
 
     def _wait(self, task: asyncio.Task[_T], timeout: float | None) -> _T:
@@ -156,15 +120,13 @@ class BlockingPortal:
                 task.cancel()  # interrupted from outside: the next run completes the cancel
             raise
 
-    def _in_helper(self, fn: Callable[..., _T], *args: Any) -> _T:
+    def _dispatch(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` here, or in the helper thread when this thread runs a loop."""
+        if not _in_running_loop():
+            return fn(*args)
         if self._helper is None:
             self._helper = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-portal")
         return self._helper.submit(fn, *args).result()
-
-
-async def _one_pass() -> None:
-    """Let every ready task run once (a task started just before sends its requests)."""
-    await asyncio.sleep(0)
 
 
 def _in_running_loop() -> bool:

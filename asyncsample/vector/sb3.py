@@ -1,24 +1,16 @@
 """The Stable-Baselines3 face: a ``VecEnv`` whose sub-envs live on asyncsample's env hosts.
 
-``pip install 'asyncsample[sb3]'``. :class:`AsyncSampleVecEnv` is a drop-in for SB3's
-``SubprocVecEnv``: the same results as ``DummyVecEnv`` for the same seeds and actions, with
-sub-envs packed ``num_envs / n_processes`` to an env host (one round trip per host and step), on
-the gymnasium face's :class:`~asyncsample.vector.hosted.HostedEnvs`, whose hosts reset an ended
-sub-env in the same step (SB3's autoreset) and keep its last observation in their ``final_obs``
-buffer. Crashed hosts are rebuilt (as in :mod:`asyncsample.vector.env`): a restarted sub-env's
-step reports ``done=True`` with ``info["restarted"]`` set, ``info["TimeLimit.truncated"] = True``
-and, as its ``terminal_observation``, the first observation of its new episode.
-
-Stable-Baselines3 is imported only by this module, so ``import asyncsample`` does not need it.
+``pip install 'asyncsample[sb3]'``; Stable-Baselines3 is imported only by this module, so
+``import asyncsample`` does not need it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import weakref
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
@@ -29,14 +21,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncsample import _validate
 from asyncsample.env_update import make_env
-from asyncsample.vector.hosted import (
-    HostedEnvs,
-    HostedFace,
-    PendingRound,
-    StepResult,
-    env_sources,
-    finalize,
-)
+from asyncsample.vector.hosted import HostedEnvs, HostedFace, PendingRound, StepResult, env_sources
 
 try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices
@@ -49,13 +34,9 @@ __all__ = ["AsyncSampleVecEnv"]
 
 
 class _SB3Access(gym.Wrapper[Any, Any, Any, Any]):
-    """Wraps every sub-env in its host to give SB3's attribute semantics through ``call``.
-
-    SB3's ``get_attr`` reads without calling, ``set_attr`` sets on the outermost env and
-    ``env_is_wrapped`` walks the wrappers: none is a gymnasium ``call``, so these methods are
-    called by name. Everything else passes through (``get_wrapper_attr`` and
-    ``set_wrapper_attr`` are forwarded), so the wrapper is invisible to the user's code.
-    """
+    """Wraps every sub-env in its host for SB3's attribute semantics, which no gymnasium
+    ``call`` has (``get_attr`` never calls, ``set_attr`` sets on the outermost env,
+    ``env_is_wrapped`` walks the wrappers); invisible to the user's code otherwise."""
 
     @property
     def spec(self) -> Any:  # type: ignore[override]
@@ -104,26 +85,23 @@ class _Factory:
 class AsyncSampleVecEnv(HostedFace, VecEnv):
     """An SB3 ``VecEnv`` stepping its sub-envs in asyncsample's env-host processes.
 
+    A drop-in for ``SubprocVecEnv``, with ``DummyVecEnv``'s results for the same seeds and
+    actions. A restarted sub-env's step reports ``done=True`` with ``info["restarted"]``,
+    ``info["TimeLimit.truncated"] = True`` and its new episode's first observation as its
+    ``terminal_observation``.
+
     Args:
         env_fns: one zero-argument factory per sub-env (as for ``SubprocVecEnv``), or a single
             factory or gymnasium id together with ``num_envs``.
         num_envs: number of sub-envs when ``env_fns`` is a single factory or id.
-        n_processes: where the sub-envs step: ``0`` in the caller's process (``DummyVecEnv``'s
-            way), ``k >= 1`` on ``k`` env-host processes, ``None`` (default) decided from what
-            the face measures, as :class:`asyncsample.VectorEnv` decides it (its
-            :attr:`placement`, shown by ``repr`` and logged).
+        n_processes: ``0``: in the caller's process (``DummyVecEnv``'s way); ``k``: on ``k``
+            env-host processes; ``None``: decided as :class:`asyncsample.VectorEnv` decides it.
         step_timeout: seconds a host may spend on one step before it is killed and rebuilt.
-        max_restarts: how often each host may be rebuilt over the env's life before the error
-            is raised.
-        start_method: ``SubprocVecEnv``'s argument, validated as it validates it (a name
-            ``multiprocessing.get_context`` knows, else its ``ValueError``). It changes nothing:
-            env hosts always start from asyncsample's forkserver (several sub-envs to a process),
-            which is safe with threads and CUDA in the main process, as ``"forkserver"`` is.
-        caller_envs: how many sub-envs (the last ones) the caller steps itself while the env
-            hosts step the others, as for :class:`asyncsample.VectorEnv`.
-        metrics: ``None`` (default), ``True`` (``prometheus_client``'s default registry) or a
-            ``CollectorRegistry``: the hosts' steps, episode ends, env step latency, faults and
-            restarts as ``asyncsample_*`` metrics (``docs/metrics.md``; the ``metrics`` extra).
+        max_restarts: how often each host may be rebuilt over the env's life.
+        start_method: ``SubprocVecEnv``'s, checked as it checks it; changes nothing (env hosts
+            always start from asyncsample's forkserver).
+        caller_envs: how many sub-envs (the last ones) the caller steps itself.
+        metrics: as :class:`~asyncsample.Sampler`'s (``docs/metrics.md``).
     """
 
     def __init__(
@@ -157,7 +135,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         _validate.nonnegative_int("max_restarts", max_restarts)
         step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         sources = env_sources(list(env_fns) if isinstance(env_fns, (list, tuple)) else env_fns, n)
-        self._hosted = HostedEnvs(
+        hosted = HostedEnvs(
             [_Factory(s) for s in sources],
             n_processes=n_processes,
             step_timeout=step_timeout,
@@ -166,15 +144,13 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             caller_envs=caller_envs,
             metrics=metrics,
         )
-        self._finalizer = weakref.finalize(self, finalize, self._hosted)
+        self._own(hosted)
         self._sent: PendingRound | None = None
         self.closed = False
         try:
-            super().__init__(
-                n, self._hosted.single_observation_space, self._hosted.single_action_space
-            )
+            super().__init__(n, hosted.single_observation_space, hosted.single_action_space)
         except BaseException:
-            self._hosted.close()
+            hosted.close()
             raise
 
     # -- observations -----------------------------------------------------------------------
@@ -189,24 +165,18 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
 
     def reset(self) -> Any:
         """Reset every sub-env with the seeds and options set beforehand (used once)."""
-        hosted = self._hosted
-        self._check_open()
-        self._drain()
+        hosted = self._idle()
         n = self.num_envs
         seeds = list(self._seeds)
-        mask = np.ones(n, dtype=np.bool_)
         # One reset per distinct options dict (SB3 passes options only when non-empty).
-        groups: dict[int, list[int]] = {}
-        option_of: dict[int, Any] = {}
+        groups: dict[int, tuple[Any, list[int]]] = {}
         for i, opts in enumerate(self._options):
-            key = id(opts) if opts else 0
-            groups.setdefault(key, []).append(i)
-            option_of[key] = opts if opts else None
+            groups.setdefault(id(opts) if opts else 0, (opts or None, []))[1].append(i)
         infos: dict[int, dict[str, Any]] = {}
-        for key, members in groups.items():
+        for opts, members in groups.values():
             sub = np.zeros(n, dtype=np.bool_)
             sub[members] = True
-            infos.update(hosted.portal.call(hosted.reset, sub & mask, seeds, option_of[key]))
+            infos.update(hosted.portal.call(hosted.reset, sub, seeds, opts))
         for i in range(n):
             self.reset_infos[i] = infos.get(i, {})
         self._reset_seeds()
@@ -214,28 +184,19 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         return self._format_obs(hosted.read_obs())
 
     def step(self, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
-        """Step every sub-env (a lockstep round, see :meth:`HostedEnvs.lockstep
-        <asyncsample.vector.hosted.HostedEnvs.lockstep>`)."""
-        if self._sent is not None:
-            raise RuntimeError("step was called while a step_async is waiting for step_wait")
-        hosted = self._hosted
-        self._send(actions)
-        return self._finish(hosted.lockstep())
+        """Step every sub-env (one lockstep round)."""
+        self._send(actions, "step was called while a step_async is waiting for step_wait")
+        return self._finish(self._hosted.lockstep())
 
     def step_async(self, actions: np.ndarray) -> None:
-        """Send the actions to the env hosts (the step is awaited by :meth:`step_wait`).
+        """Send the actions (as :meth:`step` sends them); :meth:`step_wait` collects the step."""
+        self._send(actions, "step_async was called twice without step_wait in between")
+        self._sent = self._hosted.lockstep_send()
 
-        The requests go out as :meth:`step` sends them, without the event loop (see
-        :meth:`HostedEnvs.lockstep_send <asyncsample.vector.hosted.HostedEnvs.lockstep_send>`),
-        so ``step_async`` then ``step_wait`` costs the main process what ``step`` costs.
-        """
+    def _send(self, actions: Any, busy: str) -> None:
+        """Write the actions; ``busy``: the error while a ``step_async`` waits for its wait."""
         if self._sent is not None:
-            raise RuntimeError("step_async was called twice without step_wait in between")
-        hosted = self._hosted
-        self._send(actions)
-        self._sent = hosted.lockstep_send()
-
-    def _send(self, actions: Any) -> None:
+            raise RuntimeError(busy)
         self._check_open()
         n = self.num_envs
         if isinstance(actions, list) and len(actions) == n:
@@ -255,12 +216,15 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
     def _check_open(self) -> None:
         self._hosted.check_open("AsyncSampleVecEnv")
 
-    def _drain(self) -> None:
-        """Finish a step sent by ``step_async`` and never waited for (its results are lost)."""
+    def _idle(self) -> HostedEnvs:
+        """The hosts, once checked open and with no step pending: a step sent by ``step_async``
+        and never waited for is finished (its results are lost)."""
+        self._check_open()
         task, self._sent = self._sent, None
         if task is not None:
             with contextlib.suppress(Exception):
                 self._hosted.lockstep_wait(task)
+        return self._hosted
 
     def _finish(self, res: StepResult) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         hosted = self._hosted
@@ -268,8 +232,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         dones = res.terminated | res.truncated
         rewards = res.rewards.astype(np.float32)
         if not res.restarted and not dones.any() and res.env_infos is None:
-            # The common step: no info, no episode ended. These dicts are new and share nothing,
-            # so the deep copy below (DummyVecEnv's) would change nothing.
+            # The common step: new dicts that share nothing, so DummyVecEnv's deep copy is moot.
             quiet = [{"TimeLimit.truncated": False} for _ in range(n)]
             return self._format_obs(res.obs), rewards, dones, quiet
         infos: list[dict[str, Any]] = []
@@ -297,8 +260,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             return
         self.closed = True
         self._sent = None
-        self._finalizer.detach()
-        self._hosted.close()
+        self._release()
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
         """The attribute of the selected sub-envs (through their wrappers)."""
@@ -316,8 +278,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         **method_kwargs: Any,
     ) -> list[Any]:
         """Call a method of the selected sub-envs; one result per sub-env."""
-        args = (method_name, method_args, method_kwargs)
-        return self._call("_asyncsample_method", args, indices)
+        return self._call("_asyncsample_method", (method_name, method_args, method_kwargs), indices)
 
     def env_is_wrapped(
         self, wrapper_class: type[gym.Wrapper[Any, Any, Any, Any]], indices: VecEnvIndices = None
@@ -328,8 +289,6 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
     def get_images(self) -> Sequence[np.ndarray | None]:
         """The ``rgb_array`` frames of every sub-env."""
         if self.render_mode != "rgb_array":
-            import warnings
-
             warnings.warn(
                 f"The render mode is {self.render_mode}, but this method assumes it is "
                 "`rgb_array` to obtain images.",
@@ -340,15 +299,9 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
 
     def _call(self, name: str, args: tuple[Any, ...], indices: VecEnvIndices) -> list[Any]:
         """One of :class:`_SB3Access`'s methods on the selected sub-envs; one result each."""
-        self._check_open()
-        self._drain()
-        hosted = self._hosted
-        return hosted.portal.call(hosted.call, name, args, {}, self._idx(indices))
-
-    def _idx(self, indices: VecEnvIndices) -> list[int]:
-        chosen: Iterable[int] = self._get_indices(indices)
-        out = [int(i) for i in chosen]
+        hosted = self._idle()
+        out = [int(i) for i in self._get_indices(indices)]
         for i in out:
             if not -self.num_envs <= i < self.num_envs:
                 raise IndexError(f"indices: {i} is out of range for {self.num_envs} sub-envs")
-        return [i % self.num_envs for i in out]
+        return hosted.portal.call(hosted.call, name, args, {}, [i % self.num_envs for i in out])
