@@ -138,7 +138,8 @@ class LockstepRounds:
             if round_.task is not None:
                 res = portal.wait(round_.task, timeout)
             elif not portal.in_caller_thread():  # waited for from inside a running loop
-                res = self._in_loop(round_, deadline, self._collect, round_.sent)
+                inline = self._step_inline(round_)
+                res = self._in_loop(round_, deadline, self._collect, round_.sent, inline)
             else:
                 res = self._finish_round(round_, deadline)
         except BaseException as exc:
@@ -182,14 +183,7 @@ class LockstepRounds:
     def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
         """Step the caller's own hosts (once per round), then read the replies of a round sent
         by :meth:`_send_round`."""
-        if round_.inline is None:
-            round_.inline = []
-            for k, host in enumerate(self._inline):
-                try:
-                    round_.inline.append(host.step_now(self._whole[self._remote_hosts + k], True))
-                except Exception as exc:
-                    round_.inline.append(exc)
-        inline = round_.inline
+        inline = self._step_inline(round_)
         sent, readers = round_.sent, round_.readers
         if len(sent) == self._remote_hosts and readers is not None:
             outcomes = self._read_direct(sent, readers, deadline) if sent else []
@@ -199,6 +193,17 @@ class LockstepRounds:
                     return self._combine(None, outcomes)
                 return self._in_loop(round_, deadline, self._merge, None, outcomes)
         return self._in_loop(round_, deadline, self._collect, sent, inline)
+
+    def _step_inline(self, round_: PendingRound) -> list[StepInfos | BaseException]:
+        """Step the caller's own hosts, once per round; their outcomes."""
+        if round_.inline is None:
+            round_.inline = []
+            for k, host in enumerate(self._inline):
+                try:
+                    round_.inline.append(host.step_now(self._whole[self._remote_hosts + k], True))
+                except Exception as exc:
+                    round_.inline.append(exc)
+        return round_.inline
 
     def _in_loop(
         self,
