@@ -412,6 +412,26 @@ def test_step_async_step_wait(no_leaks: None, placed: dict[str, int]) -> None:
         env.close()
 
 
+def test_step_wait_in_a_running_loop_after_step_async_outside(
+    no_leaks: None, placed: dict[str, int]
+) -> None:
+    """``step_async`` from plain code, ``step_wait`` from a coroutine: the round is finished in
+    the face's loop, the sub-envs in the caller's process stepped too."""
+    env = counting(AutoresetMode.NEXT_STEP, placed)
+    try:
+        env.reset()
+        env.step_async(np.array([1, 1, 1]))
+
+        async def wait() -> Any:
+            return env.step_wait()
+
+        obs, *_ = asyncio.run(wait())
+        assert obs.tolist() == [1, 1, 1]
+        assert env.step(np.array([1, 1, 1]))[0].tolist() == [2, 2, 2]
+    finally:
+        env.close()
+
+
 def test_gymnasium_error_types_and_async_calls(no_leaks: None, placed: dict[str, int]) -> None:
     """AsyncVectorEnv's async methods, its error types and its timeouts."""
     env = counting(AutoresetMode.NEXT_STEP, placed)
