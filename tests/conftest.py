@@ -89,6 +89,11 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     ),
     # One step per chunk: [None] (the default chunks) and [3] (chunks cut mid-episode) stay.
     "test_host_inference.py::test_deterministic_agent_matches_per_worker": ({"chunk_steps": (1,)},),
+    # The episode deadline on "process": [local] stays (the caller's worker checks it after each
+    # step on both lockstep backends).
+    "test_lane_backends.py::test_episode_timeout_on_lockstep_backends": (
+        {"backend": ("process",)},
+    ),
     # The same seed on "process": [local] stays, and test_digest.py's process scenarios check a
     # fixed seed's batches bit for bit in every call mode.
     "test_sampler.py::test_same_seed_same_batches_different_seed_different": (
