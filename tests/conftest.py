@@ -8,7 +8,8 @@ the uvloop variants of the other tests, the Ray tests (``test_ray_backend.py``, 
 ``ray_cluster``, tests parametrised with ``backend="ray"``), the examples and the benchmarks.
 Also marked ``slow``: the variants listed in ``SLOW_VARIANTS``, each the costly twin of a variant
 that stays in the default run and checks the same behaviour (the uvloop variant of a test of the
-representative subset, a second backend, placement or space of a parametrised test).
+representative subset, another backend, placement, space or size of a parametrised test, the
+SB3 face's twin of a gymnasium-face test).
 ``python -m pytest -m slow`` runs those, so the two runs together cover every test under both
 loops.
 """
