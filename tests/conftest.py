@@ -6,6 +6,10 @@ Every async test is parametrised over asyncio's default loop and uvloop. The def
 subset: the modules in ``BOTH_LOOPS_MODULES`` and tests marked ``both_loops``. Marked ``slow``:
 the uvloop variants of the other tests, the Ray tests (``test_ray_backend.py``, tests using
 ``ray_cluster``, tests parametrised with ``backend="ray"``), the examples and the benchmarks.
+Also marked ``slow``: the variants listed in ``SLOW_VARIANTS``, each the costly twin of a variant
+that stays in the default run and checks the same behaviour (the uvloop variant of a test of the
+representative subset, another backend, placement, space or size of a parametrised test, the
+SB3 face's twin of a gymnasium-face test).
 ``python -m pytest -m slow`` runs those, so the two runs together cover every test under both
 loops.
 """
@@ -40,6 +44,70 @@ SLOW_MODULES = frozenset(
 
 _LOOP_PARAM = "_asyncio_loop_factory"  # pytest-asyncio's parameter for the loop factory
 
+#: Variants run in the slow pass only, by ``module::test``: a variant is slow when its parameters
+#: (``callspec.params``; ``loop`` is "asyncio" or "uvloop") match every name of one of the test's
+#: dicts, each name with the values it lists. Each entry says which quick test still checks the
+#: same behaviour on asyncio's default loop. Together they were about a sixth of the default run's
+#: test time on a loaded 2-core machine, mostly spent in deliberate hangs, step_timeouts and host
+#: start-ups.
+SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
+    # Under uvloop: their asyncio variants stay; so do the representative subset's other uvloop
+    # variants (a killed host, a spent budget, cancellation on "local", garbage collection).
+    "test_faults.py::test_hanging_env_times_out_and_is_replaced": ({"loop": ("uvloop",)},),
+    "test_faults.py::test_hanging_env_past_the_budget": ({"loop": ("uvloop",)},),
+    "test_faults.py::test_external_sigkill_mid_call": ({"loop": ("uvloop",)},),
+    "test_faults.py::test_cancellation_at_any_moment_leaves_the_sampler_usable": (
+        {"loop": ("uvloop",), "backend": ("process",)},  # [asyncio-process], [uvloop-local] stay
+    ),
+    "test_stream_ahead.py::test_a_stream_closed_mid_round_drops_the_chunks_run_ahead": (
+        {"loop": ("uvloop",)},
+    ),
+    "test_stream_ahead.py::test_a_host_killed_or_an_env_failing_during_a_chunk_run_ahead": (
+        {"loop": ("uvloop",), "fault": ("raise",)},  # [asyncio-raise], [uvloop-kill] stay
+    ),
+    # Every kind of fault on the thread lane: [asyncio-*] stay for each kind. On "thread", in this
+    # module: test_one_failing_env_of_fifty_costs_only_its_own_episode checks that the faulty env
+    # alone is rebuilt in every call mode, test_past_max_restarts_the_call_names_the_worker_and_env
+    # (raise, cancel, reward) and test_a_malformed_step_names_worker_env_field_and_type (info)
+    # that each kind is caught, test_episode_timeout_cuts_a_hung_reset that a hung call is cut.
+    "test_lane_faults.py::test_every_kind_of_fault_is_the_envs_own": ({"lane": ("thread",)},),
+    # The cap with n_processes derived from it and given: [2-None] and [3-3] stay.
+    "test_vector_env.py::test_max_concurrency_caps_the_sub_envs_stepping_at_once": (
+        {"limit": (1,), "n_processes": (None,)},
+        {"limit": (2,), "n_processes": (2,)},
+    ),
+    # Box and Discrete spaces on hosts: every space in-process and the Dict and Tuple spaces
+    # (Box and Discrete parts) on hosts and mixed stay.
+    "test_vector_env.py::test_equal_to_sync": (
+        {"placed": ("hosts", "mixed"), "kind": ("box", "discrete")},
+    ),
+    "test_process_backend.py::test_matches_local_host": ({"kind": ("box", "discrete")},),
+    # The process backend: every mode on "local" and the threaded modes on "process" stay.
+    "test_batched_inference.py::test_deterministic_agent_matches_per_worker": (
+        {"backend": ("process",), "call": ("sync", "async")},
+    ),
+    # Run ahead with a delay and buffer_size=1 as fragments: [0.02-1-False] and [0.0-2-True] stay.
+    "test_stream_ahead.py::test_batches_equal_those_without_run_ahead": (
+        {"delay": (0.02,), "fragments": (True,)},
+    ),
+    # One step per chunk: [None] (the default chunks) and [3] (chunks cut mid-episode) stay.
+    "test_host_inference.py::test_deterministic_agent_matches_per_worker": ({"chunk_steps": (1,)},),
+    # The episode deadline on "process": [local] stays (the caller's worker checks it after each
+    # step on both lockstep backends).
+    "test_lane_backends.py::test_episode_timeout_on_lockstep_backends": (
+        {"backend": ("process",)},
+    ),
+    # The same seed on "process": [local] stays, and test_digest.py's process scenarios check a
+    # fixed seed's batches bit for bit in every call mode.
+    "test_sampler.py::test_same_seed_same_batches_different_seed_different": (
+        {"backend": ("process",)},
+    ),
+    # The SB3 face hands metrics= to the HostedEnvs the gymnasium face uses (the rest of the SB3
+    # face is in the slow pass, tests/test_sb3_vec_env.py): test_metrics.py's
+    # test_vector_env_counts_match_the_steps counts the same steps and episodes.
+    "test_metrics.py::test_sb3_face_counts": ({},),
+}
+
 
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
@@ -58,7 +126,20 @@ def _is_slow(item: pytest.Item) -> bool:
     representative = (
         item.path.name in BOTH_LOOPS_MODULES or item.get_closest_marker("both_loops") is not None
     )
-    return on_uvloop and not representative
+    return (on_uvloop and not representative) or _is_slow_variant(item, on_uvloop)
+
+
+def _is_slow_variant(item: pytest.Item, on_uvloop: bool) -> bool:
+    """Whether ``item`` is one of the variants ``SLOW_VARIANTS`` lists."""
+    name = getattr(item, "originalname", item.name)
+    variants = SLOW_VARIANTS.get(f"{item.path.name}::{name}", ())
+    callspec = getattr(item, "callspec", None)
+    params = dict(callspec.params) if callspec is not None else {}
+    params["loop"] = "uvloop" if on_uvloop else "asyncio"
+    return any(
+        all(key in params and params[key] in values for key, values in variant.items())
+        for variant in variants
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
