@@ -37,9 +37,25 @@ from asyncsample.env_group import (
     StepInfos,
 )
 
-__all__ = ["HostSlot"]
+__all__ = ["HostSlot", "spec_group"]
 
 _Body = bytes | memoryview
+
+
+def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
+    """The :class:`EnvGroup` of ``spec`` over ``buffers`` (default: buffers of its own)."""
+    if buffers is None:
+        obs_space, act_space = spec.observation_space, spec.action_space
+        buffers = StepBuffers.allocate(obs_space, act_space, spec.n_envs, timed=spec.timed)
+    return EnvGroup(
+        spec.worker,
+        buffers,
+        spec.observation_space,
+        spec.action_space,
+        spec.max_episode_length,
+        spec.autoreset,
+        spec.final_in_reply,
+    )
 
 
 class HostSlot:
@@ -55,15 +71,7 @@ class HostSlot:
         host_threads: int | None = None,
         where: str = "env host",
     ) -> None:
-        self.group = group = EnvGroup(
-            spec.worker,
-            buffers,
-            spec.observation_space,
-            spec.action_space,
-            spec.max_episode_length,
-            spec.autoreset,
-            spec.final_in_reply,
-        )
+        self.group = group = spec_group(spec, buffers)
         self.runner = None if not chunks else ChunkRunner(group, chunks, spec.action_space)
         self.timing: HostTiming | None = None
         """With metrics on and ``inference="host"``: times a sample of the chunks."""

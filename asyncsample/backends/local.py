@@ -15,6 +15,7 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample.backends._remote import closed_error
+from asyncsample.backends._slot import spec_group
 from asyncsample.backends.base import (
     LOGGER,
     EnvHost,
@@ -24,8 +25,6 @@ from asyncsample.backends.base import (
 )
 from asyncsample.env_group import (
     EnvFailureError,
-    EnvGroup,
-    StepBuffers,
     StepInfos,
     call_targets,
     reset_arguments,
@@ -41,18 +40,8 @@ class LocalHost:
 
     def __init__(self, spec: HostSpec) -> None:
         self.spec = spec
-        self.buffers = StepBuffers.allocate(
-            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
-        )
-        self._group = EnvGroup(
-            spec.worker,
-            self.buffers,
-            spec.observation_space,
-            spec.action_space,
-            spec.max_episode_length,
-            spec.autoreset,
-            spec.final_in_reply,
-        )
+        self._group = spec_group(spec)
+        self.buffers = self._group.buffers
         self.closed = False
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
