@@ -1,9 +1,6 @@
-"""The episode engine: one worker's episodes during a call, and where its part of a call stops.
-
-The same rules for every inference mode and backend: :class:`Episodes` is a worker's bookkeeping
-and the one place where episodes end; :class:`StopRule` (picklable: a chunk request carries a
-copy) is where a worker's part stops in each call mode; :func:`run_part` drives a call through
-the mode's :class:`Stepper`, which only moves the envs and never decides where a call stops.
+"""The episode engine, the same for every inference mode and backend: :class:`Episodes` (a
+worker's bookkeeping, the one place where episodes end), :class:`StopRule` (where a worker's part
+of a call stops) and :func:`run_part`, which drives the mode's :class:`Stepper`.
 """
 
 from __future__ import annotations
@@ -89,8 +86,7 @@ class FinishedEpisode(NamedTuple):
 
 @dataclass
 class Transition:
-    """One worker step over all of its envs, as :meth:`Worker.process_transition` sees it
-    (rows of envs not stepped, ``active`` false, hold stale values)."""
+    """One worker step, as :meth:`Worker.process_transition` sees it (inactive rows are stale)."""
 
     observations: Tree
     actions: Tree
@@ -169,9 +165,8 @@ class StopRule:
         return bool(active.any())
 
     def start_envs(self, n_envs: int, lacking: int | None = None) -> int:
-        """Each env will ask :meth:`env_more` on its own (the lanes); ``FRAGMENTS``: each takes
-        the worker's steps left (``lacking`` given: as :meth:`limited`), returned for
-        :meth:`took`."""
+        """Each env asks :meth:`env_more` on its own (the lanes); ``FRAGMENTS``: the steps each
+        takes (for ``lacking`` more transitions, if given), for :meth:`took`."""
         if self.mode is not CallMode.FRAGMENTS:
             return 0
         steps = self.steps if lacking is None else math.ceil(lacking / n_envs)
@@ -181,8 +176,7 @@ class StopRule:
     def env_more(
         self, i: int, active: np.ndarray, may_stop: Callable[[], bool] | None = None
     ) -> bool:
-        """Whether env ``i`` takes another step; ``may_stop``: the call's shared quota lets the
-        worker stop."""
+        """Whether env ``i`` takes another step; ``may_stop``: the shared quota's."""
         mode = self.mode
         if mode is CallMode.EPISODES:
             return bool(active[i])
@@ -236,16 +230,8 @@ class StopRule:
 
 
 class SharedQuota:
-    """The quota of one call with ``fraction_samples < 1``, shared by the workers of the call.
-
-    Each worker reports after every step (or chunk) the transitions it would return if it
-    stopped now; it may stop once it has its own minimum *and* the call's total has reached the
-    target (fast workers keep going while the total is short). Used in the loop's thread only.
-
-    Args:
-        target: the call's ``num_samples``.
-        minimums: per worker taking part, ``ceil(fraction_samples * share)``.
-    """
+    """The quota of a call with ``fraction_samples < 1``: a worker may stop once it has its
+    ``minimums`` entry and the call's total has reached ``target`` (``num_samples``)."""
 
     def __init__(self, target: int, minimums: Mapping[int, int]) -> None:
         self.target = target
@@ -343,10 +329,8 @@ class Episodes:
         self.everyone = bool(self.active.all())
 
     def next_start(self, resume: Resume, rule: StopRule) -> tuple[np.ndarray, np.ndarray] | None:
-        """What a call continuing ``resume`` (what the ending call leaves) and stopping at
-        ``rule`` will start from: per env, the rows of its running episode counted as recorded,
-        and whether it is stepped; ``None`` when it would reset an env first. Computed without
-        :meth:`begin`: the records stay intact until the ending call's batch is assembled."""
+        """Per env, the rows a call continuing ``resume`` under ``rule`` starts with, and whether
+        it is stepped; ``None`` if it resets an env first (the records are left intact)."""
         if self.state not in _CONTINUABLE or self.needs_reset.any():
             return None
         if resume is Resume.NOTHING and bool((self.lengths > 0).any()):
@@ -475,18 +459,9 @@ class Episodes:
             if rule.ended(envs, recorder.completed_steps - steps, self.active):
                 self.everyone = False
 
-    def end_env(
-        self, i: int, t: int, terminated: np.ndarray, final_obs: Tree, version: int
-    ) -> None:
-        """Env ``i``, stepped on its own, ended its episode at row ``t`` (as
-        :meth:`close_episodes`); it is reset before its next step."""
-        self.close_episodes(np.array([i]), t, terminated, final_obs, {}, version)
-        self.needs_reset[i] = True
-        self.deadlines[i] = np.inf
-
     def drop_env(self, i: int) -> int:
-        """Env ``i`` failed on its own: its episode in progress is dropped (its rows are never
-        returned) and it is reset before its next step; returns the steps it had recorded."""
+        """Env ``i``'s episode in progress is dropped (it is reset before its next step); the
+        steps it had recorded."""
         recorder = self.recorder
         cursor = recorder.cursor
         assert cursor is not None
@@ -511,18 +486,16 @@ class Episodes:
         record: RecordStep | None = None,
         obs_row: int = -1,
     ) -> None:
-        """Turn ``steps`` steps run elsewhere into recorder rows (block copies) and episodes
-        (visiting only the steps where one ends, or every step with ``record``); episodes that
-        start in the chunk, or had not taken a step before it, run under ``version``.
+        """Turn ``steps`` steps of ``chunk`` run elsewhere into recorder rows and episodes;
+        episodes that start in the chunk, or had not taken a step before it, run under
+        ``version``.
 
         Args:
-            chunk: the chunk's records.
             agent_infos: stacked over the steps, or ``(step, infos)`` for the steps with any.
             step_infos: by step, ``(env_infos, reset_infos)`` where either is non-empty.
             like: observations and actions shaped like one row (to grow the records).
-            record: ``record(j, t, agent_infos, env_infos, done)`` after each step, if given.
-            obs_row: the arena row the host wrote the chunk's observations to (``chunk.obs``
-                is then a view of them), or -1; not copied where the records keep them there.
+            record: called after each step, if given.
+            obs_row: the arena row the host wrote ``chunk.obs`` to (not copied again), or -1.
         """
         self.stamp_unstarted(version)
         if steps <= 0:
@@ -654,7 +627,7 @@ class Stepper(Protocol):
 
 
 class StepperWorker(Protocol):
-    """What :class:`StepStepper` and :func:`run_part` need of a worker."""
+    """A worker, as :class:`StepStepper` and :func:`run_part` see it."""
 
     worker_number: int
     n_envs: int
@@ -701,9 +674,8 @@ async def run_part(
     leave: Resume,
     quota: SharedQuota | None = None,
 ) -> Plan:
-    """Run the worker's part of the call begun with :meth:`Episodes.begin`; its plan. With a
-    shared ``quota`` the worker advances, a unit at a time, until :meth:`SharedQuota.may_stop`.
-    A retry after a failure calls it again and it resumes."""
+    """Run the worker's part of the call begun with :meth:`Episodes.begin` (a retry resumes
+    it); its plan. With a shared ``quota``: a unit at a time, until it may stop."""
     episodes = worker.episodes
     rule = episodes.rule
     assert rule is not None

@@ -451,9 +451,11 @@ class LaneStepper:
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""
-        buffers = self.host.buffers
-        version = self.worker.agent_version
-        self.worker.episodes.end_env(i, t, buffers.terminated, buffers.final_obs, version)
+        buffers, episodes = self.host.buffers, self.worker.episodes
+        ended, version = np.array([i]), self.worker.agent_version
+        episodes.close_episodes(ended, t, buffers.terminated, buffers.final_obs, {}, version)
+        episodes.needs_reset[i] = True  # reset before its next step
+        episodes.deadlines[i] = np.inf
         self._closed(i)
 
     def _cut(self, i: int) -> None:
@@ -470,5 +472,4 @@ class LaneStepper:
             episodes.episode_info[i]["deadline"] = True
             self._end(i, int(cursor[i]) - 1)
         else:  # no step taken: nothing to end
-            episodes.drop_env(i)
-            self._closed(i)
+            self._drop(i)
