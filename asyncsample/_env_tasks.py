@@ -2,10 +2,8 @@
 :class:`~asyncsample.backends.base.PerEnvHost`: ``asyncio``, ``thread``).
 
 Each env runs its own loop (reset when it must, ask for an action, step, record), so a slow env
-never stalls a fast one, and writes its steps to its own column of the worker's records (the
-recorder's per-env cursor), so the engine's bookkeeping, stop rules and batch assembly apply
-unchanged. The mode's :class:`~asyncsample.inference.batched.Batcher` merges the envs' action
-requests; :class:`Admission` holds back new episodes in ``stream(max_policy_lag=...)``.
+never stalls a fast one, and writes its own column of the worker's records (the recorder's
+per-env cursor), so the engine's rules and batch assembly apply unchanged.
 """
 
 from __future__ import annotations
@@ -40,12 +38,9 @@ _NEVER = np.inf
 
 
 class Admission:
-    """Staleness at admission (``stream(max_policy_lag=k)`` on the lane backends).
-
-    An env may start an episode under agent version ``v`` only while ``v`` minus the oldest
-    version of its worker's open episodes is at most ``k``; else it waits for those to end (or
-    for the call's share). Per worker: the workers' shares are separate.
-    """
+    """Staleness at admission (``stream(max_policy_lag=k)`` on the lanes): an env starts an
+    episode under version ``v`` only while ``v`` minus the oldest version of its worker's open
+    episodes is at most ``k``; else it waits for those to end (or for the call's share)."""
 
     def __init__(self, max_lag: int) -> None:
         self.max_lag = max_lag
@@ -89,10 +84,8 @@ class Admission:
         if version is None:
             return
         versions = self._versions[key[0]]
-        count = versions[version] - 1
-        if count > 0:
-            versions[version] = count
-        else:
+        versions[version] -= 1
+        if versions[version] <= 0:
             del versions[version]
         self._changed.set()
 
@@ -213,8 +206,8 @@ class LaneStepper:
         rule.took(steps)
 
     async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None]) -> None:
-        """Env ``i``'s loop: reset when it must, ask for an action, step, record. Its cursor,
-        length and return live in locals, written back wherever the engine reads them."""
+        """Env ``i``'s loop; its cursor, length and return live in locals, written back wherever
+        the engine reads them."""
         worker = self.worker
         episodes = worker.episodes
         host = self.host

@@ -1,11 +1,8 @@
 """The ``asyncio`` and ``thread`` backends: envs in the caller's process, each on its own.
 
 ``asyncio`` hosts :class:`~asyncsample.AsyncEnv` envs in the sampler's event loop; ``thread``
-hosts blocking gymnasium envs behind the same coroutine interface, their calls run in a bounded
-pool of threads (:class:`ThreadedEnv`). :class:`LaneHost` steps one env at a time (a
-:class:`~asyncsample.backends.base.PerEnvHost`, for :mod:`asyncsample._env_tasks`), with the
-bookkeeping of the :class:`~asyncsample.env_group.EnvGroup` it holds; its lockstep ``EnvHost``
-methods gather the envs' calls.
+hosts blocking gymnasium envs in a bounded pool of threads (:class:`ThreadedEnv`). Both use a
+:class:`LaneHost`, which steps one env at a time (a ``PerEnvHost``) through an ``EnvGroup``.
 """
 
 from __future__ import annotations
@@ -271,14 +268,13 @@ class LaneHost:
         Raises:
             DeadlinePassed: the loop time ``deadline`` came first; the step was cancelled.
             StepTimeoutError: the step took longer than ``step_timeout``.
-            WorkerError: the env raised (the original exception is its ``__cause__``).
+            WorkerError: the env raised (its ``__cause__``).
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
         durations = self._durations
         if deadline is None and self._plain:
-            # The hot path (no limiter, no timeout): the env's own coroutine, awaited (and with
-            # metrics on, timed) here.
+            # The hot path (no limiter, no timeout): the env's coroutine, awaited (and timed) here.
             if durations is not None:
                 self.env_calls += 1
                 start = _perf()
@@ -300,8 +296,7 @@ class LaneHost:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
     async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
-        """``step(action)`` timed into ``durations``; :meth:`_await` runs it once a
-        ``max_concurrency`` slot is taken (the wait does not count)."""
+        """``step(action)`` timed into ``durations`` (run by :meth:`_await`: no limiter wait)."""
         self.env_calls += 1
         start = _perf()
         try:
@@ -351,8 +346,8 @@ class LaneHost:
                 call.close()  # never awaited when the limiter wait was cancelled
 
     def _raised(self, i: int, what: str, exc: BaseException) -> WorkerError:
-        """The error for ``exc`` from env ``i``'s ``what``; a ``WorkerError``, and a
-        cancellation that is not the env's own, are raised again as they are."""
+        """The error for ``exc`` from env ``i``'s ``what`` (a ``WorkerError``, or a cancellation
+        not the env's own, is raised again)."""
         if isinstance(exc, WorkerError) or (
             isinstance(exc, asyncio.CancelledError) and not cancelled_by_env()
         ):
@@ -401,8 +396,7 @@ class LaneHost:
         kwargs: Mapping[str, Any] | None = None,
         envs: Sequence[int] | None = None,
     ) -> list[Any]:
-        """``getattr(env, name)`` of each env, called with the arguments when callable (and
-        awaited)."""
+        """``getattr(env, name)`` of each env, called (and awaited) when callable."""
         self._check_open("call")
         out = []
         for i in call_targets(name, self.n_envs, envs):
@@ -440,8 +434,8 @@ class LaneHost:
             await asyncio.wait(list(self._closing))
 
     async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
-        """Cancel the carried steps of ``envs`` (default: all) and wait for them; which envs had
-        one (they must be reset before their next step)."""
+        """Cancel the carried steps of ``envs`` (default: all) and wait for them; the envs that
+        had one (to reset before their next step)."""
         dropped = [i for i in (self.in_flight if envs is None else envs) if i in self.in_flight]
         tasks = [self.in_flight.pop(i) for i in dropped]
         for task in tasks:
@@ -521,15 +515,12 @@ def probe_async_env(
     limit = getattr(env, "max_episode_steps", None)
     if limit is None:
         limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+    closing = close_bounded(env, close_timeout, "the env built to read the spaces")
     task = None
     try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(close_bounded(env, close_timeout, "the env built to read the spaces"))
-    else:
-        task = loop.create_task(
-            close_bounded(env, close_timeout, "the env built to read the spaces")
-        )
+        task = asyncio.get_running_loop().create_task(closing)
+    except RuntimeError:  # no loop runs
+        asyncio.run(closing)
     return env.observation_space, env.action_space, limit, task
 
 
