@@ -46,6 +46,8 @@ _N = len(BOUNDS) + 1
 _ROWS_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
 _LENGTH_BOUNDS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 10000.0)
 _LAG_BOUNDS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+_Key = tuple[str, ...]  # label values
+_Table = dict[str, dict[_Key, float]]  # by metric name
 
 
 def _registry(metrics: Any) -> Any:
@@ -138,10 +140,6 @@ class _Hist:
         out = [(repr(float(b)), float(c)) for b, c in zip(self.bounds, cumulative)]
         out.append(("+Inf", float(cumulative[-1])))
         return out
-
-    @property
-    def count(self) -> float:
-        return float(self.counts.sum())
 
 
 _HISTOGRAMS: dict[str, tuple[Sequence[float], str]] = {
@@ -255,14 +253,14 @@ class _Hub:
             for s in states:
                 if s.pull is not None:
                     s.pull()
-            counters: dict[str, dict[tuple[str, ...], float]] = {}
+            counters: _Table = {}
+            gauges: _Table = {name: {} for name in _GAUGES}
 
-            def count(name: str, labels: tuple[str, ...], value: float) -> None:
-                per = counters.setdefault(name, {})
-                per[labels] = per.get(labels, 0.0) + value
+            def count(name: str, key: _Key, value: float, into: _Table = counters) -> None:
+                per = into.setdefault(name, {})
+                per[key] = per.get(key, 0.0) + value
 
             hists: dict[tuple[str, str], _Hist] = {}
-            gauges: dict[str, dict[tuple[str, ...], float]] = {name: {} for name in _GAUGES}
             for s in states:
                 b = s.backend
 
@@ -284,11 +282,9 @@ class _Hub:
                     total.add_counts(h.counts, h.sum)
                 if not s.live:
                     continue
-                g = gauges["episodes_in_flight"]
-                g[(b,)] = g.get((b,), 0.0) + s.in_flight
+                count("episodes_in_flight", (b,), s.in_flight, gauges)
                 if s.lanes:
-                    g = gauges["env_calls_in_flight"]
-                    g[(b,)] = g.get((b,), 0.0) + sum(h.env_calls for h in s.hosts)
+                    count("env_calls_in_flight", (b,), sum(h.env_calls for h in s.hosts), gauges)
                 g = gauges["agent_version"]
                 g[(b,)] = max(g.get((b,), 0.0), float(s.agent_version))
                 if s.bottleneck is not None:
@@ -386,10 +382,8 @@ class SamplerMetrics:
 
     def call_ended(self, started: float) -> None:
         """A call returns: the caller waited since ``started``."""
-        now = time.perf_counter()
-        self._last_end = now
-        with self._hub.lock:
-            self.state.hists["call_wait_seconds"].observe([now - started])
+        self._last_end = time.perf_counter()
+        self.batch_waited(self._last_end - started)
 
     def caller_idle(self, seconds: float) -> None:
         """A stream's rounds waited ``seconds`` for the consumer to take a batch."""
