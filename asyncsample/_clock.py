@@ -48,16 +48,14 @@ _perf = time.perf_counter
 
 
 def record_seconds(clock: np.ndarray, seconds: list[float]) -> None:
-    """Add env steps of ``seconds`` each to the env-step section of ``clock`` (the lane hosts
-    time each step into a list and add them here before the metrics read the clock)."""
+    """Add env steps of ``seconds`` each to the env-step section of ``clock`` (the lane hosts)."""
     clock[ENV : ENV + _N] += np.bincount(np.searchsorted(BOUNDS, seconds), minlength=_N)
     clock[ENV + _N] += sum(seconds)
 
 
 def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) -> Any:
     """``group.step`` that records its envs' time in ``clock``: each env step counts the call's
-    seconds divided by the envs it stepped (one after another), as ``weight`` steps (a sample,
-    see :class:`HostTiming`). Items go through a ``memoryview`` (cheaper than numpy's)."""
+    seconds divided by the envs it stepped, as ``weight`` steps (see :class:`HostTiming`)."""
     items: Any = clock.data  # item access through a memoryview: cheaper than numpy's
     section, total = ENV, ENV + _N
 
@@ -82,7 +80,7 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) 
 
 def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
     """A host agent's ``actions(observations)`` that records each call's seconds, as ``weight``
-    calls (its rows are the slot's envs, every call: the caller knows them)."""
+    calls."""
     items: Any = clock.data
     bounds, total = BOUNDS, AGENT + _N
 
@@ -100,12 +98,8 @@ def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
 class HostTiming:
     """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step, each
     timed step weighing :attr:`EVERY` (timing every step would add ~10% to the chunk loop); the
-    agent calls are counted exactly.
-
-    Args:
-        group, runner: the slot's env group and chunk runner (their ``step`` and ``_actions``
-            are swapped per chunk).
-    """
+    agent calls are counted exactly. The ``group``'s ``step`` and ``runner``'s ``_actions`` are
+    swapped per chunk."""
 
     EVERY = 8
 

@@ -67,8 +67,7 @@ class Continuity(enum.Enum):
     BROKEN = "broken"
     """The env host failed: it is rebuilt before the next step, in this call or the next."""
     RAN_AHEAD = "ran ahead"
-    """A chunk past the end of the last call may have run in the env host (a stream's
-    run-ahead): the envs may have moved past the records."""
+    """A chunk past the end of the last call may have run (a stream's run-ahead)."""
     TAKING_OVER = "taking over"
     """A call began that may take that chunk over; its stepper settles it (then ``IN_CALL``)."""
 
@@ -422,14 +421,9 @@ class Episodes:
         reset_infos: Mapping[int, dict[str, Any]],
         version: int,
     ) -> None:
-        """The episodes of ``envs`` ended at row ``t``: cut them, count them, start the next.
-
-        Args:
-            terminated: per env, whether the episode terminated (else it was truncated).
-            final_obs: per env, the true last observation.
-            reset_infos: by env, the info of the episode that starts next.
-            version: the agent version episodes starting now run under.
-        """
+        """The episodes of ``envs`` ended at row ``t`` (``terminated``, else truncated, with
+        ``final_obs``): cut them, count them, start the next ones (``reset_infos`` by env)
+        under agent ``version``."""
         recorder = self.recorder
         lengths, returns, infos = self.lengths, self.returns, self.episode_info
         steps = recorder.completed_steps

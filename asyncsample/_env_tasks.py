@@ -107,8 +107,7 @@ class LaneStepper:
         worker: the worker; its host must be a :class:`~asyncsample.backends.base.PerEnvHost`.
         requests: the mode's merger of the envs' agent requests.
         part: the worker's part of the call. Once a ``samples`` call has its share, steps in
-            flight are cancelled, or with ``part.leave`` ``Resume.EPISODES`` (a stream's round)
-            left running for the next round, which takes them up.
+            flight are cancelled, or left running for a stream's next round to take up.
         settings: see :class:`LaneSettings`.
     """
 

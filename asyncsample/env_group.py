@@ -119,12 +119,10 @@ class StepInfos:
     """The small, picklable part of a step's answer.
 
     Attributes:
-        env_infos: ``None`` when every stepped env returned an empty info dict, else one dict
-            per env (empty for envs not stepped).
+        env_infos: one info dict per env (empty if not stepped); ``None`` if all are empty.
         reset_infos: info dicts from the autoresets this step did, by env index.
-        final_obs: with ``final_in_reply``, by env index, the true last observation of each
-            env whose episode ended (the env's own object, where its buffer row cannot hold
-            it exactly); else ``None``.
+        final_obs: with ``final_in_reply``, by env index, the last observations that their
+            buffer row cannot hold exactly; else ``None``.
     """
 
     env_infos: list[dict[str, Any]] | None
@@ -169,9 +167,8 @@ class EnvGroup:
         observation_space, action_space: the declared spaces (observations are checked).
         max_episode_length: steps after which the host truncates an episode, or ``None``.
         autoreset: one of :data:`AUTORESET_MODES` (the sampler uses ``"SameStep"``).
-        final_in_reply: also return the final observations themselves, in
-            :attr:`StepInfos.final_obs` (the gymnasium face); always on for observations
-            without fixed-size rows.
+        final_in_reply: also return final observations in :attr:`StepInfos.final_obs` (the
+            gymnasium face); always on for observations without fixed-size rows.
     """
 
     def __init__(

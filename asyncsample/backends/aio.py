@@ -488,9 +488,8 @@ def _env_error(worker: int, env: int, what: str, exc: BaseException) -> WorkerEr
 def probe_async_env(
     source: Any, close_timeout: float = CLOSE_TIMEOUT
 ) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
-    """Build one async env from ``source`` to read its spaces and step limit, then close it
-    (bounded by ``close_timeout``): now if no loop runs, else in a task of the running loop,
-    returned (else ``None``) for ``aclose()`` to wait for.
+    """Build one async env from ``source`` to read its spaces and step limit, then close it:
+    now if no loop runs, else in a task (returned, else ``None``) for ``aclose()`` to await.
 
     Raises:
         TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
@@ -551,6 +550,7 @@ class AsyncioBackend:
 
     OPTIONS = ("n_processes", "step_timeout", "host_threads", "max_concurrency", "close_timeout")
     NAME = "asyncio"
+    POOLED = False  # True: the pool of threads caps the env calls, not a limiter
 
     def __init__(
         self,
@@ -571,10 +571,6 @@ class AsyncioBackend:
         self._hosts: list[LaneHost] = []
         self._closed = False
 
-    def _limiter(self) -> asyncio.Semaphore | None:
-        n = self.max_concurrency
-        return None if n is None else asyncio.Semaphore(n)
-
     def _make(self, source: EnvSource, old: Any) -> Any:
         return make_async_env(source, old)
 
@@ -582,7 +578,8 @@ class AsyncioBackend:
         """One :class:`LaneHost` per spec; one limiter shared by all."""
         if self._closed:
             raise RuntimeError(f"the {self.NAME} backend is closed")
-        limiter = self._limiter()
+        n = self.max_concurrency
+        limiter = None if n is None or self.POOLED else asyncio.Semaphore(n)
         self._hosts = [
             LaneHost(s, self._make, self.step_timeout, limiter, self.close_timeout) for s in specs
         ]
@@ -607,6 +604,7 @@ class ThreadBackend(AsyncioBackend):
     ``max_concurrency`` threads (default :func:`default_threads`)."""
 
     NAME = "thread"
+    POOLED = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -615,9 +613,6 @@ class ThreadBackend(AsyncioBackend):
             thread_name_prefix="asyncsample-env",
         )
         self._running: set[concurrent.futures.Future[Any]] = set()
-
-    def _limiter(self) -> asyncio.Semaphore | None:
-        return None  # the pool is the limit
 
     def _make(self, source: EnvSource, old: Any) -> Any:
         if isinstance(source, EnvUpdate):
