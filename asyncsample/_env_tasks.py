@@ -178,9 +178,7 @@ class LaneStepper:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 pending.discard(stop)
-                for task in done:
-                    if task is stop:
-                        continue
+                for task in done - {stop}:
                     if task.cancelled():
                         if not cut:  # a lane ends cancelled only when this loop cancels it
                             raise RuntimeError(

@@ -145,7 +145,6 @@ class LaneHost:
     """Hosts one worker's envs in the caller's process, each reset and stepped on its own.
 
     Args:
-        spec: what to host.
         make: the backend's ``make(source, old)`` of an env (from a factory, id or update).
         step_timeout, close_timeout: see :class:`AsyncioBackend`.
         limiter: caps the env calls in flight across the sampler (``None``: no cap).

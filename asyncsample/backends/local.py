@@ -43,6 +43,7 @@ class LocalHost:
         self._group = spec_group(spec)
         self.buffers = self._group.buffers
         self.closed = False
+        self._wrap = False  # True: every failure is a WorkerError (wrap=True on every call)
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
         if self.closed:
@@ -51,7 +52,7 @@ class LocalHost:
             return fn(*args)
         except EnvFailureError as exc:
             failure = exc.failure
-            if not failure.retry and not wrap:
+            if not failure.retry and not (wrap or self._wrap):
                 # The caller's own mistake, raised where it happened: no host boundary to cross.
                 raise failure.error from None
             raise failure_error(self.spec.worker, failure) from failure.error
@@ -122,14 +123,12 @@ class CallerHost(LocalHost):
 
     def __init__(self, spec: HostSpec) -> None:
         super().__init__(spec)
+        self._wrap = True
         self._given: list[Any] | None = None
 
     def give_actions(self, actions: list[Any] | None) -> None:
         """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
         self._given = actions
-
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
-        return super()._call(what, fn, *args, wrap=True)
 
     def step_now(self, mask: np.ndarray, everyone: bool | None = None) -> StepInfos:
         """:meth:`step`, synchronously, in the caller's thread."""
@@ -162,8 +161,7 @@ def _snapshot(infos: Any) -> Any:
 
 
 class LocalBackend:
-    """Creates a :class:`LocalHost` per worker (:class:`CallerHost` with ``caller``).
-
+    """Creates a :class:`LocalHost` per worker (:class:`CallerHost` with ``caller``);
     ``n_processes`` and ``host_threads`` are accepted for a uniform interface and ignored.
 
     Raises:
