@@ -79,8 +79,7 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) 
 
 
 def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
-    """A host agent's ``actions(observations)`` that records each call's seconds, as ``weight``
-    calls."""
+    """A host agent's ``actions`` that records each call's seconds, as ``weight`` calls."""
     items: Any = clock.data
     bounds, total = BOUNDS, AGENT + _N
 

@@ -186,8 +186,7 @@ class StopRule:
         return mode is CallMode.FRAGMENTS or self.need > 0
 
     def ended(self, envs: np.ndarray, steps: int, active: np.ndarray) -> bool:
-        """The episodes of ``envs`` ended, ``steps`` recorded steps in all; whether an env
-        stopped (made inactive in ``active``)."""
+        """``envs``' episodes ended (``steps`` steps in all); whether an env was made inactive."""
         if self.mode is CallMode.SAMPLES:
             self.need -= steps
             return False
@@ -308,8 +307,7 @@ class Episodes:
     # -- a call ---------------------------------------------------------------------------------
 
     def begin(self, resume: Resume, rule: StopRule | None, *, ahead: bool = False) -> None:
-        """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``;
-        ``ahead``: it may take over a chunk run ahead for it (a stream's next round)."""
+        """Prepare a call continuing ``resume`` and stopping at ``rule`` (``ahead``: a stream's)."""
         state = self.state
         ran_ahead = state is Continuity.RAN_AHEAD or state is Continuity.TAKING_OVER
         append = ran_ahead and ahead
@@ -372,8 +370,7 @@ class Episodes:
         return recorder.completed_steps + (recorder.open_steps() if fragments else 0)
 
     def collect(self, current_obs: Tree, like_actions: Tree, *, fragments: bool = False) -> Plan:
-        """Where the call's pieces lie in the records; with ``fragments`` the running episodes
-        are cut as fragments ending at ``current_obs``."""
+        """Where the call's pieces lie; ``fragments``: running episodes cut at ``current_obs``."""
         recorder = self.recorder
         if fragments:
             stops = np.broadcast_to(recorder.positions(), (self.n_envs,))
@@ -392,8 +389,7 @@ class Episodes:
         return {**info, "worker": self.worker, "env": env, "agent_version": version}
 
     def stamp_unstarted(self, version: int, stepping: Collection[int] = ()) -> None:
-        """Episodes that have not taken a step yet start under agent ``version`` (except those
-        of the envs in ``stepping``, whose first step is under way)."""
+        """Episodes without a step start under ``version`` (except the envs ``stepping`` now)."""
         for i in np.flatnonzero(self.lengths == 0).tolist():
             if i not in stepping:
                 self.episode_info[i] = self.fresh_info(self.episode_info[i], i, version)
@@ -454,8 +450,7 @@ class Episodes:
                 self.everyone = False
 
     def drop_env(self, i: int) -> int:
-        """Env ``i``'s episode in progress is dropped (it is reset before its next step); the
-        steps it had recorded."""
+        """Drop env ``i``'s episode in progress (it is reset next); the steps it had recorded."""
         recorder = self.recorder
         cursor = recorder.cursor
         assert cursor is not None

@@ -135,8 +135,7 @@ class LaneStepper:
         worker.episodes.clock = asyncio.get_running_loop().time
 
     async def start(self) -> None:
-        """Episodes that have not taken a step start under the current agent version; steps a
-        previous round left running are dropped unless this call continues its episodes."""
+        """Stamp the unstarted episodes; drop the steps left running that this call won't take."""
         episodes = self.worker.episodes
         if self.host.in_flight:
             if self.resume is Resume.EPISODES:
@@ -203,8 +202,7 @@ class LaneStepper:
         rule.took(steps)
 
     async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None]) -> None:
-        """Env ``i``'s loop; its cursor, length and return live in locals, written back wherever
-        the engine reads them."""
+        """Env ``i``'s loop (its cursor, length and return in locals, written back where read)."""
         worker = self.worker
         episodes = worker.episodes
         host = self.host
@@ -400,8 +398,7 @@ class LaneStepper:
         return more()
 
     def _drop(self, i: int) -> int:
-        """Env ``i`` failed: its episode in progress is dropped, and it is reset before its
-        next step; the steps it had recorded."""
+        """Drop env ``i``'s episode in progress (it is reset next); the steps it had recorded."""
         recorded = self.worker.episodes.drop_env(i)
         self._closed(i)
         return recorded
@@ -449,8 +446,7 @@ class LaneStepper:
         self._closed(i)
 
     def _cut(self, i: int) -> None:
-        """Env ``i``'s episode passed its deadline: it ends truncated at its last step, with
-        ``episode_infos["deadline"]``."""
+        """Env ``i``'s episode passed its deadline: it ends truncated (``deadline`` in its info)."""
         episodes = self.worker.episodes
         cursor = episodes.recorder.cursor
         assert cursor is not None

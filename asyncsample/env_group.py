@@ -54,8 +54,7 @@ _FIXED_SPACES = (
 
 
 def fixed_rows(space: gym.Space[Any]) -> bool:
-    """Whether every value of ``space`` fits one fixed-size row of an array buffer (``Box``,
-    ``Discrete``, ``Multi*`` and ``Dict``/``Tuple`` of them); other values travel pickled."""
+    """Whether ``space``'s values fit fixed-size array rows (else they travel pickled)."""
     if isinstance(space, gym.spaces.Dict):
         return all(fixed_rows(sub) for sub in space.spaces.values())
     if isinstance(space, gym.spaces.Tuple):
@@ -149,8 +148,7 @@ class EnvFailureError(Exception):
 
 
 def rebuild_chain(chain: list[EnvSource], update: EnvSource) -> list[EnvSource]:
-    """The sources that rebuild an env after ``update`` (what a restart replays): a replacing
-    update starts a new chain, a ``SetTaskUpdate`` replaces an earlier one, others append."""
+    """The sources that rebuild an env after ``update`` (what a restart replays)."""
     if not isinstance(update, EnvUpdate):
         return [update]
     if isinstance(update, SetTaskUpdate):
@@ -290,12 +288,11 @@ class EnvGroup:
         options: dict[str, Any] | None = None,
         requested: bool = False,
     ) -> dict[str, Any]:
-        """The keyword arguments of env ``i``'s next ``reset`` (its pending seed by default); a
-        ``requested`` reset passes ``options=`` even when ``None``, as gymnasium's do."""
+        """The keyword arguments of env ``i``'s next ``reset`` (its pending seed by default)."""
         pending, self._seeds[i] = self._seeds[i], None
         if seed is PENDING_SEED:
             seed = pending
-        if options is None and not requested:
+        if options is None and not requested:  # requested: options=None too, as gymnasium's
             return {"seed": seed}
         return {"seed": seed, "options": options}
 
@@ -513,8 +510,7 @@ class EnvGroup:
     def call(
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], envs: Sequence[int]
     ) -> list[Any]:
-        """``getattr(env, name)(*args, **kwargs)`` for each env in ``envs``, or its value when
-        not callable (gymnasium's ``VectorEnv.call``, through the wrappers)."""
+        """``getattr(env, name)(*args, **kwargs)`` (or its value if not callable) per env."""
         return [self._guard_attr(i, _call_attr, self._env(i), name, args, kwargs) for i in envs]
 
     def set_attr(self, name: str, values: Sequence[Any], envs: Sequence[int]) -> None:

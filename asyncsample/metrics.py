@@ -459,8 +459,7 @@ class SamplerMetrics:
             s.bottleneck = self.verdict
 
     def _fold_clock(self, worker: int, clock: np.ndarray, n_envs: int) -> tuple[float, float]:
-        """Add what worker ``worker``'s host clock gained since the last fold (a host agent's
-        calls each take the worker's ``n_envs`` rows); its env and agent seconds."""
+        """Fold what worker ``worker``'s host clock gained; its env and agent seconds."""
         delta = _gained(self._seen_clock, worker, clock)
         hists, s = self.state.hists, self.state
         hists["env_step_seconds"].add_counts(delta[ENV : ENV + _N], float(delta[ENV + _N]))
@@ -516,8 +515,7 @@ def _clock(worker: Worker) -> np.ndarray | None:
 
 
 def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | None:
-    """The :class:`FaceMetrics` that a vector face's ``metrics=`` asks for (``None``: none);
-    raises as :func:`make_metrics`."""
+    """The :class:`FaceMetrics` of a vector face's ``metrics=`` (raises as :func:`make_metrics`)."""
     registry = _registry(metrics)
     return None if registry is None else FaceMetrics(_hub_of(registry), backend, hosted)
 

@@ -71,8 +71,7 @@ def default_threads() -> int:
 
 
 def lane_parallel(backend: str, max_concurrency: int | None, envs: int) -> int:
-    """How many of ``envs`` env steps a lane backend runs at once: ``max_concurrency``, else
-    the ``thread`` backend's pool or (``asyncio``) every env."""
+    """How many of ``envs`` env steps a lane backend runs at once."""
     cap = max_concurrency or (default_threads() if backend == "thread" else envs)
     return min(envs, cap)
 
@@ -214,8 +213,7 @@ class LaneHost:
         await self.build(chains, seeds)
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
-        """Build env ``i`` again from ``chain`` (its next reset gets ``seed``) and close the
-        old one in the background, bounded by ``close_timeout``; the other envs go on."""
+        """Build env ``i`` again from ``chain``; the old one is closed in the background."""
         self._check_open("rebuild")
         env = self._build_env(i, chain)
         old = self.envs[i]
@@ -345,8 +343,7 @@ class LaneHost:
                 call.close()  # never awaited when the limiter wait was cancelled
 
     def _raised(self, i: int, what: str, exc: BaseException) -> WorkerError:
-        """The error for ``exc`` from env ``i``'s ``what`` (a ``WorkerError``, or a cancellation
-        not the env's own, is raised again)."""
+        """The error for env ``i``'s ``exc`` in ``what`` (raised again if not the env's own)."""
         if isinstance(exc, WorkerError) or (
             isinstance(exc, asyncio.CancelledError) and not cancelled_by_env()
         ):
@@ -376,8 +373,7 @@ class LaneHost:
         return {i: info for i, info in zip(indices, infos) if info}
 
     async def step(self, mask: np.ndarray) -> StepInfos:
-        """Step the envs in ``mask`` concurrently with ``buffers.actions``; ended episodes are
-        reset in the same step (the sampler's same-step autoreset)."""
+        """Step the envs in ``mask`` concurrently, with same-step autoreset."""
         indices = np.flatnonzero(mask).tolist()
         actions = self.buffers.actions
         results = await run_all(
