@@ -95,10 +95,9 @@ def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
 
 
 class HostTiming:
-    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step, each
-    timed step weighing :attr:`EVERY` (timing every step would add ~10% to the chunk loop); the
-    agent calls are counted exactly. The ``group``'s ``step`` and ``runner``'s ``_actions`` are
-    swapped per chunk."""
+    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step (its
+    ``group.step`` and ``runner._actions`` swapped), each timed step weighing :attr:`EVERY`
+    (timing every step would add ~10% to the chunk loop); agent calls are counted exactly."""
 
     EVERY = 8
 

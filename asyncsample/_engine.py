@@ -299,10 +299,8 @@ class Episodes:
         self.clock: Callable[[], float] = time.monotonic  # the loop's, on the lanes
         self.ends = [0, 0, 0]  # episodes ended so far: terminated, truncated, cut at a deadline
         self.dropped_steps = 0  # steps of episodes abandoned unfinished so far
-        # With metrics on: per env, when its episode started; the seconds of the episodes
-        # ended since the metrics read them.
-        self.started_at: np.ndarray | None = None
-        self.durations: list[float] = []
+        self.started_at: np.ndarray | None = None  # metrics on: per env, when its episode began
+        self.durations: list[float] = []  # seconds of the episodes ended since the metrics read
 
     # -- a call ---------------------------------------------------------------------------------
 
@@ -417,9 +415,8 @@ class Episodes:
         reset_infos: Mapping[int, dict[str, Any]],
         version: int,
     ) -> None:
-        """The episodes of ``envs`` ended at row ``t`` (``terminated``, else truncated, with
-        ``final_obs``): cut them, count them, start the next ones (``reset_infos`` by env)
-        under agent ``version``."""
+        """The episodes of ``envs`` ended at row ``t`` (``terminated`` or truncated): cut and
+        count them, start the next ones (``reset_infos`` by env) under agent ``version``."""
         recorder = self.recorder
         lengths, returns, infos = self.lengths, self.returns, self.episode_info
         steps = recorder.completed_steps
@@ -475,9 +472,8 @@ class Episodes:
         record: RecordStep | None = None,
         obs_row: int = -1,
     ) -> None:
-        """Turn ``steps`` steps of ``chunk`` run elsewhere into recorder rows and episodes;
-        episodes that start in the chunk, or had not taken a step before it, run under
-        ``version``.
+        """Turn ``steps`` steps of ``chunk`` run elsewhere into records and episodes; episodes
+        that start in it, or had not taken a step before it, run under ``version``.
 
         Args:
             agent_infos: stacked over the steps, or ``(step, infos)`` for the steps with any.

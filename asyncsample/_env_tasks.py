@@ -131,8 +131,7 @@ class LaneStepper:
         if recorder.cursor is None:
             recorder.cursor = np.zeros(n, dtype=np.int64)
         self.deadlines = worker.episodes.deadlines
-        # step_one takes deadlines in the loop's time
-        worker.episodes.clock = asyncio.get_running_loop().time
+        worker.episodes.clock = asyncio.get_running_loop().time  # step_one's deadlines' clock
 
     async def start(self) -> None:
         """Stamp the unstarted episodes; drop the steps left running that this call won't take."""

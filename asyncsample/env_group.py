@@ -202,13 +202,10 @@ class EnvGroup:
         self._next_step = autoreset == "NextStep"
         # "NextStep"/"Disabled": envs whose episode ended and that were not reset since.
         self._ended = [False] * self.n_envs
-        #: The envs whose episode ended in the last :meth:`step`, in index order.
-        self.last_ended: list[int] = []
-        #: How many envs the last :meth:`step` stepped (the metrics' clock reads it).
-        self.last_stepped = 0
+        self.last_ended: list[int] = []  # the envs whose episode ended in the last step
+        self.last_stepped = 0  # how many envs the last step stepped (for the metrics' clock)
         self._everyone = list(range(self.n_envs))
-        #: Whether a malformed step is retried (the lanes rebuild the env) or fails the call.
-        self.malformed_retry = False
+        self.malformed_retry = False  # True: a malformed step rebuilds the env (the lanes)
         if buffers.clock is not None:  # metrics on: the host times its steps
             self.step = timed_group_step(self, self.step, buffers.clock)  # type: ignore[method-assign]
 

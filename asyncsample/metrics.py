@@ -228,9 +228,8 @@ class _Hub:
         self.states: list[_State] = []
 
     def retire(self, state: _State) -> None:
-        """A closed sampler's (or face's) state: its counters and histograms join those of the
-        closed ones of its backend (one state per backend, not per job), its gauges leave. Call
-        it holding :attr:`lock`."""
+        """A closed sampler's (or face's) ``state`` joins the closed one of its backend (one per
+        backend, not per job), its gauges leave. Call it holding :attr:`lock`."""
         if state not in self.states:
             return
         self.states.remove(state)
@@ -521,9 +520,8 @@ def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | 
 
 
 class FaceMetrics:
-    """The metrics of a vector face (``hosted``: its ``HostedEnvs``, held weakly): the env
-    hosts' clocks, read when the registry is scraped, and the face's restart counts (``worker``:
-    the env host's index)."""
+    """A vector face's metrics (``hosted``: its ``HostedEnvs``, held weakly): its hosts' clocks,
+    read at each scrape, and its restart counts (``worker``: the env host's index)."""
 
     def __init__(self, hub: _Hub, backend: str, hosted: Any) -> None:
         self._hub = hub

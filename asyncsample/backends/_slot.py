@@ -59,9 +59,8 @@ def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
 
 
 class HostSlot:
-    """One worker's envs (``spec``, over its step ``buffers``) and, with ``inference="host"``,
-    its agent copy (over its sets of ``chunks``) inside an env host, called ``where`` in
-    messages; ``host_threads`` are applied again after each agent install."""
+    """One worker's envs (``spec``, over ``buffers``) and, with ``inference="host"``, its agent
+    copy (over ``chunks``) in an env host, called ``where`` in messages."""
 
     def __init__(
         self,
@@ -73,8 +72,7 @@ class HostSlot:
     ) -> None:
         self.group = group = spec_group(spec, buffers)
         self.runner = None if not chunks else ChunkRunner(group, chunks, spec.action_space)
-        self.timing: HostTiming | None = None
-        """With metrics on and ``inference="host"``: times a sample of the chunks."""
+        self.timing: HostTiming | None = None  # metrics on, inference="host": times chunks
         if self.runner is not None and buffers.clock is not None:
             self.timing = HostTiming(group, self.runner, buffers.clock)
         self.host_threads = host_threads
@@ -135,8 +133,7 @@ class HostSlot:
         """Run request ``op`` with its ``body`` (after the slot); the reply's payload.
 
         Raises:
-            EnvFailureError: what the envs or the agent raised, or a request that cannot be
-                unpickled here (``retry`` false: a restart would not help).
+            EnvFailureError: what the envs or the agent raised, or unpicklable request (no retry).
         """
         handler = self._ops.get(op)
         if handler is None:

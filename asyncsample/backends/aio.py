@@ -179,8 +179,7 @@ class LaneHost:
         self.close_timeout = close_timeout
         self._limiter = limiter
         self._plain = step_timeout is None and limiter is None
-        self.in_flight: dict[int, asyncio.Task[Any]] = {}
-        """Steps a stream's round left running for the next round, by env."""
+        self.in_flight: dict[int, asyncio.Task[Any]] = {}  # steps a stream's round left running
         self.closed = False
         self._closing: set[asyncio.Task[Any]] = set()  # closes of rebuilt envs still running
 

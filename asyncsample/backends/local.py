@@ -117,9 +117,8 @@ class LocalHost:
 
 
 class CallerHost(LocalHost):
-    """A :class:`LocalHost` for the vector-env faces' sub-envs, stepped by the caller in its own
-    thread (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host process
-    reports it, and actions may be handed over as given (:meth:`give_actions`)."""
+    """A :class:`LocalHost` for the faces' sub-envs, stepped in the caller's thread
+    (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host's is."""
 
     def __init__(self, spec: HostSpec) -> None:
         super().__init__(spec)
