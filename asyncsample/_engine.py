@@ -338,8 +338,7 @@ class Episodes:
         return counts, rule.start_active(self.n_envs)
 
     def end(self, leave: Resume) -> None:
-        """End a call; what ``leave`` says stays running for the next one (the records stay
-        until the next call begins: this call's plans point into them)."""
+        """End a call, leaving what ``leave`` says running (the records stay till the next call)."""
         self.recorder.end(leave)
         if leave is Resume.NOTHING:
             self.needs_reset |= self.lengths > 0

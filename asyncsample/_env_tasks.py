@@ -59,8 +59,8 @@ class Admission:
     async def admit(
         self, key: tuple[int, int], version: int, still: Callable[[], bool] = lambda: True
     ) -> bool:
-        """Wait until env ``key`` (worker, env) may start an episode under ``version``, then
-        count it open and return true; false as soon as ``still()`` is false."""
+        """Wait until env ``key`` may start an episode under ``version`` (then count it open);
+        false as soon as ``still()`` is false."""
         self.closed(key)
         held = False
         while True:
@@ -407,8 +407,7 @@ class LaneStepper:
             self.admission.closed((self.worker.worker_number, i))
 
     async def _rebuild(self, i: int, failure: WorkerError) -> None:
-        """Close env ``i`` and build it again, within the call's ``max_restarts`` for it; past
-        them ``failure`` (or the rebuild's own error) is raised, not retried."""
+        """Rebuild env ``i``; past the call's ``max_restarts`` for it, ``failure`` is raised."""
         worker = self.worker
         w = worker.worker_number
         while True:

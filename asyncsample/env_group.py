@@ -252,8 +252,7 @@ class EnvGroup:
         seeds: Sequence[int | None] | None = None,
         options: Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[int, dict[str, Any]]:
-        """Reset the envs where ``mask`` is true; their non-empty reset infos by index.
-        ``seeds``, ``options``: one per env, instead of the pending seed (dropped) and none."""
+        """Reset the envs in ``mask`` (``seeds``, ``options``: per env); their non-empty infos."""
         infos: dict[int, dict[str, Any]] = {}
         requested = seeds is not None or options is not None
         for i in np.flatnonzero(mask).tolist():

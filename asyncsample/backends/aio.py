@@ -428,8 +428,7 @@ class LaneHost:
             await asyncio.wait(list(self._closing))
 
     async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
-        """Cancel the carried steps of ``envs`` (default: all) and wait for them; the envs that
-        had one (to reset before their next step)."""
+        """Cancel and await the carried steps of ``envs`` (default: all); the envs that had one."""
         dropped = [i for i in (self.in_flight if envs is None else envs) if i in self.in_flight]
         tasks = [self.in_flight.pop(i) for i in dropped]
         for task in tasks:

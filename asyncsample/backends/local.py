@@ -145,8 +145,7 @@ _SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
 def _snapshot(infos: Any) -> Any:
-    """A copy of info dicts with the values the process backend would deliver (envs may reuse
-    their info dict or mutate arrays in it), cheaper than a pickle round trip."""
+    """A copy of info dicts as the process backend would deliver them (envs may reuse theirs)."""
     kind = type(infos)
     if kind in _SCALARS or isinstance(infos, np.generic):  # numpy scalars are immutable too
         return infos
