@@ -1,10 +1,8 @@
 """Where the time goes, counted in plain arrays (the metrics' raw figures; no dependency).
 
-With ``Sampler(metrics=...)`` every env host keeps a *clock*, a small float64 array beside its
-step buffers (:attr:`StepBuffers.clock <asyncsample.env_group.StepBuffers>`, shared memory on
-``process``: the figures reach the caller with the replies), where it adds how long its env
-steps and (``inference="host"``) its agent copy's calls took. :mod:`asyncsample.metrics` folds
-them once per call. Nothing here is on any path unless metrics are on.
+With ``Sampler(metrics=...)`` every env host adds how long its env steps and its agent copy's
+calls took to a *clock*, a float64 array beside its step buffers (shared memory on ``process``),
+which :mod:`asyncsample.metrics` folds once per call. Off unless metrics are on.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Prometheus metrics of a sampler: what it did and where the time went (``metrics=``; the list
 is ``docs/metrics.md``; needs the ``metrics`` extra).
 
-The per-step path only counts in plain ints and arrays (the episodes' bookkeeping, the hosts'
-clocks of :mod:`asyncsample._clock`, an :class:`~asyncsample._clock.AgentTimer`);
+The per-step path only counts in plain ints and arrays (:mod:`asyncsample._clock`);
 :class:`SamplerMetrics` folds them into its totals once per call, which a custom collector reads
 when the registry is scraped. Samplers sharing a registry add up per label set.
 """

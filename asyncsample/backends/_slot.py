@@ -1,10 +1,8 @@
 """One worker slot inside an env host: what every remote host does with a request, once.
 
-A process host or a Ray actor holds one :class:`HostSlot` per worker: its
-:class:`~asyncsample.env_group.EnvGroup` and, with ``inference="host"``, its
-:class:`~asyncsample.backends._chunk.ChunkRunner`. :meth:`HostSlot.serve` runs an
-:class:`~asyncsample.backends._transport.Op` from request bytes to reply bytes, so the hosts only
-move bytes.
+A process host or a Ray actor holds one :class:`HostSlot` per worker (its ``EnvGroup`` and, with
+``inference="host"``, its ``ChunkRunner``); :meth:`HostSlot.serve` runs a request from its bytes
+to the reply's, so the hosts only move bytes.
 """
 
 from __future__ import annotations
@@ -59,13 +57,13 @@ def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
 
 
 class HostSlot:
-    """One worker's envs (``spec``, over ``buffers``) and, with ``inference="host"``, its agent
-    copy (over ``chunks``) in an env host, called ``where`` in messages."""
+    """One worker's envs (``spec``, over ``buffers``, else its own) and, with ``inference="host"``,
+    its agent copy (over ``chunks``) in an env host, called ``where`` in messages."""
 
     def __init__(
         self,
         spec: HostSpec,
-        buffers: StepBuffers,
+        buffers: StepBuffers | None,
         chunks: list[ChunkBuffers] | None = None,
         host_threads: int | None = None,
         where: str = "env host",
@@ -73,8 +71,8 @@ class HostSlot:
         self.group = group = spec_group(spec, buffers)
         self.runner = None if not chunks else ChunkRunner(group, chunks, spec.action_space)
         self.timing: HostTiming | None = None  # metrics on, inference="host": times chunks
-        if self.runner is not None and buffers.clock is not None:
-            self.timing = HostTiming(group, self.runner, buffers.clock)
+        if self.runner is not None and group.buffers.clock is not None:
+            self.timing = HostTiming(group, self.runner, group.buffers.clock)
         self.host_threads = host_threads
         self.where = where
         # Each operation from its request body to its reply payload (None: an empty reply).
@@ -102,8 +100,7 @@ class HostSlot:
         if spec.chunk_steps > 0:  # one set: an actor's chunks are not pipelined
             flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(spec.chunk_steps) * n)
             chunks = chunk_sets(flat, spec.chunk_steps, n)
-        buffers = StepBuffers.allocate(obs_space, act_space, n, timed=spec.timed)
-        return cls(spec, buffers, chunks, host_threads, where)
+        return cls(spec, None, chunks, host_threads, where)
 
     def reset(
         self, mask: np.ndarray, seeds: Any = None, options: Any = None
