@@ -599,9 +599,8 @@ class Part:
 
 
 class Stepper(Protocol):
-    """How a worker's envs move: ``start`` resets what needs a reset; ``advance`` moves at
-    least one worker step, never past where ``rule`` stops (nor past ``lacking`` more
-    transitions), and returns the steps taken; ``run`` advances until ``rule`` stops."""
+    """How a worker's envs move: ``start`` resets what needs it; ``advance`` takes (and returns)
+    at least a step, never past ``rule`` or ``lacking`` more transitions; ``run``: to ``rule``."""
 
     async def start(self) -> None: ...
 

@@ -201,19 +201,15 @@ class _State:
     def slot(self, worker: int) -> int:
         return worker if self.labelled else 0
 
+    def tallies(self) -> list[list[int]]:
+        return [self.steps, self.restarts, self.episodes, *self.faults.values()]
+
     def absorb(self, other: _State) -> None:
         """Add ``other``'s counters and histograms to these (a closed state's)."""
-
-        def add(mine: list[int], theirs: list[int]) -> None:
+        for mine, theirs in zip(self.tallies(), other.tallies()):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, n in enumerate(theirs):
                 mine[i] += n
-
-        add(self.steps, other.steps)
-        add(self.restarts, other.restarts)
-        for kind in FAULT_KINDS:
-            add(self.faults[kind], other.faults[kind])
-        add(self.episodes, other.episodes)
         self.agent_calls += other.agent_calls
         for name, h in other.hists.items():
             self.hists[name].add_counts(h.counts, h.sum)
