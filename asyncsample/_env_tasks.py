@@ -137,12 +137,9 @@ class LaneStepper:
         """Stamp the unstarted episodes; drop the steps left running that this call won't take."""
         episodes = self.worker.episodes
         if self.host.in_flight:
-            if self.resume is Resume.EPISODES:
-                stale = [i for i in self.host.in_flight if episodes.needs_reset[i]]
-                dropped = await self.host.drop_in_flight(stale)
-            else:
-                dropped = await self.host.drop_in_flight()
-            episodes.needs_reset[dropped] = True
+            keep = self.resume is Resume.EPISODES  # continuing: drop only those of envs to reset
+            stale = [i for i in self.host.in_flight if not keep or episodes.needs_reset[i]]
+            episodes.needs_reset[await self.host.drop_in_flight(stale)] = True
         episodes.stamp_unstarted(self.worker.agent_version, self.host.in_flight)
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:

@@ -479,12 +479,7 @@ class SamplerMetrics:
         agent_busy = agent_seconds / (seconds * self.agent_parallel) if seconds > 0 else 0.0
         caller = idle / window
         self.shares = {"env": env_busy, "agent": agent_busy, "caller": caller}
-        if caller > 0.5:
-            self.verdict = "caller"
-        elif agent_busy > env_busy:
-            self.verdict = "agent"
-        else:
-            self.verdict = "env"
+        self.verdict = "caller" if caller > 0.5 else "agent" if agent_busy > env_busy else "env"
 
 
 def _gained(seen: dict[int, np.ndarray], key: int, clock: np.ndarray) -> np.ndarray:
