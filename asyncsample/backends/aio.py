@@ -454,12 +454,10 @@ class LaneHost:
     def _guard(self, i: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except (TypeError, ValueError) as exc:  # the caller's mistake: no retry
-            err = _env_error(self.spec.worker, i, what, exc)
-            err.retry = False
-            raise err from exc
         except Exception as exc:
-            raise _env_error(self.spec.worker, i, what, exc) from exc
+            err = _env_error(self.spec.worker, i, what, exc)
+            err.retry = not isinstance(exc, (TypeError, ValueError))  # else the caller's mistake
+            raise err from exc
 
 
 def _failure(worker: int, exc: EnvFailureError) -> WorkerError:
