@@ -1,10 +1,8 @@
 """Where the time goes, counted in plain arrays (the metrics' raw figures; no dependency).
 
-With ``Sampler(metrics=...)`` every env host keeps a *clock*, a small float64 array beside its
-step buffers (:attr:`StepBuffers.clock <asyncsample.env_group.StepBuffers>`, shared memory on
-``process``: the figures reach the caller with the replies), where it adds how long its env
-steps and (``inference="host"``) its agent copy's calls took. :mod:`asyncsample.metrics` folds
-them once per call. Nothing here is on any path unless metrics are on.
+With ``Sampler(metrics=...)`` every env host adds how long its env steps and its agent copy's
+calls took to a *clock*, a float64 array beside its step buffers (shared memory on ``process``),
+which :mod:`asyncsample.metrics` folds once per call. Off unless metrics are on.
 """
 
 from __future__ import annotations
@@ -48,16 +46,14 @@ _perf = time.perf_counter
 
 
 def record_seconds(clock: np.ndarray, seconds: list[float]) -> None:
-    """Add env steps of ``seconds`` each to the env-step section of ``clock`` (the lane hosts
-    time each step into a list and add them here before the metrics read the clock)."""
+    """Add env steps of ``seconds`` each to the env-step section of ``clock`` (the lane hosts)."""
     clock[ENV : ENV + _N] += np.bincount(np.searchsorted(BOUNDS, seconds), minlength=_N)
     clock[ENV + _N] += sum(seconds)
 
 
 def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) -> Any:
     """``group.step`` that records its envs' time in ``clock``: each env step counts the call's
-    seconds divided by the envs it stepped (one after another), as ``weight`` steps (a sample,
-    see :class:`HostTiming`). Items go through a ``memoryview`` (cheaper than numpy's)."""
+    seconds divided by the envs it stepped, as ``weight`` steps (see :class:`HostTiming`)."""
     items: Any = clock.data  # item access through a memoryview: cheaper than numpy's
     section, total = ENV, ENV + _N
 
@@ -81,8 +77,7 @@ def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) 
 
 
 def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
-    """A host agent's ``actions(observations)`` that records each call's seconds, as ``weight``
-    calls (its rows are the slot's envs, every call: the caller knows them)."""
+    """A host agent's ``actions`` that records each call's seconds, as ``weight`` calls."""
     items: Any = clock.data
     bounds, total = BOUNDS, AGENT + _N
 
@@ -98,14 +93,9 @@ def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
 
 
 class HostTiming:
-    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step, each
-    timed step weighing :attr:`EVERY` (timing every step would add ~10% to the chunk loop); the
-    agent calls are counted exactly.
-
-    Args:
-        group, runner: the slot's env group and chunk runner (their ``step`` and ``_actions``
-            are swapped per chunk).
-    """
+    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step (its
+    ``group.step`` and ``runner._actions`` swapped), each timed step weighing :attr:`EVERY`
+    (timing every step would add ~10% to the chunk loop); agent calls are counted exactly."""
 
     EVERY = 8
 

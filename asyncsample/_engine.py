@@ -1,9 +1,6 @@
-"""The episode engine: one worker's episodes during a call, and where its part of a call stops.
-
-The same rules for every inference mode and backend: :class:`Episodes` is a worker's bookkeeping
-and the one place where episodes end; :class:`StopRule` (picklable: a chunk request carries a
-copy) is where a worker's part stops in each call mode; :func:`run_part` drives a call through
-the mode's :class:`Stepper`, which only moves the envs and never decides where a call stops.
+"""The episode engine, the same for every inference mode and backend: :class:`Episodes` (a
+worker's bookkeeping, the one place where episodes end), :class:`StopRule` (where a worker's part
+of a call stops) and :func:`run_part`, which drives the mode's :class:`Stepper`.
 """
 
 from __future__ import annotations
@@ -70,8 +67,7 @@ class Continuity(enum.Enum):
     BROKEN = "broken"
     """The env host failed: it is rebuilt before the next step, in this call or the next."""
     RAN_AHEAD = "ran ahead"
-    """A chunk past the end of the last call may have run in the env host (a stream's
-    run-ahead): the envs may have moved past the records."""
+    """A chunk past the end of the last call may have run (a stream's run-ahead)."""
     TAKING_OVER = "taking over"
     """A call began that may take that chunk over; its stepper settles it (then ``IN_CALL``)."""
 
@@ -89,8 +85,7 @@ class FinishedEpisode(NamedTuple):
 
 @dataclass
 class Transition:
-    """One worker step over all of its envs, as :meth:`Worker.process_transition` sees it
-    (rows of envs not stepped, ``active`` false, hold stale values)."""
+    """One worker step, as :meth:`Worker.process_transition` sees it (inactive rows are stale)."""
 
     observations: Tree
     actions: Tree
@@ -169,9 +164,8 @@ class StopRule:
         return bool(active.any())
 
     def start_envs(self, n_envs: int, lacking: int | None = None) -> int:
-        """Each env will ask :meth:`env_more` on its own (the lanes); ``FRAGMENTS``: each takes
-        the worker's steps left (``lacking`` given: as :meth:`limited`), returned for
-        :meth:`took`."""
+        """Each env asks :meth:`env_more` on its own (the lanes); ``FRAGMENTS``: the steps each
+        takes (for ``lacking`` more transitions, if given), for :meth:`took`."""
         if self.mode is not CallMode.FRAGMENTS:
             return 0
         steps = self.steps if lacking is None else math.ceil(lacking / n_envs)
@@ -181,8 +175,7 @@ class StopRule:
     def env_more(
         self, i: int, active: np.ndarray, may_stop: Callable[[], bool] | None = None
     ) -> bool:
-        """Whether env ``i`` takes another step; ``may_stop``: the call's shared quota lets the
-        worker stop."""
+        """Whether env ``i`` takes another step; ``may_stop``: the shared quota's."""
         mode = self.mode
         if mode is CallMode.EPISODES:
             return bool(active[i])
@@ -193,8 +186,7 @@ class StopRule:
         return mode is CallMode.FRAGMENTS or self.need > 0
 
     def ended(self, envs: np.ndarray, steps: int, active: np.ndarray) -> bool:
-        """The episodes of ``envs`` ended, ``steps`` recorded steps in all; whether an env
-        stopped (made inactive in ``active``)."""
+        """``envs``' episodes ended (``steps`` steps in all); whether an env was made inactive."""
         if self.mode is CallMode.SAMPLES:
             self.need -= steps
             return False
@@ -236,16 +228,8 @@ class StopRule:
 
 
 class SharedQuota:
-    """The quota of one call with ``fraction_samples < 1``, shared by the workers of the call.
-
-    Each worker reports after every step (or chunk) the transitions it would return if it
-    stopped now; it may stop once it has its own minimum *and* the call's total has reached the
-    target (fast workers keep going while the total is short). Used in the loop's thread only.
-
-    Args:
-        target: the call's ``num_samples``.
-        minimums: per worker taking part, ``ceil(fraction_samples * share)``.
-    """
+    """The quota of a call with ``fraction_samples < 1``: a worker may stop once it has its
+    ``minimums`` entry and the call's total has reached ``target`` (``num_samples``)."""
 
     def __init__(self, target: int, minimums: Mapping[int, int]) -> None:
         self.target = target
@@ -315,16 +299,13 @@ class Episodes:
         self.clock: Callable[[], float] = time.monotonic  # the loop's, on the lanes
         self.ends = [0, 0, 0]  # episodes ended so far: terminated, truncated, cut at a deadline
         self.dropped_steps = 0  # steps of episodes abandoned unfinished so far
-        # With metrics on: per env, when its episode started; the seconds of the episodes
-        # ended since the metrics read them.
-        self.started_at: np.ndarray | None = None
-        self.durations: list[float] = []
+        self.started_at: np.ndarray | None = None  # metrics on: per env, when its episode began
+        self.durations: list[float] = []  # seconds of the episodes ended since the metrics read
 
     # -- a call ---------------------------------------------------------------------------------
 
     def begin(self, resume: Resume, rule: StopRule | None, *, ahead: bool = False) -> None:
-        """Prepare a call that continues ``resume`` from the previous one and stops at ``rule``;
-        ``ahead``: it may take over a chunk run ahead for it (a stream's next round)."""
+        """Prepare a call continuing ``resume`` and stopping at ``rule`` (``ahead``: a stream's)."""
         state = self.state
         ran_ahead = state is Continuity.RAN_AHEAD or state is Continuity.TAKING_OVER
         append = ran_ahead and ahead
@@ -343,10 +324,8 @@ class Episodes:
         self.everyone = bool(self.active.all())
 
     def next_start(self, resume: Resume, rule: StopRule) -> tuple[np.ndarray, np.ndarray] | None:
-        """What a call continuing ``resume`` (what the ending call leaves) and stopping at
-        ``rule`` will start from: per env, the rows of its running episode counted as recorded,
-        and whether it is stepped; ``None`` when it would reset an env first. Computed without
-        :meth:`begin`: the records stay intact until the ending call's batch is assembled."""
+        """Per env, the rows a call continuing ``resume`` under ``rule`` starts with, and whether
+        it is stepped; ``None`` if it resets an env first (the records are left intact)."""
         if self.state not in _CONTINUABLE or self.needs_reset.any():
             return None
         if resume is Resume.NOTHING and bool((self.lengths > 0).any()):
@@ -359,8 +338,7 @@ class Episodes:
         return counts, rule.start_active(self.n_envs)
 
     def end(self, leave: Resume) -> None:
-        """End a call; what ``leave`` says stays running for the next one (the records stay
-        until the next call begins: this call's plans point into them)."""
+        """End a call, leaving what ``leave`` says running (the records stay till the next call)."""
         self.recorder.end(leave)
         if leave is Resume.NOTHING:
             self.needs_reset |= self.lengths > 0
@@ -389,8 +367,7 @@ class Episodes:
         return recorder.completed_steps + (recorder.open_steps() if fragments else 0)
 
     def collect(self, current_obs: Tree, like_actions: Tree, *, fragments: bool = False) -> Plan:
-        """Where the call's pieces lie in the records; with ``fragments`` the running episodes
-        are cut as fragments ending at ``current_obs``."""
+        """Where the call's pieces lie; ``fragments``: running episodes cut at ``current_obs``."""
         recorder = self.recorder
         if fragments:
             stops = np.broadcast_to(recorder.positions(), (self.n_envs,))
@@ -409,8 +386,7 @@ class Episodes:
         return {**info, "worker": self.worker, "env": env, "agent_version": version}
 
     def stamp_unstarted(self, version: int, stepping: Collection[int] = ()) -> None:
-        """Episodes that have not taken a step yet start under agent ``version`` (except those
-        of the envs in ``stepping``, whose first step is under way)."""
+        """Episodes without a step start under ``version`` (except the envs ``stepping`` now)."""
         for i in np.flatnonzero(self.lengths == 0).tolist():
             if i not in stepping:
                 self.episode_info[i] = self.fresh_info(self.episode_info[i], i, version)
@@ -438,14 +414,8 @@ class Episodes:
         reset_infos: Mapping[int, dict[str, Any]],
         version: int,
     ) -> None:
-        """The episodes of ``envs`` ended at row ``t``: cut them, count them, start the next.
-
-        Args:
-            terminated: per env, whether the episode terminated (else it was truncated).
-            final_obs: per env, the true last observation.
-            reset_infos: by env, the info of the episode that starts next.
-            version: the agent version episodes starting now run under.
-        """
+        """The episodes of ``envs`` ended at row ``t`` (``terminated`` or truncated): cut and
+        count them, start the next ones (``reset_infos`` by env) under agent ``version``."""
         recorder = self.recorder
         lengths, returns, infos = self.lengths, self.returns, self.episode_info
         steps = recorder.completed_steps
@@ -475,18 +445,8 @@ class Episodes:
             if rule.ended(envs, recorder.completed_steps - steps, self.active):
                 self.everyone = False
 
-    def end_env(
-        self, i: int, t: int, terminated: np.ndarray, final_obs: Tree, version: int
-    ) -> None:
-        """Env ``i``, stepped on its own, ended its episode at row ``t`` (as
-        :meth:`close_episodes`); it is reset before its next step."""
-        self.close_episodes(np.array([i]), t, terminated, final_obs, {}, version)
-        self.needs_reset[i] = True
-        self.deadlines[i] = np.inf
-
     def drop_env(self, i: int) -> int:
-        """Env ``i`` failed on its own: its episode in progress is dropped (its rows are never
-        returned) and it is reset before its next step; returns the steps it had recorded."""
+        """Drop env ``i``'s episode in progress (it is reset next); the steps it had recorded."""
         recorder = self.recorder
         cursor = recorder.cursor
         assert cursor is not None
@@ -511,18 +471,15 @@ class Episodes:
         record: RecordStep | None = None,
         obs_row: int = -1,
     ) -> None:
-        """Turn ``steps`` steps run elsewhere into recorder rows (block copies) and episodes
-        (visiting only the steps where one ends, or every step with ``record``); episodes that
-        start in the chunk, or had not taken a step before it, run under ``version``.
+        """Turn ``steps`` steps of ``chunk`` run elsewhere into records and episodes; episodes
+        that start in it, or had not taken a step before it, run under ``version``.
 
         Args:
-            chunk: the chunk's records.
             agent_infos: stacked over the steps, or ``(step, infos)`` for the steps with any.
             step_infos: by step, ``(env_infos, reset_infos)`` where either is non-empty.
             like: observations and actions shaped like one row (to grow the records).
-            record: ``record(j, t, agent_infos, env_infos, done)`` after each step, if given.
-            obs_row: the arena row the host wrote the chunk's observations to (``chunk.obs``
-                is then a view of them), or -1; not copied where the records keep them there.
+            record: called after each step, if given.
+            obs_row: the arena row the host wrote ``chunk.obs`` to (not copied again), or -1.
         """
         self.stamp_unstarted(version)
         if steps <= 0:
@@ -642,9 +599,8 @@ class Part:
 
 
 class Stepper(Protocol):
-    """How a worker's envs move: ``start`` resets what needs a reset; ``advance`` moves at
-    least one worker step, never past where ``rule`` stops (nor past ``lacking`` more
-    transitions), and returns the steps taken; ``run`` advances until ``rule`` stops."""
+    """How a worker's envs move: ``start`` resets what needs it; ``advance`` takes (and returns)
+    at least a step, never past ``rule`` or ``lacking`` more transitions; ``run``: to ``rule``."""
 
     async def start(self) -> None: ...
 
@@ -654,7 +610,7 @@ class Stepper(Protocol):
 
 
 class StepperWorker(Protocol):
-    """What :class:`StepStepper` and :func:`run_part` need of a worker."""
+    """A worker, as :class:`StepStepper` and :func:`run_part` see it."""
 
     worker_number: int
     n_envs: int
@@ -701,9 +657,8 @@ async def run_part(
     leave: Resume,
     quota: SharedQuota | None = None,
 ) -> Plan:
-    """Run the worker's part of the call begun with :meth:`Episodes.begin`; its plan. With a
-    shared ``quota`` the worker advances, a unit at a time, until :meth:`SharedQuota.may_stop`.
-    A retry after a failure calls it again and it resumes."""
+    """Run the worker's part of the call begun with :meth:`Episodes.begin` (a retry resumes
+    it); its plan. With a shared ``quota``: a unit at a time, until it may stop."""
     episodes = worker.episodes
     rule = episodes.rule
     assert rule is not None

@@ -2,10 +2,8 @@
 :class:`~asyncsample.backends.base.PerEnvHost`: ``asyncio``, ``thread``).
 
 Each env runs its own loop (reset when it must, ask for an action, step, record), so a slow env
-never stalls a fast one, and writes its steps to its own column of the worker's records (the
-recorder's per-env cursor), so the engine's bookkeeping, stop rules and batch assembly apply
-unchanged. The mode's :class:`~asyncsample.inference.batched.Batcher` merges the envs' action
-requests; :class:`Admission` holds back new episodes in ``stream(max_policy_lag=...)``.
+never stalls a fast one, and writes its own column of the worker's records (the recorder's
+per-env cursor), so the engine's rules and batch assembly apply unchanged.
 """
 
 from __future__ import annotations
@@ -40,12 +38,9 @@ _NEVER = np.inf
 
 
 class Admission:
-    """Staleness at admission (``stream(max_policy_lag=k)`` on the lane backends).
-
-    An env may start an episode under agent version ``v`` only while ``v`` minus the oldest
-    version of its worker's open episodes is at most ``k``; else it waits for those to end (or
-    for the call's share). Per worker: the workers' shares are separate.
-    """
+    """Staleness at admission (``stream(max_policy_lag=k)`` on the lanes): an env starts an
+    episode under version ``v`` only while ``v`` minus the oldest version of its worker's open
+    episodes is at most ``k``; else it waits for those to end (or for the call's share)."""
 
     def __init__(self, max_lag: int) -> None:
         self.max_lag = max_lag
@@ -64,8 +59,8 @@ class Admission:
     async def admit(
         self, key: tuple[int, int], version: int, still: Callable[[], bool] = lambda: True
     ) -> bool:
-        """Wait until env ``key`` (worker, env) may start an episode under ``version``, then
-        count it open and return true; false as soon as ``still()`` is false."""
+        """Wait until env ``key`` may start an episode under ``version`` (then count it open);
+        false as soon as ``still()`` is false."""
         self.closed(key)
         held = False
         while True:
@@ -89,10 +84,8 @@ class Admission:
         if version is None:
             return
         versions = self._versions[key[0]]
-        count = versions[version] - 1
-        if count > 0:
-            versions[version] = count
-        else:
+        versions[version] -= 1
+        if versions[version] <= 0:
             del versions[version]
         self._changed.set()
 
@@ -114,8 +107,7 @@ class LaneStepper:
         worker: the worker; its host must be a :class:`~asyncsample.backends.base.PerEnvHost`.
         requests: the mode's merger of the envs' agent requests.
         part: the worker's part of the call. Once a ``samples`` call has its share, steps in
-            flight are cancelled, or with ``part.leave`` ``Resume.EPISODES`` (a stream's round)
-            left running for the next round, which takes them up.
+            flight are cancelled, or left running for a stream's next round to take up.
         settings: see :class:`LaneSettings`.
     """
 
@@ -139,20 +131,15 @@ class LaneStepper:
         if recorder.cursor is None:
             recorder.cursor = np.zeros(n, dtype=np.int64)
         self.deadlines = worker.episodes.deadlines
-        # step_one takes deadlines in the loop's time
-        worker.episodes.clock = asyncio.get_running_loop().time
+        worker.episodes.clock = asyncio.get_running_loop().time  # step_one's deadlines' clock
 
     async def start(self) -> None:
-        """Episodes that have not taken a step start under the current agent version; steps a
-        previous round left running are dropped unless this call continues its episodes."""
+        """Stamp the unstarted episodes; drop the steps left running that this call won't take."""
         episodes = self.worker.episodes
         if self.host.in_flight:
-            if self.resume is Resume.EPISODES:
-                stale = [i for i in self.host.in_flight if episodes.needs_reset[i]]
-                dropped = await self.host.drop_in_flight(stale)
-            else:
-                dropped = await self.host.drop_in_flight()
-            episodes.needs_reset[dropped] = True
+            keep = self.resume is Resume.EPISODES  # continuing: drop only those of envs to reset
+            stale = [i for i in self.host.in_flight if not keep or episodes.needs_reset[i]]
+            episodes.needs_reset[await self.host.drop_in_flight(stale)] = True
         episodes.stamp_unstarted(self.worker.agent_version, self.host.in_flight)
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
@@ -186,9 +173,7 @@ class LaneStepper:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 pending.discard(stop)
-                for task in done:
-                    if task is stop:
-                        continue
+                for task in done - {stop}:
                     if task.cancelled():
                         if not cut:  # a lane ends cancelled only when this loop cancels it
                             raise RuntimeError(
@@ -213,8 +198,7 @@ class LaneStepper:
         rule.took(steps)
 
     async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None]) -> None:
-        """Env ``i``'s loop: reset when it must, ask for an action, step, record. Its cursor,
-        length and return live in locals, written back wherever the engine reads them."""
+        """Env ``i``'s loop (its cursor, length and return in locals, written back where read)."""
         worker = self.worker
         episodes = worker.episodes
         host = self.host
@@ -410,8 +394,7 @@ class LaneStepper:
         return more()
 
     def _drop(self, i: int) -> int:
-        """Env ``i`` failed: its episode in progress is dropped, and it is reset before its
-        next step; the steps it had recorded."""
+        """Drop env ``i``'s episode in progress (it is reset next); the steps it had recorded."""
         recorded = self.worker.episodes.drop_env(i)
         self._closed(i)
         return recorded
@@ -421,8 +404,7 @@ class LaneStepper:
             self.admission.closed((self.worker.worker_number, i))
 
     async def _rebuild(self, i: int, failure: WorkerError) -> None:
-        """Close env ``i`` and build it again, within the call's ``max_restarts`` for it; past
-        them ``failure`` (or the rebuild's own error) is raised, not retried."""
+        """Rebuild env ``i``; past the call's ``max_restarts`` for it, ``failure`` is raised."""
         worker = self.worker
         w = worker.worker_number
         while True:
@@ -451,14 +433,15 @@ class LaneStepper:
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""
-        buffers = self.host.buffers
-        version = self.worker.agent_version
-        self.worker.episodes.end_env(i, t, buffers.terminated, buffers.final_obs, version)
+        buffers, episodes = self.host.buffers, self.worker.episodes
+        ended, version = np.array([i]), self.worker.agent_version
+        episodes.close_episodes(ended, t, buffers.terminated, buffers.final_obs, {}, version)
+        episodes.needs_reset[i] = True  # reset before its next step
+        episodes.deadlines[i] = np.inf
         self._closed(i)
 
     def _cut(self, i: int) -> None:
-        """Env ``i``'s episode passed its deadline: it ends truncated at its last step, with
-        ``episode_infos["deadline"]``."""
+        """Env ``i``'s episode passed its deadline: it ends truncated (``deadline`` in its info)."""
         episodes = self.worker.episodes
         cursor = episodes.recorder.cursor
         assert cursor is not None
@@ -470,5 +453,4 @@ class LaneStepper:
             episodes.episode_info[i]["deadline"] = True
             self._end(i, int(cursor[i]) - 1)
         else:  # no step taken: nothing to end
-            episodes.drop_env(i)
-            self._closed(i)
+            self._drop(i)

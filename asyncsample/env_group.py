@@ -1,10 +1,6 @@
-"""The envs of one worker, and the bookkeeping around each env's own ``reset`` and ``step``.
-
-:class:`EnvGroup` checks what an env returned, applies the time limit and writes the rows of the
-:class:`StepBuffers` (arrays with a leading axis of ``n_envs``, shared memory across processes)
-for every host: in lockstep (:meth:`EnvGroup.step`) where the envs live, and for the lane hosts,
-which await each env's call (:meth:`EnvGroup.finish`). So all backends give identical results
-for a fixed seed.
+"""The envs of one worker: :class:`EnvGroup` checks what each env returned, applies the time
+limit and writes the rows of the :class:`StepBuffers`, for every host (in lockstep,
+:meth:`EnvGroup.step`, or env by env, :meth:`EnvGroup.finish`), so all backends agree.
 """
 
 from __future__ import annotations
@@ -58,8 +54,7 @@ _FIXED_SPACES = (
 
 
 def fixed_rows(space: gym.Space[Any]) -> bool:
-    """Whether every value of ``space`` fits one fixed-size row of an array buffer (``Box``,
-    ``Discrete``, ``Multi*`` and ``Dict``/``Tuple`` of them); other values travel pickled."""
+    """Whether ``space``'s values fit fixed-size array rows (else they travel pickled)."""
     if isinstance(space, gym.spaces.Dict):
         return all(fixed_rows(sub) for sub in space.spaces.values())
     if isinstance(space, gym.spaces.Tuple):
@@ -82,8 +77,7 @@ class StepBuffers:
         rewards, terminated, truncated: results of the last step (with the time limit).
         clock: with metrics on, the host's timings (:mod:`asyncsample._clock`); else ``None``.
 
-    For a space without fixed-size rows (:func:`fixed_rows`) ``obs``, ``final_obs`` or
-    ``actions`` is a list of ``n_envs`` Python objects instead, never shared.
+    A space without fixed-size rows (:func:`fixed_rows`) gets a list of ``n_envs`` objects.
     """
 
     obs: Tree
@@ -103,9 +97,8 @@ class StepBuffers:
         make: Callable[[gym.Space[Any], int], Any] | None = None,
         timed: bool = False,
     ) -> StepBuffers:
-        """Allocate buffers; ``make(space, n)`` builds one (nested) array, default in-process.
-        ``timed``: also a :attr:`clock` (allocated last, so views made in the same order agree).
-        """
+        """Buffers made by ``make(space, n)`` (default: in-process); ``timed``: also a
+        :attr:`clock` (allocated last, so views made in the same order agree)."""
         make = make or _zeros
         fixed_obs = fixed_rows(observation_space)
         fixed_act = fixed_rows(action_space)
@@ -125,12 +118,10 @@ class StepInfos:
     """The small, picklable part of a step's answer.
 
     Attributes:
-        env_infos: ``None`` when every stepped env returned an empty info dict, else one dict
-            per env (empty for envs not stepped).
+        env_infos: one info dict per env (empty if not stepped); ``None`` if all are empty.
         reset_infos: info dicts from the autoresets this step did, by env index.
-        final_obs: with ``final_in_reply``, by env index, the true last observation of each
-            env whose episode ended (the env's own object, where its buffer row cannot hold
-            it exactly); else ``None``.
+        final_obs: with ``final_in_reply``, by env index, the last observations that their
+            buffer row cannot hold exactly; else ``None``.
     """
 
     env_infos: list[dict[str, Any]] | None
@@ -157,8 +148,7 @@ class EnvFailureError(Exception):
 
 
 def rebuild_chain(chain: list[EnvSource], update: EnvSource) -> list[EnvSource]:
-    """The sources that rebuild an env after ``update`` (what a restart replays): a replacing
-    update starts a new chain, a ``SetTaskUpdate`` replaces an earlier one, others append."""
+    """The sources that rebuild an env after ``update`` (what a restart replays)."""
     if not isinstance(update, EnvUpdate):
         return [update]
     if isinstance(update, SetTaskUpdate):
@@ -175,9 +165,8 @@ class EnvGroup:
         observation_space, action_space: the declared spaces (observations are checked).
         max_episode_length: steps after which the host truncates an episode, or ``None``.
         autoreset: one of :data:`AUTORESET_MODES` (the sampler uses ``"SameStep"``).
-        final_in_reply: also return the final observations themselves, in
-            :attr:`StepInfos.final_obs` (the gymnasium face); always on for observations
-            without fixed-size rows.
+        final_in_reply: also return final observations in :attr:`StepInfos.final_obs` (the
+            gymnasium face); always on for observations without fixed-size rows.
     """
 
     def __init__(
@@ -200,7 +189,7 @@ class EnvGroup:
         self._limit = max_episode_length or _NO_LIMIT  # the steps at which an episode is cut
         self.n_envs = len(buffers.rewards)
         self.envs: list[gym.Env | None] = [None] * self.n_envs
-        # Each env's current observation where no buffer row holds it yet; else None.
+        # Each env's observation that no buffer row holds yet; else None.
         self._obs: list[Any] = [None] * self.n_envs
         self._lengths = [0] * self.n_envs
         self._misfits: list[int] = []  # envs whose observation a plain buffer row awaits
@@ -213,13 +202,10 @@ class EnvGroup:
         self._next_step = autoreset == "NextStep"
         # "NextStep"/"Disabled": envs whose episode ended and that were not reset since.
         self._ended = [False] * self.n_envs
-        #: The envs whose episode ended in the last :meth:`step`, in index order.
-        self.last_ended: list[int] = []
-        #: How many envs the last :meth:`step` stepped (the metrics' clock reads it).
-        self.last_stepped = 0
+        self.last_ended: list[int] = []  # the envs whose episode ended in the last step
+        self.last_stepped = 0  # how many envs the last step stepped (for the metrics' clock)
         self._everyone = list(range(self.n_envs))
-        #: Whether a malformed step is retried (the lanes rebuild the env) or fails the call.
-        self.malformed_retry = False
+        self.malformed_retry = False  # True: a malformed step rebuilds the env (the lanes)
         if buffers.clock is not None:  # metrics on: the host times its steps
             self.step = timed_group_step(self, self.step, buffers.clock)  # type: ignore[method-assign]
 
@@ -266,11 +252,7 @@ class EnvGroup:
         seeds: Sequence[int | None] | None = None,
         options: Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[int, dict[str, Any]]:
-        """Reset the envs where ``mask`` is true; returns their non-empty reset infos by index.
-
-        ``seeds``: one per env (``None``: no seed) instead of each env's pending seed, which is
-        dropped; ``options``: one dict (or ``None``) per env for ``env.reset``.
-        """
+        """Reset the envs in ``mask`` (``seeds``, ``options``: per env); their non-empty infos."""
         infos: dict[int, dict[str, Any]] = {}
         requested = seeds is not None or options is not None
         for i in np.flatnonzero(mask).tolist():
@@ -302,12 +284,11 @@ class EnvGroup:
         options: dict[str, Any] | None = None,
         requested: bool = False,
     ) -> dict[str, Any]:
-        """The keyword arguments of env ``i``'s next ``reset`` (its pending seed by default); a
-        ``requested`` reset passes ``options=`` even when ``None``, as gymnasium's do."""
+        """The keyword arguments of env ``i``'s next ``reset`` (its pending seed by default)."""
         pending, self._seeds[i] = self._seeds[i], None
         if seed is PENDING_SEED:
             seed = pending
-        if options is None and not requested:
+        if options is None and not requested:  # requested: options=None too, as gymnasium's
             return {"seed": seed}
         return {"seed": seed, "options": options}
 
@@ -325,10 +306,8 @@ class EnvGroup:
         return dict(info) if info else {}
 
     def finish(self, i: int, result: Any) -> tuple[Any, bool, bool, dict[str, Any]]:
-        """Env ``i``, stepped on its own (the lanes), returned ``result``: check it (a malformed
-        one raises ``EnvFailureError`` naming the field and type), write its observation, and
-        its flags and ``final_obs`` row when its episode ended, count the step; ``(reward,
-        terminated, truncated, info)``, ``truncated`` with the time limit."""
+        """Env ``i``, stepped on its own (the lanes), returned ``result``: check and write it as
+        :meth:`step` does; ``(reward, terminated, truncated, info)`` with the time limit."""
         try:
             o, r, term, trunc, info = result
         except (TypeError, ValueError):
@@ -358,9 +337,8 @@ class EnvGroup:
     def step_results(
         self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
     ) -> tuple[StepInfos, list[int]]:
-        """The envs of ``indices`` were stepped one at a time as one lockstep step, with
-        ``(reward, terminated, truncated, info)`` each: the step's infos, and the envs whose
-        episode ended, to be reset now (same-step autoreset)."""
+        """The envs of ``indices`` were stepped one by one (:meth:`finish`'s ``results``) as one
+        lockstep step: its infos, and the envs whose episode ended (to reset now)."""
         env_infos: list[dict[str, Any]] | None = None
         done = []
         for i, (_, terminated, truncated, info) in zip(indices, results):
@@ -404,15 +382,11 @@ class EnvGroup:
     def step(
         self, mask: np.ndarray, given: Sequence[Any] | None = None, everyone: bool | None = None
     ) -> StepInfos:
-        """Step the envs where ``mask`` is true with the actions in the buffers (or ``given``, one
-        per env); ``everyone``: whether ``mask`` is all true, when the caller knows.
-
-        An env whose episode ends has its last observation written to ``final_obs`` and is reset
-        at once (``"NextStep"``: at its next step instead; ``"Disabled"``: stepping it again is
-        an error), so ``obs`` holds what the agent acts on next.
-        """
-        # The hot path: plain Python per env with the attribute reads hoisted, one numpy write per
-        # field at the end; a step off the fast path (exact types) gets :meth:`_checked_step`.
+        """Step the envs where ``mask`` is true with the buffers' actions (or ``given``, one per
+        env; ``everyone``: ``mask`` is all true); an ended episode's last observation goes to
+        ``final_obs`` and the env is reset as :data:`AUTORESET_MODES` says."""
+        # The hot path: plain Python per env, one numpy write per field at the end; a step off
+        # the fast path (exact types) gets :meth:`_checked_step`.
         buf = self.buffers
         envs = self.envs
         obs = self._obs
@@ -532,8 +506,7 @@ class EnvGroup:
     def call(
         self, name: str, args: Sequence[Any], kwargs: dict[str, Any], envs: Sequence[int]
     ) -> list[Any]:
-        """``getattr(env, name)(*args, **kwargs)`` for each env in ``envs``, or its value when
-        not callable (gymnasium's ``VectorEnv.call``, through the wrappers)."""
+        """``getattr(env, name)(*args, **kwargs)`` (or its value if not callable) per env."""
         return [self._guard_attr(i, _call_attr, self._env(i), name, args, kwargs) for i in envs]
 
     def set_attr(self, name: str, values: Sequence[Any], envs: Sequence[int]) -> None:
@@ -605,16 +578,13 @@ class EnvGroup:
             self._raise_bad_observation(exc)
 
     def _write(self, out: Tree, indices: list[int], items: list[Any]) -> None:
-        def put(leaf: np.ndarray, *values: Any) -> None:
-            leaf[indices] = np.stack(values)
-
         if isinstance(out, np.ndarray):
             out[indices] = items
         elif isinstance(out, list):  # observations without fixed-size rows
             for i, item in zip(indices, items):
                 out[i] = item
         else:
-            tree_map(lambda leaf, *vals: put(leaf, *vals), out, *items)
+            tree_map(lambda leaf, *vals: leaf.__setitem__(indices, np.stack(vals)), out, *items)
 
     def _raise_malformed(
         self, i: int, field: str, expected: str, value: Any, what: str = "step"
@@ -706,8 +676,7 @@ def reset_arguments(
 
 
 def call_targets(name: Any, n_envs: int, envs: Any) -> list[int]:
-    """Check the arguments of a host's ``call`` (an attribute name, env indices, ``None``:
-    every env); the indices."""
+    """Check the arguments of a host's ``call``; the env indices (``envs=None``: every env)."""
     _validate.attr_name("name", name)
     return _validate.env_indices("envs", envs, n_envs)
 

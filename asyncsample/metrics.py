@@ -1,8 +1,7 @@
 """Prometheus metrics of a sampler: what it did and where the time went (``metrics=``; the list
 is ``docs/metrics.md``; needs the ``metrics`` extra).
 
-The per-step path only counts in plain ints and arrays (the episodes' bookkeeping, the hosts'
-clocks of :mod:`asyncsample._clock`, an :class:`~asyncsample._clock.AgentTimer`);
+The per-step path only counts in plain ints and arrays (:mod:`asyncsample._clock`);
 :class:`SamplerMetrics` folds them into its totals once per call, which a custom collector reads
 when the registry is scraped. Samplers sharing a registry add up per label set.
 """
@@ -46,6 +45,8 @@ _N = len(BOUNDS) + 1
 _ROWS_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
 _LENGTH_BOUNDS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 10000.0)
 _LAG_BOUNDS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+_Key = tuple[str, ...]  # label values
+_Table = dict[str, dict[_Key, float]]  # by metric name
 
 
 def _registry(metrics: Any) -> Any:
@@ -139,10 +140,6 @@ class _Hist:
         out.append(("+Inf", float(cumulative[-1])))
         return out
 
-    @property
-    def count(self) -> float:
-        return float(self.counts.sum())
-
 
 _HISTOGRAMS: dict[str, tuple[Sequence[float], str]] = {
     "env_step_seconds": (BOUNDS, "Seconds of one env step, measured where the env runs."),
@@ -204,19 +201,15 @@ class _State:
     def slot(self, worker: int) -> int:
         return worker if self.labelled else 0
 
+    def tallies(self) -> list[list[int]]:
+        return [self.steps, self.restarts, self.episodes, *self.faults.values()]
+
     def absorb(self, other: _State) -> None:
         """Add ``other``'s counters and histograms to these (a closed state's)."""
-
-        def add(mine: list[int], theirs: list[int]) -> None:
+        for mine, theirs in zip(self.tallies(), other.tallies()):
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, n in enumerate(theirs):
                 mine[i] += n
-
-        add(self.steps, other.steps)
-        add(self.restarts, other.restarts)
-        for kind in FAULT_KINDS:
-            add(self.faults[kind], other.faults[kind])
-        add(self.episodes, other.episodes)
         self.agent_calls += other.agent_calls
         for name, h in other.hists.items():
             self.hists[name].add_counts(h.counts, h.sum)
@@ -230,9 +223,8 @@ class _Hub:
         self.states: list[_State] = []
 
     def retire(self, state: _State) -> None:
-        """A closed sampler's (or face's) state: its counters and histograms join those of the
-        closed ones of its backend (one state per backend, not per job), its gauges leave. Call
-        it holding :attr:`lock`."""
+        """A closed sampler's (or face's) ``state`` joins the closed one of its backend (one per
+        backend, not per job), its gauges leave. Call it holding :attr:`lock`."""
         if state not in self.states:
             return
         self.states.remove(state)
@@ -255,14 +247,14 @@ class _Hub:
             for s in states:
                 if s.pull is not None:
                     s.pull()
-            counters: dict[str, dict[tuple[str, ...], float]] = {}
+            counters: _Table = {}
+            gauges: _Table = {name: {} for name in _GAUGES}
 
-            def count(name: str, labels: tuple[str, ...], value: float) -> None:
-                per = counters.setdefault(name, {})
-                per[labels] = per.get(labels, 0.0) + value
+            def count(name: str, key: _Key, value: float, into: _Table = counters) -> None:
+                per = into.setdefault(name, {})
+                per[key] = per.get(key, 0.0) + value
 
             hists: dict[tuple[str, str], _Hist] = {}
-            gauges: dict[str, dict[tuple[str, ...], float]] = {name: {} for name in _GAUGES}
             for s in states:
                 b = s.backend
 
@@ -284,11 +276,9 @@ class _Hub:
                     total.add_counts(h.counts, h.sum)
                 if not s.live:
                     continue
-                g = gauges["episodes_in_flight"]
-                g[(b,)] = g.get((b,), 0.0) + s.in_flight
+                count("episodes_in_flight", (b,), s.in_flight, gauges)
                 if s.lanes:
-                    g = gauges["env_calls_in_flight"]
-                    g[(b,)] = g.get((b,), 0.0) + sum(h.env_calls for h in s.hosts)
+                    count("env_calls_in_flight", (b,), sum(h.env_calls for h in s.hosts), gauges)
                 g = gauges["agent_version"]
                 g[(b,)] = max(g.get((b,), 0.0), float(s.agent_version))
                 if s.bottleneck is not None:
@@ -386,10 +376,8 @@ class SamplerMetrics:
 
     def call_ended(self, started: float) -> None:
         """A call returns: the caller waited since ``started``."""
-        now = time.perf_counter()
-        self._last_end = now
-        with self._hub.lock:
-            self.state.hists["call_wait_seconds"].observe([now - started])
+        self._last_end = time.perf_counter()
+        self.batch_waited(self._last_end - started)
 
     def caller_idle(self, seconds: float) -> None:
         """A stream's rounds waited ``seconds`` for the consumer to take a batch."""
@@ -465,8 +453,7 @@ class SamplerMetrics:
             s.bottleneck = self.verdict
 
     def _fold_clock(self, worker: int, clock: np.ndarray, n_envs: int) -> tuple[float, float]:
-        """Add what worker ``worker``'s host clock gained since the last fold (a host agent's
-        calls each take the worker's ``n_envs`` rows); its env and agent seconds."""
+        """Fold what worker ``worker``'s host clock gained; its env and agent seconds."""
         delta = _gained(self._seen_clock, worker, clock)
         hists, s = self.state.hists, self.state
         hists["env_step_seconds"].add_counts(delta[ENV : ENV + _N], float(delta[ENV + _N]))
@@ -492,12 +479,7 @@ class SamplerMetrics:
         agent_busy = agent_seconds / (seconds * self.agent_parallel) if seconds > 0 else 0.0
         caller = idle / window
         self.shares = {"env": env_busy, "agent": agent_busy, "caller": caller}
-        if caller > 0.5:
-            self.verdict = "caller"
-        elif agent_busy > env_busy:
-            self.verdict = "agent"
-        else:
-            self.verdict = "env"
+        self.verdict = "caller" if caller > 0.5 else "agent" if agent_busy > env_busy else "env"
 
 
 def _gained(seen: dict[int, np.ndarray], key: int, clock: np.ndarray) -> np.ndarray:
@@ -522,16 +504,14 @@ def _clock(worker: Worker) -> np.ndarray | None:
 
 
 def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | None:
-    """The :class:`FaceMetrics` that a vector face's ``metrics=`` asks for (``None``: none);
-    raises as :func:`make_metrics`."""
+    """The :class:`FaceMetrics` of a vector face's ``metrics=`` (raises as :func:`make_metrics`)."""
     registry = _registry(metrics)
     return None if registry is None else FaceMetrics(_hub_of(registry), backend, hosted)
 
 
 class FaceMetrics:
-    """The metrics of a vector face (``hosted``: its ``HostedEnvs``, held weakly): the env
-    hosts' clocks, read when the registry is scraped, and the face's restart counts (``worker``:
-    the env host's index)."""
+    """A vector face's metrics (``hosted``: its ``HostedEnvs``, held weakly): its hosts' clocks,
+    read at each scrape, and its restart counts (``worker``: the env host's index)."""
 
     def __init__(self, hub: _Hub, backend: str, hosted: Any) -> None:
         self._hub = hub

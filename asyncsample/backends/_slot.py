@@ -1,10 +1,8 @@
 """One worker slot inside an env host: what every remote host does with a request, once.
 
-A process host or a Ray actor holds one :class:`HostSlot` per worker: its
-:class:`~asyncsample.env_group.EnvGroup` and, with ``inference="host"``, its
-:class:`~asyncsample.backends._chunk.ChunkRunner`. :meth:`HostSlot.serve` runs an
-:class:`~asyncsample.backends._transport.Op` from request bytes to reply bytes, so the hosts only
-move bytes.
+A process host or a Ray actor holds one :class:`HostSlot` per worker (its ``EnvGroup`` and, with
+``inference="host"``, its ``ChunkRunner``); :meth:`HostSlot.serve` runs a request from its bytes
+to the reply's, so the hosts only move bytes.
 """
 
 from __future__ import annotations
@@ -37,38 +35,44 @@ from asyncsample.env_group import (
     StepInfos,
 )
 
-__all__ = ["HostSlot"]
+__all__ = ["HostSlot", "spec_group"]
 
 _Body = bytes | memoryview
 
 
+def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
+    """The :class:`EnvGroup` of ``spec`` over ``buffers`` (default: buffers of its own)."""
+    if buffers is None:
+        obs_space, act_space = spec.observation_space, spec.action_space
+        buffers = StepBuffers.allocate(obs_space, act_space, spec.n_envs, timed=spec.timed)
+    return EnvGroup(
+        spec.worker,
+        buffers,
+        spec.observation_space,
+        spec.action_space,
+        spec.max_episode_length,
+        spec.autoreset,
+        spec.final_in_reply,
+    )
+
+
 class HostSlot:
-    """One worker's envs (``spec``, over its step ``buffers``) and, with ``inference="host"``,
-    its agent copy (over its sets of ``chunks``) inside an env host, called ``where`` in
-    messages; ``host_threads`` are applied again after each agent install."""
+    """One worker's envs (``spec``, over ``buffers``, else its own) and, with ``inference="host"``,
+    its agent copy (over ``chunks``) in an env host, called ``where`` in messages."""
 
     def __init__(
         self,
         spec: HostSpec,
-        buffers: StepBuffers,
+        buffers: StepBuffers | None,
         chunks: list[ChunkBuffers] | None = None,
         host_threads: int | None = None,
         where: str = "env host",
     ) -> None:
-        self.group = group = EnvGroup(
-            spec.worker,
-            buffers,
-            spec.observation_space,
-            spec.action_space,
-            spec.max_episode_length,
-            spec.autoreset,
-            spec.final_in_reply,
-        )
+        self.group = group = spec_group(spec, buffers)
         self.runner = None if not chunks else ChunkRunner(group, chunks, spec.action_space)
-        self.timing: HostTiming | None = None
-        """With metrics on and ``inference="host"``: times a sample of the chunks."""
-        if self.runner is not None and buffers.clock is not None:
-            self.timing = HostTiming(group, self.runner, buffers.clock)
+        self.timing: HostTiming | None = None  # metrics on, inference="host": times chunks
+        if self.runner is not None and group.buffers.clock is not None:
+            self.timing = HostTiming(group, self.runner, group.buffers.clock)
         self.host_threads = host_threads
         self.where = where
         # Each operation from its request body to its reply payload (None: an empty reply).
@@ -96,8 +100,7 @@ class HostSlot:
         if spec.chunk_steps > 0:  # one set: an actor's chunks are not pipelined
             flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(spec.chunk_steps) * n)
             chunks = chunk_sets(flat, spec.chunk_steps, n)
-        buffers = StepBuffers.allocate(obs_space, act_space, n, timed=spec.timed)
-        return cls(spec, buffers, chunks, host_threads, where)
+        return cls(spec, None, chunks, host_threads, where)
 
     def reset(
         self, mask: np.ndarray, seeds: Any = None, options: Any = None
@@ -127,8 +130,7 @@ class HostSlot:
         """Run request ``op`` with its ``body`` (after the slot); the reply's payload.
 
         Raises:
-            EnvFailureError: what the envs or the agent raised, or a request that cannot be
-                unpickled here (``retry`` false: a restart would not help).
+            EnvFailureError: what the envs or the agent raised, or unpicklable request (no retry).
         """
         handler = self._ops.get(op)
         if handler is None:

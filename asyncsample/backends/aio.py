@@ -1,11 +1,8 @@
 """The ``asyncio`` and ``thread`` backends: envs in the caller's process, each on its own.
 
 ``asyncio`` hosts :class:`~asyncsample.AsyncEnv` envs in the sampler's event loop; ``thread``
-hosts blocking gymnasium envs behind the same coroutine interface, their calls run in a bounded
-pool of threads (:class:`ThreadedEnv`). :class:`LaneHost` steps one env at a time (a
-:class:`~asyncsample.backends.base.PerEnvHost`, for :mod:`asyncsample._env_tasks`), with the
-bookkeeping of the :class:`~asyncsample.env_group.EnvGroup` it holds; its lockstep ``EnvHost``
-methods gather the envs' calls.
+hosts blocking gymnasium envs in a bounded pool of threads (:class:`ThreadedEnv`). Both use a
+:class:`LaneHost`, which steps one env at a time (a ``PerEnvHost``) through an ``EnvGroup``.
 """
 
 from __future__ import annotations
@@ -74,8 +71,7 @@ def default_threads() -> int:
 
 
 def lane_parallel(backend: str, max_concurrency: int | None, envs: int) -> int:
-    """How many of ``envs`` env steps a lane backend runs at once: ``max_concurrency``, else
-    the ``thread`` backend's pool or (``asyncio``) every env."""
+    """How many of ``envs`` env steps a lane backend runs at once."""
     cap = max_concurrency or (default_threads() if backend == "thread" else envs)
     return min(envs, cap)
 
@@ -148,7 +144,6 @@ class LaneHost:
     """Hosts one worker's envs in the caller's process, each reset and stepped on its own.
 
     Args:
-        spec: what to host.
         make: the backend's ``make(source, old)`` of an env (from a factory, id or update).
         step_timeout, close_timeout: see :class:`AsyncioBackend`.
         limiter: caps the env calls in flight across the sampler (``None``: no cap).
@@ -184,8 +179,7 @@ class LaneHost:
         self.close_timeout = close_timeout
         self._limiter = limiter
         self._plain = step_timeout is None and limiter is None
-        self.in_flight: dict[int, asyncio.Task[Any]] = {}
-        """Steps a stream's round left running for the next round, by env."""
+        self.in_flight: dict[int, asyncio.Task[Any]] = {}  # steps a stream's round left running
         self.closed = False
         self._closing: set[asyncio.Task[Any]] = set()  # closes of rebuilt envs still running
 
@@ -218,8 +212,7 @@ class LaneHost:
         await self.build(chains, seeds)
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
-        """Build env ``i`` again from ``chain`` (its next reset gets ``seed``) and close the
-        old one in the background, bounded by ``close_timeout``; the other envs go on."""
+        """Build env ``i`` again from ``chain``; the old one is closed in the background."""
         self._check_open("rebuild")
         env = self._build_env(i, chain)
         old = self.envs[i]
@@ -271,14 +264,13 @@ class LaneHost:
         Raises:
             DeadlinePassed: the loop time ``deadline`` came first; the step was cancelled.
             StepTimeoutError: the step took longer than ``step_timeout``.
-            WorkerError: the env raised (the original exception is its ``__cause__``).
+            WorkerError: the env raised (its ``__cause__``).
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
         durations = self._durations
         if deadline is None and self._plain:
-            # The hot path (no limiter, no timeout): the env's own coroutine, awaited (and with
-            # metrics on, timed) here.
+            # The hot path (no limiter, no timeout): the env's coroutine, awaited (and timed) here.
             if durations is not None:
                 self.env_calls += 1
                 start = _perf()
@@ -300,8 +292,7 @@ class LaneHost:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
     async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
-        """``step(action)`` timed into ``durations``; :meth:`_await` runs it once a
-        ``max_concurrency`` slot is taken (the wait does not count)."""
+        """``step(action)`` timed into ``durations`` (run by :meth:`_await`: no limiter wait)."""
         self.env_calls += 1
         start = _perf()
         try:
@@ -351,8 +342,7 @@ class LaneHost:
                 call.close()  # never awaited when the limiter wait was cancelled
 
     def _raised(self, i: int, what: str, exc: BaseException) -> WorkerError:
-        """The error for ``exc`` from env ``i``'s ``what``; a ``WorkerError``, and a
-        cancellation that is not the env's own, are raised again as they are."""
+        """The error for env ``i``'s ``exc`` in ``what`` (raised again if not the env's own)."""
         if isinstance(exc, WorkerError) or (
             isinstance(exc, asyncio.CancelledError) and not cancelled_by_env()
         ):
@@ -382,8 +372,7 @@ class LaneHost:
         return {i: info for i, info in zip(indices, infos) if info}
 
     async def step(self, mask: np.ndarray) -> StepInfos:
-        """Step the envs in ``mask`` concurrently with ``buffers.actions``; ended episodes are
-        reset in the same step (the sampler's same-step autoreset)."""
+        """Step the envs in ``mask`` concurrently, with same-step autoreset."""
         indices = np.flatnonzero(mask).tolist()
         actions = self.buffers.actions
         results = await run_all(
@@ -401,8 +390,7 @@ class LaneHost:
         kwargs: Mapping[str, Any] | None = None,
         envs: Sequence[int] | None = None,
     ) -> list[Any]:
-        """``getattr(env, name)`` of each env, called with the arguments when callable (and
-        awaited)."""
+        """``getattr(env, name)`` of each env, called (and awaited) when callable."""
         self._check_open("call")
         out = []
         for i in call_targets(name, self.n_envs, envs):
@@ -440,8 +428,7 @@ class LaneHost:
             await asyncio.wait(list(self._closing))
 
     async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
-        """Cancel the carried steps of ``envs`` (default: all) and wait for them; which envs had
-        one (they must be reset before their next step)."""
+        """Cancel and await the carried steps of ``envs`` (default: all); the envs that had one."""
         dropped = [i for i in (self.in_flight if envs is None else envs) if i in self.in_flight]
         tasks = [self.in_flight.pop(i) for i in dropped]
         for task in tasks:
@@ -467,12 +454,10 @@ class LaneHost:
     def _guard(self, i: int, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except (TypeError, ValueError) as exc:  # the caller's mistake: no retry
-            err = _env_error(self.spec.worker, i, what, exc)
-            err.retry = False
-            raise err from exc
         except Exception as exc:
-            raise _env_error(self.spec.worker, i, what, exc) from exc
+            err = _env_error(self.spec.worker, i, what, exc)
+            err.retry = not isinstance(exc, (TypeError, ValueError))  # else the caller's mistake
+            raise err from exc
 
 
 def _failure(worker: int, exc: EnvFailureError) -> WorkerError:
@@ -494,9 +479,8 @@ def _env_error(worker: int, env: int, what: str, exc: BaseException) -> WorkerEr
 def probe_async_env(
     source: Any, close_timeout: float = CLOSE_TIMEOUT
 ) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
-    """Build one async env from ``source`` to read its spaces and step limit, then close it
-    (bounded by ``close_timeout``): now if no loop runs, else in a task of the running loop,
-    returned (else ``None``) for ``aclose()`` to wait for.
+    """Build one async env from ``source`` to read its spaces and step limit, then close it:
+    now if no loop runs, else in a task (returned, else ``None``) for ``aclose()`` to await.
 
     Raises:
         TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
@@ -521,15 +505,12 @@ def probe_async_env(
     limit = getattr(env, "max_episode_steps", None)
     if limit is None:
         limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+    closing = close_bounded(env, close_timeout, "the env built to read the spaces")
     task = None
     try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        asyncio.run(close_bounded(env, close_timeout, "the env built to read the spaces"))
-    else:
-        task = loop.create_task(
-            close_bounded(env, close_timeout, "the env built to read the spaces")
-        )
+        task = asyncio.get_running_loop().create_task(closing)
+    except RuntimeError:  # no loop runs
+        asyncio.run(closing)
     return env.observation_space, env.action_space, limit, task
 
 
@@ -560,6 +541,7 @@ class AsyncioBackend:
 
     OPTIONS = ("n_processes", "step_timeout", "host_threads", "max_concurrency", "close_timeout")
     NAME = "asyncio"
+    POOLED = False  # True: the pool of threads caps the env calls, not a limiter
 
     def __init__(
         self,
@@ -580,10 +562,6 @@ class AsyncioBackend:
         self._hosts: list[LaneHost] = []
         self._closed = False
 
-    def _limiter(self) -> asyncio.Semaphore | None:
-        n = self.max_concurrency
-        return None if n is None else asyncio.Semaphore(n)
-
     def _make(self, source: EnvSource, old: Any) -> Any:
         return make_async_env(source, old)
 
@@ -591,7 +569,8 @@ class AsyncioBackend:
         """One :class:`LaneHost` per spec; one limiter shared by all."""
         if self._closed:
             raise RuntimeError(f"the {self.NAME} backend is closed")
-        limiter = self._limiter()
+        n = self.max_concurrency
+        limiter = None if n is None or self.POOLED else asyncio.Semaphore(n)
         self._hosts = [
             LaneHost(s, self._make, self.step_timeout, limiter, self.close_timeout) for s in specs
         ]
@@ -616,6 +595,7 @@ class ThreadBackend(AsyncioBackend):
     ``max_concurrency`` threads (default :func:`default_threads`)."""
 
     NAME = "thread"
+    POOLED = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -624,9 +604,6 @@ class ThreadBackend(AsyncioBackend):
             thread_name_prefix="asyncsample-env",
         )
         self._running: set[concurrent.futures.Future[Any]] = set()
-
-    def _limiter(self) -> asyncio.Semaphore | None:
-        return None  # the pool is the limit
 
     def _make(self, source: EnvSource, old: Any) -> Any:
         if isinstance(source, EnvUpdate):

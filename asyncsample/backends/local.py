@@ -15,6 +15,7 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample.backends._remote import closed_error
+from asyncsample.backends._slot import spec_group
 from asyncsample.backends.base import (
     LOGGER,
     EnvHost,
@@ -24,8 +25,6 @@ from asyncsample.backends.base import (
 )
 from asyncsample.env_group import (
     EnvFailureError,
-    EnvGroup,
-    StepBuffers,
     StepInfos,
     call_targets,
     reset_arguments,
@@ -41,19 +40,10 @@ class LocalHost:
 
     def __init__(self, spec: HostSpec) -> None:
         self.spec = spec
-        self.buffers = StepBuffers.allocate(
-            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
-        )
-        self._group = EnvGroup(
-            spec.worker,
-            self.buffers,
-            spec.observation_space,
-            spec.action_space,
-            spec.max_episode_length,
-            spec.autoreset,
-            spec.final_in_reply,
-        )
+        self._group = spec_group(spec)
+        self.buffers = self._group.buffers
         self.closed = False
+        self._wrap = False  # True: every failure is a WorkerError (wrap=True on every call)
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
         if self.closed:
@@ -62,7 +52,7 @@ class LocalHost:
             return fn(*args)
         except EnvFailureError as exc:
             failure = exc.failure
-            if not failure.retry and not wrap:
+            if not failure.retry and not (wrap or self._wrap):
                 # The caller's own mistake, raised where it happened: no host boundary to cross.
                 raise failure.error from None
             raise failure_error(self.spec.worker, failure) from failure.error
@@ -127,20 +117,17 @@ class LocalHost:
 
 
 class CallerHost(LocalHost):
-    """A :class:`LocalHost` for the vector-env faces' sub-envs, stepped by the caller in its own
-    thread (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host process
-    reports it, and actions may be handed over as given (:meth:`give_actions`)."""
+    """A :class:`LocalHost` for the faces' sub-envs, stepped in the caller's thread
+    (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host's is."""
 
     def __init__(self, spec: HostSpec) -> None:
         super().__init__(spec)
+        self._wrap = True
         self._given: list[Any] | None = None
 
     def give_actions(self, actions: list[Any] | None) -> None:
         """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
         self._given = actions
-
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
-        return super()._call(what, fn, *args, wrap=True)
 
     def step_now(self, mask: np.ndarray, everyone: bool | None = None) -> StepInfos:
         """:meth:`step`, synchronously, in the caller's thread."""
@@ -158,8 +145,7 @@ _SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
 
 
 def _snapshot(infos: Any) -> Any:
-    """A copy of info dicts with the values the process backend would deliver (envs may reuse
-    their info dict or mutate arrays in it), cheaper than a pickle round trip."""
+    """A copy of info dicts as the process backend would deliver them (envs may reuse theirs)."""
     kind = type(infos)
     if kind in _SCALARS or isinstance(infos, np.generic):  # numpy scalars are immutable too
         return infos
@@ -173,8 +159,7 @@ def _snapshot(infos: Any) -> Any:
 
 
 class LocalBackend:
-    """Creates a :class:`LocalHost` per worker (:class:`CallerHost` with ``caller``).
-
+    """Creates a :class:`LocalHost` per worker (:class:`CallerHost` with ``caller``);
     ``n_processes`` and ``host_threads`` are accepted for a uniform interface and ignored.
 
     Raises:
