@@ -94,7 +94,7 @@ def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
 
 class HostTiming:
     """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step (its
-    ``group.step`` and ``runner._actions`` swapped), each timed step weighing :attr:`EVERY`
+    ``group.step`` and ``runner.agent_actions`` swapped), each timed step weighing :attr:`EVERY`
     (timing every step would add ~10% to the chunk loop); agent calls are counted exactly."""
 
     EVERY = 8
@@ -104,7 +104,7 @@ class HostTiming:
         self.items = clock.data
         self.plain_step = type(group).step.__get__(group)
         self.timed_step = timed_group_step(group, self.plain_step, clock, self.EVERY)
-        self.plain_actions = runner._actions
+        self.plain_actions = runner.agent_actions
         self.timed_actions = timed_agent(self.plain_actions, clock, self.EVERY)
         self.chunks = 0
 
@@ -113,7 +113,7 @@ class HostTiming:
         timed = self.chunks % self.EVERY == 0
         self.chunks += 1
         self.group.step = self.timed_step if timed else self.plain_step
-        self.runner._actions = self.timed_actions if timed else self.plain_actions
+        self.runner.agent_actions = self.timed_actions if timed else self.plain_actions
         reply = self.runner.run(request)
         self.items[AGENT + _N + 1] += reply.steps
         return reply

@@ -45,11 +45,6 @@ FOREIGN_PRIVATES: dict[tuple[str, str], str] = {
     ("vector/portal.py", "asyncio._get_running_loop"): "documented; no warning outside a loop",
 }
 
-#: Violations of the seam rules left in other helpers' files (issue 31): module -> expressions.
-KNOWN_SEAM_VIOLATIONS: dict[str, set[str]] = {
-    "_clock.py": {"runner._actions", "self.runner._actions"},
-}
-
 
 def module_name(path: Path) -> str:
     """``asyncsample/backends/process.py`` -> ``asyncsample.backends.process``."""
@@ -299,7 +294,6 @@ def test_capabilities_not_names_and_no_private_members_across_objects() -> None:
         if relative.startswith("backends/"):  # the backends' own classes and names: private
             found = {f for f in found if "._" in f}
         found -= {expr for (module, expr) in FOREIGN_PRIVATES if module == relative}
-        found -= KNOWN_SEAM_VIOLATIONS.get(relative, set())
         if found:
             broken[relative] = sorted(found)
     assert not broken, (
@@ -310,9 +304,9 @@ def test_capabilities_not_names_and_no_private_members_across_objects() -> None:
 
 
 def test_the_known_violations_are_still_there() -> None:
-    """An entry of FOREIGN_PRIVATES or KNOWN_SEAM_VIOLATIONS that was fixed is removed."""
+    """An entry of FOREIGN_PRIVATES that was fixed is removed."""
     names, hosts = backend_names(), concrete_hosts()
-    listed = [*FOREIGN_PRIVATES, *((m, e) for m, es in KNOWN_SEAM_VIOLATIONS.items() for e in es)]
+    listed = list(FOREIGN_PRIVATES)
     stale = [
         (module, expr)
         for module, expr in listed

@@ -387,7 +387,8 @@ class ChunkRunner:
         error = agent_error(exc, self.group.worker)
         return EnvFailureError(EnvFailure(None, error, traceback.format_exc(), retry=False))
 
-    def _actions(self, observations: Tree) -> tuple[Tree, dict[str, np.ndarray]]:
+    def agent_actions(self, observations: Tree) -> tuple[Tree, dict[str, np.ndarray]]:
+        """The agent's checked ``(actions, agent_infos)`` for ``observations``."""
         result = self.agent.get_actions(observations)
         if self._trusted:  # the built-in random agent: rows of its own space, no infos
             return result  # type: ignore[no-any-return]
@@ -469,7 +470,7 @@ class ChunkRunner:
         flat_obs = type(obs_rows) is np.ndarray and type(buf_obs) is np.ndarray
         flat_act = type(act_rows) is np.ndarray and type(buf_act) is np.ndarray
         rewards, terminated, truncated = chunk.rewards, chunk.terminated, chunk.truncated
-        more, took, step, actions_for = rule.more, rule.took, group.step, self._actions
+        more, took, step, actions_for = rule.more, rule.took, group.step, self.agent_actions
         steps = counted = 0  # counts are up to date as of step `counted`
         # Into the arena, while every env is stepped, each step writes its observations straight
         # into the next row (the group's buffer points there): no copy of them in the host.
