@@ -78,7 +78,10 @@ def _merge_rows(into: StepResult, res: StepResult, a: int, b: int) -> None:
 class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     """A gymnasium vector env whose sub-envs live ``num_envs / n_processes`` to an env host.
 
-    A drop-in for ``AsyncVectorEnv`` (docs/vector.md describes every argument).
+    A drop-in for ``AsyncVectorEnv`` (docs/vector.md describes every argument). Its
+    ``shared_memory``, ``copy``, ``context``, ``daemon``, ``worker``, ``observation_mode`` and
+    ``max_concurrency`` are checked as it checks them; ``context`` and ``daemon`` change nothing,
+    a custom ``worker`` is refused, ``max_concurrency`` caps the processes.
 
     Args:
         env: a gymnasium id, a zero-argument factory, or a list of ``num_envs`` factories
@@ -92,9 +95,6 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         max_restarts: how often each host may be rebuilt over the env's life.
         batch_size: how many sub-envs EnvPool-style :meth:`recv` returns.
         host_threads: intra-op threads of the numeric libraries in each env-host process.
-        shared_memory, copy, context, daemon, worker, observation_mode, max_concurrency:
-            ``AsyncVectorEnv``'s, checked as it checks them; ``context`` and ``daemon`` change
-            nothing, a custom ``worker`` is refused, ``max_concurrency`` caps the processes.
         caller_envs: the last ``caller_envs`` sub-envs step in the caller's process.
         metrics: as :class:`~asyncsample.Sampler`'s (``docs/metrics.md``).
     """
