@@ -111,7 +111,7 @@ class LockstepRounds:
 
     def lockstep(self, mask: np.ndarray | None = None) -> StepResult:
         """:meth:`step` of the sub-envs in ``mask`` (all), without the event loop if it can."""
-        return self.lockstep_wait(self.lockstep_send(mask))
+        return self.lockstep_wait(self.lockstep_send(mask), None, True)
 
     def lockstep_send(self, mask: np.ndarray | None = None) -> PendingRound:
         """Send a lockstep round (``step_async``); :meth:`lockstep_wait` finishes it. Some
@@ -125,8 +125,11 @@ class LockstepRounds:
         self._round = round_
         return round_
 
-    def lockstep_wait(self, round_: PendingRound, timeout: float | None = None) -> StepResult:
-        """The result of ``round_`` (``step_wait``), read without the loop when it is quiet.
+    def lockstep_wait(
+        self, round_: PendingRound, timeout: float | None = None, sent_here: bool = False
+    ) -> StepResult:
+        """The result of ``round_`` (``step_wait``), read without the loop when it is quiet;
+        ``sent_here``: :meth:`lockstep_send` sent it in this call (the caller's thread checked).
 
         Raises:
             TimeoutError: ``timeout`` seconds passed first. The round is then the loop's (a
@@ -137,7 +140,7 @@ class LockstepRounds:
         try:
             if round_.task is not None:
                 res = portal.wait(round_.task, timeout)
-            elif not portal.in_caller_thread():  # waited for from inside a running loop
+            elif not sent_here and not portal.in_caller_thread():  # from inside a running loop
                 inline = self._step_inline(round_)
                 res = self._in_loop(round_, deadline, self._collect, round_.sent, inline)
             else:
@@ -187,9 +190,10 @@ class LockstepRounds:
         sent, readers = round_.sent, round_.readers
         if len(sent) == self._remote_hosts and readers is not None:
             outcomes = self._read_direct(sent, readers, deadline) if sent else []
-            if outcomes is not None:
+            if outcomes is not None:  # read directly: replies, no exceptions
+                failed = inline and any(isinstance(o, BaseException) for o in inline)
                 outcomes += inline
-                if not any(isinstance(o, BaseException) for o in outcomes):
+                if not failed:
                     return self._combine(None, outcomes)
                 return self._in_loop(round_, deadline, self._merge, None, outcomes)
         return self._in_loop(round_, deadline, self._collect, sent, inline)

@@ -332,7 +332,11 @@ class HostedEnvs(LockstepRounds):
         if isinstance(first, list):
             self._write_object_actions(actions, targets)
             return
-        if not isinstance(actions, (dict, tuple)) and np.ndim(actions) == 0:
+        if type(actions) is np.ndarray:
+            scalar = actions.ndim == 0
+        else:
+            scalar = not isinstance(actions, (dict, tuple)) and np.ndim(actions) == 0
+        if scalar:
             raise TypeError(self._not_a_batch(f"a single value {actions!r}", axis=False))
         if type(actions) is np.ndarray and isinstance(first, np.ndarray):
             # The common case (Box, Discrete, Multi* action spaces): one slice copy per host.
