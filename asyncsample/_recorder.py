@@ -192,6 +192,10 @@ class Rows:
 
     def next_row(self, obs: Tree, actions_like: Tree) -> int:
         """Index of a new row, growing the buffers (shaped like ``obs``/``actions_like``)."""
+        t = self.size
+        if t < self.capacity and not self.on_arena:  # the common step: a free row, no call
+            self.size = t + 1
+            return t
         return self.reserve(1, obs, actions_like)
 
     def reserve(self, n: int, obs: Tree, actions_like: Tree) -> int:
