@@ -95,12 +95,6 @@ class SamplerCore:
         self.max_concurrency = max_concurrency = _validate.optional_positive_int(
             "max_concurrency", config.max_concurrency
         )
-        if max_concurrency is not None and not self.traits.per_env:
-            raise ValueError(
-                f"max_concurrency caps the env calls in flight of backend={with_trait('per_env')}"
-                f", got it with backend={backend!r} (there, n_workers x envs_per_worker envs "
-                "step at once)"
-            )
         self.episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
         self.close_timeout = _validate.seconds("close_timeout", config.close_timeout)
         self._probe_closing: asyncio.Future[Any] | None = None  # the probe env's close, if late
@@ -116,7 +110,6 @@ class SamplerCore:
 
         self.n_processes = self.traits.hosts_started(n_processes, n_workers, backend_options)
         self._requested_processes = n_processes
-        self.lanes = self.traits.per_env  # each env stepped on its own (_env_tasks)
         self.memory = BatchMemory()
         self.admission: Admission | None = None
         """The open stream's admission control (lane backends with ``max_policy_lag``)."""
@@ -130,6 +123,22 @@ class SamplerCore:
         self.env_sources = self._check_envs(config.env, "env")
         self.agents = self._check_agents(agent)
         options = check_inference(config.inference, agent)  # validated before any work
+        kind = self.traits
+        self.env_spec, self._time_limited, self._probe_closing, async_envs = probe_spaces(
+            self.env_sources[0],
+            asynchronous=True if kind.async_envs else (None if kind.async_hosts else False),
+            max_episode_length=self._factory.max_episode_length,
+            close_timeout=self.close_timeout,
+        )
+        # Each env stepped on its own (_env_tasks): the lane backends', and async envs' anywhere.
+        self.lanes = kind.per_env or async_envs
+        self.hosted_lanes = async_envs and not kind.in_process  # in env hosts' event loops
+        if max_concurrency is not None and not self.lanes:
+            raise ValueError(
+                "max_concurrency caps the env calls in flight of async envs and of backend="
+                f"{with_trait('per_env')}, got it with backend={backend!r} and blocking envs "
+                "(there, n_workers x envs_per_worker envs step at once)"
+            )
         lanes = None
         if self.lanes:
             options = self._check_lane_inference(options, worker_class)
@@ -144,12 +153,6 @@ class SamplerCore:
                     f"runs in the env host), got episode_timeout={self.episode_timeout!r} with "
                     "inference='host'"
                 )
-        self.env_spec, self._time_limited, self._probe_closing = probe_spaces(
-            self.env_sources[0],
-            asynchronous=self.traits.async_envs,
-            max_episode_length=self._factory.max_episode_length,
-            close_timeout=self.close_timeout,
-        )
         _validate.memory_fits(
             self.env_spec.observation_space,
             self.env_spec.action_space,
@@ -182,7 +185,7 @@ class SamplerCore:
             backend=backend,
             n_workers=n_workers,
             env_parallel=self.traits.env_parallel(
-                max_concurrency, n_workers * self.envs_per_worker, self.n_processes
+                max_concurrency, n_workers * self.envs_per_worker, self.n_processes, self.lanes
             ),
             agent_parallel=self.n_processes if isinstance(self.mode, HostMode) else 1,
             lanes=self.lanes,
@@ -225,6 +228,7 @@ class SamplerCore:
                     max_episode_length=self.max_episode_length,
                     chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
                     timed=self.metrics is not None,
+                    lanes=self.hosted_lanes,
                 )
                 for w in range(self.n_workers)
             ]
@@ -546,6 +550,12 @@ class SamplerCore:
         self, options: Batched | Host | None, worker_class: type[Worker]
     ) -> Batched | Host | None:
         """The lane backends batch agent calls themselves: no ``host`` mode or hooks there."""
+        if isinstance(options, Host) and self.hosted_lanes:
+            raise ValueError(
+                f"inference='host' does not run async envs yet (backend={self.backend_name!r} "
+                "steps them one at a time in its env hosts' event loops, the agent in this "
+                "process): use inference='per_worker' or 'batched'"
+            )
         if isinstance(options, Host):
             raise ValueError(
                 f"inference='host' needs backend={with_trait('host_mode')}, got "

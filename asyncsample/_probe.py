@@ -7,11 +7,11 @@ import asyncio
 from typing import Any
 
 from asyncsample import _validate
-from asyncsample.async_env import time_limit
+from asyncsample.async_env import is_async_env, time_limit
 from asyncsample.backends._closing import close_off_loop
-from asyncsample.backends.aio import probe_async_env
+from asyncsample.backends.aio import probe_async_env, read_async_env
 from asyncsample.batch import EnvSpec
-from asyncsample.env_update import make_env
+from asyncsample.env_update import EnvUpdate, checked_env, make_env
 
 __all__ = ["probe_spaces"]
 
@@ -19,21 +19,31 @@ __all__ = ["probe_spaces"]
 def probe_spaces(
     source: Any,
     *,
-    asynchronous: bool,
+    asynchronous: bool | None,
     max_episode_length: int | None,
     close_timeout: float,
-) -> tuple[EnvSpec, bool, asyncio.Future[Any] | None]:
+) -> tuple[EnvSpec, bool, asyncio.Future[Any] | None, bool]:
     """Build one env from ``source`` (the first of a list; an async env if ``asynchronous``)
     and read its spaces: the env spec, whether the env has a time limit of its own, and the close
-    still running (``None``: closed already). ``ValueError``: it could not be built or recorded;
+    still running (``None``: closed already), and whether it is an async env (``asynchronous``
+    ``None``: either kind, as it turns out). ``ValueError``: it could not be built or recorded;
     ``TypeError``: an env of the wrong kind for the backend."""
     first = source[0] if isinstance(source, list) else source
     closing: asyncio.Future[Any] | None
-    if asynchronous:
+    built = None
+    if asynchronous is None and callable(first) and not isinstance(first, EnvUpdate):
+        try:
+            built = first()
+        except Exception as exc:
+            raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
+        asynchronous = is_async_env(built)
+    if asynchronous and built is not None:
+        observation_space, action_space, limit, closing = read_async_env(built, close_timeout)
+    elif asynchronous:
         observation_space, action_space, limit, closing = probe_async_env(first, close_timeout)
     else:
         try:
-            env = make_env(first)
+            env = make_env(first) if built is None else checked_env(built, first)
         except Exception as exc:
             raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
         try:
@@ -48,4 +58,4 @@ def probe_spaces(
         action_space=action_space,
         max_episode_length=max_episode_length or limit,
     )
-    return spec, limit is not None, closing
+    return spec, limit is not None, closing, bool(asynchronous)

@@ -33,6 +33,9 @@ from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
+from asyncsample.backends._closing import CLOSE_TIMEOUT
+from asyncsample.backends._lane_link import LaneLink, RemoteLanes
+from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
     describe_exit,
     forkserver_context,
@@ -42,6 +45,7 @@ from asyncsample.backends._procs import (
     support_process_pids,
 )
 from asyncsample.backends._remote import (
+    HostDied,
     Incarnation,
     PendingCall,
     PoolMember,
@@ -72,7 +76,7 @@ from asyncsample.backends.placement import placement
 from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
 from asyncsample.errors import WorkerCrashedError
 
-__all__ = ["ProcessBackend", "ProcessHost", "support_process_pids"]
+__all__ = ["ProcessBackend", "ProcessHost", "ProcessLaneHost", "support_process_pids"]
 
 #: Seconds a host gets to close its envs and exit when asked to, before it is killed.
 EXIT_GRACE = 2.0
@@ -127,6 +131,8 @@ class _Conn(Incarnation):
         self.fd: int = sock.fileno() if sock is not None else -1
         self.watching = True
         self.eof_timer: asyncio.TimerHandle | None = None
+        # A host of async envs: its lane requests and replies (see _lane_link).
+        self.lanes = LaneLink(transport.write, loop)
         loop.add_reader(self.sentinel, self._on_sentinel)
         protocol.attach(self._on_frame, self._on_eof)
 
@@ -151,7 +157,7 @@ class _Conn(Incarnation):
 
     def _next_rid(self) -> int:
         rid = self.next_id
-        self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
+        self.next_id = rid + 1 if rid < _MAX_ID - 1 else HELLO_ID + 1  # _MAX_ID: LANES_ID
         return rid
 
     def send_direct(self, step: DirectStep, body: bytes) -> bool:
@@ -179,6 +185,9 @@ class _Conn(Incarnation):
             if step is not None:
                 step.reply = (status, payload)
                 return
+        if rid == LANES_ID:
+            self.lanes.replied(payload)
+            return
         if rid == HELLO_ID:
             if not self.ready.done():
                 self.ready.set_result(None)
@@ -257,6 +266,7 @@ class _Conn(Incarnation):
 
     def _on_death(self) -> None:
         self.pending.clear()
+        self.lanes.fail(HostDied(self.reason))
         if self.eof_timer is not None:
             self.eof_timer.cancel()
             self.eof_timer = None
@@ -354,8 +364,10 @@ class _Member(PoolMember[_Conn]):
         raw_chunks: list[_chunk.RawChunks | None] | None = None,
         host_threads: int | None = None,
         cpu: int | None = None,
+        lanes: LaneOptions | None = None,
     ) -> None:
         super().__init__(index, specs)
+        self.lanes = lanes  # a host of async envs (each stepped on its own in its event loop)
         self.ctx = ctx
         self.host_threads = host_threads
         self.cpu = cpu  # the CPU its processes are pinned to (None: not pinned)
@@ -372,7 +384,14 @@ class _Member(PoolMember[_Conn]):
         try:
             process = self.ctx.Process(
                 target=_host_main.main,
-                args=(child_sock, self.slots_blob, self.raw, self.raw_chunks, self.host_threads),
+                args=(
+                    child_sock,
+                    self.slots_blob,
+                    self.raw,
+                    self.raw_chunks,
+                    self.host_threads,
+                    self.lanes,
+                ),
                 name=f"asyncsample-host-{self.index}",
             )
             await _start_process(process)
@@ -627,6 +646,16 @@ class ProcessHost(RemoteHost[_Conn]):
         return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
 
 
+class ProcessLaneHost(RemoteLanes, ProcessHost):
+    """The host of one worker's async envs, each reset and stepped on its own in its env-host
+    process's event loop (see :mod:`asyncsample.backends._lane_link`)."""
+
+    def __init__(self, spec: HostSpec, member: _Member, slot: int, buffers: StepBuffers) -> None:
+        # No per-call timer: the host holds each env call to step_timeout itself.
+        super().__init__(spec, member, slot, buffers, None, [])
+        self._lanes_init(slot)
+
+
 class ProcessBackend:
     """Hosts the envs of all workers in a pool of env-host processes.
 
@@ -640,12 +669,23 @@ class ProcessBackend:
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
             ``None`` when there is a host for every such CPU (the faces' choice, see
             :func:`~asyncsample.backends._procs.host_cpus`), ``False`` (default) never.
+        max_concurrency, close_timeout: async envs (each stepped on its own in its host's event
+            loop): the env calls in flight across the hosts (each host gets a share), and the
+            longest an env's ``close()`` is waited for. ``step_timeout`` then cuts one env's
+            call (that env is rebuilt), not the host.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
     """
 
-    OPTIONS = ("n_processes", "step_timeout", "host_threads", "pin_cpus")
+    OPTIONS = (
+        "n_processes",
+        "step_timeout",
+        "host_threads",
+        "pin_cpus",
+        "max_concurrency",
+        "close_timeout",
+    )
 
     def __init__(
         self,
@@ -653,9 +693,14 @@ class ProcessBackend:
         step_timeout: float | None = None,
         host_threads: int | None = 1,
         pin_cpus: bool | None = False,
+        max_concurrency: int | None = None,
+        close_timeout: float = CLOSE_TIMEOUT,
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
+        self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
+        timeout = _validate.positive_seconds("close_timeout", close_timeout)
+        self.close_timeout = CLOSE_TIMEOUT if timeout is None else timeout
         if pin_cpus is not None and not isinstance(pin_cpus, bool):
             raise TypeError(
                 f"pin_cpus must be True, False or None, got {type(pin_cpus).__name__} {pin_cpus!r}"
@@ -708,8 +753,21 @@ class ProcessBackend:
         raw_chunks = [raw for _, raw in chunks]
         splits = list(zip(where.split(specs), where.split(raws), where.split(raw_chunks)))
         cpus = host_cpus(len(splits), self.pin_cpus)
+        lanes = specs[0].lanes
+        caps = shares(
+            self.max_concurrency if lanes else None, [sum(s.n_envs for s in m[0]) for m in splits]
+        )
         self._members = [
-            _Member(m, ctx, member_specs, member_raws, member_chunks, self.host_threads, cpus[m])
+            _Member(
+                m,
+                ctx,
+                member_specs,
+                member_raws,
+                member_chunks,
+                self.host_threads,
+                cpus[m],
+                LaneOptions(self.step_timeout, self.close_timeout, caps[m]) if lanes else None,
+            )
             for m, (member_specs, member_raws, member_chunks) in enumerate(splits)
         ]
         self._token = token = next(_TOKENS)
@@ -725,6 +783,11 @@ class ProcessBackend:
             self._release()
             raise
         members = self._members
+        if lanes:
+            return [
+                ProcessLaneHost(spec, members[where.member(w)], where.slot(w), buffers[w])
+                for w, spec in enumerate(specs)
+            ]
         return [
             ProcessHost(
                 spec, members[where.member(w)], where.slot(w), buffers[w], self.step_timeout, sets
