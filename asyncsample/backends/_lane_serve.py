@@ -7,6 +7,7 @@ whole-worker requests (build, update, call, set_attr, close) are frames of their
 from __future__ import annotations
 
 import asyncio
+import functools
 import pickle
 import socket
 import traceback
@@ -207,16 +208,18 @@ class _Server:
             return
         slot, i = request[2], request[3]
         host = self.slots[slot]
-        coro: Coroutine[Any, Any, Any]
+        call: Callable[[], Coroutine[Any, Any, Any]]
         if kind == LaneKind.STEP:
-            coro = host.step_one(i, request[4], self._deadline(request[5]))
+            deadline = self._deadline(request[5])
+            call = functools.partial(host.step_one, i, request[4], deadline)
         elif kind == LaneKind.RESET:
             seed = PENDING_SEED if request[4] == PENDING else request[4]
-            coro = host.reset_one(i, seed, request[5], self._deadline(request[6]))
+            deadline = self._deadline(request[6])
+            call = functools.partial(host.reset_one, i, seed, request[5], deadline)
         else:
-            coro = host.rebuild_one(i, pickle.loads(request[4]), request[5])
+            call = functools.partial(host.rebuild_one, i, pickle.loads(request[4]), request[5])
         env = (slot, i)
-        task = asyncio.ensure_future(self._run(key, coro, self.busy.get(env), host, i))
+        task = asyncio.ensure_future(self._run(key, call, self.busy.get(env), host, i))
         self.tasks[key] = task
         self.busy[env] = task
 
@@ -227,7 +230,7 @@ class _Server:
     async def _run(
         self,
         key: int,
-        coro: Coroutine[Any, Any, Any],
+        call: Callable[[], Coroutine[Any, Any, Any]],
         before: asyncio.Task[Any] | None,
         host: LaneHost,
         i: int,
@@ -235,7 +238,7 @@ class _Server:
         try:
             if before is not None and not before.done():  # one call of an env at a time
                 await asyncio.wait([before])
-            value = await coro
+            value = await call()
             if isinstance(host.buffers.obs, list):  # observations without fixed-size rows
                 value = (value, host.buffers.obs[i], host.buffers.final_obs[i])
             reply: tuple[int, int, Any] = (key, ST_OK, value)
@@ -243,8 +246,6 @@ class _Server:
             reply = (key, ST_DEADLINE, None)
         except Exception as exc:
             reply = (key, ST_FAIL, exc if round_trips(exc) else _portable(exc))
-        finally:
-            coro.close()  # never started when the wait above was cancelled
         # (A cancel, the caller's or the closing host's, ends here: no reply. An env's own
         # CancelledError came back as the WorkerError of LaneHost._raised.)
         self.tasks.pop(key, None)
