@@ -22,7 +22,7 @@ from asyncsample.backends.aio import PerEnvLockstep
 from asyncsample.backends.base import DeadlinePassed
 from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
-from asyncsample.errors import WorkerError
+from asyncsample.errors import WorkerCrashedError, WorkerError
 
 __all__ = ["LaneLink", "RemoteLanes"]
 
@@ -181,7 +181,6 @@ def _dead_error(inc: Incarnation | None, worker: int, env: int) -> WorkerError:
     """The error of env ``env``'s call that found its host dead: that env's (it is rebuilt)."""
     if inc is None:
         return WorkerError("its env host was not started", worker=worker, env=env, retry=False)
-    err = inc.crashed(worker)
-    err.env = env
-    err.args = (err._text(), *err.args[1:])
+    err = WorkerCrashedError(f"{inc.describe()} {inc.reason}", worker=worker, env=env)
+    err.__cause__ = inc.cause
     return err

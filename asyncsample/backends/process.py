@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import itertools
 import multiprocessing
@@ -20,7 +19,6 @@ import os
 import pickle
 import select
 import socket
-import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,11 +35,14 @@ from asyncsample.backends._closing import CLOSE_TIMEOUT
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
+    KILL_WAIT,
     describe_exit,
     forkserver_context,
     host_cpus,
+    kill_started,
     kill_tree,
     pin,
+    start_process,
     support_process_pids,
 )
 from asyncsample.backends._remote import (
@@ -83,7 +84,6 @@ EXIT_GRACE = 2.0
 #: Seconds a new host may take to import what it needs and report ready.
 START_TIMEOUT = 60.0
 #: Seconds to wait for a killed host to be reaped.
-_KILL_WAIT = 5.0
 #: Seconds to wait for a host's exit status after its stream ended.
 _EOF_GRACE = 1.0
 _MAX_ID = 0xFFFFFFFF
@@ -286,7 +286,7 @@ class _Conn(Incarnation):
             await asyncio.wait({self.exited}, timeout=grace)
         if not self.exited.done() and self.watching:
             self.die(f"was killed: it did not exit within {grace:g}s of being asked to")
-            await asyncio.wait({self.exited}, timeout=_KILL_WAIT)
+            await asyncio.wait({self.exited}, timeout=KILL_WAIT)
         self.die("was shut down")
         self.release()
 
@@ -297,59 +297,12 @@ class _Conn(Incarnation):
             self.die("was shut down")
         if not self.exited.done():
             with contextlib.suppress(Exception):
-                self.process.join(_KILL_WAIT)
+                self.process.join(KILL_WAIT)
         self._unwatch()
         with contextlib.suppress(Exception):
             self.process.close()
         with contextlib.suppress(Exception):
             self.transport.abort()
-
-
-#: Starts host processes off the loop's thread, one at a time (Process.start() is not
-#: thread-safe); a thread of our own, as the loop's default executor may be anything.
-_STARTER = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
-
-
-def _start_hidden(process: Any) -> None:
-    """``process.start()`` with ``__main__``'s ``__file__`` and ``__spec__`` hidden, so the new
-    host does not re-run the main script."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        process.start()
-        return
-    saved: dict[str, Any] = {
-        k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
-    }
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        process.start()
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-async def _start_process(process: Any) -> None:
-    """``process.start()`` off the loop's thread (killed if the caller is cancelled meanwhile)."""
-    fut = asyncio.get_running_loop().run_in_executor(_STARTER, _start_hidden, process)
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({fut})
-        if not fut.cancelled() and fut.exception() is None:
-            _kill_started(process)
-        raise
-
-
-def _kill_started(process: Any) -> None:
-    """Kill and reap a host process that was started but will not be used."""
-    kill_tree(None, process.pid)
-    with contextlib.suppress(Exception):
-        process.kill()
-        process.join(_KILL_WAIT)
-        process.close()
 
 
 class _Member(PoolMember[_Conn]):
@@ -394,7 +347,7 @@ class _Member(PoolMember[_Conn]):
                 ),
                 name=f"asyncsample-host-{self.index}",
             )
-            await _start_process(process)
+            await start_process(process)
             pin(process.pid, self.cpu)
         except BaseException:
             parent_sock.close()
@@ -406,7 +359,7 @@ class _Member(PoolMember[_Conn]):
                 _ReplyProtocol, sock=parent_sock
             )
         except BaseException:
-            _kill_started(process)
+            kill_started(process)
             parent_sock.close()
             raise
         conn = _Conn(process, transport, protocol, loop)
