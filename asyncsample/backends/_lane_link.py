@@ -15,9 +15,10 @@ from typing import Any
 
 import cloudpickle
 
-from asyncsample.backends._lane_serve import LANES_ID, PENDING, ST_DEADLINE, LaneKind
+from asyncsample._recorder import put_row
+from asyncsample.backends._lane_serve import PENDING, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import HostDied, Incarnation, PoolMember, closed_error
-from asyncsample.backends._transport import HEADER, ST_OK, Op, dumps
+from asyncsample.backends._transport import ST_OK, dumps
 from asyncsample.backends.aio import PerEnvLockstep
 from asyncsample.backends.base import DeadlinePassed
 from asyncsample.env_group import PENDING_SEED, StepBuffers
@@ -28,10 +29,10 @@ __all__ = ["LaneLink", "RemoteLanes"]
 
 
 class LaneLink:
-    """The lane requests and replies of one host connection (``write`` sends bytes on it)."""
+    """The lane requests and replies of one host connection (``send`` sends a pickled batch)."""
 
-    def __init__(self, write: Callable[[bytes], None], loop: asyncio.AbstractEventLoop) -> None:
-        self._write = write
+    def __init__(self, send: Callable[[bytes], None], loop: asyncio.AbstractEventLoop) -> None:
+        self._send = send
         self._loop = loop
         self._out: list[tuple[Any, ...]] = []
         self._waiting: dict[int, asyncio.Future[tuple[int, Any]]] = {}
@@ -66,8 +67,7 @@ class LaneLink:
         self._flushing = False
         out, self._out = self._out, []
         if out and self.dead is None:
-            body = dumps(out)
-            self._write(HEADER.pack(len(body), LANES_ID, Op.STEP) + body)
+            self._send(dumps(out))
 
     def replied(self, payload: bytes) -> None:
         """A batch of replies came: ``(key, status, value)`` each."""
@@ -98,11 +98,12 @@ class RemoteLanes(PerEnvLockstep):
     _incarnation: Any
     _member: PoolMember[Any]
 
-    def _lanes_init(self, slot: int) -> None:
+    def _lanes_init(self, slot: int, obs_in_reply: bool = False) -> None:
         self._slot_index = slot
         self.n_envs = self.spec.n_envs  # type: ignore[attr-defined]
         self.in_flight = {}
-        self._lists = isinstance(self.buffers.obs, list)
+        # The observations travel with the replies (buffers not shared, or without fixed rows).
+        self._obs_in_reply = obs_in_reply or isinstance(self.buffers.obs, list)
         self._built_in: list[Any] = [None] * self.n_envs  # the incarnation each env lives in
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
@@ -132,8 +133,11 @@ class RemoteLanes(PerEnvLockstep):
                 raise closed_error(self.worker, "step") from None
             raise _dead_error(inc, self.worker, i) from None
         if status == ST_OK:
-            if self._lists:  # observations without fixed-size rows travel with the reply
-                value, self.buffers.obs[i], self.buffers.final_obs[i] = value
+            if self._obs_in_reply:
+                value, obs, final = value
+                _put(self.buffers.obs, i, obs)
+                if final is not None:
+                    _put(self.buffers.final_obs, i, final)
             return value
         if status == ST_DEADLINE:
             raise DeadlinePassed
@@ -175,6 +179,13 @@ class RemoteLanes(PerEnvLockstep):
         blob = cloudpickle.dumps(list(chain), protocol=pickle.HIGHEST_PROTOCOL)
         await self._lane(LaneKind.REBUILD, i, blob, seed)
         self._built_in[i] = self._incarnation
+
+
+def _put(buffer: Any, i: int, row: Any) -> None:
+    if isinstance(buffer, list):  # a space without fixed-size rows
+        buffer[i] = row
+    else:
+        put_row(buffer, i, row)
 
 
 def _dead_error(inc: Incarnation | None, worker: int, env: int) -> WorkerError:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncsample._tree import tree_map
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -36,7 +37,9 @@ __all__ = [
     "LANES_ID",
     "LaneKind",
     "LaneOptions",
+    "LaneServer",
     "ST_DEADLINE",
+    "loop_factory",
     "serve",
     "shares",
 ]
@@ -95,84 +98,115 @@ def serve(
     options: LaneOptions,
 ) -> None:
     """Serve the slots of ``specs`` on ``sock`` until an ``exit`` request or the stream's end."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(_serve_socket(sock, specs, buffers, options))
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (``None``: asyncio's own)."""
     try:
         import uvloop
-
-        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
     except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(_Server(specs, buffers, options).run(sock))
+        return None
+    return uvloop.new_event_loop
 
 
-class _Server:
+async def _serve_socket(
+    sock: socket.socket,
+    specs: Sequence[HostSpec],
+    buffers: Sequence[StepBuffers],
+    options: LaneOptions,
+) -> None:
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    sock.setblocking(False)
+    protocol = ReplyProtocol()
+    transport, _ = await loop.create_unix_connection(lambda: protocol, sock=sock)
+
+    def send(rid: int, status: int, payload: bytes) -> None:
+        if not transport.is_closing():
+            transport.write(HEADER.pack(len(payload), rid, status) + payload)
+
+    server = LaneServer(specs, buffers, options, lambda body: send(LANES_ID, ST_OK, body))
+
+    def on_eof() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def on_frame(rid: int, op: int, payload: bytes) -> None:
+        if rid == LANES_ID:
+            server.handle(payload)
+        elif op == Op.EXIT:
+            on_eof()
+        else:
+            task = server.call(SLOT.unpack_from(payload)[0], op, payload[SLOT.size :])
+            task.add_done_callback(lambda t: t.cancelled() or send(rid, *t.result()))
+
+    protocol.attach(on_frame, on_eof)
+    send(HELLO_ID, ST_OK, b"")
+    try:
+        await done
+    finally:
+        await server.shut()
+        transport.close()
+
+
+class LaneServer:
+    """The worker slots of one host of async envs (a :class:`LaneHost` each, over ``buffers``
+    or buffers of their own), serving lane requests and whole-worker calls as tasks on the
+    running loop; each pass of the loop's finished lane requests go to ``send`` as one pickled
+    list of ``(key, status, value)``. ``obs_in_reply``: the caller does not share the buffers
+    (Ray), so each reply carries its env's observation (and final observation)."""
+
     def __init__(
-        self, specs: Sequence[HostSpec], buffers: Sequence[StepBuffers], options: LaneOptions
+        self,
+        specs: Sequence[HostSpec],
+        buffers: Sequence[StepBuffers | None],
+        options: LaneOptions,
+        send: Callable[[bytes], None],
+        obs_in_reply: bool = False,
     ) -> None:
-        self.specs = specs
-        self.buffers = buffers
-        self.options = options
-        self.slots: list[LaneHost] = []
+        limiter = None
+        if options.max_concurrency is not None:
+            limiter = asyncio.Semaphore(options.max_concurrency)
+        self.slots = [
+            LaneHost(
+                spec,
+                make_async_env,
+                options.step_timeout,
+                limiter,
+                options.close_timeout,
+                buffers=buffers,
+            )
+            for spec, buffers in zip(specs, buffers)
+        ]
+        self.by_worker = {spec.worker: k for k, spec in enumerate(specs)}
+        self._send = send
+        self.obs_in_reply = obs_in_reply
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
         self.flushing = False
         self.tasks: dict[int, asyncio.Task[Any]] = {}  # lane requests running, by key
         self.busy: dict[tuple[int, int], asyncio.Task[Any]] = {}  # the last one of each env
         self.calls: set[asyncio.Task[Any]] = set()
-        self.done: asyncio.Future[None] | None = None
-        self.transport: asyncio.WriteTransport | None = None
 
-    async def run(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        limiter = None
-        if self.options.max_concurrency is not None:
-            limiter = asyncio.Semaphore(self.options.max_concurrency)
-        self.slots = [
-            LaneHost(
-                spec,
-                make_async_env,
-                self.options.step_timeout,
-                limiter,
-                self.options.close_timeout,
-                buffers=buffers,
-            )
-            for spec, buffers in zip(self.specs, self.buffers)
-        ]
-        self.done = loop.create_future()
-        sock.setblocking(False)
-        protocol = ReplyProtocol()
-        transport, _ = await loop.create_unix_connection(lambda: protocol, sock=sock)
-        self.transport = transport
-        protocol.attach(self._on_frame, self._on_eof)
-        transport.write(HEADER.pack(0, HELLO_ID, ST_OK))
-        try:
-            await self.done
-        finally:
-            for task in list(self.tasks.values()) + list(self.calls):
-                task.cancel()
-            await asyncio.gather(*(s.shut() for s in self.slots), return_exceptions=True)
-            transport.close()
-
-    def _on_eof(self) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_result(None)
-
-    def _on_frame(self, rid: int, op: int, payload: bytes) -> None:
-        if rid == LANES_ID:
-            for request in pickle.loads(payload):
-                self._lane(request)
-            return
-        if op == Op.EXIT:
-            self._on_eof()
-            return
-        slot = self.slots[SLOT.unpack_from(payload)[0]]
-        body = memoryview(payload)[SLOT.size :]
-        task = asyncio.ensure_future(self._call(rid, slot, op, body))
-        self.calls.add(task)
-        task.add_done_callback(self.calls.discard)
+    async def shut(self) -> None:
+        """Cancel what runs and close every env (each close bounded by ``close_timeout``)."""
+        for task in list(self.tasks.values()) + list(self.calls):
+            task.cancel()
+        await asyncio.gather(*(s.shut() for s in self.slots), return_exceptions=True)
 
     # -- whole-worker requests ------------------------------------------------------------------
 
-    async def _call(self, rid: int, slot: LaneHost, op: int, body: memoryview) -> None:
+    def call(self, slot: int, op: int, body: bytes) -> asyncio.Task[tuple[int, bytes]]:
+        """Run a whole-worker request (build, update, call, set_attr, close) of slot ``slot``;
+        its task's result is the reply's ``(status, payload)``."""
+        task = asyncio.ensure_future(self._call(self.slots[slot], op, body))
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+        return task
+
+    @staticmethod
+    async def _call(slot: LaneHost, op: int, body: bytes) -> tuple[int, bytes]:
         try:
             args = pickle.loads(body) if len(body) else ()
             value: Any = None
@@ -188,16 +222,16 @@ class _Server:
                 await slot.close()
             else:
                 raise ValueError(f"request {Op(op).label!r} is not served by a host of async envs")
-            self._send(rid, ST_OK, value or b"")
+            return ST_OK, value or b""
         except Exception as exc:
-            self._send(rid, ST_FAIL, dump_failure(_failure(exc)))
-
-    def _send(self, rid: int, status: int, payload: bytes) -> None:
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
-            transport.write(HEADER.pack(len(payload), rid, status) + payload)
+            return ST_FAIL, dump_failure(_failure(exc))
 
     # -- lane requests --------------------------------------------------------------------------
+
+    def handle(self, payload: bytes) -> None:
+        """Start the lane requests of one batch (see :class:`LaneKind`)."""
+        for request in pickle.loads(payload):
+            self._lane(request)
 
     def _lane(self, request: tuple[Any, ...]) -> None:
         kind, key = request[0], request[1]
@@ -239,8 +273,11 @@ class _Server:
             if before is not None and not before.done():  # one call of an env at a time
                 await asyncio.wait([before])
             value = await call()
-            if isinstance(host.buffers.obs, list):  # observations without fixed-size rows
-                value = (value, host.buffers.obs[i], host.buffers.final_obs[i])
+            buffers = host.buffers
+            if self.obs_in_reply or isinstance(buffers.obs, list):
+                ended = isinstance(value, tuple) and (value[1] or value[2])
+                final = _row(buffers.final_obs, i) if ended else None
+                value = (value, _row(buffers.obs, i), final)
             reply: tuple[int, int, Any] = (key, ST_OK, value)
         except DeadlinePassed:
             reply = (key, ST_DEADLINE, None)
@@ -258,7 +295,14 @@ class _Server:
         self.flushing = False
         out, self.out = self.out, []
         if out:
-            self._send(LANES_ID, ST_OK, dumps(out))
+            self._send(dumps(out))
+
+
+def _row(tree: Any, i: int) -> Any:
+    """Env ``i``'s row of a buffer (a copy: the buffer is written again by its next call)."""
+    if isinstance(tree, list):
+        return tree[i]
+    return tree_map(lambda a: a[i].copy(), tree)
 
 
 def _portable(exc: BaseException) -> WorkerError:

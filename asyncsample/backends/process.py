@@ -132,7 +132,9 @@ class _Conn(Incarnation):
         self.watching = True
         self.eof_timer: asyncio.TimerHandle | None = None
         # A host of async envs: its lane requests and replies (see _lane_link).
-        self.lanes = LaneLink(transport.write, loop)
+        self.lanes = LaneLink(
+            lambda body: transport.write(HEADER.pack(len(body), LANES_ID, Op.STEP) + body), loop
+        )
         loop.add_reader(self.sentinel, self._on_sentinel)
         protocol.attach(self._on_frame, self._on_eof)
 
