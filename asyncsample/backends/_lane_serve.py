@@ -140,7 +140,12 @@ async def _serve_socket(
             on_eof()
         else:
             task = server.call(SLOT.unpack_from(payload)[0], op, payload[SLOT.size :])
-            task.add_done_callback(lambda t: t.cancelled() or send(rid, *t.result()))
+
+            def reply(t: asyncio.Task[tuple[int, bytes]]) -> None:
+                if not t.cancelled():
+                    send(rid, *t.result())
+
+            task.add_done_callback(reply)
 
     protocol.attach(on_frame, on_eof)
     send(HELLO_ID, ST_OK, b"")
