@@ -11,8 +11,11 @@ import contextlib
 import functools
 import os
 import signal
+import sys
 from typing import Any
 
+import async_envs
+import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -21,7 +24,22 @@ from async_envs import CountingAsyncEnv, FaultyAsyncEnv, faulty, random_length
 from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
 from asyncsample.backends._lane_serve import shares
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90), pytest.mark.both_loops]
+# Faults and cancellation run under both loops in the quick pass (marked both_loops); the other
+# uvloop variants, and every Ray variant, in the slow pass (tests/conftest.py).
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+# The hosts (Ray's workers) import neither tests/async_envs.py nor this module: ship by value.
+cloudpickle.register_pickle_by_value(async_envs)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(params=["process", "ray"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The host backends that take async envs (Ray's variants are slow: its cluster starts)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return str(request.param)
+
 
 FIELDS = ("observations", "actions", "rewards", "lengths", "step_types")
 
@@ -52,12 +70,12 @@ async def _batches(sampler: Sampler, mode: str) -> list[EpisodeBatch]:
 @pytest.mark.parametrize("mode", ["episodes", "fragments"])
 @pytest.mark.parametrize("inference", ["per_worker", "batched"])
 async def test_batches_equal_the_asyncio_backends(
-    make_sampler: Any, mode: str, inference: str
+    make_sampler: Any, backend: str, mode: str, inference: str
 ) -> None:
     out = {}
-    for backend in ("asyncio", "process"):
+    for name in ("asyncio", backend):
         sampler = make_sampler(
-            backend,
+            name,
             random_length(1, 20, None),
             ThresholdAgent(),
             n_workers=3,
@@ -65,16 +83,16 @@ async def test_batches_equal_the_asyncio_backends(
             seed=3,
             inference=inference,
         )
-        out[backend] = await _batches(sampler, mode)
+        out[name] = await _batches(sampler, mode)
         await sampler.aclose()
-    for a, p in zip(out["asyncio"], out["process"]):
+    for a, p in zip(out["asyncio"], out[backend]):
         assert p.n_transitions > 0
         for field in FIELDS:
             np.testing.assert_array_equal(getattr(a, field), getattr(p, field), err_msg=field)
         np.testing.assert_array_equal(a.episode_infos["env"], p.episode_infos["env"])
 
 
-async def test_envs_live_in_the_hosts(make_sampler: Any) -> None:
+async def test_envs_live_in_the_hosts(make_sampler: Any, backend: str) -> None:
     """The envs report the pid they run in: the hosts', never the caller's."""
 
     class PidEnv(CountingAsyncEnv):
@@ -82,21 +100,22 @@ async def test_envs_live_in_the_hosts(make_sampler: Any) -> None:
             obs, reward, terminated, truncated, _info = await super().step(action)
             return obs, reward, terminated, truncated, {"pid": os.getpid()}
 
-    sampler = make_sampler("process", PidEnv, n_workers=2, envs_per_worker=3, n_processes=2)
+    sampler = make_sampler(backend, PidEnv, n_workers=2, envs_per_worker=3, n_processes=2)
     batch = await sampler.obtain_samples(60)
     pids = set(batch.env_infos["pid"].tolist())
     assert os.getpid() not in pids
-    assert pids <= set(sampler._core.backend.pids)  # type: ignore[union-attr]
     assert len(pids) == 2
-    assert repr(sampler).count("process")
+    if backend == "process":
+        assert pids <= set(sampler._core.backend.pids)  # type: ignore[union-attr]
 
 
+@pytest.mark.both_loops
 @pytest.mark.parametrize("kind", ["raise", "cancel", "hang", "reward"])
-async def test_a_fault_is_the_envs_own(make_sampler: Any, kind: str) -> None:
+async def test_a_fault_is_the_envs_own(make_sampler: Any, backend: str, kind: str) -> None:
     """Env 5 of the one worker misbehaves once; only its episode is lost, it alone is rebuilt."""
     n = 12
     sampler = make_sampler(
-        "process",
+        backend,
         faulty("asyncio", kind, 5, n),
         n_workers=1,
         envs_per_worker=n,
@@ -114,9 +133,9 @@ async def test_a_fault_is_the_envs_own(make_sampler: Any, kind: str) -> None:
         assert episode.step_types[-1] == StepType.TERMINAL
 
 
-async def test_past_max_restarts_the_call_names_the_env(make_sampler: Any) -> None:
+async def test_past_max_restarts_the_call_names_the_env(make_sampler: Any, backend: str) -> None:
     sampler = make_sampler(
-        "process",
+        backend,
         functools.partial(FaultyAsyncEnv, "raise"),  # every env raises on its third step
         n_workers=1,
         envs_per_worker=4,
@@ -129,9 +148,9 @@ async def test_past_max_restarts_the_call_names_the_env(make_sampler: Any) -> No
     assert sampler.restarts == 2 * 4  # each env spent its own budget of 2
 
 
-async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any) -> None:
+async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any, backend: str) -> None:
     sampler = make_sampler(
-        "process",
+        backend,
         random_length(5, 15, 0.002),
         n_workers=2,
         envs_per_worker=8,
@@ -139,13 +158,21 @@ async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any) -> 
         seed=0,
     )
     await sampler.obtain_samples(50)
-    victim = sampler._core.backend.pids[0]  # type: ignore[union-attr]
+    hosts = sampler._core.backend
     call = asyncio.ensure_future(sampler.obtain_exact_episodes(80))
     await asyncio.sleep(0.05)
-    os.kill(victim, signal.SIGKILL)
+    if backend == "process":
+        victim = hosts.pids[0]  # type: ignore[union-attr]
+        os.kill(victim, signal.SIGKILL)
+    else:
+        import ray
+
+        victim = hosts.actors[0]  # type: ignore[union-attr]
+        ray.kill(victim, no_restart=True)
     batch = await call
     assert sampler.restarts >= 1
-    assert victim not in sampler._core.backend.pids  # type: ignore[union-attr]
+    live = hosts.pids if backend == "process" else hosts.actors  # type: ignore[union-attr]
+    assert victim not in live
     assert len(batch.lengths) == 2 * 80  # per worker
     for episode in batch.split():
         np.testing.assert_array_equal(
@@ -154,7 +181,7 @@ async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any) -> 
         assert episode.step_types[-1] == StepType.TERMINAL
 
 
-async def test_max_concurrency_is_split_over_the_hosts(make_sampler: Any) -> None:
+async def test_max_concurrency_is_split_over_the_hosts(make_sampler: Any, backend: str) -> None:
     """Each env reports how many steps of its host process were in flight at once."""
     assert shares(7, [8, 8]) == [4, 3] or shares(7, [8, 8]) == [3, 4]
     assert sum(shares(10, [3, 5, 8])) == 10
@@ -164,7 +191,7 @@ async def test_max_concurrency_is_split_over_the_hosts(make_sampler: Any) -> Non
         shares(1, [4, 4])
 
     sampler = make_sampler(
-        "process",
+        backend,
         PeakEnv,
         n_workers=2,
         envs_per_worker=16,
@@ -197,9 +224,9 @@ class PeakEnv(CountingAsyncEnv):
         return obs, reward, terminated, truncated, {"peak": cls.peak}
 
 
-async def test_a_stream_with_updates(make_sampler: Any) -> None:
+async def test_a_stream_with_updates(make_sampler: Any, backend: str) -> None:
     sampler = make_sampler(
-        "process", random_length(3, 8, 0.001), n_workers=2, envs_per_worker=4, n_processes=2
+        backend, random_length(3, 8, 0.001), n_workers=2, envs_per_worker=4, n_processes=2
     )
     seen = []
     async with contextlib.aclosing(sampler.stream(50, max_policy_lag=1)) as stream:

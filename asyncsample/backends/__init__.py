@@ -142,7 +142,14 @@ TABLE: dict[str, Traits] = {
             async_hosts=True,
         ),
         Traits("local", "local:LocalBackend", in_process=True, preempts=False),
-        Traits("ray", "ray:RayBackend", host_mode=True, per_host="workers_per_actor", needs="ray"),
+        Traits(
+            "ray",
+            "ray:RayBackend",
+            host_mode=True,
+            async_hosts=True,
+            per_host="workers_per_actor",
+            needs="ray",
+        ),
         Traits("asyncio", "aio:AsyncioBackend", in_process=True, per_env=True, async_envs=True),
         Traits("thread", "aio:ThreadBackend", in_process=True, per_env=True),
     ]

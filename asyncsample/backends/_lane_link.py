@@ -136,8 +136,9 @@ class RemoteLanes(PerEnvLockstep):
             if self._obs_in_reply:
                 value, obs, final = value
                 _put(self.buffers.obs, i, obs)
-                if final is not None:
+                if final is not None:  # a step that ended its episode: the flags are read too
                     _put(self.buffers.final_obs, i, final)
+                    self.buffers.terminated[i], self.buffers.truncated[i] = value[1], value[2]
             return value
         if status == ST_DEADLINE:
             raise DeadlinePassed
