@@ -203,9 +203,9 @@ class SamplerCore:
             "step_timeout": self.step_timeout,
             "host_threads": self.host_threads,
         }
+        options["close_timeout"] = self.close_timeout  # every backend bounds its closes
         if self.lanes:
             options["max_concurrency"] = self.max_concurrency
-            options["close_timeout"] = self.close_timeout
         options.update(self.backend_options)
         if self._random_agents:
             self._random_agents = False

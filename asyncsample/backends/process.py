@@ -33,6 +33,7 @@ from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
+from asyncsample.backends._closing import exit_grace, optional_close_timeout
 from asyncsample.backends._procs import (
     describe_exit,
     forkserver_context,
@@ -74,7 +75,8 @@ from asyncsample.errors import WorkerCrashedError
 
 __all__ = ["ProcessBackend", "ProcessHost", "support_process_pids"]
 
-#: Seconds a host gets to close its envs and exit when asked to, before it is killed.
+#: Seconds a host gets to close its envs and exit when asked to, before it is killed, when the
+#: backend was given no ``close_timeout`` (and at most, for a host still busy with a call).
 EXIT_GRACE = 2.0
 #: Seconds a new host may take to import what it needs and report ready.
 START_TIMEOUT = 60.0
@@ -640,12 +642,15 @@ class ProcessBackend:
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
             ``None`` when there is a host for every such CPU (the faces' choice, see
             :func:`~asyncsample.backends._procs.host_cpus`), ``False`` (default) never.
+        close_timeout: seconds :meth:`aclose` lets a host close its envs before it is killed
+            (``None``: ``EXIT_GRACE``); a host still busy with a call gets at most
+            ``EXIT_GRACE``.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
     """
 
-    OPTIONS = ("n_processes", "step_timeout", "host_threads", "pin_cpus")
+    OPTIONS = ("n_processes", "step_timeout", "host_threads", "pin_cpus", "close_timeout")
 
     def __init__(
         self,
@@ -653,9 +658,11 @@ class ProcessBackend:
         step_timeout: float | None = None,
         host_threads: int | None = 1,
         pin_cpus: bool | None = False,
+        close_timeout: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
+        self.close_timeout = optional_close_timeout(close_timeout)
         if pin_cpus is not None and not isinstance(pin_cpus, bool):
             raise TypeError(
                 f"pin_cpus must be True, False or None, got {type(pin_cpus).__name__} {pin_cpus!r}"
@@ -740,7 +747,12 @@ class ProcessBackend:
             member.closed = True
         conns = [c for m in self._members for c in m.incarnations]
         try:
-            await asyncio.gather(*(c.shutdown(EXIT_GRACE) for c in conns), return_exceptions=True)
+            graces = [
+                exit_grace(self.close_timeout, bool(c.calls or c.direct), EXIT_GRACE) for c in conns
+            ]
+            await asyncio.gather(
+                *(c.shutdown(g) for c, g in zip(conns, graces)), return_exceptions=True
+            )
         finally:
             self._release()  # whatever the graceful path left (idempotent)
 

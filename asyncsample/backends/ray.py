@@ -26,6 +26,7 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
+from asyncsample.backends._closing import exit_grace, optional_close_timeout
 from asyncsample.backends._ray_actor import (
     OK,
     PROGRESS_GROUP,
@@ -55,7 +56,8 @@ __all__ = ["INSTALL_HINT", "EnvActor", "RayBackend", "RayHost"]
 INSTALL_HINT = "pip install 'asyncsample[ray]'"
 #: Ray's placement-group strategies.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-#: Seconds the actors get to close their envs in ``aclose`` before they are killed.
+#: Seconds the actors get to close their envs in ``aclose`` before they are killed, when the
+#: backend was given no ``close_timeout`` (and at most, for an actor still busy with a call).
 EXIT_GRACE = 2.0
 #: Seconds an actor may wait to be scheduled before a warning says what it waits for.
 PENDING_WARNING = 10.0
@@ -376,6 +378,9 @@ class RayBackend:
         init_kwargs: extra keyword arguments for ``ray.init``.
         start_timeout: seconds to wait for the actors to be up (``None``: as long as it takes).
         host_threads: intra-op threads of the numeric libraries in each actor (``None``: theirs).
+        close_timeout: seconds :meth:`aclose` lets the actors close their envs before they are
+            killed (``None``: ``EXIT_GRACE``); while an actor is still busy with a call, at most
+            ``EXIT_GRACE``.
     """
 
     def __init__(
@@ -393,9 +398,11 @@ class RayBackend:
         init_kwargs: Mapping[str, Any] | None = None,
         start_timeout: float | None = None,
         host_threads: int | None = 1,
+        close_timeout: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("ray", unknown, self.OPTIONS)
+        self.close_timeout = optional_close_timeout(close_timeout)
         try:
             import ray
         except ImportError as exc:
@@ -564,7 +571,10 @@ class RayBackend:
         # A Ray shut down under us took the actors with it; a Ray call now would start it again.
         live = self.ray.is_initialized()
         if live:  # let the envs close themselves (env.close()) first
-            await _settle([a for a in actors if not a.dead], "shutdown", EXIT_GRACE)
+            live_actors = [a for a in actors if not a.dead]
+            busy = any(a.calls for a in live_actors)
+            grace = exit_grace(self.close_timeout, busy, EXIT_GRACE)
+            await _settle(live_actors, "shutdown", grace)
         else:
             self._placement_group = None
         for actor in actors:
