@@ -15,6 +15,7 @@ from typing import Any
 
 import gymnasium as gym
 import pytest
+from helpers import SamplerFactory
 
 from asyncsample import Sampler
 
@@ -40,16 +41,16 @@ class GatedFactory:
 
 
 @pytest.mark.parametrize("backend", ["local", "process", "thread"])
-async def test_the_probe_env_is_built_off_the_loop(backend: str) -> None:
+async def test_the_probe_env_is_built_off_the_loop(
+    make_sampler: SamplerFactory, backend: str
+) -> None:
     factory = GatedFactory()
-    sampler = Sampler(factory, n_workers=2, backend=backend, seed=0)  # before: never returned
+    sampler = make_sampler(backend, factory, n_workers=2, seed=0)  # before: never returned
     factory.release.set()  # only this loop can let the probe go on
-    try:
-        batch = await sampler.obtain_samples(20)
-        assert batch.n_transitions >= 20
-        assert sampler.env_spec.max_episode_length == 500
-    finally:
-        await sampler.aclose()
+    batch = await sampler.obtain_samples(20)
+    assert batch.n_transitions >= 20
+    assert sampler.env_spec.max_episode_length == 500
+    await sampler.aclose()
     assert factory.threads[0] != threading.get_ident()  # the probe: in a thread of its own
 
 
