@@ -245,8 +245,17 @@ async def test_a_stream_with_updates(make_sampler: Any, backend: str) -> None:
 
 
 async def test_inference_host_is_refused_clearly() -> None:
+    """Built in a running loop, the probe env is read as the sampler starts: refused there."""
+    sampler = Sampler(CountingAsyncEnv, backend="process", inference="host")
     with pytest.raises(ValueError, match="inference='host' does not run async envs yet"):
-        Sampler(CountingAsyncEnv, backend="process", inference="host")
+        await sampler.start()
+    await sampler.aclose()
+
+
+async def test_inference_host_is_refused_at_construction_without_a_loop() -> None:
+    """Built where no loop runs (a thread here), the probe env is read at once: refused there."""
+    with pytest.raises(ValueError, match="inference='host' does not run async envs yet"):
+        await asyncio.to_thread(Sampler, CountingAsyncEnv, backend="process", inference="host")
 
 
 async def test_blocking_envs_still_take_the_lockstep_path(make_sampler: Any) -> None:

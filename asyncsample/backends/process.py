@@ -31,7 +31,7 @@ from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
-from asyncsample.backends._closing import CLOSE_TIMEOUT
+from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
@@ -79,7 +79,8 @@ from asyncsample.errors import WorkerCrashedError
 
 __all__ = ["ProcessBackend", "ProcessHost", "ProcessLaneHost", "support_process_pids"]
 
-#: Seconds a host gets to close its envs and exit when asked to, before it is killed.
+#: Seconds a host gets to close its envs and exit when asked to, before it is killed, when the
+#: backend was given no ``close_timeout`` (and at most, for a host still busy with a call).
 EXIT_GRACE = 2.0
 #: Seconds a new host may take to import what it needs and report ready.
 START_TIMEOUT = 60.0
@@ -624,10 +625,13 @@ class ProcessBackend:
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
             ``None`` when there is a host for every such CPU (the faces' choice, see
             :func:`~asyncsample.backends._procs.host_cpus`), ``False`` (default) never.
-        max_concurrency, close_timeout: async envs (each stepped on its own in its host's event
-            loop): the env calls in flight across the hosts (each host gets a share), and the
-            longest an env's ``close()`` is waited for. ``step_timeout`` then cuts one env's
-            call (that env is rebuilt), not the host.
+        close_timeout: seconds :meth:`aclose` lets a host close its envs before it is killed
+            (``None``: ``EXIT_GRACE``); a host still busy with a call gets at most
+            ``EXIT_GRACE``. With async envs, also the longest an env's ``close()`` is waited for
+            in its host (``None``: 10 s).
+        max_concurrency: async envs (each stepped on its own in its host's event loop): the env
+            calls in flight across the hosts (each host gets a share). ``step_timeout`` then
+            cuts one env's call (that env is rebuilt), not the host.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
@@ -638,8 +642,8 @@ class ProcessBackend:
         "step_timeout",
         "host_threads",
         "pin_cpus",
-        "max_concurrency",
         "close_timeout",
+        "max_concurrency",
     )
 
     def __init__(
@@ -648,14 +652,13 @@ class ProcessBackend:
         step_timeout: float | None = None,
         host_threads: int | None = 1,
         pin_cpus: bool | None = False,
+        close_timeout: float | None = None,
         max_concurrency: int | None = None,
-        close_timeout: float = CLOSE_TIMEOUT,
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
+        self.close_timeout = optional_close_timeout(close_timeout)
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
-        timeout = _validate.positive_seconds("close_timeout", close_timeout)
-        self.close_timeout = CLOSE_TIMEOUT if timeout is None else timeout
         if pin_cpus is not None and not isinstance(pin_cpus, bool):
             raise TypeError(
                 f"pin_cpus must be True, False or None, got {type(pin_cpus).__name__} {pin_cpus!r}"
@@ -709,6 +712,7 @@ class ProcessBackend:
         splits = list(zip(where.split(specs), where.split(raws), where.split(raw_chunks)))
         cpus = host_cpus(len(splits), self.pin_cpus)
         lanes = specs[0].lanes
+        lane_close = CLOSE_TIMEOUT if self.close_timeout is None else self.close_timeout
         caps = shares(
             self.max_concurrency if lanes else None, [sum(s.n_envs for s in m[0]) for m in splits]
         )
@@ -721,7 +725,7 @@ class ProcessBackend:
                 member_chunks,
                 self.host_threads,
                 cpus[m],
-                LaneOptions(self.step_timeout, self.close_timeout, caps[m]) if lanes else None,
+                LaneOptions(self.step_timeout, lane_close, caps[m]) if lanes else None,
             )
             for m, (member_specs, member_raws, member_chunks) in enumerate(splits)
         ]
@@ -758,7 +762,12 @@ class ProcessBackend:
             member.closed = True
         conns = [c for m in self._members for c in m.incarnations]
         try:
-            await asyncio.gather(*(c.shutdown(EXIT_GRACE) for c in conns), return_exceptions=True)
+            graces = [
+                exit_grace(self.close_timeout, bool(c.calls or c.direct), EXIT_GRACE) for c in conns
+            ]
+            await asyncio.gather(
+                *(c.shutdown(g) for c, g in zip(conns, graces)), return_exceptions=True
+            )
         finally:
             self._release()  # whatever the graceful path left (idempotent)
 

@@ -27,7 +27,7 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
-from asyncsample.backends._closing import CLOSE_TIMEOUT
+from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LaneOptions, shares
 from asyncsample.backends._ray_actor import (
@@ -60,7 +60,8 @@ __all__ = ["INSTALL_HINT", "EnvActor", "RayBackend", "RayHost"]
 INSTALL_HINT = "pip install 'asyncsample[ray]'"
 #: Ray's placement-group strategies.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-#: Seconds the actors get to close their envs in ``aclose`` before they are killed.
+#: Seconds the actors get to close their envs in ``aclose`` before they are killed, when the
+#: backend was given no ``close_timeout`` (and at most, for an actor still busy with a call).
 EXIT_GRACE = 2.0
 #: Seconds an actor may wait to be scheduled before a warning says what it waits for.
 PENDING_WARNING = 10.0
@@ -422,9 +423,13 @@ class RayBackend:
         init_kwargs: extra keyword arguments for ``ray.init``.
         start_timeout: seconds to wait for the actors to be up (``None``: as long as it takes).
         host_threads: intra-op threads of the numeric libraries in each actor (``None``: theirs).
-        max_concurrency, close_timeout: async envs (each stepped on its own in its actor's event
-            loop): the env calls in flight across the actors (each gets a share), and the longest
-            an env's ``close()`` is waited for. ``step_timeout`` then cuts one env's call.
+        close_timeout: seconds :meth:`aclose` lets the actors close their envs before they are
+            killed (``None``: ``EXIT_GRACE``); while an actor is still busy with a call, at most
+            ``EXIT_GRACE``.
+            With async envs, also the longest an env's ``close()`` is waited for (``None``: 10 s).
+        max_concurrency: async envs (each stepped on its own in its actor's event loop): the env
+            calls in flight across the actors (each gets a share). ``step_timeout`` then cuts one
+            env's call.
     """
 
     def __init__(
@@ -443,10 +448,11 @@ class RayBackend:
         start_timeout: float | None = None,
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
-        close_timeout: float = CLOSE_TIMEOUT,
+        close_timeout: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("ray", unknown, self.OPTIONS)
+        self.close_timeout = optional_close_timeout(close_timeout)
         try:
             import ray
         except ImportError as exc:
@@ -465,8 +471,6 @@ class RayBackend:
         self.start_timeout = _validate.positive_seconds("start_timeout", start_timeout)
         self.host_threads = _validate.optional_positive_int("host_threads", host_threads)
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
-        timeout = _validate.positive_seconds("close_timeout", close_timeout)
-        self.close_timeout = CLOSE_TIMEOUT if timeout is None else timeout
         self.lanes: LaneOptions | None = None  # async envs: what each actor's server takes
         self._caps: list[int | None] = []
         self.address = _validate.optional_str("address", address)
@@ -560,7 +564,8 @@ class RayBackend:
             await asyncio.to_thread(self._connect, math.ceil(n * self.num_cpus))
             ray = self.ray
             if specs[0].lanes:
-                self.lanes = LaneOptions(self.step_timeout, self.close_timeout, None)
+                close = CLOSE_TIMEOUT if self.close_timeout is None else self.close_timeout
+                self.lanes = LaneOptions(self.step_timeout, close, None)
                 members = where.split(specs)
                 self._caps = shares(self.max_concurrency, [len(m) for m in members])
                 self._actor_class = ray.remote(LaneActor)
@@ -632,7 +637,10 @@ class RayBackend:
         # A Ray shut down under us took the actors with it; a Ray call now would start it again.
         live = self.ray.is_initialized()
         if live:  # let the envs close themselves (env.close()) first
-            await _settle([a for a in actors if not a.dead], "shutdown", EXIT_GRACE)
+            live_actors = [a for a in actors if not a.dead]
+            busy = any(a.calls for a in live_actors)
+            grace = exit_grace(self.close_timeout, busy, EXIT_GRACE)
+            await _settle(live_actors, "shutdown", grace)
         else:
             self._placement_group = None
         for actor in actors:
