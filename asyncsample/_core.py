@@ -32,7 +32,14 @@ from asyncsample._engine import (
     share_of,
 )
 from asyncsample._env_tasks import Admission, LaneSettings
-from asyncsample._probe import Probe, Probed, loop_runs_here, probe_spaces, wait_probe_closed
+from asyncsample._probe import (
+    Probe,
+    Probed,
+    loop_runs_here,
+    maybe_async,
+    probe_spaces,
+    wait_probe_closed,
+)
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tasks import run_all
@@ -132,8 +139,7 @@ class SamplerCore:
         # backends once the probe env says the envs are async envs (_settle_kind).
         self.lanes = self.traits.per_env
         self.hosted_lanes = False  # async envs in the env hosts' event loops
-        if max_concurrency is not None and not (self.lanes or self.traits.async_hosts):
-            self._refuse_max_concurrency()
+
         lanes = None
         if self.lanes:
             options = self._check_lane_inference(options, worker_class)
@@ -169,6 +175,8 @@ class SamplerCore:
                 close_timeout=self.close_timeout,
             )
             self._check_memory(_NO_SPACE, _NO_SPACE, 0)
+        if max_concurrency is not None and not (self.lanes or maybe_async(self.env_sources[0])):
+            self._refuse_max_concurrency()  # blocking envs for sure (an id...): refused now
         self.seed, self.seeds = worker_seeds(seed, n_workers, self.envs_per_worker)
         self.agent_seeds = [s.agent_seed for s in self.seeds]
         # RandomAgents are built as the sampler starts: a constructor costs O(1) in workers.

@@ -22,9 +22,16 @@ from asyncsample.async_env import is_async_env, time_limit
 from asyncsample.backends._closing import close_off_loop
 from asyncsample.backends.aio import probe_async_env, read_async_env
 from asyncsample.batch import EnvSpec
-from asyncsample.env_update import EnvUpdate, checked_env, make_env
+from asyncsample.env_update import EnvId, EnvUpdate, checked_env, make_env
 
-__all__ = ["Probe", "Probed", "loop_runs_here", "probe_spaces", "wait_probe_closed"]
+__all__ = [
+    "Probe",
+    "Probed",
+    "loop_runs_here",
+    "maybe_async",
+    "probe_spaces",
+    "wait_probe_closed",
+]
 
 Closing = asyncio.Future[Any] | concurrent.futures.Future[None]
 """A close still running: on the loop (a task or a future a thread completes), or in a thread."""
@@ -189,10 +196,17 @@ def _build(source: Any) -> Any:
         raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
 
 
+def maybe_async(source: Any) -> bool:
+    """Whether ``source`` (or the first of a list) may build an async env: a factory may; an
+    id, an env or an update gives a blocking env."""
+    first = source[0] if isinstance(source, list) else source
+    return callable(first) and not isinstance(first, (str, EnvId, EnvUpdate))
+
+
 def _build_either(source: Any) -> Any:
     """The env a factory makes, of either kind (``None`` for an id, an env or an update: those
     give blocking envs, :func:`_build` makes them)."""
-    if not callable(source) or isinstance(source, (str, EnvUpdate)):
+    if not maybe_async(source):
         return None
     try:
         return source()

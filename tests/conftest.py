@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
@@ -181,7 +182,16 @@ def ray_cluster() -> Iterator[Any]:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        # The test modules' own envs (tests/async_envs.py, classes of a test module) are
+        # imported by name in the actors, as in the env-host processes: tests/ on their path.
+        tests = os.path.dirname(os.path.abspath(__file__))
+        path = os.pathsep.join(p for p in [tests, os.environ.get("PYTHONPATH", "")] if p)
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+        )
     yield ray
     if started:
         ray.shutdown()

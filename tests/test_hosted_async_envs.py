@@ -11,11 +11,8 @@ import contextlib
 import functools
 import os
 import signal
-import sys
 from typing import Any
 
-import async_envs
-import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -27,10 +24,6 @@ from asyncsample.backends._lane_serve import shares
 # Faults and cancellation run under both loops in the quick pass (marked both_loops); the other
 # uvloop variants, and every Ray variant, in the slow pass (tests/conftest.py).
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
-
-# The hosts (Ray's workers) import neither tests/async_envs.py nor this module: ship by value.
-cloudpickle.register_pickle_by_value(async_envs)
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture(params=["process", "ray"])
