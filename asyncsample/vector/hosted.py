@@ -588,6 +588,8 @@ class HostedEnvs(LockstepRounds):
             infos = await self._reset_host(h, local, list(seeds[a:b]), options)
             return {a + k: info for k, info in infos.items()}
 
+        if len(self.slices) == 1:  # one host (in-process, say): no task to gather it with
+            return await one(0)
         parts = await wait_all(one(h) for h in range(len(self.slices)))
         return {i: info for part in parts for i, info in part.items()}
 
