@@ -242,6 +242,46 @@ def test_equal_to_sync_cartpole_by_id(no_leaks: None, placed: dict[str, int]) ->
         ours.close()
 
 
+def test_episode_statistics_and_any_action_batch_equal_to_sync(
+    no_leaks: None, placed: dict[str, int]
+) -> None:
+    """CleanRL's CartPole (episode statistics in the step info at every episode end), with
+    actions given as the action space's dtype, another integer dtype, a list, stepped and
+    sent with step_async: exactly SyncVectorEnv in every placement (in-process: the thin round
+    and the general one alike)."""
+
+    def make() -> gym.Env[Any, Any]:
+        return gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1"))
+
+    ours = VectorEnv([make] * 4, **placed)
+    sync = SyncVectorEnv([make] * 4)
+    try:
+        assert_same(ours.reset(seed=3), sync.reset(seed=3), "reset")
+        rng = np.random.default_rng(0)
+        ended = 0
+        for t in range(300):
+            actions: Any = rng.integers(0, 2, 4)
+            if t % 5 == 1:
+                actions = actions.astype(np.int32)
+            elif t % 5 == 2:
+                actions = actions.tolist()
+            if t % 7 == 3:
+                ours.step_async(actions)
+                got = ours.step_wait()
+            else:
+                got = ours.step(actions)
+            theirs = sync.step(actions)
+            for infos in (got[4], theirs[4]):  # the episodes' wall time differs, of course
+                for key in ("t", "_t"):
+                    infos.get("episode", {}).pop(key, None)
+            assert_same(got, theirs, f"step {t}")
+            ended += int("episode" in theirs[4])
+        assert ended > 10  # the infos were exercised
+    finally:
+        ours.close()
+        sync.close()
+
+
 # -- autoreset modes (gymnasium's test_autoreset_mode, in our words) ----------------------------
 
 

@@ -104,14 +104,43 @@ class LockstepRounds:
     _polled: tuple[int, ...] = ()
     # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
     _round: PendingRound | None = None
+    # The caller's one host when it holds every sub-env (the in-process placement, no groups):
+    # a common round is then its step alone, as SyncVectorEnv's is (see lockstep).
+    _alone: InlineHost | None = None
 
     step: Callable[..., Coroutine[Any, Any, StepResult]]
     _merge: Callable[..., Coroutine[Any, Any, StepResult]]
     _combine: Callable[..., StepResult]
+    read_obs: Callable[..., Tree]
 
     def lockstep(self, mask: np.ndarray | None = None) -> StepResult:
         """:meth:`step` of the sub-envs in ``mask`` (all), without the event loop if it can."""
+        alone = self._alone
+        if alone is not None and mask is None and not self.broken:
+            if self.portal.in_caller_thread():  # else the loop's thread steps them, as before
+                return self._step_alone(alone)
         return self.lockstep_wait(self.lockstep_send(mask), None, True)
+
+    def _step_alone(self, host: InlineHost) -> StepResult:
+        """The round of every sub-env when the caller's one host holds them all: its step, read
+        from its buffers as :meth:`_combine` reads it (the host's rows are the sub-envs, in
+        order), without a request sent or a round tracked. A failure goes to :meth:`_merge`."""
+        try:
+            got = host.step_now(self._whole[0], True)
+        except Exception as exc:
+            return self.portal.call(self._merge, None, [exc])
+        buf = host.buffers
+        obs = buf.obs
+        return StepResult(
+            obs.copy() if type(obs) is np.ndarray else self.read_obs(),
+            buf.rewards.copy(),
+            buf.terminated.copy(),
+            buf.truncated.copy(),
+            got.env_infos,
+            got.reset_infos,
+            {},
+            got.final_obs or {},
+        )
 
     def lockstep_send(self, mask: np.ndarray | None = None) -> PendingRound:
         """Send a lockstep round (``step_async``); :meth:`lockstep_wait` finishes it. Some
@@ -186,6 +215,10 @@ class LockstepRounds:
     def _finish_round(self, round_: PendingRound, deadline: float | None) -> StepResult:
         """Step the caller's own hosts (once per round), then read the replies of a round sent
         by :meth:`_send_round`."""
+        alone = self._alone
+        if alone is not None and round_.inline is None and deadline is None:
+            round_.inline = []  # stepped here, once
+            return self._step_alone(alone)
         inline = self._step_inline(round_)
         sent, readers = round_.sent, round_.readers
         if len(sent) == self._remote_hosts and readers is not None:

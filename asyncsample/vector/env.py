@@ -400,7 +400,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     def _finish(self, res: StepResult, mask: np.ndarray | None) -> _Step:
         mode = self.autoreset_mode
         infos: dict[str, Any] = {}
-        if not res.quiet or mask is not None:
+        if mask is None and mode == AutoresetMode.NEXT_STEP and not res.restarted:
+            # No restart now or pending (no mask): what _infos adds, without the rows with nothing
+            if res.env_infos is not None or res.reset_infos:
+                infos = self._next_step_infos(res)
+        elif not res.quiet or mask is not None:
             infos = self._infos(res, list(range(self.num_envs)), _InfoBatch(self.num_envs))
         elif mode == AutoresetMode.DISABLED:  # the common step: what _infos does, on whole arrays
             np.logical_or(res.terminated, res.truncated, out=self._ended)
@@ -409,6 +413,25 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             if done.any():
                 infos = self._finals(res, done)
         return res.obs, res.rewards, res.terminated, res.truncated, infos
+
+    def _next_step_infos(self, res: StepResult) -> dict[str, Any]:
+        """What :meth:`_infos` builds for a next-step round of every sub-env with no restart
+        and none pending: each sub-env's step info, then its reset info, in sub-env order (an
+        empty info adds nothing, so only the rows with one are visited)."""
+        infos: dict[str, Any] = {}
+        add = self._add_info
+        env_infos, resets = res.env_infos, res.reset_infos
+        if env_infos is None:
+            rows = sorted(resets)
+        else:
+            rows = [i for i, info in enumerate(env_infos) if info or i in resets]
+        for i in rows:
+            if env_infos is not None:
+                infos = add(infos, env_infos[i], i)
+            reset_info = resets.get(i)
+            if reset_info:
+                infos = add(infos, reset_info, i)
+        return infos
 
     def _finals(self, res: StepResult, done: np.ndarray) -> dict[str, Any]:
         """What :meth:`_infos` builds for a quiet same-step round in which the sub-envs

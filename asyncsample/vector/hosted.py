@@ -137,6 +137,8 @@ class HostedEnvs(LockstepRounds):
         self._givers: list[GivenActionsHost] | None = None
         self._given_to: set[int] = set()
         self.broken: set[int] = set()
+        # The action buffer of the caller's one host when it holds every sub-env (an array).
+        self._alone_actions: np.ndarray | None = None
         self.copy = copy
         """``False``: :meth:`read_obs` may return the hosts' shared buffer (``copy=False``)."""
         self.metrics = make_face_metrics(metrics, backend, self)
@@ -165,6 +167,10 @@ class HostedEnvs(LockstepRounds):
         self._direct = direct if len(direct) == r else []
         givers = [host for host in self.hosts if isinstance(host, GivenActionsHost)]
         self._givers = givers if len(givers) == len(self.hosts) else None
+        if r == 0 and len(self._inline) == 1:  # in-process: the thin lockstep round
+            self._alone = self._inline[0]
+            actions = self._alone.buffers.actions
+            self._alone_actions = actions if type(actions) is np.ndarray else None
         self.budgets = [RestartBudget(self.max_restarts) for _ in self.hosts]
         await asyncio.gather(*(self._build(h) for h in range(len(self.hosts))))
 
@@ -326,6 +332,16 @@ class HostedEnvs(LockstepRounds):
 
     def write_actions(self, actions: Any, hosts: Sequence[int] | None = None) -> None:
         """Write a batch of ``num_envs`` actions into the hosts' buffers (of ``hosts``: all)."""
+        alone = self._alone_actions
+        if (
+            alone is not None
+            and type(actions) is np.ndarray
+            and actions.shape == alone.shape
+            and actions.dtype == alone.dtype
+            and not self._given_to
+        ):
+            alone[...] = actions  # in-process, actions that fit exactly: one copy, as below
+            return
         n = self.num_envs
         targets = range(len(self.hosts)) if hosts is None else hosts
         first = self.hosts[0].buffers.actions
@@ -572,6 +588,8 @@ class HostedEnvs(LockstepRounds):
             infos = await self._reset_host(h, local, list(seeds[a:b]), options)
             return {a + k: info for k, info in infos.items()}
 
+        if len(self.slices) == 1:  # one host (in-process, say): no task to gather it with
+            return await one(0)
         parts = await wait_all(one(h) for h in range(len(self.slices)))
         return {i: info for part in parts for i, info in part.items()}
 

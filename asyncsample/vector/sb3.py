@@ -152,13 +152,17 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         except BaseException:
             hosted.close()
             raise
+        space = self.observation_space
+        # A Dict space's keys, in its order (observations are OrderedDicts of them), else None.
+        self._dict_keys = list(space.spaces) if isinstance(space, gym.spaces.Dict) else None
 
     # -- observations -----------------------------------------------------------------------
 
     def _format_obs(self, obs: Any) -> Any:
         # SB3's layout: an OrderedDict for Dict spaces, a tuple for Tuple spaces, else an array.
-        if isinstance(self.observation_space, gym.spaces.Dict):
-            return OrderedDict((k, obs[k]) for k in self.observation_space.spaces)
+        keys = self._dict_keys
+        if keys is not None:
+            return OrderedDict((k, obs[k]) for k in keys)
         return obs
 
     # -- VecEnv -----------------------------------------------------------------------------
@@ -231,25 +235,28 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         n = self.num_envs
         dones = res.terminated | res.truncated
         rewards = res.rewards.astype(np.float32)
-        if not res.restarted and not dones.any() and res.env_infos is None:
+        env_infos, restarted = res.env_infos, res.restarted
+        if not restarted and env_infos is None and not np.count_nonzero(dones):
             # The common step: new dicts that share nothing, so DummyVecEnv's deep copy is moot.
             quiet = [{"TimeLimit.truncated": False} for _ in range(n)]
             return self._format_obs(res.obs), rewards, dones, quiet
-        infos: list[dict[str, Any]] = []
-        for i in range(n):
-            info = dict(res.info(i))
-            if i in res.restarted:
-                info["restarted"] = res.restarted[i]
+        # DummyVecEnv's deep copy, of what needs one: the envs' own infos (in one copy, which
+        # keeps what they share); the keys added below are new objects or immutable.
+        infos = [{} for _ in range(n)] if env_infos is None else deepcopy(env_infos)
+        truncated = (res.truncated & ~res.terminated).tolist()
+        for i in np.flatnonzero(dones).tolist():
+            self.reset_infos[i] = res.reset_infos.get(i, {})
+        ended = dones.tolist()
+        for i, info in enumerate(infos):
+            if i in restarted:
+                info["restarted"] = restarted[i]
                 info["TimeLimit.truncated"] = True
                 info["terminal_observation"] = hosted.obs_row(i)
             else:
-                info["TimeLimit.truncated"] = bool(res.truncated[i] and not res.terminated[i])
-                if dones[i]:
+                info["TimeLimit.truncated"] = truncated[i]
+                if ended[i]:
                     info["terminal_observation"] = hosted.obs_row(i, final=True)
-            if dones[i]:
-                self.reset_infos[i] = res.reset_infos.get(i, {})
-            infos.append(info)
-        return self._format_obs(res.obs), rewards, dones, deepcopy(infos)
+        return self._format_obs(res.obs), rewards, dones, infos
 
     def __repr__(self) -> str:
         return f"asyncsample.sb3.AsyncSampleVecEnv(num_envs={self.num_envs}, {self._where()})"
