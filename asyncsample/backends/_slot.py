@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import traceback
 from collections.abc import Callable
+from multiprocessing import heap
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from asyncsample.backends._chunk import (
     ChunkRequest,
     ChunkRunner,
     NextChunk,
+    arena_rows,
     chunk_rows,
     chunk_sets,
 )
@@ -35,7 +37,7 @@ from asyncsample.env_group import (
     StepInfos,
 )
 
-__all__ = ["HostSlot", "spec_group"]
+__all__ = ["HostSlot", "StepArena", "spec_group", "step_arena"]
 
 _Body = bytes | memoryview
 
@@ -56,6 +58,100 @@ def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
     )
 
 
+class StepArena:
+    """A worker's observation records in shared memory that its host's steps write into
+    (``per_worker`` and ``batched`` on ``process``): ``rows`` ``(R, n_envs, ...)``, and
+    ``target``, the row the next step request writes its observations to (``-1``: the slot's
+    step buffer), which the main process sets and the host takes with the request.
+
+    Either side points its view of the slot's step ``buffers.obs`` at the row the host's
+    current observations are in (:attr:`row`, ``-1``: its own step buffer). The host goes back
+    to its own buffer (a copy in the host) before any request but a step, and before a step
+    into its own buffer; the main process after asking for anything but a step (:meth:`home`).
+    The worker records row ``t`` without a copy when the last step wrote it there.
+    """
+
+    def __init__(self, rows: np.ndarray, target: np.ndarray, memory: Any = None) -> None:
+        self.rows = rows
+        self.target = target
+        self.memory = memory  # the shared block (kept alive with the arena), or None
+        self.row = -1
+        self.buffers: StepBuffers | None = None
+        self.own: Any = None
+
+    def attach(self, buffers: StepBuffers) -> StepArena:
+        """The slot's step buffers, whose ``obs`` this arena points (its own array: home)."""
+        self.buffers, self.own = buffers, buffers.obs
+        return self
+
+    def aim(self, row: int) -> None:
+        """The main process: the next step writes its observations into ``row`` (-1: home)."""
+        self.target[0] = row
+        self.row = row
+        assert self.buffers is not None
+        self.buffers.obs = self.own if row < 0 else self.rows[row]
+
+    def home(self) -> None:
+        """The main process: the host's observations are back in its step buffer (a request
+        other than a step was sent)."""
+        if self.row >= 0:
+            self.row = -1
+            assert self.buffers is not None
+            self.buffers.obs = self.own
+
+    def take(self, mask: np.ndarray) -> None:
+        """The host, serving a step: point the group's observations at the row asked for; the
+        envs not stepped keep theirs (copied there)."""
+        row = int(self.target[0])
+        self.target[0] = -1  # asked once: a step sent without aiming goes home
+        if row == self.row:
+            return
+        buffers = self.buffers
+        assert buffers is not None
+        new = self.own if row < 0 else self.rows[row]
+        if row < 0 or not mask.all():
+            new[...] = buffers.obs
+        buffers.obs = new
+        self.row = row
+
+    def settle(self) -> None:
+        """The host, before any request but a step: its observations back in its own buffer."""
+        if self.row >= 0:
+            buffers = self.buffers
+            assert buffers is not None
+            self.own[...] = buffers.obs
+            buffers.obs = self.own
+            self.row = -1
+
+
+def step_arena(spec: HostSpec) -> StepArena | None:
+    """A shared :class:`StepArena` for a process host slot of ``spec`` (no memory is taken
+    until rows are written), or ``None``: chunks (``inference="host"`` has its own arena), a
+    face's autoreset, observations that are not one array of fixed rows, or too few rows fit."""
+    if spec.chunk_steps or spec.autoreset != "SameStep" or spec.final_in_reply:
+        return None
+    obs_space = spec.observation_space
+    like = StepBuffers.allocate(obs_space, spec.action_space, 1).obs
+    n = arena_rows(obs_space, spec.n_envs, 1)
+    if type(like) is not np.ndarray or like.dtype == object or n == 0:
+        return None
+    memory = heap.BufferWrapper(64 + n * spec.n_envs * like.nbytes)  # not zeroed
+    arena = view_step_arena(spec, (n, memory))
+    arena.target[0] = -1
+    return arena
+
+
+def view_step_arena(spec: HostSpec, raw: tuple[int, Any]) -> StepArena:
+    """The arena over the shared block ``raw`` (rows, memory) that :func:`step_arena` made."""
+    n, memory = raw
+    like = StepBuffers.allocate(spec.observation_space, spec.action_space, 1).obs
+    view = memory.create_memoryview()
+    target = np.frombuffer(view, np.int64, 1)
+    count = n * spec.n_envs * int(np.prod(like.shape[1:], dtype=np.int64))
+    rows = np.frombuffer(view, like.dtype, count, 64).reshape(n, spec.n_envs, *like.shape[1:])
+    return StepArena(rows, target, memory)
+
+
 class HostSlot:
     """One worker's envs (``spec``, over ``buffers``, else its own) and, with ``inference="host"``,
     its agent copy (over ``chunks``) in an env host, called ``where`` in messages."""
@@ -67,8 +163,10 @@ class HostSlot:
         chunks: list[ChunkBuffers] | None = None,
         host_threads: int | None = None,
         where: str = "env host",
+        arena: StepArena | None = None,
     ) -> None:
         self.group = group = spec_group(spec, buffers)
+        self.arena = None if arena is None else arena.attach(group.buffers)
         self.runner = None if not chunks else ChunkRunner(group, chunks, spec.action_space)
         self.timing: HostTiming | None = None  # metrics on, inference="host": times chunks
         if self.runner is not None and group.buffers.clock is not None:
@@ -135,6 +233,8 @@ class HostSlot:
         handler = self._ops.get(op)
         if handler is None:
             raise ValueError(f"unknown request opcode {op}")
+        if self.arena is not None and op != Op.STEP:
+            self.arena.settle()  # the observations back where every other request expects them
         return handler(body) or b""
 
     def _serve_step(self, body: _Body) -> bytes:
@@ -147,7 +247,10 @@ class HostSlot:
         elif len(body) > n:  # actions the caller gave in another dtype: pickled, as given
             given = self.load(body[n:], "actions")
             body = body[:n]
-        infos = self.group.step(np.frombuffer(body, np.bool_), given)
+        mask = np.frombuffer(body, np.bool_)
+        if self.arena is not None:  # the observations go to the arena row the worker asked for
+            self.arena.take(mask)
+        infos = self.group.step(mask, given)
         if isinstance(buffers.obs, list):  # observations without fixed-size rows: pickled
             return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, buffers.obs))
         if infos.final_obs:

@@ -48,6 +48,7 @@ from asyncsample.backends._remote import (
     RemoteHost,
     closed_error,
 )
+from asyncsample.backends._slot import StepArena, step_arena
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -354,8 +355,11 @@ class _Member(PoolMember[_Conn]):
         raw_chunks: list[_chunk.RawChunks | None] | None = None,
         host_threads: int | None = None,
         cpu: int | None = None,
+        raw_arenas: list[tuple[int, Any] | None] | None = None,
     ) -> None:
         super().__init__(index, specs)
+        # The host's threads, and per slot its observation arena's rows and memory.
+        self.host_args = (host_threads, raw_arenas)
         self.ctx = ctx
         self.host_threads = host_threads
         self.cpu = cpu  # the CPU its processes are pinned to (None: not pinned)
@@ -372,7 +376,7 @@ class _Member(PoolMember[_Conn]):
         try:
             process = self.ctx.Process(
                 target=_host_main.main,
-                args=(child_sock, self.slots_blob, self.raw, self.raw_chunks, self.host_threads),
+                args=(child_sock, self.slots_blob, self.raw, self.raw_chunks, *self.host_args),
                 name=f"asyncsample-host-{self.index}",
             )
             await _start_process(process)
@@ -510,8 +514,12 @@ class ProcessHost(RemoteHost[_Conn]):
         buffers: StepBuffers,
         step_timeout: float | None,
         chunks: list[ChunkBuffers],
+        arena: StepArena | None = None,
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
+        self.obs_arena = None if arena is None else arena.attach(buffers)
+        """``per_worker``/``batched``: the worker's observation records the host's steps write
+        into (see :class:`~asyncsample.backends._slot.StepArena`), or ``None``."""
         self._slot = SLOT.pack(slot)
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
@@ -706,11 +714,15 @@ class ProcessBackend:
             self.joint, buffers, raws = joint
         chunks = [_chunk.shared_chunk_sets(spec, ctx) for spec in specs]  # inference="host"
         raw_chunks = [raw for _, raw in chunks]
-        splits = list(zip(where.split(specs), where.split(raws), where.split(raw_chunks)))
+        arenas = [step_arena(spec) for spec in specs]  # per_worker, batched
+        raw_arenas = [None if a is None else (len(a.rows), a.memory) for a in arenas]
+        splits = list(
+            zip(*(where.split(x) for x in (specs, raws, raw_chunks, raw_arenas)), strict=True)
+        )
         cpus = host_cpus(len(splits), self.pin_cpus)
         self._members = [
-            _Member(m, ctx, member_specs, member_raws, member_chunks, self.host_threads, cpus[m])
-            for m, (member_specs, member_raws, member_chunks) in enumerate(splits)
+            _Member(m, ctx, m_specs, m_raws, m_chunks, self.host_threads, cpus[m], m_arenas)
+            for m, (m_specs, m_raws, m_chunks, m_arenas) in enumerate(splits)
         ]
         self._token = token = next(_TOKENS)
         self._finalizer = weakref.finalize(self, _release_all, self._members, token)
@@ -724,11 +736,9 @@ class ProcessBackend:
             self._closed = True
             self._release()
             raise
-        members = self._members
+        at = [(self._members[where.member(w)], where.slot(w)) for w in range(len(specs))]
         return [
-            ProcessHost(
-                spec, members[where.member(w)], where.slot(w), buffers[w], self.step_timeout, sets
-            )
+            ProcessHost(spec, *at[w], buffers[w], self.step_timeout, sets, arenas[w])
             for w, (spec, (sets, _)) in enumerate(zip(specs, chunks))
         ]
 
