@@ -8,6 +8,7 @@ to the reply's, so the hosts only move bytes.
 from __future__ import annotations
 
 import pickle
+import shutil
 import traceback
 from collections.abc import Callable
 from multiprocessing import heap
@@ -18,6 +19,7 @@ import numpy as np
 from asyncsample._clock import HostTiming
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import (
+    ARENA_BYTES,
     ChunkBuffers,
     ChunkReply,
     ChunkRequest,
@@ -37,7 +39,7 @@ from asyncsample.env_group import (
     StepInfos,
 )
 
-__all__ = ["HostSlot", "StepArena", "spec_group", "step_arena"]
+__all__ = ["HostSlot", "StepArena", "arena_budget", "spec_group", "step_arena"]
 
 _Body = bytes | memoryview
 
@@ -124,16 +126,29 @@ class StepArena:
             self.row = -1
 
 
-def step_arena(spec: HostSpec) -> StepArena | None:
-    """A shared :class:`StepArena` for a process host slot of ``spec`` (no memory is taken
-    until rows are written), or ``None``: chunks (``inference="host"`` has its own arena), a
-    face's autoreset, observations that are not one array of fixed rows, or too few rows fit."""
+def arena_budget(arenas: int) -> int:
+    """Bytes each of ``arenas`` step arenas may take: half of what /dev/shm has free, shared
+    (an arena takes memory only as rows are written: it must not promise more than there is)."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:  # no /dev/shm: the heap's memory comes from a temporary file
+        free = ARENA_BYTES * 2 * arenas
+    return free // (2 * max(arenas, 1))
+
+
+def step_arena(spec: HostSpec, budget: int = ARENA_BYTES) -> StepArena | None:
+    """A shared :class:`StepArena` for a process host slot of ``spec`` of at most ``budget``
+    bytes (no memory is taken until rows are written), or ``None``: chunks
+    (``inference="host"`` has its own arena), a face's autoreset, observations that are not one
+    array of fixed rows, or fewer than 4 rows fit."""
     if spec.chunk_steps or spec.autoreset != "SameStep" or spec.final_in_reply:
         return None
     obs_space = spec.observation_space
     like = StepBuffers.allocate(obs_space, spec.action_space, 1).obs
-    n = arena_rows(obs_space, spec.n_envs, 1)
-    if type(like) is not np.ndarray or like.dtype == object or n == 0:
+    if type(like) is not np.ndarray or like.dtype == object:
+        return None
+    n = min(arena_rows(obs_space, spec.n_envs, 1), budget // max(like.nbytes * spec.n_envs, 1))
+    if n < 4:
         return None
     memory = heap.BufferWrapper(64 + n * spec.n_envs * like.nbytes)  # not zeroed
     arena = view_step_arena(spec, (n, memory))

@@ -48,7 +48,7 @@ from asyncsample.backends._remote import (
     RemoteHost,
     closed_error,
 )
-from asyncsample.backends._slot import StepArena, step_arena
+from asyncsample.backends._slot import StepArena, arena_budget, step_arena
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -714,7 +714,8 @@ class ProcessBackend:
             self.joint, buffers, raws = joint
         chunks = [_chunk.shared_chunk_sets(spec, ctx) for spec in specs]  # inference="host"
         raw_chunks = [raw for _, raw in chunks]
-        arenas = [step_arena(spec) for spec in specs]  # per_worker, batched
+        budget = arena_budget(len(specs))
+        arenas = [step_arena(spec, budget) for spec in specs]  # per_worker, batched
         raw_arenas = [None if a is None else (len(a.rows), a.memory) for a in arenas]
         splits = list(
             zip(*(where.split(x) for x in (specs, raws, raw_chunks, raw_arenas)), strict=True)
