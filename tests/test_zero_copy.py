@@ -24,6 +24,7 @@ from helpers import SamplerFactory
 
 import asyncsample._assembly as assembly
 import asyncsample._engine as engine
+import asyncsample.inference.batched as batched_module
 import asyncsample.worker as worker_module
 from asyncsample import EpisodeBatch, RandomAgent, Transition, VecWorker
 from asyncsample._assembly import BatchMemory
@@ -196,6 +197,43 @@ async def test_steps_write_their_observations_into_the_records(
     assert steps > 500
     assert copies.recorded_rows <= (len(batches) + 2) * len(s.workers)  # the rounds ahead too
     assert copies.gathered == sum(b.observations.nbytes for b in batches) > 0
+
+
+class MergedViews(RandomAgent):
+    """A shared random agent that counts its merged calls (every worker's rows) and those whose
+    observations are a view (not a concatenation of the workers' rows)."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.spaces.Discrete(3), seed=5)
+        self.merged = self.views = 0
+
+    def get_actions(self, observations: Any) -> Any:
+        if len(observations) == 4:  # 2 workers x 2 envs
+            self.merged += 1
+            self.views += not observations.flags.owndata
+        return super().get_actions(observations)
+
+
+async def test_batched_agent_reads_the_arena(
+    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch, copies: Copies
+) -> None:
+    """``batched`` (lockstep): the workers' rows of a step lie side by side in one step arena,
+    so the merged agent call reads a view of them; nothing is concatenated."""
+    concatenated = []
+    concat = batched_module.tree_concat
+
+    def counting_concat(parts: list[Any]) -> Any:
+        concatenated.append(len(parts))
+        return concat(parts)
+
+    monkeypatch.setattr(batched_module, "tree_concat", counting_concat)
+    agent = MergedViews()
+    async with make_sampler(env=FrameEnv, agent=agent, inference="batched") as s:
+        batches = [await s.obtain_fragments(200) for _ in range(3)]
+    assert agent.merged >= 3 * 50 and agent.views == agent.merged
+    assert not concatenated
+    assert copies.recorded_rows <= 3 * 2
+    assert copies.gathered == sum(b.observations.nbytes for b in batches)
 
 
 class CrashOnce(FrameEnv):

@@ -19,7 +19,7 @@ from typing import Any
 
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import RawChunks, view_chunk_sets
-from asyncsample.backends._slot import HostSlot, view_step_arena
+from asyncsample.backends._slot import HostSlot, RawArena, view_step_arena
 from asyncsample.backends._transport import (
     HELLO_ID,
     SLOT,
@@ -82,13 +82,13 @@ def main(
     raw_buffers: list[Any],
     raw_chunks: list[RawChunks | None] | None = None,
     host_threads: int | None = None,
-    raw_arenas: list[tuple[int, Any] | None] | None = None,
+    raw_arenas: list[RawArena | None] | None = None,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
     :func:`~asyncsample.backends._transport.slot_buffers` views, ``raw_chunks`` its
     :data:`~asyncsample.backends._chunk.RawChunks` (or ``None``) and ``raw_arenas`` its
-    observation arena's rows and memory (:func:`~asyncsample.backends._slot.step_arena`)."""
+    observation arena (:data:`~asyncsample.backends._slot.RawArena`)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     with contextlib.suppress(OSError):

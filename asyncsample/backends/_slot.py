@@ -39,7 +39,7 @@ from asyncsample.env_group import (
     StepInfos,
 )
 
-__all__ = ["HostSlot", "StepArena", "arena_budget", "spec_group", "step_arena"]
+__all__ = ["HostSlot", "RawArena", "StepArena", "arena_budget", "spec_group", "step_arenas"]
 
 _Body = bytes | memoryview
 
@@ -60,6 +60,11 @@ def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
     )
 
 
+RawArena = tuple[int, Any, int, int]
+"""What a process host needs to view a slot's :class:`StepArena`: ``(rows, memory, slots,
+index)``, the slot being ``index`` of the ``slots`` that share the block ``memory``."""
+
+
 class StepArena:
     """A worker's observation records in shared memory that its host's steps write into
     (``per_worker`` and ``batched`` on ``process``): ``rows`` ``(R, n_envs, ...)``, and
@@ -73,10 +78,10 @@ class StepArena:
     The worker records row ``t`` without a copy when the last step wrote it there.
     """
 
-    def __init__(self, rows: np.ndarray, target: np.ndarray, memory: Any = None) -> None:
+    def __init__(self, rows: np.ndarray, target: np.ndarray, raw: RawArena | None = None) -> None:
         self.rows = rows
         self.target = target
-        self.memory = memory  # the shared block (kept alive with the arena), or None
+        self.raw = raw  # what a process host views it from (keeps the shared block alive)
         self.row = -1
         self.buffers: StepBuffers | None = None
         self.own: Any = None
@@ -136,35 +141,68 @@ def arena_budget(arenas: int) -> int:
     return free // (2 * max(arenas, 1))
 
 
-def step_arena(spec: HostSpec, budget: int = ARENA_BYTES) -> StepArena | None:
-    """A shared :class:`StepArena` for a process host slot of ``spec`` of at most ``budget``
-    bytes (no memory is taken until rows are written), or ``None``: chunks
-    (``inference="host"`` has its own arena), a face's autoreset, observations that are not one
-    array of fixed rows, or fewer than 4 rows fit."""
+def _arena_row(spec: HostSpec) -> np.ndarray | None:
+    """One env's observation buffer for ``spec``, if its slot may have a :class:`StepArena`:
+    not with chunks (``inference="host"`` has its own arena), a face's autoreset, or
+    observations that are not one array of fixed rows."""
     if spec.chunk_steps or spec.autoreset != "SameStep" or spec.final_in_reply:
         return None
-    obs_space = spec.observation_space
-    like = StepBuffers.allocate(obs_space, spec.action_space, 1).obs
+    like = StepBuffers.allocate(spec.observation_space, spec.action_space, 1).obs
     if type(like) is not np.ndarray or like.dtype == object:
         return None
-    n = min(arena_rows(obs_space, spec.n_envs, 1), budget // max(like.nbytes * spec.n_envs, 1))
-    if n < 4:
-        return None
-    memory = heap.BufferWrapper(64 + n * spec.n_envs * like.nbytes)  # not zeroed
-    arena = view_step_arena(spec, (n, memory))
-    arena.target[0] = -1
-    return arena
+    return like
 
 
-def view_step_arena(spec: HostSpec, raw: tuple[int, Any]) -> StepArena:
-    """The arena over the shared block ``raw`` (rows, memory) that :func:`step_arena` made."""
-    n, memory = raw
-    like = StepBuffers.allocate(spec.observation_space, spec.action_space, 1).obs
+def step_arenas(specs: list[HostSpec]) -> list[StepArena | None]:
+    """The :class:`StepArena` of each process host slot of ``specs`` (``None``: none, see
+    :func:`_arena_row`, or fewer than 4 rows fit), in shared memory that takes nothing until
+    rows are written. Slots of the same observations and envs share one block, their rows
+    side by side in slot order (arena row ``r`` of every slot in one run: a merged agent call of
+    the same row is a view, see :mod:`asyncsample.inference.batched`)."""
+    out: list[StepArena | None] = [None] * len(specs)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for k, spec in enumerate(specs):
+        like = _arena_row(spec)
+        if like is not None:
+            groups.setdefault((like.shape, like.dtype.str, spec.n_envs), []).append(k)
+    budget = arena_budget(len(specs))
+    for members in groups.values():
+        spec = specs[members[0]]
+        like = _arena_row(spec)
+        assert like is not None
+        row = like.nbytes * spec.n_envs
+        n = min(arena_rows(spec.observation_space, spec.n_envs, 1), budget // max(row, 1))
+        if n < 4:
+            continue
+        slots = len(members)
+        memory = heap.BufferWrapper(64 * slots + n * slots * row)  # not zeroed
+        targets, rows = _joint_arena(spec, like, (n, memory, slots, 0))
+        for index, k in enumerate(members):
+            target = targets[8 * index : 8 * index + 1]
+            target[0] = -1
+            out[k] = StepArena(rows[:, index], target, (n, memory, slots, index))
+    return out
+
+
+def _joint_arena(spec: HostSpec, like: np.ndarray, raw: RawArena) -> tuple[np.ndarray, np.ndarray]:
+    """The mailboxes (one per cache line) and rows ``(n, slots, n_envs, ...)`` of the shared
+    block of ``raw``."""
+    n, memory, slots, _ = raw
     view = memory.create_memoryview()
-    target = np.frombuffer(view, np.int64, 1)
-    count = n * spec.n_envs * int(np.prod(like.shape[1:], dtype=np.int64))
-    rows = np.frombuffer(view, like.dtype, count, 64).reshape(n, spec.n_envs, *like.shape[1:])
-    return StepArena(rows, target, memory)
+    targets = np.frombuffer(view, np.int64, 8 * slots)
+    shape = (n, slots, spec.n_envs, *like.shape[1:])
+    count = int(np.prod(shape, dtype=np.int64))
+    return targets, np.frombuffer(view, like.dtype, count, 64 * slots).reshape(shape)
+
+
+def view_step_arena(spec: HostSpec, raw: RawArena) -> StepArena:
+    """Slot ``index``'s arena in the shared block of ``raw`` that :func:`step_arenas` made
+    (seen from a host process)."""
+    like = _arena_row(spec)
+    assert like is not None
+    index = raw[3]
+    targets, rows = _joint_arena(spec, like, raw)
+    return StepArena(rows[:, index], targets[8 * index : 8 * index + 1], raw)
 
 
 class HostSlot:

@@ -48,7 +48,7 @@ from asyncsample.backends._remote import (
     RemoteHost,
     closed_error,
 )
-from asyncsample.backends._slot import StepArena, arena_budget, step_arena
+from asyncsample.backends._slot import RawArena, StepArena, step_arenas
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -355,7 +355,7 @@ class _Member(PoolMember[_Conn]):
         raw_chunks: list[_chunk.RawChunks | None] | None = None,
         host_threads: int | None = None,
         cpu: int | None = None,
-        raw_arenas: list[tuple[int, Any] | None] | None = None,
+        raw_arenas: list[RawArena | None] | None = None,
     ) -> None:
         super().__init__(index, specs)
         # The host's threads, and per slot its observation arena's rows and memory.
@@ -714,9 +714,8 @@ class ProcessBackend:
             self.joint, buffers, raws = joint
         chunks = [_chunk.shared_chunk_sets(spec, ctx) for spec in specs]  # inference="host"
         raw_chunks = [raw for _, raw in chunks]
-        budget = arena_budget(len(specs))
-        arenas = [step_arena(spec, budget) for spec in specs]  # per_worker, batched
-        raw_arenas = [None if a is None else (len(a.rows), a.memory) for a in arenas]
+        arenas = step_arenas(specs)  # per_worker, batched
+        raw_arenas = [None if a is None else a.raw for a in arenas]
         splits = list(
             zip(*(where.split(x) for x in (specs, raws, raw_chunks, raw_arenas)), strict=True)
         )
