@@ -78,6 +78,7 @@ class Rows:
     on_arena: bool = False
     room: int = 1  # rows a chunk needs free in the arena (its capacity and the spare row)
     n_arena: int = 0  # rows of the arena
+    spare: Tree = None  # the local observation records of a call that outgrew the arena
 
     def use_arena(self, arena: Tree, room: int) -> None:
         """Keep the observations in ``arena``: now if no row is recorded, else from next call."""
@@ -153,19 +154,29 @@ class Rows:
                     tree_map(move, arena, tree_map(lambda a: a[self.base :], arena))
             else:
                 tree_map(move, arena, self.obs)
+        if not self.on_arena and self.obs is not None:
+            self.spare = self.obs  # for the next call that outgrows the arena
         self.base = base
         self.on_arena = True
         self.obs = tree_map(lambda a: a[base:], arena)
 
     def _leave_arena(self, rows: int, obs: Tree) -> None:
-        """The records outgrow the arena: the observation rows so far move to local memory."""
+        """The records outgrow the arena: the observation rows so far move to local memory (that
+        of the last call that did, if large enough: no fresh pages)."""
+        spare, self.spare = self.spare, None
+        if spare is not None and len(tree_leaves(spare)[0]) < self.capacity:
+            spare = None
 
-        def local(like: np.ndarray, old: np.ndarray) -> np.ndarray:
-            arr = np.zeros((self.capacity, *like.shape), dtype=like.dtype)
+        def local(like: np.ndarray, old: np.ndarray, arr: np.ndarray | None = None) -> np.ndarray:
+            if arr is None or arr.shape[1:] != like.shape or arr.dtype != like.dtype:
+                arr = np.zeros((self.capacity, *like.shape), dtype=like.dtype)
             arr[:rows] = old[:rows]
             return arr
 
-        self.obs = tree_map(local, obs, self.obs)
+        if spare is None:
+            self.obs = tree_map(local, obs, self.obs)
+        else:
+            self.obs = tree_map(local, obs, self.obs, spare)
         self.on_arena = False
 
     def drop_before(self, start: int, append: bool = False) -> None:

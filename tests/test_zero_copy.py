@@ -193,6 +193,9 @@ async def test_steps_write_their_observations_into_the_records(
             arena = worker.host.obs_arena  # type: ignore[attr-defined]
             assert arena is not None
             assert rows.on_arena and np.shares_memory(rows.obs, arena.rows)
+            # The gather reads the records as env rows in place (the workers' rows interleave).
+            flat, per_row = assembly._flat_rows(rows.obs)
+            assert np.shares_memory(flat, arena.rows) and per_row == 2 * len(s.workers)
     steps = sum(b.n_transitions for b in batches) // 4  # per worker, 2 envs each
     assert steps > 500
     assert copies.recorded_rows <= (len(batches) + 2) * len(s.workers)  # the rounds ahead too
