@@ -15,6 +15,7 @@ import warnings
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
@@ -31,7 +32,7 @@ from asyncsample._engine import (
     share_of,
 )
 from asyncsample._env_tasks import Admission, LaneSettings
-from asyncsample._probe import probe_spaces
+from asyncsample._probe import Probe, Probed, loop_runs_here, probe_spaces, wait_probe_closed
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tasks import run_all
@@ -45,7 +46,7 @@ from asyncsample.backends import (
     traits,
     with_trait,
 )
-from asyncsample.batch import EpisodeBatch
+from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvChoice
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
@@ -95,15 +96,12 @@ class SamplerCore:
         self.max_concurrency = max_concurrency = _validate.optional_positive_int(
             "max_concurrency", config.max_concurrency
         )
-        if max_concurrency is not None and not self.traits.per_env:
-            raise ValueError(
-                f"max_concurrency caps the env calls in flight of backend={with_trait('per_env')}"
-                f", got it with backend={backend!r} (there, n_workers x envs_per_worker envs "
-                "step at once)"
-            )
         self.episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
         self.close_timeout = _validate.seconds("close_timeout", config.close_timeout)
-        self._probe_closing: asyncio.Future[Any] | None = None  # the probe env's close, if late
+        self._probe_closing: Any = None  # the probe env's close, if late (_probe.Closing)
+        self._spec: EnvSpec | None = None  # from the probe env (see env_spec)
+        self._time_limited = False
+        self._probe: Probe | None = None  # the probe env, built in a thread meanwhile
         self.host_threads = _validate.optional_positive_int("host_threads", config.host_threads)
         worker_class = _validate.subclass("worker_class", config.worker_class, Worker)
         worker_args = _validate.options_dict("worker_args", config.worker_args)
@@ -116,7 +114,6 @@ class SamplerCore:
 
         self.n_processes = self.traits.hosts_started(n_processes, n_workers, backend_options)
         self._requested_processes = n_processes
-        self.lanes = self.traits.per_env  # each env stepped on its own (_env_tasks)
         self.memory = BatchMemory()
         self.admission: Admission | None = None
         """The open stream's admission control (lane backends with ``max_policy_lag``)."""
@@ -130,6 +127,13 @@ class SamplerCore:
         self.env_sources = self._check_envs(config.env, "env")
         self.agents = self._check_agents(agent)
         options = check_inference(config.inference, agent)  # validated before any work
+        self._options, self._worker_class = options, worker_class  # for _settle_kind
+        # Each env stepped on its own (_env_tasks): on the lane backends, and on the host
+        # backends once the probe env says the envs are async envs (_settle_kind).
+        self.lanes = self.traits.per_env
+        self.hosted_lanes = False  # async envs in the env hosts' event loops
+        if max_concurrency is not None and not (self.lanes or self.traits.async_hosts):
+            self._refuse_max_concurrency()
         lanes = None
         if self.lanes:
             options = self._check_lane_inference(options, worker_class)
@@ -144,20 +148,27 @@ class SamplerCore:
                     f"runs in the env host), got episode_timeout={self.episode_timeout!r} with "
                     "inference='host'"
                 )
-        self.env_spec, self._time_limited, self._probe_closing = probe_spaces(
-            self.env_sources[0],
-            asynchronous=self.traits.async_envs,
-            max_episode_length=self._factory.max_episode_length,
-            close_timeout=self.close_timeout,
-        )
-        _validate.memory_fits(
-            self.env_spec.observation_space,
-            self.env_spec.action_space,
-            n_workers=n_workers,
-            envs_per_worker=self.envs_per_worker,
-            chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
-            shared=self.traits.shared_memory,
-        )
+        kind = self.traits
+        if kind.async_envs or not loop_runs_here():
+            # No loop to stall (or an async env, built on the loop like every other): now.
+            self._take_probe(
+                probe_spaces(
+                    self.env_sources[0],
+                    asynchronous=True if kind.async_envs else (None if kind.async_hosts else False),
+                    max_episode_length=self._factory.max_episode_length,
+                    close_timeout=self.close_timeout,
+                )
+            )
+        else:
+            # Built in a thread meanwhile, read as the sampler starts; what needs no env is
+            # checked now: the memory of the envs themselves (the spaces add their buffers).
+            self._probe = Probe(
+                self.env_sources[0],
+                max_episode_length=self._factory.max_episode_length,
+                either=kind.async_hosts,
+                close_timeout=self.close_timeout,
+            )
+            self._check_memory(_NO_SPACE, _NO_SPACE, 0)
         self.seed, self.seeds = worker_seeds(seed, n_workers, self.envs_per_worker)
         self.agent_seeds = [s.agent_seed for s in self.seeds]
         # RandomAgents are built as the sampler starts: a constructor costs O(1) in workers.
@@ -182,10 +193,10 @@ class SamplerCore:
             backend=backend,
             n_workers=n_workers,
             env_parallel=self.traits.env_parallel(
-                max_concurrency, n_workers * self.envs_per_worker, self.n_processes
+                max_concurrency, n_workers * self.envs_per_worker, self.n_processes, self.lanes
             ),
             agent_parallel=self.n_processes if isinstance(self.mode, HostMode) else 1,
-            lanes=self.lanes,
+            lanes=self.lanes and not self.hosted_lanes,  # (hosts' calls in flight counted here)
         )
 
     async def start(self) -> None:
@@ -195,17 +206,74 @@ class SamplerCore:
         async with self.locked("start"):
             await self.start_unlocked()
 
+    @property
+    def env_spec(self) -> EnvSpec:
+        """The probe env's spaces and the step limit in force (waits for a probe in a thread:
+        started samplers never do)."""
+        if self._spec is None:
+            assert self._probe is not None
+            self._take_probe(self._probe.result())
+        assert self._spec is not None
+        return self._spec
+
+    def _take_probe(self, probed: Probed) -> None:
+        """Keep what the probe env told, once the checks that need its spaces passed."""
+        self._probe_closing = probed.closing
+        self._settle_kind(probed.asynchronous)
+        spec = probed.spec
+        self._check_memory(
+            spec.observation_space,
+            spec.action_space,
+            self.mode.chunk_steps(lambda steps: self._chunk_capacity(steps, spec)),
+        )
+        self._time_limited = probed.time_limited
+        self._spec = spec
+
+    def _settle_kind(self, async_envs: bool) -> None:
+        """The probe env is an async env (``async_envs``): on a host backend, each env is then
+        stepped on its own in the hosts' event loops (the lanes), with the lanes' checks."""
+        if async_envs and not self.lanes:
+            self.hosted_lanes = True
+            self._check_lane_inference(self._options, self._worker_class)
+            self.lanes = True
+            self.mode.lanes = LaneSettings(
+                self.max_restarts, self._count_restart, lambda: self.admission
+            )
+        if self.max_concurrency is not None and not self.lanes:
+            self._refuse_max_concurrency()
+
+    def _refuse_max_concurrency(self) -> None:
+        raise ValueError(
+            "max_concurrency caps the env calls in flight of async envs and of backend="
+            f"{with_trait('per_env')}, got it with backend={self.backend_name!r} and blocking "
+            "envs (there, n_workers x envs_per_worker envs step at once)"
+        )
+
+    def _check_memory(
+        self, observation_space: gym.Space[Any], action_space: gym.Space[Any], chunk_steps: int
+    ) -> None:
+        _validate.memory_fits(
+            observation_space,
+            action_space,
+            n_workers=self.n_workers,
+            envs_per_worker=self.envs_per_worker,
+            chunk_steps=chunk_steps,
+            shared=self.traits.shared_memory,
+        )
+
     async def start_unlocked(self) -> None:
         if self.started:
             return
+        if self._spec is None and self._probe is not None:  # the probe env built meanwhile
+            self._take_probe(await self._probe.wait())
         options: dict[str, Any] = {
             "n_processes": self._requested_processes or os.cpu_count() or 1,
             "step_timeout": self.step_timeout,
             "host_threads": self.host_threads,
         }
+        options["close_timeout"] = self.close_timeout  # every backend bounds its closes
         if self.lanes:
             options["max_concurrency"] = self.max_concurrency
-            options["close_timeout"] = self.close_timeout
         options.update(self.backend_options)
         if self._random_agents:
             self._random_agents = False
@@ -225,6 +293,7 @@ class SamplerCore:
                     max_episode_length=self.max_episode_length,
                     chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
                     timed=self.metrics is not None,
+                    lanes=self.hosted_lanes,
                 )
                 for w in range(self.n_workers)
             ]
@@ -258,19 +327,31 @@ class SamplerCore:
         if backend is not None:
             await asyncio.shield(backend.aclose())
         closing, self._probe_closing = self._probe_closing, None
-        if closing is not None and not closing.done():
-            # An async close bounds itself; a blocking one in its thread is abandoned here.
-            _, stuck = await asyncio.wait([closing], timeout=self.close_timeout + 1.0)
-            if stuck:
-                warnings.warn(
-                    f"the env built to read the spaces: its close() did not return within "
-                    f"close_timeout={self.close_timeout:g}s; its thread is abandoned",
-                    ResourceWarning,
-                    stacklevel=2,
-                )
+        if closing is None and self._spec is None and self._probe is not None:
+            closing = await self._probe_closing_now()
+        # An async close bounds itself; a blocking one in its thread is abandoned here.
+        await wait_probe_closed(closing, self.close_timeout)
         if self.metrics is not None:
             self.metrics.close()
         await self.mode.aclose()
+
+    async def _probe_closing_now(self) -> Any:
+        """Closed before it started: the close of the probe env still being built, if it is built
+        within ``close_timeout`` (else its thread is abandoned, and closes the env when done)."""
+        assert self._probe is not None
+        try:
+            probed = await self._probe.wait_for(self.close_timeout)
+        except Exception:  # refused: what it built is closed by its thread
+            return None
+        if probed is None:
+            warnings.warn(
+                "the env built to read the spaces was not built within "
+                f"close_timeout={self.close_timeout:g}s; its thread is abandoned",
+                ResourceWarning,
+                stacklevel=3,
+            )
+            return None
+        return probed.closing
 
     def close_now(self) -> bool:
         """Release the hosts without awaiting (``__del__``); whether there was anything to."""
@@ -546,6 +627,12 @@ class SamplerCore:
         self, options: Batched | Host | None, worker_class: type[Worker]
     ) -> Batched | Host | None:
         """The lane backends batch agent calls themselves: no ``host`` mode or hooks there."""
+        if isinstance(options, Host) and self.hosted_lanes:
+            raise ValueError(
+                f"inference='host' does not run async envs yet (backend={self.backend_name!r} "
+                "steps them one at a time in its env hosts' event loops, the agent in this "
+                "process): use inference='per_worker' or 'batched'"
+            )
         if isinstance(options, Host):
             raise ValueError(
                 f"inference='host' needs backend={with_trait('host_mode')}, got "
@@ -596,13 +683,11 @@ class SamplerCore:
             for a in {id(a): a for a in self.agents}.values():
                 pickle_agent(a)  # TypeError naming the agent when it cannot travel
 
-    def _chunk_capacity(self, chunk_steps: int) -> int:
+    def _chunk_capacity(self, chunk_steps: int, spec: EnvSpec | None = None) -> int:
         """A host slot's chunk capacity for chunks of ``chunk_steps`` (host mode)."""
+        spec = self.env_spec if spec is None else spec
         return chunk_capacity(
-            self.env_spec.observation_space,
-            self.env_spec.action_space,
-            self.envs_per_worker,
-            chunk_steps,
+            spec.observation_space, spec.action_space, self.envs_per_worker, chunk_steps
         )
 
     def warn_if_endless(self) -> None:
@@ -634,6 +719,9 @@ class SamplerCore:
             finally:
                 self.stream_guard.closed()
 
+
+#: The smallest space: what the memory check counts for envs whose spaces are not known yet.
+_NO_SPACE = gym.spaces.Discrete(1)
 
 #: From this many workers, the built-in RandomAgents are built in a thread, off the loop.
 _OFF_LOOP_WORKERS = 4096

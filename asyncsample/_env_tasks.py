@@ -12,13 +12,14 @@ import asyncio
 import collections
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from asyncsample._engine import CallMode, Part, StopRule
+from asyncsample._engine import CallMode, Part, SharedQuota, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import tree_map
 from asyncsample.backends._closing import cancelled_by_env
@@ -90,6 +91,73 @@ class Admission:
         self._changed.set()
 
 
+class QuotaWatch:
+    """The lanes' view of a call's :class:`SharedQuota` (``fraction_samples``).
+
+    The quota lets a worker stop once it has its minimum and the call's total reached the
+    target; until then a worker past its minimum fills in. But every worker goes on to its own
+    minimum anyway, so steps that fill in for minimums still owed are wasted: with
+    ``fraction_samples=0.99`` (minimums that add up to the quota) each worker's envs raced past
+    their minimum while another worker was short of its own, and the call returned 213-215
+    transitions for 200 where one step per env in flight allows 212. A lane therefore stops
+    once its worker has its minimum and the total *plus the minimums still owed* reaches the
+    target (:meth:`covered`), and the worker then waits (:meth:`wait`) for the others to deliver
+    what they owe, woken by every report (:meth:`report`). Counts are reported after every step
+    of a fragment call, so no lane decides on another worker's stale count.
+    """
+
+    def __init__(self, quota: SharedQuota) -> None:
+        self.quota = quota
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def report(self, worker: int, count: int) -> None:
+        """Worker ``worker`` would now return ``count`` transitions; wake the waiting workers."""
+        quota = self.quota
+        if quota.counts[worker] == count:
+            return
+        quota.report(worker, count)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def covered(self, worker: int) -> bool:
+        """Whether ``worker`` may stop: it has its minimum and the total, counting what every
+        other worker still owes of its minimum, reaches the target."""
+        quota = self.quota
+        counts, minimums = quota.counts, quota.minimums
+        if counts[worker] < minimums[worker]:
+            return False
+        if quota.total >= quota.target:
+            return True
+        owed = 0
+        for other, minimum in minimums.items():
+            if counts[other] < minimum:
+                owed += minimum - counts[other]
+        return quota.total + owed >= quota.target
+
+    async def wait(self, worker: int) -> None:
+        """While ``worker`` is covered but the quota does not yet let it stop, wait for the other
+        workers' reports."""
+        quota = self.quota
+        while not quota.may_stop(worker) and self.covered(worker):
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+
+_WATCHES: weakref.WeakKeyDictionary[SharedQuota, QuotaWatch] = weakref.WeakKeyDictionary()
+"""Each call's quota's watch, shared by the lanes of every worker of the call."""
+
+
+def quota_watch(quota: SharedQuota) -> QuotaWatch:
+    """The watch of ``quota`` (made by the first worker that asks)."""
+    watch = _WATCHES.get(quota)
+    if watch is None:
+        watch = _WATCHES[quota] = QuotaWatch(quota)
+    return watch
+
+
 @dataclass
 class LaneSettings:
     """What every lane of a sampler shares: ``max_restarts`` of one env in a call,
@@ -120,6 +188,7 @@ class LaneStepper:
         self.episode_timeout = worker.episodes.episode_timeout
         self.admission = settings.admission()
         self.quota = quota = part.quota
+        self.watch = None if quota is None else quota_watch(quota)
         self.resume = part.resume
         self.carry = part.leave is Resume.EPISODES  # steps in flight go on into the next round
         self.detaching = False
@@ -143,16 +212,28 @@ class LaneStepper:
         episodes.stamp_unstarted(self.worker.agent_version, self.host.in_flight)
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
-        """Step every env until the rule, or ``lacking`` more transitions, say stop."""
+        """Step every env until the rule, or ``lacking`` more transitions, say stop (with a
+        shared quota: first wait while the other workers owe what this one would fill in)."""
+        watch = self.watch
+        if watch is not None:
+            w = self.worker.worker_number
+            await watch.wait(w)
+            if watch.quota.may_stop(w):
+                return 1
         await self.run(rule, lacking)
         return 1
 
     def _may_stop(self, fragments: bool) -> bool:
         """The call's shared quota lets this worker stop (each env asks before its step)."""
-        quota, w = self.quota, self.worker.worker_number
-        assert quota is not None
-        quota.report(w, self.worker.episodes.count(fragments))
-        return quota.may_stop(w)
+        watch, w = self.watch, self.worker.worker_number
+        assert watch is not None
+        watch.report(w, self.worker.episodes.count(fragments))
+        return watch.covered(w)
+
+    def _report(self, fragments: bool) -> None:
+        """Tell the shared quota this worker's count (after a step, or a drop)."""
+        if self.watch is not None:
+            self.watch.report(self.worker.worker_number, self.worker.episodes.count(fragments))
 
     async def run(self, rule: StopRule, lacking: int | None = None) -> None:
         """Step every env until ``rule`` (or ``lacking`` more transitions) says stop."""
@@ -223,6 +304,7 @@ class LaneStepper:
         live_cursor = steps_left is not None and self.quota is not None
         lane_round = self.round
         may_stop = None
+        report = self._report
         if self.quota is not None:
             may_stop = functools.partial(self._may_stop, steps_left is not None)
         if lane_round is not None:  # within a stream round: until the round is done
@@ -317,6 +399,8 @@ class LaneStepper:
                     if steps_left is not None:  # a fragment call redoes the dropped steps
                         left += recorded
                         steps_left[i] = left
+                    if may_stop is not None:  # the worker's count went down
+                        report(steps_left is not None)
                     length, ret = 0, 0.0
                     await self._rebuild(i, failure)
                     continue
@@ -339,6 +423,7 @@ class LaneStepper:
                     if live_cursor:
                         steps_left[i] = left
                         cursor[i] = t
+                        report(True)
                 if terminated or truncated:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)

@@ -1,46 +1,220 @@
-"""The one env a sampler builds in the caller's process to read the spaces and step limit; it is
-closed off the event loop's thread, and ``aclose()`` may wait for that close, bounded."""
+"""The one env a sampler builds in the caller's process to read the spaces and step limit.
+
+Built where it costs the caller's event loop nothing: a blocking env in a daemon thread of its
+own whenever a loop runs in the constructor's thread (:class:`Probe`), read when the sampler
+starts, then closed in that same thread; with no loop running, or for an async env (whose
+factory the ``asyncio`` backend calls in the loop for every env anyway), at once, closed off the
+loop's thread. ``aclose()`` may wait for that close, bounded by ``close_timeout``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
+import threading
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from asyncsample import _validate
-from asyncsample.async_env import time_limit
+from asyncsample.async_env import is_async_env, time_limit
 from asyncsample.backends._closing import close_off_loop
-from asyncsample.backends.aio import probe_async_env
+from asyncsample.backends.aio import probe_async_env, read_async_env
 from asyncsample.batch import EnvSpec
-from asyncsample.env_update import make_env
+from asyncsample.env_update import EnvUpdate, checked_env, make_env
 
-__all__ = ["probe_spaces"]
+__all__ = ["Probe", "Probed", "loop_runs_here", "probe_spaces", "wait_probe_closed"]
+
+Closing = asyncio.Future[Any] | concurrent.futures.Future[None]
+"""A close still running: on the loop (a task or a future a thread completes), or in a thread."""
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What the probe env told: the env spec, whether the env has a time limit of its own, its
+    close still running (``None``: closed already), and whether it is an async env."""
+
+    spec: EnvSpec
+    time_limited: bool
+    closing: Closing | None
+    asynchronous: bool = False
 
 
 def probe_spaces(
     source: Any,
     *,
-    asynchronous: bool,
+    asynchronous: bool | None,
     max_episode_length: int | None,
     close_timeout: float,
-) -> tuple[EnvSpec, bool, asyncio.Future[Any] | None]:
-    """Build one env from ``source`` (the first of a list; an async env if ``asynchronous``)
-    and read its spaces: the env spec, whether the env has a time limit of its own, and the close
-    still running (``None``: closed already). ``ValueError``: it could not be built or recorded;
-    ``TypeError``: an env of the wrong kind for the backend."""
+) -> Probed:
+    """Build one env from ``source`` (the first of a list; an async env if ``asynchronous``,
+    either kind if ``None``: the host backends take both) here and now, and read its spaces.
+    ``ValueError``: it could not be built or recorded; ``TypeError``: an env of the wrong kind
+    for the backend."""
     first = source[0] if isinstance(source, list) else source
-    closing: asyncio.Future[Any] | None
-    if asynchronous:
-        observation_space, action_space, limit, closing = probe_async_env(first, close_timeout)
-    else:
+    closing: Closing | None
+    built = _build_either(first) if asynchronous is None else None
+    if asynchronous or is_async_env(built):
+        if built is None:
+            observation_space, action_space, limit, closing = probe_async_env(first, close_timeout)
+        else:
+            observation_space, action_space, limit, closing = read_async_env(built, close_timeout)
+        probed = _probed(observation_space, action_space, limit, max_episode_length, closing)
+        return dataclasses.replace(probed, asynchronous=True)
+    env = _build(first) if built is None else _checked(built, first)
+    try:
+        observation_space, action_space = env.observation_space, env.action_space
+        limit = time_limit(env)
+    finally:
+        closing = close_off_loop(env)
+    return _probed(observation_space, action_space, limit, max_episode_length, closing)
+
+
+class Probe:
+    """A blocking env built, read and closed in a daemon thread of its own, started at once.
+
+    :meth:`result` (in a loop: :meth:`wait`) gives the :class:`Probed` or raises what
+    :func:`probe_spaces` would have raised; the close runs in the same thread after the spaces
+    are read (``Probed.closing``). A build or close that never returns holds neither the loop nor
+    the interpreter's exit.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        max_episode_length: int | None,
+        either: bool = False,
+        close_timeout: float = 10.0,
+    ) -> None:
+        self._future: concurrent.futures.Future[Probed] = concurrent.futures.Future()
+        first = source[0] if isinstance(source, list) else source
+        threading.Thread(
+            target=self._run,
+            args=(first, max_episode_length, either, close_timeout),
+            name="asyncsample-probe",
+            daemon=True,
+        ).start()
+
+    def _run(
+        self, source: Any, max_episode_length: int | None, either: bool, close_timeout: float
+    ) -> None:
+        """``either``: the env may be an async env (the host backends), closed here with a loop
+        of this thread's own."""
+        closing: concurrent.futures.Future[None] = concurrent.futures.Future()
+        env = None
         try:
-            env = make_env(first)
-        except Exception as exc:
-            raise ValueError(f"env: could not build an env from {first!r}: {exc}") from exc
-        try:
-            observation_space, action_space = env.observation_space, env.action_space
-            limit = time_limit(env)
+            built = _build_either(source) if either else None
+            if is_async_env(built):
+                spaces = read_async_env(built, close_timeout)  # closed now, in a loop of its own
+                probed = _probed(*spaces[:3], max_episode_length, closing)
+                probed = dataclasses.replace(probed, asynchronous=True)
+            else:
+                env = _build(source) if built is None else _checked(built, source)
+                observation_space, action_space = env.observation_space, env.action_space
+                limit = time_limit(env)
+                probed = _probed(
+                    observation_space, action_space, limit, max_episode_length, closing
+                )
+        except BaseException as exc:
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(probed)
         finally:
-            closing = close_off_loop(env)
+            if env is not None:
+                try:
+                    env.close()
+                except Exception:  # as close_off_loop: a broken close is not the sampler's
+                    pass
+            closing.set_result(None)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> Probed:
+        """The probe's outcome, waiting for it in this thread if need be."""
+        return self._future.result()
+
+    async def wait(self) -> Probed:
+        """The probe's outcome, awaited."""
+        return await asyncio.wrap_future(self._future)
+
+    async def wait_for(self, timeout: float) -> Probed | None:
+        """The probe's outcome, awaited (``None``: not done within ``timeout`` seconds)."""
+        waiting = asyncio.wrap_future(self._future)
+        done, _ = await asyncio.wait([waiting], timeout=timeout)
+        if not done:  # left to finish in its thread (not cancelled: the thread sets it)
+            waiting.add_done_callback(_retrieved)
+            return None
+        return waiting.result()
+
+
+async def wait_probe_closed(closing: Closing | None, close_timeout: float) -> None:
+    """Wait for the probe env's close at most ``close_timeout`` (plus a second for an async close,
+    which bounds itself); a close in a thread still running then is abandoned with a
+    :class:`ResourceWarning`."""
+    if closing is None or closing.done():
+        return
+    waiting = closing if isinstance(closing, asyncio.Future) else asyncio.wrap_future(closing)
+    _, stuck = await asyncio.wait([waiting], timeout=close_timeout + 1.0)
+    if stuck:
+        warnings.warn(
+            f"the env built to read the spaces: its close() did not return within "
+            f"close_timeout={close_timeout:g}s; its thread is abandoned",
+            ResourceWarning,
+            stacklevel=3,
+        )
+
+
+def loop_runs_here() -> bool:
+    """Whether an event loop runs in this thread (a constructor called from a coroutine)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Read the outcome of a future nobody awaits any more (no "never retrieved" warning)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _build(source: Any) -> Any:
+    try:
+        return make_env(source)
+    except Exception as exc:
+        raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
+
+
+def _build_either(source: Any) -> Any:
+    """The env a factory makes, of either kind (``None`` for an id, an env or an update: those
+    give blocking envs, :func:`_build` makes them)."""
+    if not callable(source) or isinstance(source, (str, EnvUpdate)):
+        return None
+    try:
+        return source()
+    except Exception as exc:
+        raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
+
+
+def _checked(env: Any, source: Any) -> Any:
+    """A blocking env a factory made (a ``ValueError`` for anything else, as :func:`_build`)."""
+    try:
+        return checked_env(env, source)
+    except Exception as exc:
+        raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
+
+
+def _probed(
+    observation_space: Any,
+    action_space: Any,
+    limit: int | None,
+    max_episode_length: int | None,
+    closing: Closing | None,
+) -> Probed:
     _validate.recordable_space("env: observation_space", observation_space)
     _validate.recordable_space("env: action_space", action_space)
     spec = EnvSpec(
@@ -48,4 +222,4 @@ def probe_spaces(
         action_space=action_space,
         max_episode_length=max_episode_length or limit,
     )
-    return spec, limit is not None, closing
+    return Probed(spec, limit is not None, closing)

@@ -129,6 +129,14 @@ async def run(args: argparse.Namespace, summary: RunSummary) -> None:
             raise UsageError(f"--metrics-port {args.metrics_port}: {exc}") from exc
         port = server.server_address[1]
         print(f"metrics on http://{args.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
+    try:
+        await sampler.start()  # in a running loop the env is built off the loop, read here
+    except (ValueError, TypeError) as exc:
+        await sampler.aclose()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        raise UsageError(str(exc)) from exc
     # Per call: small enough that the bar moves and memory stays bounded; one step of every env.
     chunk = max(min(args.steps // 50, MAX_CHUNK), args.workers * args.envs_per_worker)
     start = time.perf_counter()

@@ -31,6 +31,7 @@ __all__ = [
     "StepInfos",
     "call_targets",
     "fixed_rows",
+    "lockstep_infos",
     "set_attr_targets",
     "rebuild_chain",
     "reset_arguments",
@@ -337,20 +338,11 @@ class EnvGroup:
     def step_results(
         self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
     ) -> tuple[StepInfos, list[int]]:
-        """The envs of ``indices`` were stepped one by one (:meth:`finish`'s ``results``) as one
-        lockstep step: its infos, and the envs whose episode ended (to reset now)."""
-        env_infos: list[dict[str, Any]] | None = None
-        done = []
-        for i, (_, terminated, truncated, info) in zip(indices, results):
-            if info:
-                if env_infos is None:
-                    env_infos = [{} for _ in range(self.n_envs)]
-                env_infos[i] = info
-            if terminated or truncated:
-                done.append(i)
+        """:func:`lockstep_infos` of the envs stepped one by one, kept for the host's clock."""
+        infos, done = lockstep_infos(self.n_envs, indices, results)
         self.last_ended = done
         self.last_stepped = len(indices)
-        return StepInfos(env_infos, {}), done
+        return infos, done
 
     def _keep_obs(self, i: int, o: Any) -> None:
         if not self._flat_obs:
@@ -728,3 +720,20 @@ def _obs_shapes(obs: Any, space: gym.Space[Any]) -> Any:
             return f"{type(obs).__name__}"
         return tuple(_obs_shapes(o, s) for o, s in zip(obs, space.spaces))
     return tuple(np.shape(obs))
+
+
+def lockstep_infos(
+    n_envs: int, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
+) -> tuple[StepInfos, list[int]]:
+    """The envs of ``indices`` of ``n_envs`` were stepped one by one (:meth:`EnvGroup.finish`'s
+    ``results``) as one lockstep step: its infos, and the envs whose episode ended (to reset)."""
+    env_infos: list[dict[str, Any]] | None = None
+    done = []
+    for i, (_, terminated, truncated, info) in zip(indices, results):
+        if info:
+            if env_infos is None:
+                env_infos = [{} for _ in range(n_envs)]
+            env_infos[i] = info
+        if terminated or truncated:
+            done.append(i)
+    return StepInfos(env_infos, {}), done

@@ -23,6 +23,7 @@ __all__ = [
     "NewEnvUpdate",
     "SetTaskUpdate",
     "apply_env_update",
+    "checked_env",
     "describe_chain",
     "describe_source",
     "make_env",
@@ -61,7 +62,7 @@ class NewEnvUpdate(EnvUpdate):
     def __call__(self, old_env: gym.Env | None = None) -> gym.Env:
         if old_env is not None:
             old_env.close()
-        return _checked_env(self.env_constructor(), self.env_constructor)
+        return checked_env(self.env_constructor(), self.env_constructor)
 
 
 class SetTaskUpdate(EnvUpdate):
@@ -126,7 +127,8 @@ class EnvId:
         return repr(self.id)
 
 
-def _checked_env(env: Any, source: Any) -> gym.Env:
+def checked_env(env: Any, source: Any) -> gym.Env:
+    """``env``, built from ``source``, if it is a gymnasium env (else a ``TypeError``)."""
     if not isinstance(env, gym.Env):
         check_blocking_env(env, f"env factory {source!r}")
         raise TypeError(
@@ -142,9 +144,9 @@ def make_env(source: EnvSource) -> gym.Env:
     if isinstance(source, gym.Env):
         return copy.deepcopy(source)
     if isinstance(source, EnvUpdate):
-        return _checked_env(source(None), source)
+        return checked_env(source(None), source)
     if callable(source):
-        return _checked_env(source(), source)
+        return checked_env(source(), source)
     raise TypeError(
         "env must be a gymnasium id (str), a zero-argument callable returning a gymnasium.Env, "
         f"a gymnasium.Env or an EnvUpdate, got {type(source).__name__}"
@@ -159,7 +161,7 @@ def apply_env_update(
     if update is None:
         return old_env, False
     if isinstance(update, EnvUpdate):
-        return _checked_env(update(old_env), update), True
+        return checked_env(update(old_env), update), True
     new_env = make_env(update)
     if old_env is not None and old_env is not new_env:
         old_env.close()

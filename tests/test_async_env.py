@@ -543,8 +543,9 @@ async def test_wrappers_under_the_asyncio_backend_match_gymnasiums_under_thread(
     assert (ours.lengths <= 8).all() and (ours.lengths == 8).any()
 
 
-@pytest.mark.parametrize("backend", ["local", "thread", "process"])
+@pytest.mark.parametrize("backend", ["local", "thread"])
 def test_blocking_backends_name_an_async_env(backend: str) -> None:
-    """An async env on a backend that steps blocking envs is refused with what to use."""
+    """An async env on a backend that steps blocking envs is refused with what to use
+    (``process`` takes async envs: tests/test_hosted_async_envs.py)."""
     with pytest.raises(ValueError, match=r"CountingAsyncEnv, an async env .* backend='asyncio'"):
         Sampler(CountingAsyncEnv, backend=backend)

@@ -320,3 +320,21 @@ def test_metrics_readings_name_each_bottleneck(tmp_path: Path) -> None:
     assert "agent-bound: bottleneck=agent" in done.stdout
     assert "caller-bound: bottleneck=caller" in done.stdout
     assert "| `env_steps_total` per second |" in done.stdout
+
+
+# -- the async env pool ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_async_env_pool_on_a_local_ray_cluster(ray_cluster: Any) -> None:
+    """The pool's async envs step in two Ray actors' event loops, and the stream goes on."""
+    import cloudpickle
+
+    pool = load_example("async_env_pool")
+    sys.modules[pool.__name__] = pool  # loaded from a path: Ray's workers cannot import it,
+    cloudpickle.register_pickle_by_value(pool)  # so its env class travels by value
+    args = ["--backend", "ray", "--envs", "64", "--seconds", "2", "--latency", "0.01"]
+    result = await pool.main(args)
+    assert result["steps"] >= 640  # at least one batch of the stream (10 steps per env)
+    assert result["episodes"] >= 1
+    assert result["steps_per_s"] > 0

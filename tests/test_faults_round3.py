@@ -208,8 +208,15 @@ async def test_shared_memory_is_checked_for_the_process_backend(
     _with_memory(monkeypatch, available=1 << 40, shm_free=1 << 20)
     box = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)
     env = functools.partial(SpacedEnv, box, gym.spaces.Discrete(4))
-    with pytest.raises(ValueError, match=r"shared memory in /dev/shm, but only 1\.0 MiB"):
-        Sampler(env, envs_per_worker=64, backend="process")
+    refused = r"shared memory in /dev/shm, but only 1\.0 MiB"
+    with pytest.raises(ValueError, match=refused):  # no loop runs there: by the constructor
+        await asyncio.to_thread(Sampler, env, envs_per_worker=64, backend="process")
+    # In a loop the spaces are read in a thread meanwhile: refused as it starts, before any host.
+    sampler = Sampler(env, envs_per_worker=64, backend="process")
+    with pytest.raises(ValueError, match=refused):
+        await sampler.start()
+    assert sampler._backend is None
+    await sampler.aclose()
     await Sampler(env, envs_per_worker=64, backend="local").aclose()  # ordinary memory: fits
 
 
@@ -219,8 +226,13 @@ async def test_host_mode_counts_its_chunk_buffers(monkeypatch: pytest.MonkeyPatc
     # 2 workers x 8 envs x (2 x 7056 + 18) bytes: 226 KiB of step buffers, 64 times that in chunks
     _with_memory(monkeypatch, available=1 << 40, shm_free=1 << 20)
     await Sampler(env, envs_per_worker=8, backend="process").aclose()
+    host = functools.partial(Sampler, env, envs_per_worker=8, backend="process", inference="host")
     with pytest.raises(ValueError, match="step and chunk buffers"):
-        Sampler(env, envs_per_worker=8, backend="process", inference="host")
+        await asyncio.to_thread(host)  # no loop runs there: by the constructor
+    sampler = host()  # in a loop: as it starts
+    with pytest.raises(ValueError, match="step and chunk buffers"):
+        await sampler.start()
+    await sampler.aclose()
 
 
 async def test_a_large_sampler_is_built_without_stalling_the_loop() -> None:

@@ -468,3 +468,32 @@ async def test_host_inference_fast_worker_fills_in(chunk_steps: int, tmp_path: A
         for frag in fragments:
             check_worker_major(frag)
     check_fragment_continuity(fragments, 5)
+
+
+# -- inference="host": a chunk asks for this worker's part of what the call lacks ---------------
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("fraction", [0.99, 0.25])
+async def test_host_inference_chunks_stop_where_steps_would(fraction: float) -> None:
+    """Each chunk asks for its worker's part of what the call lacks. Before, every worker's first
+    chunk asked for all of it: 777 transitions for 200 (4 workers x 3 envs, chunks of 64 steps).
+    Per-step stepping passes the quota by at most one step per env (fragments) or the episodes
+    each env has in progress (samples); so do the chunks now."""
+    async with Sampler(
+        functools.partial(CounterEnv, 7),
+        n_workers=4,
+        envs_per_worker=3,
+        backend="process",
+        n_processes=2,
+        seed=0,
+        inference="host",
+    ) as s:
+        for _ in range(2):
+            fragments = await s.obtain_fragments(200, fraction_samples=fraction)
+            assert 200 <= fragments.n_transitions <= 200 + 4 * 3
+            check_worker_major(fragments)
+            samples = await s.obtain_samples(200, fraction_samples=fraction)
+            assert 200 <= samples.n_transitions <= 200 + 4 * 3 * 7
+            check_worker_major(samples)
+            check_whole_episodes(samples, 7)

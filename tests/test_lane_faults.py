@@ -310,6 +310,7 @@ async def test_episode_timeout_cuts_a_hung_reset(make_sampler: SamplerFactory, l
     _check_whole(batch)
 
 
+@pytest.mark.both_loops
 @pytest.mark.parametrize("fraction", [0.25, 0.99])
 async def test_fraction_samples_of_fragments_stays_near_the_quota(
     make_sampler: SamplerFactory, lane: str, fraction: float
@@ -317,12 +318,40 @@ async def test_fraction_samples_of_fragments_stays_near_the_quota(
     """Before: every worker took the whole quota (800 transitions from 4 workers for 200)."""
     factory = EnvFactory(lambda j: CountingAsyncEnv(7) if lane == "asyncio" else CountingEnv(7))
     sampler = make_sampler(lane, factory, n_workers=4, envs_per_worker=3, seed=0)
-    batch = await sampler.obtain_fragments(200, fraction_samples=fraction)
-    # One step per env in flight past the point where the call may stop; with 0.99 the
-    # minimums (50 per worker) add up to the quota, so a worker that filled in for another
-    # before that one reached its minimum adds up to one more round of its envs.
-    slack = 4 * 3 if fraction < 0.5 else 2 * 4 * 3
-    assert 200 <= batch.n_transitions <= 200 + slack
+    for _ in range(2):
+        batch = await sampler.obtain_fragments(200, fraction_samples=fraction)
+        # At most one step per env in flight past the point where the call may stop (before:
+        # 213-215 on thread with 0.99, whose minimums of 50 per worker add up to the quota).
+        assert 200 <= batch.n_transitions <= 200 + 4 * 3
+
+
+def _slow_worker_0(lane: str) -> EnvFactory:
+    """Worker 0's two envs (built right after the probe) take 10 ms a step; worker 1's none."""
+
+    def build(j: int) -> Any:
+        latency = 0.01 if j in (1, 2) else 0.0
+        return CountingAsyncEnv(7, latency) if lane == "asyncio" else CountingEnv(7, latency)
+
+    return EnvFactory(build)
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("mode", ["fragments", "samples"])
+async def test_a_fast_worker_does_not_fill_in_for_minimums_still_owed(
+    make_sampler: SamplerFactory, lane: str, mode: str
+) -> None:
+    """With fraction_samples=0.99 each worker's minimum (99) is its whole share: the fast worker
+    has nothing to fill in, as the slow one delivers its minimum anyway. Before, the fast worker
+    went on while the call's total was short of the quota, hundreds of steps past its share."""
+    sampler = make_sampler(lane, _slow_worker_0(lane), n_workers=2, envs_per_worker=2, seed=0)
+    call = sampler.obtain_fragments if mode == "fragments" else sampler.obtain_samples
+    batch = await call(198, fraction_samples=0.99)
+    per_worker = np.bincount(batch.episode_infos["worker"], weights=batch.lengths, minlength=2)
+    assert per_worker[0] >= 99 and per_worker[1] >= 99
+    # fragments: one step per env in flight; samples: the episode in progress of each env
+    slack = 2 * 2 if mode == "fragments" else 2 * 2 * 7
+    assert batch.n_transitions <= 198 + slack, per_worker
+    _check_whole(batch, fragments=mode == "fragments")
 
 
 async def test_new_env_update_with_async_envs_closes_what_it_replaces(

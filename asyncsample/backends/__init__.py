@@ -81,6 +81,8 @@ class Traits:
         host_mode: its hosts are :class:`AgentHost` (``inference="host"``).
         per_env: it steps each env on its own (:mod:`asyncsample._env_tasks`).
         async_envs: its envs are async envs (:class:`~asyncsample.AsyncEnv`).
+        async_hosts: its hosts also take async envs, each stepped on its own in the host's
+            event loop (as ``per_env`` backends step theirs).
         lockstep: its hosts are :class:`LockstepHost` (the vector env's loop-free step).
         per_host: the option that sets how many workers share a host (``None``: none).
         needs: the optional package it needs, also its extra's name (``None``: none).
@@ -94,6 +96,7 @@ class Traits:
     host_mode: bool = False
     per_env: bool = False
     async_envs: bool = False
+    async_hosts: bool = False
     lockstep: bool = False
     per_host: str | None = None
     needs: str | None = None
@@ -114,9 +117,12 @@ class Traits:
         per_host = _validate.optional_positive_int(str(self.per_host), per_host)
         return pool_size(n_processes, n_workers, per_host)
 
-    def env_parallel(self, max_concurrency: int | None, envs: int, hosts: int) -> int:
-        """How many of ``envs`` env steps it runs at once on ``hosts`` hosts."""
-        if not self.per_env:  # a host steps its workers' envs one after another
+    def env_parallel(
+        self, max_concurrency: int | None, envs: int, hosts: int, per_env: bool = False
+    ) -> int:
+        """How many of ``envs`` env steps it runs at once on ``hosts`` hosts (``per_env``: each
+        env is stepped on its own there, async envs in hosts too)."""
+        if not (self.per_env or per_env):  # a host steps its workers' envs one after another
             return hosts
         from asyncsample.backends.aio import lane_parallel
 
@@ -128,10 +134,22 @@ TABLE: dict[str, Traits] = {
     t.name: t
     for t in [
         Traits(
-            "process", "process:ProcessBackend", shared_memory=True, host_mode=True, lockstep=True
+            "process",
+            "process:ProcessBackend",
+            shared_memory=True,
+            host_mode=True,
+            lockstep=True,
+            async_hosts=True,
         ),
         Traits("local", "local:LocalBackend", in_process=True, preempts=False),
-        Traits("ray", "ray:RayBackend", host_mode=True, per_host="workers_per_actor", needs="ray"),
+        Traits(
+            "ray",
+            "ray:RayBackend",
+            host_mode=True,
+            async_hosts=True,
+            per_host="workers_per_actor",
+            needs="ray",
+        ),
         Traits("asyncio", "aio:AsyncioBackend", in_process=True, per_env=True, async_envs=True),
         Traits("thread", "aio:ThreadBackend", in_process=True, per_env=True),
     ]

@@ -9,10 +9,19 @@ import threading
 import warnings
 from typing import Any
 
+from asyncsample import _validate
 from asyncsample.async_env import close_env
 from asyncsample.backends.base import LOGGER
 
-__all__ = ["CLOSE_TIMEOUT", "cancelled_by_env", "close_bounded", "close_off_loop"]
+__all__ = [
+    "CLOSE_TIMEOUT",
+    "cancelled_by_env",
+    "close_bounded",
+    "close_off_loop",
+    "exit_grace",
+    "optional_close_timeout",
+    "wait_closed",
+]
 
 CLOSE_TIMEOUT = 10.0
 """The default ``close_timeout``: the longest a restart or ``aclose()`` waits for an env's
@@ -20,6 +29,41 @@ CLOSE_TIMEOUT = 10.0
 
 _CANCEL_GRACE = 0.1
 """Seconds a cancelled close may take to unwind before it is abandoned."""
+
+
+def optional_close_timeout(value: object) -> float | None:
+    """A backend's ``close_timeout`` option: ``None`` (the backend's own default) or seconds."""
+    if value is None:
+        return None
+    return _validate.seconds("close_timeout", value)
+
+
+def exit_grace(close_timeout: float | None, busy: bool, default: float) -> float:
+    """Seconds an env host asked to exit (it closes its envs first) gets before it is killed:
+    ``close_timeout``, or ``default`` when none was given. A host still ``busy`` with a call (a
+    step that may never return) cannot close anything before that call ends: it gets at most
+    ``default``, as before ``close_timeout`` reached the hosts."""
+    if close_timeout is None:
+        return default
+    return min(close_timeout, default) if busy else close_timeout
+
+
+async def wait_closed(closing: asyncio.Future[Any] | None, timeout: float, what: str) -> bool:
+    """Wait at most ``timeout`` seconds for a close running in a thread (``closing``, from
+    :func:`close_off_loop`); whether it finished. Else it is abandoned with a
+    :class:`ResourceWarning` naming ``what`` (its daemon thread holds neither loop nor exit)."""
+    if closing is None or closing.done():
+        return True
+    _, stuck = await asyncio.wait([closing], timeout=timeout)
+    if not stuck:
+        return True
+    warnings.warn(
+        f"{what}: close() did not return within close_timeout={timeout:g}s; its thread is "
+        "abandoned",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    return False
 
 
 def cancelled_by_env() -> bool:

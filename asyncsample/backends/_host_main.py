@@ -17,8 +17,9 @@ import socket
 import sys
 from typing import Any
 
-from asyncsample.backends import _threads
+from asyncsample.backends import _lane_serve, _threads
 from asyncsample.backends._chunk import RawChunks, view_chunk_sets
+from asyncsample.backends._lane_serve import LaneOptions
 from asyncsample.backends._slot import HostSlot, RawArena, view_step_arena
 from asyncsample.backends._transport import (
     HELLO_ID,
@@ -82,13 +83,16 @@ def main(
     raw_buffers: list[Any],
     raw_chunks: list[RawChunks | None] | None = None,
     host_threads: int | None = None,
+    lanes: LaneOptions | None = None,
     raw_arenas: list[RawArena | None] | None = None,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
     :func:`~asyncsample.backends._transport.slot_buffers` views, ``raw_chunks`` its
     :data:`~asyncsample.backends._chunk.RawChunks` (or ``None``) and ``raw_arenas`` its
-    observation arena (:data:`~asyncsample.backends._slot.RawArena`)."""
+    observation arena (:data:`~asyncsample.backends._slot.RawArena`, or ``None``); with
+    ``lanes``, the slots' envs are async envs served in an event loop
+    (:mod:`asyncsample.backends._lane_serve`)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     with contextlib.suppress(OSError):
@@ -98,6 +102,9 @@ def main(
     gc.freeze()
     sock.setblocking(True)
     specs = pickle.loads(slots_blob)
+    if lanes is not None:
+        _serve_lanes(sock, specs, raw_buffers, lanes)
+        return
     slots: list[HostSlot] = []
     chunks = raw_chunks or [None] * len(specs)
     arenas = raw_arenas or [None] * len(specs)
@@ -118,6 +125,23 @@ def main(
         for slot in slots:
             slot.close()
         reader.close()
+        sock.close()
+        _kill_descendants()
+
+
+def _serve_lanes(
+    sock: socket.socket, specs: list[Any], raw_buffers: list[Any], lanes: LaneOptions
+) -> None:
+    """Serve the slots' async envs in an event loop until ``exit`` or the stream's end."""
+    buffers = [
+        slot_buffers(s.observation_space, s.action_space, s.n_envs, raw, s.timed)
+        for s, raw in zip(specs, raw_buffers)
+    ]
+    try:
+        _lane_serve.serve(sock, specs, buffers, lanes)
+    except (BrokenPipeError, ConnectionError):
+        pass  # the parent went away: nothing left to answer
+    finally:
         sock.close()
         _kill_descendants()
 

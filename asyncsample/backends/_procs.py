@@ -1,17 +1,29 @@
 """Env-host processes as processes: the forkserver they start from, Python's own helper
-processes beside them, how an exit is told, and how a host's process tree is killed."""
+processes beside them, how one is started off the event loop's thread, how an exit is told,
+and how a host's process tree is killed."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 from typing import Any
 
 import psutil
 
-__all__ = ["forkserver_context", "describe_exit", "kill_tree", "support_process_pids"]
+__all__ = [
+    "KILL_WAIT",
+    "describe_exit",
+    "forkserver_context",
+    "kill_started",
+    "kill_tree",
+    "start_process",
+    "support_process_pids",
+]
 
 #: Imported once by the forkserver for every host. Not ``__main__``: envs travel by cloudpickle,
 #: so the user's script needs no ``if __name__ == "__main__":`` guard.
@@ -92,3 +104,53 @@ def pin(pid: int, cpu: int | None) -> None:
     if cpu is not None:
         with contextlib.suppress(OSError, AttributeError):
             os.sched_setaffinity(pid, {cpu})
+
+
+#: How long a killed host process is waited for (reaped) before it is left to the OS.
+KILL_WAIT = 5.0
+
+#: Starts host processes off the loop's thread, one at a time (Process.start() is not
+#: thread-safe); a thread of our own, as the loop's default executor may be anything.
+_STARTER = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
+
+
+def _start_hidden(process: Any) -> None:
+    """``process.start()`` with ``__main__``'s ``__file__`` and ``__spec__`` hidden, so the new
+    host does not re-run the main script."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        process.start()
+        return
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
+    }
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        process.start()
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+async def start_process(process: Any) -> None:
+    """``process.start()`` off the loop's thread (killed if the caller is cancelled meanwhile)."""
+    fut = asyncio.get_running_loop().run_in_executor(_STARTER, _start_hidden, process)
+    try:
+        await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({fut})
+        if not fut.cancelled() and fut.exception() is None:
+            kill_started(process)
+        raise
+
+
+def kill_started(process: Any) -> None:
+    """Kill and reap a host process that was started but will not be used."""
+    kill_tree(None, process.pid)
+    with contextlib.suppress(Exception):
+        process.kill()
+        process.join(KILL_WAIT)
+        process.close()

@@ -31,6 +31,7 @@ __all__ = [
     "OK",
     "PROGRESS_GROUP",
     "EnvActor",
+    "LaneActor",
     "best_codec",
     "copy_into",
     "encode_request",
@@ -309,6 +310,72 @@ class EnvActor:
         """Close every env of this actor (before it is killed)."""
         for slot in self.slots.values():
             slot.close()
+
+
+class LaneActor:
+    """Hosts the async envs of several workers in the actor's event loop, a
+    :class:`~asyncsample.backends._lane_serve.LaneServer` (made a Ray actor class by
+    :class:`RayBackend`, with a concurrency of a few calls: the env calls are tasks of the
+    server's own, never Ray calls, so Ray's limit on an actor's calls cannot cap them).
+
+    Lane requests come in batches (:meth:`submit`, nothing awaited); the caller keeps one
+    :meth:`replies` call waiting, which returns the batches of replies ready since the last one.
+    """
+
+    def __init__(self, slots_blob: bytes, options: Any, host_threads: int | None = None) -> None:
+        _threads.limit(host_threads)
+        self.specs = pickle.loads(slots_blob)
+        self.options = options
+        self.server: Any = None
+        self.ready_replies: list[bytes] = []
+        self.waiting: Any = None  # the event a waiting replies() call waits on
+
+    def _server(self) -> Any:
+        if self.server is None:  # on the actor's loop, at its first call
+            import asyncio
+
+            from asyncsample.backends._lane_serve import LaneServer
+
+            self.waiting = asyncio.Event()
+            self.server = LaneServer(
+                self.specs, [None] * len(self.specs), self.options, self._replied, True
+            )
+        return self.server
+
+    def _replied(self, body: bytes) -> None:
+        self.ready_replies.append(body)
+        self.waiting.set()
+
+    async def ready(self) -> tuple[int, str]:
+        """The actor's pid and node address, once it is up."""
+        import ray
+
+        self._server()
+        ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return os.getpid(), ip
+
+    async def submit(self, payload: bytes) -> None:
+        """Start a batch of lane requests."""
+        self._server().handle(payload)
+
+    async def replies(self) -> list[bytes]:
+        """The batches of lane replies ready (waits for one)."""
+        self._server()
+        while not self.ready_replies:
+            self.waiting.clear()
+            await self.waiting.wait()
+        out, self.ready_replies = self.ready_replies, []
+        return out
+
+    async def serve(self, worker: int, op: int, body: bytes) -> bytes:
+        """A whole-worker request (build, update, call, set_attr, close); its reply's bytes."""
+        server = self._server()
+        status, payload = await server.call(server.by_worker[worker], op, body)
+        return _dumps((status, payload))
+
+    async def shutdown(self) -> None:
+        """Close every env of this actor (before it is killed)."""
+        await self._server().shut()
 
 
 def _clock_of(buffers: StepBuffers) -> tuple[Any, ...]:

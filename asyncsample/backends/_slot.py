@@ -143,9 +143,9 @@ def arena_budget(arenas: int) -> int:
 
 def _arena_row(spec: HostSpec) -> np.ndarray | None:
     """One env's observation buffer for ``spec``, if its slot may have a :class:`StepArena`:
-    not with chunks (``inference="host"`` has its own arena), a face's autoreset, or
-    observations that are not one array of fixed rows."""
-    if spec.chunk_steps or spec.autoreset != "SameStep" or spec.final_in_reply:
+    not with chunks (``inference="host"`` has its own arena), async envs (``lanes``), a face's
+    autoreset, or observations that are not one array of fixed rows."""
+    if spec.chunk_steps or spec.lanes or spec.autoreset != "SameStep" or spec.final_in_reply:
         return None
     like = StepBuffers.allocate(spec.observation_space, spec.action_space, 1).obs
     if type(like) is not np.ndarray or like.dtype == object:

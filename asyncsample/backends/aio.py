@@ -14,7 +14,7 @@ import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
@@ -45,6 +45,7 @@ from asyncsample.env_group import (
     StepBuffers,
     StepInfos,
     call_targets,
+    lockstep_infos,
     reset_arguments,
     set_attr_targets,
 )
@@ -56,12 +57,14 @@ _perf = time.perf_counter
 __all__ = [
     "AsyncioBackend",
     "LaneHost",
+    "PerEnvLockstep",
     "ThreadBackend",
     "ThreadedEnv",
     "default_threads",
     "lane_parallel",
     "make_async_env",
     "probe_async_env",
+    "read_async_env",
 ]
 
 
@@ -140,13 +143,75 @@ class ThreadedEnv:
         await self._run(self.env.close)
 
 
-class LaneHost:
+class PerEnvLockstep:
+    """The lockstep seam of :class:`EnvHost` (``reset``/``step`` of a mask of envs) made of a
+    :class:`~asyncsample.backends.base.PerEnvHost`'s ``reset_one``/``step_one``, run at once."""
+
+    n_envs: int
+    buffers: StepBuffers
+    in_flight: dict[int, asyncio.Task[Any]]
+    reset_one: Callable[..., Coroutine[Any, Any, dict[str, Any]]]
+    step_one: Callable[..., Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any]]]]
+
+    async def reset(
+        self,
+        mask: np.ndarray,
+        seeds: Sequence[int | None] | None = None,
+        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
+    ) -> dict[int, dict[str, object]]:
+        """Reset the envs in ``mask`` concurrently; their non-empty reset infos by env."""
+        indices = np.flatnonzero(mask).tolist()
+        seed_list, option_list = reset_arguments(self.n_envs, seeds, options)
+        calls = [
+            self.reset_one(
+                i,
+                PENDING_SEED if seed_list is None else seed_list[i],
+                None if option_list is None else option_list[i],
+            )
+            for i in indices
+        ]
+        infos = await run_all(calls)
+        return {i: info for i, info in zip(indices, infos) if info}
+
+    async def step(self, mask: np.ndarray) -> StepInfos:
+        """Step the envs in ``mask`` concurrently, with same-step autoreset."""
+        indices = np.flatnonzero(mask).tolist()
+        actions = self.buffers.actions
+        results = await run_all(
+            [self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions)) for i in indices]
+        )
+        step_infos, reset_now = self._step_results(indices, results)
+        infos = await run_all([self.reset_one(i) for i in reset_now])
+        step_infos.reset_infos = {i: info for i, info in zip(reset_now, infos) if info}
+        return step_infos
+
+    def _step_results(
+        self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
+    ) -> tuple[StepInfos, list[int]]:
+        return lockstep_infos(self.n_envs, indices, results)
+
+    async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
+        """Cancel and await the carried steps of ``envs`` (default: all); the envs that had one."""
+        dropped = [i for i in (self.in_flight if envs is None else envs) if i in self.in_flight]
+        tasks = [self.in_flight.pop(i) for i in dropped]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        for task in tasks:
+            if not task.cancelled():
+                task.exception()  # retrieved: a step that failed after its round is dropped too
+        return dropped
+
+
+class LaneHost(PerEnvLockstep):
     """Hosts one worker's envs in the caller's process, each reset and stepped on its own.
 
     Args:
         make: the backend's ``make(source, old)`` of an env (from a factory, id or update).
         step_timeout, close_timeout: see :class:`AsyncioBackend`.
         limiter: caps the env calls in flight across the sampler (``None``: no cap).
+        buffers: the step buffers (default: its own; an env host's are shared with the caller).
     """
 
     def __init__(
@@ -156,10 +221,11 @@ class LaneHost:
         step_timeout: float | None,
         limiter: asyncio.Semaphore | None,
         close_timeout: float = CLOSE_TIMEOUT,
+        buffers: StepBuffers | None = None,
     ) -> None:
         self.spec = spec
         self.n_envs = spec.n_envs
-        self.buffers = StepBuffers.allocate(
+        self.buffers = buffers or StepBuffers.allocate(
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
         # With metrics on: the seconds of each env step since settle_clock, the steps running.
@@ -182,6 +248,11 @@ class LaneHost:
         self.in_flight: dict[int, asyncio.Task[Any]] = {}  # steps a stream's round left running
         self.closed = False
         self._closing: set[asyncio.Task[Any]] = set()  # closes of rebuilt envs still running
+
+    def _step_results(
+        self, indices: list[int], results: Sequence[tuple[float, bool, bool, dict[str, Any]]]
+    ) -> tuple[StepInfos, list[int]]:
+        return self.group.step_results(indices, results)
 
     # -- building -----------------------------------------------------------------------------
 
@@ -349,40 +420,6 @@ class LaneHost:
             raise exc
         return _env_error(self.spec.worker, i, what, exc)
 
-    # -- the lockstep seam (EnvHost) ----------------------------------------------------------
-
-    async def reset(
-        self,
-        mask: np.ndarray,
-        seeds: Sequence[int | None] | None = None,
-        options: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
-    ) -> dict[int, dict[str, object]]:
-        """Reset the envs in ``mask`` concurrently; their non-empty reset infos by env."""
-        indices = np.flatnonzero(mask).tolist()
-        seed_list, option_list = reset_arguments(self.n_envs, seeds, options)
-        calls = [
-            self.reset_one(
-                i,
-                PENDING_SEED if seed_list is None else seed_list[i],
-                None if option_list is None else option_list[i],
-            )
-            for i in indices
-        ]
-        infos = await run_all(calls)
-        return {i: info for i, info in zip(indices, infos) if info}
-
-    async def step(self, mask: np.ndarray) -> StepInfos:
-        """Step the envs in ``mask`` concurrently, with same-step autoreset."""
-        indices = np.flatnonzero(mask).tolist()
-        actions = self.buffers.actions
-        results = await run_all(
-            [self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions)) for i in indices]
-        )
-        step_infos, reset_now = self.group.step_results(indices, results)
-        infos = await run_all([self.reset_one(i) for i in reset_now])
-        step_infos.reset_infos = {i: info for i, info in zip(reset_now, infos) if info}
-        return step_infos
-
     async def call(
         self,
         name: str,
@@ -426,19 +463,6 @@ class LaneHost:
         await self._close_envs()
         if self._closing:  # each bounded by close_timeout
             await asyncio.wait(list(self._closing))
-
-    async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
-        """Cancel and await the carried steps of ``envs`` (default: all); the envs that had one."""
-        dropped = [i for i in (self.in_flight if envs is None else envs) if i in self.in_flight]
-        tasks = [self.in_flight.pop(i) for i in dropped]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
-        for task in tasks:
-            if not task.cancelled():
-                task.exception()  # retrieved: a step that failed after its round is dropped too
-        return dropped
 
     async def _close_envs(self) -> None:
         envs = list(self.envs)
@@ -501,6 +525,14 @@ def probe_async_env(
             f"asyncsample.AsyncEnv); {source!r} returned {type(env).__name__}, a blocking "
             "gymnasium.Env: use backend='thread' (or 'process') for it"
         )
+    return read_async_env(env, close_timeout)
+
+
+def read_async_env(
+    env: Any, close_timeout: float = CLOSE_TIMEOUT
+) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
+    """The spaces and step limit of the async env ``env``, which is then closed (see
+    :func:`probe_async_env`)."""
     check_async_env(env, "env")
     limit = getattr(env, "max_episode_steps", None)
     if limit is None:

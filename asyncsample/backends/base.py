@@ -54,6 +54,8 @@ class HostSpec:
         autoreset: the env group's autoreset mode (:data:`~asyncsample.env_group.AUTORESET_MODES`).
         final_in_reply: step replies carry the final observations (the gymnasium face).
         timed: metrics are on: the host keeps a clock of its steps (:mod:`asyncsample._clock`).
+        lanes: the envs are async envs, each reset and stepped on its own in the host's event
+            loop (:mod:`asyncsample.backends._lane_serve`).
     """
 
     worker: int
@@ -65,6 +67,7 @@ class HostSpec:
     autoreset: str = "SameStep"
     final_in_reply: bool = False
     timed: bool = False
+    lanes: bool = False
 
 
 class EnvHost(Protocol):

@@ -1,12 +1,14 @@
 """The ``local`` backend: envs stepped in the event loop's thread, no IPC.
 
 For cheap envs and debugging. A step blocks the loop for as long as the env takes, so
-``step_timeout`` cannot be honoured here (it is refused).
+``step_timeout`` cannot be honoured here (it is refused). Closing envs (a restart, ``aclose()``)
+happens in a thread of its own, waited for at most ``close_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample.backends._closing import close_off_loop, optional_close_timeout, wait_closed
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends._slot import spec_group
 from asyncsample.backends.base import (
@@ -35,15 +38,51 @@ from asyncsample.env_update import EnvSource
 __all__ = ["CallerHost", "LocalBackend", "LocalHost"]
 
 
-class LocalHost:
-    """Hosts one worker's envs in the main process."""
+class _Closer:
+    """Closes envs one after the other (in a thread: :func:`close_off_loop`), errors ignored."""
 
-    def __init__(self, spec: HostSpec) -> None:
+    def __init__(self, envs: list[Any]) -> None:
+        self.envs = envs
+
+    def close(self) -> None:
+        for env in self.envs:
+            with contextlib.suppress(Exception):
+                env.close()
+
+
+async def close_envs(envs: list[Any], close_timeout: float | None, what: str) -> None:
+    """Close ``envs``: in a thread of their own, waited for at most ``close_timeout`` (then
+    abandoned with a :class:`ResourceWarning`); ``None``: here, in the loop's thread."""
+    if not envs:
+        return
+    closer = _Closer(envs)
+    if close_timeout is None:
+        closer.close()
+        return
+    await wait_closed(close_off_loop(closer), close_timeout, what)
+
+
+class LocalHost:
+    """Hosts one worker's envs in the main process (``close_timeout``: see :func:`close_envs`)."""
+
+    def __init__(self, spec: HostSpec, close_timeout: float | None = None) -> None:
         self.spec = spec
         self._group = spec_group(spec)
         self.buffers = self._group.buffers
         self.closed = False
+        self.close_timeout = close_timeout
         self._wrap = False  # True: every failure is a WorkerError (wrap=True on every call)
+
+    def take_envs(self) -> list[Any]:
+        """Take the envs out of the group (to be closed elsewhere); it holds none after."""
+        envs = self._group.envs
+        taken = [env for env in envs if env is not None]
+        envs[:] = [None] * len(envs)
+        return taken
+
+    async def _close_envs(self) -> None:
+        what = f"the envs of worker {self.spec.worker}"
+        await close_envs(self.take_envs(), self.close_timeout, what)
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, wrap: bool = False) -> Any:
         if self.closed:
@@ -105,10 +144,11 @@ class LocalHost:
     async def restart(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         if not self.closed:
             LOGGER.info("worker %d: rebuilding its envs in the main process", self.spec.worker)
+            await self._close_envs()  # bounded: a close that hangs does not hold the rebuild
         await self.build(chains, seeds)
 
     async def close(self) -> None:
-        self._group.close()
+        await self._close_envs()
 
     def shut(self) -> None:
         """Close the envs for good: every later call raises ``SamplerClosedError``."""
@@ -120,8 +160,8 @@ class CallerHost(LocalHost):
     """A :class:`LocalHost` for the faces' sub-envs, stepped in the caller's thread
     (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host's is."""
 
-    def __init__(self, spec: HostSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: HostSpec, close_timeout: float | None = None) -> None:
+        super().__init__(spec, close_timeout)
         self._wrap = True
         self._given: list[Any] | None = None
 
@@ -160,14 +200,15 @@ def _snapshot(infos: Any) -> Any:
 
 class LocalBackend:
     """Creates a :class:`LocalHost` per worker (:class:`CallerHost` with ``caller``);
-    ``n_processes`` and ``host_threads`` are accepted for a uniform interface and ignored.
+    ``n_processes`` and ``host_threads`` are accepted for a uniform interface and ignored;
+    ``close_timeout``: see :func:`close_envs` (``None``: envs close in the loop's thread).
 
     Raises:
         TypeError: an unknown option (the valid ones are listed).
         ValueError: a ``step_timeout`` (a step that blocks the loop's thread cannot be pre-empted).
     """
 
-    OPTIONS = ("n_processes", "step_timeout", "host_threads", "caller")
+    OPTIONS = ("n_processes", "step_timeout", "host_threads", "caller", "close_timeout")
 
     def __init__(
         self,
@@ -175,9 +216,11 @@ class LocalBackend:
         step_timeout: float | None = None,
         host_threads: int | None = 1,
         caller: bool = False,
+        close_timeout: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("local", unknown, self.OPTIONS)
+        self.close_timeout = optional_close_timeout(close_timeout)
         _validate.optional_positive_int("n_processes", n_processes)
         _validate.optional_positive_int("host_threads", host_threads)
         if _validate.positive_seconds("step_timeout", step_timeout) is not None:
@@ -193,11 +236,19 @@ class LocalBackend:
     async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
         if self._closed:
             raise RuntimeError("the local backend is closed")
-        self._hosts = [self._kind(spec) for spec in specs]
+        self._hosts = [self._kind(spec, self.close_timeout) for spec in specs]
         return list(self._hosts)
 
     async def aclose(self) -> None:
-        self.close_now()
+        """Close every env, in one thread waited for at most ``close_timeout`` (see
+        :func:`close_envs`); every later call raises ``SamplerClosedError``."""
+        self._closed = True
+        hosts, self._hosts = self._hosts, []
+        envs: list[Any] = []
+        for host in hosts:
+            host.closed = True
+            envs += host.take_envs()
+        await close_envs(envs, self.close_timeout, "the envs of the local backend")
 
     def close_now(self) -> None:
         self._closed = True

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import itertools
 import multiprocessing
@@ -20,7 +19,6 @@ import os
 import pickle
 import select
 import socket
-import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,15 +31,22 @@ from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
+from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
+from asyncsample.backends._lane_link import LaneLink, RemoteLanes
+from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
+    KILL_WAIT,
     describe_exit,
     forkserver_context,
     host_cpus,
+    kill_started,
     kill_tree,
     pin,
+    start_process,
     support_process_pids,
 )
 from asyncsample.backends._remote import (
+    HostDied,
     Incarnation,
     PendingCall,
     PoolMember,
@@ -73,14 +78,14 @@ from asyncsample.backends.placement import placement
 from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
 from asyncsample.errors import WorkerCrashedError
 
-__all__ = ["ProcessBackend", "ProcessHost", "support_process_pids"]
+__all__ = ["ProcessBackend", "ProcessHost", "ProcessLaneHost", "support_process_pids"]
 
-#: Seconds a host gets to close its envs and exit when asked to, before it is killed.
+#: Seconds a host gets to close its envs and exit when asked to, before it is killed, when the
+#: backend was given no ``close_timeout`` (and at most, for a host still busy with a call).
 EXIT_GRACE = 2.0
 #: Seconds a new host may take to import what it needs and report ready.
 START_TIMEOUT = 60.0
 #: Seconds to wait for a killed host to be reaped.
-_KILL_WAIT = 5.0
 #: Seconds to wait for a host's exit status after its stream ended.
 _EOF_GRACE = 1.0
 _MAX_ID = 0xFFFFFFFF
@@ -128,6 +133,10 @@ class _Conn(Incarnation):
         self.fd: int = sock.fileno() if sock is not None else -1
         self.watching = True
         self.eof_timer: asyncio.TimerHandle | None = None
+        # A host of async envs: its lane requests and replies (see _lane_link).
+        self.lanes = LaneLink(
+            lambda body: transport.write(HEADER.pack(len(body), LANES_ID, Op.STEP) + body), loop
+        )
         loop.add_reader(self.sentinel, self._on_sentinel)
         protocol.attach(self._on_frame, self._on_eof)
 
@@ -152,7 +161,7 @@ class _Conn(Incarnation):
 
     def _next_rid(self) -> int:
         rid = self.next_id
-        self.next_id = rid + 1 if rid < _MAX_ID else HELLO_ID + 1
+        self.next_id = rid + 1 if rid < _MAX_ID - 1 else HELLO_ID + 1  # _MAX_ID: LANES_ID
         return rid
 
     def send_direct(self, step: DirectStep, body: bytes) -> bool:
@@ -180,6 +189,9 @@ class _Conn(Incarnation):
             if step is not None:
                 step.reply = (status, payload)
                 return
+        if rid == LANES_ID:
+            self.lanes.replied(payload)
+            return
         if rid == HELLO_ID:
             if not self.ready.done():
                 self.ready.set_result(None)
@@ -258,6 +270,7 @@ class _Conn(Incarnation):
 
     def _on_death(self) -> None:
         self.pending.clear()
+        self.lanes.fail(HostDied(self.reason))
         if self.eof_timer is not None:
             self.eof_timer.cancel()
             self.eof_timer = None
@@ -277,7 +290,7 @@ class _Conn(Incarnation):
             await asyncio.wait({self.exited}, timeout=grace)
         if not self.exited.done() and self.watching:
             self.die(f"was killed: it did not exit within {grace:g}s of being asked to")
-            await asyncio.wait({self.exited}, timeout=_KILL_WAIT)
+            await asyncio.wait({self.exited}, timeout=KILL_WAIT)
         self.die("was shut down")
         self.release()
 
@@ -288,59 +301,12 @@ class _Conn(Incarnation):
             self.die("was shut down")
         if not self.exited.done():
             with contextlib.suppress(Exception):
-                self.process.join(_KILL_WAIT)
+                self.process.join(KILL_WAIT)
         self._unwatch()
         with contextlib.suppress(Exception):
             self.process.close()
         with contextlib.suppress(Exception):
             self.transport.abort()
-
-
-#: Starts host processes off the loop's thread, one at a time (Process.start() is not
-#: thread-safe); a thread of our own, as the loop's default executor may be anything.
-_STARTER = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
-
-
-def _start_hidden(process: Any) -> None:
-    """``process.start()`` with ``__main__``'s ``__file__`` and ``__spec__`` hidden, so the new
-    host does not re-run the main script."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        process.start()
-        return
-    saved: dict[str, Any] = {
-        k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
-    }
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        process.start()
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-async def _start_process(process: Any) -> None:
-    """``process.start()`` off the loop's thread (killed if the caller is cancelled meanwhile)."""
-    fut = asyncio.get_running_loop().run_in_executor(_STARTER, _start_hidden, process)
-    try:
-        await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.wait({fut})
-        if not fut.cancelled() and fut.exception() is None:
-            _kill_started(process)
-        raise
-
-
-def _kill_started(process: Any) -> None:
-    """Kill and reap a host process that was started but will not be used."""
-    kill_tree(None, process.pid)
-    with contextlib.suppress(Exception):
-        process.kill()
-        process.join(_KILL_WAIT)
-        process.close()
 
 
 class _Member(PoolMember[_Conn]):
@@ -355,11 +321,12 @@ class _Member(PoolMember[_Conn]):
         raw_chunks: list[_chunk.RawChunks | None] | None = None,
         host_threads: int | None = None,
         cpu: int | None = None,
+        lanes: LaneOptions | None = None,
         raw_arenas: list[RawArena | None] | None = None,
     ) -> None:
         super().__init__(index, specs)
-        # The host's threads, and per slot its observation arena's rows and memory.
-        self.host_args = (host_threads, raw_arenas)
+        self.lanes = lanes  # a host of async envs (each stepped on its own in its event loop)
+        self.raw_arenas = raw_arenas  # per slot, what the host needs to view its step arena
         self.ctx = ctx
         self.host_threads = host_threads
         self.cpu = cpu  # the CPU its processes are pinned to (None: not pinned)
@@ -376,10 +343,18 @@ class _Member(PoolMember[_Conn]):
         try:
             process = self.ctx.Process(
                 target=_host_main.main,
-                args=(child_sock, self.slots_blob, self.raw, self.raw_chunks, *self.host_args),
+                args=(
+                    child_sock,
+                    self.slots_blob,
+                    self.raw,
+                    self.raw_chunks,
+                    self.host_threads,
+                    self.lanes,
+                    self.raw_arenas,
+                ),
                 name=f"asyncsample-host-{self.index}",
             )
-            await _start_process(process)
+            await start_process(process)
             pin(process.pid, self.cpu)
         except BaseException:
             parent_sock.close()
@@ -391,7 +366,7 @@ class _Member(PoolMember[_Conn]):
                 _ReplyProtocol, sock=parent_sock
             )
         except BaseException:
-            _kill_started(process)
+            kill_started(process)
             parent_sock.close()
             raise
         conn = _Conn(process, transport, protocol, loop)
@@ -517,9 +492,7 @@ class ProcessHost(RemoteHost[_Conn]):
         arena: StepArena | None = None,
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
-        self.obs_arena = None if arena is None else arena.attach(buffers)
-        """``per_worker``/``batched``: the worker's observation records the host's steps write
-        into (see :class:`~asyncsample.backends._slot.StepArena`), or ``None``."""
+        self.obs_arena = None if arena is None else arena.attach(buffers)  # see StepArena
         self._slot = SLOT.pack(slot)
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
@@ -635,6 +608,16 @@ class ProcessHost(RemoteHost[_Conn]):
         return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
 
 
+class ProcessLaneHost(RemoteLanes, ProcessHost):
+    """The host of one worker's async envs, each reset and stepped on its own in its env-host
+    process's event loop (see :mod:`asyncsample.backends._lane_link`)."""
+
+    def __init__(self, spec: HostSpec, member: _Member, slot: int, buffers: StepBuffers) -> None:
+        # No per-call timer: the host holds each env call to step_timeout itself.
+        super().__init__(spec, member, slot, buffers, None, [])
+        self._lanes_init(slot)
+
+
 class ProcessBackend:
     """Hosts the envs of all workers in a pool of env-host processes.
 
@@ -648,12 +631,26 @@ class ProcessBackend:
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
             ``None`` when there is a host for every such CPU (the faces' choice, see
             :func:`~asyncsample.backends._procs.host_cpus`), ``False`` (default) never.
+        close_timeout: seconds :meth:`aclose` lets a host close its envs before it is killed
+            (``None``: ``EXIT_GRACE``); a host still busy with a call gets at most
+            ``EXIT_GRACE``. With async envs, also the longest an env's ``close()`` is waited for
+            in its host (``None``: 10 s).
+        max_concurrency: async envs (each stepped on its own in its host's event loop): the env
+            calls in flight across the hosts (each host gets a share). ``step_timeout`` then
+            cuts one env's call (that env is rebuilt), not the host.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
     """
 
-    OPTIONS = ("n_processes", "step_timeout", "host_threads", "pin_cpus")
+    OPTIONS = (
+        "n_processes",
+        "step_timeout",
+        "host_threads",
+        "pin_cpus",
+        "close_timeout",
+        "max_concurrency",
+    )
 
     def __init__(
         self,
@@ -661,9 +658,13 @@ class ProcessBackend:
         step_timeout: float | None = None,
         host_threads: int | None = 1,
         pin_cpus: bool | None = False,
+        close_timeout: float | None = None,
+        max_concurrency: int | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
+        self.close_timeout = optional_close_timeout(close_timeout)
+        self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
         if pin_cpus is not None and not isinstance(pin_cpus, bool):
             raise TypeError(
                 f"pin_cpus must be True, False or None, got {type(pin_cpus).__name__} {pin_cpus!r}"
@@ -716,13 +717,26 @@ class ProcessBackend:
         raw_chunks = [raw for _, raw in chunks]
         arenas = step_arenas(specs)  # per_worker, batched
         raw_arenas = [None if a is None else a.raw for a in arenas]
-        splits = list(
-            zip(*(where.split(x) for x in (specs, raws, raw_chunks, raw_arenas)), strict=True)
-        )
+        splits = list(zip(*(where.split(x) for x in (specs, raws, raw_chunks, raw_arenas))))
         cpus = host_cpus(len(splits), self.pin_cpus)
+        lanes = specs[0].lanes
+        lane_close = CLOSE_TIMEOUT if self.close_timeout is None else self.close_timeout
+        caps = shares(
+            self.max_concurrency if lanes else None, [sum(s.n_envs for s in m[0]) for m in splits]
+        )
         self._members = [
-            _Member(m, ctx, m_specs, m_raws, m_chunks, self.host_threads, cpus[m], m_arenas)
-            for m, (m_specs, m_raws, m_chunks, m_arenas) in enumerate(splits)
+            _Member(
+                m,
+                ctx,
+                member_specs,
+                member_raws,
+                member_chunks,
+                self.host_threads,
+                cpus[m],
+                LaneOptions(self.step_timeout, lane_close, caps[m]) if lanes else None,
+                member_arenas,
+            )
+            for m, (member_specs, member_raws, member_chunks, member_arenas) in enumerate(splits)
         ]
         self._token = token = next(_TOKENS)
         self._finalizer = weakref.finalize(self, _release_all, self._members, token)
@@ -736,7 +750,13 @@ class ProcessBackend:
             self._closed = True
             self._release()
             raise
-        at = [(self._members[where.member(w)], where.slot(w)) for w in range(len(specs))]
+        members = self._members
+        if lanes:
+            return [
+                ProcessLaneHost(spec, members[where.member(w)], where.slot(w), buffers[w])
+                for w, spec in enumerate(specs)
+            ]
+        at = [(members[where.member(w)], where.slot(w)) for w in range(len(specs))]
         return [
             ProcessHost(spec, *at[w], buffers[w], self.step_timeout, sets, arenas[w])
             for w, (spec, (sets, _)) in enumerate(zip(specs, chunks))
@@ -750,7 +770,12 @@ class ProcessBackend:
             member.closed = True
         conns = [c for m in self._members for c in m.incarnations]
         try:
-            await asyncio.gather(*(c.shutdown(EXIT_GRACE) for c in conns), return_exceptions=True)
+            graces = [
+                exit_grace(self.close_timeout, bool(c.calls or c.direct), EXIT_GRACE) for c in conns
+            ]
+            await asyncio.gather(
+                *(c.shutdown(g) for c, g in zip(conns, graces)), return_exceptions=True
+            )
         finally:
             self._release()  # whatever the graceful path left (idempotent)
 

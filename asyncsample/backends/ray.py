@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import math
 import os
@@ -26,10 +27,14 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
+from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
+from asyncsample.backends._lane_link import LaneLink, RemoteLanes
+from asyncsample.backends._lane_serve import LaneOptions, shares
 from asyncsample.backends._ray_actor import (
     OK,
     PROGRESS_GROUP,
     EnvActor,
+    LaneActor,
     best_codec,
     copy_into,
     encode_request,
@@ -55,7 +60,8 @@ __all__ = ["INSTALL_HINT", "EnvActor", "RayBackend", "RayHost"]
 INSTALL_HINT = "pip install 'asyncsample[ray]'"
 #: Ray's placement-group strategies.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-#: Seconds the actors get to close their envs in ``aclose`` before they are killed.
+#: Seconds the actors get to close their envs in ``aclose`` before they are killed, when the
+#: backend was given no ``close_timeout`` (and at most, for an actor still busy with a call).
 EXIT_GRACE = 2.0
 #: Seconds an actor may wait to be scheduled before a warning says what it waits for.
 PENDING_WARNING = 10.0
@@ -75,6 +81,33 @@ class _Actor(Incarnation):
         # Chunks judged per step: the polling tasks (see watch), and when a count was asked for.
         self.watchers: set[asyncio.Task[None]] = set()
         self.polling: dict[PendingCall, float] = {}
+        self.lanes: LaneLink | None = None  # async envs: see start_lanes
+
+    def start_lanes(self) -> None:
+        """Async envs (a :class:`LaneActor`): lane requests go out in batches, one call per pass
+        of the loop, and one ``replies`` call always waits for the actor's next replies."""
+        self.lanes = LaneLink(self._send_lanes, self.loop)
+        task = self.loop.create_task(self._take_replies())
+        self.watchers.add(task)
+        task.add_done_callback(self.watchers.discard)
+
+    def _send_lanes(self, body: bytes) -> None:
+        call = self.submit("submit", (body,), None, -1, "lane requests")
+        call.future.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    async def _take_replies(self) -> None:
+        lanes = self.lanes
+        assert lanes is not None
+        while not self.dead:
+            try:
+                batches = await self.submit("replies", (), None, -1, "lane replies").future
+            except HostDied:
+                return  # _on_death failed the lanes' waiters
+            except WorkerError as exc:  # the actor method raised: a bug of the host
+                self.die(str(exc), exc)
+                return
+            for body in batches:
+                lanes.replied(body)
 
     def describe(self) -> str:
         return f"env-host actor {self.index}" + (f" ({self.where})" if self.where else "")
@@ -151,6 +184,8 @@ class _Actor(Incarnation):
         for task in list(self.watchers):
             task.cancel()
         self.polling.clear()
+        if self.lanes is not None:
+            self.lanes.fail(HostDied(self.reason))
 
     def _from_ray_thread(self, call: PendingCall, cf: Any) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
@@ -229,6 +264,8 @@ class _Member(PoolMember[_Actor]):
             actor.die("failed to start")
             raise
         actor.where = f"pid {pid} on {ip}"
+        if spawner.lanes is not None:
+            actor.start_lanes()
         return actor
 
     async def _ready(self, actor: _Actor) -> tuple[int, str]:
@@ -354,6 +391,16 @@ class RayHost(RemoteHost[_Actor]):
         return result, version
 
 
+class RayLaneHost(RemoteLanes, RayHost):
+    """The host of one worker's async envs, each reset and stepped on its own in its actor's
+    event loop (see :mod:`asyncsample.backends._lane_link`)."""
+
+    def __init__(self, spec: HostSpec, member: _Member) -> None:
+        # No per-call timer: the actor holds each env call to step_timeout itself.
+        super().__init__(spec, member, None)
+        self._lanes_init(member.workers.index(spec.worker), obs_in_reply=True)
+
+
 # A local Ray started by a RayBackend is shared meanwhile; the last backend to close shuts it.
 _OWNER_LOCK = threading.Lock()
 _owned: dict[str, int] = {"users": 0}
@@ -376,6 +423,13 @@ class RayBackend:
         init_kwargs: extra keyword arguments for ``ray.init``.
         start_timeout: seconds to wait for the actors to be up (``None``: as long as it takes).
         host_threads: intra-op threads of the numeric libraries in each actor (``None``: theirs).
+        close_timeout: seconds :meth:`aclose` lets the actors close their envs before they are
+            killed (``None``: ``EXIT_GRACE``); while an actor is still busy with a call, at most
+            ``EXIT_GRACE``.
+            With async envs, also the longest an env's ``close()`` is waited for (``None``: 10 s).
+        max_concurrency: async envs (each stepped on its own in its actor's event loop): the env
+            calls in flight across the actors (each gets a share). ``step_timeout`` then cuts one
+            env's call.
     """
 
     def __init__(
@@ -393,9 +447,12 @@ class RayBackend:
         init_kwargs: Mapping[str, Any] | None = None,
         start_timeout: float | None = None,
         host_threads: int | None = 1,
+        max_concurrency: int | None = None,
+        close_timeout: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("ray", unknown, self.OPTIONS)
+        self.close_timeout = optional_close_timeout(close_timeout)
         try:
             import ray
         except ImportError as exc:
@@ -413,6 +470,9 @@ class RayBackend:
         self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         self.start_timeout = _validate.positive_seconds("start_timeout", start_timeout)
         self.host_threads = _validate.optional_positive_int("host_threads", host_threads)
+        self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
+        self.lanes: LaneOptions | None = None  # async envs: what each actor's server takes
+        self._caps: list[int | None] = []
         self.address = _validate.optional_str("address", address)
         self.num_cpus = _validate.amount("num_cpus", num_cpus)
         self.num_gpus = _validate.amount("num_gpus", num_gpus)
@@ -471,6 +531,11 @@ class RayBackend:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._placement_group, placement_group_bundle_index=index
             )
+        if self.lanes is not None:
+            # A few calls at once: the env calls are the actor's own tasks (see LaneActor).
+            options["max_concurrency"] = 8 + 2 * len(pickle.loads(slots_blob))
+            lanes = dataclasses.replace(self.lanes, max_concurrency=self._caps[index])
+            return self._actor_class.options(**options).remote(slots_blob, lanes, self.host_threads)
         return self._actor_class.options(**options).remote(
             slots_blob, self.compress_threshold, self.codec, self.host_threads
         )
@@ -498,7 +563,13 @@ class RayBackend:
         try:
             await asyncio.to_thread(self._connect, math.ceil(n * self.num_cpus))
             ray = self.ray
-            if self.step_timeout is not None and any(s.chunk_steps > 0 for s in specs):
+            if specs[0].lanes:
+                close = CLOSE_TIMEOUT if self.close_timeout is None else self.close_timeout
+                self.lanes = LaneOptions(self.step_timeout, close, None)
+                members = where.split(specs)
+                self._caps = shares(self.max_concurrency, [len(m) for m in members])
+                self._actor_class = ray.remote(LaneActor)
+            elif self.step_timeout is not None and any(s.chunk_steps > 0 for s in specs):
                 # Chunks judged per step: EnvActor.progress answers from a thread of its own.
                 groups = {PROGRESS_GROUP: 1}
                 self._actor_class = ray.remote(concurrency_groups=groups)(EnvActor)
@@ -521,7 +592,9 @@ class RayBackend:
             self._members = [_Member(self, i, s) for i, s in enumerate(where.split(specs))]
             await wait_all([m.live() for m in self._members])
             self._hosts = [
-                RayHost(spec, self._members[where.member(w)], self.step_timeout)
+                RayLaneHost(spec, self._members[where.member(w)])
+                if self.lanes is not None
+                else RayHost(spec, self._members[where.member(w)], self.step_timeout)
                 for w, spec in enumerate(specs)
             ]
         except BaseException:
@@ -564,7 +637,10 @@ class RayBackend:
         # A Ray shut down under us took the actors with it; a Ray call now would start it again.
         live = self.ray.is_initialized()
         if live:  # let the envs close themselves (env.close()) first
-            await _settle([a for a in actors if not a.dead], "shutdown", EXIT_GRACE)
+            live_actors = [a for a in actors if not a.dead]
+            busy = any(a.calls for a in live_actors)
+            grace = exit_grace(self.close_timeout, busy, EXIT_GRACE)
+            await _settle(live_actors, "shutdown", grace)
         else:
             self._placement_group = None
         for actor in actors:

@@ -8,9 +8,12 @@ pipelined (:meth:`ChunkStepper.run`) and run ahead between a stream's rounds (:c
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
+import math
 import pickle
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +28,7 @@ from asyncsample._engine import (
     Continuity,
     Episodes,
     RecordStep,
+    SharedQuota,
     StopRule,
     Transition,
     transition_at,
@@ -150,6 +154,71 @@ class PipelinedHost(AgentHost, Protocol):
     async def send_chunk(self, request: ChunkRequest | NextChunk) -> SentChunk: ...
 
 
+class ChunkQuota:
+    """How the workers of a call with ``fraction_samples < 1`` share its quota in chunks.
+
+    Per-step stepping stops every worker at the step where the call's total is met. A chunk
+    cannot be stopped from outside once it runs, so each worker used to ask its chunk for all the
+    call's total still lacked: every worker started with a chunk for the whole quota, and
+    ``obtain_fragments(200, fraction_samples=0.99)`` returned 777 transitions from 4 workers of
+    3 envs (``obtain_samples``: 777 too). Now a chunk asks for what the worker's minimum still
+    lacks plus an equal slice (one per worker) of what the call would still lack once every
+    worker has delivered its running chunk (:attr:`running`) and its minimum (:meth:`ask`). A
+    worker with nothing to ask for waits for the others' chunks (:meth:`wait`). So the total
+    passes the quota by at most what the chunks round up (steps of whole envs, whole episodes),
+    as with per-step stepping.
+    """
+
+    def __init__(self, quota: SharedQuota) -> None:
+        self.quota = quota
+        self.running: dict[int, int] = {}
+        """Per worker with a chunk out: the transitions that chunk was asked for."""
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def report(self, worker: int, count: int) -> None:
+        """Worker ``worker`` would now return ``count`` transitions; wake the waiting workers."""
+        self.quota.report(worker, count)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def ask(self, worker: int) -> int:
+        """The transitions ``worker``'s next chunk asks for (0: none is needed of it now)."""
+        quota = self.quota
+        counts, minimums, running = quota.counts, quota.minimums, self.running
+        own = max(minimums[worker] - counts[worker], 0)
+        projected = sum(max(counts[w] + running.get(w, 0), m) for w, m in minimums.items())
+        lacking = quota.target - projected
+        return own if lacking <= 0 else own + math.ceil(lacking / len(minimums))
+
+    def started(self, worker: int, transitions: int) -> None:
+        self.running[worker] = transitions
+
+    def finished(self, worker: int, count: int) -> None:
+        """Worker ``worker``'s chunk is replayed (or failed); it now has ``count``."""
+        self.running.pop(worker, None)
+        self.report(worker, count)
+
+    async def wait(self, worker: int) -> None:
+        """While the quota does not let ``worker`` stop and it has nothing to ask for."""
+        while not self.quota.may_stop(worker) and self.ask(worker) <= 0:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+
+_CHUNK_QUOTAS: weakref.WeakKeyDictionary[SharedQuota, ChunkQuota] = weakref.WeakKeyDictionary()
+
+
+def chunk_quota(quota: SharedQuota) -> ChunkQuota:
+    """The :class:`ChunkQuota` of a call's quota, shared by its workers."""
+    shared = _CHUNK_QUOTAS.get(quota)
+    if shared is None:
+        shared = _CHUNK_QUOTAS[quota] = ChunkQuota(quota)
+    return shared
+
+
 class ChunkStepper:
     """One chunk of steps per request, run by the host's agent copy under a copy of the call's
     :class:`~asyncsample._engine.StopRule`, then replayed into the worker's records."""
@@ -160,8 +229,11 @@ class ChunkStepper:
         chunk_steps: int,
         ahead: dict[int, RunAhead] | None = None,
         then: Resume | None = None,
+        quota: SharedQuota | None = None,
     ) -> None:
         self.worker = worker
+        self.quota = None if quota is None else chunk_quota(quota)
+        """The call's shared quota (``fraction_samples < 1``), as the chunks share it."""
         self.ahead = {} if ahead is None else ahead
         self.then = then
         """What the part leaves for a stream's next round (``None``: no round follows)."""
@@ -221,13 +293,38 @@ class ChunkStepper:
             )
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
-        """One chunk, stopping where ``rule`` (or, given ``lacking``, its limit) stops."""
+        """One chunk, stopping where ``rule`` (or, given ``lacking``, its limit) stops; with the
+        call's shared quota, for this worker's part of what the call lacks (:class:`ChunkQuota`)."""
+        if self.quota is not None:
+            return await self._advance_shared(self.quota, rule)
         limited = None if lacking is None else rule.limited(lacking, self.worker.n_envs)
         request = self._request(rule if limited is None else limited, 0)
         reply, version = await self.host.run_chunk(request)
         self._replay(reply, version)
         if lacking is None:
             rule.took(reply.steps)
+        return reply.steps
+
+    async def _advance_shared(self, quota: ChunkQuota, rule: StopRule) -> int:
+        """One chunk for what :meth:`ChunkQuota.ask` gives this worker (none if it may stop)."""
+        worker = self.worker
+        w, n_envs, episodes = worker.worker_number, worker.n_envs, worker.episodes
+        fragments = rule.mode is CallMode.FRAGMENTS
+        quota.report(w, episodes.count(fragments))
+        await quota.wait(w)
+        ask = quota.ask(w)
+        if ask <= 0:  # the quota lets it stop
+            return 0
+        limited = rule.limited(ask, n_envs)
+        # What the chunk delivers: its steps of every env (fragments), its need (samples), at
+        # most a step of every env per step of the chunk.
+        steps = limited.steps if fragments else math.ceil(ask / n_envs)
+        quota.started(w, min(steps, self.capacity) * n_envs)
+        try:
+            reply, version = await self.host.run_chunk(self._request(limited, 0))
+            self._replay(reply, version)
+        finally:
+            quota.finished(w, episodes.count(fragments))
         return reply.steps
 
     async def run(self, rule: StopRule) -> None:

@@ -185,7 +185,7 @@ class HostMode(InferenceMode):
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
         """One chunk per request; the next round's first chunk sent as the part ends."""
-        return ChunkStepper(worker, self.options.chunk_steps, self.ahead, part.then)
+        return ChunkStepper(worker, self.options.chunk_steps, self.ahead, part.then, part.quota)
 
     async def ended(self, stepper: Stepper) -> None:
         """Start the stream's next round in the host (see :meth:`ChunkStepper.ended`)."""

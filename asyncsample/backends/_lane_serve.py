@@ -1,0 +1,331 @@
+"""An env host for async envs: its own event loop (uvloop where installed) steps each env on its
+own, a :class:`~asyncsample.backends.aio.LaneHost` per worker slot, as ``backend="asyncio"``
+does in the caller's loop. Lane requests (reset, step, rebuild one env) come in batches and
+their replies leave in batches, one frame per pass of the loop each way (:data:`LANES_ID`);
+whole-worker requests (build, update, call, set_attr, close) are frames of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import pickle
+import socket
+import traceback
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncsample._tree import tree_map
+from asyncsample.backends._transport import (
+    HEADER,
+    HELLO_ID,
+    SLOT,
+    ST_FAIL,
+    ST_OK,
+    Op,
+    ReplyProtocol,
+    dump_failure,
+    dumps,
+    round_trips,
+)
+from asyncsample.backends.aio import LaneHost, make_async_env
+from asyncsample.backends.base import DeadlinePassed, HostSpec
+from asyncsample.env_group import PENDING_SEED, EnvFailure, StepBuffers
+from asyncsample.errors import WorkerError
+
+__all__ = [
+    "LANES_ID",
+    "LaneKind",
+    "LaneOptions",
+    "LaneServer",
+    "ST_DEADLINE",
+    "loop_factory",
+    "serve",
+    "shares",
+]
+
+#: The request id of lane batches, both ways (never a call's: ids wrap before it).
+LANES_ID = 0xFFFFFFFF
+#: A lane reply's status when the episode's deadline came first (the call was cancelled).
+ST_DEADLINE = 2
+
+
+class LaneKind:
+    """The first field of a lane request: what it asks of one env."""
+
+    STEP = 0  # (STEP, key, slot, env, action, seconds left or None)
+    RESET = 1  # (RESET, key, slot, env, seed or PENDING, options, seconds left or None)
+    REBUILD = 2  # (REBUILD, key, slot, env, cloudpickled chain, seed)
+    CANCEL = 3  # (CANCEL, key): the caller gave up on request ``key``
+
+
+#: A reset with the env's pending seed (``PENDING_SEED`` does not survive pickling).
+PENDING = "pending"
+
+
+@dataclass(frozen=True)
+class LaneOptions:
+    """What a host of async envs needs beyond its slots: ``step_timeout`` and ``close_timeout``
+    (as on ``backend="asyncio"``) and ``max_concurrency``, this host's share of the sampler's
+    cap on env calls in flight (``None``: no cap)."""
+
+    step_timeout: float | None
+    close_timeout: float
+    max_concurrency: int | None
+
+
+def shares(total: int | None, sizes: Sequence[int]) -> list[int | None]:
+    """Split a cap of ``total`` env calls in flight over hosts of ``sizes`` envs: in proportion,
+    adding up to ``total`` (each at least one)."""
+    if total is None:
+        return [None] * len(sizes)
+    if total < len(sizes):
+        raise ValueError(
+            f"max_concurrency must be at least the number of env hosts ({len(sizes)}) for async "
+            f"envs on env hosts (each host gets a share), got {total}"
+        )
+    n = sum(sizes)
+    out = [max(1, total * s // n) for s in sizes]
+    for k in range(total - sum(out)):  # the rest, one each, to the largest hosts first
+        out[sorted(range(len(sizes)), key=lambda j: -sizes[j])[k % len(sizes)]] += 1
+    return out  # type: ignore[return-value]
+
+
+def serve(
+    sock: socket.socket,
+    specs: Sequence[HostSpec],
+    buffers: Sequence[StepBuffers],
+    options: LaneOptions,
+) -> None:
+    """Serve the slots of ``specs`` on ``sock`` until an ``exit`` request or the stream's end."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        runner.run(_serve_socket(sock, specs, buffers, options))
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (``None``: asyncio's own)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+async def _serve_socket(
+    sock: socket.socket,
+    specs: Sequence[HostSpec],
+    buffers: Sequence[StepBuffers],
+    options: LaneOptions,
+) -> None:
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    sock.setblocking(False)
+    protocol = ReplyProtocol()
+    transport, _ = await loop.create_unix_connection(lambda: protocol, sock=sock)
+
+    def send(rid: int, status: int, payload: bytes) -> None:
+        if not transport.is_closing():
+            transport.write(HEADER.pack(len(payload), rid, status) + payload)
+
+    server = LaneServer(specs, buffers, options, lambda body: send(LANES_ID, ST_OK, body))
+
+    def on_eof() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def on_frame(rid: int, op: int, payload: bytes) -> None:
+        if rid == LANES_ID:
+            server.handle(payload)
+        elif op == Op.EXIT:
+            on_eof()
+        else:
+            task = server.call(SLOT.unpack_from(payload)[0], op, payload[SLOT.size :])
+
+            def reply(t: asyncio.Task[tuple[int, bytes]]) -> None:
+                if not t.cancelled():
+                    send(rid, *t.result())
+
+            task.add_done_callback(reply)
+
+    protocol.attach(on_frame, on_eof)
+    send(HELLO_ID, ST_OK, b"")
+    try:
+        await done
+    finally:
+        await server.shut()
+        transport.close()
+
+
+class LaneServer:
+    """The worker slots of one host of async envs (a :class:`LaneHost` each, over ``buffers``
+    or buffers of their own), serving lane requests and whole-worker calls as tasks on the
+    running loop; each pass of the loop's finished lane requests go to ``send`` as one pickled
+    list of ``(key, status, value)``. ``obs_in_reply``: the caller does not share the buffers
+    (Ray), so each reply carries its env's observation (and final observation)."""
+
+    def __init__(
+        self,
+        specs: Sequence[HostSpec],
+        buffers: Sequence[StepBuffers | None],
+        options: LaneOptions,
+        send: Callable[[bytes], None],
+        obs_in_reply: bool = False,
+    ) -> None:
+        limiter = None
+        if options.max_concurrency is not None:
+            limiter = asyncio.Semaphore(options.max_concurrency)
+        self.slots = [
+            LaneHost(
+                spec,
+                make_async_env,
+                options.step_timeout,
+                limiter,
+                options.close_timeout,
+                buffers=buffers,
+            )
+            for spec, buffers in zip(specs, buffers)
+        ]
+        self.by_worker = {spec.worker: k for k, spec in enumerate(specs)}
+        self._send = send
+        self.obs_in_reply = obs_in_reply
+        self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
+        self.flushing = False
+        self.tasks: dict[int, asyncio.Task[Any]] = {}  # lane requests running, by key
+        self.busy: dict[tuple[int, int], asyncio.Task[Any]] = {}  # the last one of each env
+        self.calls: set[asyncio.Task[Any]] = set()
+
+    async def shut(self) -> None:
+        """Cancel what runs and close every env (each close bounded by ``close_timeout``)."""
+        for task in list(self.tasks.values()) + list(self.calls):
+            task.cancel()
+        await asyncio.gather(*(s.shut() for s in self.slots), return_exceptions=True)
+
+    # -- whole-worker requests ------------------------------------------------------------------
+
+    def call(self, slot: int, op: int, body: bytes) -> asyncio.Task[tuple[int, bytes]]:
+        """Run a whole-worker request (build, update, call, set_attr, close) of slot ``slot``;
+        its task's result is the reply's ``(status, payload)``."""
+        task = asyncio.ensure_future(self._call(self.slots[slot], op, body))
+        self.calls.add(task)
+        task.add_done_callback(self.calls.discard)
+        return task
+
+    @staticmethod
+    async def _call(slot: LaneHost, op: int, body: bytes) -> tuple[int, bytes]:
+        try:
+            args = pickle.loads(body) if len(body) else ()
+            value: Any = None
+            if op == Op.BUILD:
+                await slot.build(*args)
+            elif op == Op.UPDATE:
+                await slot.update(*args)
+            elif op == Op.CALL:
+                value = dumps(await slot.call(*args))
+            elif op == Op.SET_ATTR:
+                await slot.set_attr(*args)
+            elif op == Op.CLOSE:
+                await slot.close()
+            else:
+                raise ValueError(f"request {Op(op).label!r} is not served by a host of async envs")
+            return ST_OK, value or b""
+        except Exception as exc:
+            return ST_FAIL, dump_failure(_failure(exc))
+
+    # -- lane requests --------------------------------------------------------------------------
+
+    def handle(self, payload: bytes) -> None:
+        """Start the lane requests of one batch (see :class:`LaneKind`)."""
+        for request in pickle.loads(payload):
+            self._lane(request)
+
+    def _lane(self, request: tuple[Any, ...]) -> None:
+        kind, key = request[0], request[1]
+        if kind == LaneKind.CANCEL:
+            task = self.tasks.pop(key, None)
+            if task is not None:
+                task.cancel()
+            return
+        slot, i = request[2], request[3]
+        host = self.slots[slot]
+        call: Callable[[], Coroutine[Any, Any, Any]]
+        if kind == LaneKind.STEP:
+            deadline = self._deadline(request[5])
+            call = functools.partial(host.step_one, i, request[4], deadline)
+        elif kind == LaneKind.RESET:
+            seed = PENDING_SEED if request[4] == PENDING else request[4]
+            deadline = self._deadline(request[6])
+            call = functools.partial(host.reset_one, i, seed, request[5], deadline)
+        else:
+            call = functools.partial(host.rebuild_one, i, pickle.loads(request[4]), request[5])
+        env = (slot, i)
+        task = asyncio.ensure_future(self._run(key, call, self.busy.get(env), host, i))
+        self.tasks[key] = task
+        self.busy[env] = task
+
+    @staticmethod
+    def _deadline(left: float | None) -> float | None:
+        return None if left is None else asyncio.get_running_loop().time() + left
+
+    async def _run(
+        self,
+        key: int,
+        call: Callable[[], Coroutine[Any, Any, Any]],
+        before: asyncio.Task[Any] | None,
+        host: LaneHost,
+        i: int,
+    ) -> None:
+        try:
+            if before is not None and not before.done():  # one call of an env at a time
+                await asyncio.wait([before])
+            value = await call()
+            buffers = host.buffers
+            if self.obs_in_reply or isinstance(buffers.obs, list):
+                ended = isinstance(value, tuple) and (value[1] or value[2])
+                final = _row(buffers.final_obs, i) if ended else None
+                value = (value, _row(buffers.obs, i), final)
+            reply: tuple[int, int, Any] = (key, ST_OK, value)
+        except DeadlinePassed:
+            reply = (key, ST_DEADLINE, None)
+        except Exception as exc:
+            reply = (key, ST_FAIL, exc if round_trips(exc) else _portable(exc))
+        # (A cancel, the caller's or the closing host's, ends here: no reply. An env's own
+        # CancelledError came back as the WorkerError of LaneHost._raised.)
+        self.tasks.pop(key, None)
+        self.out.append(reply)
+        if not self.flushing:
+            self.flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flushing = False
+        out, self.out = self.out, []
+        if out:
+            self._send(dumps(out))
+
+
+def _row(tree: Any, i: int) -> Any:
+    """Env ``i``'s row of a buffer (a copy: the buffer is written again by its next call)."""
+    if isinstance(tree, list):
+        return tree[i]
+    return tree_map(lambda a: a[i].copy(), tree)
+
+
+def _portable(exc: BaseException) -> WorkerError:
+    """A :class:`~asyncsample.WorkerError` that crosses to the caller for one that cannot."""
+    err = WorkerError(
+        f"{type(exc).__name__}: {exc} (the original exception could not be pickled)",
+        worker=getattr(exc, "worker", -1),
+        env=getattr(exc, "env", None),
+        remote_traceback="".join(traceback.format_exception(exc)),
+        retry=getattr(exc, "retry", True),
+    )
+    return err
+
+
+def _failure(exc: Exception) -> EnvFailure:
+    """The :class:`EnvFailure` of a whole-worker request's exception (the worker's reply)."""
+    if isinstance(exc, WorkerError):
+        cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        text = exc.remote_traceback or "".join(traceback.format_exception(exc))
+        return EnvFailure(exc.env, cause, text, exc.retry)
+    return EnvFailure(None, exc, "".join(traceback.format_exception(exc)), retry=False)

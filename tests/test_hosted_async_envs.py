@@ -1,0 +1,272 @@
+"""Async envs in the env hosts (issue 33): ``backend="process"`` steps each async env on its own
+in its host's event loop, and keeps the contracts of ``backend="asyncio"``: the same batches for a
+seed (with an agent whose actions do not depend on the order of its calls), faults that are one
+env's own, a killed host restarted, ``max_concurrency`` split over the hosts, nothing left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+import sys
+from typing import Any
+
+import async_envs
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+import pytest
+from async_envs import CountingAsyncEnv, FaultyAsyncEnv, faulty, random_length
+
+from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
+from asyncsample.backends._lane_serve import shares
+
+# Faults and cancellation run under both loops in the quick pass (marked both_loops); the other
+# uvloop variants, and every Ray variant, in the slow pass (tests/conftest.py).
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+# The hosts (Ray's workers) import neither tests/async_envs.py nor this module: ship by value.
+cloudpickle.register_pickle_by_value(async_envs)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(params=["process", "ray"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """The host backends that take async envs (Ray's variants are slow: its cluster starts)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return str(request.param)
+
+
+FIELDS = ("observations", "actions", "rewards", "lengths", "step_types")
+
+
+class ThresholdAgent:
+    """Deterministic: action 1 where the observation's draw is above one half (so the batches
+    do not depend on the order in which envs ask)."""
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        obs = np.asarray(observations)
+        return (obs[..., 1] > 0.5).astype(np.int64), {}
+
+
+async def _batches(sampler: Sampler, mode: str) -> list[EpisodeBatch]:
+    if mode == "episodes":
+        return [await sampler.obtain_exact_episodes(30) for _ in range(2)]
+    if mode == "fragments":
+        return [await sampler.obtain_fragments(10) for _ in range(2)]
+    batches = []
+    async with contextlib.aclosing(sampler.stream(100)) as stream:
+        async for batch in stream:
+            batches.append(batch)
+            if len(batches) == 2:
+                break
+    return batches
+
+
+@pytest.mark.parametrize("mode", ["episodes", "fragments"])
+@pytest.mark.parametrize("inference", ["per_worker", "batched"])
+async def test_batches_equal_the_asyncio_backends(
+    make_sampler: Any, backend: str, mode: str, inference: str
+) -> None:
+    out = {}
+    for name in ("asyncio", backend):
+        sampler = make_sampler(
+            name,
+            random_length(1, 20, None),
+            ThresholdAgent(),
+            n_workers=3,
+            envs_per_worker=4,
+            seed=3,
+            inference=inference,
+        )
+        out[name] = await _batches(sampler, mode)
+        await sampler.aclose()
+    for a, p in zip(out["asyncio"], out[backend]):
+        assert p.n_transitions > 0
+        for field in FIELDS:
+            np.testing.assert_array_equal(getattr(a, field), getattr(p, field), err_msg=field)
+        np.testing.assert_array_equal(a.episode_infos["env"], p.episode_infos["env"])
+
+
+async def test_envs_live_in_the_hosts(make_sampler: Any, backend: str) -> None:
+    """The envs report the pid they run in: the hosts', never the caller's."""
+
+    class PidEnv(CountingAsyncEnv):
+        async def step(self, action: Any) -> Any:
+            obs, reward, terminated, truncated, _info = await super().step(action)
+            return obs, reward, terminated, truncated, {"pid": os.getpid()}
+
+    sampler = make_sampler(backend, PidEnv, n_workers=2, envs_per_worker=3, n_processes=2)
+    batch = await sampler.obtain_samples(60)
+    pids = set(batch.env_infos["pid"].tolist())
+    assert os.getpid() not in pids
+    assert len(pids) == 2
+    if backend == "process":
+        assert pids <= set(sampler._core.backend.pids)  # type: ignore[union-attr]
+
+
+@pytest.mark.both_loops
+@pytest.mark.parametrize("kind", ["raise", "cancel", "hang", "reward"])
+async def test_a_fault_is_the_envs_own(make_sampler: Any, backend: str, kind: str) -> None:
+    """Env 5 of the one worker misbehaves once; only its episode is lost, it alone is rebuilt."""
+    n = 12
+    sampler = make_sampler(
+        backend,
+        faulty("asyncio", kind, 5, n),
+        n_workers=1,
+        envs_per_worker=n,
+        n_processes=1,
+        seed=0,
+        step_timeout=0.5 if kind == "hang" else None,
+    )
+    batch = await sampler.obtain_exact_episodes(3 * n)
+    assert sampler.restarts == 1
+    assert len(batch.lengths) == 3 * n
+    assert (batch.lengths == 10).all()  # whole episodes only: the one cut short is dropped
+    for episode in batch.split():
+        np.testing.assert_array_equal(episode.observations[:, 0], np.arange(10))
+        assert episode.step_types[0] == StepType.FIRST
+        assert episode.step_types[-1] == StepType.TERMINAL
+
+
+async def test_past_max_restarts_the_call_names_the_env(make_sampler: Any, backend: str) -> None:
+    sampler = make_sampler(
+        backend,
+        functools.partial(FaultyAsyncEnv, "raise"),  # every env raises on its third step
+        n_workers=1,
+        envs_per_worker=4,
+        n_processes=1,
+        max_restarts=2,
+    )
+    with pytest.raises(WorkerError, match=r"worker 0, env \d.*FaultyAsyncEnv raised") as info:
+        await sampler.obtain_exact_episodes(20)
+    assert info.value.env is not None
+    assert sampler.restarts == 2 * 4  # each env spent its own budget of 2
+
+
+async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any, backend: str) -> None:
+    sampler = make_sampler(
+        backend,
+        random_length(5, 15, 0.002),
+        n_workers=2,
+        envs_per_worker=8,
+        n_processes=2,
+        seed=0,
+    )
+    await sampler.obtain_samples(50)
+    hosts = sampler._core.backend
+    call = asyncio.ensure_future(sampler.obtain_exact_episodes(80))
+    await asyncio.sleep(0.05)
+    if backend == "process":
+        victim = hosts.pids[0]  # type: ignore[union-attr]
+        os.kill(victim, signal.SIGKILL)
+    else:
+        import ray
+
+        victim = hosts.actors[0]  # type: ignore[union-attr]
+        ray.kill(victim, no_restart=True)
+    batch = await call
+    assert sampler.restarts >= 1
+    live = hosts.pids if backend == "process" else hosts.actors  # type: ignore[union-attr]
+    assert victim not in live
+    assert len(batch.lengths) == 2 * 80  # per worker
+    for episode in batch.split():
+        np.testing.assert_array_equal(
+            episode.observations[:, 0], np.arange(len(episode.step_types))
+        )
+        assert episode.step_types[-1] == StepType.TERMINAL
+
+
+async def test_max_concurrency_is_split_over_the_hosts(make_sampler: Any, backend: str) -> None:
+    """Each env reports how many steps of its host process were in flight at once."""
+    assert shares(7, [8, 8]) == [4, 3] or shares(7, [8, 8]) == [3, 4]
+    assert sum(shares(10, [3, 5, 8])) == 10
+    with pytest.raises(
+        ValueError, match="max_concurrency must be at least the number of env hosts"
+    ):
+        shares(1, [4, 4])
+
+    sampler = make_sampler(
+        backend,
+        PeakEnv,
+        n_workers=2,
+        envs_per_worker=16,
+        n_processes=2,
+        max_concurrency=6,
+    )
+    batch = await sampler.obtain_samples(2000)
+    peaks = batch.env_infos["peak"]
+    assert peaks.max() <= 3  # each host's share of 6
+    assert peaks.max() == 3  # and the share is used
+
+
+class PeakEnv(CountingAsyncEnv):
+    """Counts the steps in flight in its process (a class attribute: one count per host)."""
+
+    running = 0
+    peak = 0
+
+    def __init__(self) -> None:
+        super().__init__(10, 0.002)
+
+    async def step(self, action: Any) -> Any:
+        cls = type(self)
+        cls.running += 1
+        cls.peak = max(cls.peak, cls.running)
+        try:
+            obs, reward, terminated, truncated, _info = await super().step(action)
+        finally:
+            cls.running -= 1
+        return obs, reward, terminated, truncated, {"peak": cls.peak}
+
+
+async def test_a_stream_with_updates(make_sampler: Any, backend: str) -> None:
+    sampler = make_sampler(
+        backend, random_length(3, 8, 0.001), n_workers=2, envs_per_worker=4, n_processes=2
+    )
+    seen = []
+    async with contextlib.aclosing(sampler.stream(50, max_policy_lag=1)) as stream:
+        async for batch in stream:
+            seen.append(batch)
+            await sampler.update_agent(ThresholdAgent())  # a new agent object: version + 1
+            if len(seen) == 3:
+                break
+    assert all(b.n_transitions >= 50 for b in seen)
+    versions = np.concatenate([b.episode_infos["agent_version"] for b in seen])
+    assert versions.max() >= 1
+    # max_policy_lag=1: no episode of the last batch started two versions back
+    assert seen[-1].episode_infos["agent_version"].min() >= versions.max() - 2
+    after = await sampler.obtain_exact_episodes(4, env_update=random_length(2, 2, None))
+    assert (after.lengths == 2).all()
+
+
+async def test_inference_host_is_refused_clearly() -> None:
+    """Built in a running loop, the probe env is read as the sampler starts: refused there."""
+    sampler = Sampler(CountingAsyncEnv, backend="process", inference="host")
+    with pytest.raises(ValueError, match="inference='host' does not run async envs yet"):
+        await sampler.start()
+    await sampler.aclose()
+
+
+async def test_inference_host_is_refused_at_construction_without_a_loop() -> None:
+    """Built where no loop runs (a thread here), the probe env is read at once: refused there."""
+    with pytest.raises(ValueError, match="inference='host' does not run async envs yet"):
+        await asyncio.to_thread(Sampler, CountingAsyncEnv, backend="process", inference="host")
+
+
+async def test_blocking_envs_still_take_the_lockstep_path(make_sampler: Any) -> None:
+    sampler = make_sampler("process", "CartPole-v1", n_workers=2, n_processes=2)
+    assert not sampler._core.lanes
+    batch = await sampler.obtain_samples(100)
+    assert batch.n_transitions >= 100
+
+
+async def test_spaces_read_from_the_probe_env() -> None:
+    sampler = Sampler(CountingAsyncEnv, backend="process")
+    assert sampler.env_spec.action_space == gym.spaces.Discrete(2)
+    assert sampler._core.lanes and sampler._core.hosted_lanes
+    await sampler.aclose()
