@@ -159,8 +159,12 @@ def _agent(inference: str) -> Any:
     return RandomAgent(gym.spaces.Discrete(3), seed=5) if inference == "batched" else None
 
 
-async def _every_call(s: Any, copies: Copies | None = None) -> list[EpisodeBatch]:
-    """Every call mode, then a stream of fragments (its rounds: 4 taken, at most 2 ahead)."""
+async def _every_call(
+    s: Any, copies: Copies | None = None, histories: list[str] | None = None
+) -> list[EpisodeBatch]:
+    """Every call mode, then a stream of fragments (its rounds: 4 taken, at most 2 ahead);
+    ``histories``: gets the workers' transition digests after the calls (a :class:`Recording`
+    worker's; the stream's rounds run ahead depend on timing)."""
     out = [
         await s.obtain_samples(300),
         await s.obtain_fragments(300),
@@ -170,6 +174,8 @@ async def _every_call(s: Any, copies: Copies | None = None) -> list[EpisodeBatch
     ]
     if copies is not None:  # one row per worker and call at most
         assert copies.recorded_rows <= len(out) * len(s.workers)
+    if histories is not None:
+        histories += [w.history.hexdigest() for w in s.workers]
     async with contextlib.aclosing(s.stream(200, fragments=True, buffer_size=1)) as batches:
         async for batch in batches:
             out.append(batch)
@@ -281,10 +287,10 @@ async def test_step_arena_small_or_none_gives_the_same_batches(
         async with make_sampler(
             env=env, agent=_agent(inference), inference=inference, worker_class=Recording
         ) as s:
-            batches = await _every_call(s)
+            histories: list[str] = []
+            batches = await _every_call(s, histories=histories)
             arenas = [w.host.obs_arena for w in s.workers]  # type: ignore[attr-defined]
             assert all((a is not None) == bool(rows) for a in arenas)
-            histories = [w.history.hexdigest() for w in s.workers]
             if env is CrashOnce:
                 assert s.restarts > 0
         results.append((batches, histories))
