@@ -116,6 +116,26 @@ class BatchMemory:
             return base[:n]
 
 
+def _flat_rows(record: np.ndarray) -> tuple[np.ndarray, int]:
+    """``record`` (rows x envs x ...) as one axis of env rows, a view, and how many env rows
+    one row is apart in it: ``n_envs``, or more when the rows are spaced out (a worker's rows of
+    a step arena shared by several workers, see :func:`asyncsample.backends._slot.step_arenas`)
+    and the rows between belong to the same memory."""
+    rows, envs = record.shape[:2]
+    step, env_step = record.strides[:2]
+    if (
+        rows
+        and record[0].flags.c_contiguous
+        and env_step > 0
+        and step % env_step == 0
+        and step > envs * env_step
+    ):
+        per_row = step // env_step
+        shape = ((rows - 1) * per_row + envs, *record.shape[2:])
+        return np.lib.stride_tricks.as_strided(record, shape, record.strides[1:]), per_row
+    return record.reshape(-1, *record.shape[2:]), envs
+
+
 def _gather(
     plans: list[Plan], records: list[Any], like: np.ndarray, memory: BatchMemory | None = None
 ) -> np.ndarray:
@@ -129,10 +149,10 @@ def _gather(
     for plan, record in zip(plans, records):
         n = len(plan.rows)
         if n:
-            flat = record.reshape(-1, *record.shape[2:])  # a view: rows x envs -> one axis
+            flat, per_row = _flat_rows(record)
             np.take(
                 flat,
-                plan.rows * plan.n_envs + plan.envs,
+                plan.rows * per_row + plan.envs,
                 axis=0,
                 out=out[start : start + n],
                 mode="clip",  # indices are valid; "raise" would buffer the whole copy

@@ -70,27 +70,32 @@ class Rows:
     versions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int64))
     """The agent version each step was taken under, ``(rows, n_envs)``."""
     arena: Tree = None
-    """Observation records in shared memory that the env host writes itself (``inference=
-    "host"`` on ``process``), or ``None``; while :attr:`on_arena`, :attr:`obs` is the view
-    ``arena[base:]``, so the batch is gathered from the chunks in one copy."""
+    """Observation records in shared memory that the env host writes itself (on ``process``:
+    its chunks with ``inference="host"``, its steps with ``per_worker`` and ``batched``), or
+    ``None``; while :attr:`on_arena`, :attr:`obs` is the view ``arena[base:]``, so the batch is
+    gathered from what the host wrote in one copy."""
     base: int = 0  # the arena row of row 0 (while on_arena)
     on_arena: bool = False
     room: int = 1  # rows a chunk needs free in the arena (its capacity and the spare row)
+    n_arena: int = 0  # rows of the arena
+    spare: Tree = None  # the local observation records of a call that outgrew the arena
 
     def use_arena(self, arena: Tree, room: int) -> None:
         """Keep the observations in ``arena``: now if no row is recorded, else from next call."""
         if self.arena is None:
             self.arena, self.room = arena, room
+            self.n_arena = len(tree_leaves(arena)[0])
             if self.size == 0:
                 self._rebase(0, 0)
 
     def arena_rows(self) -> int:
         """Rows of the arena (0 without one)."""
-        return 0 if self.arena is None else len(tree_leaves(self.arena)[0])
+        return self.n_arena
 
     def arena_row(self, t: int) -> int:
-        """The arena row where the host writes a chunk starting at row ``t`` in place, or -1."""
-        if not self.on_arena or self.base + t + self.room > self.arena_rows():
+        """The arena row where the host writes a chunk (or a step's next row) starting at row
+        ``t`` in place, or -1."""
+        if not self.on_arena or self.base + t + self.room > self.n_arena:
             return -1
         return self.base + t
 
@@ -149,19 +154,29 @@ class Rows:
                     tree_map(move, arena, tree_map(lambda a: a[self.base :], arena))
             else:
                 tree_map(move, arena, self.obs)
+        if not self.on_arena and self.obs is not None:
+            self.spare = self.obs  # for the next call that outgrows the arena
         self.base = base
         self.on_arena = True
         self.obs = tree_map(lambda a: a[base:], arena)
 
     def _leave_arena(self, rows: int, obs: Tree) -> None:
-        """The records outgrow the arena: the observation rows so far move to local memory."""
+        """The records outgrow the arena: the observation rows so far move to local memory (that
+        of the last call that did, if large enough: no fresh pages)."""
+        spare, self.spare = self.spare, None
+        if spare is not None and len(tree_leaves(spare)[0]) < self.capacity:
+            spare = None
 
-        def local(like: np.ndarray, old: np.ndarray) -> np.ndarray:
-            arr = np.zeros((self.capacity, *like.shape), dtype=like.dtype)
+        def local(like: np.ndarray, old: np.ndarray, arr: np.ndarray | None = None) -> np.ndarray:
+            if arr is None or arr.shape[1:] != like.shape or arr.dtype != like.dtype:
+                arr = np.zeros((self.capacity, *like.shape), dtype=like.dtype)
             arr[:rows] = old[:rows]
             return arr
 
-        self.obs = tree_map(local, obs, self.obs)
+        if spare is None:
+            self.obs = tree_map(local, obs, self.obs)
+        else:
+            self.obs = tree_map(local, obs, self.obs, spare)
         self.on_arena = False
 
     def drop_before(self, start: int, append: bool = False) -> None:
@@ -193,8 +208,8 @@ class Rows:
     def next_row(self, obs: Tree, actions_like: Tree) -> int:
         """Index of a new row, growing the buffers (shaped like ``obs``/``actions_like``)."""
         t = self.size
-        if t < self.capacity and not self.on_arena:  # the common step: a free row, no call
-            self.size = t + 1
+        if t < self.capacity and (not self.on_arena or self.base + t < self.n_arena):
+            self.size = t + 1  # the common step: a free row, no call
             return t
         return self.reserve(1, obs, actions_like)
 

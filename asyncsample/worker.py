@@ -10,7 +10,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -47,6 +47,18 @@ __all__ = [
     "Worker",
     "WorkerFactory",
 ]
+
+
+class ObsArena(Protocol):
+    """Observation records in shared memory that the host's steps write into (a process
+    host's ``obs_arena``, :class:`~asyncsample.backends._slot.StepArena`)."""
+
+    rows: np.ndarray
+    row: int
+
+    def aim(self, row: int) -> None: ...
+
+    def home(self) -> None: ...
 
 
 class Worker:
@@ -94,6 +106,7 @@ class Worker:
         self.records_transitions = type(self).process_transition is not Worker.process_transition
         self.batcher: Batcher | None = None  # inference="batched", set by the sampler
         self.agent_timer: AgentTimer | None = None  # metrics on, set by the sampler
+        self._arena: ObsArena | None = None  # where the host writes observations (process)
 
     def __getstate__(self) -> None:
         raise ValueError(
@@ -118,6 +131,11 @@ class Worker:
         self._trust_agent()
         self._seeds = seeds
         self._chains = [[s] for s in self._per_env(env, "env")]
+        arena: ObsArena | None = getattr(host, "obs_arena", None)
+        rows = self.episodes.recorder.rows
+        if arena is not None and rows.arena is None:  # the records are the host's arena
+            self._arena = arena
+            rows.use_arena(arena.rows, 2)  # a step's row and the next, which the step writes
         with self.naming_factories():
             await host.build(self._chains, await seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
@@ -139,6 +157,7 @@ class Worker:
         assert self.host is not None and self._seeds is not None
         self.restarts += 1
         self.episodes.state = Continuity.BROKEN
+        self._home()
         with self.naming_factories():
             await self.host.restart(self._chains, await self._seeds.next_env_seeds_off_loop())
         self.episodes.state = Continuity.IN_CALL
@@ -208,6 +227,7 @@ class Worker:
         updates = self._per_env(env_update, "env_update")
         assert self.host is not None and self._seeds is not None
         self._chains = [rebuild_chain(c, u) for c, u in zip(self._chains, updates)]
+        self._home()
         with self.naming_factories():
             await self.host.update(updates, await self._seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
@@ -219,6 +239,7 @@ class Worker:
         episodes = self.episodes
         mask = episodes.needs_reset.copy()
         if mask.any():
+            self._home()
             infos = await self.host.reset(mask)
             episodes.started(mask, infos)
             self._reset_agent(mask)
@@ -233,8 +254,12 @@ class Worker:
         rows = episodes.recorder.rows
         active = episodes.active
         t = rows.next_row(buffers.obs, buffers.actions)
-        put_row(rows.obs, t, buffers.obs)
-        observations = row_of(rows.obs, t)
+        arena = self._arena
+        if arena is None:
+            put_row(rows.obs, t, buffers.obs)
+            observations = row_of(rows.obs, t)
+        else:  # row t is in the host's arena: the last step wrote it there, or a copy now
+            observations, into = self._arena_row(arena, t)
         timer = self.agent_timer
         if timer is None:
             output = await self.compute_actions(observations)
@@ -260,6 +285,8 @@ class Worker:
         batcher = self.batcher
         if batcher is not None:  # inference="batched" needs to know who waits on a host
             batcher.host_wait(self.worker_number)
+        if arena is not None:
+            arena.aim(into)  # the step writes its observations into row t + 1 of the records
         infos = await host.step(active)  # the one place a worker steps its envs
         if batcher is not None:
             batcher.host_done(self.worker_number)
@@ -292,6 +319,23 @@ class Worker:
             return True
         return ended
 
+    def _arena_row(self, arena: ObsArena, t: int) -> tuple[np.ndarray, int]:
+        """Row ``t``'s observations, in the arena (copied there unless the last step wrote them
+        there), and the arena row the step should write the next ones to (-1: none, the host's
+        step buffer: past the arena's end, or the records left it)."""
+        rows = self.episodes.recorder.rows
+        records = rows.obs
+        if not rows.on_arena or arena.row != rows.base + t:
+            assert self.host is not None
+            put_row(records, t, self.host.buffers.obs)
+        at = rows.arena_row(t)
+        return records[t], at + 1 if at >= 0 else -1
+
+    def _home(self) -> None:
+        """A request other than a step goes to the host: its observations go home first."""
+        if self._arena is not None:
+            self._arena.home()
+
     async def _cut_late(self, t: int) -> bool:
         """End the episodes past their deadline (``episode_timeout``) after step ``t`` as
         truncated, ``episode_infos["deadline"]`` true, and reset their envs; whether any was."""
@@ -303,6 +347,7 @@ class Worker:
         mask = np.zeros(self.n_envs, dtype=bool)
         mask[late] = True
         final = tree_map(np.copy, self.host.buffers.obs)  # the reset overwrites these rows
+        self._home()
         reset_infos = await self.host.reset(mask)
         for i in late.tolist():
             episodes.episode_info[i]["deadline"] = True

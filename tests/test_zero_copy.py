@@ -1,14 +1,17 @@
-"""Big observations are copied once in the main process on the ``process`` backend with
-``inference="host"``: the host writes its chunks' observations into the worker's shared
-observation arena, which is the worker's records, and the batch is gathered from there into
-memory of earlier batches that nothing refers to any more (``BatchMemory``). A batch the user
-holds is never written again."""
+"""Big observations are copied once in the main process on the ``process`` backend: with
+``inference="host"`` the host writes its chunks' observations into the worker's shared
+observation arena, which is the worker's records; with ``"per_worker"`` and ``"batched"`` each
+step writes its observations into the arena row the worker records next. The batch is gathered
+from there into memory of earlier batches that nothing refers to any more (``BatchMemory``). A
+batch the user holds is never written again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +24,9 @@ from helpers import SamplerFactory
 
 import asyncsample._assembly as assembly
 import asyncsample._engine as engine
-from asyncsample import EpisodeBatch
+import asyncsample.inference.batched as batched_module
+import asyncsample.worker as worker_module
+from asyncsample import EpisodeBatch, RandomAgent, Transition, VecWorker
 from asyncsample._assembly import BatchMemory
 from asyncsample.backends import _chunk
 
@@ -71,11 +76,13 @@ class FrameEnv(gym.Env):  # type: ignore[type-arg]
 
 class Copies:
     """Bytes of observations the main process copies: into the worker's records (the chunk
-    replay) and into batches (the gather)."""
+    replay, or ``recorded`` by a worker's step) and into batches (the gather)."""
 
     def __init__(self) -> None:
         self.replayed = 0
         self.gathered = 0
+        self.recorded = 0
+        self.recorded_rows = 0
 
 
 @pytest.fixture
@@ -94,8 +101,17 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[Copies]:
             seen.gathered += out.nbytes
         return out
 
+    put_row = worker_module.put_row
+
+    def counting_put_row(dst: Any, index: Any, src: Any) -> None:
+        if isinstance(src, np.ndarray) and src.shape[1:] == SHAPE:
+            seen.recorded += src.nbytes
+            seen.recorded_rows += 1
+        put_row(dst, index, src)
+
     monkeypatch.setattr(engine, "put_rows", counting_put_rows)
     monkeypatch.setattr(assembly, "_gather", counting_gather)
+    monkeypatch.setattr(worker_module, "put_row", counting_put_row)
     yield seen
 
 
@@ -133,6 +149,157 @@ async def test_stream_run_ahead_writes_in_place(
                     break
     assert copies.replayed == 0
     assert copies.gathered >= 1200 * np.prod(SHAPE)
+
+
+STEP_MODES = ["per_worker", "batched"]
+
+
+def _agent(inference: str) -> Any:
+    """``batched`` merges the calls of one shared agent (the others: a random agent each)."""
+    return RandomAgent(gym.spaces.Discrete(3), seed=5) if inference == "batched" else None
+
+
+async def _every_call(
+    s: Any, copies: Copies | None = None, histories: list[str] | None = None
+) -> list[EpisodeBatch]:
+    """Every call mode, then a stream of fragments (its rounds: 4 taken, at most 2 ahead);
+    ``histories``: gets the workers' transition digests after the calls (a :class:`Recording`
+    worker's; the stream's rounds run ahead depend on timing)."""
+    out = [
+        await s.obtain_samples(300),
+        await s.obtain_fragments(300),
+        await s.obtain_fragments(200),
+        await s.obtain_exact_episodes(3),
+        await s.obtain_samples(300),
+    ]
+    if copies is not None:  # one row per worker and call at most
+        assert copies.recorded_rows <= len(out) * len(s.workers)
+    if histories is not None:
+        histories += [w.history.hexdigest() for w in s.workers]
+    async with contextlib.aclosing(s.stream(200, fragments=True, buffer_size=1)) as batches:
+        async for batch in batches:
+            out.append(batch)
+            if len(out) >= 9:
+                break
+    return out
+
+
+@pytest.mark.parametrize("inference", STEP_MODES)
+async def test_steps_write_their_observations_into_the_records(
+    make_sampler: SamplerFactory, copies: Copies, inference: str
+) -> None:
+    """``per_worker`` and ``batched``: each step writes its observations into the arena row the
+    worker records next, so recording copies a row only where a call starts (after a reset, or
+    where the rows start again at the arena's front), never per step; the batch is the one
+    copy."""
+    async with make_sampler(env=FrameEnv, agent=_agent(inference), inference=inference) as s:
+        batches = await _every_call(s, copies)
+        for worker in s.workers:
+            rows = worker.episodes.recorder.rows
+            arena = worker.host.obs_arena  # type: ignore[attr-defined]
+            assert arena is not None
+            assert rows.on_arena and np.shares_memory(rows.obs, arena.rows)
+            # The gather reads the records as env rows in place (the workers' rows interleave).
+            flat, per_row = assembly._flat_rows(rows.obs)
+            assert np.shares_memory(flat, arena.rows) and per_row == 2 * len(s.workers)
+    steps = sum(b.n_transitions for b in batches) // 4  # per worker, 2 envs each
+    assert steps > 500
+    assert copies.recorded_rows <= (len(batches) + 2) * len(s.workers)  # the rounds ahead too
+    assert copies.gathered == sum(b.observations.nbytes for b in batches) > 0
+
+
+class MergedViews(RandomAgent):
+    """A shared random agent that counts its merged calls (every worker's rows) and those whose
+    observations are a view (not a concatenation of the workers' rows)."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.spaces.Discrete(3), seed=5)
+        self.merged = self.views = 0
+
+    def get_actions(self, observations: Any) -> Any:
+        if len(observations) == 4:  # 2 workers x 2 envs
+            self.merged += 1
+            self.views += not observations.flags.owndata
+        return super().get_actions(observations)
+
+
+async def test_batched_agent_reads_the_arena(
+    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch, copies: Copies
+) -> None:
+    """``batched`` (lockstep): the workers' rows of a step lie side by side in one step arena,
+    so the merged agent call reads a view of them; nothing is concatenated."""
+    concatenated = []
+    concat = batched_module.tree_concat
+
+    def counting_concat(parts: list[Any]) -> Any:
+        concatenated.append(len(parts))
+        return concat(parts)
+
+    monkeypatch.setattr(batched_module, "tree_concat", counting_concat)
+    agent = MergedViews()
+    async with make_sampler(env=FrameEnv, agent=agent, inference="batched") as s:
+        batches = [await s.obtain_fragments(200) for _ in range(3)]
+    assert agent.merged >= 3 * 50 and agent.views == agent.merged
+    assert not concatenated
+    assert copies.recorded_rows <= 3 * 2
+    assert copies.gathered == sum(b.observations.nbytes for b in batches)
+
+
+class CrashOnce(FrameEnv):
+    """A :class:`FrameEnv` whose first env to reach step 6 in each host process raises once."""
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        if self.t == 6 and not os.environ.get("ASYNCSAMPLE_TEST_CRASHED"):
+            os.environ["ASYNCSAMPLE_TEST_CRASHED"] = "1"  # in this host process
+            raise RuntimeError("crash once")
+        return super().step(action)
+
+
+class Recording(VecWorker):
+    """Digests every transition the worker sees (the observations of the active envs and the
+    next ones, read from the host's current observations)."""
+
+    def process_transition(self, history: Any, transition: Transition) -> Any:
+        seen = history or hashlib.sha256()
+        active = transition.active
+        seen.update(np.ascontiguousarray(transition.observations[active]).tobytes())
+        seen.update(np.ascontiguousarray(transition.next_observations[active]).tobytes())
+        return seen
+
+
+@pytest.mark.parametrize("inference", STEP_MODES)
+@pytest.mark.parametrize("env", [FrameEnv, CrashOnce])
+async def test_step_arena_small_or_none_gives_the_same_batches(
+    make_sampler: SamplerFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    copies: Copies,
+    inference: str,
+    env: type[FrameEnv],
+) -> None:
+    """Records that outgrow a small arena, steps at its end and host restarts (an env that
+    raises) fall back to copies: the batches and the transitions a worker sees stay those of a
+    sampler without an arena, and of one with a large arena."""
+    results = []
+    recorded = []
+    for rows in (4096, 7, 0):  # 7 rows: the records leave the arena in every call
+        monkeypatch.setattr(_chunk, "ARENA_MAX_ROWS", rows)
+        copies.recorded_rows = 0
+        async with make_sampler(
+            env=env, agent=_agent(inference), inference=inference, worker_class=Recording
+        ) as s:
+            histories: list[str] = []
+            batches = await _every_call(s, histories=histories)
+            arenas = [w.host.obs_arena for w in s.workers]  # type: ignore[attr-defined]
+            assert all((a is not None) == bool(rows) for a in arenas)
+            if env is CrashOnce:
+                assert s.restarts > 0
+        results.append((batches, histories))
+        recorded.append(copies.recorded_rows)
+    for batches, histories in results[1:]:
+        assert histories == results[0][1]
+        for a, b in zip(results[0][0], batches, strict=True):
+            _assert_same(a, b)
+    assert recorded[0] < recorded[1] < recorded[2]  # no arena: a copy per step
 
 
 async def _calls_then_stream(s: Any) -> list[EpisodeBatch]:
@@ -202,14 +369,14 @@ def _assert_same(a: EpisodeBatch, b: EpisodeBatch) -> None:
     np.testing.assert_array_equal(a.lengths, b.lengths)
 
 
-@pytest.mark.parametrize("inference", ["host", "per_worker"])
+@pytest.mark.parametrize("inference", ["host", "per_worker", "batched"])
 async def test_held_batches_are_never_overwritten(
     make_sampler: SamplerFactory, inference: str
 ) -> None:
     """A slow consumer keeps every other batch of a stream while later rounds run: each held
     batch still equals the copy taken when it arrived, and the memory of the batches let go was
     used again (so the check met reuse)."""
-    async with make_sampler(env=FrameEnv, inference=inference) as s:
+    async with make_sampler(env=FrameEnv, agent=_agent(inference), inference=inference) as s:
         memory: BatchMemory = s._core.memory
         held: list[tuple[EpisodeBatch, np.ndarray, np.ndarray]] = []
         k = 0

@@ -20,7 +20,7 @@ from typing import Any
 from asyncsample.backends import _lane_serve, _threads
 from asyncsample.backends._chunk import RawChunks, view_chunk_sets
 from asyncsample.backends._lane_serve import LaneOptions
-from asyncsample.backends._slot import HostSlot
+from asyncsample.backends._slot import HostSlot, RawArena, view_step_arena
 from asyncsample.backends._transport import (
     HELLO_ID,
     SLOT,
@@ -84,12 +84,15 @@ def main(
     raw_chunks: list[RawChunks | None] | None = None,
     host_threads: int | None = None,
     lanes: LaneOptions | None = None,
+    raw_arenas: list[RawArena | None] | None = None,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
-    :func:`~asyncsample.backends._transport.slot_buffers` views and ``raw_chunks`` its
-    :data:`~asyncsample.backends._chunk.RawChunks` (or ``None``); with ``lanes``, the slots'
-    envs are async envs served in an event loop (:mod:`asyncsample.backends._lane_serve`)."""
+    :func:`~asyncsample.backends._transport.slot_buffers` views, ``raw_chunks`` its
+    :data:`~asyncsample.backends._chunk.RawChunks` (or ``None``) and ``raw_arenas`` its
+    observation arena (:data:`~asyncsample.backends._slot.RawArena`, or ``None``); with
+    ``lanes``, the slots' envs are async envs served in an event loop
+    (:mod:`asyncsample.backends._lane_serve`)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     with contextlib.suppress(OSError):
@@ -104,12 +107,14 @@ def main(
         return
     slots: list[HostSlot] = []
     chunks = raw_chunks or [None] * len(specs)
-    for spec, raw, raw_chunk in zip(specs, raw_buffers, chunks):
+    arenas = raw_arenas or [None] * len(specs)
+    for spec, raw, raw_chunk, raw_arena in zip(specs, raw_buffers, chunks, arenas):
         buffers = slot_buffers(
             spec.observation_space, spec.action_space, spec.n_envs, raw, spec.timed
         )
         sets = None if raw_chunk is None else view_chunk_sets(spec, raw_chunk)
-        slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process"))
+        arena = None if raw_arena is None else view_step_arena(spec, raw_arena)
+        slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process", arena))
     reader = FrameReader(sock)
     try:
         send_frame(sock, HELLO_ID, ST_OK)

@@ -8,8 +8,10 @@ to the reply's, so the hosts only move bytes.
 from __future__ import annotations
 
 import pickle
+import shutil
 import traceback
 from collections.abc import Callable
+from multiprocessing import heap
 from typing import Any
 
 import numpy as np
@@ -17,11 +19,13 @@ import numpy as np
 from asyncsample._clock import HostTiming
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import (
+    ARENA_BYTES,
     ChunkBuffers,
     ChunkReply,
     ChunkRequest,
     ChunkRunner,
     NextChunk,
+    arena_rows,
     chunk_rows,
     chunk_sets,
 )
@@ -35,7 +39,7 @@ from asyncsample.env_group import (
     StepInfos,
 )
 
-__all__ = ["HostSlot", "spec_group"]
+__all__ = ["HostSlot", "RawArena", "StepArena", "arena_budget", "spec_group", "step_arenas"]
 
 _Body = bytes | memoryview
 
@@ -56,6 +60,151 @@ def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
     )
 
 
+RawArena = tuple[int, Any, int, int]
+"""What a process host needs to view a slot's :class:`StepArena`: ``(rows, memory, slots,
+index)``, the slot being ``index`` of the ``slots`` that share the block ``memory``."""
+
+
+class StepArena:
+    """A worker's observation records in shared memory that its host's steps write into
+    (``per_worker`` and ``batched`` on ``process``): ``rows`` ``(R, n_envs, ...)``, and
+    ``target``, the row the next step request writes its observations to (``-1``: the slot's
+    step buffer), which the main process sets and the host takes with the request.
+
+    Either side points its view of the slot's step ``buffers.obs`` at the row the host's
+    current observations are in (:attr:`row`, ``-1``: its own step buffer). The host goes back
+    to its own buffer (a copy in the host) before any request but a step, and before a step
+    into its own buffer; the main process after asking for anything but a step (:meth:`home`).
+    The worker records row ``t`` without a copy when the last step wrote it there.
+    """
+
+    def __init__(self, rows: np.ndarray, target: np.ndarray, raw: RawArena | None = None) -> None:
+        self.rows = rows
+        self.target = target
+        self.raw = raw  # what a process host views it from (keeps the shared block alive)
+        self.row = -1
+        self.buffers: StepBuffers | None = None
+        self.own: Any = None
+
+    def attach(self, buffers: StepBuffers) -> StepArena:
+        """The slot's step buffers, whose ``obs`` this arena points (its own array: home)."""
+        self.buffers, self.own = buffers, buffers.obs
+        return self
+
+    def aim(self, row: int) -> None:
+        """The main process: the next step writes its observations into ``row`` (-1: home)."""
+        self.target[0] = row
+        self.row = row
+        assert self.buffers is not None
+        self.buffers.obs = self.own if row < 0 else self.rows[row]
+
+    def home(self) -> None:
+        """The main process: the host's observations are back in its step buffer (a request
+        other than a step was sent)."""
+        if self.row >= 0:
+            self.row = -1
+            assert self.buffers is not None
+            self.buffers.obs = self.own
+
+    def take(self, mask: np.ndarray) -> None:
+        """The host, serving a step: point the group's observations at the row asked for; the
+        envs not stepped keep theirs (copied there)."""
+        row = int(self.target[0])
+        self.target[0] = -1  # asked once: a step sent without aiming goes home
+        if row == self.row:
+            return
+        buffers = self.buffers
+        assert buffers is not None
+        new = self.own if row < 0 else self.rows[row]
+        if row < 0 or not mask.all():
+            new[...] = buffers.obs
+        buffers.obs = new
+        self.row = row
+
+    def settle(self) -> None:
+        """The host, before any request but a step: its observations back in its own buffer."""
+        if self.row >= 0:
+            buffers = self.buffers
+            assert buffers is not None
+            self.own[...] = buffers.obs
+            buffers.obs = self.own
+            self.row = -1
+
+
+def arena_budget(arenas: int) -> int:
+    """Bytes each of ``arenas`` step arenas may take: half of what /dev/shm has free, shared
+    (an arena takes memory only as rows are written: it must not promise more than there is)."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:  # no /dev/shm: the heap's memory comes from a temporary file
+        free = ARENA_BYTES * 2 * arenas
+    return free // (2 * max(arenas, 1))
+
+
+def _arena_row(spec: HostSpec) -> np.ndarray | None:
+    """One env's observation buffer for ``spec``, if its slot may have a :class:`StepArena`:
+    not with chunks (``inference="host"`` has its own arena), async envs (``lanes``), a face's
+    autoreset, or observations that are not one array of fixed rows."""
+    if spec.chunk_steps or spec.lanes or spec.autoreset != "SameStep" or spec.final_in_reply:
+        return None
+    like = StepBuffers.allocate(spec.observation_space, spec.action_space, 1).obs
+    if type(like) is not np.ndarray or like.dtype == object:
+        return None
+    return like
+
+
+def step_arenas(specs: list[HostSpec]) -> list[StepArena | None]:
+    """The :class:`StepArena` of each process host slot of ``specs`` (``None``: none, see
+    :func:`_arena_row`, or fewer than 4 rows fit), in shared memory that takes nothing until
+    rows are written. Slots of the same observations and envs share one block, their rows
+    side by side in slot order (arena row ``r`` of every slot in one run: a merged agent call of
+    the same row is a view, see :mod:`asyncsample.inference.batched`)."""
+    out: list[StepArena | None] = [None] * len(specs)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for k, spec in enumerate(specs):
+        like = _arena_row(spec)
+        if like is not None:
+            groups.setdefault((like.shape, like.dtype.str, spec.n_envs), []).append(k)
+    budget = arena_budget(len(specs))
+    for members in groups.values():
+        spec = specs[members[0]]
+        like = _arena_row(spec)
+        assert like is not None
+        row = like.nbytes * spec.n_envs
+        n = min(arena_rows(spec.observation_space, spec.n_envs, 1), budget // max(row, 1))
+        if n < 4:
+            continue
+        slots = len(members)
+        memory = heap.BufferWrapper(64 * slots + n * slots * row)  # not zeroed
+        targets, rows = _joint_arena(spec, like, (n, memory, slots, 0))
+        for index, k in enumerate(members):
+            target = targets[8 * index : 8 * index + 1]
+            target[0] = -1
+            out[k] = StepArena(rows[:, index], target, (n, memory, slots, index))
+    return out
+
+
+def _joint_arena(spec: HostSpec, like: np.ndarray, raw: RawArena) -> tuple[np.ndarray, np.ndarray]:
+    """The mailboxes (one per cache line) and rows ``(n, slots, n_envs, ...)`` of the shared
+    block of ``raw``."""
+    n, memory, slots, _ = raw
+    view = memory.create_memoryview()
+    targets = np.frombuffer(view, np.int64, 8 * slots)
+    shape = (n, slots, spec.n_envs, *like.shape[1:])
+    count = int(np.prod(shape, dtype=np.int64))
+    return targets, np.frombuffer(view, like.dtype, count, 64 * slots).reshape(shape)
+
+
+def view_step_arena(spec: HostSpec, raw: RawArena) -> StepArena:
+    """Slot ``index``'s arena in the shared block of ``raw`` that :func:`step_arenas` made
+    (seen from a host process)."""
+    like = _arena_row(spec)
+    assert like is not None
+    index = raw[3]
+    targets, rows = _joint_arena(spec, like, raw)
+    return StepArena(rows[:, index], targets[8 * index : 8 * index + 1], raw)
+
+
 class HostSlot:
     """One worker's envs (``spec``, over ``buffers``, else its own) and, with ``inference="host"``,
     its agent copy (over ``chunks``) in an env host, called ``where`` in messages."""
@@ -67,8 +216,10 @@ class HostSlot:
         chunks: list[ChunkBuffers] | None = None,
         host_threads: int | None = None,
         where: str = "env host",
+        arena: StepArena | None = None,
     ) -> None:
         self.group = group = spec_group(spec, buffers)
+        self.arena = None if arena is None else arena.attach(group.buffers)
         self.runner = None if not chunks else ChunkRunner(group, chunks, spec.action_space)
         self.timing: HostTiming | None = None  # metrics on, inference="host": times chunks
         if self.runner is not None and group.buffers.clock is not None:
@@ -135,6 +286,8 @@ class HostSlot:
         handler = self._ops.get(op)
         if handler is None:
             raise ValueError(f"unknown request opcode {op}")
+        if self.arena is not None and op != Op.STEP:
+            self.arena.settle()  # the observations back where every other request expects them
         return handler(body) or b""
 
     def _serve_step(self, body: _Body) -> bytes:
@@ -147,7 +300,10 @@ class HostSlot:
         elif len(body) > n:  # actions the caller gave in another dtype: pickled, as given
             given = self.load(body[n:], "actions")
             body = body[:n]
-        infos = self.group.step(np.frombuffer(body, np.bool_), given)
+        mask = np.frombuffer(body, np.bool_)
+        if self.arena is not None:  # the observations go to the arena row the worker asked for
+            self.arena.take(mask)
+        infos = self.group.step(mask, given)
         if isinstance(buffers.obs, list):  # observations without fixed-size rows: pickled
             return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, buffers.obs))
         if infos.final_obs:

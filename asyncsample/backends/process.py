@@ -53,6 +53,7 @@ from asyncsample.backends._remote import (
     RemoteHost,
     closed_error,
 )
+from asyncsample.backends._slot import RawArena, StepArena, step_arenas
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -321,9 +322,11 @@ class _Member(PoolMember[_Conn]):
         host_threads: int | None = None,
         cpu: int | None = None,
         lanes: LaneOptions | None = None,
+        raw_arenas: list[RawArena | None] | None = None,
     ) -> None:
         super().__init__(index, specs)
         self.lanes = lanes  # a host of async envs (each stepped on its own in its event loop)
+        self.raw_arenas = raw_arenas  # per slot, what the host needs to view its step arena
         self.ctx = ctx
         self.host_threads = host_threads
         self.cpu = cpu  # the CPU its processes are pinned to (None: not pinned)
@@ -347,6 +350,7 @@ class _Member(PoolMember[_Conn]):
                     self.raw_chunks,
                     self.host_threads,
                     self.lanes,
+                    self.raw_arenas,
                 ),
                 name=f"asyncsample-host-{self.index}",
             )
@@ -485,8 +489,10 @@ class ProcessHost(RemoteHost[_Conn]):
         buffers: StepBuffers,
         step_timeout: float | None,
         chunks: list[ChunkBuffers],
+        arena: StepArena | None = None,
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
+        self.obs_arena = None if arena is None else arena.attach(buffers)  # see StepArena
         self._slot = SLOT.pack(slot)
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
@@ -709,7 +715,9 @@ class ProcessBackend:
             self.joint, buffers, raws = joint
         chunks = [_chunk.shared_chunk_sets(spec, ctx) for spec in specs]  # inference="host"
         raw_chunks = [raw for _, raw in chunks]
-        splits = list(zip(where.split(specs), where.split(raws), where.split(raw_chunks)))
+        arenas = step_arenas(specs)  # per_worker, batched
+        raw_arenas = [None if a is None else a.raw for a in arenas]
+        splits = list(zip(*(where.split(x) for x in (specs, raws, raw_chunks, raw_arenas))))
         cpus = host_cpus(len(splits), self.pin_cpus)
         lanes = specs[0].lanes
         lane_close = CLOSE_TIMEOUT if self.close_timeout is None else self.close_timeout
@@ -726,8 +734,9 @@ class ProcessBackend:
                 self.host_threads,
                 cpus[m],
                 LaneOptions(self.step_timeout, lane_close, caps[m]) if lanes else None,
+                member_arenas,
             )
-            for m, (member_specs, member_raws, member_chunks) in enumerate(splits)
+            for m, (member_specs, member_raws, member_chunks, member_arenas) in enumerate(splits)
         ]
         self._token = token = next(_TOKENS)
         self._finalizer = weakref.finalize(self, _release_all, self._members, token)
@@ -747,10 +756,9 @@ class ProcessBackend:
                 ProcessLaneHost(spec, members[where.member(w)], where.slot(w), buffers[w])
                 for w, spec in enumerate(specs)
             ]
+        at = [(members[where.member(w)], where.slot(w)) for w in range(len(specs))]
         return [
-            ProcessHost(
-                spec, members[where.member(w)], where.slot(w), buffers[w], self.step_timeout, sets
-            )
+            ProcessHost(spec, *at[w], buffers[w], self.step_timeout, sets, arenas[w])
             for w, (spec, (sets, _)) in enumerate(zip(specs, chunks))
         ]
 

@@ -407,7 +407,35 @@ def _stack(requests: list[_Request]) -> Tree:
         return tree_map(lambda *xs: np.stack(xs), *[r.observations for r in requests])
     if len(requests) == 1:
         return requests[0].observations
-    return tree_concat([r.observations for r in requests])
+    parts = [r.observations for r in requests]
+    joined = _side_by_side(parts)
+    return tree_concat(parts) if joined is None else joined
+
+
+def _side_by_side(parts: list[Any]) -> np.ndarray | None:
+    """The arrays ``parts`` as one array without a copy, when they are contiguous runs of rows
+    of the same array one after the other (the workers' rows of one step arena row on
+    ``process``: :func:`~asyncsample.backends._slot.step_arenas`), else ``None``."""
+    first = parts[0]
+    if type(first) is not np.ndarray or not first.flags.c_contiguous or first.ndim == 0:
+        return None
+    owner = first.base
+    end = first.ctypes.data + first.nbytes
+    for part in parts[1:]:
+        if (
+            type(part) is not np.ndarray
+            or part.base is not owner
+            or part.ctypes.data != end
+            or part.dtype != first.dtype
+            or part.shape[1:] != first.shape[1:]
+            or not part.flags.c_contiguous
+        ):
+            return None
+        end += part.nbytes
+    if owner is None:
+        return None
+    rows = sum(len(p) for p in parts)
+    return np.lib.stride_tricks.as_strided(first, (rows, *first.shape[1:]), first.strides)
 
 
 def _rows_of(requests: list[_Request], workers: list[int] | None = None) -> str:
