@@ -269,7 +269,8 @@ def run_once(
         args=list(workload),
         metrics=metrics,
     )
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    # Absolute: the child runs in /tmp, and its env hosts must import the same tree.
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve()), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
