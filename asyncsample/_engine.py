@@ -9,9 +9,10 @@ import asyncio
 import enum
 import math
 import time
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol, Self
 
 import numpy as np
 
@@ -35,6 +36,7 @@ __all__ = [
     "LaneRound",
     "Part",
     "RecordStep",
+    "QuotaView",
     "SharedQuota",
     "StepStepper",
     "Stepper",
@@ -249,6 +251,44 @@ class SharedQuota:
     def lacking(self, worker: int) -> int:
         """What ``worker``'s minimum or the call's total still lacks (at least 1)."""
         return max(self.minimums[worker] - self.counts[worker], self.target - self.total, 1)
+
+
+class QuotaView:
+    """How the workers of a call share its :class:`SharedQuota` (a subclass per stepper kind,
+    one view per quota and kind: :meth:`of`); a report wakes the workers in :meth:`wait_while`."""
+
+    _views: ClassVar[weakref.WeakKeyDictionary[SharedQuota, Any]] = weakref.WeakKeyDictionary()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._views = weakref.WeakKeyDictionary()
+
+    def __init__(self, quota: SharedQuota) -> None:
+        self.quota = quota
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @classmethod
+    def of(cls, quota: SharedQuota) -> Self:
+        """The view of ``quota`` of this kind (made by the first worker that asks)."""
+        view: Self | None = cls._views.get(quota)
+        if view is None:
+            view = cls._views[quota] = cls(quota)
+        return view
+
+    def report(self, worker: int, count: int) -> None:
+        """Worker ``worker`` would now return ``count`` transitions; wake the waiting workers."""
+        self.quota.report(worker, count)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait_while(self, worker: int, holds: Callable[[], bool]) -> None:
+        """While the quota does not let ``worker`` stop and ``holds()``, wait for reports."""
+        while not self.quota.may_stop(worker) and holds():
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
 
 
 RecordStep = Callable[

@@ -12,14 +12,13 @@ import asyncio
 import collections
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from asyncsample._engine import CallMode, Part, SharedQuota, StopRule
+from asyncsample._engine import CallMode, Part, QuotaView, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import tree_map
 from asyncsample.backends._closing import cancelled_by_env
@@ -91,7 +90,7 @@ class Admission:
         self._changed.set()
 
 
-class QuotaWatch:
+class QuotaWatch(QuotaView):
     """The lanes' view of a call's :class:`SharedQuota` (``fraction_samples``).
 
     The quota lets a worker stop once it has its minimum and the call's total reached the
@@ -106,20 +105,10 @@ class QuotaWatch:
     of a fragment call, so no lane decides on another worker's stale count.
     """
 
-    def __init__(self, quota: SharedQuota) -> None:
-        self.quota = quota
-        self._waiters: list[asyncio.Future[None]] = []
-
     def report(self, worker: int, count: int) -> None:
-        """Worker ``worker`` would now return ``count`` transitions; wake the waiting workers."""
-        quota = self.quota
-        if quota.counts[worker] == count:
-            return
-        quota.report(worker, count)
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        """As :meth:`QuotaView.report`, for a count that changed."""
+        if self.quota.counts[worker] != count:
+            super().report(worker, count)
 
     def covered(self, worker: int) -> bool:
         """Whether ``worker`` may stop: it has its minimum and the total, counting what every
@@ -139,23 +128,7 @@ class QuotaWatch:
     async def wait(self, worker: int) -> None:
         """While ``worker`` is covered but the quota does not yet let it stop, wait for the other
         workers' reports."""
-        quota = self.quota
-        while not quota.may_stop(worker) and self.covered(worker):
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            await waiter
-
-
-_WATCHES: weakref.WeakKeyDictionary[SharedQuota, QuotaWatch] = weakref.WeakKeyDictionary()
-"""Each call's quota's watch, shared by the lanes of every worker of the call."""
-
-
-def quota_watch(quota: SharedQuota) -> QuotaWatch:
-    """The watch of ``quota`` (made by the first worker that asks)."""
-    watch = _WATCHES.get(quota)
-    if watch is None:
-        watch = _WATCHES[quota] = QuotaWatch(quota)
-    return watch
+        await self.wait_while(worker, lambda: self.covered(worker))
 
 
 @dataclass
@@ -188,7 +161,7 @@ class LaneStepper:
         self.episode_timeout = worker.episodes.episode_timeout
         self.admission = settings.admission()
         self.quota = quota = part.quota
-        self.watch = None if quota is None else quota_watch(quota)
+        self.watch = None if quota is None else QuotaWatch.of(quota)
         self.resume = part.resume
         self.carry = part.leave is Resume.EPISODES  # steps in flight go on into the next round
         self.detaching = False

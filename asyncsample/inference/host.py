@@ -8,12 +8,10 @@ pipelined (:meth:`ChunkStepper.run`) and run ahead between a stream's rounds (:c
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import math
 import pickle
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +25,7 @@ from asyncsample._engine import (
     CallMode,
     Continuity,
     Episodes,
+    QuotaView,
     RecordStep,
     SharedQuota,
     StopRule,
@@ -154,7 +153,7 @@ class PipelinedHost(AgentHost, Protocol):
     async def send_chunk(self, request: ChunkRequest | NextChunk) -> SentChunk: ...
 
 
-class ChunkQuota:
+class ChunkQuota(QuotaView):
     """How the workers of a call with ``fraction_samples < 1`` share its quota in chunks.
 
     Per-step stepping stops every worker at the step where the call's total is met. A chunk
@@ -170,18 +169,9 @@ class ChunkQuota:
     """
 
     def __init__(self, quota: SharedQuota) -> None:
-        self.quota = quota
+        super().__init__(quota)
         self.running: dict[int, int] = {}
         """Per worker with a chunk out: the transitions that chunk was asked for."""
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def report(self, worker: int, count: int) -> None:
-        """Worker ``worker`` would now return ``count`` transitions; wake the waiting workers."""
-        self.quota.report(worker, count)
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
 
     def ask(self, worker: int) -> int:
         """The transitions ``worker``'s next chunk asks for (0: none is needed of it now)."""
@@ -202,21 +192,7 @@ class ChunkQuota:
 
     async def wait(self, worker: int) -> None:
         """While the quota does not let ``worker`` stop and it has nothing to ask for."""
-        while not self.quota.may_stop(worker) and self.ask(worker) <= 0:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            await waiter
-
-
-_CHUNK_QUOTAS: weakref.WeakKeyDictionary[SharedQuota, ChunkQuota] = weakref.WeakKeyDictionary()
-
-
-def chunk_quota(quota: SharedQuota) -> ChunkQuota:
-    """The :class:`ChunkQuota` of a call's quota, shared by its workers."""
-    shared = _CHUNK_QUOTAS.get(quota)
-    if shared is None:
-        shared = _CHUNK_QUOTAS[quota] = ChunkQuota(quota)
-    return shared
+        await self.wait_while(worker, lambda: self.ask(worker) <= 0)
 
 
 class ChunkStepper:
@@ -232,7 +208,7 @@ class ChunkStepper:
         quota: SharedQuota | None = None,
     ) -> None:
         self.worker = worker
-        self.quota = None if quota is None else chunk_quota(quota)
+        self.quota = None if quota is None else ChunkQuota.of(quota)
         """The call's shared quota (``fraction_samples < 1``), as the chunks share it."""
         self.ahead = {} if ahead is None else ahead
         self.then = then
