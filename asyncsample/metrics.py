@@ -1,9 +1,11 @@
 """Prometheus metrics of a sampler: what it did and where the time went (``metrics=``; the list
 is ``docs/metrics.md``; needs the ``metrics`` extra).
 
-The per-step path only counts in plain ints and arrays (:mod:`asyncsample._clock`);
-:class:`SamplerMetrics` folds them into its totals once per call, which a custom collector reads
-when the registry is scraped. Samplers sharing a registry add up per label set.
+The per-step path only counts in plain ints and arrays (:mod:`asyncsample._clock`), and times
+one call in ``SAMPLE_EVERY`` (the latency histograms are sampled, their counts weighted; the
+counters are exact); :class:`SamplerMetrics` folds them into its totals once per call, which a
+custom collector reads when the registry is scraped. Samplers sharing a registry add up per
+label set.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, AgentTimer
+from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, SAMPLE_EVERY, STEPS, AgentTimer
 
 if TYPE_CHECKING:
     from asyncsample.inference.batched import Batcher
@@ -122,13 +124,20 @@ class _Hist:
         self.counts = np.zeros(len(bounds) + 1, dtype=np.float64)
         self.sum = 0.0
 
-    def observe(self, values: Sequence[float] | np.ndarray) -> None:
+    def observe(self, values: Sequence[float] | np.ndarray, weight: int = 1) -> None:
+        """Count each of ``values`` ``weight`` times (a sample's, weighted)."""
         values = np.asarray(values, dtype=np.float64)
         if not len(values):
             return
         where = np.searchsorted(self.bounds, values, side="left")
-        self.counts += np.bincount(where, minlength=len(self.counts))
-        self.sum += float(values.sum())
+        self.counts += weight * np.bincount(where, minlength=len(self.counts))
+        self.sum += weight * float(values.sum())
+
+    def tally(self, times_by_value: dict[int, int]) -> None:
+        """Count each value the number of times ``times_by_value`` gives it."""
+        for value, times in times_by_value.items():
+            self.counts[int(np.searchsorted(self.bounds, value, side="left"))] += times
+            self.sum += float(value * times)
 
     def add_counts(self, counts: np.ndarray, total: float) -> None:
         self.counts += counts
@@ -409,8 +418,9 @@ class SamplerMetrics:
             seconds: the round's wall time.
         """
         s = self.state
-        agent_seconds, agent_rows = self.timer.drain()
-        env_seconds, agent_total = 0.0, float(sum(agent_seconds))
+        agent_calls, agent_rows, agent_seconds = self.timer.drain()
+        # the timed calls, a sample of one in SAMPLE_EVERY, stand for all of them
+        env_seconds, agent_total = 0.0, SAMPLE_EVERY * float(sum(agent_seconds))
         newest = max(w.agent_version for w in workers)
         with self._hub.lock:
             hists = s.hists
@@ -442,9 +452,9 @@ class SamplerMetrics:
                     env_s, agent_s = self._fold_clock(n, clock, w.n_envs)
                     env_seconds += env_s
                     agent_total += agent_s
-            hists["agent_call_seconds"].observe(agent_seconds)
-            hists["agent_call_rows"].observe(agent_rows)
-            s.agent_calls += len(agent_seconds)
+            hists["agent_call_seconds"].observe(agent_seconds, SAMPLE_EVERY)
+            hists["agent_call_rows"].tally(agent_rows)
+            s.agent_calls += agent_calls
             if versions is not None and len(versions):
                 hists["policy_lag"].observe(newest - np.asarray(versions, dtype=np.float64))
             s.in_flight = in_flight
@@ -544,9 +554,8 @@ class FaceMetrics:
             if clock is None:
                 continue
             delta = _gained(self._seen, h, clock)
-            counts = delta[ENV : ENV + _N]
-            s.steps[s.slot(h)] += int(counts.sum())
-            s.hists["env_step_seconds"].add_counts(counts, float(delta[ENV + _N]))
+            s.steps[s.slot(h)] += int(delta[STEPS])
+            s.hists["env_step_seconds"].add_counts(delta[ENV : ENV + _N], float(delta[ENV + _N]))
             s.episodes[0] += int(delta[ENDS])
             s.episodes[1] += int(delta[ENDS + 1])
             if h < len(hosted.restarts):

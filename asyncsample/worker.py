@@ -236,12 +236,12 @@ class Worker:
         put_row(rows.obs, t, buffers.obs)
         observations = row_of(rows.obs, t)
         timer = self.agent_timer
-        if timer is None:
+        if timer is None or not timer.due(self.n_envs):
             output = await self.compute_actions(observations)
-        else:  # metrics on: time the agent call
+        else:  # metrics on, a call the timer samples
             start = time.perf_counter()
             output = await self.compute_actions(observations)
-            timer.add(time.perf_counter() - start, self.n_envs)
+            timer.took(time.perf_counter() - start)
         actions, agent_infos = self._output_check.output(output)
         assert self.env_spec is not None
         actions = check_actions(
