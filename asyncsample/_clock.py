@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ STEPS = ENDS + 2
 """The env steps the host took, exact (the vector faces count these; with ``inference="host"``
 only the timed chunks', unread: the sampler counts its steps from its episodes)."""
 CLOCK_SIZE = STEPS + 1
+TRUNCATED = ENDS + 1
 
 _perf = time.perf_counter
 
@@ -97,9 +99,8 @@ def timed_group_step(
         ended = group.last_ended
         if ended:
             terminated = group.buffers.terminated
-            ends = sum(1 for i in ended if terminated[i])
-            items[ENDS] += ends
-            items[ENDS + 1] += len(ended) - ends
+            for i in ended:
+                items[ENDS if terminated[i] else TRUNCATED] += 1
         return infos
 
     return timed
@@ -159,15 +160,14 @@ class AgentTimer:
 
     def __init__(self) -> None:
         self.calls = 0
-        self.by_rows: dict[int, int] = {}  # calls by their rows
+        self.by_rows: defaultdict[int, int] = defaultdict(int)  # calls by their rows
         self.seconds: list[float] = []  # of the timed calls
         self._left = 1  # calls until the next timed one
 
     def due(self, rows: int) -> bool:
         """Count an agent call of ``rows`` observations; whether to time it."""
         self.calls += 1
-        by_rows = self.by_rows
-        by_rows[rows] = by_rows.get(rows, 0) + 1
+        self.by_rows[rows] += 1
         self._left -= 1
         if self._left:
             return False
@@ -180,6 +180,7 @@ class AgentTimer:
 
     def drain(self) -> tuple[int, dict[int, int], list[float]]:
         """The calls, the calls by rows and the timed calls' seconds since the last drain."""
-        drained = self.calls, self.by_rows, self.seconds
-        self.calls, self.by_rows, self.seconds = 0, {}, []
+        drained = self.calls, dict(self.by_rows), self.seconds
+        self.calls, self.seconds = 0, []
+        self.by_rows.clear()
         return drained
