@@ -36,7 +36,9 @@ __all__ = [
 ]
 
 SAMPLE_EVERY = 8
-"""The latency histograms' sampling: one call in this many is timed, and counts this many."""
+"""The latency histograms' sampling: one call in this many (more than 1) is timed, and counts this
+many: a timer's calls number 1, 2, ..., and those of number ``k`` with ``k % SAMPLE_EVERY == 1``
+are timed."""
 
 #: Upper bounds (seconds) of the latency histograms' buckets: 1, 2.5, 5 per decade, 10 us to 10 s.
 BOUNDS: tuple[float, ...] = (
@@ -155,7 +157,9 @@ class AgentTimer:
     and calls by rows), the first and then one in :data:`SAMPLE_EVERY` timed.
 
     A caller asks :meth:`due` before each agent call (which counts it) and, when it answers
-    ``True``, gives the call's seconds to :meth:`took`.
+    ``True``, gives the call's seconds to :meth:`took`. (A worker's own calls, one per step, are
+    counted and picked by the worker, ``Worker.agent_calls``: the same rule without a method
+    call; their timed seconds come to :meth:`took` too.)
     """
 
     def __init__(self) -> None:

@@ -356,6 +356,7 @@ class SamplerMetrics:
         self._steps_told: dict[int, int] = {}
         self._ends_told: dict[int, list[int]] = {}
         self._restarts_told: dict[int, int] = {}
+        self._calls_told: dict[int, int] = {}
         self._idle = 0.0
         self._last_end: float | None = None
         with hub.lock:
@@ -419,6 +420,12 @@ class SamplerMetrics:
         """
         s = self.state
         agent_calls, agent_rows, agent_seconds = self.timer.drain()
+        for w in workers:  # the workers' own agent calls (inference="per_worker")
+            calls = w.agent_calls - self._calls_told.get(w.worker_number, 0)
+            if calls:
+                self._calls_told[w.worker_number] = w.agent_calls
+                agent_calls += calls
+                agent_rows[w.n_envs] = agent_rows.get(w.n_envs, 0) + calls
         # the timed calls, a sample of one in SAMPLE_EVERY, stand for all of them
         env_seconds, agent_total = 0.0, SAMPLE_EVERY * float(sum(agent_seconds))
         newest = max(w.agent_version for w in workers)

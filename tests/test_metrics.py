@@ -89,8 +89,8 @@ def check_counts(
     timed_calls = value(registry, "agent_call_seconds_count")
     assert timed_calls > 0 and timed_calls % w == 0
     assert value(registry, "agent_call_seconds_sum") > 0
-    if not sampled:  # one timer: the first call and then one in w timed
-        assert 0 <= timed_calls - calls < w
+    if not sampled:  # a timer per worker (per_worker) or one (merged calls): its first call
+        assert 0 <= timed_calls - calls < w * 2  # and then one in w timed
     assert value(registry, "agent_call_rows_count") == calls
     assert value(registry, "agent_call_rows_sum") == steps
     assert value(registry, "policy_lag_count") == steps
