@@ -282,6 +282,20 @@ def test_one_sampling_rule() -> None:
     assert not timer.due(1)  # the rule goes on across folds
 
 
+def test_integer_tally_counts_as_observe() -> None:
+    # policy_lag's fold by tally puts every value in the bucket observe would, sum included
+    from asyncsample.metrics import _LAG_BOUNDS, _Hist
+
+    values = np.array([0, 0, 1, 2, 3, 4, 5, 8, 9, 16, 40, 64, 65, 100, 0], dtype=np.int64)
+    for vals in (values, np.array([1, 70_000], dtype=np.int64)):  # the second: no tally array
+        direct, tallied = _Hist(_LAG_BOUNDS), _Hist(_LAG_BOUNDS)
+        direct.observe(vals.astype(np.float64))
+        tallied.observe_counts(vals)
+        assert tallied.counts.tolist() == direct.counts.tolist()
+        assert tallied.sum == direct.sum == float(vals.sum())
+    assert direct.counts.sum() > 0
+
+
 # -- the bottleneck ---------------------------------------------------------------------------
 
 
