@@ -5,10 +5,10 @@ calls took to a *clock*, a float64 array beside its step buffers (shared memory 
 which :mod:`asyncsample.metrics` folds once per call. Off unless metrics are on.
 
 The latency histograms are **sampled**, by one rule (:data:`SAMPLE_EVERY`): each timer (an env
-host's steps, a lane host's env steps, a sampler's agent calls) times the first of its calls and
-then one in :data:`SAMPLE_EVERY`, and a timed call counts as :data:`SAMPLE_EVERY` calls in the
-bucket counts and the sum. The counts (env steps, episode ends, agent calls and their rows) are
-exact.
+host's steps, a lane host's env steps, a worker's agent calls, a sampler's merged agent calls, a
+host's chunks with ``inference="host"``) times the first of its calls and then one in
+:data:`SAMPLE_EVERY`, and a timed call counts as :data:`SAMPLE_EVERY` calls in the bucket counts
+and the sum. The counts (env steps, episode ends, agent calls and their rows) are exact.
 """
 
 from __future__ import annotations
