@@ -46,6 +46,7 @@ BOUNDS: tuple[float, ...] = (
     10.0,
 )
 _N = len(BOUNDS) + 1  # the last bucket is +Inf
+_BOUNDS_ARRAY = np.asarray(BOUNDS)
 
 ENV = 0
 """Offset of the env-step section: ``_N`` bucket counts (sampled, weighted), then the seconds'
@@ -67,8 +68,10 @@ _perf = time.perf_counter
 def record_seconds(clock: np.ndarray, seconds: list[float], weight: int = SAMPLE_EVERY) -> None:
     """Add env steps of ``seconds`` each, each counting ``weight`` steps (the timed ones of a
     lane host), to the env-step section of ``clock``."""
-    clock[ENV : ENV + _N] += weight * np.bincount(np.searchsorted(BOUNDS, seconds), minlength=_N)
-    clock[ENV + _N] += weight * sum(seconds)
+    values = np.asarray(seconds, dtype=np.float64)
+    where = np.searchsorted(_BOUNDS_ARRAY, values)
+    clock[ENV : ENV + _N] += weight * np.bincount(where, minlength=_N)
+    clock[ENV + _N] += weight * float(values.sum())
 
 
 def timed_group_step(
