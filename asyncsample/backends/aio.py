@@ -163,9 +163,11 @@ class LaneHost:
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
         # With metrics on: the seconds of the env steps timed since settle_clock (the first and
-        # then one in SAMPLE_EVERY), the steps started and finished (env_calls: the difference).
+        # then one in SAMPLE_EVERY), the steps until the next timed one, the steps running (small
+        # ints both: no int is made per step).
         self._durations: list[float] | None = None if self.buffers.clock is None else []
-        self._started = self._finished = 0
+        self._untimed = 1
+        self.env_calls = 0
         self.group = EnvGroup(
             spec.worker,
             self.buffers,
@@ -272,16 +274,20 @@ class LaneHost:
         durations = self._durations
         if deadline is None and self._plain:
             # The hot path (no limiter, no timeout): the env's coroutine, awaited (and timed) here.
+            start = 0.0
             if durations is not None:  # metrics on: counted, the first and one in 8 timed
-                started = self._started = self._started + 1
-                start = _perf() if started % SAMPLE_EVERY == 1 else 0.0
+                self.env_calls += 1
+                self._untimed -= 1
+                if not self._untimed:
+                    self._untimed = SAMPLE_EVERY
+                    start = _perf()
             try:
                 result = await self.envs[i].step(action)
             except (asyncio.CancelledError, Exception) as exc:
                 raise self._raised(i, "step", exc) from exc
             finally:
                 if durations is not None:
-                    self._finished += 1
+                    self.env_calls -= 1
                     if start:
                         durations.append(_perf() - start)
         else:
@@ -296,19 +302,18 @@ class LaneHost:
     async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
         """``step(action)`` counted in :attr:`env_calls` and, when sampled, timed into
         ``durations`` (run by :meth:`_await`: no limiter wait)."""
-        started = self._started = self._started + 1
-        start = _perf() if started % SAMPLE_EVERY == 1 else 0.0
+        self.env_calls += 1
+        start = 0.0
+        self._untimed -= 1
+        if not self._untimed:
+            self._untimed = SAMPLE_EVERY
+            start = _perf()
         try:
             return await step(action)
         finally:
-            self._finished += 1
+            self.env_calls -= 1
             if start:
                 durations.append(_perf() - start)
-
-    @property
-    def env_calls(self) -> int:
-        """The env steps running now (counted with metrics on)."""
-        return self._started - self._finished
 
     def settle_clock(self) -> None:
         """Add the env steps timed since the last call to the clock, each weighing
