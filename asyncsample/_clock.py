@@ -3,12 +3,19 @@
 With ``Sampler(metrics=...)`` every env host adds how long its env steps and its agent copy's
 calls took to a *clock*, a float64 array beside its step buffers (shared memory on ``process``),
 which :mod:`asyncsample.metrics` folds once per call. Off unless metrics are on.
+
+The latency histograms are **sampled**, by one rule (:data:`SAMPLE_EVERY`): each timer (an env
+host's steps, a lane host's env steps, a worker's agent calls, a sampler's merged agent calls, a
+host's chunks with ``inference="host"``) times the first of its calls and then one in
+:data:`SAMPLE_EVERY`, and a timed call counts as :data:`SAMPLE_EVERY` calls in the bucket counts
+and the sum. The counts (env steps, episode ends, agent calls and their rows) are exact.
 """
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -19,6 +26,8 @@ __all__ = [
     "CLOCK_SIZE",
     "ENDS",
     "ENV",
+    "SAMPLE_EVERY",
+    "STEPS",
     "AgentTimer",
     "HostTiming",
     "record_seconds",
@@ -26,51 +35,77 @@ __all__ = [
     "timed_group_step",
 ]
 
+SAMPLE_EVERY = 8
+"""The latency histograms' sampling: one call in this many (more than 1) is timed, and counts this
+many: a timer's calls number 1, 2, ..., and those of number ``k`` with ``k % SAMPLE_EVERY == 1``
+are timed."""
+
 #: Upper bounds (seconds) of the latency histograms' buckets: 1, 2.5, 5 per decade, 10 us to 10 s.
 BOUNDS: tuple[float, ...] = (
     *(float(f"{m}e{e}") for e in range(-5, 1) for m in (1, 2.5, 5)),
     10.0,
 )
 _N = len(BOUNDS) + 1  # the last bucket is +Inf
+_BOUNDS_ARRAY = np.asarray(BOUNDS)
 
 ENV = 0
-"""Offset of the env-step section: ``_N`` bucket counts (per env step), then the seconds' sum."""
+"""Offset of the env-step section: ``_N`` bucket counts (sampled, weighted), then the seconds'
+sum (of the same sample, weighted)."""
 AGENT = _N + 1
 """Offset of the host agent's section (``inference="host"``): bucket counts per timed call, the
 seconds' sum, then the exact count of calls."""
 ENDS = AGENT + _N + 2
 """Episodes the host saw end: terminated, then truncated (the vector faces count these)."""
-CLOCK_SIZE = ENDS + 2
+STEPS = ENDS + 2
+"""The env steps the host took, exact (the vector faces count these; with ``inference="host"``
+only the timed chunks', unread: the sampler counts its steps from its episodes)."""
+CLOCK_SIZE = STEPS + 1
+TRUNCATED = ENDS + 1
 
 _perf = time.perf_counter
 
 
-def record_seconds(clock: np.ndarray, seconds: list[float]) -> None:
-    """Add env steps of ``seconds`` each to the env-step section of ``clock`` (the lane hosts)."""
-    clock[ENV : ENV + _N] += np.bincount(np.searchsorted(BOUNDS, seconds), minlength=_N)
-    clock[ENV + _N] += sum(seconds)
+def record_seconds(clock: np.ndarray, seconds: list[float], weight: int = SAMPLE_EVERY) -> None:
+    """Add env steps of ``seconds`` each, each counting ``weight`` steps (the timed ones of a
+    lane host), to the env-step section of ``clock``."""
+    values = np.asarray(seconds, dtype=np.float64)
+    where = np.searchsorted(_BOUNDS_ARRAY, values)
+    clock[ENV : ENV + _N] += weight * np.bincount(where, minlength=_N)
+    clock[ENV + _N] += weight * float(values.sum())
 
 
-def timed_group_step(group: Any, step: Any, clock: np.ndarray, weight: int = 1) -> Any:
-    """``group.step`` that records its envs' time in ``clock``: each env step counts the call's
-    seconds divided by the envs it stepped, as ``weight`` steps (see :class:`HostTiming`)."""
+def timed_group_step(
+    group: Any, step: Any, clock: np.ndarray, every: int = SAMPLE_EVERY, weight: int = SAMPLE_EVERY
+) -> Any:
+    """``group.step`` that counts its env steps and episode ends in ``clock`` (exactly), and
+    times its first call and then one in ``every``: each env step of a timed call counts the
+    call's seconds divided by the envs it stepped, as ``weight`` steps (see :class:`HostTiming`).
+    """
     items: Any = clock.data  # item access through a memoryview: cheaper than numpy's
     section, total = ENV, ENV + _N
+    left = 1  # calls until the next timed one
 
     def timed(mask: np.ndarray, given: Any = None, everyone: bool | None = None) -> Any:
-        start = _perf()
-        infos = step(mask, given, everyone)
-        seconds = _perf() - start
-        n = group.last_stepped
-        if n:
-            items[section + bisect_left(BOUNDS, seconds / n)] += n * weight
-            items[total] += seconds * weight
+        nonlocal left
+        left -= 1
+        if left:
+            infos = step(mask, given, everyone)
+            n = group.last_stepped
+        else:
+            left = every
+            start = _perf()
+            infos = step(mask, given, everyone)
+            seconds = _perf() - start
+            n = group.last_stepped
+            if n:
+                items[section + bisect_left(BOUNDS, seconds / n)] += n * weight
+                items[total] += seconds * weight
+        items[STEPS] += n
         ended = group.last_ended
         if ended:
             terminated = group.buffers.terminated
-            ends = sum(1 for i in ended if terminated[i])
-            items[ENDS] += ends
-            items[ENDS + 1] += len(ended) - ends
+            for i in ended:
+                items[ENDS if terminated[i] else TRUNCATED] += 1
         return infos
 
     return timed
@@ -93,17 +128,18 @@ def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
 
 
 class HostTiming:
-    """``inference="host"`` with metrics: one chunk in :attr:`EVERY` is timed step by step (its
-    ``group.step`` and ``runner.agent_actions`` swapped), each timed step weighing :attr:`EVERY`
-    (timing every step would add ~10% to the chunk loop); agent calls are counted exactly."""
+    """``inference="host"`` with metrics: the first chunk and then one in :attr:`EVERY` are
+    timed step by step (their ``group.step`` and ``runner.agent_actions`` swapped), each timed
+    step weighing :attr:`EVERY` (timing every step would add ~10% to the chunk loop); agent
+    calls are counted exactly."""
 
-    EVERY = 8
+    EVERY = SAMPLE_EVERY
 
     def __init__(self, group: Any, runner: Any, clock: np.ndarray) -> None:
         self.group, self.runner = group, runner
         self.items = clock.data
         self.plain_step = type(group).step.__get__(group)
-        self.timed_step = timed_group_step(group, self.plain_step, clock, self.EVERY)
+        self.timed_step = timed_group_step(group, self.plain_step, clock, 1, self.EVERY)
         self.plain_actions = runner.agent_actions
         self.timed_actions = timed_agent(self.plain_actions, clock, self.EVERY)
         self.chunks = 0
@@ -120,17 +156,38 @@ class HostTiming:
 
 
 class AgentTimer:
-    """Agent calls made in the caller's process: their seconds and rows, folded once per call."""
+    """Agent calls made in the caller's process, folded once per call: counted exactly (calls,
+    and calls by rows), the first and then one in :data:`SAMPLE_EVERY` timed.
+
+    A caller asks :meth:`due` before each agent call (which counts it) and, when it answers
+    ``True``, gives the call's seconds to :meth:`took`. (A worker's own calls, one per step, are
+    counted and picked by the worker, ``Worker.agent_calls``: the same rule without a method
+    call; their timed seconds come to :meth:`took` too.)
+    """
 
     def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self.rows: list[int] = []
+        self.calls = 0
+        self.by_rows: defaultdict[int, int] = defaultdict(int)  # calls by their rows
+        self.seconds: list[float] = []  # of the timed calls
+        self._left = 1  # calls until the next timed one
 
-    def add(self, seconds: float, rows: int) -> None:
+    def due(self, rows: int) -> bool:
+        """Count an agent call of ``rows`` observations; whether to time it."""
+        self.calls += 1
+        self.by_rows[rows] += 1
+        self._left -= 1
+        if self._left:
+            return False
+        self._left = SAMPLE_EVERY
+        return True
+
+    def took(self, seconds: float) -> None:
+        """A call :meth:`due` picked took ``seconds``."""
         self.seconds.append(seconds)
-        self.rows.append(rows)
 
-    def drain(self) -> tuple[list[float], list[int]]:
-        seconds, rows = self.seconds, self.rows
-        self.seconds, self.rows = [], []
-        return seconds, rows
+    def drain(self) -> tuple[int, dict[int, int], list[float]]:
+        """The calls, the calls by rows and the timed calls' seconds since the last drain."""
+        drained = self.calls, dict(self.by_rows), self.seconds
+        self.calls, self.seconds = 0, []
+        self.by_rows.clear()
+        return drained

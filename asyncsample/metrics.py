@@ -1,9 +1,11 @@
 """Prometheus metrics of a sampler: what it did and where the time went (``metrics=``; the list
 is ``docs/metrics.md``; needs the ``metrics`` extra).
 
-The per-step path only counts in plain ints and arrays (:mod:`asyncsample._clock`);
-:class:`SamplerMetrics` folds them into its totals once per call, which a custom collector reads
-when the registry is scraped. Samplers sharing a registry add up per label set.
+The per-step path only counts in plain ints and arrays (:mod:`asyncsample._clock`), and times
+one call in ``SAMPLE_EVERY`` (the latency histograms are sampled, their counts weighted; the
+counters are exact); :class:`SamplerMetrics` folds them into its totals once per call, which a
+custom collector reads when the registry is scraped. Samplers sharing a registry add up per
+label set.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, AgentTimer
+from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, SAMPLE_EVERY, STEPS, AgentTimer
 
 if TYPE_CHECKING:
     from asyncsample.inference.batched import Batcher
@@ -45,6 +47,7 @@ _N = len(BOUNDS) + 1
 _ROWS_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
 _LENGTH_BOUNDS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 10000.0)
 _LAG_BOUNDS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+_TALLY_LIMIT = 1 << 16  # the largest value _Hist.observe_counts tallies in an array
 _Key = tuple[str, ...]  # label values
 _Table = dict[str, dict[_Key, float]]  # by metric name
 
@@ -122,13 +125,34 @@ class _Hist:
         self.counts = np.zeros(len(bounds) + 1, dtype=np.float64)
         self.sum = 0.0
 
-    def observe(self, values: Sequence[float] | np.ndarray) -> None:
+    def observe(self, values: Sequence[float] | np.ndarray, weight: int = 1) -> None:
+        """Count each of ``values`` ``weight`` times (a sample's, weighted)."""
         values = np.asarray(values, dtype=np.float64)
         if not len(values):
             return
         where = np.searchsorted(self.bounds, values, side="left")
-        self.counts += np.bincount(where, minlength=len(self.counts))
-        self.sum += float(values.sum())
+        self.counts += weight * np.bincount(where, minlength=len(self.counts))
+        self.sum += weight * float(values.sum())
+
+    def observe_counts(self, values: np.ndarray) -> None:
+        """Count each of ``values``, small non-negative integers (by their tally: cheaper than
+        :meth:`observe` for many repeated values)."""
+        if not len(values):
+            return
+        if int(values.max()) > _TALLY_LIMIT or int(values.min()) < 0:
+            self.observe(values)
+            return
+        tally = np.bincount(values)
+        seen = np.flatnonzero(tally)
+        times = tally[seen]
+        np.add.at(self.counts, np.searchsorted(self.bounds, seen, side="left"), times)
+        self.sum += float(np.dot(seen, times))
+
+    def tally(self, times_by_value: dict[int, int]) -> None:
+        """Count each value the number of times ``times_by_value`` gives it."""
+        for value, times in times_by_value.items():
+            self.counts[int(np.searchsorted(self.bounds, value, side="left"))] += times
+            self.sum += float(value * times)
 
     def add_counts(self, counts: np.ndarray, total: float) -> None:
         self.counts += counts
@@ -347,6 +371,7 @@ class SamplerMetrics:
         self._steps_told: dict[int, int] = {}
         self._ends_told: dict[int, list[int]] = {}
         self._restarts_told: dict[int, int] = {}
+        self._calls_told: dict[int, int] = {}
         self._idle = 0.0
         self._last_end: float | None = None
         with hub.lock:
@@ -409,8 +434,15 @@ class SamplerMetrics:
             seconds: the round's wall time.
         """
         s = self.state
-        agent_seconds, agent_rows = self.timer.drain()
-        env_seconds, agent_total = 0.0, float(sum(agent_seconds))
+        agent_calls, agent_rows, agent_seconds = self.timer.drain()
+        for w in workers:  # the workers' own agent calls (inference="per_worker")
+            calls = w.agent_calls - self._calls_told.get(w.worker_number, 0)
+            if calls:
+                self._calls_told[w.worker_number] = w.agent_calls
+                agent_calls += calls
+                agent_rows[w.n_envs] = agent_rows.get(w.n_envs, 0) + calls
+        # the timed calls, a sample of one in SAMPLE_EVERY, stand for all of them
+        env_seconds, agent_total = 0.0, SAMPLE_EVERY * float(sum(agent_seconds))
         newest = max(w.agent_version for w in workers)
         with self._hub.lock:
             hists = s.hists
@@ -442,11 +474,12 @@ class SamplerMetrics:
                     env_s, agent_s = self._fold_clock(n, clock, w.n_envs)
                     env_seconds += env_s
                     agent_total += agent_s
-            hists["agent_call_seconds"].observe(agent_seconds)
-            hists["agent_call_rows"].observe(agent_rows)
-            s.agent_calls += len(agent_seconds)
+            hists["agent_call_seconds"].observe(agent_seconds, SAMPLE_EVERY)
+            hists["agent_call_rows"].tally(agent_rows)
+            s.agent_calls += agent_calls
             if versions is not None and len(versions):
-                hists["policy_lag"].observe(newest - np.asarray(versions, dtype=np.float64))
+                lags = newest - np.asarray(versions, dtype=np.int64)
+                hists["policy_lag"].observe_counts(lags)
             s.in_flight = in_flight
             s.agent_version = newest
             self._judge(seconds, env_seconds, agent_total)
@@ -544,9 +577,8 @@ class FaceMetrics:
             if clock is None:
                 continue
             delta = _gained(self._seen, h, clock)
-            counts = delta[ENV : ENV + _N]
-            s.steps[s.slot(h)] += int(counts.sum())
-            s.hists["env_step_seconds"].add_counts(counts, float(delta[ENV + _N]))
+            s.steps[s.slot(h)] += int(delta[STEPS])
+            s.hists["env_step_seconds"].add_counts(delta[ENV : ENV + _N], float(delta[ENV + _N]))
             s.episodes[0] += int(delta[ENDS])
             s.episodes[1] += int(delta[ENDS + 1])
             if h < len(hosted.restarts):

@@ -16,7 +16,7 @@ import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._assembly import Plan, assemble
-from asyncsample._clock import AgentTimer
+from asyncsample._clock import SAMPLE_EVERY, AgentTimer
 from asyncsample._engine import (
     CallMode,
     Continuity,
@@ -107,6 +107,7 @@ class Worker:
         self.batcher: Batcher | None = None  # inference="batched", set by the sampler
         self.agent_timer: AgentTimer | None = None  # metrics on, set by the sampler
         self._arena: ObsArena | None = None  # where the host writes observations (process)
+        self.agent_calls = 0  # metrics on: compute_actions calls (the metrics read it)
 
     def __getstate__(self) -> None:
         raise ValueError(
@@ -263,10 +264,14 @@ class Worker:
         timer = self.agent_timer
         if timer is None:
             output = await self.compute_actions(observations)
-        else:  # metrics on: time the agent call
-            start = time.perf_counter()
-            output = await self.compute_actions(observations)
-            timer.add(time.perf_counter() - start, self.n_envs)
+        else:  # metrics on: counted; the first call and then one in SAMPLE_EVERY timed
+            self.agent_calls = calls = self.agent_calls + 1
+            if calls % SAMPLE_EVERY != 1:
+                output = await self.compute_actions(observations)
+            else:
+                start = time.perf_counter()
+                output = await self.compute_actions(observations)
+                timer.took(time.perf_counter() - start)
         actions, agent_infos = self._output_check.output(output)
         assert self.env_spec is not None
         actions = check_actions(

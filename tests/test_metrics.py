@@ -19,7 +19,7 @@ from helpers import SamplerFactory
 from prometheus_client import CollectorRegistry
 
 from asyncsample import EpisodeBatch, RandomAgent, Sampler, StepType, VectorEnv, WorkerError
-from asyncsample._clock import HostTiming
+from asyncsample._clock import SAMPLE_EVERY, AgentTimer, HostTiming
 from asyncsample.sb3 import AsyncSampleVecEnv
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,16 +57,23 @@ def env_for(backend: str) -> Any:
 
 
 def check_counts(
-    registry: CollectorRegistry, backend: str, batches: list[EpisodeBatch], sampled: bool = False
+    registry: CollectorRegistry,
+    backend: str,
+    batches: list[EpisodeBatch],
+    sampled: bool = False,
+    n_envs: int = 6,
 ) -> None:
-    """``sampled``: inference="host", whose hosts time one chunk in HostTiming.EVERY."""
+    """``sampled``: inference="host", whose hosts time one chunk in HostTiming.EVERY; ``n_envs``:
+    the sampler's envs."""
     steps = sum(b.n_transitions for b in batches)
     assert value(registry, "env_steps_total", backend=backend) == steps
     timed = value(registry, "env_step_seconds_count", backend=backend)
+    w = SAMPLE_EVERY  # a timed step counts w steps
+    assert timed > 0 and timed % w == 0
     if sampled:  # a sample of whole chunks, each timed step weighing EVERY
-        assert 0 < timed <= HostTiming.EVERY * steps and timed % HostTiming.EVERY == 0
-    else:  # the hosts measured every env step
-        assert timed == steps
+        assert timed <= HostTiming.EVERY * steps
+    else:  # each host timed its first step and then one in w: within one weight per env
+        assert 0 <= timed - steps < w * n_envs
     assert value(registry, "env_step_seconds_sum", backend=backend) > 0
     terminated = ends(batches, StepType.TERMINAL)
     truncated = ends(batches, StepType.TIMEOUT)
@@ -79,10 +86,11 @@ def check_counts(
     # every step's action is one row of one agent call
     calls = value(registry, "agent_calls_total")
     assert calls > 0
-    if sampled:
-        assert value(registry, "agent_call_seconds_count") > 0
-    else:
-        assert value(registry, "agent_call_seconds_count") == calls
+    timed_calls = value(registry, "agent_call_seconds_count")
+    assert timed_calls > 0 and timed_calls % w == 0
+    assert value(registry, "agent_call_seconds_sum") > 0
+    if not sampled:  # a timer per worker (per_worker) or one (merged calls): its first call
+        assert 0 <= timed_calls - calls < w * 2  # and then one in w timed
     assert value(registry, "agent_call_rows_count") == calls
     assert value(registry, "agent_call_rows_sum") == steps
     assert value(registry, "policy_lag_count") == steps
@@ -260,6 +268,34 @@ def test_core_imports_without_prometheus() -> None:
     assert out.stdout.strip() == "True"
 
 
+def test_one_sampling_rule() -> None:
+    # the first call and then one in SAMPLE_EVERY is timed; the calls and their rows are exact
+    timer = AgentTimer()
+    picked = [timer.due(3 if i % 2 else 5) for i in range(3 * SAMPLE_EVERY + 1)]
+    assert [i for i, p in enumerate(picked) if p] == [k * SAMPLE_EVERY for k in range(4)]
+    timer.took(0.5)
+    calls, by_rows, seconds = timer.drain()
+    assert calls == 3 * SAMPLE_EVERY + 1
+    assert by_rows == {5: 3 * SAMPLE_EVERY // 2 + 1, 3: 3 * SAMPLE_EVERY // 2}
+    assert seconds == [0.5]
+    assert timer.drain() == (0, {}, [])
+    assert not timer.due(1)  # the rule goes on across folds
+
+
+def test_integer_tally_counts_as_observe() -> None:
+    # policy_lag's fold by tally puts every value in the bucket observe would, sum included
+    from asyncsample.metrics import _LAG_BOUNDS, _Hist
+
+    values = np.array([0, 0, 1, 2, 3, 4, 5, 8, 9, 16, 40, 64, 65, 100, 0], dtype=np.int64)
+    for vals in (values, np.array([1, 70_000], dtype=np.int64)):  # the second: no tally array
+        direct, tallied = _Hist(_LAG_BOUNDS), _Hist(_LAG_BOUNDS)
+        direct.observe(vals.astype(np.float64))
+        tallied.observe_counts(vals)
+        assert tallied.counts.tolist() == direct.counts.tolist()
+        assert tallied.sum == direct.sum == float(vals.sum())
+    assert direct.counts.sum() > 0
+
+
 # -- the bottleneck ---------------------------------------------------------------------------
 
 
@@ -353,8 +389,14 @@ def test_vector_env_counts_match_the_steps(tmp_path: Path) -> None:
             # sub-envs of a restarted host end their episode truncated: the face's doing, not
             # an end the host saw
             truncated += int((trunc & ~info.get("_restarted", np.zeros(4, bool))).sum())
-        assert value(registry, "env_steps_total", backend="process") >= 4 * 100 - 4
-        assert value(registry, "env_step_seconds_count") == value(registry, "env_steps_total")
+        steps = value(registry, "env_steps_total", backend="process")
+        assert steps >= 4 * 100 - 4
+        # sampled: each host (two, and the restarted one) timed its first step of its 2 envs
+        # and then one in SAMPLE_EVERY, each timed env step weighing SAMPLE_EVERY
+        timed = value(registry, "env_step_seconds_count")
+        assert timed % SAMPLE_EVERY == 0
+        assert 0 <= timed - steps < SAMPLE_EVERY * 2 * 3
+        assert value(registry, "env_step_seconds_sum") > 0
         assert value(registry, "env_faults_total", kind="killed") == 1
         assert value(registry, "restarts_total") == 1
     finally:
@@ -376,6 +418,8 @@ def test_sb3_face_counts() -> None:
         assert dones > 0
         assert value(registry, "env_steps_total") == 800
         assert value(registry, "episodes_total") == dones
+        timed = value(registry, "env_step_seconds_count")  # 2 hosts of 2 envs, sampled
+        assert timed % SAMPLE_EVERY == 0 and 0 <= timed - 800 < SAMPLE_EVERY * 4
     finally:
         venv.close()
 

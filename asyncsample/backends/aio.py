@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import record_seconds
+from asyncsample._clock import SAMPLE_EVERY, record_seconds
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
@@ -228,8 +228,11 @@ class LaneHost(PerEnvLockstep):
         self.buffers = buffers or StepBuffers.allocate(
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
-        # With metrics on: the seconds of each env step since settle_clock, the steps running.
+        # With metrics on: the seconds of the env steps timed since settle_clock (the first and
+        # then one in SAMPLE_EVERY), the steps until the next timed one, the steps running (small
+        # ints both: no int is made per step).
         self._durations: list[float] | None = None if self.buffers.clock is None else []
+        self._untimed = 1
         self.env_calls = 0
         self.group = EnvGroup(
             spec.worker,
@@ -342,17 +345,22 @@ class LaneHost(PerEnvLockstep):
         durations = self._durations
         if deadline is None and self._plain:
             # The hot path (no limiter, no timeout): the env's coroutine, awaited (and timed) here.
-            if durations is not None:
+            start = 0.0
+            if durations is not None:  # metrics on: counted, the first and one in 8 timed
                 self.env_calls += 1
-                start = _perf()
+                self._untimed -= 1
+                if not self._untimed:
+                    self._untimed = SAMPLE_EVERY
+                    start = _perf()
             try:
                 result = await self.envs[i].step(action)
             except (asyncio.CancelledError, Exception) as exc:
                 raise self._raised(i, "step", exc) from exc
             finally:
                 if durations is not None:
-                    durations.append(_perf() - start)
                     self.env_calls -= 1
+                    if start:
+                        durations.append(_perf() - start)
         else:
             step = self.envs[i].step
             call = step(action) if durations is None else self._timed(step, action, durations)
@@ -363,17 +371,24 @@ class LaneHost(PerEnvLockstep):
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
     async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
-        """``step(action)`` timed into ``durations`` (run by :meth:`_await`: no limiter wait)."""
+        """``step(action)`` counted in :attr:`env_calls` and, when sampled, timed into
+        ``durations`` (run by :meth:`_await`: no limiter wait)."""
         self.env_calls += 1
-        start = _perf()
+        start = 0.0
+        self._untimed -= 1
+        if not self._untimed:
+            self._untimed = SAMPLE_EVERY
+            start = _perf()
         try:
             return await step(action)
         finally:
-            durations.append(_perf() - start)
             self.env_calls -= 1
+            if start:
+                durations.append(_perf() - start)
 
     def settle_clock(self) -> None:
-        """Add the env steps timed since the last call to the clock (before the metrics read it)."""
+        """Add the env steps timed since the last call to the clock, each weighing
+        ``SAMPLE_EVERY`` (before the metrics read it)."""
         if self._durations:
             record_seconds(self.buffers.clock, self._durations)  # type: ignore[arg-type]
             self._durations.clear()

@@ -274,7 +274,7 @@ class Batcher:
         stats.workers_per_call[len(workers)] += 1
         stats.rows += rows
         timer = self.timer
-        start = 0.0 if timer is None else time.perf_counter()
+        start = time.perf_counter() if timer is not None and timer.due(rows) else 0.0
         try:
             observations = _stack(requests)
             if self.options.threaded and not inspect.iscoroutinefunction(agent.get_actions):
@@ -288,8 +288,8 @@ class Batcher:
         except Exception as exc:
             self._fail(requests, exc)
             return
-        if timer is not None:
-            timer.add(time.perf_counter() - start, rows)
+        if start and timer is not None:  # a call the metrics' timer samples
+            timer.took(time.perf_counter() - start)
         self._deliver(agent, requests, result)
 
     def _call_in_thread(self, agent: Agent, observations: Tree) -> Any:
@@ -317,8 +317,8 @@ class Batcher:
     ) -> None:
         self._tasks.discard(task)
         self._busy = False
-        if self.timer is not None:
-            self.timer.add(time.perf_counter() - start, sum(r.rows for r in requests))
+        if start and self.timer is not None:  # a call the metrics' timer samples
+            self.timer.took(time.perf_counter() - start)
         if task.cancelled():
             # Not a CancelledError: the requesters would take it for their own cancellation.
             what = f"the agent's get_actions ({_rows_of(requests)}) was cancelled"
