@@ -256,3 +256,26 @@ async def test_spaces_read_from_the_probe_env() -> None:
     assert sampler.env_spec.action_space == gym.spaces.Discrete(2)
     assert sampler._core.lanes and sampler._core.hosted_lanes
     await sampler.aclose()
+
+
+async def test_metrics_of_async_envs_in_process_hosts(make_sampler: Any) -> None:
+    """Env steps are counted exactly; the hosts' step latencies (sampled one in 8, weighted)
+    reach the caller through the shared clock."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        "process", random_length(5, 10, 0.001), n_workers=2, envs_per_worker=4, metrics=registry
+    )
+    await sampler.obtain_exact_episodes(5)
+    steps = sum(
+        registry.get_sample_value(
+            "asyncsample_env_steps_total", {"backend": "process", "worker": w}
+        )
+        or 0.0
+        for w in ("0", "1")
+    )
+    timed = registry.get_sample_value("asyncsample_env_step_seconds_count", {"backend": "process"})
+    assert steps >= 2 * 5 * 5  # at least the batch's steps
+    assert timed is not None and timed % 8 == 0
+    assert 0 <= timed - steps < 8 * 8  # within one sampling weight per env
