@@ -107,6 +107,31 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     # face is in the slow pass, tests/test_sb3_vec_env.py): test_metrics.py's
     # test_vector_env_counts_match_the_steps counts the same steps and episodes.
     "test_metrics.py::test_sb3_face_counts": ({},),
+    # Bounded closes (issue 32) under uvloop: their asyncio variants stay.
+    "test_faults_close.py::test_process_kills_a_host_past_close_timeout": ({"loop": ("uvloop",)},),
+    "test_faults_close.py::test_local_aclose_is_bounded_by_close_timeout": ({"loop": ("uvloop",)},),
+    "test_faults_close.py::test_process_waits_close_timeout_for_an_env_to_close": (
+        {"loop": ("uvloop",)},
+    ),
+    # The lanes' fill-in rule under uvloop: its asyncio variants stay, for each lane and mode.
+    "test_lane_faults.py::test_a_fast_worker_does_not_fill_in_for_minimums_still_owed": (
+        {"loop": ("uvloop",)},
+    ),
+    # Faults of async envs in process hosts under uvloop: [uvloop-cancel] (the env's own
+    # CancelledError, where the loops differ most) and every [asyncio-*] stay.
+    "test_hosted_async_envs.py::test_a_fault_is_the_envs_own": (
+        {"loop": ("uvloop",), "kind": ("raise", "hang", "reward")},
+    ),
+    # The step arena's fallbacks with a batched agent: [per_worker] stays for both envs, and
+    # test_held_batches_are_never_overwritten[batched] and test_batched_agent_reads_the_arena
+    # keep batched on the arena in the default run.
+    "test_zero_copy.py::test_step_arena_small_or_none_gives_the_same_batches": (
+        {"inference": ("batched",)},
+    ),
+    # A loop-free round through step_async/step_wait: [step] stays (the same round).
+    "test_vector_env.py::test_quiet_lockstep_steps_run_no_event_loop": ({"call": ("step_async",)},),
+    # A hung reset cut by episode_timeout on the thread lane: [asyncio] stays (the same rule).
+    "test_lane_faults.py::test_episode_timeout_cuts_a_hung_reset": ({"lane": ("thread",)},),
 }
 
 

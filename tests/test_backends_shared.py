@@ -244,13 +244,13 @@ async def test_step_timeout_kill_is_logged(caplog: pytest.LogCaptureFixture) -> 
     caplog.set_level(logging.WARNING, logger="asyncsample")
     async with (
         leaves_nothing(),
-        hosts_on("process", [host_spec(1, env=NoisyEnv)], step_timeout=3.0) as (_, (host,)),
+        hosts_on("process", [host_spec(1, env=NoisyEnv)], step_timeout=1.5) as (_, (host,)),
     ):
         await host.build([[lambda: SlowHangEnv()]], [1])
         await host.reset(np.ones(1, bool))
         with pytest.raises(StepTimeoutError):
             await host.step(np.ones(1, bool))
-        killed = [m for m in _warnings(caplog) if "took longer than step_timeout=3s" in m]
+        killed = [m for m in _warnings(caplog) if "took longer than step_timeout=1.5s" in m]
         assert killed and "was killed" in killed[0] and "step of worker 0" in killed[0]
 
 
