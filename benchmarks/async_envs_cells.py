@@ -19,6 +19,8 @@ import dataclasses
 import functools
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -38,7 +40,11 @@ from benchmarks.latency_envs import (
     LatencyModel,
     _LatencyCore,
     make_env,
+    shared_count,
 )
+
+#: Where the env hosts' step counters live (memory, not disk), where there is such a place.
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 #: The peers that need one process per env stop at this many envs.
 MAX_PROCESS_ENVS = 64
@@ -423,7 +429,12 @@ async def run_ours(spec: CellSpec) -> CellResult:
     result.rss_before = tree_rss()
     t0 = time.perf_counter()
     thread = spec.contender == "ours-thread"
-    factory = functools.partial(make_env, thread, **spec.env_kwargs())
+    counted = _LatencyCore.count
+    counter_dir = None
+    if spec.contender in HOST_CONTENDERS:  # envs in other processes count in shared files
+        counter_dir = tempfile.mkdtemp(prefix="asyncsample-steps-", dir=_SHM)
+        counted = functools.partial(shared_count, counter_dir)
+    factory = functools.partial(make_env, thread, counter_dir=counter_dir, **spec.env_kwargs())
     agent = RandomAgent(spaces.Discrete(2), seed=spec.seed)
     backend, inference = HOST_CONTENDERS.get(
         spec.contender, ("thread" if thread else "asyncio", "batched")
@@ -442,7 +453,10 @@ async def run_ours(spec: CellSpec) -> CellResult:
         common["n_processes"] = min(spec.n_cores, spec.n_workers)
     try:
         sampler = Sampler(factory, agent, **common)
+        await sampler.start()  # built in this loop, a sampler reads its probe env as it starts
     except Exception as exc:
+        if counter_dir is not None:
+            shutil.rmtree(counter_dir, ignore_errors=True)
         if spec.contender in HOST_CONTENDERS:  # a configuration the sampler does not take yet
             message = str(exc).replace(repr(factory), "the async env factory")
             raise Refused(f"{type(exc).__name__}: {message}") from exc
@@ -456,7 +470,7 @@ async def run_ours(spec: CellSpec) -> CellResult:
             probe.start()
             for kind in spec.streams:
                 part = CellResult(idle_lag=result.idle_lag, rss_before=result.rss_before)
-                await _stream_phase(spec, part, sampler, chunk, probe, kind)
+                await _stream_phase(spec, part, sampler, chunk, probe, kind, counted)
                 result.streams[kind] = part.finish(spec)
                 if _better_stream(spec, part, result):
                     result.steps, result.seconds = part.steps, part.seconds
@@ -465,7 +479,7 @@ async def run_ours(spec: CellSpec) -> CellResult:
                     result.stream = kind
             if spec.fragment_calls:
                 part = CellResult(idle_lag=result.idle_lag, rss_before=result.rss_before)
-                await _stream_phase(spec, part, sampler, chunk, probe, "fragment-calls")
+                await _stream_phase(spec, part, sampler, chunk, probe, "fragment-calls", counted)
                 result.fragment_calls = part.finish(spec) | {"chunk": chunk}
             if _call_budget_ok(spec, result):
                 await _calls(spec, result, sampler.obtain_samples, result.calls, result.call_steps)
@@ -481,6 +495,8 @@ async def run_ours(spec: CellSpec) -> CellResult:
                 )
     finally:
         await probe.stop()
+        if counter_dir is not None:
+            shutil.rmtree(counter_dir, ignore_errors=True)
     return result
 
 
@@ -497,56 +513,41 @@ def _better_stream(spec: CellSpec, new: CellResult, old: CellResult) -> bool:
 
 
 async def _stream_phase(
-    spec: CellSpec, result: CellResult, sampler: Any, chunk: int, probe: LagProbe, kind: str
+    spec: CellSpec,
+    result: CellResult,
+    sampler: Any,
+    chunk: int,
+    probe: LagProbe,
+    kind: str,
+    count: Callable[[], int],
 ) -> None:
     """Sample in the background while :func:`_timed_phase` counts the env steps.
 
     ``kind``: a stream of complete ``"episodes"``, a stream of ``"fragments"``, or
     ``"fragment-calls"``: ``obtain_fragments(chunk)`` called again and again. Steps are counted
-    where they happen (:attr:`_LatencyCore.steps_taken`), not from the batches: a batch of
-    complete episodes arrives seconds apart, too coarse for a timed phase of a few seconds.
-    Envs in other processes (the env hosts) count in their own process, so there the steps are
-    the batches' transitions between the first and the last batch of the timed window.
+    where they happen (``count``: :attr:`_LatencyCore.steps_taken`, or for envs in the env hosts
+    the counters they keep in shared files), not from the batches: a batch of complete episodes
+    arrives seconds apart, too coarse for a timed phase of a few seconds.
     """
-    delivered: list[tuple[float, int]] = []
 
     async def consume() -> None:
         if kind == "fragment-calls":
             while True:
-                batch = await sampler.obtain_fragments(chunk)
-                delivered.append((time.perf_counter(), batch.n_transitions))
+                await sampler.obtain_fragments(chunk)
         stream = sampler.stream(
             chunk, fragments=kind == "fragments", fraction_samples=spec.fraction
         )
         async with contextlib.aclosing(stream) as batches:
-            async for batch in batches:
-                delivered.append((time.perf_counter(), batch.n_transitions))
+            async for _ in batches:
+                pass
 
     task = asyncio.get_running_loop().create_task(consume())
     try:
-        t0 = time.perf_counter() + spec.warmup_s
-        await _timed_phase(spec, result, _LatencyCore.count, probe)
-        if spec.contender in HOST_CONTENDERS:
-            _count_batches(result, delivered, t0, time.perf_counter())
+        await _timed_phase(spec, result, count, probe)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-def _count_batches(
-    result: CellResult, delivered: list[tuple[float, int]], t0: float, t1: float
-) -> None:
-    """Steps and seconds from the batches delivered in ``[t0, t1]``: the transitions of every
-    batch after the first, over the time from the first to the last (a rate, not a count of a
-    window cut through the middle of two batches)."""
-    window = [(t, n) for t, n in delivered if t0 <= t <= t1]
-    result.notes.append(f"steps counted from {len(window)} batches (envs in other processes)")
-    if len(window) < 2:
-        result.steps, result.seconds = 0, t1 - t0
-        return
-    result.steps = sum(n for _, n in window[1:])
-    result.seconds = window[-1][0] - window[0][0]
 
 
 async def _calls(

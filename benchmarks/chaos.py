@@ -17,8 +17,10 @@ Checked, per call and at the end:
   the 99th percentile;
 - after ``aclose()`` no task of the sampler's is left in the loop and every env built is closed.
 
-The ``process`` backend does not host async envs yet (a later round): the study runs on
-``asyncio`` only, and says so in its results.
+It runs on ``asyncio`` (the envs in the caller's loop) and on ``process`` (the envs in two env
+hosts' event loops). There the envs report through a :class:`FileCensus` (one log file per
+process) instead of counters in the caller, and the peak of env calls in flight is the sum of
+the hosts' own peaks (at least the true peak).
 
 Run: ``asyncsample bench chaos`` (writes ``benchmarks/results/chaos/results.json`` and ``.md``);
 ``--quick`` is the CI smoke run (256 episodes, two calls).
@@ -34,6 +36,7 @@ import logging
 import os
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,7 +58,7 @@ class Census:
         self.in_flight = 0
         self.peak = 0
         self.built = 0
-        self.closed = 0
+        self.n_closed = 0
         self.healthy_done: list[int] = []
         """Ids of the episodes an env finished with no fault in them (since the last read)."""
         self.faults = {"raise": 0, "hang_reset": 0, "dead_env_calls": 0}
@@ -67,6 +70,108 @@ class Census:
     def leave(self) -> None:
         self.in_flight -= 1
 
+    def fault(self, kind: str) -> None:
+        self.faults[kind] += 1
+
+    def healthy(self, episode: int) -> None:
+        self.healthy_done.append(episode)
+
+    def closed(self) -> None:
+        self.n_closed += 1
+
+    def read(self) -> dict[str, Any]:
+        """What the envs reported (as :meth:`FileCensus.read`)."""
+        return {
+            "built": self.built,
+            "closed": self.n_closed,
+            "peak": self.peak,
+            "faults": dict(self.faults),
+            "healthy": list(self.healthy_done),
+        }
+
+
+_LOCAL: dict[str, dict[str, int]] = {}
+"""Per census directory, this process's env calls in flight, their peak and envs built."""
+
+
+class FileCensus:
+    """What envs in other processes report, through a log file per process in ``directory``
+    (appends of a line: ``b`` built, ``c`` closed, ``h <id>`` a healthy episode finished,
+    ``r``/``H``/``d`` a fault, ``p <n>`` a new peak of this process's calls in flight). The env
+    that never answers is the first a host builds (a file created once)."""
+
+    def __init__(self, directory: Path, caller: int) -> None:
+        self.directory = str(directory)
+        self.caller = caller  # the probe env is built here: never the dead one
+
+    def _local(self) -> dict[str, int]:
+        return _LOCAL.setdefault(self.directory, {"in_flight": 0, "peak": 0, "built": 0})
+
+    def _log(self, line: str) -> None:
+        with open(os.path.join(self.directory, f"{os.getpid()}.log"), "a") as f:
+            f.write(line + "\n")
+
+    def new_env(self) -> tuple[int, bool]:
+        """A uid for a new env, and whether it is the one that never answers."""
+        local = self._local()
+        local["built"] += 1
+        self._log("b")
+        dead = False
+        if os.getpid() != self.caller:
+            try:
+                os.close(os.open(os.path.join(self.directory, "dead"), os.O_CREAT | os.O_EXCL))
+                dead = True
+            except FileExistsError:
+                pass
+        return os.getpid() * 100_000 + local["built"], dead
+
+    def enter(self) -> None:
+        local = self._local()
+        local["in_flight"] += 1
+        if local["in_flight"] > local["peak"]:
+            local["peak"] = local["in_flight"]
+            self._log(f"p {local['peak']}")
+
+    def leave(self) -> None:
+        self._local()["in_flight"] -= 1
+
+    def fault(self, kind: str) -> None:
+        self._log({"raise": "r", "hang_reset": "H", "dead_env_calls": "d"}[kind])
+
+    def healthy(self, episode: int) -> None:
+        self._log(f"h {episode}")
+
+    def closed(self) -> None:
+        self._log("c")
+
+    def read(self) -> dict[str, Any]:
+        """Everything logged so far: counts, healthy episode ids, the sum of the peaks."""
+        built = closed = peak = 0
+        faults = {"raise": 0, "hang_reset": 0, "dead_env_calls": 0}
+        healthy: list[int] = []
+        for log in Path(self.directory).glob("*.log"):
+            process_peak = 0
+            for line in log.read_text().splitlines():
+                kind, _, value = line.partition(" ")
+                if kind == "b":
+                    built += 1
+                elif kind == "c":
+                    closed += 1
+                elif kind == "h":
+                    healthy.append(int(value))
+                elif kind == "p":
+                    process_peak = max(process_peak, int(value))
+                else:
+                    faults[{"r": "raise", "H": "hang_reset", "d": "dead_env_calls"}[kind]] += 1
+            peak += process_peak
+        return {
+            "built": built,
+            "closed": closed,
+            "peak": peak,
+            "faults": faults,
+            "healthy": healthy,
+        }
+
 
 class ChaosEnv(AsyncEnv[np.ndarray, Any]):
     """An episode of 5 to 20 steps of random latency; it misbehaves as the run says."""
@@ -74,12 +179,15 @@ class ChaosEnv(AsyncEnv[np.ndarray, Any]):
     observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, census: Census, args: argparse.Namespace, dead: bool) -> None:
+    def __init__(self, census: Census | FileCensus, args: argparse.Namespace, dead: bool) -> None:
         self.census = census
         self.args = args
         self.dead = dead
-        self.uid = census.built
-        census.built += 1
+        if isinstance(census, FileCensus):
+            self.uid, self.dead = census.new_env()
+        else:
+            self.uid = census.built
+            census.built += 1
         self.rng = np.random.default_rng(args.seed * 1_000_003 + self.uid)
         self.resets = 0
         self.t = 0
@@ -100,10 +208,10 @@ class ChaosEnv(AsyncEnv[np.ndarray, Any]):
             self.episode = self.uid * 1_000_000 + self.resets
             self.faulty = False
             if self.dead:
-                census.faults["dead_env_calls"] += 1
+                census.fault("dead_env_calls")
                 await self._hang()
             if self.rng.random() < self.args.p_hang_reset:
-                census.faults["hang_reset"] += 1
+                census.fault("hang_reset")
                 await self._hang()
             await asyncio.sleep(float(self.rng.uniform(0, 2 * self.args.latency)))
             self.t = 0
@@ -117,23 +225,23 @@ class ChaosEnv(AsyncEnv[np.ndarray, Any]):
         census.enter()
         try:
             if self.dead:
-                census.faults["dead_env_calls"] += 1
+                census.fault("dead_env_calls")
                 await self._hang()
             await asyncio.sleep(float(self.rng.uniform(0, 2 * self.args.latency)))
             if self.rng.integers(self.args.raise_every) == 0:
-                census.faults["raise"] += 1
+                census.fault("raise")
                 self.faulty = True
                 raise RuntimeError("chaos: this step raises")
             self.t += 1
             done = self.t >= self.length
             if done and not self.faulty:
-                census.healthy_done.append(self.episode)
+                census.healthy(self.episode)
             return np.array([self.t, self.episode % 1000], np.float32), 1.0, done, False, {}
         finally:
             census.leave()
 
     async def close(self) -> None:
-        self.census.closed += 1
+        self.census.closed()
 
 
 async def lag_probe(samples: list[float], stop: asyncio.Event) -> None:
@@ -145,23 +253,32 @@ async def lag_probe(samples: list[float], stop: asyncio.Event) -> None:
         samples.append(loop.time() - start - LAG_PROBE_S)
 
 
-async def chaos(args: argparse.Namespace) -> dict[str, Any]:
-    """One run; the result dict of the checks and numbers."""
-    census = Census()
+async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str, Any]:
+    """One run on ``backend``; the result dict of the checks and numbers."""
     per_worker = args.episodes // args.workers
+    census: Census | FileCensus
+    tmp = None
+    if backend == "asyncio":
+        census = Census()
+    else:  # the envs live in the env hosts: they report through files
+        tmp = tempfile.TemporaryDirectory(prefix="asyncsample-chaos-")
+        census = FileCensus(Path(tmp.name), os.getpid())
     dead_slot = 0
 
     def factory() -> ChaosEnv:
-        # The probe is env 0; env 1 is worker 0's first env: it never answers.
-        return ChaosEnv(census, args, dead=census.built == 1 + dead_slot)
+        # In this process: the probe is env 0; env 1 is worker 0's first env: it never answers.
+        return ChaosEnv(
+            census, args, dead=isinstance(census, Census) and census.built == 1 + dead_slot
+        )
 
     before = asyncio.all_tasks()
     lags: list[float] = []
     stop = asyncio.Event()
     probe = asyncio.create_task(lag_probe(lags, stop))
+    options: dict[str, Any] = {"n_processes": 2} if backend == "process" else {}
     sampler = Sampler(
         factory,
-        backend="asyncio",
+        backend=backend,
         n_workers=args.workers,
         envs_per_worker=per_worker,
         max_concurrency=args.max_concurrency,
@@ -170,14 +287,16 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
         close_timeout=2.0,
         max_episode_length=100,  # the episodes end by 20 steps; this says they end at all
         seed=args.seed,
+        **options,
     )
     calls: list[dict[str, Any]] = []
     lost_total = 0
+    seen: set[int] = set()
     t0 = time.perf_counter()
     try:
         await sampler.start()
         for k in range(args.calls):
-            census.healthy_done.clear()
+            seen.update(census.read()["healthy"])  # finished before this call
             start = time.perf_counter()
             try:
                 async with asyncio.timeout(args.deadline):
@@ -186,10 +305,12 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
             except TimeoutError:
                 timed_out = True
             seconds = time.perf_counter() - start
+            healthy = [u for u in census.read()["healthy"] if u not in seen]
+            seen.update(healthy)
             lost = 0
             if not timed_out:
                 got = set(batch.episode_infos["uid"].tolist())
-                lost = len([u for u in census.healthy_done if u not in got])
+                lost = len([u for u in healthy if u not in got])
                 lost_total += lost
             calls.append(
                 {
@@ -201,7 +322,7 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
                     "deadline_cuts": 0
                     if timed_out
                     else int(batch.episode_infos.get("deadline", np.zeros(0, bool)).sum()),
-                    "healthy_finished": len(census.healthy_done),
+                    "healthy_finished": len(healthy),
                     "healthy_lost": lost,
                     "restarts": 0 if sampler.last_stats is None else sampler.last_stats.restarts,
                 }
@@ -213,6 +334,9 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
     total_s = time.perf_counter() - t0
     await asyncio.sleep(0)
     left = [t for t in asyncio.all_tasks() - before if t is not asyncio.current_task()]
+    final = census.read()
+    if tmp is not None:
+        tmp.cleanup()
     lag_ms = np.array(lags) * 1e3 if lags else np.zeros(1)
     p99 = float(np.percentile(lag_ms, 99))
     bound = args.deadline * 1.05
@@ -220,14 +344,13 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
         "calls_by_deadline": all(c["seconds"] <= bound for c in calls),
         "no_call_timed_out": not any(c["timed_out"] for c in calls),
         "no_healthy_episode_lost": lost_total == 0,
-        "max_concurrency_kept": census.peak <= args.max_concurrency,
+        "max_concurrency_kept": final["peak"] <= args.max_concurrency,
         "loop_lag_p99_under_20ms": p99 < 20.0,
-        "nothing_left_after_aclose": not left and census.closed == census.built,
+        "nothing_left_after_aclose": not left and final["closed"] == final["built"],
     }
     return {
         "study": "chaos",
-        "backend": "asyncio",
-        "not_run": "process: async envs in the env hosts do not exist yet",
+        "backend": backend,
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
@@ -238,25 +361,25 @@ async def chaos(args: argparse.Namespace) -> dict[str, Any]:
         "episodes_in_flight": per_worker * args.workers,
         "seconds": total_s,
         "calls": calls,
-        "faults": census.faults,
+        "faults": final["faults"],
         "restarts": sum(c["restarts"] for c in calls),
-        "peak_env_calls_in_flight": census.peak,
+        "peak_env_calls_in_flight": final["peak"],
         "loop_lag_ms": {
             "p50": float(np.percentile(lag_ms, 50)),
             "p99": p99,
             "max": float(lag_ms.max()),
         },
         "tasks_left": [repr(t) for t in left],
-        "envs_built": census.built,
-        "envs_closed": census.closed,
+        "envs_built": final["built"],
+        "envs_closed": final["closed"],
         "healthy_episodes_lost": lost_total,
         "checks": ok,
         "ok": all(ok.values()),
     }
 
 
-def table(result: dict[str, Any]) -> str:
-    """The results page's table."""
+def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """One run's column of the results page's table."""
     a = result["args"]
     calls = result["calls"]
     secs = [c["seconds"] for c in calls]
@@ -267,8 +390,8 @@ def table(result: dict[str, Any]) -> str:
     def mark(name: str) -> str:
         return "yes" if checks[name] else "**NO**"
 
-    rows = [
-        ("episodes in flight (asyncio)", f"{result['episodes_in_flight']:,}"),
+    return [
+        ("episodes in flight", f"{result['episodes_in_flight']:,}"),
         ("calls", f"{len(calls)} x obtain_samples({a['quota']:,}), deadline {a['deadline']:g} s"),
         (
             "call seconds (median, max)",
@@ -279,7 +402,8 @@ def table(result: dict[str, Any]) -> str:
         (
             "faults",
             f"{f['raise']} steps raised (1 in {a['raise_every']}), {f['hang_reset']} resets "
-            f"hung ({a['p_hang_reset']:.0%}), 1 env never answered ({f['dead_env_calls']} calls)",
+            f"hung ({a['p_hang_reset']:.0%}), {f['dead_env_calls']} calls of the env that never "
+            "answers",
         ),
         ("env rebuilds", str(result["restarts"])),
         (
@@ -307,10 +431,20 @@ def table(result: dict[str, Any]) -> str:
             "envs not closed",
         ),
     ]
-    lines = ["| chaos | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows)]
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """The results page's table: a column per backend."""
+    columns = [rows(r) for r in results]
+    head = "| chaos | " + " | ".join(f"`{r['backend']}`" for r in results) + " |"
+    lines = [head, "|---" * (len(results) + 1) + "|"]
+    for k, (label, _) in enumerate(columns[0]):
+        lines.append(f"| {label} | " + " | ".join(col[k][1] for col in columns) + " |")
+    verdict = "passed" if all(r["ok"] for r in results) else "FAILED"
     lines += [
         "",
-        f"Not run: {result['not_run']}. All checks: {'passed' if result['ok'] else 'FAILED'}.",
+        "On `process` the envs live in two env hosts' event loops; the peak of env calls in "
+        "flight there is the sum of the hosts' peaks. All checks: " + verdict + ".",
     ]
     return "\n".join(lines)
 
@@ -334,6 +468,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-restarts", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument(
+        "--backends", nargs="+", choices=("asyncio", "process"), default=["asyncio", "process"]
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "chaos")
     args = parser.parse_args(argv)
     if args.quick:
@@ -344,25 +481,26 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point: 0 when every check passed."""
+    """Command line entry point: 0 when every check passed on every backend."""
     args = parse(argv)
     logging.getLogger("asyncsample").setLevel(logging.ERROR)  # a warning per env rebuild
+    run = asyncio.run
     if args.loop == "uvloop":
         try:
             import uvloop
 
-            result = uvloop.run(chaos(args))
+            run = uvloop.run
         except ImportError:
-            result = asyncio.run(chaos(args))
-    else:
-        result = asyncio.run(chaos(args))
+            pass
+    results = [run(chaos(args, backend)) for backend in args.backends]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    md = table(result)
+    summary = {"study": "chaos", "runs": results, "ok": all(r["ok"] for r in results)}
+    (out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
+    md = table(results)
     (out / "results.md").write_text(md + "\n")
     print(md)
-    return 0 if result["ok"] else 1
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

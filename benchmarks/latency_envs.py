@@ -9,6 +9,7 @@ Box(4,) observations, Discrete(2) actions, episodes of 100 steps (truncated by t
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ __all__ = [
     "LatencyModel",
     "SleepLatencyEnv",
     "make_env",
+    "shared_count",
 ]
 
 #: Default latency model and episode of the study (issue 23).
@@ -76,6 +78,27 @@ class LatencyModel:
 
 _COUNT_LOCK = threading.Lock()
 
+_SHARED: dict[str, np.ndarray] = {}
+"""Per counter directory, this process's shared step counter (see :func:`shared_count`)."""
+
+
+def _shared_counter(directory: str) -> np.ndarray:
+    """This process's step counter in ``directory``: one int64 in a file named by its pid, so
+    envs in other processes (env hosts, Ray actors) count where the caller can read them."""
+    counter = _SHARED.get(directory)
+    if counter is None:
+        path = os.path.join(directory, str(os.getpid()))
+        counter = _SHARED[directory] = np.memmap(path, dtype=np.int64, mode="w+", shape=(1,))
+    return counter
+
+
+def shared_count(directory: str) -> int:
+    """The steps counted in ``directory`` by every process's latency envs so far."""
+    total = 0
+    for name in os.listdir(directory):
+        total += int(np.fromfile(os.path.join(directory, name), dtype=np.int64, count=1)[0])
+    return total
+
 
 class _LatencyCore:
     """What both latency envs share: spaces, the latency stream and the episode.
@@ -97,9 +120,14 @@ class _LatencyCore:
         return _LatencyCore.steps_taken
 
     def __init__(
-        self, latency: LatencyModel | None = None, episode_length: int = EPISODE_LENGTH
+        self,
+        latency: LatencyModel | None = None,
+        episode_length: int = EPISODE_LENGTH,
+        counter_dir: str | None = None,
     ) -> None:
         latency = latency or LatencyModel()
+        # Envs in other processes also count their steps in a shared file (shared_count).
+        self._shared = None if counter_dir is None else _shared_counter(counter_dir)
         self.observation_space = spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
         self.action_space = spaces.Discrete(2)
         self.latency = latency
@@ -183,6 +211,8 @@ class AsyncLatencyEnv(_LatencyCore, AsyncEnv[np.ndarray, np.int64]):
         if wait > 0:
             await asyncio.sleep(wait)
         _LatencyCore.steps_taken += 1
+        if self._shared is not None:
+            self._shared[0] += 1
         return self._advance(action)
 
 
@@ -193,10 +223,14 @@ def make_env(
     tail_factor: float = TAIL_FACTOR,
     jitter: float = JITTER,
     episode_length: int = EPISODE_LENGTH,
+    counter_dir: str | None = None,
 ) -> SleepLatencyEnv | AsyncLatencyEnv:
-    """A :class:`SleepLatencyEnv` (``blocking``) or an :class:`AsyncLatencyEnv`.
+    """A :class:`SleepLatencyEnv` (``blocking``) or an :class:`AsyncLatencyEnv` (counting its
+    steps in ``counter_dir`` too, if given: :func:`shared_count`).
 
     Module level, so ``functools.partial(make_env, ...)`` pickles by reference for subprocesses.
     """
     cls = SleepLatencyEnv if blocking else AsyncLatencyEnv
-    return cls(LatencyModel(mean, tail_probability, tail_factor, jitter), episode_length)
+    return cls(
+        LatencyModel(mean, tail_probability, tail_factor, jitter), episode_length, counter_dir
+    )

@@ -164,9 +164,9 @@ def test_plan_has_the_big_level_for_the_contenders_that_hold_it() -> None:
 
 
 def test_host_cells_measure_async_envs_in_hosts(tmp_path: Path) -> None:
-    """Async envs on ``process`` (per_worker, batched) are measured; what the sampler does not
-    take yet (inference='host' with async envs, async envs on Ray) is recorded as refused, with
-    the sampler's own words and no numbers."""
+    """Async envs on ``process`` (per_worker, batched) and on Ray are measured, their steps
+    counted in the hosts; what the sampler does not take yet (inference='host' with async envs)
+    is recorded as refused, with the sampler's own words and no numbers."""
     code = ae.main(
         ["--quick", "--levels", "4", "--big", "--contenders", *ae.HOST_CONTENDERS,
          "torchrl-asyncio", "--latency-ms", "5", "--episode-length", "5", "--in-process",
@@ -178,16 +178,13 @@ def test_host_cells_measure_async_envs_in_hosts(tmp_path: Path) -> None:
     assert {r["spec"]["contender"] for r in host_runs} == set(ae.HOST_CONTENDERS)
     for run in host_runs:
         contender = run["spec"]["contender"]
-        if contender in ("ours-process-per_worker", "ours-process-batched"):
+        if contender != "ours-process-host":  # process per_worker/batched, Ray: measured
             assert run["status"] == "ok", run
-            assert run["steps_per_s"] > 0
+            assert run["steps_per_s"] > 0 and run["host_cpu_us_per_step"] > 0
             continue
         assert run["status"] == "refused", run
         assert "steps_per_s" not in run
-        if contender == "ours-process-host":
-            assert "inference='host' does not run async envs yet" in run["note"]
-        else:
-            assert "steps blocking gymnasium envs" in run["note"]
+        assert "inference='host' does not run async envs yet" in run["note"]
     (torchrl,) = [r for r in results["runs"] if r["spec"]["contender"] == "torchrl-asyncio"]
     assert torchrl["status"] == "unavailable"  # TorchRL 0.14.1: backend="asyncio" not built
     assert "NotImplementedError" in torchrl["note"] or "not importable" in torchrl["note"]
@@ -208,9 +205,9 @@ def test_ceiling_sums_loops_in_one_window() -> None:
     assert "2 processes" in out["notes"][0]
 
 
-def test_fragment_calls_and_batch_counting_in_process(tmp_path: Path) -> None:
-    """Ours' consecutive obtain_fragments calls are timed beside the streams; counting steps
-    from the batches (what the host cells do) agrees with counting them in the envs."""
+def test_fragment_calls_in_process_and_steps_counted_across_processes(tmp_path: Path) -> None:
+    """Ours' consecutive obtain_fragments calls are timed beside the streams; envs in other
+    processes count their steps in shared files the caller sums (what the host cells read)."""
     spec = ae.CellSpec(
         "ours-asyncio", 20, 2, 10, mean=0.005, episode_length=5, warmup_s=0.1, seconds=0.6,
         calls=0, chunk_s=0.05,
@@ -219,10 +216,13 @@ def test_fragment_calls_and_batch_counting_in_process(tmp_path: Path) -> None:
     calls = out["fragment_calls"]
     assert calls["steps_per_s"] > 0 and calls["ratio_to_ideal"] is not None
     assert calls["chunk"] == 200  # 0.05 s of the ideal 4,000 steps/s, at least N
-    delivered = [(0.0, 50), (0.5, 100), (1.0, 100), (3.0, 100)]
-    result = ae.CellResult()
-    ae.async_envs_cells._count_batches(result, delivered, 0.4, 2.0)
-    assert (result.steps, result.seconds) == (100, 0.5)  # the batch after the first, 0.5 s
+    from benchmarks.latency_envs import make_env, shared_count
+
+    env = make_env(False, mean=0.0, counter_dir=str(tmp_path))
+    asyncio.run(env.reset(seed=0))
+    for _ in range(3):
+        asyncio.run(env.step(0))
+    assert shared_count(str(tmp_path)) == 3
 
 
 def test_torchrl_pool_driver_on_the_threading_backend() -> None:

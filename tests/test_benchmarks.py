@@ -80,16 +80,21 @@ def test_study_smoke_run(name: str, tmp_path: Path) -> None:
 
 
 def test_chaos_smoke_run_passes_its_checks(tmp_path: Path) -> None:
-    """The chaos study's CI run: faults were injected and every check held."""
+    """The chaos study's CI run, on asyncio and on process: faults were injected and every
+    check held."""
     from benchmarks.chaos import main
 
     code = main(["--quick", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "results.json").read_text())
-    assert code == 0, result["checks"]
-    assert result["faults"]["raise"] >= 1 and result["faults"]["dead_env_calls"] >= 1
-    assert result["healthy_episodes_lost"] == 0
-    assert result["peak_env_calls_in_flight"] <= result["args"]["max_concurrency"]
-    assert not result["tasks_left"]
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0, [r["checks"] for r in summary["runs"]]
+    assert [r["backend"] for r in summary["runs"]] == ["asyncio", "process"]
+    for result in summary["runs"]:
+        assert result["faults"]["raise"] >= 1 and result["faults"]["dead_env_calls"] >= 1
+        assert result["healthy_episodes_lost"] == 0
+        assert sum(c["healthy_finished"] for c in result["calls"]) > 0
+        assert result["peak_env_calls_in_flight"] <= result["args"]["max_concurrency"]
+        assert result["envs_built"] == result["envs_closed"] > 0
+        assert not result["tasks_left"]
 
 
 def test_torchrl_collector_drives_the_policy(tmp_path: Path) -> None:
