@@ -495,7 +495,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = [run(chaos(args, backend)) for backend in args.backends]
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"study": "chaos", "runs": results, "ok": all(r["ok"] for r in results)}
+    summary = {
+        "study": "chaos",
+        "machine": results[0]["machine"],
+        "runs": results,
+        "ok": all(r["ok"] for r in results),
+    }
     (out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
     md = table(results)
     (out / "results.md").write_text(md + "\n")
