@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import json
 import logging
 import os
@@ -49,6 +50,9 @@ from asyncsample import AsyncEnv, Sampler
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAG_PROBE_S = 0.005
+#: How long a step reply may take to reach the caller: an episode that ended in a host this long
+#: before its worker stopped may still have been cut (its reply not yet read).
+CUT_MARGIN_S = 0.1
 
 
 class Census:
@@ -73,7 +77,7 @@ class Census:
     def fault(self, kind: str) -> None:
         self.faults[kind] += 1
 
-    def healthy(self, episode: int) -> None:
+    def healthy(self, episode: int, worker: int) -> None:
         self.healthy_done.append(episode)
 
     def closed(self) -> None:
@@ -87,6 +91,7 @@ class Census:
             "peak": self.peak,
             "faults": dict(self.faults),
             "healthy": list(self.healthy_done),
+            "finished": {},
         }
 
 
@@ -138,8 +143,8 @@ class FileCensus:
     def fault(self, kind: str) -> None:
         self._log({"raise": "r", "hang_reset": "H", "dead_env_calls": "d"}[kind])
 
-    def healthy(self, episode: int) -> None:
-        self._log(f"h {episode}")
+    def healthy(self, episode: int, worker: int) -> None:
+        self._log(f"h {episode} {worker} {time.time():.6f}")
 
     def closed(self) -> None:
         self._log("c")
@@ -149,6 +154,7 @@ class FileCensus:
         built = closed = peak = 0
         faults = {"raise": 0, "hang_reset": 0, "dead_env_calls": 0}
         healthy: list[int] = []
+        finished: dict[int, tuple[int, float]] = {}  # episode -> (worker, wall time)
         for log in Path(self.directory).glob("*.log"):
             process_peak = 0
             for line in log.read_text().splitlines():
@@ -158,7 +164,9 @@ class FileCensus:
                 elif kind == "c":
                     closed += 1
                 elif kind == "h":
-                    healthy.append(int(value))
+                    episode, worker, when = value.split()
+                    healthy.append(int(episode))
+                    finished[int(episode)] = (int(worker), float(when))
                 elif kind == "p":
                     process_peak = max(process_peak, int(value))
                 else:
@@ -170,6 +178,7 @@ class FileCensus:
             "peak": peak,
             "faults": faults,
             "healthy": healthy,
+            "finished": finished,
         }
 
 
@@ -179,10 +188,13 @@ class ChaosEnv(AsyncEnv[np.ndarray, Any]):
     observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
     action_space = gym.spaces.Discrete(2)
 
-    def __init__(self, census: Census | FileCensus, args: argparse.Namespace, dead: bool) -> None:
+    def __init__(
+        self, census: Census | FileCensus, args: argparse.Namespace, dead: bool, worker: int = -1
+    ) -> None:
         self.census = census
         self.args = args
         self.dead = dead
+        self.worker = worker  # (process: which worker's env, for the census)
         if isinstance(census, FileCensus):
             self.uid, self.dead = census.new_env()
         else:
@@ -235,7 +247,7 @@ class ChaosEnv(AsyncEnv[np.ndarray, Any]):
             self.t += 1
             done = self.t >= self.length
             if done and not self.faulty:
-                census.healthy(self.episode)
+                census.healthy(self.episode, self.worker)
             return np.array([self.t, self.episode % 1000], np.float32), 1.0, done, False, {}
         finally:
             census.leave()
@@ -265,11 +277,15 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
         census = FileCensus(Path(tmp.name), os.getpid())
     dead_slot = 0
 
-    def factory() -> ChaosEnv:
+    def factory(worker: int = -1) -> ChaosEnv:
         # In this process: the probe is env 0; env 1 is worker 0's first env: it never answers.
-        return ChaosEnv(
-            census, args, dead=isinstance(census, Census) and census.built == 1 + dead_slot
-        )
+        dead = isinstance(census, Census) and census.built == 1 + dead_slot
+        return ChaosEnv(census, args, dead=dead, worker=worker)
+
+    # On process each worker's envs know their worker (see the lost episodes below).
+    env: Any = factory
+    if backend == "process":
+        env = [functools.partial(factory, w) for w in range(args.workers)]
 
     before = asyncio.all_tasks()
     lags: list[float] = []
@@ -277,7 +293,7 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
     probe = asyncio.create_task(lag_probe(lags, stop))
     options: dict[str, Any] = {"n_processes": 2} if backend == "process" else {}
     sampler = Sampler(
-        factory,
+        env,
         backend=backend,
         n_workers=args.workers,
         envs_per_worker=per_worker,
@@ -305,12 +321,28 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
             except TimeoutError:
                 timed_out = True
             seconds = time.perf_counter() - start
-            healthy = [u for u in census.read()["healthy"] if u not in seen]
+            ended = time.time()
+            read = census.read()
+            healthy = [u for u in read["healthy"] if u not in seen]
             seen.update(healthy)
-            lost = 0
+            lost = cut = 0
             if not timed_out:
                 got = set(batch.episode_infos["uid"].tolist())
-                lost = len([u for u in healthy if u not in got])
+                missing = [u for u in healthy if u not in got]
+                if read["finished"] and sampler.last_stats is not None:
+                    # In a host, an episode can end after its worker met its share and cut the
+                    # step (the cancel travels to the host): the sampler gave up on it first.
+                    # A worker stopped when its wait before the call's end began.
+                    waits = sampler.last_stats.worker_wait_seconds
+                    stopped = [ended - wait - CUT_MARGIN_S for wait in waits]
+                    late = [
+                        u
+                        for u in missing
+                        if read["finished"][u][1] >= stopped[read["finished"][u][0]]
+                    ]
+                    cut = len(late)
+                    missing = [u for u in missing if u not in set(late)]
+                lost = len(missing)
                 lost_total += lost
             calls.append(
                 {
@@ -324,6 +356,7 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
                     else int(batch.episode_infos.get("deadline", np.zeros(0, bool)).sum()),
                     "healthy_finished": len(healthy),
                     "healthy_lost": lost,
+                    "healthy_cut_at_share": cut,
                     "restarts": 0 if sampler.last_stats is None else sampler.last_stats.restarts,
                 }
             )
@@ -413,6 +446,10 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "healthy episodes finished / lost",
             f"{sum(c['healthy_finished'] for c in calls):,} / {result['healthy_episodes_lost']}",
+        ),
+        (
+            "ended in a host as their worker stopped (cut, not lost)",
+            str(sum(c.get("healthy_cut_at_share", 0) for c in calls)),
         ),
         (
             "env calls in flight, peak",
