@@ -186,6 +186,7 @@ class LaneServer:
             for spec, buffers in zip(specs, buffers)
         ]
         self.by_worker = {spec.worker: k for k, spec in enumerate(specs)}
+        self.timed = [s for s in self.slots if s.buffers.clock is not None]  # metrics on
         self._send = send
         self.obs_in_reply = obs_in_reply
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
@@ -299,7 +300,7 @@ class LaneServer:
     def _flush(self) -> None:
         self.flushing = False
         out, self.out = self.out, []
-        for slot in self.slots:  # metrics on: the steps timed so far into the (shared) clock
+        for slot in self.timed:  # metrics on: the steps timed so far into the (shared) clock
             slot.settle_clock()
         if out:
             self._send(dumps(out))
