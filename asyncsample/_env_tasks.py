@@ -13,7 +13,7 @@ import collections
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -132,6 +132,15 @@ class QuotaWatch(QuotaView):
 
 
 @dataclass
+class _Lanes:
+    """One run's lanes: ``stepping``, the envs whose step is in flight (in a stream round);
+    ``detached``, those left running as their step's carrier when the round ended."""
+
+    stepping: set[int] = field(default_factory=set)
+    detached: set[int] = field(default_factory=set)
+
+
+@dataclass
 class LaneSettings:
     """What every lane of a sampler shares: ``max_restarts`` of one env in a call,
     ``restarted(worker, failure)`` at each rebuild, ``admission()``: the stream's, if any."""
@@ -215,8 +224,10 @@ class LaneStepper:
         stop = loop.create_future()
         if self.round is not None:
             self.round.join(stop)
+        lanes = _Lanes()
         tasks = [
-            asyncio.ensure_future(self._lane(i, rule, stop)) for i in range(self.worker.n_envs)
+            asyncio.ensure_future(self._lane(i, rule, stop, lanes))
+            for i in range(self.worker.n_envs)
         ]
         try:
             pending: set[asyncio.Future[Any]] = set(tasks)
@@ -237,22 +248,40 @@ class LaneStepper:
                         raise task.exception()  # type: ignore[misc]
                 if stop.done() and not cut:
                     # The share is in. A plain call's steps in flight would be dropped: cut
-                    # them; a stream round's are left running for the next round.
+                    # them; a stream round's are left running for the next round (the lane
+                    # that awaits one becomes its carrier: it returns the step's outcome).
                     cut = True
                     self.detaching = self.carry
-                    for task in pending:
-                        task.cancel()
+                    for i, task in enumerate(tasks):
+                        if task not in pending:
+                            continue
+                        if i in lanes.stepping:
+                            lanes.detached.add(i)
+                            self.host.in_flight[i] = task
+                            pending.discard(task)
+                        else:
+                            task.cancel()
         finally:
-            for task in tasks:
+            kept = [task for i, task in enumerate(tasks) if i not in lanes.detached]
+            for task in kept:
                 task.cancel()
-            await asyncio.wait(tasks)
+            if kept:
+                await asyncio.wait(kept)
             if not stop.done():
                 stop.cancel()
             self.detaching = False
         rule.took(steps)
 
-    async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None]) -> None:
-        """Env ``i``'s loop (its cursor, length and return in locals, written back where read)."""
+    async def _lane(
+        self, i: int, rule: StopRule, stop: asyncio.Future[None], lanes: _Lanes
+    ) -> Any:
+        """Env ``i``'s loop (its cursor, length and return in locals, written back where read).
+
+        In a stream round (``carry``) a lane whose step is in flight when the round ends is left
+        running as that step's carrier: it returns the step's outcome (or raises its error) for
+        the next round's lane of env ``i`` to record, and touches nothing else. No task or shield
+        per step: each would live as long as the step.
+        """
         worker = self.worker
         episodes = worker.episodes
         host = self.host
@@ -266,6 +295,7 @@ class LaneStepper:
         samples = rule.mode is CallMode.SAMPLES
         carry = self.carry
         in_flight = host.in_flight
+        carrying, detached = lanes.stepping, lanes.detached
         flat = isinstance(buffers.obs, np.ndarray) and isinstance(buffers.actions, np.ndarray)
         request = self.requests.request
         step = host.step_one
@@ -333,12 +363,22 @@ class LaneStepper:
                         rows.versions[t, i] = worker.agent_version
                         stepping = True
                         when = None if deadline == _NEVER else deadline
-                        if carry:  # a task of its own, which a round's end may leave running
-                            carried = in_flight[i] = loop.create_task(step(i, action, when))
-                            result = await asyncio.shield(carried)
+                        if carry:  # a round's end may leave this lane as the step's carrier
+                            cursor[i], lengths[i], returns[i] = t, length, ret
+                            if steps_left is not None:
+                                steps_left[i] = left
+                            carrying.add(i)
+                            try:
+                                result = await step(i, action, when)
+                            finally:
+                                carrying.discard(i)
+                            if i in detached:
+                                return result
                         else:
                             result = await step(i, action, when)
                 except DeadlinePassed:
+                    if i in detached:
+                        raise
                     in_flight.pop(i, None)
                     carried, stepping = None, False
                     cursor[i], lengths[i], returns[i] = t, length, ret
@@ -346,11 +386,11 @@ class LaneStepper:
                     length, ret = 0, 0.0
                     continue
                 except WorkerError as exc:
-                    if not exc.retry:
+                    if not exc.retry or i in detached:
                         raise
                     failure: WorkerError = exc
                 except asyncio.CancelledError as exc:
-                    if not cancelled_by_env():
+                    if not cancelled_by_env() or i in detached:
                         raise
                     failure = WorkerError(
                         f"env {i} of worker {w}: a call of its ended with the env's own "
@@ -411,6 +451,8 @@ class LaneStepper:
                     self._cut(i)
                     length, ret = 0, 0.0
         except asyncio.CancelledError:
+            if i in detached:
+                raise  # a carrier: the next round's lane (or the drop of it) sees the cancel
             if not (self.detaching and i in in_flight) and (stepping or not self.detaching):
                 # Cut off mid-step (its share is in, or the call was cancelled): the env may
                 # be mid-step, so it is reset before it is used again.
@@ -420,9 +462,11 @@ class LaneStepper:
                     task.cancel()
             raise
         finally:
-            cursor[i], lengths[i], returns[i] = t, length, ret
-            if steps_left is not None:
-                steps_left[i] = left
+            if i not in detached:  # a carrier's were written before its step
+                cursor[i], lengths[i], returns[i] = t, length, ret
+                if steps_left is not None:
+                    steps_left[i] = left
+        return None
 
     async def _start_episode(self, i: int, one: np.ndarray, more: Callable[[], bool]) -> bool:
         """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""

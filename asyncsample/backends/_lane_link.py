@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import cloudpickle
@@ -162,14 +162,14 @@ class RemoteLanes(PerEnvLockstep):
         )
         return info
 
-    async def step_one(
+    def step_one(
         self, i: int, action: Any, deadline: float | None = None
-    ) -> tuple[float, bool, bool, dict[str, Any]]:
-        """Step env ``i`` in the host; see :meth:`~asyncsample.backends.aio.LaneHost.step_one`."""
-        result: tuple[float, bool, bool, dict[str, Any]] = await self._lane(
-            LaneKind.STEP, i, action, self._left(deadline)
-        )
-        return result
+    ) -> Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any]]]:
+        """Step env ``i`` in the host; see :meth:`~asyncsample.backends.aio.LaneHost.step_one`.
+
+        The request's own coroutine, returned: no second coroutine per step (each one lives as
+        long as the step, and thousands in flight keep the cyclic collector busy)."""
+        return self._lane(LaneKind.STEP, i, action, self._left(deadline))
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again, in a new host if this one died (its other envs are rebuilt
