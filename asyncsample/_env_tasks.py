@@ -272,9 +272,7 @@ class LaneStepper:
             self.detaching = False
         rule.took(steps)
 
-    async def _lane(
-        self, i: int, rule: StopRule, stop: asyncio.Future[None], lanes: _Lanes
-    ) -> Any:
+    async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None], lanes: _Lanes) -> Any:
         """Env ``i``'s loop (its cursor, length and return in locals, written back where read).
 
         In a stream round (``carry``) a lane whose step is in flight when the round ends is left
