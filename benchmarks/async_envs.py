@@ -291,6 +291,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
         default=1000,
         help="episodes of the zero-latency cell (default 1000)",
     )
+    p.add_argument(
+        "--gc-threshold",
+        type=int,
+        nargs=3,
+        metavar=("GEN0", "GEN1", "GEN2"),
+        help="the cyclic collector's thresholds in every contender's processes (the ceiling's "
+        "loops, plain asyncio, ours' caller; default: Python's own, as users run it)",
+    )
     p.add_argument("--threads", type=int, default=256, help="ours-thread's max_concurrency")
     p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     p.add_argument(
@@ -343,6 +351,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Plan]:
         "fraction": args.fraction,
         "fragment_calls": not args.no_fragment_calls,
         "cores": args.cores,
+        "gc_threshold": list(args.gc_threshold or []),
     }
     if args.loop == "uvloop":
         try:

@@ -158,6 +158,9 @@ class CellSpec:
         cores: Processes of the ceiling and env hosts of ours' ``process``/``ray`` (0: every
             core, ``os.cpu_count()``).
         seed: Seed of the envs and agents.
+        gc_threshold: The cyclic collector's thresholds in the cell's process and the processes
+            it forks (the ceiling's loops), as ``gc.set_threshold`` takes them; empty: Python's
+            own. Ours' env hosts set their own (``_lane_serve.quiet_collector``) either way.
     """
 
     contender: str
@@ -182,6 +185,7 @@ class CellSpec:
     fragment_calls: bool = True
     cores: int = 0
     seed: int = 0
+    gc_threshold: list[int] = field(default_factory=list)
 
     def env_kwargs(self) -> dict[str, Any]:
         """Arguments of :func:`make_env` but ``blocking``."""

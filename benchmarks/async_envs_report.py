@@ -282,7 +282,13 @@ def markdown(results: dict[str, Any]) -> str:
         f"phase {cfg['seconds']:g} s after {cfg['warmup_s']:g} s of warm-up; {cfg['calls']} calls "
         f"of N x {cfg['episode_length']} steps for the call durations (p99 of few calls is "
         f"about their max); `episode_timeout` = {cfg['timeout_factor']:g}x the mean episode "
-        f"duration. Event loop: {cfg['loop']}."
+        f"duration. Event loop: {cfg['loop']}. Cyclic collector: "
+        + (
+            f"thresholds {tuple(cfg['gc_threshold'])} in every contender's processes"
+            if cfg.get("gc_threshold")
+            else "Python's defaults in the contenders' processes"
+        )
+        + " (ours' env hosts set their own)."
         + (
             f" Big level: {', '.join(f'{n:,}' for n in big)} episodes of "
             f"{plan.get('big_mean', 1.0) * 1e3:g} ms mean latency (same tail), ceiling, plain "

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import multiprocessing
 import time
@@ -271,5 +272,7 @@ def run_file(spec_path: str, out_path: str) -> int:
     """The child's entry point: run the :class:`CellSpec` in ``spec_path``, write the outcome."""
     warnings.simplefilter("ignore")
     spec = CellSpec(**json.loads(Path(spec_path).read_text()))
+    if spec.gc_threshold:
+        gc.set_threshold(*spec.gc_threshold)
     Path(out_path).write_text(json.dumps(outcome_of(spec)))
     return 0
