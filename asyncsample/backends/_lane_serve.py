@@ -7,13 +7,13 @@ whole-worker requests (build, update, call, set_attr, close) are frames of their
 from __future__ import annotations
 
 import asyncio
-import functools
+import collections
 import gc
 import pickle
 import socket
 import traceback
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncsample._tree import tree_map
@@ -210,13 +210,16 @@ class LaneServer:
         self.obs_in_reply = obs_in_reply
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
         self.flushing = False
-        self.tasks: dict[int, asyncio.Task[Any]] = {}  # lane requests running, by key
-        self.busy: dict[tuple[int, int], asyncio.Task[Any]] = {}  # the last one of each env
+        self.envs: dict[tuple[int, int], _EnvLane] = {}  # each env's queue of lane requests
+        self.keys: dict[int, tuple[int, int]] = {}  # the env of each request not yet answered
         self.calls: set[asyncio.Task[Any]] = set()
 
     async def shut(self) -> None:
         """Cancel what runs and close every env (each close bounded by ``close_timeout``)."""
-        for task in list(self.tasks.values()) + list(self.calls):
+        for lane in self.envs.values():
+            if lane.task is not None:
+                lane.task.cancel()
+        for task in list(self.calls):
             task.cancel()
         await asyncio.gather(*(s.shut() for s in self.slots), return_exceptions=True)
 
@@ -261,60 +264,74 @@ class LaneServer:
     def _lane(self, request: tuple[Any, ...]) -> None:
         kind, key = request[0], request[1]
         if kind == LaneKind.CANCEL:
-            task = self.tasks.pop(key, None)
-            if task is not None:
-                task.cancel()
+            env = self.keys.pop(key, None)
+            if env is not None:
+                self.envs[env].cancel(key)
             return
-        slot, i = request[2], request[3]
-        host = self.slots[slot]
-        call: Callable[[], Coroutine[Any, Any, Any]]
-        if kind == LaneKind.STEP:
-            deadline = self._deadline(request[5])
-            call = functools.partial(host.step_one, i, request[4], deadline)
-        elif kind == LaneKind.RESET:
-            seed = PENDING_SEED if request[4] == PENDING else request[4]
-            deadline = self._deadline(request[6])
-            call = functools.partial(host.reset_one, i, seed, request[5], deadline)
-        else:
-            call = functools.partial(host.rebuild_one, i, pickle.loads(request[4]), request[5])
-        env = (slot, i)
-        task = asyncio.ensure_future(self._run(key, call, self.busy.get(env), host, i))
-        self.tasks[key] = task
-        self.busy[env] = task
+        env = (request[2], request[3])
+        lane = self.envs.get(env)
+        if lane is None:
+            lane = self.envs[env] = _EnvLane()
+        self.keys[key] = env
+        lane.queue.append(request)
+        if lane.task is None:
+            lane.task = asyncio.ensure_future(self._serve_env(lane, self.slots[env[0]], env[1]))
+        elif lane.idle is not None:
+            lane.idle.set_result(None)
+            lane.idle = None
 
-    @staticmethod
-    def _deadline(left: float | None) -> float | None:
-        return None if left is None else asyncio.get_running_loop().time() + left
-
-    async def _run(
-        self,
-        key: int,
-        call: Callable[[], Coroutine[Any, Any, Any]],
-        before: asyncio.Task[Any] | None,
-        host: LaneHost,
-        i: int,
-    ) -> None:
-        try:
-            if before is not None and not before.done():  # one call of an env at a time
-                await asyncio.wait([before])
-            value = await call()
-            buffers = host.buffers
-            if self.obs_in_reply or isinstance(buffers.obs, list):
-                ended = isinstance(value, tuple) and (value[1] or value[2])
-                final = _row(buffers.final_obs, i) if ended else None
-                value = (value, _row(buffers.obs, i), final)
-            reply: tuple[int, int, Any] = (key, ST_OK, value)
-        except DeadlinePassed:
-            reply = (key, ST_DEADLINE, None)
-        except Exception as exc:
-            reply = (key, ST_FAIL, exc if round_trips(exc) else _portable(exc))
-        # (A cancel, the caller's or the closing host's, ends here: no reply. An env's own
-        # CancelledError came back as the WorkerError of LaneHost._raised.)
-        self.tasks.pop(key, None)
-        self.out.append(reply)
-        if not self.flushing:
-            self.flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+    async def _serve_env(self, lane: _EnvLane, host: LaneHost, i: int) -> None:
+        """Env ``i``'s requests, one at a time, in the order they came (a long-lived task per
+        env: no task per request, each of which would live as long as its call)."""
+        loop = asyncio.get_running_loop()
+        queue = lane.queue
+        while True:
+            if not queue:
+                lane.idle = loop.create_future()
+                await lane.idle
+                continue
+            request = queue.popleft()
+            kind, key = request[0], request[1]
+            lane.running = key
+            value: Any
+            try:
+                if kind == LaneKind.STEP:
+                    when = None if request[5] is None else loop.time() + request[5]
+                    value = await host.step_one(i, request[4], when)
+                elif kind == LaneKind.RESET:
+                    seed = PENDING_SEED if request[4] == PENDING else request[4]
+                    when = None if request[6] is None else loop.time() + request[6]
+                    value = await host.reset_one(i, seed, request[5], when)
+                else:
+                    await host.rebuild_one(i, pickle.loads(request[4]), request[5])
+                    value = None
+                buffers = host.buffers
+                if self.obs_in_reply or isinstance(buffers.obs, list):
+                    ended = isinstance(value, tuple) and (value[1] or value[2])
+                    final = _row(buffers.final_obs, i) if ended else None
+                    value = (value, _row(buffers.obs, i), final)
+                reply: tuple[int, int, Any] = (key, ST_OK, value)
+            except DeadlinePassed:
+                reply = (key, ST_DEADLINE, None)
+            except asyncio.CancelledError:
+                if lane.cancelled != key:
+                    raise  # the host closing
+                # The caller gave up on this call: no reply. (An env's own CancelledError came
+                # back as the WorkerError of LaneHost._raised.)
+                lane.cancelled = None
+                current = asyncio.current_task()
+                assert current is not None
+                current.uncancel()
+                continue
+            except Exception as exc:
+                reply = (key, ST_FAIL, exc if round_trips(exc) else _portable(exc))
+            finally:
+                lane.running = None
+            self.keys.pop(key, None)
+            self.out.append(reply)
+            if not self.flushing:
+                self.flushing = True
+                loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self.flushing = False
@@ -323,6 +340,30 @@ class LaneServer:
             slot.settle_clock()
         if out:
             self._send(dumps(out))
+
+
+@dataclass
+class _EnvLane:
+    """One env's lane requests in a host: those waiting (in order), the one running, the task
+    that serves them (started with the first), and the future it idles on."""
+
+    queue: collections.deque[tuple[Any, ...]] = field(default_factory=collections.deque)
+    task: asyncio.Task[None] | None = None
+    idle: asyncio.Future[None] | None = None
+    running: int | None = None
+    cancelled: int | None = None
+
+    def cancel(self, key: int) -> None:
+        """The caller gave up on request ``key``: dropped if waiting, cancelled if running."""
+        if self.running == key:
+            if self.cancelled != key and self.task is not None:
+                self.cancelled = key
+                self.task.cancel()
+            return
+        for k, request in enumerate(self.queue):
+            if request[1] == key:
+                del self.queue[k]
+                return
 
 
 def _row(tree: Any, i: int) -> Any:
