@@ -82,6 +82,7 @@ class _Actor(Incarnation):
         self.watchers: set[asyncio.Task[None]] = set()
         self.polling: dict[PendingCall, float] = {}
         self.lanes: LaneLink | None = None  # async envs: see start_lanes
+        self.batches = 0  # lane request batches sent (LaneActor.submit starts them in order)
 
     def start_lanes(self) -> None:
         """Async envs (a :class:`LaneActor`): lane requests go out in batches, one call per pass
@@ -92,7 +93,8 @@ class _Actor(Incarnation):
         task.add_done_callback(self.watchers.discard)
 
     def _send_lanes(self, body: bytes) -> None:
-        call = self.submit("submit", (body,), None, -1, "lane requests")
+        number, self.batches = self.batches, self.batches + 1
+        call = self.submit("submit", (number, body), None, -1, "lane requests")
         call.future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _take_replies(self) -> None:
@@ -100,7 +102,7 @@ class _Actor(Incarnation):
         assert lanes is not None
         while not self.dead:
             try:
-                batches = await self.submit("replies", (), None, -1, "lane replies").future
+                batches, _ = await self.submit("replies", (), None, -1, "lane replies").future
             except HostDied:
                 return  # _on_death failed the lanes' waiters
             except WorkerError as exc:  # the actor method raised: a bug of the host
