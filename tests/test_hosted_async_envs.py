@@ -282,3 +282,24 @@ async def test_metrics_of_async_envs_in_process_hosts(make_sampler: Any) -> None
     assert timed is not None and timed % 8 == 0
     assert 0 <= timed - steps < 8 * 8  # within one sampling weight per env
 
+
+async def test_metrics_of_async_envs_in_ray_hosts(make_sampler: Any, ray_cluster: Any) -> None:
+    """As on process: the actors' sampled step latencies reach the caller, with the replies."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        "ray", random_length(5, 10, 0.001), n_workers=2, envs_per_worker=4, metrics=registry
+    )
+    await sampler.obtain_exact_episodes(5)
+    steps = sum(
+        registry.get_sample_value("asyncsample_env_steps_total", {"backend": "ray", "worker": w})
+        or 0.0
+        for w in ("0", "1")
+    )
+    timed = registry.get_sample_value("asyncsample_env_step_seconds_count", {"backend": "ray"})
+    total = registry.get_sample_value("asyncsample_env_step_seconds_sum", {"backend": "ray"})
+    assert steps >= 2 * 5 * 5  # at least the batch's steps
+    assert timed is not None and timed % 8 == 0
+    assert 0 <= timed - steps < 8 * 8  # within one sampling weight per env
+    assert total is not None and total > 0

@@ -335,6 +335,7 @@ class LaneActor:
         self.server: Any = None
         self.ready_replies: list[bytes] = []
         self.waiting: Any = None  # the event a waiting replies() call waits on
+        self.timed: list[tuple[int, Any]] = []  # metrics on: (worker, its LaneHost) per slot
         self.next_batch = 0  # the number of the next batch of lane requests to start
         self.early: dict[int, bytes] = {}  # batches that came before one sent earlier
 
@@ -348,6 +349,11 @@ class LaneActor:
             self.server = LaneServer(
                 self.specs, [None] * len(self.specs), self.options, self._replied, True
             )
+            self.timed = [
+                (spec.worker, slot)
+                for spec, slot in zip(self.specs, self.server.slots)
+                if slot.buffers.clock is not None
+            ]
         return self.server
 
     def _replied(self, body: bytes) -> None:
@@ -373,14 +379,22 @@ class LaneActor:
             self.next_batch += 1
             server.handle(payload)
 
-    async def replies(self) -> tuple[list[bytes], None]:
-        """The batches of lane replies ready (waits for one)."""
+    async def replies(self) -> tuple[list[bytes], list[tuple[int, np.ndarray]] | None]:
+        """The batches of lane replies ready (waits for one), and with metrics on each timed
+        slot's clock, ``(worker, clock)`` (its sampled step timings travel with the replies:
+        the caller's copy of the clock is not shared memory as on ``process``)."""
         self._server()
         while not self.ready_replies:
             self.waiting.clear()
             await self.waiting.wait()
         out, self.ready_replies = self.ready_replies, []
-        return out, None
+        if not self.timed:
+            return out, None
+        clocks = []
+        for worker, slot in self.timed:
+            slot.settle_clock()
+            clocks.append((worker, slot.buffers.clock.copy()))
+        return out, clocks
 
     async def serve(self, worker: int, op: int, body: bytes) -> bytes:
         """A whole-worker request (build, update, call, set_attr, close); its reply's bytes."""
