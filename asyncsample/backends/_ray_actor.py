@@ -318,8 +318,14 @@ class LaneActor:
     :class:`RayBackend`, with a concurrency of a few calls: the env calls are tasks of the
     server's own, never Ray calls, so Ray's limit on an actor's calls cannot cap them).
 
-    Lane requests come in batches (:meth:`submit`, nothing awaited); the caller keeps one
-    :meth:`replies` call waiting, which returns the batches of replies ready since the last one.
+    Lane requests come in batches (:meth:`submit`, nothing awaited), numbered by the caller;
+    the caller keeps one :meth:`replies` call waiting, which returns the batches of replies ready
+    since the last one.
+
+    Ray runs an async actor's calls in no guaranteed order, and it does reorder ``submit`` calls
+    in practice; the server must see the batches in the order they were sent (a cancel before
+    the request it cancels would leave that request running: a step after the reset that
+    followed it). So a batch that comes early waits in :attr:`early` for those before it.
     """
 
     def __init__(self, slots_blob: bytes, options: Any, host_threads: int | None = None) -> None:
@@ -329,6 +335,9 @@ class LaneActor:
         self.server: Any = None
         self.ready_replies: list[bytes] = []
         self.waiting: Any = None  # the event a waiting replies() call waits on
+        self.timed: list[tuple[int, Any]] = []  # metrics on: (worker, its LaneHost) per slot
+        self.next_batch = 0  # the number of the next batch of lane requests to start
+        self.early: dict[int, bytes] = {}  # batches that came before one sent earlier
 
     def _server(self) -> Any:
         if self.server is None:  # on the actor's loop, at its first call
@@ -340,6 +349,11 @@ class LaneActor:
             self.server = LaneServer(
                 self.specs, [None] * len(self.specs), self.options, self._replied, True
             )
+            self.timed = [
+                (spec.worker, slot)
+                for spec, slot in zip(self.specs, self.server.slots)
+                if slot.buffers.clock is not None
+            ]
         return self.server
 
     def _replied(self, body: bytes) -> None:
@@ -354,18 +368,33 @@ class LaneActor:
         ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         return os.getpid(), ip
 
-    async def submit(self, payload: bytes) -> None:
-        """Start a batch of lane requests."""
-        self._server().handle(payload)
+    async def submit(self, number: int, payload: bytes) -> None:
+        """Start batch ``number`` of lane requests (0, 1, ... in the order the caller sent
+        them), after every batch sent before it."""
+        server = self._server()
+        early = self.early
+        early[number] = payload  # waits here if Ray ran this call before an earlier one
+        while self.next_batch in early:
+            payload = early.pop(self.next_batch)
+            self.next_batch += 1
+            server.handle(payload)
 
-    async def replies(self) -> list[bytes]:
-        """The batches of lane replies ready (waits for one)."""
+    async def replies(self) -> tuple[list[bytes], list[tuple[int, np.ndarray]] | None]:
+        """The batches of lane replies ready (waits for one), and with metrics on each timed
+        slot's clock, ``(worker, clock)`` (its sampled step timings travel with the replies:
+        the caller's copy of the clock is not shared memory as on ``process``)."""
         self._server()
         while not self.ready_replies:
             self.waiting.clear()
             await self.waiting.wait()
         out, self.ready_replies = self.ready_replies, []
-        return out
+        if not self.timed:
+            return out, None
+        clocks = []
+        for worker, slot in self.timed:
+            slot.settle_clock()
+            clocks.append((worker, slot.buffers.clock.copy()))
+        return out, clocks
 
     async def serve(self, worker: int, op: int, body: bytes) -> bytes:
         """A whole-worker request (build, update, call, set_attr, close); its reply's bytes."""

@@ -82,6 +82,10 @@ class _Actor(Incarnation):
         self.watchers: set[asyncio.Task[None]] = set()
         self.polling: dict[PendingCall, float] = {}
         self.lanes: LaneLink | None = None  # async envs: see start_lanes
+        self.batches = 0  # lane request batches sent (LaneActor.submit starts them in order)
+        # Metrics on, async envs: each worker's clock in the caller (the actor's copies come
+        # with its replies); shared by the member's incarnations.
+        self.clocks: dict[int, np.ndarray] = {}
 
     def start_lanes(self) -> None:
         """Async envs (a :class:`LaneActor`): lane requests go out in batches, one call per pass
@@ -92,7 +96,8 @@ class _Actor(Incarnation):
         task.add_done_callback(self.watchers.discard)
 
     def _send_lanes(self, body: bytes) -> None:
-        call = self.submit("submit", (body,), None, -1, "lane requests")
+        number, self.batches = self.batches, self.batches + 1
+        call = self.submit("submit", (number, body), None, -1, "lane requests")
         call.future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     async def _take_replies(self) -> None:
@@ -100,12 +105,17 @@ class _Actor(Incarnation):
         assert lanes is not None
         while not self.dead:
             try:
-                batches = await self.submit("replies", (), None, -1, "lane replies").future
+                batches, clocks = await self.submit("replies", (), None, -1, "lane replies").future
             except HostDied:
                 return  # _on_death failed the lanes' waiters
             except WorkerError as exc:  # the actor method raised: a bug of the host
                 self.die(str(exc), exc)
                 return
+            if clocks is not None:  # metrics on: the host's sampled step timings, so far
+                for worker, clock in clocks:
+                    mine = self.clocks.get(worker)
+                    if mine is not None:
+                        mine[:] = clock
             for body in batches:
                 lanes.replied(body)
 
@@ -243,6 +253,7 @@ class _Member(PoolMember[_Actor]):
     def __init__(self, spawner: RayBackend, index: int, specs: list[HostSpec]) -> None:
         super().__init__(index, specs)
         self.spawner = spawner
+        self.clocks: dict[int, np.ndarray] = {}  # async envs, metrics on: see _Actor.clocks
 
     async def _spawn(self) -> _Actor:
         spawner = self.spawner
@@ -265,6 +276,7 @@ class _Member(PoolMember[_Actor]):
             raise
         actor.where = f"pid {pid} on {ip}"
         if spawner.lanes is not None:
+            actor.clocks = self.clocks
             actor.start_lanes()
         return actor
 
@@ -399,6 +411,8 @@ class RayLaneHost(RemoteLanes, RayHost):
         # No per-call timer: the actor holds each env call to step_timeout itself.
         super().__init__(spec, member, None)
         self._lanes_init(member.workers.index(spec.worker), obs_in_reply=True)
+        if self.buffers.clock is not None:  # metrics on: the actor's clock lands here
+            member.clocks[spec.worker] = self.buffers.clock
 
 
 # A local Ray started by a RayBackend is shared meanwhile; the last backend to close shuts it.
