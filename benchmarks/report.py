@@ -675,12 +675,24 @@ def _real_markdown(results: dict[str, Any]) -> list[str]:
         "0.25; EnvPool: its Pong at the same settings, frames channel-first); "
         "`HalfCheetahPixels84-v5` and `HalfCheetahPixels256-v5` observe HalfCheetah-v5 through "
         "its `rgb_array` renders (`benchmarks.envs.make_pixels`: Mesa's EGL, one rasteriser "
-        "thread, where no GPU is present; EnvPool has no pixel MuJoCo).",
+        "thread, where no GPU is present; EnvPool has no pixel MuJoCo)." + _raw_calls(settings),
         "",
         *cell_tables(results, "real"),
     ]
     return lines + _targets_table(results["derived"].get("real", {}).get("targets", []),
                                   "Real envs: ratios against the goals")  # fmt: skip
+
+
+def _raw_calls(settings: Settings) -> str:
+    """What calls the raw-pixel rows of ``settings`` run instead of ``real_fragment_steps``."""
+    calls = {e: n for e, n in settings.raw_fragment_steps.items() if e in settings.real_envs}
+    if not calls:
+        return ""
+    return (
+        " asyncsample's calls there: "
+        + ", ".join(f"{n} steps per env ({env})" for env, n in calls.items())
+        + " (a render costs tens of ms: longer calls would make each run minutes long)."
+    )
 
 
 def _sweep_markdown(results: dict[str, Any]) -> list[str]:

@@ -150,9 +150,13 @@ class Settings:
         real_envs: Envs of the ``real`` group.
         real_n_envs: Env copies of the ``real`` group, by env.
         real_layouts: asyncsample worker counts of the ``real`` group (``n / workers`` envs
-            each, ``n_processes`` hosts), by inference mode and env family (atari, mujoco).
+            each, ``n_processes`` hosts), by inference mode and env family (atari, mujoco;
+            ``pixels``, where given, for the rendered MuJoCo envs instead of ``mujoco``).
         real_fragment_steps: Steps per env per call in the ``real`` group (CleanRL's PPO
             rollout: 128).
+        raw_fragment_steps: Steps per env per call of the raw-pixel envs named here, instead
+            of ``real_fragment_steps`` (a software render costs ~75 ms of CPU: calls of 128
+            steps of 8 envs would make each run minutes long).
         sweep_envs: Envs of the ``sweep`` group.
         sweep_n: Env counts of the ``sweep`` group.
         sweep_process_cap: Largest env count of AsyncVectorEnv (one process per env) per env.
@@ -194,8 +198,8 @@ class Settings:
             "HalfCheetah-v5": 6_000,
             "Humanoid-v5": 3_000,
             "PongRaw-v5": 4_000,
-            "HalfCheetahPixels84-v5": 300,  # software rendering: ~50 ms of CPU a step
-            "HalfCheetahPixels256-v5": 300,
+            "HalfCheetahPixels84-v5": 200,  # software rendering: ~75 ms of CPU a step
+            "HalfCheetahPixels256-v5": 200,
         }
     )
     ideal_factor: float = 1.0
@@ -236,12 +240,15 @@ class Settings:
     real_n_envs: dict[str, int] = field(default_factory=lambda: dict(REAL_N_ENVS))
     real_layouts: dict[str, dict[str, list[int]]] = field(
         default_factory=lambda: {
-            "per_worker": {"atari": [2, 4], "mujoco": [2, 4]},
-            "batched": {"atari": [2], "mujoco": [4]},
-            "host": {"atari": [2, 4, 8], "mujoco": [2, 4]},
+            "per_worker": {"atari": [2, 4], "mujoco": [2, 4], "pixels": [2]},
+            "batched": {"atari": [2], "mujoco": [4], "pixels": [4]},
+            "host": {"atari": [2, 4, 8], "mujoco": [2, 4], "pixels": [2]},
         }
     )
     real_fragment_steps: int = 128
+    raw_fragment_steps: dict[str, int] = field(
+        default_factory=lambda: {"HalfCheetahPixels84-v5": 6, "HalfCheetahPixels256-v5": 6}
+    )
     sweep_envs: list[str] = field(default_factory=lambda: ["CartPole-v1", "Pong-v5"])
     sweep_n: list[int] = field(default_factory=lambda: [8, 32, 128, 512])
     sweep_process_cap: dict[str, int] = field(
@@ -309,9 +316,10 @@ class Settings:
 
     def n_transitions(self, env: str, n_envs: int, policy: str = "", steps: int = 0) -> int:
         """Timed transitions of a run: the env's budget, and at least 4 asyncsample calls
-        (of ``steps`` per env, default ``fragment_steps``)."""
+        (of ``steps`` per env, default the env's ``raw_fragment_steps`` or ``fragment_steps``)."""
         budget = (self.policy_transitions if policy else self.transitions).get(env, 10_000)
-        return max(budget, 4 * n_envs * (steps or self.fragment_steps))
+        steps = steps or self.raw_fragment_steps.get(env, 0) or self.fragment_steps
+        return max(budget, 4 * n_envs * steps)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able settings."""
@@ -494,20 +502,28 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
     return groups
 
 
+def _layout_family(env: str, by_family: dict[str, list[int]]) -> str:
+    """The key of ``env``'s layouts in one mode's ``real_layouts``: ``pixels`` for a rendered
+    MuJoCo env where the mode has that key, else the env's family."""
+    if env in RAW_ENVS and family(env) == "mujoco" and "pixels" in by_family:
+        return "pixels"
+    return family(env)
+
+
 def _plan_real(configs: list[Config], chosen: list[str], s: Settings) -> None:
     """The ``real`` group: every real env with a random agent, then with its policy."""
     for env in s.real_envs:
         n = s.real_n_envs.get(env, s.n_envs)
+        steps = s.raw_fragment_steps.get(env, s.real_fragment_steps)
         for policy in ("",) if env in RAW_ENVS else ("", REAL_ENVS[env]):
             for c in chosen:
                 if c in ("sync", "async", "sb3", "envpool", "envpool-async"):
                     configs.append(Config(c, env, n, policy=policy))
                 elif c == "asyncsample":
                     for inference, by_family in s.real_layouts.items():
-                        for w in by_family.get(family(env), []):
+                        for w in by_family.get(_layout_family(env, by_family), []):
                             configs.append(_ours(c, env, n, w, s.n_processes, policy=policy,
-                                                 inference=inference,
-                                                 steps=s.real_fragment_steps))  # fmt: skip
+                                                 inference=inference, steps=steps))  # fmt: skip
 
 
 def _plan_sweep(configs: list[Config], chosen: list[str], s: Settings) -> None:
