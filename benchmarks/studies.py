@@ -383,6 +383,8 @@ def estimate_seconds(settings: Any) -> tuple[int, float]:
                    GUESS_RATE.get(suite.family(cfg.env), 20_000.0))  # fmt: skip
         if cfg.fraction:  # a 2 ms straggler among 200 us envs
             rate = 4_000.0
+        if "Pixels" in cfg.env:  # a software render per step: tens of steps/s
+            rate = 25.0
         timed = max(settings.min_seconds, n / rate)
         start = STARTUP_S.get(cfg.contender, 2.0) + (1.5 if cfg.policy else 0.0)
         if cfg.contender == "async":

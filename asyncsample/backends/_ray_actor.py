@@ -343,8 +343,9 @@ class LaneActor:
         if self.server is None:  # on the actor's loop, at its first call
             import asyncio
 
-            from asyncsample.backends._lane_serve import LaneServer
+            from asyncsample.backends._lane_serve import LaneServer, quiet_collector
 
+            quiet_collector()  # the actor's process is ours: as in a process host
             self.waiting = asyncio.Event()
             self.server = LaneServer(
                 self.specs, [None] * len(self.specs), self.options, self._replied, True
