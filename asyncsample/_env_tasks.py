@@ -36,6 +36,16 @@ logger = logging.getLogger("asyncsample")
 _NEVER = np.inf
 """The deadline of an episode without one."""
 
+# Until when a lane steps: its stream round is done, its call needs no more episodes, its env
+# has no fragment steps left, or the stop rule says so (asked per env).
+_UNTIL_ROUND, _UNTIL_NEED, _UNTIL_LEFT, _UNTIL_RULE = range(4)
+
+
+def _row_copy(i: int, leaf: np.ndarray) -> np.ndarray:
+    """Row ``i`` of a buffer's leaf, copied."""
+    row: np.ndarray = leaf[i].copy()
+    return row
+
 
 class Admission:
     """Staleness at admission (``stream(max_policy_lag=k)`` on the lanes): an env starts an
@@ -295,8 +305,6 @@ class LaneStepper:
         in_flight = host.in_flight
         carrying, detached = lanes.stepping, lanes.detached
         flat = isinstance(buffers.obs, np.ndarray) and isinstance(buffers.actions, np.ndarray)
-        request = self.requests.request
-        step = host.step_one
         w = worker.worker_number
         needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
         deadlines = self.deadlines
@@ -305,17 +313,19 @@ class LaneStepper:
         live_cursor = steps_left is not None and self.quota is not None
         lane_round = self.round
         may_stop = None
-        report = self._report
         if self.quota is not None:
             may_stop = functools.partial(self._may_stop, steps_left is not None)
+        # Until when the lane steps (no closures: a lane lives as long as its call, and their
+        # cells and functions would be objects more, per env, for the cyclic collector).
         if lane_round is not None:  # within a stream round: until the round is done
-            more: Callable[[], bool] = lambda: not lane_round.done  # noqa: E731
+            until = _UNTIL_ROUND
         elif samples and may_stop is None:
-            more = lambda: rule.need > 0  # noqa: E731
+            until = _UNTIL_NEED
         elif steps_left is not None and may_stop is None:
-            more = lambda: left > 0  # noqa: E731
+            until = _UNTIL_LEFT
         else:
-            more = functools.partial(rule.env_more, i, episodes.active, may_stop)
+            until = _UNTIL_RULE
+        more = self._more
         # Fragments: the env's steps left live in a local too (written back where the quota
         # reads them, and at the exit).
         left = 0 if steps_left is None else int(steps_left[i])
@@ -326,7 +336,7 @@ class LaneStepper:
         carried = in_flight.get(i)
         stepping = False
         try:
-            while carried is not None or more():
+            while carried is not None or more(until, i, rule, left, may_stop):
                 try:
                     if carried is not None:
                         stepping = True
@@ -334,7 +344,8 @@ class LaneStepper:
                     else:
                         if needs_reset[i]:
                             length, ret = 0, 0.0  # a reset cut by its deadline leaves none
-                            started = await self._start_episode(i, one, more)
+                            still = functools.partial(more, until, i, rule, left, may_stop)
+                            started = await self._start_episode(i, one, still)
                             length, ret, deadline = 0, 0.0, float(deadlines[i])
                             if not started:
                                 break
@@ -345,9 +356,9 @@ class LaneStepper:
                             row[i] = buffers.obs[i]
                             observation = row[i]
                         else:
-                            observation = tree_map(lambda x: x[i].copy(), buffers.obs)
+                            observation = tree_map(functools.partial(_row_copy, i), buffers.obs)
                             put_row(rows.obs, (t, i), observation)
-                        action, infos = await request(
+                        action, infos = await self.requests.request(
                             worker.agent,  # type: ignore[arg-type]
                             w,
                             observation,
@@ -367,13 +378,13 @@ class LaneStepper:
                                 steps_left[i] = left
                             carrying.add(i)
                             try:
-                                result = await step(i, action, when)
+                                result = await host.step_one(i, action, when)
                             finally:
                                 carrying.discard(i)
                             if i in detached:
                                 return result
                         else:
-                            result = await step(i, action, when)
+                            result = await host.step_one(i, action, when)
                 except DeadlinePassed:
                     if i in detached:
                         raise
@@ -411,7 +422,7 @@ class LaneStepper:
                         left += recorded
                         steps_left[i] = left
                     if may_stop is not None:  # the worker's count went down
-                        report(steps_left is not None)
+                        self._report(steps_left is not None)
                     length, ret = 0, 0.0
                     await self._rebuild(i, failure)
                     continue
@@ -434,7 +445,7 @@ class LaneStepper:
                     if live_cursor:
                         steps_left[i] = left
                         cursor[i] = t
-                        report(True)
+                        self._report(True)
                 if terminated or truncated:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._end(i, t - 1)
@@ -465,6 +476,18 @@ class LaneStepper:
                 if steps_left is not None:
                     steps_left[i] = left
         return None
+
+    def _more(
+        self, until: int, i: int, rule: StopRule, left: int, may_stop: Callable[[], bool] | None
+    ) -> bool:
+        """Whether env ``i``'s lane takes another step (``until``: which rule applies)."""
+        if until == _UNTIL_ROUND:
+            return not self.round.done  # type: ignore[union-attr]
+        if until == _UNTIL_NEED:
+            return rule.need > 0
+        if until == _UNTIL_LEFT:
+            return left > 0
+        return rule.env_more(i, self.worker.episodes.active, may_stop)
 
     async def _start_episode(self, i: int, one: np.ndarray, more: Callable[[], bool]) -> bool:
         """Reset env ``i`` for a new episode (once admitted); false: the call needs no more."""
