@@ -339,7 +339,7 @@ class Episodes:
         self.clock: Callable[[], float] = time.monotonic  # the loop's, on the lanes
         self.ends = [0, 0, 0]  # episodes ended so far: terminated, truncated, cut at a deadline
         self.dropped_steps = 0  # steps of episodes abandoned unfinished so far
-        self.started_at: np.ndarray | None = None  # metrics on: per env, when its episode began
+        self.started_at: list[float] | None = None  # metrics on: per env, when its episode began
         self.durations: list[float] = []  # seconds of the episodes ended since the metrics read
 
     # -- a call ---------------------------------------------------------------------------------
@@ -434,14 +434,18 @@ class Episodes:
     def started(self, mask: np.ndarray, infos: Mapping[int, dict[str, Any]]) -> None:
         """The envs in ``mask`` were reset, with reset ``infos`` by env."""
         self.needs_reset &= ~mask
-        if self.started_at is not None:  # metrics on
-            self.dropped_steps += int(self.lengths[mask].sum())
-            self.started_at[mask] = time.perf_counter()
+        envs = np.flatnonzero(mask).tolist()
+        starts = self.started_at
+        if starts is not None:  # metrics on: scalar reads per reset env (a lane resets one)
+            lengths, now = self.lengths, time.perf_counter()
+            for i in envs:
+                self.dropped_steps += int(lengths[i])
+                starts[i] = now
         self.lengths[mask] = 0
         self.returns[mask] = 0.0
         if self.episode_timeout is not None:
             self.deadlines[mask] = self.clock() + self.episode_timeout
-        for i in np.flatnonzero(mask).tolist():
+        for i in envs:
             self.episode_info[i] = dict(infos.get(i, {}))  # empty infos do not travel
         self.recorder.start_episodes(mask)
 
@@ -468,7 +472,7 @@ class Episodes:
             info = infos[i]
             ends[0 if terminated[i] else 2 if info.get("deadline") else 1] += 1
             if starts is not None:
-                self.durations.append(now - float(starts[i]))
+                self.durations.append(now - starts[i])
                 starts[i] = now
             recorder.close_piece(i, t + 1, end, last, info)
             self.finished.append(

@@ -384,7 +384,7 @@ class SamplerMetrics:
         if requests is not None:
             requests.timer = self.timer
         for w in workers:
-            w.episodes.started_at = np.full(w.n_envs, time.perf_counter())
+            w.episodes.started_at = [time.perf_counter()] * w.n_envs
             if w.batcher is not None:
                 w.batcher.timer = self.timer
             elif requests is None:  # (with inference="host" the hosts time their agents)
@@ -444,6 +444,10 @@ class SamplerMetrics:
         # the timed calls, a sample of one in SAMPLE_EVERY, stand for all of them
         env_seconds, agent_total = 0.0, SAMPLE_EVERY * float(sum(agent_seconds))
         newest = max(w.agent_version for w in workers)
+        # one observe per histogram for every worker (each costs a few numpy calls)
+        lengths: list[int] = []
+        durations: list[float] = []
+        lane_seconds: list[float] = []  # the in-process lane hosts' timed steps
         with self._hub.lock:
             hists = s.hists
             in_flight = 0
@@ -464,22 +468,29 @@ class SamplerMetrics:
                     ends_told[k] = ep.ends[k]
                 s.restarts[slot] += w.restarts - self._restarts_told.get(n, 0)
                 self._restarts_told[n] = w.restarts
-                hists["episode_length"].observe(finished)
+                lengths += finished
                 if ep.durations:
-                    hists["episode_seconds"].observe(ep.durations)
+                    durations += ep.durations
                     ep.durations = []
                 in_flight += int(np.count_nonzero(ep.lengths))
-                clock = _clock(w)
-                if clock is not None:
-                    env_s, agent_s = self._fold_clock(n, clock, w.n_envs)
+                host = w.host
+                take = getattr(host, "take_timed", None)
+                if take is not None:  # a lane host in this process: its timed steps, no clock
+                    lane_seconds += take()
+                elif host is not None and host.buffers.clock is not None:
+                    env_s, agent_s = self._fold_clock(n, host.buffers.clock, w.n_envs)
                     env_seconds += env_s
                     agent_total += agent_s
+            hists["episode_length"].observe(lengths)
+            hists["episode_seconds"].observe(durations)
+            if lane_seconds:  # each timed step stands for SAMPLE_EVERY
+                hists["env_step_seconds"].observe(lane_seconds, SAMPLE_EVERY)
+                env_seconds += SAMPLE_EVERY * float(sum(lane_seconds))
             hists["agent_call_seconds"].observe(agent_seconds, SAMPLE_EVERY)
             hists["agent_call_rows"].tally(agent_rows)
             s.agent_calls += agent_calls
             if versions is not None and len(versions):
-                lags = newest - np.asarray(versions, dtype=np.int64)
-                hists["policy_lag"].observe_counts(lags)
+                _fold_lags(hists["policy_lag"], newest, versions)
             s.in_flight = in_flight
             s.agent_version = newest
             self._judge(seconds, env_seconds, agent_total)
@@ -526,14 +537,15 @@ def _gained(seen: dict[int, np.ndarray], key: int, clock: np.ndarray) -> np.ndar
     return delta
 
 
-def _clock(worker: Worker) -> np.ndarray | None:
-    host = worker.host
-    if host is None:
-        return None
-    settle = getattr(host, "settle_clock", None)
-    if settle is not None:  # a lane host: the steps it timed since
-        settle()
-    return host.buffers.clock
+def _fold_lags(hist: _Hist, newest: int, versions: np.ndarray) -> None:
+    """Count ``newest`` minus each of ``versions`` into the policy-lag ``hist``: one bucket's
+    add when every step came from one version (no update during the call, the usual case)."""
+    versions = np.asarray(versions)
+    low, high = int(versions.min()), int(versions.max())
+    if low == high:
+        hist.tally({newest - high: len(versions)})
+    else:
+        hist.observe_counts(newest - versions.astype(np.int64))
 
 
 def make_face_metrics(metrics: Any, backend: str, hosted: Any) -> FaceMetrics | None:

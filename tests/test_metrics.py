@@ -194,6 +194,21 @@ async def test_faults_injected_equal_faults_counted(
     assert value(registry, "env_steps_total") >= batch.n_transitions
 
 
+async def test_abandoned_steps_are_counted(make_sampler: SamplerFactory) -> None:
+    # obtain_fragments leaves episodes running and obtain_samples resets them, one env at a
+    # time on the lanes: every step the envs took is counted, whatever became of its episode
+    registry = CollectorRegistry()
+    env = async_envs.counting(length=50)
+    sampler = make_sampler("asyncio", env, n_workers=2, envs_per_worker=3, metrics=registry)
+    for _ in range(2):
+        await sampler.obtain_fragments(40)
+        await sampler.obtain_samples(40)
+    taken = sum(e.logic.steps_taken for e in env.made)
+    dropped = sum(w.episodes.dropped_steps for w in sampler._core.workers)
+    assert dropped > 0  # episodes were abandoned unfinished
+    assert value(registry, "env_steps_total") == taken
+
+
 async def test_async_env_faults_counted(make_sampler: SamplerFactory) -> None:
     registry = CollectorRegistry()
     # one fault (two envs of a worker failing in the same pass of the loop are one restart)
@@ -294,6 +309,24 @@ def test_integer_tally_counts_as_observe() -> None:
         assert tallied.counts.tolist() == direct.counts.tolist()
         assert tallied.sum == direct.sum == float(vals.sum())
     assert direct.counts.sum() > 0
+
+
+def test_policy_lag_fold_counts_as_observe() -> None:
+    # the fold's policy lag (one bucket's add when every step has one version) is observe's
+    from asyncsample.metrics import _LAG_BOUNDS, _fold_lags, _Hist
+
+    newest = 7
+    for versions in (
+        np.full(1000, 7, dtype=np.int64),  # no update during the call: lag 0
+        np.full(300, 2, dtype=np.int32),  # one older version
+        np.array([7, 6, 6, 0, 3, 7, 1], dtype=np.int64),  # updates during a stream
+    ):
+        direct, folded = _Hist(_LAG_BOUNDS), _Hist(_LAG_BOUNDS)
+        direct.observe((newest - versions.astype(np.int64)).astype(np.float64))
+        _fold_lags(folded, newest, versions)
+        assert folded.counts.tolist() == direct.counts.tolist()
+        assert folded.sum == direct.sum
+        assert folded.counts.sum() == len(versions)
 
 
 # -- the bottleneck ---------------------------------------------------------------------------

@@ -228,9 +228,10 @@ class LaneHost(PerEnvLockstep):
         self.buffers = buffers or StepBuffers.allocate(
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
-        # With metrics on: the seconds of the env steps timed since settle_clock (the first and
-        # then one in SAMPLE_EVERY), the steps until the next timed one, the steps running (small
-        # ints both: no int is made per step).
+        # With metrics on: the seconds of the env steps timed since take_timed (the fold, in this
+        # process) or settle_clock (a LaneServer's host), the first and then one in SAMPLE_EVERY;
+        # the steps until the next timed one, the steps running (small ints both: no int is made
+        # per step).
         self._durations: list[float] | None = None if self.buffers.clock is None else []
         self._untimed = 1
         self.env_calls = 0
@@ -345,19 +346,23 @@ class LaneHost(PerEnvLockstep):
         durations = self._durations
         if deadline is None and self._plain:
             # The hot path (no limiter, no timeout): the env's coroutine, awaited (and timed) here.
-            start = 0.0
-            if durations is not None:  # metrics on: counted, the first and one in 8 timed
+            if durations is None:  # metrics off: this one test
+                try:
+                    result = await self.envs[i].step(action)
+                except (asyncio.CancelledError, Exception) as exc:
+                    raise self._raised(i, "step", exc) from exc
+            else:  # metrics on: counted in and out of env_calls, the first and one in 8 timed
                 self.env_calls += 1
                 self._untimed -= 1
+                start = 0.0
                 if not self._untimed:
                     self._untimed = SAMPLE_EVERY
                     start = _perf()
-            try:
-                result = await self.envs[i].step(action)
-            except (asyncio.CancelledError, Exception) as exc:
-                raise self._raised(i, "step", exc) from exc
-            finally:
-                if durations is not None:
+                try:
+                    result = await self.envs[i].step(action)
+                except (asyncio.CancelledError, Exception) as exc:
+                    raise self._raised(i, "step", exc) from exc
+                finally:
                     self.env_calls -= 1
                     if start:
                         durations.append(_perf() - start)
@@ -385,6 +390,16 @@ class LaneHost(PerEnvLockstep):
             self.env_calls -= 1
             if start:
                 durations.append(_perf() - start)
+
+    def take_timed(self) -> list[float]:
+        """The seconds of the env steps timed since the last call (each stands for
+        ``SAMPLE_EVERY``; read by the metrics' fold in this process, no clock between)."""
+        durations = self._durations
+        if not durations:
+            return []
+        taken = durations[:]
+        durations.clear()  # (a step in flight appends to this list)
+        return taken
 
     def settle_clock(self) -> None:
         """Add the env steps timed since the last call to the clock, each weighing
