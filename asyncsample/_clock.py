@@ -23,6 +23,7 @@ import numpy as np
 __all__ = [
     "AGENT",
     "BOUNDS",
+    "CALLS",
     "CLOCK_SIZE",
     "ENDS",
     "ENV",
@@ -59,7 +60,10 @@ ENDS = AGENT + _N + 2
 STEPS = ENDS + 2
 """The env steps the host took, exact (the vector faces count these; with ``inference="host"``
 only the timed chunks', unread: the sampler counts its steps from its episodes)."""
-CLOCK_SIZE = STEPS + 1
+CALLS = STEPS + 1
+"""A host of async envs: its env calls running, as of its last reply (the caller's
+``env_calls_in_flight``)."""
+CLOCK_SIZE = CALLS + 1
 TRUNCATED = ENDS + 1
 
 _perf = time.perf_counter

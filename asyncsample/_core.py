@@ -204,7 +204,7 @@ class SamplerCore:
                 max_concurrency, n_workers * self.envs_per_worker, self.n_processes, self.lanes
             ),
             agent_parallel=self.n_processes if isinstance(self.mode, HostMode) else 1,
-            lanes=self.lanes and not self.hosted_lanes,  # (hosts' calls in flight counted here)
+            lanes=self.lanes,  # the hosts count their env calls in flight (lane hosts' clocks)
         )
 
     async def start(self) -> None:
@@ -247,6 +247,9 @@ class SamplerCore:
             self.mode.lanes = LaneSettings(
                 self.max_restarts, self._count_restart, lambda: self.admission
             )
+            metrics = getattr(self, "metrics", None)  # made already if the probe is read at start
+            if metrics is not None:
+                metrics.state.lanes = True
         if self.max_concurrency is not None and not self.lanes:
             self._refuse_max_concurrency()
 

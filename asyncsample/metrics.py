@@ -190,7 +190,8 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
 _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "episodes_in_flight": ("Episodes started and not yet ended.", ()),
     "env_calls_in_flight": (
-        "Env steps running now, on asyncio and thread (compare with max_concurrency).",
+        "Env calls running now where envs are stepped one at a time (asyncio, thread; async "
+        "envs in hosts: as of their last reply); compare with max_concurrency.",
         (),
     ),
     "agent_version": ("The newest agent version.", ()),

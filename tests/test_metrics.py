@@ -457,9 +457,10 @@ def test_sb3_face_counts() -> None:
         venv.close()
 
 
-@pytest.mark.parametrize("backend", ["asyncio"])
+@pytest.mark.parametrize("backend", ["asyncio", "process"])
 async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFactory) -> None:
     # 6 envs, each step 50 ms, max_concurrency=4: scrapes during a call see up to 4 running
+    # (async envs in hosts: as of each host's last reply, so the cap may not be seen)
     registry = CollectorRegistry()
     sampler = make_sampler(
         backend,
@@ -476,7 +477,11 @@ async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFa
         seen.append(value(registry, "env_calls_in_flight"))
         await asyncio.sleep(0.01)
     await call
-    assert max(seen) == 4 and min(seen) >= 0  # never above the cap, which the steps fill
+    if backend == "process":
+        assert 1 <= max(seen) <= 4 and min(seen) >= 0  # reported, never above the cap
+        await asyncio.sleep(0.2)  # the cut steps' cancels settle in the hosts
+    else:
+        assert max(seen) == 4 and min(seen) >= 0  # never above the cap, which the steps fill
     assert value(registry, "env_calls_in_flight") == 0
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import cloudpickle
 
+from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
 from asyncsample.backends._lane_serve import PENDING, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import HostDied, Incarnation, PoolMember, closed_error
@@ -97,6 +98,13 @@ class RemoteLanes(PerEnvLockstep):
     _slot_index: int
     _incarnation: Any
     _member: PoolMember[Any]
+
+    @property
+    def env_calls(self) -> int:
+        """This worker's env calls running in its host, as of the host's last reply (metrics on;
+        else 0)."""
+        clock = self.buffers.clock
+        return 0 if clock is None else int(clock[CALLS])
 
     def _lanes_init(self, slot: int, obs_in_reply: bool = False) -> None:
         self._slot_index = slot

@@ -322,6 +322,9 @@ class LaneServer:
                 current = asyncio.current_task()
                 assert current is not None
                 current.uncancel()
+                if self.timed and not self.flushing:  # the clocks' calls in flight, settled
+                    self.flushing = True
+                    loop.call_soon(self._flush)
                 continue
             except Exception as exc:
                 reply = (key, ST_FAIL, exc if round_trips(exc) else _portable(exc))

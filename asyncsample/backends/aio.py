@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import SAMPLE_EVERY, record_seconds
+from asyncsample._clock import CALLS, SAMPLE_EVERY, record_seconds
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
@@ -404,9 +404,12 @@ class LaneHost(PerEnvLockstep):
     def settle_clock(self) -> None:
         """Add the env steps timed since the last call to the clock, each weighing
         ``SAMPLE_EVERY`` (before the metrics read it)."""
+        clock = self.buffers.clock
+        assert clock is not None
         if self._durations:
-            record_seconds(self.buffers.clock, self._durations)  # type: ignore[arg-type]
+            record_seconds(clock, self._durations)
             self._durations.clear()
+        clock[CALLS] = self.env_calls  # a host's: the caller reads it with the replies
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
