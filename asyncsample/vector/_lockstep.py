@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import select
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -26,6 +27,9 @@ __all__ = ["LockstepRounds", "PendingRound", "StepResult", "outcome"]
 #: How long :meth:`LockstepRounds.lockstep` waits for replies outside the event loop before it
 #: hands the round to the loop (where a step timeout, a dying host's sentinel... are seen).
 _DIRECT_WAIT = 0.05
+#: Seconds the caller's spin stays off once a spin was preempted (see ``_wait_readable``).
+_SPIN_BACKOFF = 1.0
+_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
 @dataclass
@@ -102,6 +106,9 @@ class LockstepRounds:
     # The poller of the hosts' connections, made for the file descriptors _polled.
     _poller: select.poll
     _polled: tuple[int, ...] = ()
+    # Seconds to poll the hosts' connections before sleeping in poll (see placement.spins).
+    _caller_spin: float = 0.0
+    _spin_resume: float = 0.0  # time.perf_counter() from which the caller spins again
     # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
     _round: PendingRound | None = None
     # The caller's one host when it holds every sub-env (the in-process placement, no groups):
@@ -290,10 +297,23 @@ class LockstepRounds:
             for fd in fds:
                 poller.register(fd, select.POLLIN)
             self._poller, self._polled = poller, fds
+        poll = self._poller.poll
+        if self._caller_spin and time.perf_counter() >= self._spin_resume:
+            # The hosts have CPUs of their own (placement.spins): poll before sleeping, unless
+            # the kernel switched this thread out meanwhile (another process wants the CPU).
+            switches = resource.getrusage(_RUSAGE_WHO).ru_nivcsw
+            end = time.perf_counter() + self._caller_spin
+            ready = poll(0)
+            while not ready and time.perf_counter() < end:
+                ready = poll(0)
+            if resource.getrusage(_RUSAGE_WHO).ru_nivcsw != switches:
+                self._spin_resume = time.perf_counter() + _SPIN_BACKOFF
+            if ready:
+                return ready
         wait = _DIRECT_WAIT
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
-        return self._poller.poll(wait * 1000)
+        return poll(wait * 1000)
 
     async def _collect(
         self, sent: list[SentStep], inline: list[StepInfos | BaseException]

@@ -24,7 +24,16 @@ import numpy as np
 
 from asyncsample.backends import traits
 
-__all__ = ["Placement", "choose", "host_slices", "place", "probe_step_seconds"]
+__all__ = [
+    "CALLER_SPIN",
+    "HOST_SPIN",
+    "Placement",
+    "choose",
+    "host_slices",
+    "place",
+    "probe_step_seconds",
+    "spins",
+]
 
 LOGGER = logging.getLogger("asyncsample")
 
@@ -34,6 +43,17 @@ _MARGIN = 1.2
 #: lockstep step of a no-op env, 2026-11-25).
 _HOP_FACTOR = 4.0
 _MIN_HOP = 40e-6
+#: A host that sleeps between steps is woken by each request: inside a training loop (the
+#: caller runs its policy between steps) its round trip is this many back-to-back ones (a
+#: no-op env's host round trip: 50 us back to back, 75 us with 0.3 ms between steps, 143 us
+#: with 2 ms; 2026-11-27). Hosts that poll instead (see :func:`spins`) are not asleep.
+_WAKE_FACTOR = 2.0
+#: Where the caller and every host process have a CPU each (:func:`spins`): how long a host
+#: polls for the next step request after its reply before it sleeps (it must outlast the
+#: caller's policy between two steps, a few hundred microseconds), and how long the caller
+#: polls for the replies after stepping its own share before it sleeps.
+HOST_SPIN = 1e-3
+CALLER_SPIN = 2e-4
 #: The probe env is stepped for at most this long (and at most _PROBE_STEPS steps).
 _PROBE_BUDGET = 0.02
 _PROBE_STEPS = 50
@@ -143,14 +163,26 @@ def cpus() -> int:
     return os.cpu_count() or 1
 
 
+def spins(placement: Placement, n_cpus: int | None = None) -> bool:
+    """Whether the caller and every host process of ``placement`` have a CPU each: then a
+    host waits for the next step polling (``HOST_SPIN``) and the caller for the replies
+    (``CALLER_SPIN``), not sleeping; with fewer CPUs a poller would take a CPU from one of them."""
+    n_cpus = cpus() if n_cpus is None else n_cpus
+    return 0 < placement.n_processes < n_cpus
+
+
 def _predict(n: int, t: float, hop: float, m: int, n_cpus: int) -> tuple[float, int]:
     """Predicted lockstep step with ``m`` of ``n`` sub-envs in the caller, and the processes
     ``P``: ``n * t`` all in the caller, else ``hop + ceil((n - m) / P) * t`` on the hosts, and with
-    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``."""
+    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``;
+    ``hop`` is ``_WAKE_FACTOR`` times dearer when the hosts sleep between steps (no CPU of their
+    own to poll on, see :func:`spins`)."""
     if m == n:
         return n * t, 0
     spare = n_cpus if m == 0 else n_cpus - 1
     procs = max(1, min(spare, n - m))
+    if procs >= n_cpus:
+        hop *= _WAKE_FACTOR
     hosts = hop + math.ceil((n - m) / procs) * t
     if m == 0:
         return hosts, procs
