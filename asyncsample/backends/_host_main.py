@@ -88,7 +88,7 @@ def main(
     host_threads: int | None = None,
     lanes: LaneOptions | None = None,
     raw_arenas: list[RawArena | None] | None = None,
-    spin_after_step: float = 0.0,
+    spin_after_step: float | None = None,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
@@ -119,7 +119,7 @@ def main(
         sets = None if raw_chunk is None else view_chunk_sets(spec, raw_chunk)
         arena = None if raw_arena is None else view_step_arena(spec, raw_arena)
         slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process", arena))
-    reader = StepReader(sock, spin_after_step)
+    reader = StepReader(sock, spin_after_step or 0.0)
     try:
         send_frame(sock, HELLO_ID, ST_OK)
         _serve(sock, reader, slots)

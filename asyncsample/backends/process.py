@@ -323,7 +323,7 @@ class _Member(PoolMember[_Conn]):
         cpu: int | None = None,
         lanes: LaneOptions | None = None,
         raw_arenas: list[RawArena | None] | None = None,
-        spin_after_step: float = 0.0,
+        spin_after_step: float | None = None,
     ) -> None:
         super().__init__(index, specs)
         self.spin_after_step = spin_after_step  # see _host_main.StepReader
@@ -641,9 +641,7 @@ class ProcessBackend:
         max_concurrency: async envs (each stepped on its own in its host's event loop): the env
             calls in flight across the hosts (each host gets a share). ``step_timeout`` then
             cuts one env's call (that env is rebuilt), not the host.
-        spin_after_step: seconds a host polls for the next request after replying to a step
-            before it sleeps in a read (0, default: it sleeps at once). The faces set it where
-            the caller and every host have a CPU each; see ``_host_main.StepReader``.
+        spin_after_step: seconds a host polls for a request after a step's reply (see _host_main).
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
@@ -667,15 +665,11 @@ class ProcessBackend:
         pin_cpus: bool | None = False,
         close_timeout: float | None = None,
         max_concurrency: int | None = None,
-        spin_after_step: float = 0.0,
+        spin_after_step: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
-        if isinstance(spin_after_step, bool) or not isinstance(spin_after_step, (int, float)):
-            raise TypeError(f"spin_after_step must be a number, got {spin_after_step!r}")
-        if not 0 <= spin_after_step < float("inf"):
-            raise ValueError(f"spin_after_step must be >= 0 seconds, got {spin_after_step!r}")
-        self.spin_after_step = float(spin_after_step)
+        self.spin_after_step = _validate.positive_seconds("spin_after_step", spin_after_step)
         self.close_timeout = optional_close_timeout(close_timeout)
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
         if pin_cpus is not None and not isinstance(pin_cpus, bool):
