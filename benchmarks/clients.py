@@ -18,10 +18,14 @@ Every cell runs ``SyncVectorEnv`` and ``AsyncVectorEnv`` (SB3: ``DummyVecEnv`` a
 ``SubprocVecEnv``) and ours in its default placement (``ours``: decided by the face, see
 docs/vector.md) and forced: ``ours-inproc`` (``n_processes=0``), ``ours-hosts`` (the default
 hosts, one process per CPU), ``ours-mixed`` (``caller_envs`` = half of the envs, the rest on
-the other CPUs). Each run is a fresh process; cells are run in rounds (every contender once per
-round, interleaved) and the median of the rounds is reported, with its ratio to the best of the
-gymnasium (SB3) classes in the same cell. The machine's ceiling does not apply here: the policy
-and the update run in the caller, in lockstep, whatever the vector env.
+the other CPUs; where the caller and its hosts have a CPU each, they wait for each other
+polling, see docs/vector.md). ``--contenders ... ours-mixed-asleep`` adds the same mixed
+placement with hosts and caller asleep between steps (no polling), to see what the polling is
+worth; ``--cells cleanrl:HalfCheetah-v5:4`` runs one cell. Each run is a fresh process; cells
+are run in rounds (every contender once per round, interleaved) and the median of the rounds is
+reported, with its ratio to the best of the gymnasium (SB3) classes in the same cell. The
+machine's ceiling does not apply here: the policy and the update run in the caller, in lockstep,
+whatever the vector env.
 
 Torch runs with ``torch.set_num_threads(1)``, as CleanRL users on a small machine set it (its
 scripts leave torch's default; on 2 cores torch's threads then compete with the env hosts).
