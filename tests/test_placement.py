@@ -24,8 +24,15 @@ from helpers import host_processes as our_processes
 from asyncsample.backends._host_main import StepReader
 from asyncsample.backends._transport import HEADER, Op
 from asyncsample.backends.process import ProcessBackend
-from asyncsample.vector import SubEnvError, VectorEnv
-from asyncsample.vector.placement import Placement, choose, probe_step_seconds, spins
+from asyncsample.vector import SubEnvError, VectorEnv, placement
+from asyncsample.vector.placement import (
+    Placement,
+    choose,
+    machine_busy,
+    probe_step_seconds,
+    runnable,
+    spins,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -56,6 +63,12 @@ class BusyEnv(gym.Env[np.ndarray, int]):
         return obs, float(action), bool(obs[0] > 0.9), False, {}
 
 
+@pytest.fixture(autouse=True)
+def _a_quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decisions as on a quiet machine (a busy one is the test's own case)."""
+    monkeypatch.setattr(placement, "machine_busy", lambda n_cpus: False)
+
+
 # -- the decision, from its two measurements ---------------------------------------------------
 
 
@@ -78,6 +91,19 @@ def test_choose_predicts_the_fastest_placement(
     got = choose(n, step_us * 1e-6, hop=hop_us * 1e-6, n_cpus=cpus)
     assert (got.caller_envs, got.n_processes) == want
     assert f"probe step {step_us:.1f} us" in got.reason
+
+
+@pytest.mark.parametrize(("n", "step_us"), [(4, 110), (8, 500), (64, 8)])
+def test_a_busy_machine_keeps_every_sub_env_in_the_callers_process(n: int, step_us: float) -> None:
+    got = choose(n, step_us * 1e-6, hop=50e-6, n_cpus=2, busy=True)
+    assert (got.caller_envs, got.n_processes) == (n, 0)
+    assert "the machine is busy (more threads runnable than its 2 CPUs)" in got.reason
+
+
+def test_the_machine_is_busy_when_more_threads_than_cpus_are_runnable() -> None:
+    assert runnable() >= 1  # this thread, at least (Linux)
+    assert not machine_busy(10_000)  # the function itself (the fixture patches the module's)
+    assert machine_busy(0)
 
 
 def test_an_env_that_cannot_be_probed_goes_to_hosts() -> None:

@@ -152,6 +152,20 @@ def _serve_lanes(
 
 #: Seconds a host's spin stays off once a spin was preempted (see :class:`StepReader`).
 SPIN_BACKOFF = 1.0
+#: Seconds between two looks at the machine's runnable threads (see :func:`runnable`).
+BUSY_CHECK = 0.5
+
+
+def runnable() -> int:
+    """The threads runnable on this machine now, this one included (``/proc/loadavg``'s fourth
+    field; 0 where there is none: then nothing is known to compete)."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 _RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
@@ -166,8 +180,10 @@ class StepReader(FrameReader):
     the faces turn it on, where the caller and every host process have a CPU each (see
     :mod:`asyncsample.vector.placement`). On a machine busier than that, a poller takes a CPU
     another process wants (on a loaded 2-CPU machine, a spin that yielded made the mixed
-    HalfCheetah loop 0.6x the sleeping one): a spin during which the kernel switched this
-    thread out (``ru_nivcsw`` moved) turns the spin off for ``SPIN_BACKOFF`` seconds."""
+    HalfCheetah loop 0.6x the sleeping one): it spins only while no more threads are runnable
+    than there are CPUs (:func:`runnable`, looked at every ``BUSY_CHECK`` seconds), and a spin
+    during which the kernel switched this thread out (``ru_nivcsw`` moved) turns the spin off
+    for ``SPIN_BACKOFF`` seconds."""
 
     def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
         super().__init__(sock)
@@ -180,6 +196,8 @@ class StepReader(FrameReader):
         self._poller.register(sock, select.POLLIN)
         self.spin = spin
         self._resume = 0.0  # time.perf_counter() from which a wait spins again
+        self._cpus = os.cpu_count() or 1
+        self._look = 0.0  # time.perf_counter() of the next look at runnable()
 
     def wait_spinning(self) -> None:
         """Return once a request (or the end of the stream) is readable, in the buffer or the
@@ -188,6 +206,11 @@ class StepReader(FrameReader):
         now = clock()
         if now < self._resume:
             return
+        if now >= self._look:
+            self._look = now + BUSY_CHECK
+            if runnable() > self._cpus:  # a busy machine: look again in a while
+                self._resume = self._look
+                return
         sock = self._sock
         sock.setblocking(False)  # peek: the buffered bytes, else one read that does not block
         try:

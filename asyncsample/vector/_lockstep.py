@@ -20,6 +20,7 @@ import numpy as np
 from asyncsample._tree import Tree
 from asyncsample.backends.base import DirectReader, EnvHost, InlineHost, LockstepHost, SentStep
 from asyncsample.env_group import StepInfos
+from asyncsample.vector.placement import BUSY_CHECK, cpus, runnable
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = ["LockstepRounds", "PendingRound", "StepResult", "outcome"]
@@ -109,6 +110,7 @@ class LockstepRounds:
     # Seconds to poll the hosts' connections before sleeping in poll (see placement.spins).
     _caller_spin: float = 0.0
     _spin_resume: float = 0.0  # time.perf_counter() from which the caller spins again
+    _spin_look: float = 0.0  # time.perf_counter() of the next look at placement.runnable()
     # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
     _round: PendingRound | None = None
     # The caller's one host when it holds every sub-env (the in-process placement, no groups):
@@ -298,7 +300,7 @@ class LockstepRounds:
                 poller.register(fd, select.POLLIN)
             self._poller, self._polled = poller, fds
         poll = self._poller.poll
-        if self._caller_spin and time.perf_counter() >= self._spin_resume:
+        if self._caller_spin and self._may_spin():
             # The hosts have CPUs of their own (placement.spins): poll before sleeping, unless
             # the kernel switched this thread out meanwhile (another process wants the CPU).
             switches = resource.getrusage(_RUSAGE_WHO).ru_nivcsw
@@ -314,6 +316,20 @@ class LockstepRounds:
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
         return poll(wait * 1000)
+
+    def _may_spin(self) -> bool:
+        """Whether the caller polls for the replies now: not within ``_SPIN_BACKOFF`` of a
+        preempted spin, nor while more threads are runnable than there are CPUs (looked at
+        every ``BUSY_CHECK`` seconds)."""
+        now = time.perf_counter()
+        if now < self._spin_resume:
+            return False
+        if now >= self._spin_look:
+            self._spin_look = now + BUSY_CHECK
+            if runnable() > cpus():
+                self._spin_resume = self._spin_look
+                return False
+        return True
 
     async def _collect(
         self, sent: list[SentStep], inline: list[StepInfos | BaseException]
