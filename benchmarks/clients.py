@@ -18,10 +18,14 @@ Every cell runs ``SyncVectorEnv`` and ``AsyncVectorEnv`` (SB3: ``DummyVecEnv`` a
 ``SubprocVecEnv``) and ours in its default placement (``ours``: decided by the face, see
 docs/vector.md) and forced: ``ours-inproc`` (``n_processes=0``), ``ours-hosts`` (the default
 hosts, one process per CPU), ``ours-mixed`` (``caller_envs`` = half of the envs, the rest on
-the other CPUs). Each run is a fresh process; cells are run in rounds (every contender once per
-round, interleaved) and the median of the rounds is reported, with its ratio to the best of the
-gymnasium (SB3) classes in the same cell. The machine's ceiling does not apply here: the policy
-and the update run in the caller, in lockstep, whatever the vector env.
+the other CPUs; where the caller and its hosts have a CPU each, they wait for each other
+polling, see docs/vector.md). ``--contenders ... ours-mixed-asleep`` adds the same mixed
+placement with hosts and caller asleep between steps (no polling), to see what the polling is
+worth; ``--cells cleanrl:HalfCheetah-v5:4`` runs one cell. Each run is a fresh process; cells
+are run in rounds (every contender once per round, interleaved) and the median of the rounds is
+reported, with its ratio to the best of the gymnasium (SB3) classes in the same cell. The
+machine's ceiling does not apply here: the policy and the update run in the caller, in lockstep,
+whatever the vector env.
 
 Torch runs with ``torch.set_num_threads(1)``, as CleanRL users on a small machine set it (its
 scripts leave torch's default; on 2 cores torch's threads then compete with the env hosts).
@@ -61,6 +65,9 @@ SB3_CELLS = [("CartPole-v1", 8)]
 GYM_PEERS = ["sync", "async"]
 SB3_PEERS = ["dummy", "subproc"]
 OURS = ["ours", "ours-inproc", "ours-hosts", "ours-mixed"]
+#: Run only when named in ``--contenders``: the mixed placement with hosts that sleep between
+#: steps (no spin, see ``placement.spins``), to see what the spin is worth in a cell.
+ABLATIONS = ["ours-mixed-asleep"]
 NAMES = {
     "sync": "SyncVectorEnv",
     "async": "AsyncVectorEnv",
@@ -70,6 +77,7 @@ NAMES = {
     "ours-inproc": "ours, n_processes=0",
     "ours-hosts": "ours, hosts",
     "ours-mixed": "ours, mixed",
+    "ours-mixed-asleep": "ours, mixed, hosts asleep",
 }
 
 
@@ -86,11 +94,19 @@ def _ours_kwargs(contender: str, n: int) -> dict[str, Any] | None:
         return {"n_processes": 0}
     if contender == "ours-hosts":
         return {"n_processes": min(_cpus(), n)}
-    if contender == "ours-mixed":
+    if contender in ("ours-mixed", "ours-mixed-asleep"):
         if n < 2 or _cpus() < 2:
             return None
         return {"caller_envs": n // 2}
     raise ValueError(contender)
+
+
+def _ablate(contender: str) -> None:
+    """Set this run's process up for an ablation of :data:`ABLATIONS` (a fresh process each)."""
+    if contender == "ours-mixed-asleep":
+        import asyncsample.vector.hosted as hosted
+
+        hosted.spins = lambda *args, **kwargs: False  # hosts and caller sleep, as before
 
 
 # -- CleanRL-shaped PPO ---------------------------------------------------------------------------
@@ -341,6 +357,7 @@ def run_sb3(contender: str, env_id: str, n: int, rollouts: int, n_steps: int = 2
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """One run (in this process): ``spec`` names the client, env, envs, contender, budget."""
+    _ablate(spec["contender"])
     if spec["client"] == "cleanrl":
         sps = run_cleanrl(spec["contender"], spec["env"], spec["n"], spec["iterations"])
     else:
@@ -392,9 +409,11 @@ def _fresh(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
 
 
-def _cells(quick: bool) -> list[tuple[str, str, int, list[str]]]:
-    cells = [("cleanrl", e, n, GYM_PEERS + OURS) for e, n in CLEANRL_CELLS]
-    cells += [("sb3", e, n, SB3_PEERS + OURS) for e, n in SB3_CELLS]
+def _cells(quick: bool, only: Sequence[str] = ()) -> list[tuple[str, str, int, list[str]]]:
+    cells = [("cleanrl", e, n, GYM_PEERS + OURS + ABLATIONS) for e, n in CLEANRL_CELLS]
+    cells += [("sb3", e, n, SB3_PEERS + OURS + ABLATIONS) for e, n in SB3_CELLS]
+    if only:
+        cells = [c for c in cells if f"{c[0]}:{c[1]}:{c[2]}" in only]
     if quick:
         cells = [
             ("cleanrl", "CartPole-v1", 4, GYM_PEERS + OURS),
@@ -424,6 +443,10 @@ def table(result: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|" + "---:|" * len(OURS),
     ]
     chosen = []
+    ours = OURS + [a for a in ABLATIONS if any(a in c["sps"] for c in result["cells"])]
+    if ours != OURS:
+        lines[-2] += " " + " | ".join(NAMES[c] for c in ours[len(OURS) :]) + " |"
+        lines[-1] += "---:|" * (len(ours) - len(OURS))
     for cell in result["cells"]:
         peers = GYM_PEERS if cell["client"] == "cleanrl" else SB3_PEERS
         best = cell.get("best_peer_sps")
@@ -444,7 +467,7 @@ def table(result: dict[str, Any]) -> str:
         peer_cols = " | ".join(cellf(p) for p in peers)
         lines.append(
             f"| {loop} | {cell['env']} | {cell['n']} | {peer_cols} | "
-            + " | ".join(cellf(c) for c in OURS)
+            + " | ".join(cellf(c) for c in ours)
             + " |"
         )
         if cell.get("placement"):
@@ -459,7 +482,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per contender")
     parser.add_argument("--iterations", type=int, default=6, help="timed CleanRL iterations")
     parser.add_argument("--rollouts", type=int, default=2, help="timed SB3 rollouts")
-    parser.add_argument("--contenders", nargs="+", default=None, help="a subset to run")
+    parser.add_argument(
+        "--contenders", nargs="+", default=None, help=f"a subset to run (or add {ABLATIONS})"
+    )
+    parser.add_argument(
+        "--cells",
+        nargs="+",
+        default=(),
+        help="the cells to run, as CLIENT:ENV:N (e.g. cleanrl:HalfCheetah-v5:4; default: all)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny budgets")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "clients")
     args = parser.parse_args(argv)
@@ -467,9 +498,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     iterations = 1 if args.quick else args.iterations
     rollouts, n_steps = (1, 32) if args.quick else (args.rollouts, 2048)
     cells = []
-    for client, env_id, n, contenders in _cells(args.quick):
+    for client, env_id, n, contenders in _cells(args.quick, args.cells):
         if args.contenders:
             contenders = [c for c in contenders if c in args.contenders]
+        else:
+            contenders = [c for c in contenders if c not in ABLATIONS]
         runs: dict[str, list[float]] = {c: [] for c in contenders}
         errors: dict[str, str] = {}
         placement = ""
@@ -509,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "sps": sps,
                 "errors": errors,
                 "best_peer_sps": best,
-                "ratios": {c: sps[c] / best for c in OURS if c in sps and best},
+                "ratios": {c: sps[c] / best for c in OURS + ABLATIONS if c in sps and best},
                 "placement": placement,
             }
         )

@@ -8,7 +8,9 @@ equality, autoreset, call and fault checks in each placement).
 from __future__ import annotations
 
 import logging
+import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -19,8 +21,18 @@ import pytest
 from gymnasium.vector import SyncVectorEnv
 from helpers import host_processes as our_processes
 
-from asyncsample.vector import SubEnvError, VectorEnv
-from asyncsample.vector.placement import choose, probe_step_seconds
+from asyncsample.backends._host_main import StepReader
+from asyncsample.backends._transport import HEADER, Op
+from asyncsample.backends.process import ProcessBackend
+from asyncsample.vector import SubEnvError, VectorEnv, placement
+from asyncsample.vector.placement import (
+    Placement,
+    choose,
+    machine_busy,
+    probe_step_seconds,
+    runnable,
+    spins,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -51,6 +63,12 @@ class BusyEnv(gym.Env[np.ndarray, int]):
         return obs, float(action), bool(obs[0] > 0.9), False, {}
 
 
+@pytest.fixture(autouse=True)
+def _a_quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decisions as on a quiet machine (a busy one is the test's own case)."""
+    monkeypatch.setattr(placement, "machine_busy", lambda n_cpus: False)
+
+
 # -- the decision, from its two measurements ---------------------------------------------------
 
 
@@ -73,6 +91,19 @@ def test_choose_predicts_the_fastest_placement(
     got = choose(n, step_us * 1e-6, hop=hop_us * 1e-6, n_cpus=cpus)
     assert (got.caller_envs, got.n_processes) == want
     assert f"probe step {step_us:.1f} us" in got.reason
+
+
+@pytest.mark.parametrize(("n", "step_us"), [(4, 110), (8, 500), (64, 8)])
+def test_a_busy_machine_keeps_every_sub_env_in_the_callers_process(n: int, step_us: float) -> None:
+    got = choose(n, step_us * 1e-6, hop=50e-6, n_cpus=2, busy=True)
+    assert (got.caller_envs, got.n_processes) == (n, 0)
+    assert "the machine is busy (more threads runnable than its 2 CPUs)" in got.reason
+
+
+def test_the_machine_is_busy_when_more_threads_than_cpus_are_runnable() -> None:
+    assert runnable() >= 1  # this thread, at least (Linux)
+    assert not machine_busy(10_000)  # the function itself (the fixture patches the module's)
+    assert machine_busy(0)
 
 
 def test_an_env_that_cannot_be_probed_goes_to_hosts() -> None:
@@ -193,3 +224,90 @@ def test_sb3_face_places_as_the_gymnasium_face() -> None:
         assert env.placement.kind == "mixed" and env.pids
     finally:
         env.close()
+
+
+# -- the spin: hosts and caller poll where each has a CPU -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("caller_envs", "n_processes", "cpus", "want"),
+    [
+        (2, 1, 2, True),  # mixed on 2 CPUs: the caller and its one host, a CPU each
+        (0, 1, 2, True),
+        (0, 2, 2, False),  # hosts on every CPU: the caller would share one with a poller
+        (4, 0, 2, False),  # in-process: nothing to wait for
+        (2, 3, 4, True),
+        (2, 1, 1, False),
+    ],
+)
+def test_spin_only_where_the_caller_and_every_host_have_a_cpu(
+    caller_envs: int, n_processes: int, cpus: int, want: bool
+) -> None:
+    assert spins(Placement(caller_envs, n_processes, "test"), cpus) is want
+
+
+def test_a_spinning_face_steps_as_sync_vector_env() -> None:
+    env = VectorEnv([lambda: BusyEnv(0.0001)] * 4, caller_envs=2, n_processes=1)
+    try:
+        assert env.placement.kind == "mixed"
+        sync = SyncVectorEnv([lambda: BusyEnv(0.0001)] * 4)
+        assert np.array_equal(env.reset(seed=3)[0], sync.reset(seed=3)[0])
+        for t in range(200):
+            a = np.array([t % 2, 1, 0, t % 3 == 0], dtype=np.int64)
+            ours, theirs = env.step(a), sync.step(a)
+            assert all(np.array_equal(x, y) for x, y in zip(ours[:4], theirs[:4]))
+            if t % 50 == 0:
+                time.sleep(0.003)  # past the hosts' spin: they sleep, and are woken
+    finally:
+        env.close()
+
+
+def _frame(rid: int) -> bytes:
+    return HEADER.pack(1, rid, int(Op.STEP)) + b"x"
+
+
+def test_the_step_reader_returns_for_a_buffered_frame_a_new_one_or_the_end() -> None:
+    ours, theirs = socket.socketpair()
+    reader = StepReader(ours, spin=3600.0)  # a wait that missed what is readable would hang
+    try:
+        theirs.sendall(_frame(1) + _frame(2))
+        assert reader.read() == (1, int(Op.STEP), b"x")
+        reader.wait_spinning()  # the second frame is in the reader's buffer already
+        assert reader.read() == (2, int(Op.STEP), b"x")
+
+        def later() -> None:
+            time.sleep(0.01)
+            theirs.sendall(_frame(3))
+
+        thread = threading.Thread(target=later)
+        thread.start()
+        reader.wait_spinning()  # polled in the socket
+        thread.join()
+        assert reader.read() == (3, int(Op.STEP), b"x")
+        theirs.close()
+        reader.wait_spinning()  # the end of the stream is readable too
+        assert reader.read() is None
+    finally:
+        reader.close()
+        ours.close()
+
+
+def test_a_reader_without_spin_returns_at_once() -> None:
+    ours, theirs = socket.socketpair()
+    reader = StepReader(ours)
+    try:
+        reader.wait_spinning()  # nothing readable: spin 0 returns (a hang would fail the test)
+        assert ours.getblocking()
+    finally:
+        reader.close()
+        ours.close()
+        theirs.close()
+
+
+def test_the_spin_option_is_checked() -> None:
+    assert ProcessBackend(spin_after_step=0.001).spin_after_step == 0.001
+    assert ProcessBackend().spin_after_step is None
+    with pytest.raises(ValueError, match="spin_after_step must be a finite number of seconds"):
+        ProcessBackend(spin_after_step=-1.0)
+    with pytest.raises(TypeError, match="spin_after_step must be a number of seconds or None"):
+        ProcessBackend(spin_after_step="1")  # type: ignore[arg-type]

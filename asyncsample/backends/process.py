@@ -323,8 +323,10 @@ class _Member(PoolMember[_Conn]):
         cpu: int | None = None,
         lanes: LaneOptions | None = None,
         raw_arenas: list[RawArena | None] | None = None,
+        spin_after_step: float | None = None,
     ) -> None:
         super().__init__(index, specs)
+        self.spin_after_step = spin_after_step  # see _host_main.StepReader
         self.lanes = lanes  # a host of async envs (each stepped on its own in its event loop)
         self.raw_arenas = raw_arenas  # per slot, what the host needs to view its step arena
         self.ctx = ctx
@@ -351,6 +353,7 @@ class _Member(PoolMember[_Conn]):
                     self.host_threads,
                     self.lanes,
                     self.raw_arenas,
+                    self.spin_after_step,
                 ),
                 name=f"asyncsample-host-{self.index}",
             )
@@ -638,6 +641,7 @@ class ProcessBackend:
         max_concurrency: async envs (each stepped on its own in its host's event loop): the env
             calls in flight across the hosts (each host gets a share). ``step_timeout`` then
             cuts one env's call (that env is rebuilt), not the host.
+        spin_after_step: seconds a host polls for a request after a step's reply (see _host_main).
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
@@ -650,6 +654,7 @@ class ProcessBackend:
         "pin_cpus",
         "close_timeout",
         "max_concurrency",
+        "spin_after_step",
     )
 
     def __init__(
@@ -660,9 +665,11 @@ class ProcessBackend:
         pin_cpus: bool | None = False,
         close_timeout: float | None = None,
         max_concurrency: int | None = None,
+        spin_after_step: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
+        self.spin_after_step = _validate.positive_seconds("spin_after_step", spin_after_step)
         self.close_timeout = optional_close_timeout(close_timeout)
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
         if pin_cpus is not None and not isinstance(pin_cpus, bool):
@@ -735,6 +742,7 @@ class ProcessBackend:
                 cpus[m],
                 LaneOptions(self.step_timeout, lane_close, caps[m]) if lanes else None,
                 member_arenas,
+                self.spin_after_step,
             )
             for m, (member_specs, member_raws, member_chunks, member_arenas) in enumerate(splits)
         ]

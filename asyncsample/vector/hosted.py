@@ -45,7 +45,14 @@ from asyncsample.vector.errors import (
     sub_env_error_class,
     with_text,
 )
-from asyncsample.vector.placement import Placement, host_slices, place
+from asyncsample.vector.placement import (
+    CALLER_SPIN,
+    HOST_SPIN,
+    Placement,
+    host_slices,
+    place,
+    spins,
+)
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = ["HostedEnvs", "HostedFace", "PendingRound", "StepResult", "env_sources"]
@@ -125,6 +132,10 @@ class HostedEnvs(LockstepRounds):
                 # Lockstep rounds wake every host at once: pinned, two hosts never share a CPU
                 # while another idles; beside the caller's share the scheduler keeps its freedom.
                 options["pin_cpus"] = None if not self.placement.caller_envs else False
+            if "spin_after_step" in valid and spins(self.placement):
+                # A CPU each: the hosts wait for the next step polling, not asleep.
+                options["spin_after_step"] = HOST_SPIN
+                self._caller_spin = CALLER_SPIN
             self.backend = make_backend(backend, **options)
         self._pool = self.backend if isinstance(self.backend, ProcessPool) else None
         self._caller_backend: Backend | None = (

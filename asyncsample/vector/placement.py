@@ -3,7 +3,8 @@
 :func:`choose` predicts one lockstep step of each placement from the probe env's step time and
 the cost of a host round trip (see :func:`_predict`), and leaves the caller's process only when
 that is predicted ``_MARGIN`` faster: measurement noise on a loaded machine cannot tip a cheap env
-onto hosts. The round trip is estimated once per interpreter from two threads over a socket pair
+onto hosts; on a busy machine (:func:`machine_busy`) it stays there whatever the envs cost. The
+round trip is estimated once per interpreter from two threads over a socket pair
 (two kernel wake-ups, as a host round trip has): starting a process would cost about a second.
 """
 
@@ -24,7 +25,19 @@ import numpy as np
 
 from asyncsample.backends import traits
 
-__all__ = ["Placement", "choose", "host_slices", "place", "probe_step_seconds"]
+__all__ = [
+    "BUSY_CHECK",
+    "CALLER_SPIN",
+    "HOST_SPIN",
+    "machine_busy",
+    "Placement",
+    "choose",
+    "host_slices",
+    "place",
+    "probe_step_seconds",
+    "runnable",
+    "spins",
+]
 
 LOGGER = logging.getLogger("asyncsample")
 
@@ -34,6 +47,19 @@ _MARGIN = 1.2
 #: lockstep step of a no-op env, 2026-11-25).
 _HOP_FACTOR = 4.0
 _MIN_HOP = 40e-6
+#: A host that sleeps between steps is woken by each request: inside a training loop (the
+#: caller runs its policy between steps) its round trip is this many back-to-back ones (a
+#: no-op env's host round trip: 50 us back to back, 75 us with 0.3 ms between steps, 143 us
+#: with 2 ms; 2026-11-27). Hosts that poll instead (see :func:`spins`) are not asleep.
+_WAKE_FACTOR = 2.0
+#: Where the caller and every host process have a CPU each (:func:`spins`): how long a host
+#: polls for the next step request after its reply before it sleeps (it must outlast the
+#: caller's policy between two steps, a few hundred microseconds), and how long the caller
+#: polls for the replies after stepping its own share before it sleeps.
+HOST_SPIN = 1e-3
+CALLER_SPIN = 2e-4
+#: Seconds between two looks at the machine's runnable threads while the caller spins.
+BUSY_CHECK = 0.5
 #: The probe env is stepped for at most this long (and at most _PROBE_STEPS steps).
 _PROBE_BUDGET = 0.02
 _PROBE_STEPS = 50
@@ -135,6 +161,27 @@ def probe_step_seconds(env: Any) -> float | None:
     return statistics.median(times)
 
 
+def runnable() -> int:
+    """The threads runnable on this machine now, this one included (``/proc/loadavg``'s fourth
+    field; 0 where there is none: then nothing is known to compete)."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def machine_busy(n_cpus: int, looks: int = 5) -> bool:
+    """Whether more threads than ``n_cpus`` are runnable, this one included (the median of
+    ``looks`` looks, 2 ms apart): other processes want the CPUs the hosts would take."""
+    seen = []
+    for k in range(looks):
+        if k:
+            time.sleep(0.002)
+        seen.append(runnable())
+    return statistics.median(seen) > n_cpus
+
+
 def cpus() -> int:
     """The CPUs this process may run on."""
     getaffinity = getattr(os, "sched_getaffinity", None)
@@ -143,14 +190,26 @@ def cpus() -> int:
     return os.cpu_count() or 1
 
 
+def spins(placement: Placement, n_cpus: int | None = None) -> bool:
+    """Whether the caller and every host process of ``placement`` have a CPU each: then a
+    host waits for the next step polling (``HOST_SPIN``) and the caller for the replies
+    (``CALLER_SPIN``), not sleeping; with fewer CPUs a poller would take a CPU from one of them."""
+    n_cpus = cpus() if n_cpus is None else n_cpus
+    return 0 < placement.n_processes < n_cpus
+
+
 def _predict(n: int, t: float, hop: float, m: int, n_cpus: int) -> tuple[float, int]:
     """Predicted lockstep step with ``m`` of ``n`` sub-envs in the caller, and the processes
     ``P``: ``n * t`` all in the caller, else ``hop + ceil((n - m) / P) * t`` on the hosts, and with
-    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``."""
+    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``;
+    ``hop`` is ``_WAKE_FACTOR`` times dearer when the hosts sleep between steps (no CPU of their
+    own to poll on, see :func:`spins`)."""
     if m == n:
         return n * t, 0
     spare = n_cpus if m == 0 else n_cpus - 1
     procs = max(1, min(spare, n - m))
+    if procs >= n_cpus:
+        hop *= _WAKE_FACTOR
     hosts = hop + math.ceil((n - m) / procs) * t
     if m == 0:
         return hosts, procs
@@ -163,12 +222,24 @@ def choose(
     *,
     hop: float | None = None,
     n_cpus: int | None = None,
+    busy: bool | None = None,
 ) -> Placement:
-    """The placement for ``num_envs`` sub-envs whose probe stepped in ``env_step`` seconds."""
+    """The placement for ``num_envs`` sub-envs whose probe stepped in ``env_step`` seconds;
+    every one in the caller's process on a ``busy`` machine (``None``: looked at, see
+    :func:`machine_busy`)."""
     if env_step is None:
         return Placement(0, min(cpus(), num_envs), "the probe env could not be stepped: hosts")
     hop = hop_seconds() if hop is None else hop
     n_cpus = cpus() if n_cpus is None else n_cpus
+    us = f"probe step {env_step * 1e6:.1f} us, host round trip ~{hop * 1e6:.0f} us"
+    if busy is None:
+        busy = machine_busy(n_cpus)
+    if busy:
+        # Measured in the CleanRL-shaped loop (HalfCheetah-v5, 4 envs, 2 CPUs, load average 6,
+        # 2026-11-27): in-process 1.05x SyncVectorEnv, mixed 0.62x (hosts polling) and 0.78x
+        # (asleep). A host waits for a CPU at every step; the caller's process does not hop.
+        why = f"{us}: the machine is busy (more threads runnable than its {n_cpus} CPUs)"
+        return Placement(num_envs, 0, why, env_step, hop)
     best_m, (best, best_procs) = num_envs, _predict(num_envs, env_step, hop, num_envs, n_cpus)
     inproc = best
     # From the largest caller's share down: of two placements predicted alike, the one with
@@ -179,7 +250,6 @@ def choose(
         pred, procs = _predict(num_envs, env_step, hop, m, n_cpus)
         if pred * _MARGIN < inproc and pred < best:
             best_m, best, best_procs = m, pred, procs
-    us = f"probe step {env_step * 1e6:.1f} us, host round trip ~{hop * 1e6:.0f} us"
     if best_m == num_envs:
         why = f"{us}: the hop would cost more than it saves"
     else:
