@@ -374,11 +374,13 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
     p99 = float(np.percentile(lag_ms, 99))
     bound = args.deadline * 1.05
     ok = {
+        # The loop's lag is a timing: a check of the full run only, not of the CI smoke run
+        # (on a shared machine, other work delays the loop's wake-ups too).
+        **({} if args.quick else {"loop_lag_p99_under_20ms": p99 < 20.0}),
         "calls_by_deadline": all(c["seconds"] <= bound for c in calls),
         "no_call_timed_out": not any(c["timed_out"] for c in calls),
         "no_healthy_episode_lost": lost_total == 0,
         "max_concurrency_kept": final["peak"] <= args.max_concurrency,
-        "loop_lag_p99_under_20ms": p99 < 20.0,
         "nothing_left_after_aclose": not left and final["closed"] == final["built"],
     }
     return {
@@ -458,9 +460,12 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         (
             "caller's loop lag p50 / p99 / max",
-            f"{lag['p50']:.1f} / {lag['p99']:.1f} / {lag['max']:.1f} ms (p99 < 20 ms: "
-            + mark("loop_lag_p99_under_20ms")
-            + ")",
+            f"{lag['p50']:.1f} / {lag['p99']:.1f} / {lag['max']:.1f} ms "
+            + (
+                f"(p99 < 20 ms: {mark('loop_lag_p99_under_20ms')})"
+                if "loop_lag_p99_under_20ms" in checks
+                else "(not checked in the smoke run: a timing)"
+            ),
         ),
         (
             "left after aclose()",
