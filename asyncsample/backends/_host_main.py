@@ -24,6 +24,7 @@ from asyncsample.backends import _lane_serve, _threads
 from asyncsample.backends._chunk import RawChunks, view_chunk_sets
 from asyncsample.backends._lane_serve import LaneOptions
 from asyncsample.backends._slot import HostSlot, RawArena, view_step_arena
+from asyncsample.backends._threads import BUSY_CHECK, runnable
 from asyncsample.backends._transport import (
     HELLO_ID,
     SLOT,
@@ -152,20 +153,6 @@ def _serve_lanes(
 
 #: Seconds a host's spin stays off once a spin was preempted (see :class:`StepReader`).
 SPIN_BACKOFF = 1.0
-#: Seconds between two looks at the machine's runnable threads (see :func:`runnable`).
-BUSY_CHECK = 0.5
-
-
-def runnable() -> int:
-    """The threads runnable on this machine now, this one included (``/proc/loadavg``'s fourth
-    field; 0 where there is none: then nothing is known to compete)."""
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            return int(f.read().split()[3].split(b"/")[0])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 _RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 

@@ -15,7 +15,22 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["THREAD_VARIABLES", "apply_torch", "limit", "openblas_threads"]
+__all__ = ["BUSY_CHECK", "THREAD_VARIABLES", "apply_torch", "limit", "openblas_threads", "runnable"]
+
+#: Seconds between two looks at the machine's runnable threads (see :func:`runnable`), for the
+#: hosts' and the faces' polling, which stops while the machine is busy.
+BUSY_CHECK = 0.5
+
+
+def runnable() -> int:
+    """The threads runnable on this machine now, this one included (``/proc/loadavg``'s fourth
+    field; 0 where there is none: then nothing is known to compete)."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            return int(f.read().split()[3].split(b"/")[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+
 
 #: The environment variables the thread pools of the common numeric libraries read.
 THREAD_VARIABLES = (

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample.backends import traits
+from asyncsample.backends._threads import BUSY_CHECK, runnable
 
 __all__ = [
     "BUSY_CHECK",
@@ -58,8 +59,6 @@ _WAKE_FACTOR = 2.0
 #: polls for the replies after stepping its own share before it sleeps.
 HOST_SPIN = 1e-3
 CALLER_SPIN = 2e-4
-#: Seconds between two looks at the machine's runnable threads while the caller spins.
-BUSY_CHECK = 0.5
 #: The probe env is stepped for at most this long (and at most _PROBE_STEPS steps).
 _PROBE_BUDGET = 0.02
 _PROBE_STEPS = 50
@@ -159,16 +158,6 @@ def probe_step_seconds(env: Any) -> float | None:
     except Exception:
         return None
     return statistics.median(times)
-
-
-def runnable() -> int:
-    """The threads runnable on this machine now, this one included (``/proc/loadavg``'s fourth
-    field; 0 where there is none: then nothing is known to compete)."""
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            return int(f.read().split()[3].split(b"/")[0])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def machine_busy(n_cpus: int, looks: int = 5) -> bool:
