@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample._clock import AGENT, BOUNDS, ENDS, ENV, SAMPLE_EVERY, STEPS, AgentTimer
+from asyncsample._clock import AGENT, BOUNDS, CALLS, ENDS, ENV, SAMPLE_EVERY, STEPS, AgentTimer
 
 if TYPE_CHECKING:
     from asyncsample.inference.batched import Batcher
@@ -528,8 +528,10 @@ class SamplerMetrics:
 
 
 def _gained(seen: dict[int, np.ndarray], key: int, clock: np.ndarray) -> np.ndarray:
-    """What ``clock`` gained since ``seen[key]`` (all of it when a new host started it again)."""
-    now = clock.copy()
+    """What ``clock``'s counters gained since ``seen[key]`` (all of it when a new host started
+    it again). Its last cell, ``CALLS``, is a gauge (it goes down as calls end), not a counter:
+    left out, or each fall would read as a restart and count everything again."""
+    now = clock[:CALLS].copy()
     last = seen.get(key)
     delta = now if last is None else now - last
     if (delta < 0).any():

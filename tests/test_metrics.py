@@ -311,6 +311,25 @@ def test_integer_tally_counts_as_observe() -> None:
     assert direct.counts.sum() > 0
 
 
+def test_a_host_clock_whose_calls_in_flight_fall_is_not_a_restart() -> None:
+    # a host of async envs keeps its env calls running in the clock's last cell (a gauge): a
+    # fall there between two folds must not read as a new host, which would count every timed
+    # step again
+    from asyncsample._clock import CALLS, CLOCK_SIZE, ENV, STEPS
+    from asyncsample.metrics import _gained
+
+    seen: dict[int, np.ndarray] = {}
+    clock = np.zeros(CLOCK_SIZE)
+    clock[ENV], clock[STEPS], clock[CALLS] = 8, 100, 3
+    assert _gained(seen, 0, clock)[STEPS] == 100
+    clock[ENV], clock[STEPS], clock[CALLS] = 16, 150, 1
+    gained = _gained(seen, 0, clock)
+    assert gained[ENV] == 8 and gained[STEPS] == 50
+    clock[:] = 0  # a restarted host's clock starts again: all of it is new
+    clock[STEPS] = 7
+    assert _gained(seen, 0, clock)[STEPS] == 7
+
+
 def test_policy_lag_fold_counts_as_observe() -> None:
     # the fold's policy lag (one bucket's add when every step has one version) is observe's
     from asyncsample.metrics import _LAG_BOUNDS, _fold_lags, _Hist
