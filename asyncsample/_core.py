@@ -57,7 +57,7 @@ from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_update import EnvChoice
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
-from asyncsample.inference.host import Host, pickle_agent
+from asyncsample.inference.host import Host, check_host_agent, pickle_agent
 from asyncsample.inference.modes import HostMode, InferenceMode, make_mode
 from asyncsample.metrics import make_metrics
 from asyncsample.seeding import worker_seeds
@@ -133,7 +133,10 @@ class SamplerCore:
         )
         self.env_sources = self._check_envs(config.env, "env")
         self.agents = self._check_agents(agent)
-        options = check_inference(config.inference, agent)  # validated before any work
+        # An async agent may run in the hosts only beside async envs: where the env may be one,
+        # its check waits for the probe env (_settle_kind).
+        self._host_awaits = maybe_async(self.env_sources[0]) and self.traits.host_mode
+        options = check_inference(config.inference, agent, awaited=self._host_awaits)
         self._options, self._worker_class = options, worker_class  # for _settle_kind
         # Each env stepped on its own (_env_tasks): on the lane backends, and on the host
         # backends once the probe env says the envs are async envs (_settle_kind).
@@ -147,13 +150,8 @@ class SamplerCore:
         self.mode: InferenceMode = make_mode(options, self._shared_agent_now, lanes)
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
-            if self.episode_timeout is not None:
-                raise ValueError(
-                    "episode_timeout needs inference='per_worker' or 'batched' (the sampler "
-                    "checks deadlines between steps; with inference='host' a chunk of steps "
-                    f"runs in the env host), got episode_timeout={self.episode_timeout!r} with "
-                    "inference='host'"
-                )
+            if not self._host_awaits:
+                self._check_chunked_host()
         kind = self.traits
         if kind.async_envs or not loop_runs_here():
             # No loop to stall (or an async env, built on the loop like every other): now.
@@ -240,6 +238,8 @@ class SamplerCore:
     def _settle_kind(self, async_envs: bool) -> None:
         """The probe env is an async env (``async_envs``): on a host backend, each env is then
         stepped on its own in the hosts' event loops (the lanes), with the lanes' checks."""
+        if isinstance(self._options, Host) and self._host_awaits and not async_envs:
+            self._check_chunked_host()  # blocking envs after all: chunks of steps in the hosts
         if async_envs and not self.lanes:
             self.hosted_lanes = True
             self._check_lane_inference(self._options, self._worker_class)
@@ -252,6 +252,20 @@ class SamplerCore:
                 metrics.state.lanes = True
         if self.max_concurrency is not None and not self.lanes:
             self._refuse_max_concurrency()
+
+    def _check_chunked_host(self) -> None:
+        """``inference="host"`` over blocking envs runs chunks of steps in the hosts: no async
+        agent (the hosts run no event loop) and no ``episode_timeout`` (no look between steps)."""
+        for a in {id(a): a for a in self.agents}.values():
+            if a is not None:
+                check_host_agent(a)
+        if self.episode_timeout is not None:
+            raise ValueError(
+                "episode_timeout needs inference='per_worker' or 'batched' (the sampler "
+                "checks deadlines between steps; with inference='host' a chunk of steps "
+                f"runs in the env host), got episode_timeout={self.episode_timeout!r} with "
+                "inference='host'"
+            )
 
     def _refuse_max_concurrency(self) -> None:
         raise ValueError(
@@ -637,14 +651,9 @@ class SamplerCore:
     def _check_lane_inference(
         self, options: Batched | Host | None, worker_class: type[Worker]
     ) -> Batched | Host | None:
-        """The lane backends batch agent calls themselves: no ``host`` mode or hooks there."""
-        if isinstance(options, Host) and self.hosted_lanes:
-            raise ValueError(
-                f"inference='host' does not run async envs yet (backend={self.backend_name!r} "
-                "steps them one at a time in its env hosts' event loops, the agent in this "
-                "process): use inference='per_worker' or 'batched'"
-            )
-        if isinstance(options, Host):
+        """The lane backends batch agent calls themselves: no ``host`` mode (but for async envs
+        in the env hosts, whose agent copies act there) or hooks there."""
+        if isinstance(options, Host) and not self.hosted_lanes:
             raise ValueError(
                 f"inference='host' needs backend={with_trait('host_mode')}, got "
                 f"backend={self.backend_name!r}: its envs live in this process, so the agent "
@@ -692,7 +701,8 @@ class SamplerCore:
             )
         if agent is not None:
             for a in {id(a): a for a in self.agents}.values():
-                pickle_agent(a)  # TypeError naming the agent when it cannot travel
+                # TypeError naming the agent when it cannot travel
+                pickle_agent(a, awaited=self._host_awaits)
 
     def _chunk_capacity(self, chunk_steps: int, spec: EnvSpec | None = None) -> int:
         """A host slot's chunk capacity for chunks of ``chunk_steps`` (host mode)."""

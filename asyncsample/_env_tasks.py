@@ -1,9 +1,12 @@
 """One coroutine per env: the stepper of hosts that step each env on its own (a
-:class:`~asyncsample.backends.base.PerEnvHost`: ``asyncio``, ``thread``).
+:class:`~asyncsample.backends.base.PerEnvHost`: ``asyncio``, ``thread``, async envs in the env
+hosts).
 
 Each env runs its own loop (reset when it must, ask for an action, step, record), so a slow env
 never stalls a fast one, and writes its own column of the worker's records (the recorder's
-per-env cursor), so the engine's rules and batch assembly apply unchanged.
+per-env cursor), so the engine's rules and batch assembly apply unchanged. With
+``inference="host"`` (an :class:`~asyncsample.backends.base.ActingHost`) the host's agent copy
+picks the action: one request per step, the action recorded from its reply.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import collections
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -22,7 +25,7 @@ from asyncsample._engine import CallMode, Part, QuotaView, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import tree_map
 from asyncsample.backends._closing import cancelled_by_env
-from asyncsample.backends.base import DeadlinePassed, PerEnvHost
+from asyncsample.backends.base import ActingHost, DeadlinePassed, PerEnvHost
 from asyncsample.errors import WorkerError
 from asyncsample.inference.batched import Batcher
 
@@ -165,18 +168,20 @@ class LaneStepper:
 
     Args:
         worker: the worker; its host must be a :class:`~asyncsample.backends.base.PerEnvHost`.
-        requests: the mode's merger of the envs' agent requests.
+        requests: the mode's merger of the envs' agent requests; ``None``: the host's agent
+            copies act (its host is an :class:`~asyncsample.backends.base.ActingHost`).
         part: the worker's part of the call. Once a ``samples`` call has its share, steps in
             flight are cancelled, or left running for a stream's next round to take up.
         settings: see :class:`LaneSettings`.
     """
 
     def __init__(
-        self, worker: Worker, requests: Batcher, part: Part, settings: LaneSettings
+        self, worker: Worker, requests: Batcher | None, part: Part, settings: LaneSettings
     ) -> None:
         self.worker = worker
         self.host = cast(PerEnvHost, worker.host)  # checked once, when the mode attached
         self.requests = requests
+        self.acting = cast(ActingHost, self.host) if requests is None else None
         self.episode_timeout = worker.episodes.episode_timeout
         self.admission = settings.admission()
         self.quota = quota = part.quota
@@ -195,7 +200,10 @@ class LaneStepper:
         worker.episodes.clock = asyncio.get_running_loop().time  # step_one's deadlines' clock
 
     async def start(self) -> None:
-        """Stamp the unstarted episodes; drop the steps left running that this call won't take."""
+        """Stamp the unstarted episodes; drop the steps left running that this call won't take
+        (the host's agent copy brought up to date first, where it acts)."""
+        if self.acting is not None:
+            await self.acting.sync_agent()
         episodes = self.worker.episodes
         if self.host.in_flight:
             keep = self.resume is Resume.EPISODES  # continuing: drop only those of envs to reset
@@ -293,6 +301,7 @@ class LaneStepper:
         worker = self.worker
         episodes = worker.episodes
         host = self.host
+        acting = self.acting
         buffers = host.buffers
         recorder = episodes.recorder
         rows = recorder.rows
@@ -358,33 +367,33 @@ class LaneStepper:
                         else:
                             observation = tree_map(functools.partial(_row_copy, i), buffers.obs)
                             put_row(rows.obs, (t, i), observation)
-                        action, infos = await self.requests.request(
-                            worker.agent,  # type: ignore[arg-type]
-                            w,
-                            observation,
-                        )
-                        if flat:
-                            rows.actions[t, i] = action
-                        else:
-                            put_row(rows.actions, (t, i), action)
-                        if infos or rows.agent_infos:
-                            store_agent_infos(rows, t, infos, i)
+                        when = None if deadline == _NEVER else deadline
+                        step: Awaitable[Any]
+                        if acting is None:
+                            action, infos = await self.requests.request(  # type: ignore[union-attr]
+                                worker.agent,  # type: ignore[arg-type]
+                                w,
+                                observation,
+                            )
+                            self._put_action(rows, t, i, action, infos, flat)
+                            step = host.step_one(i, action, when)
+                        else:  # the host's agent copy acts: the action comes with the reply
+                            step = acting.act_one(i, when)
                         rows.versions[t, i] = worker.agent_version
                         stepping = True
-                        when = None if deadline == _NEVER else deadline
                         if carry:  # a round's end may leave this lane as the step's carrier
                             cursor[i], lengths[i], returns[i] = t, length, ret
                             if steps_left is not None:
                                 steps_left[i] = left
                             carrying.add(i)
                             try:
-                                result = await host.step_one(i, action, when)
+                                result = await step
                             finally:
                                 carrying.discard(i)
                             if i in detached:
                                 return result
                         else:
-                            result = await host.step_one(i, action, when)
+                            result = await step
                 except DeadlinePassed:
                     if i in detached:
                         raise
@@ -430,7 +439,11 @@ class LaneStepper:
                     in_flight.pop(i, None)
                     carried = None
                 stepping = False
-                reward, terminated, truncated, info = result
+                if acting is None:
+                    reward, terminated, truncated, info = result
+                else:
+                    reward, terminated, truncated, info, action, infos = result
+                    self._put_action(rows, t, i, action, infos, flat)
                 rows.rewards[t, i] = reward
                 if info:
                     row = rows.env_infos.get(t)
@@ -477,6 +490,16 @@ class LaneStepper:
                     steps_left[i] = left
         return None
 
+    @staticmethod
+    def _put_action(rows: Any, t: int, i: int, action: Any, infos: Any, flat: bool) -> None:
+        """Record env ``i``'s action and agent infos at its row ``t``."""
+        if flat:
+            rows.actions[t, i] = action
+        else:
+            put_row(rows.actions, (t, i), action)
+        if infos or rows.agent_infos:
+            store_agent_infos(rows, t, infos, i)
+
     def _more(
         self, until: int, i: int, rule: StopRule, left: int, may_stop: Callable[[], bool] | None
     ) -> bool:
@@ -511,8 +534,8 @@ class LaneStepper:
         if deadline is not None:
             self.deadlines[i] = deadline
         episodes.episode_info[i] = episodes.fresh_info(episodes.episode_info[i], i, version)
-        reset = getattr(worker.agent, "reset", None)
-        if reset is not None:
+        reset = None if self.acting is not None else getattr(worker.agent, "reset", None)
+        if reset is not None:  # (an acting host's agent copy was reset with the env)
             reset(one.copy())
         return more()
 

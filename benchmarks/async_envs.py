@@ -31,9 +31,10 @@ Contenders, each cell in a fresh process (:func:`benchmarks._runner.run_fresh`; 
   threads, 256 by default).
 - ``ours-asyncio``: ``Sampler(backend="asyncio")`` on the async env.
 - ``ours-process-per_worker``, ``ours-process-batched``, ``ours-process-host``,
-  ``ours-ray-batched``: ``Sampler(async_env_factory, backend="process"|"ray", inference=...)``
-  with ``cores`` env hosts (issue 33). Today the sampler refuses async envs there: the cell
-  records the refusal (``refused: ...``) and the tables show it as not available.
+  ``ours-ray-batched``, ``ours-ray-host``: ``Sampler(async_env_factory,
+  backend="process"|"ray", inference=...)`` with ``cores`` env hosts (issue 33); ``host``: the
+  agent's copies act in the hosts. A cell the sampler refuses records the refusal
+  (``refused: ...``) and the tables show it as not available.
 - ``ours-asyncio-zero``: the async env with no latency at all (1,000 episodes): the per-step
   CPU cost of the asyncio path itself.
 
@@ -180,7 +181,7 @@ def _level(plan: Plan, n: int, base: dict[str, Any], wide_only: bool) -> Iterato
         if contender.startswith("ours-"):
             layouts = _layouts(n)
             if wide_only or (plan.quick and contender in HOST_CONTENDERS):
-                layouts = layouts[-1:]  # a quick run: one layout of the refused cells is enough
+                layouts = layouts[-1:]  # a quick run: one layout of the host cells is enough
             for w, e in layouts:
                 threads = min(plan.thread_pool, n) if contender == "ours-thread" else 0
                 yield CellSpec(contender, n, w, e, threads, **base)

@@ -57,6 +57,7 @@ HOST_CONTENDERS = {
     "ours-process-batched": ("process", "batched"),
     "ours-process-host": ("process", "host"),
     "ours-ray-batched": ("ray", "batched"),
+    "ours-ray-host": ("ray", "host"),
 }
 
 CONTENDERS = [

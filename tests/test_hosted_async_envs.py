@@ -54,10 +54,12 @@ async def _batches(sampler: Sampler, mode: str) -> list[EpisodeBatch]:
 
 
 @pytest.mark.parametrize("mode", ["episodes", "fragments"])
-@pytest.mark.parametrize("inference", ["per_worker", "batched"])
+@pytest.mark.parametrize("inference", ["per_worker", "batched", "host"])
 async def test_batches_equal_the_asyncio_backends(
     make_sampler: Any, backend: str, mode: str, inference: str
 ) -> None:
+    """``host``: the hosts' agent copies act; the batches equal the asyncio backend's with the
+    agent in the caller."""
     out = {}
     for name in ("asyncio", backend):
         sampler = make_sampler(
@@ -67,7 +69,7 @@ async def test_batches_equal_the_asyncio_backends(
             n_workers=3,
             envs_per_worker=4,
             seed=3,
-            inference=inference,
+            inference="per_worker" if name == "asyncio" and inference == "host" else inference,
         )
         out[name] = await _batches(sampler, mode)
         await sampler.aclose()
@@ -232,18 +234,149 @@ async def test_a_stream_with_updates(make_sampler: Any, backend: str) -> None:
     assert (after.lengths == 2).all()
 
 
-async def test_inference_host_is_refused_clearly() -> None:
-    """Built in a running loop, the probe env is read as the sampler starts: refused there."""
-    sampler = Sampler(CountingAsyncEnv, backend="process", inference="host")
-    with pytest.raises(ValueError, match="inference='host' does not run async envs yet"):
+class PidAgent:
+    """Deterministic (:class:`ThresholdAgent`'s rule), async or not, with its process id, its
+    parameter and its rows per call in the agent infos; ``fail``: raises on its call."""
+
+    def __init__(self, awaits: bool = False, fail: bool = False) -> None:
+        self.awaits, self.fail, self.param = awaits, fail, 0
+        self.resets = 0
+
+    def set_param_values(self, params: Any) -> None:
+        self.param = int(params)
+
+    def reset(self, mask: np.ndarray) -> None:
+        self.resets += int(mask.sum())
+
+    def _output(self, observations: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        if self.fail:
+            raise ArithmeticError("the agent's own error")
+        obs = np.asarray(observations)
+        n = len(obs)
+        infos = {
+            "pid": np.full(n, os.getpid()),
+            "param": np.full(n, self.param),
+            "rows": np.full(n, n),
+            "resets": np.full(n, self.resets),
+        }
+        return (obs[..., 1] > 0.5).astype(np.int64), infos
+
+    def get_actions(self, observations: Any) -> Any:
+        if not self.awaits:
+            return self._output(observations)
+
+        async def later() -> tuple[np.ndarray, dict[str, Any]]:
+            await asyncio.sleep(0.001)  # an agent behind a service
+            return self._output(observations)
+
+        return later()
+
+
+@pytest.mark.parametrize("awaits", [False, True])
+async def test_inference_host_runs_the_agent_in_the_hosts(
+    make_sampler: Any, backend: str, awaits: bool
+) -> None:
+    """The hosts' agent copies act (their pid), merged over the envs ready in a pass (rows per
+    call above one), reset with their envs; async agents are awaited there; parameter updates
+    and a new agent reach them, and each step records the version it ran under."""
+    sampler = make_sampler(
+        backend,
+        random_length(3, 8, 0.002),
+        PidAgent(awaits),
+        n_workers=2,
+        envs_per_worker=8,
+        n_processes=2,
+        inference="host",
+    )
+    batch = await sampler.obtain_exact_episodes(8)
+    pids = set(batch.agent_infos["pid"].tolist())
+    assert os.getpid() not in pids and len(pids) == 2
+    if backend == "process":
+        assert pids <= set(sampler._core.backend.pids)  # type: ignore[union-attr]
+    assert batch.agent_infos["rows"].max() > 1
+    assert (batch.agent_infos["resets"] >= 1).all()  # the copy saw its env's reset first
+    assert (batch.agent_infos["param"] == 0).all()
+    assert (batch.agent_versions == 0).all()
+    after = await sampler.obtain_exact_episodes(4, agent_update=np.array(7))
+    assert (after.agent_infos["param"] == 7).all()
+    assert (after.agent_versions == 1).all()
+    fresh = await sampler.obtain_exact_episodes(4, agent_update=PidAgent(awaits))
+    assert (fresh.agent_infos["param"] == 0).all()
+    assert (fresh.agent_versions == 2).all()
+
+
+async def test_inference_host_agent_error_fails_the_call(make_sampler: Any) -> None:
+    """An error of the hosts' agent copy is the call's, named, not an env's fault: no env is
+    rebuilt for it, and the sampler stays usable."""
+    sampler = make_sampler(
+        "process",
+        random_length(3, 8, None),
+        PidAgent(fail=True),
+        n_workers=1,
+        envs_per_worker=4,
+        inference="host",
+    )
+    with pytest.raises(ArithmeticError, match="the agent's own error") as info:
+        await sampler.obtain_samples(20)
+    assert any("worker 0" in note for note in getattr(info.value, "__notes__", ()))
+    assert sampler.restarts == 0
+    batch = await sampler.obtain_samples(20, agent_update=PidAgent())
+    assert batch.n_transitions >= 20
+
+
+async def test_inference_host_agent_reinstalled_in_a_restarted_host(make_sampler: Any) -> None:
+    """A killed host's envs are rebuilt in its successor, and so is the agent copy, mid-call."""
+    sampler = make_sampler(
+        "process",
+        random_length(5, 15, 0.002),
+        PidAgent(),
+        n_workers=2,
+        envs_per_worker=8,
+        n_processes=2,
+        seed=0,
+        inference="host",
+    )
+    await sampler.obtain_samples(50)
+    hosts = sampler._core.backend
+    call = asyncio.ensure_future(sampler.obtain_exact_episodes(40))
+    await asyncio.sleep(0.05)
+    victim = hosts.pids[0]  # type: ignore[union-attr]
+    os.kill(victim, signal.SIGKILL)
+    batch = await call
+    assert sampler.restarts >= 1
+    assert victim not in set(batch.agent_infos["pid"][-20:].tolist())
+    assert len(batch.lengths) == 2 * 40
+    for episode in batch.split():
+        np.testing.assert_array_equal(
+            episode.observations[:, 0], np.arange(len(episode.step_types))
+        )
+
+
+async def test_inference_host_refuses_an_async_agent_over_blocking_envs() -> None:
+    """A factory may build either kind: with blocking envs after all, ``host`` runs chunks in
+    hosts without an event loop, so an async agent (and ``episode_timeout``) is refused then."""
+
+    class AsyncAgent:
+        async def get_actions(self, observations: Any) -> Any:
+            return np.zeros(len(observations), dtype=np.int64), {}
+
+    with pytest.raises(ValueError, match="inference='host' cannot run an async agent"):
+        await asyncio.to_thread(
+            Sampler,
+            functools.partial(gym.make, "CartPole-v1"),
+            AsyncAgent(),
+            backend="process",
+            inference="host",
+        )
+    sampler = Sampler(
+        functools.partial(gym.make, "CartPole-v1"),
+        backend="process",
+        inference="host",
+        episode_timeout=1.0,
+    )
+    with pytest.raises(ValueError, match="episode_timeout needs inference='per_worker'"):
         await sampler.start()
     await sampler.aclose()
-
-
-async def test_inference_host_is_refused_at_construction_without_a_loop() -> None:
-    """Built where no loop runs (a thread here), the probe env is read at once: refused there."""
-    with pytest.raises(ValueError, match="inference='host' does not run async envs yet"):
-        await asyncio.to_thread(Sampler, CountingAsyncEnv, backend="process", inference="host")
 
 
 async def test_blocking_envs_still_take_the_lockstep_path(make_sampler: Any) -> None:

@@ -47,6 +47,8 @@ __all__ = [
     "chunk_capacity",
     "chunk_rows",
     "chunk_sets",
+    "install_agent",
+    "set_agent_params",
 ]
 
 #: Default longest chunk, in worker steps (an agent update waits at most this long to apply).
@@ -329,6 +331,36 @@ def agent_error(exc: Exception, worker: int) -> BaseException:
     return AgentFailure(f"{note}: {type(exc).__name__}: {exc}")
 
 
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    return fn(*args)
+
+
+def install_agent(blob: bytes, call: Callable[..., Any] = _call) -> Any:
+    """The agent copy in ``blob`` (``pickle((cloudpickled agent, seed))``, see
+    :func:`~asyncsample.inference.host.with_seed`), seeded with ``agent.seed(seed)`` where it has
+    one (through ``call(fn, *args)``, which may wrap what the agent raises)."""
+    agent_blob, seed = pickle.loads(blob)
+    agent = pickle.loads(agent_blob)
+    seeder = getattr(agent, "seed", None)
+    if seed is not None and callable(seeder):
+        call(seeder, int(seed))
+    return agent
+
+
+def set_agent_params(
+    agent: Any, blob: bytes, worker: int, call: Callable[..., Any] = _call
+) -> None:
+    """``agent.set_param_values(params)`` with the parameters pickled in ``blob``."""
+    params = pickle.loads(blob)
+    setter = getattr(agent, "set_param_values", None)
+    if setter is None:
+        raise TypeError(
+            f"agent_update is a parameter set but the agent of worker {worker} has no "
+            "set_param_values"
+        )
+    call(setter, params)
+
+
 class ChunkRunner:
     """One worker slot's agent copy and chunk loop over its ``group`` of envs, into its sets of
     ``chunks``; actions are checked against ``action_space``."""
@@ -350,25 +382,14 @@ class ChunkRunner:
 
     def install(self, blob: bytes) -> None:
         """Install the agent in ``blob`` (``pickle((cloudpickled agent, seed))``), seeded."""
-        agent_blob, seed = pickle.loads(blob)
-        agent = pickle.loads(agent_blob)
-        seeder = getattr(agent, "seed", None)
-        if seed is not None and callable(seeder):
-            self._guard(seeder, int(seed))
+        agent = install_agent(blob, self._guard)
         self.agent = agent
         self._output_check.forget()
         self._trusted = trusted_actions(agent, self.action_space)
 
     def set_params(self, blob: bytes) -> None:
         """``agent.set_param_values(params)`` with the parameters pickled in ``blob``."""
-        params = pickle.loads(blob)
-        setter = getattr(self.agent, "set_param_values", None)
-        if setter is None:
-            raise TypeError(
-                f"agent_update is a parameter set but the agent of worker {self.group.worker} has "
-                "no set_param_values"
-            )
-        self._guard(setter, params)
+        set_agent_params(self.agent, blob, self.group.worker, self._guard)
 
     def reset_agent(self, mask: np.ndarray) -> None:
         """``agent.reset(mask)``, where the agent has it (episodes start in ``mask``)."""

@@ -17,7 +17,7 @@ import cloudpickle
 
 from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
-from asyncsample.backends._lane_serve import PENDING, ST_DEADLINE, LaneKind
+from asyncsample.backends._lane_serve import PENDING, ST_AGENT, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import HostDied, Incarnation, PoolMember, closed_error
 from asyncsample.backends._transport import ST_OK, dumps
 from asyncsample.backends.aio import PerEnvLockstep
@@ -150,6 +150,8 @@ class RemoteLanes(PerEnvLockstep):
             return value
         if status == ST_DEADLINE:
             raise DeadlinePassed
+        if status == ST_AGENT and isinstance(value, WorkerError):
+            value.retry = False  # the agent copy's error: the call's, never the env's
         raise value
 
     @staticmethod
@@ -179,6 +181,13 @@ class RemoteLanes(PerEnvLockstep):
         long as the step, and thousands in flight keep the cyclic collector busy)."""
         return self._lane(LaneKind.STEP, i, action, self._left(deadline))
 
+    def act_one(
+        self, i: int, deadline: float | None = None
+    ) -> Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
+        """Step env ``i`` in the host with the action its agent copy picks (``inference="host"``):
+        ``(reward, terminated, truncated, info, action, agent_infos)``; see :meth:`step_one`."""
+        return self._lane(LaneKind.ACT, i, self._left(deadline))
+
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again, in a new host if this one died (its other envs are rebuilt
         by their own lanes as they find it dead)."""
@@ -188,6 +197,8 @@ class RemoteLanes(PerEnvLockstep):
         blob = cloudpickle.dumps(list(chain), protocol=pickle.HIGHEST_PROTOCOL)
         await self._lane(LaneKind.REBUILD, i, blob, seed)
         self._built_in[i] = self._incarnation
+        if getattr(self, "_agent_blob", None) is not None:  # inference="host": a new host's copy
+            await self.sync_agent()  # type: ignore[attr-defined]
 
 
 def _put(buffer: Any, i: int, row: Any) -> None:

@@ -16,7 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from asyncsample._tree import tree_map
+from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -33,12 +36,14 @@ from asyncsample.backends.aio import LaneHost, make_async_env
 from asyncsample.backends.base import DeadlinePassed, HostSpec
 from asyncsample.env_group import PENDING_SEED, EnvFailure, StepBuffers
 from asyncsample.errors import WorkerError
+from asyncsample.inference.batched import Batched, Batcher
 
 __all__ = [
     "LANES_ID",
     "LaneKind",
     "LaneOptions",
     "LaneServer",
+    "ST_AGENT",
     "ST_DEADLINE",
     "loop_factory",
     "quiet_collector",
@@ -50,6 +55,8 @@ __all__ = [
 LANES_ID = 0xFFFFFFFF
 #: A lane reply's status when the episode's deadline came first (the call was cancelled).
 ST_DEADLINE = 2
+#: A lane reply's status when the agent copy raised (``inference="host"``): the call fails.
+ST_AGENT = 3
 
 
 class LaneKind:
@@ -59,6 +66,7 @@ class LaneKind:
     RESET = 1  # (RESET, key, slot, env, seed or PENDING, options, seconds left or None)
     REBUILD = 2  # (REBUILD, key, slot, env, cloudpickled chain, seed)
     CANCEL = 3  # (CANCEL, key): the caller gave up on request ``key``
+    ACT = 4  # (ACT, key, slot, env, seconds left or None): the slot's agent copy acts, env steps
 
 
 #: A reset with the env's pending seed (``PENDING_SEED`` does not survive pickling).
@@ -180,7 +188,13 @@ class LaneServer:
     or buffers of their own), serving lane requests and whole-worker calls as tasks on the
     running loop; each pass of the loop's finished lane requests go to ``send`` as one pickled
     list of ``(key, status, value)``. ``obs_in_reply``: the caller does not share the buffers
-    (Ray), so each reply carries its env's observation (and final observation)."""
+    (Ray), so each reply carries its env's observation (and final observation).
+
+    With ``inference="host"`` each slot holds a seeded copy of its worker's agent (installed and
+    updated by whole-worker requests); an :data:`LaneKind.ACT` request asks it for the env's
+    action and steps the env with it. The requests of one pass of the loop are merged into one
+    agent call per slot (async agents awaited here), and the reply carries the action and its
+    agent infos after the step's ``(reward, terminated, truncated, info)``."""
 
     def __init__(
         self,
@@ -213,6 +227,8 @@ class LaneServer:
         self.envs: dict[tuple[int, int], _EnvLane] = {}  # each env's queue of lane requests
         self.keys: dict[int, tuple[int, int]] = {}  # the env of each request not yet answered
         self.calls: set[asyncio.Task[Any]] = set()
+        self.agents: list[Any] = [None] * len(self.slots)  # inference="host": agent copies
+        self._batcher: Batcher | None = None  # their merged calls, made with the first
 
     async def shut(self) -> None:
         """Cancel what runs and close every env (each close bounded by ``close_timeout``)."""
@@ -226,16 +242,22 @@ class LaneServer:
     # -- whole-worker requests ------------------------------------------------------------------
 
     def call(self, slot: int, op: int, body: bytes) -> asyncio.Task[tuple[int, bytes]]:
-        """Run a whole-worker request (build, update, call, set_attr, close) of slot ``slot``;
-        its task's result is the reply's ``(status, payload)``."""
-        task = asyncio.ensure_future(self._call(self.slots[slot], op, body))
+        """Run a whole-worker request (build, update, call, set_attr, close, agent install or
+        parameters) of slot ``slot``; its task's result is the reply's ``(status, payload)``."""
+        task = asyncio.ensure_future(self._call(slot, op, body))
         self.calls.add(task)
         task.add_done_callback(self.calls.discard)
         return task
 
-    @staticmethod
-    async def _call(slot: LaneHost, op: int, body: bytes) -> tuple[int, bytes]:
+    async def _call(self, k: int, op: int, body: bytes) -> tuple[int, bytes]:
+        slot = self.slots[k]
         try:
+            if op == Op.AGENT:
+                self.agents[k] = install_agent(bytes(body))
+                return ST_OK, b""
+            if op == Op.PARAMS:
+                set_agent_params(self.agents[k], bytes(body), slot.spec.worker)
+                return ST_OK, b""
             args = pickle.loads(body) if len(body) else ()
             value: Any = None
             if op == Op.BUILD:
@@ -298,10 +320,16 @@ class LaneServer:
                 if kind == LaneKind.STEP:
                     when = None if request[5] is None else loop.time() + request[5]
                     value = await host.step_one(i, request[4], when)
+                elif kind == LaneKind.ACT:
+                    when = None if request[4] is None else loop.time() + request[4]
+                    value = await self._act(request[2], host, i, when)
                 elif kind == LaneKind.RESET:
                     seed = PENDING_SEED if request[4] == PENDING else request[4]
                     when = None if request[6] is None else loop.time() + request[6]
                     value = await host.reset_one(i, seed, request[5], when)
+                    agent = self.agents[request[2]]
+                    if agent is not None and hasattr(agent, "reset"):  # its copy starts it too
+                        self._agent_reset(agent, host, i)
                 else:
                     await host.rebuild_one(i, pickle.loads(request[4]), request[5])
                     value = None
@@ -326,6 +354,8 @@ class LaneServer:
                     self.flushing = True
                     loop.call_soon(self._flush)
                 continue
+            except _AgentFault as fault:
+                reply = (key, ST_AGENT, fault.error)
             except Exception as exc:
                 reply = (key, ST_FAIL, exc if round_trips(exc) else _portable(exc))
             finally:
@@ -335,6 +365,41 @@ class LaneServer:
             if not self.flushing:
                 self.flushing = True
                 loop.call_soon(self._flush)
+
+    async def _act(
+        self, k: int, host: LaneHost, i: int, when: float | None
+    ) -> tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]:
+        """Env ``i`` of slot ``k`` steps with the action its agent copy picks for its observation:
+        ``(reward, terminated, truncated, info, action, agent_infos)``."""
+        agent = self.agents[k]
+        worker = host.spec.worker
+        if agent is None:
+            raise _agent_fault(
+                RuntimeError(f"worker {worker}: no agent installed in its env host"), worker
+            )
+        batcher = self._batcher
+        if batcher is None:
+            batcher = self._batcher = Batcher(Batched(), action_space=host.spec.action_space)
+        obs = host.buffers.obs
+        observation = (
+            obs[i] if isinstance(obs, (np.ndarray, list)) else tree_map(lambda a: a[i], obs)
+        )
+        try:
+            action, infos = await batcher.request(agent, worker, observation)
+        except Exception as exc:
+            raise _agent_fault(exc, worker) from None
+        reward, terminated, truncated, info = await host.step_one(i, action, when)
+        return reward, terminated, truncated, info, action, infos
+
+    @staticmethod
+    def _agent_reset(agent: Any, host: LaneHost, i: int) -> None:
+        """``agent.reset(mask)`` of the copy for env ``i``'s new episode (one-hot ``mask``)."""
+        mask = np.zeros(host.n_envs, dtype=bool)
+        mask[i] = True
+        try:
+            agent.reset(mask)
+        except Exception as exc:
+            raise _agent_fault(exc, host.spec.worker) from None
 
     def _flush(self) -> None:
         self.flushing = False
@@ -374,6 +439,19 @@ def _row(tree: Any, i: int) -> Any:
     if isinstance(tree, list):
         return tree[i]
     return tree_map(lambda a: a[i].copy(), tree)
+
+
+class _AgentFault(Exception):
+    """What the agent copy raised, on its way to the caller as the call's error (not the env's:
+    the env is not rebuilt for it)."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _agent_fault(exc: BaseException, worker: int) -> _AgentFault:
+    return _AgentFault(agent_error(exc, worker) if isinstance(exc, Exception) else exc)
 
 
 def _portable(exc: BaseException) -> WorkerError:

@@ -20,6 +20,7 @@ from asyncsample.errors import WorkerError
 
 __all__ = [
     "LOGGER",
+    "ActingHost",
     "Backend",
     "DirectReader",
     "EnvHost",
@@ -326,4 +327,21 @@ class PerEnvHost(Protocol):
 
     async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
         """Cancel the carried steps of ``envs`` (default: all); which envs had one."""
+        ...
+
+
+@runtime_checkable
+class ActingHost(PerEnvHost, Protocol):
+    """A :class:`PerEnvHost` whose envs' actions its own agent copies pick (async envs in the
+    env hosts with ``inference="host"``): one request per step, the action in the reply."""
+
+    def act_one(
+        self, i: int, deadline: float | None = None
+    ) -> Awaitable[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
+        """Step env ``i`` with its agent copy's action for its observation: ``(reward,
+        terminated, truncated, info, action, agent_infos)``."""
+        ...
+
+    async def sync_agent(self) -> int:
+        """Send the agent and parameters the host lacks; the agent version in force there."""
         ...

@@ -19,17 +19,21 @@ __all__ = [
 ]
 
 
-def check_inference(inference: Any, agent: Any) -> Batched | Host | None:
+def check_inference(inference: Any, agent: Any, awaited: bool = False) -> Batched | Host | None:
     """Validate ``Sampler(inference=..., agent=...)``; the mode's options, or ``None``.
+
+    Args:
+        awaited: the envs may be async envs, whose hosts await an async agent (``"host"``): its
+            check is left to when the envs' kind is known.
 
     Raises:
         ValueError: an unknown mode, ``"batched"`` without exactly one shared agent, or
-            ``"host"`` with an async agent.
+            ``"host"`` with an async agent (not ``awaited``).
     """
     if isinstance(inference, Host) or (isinstance(inference, str) and inference == "host"):
         host = inference if isinstance(inference, Host) else Host()
         for a in agent if isinstance(agent, list) else [agent]:
-            if a is not None:
+            if a is not None and not awaited:
                 check_host_agent(a)
         return host
     if isinstance(inference, Batched):

@@ -87,9 +87,11 @@ def check_host_agent(agent: Any, name: str = "agent") -> None:
         )
 
 
-def pickle_agent(agent: Any, name: str = "agent") -> bytes:
-    """``cloudpickle(agent)``; ``TypeError`` naming the agent if it cannot be pickled."""
-    check_host_agent(agent, name)
+def pickle_agent(agent: Any, name: str = "agent", awaited: bool = False) -> bytes:
+    """``cloudpickle(agent)``; ``TypeError`` naming the agent if it cannot be pickled.
+    ``awaited``: the hosts run an event loop (async envs), so an async agent is welcome."""
+    if not awaited:
+        check_host_agent(agent, name)
     try:
         blob: bytes = cloudpickle.dumps(agent, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
@@ -101,14 +103,15 @@ def pickle_agent(agent: Any, name: str = "agent") -> bytes:
     return blob
 
 
-def prepare_update(update: Any) -> Any:
-    """What to forward to the hosts for ``update`` (checked and pickled once for all hosts)."""
+def prepare_update(update: Any, awaited: bool = False) -> Any:
+    """What to forward to the hosts for ``update`` (checked and pickled once for all hosts);
+    ``awaited``: see :func:`pickle_agent`."""
     if isinstance(update, list):
-        return [prepare_update(u) for u in update]
+        return [prepare_update(u, awaited) for u in update]
     if update is None:
         return None
     if not isinstance(update, (dict, tuple, np.ndarray)):
-        return ("agent", pickle_agent(update, "agent_update"))
+        return ("agent", pickle_agent(update, "agent_update", awaited))
     try:
         return ("params", pickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception:

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from asyncsample._engine import Episodes, Part, Stepper, StepStepper
 from asyncsample._env_tasks import LaneSettings, LaneStepper
 from asyncsample.agent import Agent
-from asyncsample.backends.base import PerEnvHost
+from asyncsample.backends.base import ActingHost, PerEnvHost
 from asyncsample.inference.batched import Batched, Batcher
 from asyncsample.inference.host import (
     ChunkStepper,
@@ -162,29 +162,40 @@ class BatchedMode(InferenceMode):
 
 
 class HostMode(InferenceMode):
-    """``"host"``: a copy of the agent in every env host, one chunk of steps per request."""
+    """``"host"``: a copy of the agent in every env host, one chunk of steps per request; with
+    ``lanes`` (async envs in the hosts), one step per request, each env on its own, the host's
+    copy acting on the envs ready in a pass of its loop."""
 
-    def __init__(self, options: Host) -> None:
-        super().__init__()
+    def __init__(self, options: Host, lanes: LaneSettings | None = None) -> None:
+        super().__init__(lanes)
         self.options = options
         self.ahead: dict[int, RunAhead] = {}
         """By worker number, the chunk sent for a stream's next round (see :class:`RunAhead`)."""
 
     def chunk_steps(self, capacity: Callable[[int], int]) -> int:
-        """The chunk capacity for :attr:`Host.chunk_steps`."""
-        return capacity(self.options.chunk_steps)
+        """The chunk capacity for :attr:`Host.chunk_steps` (none with lanes: no chunks)."""
+        return 0 if self.lanes is not None else capacity(self.options.chunk_steps)
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
         """Every worker's host gets a copy of the worker's agent, seeded with its agent seed."""
+        if self.lanes is not None:
+            bad = [w.worker_number for w in workers if not isinstance(w.host, ActingHost)]
+            if bad:
+                raise TypeError(f"workers {bad}: their hosts cannot run the agent per env")
         blobs: dict[int, bytes] = {}
         for worker, seed in zip(workers, agent_seeds):
             blob = blobs.get(id(worker.agent))
             if blob is None:  # one pickle per distinct agent
-                blob = blobs[id(worker.agent)] = pickle_agent(worker.agent)
+                blob = blobs[id(worker.agent)] = pickle_agent(
+                    worker.agent, awaited=self.lanes is not None
+                )
             agent_host(worker).set_agent(with_seed(blob, seed), worker.agent_version)
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
-        """One chunk per request; the next round's first chunk sent as the part ends."""
+        """One chunk per request, the next round's first chunk sent as the part ends; with
+        lanes, one lane per env, the host's agent copy acting."""
+        if self.lanes is not None:
+            return LaneStepper(worker, None, part, self.lanes)  # type: ignore[arg-type]
         return ChunkStepper(worker, self.options.chunk_steps, self.ahead, part.then, part.quota)
 
     async def ended(self, stepper: Stepper) -> None:
@@ -210,7 +221,7 @@ class HostMode(InferenceMode):
         agent_seeds: list[int],
     ) -> None:
         """Check and pickle (a refused update changes nothing), apply, then send to the hosts."""
-        prepared = prepare_update(agent_update)
+        prepared = prepare_update(agent_update, awaited=self.lanes is not None)
         apply()
         items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
         for worker, item, seed in zip(workers, items, agent_seeds):
@@ -233,7 +244,7 @@ def make_mode(
 ) -> InferenceMode:
     """The strategy for :func:`~asyncsample.inference.check_inference`'s options."""
     if isinstance(options, Host):
-        return HostMode(options)
+        return HostMode(options, lanes)
     if isinstance(options, Batched):
         return BatchedMode(options, shared_agent, lanes)
     return InferenceMode(lanes)
