@@ -9,6 +9,7 @@ one frame per pass of the event loop, and hands each reply of the host's batches
 from __future__ import annotations
 
 import asyncio
+import collections
 import pickle
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -26,7 +27,13 @@ from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import WorkerCrashedError, WorkerError
 
-__all__ = ["LaneLink", "RemoteLanes"]
+__all__ = ["REPLIES_PER_PASS", "LaneLink", "RemoteLanes"]
+
+#: The most lane replies handed to their waiters in one pass of the caller's loop: each wakes a
+#: lane, which records its step and asks for the next (~10 us), so a host's batch of thousands
+#: handed over at once held the caller's loop for tens of milliseconds (lag p99 over 100 ms at
+#: 10,000 episodes); the rest wait for the next pass, after the loop's other callbacks.
+REPLIES_PER_PASS = 256
 
 
 class LaneLink:
@@ -39,6 +46,8 @@ class LaneLink:
         self._waiting: dict[int, asyncio.Future[tuple[int, Any]]] = {}
         self._next = 0
         self._flushing = False
+        self._backlog: collections.deque[tuple[int, int, Any]] = collections.deque()
+        self._draining = False
         self.dead: BaseException | None = None
 
     def submit(self, kind: int, *args: Any) -> tuple[int, asyncio.Future[tuple[int, Any]]]:
@@ -71,9 +80,29 @@ class LaneLink:
             self._send(dumps(out))
 
     def replied(self, payload: bytes) -> None:
-        """A batch of replies came: ``(key, status, value)`` each."""
+        """A batch of replies came: ``(key, status, value)`` each, handed to their waiters at
+        most :data:`REPLIES_PER_PASS` per pass of the loop (in the order they came)."""
+        replies = pickle.loads(payload)
+        if not self._backlog and len(replies) <= REPLIES_PER_PASS:
+            self._hand(replies)
+            return
+        self._backlog.extend(replies)
+        if not self._draining:
+            self._draining = True
+            self._drain()
+
+    def _drain(self) -> None:
+        backlog = self._backlog
+        n = min(len(backlog), REPLIES_PER_PASS)
+        self._hand([backlog.popleft() for _ in range(n)])
+        if backlog:
+            self._loop.call_soon(self._drain)
+        else:
+            self._draining = False
+
+    def _hand(self, replies: list[tuple[int, int, Any]]) -> None:
         waiting = self._waiting
-        for key, status, value in pickle.loads(payload):
+        for key, status, value in replies:
             future = waiting.pop(key, None)
             if future is not None and not future.done():
                 future.set_result((status, value))
@@ -83,6 +112,7 @@ class LaneLink:
         self.dead = error
         waiting, self._waiting = self._waiting, {}
         self._out.clear()
+        self._backlog.clear()
         for future in waiting.values():
             if not future.done():
                 future.set_exception(error)
