@@ -302,6 +302,8 @@ class LaneStepper:
         episodes = worker.episodes
         host = self.host
         acting = self.acting
+        # A remote host's step as a bare future (no coroutine per step; see RemoteLanes.step_soon)
+        soon = getattr(host, "step_soon" if acting is None else "act_soon", None)
         buffers = host.buffers
         recorder = episodes.recorder
         rows = recorder.rows
@@ -376,9 +378,13 @@ class LaneStepper:
                                 observation,
                             )
                             self._put_action(rows, t, i, action, infos, flat)
-                            step = host.step_one(i, action, when)
+                            step = (
+                                host.step_one(i, action, when)
+                                if soon is None
+                                else soon(i, action, when)
+                            )
                         else:  # the host's agent copy acts: the action comes with the reply
-                            step = acting.act_one(i, when)
+                            step = acting.act_one(i, when) if soon is None else soon(i, when)
                         rows.versions[t, i] = worker.agent_version
                         stepping = True
                         if carry:  # a round's end may leave this lane as the step's carrier
@@ -386,14 +392,17 @@ class LaneStepper:
                             if steps_left is not None:
                                 steps_left[i] = left
                             carrying.add(i)
-                            try:
-                                result = await step
-                            finally:
-                                carrying.discard(i)
-                            if i in detached:
-                                return result
-                        else:
+                        try:
                             result = await step
+                        except asyncio.CancelledError:
+                            if soon is not None:  # a bare future: the host is told
+                                host.abandon(i)  # type: ignore[attr-defined]
+                            raise
+                        finally:
+                            if carry:
+                                carrying.discard(i)
+                        if carry and i in detached:
+                            return result
                 except DeadlinePassed:
                     if i in detached:
                         raise

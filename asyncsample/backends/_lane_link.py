@@ -19,7 +19,7 @@ import cloudpickle
 from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
 from asyncsample.backends._lane_serve import PENDING, ST_AGENT, ST_DEADLINE, LaneKind
-from asyncsample.backends._remote import HostDied, Incarnation, PoolMember, closed_error
+from asyncsample.backends._remote import Incarnation, PoolMember, closed_error
 from asyncsample.backends._transport import ST_OK, dumps
 from asyncsample.backends.aio import PerEnvLockstep
 from asyncsample.backends.base import DeadlinePassed
@@ -27,7 +27,10 @@ from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import WorkerCrashedError, WorkerError
 
-__all__ = ["REPLIES_PER_PASS", "LaneLink", "RemoteLanes"]
+__all__ = ["REPLIES_PER_PASS", "ST_DIED", "LaneLink", "RemoteLanes"]
+
+#: The status a request's owner settles it with when its host died (``value``: the error).
+ST_DIED = -1
 
 #: The most lane replies handed to their waiters in one pass of the caller's loop: each wakes a
 #: lane, which records its step and asks for the next (~10 us), so a host's batch of thousands
@@ -43,29 +46,41 @@ class LaneLink:
         self._send = send
         self._loop = loop
         self._out: list[tuple[Any, ...]] = []
-        self._waiting: dict[int, asyncio.Future[tuple[int, Any]]] = {}
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._owners: dict[int, RemoteLanes] = {}  # who settles each request's future
+        self._envs: dict[int, int] = {}  # the env of each request
         self._next = 0
         self._flushing = False
         self._backlog: collections.deque[tuple[int, int, Any]] = collections.deque()
         self._draining = False
         self.dead: BaseException | None = None
 
-    def submit(self, kind: int, *args: Any) -> tuple[int, asyncio.Future[tuple[int, Any]]]:
-        """Queue a request (sent at the end of this pass of the loop): its key and reply."""
+    def submit(
+        self, owner: RemoteLanes, kind: int, slot: int, i: int, *args: Any
+    ) -> tuple[int, asyncio.Future[Any]]:
+        """Queue a request for env ``i`` of worker slot ``slot`` (sent at the end of this pass of
+        the loop): its key, and the future ``owner`` settles with its reply
+        (:meth:`RemoteLanes.settle`). Two dict entries per request, no object of its own: with
+        thousands in flight, each object that lives as long as a step is one more for the
+        cyclic collector to walk."""
         key = self._next
         self._next = key + 1
         future = self._loop.create_future()
         if self.dead is not None:
-            future.set_exception(self.dead)
+            owner.settle(i, ST_DIED, self.dead, future)
             return key, future
         self._waiting[key] = future
-        self._queue((kind, key, *args))
+        self._owners[key] = owner
+        self._envs[key] = i
+        self._queue((kind, key, slot, i, *args))
         return key, future
 
     def cancel(self, key: int) -> None:
         """The caller gave up on ``key``: the host cancels it (its reply, if any, is dropped)."""
-        if self._waiting.pop(key, None) is not None and self.dead is None:
-            self._queue((LaneKind.CANCEL, key))
+        if self._waiting.pop(key, None) is not None:
+            del self._owners[key], self._envs[key]
+            if self.dead is None:
+                self._queue((LaneKind.CANCEL, key))
 
     def _queue(self, request: tuple[Any, ...]) -> None:
         self._out.append(request)
@@ -101,21 +116,26 @@ class LaneLink:
             self._draining = False
 
     def _hand(self, replies: list[tuple[int, int, Any]]) -> None:
-        waiting = self._waiting
+        waiting, owners, envs = self._waiting, self._owners, self._envs
         for key, status, value in replies:
             future = waiting.pop(key, None)
-            if future is not None and not future.done():
-                future.set_result((status, value))
+            if future is None:  # given up on
+                continue
+            owner, i = owners.pop(key), envs.pop(key)
+            if not future.done():
+                owner.settle(i, status, value, future)
 
     def fail(self, error: BaseException) -> None:
         """The host died: every waiter gets ``error`` (as later requests will)."""
         self.dead = error
         waiting, self._waiting = self._waiting, {}
+        owners, envs = self._owners, self._envs
+        self._owners, self._envs = {}, {}
         self._out.clear()
         self._backlog.clear()
-        for future in waiting.values():
+        for key, future in waiting.items():
             if not future.done():
-                future.set_exception(error)
+                owners[key].settle(envs[key], ST_DIED, error, future)
 
 
 class RemoteLanes(PerEnvLockstep):
@@ -143,14 +163,18 @@ class RemoteLanes(PerEnvLockstep):
         # The observations travel with the replies (buffers not shared, or without fixed rows).
         self._obs_in_reply = obs_in_reply or isinstance(self.buffers.obs, list)
         self._built_in: list[Any] = [None] * self.n_envs  # the incarnation each env lives in
+        # Each env's request in flight (one at a time): its link, key and incarnation.
+        self._links: list[LaneLink | None] = [None] * self.n_envs
+        self._keys = [0] * self.n_envs
+        self._sent_to: list[Any] = [None] * self.n_envs
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         """Build every env (see ``RemoteHost.build``), in the live incarnation."""
         await super().build(chains, seeds)  # type: ignore[misc]
         self._built_in = [self._incarnation] * self.n_envs
 
-    async def _lane(self, kind: int, i: int, *args: Any) -> Any:
-        """Send one lane request for env ``i`` and await its reply's value."""
+    def _send(self, kind: int, i: int, *args: Any) -> asyncio.Future[Any]:
+        """Send one lane request for env ``i``: a future of its reply's value (or error)."""
         if self._member.closed:
             raise closed_error(self.worker, "step")
         inc: Incarnation = self._incarnation
@@ -160,16 +184,22 @@ class RemoteLanes(PerEnvLockstep):
                 # Its host died (since): this env's failure; its lane rebuilds it in a new one.
                 raise _dead_error(built, self.worker, i)
         link: LaneLink = inc.lanes  # type: ignore[attr-defined]
-        key, future = link.submit(kind, self._slot_index, i, *args)
-        try:
-            status, value = await future
-        except asyncio.CancelledError:
-            link.cancel(key)
-            raise
-        except HostDied:
-            if self._member.closed:
-                raise closed_error(self.worker, "step") from None
-            raise _dead_error(inc, self.worker, i) from None
+        self._links[i], self._sent_to[i] = link, inc
+        key, future = link.submit(self, kind, self._slot_index, i, *args)
+        self._keys[i] = key
+        return future
+
+    def abandon(self, i: int) -> None:
+        """The caller gave up on env ``i``'s request in flight (its awaiter was cancelled): the
+        host cancels it. Nothing if it was answered already."""
+        link = self._links[i]
+        if link is not None:
+            self._links[i] = None
+            link.cancel(self._keys[i])
+
+    def settle(self, i: int, status: int, value: Any, future: asyncio.Future[Any]) -> None:
+        """Settle ``future``, env ``i``'s request, with its reply (:class:`LaneLink`)."""
+        self._links[i] = None
         if status == ST_OK:
             if self._obs_in_reply:
                 value, obs, final = value
@@ -177,12 +207,29 @@ class RemoteLanes(PerEnvLockstep):
                 if final is not None:  # a step that ended its episode: the flags are read too
                     _put(self.buffers.final_obs, i, final)
                     self.buffers.terminated[i], self.buffers.truncated[i] = value[1], value[2]
-            return value
+            future.set_result(value)
+            return
         if status == ST_DEADLINE:
-            raise DeadlinePassed
-        if status == ST_AGENT and isinstance(value, WorkerError):
-            value.retry = False  # the agent copy's error: the call's, never the env's
-        raise value
+            error: BaseException = DeadlinePassed()
+        elif status == ST_DIED:
+            if self._member.closed:
+                error = closed_error(self.worker, "step")
+            else:
+                error = _dead_error(self._sent_to[i], self.worker, i)
+        else:
+            error = value
+            if status == ST_AGENT and isinstance(error, WorkerError):
+                error.retry = False  # the agent copy's error: the call's, never the env's
+        future.set_exception(error)
+
+    async def _lane(self, kind: int, i: int, *args: Any) -> Any:
+        """Send one lane request for env ``i`` and await its reply's value."""
+        future = self._send(kind, i, *args)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.abandon(i)
+            raise
 
     @staticmethod
     def _left(deadline: float | None) -> float | None:
@@ -207,8 +254,8 @@ class RemoteLanes(PerEnvLockstep):
     ) -> Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any]]]:
         """Step env ``i`` in the host; see :meth:`~asyncsample.backends.aio.LaneHost.step_one`.
 
-        The request's own coroutine, returned: no second coroutine per step (each one lives as
-        long as the step, and thousands in flight keep the cyclic collector busy)."""
+        The request's own coroutine, returned: no second coroutine per step (the lanes use
+        :meth:`step_soon`, no coroutine at all)."""
         return self._lane(LaneKind.STEP, i, action, self._left(deadline))
 
     def act_one(
@@ -217,6 +264,19 @@ class RemoteLanes(PerEnvLockstep):
         """Step env ``i`` in the host with the action its agent copy picks (``inference="host"``):
         ``(reward, terminated, truncated, info, action, agent_infos)``; see :meth:`step_one`."""
         return self._lane(LaneKind.ACT, i, self._left(deadline))
+
+    def step_soon(
+        self, i: int, action: Any, deadline: float | None = None
+    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any]]]:
+        """:meth:`step_one` as a bare future (the lanes' way: no coroutine per step); whoever
+        awaits it calls :meth:`abandon` when cancelled."""
+        return self._send(LaneKind.STEP, i, action, self._left(deadline))
+
+    def act_soon(
+        self, i: int, deadline: float | None = None
+    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
+        """:meth:`act_one` as a bare future (see :meth:`step_soon`)."""
+        return self._send(LaneKind.ACT, i, self._left(deadline))
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again, in a new host if this one died (its other envs are rebuilt
