@@ -1,6 +1,6 @@
-"""The caller's side of a host of async envs (``backends/_lane_link.py``): a batch of replies is
-handed to its waiters a slice per pass of the loop, so one big batch never holds the caller's
-loop; nothing is lost or reordered, and a dead host fails the waiters of the rest."""
+"""The caller's side of a host of async envs (``backends/_lane_link.py``): each reply settles its
+request's future through the request's owner; a request given up is cancelled in the host and
+its late reply dropped; a dead host fails every waiter through its owner."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from asyncsample.backends import _lane_link
 from asyncsample.backends._lane_link import LaneLink
 from asyncsample.backends._lane_serve import LaneKind
 from asyncsample.backends._transport import ST_OK
@@ -38,28 +37,7 @@ def _submit(link: LaneLink, i: int) -> asyncio.Future[Any]:
     return link.submit(Owner(), 0, 0, i)[1]  # type: ignore[arg-type]
 
 
-async def test_a_big_batch_of_replies_is_handed_over_a_slice_per_pass() -> None:
-    link, sent = _link()
-    n = 2 * _lane_link.REPLIES_PER_PASS + 10
-    futures = [_submit(link, i) for i in range(n)]
-    await asyncio.sleep(0)  # the requests' flush
-    assert [len(batch) for batch in sent] == [n]
-    order: list[int] = []
-    for i, future in enumerate(futures):
-        future.add_done_callback(lambda f, i=i: order.append(i))
-    link.replied(pickle.dumps([(i, ST_OK, i * 10) for i in range(n)]))
-    handed = [sum(f.done() for f in futures)]
-    while handed[-1] < n:
-        await asyncio.sleep(0)
-        handed.append(sum(f.done() for f in futures))
-    per = _lane_link.REPLIES_PER_PASS
-    assert handed[:3] == [per, 2 * per, n]
-    await asyncio.sleep(0)  # the last slice's done callbacks
-    assert order == list(range(n))
-    assert [f.result() for f in futures] == [(i, i * 10) for i in range(n)]
-
-
-async def test_a_small_batch_is_handed_over_at_once() -> None:
+async def test_replies_reach_their_waiters_in_any_order() -> None:
     link, _ = _link()
     futures = [_submit(link, i) for i in range(3)]
     link.replied(pickle.dumps([(2, ST_OK, "c"), (0, ST_OK, "a")]))
@@ -81,13 +59,12 @@ async def test_a_request_given_up_is_cancelled_in_the_host_and_its_reply_dropped
     assert sent[-1] == [(LaneKind.CANCEL, 0)]
 
 
-async def test_a_dead_host_fails_the_waiters_of_a_batch_not_handed_over() -> None:
+async def test_a_dead_host_fails_every_waiter_through_its_owner() -> None:
     link, _ = _link()
-    n = _lane_link.REPLIES_PER_PASS + 5
-    futures = [_submit(link, i) for i in range(n)]
-    link.replied(pickle.dumps([(i, ST_OK, i) for i in range(n)]))
+    futures = [_submit(link, i) for i in range(3)]
+    link.replied(pickle.dumps([(1, ST_OK, "b")]))
     link.fail(ConnectionError("host died"))
-    await asyncio.sleep(0)
-    done = [f for f in futures if not f.exception()]
-    assert len(done) == _lane_link.REPLIES_PER_PASS
-    assert all(isinstance(f.exception(), ConnectionError) for f in futures[len(done) :])
+    assert futures[1].result() == (1, "b")
+    assert all(isinstance(futures[i].exception(), ConnectionError) for i in (0, 2))
+    later = _submit(link, 3)  # a request after the death fails at once
+    assert isinstance(later.exception(), ConnectionError)

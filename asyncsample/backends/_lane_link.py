@@ -9,7 +9,6 @@ one frame per pass of the event loop, and hands each reply of the host's batches
 from __future__ import annotations
 
 import asyncio
-import collections
 import pickle
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -27,16 +26,10 @@ from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import WorkerCrashedError, WorkerError
 
-__all__ = ["REPLIES_PER_PASS", "ST_DIED", "LaneLink", "RemoteLanes"]
+__all__ = ["ST_DIED", "LaneLink", "RemoteLanes"]
 
 #: The status a request's owner settles it with when its host died (``value``: the error).
 ST_DIED = -1
-
-#: The most lane replies handed to their waiters in one pass of the caller's loop: each wakes a
-#: lane, which records its step and asks for the next (~10 us), so a host's batch of thousands
-#: handed over at once held the caller's loop for tens of milliseconds (lag p99 over 100 ms at
-#: 10,000 episodes); the rest wait for the next pass, after the loop's other callbacks.
-REPLIES_PER_PASS = 256
 
 
 class LaneLink:
@@ -51,8 +44,6 @@ class LaneLink:
         self._envs: dict[int, int] = {}  # the env of each request
         self._next = 0
         self._flushing = False
-        self._backlog: collections.deque[tuple[int, int, Any]] = collections.deque()
-        self._draining = False
         self.dead: BaseException | None = None
 
     def submit(
@@ -95,29 +86,9 @@ class LaneLink:
             self._send(dumps(out))
 
     def replied(self, payload: bytes) -> None:
-        """A batch of replies came: ``(key, status, value)`` each, handed to their waiters at
-        most :data:`REPLIES_PER_PASS` per pass of the loop (in the order they came)."""
-        replies = pickle.loads(payload)
-        if not self._backlog and len(replies) <= REPLIES_PER_PASS:
-            self._hand(replies)
-            return
-        self._backlog.extend(replies)
-        if not self._draining:
-            self._draining = True
-            self._drain()
-
-    def _drain(self) -> None:
-        backlog = self._backlog
-        n = min(len(backlog), REPLIES_PER_PASS)
-        self._hand([backlog.popleft() for _ in range(n)])
-        if backlog:
-            self._loop.call_soon(self._drain)
-        else:
-            self._draining = False
-
-    def _hand(self, replies: list[tuple[int, int, Any]]) -> None:
+        """A batch of replies came: ``(key, status, value)`` each."""
         waiting, owners, envs = self._waiting, self._owners, self._envs
-        for key, status, value in replies:
+        for key, status, value in pickle.loads(payload):
             future = waiting.pop(key, None)
             if future is None:  # given up on
                 continue
@@ -132,7 +103,6 @@ class LaneLink:
         owners, envs = self._owners, self._envs
         self._owners, self._envs = {}, {}
         self._out.clear()
-        self._backlog.clear()
         for key, future in waiting.items():
             if not future.done():
                 owners[key].settle(envs[key], ST_DIED, error, future)
