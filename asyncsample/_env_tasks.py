@@ -452,6 +452,12 @@ class LaneStepper:
                     reward, terminated, truncated, info = result
                 else:
                     reward, terminated, truncated, info, action, infos = result
+                    if action is None:  # the host wrote it into the shared step buffers
+                        action = (
+                            buffers.actions[i]
+                            if flat
+                            else tree_map(functools.partial(_row_copy, i), buffers.actions)
+                        )
                     self._put_action(rows, t, i, action, infos, flat)
                 rows.rewards[t, i] = reward
                 if info:

@@ -305,6 +305,50 @@ async def test_inference_host_runs_the_agent_in_the_hosts(
     assert (fresh.agent_versions == 2).all()
 
 
+class TreeActionEnv(CountingAsyncEnv):
+    """Actions of a Dict space (a tree of rows): the reward reads both parts."""
+
+    def __init__(self) -> None:
+        super().__init__(6)
+        self.action_space = gym.spaces.Dict(
+            {"a": gym.spaces.Discrete(3), "b": gym.spaces.Box(-1.0, 1.0, (2,), np.float32)}
+        )
+
+    async def step(self, action: Any) -> Any:
+        obs, _reward, terminated, truncated, info = await super().step(0)
+        return obs, float(action["a"]) + float(np.sum(action["b"])), terminated, truncated, info
+
+
+class TreeAgent:
+    def get_actions(self, observations: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        obs = np.asarray(observations)
+        a = (obs[:, 0] % 3).astype(np.int64)
+        b = np.stack([obs[:, 0] / 10, -obs[:, 0] / 20], axis=1).astype(np.float32)
+        return {"a": a, "b": b}, {"mark": obs[:, 0] * 2}
+
+
+async def test_inference_host_with_tree_actions_equals_the_asyncio_backend(
+    make_sampler: Any,
+) -> None:
+    """Actions of a Dict space chosen in the hosts reach the batch as the caller's agent's do
+    (written into the shared step buffers by the host, read there)."""
+    out = {}
+    for name, inference in (("asyncio", "per_worker"), ("process", "host")):
+        sampler = make_sampler(
+            name, TreeActionEnv, TreeAgent(), n_workers=2, envs_per_worker=3, seed=1,
+            inference=inference,
+        )  # fmt: skip
+        out[name] = await sampler.obtain_exact_episodes(4)
+        await sampler.aclose()
+    a, p = out["asyncio"], out["process"]
+    assert p.n_transitions == a.n_transitions > 0
+    for key in ("a", "b"):
+        np.testing.assert_array_equal(a.actions[key], p.actions[key])
+    np.testing.assert_array_equal(a.rewards, p.rewards)
+    np.testing.assert_array_equal(a.agent_infos["mark"], p.agent_infos["mark"])
+    assert p.actions["b"].dtype == np.float32 and (p.actions["b"] != 0).any()
+
+
 async def test_inference_host_agent_error_fails_the_call(make_sampler: Any) -> None:
     """An error of the hosts' agent copy is the call's, named, not an env's fault: no env is
     rebuilt for it, and the sampler stays usable."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample._recorder import put_row
 from asyncsample._tree import tree_map
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
 from asyncsample.backends._transport import (
@@ -370,7 +371,9 @@ class LaneServer:
         self, k: int, host: LaneHost, i: int, when: float | None
     ) -> tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]:
         """Env ``i`` of slot ``k`` steps with the action its agent copy picks for its observation:
-        ``(reward, terminated, truncated, info, action, agent_infos)``."""
+        ``(reward, terminated, truncated, info, action, agent_infos)``; the action ``None`` where
+        the caller shares the step buffers: it is in their ``actions`` row (numpy scalars and
+        rows cost more to pickle than the rest of a reply)."""
         agent = self.agents[k]
         worker = host.spec.worker
         if agent is None:
@@ -389,7 +392,10 @@ class LaneServer:
         except Exception as exc:
             raise _agent_fault(exc, worker) from None
         reward, terminated, truncated, info = await host.step_one(i, action, when)
-        return reward, terminated, truncated, info, action, infos
+        if self.obs_in_reply or isinstance(host.buffers.actions, list):
+            return reward, terminated, truncated, info, action, infos
+        put_row(host.buffers.actions, i, action)  # shared with the caller: read there, not sent
+        return reward, terminated, truncated, info, None, infos
 
     @staticmethod
     def _agent_reset(agent: Any, host: LaneHost, i: int) -> None:
