@@ -226,7 +226,16 @@ class RemoteLanes(PerEnvLockstep):
 
         The request's own coroutine, returned: no second coroutine per step (the lanes use
         :meth:`step_soon`, no coroutine at all)."""
-        return self._lane(LaneKind.STEP, i, action, self._left(deadline))
+        return self._lane(LaneKind.STEP, i, self._action(i, action), self._left(deadline))
+
+    def _action(self, i: int, action: Any) -> Any:
+        """What a step request carries of env ``i``'s ``action``: nothing where the host shares
+        the step buffers (written into its row there: a numpy scalar or row costs more to pickle
+        than the rest of the request)."""
+        if self._obs_in_reply or isinstance(self.buffers.actions, list):
+            return action
+        _put(self.buffers.actions, i, action)
+        return None
 
     def act_one(
         self, i: int, deadline: float | None = None
@@ -240,7 +249,7 @@ class RemoteLanes(PerEnvLockstep):
     ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any]]]:
         """:meth:`step_one` as a bare future (the lanes' way: no coroutine per step); whoever
         awaits it calls :meth:`abandon` when cancelled."""
-        return self._send(LaneKind.STEP, i, action, self._left(deadline))
+        return self._send(LaneKind.STEP, i, self._action(i, action), self._left(deadline))
 
     def act_soon(
         self, i: int, deadline: float | None = None

@@ -63,7 +63,7 @@ ST_AGENT = 3
 class LaneKind:
     """The first field of a lane request: what it asks of one env."""
 
-    STEP = 0  # (STEP, key, slot, env, action, seconds left or None)
+    STEP = 0  # (STEP, key, slot, env, action or None: in the shared buffers, seconds left or None)
     RESET = 1  # (RESET, key, slot, env, seed or PENDING, options, seconds left or None)
     REBUILD = 2  # (REBUILD, key, slot, env, cloudpickled chain, seed)
     CANCEL = 3  # (CANCEL, key): the caller gave up on request ``key``
@@ -320,7 +320,10 @@ class LaneServer:
             try:
                 if kind == LaneKind.STEP:
                     when = None if request[5] is None else loop.time() + request[5]
-                    value = await host.step_one(i, request[4], when)
+                    action = request[4]
+                    if action is None:  # the caller wrote it into the step buffers we share
+                        action = _row(host.buffers.actions, i)
+                    value = await host.step_one(i, action, when)
                 elif kind == LaneKind.ACT:
                     when = None if request[4] is None else loop.time() + request[4]
                     value = await self._act(request[2], host, i, when)
