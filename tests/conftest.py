@@ -60,8 +60,16 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     "test_faults.py::test_cancellation_at_any_moment_leaves_the_sampler_usable": (
         {"loop": ("uvloop",), "backend": ("process",)},  # [asyncio-process], [uvloop-local] stay
     ),
+    # Both loops in the slow pass (3 s each: a chunk's deliberate wait); the run-ahead chunk
+    # being dropped stays checked by test_closing_the_stream_then_calls_start_fresh_episodes.
     "test_stream_ahead.py::test_a_stream_closed_mid_round_drops_the_chunks_run_ahead": (
-        {"loop": ("uvloop",)},
+        {"loop": ("asyncio", "uvloop")},
+    ),
+    # Both loops in the slow pass (a 2.5 s step_timeout): the hung host's process tree killed;
+    # test_faults.py::test_hanging_env_times_out_and_is_replaced[asyncio] keeps a hung step
+    # timed out and its host replaced in the default run.
+    "test_process_backend.py::test_step_timeout_kills_the_process_tree_then_restart": (
+        {"loop": ("asyncio", "uvloop")},
     ),
     "test_stream_ahead.py::test_a_host_killed_or_an_env_failing_during_a_chunk_run_ahead": (
         {"loop": ("uvloop",), "fault": ("raise",)},  # [asyncio-raise], [uvloop-kill] stay
