@@ -27,10 +27,14 @@ __all__ = [
     "CLOCK_SIZE",
     "ENDS",
     "ENV",
+    "ROWS",
+    "ROWS_BOUNDS",
+    "ROWS_N",
     "SAMPLE_EVERY",
     "STEPS",
     "AgentTimer",
     "HostTiming",
+    "record_agent_calls",
     "record_seconds",
     "timed_agent",
     "timed_group_step",
@@ -49,6 +53,12 @@ BOUNDS: tuple[float, ...] = (
 _N = len(BOUNDS) + 1  # the last bucket is +Inf
 _BOUNDS_ARRAY = np.asarray(BOUNDS)
 
+#: Upper bounds of the rows-per-agent-call histogram's buckets.
+ROWS_BOUNDS: tuple[float, ...] = (
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0
+)  # fmt: skip
+ROWS_N = len(ROWS_BOUNDS) + 1  # the last bucket is +Inf
+
 ENV = 0
 """Offset of the env-step section: ``_N`` bucket counts (sampled, weighted), then the seconds'
 sum (of the same sample, weighted)."""
@@ -60,13 +70,34 @@ ENDS = AGENT + _N + 2
 STEPS = ENDS + 2
 """The env steps the host took, exact (the vector faces count these; with ``inference="host"``
 only the timed chunks', unread: the sampler counts its steps from its episodes)."""
-CALLS = STEPS + 1
+ROWS = STEPS + 1
+"""A host's agent copy's calls by their rows where they vary (``inference="host"`` with async
+envs: the envs ready in a pass): :data:`ROWS_N` bucket counts, then the rows' sum (exact)."""
+CALLS = ROWS + ROWS_N + 1
 """A host of async envs: its env calls running, as of its last reply (the caller's
 ``env_calls_in_flight``)."""
 CLOCK_SIZE = CALLS + 1
 TRUNCATED = ENDS + 1
 
 _perf = time.perf_counter
+
+
+def record_agent_calls(
+    clock: np.ndarray,
+    calls: int,
+    by_rows: dict[int, int],
+    seconds: list[float],
+    weight: int = SAMPLE_EVERY,
+) -> None:
+    """Add a host agent copy's ``calls`` (exact; ``by_rows``: how many of each size) and the
+    timed ones' ``seconds`` (each weighing ``weight``) to the agent sections of ``clock``."""
+    for s in seconds:
+        clock[AGENT + bisect_left(BOUNDS, s)] += weight
+        clock[AGENT + _N] += weight * s
+    clock[AGENT + _N + 1] += calls
+    for rows, n in by_rows.items():
+        clock[ROWS + bisect_left(ROWS_BOUNDS, rows)] += n
+        clock[ROWS + ROWS_N] += rows * n
 
 
 def record_seconds(clock: np.ndarray, seconds: list[float], weight: int = SAMPLE_EVERY) -> None:

@@ -18,7 +18,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample._clock import AGENT, BOUNDS, CALLS, ENDS, ENV, SAMPLE_EVERY, STEPS, AgentTimer
+from asyncsample._clock import (
+    AGENT,
+    BOUNDS,
+    CALLS,
+    ENDS,
+    ENV,
+    ROWS,
+    ROWS_BOUNDS,
+    ROWS_N,
+    SAMPLE_EVERY,
+    STEPS,
+    AgentTimer,
+)
 
 if TYPE_CHECKING:
     from asyncsample.inference.batched import Batcher
@@ -44,7 +56,6 @@ WORKER_LABEL_LIMIT = 16
 """Samplers of more workers count under ``worker="all"`` (a label must not grow unbounded)."""
 
 _N = len(BOUNDS) + 1
-_ROWS_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
 _LENGTH_BOUNDS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 10000.0)
 _LAG_BOUNDS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 _TALLY_LIMIT = 1 << 16  # the largest value _Hist.observe_counts tallies in an array
@@ -168,7 +179,7 @@ class _Hist:
 _HISTOGRAMS: dict[str, tuple[Sequence[float], str]] = {
     "env_step_seconds": (BOUNDS, "Seconds of one env step, measured where the env runs."),
     "agent_call_seconds": (BOUNDS, "Seconds of one agent call (get_actions)."),
-    "agent_call_rows": (_ROWS_BOUNDS, "Observations (rows) per agent call."),
+    "agent_call_rows": (ROWS_BOUNDS, "Observations (rows) per agent call."),
     "episode_length": (_LENGTH_BOUNDS, "Steps of each finished episode."),
     "episode_seconds": (BOUNDS, "Wall-clock seconds of each finished episode."),
     "call_wait_seconds": (BOUNDS, "Seconds the caller waited for a call or a streamed batch."),
@@ -508,9 +519,13 @@ class SamplerMetrics:
                 delta[AGENT : AGENT + _N], float(delta[AGENT + _N])
             )
             rows = hists["agent_call_rows"]
-            where = int(np.searchsorted(rows.bounds, n_envs))
-            rows.counts[where] += n_calls
-            rows.sum += float(n_envs * n_calls)
+            by_rows = delta[ROWS : ROWS + ROWS_N]
+            if by_rows.any():  # async envs: each call's rows, the envs ready in a pass
+                rows.add_counts(by_rows, float(delta[ROWS + ROWS_N]))
+            else:  # chunks: every call has a row per env
+                where = int(np.searchsorted(rows.bounds, n_envs))
+                rows.counts[where] += n_calls
+                rows.sum += float(n_envs * n_calls)
             s.agent_calls += n_calls
         return float(delta[ENV + _N]), float(delta[AGENT + _N])
 

@@ -460,6 +460,36 @@ async def test_metrics_of_async_envs_in_process_hosts(make_sampler: Any) -> None
     assert 0 <= timed - steps < 8 * 8  # within one sampling weight per env
 
 
+async def test_metrics_of_the_agent_copies_in_the_hosts(make_sampler: Any, backend: str) -> None:
+    """inference="host": the hosts' agent calls reach the caller, counted exactly with the rows
+    of each (the envs ready in a pass: a row per step acted on), their seconds sampled."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        backend,
+        random_length(5, 10, 0.001),
+        PidAgent(),
+        n_workers=2,
+        envs_per_worker=8,
+        inference="host",
+        metrics=registry,
+    )
+    await sampler.obtain_exact_episodes(5)
+
+    def value(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {"backend": backend, **labels}) or 0.0
+
+    steps = sum(value("asyncsample_env_steps_total", worker=w) for w in ("0", "1"))
+    calls = value("asyncsample_agent_calls_total")
+    rows = value("asyncsample_agent_call_rows_sum")
+    assert value("asyncsample_agent_call_rows_count") == calls
+    assert steps <= rows <= steps + 2 * 8  # a row per step, and the steps cut at the call's end
+    assert 0 < calls < rows  # merged: calls of several rows
+    timed = value("asyncsample_agent_call_seconds_count")
+    assert timed > 0 and timed % 8 == 0
+
+
 async def test_metrics_of_async_envs_in_ray_hosts(make_sampler: Any, ray_cluster: Any) -> None:
     """As on process: the actors' sampled step latencies reach the caller, with the replies."""
     from prometheus_client import CollectorRegistry

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
 from asyncsample._tree import tree_map
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
@@ -220,7 +221,7 @@ class LaneServer:
             for spec, buffers in zip(specs, buffers)
         ]
         self.by_worker = {spec.worker: k for k, spec in enumerate(specs)}
-        self.timed = [s for s in self.slots if s.buffers.clock is not None]  # metrics on
+        self.timed = [k for k, s in enumerate(self.slots) if s.buffers.clock is not None]
         self._send = send
         self.obs_in_reply = obs_in_reply
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
@@ -229,7 +230,7 @@ class LaneServer:
         self.keys: dict[int, tuple[int, int]] = {}  # the env of each request not yet answered
         self.calls: set[asyncio.Task[Any]] = set()
         self.agents: list[Any] = [None] * len(self.slots)  # inference="host": agent copies
-        self._batcher: Batcher | None = None  # their merged calls, made with the first
+        self._batchers: list[Batcher | None] = [None] * len(self.slots)  # their merged calls
 
     async def shut(self) -> None:
         """Cancel what runs and close every env (each close bounded by ``close_timeout``)."""
@@ -383,9 +384,11 @@ class LaneServer:
             raise _agent_fault(
                 RuntimeError(f"worker {worker}: no agent installed in its env host"), worker
             )
-        batcher = self._batcher
+        batcher = self._batchers[k]
         if batcher is None:
-            batcher = self._batcher = Batcher(Batched(), action_space=host.spec.action_space)
+            batcher = self._batchers[k] = Batcher(Batched(), action_space=host.spec.action_space)
+            if host.buffers.clock is not None:  # metrics on: its calls, rows and sampled seconds
+                batcher.timer = AgentTimer()
         obs = host.buffers.obs
         observation = (
             obs[i] if isinstance(obs, (np.ndarray, list)) else tree_map(lambda a: a[i], obs)
@@ -413,8 +416,12 @@ class LaneServer:
     def _flush(self) -> None:
         self.flushing = False
         out, self.out = self.out, []
-        for slot in self.timed:  # metrics on: the steps timed so far into the (shared) clock
+        for k in self.timed:  # metrics on: the steps and agent calls so far into the clock
+            slot = self.slots[k]
             slot.settle_clock()
+            batcher = self._batchers[k]
+            if batcher is not None and batcher.timer is not None and batcher.timer.calls:
+                record_agent_calls(slot.buffers.clock, *batcher.timer.drain())  # type: ignore[arg-type]
         if out:
             self._send(dumps(out))
 
