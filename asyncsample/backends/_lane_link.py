@@ -136,6 +136,7 @@ class RemoteLanes(PerEnvLockstep):
         # Each env's request in flight (one at a time): its link, key and incarnation.
         self._links: list[LaneLink | None] = [None] * self.n_envs
         self._keys = [0] * self.n_envs
+        self._kinds = [0] * self.n_envs
         self._sent_to: list[Any] = [None] * self.n_envs
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
@@ -154,7 +155,7 @@ class RemoteLanes(PerEnvLockstep):
                 # Its host died (since): this env's failure; its lane rebuilds it in a new one.
                 raise _dead_error(built, self.worker, i)
         link: LaneLink = inc.lanes  # type: ignore[attr-defined]
-        self._links[i], self._sent_to[i] = link, inc
+        self._links[i], self._sent_to[i], self._kinds[i] = link, inc, kind
         key, future = link.submit(self, kind, self._slot_index, i, *args)
         self._keys[i] = key
         return future
@@ -171,12 +172,24 @@ class RemoteLanes(PerEnvLockstep):
         """Settle ``future``, env ``i``'s request, with its reply (:class:`LaneLink`)."""
         self._links[i] = None
         if status == ST_OK:
+            buffers = self.buffers
+            kind = self._kinds[i]
             if self._obs_in_reply:
                 value, obs, final = value
-                _put(self.buffers.obs, i, obs)
+                _put(buffers.obs, i, obs)
                 if final is not None:  # a step that ended its episode: the flags are read too
-                    _put(self.buffers.final_obs, i, final)
-                    self.buffers.terminated[i], self.buffers.truncated[i] = value[1], value[2]
+                    _put(buffers.final_obs, i, final)
+                    buffers.terminated[i], buffers.truncated[i] = value[1], value[2]
+            elif kind == LaneKind.STEP or kind == LaneKind.ACT:  # the outcome is in the buffers
+                info, extra = (None, None) if value is None else value
+                value = (
+                    float(buffers.rewards[i]),
+                    bool(buffers.terminated[i]),
+                    bool(buffers.truncated[i]),
+                    info or {},
+                )
+                if kind == LaneKind.ACT:
+                    value += (None, extra or {})
             future.set_result(value)
             return
         if status == ST_DEADLINE:

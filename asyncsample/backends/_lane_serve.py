@@ -343,6 +343,14 @@ class LaneServer:
                     ended = isinstance(value, tuple) and (value[1] or value[2])
                     final = _row(buffers.final_obs, i) if ended else None
                     value = (value, _row(buffers.obs, i), final)
+                elif kind == LaneKind.STEP or kind == LaneKind.ACT:
+                    # The caller shares the buffers: the outcome goes there, the reply carries
+                    # the infos only, if any (a reply of floats, flags and dicts pickled and
+                    # unpickled per step cost both sides more than the rest of the step's path).
+                    buffers.rewards[i] = value[0]
+                    buffers.terminated[i], buffers.truncated[i] = value[1], value[2]
+                    extra = value[5] if kind == LaneKind.ACT else None
+                    value = (value[3], extra) if value[3] or extra else None
                 reply: tuple[int, int, Any] = (key, ST_OK, value)
             except DeadlinePassed:
                 reply = (key, ST_DEADLINE, None)
