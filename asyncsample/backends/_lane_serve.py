@@ -323,7 +323,11 @@ class LaneServer:
                     when = None if request[5] is None else loop.time() + request[5]
                     action = request[4]
                     if action is None:  # the caller wrote it into the step buffers we share
-                        action = _row(host.buffers.actions, i)
+                        acts = host.buffers.actions
+                        if type(acts) is not np.ndarray:
+                            action = _row(acts, i)
+                        else:  # a scalar is a copy already (a tree_map costs 25x this)
+                            action = acts[i] if acts.ndim == 1 else acts[i].copy()
                     value = await host.step_one(i, action, when)
                 elif kind == LaneKind.ACT:
                     when = None if request[4] is None else loop.time() + request[4]
