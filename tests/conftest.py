@@ -65,6 +65,20 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     "test_stream_ahead.py::test_a_stream_closed_mid_round_drops_the_chunks_run_ahead": (
         {"loop": ("asyncio", "uvloop")},
     ),
+    # Both loops in the slow pass (each 1-1.7 s of deliberate waiting), each with a twin that
+    # stays: a step_timeout kill logged (test_faults.py::test_hanging_env_times_out_and_is_replaced
+    # times it out and replaces the host), local aclose bounded by close_timeout
+    # (test_local_restart_does_not_wait_past_close_timeout, the same stuck close), a process
+    # host waiting for a slow close (test_process_kills_a_host_past_close_timeout), the SB3 face
+    # placed as the gymnasium face (the gymnasium face's placement tests).
+    "test_backends_shared.py::test_step_timeout_kill_is_logged": ({"loop": ("asyncio", "uvloop")},),
+    "test_faults_close.py::test_local_aclose_is_bounded_by_close_timeout": (
+        {"loop": ("asyncio", "uvloop")},
+    ),
+    "test_faults_close.py::test_process_waits_close_timeout_for_an_env_to_close": (
+        {"loop": ("asyncio", "uvloop")},
+    ),
+    "test_placement.py::test_sb3_face_places_as_the_gymnasium_face": ({},),
     # Both loops in the slow pass (a 2.5 s step_timeout): the hung host's process tree killed;
     # test_faults.py::test_hanging_env_times_out_and_is_replaced[asyncio] keeps a hung step
     # timed out and its host replaced in the default run.
@@ -117,10 +131,6 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     "test_metrics.py::test_sb3_face_counts": ({},),
     # Bounded closes (issue 32) under uvloop: their asyncio variants stay.
     "test_faults_close.py::test_process_kills_a_host_past_close_timeout": ({"loop": ("uvloop",)},),
-    "test_faults_close.py::test_local_aclose_is_bounded_by_close_timeout": ({"loop": ("uvloop",)},),
-    "test_faults_close.py::test_process_waits_close_timeout_for_an_env_to_close": (
-        {"loop": ("uvloop",)},
-    ),
     # The lanes' fill-in rule under uvloop: its asyncio variants stay, for each lane and mode.
     "test_lane_faults.py::test_a_fast_worker_does_not_fill_in_for_minimums_still_owed": (
         {"loop": ("uvloop",)},
