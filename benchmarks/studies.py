@@ -254,7 +254,7 @@ STUDIES: list[Study] = [
         "async_envs",
         "envs whose step waits (mean 50 ms, 1% of steps 20x longer) at 100, 1,000 and 10,000 "
         "concurrent episodes, and 50,000 of 1 s: backend asyncio/thread, and process/ray with "
-        "the envs in the hosts' event loops (host mode still refused) against the ceiling "
+        "the envs in the hosts' event loops (every inference mode) against the ceiling "
         "(plain asyncio in a process per core), plain asyncio tasks, AsyncVectorEnv, thread "
         "pools of 32 and 256 and TorchRL's asyncio AsyncEnvPool where installed; consecutive "
         "obtain_fragments calls, loop lag, CPU per step in the caller and the hosts, memory per "
