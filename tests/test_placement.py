@@ -120,6 +120,24 @@ def test_a_polling_host_is_predicted_with_its_own_round_trip(
     assert asleep.kind == "in-process"
 
 
+def test_polling_hosts_need_cpus_no_other_thread_wants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One more runnable thread than the caller's: not busy for the caller alone, but the host
+    that would poll beside it would wait for a CPU (mixed was 0.8x in-process so)."""
+    looked: list[int] = []
+
+    def busy(n_cpus: int) -> bool:
+        looked.append(n_cpus)
+        return n_cpus < 2  # two threads runnable, this one included
+
+    monkeypatch.setattr(placement, "machine_busy", busy)
+    got = choose(4, 115e-6, hop=250e-6, polled_hop=40e-6, n_cpus=2)
+    assert (got.caller_envs, got.n_processes) == (4, 0)
+    assert "other threads want the CPUs they would take" in got.reason
+    assert looked == [2, 1]  # the machine, then the CPU left to one polling host (looked once)
+    monkeypatch.setattr(placement, "machine_busy", lambda n_cpus: False)
+    assert choose(4, 115e-6, hop=250e-6, polled_hop=40e-6, n_cpus=2).kind == "mixed"
+
+
 def test_the_polled_round_trip_is_measured_once_and_leaves_the_affinity_as_it_was(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

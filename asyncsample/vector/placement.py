@@ -278,7 +278,9 @@ def choose(
 ) -> Placement:
     """The placement for ``num_envs`` sub-envs whose probe stepped in ``env_step`` seconds;
     every one in the caller's process on a ``busy`` machine (``None``: looked at, see
-    :func:`machine_busy`). ``hop`` and ``polled_hop``: the round trips to a sleeping and to a
+    :func:`machine_busy`; then a placement whose hosts would poll is also passed over where
+    more threads are runnable than the CPUs left to them: given, the machine is taken as quiet
+    but for this thread). ``hop`` and ``polled_hop``: the round trips to a sleeping and to a
     polling host (``None``: measured, see :func:`hop_seconds` and :func:`polled_hop_seconds`;
     a ``hop`` given without ``polled_hop`` serves as both)."""
     if env_step is None:
@@ -291,6 +293,7 @@ def choose(
     us = f"probe step {env_step * 1e6:.1f} us, host round trip ~{hop * 1e6:.0f} us"
     if n_cpus > 1:
         us += f" (~{polled * 1e6:.0f} us polling)"
+    given_busy = busy is not None
     if busy is None:
         busy = machine_busy(n_cpus)
     if busy:
@@ -301,6 +304,8 @@ def choose(
         return Placement(num_envs, 0, why, env_step, hop, polled)
     best_m, (best, best_procs) = num_envs, _predict(num_envs, env_step, hop, num_envs, n_cpus)
     inproc = best
+    crowded: dict[int, bool] = {}  # host processes -> whether their CPUs are wanted already
+    passed_over = None
     # From the largest caller's share down: of two placements predicted alike, the one with
     # fewer processes (the caller's core does work a host would do).
     for m in range(num_envs - 1, -1, -1):
@@ -308,8 +313,22 @@ def choose(
             continue
         pred, procs = _predict(num_envs, env_step, hop, m, n_cpus, polled)
         if pred * _MARGIN < inproc and pred < best:
+            if procs < n_cpus and not given_busy:
+                # Polling hosts need a CPU each that no other thread wants (a host that waits
+                # for a CPU at every step, or keeps backing off its poll, wakes the caller's
+                # CPU instead: mixed HalfCheetah-v5 x4 with another process running on a
+                # 2-CPU machine was 0.8x in-process, 2026-11-28).
+                if procs not in crowded:
+                    crowded[procs] = machine_busy(n_cpus - procs)
+                if crowded[procs]:
+                    passed_over = passed_over or (m, pred, procs)
+                    continue
             best_m, best, best_procs = m, pred, procs
-    if best_m == num_envs:
+    if best_m == num_envs and passed_over is not None:
+        m, pred, procs = passed_over
+        why = f"{us}: predicted {pred * 1e6:.0f} us a step with {procs} polling host(s) against "
+        why += f"{inproc * 1e6:.0f} in-process, but other threads want the CPUs they would take"
+    elif best_m == num_envs:
         why = f"{us}: the hop would cost more than it saves"
     else:
         how = "polling" if best_procs < n_cpus else "asleep between steps"
