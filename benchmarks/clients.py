@@ -465,9 +465,11 @@ def table(result: dict[str, Any]) -> str:
             + " |"
         )
         runs = cell.get("placements") or ([cell["placement"]] if cell.get("placement") else [])
-        for where in dict.fromkeys(runs):  # each decision once, in the order first made
-            times = f" ({runs.count(where)} of {len(runs)} runs)" if len(set(runs)) > 1 else ""
-            chosen.append(f"- {loop}, {cell['env']}, {cell['n']} envs: {where}{times}")
+        # One line, or one per run where they differ (each decision measures the machine).
+        runs = runs[-1:] if len(set(runs)) == 1 else runs
+        for k, where in enumerate(runs, 1):
+            which = f" (run {k} of {len(runs)})" if len(runs) > 1 else ""
+            chosen.append(f"- {loop}, {cell['env']}, {cell['n']} envs{which}: {where}")
     lines += ["", "The default placement chose:", "", *chosen]
     return "\n".join(lines)
 
