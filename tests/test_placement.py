@@ -120,9 +120,9 @@ def test_a_polling_host_is_predicted_with_its_own_round_trip(
     assert asleep.kind == "in-process"
 
 
-def test_polling_hosts_need_cpus_no_other_thread_wants(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One more runnable thread than the caller's: not busy for the caller alone, but the host
-    that would poll beside it would wait for a CPU (mixed was 0.8x in-process so)."""
+def test_hosts_need_cpus_no_other_thread_wants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One more runnable thread than the caller's: not busy for the caller alone, but a host
+    would wait for a CPU (mixed was 0.82x Sync so, hosts 0.51x, in-process 0.92x)."""
     looked: list[int] = []
 
     def busy(n_cpus: int) -> bool:
@@ -134,8 +134,14 @@ def test_polling_hosts_need_cpus_no_other_thread_wants(monkeypatch: pytest.Monke
     assert (got.caller_envs, got.n_processes) == (4, 0)
     assert "other threads want the CPUs they would take" in got.reason
     assert looked == [2, 1]  # the machine, then the CPU left to one polling host (looked once)
+    # Hosts only (they sleep, the caller waits): the other thread would take one host's CPU.
+    looked.clear()
+    got = choose(4, 87e-6, hop=40e-6, polled_hop=200e-6, n_cpus=2)
+    assert (got.caller_envs, got.n_processes) == (4, 0)
+    assert "on 2 env-host process(es)" in got.reason and looked == [2, 1]
     monkeypatch.setattr(placement, "machine_busy", lambda n_cpus: False)
     assert choose(4, 115e-6, hop=250e-6, polled_hop=40e-6, n_cpus=2).kind == "mixed"
+    assert choose(4, 87e-6, hop=40e-6, polled_hop=200e-6, n_cpus=2).kind == "hosts"
 
 
 def test_the_polled_round_trip_is_measured_once_and_leaves_the_affinity_as_it_was(

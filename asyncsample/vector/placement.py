@@ -278,9 +278,9 @@ def choose(
 ) -> Placement:
     """The placement for ``num_envs`` sub-envs whose probe stepped in ``env_step`` seconds;
     every one in the caller's process on a ``busy`` machine (``None``: looked at, see
-    :func:`machine_busy`; then a placement whose hosts would poll is also passed over where
-    more threads are runnable than the CPUs left to them: given, the machine is taken as quiet
-    but for this thread). ``hop`` and ``polled_hop``: the round trips to a sleeping and to a
+    :func:`machine_busy`; then a placement with hosts is also passed over where more threads
+    are runnable than the CPUs its hosts leave: given, the machine is taken as quiet but for
+    this thread). ``hop`` and ``polled_hop``: the round trips to a sleeping and to a
     polling host (``None``: measured, see :func:`hop_seconds` and :func:`polled_hop_seconds`;
     a ``hop`` given without ``polled_hop`` serves as both)."""
     if env_step is None:
@@ -313,21 +313,26 @@ def choose(
             continue
         pred, procs = _predict(num_envs, env_step, hop, m, n_cpus, polled)
         if pred * _MARGIN < inproc and pred < best:
-            if procs < n_cpus and not given_busy:
-                # Polling hosts need a CPU each that no other thread wants (a host that waits
-                # for a CPU at every step, or keeps backing off its poll, wakes the caller's
-                # CPU instead: mixed HalfCheetah-v5 x4 with another process running on a
-                # 2-CPU machine was 0.8x in-process, 2026-11-28).
-                if procs not in crowded:
-                    crowded[procs] = machine_busy(n_cpus - procs)
-                if crowded[procs]:
-                    passed_over = passed_over or (m, pred, procs)
+            if not given_busy:
+                # The hosts need a CPU each that no other thread wants, beside the caller's
+                # while it steps a share (a host that waits for a CPU at every step, or keeps
+                # backing off its poll, wakes on the caller's instead: with another process
+                # running on a 2-CPU machine, mixed HalfCheetah-v5 x4 was 0.82x Sync, hosts
+                # 0.51x, in-process 0.92x, 2026-11-28). Runnable threads, the caller's
+                # included, may then be at most the CPUs the hosts leave (plus the caller's,
+                # idle while hosts alone step).
+                room = n_cpus - procs + (m == 0)
+                if room not in crowded:
+                    crowded[room] = machine_busy(room)
+                if crowded[room]:
+                    passed_over = passed_over or (pred, procs)
                     continue
             best_m, best, best_procs = m, pred, procs
     if best_m == num_envs and passed_over is not None:
-        m, pred, procs = passed_over
-        why = f"{us}: predicted {pred * 1e6:.0f} us a step with {procs} polling host(s) against "
-        why += f"{inproc * 1e6:.0f} in-process, but other threads want the CPUs they would take"
+        pred, procs = passed_over
+        why = f"{us}: predicted {pred * 1e6:.0f} us a step on {procs} env-host process(es) "
+        why += f"against {inproc * 1e6:.0f} in-process, but other threads want the CPUs they "
+        why += "would take"
     elif best_m == num_envs:
         why = f"{us}: the hop would cost more than it saves"
     else:
