@@ -63,6 +63,8 @@ CLEANRL_CELLS = [
 ]
 SB3_CELLS = [("CartPole-v1", 8)]
 GYM_PEERS = ["sync", "async"]
+#: The placements the faces built in this process chose (``describe``), in order.
+_CHOSEN: list[str] = []
 SB3_PEERS = ["dummy", "subproc"]
 OURS = ["ours", "ours-inproc", "ours-hosts", "ours-mixed"]
 #: Run only when named in ``--contenders``: the mixed placement with hosts that sleep between
@@ -146,7 +148,9 @@ def _cleanrl_vector(contender: str, env_id: str, n: int) -> Any:
 
     kwargs = _ours_kwargs(contender, n)
     assert kwargs is not None
-    return asyncsample.VectorEnv(fns, **kwargs)
+    envs = asyncsample.VectorEnv(fns, **kwargs)
+    _CHOSEN.append(envs.placement.describe(n))
+    return envs
 
 
 def _agent(envs: Any, continuous: bool) -> Any:
@@ -342,6 +346,9 @@ def run_sb3(contender: str, env_id: str, n: int, rollouts: int, n_steps: int = 2
         assert placed is not None
         kwargs = placed
     venv = make_vec_env(env_id, n_envs=n, seed=0, vec_env_cls=cls, vec_env_kwargs=kwargs)
+    placement = getattr(venv, "placement", None)
+    if placement is not None:
+        _CHOSEN.append(placement.describe(n))
     try:
         model = PPO("MlpPolicy", venv, n_steps=n_steps, batch_size=64, seed=0, device="cpu")
         model.learn(total_timesteps=n_steps * n)  # warm-up rollout and update
@@ -363,22 +370,9 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         sps = run_sb3(spec["contender"], spec["env"], spec["n"], spec["rollouts"], spec["n_steps"])
     out: dict[str, Any] = {"sps": sps}
-    if spec["contender"].startswith("ours"):
-        out["placement"] = _placement_of(spec)
+    if _CHOSEN:  # what the face of this very run chose (a decision measures the machine)
+        out["placement"] = _CHOSEN[-1]
     return out
-
-
-def _placement_of(spec: dict[str, Any]) -> str:
-    """What the face chose for this cell (built once more, for the record)."""
-    import asyncsample
-
-    kwargs = _ours_kwargs(spec["contender"], spec["n"])
-    fns = [_cleanrl_env(spec["env"])] * spec["n"]
-    env = asyncsample.VectorEnv(fns, **(kwargs or {}))
-    try:
-        return env.placement.describe(spec["n"])
-    finally:
-        env.close()
 
 
 def _fresh(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -470,8 +464,12 @@ def table(result: dict[str, Any]) -> str:
             + " | ".join(cellf(c) for c in ours)
             + " |"
         )
-        if cell.get("placement"):
-            chosen.append(f"- {loop}, {cell['env']}, {cell['n']} envs: {cell['placement']}")
+        runs = cell.get("placements") or ([cell["placement"]] if cell.get("placement") else [])
+        # One line, or one per run where they differ (each decision measures the machine).
+        runs = runs[-1:] if len(set(runs)) == 1 else runs
+        for k, where in enumerate(runs, 1):
+            which = f" (run {k} of {len(runs)})" if len(runs) > 1 else ""
+            chosen.append(f"- {loop}, {cell['env']}, {cell['n']} envs{which}: {where}")
     lines += ["", "The default placement chose:", "", *chosen]
     return "\n".join(lines)
 
@@ -505,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             contenders = [c for c in contenders if c not in ABLATIONS]
         runs: dict[str, list[float]] = {c: [] for c in contenders}
         errors: dict[str, str] = {}
-        placement = ""
+        chosen: list[str] = []
         for _ in range(repeats):
             for c in contenders:
                 if c.startswith("ours") and _ours_kwargs(c, n) is None:
@@ -526,8 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"{client} {env_id} {n} {c}: {got['error']}", flush=True)
                     continue
                 runs[c].append(got["sps"])
-                if c == "ours":
-                    placement = got.get("placement", "")
+                if c == "ours" and got.get("placement"):
+                    chosen.append(got["placement"])
                 print(f"{client} {env_id} {n} {c}: {got['sps']:,.0f} SPS", flush=True)
         sps = {c: statistics.median(v) for c, v in runs.items() if v}
         peers = GYM_PEERS if client == "cleanrl" else SB3_PEERS
@@ -543,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "errors": errors,
                 "best_peer_sps": best,
                 "ratios": {c: sps[c] / best for c in OURS + ABLATIONS if c in sps and best},
-                "placement": placement,
+                "placement": chosen[-1] if chosen else "",
+                "placements": chosen,
             }
         )
     import torch

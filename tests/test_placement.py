@@ -8,6 +8,7 @@ equality, autoreset, call and fault checks in each placement).
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 import threading
@@ -91,6 +92,68 @@ def test_choose_predicts_the_fastest_placement(
     got = choose(n, step_us * 1e-6, hop=hop_us * 1e-6, n_cpus=cpus)
     assert (got.caller_envs, got.n_processes) == want
     assert f"probe step {step_us:.1f} us" in got.reason
+
+
+@pytest.mark.parametrize(
+    ("n", "step_us", "want"),
+    [
+        (4, 6, (4, 0)),  # CartPole-v1 in CleanRL's wrappers: in-process, polling or not
+        (8, 6.5, (8, 0)),
+        (1, 115, (1, 0)),  # HalfCheetah-v5, one env: nothing to share
+        (4, 115, (2, 1)),  # HalfCheetah-v5, 4 envs: mixed, its host polling
+    ],
+)
+def test_a_polling_host_is_predicted_with_its_own_round_trip(
+    n: int, step_us: float, want: tuple[int, int]
+) -> None:
+    """The round trip a sleeping host costs inside a loop (its wake-up) decides nothing where
+    the host will poll: measured 250 us asleep, 40 us polling (2 CPUs: a caller's share and one
+    host, which polls), HalfCheetah-v5 x4 goes mixed; the cheap envs stay in the caller."""
+    got = choose(n, step_us * 1e-6, hop=250e-6, polled_hop=40e-6, n_cpus=2)
+    assert (got.caller_envs, got.n_processes) == want
+    assert got.hop == 250e-6 and got.polled_hop == 40e-6
+    assert "host round trip ~250 us (~40 us polling)" in got.reason
+    if got.kind == "mixed":
+        assert "(hosts polling)" in got.reason
+        assert spins(got, 2)
+    asleep = choose(n, step_us * 1e-6, hop=250e-6, n_cpus=2)  # as before: 250 us either way
+    assert asleep.kind == "in-process"
+
+
+def test_hosts_need_cpus_no_other_thread_wants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One more runnable thread than the caller's: not busy for the caller alone, but a host
+    would wait for a CPU (mixed was 0.82x Sync so, hosts 0.51x, in-process 0.92x)."""
+    looked: list[int] = []
+
+    def busy(n_cpus: int) -> bool:
+        looked.append(n_cpus)
+        return n_cpus < 2  # two threads runnable, this one included
+
+    monkeypatch.setattr(placement, "machine_busy", busy)
+    got = choose(4, 115e-6, hop=250e-6, polled_hop=40e-6, n_cpus=2)
+    assert (got.caller_envs, got.n_processes) == (4, 0)
+    assert "other threads want the CPUs they would take" in got.reason
+    assert looked == [2, 1]  # the machine, then the CPU left to one polling host (looked once)
+    # Hosts only (they sleep, the caller waits): the other thread would take one host's CPU.
+    looked.clear()
+    got = choose(4, 87e-6, hop=40e-6, polled_hop=200e-6, n_cpus=2)
+    assert (got.caller_envs, got.n_processes) == (4, 0)
+    assert "on 2 env-host process(es)" in got.reason and looked == [2, 1]
+    monkeypatch.setattr(placement, "machine_busy", lambda n_cpus: False)
+    assert choose(4, 115e-6, hop=250e-6, polled_hop=40e-6, n_cpus=2).kind == "mixed"
+    assert choose(4, 87e-6, hop=40e-6, polled_hop=200e-6, n_cpus=2).kind == "hosts"
+
+
+def test_the_polled_round_trip_is_measured_once_and_leaves_the_affinity_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(placement, "_polled_hop", None)
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    polled = placement.polled_hop_seconds()
+    assert placement._MIN_HOP <= polled < 0.1
+    assert placement.polled_hop_seconds() == polled  # measured once
+    if before is not None:
+        assert os.sched_getaffinity(0) == before
 
 
 @pytest.mark.parametrize(("n", "step_us"), [(4, 110), (8, 500), (64, 8)])

@@ -221,6 +221,106 @@ def test_equal_to_sync(
         sync.close()
 
 
+class SteadyInfoEnv(gym.Env[Any, Any]):
+    """Every step's info has the same keys (as ALE's and MuJoCo's), of every kind gymnasium
+    batches apart: Python and numpy scalars, an array, an object; one key's type changes with
+    the step (an int or a float) and, with ``nested``, a nested dict; resets report some of
+    the keys and one of their own."""
+
+    def __init__(self, nested: bool = False) -> None:
+        self.observation_space = Box(-1.0, 1.0, (2,), np.float32)
+        self.action_space = Discrete(3)
+        self.nested = nested
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {"lives": 3, "started": True}
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        self.t += 1
+        rng = self.np_random
+        info: dict[str, Any] = {
+            "lives": int(rng.integers(4)),
+            "x": float(rng.normal()),
+            "frame": np.int32(self.t),
+            "ok": np.bool_(rng.random() < 0.5),
+            "flag": bool(action),
+            "pos": rng.normal(size=2).astype(np.float32),
+            "name": f"e{self.t}",
+            "mixed": self.t if self.t % 3 else self.t / 7,
+        }
+        if self.nested:
+            info["terms"] = {"a": self.t}
+        obs = np.full(2, self.t / 20, np.float32)
+        return obs, float(action), bool(rng.random() < 0.05), self.t >= 15, info
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+def test_steady_infos_equal_to_sync(nested: bool, no_leaks: None, placed: dict[str, int]) -> None:
+    """Infos with the same keys at every step (built a key at a time, see vector/_infos.py),
+    episode ends with reset infos among them: SyncVectorEnv's, keys in the same order."""
+    n = 4
+    fns = [lambda: SteadyInfoEnv(nested) for _ in range(n)]
+    ours = VectorEnv(fns, n, **placed)
+    sync = SyncVectorEnv(fns)
+    try:
+        assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
+        rng = np.random.default_rng(0)
+        for t in range(60):
+            actions = rng.integers(0, 3, n)
+            got, want = ours.step(actions), sync.step(actions)
+            assert_same(got, want, f"step {t}")
+            assert list(got[4]) == list(want[4]), f"step {t}: the infos' keys in another order"
+    finally:
+        ours.close()
+        sync.close()
+
+
+def test_info_columns_are_what_gymnasium_adds_row_by_row() -> None:
+    """vector/_infos.columns against gymnasium's _add_info: some rows or all, alike or mixed
+    types, and what it leaves to gymnasium (other keys, a nested dict, final_obs, a "_" key)."""
+    from asyncsample.vector._infos import columns
+
+    n = 5
+    gym_add = SyncVectorEnv([lambda: CountEnv() for _ in range(n)])._add_info
+
+    def row(i: int, **extra: Any) -> dict[str, Any]:
+        return {"a": i, "b": np.float32(i / 2), "c": np.arange(i, i + 3), "d": str(i), **extra}
+
+    def gymnasium(infos: list[dict[str, Any]], rows: list[int]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for i in rows:
+            out = gym_add(out, infos[i], i)
+        return out
+
+    cases = [
+        ([row(i) for i in range(n)], list(range(n))),
+        ([row(i) for i in range(n)], [1, 3]),
+        ([row(i, e=(i if i % 2 else i / 3)) for i in range(n)], list(range(n))),
+        ([row(i, e=(i if i % 2 else i / 3)) for i in range(n)], [0, 1, 4]),
+        ([row(i, e=np.bool_(i % 2)) for i in range(n)], list(range(n))),
+        ([{"a": True} for _ in range(n)], list(range(n))),
+        ([{} for _ in range(n)], list(range(n))),
+    ]
+    for infos, rows in cases:
+        got, want = columns(n, infos, rows), gymnasium(infos, rows)
+        assert_same(got, want, f"rows {rows}")
+        assert list(got) == list(want)
+        assert all(got[k].dtype == want[k].dtype for k in want if hasattr(want[k], "dtype"))
+        masks = [got[k] for k in got if k.startswith("_")]
+        assert len({id(m) for m in masks}) == len(masks)  # each key its own mask, as gymnasium's
+    left = [
+        [row(0), row(1, extra=1)],
+        [row(0, n={"x": 1}), row(1, n={"x": 2})],
+        [row(0, final_obs=1), row(1, final_obs=2)],
+        [row(0, _a=1), row(1, _a=2)],
+    ]
+    for infos in left:
+        assert columns(n, infos, [0, 1]) is None
+
+
 def test_equal_to_sync_cartpole_by_id(no_leaks: None, placed: dict[str, int]) -> None:
     """A registered id, more sub-envs than processes, the constructor's seed."""
     ours = VectorEnv("CartPole-v1", 6, **placed, seed=5)

@@ -12,19 +12,17 @@ import io
 import multiprocessing
 import os
 import pickle
-import resource
 import select
 import signal
 import socket
 import sys
-import time
 from typing import Any
 
 from asyncsample.backends import _lane_serve, _threads
 from asyncsample.backends._chunk import RawChunks, view_chunk_sets
 from asyncsample.backends._lane_serve import LaneOptions
 from asyncsample.backends._slot import HostSlot, RawArena, view_step_arena
-from asyncsample.backends._threads import BUSY_CHECK, runnable
+from asyncsample.backends._threads import BoundedSpin
 from asyncsample.backends._transport import (
     HELLO_ID,
     SLOT,
@@ -151,11 +149,6 @@ def _serve_lanes(
         _kill_descendants()
 
 
-#: Seconds a host's spin stays off once a spin was preempted (see :class:`StepReader`).
-SPIN_BACKOFF = 1.0
-_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
-
-
 class StepReader(FrameReader):
     """A :class:`FrameReader` that, with ``spin`` seconds, waits for the request after a step's
     reply polling its socket for at most that long before it blocks in a read.
@@ -168,9 +161,9 @@ class StepReader(FrameReader):
     :mod:`asyncsample.vector.placement`). On a machine busier than that, a poller takes a CPU
     another process wants (on a loaded 2-CPU machine, a spin that yielded made the mixed
     HalfCheetah loop 0.6x the sleeping one): it spins only while no more threads are runnable
-    than there are CPUs (:func:`runnable`, looked at every ``BUSY_CHECK`` seconds), and a spin
-    during which the kernel switched this thread out (``ru_nivcsw`` moved) turns the spin off
-    for ``SPIN_BACKOFF`` seconds."""
+    than there are CPUs, and a spin during which the kernel switched this thread out turns the
+    spin off for ``SPIN_BACKOFF`` seconds (:class:`~asyncsample.backends._threads.BoundedSpin`,
+    the caller's polling too)."""
 
     def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
         super().__init__(sock)
@@ -182,22 +175,13 @@ class StepReader(FrameReader):
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
         self.spin = spin
-        self._resume = 0.0  # time.perf_counter() from which a wait spins again
-        self._cpus = os.cpu_count() or 1
-        self._look = 0.0  # time.perf_counter() of the next look at runnable()
+        self._spin = BoundedSpin(os.cpu_count() or 1)
 
     def wait_spinning(self) -> None:
         """Return once a request (or the end of the stream) is readable, in the buffer or the
         socket, or ``spin`` passed (at once while backed off)."""
-        clock = time.perf_counter
-        now = clock()
-        if now < self._resume:
+        if not self._spin.allowed():
             return
-        if now >= self._look:
-            self._look = now + BUSY_CHECK
-            if runnable() > self._cpus:  # a busy machine: look again in a while
-                self._resume = self._look
-                return
         sock = self._sock
         sock.setblocking(False)  # peek: the buffered bytes, else one read that does not block
         try:
@@ -207,13 +191,7 @@ class StepReader(FrameReader):
             return  # the connection is gone: the blocking read will see it
         finally:
             sock.setblocking(True)
-        usage, poll = resource.getrusage, self._poller.poll
-        switches = usage(_RUSAGE_WHO).ru_nivcsw
-        end = now + self.spin
-        while not poll(0) and clock() < end:
-            pass
-        if usage(_RUSAGE_WHO).ru_nivcsw != switches:  # another process wanted this CPU
-            self._resume = clock() + SPIN_BACKOFF
+        self._spin.poll(self._poller.poll, self.spin)
 
 
 def _serve(sock: socket.socket, reader: StepReader, slots: list[HostSlot]) -> None:

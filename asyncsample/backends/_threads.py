@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import sys
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["BUSY_CHECK", "THREAD_VARIABLES", "apply_torch", "limit", "openblas_threads", "runnable"]
+__all__ = [
+    "BUSY_CHECK",
+    "SPIN_BACKOFF",
+    "THREAD_VARIABLES",
+    "BoundedSpin",
+    "apply_torch",
+    "limit",
+    "openblas_threads",
+    "runnable",
+]
 
 #: Seconds between two looks at the machine's runnable threads (see :func:`runnable`), for the
 #: hosts' and the faces' polling, which stops while the machine is busy.
@@ -30,6 +41,56 @@ def runnable() -> int:
             return int(f.read().split()[3].split(b"/")[0])
     except (OSError, IndexError, ValueError):
         return 0
+
+
+#: Seconds a :class:`BoundedSpin` stays off once one of its spins was preempted.
+SPIN_BACKOFF = 1.0
+_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+_Ready = TypeVar("_Ready")
+
+
+class BoundedSpin:
+    """The bounded poll of the hosts (waiting for the next step request) and of the faces'
+    caller (waiting for the replies): where the waiter has a CPU of its own, polling for a few
+    hundred microseconds saves the kernel wake-up a blocking wait costs.
+
+    A poller takes a CPU another process may want, so it polls only while no more threads are
+    runnable than ``n_cpus`` (:func:`runnable`, looked at every ``BUSY_CHECK`` seconds), and a
+    spin during which the kernel switched this thread out (``ru_nivcsw`` moved: another process
+    wanted the CPU) turns it off for ``SPIN_BACKOFF`` seconds."""
+
+    __slots__ = ("_cpus", "_look", "_resume")
+
+    def __init__(self, n_cpus: int) -> None:
+        self._cpus = n_cpus
+        self._resume = 0.0  # time.perf_counter() from which a wait spins again
+        self._look = 0.0  # time.perf_counter() of the next look at runnable()
+
+    def allowed(self) -> bool:
+        """Whether a spin may run now: not within ``SPIN_BACKOFF`` of a preempted one, nor while
+        the machine is busy (then not again before the next look)."""
+        now = time.perf_counter()
+        if now < self._resume:
+            return False
+        if now >= self._look:
+            self._look = now + BUSY_CHECK
+            if runnable() > self._cpus:
+                self._resume = self._look
+                return False
+        return True
+
+    def poll(self, poll: Callable[[int], _Ready], seconds: float) -> _Ready:
+        """Call ``poll(0)`` until it returns something true or ``seconds`` passed; its last
+        result. A preempted spin backs off (see the class)."""
+        clock, usage = time.perf_counter, resource.getrusage
+        switches = usage(_RUSAGE_WHO).ru_nivcsw
+        end = clock() + seconds
+        ready = poll(0)
+        while not ready and clock() < end:
+            ready = poll(0)
+        if usage(_RUSAGE_WHO).ru_nivcsw != switches:
+            self._resume = clock() + SPIN_BACKOFF
+        return ready
 
 
 #: The environment variables the thread pools of the common numeric libraries read.

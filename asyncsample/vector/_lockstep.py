@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import resource
 import select
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -18,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from asyncsample._tree import Tree
+from asyncsample.backends._threads import BoundedSpin
 from asyncsample.backends.base import DirectReader, EnvHost, InlineHost, LockstepHost, SentStep
 from asyncsample.env_group import StepInfos
-from asyncsample.vector.placement import BUSY_CHECK, cpus, runnable
+from asyncsample.vector.placement import cpus
 from asyncsample.vector.portal import BlockingPortal
 
 __all__ = ["LockstepRounds", "PendingRound", "StepResult", "outcome"]
@@ -28,9 +28,6 @@ __all__ = ["LockstepRounds", "PendingRound", "StepResult", "outcome"]
 #: How long :meth:`LockstepRounds.lockstep` waits for replies outside the event loop before it
 #: hands the round to the loop (where a step timeout, a dying host's sentinel... are seen).
 _DIRECT_WAIT = 0.05
-#: Seconds the caller's spin stays off once a spin was preempted (see ``_wait_readable``).
-_SPIN_BACKOFF = 1.0
-_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
 @dataclass
@@ -109,8 +106,7 @@ class LockstepRounds:
     _polled: tuple[int, ...] = ()
     # Seconds to poll the hosts' connections before sleeping in poll (see placement.spins).
     _caller_spin: float = 0.0
-    _spin_resume: float = 0.0  # time.perf_counter() from which the caller spins again
-    _spin_look: float = 0.0  # time.perf_counter() of the next look at placement.runnable()
+    _spin: BoundedSpin | None = None  # made with the first spin
     # The round lockstep_send sent and no lockstep_wait finished (see _drop_round).
     _round: PendingRound | None = None
     # The caller's one host when it holds every sub-env (the in-process placement, no groups):
@@ -300,36 +296,20 @@ class LockstepRounds:
                 poller.register(fd, select.POLLIN)
             self._poller, self._polled = poller, fds
         poll = self._poller.poll
-        if self._caller_spin and self._may_spin():
-            # The hosts have CPUs of their own (placement.spins): poll before sleeping, unless
-            # the kernel switched this thread out meanwhile (another process wants the CPU).
-            switches = resource.getrusage(_RUSAGE_WHO).ru_nivcsw
-            end = time.perf_counter() + self._caller_spin
-            ready = poll(0)
-            while not ready and time.perf_counter() < end:
-                ready = poll(0)
-            if resource.getrusage(_RUSAGE_WHO).ru_nivcsw != switches:
-                self._spin_resume = time.perf_counter() + _SPIN_BACKOFF
-            if ready:
-                return ready
+        if self._caller_spin:
+            # The hosts have CPUs of their own (placement.spins): poll before sleeping, while
+            # the machine is not busy (see BoundedSpin).
+            spin = self._spin
+            if spin is None:
+                spin = self._spin = BoundedSpin(cpus())
+            if spin.allowed():
+                ready = spin.poll(poll, self._caller_spin)
+                if ready:
+                    return ready
         wait = _DIRECT_WAIT
         if deadline is not None:
             wait = max(0.0, min(wait, deadline - time.monotonic()))
         return poll(wait * 1000)
-
-    def _may_spin(self) -> bool:
-        """Whether the caller polls for the replies now: not within ``_SPIN_BACKOFF`` of a
-        preempted spin, nor while more threads are runnable than there are CPUs (looked at
-        every ``BUSY_CHECK`` seconds)."""
-        now = time.perf_counter()
-        if now < self._spin_resume:
-            return False
-        if now >= self._spin_look:
-            self._spin_look = now + BUSY_CHECK
-            if runnable() > cpus():
-                self._spin_resume = self._spin_look
-                return False
-        return True
 
     async def _collect(
         self, sent: list[SentStep], inline: list[StepInfos | BaseException]

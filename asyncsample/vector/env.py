@@ -32,6 +32,7 @@ from asyncsample.vector._gym_args import (
     concurrency_limit,
     observation_spaces,
 )
+from asyncsample.vector._infos import columns
 from asyncsample.vector.hosted import HostedEnvs, HostedFace, PendingRound, StepResult, env_sources
 
 __all__ = ["VectorEnv"]
@@ -425,6 +426,17 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             rows = sorted(resets)
         else:
             rows = [i for i, info in enumerate(env_infos) if info or i in resets]
+            if getattr(add, "__func__", None) is _GymVectorEnv._add_info:  # no subclass's own
+                # The step infos a key at a time where their keys repeat (see _infos); every
+                # row then has all of them, so the reset infos, added after each row's step
+                # info, change the same cells and make the same keys as added after them all.
+                built = columns(self.num_envs, env_infos, rows)
+                if built is not None:
+                    for i in rows:
+                        reset_info = resets.get(i)
+                        if reset_info:
+                            built = add(built, reset_info, i)
+                    return built  # type: ignore[no-any-return]
         for i in rows:
             if env_infos is not None:
                 infos = add(infos, env_infos[i], i)

@@ -498,21 +498,36 @@ class HostedEnvs(LockstepRounds):
         every = mask is None and hosts is None
         return await self._merge(None if every else stepped, outcomes, whole=hosts is None)
 
-    def _quiet_result(self, outcomes: Sequence[StepInfos | BaseException]) -> StepResult | None:
-        """The result of a lockstep step of every sub-env with no info, no reset and no failure
-        anywhere (the common step), straight from the buffers; ``None`` for any other."""
-        for o in outcomes:
-            if type(o) is not StepInfos or o.env_infos is not None or o.reset_infos or o.final_obs:
+    def _whole_result(self, outcomes: Sequence[StepInfos | BaseException]) -> StepResult | None:
+        """The result of a lockstep step of every sub-env with no failure anywhere (the common
+        step), straight from the buffers, the hosts' infos joined in sub-env order; ``None`` for
+        any other."""
+        env_infos: list[dict[str, Any]] | None = None
+        reset_infos: dict[int, dict[str, Any]] = {}
+        final_obs: dict[int, Any] = {}
+        for (a, b), o in zip(self.slices, outcomes):
+            if type(o) is not StepInfos:
                 return None
+            if o.env_infos is not None:
+                if env_infos is None:
+                    env_infos = [{} for _ in range(a)]
+                env_infos += [info or {} for info in o.env_infos]
+            elif env_infos is not None:
+                env_infos += [{} for _ in range(b - a)]
+            if o.reset_infos:
+                reset_infos.update({a + k: info for k, info in o.reset_infos.items()})
+            if o.final_obs:
+                final_obs.update({a + k: x for k, x in o.final_obs.items()})
         bufs = [host.buffers for host in self.hosts]
         return StepResult(
             self.read_obs(),
             np.concatenate([b.rewards for b in bufs]),
             np.concatenate([b.terminated for b in bufs]),
             np.concatenate([b.truncated for b in bufs]),
-            None,
+            env_infos,
+            reset_infos,
             {},
-            {},
+            final_obs,
         )
 
     async def _merge(
@@ -547,9 +562,9 @@ class HostedEnvs(LockstepRounds):
         round, whose quiet result comes straight from the buffers) as one result, in sub-env
         order; a failed host's outcome is its restart, with its reset infos in ``fresh[h]``."""
         if stepped is None:
-            quiet = self._quiet_result(outcomes)
-            if quiet is not None:
-                return quiet
+            whole_result = self._whole_result(outcomes)
+            if whole_result is not None:
+                return whole_result
             stepped = self._every
         n = self.num_envs
         res = StepResult.empty(n)

@@ -4,12 +4,16 @@
 the cost of a host round trip (see :func:`_predict`), and leaves the caller's process only when
 that is predicted ``_MARGIN`` faster: measurement noise on a loaded machine cannot tip a cheap env
 onto hosts; on a busy machine (:func:`machine_busy`) it stays there whatever the envs cost. The
-round trip is estimated once per interpreter from two threads over a socket pair
-(two kernel wake-ups, as a host round trip has): starting a process would cost about a second.
+round trip is estimated once per interpreter from two threads over a socket pair (starting a
+process would cost about a second), in two ways, for the two ways hosts wait: a host that sleeps
+between steps is woken by each request, as the probe's threads are (:func:`hop_seconds`); a host
+that polls (:func:`spins`) is never woken, and its round trip is predicted from the probe's round
+trips without a wake-up (:func:`polled_hop_seconds`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -28,6 +32,7 @@ from asyncsample.backends._threads import BUSY_CHECK, runnable
 
 __all__ = [
     "BUSY_CHECK",
+    "polled_hop_seconds",
     "CALLER_SPIN",
     "HOST_SPIN",
     "machine_busy",
@@ -59,11 +64,18 @@ _WAKE_FACTOR = 2.0
 #: polls for the replies after stepping its own share before it sleeps.
 HOST_SPIN = 1e-3
 CALLER_SPIN = 2e-4
+#: A host that polls (see :func:`spins`) is never woken: its round trip is the transport and the
+#: two sides' work, which the probe times as two threads taking turns on one CPU (a switch each
+#: way, no CPU woken from idle; 3-5 us on the 2-CPU machine, 2026-11-28), times this: a no-op
+#: env's host round trip that does not wait for a sleeping CPU is ~50 us there (back to back,
+#: 2026-11-27; see _WAKE_FACTOR).
+_POLLED_FACTOR = 12.0
 #: The probe env is stepped for at most this long (and at most _PROBE_STEPS steps).
 _PROBE_BUDGET = 0.02
 _PROBE_STEPS = 50
 
 _hop: float | None = None
+_polled_hop: float | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,10 @@ class Placement:
         n_processes: env-host processes for the others (0: none).
         reason: why (measured, or forced by the arguments).
         env_step: the probe env's measured step time in seconds (``None``: not measured).
-        hop: the estimated host round trip in seconds (``None``: not measured).
+        hop: the estimated round trip to a host that sleeps between steps, in seconds (``None``:
+            not measured).
+        polled_hop: the estimated round trip to a host that polls (:func:`spins`), in seconds
+            (``None``: not measured).
     """
 
     caller_envs: int
@@ -83,6 +98,7 @@ class Placement:
     reason: str
     env_step: float | None = None
     hop: float | None = None
+    polled_hop: float | None = None
 
     @property
     def kind(self) -> str:
@@ -105,34 +121,75 @@ class Placement:
 
 
 def hop_seconds() -> float:
-    """The estimated cost of a host round trip on this machine (measured once, see the module)."""
+    """The estimated cost of a round trip to a host that sleeps between requests on this machine
+    (measured once: two threads over a socket pair, each woken by the other's message as a
+    sleeping host and its caller are)."""
     global _hop
     if _hop is None:
-        a, b = socket.socketpair()
-
-        def echo() -> None:
-            while True:
-                data = b.recv(1)
-                if not data or data == b"q":
-                    return
-                b.send(data)
-
-        thread = threading.Thread(target=echo, name="asyncsample-hop-probe", daemon=True)
-        thread.start()
-        times: list[float] = []
-        try:
-            for _ in range(200):
-                t0 = time.perf_counter()
-                a.send(b"x")
-                a.recv(1)
-                times.append(time.perf_counter() - t0)
-            a.send(b"q")
-            thread.join(1.0)
-        finally:
-            a.close()
-            b.close()
+        times = _thread_round_trips(pinned=False)
         _hop = max(_MIN_HOP, _HOP_FACTOR * statistics.median(times[20:]))
     return _hop
+
+
+def polled_hop_seconds() -> float:
+    """The estimated cost of a round trip to a host that polls for the next request (see
+    :func:`spins`) on this machine: no wake-up, so predicted from the probe's threads taking
+    turns on one CPU (``_POLLED_FACTOR``; measured once). Where a thread cannot be pinned, from
+    the fastest tenth of the unpinned round trips (those that woke no idle CPU)."""
+    global _polled_hop
+    if _polled_hop is None:
+        times = _thread_round_trips(pinned=True)
+        _polled_hop = max(_MIN_HOP, _POLLED_FACTOR * statistics.quantiles(times[20:], n=10)[0])
+    return _polled_hop
+
+
+def _thread_round_trips(pinned: bool) -> list[float]:
+    """200 round trips of a byte between this thread and an echo thread over a socket pair;
+    ``pinned``: both on the CPU this thread is on (this thread's affinity is put back)."""
+    a, b = socket.socketpair()
+    here: set[int] | None = None
+    if pinned and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):
+            allowed = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {_current_cpu(allowed)})
+            here = allowed  # the echo thread inherits the one CPU
+
+    def echo() -> None:
+        while True:
+            data = b.recv(1)
+            if not data or data == b"q":
+                return
+            b.send(data)
+
+    thread = threading.Thread(target=echo, name="asyncsample-hop-probe", daemon=True)
+    thread.start()
+    times: list[float] = []
+    try:
+        for _ in range(200):
+            t0 = time.perf_counter()
+            a.send(b"x")
+            a.recv(1)
+            times.append(time.perf_counter() - t0)
+        a.send(b"q")
+        thread.join(1.0)
+    finally:
+        a.close()
+        b.close()
+        if here is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, here)
+    return times
+
+
+def _current_cpu(allowed: set[int]) -> int:
+    """The CPU this thread runs on (the 39th field of ``/proc/thread-self/stat``), else the
+    first of ``allowed``."""
+    try:
+        with open("/proc/thread-self/stat", "rb") as f:
+            cpu = int(f.read().rsplit(b")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return min(allowed)
+    return cpu if cpu in allowed else min(allowed)
 
 
 def probe_step_seconds(env: Any) -> float | None:
@@ -187,18 +244,23 @@ def spins(placement: Placement, n_cpus: int | None = None) -> bool:
     return 0 < placement.n_processes < n_cpus
 
 
-def _predict(n: int, t: float, hop: float, m: int, n_cpus: int) -> tuple[float, int]:
+def _predict(
+    n: int, t: float, hop: float, m: int, n_cpus: int, polled: float | None = None
+) -> tuple[float, int]:
     """Predicted lockstep step with ``m`` of ``n`` sub-envs in the caller, and the processes
     ``P``: ``n * t`` all in the caller, else ``hop + ceil((n - m) / P) * t`` on the hosts, and with
-    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``;
-    ``hop`` is ``_WAKE_FACTOR`` times dearer when the hosts sleep between steps (no CPU of their
-    own to poll on, see :func:`spins`)."""
+    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``.
+    Where the caller and every host have a CPU each, the hosts poll (:func:`spins`) and the
+    round trip is ``polled`` (``None``: ``hop``); else they sleep between steps and it is
+    ``_WAKE_FACTOR`` times ``hop``."""
     if m == n:
         return n * t, 0
     spare = n_cpus if m == 0 else n_cpus - 1
     procs = max(1, min(spare, n - m))
     if procs >= n_cpus:
         hop *= _WAKE_FACTOR
+    elif polled is not None:
+        hop = polled
     hosts = hop + math.ceil((n - m) / procs) * t
     if m == 0:
         return hosts, procs
@@ -210,17 +272,28 @@ def choose(
     env_step: float | None,
     *,
     hop: float | None = None,
+    polled_hop: float | None = None,
     n_cpus: int | None = None,
     busy: bool | None = None,
 ) -> Placement:
     """The placement for ``num_envs`` sub-envs whose probe stepped in ``env_step`` seconds;
     every one in the caller's process on a ``busy`` machine (``None``: looked at, see
-    :func:`machine_busy`)."""
+    :func:`machine_busy`; then a placement with hosts is also passed over where more threads
+    are runnable than the CPUs its hosts leave: given, the machine is taken as quiet but for
+    this thread). ``hop`` and ``polled_hop``: the round trips to a sleeping and to a
+    polling host (``None``: measured, see :func:`hop_seconds` and :func:`polled_hop_seconds`;
+    a ``hop`` given without ``polled_hop`` serves as both)."""
     if env_step is None:
         return Placement(0, min(cpus(), num_envs), "the probe env could not be stepped: hosts")
-    hop = hop_seconds() if hop is None else hop
+    if hop is None:
+        hop = hop_seconds()
+        polled_hop = polled_hop_seconds() if polled_hop is None else polled_hop
+    polled = hop if polled_hop is None else polled_hop
     n_cpus = cpus() if n_cpus is None else n_cpus
     us = f"probe step {env_step * 1e6:.1f} us, host round trip ~{hop * 1e6:.0f} us"
+    if n_cpus > 1:
+        us += f" (~{polled * 1e6:.0f} us polling)"
+    given_busy = busy is not None
     if busy is None:
         busy = machine_busy(n_cpus)
     if busy:
@@ -228,22 +301,45 @@ def choose(
         # 2026-11-27): in-process 1.05x SyncVectorEnv, mixed 0.62x (hosts polling) and 0.78x
         # (asleep). A host waits for a CPU at every step; the caller's process does not hop.
         why = f"{us}: the machine is busy (more threads runnable than its {n_cpus} CPUs)"
-        return Placement(num_envs, 0, why, env_step, hop)
+        return Placement(num_envs, 0, why, env_step, hop, polled)
     best_m, (best, best_procs) = num_envs, _predict(num_envs, env_step, hop, num_envs, n_cpus)
     inproc = best
+    crowded: dict[int, bool] = {}  # host processes -> whether their CPUs are wanted already
+    passed_over = None
     # From the largest caller's share down: of two placements predicted alike, the one with
     # fewer processes (the caller's core does work a host would do).
     for m in range(num_envs - 1, -1, -1):
         if m > 0 and n_cpus < 2:
             continue
-        pred, procs = _predict(num_envs, env_step, hop, m, n_cpus)
+        pred, procs = _predict(num_envs, env_step, hop, m, n_cpus, polled)
         if pred * _MARGIN < inproc and pred < best:
+            if not given_busy:
+                # The hosts need a CPU each that no other thread wants, beside the caller's
+                # while it steps a share (a host that waits for a CPU at every step, or keeps
+                # backing off its poll, wakes on the caller's instead: with another process
+                # running on a 2-CPU machine, mixed HalfCheetah-v5 x4 was 0.82x Sync, hosts
+                # 0.51x, in-process 0.92x, 2026-11-28). Runnable threads, the caller's
+                # included, may then be at most the CPUs the hosts leave (plus the caller's,
+                # idle while hosts alone step).
+                room = n_cpus - procs + (m == 0)
+                if room not in crowded:
+                    crowded[room] = machine_busy(room)
+                if crowded[room]:
+                    passed_over = passed_over or (pred, procs)
+                    continue
             best_m, best, best_procs = m, pred, procs
-    if best_m == num_envs:
+    if best_m == num_envs and passed_over is not None:
+        pred, procs = passed_over
+        why = f"{us}: predicted {pred * 1e6:.0f} us a step on {procs} env-host process(es) "
+        why += f"against {inproc * 1e6:.0f} in-process, but other threads want the CPUs they "
+        why += "would take"
+    elif best_m == num_envs:
         why = f"{us}: the hop would cost more than it saves"
     else:
-        why = f"{us}: predicted {best * 1e6:.0f} us a step against {inproc * 1e6:.0f} in-process"
-    return Placement(best_m, best_procs, why, env_step, hop)
+        how = "polling" if best_procs < n_cpus else "asleep between steps"
+        why = f"{us}: predicted {best * 1e6:.0f} us a step (hosts {how}) against "
+        why += f"{inproc * 1e6:.0f} in-process"
+    return Placement(best_m, best_procs, why, env_step, hop, polled)
 
 
 def place(

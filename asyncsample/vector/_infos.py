@@ -1,0 +1,86 @@
+"""Gymnasium vector infos built a key at a time: what ``gymnasium.vector.VectorEnv._add_info``
+builds from the per-step info dicts of a lockstep step, without its per-row work.
+
+Added row by row, gymnasium's builder makes each key's array and mask at the first row that has
+the key, then, for every row, looks every key up again and allocates a throw-away mask (its
+``dict.get`` default). Envs that report the same keys at every step (ALE's lives and frame
+numbers, MuJoCo's positions and reward terms) then pay a few numpy allocations per sub-env and
+key. :func:`columns` builds the same dict (keys in the same order, the same dtypes, values and
+masks) once per key, for the rows whose infos have the same keys; anything else is left to
+gymnasium's builder (``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+
+__all__ = ["columns"]
+
+#: The scalar types gymnasium gives an array of their own type (with ``np.number``'s subclasses).
+_SCALARS = (int, float, bool)
+
+
+def columns(num_envs: int, env_infos: Sequence[dict[str, Any]], rows: list[int]) -> Any:
+    """The vector info ``gymnasium.vector.VectorEnv._add_info`` builds adding ``env_infos[i]``
+    for each ``i`` of ``rows`` (ascending) in turn to an empty dict, or ``None`` when the rows'
+    infos do not all have the first one's keys, or hold what gymnasium treats apart (a nested
+    dict, ``final_obs``, a key starting with ``_``, which could meet a mask)."""
+    if not rows:
+        return {}
+    first = env_infos[rows[0]]
+    keys = first.keys()
+    for i in rows:
+        if env_infos[i].keys() != keys:
+            return None
+    for key, value in first.items():
+        if type(key) is not str or key[:1] == "_" or key == "final_obs" or isinstance(value, dict):
+            return None
+    # One pass over the rows: the values of every key (a column per key, in the first's order).
+    ordered = list(keys)
+    if not ordered:
+        return {}
+    if len(ordered) == 1:
+        table: list[Any] = [[env_infos[i][ordered[0]] for i in rows]]
+    else:
+        getter = itemgetter(*ordered)
+        table = list(zip(*[getter(env_infos[i]) for i in rows]))
+    infos: dict[str, Any] = {}
+    full = len(rows) == num_envs
+    mask = None
+    for key, values in zip(ordered, table):
+        kind = type(values[0])
+        array: np.ndarray
+        if kind in _SCALARS or issubclass(kind, np.number):
+            alike = len(set(map(type, values))) == 1
+            if full and alike:
+                array = np.array(values, dtype=kind)
+            else:
+                array = np.zeros(num_envs, dtype=kind)
+                if alike:
+                    array[rows] = values
+                else:  # as gymnasium assigns them, one by one
+                    for i, v in zip(rows, values):
+                        array[i] = v
+        else:
+            value = values[0]
+            if isinstance(value, np.ndarray):
+                array = np.zeros((num_envs, *value.shape), dtype=value.dtype)
+            else:
+                array = np.full(num_envs, fill_value=None, dtype=object)
+            for i, v in zip(rows, values):
+                array[i] = v
+        if mask is None:
+            if full:
+                mask = np.ones(num_envs, dtype=np.bool_)
+            else:
+                mask = np.zeros(num_envs, dtype=np.bool_)
+                mask[rows] = True
+        else:
+            mask = mask.copy()  # every key its own mask, as gymnasium's
+        infos[key] = array
+        infos[f"_{key}"] = mask
+    return infos
