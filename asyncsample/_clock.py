@@ -13,9 +13,11 @@ and the sum. The counts (env steps, episode ends, agent calls and their rows) ar
 
 from __future__ import annotations
 
+import itertools
 import time
 from bisect import bisect_left
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,7 @@ __all__ = [
     "AgentTimer",
     "HostTiming",
     "record_seconds",
+    "sampled",
     "timed_agent",
     "timed_group_step",
 ]
@@ -67,6 +70,13 @@ CLOCK_SIZE = CALLS + 1
 TRUNCATED = ENDS + 1
 
 _perf = time.perf_counter
+
+
+def sampled() -> Iterator[bool]:
+    """The sampling rule as a timer's ticks, one per call: ``True`` for the calls to time (the
+    first, then one in :data:`SAMPLE_EVERY`). ``next()`` of it is cheaper per call than a
+    countdown kept in an attribute."""
+    return itertools.cycle([True] + [False] * (SAMPLE_EVERY - 1))
 
 
 def record_seconds(clock: np.ndarray, seconds: list[float], weight: int = SAMPLE_EVERY) -> None:

@@ -14,14 +14,14 @@ import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import CALLS, SAMPLE_EVERY, record_seconds
+from asyncsample._clock import CALLS, record_seconds, sampled
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
@@ -229,12 +229,16 @@ class LaneHost(PerEnvLockstep):
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
         # With metrics on: the seconds of the env steps timed since take_timed (the fold, in this
-        # process) or settle_clock (a LaneServer's host), the first and then one in SAMPLE_EVERY;
-        # the steps until the next timed one, the steps running (small ints both: no int is made
-        # per step).
-        self._durations: list[float] | None = None if self.buffers.clock is None else []
-        self._untimed = 1
-        self.env_calls = 0
+        # process) or settle_clock (a LaneServer's host), the first and then one in SAMPLE_EVERY
+        # (_ticks: which); each env's last step call, a coroutine, running until it returns
+        # (env_calls reads them when scraped: nothing is counted in and out per step).
+        self._durations: list[float] = []
+        self._ticks: Iterator[bool] = iter(())
+        self._calls: Any = None
+        if self.buffers.clock is not None:
+            self._ticks = sampled()
+            # a host of async envs settles its calls each pass: a dict of the recent ones
+            self._calls = {} if spec.lanes else [None] * spec.n_envs
         self.group = EnvGroup(
             spec.worker,
             self.buffers,
@@ -343,53 +347,61 @@ class LaneHost(PerEnvLockstep):
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
-        durations = self._durations
+        calls = self._calls
         if deadline is None and self._plain:
-            # The hot path (no limiter, no timeout): the env's coroutine, awaited (and timed) here.
-            if durations is None:  # metrics off: this one test
-                try:
-                    result = await self.envs[i].step(action)
-                except (asyncio.CancelledError, Exception) as exc:
-                    raise self._raised(i, "step", exc) from exc
-            else:  # metrics on: counted in and out of env_calls, the first and one in 8 timed
-                self.env_calls += 1
-                self._untimed -= 1
-                start = 0.0
-                if not self._untimed:
-                    self._untimed = SAMPLE_EVERY
-                    start = _perf()
-                try:
-                    result = await self.envs[i].step(action)
-                except (asyncio.CancelledError, Exception) as exc:
-                    raise self._raised(i, "step", exc) from exc
-                finally:
-                    self.env_calls -= 1
-                    if start:
-                        durations.append(_perf() - start)
+            # The hot path (no limiter, no timeout): the env's coroutine, awaited here.
+            try:
+                call = self.envs[i].step(action)
+                if calls is None:  # metrics off: this one test
+                    result = await call
+                else:  # metrics on: the call kept (see env_calls), one in SAMPLE_EVERY timed
+                    calls[i] = call
+                    if not next(self._ticks):
+                        result = await call
+                    else:
+                        start = _perf()
+                        try:
+                            result = await call
+                        finally:
+                            self._durations.append(_perf() - start)
+            except (asyncio.CancelledError, Exception) as exc:
+                raise self._raised(i, "step", exc) from exc
         else:
             step = self.envs[i].step
-            call = step(action) if durations is None else self._timed(step, action, durations)
+            call = step(action) if calls is None else self._tracked(calls, i, step, action)
             result = await self._await(i, "step", call, deadline)
         try:
             return self.group.finish(i, result)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
-    async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
-        """``step(action)`` counted in :attr:`env_calls` and, when sampled, timed into
-        ``durations`` (run by :meth:`_await`: no limiter wait)."""
-        self.env_calls += 1
-        start = 0.0
-        self._untimed -= 1
-        if not self._untimed:
-            self._untimed = SAMPLE_EVERY
-            start = _perf()
+    async def _tracked(self, calls: Any, i: int, step: Any, action: Any) -> Any:
+        """``step(action)`` with metrics on, once :meth:`_await` runs it (after the limiter): the
+        call kept as env ``i``'s in ``calls`` (:attr:`env_calls` sees it running until it
+        returns), the first and then one in ``SAMPLE_EVERY`` timed."""
+        call = calls[i] = step(action)
+        if not next(self._ticks):
+            return await call
+        return await self._timed(call)
+
+    async def _timed(self, call: Any) -> Any:
+        """``call`` awaited, its seconds added to the timed steps'."""
+        start = _perf()
         try:
-            return await step(action)
+            return await call
         finally:
-            self.env_calls -= 1
-            if start:
-                durations.append(_perf() - start)
+            self._durations.append(_perf() - start)
+
+    @property
+    def env_calls(self) -> int:
+        """The env steps running now (metrics on; else 0): the envs whose last step call has
+        started and not returned (a call waiting for its ``max_concurrency`` slot has not
+        started). Read when scraped, from any thread."""
+        calls = self._calls
+        if calls is None:
+            return 0
+        # (copied in one step under the GIL: a scrape may come from another thread)
+        return sum(map(_running, list(calls.values()) if isinstance(calls, dict) else calls[:]))
 
     def take_timed(self) -> list[float]:
         """The seconds of the env steps timed since the last call (each stands for
@@ -409,7 +421,17 @@ class LaneHost(PerEnvLockstep):
         if self._durations:
             record_seconds(clock, self._durations)
             self._durations.clear()
-        clock[CALLS] = self.env_calls  # a host's: the caller reads it with the replies
+        # A host's calls in flight (the caller reads them with the replies): the calls that
+        # returned leave, so each settle visits the envs stepped since the last one, and those
+        # still running, not every env.
+        calls = self._calls
+        if isinstance(calls, dict):
+            for i, call in list(calls.items()):
+                if not _running(call):
+                    del calls[i]
+            clock[CALLS] = len(calls)
+        else:
+            clock[CALLS] = self.env_calls
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
@@ -515,6 +537,11 @@ class LaneHost(PerEnvLockstep):
             err = _env_error(self.spec.worker, i, what, exc)
             err.retry = not isinstance(exc, (TypeError, ValueError))  # else the caller's mistake
             raise err from exc
+
+
+def _running(call: Any) -> bool:
+    """Whether an env's step call (its coroutine) has started and not returned."""
+    return bool(getattr(call, "cr_suspended", False) or getattr(call, "cr_running", False))
 
 
 def _failure(worker: int, exc: EnvFailureError) -> WorkerError:
