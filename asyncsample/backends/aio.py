@@ -354,8 +354,8 @@ class LaneHost(PerEnvLockstep):
                 call = self.envs[i].step(action)
                 if calls is None:  # metrics off: this one test
                     result = await call
-                else:  # metrics on: the call kept (see env_calls), one in SAMPLE_EVERY timed
-                    calls[i] = call
+                else:  # metrics on: the call kept while it runs (see env_calls), one in
+                    calls[i] = call  # SAMPLE_EVERY timed
                     if not next(self._ticks):
                         result = await call
                     else:
@@ -364,6 +364,7 @@ class LaneHost(PerEnvLockstep):
                             result = await call
                         finally:
                             self._durations.append(_perf() - start)
+                    calls[i] = None  # (one that raised is left: it reads as returned)
             except (asyncio.CancelledError, Exception) as exc:
                 raise self._raised(i, "step", exc) from exc
         else:
@@ -380,9 +381,9 @@ class LaneHost(PerEnvLockstep):
         call kept as env ``i``'s in ``calls`` (:attr:`env_calls` sees it running until it
         returns), the first and then one in ``SAMPLE_EVERY`` timed."""
         call = calls[i] = step(action)
-        if not next(self._ticks):
-            return await call
-        return await self._timed(call)
+        result = await (self._timed(call) if next(self._ticks) else call)
+        calls[i] = None
+        return result
 
     async def _timed(self, call: Any) -> Any:
         """``call`` awaited, its seconds added to the timed steps'."""
