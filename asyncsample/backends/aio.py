@@ -54,6 +54,9 @@ from asyncsample.errors import StepTimeoutError, WorkerError
 
 _perf = time.perf_counter
 
+#: A host of async envs counts its env calls running (``settle_clock``) at most this often.
+CALLS_EVERY = 0.01
+
 __all__ = [
     "AsyncioBackend",
     "LaneHost",
@@ -230,15 +233,15 @@ class LaneHost(PerEnvLockstep):
         )
         # With metrics on: the seconds of the env steps timed since take_timed (the fold, in this
         # process) or settle_clock (a LaneServer's host), the first and then one in SAMPLE_EVERY
-        # (_ticks: which); each env's last step call, a coroutine, running until it returns
-        # (env_calls reads them when scraped: nothing is counted in and out per step).
+        # (_ticks: which); per env, True while a step call of it runs, else None (env_calls
+        # counts them when read: nothing is counted in and out per step).
         self._durations: list[float] = []
         self._ticks: Iterator[bool] = iter(())
-        self._calls: Any = None
+        self._stepping: list[bool | None] | None = None
         if self.buffers.clock is not None:
-            self._ticks = sampled()
-            # a host of async envs settles its calls each pass: a dict of the recent ones
-            self._calls = {} if spec.lanes else [None] * spec.n_envs
+            self._ticks, self._stepping = sampled(), [None] * spec.n_envs
+        self._calls_due = 0.0  # a host's: when settle_clock counts the calls running again
+        self._recount: asyncio.TimerHandle | None = None
         self.group = EnvGroup(
             spec.worker,
             self.buffers,
@@ -347,15 +350,15 @@ class LaneHost(PerEnvLockstep):
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
-        calls = self._calls
+        stepping = self._stepping
         if deadline is None and self._plain:
             # The hot path (no limiter, no timeout): the env's coroutine, awaited here.
             try:
                 call = self.envs[i].step(action)
-                if calls is None:  # metrics off: this one test
+                if stepping is None:  # metrics off: this one test
                     result = await call
-                else:  # metrics on: the call kept while it runs (see env_calls), one in
-                    calls[i] = call  # SAMPLE_EVERY timed
+                else:  # metrics on: marked while it runs (see env_calls), one in 8 timed
+                    stepping[i] = True
                     if not next(self._ticks):
                         result = await call
                     else:
@@ -364,26 +367,30 @@ class LaneHost(PerEnvLockstep):
                             result = await call
                         finally:
                             self._durations.append(_perf() - start)
-                    calls[i] = None  # (one that raised is left: it reads as returned)
+                    stepping[i] = None
             except (asyncio.CancelledError, Exception) as exc:
+                if stepping is not None:
+                    stepping[i] = None
                 raise self._raised(i, "step", exc) from exc
         else:
             step = self.envs[i].step
-            call = step(action) if calls is None else self._tracked(calls, i, step, action)
+            call = step(action) if stepping is None else self._tracked(stepping, i, step, action)
             result = await self._await(i, "step", call, deadline)
         try:
             return self.group.finish(i, result)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
-    async def _tracked(self, calls: Any, i: int, step: Any, action: Any) -> Any:
-        """``step(action)`` with metrics on, once :meth:`_await` runs it (after the limiter): the
-        call kept as env ``i``'s in ``calls`` (:attr:`env_calls` sees it running until it
-        returns), the first and then one in ``SAMPLE_EVERY`` timed."""
-        call = calls[i] = step(action)
-        result = await (self._timed(call) if next(self._ticks) else call)
-        calls[i] = None
-        return result
+    async def _tracked(self, stepping: list[bool | None], i: int, step: Any, action: Any) -> Any:
+        """``step(action)`` with metrics on, once :meth:`_await` runs it (after the limiter):
+        marked running in ``stepping`` until it returns or raises (see :attr:`env_calls`), the
+        first and then one in ``SAMPLE_EVERY`` timed."""
+        stepping[i] = True
+        try:
+            call = step(action)
+            return await (self._timed(call) if next(self._ticks) else call)
+        finally:
+            stepping[i] = None
 
     async def _timed(self, call: Any) -> Any:
         """``call`` awaited, its seconds added to the timed steps'."""
@@ -395,14 +402,11 @@ class LaneHost(PerEnvLockstep):
 
     @property
     def env_calls(self) -> int:
-        """The env steps running now (metrics on; else 0): the envs whose last step call has
-        started and not returned (a call waiting for its ``max_concurrency`` slot has not
-        started). Read when scraped, from any thread."""
-        calls = self._calls
-        if calls is None:
-            return 0
-        # (copied in one step under the GIL: a scrape may come from another thread)
-        return sum(map(_running, list(calls.values()) if isinstance(calls, dict) else calls[:]))
+        """The env steps running now (metrics on; else 0): the envs marked from the start of a
+        step call (after its ``max_concurrency`` slot) until it returns or raises. Read when
+        scraped, from any thread (one count under the GIL)."""
+        stepping = self._stepping
+        return 0 if stepping is None else len(stepping) - stepping.count(None)
 
     def take_timed(self) -> list[float]:
         """The seconds of the env steps timed since the last call (each stands for
@@ -422,17 +426,25 @@ class LaneHost(PerEnvLockstep):
         if self._durations:
             record_seconds(clock, self._durations)
             self._durations.clear()
-        # A host's calls in flight (the caller reads them with the replies): the calls that
-        # returned leave, so each settle visits the envs stepped since the last one, and those
-        # still running, not every env.
-        calls = self._calls
-        if isinstance(calls, dict):
-            for i, call in list(calls.items()):
-                if not _running(call):
-                    del calls[i]
-            clock[CALLS] = len(calls)
-        else:
-            clock[CALLS] = self.env_calls
+        # A host's calls in flight, read by the caller with the replies: counted over every env,
+        # so at most once in CALLS_EVERY seconds (a host settles each pass of its loop), and
+        # again once that has passed when a settle came too soon.
+        now = _perf()
+        if now >= self._calls_due:
+            self._count_calls()
+        elif self._recount is None:
+            loop = asyncio.get_running_loop()
+            self._recount = loop.call_later(self._calls_due - now, self._count_calls)
+
+    def _count_calls(self) -> None:
+        """Write the calls running into the clock (a host's ``CALLS`` cell)."""
+        clock = self.buffers.clock
+        assert clock is not None
+        if self._recount is not None:
+            self._recount.cancel()
+            self._recount = None
+        self._calls_due = _perf() + CALLS_EVERY
+        clock[CALLS] = self.env_calls
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
@@ -538,11 +550,6 @@ class LaneHost(PerEnvLockstep):
             err = _env_error(self.spec.worker, i, what, exc)
             err.retry = not isinstance(exc, (TypeError, ValueError))  # else the caller's mistake
             raise err from exc
-
-
-def _running(call: Any) -> bool:
-    """Whether an env's step call (its coroutine) has started and not returned."""
-    return bool(getattr(call, "cr_suspended", False) or getattr(call, "cr_running", False))
 
 
 def _failure(worker: int, exc: EnvFailureError) -> WorkerError:
