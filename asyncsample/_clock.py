@@ -13,9 +13,11 @@ and the sum. The counts (env steps, episode ends, agent calls and their rows) ar
 
 from __future__ import annotations
 
+import itertools
 import time
 from bisect import bisect_left
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,6 +38,7 @@ __all__ = [
     "HostTiming",
     "record_agent_calls",
     "record_seconds",
+    "sampled",
     "timed_agent",
     "timed_group_step",
 ]
@@ -98,6 +101,13 @@ def record_agent_calls(
     for rows, n in by_rows.items():
         clock[ROWS + bisect_left(ROWS_BOUNDS, rows)] += n
         clock[ROWS + ROWS_N] += rows * n
+
+
+def sampled() -> Iterator[bool]:
+    """The sampling rule as a timer's ticks, one per call: ``True`` for the calls to time (the
+    first, then one in :data:`SAMPLE_EVERY`). ``next()`` of it is cheaper per call than a
+    countdown kept in an attribute."""
+    return itertools.cycle([True] + [False] * (SAMPLE_EVERY - 1))
 
 
 def record_seconds(clock: np.ndarray, seconds: list[float], weight: int = SAMPLE_EVERY) -> None:

@@ -504,6 +504,33 @@ async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFa
     assert value(registry, "env_calls_in_flight") == 0
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "thread"])
+async def test_env_calls_in_flight_is_live_without_a_cap(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    # no max_concurrency, no step_timeout: the lane host's plain path, which keeps each env's
+    # step call while it runs (nothing counted per step); 6 envs, each step 50 ms, the third
+    # step of one env raises (its call returned: not in flight)
+    registry = CollectorRegistry()
+    env = (
+        async_envs.failing(fail_at=3, times=1, length=1000, latency=0.05)
+        if backend == "asyncio"
+        else async_envs.blocking_counting(length=1000, latency=0.05)
+    )
+    sampler = make_sampler(backend, env, n_workers=2, envs_per_worker=3, metrics=registry)
+    await sampler.start()
+    call = asyncio.ensure_future(sampler.obtain_fragments(60))
+    seen = []
+    while not call.done():  # scraped while the call runs
+        seen.append(value(registry, "env_calls_in_flight"))
+        await asyncio.sleep(0.01)
+    await call
+    assert max(seen) == 6 and min(seen) >= 0  # every env in a step at once, never more
+    assert value(registry, "env_calls_in_flight") == 0
+    if backend == "asyncio":
+        assert value(registry, "env_faults_total", kind="raised") == 1
+
+
 async def test_closed_samplers_merge_into_one_state(make_sampler: SamplerFactory) -> None:
     # a service making a sampler per job: counts add up, the registry keeps one closed state
     registry = CollectorRegistry()

@@ -14,14 +14,14 @@ import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import CALLS, SAMPLE_EVERY, record_seconds
+from asyncsample._clock import CALLS, record_seconds, sampled
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
@@ -53,6 +53,9 @@ from asyncsample.env_update import EnvSource, EnvUpdate, make_env, replacement
 from asyncsample.errors import StepTimeoutError, WorkerError
 
 _perf = time.perf_counter
+
+#: A host of async envs counts its env calls running (``settle_clock``) at most this often.
+CALLS_EVERY = 0.01
 
 __all__ = [
     "AsyncioBackend",
@@ -229,12 +232,16 @@ class LaneHost(PerEnvLockstep):
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
         # With metrics on: the seconds of the env steps timed since take_timed (the fold, in this
-        # process) or settle_clock (a LaneServer's host), the first and then one in SAMPLE_EVERY;
-        # the steps until the next timed one, the steps running (small ints both: no int is made
-        # per step).
-        self._durations: list[float] | None = None if self.buffers.clock is None else []
-        self._untimed = 1
-        self.env_calls = 0
+        # process) or settle_clock (a LaneServer's host), the first and then one in SAMPLE_EVERY
+        # (_ticks: which); per env, True while a step call of it runs, else None (env_calls
+        # counts them when read: nothing is counted in and out per step).
+        self._durations: list[float] = []
+        self._ticks: Iterator[bool] = iter(())
+        self._stepping: list[bool | None] | None = None
+        if self.buffers.clock is not None:
+            self._ticks, self._stepping = sampled(), [None] * spec.n_envs
+        self._calls_due = 0.0  # a host's: when settle_clock counts the calls running again
+        self._recount: asyncio.TimerHandle | None = None
         self.group = EnvGroup(
             spec.worker,
             self.buffers,
@@ -343,53 +350,63 @@ class LaneHost(PerEnvLockstep):
         """
         if self.closed:
             raise closed_error(self.spec.worker, "step")
-        durations = self._durations
+        stepping = self._stepping
         if deadline is None and self._plain:
-            # The hot path (no limiter, no timeout): the env's coroutine, awaited (and timed) here.
-            if durations is None:  # metrics off: this one test
-                try:
-                    result = await self.envs[i].step(action)
-                except (asyncio.CancelledError, Exception) as exc:
-                    raise self._raised(i, "step", exc) from exc
-            else:  # metrics on: counted in and out of env_calls, the first and one in 8 timed
-                self.env_calls += 1
-                self._untimed -= 1
-                start = 0.0
-                if not self._untimed:
-                    self._untimed = SAMPLE_EVERY
-                    start = _perf()
-                try:
-                    result = await self.envs[i].step(action)
-                except (asyncio.CancelledError, Exception) as exc:
-                    raise self._raised(i, "step", exc) from exc
-                finally:
-                    self.env_calls -= 1
-                    if start:
-                        durations.append(_perf() - start)
+            # The hot path (no limiter, no timeout): the env's coroutine, awaited here.
+            try:
+                call = self.envs[i].step(action)
+                if stepping is None:  # metrics off: this one test
+                    result = await call
+                else:  # metrics on: marked while it runs (see env_calls), one in 8 timed
+                    stepping[i] = True
+                    if not next(self._ticks):
+                        result = await call
+                    else:
+                        start = _perf()
+                        try:
+                            result = await call
+                        finally:
+                            self._durations.append(_perf() - start)
+                    stepping[i] = None
+            except (asyncio.CancelledError, Exception) as exc:
+                if stepping is not None:
+                    stepping[i] = None
+                raise self._raised(i, "step", exc) from exc
         else:
             step = self.envs[i].step
-            call = step(action) if durations is None else self._timed(step, action, durations)
+            call = step(action) if stepping is None else self._tracked(stepping, i, step, action)
             result = await self._await(i, "step", call, deadline)
         try:
             return self.group.finish(i, result)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
-    async def _timed(self, step: Any, action: Any, durations: list[float]) -> Any:
-        """``step(action)`` counted in :attr:`env_calls` and, when sampled, timed into
-        ``durations`` (run by :meth:`_await`: no limiter wait)."""
-        self.env_calls += 1
-        start = 0.0
-        self._untimed -= 1
-        if not self._untimed:
-            self._untimed = SAMPLE_EVERY
-            start = _perf()
+    async def _tracked(self, stepping: list[bool | None], i: int, step: Any, action: Any) -> Any:
+        """``step(action)`` with metrics on, once :meth:`_await` runs it (after the limiter):
+        marked running in ``stepping`` until it returns or raises (see :attr:`env_calls`), the
+        first and then one in ``SAMPLE_EVERY`` timed."""
+        stepping[i] = True
         try:
-            return await step(action)
+            call = step(action)
+            return await (self._timed(call) if next(self._ticks) else call)
         finally:
-            self.env_calls -= 1
-            if start:
-                durations.append(_perf() - start)
+            stepping[i] = None
+
+    async def _timed(self, call: Any) -> Any:
+        """``call`` awaited, its seconds added to the timed steps'."""
+        start = _perf()
+        try:
+            return await call
+        finally:
+            self._durations.append(_perf() - start)
+
+    @property
+    def env_calls(self) -> int:
+        """The env steps running now (metrics on; else 0): the envs marked from the start of a
+        step call (after its ``max_concurrency`` slot) until it returns or raises. Read when
+        scraped, from any thread (one count under the GIL)."""
+        stepping = self._stepping
+        return 0 if stepping is None else len(stepping) - stepping.count(None)
 
     def take_timed(self) -> list[float]:
         """The seconds of the env steps timed since the last call (each stands for
@@ -409,7 +426,25 @@ class LaneHost(PerEnvLockstep):
         if self._durations:
             record_seconds(clock, self._durations)
             self._durations.clear()
-        clock[CALLS] = self.env_calls  # a host's: the caller reads it with the replies
+        # A host's calls in flight, read by the caller with the replies: counted over every env,
+        # so at most once in CALLS_EVERY seconds (a host settles each pass of its loop), and
+        # again once that has passed when a settle came too soon.
+        now = _perf()
+        if now >= self._calls_due:
+            self._count_calls()
+        elif self._recount is None:
+            loop = asyncio.get_running_loop()
+            self._recount = loop.call_later(self._calls_due - now, self._count_calls)
+
+    def _count_calls(self) -> None:
+        """Write the calls running into the clock (a host's ``CALLS`` cell)."""
+        clock = self.buffers.clock
+        assert clock is not None
+        if self._recount is not None:
+            self._recount.cancel()
+            self._recount = None
+        self._calls_due = _perf() + CALLS_EVERY
+        clock[CALLS] = self.env_calls
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
         """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
