@@ -281,17 +281,21 @@ def choose(
     :func:`machine_busy`; then a placement with hosts is also passed over where more threads
     are runnable than the CPUs its hosts leave: given, the machine is taken as quiet but for
     this thread). ``hop`` and ``polled_hop``: the round trips to a sleeping and to a
-    polling host (``None``: measured, see :func:`hop_seconds` and :func:`polled_hop_seconds`;
-    a ``hop`` given without ``polled_hop`` serves as both)."""
+    polling host (``None``: ``hop`` measured, see :func:`hop_seconds`, and serving as both; a
+    ``hop`` given without ``polled_hop`` serves as both too)."""
     if env_step is None:
         return Placement(0, min(cpus(), num_envs), "the probe env could not be stepped: hosts")
     if hop is None:
+        # A polling host is predicted with the sleeping round trip too, not polled_hop_seconds:
+        # in the quiet clients study (CleanRL-shaped PPO, HalfCheetah-v5 x4, 2026-11-28) the
+        # mixed placement that estimate chose lost to in-process in both runs (1.04x and 0.92x
+        # SyncVectorEnv against 1.07x and 1.00x): inside a training loop the caller's own work
+        # between steps outlasts the host's poll, and the polled estimate (~40 us) missed that.
         hop = hop_seconds()
-        polled_hop = polled_hop_seconds() if polled_hop is None else polled_hop
     polled = hop if polled_hop is None else polled_hop
     n_cpus = cpus() if n_cpus is None else n_cpus
     us = f"probe step {env_step * 1e6:.1f} us, host round trip ~{hop * 1e6:.0f} us"
-    if n_cpus > 1:
+    if n_cpus > 1 and polled != hop:
         us += f" (~{polled * 1e6:.0f} us polling)"
     given_busy = busy is not None
     if busy is None:
