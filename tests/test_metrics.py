@@ -489,6 +489,17 @@ async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFa
         max_concurrency=4,
         metrics=registry,
     )
+    seen = await _scraped_in_flight(sampler, registry)
+    if backend == "process":
+        assert 1 <= max(seen) <= 4 and min(seen) >= 0  # reported, never above the cap
+        await asyncio.sleep(0.2)  # the cut steps' cancels settle in the hosts
+    else:
+        assert max(seen) == 4 and min(seen) >= 0  # never above the cap, which the steps fill
+    assert value(registry, "env_calls_in_flight") == 0
+
+
+async def _scraped_in_flight(sampler: Any, registry: CollectorRegistry) -> list[float]:
+    """``env_calls_in_flight`` scraped every 10 ms while ``obtain_fragments(60)`` runs."""
     await sampler.start()
     call = asyncio.ensure_future(sampler.obtain_fragments(60))
     seen = []
@@ -496,12 +507,7 @@ async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFa
         seen.append(value(registry, "env_calls_in_flight"))
         await asyncio.sleep(0.01)
     await call
-    if backend == "process":
-        assert 1 <= max(seen) <= 4 and min(seen) >= 0  # reported, never above the cap
-        await asyncio.sleep(0.2)  # the cut steps' cancels settle in the hosts
-    else:
-        assert max(seen) == 4 and min(seen) >= 0  # never above the cap, which the steps fill
-    assert value(registry, "env_calls_in_flight") == 0
+    return seen
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "thread"])
@@ -518,13 +524,7 @@ async def test_env_calls_in_flight_is_live_without_a_cap(
         else async_envs.blocking_counting(length=1000, latency=0.05)
     )
     sampler = make_sampler(backend, env, n_workers=2, envs_per_worker=3, metrics=registry)
-    await sampler.start()
-    call = asyncio.ensure_future(sampler.obtain_fragments(60))
-    seen = []
-    while not call.done():  # scraped while the call runs
-        seen.append(value(registry, "env_calls_in_flight"))
-        await asyncio.sleep(0.01)
-    await call
+    seen = await _scraped_in_flight(sampler, registry)
     assert max(seen) == 6 and min(seen) >= 0  # every env in a step at once, never more
     assert value(registry, "env_calls_in_flight") == 0
     if backend == "asyncio":
