@@ -25,7 +25,7 @@ from asyncsample._engine import CallMode, Part, QuotaView, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import tree_map
 from asyncsample.backends._closing import cancelled_by_env
-from asyncsample.backends.base import ActingHost, DeadlinePassed, PerEnvHost
+from asyncsample.backends.base import ActingHost, BareStepHost, DeadlinePassed, PerEnvHost
 from asyncsample.errors import WorkerError
 from asyncsample.inference.batched import Batcher
 
@@ -182,6 +182,10 @@ class LaneStepper:
         self.host = cast(PerEnvHost, worker.host)  # checked once, when the mode attached
         self.requests = requests
         self.acting = cast(ActingHost, self.host) if requests is None else None
+        # A host in other processes: its steps are bare futures (see BareStepHost), told by its
+        # one method (an isinstance of the protocol would look up every member, per call).
+        bare = hasattr(self.host, "step_soon")
+        self.bare = cast(BareStepHost, self.host) if bare else None
         self.episode_timeout = worker.episodes.episode_timeout
         self.admission = settings.admission()
         self.quota = quota = part.quota
@@ -301,9 +305,8 @@ class LaneStepper:
         worker = self.worker
         episodes = worker.episodes
         host = self.host
-        acting = self.acting
-        # A remote host's step as a bare future (no coroutine per step; see RemoteLanes.step_soon)
-        soon = getattr(host, "step_soon" if acting is None else "act_soon", None)
+        acting, bare = self.acting, self.bare
+        step_soon = None if bare is None else bare.step_soon
         buffers = host.buffers
         recorder = episodes.recorder
         rows = recorder.rows
@@ -380,11 +383,11 @@ class LaneStepper:
                             self._put_action(rows, t, i, action, infos, flat)
                             step = (
                                 host.step_one(i, action, when)
-                                if soon is None
-                                else soon(i, action, when)
+                                if step_soon is None
+                                else step_soon(i, action, when)
                             )
                         else:  # the host's agent copy acts: the action comes with the reply
-                            step = acting.act_one(i, when) if soon is None else soon(i, when)
+                            step = acting.act_soon(i, when)
                         rows.versions[t, i] = worker.agent_version
                         stepping = True
                         if carry:  # a round's end may leave this lane as the step's carrier
@@ -395,8 +398,8 @@ class LaneStepper:
                         try:
                             result = await step
                         except asyncio.CancelledError:
-                            if soon is not None:  # a bare future: the host is told
-                                host.abandon(i)  # type: ignore[attr-defined]
+                            if bare is not None:  # a bare future: the host is told
+                                bare.abandon(i)
                             raise
                         finally:
                             if carry:

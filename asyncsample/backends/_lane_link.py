@@ -250,13 +250,6 @@ class RemoteLanes(PerEnvLockstep):
         _put(self.buffers.actions, i, action)
         return None
 
-    def act_one(
-        self, i: int, deadline: float | None = None
-    ) -> Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
-        """Step env ``i`` in the host with the action its agent copy picks (``inference="host"``):
-        ``(reward, terminated, truncated, info, action, agent_infos)``; see :meth:`step_one`."""
-        return self._lane(LaneKind.ACT, i, self._left(deadline))
-
     def step_soon(
         self, i: int, action: Any, deadline: float | None = None
     ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any]]]:
@@ -267,7 +260,9 @@ class RemoteLanes(PerEnvLockstep):
     def act_soon(
         self, i: int, deadline: float | None = None
     ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
-        """:meth:`act_one` as a bare future (see :meth:`step_soon`)."""
+        """Step env ``i`` in the host with the action its agent copy picks (``inference="host"``):
+        a future of ``(reward, terminated, truncated, info, action, agent_infos)`` (see
+        :meth:`step_soon`)."""
         return self._send(LaneKind.ACT, i, self._left(deadline))
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:

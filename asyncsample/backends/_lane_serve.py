@@ -323,11 +323,7 @@ class LaneServer:
                     when = None if request[5] is None else loop.time() + request[5]
                     action = request[4]
                     if action is None:  # the caller wrote it into the step buffers we share
-                        acts = host.buffers.actions
-                        if type(acts) is not np.ndarray:
-                            action = _row(acts, i)
-                        else:  # a scalar is a copy already (a tree_map costs 25x this)
-                            action = acts[i] if acts.ndim == 1 else acts[i].copy()
+                        action = _row(host.buffers.actions, i)
                     value = await host.step_one(i, action, when)
                 elif kind == LaneKind.ACT:
                     when = None if request[4] is None else loop.time() + request[4]
@@ -464,6 +460,8 @@ class _EnvLane:
 
 def _row(tree: Any, i: int) -> Any:
     """Env ``i``'s row of a buffer (a copy: the buffer is written again by its next call)."""
+    if type(tree) is np.ndarray:  # one array: no tree_map (25x the indexing's cost)
+        return tree[i] if tree.ndim == 1 else tree[i].copy()  # a scalar is a copy already
     if isinstance(tree, list):
         return tree[i]
     return tree_map(lambda a: a[i].copy(), tree)

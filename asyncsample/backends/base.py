@@ -6,6 +6,7 @@ checked once when a sampler or face starts.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from asyncsample.errors import WorkerError
 __all__ = [
     "LOGGER",
     "ActingHost",
+    "BareStepHost",
     "Backend",
     "DirectReader",
     "EnvHost",
@@ -331,13 +333,29 @@ class PerEnvHost(Protocol):
 
 
 @runtime_checkable
-class ActingHost(PerEnvHost, Protocol):
-    """A :class:`PerEnvHost` whose envs' actions its own agent copies pick (async envs in the
+class BareStepHost(PerEnvHost, Protocol):
+    """A :class:`PerEnvHost` in other processes (async envs in the env hosts) whose steps the
+    lanes await as bare futures, no coroutine per step: a lane that gives up on one says so."""
+
+    def step_soon(
+        self, i: int, action: Any, deadline: float | None = None
+    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any]]]:
+        """:meth:`PerEnvHost.step_one` as a future, settled by the host's reply."""
+        ...
+
+    def abandon(self, i: int) -> None:
+        """The awaiter of env ``i``'s request was cancelled: the host cancels the request."""
+        ...
+
+
+@runtime_checkable
+class ActingHost(BareStepHost, Protocol):
+    """A :class:`BareStepHost` whose envs' actions its own agent copies pick (async envs in the
     env hosts with ``inference="host"``): one request per step, the action in the reply."""
 
-    def act_one(
+    def act_soon(
         self, i: int, deadline: float | None = None
-    ) -> Awaitable[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
+    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
         """Step env ``i`` with its agent copy's action for its observation: ``(reward,
         terminated, truncated, info, action, agent_infos)``."""
         ...
