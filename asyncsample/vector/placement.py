@@ -5,10 +5,10 @@ the cost of a host round trip (see :func:`_predict`), and leaves the caller's pr
 that is predicted ``_MARGIN`` faster: measurement noise on a loaded machine cannot tip a cheap env
 onto hosts; on a busy machine (:func:`machine_busy`) it stays there whatever the envs cost. The
 round trip is estimated once per interpreter from two threads over a socket pair (starting a
-process would cost about a second), in two ways, for the two ways hosts wait: a host that sleeps
-between steps is woken by each request, as the probe's threads are (:func:`hop_seconds`); a host
-that polls (:func:`spins`) is never woken, and its round trip is predicted from the probe's round
-trips without a wake-up (:func:`polled_hop_seconds`).
+process would cost about a second), each woken by the other's message as a host that sleeps
+between steps is (:func:`hop_seconds`). A host that polls (:func:`spins`) is predicted with that
+round trip too: the one without a wake-up (:func:`polled_hop_seconds`) is taken only when given
+to :func:`choose`, since inside a training loop the polled estimate chose a placement that lost.
 """
 
 from __future__ import annotations
