@@ -20,8 +20,12 @@ import numpy as np
 
 __all__ = ["columns"]
 
-#: The scalar types gymnasium gives an array of their own type (with ``np.number``'s subclasses).
-_SCALARS = (int, float, bool)
+#: The types gymnasium gives an array of their own type: int, float, bool and numpy's numbers (a
+#: set, one lookup per key; a subclass of ``np.number`` not listed is checked as gymnasium does).
+_NUMBERS = frozenset(
+    {int, float, bool, *(t for t in np.sctypeDict.values() if issubclass(t, np.number))}
+)
+_ALL_TRUE: dict[int, np.ndarray] = {}  # per num_envs: the mask of a key every sub-env has
 
 
 def columns(num_envs: int, env_infos: Sequence[dict[str, Any]], rows: list[int]) -> Any:
@@ -32,30 +36,40 @@ def columns(num_envs: int, env_infos: Sequence[dict[str, Any]], rows: list[int])
     if not rows:
         return {}
     first = env_infos[rows[0]]
-    keys = first.keys()
-    for i in rows:
-        if env_infos[i].keys() != keys:
-            return None
-    for key, value in first.items():
-        if type(key) is not str or key[:1] == "_" or key == "final_obs" or isinstance(value, dict):
-            return None
-    # One pass over the rows: the values of every key (a column per key, in the first's order).
-    ordered = list(keys)
-    if not ordered:
-        return {}
-    if len(ordered) == 1:
-        table: list[Any] = [[env_infos[i][ordered[0]] for i in rows]]
+    n = len(rows)
+    table: Any
+    if n == 1:  # one row (a single sub-env, or one with infos): its values, one per key
+        table = zip(first.values())
     else:
-        getter = itemgetter(*ordered)
-        table = list(zip(*[getter(env_infos[i]) for i in rows]))
+        keys = first.keys()
+        for i in rows:
+            if env_infos[i].keys() != keys:
+                return None
+        if not keys:
+            return {}
+        if len(keys) == 1:
+            (key,) = keys
+            table = ([env_infos[i][key] for i in rows],)
+        else:  # one pass over the rows: the values of every key, a column per key
+            getter = itemgetter(*keys)
+            table = zip(*[getter(env_infos[i]) for i in rows])
+    full = n == num_envs
+    if full:
+        mask = _ALL_TRUE.get(num_envs)
+        if mask is None:
+            mask = _ALL_TRUE[num_envs] = np.ones(num_envs, dtype=np.bool_)
+    else:
+        mask = np.zeros(num_envs, dtype=np.bool_)
+        mask[rows] = True
     infos: dict[str, Any] = {}
-    full = len(rows) == num_envs
-    mask = None
-    for key, values in zip(ordered, table):
-        kind = type(values[0])
+    for key, values in zip(first, table):
+        if type(key) is not str or key[:1] == "_" or key == "final_obs":
+            return None
+        value = values[0]
+        kind = type(value)
         array: np.ndarray
-        if kind in _SCALARS or issubclass(kind, np.number):
-            alike = len(set(map(type, values))) == 1
+        if kind in _NUMBERS or issubclass(kind, np.number):
+            alike = n == 1 or len(set(map(type, values))) == 1
             if full and alike:
                 array = np.array(values, dtype=kind)
             else:
@@ -65,22 +79,15 @@ def columns(num_envs: int, env_infos: Sequence[dict[str, Any]], rows: list[int])
                 else:  # as gymnasium assigns them, one by one
                     for i, v in zip(rows, values):
                         array[i] = v
+        elif isinstance(value, dict):
+            return None
         else:
-            value = values[0]
             if isinstance(value, np.ndarray):
                 array = np.zeros((num_envs, *value.shape), dtype=value.dtype)
             else:
                 array = np.full(num_envs, fill_value=None, dtype=object)
             for i, v in zip(rows, values):
                 array[i] = v
-        if mask is None:
-            if full:
-                mask = np.ones(num_envs, dtype=np.bool_)
-            else:
-                mask = np.zeros(num_envs, dtype=np.bool_)
-                mask[rows] = True
-        else:
-            mask = mask.copy()  # every key its own mask, as gymnasium's
         infos[key] = array
-        infos[f"_{key}"] = mask
+        infos["_" + key] = mask.copy()  # every key its own mask, as gymnasium's
     return infos
