@@ -99,7 +99,10 @@ def test_choose_predicts_the_fastest_placement(
     [
         (4, 6, (4, 0)),  # CartPole-v1 in CleanRL's wrappers: in-process, polling or not
         (8, 6.5, (8, 0)),
-        (1, 115, (1, 0)),  # HalfCheetah-v5, one env: nothing to share
+        # HalfCheetah-v5, one env: on one polling host, where it stays warm (CleanRL-shaped
+        # loop, 2026-11-28: 1.10-1.23x SyncVectorEnv on a host, 0.98-1.08x in the caller's
+        # process, whose step after the policy took 190 us against the probe's 80-100)
+        (1, 115, (0, 1)),
         (4, 115, (2, 1)),  # HalfCheetah-v5, 4 envs: mixed, its host polling
     ],
 )
@@ -108,12 +111,13 @@ def test_a_polling_host_is_predicted_with_its_own_round_trip(
 ) -> None:
     """The round trip a sleeping host costs inside a loop (its wake-up) decides nothing where
     the host will poll: measured 250 us asleep, 40 us polling (2 CPUs: a caller's share and one
-    host, which polls), HalfCheetah-v5 x4 goes mixed; the cheap envs stay in the caller."""
+    host, which polls), HalfCheetah-v5 goes to one polling host alone and mixed with 4 sub-envs;
+    the cheap envs stay in the caller."""
     got = choose(n, step_us * 1e-6, hop=250e-6, polled_hop=40e-6, n_cpus=2)
     assert (got.caller_envs, got.n_processes) == want
     assert got.hop == 250e-6 and got.polled_hop == 40e-6
     assert "host round trip ~250 us (~40 us polling)" in got.reason
-    if got.kind == "mixed":
+    if got.kind != "in-process":
         assert "(hosts polling)" in got.reason
         assert spins(got, 2)
     asleep = choose(n, step_us * 1e-6, hop=250e-6, n_cpus=2)  # as before: 250 us either way
@@ -138,7 +142,7 @@ def test_hosts_need_cpus_no_other_thread_wants(monkeypatch: pytest.MonkeyPatch) 
     looked.clear()
     got = choose(4, 87e-6, hop=40e-6, polled_hop=200e-6, n_cpus=2)
     assert (got.caller_envs, got.n_processes) == (4, 0)
-    assert "on 2 env-host process(es)" in got.reason and looked == [2, 1]
+    assert "env-host process(es)" in got.reason and looked == [2, 1]
     monkeypatch.setattr(placement, "machine_busy", lambda n_cpus: False)
     assert choose(4, 115e-6, hop=250e-6, polled_hop=40e-6, n_cpus=2).kind == "mixed"
     assert choose(4, 87e-6, hop=40e-6, polled_hop=200e-6, n_cpus=2).kind == "hosts"

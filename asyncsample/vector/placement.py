@@ -6,9 +6,9 @@ that is predicted ``_MARGIN`` faster: measurement noise on a loaded machine cann
 onto hosts; on a busy machine (:func:`machine_busy`) it stays there whatever the envs cost. The
 round trip is estimated once per interpreter from two threads over a socket pair (starting a
 process would cost about a second), each woken by the other's message as a host that sleeps
-between steps is (:func:`hop_seconds`). A host that polls (:func:`spins`) is predicted with that
-round trip too: the one without a wake-up (:func:`polled_hop_seconds`) is taken only when given
-to :func:`choose`, since inside a training loop the polled estimate chose a placement that lost.
+between steps is (:func:`hop_seconds`); a host that polls (:func:`spins`) is not woken, and its
+round trip is estimated from the same threads taking turns on one CPU (:func:`polled_hop_seconds`).
+The caller's own share pays a cache refill after the caller's work between steps (``_COLD``).
 """
 
 from __future__ import annotations
@@ -70,6 +70,13 @@ CALLER_SPIN = 2e-4
 #: env's host round trip that does not wait for a sleeping CPU is ~50 us there (back to back,
 #: 2026-11-27; see _WAKE_FACTOR).
 _POLLED_FACTOR = 12.0
+#: Inside a training loop the caller's process steps its sub-envs right after its own work (the
+#: policy), with the env's code and data out of the caches: in a CleanRL-shaped PPO loop,
+#: HalfCheetah-v5 under CleanRL's wrappers took 190 us a step in the caller's process against a
+#: probe step of 80-100 us (one env; four took 480 us against 320; 2026-11-28), while a host
+#: that steps nothing else keeps them warm. Every sub-env in the caller's process is predicted
+#: one probe step longer, at most this much.
+_COLD = 100e-6
 #: The probe env is stepped for at most this long (and at most _PROBE_STEPS steps).
 _PROBE_BUDGET = 0.02
 _PROBE_STEPS = 50
@@ -248,13 +255,14 @@ def _predict(
     n: int, t: float, hop: float, m: int, n_cpus: int, polled: float | None = None
 ) -> tuple[float, int]:
     """Predicted lockstep step with ``m`` of ``n`` sub-envs in the caller, and the processes
-    ``P``: ``n * t`` all in the caller, else ``hop + ceil((n - m) / P) * t`` on the hosts, and with
-    a caller's share (it sends, steps its share, then reads) ``max(m * t + hop / 2, that)``.
-    Where the caller and every host have a CPU each, the hosts poll (:func:`spins`) and the
-    round trip is ``polled`` (``None``: ``hop``); else they sleep between steps and it is
-    ``_WAKE_FACTOR`` times ``hop``."""
+    ``P``: ``n * t + min(t, _COLD)`` all in the caller (its first step cold), else
+    ``hop + ceil((n - m) / P) * t`` on the hosts, and with a caller's share (it sends, steps its
+    share, then reads) ``max(m * t + hop / 2, that)`` (the share's cold step overlaps the hosts'
+    step, which bounds a mixed step where the rule picks one). Where the caller and every host
+    have a CPU each, the hosts poll (:func:`spins`) and the round trip is ``polled`` (``None``:
+    ``hop``); else they sleep between steps and it is ``_WAKE_FACTOR`` times ``hop``."""
     if m == n:
-        return n * t, 0
+        return n * t + min(t, _COLD), 0
     spare = n_cpus if m == 0 else n_cpus - 1
     procs = max(1, min(spare, n - m))
     if procs >= n_cpus:
@@ -286,12 +294,9 @@ def choose(
     if env_step is None:
         return Placement(0, min(cpus(), num_envs), "the probe env could not be stepped: hosts")
     if hop is None:
-        # A polling host is predicted with the sleeping round trip too, not polled_hop_seconds:
-        # in the quiet clients study (CleanRL-shaped PPO, HalfCheetah-v5 x4, 2026-11-28) the
-        # mixed placement that estimate chose lost to in-process in both runs (1.04x and 0.92x
-        # SyncVectorEnv against 1.07x and 1.00x): inside a training loop the caller's own work
-        # between steps outlasts the host's poll, and the polled estimate (~40 us) missed that.
         hop = hop_seconds()
+        if polled_hop is None:
+            polled_hop = polled_hop_seconds()
     polled = hop if polled_hop is None else polled_hop
     n_cpus = cpus() if n_cpus is None else n_cpus
     us = f"probe step {env_step * 1e6:.1f} us, host round trip ~{hop * 1e6:.0f} us"
