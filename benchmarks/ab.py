@@ -328,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="a smoke run: 1/50 of each workload's transitions"
     )
     parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="each workload's transitions times this (longer runs: a smaller difference told "
+        "from the noise of short ones)",
+    )
+    parser.add_argument(
         "--metrics",
         choices=["off", "a", "b", "both"],
         default="off",
@@ -346,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                 workload = WORKLOADS[name]
                 if args.quick:
                     workload = (*workload[:-1], max(1_000, workload[-1] // 50))
+                elif args.scale != 1.0:
+                    workload = (*workload[:-1], max(1_000, round(workload[-1] * args.scale)))
                 res = run_once(tree, workload, metrics_on[side])
                 runs.setdefault(name, {"a": [], "b": []})[side].append(res)
                 load.append(os.getloadavg()[0])
@@ -379,13 +388,15 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_min_max": [min(load), max(load)],
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"machine": machine, "metrics": args.metrics, "rows": rows}
+    results = {"machine": machine, "metrics": args.metrics, "scale": args.scale, "rows": rows}
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
     on = [side.upper() for side in ("a", "b") if metrics_on[side]]
     lines = [
         f"A = `{args.a}`, B = `{args.b}`"
         + (f" (metrics on in {' and '.join(on)})" if on else "")
-        + f"; {args.repeats} alternating runs each, medians; "
+        + f"; {args.repeats} alternating runs each"
+        + (f" of {args.scale:g}x the transitions" if args.scale != 1.0 and not args.quick else "")
+        + ", medians; "
         f"{machine['cores']} cores, Python {machine['python']}, {machine['date']}, load average "
         f"{min(load):.1f}-{max(load):.1f} during the run.",
         "",

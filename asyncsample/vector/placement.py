@@ -75,7 +75,8 @@ _POLLED_FACTOR = 12.0
 #: HalfCheetah-v5 under CleanRL's wrappers took 190 us a step in the caller's process against a
 #: probe step of 80-100 us (one env; four took 480 us against 320; 2026-11-28), while a host
 #: that steps nothing else keeps them warm. Every sub-env in the caller's process is predicted
-#: one probe step longer, at most this much.
+#: one probe step longer, at most this much, for envs whose step costs at least _MIN_HOP (a cheap
+#: env's refill is a few microseconds: the probe cannot tell it from noise).
 _COLD = 100e-6
 #: The probe env is stepped for at most this long (and at most _PROBE_STEPS steps).
 _PROBE_BUDGET = 0.02
@@ -255,14 +256,15 @@ def _predict(
     n: int, t: float, hop: float, m: int, n_cpus: int, polled: float | None = None
 ) -> tuple[float, int]:
     """Predicted lockstep step with ``m`` of ``n`` sub-envs in the caller, and the processes
-    ``P``: ``n * t + min(t, _COLD)`` all in the caller (its first step cold), else
+    ``P``: ``n * t + min(t, _COLD)`` all in the caller (its first step cold; ``n * t`` for
+    envs cheaper than ``_MIN_HOP``), else
     ``hop + ceil((n - m) / P) * t`` on the hosts, and with a caller's share (it sends, steps its
     share, then reads) ``max(m * t + hop / 2, that)`` (the share's cold step overlaps the hosts'
     step, which bounds a mixed step where the rule picks one). Where the caller and every host
     have a CPU each, the hosts poll (:func:`spins`) and the round trip is ``polled`` (``None``:
     ``hop``); else they sleep between steps and it is ``_WAKE_FACTOR`` times ``hop``."""
     if m == n:
-        return n * t + min(t, _COLD), 0
+        return n * t + (min(t, _COLD) if t >= _MIN_HOP else 0.0), 0
     spare = n_cpus if m == 0 else n_cpus - 1
     procs = max(1, min(spare, n - m))
     if procs >= n_cpus:
@@ -312,6 +314,12 @@ def choose(
         why = f"{us}: the machine is busy (more threads runnable than its {n_cpus} CPUs)"
         return Placement(num_envs, 0, why, env_step, hop, polled)
     best_m, (best, best_procs) = num_envs, _predict(num_envs, env_step, hop, num_envs, n_cpus)
+    # A polling host is predicted with its own round trip for envs that cost at least its floor;
+    # for cheaper ones with the sleeping one, as before: inside the CleanRL-shaped loop the
+    # round trip costs more than the polled estimate (HalfCheetah-v5 x1 on a host: 225 us a step
+    # for a 100-us env), which an expensive env's cold step in the caller outweighs and a cheap
+    # env's share does not (CartPole-v1 mixed: 0.72x and 0.88x SyncVectorEnv with 4 and 8 envs).
+    polling = polled if env_step >= _MIN_HOP else hop
     inproc = best
     crowded: dict[int, bool] = {}  # host processes -> whether their CPUs are wanted already
     passed_over = None
@@ -320,7 +328,7 @@ def choose(
     for m in range(num_envs - 1, -1, -1):
         if m > 0 and n_cpus < 2:
             continue
-        pred, procs = _predict(num_envs, env_step, hop, m, n_cpus, polled)
+        pred, procs = _predict(num_envs, env_step, hop, m, n_cpus, polling)
         if pred * _MARGIN < inproc and pred < best:
             if not given_busy:
                 # The hosts need a CPU each that no other thread wants, beside the caller's
