@@ -5,10 +5,13 @@ calls took to a *clock*, a float64 array beside its step buffers (shared memory 
 which :mod:`asyncsample.metrics` folds once per call. Off unless metrics are on.
 
 The latency histograms are **sampled**, by one rule (:data:`SAMPLE_EVERY`): each timer (an env
-host's steps, a lane host's env steps, a worker's agent calls, a sampler's merged agent calls, a
-host's chunks with ``inference="host"``) times the first of its calls and then one in
+host's steps, a host process's async env steps, a worker's agent calls, a sampler's merged agent
+calls, a host's chunks with ``inference="host"``) times the first of its calls and then one in
 :data:`SAMPLE_EVERY`, and a timed call counts as :data:`SAMPLE_EVERY` calls in the bucket counts
-and the sum. The counts (env steps, episode ends, agent calls and their rows) are exact.
+and the sum. A lane host in the caller's process instead times every step of one env in
+:data:`SAMPLE_EVERY` per call (``LaneHost.timed_envs``: no choice per step), which the fold
+weighs by the steps taken. The counts (env steps, episode ends, agent calls and their rows) are
+exact.
 """
 
 from __future__ import annotations

@@ -186,6 +186,9 @@ class LaneStepper:
         # one method (an isinstance of the protocol would look up every member, per call).
         bare = hasattr(self.host, "step_soon")
         self.bare = cast(BareStepHost, self.host) if bare else None
+        # With metrics on, the envs whose steps this call times (a host in this process; one
+        # env in SAMPLE_EVERY, another set each call): chosen once, not per step.
+        self.timed = self.host.timed_envs()
         self.episode_timeout = worker.episodes.episode_timeout
         self.admission = settings.admission()
         self.quota = quota = part.quota
@@ -307,6 +310,7 @@ class LaneStepper:
         host = self.host
         acting, bare = self.acting, self.bare
         step_soon = None if bare is None else bare.step_soon
+        timed = i in self.timed
         buffers = host.buffers
         recorder = episodes.recorder
         rows = recorder.rows
@@ -382,7 +386,7 @@ class LaneStepper:
                             )
                             self._put_action(rows, t, i, action, infos, flat)
                             step = (
-                                host.step_one(i, action, when)
+                                host.step_one(i, action, when, timed)
                                 if step_soon is None
                                 else step_soon(i, action, when)
                             )

@@ -136,7 +136,7 @@ class _Hist:
         self.counts = np.zeros(len(bounds) + 1, dtype=np.float64)
         self.sum = 0.0
 
-    def observe(self, values: Sequence[float] | np.ndarray, weight: int = 1) -> None:
+    def observe(self, values: Sequence[float] | np.ndarray, weight: float = 1) -> None:
         """Count each of ``values`` ``weight`` times (a sample's, weighted)."""
         values = np.asarray(values, dtype=np.float64)
         if not len(values):
@@ -384,6 +384,7 @@ class SamplerMetrics:
         self._ends_told: dict[int, list[int]] = {}
         self._restarts_told: dict[int, int] = {}
         self._calls_told: dict[int, int] = {}
+        self._lane_untimed: dict[int, int] = {}  # by worker: steps no timed step stood for yet
         self._idle = 0.0
         self._last_end: float | None = None
         with hub.lock:
@@ -459,7 +460,6 @@ class SamplerMetrics:
         # one observe per histogram for every worker (each costs a few numpy calls)
         lengths: list[int] = []
         durations: list[float] = []
-        lane_seconds: list[float] = []  # the in-process lane hosts' timed steps
         with self._hub.lock:
             hists = s.hists
             in_flight = 0
@@ -471,8 +471,9 @@ class SamplerMetrics:
                 self._finished_steps[n] = self._finished_steps.get(n, 0) + sum(finished)
                 ever = self._finished_steps[n] + int(ep.lengths.sum()) + ep.dropped_steps
                 told = self._steps_told.get(n, 0)
-                if ever > told:
-                    s.steps[slot] += ever - told
+                stepped = max(ever - told, 0)
+                if stepped:
+                    s.steps[slot] += stepped
                     self._steps_told[n] = ever
                 ends_told = self._ends_told.setdefault(n, [0, 0, 0])
                 for k in range(3):
@@ -488,16 +489,13 @@ class SamplerMetrics:
                 host = w.host
                 take = getattr(host, "take_timed", None)
                 if take is not None:  # a lane host in this process: its timed steps, no clock
-                    lane_seconds += take()
+                    env_seconds += self._fold_lane(n, take(), stepped)
                 elif host is not None and host.buffers.clock is not None:
                     env_s, agent_s = self._fold_clock(n, host.buffers.clock, w.n_envs)
                     env_seconds += env_s
                     agent_total += agent_s
             hists["episode_length"].observe(lengths)
             hists["episode_seconds"].observe(durations)
-            if lane_seconds:  # each timed step stands for SAMPLE_EVERY
-                hists["env_step_seconds"].observe(lane_seconds, SAMPLE_EVERY)
-                env_seconds += SAMPLE_EVERY * float(sum(lane_seconds))
             hists["agent_call_seconds"].observe(agent_seconds, SAMPLE_EVERY)
             hists["agent_call_rows"].tally(agent_rows)
             s.agent_calls += agent_calls
@@ -507,6 +505,20 @@ class SamplerMetrics:
             s.agent_version = newest
             self._judge(seconds, env_seconds, agent_total)
             s.bottleneck = self.verdict
+
+    def _fold_lane(self, worker: int, seconds: list[float], stepped: int) -> float:
+        """Fold an in-process lane host's timed steps (every step of some envs: see
+        ``LaneHost.timed_envs``), each weighing the steps worker ``worker`` took since the last
+        fold (``stepped``, and those of folds without a timed step) over the timed ones: the
+        histogram counts every step; the seconds they stand for."""
+        steps = self._lane_untimed.pop(worker, 0) + stepped
+        if not seconds:
+            if steps:
+                self._lane_untimed[worker] = steps  # counted with the next timed steps
+            return 0.0
+        weight = steps / len(seconds)
+        self.state.hists["env_step_seconds"].observe(seconds, weight)
+        return weight * float(sum(seconds))
 
     def _fold_clock(self, worker: int, clock: np.ndarray, n_envs: int) -> tuple[float, float]:
         """Fold what worker ``worker``'s host clock gained; its env and agent seconds."""

@@ -233,13 +233,19 @@ class RemoteLanes(PerEnvLockstep):
         return info
 
     def step_one(
-        self, i: int, action: Any, deadline: float | None = None
+        self, i: int, action: Any, deadline: float | None = None, timed: bool = False
     ) -> Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any]]]:
-        """Step env ``i`` in the host; see :meth:`~asyncsample.backends.aio.LaneHost.step_one`.
+        """Step env ``i`` in the host; see :meth:`~asyncsample.backends.aio.LaneHost.step_one`
+        (``timed`` is the host's to decide: it samples its own steps).
 
         The request's own coroutine, returned: no second coroutine per step (the lanes use
         :meth:`step_soon`, no coroutine at all)."""
         return self._lane(LaneKind.STEP, i, self._action(i, action), self._left(deadline))
+
+    def timed_envs(self) -> frozenset[int]:
+        """None: the host samples the steps it times (see
+        :meth:`~asyncsample.backends.base.PerEnvHost.timed_envs`)."""
+        return frozenset()
 
     def _action(self, i: int, action: Any) -> Any:
         """What a step request carries of env ``i``'s ``action``: nothing where the host shares

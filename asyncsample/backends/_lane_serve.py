@@ -324,7 +324,7 @@ class LaneServer:
                     action = request[4]
                     if action is None:  # the caller wrote it into the step buffers we share
                         action = _row(host.buffers.actions, i)
-                    value = await host.step_one(i, action, when)
+                    value = await host.step_one(i, action, when, host.tick())
                 elif kind == LaneKind.ACT:
                     when = None if request[4] is None else loop.time() + request[4]
                     value = await self._act(request[2], host, i, when)
@@ -405,7 +405,7 @@ class LaneServer:
             action, infos = await batcher.request(agent, worker, observation)
         except Exception as exc:
             raise _agent_fault(exc, worker) from None
-        reward, terminated, truncated, info = await host.step_one(i, action, when)
+        reward, terminated, truncated, info = await host.step_one(i, action, when, host.tick())
         if self.obs_in_reply or isinstance(host.buffers.actions, list):
             return reward, terminated, truncated, info, action, infos
         put_row(host.buffers.actions, i, action)  # shared with the caller: read there, not sent

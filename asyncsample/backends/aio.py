@@ -14,14 +14,14 @@ import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import CALLS, record_seconds, sampled
+from asyncsample._clock import CALLS, SAMPLE_EVERY, record_seconds, sampled
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
@@ -155,6 +155,9 @@ class PerEnvLockstep:
     in_flight: dict[int, asyncio.Task[Any]]
     reset_one: Callable[..., Coroutine[Any, Any, dict[str, Any]]]
     step_one: Callable[..., Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any]]]]
+    #: Whether to time the next step taken here for the metrics (a host that samples its own
+    #: steps: the first and then one in ``SAMPLE_EVERY``); never, unless a host's metrics are on.
+    tick: Callable[[], bool] = staticmethod(lambda: False)
 
     async def reset(
         self,
@@ -181,7 +184,10 @@ class PerEnvLockstep:
         indices = np.flatnonzero(mask).tolist()
         actions = self.buffers.actions
         results = await run_all(
-            [self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions)) for i in indices]
+            [
+                self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions), None, self.tick())
+                for i in indices
+            ]
         )
         step_infos, reset_now = self._step_results(indices, results)
         infos = await run_all([self.reset_one(i) for i in reset_now])
@@ -246,15 +252,17 @@ class LaneHost(PerEnvLockstep):
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
         # With metrics on: the seconds of the env steps timed since take_timed (the fold, in this
-        # process) or settle_clock (a LaneServer's host), the first and then one in SAMPLE_EVERY
-        # (_ticks: which); per env, its last step call (the plain path keeps the env's
-        # coroutine, _tracked marks True while it runs), which env_calls looks at when read:
-        # nothing is counted in and out per step.
+        # process) or settle_clock (a LaneServer's host). Which steps: the lanes of a call in
+        # this process time every step of the envs timed_envs names (no choice per step); a
+        # LaneServer samples, the first and then one in SAMPLE_EVERY (tick). Per env, its last
+        # step call (the plain path keeps the env's coroutine, _tracked marks True while it
+        # runs), which env_calls looks at when read: nothing is counted in and out per step.
         self._durations: list[float] = []
-        self._ticks: Iterator[bool] = iter(())
         self._stepping: list[Any] | None = None
+        self._turn = 0  # which envs timed_envs names next
         if self.buffers.clock is not None:
-            self._ticks, self._stepping = sampled(), [None] * spec.n_envs
+            self._stepping = [None] * spec.n_envs
+            self.tick = sampled().__next__
         self._calls_due = 0.0  # a host's: when settle_clock counts the calls running again
         self._recount: asyncio.TimerHandle | None = None
         self.group = EnvGroup(
@@ -354,9 +362,10 @@ class LaneHost(PerEnvLockstep):
         return info
 
     async def step_one(
-        self, i: int, action: Any, deadline: float | None = None
+        self, i: int, action: Any, deadline: float | None = None, timed: bool = False
     ) -> tuple[float, bool, bool, dict[str, Any]]:
-        """Step env ``i`` with ``action``: :meth:`EnvGroup.finish`'s ``(reward, ...)``.
+        """Step env ``i`` with ``action``: :meth:`EnvGroup.finish`'s ``(reward, ...)``; with
+        metrics on, ``timed``: its seconds go to the timed steps' (see :meth:`timed_envs`).
 
         Raises:
             DeadlinePassed: the loop time ``deadline`` came first; the step was cancelled.
@@ -372,9 +381,9 @@ class LaneHost(PerEnvLockstep):
                 call = self.envs[i].step(action)
                 if stepping is None:  # metrics off: this one test
                     result = await call
-                else:  # metrics on: the call kept (see env_calls), one in 8 timed
+                else:  # metrics on: the call kept (see env_calls); timed if asked
                     stepping[i] = call
-                    if not next(self._ticks):
+                    if not timed:
                         result = await call
                     else:
                         start = _perf()
@@ -386,21 +395,26 @@ class LaneHost(PerEnvLockstep):
                 raise self._raised(i, "step", exc) from exc
         else:
             step = self.envs[i].step
-            call = step(action) if stepping is None else self._tracked(stepping, i, step, action)
+            if stepping is None:
+                call = step(action)
+            else:
+                call = self._tracked(stepping, i, step, action, timed)
             result = await self._await(i, "step", call, deadline)
         try:
             return self.group.finish(i, result)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
-    async def _tracked(self, stepping: list[Any], i: int, step: Any, action: Any) -> Any:
+    async def _tracked(
+        self, stepping: list[Any], i: int, step: Any, action: Any, timed: bool
+    ) -> Any:
         """``step(action)`` with metrics on, once :meth:`_await` runs it (after the limiter):
-        marked running in ``stepping`` until it returns or raises (see :attr:`env_calls`), the
-        first and then one in ``SAMPLE_EVERY`` timed."""
+        marked running in ``stepping`` until it returns or raises (see :attr:`env_calls`), and
+        timed if ``timed``."""
         stepping[i] = True
         try:
             call = step(action)
-            return await (self._timed(call) if next(self._ticks) else call)
+            return await (self._timed(call) if timed else call)
         finally:
             stepping[i] = None
 
@@ -421,9 +435,22 @@ class LaneHost(PerEnvLockstep):
         stepping = self._stepping
         return 0 if stepping is None else sum(map(_unfinished, stepping))
 
+    def timed_envs(self) -> frozenset[int]:
+        """With metrics on, the envs whose every step the next call's lanes time: one env in
+        ``SAMPLE_EVERY`` (at least one), another set each call, so that every env takes its
+        turn and no step pays for a choice (the fold weighs them by the steps taken); else
+        none. A host of async envs in another process samples its own (see :attr:`tick`)."""
+        if self._stepping is None:
+            return frozenset()
+        n = self.n_envs
+        every = min(SAMPLE_EVERY, n)
+        turn = self._turn
+        self._turn = (turn + 1) % every
+        return frozenset(range(turn, n, every))
+
     def take_timed(self) -> list[float]:
-        """The seconds of the env steps timed since the last call (each stands for
-        ``SAMPLE_EVERY``; read by the metrics' fold in this process, no clock between)."""
+        """The seconds of the env steps timed since the last call (read by the metrics' fold in
+        this process, no clock between, which weighs them by the steps taken meanwhile)."""
         durations = self._durations
         if not durations:
             return []

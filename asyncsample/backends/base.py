@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -318,9 +318,16 @@ class PerEnvHost(Protocol):
         ...
 
     async def step_one(
-        self, i: int, action: Any, deadline: float | None = None
+        self, i: int, action: Any, deadline: float | None = None, timed: bool = False
     ) -> tuple[float, bool, bool, dict[str, Any]]:
-        """Step env ``i``: ``(reward, terminated, truncated, info)``, the time limit applied."""
+        """Step env ``i``: ``(reward, terminated, truncated, info)``, the time limit applied;
+        ``timed``: with metrics on, time this step (see :meth:`timed_envs`)."""
+        ...
+
+    def timed_envs(self) -> Collection[int]:
+        """With metrics on, the envs whose every step the lanes of the next call time (a host
+        in this process: one env in ``SAMPLE_EVERY``, another each call); empty where the host
+        samples its own steps (in other processes) or metrics are off."""
         ...
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
