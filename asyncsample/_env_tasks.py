@@ -254,6 +254,7 @@ class LaneStepper:
             asyncio.ensure_future(self._lane(i, rule, stop, lanes))
             for i in range(self.worker.n_envs)
         ]
+        self.host.watch_lanes(tasks)
         try:
             pending: set[asyncio.Future[Any]] = set(tasks)
             cut = False

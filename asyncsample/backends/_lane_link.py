@@ -242,6 +242,9 @@ class RemoteLanes(PerEnvLockstep):
         :meth:`step_soon`, no coroutine at all)."""
         return self._lane(LaneKind.STEP, i, self._action(i, action), self._left(deadline))
 
+    def watch_lanes(self, lanes: Sequence[asyncio.Future[Any]]) -> None:
+        """Nothing: the host counts its own env calls running (into its clock)."""
+
     def timed_envs(self) -> frozenset[int]:
         """None: the host samples the steps it times (see
         :meth:`~asyncsample.backends.base.PerEnvHost.timed_envs`)."""

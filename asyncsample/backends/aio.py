@@ -213,6 +213,20 @@ class PerEnvLockstep:
         return dropped
 
 
+def _in_env_call(lane: asyncio.Future[Any]) -> bool:
+    """Whether ``lane`` (a task of the lanes, or one a stream's round left running) waits now
+    inside the env's call of a plain :meth:`LaneHost.step_one`: its coroutine awaits a
+    ``step_one`` that awaits something other than :meth:`LaneHost._await` (a limited step, which
+    its mark counts)."""
+    get_coro = getattr(lane, "get_coro", None)
+    coro = None if get_coro is None or lane.done() else get_coro()
+    step = getattr(coro, "cr_await", None)
+    if getattr(step, "cr_code", None) is not _STEP_ONE:
+        return False
+    inner = getattr(step, "cr_await", None)
+    return inner is not None and getattr(inner, "cr_code", None) is not _AWAIT
+
+
 class LaneHost(PerEnvLockstep):
     """Hosts one worker's envs in the caller's process, each reset and stepped on its own.
 
@@ -240,12 +254,16 @@ class LaneHost(PerEnvLockstep):
         # With metrics on: the seconds of the env steps timed since take_timed (the fold, in this
         # process) or settle_clock (a LaneServer's host). Which steps: the lanes of a call in
         # this process time every step of the envs timed_envs names (no choice per step); a
-        # LaneServer samples, the first and then one in SAMPLE_EVERY (tick). Per env, True
-        # while a step call of it runs, else None, which env_calls counts when read: nothing is
-        # counted in and out per step. (Not the call itself, kept until the next: 64 finished
-        # coroutines kept alive made a zero-latency step 2-3% slower than marks, 2026-11-28.)
+        # LaneServer samples, the first and then one in SAMPLE_EVERY (tick). The env calls
+        # running (env_calls), nothing counted per step: a step with a limiter or a deadline
+        # marks its env True in _stepping while it runs (else None); a plain step is found
+        # where it is suspended, in the coroutines of the lanes of the call (_lanes, given by
+        # watch_lanes) and of the steps a stream's round left running (in_flight). A mark set
+        # and cleared around every plain step cost 1.5-2% of a zero-latency one, keeping the
+        # call instead 2-3% (64 finished coroutines kept alive; A/B, 2026-11-28).
         self._durations: list[float] = []
         self._stepping: list[bool | None] | None = None
+        self._lanes: Sequence[asyncio.Future[Any]] = ()
         self._turn = 0  # which envs timed_envs names next
         if self.buffers.clock is not None:
             self._stepping = [None] * spec.n_envs
@@ -368,20 +386,15 @@ class LaneHost(PerEnvLockstep):
                 call = self.envs[i].step(action)
                 if stepping is None:  # metrics off: this one test
                     result = await call
-                else:  # metrics on: marked while it runs (see env_calls); timed if asked
-                    stepping[i] = True
-                    if not timed:
+                elif not timed:  # metrics on: nothing per step (see env_calls)
+                    result = await call
+                else:  # metrics on, an env whose steps this call times
+                    start = _perf()
+                    try:
                         result = await call
-                    else:
-                        start = _perf()
-                        try:
-                            result = await call
-                        finally:
-                            self._durations.append(_perf() - start)
-                    stepping[i] = None
+                    finally:
+                        self._durations.append(_perf() - start)
             except (asyncio.CancelledError, Exception) as exc:
-                if stepping is not None:
-                    stepping[i] = None
                 raise self._raised(i, "step", exc) from exc
         else:
             step = self.envs[i].step
@@ -418,11 +431,22 @@ class LaneHost(PerEnvLockstep):
 
     @property
     def env_calls(self) -> int:
-        """The env steps running now (metrics on; else 0): the envs marked from the start of a
-        step call (after its ``max_concurrency`` slot) until it returns or raises. Read when
-        scraped, from any thread (one count under the GIL)."""
+        """The env steps running now (metrics on; else 0): from the start of a step call
+        (after its ``max_concurrency`` slot) until it returns or raises. Read when scraped,
+        from any thread: the marks of the limited steps, and the plain steps suspended in the
+        env's call (see :func:`_in_env_call`), each looked at once under the GIL."""
         stepping = self._stepping
-        return 0 if stepping is None else len(stepping) - stepping.count(None)
+        if stepping is None:
+            return 0
+        marked = len(stepping) - stepping.count(None)
+        lanes = {*self._lanes, *list(self.in_flight.values())}  # a detached lane is in both
+        return marked + sum(1 for task in lanes if _in_env_call(task))
+
+    def watch_lanes(self, lanes: Sequence[asyncio.Future[Any]]) -> None:
+        """See :meth:`~asyncsample.backends.base.PerEnvHost.watch_lanes` (kept with metrics on,
+        until the next call's)."""
+        if self._stepping is not None:
+            self._lanes = lanes
 
     def timed_envs(self) -> frozenset[int]:
         """With metrics on, the envs whose every step the next call's lanes time: one env in
@@ -775,3 +799,7 @@ class ThreadBackend(AsyncioBackend):
         """Stop the pool without waiting."""
         super().close_now()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+_STEP_ONE = LaneHost.step_one.__code__
+_AWAIT = LaneHost._await.__code__

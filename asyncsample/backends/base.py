@@ -330,6 +330,11 @@ class PerEnvHost(Protocol):
         samples its own steps (in other processes) or metrics are off."""
         ...
 
+    def watch_lanes(self, lanes: Sequence[asyncio.Future[Any]]) -> None:
+        """The lane tasks of a call: with metrics on, a host in this process counts its env
+        calls running from where they are suspended (no mark per step); else nothing."""
+        ...
+
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again (after its fault), closing the old one in the background."""
         ...
