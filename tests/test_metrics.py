@@ -519,9 +519,10 @@ async def _scraped_in_flight(sampler: Any, registry: CollectorRegistry) -> list[
 async def test_env_calls_in_flight_is_live_without_a_cap(
     backend: str, make_sampler: SamplerFactory
 ) -> None:
-    # no max_concurrency, no step_timeout: the lane host's plain path, which keeps each env's
-    # step call while it runs (nothing counted per step); 6 envs, each step 50 ms, the third
-    # step of one env raises (its call returned: not in flight)
+    # no max_concurrency, no step_timeout: the lane host's plain path, where nothing is counted
+    # per step (the calls running are found in the lanes' coroutines when read); 6 envs, each
+    # step 50 ms; on asyncio the third step of one env raises (its call returned: not in
+    # flight)
     registry = CollectorRegistry()
     env = (
         async_envs.failing(fail_at=3, times=1, length=1000, latency=0.05)

@@ -222,6 +222,10 @@ class LaneServer:
         ]
         self.by_worker = {spec.worker: k for k, spec in enumerate(specs)}
         self.timed = [k for k, s in enumerate(self.slots) if s.buffers.clock is not None]
+        # Per slot, its envs' serving tasks, where its host finds the env calls running.
+        self.watched: list[list[asyncio.Future[Any]]] = [[] for _ in self.slots]
+        for slot, watched in zip(self.slots, self.watched):
+            slot.watch_lanes(watched)
         self._send = send
         self.obs_in_reply = obs_in_reply
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
@@ -300,6 +304,7 @@ class LaneServer:
         lane.queue.append(request)
         if lane.task is None:
             lane.task = asyncio.ensure_future(self._serve_env(lane, self.slots[env[0]], env[1]))
+            self.watched[env[0]].append(lane.task)
         elif lane.idle is not None:
             lane.idle.set_result(None)
             lane.idle = None

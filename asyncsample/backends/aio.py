@@ -214,17 +214,21 @@ class PerEnvLockstep:
 
 
 def _in_env_call(lane: asyncio.Future[Any]) -> bool:
-    """Whether ``lane`` (a task of the lanes, or one a stream's round left running) waits now
-    inside the env's call of a plain :meth:`LaneHost.step_one`: its coroutine awaits a
-    ``step_one`` that awaits something other than :meth:`LaneHost._await` (a limited step, which
-    its mark counts)."""
+    """Whether ``lane`` (a task of the lanes, one a stream's round left running, or a host
+    process's serving task) waits now inside the env's call of a plain
+    :meth:`LaneHost.step_one`: down its coroutines' awaits (a few deep), a ``step_one`` that
+    awaits something other than :meth:`LaneHost._await` (a limited step, which its mark
+    counts)."""
     get_coro = getattr(lane, "get_coro", None)
-    coro = None if get_coro is None or lane.done() else get_coro()
-    step = getattr(coro, "cr_await", None)
-    if getattr(step, "cr_code", None) is not _STEP_ONE:
-        return False
-    inner = getattr(step, "cr_await", None)
-    return inner is not None and getattr(inner, "cr_code", None) is not _AWAIT
+    step = None if get_coro is None or lane.done() else get_coro()
+    for _ in range(4):
+        step = getattr(step, "cr_await", None)
+        if step is None:
+            return False
+        if getattr(step, "cr_code", None) is _STEP_ONE:
+            inner = getattr(step, "cr_await", None)
+            return inner is not None and getattr(inner, "cr_code", None) is not _AWAIT
+    return False
 
 
 class LaneHost(PerEnvLockstep):
@@ -444,7 +448,8 @@ class LaneHost(PerEnvLockstep):
 
     def watch_lanes(self, lanes: Sequence[asyncio.Future[Any]]) -> None:
         """See :meth:`~asyncsample.backends.base.PerEnvHost.watch_lanes` (kept with metrics on,
-        until the next call's)."""
+        until the next call's; a host process's server gives one list it adds its serving
+        tasks to)."""
         if self._stepping is not None:
             self._lanes = lanes
 
