@@ -213,24 +213,6 @@ class PerEnvLockstep:
         return dropped
 
 
-def _in_env_call(lane: asyncio.Future[Any]) -> bool:
-    """Whether ``lane`` (a task of the lanes, one a stream's round left running, or a host
-    process's serving task) waits now inside the env's call of a plain
-    :meth:`LaneHost.step_one`: down its coroutines' awaits (a few deep), a ``step_one`` that
-    awaits something other than :meth:`LaneHost._await` (a limited step, which its mark
-    counts)."""
-    get_coro = getattr(lane, "get_coro", None)
-    step = None if get_coro is None or lane.done() else get_coro()
-    for _ in range(4):
-        step = getattr(step, "cr_await", None)
-        if step is None:
-            return False
-        if getattr(step, "cr_code", None) is _STEP_ONE:
-            inner = getattr(step, "cr_await", None)
-            return inner is not None and getattr(inner, "cr_code", None) is not _AWAIT
-    return False
-
-
 class LaneHost(PerEnvLockstep):
     """Hosts one worker's envs in the caller's process, each reset and stepped on its own.
 
@@ -255,16 +237,10 @@ class LaneHost(PerEnvLockstep):
         self.buffers = buffers or StepBuffers.allocate(
             spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
         )
-        # With metrics on: the seconds of the env steps timed since take_timed (the fold, in this
-        # process) or settle_clock (a LaneServer's host). Which steps: the lanes of a call in
-        # this process time every step of the envs timed_envs names (no choice per step); a
-        # LaneServer samples, the first and then one in SAMPLE_EVERY (tick). The env calls
-        # running (env_calls), nothing counted per step: a step with a limiter or a deadline
-        # marks its env True in _stepping while it runs (else None); a plain step is found
-        # where it is suspended, in the coroutines of the lanes of the call (_lanes, given by
-        # watch_lanes) and of the steps a stream's round left running (in_flight). A mark set
-        # and cleared around every plain step cost 1.5-2% of a zero-latency one, keeping the
-        # call instead 2-3% (64 finished coroutines kept alive; A/B, 2026-11-28).
+        # With metrics on: the seconds of the env steps timed since take_timed (the fold here)
+        # or settle_clock (a LaneServer's host); which: see timed_envs and tick. The env calls
+        # running (env_calls): a limited step's env marked True in _stepping while it runs, a
+        # plain step found where it is suspended (_lanes, in_flight): nothing per plain step.
         self._durations: list[float] = []
         self._stepping: list[bool | None] | None = None
         self._lanes: Sequence[asyncio.Future[Any]] = ()
@@ -444,7 +420,22 @@ class LaneHost(PerEnvLockstep):
             return 0
         marked = len(stepping) - stepping.count(None)
         lanes = {*self._lanes, *list(self.in_flight.values())}  # a detached lane is in both
-        return marked + sum(1 for task in lanes if _in_env_call(task))
+        return marked + sum(1 for task in lanes if self._in_env_call(task))
+
+    def _in_env_call(self, lane: asyncio.Future[Any]) -> bool:
+        """Whether ``lane`` (a lane's task, a carried step's, a host process's serving task)
+        waits in the env's call of a plain :meth:`step_one`: down its awaits, a ``step_one``
+        not awaiting :meth:`_await` (a limited step: its mark counts). A mark per plain step
+        cost 1.5-2% of a zero-latency one; keeping its call, 2-3% (A/B, 2026-11-28)."""
+        get_coro = getattr(lane, "get_coro", None)
+        step = None if get_coro is None or lane.done() else get_coro()
+        for _ in range(4):
+            step = getattr(step, "cr_await", None)
+            if getattr(step, "cr_code", None) is LaneHost.step_one.__code__:
+                inner = getattr(step, "cr_await", None)
+                limited = getattr(self._await, "__code__", None)
+                return inner is not None and getattr(inner, "cr_code", None) is not limited
+        return False
 
     def watch_lanes(self, lanes: Sequence[asyncio.Future[Any]]) -> None:
         """See :meth:`~asyncsample.backends.base.PerEnvHost.watch_lanes` (kept with metrics on,
@@ -804,7 +795,3 @@ class ThreadBackend(AsyncioBackend):
         """Stop the pool without waiting."""
         super().close_now()
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-_STEP_ONE = LaneHost.step_one.__code__
-_AWAIT = LaneHost._await.__code__
