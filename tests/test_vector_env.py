@@ -303,6 +303,8 @@ def test_info_columns_are_what_gymnasium_adds_row_by_row() -> None:
         ([row(i, e=np.bool_(i % 2)) for i in range(n)], list(range(n))),
         ([{"a": True} for _ in range(n)], list(range(n))),
         ([{} for _ in range(n)], list(range(n))),
+        ([row(i) for i in range(n)], [2]),  # one row (a single sub-env with infos)
+        ([row(i, e=np.bool_(i % 2)) for i in range(n)], [4]),
     ]
     for infos, rows in cases:
         got, want = columns(n, infos, rows), gymnasium(infos, rows)
@@ -319,6 +321,13 @@ def test_info_columns_are_what_gymnasium_adds_row_by_row() -> None:
     ]
     for infos in left:
         assert columns(n, infos, [0, 1]) is None
+    for infos in left[1:]:  # one row: what gymnasium treats apart is still left to it
+        assert columns(n, infos, [1]) is None
+    one = [{"a": 1.5, "b": np.arange(2)}]  # num_envs 1: the whole batch is one row
+    want_one = SyncVectorEnv([lambda: CountEnv()])._add_info({}, one[0], 0)
+    got_one = columns(1, one, [0])
+    assert_same(got_one, want_one, "num_envs 1")
+    assert list(got_one) == list(want_one)
 
 
 def test_equal_to_sync_cartpole_by_id(no_leaks: None, placed: dict[str, int]) -> None:

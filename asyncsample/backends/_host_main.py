@@ -162,8 +162,8 @@ class StepReader(FrameReader):
     another process wants (on a loaded 2-CPU machine, a spin that yielded made the mixed
     HalfCheetah loop 0.6x the sleeping one): it spins only while no more threads are runnable
     than there are CPUs, and a spin during which the kernel switched this thread out turns the
-    spin off for ``SPIN_BACKOFF`` seconds (:class:`~asyncsample.backends._threads.BoundedSpin`,
-    the caller's polling too)."""
+    spin off for a while, longer for each such spin in a row
+    (:class:`~asyncsample.backends._threads.BoundedSpin`, the caller's polling too)."""
 
     def __init__(self, sock: socket.socket, spin: float = 0.0) -> None:
         super().__init__(sock)

@@ -414,7 +414,7 @@ class LaneHost(PerEnvLockstep):
         """The env steps running now (metrics on; else 0): from the start of a step call
         (after its ``max_concurrency`` slot) until it returns or raises. Read when scraped,
         from any thread: the marks of the limited steps, and the plain steps suspended in the
-        env's call (see :func:`_in_env_call`), each looked at once under the GIL."""
+        env's call (see :meth:`_in_env_call`), each looked at once under the GIL."""
         stepping = self._stepping
         if stepping is None:
             return 0
@@ -429,11 +429,11 @@ class LaneHost(PerEnvLockstep):
         cost 1.5-2% of a zero-latency one; keeping its call, 2-3% (A/B, 2026-11-28)."""
         get_coro = getattr(lane, "get_coro", None)
         step = None if get_coro is None or lane.done() else get_coro()
+        step_one, limited = LaneHost.step_one.__code__, getattr(self._await, "__code__", None)
         for _ in range(4):
             step = getattr(step, "cr_await", None)
-            if getattr(step, "cr_code", None) is LaneHost.step_one.__code__:
+            if getattr(step, "cr_code", None) is step_one:
                 inner = getattr(step, "cr_await", None)
-                limited = getattr(self._await, "__code__", None)
                 return inner is not None and getattr(inner, "cr_code", None) is not limited
         return False
 

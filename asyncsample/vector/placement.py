@@ -8,7 +8,8 @@ round trip is estimated once per interpreter from two threads over a socket pair
 process would cost about a second), each woken by the other's message as a host that sleeps
 between steps is (:func:`hop_seconds`); a host that polls (:func:`spins`) is not woken, and its
 round trip is estimated from the same threads taking turns on one CPU (:func:`polled_hop_seconds`).
-The caller's own share pays a cache refill after the caller's work between steps (``_COLD``).
+Every sub-env in the caller's process pays a cache refill after the caller's work between steps
+(``_COLD``). The polled round trip and the refill count for envs of at least ``_MIN_HOP`` only.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from asyncsample.backends._threads import BUSY_CHECK, runnable
 
 __all__ = [
     "BUSY_CHECK",
-    "polled_hop_seconds",
     "CALLER_SPIN",
     "HOST_SPIN",
-    "machine_busy",
     "Placement",
     "choose",
     "host_slices",
+    "machine_busy",
     "place",
+    "polled_hop_seconds",
     "probe_step_seconds",
     "runnable",
     "spins",
@@ -74,9 +75,9 @@ _POLLED_FACTOR = 12.0
 #: policy), with the env's code and data out of the caches: in a CleanRL-shaped PPO loop,
 #: HalfCheetah-v5 under CleanRL's wrappers took 190 us a step in the caller's process against a
 #: probe step of 80-100 us (one env; four took 480 us against 320; 2026-11-28), while a host
-#: that steps nothing else keeps them warm. Every sub-env in the caller's process is predicted
-#: one probe step longer, at most this much, for envs whose step costs at least _MIN_HOP (a cheap
-#: env's refill is a few microseconds: the probe cannot tell it from noise).
+#: that steps nothing else keeps them warm. The placement with every sub-env in the caller's
+#: process is predicted one probe step longer, at most this much, for envs whose step costs at
+#: least _MIN_HOP (see _costly).
 _COLD = 100e-6
 #: The probe env is stepped for at most this long (and at most _PROBE_STEPS steps).
 _PROBE_BUDGET = 0.02
@@ -252,19 +253,29 @@ def spins(placement: Placement, n_cpus: int | None = None) -> bool:
     return 0 < placement.n_processes < n_cpus
 
 
+def _costly(t: float) -> bool:
+    """Whether an env of step ``t`` is predicted with the cold step in the caller and a polling
+    host's own round trip: at least ``_MIN_HOP``. A cheap env's refill is a few microseconds (the
+    probe cannot tell it from noise), and inside the CleanRL-shaped loop a polling host's round
+    trip costs more than the polled estimate (HalfCheetah-v5 x1 on a host: 225 us a step for a
+    100-us env), which an expensive env's cold step in the caller outweighs and a cheap env's
+    share does not (CartPole-v1 mixed: 0.72x and 0.88x SyncVectorEnv with 4 and 8 envs)."""
+    return t >= _MIN_HOP
+
+
 def _predict(
     n: int, t: float, hop: float, m: int, n_cpus: int, polled: float | None = None
 ) -> tuple[float, int]:
     """Predicted lockstep step with ``m`` of ``n`` sub-envs in the caller, and the processes
-    ``P``: ``n * t + min(t, _COLD)`` all in the caller (its first step cold; ``n * t`` for
-    envs cheaper than ``_MIN_HOP``), else
+    ``P``: ``n * t + min(t, _COLD)`` all in the caller (its first step cold; ``n * t`` where
+    not :func:`_costly`), else
     ``hop + ceil((n - m) / P) * t`` on the hosts, and with a caller's share (it sends, steps its
     share, then reads) ``max(m * t + hop / 2, that)`` (the share's cold step overlaps the hosts'
     step, which bounds a mixed step where the rule picks one). Where the caller and every host
     have a CPU each, the hosts poll (:func:`spins`) and the round trip is ``polled`` (``None``:
     ``hop``); else they sleep between steps and it is ``_WAKE_FACTOR`` times ``hop``."""
     if m == n:
-        return n * t + (min(t, _COLD) if t >= _MIN_HOP else 0.0), 0
+        return n * t + (min(t, _COLD) if _costly(t) else 0.0), 0
     spare = n_cpus if m == 0 else n_cpus - 1
     procs = max(1, min(spare, n - m))
     if procs >= n_cpus:
@@ -314,12 +325,8 @@ def choose(
         why = f"{us}: the machine is busy (more threads runnable than its {n_cpus} CPUs)"
         return Placement(num_envs, 0, why, env_step, hop, polled)
     best_m, (best, best_procs) = num_envs, _predict(num_envs, env_step, hop, num_envs, n_cpus)
-    # A polling host is predicted with its own round trip for envs that cost at least its floor;
-    # for cheaper ones with the sleeping one, as before: inside the CleanRL-shaped loop the
-    # round trip costs more than the polled estimate (HalfCheetah-v5 x1 on a host: 225 us a step
-    # for a 100-us env), which an expensive env's cold step in the caller outweighs and a cheap
-    # env's share does not (CartPole-v1 mixed: 0.72x and 0.88x SyncVectorEnv with 4 and 8 envs).
-    polling = polled if env_step >= _MIN_HOP else hop
+    # A polling host with its own round trip for a costly env, else with the sleeping one.
+    polling = polled if _costly(env_step) else hop
     inproc = best
     crowded: dict[int, bool] = {}  # host processes -> whether their CPUs are wanted already
     passed_over = None
