@@ -15,7 +15,10 @@ than wall-clock rates. Results go to ``--out`` as JSON and markdown.
 
 ``--metrics b`` (or ``a``, ``both``) runs that side with ``metrics=CollectorRegistry()`` (the
 Sampler's and the faces' Prometheus metrics, scraped once at the end of each run): with
-``--a . --b .`` (one tree), metrics off against on in one interleaved run.
+``--a . --b .`` (one tree), metrics off against on in one interleaved run. ``--blocks N`` sets
+metrics off against on inside one process per workload instead (tree B, see
+:mod:`benchmarks.ab_blocks`): ``N`` pairs of short alternating blocks, which resolve a smaller
+difference than separate runs do.
 """
 
 from __future__ import annotations
@@ -313,7 +316,7 @@ def verdict(pairs: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run every workload ``--repeats`` times on both trees, alternating, and write the results."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ab", description=__doc__)
-    parser.add_argument("--a", type=Path, required=True, help="source tree A (the baseline)")
+    parser.add_argument("--a", type=Path, help="source tree A (the baseline; not with --blocks)")
     parser.add_argument("--b", type=Path, default=REPO_ROOT, help="source tree B (default: here)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
@@ -341,7 +344,18 @@ def main(argv: list[str] | None = None) -> int:
         help="the side(s) that run with metrics=CollectorRegistry() (with --a . --b .: metrics "
         "off against on, one tree)",
     )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        metavar="N",
+        help="metrics off against on in one process per workload, on tree B: N pairs of "
+        "alternating blocks (benchmarks.ab_blocks)",
+    )
     args = parser.parse_args(argv)
+    if args.blocks is not None:
+        return blocks_main(args)
+    if args.a is None:
+        parser.error("--a: a source tree is required (the baseline), got none")
     metrics_on = {"a": args.metrics in ("a", "both"), "b": args.metrics in ("b", "both")}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {}
     load = [os.getloadavg()[0]]
@@ -380,13 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                 "runs": sides,
             }
         )
-    machine = {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d"),
-        "load_average_min_max": [min(load), max(load)],
-    }
+    machine = _machine(load)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine, "metrics": args.metrics, "scale": args.scale, "rows": rows}
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
@@ -414,6 +422,65 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def blocks_main(args: argparse.Namespace) -> int:
+    """``--blocks N``: each workload's metrics off against on in one process (see
+    :mod:`benchmarks.ab_blocks`), written as JSON and markdown."""
+    from benchmarks.ab_blocks import BUDGET, run_workload
+
+    if args.blocks < 1:
+        raise SystemExit(
+            f"--blocks: a number of pairs of at least 1 was expected, got {args.blocks}"
+        )
+    load = [os.getloadavg()[0]]
+    rows = []
+    for name in args.workloads:
+        workload = WORKLOADS[name]
+        if args.quick:
+            workload = (*workload[:-1], max(1_000, workload[-1] // 50))
+        elif args.scale != 1.0:
+            workload = (*workload[:-1], max(1_000, round(workload[-1] * args.scale)))
+        rows.append({"workload": name, **run_workload(args.b, workload, args.blocks)})
+        load.append(os.getloadavg()[0])
+        row = rows[-1]
+        print(f"{name}: on/off {row['ratio']:.3f}, {row['verdict']}", file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {"machine": _machine(load), "blocks": args.blocks, "budget": BUDGET, "rows": rows}
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    m = results["machine"]
+    lines = [
+        f"Metrics off against on, tree `{args.b}`: each workload in one process holding both "
+        f"copies, {args.blocks} pairs of alternating blocks; {m['cores']} cores, Python "
+        f"{m['python']}, {m['date']}, load average {min(load):.1f}-{max(load):.1f} during the run. "
+        f"On/off: the median of the pairs' ratios of steps/s, with its 95% confidence interval; "
+        f"the budget is {BUDGET:.2f}.",
+        "",
+        "| workload | off steps/s | on steps/s | on/off | 95% interval | verdict | off main CPU "
+        "us/step | on main CPU us/step |",
+        "|---|---:|---:|---:|---|---|---:|---:|",
+    ]
+    for row in rows:
+        span = "-".join(f"{x:.3f}" for x in row["interval"] or ()) or "n/a"
+        lines.append(
+            f"| {row['workload']} | {row['off_steps_per_s']:,.0f} | {row['on_steps_per_s']:,.0f} "
+            f"| {row['ratio']:.3f} | {span} | {row['verdict']} | "
+            f"{row['off_main_cpu_us']:.2f} | {row['on_main_cpu_us']:.2f} |"
+        )
+    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def _machine(load: list[float]) -> dict[str, Any]:
+    """The machine's description for the results."""
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "load_average_min_max": [min(load), max(load)],
+    }
 
 
 if __name__ == "__main__":

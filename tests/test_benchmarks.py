@@ -263,6 +263,42 @@ def test_ab_counts_the_env_hosts_cpu(tmp_path: Path) -> None:
     assert all(run["hosts_cpu_us"] > 0 for side in ("a", "b") for run in row["runs"][side])
 
 
+def test_ab_blocks_metrics_off_against_on_in_one_process(tmp_path: Path) -> None:
+    """``ab --blocks N``: each workload's two copies (off, on) in one process, N pairs of
+    alternating blocks; the on copy alone counted its steps, and each row has the pairs' ratios,
+    the median's interval and a verdict."""
+    from benchmarks.__main__ import main
+
+    workloads = ["CartPole-v1 4x8 random", "AsyncEnv 0 ms 4x16 random asyncio",
+                 "VectorEnv CartPole-v1 8 random"]  # fmt: skip
+    code = main(["ab", "--quick", "--blocks", "6", "--out", str(tmp_path),
+                 "--workloads", *workloads])  # fmt: skip
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["workload"] for row in results["rows"]] == workloads
+    for row in results["rows"]:
+        assert len(row["pair_ratios"]) == 6 and len(row["blocks"]["on"]) == 6
+        low, high = row["interval"]  # 6 pairs: the extremes, 97% coverage
+        assert low == min(row["pair_ratios"]) and high == max(row["pair_ratios"])
+        assert 0 < row["metrics_steps"] <= 1.1 * row["steps"]["on"]
+        assert row["steps"]["off"] > 0 and row["off_main_cpu_us"] > 0
+        assert row["verdict"] in ("within budget", "over budget", "unresolved")
+    assert "95% interval" in (tmp_path / "results.md").read_text()
+
+
+def test_ab_blocks_median_interval_and_verdict() -> None:
+    from benchmarks.ab_blocks import median_interval, verdict
+
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # under 6: no 95% interval
+    assert median_interval([float(x) for x in range(6)]) == (0.0, 5.0)
+    assert median_interval([float(x) for x in range(20)]) == (5.0, 14.0)  # the 6th and 15th
+    assert median_interval([float(x) for x in range(40)]) == (13.0, 26.0)  # 14th and 27th
+    assert verdict(None) == "too few pairs"
+    assert verdict((0.981, 1.01)) == "within budget"
+    assert verdict((0.95, 0.979)) == "over budget"
+    assert verdict((0.97, 1.01)) == "unresolved"
+
+
 def test_ab_verdict() -> None:
     from benchmarks.ab import verdict
 
