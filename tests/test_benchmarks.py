@@ -299,6 +299,26 @@ def test_ab_blocks_median_interval_and_verdict() -> None:
     assert verdict((0.97, 1.01)) == "unresolved"
 
 
+def test_lockstep_phases_times_each_phase(tmp_path: Path) -> None:
+    """``benchmarks.lockstep_phases``: the CleanRL loop and the face alone with a gap, each
+    lockstep phase of the mixed placement timed, no phase for Sync."""
+    from benchmarks.lockstep_phases import PHASES, main
+
+    code = main(["--env", "CartPole-v1", "--envs", "2", "--iterations", "1", "--contenders",
+                 "sync", "ours-mixed", "--gaps", "0", "0.5", "--gap-steps", "50",
+                 "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    mixed, sync = result["loop"]["ours-mixed"]["micros"], result["loop"]["sync"]["micros"]
+    assert all(mixed[name] > 0 for name in PHASES.values())
+    assert mixed["vector step"] > mixed["caller share"] > 0
+    assert not set(PHASES.values()) & set(sync) and sync["vector step"] > 0
+    assert sorted(result["gap"]) == ["in-process 0 ms", "in-process 0.5 ms", "mixed 0 ms",
+                                     "mixed 0.5 ms"]  # fmt: skip
+    assert result["gap"]["mixed 0.5 ms"]["micros"]["wait"] > 0
+    assert "## Inside the CleanRL loop" in (tmp_path / "results.md").read_text()
+
+
 def test_ab_verdict() -> None:
     from benchmarks.ab import verdict
 
