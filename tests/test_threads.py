@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from asyncsample.backends import _threads
-from asyncsample.backends._threads import SPIN_BACKOFF, SPIN_BACKOFF_FIRST, BoundedSpin
+from asyncsample.backends._threads import (
+    BUSY_CHECK,
+    BUSY_LOOKS,
+    SPIN_BACKOFF,
+    SPIN_BACKOFF_FIRST,
+    BoundedSpin,
+)
 
 
 def test_a_spin_returns_what_became_ready_or_its_last_look_when_time_is_up() -> None:
@@ -19,14 +25,31 @@ def test_a_spin_returns_what_became_ready_or_its_last_look_when_time_is_up() -> 
     assert spin.poll(lambda timeout: [], 0.0) == []  # nothing ready: returns once time is up
 
 
-def test_no_spin_while_more_threads_are_runnable_than_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_spin_while_more_threads_are_runnable_than_cpus_look_after_look(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BUSY_LOOKS looks in a row, BUSY_CHECK seconds apart, that see more threads runnable than
+    CPUs stop the polling until a look sees no more; one such look (a kernel thread's turn
+    beside two pollers) does not."""
     runnable = [3]
     monkeypatch.setattr(_threads, "runnable", lambda: runnable[0])
+    now = [1000.0]
+    monkeypatch.setattr(_threads, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     spin = BoundedSpin(2)
-    assert not spin.allowed()  # busy: off until the next look
+    for _ in range(BUSY_LOOKS - 1):
+        assert spin.allowed()  # busy, but not yet for BUSY_LOOKS looks in a row
+        now[0] += BUSY_CHECK
+    assert not spin.allowed()  # the BUSY_LOOKS-th busy look in a row: off
     runnable[0] = 1
     assert not spin.allowed()  # not looked at again within BUSY_CHECK
-    assert BoundedSpin(2).allowed()  # a fresh look sees a quiet machine
+    now[0] += BUSY_CHECK
+    assert spin.allowed()  # the next look sees a quiet machine
+    runnable[0] = 3
+    now[0] += BUSY_CHECK
+    assert spin.allowed()  # one busy look after a quiet one: still polling
+    runnable[0] = 2
+    now[0] += BUSY_CHECK
+    assert spin.allowed()  # as many runnable as CPUs (the caller and a host polling) is quiet
 
 
 def test_preempted_spins_in_a_row_back_off_longer_and_a_clean_one_starts_over(
