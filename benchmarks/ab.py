@@ -364,12 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             order = ("a", "b") if r % 2 == 0 else ("b", "a")
             for side in order:
                 tree = args.a if side == "a" else args.b
-                workload = WORKLOADS[name]
-                if args.quick:
-                    workload = (*workload[:-1], max(1_000, workload[-1] // 50))
-                elif args.scale != 1.0:
-                    workload = (*workload[:-1], max(1_000, round(workload[-1] * args.scale)))
-                res = run_once(tree, workload, metrics_on[side])
+                res = run_once(tree, _scaled(name, args), metrics_on[side])
                 runs.setdefault(name, {"a": [], "b": []})[side].append(res)
                 load.append(os.getloadavg()[0])
                 print(f"{name} [{side}] {res['steps_per_s']:,.0f} steps/s", file=sys.stderr)
@@ -395,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     machine = _machine(load)
-    args.out.mkdir(parents=True, exist_ok=True)
     results = {"machine": machine, "metrics": args.metrics, "scale": args.scale, "rows": rows}
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
     on = [side.upper() for side in ("a", "b") if metrics_on[side]]
     lines = [
         f"A = `{args.a}`, B = `{args.b}`"
@@ -419,9 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['verdict']} | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} | "
             f"{row['a_hosts_cpu_us']:.1f} | {row['b_hosts_cpu_us']:.1f} |"
         )
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    return _write(args.out, results, lines)
 
 
 def blocks_main(args: argparse.Namespace) -> int:
@@ -436,18 +427,11 @@ def blocks_main(args: argparse.Namespace) -> int:
     load = [os.getloadavg()[0]]
     rows = []
     for name in args.workloads:
-        workload = WORKLOADS[name]
-        if args.quick:
-            workload = (*workload[:-1], max(1_000, workload[-1] // 50))
-        elif args.scale != 1.0:
-            workload = (*workload[:-1], max(1_000, round(workload[-1] * args.scale)))
-        rows.append({"workload": name, **run_workload(args.b, workload, args.blocks)})
+        rows.append({"workload": name, **run_workload(args.b, _scaled(name, args), args.blocks)})
         load.append(os.getloadavg()[0])
         row = rows[-1]
         print(f"{name}: on/off {row['ratio']:.3f}, {row['verdict']}", file=sys.stderr)
-    args.out.mkdir(parents=True, exist_ok=True)
     results = {"machine": _machine(load), "blocks": args.blocks, "budget": BUDGET, "rows": rows}
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
     m = results["machine"]
     lines = [
         f"Metrics off against on, tree `{args.b}`: each workload in one process holding both "
@@ -467,7 +451,24 @@ def blocks_main(args: argparse.Namespace) -> int:
             f"| {row['ratio']:.3f} | {span} | {row['verdict']} | "
             f"{row['off_main_cpu_us']:.2f} | {row['on_main_cpu_us']:.2f} |"
         )
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
+    return _write(args.out, results, lines)
+
+
+def _scaled(name: str, args: argparse.Namespace) -> tuple[str, str, int, int, int, bool, int]:
+    """Workload ``name`` with its transitions cut for ``--quick`` or times ``--scale``."""
+    workload = WORKLOADS[name]
+    if args.quick:
+        return (*workload[:-1], max(1_000, workload[-1] // 50))
+    if args.scale != 1.0:
+        return (*workload[:-1], max(1_000, round(workload[-1] * args.scale)))
+    return workload
+
+
+def _write(out: Path, results: dict[str, Any], lines: list[str]) -> int:
+    """Write ``results.json`` and the table ``lines`` as ``results.md`` to ``out``; print it."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
