@@ -319,6 +319,33 @@ def test_lockstep_phases_times_each_phase(tmp_path: Path) -> None:
     assert "## Inside the CleanRL loop" in (tmp_path / "results.md").read_text()
 
 
+def test_handoff_times_both_ways_and_cleans_up(tmp_path: Path) -> None:
+    """``benchmarks.handoff``: every mode, work and gap has a round trip; the far process is
+    gone, the shared memory unlinked and this process's CPUs put back afterwards."""
+    import os
+
+    from benchmarks.handoff import MODES, main
+
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    shm = Path("/dev/shm")
+    segments = set(shm.iterdir()) if shm.is_dir() else set()
+    code = main(["--env", "CartPole-v1", "--work", "0", "1", "--gaps", "0", "0.1", "--n", "40",
+                 "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    cells = json.loads((tmp_path / "results.json").read_text())["cells"]
+    assert {(c["mode"], c["work"], c["gap"]) for c in cells} == {
+        (m, w, g) for m in MODES for w in (0, 1) for g in ("0 ms", "0.1 ms")
+    }
+    assert all(0 < c["median_us"] <= c["p90_us"] for c in cells)
+    if before is not None:
+        assert os.sched_getaffinity(0) == before
+    import multiprocessing
+
+    assert not multiprocessing.active_children()
+    assert (set(shm.iterdir()) if shm.is_dir() else set()) <= segments  # unlinked
+    assert "| socket, polled |" in (tmp_path / "results.md").read_text()
+
+
 def test_ab_verdict() -> None:
     from benchmarks.ab import verdict
 
