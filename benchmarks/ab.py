@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import write_own_results
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: name -> (face, env id, workers, envs per worker, processes, policy?, transitions); the
@@ -412,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['verdict']} | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} | "
             f"{row['a_hosts_cpu_us']:.1f} | {row['b_hosts_cpu_us']:.1f} |"
         )
-    return _write(args.out, results, lines)
+    write_own_results(args.out, results, "\n".join(lines))
+    return 0
 
 
 def blocks_main(args: argparse.Namespace) -> int:
@@ -451,7 +454,8 @@ def blocks_main(args: argparse.Namespace) -> int:
             f"| {row['ratio']:.3f} | {span} | {row['verdict']} | "
             f"{row['off_main_cpu_us']:.2f} | {row['on_main_cpu_us']:.2f} |"
         )
-    return _write(args.out, results, lines)
+    write_own_results(args.out, results, "\n".join(lines))
+    return 0
 
 
 def _scaled(name: str, args: argparse.Namespace) -> tuple[str, str, int, int, int, bool, int]:
@@ -462,15 +466,6 @@ def _scaled(name: str, args: argparse.Namespace) -> tuple[str, str, int, int, in
     if args.scale != 1.0:
         return (*workload[:-1], max(1_000, round(workload[-1] * args.scale)))
     return workload
-
-
-def _write(out: Path, results: dict[str, Any], lines: list[str]) -> int:
-    """Write ``results.json`` and the table ``lines`` as ``results.md`` to ``out``; print it."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
 
 
 def _machine(load: list[float]) -> dict[str, Any]:

@@ -22,7 +22,6 @@ under our hosts' own work per request. Results: ``--out``, JSON and markdown.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from benchmarks.report import write_own_results
 
 __all__ = ["MODES", "main", "round_trips"]
 
@@ -188,10 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             by = {c["mode"]: c for c in cells if c["work"] == work and c["gap"] == gap}
             row = [f"{by[m]['median_us']:.0f} ({by[m]['p90_us']:.0f})" for m in MODES]
             lines.append(f"| {work} | {gap} | {row[0]} | {row[1]} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_own_results(args.out, result, "\n".join(lines))
     return 0
 
 

@@ -35,6 +35,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import write_own_results
+
 __all__ = ["PHASES", "main", "run_gap", "run_loop"]
 
 #: The lockstep round's phases (methods of :class:`asyncsample.vector._lockstep.LockstepRounds`,
@@ -232,10 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rule,
         *(_row(label, r["micros"]) for label, r in gap.items()),
     ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=2))
-    (args.out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_own_results(args.out, result, "\n".join(lines))
     return 0
 
 
