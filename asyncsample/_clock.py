@@ -4,23 +4,23 @@ With ``Sampler(metrics=...)`` every env host adds how long its env steps and its
 calls took to a *clock*, a float64 array beside its step buffers (shared memory on ``process``),
 which :mod:`asyncsample.metrics` folds once per call. Off unless metrics are on.
 
-The latency histograms are **sampled**, by one rule (:data:`SAMPLE_EVERY`): each timer (an env
-host's steps, a host process's async env steps, a worker's agent calls, a sampler's merged agent
-calls, a host's chunks with ``inference="host"``) times the first of its calls and then one in
-:data:`SAMPLE_EVERY`, and a timed call counts as :data:`SAMPLE_EVERY` calls in the bucket counts
-and the sum. A lane host in the caller's process instead times every step of one env in
-:data:`SAMPLE_EVERY` per call (``LaneHost.timed_envs``: no choice per step), which the fold
-weighs by the steps taken. The counts (env steps, episode ends, agent calls and their rows) are
-exact.
+The latency histograms are **sampled**, by one rule (:class:`Pace`): each timer (an env host's
+steps, a host process's async env steps, a worker's agent calls, a sampler's merged agent calls,
+a host's chunks with ``inference="host"``) times its first call, then leaves a gap of calls that
+depends on how long the last timed one took (:func:`gap_after`: about :data:`GAP_SECONDS` of
+calls, 1 to :data:`MAX_GAP`), and a timed call counts as the calls since the previous timed one
+in the bucket counts and the sum. So timing costs about the same small share of every workload:
+a 5-us env step is timed one in 64, a 1-ms one every time. A lane host in the caller's process
+instead times every step of some of its envs per call (``LaneHost.timed_envs``: no choice per
+step; as many as the same gap asks), which the fold weighs by the steps taken. The counts (env
+steps, episode ends, agent calls and their rows) are exact.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -35,21 +35,27 @@ __all__ = [
     "ROWS",
     "ROWS_BOUNDS",
     "ROWS_N",
-    "SAMPLE_EVERY",
+    "GAP_SECONDS",
+    "MAX_GAP",
     "STEPS",
     "AgentTimer",
     "HostTiming",
+    "LaneTiming",
+    "Pace",
+    "gap_after",
     "record_agent_calls",
     "record_seconds",
-    "sampled",
     "timed_agent",
     "timed_group_step",
 ]
 
-SAMPLE_EVERY = 8
-"""The latency histograms' sampling: one call in this many (more than 1) is timed, and counts this
-many: a timer's calls number 1, 2, ..., and those of number ``k`` with ``k % SAMPLE_EVERY == 1``
-are timed."""
+MAX_GAP = 64
+"""The most calls a timed call stands for (a timer of calls of under ``GAP_SECONDS / MAX_GAP``
+times one in this many)."""
+GAP_SECONDS = 5e-4
+"""About how many seconds of calls a timer leaves between two timed ones: a timed call costs
+under a microsecond more (two clock reads, a bucket's add), so timing costs at most about 0.1%
+of the time it measures; a call of this long or longer is timed every time."""
 
 #: Upper bounds (seconds) of the latency histograms' buckets: 1, 2.5, 5 per decade, 10 us to 10 s.
 BOUNDS: tuple[float, ...] = (
@@ -88,16 +94,57 @@ TRUNCATED = ENDS + 1
 _perf = time.perf_counter
 
 
+def gap_after(seconds: float) -> int:
+    """The calls from a timed call of ``seconds`` to a timer's next timed one (see
+    :data:`GAP_SECONDS`): 1 to :data:`MAX_GAP`."""
+    if seconds >= GAP_SECONDS:
+        return 1
+    if seconds * MAX_GAP <= GAP_SECONDS:
+        return MAX_GAP
+    return int(GAP_SECONDS / seconds)
+
+
+class Pace:
+    """A timer's sampling rule: which calls to time, and how many calls a timed one stands for.
+
+    :meth:`tick` counts a call: 0 not to time it, else its weight, the calls since the previous
+    timed one (the first call's: 1). The timer writes each timed call's seconds to :attr:`last`,
+    which sets the gap after the next timed one: decided before that call's own seconds are
+    known, so no call's chance of being timed depends on how long it takes. Calls that overlap
+    (async envs) each tick as they start."""
+
+    __slots__ = ("gap", "last", "left")
+
+    def __init__(self) -> None:
+        self.left = 1  # calls until the next timed one
+        self.gap = 1  # the calls the next timed one stands for
+        self.last = GAP_SECONDS  # the latest timed call's seconds (none yet: time the second too)
+
+    def tick(self) -> int:
+        """Count a call: 0 not to time it, else the calls it stands for. (A hot caller counts
+        :attr:`left` down itself, and calls :meth:`timed` when it reaches 0: no call per call.)"""
+        self.left -= 1
+        return 0 if self.left else self.timed()
+
+    def timed(self) -> int:
+        """The countdown reached 0, this call is timed: the calls it stands for (and the next
+        gap is set)."""
+        weight = self.gap
+        self.left = self.gap = gap_after(self.last)
+        return weight
+
+
 def record_agent_calls(
     clock: np.ndarray,
     calls: int,
     by_rows: dict[int, int],
     seconds: list[float],
-    weight: int = SAMPLE_EVERY,
+    weights: list[int],
 ) -> None:
     """Add a host agent copy's ``calls`` (exact; ``by_rows``: how many of each size) and the
-    timed ones' ``seconds`` (each weighing ``weight``) to the agent sections of ``clock``."""
-    for s in seconds:
+    timed ones' ``seconds`` (each standing for its ``weights``) to the agent sections of
+    ``clock``."""
+    for s, weight in zip(seconds, weights):
         clock[AGENT + bisect_left(BOUNDS, s)] += weight
         clock[AGENT + _N] += weight * s
     clock[AGENT + _N + 1] += calls
@@ -106,48 +153,50 @@ def record_agent_calls(
         clock[ROWS + ROWS_N] += rows * n
 
 
-def sampled() -> Iterator[bool]:
-    """The sampling rule as a timer's ticks, one per call: ``True`` for the calls to time (the
-    first, then one in :data:`SAMPLE_EVERY`). ``next()`` of it is cheaper per call than a
-    countdown kept in an attribute."""
-    return itertools.cycle([True] + [False] * (SAMPLE_EVERY - 1))
-
-
-def record_seconds(clock: np.ndarray, seconds: list[float], weight: int = SAMPLE_EVERY) -> None:
-    """Add env steps of ``seconds`` each, each counting ``weight`` steps (the timed ones of a
-    lane host), to the env-step section of ``clock``."""
+def record_seconds(clock: np.ndarray, seconds: list[float], weights: list[int]) -> None:
+    """Add env steps of ``seconds`` each, each counting its ``weights`` steps (the timed ones of
+    a lane host), to the env-step section of ``clock``."""
     values = np.asarray(seconds, dtype=np.float64)
+    counts = np.asarray(weights, dtype=np.float64)
     where = np.searchsorted(_BOUNDS_ARRAY, values)
-    clock[ENV : ENV + _N] += weight * np.bincount(where, minlength=_N)
-    clock[ENV + _N] += weight * float(values.sum())
+    clock[ENV : ENV + _N] += np.bincount(where, counts, minlength=_N)
+    clock[ENV + _N] += float((values * counts).sum())  # (np.dot of floats wakes BLAS threads)
 
 
 def timed_group_step(
-    group: Any, step: Any, clock: np.ndarray, every: int = SAMPLE_EVERY, weight: int = SAMPLE_EVERY
+    group: Any, step: Any, clock: np.ndarray, weight: list[int] | None = None
 ) -> Any:
     """``group.step`` that counts its env steps and episode ends in ``clock`` (exactly), and
-    times its first call and then one in ``every``: each env step of a timed call counts the
-    call's seconds divided by the envs it stepped, as ``weight`` steps (see :class:`HostTiming`).
-    """
+    times its calls by a :class:`Pace` (the call's seconds per env it stepped, each of those env
+    steps counting the timed call's weight); given ``weight``, times every call instead, each env
+    step counting ``weight[0]`` (:class:`HostTiming` sets it per chunk)."""
     items: Any = clock.data  # item access through a memoryview: cheaper than numpy's
     section, total = ENV, ENV + _N
-    left = 1  # calls until the next timed one
+    left, gap, last = 1, 1, GAP_SECONDS  # a Pace's, in cells: cheaper than its attributes
+    every = weight is not None
 
     def timed(mask: np.ndarray, given: Any = None, everyone: bool | None = None) -> Any:
-        nonlocal left
+        nonlocal left, gap, last
         left -= 1
-        if left:
+        if left and not every:
             infos = step(mask, given, everyone)
             n = group.last_stepped
         else:
-            left = every
+            if every:
+                counts = weight[0]  # type: ignore[index]
+            else:
+                counts = gap
+                left = gap = gap_after(last)
             start = _perf()
             infos = step(mask, given, everyone)
             seconds = _perf() - start
             n = group.last_stepped
             if n:
-                items[section + bisect_left(BOUNDS, seconds / n)] += n * weight
-                items[total] += seconds * weight
+                items[section + bisect_left(BOUNDS, seconds / n)] += n * counts
+                items[total] += seconds * counts
+                last = seconds
+            elif not every:  # nothing stepped: time the next call, for these calls too
+                left, gap = 1, counts
         items[STEPS] += n
         ended = group.last_ended
         if ended:
@@ -159,8 +208,8 @@ def timed_group_step(
     return timed
 
 
-def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
-    """A host agent's ``actions`` that records each call's seconds, as ``weight`` calls."""
+def timed_agent(actions: Any, clock: np.ndarray, weight: list[int]) -> Any:
+    """A host agent's ``actions`` that records each call's seconds, as ``weight[0]`` calls."""
     items: Any = clock.data
     bounds, total = BOUNDS, AGENT + _N
 
@@ -168,74 +217,132 @@ def timed_agent(actions: Any, clock: np.ndarray, weight: int = 1) -> Any:
         start = _perf()
         result = actions(observations)
         seconds = _perf() - start
-        items[AGENT + bisect_left(bounds, seconds)] += weight
-        items[total] += seconds * weight
+        counts = weight[0]
+        items[AGENT + bisect_left(bounds, seconds)] += counts
+        items[total] += seconds * counts
         return result
 
     return timed
 
 
 class HostTiming:
-    """``inference="host"`` with metrics: the first chunk and then one in :attr:`EVERY` are
-    timed step by step (their ``group.step`` and ``runner.agent_actions`` swapped), each timed
-    step weighing :attr:`EVERY` (timing every step would add ~10% to the chunk loop); agent
-    calls are counted exactly."""
-
-    EVERY = SAMPLE_EVERY
+    """``inference="host"`` with metrics: chunks are timed step by step by a :class:`Pace` of
+    chunks (their ``group.step`` and ``runner.agent_actions`` swapped; its gap from the timed
+    chunk's seconds per step), each timed step and agent call weighing the chunks since the
+    previous timed one (timing every step would add ~10% to the chunk loop); agent calls are
+    counted exactly."""
 
     def __init__(self, group: Any, runner: Any, clock: np.ndarray) -> None:
         self.group, self.runner = group, runner
         self.items = clock.data
+        self.pace = Pace()
+        self.weight = [1]  # the timed chunk's, read by its timed step and agent
         self.plain_step = type(group).step.__get__(group)
-        self.timed_step = timed_group_step(group, self.plain_step, clock, 1, self.EVERY)
+        self.timed_step = timed_group_step(group, self.plain_step, clock, self.weight)
         self.plain_actions = runner.agent_actions
-        self.timed_actions = timed_agent(self.plain_actions, clock, self.EVERY)
-        self.chunks = 0
+        self.timed_actions = timed_agent(self.plain_actions, clock, self.weight)
 
     def run(self, request: Any) -> Any:
         """Run ``request`` on the runner, timed or not; the runner's reply."""
-        timed = self.chunks % self.EVERY == 0
-        self.chunks += 1
-        self.group.step = self.timed_step if timed else self.plain_step
-        self.runner.agent_actions = self.timed_actions if timed else self.plain_actions
-        reply = self.runner.run(request)
+        weight = self.pace.tick()
+        self.group.step = self.timed_step if weight else self.plain_step
+        self.runner.agent_actions = self.timed_actions if weight else self.plain_actions
+        if not weight:
+            reply = self.runner.run(request)
+        else:
+            self.weight[0] = weight
+            start = _perf()
+            reply = self.runner.run(request)
+            self.pace.last = (_perf() - start) / max(reply.steps, 1)
         self.items[AGENT + _N + 1] += reply.steps
         return reply
 
 
 class AgentTimer:
     """Agent calls made in the caller's process, folded once per call: counted exactly (calls,
-    and calls by rows), the first and then one in :data:`SAMPLE_EVERY` timed.
+    and calls by rows), timed by a :class:`Pace`.
 
-    A caller asks :meth:`due` before each agent call (which counts it) and, when it answers
-    ``True``, gives the call's seconds to :meth:`took`. (A worker's own calls, one per step, are
-    counted and picked by the worker, ``Worker.agent_calls``: the same rule without a method
-    call; their timed seconds come to :meth:`took` too.)
+    A caller asks :meth:`due` before each agent call (which counts it) and, when it answers a
+    weight (not 0), gives the call's seconds and that weight to :meth:`took`. (A worker's own
+    calls, one per step, are counted and paced by the worker, ``Worker.agent_calls``: the same
+    rule without a method call; their timed seconds come to :meth:`took` too.)
     """
 
     def __init__(self) -> None:
         self.calls = 0
         self.by_rows: defaultdict[int, int] = defaultdict(int)  # calls by their rows
         self.seconds: list[float] = []  # of the timed calls
-        self._left = 1  # calls until the next timed one
+        self.weights: list[int] = []  # the calls each timed one stands for
+        self.pace = Pace()
 
-    def due(self, rows: int) -> bool:
-        """Count an agent call of ``rows`` observations; whether to time it."""
+    def due(self, rows: int) -> int:
+        """Count an agent call of ``rows`` observations; 0 not to time it, else its weight."""
         self.calls += 1
         self.by_rows[rows] += 1
-        self._left -= 1
-        if self._left:
-            return False
-        self._left = SAMPLE_EVERY
-        return True
+        pace = self.pace
+        pace.left -= 1
+        return 0 if pace.left else pace.timed()
 
-    def took(self, seconds: float) -> None:
-        """A call :meth:`due` picked took ``seconds``."""
+    def took(self, seconds: float, weight: int, pace: Pace | None = None) -> None:
+        """A timed call of ``weight`` took ``seconds`` (its ``pace``: default, this timer's)."""
         self.seconds.append(seconds)
+        self.weights.append(weight)
+        (self.pace if pace is None else pace).last = seconds
 
-    def drain(self) -> tuple[int, dict[int, int], list[float]]:
-        """The calls, the calls by rows and the timed calls' seconds since the last drain."""
-        drained = self.calls, dict(self.by_rows), self.seconds
-        self.calls, self.seconds = 0, []
+    def drain(self) -> tuple[int, dict[int, int], list[float], list[int]]:
+        """The calls, the calls by rows, and the timed calls' seconds and weights since the last
+        drain."""
+        drained = self.calls, dict(self.by_rows), self.seconds, self.weights
+        self.calls, self.seconds, self.weights = 0, [], []
         self.by_rows.clear()
         return drained
+
+
+class LaneTiming:
+    """A lane host's timed steps (``LaneHost``, metrics on): their seconds and the steps each
+    stands for, and which envs a call's lanes time.
+
+    Its :attr:`pace`'s ``last`` is the seconds per step of the host's envs (not a step's own
+    seconds: the steps overlap), from the fold (:meth:`take`) or from the steps settled
+    (:meth:`settle`)."""
+
+    def __init__(self) -> None:
+        self.durations: list[float] = []  # (a step in flight appends: cleared, never rebound)
+        self.weights: list[int] = []  # the steps each of durations stands for (a host's ticks)
+        self.pace = Pace()
+        self.turn = 0  # which envs :meth:`envs` names next
+        self._settled = _perf()
+
+    def envs(self, n: int) -> frozenset[int]:
+        """The envs of ``n`` whose every step the next call times: as many as the pace's gap
+        asks (one env in the gap, or one env every few calls when the gap is wider than the
+        envs), another set each call, so that every env takes its turn and no step pays for a
+        choice (the fold weighs them by the steps taken)."""
+        gap, turn = gap_after(self.pace.last), self.turn
+        self.turn = turn + 1
+        if gap <= n:
+            return frozenset(range(turn % gap, n, gap))
+        calls = -(-gap // n)  # calls from one env's turn to the next's
+        return frozenset() if turn % calls else frozenset({turn // calls % n})
+
+    def take(self, per_step: float) -> list[float]:
+        """The seconds of the steps timed since the last take (for the fold in the host's
+        process, which weighs them by the steps taken meanwhile); ``per_step``: the round's
+        seconds per env step, which paces the next calls."""
+        self.pace.last = per_step
+        taken = self.durations[:]
+        self.durations.clear()
+        self.weights.clear()
+        return taken
+
+    def settle(self, clock: np.ndarray) -> None:
+        """Add the steps timed since the last settle to ``clock``'s env-step section, each
+        weighing the steps it stands for (a host in another process: its ticks paced them)."""
+        durations, weights = self.durations, self.weights
+        if durations:
+            record_seconds(clock, durations, weights)
+            now = _perf()  # the steps the timed ones stood for took this long, overlapping
+            self.pace.last = (now - self._settled) / sum(weights)
+            self._settled = now
+            durations.clear()
+            weights.clear()

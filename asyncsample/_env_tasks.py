@@ -186,8 +186,8 @@ class LaneStepper:
         # one method (an isinstance of the protocol would look up every member, per call).
         bare = hasattr(self.host, "step_soon")
         self.bare = cast(BareStepHost, self.host) if bare else None
-        # With metrics on, the envs whose steps this call times (a host in this process; one
-        # env in SAMPLE_EVERY, another set each call): chosen once, not per step.
+        # With metrics on, the envs whose steps this call times (a host in this process; as many
+        # as its timing's gap asks, another set each call): chosen once, not per step.
         self.timed = self.host.timed_envs()
         self.episode_timeout = worker.episodes.episode_timeout
         self.admission = settings.admission()

@@ -2,14 +2,15 @@
 is ``docs/metrics.md``; needs the ``metrics`` extra).
 
 The per-step path only counts in plain ints and arrays (:mod:`asyncsample._clock`), and times
-one call in ``SAMPLE_EVERY`` (the latency histograms are sampled, their counts weighted; the
-counters are exact); :class:`SamplerMetrics` folds them into its totals once per call, which a
-custom collector reads when the registry is scraped. Samplers sharing a registry add up per
-label set.
+a sample of the calls, at a pace that keeps timing cheap (the latency histograms are sampled,
+their counts weighted; the counters are exact); :class:`SamplerMetrics` folds them into its
+totals once per call, which a custom collector reads when the registry is scraped. Samplers
+sharing a registry add up per label set.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import weakref
@@ -27,7 +28,6 @@ from asyncsample._clock import (
     ROWS,
     ROWS_BOUNDS,
     ROWS_N,
-    SAMPLE_EVERY,
     STEPS,
     AgentTimer,
 )
@@ -136,14 +136,21 @@ class _Hist:
         self.counts = np.zeros(len(bounds) + 1, dtype=np.float64)
         self.sum = 0.0
 
-    def observe(self, values: Sequence[float] | np.ndarray, weight: float = 1) -> None:
-        """Count each of ``values`` ``weight`` times (a sample's, weighted)."""
+    def observe(
+        self, values: Sequence[float] | np.ndarray, weights: Sequence[float] | None = None
+    ) -> None:
+        """Count each of ``values`` once, or as many times as its ``weights`` (a sample's)."""
         values = np.asarray(values, dtype=np.float64)
         if not len(values):
             return
         where = np.searchsorted(self.bounds, values, side="left")
-        self.counts += weight * np.bincount(where, minlength=len(self.counts))
-        self.sum += weight * float(values.sum())
+        if weights is None:
+            self.counts += np.bincount(where, minlength=len(self.counts))
+            self.sum += float(values.sum())
+            return
+        counts = np.asarray(weights, dtype=np.float64)
+        self.counts += np.bincount(where, counts, minlength=len(self.counts))
+        self.sum += float((values * counts).sum())  # (np.dot of floats wakes BLAS threads)
 
     def observe_counts(self, values: np.ndarray) -> None:
         """Count each of ``values``, small non-negative integers (by their tally: cheaper than
@@ -447,19 +454,21 @@ class SamplerMetrics:
             seconds: the round's wall time.
         """
         s = self.state
-        agent_calls, agent_rows, agent_seconds = self.timer.drain()
+        agent_calls, agent_rows, agent_seconds, agent_weights = self.timer.drain()
         for w in workers:  # the workers' own agent calls (inference="per_worker")
             calls = w.agent_calls - self._calls_told.get(w.worker_number, 0)
             if calls:
                 self._calls_told[w.worker_number] = w.agent_calls
                 agent_calls += calls
                 agent_rows[w.n_envs] = agent_rows.get(w.n_envs, 0) + calls
-        # the timed calls, a sample of one in SAMPLE_EVERY, stand for all of them
-        env_seconds, agent_total = 0.0, SAMPLE_EVERY * float(sum(agent_seconds))
+        # the timed calls, a sample, stand for all of them
+        agent_total = sum(map(operator.mul, agent_seconds, agent_weights))
+        env_seconds = 0.0
         newest = max(w.agent_version for w in workers)
         # one observe per histogram for every worker (each costs a few numpy calls)
         lengths: list[int] = []
         durations: list[float] = []
+        lanes: list[tuple[int, Any, int]] = []  # lane hosts in this process: worker, take, steps
         with self._hub.lock:
             hists = s.hists
             in_flight = 0
@@ -489,14 +498,16 @@ class SamplerMetrics:
                 host = w.host
                 take = getattr(host, "take_timed", None)
                 if take is not None:  # a lane host in this process: its timed steps, no clock
-                    env_seconds += self._fold_lane(n, take(), stepped)
+                    lanes.append((n, take, stepped))
                 elif host is not None and host.buffers.clock is not None:
                     env_s, agent_s = self._fold_clock(n, host.buffers.clock, w.n_envs)
                     env_seconds += env_s
                     agent_total += agent_s
+            if lanes:
+                env_seconds += self._fold_lanes(lanes, seconds)
             hists["episode_length"].observe(lengths)
             hists["episode_seconds"].observe(durations)
-            hists["agent_call_seconds"].observe(agent_seconds, SAMPLE_EVERY)
+            hists["agent_call_seconds"].observe(agent_seconds, agent_weights)
             hists["agent_call_rows"].tally(agent_rows)
             s.agent_calls += agent_calls
             if versions is not None and len(versions):
@@ -506,19 +517,31 @@ class SamplerMetrics:
             self._judge(seconds, env_seconds, agent_total)
             s.bottleneck = self.verdict
 
-    def _fold_lane(self, worker: int, seconds: list[float], stepped: int) -> float:
-        """Fold an in-process lane host's timed steps (every step of some envs: see
-        ``LaneHost.timed_envs``), each weighing the steps worker ``worker`` took since the last
-        fold (``stepped``, and those of folds without a timed step) over the timed ones: the
-        histogram counts every step; the seconds they stand for."""
-        steps = self._lane_untimed.pop(worker, 0) + stepped
-        if not seconds:
-            if steps:
-                self._lane_untimed[worker] = steps  # counted with the next timed steps
-            return 0.0
-        weight = steps / len(seconds)
-        self.state.hists["env_step_seconds"].observe(seconds, weight)
-        return weight * float(sum(seconds))
+    def _fold_lanes(self, lanes: list[tuple[int, Any, int]], seconds: float) -> float:
+        """Fold the timed steps of in-process lane hosts (every step of some envs: see
+        ``LaneHost.timed_envs``; ``lanes``: each one's worker, ``take_timed`` and the steps it
+        took this round); the env seconds they stand for. Each weighs its worker's steps since
+        the last fold (and those of folds without a timed step) over the timed ones, so that
+        the histogram counts every step. The round's seconds per step (``seconds`` over them
+        all) paces the hosts' timing: their steps overlap, so a step's own seconds are not what
+        it costs."""
+        per_step = seconds / max(sum(stepped for _, _, stepped in lanes), 1)
+        values: list[float] = []
+        weights: list[float] = []
+        total = 0.0
+        for worker, take, stepped in lanes:
+            timed: list[float] = take(per_step)
+            steps = self._lane_untimed.pop(worker, 0) + stepped
+            if not timed:
+                if steps:
+                    self._lane_untimed[worker] = steps  # counted with the next timed steps
+                continue
+            weight = steps / len(timed)
+            values += timed
+            weights += [weight] * len(timed)
+            total += weight * sum(timed)
+        self.state.hists["env_step_seconds"].observe(values, weights)
+        return total
 
     def _fold_clock(self, worker: int, clock: np.ndarray, n_envs: int) -> tuple[float, float]:
         """Fold what worker ``worker``'s host clock gained; its env and agent seconds."""

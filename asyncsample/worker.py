@@ -16,7 +16,7 @@ import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._assembly import Plan, assemble
-from asyncsample._clock import SAMPLE_EVERY, AgentTimer
+from asyncsample._clock import AgentTimer, Pace
 from asyncsample._engine import (
     CallMode,
     Continuity,
@@ -106,6 +106,7 @@ class Worker:
         self.records_transitions = type(self).process_transition is not Worker.process_transition
         self.batcher: Batcher | None = None  # inference="batched", set by the sampler
         self.agent_timer: AgentTimer | None = None  # metrics on, set by the sampler
+        self.agent_pace = Pace()  # which of its agent calls the metrics time
         self._arena: ObsArena | None = None  # where the host writes observations (process)
         self.agent_calls = 0  # metrics on: compute_actions calls (the metrics read it)
 
@@ -264,14 +265,17 @@ class Worker:
         timer = self.agent_timer
         if timer is None:
             output = await self.compute_actions(observations)
-        else:  # metrics on: counted; the first call and then one in SAMPLE_EVERY timed
-            self.agent_calls = calls = self.agent_calls + 1
-            if calls % SAMPLE_EVERY != 1:
+        else:  # metrics on: counted, and timed at the worker's pace
+            self.agent_calls += 1
+            pace = self.agent_pace
+            pace.left -= 1
+            if pace.left:
                 output = await self.compute_actions(observations)
             else:
+                weight = pace.timed()
                 start = time.perf_counter()
                 output = await self.compute_actions(observations)
-                timer.took(time.perf_counter() - start)
+                timer.took(time.perf_counter() - start, weight, pace)
         actions, agent_infos = self._output_check.output(output)
         assert self.env_spec is not None
         actions = check_actions(

@@ -458,8 +458,9 @@ async def test_metrics_of_async_envs_in_process_hosts(make_sampler: Any) -> None
     )
     timed = registry.get_sample_value("asyncsample_env_step_seconds_count", {"backend": "process"})
     assert steps >= 2 * 5 * 5  # at least the batch's steps
-    assert timed is not None and timed % 8 == 0
-    assert 0 <= timed - steps < 8 * 8  # within one sampling weight per env
+    # 1-ms steps, 4 overlapping per host: timed nearly all (a gap of a few steps), each standing
+    # for the steps since the last; the steps cut at the end were timed too
+    assert timed is not None and steps / 2 <= timed <= steps + 8 * 8
 
 
 async def test_metrics_of_the_agent_copies_in_the_hosts(make_sampler: Any, backend: str) -> None:
@@ -489,7 +490,7 @@ async def test_metrics_of_the_agent_copies_in_the_hosts(make_sampler: Any, backe
     assert steps <= rows <= steps + 2 * 8  # a row per step, and the steps cut at the call's end
     assert 0 < calls < rows  # merged: calls of several rows
     timed = value("asyncsample_agent_call_seconds_count")
-    assert timed > 0 and timed % 8 == 0
+    assert 0 < timed <= calls  # the calls up to the last timed one, weighted
 
 
 async def test_metrics_of_async_envs_in_ray_hosts(make_sampler: Any, ray_cluster: Any) -> None:
@@ -509,6 +510,7 @@ async def test_metrics_of_async_envs_in_ray_hosts(make_sampler: Any, ray_cluster
     timed = registry.get_sample_value("asyncsample_env_step_seconds_count", {"backend": "ray"})
     total = registry.get_sample_value("asyncsample_env_step_seconds_sum", {"backend": "ray"})
     assert steps >= 2 * 5 * 5  # at least the batch's steps
-    assert timed is not None and timed % 8 == 0
-    assert 0 <= timed - steps < 8 * 8  # within one sampling weight per env
+    # 1-ms steps, 4 overlapping per host: timed nearly all (a gap of a few steps), each standing
+    # for the steps since the last; the steps cut at the end were timed too
+    assert timed is not None and steps / 2 <= timed <= steps + 8 * 8
     assert total is not None and total > 0

@@ -18,8 +18,18 @@ from envs import BadShapeEnv, FailingEnv, HangingEnv, KillSelfEnv, NoisyEnv, Sle
 from helpers import SamplerFactory
 from prometheus_client import CollectorRegistry
 
-from asyncsample import EpisodeBatch, RandomAgent, Sampler, StepType, VectorEnv, WorkerError
-from asyncsample._clock import SAMPLE_EVERY, AgentTimer, HostTiming
+from asyncsample import EpisodeBatch, RandomAgent, Sampler, StepType, VectorEnv, WorkerError, _clock
+from asyncsample._clock import (
+    CLOCK_SIZE,
+    ENV,
+    GAP_SECONDS,
+    MAX_GAP,
+    STEPS,
+    AgentTimer,
+    Pace,
+    gap_after,
+    timed_group_step,
+)
 from asyncsample.sb3 import AsyncSampleVecEnv
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,22 +73,21 @@ def check_counts(
     sampled: bool = False,
     n_envs: int = 6,
 ) -> None:
-    """``sampled``: inference="host", whose hosts time one chunk in HostTiming.EVERY; ``n_envs``:
-    the sampler's envs."""
+    """``sampled``: inference="host", whose hosts time a sample of whole chunks; ``n_envs``:
+    the sampler's envs. The latency histograms count the calls up to each timer's last timed
+    one (each timed call standing for the calls since the one before: see ``Pace``)."""
     steps = sum(b.n_transitions for b in batches)
     assert value(registry, "env_steps_total", backend=backend) == steps
     timed = value(registry, "env_step_seconds_count", backend=backend)
-    w = SAMPLE_EVERY  # a timed step counts w steps
     if backend in ("asyncio", "thread"):
-        # lane hosts in this process: every step of one env in w (of 3 here) per call, another
-        # each call, weighing the steps taken (each call timed some): the count is the steps
-        assert timed == pytest.approx(steps)
-    elif sampled:  # a sample of whole chunks, each timed step weighing EVERY
-        assert timed > 0 and timed % w == 0
-        assert timed <= HostTiming.EVERY * steps
-    else:  # each host timed its first step and then one in w: within one weight per env
-        assert timed > 0 and timed % w == 0
-        assert 0 <= timed - steps < w * n_envs
+        # lane hosts in this process: every step of some envs per call, weighing the steps
+        # taken since the last fold with a timed step: the steps, up to the last such fold
+        assert 0 < timed <= steps * (1 + 1e-9)
+    elif sampled:  # a sample of whole chunks, each timed step weighing the chunks since
+        assert 0 < timed <= MAX_GAP * steps
+    else:  # a host's timed call stands for the calls since its last: behind by under a gap
+        assert 0 < timed <= steps
+        assert steps - timed < MAX_GAP * n_envs
     assert value(registry, "env_step_seconds_sum", backend=backend) > 0
     terminated = ends(batches, StepType.TERMINAL)
     truncated = ends(batches, StepType.TIMEOUT)
@@ -92,10 +101,10 @@ def check_counts(
     calls = value(registry, "agent_calls_total")
     assert calls > 0
     timed_calls = value(registry, "agent_call_seconds_count")
-    assert timed_calls > 0 and timed_calls % w == 0
+    assert timed_calls > 0
     assert value(registry, "agent_call_seconds_sum") > 0
-    if not sampled:  # a timer per worker (per_worker) or one (merged calls): its first call
-        assert 0 <= timed_calls - calls < w * 2  # and then one in w timed
+    if not sampled:  # a timer per worker (per_worker) or one (merged calls): behind the calls
+        assert 0 <= calls - timed_calls < MAX_GAP * 2  # by under a gap each
     assert value(registry, "agent_call_rows_count") == calls
     assert value(registry, "agent_call_rows_sum") == steps
     assert value(registry, "policy_lag_count") == steps
@@ -288,18 +297,81 @@ def test_core_imports_without_prometheus() -> None:
     assert out.stdout.strip() == "True"
 
 
+def test_gap_after_keeps_timing_about_a_thousandth_of_the_time_timed() -> None:
+    assert gap_after(1.0) == gap_after(GAP_SECONDS) == 1  # slow calls: every one timed
+    assert gap_after(GAP_SECONDS / 10) == 10
+    assert gap_after(GAP_SECONDS / 1000) == gap_after(0.0) == MAX_GAP  # fast: one in MAX_GAP
+
+
 def test_one_sampling_rule() -> None:
-    # the first call and then one in SAMPLE_EVERY is timed; the calls and their rows are exact
+    """The first two calls are timed, then the gap follows the latest timed call's seconds
+    (each timed call standing for the calls since the one before); the calls and their rows
+    are exact."""
     timer = AgentTimer()
-    picked = [timer.due(3 if i % 2 else 5) for i in range(3 * SAMPLE_EVERY + 1)]
-    assert [i for i, p in enumerate(picked) if p] == [k * SAMPLE_EVERY for k in range(4)]
-    timer.took(0.5)
-    calls, by_rows, seconds = timer.drain()
-    assert calls == 3 * SAMPLE_EVERY + 1
-    assert by_rows == {5: 3 * SAMPLE_EVERY // 2 + 1, 3: 3 * SAMPLE_EVERY // 2}
-    assert seconds == [0.5]
-    assert timer.drain() == (0, {}, [])
-    assert not timer.due(1)  # the rule goes on across folds
+    weights = []
+    for i in range(200):
+        weight = timer.due(3 if i % 2 else 5)
+        if weight:
+            timer.took(1e-6, weight)  # fast calls: MAX_GAP
+        weights.append(weight)
+    picked = [i for i, w in enumerate(weights) if w]
+    assert picked == [0, 1, 1 + MAX_GAP, 1 + 2 * MAX_GAP, 1 + 3 * MAX_GAP]
+    calls, by_rows, seconds, counted = timer.drain()
+    assert calls == 200 and by_rows == {5: 100, 3: 100}
+    assert seconds == [1e-6] * 5
+    assert counted == [1, 1, MAX_GAP, MAX_GAP, MAX_GAP]
+    assert sum(counted) == picked[-1] + 1  # every call up to the last timed one, once
+    assert timer.drain() == (0, {}, [], [])
+    # a slow call: the gap closes after the next timed call (whose gap was set before, when
+    # its own seconds were not known)
+    timer = AgentTimer()
+    assert timer.due(1) == 1
+    timer.took(1e-6, 1)
+    assert timer.due(1) == 1
+    timer.took(GAP_SECONDS, 1)
+    assert [timer.due(1) for _ in range(MAX_GAP)] == [0] * (MAX_GAP - 1) + [MAX_GAP]
+    timer.took(GAP_SECONDS, MAX_GAP)
+    assert [timer.due(1) for _ in range(3)] == [1, 1, 1]
+
+
+def test_pace_counts_overlapping_calls_as_they_start() -> None:
+    pace = Pace()
+    assert [pace.tick() for _ in range(3)] == [1, 1, 1]  # no seconds yet: every call
+    pace.last = GAP_SECONDS / 4  # the next timed call (set before: weight 1) sets a gap of 4
+    assert [pace.tick() for _ in range(9)] == [1, 0, 0, 0, 4, 0, 0, 0, 4]
+
+
+def test_a_host_times_its_step_calls_at_its_pace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An env host's timed step calls (4 envs each) count each env step as the calls since the
+    last timed one: the histogram's count is the steps up to the last timed call, its seconds
+    the timed calls' seconds per env, weighted."""
+    now = [0.0]
+    tick = [2e-6]  # each read of the clock: a fast call (4 envs in 2 us)
+
+    def clock() -> float:
+        now[0] += tick[0]
+        return now[0]
+
+    monkeypatch.setattr(_clock, "_perf", clock)
+
+    class Group:
+        last_stepped = 4
+        last_ended = ()
+
+    cells = np.zeros(CLOCK_SIZE)
+    step = timed_group_step(Group(), lambda mask, given, everyone: None, cells)
+    for _ in range(200):
+        step(None)
+    counted = 1 + 1 + 3 * MAX_GAP  # the calls up to the last timed one (number 194)
+    buckets = cells[ENV : ENV + len(_clock.BOUNDS) + 1]
+    assert cells[STEPS] == 800  # exact
+    assert buckets[0] == 4 * counted  # 0.5 us per env step: the first bucket
+    assert cells[ENV + len(_clock.BOUNDS) + 1] == pytest.approx(2e-6 * counted)
+    tick[0] = 1e-3  # slow calls from now: after the two gaps already set, every call is timed
+    for _ in range(2 * MAX_GAP + 16):  # calls 200 to 343: timed 257, 321, then 322 to 343
+        step(None)
+    slow = buckets.sum() - 4 * counted
+    assert slow == 4 * (2 * MAX_GAP + 22)
 
 
 def test_integer_tally_counts_as_observe() -> None:
@@ -448,11 +520,12 @@ def test_vector_env_counts_match_the_steps(tmp_path: Path) -> None:
             truncated += int((trunc & ~info.get("_restarted", np.zeros(4, bool))).sum())
         steps = value(registry, "env_steps_total", backend="process")
         assert steps >= 4 * 100 - 4
-        # sampled: each host (two, and the restarted one) timed its first step of its 2 envs
-        # and then one in SAMPLE_EVERY, each timed env step weighing SAMPLE_EVERY
+        # sampled: each host (two, and the restarted one) times its step calls of its 2 envs at
+        # its pace, each timed env step standing for the calls since its last: behind the
+        # steps by under a gap per host
         timed = value(registry, "env_step_seconds_count")
-        assert timed % SAMPLE_EVERY == 0
-        assert 0 <= timed - steps < SAMPLE_EVERY * 2 * 3
+        assert 0 < timed <= steps
+        assert steps - timed < MAX_GAP * 2 * 3
         assert value(registry, "env_step_seconds_sum") > 0
         assert value(registry, "env_faults_total", kind="killed") == 1
         assert value(registry, "restarts_total") == 1
@@ -476,7 +549,7 @@ def test_sb3_face_counts() -> None:
         assert value(registry, "env_steps_total") == 800
         assert value(registry, "episodes_total") == dones
         timed = value(registry, "env_step_seconds_count")  # 2 hosts of 2 envs, sampled
-        assert timed % SAMPLE_EVERY == 0 and 0 <= timed - 800 < SAMPLE_EVERY * 4
+        assert 0 < timed <= 800 and 800 - timed < MAX_GAP * 4
     finally:
         venv.close()
 
@@ -554,24 +627,38 @@ async def test_closed_samplers_merge_into_one_state(make_sampler: SamplerFactory
 async def test_lane_hosts_time_every_env_in_turn_and_count_every_step(
     make_sampler: SamplerFactory,
 ) -> None:
-    """An in-process lane host times every step of one env in SAMPLE_EVERY per call (12 envs:
-    2 or 1), another set each call, none chosen per step; the fold weighs them by the steps
-    taken, so the histogram counts every step."""
+    """An in-process lane host times every step of some envs per call (12 envs: as many as the
+    gap asks, one env every few calls when the gap is wider than the envs), another set each
+    call, none chosen per step; the fold weighs them by the steps taken, so the histogram
+    counts every step."""
     registry = CollectorRegistry()
     sampler = make_sampler(
         "asyncio",
-        async_envs.counting(length=30, latency=0.0),
+        async_envs.counting(length=30, latency=0.002),
         n_workers=1,
         envs_per_worker=12,
         metrics=registry,
     )
     await sampler.start()
     host = sampler._core.workers[0].host
-    turns = [host.timed_envs() for _ in range(SAMPLE_EVERY)]
-    assert [sorted(t) for t in turns[:5]] == [[0, 8], [1, 9], [2, 10], [3, 11], [4]]
+    pace, turn = host.timing.pace, host.timing.turn
+    pace.last = GAP_SECONDS  # a gap of 1: every env
+    assert host.timed_envs() == frozenset(range(12))
+    pace.last = GAP_SECONDS / 4  # a gap of 4: a third of the envs, in turn
+    turns = [host.timed_envs() for _ in range(4)]
     assert set().union(*turns) == set(range(12))  # every env takes its turn
+    assert [len(t) for t in turns] == [3, 3, 3, 3] and len(set(turns)) == 4
+    pace.last = 0.0  # a gap of MAX_GAP steps: one env every ceil(MAX_GAP / 12) calls
+    calls = -(-MAX_GAP // 12)
+    turns = [host.timed_envs() for _ in range(12 * calls)]
+    assert sum(len(t) for t in turns) == 12
+    assert set().union(*turns) == set(range(12))
+    pace.last, host.timing.turn = GAP_SECONDS, turn
+    # 2-ms steps, 12 at a time: a round's seconds per step pace a gap of a few envs, so every
+    # call times some and the count is every step
     batches = [await sampler.obtain_fragments(240) for _ in range(5)]
     steps = sum(b.n_transitions for b in batches)
     assert value(registry, "env_steps_total") == steps
     assert value(registry, "env_step_seconds_count") == pytest.approx(steps)
     assert value(registry, "env_step_seconds_sum") > 0
+    assert 0 < gap_after(pace.last) <= 12

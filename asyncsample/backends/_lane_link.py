@@ -233,7 +233,7 @@ class RemoteLanes(PerEnvLockstep):
         return info
 
     def step_one(
-        self, i: int, action: Any, deadline: float | None = None, timed: bool = False
+        self, i: int, action: Any, deadline: float | None = None, timed: int = 0
     ) -> Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any]]]:
         """Step env ``i`` in the host; see :meth:`~asyncsample.backends.aio.LaneHost.step_one`
         (``timed`` is the host's to decide: it samples its own steps).

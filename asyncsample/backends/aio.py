@@ -21,7 +21,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._clock import CALLS, SAMPLE_EVERY, record_seconds, sampled
+from asyncsample._clock import CALLS, LaneTiming
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
@@ -155,9 +155,10 @@ class PerEnvLockstep:
     in_flight: dict[int, asyncio.Task[Any]]
     reset_one: Callable[..., Coroutine[Any, Any, dict[str, Any]]]
     step_one: Callable[..., Coroutine[Any, Any, tuple[float, bool, bool, dict[str, Any]]]]
-    #: Whether to time the next step taken here for the metrics (a host that samples its own
-    #: steps: the first and then one in ``SAMPLE_EVERY``); never, unless a host's metrics are on.
-    tick: Callable[[], bool] = staticmethod(lambda: False)
+    #: Whether to time the next step taken here for the metrics: 0 not to, else the steps it
+    #: stands for (a host that samples its own steps, at its :class:`~asyncsample._clock.Pace`);
+    #: never, unless a host's metrics are on.
+    tick: Callable[[], int] = staticmethod(lambda: 0)
 
     async def reset(
         self,
@@ -241,13 +242,13 @@ class LaneHost(PerEnvLockstep):
         # or settle_clock (a LaneServer's host); which: see timed_envs and tick. The env calls
         # running (env_calls): a limited step's env marked True in _stepping while it runs, a
         # plain step found where it is suspended (_lanes, in_flight): nothing per plain step.
-        self._durations: list[float] = []
+        self.timing = LaneTiming()
+        self._durations, self._weights = self.timing.durations, self.timing.weights
         self._stepping: list[bool | None] | None = None
         self._lanes: Sequence[asyncio.Future[Any]] = ()
-        self._turn = 0  # which envs timed_envs names next
         if self.buffers.clock is not None:
             self._stepping = [None] * spec.n_envs
-            self.tick = sampled().__next__
+            self.tick = self.timing.pace.tick
         self._calls_due = 0.0  # a host's: when settle_clock counts the calls running again
         self._recount: asyncio.TimerHandle | None = None
         self.group = EnvGroup(
@@ -347,10 +348,11 @@ class LaneHost(PerEnvLockstep):
         return info
 
     async def step_one(
-        self, i: int, action: Any, deadline: float | None = None, timed: bool = False
+        self, i: int, action: Any, deadline: float | None = None, timed: int = 0
     ) -> tuple[float, bool, bool, dict[str, Any]]:
         """Step env ``i`` with ``action``: :meth:`EnvGroup.finish`'s ``(reward, ...)``; with
-        metrics on, ``timed``: its seconds go to the timed steps' (see :meth:`timed_envs`).
+        metrics on, ``timed`` (not 0: the steps it stands for): its seconds go to the timed
+        steps' (see :meth:`timed_envs` and :attr:`tick`).
 
         Raises:
             DeadlinePassed: the loop time ``deadline`` came first; the step was cancelled.
@@ -364,16 +366,15 @@ class LaneHost(PerEnvLockstep):
             # The hot path (no limiter, no timeout): the env's coroutine, awaited here.
             try:
                 call = self.envs[i].step(action)
-                if stepping is None:  # metrics off: this one test
+                if not timed:  # metrics off, or an untimed step: this one test
                     result = await call
-                elif not timed:  # metrics on: nothing per step (see env_calls)
-                    result = await call
-                else:  # metrics on, an env whose steps this call times
+                else:  # metrics on, a step to time
                     start = _perf()
                     try:
                         result = await call
                     finally:
                         self._durations.append(_perf() - start)
+                        self._weights.append(timed)
             except (asyncio.CancelledError, Exception) as exc:
                 raise self._raised(i, "step", exc) from exc
         else:
@@ -389,7 +390,7 @@ class LaneHost(PerEnvLockstep):
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
     async def _tracked(
-        self, stepping: list[bool | None], i: int, step: Any, action: Any, timed: bool
+        self, stepping: list[bool | None], i: int, step: Any, action: Any, timed: int
     ) -> Any:
         """``step(action)`` with metrics on, once :meth:`_await` runs it (after the limiter):
         marked running in ``stepping`` until it returns or raises (see :attr:`env_calls`), and
@@ -397,17 +398,18 @@ class LaneHost(PerEnvLockstep):
         stepping[i] = True
         try:
             call = step(action)
-            return await (self._timed(call) if timed else call)
+            return await (self._timed(call, timed) if timed else call)
         finally:
             stepping[i] = None
 
-    async def _timed(self, call: Any) -> Any:
-        """``call`` awaited, its seconds added to the timed steps'."""
+    async def _timed(self, call: Any, weight: int) -> Any:
+        """``call`` awaited, its seconds added to the timed steps' (standing for ``weight``)."""
         start = _perf()
         try:
             return await call
         finally:
             self._durations.append(_perf() - start)
+            self._weights.append(weight)
 
     @property
     def env_calls(self) -> int:
@@ -445,36 +447,23 @@ class LaneHost(PerEnvLockstep):
             self._lanes = lanes
 
     def timed_envs(self) -> frozenset[int]:
-        """With metrics on, the envs whose every step the next call's lanes time: one env in
-        ``SAMPLE_EVERY`` (at least one), another set each call, so that every env takes its
-        turn and no step pays for a choice (the fold weighs them by the steps taken); else
-        none. A host of async envs in another process samples its own (see :attr:`tick`)."""
+        """With metrics on, the envs whose every step the next call's lanes time (see
+        :meth:`~asyncsample._clock.LaneTiming.envs`); else none. A host of async envs in
+        another process paces its own steps (see :attr:`tick`)."""
         if self._stepping is None:
             return frozenset()
-        n = self.n_envs
-        every = min(SAMPLE_EVERY, n)
-        turn = self._turn
-        self._turn = (turn + 1) % every
-        return frozenset(range(turn, n, every))
+        return self.timing.envs(self.n_envs)
 
-    def take_timed(self) -> list[float]:
-        """The seconds of the env steps timed since the last call (read by the metrics' fold in
-        this process, no clock between, which weighs them by the steps taken meanwhile)."""
-        durations = self._durations
-        if not durations:
-            return []
-        taken = durations[:]
-        durations.clear()  # (a step in flight appends to this list)
-        return taken
+    def take_timed(self, per_step: float) -> list[float]:
+        """See :meth:`~asyncsample._clock.LaneTiming.take` (the fold in this process)."""
+        return self.timing.take(per_step)
 
     def settle_clock(self) -> None:
-        """Add the env steps timed since the last call to the clock, each weighing
-        ``SAMPLE_EVERY`` (before the metrics read it)."""
+        """Add the env steps timed since the last call to the clock, each weighing the steps it
+        stands for, and the calls running (before the metrics read it)."""
         clock = self.buffers.clock
         assert clock is not None
-        if self._durations:
-            record_seconds(clock, self._durations)
-            self._durations.clear()
+        self.timing.settle(clock)
         # A host's calls in flight, read by the caller with the replies: counted over every env,
         # so at most once in CALLS_EVERY seconds (a host settles each pass of its loop), and
         # again once that has passed when a settle came too soon.

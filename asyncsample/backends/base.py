@@ -318,16 +318,17 @@ class PerEnvHost(Protocol):
         ...
 
     async def step_one(
-        self, i: int, action: Any, deadline: float | None = None, timed: bool = False
+        self, i: int, action: Any, deadline: float | None = None, timed: int = 0
     ) -> tuple[float, bool, bool, dict[str, Any]]:
         """Step env ``i``: ``(reward, terminated, truncated, info)``, the time limit applied;
-        ``timed``: with metrics on, time this step (see :meth:`timed_envs`)."""
+        ``timed``: with metrics on, time this step, standing for that many (see
+        :meth:`timed_envs`)."""
         ...
 
     def timed_envs(self) -> Collection[int]:
         """With metrics on, the envs whose every step the lanes of the next call time (a host
-        in this process: one env in ``SAMPLE_EVERY``, another each call); empty where the host
-        samples its own steps (in other processes) or metrics are off."""
+        in this process: as many as its timing's gap asks, another set each call); empty where
+        the host samples its own steps (in other processes) or metrics are off."""
         ...
 
     def watch_lanes(self, lanes: Sequence[asyncio.Future[Any]]) -> None:

@@ -274,22 +274,24 @@ class Batcher:
         stats.workers_per_call[len(workers)] += 1
         stats.rows += rows
         timer = self.timer
-        start = time.perf_counter() if timer is not None and timer.due(rows) else 0.0
+        weight = 0 if timer is None else timer.due(rows)
+        start = time.perf_counter() if weight else 0.0
         try:
             observations = _stack(requests)
             if self.options.threaded and not inspect.iscoroutinefunction(agent.get_actions):
-                self._start(agent, requests, self._call_in_thread(agent, observations), start)
+                call = self._call_in_thread(agent, observations)
+                self._start(agent, requests, call, (start, weight))
                 return
             with self._agent_lock:
                 result = agent.get_actions(observations)
             if type(result) is not tuple and inspect.isawaitable(result):
-                self._start(agent, requests, result, start)
+                self._start(agent, requests, result, (start, weight))
                 return
         except Exception as exc:
             self._fail(requests, exc)
             return
-        if start and timer is not None:  # a call the metrics' timer samples
-            timer.took(time.perf_counter() - start)
+        if weight and timer is not None:  # a call the metrics' timer samples
+            timer.took(time.perf_counter() - start, weight)
         self._deliver(agent, requests, result)
 
     def _call_in_thread(self, agent: Agent, observations: Tree) -> Any:
@@ -306,19 +308,26 @@ class Batcher:
         loop = asyncio.get_running_loop()
         return loop.run_in_executor(self._executor, call)
 
-    def _start(self, agent: Agent, requests: list[_Request], call: Any, start: float) -> None:
+    def _start(
+        self, agent: Agent, requests: list[_Request], call: Any, timing: tuple[float, int]
+    ) -> None:
         self._busy = not self._per_pass
         task = asyncio.ensure_future(call)  # a task, or the helper thread's future
         self._tasks.add(task)
-        task.add_done_callback(functools.partial(self._finished, agent, requests, start))
+        task.add_done_callback(functools.partial(self._finished, agent, requests, timing))
 
     def _finished(
-        self, agent: Agent, requests: list[_Request], start: float, task: asyncio.Future[Any]
+        self,
+        agent: Agent,
+        requests: list[_Request],
+        timing: tuple[float, int],
+        task: asyncio.Future[Any],
     ) -> None:
         self._tasks.discard(task)
         self._busy = False
-        if start and self.timer is not None:  # a call the metrics' timer samples
-            self.timer.took(time.perf_counter() - start)
+        start, weight = timing
+        if weight and self.timer is not None:  # a call the metrics' timer samples
+            self.timer.took(time.perf_counter() - start, weight)
         if task.cancelled():
             # Not a CancelledError: the requesters would take it for their own cancellation.
             what = f"the agent's get_actions ({_rows_of(requests)}) was cancelled"
