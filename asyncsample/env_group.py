@@ -168,6 +168,8 @@ class EnvGroup:
         autoreset: one of :data:`AUTORESET_MODES` (the sampler uses ``"SameStep"``).
         final_in_reply: also return final observations in :attr:`StepInfos.final_obs` (the
             gymnasium face); always on for observations without fixed-size rows.
+        counted: with metrics on (the buffers' clock), also count the env steps and episode
+            ends there (a vector face's host).
     """
 
     def __init__(
@@ -179,6 +181,7 @@ class EnvGroup:
         max_episode_length: int | None,
         autoreset: str = "SameStep",
         final_in_reply: bool = False,
+        counted: bool = False,
     ) -> None:
         if autoreset not in AUTORESET_MODES:
             raise ValueError(f"autoreset must be one of {AUTORESET_MODES}, got {autoreset!r}")
@@ -208,7 +211,9 @@ class EnvGroup:
         self._everyone = list(range(self.n_envs))
         self.malformed_retry = False  # True: a malformed step rebuilds the env (the lanes)
         if buffers.clock is not None:  # metrics on: the host times its steps
-            self.step = timed_group_step(self, self.step, buffers.clock)  # type: ignore[method-assign]
+            self.step = timed_group_step(  # type: ignore[method-assign]
+                self, self.step, buffers.clock, counted=counted
+            )
 
     # -- building ---------------------------------------------------------------------------
 

@@ -359,7 +359,7 @@ def test_a_host_times_its_step_calls_at_its_pace(monkeypatch: pytest.MonkeyPatch
         last_ended = ()
 
     cells = np.zeros(CLOCK_SIZE)
-    step = timed_group_step(Group(), lambda mask, given, everyone: None, cells)
+    step = timed_group_step(Group(), lambda mask, given, everyone: None, cells, counted=True)
     for _ in range(200):
         step(None)
     counted = 1 + 1 + 3 * MAX_GAP  # the calls up to the last timed one (number 194)

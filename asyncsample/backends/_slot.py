@@ -57,6 +57,7 @@ def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
         spec.max_episode_length,
         spec.autoreset,
         spec.final_in_reply,
+        spec.counted,
     )
 
 

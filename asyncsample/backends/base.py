@@ -57,6 +57,8 @@ class HostSpec:
         autoreset: the env group's autoreset mode (:data:`~asyncsample.env_group.AUTORESET_MODES`).
         final_in_reply: step replies carry the final observations (the gymnasium face).
         timed: metrics are on: the host keeps a clock of its steps (:mod:`asyncsample._clock`).
+        counted: with ``timed``, the host also counts its env steps and episode ends in its
+            clock (a vector face reads them; a sampler counts its own, from its episodes).
         lanes: the envs are async envs, each reset and stepped on its own in the host's event
             loop (:mod:`asyncsample.backends._lane_serve`).
     """
@@ -70,6 +72,7 @@ class HostSpec:
     autoreset: str = "SameStep"
     final_in_reply: bool = False
     timed: bool = False
+    counted: bool = False
     lanes: bool = False
 
 

@@ -154,7 +154,13 @@ class HostedEnvs(LockstepRounds):
         """``False``: :meth:`read_obs` may return the hosts' shared buffer (``copy=False``)."""
         self.metrics = make_face_metrics(metrics, backend, self)
         timed = self.metrics is not None
-        spec = partial(HostSpec, autoreset=autoreset, final_in_reply=object_rows, timed=timed)
+        spec = partial(
+            HostSpec,
+            autoreset=autoreset,
+            final_in_reply=object_rows,
+            timed=timed,
+            counted=timed,  # the face's metrics read the hosts' steps and episode ends
+        )
         obs, act = self.single_observation_space, self.single_action_space
         specs = [spec(h, b - a, obs, act, None) for h, (a, b) in enumerate(self.slices)]
         try:
