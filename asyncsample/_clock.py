@@ -6,8 +6,8 @@ which :mod:`asyncsample.metrics` folds once per call. Off unless metrics are on.
 
 The latency histograms are **sampled**, by one rule (:class:`Pace`): each timer (an env host's
 steps, a host process's async env steps, a worker's agent calls, a sampler's merged agent calls,
-a host's chunks with ``inference="host"``) times its first call, then leaves a gap of calls that
-depends on how long the last timed one took (:func:`gap_after`: about :data:`GAP_SECONDS` of
+a host's chunks with ``inference="host"``) times its first two calls, then leaves gaps of calls
+that depend on how long its timed calls took (:func:`gap_after`: about :data:`GAP_SECONDS` of
 calls, 1 to :data:`MAX_GAP`), and a timed call counts as the calls since the previous timed one
 in the bucket counts and the sum. So timing costs about the same small share of every workload:
 a 5-us env step is timed one in 64, a 1-ms one every time. A lane host in the caller's process

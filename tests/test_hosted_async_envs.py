@@ -440,7 +440,7 @@ async def test_spaces_read_from_the_probe_env() -> None:
 
 
 async def test_metrics_of_async_envs_in_process_hosts(make_sampler: Any) -> None:
-    """Env steps are counted exactly; the hosts' step latencies (sampled one in 8, weighted)
+    """Env steps are counted exactly; the hosts' step latencies (sampled at their pace, weighted)
     reach the caller through the shared clock."""
     from prometheus_client import CollectorRegistry
 
