@@ -187,8 +187,6 @@ def timed_group_step(
         left -= 1
         if left and not every:
             infos = step(mask, given, everyone)
-            if not counted:
-                return infos
         else:
             if every:
                 counts = weight[0]  # type: ignore[index]
@@ -205,14 +203,13 @@ def timed_group_step(
                 last = seconds
             elif not every:  # nothing stepped: time the next call, for these calls too
                 left, gap = 1, counts
-            if not counted:
-                return infos
-        items[STEPS] += group.last_stepped
-        ended = group.last_ended
-        if ended:
-            terminated = group.buffers.terminated
-            for i in ended:
-                items[ENDS if terminated[i] else TRUNCATED] += 1
+        if counted:
+            items[STEPS] += group.last_stepped
+            ended = group.last_ended
+            if ended:
+                terminated = group.buffers.terminated
+                for i in ended:
+                    items[ENDS if terminated[i] else TRUNCATED] += 1
         return infos
 
     return timed
@@ -293,11 +290,11 @@ class AgentTimer:
         pace.left -= 1
         return 0 if pace.left else pace.timed()
 
-    def took(self, seconds: float, weight: int, pace: Pace | None = None) -> None:
-        """A timed call of ``weight`` took ``seconds`` (its ``pace``: default, this timer's)."""
+    def took(self, seconds: float, weight: int) -> None:
+        """A timed call of ``weight`` took ``seconds`` (which paces the next ones)."""
         self.seconds.append(seconds)
         self.weights.append(weight)
-        (self.pace if pace is None else pace).last = seconds
+        self.pace.last = seconds
 
     def drain(self) -> tuple[int, dict[int, int], list[float], list[int]]:
         """The calls, the calls by rows, and the timed calls' seconds and weights since the last
@@ -317,11 +314,16 @@ class LaneTiming:
     (:meth:`settle`)."""
 
     def __init__(self) -> None:
-        self.durations: list[float] = []  # (a step in flight appends: cleared, never rebound)
+        self.durations: list[float] = []  # (a step in flight may add: cleared in place)
         self.weights: list[int] = []  # the steps each of durations stands for (a host's ticks)
         self.pace = Pace()
         self.turn = 0  # which envs :meth:`envs` names next
         self._settled = _perf()
+
+    def add(self, seconds: float, weight: int) -> None:
+        """A timed step took ``seconds``, standing for ``weight`` steps."""
+        self.durations.append(seconds)
+        self.weights.append(weight)
 
     def envs(self, n: int) -> frozenset[int]:
         """The envs of ``n`` whose every step the next call times: as many as the pace's gap

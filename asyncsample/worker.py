@@ -275,7 +275,8 @@ class Worker:
                 weight = pace.timed()
                 start = time.perf_counter()
                 output = await self.compute_actions(observations)
-                timer.took(time.perf_counter() - start, weight, pace)
+                pace.last = seconds = time.perf_counter() - start
+                timer.took(seconds, weight)
         actions, agent_infos = self._output_check.output(output)
         assert self.env_spec is not None
         actions = check_actions(

@@ -243,7 +243,6 @@ class LaneHost(PerEnvLockstep):
         # running (env_calls): a limited step's env marked True in _stepping while it runs, a
         # plain step found where it is suspended (_lanes, in_flight): nothing per plain step.
         self.timing = LaneTiming()
-        self._durations, self._weights = self.timing.durations, self.timing.weights
         self._stepping: list[bool | None] | None = None
         self._lanes: Sequence[asyncio.Future[Any]] = ()
         if self.buffers.clock is not None:
@@ -373,8 +372,7 @@ class LaneHost(PerEnvLockstep):
                     try:
                         result = await call
                     finally:
-                        self._durations.append(_perf() - start)
-                        self._weights.append(timed)
+                        self.timing.add(_perf() - start, timed)
             except (asyncio.CancelledError, Exception) as exc:
                 raise self._raised(i, "step", exc) from exc
         else:
@@ -408,8 +406,7 @@ class LaneHost(PerEnvLockstep):
         try:
             return await call
         finally:
-            self._durations.append(_perf() - start)
-            self._weights.append(weight)
+            self.timing.add(_perf() - start, weight)
 
     @property
     def env_calls(self) -> int:
