@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import datetime
 import functools
-import json
 import logging
 import os
 import platform
@@ -543,10 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": results,
         "ok": all(r["ok"] for r in results),
     }
-    (out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
-    md = table(results)
-    (out / "results.md").write_text(md + "\n")
-    print(md)
+    from benchmarks.report import write_own_results
+
+    write_own_results(out, summary, table(results))
     return 0 if summary["ok"] else 1
 
 

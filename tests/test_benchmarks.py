@@ -350,7 +350,7 @@ def test_ab_verdict() -> None:
 
     assert verdict([0.90, 0.96]) == "slower"
     assert verdict([0.97, 1.2]) == "not slower"
-    assert verdict([0.72, 1.11, 0.96]) == "inconclusive"  # session 8's CartPole 8x1 host pairs
+    assert verdict([0.72, 1.11, 0.96]) == "inconclusive"  # the 8x1 host pairs of 8fbdba7
 
 
 def test_group_step_prints_each_trees_cost(capsys: pytest.CaptureFixture[str]) -> None:
