@@ -225,6 +225,11 @@ class Sampler:
         Worker ``w`` steps its envs until its completed episodes reach its share; episodes still
         running then are discarded. See [the sampler contract](contract.md#the-three-calls).
 
+        Calls on one sampler run one at a time: a call made while another (or an open
+        :meth:`stream`) runs waits until that one is done, so a short call behind a long one
+        costs the long one's time. Consumers that must not wait for each other use a sampler
+        each, or share one stream (see [Concurrency](contract.md#concurrency)).
+
         Args:
             num_samples: the quota of transitions, an int of at least 1.
             agent_update: applied before sampling: ``None``, parameters (a ``dict``, ``tuple``
@@ -265,7 +270,9 @@ class Sampler:
         """Exactly ``n_eps_per_worker`` complete episodes from every worker, worker-major.
 
         The episodes are assigned to envs in advance (not the first ``n`` to finish); each call
-        starts fresh episodes. Arguments, returns and errors as in :meth:`obtain_samples`.
+        starts fresh episodes. It queues behind a call in progress, as every call does (see
+        [Concurrency](contract.md#concurrency)). Arguments, returns and errors as in
+        :meth:`obtain_samples`.
         """
         n_eps_per_worker = _validate.positive_int("n_eps_per_worker", n_eps_per_worker)
         return await self._core.call("episodes", n_eps_per_worker, agent_update, env_update)
@@ -282,8 +289,9 @@ class Sampler:
 
         Each worker steps all its envs ``ceil(share / envs_per_worker)`` times; fragments of
         episodes still running (ending in ``FIRST`` or ``MID``) continue in the next
-        ``obtain_fragments`` call. Arguments and errors as in :meth:`obtain_samples`; see
-        [the sampler contract](contract.md#obtain_fragmentsnum_samples).
+        ``obtain_fragments`` call. It queues behind a call in progress, as every call does (see
+        [Concurrency](contract.md#concurrency)). Arguments and errors as in
+        :meth:`obtain_samples`; see [the sampler contract](contract.md#obtain_fragmentsnum_samples).
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)
@@ -324,8 +332,10 @@ class Sampler:
         Use it as ``async with contextlib.aclosing(sampler.stream(n)) as it: async for b in it``.
         Sampling runs in a background task at most ``buffer_size`` batches ahead; episodes in
         progress carry over between batches, and :meth:`update_agent` is the one call allowed
-        from the stream's body. The arguments are checked when the first batch is asked for.
-        See [the sampler contract](contract.md).
+        from the stream's body. An update takes effect at the next env step, but the batches
+        already sampled keep their version: the next ``buffer_size + 1`` batches after it can
+        carry the old one. The arguments are checked when the first batch is asked for. See
+        [the sampler contract](contract.md).
 
         Args:
             num_samples: transitions per yielded batch, at least (an int of at least 1).
