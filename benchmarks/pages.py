@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -430,7 +430,41 @@ def _best_rows(found: list[Table]) -> list[str]:
     return out
 
 
-def headline(folder: str, results: dict[str, Any], found: list[Table]) -> list[str]:
+#: The headline of a script study's first table: one line per row it keeps.
+_ROW_LINES: dict[str, tuple[Callable[[Table, list[str]], str], Callable[[list[str]], bool]]] = {
+    "clients": (
+        lambda t, r: f"{r[0]}, {r[1]} x{r[2]}: ours (default) {t.column(r, 'ours (default)')}",
+        lambda r: True,
+    ),
+    "ab": (
+        lambda t, r: f"{r[0]}: on/off {t.column(r, 'on/off')} ({t.column(r, 'verdict')})",
+        lambda r: True,
+    ),
+    "async_envs": (
+        lambda t, r: (
+            f"{r[0]} episodes: {r[1]} {t.column(r, 'steps/s')} steps/s"
+            f" ({t.column(r, '% ideal')} of the ideal)"
+        ),
+        lambda r: r[1].startswith("`ours-") and "zero" not in r[1],
+    ),
+    "hostloop": (
+        lambda t, r: (
+            f"{r[0]} x{r[1]} per slot: own {t.column(r, 'own us per env step')} us per "
+            f"env step ({t.column(r, 'own share of a slot-step')} of a slot-step)"
+        ),
+        lambda r: True,
+    ),
+    "handoff": (
+        lambda t, r: (
+            f"{r[0]} env steps a request, {r[1]} between requests: socket {r[2]} us, "
+            f"shared memory {r[3]} us"
+        ),
+        lambda r: r[0] == "0",
+    ),
+}
+
+
+def headline(folder: str, found: list[Table]) -> list[str]:
     """The figures a user looks for first in ``folder``'s results, one line each."""
     study = folder.split("/")[0]
     if study in ("vector", "policy", "real_envs", "host"):
@@ -439,45 +473,14 @@ def headline(folder: str, results: dict[str, Any], found: list[Table]) -> list[s
         t = found[0]
         last = t.rows[-1]
         return [f"{last[0]} envs: " + ", ".join(f"{h} {c}" for h, c in zip(t.header[1:], last[1:]))]
-    if study == "clients" and found:
-        t = found[0]
-        return [
-            f"{r[0]}, {r[1]} x{r[2]}: ours (default) {t.column(r, 'ours (default)')}"
-            for r in t.rows
-        ]
-    if study == "ab" and found:
-        t = found[0]
-        return [
-            f"{r[0]}: on/off {t.column(r, 'on/off')} ({t.column(r, 'verdict')})" for r in t.rows
-        ]
+    if study in _ROW_LINES and found:
+        line, keep = _ROW_LINES[study]
+        return [line(found[0], r) for r in found[0].rows if keep(r)]
     if study in ("chaos", "soak"):
         text = (RESULTS / folder / "results.md").read_text()
         checks = re.findall(r"All checks: \w+\.", text)
-        t = found[0] if found else None
-        lost = [r for r in t.rows if "lost" in r[0]] if t else []
+        lost = [r for r in found[0].rows if "lost" in r[0]] if found else []
         return [" ".join(checks)] + [f"{r[0]}: {', '.join(r[1:])}" for r in lost]
-    if study == "async_envs" and found:
-        t = found[0]
-        return [
-            f"{r[0]} episodes: {r[1]} {t.column(r, 'steps/s')} steps/s"
-            f" ({t.column(r, '% ideal')} of the ideal)"
-            for r in t.rows
-            if r[1].startswith("`ours-") and "zero" not in r[1]
-        ]
-    if study == "hostloop" and found:
-        t = found[0]
-        return [
-            f"{r[0]} x{r[1]} per slot: own {t.column(r, 'own us per env step')} us per env "
-            f"step ({t.column(r, 'own share of a slot-step')} of a slot-step)"
-            for r in t.rows
-        ]
-    if study == "handoff" and found:
-        t = found[0]
-        return [
-            f"{r[0]} env steps a request, {r[1]} between requests: socket {r[2]} us, "
-            f"shared memory {r[3]} us"
-            for r in t.rows[:2]
-        ]
     return [f"a profile: {', '.join(t.heading for t in found)} (tables in its results.md)"]
 
 
@@ -526,7 +529,7 @@ def index() -> str:
             f"- date: {str(prov.get('date') or 'not recorded')[:16].replace('T', ' ')}",
             f"- machine: {_machine(prov['machine'])}",
             "- headline:",
-            *[f"  - {h}" for h in headline(folder, results, tabs) if h],
+            *[f"  - {h}" for h in headline(folder, tabs) if h],
             "",
         ]
     if awaiting:
