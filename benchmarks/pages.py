@@ -254,6 +254,9 @@ class Pick:
     heading: str
     contender: str
     label: str
+    column: str = ""
+    """For a table of contenders x envs (the throughput study's): the env's column; its ratios
+    come from the "Ratios" table below it (x SyncVectorEnv / % of the ceiling / % of ideal)."""
 
 
 #: The summary tables: their rows and the columns they show (header -> the study table's column).
@@ -277,6 +280,20 @@ SUMMARIES: dict[str, tuple[list[Pick], dict[str, str]]] = {
                 "CartPole-v1, 64 envs",
                 "asyncsample VectorEnv",
                 "CartPole-v1, 64 envs, random actions",
+            ),
+            Pick(
+                "throughput",
+                "Throughput, 8 envs",
+                "asyncsample process (best layout)",
+                "CartPole-v1, 8 envs, the sampler's calls (random agent)",
+                "CartPole-v1",
+            ),
+            Pick(
+                "throughput",
+                "Throughput, 8 envs",
+                "asyncsample process (best layout)",
+                "an env costing 200 us a step, 8 envs, the sampler's calls",
+                "FixedCost-v0",
             ),
             Pick(
                 "policy",
@@ -325,19 +342,37 @@ SUMMARIES: dict[str, tuple[list[Pick], dict[str, str]]] = {
 }
 
 
+def _picked(found: list[Table], pick: Pick) -> dict[str, str] | None:
+    """The cells of ``pick``'s row by column name (None when the file lacks the row)."""
+    table = next((t for t in found if t.heading == pick.heading), None)
+    row = table.row(pick.contender) if table else None
+    if table is None or row is None:
+        return None
+    if not pick.column:
+        return dict(zip(table.header, row, strict=False))
+    ratios = next((t for t in found if t.heading.startswith("Ratios: x SyncVectorEnv")), None)
+    ratio_row = ratios.row(pick.contender) if ratios else None
+    parts = ratios.column(ratio_row, pick.column).split(" / ") if ratios and ratio_row else []
+    return {
+        "contender": row[0],
+        "steps/s": table.column(row, pick.column),
+        "x sync": parts[0] if parts else "",
+        "% ceiling": parts[1] if len(parts) > 1 else "",
+    }
+
+
 def summary_block(page: Path, name: str) -> str:
     """The summary table ``name`` of :data:`SUMMARIES`, each row naming its results file."""
     picks, columns = SUMMARIES[name]
     rows = ["| workload | " + " | ".join(columns) + " | from |", "|---" * (len(columns) + 2) + "|"]
     for pick in picks:
         found = _results(pick.study) if _date(pick.study) else None
-        table = next((t for t in found[1] if t.heading == pick.heading), None) if found else None
-        row = table.row(pick.contender) if table else None
-        if table is None or row is None:
+        values = _picked(found[1], pick) if found else None
+        if values is None:
             cells = ["-"] * len(columns)
             source = f"awaits a quiet run: `asyncsample bench {pick.study}`"
         else:
-            cells = [table.column(row, c) or "-" for c in columns.values()]
+            cells = [values.get(c) or "-" for c in columns.values()]
             source = f"{_link(page, RESULTS / pick.study / 'results.md')} ({_date(pick.study)})"
         rows.append(f"| {pick.label} | " + " | ".join(cells) + f" | {source} |")
     return "\n".join(rows) + "\n"

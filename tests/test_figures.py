@@ -68,3 +68,33 @@ def test_the_index_names_every_results_folder_and_nothing_is_loose() -> None:
         folder = path.parent.relative_to(results).as_posix()
         assert f"## [{folder}]({folder}/results.md)" in index, folder
     assert index == pages.index()
+
+
+def test_a_summary_row_comes_from_its_study_or_awaits_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A summary row copies its cells from the study's table (a throughput cell and its ratios
+    from the table below it), names the file and its date; a study not run awaits its run."""
+    import json
+
+    study = tmp_path / "throughput"
+    study.mkdir()
+    (study / "results.json").write_text(
+        json.dumps({"study": "throughput", "machine": {"date": "2026-12-01T03:00:00+00:00"}})
+    )
+    (study / "results.md").write_text(
+        "## Throughput, 8 envs\n\n| contender | CartPole-v1 | FixedCost-v0 |\n|---|---|---|\n"
+        "| asyncsample process (best layout) | 22.3k (2x4) | 6.90k (2x4) |\n\n"
+        "### Ratios: x SyncVectorEnv / % of the ceiling / % of ideal\n\n"
+        "| contender | CartPole-v1 | FixedCost-v0 |\n|---|---|---|\n"
+        "| asyncsample process (best layout) | 0.47x / 10% / 17% | 1.45x / 71% / 70% |\n"
+    )
+    monkeypatch.setattr(pages, "RESULTS", tmp_path)
+    block = pages.summary_block(pages.REPO / "README.md", "readme")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in block.splitlines()}
+    cartpole = rows["CartPole-v1, 8 envs, the sampler's calls (random agent)"]
+    assert "| 22.3k (2x4) | 0.47x | - | 10% |" in cartpole and "(2026-12-01)" in cartpole
+    costly = rows["an env costing 200 us a step, 8 envs, the sampler's calls"]
+    assert "| 6.90k (2x4) | 1.45x | - | 71% |" in costly
+    vector = rows["CartPole-v1, 64 envs, random actions"]
+    assert "awaits a quiet run: `asyncsample bench vector`" in vector
