@@ -427,6 +427,16 @@ def _provenance(results: dict[str, Any]) -> dict[str, Any]:
     return prov
 
 
+def _command(folder: str, command: str | None) -> str:
+    """The command that wrote ``folder``: a variant's names its ``--out`` (a study's own folder is
+    its default)."""
+    if not command:
+        return "not recorded"
+    if "/" in folder or folder not in {s.name for s in STUDIES}:
+        return f"{command} --out benchmarks/results/{folder}"
+    return command
+
+
 def _machine(machine: dict[str, Any]) -> str:
     cores = machine.get("cpu_affinity") or machine.get("cpu_count") or machine.get("cpus")
     cores = cores or machine.get("cores")
@@ -559,7 +569,7 @@ def index() -> str:
             "",
             f"{what}." if what else "",
             "",
-            f"- command: `{prov.get('command') or 'not recorded'}`",
+            f"- command: `{_command(folder, prov.get('command'))}`",
             f"- commit: {commit}",
             f"- date: {str(prov.get('date') or 'not recorded')[:16].replace('T', ' ')}",
             f"- machine: {_machine(prov['machine'])}",
