@@ -200,13 +200,8 @@ async def run(args: argparse.Namespace, summary: RunSummary) -> None:
 
 def layout(sampler: Sampler) -> str:
     """What ran, in one line: the backend, the inference mode and the placement."""
-    where = (
-        "in this process"
-        if traits(sampler.backend_name).in_process
-        else f"on {sampler.n_processes} env-host processes"
-        if sampler.backend_name == "process"
-        else f"on {sampler.n_processes} Ray actors"
-    )
+    in_process = traits(sampler.backend_name).in_process
+    where = "in this process" if in_process else f"on {sampler.n_processes} env hosts"
     return (
         f"backend {sampler.backend_name}, inference {INFERENCE}, {sampler.n_workers} workers x "
         f"{sampler.envs_per_worker} envs {where}"
