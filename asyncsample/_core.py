@@ -319,6 +319,7 @@ class SamplerCore:
                     chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
                     timed=self.metrics is not None,
                     lanes=self.hosted_lanes,
+                    columns=True,
                 )
                 for w in range(self.n_workers)
             ]

@@ -14,6 +14,7 @@ import gymnasium as gym
 import numpy as np
 import psutil
 
+from asyncsample.columns import is_variable_space
 from asyncsample.env_update import EnvId, EnvSource, is_env_source
 
 __all__ = [
@@ -325,7 +326,9 @@ def check_picklable(name: str, obj: object) -> None:
         ) from exc
 
 
-#: The leaf spaces the sampler records (as numpy arrays), nested in any ``Dict`` or ``Tuple``.
+#: The fixed-size leaf spaces the sampler records (as numpy arrays), nested in any ``Dict`` or
+#: ``Tuple``; beside them ``Text`` and ``Sequence`` of ``Box``/``Discrete`` (as columns, see
+#: :mod:`asyncsample.columns`).
 RECORDABLE_SPACES: tuple[type[gym.Space[Any]], ...] = (
     gym.spaces.Box,
     gym.spaces.Discrete,
@@ -335,8 +338,9 @@ RECORDABLE_SPACES: tuple[type[gym.Space[Any]], ...] = (
 
 
 def recordable_space(name: str, space: object) -> None:
-    """Refuse, naming where it is, a space the sampler cannot record into arrays (``Text``,
-    ``Sequence``, ``Graph``, ``OneOf``, custom spaces), which would otherwise fail mid-call."""
+    """Refuse, naming where it is, a space the sampler cannot record (``Graph``, ``OneOf``, a
+    ``Sequence`` of anything but ``Box``/``Discrete``, custom spaces), which would otherwise
+    fail mid-call."""
     found = _unrecordable(name, space)
     if found is None:
         return
@@ -344,9 +348,9 @@ def recordable_space(name: str, space: object) -> None:
     wrapper = "ActionWrapper" if name.endswith("action_space") else "ObservationWrapper"
     raise ValueError(
         f"{path} is {leaf!r} ({type(leaf).__name__}), which the sampler cannot record: it "
-        "records Box, Discrete, MultiDiscrete and MultiBinary spaces, nested in Dict and Tuple; "
-        f"wrap the env in a gymnasium.{wrapper} that encodes it as one of these (a Text as a "
-        "Box of character indices, a Sequence as a padded Box with a length)"
+        "records Box, Discrete, MultiDiscrete, MultiBinary and Text spaces and Sequence spaces "
+        "of Box or Discrete, nested in Dict and Tuple; wrap the env in a "
+        f"gymnasium.{wrapper} that encodes it as one of these"
     )
 
 
@@ -362,7 +366,8 @@ def _subspaces(space: object) -> list[tuple[object, gym.Space[Any]]] | None:
 def _unrecordable(path: str, space: object) -> tuple[str, object] | None:
     subspaces = _subspaces(space)
     if subspaces is None:
-        return None if isinstance(space, RECORDABLE_SPACES) else (path, space)
+        recordable = isinstance(space, RECORDABLE_SPACES) or is_variable_space(space)
+        return None if recordable else (path, space)
     for key, sub in subspaces:
         found = _unrecordable(f"{path}[{key!r}]", sub)
         if found is not None:

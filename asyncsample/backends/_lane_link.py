@@ -15,8 +15,10 @@ from typing import Any
 
 import cloudpickle
 
+from asyncsample import _leaves
 from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
+from asyncsample.backends._column_wire import unpack_replies
 from asyncsample.backends._lane_serve import PENDING, ST_AGENT, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import Incarnation, PoolMember, closed_error
 from asyncsample.backends._transport import ST_OK, dumps
@@ -88,7 +90,10 @@ class LaneLink:
     def replied(self, payload: bytes) -> None:
         """A batch of replies came: ``(key, status, value)`` each."""
         waiting, owners, envs = self._waiting, self._owners, self._envs
-        for key, status, value in pickle.loads(payload):
+        replies = pickle.loads(payload)
+        if type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
+            replies = unpack_replies(replies)
+        for key, status, value in replies:
             future = waiting.pop(key, None)
             if future is None:  # given up on
                 continue
@@ -131,7 +136,18 @@ class RemoteLanes(PerEnvLockstep):
         self.n_envs = self.spec.n_envs  # type: ignore[attr-defined]
         self.in_flight = {}
         # The observations travel with the replies (buffers not shared, or without fixed rows).
-        self._obs_in_reply = obs_in_reply or isinstance(self.buffers.obs, list)
+        spec = self.spec  # type: ignore[attr-defined]
+        self._obs_in_reply = (
+            obs_in_reply
+            or isinstance(self.buffers.obs, list)
+            or (  # object rows (Text, Sequence leaves): not in shared memory
+                spec.columns
+                and (
+                    _leaves.has_variable(spec.observation_space)
+                    or _leaves.has_variable(spec.action_space)
+                )
+            )
+        )
         self._built_in: list[Any] = [None] * self.n_envs  # the incarnation each env lives in
         # Each env's request in flight (one at a time): its link, key and incarnation.
         self._links: list[LaneLink | None] = [None] * self.n_envs

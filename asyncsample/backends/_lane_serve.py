@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample import _leaves
 from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
-from asyncsample._tree import tree_map
+from asyncsample._tree import row_copy, tree_map
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
+from asyncsample.backends._column_wire import pack_replies
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -228,6 +230,10 @@ class LaneServer:
             slot.watch_lanes(watched)
         self._send = send
         self.obs_in_reply = obs_in_reply
+        # Slots whose Text/Sequence rows cannot be shared: their rows travel in the replies,
+        # packed one column per leaf per batch (_column_wire), and their actions in requests.
+        self._rows_travel = {id(s) for s in self.slots if _variable_rows(s.spec)}
+        self._pack = bool(self._rows_travel)
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
         self.flushing = False
         self.envs: dict[tuple[int, int], _EnvLane] = {}  # each env's queue of lane requests
@@ -344,7 +350,11 @@ class LaneServer:
                     await host.rebuild_one(i, pickle.loads(request[4]), request[5])
                     value = None
                 buffers = host.buffers
-                if self.obs_in_reply or isinstance(buffers.obs, list):
+                if (
+                    self.obs_in_reply
+                    or isinstance(buffers.obs, list)
+                    or id(host) in self._rows_travel
+                ):
                     ended = isinstance(value, tuple) and (value[1] or value[2])
                     final = _row(buffers.final_obs, i) if ended else None
                     value = (value, _row(buffers.obs, i), final)
@@ -407,11 +417,17 @@ class LaneServer:
             obs[i] if isinstance(obs, (np.ndarray, list)) else tree_map(lambda a: a[i], obs)
         )
         try:
-            action, infos = await batcher.request(agent, worker, observation)
+            action, infos = await batcher.request(agent, worker, observation, i)
+        except WorkerError:
+            raise  # the agent failed this env's row (AgentRowsError): the env's fault alone
         except Exception as exc:
             raise _agent_fault(exc, worker) from None
         reward, terminated, truncated, info = await host.step_one(i, action, when, host.tick())
-        if self.obs_in_reply or isinstance(host.buffers.actions, list):
+        if (
+            self.obs_in_reply
+            or isinstance(host.buffers.actions, list)
+            or id(host) in self._rows_travel
+        ):
             return reward, terminated, truncated, info, action, infos
         put_row(host.buffers.actions, i, action)  # shared with the caller: read there, not sent
         return reward, terminated, truncated, info, None, infos
@@ -436,7 +452,7 @@ class LaneServer:
             if batcher is not None and batcher.timer is not None and batcher.timer.calls:
                 record_agent_calls(slot.buffers.clock, *batcher.timer.drain())  # type: ignore[arg-type]
         if out:
-            self._send(dumps(out))
+            self._send(dumps(pack_replies(out, ST_OK) if self._pack else out))
 
 
 @dataclass
@@ -463,13 +479,20 @@ class _EnvLane:
                 return
 
 
+def _variable_rows(spec: HostSpec) -> bool:
+    """Whether ``spec``'s step buffers hold ``object`` rows (Text, Sequence leaves)."""
+    return spec.columns and (
+        _leaves.has_variable(spec.observation_space) or _leaves.has_variable(spec.action_space)
+    )
+
+
 def _row(tree: Any, i: int) -> Any:
     """Env ``i``'s row of a buffer (a copy: the buffer is written again by its next call)."""
     if type(tree) is np.ndarray:  # one array: no tree_map (25x the indexing's cost)
         return tree[i] if tree.ndim == 1 else tree[i].copy()  # a scalar is a copy already
     if isinstance(tree, list):
         return tree[i]
-    return tree_map(lambda a: a[i].copy(), tree)
+    return tree_map(lambda a: row_copy(a, i), tree)
 
 
 class _AgentFault(Exception):

@@ -27,10 +27,11 @@ from typing import Any
 import numpy as np
 import psutil
 
-from asyncsample import _validate
+from asyncsample import _leaves, _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
+from asyncsample.backends._column_wire import pack_columns, unpack_columns_into
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
@@ -500,6 +501,10 @@ class ProcessHost(RemoteHost[_Conn]):
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
         self._given: list[Any] | None = None
+        # Text/Sequence leaves in object rows: they travel packed (_column_wire), not shared.
+        self._columns = spec.columns and (
+            _leaves.has_variable(spec.observation_space) or _leaves.has_variable(spec.action_space)
+        )
         self.chunks = chunks
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
         self.chunk = chunks[0] if chunks else None
@@ -540,6 +545,9 @@ class ProcessHost(RemoteHost[_Conn]):
         infos: dict[int, dict[str, object]]
         if isinstance(self.buffers.obs, list):  # observations without fixed-size rows
             infos, self.buffers.obs[:] = pickle.loads(payload)
+        elif self._columns:  # Text/Sequence leaves: their columns
+            infos, columns = pickle.loads(payload)
+            unpack_columns_into(self.buffers.obs, columns)
         else:
             infos = pickle.loads(payload) if payload else {}
         return infos
@@ -565,7 +573,9 @@ class ProcessHost(RemoteHost[_Conn]):
             return None
         body = self._whole_body
         if not body or self._given is not None:
-            cache = self._given is None and not isinstance(self.buffers.actions, list)
+            cache = self._given is None and not (
+                isinstance(self.buffers.actions, list) or self._columns
+            )
             body = self._slot + self._step_body(self._whole_mask)
             if cache:  # the same request every step
                 self._whole_body = body
@@ -580,6 +590,8 @@ class ProcessHost(RemoteHost[_Conn]):
         body = _mask_bytes(mask)
         if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
             body += self._pickle("actions", self.buffers.actions)
+        elif self._columns:  # Text/Sequence leaves of the actions: their columns
+            body += self._pickle("actions", pack_columns(self.buffers.actions))
         elif self._given is not None:  # this step's actions, as the caller gave them
             body += self._pickle("actions", self._given)
             self._given = None
@@ -591,7 +603,11 @@ class ProcessHost(RemoteHost[_Conn]):
         if not payload:
             return StepInfos(None, {})
         parts = pickle.loads(payload)
-        if len(parts) > 3:  # observations without fixed-size rows come home pickled
+        if len(parts) > 3 and self._columns:  # Text/Sequence leaves: their columns
+            obs_columns, final_columns = parts[3]
+            unpack_columns_into(self.buffers.obs, obs_columns)
+            unpack_columns_into(self.buffers.final_obs, final_columns)
+        elif len(parts) > 3:  # observations without fixed-size rows come home pickled
             self.buffers.obs[:] = parts[3]
         return StepInfos(*parts[:3])
 
@@ -714,7 +730,9 @@ class ProcessBackend:
         if joint is None:
             self.joint = None
             own = [
-                shared_buffers(s.observation_space, s.action_space, s.n_envs, ctx, s.timed)
+                shared_buffers(
+                    s.observation_space, s.action_space, s.n_envs, ctx, s.timed, s.columns
+                )
                 for s in specs
             ]
             buffers, raws = [buf for buf, _ in own], [raw for _, raw in own]

@@ -1,0 +1,172 @@
+"""Text and ragged rows across processes: one buffer per column per message.
+
+The step buffers of a space with ``Text`` or ``Sequence`` leaves hold those leaves as
+``object`` rows (:mod:`asyncsample._leaves`), which shared memory cannot hold. A message that
+carries such rows carries each leaf as one column: the strings' utf-8 bytes end to end and
+their offsets, or a ragged leaf's items end to end (one array) and their offsets, so pickling
+a message costs a few buffers per leaf, never one object per row. The fixed-size leaves keep
+their shared memory (the lockstep hosts) or travel as one stacked array per leaf (the lanes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from asyncsample._tree import Tree, tree_leaves
+
+__all__ = [
+    "PACKED",
+    "pack_column",
+    "pack_columns",
+    "pack_replies",
+    "pack_rows",
+    "unpack_column",
+    "unpack_columns_into",
+    "unpack_replies",
+    "unpack_rows",
+]
+
+#: The first item of a lane-reply batch whose rows travel packed (:func:`pack_replies`).
+PACKED = "columns"
+
+Column = tuple[Any, ...]
+
+
+def _object_array(items: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(items), dtype=object)
+    for k, item in enumerate(items):
+        out[k] = item
+    return out
+
+
+def pack_column(rows: Sequence[Any]) -> Column:
+    """One leaf's ``rows`` as one column: ``("t", utf-8 bytes, offsets)`` for strings,
+    ``("a", items, offsets)`` for arrays of one dtype and item shape (ragged rows, or fixed
+    rows stacked), else ``("o", rows)`` (whatever else a leaf holds, pickled as it is)."""
+    items = list(rows)
+    if not items:
+        return ("o", items)
+    first = items[0]
+    if type(first) is str and all(type(r) is str for r in items):
+        encoded = [r.encode("utf-8") for r in items]
+        offsets = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        return ("t", b"".join(encoded), offsets)
+    if isinstance(first, np.ndarray) and first.ndim >= 1:
+        dtype, item = first.dtype, first.shape[1:]
+        if all(
+            isinstance(r, np.ndarray) and r.ndim >= 1 and r.dtype == dtype and r.shape[1:] == item
+            for r in items
+        ):
+            offsets = np.zeros(len(items) + 1, dtype=np.int64)
+            np.cumsum([len(r) for r in items], out=offsets[1:])
+            return ("a", np.concatenate(items, axis=0), offsets)
+    return ("o", items)
+
+
+def unpack_column(column: Column) -> list[Any]:
+    """The rows :func:`pack_column` packed (strings, arrays, or what it kept as it was)."""
+    kind = column[0]
+    if kind == "t":
+        data, offsets = column[1], column[2].tolist()
+        return [data[a:b].decode("utf-8") for a, b in zip(offsets[:-1], offsets[1:])]
+    if kind == "a":
+        values, offsets = column[1], column[2].tolist()
+        return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    return list(column[1])
+
+
+def pack_columns(tree: Tree) -> list[Column]:
+    """The ``object`` leaves of a buffer ``tree`` (every row), one column each, in leaf order."""
+    return [pack_column(leaf) for leaf in tree_leaves(tree) if leaf.dtype == object]
+
+
+def unpack_columns_into(tree: Tree, columns: list[Column]) -> None:
+    """Write :func:`pack_columns`' ``columns`` into the ``object`` leaves of ``tree``."""
+    leaves = [leaf for leaf in tree_leaves(tree) if leaf.dtype == object]
+    for leaf, column in zip(leaves, columns, strict=True):
+        leaf[:] = _object_array(unpack_column(column))
+
+
+def _structure(tree: Tree) -> Any:
+    """The dict/tuple structure of ``tree`` with its leaves left out (``None``)."""
+    if isinstance(tree, Mapping):
+        return {k: _structure(v) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_structure(v) for v in tree)
+    return None
+
+
+def _build(structure: Any, leaves: list[Any], at: list[int]) -> Tree:
+    if isinstance(structure, dict):
+        return {k: _build(v, leaves, at) for k, v in structure.items()}
+    if isinstance(structure, tuple):
+        return tuple(_build(v, leaves, at) for v in structure)
+    value = leaves[at[0]]
+    at[0] += 1
+    return value
+
+
+def pack_rows(rows: Sequence[Tree]) -> tuple[Any, int, list[Column]]:
+    """Rows of one structure (observations, each a dict/tuple tree or a leaf) as one column
+    per leaf: ``(structure, n_rows, columns)``."""
+    if not rows:
+        return (None, 0, [])
+    structure = _structure(rows[0])
+    per_row = [tree_leaves(r) for r in rows]
+    n_leaves = len(per_row[0])
+    columns = [pack_column([leaves[j] for leaves in per_row]) for j in range(n_leaves)]
+    return (structure, len(rows), columns)
+
+
+def unpack_rows(packed: tuple[Any, int, list[Column]]) -> list[Tree]:
+    """The rows :func:`pack_rows` packed."""
+    structure, n, columns = packed
+    if not n:
+        return []
+    by_leaf = [unpack_column(c) for c in columns]
+    if structure is None:
+        return by_leaf[0]
+    return [_build(structure, [leaf[k] for leaf in by_leaf], [0]) for k in range(n)]
+
+
+def pack_replies(out: list[tuple[int, int, Any]], ok: int) -> tuple[Any, ...]:
+    """A batch of lane replies ``(key, status, value)`` whose successful values are
+    ``(outcome, observation row, final observation row or None)``, with the rows of the whole
+    batch packed into columns (:func:`pack_rows`)."""
+    slim: list[tuple[int, int, Any]] = []
+    rows: list[Tree] = []
+    finals: list[Tree] = []
+    final_at: list[int] = []
+    for key, status, value in out:
+        if status == ok:
+            outcome, row, final = value
+            if final is not None:
+                final_at.append(len(rows))
+                finals.append(final)
+            rows.append(row)
+            slim.append((key, status, outcome))
+        else:
+            slim.append((key, status, value))
+    return (PACKED, ok, slim, pack_rows(rows), pack_rows(finals), final_at)
+
+
+def unpack_replies(message: tuple[Any, ...]) -> list[tuple[int, int, Any]]:
+    """The lane replies :func:`pack_replies` packed, each with its rows again."""
+    _, ok, slim, packed_rows, packed_finals, final_at = message
+    rows = unpack_rows(packed_rows)
+    finals: list[Any] = [None] * len(rows)
+    for k, final in zip(final_at, unpack_rows(packed_finals), strict=True):
+        finals[k] = final
+    out: list[tuple[int, int, Any]] = []
+    r = 0
+    for key, status, value in slim:
+        if status == ok:
+            out.append((key, status, (value, rows[r], finals[r])))
+            r += 1
+        else:
+            out.append((key, status, value))
+    return out
