@@ -18,7 +18,10 @@ from asyncsample.async_env import (
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
+    AgentRowsError,
     AsyncSampleError,
+    ChatRequestError,
+    ChatTimeoutError,
     SamplerBusyError,
     SamplerClosedError,
     StepTimeoutError,
@@ -49,6 +52,7 @@ __all__ = [
     "Agent",
     "AgentOutput",
     "AgentParams",
+    "AgentRowsError",
     "AgentUpdate",
     "AgentUpdateArg",
     "AsyncEnv",
@@ -57,6 +61,8 @@ __all__ = [
     "AsyncTimeLimit",
     "AsyncWrapper",
     "Batched",
+    "ChatRequestError",
+    "ChatTimeoutError",
     "EnvChoice",
     "EnvSource",
     "EnvSpec",

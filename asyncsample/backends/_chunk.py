@@ -35,6 +35,7 @@ from asyncsample.backends._transport import (
 )
 from asyncsample.backends.base import EnvHost, HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
+from asyncsample.errors import AgentRowsError
 
 __all__ = [
     "AgentHost",
@@ -405,6 +406,10 @@ class ChunkRunner:
 
     def _failure(self, exc: Exception) -> EnvFailureError:
         """What the agent's ``exc`` is reported as (in the ``except`` block: the traceback)."""
+        if isinstance(exc, AgentRowsError):  # a failed row: that env's fault (host restarted)
+            row = next(iter(exc.failures))
+            fault = exc.row_fault(row, worker=self.group.worker, env=row)
+            return EnvFailureError(EnvFailure(row, fault, traceback.format_exc(), retry=True))
         error = agent_error(exc, self.group.worker)
         return EnvFailureError(EnvFailure(None, error, traceback.format_exc(), retry=False))
 
