@@ -16,6 +16,7 @@ from asyncsample.async_env import (
     is_async_env,
 )
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
+from asyncsample.columns import RaggedArray
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
     AgentRowsError,
@@ -73,6 +74,7 @@ __all__ = [
     "FragmentWorker",
     "Host",
     "NewEnvUpdate",
+    "RaggedArray",
     "RandomAgent",
     "SampleStats",
     "Sampler",

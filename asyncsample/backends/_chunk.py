@@ -160,7 +160,7 @@ def chunk_sets(
 def arena_rows(observation_space: gym.Space[Any], n_envs: int, capacity: int) -> int:
     """Rows of a worker's observation arena: what :data:`ARENA_BYTES` holds, at most
     :data:`ARENA_MAX_ROWS`; 0 (no arena) when fewer than two chunks fit."""
-    probe = StepBuffers.allocate(observation_space, gym.spaces.Discrete(2), 1)
+    probe = StepBuffers.allocate(observation_space, gym.spaces.Discrete(2), 1, columns=True)
     leaves = tree_leaves(probe.obs)
     if any(a.dtype == object for a in leaves):
         return 0
@@ -183,7 +183,7 @@ def chunk_capacity(
     observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, steps: int
 ) -> int:
     """How many steps a worker's chunk buffers hold: ``steps``, fewer if a row is large."""
-    probe = StepBuffers.allocate(observation_space, action_space, 1)
+    probe = StepBuffers.allocate(observation_space, action_space, 1, columns=True)
     row = sum(a.nbytes for a in tree_leaves(probe.obs)) * 2 + sum(
         a.nbytes for a in tree_leaves(probe.actions)
     )
@@ -203,7 +203,9 @@ def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], Raw
         return [], None
     obs_space, n_envs = spec.observation_space, spec.n_envs
     rows = chunk_rows(spec.chunk_steps, PIPELINE_SETS)
-    _, blocks = shared_buffers(obs_space, spec.action_space, rows * n_envs, ctx)
+    _, blocks = shared_buffers(
+        obs_space, spec.action_space, rows * n_envs, ctx, columns=spec.columns
+    )
     counters = ctx.RawArray("q", 2)  # the step counter and the update epoch
     arena = None
     n_arena = arena_rows(obs_space, n_envs, spec.chunk_steps)
@@ -219,7 +221,7 @@ def view_chunk_sets(spec: HostSpec, raw: RawChunks) -> list[ChunkBuffers]:
     seen from either process."""
     capacity, rows, blocks, counters, raw_arena = raw
     obs_space, n_envs = spec.observation_space, spec.n_envs
-    flat = view_buffers(obs_space, spec.action_space, rows * n_envs, blocks)
+    flat = view_buffers(obs_space, spec.action_space, rows * n_envs, blocks, columns=spec.columns)
     arena = None
     if raw_arena is not None:
         n_arena, memory = raw_arena
@@ -308,6 +310,10 @@ class ChunkReply:
         default_factory=dict
     )
     obs_row: int = -1
+    columns: Any = None
+    """Text/Sequence leaves (object rows, not in shared memory): the chunk's observation,
+    final observation and action rows and the current observations, packed by the host
+    (:func:`asyncsample.backends._column_wire.pack_block`); else ``None``."""
 
     def infos_at(self, step: int) -> dict[str, np.ndarray]:
         """The agent infos of ``step``."""

@@ -20,10 +20,12 @@ from asyncsample._tree import Tree, tree_leaves
 __all__ = [
     "PACKED",
     "pack_column",
+    "pack_block",
     "pack_columns",
     "pack_replies",
     "pack_rows",
     "unpack_column",
+    "unpack_block_into",
     "unpack_columns_into",
     "unpack_replies",
     "unpack_rows",
@@ -89,6 +91,22 @@ def unpack_columns_into(tree: Tree, columns: list[Column]) -> None:
     leaves = [leaf for leaf in tree_leaves(tree) if leaf.dtype == object]
     for leaf, column in zip(leaves, columns, strict=True):
         leaf[:] = _object_array(unpack_column(column))
+
+
+def pack_block(tree: Tree, stop: int) -> list[Column]:
+    """The ``object`` leaves of records ``tree`` (``(rows, n_envs)`` each), rows ``:stop``,
+    one column each (row-major)."""
+    return [
+        pack_column(leaf[:stop].reshape(-1)) for leaf in tree_leaves(tree) if leaf.dtype == object
+    ]
+
+
+def unpack_block_into(tree: Tree, stop: int, columns: list[Column]) -> None:
+    """Write :func:`pack_block`'s ``columns`` into rows ``:stop`` of ``tree``'s object leaves."""
+    leaves = [leaf for leaf in tree_leaves(tree) if leaf.dtype == object]
+    for leaf, column in zip(leaves, columns, strict=True):
+        block = leaf[:stop]
+        block.reshape(-1)[:] = _object_array(unpack_column(column))
 
 
 def _structure(tree: Tree) -> Any:

@@ -30,7 +30,7 @@ from asyncsample.backends._chunk import (
     chunk_rows,
     chunk_sets,
 )
-from asyncsample.backends._column_wire import pack_columns, unpack_columns_into
+from asyncsample.backends._column_wire import pack_block, pack_columns, unpack_columns_into
 from asyncsample.backends._transport import Op, dumps
 from asyncsample.backends.base import HostSpec
 from asyncsample.env_group import (
@@ -278,7 +278,16 @@ class HostSlot:
 
     def run_chunk(self, request: ChunkRequest | NextChunk) -> ChunkReply:
         runner = self._runner()
-        return runner.run(request) if self.timing is None else self.timing.run(request)
+        reply = runner.run(request) if self.timing is None else self.timing.run(request)
+        if self.columns and self.where == "env-host process":  # object rows: not shared
+            chunk, k = runner.chunks[request.buffer], reply.steps
+            reply.columns = (
+                pack_block(chunk.obs, k + 1),
+                pack_block(chunk.final_obs, k),
+                pack_block(chunk.actions, k),
+                pack_columns(self.group.buffers.obs),
+            )
+        return reply
 
     def close(self) -> None:
         self.group.close()

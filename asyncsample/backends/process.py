@@ -31,7 +31,11 @@ from asyncsample import _leaves, _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
-from asyncsample.backends._column_wire import pack_columns, unpack_columns_into
+from asyncsample.backends._column_wire import (
+    pack_columns,
+    unpack_block_into,
+    unpack_columns_into,
+)
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
@@ -624,7 +628,28 @@ class ProcessHost(RemoteHost[_Conn]):
             raise closed_error(self.worker, "run its chunk")
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
+        if self._columns:  # Text/Sequence rows come in the reply: into this set's records
+            target = self.chunks[request.buffer]
+
+            async def reply() -> bytes:
+                payload = await self.reply(inc, call)
+                self._unpack_chunk_columns(target, payload)
+                return payload
+
+            return _chunk.SentChunk(call.future, reply, version)
         return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
+
+    def _unpack_chunk_columns(self, chunk: ChunkBuffers, payload: bytes) -> None:
+        """Write the object rows a chunk reply carries into ``chunk`` and the step buffers."""
+        reply: ChunkReply = pickle.loads(payload)
+        if reply.columns is None:
+            return
+        obs, final_obs, actions, current = reply.columns
+        k = reply.steps
+        unpack_block_into(chunk.obs, k + 1, obs)
+        unpack_block_into(chunk.final_obs, k, final_obs)
+        unpack_block_into(chunk.actions, k, actions)
+        unpack_columns_into(self.buffers.obs, current)
 
 
 class ProcessLaneHost(RemoteLanes, ProcessHost):
