@@ -240,3 +240,17 @@ def test_core_imports_no_http_client_and_a_missing_extra_is_named() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "pip install 'asyncsample[llm]'" in result.stdout
+
+
+def test_a_server_in_a_thread_of_its_own_serves_and_stops() -> None:
+    async def ask(url: str) -> np.ndarray:
+        async with ChatAgent(url, "m", max_in_flight=2) as agent:
+            actions, _ = await agent.get_actions(_prompts(5))
+        return actions
+
+    with ChatServer(latency=0.01).in_thread() as server:
+        actions = asyncio.run(ask(server.base_url))
+        assert 1 <= server.max_in_flight <= 2
+    assert [str(a) for a in actions] == [f"echo: task {k}" for k in range(5)]
+    with pytest.raises(RuntimeError, match="not started"):
+        server.base_url  # noqa: B018 - closed: no address

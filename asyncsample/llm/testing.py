@@ -19,11 +19,19 @@ import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from asyncsample.llm._extra import web
 
-__all__ = ["ChatRequest", "ChatServer", "Fault", "echo_reply", "token_ids", "token_logprobs"]
+__all__ = [
+    "ChatRequest",
+    "ChatServer",
+    "Fault",
+    "LocalApp",
+    "echo_reply",
+    "token_ids",
+    "token_logprobs",
+]
 
 Messages = list[dict[str, Any]]
 """A conversation: ``{"role": ..., "content": ...}`` dicts, oldest first."""
@@ -111,7 +119,77 @@ class _Counts:
     attempts: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
-class ChatServer:
+class LocalApp:
+    """An aiohttp ``app`` served on localhost over real HTTP: ``async with LocalApp(app) as
+    served:`` on the running loop, or ``with LocalApp(app).in_thread() as served:`` from a
+    thread with its own event loop (as a separate service would run). :attr:`url` is then
+    ``http://<host>:<port><path>``; port 0 takes an ephemeral one.
+    """
+
+    def __init__(
+        self, app: web.Application, *, host: str = "127.0.0.1", port: int = 0, path: str = ""
+    ) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self.path = path
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        """``http://<host>:<port><path>`` (once started)."""
+        if self._runner is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: not started (use 'async with' or in_thread())"
+            )
+        return f"http://{self.host}:{self.port}{self.path}"
+
+    async def start(self) -> str:
+        """Start serving on the running loop; returns :attr:`url`."""
+        runner = web.AppRunner(
+            self.app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        await site.start()
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        return self.url
+
+    async def close(self) -> None:
+        """Stop serving (requests still being answered are cancelled)."""
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @contextlib.contextmanager
+    def in_thread(self) -> Iterator[Self]:
+        """Serve from a thread with its own event loop while the block runs."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(
+            target=loop.run_forever, name=f"asyncsample-{type(self).__name__}", daemon=True
+        )
+        thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.start(), loop).result()
+            yield self
+        finally:
+            try:
+                asyncio.run_coroutine_threadsafe(self.close(), loop).result()
+            finally:
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join()
+                loop.close()
+
+
+class ChatServer(LocalApp):
     """An OpenAI-compatible chat-completions endpoint on localhost (module docstring).
 
     ``async with ChatServer(reply) as server:`` serves on the running loop; ``with
@@ -150,16 +228,16 @@ class ChatServer:
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        super().__init__(app, host=host, port=port, path="/v1")
         self.reply = reply or echo_reply
         self.model = model
         self.fault = fault
         self.latency = latency
-        self.host = host
-        self.port = port
         self._counts = _Counts()
         self._lock = threading.Lock()
-        self._runner: web.AppRunner | None = None
-        self._thread_loop: asyncio.AbstractEventLoop | None = None
 
     # -- counters -----------------------------------------------------------------------------
 
@@ -186,67 +264,8 @@ class ChatServer:
 
     @property
     def base_url(self) -> str:
-        """``http://<host>:<port>/v1`` (once started)."""
-        if self._runner is None:
-            raise RuntimeError("ChatServer: not started (use 'async with' or in_thread())")
-        return f"http://{self.host}:{self.port}/v1"
-
-    # -- serving ------------------------------------------------------------------------------
-
-    async def start(self) -> str:
-        """Start serving on the running loop; returns :attr:`base_url`."""
-        app = web.Application(client_max_size=64 << 20)
-        app.router.add_post("/v1/chat/completions", self._completions)
-        app.router.add_get("/v1/models", self._models)
-        runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
-        )
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
-        await site.start()
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
-        return self.base_url
-
-    async def close(self) -> None:
-        """Stop serving (requests still stalled are cancelled)."""
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
-
-    async def __aenter__(self) -> ChatServer:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    @contextlib.contextmanager
-    def in_thread(self) -> Iterator[ChatServer]:
-        """Serve from a thread with its own event loop while the block runs."""
-        loop = asyncio.new_event_loop()
-        started = threading.Event()
-        thread = threading.Thread(
-            target=self._serve_thread, args=(loop, started), name="asyncsample-chat-server"
-        )
-        thread.start()
-        started.wait()
-        try:
-            asyncio.run_coroutine_threadsafe(self.start(), loop).result()
-            yield self
-        finally:
-            try:
-                asyncio.run_coroutine_threadsafe(self.close(), loop).result()
-            finally:
-                loop.call_soon_threadsafe(loop.stop)
-                thread.join()
-                loop.close()
-
-    @staticmethod
-    def _serve_thread(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
-        asyncio.set_event_loop(loop)
-        loop.call_soon(started.set)
-        loop.run_forever()
+        """``http://<host>:<port>/v1`` (once started): what ``ChatAgent`` takes."""
+        return self.url
 
     @contextlib.asynccontextmanager
     async def _counted(self) -> AsyncIterator[None]:
