@@ -267,3 +267,29 @@ def test_a_space_it_cannot_record_is_refused_naming_the_leaf() -> None:
     bad = gym.spaces.Dict({"g": gym.spaces.Sequence(gym.spaces.Text(4))})
     with pytest.raises(ValueError, match=r"observation_space\['g'\].*cannot record"):
         _validate.recordable_space("env: observation_space", bad)
+
+
+def test_memory_bound_sizes_text_and_sequences_and_says_from_what() -> None:
+    """Text sizes from its max_length, Sequence from max_sequence_length (default 1,024
+    items); a configuration that cannot fit is refused before anything starts, naming both."""
+    from asyncsample import _validate
+
+    huge = text_envs.gym.spaces.Dict(
+        {"p": text_envs.gym.spaces.Text(10**9), "ids": text_envs.TOKENS}
+    )
+    with pytest.raises(ValueError, match=r"(?=.*'p'\] from Text max_length=1000000000)(?=.*max_sequence_length=1024 \(the default)"):
+        _validate.memory_fits(
+            huge, text_envs.REPLY, n_workers=4, envs_per_worker=8, chunk_steps=0, shared=True
+        )
+    with pytest.raises(ValueError, match=r"max_sequence_length=1000000000 \(given\)"):
+        Sampler(
+            lambda: TextEnv("tokens"), backend="process", n_workers=64, envs_per_worker=64,
+            max_sequence_length=10**9,
+        )
+    with pytest.raises(ValueError, match="max_sequence_length must be >= 1"):
+        Sampler(lambda: TextEnv("tokens"), backend="asyncio", max_sequence_length=0)
+    # A modest bound fits.
+    _validate.memory_fits(
+        huge.spaces["ids"], text_envs.REPLY, n_workers=2, envs_per_worker=2, chunk_steps=0,
+        shared=True,
+    )
