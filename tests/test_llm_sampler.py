@@ -80,15 +80,19 @@ def _sampler(make_sampler: SamplerFactory, backend: str, agent: ChatAgent, **kw:
 
 
 @pytest.mark.both_loops
-@pytest.mark.parametrize("backend", ["asyncio", "process"])
+@pytest.mark.parametrize(
+    ("backend", "inference"),
+    [("asyncio", "per_worker"), ("process", "per_worker"), ("process", "host")],
+)
 async def test_replies_token_ids_logprobs_and_model_are_recorded(
-    make_sampler: SamplerFactory, backend: str
+    make_sampler: SamplerFactory, backend: str, inference: str
 ) -> None:
+    """In the caller, and as a copy in each env host (its own connections there)."""
     async with ChatServer(_reply, model="served/model") as server:
         async with ChatAgent(
             server.base_url, "asked", logprobs=True, return_token_ids=True
         ) as agent:
-            sampler = _sampler(make_sampler, backend, agent)
+            sampler = _sampler(make_sampler, backend, agent, inference=inference)
             batch = await sampler.obtain_exact_episodes(4)
             fragments = await sampler.obtain_fragments(16)
             await sampler.aclose()
