@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import time
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -254,3 +255,20 @@ def test_a_server_in_a_thread_of_its_own_serves_and_stops() -> None:
     assert [str(a) for a in actions] == [f"echo: task {k}" for k in range(5)]
     with pytest.raises(RuntimeError, match="not started"):
         server.base_url  # noqa: B018 - closed: no address
+
+
+async def test_a_dict_observation_reaches_an_override_of_messages_row_by_row() -> None:
+    class Briefed(ChatAgent):
+        def messages(self, observation: Any) -> list[dict[str, Any]]:
+            return [
+                {"role": "system", "content": str(observation["system"])},
+                {"role": "user", "content": str(observation["prompt"])},
+            ]
+
+    observations = {"system": np.array(["s0", "s1"]), "prompt": np.array(["p0", "p1"])}
+    async with ChatServer(lambda m: f"{m[0]['content']}+{m[1]['content']}") as server:
+        async with Briefed(server.base_url, "m") as agent:
+            actions, _ = await agent.get_actions(observations)
+            with pytest.raises(TypeError, match=r"override ChatAgent\.messages"):
+                await ChatAgent(server.base_url, "m").get_actions(observations)
+    assert [str(a) for a in actions] == ["s0+p0", "s1+p1"]

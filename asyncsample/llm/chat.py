@@ -201,9 +201,16 @@ class ChatAgent:
         """
         conversations = [self.messages(o) for o in _rows(observations)]
         session, slots = self._connection()
-        outcomes = await asyncio.gather(
-            *(self._ask(session, slots, c) for c in conversations), return_exceptions=True
-        )
+        outcomes: list[ChatReply | BaseException]
+        if len(conversations) == 1:  # the lanes' call per env: no task for one request
+            try:
+                outcomes = [await self._ask(session, slots, conversations[0])]
+            except Exception as exc:
+                outcomes = [exc]
+        else:
+            outcomes = await asyncio.gather(
+                *(self._ask(session, slots, c) for c in conversations), return_exceptions=True
+            )
         replies: list[ChatReply | None] = []
         failures: dict[int, BaseException] = {}
         for j, outcome in enumerate(outcomes):
@@ -357,7 +364,12 @@ class ChatAgent:
 
 
 def _rows(observations: Any) -> list[Any]:
-    """The rows of a batch of observations (an array's, or a list's items)."""
+    """The rows of a batch of observations (an array's, or a list's items; of a ``Dict``
+    space's batch, one dict per row, for an override of :meth:`ChatAgent.messages`)."""
+    if isinstance(observations, Mapping):
+        keys = list(observations)
+        columns = [_rows(observations[k]) for k in keys]
+        return [dict(zip(keys, row)) for row in zip(*columns)]
     if isinstance(observations, np.ndarray):
         if observations.ndim == 0:
             raise ValueError(
