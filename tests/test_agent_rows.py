@@ -5,12 +5,13 @@ lanes in the caller and in the env hosts, and with envs stepped in lockstep (the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from async_envs import CountingAsyncEnv
-from envs import GridWorldEnv
+from envs import GridWorldEnv, first_to_claim
 from helpers import SamplerFactory
 
 from asyncsample import AgentRowsError, EpisodeBatch, WorkerError
@@ -20,17 +21,22 @@ LENGTH = 5
 
 class RowFailingAgent:
     """Acts 1 everywhere; fails the rows whose observation's step count is ``at`` while
-    ``times`` allows (``None``: always), with a ``RuntimeError`` as each row's cause."""
+    ``times`` allows (``None``: always), with a ``RuntimeError`` as each row's cause. With a
+    ``flag`` file, only the first row to claim it fails (once, whichever process or agent copy
+    asks)."""
 
-    def __init__(self, at: int = 2, times: int | None = 1) -> None:
+    def __init__(self, at: int = 2, times: int | None = 1, flag: str | None = None) -> None:
         self.at = at
         self.left = times
+        self.flag = flag
         self.failed = 0
 
     def _failures(self, observations: np.ndarray) -> dict[int, BaseException]:
         failures: dict[int, BaseException] = {}
         for j, row in enumerate(np.asarray(observations).reshape(len(observations), -1)):
             if int(row[0]) == self.at and (self.left is None or self.left > 0):
+                if self.flag is not None and not first_to_claim(self.flag):
+                    continue
                 if self.left is not None:
                     self.left -= 1
                 failures[j] = RuntimeError(f"no reply for row {j}")
@@ -105,18 +111,30 @@ async def test_a_failed_row_in_an_env_host_agent_copy_is_that_envs_fault(
     _intact(batch, LENGTH)
 
 
-@pytest.mark.parametrize("backend", ["local", "process"])
+@pytest.mark.parametrize(
+    ("backend", "inference"),
+    [("local", "per_worker"), ("process", "per_worker"), ("local", "batched"), ("process", "host")],
+)
 async def test_with_lockstep_envs_a_failed_row_restarts_the_host(
-    make_sampler: SamplerFactory, backend: str
+    make_sampler: SamplerFactory, backend: str, inference: str, tmp_path: Path
 ) -> None:
-    agent = RowFailingAgent(at=4)  # action 1 walks the grid world's cells 0, 4, 8, 12 (a hole)
+    """In the worker's call, in a merged call of the workers' rows, in the host's agent copy."""
+    # Action 1 walks the grid world's cells 0, 4, 8, 12 (a hole); one row at cell 4 fails.
+    agent = RowFailingAgent(at=4, flag=str(tmp_path / "failed"))
     sampler = make_sampler(
-        backend, GridWorldEnv, agent, n_workers=1, envs_per_worker=3, n_processes=1
+        backend,
+        GridWorldEnv,
+        agent,
+        n_workers=2,
+        envs_per_worker=3,
+        n_processes=1,
+        inference=inference,
     )
     batch = await sampler.obtain_exact_episodes(6)
-    assert agent.failed == 1
+    if inference != "host":  # (a copy acts in the host)
+        assert agent.failed == 1
     assert sampler.last_stats is not None and sampler.last_stats.restarts == 1
-    assert batch.lengths.tolist() == [3] * 6  # whole episodes: cells 0, 4, 8, then the hole
+    assert batch.lengths.tolist() == [3] * 12  # whole episodes: cells 0, 4, 8, then the hole
     assert all(step_types[-1] == 2 for step_types in (e.step_types for e in batch.split()))
 
 
