@@ -187,7 +187,8 @@ def info_rows(value: Any) -> np.ndarray:
         return column_rows(value)
     if isinstance(value, np.ndarray):
         return _object_rows(value.tolist()) if value.dtype.kind in "TU" else value
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (list, tuple, np.ndarray)):
+    rows = isinstance(value, (list, tuple)) and value
+    if rows and isinstance(value[0], (list, tuple, np.ndarray)):
         return _object_rows([np.asarray(v) for v in value])  # rows: ragged, whatever lengths
     array = np.asarray(value)
     if array.dtype.kind == "U" and array.ndim == 1:

@@ -391,7 +391,10 @@ _OBJECT_BYTES = 112
 
 
 def _leaf_bytes(
-    space: gym.Space[Any], max_items: int | None = None, path: str = "", sized: list[str] | None = None
+    space: gym.Space[Any],
+    max_items: int | None = None,
+    path: str = "",
+    sized: list[str] | None = None,
 ) -> tuple[int, int]:
     """Bytes one value of a recordable ``space`` takes in a step buffer (nested spaces summed):
     ``(fixed, variable)``, ``variable`` the rows of ``Text`` and ``Sequence`` leaves (in the

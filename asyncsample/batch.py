@@ -28,8 +28,8 @@ from asyncsample._infos import (
     stack_column,
     stack_infos,
 )
-from asyncsample.columns import RaggedArray, is_text
 from asyncsample._tree import tree_concat, tree_equal, tree_index, tree_leaves, tree_map
+from asyncsample.columns import RaggedArray, is_text
 
 # The info helpers live in ``_infos``; they stay importable from here, where they always were.
 __all__ = [
@@ -288,7 +288,8 @@ class EpisodeBatch:
     @property
     def padded_rewards(self) -> np.ndarray:
         """Rewards as ``(N, L)``, zero after each episode's end."""
-        return _pad(self.rewards, self.lengths, self._padded_length())
+        padded: np.ndarray = _pad(self.rewards, self.lengths, self._padded_length())
+        return padded
 
     @property
     def padded_next_observations(self) -> ArrayTree:
@@ -298,7 +299,8 @@ class EpisodeBatch:
     @property
     def padded_step_types(self) -> np.ndarray:
         """Step types as ``(N, L)`` (same dtype as :attr:`step_types`), zero-padded."""
-        return _pad(self.step_types, self.lengths, self._padded_length())
+        padded: np.ndarray = _pad(self.step_types, self.lengths, self._padded_length())
+        return padded
 
     def _pad_infos(self, infos: Mapping[str, Any], absent: bool = False) -> dict[str, Any]:
         """Pad an info dict: masks with False, masked keys with their fill value, else zero."""
@@ -325,7 +327,8 @@ class EpisodeBatch:
     @property
     def valids(self) -> np.ndarray:
         """``(N, L)`` mask, one where a padded step is real (the dtype of :attr:`rewards`)."""
-        return _pad(np.ones_like(self.rewards), self.lengths, self._padded_length())
+        padded: np.ndarray = _pad(np.ones_like(self.rewards), self.lengths, self._padded_length())
+        return padded
 
     @classmethod
     def concatenate(cls, *batches: EpisodeBatch) -> EpisodeBatch:

@@ -49,7 +49,7 @@ def text_array(values: Iterable[Any]) -> np.ndarray:
     """A 1-D text column of ``values`` (each a ``str``)."""
     items = [str(v) for v in values]
     dtype = text_dtype()
-    if dtype == object:
+    if dtype.kind == "O":
         out = np.empty(len(items), dtype=object)
         out[:] = items
         return out
@@ -128,7 +128,9 @@ class RaggedArray:
         if dtype is None:
             dtype = next((a.dtype for a in arrays if a.size), arrays[0].dtype if arrays else None)
             dtype = np.dtype(np.float64 if dtype is None else dtype)
-        shaped = [a.reshape(-1, *item_shape) if a.ndim != 1 + len(item_shape) else a for a in arrays]
+        shaped = [
+            a.reshape(-1, *item_shape) if a.ndim != 1 + len(item_shape) else a for a in arrays
+        ]
         for k, a in enumerate(shaped):
             if a.shape[1:] != tuple(item_shape):
                 raise ValueError(
@@ -227,7 +229,9 @@ class RaggedArray:
         offsets = np.zeros(len(idx) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         # One gather: the position of every item of the new rows in the old values.
-        items = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(offsets[:-1] - starts, lengths)
+        items = np.arange(int(offsets[-1]), dtype=np.int64) - np.repeat(
+            offsets[:-1] - starts, lengths
+        )
         return RaggedArray(self.values[items], offsets)
 
     def compact(self) -> RaggedArray:
@@ -239,9 +243,13 @@ class RaggedArray:
 
     def to_list(self) -> list[np.ndarray]:
         """The rows, one array each (views into :attr:`values`)."""
-        return [self.values[a:b] for a, b in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist())]
+        return [
+            self.values[a:b] for a, b in zip(self.offsets[:-1].tolist(), self.offsets[1:].tolist())
+        ]
 
-    def to_padded(self, pad_value: Any = 0, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def to_padded(
+        self, pad_value: Any = 0, length: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The rows as one padded array, and their lengths.
 
         Args:
@@ -312,7 +320,7 @@ def is_variable_space(space: object) -> bool:
     return isinstance(space, gym.spaces.Text) or _is_sequence_space(space)
 
 
-def _item_kind(space: gym.spaces.Sequence[Any]) -> tuple[np.dtype[Any], tuple[int, ...]]:
+def _item_kind(space: gym.spaces.Sequence) -> tuple[np.dtype[Any], tuple[int, ...]]:
     feature = space.feature_space
     return np.dtype(feature.dtype or np.float64), tuple(feature.shape or ())
 

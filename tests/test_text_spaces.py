@@ -33,8 +33,14 @@ def _reference(layout: str, n_episodes: int) -> list[dict[str, Any]]:
     for _ in range(n_episodes):
         obs, info = env.reset(seed=seed)
         seed = None
-        ep: dict[str, Any] = {"obs": [], "actions": [], "rewards": [], "tool": [], "ids": [],
-                              "info": info}
+        ep: dict[str, Any] = {
+            "obs": [],
+            "actions": [],
+            "rewards": [],
+            "tool": [],
+            "ids": [],
+            "info": info,
+        }
         done = False
         while not done:
             action, ids, _ = answer(obs, layout)
@@ -170,8 +176,7 @@ async def test_call_modes_and_inference_modes(
             assert batch.n_transitions >= 4
         elif mode == "stream":
             async with contextlib.aclosing(s.stream(5)) as it:
-                async for batch in it:
-                    break
+                batch = await anext(it)
         else:
             batch = await s.obtain_exact_episodes(2)
         _check_against(batch, episodes, layout)
@@ -197,7 +202,9 @@ def test_ragged_array_layout_and_padding() -> None:
         RaggedArray(np.zeros(2), np.array([0, 3]))
 
 
-def _batch(obs: Any, actions: Any, lengths: list[int], obs_space: Any, act_space: Any) -> EpisodeBatch:
+def _batch(
+    obs: Any, actions: Any, lengths: list[int], obs_space: Any, act_space: Any
+) -> EpisodeBatch:
     n, t = len(lengths), sum(lengths)
     last = obs[:n] if not isinstance(obs, RaggedArray) else obs[np.arange(n)]
     return EpisodeBatch(
@@ -221,8 +228,11 @@ def test_batch_checks_split_concatenate_pad_equality() -> None:
     parts = b.split()
     assert [p.n_transitions for p in parts] == [3, 1]
     assert EpisodeBatch.concatenate(*parts).equals(b)
-    assert not b.equals(_batch(obs, columns.text_array(["a", "bb", "", "x"]), [3, 1],
-                               text_envs.TOKENS, text_envs.REPLY))
+    assert not b.equals(
+        _batch(
+            obs, columns.text_array(["a", "bb", "", "x"]), [3, 1], text_envs.TOKENS, text_envs.REPLY
+        )
+    )
     padded = b.padded_observations  # N * L rows, episode-major, empty past each end
     assert isinstance(padded, RaggedArray) and len(padded) == 2 * 3
     assert _rows(padded) == [[1], [2, 3], [], [4, 5, 6], [], []]
@@ -260,8 +270,9 @@ async def test_object_fallback_records_through_a_sampler(monkeypatch: pytest.Mon
 
 
 def test_a_space_it_cannot_record_is_refused_naming_the_leaf() -> None:
-    from asyncsample import _validate
     import gymnasium as gym
+
+    from asyncsample import _validate
 
     _validate.recordable_space("env: observation_space", gym.spaces.Dict({"a": text_envs.TEXT}))
     bad = gym.spaces.Dict({"g": gym.spaces.Sequence(gym.spaces.Text(4))})
@@ -277,19 +288,30 @@ def test_memory_bound_sizes_text_and_sequences_and_says_from_what() -> None:
     huge = text_envs.gym.spaces.Dict(
         {"p": text_envs.gym.spaces.Text(10**9), "ids": text_envs.TOKENS}
     )
-    with pytest.raises(ValueError, match=r"(?=.*'p'\] from Text max_length=1000000000)(?=.*max_sequence_length=1024 \(the default)"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?=.*'p'\] from Text max_length=1000000000)"
+        r"(?=.*max_sequence_length=1024 \(the default)",
+    ):
         _validate.memory_fits(
             huge, text_envs.REPLY, n_workers=4, envs_per_worker=8, chunk_steps=0, shared=True
         )
     with pytest.raises(ValueError, match=r"max_sequence_length=1000000000 \(given\)"):
         Sampler(
-            lambda: TextEnv("tokens"), backend="process", n_workers=64, envs_per_worker=64,
+            lambda: TextEnv("tokens"),
+            backend="process",
+            n_workers=64,
+            envs_per_worker=64,
             max_sequence_length=10**9,
         )
     with pytest.raises(ValueError, match="max_sequence_length must be >= 1"):
         Sampler(lambda: TextEnv("tokens"), backend="asyncio", max_sequence_length=0)
     # A modest bound fits.
     _validate.memory_fits(
-        huge.spaces["ids"], text_envs.REPLY, n_workers=2, envs_per_worker=2, chunk_steps=0,
+        huge.spaces["ids"],
+        text_envs.REPLY,
+        n_workers=2,
+        envs_per_worker=2,
+        chunk_steps=0,
         shared=True,
     )

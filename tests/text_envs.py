@@ -67,7 +67,9 @@ class _Logic:
             return {"prompt": text, "tokens": tokens, "x": x}
         return (text, embed)
 
-    def advance(self, rng: np.random.Generator, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+    def advance(
+        self, rng: np.random.Generator, action: Any
+    ) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         self.t += 1
         said = reply_of(action)
         obs = self.observe(rng, said)

@@ -10,6 +10,7 @@ their shared memory (the lockstep hosts) or travel as one stacked array per leaf
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ def _object_array(items: Sequence[Any]) -> np.ndarray:
     return out
 
 
-def pack_column(rows: Sequence[Any]) -> Column:
+def pack_column(rows: Sequence[Any] | np.ndarray) -> Column:
     """One leaf's ``rows`` as one column: ``("t", utf-8 bytes, offsets)`` for strings,
     ``("a", items, offsets)`` for arrays of one dtype and item shape (ragged rows, or fixed
     rows stacked), else ``("o", rows)`` (whatever else a leaf holds, pickled as it is)."""
@@ -74,10 +75,10 @@ def unpack_column(column: Column) -> list[Any]:
     kind = column[0]
     if kind == "t":
         data, offsets = column[1], column[2].tolist()
-        return [data[a:b].decode("utf-8") for a, b in zip(offsets[:-1], offsets[1:])]
+        return [data[a:b].decode("utf-8") for a, b in itertools.pairwise(offsets)]
     if kind == "a":
         values, offsets = column[1], column[2].tolist()
-        return [values[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+        return [values[a:b] for a, b in itertools.pairwise(offsets)]
     return list(column[1])
 
 

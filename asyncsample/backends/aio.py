@@ -186,7 +186,9 @@ class PerEnvLockstep:
         actions = self.buffers.actions
         results = await run_all(
             [
-                self.step_one(i, tree_map(lambda a, i=i: row_copy(a, i), actions), None, self.tick())
+                self.step_one(
+                    i, tree_map(lambda a, i=i: row_copy(a, i), actions), None, self.tick()
+                )
                 for i in indices
             ]
         )

@@ -31,12 +31,12 @@ from asyncsample import _leaves, _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
+from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._column_wire import (
     pack_columns,
     unpack_block_into,
     unpack_columns_into,
 )
-from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
@@ -632,7 +632,7 @@ class ProcessHost(RemoteHost[_Conn]):
             target = self.chunks[request.buffer]
 
             async def reply() -> bytes:
-                payload = await self.reply(inc, call)
+                payload: bytes = await self.reply(inc, call)
                 self._unpack_chunk_columns(target, payload)
                 return payload
 
