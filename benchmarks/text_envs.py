@@ -22,9 +22,9 @@ fragments, on the same sampler (batches of about a second of steps at the ideal 
 once yielded); after each one's warm-up, the env steps counted where they happen over a window;
 the better stream's steps/s, and the memory per open episode at its window's end (growth of the
 process tree's RSS over the one before the sampler started, / N). A third run of the text cell
-profiles the caller (``cProfile``) and counts what the lanes' reply messages carried: messages, rows and columns
-by kind (``t``: utf-8 bytes and offsets, ``a``: one array and offsets, ``o``: objects pickled
-one by one, the fallback that must stay at zero).
+profiles the caller (``cProfile``) and counts what the lanes' reply messages carried: messages,
+rows and columns by kind (``t``: utf-8 bytes and offsets, ``a``: one array and offsets, ``o``:
+objects pickled one by one, the fallback that must stay at zero).
 
 Targets: text steps/s >= 0.8 x numeric; text memory per open episode <= 2 x numeric + the
 episode's own text (the prompt, one tool output and one reply: 1,424 bytes). Results:
