@@ -315,3 +315,55 @@ def test_memory_bound_sizes_text_and_sequences_and_says_from_what() -> None:
         chunk_steps=0,
         shared=True,
     )
+
+
+def test_rows_travel_as_one_buffer_per_column() -> None:
+    """Text rows as one utf-8 buffer and offsets, ragged rows as one array and offsets; the
+    lane messages keep each reply and request whole."""
+    from asyncsample.backends import _column_wire as wire
+
+    kind, data, offsets = wire.pack_column(["ab", "", "é"])
+    assert kind == "t" and data == "abé".encode() and offsets.tolist() == [0, 2, 2, 4]
+    rows = [np.arange(3), np.arange(0), np.arange(2)]
+    kind, values, offsets = wire.pack_column(rows)
+    assert kind == "a" and values.tolist() == [0, 1, 2, 0, 1] and offsets.tolist() == [0, 3, 3, 5]
+    assert [r.tolist() for r in wire.unpack_column(("a", values, offsets))] == [
+        [0, 1, 2],
+        [],
+        [0, 1],
+    ]
+    obs = [{"p": "x", "ids": np.arange(2)}, {"p": "yé", "ids": np.arange(0)}]
+    replies = [
+        (1, 0, ((1.0, False), obs[0], None)),
+        (2, 5, "err"),
+        (3, 0, ((0.0, True), obs[1], obs[0])),
+    ]
+    message = wire.pack_replies(replies, 0)
+    assert [c[0] for c in message[3][2]] == ["t", "a"]  # one column per leaf, no objects
+    back = wire.unpack_replies(message)
+    assert back[1] == (2, 5, "err") and back[2][2][1]["p"] == "yé"
+    assert back[2][2][2]["ids"].tolist() == [0, 1] and back[0][2][2] is None
+    requests = [
+        (0, 7, 0, 1, "reply one", None),
+        (1, 8, 0, 2, "pending", None, None),
+        (0, 9, 0, 3, "é", 2.0),
+    ]
+    packed = wire.pack_requests(requests, 0)
+    assert packed is not None and packed[3][2][0][0] == "t"
+    assert wire.unpack_requests(packed) == requests
+
+
+async def test_process_lane_messages_carry_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncsample.backends import _lane_link
+
+    kinds: list[str] = []
+    unpack = _lane_link.unpack_replies
+
+    def counted(message: Any) -> Any:
+        kinds.extend(c[0] for packed in (message[3], message[4]) for c in packed[2])
+        return unpack(message)
+
+    monkeypatch.setattr(_lane_link, "unpack_replies", counted)
+    async with _sampler("process", "async", "dict") as s:
+        await s.obtain_exact_episodes(2)
+    assert kinds and set(kinds) <= {"t", "a"}, kinds

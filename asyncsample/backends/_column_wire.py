@@ -24,11 +24,13 @@ __all__ = [
     "pack_block",
     "pack_columns",
     "pack_replies",
+    "pack_requests",
     "pack_rows",
     "unpack_column",
     "unpack_block_into",
     "unpack_columns_into",
     "unpack_replies",
+    "unpack_requests",
     "unpack_rows",
 ]
 
@@ -150,6 +152,30 @@ def unpack_rows(packed: tuple[Any, int, list[Column]]) -> list[Tree]:
     if structure is None:
         return by_leaf[0]
     return [_build(structure, [leaf[k] for leaf in by_leaf], [0]) for k in range(n)]
+
+
+def pack_requests(out: list[tuple[Any, ...]], step: int) -> tuple[Any, ...] | None:
+    """A batch of lane requests with the actions of its ``step`` requests (their field 4, where
+    not ``None``) packed into columns (:func:`pack_rows`); ``None`` when none carries one."""
+    at = [k for k, r in enumerate(out) if r[0] == step and r[4] is not None]
+    if not at:
+        return None
+    actions = pack_rows([out[k][4] for k in at])
+    slim = list(out)
+    for k in at:
+        r = slim[k]
+        slim[k] = (*r[:4], None, *r[5:])
+    return (PACKED, slim, at, actions)
+
+
+def unpack_requests(message: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+    """The lane requests :func:`pack_requests` packed, each with its action again."""
+    _, slim, at, actions = message
+    out = list(slim)
+    for k, action in zip(at, unpack_rows(actions), strict=True):
+        r = out[k]
+        out[k] = (*r[:4], action, *r[5:])
+    return out
 
 
 def pack_replies(out: list[tuple[int, int, Any]], ok: int) -> tuple[Any, ...]:

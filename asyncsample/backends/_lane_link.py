@@ -18,7 +18,7 @@ import cloudpickle
 from asyncsample import _leaves
 from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
-from asyncsample.backends._column_wire import unpack_replies
+from asyncsample.backends._column_wire import pack_requests, unpack_replies
 from asyncsample.backends._lane_serve import PENDING, ST_AGENT, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import Incarnation, PoolMember, closed_error
 from asyncsample.backends._transport import ST_OK, dumps
@@ -47,6 +47,8 @@ class LaneLink:
         self._next = 0
         self._flushing = False
         self.dead: BaseException | None = None
+        # Step requests carry Text/Sequence actions: packed one column per leaf per batch.
+        self.pack_actions = False
 
     def submit(
         self, owner: RemoteLanes, kind: int, slot: int, i: int, *args: Any
@@ -85,7 +87,8 @@ class LaneLink:
         self._flushing = False
         out, self._out = self._out, []
         if out and self.dead is None:
-            self._send(dumps(out))
+            packed = pack_requests(out, LaneKind.STEP) if self.pack_actions else None
+            self._send(dumps(out if packed is None else packed))
 
     def replied(self, payload: bytes) -> None:
         """A batch of replies came: ``(key, status, value)`` each."""
@@ -137,17 +140,11 @@ class RemoteLanes(PerEnvLockstep):
         self.in_flight = {}
         # The observations travel with the replies (buffers not shared, or without fixed rows).
         spec = self.spec  # type: ignore[attr-defined]
-        self._obs_in_reply = (
-            obs_in_reply
-            or isinstance(self.buffers.obs, list)
-            or (  # object rows (Text, Sequence leaves): not in shared memory
-                spec.columns
-                and (
-                    _leaves.has_variable(spec.observation_space)
-                    or _leaves.has_variable(spec.action_space)
-                )
-            )
+        # Object rows (Text, Sequence leaves): not in shared memory, they travel packed.
+        self._columns = spec.columns and (
+            _leaves.has_variable(spec.observation_space) or _leaves.has_variable(spec.action_space)
         )
+        self._obs_in_reply = obs_in_reply or isinstance(self.buffers.obs, list) or self._columns
         self._built_in: list[Any] = [None] * self.n_envs  # the incarnation each env lives in
         # Each env's request in flight (one at a time): its link, key and incarnation.
         self._links: list[LaneLink | None] = [None] * self.n_envs
@@ -171,6 +168,8 @@ class RemoteLanes(PerEnvLockstep):
                 # Its host died (since): this env's failure; its lane rebuilds it in a new one.
                 raise _dead_error(built, self.worker, i)
         link: LaneLink = inc.lanes  # type: ignore[attr-defined]
+        if self._obs_in_reply and self._columns:
+            link.pack_actions = True
         self._links[i], self._sent_to[i], self._kinds[i] = link, inc, kind
         key, future = link.submit(self, kind, self._slot_index, i, *args)
         self._keys[i] = key

@@ -23,7 +23,7 @@ from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
 from asyncsample._tree import row_copy, tree_map
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
-from asyncsample.backends._column_wire import pack_replies
+from asyncsample.backends._column_wire import pack_replies, unpack_requests
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -292,7 +292,10 @@ class LaneServer:
 
     def handle(self, payload: bytes) -> None:
         """Start the lane requests of one batch (see :class:`LaneKind`)."""
-        for request in pickle.loads(payload):
+        requests = pickle.loads(payload)
+        if type(requests) is tuple:  # actions packed in columns (Text, Sequence leaves)
+            requests = unpack_requests(requests)
+        for request in requests:
             self._lane(request)
 
     def _lane(self, request: tuple[Any, ...]) -> None:
