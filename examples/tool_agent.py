@@ -7,7 +7,9 @@ HTTP service on localhost; the result comes back as the next observation. A repl
 ``ANSWER <number>`` ends the episode and a verifier scores it (reward 1 when right, else 0).
 
 The "model" here is :class:`asyncsample.llm.testing.ChatServer` with a deterministic policy,
-:func:`scripted_model`: it calls the tool once per operator, left to right, then answers. Left
+:func:`scripted_model`, served from a process of its own as the calculator is
+(:func:`~asyncsample.llm.testing.serve_in_process`): it calls the tool once per operator, left
+to right, then answers. Left
 to right is not always right ("2 + 3 * 4" is 14, not 20), so the verifier has work to do. Point
 the agent at vLLM instead with ``--base-url http://localhost:8000/v1 --model <name>``.
 
@@ -42,7 +44,7 @@ from tqdm import tqdm
 
 import asyncsample
 from asyncsample.llm import ChatAgent
-from asyncsample.llm.testing import ChatServer, LocalApp
+from asyncsample.llm.testing import ChatServer, LocalApp, serve_in_process
 
 #: The longest observation or reply, in characters (the conversation so far, as JSON).
 MAX_CHARS = 4096
@@ -242,18 +244,23 @@ class ConversationAgent(ChatAgent):
 # -- the run -------------------------------------------------------------------------------------
 
 
+def _calculator() -> LocalApp:
+    return LocalApp(calculator_app())
+
+
 @contextlib.contextmanager
 def local_services(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    """The calculator and (unless ``--base-url``) the chat server, each in a thread of its own:
-    their URLs."""
+    """The calculator and (unless ``--base-url``) the chat server, each in a process of its own,
+    as separate services run: their URLs."""
     with contextlib.ExitStack() as stack:
-        tool = stack.enter_context(LocalApp(calculator_app()).in_thread())
+        tool = stack.enter_context(serve_in_process(_calculator))
         if args.base_url:
-            yield f"{tool.url}/calc", args.base_url
+            yield f"{tool}/calc", args.base_url
             return
-        model = ChatServer(scripted_model, model=args.model, latency=args.model_latency)
-        chat = stack.enter_context(model.in_thread())
-        yield f"{tool.url}/calc", chat.base_url
+        model = functools.partial(
+            ChatServer, scripted_model, model=args.model, latency=args.model_latency
+        )
+        yield f"{tool}/calc", stack.enter_context(serve_in_process(model))
 
 
 async def run(args: argparse.Namespace, tool_url: str, chat_url: str) -> dict[str, Any]:

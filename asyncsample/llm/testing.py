@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import pickle
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ __all__ = [
     "Fault",
     "LocalApp",
     "echo_reply",
+    "serve_in_process",
     "token_ids",
     "token_logprobs",
 ]
@@ -187,6 +189,71 @@ class LocalApp:
                 loop.call_soon_threadsafe(loop.stop)
                 thread.join()
                 loop.close()
+
+
+@contextlib.contextmanager
+def serve_in_process(make: Callable[[], LocalApp], start_timeout: float = 60.0) -> Iterator[str]:
+    """Serve the :class:`LocalApp` (or :class:`ChatServer`) that ``make()`` builds from a child
+    process of its own, as a separate service runs (no share of the caller's GIL); yields its
+    URL (:attr:`LocalApp.url`). ``make`` travels by cloudpickle; the server's counters stay in
+    the child. The child stops when the block ends, or when this process goes."""
+    import cloudpickle
+
+    from asyncsample.backends._procs import forkserver_context, start_hidden
+
+    ctx = forkserver_context()
+    here, there = ctx.Pipe()
+    process = ctx.Process(
+        target=_serve_child,
+        args=(cloudpickle.dumps(make), there),
+        name="asyncsample-local-server",
+        daemon=True,
+    )
+    start_hidden(process)  # (the child must not run the caller's script again)
+    there.close()
+    try:
+        if not here.poll(start_timeout):
+            raise RuntimeError(f"serve_in_process: the server did not start in {start_timeout} s")
+        status, value = here.recv()
+        if status != "ok":
+            raise RuntimeError(f"serve_in_process: the server failed to start: {value}")
+        yield str(value)
+    finally:
+        with contextlib.suppress(OSError):
+            here.send("stop")
+        process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        here.close()
+
+
+def _serve_child(blob: bytes, conn: Any) -> None:
+    """The child of :func:`serve_in_process`."""
+    asyncio.run(_serve(pickle.loads(blob), conn))
+
+
+async def _serve(make: Callable[[], LocalApp], conn: Any) -> None:
+    try:
+        server = make()
+        url = await server.start()
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ok", url))
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:  # a message, or the parent's end (EOF)
+        if not stop.done():
+            stop.set_result(None)
+
+    loop.add_reader(conn.fileno(), readable)
+    try:
+        await stop
+    finally:
+        loop.remove_reader(conn.fileno())
+        await server.close()
 
 
 class ChatServer(LocalApp):
