@@ -132,6 +132,15 @@ class AgentRowsError(AsyncSampleError):
             f" row {first}: {type(cause).__name__}: {cause}"
         )
 
+    def check_rows(self, n: int, rows: str) -> None:
+        """Raise ``ValueError`` unless every failed row is one of the ``n`` rows of the call
+        (``rows`` describes them, for the message)."""
+        bad = [j for j in self.failures if not 0 <= j < n]
+        if bad:
+            raise ValueError(
+                f"AgentRowsError.failures: rows {bad} are not rows of the agent's call ({rows})"
+            )
+
     def row_fault(self, row: int, *, worker: int, env: int | None) -> WorkerError:
         """The :class:`WorkerError` of failed row ``row`` as the fault of env ``env`` of worker
         ``worker`` (retried: the env is rebuilt); its ``__cause__`` is the row's exception."""

@@ -281,6 +281,7 @@ class Worker:
         except AgentRowsError as exc:
             # The worker's envs step together: a failed row fails the step as an env fault
             # does here (the host is restarted; the call goes on within max_restarts).
+            exc.check_rows(self.n_envs, f"the {self.n_envs} envs of worker {self.worker_number}")
             row = next(iter(exc.failures))
             fault = exc.row_fault(row, worker=self.worker_number, env=row)
             raise fault from fault.__cause__

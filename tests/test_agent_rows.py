@@ -167,3 +167,21 @@ def test_agent_rows_error_needs_a_failed_row_and_pickles() -> None:
     fault = err.row_fault(1, worker=3, env=1)
     assert (fault.worker, fault.env, fault.retry) == (3, 1, True)
     assert isinstance(fault.__cause__, KeyError)
+
+
+class _OutOfRange:
+    """Fails a row it was never given."""
+
+    async def get_actions(self, observations: np.ndarray) -> Any:
+        raise AgentRowsError(np.ones(len(observations), np.int64), None, {99: KeyError("x")})
+
+
+@pytest.mark.parametrize(
+    ("backend", "env"), [("asyncio", CountingAsyncEnv), ("local", GridWorldEnv)]
+)
+async def test_a_failure_of_a_row_not_given_is_the_agents_mistake(
+    make_sampler: SamplerFactory, backend: str, env: Any
+) -> None:
+    sampler = make_sampler(backend, env, _OutOfRange(), n_workers=1, envs_per_worker=2)
+    with pytest.raises(ValueError, match=r"rows \[99\] are not rows of the agent's call"):
+        await sampler.obtain_samples(10)

@@ -413,6 +413,11 @@ class ChunkRunner:
     def _failure(self, exc: Exception) -> EnvFailureError:
         """What the agent's ``exc`` is reported as (in the ``except`` block: the traceback)."""
         if isinstance(exc, AgentRowsError):  # a failed row: that env's fault (host restarted)
+            n = self.group.n_envs
+            try:
+                exc.check_rows(n, f"the {n} envs of worker {self.group.worker}")
+            except ValueError as bad:
+                return self._failure(bad)
             row = next(iter(exc.failures))
             fault = exc.row_fault(row, worker=self.group.worker, env=row)
             return EnvFailureError(EnvFailure(row, fault, traceback.format_exc(), retry=True))

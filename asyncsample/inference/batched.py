@@ -378,6 +378,8 @@ class Batcher:
             return
         try:
             parts = _split(result, requests)
+            if failed is not None:
+                failed.check_rows(sum(r.rows for r in requests), _rows_of(requests))
         except ValueError as exc:
             for r in requests:
                 self._fail([r], ValueError(f"{exc}; raised in worker {r.worker}"))
@@ -449,12 +451,7 @@ class Batcher:
         """Fail the rows ``failed`` names, each with its env's fault; the other requests and
         their rows of ``actions`` and ``infos``."""
         n = len(requests)
-        bad = [j for j in failed.failures if not 0 <= j < n]
-        if bad:
-            raise ValueError(
-                f"AgentRowsError.failures: rows {bad} are not rows of the agent's call "
-                f"({_rows_of(requests)})"
-            )
+        failed.check_rows(n, _rows_of(requests))
         for j in failed.failures:
             r = requests[j]
             if not r.future.done():
