@@ -17,7 +17,6 @@ import numpy as np
 
 from asyncsample._leaves import leaf_spaces, to_columns
 from asyncsample._tree import Tree, stack_rows, tree_leaves, tree_map
-from asyncsample.columns import infer_column
 from asyncsample.batch import (
     MISSING,
     EnvSpec,
@@ -30,6 +29,7 @@ from asyncsample.batch import (
     stack_column,
     stack_infos,
 )
+from asyncsample.columns import infer_column
 
 __all__ = ["ASSEMBLE_IN_THREAD_BYTES", "BatchMemory", "Plan", "assemble", "assemble_off_loop"]
 

@@ -26,6 +26,7 @@ from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import trusted_actions
+from asyncsample.backends._column_wire import unpack_chunk
 from asyncsample.backends._transport import (
     SharedArray,
     buffer_rows,
@@ -275,10 +276,15 @@ class SentChunk:
     future: Any
     reply: Callable[[], Awaitable[bytes]]
     version: int
+    into: tuple[ChunkBuffers, Tree] | None = None
+    """Where the reply's ``object`` rows go (:attr:`ChunkReply.columns`): the request's chunk
+    set and the step buffers' observations; ``None`` when the rows are shared."""
 
     async def wait(self) -> ChunkReply:
-        """The chunk's reply."""
+        """The chunk's reply (its ``object`` rows written into :attr:`into`)."""
         result: ChunkReply = pickle.loads(await self.reply())
+        if self.into is not None and result.columns is not None:
+            unpack_chunk(*self.into, result.steps, result.columns)
         return result
 
     def abandon(self) -> None:

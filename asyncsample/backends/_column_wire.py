@@ -11,23 +11,33 @@ their shared memory (the lockstep hosts) or travel as one stacked array per leaf
 from __future__ import annotations
 
 import itertools
+import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from asyncsample import _leaves
 from asyncsample._tree import Tree, tree_leaves
+from asyncsample.backends.base import HostSpec
+from asyncsample.env_group import StepBuffers, StepInfos
 
 __all__ = [
     "PACKED",
     "pack_column",
+    "object_rows",
+    "outgoing_rows",
     "pack_block",
+    "pack_chunk",
     "pack_columns",
     "pack_replies",
     "pack_requests",
     "pack_rows",
+    "read_reset_reply",
+    "read_step_reply",
     "unpack_column",
     "unpack_block_into",
+    "unpack_chunk",
     "unpack_columns_into",
     "unpack_replies",
     "unpack_requests",
@@ -110,6 +120,76 @@ def unpack_block_into(tree: Tree, stop: int, columns: list[Column]) -> None:
     for leaf, column in zip(leaves, columns, strict=True):
         block = leaf[:stop]
         block.reshape(-1)[:] = _object_array(unpack_column(column))
+
+
+def object_rows(spec: HostSpec) -> bool:
+    """Whether the step buffers of ``spec`` hold ``object`` rows (``Text``/``Sequence`` leaves
+    of a sampler's spaces), which travel packed here instead of through shared memory."""
+    return spec.columns and (
+        _leaves.has_variable(spec.observation_space) or _leaves.has_variable(spec.action_space)
+    )
+
+
+def outgoing_rows(tree: Tree) -> Any:
+    """The rows a request or reply carries of buffers not in shared memory: a list (a space
+    without fixed-size rows) as it is, else the ``object`` leaves packed (:func:`pack_columns`)."""
+    return tree if isinstance(tree, list) else pack_columns(tree)
+
+
+def _store_rows(tree: Tree, rows: Any) -> None:
+    if isinstance(tree, list):
+        tree[:] = rows
+    else:
+        unpack_columns_into(tree, rows)
+
+
+def read_reset_reply(obs: Tree, payload: bytes) -> dict[int, dict[str, object]]:
+    """A reset reply's infos; rows it carries (``(infos, rows)``) written into ``obs``."""
+    if not payload:
+        return {}
+    loaded = pickle.loads(payload)
+    if type(loaded) is not tuple:
+        infos: dict[int, dict[str, object]] = loaded
+        return infos
+    infos, rows = loaded
+    _store_rows(obs, rows)
+    return infos
+
+
+def read_step_reply(buffers: StepBuffers, payload: bytes) -> StepInfos:
+    """What a step reply's ``payload`` says; the rows it carries go to the buffers (a list's
+    observations, or the ``object`` leaves of the observations and final observations)."""
+    if not payload:
+        return StepInfos(None, {})
+    parts = pickle.loads(payload)
+    if len(parts) > 3:
+        if isinstance(buffers.obs, list):
+            buffers.obs[:] = parts[3]
+        else:
+            unpack_columns_into(buffers.obs, parts[3][0])
+            unpack_columns_into(buffers.final_obs, parts[3][1])
+    return StepInfos(*parts[:3])
+
+
+def pack_chunk(chunk: Any, current_obs: Tree, steps: int) -> tuple[list[Column], ...]:
+    """What a chunk reply carries of ``object`` rows: the chunk's observation rows (and its
+    spare row), final observations and actions of ``steps`` steps, and the current
+    observations."""
+    return (
+        pack_block(chunk.obs, steps + 1),
+        pack_block(chunk.final_obs, steps),
+        pack_block(chunk.actions, steps),
+        pack_columns(current_obs),
+    )
+
+
+def unpack_chunk(chunk: Any, current_obs: Tree, steps: int, columns: Any) -> None:
+    """Write what :func:`pack_chunk` packed into the caller's ``chunk`` set and observations."""
+    obs, final_obs, actions, current = columns
+    unpack_block_into(chunk.obs, steps + 1, obs)
+    unpack_block_into(chunk.final_obs, steps, final_obs)
+    unpack_block_into(chunk.actions, steps, actions)
+    unpack_columns_into(current_obs, current)
 
 
 def _structure(tree: Tree) -> Any:

@@ -15,10 +15,9 @@ from typing import Any
 
 import cloudpickle
 
-from asyncsample import _leaves
 from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
-from asyncsample.backends._column_wire import pack_requests, unpack_replies
+from asyncsample.backends._column_wire import object_rows, pack_requests, unpack_replies
 from asyncsample.backends._lane_serve import PENDING, ST_AGENT, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import Incarnation, PoolMember, closed_error
 from asyncsample.backends._transport import ST_OK, dumps
@@ -141,9 +140,7 @@ class RemoteLanes(PerEnvLockstep):
         # The observations travel with the replies (buffers not shared, or without fixed rows).
         spec = self.spec  # type: ignore[attr-defined]
         # Object rows (Text, Sequence leaves): not in shared memory, they travel packed.
-        self._columns = spec.columns and (
-            _leaves.has_variable(spec.observation_space) or _leaves.has_variable(spec.action_space)
-        )
+        self._columns = object_rows(spec)
         self._obs_in_reply = obs_in_reply or isinstance(self.buffers.obs, list) or self._columns
         self._built_in: list[Any] = [None] * self.n_envs  # the incarnation each env lives in
         # Each env's request in flight (one at a time): its link, key and incarnation.

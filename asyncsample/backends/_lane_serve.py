@@ -18,12 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample import _leaves
 from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
 from asyncsample._tree import row_copy, tree_map
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
-from asyncsample.backends._column_wire import pack_replies, unpack_requests
+from asyncsample.backends._column_wire import object_rows, pack_replies, unpack_requests
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -232,7 +231,7 @@ class LaneServer:
         self.obs_in_reply = obs_in_reply
         # Slots whose Text/Sequence rows cannot be shared: their rows travel in the replies,
         # packed one column per leaf per batch (_column_wire), and their actions in requests.
-        self._rows_travel = {id(s) for s in self.slots if _variable_rows(s.spec)}
+        self._rows_travel = {id(s) for s in self.slots if object_rows(s.spec)}
         self._pack = bool(self._rows_travel)
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
         self.flushing = False
@@ -480,13 +479,6 @@ class _EnvLane:
             if request[1] == key:
                 del self.queue[k]
                 return
-
-
-def _variable_rows(spec: HostSpec) -> bool:
-    """Whether ``spec``'s step buffers hold ``object`` rows (Text, Sequence leaves)."""
-    return spec.columns and (
-        _leaves.has_variable(spec.observation_space) or _leaves.has_variable(spec.action_space)
-    )
 
 
 def _row(tree: Any, i: int) -> Any:

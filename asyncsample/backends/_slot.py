@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample import _leaves
 from asyncsample._clock import HostTiming
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import (
@@ -30,7 +29,12 @@ from asyncsample.backends._chunk import (
     chunk_rows,
     chunk_sets,
 )
-from asyncsample.backends._column_wire import pack_block, pack_columns, unpack_columns_into
+from asyncsample.backends._column_wire import (
+    object_rows,
+    pack_chunk,
+    pack_columns,
+    unpack_columns_into,
+)
 from asyncsample.backends._transport import Op, dumps
 from asyncsample.backends.base import HostSpec
 from asyncsample.env_group import (
@@ -232,9 +236,7 @@ class HostSlot:
         self.host_threads = host_threads
         self.where = where
         # Text/Sequence leaves in object rows: not shared, they travel packed (_column_wire).
-        self.columns = spec.columns and (
-            _leaves.has_variable(spec.observation_space) or _leaves.has_variable(spec.action_space)
-        )
+        self.columns = object_rows(spec)
         # Each operation from its request body to its reply payload (None: an empty reply).
         self._ops: dict[int, Callable[[_Body], bytes | None]] = {
             Op.STEP: self._serve_step,
@@ -280,13 +282,8 @@ class HostSlot:
         runner = self._runner()
         reply = runner.run(request) if self.timing is None else self.timing.run(request)
         if self.columns and self.where == "env-host process":  # object rows: not shared
-            chunk, k = runner.chunks[request.buffer], reply.steps
-            reply.columns = (
-                pack_block(chunk.obs, k + 1),
-                pack_block(chunk.final_obs, k),
-                pack_block(chunk.actions, k),
-                pack_columns(self.group.buffers.obs),
-            )
+            chunk = runner.chunks[request.buffer]
+            reply.columns = pack_chunk(chunk, self.group.buffers.obs, reply.steps)
         return reply
 
     def close(self) -> None:

@@ -16,7 +16,6 @@ import itertools
 import multiprocessing
 import multiprocessing.util  # before our atexit hook: hooks run last-in first-out, ours first
 import os
-import pickle
 import select
 import socket
 import weakref
@@ -27,16 +26,11 @@ from typing import Any
 import numpy as np
 import psutil
 
-from asyncsample import _leaves, _validate
+from asyncsample import _validate
 from asyncsample._tasks import wait_all
-from asyncsample.backends import _chunk, _host_main
+from asyncsample.backends import _chunk, _column_wire, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
-from asyncsample.backends._column_wire import (
-    pack_columns,
-    unpack_block_into,
-    unpack_columns_into,
-)
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
@@ -505,10 +499,7 @@ class ProcessHost(RemoteHost[_Conn]):
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
         self._given: list[Any] | None = None
-        # Text/Sequence leaves in object rows: they travel packed (_column_wire), not shared.
-        self._columns = spec.columns and (
-            _leaves.has_variable(spec.observation_space) or _leaves.has_variable(spec.action_space)
-        )
+        self._columns = _column_wire.object_rows(spec)  # Text/Sequence leaves: packed, not shared
         self.chunks = chunks
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
         self.chunk = chunks[0] if chunks else None
@@ -546,15 +537,7 @@ class ProcessHost(RemoteHost[_Conn]):
             args = reset_arguments(self.spec.n_envs, seeds, options)
             blob = self._pickle("reset options", args)
             payload = await self._request(Op.RESET_ARGS, _mask_bytes(mask) + blob)
-        infos: dict[int, dict[str, object]]
-        if isinstance(self.buffers.obs, list):  # observations without fixed-size rows
-            infos, self.buffers.obs[:] = pickle.loads(payload)
-        elif self._columns:  # Text/Sequence leaves: their columns
-            infos, columns = pickle.loads(payload)
-            unpack_columns_into(self.buffers.obs, columns)
-        else:
-            infos = pickle.loads(payload) if payload else {}
-        return infos
+        return _column_wire.read_reset_reply(self.buffers.obs, payload)  # rows not shared: here
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         # The hot path: _request without its generic layers, same checks.
@@ -592,10 +575,8 @@ class ProcessHost(RemoteHost[_Conn]):
 
     def _step_body(self, mask: np.ndarray) -> bytes:
         body = _mask_bytes(mask)
-        if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
-            body += self._pickle("actions", self.buffers.actions)
-        elif self._columns:  # Text/Sequence leaves of the actions: their columns
-            body += self._pickle("actions", pack_columns(self.buffers.actions))
+        if isinstance(self.buffers.actions, list) or self._columns:  # rows not shared
+            body += self._pickle("actions", _column_wire.outgoing_rows(self.buffers.actions))
         elif self._given is not None:  # this step's actions, as the caller gave them
             body += self._pickle("actions", self._given)
             self._given = None
@@ -604,16 +585,7 @@ class ProcessHost(RemoteHost[_Conn]):
     def step_infos(self, payload: bytes) -> StepInfos:
         """What a step reply's ``payload`` says (observations without fixed-size rows go to
         the buffers)."""
-        if not payload:
-            return StepInfos(None, {})
-        parts = pickle.loads(payload)
-        if len(parts) > 3 and self._columns:  # Text/Sequence leaves: their columns
-            obs_columns, final_columns = parts[3]
-            unpack_columns_into(self.buffers.obs, obs_columns)
-            unpack_columns_into(self.buffers.final_obs, final_columns)
-        elif len(parts) > 3:  # observations without fixed-size rows come home pickled
-            self.buffers.obs[:] = parts[3]
-        return StepInfos(*parts[:3])
+        return _column_wire.read_step_reply(self.buffers, payload)
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
         """See :meth:`~asyncsample.backends._chunk.AgentHost.run_chunk`."""
@@ -628,28 +600,8 @@ class ProcessHost(RemoteHost[_Conn]):
             raise closed_error(self.worker, "run its chunk")
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
-        if self._columns:  # Text/Sequence rows come in the reply: into this set's records
-            target = self.chunks[request.buffer]
-
-            async def reply() -> bytes:
-                payload: bytes = await self.reply(inc, call)
-                self._unpack_chunk_columns(target, payload)
-                return payload
-
-            return _chunk.SentChunk(call.future, reply, version)
-        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
-
-    def _unpack_chunk_columns(self, chunk: ChunkBuffers, payload: bytes) -> None:
-        """Write the object rows a chunk reply carries into ``chunk`` and the step buffers."""
-        reply: ChunkReply = pickle.loads(payload)
-        if reply.columns is None:
-            return
-        obs, final_obs, actions, current = reply.columns
-        k = reply.steps
-        unpack_block_into(chunk.obs, k + 1, obs)
-        unpack_block_into(chunk.final_obs, k, final_obs)
-        unpack_block_into(chunk.actions, k, actions)
-        unpack_columns_into(self.buffers.obs, current)
+        into = (self.chunks[request.buffer], self.buffers.obs) if self._columns else None
+        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version, into)
 
 
 class ProcessLaneHost(RemoteLanes, ProcessHost):
