@@ -154,7 +154,8 @@ def _as_rows(actions: Any) -> np.ndarray:
         return column_rows(actions)
     if isinstance(actions, np.ndarray) and actions.dtype == object and actions.ndim == 1:
         return actions
-    if isinstance(actions, str) or np.ndim(actions) == 0:
+    scalar = isinstance(actions, np.ndarray) and actions.ndim == 0
+    if scalar or not isinstance(actions, (list, tuple, np.ndarray)):
         return np.asarray(actions, dtype=object)  # a scalar: refused by the shape check
     if isinstance(actions, np.ndarray) and actions.dtype.kind in "TU":
         return _object_rows(actions.tolist())

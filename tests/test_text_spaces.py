@@ -120,7 +120,14 @@ BACKENDS = [
 ]
 
 
-def _sampler(backend: str, kind: str, layout: str, **kw: Any) -> Sampler:
+def _sampler(
+    backend: str,
+    kind: str,
+    layout: str,
+    n_workers: int = 1,
+    envs_per_worker: int = 1,
+    **kw: Any,
+) -> Sampler:
     env_class = TextAsyncEnv if kind == "async" else TextEnv
     extra: dict[str, Any] = {}
     if backend in ("process", "ray"):
@@ -131,8 +138,8 @@ def _sampler(backend: str, kind: str, layout: str, **kw: Any) -> Sampler:
         lambda: env_class(layout),
         TextAgent(layout),
         backend=backend,
-        n_workers=1,
-        envs_per_worker=1,
+        n_workers=n_workers,
+        envs_per_worker=envs_per_worker,
         seed=SEED,
         max_episode_length=10,
         **extra,
@@ -367,3 +374,19 @@ async def test_process_lane_messages_carry_columns(monkeypatch: pytest.MonkeyPat
     async with _sampler("process", "async", "dict") as s:
         await s.obtain_exact_episodes(2)
     assert kinds and set(kinds) <= {"t", "a"}, kinds
+
+
+@pytest.mark.parametrize("backend,kind", [b for b in BACKENDS if b != ("asyncio", "async")])
+async def test_batches_equal_across_backends(
+    backend: str, kind: str, request: pytest.FixtureRequest
+) -> None:
+    """Two workers of two envs: every backend's batches equal the asyncio backend's, field by
+    field (text and ragged columns included)."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    batches = []
+    for b, k in (("asyncio", "async"), (backend, kind)):
+        async with _sampler(b, k, "dict", n_workers=2, envs_per_worker=2) as s:
+            batches.append(await s.obtain_exact_episodes(3))
+    reference, other = batches
+    assert reference.n_episodes == 6 and other.equals(reference)
