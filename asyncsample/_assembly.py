@@ -209,7 +209,7 @@ def assemble(
     last_observations = to_columns(last_observations, obs_leaves)
     return EpisodeBatch(
         env_spec=env_spec,
-        episode_infos=episode_infos,
+        episode_infos=info_columns(episode_infos),
         observations=observations,
         last_observations=last_observations,
         actions=actions,

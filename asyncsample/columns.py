@@ -295,11 +295,22 @@ def concat_leaves(parts: Sequence[Any]) -> Any:
     """Columns joined along the leading axis: ragged arrays into one, else
     :func:`numpy.concatenate`."""
     if any(isinstance(p, RaggedArray) for p in parts):
-        if not all(isinstance(p, RaggedArray) for p in parts):
-            kinds = sorted({type(p).__name__ for p in parts})
-            raise ValueError(f"cannot join ragged columns with other columns ({kinds})")
-        return RaggedArray.concatenate(parts)
+        return RaggedArray.concatenate([_as_ragged(p) for p in parts])
     return np.concatenate(parts, axis=0)
+
+
+def _as_ragged(column: Any) -> RaggedArray:
+    """A ragged column as it is; a plain one of rows of one length (an info key whose rows all
+    had the same length in one batch: stacked) as ragged, to join a ragged one."""
+    if isinstance(column, RaggedArray):
+        return column
+    if isinstance(column, np.ndarray) and column.ndim >= 2:
+        n, length = column.shape[:2]
+        offsets = np.arange(n + 1, dtype=np.int64) * length
+        return RaggedArray(column.reshape(n * length, *column.shape[2:]), offsets)
+    if isinstance(column, np.ndarray) and column.dtype == object:
+        return RaggedArray.from_rows(list(column))
+    raise ValueError(f"cannot join a ragged column with {_describe(column)} (not rows of arrays)")
 
 
 def _describe(value: object) -> str:

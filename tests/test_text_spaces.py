@@ -101,6 +101,9 @@ def _check_against(batch: EpisodeBatch, episodes: list[dict[str, Any]], layout: 
             _leaf_rows(one.last_observations, [ep["last"]])
     # The recorded columns: text where text is, ragged where sequences are.
     assert batch.env_infos["tool"].dtype == columns.text_dtype()
+    assert batch.episode_infos["task"].dtype == columns.text_dtype()
+    seen = batch.env_infos["seen"]  # ragged; stacked when every row of the batch has one length
+    assert isinstance(seen, RaggedArray) or seen.ndim == 2
     assert isinstance(batch.agent_infos["token_ids"], RaggedArray)
     assert batch.agent_infos["logprobs"].dtype == np.float32
     obs_space, _ = LAYOUTS[layout]
@@ -250,6 +253,8 @@ def test_batch_checks_split_concatenate_pad_equality() -> None:
         _batch(actions, actions, [3, 1], text_envs.TOKENS, text_envs.REPLY)
     with pytest.raises(ValueError, match="array of strings"):
         _batch(obs, obs, [3, 1], text_envs.TOKENS, text_envs.REPLY)
+    joined = columns.concat_leaves([np.zeros((2, 3), np.int64), obs])  # stacked, then ragged
+    assert isinstance(joined, RaggedArray) and joined.lengths.tolist() == [3, 3, 1, 2, 0, 3]
     paths = b.to_list()
     assert EpisodeBatch.from_list(b.env_spec, paths).observations.equals(obs)
 

@@ -73,7 +73,11 @@ class _Logic:
         self.t += 1
         said = reply_of(action)
         obs = self.observe(rng, said)
-        info = {"tool": f"ran {said}"[: 8 + self.t], "t": self.t}
+        info = {
+            "tool": f"ran {said}"[: 8 + self.t],
+            "t": self.t,
+            "seen": rng.integers(0, 9, self.t),
+        }
         return obs, float(len(said)), self.t >= self.length, False, info
 
 
