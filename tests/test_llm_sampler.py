@@ -79,7 +79,6 @@ def _sampler(make_sampler: SamplerFactory, backend: str, agent: ChatAgent, **kw:
     return make_sampler(backend, TalkEnv, agent, max_episode_length=TURNS, **{**options, **kw})
 
 
-@pytest.mark.both_loops
 @pytest.mark.parametrize(
     ("backend", "inference"),
     [("asyncio", "per_worker"), ("process", "per_worker"), ("process", "host")],
