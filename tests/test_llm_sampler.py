@@ -155,3 +155,20 @@ async def test_requests_in_flight_stay_under_the_cap(make_sampler: SamplerFactor
     _check_episodes(batch)
     assert server.requests == 48 * TURNS
     assert 1 <= server.max_in_flight <= 3
+
+
+async def test_on_ray_a_stalled_reply_costs_only_its_envs_episode(
+    make_sampler: SamplerFactory, ray_cluster: Any
+) -> None:
+    """The envs in Ray actors, the agent in the caller (slow: the cluster starts)."""
+    victim = _Victim(Fault.hang())
+    async with ChatServer(_reply, model="served/model", fault=victim) as server:
+        async with ChatAgent(
+            server.base_url, "asked", timeout=0.5, logprobs=True, return_token_ids=True
+        ) as agent:
+            sampler = _sampler(make_sampler, "ray", agent)
+            batch = await sampler.obtain_exact_episodes(4)
+            await sampler.aclose()
+    assert sampler.last_stats is not None and sampler.last_stats.restarts == 1
+    assert len(batch.lengths) == 8
+    _check_episodes(batch)
