@@ -15,6 +15,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample._tree import Tree
+from asyncsample._validate import RECORDABLE_SPACES
 from asyncsample.columns import as_column, is_variable_space
 
 __all__ = [
@@ -26,9 +27,6 @@ __all__ = [
     "put",
     "to_columns",
 ]
-
-_FIXED = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)
-
 
 def _children(space: gym.Space[Any]) -> list[tuple[Any, gym.Space[Any]]] | None:
     if isinstance(space, gym.spaces.Dict):
@@ -51,7 +49,7 @@ def columnar(space: gym.Space[Any]) -> bool:
     ``Sequence`` of ``Box``/``Discrete``, nested in ``Dict``/``Tuple``."""
     children = _children(space)
     if children is None:
-        return isinstance(space, _FIXED) or is_variable_space(space)
+        return isinstance(space, RECORDABLE_SPACES) or is_variable_space(space)
     return all(columnar(s) for _, s in children)
 
 
