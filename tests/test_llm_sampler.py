@@ -6,6 +6,7 @@ rebuilt, the other episodes intact); the cap on requests in flight holds across 
 
 from __future__ import annotations
 
+import asyncio
 import string
 import sys
 from typing import Any
@@ -14,7 +15,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
-from helpers import SamplerFactory
+from helpers import SamplerFactory, wait_until
 
 from asyncsample import AsyncEnv, EpisodeBatch
 from asyncsample.llm import ChatAgent
@@ -170,5 +171,31 @@ async def test_on_ray_a_stalled_reply_costs_only_its_envs_episode(
             batch = await sampler.obtain_exact_episodes(4)
             await sampler.aclose()
     assert sampler.last_stats is not None and sampler.last_stats.restarts == 1
+    assert len(batch.lengths) == 8
+    _check_episodes(batch)
+
+
+async def test_a_call_cancelled_mid_reply_leaves_the_sampler_usable(
+    make_sampler: SamplerFactory,
+) -> None:
+    slow = {"on": True}
+
+    def latency(request: ChatRequest) -> float:
+        return 30.0 if slow["on"] else 0.0
+
+    async with ChatServer(_reply, model="served/model", latency=latency) as server:
+        async with ChatAgent(
+            server.base_url, "asked", logprobs=True, return_token_ids=True
+        ) as agent:
+            sampler = _sampler(make_sampler, "asyncio", agent)
+            call = asyncio.ensure_future(sampler.obtain_exact_episodes(4))
+            await wait_until(lambda: server.in_flight == 8, "every env's request in flight")
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await wait_until(lambda: server.in_flight == 0, "the cancelled requests dropped")
+            slow["on"] = False
+            batch = await sampler.obtain_exact_episodes(4)
+            await sampler.aclose()
     assert len(batch.lengths) == 8
     _check_episodes(batch)

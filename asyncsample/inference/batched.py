@@ -335,6 +335,10 @@ class Batcher:
         task = asyncio.ensure_future(call)  # a task, or the helper thread's future
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._finished, agent, requests, timing))
+        if self._per_pass:  # lanes: a call whose every requester gave up is cancelled
+            abandoned = functools.partial(_cancel_if_abandoned, task, requests)
+            for r in requests:
+                r.future.add_done_callback(abandoned)
 
     def _finished(
         self,
@@ -476,6 +480,16 @@ class Batcher:
         trusted = trusted_actions(agent, self.action_space)  # type: ignore[arg-type]
         self._checks[id(agent)] = (ref, check, trusted)
         return check, trusted
+
+
+def _cancel_if_abandoned(
+    task: asyncio.Future[Any], requests: list[_Request], _: asyncio.Future[Any]
+) -> None:
+    """Cancel ``task``, an agent call still running, once every request it serves was cancelled
+    (their lanes were: a call cancelled, a share met), so that what it awaits (an LLM server's
+    replies) stops too, not after its results would be dropped."""
+    if not task.done() and all(r.future.cancelled() for r in requests):
+        task.cancel()
 
 
 def _same(value: object) -> object:
