@@ -16,9 +16,13 @@ from asyncsample.async_env import (
     is_async_env,
 )
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
+from asyncsample.columns import RaggedArray
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
+    AgentRowsError,
     AsyncSampleError,
+    ChatRequestError,
+    ChatTimeoutError,
     SamplerBusyError,
     SamplerClosedError,
     StepTimeoutError,
@@ -49,6 +53,7 @@ __all__ = [
     "Agent",
     "AgentOutput",
     "AgentParams",
+    "AgentRowsError",
     "AgentUpdate",
     "AgentUpdateArg",
     "AsyncEnv",
@@ -57,6 +62,8 @@ __all__ = [
     "AsyncTimeLimit",
     "AsyncWrapper",
     "Batched",
+    "ChatRequestError",
+    "ChatTimeoutError",
     "EnvChoice",
     "EnvSource",
     "EnvSpec",
@@ -67,6 +74,7 @@ __all__ = [
     "FragmentWorker",
     "Host",
     "NewEnvUpdate",
+    "RaggedArray",
     "RandomAgent",
     "SampleStats",
     "Sampler",

@@ -23,7 +23,7 @@ import numpy as np
 
 from asyncsample._engine import CallMode, Part, QuotaView, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
-from asyncsample._tree import tree_map
+from asyncsample._tree import row_copy, tree_map
 from asyncsample.backends._closing import cancelled_by_env
 from asyncsample.backends.base import ActingHost, BareStepHost, DeadlinePassed, PerEnvHost
 from asyncsample.errors import WorkerError
@@ -46,7 +46,7 @@ _UNTIL_ROUND, _UNTIL_NEED, _UNTIL_LEFT, _UNTIL_RULE = range(4)
 
 def _row_copy(i: int, leaf: np.ndarray) -> np.ndarray:
     """Row ``i`` of a buffer's leaf, copied."""
-    row: np.ndarray = leaf[i].copy()
+    row: np.ndarray = row_copy(leaf, i)
     return row
 
 
@@ -384,6 +384,7 @@ class LaneStepper:
                                 worker.agent,  # type: ignore[arg-type]
                                 w,
                                 observation,
+                                i,  # a row the agent failed (AgentRowsError): i's fault
                             )
                             self._put_action(rows, t, i, action, infos, flat)
                             step = (

@@ -56,6 +56,10 @@ class Sampler:
             in each env host; ``None`` leaves the libraries' defaults. Ignored by ``local``.
         max_concurrency: ``"asyncio"``: the env calls in flight at once (``None``: no cap);
             ``"thread"``: the thread pool's size (default: 4 per core).
+        max_sequence_length: the most items a value of a ``Sequence`` space (observations or
+            actions) is expected to hold, for the up-front memory check only (a longer one is
+            recorded all the same); ``None``: 1,024. A ``Text`` space is sized from its own
+            ``max_length``. See [Agentic episodes](agentic.md#data-layout).
         episode_timeout: seconds after its start at which an episode still running ends as
             truncated (``TIMEOUT``, ``episode_infos["deadline"]`` true); not with
             ``inference="host"``. See [Deadlines](contract.md#deadlines-episode_timeout).
@@ -85,6 +89,7 @@ class Sampler:
         inference: str | Batched | Host = "per_worker",
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
+        max_sequence_length: int | None = None,
         episode_timeout: float | None = None,
         close_timeout: float = 10.0,
         metrics: Any = None,

@@ -249,6 +249,17 @@ STUDIES: list[Study] = [
         minutes=30.0,
     ),
     Study(
+        "text_envs",
+        "10,000 concurrent text episodes on process hosts (1 KB prompts, 200-character replies "
+        "and tool outputs, Text spaces; the async-env study's latency model, 200-step "
+        "episodes) against the same study with 4-float observations: steps/s, memory per "
+        "open episode, and a profile of the caller with what the reply messages carried "
+        "(own runner)",
+        script="benchmarks.text_envs",
+        script_args=((), ("--quick",)),
+        minutes=5.0,
+    ),
+    Study(
         "hostloop",
         'the env host\'s own cost per step in inference="host" (its chunk loop with a random '
         "agent, in one process) against a plain env.step loop: NoOp-v0, CartPole-v1, "

@@ -36,6 +36,7 @@ SMOKE: dict[str, list[str]] = {
                   "asyncsample"],
     "sweep": ["--contenders", "ceiling", "envpool", "asyncsample"],
     "ab": ["--a", str(REPO), "--workloads", "CartPole-v1 4x8 random"],
+    "text_envs": [],
     "async_envs": ["--levels", "10", "--contenders", "ceiling", "gym-async", "pool-32",
                    "ours-thread", "ours-asyncio", "ours-process-batched", "--seconds", "0.5"],
 }  # fmt: skip

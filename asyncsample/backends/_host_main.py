@@ -113,7 +113,7 @@ def main(
     arenas = raw_arenas or [None] * len(specs)
     for spec, raw, raw_chunk, raw_arena in zip(specs, raw_buffers, chunks, arenas):
         buffers = slot_buffers(
-            spec.observation_space, spec.action_space, spec.n_envs, raw, spec.timed
+            spec.observation_space, spec.action_space, spec.n_envs, raw, spec.timed, spec.columns
         )
         sets = None if raw_chunk is None else view_chunk_sets(spec, raw_chunk)
         arena = None if raw_arena is None else view_step_arena(spec, raw_arena)
@@ -137,7 +137,7 @@ def _serve_lanes(
 ) -> None:
     """Serve the slots' async envs in an event loop until ``exit`` or the stream's end."""
     buffers = [
-        slot_buffers(s.observation_space, s.action_space, s.n_envs, raw, s.timed)
+        slot_buffers(s.observation_space, s.action_space, s.n_envs, raw, s.timed, s.columns)
         for s, raw in zip(specs, raw_buffers)
     ]
     try:

@@ -20,8 +20,9 @@ import numpy as np
 
 from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
-from asyncsample._tree import tree_map
+from asyncsample._tree import row_copy, tree_map
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
+from asyncsample.backends._column_wire import object_rows, pack_replies, unpack_requests
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -228,6 +229,10 @@ class LaneServer:
             slot.watch_lanes(watched)
         self._send = send
         self.obs_in_reply = obs_in_reply
+        # Slots whose Text/Sequence rows cannot be shared: their rows travel in the replies,
+        # packed one column per leaf per batch (_column_wire), and their actions in requests.
+        self._rows_travel = {id(s) for s in self.slots if object_rows(s.spec)}
+        self._pack = bool(self._rows_travel)
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
         self.flushing = False
         self.envs: dict[tuple[int, int], _EnvLane] = {}  # each env's queue of lane requests
@@ -286,7 +291,10 @@ class LaneServer:
 
     def handle(self, payload: bytes) -> None:
         """Start the lane requests of one batch (see :class:`LaneKind`)."""
-        for request in pickle.loads(payload):
+        requests = pickle.loads(payload)
+        if type(requests) is tuple:  # actions packed in columns (Text, Sequence leaves)
+            requests = unpack_requests(requests)
+        for request in requests:
             self._lane(request)
 
     def _lane(self, request: tuple[Any, ...]) -> None:
@@ -344,7 +352,11 @@ class LaneServer:
                     await host.rebuild_one(i, pickle.loads(request[4]), request[5])
                     value = None
                 buffers = host.buffers
-                if self.obs_in_reply or isinstance(buffers.obs, list):
+                if (
+                    self.obs_in_reply
+                    or isinstance(buffers.obs, list)
+                    or id(host) in self._rows_travel
+                ):
                     ended = isinstance(value, tuple) and (value[1] or value[2])
                     final = _row(buffers.final_obs, i) if ended else None
                     value = (value, _row(buffers.obs, i), final)
@@ -407,11 +419,17 @@ class LaneServer:
             obs[i] if isinstance(obs, (np.ndarray, list)) else tree_map(lambda a: a[i], obs)
         )
         try:
-            action, infos = await batcher.request(agent, worker, observation)
+            action, infos = await batcher.request(agent, worker, observation, i)
+        except WorkerError:
+            raise  # the agent failed this env's row (AgentRowsError): the env's fault alone
         except Exception as exc:
             raise _agent_fault(exc, worker) from None
         reward, terminated, truncated, info = await host.step_one(i, action, when, host.tick())
-        if self.obs_in_reply or isinstance(host.buffers.actions, list):
+        if (
+            self.obs_in_reply
+            or isinstance(host.buffers.actions, list)
+            or id(host) in self._rows_travel
+        ):
             return reward, terminated, truncated, info, action, infos
         put_row(host.buffers.actions, i, action)  # shared with the caller: read there, not sent
         return reward, terminated, truncated, info, None, infos
@@ -436,7 +454,7 @@ class LaneServer:
             if batcher is not None and batcher.timer is not None and batcher.timer.calls:
                 record_agent_calls(slot.buffers.clock, *batcher.timer.drain())  # type: ignore[arg-type]
         if out:
-            self._send(dumps(out))
+            self._send(dumps(pack_replies(out, ST_OK) if self._pack else out))
 
 
 @dataclass
@@ -469,7 +487,7 @@ def _row(tree: Any, i: int) -> Any:
         return tree[i] if tree.ndim == 1 else tree[i].copy()  # a scalar is a copy already
     if isinstance(tree, list):
         return tree[i]
-    return tree_map(lambda a: a[i].copy(), tree)
+    return tree_map(lambda a: row_copy(a, i), tree)
 
 
 class _AgentFault(Exception):

@@ -21,6 +21,7 @@ __all__ = [
     "forkserver_context",
     "kill_started",
     "kill_tree",
+    "start_hidden",
     "start_process",
     "support_process_pids",
 ]
@@ -114,7 +115,7 @@ KILL_WAIT = 5.0
 _STARTER = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
 
 
-def _start_hidden(process: Any) -> None:
+def start_hidden(process: Any) -> None:
     """``process.start()`` with ``__main__``'s ``__file__`` and ``__spec__`` hidden, so the new
     host does not re-run the main script."""
     main = sys.modules.get("__main__")
@@ -135,7 +136,7 @@ def _start_hidden(process: Any) -> None:
 
 async def start_process(process: Any) -> None:
     """``process.start()`` off the loop's thread (killed if the caller is cancelled meanwhile)."""
-    fut = asyncio.get_running_loop().run_in_executor(_STARTER, _start_hidden, process)
+    fut = asyncio.get_running_loop().run_in_executor(_STARTER, start_hidden, process)
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:

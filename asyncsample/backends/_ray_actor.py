@@ -20,6 +20,7 @@ import numpy as np
 
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.backends import _threads
+from asyncsample.backends._column_wire import pack_column, unpack_column
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import dump_failure
 from asyncsample.backends._transport import dumps as _dumps
@@ -86,6 +87,32 @@ class _Packed:
         return np.frombuffer(raw, dtype=np.dtype(self.dtype)).reshape(self.shape)
 
 
+@dataclass(frozen=True, slots=True)
+class _Column:
+    """A leaf of ``object`` rows (Text, Sequence) as one column
+    (:func:`asyncsample.backends._column_wire.pack_column`), not one pickled object per row."""
+
+    column: tuple[Any, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, leaf: np.ndarray) -> _Column:
+        return cls(pack_column(leaf.reshape(-1)), tuple(leaf.shape))
+
+    def unpack(self) -> np.ndarray:
+        """The leaf's rows again, an ``object`` array of its shape."""
+        rows = unpack_column(self.column)
+        out = np.empty(len(rows), dtype=object)
+        for k, row in enumerate(rows):
+            out[k] = row
+        return out.reshape(self.shape)
+
+
+def _columned(leaf: Any) -> Any:
+    """An ``object`` leaf as a :class:`_Column`; any other as it is."""
+    return _Column.of(leaf) if isinstance(leaf, np.ndarray) and leaf.dtype == object else leaf
+
+
 def _codec(name: str) -> tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]:
     """``(compress, decompress)`` of codec ``name`` (zlib at level 1: fast)."""
     if name == "lz4":
@@ -108,7 +135,7 @@ def copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
     """``dst[index] = src`` leaf by leaf, unpacking compressed leaves."""
 
     def copy(d: np.ndarray, s: Any) -> None:
-        d[index] = s.unpack() if isinstance(s, _Packed) else s
+        d[index] = s.unpack() if isinstance(s, (_Packed, _Column)) else s
 
     tree_map(copy, dst, src)
 
@@ -125,7 +152,7 @@ def encode_request(worker: int, mask: np.ndarray, actions: Tree | None = None) -
             parts.extend(leaf.tobytes() for leaf in leaves)
         else:
             kind = _PICKLED_ACTIONS
-            parts.append(_dumps(actions))
+            parts.append(_dumps(tree_map(_columned, actions)))
     parts[0] = _HEAD.pack(worker, kind)
     return b"".join(parts)
 
@@ -173,14 +200,18 @@ class EnvActor:
     def _pack(self, worker: int, what: str, tree: Tree) -> Tree:
         """Compress the leaves of ``tree`` of at least ``compress_threshold`` bytes that shrink."""
         threshold = self.threshold
-        if threshold is None or tree is None:
+        if tree is None:
+            return tree
+        if any(leaf.dtype == object for leaf in tree_leaves(tree)):
+            tree = tree_map(_columned, tree)  # Text/Sequence rows: one column per leaf
+        if threshold is None:
             return tree
         skip = self.skip
         index = itertools.count()
 
-        def pack(leaf: np.ndarray) -> Any:
+        def pack(leaf: Any) -> Any:
             key = (worker, what, next(index))
-            if leaf.nbytes < threshold:
+            if isinstance(leaf, _Column) or leaf.nbytes < threshold:
                 return leaf
             left = skip.get(key, 0)
             if left:

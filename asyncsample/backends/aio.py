@@ -23,7 +23,7 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._clock import CALLS, LaneTiming
 from asyncsample._tasks import run_all
-from asyncsample._tree import tree_map
+from asyncsample._tree import row_copy, tree_map
 from asyncsample.async_env import check_async_env
 from asyncsample.backends._closing import (
     CLOSE_TIMEOUT,
@@ -186,7 +186,9 @@ class PerEnvLockstep:
         actions = self.buffers.actions
         results = await run_all(
             [
-                self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions), None, self.tick())
+                self.step_one(
+                    i, tree_map(lambda a, i=i: row_copy(a, i), actions), None, self.tick()
+                )
                 for i in indices
             ]
         )
@@ -236,7 +238,11 @@ class LaneHost(PerEnvLockstep):
         self.spec = spec
         self.n_envs = spec.n_envs
         self.buffers = buffers or StepBuffers.allocate(
-            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
+            spec.observation_space,
+            spec.action_space,
+            spec.n_envs,
+            timed=spec.timed,
+            columns=spec.columns,
         )
         # With metrics on: the seconds of the env steps timed since take_timed (the fold here)
         # or settle_clock (a LaneServer's host); which: see timed_envs and tick. The env calls

@@ -16,7 +16,6 @@ import itertools
 import multiprocessing
 import multiprocessing.util  # before our atexit hook: hooks run last-in first-out, ours first
 import os
-import pickle
 import select
 import socket
 import weakref
@@ -29,7 +28,7 @@ import psutil
 
 from asyncsample import _validate
 from asyncsample._tasks import wait_all
-from asyncsample.backends import _chunk, _host_main
+from asyncsample.backends import _chunk, _column_wire, _host_main
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
@@ -500,6 +499,7 @@ class ProcessHost(RemoteHost[_Conn]):
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
         self._given: list[Any] | None = None
+        self._columns = _column_wire.object_rows(spec)  # Text/Sequence leaves: packed, not shared
         self.chunks = chunks
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
         self.chunk = chunks[0] if chunks else None
@@ -537,12 +537,7 @@ class ProcessHost(RemoteHost[_Conn]):
             args = reset_arguments(self.spec.n_envs, seeds, options)
             blob = self._pickle("reset options", args)
             payload = await self._request(Op.RESET_ARGS, _mask_bytes(mask) + blob)
-        infos: dict[int, dict[str, object]]
-        if isinstance(self.buffers.obs, list):  # observations without fixed-size rows
-            infos, self.buffers.obs[:] = pickle.loads(payload)
-        else:
-            infos = pickle.loads(payload) if payload else {}
-        return infos
+        return _column_wire.read_reset_reply(self.buffers.obs, payload)  # rows not shared: here
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         # The hot path: _request without its generic layers, same checks.
@@ -565,7 +560,9 @@ class ProcessHost(RemoteHost[_Conn]):
             return None
         body = self._whole_body
         if not body or self._given is not None:
-            cache = self._given is None and not isinstance(self.buffers.actions, list)
+            cache = self._given is None and not (
+                isinstance(self.buffers.actions, list) or self._columns
+            )
             body = self._slot + self._step_body(self._whole_mask)
             if cache:  # the same request every step
                 self._whole_body = body
@@ -578,8 +575,8 @@ class ProcessHost(RemoteHost[_Conn]):
 
     def _step_body(self, mask: np.ndarray) -> bytes:
         body = _mask_bytes(mask)
-        if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
-            body += self._pickle("actions", self.buffers.actions)
+        if isinstance(self.buffers.actions, list) or self._columns:  # rows not shared
+            body += self._pickle("actions", _column_wire.outgoing_rows(self.buffers.actions))
         elif self._given is not None:  # this step's actions, as the caller gave them
             body += self._pickle("actions", self._given)
             self._given = None
@@ -588,12 +585,7 @@ class ProcessHost(RemoteHost[_Conn]):
     def step_infos(self, payload: bytes) -> StepInfos:
         """What a step reply's ``payload`` says (observations without fixed-size rows go to
         the buffers)."""
-        if not payload:
-            return StepInfos(None, {})
-        parts = pickle.loads(payload)
-        if len(parts) > 3:  # observations without fixed-size rows come home pickled
-            self.buffers.obs[:] = parts[3]
-        return StepInfos(*parts[:3])
+        return _column_wire.read_step_reply(self.buffers, payload)
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
         """See :meth:`~asyncsample.backends._chunk.AgentHost.run_chunk`."""
@@ -608,7 +600,8 @@ class ProcessHost(RemoteHost[_Conn]):
             raise closed_error(self.worker, "run its chunk")
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
-        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
+        into = (self.chunks[request.buffer], self.buffers.obs) if self._columns else None
+        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version, into)
 
 
 class ProcessLaneHost(RemoteLanes, ProcessHost):
@@ -714,7 +707,9 @@ class ProcessBackend:
         if joint is None:
             self.joint = None
             own = [
-                shared_buffers(s.observation_space, s.action_space, s.n_envs, ctx, s.timed)
+                shared_buffers(
+                    s.observation_space, s.action_space, s.n_envs, ctx, s.timed, s.columns
+                )
                 for s in specs
             ]
             buffers, raws = [buf for buf, _ in own], [raw for _, raw in own]

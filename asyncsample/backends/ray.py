@@ -317,12 +317,16 @@ class RayHost(RemoteHost[_Actor]):
 
     def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
         spaces = (spec.observation_space, spec.action_space)
-        buffers = StepBuffers.allocate(*spaces, spec.n_envs, timed=spec.timed)
+        buffers = StepBuffers.allocate(
+            *spaces, spec.n_envs, timed=spec.timed, columns=spec.columns
+        )
         super().__init__(spec, member, buffers, step_timeout)
         self.chunk: ChunkBuffers | None = None
         """``inference="host"``: this worker's copy of the chunk records (filled per reply)."""
         if spec.chunk_steps > 0:
-            flat = StepBuffers.allocate(*spaces, spec.chunk_steps * spec.n_envs)
+            flat = StepBuffers.allocate(
+                *spaces, spec.chunk_steps * spec.n_envs, columns=spec.columns
+            )
             self.chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, spec.n_envs)
 
     @property
