@@ -179,7 +179,10 @@ async def test_call_modes_and_inference_modes(
     if mode in ("batched", "host"):
         kw["inference"] = mode
     if mode == "host" and backend not in ("process", "ray"):
-        pytest.skip("inference='host' runs the agent in env hosts: process and ray only")
+        # the agent runs in env hosts: an in-process backend refuses it, naming the backends
+        with pytest.raises(ValueError, match=r"inference='host'.*'process' or 'ray'"):
+            _sampler(backend, kind, layout, **kw)
+        return
     async with _sampler(backend, kind, layout, **kw) as s:
         if mode == "fragments":
             batch = await s.obtain_fragments(4)
