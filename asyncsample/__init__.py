@@ -19,6 +19,7 @@ from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
     AsyncSampleError,
+    LoopBlockedError,
     SamplerBusyError,
     SamplerClosedError,
     StepTimeoutError,
@@ -66,6 +67,7 @@ __all__ = [
     "Evaluation",
     "FragmentWorker",
     "Host",
+    "LoopBlockedError",
     "NewEnvUpdate",
     "RandomAgent",
     "SampleStats",

@@ -23,6 +23,7 @@ import cloudpickle
 import numpy as np
 
 from asyncsample.backends._transport import Op
+from asyncsample.backends._watchdog import BlockReport
 from asyncsample.backends.base import LOGGER, HostSpec
 from asyncsample.env_group import StepBuffers, call_targets, set_attr_targets
 from asyncsample.env_update import EnvSource
@@ -106,6 +107,10 @@ class Incarnation(ABC):
         self.closing = False  # being shut down on purpose: its death is not news
         self.reason = ""
         self.cause: BaseException | None = None
+        # Why it was killed, for host_restarts_total: "died", "hung" (a call past step_timeout)
+        # or "blocked" (its event loop stood still); and where it stood, if the host said.
+        self.kill_cause = "died"
+        self.report: BlockReport | None = None
 
     @abstractmethod
     def describe(self) -> str:
@@ -190,8 +195,16 @@ class Incarnation(ABC):
             self.timer = self.loop.call_later(0.001, self._on_timeout, call)
             return
         call.timed_out = True
+        self.kill_cause = "hung"
+        self.report = self._take_report()
         what = f"{call.what()} of worker {call.worker} took longer than {call.limit}"
-        self.die(f"was killed: a {what}")
+        blame = "" if self.report is None else f" ({self.report.message()})"
+        self.die(f"was killed: a {what}{blame}")
+
+    def _take_report(self) -> BlockReport | None:
+        """Where the host's serving thread stood, if its watchdog said (see
+        :mod:`asyncsample.backends._watchdog`)."""
+        return None
 
     def die(self, reason: str, cause: BaseException | None = None) -> None:
         """Mark the host dead: kill it and fail every call waiting on it. Idempotent."""
@@ -218,6 +231,10 @@ class Incarnation(ABC):
     def _on_death(self) -> None:  # noqa: B027 - a hook, empty by default
         """Release what the backend holds for this incarnation (after :meth:`die`)."""
 
+    def kind(self) -> str:
+        """Why this host went: ``"blocked"``, ``"hung"`` or ``"died"``."""
+        return self.kill_cause
+
     def crashed(self, worker: int) -> WorkerCrashedError:
         """The error of a call that found this host dead."""
         err = WorkerCrashedError(f"{self.describe()} {self.reason}", worker=worker)
@@ -240,6 +257,8 @@ class PoolMember(ABC, Generic[IncT]):
         self.incarnations: list[IncT] = []  # every one not yet released
         self.lock = asyncio.Lock()
         self.closed = False
+        #: Restarts by cause (``died``, ``hung``, ``blocked``: see ``Incarnation.kill_cause``).
+        self.restarts: dict[str, int] = {"died": 0, "hung": 0, "blocked": 0}
 
     @abstractmethod
     async def _spawn(self) -> IncT:
@@ -269,6 +288,7 @@ class PoolMember(ABC, Generic[IncT]):
                 self._discard(new)
                 raise closed_error(self.workers[0], "restart its env host")
             if current is not None:
+                self.restarts[current.kind()] += 1
                 LOGGER.warning(
                     "%s (workers %s) %s; restarted as %s",
                     current.describe(),
@@ -341,9 +361,14 @@ class RemoteHost(ABC, Generic[IncT]):
             if self._member.closed:
                 err = closed_error(self.worker, f"finish its {call.label}")
             elif call.timed_out:
+                report = inc.report
+                blame = "" if report is None else f": {report.message()}"
                 err = StepTimeoutError(
-                    f"{call.what()} took longer than {call.limit}; {inc.describe()} was killed",
+                    f"{call.what()} took longer than {call.limit}; {inc.describe()} was "
+                    f"killed{blame}",
                     worker=self.worker,
+                    env=None if report is None else report.env,
+                    remote_traceback=None if report is None else report.stack,
                 )
             else:
                 err = inc.crashed(self.worker)

@@ -466,12 +466,12 @@ class LaneHost(PerEnvLockstep):
         # again once that has passed when a settle came too soon.
         now = _perf()
         if now >= self._calls_due:
-            self._count_calls()
+            self.count_calls()
         elif self._recount is None:
             loop = asyncio.get_running_loop()
-            self._recount = loop.call_later(self._calls_due - now, self._count_calls)
+            self._recount = loop.call_later(self._calls_due - now, self.count_calls)
 
-    def _count_calls(self) -> None:
+    def count_calls(self) -> None:
         """Write the calls running into the clock (a host's ``CALLS`` cell)."""
         clock = self.buffers.clock
         assert clock is not None

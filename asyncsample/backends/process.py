@@ -52,8 +52,16 @@ from asyncsample.backends._remote import (
     PoolMember,
     RemoteHost,
     closed_error,
+    progress_poll,
 )
 from asyncsample.backends._slot import RawArena, StepArena, step_arenas
+from asyncsample.backends._watchdog import (
+    BLOCK_BYTES,
+    BlockReport,
+    clear_report,
+    read_report,
+    turns_of,
+)
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -89,6 +97,10 @@ START_TIMEOUT = 60.0
 #: Seconds to wait for a host's exit status after its stream ended.
 _EOF_GRACE = 1.0
 _MAX_ID = 0xFFFFFFFF
+#: Seconds a host's call past ``step_timeout`` waits for the host's watchdog to say where it
+#: stands before the host is killed; and how much longer than ``step_timeout`` a host of async
+#: envs whose loop stands still gets when its watchdog says nothing (a call holding the GIL).
+REPORT_GRACE = 0.5
 #: Bytes asked of the socket per read (replies are small; infos and chunk replies may not be).
 _READ_SIZE = 1 << 18
 
@@ -111,8 +123,13 @@ class _Conn(Incarnation):
         transport: asyncio.WriteTransport,
         protocol: _ReplyProtocol,
         loop: asyncio.AbstractEventLoop,
+        block: np.ndarray | None = None,
     ) -> None:
         super().__init__(loop)
+        self.block = block  # shared with the host: its loop's counter and its watchdog's report
+        self.seen = -1  # the counter at the last look (see ProcessBackend._check_loops), and when
+        self.since = loop.time()
+        self.waited = 0.0  # loop time a timeout first waited for the host's report
         self.process = process
         self.pid: int = process.pid
         try:
@@ -238,13 +255,26 @@ class _Conn(Incarnation):
 
     def _defer_timeout(self, call: PendingCall) -> bool:
         """Whether a reply (this call's: the host answers in order) waits unread: a stalled
-        loop may run the timer before it reads a reply that came in time."""
+        loop may run the timer before it reads a reply that came in time; or the host's
+        watchdog has not yet written where its serving thread stands (at most
+        :data:`REPORT_GRACE` seconds)."""
         if self.protocol.ended:
             return False
         try:
-            return bool(select.select([self.fd], [], [], 0)[0])
+            if select.select([self.fd], [], [], 0)[0]:
+                return True
         except (OSError, ValueError):
             return False
+        block = self.block
+        if block is None or read_report(block) is not None:
+            return False
+        now = self.loop.time()
+        if not self.waited:
+            self.waited = now
+        return now - self.waited < REPORT_GRACE
+
+    def _take_report(self) -> BlockReport | None:
+        return None if self.block is None else read_report(self.block)
 
     def _on_sentinel(self) -> None:
         self._unwatch()
@@ -324,8 +354,14 @@ class _Member(PoolMember[_Conn]):
         lanes: LaneOptions | None = None,
         raw_arenas: list[RawArena | None] | None = None,
         spin_after_step: float | None = None,
+        step_timeout: float | None = None,
     ) -> None:
         super().__init__(index, specs)
+        # Shared with each incarnation: its loop's (or serving thread's) counter and where its
+        # watchdog found it standing still (see _watchdog); the host watches for step_timeout.
+        self.block_raw = ctx.RawArray("B", BLOCK_BYTES)
+        self.block: np.ndarray = np.frombuffer(self.block_raw, dtype=np.uint8)
+        self.step_timeout = step_timeout
         self.spin_after_step = spin_after_step  # see _host_main.StepReader
         self.lanes = lanes  # a host of async envs (each stepped on its own in its event loop)
         self.raw_arenas = raw_arenas  # per slot, what the host needs to view its step arena
@@ -341,6 +377,7 @@ class _Member(PoolMember[_Conn]):
     async def _spawn(self) -> _Conn:
         loop = asyncio.get_running_loop()
         self.incarnations = [c for c in self.incarnations if not (c.dead and c.exited.done())]
+        clear_report(self.block)
         parent_sock, child_sock = socket.socketpair()
         try:
             process = self.ctx.Process(
@@ -354,6 +391,7 @@ class _Member(PoolMember[_Conn]):
                     self.lanes,
                     self.raw_arenas,
                     self.spin_after_step,
+                    (self.block_raw, self.step_timeout),
                 ),
                 name=f"asyncsample-host-{self.index}",
             )
@@ -372,7 +410,7 @@ class _Member(PoolMember[_Conn]):
             kill_started(process)
             parent_sock.close()
             raise
-        conn = _Conn(process, transport, protocol, loop)
+        conn = _Conn(process, transport, protocol, loop, self.block)
         self.current = conn
         self.incarnations.append(conn)
         done, _ = await asyncio.wait({conn.ready}, timeout=START_TIMEOUT)
@@ -685,6 +723,7 @@ class ProcessBackend:
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._token = -1
+        self._checker: asyncio.TimerHandle | None = None  # see _check_loops
         self.joint: StepBuffers | None = None
         """The step buffers of every host in one allocation (hosts with the same spaces), in
         host order: a vector env's ``step`` returns ``joint.obs`` itself with ``copy=False``."""
@@ -743,6 +782,7 @@ class ProcessBackend:
                 LaneOptions(self.step_timeout, lane_close, caps[m]) if lanes else None,
                 member_arenas,
                 self.spin_after_step,
+                self.step_timeout,
             )
             for m, (member_specs, member_raws, member_chunks, member_arenas) in enumerate(splits)
         ]
@@ -759,6 +799,8 @@ class ProcessBackend:
             self._release()
             raise
         members = self._members
+        if lanes and self.step_timeout is not None:
+            self._check_loops()
         if lanes:
             return [
                 ProcessLaneHost(spec, members[where.member(w)], where.slot(w), buffers[w])
@@ -770,7 +812,52 @@ class ProcessBackend:
             for w, (spec, (sets, _)) in enumerate(zip(specs, chunks))
         ]
 
+    def _check_loops(self) -> None:
+        """Kill a host of async envs whose loop stood still for ``step_timeout`` (its counter in
+        the shared block did not move, see :mod:`asyncsample.backends._watchdog`): at once when
+        its watchdog named the line, else :data:`REPORT_GRACE` later. Runs every
+        :func:`~asyncsample.backends._remote.progress_poll` of ``step_timeout``, not per step."""
+        self._checker = None
+        if self._closed:
+            return
+        timeout = self.step_timeout
+        assert timeout is not None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for member in self._members:
+            conn = member.current
+            if conn is None or conn.dead or conn.closing or conn.block is None:
+                continue
+            turns = int(turns_of(conn.block)[0])
+            if turns != conn.seen or not conn.ready.done():
+                conn.seen, conn.since = turns, now
+                continue
+            report = read_report(conn.block)
+            if report is not None:
+                conn.kill_cause, conn.report = "blocked", report
+                conn.die(f"was killed: {report.message()}")
+            elif now - conn.since >= timeout + REPORT_GRACE:
+                conn.kill_cause = "hung"
+                conn.die(
+                    f"was killed: its event loop stood still for {now - conn.since:.1f} s, past "
+                    f"step_timeout={timeout:g}s, and its watchdog could not say where (a call "
+                    "that holds the GIL?)"
+                )
+        self._checker = loop.call_later(progress_poll(timeout), self._check_loops)
+
+    @property
+    def host_restarts(self) -> dict[str, int]:
+        """The hosts restarted so far, by cause (``died``, ``hung``, ``blocked``)."""
+        out = {"died": 0, "hung": 0, "blocked": 0}
+        for member in self._members:
+            for cause, n in member.restarts.items():
+                out[cause] += n
+        return out
+
     async def aclose(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+            self._checker = None
         if self._closed:
             return
         self._closed = True
@@ -789,6 +876,9 @@ class ProcessBackend:
 
     def close_now(self) -> None:
         """Kill every host process and release everything at once (no graceful exit)."""
+        if self._checker is not None:
+            self._checker.cancel()
+            self._checker = None
         self._closed = True
         for member in self._members:
             member.closed = True
