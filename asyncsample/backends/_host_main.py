@@ -136,7 +136,7 @@ def main(
             _watchdog.Watch(
                 limit * _WATCH_AT,
                 turns,
-                lambda report, first: _watchdog.write_report(block, report),  # type: ignore[arg-type]
+                lambda report, first: _watchdog.write_report(block, report),
                 serving=True,
                 where="thread",
             )

@@ -55,13 +55,6 @@ from asyncsample.backends._remote import (
     progress_poll,
 )
 from asyncsample.backends._slot import RawArena, StepArena, step_arenas
-from asyncsample.backends._watchdog import (
-    BLOCK_BYTES,
-    BlockReport,
-    clear_report,
-    read_report,
-    turns_of,
-)
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -74,6 +67,13 @@ from asyncsample.backends._transport import (
     shared_buffers,
 )
 from asyncsample.backends._transport import ReplyProtocol as _ReplyProtocol
+from asyncsample.backends._watchdog import (
+    BLOCK_BYTES,
+    BlockReport,
+    clear_report,
+    read_report,
+    turns_of,
+)
 from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
