@@ -335,6 +335,21 @@ class RemoteHost(ABC, Generic[IncT]):
         self._agent_inc: IncT | None = None
         self._synced_version = 0
 
+    @property
+    def env_calls(self) -> int:
+        """The env calls running now for the metrics (read at scrape time, from any thread): this
+        worker's envs while a call of its is in its host (lockstep: all of them at once)."""
+        inc = self._incarnation
+        if inc is None or inc.dead:
+            return 0
+        worker = self.worker
+        busy = any(c.worker == worker for c in list(inc.calls)) or self._sent_bare(inc)
+        return self.spec.n_envs if busy else 0
+
+    def _sent_bare(self, incarnation: IncT) -> bool:
+        """Whether a step of this worker is in its host without a call (see ``process``)."""
+        return False
+
     @abstractmethod
     def _submit(self, incarnation: IncT, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         """Send one request for this worker's slot; the call's future gets the raw reply."""

@@ -553,6 +553,9 @@ class ProcessHost(RemoteHost[_Conn]):
         inc = self._incarnation
         return None if inc is None or inc.dead else inc
 
+    def _sent_bare(self, incarnation: _Conn) -> bool:
+        return any(step.host is self for step in list(incarnation.direct.values()))
+
     def _submit(self, incarnation: _Conn, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         body = self._slot + payload[0] if payload else self._slot
         return incarnation.send(op, body, self._timeout, self.worker)
