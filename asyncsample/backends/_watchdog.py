@@ -32,6 +32,8 @@ import numpy as np
 
 __all__ = [
     "BLOCK_BYTES",
+    "REPORT_GRACE",
+    "STALLED_AT_CLOSE",
     "BlockReport",
     "TICK",
     "Watch",
@@ -49,6 +51,14 @@ __all__ = [
 TICK = 0.05
 #: Bytes of the shared block of a host: the counter, the report's length, the pickled report.
 BLOCK_BYTES = 16 + 16 * 1024
+#: Seconds a host's call past ``step_timeout`` waits for the host's watchdog to say where it
+#: stands before the host is killed; and how much longer than ``step_timeout`` a host of async
+#: envs whose loop stands still gets when its watchdog says nothing (a call holding the GIL).
+REPORT_GRACE = 0.5
+#: Seconds a host of async envs being closed may leave its loop standing still before it is
+#: killed (it cannot close its envs while an env blocks its loop): aclose() does not wait out
+#: ``close_timeout`` for a host that cannot use it.
+STALLED_AT_CLOSE = 0.5
 #: The longest pause between two looks of the watchdog thread, in seconds.
 _POLL = 0.1
 

@@ -69,6 +69,9 @@ from asyncsample.backends._transport import (
 from asyncsample.backends._transport import ReplyProtocol as _ReplyProtocol
 from asyncsample.backends._watchdog import (
     BLOCK_BYTES,
+    REPORT_GRACE,
+    STALLED_AT_CLOSE,
+    TICK,
     BlockReport,
     clear_report,
     read_report,
@@ -97,10 +100,6 @@ START_TIMEOUT = 60.0
 #: Seconds to wait for a host's exit status after its stream ended.
 _EOF_GRACE = 1.0
 _MAX_ID = 0xFFFFFFFF
-#: Seconds a host's call past ``step_timeout`` waits for the host's watchdog to say where it
-#: stands before the host is killed; and how much longer than ``step_timeout`` a host of async
-#: envs whose loop stands still gets when its watchdog says nothing (a call holding the GIL).
-REPORT_GRACE = 0.5
 #: Bytes asked of the socket per read (replies are small; infos and chunk replies may not be).
 _READ_SIZE = 1 << 18
 
@@ -130,6 +129,7 @@ class _Conn(Incarnation):
         self.seen = -1  # the counter at the last look (see ProcessBackend._check_loops), and when
         self.since = loop.time()
         self.waited = 0.0  # loop time a timeout first waited for the host's report
+        self.ticking = False  # a host of async envs: its loop bumps the block's counter
         self.process = process
         self.pid: int = process.pid
         try:
@@ -317,12 +317,40 @@ class _Conn(Incarnation):
             with contextlib.suppress(Exception):
                 self.transport.write(HEADER.pack(0, HELLO_ID, Op.EXIT))
         if not self.exited.done() and self.watching:
-            await asyncio.wait({self.exited}, timeout=grace)
+            if self.ticking and self.block is not None:
+                stalled = await self._exit_or_stall(grace, turns_of(self.block))
+            else:
+                stalled = False
+                await asyncio.wait({self.exited}, timeout=grace)
         if not self.exited.done() and self.watching:
-            self.die(f"was killed: it did not exit within {grace:g}s of being asked to")
+            if stalled:
+                self.die(
+                    f"was killed: its event loop stood still for {STALLED_AT_CLOSE:g}s after it "
+                    "was asked to exit (an env blocking it?)"
+                )
+            else:
+                self.die(f"was killed: it did not exit within {grace:g}s of being asked to")
             await asyncio.wait({self.exited}, timeout=KILL_WAIT)
         self.die("was shut down")
         self.release()
+
+    async def _exit_or_stall(self, grace: float, turns: np.ndarray) -> bool:
+        """Wait at most ``grace`` seconds for the host to exit; ``True`` as soon as its loop
+        stood still for :data:`STALLED_AT_CLOSE` seconds instead (it cannot close anything)."""
+        loop = self.loop
+        end = loop.time() + grace
+        seen, since = int(turns[0]), loop.time()
+        while not self.exited.done() and self.watching:
+            now = loop.time()
+            if now >= end:
+                return False
+            count = int(turns[0])
+            if count != seen:
+                seen, since = count, now
+            elif now - since >= STALLED_AT_CLOSE:
+                return True
+            await asyncio.wait({self.exited}, timeout=min(end - now, TICK))
+        return False
 
     def release(self) -> None:
         """Synchronous last resort (also for finalizers): kill, reap, close everything."""
@@ -411,6 +439,7 @@ class _Member(PoolMember[_Conn]):
             parent_sock.close()
             raise
         conn = _Conn(process, transport, protocol, loop, self.block)
+        conn.ticking = self.lanes is not None
         self.current = conn
         self.incarnations.append(conn)
         done, _ = await asyncio.wait({conn.ready}, timeout=START_TIMEOUT)

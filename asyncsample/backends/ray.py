@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._clock import CALLS
 from asyncsample._tasks import wait_all
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
@@ -33,6 +34,7 @@ from asyncsample.backends._lane_serve import LaneOptions, shares
 from asyncsample.backends._ray_actor import (
     OK,
     PROGRESS_GROUP,
+    WATCH_GROUP,
     EnvActor,
     LaneActor,
     best_codec,
@@ -40,6 +42,7 @@ from asyncsample.backends._ray_actor import (
     encode_request,
 )
 from asyncsample.backends._remote import (
+    PROGRESS_POLL,
     HostDied,
     Incarnation,
     PendingCall,
@@ -49,6 +52,7 @@ from asyncsample.backends._remote import (
 )
 from asyncsample.backends._transport import Op, load_failure
 from asyncsample.backends._transport import dumps as _dumps
+from asyncsample.backends._watchdog import REPORT_GRACE, STALLED_AT_CLOSE
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
 from asyncsample.backends.placement import placement
 from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
@@ -82,18 +86,80 @@ class _Actor(Incarnation):
         self.watchers: set[asyncio.Task[None]] = set()
         self.polling: dict[PendingCall, float] = {}
         self.lanes: LaneLink | None = None  # async envs: see start_lanes
+        self.since: float | None = None  # loop time its loop was last seen turning (watched)
         self.batches = 0  # lane request batches sent (LaneActor.submit starts them in order)
         # Metrics on, async envs: each worker's clock in the caller (the actor's copies come
         # with its replies); shared by the member's incarnations.
         self.clocks: dict[int, np.ndarray] = {}
 
-    def start_lanes(self) -> None:
+    def start_lanes(self, step_timeout: float | None = None) -> None:
         """Async envs (a :class:`LaneActor`): lane requests go out in batches, one call per pass
-        of the loop, and one ``replies`` call always waits for the actor's next replies."""
+        of the loop, and one ``replies`` call always waits for the actor's next replies; with
+        ``step_timeout`` or metrics on, the actor's loop is watched (:meth:`_watch_loop`)."""
         self.lanes = LaneLink(self._send_lanes, self.loop)
-        task = self.loop.create_task(self._take_replies())
-        self.watchers.add(task)
-        task.add_done_callback(self.watchers.discard)
+        tasks = [
+            self.loop.create_task(self._take_replies()),
+            self.loop.create_task(self._watch_loop(step_timeout)),
+        ]
+        for task in tasks:
+            self.watchers.add(task)
+            task.add_done_callback(self.watchers.discard)
+
+    async def _watch_loop(self, timeout: float | None) -> None:
+        """Ask the actor's :meth:`LaneActor.beat` (a thread of its own) every
+        :func:`~asyncsample.backends._remote.progress_poll` of ``timeout`` (metrics only: every
+        :data:`~asyncsample.backends._remote.PROGRESS_POLL`): the env calls running go into the
+        clocks, and an actor whose loop stood still for ``timeout`` is killed, at once when its
+        watchdog named the line, else after a grace (a call holding the GIL: beat cannot
+        answer either)."""
+        interval = PROGRESS_POLL if timeout is None else progress_poll(timeout)
+        beat = self.handle.beat.options(concurrency_group=WATCH_GROUP)
+        loop = self.loop
+        seen, since = -1, loop.time()
+        while not self.dead:
+            await asyncio.sleep(interval)
+            if timeout is None and not self.clocks:
+                continue  # nothing to watch for (the clocks are there from the hosts' start)
+            try:
+                ref = beat.remote()
+            except Exception:  # Ray is gone: the other calls find out why
+                return
+            wait = (
+                interval
+                if timeout is None
+                else max(since + timeout + REPORT_GRACE - loop.time(), interval)
+            )
+            try:
+                turns, report, calls = await asyncio.wait_for(
+                    asyncio.wrap_future(ref.future()), wait
+                )
+            except TimeoutError:
+                turns, report, calls = seen, None, []
+            except Exception:  # the actor died: its calls say why
+                return
+            if self.dead:
+                return
+            for worker, n in calls:
+                clock = self.clocks.get(worker)
+                if clock is not None:
+                    clock[CALLS] = n
+            now = loop.time()
+            moved = turns != seen
+            if moved:
+                seen, since = turns, now
+            self.since = since  # (watched now: its loop's last turn is known)
+            if moved or timeout is None:
+                continue
+            if report is not None:
+                self.kill_cause, self.report = "blocked", report
+                self.die(f"was killed: {report.message()}")
+            elif now - since >= timeout + REPORT_GRACE:
+                self.kill_cause = "hung"
+                self.die(
+                    f"was killed: its event loop stood still for {now - since:.1f} s, past "
+                    f"step_timeout={timeout:g}s, and its watchdog could not say where (a call "
+                    "that holds the GIL?)"
+                )
 
     def _send_lanes(self, body: bytes) -> None:
         number, self.batches = self.batches, self.batches + 1
@@ -277,7 +343,7 @@ class _Member(PoolMember[_Actor]):
         actor.where = f"pid {pid} on {ip}"
         if spawner.lanes is not None:
             actor.clocks = self.clocks
-            actor.start_lanes()
+            actor.start_lanes(spawner.step_timeout)
         return actor
 
     async def _ready(self, actor: _Actor) -> tuple[int, str]:
@@ -582,7 +648,8 @@ class RayBackend:
                 self.lanes = LaneOptions(self.step_timeout, close, None)
                 members = where.split(specs)
                 self._caps = shares(self.max_concurrency, [len(m) for m in members])
-                self._actor_class = ray.remote(LaneActor)
+                # LaneActor.beat answers from a thread of its own while an env blocks the loop.
+                self._actor_class = ray.remote(concurrency_groups={WATCH_GROUP: 1})(LaneActor)
             elif self.step_timeout is not None and any(s.chunk_steps > 0 for s in specs):
                 # Chunks judged per step: EnvActor.progress answers from a thread of its own.
                 groups = {PROGRESS_GROUP: 1}
@@ -651,6 +718,11 @@ class RayBackend:
         # A Ray shut down under us took the actors with it; a Ray call now would start it again.
         live = self.ray.is_initialized()
         if live:  # let the envs close themselves (env.close()) first
+            now = asyncio.get_running_loop().time()
+            for actor in actors:  # a loop that stands still cannot close anything: killed now
+                if not actor.dead and actor.since is not None:
+                    if now - actor.since > STALLED_AT_CLOSE:
+                        actor.die("was killed: its event loop stood still when it was closed")
             live_actors = [a for a in actors if not a.dead]
             busy = any(a.calls for a in live_actors)
             grace = exit_grace(self.close_timeout, busy, EXIT_GRACE)
