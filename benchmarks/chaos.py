@@ -605,7 +605,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.episodes, args.workers, args.calls = 256, 4, 2
         args.quota, args.deadline, args.max_concurrency = 3_000, 20.0, 128
         args.latency, args.episode_timeout = 0.05, 5.0
-        args.block_every, args.blocks, args.block_seconds, args.step_timeout = 1_000, 1, 60.0, 6.0
+        args.block_every, args.blocks, args.block_seconds, args.step_timeout = 300, 1, 60.0, 6.0
     return args
 
 
