@@ -3,8 +3,9 @@
 Each env counts ``[t, u]`` (the step in its episode, a draw from its ``np_random``) for
 ``length`` steps. The first env (of any process) that reaches step ``at`` of its life and claims
 the flag file ``flag`` blocks its thread there with ``time.sleep(seconds)`` (:data:`BLOCK_LINE`
-is that line); every other step is healthy. ``hold`` (async envs): from step ``at`` on, each step
-awaits ``seconds`` instead, without blocking (an episode held open).
+is that line); every other step is healthy. ``hold``: from step ``at`` on, each step takes
+``seconds`` instead (an async env awaits them, without blocking; a blocking env sleeps):
+episodes held open.
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ class BlockingEnv(gym.Env[np.ndarray, Any]):
     observation_space = SPACE
     action_space = ACTIONS
 
-    def __init__(self, flag: str, at: int = 3, seconds: float = 60.0, length: int = 5) -> None:
-        self.flag, self.at, self.seconds, self.length = flag, at, seconds, length
+    def __init__(
+        self, flag: str, at: int = 3, seconds: float = 60.0, length: int = 5, hold: bool = False
+    ) -> None:
+        self.flag, self.at, self.seconds, self.length, self.hold = flag, at, seconds, length, hold
         self.t = 0
         self.steps = 0
 
@@ -95,7 +98,9 @@ class BlockingEnv(gym.Env[np.ndarray, Any]):
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         self.steps += 1
-        if self.steps == self.at and claim(self.flag):
+        if self.steps >= self.at and self.hold:
+            time.sleep(self.seconds)
+        elif self.steps == self.at and claim(self.flag):
             block(self.seconds)
         self.t += 1
         return self._obs(), 1.0, self.t >= self.length, False, {}

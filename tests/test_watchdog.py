@@ -177,6 +177,36 @@ def test_a_report_names_the_innermost_line_of_the_envs_own_code() -> None:
     )
 
 
+@pytest.mark.slow  # the held hosts are killed at aclose (2 s: busy with a step)
+async def test_live_gauges_of_lockstep_hosts_read_mid_call(make_sampler: SamplerFactory) -> None:
+    # a blocking env on process: each worker's lockstep step holds its 2 envs from the 2nd step
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        "process",
+        functools.partial(BlockingEnv, "-", at=2, hold=True, length=1000),
+        n_workers=2,
+        envs_per_worker=2,
+        metrics=registry,
+    )
+    await sampler.start()
+    call = asyncio.ensure_future(sampler.obtain_fragments(100))
+    try:
+        await wait_until(
+            lambda: value(registry, "episodes_in_flight") == 4
+            and value(registry, "env_calls_in_flight") == 4,
+            "every episode and env call in flight, scraped mid-call",
+        )
+        first = value(registry, "oldest_episode_seconds")
+        await wait_until(
+            lambda: value(registry, "oldest_episode_seconds") > first + 0.1,
+            "the oldest episode's age to grow",
+        )
+    finally:
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "process", "ray"])
 async def test_live_gauges_read_mid_call(
     backend: str, make_sampler: SamplerFactory, request: pytest.FixtureRequest

@@ -312,6 +312,7 @@ class LaneHost(PerEnvLockstep):
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again from ``chain``; the old one is closed in the background."""
         self._check_open("rebuild")
+        self.blocked.pop(i, None)  # a block of the old env's (reported late) is not the new one's
         env = self._build_env(i, chain)
         old = self.envs[i]
         self.group.place(i, env, seed)
