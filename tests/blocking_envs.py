@@ -42,68 +42,74 @@ def block(seconds: float) -> None:
 BLOCK_LINE = block.__code__.co_firstlineno + 2
 
 
-class BlockingAsyncEnv(AsyncEnv[np.ndarray, Any]):
+class _Script:
+    """What both envs share: the step counts and when a step blocks or holds (see the module)."""
+
+    def __init__(
+        self, flag: str, at: int = 3, seconds: float = 60.0, length: int = 5, hold: bool = False
+    ) -> None:
+        self.flag, self.at, self.seconds, self.length, self.hold = flag, at, seconds, length, hold
+        self.t = 0
+        self.steps = 0
+        self.np_random: np.random.Generator
+
+    def due(self) -> str | None:
+        """Count a step; ``"hold"``, ``"block"`` or ``None`` (a healthy step)."""
+        self.steps += 1
+        if self.steps >= self.at and self.hold:
+            return "hold"
+        if self.steps == self.at and claim(self.flag):
+            return "block"
+        return None
+
+    def first(self) -> tuple[np.ndarray, dict[str, Any]]:
+        self.t = 0
+        return self._obs(), {}
+
+    def outcome(self) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        self.t += 1
+        return self._obs(), 1.0, self.t >= self.length, False, {}
+
+    def _obs(self) -> np.ndarray:
+        return np.array([self.t, self.np_random.random()], dtype=np.float32)
+
+
+class BlockingAsyncEnv(_Script, AsyncEnv[np.ndarray, Any]):
     """An async env whose step ``at`` (of its life) blocks its loop once (see the module)."""
 
     observation_space = SPACE
     action_space = ACTIONS
 
-    def __init__(
-        self, flag: str, at: int = 3, seconds: float = 60.0, length: int = 5, hold: bool = False
-    ) -> None:
-        self.flag, self.at, self.seconds, self.length, self.hold = flag, at, seconds, length, hold
-        self.t = 0
-        self.steps = 0
-
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[np.ndarray, dict[str, Any]]:
         await super().reset(seed=seed)
-        self.t = 0
-        return self._obs(), {}
+        return self.first()
 
     async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        self.steps += 1
+        due = self.due()
         await asyncio.sleep(0.001)
-        if self.steps >= self.at and self.hold:
+        if due == "hold":
             await asyncio.sleep(self.seconds)
-        elif self.steps == self.at and claim(self.flag):
+        elif due == "block":
             block(self.seconds)
-        self.t += 1
-        return self._obs(), 1.0, self.t >= self.length, False, {}
-
-    def _obs(self) -> np.ndarray:
-        return np.array([self.t, self.np_random.random()], dtype=np.float32)
+        return self.outcome()
 
 
-class BlockingEnv(gym.Env[np.ndarray, Any]):
+class BlockingEnv(_Script, gym.Env[np.ndarray, Any]):
     """A blocking gymnasium env whose step ``at`` (of its life) blocks once (see the module)."""
 
     observation_space = SPACE
     action_space = ACTIONS
 
-    def __init__(
-        self, flag: str, at: int = 3, seconds: float = 60.0, length: int = 5, hold: bool = False
-    ) -> None:
-        self.flag, self.at, self.seconds, self.length, self.hold = flag, at, seconds, length, hold
-        self.t = 0
-        self.steps = 0
-
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[np.ndarray, dict[str, Any]]:
         super().reset(seed=seed)
-        self.t = 0
-        return self._obs(), {}
+        return self.first()
 
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
-        self.steps += 1
-        if self.steps >= self.at and self.hold:
-            time.sleep(self.seconds)
-        elif self.steps == self.at and claim(self.flag):
+        due = self.due()
+        if due is not None:  # a held episode sleeps as a block does
             block(self.seconds)
-        self.t += 1
-        return self._obs(), 1.0, self.t >= self.length, False, {}
-
-    def _obs(self) -> np.ndarray:
-        return np.array([self.t, self.np_random.random()], dtype=np.float32)
+        return self.outcome()

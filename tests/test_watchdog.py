@@ -22,6 +22,7 @@ import pytest
 from blocking_envs import BLOCK_LINE, BlockingAsyncEnv, BlockingEnv
 from helpers import SamplerFactory, wait_until
 from prometheus_client import CollectorRegistry
+from test_metrics import value
 
 from asyncsample import EpisodeBatch, StepType
 from asyncsample.backends._watchdog import BlockReport, name_block
@@ -30,20 +31,7 @@ cloudpickle.register_pickle_by_value(blocking_envs)  # the env hosts cannot impo
 
 pytestmark = pytest.mark.timeout(120)
 
-P = "asyncsample_"
 PLACE = f"blocking_envs.py:{BLOCK_LINE} (time.sleep(seconds))"
-
-
-def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    """The sum of metric ``name``'s samples that carry ``labels`` (0 when none)."""
-    total = 0.0
-    for family in registry.collect():
-        for sample in family.samples:
-            if sample.name == P + name and all(
-                sample.labels.get(k) == v for k, v in labels.items()
-            ):
-                total += sample.value
-    return total
 
 
 def check_intact(batch: EpisodeBatch, length: int) -> None:
@@ -177,53 +165,9 @@ def test_a_report_names_the_innermost_line_of_the_envs_own_code() -> None:
     )
 
 
-@pytest.mark.slow  # the held hosts are killed at aclose (2 s: busy with a step)
-async def test_live_gauges_of_lockstep_hosts_read_mid_call(make_sampler: SamplerFactory) -> None:
-    # a blocking env on process: each worker's lockstep step holds its 2 envs from the 2nd step
-    registry = CollectorRegistry()
-    sampler = make_sampler(
-        "process",
-        functools.partial(BlockingEnv, "-", at=2, hold=True, length=1000),
-        n_workers=2,
-        envs_per_worker=2,
-        metrics=registry,
-    )
-    await sampler.start()
-    call = asyncio.ensure_future(sampler.obtain_fragments(100))
-    try:
-        await wait_until(
-            lambda: value(registry, "episodes_in_flight") == 4
-            and value(registry, "env_calls_in_flight") == 4,
-            "every episode and env call in flight, scraped mid-call",
-        )
-        first = value(registry, "oldest_episode_seconds")
-        await wait_until(
-            lambda: value(registry, "oldest_episode_seconds") > first + 0.1,
-            "the oldest episode's age to grow",
-        )
-    finally:
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
-
-
-@pytest.mark.parametrize("backend", ["asyncio", "process", "ray"])
-async def test_live_gauges_read_mid_call(
-    backend: str, make_sampler: SamplerFactory, request: pytest.FixtureRequest
-) -> None:
-    # 4 envs each hold their episode open from their 2nd step (an await of 60 s): scraped while
-    # the call runs, 4 episodes and 4 env calls are in flight, the oldest episode ages
-    if backend == "ray":
-        request.getfixturevalue("ray_cluster")  # (a slow variant: it starts the cluster)
-    registry = CollectorRegistry()
-    n = 4
-    sampler = make_sampler(
-        backend,
-        functools.partial(BlockingAsyncEnv, "-", at=2, hold=True, length=1000),
-        n_workers=2,
-        envs_per_worker=2,
-        metrics=registry,
-    )
+async def scraped_live(sampler: Any, registry: CollectorRegistry, n: int) -> None:
+    """While ``sampler`` holds ``n`` episodes open mid-call, the scrapes read ``n`` episodes and
+    ``n`` env calls in flight, and an oldest episode that ages; then the call is cancelled."""
     await sampler.start()
     call = asyncio.ensure_future(sampler.obtain_fragments(100))
     try:
@@ -245,3 +189,36 @@ async def test_live_gauges_read_mid_call(
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "process", "ray"])
+async def test_live_gauges_read_mid_call(
+    backend: str, make_sampler: SamplerFactory, request: pytest.FixtureRequest
+) -> None:
+    # 4 envs each hold their episode open from their 2nd step (an await of 60 s): scraped while
+    # the call runs, 4 episodes and 4 env calls are in flight, the oldest episode ages
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")  # (a slow variant: it starts the cluster)
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        backend,
+        functools.partial(BlockingAsyncEnv, "-", at=2, hold=True, length=1000),
+        n_workers=2,
+        envs_per_worker=2,
+        metrics=registry,
+    )
+    await scraped_live(sampler, registry, 4)
+
+
+@pytest.mark.slow  # the held hosts are killed at aclose (2 s: busy with a step)
+async def test_live_gauges_of_lockstep_hosts_read_mid_call(make_sampler: SamplerFactory) -> None:
+    # a blocking env on process: each worker's lockstep step holds its 2 envs from the 2nd step
+    registry = CollectorRegistry()
+    sampler = make_sampler(
+        "process",
+        functools.partial(BlockingEnv, "-", at=2, hold=True, length=1000),
+        n_workers=2,
+        envs_per_worker=2,
+        metrics=registry,
+    )
+    await scraped_live(sampler, registry, 4)
