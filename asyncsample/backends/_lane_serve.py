@@ -124,14 +124,17 @@ def watch_loop(
 ) -> tuple[Any, _watchdog.Watch | None]:
     """Show that the running loop turns: ``counter[0]`` bumped every
     :data:`~asyncsample.backends._watchdog.TICK` seconds (the env calls running counted for the
-    metrics then too); with ``limit``, a watchdog thread that hands ``blocked`` the
-    :class:`~asyncsample.backends._watchdog.BlockReport` of a loop that stood still that long.
+    metrics then too); with ``limit`` (``step_timeout``), a watchdog thread that hands ``blocked``
+    the :class:`~asyncsample.backends._watchdog.BlockReport` of a loop that stood still that long
+    (:func:`~asyncsample.backends._watchdog.loop_limit`).
     Returns the ticker and the watch, to stop both."""
     ticker = _watchdog.tick(asyncio.get_running_loop(), counter, server.count_calls)
     watched = None
     if limit is not None:
         watched = _watchdog.watch(
-            _watchdog.Watch(limit, counter, lambda report, first: blocked(report))
+            _watchdog.Watch(
+                _watchdog.loop_limit(limit), counter, lambda report, first: blocked(report)
+            )
         )
     return ticker, watched
 

@@ -32,12 +32,14 @@ import numpy as np
 
 __all__ = [
     "BLOCK_BYTES",
+    "LOOP_FLOOR",
     "REPORT_GRACE",
     "STALLED_AT_CLOSE",
     "BlockReport",
     "TICK",
     "Watch",
     "clear_report",
+    "loop_limit",
     "name_block",
     "read_report",
     "tick",
@@ -51,6 +53,10 @@ __all__ = [
 TICK = 0.05
 #: Bytes of the shared block of a host: the counter, the report's length, the pickled report.
 BLOCK_BYTES = 16 + 16 * 1024
+#: The shortest stand-still of an event loop that counts as a block, in seconds, whatever
+#: ``step_timeout`` says: on a loaded machine a healthy loop can stall for a fraction of a second
+#: (descheduled, a collection of a large heap) with no env at fault.
+LOOP_FLOOR = 1.0
 #: Seconds a host's call past ``step_timeout`` waits for the host's watchdog to say where it
 #: stands before the host is killed; and how much longer than ``step_timeout`` a host of async
 #: envs whose loop stands still gets when its watchdog says nothing (a call holding the GIL).
@@ -111,6 +117,15 @@ class BlockReport:
 
     def message(self) -> str:
         """The one line an error or warning says."""
+        if self.env is None:  # not in an env's call: the agent, the caller's code, a build
+            loop = {
+                "caller": "the sampler's event loop",
+                "thread": "its host's serving thread",
+            }.get(self.where, "its host's event loop")
+            return (
+                f"{loop} stood still for {self.seconds:.1f} s at {self.place()}, not in an env's "
+                "reset or step"
+            )
         if self.where == "thread":
             return (
                 f"{self.culprit()} blocked its host's serving thread for {self.seconds:.1f} s in "
@@ -121,6 +136,12 @@ class BlockReport:
             f"{self.culprit()} blocked {loop} for {self.seconds:.1f} s in {self.what} at "
             f"{self.place()}: {_ADVICE[self.where]}"
         )
+
+
+def loop_limit(step_timeout: float) -> float:
+    """How long a watched event loop may stand still: ``step_timeout``, at least
+    :data:`LOOP_FLOOR`."""
+    return max(step_timeout, LOOP_FLOOR)
 
 
 # -- naming the culprit -----------------------------------------------------------------------

@@ -31,7 +31,14 @@ from asyncsample.backends._closing import (
     close_bounded,
 )
 from asyncsample.backends._remote import closed_error
-from asyncsample.backends._watchdog import BlockReport, Watch, tick, unwatch, watch
+from asyncsample.backends._watchdog import (
+    BlockReport,
+    Watch,
+    loop_limit,
+    tick,
+    unwatch,
+    watch,
+)
 from asyncsample.backends.base import (
     LOGGER,
     DeadlinePassed,
@@ -741,12 +748,13 @@ class AsyncioBackend:
 
     def _watch_loop(self) -> None:
         """Watch the running loop from the process's watchdog thread: the caller's loop cannot
-        be pre-empted, but an env that blocks it longer than ``step_timeout`` (else
-        :data:`BLOCK_LIMIT`) is named in a warning (once per env), and its call, once it
-        returns, is its fault (:class:`~asyncsample.LoopBlockedError`)."""
+        be pre-empted, but an env that blocks it longer than ``step_timeout`` (at least
+        :data:`~asyncsample.backends._watchdog.LOOP_FLOOR`; else :data:`BLOCK_LIMIT`) is named in
+        a warning (once per env), and its call, once it returns, is its fault
+        (:class:`~asyncsample.LoopBlockedError`)."""
         counter = np.zeros(1, dtype=np.int64)
         self._ticker = tick(asyncio.get_running_loop(), counter)
-        limit = BLOCK_LIMIT if self.step_timeout is None else self.step_timeout
+        limit = BLOCK_LIMIT if self.step_timeout is None else loop_limit(self.step_timeout)
         self._watch = watch(Watch(limit, counter, self._blocked, where="caller"))
 
     def _blocked(self, report: BlockReport, first: bool) -> None:

@@ -74,6 +74,7 @@ from asyncsample.backends._watchdog import (
     TICK,
     BlockReport,
     clear_report,
+    loop_limit,
     read_report,
     turns_of,
 )
@@ -845,7 +846,8 @@ class ProcessBackend:
         ]
 
     def _check_loops(self) -> None:
-        """Kill a host of async envs whose loop stood still for ``step_timeout`` (its counter in
+        """Kill a host of async envs whose loop stood still for ``step_timeout`` (at least
+        :data:`~asyncsample.backends._watchdog.LOOP_FLOOR`; its counter in
         the shared block did not move, see :mod:`asyncsample.backends._watchdog`): at once when
         its watchdog named the line, else :data:`REPORT_GRACE` later. Runs every
         :func:`~asyncsample.backends._remote.progress_poll` of ``step_timeout``, not per step."""
@@ -868,7 +870,7 @@ class ProcessBackend:
             if report is not None:
                 conn.kill_cause, conn.report = "blocked", report
                 conn.die(f"was killed: {report.message()}")
-            elif now - conn.since >= timeout + REPORT_GRACE:
+            elif now - conn.since >= loop_limit(timeout) + REPORT_GRACE:
                 conn.kill_cause = "hung"
                 conn.die(
                     f"was killed: its event loop stood still for {now - conn.since:.1f} s, past "

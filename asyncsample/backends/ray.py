@@ -52,7 +52,7 @@ from asyncsample.backends._remote import (
 )
 from asyncsample.backends._transport import Op, load_failure
 from asyncsample.backends._transport import dumps as _dumps
-from asyncsample.backends._watchdog import REPORT_GRACE, STALLED_AT_CLOSE
+from asyncsample.backends._watchdog import REPORT_GRACE, STALLED_AT_CLOSE, loop_limit
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
 from asyncsample.backends.placement import placement
 from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
@@ -127,7 +127,7 @@ class _Actor(Incarnation):
             wait = (
                 interval
                 if timeout is None
-                else max(since + timeout + REPORT_GRACE - loop.time(), interval)
+                else max(since + loop_limit(timeout) + REPORT_GRACE - loop.time(), interval)
             )
             try:
                 turns, report, calls = await asyncio.wait_for(
@@ -153,7 +153,7 @@ class _Actor(Incarnation):
             if report is not None:
                 self.kill_cause, self.report = "blocked", report
                 self.die(f"was killed: {report.message()}")
-            elif now - since >= timeout + REPORT_GRACE:
+            elif now - since >= loop_limit(timeout) + REPORT_GRACE:
                 self.kill_cause = "hung"
                 self.die(
                     f"was killed: its event loop stood still for {now - since:.1f} s, past "
