@@ -699,7 +699,10 @@ class ProcessBackend:
         n_processes: size of the pool (default: the number of CPUs), capped at the number of
             workers.
         step_timeout: seconds a host may spend on one build, update, reset or step before it is
-            killed and the request fails with :class:`~asyncsample.StepTimeoutError`.
+            killed and the request fails with :class:`~asyncsample.StepTimeoutError` (naming
+            the line its serving thread stood at); a host of async envs whose event loop
+            stands still that long (at least 1 s) is killed, the env that blocked it named in
+            its :class:`~asyncsample.LoopBlockedError` (see :meth:`_check_loops`).
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each host process; ``None`` leaves the libraries' defaults (every core each).
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
