@@ -261,13 +261,14 @@ class _State:
         return worker if self.labelled else 0
 
     def read_host_restarts(self) -> None:
-        """Read the host restarts so far from the pool members of the hosts (each once)."""
-        members = {id(m): m for h in self.hosts if (m := getattr(h, "_member", None)) is not None}
-        if not members:
+        """Read the host restarts so far from the hosts (each pool place once: its workers'
+        hosts share its counts)."""
+        places = {id(r): r for h in self.hosts if (r := getattr(h, "host_restarts", None))}
+        if not places:
             return
         counts = dict.fromkeys(HOST_RESTART_CAUSES, 0)
-        for member in members.values():
-            for cause, n in getattr(member, "restarts", {}).items():
+        for restarts in places.values():
+            for cause, n in restarts.items():
                 counts[cause] = counts.get(cause, 0) + n
         self.host_restarts = counts
 

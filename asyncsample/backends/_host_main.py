@@ -37,9 +37,11 @@ from asyncsample.backends._transport import (
     send_frame,
     slot_buffers,
 )
-from asyncsample.env_group import EnvFailureError
+from asyncsample.env_group import EnvFailureError, EnvGroup
 
 __all__ = ["main"]
+
+_watchdog.env_calls(EnvGroup)  # a lockstep host's watchdog names the env in its frames
 
 _PR_SET_PDEATHSIG = 1
 #: A lockstep host's watchdog says where a request stands once it has run this share of

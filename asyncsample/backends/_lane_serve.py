@@ -128,6 +128,7 @@ def watch_loop(
     the :class:`~asyncsample.backends._watchdog.BlockReport` of a loop that stood still that long
     (:func:`~asyncsample.backends._watchdog.loop_limit`).
     Returns the ticker and the watch, to stop both."""
+    _watchdog.env_calls(LaneHost)
     ticker = _watchdog.tick(asyncio.get_running_loop(), counter, server.count_calls)
     watched = None
     if limit is not None:
@@ -463,10 +464,10 @@ class LaneServer:
             raise _agent_fault(exc, host.spec.worker) from None
 
     def count_calls(self) -> None:
-        """With metrics on, write each slot's env calls running into its clock now (the loop's
-        ticks do, so the caller's gauge is live while no reply comes)."""
+        """With metrics on, settle each slot's clock now, its env calls running included (the
+        loop's ticks do, so the caller's gauge is live while no reply comes)."""
         for k in self.timed:
-            self.slots[k].count_calls()
+            self.slots[k].settle_clock()
 
     def _flush(self) -> None:
         self.flushing = False

@@ -15,7 +15,9 @@ the block ends.
 
 from __future__ import annotations
 
+import asyncio
 import linecache
+import logging
 import os
 import pickle
 import sys
@@ -23,25 +25,34 @@ import sysconfig
 import threading
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import numpy as np
 
+from asyncsample.errors import LoopBlockedError
+
 __all__ = [
     "BLOCK_BYTES",
+    "BLOCK_LIMIT",
     "LOOP_FLOOR",
     "REPORT_GRACE",
     "STALLED_AT_CLOSE",
+    "SITE_METHODS",
     "BlockReport",
+    "CallerWatch",
     "TICK",
     "Watch",
+    "blocked_error",
     "clear_report",
+    "env_calls",
     "loop_limit",
     "name_block",
     "read_report",
+    "stop_watch",
     "tick",
     "turns_of",
     "unwatch",
@@ -146,28 +157,31 @@ def loop_limit(step_timeout: float) -> float:
 
 # -- naming the culprit -----------------------------------------------------------------------
 
-_SITES: dict[Any, str | None] | None = None
+#: The code objects of the calls an env runs in, with the call's name (see :func:`env_calls`).
+_SITES: dict[Any, str] = {}
 
 
-def _sites() -> dict[Any, str | None]:
-    """The code objects of the calls an env runs in (each with the call's name, ``None``: in
-    the frame's ``what``), whose frames hold the env's index ``i`` and its owner ``self``."""
-    global _SITES
-    if _SITES is None:
-        from asyncsample.backends.aio import LaneHost
-        from asyncsample.env_group import EnvGroup
+#: The public methods of a host class that an env's call runs under, by the call they name;
+#: their frames hold the env's index ``i`` while it runs (a lane host's ``step_one``, an
+#: ``EnvGroup``'s ``step`` over its envs...).
+SITE_METHODS = {
+    "step_one": "step",
+    "reset_one": "reset",
+    "rebuild_one": "build",
+    "step": "step",
+    "reset": "reset",
+    "build": "build",
+}
 
-        _SITES = {
-            LaneHost.step_one.__code__: "step",
-            LaneHost._tracked.__code__: "step",
-            LaneHost._await.__code__: None,
-            LaneHost.reset_one.__code__: "reset",
-            LaneHost._build_env.__code__: "build",
-            EnvGroup.step.__code__: "step",
-            EnvGroup._reset_one.__code__: "reset",
-            EnvGroup._build_one.__code__: "build",
-        }
-    return _SITES
+
+def env_calls(owner: type) -> None:
+    """Register the methods of ``owner`` (a host class) that an env's call runs under (see
+    :data:`SITE_METHODS`): :func:`name_block` finds the env in their frames."""
+    for name, what in SITE_METHODS.items():
+        method = getattr(owner, name, None)
+        code = getattr(method, "__code__", None)
+        if code is not None:
+            _SITES[code] = what
 
 
 def _library(filename: str) -> bool:
@@ -183,7 +197,7 @@ _PACKAGE = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 def name_block(frame: FrameType, seconds: float, where: str = "loop") -> BlockReport:
     """The :class:`BlockReport` of the stack whose innermost frame is ``frame``."""
-    sites = _sites()
+    sites = _SITES
     inner: list[FrameType] = []  # innermost first, down to the env call's own frame
     worker: int | None = None
     env: int | None = None
@@ -194,7 +208,7 @@ def name_block(frame: FrameType, seconds: float, where: str = "loop") -> BlockRe
         if code in sites:
             local = f.f_locals
             owner, i = local.get("self"), local.get("i")
-            found = sites[code] or local.get("what")
+            found = sites[code]
             if isinstance(i, int) and owner is not None:
                 spec = getattr(owner, "spec", None)
                 w = getattr(spec, "worker", None) if spec is not None else None
@@ -408,3 +422,58 @@ def unwatch(w: Watch | None) -> None:
     """Stop watching ``w`` (nothing if ``None`` or not watched)."""
     if w is not None:
         _WATCHDOG.remove(w)
+
+
+def blocked_error(report: BlockReport, worker: int, env: int) -> LoopBlockedError:
+    """The culprit's error: a :class:`~asyncsample.LoopBlockedError` that carries ``report``."""
+    err = LoopBlockedError(report.message(), worker=worker, env=env, remote_traceback=report.stack)
+    err.report = report
+    return err
+
+
+#: Seconds an env may block the caller's event loop (``asyncio``, ``thread``) before it is
+#: named in a warning and its call made its fault, when no ``step_timeout`` was given.
+BLOCK_LIMIT = 10.0
+
+
+class CallerWatch:
+    """The running loop (the caller's own: ``asyncio``, ``thread``, a face's portal) watched from
+    the watchdog thread. It cannot be pre-empted, but an env that blocks it longer than
+    ``step_timeout`` (:func:`loop_limit`; else :data:`BLOCK_LIMIT`) is named in a log line and
+    a warning (once per env), and its host (one of ``hosts``, each with a ``spec.worker`` and a
+    ``blocked`` dict by env) makes the env's call its fault once it returns."""
+
+    def __init__(self, step_timeout: float | None, hosts: Sequence[Any]) -> None:
+        counter = np.zeros(1, dtype=np.int64)
+        self.hosts = hosts
+        for host in hosts:
+            env_calls(type(host))
+        self.warned: set[tuple[int | None, int | None]] = set()
+        self.ticker = tick(asyncio.get_running_loop(), counter)
+        limit = BLOCK_LIMIT if step_timeout is None else loop_limit(step_timeout)
+        self.watch: Watch | None = watch(Watch(limit, counter, self.blocked, where="caller"))
+
+    def blocked(self, report: BlockReport, first: bool) -> None:
+        """From the watchdog thread: the loop stands still (said once per stall)."""
+        if not first:
+            return
+        for host in self.hosts:
+            if report.env is not None and host.spec.worker == report.worker:
+                host.blocked[report.env] = report
+        key = (report.worker, report.env)
+        if key not in self.warned:
+            self.warned.add(key)
+            logging.getLogger("asyncsample").warning("%s", report.message())
+            warnings.warn(report.message(), RuntimeWarning, stacklevel=1)
+
+    def stop(self) -> None:
+        """Stop watching (idempotent)."""
+        unwatch(self.watch)
+        self.watch = None
+        self.ticker.cancel()
+
+
+def stop_watch(watched: CallerWatch | None) -> None:
+    """:meth:`CallerWatch.stop`, nothing for ``None``."""
+    if watched is not None:
+        watched.stop()

@@ -25,20 +25,13 @@ from asyncsample._clock import CALLS, LaneTiming
 from asyncsample._tasks import run_all
 from asyncsample._tree import tree_map
 from asyncsample.async_env import check_async_env
+from asyncsample.backends import _watchdog
 from asyncsample.backends._closing import (
     CLOSE_TIMEOUT,
     cancelled_by_env,
     close_bounded,
 )
 from asyncsample.backends._remote import closed_error
-from asyncsample.backends._watchdog import (
-    BlockReport,
-    Watch,
-    loop_limit,
-    tick,
-    unwatch,
-    watch,
-)
 from asyncsample.backends.base import (
     LOGGER,
     DeadlinePassed,
@@ -58,18 +51,14 @@ from asyncsample.env_group import (
     set_attr_targets,
 )
 from asyncsample.env_update import EnvSource, EnvUpdate, make_env, replacement
-from asyncsample.errors import LoopBlockedError, StepTimeoutError, WorkerError
+from asyncsample.errors import StepTimeoutError, WorkerError
 
 _perf = time.perf_counter
 
 #: A host of async envs counts its env calls running (``settle_clock``) at most this often.
 CALLS_EVERY = 0.01
-#: Seconds an env may block the caller's event loop (``asyncio``, ``thread``) before it is
-#: named in a warning and its call made its fault, when no ``step_timeout`` was given.
-BLOCK_LIMIT = 10.0
 
 __all__ = [
-    "BLOCK_LIMIT",
     "AsyncioBackend",
     "LaneHost",
     "PerEnvLockstep",
@@ -277,9 +266,9 @@ class LaneHost(PerEnvLockstep):
         self._limiter = limiter
         self._plain = step_timeout is None and limiter is None
         self.in_flight: dict[int, asyncio.Task[Any]] = {}  # steps a stream's round left running
-        # Envs found blocking the loop by the watchdog thread (see AsyncioBackend): their call
-        # in progress, once it returns, is their fault.
-        self.blocked: dict[int, BlockReport] = {}
+        self.blocked: dict[
+            int, _watchdog.BlockReport
+        ] = {}  # by env: found blocking (see _watchdog.CallerWatch)
         self.closed = False
         self._closing: set[asyncio.Task[Any]] = set()  # closes of rebuilt envs still running
 
@@ -355,8 +344,8 @@ class LaneHost(PerEnvLockstep):
         group = self.group
         kwargs = group.reset_kwargs(i, seed, options)
         result = await self._await(i, "reset", self.envs[i].reset(**kwargs), deadline)
-        if self.blocked:
-            self._check_blocked(i)
+        if self.blocked and i in self.blocked:  # the watchdog found it blocking the loop
+            raise _watchdog.blocked_error(self.blocked.pop(i), self.spec.worker, i)
         try:
             info = group.finish_reset(i, result)
             group.store(i)
@@ -400,23 +389,12 @@ class LaneHost(PerEnvLockstep):
             else:
                 call = self._tracked(stepping, i, step, action, timed)
             result = await self._await(i, "step", call, deadline)
-        if self.blocked:
-            self._check_blocked(i)
+        if self.blocked and i in self.blocked:  # the watchdog found it blocking the loop
+            raise _watchdog.blocked_error(self.blocked.pop(i), self.spec.worker, i)
         try:
             return self.group.finish(i, result)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
-
-    def _check_blocked(self, i: int) -> None:
-        """Raise env ``i``'s :class:`~asyncsample.LoopBlockedError` if it blocked the loop
-        during the call that just returned (the watchdog thread said so meanwhile)."""
-        report = self.blocked.pop(i, None)
-        if report is not None:
-            err = LoopBlockedError(
-                report.message(), worker=self.spec.worker, env=i, remote_traceback=report.stack
-            )
-            err.report = report
-            raise err
 
     async def _tracked(
         self, stepping: list[bool | None], i: int, step: Any, action: Any, timed: int
@@ -497,12 +475,12 @@ class LaneHost(PerEnvLockstep):
         # again once that has passed when a settle came too soon.
         now = _perf()
         if now >= self._calls_due:
-            self.count_calls()
+            self._count_calls()
         elif self._recount is None:
             loop = asyncio.get_running_loop()
-            self._recount = loop.call_later(self._calls_due - now, self.count_calls)
+            self._recount = loop.call_later(self._calls_due - now, self._count_calls)
 
-    def count_calls(self) -> None:
+    def _count_calls(self) -> None:
         """Write the calls running into the clock (a host's ``CALLS`` cell)."""
         clock = self.buffers.clock
         assert clock is not None
@@ -727,9 +705,7 @@ class AsyncioBackend:
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
         self._hosts: list[LaneHost] = []
         self._closed = False
-        self._ticker: Any = None  # the loop's counter and its watch (see _watch_loop)
-        self._watch: Watch | None = None
-        self._warned: set[tuple[int | None, int | None]] = set()
+        self._watch: _watchdog.CallerWatch | None = None  # the loop, watched for envs that block it
 
     def _make(self, source: EnvSource, old: Any) -> Any:
         return make_async_env(source, old)
@@ -743,51 +719,20 @@ class AsyncioBackend:
         self._hosts = [
             LaneHost(s, self._make, self.step_timeout, limiter, self.close_timeout) for s in specs
         ]
-        self._watch_loop()
+        self._watch = _watchdog.CallerWatch(self.step_timeout, self._hosts)
         return list(self._hosts)
-
-    def _watch_loop(self) -> None:
-        """Watch the running loop from the process's watchdog thread: the caller's loop cannot
-        be pre-empted, but an env that blocks it longer than ``step_timeout`` (at least
-        :data:`~asyncsample.backends._watchdog.LOOP_FLOOR`; else :data:`BLOCK_LIMIT`) is named in
-        a warning (once per env), and its call, once it returns, is its fault
-        (:class:`~asyncsample.LoopBlockedError`)."""
-        counter = np.zeros(1, dtype=np.int64)
-        self._ticker = tick(asyncio.get_running_loop(), counter)
-        limit = BLOCK_LIMIT if self.step_timeout is None else loop_limit(self.step_timeout)
-        self._watch = watch(Watch(limit, counter, self._blocked, where="caller"))
-
-    def _blocked(self, report: BlockReport, first: bool) -> None:
-        """The watchdog thread found the loop standing still (see :meth:`_watch_loop`)."""
-        if not first:
-            return
-        for host in self._hosts:
-            if report.env is not None and host.spec.worker == report.worker:
-                host.blocked[report.env] = report
-        key = (report.worker, report.env)
-        if key not in self._warned:
-            self._warned.add(key)
-            LOGGER.warning("%s", report.message())
-            warnings.warn(report.message(), RuntimeWarning, stacklevel=1)
-
-    def _unwatch_loop(self) -> None:
-        unwatch(self._watch)
-        self._watch = None
-        if self._ticker is not None:
-            self._ticker.cancel()
-            self._ticker = None
 
     async def aclose(self) -> None:
         """Close every env (awaiting their ``close``). Idempotent."""
         self._closed = True
-        self._unwatch_loop()
+        _watchdog.stop_watch(self._watch)
         hosts, self._hosts = self._hosts, []
         await asyncio.gather(*(h.shut() for h in hosts))
 
     def close_now(self) -> None:
         """Forget the envs without awaiting their ``close`` (an unclosed sampler collected)."""
         self._closed = True
-        self._unwatch_loop()
+        _watchdog.stop_watch(self._watch)
         for host in self._hosts:
             host.closed = True
         self._hosts = []

@@ -10,11 +10,7 @@ noticed at once (end of stream or its sentinel). No child process or shared memo
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
-import itertools
-import multiprocessing
-import multiprocessing.util  # before our atexit hook: hooks run last-in first-out, ours first
 import os
 import pickle
 import select
@@ -29,7 +25,7 @@ import psutil
 
 from asyncsample import _validate
 from asyncsample._tasks import wait_all
-from asyncsample.backends import _chunk, _host_main
+from asyncsample.backends import _chunk, _host_main, _watchdog
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
@@ -42,17 +38,19 @@ from asyncsample.backends._procs import (
     kill_started,
     kill_tree,
     pin,
+    release_all,
     start_process,
     support_process_pids,
+    track,
 )
 from asyncsample.backends._remote import (
     HostDied,
     Incarnation,
+    LoopChecks,
     PendingCall,
     PoolMember,
     RemoteHost,
     closed_error,
-    progress_poll,
 )
 from asyncsample.backends._slot import RawArena, StepArena, step_arenas
 from asyncsample.backends._transport import (
@@ -67,17 +65,6 @@ from asyncsample.backends._transport import (
     shared_buffers,
 )
 from asyncsample.backends._transport import ReplyProtocol as _ReplyProtocol
-from asyncsample.backends._watchdog import (
-    BLOCK_BYTES,
-    REPORT_GRACE,
-    STALLED_AT_CLOSE,
-    TICK,
-    BlockReport,
-    clear_report,
-    loop_limit,
-    read_report,
-    turns_of,
-)
 from asyncsample.backends.base import (
     DirectReader,
     EnvHost,
@@ -126,11 +113,8 @@ class _Conn(Incarnation):
         block: np.ndarray | None = None,
     ) -> None:
         super().__init__(loop)
-        self.block = block  # shared with the host: its loop's counter and its watchdog's report
-        self.seen = -1  # the counter at the last look (see ProcessBackend._check_loops), and when
-        self.since = loop.time()
-        self.waited = 0.0  # loop time a timeout first waited for the host's report
-        self.ticking = False  # a host of async envs: its loop bumps the block's counter
+        self.block = block  # shared: its loop's counter, where its watchdog saw it stand still
+        self.can_report, self.ticking = block is not None, False  # ticking: its loop bumps it
         self.process = process
         self.pid: int = process.pid
         try:
@@ -256,26 +240,20 @@ class _Conn(Incarnation):
 
     def _defer_timeout(self, call: PendingCall) -> bool:
         """Whether a reply (this call's: the host answers in order) waits unread: a stalled
-        loop may run the timer before it reads a reply that came in time; or the host's
-        watchdog has not yet written where its serving thread stands (at most
-        :data:`REPORT_GRACE` seconds)."""
+        loop may run the timer before it reads a reply that came in time."""
         if self.protocol.ended:
             return False
         try:
-            if select.select([self.fd], [], [], 0)[0]:
-                return True
+            return bool(select.select([self.fd], [], [], 0)[0])
         except (OSError, ValueError):
             return False
-        block = self.block
-        if block is None or read_report(block) is not None:
-            return False
-        now = self.loop.time()
-        if not self.waited:
-            self.waited = now
-        return now - self.waited < REPORT_GRACE
 
-    def _take_report(self) -> BlockReport | None:
-        return None if self.block is None else read_report(self.block)
+    def host_report(self) -> _watchdog.BlockReport | None:
+        return None if self.block is None else _watchdog.read_report(self.block)
+
+    def loop_turns(self) -> int | None:
+        block = self.block if self.ticking and self.ready.done() else None
+        return None if block is None else int(_watchdog.turns_of(block)[0])
 
     def _on_sentinel(self) -> None:
         self._unwatch()
@@ -318,40 +296,12 @@ class _Conn(Incarnation):
             with contextlib.suppress(Exception):
                 self.transport.write(HEADER.pack(0, HELLO_ID, Op.EXIT))
         if not self.exited.done() and self.watching:
-            if self.ticking and self.block is not None:
-                stalled = await self._exit_or_stall(grace, turns_of(self.block))
-            else:
-                stalled = False
-                await asyncio.wait({self.exited}, timeout=grace)
+            reason = await self.wait_exit(self.exited, grace)  # (sooner if its loop stands still)
         if not self.exited.done() and self.watching:
-            if stalled:
-                self.die(
-                    f"was killed: its event loop stood still for {STALLED_AT_CLOSE:g}s after it "
-                    "was asked to exit (an env blocking it?)"
-                )
-            else:
-                self.die(f"was killed: it did not exit within {grace:g}s of being asked to")
+            self.die(reason)
             await asyncio.wait({self.exited}, timeout=KILL_WAIT)
         self.die("was shut down")
         self.release()
-
-    async def _exit_or_stall(self, grace: float, turns: np.ndarray) -> bool:
-        """Wait at most ``grace`` seconds for the host to exit; ``True`` as soon as its loop
-        stood still for :data:`STALLED_AT_CLOSE` seconds instead (it cannot close anything)."""
-        loop = self.loop
-        end = loop.time() + grace
-        seen, since = int(turns[0]), loop.time()
-        while not self.exited.done() and self.watching:
-            now = loop.time()
-            if now >= end:
-                return False
-            count = int(turns[0])
-            if count != seen:
-                seen, since = count, now
-            elif now - since >= STALLED_AT_CLOSE:
-                return True
-            await asyncio.wait({self.exited}, timeout=min(end - now, TICK))
-        return False
 
     def release(self) -> None:
         """Synchronous last resort (also for finalizers): kill, reap, close everything."""
@@ -386,11 +336,8 @@ class _Member(PoolMember[_Conn]):
         step_timeout: float | None = None,
     ) -> None:
         super().__init__(index, specs)
-        # Shared with each incarnation: its loop's (or serving thread's) counter and where its
-        # watchdog found it standing still (see _watchdog); the host watches for step_timeout.
-        self.block_raw = ctx.RawArray("B", BLOCK_BYTES)
-        self.block: np.ndarray = np.frombuffer(self.block_raw, dtype=np.uint8)
-        self.step_timeout = step_timeout
+        self.block_raw, self.step_timeout = ctx.RawArray("B", _watchdog.BLOCK_BYTES), step_timeout
+        self.block: np.ndarray = np.frombuffer(self.block_raw, np.uint8)  # see _Conn.block
         self.spin_after_step = spin_after_step  # see _host_main.StepReader
         self.lanes = lanes  # a host of async envs (each stepped on its own in its event loop)
         self.raw_arenas = raw_arenas  # per slot, what the host needs to view its step arena
@@ -406,7 +353,7 @@ class _Member(PoolMember[_Conn]):
     async def _spawn(self) -> _Conn:
         loop = asyncio.get_running_loop()
         self.incarnations = [c for c in self.incarnations if not (c.dead and c.exited.done())]
-        clear_report(self.block)
+        _watchdog.clear_report(self.block)
         parent_sock, child_sock = socket.socketpair()
         try:
             process = self.ctx.Process(
@@ -453,31 +400,6 @@ class _Member(PoolMember[_Conn]):
                 worker=self.workers[0],
             )
         return conn
-
-
-def _release_all(members: list[_Member], token: int) -> None:
-    _LIVE.pop(token, None)
-    for member in members:
-        for conn in member.incarnations:
-            conn.release()
-
-
-#: The members of every backend not yet closed, by token (released at interpreter exit).
-_LIVE: dict[int, list[_Member]] = {}
-_TOKENS = itertools.count()
-
-
-def _release_at_exit() -> None:
-    for token, members in list(_LIVE.items()):
-        _release_all(members, token)
-
-
-# The hosts must be gone before multiprocessing joins its children at exit (it would wait
-# forever on a host reading from us): an atexit hook, registered after multiprocessing's so it
-# runs first, and a multiprocessing finalizer, run before the join, whichever comes first
-# (weakref.finalize objects are disabled by then).
-atexit.register(_release_at_exit)
-multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=100)
 
 
 #: The outcome of a step with nothing to report: one shared object, never changed.
@@ -700,9 +622,7 @@ class ProcessBackend:
             workers.
         step_timeout: seconds a host may spend on one build, update, reset or step before it is
             killed and the request fails with :class:`~asyncsample.StepTimeoutError` (naming
-            the line its serving thread stood at); a host of async envs whose event loop
-            stands still that long (at least 1 s) is killed, the env that blocked it named in
-            its :class:`~asyncsample.LoopBlockedError` (see :meth:`_check_loops`).
+            its line); so is a host of async envs whose loop stands still (:class:`LoopChecks`).
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each host process; ``None`` leaves the libraries' defaults (every core each).
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
@@ -759,7 +679,7 @@ class ProcessBackend:
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._token = -1
-        self._checker: asyncio.TimerHandle | None = None  # see _check_loops
+        self._checks: LoopChecks | None = None  # async envs' hosts: their loops, watched
         self.joint: StepBuffers | None = None
         """The step buffers of every host in one allocation (hosts with the same spaces), in
         host order: a vector env's ``step`` returns ``joint.obs`` itself with ``copy=False``."""
@@ -822,10 +742,9 @@ class ProcessBackend:
             )
             for m, (member_specs, member_raws, member_chunks, member_arenas) in enumerate(splits)
         ]
-        self._token = token = next(_TOKENS)
-        self._finalizer = weakref.finalize(self, _release_all, self._members, token)
-        self._finalizer.atexit = False  # see _release_at_exit
-        _LIVE[token] = self._members
+        self._token = token = track(self._members)
+        self._finalizer = weakref.finalize(self, release_all, self._members, token)
+        self._finalizer.atexit = False  # see _procs.track
         try:
             await wait_all([m.live() for m in self._members])
             if self._closed:
@@ -836,7 +755,7 @@ class ProcessBackend:
             raise
         members = self._members
         if lanes and self.step_timeout is not None:
-            self._check_loops()
+            self._checks = LoopChecks(members, self.step_timeout)
         if lanes:
             return [
                 ProcessLaneHost(spec, members[where.member(w)], where.slot(w), buffers[w])
@@ -848,53 +767,7 @@ class ProcessBackend:
             for w, (spec, (sets, _)) in enumerate(zip(specs, chunks))
         ]
 
-    def _check_loops(self) -> None:
-        """Kill a host of async envs whose loop stood still for ``step_timeout`` (at least
-        :data:`~asyncsample.backends._watchdog.LOOP_FLOOR`; its counter in
-        the shared block did not move, see :mod:`asyncsample.backends._watchdog`): at once when
-        its watchdog named the line, else :data:`REPORT_GRACE` later. Runs every
-        :func:`~asyncsample.backends._remote.progress_poll` of ``step_timeout``, not per step."""
-        self._checker = None
-        if self._closed:
-            return
-        timeout = self.step_timeout
-        assert timeout is not None
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        for member in self._members:
-            conn = member.current
-            if conn is None or conn.dead or conn.closing or conn.block is None:
-                continue
-            turns = int(turns_of(conn.block)[0])
-            if turns != conn.seen or not conn.ready.done():
-                conn.seen, conn.since = turns, now
-                continue
-            report = read_report(conn.block)
-            if report is not None:
-                conn.kill_cause, conn.report = "blocked", report
-                conn.die(f"was killed: {report.message()}")
-            elif now - conn.since >= loop_limit(timeout) + REPORT_GRACE:
-                conn.kill_cause = "hung"
-                conn.die(
-                    f"was killed: its event loop stood still for {now - conn.since:.1f} s, past "
-                    f"step_timeout={timeout:g}s, and its watchdog could not say where (a call "
-                    "that holds the GIL?)"
-                )
-        self._checker = loop.call_later(progress_poll(timeout), self._check_loops)
-
-    @property
-    def host_restarts(self) -> dict[str, int]:
-        """The hosts restarted so far, by cause (``died``, ``hung``, ``blocked``)."""
-        out = {"died": 0, "hung": 0, "blocked": 0}
-        for member in self._members:
-            for cause, n in member.restarts.items():
-                out[cause] += n
-        return out
-
     async def aclose(self) -> None:
-        if self._checker is not None:
-            self._checker.cancel()
-            self._checker = None
         if self._closed:
             return
         self._closed = True
@@ -913,15 +786,14 @@ class ProcessBackend:
 
     def close_now(self) -> None:
         """Kill every host process and release everything at once (no graceful exit)."""
-        if self._checker is not None:
-            self._checker.cancel()
-            self._checker = None
         self._closed = True
         for member in self._members:
             member.closed = True
         self._release()
 
     def _release(self) -> None:
+        if self._checks is not None:
+            self._checks.cancel()
         if self._finalizer is not None:
             self._finalizer.detach()
-        _release_all(self._members, self._token)
+        release_all(self._members, self._token)

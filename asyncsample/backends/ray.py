@@ -52,7 +52,7 @@ from asyncsample.backends._remote import (
 )
 from asyncsample.backends._transport import Op, load_failure
 from asyncsample.backends._transport import dumps as _dumps
-from asyncsample.backends._watchdog import REPORT_GRACE, STALLED_AT_CLOSE, loop_limit
+from asyncsample.backends._watchdog import REPORT_GRACE
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
 from asyncsample.backends.placement import placement
 from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
@@ -86,7 +86,6 @@ class _Actor(Incarnation):
         self.watchers: set[asyncio.Task[None]] = set()
         self.polling: dict[PendingCall, float] = {}
         self.lanes: LaneLink | None = None  # async envs: see start_lanes
-        self.since: float | None = None  # loop time its loop was last seen turning (watched)
         self.batches = 0  # lane request batches sent (LaneActor.submit starts them in order)
         # Metrics on, async envs: each worker's clock in the caller (the actor's copies come
         # with its replies); shared by the member's incarnations.
@@ -109,13 +108,10 @@ class _Actor(Incarnation):
         """Ask the actor's :meth:`LaneActor.beat` (a thread of its own) every
         :func:`~asyncsample.backends._remote.progress_poll` of ``timeout`` (metrics only: every
         :data:`~asyncsample.backends._remote.PROGRESS_POLL`): the env calls running go into the
-        clocks, and an actor whose loop stood still for ``timeout`` is killed, at once when its
-        watchdog named the line, else after a grace (a call holding the GIL: beat cannot
-        answer either)."""
+        clocks, and the loop is judged (:meth:`judge_loop`; a call holding the GIL keeps beat
+        from answering too: it is judged as standing still)."""
         interval = PROGRESS_POLL if timeout is None else progress_poll(timeout)
         beat = self.handle.beat.options(concurrency_group=WATCH_GROUP)
-        loop = self.loop
-        seen, since = -1, loop.time()
         while not self.dead:
             await asyncio.sleep(interval)
             if timeout is None and not self.clocks:
@@ -124,42 +120,19 @@ class _Actor(Incarnation):
                 ref = beat.remote()
             except Exception:  # Ray is gone: the other calls find out why
                 return
-            wait = (
-                interval
-                if timeout is None
-                else max(since + loop_limit(timeout) + REPORT_GRACE - loop.time(), interval)
-            )
             try:
                 turns, report, calls = await asyncio.wait_for(
-                    asyncio.wrap_future(ref.future()), wait
+                    asyncio.wrap_future(ref.future()), interval + REPORT_GRACE
                 )
             except TimeoutError:
-                turns, report, calls = seen, None, []
+                turns, report, calls = self.loop_seen, None, []
             except Exception:  # the actor died: its calls say why
-                return
-            if self.dead:
                 return
             for worker, n in calls:
                 clock = self.clocks.get(worker)
                 if clock is not None:
                     clock[CALLS] = n
-            now = loop.time()
-            moved = turns != seen
-            if moved:
-                seen, since = turns, now
-            self.since = since  # (watched now: its loop's last turn is known)
-            if moved or timeout is None:
-                continue
-            if report is not None:
-                self.kill_cause, self.report = "blocked", report
-                self.die(f"was killed: {report.message()}")
-            elif now - since >= loop_limit(timeout) + REPORT_GRACE:
-                self.kill_cause = "hung"
-                self.die(
-                    f"was killed: its event loop stood still for {now - since:.1f} s, past "
-                    f"step_timeout={timeout:g}s, and its watchdog could not say where (a call "
-                    "that holds the GIL?)"
-                )
+            self.judge_loop(turns, report, self.loop.time(), timeout)
 
     def _send_lanes(self, body: bytes) -> None:
         number, self.batches = self.batches, self.batches + 1
@@ -718,11 +691,9 @@ class RayBackend:
         # A Ray shut down under us took the actors with it; a Ray call now would start it again.
         live = self.ray.is_initialized()
         if live:  # let the envs close themselves (env.close()) first
-            now = asyncio.get_running_loop().time()
             for actor in actors:  # a loop that stands still cannot close anything: killed now
-                if not actor.dead and actor.since is not None:
-                    if now - actor.since > STALLED_AT_CLOSE:
-                        actor.die("was killed: its event loop stood still when it was closed")
+                if not actor.dead and actor.loop_stalled():
+                    actor.die("was killed: its event loop stood still when it was closed")
             live_actors = [a for a in actors if not a.dead]
             busy = any(a.calls for a in live_actors)
             grace = exit_grace(self.close_timeout, busy, EXIT_GRACE)
