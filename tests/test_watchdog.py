@@ -154,14 +154,14 @@ async def test_a_block_of_the_callers_loop_is_warned_once_with_its_line(
 async def test_aclose_does_not_wait_out_a_blocked_host(
     make_sampler: SamplerFactory, tmp_path: Path
 ) -> None:
-    # no step_timeout: the host's loop blocks for 60 s and nothing kills it during the call; the
+    # no step_timeout: the host's loop blocks (600 s) and nothing kills it during the call; the
     # call is cancelled, and aclose() kills the host once its loop stood still (it could close
     # nothing) instead of waiting close_timeout out (300 s: past the test's timeout); the fixture
     # checks for leaks
     flag = tmp_path / "flag"
     sampler = make_sampler(
         "process",
-        functools.partial(BlockingAsyncEnv, str(flag)),
+        functools.partial(BlockingAsyncEnv, str(flag), seconds=600),
         n_workers=1,
         envs_per_worker=2,
         close_timeout=300,
