@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from test_metrics import value
 
 from asyncsample import EpisodeBatch, StepType
-from asyncsample.backends._watchdog import BlockReport, name_block
+from asyncsample.backends._watchdog import BlockReport, Watch, name_block
 
 cloudpickle.register_pickle_by_value(blocking_envs)  # the env hosts cannot import it by name
 
@@ -173,6 +173,26 @@ async def test_aclose_does_not_wait_out_a_blocked_host(
     with pytest.raises(asyncio.CancelledError):
         await call
     await sampler.aclose()
+
+
+def test_a_watch_reports_a_stall_past_its_limit_and_forgets_it_once_it_moves() -> None:
+    # a lockstep host's counter: odd while a request is served; looked at by hand
+    counter = [1]
+    said: list[Any] = []
+    watch = Watch(1.0, counter, lambda report, first: said.append((report, first)), serving=True)
+    watch.on_move = lambda: said.append("moved")
+    start = watch.since
+    watch.look(start + 0.5)
+    assert said == []  # under the limit
+    watch.look(start + 1.5)
+    watch.look(start + 1.6)
+    assert [first for _, first in said] == [True, False]  # said once, then refreshed
+    assert said[0][0].seconds == 1.5
+    counter[0] += 1  # the request ended
+    watch.look(start + 1.7)
+    assert said[-1] == "moved"
+    watch.look(start + 5.0)  # idle between requests (even): never a stall
+    assert len(said) == 3
 
 
 def test_a_report_names_the_innermost_line_of_the_envs_own_code() -> None:

@@ -141,6 +141,7 @@ def main(
                 lambda report, first: _watchdog.write_report(block, report),
                 serving=True,
                 where="thread",
+                on_move=lambda: _watchdog.forget_report(block),
             )
         )
     try:

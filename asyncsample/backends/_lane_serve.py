@@ -120,13 +120,13 @@ def serve(
 
 
 def watch_loop(
-    server: LaneServer, limit: float | None, counter: Any, blocked: Callable[[Any], None]
+    server: LaneServer, limit: float | None, counter: Any, blocked: Callable[[Any | None], None]
 ) -> tuple[Any, _watchdog.Watch | None]:
     """Show that the running loop turns: ``counter[0]`` bumped every
     :data:`~asyncsample.backends._watchdog.TICK` seconds (the env calls running counted for the
     metrics then too); with ``limit`` (``step_timeout``), a watchdog thread that hands ``blocked``
     the :class:`~asyncsample.backends._watchdog.BlockReport` of a loop that stood still that long
-    (:func:`~asyncsample.backends._watchdog.loop_limit`).
+    (:func:`~asyncsample.backends._watchdog.loop_limit`), and ``None`` once it turns again.
     Returns the ticker and the watch, to stop both."""
     _watchdog.env_calls(LaneHost)
     ticker = _watchdog.tick(asyncio.get_running_loop(), counter, server.count_calls)
@@ -134,7 +134,10 @@ def watch_loop(
     if limit is not None:
         watched = _watchdog.watch(
             _watchdog.Watch(
-                _watchdog.loop_limit(limit), counter, lambda report, first: blocked(report)
+                _watchdog.loop_limit(limit),
+                counter,
+                lambda report, first: blocked(report),
+                on_move=lambda: blocked(None),
             )
         )
     return ticker, watched
@@ -209,7 +212,11 @@ async def _serve_socket(
             server,
             options.step_timeout,
             _watchdog.turns_of(block),
-            lambda report: _watchdog.write_report(block, report),
+            lambda report: (
+                _watchdog.forget_report(block)
+                if report is None
+                else _watchdog.write_report(block, report)
+            ),
         )
     send(HELLO_ID, ST_OK, b"")
     try:

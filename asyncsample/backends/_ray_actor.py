@@ -367,7 +367,7 @@ class LaneActor:
         return self.server
 
     def _blocked(self, report: Any) -> None:
-        self.report = report  # from the watchdog thread: beat() hands it to the caller
+        self.report = report  # from the watchdog thread (None: the stall ended); see beat()
 
     async def beat(self) -> tuple[int, Any, list[tuple[int, int]]]:
         """In :data:`WATCH_GROUP`: the loop's counter, the watchdog's report (or ``None``) and,

@@ -49,6 +49,7 @@ __all__ = [
     "blocked_error",
     "clear_report",
     "env_calls",
+    "forget_report",
     "loop_limit",
     "name_block",
     "read_report",
@@ -283,6 +284,11 @@ def clear_report(block: np.ndarray) -> None:
     block[:16] = 0
 
 
+def forget_report(block: np.ndarray) -> None:
+    """Forget the report of ``block`` (the stall it told of ended); its counter stays."""
+    block[8:16] = 0
+
+
 # -- the watchdog thread ----------------------------------------------------------------------
 
 
@@ -326,6 +332,7 @@ class Watch:
         serving: a lockstep host's counter: judged only while odd (a request being served).
         where: see :class:`BlockReport`.
         thread: the watched thread's id (default: the caller's).
+        on_move: called when the counter moves again after a stall was reported.
     """
 
     def __init__(
@@ -336,10 +343,12 @@ class Watch:
         serving: bool = False,
         where: str = "loop",
         thread: int | None = None,
+        on_move: Callable[[], None] | None = None,
     ) -> None:
         self.limit = limit
         self.counter = counter
         self.on_block = on_block
+        self.on_move = on_move
         self.serving = serving
         self.where = where
         self.thread = threading.get_ident() if thread is None else thread
@@ -351,6 +360,8 @@ class Watch:
         """One look (from the watchdog thread)."""
         count = int(self.counter[0])
         if count != self.seen or (self.serving and count % 2 == 0):
+            if self.told and self.on_move is not None:
+                self.on_move()  # the stall ended: what was said of it no longer holds
             self.seen, self.since, self.told = count, now, False
             return
         stalled = now - self.since
