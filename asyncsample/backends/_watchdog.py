@@ -379,39 +379,43 @@ class Watch:
 
 
 class _Watchdog:
-    """The one watchdog thread of a process, started with the first :func:`watch`."""
+    """The one watchdog thread of a process: started with the first :func:`watch`, gone (joined)
+    with the last :func:`unwatch`, so a closed sampler leaves no thread of its own behind."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.watches: list[Watch] = []
-        self.wake = threading.Event()
+        self.stop = threading.Event()  # set: the thread's watches are gone, it ends
         self.thread: threading.Thread | None = None
 
     def add(self, w: Watch) -> None:
         with self.lock:
             self.watches.append(w)
-            if self.thread is None or not self.thread.is_alive():
+            if self.thread is None:
+                self.stop = threading.Event()
                 self.thread = threading.Thread(
-                    target=self.run, name="asyncsample-watchdog", daemon=True
+                    target=self.run, args=(self.stop,), name="asyncsample-watchdog", daemon=True
                 )
                 self.thread.start()
-        self.wake.set()
 
     def remove(self, w: Watch) -> None:
+        thread = None
         with self.lock:
             if w in self.watches:
                 self.watches.remove(w)
+            if not self.watches and self.thread is not None:
+                thread, self.thread = self.thread, None
+                self.stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_POLL)  # at once: it waits on the event just set
 
-    def run(self) -> None:
-        while True:
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             with self.lock:
                 watches = list(self.watches)
-            if not watches:
-                self.wake.wait()
-                self.wake.clear()
-                continue
-            pause = min(min(w.limit for w in watches) / 10, _POLL)
-            time.sleep(max(pause, 0.005))
+            pause = min([w.limit / 10 for w in watches] + [_POLL])
+            if stop.wait(max(pause, 0.005)):
+                return
             now = time.monotonic()
             for w in watches:
                 try:
