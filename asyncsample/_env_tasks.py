@@ -578,21 +578,30 @@ class LaneStepper:
         worker = self.worker
         w = worker.worker_number
         while True:
-            if self.env_restarts[i] >= self.settings.max_restarts:
+            if not failure.charged:  # another env's fault took its host down: no budget spent
+                logger.info(
+                    "worker %d: rebuilding env %d (not counted against max_restarts) after %s",
+                    w,
+                    i,
+                    str(failure).split("\n", 1)[0],
+                )
+            elif self.env_restarts[i] >= self.settings.max_restarts:
                 failure.retry = False  # the call fails: no worker-wide rebuild either
                 raise failure
-            self.env_restarts[i] += 1
-            worker.restarts += 1
-            self.settings.restarted(w, failure)
-            logger.warning(
-                "worker %d: rebuilding env %d (restart %d of at most %d in this call) after %s: %s",
-                w,
-                i,
-                self.env_restarts[i],
-                self.settings.max_restarts,
-                type(failure).__name__,
-                str(failure).split("\n", 1)[0],
-            )
+            else:
+                self.env_restarts[i] += 1
+                worker.restarts += 1
+                self.settings.restarted(w, failure)
+                logger.warning(
+                    "worker %d: rebuilding env %d (restart %d of at most %d in this call) after "
+                    "%s: %s",
+                    w,
+                    i,
+                    self.env_restarts[i],
+                    self.settings.max_restarts,
+                    type(failure).__name__,
+                    str(failure).split("\n", 1)[0],
+                )
             try:
                 await self.host.rebuild_one(i, worker.env_chain(i), worker.next_env_seed(i))
                 return

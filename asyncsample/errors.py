@@ -11,6 +11,7 @@ __all__ = [
     "AsyncSampleError",
     "ChatRequestError",
     "ChatTimeoutError",
+    "LoopBlockedError",
     "SamplerBusyError",
     "SamplerClosedError",
     "StepTimeoutError",
@@ -32,7 +33,12 @@ class WorkerError(AsyncSampleError):
         remote_traceback: the traceback text from the process that raised, if any.
         retry: whether restarting the host may help (``False`` for the caller's own mistakes).
         factory: where the failing env came from (its gymnasium id, or its factory's name).
+        charged: whether the failure counts against the env's ``max_restarts`` (``False`` for
+            the other envs of a host killed for one env's blocked loop: they lose their
+            episodes in progress and are rebuilt, but it was not their fault).
     """
+
+    charged = True
 
     def __init__(
         self,
@@ -185,6 +191,17 @@ class ChatRequestError(AsyncSampleError):
 
 class ChatTimeoutError(ChatRequestError, TimeoutError):
     """A chat-completions request got no whole reply within the agent's ``timeout``."""
+
+
+class LoopBlockedError(StepTimeoutError):
+    """An env blocked the event loop it runs in (a synchronous call inside ``async def step``)
+    for longer than ``step_timeout``; the message names the env, the worker and the line.
+
+    Attributes:
+        report: where the loop stood still (see ``asyncsample.backends._watchdog.BlockReport``).
+    """
+
+    report: object = None
 
 
 class SamplerClosedError(AsyncSampleError, RuntimeError):

@@ -42,7 +42,9 @@ class Sampler:
         backend: ``"process"``, ``"local"`` (in the event loop's thread), ``"ray"``,
             ``"asyncio"`` (envs whose ``reset``/``step`` are coroutines) or ``"thread"``
             (blocking envs in a pool of threads); see [Backends](backends.md).
-        step_timeout: seconds after which a step counts as a worker failure.
+        step_timeout: seconds after which a step counts as a worker failure; also how long
+            an event loop that runs envs may stand still (at least 1 s) before the env that
+            blocks it is named and its host killed (see faults.md, "A blocked event loop").
         max_restarts: per worker and call, how often a failed env host is rebuilt before the
             error is raised (on ``"asyncio"`` and ``"thread"``: per env and call).
         worker_class: the :class:`Worker` subclass to run (garage's ``worker_class``).

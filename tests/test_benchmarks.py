@@ -94,8 +94,12 @@ def test_chaos_smoke_run_passes_its_checks(tmp_path: Path) -> None:
         assert result["healthy_episodes_lost"] == 0
         assert sum(c["healthy_finished"] for c in result["calls"]) > 0
         assert result["peak_env_calls_in_flight"] <= result["args"]["max_concurrency"]
-        assert result["envs_built"] == result["envs_closed"] > 0
+        assert result["envs_not_closed"] == 0 and result["envs_closed"] > 0
         assert not result["tasks_left"]
+    # the blocking-env kind (process only): a host's loop blocked past every call's deadline
+    # was killed (every call by its deadline above), its envs gone with it
+    blocked = summary["runs"][1]
+    assert blocked["faults"]["block"] == 1 and blocked["envs_gone_with_killed_hosts"] > 0
 
 
 def test_torchrl_collector_drives_the_policy(tmp_path: Path) -> None:

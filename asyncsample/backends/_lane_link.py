@@ -25,7 +25,7 @@ from asyncsample.backends.aio import PerEnvLockstep
 from asyncsample.backends.base import DeadlinePassed
 from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
-from asyncsample.errors import WorkerCrashedError, WorkerError
+from asyncsample.errors import LoopBlockedError, WorkerCrashedError, WorkerError
 
 __all__ = ["ST_DIED", "LaneLink", "RemoteLanes"]
 
@@ -310,6 +310,22 @@ def _dead_error(inc: Incarnation | None, worker: int, env: int) -> WorkerError:
     """The error of env ``env``'s call that found its host dead: that env's (it is rebuilt)."""
     if inc is None:
         return WorkerError("its env host was not started", worker=worker, env=env, retry=False)
+    report = inc.report
+    if inc.kind() == "blocked" and report is not None and report.env is not None:
+        if (report.worker, report.env) == (worker, env):  # the culprit: its fault
+            blocked = LoopBlockedError(
+                report.message(), worker=worker, env=env, remote_traceback=report.stack
+            )
+            blocked.report = report
+            return blocked
+        err = WorkerCrashedError(
+            f"{inc.describe()} {inc.reason}; this env lost its episode in progress and is "
+            "rebuilt, not counted against its max_restarts",
+            worker=worker,
+            env=env,
+        )
+        err.charged = False
+        return err
     err = WorkerCrashedError(f"{inc.describe()} {inc.reason}", worker=worker, env=env)
     err.__cause__ = inc.cause
     return err

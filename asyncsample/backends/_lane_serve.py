@@ -21,6 +21,7 @@ import numpy as np
 from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
 from asyncsample._tree import row_copy, tree_map
+from asyncsample.backends import _watchdog
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
 from asyncsample.backends._column_wire import object_rows, pack_replies, unpack_requests
 from asyncsample.backends._transport import (
@@ -109,11 +110,38 @@ def serve(
     specs: Sequence[HostSpec],
     buffers: Sequence[StepBuffers],
     options: LaneOptions,
+    block: np.ndarray | None = None,
 ) -> None:
-    """Serve the slots of ``specs`` on ``sock`` until an ``exit`` request or the stream's end."""
+    """Serve the slots of ``specs`` on ``sock`` until an ``exit`` request or the stream's end;
+    ``block``: shared with the caller, its loop's counter and its watchdog's report (see
+    :func:`watch_loop`)."""
     quiet_collector()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_socket(sock, specs, buffers, options))
+        runner.run(_serve_socket(sock, specs, buffers, options, block))
+
+
+def watch_loop(
+    server: LaneServer, limit: float | None, counter: Any, blocked: Callable[[Any | None], None]
+) -> tuple[Any, _watchdog.Watch | None]:
+    """Show that the running loop turns: ``counter[0]`` bumped every
+    :data:`~asyncsample.backends._watchdog.TICK` seconds (the env calls running counted for the
+    metrics then too); with ``limit`` (``step_timeout``), a watchdog thread that hands ``blocked``
+    the :class:`~asyncsample.backends._watchdog.BlockReport` of a loop that stood still that long
+    (:func:`~asyncsample.backends._watchdog.loop_limit`), and ``None`` once it turns again.
+    Returns the ticker and the watch, to stop both."""
+    _watchdog.env_calls(LaneHost)
+    ticker = _watchdog.tick(asyncio.get_running_loop(), counter, server.count_calls)
+    watched = None
+    if limit is not None:
+        watched = _watchdog.watch(
+            _watchdog.Watch(
+                _watchdog.loop_limit(limit),
+                counter,
+                lambda report, first: blocked(report),
+                on_move=lambda: blocked(None),
+            )
+        )
+    return ticker, watched
 
 
 #: The cyclic collector's thresholds in a host of async envs (see :func:`quiet_collector`).
@@ -146,6 +174,7 @@ async def _serve_socket(
     specs: Sequence[HostSpec],
     buffers: Sequence[StepBuffers],
     options: LaneOptions,
+    block: np.ndarray | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     done = loop.create_future()
@@ -178,10 +207,25 @@ async def _serve_socket(
             task.add_done_callback(reply)
 
     protocol.attach(on_frame, on_eof)
+    ticker = watched = None
+    if block is not None:
+        ticker, watched = watch_loop(
+            server,
+            options.step_timeout,
+            _watchdog.turns_of(block),
+            lambda report: (
+                _watchdog.forget_report(block)
+                if report is None
+                else _watchdog.write_report(block, report)
+            ),
+        )
     send(HELLO_ID, ST_OK, b"")
     try:
         await done
     finally:
+        _watchdog.unwatch(watched)
+        if ticker is not None:
+            ticker.cancel()
         await server.shut()
         transport.close()
 
@@ -443,6 +487,12 @@ class LaneServer:
             agent.reset(mask)
         except Exception as exc:
             raise _agent_fault(exc, host.spec.worker) from None
+
+    def count_calls(self) -> None:
+        """With metrics on, settle each slot's clock now, its env calls running included (the
+        loop's ticks do, so the caller's gauge is live while no reply comes)."""
+        for k in self.timed:
+            self.slots[k].settle_clock()
 
     def _flush(self) -> None:
         self.flushing = False

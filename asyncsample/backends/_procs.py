@@ -5,12 +5,16 @@ and how a host's process tree is killed."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
+import itertools
 import multiprocessing
+import multiprocessing.util  # before our atexit hook: hooks run last-in first-out, ours first
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
@@ -21,9 +25,11 @@ __all__ = [
     "forkserver_context",
     "kill_started",
     "kill_tree",
+    "release_all",
     "start_hidden",
     "start_process",
     "support_process_pids",
+    "track",
 ]
 
 #: Imported once by the forkserver for every host. Not ``__main__``: envs travel by cloudpickle,
@@ -155,3 +161,38 @@ def kill_started(process: Any) -> None:
         process.kill()
         process.join(KILL_WAIT)
         process.close()
+
+
+def release_all(members: Sequence[Any], token: int) -> None:
+    """Release every incarnation of the pool ``members`` (each ``release()``: kill, reap, close)
+    and forget ``token`` (see :func:`track`)."""
+    _LIVE.pop(token, None)
+    for member in members:
+        for conn in member.incarnations:
+            conn.release()
+
+
+def track(members: Sequence[Any]) -> int:
+    """Have the pool ``members`` of a backend released at the interpreter's exit if it is not
+    closed by then; the token :func:`release_all` forgets them by."""
+    token = next(_TOKENS)
+    _LIVE[token] = members
+    return token
+
+
+#: The members of every backend not yet closed, by token (released at interpreter exit).
+_LIVE: dict[int, Sequence[Any]] = {}
+_TOKENS = itertools.count()
+
+
+def _release_at_exit() -> None:
+    for token, members in list(_LIVE.items()):
+        release_all(members, token)
+
+
+# The hosts must be gone before multiprocessing joins its children at exit (it would wait
+# forever on a host reading from us): an atexit hook, registered after multiprocessing's so it
+# runs first, and a multiprocessing finalizer, run before the join, whichever comes first
+# (weakref.finalize objects are disabled by then).
+atexit.register(_release_at_exit)
+multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=100)

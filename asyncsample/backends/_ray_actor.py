@@ -31,6 +31,7 @@ __all__ = [
     "LARGE_REPLY",
     "OK",
     "PROGRESS_GROUP",
+    "WATCH_GROUP",
     "EnvActor",
     "LaneActor",
     "best_codec",
@@ -48,6 +49,9 @@ CHUNK_RECORDS = ("obs", "actions", "rewards", "terminated", "truncated", "final_
 #: The Ray concurrency group of :meth:`EnvActor.progress` (one thread of its own) when chunks are
 #: judged per step: it answers while the actor's other thread runs a chunk.
 PROGRESS_GROUP = "progress"
+#: The Ray concurrency group of :meth:`LaneActor.beat` (a thread and loop of its own): it answers
+#: while an env blocks the actor's loop.
+WATCH_GROUP = "watch"
 
 # Compression must shrink a leaf this many times, else it is sent raw for this many replies.
 _MIN_RATIO = 1.25
@@ -369,12 +373,16 @@ class LaneActor:
         self.timed: list[tuple[int, Any]] = []  # metrics on: (worker, its LaneHost) per slot
         self.next_batch = 0  # the number of the next batch of lane requests to start
         self.early: dict[int, bytes] = {}  # batches that came before one sent earlier
+        # The loop's counter, bumped by a timer, and where the watchdog found it standing still
+        # (read by beat(), from a thread of its own; see asyncsample.backends._watchdog).
+        self.turns = np.zeros(1, dtype=np.int64)
+        self.report: Any = None
 
     def _server(self) -> Any:
         if self.server is None:  # on the actor's loop, at its first call
             import asyncio
 
-            from asyncsample.backends._lane_serve import LaneServer, quiet_collector
+            from asyncsample.backends._lane_serve import LaneServer, quiet_collector, watch_loop
 
             quiet_collector()  # the actor's process is ours: as in a process host
             self.waiting = asyncio.Event()
@@ -386,7 +394,19 @@ class LaneActor:
                 for spec, slot in zip(self.specs, self.server.slots)
                 if slot.buffers.clock is not None
             ]
+            watch_loop(self.server, self.options.step_timeout, self.turns, self._blocked)
         return self.server
+
+    def _blocked(self, report: Any) -> None:
+        self.report = report  # from the watchdog thread (None: the stall ended); see beat()
+
+    async def beat(self) -> tuple[int, Any, list[tuple[int, int]]]:
+        """In :data:`WATCH_GROUP`: the loop's counter, the watchdog's report (or ``None``) and,
+        with metrics on, each timed slot's env calls running ``(worker, calls)``."""
+        from asyncsample._clock import CALLS
+
+        calls = [(worker, int(slot.buffers.clock[CALLS])) for worker, slot in self.timed]
+        return int(self.turns[0]), self.report, calls
 
     def _replied(self, body: bytes) -> None:
         self.ready_replies.append(body)

@@ -25,6 +25,7 @@ from asyncsample._clock import CALLS, LaneTiming
 from asyncsample._tasks import run_all
 from asyncsample._tree import row_copy, tree_map
 from asyncsample.async_env import check_async_env
+from asyncsample.backends import _watchdog
 from asyncsample.backends._closing import (
     CLOSE_TIMEOUT,
     cancelled_by_env,
@@ -271,6 +272,7 @@ class LaneHost(PerEnvLockstep):
         self._limiter = limiter
         self._plain = step_timeout is None and limiter is None
         self.in_flight: dict[int, asyncio.Task[Any]] = {}  # steps a stream's round left running
+        self.blocked: dict[int, _watchdog.BlockReport] = {}  # by env (_watchdog.CallerWatch)
         self.closed = False
         self._closing: set[asyncio.Task[Any]] = set()  # closes of rebuilt envs still running
 
@@ -310,6 +312,7 @@ class LaneHost(PerEnvLockstep):
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again from ``chain``; the old one is closed in the background."""
         self._check_open("rebuild")
+        self.blocked.pop(i, None)  # a block of the old env's (reported late) is not the new one's
         env = self._build_env(i, chain)
         old = self.envs[i]
         self.group.place(i, env, seed)
@@ -345,6 +348,8 @@ class LaneHost(PerEnvLockstep):
         group = self.group
         kwargs = group.reset_kwargs(i, seed, options)
         result = await self._await(i, "reset", self.envs[i].reset(**kwargs), deadline)
+        if self.blocked and i in self.blocked:  # the watchdog found it blocking the loop
+            raise _watchdog.blocked_error(self.blocked.pop(i), self.spec.worker, i)
         try:
             info = group.finish_reset(i, result)
             group.store(i)
@@ -388,6 +393,8 @@ class LaneHost(PerEnvLockstep):
             else:
                 call = self._tracked(stepping, i, step, action, timed)
             result = await self._await(i, "step", call, deadline)
+        if self.blocked and i in self.blocked:  # the watchdog found it blocking the loop
+            raise _watchdog.blocked_error(self.blocked.pop(i), self.spec.worker, i)
         try:
             return self.group.finish(i, result)
         except EnvFailureError as exc:
@@ -702,6 +709,7 @@ class AsyncioBackend:
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
         self._hosts: list[LaneHost] = []
         self._closed = False
+        self._watch: _watchdog.CallerWatch | None = None  # the loop, watched for envs that block it
 
     def _make(self, source: EnvSource, old: Any) -> Any:
         return make_async_env(source, old)
@@ -715,17 +723,20 @@ class AsyncioBackend:
         self._hosts = [
             LaneHost(s, self._make, self.step_timeout, limiter, self.close_timeout) for s in specs
         ]
+        self._watch = _watchdog.CallerWatch(self.step_timeout, self._hosts)
         return list(self._hosts)
 
     async def aclose(self) -> None:
         """Close every env (awaiting their ``close``). Idempotent."""
         self._closed = True
+        _watchdog.stop_watch(self._watch)
         hosts, self._hosts = self._hosts, []
         await asyncio.gather(*(h.shut() for h in hosts))
 
     def close_now(self) -> None:
         """Forget the envs without awaiting their ``close`` (an unclosed sampler collected)."""
         self._closed = True
+        _watchdog.stop_watch(self._watch)
         for host in self._hosts:
             host.closed = True
         self._hosts = []
