@@ -16,9 +16,11 @@ from asyncsample.async_env import (
     is_async_env,
 )
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
+from asyncsample.checkpoint import Replayable, ResumeReport, SamplerState, SnapshotEnv
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
     AsyncSampleError,
+    CheckpointError,
     SamplerBusyError,
     SamplerClosedError,
     StepTimeoutError,
@@ -57,6 +59,7 @@ __all__ = [
     "AsyncTimeLimit",
     "AsyncWrapper",
     "Batched",
+    "CheckpointError",
     "EnvChoice",
     "EnvSource",
     "EnvSpec",
@@ -68,12 +71,16 @@ __all__ = [
     "Host",
     "NewEnvUpdate",
     "RandomAgent",
+    "Replayable",
+    "ResumeReport",
     "SampleStats",
     "Sampler",
     "SamplerBusyError",
     "SamplerClosedError",
     "SamplerMetrics",
+    "SamplerState",
     "SetTaskUpdate",
+    "SnapshotEnv",
     "StepTimeoutError",
     "StepType",
     "SubEnvAttributeError",

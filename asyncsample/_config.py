@@ -37,3 +37,4 @@ class SamplerConfig:
     episode_timeout: float | None
     close_timeout: float
     metrics: Any
+    resume: Any

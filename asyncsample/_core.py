@@ -12,13 +12,13 @@ import math
 import os
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import gymnasium as gym
 import numpy as np
 
-from asyncsample import _validate
+from asyncsample import _validate, checkpoint
 from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
 from asyncsample._config import SamplerConfig
 from asyncsample._engine import (
@@ -91,6 +91,14 @@ class SamplerCore:
             "max_episode_length", config.max_episode_length
         )
         seed = _validate.seed("seed", config.seed)
+        self.resume = resume = checkpoint.resumed_state(config.resume, seed)
+        if resume is not None:
+            seed = resume.seed
+        self.resumed: checkpoint.ResumeReport | None = None
+        self.stream_checkpoint: Callable[[], Awaitable[checkpoint.SamplerState]] | None = None
+        """Set by an open stream: how it takes a checkpoint between two of its rounds."""
+        self.pending_stream: checkpoint.StreamState | None = None
+        """A resumed stream's rounds sampled before the checkpoint and not yet yielded."""
         self.traits = traits(backend)  # what the backend is: asked, never its name
         self.backend_name = backend
         self.step_timeout = _validate.positive_seconds("step_timeout", config.step_timeout)
@@ -306,6 +314,9 @@ class SamplerCore:
                 self.agents = self._make_random_agents()
             else:
                 self.agents = await asyncio.to_thread(self._make_random_agents)
+        if self.resume is not None:  # the envs are built with the seeds they had
+            checkpoint.check_shape(self.resume, self)
+            checkpoint.position_seeds(self, self.resume)
         backend = make_backend(self.backend_name, **options)
         self.backend = backend
         try:
@@ -343,6 +354,20 @@ class SamplerCore:
             raise
         self.workers = workers
         self.started = True
+        if self.resume is not None:
+            self.resumed = await checkpoint.restore(self, self.resume)
+            self.resume = None
+
+    async def checkpoint(self) -> checkpoint.SamplerState:
+        """:meth:`Sampler.checkpoint`: between two rounds of an open stream, else between calls."""
+        self.check_open()
+        if self.stream_checkpoint is not None:
+            return await self.stream_checkpoint()
+        async with self.locked("checkpoint"):
+            self.check_open()
+            await self.start_unlocked()
+            checkpoint.check_no_stream_pending(self, "checkpoint")
+            return await checkpoint.capture(self)
 
     async def aclose(self) -> None:
         if self.closed:
@@ -421,6 +446,7 @@ class SamplerCore:
         async with self.locked(_CALLS[mode][1]):
             self.check_open()
             await self.start_unlocked()
+            checkpoint.check_no_stream_pending(self, _CALLS[mode][1])
             if mode != "fragments" and not self.warned_endless:
                 self.warn_if_endless()
             self.apply_agent_update(agent_update)

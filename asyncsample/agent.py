@@ -137,6 +137,19 @@ class RandomAgent:
     def reset(self, do_resets: Any = None) -> None:
         """Nothing to reset: the agent is stateless."""
 
+    def get_state(self) -> dict[str, Any]:
+        """Its random generators' states (a sampler checkpoint keeps them)."""
+        return {
+            "rng": self._rng.bit_generator.state,
+            "spaces": {n: s.np_random.bit_generator.state for n, s in self._batched.items()},
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`get_state` returned."""
+        for n, space_state in state["spaces"].items():
+            self._space(n).np_random.bit_generator.state = space_state
+        self._rng.bit_generator.state = state["rng"]
+
 
 def trusted_actions(agent: object, action_space: gym.Space[Any]) -> bool:
     """Whether ``agent``'s actions may skip the range check: a :class:`RandomAgent` (not a

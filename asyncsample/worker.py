@@ -233,6 +233,7 @@ class Worker:
         with self.naming_factories():
             await self.host.update(updates, await self._seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
+        self.episodes.fresh[:] = True
 
     async def start_episode(self) -> None:
         """Reset the envs with an episode in progress or a pending update (not those just

@@ -39,6 +39,7 @@ from asyncsample.backends.base import (
     reject_unknown_options,
 )
 from asyncsample.env_group import (
+    EPISODE_STEPS_ATTR,
     PENDING_SEED,
     EnvFailureError,
     EnvGroup,
@@ -552,6 +553,9 @@ class LaneHost(PerEnvLockstep):
     ) -> None:
         """Set attribute ``name`` of env ``envs[k]`` to ``values[k]``."""
         self._check_open("set_attr")
+        if name == EPISODE_STEPS_ATTR:
+            self.group.set_attr(name, values, set_attr_targets(name, values, self.n_envs, envs))
+            return
         for i, value in zip(set_attr_targets(name, values, self.n_envs, envs), values):
             setattr(self.envs[i], name, value)
 
