@@ -32,7 +32,7 @@ import numpy as np
 from asyncsample._recorder import Resume, put_row
 from asyncsample._tree import Tree, tree_map
 from asyncsample.async_env import AsyncEnv, AsyncWrapper, is_async_env
-from asyncsample.env_update import EnvSource, make_env
+from asyncsample.env_update import EnvSource, EnvUpdate, checked_env, make_env
 from asyncsample.errors import CheckpointError, WorkerError
 
 if TYPE_CHECKING:
@@ -171,10 +171,13 @@ class Replayable:
     source: EnvSource
 
     def __call__(self) -> Any:
-        env = make_env(self.source)
-        if is_async_env(env):
-            return _AsyncReplayWrapper(env)
-        return _ReplayWrapper(env)
+        source = self.source
+        if callable(source) and not isinstance(source, (str, gym.Env, EnvUpdate)):
+            env = source()  # a factory may make an async env
+            if is_async_env(env):
+                return _AsyncReplayWrapper(env)
+            return _ReplayWrapper(checked_env(env, source))
+        return _ReplayWrapper(make_env(source))
 
 
 # -- the state ----------------------------------------------------------------------------------
@@ -468,12 +471,16 @@ async def _capture_worker(core: SamplerCore, worker: Worker, continuing: bool) -
     assert host is not None
     from asyncsample._engine import Continuity
 
-    if episodes.state is not Continuity.IDLE:
+    n = worker.n_envs
+    needs_reset = episodes.needs_reset.copy()
+    if episodes.state is Continuity.IN_CALL:  # a call cancelled midway: the next resets all
+        needs_reset[:] = True
+    elif episodes.state is not Continuity.IDLE:
         raise CheckpointError(
-            f"checkpoint: worker {worker.worker_number}'s envs are {episodes.state.value!r}, not "
-            "idle (a chunk of steps run ahead with inference='host', or a failed host): take "
-            "the checkpoint between calls, or in a stream with inference='per_worker' or "
-            "'batched'"
+            f"checkpoint: worker {worker.worker_number}'s envs are {episodes.state.value!r} (a "
+            "chunk of steps run ahead with inference='host', or a failed env host not rebuilt "
+            "yet): take the checkpoint between calls, or in a stream with "
+            "inference='per_worker' or 'batched'"
         )
     if getattr(host, "in_flight", None):
         raise CheckpointError(
@@ -481,8 +488,6 @@ async def _capture_worker(core: SamplerCore, worker: Worker, continuing: bool) -
             "rounds of a stream of complete episodes on the lanes; take it in a stream of "
             "fragments (stream(..., fragments=True)) or between calls"
         )
-    n = worker.n_envs
-    needs_reset = episodes.needs_reset.copy()
     if not continuing:  # the next call resets the episodes that took a step
         needs_reset |= episodes.lengths > 0
     fresh = episodes.fresh
