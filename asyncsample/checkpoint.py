@@ -13,6 +13,7 @@ about).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import hashlib
 import inspect
@@ -29,7 +30,6 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from asyncsample._recorder import Resume, put_row
 from asyncsample._tree import Tree, tree_map
 from asyncsample.async_env import AsyncEnv, AsyncWrapper, is_async_env
 from asyncsample.env_update import EnvSource, EnvUpdate, checked_env, make_env
@@ -314,10 +314,10 @@ class SamplerState:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
         except BaseException:
-            with _suppress():
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        with _suppress():  # the rename itself, on disk
+        with contextlib.suppress(OSError):  # the rename itself, on disk
             dir_fd = os.open(folder, os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
@@ -362,16 +362,6 @@ class SamplerState:
         if not isinstance(state, cls):
             raise CheckpointError(f"{name!r} holds a {type(state).__name__}, not a SamplerState")
         return state
-
-
-class _suppress:
-    """``contextlib.suppress(OSError)``, short."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, *rest: object) -> bool:
-        return kind is not None and isinstance(kind, type) and issubclass(kind, OSError)
 
 
 # -- reading a sampler --------------------------------------------------------------------------
@@ -573,11 +563,12 @@ async def _has(host: Any, name: str, envs: Sequence[int]) -> list[int]:
     return [i for i, yes in zip(envs, found) if yes]
 
 
-async def _call_each(host: Any, name: str, envs: Sequence[int], args: Sequence[Any] = ()) -> list[Any]:
-    out = []
-    for i, value in zip(envs, await host.call(name, args, envs=list(envs))):
-        out.append(await _maybe_await(value))
-    return out
+async def _call_each(
+    host: Any, name: str, envs: Sequence[int], args: Sequence[Any] = ()
+) -> list[Any]:
+    """``host.call`` of ``name`` on ``envs``, each result awaited if the env's method is a
+    coroutine (hosts in other processes await it there)."""
+    return [await _maybe_await(v) for v in await host.call(name, args, envs=list(envs))]
 
 
 async def _rngs(host: Any, envs: Sequence[int]) -> dict[int, dict[str, Any]]:
@@ -589,7 +580,7 @@ async def _rngs(host: Any, envs: Sequence[int]) -> dict[int, dict[str, Any]]:
     except WorkerError:
         return {}
     return {
-        i: copy.deepcopy(g.bit_generator.state)
+        i: dict(copy.deepcopy(g.bit_generator.state))
         for i, g in zip(envs, gens)
         if isinstance(g, np.random.Generator)
     }
@@ -614,7 +605,9 @@ def position_seeds(core: SamplerCore, state: SamplerState) -> None:
 async def restore(core: SamplerCore, state: SamplerState) -> ResumeReport:
     """Bring the started sampler ``core`` (its envs just built) to ``state``."""
     report = ResumeReport()
-    await asyncio.gather(*(_restore_worker(w, ws, report) for w, ws in zip(core.workers, state.workers)))
+    await asyncio.gather(
+        *(_restore_worker(w, ws, report) for w, ws in zip(core.workers, state.workers))
+    )
     for worker, index in zip(core.workers, state.agent_of):
         value = state.agent_states[index]
         setter = getattr(worker.agent, "set_state", None)
@@ -671,9 +664,7 @@ async def _restore_worker(worker: Worker, ws: WorkerState, report: ResumeReport)
     for i in snapped:
         await _call_each(host, "set_state", [i], (envs[i].snapshot,))
     if snapped:
-        await host.set_attr(
-            EPISODE_STEPS_ATTR, [int(ws.lengths[i]) for i in snapped], snapped
-        )
+        await host.set_attr(EPISODE_STEPS_ATTR, [int(ws.lengths[i]) for i in snapped], snapped)
         for i in snapped:
             _put_obs(host.buffers, i, envs[i].obs)
     # 4. the bookkeeping
@@ -789,7 +780,6 @@ def _restore_carried(worker: Worker, carried: Carried, gone: list[int]) -> None:
         recorder.piece_start[i] = end if isinstance(end, int) else end[i]
         recorder.piece_position[i] = 0
     recorder._carry_from = 0
-    _ = put_row  # the rows' helpers stay the recorder's
 
 
 #: The attribute name a host's ``set_attr`` reads as the step count of an env's episode in
@@ -829,9 +819,6 @@ class RoundGate:
         self._go.set()
 
 
-_ = (Resume, Sequence)
-
-
 def continue_stream(
     core: SamplerCore, num_samples: int, fragments: bool, fraction: float
 ) -> list[Any] | None:
@@ -848,9 +835,10 @@ def continue_stream(
     taken = (stream.num_samples, stream.fragments, stream.fraction)
     if given != taken:
         raise CheckpointError(
-            "stream: the sampler resumed a state taken in stream(num_samples=%d, fragments=%s, "
-            "fraction_samples=%g); open it with those arguments to continue it, got "
-            "num_samples=%d, fragments=%s, fraction_samples=%g" % (*taken, *given)
+            f"stream: the sampler resumed a state taken in stream(num_samples={taken[0]}, "
+            f"fragments={taken[1]}, fraction_samples={taken[2]:g}); open it with those "
+            f"arguments to continue it, got num_samples={given[0]}, fragments={given[1]}, "
+            f"fraction_samples={given[2]:g}"
         )
     core.pending_stream = None
     return list(stream.pending)

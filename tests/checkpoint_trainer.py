@@ -24,10 +24,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import async_envs  # noqa: E402
-from async_envs import RandomLengthAsyncEnv, RandomLengthEnv  # noqa: E402
+import async_envs
+from async_envs import RandomLengthAsyncEnv, RandomLengthEnv
 
-from asyncsample import Replayable, Sampler, SamplerState  # noqa: E402
+from asyncsample import Replayable, Sampler, SamplerState
 
 # The env hosts cannot import the test modules by name: their envs travel by value.
 cloudpickle.register_pickle_by_value(async_envs)
@@ -115,12 +115,8 @@ async def train(
                     step = os.path.join(out, f"step-{model['consumed']}")
                     os.makedirs(step, exist_ok=True)
                     sampler_state.save(os.path.join(step, "sampler.state"))
-                    _write_atomically(
-                        os.path.join(step, "model.json"), json.dumps(model).encode()
-                    )
-                    _write_atomically(
-                        os.path.join(out, "LATEST"), os.path.basename(step).encode()
-                    )
+                    _write_atomically(os.path.join(step, "model.json"), json.dumps(model).encode())
+                    _write_atomically(os.path.join(out, "LATEST"), os.path.basename(step).encode())
                 if model["consumed"] >= batches:
                     break
                 if delay:

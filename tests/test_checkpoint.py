@@ -154,9 +154,7 @@ async def resumed_equals_uninterrupted(
 # -- bit for bit after a resume, per backend, call mode and in-flight way ----------------------
 
 
-@pytest.mark.parametrize(
-    "how", ["stream", "stream-fragments", "fragments", "samples", "episodes"]
-)
+@pytest.mark.parametrize("how", ["stream", "stream-fragments", "fragments", "samples", "episodes"])
 async def test_local_replay_resumes_bit_for_bit(how: str, tmp_path: Any) -> None:
     state = await resumed_equals_uninterrupted("local", Replayable(blocking), how, tmp_path)
     if how != "episodes":  # exact episodes leave nothing running
@@ -215,7 +213,9 @@ async def test_dropped_episodes_are_counted_and_warned_never_half_recorded() -> 
         report = sampler.resumed
         assert report is not None and report.dropped == in_flight
         assert report.dropped_steps == sum(
-            int(w.lengths[i]) for w in state.workers for i, e in enumerate(w.envs)
+            int(w.lengths[i])
+            for w in state.workers
+            for i, e in enumerate(w.envs)
             if e.how == "drop"
         )
         assert sampler.workers[0].episodes.dropped_steps >= 0
@@ -348,7 +348,15 @@ async def test_a_trainer_killed_mid_stream_continues_from_its_checkpoint(
     with leaves_nothing(collect=False):
         # A slow trainer (each batch blocks it 0.2 s), killed once a checkpoint is on disk.
         killed = _trainer(
-            tmp_path, backend, loop, "--batches", str(n), "--every", str(every), "--delay", "0.2",
+            tmp_path,
+            backend,
+            loop,
+            "--batches",
+            str(n),
+            "--every",
+            str(every),
+            "--delay",
+            "0.2",
             *flags,
         )
         try:
@@ -366,7 +374,14 @@ async def test_a_trainer_killed_mid_stream_continues_from_its_checkpoint(
         resumed_from = int(step.split("-")[1])
         assert resumed_from < n
         resumed = _trainer(
-            tmp_path, backend, loop, "--batches", str(n), "--every", str(every), "--resume",
+            tmp_path,
+            backend,
+            loop,
+            "--batches",
+            str(n),
+            "--every",
+            str(every),
+            "--resume",
             *flags,
         )
         _, err = await asyncio.to_thread(resumed.communicate, timeout=90)
