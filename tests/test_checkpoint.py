@@ -336,7 +336,15 @@ def _trainer(out: Any, backend: str, loop: str, *extra: str) -> subprocess.Popen
 
 
 @pytest.mark.parametrize(
-    ("backend", "fragments"), [("local", False), ("process", False), ("asyncio", True)]
+    ("backend", "fragments"),
+    [
+        ("local", False),
+        # The costly twins (three interpreters each; on "process", env hosts outliving the
+        # killed trainer for a while): slow. The in-process resumes on "process" and of async
+        # envs on "asyncio" (test_async_envs_resume_bit_for_bit_in_fixed_shares) stay.
+        pytest.param("process", False, marks=pytest.mark.slow),
+        pytest.param("asyncio", True, marks=pytest.mark.slow),
+    ],
 )
 async def test_a_trainer_killed_mid_stream_continues_from_its_checkpoint(
     backend: str, fragments: bool, tmp_path: Any, request: pytest.FixtureRequest
