@@ -396,3 +396,24 @@ async def test_a_trainer_killed_mid_stream_continues_from_its_checkpoint(
         assert resumed.returncode == 0, err.decode()[-3000:]
     got = [pickle.loads((tmp_path / f"batch-{i}.pkl").read_bytes()) for i in range(n)]
     assert_same(expected, got)
+
+
+# -- the study ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_checkpoint_study_runs_quick(tmp_path: Any) -> None:
+    """``python -m benchmarks.checkpoint --quick``: every way measured, results written."""
+    import json
+
+    sys.path.insert(0, os.path.dirname(TESTS))
+    from benchmarks.checkpoint import WAYS, main
+
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [r["way"] for r in result["rows"]] == list(WAYS)
+    for row in result["rows"]:
+        assert row["in_flight"] == 100 and row["bytes"] > 0 and row["checkpoint_s"] > 0
+    came = {r["way"]: r["resumed"] for r in result["rows"]}
+    assert came["replay"]["replay"] == came["snapshot"]["snapshot"] == came["drop"]["dropped"]
+    assert "| replay | 100 |" in (tmp_path / "results.md").read_text()
