@@ -194,6 +194,18 @@ async def test_snapshot_envs_resume_bit_for_bit(backend: str, env: Any, tmp_path
     assert counts["snapshot"] >= 5 and counts["replay"] == counts["drop"] == 0
 
 
+async def test_a_state_taken_on_local_resumes_on_process() -> None:
+    # Their batches are the same (the reproducibility rule): so are the states.
+    async with make("local", Replayable(blocking)) as sampler:
+        full, _ = await run(sampler, "stream", 5)
+    async with make("local", Replayable(blocking)) as sampler:
+        _, state = await run(sampler, "stream", 3, at=3)
+    with leaves_nothing(collect=False):
+        async with make("process", Replayable(blocking), resume=state) as sampler:
+            tail, _ = await run(sampler, "stream", 2)
+    assert_same(full[3:], tail)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["stream", "fragments"])
 async def test_ray_replay_resumes_bit_for_bit(how: str, tmp_path: Any, ray_cluster: Any) -> None:
@@ -351,22 +363,12 @@ async def test_a_trainer_killed_mid_stream_continues_from_its_checkpoint(
 ) -> None:
     loop = "uvloop" if "uvloop" in request.node.name else "asyncio"
     n, every = 8, 2
-    flags = ["--fragments"] if fragments else []
+    run_args = ["--batches", str(n), "--every", str(every)]
+    run_args += ["--fragments"] if fragments else []
     expected = await train(backend, None, n, every, fragments=fragments)
     with leaves_nothing(collect=False):
         # A slow trainer (each batch blocks it 0.2 s), killed once a checkpoint is on disk.
-        killed = _trainer(
-            tmp_path,
-            backend,
-            loop,
-            "--batches",
-            str(n),
-            "--every",
-            str(every),
-            "--delay",
-            "0.2",
-            *flags,
-        )
+        killed = _trainer(tmp_path, backend, loop, *run_args, "--delay", "0.2")
         try:
             latest = tmp_path / "LATEST"
             await asyncio.to_thread(
@@ -381,17 +383,7 @@ async def test_a_trainer_killed_mid_stream_continues_from_its_checkpoint(
         step = latest.read_text()
         resumed_from = int(step.split("-")[1])
         assert resumed_from < n
-        resumed = _trainer(
-            tmp_path,
-            backend,
-            loop,
-            "--batches",
-            str(n),
-            "--every",
-            str(every),
-            "--resume",
-            *flags,
-        )
+        resumed = _trainer(tmp_path, backend, loop, *run_args, "--resume")
         _, err = await asyncio.to_thread(resumed.communicate, timeout=90)
         assert resumed.returncode == 0, err.decode()[-3000:]
     got = [pickle.loads((tmp_path / f"batch-{i}.pkl").read_bytes()) for i in range(n)]
