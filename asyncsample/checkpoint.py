@@ -234,6 +234,8 @@ class WorkerState:
     dropped_steps: int
     restarts: int
     carried: Carried | None = None
+    chains: list[list[EnvSource]] | None = None
+    """Each env's source and the env updates applied since, if any were."""
 
 
 @dataclass
@@ -507,6 +509,10 @@ async def _capture_worker(core: SamplerCore, worker: Worker, continuing: bool) -
         carried = _carried(worker)
     seeds = worker._seeds
     assert seeds is not None
+    chains: list[list[EnvSource]] | None = [list(worker.env_chain(i)) for i in range(n)]
+    built = worker._per_env(core.env_sources[worker.worker_number], "env")
+    if all(len(c) == 1 and c[0] is s for c, s in zip(chains or [], built)):
+        chains = None  # no env update since the sampler started: its sources rebuild them
     return WorkerState(
         agent_version=worker.agent_version,
         seeds_drawn=[seeds.drawn(i) for i in range(n)],
@@ -519,6 +525,7 @@ async def _capture_worker(core: SamplerCore, worker: Worker, continuing: bool) -
         dropped_steps=episodes.dropped_steps,
         restarts=worker.restarts,
         carried=carried,
+        chains=chains,
     )
 
 
@@ -617,7 +624,6 @@ async def restore(core: SamplerCore, state: SamplerState) -> ResumeReport:
     core.pending_stream = state.stream
     core.restarts = state.restarts
     core.last_mode = state.last_mode  # type: ignore[assignment]
-    core.warned_endless = True
     if report.dropped:
         warnings.warn(
             f"resume: {report.dropped} episode(s) in flight were dropped ({report.dropped_steps} "
@@ -638,6 +644,13 @@ async def _restore_worker(worker: Worker, ws: WorkerState, report: ResumeReport)
     envs = ws.envs
     worker.agent_version = ws.agent_version
     worker.restarts = ws.restarts
+    if ws.chains is not None:  # env updates were applied: the envs are built as they were
+        seeds = worker._seeds
+        assert seeds is not None
+        worker._chains = [list(c) for c in ws.chains]
+        built = [seeds.seed_at(i, drawn - 1) for i, drawn in enumerate(ws.seeds_drawn)]
+        with worker.naming_factories():
+            await host.build(worker._chains, built)
     # 1. random generators back where they were (a replay: where its episode began)
     where, gens = [], []
     for i, e in enumerate(envs):

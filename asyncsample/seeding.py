@@ -43,6 +43,11 @@ class WorkerSeeds:
         child = self._envs.get(env)
         return 0 if child is None else int(child.n_children_spawned)
 
+    def seed_at(self, env: int, k: int) -> int:
+        """The ``k``-th seed env ``env`` draws (from 0), without drawing it."""
+        base = _child(self._sequence, 1 + env)
+        return _to_int(_child(base, k))
+
     def set_drawn(self, env: int, drawn: int) -> None:
         """Put env ``env``'s sequence where it stands after ``drawn`` seeds (a resume)."""
         base = _child(self._sequence, 1 + env)

@@ -194,6 +194,30 @@ async def test_snapshot_envs_resume_bit_for_bit(backend: str, env: Any, tmp_path
     assert counts["snapshot"] >= 5 and counts["replay"] == counts["drop"] == 0
 
 
+def short() -> RandomLengthEnv:
+    return RandomLengthEnv(1, 4)
+
+
+async def test_envs_updated_before_the_checkpoint_come_back_updated() -> None:
+    async def calls(sampler: Sampler, n: int, at: int | None = None) -> tuple[list, Any]:
+        out, state = [], None
+        for k in range(n):
+            update = Replayable(short) if k == 1 else None
+            out.append(await sampler.obtain_fragments(20, env_update=update))
+            if k + 1 == at:
+                state = await sampler.checkpoint()
+        return out, state
+
+    async with make("local", Replayable(blocking)) as sampler:
+        full, _ = await calls(sampler, 5)
+    async with make("local", Replayable(blocking)) as sampler:
+        _, state = await calls(sampler, 3, at=3)
+    assert state.workers[0].chains is not None
+    async with make("local", Replayable(blocking), resume=state) as sampler:
+        tail = [await sampler.obtain_fragments(20) for _ in range(2)]
+    assert_same(full[3:], tail)
+
+
 async def test_a_state_taken_on_local_resumes_on_process() -> None:
     # Their batches are the same (the reproducibility rule): so are the states.
     async with make("local", Replayable(blocking)) as sampler:
