@@ -32,6 +32,7 @@ import numpy as np
 
 from asyncsample._tree import Tree, tree_map
 from asyncsample.async_env import AsyncEnv, AsyncWrapper, is_async_env
+from asyncsample.env_group import EPISODE_STEPS_ATTR, SNAPSHOT_ATTR
 from asyncsample.env_update import EnvSource, EnvUpdate, checked_env, make_env
 from asyncsample.errors import CheckpointError, WorkerError
 
@@ -431,7 +432,9 @@ def check_shape(state: SamplerState, core: SamplerCore) -> None:
 async def capture(core: SamplerCore, stream: StreamState | None = None) -> SamplerState:
     """Read the started, idle sampler ``core`` (no call or stream round running) at once."""
     continuing = stream is not None or core.last_mode == "fragments"
-    workers = [await _capture_worker(core, w, continuing) for w in core.workers]
+    workers = list(
+        await asyncio.gather(*(_capture_worker(core, w, continuing) for w in core.workers))
+    )
     agent_states: list[Any] = []
     agent_of: list[int] = []
     seen: dict[int, int] = {}
@@ -645,10 +648,10 @@ async def _restore_worker(worker: Worker, ws: WorkerState, report: ResumeReport)
     worker.agent_version = ws.agent_version
     worker.restarts = ws.restarts
     if ws.chains is not None:  # env updates were applied: the envs are built as they were
-        seeds = worker._seeds
-        assert seeds is not None
+        tree = worker._seeds
+        assert tree is not None
         worker._chains = [list(c) for c in ws.chains]
-        built = [seeds.seed_at(i, drawn - 1) for i, drawn in enumerate(ws.seeds_drawn)]
+        built = [tree.seed_at(i, drawn - 1) for i, drawn in enumerate(ws.seeds_drawn)]
         with worker.naming_factories():
             await host.build(worker._chains, built)
     # 1. random generators back where they were (a replay: where its episode began)
@@ -674,9 +677,8 @@ async def _restore_worker(worker: Worker, ws: WorkerState, report: ResumeReport)
     # 3. the episodes in flight: replayed through their actions, or their snapshot set
     diverged = await _replay(worker, envs)
     snapped = [i for i, e in enumerate(envs) if e.how == "snapshot"]
-    for i in snapped:
-        await _call_each(host, "set_state", [i], (envs[i].snapshot,))
     if snapped:
+        await host.set_attr(SNAPSHOT_ATTR, [envs[i].snapshot for i in snapped], snapped)
         await host.set_attr(EPISODE_STEPS_ATTR, [int(ws.lengths[i]) for i in snapped], snapped)
         for i in snapped:
             _put_obs(host.buffers, i, envs[i].obs)
@@ -793,11 +795,6 @@ def _restore_carried(worker: Worker, carried: Carried, gone: list[int]) -> None:
         recorder.piece_start[i] = end if isinstance(end, int) else end[i]
         recorder.piece_position[i] = 0
     recorder._carry_from = 0
-
-
-#: The attribute name a host's ``set_attr`` reads as the step count of an env's episode in
-#: flight (its ``max_episode_length`` counts on from there): a snapshot's.
-EPISODE_STEPS_ATTR = "__asyncsample_episode_steps__"
 
 
 # -- a stream's rounds, paused at a boundary ----------------------------------------------------

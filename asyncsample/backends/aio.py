@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import os
 import time
 import traceback
@@ -41,6 +42,7 @@ from asyncsample.backends.base import (
 from asyncsample.env_group import (
     EPISODE_STEPS_ATTR,
     PENDING_SEED,
+    SNAPSHOT_ATTR,
     EnvFailureError,
     EnvGroup,
     StepBuffers,
@@ -555,6 +557,12 @@ class LaneHost(PerEnvLockstep):
         self._check_open("set_attr")
         if name == EPISODE_STEPS_ATTR:
             self.group.set_attr(name, values, set_attr_targets(name, values, self.n_envs, envs))
+            return
+        if name == SNAPSHOT_ATTR:  # the envs' set_state, awaited where it is a coroutine
+            for i, value in zip(set_attr_targets(name, values, self.n_envs, envs), values):
+                done = self.envs[i].get_wrapper_attr("set_state")(value)
+                if inspect.isawaitable(done):
+                    await done
             return
         for i, value in zip(set_attr_targets(name, values, self.n_envs, envs), values):
             setattr(self.envs[i], name, value)
