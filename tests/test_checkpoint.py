@@ -184,7 +184,12 @@ async def test_async_envs_resume_bit_for_bit_in_fixed_shares(backend: str, tmp_p
 
 @pytest.mark.parametrize(
     ("backend", "env"),
-    [("local", snapshot_env), ("process", snapshot_env), ("asyncio", snapshot_async_env)],
+    [
+        ("local", snapshot_env),
+        ("process", snapshot_env),
+        ("asyncio", snapshot_async_env),
+        ("process", snapshot_async_env),  # async envs in the hosts' event loops
+    ],
 )
 async def test_snapshot_envs_resume_bit_for_bit(backend: str, env: Any, tmp_path: Any) -> None:
     state = await resumed_equals_uninterrupted(
