@@ -30,8 +30,10 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
+from asyncsample._tasks import run_all
 from asyncsample._tree import Tree, tree_map
 from asyncsample.async_env import AsyncEnv, AsyncWrapper, is_async_env
+from asyncsample.backends.base import PerEnvHost
 from asyncsample.env_group import EPISODE_STEPS_ATTR, SNAPSHOT_ATTR
 from asyncsample.env_update import EnvSource, EnvUpdate, checked_env, make_env
 from asyncsample.errors import CheckpointError, WorkerError
@@ -94,6 +96,10 @@ class ReplayRecord:
     options: dict[str, Any] | None
     rng: dict[str, Any] | None
     actions: list[Any] = field(default_factory=list)
+
+    def copy(self) -> ReplayRecord:
+        """A copy the env's next steps leave alone (its actions are copies already)."""
+        return ReplayRecord(self.seed, self.options, self.rng, list(self.actions))
 
 
 def _rng_state(env: Any) -> dict[str, Any] | None:
@@ -501,7 +507,7 @@ async def _capture_worker(core: SamplerCore, worker: Worker, continuing: bool) -
     if replay:
         order = sorted(replay)
         for i, record in zip(order, await host.call("replay_record", envs=order)):
-            envs[i] = EnvState("replay", replay=copy.deepcopy(record), obs=_obs_of(obs, i))
+            envs[i] = EnvState("replay", replay=record.copy(), obs=_obs_of(obs, i))
     rngs = await _rngs(host, [*idle, *drop])
     for i in idle:
         envs[i] = EnvState("idle", rng=rngs.get(i))
@@ -589,8 +595,8 @@ async def _rngs(host: Any, envs: Sequence[int]) -> dict[int, dict[str, Any]]:
         gens = await host.call("np_random", envs=list(envs))
     except WorkerError:
         return {}
-    return {
-        i: dict(copy.deepcopy(g.bit_generator.state))
+    return {  # ``state`` is a new dict each time it is read
+        i: dict(g.bit_generator.state)
         for i, g in zip(envs, gens)
         if isinstance(g, np.random.Generator)
     }
@@ -716,9 +722,19 @@ async def _replay(worker: Worker, envs: list[EnvState]) -> list[int]:
     replays = {i: e.replay for i, e in enumerate(envs) if e.replay is not None}
     if not replays:
         return []
-    longest = max(len(r.actions) for r in replays.values())
     buffers = host.buffers
     diverged: set[int] = set()
+    if isinstance(host, PerEnvHost):  # each env replays on its own (no wait for the slowest)
+
+        async def lane(i: int, actions: list[Any]) -> None:
+            for action in actions:
+                _, terminated, truncated, _ = await host.step_one(i, action)
+                if terminated or truncated:
+                    diverged.add(i)
+                    return
+
+        await run_all([lane(i, r.actions) for i, r in replays.items() if r.actions])
+    longest = 0 if isinstance(host, PerEnvHost) else max(len(r.actions) for r in replays.values())
     for t in range(longest):
         mask = np.zeros(worker.n_envs, dtype=bool)
         for i, record in replays.items():
