@@ -71,19 +71,21 @@ async def stream(
             try:
                 while True:
                     await gate.enter()  # a checkpoint holds the rounds between two of them
-                    # ahead: inference="host" may start the next round's chunks (RunAhead).
-                    result = await sampler.sample_round(
-                        mode,
-                        num_samples,
-                        resume=resume,
-                        leave=leave,
-                        fraction=fraction,
-                        ahead=sampler.run_ahead,
-                    )
+                    try:
+                        # ahead: inference="host" may start the next round's chunks (RunAhead).
+                        result = await sampler.sample_round(
+                            mode,
+                            num_samples,
+                            resume=resume,
+                            leave=leave,
+                            fraction=fraction,
+                            ahead=sampler.run_ahead,
+                        )
+                    finally:
+                        gate.left()
                     sampler.last_mode = mode
                     resume = leave
                     gate.putting = result
-                    gate.left()
                     waited = time.perf_counter()
                     await queue.put(result)  # a full queue: the rounds wait for the consumer
                     gate.putting = None
@@ -105,8 +107,8 @@ async def stream(
             try:
                 held = checkpoint.drain(queue, gate.putting)
                 pending = [*ready, *held]
-                stream = checkpoint.StreamState(num_samples, fragments, fraction, pending)
-                return await checkpoint.capture(sampler, stream)
+                taken = checkpoint.StreamState(num_samples, fragments, fraction, pending)
+                return await checkpoint.capture(sampler, taken)
             finally:
                 gate.release()
 

@@ -301,6 +301,36 @@ async def test_a_stream_checkpoint_keeps_the_batches_it_buffered() -> None:
     assert_same(full, head + tail)
 
 
+class BreakingEnv(RandomLengthEnv):
+    """Raises from its 40th step on."""
+
+    def step(self, action: Any) -> Any:
+        if self.logic.steps_taken >= 40:
+            raise RuntimeError("broken")
+        return super().step(action)
+
+
+def breaking() -> BreakingEnv:
+    return BreakingEnv(2, 12)
+
+
+async def test_a_failed_host_is_refused_and_a_failing_stream_never_hangs_a_checkpoint() -> None:
+    async with make("local", breaking, max_restarts=0, n_workers=1) as sampler:
+        with pytest.raises(asyncsample.WorkerError):
+            for _ in range(20):
+                await sampler.obtain_samples(20)
+        with pytest.raises(CheckpointError, match="failed env host not rebuilt"):
+            await sampler.checkpoint()  # never a state of a host that failed
+    async with make("local", breaking, max_restarts=0, n_workers=1) as sampler:
+        stream = sampler.stream(20, buffer_size=1)
+        async with contextlib.aclosing(stream) as it:
+            await it.__anext__()
+            with pytest.raises((CheckpointError, asyncsample.WorkerError)):
+                for _ in range(20):  # each checkpoint returns, or is refused once it fails
+                    await sampler.checkpoint()
+                    await it.__anext__()
+
+
 # -- refused -------------------------------------------------------------------------------------
 
 
