@@ -483,22 +483,21 @@ async def _capture_worker(core: SamplerCore, worker: Worker, continuing: bool) -
             "yet): take the checkpoint between calls, or in a stream with "
             "inference='per_worker' or 'batched'"
         )
-    if getattr(host, "in_flight", None):
-        raise CheckpointError(
-            f"checkpoint: worker {worker.worker_number} has env steps in flight between two "
-            "rounds of a stream of complete episodes on the lanes; take it in a stream of "
-            "fragments (stream(..., fragments=True)) or between calls"
-        )
+    # A stream of complete episodes on the lanes leaves steps running between its rounds: those
+    # episodes cannot be read at this instant (the env is inside a step), so they drop.
+    stepping = set(getattr(host, "in_flight", None) or ())
     if not continuing:  # the next call resets the episodes that took a step
         needs_reset |= episodes.lengths > 0
     fresh = episodes.fresh
     flight = [i for i in range(n) if not needs_reset[i]]
     idle = [i for i in range(n) if needs_reset[i] and not fresh[i]]
     envs = [EnvState("fresh") for _ in range(n)]
+    stepping.intersection_update(flight)
+    flight = [i for i in flight if i not in stepping]
     snap = set(await _has(host, "get_state", flight))
     rest = [i for i in flight if i not in snap]
     replay = set(await _has(host, "replay_record", rest))
-    drop = [i for i in rest if i not in replay]
+    drop = sorted([i for i in rest if i not in replay] + list(stepping))
     obs = host.buffers.obs
     if snap:
         order = sorted(snap)

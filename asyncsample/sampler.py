@@ -328,8 +328,8 @@ class Sampler:
         [Checkpoint and resume](checkpoint.md).
 
         Raises:
-            CheckpointError: chunks run ahead (``inference="host"`` in a stream) or env steps
-                in flight between rounds (a stream of complete episodes on the lanes).
+            CheckpointError: chunks run ahead (``inference="host"`` in a stream), or an env
+                host failed and is not rebuilt yet.
             SamplerClosedError: the sampler was closed.
         """
         return await self._core.checkpoint()

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any
 
 import cloudpickle
@@ -265,6 +266,25 @@ async def test_dropped_episodes_are_counted_and_warned_never_half_recorded() -> 
         starts = np.concatenate([[0], np.cumsum(batch.lengths)[:-1]])
         assert (batch.step_types[starts] == StepType.FIRST).all()
         assert batch.n_transitions == int(batch.lengths.sum())
+
+
+async def test_a_lane_stream_of_complete_episodes_drops_the_episodes_inside_a_step() -> None:
+    # Steps run on between the rounds of such a stream: those episodes cannot be read and are
+    # dropped at resume (counted); the others come back, and no episode comes out half-made.
+    async with make("asyncio", Replayable(asynchronous)) as sampler:
+        _, state = await run(sampler, "stream", 3, at=3)
+    assert state is not None
+    counts = state.counts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        async with make("asyncio", Replayable(asynchronous), resume=state) as sampler:
+            tail, _ = await run(sampler, "stream", 3)
+            report = sampler.resumed
+    assert report is not None and report.dropped == counts["drop"]
+    assert report.replay == counts["replay"] and counts["replay"] + counts["drop"] > 0
+    for batch in tail:
+        starts = np.concatenate([[0], np.cumsum(batch.lengths)[:-1]])
+        assert (batch.step_types[starts] == StepType.FIRST).all()
 
 
 # -- one instant ---------------------------------------------------------------------------------
