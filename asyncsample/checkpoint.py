@@ -30,6 +30,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
+from asyncsample._engine import Continuity
 from asyncsample._tasks import run_all
 from asyncsample._tree import Tree, tree_map
 from asyncsample.async_env import AsyncEnv, AsyncWrapper, is_async_env
@@ -470,8 +471,6 @@ async def _capture_worker(core: SamplerCore, worker: Worker, continuing: bool) -
     episodes = worker.episodes
     host = worker.host
     assert host is not None
-    from asyncsample._engine import Continuity
-
     n = worker.n_envs
     needs_reset = episodes.needs_reset.copy()
     if episodes.state is Continuity.IN_CALL:  # a call cancelled midway: the next resets all
