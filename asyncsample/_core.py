@@ -18,7 +18,7 @@ from typing import Any, Literal
 import gymnasium as gym
 import numpy as np
 
-from asyncsample import _validate, checkpoint
+from asyncsample import _resume, _validate
 from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
 from asyncsample._config import SamplerConfig
 from asyncsample._engine import (
@@ -54,6 +54,7 @@ from asyncsample.backends import (
     with_trait,
 )
 from asyncsample.batch import EnvSpec, EpisodeBatch
+from asyncsample.checkpoint import ResumeReport, SamplerState, StreamState
 from asyncsample.env_update import EnvChoice
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
@@ -91,13 +92,13 @@ class SamplerCore:
             "max_episode_length", config.max_episode_length
         )
         seed = _validate.seed("seed", config.seed)
-        self.resume = resume = checkpoint.resumed_state(config.resume, seed)
+        self.resume = resume = _resume.resumed_state(config.resume, seed)
         if resume is not None:
             seed = resume.seed
-        self.resumed: checkpoint.ResumeReport | None = None
-        self.stream_checkpoint: Callable[[], Awaitable[checkpoint.SamplerState]] | None = None
+        self.resumed: ResumeReport | None = None
+        self.stream_checkpoint: Callable[[], Awaitable[SamplerState]] | None = None
         """Set by an open stream: how it takes a checkpoint between two of its rounds."""
-        self.pending_stream: checkpoint.StreamState | None = None
+        self.pending_stream: StreamState | None = None
         """A resumed stream's rounds sampled before the checkpoint and not yet yielded."""
         self.traits = traits(backend)  # what the backend is: asked, never its name
         self.backend_name = backend
@@ -315,8 +316,8 @@ class SamplerCore:
             else:
                 self.agents = await asyncio.to_thread(self._make_random_agents)
         if self.resume is not None:  # the envs are built with the seeds they had
-            checkpoint.check_shape(self.resume, self)
-            checkpoint.position_seeds(self, self.resume)
+            _resume.check_shape(self.resume, self)
+            _resume.position_seeds(self, self.resume)
         backend = make_backend(self.backend_name, **options)
         self.backend = backend
         try:
@@ -355,10 +356,10 @@ class SamplerCore:
         self.workers = workers
         self.started = True
         if self.resume is not None:
-            self.resumed = await checkpoint.restore(self, self.resume)
+            self.resumed = await _resume.restore(self, self.resume)
             self.resume = None
 
-    async def checkpoint(self) -> checkpoint.SamplerState:
+    async def checkpoint(self) -> SamplerState:
         """:meth:`Sampler.checkpoint`: between two rounds of an open stream, else between calls."""
         self.check_open()
         if self.stream_checkpoint is not None:
@@ -366,8 +367,8 @@ class SamplerCore:
         async with self.locked("checkpoint"):
             self.check_open()
             await self.start_unlocked()
-            checkpoint.check_no_stream_pending(self, "checkpoint")
-            return await checkpoint.capture(self)
+            _resume.check_no_stream_pending(self, "checkpoint")
+            return await _resume.capture(self)
 
     async def aclose(self) -> None:
         if self.closed:
@@ -446,7 +447,7 @@ class SamplerCore:
         async with self.locked(_CALLS[mode][1]):
             self.check_open()
             await self.start_unlocked()
-            checkpoint.check_no_stream_pending(self, _CALLS[mode][1])
+            _resume.check_no_stream_pending(self, _CALLS[mode][1])
             if mode != "fragments" and not self.warned_endless:
                 self.warn_if_endless()
             self.apply_agent_update(agent_update)

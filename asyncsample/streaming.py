@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample import _validate, checkpoint
+from asyncsample import _resume, _validate
 from asyncsample._env_tasks import Admission
 from asyncsample._recorder import Resume
 from asyncsample.batch import EpisodeBatch
+from asyncsample.checkpoint import SamplerState, StreamState
 from asyncsample.stats import SampleStats
 
 if TYPE_CHECKING:
@@ -61,10 +62,10 @@ async def stream(
         resume = Resume.NOTHING
         if fragments and sampler.last_mode == "fragments":
             resume = Resume.FRAGMENTS
-        ready = checkpoint.continue_stream(sampler, num_samples, fragments, fraction)
+        ready = _resume.continue_stream(sampler, num_samples, fragments, fraction)
         if ready is not None:
             resume = leave
-        gate = checkpoint.RoundGate()
+        gate = _resume.RoundGate()
 
         async def produce() -> None:
             nonlocal resume
@@ -102,13 +103,13 @@ async def stream(
             sampler.admission = Admission(max_policy_lag)
         ready = ready or []
 
-        async def take() -> checkpoint.SamplerState:
+        async def take() -> SamplerState:
             await gate.pause()
             try:
-                held = checkpoint.drain(queue, gate.putting)
+                held = _resume.drain(queue, gate.putting)
                 pending = [*ready, *held]
-                taken = checkpoint.StreamState(num_samples, fragments, fraction, pending)
-                return await checkpoint.capture(sampler, taken)
+                taken = StreamState(num_samples, fragments, fraction, pending)
+                return await _resume.capture(sampler, taken)
             finally:
                 gate.release()
 
