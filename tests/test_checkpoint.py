@@ -169,7 +169,11 @@ async def test_random_agent_state_is_resumed(tmp_path: Any) -> None:
     )
 
 
-@pytest.mark.parametrize("how", ["stream", "fragments"])
+@pytest.mark.parametrize(
+    "how",
+    # fragments on process: slow, a twin of the async envs' fragments on process and of local's
+    ["stream", pytest.param("fragments", marks=pytest.mark.slow)],
+)
 async def test_process_replay_resumes_bit_for_bit(how: str, tmp_path: Any) -> None:
     with leaves_nothing(collect=False):
         await resumed_equals_uninterrupted("process", Replayable(blocking), how, tmp_path)
@@ -186,8 +190,8 @@ async def test_async_envs_resume_bit_for_bit_in_fixed_shares(backend: str, tmp_p
 @pytest.mark.parametrize(
     ("backend", "env"),
     [
-        ("local", snapshot_env),
-        ("process", snapshot_env),
+        ("local", snapshot_env),  # the blocking envs' group restores the step count, as on:
+        pytest.param("process", snapshot_env, marks=pytest.mark.slow),
         ("asyncio", snapshot_async_env),
         ("process", snapshot_async_env),  # async envs in the hosts' event loops
     ],
