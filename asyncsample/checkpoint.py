@@ -1,5 +1,6 @@
-"""Checkpoint and resume: :class:`SamplerState`, its file, and how a sampler is read into one
-and continued from one (see [Checkpoint and resume](checkpoint.md)).
+"""Checkpoint and resume: :class:`SamplerState` and its file, and the env protocols that bring
+episodes in flight back (see [Checkpoint and resume](checkpoint.md)); reading a sampler into a
+state and continuing from one is :mod:`asyncsample._resume`'s.
 
 A state is read at one instant: between two calls, or between two rounds of a stream (its
 producer paused, the batches it buffered kept in the state). Each env's episode in flight comes
@@ -36,7 +37,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "HOW",
+    "Carried",
     "EnvState",
+    "ReplayRecord",
     "Replayable",
     "ResumeReport",
     "SamplerState",
