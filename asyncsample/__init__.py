@@ -16,6 +16,7 @@ from asyncsample.async_env import (
     is_async_env,
 )
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
+from asyncsample.checkpoint import Replayable, ResumeReport, SamplerState, SnapshotEnv
 from asyncsample.columns import RaggedArray
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
@@ -23,6 +24,7 @@ from asyncsample.errors import (
     AsyncSampleError,
     ChatRequestError,
     ChatTimeoutError,
+    CheckpointError,
     LoopBlockedError,
     SamplerBusyError,
     SamplerClosedError,
@@ -65,6 +67,7 @@ __all__ = [
     "Batched",
     "ChatRequestError",
     "ChatTimeoutError",
+    "CheckpointError",
     "EnvChoice",
     "EnvSource",
     "EnvSpec",
@@ -78,12 +81,16 @@ __all__ = [
     "NewEnvUpdate",
     "RaggedArray",
     "RandomAgent",
+    "Replayable",
+    "ResumeReport",
     "SampleStats",
     "Sampler",
     "SamplerBusyError",
     "SamplerClosedError",
     "SamplerMetrics",
+    "SamplerState",
     "SetTaskUpdate",
+    "SnapshotEnv",
     "StepTimeoutError",
     "StepType",
     "SubEnvAttributeError",

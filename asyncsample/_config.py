@@ -38,3 +38,4 @@ class SamplerConfig:
     episode_timeout: float | None
     close_timeout: float
     metrics: Any
+    resume: Any

@@ -12,13 +12,13 @@ import math
 import os
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import gymnasium as gym
 import numpy as np
 
-from asyncsample import _validate
+from asyncsample import _resume, _validate
 from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
 from asyncsample._config import SamplerConfig
 from asyncsample._engine import (
@@ -54,6 +54,7 @@ from asyncsample.backends import (
     with_trait,
 )
 from asyncsample.batch import EnvSpec, EpisodeBatch
+from asyncsample.checkpoint import ResumeReport, SamplerState, StreamState
 from asyncsample.env_update import EnvChoice
 from asyncsample.errors import SamplerClosedError, WorkerError
 from asyncsample.inference import Batched, check_inference
@@ -91,6 +92,14 @@ class SamplerCore:
             "max_episode_length", config.max_episode_length
         )
         seed = _validate.seed("seed", config.seed)
+        self.resume = resume = _resume.resumed_state(config.resume, seed)
+        if resume is not None:
+            seed = resume.seed
+        self.resumed: ResumeReport | None = None
+        self.stream_checkpoint: Callable[[], Awaitable[SamplerState]] | None = None
+        """Set by an open stream: how it takes a checkpoint between two of its rounds."""
+        self.pending_stream: StreamState | None = None
+        """A resumed stream's rounds sampled before the checkpoint and not yet yielded."""
         self.traits = traits(backend)  # what the backend is: asked, never its name
         self.backend_name = backend
         self.step_timeout = _validate.positive_seconds("step_timeout", config.step_timeout)
@@ -310,6 +319,9 @@ class SamplerCore:
                 self.agents = self._make_random_agents()
             else:
                 self.agents = await asyncio.to_thread(self._make_random_agents)
+        if self.resume is not None:  # the envs are built with the seeds they had
+            _resume.check_shape(self.resume, self)
+            _resume.position_seeds(self, self.resume)
         backend = make_backend(self.backend_name, **options)
         self.backend = backend
         try:
@@ -348,6 +360,20 @@ class SamplerCore:
             raise
         self.workers = workers
         self.started = True
+        if self.resume is not None:
+            self.resumed = await _resume.restore(self, self.resume)
+            self.resume = None
+
+    async def checkpoint(self) -> SamplerState:
+        """:meth:`Sampler.checkpoint`: between two rounds of an open stream, else between calls."""
+        self.check_open()
+        if self.stream_checkpoint is not None:
+            return await self.stream_checkpoint()
+        async with self.locked("checkpoint"):
+            self.check_open()
+            await self.start_unlocked()
+            _resume.check_no_stream_pending(self, "checkpoint")
+            return await _resume.capture(self)
 
     async def aclose(self) -> None:
         if self.closed:
@@ -426,6 +452,7 @@ class SamplerCore:
         async with self.locked(_CALLS[mode][1]):
             self.check_open()
             await self.start_unlocked()
+            _resume.check_no_stream_pending(self, _CALLS[mode][1])
             if mode != "fragments" and not self.warned_endless:
                 self.warn_if_endless()
             self.apply_agent_update(agent_update)

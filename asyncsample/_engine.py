@@ -329,6 +329,7 @@ class Episodes:
         self.active = np.ones(n_envs, dtype=bool)
         self.everyone = True
         self.needs_reset = np.ones(n_envs, dtype=bool)
+        self.fresh = np.ones(n_envs, dtype=bool)  # built, never reset since (a checkpoint reads it)
         self.episode_info: list[dict[str, Any]] = [{} for _ in range(n_envs)]
         self.recorder = Recorder(n_envs)
         self.rule: StopRule | None = None
@@ -395,6 +396,7 @@ class Episodes:
         dropped = int(np.count_nonzero(self.lengths))
         self.dropped_steps += int(self.lengths.sum())
         self.needs_reset[:] = True
+        self.fresh[:] = True
         self.lengths[:] = 0
         self.returns[:] = 0.0
         if self.rule is not None:
@@ -434,6 +436,7 @@ class Episodes:
     def started(self, mask: np.ndarray, infos: Mapping[int, dict[str, Any]]) -> None:
         """The envs in ``mask`` were reset, with reset ``infos`` by env."""
         self.needs_reset &= ~mask
+        self.fresh &= ~mask
         envs = np.flatnonzero(mask).tolist()
         starts = self.started_at
         if starts is not None:  # metrics on: scalar reads per reset env (a lane resets one)

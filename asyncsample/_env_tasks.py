@@ -604,6 +604,7 @@ class LaneStepper:
                 )
             try:
                 await self.host.rebuild_one(i, worker.env_chain(i), worker.next_env_seed(i))
+                worker.episodes.fresh[i] = True
                 return
             except WorkerError as exc:
                 if not exc.retry:

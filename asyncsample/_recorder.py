@@ -363,6 +363,14 @@ class Recorder:
         """End a call; with :attr:`Resume.EPISODES` the running episodes' rows are kept."""
         self._carry_from = int(self.piece_start.min()) if leave is Resume.EPISODES else None
 
+    def carried_from(self) -> int | None:
+        """The first row the last call left for the next (:attr:`Resume.EPISODES`), or ``None``."""
+        return self._carry_from
+
+    def carry_all(self) -> None:
+        """The next call carries every row recorded now (a resume put a stream's rows back)."""
+        self._carry_from = 0
+
     def start_episodes(self, mask: np.ndarray) -> None:
         """Envs in ``mask`` start a new episode at the next row."""
         self.piece_start[mask] = self.rows.size if self.cursor is None else self.cursor[mask]

@@ -148,6 +148,25 @@ class RandomAgent:
     def reset(self, do_resets: Any = None) -> None:
         """Nothing to reset: the agent is stateless."""
 
+    def get_state(self) -> dict[str, Any]:
+        """Its random generators' states (a sampler checkpoint keeps them)."""
+        blocks = self._sample
+        return {
+            "rng": self._rng.bit_generator.state,
+            "spaces": {n: s.np_random.bit_generator.state for n, s in self._batched.items()},
+            "drawn": None if blocks is None or blocks.rows is None else blocks.rows[blocks.pos :],
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`get_state` returned."""
+        for n, space_state in state["spaces"].items():
+            self._space(n).np_random.bit_generator.state = space_state
+        self._rng.bit_generator.state = state["rng"]
+        if self._sample is not None:  # the draws it had made ahead and not handed out yet
+            drawn = state["drawn"]
+            self._sample.rows = None if drawn is None else np.array(drawn)
+            self._sample.pos = 0
+
 
 def trusted_actions(agent: object, action_space: gym.Space[Any]) -> bool:
     """Whether ``agent``'s actions may skip the range check: a :class:`RandomAgent` (not a

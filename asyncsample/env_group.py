@@ -520,7 +520,17 @@ class EnvGroup:
         return [self._guard_attr(i, _call_attr, self._env(i), name, args, kwargs) for i in envs]
 
     def set_attr(self, name: str, values: Sequence[Any], envs: Sequence[int]) -> None:
-        """Set attribute ``name`` of env ``envs[k]`` to ``values[k]`` (through its wrappers)."""
+        """Set attribute ``name`` of env ``envs[k]`` to ``values[k]`` (through its wrappers);
+        :data:`EPISODE_STEPS_ATTR` sets the steps of the env's episode in flight and
+        :data:`SNAPSHOT_ATTR` hands ``values[k]`` to the env's ``set_state`` (a resume)."""
+        if name == EPISODE_STEPS_ATTR:
+            for i, value in zip(envs, values):
+                self._lengths[i] = int(value)
+            return
+        if name == SNAPSHOT_ATTR:
+            for i, value in zip(envs, values):
+                self._guard_attr(i, _call_attr, self._env(i), "set_state", (value,), {})
+            return
         for i, value in zip(envs, values):
             self._guard_attr(i, _set_attr, self._env(i), name, value)
 
@@ -709,6 +719,13 @@ def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -
         )
     return indices
 
+
+#: The name ``set_attr`` reads as the step count of an env's episode in flight, from which its
+#: ``max_episode_length`` counts on: set by a resume that restored the episode from a snapshot.
+EPISODE_STEPS_ATTR = "__asyncsample_episode_steps__"
+#: The name ``set_attr`` reads as "call the env's ``set_state`` with the value" (a resume that
+#: restores snapshots: one request per worker, not one per env).
+SNAPSHOT_ATTR = "__asyncsample_snapshot__"
 
 _NO_LIMIT = 1 << 62  # the time limit of a group without max_episode_length
 # The types of a step's (result, reward, terminated, truncated) that need no closer look.

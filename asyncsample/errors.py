@@ -11,6 +11,7 @@ __all__ = [
     "AsyncSampleError",
     "ChatRequestError",
     "ChatTimeoutError",
+    "CheckpointError",
     "LoopBlockedError",
     "SamplerBusyError",
     "SamplerClosedError",
@@ -211,3 +212,9 @@ class SamplerClosedError(AsyncSampleError, RuntimeError):
 class SamplerBusyError(AsyncSampleError, RuntimeError):
     """A call was made from the body of this sampler's own open ``stream()``, where it would
     wait forever: close the stream first, or call from a task the stream's body did not start."""
+
+
+class CheckpointError(AsyncSampleError, ValueError):
+    """A checkpoint cannot be taken now, or a :class:`~asyncsample.SamplerState` cannot be used:
+    a file that is corrupt, truncated or of another format, or a state of another sampler's
+    shape (the message names the path or the difference)."""

@@ -12,6 +12,7 @@ from asyncsample._core import AgentUpdateArg, EnvUpdateArg, SamplerCore
 from asyncsample.agent import Agent
 from asyncsample.backends import Backend
 from asyncsample.batch import EnvSpec, EpisodeBatch
+from asyncsample.checkpoint import ResumeReport, SamplerState
 from asyncsample.env_update import EnvSource
 from asyncsample.evaluation import Evaluation, TestEnvs
 from asyncsample.inference import Batched, Batcher, Host
@@ -69,6 +70,8 @@ class Sampler:
             env's ``close()``; see [Timeouts](faults.md#timeouts).
         metrics: a ``prometheus_client.CollectorRegistry``, or ``True`` for its default one,
             keeps the [metrics](metrics.md) (the ``metrics`` extra); ``None`` keeps none.
+        resume: a :class:`SamplerState` (from :meth:`checkpoint`) to continue from, as the
+            sampler starts; see [Checkpoint and resume](checkpoint.md).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class Sampler:
         episode_timeout: float | None = None,
         close_timeout: float = 10.0,
         metrics: Any = None,
+        resume: SamplerState | None = None,
     ) -> None:
         # Every argument by name: SamplerConfig's fields are this signature's (a test holds it).
         arguments = {name: value for name, value in locals().items() if name != "self"}
@@ -167,6 +171,11 @@ class Sampler:
     def metrics(self) -> SamplerMetrics | None:
         """The sampler's Prometheus metrics (``None`` unless ``metrics=`` was given)."""
         return self._core.metrics
+
+    @property
+    def resumed(self) -> ResumeReport | None:
+        """How the episodes in flight came back, once a sampler built with ``resume=`` started."""
+        return self._core.resumed
 
     @property
     def last_stats(self) -> SampleStats | None:
@@ -323,6 +332,22 @@ class Sampler:
             SamplerClosedError: the sampler was closed.
         """
         await self._core.update_agent(agent_update)
+
+    async def checkpoint(self) -> SamplerState:
+        """Read everything the sampler needs to continue, at one instant: a
+        :class:`SamplerState` for ``Sampler(..., resume=state)``.
+
+        Between calls it waits for the call in progress (and starts the sampler if needed);
+        during a :meth:`stream` (from its body) it holds the stream's rounds at the next
+        boundary and keeps the batches sampled but not yet yielded in the state. See
+        [Checkpoint and resume](checkpoint.md).
+
+        Raises:
+            CheckpointError: chunks run ahead (``inference="host"`` in a stream), or an env
+                host failed and is not rebuilt yet.
+            SamplerClosedError: the sampler was closed.
+        """
+        return await self._core.checkpoint()
 
     def stream(
         self,

@@ -38,6 +38,26 @@ class WorkerSeeds:
             child = self._envs[env] = _child(self._sequence, 1 + env)
         return _to_int(child.spawn(1)[0])
 
+    def drawn(self, env: int) -> int:
+        """How many seeds env ``env`` has drawn so far (its position in the seed tree)."""
+        child = self._envs.get(env)
+        return 0 if child is None else int(child.n_children_spawned)
+
+    def seed_at(self, env: int, k: int) -> int:
+        """The ``k``-th seed env ``env`` draws (from 0), without drawing it."""
+        base = _child(self._sequence, 1 + env)
+        return _to_int(_child(base, k))
+
+    def set_drawn(self, env: int, drawn: int) -> None:
+        """Put env ``env``'s sequence where it stands after ``drawn`` seeds (a resume)."""
+        base = _child(self._sequence, 1 + env)
+        self._envs[env] = np.random.SeedSequence(
+            base.entropy,
+            spawn_key=base.spawn_key,
+            pool_size=base.pool_size,
+            n_children_spawned=drawn,
+        )
+
     def next_env_seeds(self) -> list[int]:
         """The next seed of every env, in env order."""
         return [self.next_env_seed(i) for i in range(self._n_envs)]

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asyncsample import _validate
+from asyncsample import _resume, _validate
 from asyncsample._env_tasks import Admission
 from asyncsample._recorder import Resume
 from asyncsample.batch import EpisodeBatch
+from asyncsample.checkpoint import SamplerState, StreamState
 from asyncsample.stats import SampleStats
 
 if TYPE_CHECKING:
@@ -55,28 +56,40 @@ async def stream(
         )
 
         metrics = sampler.metrics
+        leave = Resume.FRAGMENTS if fragments else Resume.EPISODES
+        # The first round continues a previous obtain_fragments call's fragments, or the stream
+        # a resumed checkpoint was taken in (whose sampled rounds come first).
+        resume = Resume.NOTHING
+        if fragments and sampler.last_mode == "fragments":
+            resume = Resume.FRAGMENTS
+        ready = _resume.continue_stream(sampler, num_samples, fragments, fraction)
+        if ready is not None:
+            resume = leave
+        gate = _resume.RoundGate()
 
         async def produce() -> None:
-            # The first round continues a previous obtain_fragments call's fragments.
-            resume = Resume.NOTHING
-            if fragments and sampler.last_mode == "fragments":
-                resume = Resume.FRAGMENTS
-            leave = Resume.FRAGMENTS if fragments else Resume.EPISODES
+            nonlocal resume
             try:
                 while True:
-                    # ahead: inference="host" may start the next round's chunks (RunAhead).
-                    result = await sampler.sample_round(
-                        mode,
-                        num_samples,
-                        resume=resume,
-                        leave=leave,
-                        fraction=fraction,
-                        ahead=sampler.run_ahead,
-                    )
+                    await gate.enter()  # a checkpoint holds the rounds between two of them
+                    try:
+                        # ahead: inference="host" may start the next round's chunks (RunAhead).
+                        result = await sampler.sample_round(
+                            mode,
+                            num_samples,
+                            resume=resume,
+                            leave=leave,
+                            fraction=fraction,
+                            ahead=sampler.run_ahead,
+                        )
+                    finally:
+                        gate.left()
                     sampler.last_mode = mode
                     resume = leave
+                    gate.putting = result
                     waited = time.perf_counter()
                     await queue.put(result)  # a full queue: the rounds wait for the consumer
+                    gate.putting = None
                     if metrics is not None:
                         metrics.caller_idle(time.perf_counter() - waited)
             except asyncio.CancelledError:
@@ -88,6 +101,19 @@ async def stream(
         if sampler.lanes and max_policy_lag is not None and not fragments:
             # No episode starts while the versions in flight would spread by more than the lag.
             sampler.admission = Admission(max_policy_lag)
+        ready = ready or []
+
+        async def take() -> SamplerState:
+            await gate.pause()
+            try:
+                held = _resume.drain(queue, gate.putting)
+                pending = [*ready, *held]
+                taken = StreamState(num_samples, fragments, fraction, pending)
+                return await _resume.capture(sampler, taken)
+            finally:
+                gate.release()
+
+        sampler.stream_checkpoint = take
         producer = asyncio.ensure_future(produce())
         try:
             while True:
@@ -95,7 +121,7 @@ async def stream(
                 parts: list[EpisodeBatch] = []
                 stats: list[SampleStats] = []
                 while sum(p.n_transitions for p in parts) < num_samples:
-                    item = await queue.get()
+                    item = ready.pop(0) if ready else await queue.get()
                     if isinstance(item, BaseException):
                         raise item
                     batch, stat = item
@@ -123,6 +149,7 @@ async def stream(
                 yield out
         finally:
             sampler.streaming = False
+            sampler.stream_checkpoint = None
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
             sampler.mode.drop_ahead()  # chunks started for a round that will not come

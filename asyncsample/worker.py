@@ -165,6 +165,24 @@ class Worker:
         self.episodes.state = Continuity.IN_CALL
         return self.episodes.recovered()
 
+    async def rebuild_envs(
+        self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]
+    ) -> None:
+        """Build every env again from ``chains`` (a source, then its updates) with ``seeds``:
+        a resume's envs, as they were when the checkpoint was taken."""
+        assert self.host is not None
+        self._chains = [list(c) for c in chains]
+        self._home()
+        with self.naming_factories():
+            await self.host.build(self._chains, seeds)
+        self.episodes.needs_reset[:] = True
+        self.episodes.fresh[:] = True
+
+    def home(self) -> None:
+        """Bring the host's observations back to its step buffer before requests other than a
+        step (a resume's resets, attribute calls and replayed steps)."""
+        self._home()
+
     def env_chain(self, i: int) -> list[EnvSource]:
         """What env ``i`` is built from: its source, then the updates applied to it since."""
         return self._chains[i]
@@ -233,6 +251,7 @@ class Worker:
         with self.naming_factories():
             await self.host.update(updates, await self._seeds.next_env_seeds_off_loop())
         self.episodes.needs_reset[:] = True
+        self.episodes.fresh[:] = True
 
     async def start_episode(self) -> None:
         """Reset the envs with an episode in progress or a pending update (not those just

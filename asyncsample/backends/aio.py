@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import os
+import inspect
 import time
 import traceback
 import warnings
@@ -32,6 +31,7 @@ from asyncsample.backends._closing import (
     close_bounded,
 )
 from asyncsample.backends._remote import closed_error
+from asyncsample.backends._threaded import ThreadedEnv, default_threads
 from asyncsample.backends.base import (
     LOGGER,
     DeadlinePassed,
@@ -40,7 +40,9 @@ from asyncsample.backends.base import (
     reject_unknown_options,
 )
 from asyncsample.env_group import (
+    EPISODE_STEPS_ATTR,
     PENDING_SEED,
+    SNAPSHOT_ATTR,
     EnvFailureError,
     EnvGroup,
     StepBuffers,
@@ -72,79 +74,10 @@ __all__ = [
 ]
 
 
-def default_threads() -> int:
-    """The ``thread`` backend's pool size when ``max_concurrency`` is not given: 4 per core."""
-    return 4 * (os.cpu_count() or 1)
-
-
 def lane_parallel(backend: str, max_concurrency: int | None, envs: int) -> int:
     """How many of ``envs`` env steps a lane backend runs at once."""
     cap = max_concurrency or (default_threads() if backend == "thread" else envs)
     return min(envs, cap)
-
-
-class ThreadedEnv:
-    """A blocking gymnasium env behind coroutine ``reset``/``step``/``close``, its calls run in
-    ``executor`` one at a time (also after a cancelled one: a thread cannot be interrupted)."""
-
-    def __init__(
-        self,
-        env: gym.Env,
-        executor: concurrent.futures.Executor,
-        running: set[concurrent.futures.Future[Any]] | None = None,
-    ) -> None:
-        self.env = env
-        self.observation_space = env.observation_space
-        self.action_space = env.action_space
-        self._executor = executor
-        self._busy: concurrent.futures.Future[Any] | None = None
-        self._running = running if running is not None else set()  # the backend's calls
-
-    def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        future = self._executor.submit(fn, *args, **kwargs)
-        self._running.add(future)
-        future.add_done_callback(self._running.discard)
-        return future
-
-    @property
-    def unwrapped(self) -> Any:
-        """The blocking env's own ``unwrapped`` (``SetTaskUpdate`` reaches it this way)."""
-        return self.env.unwrapped
-
-    async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        busy = self._busy
-        if busy is not None and not busy.done():
-            await asyncio.wait([asyncio.wrap_future(busy)])
-        future = self._submit(fn, *args, **kwargs)
-        self._busy = future
-        return await asyncio.wrap_future(future)
-
-    async def reset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[Any, dict[str, Any]]:
-        """``env.reset`` in a pool thread."""
-        if options is None:
-            return await self._run(self.env.reset, seed=seed)  # type: ignore[no-any-return]
-        return await self._run(self.env.reset, seed=seed, options=options)  # type: ignore[no-any-return]
-
-    async def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
-        """``env.step`` in a pool thread."""
-        return await self._run(self.env.step, action)  # type: ignore[no-any-return]
-
-    async def close(self) -> None:
-        """``env.close`` in a pool thread; behind a call still running (a hung step) it is
-        queued, not awaited: waiting could hold the caller as long as the stuck call."""
-        busy = self._busy
-        if busy is not None and not busy.done():
-            env = self.env
-
-            def close_after(_: concurrent.futures.Future[Any]) -> None:
-                with contextlib.suppress(RuntimeError):  # the pool was shut down meanwhile
-                    self._submit(env.close)
-
-            busy.add_done_callback(close_after)
-            return
-        await self._run(self.env.close)
 
 
 class PerEnvLockstep:
@@ -565,6 +498,15 @@ class LaneHost(PerEnvLockstep):
     ) -> None:
         """Set attribute ``name`` of env ``envs[k]`` to ``values[k]``."""
         self._check_open("set_attr")
+        if name == EPISODE_STEPS_ATTR:
+            self.group.set_attr(name, values, set_attr_targets(name, values, self.n_envs, envs))
+            return
+        if name == SNAPSHOT_ATTR:  # the envs' set_state, awaited where it is a coroutine
+            for i, value in zip(set_attr_targets(name, values, self.n_envs, envs), values):
+                done = self.envs[i].get_wrapper_attr("set_state")(value)
+                if inspect.isawaitable(done):
+                    await done
+            return
         for i, value in zip(set_attr_targets(name, values, self.n_envs, envs), values):
             setattr(self.envs[i], name, value)
 
