@@ -26,7 +26,7 @@ from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import tree_map
 from asyncsample.backends._closing import cancelled_by_env
 from asyncsample.backends.base import ActingHost, BareStepHost, DeadlinePassed, PerEnvHost
-from asyncsample.errors import WorkerError
+from asyncsample.errors import StepTimeoutError, WorkerError
 from asyncsample.inference.batched import Batcher
 
 if TYPE_CHECKING:
@@ -411,7 +411,7 @@ class LaneStepper:
                                 carrying.discard(i)
                         if carry and i in detached:
                             return result
-                except DeadlinePassed:
+                except DeadlinePassed as cut:
                     if i in detached:
                         raise
                     in_flight.pop(i, None)
@@ -419,6 +419,8 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
                     length, ret = 0, 0.0
+                    if cut.running:  # its env is tied up until the call returns: abandoned
+                        await self._rebuild(i, self._abandoned(i), budgeted=False)
                     continue
                 except WorkerError as exc:
                     if not exc.retry or i in detached:
@@ -572,23 +574,30 @@ class LaneStepper:
         if self.admission is not None:
             self.admission.closed((self.worker.worker_number, i))
 
-    async def _rebuild(self, i: int, failure: WorkerError) -> None:
-        """Rebuild env ``i``; past the call's ``max_restarts`` for it, ``failure`` is raised."""
+    async def _rebuild(self, i: int, failure: WorkerError, budgeted: bool = True) -> None:
+        """Rebuild env ``i``; past the call's ``max_restarts`` for it, ``failure`` is raised.
+
+        ``budgeted=False``: this rebuild is not the env's fault (an env abandoned at its
+        episode's deadline) and does not count against ``max_restarts``; a failed build does.
+        """
         worker = self.worker
         w = worker.worker_number
         while True:
-            if self.env_restarts[i] >= self.settings.max_restarts:
-                failure.retry = False  # the call fails: no worker-wide rebuild either
-                raise failure
-            self.env_restarts[i] += 1
+            if budgeted:
+                if self.env_restarts[i] >= self.settings.max_restarts:
+                    failure.retry = False  # the call fails: no worker-wide rebuild either
+                    raise failure
+                self.env_restarts[i] += 1
             worker.restarts += 1
             self.settings.restarted(w, failure)
             logger.warning(
-                "worker %d: rebuilding env %d (restart %d of at most %d in this call) after %s: %s",
+                "worker %d: rebuilding env %d (%s) after %s: %s",
                 w,
                 i,
-                self.env_restarts[i],
-                self.settings.max_restarts,
+                f"restart {self.env_restarts[i]} of at most {self.settings.max_restarts} in "
+                "this call"
+                if budgeted
+                else "not counted against max_restarts",
                 type(failure).__name__,
                 str(failure).split("\n", 1)[0],
             )
@@ -598,7 +607,18 @@ class LaneStepper:
             except WorkerError as exc:
                 if not exc.retry:
                     raise
-                failure = exc
+                failure, budgeted = exc, True
+
+    def _abandoned(self, i: int) -> StepTimeoutError:
+        """The fault of env ``i`` whose call its episode's deadline cut but could not stop."""
+        w = self.worker.worker_number
+        return StepTimeoutError(
+            f"a call of the env still ran at its episode's deadline (episode_timeout="
+            f"{self.episode_timeout:g}s) and its thread cannot be stopped: the env is abandoned "
+            "(closed once the call returns) and rebuilt",
+            worker=w,
+            env=i,
+        )
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""

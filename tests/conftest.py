@@ -148,8 +148,6 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     ),
     # A loop-free round through step_async/step_wait: [step] stays (the same round).
     "test_vector_env.py::test_quiet_lockstep_steps_run_no_event_loop": ({"call": ("step_async",)},),
-    # A hung reset cut by episode_timeout on the thread lane: [asyncio] stays (the same rule).
-    "test_lane_faults.py::test_episode_timeout_cuts_a_hung_reset": ({"lane": ("thread",)},),
 }
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 import re
 import threading
 import time
 import warnings
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -28,7 +31,7 @@ from async_envs import (
     FaultyEnv,
     faulty,
 )
-from helpers import SamplerFactory
+from helpers import SamplerFactory, touch, wait_until
 
 from asyncsample import EpisodeBatch, NewEnvUpdate, Sampler, StepType, WorkerError
 
@@ -272,42 +275,105 @@ async def test_close_timeout_is_checked(value: Any) -> None:
 # -- episode_timeout covers the reset; fraction_samples; env updates -------------------------------
 
 
-class HangingResetAsyncEnv(CountingAsyncEnv):
-    """Its first reset hangs (cancellably); later ones do not."""
+#: How long the hung reset below hangs unless the test releases it: far past its deadline.
+HANG = 8.0
+DEADLINE = 0.5
 
-    def __init__(self) -> None:
+
+def _claim_the_hang(where: Path) -> bool:
+    """Whether this reset is the one that hangs: the first to claim it, of every env the
+    sampler builds in any process (the files in ``where`` are seen by the env hosts too)."""
+    try:
+        os.close(os.open(where / "hung", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+class HungResetEnv(CountingEnv):
+    """Blocking: the first reset of all hangs ``HANG`` seconds, or until ``where/release``
+    exists; then it writes ``where/finished``. The env whose reset hung writes
+    ``where/hung-closed`` when closed."""
+
+    def __init__(self, where: str) -> None:
         super().__init__(5)
-        self.resets = 0
+        self.where = Path(where)
+        self.hung = False
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        if _claim_the_hang(self.where):
+            self.hung = True
+            end = time.monotonic() + HANG
+            while not (self.where / "release").exists() and time.monotonic() < end:
+                time.sleep(0.01)
+            (self.where / "finished").touch()
+        return super().reset(seed=seed, options=options)
+
+    def close(self) -> None:
+        if self.hung:
+            (self.where / "hung-closed").touch()
+        super().close()
+
+
+class HungResetAsyncEnv(CountingAsyncEnv):
+    """The async twin of :class:`HungResetEnv`: its hung reset writes ``where/cancelled`` when
+    cancelled."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(5)
+        self.where = Path(where)
 
     async def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
-        self.resets += 1
-        if self.resets == 1:
-            await asyncio.Event().wait()
+        if _claim_the_hang(self.where):
+            end = time.monotonic() + HANG
+            try:
+                while not (self.where / "release").exists() and time.monotonic() < end:
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                (self.where / "cancelled").touch()
+                raise
+            (self.where / "finished").touch()
         return await super().reset(seed=seed, options=options)
 
 
-class HangingResetEnv(CountingEnv):
-    """Blocking: its first reset blocks 1 s."""
-
-    def __init__(self) -> None:
-        super().__init__(5)
-        self.resets = 0
-
-    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
-        self.resets += 1
-        if self.resets == 1:
-            time.sleep(1.0)
-        return super().reset(seed=seed, options=options)
+@pytest.fixture(params=["asyncio", "thread", "process", "ray"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every backend that steps envs one at a time (async envs in the process and Ray hosts)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return str(request.param)
 
 
-async def test_episode_timeout_cuts_a_hung_reset(make_sampler: SamplerFactory, lane: str) -> None:
-    cls = HangingResetAsyncEnv if lane == "asyncio" else HangingResetEnv
-    sampler = make_sampler(lane, cls, n_workers=1, envs_per_worker=2, episode_timeout=0.3, seed=0)
-    start = time.perf_counter()
-    batch = await sampler.obtain_samples(20)
-    assert time.perf_counter() - start < 5.0  # before: the hung reset held the call forever
-    assert batch.n_transitions >= 20
+async def test_episode_timeout_cuts_a_hung_reset(
+    make_sampler: SamplerFactory, backend: str, tmp_path: Path
+) -> None:
+    """A reset that hangs 8 s, an episode_timeout of 0.5 s: the deadline cuts the reset and the
+    call goes on without it. Before, on "thread", the next reset of that env waited for the hung
+    one (an 8 s hang held obtain_samples for 8 s; 16 s for two hung resets in a row); now the
+    env, whose thread cannot be stopped, is abandoned and rebuilt at the deadline."""
+    cls = HungResetEnv if backend == "thread" else HungResetAsyncEnv
+    sampler = make_sampler(
+        backend,
+        functools.partial(cls, str(tmp_path)),
+        n_workers=1,
+        envs_per_worker=1,  # the call needs the hung env's steps
+        n_processes=1,
+        episode_timeout=DEADLINE,
+        seed=0,
+    )
+    batch = await sampler.obtain_samples(50)
+    assert (tmp_path / "hung").exists()  # a reset did hang
+    assert not (tmp_path / "finished").exists()  # the call did not wait for it
+    assert batch.n_transitions >= 50
     _check_whole(batch)
+    if backend == "thread":  # abandoned (to be closed once its call returns) and rebuilt
+        assert sampler.restarts >= 1
+    else:  # cancelled at its deadline; the env goes on
+        assert (tmp_path / "cancelled").exists()
+        assert sampler.restarts == 0
+    touch(tmp_path / "release")
+    if backend == "thread":  # the thread finishes the reset, then the old env is closed
+        await wait_until((tmp_path / "hung-closed").exists, "the abandoned env's close")
 
 
 @pytest.mark.both_loops

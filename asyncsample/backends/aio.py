@@ -106,6 +106,13 @@ class ThreadedEnv:
         return future
 
     @property
+    def running(self) -> bool:
+        """Whether a call of the env still runs in its thread (also after its awaiting was
+        cancelled: a thread cannot be interrupted)."""
+        busy = self._busy
+        return busy is not None and not busy.done()
+
+    @property
     def unwrapped(self) -> Any:
         """The blocking env's own ``unwrapped`` (``SetTaskUpdate`` reaches it this way)."""
         return self.env.unwrapped
@@ -501,8 +508,9 @@ class LaneHost(PerEnvLockstep):
                 if limiter is not None:
                     limiter.release()
         except TimeoutError:
-            if by_deadline:
-                raise DeadlinePassed from None
+            if by_deadline:  # a call in a thread may still run: its env is tied up
+                env = self.envs[i]
+                raise DeadlinePassed(isinstance(env, ThreadedEnv) and env.running) from None
             raise StepTimeoutError(
                 f"env {i} of worker {self.spec.worker}: {what} took longer than "
                 f"step_timeout={timeout:g}s",
