@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 import re
 import threading
 import time
@@ -31,6 +30,7 @@ from async_envs import (
     FaultyEnv,
     faulty,
 )
+from envs import first_to_claim
 from helpers import SamplerFactory, touch, wait_until
 
 from asyncsample import EpisodeBatch, NewEnvUpdate, Sampler, StepType, WorkerError
@@ -280,16 +280,6 @@ HANG = 8.0
 DEADLINE = 0.5
 
 
-def _claim_the_hang(where: Path) -> bool:
-    """Whether this reset is the one that hangs: the first to claim it, of every env the
-    sampler builds in any process (the files in ``where`` are seen by the env hosts too)."""
-    try:
-        os.close(os.open(where / "hung", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
-
-
 class HungResetEnv(CountingEnv):
     """Blocking: the first reset of all hangs ``HANG`` seconds, or until ``where/release``
     exists; then it writes ``where/finished``. The env whose reset hung writes
@@ -301,7 +291,7 @@ class HungResetEnv(CountingEnv):
         self.hung = False
 
     def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
-        if _claim_the_hang(self.where):
+        if first_to_claim(str(self.where / "hung")):  # one reset of all, in any process
             self.hung = True
             end = time.monotonic() + HANG
             while not (self.where / "release").exists() and time.monotonic() < end:
@@ -324,7 +314,7 @@ class HungResetAsyncEnv(CountingAsyncEnv):
         self.where = Path(where)
 
     async def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
-        if _claim_the_hang(self.where):
+        if first_to_claim(str(self.where / "hung")):  # one reset of all, in any process
             end = time.monotonic() + HANG
             try:
                 while not (self.where / "release").exists() and time.monotonic() < end:
