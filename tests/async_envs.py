@@ -337,6 +337,7 @@ class FaultyAsyncEnv(CountingAsyncEnv):
         super().__init__(length)
         self.kind, self.at, self.budget = kind, at, budget or Budget(None)
         self.resets = 0
+        self.misbehaved = False  # whether it did
 
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -347,6 +348,7 @@ class FaultyAsyncEnv(CountingAsyncEnv):
     async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         kind = self.kind
         if kind and self.logic.steps_taken + 1 == self.at and self.budget.take():
+            self.misbehaved = True
             if kind == "raise":
                 raise RuntimeError("FaultyAsyncEnv raised")
             if kind == "cancel":
@@ -373,6 +375,7 @@ class FaultyEnv(CountingEnv):
         super().__init__(length)
         self.kind, self.at, self.budget, self.hang = kind, at, budget or Budget(None), hang
         self.resets = 0
+        self.misbehaved = False  # whether it did
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -383,6 +386,7 @@ class FaultyEnv(CountingEnv):
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         kind = self.kind
         if kind and self.logic.steps_taken + 1 == self.at and self.budget.take():
+            self.misbehaved = True
             if kind == "raise":
                 raise RuntimeError("FaultyEnv raised")
             if kind == "cancel":

@@ -14,7 +14,6 @@ import functools
 import re
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -88,7 +87,7 @@ def _lane_sampler(
     return make_sampler(backend, factory, **options)
 
 
-def _check_isolated(
+async def _check_isolated(
     factory: EnvFactory,
     batches: list[EpisodeBatch],
     mode: str,
@@ -101,8 +100,9 @@ def _check_isolated(
     rebuilds = len(factory.made) - 1 - N_ENVS  # beside the probe and the worker's envs
     assert rebuilds == 1 or (optional and rebuilds == 0)
     worker_envs = factory.made[1 : 1 + N_ENVS]
-    # (a blocking env stuck in its thread is closed once its call returns: ``closes_later``)
-    assert worker_envs[SLOT].closed == bool(rebuilds) or closes_later
+    if closes_later and rebuilds:  # a blocking env stuck in its thread: closed once it returns
+        await wait_until(lambda: worker_envs[SLOT].closed, "the stuck env's close")
+    assert worker_envs[SLOT].closed == bool(rebuilds)
     healthy = [e for i, e in enumerate(worker_envs) if i != SLOT]
     assert not any(e.closed for e in healthy)
     assert all(e.resets >= 1 for e in healthy)
@@ -132,7 +132,7 @@ async def test_one_failing_env_of_fifty_costs_only_its_own_episode(
     factory = faulty(lane, "raise", SLOT, N_ENVS, times=1)
     sampler = _lane_sampler(make_sampler, lane, factory)
     batches = await _call(sampler, mode)
-    _check_isolated(factory, batches, mode)
+    await _check_isolated(factory, batches, mode)
     if mode != "stream":
         assert sampler.last_stats is not None and sampler.last_stats.restarts == 1
 
@@ -148,7 +148,7 @@ async def test_every_kind_of_fault_is_the_envs_own(
         sampler = _lane_sampler(make_sampler, lane, factory, step_timeout=0.3)
         batches = await _call(sampler, mode)
         # obtain_samples may have its share before the hung step's step_timeout.
-        _check_isolated(
+        await _check_isolated(
             factory,
             batches,
             mode,
@@ -205,43 +205,79 @@ async def test_an_env_whose_own_request_is_cancelled_loses_no_data(
 # -- closes are bounded ---------------------------------------------------------------------------
 
 
-class HangingCloseAsyncEnv(FaultyAsyncEnv):
-    """Hangs on its 3rd step (once per budget) and in ``close()``, like a dead remote session."""
+class _HungClose:
+    """What a hung ``close()`` did: ``started``, ``ended`` (it returned), ``given_up`` (it was
+    cancelled); it hangs until ``release`` is set (by the test, once it checked)."""
 
-    closes_started = 0
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+        self.started = self.ended = self.given_up = False
+
+
+class HangingCloseAsyncEnv(FaultyAsyncEnv):
+    """Hangs on its 3rd step (once per budget), and in ``close()`` until released, like a dead
+    remote session."""
+
+    def __init__(self, kind: str | None, budget: Budget | None, release: threading.Event) -> None:
+        super().__init__(kind, 3, 10, budget)
+        self.hung_close = _HungClose(release)
 
     async def close(self) -> None:
-        HangingCloseAsyncEnv.closes_started += 1
-        await asyncio.Event().wait()
+        close = self.hung_close
+        close.started = True
+        try:
+            while not close.release.is_set():
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            close.given_up = True
+            raise
+        close.ended = True
 
 
 class HangingCloseEnv(FaultyEnv):
-    """Blocking: hangs 3 s on its 3rd step, and 3 s in ``close()``."""
+    """Blocking: hangs 3 s on its 3rd step, and in ``close()`` until released (60 s at most)."""
+
+    def __init__(self, kind: str | None, budget: Budget | None, release: threading.Event) -> None:
+        super().__init__(kind, 3, 10, budget, hang=3.0)
+        self.hung_close = _HungClose(release)
 
     def close(self) -> None:
-        time.sleep(3.0)
+        self.hung_close.started = True
+        self.hung_close.release.wait(60.0)
+        self.hung_close.ended = True
         super().close()
+
+
+def _hanging_closes(lane: str, kind: str | None, budget: Budget | None) -> EnvFactory:
+    """Envs of ``lane`` whose ``close()`` hangs until the factory's ``release`` is set."""
+    release = threading.Event()
+    cls: Any = HangingCloseAsyncEnv if lane == "asyncio" else HangingCloseEnv
+    factory = EnvFactory(lambda j: cls(kind, budget, release))
+    factory.release = release  # type: ignore[attr-defined]
+    return factory
 
 
 @pytest.mark.slow  # seconds of deliberate hanging; the slow pass runs it
 async def test_a_hung_step_and_a_hung_close_do_not_hold_the_call(
     make_sampler: SamplerFactory, lane: str
 ) -> None:
-    budget = Budget(1)
-    if lane == "asyncio":
-        factory = EnvFactory(lambda j: HangingCloseAsyncEnv("hang", 3, 10, budget))
-    else:
-        factory = EnvFactory(lambda j: HangingCloseEnv("hang", 3, 10, budget, hang=3.0))
+    """The env rebuilt after its hung step is closed in the background: the call returns while
+    that close still hangs, neither finished nor given up at close_timeout (before: the restart
+    awaited the close forever)."""
+    factory = _hanging_closes(lane, "hang", Budget(1))
     sampler = make_sampler(
-        lane, factory, n_workers=1, envs_per_worker=2, step_timeout=0.3, close_timeout=1.0, seed=0
+        lane, factory, n_workers=1, envs_per_worker=2, step_timeout=0.3, close_timeout=60.0, seed=0
     )
-    start = time.perf_counter()
-    batch = await sampler.obtain_samples(40)
-    assert time.perf_counter() - start < 2.5  # before: the restart awaited the close forever
-    assert batch.n_transitions >= 40
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        await asyncio.wait_for(sampler.aclose(), 5.0)  # the closes are bounded (1 s)
+    batch = await sampler.obtain_exact_episodes(6)  # three of each env: the hung one's too
+    assert batch.n_transitions >= 6 * 10
+    replaced = [e.hung_close for e in factory.made[1:3] if e.misbehaved]
+    assert sampler.restarts == 1 and len(replaced) == 1
+    close = replaced[0]
+    if lane == "asyncio":
+        assert close.started  # on "thread" it waits for the hung step's thread first
+    assert not close.ended and not close.given_up
+    factory.release.set()  # type: ignore[attr-defined]
+    await wait_until(lambda: close.ended, "the replaced env's close, once released")
 
 
 @pytest.mark.slow  # seconds of deliberate hanging; the slow pass runs it
@@ -250,17 +286,15 @@ async def test_aclose_is_bounded_by_close_timeout_and_leaves_no_task(
 ) -> None:
     """Every env's close() hangs: aclose() returns after close_timeout, warns, and no task of
     the sampler's is alive after it (before: aclose() never returned; 8 tasks stayed)."""
-    if lane == "asyncio":
-        factory = EnvFactory(lambda j: HangingCloseAsyncEnv(None))
-    else:
-        factory = EnvFactory(lambda j: HangingCloseEnv(None))
+    factory = _hanging_closes(lane, None, None)
     before = asyncio.all_tasks()
     sampler = make_sampler(lane, factory, n_workers=2, envs_per_worker=4, close_timeout=0.5, seed=0)
     await sampler.obtain_samples(40)
-    start = time.perf_counter()
     with pytest.warns(ResourceWarning, match="close_timeout=0.5s"):
         await sampler.aclose()
-    assert time.perf_counter() - start < 4.0  # bounded by close_timeout, with some slack
+    closes = [e.hung_close for e in factory.made[1:]]
+    assert all(c.started and not c.ended for c in closes)  # returned while every close hung
+    factory.release.set()  # type: ignore[attr-defined]
     await asyncio.sleep(0)
     left = asyncio.all_tasks() - before - {asyncio.current_task()}
     assert not left, left
