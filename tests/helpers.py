@@ -255,6 +255,15 @@ def run_python(code: str, *, timeout: float = 120) -> subprocess.CompletedProces
     )
 
 
+def patient_direct_reads(monkeypatch: Any, seconds: float = WAIT_TIMEOUT) -> None:
+    """Let a face's loop-free step wait ``seconds`` (not 50 ms, ``_DIRECT_WAIT``) for its hosts'
+    replies before it hands the round to the loop: on a loaded machine a quiet step's reply can
+    take longer, and a test of which steps run the loop must not depend on that."""
+    from asyncsample.vector import _lockstep
+
+    monkeypatch.setattr(_lockstep, "_DIRECT_WAIT", seconds)
+
+
 def count_loop_runs(face: Any, monkeypatch: Any) -> list[int]:
     """A one-item list counting the runs of a vector-env face's portal loop from now on (every
     portal call, start and wait runs ``run_forever``): the loop-free lockstep steps run none."""

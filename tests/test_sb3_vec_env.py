@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
-from helpers import count_loop_runs, new_shm_entries, shm_entries, wait_gone
+from helpers import count_loop_runs, new_shm_entries, patient_direct_reads, shm_entries, wait_gone
 from helpers import host_processes as our_processes
 
 pytest.importorskip("stable_baselines3")
@@ -251,6 +251,7 @@ def test_quiet_step_async_step_wait_run_no_event_loop(
     try:
         assert_obs_equal(ours.reset(), theirs.reset())
         runs = count_loop_runs(ours, monkeypatch)
+        patient_direct_reads(monkeypatch)  # counted by loop runs, not by a 50 ms wait
         for t in range(20):
             actions = np.full(4, t % 2, np.int64)
             ours.step_async(actions)

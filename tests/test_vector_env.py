@@ -27,11 +27,17 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoA
 from gymnasium.spaces import Box, Dict, Discrete, Tuple
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
-from helpers import count_loop_runs, new_shm_entries, shm_entries, wait_gone
+from helpers import (
+    count_loop_runs,
+    new_shm_entries,
+    patient_direct_reads,
+    shm_entries,
+    wait_gone,
+)
 from helpers import host_processes as our_processes
 
 from asyncsample import StepTimeoutError, WorkerCrashedError
-from asyncsample.vector import SubEnvError, VectorEnv
+from asyncsample.vector import SubEnvError, VectorEnv, _lockstep
 
 # The env-host processes cannot import this module by name: ship its envs by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -1024,11 +1030,16 @@ def test_quiet_lockstep_steps_run_no_event_loop(
     try:
         assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
         runs = count_loop_runs(ours, monkeypatch)
+        direct_wait = _lockstep._DIRECT_WAIT
         actions = np.array([1, 1, 1])
         quiet_steps = 0
         for t in range(12):
             # The sync env's sub-envs mirror ours: which of ours is slow at this step.
             slow = any(e.count + 1 == e.at for e in sync.envs)
+            if slow:  # its host answers after 0.12 s, past the 50 ms the step waits directly
+                monkeypatch.setattr(_lockstep, "_DIRECT_WAIT", direct_wait)
+            else:  # a quiet step waits for its replies however loaded the machine is
+                patient_direct_reads(monkeypatch)
             before = runs[0]
             if call == "step":
                 got = ours.step(actions)
@@ -1450,6 +1461,7 @@ def test_quiet_lockstep_step_sends_bare_requests(monkeypatch: pytest.MonkeyPatch
     try:
         assert data_equivalence(ours.reset(seed=3), ref.reset(seed=3))
         monkeypatch.setattr(_remote.Incarnation, "new_call", counting)
+        patient_direct_reads(monkeypatch)  # a reply late on a loaded machine changes nothing
         for t in range(60):  # episodes end on the way: final observations in the infos
             actions = np.array([t % 2, 1, 0, (t // 3) % 2])
             assert data_equivalence(ours.step(actions), ref.step(actions))
