@@ -16,7 +16,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
-from async_envs import CountingAsyncEnv, FaultyAsyncEnv, faulty, random_length
+from async_envs import CountingAsyncEnv, FaultyAsyncEnv, RandomLengthAsyncEnv, faulty, random_length
+from helpers import touch, wait_until
 
 from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
 from asyncsample.backends._lane_serve import shares
@@ -138,10 +139,37 @@ async def test_past_max_restarts_the_call_names_the_env(make_sampler: Any, backe
     assert sampler.restarts == 2 * 4  # each env spent its own budget of 2
 
 
-async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any, backend: str) -> None:
+class SignallingEnv(RandomLengthAsyncEnv):
+    """Episodes of 5-15 steps of 2 ms; once ``where/armed`` exists, its next step creates
+    ``where/stepping``: a sign, seen from any process, that a call (the one after the arming) is
+    stepping envs."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(5, 15, 0.002)
+        self.armed, self.stepping = os.path.join(where, "armed"), os.path.join(where, "stepping")
+
+    async def step(self, action: Any) -> Any:
+        if os.path.exists(self.armed) and not os.path.exists(self.stepping):
+            touch(self.stepping)
+        return await super().step(action)
+
+
+async def _mid_call(tmp_path: Any, call: Any) -> asyncio.Future[Any]:
+    """Start ``call`` (a coroutine) and return its task once it steps envs (by its steps'
+    sign, not a guess of how long it takes to start)."""
+    touch(tmp_path / "armed")
+    task = asyncio.ensure_future(call)
+    await wait_until((tmp_path / "stepping").exists, "a step of the call")
+    assert not task.done()  # a call of hundreds of steps of 2 ms: mid-call
+    return task
+
+
+async def test_a_killed_host_loses_only_its_envs_episodes(
+    make_sampler: Any, backend: str, tmp_path: Any
+) -> None:
     sampler = make_sampler(
         backend,
-        random_length(5, 15, 0.002),
+        functools.partial(SignallingEnv, str(tmp_path)),
         n_workers=2,
         envs_per_worker=8,
         n_processes=2,
@@ -149,8 +177,7 @@ async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any, bac
     )
     await sampler.obtain_samples(50)
     hosts = sampler._core.backend
-    call = asyncio.ensure_future(sampler.obtain_exact_episodes(80))
-    await asyncio.sleep(0.05)
+    call = await _mid_call(tmp_path, sampler.obtain_exact_episodes(80))
     if backend == "process":
         victim = hosts.pids[0]  # type: ignore[union-attr]
         os.kill(victim, signal.SIGKILL)
@@ -368,11 +395,13 @@ async def test_inference_host_agent_error_fails_the_call(make_sampler: Any) -> N
     assert batch.n_transitions >= 20
 
 
-async def test_inference_host_agent_reinstalled_in_a_restarted_host(make_sampler: Any) -> None:
+async def test_inference_host_agent_reinstalled_in_a_restarted_host(
+    make_sampler: Any, tmp_path: Any
+) -> None:
     """A killed host's envs are rebuilt in its successor, and so is the agent copy, mid-call."""
     sampler = make_sampler(
         "process",
-        random_length(5, 15, 0.002),
+        functools.partial(SignallingEnv, str(tmp_path)),
         PidAgent(),
         n_workers=2,
         envs_per_worker=8,
@@ -382,8 +411,7 @@ async def test_inference_host_agent_reinstalled_in_a_restarted_host(make_sampler
     )
     await sampler.obtain_samples(50)
     hosts = sampler._core.backend
-    call = asyncio.ensure_future(sampler.obtain_exact_episodes(40))
-    await asyncio.sleep(0.05)
+    call = await _mid_call(tmp_path, sampler.obtain_exact_episodes(40))
     before = set(hosts.pids)  # type: ignore[union-attr]
     victim = hosts.pids[0]  # type: ignore[union-attr]
     os.kill(victim, signal.SIGKILL)

@@ -1140,7 +1140,7 @@ def test_killed_host_during_step_async_is_restarted(no_leaks: None) -> None:
         env.step_async(np.zeros(2, np.int64))
         env.step_wait()
         env.step_async(np.zeros(2, np.int64))
-        time.sleep(0.2)  # the caller's own work: the host dies meanwhile
+        assert not wait_gone([old[1]])  # the caller's own work: the host dies meanwhile
         _, rew, _, trunc, info = env.step_wait()
         assert trunc.tolist() == [False, True] and rew.tolist() == [1.0, 0.0]
         assert "SIGKILL" in info["restarted"][1]
