@@ -138,7 +138,7 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     # Faults of async envs in process hosts under uvloop: [uvloop-cancel] (the env's own
     # CancelledError, where the loops differ most) and every [asyncio-*] stay.
     "test_hosted_async_envs.py::test_a_fault_is_the_envs_own": (
-        {"loop": ("uvloop",), "kind": ("raise", "hang", "reward")},
+        {"loop": ("uvloop",), "kind": ("raise", "hang", "reward", "info")},
     ),
     # The step arena's fallbacks with a batched agent: [per_worker] stays for both envs, and
     # test_held_batches_are_never_overwritten[batched] and test_batched_agent_reads_the_arena

@@ -16,7 +16,14 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
-from async_envs import CountingAsyncEnv, FaultyAsyncEnv, RandomLengthAsyncEnv, faulty, random_length
+from async_envs import (
+    CountingAsyncEnv,
+    FaultyAsyncEnv,
+    RandomLengthAsyncEnv,
+    faulty,
+    random_length,
+)
+from envs import first_to_claim
 from helpers import touch, wait_until
 
 from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
@@ -99,7 +106,7 @@ async def test_envs_live_in_the_hosts(make_sampler: Any, backend: str) -> None:
 
 
 @pytest.mark.both_loops
-@pytest.mark.parametrize("kind", ["raise", "cancel", "hang", "reward"])
+@pytest.mark.parametrize("kind", ["raise", "cancel", "hang", "reward", "info"])
 async def test_a_fault_is_the_envs_own(make_sampler: Any, backend: str, kind: str) -> None:
     """Env 17 of the one worker's 50 misbehaves once; only its episode is lost, it alone is
     rebuilt, and every other env's episodes come out whole."""
@@ -196,6 +203,58 @@ async def test_a_killed_host_loses_only_its_envs_episodes(
             episode.observations[:, 0], np.arange(len(episode.step_types))
         )
         assert episode.step_types[-1] == StepType.TERMINAL
+
+
+class HungCloseAsyncEnv(CountingAsyncEnv):
+    """The first of these envs (in any process) to reach its 3rd step raises there; in an env
+    host its ``close()`` hangs (cancellably) and leaves files in ``where``: ``started-*`` as it
+    begins, ``given-up-*`` when cancelled, ``ended-*`` if it ever returns (the probe env, in
+    the caller, closes at once)."""
+
+    def __init__(self, where: str, caller: int) -> None:
+        super().__init__(10)
+        self.where, self.caller = where, caller
+
+    async def step(self, action: Any) -> Any:
+        if self.logic.steps_taken == 2 and first_to_claim(os.path.join(self.where, "fault")):
+            raise RuntimeError("HungCloseAsyncEnv raised")
+        return await super().step(action)
+
+    async def close(self) -> None:
+        if os.getpid() == self.caller:
+            return await super().close()
+        name = f"{os.getpid()}-{id(self)}"
+        touch(os.path.join(self.where, f"started-{name}"))
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            touch(os.path.join(self.where, f"given-up-{name}"))
+            raise
+        touch(os.path.join(self.where, f"ended-{name}"))
+
+
+async def test_a_hung_close_is_bounded_by_close_timeout(
+    make_sampler: Any, backend: str, tmp_path: Any
+) -> None:
+    """Async envs in the hosts: the env rebuilt after its fault is closed in the background
+    while the call goes on, and its hung close is given up at close_timeout; aclose() returns
+    with every close still hung, and leaves no host (make_sampler's check) or actor behind."""
+    sampler = make_sampler(
+        backend,
+        functools.partial(HungCloseAsyncEnv, str(tmp_path), os.getpid()),
+        n_workers=1,
+        envs_per_worker=4,
+        n_processes=1,
+        close_timeout=0.5,
+        seed=0,
+    )
+    batch = await sampler.obtain_exact_episodes(12)
+    assert sampler.restarts == 1 and len(batch.lengths) == 12
+    await wait_until(lambda: len(list(tmp_path.glob("given-up-*"))) == 1, "a close given up")
+    assert len(list(tmp_path.glob("started-*"))) == 1  # the replaced env's, no other yet
+    await sampler.aclose()
+    assert len(list(tmp_path.glob("started-*"))) == 1 + 4  # every env's close was asked for
+    assert not list(tmp_path.glob("ended-*"))  # and none of them returned
 
 
 async def test_max_concurrency_is_split_over_the_hosts(make_sampler: Any, backend: str) -> None:

@@ -218,13 +218,14 @@ async def test_hung_step_found_in_step_timeout(make_sampler: SamplerFactory) -> 
         await stuck.obtain_samples(10)
 
 
-@pytest.mark.parametrize("lane", ["asyncio", "thread"])
+@pytest.mark.parametrize("lane", ["asyncio", "thread", "process"])
 async def test_episode_timeout_cuts_stragglers(make_sampler: SamplerFactory, lane: str) -> None:
     """Episodes of 20 steps of 20 ms run 0.4 s; a deadline of 0.1 s cuts them as TIMEOUT (on
-    "thread" the env whose step still runs at the deadline is abandoned and rebuilt)."""
+    "thread" the env whose step still runs at the deadline is abandoned and rebuilt; on
+    "process", async envs in the host, the step in flight is cancelled there)."""
     sampler = make_sampler(
         lane,
-        (counting if lane == "asyncio" else blocking_counting)(20, latency=0.02),
+        (blocking_counting if lane == "thread" else counting)(20, latency=0.02),
         n_workers=1,
         envs_per_worker=4,
         episode_timeout=0.1,

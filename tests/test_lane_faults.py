@@ -477,11 +477,14 @@ class BadStepEnv(CountingEnv):
 
 
 @pytest.mark.parametrize("field", ["reward", "info"])
-@pytest.mark.parametrize("backend", ["local", "thread"])
+@pytest.mark.parametrize("backend", ["local", "thread", "process", "ray"])
 async def test_a_malformed_step_names_worker_env_field_and_type(
-    make_sampler: SamplerFactory, backend: str, field: str
+    request: pytest.FixtureRequest, make_sampler: SamplerFactory, backend: str, field: str
 ) -> None:
-    """Before: a bare ValueError (reward) or AttributeError from the batch assembly (info)."""
+    """Before: a bare ValueError (reward) or AttributeError from the batch assembly (info).
+    Blocking envs on every backend (Ray's variants are slow)."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
     sampler = make_sampler(backend, lambda: BadStepEnv(field), n_workers=2, max_restarts=0, seed=0)
     # "local" raises the caller's mistake as itself (no host boundary to cross), others wrap it
     with pytest.raises((WorkerError, TypeError)) as info:
