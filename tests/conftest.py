@@ -146,6 +146,11 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     "test_zero_copy.py::test_step_arena_small_or_none_gives_the_same_batches": (
         {"inference": ("batched",)},
     ),
+    # A malformed sub-env step: every kind in-process, a reward and an observation on hosts and
+    # mixed stay (the same check of the same answer, wherever the sub-env runs).
+    "test_vector_env.py::test_a_malformed_sub_env_step_names_the_sub_env": (
+        {"placed": ("hosts", "mixed"), "what": ("info", "short")},
+    ),
     # A loop-free round through step_async/step_wait: [step] stays (the same round).
     "test_vector_env.py::test_quiet_lockstep_steps_run_no_event_loop": ({"call": ("step_async",)},),
 }
