@@ -401,11 +401,13 @@ class FaultyEnv(CountingEnv):
 def faulty(
     backend: str, kind: str, slot: int, n_envs: int, times: int | None = 1, length: int = 10
 ) -> EnvFactory:
-    """Envs for ``backend`` (``"asyncio"``: async, else blocking) where only the env of worker
+    """Envs for ``backend`` (``"thread"``: blocking, else async) where only the env of worker
     slot ``slot`` (of ``n_envs``, one worker) and its rebuilds misbehave, ``times`` times in
-    all. The factory builds the probe first (index 0), then the worker's envs in order."""
+    all. The factory builds the probe first (index 0), then the worker's envs in order (in an
+    env host, which builds no probe and each rebuild from a fresh copy of the factory: the env
+    of slot ``slot + 1`` misbehaves once per host, its rebuilds do not)."""
     budget = Budget(times)
-    cls: Any = FaultyAsyncEnv if backend == "asyncio" else FaultyEnv
+    cls: Any = FaultyEnv if backend == "thread" else FaultyAsyncEnv
 
     def build(j: int) -> Any:
         bad = j == 1 + slot or j > n_envs  # the slot's env, and every env built after

@@ -93,7 +93,15 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     # alone is rebuilt in every call mode, test_past_max_restarts_the_call_names_the_worker_and_env
     # (raise, cancel, reward) and test_a_malformed_step_names_worker_env_field_and_type (info)
     # that each kind is caught, test_episode_timeout_cuts_a_hung_reset that a hung call is cut.
-    "test_lane_faults.py::test_every_kind_of_fault_is_the_envs_own": ({"lane": ("thread",)},),
+    # On "process" (async envs in a host) every kind stays checked by
+    # test_hosted_async_envs.py::test_a_fault_is_the_envs_own[asyncio-process-*].
+    "test_lane_faults.py::test_every_kind_of_fault_is_the_envs_own": (
+        {"lane": ("thread", "process")},
+    ),
+    # On "process" under uvloop: its [asyncio-process-*] variants stay.
+    "test_lane_faults.py::test_one_failing_env_of_fifty_costs_only_its_own_episode": (
+        {"loop": ("uvloop",), "lane": ("process",)},
+    ),
     # The cap with n_processes derived from it and given: [2-None] and [3-3] stay.
     "test_vector_env.py::test_max_concurrency_caps_the_sub_envs_stepping_at_once": (
         {"limit": (1,), "n_processes": (None,)},

@@ -291,7 +291,7 @@ async def test_many_env_seeds_are_drawn_off_the_loop() -> None:
         nonlocal ticks
         while True:
             ticks += 1
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)  # (a loop of sleep(0) fights the thread for the GIL)
 
     ticker = asyncio.create_task(tick())
     seeds = await threaded.next_env_seeds_off_loop()

@@ -1,9 +1,10 @@
-"""Faults of envs stepped one at a time (``asyncio``, ``thread``): one env's failure is that env's
-alone, and nothing hangs (issue 32).
+"""Faults of envs stepped one at a time (``asyncio``, ``thread``, async envs in ``process``
+hosts): one env's failure is that env's alone, and nothing hangs (issue 32).
 
-The backends under test are listed in :data:`LANE_BACKENDS`; the tests are written against the
-public API and the test envs of ``tests/async_envs.py`` only, so the ``process`` backend joins by
-adding it there once it hosts async envs. Every test runs under both event loops.
+The backends under test are listed in :data:`LANE_BACKENDS`. A test that looks at the env objects
+themselves, or counts on the order in which the caller builds them, runs where they live in this
+process (:data:`IN_CALLER`); ``tests/test_hosted_async_envs.py`` checks those faults in the hosts.
+Every test runs under both event loops.
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from asyncsample import EpisodeBatch, NewEnvUpdate, Sampler, StepType, WorkerErr
 # The uvloop variants run in the slow pass (tests/conftest.py), but for the one marked both_loops.
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
-#: The backends that step envs one at a time (``process`` with async envs joins here).
-LANE_BACKENDS = ("asyncio", "thread")
+#: The backends that step envs one at a time (``process``: async envs in its hosts).
+LANE_BACKENDS = ("asyncio", "thread", "process")
+#: Those whose envs live in this process, for the tests that look at them.
+IN_CALLER = ("asyncio", "thread")
 MODES = ("samples", "episodes", "fragments", "stream")
 N_ENVS, SLOT = 50, 17  # one worker of 50 envs; the env in slot 17 misbehaves
 
@@ -88,6 +91,7 @@ def _lane_sampler(
 
 
 async def _check_isolated(
+    sampler: Sampler,
     factory: EnvFactory,
     batches: list[EpisodeBatch],
     mode: str,
@@ -96,7 +100,16 @@ async def _check_isolated(
 ) -> None:
     """Only the misbehaving env was rebuilt (once; ``optional``: or not at all, when the call
     could end without it); no healthy env was closed or lost an episode: every step it took is
-    in the batch, but for the one episode a complete-episode call leaves running at its end."""
+    in the batch, but for the one episode a complete-episode call leaves running at its end.
+    On ``process`` the envs live in the host: seen through the batches and the restarts."""
+    for b in batches:
+        _check_whole(b, fragments=mode == "fragments")
+    env_index = np.concatenate([b.episode_infos["env"] for b in batches])
+    if mode == "episodes":
+        assert np.bincount(env_index, minlength=N_ENVS).tolist() == [2] * N_ENVS
+    if sampler.backend_name == "process":
+        assert sampler.restarts == 1 or (optional and sampler.restarts == 0)
+        return
     rebuilds = len(factory.made) - 1 - N_ENVS  # beside the probe and the worker's envs
     assert rebuilds == 1 or (optional and rebuilds == 0)
     worker_envs = factory.made[1 : 1 + N_ENVS]
@@ -106,10 +119,7 @@ async def _check_isolated(
     healthy = [e for i, e in enumerate(worker_envs) if i != SLOT]
     assert not any(e.closed for e in healthy)
     assert all(e.resets >= 1 for e in healthy)
-    env_index = np.concatenate([b.episode_infos["env"] for b in batches])
     lengths = np.concatenate([b.lengths for b in batches])
-    for b in batches:
-        _check_whole(b, fragments=mode == "fragments")
     for i, env in enumerate(worker_envs):
         if i == SLOT:
             continue
@@ -120,8 +130,6 @@ async def _check_isolated(
         else:  # the episode running at the end is dropped by design: at most 9 steps, and
             # on "thread" a step cut in flight that its thread still finished
             assert 0 <= taken - returned <= 10, (i, taken, returned)
-    if mode == "episodes":
-        assert np.bincount(env_index, minlength=N_ENVS).tolist() == [2] * N_ENVS
 
 
 @pytest.mark.both_loops
@@ -132,7 +140,7 @@ async def test_one_failing_env_of_fifty_costs_only_its_own_episode(
     factory = faulty(lane, "raise", SLOT, N_ENVS, times=1)
     sampler = _lane_sampler(make_sampler, lane, factory)
     batches = await _call(sampler, mode)
-    await _check_isolated(factory, batches, mode)
+    await _check_isolated(sampler, factory, batches, mode)
     if mode != "stream":
         assert sampler.last_stats is not None and sampler.last_stats.restarts == 1
 
@@ -149,6 +157,7 @@ async def test_every_kind_of_fault_is_the_envs_own(
         batches = await _call(sampler, mode)
         # obtain_samples may have its share before the hung step's step_timeout.
         await _check_isolated(
+            sampler,
             factory,
             batches,
             mode,
@@ -158,6 +167,7 @@ async def test_every_kind_of_fault_is_the_envs_own(
         await sampler.aclose()
 
 
+@pytest.mark.parametrize("lane", IN_CALLER)  # the build order; in the hosts: test_hosted_async_envs
 @pytest.mark.parametrize("kind", ["raise", "cancel", "reward"])
 async def test_past_max_restarts_the_call_names_the_worker_and_env(
     make_sampler: SamplerFactory, lane: str, kind: str
@@ -176,6 +186,7 @@ async def test_past_max_restarts_the_call_names_the_worker_and_env(
         assert "reward must be a real number, got list" in str(err)
 
 
+@pytest.mark.parametrize("lane", IN_CALLER)  # the build order; in the hosts: test_hosted_async_envs
 async def test_an_env_whose_own_request_is_cancelled_loses_no_data(
     make_sampler: SamplerFactory, lane: str
 ) -> None:
@@ -258,6 +269,7 @@ def _hanging_closes(lane: str, kind: str | None, budget: Budget | None) -> EnvFa
 
 
 @pytest.mark.slow  # seconds of deliberate hanging; the slow pass runs it
+@pytest.mark.parametrize("lane", IN_CALLER)  # the envs' own flags; in the hosts: the hosted tests
 async def test_a_hung_step_and_a_hung_close_do_not_hold_the_call(
     make_sampler: SamplerFactory, lane: str
 ) -> None:
@@ -281,6 +293,7 @@ async def test_a_hung_step_and_a_hung_close_do_not_hold_the_call(
 
 
 @pytest.mark.slow  # seconds of deliberate hanging; the slow pass runs it
+@pytest.mark.parametrize("lane", IN_CALLER)  # the envs' own flags; in the hosts: the hosted tests
 async def test_aclose_is_bounded_by_close_timeout_and_leaves_no_task(
     make_sampler: SamplerFactory, lane: str
 ) -> None:
@@ -406,7 +419,7 @@ async def test_fraction_samples_of_fragments_stays_near_the_quota(
     make_sampler: SamplerFactory, lane: str, fraction: float
 ) -> None:
     """Before: every worker took the whole quota (800 transitions from 4 workers for 200)."""
-    factory = EnvFactory(lambda j: CountingAsyncEnv(7) if lane == "asyncio" else CountingEnv(7))
+    factory = EnvFactory(lambda j: CountingEnv(7) if lane == "thread" else CountingAsyncEnv(7))
     sampler = make_sampler(lane, factory, n_workers=4, envs_per_worker=3, seed=0)
     for _ in range(2):
         batch = await sampler.obtain_fragments(200, fraction_samples=fraction)
@@ -426,6 +439,7 @@ def _slow_worker_0(lane: str) -> EnvFactory:
 
 
 @pytest.mark.both_loops
+@pytest.mark.parametrize("lane", IN_CALLER)  # which env is slow: the caller's build order
 @pytest.mark.parametrize("mode", ["fragments", "samples"])
 async def test_a_fast_worker_does_not_fill_in_for_minimums_still_owed(
     make_sampler: SamplerFactory, lane: str, mode: str
