@@ -16,9 +16,14 @@ from asyncsample.async_env import (
     is_async_env,
 )
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
+from asyncsample.columns import RaggedArray
 from asyncsample.env_update import EnvChoice, EnvSource, EnvUpdate, NewEnvUpdate, SetTaskUpdate
 from asyncsample.errors import (
+    AgentRowsError,
     AsyncSampleError,
+    ChatRequestError,
+    ChatTimeoutError,
+    LoopBlockedError,
     SamplerBusyError,
     SamplerClosedError,
     StepTimeoutError,
@@ -49,6 +54,7 @@ __all__ = [
     "Agent",
     "AgentOutput",
     "AgentParams",
+    "AgentRowsError",
     "AgentUpdate",
     "AgentUpdateArg",
     "AsyncEnv",
@@ -57,6 +63,8 @@ __all__ = [
     "AsyncTimeLimit",
     "AsyncWrapper",
     "Batched",
+    "ChatRequestError",
+    "ChatTimeoutError",
     "EnvChoice",
     "EnvSource",
     "EnvSpec",
@@ -66,7 +74,9 @@ __all__ = [
     "Evaluation",
     "FragmentWorker",
     "Host",
+    "LoopBlockedError",
     "NewEnvUpdate",
+    "RaggedArray",
     "RandomAgent",
     "SampleStats",
     "Sampler",

@@ -10,8 +10,17 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample.columns import RaggedArray, column_rows, is_variable_space
 
-__all__ = ["AgentOutputCheck", "check_actions", "make_action_check"]
+__all__ = [
+    "AgentOutputCheck",
+    "action_rows",
+    "check_actions",
+    "info_rows",
+    "make_action_check",
+    "object_cell",
+    "row_value",
+]
 
 # Returns the indices of the envs whose action is outside the space (empty when all fit).
 Check = Callable[[Any], np.ndarray]
@@ -81,11 +90,10 @@ def check_actions(
     per env (or per row ``rows`` describes: a callable is called only for the message), the
     space's shape, and the values with ``values``
     (``None`` for trusted agents); a ``ValueError`` names the worker (and the env)."""
+    actions = action_rows(actions, action_space)
     if isinstance(expected, np.ndarray):
-        actions = np.asarray(actions)
         pairs = [] if actions.shape == expected.shape else [(actions, expected)]
     else:
-        actions = tree_map(np.asarray, actions)
         pairs = list(zip(tree_leaves(actions), tree_leaves(expected)))
     for got, want in pairs:
         if got.shape != want.shape:
@@ -115,6 +123,78 @@ def check_actions(
                 f"space {action_space} for env {i}: {tree_map(lambda a: a[i], actions)!r}.{hint}"
             )
     return actions
+
+
+def _object_rows(rows: Any) -> np.ndarray:
+    out = np.empty(len(rows), dtype=object)
+    for k, row in enumerate(rows):
+        out[k] = row
+    return out
+
+
+def action_rows(actions: Tree, space: gym.Space[Any]) -> Tree:
+    """Stacked ``actions`` of ``space`` as arrays (:func:`numpy.asarray` leaf by leaf); a
+    ``Text`` or ``Sequence`` leaf as a 1-D ``object`` array of one row per env, whatever form
+    the agent gave it in (a list, an array of strings, a
+    :class:`~asyncsample.columns.RaggedArray`). A tree that does not fit ``space`` is left to
+    the shape checks."""
+    if isinstance(space, gym.spaces.Dict) and isinstance(actions, dict):
+        if set(actions) == set(space.spaces):
+            return {k: action_rows(actions[k], space.spaces[k]) for k in actions}
+    elif isinstance(space, gym.spaces.Tuple) and isinstance(actions, tuple):
+        if len(actions) == len(space.spaces):
+            return tuple(action_rows(a, s) for a, s in zip(actions, space.spaces))
+    elif is_variable_space(space):
+        return _as_rows(actions)
+    return tree_map(np.asarray, actions)
+
+
+def _as_rows(actions: Any) -> np.ndarray:
+    if isinstance(actions, RaggedArray):
+        return column_rows(actions)
+    if isinstance(actions, np.ndarray) and actions.dtype == object and actions.ndim == 1:
+        return actions
+    scalar = isinstance(actions, np.ndarray) and actions.ndim == 0
+    if scalar or not isinstance(actions, (list, tuple, np.ndarray)):
+        return np.asarray(actions, dtype=object)  # a scalar: refused by the shape check
+    if isinstance(actions, np.ndarray) and actions.dtype.kind in "TU":
+        return _object_rows(actions.tolist())
+    return _object_rows(list(actions))
+
+
+def object_cell(value: Any) -> np.ndarray:
+    """A 0-d ``object`` array holding ``value``: one env's row of an ``object`` column (a
+    string, a ragged row) that keeps saying it is one object, not an array of numbers."""
+    cell = np.empty((), dtype=object)
+    cell[()] = value
+    return cell
+
+
+def row_value(column: np.ndarray, j: int) -> Any:
+    """Row ``j`` of an info column, an ``object`` column's as an :func:`object_cell`."""
+    return object_cell(column[j]) if column.dtype == object else column[j]
+
+
+def info_rows(value: Any) -> np.ndarray:
+    """An agent info value as an array of one row per env: text (a list of ``str``, an array of
+    strings) and ragged rows (a list of arrays of different lengths, a
+    :class:`~asyncsample.columns.RaggedArray`) as a 1-D ``object`` array of rows, recorded as
+    columns (:func:`asyncsample.columns.infer_column`).
+
+    Raises:
+        ValueError: nested lists that are neither rectangular nor rows of arrays.
+    """
+    if isinstance(value, RaggedArray):
+        return column_rows(value)
+    if isinstance(value, np.ndarray):
+        return _object_rows(value.tolist()) if value.dtype.kind in "TU" else value
+    rows = isinstance(value, (list, tuple)) and value
+    if rows and isinstance(value[0], (list, tuple, np.ndarray)):
+        return _object_rows([np.asarray(v) for v in value])  # rows: ragged, whatever lengths
+    array = np.asarray(value)
+    if array.dtype.kind == "U" and array.ndim == 1:
+        return _object_rows(array.tolist())
+    return array
 
 
 def _union(bad: list[np.ndarray]) -> np.ndarray:
@@ -162,7 +242,7 @@ class AgentOutputCheck:
                     f"{key!r}; agent info keys must be str"
                 )
             try:
-                array = np.asarray(value)
+                array = info_rows(value)
             except ValueError as exc:  # ragged nested lists
                 raise ValueError(
                     f"agent_infos[{key!r}]: the agent of worker {self.worker} returned a value "

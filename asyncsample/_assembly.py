@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample._leaves import leaf_spaces, to_columns
+from asyncsample._tree import Tree, stack_rows, tree_leaves, tree_map
 from asyncsample.batch import (
     MISSING,
     EnvSpec,
@@ -28,6 +29,7 @@ from asyncsample.batch import (
     stack_column,
     stack_infos,
 )
+from asyncsample.columns import infer_column
 
 __all__ = ["ASSEMBLE_IN_THREAD_BYTES", "BatchMemory", "Plan", "assemble", "assemble_off_loop"]
 
@@ -180,8 +182,9 @@ def assemble(
             return empty
         return _gather(live, records, records[0][0])
 
-    observations = field_of("obs", "like_obs", memory)
-    actions = field_of("actions", "like_actions")
+    obs_leaves = leaf_spaces(env_spec.observation_space)
+    observations = to_columns(field_of("obs", "like_obs", memory), obs_leaves)
+    actions = to_columns(field_of("actions", "like_actions"), leaf_spaces(env_spec.action_space))
     rewards = column("rewards", np.zeros(0))
     versions = column("versions", np.zeros(len(rewards), dtype=np.int64))
     step_types = np.concatenate([p.step_types for p in plans])
@@ -194,18 +197,19 @@ def assemble(
         episode_infos = stack_infos(pieces_info)
     else:
         episode_infos = {k: np.zeros(0, np.int64) for k in ("worker", "env", "agent_version")}
-    env_infos = _env_infos(live, is_last, ends, episode_infos)
-    agent_infos = _agent_infos(live, is_last, ends, episode_infos)
+    env_infos = info_columns(_env_infos(live, is_last, ends, episode_infos))
+    agent_infos = info_columns(_agent_infos(live, is_last, ends, episode_infos))
     pieces_last = [o for p in plans for o in p.last_observations]
     if pieces_last:
-        last_observations = tree_map(lambda *xs: np.stack(xs), *pieces_last)
+        last_observations = tree_map(lambda *xs: stack_rows(xs), *pieces_last)
     else:
         last_observations = tree_map(
             lambda x: np.zeros((0, *x.shape[1:]), x.dtype), plans[0].like_obs
         )
+    last_observations = to_columns(last_observations, obs_leaves)
     return EpisodeBatch(
         env_spec=env_spec,
-        episode_infos=episode_infos,
+        episode_infos=info_columns(episode_infos),
         observations=observations,
         last_observations=last_observations,
         actions=actions,
@@ -216,6 +220,14 @@ def assemble(
         lengths=lengths,
         agent_versions=versions,
     )
+
+
+def info_columns(infos: dict[str, Any]) -> dict[str, Any]:
+    """Info arrays of strings as text columns, of arrays of varying length as ragged ones
+    (:func:`asyncsample.columns.infer_column`), nested dicts key by key."""
+    return {
+        k: info_columns(v) if isinstance(v, dict) else infer_column(v) for k, v in infos.items()
+    }
 
 
 def _episode_level(key: str, episode_infos: dict[str, Any]) -> bool:
@@ -295,6 +307,10 @@ def _agent_infos(
     return out
 
 
+#: What a row of a ``Text`` or ``Sequence`` leaf counts for in :data:`ASSEMBLE_IN_THREAD_BYTES`
+#: (its columns are made from Python objects, under the GIL, wherever they are made).
+_OBJECT_ROW_BYTES = 64
+
 #: Batches larger than this are put together in a thread: numpy releases the GIL while it
 #: copies, so the event loop keeps running (a 28 MB image batch takes ~10 ms to copy).
 ASSEMBLE_IN_THREAD_BYTES = 1 << 20
@@ -305,7 +321,8 @@ async def assemble_off_loop(
 ) -> EpisodeBatch:
     """:func:`assemble`, off the event loop's thread when the batch is large."""
     size = sum(len(p.rows) for p in plans) * sum(
-        leaf[0].nbytes for leaf in tree_leaves(plans[0].like_obs)
+        _OBJECT_ROW_BYTES if leaf.dtype == object else leaf[0].nbytes
+        for leaf in tree_leaves(plans[0].like_obs)
     )
     if size < ASSEMBLE_IN_THREAD_BYTES:
         return assemble(env_spec, plans, memory)

@@ -15,6 +15,7 @@ import gymnasium
 import numpy as np
 
 from asyncsample._tree import Tree
+from asyncsample.columns import RaggedArray, is_variable_space
 
 __all__ = [
     "check_batched",
@@ -119,6 +120,13 @@ def check_batched(tree: Tree, field: str, size: int, what: str) -> None:
     """Every leaf of ``tree`` must be an ndarray with leading dimension ``size``."""
     for path, leaf in _leaves_with_paths(tree):
         name = f"{field}{path}"
+        if isinstance(leaf, RaggedArray):  # a column of rows of varying length
+            if len(leaf) != size:
+                raise ValueError(
+                    f"{name} has batch size {len(leaf)}, but must have batch size {size} to "
+                    f"match {what}"
+                )
+            continue
         _check_ndarray(name, leaf)
         if leaf.ndim == 0:
             raise ValueError(
@@ -136,6 +144,8 @@ def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> s
     space's shape or its flat dimension), or ``None`` if it fits."""
     is_dict = isinstance(space, gymnasium.spaces.Dict)
     is_tuple = isinstance(space, gymnasium.spaces.Tuple)
+    if is_variable_space(space) or isinstance(tree, RaggedArray):
+        return _column_mismatch(tree, space, path)
     if isinstance(tree, np.ndarray):
         shape = tuple(tree.shape[1:])
         expected = space.shape
@@ -178,6 +188,32 @@ def space_mismatch(tree: Tree, space: gymnasium.Space[Any], path: str = "") -> s
     return None
 
 
+def _column_mismatch(tree: Any, space: gymnasium.Space[Any], path: str) -> str | None:
+    """How a column fails a ``Text`` space (a 1-D array of strings) or a ``Sequence`` space (a
+    :class:`~asyncsample.columns.RaggedArray` of the feature's item shape), or ``None``."""
+    if isinstance(space, gymnasium.spaces.Text):
+        if isinstance(tree, np.ndarray) and tree.ndim == 1 and tree.dtype.kind in "TUO":
+            return None
+        return (
+            f"{path} is {_describe_array(tree)}, but must be a 1-D array of strings (a text "
+            f"column) to match the space {space}"
+        )
+    if isinstance(space, gymnasium.spaces.Sequence):
+        feature = tuple(space.feature_space.shape or ())
+        if isinstance(tree, RaggedArray) and tree.item_shape == feature:
+            return None
+        got = (
+            f"a RaggedArray of items of shape {tree.item_shape}"
+            if isinstance(tree, RaggedArray)
+            else _describe_array(tree)
+        )
+        return (
+            f"{path} is {got}, but must be a RaggedArray of items of shape {feature} to match "
+            f"the space {space}"
+        )
+    return f"{path} is a RaggedArray, which does not fit the space {space}"
+
+
 def check_infos(infos: Any, name: str, size: int, what: str) -> None:
     """An info dict holds arrays (or nested dicts of them) with leading dimension ``size``."""
     if not isinstance(infos, Mapping):
@@ -185,10 +221,16 @@ def check_infos(infos: Any, name: str, size: int, what: str) -> None:
     for key, value in infos.items():
         if isinstance(value, Mapping):
             check_infos(value, f"{name}[{key!r}]", size, what)
+        elif isinstance(value, RaggedArray):
+            if len(value) != size:
+                raise ValueError(
+                    f"Entry {key!r} in {name} has batch size {len(value)}, but must have batch "
+                    f"size {size} to match {what}"
+                )
         elif not isinstance(value, np.ndarray):
             raise ValueError(
                 f"Entry {key!r} in {name} is of type {type(value).__name__}, but must be a "
-                "numpy.ndarray or a dict"
+                "numpy.ndarray, a RaggedArray or a dict"
             )
         elif value.ndim == 0 or value.shape[0] != size:
             got = value.shape[0] if value.ndim else "() (a scalar)"

@@ -34,6 +34,7 @@ class SamplerConfig:
     inference: str | Batched | Host
     host_threads: int | None
     max_concurrency: int | None
+    max_sequence_length: int | None
     episode_timeout: float | None
     close_timeout: float
     metrics: Any

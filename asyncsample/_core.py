@@ -104,6 +104,9 @@ class SamplerCore:
             "max_concurrency", config.max_concurrency
         )
         self.episode_timeout = _validate.positive_seconds("episode_timeout", config.episode_timeout)
+        self.max_sequence_length = _validate.optional_positive_int(
+            "max_sequence_length", config.max_sequence_length
+        )
         self.close_timeout = _validate.seconds("close_timeout", config.close_timeout)
         self._probe_closing: Any = None  # the probe env's close, if late (_probe.Closing)
         self._spec: EnvSpec | None = None  # from the probe env (see env_spec)
@@ -284,6 +287,7 @@ class SamplerCore:
             envs_per_worker=self.envs_per_worker,
             chunk_steps=chunk_steps,
             shared=self.traits.shared_memory,
+            max_sequence_length=self.max_sequence_length,
         )
 
     async def start_unlocked(self) -> None:
@@ -319,6 +323,7 @@ class SamplerCore:
                     chunk_steps=self.mode.chunk_steps(self._chunk_capacity),
                     timed=self.metrics is not None,
                     lanes=self.hosted_lanes,
+                    columns=True,
                 )
                 for w in range(self.n_workers)
             ]

@@ -24,7 +24,7 @@ from asyncsample._recorder import (
     store_agent_info_block,
     store_agent_infos,
 )
-from asyncsample._tree import Tree, tree_map
+from asyncsample._tree import Tree, row_copy, tree_map
 from asyncsample.batch import StepType
 
 __all__ = [
@@ -414,7 +414,7 @@ class Episodes:
             for i in range(self.n_envs):
                 stop = int(stops[i])
                 if self.active[i] and stop > recorder.piece_start[i]:
-                    current = tree_map(lambda x, i=i: x[i].copy(), current_obs)
+                    current = tree_map(lambda x, i=i: row_copy(x, i), current_obs)
                     recorder.close_piece(i, stop, None, current, self.episode_info[i])
                     recorder.piece_position[i] = self.lengths[i]
         return recorder.collect(current_obs, like_actions)
@@ -468,7 +468,7 @@ class Episodes:
         now = time.perf_counter() if starts is not None else 0.0
         for i in envs.tolist():
             end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
-            last = tree_map(lambda x, i=i: x[i].copy(), final_obs)
+            last = tree_map(lambda x, i=i: row_copy(x, i), final_obs)
             info = infos[i]
             ends[0 if terminated[i] else 2 if info.get("deadline") else 1] += 1
             if starts is not None:

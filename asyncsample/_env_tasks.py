@@ -23,7 +23,7 @@ import numpy as np
 
 from asyncsample._engine import CallMode, Part, QuotaView, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
-from asyncsample._tree import tree_map
+from asyncsample._tree import row_copy, tree_map
 from asyncsample.backends._closing import cancelled_by_env
 from asyncsample.backends.base import ActingHost, BareStepHost, DeadlinePassed, PerEnvHost
 from asyncsample.errors import StepTimeoutError, WorkerError
@@ -46,7 +46,7 @@ _UNTIL_ROUND, _UNTIL_NEED, _UNTIL_LEFT, _UNTIL_RULE = range(4)
 
 def _row_copy(i: int, leaf: np.ndarray) -> np.ndarray:
     """Row ``i`` of a buffer's leaf, copied."""
-    row: np.ndarray = leaf[i].copy()
+    row: np.ndarray = row_copy(leaf, i)
     return row
 
 
@@ -384,6 +384,7 @@ class LaneStepper:
                                 worker.agent,  # type: ignore[arg-type]
                                 w,
                                 observation,
+                                i,  # a row the agent failed (AgentRowsError): i's fault
                             )
                             self._put_action(rows, t, i, action, infos, flat)
                             step = (
@@ -420,7 +421,7 @@ class LaneStepper:
                     self._cut(i)
                     length, ret = 0, 0.0
                     if cut.running:  # its env is tied up until the call returns: abandoned
-                        await self._rebuild(i, self._abandoned(i), budgeted=False)
+                        await self._rebuild(i, self._abandoned(i))
                     continue
                 except WorkerError as exc:
                     if not exc.retry or i in detached:
@@ -574,51 +575,56 @@ class LaneStepper:
         if self.admission is not None:
             self.admission.closed((self.worker.worker_number, i))
 
-    async def _rebuild(self, i: int, failure: WorkerError, budgeted: bool = True) -> None:
-        """Rebuild env ``i``; past the call's ``max_restarts`` for it, ``failure`` is raised.
-
-        ``budgeted=False``: this rebuild is not the env's fault (an env abandoned at its
-        episode's deadline) and does not count against ``max_restarts``; a failed build does.
-        """
+    async def _rebuild(self, i: int, failure: WorkerError) -> None:
+        """Rebuild env ``i``; past the call's ``max_restarts`` for it, ``failure`` is raised."""
         worker = self.worker
         w = worker.worker_number
         while True:
-            if budgeted:
-                if self.env_restarts[i] >= self.settings.max_restarts:
-                    failure.retry = False  # the call fails: no worker-wide rebuild either
-                    raise failure
+            if not failure.charged:  # not its fault (another env's, or a deadline): no budget
+                logger.info(
+                    "worker %d: rebuilding env %d (not counted against max_restarts) after %s",
+                    w,
+                    i,
+                    str(failure).split("\n", 1)[0],
+                )
+            elif self.env_restarts[i] >= self.settings.max_restarts:
+                failure.retry = False  # the call fails: no worker-wide rebuild either
+                raise failure
+            else:
                 self.env_restarts[i] += 1
-            worker.restarts += 1
-            self.settings.restarted(w, failure)
-            logger.warning(
-                "worker %d: rebuilding env %d (%s) after %s: %s",
-                w,
-                i,
-                f"restart {self.env_restarts[i]} of at most {self.settings.max_restarts} in "
-                "this call"
-                if budgeted
-                else "not counted against max_restarts",
-                type(failure).__name__,
-                str(failure).split("\n", 1)[0],
-            )
+                worker.restarts += 1
+                self.settings.restarted(w, failure)
+                logger.warning(
+                    "worker %d: rebuilding env %d (restart %d of at most %d in this call) after "
+                    "%s: %s",
+                    w,
+                    i,
+                    self.env_restarts[i],
+                    self.settings.max_restarts,
+                    type(failure).__name__,
+                    str(failure).split("\n", 1)[0],
+                )
             try:
                 await self.host.rebuild_one(i, worker.env_chain(i), worker.next_env_seed(i))
                 return
             except WorkerError as exc:
                 if not exc.retry:
                     raise
-                failure, budgeted = exc, True
+                failure = exc
 
     def _abandoned(self, i: int) -> StepTimeoutError:
-        """The fault of env ``i`` whose call its episode's deadline cut but could not stop."""
+        """Why env ``i`` is rebuilt when its episode's deadline cut a call it could not stop:
+        not charged against ``max_restarts`` (the deadline's doing, not a fault)."""
         w = self.worker.worker_number
-        return StepTimeoutError(
+        abandoned = StepTimeoutError(
             f"a call of the env still ran at its episode's deadline (episode_timeout="
             f"{self.episode_timeout:g}s) and its thread cannot be stopped: the env is abandoned "
             "(closed once the call returns) and rebuilt",
             worker=w,
             env=i,
         )
+        abandoned.charged = False
+        return abandoned
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample.columns import RaggedArray, concat_leaves
+
 __all__ = [
     "MISSING",
     "as_info_arrays",
@@ -139,12 +141,22 @@ def _object_rows(rows: Sequence[Any] | np.ndarray) -> np.ndarray:
     return out
 
 
-def _concat_arrays(arrays: list[np.ndarray]) -> np.ndarray:
-    """Concatenate along the leading axis, falling back to object rows for mismatched shapes."""
+def _concat_arrays(arrays: list[Any]) -> Any:
+    """Concatenate along the leading axis, falling back to object rows for mismatched shapes;
+    ragged columns (:class:`~asyncsample.columns.RaggedArray`) join as one."""
+    if any(isinstance(a, RaggedArray) for a in arrays):
+        return concat_leaves(arrays)
     try:
         return np.concatenate(arrays, axis=0)
     except ValueError:
         return np.concatenate([_object_rows(a) for a in arrays], axis=0)
+
+
+def _absent_rows(like: Any, n: int) -> Any:
+    """``n`` rows of the fill value of a column like ``like`` (a ragged one: empty rows)."""
+    if isinstance(like, RaggedArray):
+        return RaggedArray(like.values[:0], np.zeros(n + 1, dtype=np.int64))
+    return filled((n, *like.shape[1:]), like.dtype)
 
 
 def concat_infos(
@@ -180,7 +192,7 @@ def concat_infos(
             like = present[0]
             out[key] = _concat_arrays(
                 [
-                    filled((n, *like.shape[1:]), like.dtype) if p is MISSING else p
+                    _absent_rows(like, n) if p is MISSING else p
                     for p, n in zip(parts, sizes, strict=True)
                 ]
             )

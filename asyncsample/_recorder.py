@@ -299,7 +299,11 @@ def store_agent_infos(
     where: Any = t if env is None else (t, env)
     for key, value in agent_infos.items():
         per_env = value.shape if env is not None else value.shape[1:]
-        _column(rows, key, value, per_env)[where] = value
+        column = _column(rows, key, value, per_env)
+        if env is not None and value.dtype == object and not value.ndim:
+            column[where] = value[()]  # one object (a string, a ragged row): itself
+        else:
+            column[where] = value
     _mark_present(rows, where, agent_infos)
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from asyncsample.columns import RaggedArray, concat_leaves
 
 Tree = Any  # np.ndarray | dict[str, Tree] | tuple[Tree, ...]
 
@@ -20,6 +22,27 @@ def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
     return fn(tree, *rest)
 
 
+def row_copy(leaf: Any, i: Any) -> Any:
+    """Row ``i`` of a buffer's ``leaf``, copied; a ``str`` (a text leaf's row) is immutable and
+    is itself."""
+    row = leaf[i]
+    return row.copy() if hasattr(row, "copy") and not isinstance(row, str) else row
+
+
+def stack_rows(rows: Sequence[Any]) -> np.ndarray:
+    """Rows of one leaf stacked along a new leading axis; rows of a ``Text`` or ``Sequence``
+    leaf (``str``, or arrays of different lengths) as a 1-D ``object`` array of them."""
+    first = rows[0]
+    if isinstance(first, str) or (
+        isinstance(first, np.ndarray) and any(np.shape(r) != first.shape for r in rows)
+    ):
+        out = np.empty(len(rows), dtype=object)
+        for k, row in enumerate(rows):
+            out[k] = row
+        return out
+    return np.stack(rows)
+
+
 def tree_leaves(tree: Tree) -> list[Any]:
     """The leaves of ``tree`` in a fixed order."""
     if isinstance(tree, Mapping):
@@ -31,7 +54,7 @@ def tree_leaves(tree: Tree) -> list[Any]:
 
 def tree_concat(trees: list[Tree]) -> Tree:
     """Concatenate same-shaped trees along the leading axis."""
-    return tree_map(lambda *xs: np.concatenate(xs, axis=0), *trees)
+    return tree_map(lambda *xs: concat_leaves(xs), *trees)
 
 
 def tree_index(tree: Tree, index: Any) -> Tree:
@@ -48,6 +71,8 @@ def tree_equal(a: Any, b: Any) -> bool:
         return list(a) == list(b) and all(tree_equal(a[k], b[k]) for k in a)
     if isinstance(a, tuple):
         return len(a) == len(b) and all(tree_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, RaggedArray) or isinstance(b, RaggedArray):
+        return isinstance(a, RaggedArray) and a.equals(b)
     if isinstance(a, np.ndarray):
         if a.shape != b.shape or a.dtype != b.dtype:
             return False

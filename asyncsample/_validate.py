@@ -14,6 +14,7 @@ import gymnasium as gym
 import numpy as np
 import psutil
 
+from asyncsample.columns import is_variable_space
 from asyncsample.env_update import EnvId, EnvSource, is_env_source
 
 __all__ = [
@@ -325,7 +326,9 @@ def check_picklable(name: str, obj: object) -> None:
         ) from exc
 
 
-#: The leaf spaces the sampler records (as numpy arrays), nested in any ``Dict`` or ``Tuple``.
+#: The fixed-size leaf spaces the sampler records (as numpy arrays), nested in any ``Dict`` or
+#: ``Tuple``; beside them ``Text`` and ``Sequence`` of ``Box``/``Discrete`` (as columns, see
+#: :mod:`asyncsample.columns`).
 RECORDABLE_SPACES: tuple[type[gym.Space[Any]], ...] = (
     gym.spaces.Box,
     gym.spaces.Discrete,
@@ -335,8 +338,9 @@ RECORDABLE_SPACES: tuple[type[gym.Space[Any]], ...] = (
 
 
 def recordable_space(name: str, space: object) -> None:
-    """Refuse, naming where it is, a space the sampler cannot record into arrays (``Text``,
-    ``Sequence``, ``Graph``, ``OneOf``, custom spaces), which would otherwise fail mid-call."""
+    """Refuse, naming where it is, a space the sampler cannot record (``Graph``, ``OneOf``, a
+    ``Sequence`` of anything but ``Box``/``Discrete``, custom spaces), which would otherwise
+    fail mid-call."""
     found = _unrecordable(name, space)
     if found is None:
         return
@@ -344,9 +348,9 @@ def recordable_space(name: str, space: object) -> None:
     wrapper = "ActionWrapper" if name.endswith("action_space") else "ObservationWrapper"
     raise ValueError(
         f"{path} is {leaf!r} ({type(leaf).__name__}), which the sampler cannot record: it "
-        "records Box, Discrete, MultiDiscrete and MultiBinary spaces, nested in Dict and Tuple; "
-        f"wrap the env in a gymnasium.{wrapper} that encodes it as one of these (a Text as a "
-        "Box of character indices, a Sequence as a padded Box with a length)"
+        "records Box, Discrete, MultiDiscrete, MultiBinary and Text spaces and Sequence spaces "
+        "of Box or Discrete, nested in Dict and Tuple; wrap the env in a "
+        f"gymnasium.{wrapper} that encodes it as one of these"
     )
 
 
@@ -362,7 +366,8 @@ def _subspaces(space: object) -> list[tuple[object, gym.Space[Any]]] | None:
 def _unrecordable(path: str, space: object) -> tuple[str, object] | None:
     subspaces = _subspaces(space)
     if subspaces is None:
-        return None if isinstance(space, RECORDABLE_SPACES) else (path, space)
+        recordable = isinstance(space, RECORDABLE_SPACES) or is_variable_space(space)
+        return None if recordable else (path, space)
     for key, sub in subspaces:
         found = _unrecordable(f"{path}[{key!r}]", sub)
         if found is not None:
@@ -377,13 +382,43 @@ PER_ENV_BYTES = 12 << 10
 _ROW_EXTRA_BYTES = 10
 
 
-def _leaf_bytes(space: gym.Space[Any]) -> int:
-    """Bytes one value of a recordable ``space`` takes in a step buffer (nested spaces summed)."""
+#: The items a ``Sequence`` value is sized at for the memory check without
+#: ``max_sequence_length``.
+SEQUENCE_ITEMS = 1024
+#: What a Python ``str`` or array object takes beyond its characters or items (a row of a
+#: ``Text`` or ``Sequence`` leaf is one).
+_OBJECT_BYTES = 112
+
+
+def _leaf_bytes(
+    space: gym.Space[Any],
+    max_items: int | None = None,
+    path: str = "",
+    sized: list[str] | None = None,
+) -> tuple[int, int]:
+    """Bytes one value of a recordable ``space`` takes in a step buffer (nested spaces summed):
+    ``(fixed, variable)``, ``variable`` the rows of ``Text`` and ``Sequence`` leaves (in the
+    process's own memory, never in shared memory), sized from ``Text.max_length`` (4 bytes a
+    character, utf-8's most) and ``max_items`` (:data:`SEQUENCE_ITEMS` if ``None``); ``sized``
+    collects how each variable leaf was sized, for the error message."""
     subspaces = _subspaces(space)
     if subspaces is not None:
-        return sum(_leaf_bytes(s) for _, s in subspaces)
+        parts = [_leaf_bytes(s, max_items, f"{path}[{k!r}]", sized) for k, s in subspaces]
+        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+    if isinstance(space, gym.spaces.Text):
+        if sized is not None:
+            sized.append(f"{path or 'the value'} from Text max_length={space.max_length}")
+        return 0, _OBJECT_BYTES + 4 * int(space.max_length)
+    if isinstance(space, gym.spaces.Sequence):
+        feature = space.feature_space
+        items = SEQUENCE_ITEMS if max_items is None else max_items
+        item = int(math.prod(feature.shape or ())) * np.dtype(feature.dtype or np.float64).itemsize
+        if sized is not None:
+            how = "the default" if max_items is None else "given"
+            sized.append(f"{path or 'the value'} from max_sequence_length={items} ({how})")
+        return 0, _OBJECT_BYTES + items * item
     dtype = np.dtype(space.dtype if space.dtype is not None else np.float64)
-    return int(math.prod(space.shape or ())) * dtype.itemsize
+    return int(math.prod(space.shape or ())) * dtype.itemsize, 0
 
 
 def _size(n: float) -> str:
@@ -402,10 +437,13 @@ def memory_fits(
     envs_per_worker: int,
     chunk_steps: int,
     shared: bool,
+    max_sequence_length: int | None = None,
 ) -> None:
     """Refuse a sampler whose envs (``PER_ENV_BYTES`` each), step buffers and, in host mode,
     chunk buffers (``chunk_steps`` rows per env) cannot fit: in /dev/shm when the buffers are
-    ``shared`` (and there is one), else in the available memory."""
+    ``shared`` (and there is one), else in the available memory. ``Text`` leaves are sized from
+    their ``max_length``, ``Sequence`` leaves from ``max_sequence_length`` items (default
+    :data:`SEQUENCE_ITEMS`); their rows count in ordinary memory, never in /dev/shm."""
     shm_free: int | None = None
     if shared:
         try:
@@ -414,18 +452,29 @@ def memory_fits(
             shared = False
     available = psutil.virtual_memory().available
     envs = n_workers * envs_per_worker
-    row = 2 * _leaf_bytes(observation_space) + _leaf_bytes(action_space) + _ROW_EXTRA_BYTES
+    sized: list[str] = []
+    obs_fixed, obs_var = _leaf_bytes(observation_space, max_sequence_length, "observations", sized)
+    act_fixed, act_var = _leaf_bytes(action_space, max_sequence_length, "actions", sized)
+    fixed_row = 2 * obs_fixed + act_fixed + _ROW_EXTRA_BYTES
+    # Text/Sequence rows live in each process's own memory: the host's buffers and the caller's
+    # copy, beside the fixed rows' shared ones.
+    variable_row = 2 * obs_var + act_var
+    row = fixed_row + variable_row
     buffers = envs * row * (1 + chunk_steps)
     ram = envs * (PER_ENV_BYTES + 2 * row)  # envs, their state, this process's copy of a row
-    shm = buffers if shared else 0
-    ram += 0 if shared else buffers
+    shm = envs * fixed_row * (1 + chunk_steps) if shared else 0
+    ram += envs * variable_row * (1 + chunk_steps) if shared else buffers
     what = (
         f"n_workers={n_workers} x envs_per_worker={envs_per_worker} = {envs:,} envs "
         f"(about {_size(PER_ENV_BYTES + 2 * row)} of memory each, step"
         + (" and chunk" if chunk_steps else "")
-        + f" buffers of {_size(buffers)})"
+        + f" buffers of {_size(buffers)}"
+        + (f"; text and sequences sized: {', '.join(sized)}" if sized else "")
+        + ")"
     )
     advice = "use fewer envs per worker or fewer workers, or free some memory"
+    if sized:
+        advice += " (or bound the text and sequences tighter: Text max_length, max_sequence_length)"
     if ram > available:
         raise ValueError(
             f"{what} need about {_size(ram)} of memory, but only {_size(available)} is "

@@ -37,6 +37,17 @@ class Agent(Protocol):
     ``envs_per_worker``) and returns one action per env and a dict of per-env agent infos. It may
     be ``async def``; the worker awaits it. Optional methods, used when present:
     ``reset(do_resets)``, ``get_param_values()`` and ``set_param_values(params)``.
+
+    An agent that fails some rows and not the others (one request per env, and one of them
+    timed out) raises :class:`~asyncsample.AgentRowsError` with the output of every row and the
+    failed rows' causes: each failed row is that env's fault alone (its episode is dropped and
+    the env rebuilt, within ``max_restarts``), the other rows go on. With envs stepped in
+    lockstep the worker's host is restarted instead, as for any env fault there.
+
+    Where envs are stepped one at a time, the rows of the envs ready in one pass of the event
+    loop are merged into one call; an agent with a class attribute ``merge_rows = False`` is
+    called once per env instead, so that no env waits for another's reply
+    (:class:`~asyncsample.llm.ChatAgent` is one).
     """
 
     def get_actions(self, observations: Tree) -> AgentOutput | Awaitable[AgentOutput]:

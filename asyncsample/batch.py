@@ -29,6 +29,7 @@ from asyncsample._infos import (
     stack_infos,
 )
 from asyncsample._tree import tree_concat, tree_equal, tree_index, tree_leaves, tree_map
+from asyncsample.columns import RaggedArray, is_text
 
 # The info helpers live in ``_infos``; they stay importable from here, where they always were.
 __all__ = [
@@ -98,11 +99,28 @@ class EnvSpec:
     max_episode_length: int | None = None
 
 
-def _pad(
-    array: np.ndarray, lengths: np.ndarray, length: int, *, absent: bool = False
-) -> np.ndarray:
+def _pad(array: Any, lengths: np.ndarray, length: int, *, absent: bool = False) -> Any:
     """Scatter a flat ``(T, ...)`` array into ``(N, length, ...)``, padded with zeros (or the
-    :func:`fill_value` with ``absent``, for masked info keys)."""
+    :func:`fill_value` with ``absent``, for masked info keys); a text column pads with ``""``,
+    a ragged one (:class:`~asyncsample.columns.RaggedArray`) becomes one of ``N * length`` rows,
+    episode-major, padded with empty rows."""
+    if isinstance(array, RaggedArray):
+        index = np.full(len(lengths) * length, len(array), dtype=np.int64)
+        starts = np.cumsum(lengths) - lengths
+        episode = np.repeat(np.arange(len(lengths)), lengths)
+        position = np.arange(len(array)) - np.repeat(starts, lengths)
+        index[episode * length + position] = np.arange(len(array))
+        empty = RaggedArray(array.values[:0], np.zeros(2, dtype=np.int64))
+        return RaggedArray.concatenate([array, empty]).take(index)
+    if array.dtype == object and is_text(array):
+        absent = False
+        out = np.empty((len(lengths), length, *array.shape[1:]), dtype=object)
+        out[...] = ""
+        if array.shape[0]:
+            episode = np.repeat(np.arange(len(lengths)), lengths)
+            position = np.arange(array.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            out[episode, position] = array
+        return out
     shape = (len(lengths), length, *array.shape[1:])
     out = filled(shape, array.dtype) if absent else np.zeros(shape, dtype=array.dtype)
     if array.shape[0]:
@@ -111,6 +129,11 @@ def _pad(
         position = np.arange(array.shape[0]) - np.repeat(starts, lengths)
         out[episode, position] = array
     return out
+
+
+def _as_leaf(value: Any) -> Any:
+    """A path's leaf as a column: a ragged one as it is, else an array."""
+    return value if isinstance(value, RaggedArray) else np.asarray(value)
 
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
@@ -208,8 +231,13 @@ class EpisodeBatch:
     def next_observations(self) -> ArrayTree:
         """The observation after each action, ``(T, ...)``: the next step's, or the last one."""
         ends = np.cumsum(self.lengths) - 1
+        n = self.n_transitions
+        following = np.arange(1, n + 1)
+        following[ends] = n + np.arange(self.n_episodes)  # the last observations, after obs
 
-        def shift(obs: np.ndarray, last: np.ndarray) -> np.ndarray:
+        def shift(obs: Any, last: Any) -> Any:
+            if isinstance(obs, RaggedArray):
+                return RaggedArray.concatenate([obs, last]).take(following)
             out = np.empty_like(obs)
             out[:-1] = obs[1:]
             out[ends] = last
@@ -260,7 +288,8 @@ class EpisodeBatch:
     @property
     def padded_rewards(self) -> np.ndarray:
         """Rewards as ``(N, L)``, zero after each episode's end."""
-        return _pad(self.rewards, self.lengths, self._padded_length())
+        padded: np.ndarray = _pad(self.rewards, self.lengths, self._padded_length())
+        return padded
 
     @property
     def padded_next_observations(self) -> ArrayTree:
@@ -270,7 +299,8 @@ class EpisodeBatch:
     @property
     def padded_step_types(self) -> np.ndarray:
         """Step types as ``(N, L)`` (same dtype as :attr:`step_types`), zero-padded."""
-        return _pad(self.step_types, self.lengths, self._padded_length())
+        padded: np.ndarray = _pad(self.step_types, self.lengths, self._padded_length())
+        return padded
 
     def _pad_infos(self, infos: Mapping[str, Any], absent: bool = False) -> dict[str, Any]:
         """Pad an info dict: masks with False, masked keys with their fill value, else zero."""
@@ -297,7 +327,8 @@ class EpisodeBatch:
     @property
     def valids(self) -> np.ndarray:
         """``(N, L)`` mask, one where a padded step is real (the dtype of :attr:`rewards`)."""
-        return _pad(np.ones_like(self.rewards), self.lengths, self._padded_length())
+        padded: np.ndarray = _pad(np.ones_like(self.rewards), self.lengths, self._padded_length())
+        return padded
 
     @classmethod
     def concatenate(cls, *batches: EpisodeBatch) -> EpisodeBatch:
@@ -412,14 +443,14 @@ class EpisodeBatch:
         last_observations: list[ArrayTree] = []
         step_types: list[np.ndarray] = []
         for i, (path, length) in enumerate(zip(paths, lengths.tolist(), strict=True)):
-            obs = tree_map(np.asarray, path["observations"])
+            obs = tree_map(_as_leaf, path["observations"])
             next_obs = path.get("next_observations")
             if len(tree_leaves(obs)[0]) == length + 1:
                 observations.append(tree_index(obs, slice(0, length)))
                 last_observations.append(tree_index(obs, slice(length, length + 1)))
             else:
                 observations.append(obs)
-                source = obs if next_obs is None else tree_map(np.asarray, next_obs)
+                source = obs if next_obs is None else tree_map(_as_leaf, next_obs)
                 last_observations.append(tree_index(source, slice(-1, None)))
             if path.get("step_types") is not None:
                 step_types.append(np.asarray(path["step_types"]))
@@ -438,7 +469,7 @@ class EpisodeBatch:
             episode_infos=stack_infos([p.get("episode_infos") or {} for p in paths]),
             observations=tree_concat(observations),
             last_observations=tree_concat(last_observations),
-            actions=tree_concat([tree_map(np.asarray, p["actions"]) for p in paths]),
+            actions=tree_concat([tree_map(_as_leaf, p["actions"]) for p in paths]),
             rewards=np.concatenate([np.asarray(p["rewards"]) for p in paths]),
             env_infos=env_infos,
             agent_infos=agent_infos,

@@ -1,12 +1,18 @@
 """The ``asyncsample`` command line: ``run`` samples an env with a random agent; ``bench`` runs the
 benchmark studies of a source checkout (``asyncsample bench --list``, ``asyncsample bench STUDY``).
+
+Exit status: 0 done, 1 a failure while sampling, 2 a usage error (a bad argument or env id, an
+option whose optional package is not installed, a metrics port or address that cannot be used,
+no subcommand), 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import socket
 import sys
 import time
 import traceback
@@ -32,6 +38,24 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 #: The most transitions ``run`` asks for in one call.
 MAX_CHUNK = 50_000
 
+#: The backends ``run`` offers: those that step a gymnasium id's (blocking) envs; ``asyncio``
+#: takes only async envs, which no gymnasium id makes.
+RUN_BACKENDS = tuple(name for name in BACKENDS if not traits(name).async_envs)
+
+#: Where ``run``'s random agent runs (the summary names it).
+INFERENCE = "per_worker"
+
+#: The description of ``asyncsample --help`` (plain text: no reST markup).
+DESCRIPTION = (
+    "The asyncsample command line: 'asyncsample run' samples an env with a random agent; "
+    "'asyncsample bench' runs the benchmark studies of a source checkout "
+    "('asyncsample bench --list' lists them)."
+)
+EPILOG = (
+    "exit status: 0 done, 1 runtime error, 2 usage error, 130 interrupted (Ctrl-C prints the "
+    "summary so far)"
+)
+
 
 class UsageError(Exception):
     """A bad argument found after parsing (exit status 2)."""
@@ -46,6 +70,7 @@ class RunSummary:
     returns: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     restarts: int = 0
+    layout: str = ""
     bottleneck: str | None = None
     shares: dict[str, float] = field(default_factory=dict)
     _open: dict[tuple[int, int], tuple[float, int]] = field(default_factory=dict)
@@ -75,6 +100,8 @@ class RunSummary:
             f"steps/s:      {rate:,.0f}",
             f"episodes:     {len(self.returns)} completed",
         ]
+        if self.layout:
+            lines.insert(0, f"ran:          {self.layout}")
         if self.returns:
             lines.append(
                 f"mean return:  {np.mean(self.returns):.2f} "
@@ -105,6 +132,7 @@ def make_sampler(args: argparse.Namespace, metrics: Any = None) -> Sampler:
             backend=args.backend,
             seed=args.seed,
             max_episode_length=args.max_episode_length,
+            inference=INFERENCE,
             metrics=metrics,
         )
     except (ValueError, TypeError) as exc:
@@ -124,9 +152,9 @@ async def run(args: argparse.Namespace, summary: RunSummary) -> None:
         sampler = make_sampler(args, registry)
         try:
             server, _ = start_http_server(args.metrics_port, args.metrics_addr, registry)
-        except OSError as exc:
+        except (OSError, ValueError, OverflowError) as exc:
             await sampler.aclose()
-            raise UsageError(f"--metrics-port {args.metrics_port}: {exc}") from exc
+            raise UsageError(_serve_error(args.metrics_port, args.metrics_addr, exc)) from exc
         port = server.server_address[1]
         print(f"metrics on http://{args.metrics_addr}:{port}/metrics", file=sys.stderr, flush=True)
     try:
@@ -142,9 +170,9 @@ async def run(args: argparse.Namespace, summary: RunSummary) -> None:
     start = time.perf_counter()
     try:
         async with sampler:
+            summary.layout = layout(sampler)
             print(
-                f"sampling {args.env_id} with {args.workers} workers x {args.envs_per_worker} "
-                f"envs on the {args.backend!r} backend (seed {sampler.seed})",
+                f"sampling {args.env_id}: {summary.layout} (seed {sampler.seed})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -170,6 +198,27 @@ async def run(args: argparse.Namespace, summary: RunSummary) -> None:
             server.server_close()
 
 
+def layout(sampler: Sampler) -> str:
+    """What ran, in one line: the backend, the inference mode and the placement."""
+    in_process = traits(sampler.backend_name).in_process
+    where = "in this process" if in_process else f"on {sampler.n_processes} env hosts"
+    return (
+        f"backend {sampler.backend_name}, inference {INFERENCE}, {sampler.n_workers} workers x "
+        f"{sampler.envs_per_worker} envs {where}"
+    )
+
+
+def _serve_error(port: int, addr: str, exc: BaseException) -> str:
+    """The usage error of a metrics server that could not start, naming the argument at fault."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        return f"--metrics-port {port}: the port is already in use on {addr}"
+    if isinstance(exc, socket.gaierror | UnicodeError) or (
+        isinstance(exc, OSError) and exc.errno == errno.EADDRNOTAVAIL
+    ):
+        return f"--metrics-addr {addr!r}: expected an address of this machine to listen on ({exc})"
+    return f"--metrics-port {port} --metrics-addr {addr!r}: cannot listen there ({exc})"
+
+
 def _usage_error(prog: str, message: str) -> NoReturn:
     """Print a usage error as one line on stderr and exit with status 2."""
     sys.stderr.write(f"{prog}: error: {message} (see {prog} --help)\n")
@@ -187,12 +236,11 @@ def _run_command(args: argparse.Namespace) -> int:
         try:
             importlib.import_module(package)
         except ImportError:
-            print(
-                f"asyncsample run: error: {option} needs the {package} package, which is not "
-                f"installed: pip install 'asyncsample[{extra}]'",
-                file=sys.stderr,
+            _usage_error(
+                "asyncsample run",
+                f"{option} needs the {package} package, which is not installed: "
+                f"pip install 'asyncsample[{extra}]'",
             )
-            return EXIT_RUNTIME
     _configure_logging(args.verbose)
     summary = RunSummary()
     try:
@@ -267,33 +315,33 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
         return super()._get_help_string(action)
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer >= ``minimum``."""
+def _int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``minimum`` (and <= ``maximum``, if given)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            expected = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+            raise argparse.ArgumentTypeError(f"expected an integer {expected}, got {value}")
         return value
 
-    parse.__name__ = f"int >= {minimum}"
+    parse.__name__ = f"int >= {minimum}" if maximum is None else f"int {minimum}-{maximum}"
     return parse
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="asyncsample", description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter
+        prog="asyncsample", description=DESCRIPTION, epilog=EPILOG, formatter_class=_HelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run_p = sub.add_parser(
         "run",
         help="sample an env with a random agent and print a summary",
         description="Sample an env with a random agent and print a summary.",
-        epilog="exit status: 0 done, 1 runtime error, 2 usage error, 130 interrupted (Ctrl-C "
-        "prints the summary so far)",
+        epilog=EPILOG,
         formatter_class=_HelpFormatter,
     )
     positive = _int_at_least(1)
@@ -304,7 +352,14 @@ def _parser() -> argparse.ArgumentParser:
     run_p.add_argument(
         "--processes", type=positive, default=None, help="env-host processes (default: one per CPU)"
     )
-    run_p.add_argument("--backend", choices=BACKENDS, default="process", help="where envs run")
+    run_p.add_argument(
+        "--backend",
+        choices=RUN_BACKENDS,
+        default="process",
+        help="where the envs run: process (env-host processes), local (this process, the event "
+        "loop's thread), thread (a thread pool, for envs that wait outside the GIL), ray (Ray "
+        "actors: pip install 'asyncsample[ray]')",
+    )
     run_p.add_argument("--seed", type=_int_at_least(0), default=0, help="root seed")
     run_p.add_argument(
         "--max-episode-length",
@@ -314,7 +369,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run_p.add_argument(
         "--metrics-port",
-        type=_int_at_least(0),
+        type=_int_at_least(0, 65535),
         default=None,
         help="serve Prometheus metrics on this port while the run goes (0: a free port, printed "
         "on stderr) and print the bottleneck in the summary (default: no metrics)",
@@ -337,6 +392,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``asyncsample`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        _usage_error("asyncsample", "expected a command, run or bench, and got none")
     if argv[:1] == ["bench"]:
         return _bench_command(argv[1:])
     return _run_command(_parser().parse_args(argv))

@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from asyncsample import _validate
+from asyncsample import _leaves, _validate
 from asyncsample._clock import CLOCK_SIZE, timed_group_step
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
@@ -97,16 +97,25 @@ class StepBuffers:
         n_envs: int,
         make: Callable[[gym.Space[Any], int], Any] | None = None,
         timed: bool = False,
+        columns: bool = False,
     ) -> StepBuffers:
         """Buffers made by ``make(space, n)`` (default: in-process); ``timed``: also a
-        :attr:`clock` (allocated last, so views made in the same order agree)."""
+        :attr:`clock` (allocated last, so views made in the same order agree); ``columns``:
+        a space whose leaves are recorded in columns gets ``object`` rows for its ``Text`` and
+        ``Sequence`` leaves (:func:`asyncsample._leaves.allocate`), not one list."""
         make = make or _zeros
-        fixed_obs = fixed_rows(observation_space)
-        fixed_act = fixed_rows(action_space)
+
+        def buffers(space: gym.Space[Any]) -> Any:
+            if fixed_rows(space):
+                return make(space, n_envs)
+            if columns and _leaves.columnar(space):
+                return _leaves.allocate(space, n_envs, make)
+            return [None] * n_envs
+
         return cls(
-            obs=make(observation_space, n_envs) if fixed_obs else [None] * n_envs,
-            final_obs=make(observation_space, n_envs) if fixed_obs else [None] * n_envs,
-            actions=make(action_space, n_envs) if fixed_act else [None] * n_envs,
+            obs=buffers(observation_space),
+            final_obs=buffers(observation_space),
+            actions=buffers(action_space),
             rewards=make(_REWARD_SPACE, n_envs),
             terminated=make(_FLAG_SPACE, n_envs),
             truncated=make(_FLAG_SPACE, n_envs),
@@ -198,7 +207,11 @@ class EnvGroup:
         self._lengths = [0] * self.n_envs
         self._misfits: list[int] = []  # envs whose observation a plain buffer row awaits
         self._seeds: list[int | None] = [None] * self.n_envs
-        self._flat_obs = isinstance(buffers.obs, np.ndarray)
+        # The leaf spaces of observations with Text/Sequence leaves in object rows, else None.
+        self._obs_leaves: Tree = None
+        if not isinstance(buffers.obs, list) and _leaves.has_variable(observation_space):
+            self._obs_leaves = _leaves.leaf_spaces(observation_space)
+        self._flat_obs = isinstance(buffers.obs, np.ndarray) and self._obs_leaves is None
         self._object_obs = isinstance(buffers.obs, list)
         self._final_in_reply = final_in_reply or self._object_obs
         self._obs_shape = tuple(observation_space.shape or ())
@@ -536,7 +549,7 @@ class EnvGroup:
                 return list(actions) if everyone else list(actions[indices])
             # A copy: envs may keep the action they were given, and the buffer is reused.
             return list(actions.copy() if everyone else actions[indices])
-        return [tree_map(lambda a, i=i: a[i].copy(), actions) for i in indices]
+        return [tree_map(lambda a, i=i: _copied(a[i]), actions) for i in indices]
 
     def store(self, i: int) -> None:
         """Write env ``i``'s observation into its buffer row if it was kept aside."""
@@ -555,6 +568,10 @@ class EnvGroup:
                 self._put(out, i, self._obs[i])
         elif self._object_obs:
             out[:] = self._obs
+        elif self._obs_leaves is not None:
+            for i, o in enumerate(self._obs):
+                if o is not None:
+                    self._put(out, i, o)
         else:
             try:
                 concatenate(self.observation_space, self._obs, out)
@@ -563,7 +580,9 @@ class EnvGroup:
 
     def _put(self, out: Tree, i: int, o: Any) -> None:
         try:
-            if isinstance(out, np.ndarray):
+            if self._obs_leaves is not None:
+                _leaves.put(out, self._obs_leaves, i, o)
+            elif isinstance(out, np.ndarray):
                 if np.shape(o) != self._obs_shape:
                     raise ValueError(f"shape {np.shape(o)}")
                 out[i] = o
@@ -575,7 +594,10 @@ class EnvGroup:
             self._raise_bad_observation(exc)
 
     def _write(self, out: Tree, indices: list[int], items: list[Any]) -> None:
-        if isinstance(out, np.ndarray):
+        if self._obs_leaves is not None:
+            for i, item in zip(indices, items):
+                _leaves.put(out, self._obs_leaves, i, item)
+        elif isinstance(out, np.ndarray):
             out[indices] = items
         elif isinstance(out, list):  # observations without fixed-size rows
             for i, item in zip(indices, items):
@@ -701,6 +723,11 @@ def _real(value: Any) -> bool:
     if isinstance(value, numbers.Real):
         return True
     return isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "biuf"
+
+
+def _copied(value: Any) -> Any:
+    """A copy of an array (a ``str`` of a text leaf is immutable: itself)."""
+    return value.copy() if isinstance(value, np.ndarray) else value
 
 
 def _zeros(space: gym.Space[Any], n: int) -> Any:

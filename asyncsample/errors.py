@@ -3,8 +3,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 __all__ = [
+    "AgentRowsError",
     "AsyncSampleError",
+    "ChatRequestError",
+    "ChatTimeoutError",
+    "LoopBlockedError",
     "SamplerBusyError",
     "SamplerClosedError",
     "StepTimeoutError",
@@ -26,7 +33,12 @@ class WorkerError(AsyncSampleError):
         remote_traceback: the traceback text from the process that raised, if any.
         retry: whether restarting the host may help (``False`` for the caller's own mistakes).
         factory: where the failing env came from (its gymnasium id, or its factory's name).
+        charged: whether the failure counts against the env's ``max_restarts`` (``False`` for
+            the other envs of a host killed for one env's blocked loop: they lose their
+            episodes in progress and are rebuilt, but it was not their fault).
     """
+
+    charged = True
 
     def __init__(
         self,
@@ -68,9 +80,9 @@ def made_by(factory: str | None) -> str:
     return f" (env made by {factory})" if factory else ""
 
 
-def _rebuild(
-    cls: type[WorkerError], args: tuple[object, ...], state: dict[str, object]
-) -> WorkerError:
+def _rebuild(cls: type[Exception], args: tuple[object, ...], state: dict[str, object]) -> Exception:
+    """An exception of ``cls`` unpickled with its ``args`` and attributes (keyword-only
+    arguments, which the default pickling of exceptions would lose)."""
     err = cls.__new__(cls)
     Exception.__init__(err, *args)
     err.__dict__.update(state)
@@ -83,6 +95,113 @@ class WorkerCrashedError(WorkerError):
 
 class StepTimeoutError(WorkerError, TimeoutError):
     """A step took longer than the sampler's ``step_timeout``."""
+
+
+class AgentRowsError(AsyncSampleError):
+    """Raised by an agent's ``get_actions`` that failed some rows and not the others.
+
+    An agent that sends one request per env (an LLM behind HTTP) may lose one reply to a
+    timeout or an error while the others arrive. Raising this instead of returning makes each
+    failed row that env's fault alone: its episode in progress is dropped and the env rebuilt,
+    as when the env raises (it spends that env's ``max_restarts``), while the other rows take
+    ``actions`` and ``agent_infos`` and go on. Where envs are stepped in lockstep (blocking envs
+    on ``process``, ``local``, ``ray``) the worker's env host is restarted, as for any env fault
+    there, so its other episodes in progress are lost too.
+
+    Args:
+        actions: one action per row it was given, as ``get_actions`` returns them; the failed
+            rows' entries are placeholders, never checked, recorded or stepped.
+        agent_infos: a dict of per-row arrays (or ``None``), as ``get_actions`` returns them.
+        failures: per failed row (its index in the observations given), the exception that
+            failed it; at least one.
+
+    Attributes:
+        actions: see Args.
+        agent_infos: see Args.
+        failures: see Args.
+    """
+
+    def __init__(
+        self,
+        actions: Any,
+        agent_infos: dict[str, Any] | None,
+        failures: Mapping[int, BaseException],
+    ) -> None:
+        if not failures:
+            raise ValueError("failures: AgentRowsError needs at least one failed row, got none")
+        self.actions = actions
+        self.agent_infos = agent_infos
+        self.failures = dict(sorted(failures.items()))
+        first, cause = next(iter(self.failures.items()))
+        super().__init__(
+            f"the agent failed {len(self.failures)} row(s) of its call ({sorted(self.failures)});"
+            f" row {first}: {type(cause).__name__}: {cause}"
+        )
+
+    def check_rows(self, n: int, rows: str) -> None:
+        """Raise ``ValueError`` unless every failed row is one of the ``n`` rows of the call
+        (``rows`` describes them, for the message)."""
+        bad = [j for j in self.failures if not 0 <= j < n]
+        if bad:
+            raise ValueError(
+                f"AgentRowsError.failures: rows {bad} are not rows of the agent's call ({rows})"
+            )
+
+    def row_fault(self, row: int, *, worker: int, env: int | None) -> WorkerError:
+        """The :class:`WorkerError` of failed row ``row`` as the fault of env ``env`` of worker
+        ``worker`` (retried: the env is rebuilt); its ``__cause__`` is the row's exception."""
+        cause = self.failures[row]
+        fault = WorkerError(
+            f"the agent failed this env's row: {type(cause).__name__}: {cause}",
+            worker=worker,
+            env=env,
+        )
+        fault.__cause__ = cause
+        return fault
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # crosses processes whole
+        return (type(self), (self.actions, self.agent_infos, self.failures))
+
+
+class ChatRequestError(AsyncSampleError):
+    """A chat-completions request of :class:`~asyncsample.llm.ChatAgent` failed.
+
+    As the cause of a row's fault (:class:`AgentRowsError`): the server answered an error
+    status after the retries, or a reply that is not a chat completion, or the connection
+    failed. Raised by the call itself for a status that no retry or rebuild can fix (401, 403,
+    404: a wrong key, URL or model).
+
+    Attributes:
+        status: the HTTP status of the last attempt (``None``: no reply).
+        body: the start of the last reply's body, if any.
+        attempts: how many times the request was sent.
+    """
+
+    def __init__(
+        self, message: str, *, status: int | None = None, body: str = "", attempts: int = 1
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.attempts = attempts
+        super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the keyword-only fields
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+class ChatTimeoutError(ChatRequestError, TimeoutError):
+    """A chat-completions request got no whole reply within the agent's ``timeout``."""
+
+
+class LoopBlockedError(StepTimeoutError):
+    """An env blocked the event loop it runs in (a synchronous call inside ``async def step``)
+    for longer than ``step_timeout``; the message names the env, the worker and the line.
+
+    Attributes:
+        report: where the loop stood still (see ``asyncsample.backends._watchdog.BlockReport``).
+    """
+
+    report: object = None
 
 
 class SamplerClosedError(AsyncSampleError, RuntimeError):

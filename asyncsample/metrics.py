@@ -31,6 +31,7 @@ from asyncsample._clock import (
     STEPS,
     AgentTimer,
 )
+from asyncsample._engine import Continuity
 
 if TYPE_CHECKING:
     from asyncsample.inference.batched import Batcher
@@ -40,6 +41,7 @@ __all__ = [
     "BOTTLENECKS",
     "END_KINDS",
     "FAULT_KINDS",
+    "HOST_RESTART_CAUSES",
     "WORKER_LABEL_LIMIT",
     "FaceMetrics",
     "SamplerMetrics",
@@ -55,6 +57,7 @@ BOTTLENECKS = ("env", "agent", "caller")
 WORKER_LABEL_LIMIT = 16
 """Samplers of more workers count under ``worker="all"`` (a label must not grow unbounded)."""
 
+_CALLING = (Continuity.IN_CALL, Continuity.TAKING_OVER)  # where a worker's episodes are open
 _N = len(BOUNDS) + 1
 _LENGTH_BOUNDS = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 10000.0)
 _LAG_BOUNDS = (0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 16.0, 32.0, 64.0)
@@ -204,12 +207,23 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "episodes_total": ("Episodes finished, by how they ended.", ("end",)),
     "agent_calls_total": ("Agent calls (get_actions).", ()),
+    "host_restarts_total": (
+        "Env hosts (processes, Ray actors) restarted, by cause: died, hung (a call past "
+        "step_timeout), blocked (its event loop stood still for step_timeout).",
+        ("cause",),
+    ),
 }
+#: The causes of ``host_restarts_total``.
+HOST_RESTART_CAUSES = ("died", "hung", "blocked")
 _GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "episodes_in_flight": ("Episodes started and not yet ended.", ()),
+    "episodes_in_flight": ("Episodes started and not yet ended (now).", ()),
+    "oldest_episode_seconds": (
+        "Age of the oldest episode in flight, in seconds (now; 0 when none is).",
+        (),
+    ),
     "env_calls_in_flight": (
-        "Env calls running now where envs are stepped one at a time (asyncio, thread; async "
-        "envs in hosts: as of their last reply); compare with max_concurrency.",
+        "Env calls running now (async envs in hosts: as of their loop's last tick, every "
+        "50 ms; a lockstep host's step counts its worker's envs); compare with max_concurrency.",
         (),
     ),
     "agent_version": ("The newest agent version.", ()),
@@ -234,6 +248,8 @@ class _State:
         self.agent_calls = 0
         self.hists = {name: _Hist(bounds) for name, (bounds, _) in _HISTOGRAMS.items()}
         self.in_flight = 0
+        self.workers: list[Any] = []  # the sampler's workers: their episodes, read live
+        self.host_restarts = dict.fromkeys(HOST_RESTART_CAUSES, 0)  # updated at each read
         self.agent_version = 0
         self.bottleneck: str | None = None
         self.hosts: list[Any] = []  # the lane hosts, whose env_calls are live
@@ -243,6 +259,36 @@ class _State:
 
     def slot(self, worker: int) -> int:
         return worker if self.labelled else 0
+
+    def read_host_restarts(self) -> None:
+        """Read the host restarts so far from the hosts (each pool place once: its workers'
+        hosts share its counts)."""
+        places = {id(r): r for h in self.hosts if (r := getattr(h, "host_restarts", None))}
+        if not places:
+            return
+        counts = dict.fromkeys(HOST_RESTART_CAUSES, 0)
+        for restarts in places.values():
+            for cause, n in restarts.items():
+                counts[cause] = counts.get(cause, 0) + n
+        self.host_restarts = counts
+
+    def live_episodes(self) -> tuple[int, float]:
+        """The episodes in flight now and the age of the oldest, in seconds (read at scrape
+        time, from any thread: a few numpy reductions per worker, nothing per step)."""
+        open_now, oldest = 0, 0.0
+        now = time.perf_counter()
+        for w in self.workers:
+            ep = w.episodes
+            running = ep.lengths > 0  # (a lane writes its length back at its episode's end)
+            if ep.state in _CALLING:  # reset and not ended yet: open, stepped or not
+                running |= ~ep.needs_reset
+            n = int(np.count_nonzero(running))
+            open_now += n
+            starts = ep.started_at
+            if n and starts is not None:
+                first = min(t for t, on in zip(starts, running.tolist()) if on)
+                oldest = max(oldest, now - first)
+        return open_now, oldest
 
     def tallies(self) -> list[list[int]]:
         return [self.steps, self.restarts, self.episodes, *self.faults.values()]
@@ -254,6 +300,8 @@ class _State:
             for i, n in enumerate(theirs):
                 mine[i] += n
         self.agent_calls += other.agent_calls
+        for cause, n in other.host_restarts.items():
+            self.host_restarts[cause] += n
         for name, h in other.hists.items():
             self.hists[name].add_counts(h.counts, h.sum)
 
@@ -271,7 +319,8 @@ class _Hub:
         if state not in self.states:
             return
         self.states.remove(state)
-        state.live, state.pull, state.hosts = False, None, []
+        state.read_host_restarts()
+        state.live, state.pull, state.hosts, state.workers = False, None, [], []
         for old in self.states:
             if not old.live and old.backend == state.backend and old.labelled == state.labelled:
                 old.absorb(state)
@@ -313,15 +362,26 @@ class _Hub:
                         count("env_faults_total", (*wl(i), kind), n)
                 for end, n in zip(END_KINDS, s.episodes):
                     count("episodes_total", (b, end), n)
+                if s.live:
+                    s.read_host_restarts()
+                for cause, n in s.host_restarts.items():
+                    count("host_restarts_total", (b, cause), n)
                 count("agent_calls_total", (b,), s.agent_calls)
                 for name, h in s.hists.items():
                     total = hists.setdefault((name, b), _Hist(h.bounds))
                     total.add_counts(h.counts, h.sum)
                 if not s.live:
                     continue
-                count("episodes_in_flight", (b,), s.in_flight, gauges)
-                if s.lanes:
-                    count("env_calls_in_flight", (b,), sum(h.env_calls for h in s.hosts), gauges)
+                if s.workers:
+                    in_flight, oldest = s.live_episodes()
+                else:  # a face: as of its last step
+                    in_flight, oldest = s.in_flight, 0.0
+                count("episodes_in_flight", (b,), in_flight, gauges)
+                g = gauges["oldest_episode_seconds"]
+                g[(b,)] = max(g.get((b,), 0.0), oldest)
+                calls = [h.env_calls for h in s.hosts if hasattr(h, "env_calls")]
+                if s.lanes or calls:
+                    count("env_calls_in_flight", (b,), sum(calls), gauges)
                 g = gauges["agent_version"]
                 g[(b,)] = max(g.get((b,), 0.0), float(s.agent_version))
                 if s.bottleneck is not None:
@@ -410,6 +470,7 @@ class SamplerMetrics:
             elif requests is None:  # (with inference="host" the hosts time their agents)
                 w.agent_timer = self.timer
         self.state.hosts = [w.host for w in workers if w.host is not None]
+        self.state.workers = list(workers)
 
     def call_started(self) -> float:
         """A call begins: the time since the last one ended was the caller's (idle)."""

@@ -42,7 +42,9 @@ class Sampler:
         backend: ``"process"``, ``"local"`` (in the event loop's thread), ``"ray"``,
             ``"asyncio"`` (envs whose ``reset``/``step`` are coroutines) or ``"thread"``
             (blocking envs in a pool of threads); see [Backends](backends.md).
-        step_timeout: seconds after which a step counts as a worker failure.
+        step_timeout: seconds after which a step counts as a worker failure; also how long
+            an event loop that runs envs may stand still (at least 1 s) before the env that
+            blocks it is named and its host killed (see faults.md, "A blocked event loop").
         max_restarts: per worker and call, how often a failed env host is rebuilt before the
             error is raised (on ``"asyncio"`` and ``"thread"``: per env and call).
         worker_class: the :class:`Worker` subclass to run (garage's ``worker_class``).
@@ -56,6 +58,10 @@ class Sampler:
             in each env host; ``None`` leaves the libraries' defaults. Ignored by ``local``.
         max_concurrency: ``"asyncio"``: the env calls in flight at once (``None``: no cap);
             ``"thread"``: the thread pool's size (default: 4 per core).
+        max_sequence_length: the most items a value of a ``Sequence`` space (observations or
+            actions) is expected to hold, for the up-front memory check only (a longer one is
+            recorded all the same); ``None``: 1,024. A ``Text`` space is sized from its own
+            ``max_length``. See [Agentic episodes](agentic.md#data-layout).
         episode_timeout: seconds after its start at which an episode still running ends as
             truncated (``TIMEOUT``, ``episode_infos["deadline"]`` true); not with
             ``inference="host"``. See [Deadlines](contract.md#deadlines-episode_timeout).
@@ -85,6 +91,7 @@ class Sampler:
         inference: str | Batched | Host = "per_worker",
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
+        max_sequence_length: int | None = None,
         episode_timeout: float | None = None,
         close_timeout: float = 10.0,
         metrics: Any = None,
@@ -225,6 +232,11 @@ class Sampler:
         Worker ``w`` steps its envs until its completed episodes reach its share; episodes still
         running then are discarded. See [the sampler contract](contract.md#the-three-calls).
 
+        Calls on one sampler run one at a time: a call made while another (or an open
+        :meth:`stream`) runs waits until that one is done, so a short call behind a long one
+        costs the long one's time. Consumers that must not wait for each other use a sampler
+        each, or share one stream (see [Concurrency](contract.md#concurrency)).
+
         Args:
             num_samples: the quota of transitions, an int of at least 1.
             agent_update: applied before sampling: ``None``, parameters (a ``dict``, ``tuple``
@@ -265,7 +277,9 @@ class Sampler:
         """Exactly ``n_eps_per_worker`` complete episodes from every worker, worker-major.
 
         The episodes are assigned to envs in advance (not the first ``n`` to finish); each call
-        starts fresh episodes. Arguments, returns and errors as in :meth:`obtain_samples`.
+        starts fresh episodes. It queues behind a call in progress, as every call does (see
+        [Concurrency](contract.md#concurrency)). Arguments, returns and errors as in
+        :meth:`obtain_samples`.
         """
         n_eps_per_worker = _validate.positive_int("n_eps_per_worker", n_eps_per_worker)
         return await self._core.call("episodes", n_eps_per_worker, agent_update, env_update)
@@ -282,8 +296,9 @@ class Sampler:
 
         Each worker steps all its envs ``ceil(share / envs_per_worker)`` times; fragments of
         episodes still running (ending in ``FIRST`` or ``MID``) continue in the next
-        ``obtain_fragments`` call. Arguments and errors as in :meth:`obtain_samples`; see
-        [the sampler contract](contract.md#obtain_fragmentsnum_samples).
+        ``obtain_fragments`` call. It queues behind a call in progress, as every call does (see
+        [Concurrency](contract.md#concurrency)). Arguments and errors as in
+        :meth:`obtain_samples`; see [the sampler contract](contract.md#obtain_fragmentsnum_samples).
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)
@@ -324,8 +339,10 @@ class Sampler:
         Use it as ``async with contextlib.aclosing(sampler.stream(n)) as it: async for b in it``.
         Sampling runs in a background task at most ``buffer_size`` batches ahead; episodes in
         progress carry over between batches, and :meth:`update_agent` is the one call allowed
-        from the stream's body. The arguments are checked when the first batch is asked for.
-        See [the sampler contract](contract.md).
+        from the stream's body. An update takes effect at the next env step, but the batches
+        already sampled keep their version: the next ``buffer_size + 1`` batches after it can
+        carry the old one. The arguments are checked when the first batch is asked for. See
+        [the sampler contract](contract.md).
 
         Args:
             num_samples: transitions per yielded batch, at least (an int of at least 1).

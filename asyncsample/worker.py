@@ -35,7 +35,7 @@ from asyncsample.backends.base import EnvHost
 from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_group import rebuild_chain
 from asyncsample.env_update import EnvChoice, EnvSource, describe_chain
-from asyncsample.errors import WorkerError
+from asyncsample.errors import AgentRowsError, WorkerError
 from asyncsample.inference.batched import Batcher
 from asyncsample.seeding import WorkerSeeds
 
@@ -263,20 +263,28 @@ class Worker:
         else:  # row t is in the host's arena: the last step wrote it there, or a copy now
             observations, into = self._arena_row(arena, t)
         timer = self.agent_timer
-        if timer is None:
-            output = await self.compute_actions(observations)
-        else:  # metrics on: counted, and timed at the worker's pace
-            self.agent_calls += 1
-            pace = self.agent_pace
-            pace.left -= 1
-            if pace.left:
+        try:
+            if timer is None:
                 output = await self.compute_actions(observations)
-            else:
-                weight = pace.timed()
-                start = time.perf_counter()
-                output = await self.compute_actions(observations)
-                pace.last = seconds = time.perf_counter() - start
-                timer.took(seconds, weight)
+            else:  # metrics on: counted, and timed at the worker's pace
+                self.agent_calls += 1
+                pace = self.agent_pace
+                pace.left -= 1
+                if pace.left:
+                    output = await self.compute_actions(observations)
+                else:
+                    weight = pace.timed()
+                    start = time.perf_counter()
+                    output = await self.compute_actions(observations)
+                    pace.last = seconds = time.perf_counter() - start
+                    timer.took(seconds, weight)
+        except AgentRowsError as exc:
+            # The worker's envs step together: a failed row fails the step as an env fault
+            # does here (the host is restarted; the call goes on within max_restarts).
+            exc.check_rows(self.n_envs, f"the {self.n_envs} envs of worker {self.worker_number}")
+            row = next(iter(exc.failures))
+            fault = exc.row_fault(row, worker=self.worker_number, env=row)
+            raise fault from fault.__cause__
         actions, agent_infos = self._output_check.output(output)
         assert self.env_spec is not None
         actions = check_actions(

@@ -392,21 +392,6 @@ def _load() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def command_line(argv: list[str]) -> str:
-    """The command that ran the study, without its ``--out`` (a path of the machine)."""
-    shown: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip or arg.startswith("--out="):
-            skip = False
-            continue
-        if arg == "--out":
-            skip = True
-            continue
-        shown.append(arg)
-    return " ".join(["asyncsample bench async_envs", *shown])
-
-
 def render(results_json: Path, out: Path) -> int:
     """Re-write results.md and the chart of an earlier run from its results.json."""
     from benchmarks import report
@@ -438,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     records = execute(plan, out, in_process=args.in_process)
     results: dict[str, Any] = {
         "study": "async_envs",
-        "command": command_line(argv),
+        "command": report.command_line("asyncsample bench async_envs", argv),
         "machine": report.machine_info(),
         "plan": dataclasses.asdict(plan),
         # The pages (benchmarks/pages.py) cite only a run of the default budget; --quick or any

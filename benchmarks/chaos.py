@@ -22,6 +22,15 @@ hosts' event loops). There the envs report through a :class:`FileCensus` (one lo
 process) instead of counters in the caller, and the peak of env calls in flight is the sum of
 the hosts' own peaks (at least the true peak).
 
+On ``process`` one more fault kind: 1 in ``--block-every`` steps (at most ``--blocks`` in the
+run) blocks its host's event loop with ``time.sleep(--block-seconds)``, longer than a call's
+deadline, as a verifier that loops or a ``requests.get`` inside ``async def step`` would. With
+``step_timeout`` (``--step-timeout``, above ``episode_timeout`` so that it cuts only blocks) the
+host is killed and restarted (issue 50): the calls still end by their deadline, and no healthy
+episode is lost. Episodes a blocked host finished in the moment before its block (their replies
+still queued behind it) die with the host: they are counted apart, as dropped with it. The
+caller's own loop (``asyncio``) cannot be pre-empted, so the kind is off there.
+
 Run: ``asyncsample bench chaos`` (writes ``benchmarks/results/chaos/results.json`` and ``.md``);
 ``--quick`` is the CI smoke run (256 episodes, two calls).
 """
@@ -32,7 +41,6 @@ import argparse
 import asyncio
 import datetime
 import functools
-import json
 import logging
 import os
 import platform
@@ -50,6 +58,7 @@ from asyncsample import AsyncEnv, Sampler
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LAG_PROBE_S = 0.005
+_CLAIM = os.O_CREAT | os.O_EXCL | os.O_WRONLY
 #: How long a step reply may take to reach the caller: an episode that ended in a host this long
 #: before its worker stopped may still have been cut (its reply not yet read).
 CUT_MARGIN_S = 0.1
@@ -65,7 +74,11 @@ class Census:
         self.n_closed = 0
         self.healthy_done: list[int] = []
         """Ids of the episodes an env finished with no fault in them (since the last read)."""
-        self.faults = {"raise": 0, "hang_reset": 0, "dead_env_calls": 0}
+        self.faults = {"raise": 0, "hang_reset": 0, "dead_env_calls": 0, "block": 0}
+
+    def claim_block(self, limit: int) -> bool:
+        """Blocks are the hosts' only (see the module docstring)."""
+        return False
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -92,6 +105,9 @@ class Census:
             "faults": dict(self.faults),
             "healthy": list(self.healthy_done),
             "finished": {},
+            "dropped_with_host": set(),
+            "not_closed": self.built - self.n_closed,
+            "lost_with_hosts": 0,
         }
 
 
@@ -116,11 +132,11 @@ class FileCensus:
         with open(os.path.join(self.directory, f"{os.getpid()}.log"), "a") as f:
             f.write(line + "\n")
 
-    def new_env(self) -> tuple[int, bool]:
-        """A uid for a new env, and whether it is the one that never answers."""
+    def new_env(self, worker: int = -1) -> tuple[int, bool]:
+        """A uid for a new env (of ``worker``), and whether it is the one that never answers."""
         local = self._local()
         local["built"] += 1
-        self._log("b")
+        self._log(f"b {worker}")
         dead = False
         if os.getpid() != self.caller:
             try:
@@ -143,6 +159,18 @@ class FileCensus:
     def fault(self, kind: str) -> None:
         self._log({"raise": "r", "hang_reset": "H", "dead_env_calls": "d"}[kind])
 
+    def claim_block(self, limit: int) -> bool:
+        """Whether this step may block its host (one of the run's ``limit`` blocks, claimed as a
+        file); if so, logged with its wall time (``k <time>``)."""
+        for k in range(limit):
+            try:
+                os.close(os.open(os.path.join(self.directory, f"block-{k}"), _CLAIM))
+            except FileExistsError:
+                continue
+            self._log(f"k {time.time():.6f}")
+            return True
+        return False
+
     def healthy(self, episode: int, worker: int) -> None:
         self._log(f"h {episode} {worker} {time.time():.6f}")
 
@@ -151,34 +179,57 @@ class FileCensus:
 
     def read(self) -> dict[str, Any]:
         """Everything logged so far: counts, healthy episode ids, the sum of the peaks."""
-        built = closed = peak = 0
-        faults = {"raise": 0, "hang_reset": 0, "dead_env_calls": 0}
+        built = closed = not_closed = lost_with_hosts = 0
+        peaks: dict[frozenset[str], int] = {}  # by the workers a process hosts: its lives' peak
+        faults = {"raise": 0, "hang_reset": 0, "dead_env_calls": 0, "block": 0}
         healthy: list[int] = []
         finished: dict[int, tuple[int, float]] = {}  # episode -> (worker, wall time)
+        dropped: set[int] = set()  # finished just before their host blocked: died with it
         for log in Path(self.directory).glob("*.log"):
-            process_peak = 0
+            process_peak = process_built = process_closed = 0
+            workers: set[str] = set()
+            block: float | None = None
+            ends: list[tuple[int, float]] = []
             for line in log.read_text().splitlines():
                 kind, _, value = line.partition(" ")
                 if kind == "b":
-                    built += 1
+                    process_built += 1
+                    workers.add(value)
                 elif kind == "c":
-                    closed += 1
+                    process_closed += 1
                 elif kind == "h":
                     episode, worker, when = value.split()
                     healthy.append(int(episode))
                     finished[int(episode)] = (int(worker), float(when))
+                    ends.append((int(episode), float(when)))
                 elif kind == "p":
                     process_peak = max(process_peak, int(value))
+                elif kind == "k":
+                    faults["block"] += 1
+                    block = float(value)
                 else:
                     faults[{"r": "raise", "H": "hang_reset", "d": "dead_env_calls"}[kind]] += 1
-            peak += process_peak
+            # A host killed and restarted lives on in its successor (same workers): the two
+            # never run at once, so the place's peak is the higher of theirs.
+            place = frozenset(workers)
+            peaks[place] = max(peaks.get(place, 0), process_peak)
+            built += process_built
+            closed += process_closed
+            if block is None:
+                not_closed += process_built - process_closed
+            else:  # killed: its envs were never closed, its last replies never sent
+                lost_with_hosts += process_built - process_closed
+                dropped.update(e for e, when in ends if when >= block - CUT_MARGIN_S)
         return {
             "built": built,
             "closed": closed,
-            "peak": peak,
+            "peak": sum(peaks.values()),
             "faults": faults,
             "healthy": healthy,
             "finished": finished,
+            "dropped_with_host": dropped,
+            "not_closed": not_closed,
+            "lost_with_hosts": lost_with_hosts,
         }
 
 
@@ -196,7 +247,7 @@ class ChaosEnv(AsyncEnv[np.ndarray, Any]):
         self.dead = dead
         self.worker = worker  # (process: which worker's env, for the census)
         if isinstance(census, FileCensus):
-            self.uid, self.dead = census.new_env()
+            self.uid, self.dead = census.new_env(worker)
         else:
             self.uid = census.built
             census.built += 1
@@ -206,6 +257,7 @@ class ChaosEnv(AsyncEnv[np.ndarray, Any]):
         self.length = 0
         self.episode = -1
         self.faulty = False
+        self.block_every = args.block_every if isinstance(census, FileCensus) else 0
 
     async def _hang(self) -> None:
         await asyncio.Event().wait()
@@ -244,6 +296,10 @@ class ChaosEnv(AsyncEnv[np.ndarray, Any]):
                 census.fault("raise")
                 self.faulty = True
                 raise RuntimeError("chaos: this step raises")
+            if self.block_every and self.rng.integers(self.block_every) == 0:
+                if census.claim_block(self.args.blocks):
+                    self.faulty = True
+                    time.sleep(self.args.block_seconds)  # blocks the host's loop: it is killed
             self.t += 1
             done = self.t >= self.length
             if done and not self.faulty:
@@ -291,7 +347,9 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
     lags: list[float] = []
     stop = asyncio.Event()
     probe = asyncio.create_task(lag_probe(lags, stop))
-    options: dict[str, Any] = {"n_processes": 2} if backend == "process" else {}
+    options: dict[str, Any] = {}
+    if backend == "process":
+        options = {"n_processes": 2, "step_timeout": args.step_timeout}
     sampler = Sampler(
         env,
         backend=backend,
@@ -325,10 +383,12 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
             read = census.read()
             healthy = [u for u in read["healthy"] if u not in seen]
             seen.update(healthy)
-            lost = cut = 0
+            lost = cut = with_host = 0
             if not timed_out:
                 got = set(batch.episode_infos["uid"].tolist())
                 missing = [u for u in healthy if u not in got]
+                with_host = sum(u in read["dropped_with_host"] for u in missing)
+                missing = [u for u in missing if u not in read["dropped_with_host"]]
                 if read["finished"] and sampler.last_stats is not None:
                     # In a host, an episode can end after its worker met its share and cut the
                     # step (the cancel travels to the host): the sampler gave up on it first.
@@ -357,6 +417,7 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
                     "healthy_finished": len(healthy),
                     "healthy_lost": lost,
                     "healthy_cut_at_share": cut,
+                    "healthy_dropped_with_blocked_host": with_host,
                     "restarts": 0 if sampler.last_stats is None else sampler.last_stats.restarts,
                 }
             )
@@ -381,7 +442,7 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
         "no_call_timed_out": not any(c["timed_out"] for c in calls),
         "no_healthy_episode_lost": lost_total == 0,
         "max_concurrency_kept": final["peak"] <= args.max_concurrency,
-        "nothing_left_after_aclose": not left and final["closed"] == final["built"],
+        "nothing_left_after_aclose": not left and final["not_closed"] == 0,
     }
     return {
         "study": "chaos",
@@ -407,6 +468,8 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
         "tasks_left": [repr(t) for t in left],
         "envs_built": final["built"],
         "envs_closed": final["closed"],
+        "envs_not_closed": final["not_closed"],
+        "envs_gone_with_killed_hosts": final["lost_with_hosts"],
         "healthy_episodes_lost": lost_total,
         "checks": ok,
         "ok": all(ok.values()),
@@ -440,6 +503,15 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
             f"hung ({a['p_hang_reset']:.0%}), {f['dead_env_calls']} calls of the env that never "
             "answers",
         ),
+        (
+            "blocked event loops",
+            (
+                f"{f.get('block', 0)} (time.sleep({a['block_seconds']:g}) in a step; host "
+                f"killed past step_timeout {a['step_timeout']:g} s)"
+            )
+            if result["backend"] == "process"
+            else "- (the caller's loop cannot be pre-empted)",
+        ),
         ("env rebuilds", str(result["restarts"])),
         (
             "episodes cut by episode_timeout",
@@ -452,6 +524,10 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         (
             "ended in a host as their worker stopped (cut, not lost)",
             str(sum(c.get("healthy_cut_at_share", 0) for c in calls)),
+        ),
+        (
+            "ended just before their host blocked (dropped with it, not lost)",
+            str(sum(c.get("healthy_dropped_with_blocked_host", 0) for c in calls)),
         ),
         (
             "env calls in flight, peak",
@@ -469,8 +545,9 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         (
             "left after aclose()",
-            f"{len(result['tasks_left'])} tasks, {result['envs_built'] - result['envs_closed']} "
-            "envs not closed",
+            f"{len(result['tasks_left'])} tasks, {result.get('envs_not_closed', 0)} envs not "
+            f"closed (besides {result.get('envs_gone_with_killed_hosts', 0)} killed with "
+            "their blocked hosts)",
         ),
     ]
 
@@ -508,6 +585,14 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--episode-timeout", type=float, default=10.0)
     parser.add_argument("--max-concurrency", type=int, default=1024)
     parser.add_argument("--max-restarts", type=int, default=10)
+    parser.add_argument(
+        "--block-every", type=int, default=5_000, help="process: 1 in N steps blocks its host"
+    )
+    parser.add_argument("--blocks", type=int, default=3, help="process: at most N blocks a run")
+    parser.add_argument("--block-seconds", type=float, default=600.0)
+    parser.add_argument(
+        "--step-timeout", type=float, default=11.0, help="process (above episode_timeout)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument(
@@ -519,6 +604,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.episodes, args.workers, args.calls = 256, 4, 2
         args.quota, args.deadline, args.max_concurrency = 3_000, 20.0, 128
         args.latency, args.episode_timeout = 0.05, 5.0
+        args.block_every, args.blocks, args.block_seconds, args.step_timeout = 300, 1, 60.0, 6.0
     return args
 
 
@@ -543,10 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": results,
         "ok": all(r["ok"] for r in results),
     }
-    (out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
-    md = table(results)
-    (out / "results.md").write_text(md + "\n")
-    print(md)
+    from benchmarks.report import write_own_results
+
+    write_own_results(out, summary, table(results))
     return 0 if summary["ok"] else 1
 
 

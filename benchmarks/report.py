@@ -8,8 +8,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,10 @@ from benchmarks.suite import Config, Settings
 
 __all__ = [
     "CHARTS_SKIPPED",
+    "command_line",
     "draw_charts",
     "machine_info",
+    "provenance",
     "write_json",
     "write_markdown",
     "write_plots",
@@ -85,15 +88,82 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def command_line(head: str | None = None, args: Sequence[str] | None = None) -> str:
+    """The command that ran a study, as a user types it, without its ``--out`` (a path).
+
+    Args:
+        head: The command's name (``asyncsample bench async_envs``); default: from ``sys.argv[0]``
+            (``asyncsample``, ``python -m benchmarks`` or ``python -m benchmarks.MODULE``).
+        args: Its arguments (default: ``sys.argv[1:]``).
+    """
+    if head is None:
+        prog = Path(sys.argv[0])
+        if prog.name == "__main__.py":
+            head = f"python -m {prog.parent.name}"
+        elif prog.suffix == ".py":
+            head = f"python -m {prog.parent.name}.{prog.stem}"
+        else:
+            head = prog.name
+    shown: list[str] = []
+    skip = False
+    for arg in sys.argv[1:] if args is None else args:
+        if skip or arg.startswith("--out="):
+            skip = False
+            continue
+        if arg == "--out":
+            skip = True
+            continue
+        shown.append(arg)
+    return " ".join([head, *shown])
+
+
+def _commit() -> str | None:
+    """The checkout's commit (``+ uncommitted changes`` when its code differs), or None."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "asyncsample", "benchmarks/*.py")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + (" + uncommitted changes" if dirty else "")
+
+
+def provenance() -> dict[str, Any]:
+    """What a results file says of its run: the command, the commit, the date and the machine."""
+    machine = machine_info()
+    return {
+        "command": command_line(),
+        "commit": _commit(),
+        "date": machine["date"],
+        "machine": machine,
+    }
+
+
+def _with_provenance(payload: dict[str, Any]) -> dict[str, Any]:
+    """``payload`` with a ``provenance`` entry first (kept when it has one)."""
+    if "provenance" in payload:
+        return payload
+    return {"provenance": provenance(), **payload}
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` as indented JSON."""
-    path.write_text(json.dumps(payload, indent=1, default=str))
+    """Write ``payload`` as indented JSON, with its :func:`provenance`."""
+    path.write_text(json.dumps(_with_provenance(payload), indent=1, default=str))
 
 
 def write_own_results(out: Path, result: dict[str, Any], markdown: str) -> None:
-    """An own-runner study's ``results.json`` and ``results.md`` in ``out``; prints the table."""
+    """An own-runner study's ``results.json`` (with its :func:`provenance`) and ``results.md``
+    in ``out``; prints the table."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "results.json").write_text(
+        json.dumps(_with_provenance(result), indent=2, default=str)
+    )
     (out / "results.md").write_text(markdown + "\n")
     print(markdown)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import platform
@@ -517,8 +516,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = uvloop.run(soak(args))
     except ImportError:
         result = asyncio.run(soak(args))
+    from benchmarks.report import write_json
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str))
+    write_json(args.out, result)
     md = table(result)
     args.out.with_suffix(".md").write_text(md + "\n")
     print(md)

@@ -45,8 +45,6 @@ class Study:
         minutes: Rough length of the default budget on a quiet 2-core machine (script studies;
             plan studies estimate theirs from the plan).
         needs: What the study needs beyond the test extra (shown in the listing).
-        before: Results files (under ``benchmarks/results``) of the study's earlier runs,
-            before the framework: the pages cite them until the study has run.
     """
 
     name: str
@@ -58,7 +56,6 @@ class Study:
     script_args: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     minutes: float = 0.0
     needs: str = ""
-    before: tuple[str, ...] = ()
 
     @property
     def is_plan(self) -> bool:
@@ -95,7 +92,6 @@ STUDIES: list[Study] = [
             "repeats": 1,
         },
         needs="SB3, tianshou, EnvPool (bench extra) or skipped",
-        before=("results.md",),
     ),
     Study(
         "big",
@@ -107,7 +103,6 @@ STUDIES: list[Study] = [
             "contenders": ["ceiling", "sync", "async", "asyncsample"],
             "repeats": 3,
         },
-        before=("results.md",),
     ),
     Study(
         "scaling",
@@ -118,14 +113,12 @@ STUDIES: list[Study] = [
             "contenders": ["ceiling", "sync", "async", "asyncsample", "asyncsample-vector"],
             "repeats": 1,
         },
-        before=("results.md",),
     ),
     Study(
         "overhead",
         "NoOp-v0: the sampler's own cost per transition and per worker round trip",
         groups=("ideal", "overhead"),
         settings={"envs": ["NoOp-v0"], "contenders": ["sync", "async", "asyncsample"]},
-        before=("results.md",),
     ),
     Study(
         "policy",
@@ -134,7 +127,6 @@ STUDIES: list[Study] = [
         groups=("policy",),
         settings={"contenders": _POLICY, "repeats": 3, "once": _POLICY[-4:]},
         needs="torch, mujoco; TorchRL (bench extra) or skipped",
-        before=("policy/results.md", "host_policy.json"),
     ),
     Study(
         "vector",
@@ -158,7 +150,6 @@ STUDIES: list[Study] = [
             "repeats": 3,
         },
         needs="pufferlib-core (pip install --no-deps), TorchRL (bench extra) or skipped",
-        before=("vector_env.md",),
     ),
     Study(
         "host",
@@ -170,7 +161,6 @@ STUDIES: list[Study] = [
             "contenders": ["ceiling", "async", "asyncsample"],
             "repeats": 3,
         },
-        before=("host_inference.md",),
     ),
     Study(
         "real_envs",
@@ -201,7 +191,6 @@ STUDIES: list[Study] = [
         },
         quick={"envs": ["HalfCheetah-v5"], "real_envs": ["HalfCheetah-v5"]},
         needs="ale-py, mujoco (EGL or OSMesa for the renders), EnvPool, torch",
-        before=("real_envs.md",),
     ),
     Study(
         "sweep",
@@ -213,7 +202,6 @@ STUDIES: list[Study] = [
             "repeats": 1,
         },
         needs="ale-py, EnvPool",
-        before=("real_envs.md",),
     ),
     Study(
         "ray",
@@ -222,14 +210,12 @@ STUDIES: list[Study] = [
         groups=("ray",),
         settings={"contenders": ["ceiling", "asyncsample", "asyncsample-ray"], "repeats": 3},
         needs="ray",
-        before=("ray_vs_process.json",),
     ),
     Study(
         "stragglers",
         "fraction_samples against the fixed per-worker split with a 10x slower worker",
         groups=("stragglers",),
         settings={"contenders": ["ceiling", "asyncsample"], "repeats": 4},
-        before=("stragglers.md",),
     ),
     Study(
         "soak",
@@ -238,7 +224,6 @@ STUDIES: list[Study] = [
         script="benchmarks.soak",
         script_args=(("--minutes", "3"), ("--minutes", "0.15", "--batch", "800")),
         minutes=3.0,
-        before=("soak.md",),
     ),
     Study(
         "chaos",
@@ -262,6 +247,17 @@ STUDIES: list[Study] = [
         script="benchmarks.async_envs",
         script_args=((), ("--quick",)),
         minutes=30.0,
+    ),
+    Study(
+        "text_envs",
+        "10,000 concurrent text episodes on process hosts (1 KB prompts, 200-character replies "
+        "and tool outputs, Text spaces; the async-env study's latency model, 200-step "
+        "episodes) against the same study with 4-float observations: steps/s, memory per "
+        "open episode, and a profile of the caller with what the reply messages carried "
+        "(own runner)",
+        script="benchmarks.text_envs",
+        script_args=((), ("--quick",)),
+        minutes=5.0,
     ),
     Study(
         "hostloop",
@@ -289,7 +285,6 @@ STUDIES: list[Study] = [
         script_args=(("--repeats", "3"), ("--repeats", "1", "--quick")),
         minutes=6.0,
         needs="--a PATH of the baseline tree; not in `all`",
-        before=("ab/ab.md",),
     ),
 ]
 

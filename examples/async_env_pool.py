@@ -2,11 +2,13 @@
 service (here a simulated one: a heavy-tailed latency), thousands of episodes in flight, each
 env host (a process, or a Ray actor) stepping its envs in its own event loop.
 
+    python examples/async_env_pool.py --envs 2000                  # env-host processes
     python examples/async_env_pool.py --backend ray --envs 2000 --seconds 10
-    python examples/async_env_pool.py --backend process --envs 2000
 
-With ``--backend ray`` and no ``RAY_ADDRESS``, a local Ray instance is started (and shut down at
-the end); on a cluster, set ``RAY_ADDRESS`` and the same code spreads the actors over its nodes.
+The default backend, ``process``, needs only the base install. ``--backend ray`` needs Ray
+(``pip install 'asyncsample[ray]'``): with no ``RAY_ADDRESS`` a local Ray instance is started
+(and shut down at the end); on a cluster, set ``RAY_ADDRESS`` and the same code spreads the
+actors over its nodes.
 """
 
 from __future__ import annotations
@@ -55,7 +57,13 @@ class RemoteServiceEnv(asyncsample.AsyncEnv[np.ndarray, np.int64]):
 
 async def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=["ray", "process", "asyncio"], default="ray")
+    parser.add_argument(
+        "--backend",
+        choices=["process", "ray", "asyncio"],
+        default="process",
+        help="process (default: env-host processes), ray (pip install 'asyncsample[ray]') or "
+        "asyncio (every env in this process's event loop)",
+    )
     parser.add_argument("--envs", type=int, default=1000, help="episodes in flight")
     parser.add_argument("--hosts", type=int, default=2, help="env-host processes or actors")
     parser.add_argument("--seconds", type=float, default=10.0, help="how long to sample")

@@ -161,6 +161,16 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     ),
     # A loop-free round through step_async/step_wait: [step] stays (the same round).
     "test_vector_env.py::test_quiet_lockstep_steps_run_no_event_loop": ({"call": ("step_async",)},),
+    # Text/Sequence layouts on blocking envs in process hosts: every layout on async envs in
+    # process hosts and in this process, and the "dict" layout (Text and Sequence nested) on
+    # blocking envs in process hosts, stay.
+    "test_text_spaces.py::test_every_layout_and_backend_records_the_reference_episodes": (
+        {
+            "backend": ("process",),
+            "kind": ("sync",),
+            "layout": ("text", "tokens", "embed", "tuple"),
+        },
+    ),
 }
 
 

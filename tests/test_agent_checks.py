@@ -69,14 +69,15 @@ BAD_OUTPUTS = {
         lambda a: (a, {"logp": 0.5}),
         r"agent_infos\['logp'\]: .*worker 0 .*envs_per_worker \(3\); got a scalar",
     ),
+    # (A list of rows of varying length is a ragged column; a scalar among lists is not.)
     "infos ragged": (
-        lambda a: (a, {"logp": [[1], [1, 2], []]}),
+        lambda a: (a, {"logp": [1, [1, 2], []]}),
         r"agent_infos\['logp'\]: .*worker 0 .*not array-like",
     ),
     "key changes dtype kind": (
         lambda a: (a, {"logp": np.array(["x"] * len(a)), "mean": np.zeros((len(a), 2))}),
         r"agent_infos\['logp'\]: .*worker 0 changed this key between steps: it had dtype kind "
-        r"'f' and per-env shape \(\), now dtype <U1",
+        r"'f' and per-env shape \(\), now dtype object",  # strings: a text column
     ),
     "key changes shape": (
         lambda a: (a, {"logp": np.zeros(len(a)), "mean": np.zeros((len(a), 3))}),

@@ -98,7 +98,10 @@ def test_plan_layouts_and_the_64_env_cap() -> None:
     zero = [s for s in specs if s.contender == "ours-asyncio-zero"]
     assert zero and all(s.mean == 0 and s.n_episodes == 1000 for s in zero)
     assert {s.threads for s in specs if s.contender == "ours-thread"} == {64}
-    shown = ae.command_line(["--quick", "--out", "/tmp/x", "--levels", "10", "--out=/y"])
+    from benchmarks import report
+
+    argv = ["--quick", "--out", "/tmp/x", "--levels", "10", "--out=/y"]
+    shown = report.command_line("asyncsample bench async_envs", argv)
     assert shown == "asyncsample bench async_envs --quick --levels 10"
 
 

@@ -36,6 +36,7 @@ SMOKE: dict[str, list[str]] = {
                   "asyncsample"],
     "sweep": ["--contenders", "ceiling", "envpool", "asyncsample"],
     "ab": ["--a", str(REPO), "--workloads", "CartPole-v1 4x8 random"],
+    "text_envs": [],
     "async_envs": ["--levels", "10", "--contenders", "ceiling", "gym-async", "pool-32",
                    "ours-thread", "ours-asyncio", "ours-process-batched", "--seconds", "0.5"],
 }  # fmt: skip
@@ -93,8 +94,12 @@ def test_chaos_smoke_run_passes_its_checks(tmp_path: Path) -> None:
         assert result["healthy_episodes_lost"] == 0
         assert sum(c["healthy_finished"] for c in result["calls"]) > 0
         assert result["peak_env_calls_in_flight"] <= result["args"]["max_concurrency"]
-        assert result["envs_built"] == result["envs_closed"] > 0
+        assert result["envs_not_closed"] == 0 and result["envs_closed"] > 0
         assert not result["tasks_left"]
+    # the blocking-env kind (process only): a host's loop blocked past every call's deadline
+    # was killed (every call by its deadline above), its envs gone with it
+    blocked = summary["runs"][1]
+    assert blocked["faults"]["block"] == 1 and blocked["envs_gone_with_killed_hosts"] > 0
 
 
 def test_torchrl_collector_drives_the_policy(tmp_path: Path) -> None:
@@ -350,7 +355,7 @@ def test_ab_verdict() -> None:
 
     assert verdict([0.90, 0.96]) == "slower"
     assert verdict([0.97, 1.2]) == "not slower"
-    assert verdict([0.72, 1.11, 0.96]) == "inconclusive"  # session 8's CartPole 8x1 host pairs
+    assert verdict([0.72, 1.11, 0.96]) == "inconclusive"  # the 8x1 host pairs of 8fbdba7
 
 
 def test_group_step_prints_each_trees_cost(capsys: pytest.CaptureFixture[str]) -> None:

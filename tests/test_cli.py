@@ -90,7 +90,13 @@ def assert_one_line_error(done: subprocess.CompletedProcess[str], status: int, *
         (["--seed", "-1"], ["--seed", ">= 0", "-1"]),
         (["--processes", "1.5"], ["--processes", "1.5"]),
         (["--backend", "gpu"], ["--backend", "gpu", "process"]),
+        # asyncio steps async envs only, which no gymnasium id makes: not offered.
+        (["--backend", "asyncio"], ["--backend", "asyncio", "thread"]),
         (["--no-such-option"], ["--no-such-option"]),
+        (["--metrics-port", "70000"], ["--metrics-port", "0 to 65535", "70000"]),
+        (["--metrics-port", "-1"], ["--metrics-port", "0 to 65535", "-1"]),
+        # A TEST-NET-1 address (RFC 5737): never one of this machine's.
+        (["--metrics-port", "0", "--metrics-addr", "192.0.2.1"], ["--metrics-addr", "192.0.2.1"]),
     ],
 )
 def test_usage_errors_are_one_line_and_status_2(
@@ -107,18 +113,58 @@ def test_usage_errors_are_one_line_and_status_2(
     assert out == ""
 
 
+def test_a_metrics_port_in_use_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        with pytest.raises(SystemExit) as exited:
+            main(["run", "--backend", "local", "--steps", "10", "--metrics-port", port])
+    out, err = capsys.readouterr()
+    done = subprocess.CompletedProcess([], exited.value.code, out, err)
+    assert_one_line_error(done, 2, f"--metrics-port {port}", "already in use")
+
+
+def test_no_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    out, err = capsys.readouterr()
+    done = subprocess.CompletedProcess([], exited.value.code, out, err)
+    assert_one_line_error(done, 2, "expected a command", "run", "bench")
+
+
+def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["run", "--help"]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        out, _ = capsys.readouterr()
+        assert exited.value.code == 0
+        assert "exit status: 0 done, 1 runtime error, 2 usage error" in " ".join(out.split())
+        assert "``" not in out and ":class:" not in out and ":meth:" not in out
+
+
+def test_the_thread_backend_samples_a_gymnasium_id(capsys: pytest.CaptureFixture[str]) -> None:
+    """thread, offered for a gymnasium id, steps its blocking envs in a pool of threads."""
+    assert main(["run", "--backend", "thread", "--steps", "300", "--workers", "2"]) == 0
+    out, _ = capsys.readouterr()
+    assert "ran:          backend thread, inference per_worker, 2 workers x 8 envs in this" in out
+    assert int(re.search(r"steps:\s+(\d+)", out).group(1)) >= 300  # type: ignore[union-attr]
+
+
 def test_usage_error_of_the_command_is_status_2() -> None:
     done = run_cli("run", "No-Such-Env-v9", "--backend", "local")
     assert_one_line_error(done, 2, "No-Such-Env-v9")
     assert done.stdout == ""
 
 
-def test_missing_optional_dependency_is_one_line_and_status_1() -> None:
+def test_missing_optional_dependency_is_a_usage_error() -> None:
     # sys.modules[name] = None makes `import ray` fail as if ray were not installed.
     done = run_cli(
         "run", "--backend", "ray", "--steps", "10", prelude="import sys; sys.modules['ray'] = None"
     )
-    assert_one_line_error(done, 1, "ray", "pip install")
+    assert_one_line_error(done, 2, "--backend ray", "pip install 'asyncsample[ray]'")
 
 
 def test_runtime_error_is_one_line_and_status_1() -> None:
@@ -186,6 +232,9 @@ def test_a_short_run_prints_the_summary() -> None:
     steps = int(re.search(r"steps:\s+(\d+)", done.stdout).group(1))  # type: ignore[union-attr]
     assert steps >= 500
     assert re.search(r"episodes:\s+[1-9]\d* completed", done.stdout)
+    # The backend, the inference mode and the placement that ran.
+    ran = "ran:          backend local, inference per_worker, 2 workers x 8 envs in this process"
+    assert ran in done.stdout
 
 
 @pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
@@ -225,7 +274,7 @@ def test_a_run_with_metrics_prints_the_bottleneck() -> None:
     assert "envs busy" in done.stdout and "caller idle" in done.stdout
 
 
-def test_metrics_port_without_the_extra_is_one_line_and_status_1() -> None:
+def test_metrics_port_without_the_extra_is_a_usage_error() -> None:
     done = run_cli(
         "run",
         "--steps",
@@ -234,7 +283,7 @@ def test_metrics_port_without_the_extra_is_one_line_and_status_1() -> None:
         "0",
         prelude="import sys; sys.modules['prometheus_client'] = None",
     )
-    assert_one_line_error(done, 1, "prometheus_client", "asyncsample[metrics]")
+    assert_one_line_error(done, 2, "prometheus_client", "asyncsample[metrics]")
 
 
 @pytest.mark.slow  # a fresh interpreter and a deliberate wait: CI runs it with -m slow

@@ -338,3 +338,11 @@ async def test_async_env_pool_on_a_local_ray_cluster(ray_cluster: Any) -> None:
     assert result["steps"] >= 640  # at least one batch of the stream (10 steps per env)
     assert result["episodes"] >= 1
     assert result["steps_per_s"] > 0
+
+
+async def test_async_env_pool_defaults_to_what_the_base_install_runs() -> None:
+    """Without --backend the pool runs on process (env-host processes), which needs no extra."""
+    pool = load_example("async_env_pool")
+    sys.modules[pool.__name__] = pool  # the hosts unpickle its env class by module name
+    result = await pool.main(["--envs", "32", "--seconds", "1", "--latency", "0.01"])
+    assert result["steps"] > 0 and result["episodes"] >= 1

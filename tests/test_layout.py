@@ -41,6 +41,7 @@ FOREIGN_PRIVATES: dict[tuple[str, str], str] = {
     ("backends/_host_main.py", "os._exit"): "documented: leave a forked host at once",
     ("backends/_procs.py", "forkserver._forkserver"): "the forkserver's pid (no public access)",
     ("backends/_procs.py", "resource_tracker._resource_tracker"): "its pid (no public access)",
+    ("backends/_watchdog.py", "sys._current_frames"): "documented; another thread's stack",
     ("vector/env.py", "_GymVectorEnv._add_info"): "gymnasium's own vector-info builder",
     ("vector/portal.py", "asyncio._get_running_loop"): "documented; no warning outside a loop",
 }

@@ -110,6 +110,32 @@ async def test_max_policy_lag_drops_stale_episodes(
     assert set(second.episode_infos["agent_version"].tolist()) == {1}
 
 
+@pytest.mark.parametrize("buffer_size", [1, 2])
+async def test_an_update_reaches_the_batch_after_the_buffered_ones(
+    buffer_size: int, make_sampler: SamplerFactory
+) -> None:
+    """The update lag the docs state: an update made while the buffer is full first shows in
+    the (buffer_size + 2)-th batch after it; the buffer_size + 1 before it (the buffered ones
+    and the round that waited to enter the buffer) were sampled under the old version."""
+    # Rounds of 4 fragment steps (1 worker x 2 envs x 2 steps): the yielded round, the buffered
+    # ones and the one waiting to enter the buffer make buffer_size + 2 rounds of agent calls.
+    agent = CountingAgent(notify_at=(buffer_size + 2) * 2)
+    async with make_sampler("local", agent=[agent], n_workers=1, envs_per_worker=2) as s:
+        stream = s.stream(4, fragments=True, buffer_size=buffer_size)
+        async with contextlib.aclosing(stream) as it:
+            await anext(it)
+            await agent.reached.wait()  # the consumer trains: the buffer fills meanwhile
+            calls = -1
+            while calls != agent.calls:  # until the producer waits for room in the buffer
+                calls = agent.calls
+                await stays(lambda: agent.calls == calls, 0.1)  # noqa: B023 (read at once)
+            await s.update_agent(np.asarray(SCRIPT))
+            old = [await anext(it) for _ in range(buffer_size + 1)]
+            new = await anext(it)
+    assert [b.agent_versions.tolist() for b in old] == [[0] * 4] * (buffer_size + 1)
+    assert set(new.agent_versions.tolist()) == {1}
+
+
 async def test_slow_consumer_pauses_sampling_and_closing_stops_it(
     backend: str, make_sampler: SamplerFactory
 ) -> None:

@@ -26,6 +26,7 @@ from asyncsample._engine import StopRule
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import trusted_actions
+from asyncsample.backends._column_wire import unpack_chunk
 from asyncsample.backends._transport import (
     SharedArray,
     buffer_rows,
@@ -35,6 +36,7 @@ from asyncsample.backends._transport import (
 )
 from asyncsample.backends.base import EnvHost, HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
+from asyncsample.errors import AgentRowsError
 
 __all__ = [
     "AgentHost",
@@ -159,7 +161,7 @@ def chunk_sets(
 def arena_rows(observation_space: gym.Space[Any], n_envs: int, capacity: int) -> int:
     """Rows of a worker's observation arena: what :data:`ARENA_BYTES` holds, at most
     :data:`ARENA_MAX_ROWS`; 0 (no arena) when fewer than two chunks fit."""
-    probe = StepBuffers.allocate(observation_space, gym.spaces.Discrete(2), 1)
+    probe = StepBuffers.allocate(observation_space, gym.spaces.Discrete(2), 1, columns=True)
     leaves = tree_leaves(probe.obs)
     if any(a.dtype == object for a in leaves):
         return 0
@@ -182,7 +184,7 @@ def chunk_capacity(
     observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, steps: int
 ) -> int:
     """How many steps a worker's chunk buffers hold: ``steps``, fewer if a row is large."""
-    probe = StepBuffers.allocate(observation_space, action_space, 1)
+    probe = StepBuffers.allocate(observation_space, action_space, 1, columns=True)
     row = sum(a.nbytes for a in tree_leaves(probe.obs)) * 2 + sum(
         a.nbytes for a in tree_leaves(probe.actions)
     )
@@ -202,7 +204,9 @@ def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], Raw
         return [], None
     obs_space, n_envs = spec.observation_space, spec.n_envs
     rows = chunk_rows(spec.chunk_steps, PIPELINE_SETS)
-    _, blocks = shared_buffers(obs_space, spec.action_space, rows * n_envs, ctx)
+    _, blocks = shared_buffers(
+        obs_space, spec.action_space, rows * n_envs, ctx, columns=spec.columns
+    )
     counters = ctx.RawArray("q", 2)  # the step counter and the update epoch
     arena = None
     n_arena = arena_rows(obs_space, n_envs, spec.chunk_steps)
@@ -218,7 +222,7 @@ def view_chunk_sets(spec: HostSpec, raw: RawChunks) -> list[ChunkBuffers]:
     seen from either process."""
     capacity, rows, blocks, counters, raw_arena = raw
     obs_space, n_envs = spec.observation_space, spec.n_envs
-    flat = view_buffers(obs_space, spec.action_space, rows * n_envs, blocks)
+    flat = view_buffers(obs_space, spec.action_space, rows * n_envs, blocks, columns=spec.columns)
     arena = None
     if raw_arena is not None:
         n_arena, memory = raw_arena
@@ -272,10 +276,15 @@ class SentChunk:
     future: Any
     reply: Callable[[], Awaitable[bytes]]
     version: int
+    into: tuple[ChunkBuffers, Tree] | None = None
+    """Where the reply's ``object`` rows go (:attr:`ChunkReply.columns`): the request's chunk
+    set and the step buffers' observations; ``None`` when the rows are shared."""
 
     async def wait(self) -> ChunkReply:
-        """The chunk's reply."""
+        """The chunk's reply (its ``object`` rows written into :attr:`into`)."""
         result: ChunkReply = pickle.loads(await self.reply())
+        if self.into is not None and result.columns is not None:
+            unpack_chunk(*self.into, result.steps, result.columns)
         return result
 
     def abandon(self) -> None:
@@ -307,6 +316,10 @@ class ChunkReply:
         default_factory=dict
     )
     obs_row: int = -1
+    columns: Any = None
+    """Text/Sequence leaves (object rows, not in shared memory): the chunk's observation,
+    final observation and action rows and the current observations, packed by the host
+    (:func:`asyncsample.backends._column_wire.pack_block`); else ``None``."""
 
     def infos_at(self, step: int) -> dict[str, np.ndarray]:
         """The agent infos of ``step``."""
@@ -405,6 +418,15 @@ class ChunkRunner:
 
     def _failure(self, exc: Exception) -> EnvFailureError:
         """What the agent's ``exc`` is reported as (in the ``except`` block: the traceback)."""
+        if isinstance(exc, AgentRowsError):  # a failed row: that env's fault (host restarted)
+            n = self.group.n_envs
+            try:
+                exc.check_rows(n, f"the {n} envs of worker {self.group.worker}")
+            except ValueError as bad:
+                return self._failure(bad)
+            row = next(iter(exc.failures))
+            fault = exc.row_fault(row, worker=self.group.worker, env=row)
+            return EnvFailureError(EnvFailure(row, fault, traceback.format_exc(), retry=True))
         error = agent_error(exc, self.group.worker)
         return EnvFailureError(EnvFailure(None, error, traceback.format_exc(), retry=False))
 

@@ -18,7 +18,9 @@ import socket
 import sys
 from typing import Any
 
-from asyncsample.backends import _lane_serve, _threads
+import numpy as np
+
+from asyncsample.backends import _lane_serve, _threads, _watchdog
 from asyncsample.backends._chunk import RawChunks, view_chunk_sets
 from asyncsample.backends._lane_serve import LaneOptions
 from asyncsample.backends._slot import HostSlot, RawArena, view_step_arena
@@ -35,11 +37,16 @@ from asyncsample.backends._transport import (
     send_frame,
     slot_buffers,
 )
-from asyncsample.env_group import EnvFailureError
+from asyncsample.env_group import EnvFailureError, EnvGroup
 
 __all__ = ["main"]
 
+_watchdog.env_calls(EnvGroup)  # a lockstep host's watchdog names the env in its frames
+
 _PR_SET_PDEATHSIG = 1
+#: A lockstep host's watchdog says where a request stands once it has run this share of
+#: ``step_timeout`` (and again at each look): before the caller's timer kills the host.
+_WATCH_AT = 0.9
 
 
 def _die_with_parent() -> None:
@@ -88,6 +95,7 @@ def main(
     lanes: LaneOptions | None = None,
     raw_arenas: list[RawArena | None] | None = None,
     spin_after_step: float | None = None,
+    watch: tuple[Any, float | None] | None = None,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
@@ -95,7 +103,9 @@ def main(
     :data:`~asyncsample.backends._chunk.RawChunks` (or ``None``) and ``raw_arenas`` its
     observation arena (:data:`~asyncsample.backends._slot.RawArena`, or ``None``); with
     ``lanes``, the slots' envs are async envs served in an event loop
-    (:mod:`asyncsample.backends._lane_serve`). ``spin_after_step``: see :class:`StepReader`."""
+    (:mod:`asyncsample.backends._lane_serve`). ``spin_after_step``: see :class:`StepReader`.
+    ``watch``: the block shared with the caller (see :mod:`asyncsample.backends._watchdog`) and
+    the ``step_timeout`` of a lockstep host's requests (a host of async envs: its loop's)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     with contextlib.suppress(OSError):
@@ -105,26 +115,42 @@ def main(
     gc.freeze()
     sock.setblocking(True)
     specs = pickle.loads(slots_blob)
+    block = None if watch is None else np.frombuffer(watch[0], dtype=np.uint8)
     if lanes is not None:
-        _serve_lanes(sock, specs, raw_buffers, lanes)
+        _serve_lanes(sock, specs, raw_buffers, lanes, block)
         return
     slots: list[HostSlot] = []
     chunks = raw_chunks or [None] * len(specs)
     arenas = raw_arenas or [None] * len(specs)
     for spec, raw, raw_chunk, raw_arena in zip(specs, raw_buffers, chunks, arenas):
         buffers = slot_buffers(
-            spec.observation_space, spec.action_space, spec.n_envs, raw, spec.timed
+            spec.observation_space, spec.action_space, spec.n_envs, raw, spec.timed, spec.columns
         )
         sets = None if raw_chunk is None else view_chunk_sets(spec, raw_chunk)
         arena = None if raw_arena is None else view_step_arena(spec, raw_arena)
         slots.append(HostSlot(spec, buffers, sets, host_threads, "env-host process", arena))
     reader = StepReader(sock, spin_after_step or 0.0)
+    limit = None if watch is None else watch[1]
+    turns = [0]  # a list, not the shared counter: a numpy cell's bump costs 5x more per step
+    watched = None
+    if block is not None and limit is not None:  # say where a request stands past the limit
+        watched = _watchdog.watch(
+            _watchdog.Watch(
+                limit * _WATCH_AT,
+                turns,
+                lambda report, first: _watchdog.write_report(block, report),
+                serving=True,
+                where="thread",
+                on_move=lambda: _watchdog.forget_report(block),
+            )
+        )
     try:
         send_frame(sock, HELLO_ID, ST_OK)
-        _serve(sock, reader, slots)
+        _serve(sock, reader, slots, turns if watched is not None else None)
     except (BrokenPipeError, ConnectionError):
         pass  # the parent went away: nothing left to answer
     finally:
+        _watchdog.unwatch(watched)
         for slot in slots:
             slot.close()
         reader.close()
@@ -133,15 +159,19 @@ def main(
 
 
 def _serve_lanes(
-    sock: socket.socket, specs: list[Any], raw_buffers: list[Any], lanes: LaneOptions
+    sock: socket.socket,
+    specs: list[Any],
+    raw_buffers: list[Any],
+    lanes: LaneOptions,
+    block: np.ndarray | None = None,
 ) -> None:
     """Serve the slots' async envs in an event loop until ``exit`` or the stream's end."""
     buffers = [
-        slot_buffers(s.observation_space, s.action_space, s.n_envs, raw, s.timed)
+        slot_buffers(s.observation_space, s.action_space, s.n_envs, raw, s.timed, s.columns)
         for s, raw in zip(specs, raw_buffers)
     ]
     try:
-        _lane_serve.serve(sock, specs, buffers, lanes)
+        _lane_serve.serve(sock, specs, buffers, lanes, block)
     except (BrokenPipeError, ConnectionError):
         pass  # the parent went away: nothing left to answer
     finally:
@@ -194,10 +224,16 @@ class StepReader(FrameReader):
         self._spin.poll(self._poller.poll, self.spin)
 
 
-def _serve(sock: socket.socket, reader: StepReader, slots: list[HostSlot]) -> None:
+def _serve(
+    sock: socket.socket,
+    reader: StepReader,
+    slots: list[HostSlot],
+    turns: list[int] | None = None,
+) -> None:
     """Read a frame, hand it to its slot, reply; until ``exit`` or the end of the stream. After
     a step's reply, the next request is waited for spinning (``reader.spin``, see
-    :class:`StepReader`)."""
+    :class:`StepReader`). ``turns`` (watched, see :mod:`asyncsample.backends._watchdog`): bumped
+    before and after each request, so it is odd while one is served."""
     unpack_slot = SLOT.unpack_from
     slot_size = SLOT.size
     spin = reader.spin > 0
@@ -210,7 +246,15 @@ def _serve(sock: socket.socket, reader: StepReader, slots: list[HostSlot]) -> No
             return
         try:
             slot = slots[unpack_slot(payload)[0]]
-            send_frame(sock, rid, ST_OK, slot.serve(op, memoryview(payload)[slot_size:]))
+            if turns is None:
+                reply = slot.serve(op, memoryview(payload)[slot_size:])
+            else:
+                turns[0] += 1
+                try:
+                    reply = slot.serve(op, memoryview(payload)[slot_size:])
+                finally:
+                    turns[0] += 1
+            send_frame(sock, rid, ST_OK, reply)
             if spin and op == Op.STEP:
                 reader.wait_spinning()
         except EnvFailureError as exc:

@@ -17,6 +17,7 @@ import cloudpickle
 
 from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
+from asyncsample.backends._column_wire import object_rows, pack_requests, unpack_replies
 from asyncsample.backends._lane_serve import PENDING, ST_AGENT, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import Incarnation, PoolMember, closed_error
 from asyncsample.backends._transport import ST_OK, dumps
@@ -24,7 +25,7 @@ from asyncsample.backends.aio import PerEnvLockstep
 from asyncsample.backends.base import DeadlinePassed
 from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
-from asyncsample.errors import WorkerCrashedError, WorkerError
+from asyncsample.errors import LoopBlockedError, WorkerCrashedError, WorkerError
 
 __all__ = ["ST_DIED", "LaneLink", "RemoteLanes"]
 
@@ -45,6 +46,8 @@ class LaneLink:
         self._next = 0
         self._flushing = False
         self.dead: BaseException | None = None
+        # Step requests carry Text/Sequence actions: packed one column per leaf per batch.
+        self.pack_actions = False
 
     def submit(
         self, owner: RemoteLanes, kind: int, slot: int, i: int, *args: Any
@@ -83,12 +86,16 @@ class LaneLink:
         self._flushing = False
         out, self._out = self._out, []
         if out and self.dead is None:
-            self._send(dumps(out))
+            packed = pack_requests(out, LaneKind.STEP) if self.pack_actions else None
+            self._send(dumps(out if packed is None else packed))
 
     def replied(self, payload: bytes) -> None:
         """A batch of replies came: ``(key, status, value)`` each."""
         waiting, owners, envs = self._waiting, self._owners, self._envs
-        for key, status, value in pickle.loads(payload):
+        replies = pickle.loads(payload)
+        if type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
+            replies = unpack_replies(replies)
+        for key, status, value in replies:
             future = waiting.pop(key, None)
             if future is None:  # given up on
                 continue
@@ -131,7 +138,10 @@ class RemoteLanes(PerEnvLockstep):
         self.n_envs = self.spec.n_envs  # type: ignore[attr-defined]
         self.in_flight = {}
         # The observations travel with the replies (buffers not shared, or without fixed rows).
-        self._obs_in_reply = obs_in_reply or isinstance(self.buffers.obs, list)
+        spec = self.spec  # type: ignore[attr-defined]
+        # Object rows (Text, Sequence leaves): not in shared memory, they travel packed.
+        self._columns = object_rows(spec)
+        self._obs_in_reply = obs_in_reply or isinstance(self.buffers.obs, list) or self._columns
         self._built_in: list[Any] = [None] * self.n_envs  # the incarnation each env lives in
         # Each env's request in flight (one at a time): its link, key and incarnation.
         self._links: list[LaneLink | None] = [None] * self.n_envs
@@ -155,6 +165,8 @@ class RemoteLanes(PerEnvLockstep):
                 # Its host died (since): this env's failure; its lane rebuilds it in a new one.
                 raise _dead_error(built, self.worker, i)
         link: LaneLink = inc.lanes  # type: ignore[attr-defined]
+        if self._obs_in_reply and self._columns:
+            link.pack_actions = True
         self._links[i], self._sent_to[i], self._kinds[i] = link, inc, kind
         key, future = link.submit(self, kind, self._slot_index, i, *args)
         self._keys[i] = key
@@ -298,6 +310,22 @@ def _dead_error(inc: Incarnation | None, worker: int, env: int) -> WorkerError:
     """The error of env ``env``'s call that found its host dead: that env's (it is rebuilt)."""
     if inc is None:
         return WorkerError("its env host was not started", worker=worker, env=env, retry=False)
+    report = inc.report
+    if inc.kind() == "blocked" and report is not None and report.env is not None:
+        if (report.worker, report.env) == (worker, env):  # the culprit: its fault
+            blocked = LoopBlockedError(
+                report.message(), worker=worker, env=env, remote_traceback=report.stack
+            )
+            blocked.report = report
+            return blocked
+        err = WorkerCrashedError(
+            f"{inc.describe()} {inc.reason}; this env lost its episode in progress and is "
+            "rebuilt, not counted against its max_restarts",
+            worker=worker,
+            env=env,
+        )
+        err.charged = False
+        return err
     err = WorkerCrashedError(f"{inc.describe()} {inc.reason}", worker=worker, env=env)
     err.__cause__ = inc.cause
     return err

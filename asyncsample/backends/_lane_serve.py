@@ -20,8 +20,10 @@ import numpy as np
 
 from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
-from asyncsample._tree import tree_map
+from asyncsample._tree import row_copy, tree_map
+from asyncsample.backends import _watchdog
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
+from asyncsample.backends._column_wire import object_rows, pack_replies, unpack_requests
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -108,11 +110,38 @@ def serve(
     specs: Sequence[HostSpec],
     buffers: Sequence[StepBuffers],
     options: LaneOptions,
+    block: np.ndarray | None = None,
 ) -> None:
-    """Serve the slots of ``specs`` on ``sock`` until an ``exit`` request or the stream's end."""
+    """Serve the slots of ``specs`` on ``sock`` until an ``exit`` request or the stream's end;
+    ``block``: shared with the caller, its loop's counter and its watchdog's report (see
+    :func:`watch_loop`)."""
     quiet_collector()
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        runner.run(_serve_socket(sock, specs, buffers, options))
+        runner.run(_serve_socket(sock, specs, buffers, options, block))
+
+
+def watch_loop(
+    server: LaneServer, limit: float | None, counter: Any, blocked: Callable[[Any | None], None]
+) -> tuple[Any, _watchdog.Watch | None]:
+    """Show that the running loop turns: ``counter[0]`` bumped every
+    :data:`~asyncsample.backends._watchdog.TICK` seconds (the env calls running counted for the
+    metrics then too); with ``limit`` (``step_timeout``), a watchdog thread that hands ``blocked``
+    the :class:`~asyncsample.backends._watchdog.BlockReport` of a loop that stood still that long
+    (:func:`~asyncsample.backends._watchdog.loop_limit`), and ``None`` once it turns again.
+    Returns the ticker and the watch, to stop both."""
+    _watchdog.env_calls(LaneHost)
+    ticker = _watchdog.tick(asyncio.get_running_loop(), counter, server.count_calls)
+    watched = None
+    if limit is not None:
+        watched = _watchdog.watch(
+            _watchdog.Watch(
+                _watchdog.loop_limit(limit),
+                counter,
+                lambda report, first: blocked(report),
+                on_move=lambda: blocked(None),
+            )
+        )
+    return ticker, watched
 
 
 #: The cyclic collector's thresholds in a host of async envs (see :func:`quiet_collector`).
@@ -145,6 +174,7 @@ async def _serve_socket(
     specs: Sequence[HostSpec],
     buffers: Sequence[StepBuffers],
     options: LaneOptions,
+    block: np.ndarray | None,
 ) -> None:
     loop = asyncio.get_running_loop()
     done = loop.create_future()
@@ -177,10 +207,25 @@ async def _serve_socket(
             task.add_done_callback(reply)
 
     protocol.attach(on_frame, on_eof)
+    ticker = watched = None
+    if block is not None:
+        ticker, watched = watch_loop(
+            server,
+            options.step_timeout,
+            _watchdog.turns_of(block),
+            lambda report: (
+                _watchdog.forget_report(block)
+                if report is None
+                else _watchdog.write_report(block, report)
+            ),
+        )
     send(HELLO_ID, ST_OK, b"")
     try:
         await done
     finally:
+        _watchdog.unwatch(watched)
+        if ticker is not None:
+            ticker.cancel()
         await server.shut()
         transport.close()
 
@@ -228,6 +273,10 @@ class LaneServer:
             slot.watch_lanes(watched)
         self._send = send
         self.obs_in_reply = obs_in_reply
+        # Slots whose Text/Sequence rows cannot be shared: their rows travel in the replies,
+        # packed one column per leaf per batch (_column_wire), and their actions in requests.
+        self._rows_travel = {id(s) for s in self.slots if object_rows(s.spec)}
+        self._pack = bool(self._rows_travel)
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
         self.flushing = False
         self.envs: dict[tuple[int, int], _EnvLane] = {}  # each env's queue of lane requests
@@ -286,7 +335,10 @@ class LaneServer:
 
     def handle(self, payload: bytes) -> None:
         """Start the lane requests of one batch (see :class:`LaneKind`)."""
-        for request in pickle.loads(payload):
+        requests = pickle.loads(payload)
+        if type(requests) is tuple:  # actions packed in columns (Text, Sequence leaves)
+            requests = unpack_requests(requests)
+        for request in requests:
             self._lane(request)
 
     def _lane(self, request: tuple[Any, ...]) -> None:
@@ -344,7 +396,11 @@ class LaneServer:
                     await host.rebuild_one(i, pickle.loads(request[4]), request[5])
                     value = None
                 buffers = host.buffers
-                if self.obs_in_reply or isinstance(buffers.obs, list):
+                if (
+                    self.obs_in_reply
+                    or isinstance(buffers.obs, list)
+                    or id(host) in self._rows_travel
+                ):
                     ended = isinstance(value, tuple) and (value[1] or value[2])
                     final = _row(buffers.final_obs, i) if ended else None
                     value = (value, _row(buffers.obs, i), final)
@@ -407,11 +463,17 @@ class LaneServer:
             obs[i] if isinstance(obs, (np.ndarray, list)) else tree_map(lambda a: a[i], obs)
         )
         try:
-            action, infos = await batcher.request(agent, worker, observation)
+            action, infos = await batcher.request(agent, worker, observation, i)
+        except WorkerError:
+            raise  # the agent failed this env's row (AgentRowsError): the env's fault alone
         except Exception as exc:
             raise _agent_fault(exc, worker) from None
         reward, terminated, truncated, info = await host.step_one(i, action, when, host.tick())
-        if self.obs_in_reply or isinstance(host.buffers.actions, list):
+        if (
+            self.obs_in_reply
+            or isinstance(host.buffers.actions, list)
+            or id(host) in self._rows_travel
+        ):
             return reward, terminated, truncated, info, action, infos
         put_row(host.buffers.actions, i, action)  # shared with the caller: read there, not sent
         return reward, terminated, truncated, info, None, infos
@@ -426,6 +488,12 @@ class LaneServer:
         except Exception as exc:
             raise _agent_fault(exc, host.spec.worker) from None
 
+    def count_calls(self) -> None:
+        """With metrics on, settle each slot's clock now, its env calls running included (the
+        loop's ticks do, so the caller's gauge is live while no reply comes)."""
+        for k in self.timed:
+            self.slots[k].settle_clock()
+
     def _flush(self) -> None:
         self.flushing = False
         out, self.out = self.out, []
@@ -436,7 +504,7 @@ class LaneServer:
             if batcher is not None and batcher.timer is not None and batcher.timer.calls:
                 record_agent_calls(slot.buffers.clock, *batcher.timer.drain())  # type: ignore[arg-type]
         if out:
-            self._send(dumps(out))
+            self._send(dumps(pack_replies(out, ST_OK) if self._pack else out))
 
 
 @dataclass
@@ -469,7 +537,7 @@ def _row(tree: Any, i: int) -> Any:
         return tree[i] if tree.ndim == 1 else tree[i].copy()  # a scalar is a copy already
     if isinstance(tree, list):
         return tree[i]
-    return tree_map(lambda a: a[i].copy(), tree)
+    return tree_map(lambda a: row_copy(a, i), tree)
 
 
 class _AgentFault(Exception):

@@ -5,12 +5,16 @@ and how a host's process tree is killed."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
+import itertools
 import multiprocessing
+import multiprocessing.util  # before our atexit hook: hooks run last-in first-out, ours first
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
@@ -21,8 +25,11 @@ __all__ = [
     "forkserver_context",
     "kill_started",
     "kill_tree",
+    "release_all",
+    "start_hidden",
     "start_process",
     "support_process_pids",
+    "track",
 ]
 
 #: Imported once by the forkserver for every host. Not ``__main__``: envs travel by cloudpickle,
@@ -114,7 +121,7 @@ KILL_WAIT = 5.0
 _STARTER = concurrent.futures.ThreadPoolExecutor(1, "asyncsample-host-start")
 
 
-def _start_hidden(process: Any) -> None:
+def start_hidden(process: Any) -> None:
     """``process.start()`` with ``__main__``'s ``__file__`` and ``__spec__`` hidden, so the new
     host does not re-run the main script."""
     main = sys.modules.get("__main__")
@@ -135,7 +142,7 @@ def _start_hidden(process: Any) -> None:
 
 async def start_process(process: Any) -> None:
     """``process.start()`` off the loop's thread (killed if the caller is cancelled meanwhile)."""
-    fut = asyncio.get_running_loop().run_in_executor(_STARTER, _start_hidden, process)
+    fut = asyncio.get_running_loop().run_in_executor(_STARTER, start_hidden, process)
     try:
         await asyncio.shield(fut)
     except asyncio.CancelledError:
@@ -154,3 +161,38 @@ def kill_started(process: Any) -> None:
         process.kill()
         process.join(KILL_WAIT)
         process.close()
+
+
+def release_all(members: Sequence[Any], token: int) -> None:
+    """Release every incarnation of the pool ``members`` (each ``release()``: kill, reap, close)
+    and forget ``token`` (see :func:`track`)."""
+    _LIVE.pop(token, None)
+    for member in members:
+        for conn in member.incarnations:
+            conn.release()
+
+
+def track(members: Sequence[Any]) -> int:
+    """Have the pool ``members`` of a backend released at the interpreter's exit if it is not
+    closed by then; the token :func:`release_all` forgets them by."""
+    token = next(_TOKENS)
+    _LIVE[token] = members
+    return token
+
+
+#: The members of every backend not yet closed, by token (released at interpreter exit).
+_LIVE: dict[int, Sequence[Any]] = {}
+_TOKENS = itertools.count()
+
+
+def _release_at_exit() -> None:
+    for token, members in list(_LIVE.items()):
+        release_all(members, token)
+
+
+# The hosts must be gone before multiprocessing joins its children at exit (it would wait
+# forever on a host reading from us): an atexit hook, registered after multiprocessing's so it
+# runs first, and a multiprocessing finalizer, run before the join, whichever comes first
+# (weakref.finalize objects are disabled by then).
+atexit.register(_release_at_exit)
+multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=100)

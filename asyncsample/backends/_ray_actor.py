@@ -20,6 +20,7 @@ import numpy as np
 
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.backends import _threads
+from asyncsample.backends._column_wire import pack_column, unpack_column
 from asyncsample.backends._slot import HostSlot
 from asyncsample.backends._transport import dump_failure
 from asyncsample.backends._transport import dumps as _dumps
@@ -30,6 +31,7 @@ __all__ = [
     "LARGE_REPLY",
     "OK",
     "PROGRESS_GROUP",
+    "WATCH_GROUP",
     "EnvActor",
     "LaneActor",
     "best_codec",
@@ -47,6 +49,9 @@ CHUNK_RECORDS = ("obs", "actions", "rewards", "terminated", "truncated", "final_
 #: The Ray concurrency group of :meth:`EnvActor.progress` (one thread of its own) when chunks are
 #: judged per step: it answers while the actor's other thread runs a chunk.
 PROGRESS_GROUP = "progress"
+#: The Ray concurrency group of :meth:`LaneActor.beat` (a thread and loop of its own): it answers
+#: while an env blocks the actor's loop.
+WATCH_GROUP = "watch"
 
 # Compression must shrink a leaf this many times, else it is sent raw for this many replies.
 _MIN_RATIO = 1.25
@@ -86,6 +91,32 @@ class _Packed:
         return np.frombuffer(raw, dtype=np.dtype(self.dtype)).reshape(self.shape)
 
 
+@dataclass(frozen=True, slots=True)
+class _Column:
+    """A leaf of ``object`` rows (Text, Sequence) as one column
+    (:func:`asyncsample.backends._column_wire.pack_column`), not one pickled object per row."""
+
+    column: tuple[Any, ...]
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, leaf: np.ndarray) -> _Column:
+        return cls(pack_column(leaf.reshape(-1)), tuple(leaf.shape))
+
+    def unpack(self) -> np.ndarray:
+        """The leaf's rows again, an ``object`` array of its shape."""
+        rows = unpack_column(self.column)
+        out = np.empty(len(rows), dtype=object)
+        for k, row in enumerate(rows):
+            out[k] = row
+        return out.reshape(self.shape)
+
+
+def _columned(leaf: Any) -> Any:
+    """An ``object`` leaf as a :class:`_Column`; any other as it is."""
+    return _Column.of(leaf) if isinstance(leaf, np.ndarray) and leaf.dtype == object else leaf
+
+
 def _codec(name: str) -> tuple[Callable[[Any], bytes], Callable[[bytes], bytes]]:
     """``(compress, decompress)`` of codec ``name`` (zlib at level 1: fast)."""
     if name == "lz4":
@@ -108,7 +139,7 @@ def copy_into(dst: Tree, src: Tree, index: Any = Ellipsis) -> None:
     """``dst[index] = src`` leaf by leaf, unpacking compressed leaves."""
 
     def copy(d: np.ndarray, s: Any) -> None:
-        d[index] = s.unpack() if isinstance(s, _Packed) else s
+        d[index] = s.unpack() if isinstance(s, (_Packed, _Column)) else s
 
     tree_map(copy, dst, src)
 
@@ -125,7 +156,7 @@ def encode_request(worker: int, mask: np.ndarray, actions: Tree | None = None) -
             parts.extend(leaf.tobytes() for leaf in leaves)
         else:
             kind = _PICKLED_ACTIONS
-            parts.append(_dumps(actions))
+            parts.append(_dumps(tree_map(_columned, actions)))
     parts[0] = _HEAD.pack(worker, kind)
     return b"".join(parts)
 
@@ -173,14 +204,18 @@ class EnvActor:
     def _pack(self, worker: int, what: str, tree: Tree) -> Tree:
         """Compress the leaves of ``tree`` of at least ``compress_threshold`` bytes that shrink."""
         threshold = self.threshold
-        if threshold is None or tree is None:
+        if tree is None:
+            return tree
+        if any(leaf.dtype == object for leaf in tree_leaves(tree)):
+            tree = tree_map(_columned, tree)  # Text/Sequence rows: one column per leaf
+        if threshold is None:
             return tree
         skip = self.skip
         index = itertools.count()
 
-        def pack(leaf: np.ndarray) -> Any:
+        def pack(leaf: Any) -> Any:
             key = (worker, what, next(index))
-            if leaf.nbytes < threshold:
+            if isinstance(leaf, _Column) or leaf.nbytes < threshold:
                 return leaf
             left = skip.get(key, 0)
             if left:
@@ -338,12 +373,16 @@ class LaneActor:
         self.timed: list[tuple[int, Any]] = []  # metrics on: (worker, its LaneHost) per slot
         self.next_batch = 0  # the number of the next batch of lane requests to start
         self.early: dict[int, bytes] = {}  # batches that came before one sent earlier
+        # The loop's counter, bumped by a timer, and where the watchdog found it standing still
+        # (read by beat(), from a thread of its own; see asyncsample.backends._watchdog).
+        self.turns = np.zeros(1, dtype=np.int64)
+        self.report: Any = None
 
     def _server(self) -> Any:
         if self.server is None:  # on the actor's loop, at its first call
             import asyncio
 
-            from asyncsample.backends._lane_serve import LaneServer, quiet_collector
+            from asyncsample.backends._lane_serve import LaneServer, quiet_collector, watch_loop
 
             quiet_collector()  # the actor's process is ours: as in a process host
             self.waiting = asyncio.Event()
@@ -355,7 +394,19 @@ class LaneActor:
                 for spec, slot in zip(self.specs, self.server.slots)
                 if slot.buffers.clock is not None
             ]
+            watch_loop(self.server, self.options.step_timeout, self.turns, self._blocked)
         return self.server
+
+    def _blocked(self, report: Any) -> None:
+        self.report = report  # from the watchdog thread (None: the stall ended); see beat()
+
+    async def beat(self) -> tuple[int, Any, list[tuple[int, int]]]:
+        """In :data:`WATCH_GROUP`: the loop's counter, the watchdog's report (or ``None``) and,
+        with metrics on, each timed slot's env calls running ``(worker, calls)``."""
+        from asyncsample._clock import CALLS
+
+        calls = [(worker, int(slot.buffers.clock[CALLS])) for worker, slot in self.timed]
+        return int(self.turns[0]), self.report, calls
 
     def _replied(self, body: bytes) -> None:
         self.ready_replies.append(body)

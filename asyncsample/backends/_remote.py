@@ -23,6 +23,13 @@ import cloudpickle
 import numpy as np
 
 from asyncsample.backends._transport import Op
+from asyncsample.backends._watchdog import (
+    REPORT_GRACE,
+    STALLED_AT_CLOSE,
+    TICK,
+    BlockReport,
+    loop_limit,
+)
 from asyncsample.backends.base import LOGGER, HostSpec
 from asyncsample.env_group import StepBuffers, call_targets, set_attr_targets
 from asyncsample.env_update import EnvSource
@@ -31,6 +38,7 @@ from asyncsample.errors import SamplerClosedError, StepTimeoutError, WorkerCrash
 __all__ = [
     "HostDied",
     "Incarnation",
+    "LoopChecks",
     "PendingCall",
     "PoolMember",
     "RemoteHost",
@@ -106,6 +114,14 @@ class Incarnation(ABC):
         self.closing = False  # being shut down on purpose: its death is not news
         self.reason = ""
         self.cause: BaseException | None = None
+        # Why it was killed, for host_restarts_total: "died", "hung" (a call past step_timeout)
+        # or "blocked" (its event loop stood still); and where it stood, if the host said.
+        self.kill_cause = "died"
+        self.report: BlockReport | None = None
+        # Its event loop's counter at the last look, and the loop time it last moved (watched).
+        self.loop_seen = -1
+        self.loop_since: float | None = None
+        self.waited = 0.0  # when a call past its timeout first waited for the host's report
 
     @abstractmethod
     def describe(self) -> str:
@@ -189,9 +205,84 @@ class Incarnation(ABC):
         if self._defer_timeout(call):
             self.timer = self.loop.call_later(0.001, self._on_timeout, call)
             return
+        if self._report_due():
+            self.timer = self.loop.call_later(TICK, self._on_timeout, call)
+            return
         call.timed_out = True
+        self.kill_cause = "hung"
+        self.report = self.host_report()
         what = f"{call.what()} of worker {call.worker} took longer than {call.limit}"
-        self.die(f"was killed: a {what}")
+        blame = "" if self.report is None else f" ({self.report.message()})"
+        self.die(f"was killed: a {what}{blame}")
+
+    def host_report(self) -> BlockReport | None:
+        """Where the host's loop or serving thread stands still, if its watchdog said so (see
+        :mod:`asyncsample.backends._watchdog`); ``None``: it did not, or cannot tell us."""
+        return None
+
+    def loop_turns(self) -> int | None:
+        """The counter the host's event loop bumps, read now (``None``: not read this way)."""
+        return None
+
+    def _report_due(self) -> bool:
+        """Whether a call past its timeout waits (at most :data:`REPORT_GRACE`) for the host's
+        watchdog to say where it stands: a host that can say, and has not yet."""
+        if not self.can_report or self.host_report() is not None:
+            return False
+        now = self.loop.time()
+        self.waited = self.waited or now
+        return now - self.waited < REPORT_GRACE
+
+    #: Whether :meth:`host_report` can say where a busy host stands (its watchdog writes it).
+    can_report = False
+
+    def judge_loop(
+        self, turns: int, report: BlockReport | None, now: float, timeout: float | None
+    ) -> None:
+        """One look at the host's event loop (its counter ``turns``, its watchdog's ``report``) at
+        loop time ``now``: a loop that stood still for ``timeout`` (:func:`loop_limit`) is killed,
+        as ``blocked`` when the watchdog named the line, else :data:`REPORT_GRACE` later as
+        ``hung`` (a call that holds the GIL stops the watchdog too)."""
+        if turns != self.loop_seen or self.loop_since is None:
+            self.loop_seen, self.loop_since = turns, now
+            return
+        if timeout is None or self.dead or self.closing:
+            return
+        if report is not None:
+            self.kill_cause, self.report = "blocked", report
+            self.die(f"was killed: {report.message()}")
+        elif now - self.loop_since >= loop_limit(timeout) + REPORT_GRACE:
+            self.kill_cause = "hung"
+            self.die(
+                f"was killed: its event loop stood still for {now - self.loop_since:.1f} s, past "
+                f"step_timeout={timeout:g}s, and its watchdog could not say where (a call that "
+                "holds the GIL?)"
+            )
+
+    def loop_stalled(self) -> bool:
+        """Whether its watched loop was last seen standing still for :data:`STALLED_AT_CLOSE`."""
+        since = self.loop_since
+        return since is not None and self.loop.time() - since >= STALLED_AT_CLOSE
+
+    async def wait_exit(self, exited: asyncio.Future[Any], grace: float) -> str:
+        """Wait at most ``grace`` seconds for ``exited``; what to say if it did not come (the
+        reason to kill the host): sooner when its event loop, read by :meth:`loop_turns`,
+        stands still for :data:`STALLED_AT_CLOSE` (it cannot close its envs)."""
+        end = self.loop.time() + grace
+        while not exited.done():
+            now = self.loop.time()
+            turns = self.loop_turns()
+            if turns is not None:
+                self.judge_loop(turns, None, now, None)
+                if self.loop_stalled():
+                    return (
+                        f"was killed: its event loop stood still for {STALLED_AT_CLOSE:g}s after "
+                        "it was asked to exit (an env blocking it?)"
+                    )
+            if now >= end:
+                break
+            await asyncio.wait({exited}, timeout=min(end - now, TICK))
+        return f"was killed: it did not exit within {grace:g}s of being asked to"
 
     def die(self, reason: str, cause: BaseException | None = None) -> None:
         """Mark the host dead: kill it and fail every call waiting on it. Idempotent."""
@@ -218,6 +309,10 @@ class Incarnation(ABC):
     def _on_death(self) -> None:  # noqa: B027 - a hook, empty by default
         """Release what the backend holds for this incarnation (after :meth:`die`)."""
 
+    def kind(self) -> str:
+        """Why this host went: ``"blocked"``, ``"hung"`` or ``"died"``."""
+        return self.kill_cause
+
     def crashed(self, worker: int) -> WorkerCrashedError:
         """The error of a call that found this host dead."""
         err = WorkerCrashedError(f"{self.describe()} {self.reason}", worker=worker)
@@ -240,6 +335,8 @@ class PoolMember(ABC, Generic[IncT]):
         self.incarnations: list[IncT] = []  # every one not yet released
         self.lock = asyncio.Lock()
         self.closed = False
+        #: Restarts by cause (``died``, ``hung``, ``blocked``: see ``Incarnation.kill_cause``).
+        self.restarts: dict[str, int] = {"died": 0, "hung": 0, "blocked": 0}
 
     @abstractmethod
     async def _spawn(self) -> IncT:
@@ -269,6 +366,7 @@ class PoolMember(ABC, Generic[IncT]):
                 self._discard(new)
                 raise closed_error(self.workers[0], "restart its env host")
             if current is not None:
+                self.restarts[current.kind()] += 1
                 LOGGER.warning(
                     "%s (workers %s) %s; restarted as %s",
                     current.describe(),
@@ -277,6 +375,34 @@ class PoolMember(ABC, Generic[IncT]):
                     new.describe(),
                 )
             return new
+
+
+class LoopChecks:
+    """Every :func:`progress_poll` of ``timeout``: the event loop of each live incarnation of
+    ``members`` that can be read (:meth:`Incarnation.loop_turns`) judged
+    (:meth:`Incarnation.judge_loop`); nothing per step. Until :meth:`cancel`."""
+
+    def __init__(self, members: Sequence[PoolMember[Any]], timeout: float) -> None:
+        self.members = members
+        self.timeout = timeout
+        self.timer: asyncio.TimerHandle | None = None
+        self._look()
+
+    def _look(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for member in self.members:
+            inc = member.current
+            turns = None if inc is None or inc.dead else inc.loop_turns()
+            if inc is not None and turns is not None:
+                inc.judge_loop(turns, inc.host_report(), now, self.timeout)
+        self.timer = loop.call_later(progress_poll(self.timeout), self._look)
+
+    def cancel(self) -> None:
+        """Stop looking (idempotent)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 def closed_error(worker: int, what: str) -> SamplerClosedError:
@@ -315,6 +441,27 @@ class RemoteHost(ABC, Generic[IncT]):
         self._agent_inc: IncT | None = None
         self._synced_version = 0
 
+    @property
+    def host_restarts(self) -> dict[str, int]:
+        """The restarts of this worker's host (shared with the other workers it hosts), by
+        cause (see :attr:`PoolMember.restarts`)."""
+        return self._member.restarts
+
+    @property
+    def env_calls(self) -> int:
+        """The env calls running now for the metrics (read at scrape time, from any thread): this
+        worker's envs while a call of its is in its host (lockstep: all of them at once)."""
+        inc = self._incarnation
+        if inc is None or inc.dead:
+            return 0
+        worker = self.worker
+        busy = any(c.worker == worker for c in list(inc.calls)) or self._sent_bare(inc)
+        return self.spec.n_envs if busy else 0
+
+    def _sent_bare(self, incarnation: IncT) -> bool:
+        """Whether a step of this worker is in its host without a call (see ``process``)."""
+        return False
+
     @abstractmethod
     def _submit(self, incarnation: IncT, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         """Send one request for this worker's slot; the call's future gets the raw reply."""
@@ -341,9 +488,14 @@ class RemoteHost(ABC, Generic[IncT]):
             if self._member.closed:
                 err = closed_error(self.worker, f"finish its {call.label}")
             elif call.timed_out:
+                report = inc.report
+                blame = "" if report is None else f": {report.message()}"
                 err = StepTimeoutError(
-                    f"{call.what()} took longer than {call.limit}; {inc.describe()} was killed",
+                    f"{call.what()} took longer than {call.limit}; {inc.describe()} was "
+                    f"killed{blame}",
                     worker=self.worker,
+                    env=None if report is None else report.env,
+                    remote_traceback=None if report is None else report.stack,
                 )
             else:
                 err = inc.crashed(self.worker)

@@ -29,6 +29,12 @@ from asyncsample.backends._chunk import (
     chunk_rows,
     chunk_sets,
 )
+from asyncsample.backends._column_wire import (
+    object_rows,
+    pack_chunk,
+    pack_columns,
+    unpack_columns_into,
+)
 from asyncsample.backends._transport import Op, dumps
 from asyncsample.backends.base import HostSpec
 from asyncsample.env_group import (
@@ -48,7 +54,9 @@ def spec_group(spec: HostSpec, buffers: StepBuffers | None = None) -> EnvGroup:
     """The :class:`EnvGroup` of ``spec`` over ``buffers`` (default: buffers of its own)."""
     if buffers is None:
         obs_space, act_space = spec.observation_space, spec.action_space
-        buffers = StepBuffers.allocate(obs_space, act_space, spec.n_envs, timed=spec.timed)
+        buffers = StepBuffers.allocate(
+            obs_space, act_space, spec.n_envs, timed=spec.timed, columns=spec.columns
+        )
     return EnvGroup(
         spec.worker,
         buffers,
@@ -227,6 +235,8 @@ class HostSlot:
             self.timing = HostTiming(group, self.runner, group.buffers.clock)
         self.host_threads = host_threads
         self.where = where
+        # Text/Sequence leaves in object rows: not shared, they travel packed (_column_wire).
+        self.columns = object_rows(spec)
         # Each operation from its request body to its reply payload (None: an empty reply).
         self._ops: dict[int, Callable[[_Body], bytes | None]] = {
             Op.STEP: self._serve_step,
@@ -250,7 +260,9 @@ class HostSlot:
         obs_space, act_space, n = spec.observation_space, spec.action_space, spec.n_envs
         chunks = None
         if spec.chunk_steps > 0:  # one set: an actor's chunks are not pipelined
-            flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(spec.chunk_steps) * n)
+            flat = StepBuffers.allocate(
+                obs_space, act_space, chunk_rows(spec.chunk_steps) * n, columns=spec.columns
+            )
             chunks = chunk_sets(flat, spec.chunk_steps, n)
         return cls(spec, None, chunks, host_threads, where)
 
@@ -268,7 +280,11 @@ class HostSlot:
 
     def run_chunk(self, request: ChunkRequest | NextChunk) -> ChunkReply:
         runner = self._runner()
-        return runner.run(request) if self.timing is None else self.timing.run(request)
+        reply = runner.run(request) if self.timing is None else self.timing.run(request)
+        if self.columns and self.where == "env-host process":  # object rows: not shared
+            chunk = runner.chunks[request.buffer]
+            reply.columns = pack_chunk(chunk, self.group.buffers.obs, reply.steps)
+        return reply
 
     def close(self) -> None:
         self.group.close()
@@ -298,6 +314,9 @@ class HostSlot:
         if isinstance(buffers.actions, list):  # actions without fixed-size rows: pickled
             buffers.actions[:] = self.load(body[n:], "actions")
             body = body[:n]
+        elif self.columns:  # the action columns of the object leaves, then the mask
+            unpack_columns_into(buffers.actions, self.load(body[n:], "actions"))
+            body = body[:n]
         elif len(body) > n:  # actions the caller gave in another dtype: pickled, as given
             given = self.load(body[n:], "actions")
             body = body[:n]
@@ -307,6 +326,9 @@ class HostSlot:
         infos = self.group.step(mask, given)
         if isinstance(buffers.obs, list):  # observations without fixed-size rows: pickled
             return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, buffers.obs))
+        if self.columns:  # the object leaves' rows, one column each
+            rows = (pack_columns(buffers.obs), pack_columns(buffers.final_obs))
+            return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, rows))
         if infos.final_obs:
             return dumps((infos.env_infos, infos.reset_infos, infos.final_obs))
         if infos.env_infos is None and not infos.reset_infos:
@@ -317,6 +339,8 @@ class HostSlot:
         obs = self.group.buffers.obs
         if isinstance(obs, list):  # observations without fixed-size rows: pickled
             return dumps((infos, obs))
+        if self.columns:  # the object leaves' rows, one column each
+            return dumps((infos, pack_columns(obs)))
         return dumps(infos) if infos else b""
 
     def _serve_reset_args(self, body: _Body) -> bytes:

@@ -274,6 +274,7 @@ def shared_buffers(
     n_envs: int,
     ctx: Any,
     timed: bool = False,
+    columns: bool = False,
 ) -> tuple[StepBuffers, list[Tree]]:
     """Step buffers in shared memory, and the raw blocks to hand to the host process."""
     raw: list[Tree] = []
@@ -284,7 +285,9 @@ def shared_buffers(
         raw.append(memory)
         return read_from_shared_memory(space, memory, n)
 
-    buffers = StepBuffers.allocate(observation_space, action_space, n_envs, make=make, timed=timed)
+    buffers = StepBuffers.allocate(
+        observation_space, action_space, n_envs, make=make, timed=timed, columns=columns
+    )
     return buffers, raw
 
 
@@ -294,13 +297,16 @@ def view_buffers(
     n_envs: int,
     raw: list[Tree],
     timed: bool = False,
+    columns: bool = False,
 ) -> StepBuffers:
     """The host's view of the buffers :func:`shared_buffers` made (same allocation order)."""
     blocks = iter(raw)
     make: Callable[[gym.Space[Any], int], Tree] = lambda space, n: read_from_shared_memory(  # noqa: E731
         space, next(blocks), n
     )
-    return StepBuffers.allocate(observation_space, action_space, n_envs, make=make, timed=timed)
+    return StepBuffers.allocate(
+        observation_space, action_space, n_envs, make=make, timed=timed, columns=columns
+    )
 
 
 #: A slot's part of step buffers shared by several slots: ``(blocks, total envs, first env,
@@ -362,6 +368,7 @@ def slot_buffers(
     n_envs: int,
     raw: list[Tree] | JointRaw,
     timed: bool = False,
+    columns: bool = False,
 ) -> StepBuffers:
     """The host's view of a slot's step buffers: its own blocks (:func:`shared_buffers`) or its
     rows of joint ones (:func:`joint_buffers`)."""
@@ -372,4 +379,4 @@ def slot_buffers(
         if clock_block is None:
             return rows
         return dataclasses.replace(rows, clock=_clock_view(clock_block))
-    return view_buffers(observation_space, action_space, n_envs, raw, timed)
+    return view_buffers(observation_space, action_space, n_envs, raw, timed, columns)

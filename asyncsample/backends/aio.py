@@ -23,8 +23,9 @@ import numpy as np
 from asyncsample import _validate
 from asyncsample._clock import CALLS, LaneTiming
 from asyncsample._tasks import run_all
-from asyncsample._tree import tree_map
+from asyncsample._tree import row_copy, tree_map
 from asyncsample.async_env import check_async_env
+from asyncsample.backends import _watchdog
 from asyncsample.backends._closing import (
     CLOSE_TIMEOUT,
     cancelled_by_env,
@@ -106,13 +107,6 @@ class ThreadedEnv:
         return future
 
     @property
-    def running(self) -> bool:
-        """Whether a call of the env still runs in its thread (also after its awaiting was
-        cancelled: a thread cannot be interrupted)."""
-        busy = self._busy
-        return busy is not None and not busy.done()
-
-    @property
     def unwrapped(self) -> Any:
         """The blocking env's own ``unwrapped`` (``SetTaskUpdate`` reaches it this way)."""
         return self.env.unwrapped
@@ -129,9 +123,8 @@ class ThreadedEnv:
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """``env.reset`` in a pool thread."""
-        if options is None:
-            return await self._run(self.env.reset, seed=seed)  # type: ignore[no-any-return]
-        return await self._run(self.env.reset, seed=seed, options=options)  # type: ignore[no-any-return]
+        kwargs = {} if options is None else {"options": options}
+        return await self._run(self.env.reset, seed=seed, **kwargs)  # type: ignore[no-any-return]
 
     async def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
         """``env.step`` in a pool thread."""
@@ -193,7 +186,9 @@ class PerEnvLockstep:
         actions = self.buffers.actions
         results = await run_all(
             [
-                self.step_one(i, tree_map(lambda a, i=i: a[i].copy(), actions), None, self.tick())
+                self.step_one(
+                    i, tree_map(lambda a, i=i: row_copy(a, i), actions), None, self.tick()
+                )
                 for i in indices
             ]
         )
@@ -243,7 +238,11 @@ class LaneHost(PerEnvLockstep):
         self.spec = spec
         self.n_envs = spec.n_envs
         self.buffers = buffers or StepBuffers.allocate(
-            spec.observation_space, spec.action_space, spec.n_envs, timed=spec.timed
+            spec.observation_space,
+            spec.action_space,
+            spec.n_envs,
+            timed=spec.timed,
+            columns=spec.columns,
         )
         # With metrics on: the seconds of the env steps timed since take_timed (the fold here)
         # or settle_clock (a LaneServer's host); which: see timed_envs and tick. The env calls
@@ -272,6 +271,7 @@ class LaneHost(PerEnvLockstep):
         self._limiter = limiter
         self._plain = step_timeout is None and limiter is None
         self.in_flight: dict[int, asyncio.Task[Any]] = {}  # steps a stream's round left running
+        self.blocked: dict[int, _watchdog.BlockReport] = {}  # by env (_watchdog.CallerWatch)
         self.closed = False
         self._closing: set[asyncio.Task[Any]] = set()  # closes of rebuilt envs still running
 
@@ -311,6 +311,7 @@ class LaneHost(PerEnvLockstep):
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again from ``chain``; the old one is closed in the background."""
         self._check_open("rebuild")
+        self.blocked.pop(i, None)  # a block of the old env's (reported late) is not the new one's
         env = self._build_env(i, chain)
         old = self.envs[i]
         self.group.place(i, env, seed)
@@ -346,6 +347,8 @@ class LaneHost(PerEnvLockstep):
         group = self.group
         kwargs = group.reset_kwargs(i, seed, options)
         result = await self._await(i, "reset", self.envs[i].reset(**kwargs), deadline)
+        if self.blocked and i in self.blocked:  # the watchdog found it blocking the loop
+            raise _watchdog.blocked_error(self.blocked.pop(i), self.spec.worker, i)
         try:
             info = group.finish_reset(i, result)
             group.store(i)
@@ -389,6 +392,8 @@ class LaneHost(PerEnvLockstep):
             else:
                 call = self._tracked(stepping, i, step, action, timed)
             result = await self._await(i, "step", call, deadline)
+        if self.blocked and i in self.blocked:  # the watchdog found it blocking the loop
+            raise _watchdog.blocked_error(self.blocked.pop(i), self.spec.worker, i)
         try:
             return self.group.finish(i, result)
         except EnvFailureError as exc:
@@ -508,9 +513,9 @@ class LaneHost(PerEnvLockstep):
                 if limiter is not None:
                     limiter.release()
         except TimeoutError:
-            if by_deadline:  # a call in a thread may still run: its env is tied up
-                env = self.envs[i]
-                raise DeadlinePassed(isinstance(env, ThreadedEnv) and env.running) from None
+            if by_deadline:  # a call in a thread runs on: its env is tied up until it returns
+                busy = self.envs[i]._busy if isinstance(self.envs[i], ThreadedEnv) else None
+                raise DeadlinePassed(busy is not None and not busy.done()) from None
             raise StepTimeoutError(
                 f"env {i} of worker {self.spec.worker}: {what} took longer than "
                 f"step_timeout={timeout:g}s",
@@ -704,6 +709,7 @@ class AsyncioBackend:
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
         self._hosts: list[LaneHost] = []
         self._closed = False
+        self._watch: _watchdog.CallerWatch | None = None  # the loop, watched for envs that block it
 
     def _make(self, source: EnvSource, old: Any) -> Any:
         return make_async_env(source, old)
@@ -717,17 +723,20 @@ class AsyncioBackend:
         self._hosts = [
             LaneHost(s, self._make, self.step_timeout, limiter, self.close_timeout) for s in specs
         ]
+        self._watch = _watchdog.CallerWatch(self.step_timeout, self._hosts)
         return list(self._hosts)
 
     async def aclose(self) -> None:
         """Close every env (awaiting their ``close``). Idempotent."""
         self._closed = True
+        _watchdog.stop_watch(self._watch)
         hosts, self._hosts = self._hosts, []
         await asyncio.gather(*(h.shut() for h in hosts))
 
     def close_now(self) -> None:
         """Forget the envs without awaiting their ``close`` (an unclosed sampler collected)."""
         self._closed = True
+        _watchdog.stop_watch(self._watch)
         for host in self._hosts:
             host.closed = True
         self._hosts = []

@@ -61,6 +61,9 @@ class HostSpec:
             clock (a vector face reads them; a sampler counts its own, from its episodes).
         lanes: the envs are async envs, each reset and stepped on its own in the host's event
             loop (:mod:`asyncsample.backends._lane_serve`).
+        columns: leaves without fixed-size rows (``Text``, ``Sequence``) get ``object`` rows
+            in the step buffers beside plain arrays (:mod:`asyncsample._leaves`), not one
+            object per env for the whole value (the sampler records columns; the faces do not).
     """
 
     worker: int
@@ -74,6 +77,7 @@ class HostSpec:
     timed: bool = False
     counted: bool = False
     lanes: bool = False
+    columns: bool = False
 
 
 class EnvHost(Protocol):

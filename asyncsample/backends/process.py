@@ -10,13 +10,8 @@ noticed at once (end of stream or its sentinel). No child process or shared memo
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
-import itertools
-import multiprocessing
-import multiprocessing.util  # before our atexit hook: hooks run last-in first-out, ours first
 import os
-import pickle
 import select
 import socket
 import weakref
@@ -29,7 +24,7 @@ import psutil
 
 from asyncsample import _validate
 from asyncsample._tasks import wait_all
-from asyncsample.backends import _chunk, _host_main
+from asyncsample.backends import _chunk, _column_wire, _host_main, _watchdog
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
@@ -42,12 +37,15 @@ from asyncsample.backends._procs import (
     kill_started,
     kill_tree,
     pin,
+    release_all,
     start_process,
     support_process_pids,
+    track,
 )
 from asyncsample.backends._remote import (
     HostDied,
     Incarnation,
+    LoopChecks,
     PendingCall,
     PoolMember,
     RemoteHost,
@@ -111,8 +109,11 @@ class _Conn(Incarnation):
         transport: asyncio.WriteTransport,
         protocol: _ReplyProtocol,
         loop: asyncio.AbstractEventLoop,
+        block: np.ndarray | None = None,
     ) -> None:
         super().__init__(loop)
+        self.block = block  # shared: its loop's counter, where its watchdog saw it stand still
+        self.can_report, self.ticking = block is not None, False  # ticking: its loop bumps it
         self.process = process
         self.pid: int = process.pid
         try:
@@ -246,6 +247,13 @@ class _Conn(Incarnation):
         except (OSError, ValueError):
             return False
 
+    def host_report(self) -> _watchdog.BlockReport | None:
+        return None if self.block is None else _watchdog.read_report(self.block)
+
+    def loop_turns(self) -> int | None:
+        block = self.block if self.ticking and self.ready.done() else None
+        return None if block is None else int(_watchdog.turns_of(block)[0])
+
     def _on_sentinel(self) -> None:
         self._unwatch()
         code: int | None
@@ -287,9 +295,9 @@ class _Conn(Incarnation):
             with contextlib.suppress(Exception):
                 self.transport.write(HEADER.pack(0, HELLO_ID, Op.EXIT))
         if not self.exited.done() and self.watching:
-            await asyncio.wait({self.exited}, timeout=grace)
+            reason = await self.wait_exit(self.exited, grace)  # (sooner if its loop stands still)
         if not self.exited.done() and self.watching:
-            self.die(f"was killed: it did not exit within {grace:g}s of being asked to")
+            self.die(reason)
             await asyncio.wait({self.exited}, timeout=KILL_WAIT)
         self.die("was shut down")
         self.release()
@@ -324,8 +332,11 @@ class _Member(PoolMember[_Conn]):
         lanes: LaneOptions | None = None,
         raw_arenas: list[RawArena | None] | None = None,
         spin_after_step: float | None = None,
+        step_timeout: float | None = None,
     ) -> None:
         super().__init__(index, specs)
+        self.block_raw, self.step_timeout = ctx.RawArray("B", _watchdog.BLOCK_BYTES), step_timeout
+        self.block: np.ndarray = np.frombuffer(self.block_raw, np.uint8)  # see _Conn.block
         self.spin_after_step = spin_after_step  # see _host_main.StepReader
         self.lanes = lanes  # a host of async envs (each stepped on its own in its event loop)
         self.raw_arenas = raw_arenas  # per slot, what the host needs to view its step arena
@@ -341,6 +352,7 @@ class _Member(PoolMember[_Conn]):
     async def _spawn(self) -> _Conn:
         loop = asyncio.get_running_loop()
         self.incarnations = [c for c in self.incarnations if not (c.dead and c.exited.done())]
+        _watchdog.clear_report(self.block)
         parent_sock, child_sock = socket.socketpair()
         try:
             process = self.ctx.Process(
@@ -354,6 +366,7 @@ class _Member(PoolMember[_Conn]):
                     self.lanes,
                     self.raw_arenas,
                     self.spin_after_step,
+                    (self.block_raw, self.step_timeout),
                 ),
                 name=f"asyncsample-host-{self.index}",
             )
@@ -372,7 +385,8 @@ class _Member(PoolMember[_Conn]):
             kill_started(process)
             parent_sock.close()
             raise
-        conn = _Conn(process, transport, protocol, loop)
+        conn = _Conn(process, transport, protocol, loop, self.block)
+        conn.ticking = self.lanes is not None
         self.current = conn
         self.incarnations.append(conn)
         done, _ = await asyncio.wait({conn.ready}, timeout=START_TIMEOUT)
@@ -385,31 +399,6 @@ class _Member(PoolMember[_Conn]):
                 worker=self.workers[0],
             )
         return conn
-
-
-def _release_all(members: list[_Member], token: int) -> None:
-    _LIVE.pop(token, None)
-    for member in members:
-        for conn in member.incarnations:
-            conn.release()
-
-
-#: The members of every backend not yet closed, by token (released at interpreter exit).
-_LIVE: dict[int, list[_Member]] = {}
-_TOKENS = itertools.count()
-
-
-def _release_at_exit() -> None:
-    for token, members in list(_LIVE.items()):
-        _release_all(members, token)
-
-
-# The hosts must be gone before multiprocessing joins its children at exit (it would wait
-# forever on a host reading from us): an atexit hook, registered after multiprocessing's so it
-# runs first, and a multiprocessing finalizer, run before the join, whichever comes first
-# (weakref.finalize objects are disabled by then).
-atexit.register(_release_at_exit)
-multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=100)
 
 
 #: The outcome of a step with nothing to report: one shared object, never changed.
@@ -500,6 +489,7 @@ class ProcessHost(RemoteHost[_Conn]):
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
         self._given: list[Any] | None = None
+        self._columns = _column_wire.object_rows(spec)  # Text/Sequence leaves: packed, not shared
         self.chunks = chunks
         """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
         self.chunk = chunks[0] if chunks else None
@@ -514,6 +504,9 @@ class ProcessHost(RemoteHost[_Conn]):
         """The live connection, for a synchronous caller reading replies itself (``None``: none)."""
         inc = self._incarnation
         return None if inc is None or inc.dead else inc
+
+    def _sent_bare(self, incarnation: _Conn) -> bool:
+        return any(step.host is self for step in list(incarnation.direct.values()))
 
     def _submit(self, incarnation: _Conn, op: Op, payload: tuple[Any, ...]) -> PendingCall:
         body = self._slot + payload[0] if payload else self._slot
@@ -537,12 +530,7 @@ class ProcessHost(RemoteHost[_Conn]):
             args = reset_arguments(self.spec.n_envs, seeds, options)
             blob = self._pickle("reset options", args)
             payload = await self._request(Op.RESET_ARGS, _mask_bytes(mask) + blob)
-        infos: dict[int, dict[str, object]]
-        if isinstance(self.buffers.obs, list):  # observations without fixed-size rows
-            infos, self.buffers.obs[:] = pickle.loads(payload)
-        else:
-            infos = pickle.loads(payload) if payload else {}
-        return infos
+        return _column_wire.read_reset_reply(self.buffers.obs, payload)  # rows not shared: here
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         # The hot path: _request without its generic layers, same checks.
@@ -565,7 +553,9 @@ class ProcessHost(RemoteHost[_Conn]):
             return None
         body = self._whole_body
         if not body or self._given is not None:
-            cache = self._given is None and not isinstance(self.buffers.actions, list)
+            cache = self._given is None and not (
+                isinstance(self.buffers.actions, list) or self._columns
+            )
             body = self._slot + self._step_body(self._whole_mask)
             if cache:  # the same request every step
                 self._whole_body = body
@@ -578,8 +568,8 @@ class ProcessHost(RemoteHost[_Conn]):
 
     def _step_body(self, mask: np.ndarray) -> bytes:
         body = _mask_bytes(mask)
-        if isinstance(self.buffers.actions, list):  # actions without fixed-size rows
-            body += self._pickle("actions", self.buffers.actions)
+        if isinstance(self.buffers.actions, list) or self._columns:  # rows not shared
+            body += self._pickle("actions", _column_wire.outgoing_rows(self.buffers.actions))
         elif self._given is not None:  # this step's actions, as the caller gave them
             body += self._pickle("actions", self._given)
             self._given = None
@@ -588,12 +578,7 @@ class ProcessHost(RemoteHost[_Conn]):
     def step_infos(self, payload: bytes) -> StepInfos:
         """What a step reply's ``payload`` says (observations without fixed-size rows go to
         the buffers)."""
-        if not payload:
-            return StepInfos(None, {})
-        parts = pickle.loads(payload)
-        if len(parts) > 3:  # observations without fixed-size rows come home pickled
-            self.buffers.obs[:] = parts[3]
-        return StepInfos(*parts[:3])
+        return _column_wire.read_step_reply(self.buffers, payload)
 
     async def run_chunk(self, request: ChunkRequest) -> tuple[ChunkReply, int]:
         """See :meth:`~asyncsample.backends._chunk.AgentHost.run_chunk`."""
@@ -608,7 +593,8 @@ class ProcessHost(RemoteHost[_Conn]):
             raise closed_error(self.worker, "run its chunk")
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
-        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version)
+        into = (self.chunks[request.buffer], self.buffers.obs) if self._columns else None
+        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version, into)
 
 
 class ProcessLaneHost(RemoteLanes, ProcessHost):
@@ -628,7 +614,8 @@ class ProcessBackend:
         n_processes: size of the pool (default: the number of CPUs), capped at the number of
             workers.
         step_timeout: seconds a host may spend on one build, update, reset or step before it is
-            killed and the request fails with :class:`~asyncsample.StepTimeoutError`.
+            killed and the request fails with :class:`~asyncsample.StepTimeoutError` (naming
+            its line); so is a host of async envs whose loop stands still (:class:`LoopChecks`).
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each host process; ``None`` leaves the libraries' defaults (every core each).
         pin_cpus: pin host ``i`` to the ``i``-th CPU this process may use: ``True`` always,
@@ -685,6 +672,7 @@ class ProcessBackend:
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._token = -1
+        self._checks: LoopChecks | None = None  # async envs' hosts: their loops, watched
         self.joint: StepBuffers | None = None
         """The step buffers of every host in one allocation (hosts with the same spaces), in
         host order: a vector env's ``step`` returns ``joint.obs`` itself with ``copy=False``."""
@@ -714,7 +702,9 @@ class ProcessBackend:
         if joint is None:
             self.joint = None
             own = [
-                shared_buffers(s.observation_space, s.action_space, s.n_envs, ctx, s.timed)
+                shared_buffers(
+                    s.observation_space, s.action_space, s.n_envs, ctx, s.timed, s.columns
+                )
                 for s in specs
             ]
             buffers, raws = [buf for buf, _ in own], [raw for _, raw in own]
@@ -743,13 +733,13 @@ class ProcessBackend:
                 LaneOptions(self.step_timeout, lane_close, caps[m]) if lanes else None,
                 member_arenas,
                 self.spin_after_step,
+                self.step_timeout,
             )
             for m, (member_specs, member_raws, member_chunks, member_arenas) in enumerate(splits)
         ]
-        self._token = token = next(_TOKENS)
-        self._finalizer = weakref.finalize(self, _release_all, self._members, token)
-        self._finalizer.atexit = False  # see _release_at_exit
-        _LIVE[token] = self._members
+        self._token = token = track(self._members)
+        self._finalizer = weakref.finalize(self, release_all, self._members, token)
+        self._finalizer.atexit = False  # see _procs.track
         try:
             await wait_all([m.live() for m in self._members])
             if self._closed:
@@ -759,6 +749,8 @@ class ProcessBackend:
             self._release()
             raise
         members = self._members
+        if lanes and self.step_timeout is not None:
+            self._checks = LoopChecks(members, self.step_timeout)
         if lanes:
             return [
                 ProcessLaneHost(spec, members[where.member(w)], where.slot(w), buffers[w])
@@ -795,6 +787,8 @@ class ProcessBackend:
         self._release()
 
     def _release(self) -> None:
+        if self._checks is not None:
+            self._checks.cancel()
         if self._finalizer is not None:
             self._finalizer.detach()
-        _release_all(self._members, self._token)
+        release_all(self._members, self._token)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._clock import CALLS
 from asyncsample._tasks import wait_all
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
@@ -33,6 +34,7 @@ from asyncsample.backends._lane_serve import LaneOptions, shares
 from asyncsample.backends._ray_actor import (
     OK,
     PROGRESS_GROUP,
+    WATCH_GROUP,
     EnvActor,
     LaneActor,
     best_codec,
@@ -40,6 +42,7 @@ from asyncsample.backends._ray_actor import (
     encode_request,
 )
 from asyncsample.backends._remote import (
+    PROGRESS_POLL,
     HostDied,
     Incarnation,
     PendingCall,
@@ -49,6 +52,7 @@ from asyncsample.backends._remote import (
 )
 from asyncsample.backends._transport import Op, load_failure
 from asyncsample.backends._transport import dumps as _dumps
+from asyncsample.backends._watchdog import REPORT_GRACE
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
 from asyncsample.backends.placement import placement
 from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
@@ -87,13 +91,48 @@ class _Actor(Incarnation):
         # with its replies); shared by the member's incarnations.
         self.clocks: dict[int, np.ndarray] = {}
 
-    def start_lanes(self) -> None:
+    def start_lanes(self, step_timeout: float | None = None) -> None:
         """Async envs (a :class:`LaneActor`): lane requests go out in batches, one call per pass
-        of the loop, and one ``replies`` call always waits for the actor's next replies."""
+        of the loop, and one ``replies`` call always waits for the actor's next replies; with
+        ``step_timeout`` or metrics on, the actor's loop is watched (:meth:`_watch_loop`)."""
         self.lanes = LaneLink(self._send_lanes, self.loop)
-        task = self.loop.create_task(self._take_replies())
-        self.watchers.add(task)
-        task.add_done_callback(self.watchers.discard)
+        tasks = [
+            self.loop.create_task(self._take_replies()),
+            self.loop.create_task(self._watch_loop(step_timeout)),
+        ]
+        for task in tasks:
+            self.watchers.add(task)
+            task.add_done_callback(self.watchers.discard)
+
+    async def _watch_loop(self, timeout: float | None) -> None:
+        """Ask the actor's :meth:`LaneActor.beat` (a thread of its own) every
+        :func:`~asyncsample.backends._remote.progress_poll` of ``timeout`` (metrics only: every
+        :data:`~asyncsample.backends._remote.PROGRESS_POLL`): the env calls running go into the
+        clocks, and the loop is judged (:meth:`judge_loop`; a call holding the GIL keeps beat
+        from answering too: it is judged as standing still)."""
+        interval = PROGRESS_POLL if timeout is None else progress_poll(timeout)
+        beat = self.handle.beat.options(concurrency_group=WATCH_GROUP)
+        while not self.dead:
+            await asyncio.sleep(interval)
+            if timeout is None and not self.clocks:
+                continue  # nothing to watch for (the clocks are there from the hosts' start)
+            try:
+                ref = beat.remote()
+            except Exception:  # Ray is gone: the other calls find out why
+                return
+            try:
+                turns, report, calls = await asyncio.wait_for(
+                    asyncio.wrap_future(ref.future()), interval + REPORT_GRACE
+                )
+            except TimeoutError:
+                turns, report, calls = self.loop_seen, None, []
+            except Exception:  # the actor died: its calls say why
+                return
+            for worker, n in calls:
+                clock = self.clocks.get(worker)
+                if clock is not None:
+                    clock[CALLS] = n
+            self.judge_loop(turns, report, self.loop.time(), timeout)
 
     def _send_lanes(self, body: bytes) -> None:
         number, self.batches = self.batches, self.batches + 1
@@ -277,7 +316,7 @@ class _Member(PoolMember[_Actor]):
         actor.where = f"pid {pid} on {ip}"
         if spawner.lanes is not None:
             actor.clocks = self.clocks
-            actor.start_lanes()
+            actor.start_lanes(spawner.step_timeout)
         return actor
 
     async def _ready(self, actor: _Actor) -> tuple[int, str]:
@@ -317,12 +356,16 @@ class RayHost(RemoteHost[_Actor]):
 
     def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
         spaces = (spec.observation_space, spec.action_space)
-        buffers = StepBuffers.allocate(*spaces, spec.n_envs, timed=spec.timed)
+        buffers = StepBuffers.allocate(
+            *spaces, spec.n_envs, timed=spec.timed, columns=spec.columns
+        )
         super().__init__(spec, member, buffers, step_timeout)
         self.chunk: ChunkBuffers | None = None
         """``inference="host"``: this worker's copy of the chunk records (filled per reply)."""
         if spec.chunk_steps > 0:
-            flat = StepBuffers.allocate(*spaces, spec.chunk_steps * spec.n_envs)
+            flat = StepBuffers.allocate(
+                *spaces, spec.chunk_steps * spec.n_envs, columns=spec.columns
+            )
             self.chunk = ChunkBuffers.from_flat(flat, spec.chunk_steps, spec.n_envs)
 
     @property
@@ -582,7 +625,8 @@ class RayBackend:
                 self.lanes = LaneOptions(self.step_timeout, close, None)
                 members = where.split(specs)
                 self._caps = shares(self.max_concurrency, [len(m) for m in members])
-                self._actor_class = ray.remote(LaneActor)
+                # LaneActor.beat answers from a thread of its own while an env blocks the loop.
+                self._actor_class = ray.remote(concurrency_groups={WATCH_GROUP: 1})(LaneActor)
             elif self.step_timeout is not None and any(s.chunk_steps > 0 for s in specs):
                 # Chunks judged per step: EnvActor.progress answers from a thread of its own.
                 groups = {PROGRESS_GROUP: 1}
@@ -651,6 +695,9 @@ class RayBackend:
         # A Ray shut down under us took the actors with it; a Ray call now would start it again.
         live = self.ray.is_initialized()
         if live:  # let the envs close themselves (env.close()) first
+            for actor in actors:  # a loop that stands still cannot close anything: killed now
+                if not actor.dead and actor.loop_stalled():
+                    actor.die("was killed: its event loop stood still when it was closed")
             live_actors = [a for a in actors if not a.dead]
             busy = any(a.calls for a in live_actors)
             grace = exit_grace(self.close_timeout, busy, EXIT_GRACE)

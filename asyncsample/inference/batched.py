@@ -29,10 +29,18 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _validate
-from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
+from asyncsample._action_check import (
+    AgentOutputCheck,
+    action_rows,
+    check_actions,
+    info_rows,
+    make_action_check,
+    row_value,
+)
 from asyncsample._clock import AgentTimer
-from asyncsample._tree import Tree, tree_concat, tree_leaves, tree_map
+from asyncsample._tree import Tree, stack_rows, tree_concat, tree_leaves, tree_map
 from asyncsample.agent import Agent, AgentOutput, trusted_actions
+from asyncsample.errors import AgentRowsError
 
 __all__ = ["Batched", "Batcher", "FlushRule"]
 
@@ -93,6 +101,7 @@ class _Request:
     rows: int
     future: asyncio.Future[Any]
     one: bool = False  # one env's row (no leading axis): answered with its action and infos
+    env: int | None = None  # that env's index in its worker (named by a failed row's fault)
 
 
 @dataclass
@@ -189,13 +198,17 @@ class Batcher:
                 self._pending.remove(request)
             raise
 
-    def request(self, agent: Agent, worker: int, observation: Tree) -> asyncio.Future[Any]:
-        """A future of ``(action, agent_infos)`` for ``observation`` of an env of ``worker``."""
+    def request(
+        self, agent: Agent, worker: int, observation: Tree, env: int | None = None
+    ) -> asyncio.Future[Any]:
+        """A future of ``(action, agent_infos)`` for ``observation`` of env ``env`` of
+        ``worker``; a :class:`~asyncsample.WorkerError` of that env where the agent failed its
+        row (:class:`~asyncsample.AgentRowsError`)."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._pending.append(_Request(worker, agent, observation, 1, future, True))
+        self._pending.append(_Request(worker, agent, observation, 1, future, True, env))
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._check)
@@ -258,7 +271,12 @@ class Batcher:
                 if not r.future.done():  # cancelled lanes drop out
                     by_agent.setdefault(id(r.agent), []).append(r)
             for requests in by_agent.values():
-                self._call(requests[0].agent, requests)  # type: ignore[arg-type]
+                agent = requests[0].agent
+                if getattr(agent, "merge_rows", True) is False:  # a call per row: none waits
+                    for r in requests:  # for another's reply (requests sent one per row)
+                        self._call(agent, [r])  # type: ignore[arg-type]
+                else:
+                    self._call(agent, requests)  # type: ignore[arg-type]
             return
         requests = sorted((r for r in pending if not r.future.done()), key=lambda r: r.worker)
         if requests:
@@ -283,10 +301,12 @@ class Batcher:
                 self._start(agent, requests, call, (start, weight))
                 return
             with self._agent_lock:
-                result = agent.get_actions(observations)
+                result: Any = agent.get_actions(observations)
             if type(result) is not tuple and inspect.isawaitable(result):
                 self._start(agent, requests, result, (start, weight))
                 return
+        except AgentRowsError as exc:  # some rows failed: each is its env's fault alone
+            result = exc
         except Exception as exc:
             self._fail(requests, exc)
             return
@@ -315,6 +335,10 @@ class Batcher:
         task = asyncio.ensure_future(call)  # a task, or the helper thread's future
         self._tasks.add(task)
         task.add_done_callback(functools.partial(self._finished, agent, requests, timing))
+        if self._per_pass:  # lanes: a call whose every requester gave up is cancelled
+            abandoned = functools.partial(_cancel_if_abandoned, task, requests)
+            for r in requests:
+                r.future.add_done_callback(abandoned)
 
     def _finished(
         self,
@@ -333,7 +357,10 @@ class Batcher:
             what = f"the agent's get_actions ({_rows_of(requests)}) was cancelled"
             self._fail(requests, RuntimeError(what))
         elif (exc := task.exception()) is not None:
-            self._fail(requests, exc)
+            if isinstance(exc, AgentRowsError):  # some rows failed: each its env's fault
+                self._deliver(agent, requests, exc)
+            else:
+                self._fail(requests, exc)
         else:
             self._deliver(agent, requests, task.result())
         if not self._per_pass:
@@ -346,28 +373,58 @@ class Batcher:
                 r.future.set_exception(exc)
 
     def _deliver(self, agent: Agent, requests: list[_Request], result: Any) -> None:
+        """The agent's output (or its :class:`AgentRowsError`) to the requests."""
+        failed: AgentRowsError | None = None
+        if isinstance(result, AgentRowsError):
+            failed, result = result, (result.actions, result.agent_infos)
         if requests[0].one:
-            self._deliver_rows(agent, requests, result)
+            self._deliver_rows(agent, requests, result, failed)
             return
         try:
             parts = _split(result, requests)
+            if failed is not None:
+                failed.check_rows(sum(r.rows for r in requests), _rows_of(requests))
         except ValueError as exc:
             for r in requests:
                 self._fail([r], ValueError(f"{exc}; raised in worker {r.worker}"))
             return
+        start = 0
         for r, part in zip(requests, parts):
-            if not r.future.done():
-                self.host_done(r.worker)
+            first, start = start, start + r.rows
+            if r.future.done():
+                continue
+            self.host_done(r.worker)
+            # A worker's rows are stepped together: a failed row fails its worker's step, as an
+            # env fault there does (its host is restarted).
+            bad = [] if failed is None else [j for j in failed.failures if first <= j < start]
+            if bad:
+                fault = failed.row_fault(bad[0], worker=r.worker, env=bad[0] - first)  # type: ignore[union-attr]
+                r.future.set_exception(fault)
+            else:
                 r.future.set_result(part)
 
-    def _deliver_rows(self, agent: Agent, requests: list[_Request], result: Any) -> None:
-        """Each env its action and agent infos, the merged output checked first as rows."""
+    def _deliver_rows(
+        self,
+        agent: Agent,
+        requests: list[_Request],
+        result: Any,
+        failed: AgentRowsError | None = None,
+    ) -> None:
+        """Each env its action and agent infos, the merged output checked first as rows; the
+        rows ``failed`` names get their env's fault instead (the others are delivered)."""
         n = len(requests)
         worker = min(r.worker for r in requests)
         try:
             check, trusted = self._check_of(agent, worker)
             check.worker, check.n_envs = worker, n
             actions, infos = check.output(result)
+            if self.action_space is not None:
+                actions = action_rows(actions, self.action_space)
+            if failed is not None:
+                requests, actions, infos = self._fail_rows(requests, actions, infos, failed)
+                n = len(requests)
+                if not n:
+                    return
             actions = check_actions(
                 actions,
                 _like_rows(actions, n),
@@ -384,7 +441,30 @@ class Batcher:
             if r.future.done():
                 continue
             action = actions[j] if plain else tree_map(lambda a, j=j: a[j], actions)
-            r.future.set_result((action, {k: v[j] for k, v in infos.items()} if infos else {}))
+            r.future.set_result(
+                (action, {k: row_value(v, j) for k, v in infos.items()} if infos else {})
+            )
+
+    def _fail_rows(
+        self,
+        requests: list[_Request],
+        actions: Tree,
+        infos: dict[str, np.ndarray],
+        failed: AgentRowsError,
+    ) -> tuple[list[_Request], Tree, dict[str, np.ndarray]]:
+        """Fail the rows ``failed`` names, each with its env's fault; the other requests and
+        their rows of ``actions`` and ``infos``."""
+        n = len(requests)
+        failed.check_rows(n, _rows_of(requests))
+        for j in failed.failures:
+            r = requests[j]
+            if not r.future.done():
+                r.future.set_exception(failed.row_fault(j, worker=r.worker, env=r.env))
+        keep = np.array([j for j in range(n) if j not in failed.failures], dtype=np.int64)
+        # (a list of actions as an array; arrays and ragged columns take rows as they are)
+        actions = tree_map(lambda a: (np.asarray(a) if isinstance(a, list) else a)[keep], actions)
+        infos = {k: v[keep] for k, v in infos.items()}
+        return [requests[j] for j in keep.tolist()], actions, infos
 
     def _check_of(self, agent: Agent, worker: int) -> tuple[AgentOutputCheck, bool]:
         """The output check of ``agent`` (a new agent object, e.g. an update's, gets a new one)
@@ -402,6 +482,16 @@ class Batcher:
         return check, trusted
 
 
+def _cancel_if_abandoned(
+    task: asyncio.Future[Any], requests: list[_Request], _: asyncio.Future[Any]
+) -> None:
+    """Cancel ``task``, an agent call still running, once every request it serves was cancelled
+    (their lanes were: a call cancelled, a share met), so that what it awaits (an LLM server's
+    replies) stops too, not after its results would be dropped."""
+    if not task.done() and all(r.future.cancelled() for r in requests):
+        task.cancel()
+
+
 def _same(value: object) -> object:
     """``value`` (a strong reference standing in for a weak one)."""
     return value
@@ -412,8 +502,8 @@ def _stack(requests: list[_Request]) -> Tree:
     if requests[0].one:
         first = requests[0].observations
         if isinstance(first, np.ndarray):
-            return np.stack([r.observations for r in requests])
-        return tree_map(lambda *xs: np.stack(xs), *[r.observations for r in requests])
+            return stack_rows([r.observations for r in requests])
+        return tree_map(lambda *xs: stack_rows(xs), *[r.observations for r in requests])
     if len(requests) == 1:
         return requests[0].observations
     parts = [r.observations for r in requests]
@@ -463,7 +553,7 @@ def _like_rows(actions: Tree, n: int) -> Tree:
     """``n`` rows of the space's shape, for :func:`check_actions` to compare against."""
 
     def like(a: Any) -> np.ndarray:
-        a = np.asarray(a)
+        a = np.asarray(a) if not isinstance(a, np.ndarray) else a
         return np.empty((n, *a.shape[1:]), dtype=a.dtype)
 
     return tree_map(like, actions)
@@ -478,8 +568,8 @@ def _split(result: Any, requests: list[_Request]) -> list[AgentOutput]:
             f"for {_rows_of(requests)}, got {type(result).__name__}"
         )
     actions, infos = result
-    actions = tree_map(np.asarray, actions)
-    infos = {k: np.asarray(v) for k, v in (infos or {}).items()}
+    actions = tree_map(info_rows, actions)
+    infos = {k: info_rows(v) for k, v in (infos or {}).items()}
     named = [("action", "exactly one action", leaf) for leaf in tree_leaves(actions)]
     named += [(f"agent info {k!r}", "one value", v) for k, v in infos.items()]
     for what, one, value in named:
