@@ -97,7 +97,7 @@ class ThreadedEnv:
         self.observation_space = env.observation_space
         self.action_space = env.action_space
         self._executor = executor
-        self._busy: concurrent.futures.Future[Any] | None = None
+        self.busy: concurrent.futures.Future[Any] | None = None  # its last call (may still run)
         self._running = running if running is not None else set()  # the backend's calls
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -112,11 +112,11 @@ class ThreadedEnv:
         return self.env.unwrapped
 
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        busy = self._busy
+        busy = self.busy
         if busy is not None and not busy.done():
             await asyncio.wait([asyncio.wrap_future(busy)])
         future = self._submit(fn, *args, **kwargs)
-        self._busy = future
+        self.busy = future
         return await asyncio.wrap_future(future)
 
     async def reset(
@@ -133,7 +133,7 @@ class ThreadedEnv:
     async def close(self) -> None:
         """``env.close`` in a pool thread; behind a call still running (a hung step) it is
         queued, not awaited: waiting could hold the caller as long as the stuck call."""
-        busy = self._busy
+        busy = self.busy
         if busy is not None and not busy.done():
             env = self.env
 
@@ -514,7 +514,7 @@ class LaneHost(PerEnvLockstep):
                     limiter.release()
         except TimeoutError:
             if by_deadline:  # a call in a thread runs on: its env is tied up until it returns
-                busy = self.envs[i]._busy if isinstance(self.envs[i], ThreadedEnv) else None
+                busy = self.envs[i].busy if isinstance(self.envs[i], ThreadedEnv) else None
                 raise DeadlinePassed(busy is not None and not busy.done()) from None
             raise StepTimeoutError(
                 f"env {i} of worker {self.spec.worker}: {what} took longer than "
