@@ -26,7 +26,7 @@ from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import row_copy, tree_map
 from asyncsample.backends._closing import cancelled_by_env
 from asyncsample.backends.base import ActingHost, BareStepHost, DeadlinePassed, PerEnvHost
-from asyncsample.errors import WorkerError
+from asyncsample.errors import StepTimeoutError, WorkerError
 from asyncsample.inference.batched import Batcher
 
 if TYPE_CHECKING:
@@ -412,7 +412,7 @@ class LaneStepper:
                                 carrying.discard(i)
                         if carry and i in detached:
                             return result
-                except DeadlinePassed:
+                except DeadlinePassed as cut:
                     if i in detached:
                         raise
                     in_flight.pop(i, None)
@@ -420,6 +420,8 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
                     length, ret = 0, 0.0
+                    if cut.running:  # its env is tied up until the call returns: abandoned
+                        await self._rebuild(i, self._abandoned(i))
                     continue
                 except WorkerError as exc:
                     if not exc.retry or i in detached:
@@ -578,7 +580,7 @@ class LaneStepper:
         worker = self.worker
         w = worker.worker_number
         while True:
-            if not failure.charged:  # another env's fault took its host down: no budget spent
+            if not failure.charged:  # not its fault (another env's, or a deadline): no budget
                 logger.info(
                     "worker %d: rebuilding env %d (not counted against max_restarts) after %s",
                     w,
@@ -610,6 +612,20 @@ class LaneStepper:
                 if not exc.retry:
                     raise
                 failure = exc
+
+    def _abandoned(self, i: int) -> StepTimeoutError:
+        """Why env ``i`` is rebuilt when its episode's deadline cut a call it could not stop:
+        not charged against ``max_restarts`` (the deadline's doing, not a fault)."""
+        w = self.worker.worker_number
+        abandoned = StepTimeoutError(
+            f"a call of the env still ran at its episode's deadline (episode_timeout="
+            f"{self.episode_timeout:g}s) and its thread cannot be stopped: the env is abandoned "
+            "(closed once the call returns) and rebuilt",
+            worker=w,
+            env=i,
+        )
+        abandoned.charged = False
+        return abandoned
 
     def _end(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""

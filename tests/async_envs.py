@@ -337,6 +337,7 @@ class FaultyAsyncEnv(CountingAsyncEnv):
         super().__init__(length)
         self.kind, self.at, self.budget = kind, at, budget or Budget(None)
         self.resets = 0
+        self.misbehaved = False  # whether it did
 
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -347,6 +348,7 @@ class FaultyAsyncEnv(CountingAsyncEnv):
     async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         kind = self.kind
         if kind and self.logic.steps_taken + 1 == self.at and self.budget.take():
+            self.misbehaved = True
             if kind == "raise":
                 raise RuntimeError("FaultyAsyncEnv raised")
             if kind == "cancel":
@@ -373,6 +375,7 @@ class FaultyEnv(CountingEnv):
         super().__init__(length)
         self.kind, self.at, self.budget, self.hang = kind, at, budget or Budget(None), hang
         self.resets = 0
+        self.misbehaved = False  # whether it did
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -383,6 +386,7 @@ class FaultyEnv(CountingEnv):
     def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
         kind = self.kind
         if kind and self.logic.steps_taken + 1 == self.at and self.budget.take():
+            self.misbehaved = True
             if kind == "raise":
                 raise RuntimeError("FaultyEnv raised")
             if kind == "cancel":
@@ -397,11 +401,13 @@ class FaultyEnv(CountingEnv):
 def faulty(
     backend: str, kind: str, slot: int, n_envs: int, times: int | None = 1, length: int = 10
 ) -> EnvFactory:
-    """Envs for ``backend`` (``"asyncio"``: async, else blocking) where only the env of worker
+    """Envs for ``backend`` (``"thread"``: blocking, else async) where only the env of worker
     slot ``slot`` (of ``n_envs``, one worker) and its rebuilds misbehave, ``times`` times in
-    all. The factory builds the probe first (index 0), then the worker's envs in order."""
+    all. The factory builds the probe first (index 0), then the worker's envs in order (in an
+    env host, which builds no probe and each rebuild from a fresh copy of the factory: the env
+    of slot ``slot + 1`` misbehaves once per host, its rebuilds do not)."""
     budget = Budget(times)
-    cls: Any = FaultyAsyncEnv if backend == "asyncio" else FaultyEnv
+    cls: Any = FaultyEnv if backend == "thread" else FaultyAsyncEnv
 
     def build(j: int) -> Any:
         bad = j == 1 + slot or j > n_envs  # the slot's env, and every env built after

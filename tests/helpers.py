@@ -195,9 +195,31 @@ def host_processes() -> list[int]:
     return out
 
 
+def _ray_process(pid: int) -> bool:
+    """Whether ``pid`` is one of Ray's own processes (its daemons and its worker pool, which
+    outlives the actors it ran)."""
+    try:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+    return "ray::" in cmd or f"{os.sep}ray{os.sep}" in cmd
+
+
+def live_ray_actors() -> set[str]:
+    """The ids of the actors Ray's control store does not report dead (none without Ray)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return set()
+    from ray._private import state
+
+    return {actor for actor, info in state.actors().items() if info["State"] != "DEAD"}
+
+
 class leaves_nothing:
-    """Fail if the block leaves a child process (other than Python's multiprocessing helpers)
-    or a /dev/shm entry of ours behind. Use with ``with`` or ``async with``.
+    """Fail if the block leaves a child process (other than Python's multiprocessing helpers),
+    a /dev/shm entry of ours or, with Ray running, a live Ray actor behind. Use with ``with``
+    or ``async with``. Ray's own processes (its daemons, and its worker pool, which outlives the
+    actors it ran) are not counted: a Ray actor left running is found by Ray's own account.
 
     Args:
         collect: run the garbage collector first, for blocks that drop what they made without
@@ -211,14 +233,22 @@ class leaves_nothing:
     def __enter__(self) -> None:
         self._procs = set(host_processes())
         self._shm = shm_entries()
+        self._actors = live_ray_actors()
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if self.collect:
             gc.collect()
         if exc_type is not None:
             return  # the block's own failure is the one to report
-        left = wait_gone([p for p in host_processes() if p not in self._procs])
+        new = [p for p in host_processes() if p not in self._procs and not _ray_process(p)]
+        left = wait_gone(new)
         assert not left, f"child processes outlived the block: {left}"
+        deadline = time.monotonic() + WAIT_TIMEOUT
+        actors = live_ray_actors() - self._actors
+        while actors and time.monotonic() < deadline:
+            time.sleep(POLL)
+            actors = live_ray_actors() - self._actors
+        assert not actors, f"Ray actors outlived the block: {sorted(actors)}"
         leaked = new_shm_entries(self._shm)
         assert not leaked, f"shared-memory segments outlived the block: {leaked}"
 
@@ -253,6 +283,15 @@ def run_python(code: str, *, timeout: float = 120) -> subprocess.CompletedProces
         env=python_env(),
         preexec_fn=default_sigint,
     )
+
+
+def patient_direct_reads(monkeypatch: Any, seconds: float = WAIT_TIMEOUT) -> None:
+    """Let a face's loop-free step wait ``seconds`` (not 50 ms, ``_DIRECT_WAIT``) for its hosts'
+    replies before it hands the round to the loop: on a loaded machine a quiet step's reply can
+    take longer, and a test of which steps run the loop must not depend on that."""
+    from asyncsample.vector import _lockstep
+
+    monkeypatch.setattr(_lockstep, "_DIRECT_WAIT", seconds)
 
 
 def count_loop_runs(face: Any, monkeypatch: Any) -> list[int]:

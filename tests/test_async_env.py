@@ -220,14 +220,24 @@ async def test_duck_env_matches_counting_env() -> None:
     assert same(await run_episode(DuckAsyncEnv(5), 4), await run_episode(CountingAsyncEnv(5), 4))
 
 
-async def test_latency_is_awaited_not_blocking() -> None:
+async def test_latency_is_awaited_not_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 20 steps' latencies are waited at once (in sequence: one at a time)."""
     envs = [CountingAsyncEnv(length=2, latency=0.05) for _ in range(20)]
     for env in envs:
         await env.reset(seed=0)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+    sleep, waiting, peak = asyncio.sleep, [0], [0]
+
+    async def counted(delay: float, result: Any = None) -> Any:
+        waiting[0] += 1
+        peak[0] = max(peak[0], waiting[0])
+        try:
+            return await sleep(delay, result)
+        finally:
+            waiting[0] -= 1
+
+    monkeypatch.setattr(asyncio, "sleep", counted)
     await asyncio.gather(*(env.step(0) for env in envs))
-    assert loop.time() - t0 < 0.5  # 20 x 50 ms would be 1 s in sequence
+    assert peak[0] == 20
 
 
 async def test_failing_env() -> None:

@@ -506,8 +506,10 @@ def test_equals_is_strict_about_dtype_and_keys(batch: EpisodeBatch, fields: dict
 
 
 def test_eq_is_identity(batch: EpisodeBatch, fields: dict[str, Any]) -> None:
-    assert batch == batch
-    assert batch != EpisodeBatch(**fields)
+    same = EpisodeBatch(**fields)
+    assert same.equals(batch)  # the same contents (equals compares those) ...
+    assert (batch == same) is False and batch != same  # ... but == is identity, a plain bool
+    assert len({batch, same, batch}) == 2  # hashed by identity too
 
 
 def test_equals_treats_nan_as_equal(fields: dict[str, Any]) -> None:

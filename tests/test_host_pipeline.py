@@ -3,7 +3,6 @@ chunk while the main process replays the last one, with the same batches."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import gc
@@ -20,7 +19,7 @@ import cloudpickle
 import numpy as np
 import pytest
 from envs import KillSelfEnv, NoisyEnv, SleepyEnv
-from helpers import SamplerFactory
+from helpers import SamplerFactory, wait_until
 
 from asyncsample import EpisodeBatch
 from asyncsample._engine import CallMode, StopRule
@@ -264,6 +263,11 @@ async def test_next_observations_are_right_while_the_host_runs_ahead(
         assert np.array_equal(a, b)
 
 
+def _replayed_with(log: list[Replayed], version: int) -> bool:
+    """Whether a chunk run with parameter ``version`` was replayed."""
+    return any(chunk.version == version for chunk in log)
+
+
 async def test_chunks_started_after_an_update_run_with_it(
     monkeypatch: pytest.MonkeyPatch, make_sampler: SamplerFactory
 ) -> None:
@@ -275,8 +279,9 @@ async def test_chunks_started_after_an_update_run_with_it(
     async with make_sampler(agent=ClockAgent(), env=env, inference=Host(chunk_steps=2)) as s:
         async with contextlib.aclosing(s.stream(400, fragments=True)) as it:
             async for _batch in it:  # the next round runs meanwhile: update it midway
-                for version in range(1, 6):
-                    await asyncio.sleep(0.03)
+                for version in range(1, 6):  # once a chunk ran with the version before
+                    ran = functools.partial(_replayed_with, log, version - 1)
+                    await wait_until(ran, f"a chunk run with version {version - 1}")
                     await s.update_agent({"version": version})
                     updates.append((time.monotonic(), version))
                 break

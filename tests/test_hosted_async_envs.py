@@ -16,7 +16,15 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import pytest
-from async_envs import CountingAsyncEnv, FaultyAsyncEnv, faulty, random_length
+from async_envs import (
+    CountingAsyncEnv,
+    FaultyAsyncEnv,
+    RandomLengthAsyncEnv,
+    faulty,
+    random_length,
+)
+from envs import first_to_claim
+from helpers import touch, wait_until
 
 from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
 from asyncsample.backends._lane_serve import shares
@@ -98,7 +106,7 @@ async def test_envs_live_in_the_hosts(make_sampler: Any, backend: str) -> None:
 
 
 @pytest.mark.both_loops
-@pytest.mark.parametrize("kind", ["raise", "cancel", "hang", "reward"])
+@pytest.mark.parametrize("kind", ["raise", "cancel", "hang", "reward", "info"])
 async def test_a_fault_is_the_envs_own(make_sampler: Any, backend: str, kind: str) -> None:
     """Env 17 of the one worker's 50 misbehaves once; only its episode is lost, it alone is
     rebuilt, and every other env's episodes come out whole."""
@@ -138,10 +146,37 @@ async def test_past_max_restarts_the_call_names_the_env(make_sampler: Any, backe
     assert sampler.restarts == 2 * 4  # each env spent its own budget of 2
 
 
-async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any, backend: str) -> None:
+class SignallingEnv(RandomLengthAsyncEnv):
+    """Episodes of 5-15 steps of 2 ms; once ``where/armed`` exists, its next step creates
+    ``where/stepping``: a sign, seen from any process, that a call (the one after the arming) is
+    stepping envs."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(5, 15, 0.002)
+        self.armed, self.stepping = os.path.join(where, "armed"), os.path.join(where, "stepping")
+
+    async def step(self, action: Any) -> Any:
+        if os.path.exists(self.armed) and not os.path.exists(self.stepping):
+            touch(self.stepping)
+        return await super().step(action)
+
+
+async def _mid_call(tmp_path: Any, call: Any) -> asyncio.Future[Any]:
+    """Start ``call`` (a coroutine) and return its task once it steps envs (by its steps'
+    sign, not a guess of how long it takes to start)."""
+    touch(tmp_path / "armed")
+    task = asyncio.ensure_future(call)
+    await wait_until((tmp_path / "stepping").exists, "a step of the call")
+    assert not task.done()  # a call of hundreds of steps of 2 ms: mid-call
+    return task
+
+
+async def test_a_killed_host_loses_only_its_envs_episodes(
+    make_sampler: Any, backend: str, tmp_path: Any
+) -> None:
     sampler = make_sampler(
         backend,
-        random_length(5, 15, 0.002),
+        functools.partial(SignallingEnv, str(tmp_path)),
         n_workers=2,
         envs_per_worker=8,
         n_processes=2,
@@ -149,8 +184,7 @@ async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any, bac
     )
     await sampler.obtain_samples(50)
     hosts = sampler._core.backend
-    call = asyncio.ensure_future(sampler.obtain_exact_episodes(80))
-    await asyncio.sleep(0.05)
+    call = await _mid_call(tmp_path, sampler.obtain_exact_episodes(80))
     if backend == "process":
         victim = hosts.pids[0]  # type: ignore[union-attr]
         os.kill(victim, signal.SIGKILL)
@@ -169,6 +203,58 @@ async def test_a_killed_host_loses_only_its_envs_episodes(make_sampler: Any, bac
             episode.observations[:, 0], np.arange(len(episode.step_types))
         )
         assert episode.step_types[-1] == StepType.TERMINAL
+
+
+class HungCloseAsyncEnv(CountingAsyncEnv):
+    """The first of these envs (in any process) to reach its 3rd step raises there; in an env
+    host its ``close()`` hangs (cancellably) and leaves files in ``where``: ``started-*`` as it
+    begins, ``given-up-*`` when cancelled, ``ended-*`` if it ever returns (the probe env, in
+    the caller, closes at once)."""
+
+    def __init__(self, where: str, caller: int) -> None:
+        super().__init__(10)
+        self.where, self.caller = where, caller
+
+    async def step(self, action: Any) -> Any:
+        if self.logic.steps_taken == 2 and first_to_claim(os.path.join(self.where, "fault")):
+            raise RuntimeError("HungCloseAsyncEnv raised")
+        return await super().step(action)
+
+    async def close(self) -> None:
+        if os.getpid() == self.caller:
+            return await super().close()
+        name = f"{os.getpid()}-{id(self)}"
+        touch(os.path.join(self.where, f"started-{name}"))
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            touch(os.path.join(self.where, f"given-up-{name}"))
+            raise
+        touch(os.path.join(self.where, f"ended-{name}"))
+
+
+async def test_a_hung_close_is_bounded_by_close_timeout(
+    make_sampler: Any, backend: str, tmp_path: Any
+) -> None:
+    """Async envs in the hosts: the env rebuilt after its fault is closed in the background
+    while the call goes on, and its hung close is given up at close_timeout; aclose() returns
+    with every close still hung, and leaves no host (make_sampler's check) or actor behind."""
+    sampler = make_sampler(
+        backend,
+        functools.partial(HungCloseAsyncEnv, str(tmp_path), os.getpid()),
+        n_workers=1,
+        envs_per_worker=4,
+        n_processes=1,
+        close_timeout=0.5,
+        seed=0,
+    )
+    batch = await sampler.obtain_exact_episodes(12)
+    assert sampler.restarts == 1 and len(batch.lengths) == 12
+    await wait_until(lambda: len(list(tmp_path.glob("given-up-*"))) == 1, "a close given up")
+    assert len(list(tmp_path.glob("started-*"))) == 1  # the replaced env's, no other yet
+    await sampler.aclose()
+    assert len(list(tmp_path.glob("started-*"))) == 1 + 4  # every env's close was asked for
+    assert not list(tmp_path.glob("ended-*"))  # and none of them returned
 
 
 async def test_max_concurrency_is_split_over_the_hosts(make_sampler: Any, backend: str) -> None:
@@ -368,11 +454,13 @@ async def test_inference_host_agent_error_fails_the_call(make_sampler: Any) -> N
     assert batch.n_transitions >= 20
 
 
-async def test_inference_host_agent_reinstalled_in_a_restarted_host(make_sampler: Any) -> None:
+async def test_inference_host_agent_reinstalled_in_a_restarted_host(
+    make_sampler: Any, tmp_path: Any
+) -> None:
     """A killed host's envs are rebuilt in its successor, and so is the agent copy, mid-call."""
     sampler = make_sampler(
         "process",
-        random_length(5, 15, 0.002),
+        functools.partial(SignallingEnv, str(tmp_path)),
         PidAgent(),
         n_workers=2,
         envs_per_worker=8,
@@ -382,8 +470,7 @@ async def test_inference_host_agent_reinstalled_in_a_restarted_host(make_sampler
     )
     await sampler.obtain_samples(50)
     hosts = sampler._core.backend
-    call = asyncio.ensure_future(sampler.obtain_exact_episodes(40))
-    await asyncio.sleep(0.05)
+    call = await _mid_call(tmp_path, sampler.obtain_exact_episodes(40))
     before = set(hosts.pids)  # type: ignore[union-attr]
     victim = hosts.pids[0]  # type: ignore[union-attr]
     os.kill(victim, signal.SIGKILL)

@@ -1,19 +1,22 @@
-"""Faults of envs stepped one at a time (``asyncio``, ``thread``): one env's failure is that env's
-alone, and nothing hangs (issue 32).
+"""Faults of envs stepped one at a time (``asyncio``, ``thread``, async envs in ``process``
+hosts): one env's failure is that env's alone, and nothing hangs (issue 32).
 
-The backends under test are listed in :data:`LANE_BACKENDS`; the tests are written against the
-public API and the test envs of ``tests/async_envs.py`` only, so the ``process`` backend joins by
-adding it there once it hosts async envs. Every test runs under both event loops.
+The backends under test are listed in :data:`LANE_BACKENDS`. A test that looks at the env objects
+themselves, or counts on the order in which the caller builds them, runs where they live in this
+process (:data:`IN_CALLER`); ``tests/test_hosted_async_envs.py`` checks those faults in the hosts.
+Every test runs under both event loops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import re
 import threading
 import time
-import warnings
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -28,15 +31,18 @@ from async_envs import (
     FaultyEnv,
     faulty,
 )
-from helpers import SamplerFactory
+from envs import first_to_claim
+from helpers import SamplerFactory, touch, wait_until
 
 from asyncsample import EpisodeBatch, NewEnvUpdate, Sampler, StepType, WorkerError
 
 # The uvloop variants run in the slow pass (tests/conftest.py), but for the one marked both_loops.
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
-#: The backends that step envs one at a time (``process`` with async envs joins here).
-LANE_BACKENDS = ("asyncio", "thread")
+#: The backends that step envs one at a time (``process``: async envs in its hosts).
+LANE_BACKENDS = ("asyncio", "thread", "process")
+#: Those whose envs live in this process, for the tests that look at them.
+IN_CALLER = ("asyncio", "thread")
 MODES = ("samples", "episodes", "fragments", "stream")
 N_ENVS, SLOT = 50, 17  # one worker of 50 envs; the env in slot 17 misbehaves
 
@@ -85,7 +91,8 @@ def _lane_sampler(
     return make_sampler(backend, factory, **options)
 
 
-def _check_isolated(
+async def _check_isolated(
+    sampler: Sampler,
     factory: EnvFactory,
     batches: list[EpisodeBatch],
     mode: str,
@@ -94,19 +101,26 @@ def _check_isolated(
 ) -> None:
     """Only the misbehaving env was rebuilt (once; ``optional``: or not at all, when the call
     could end without it); no healthy env was closed or lost an episode: every step it took is
-    in the batch, but for the one episode a complete-episode call leaves running at its end."""
+    in the batch, but for the one episode a complete-episode call leaves running at its end.
+    On ``process`` the envs live in the host: seen through the batches and the restarts."""
+    for b in batches:
+        _check_whole(b, fragments=mode == "fragments")
+    env_index = np.concatenate([b.episode_infos["env"] for b in batches])
+    if mode == "episodes":
+        assert np.bincount(env_index, minlength=N_ENVS).tolist() == [2] * N_ENVS
+    if sampler.backend_name == "process":
+        assert sampler.restarts == 1 or (optional and sampler.restarts == 0)
+        return
     rebuilds = len(factory.made) - 1 - N_ENVS  # beside the probe and the worker's envs
     assert rebuilds == 1 or (optional and rebuilds == 0)
     worker_envs = factory.made[1 : 1 + N_ENVS]
-    # (a blocking env stuck in its thread is closed once its call returns: ``closes_later``)
-    assert worker_envs[SLOT].closed == bool(rebuilds) or closes_later
+    if closes_later and rebuilds:  # a blocking env stuck in its thread: closed once it returns
+        await wait_until(lambda: worker_envs[SLOT].closed, "the stuck env's close")
+    assert worker_envs[SLOT].closed == bool(rebuilds)
     healthy = [e for i, e in enumerate(worker_envs) if i != SLOT]
     assert not any(e.closed for e in healthy)
     assert all(e.resets >= 1 for e in healthy)
-    env_index = np.concatenate([b.episode_infos["env"] for b in batches])
     lengths = np.concatenate([b.lengths for b in batches])
-    for b in batches:
-        _check_whole(b, fragments=mode == "fragments")
     for i, env in enumerate(worker_envs):
         if i == SLOT:
             continue
@@ -117,8 +131,6 @@ def _check_isolated(
         else:  # the episode running at the end is dropped by design: at most 9 steps, and
             # on "thread" a step cut in flight that its thread still finished
             assert 0 <= taken - returned <= 10, (i, taken, returned)
-    if mode == "episodes":
-        assert np.bincount(env_index, minlength=N_ENVS).tolist() == [2] * N_ENVS
 
 
 @pytest.mark.both_loops
@@ -129,7 +141,7 @@ async def test_one_failing_env_of_fifty_costs_only_its_own_episode(
     factory = faulty(lane, "raise", SLOT, N_ENVS, times=1)
     sampler = _lane_sampler(make_sampler, lane, factory)
     batches = await _call(sampler, mode)
-    _check_isolated(factory, batches, mode)
+    await _check_isolated(sampler, factory, batches, mode)
     if mode != "stream":
         assert sampler.last_stats is not None and sampler.last_stats.restarts == 1
 
@@ -145,7 +157,8 @@ async def test_every_kind_of_fault_is_the_envs_own(
         sampler = _lane_sampler(make_sampler, lane, factory, step_timeout=0.3)
         batches = await _call(sampler, mode)
         # obtain_samples may have its share before the hung step's step_timeout.
-        _check_isolated(
+        await _check_isolated(
+            sampler,
             factory,
             batches,
             mode,
@@ -155,6 +168,7 @@ async def test_every_kind_of_fault_is_the_envs_own(
         await sampler.aclose()
 
 
+@pytest.mark.parametrize("lane", IN_CALLER)  # the build order; in the hosts: test_hosted_async_envs
 @pytest.mark.parametrize("kind", ["raise", "cancel", "reward"])
 async def test_past_max_restarts_the_call_names_the_worker_and_env(
     make_sampler: SamplerFactory, lane: str, kind: str
@@ -173,6 +187,7 @@ async def test_past_max_restarts_the_call_names_the_worker_and_env(
         assert "reward must be a real number, got list" in str(err)
 
 
+@pytest.mark.parametrize("lane", IN_CALLER)  # the build order; in the hosts: test_hosted_async_envs
 async def test_an_env_whose_own_request_is_cancelled_loses_no_data(
     make_sampler: SamplerFactory, lane: str
 ) -> None:
@@ -202,62 +217,98 @@ async def test_an_env_whose_own_request_is_cancelled_loses_no_data(
 # -- closes are bounded ---------------------------------------------------------------------------
 
 
-class HangingCloseAsyncEnv(FaultyAsyncEnv):
-    """Hangs on its 3rd step (once per budget) and in ``close()``, like a dead remote session."""
+class _HungClose:
+    """What a hung ``close()`` did: ``started``, ``ended`` (it returned), ``given_up`` (it was
+    cancelled); it hangs until ``release`` is set (by the test, once it checked)."""
 
-    closes_started = 0
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+        self.started = self.ended = self.given_up = False
+
+
+class HangingCloseAsyncEnv(FaultyAsyncEnv):
+    """Hangs on its 3rd step (once per budget), and in ``close()`` until released, like a dead
+    remote session."""
+
+    def __init__(self, kind: str | None, budget: Budget | None, release: threading.Event) -> None:
+        super().__init__(kind, 3, 10, budget)
+        self.hung_close = _HungClose(release)
 
     async def close(self) -> None:
-        HangingCloseAsyncEnv.closes_started += 1
-        await asyncio.Event().wait()
+        close = self.hung_close
+        close.started = True
+        try:
+            while not close.release.is_set():
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            close.given_up = True
+            raise
+        close.ended = True
 
 
 class HangingCloseEnv(FaultyEnv):
-    """Blocking: hangs 3 s on its 3rd step, and 3 s in ``close()``."""
+    """Blocking: hangs 3 s on its 3rd step, and in ``close()`` until released (60 s at most)."""
+
+    def __init__(self, kind: str | None, budget: Budget | None, release: threading.Event) -> None:
+        super().__init__(kind, 3, 10, budget, hang=3.0)
+        self.hung_close = _HungClose(release)
 
     def close(self) -> None:
-        time.sleep(3.0)
+        self.hung_close.started = True
+        self.hung_close.release.wait(60.0)
+        self.hung_close.ended = True
         super().close()
 
 
+def _hanging_closes(lane: str, kind: str | None, budget: Budget | None) -> EnvFactory:
+    """Envs of ``lane`` whose ``close()`` hangs until the factory's ``release`` is set."""
+    release = threading.Event()
+    cls: Any = HangingCloseAsyncEnv if lane == "asyncio" else HangingCloseEnv
+    factory = EnvFactory(lambda j: cls(kind, budget, release))
+    factory.release = release  # type: ignore[attr-defined]
+    return factory
+
+
 @pytest.mark.slow  # seconds of deliberate hanging; the slow pass runs it
+@pytest.mark.parametrize("lane", IN_CALLER)  # the envs' own flags; in the hosts: the hosted tests
 async def test_a_hung_step_and_a_hung_close_do_not_hold_the_call(
     make_sampler: SamplerFactory, lane: str
 ) -> None:
-    budget = Budget(1)
-    if lane == "asyncio":
-        factory = EnvFactory(lambda j: HangingCloseAsyncEnv("hang", 3, 10, budget))
-    else:
-        factory = EnvFactory(lambda j: HangingCloseEnv("hang", 3, 10, budget, hang=3.0))
+    """The env rebuilt after its hung step is closed in the background: the call returns while
+    that close still hangs, neither finished nor given up at close_timeout (before: the restart
+    awaited the close forever)."""
+    factory = _hanging_closes(lane, "hang", Budget(1))
     sampler = make_sampler(
-        lane, factory, n_workers=1, envs_per_worker=2, step_timeout=0.3, close_timeout=1.0, seed=0
+        lane, factory, n_workers=1, envs_per_worker=2, step_timeout=0.3, close_timeout=60.0, seed=0
     )
-    start = time.perf_counter()
-    batch = await sampler.obtain_samples(40)
-    assert time.perf_counter() - start < 2.5  # before: the restart awaited the close forever
-    assert batch.n_transitions >= 40
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        await asyncio.wait_for(sampler.aclose(), 5.0)  # the closes are bounded (1 s)
+    batch = await sampler.obtain_exact_episodes(6)  # three of each env: the hung one's too
+    assert batch.n_transitions >= 6 * 10
+    replaced = [e.hung_close for e in factory.made[1:3] if e.misbehaved]
+    assert sampler.restarts == 1 and len(replaced) == 1
+    close = replaced[0]
+    if lane == "asyncio":
+        assert close.started  # on "thread" it waits for the hung step's thread first
+    assert not close.ended and not close.given_up
+    factory.release.set()  # type: ignore[attr-defined]
+    await wait_until(lambda: close.ended, "the replaced env's close, once released")
 
 
 @pytest.mark.slow  # seconds of deliberate hanging; the slow pass runs it
+@pytest.mark.parametrize("lane", IN_CALLER)  # the envs' own flags; in the hosts: the hosted tests
 async def test_aclose_is_bounded_by_close_timeout_and_leaves_no_task(
     make_sampler: SamplerFactory, lane: str
 ) -> None:
     """Every env's close() hangs: aclose() returns after close_timeout, warns, and no task of
     the sampler's is alive after it (before: aclose() never returned; 8 tasks stayed)."""
-    if lane == "asyncio":
-        factory = EnvFactory(lambda j: HangingCloseAsyncEnv(None))
-    else:
-        factory = EnvFactory(lambda j: HangingCloseEnv(None))
+    factory = _hanging_closes(lane, None, None)
     before = asyncio.all_tasks()
     sampler = make_sampler(lane, factory, n_workers=2, envs_per_worker=4, close_timeout=0.5, seed=0)
     await sampler.obtain_samples(40)
-    start = time.perf_counter()
     with pytest.warns(ResourceWarning, match="close_timeout=0.5s"):
         await sampler.aclose()
-    assert time.perf_counter() - start < 4.0  # bounded by close_timeout, with some slack
+    closes = [e.hung_close for e in factory.made[1:]]
+    assert all(c.started and not c.ended for c in closes)  # returned while every close hung
+    factory.release.set()  # type: ignore[attr-defined]
     await asyncio.sleep(0)
     left = asyncio.all_tasks() - before - {asyncio.current_task()}
     assert not left, left
@@ -272,42 +323,97 @@ async def test_close_timeout_is_checked(value: Any) -> None:
 # -- episode_timeout covers the reset; fraction_samples; env updates -------------------------------
 
 
-class HangingResetAsyncEnv(CountingAsyncEnv):
-    """Its first reset hangs (cancellably); later ones do not."""
+#: How long the hung reset below hangs unless the test releases it: far past its deadline.
+HANG = 8.0
+DEADLINE = 0.5
 
-    def __init__(self) -> None:
+
+class HungResetEnv(CountingEnv):
+    """Blocking: the first reset of all hangs ``HANG`` seconds, or until ``where/release``
+    exists; then it writes ``where/finished``. The env whose reset hung writes
+    ``where/hung-closed`` when closed."""
+
+    def __init__(self, where: str) -> None:
         super().__init__(5)
-        self.resets = 0
+        self.where = Path(where)
+        self.hung = False
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        if first_to_claim(str(self.where / "hung")):  # one reset of all, in any process
+            self.hung = True
+            end = time.monotonic() + HANG
+            while not (self.where / "release").exists() and time.monotonic() < end:
+                time.sleep(0.01)
+            (self.where / "finished").touch()
+        return super().reset(seed=seed, options=options)
+
+    def close(self) -> None:
+        if self.hung:
+            (self.where / "hung-closed").touch()
+        super().close()
+
+
+class HungResetAsyncEnv(CountingAsyncEnv):
+    """The async twin of :class:`HungResetEnv`: its hung reset writes ``where/cancelled`` when
+    cancelled."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(5)
+        self.where = Path(where)
 
     async def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
-        self.resets += 1
-        if self.resets == 1:
-            await asyncio.Event().wait()
+        if first_to_claim(str(self.where / "hung")):  # one reset of all, in any process
+            end = time.monotonic() + HANG
+            try:
+                while not (self.where / "release").exists() and time.monotonic() < end:
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                (self.where / "cancelled").touch()
+                raise
+            (self.where / "finished").touch()
         return await super().reset(seed=seed, options=options)
 
 
-class HangingResetEnv(CountingEnv):
-    """Blocking: its first reset blocks 1 s."""
-
-    def __init__(self) -> None:
-        super().__init__(5)
-        self.resets = 0
-
-    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
-        self.resets += 1
-        if self.resets == 1:
-            time.sleep(1.0)
-        return super().reset(seed=seed, options=options)
+@pytest.fixture(params=["asyncio", "thread", "process", "ray"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every backend that steps envs one at a time (async envs in the process and Ray hosts)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return str(request.param)
 
 
-async def test_episode_timeout_cuts_a_hung_reset(make_sampler: SamplerFactory, lane: str) -> None:
-    cls = HangingResetAsyncEnv if lane == "asyncio" else HangingResetEnv
-    sampler = make_sampler(lane, cls, n_workers=1, envs_per_worker=2, episode_timeout=0.3, seed=0)
-    start = time.perf_counter()
-    batch = await sampler.obtain_samples(20)
-    assert time.perf_counter() - start < 5.0  # before: the hung reset held the call forever
-    assert batch.n_transitions >= 20
+async def test_episode_timeout_cuts_a_hung_reset(
+    make_sampler: SamplerFactory, backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reset that hangs 8 s, an episode_timeout of 0.5 s: the deadline cuts the reset and the
+    call goes on without it. Before, on "thread", the next reset of that env waited for the hung
+    one (an 8 s hang held obtain_samples for 8 s; 16 s for two hung resets in a row); now the
+    env, whose thread cannot be stopped, is abandoned and rebuilt at the deadline."""
+    cls = HungResetEnv if backend == "thread" else HungResetAsyncEnv
+    sampler = make_sampler(
+        backend,
+        functools.partial(cls, str(tmp_path)),
+        n_workers=1,
+        envs_per_worker=1,  # the call needs the hung env's steps
+        n_processes=1,
+        episode_timeout=DEADLINE,
+        seed=0,
+    )
+    with caplog.at_level(logging.INFO, logger="asyncsample"):
+        batch = await sampler.obtain_samples(50)
+    assert (tmp_path / "hung").exists()  # a reset did hang
+    assert not (tmp_path / "finished").exists()  # the call did not wait for it
+    assert batch.n_transitions >= 50
     _check_whole(batch)
+    assert sampler.restarts == 0  # the deadline's doing, not a fault
+    abandoned = [r for r in caplog.records if "the env is abandoned" in r.getMessage()]
+    if backend == "thread":  # abandoned (to be closed once its call returns) and rebuilt
+        assert abandoned and "not counted against max_restarts" in abandoned[0].getMessage()
+    else:  # cancelled at its deadline; the env goes on
+        assert (tmp_path / "cancelled").exists() and not abandoned
+    touch(tmp_path / "release")
+    if backend == "thread":  # the thread finishes the reset, then the old env is closed
+        await wait_until((tmp_path / "hung-closed").exists, "the abandoned env's close")
 
 
 @pytest.mark.both_loops
@@ -316,7 +422,7 @@ async def test_fraction_samples_of_fragments_stays_near_the_quota(
     make_sampler: SamplerFactory, lane: str, fraction: float
 ) -> None:
     """Before: every worker took the whole quota (800 transitions from 4 workers for 200)."""
-    factory = EnvFactory(lambda j: CountingAsyncEnv(7) if lane == "asyncio" else CountingEnv(7))
+    factory = EnvFactory(lambda j: CountingEnv(7) if lane == "thread" else CountingAsyncEnv(7))
     sampler = make_sampler(lane, factory, n_workers=4, envs_per_worker=3, seed=0)
     for _ in range(2):
         batch = await sampler.obtain_fragments(200, fraction_samples=fraction)
@@ -336,6 +442,7 @@ def _slow_worker_0(lane: str) -> EnvFactory:
 
 
 @pytest.mark.both_loops
+@pytest.mark.parametrize("lane", IN_CALLER)  # which env is slow: the caller's build order
 @pytest.mark.parametrize("mode", ["fragments", "samples"])
 async def test_a_fast_worker_does_not_fill_in_for_minimums_still_owed(
     make_sampler: SamplerFactory, lane: str, mode: str
@@ -387,11 +494,14 @@ class BadStepEnv(CountingEnv):
 
 
 @pytest.mark.parametrize("field", ["reward", "info"])
-@pytest.mark.parametrize("backend", ["local", "thread"])
+@pytest.mark.parametrize("backend", ["local", "thread", "process", "ray"])
 async def test_a_malformed_step_names_worker_env_field_and_type(
-    make_sampler: SamplerFactory, backend: str, field: str
+    request: pytest.FixtureRequest, make_sampler: SamplerFactory, backend: str, field: str
 ) -> None:
-    """Before: a bare ValueError (reward) or AttributeError from the batch assembly (info)."""
+    """Before: a bare ValueError (reward) or AttributeError from the batch assembly (info).
+    Blocking envs on every backend (Ray's variants are slow)."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
     sampler = make_sampler(backend, lambda: BadStepEnv(field), n_workers=2, max_restarts=0, seed=0)
     # "local" raises the caller's mistake as itself (no host boundary to cross), others wrap it
     with pytest.raises((WorkerError, TypeError)) as info:

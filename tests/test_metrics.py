@@ -15,7 +15,7 @@ import async_envs
 import numpy as np
 import pytest
 from envs import BadShapeEnv, FailingEnv, HangingEnv, KillSelfEnv, NoisyEnv, SleepyEnv
-from helpers import SamplerFactory
+from helpers import SamplerFactory, wait_until
 from prometheus_client import CollectorRegistry
 
 from asyncsample import EpisodeBatch, RandomAgent, Sampler, StepType, VectorEnv, WorkerError, _clock
@@ -570,7 +570,8 @@ async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFa
     seen = await _scraped_in_flight(sampler, registry)
     if backend == "process":
         assert 1 <= max(seen) <= 4 and min(seen) >= 0  # reported, never above the cap
-        await asyncio.sleep(0.2)  # the cut steps' cancels settle in the hosts
+        # the cut steps' cancels settle in the hosts (each host reports as it replies)
+        await wait_until(lambda: value(registry, "env_calls_in_flight") == 0, "no call in flight")
     else:
         assert max(seen) == 4 and min(seen) >= 0  # never above the cap, which the steps fill
     assert value(registry, "env_calls_in_flight") == 0
@@ -662,3 +663,47 @@ async def test_lane_hosts_time_every_env_in_turn_and_count_every_step(
     assert value(registry, "env_step_seconds_count") == pytest.approx(steps)
     assert value(registry, "env_step_seconds_sum") > 0
     assert 0 < gap_after(pace.last) <= 12
+
+
+class SleepyAgent:
+    """Zero actions; each call sleeps ``seconds`` (an agent of known cost)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, Any]]:
+        time.sleep(self.seconds)
+        return np.zeros(len(observations), dtype=np.int64), {}
+
+
+#: The known costs of the run below: each env step, each agent call, each episode's steps.
+STEP_S, AGENT_S, LENGTH = 0.01, 0.005, 5
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "thread", "local"])
+async def test_latencies_add_up_to_the_known_delays(
+    backend: str, make_sampler: SamplerFactory
+) -> None:
+    """Each histogram's mean is at least the delay put in (a step sleeps 10 ms, an agent call
+    5 ms, an episode is 5 steps) and within a generous multiple of it: a timer that measured
+    the wrong span (too little, or a whole call) would fall outside."""
+    registry = CollectorRegistry()
+    env: Any = (
+        async_envs.counting(LENGTH, STEP_S)
+        if backend == "asyncio"
+        else functools.partial(async_envs.CountingEnv, LENGTH, STEP_S)
+    )
+    sampler = make_sampler(
+        backend, env, SleepyAgent(AGENT_S), n_workers=2, envs_per_worker=2, metrics=registry
+    )
+    batch = await sampler.obtain_exact_episodes(6)
+    assert len(batch.lengths) == 12 and (batch.lengths == LENGTH).all()
+    for name, least in (
+        ("env_step_seconds", STEP_S),
+        ("agent_call_seconds", AGENT_S),
+        ("episode_seconds", LENGTH * STEP_S),
+    ):
+        count, total = value(registry, f"{name}_count"), value(registry, f"{name}_sum")
+        assert count > 0, name
+        assert least * 0.95 <= total / count < least * 100, (name, total, count)
+    assert value(registry, "episode_seconds_count") == 12

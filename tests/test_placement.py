@@ -64,15 +64,17 @@ class BusyEnv(gym.Env[np.ndarray, int]):
         return obs, float(action), bool(obs[0] > 0.9), False, {}
 
 
-@pytest.fixture(autouse=True)
-def _a_quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decisions as on a quiet machine (a busy one is the test's own case)."""
+@pytest.fixture
+def quiet_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decisions as on a quiet machine (a busy one is a test's own case), for the tests of
+    the decision itself; the faces' tests see the machine as it is."""
     monkeypatch.setattr(placement, "machine_busy", lambda n_cpus: False)
 
 
 # -- the decision, from its two measurements ---------------------------------------------------
 
 
+@pytest.mark.usefixtures("quiet_machine")
 @pytest.mark.parametrize(
     ("n", "step_us", "hop_us", "cpus", "want"),
     [
@@ -94,6 +96,7 @@ def test_choose_predicts_the_fastest_placement(
     assert f"probe step {step_us:.1f} us" in got.reason
 
 
+@pytest.mark.usefixtures("quiet_machine")
 @pytest.mark.parametrize(
     ("n", "step_us", "want"),
     [
@@ -169,7 +172,7 @@ def test_a_busy_machine_keeps_every_sub_env_in_the_callers_process(n: int, step_
 
 def test_the_machine_is_busy_when_more_threads_than_cpus_are_runnable() -> None:
     assert runnable() >= 1  # this thread, at least (Linux)
-    assert not machine_busy(10_000)  # the function itself (the fixture patches the module's)
+    assert not machine_busy(10_000)
     assert machine_busy(0)
 
 
@@ -184,10 +187,11 @@ def test_an_env_that_cannot_be_probed_goes_to_hosts() -> None:
 
 
 def test_the_probe_is_stepped_within_its_budget() -> None:
-    t0 = time.perf_counter()
-    step = probe_step_seconds(BusyEnv(0.004))
-    assert step is not None and 0.004 <= step < 0.05
-    assert time.perf_counter() - t0 < 1.0  # a few steps, not _PROBE_STEPS of them
+    env = BusyEnv(0.004)
+    step = probe_step_seconds(env)
+    assert step is not None and step >= 0.004
+    # Its budget (20 ms) is a few of these steps: not _PROBE_STEPS of them (the first always).
+    assert 1 <= env.steps < placement._PROBE_STEPS
 
 
 # -- what the faces do with it -------------------------------------------------------------------
@@ -218,13 +222,18 @@ def test_cheap_envs_step_in_the_callers_process_and_say_so(
 
 
 def test_costly_envs_leave_the_callers_process(caplog: pytest.LogCaptureFixture) -> None:
+    """On the machine as it is: a busy one (other threads want the CPUs) keeps them in."""
     with caplog.at_level(logging.INFO, logger="asyncsample"):
         env = VectorEnv([lambda: BusyEnv(0.002)] * 4)
     try:
-        assert env.placement.kind in ("hosts", "mixed")
-        assert env.n_processes >= 1 and len(env.pids) == env.n_processes
         assert env.placement.env_step is not None and env.placement.env_step >= 0.002
-        assert any("env-host processes" in r.getMessage() for r in caplog.records)
+        reason = env.placement.reason
+        if "the machine is busy" in reason or "other threads want the CPUs" in reason:
+            assert env.placement.kind == "in-process" and env.pids == []
+        else:
+            assert env.placement.kind in ("hosts", "mixed")
+            assert env.n_processes >= 1 and len(env.pids) == env.n_processes
+            assert any("env-host processes" in r.getMessage() for r in caplog.records)
     finally:
         env.close()
 
@@ -372,8 +381,6 @@ def test_a_reader_without_spin_returns_at_once() -> None:
 
 
 def test_the_spin_option_is_checked() -> None:
-    assert ProcessBackend(spin_after_step=0.001).spin_after_step == 0.001
-    assert ProcessBackend().spin_after_step is None
     with pytest.raises(ValueError, match="spin_after_step must be a finite number of seconds"):
         ProcessBackend(spin_after_step=-1.0)
     with pytest.raises(TypeError, match="spin_after_step must be a number of seconds or None"):

@@ -3,7 +3,9 @@
 An actor runs a whole chunk in one call; while it does, the caller asks it how far the chunk has
 got (``EnvActor.progress``, in a concurrency group of its own) and fails the chunk when that count
 stands still for ``step_timeout``, as the ``process`` backend does with its shared counter. Ray
-start-up is slow: every test here is in the slow run (``ray_cluster``), on both loops.
+start-up is slow: every test here is in the slow run (``ray_cluster``), on both loops. A hung
+step of a chunk failed or restarted, and a slow one that keeps going, are checked on Ray and on
+``process`` alike in ``tests/test_faults_round3.py``.
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ import asyncio
 import functools
 import pickle
 import sys
-import time
 from typing import Any
 
 import cloudpickle
 import numpy as np
 import pytest
-from envs import HangingEnv, NoisyEnv, SleepyEnv
+from envs import NoisyEnv, SleepyEnv
 from helpers import SamplerFactory
 
 from asyncsample import Host, Sampler, StepTimeoutError
@@ -49,53 +50,6 @@ def _host_sampler(
         step_timeout=0.5,
         max_restarts=max_restarts,
     )
-
-
-async def test_a_hung_step_of_a_chunk_fails_in_step_timeout(
-    tmp_path: Any, ray_cluster: Any, make_sampler: SamplerFactory
-) -> None:
-    # The env hangs in the 5th step of a 64-step chunk: found after ~0.5 s, not 64 x 0.5 s.
-    env = functools.partial(HangingEnv, 5, 3600.0, str(tmp_path / "hung"))
-    async with _host_sampler(make_sampler, env, 64) as s:
-        start = time.monotonic()
-        with pytest.raises(StepTimeoutError) as info:
-            await s.obtain_fragments(64)
-        elapsed = time.monotonic() - start
-    message = str(info.value)
-    assert "step 5 of a chunk took longer than step_timeout=0.5s" in message, message
-    assert "env-host actor 0" in message and "was killed" in message, message
-    assert info.value.worker == 0
-    assert elapsed < 3.0, elapsed  # 4 steps, 0.5 s of hang, a look every 0.05 s: was 32 s
-
-
-async def test_a_hung_step_of_a_chunk_is_restarted_in_step_timeout(
-    tmp_path: Any, ray_cluster: Any, make_sampler: SamplerFactory
-) -> None:
-    # Hangs once (the flag): the actor is killed after ~0.5 s, a new one finishes the call. Both
-    # workers lived on it: each counts the restart.
-    env = functools.partial(HangingEnv, 9, 3600.0, str(tmp_path / "hung"))
-    async with _host_sampler(make_sampler, env, 64, n_workers=2, max_restarts=2) as s:
-        await s.obtain_fragments(8)  # the actor is up, nobody has hung yet
-        start = time.monotonic()
-        batch = await s.obtain_fragments(200)
-        elapsed = time.monotonic() - start
-        assert s.last_stats is not None and s.last_stats.restarts == 2
-    assert batch.lengths.sum() >= 200
-    # 0.5 s to notice, a new actor (a few seconds on a loaded machine), 200 steps: was 32 s.
-    assert elapsed < 15.0, elapsed
-
-
-async def test_a_slow_step_that_keeps_going_does_not_time_out(
-    ray_cluster: Any, make_sampler: SamplerFactory
-) -> None:
-    # 16 steps of 0.3 s in one chunk: 4.8 s, every step well within step_timeout=0.5.
-    async with _host_sampler(make_sampler, functools.partial(SleepyEnv, 0.3), 16) as s:
-        start = time.monotonic()
-        batch = await s.obtain_fragments(16)
-        elapsed = time.monotonic() - start
-        assert s.restarts == 0
-    assert batch.lengths.sum() == 16
-    assert elapsed >= 4.8
 
 
 async def test_time_queued_behind_another_workers_chunk_does_not_count(
@@ -135,15 +89,14 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 async def test_a_step_that_holds_the_gil_is_found_within_twice_step_timeout(
     ray_cluster: Any, make_sampler: SamplerFactory
 ) -> None:
-    # The look at the counter the actor cannot answer is waited for one more step_timeout.
+    # The look at the counter the actor cannot answer is waited for one more step_timeout. A
+    # verdict that waited for the answer would come after the C loop (seconds), which ends: the
+    # counter would have moved on, and the chunk would finish without an error.
     sampler = _host_sampler(make_sampler, functools.partial(GilHoggingEnv, 5), 64)
     async with sampler as s:
-        start = time.monotonic()
         with pytest.raises(StepTimeoutError) as info:
             await s.obtain_fragments(64)
-        elapsed = time.monotonic() - start
     assert "step 5 of a chunk took longer than step_timeout=0.5s" in str(info.value)
-    assert elapsed < 3.0, elapsed  # 2 x 0.5 s and a look; the loop alone takes many seconds
 
 
 class _FakeRay:

@@ -15,13 +15,10 @@ from types import ModuleType
 from typing import Any
 
 import aiohttp
-import async_envs
 import numpy as np
 import pytest
 from aiohttp import web
 from helpers import leaves_nothing
-
-from asyncsample import Sampler
 
 pytest.importorskip("torch")
 
@@ -37,15 +34,6 @@ def load() -> ModuleType:
 
 
 example = load()
-
-
-def asyncio_backend_available() -> bool:
-    """Whether this branch has ``backend="asyncio"`` yet (the example needs it)."""
-    try:
-        Sampler(async_envs.counting(), backend="asyncio")
-    except ValueError as exc:
-        return "backend must be one of" not in str(exc)
-    return True
 
 
 @contextlib.asynccontextmanager
@@ -201,9 +189,6 @@ async def test_policy_server_process_starts_serves_and_stops() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(
-    not asyncio_backend_available(), reason="backend='asyncio' is not on this branch"
-)
 def test_remote_policy_example_runs_end_to_end(tmp_path: Path) -> None:
     command = [sys.executable, str(EXAMPLES / "remote_policy.py"), "--quick"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=170, cwd=tmp_path)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import gc
 import os
 import signal
 import sys
@@ -20,8 +19,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium import spaces
-from helpers import count_loop_runs, new_shm_entries, shm_entries, wait_gone
-from helpers import host_processes as our_processes
+from helpers import count_loop_runs, patient_direct_reads, wait_gone
+from test_vector_env import FaultyEnv, faulty
 
 pytest.importorskip("stable_baselines3")
 
@@ -34,8 +33,9 @@ from stable_baselines3.common.vec_env import (
     VecNormalize,
 )
 
-from asyncsample import WorkerCrashedError
+from asyncsample import StepTimeoutError, WorkerCrashedError
 from asyncsample.sb3 import AsyncSampleVecEnv
+from asyncsample.vector import SubEnvError
 
 # Every test builds SB3 wrappers over a fresh pool (8-12 s each on 2 loaded cores): run in CI with
 # -m slow, not in the default run.
@@ -142,17 +142,6 @@ class RandomEnv(gym.Env[Any, Any]):
         return self._obs(), reward, terminated, truncated, {"t": self.t}
 
 
-@pytest.fixture
-def no_leaks():  # type: ignore[no-untyped-def]
-    before_procs = set(our_processes())
-    before_shm = shm_entries()
-    yield
-    gc.collect()
-    left = wait_gone([p for p in our_processes() if p not in before_procs])
-    assert not left, f"child processes left behind: {left}"
-    assert not new_shm_entries(before_shm)
-
-
 def wrap(venv: VecEnv, wrapper: Any) -> VecEnv:
     if wrapper is VecFrameStack:
         return VecFrameStack(venv, n_stack=2)
@@ -251,6 +240,7 @@ def test_quiet_step_async_step_wait_run_no_event_loop(
     try:
         assert_obs_equal(ours.reset(), theirs.reset())
         runs = count_loop_runs(ours, monkeypatch)
+        patient_direct_reads(monkeypatch)  # counted by loop runs, not by a 50 ms wait
         for t in range(20):
             actions = np.full(4, t % 2, np.int64)
             ours.step_async(actions)
@@ -453,6 +443,93 @@ def test_crashed_host_is_restarted(no_leaks: None) -> None:
         assert obs[1].tolist() == [0] and infos[1]["terminal_observation"].tolist() == [0]
         venv.set_attr("current_step", 999, indices=1)
         with pytest.raises(WorkerCrashedError, match=r"sub-envs 1\.\.1.*max_restarts=1"):
+            venv.step(np.zeros(2, np.int64))
+    finally:
+        venv.close()
+
+
+# -- faults of one sub-env, in every placement (the faulty one is the caller's when mixed) ------
+
+
+class ResetFailsEnv(FaultyEnv):
+    """Its second reset raises ``KeyError``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resets = 0
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
+        self.resets += 1
+        if self.resets == 2:
+            raise KeyError("the reset broke")
+        return super().reset(seed=seed, options=options)
+
+
+def test_a_raising_sub_env_is_named_and_rebuilt_by_reset(
+    no_leaks: None, placed: dict[str, int]
+) -> None:
+    venv = AsyncSampleVecEnv([faulty(), faulty("raise", 2)], **placed)
+    try:
+        venv.reset()
+        venv.step(np.zeros(2, np.int64))
+        with pytest.raises(SubEnvError) as info:
+            venv.step(np.zeros(2, np.int64))
+        assert info.value.sub_env == 1 and isinstance(info.value, ZeroDivisionError)
+        assert "sub-env 1" in str(info.value) and "the env divided by zero" in str(info.value)
+        with pytest.raises(RuntimeError, match=r"call reset\(\) before stepping"):
+            venv.step(np.zeros(2, np.int64))
+        assert venv.reset().shape == (2, 2)  # rebuilds what failed
+        assert venv.step(np.zeros(2, np.int64))[1].tolist() == [1.0, 1.0]
+    finally:
+        venv.close()
+
+
+def test_a_reset_error_names_the_sub_env(no_leaks: None, placed: dict[str, int]) -> None:
+    venv = AsyncSampleVecEnv([faulty(), ResetFailsEnv], **placed)
+    try:
+        venv.reset()
+        with pytest.raises(SubEnvError) as info:
+            venv.reset()
+        assert info.value.sub_env == 1 and isinstance(info.value, KeyError)
+        assert "sub-env 1" in str(info.value) and "the reset broke" in str(info.value)
+        assert venv.reset().shape == (2, 2)  # a rebuilt env: its first reset again
+    finally:
+        venv.close()
+
+
+def test_a_host_killed_in_mixed_placement_is_restarted(no_leaks: None) -> None:
+    venv = AsyncSampleVecEnv(
+        [faulty("kill", 2), faulty()], n_processes=1, caller_envs=1, max_restarts=1
+    )
+    try:
+        venv.reset()
+        old = venv.pids
+        venv.step(np.zeros(2, np.int64))
+        _, rewards, dones, infos = venv.step(np.zeros(2, np.int64))
+        assert dones.tolist() == [True, False] and rewards.tolist() == [0.0, 1.0]
+        assert "SIGKILL" in infos[0]["restarted"] and infos[0]["TimeLimit.truncated"] is True
+        assert "restarted" not in infos[1]  # the caller's sub-env went on
+        assert len(venv.pids) == 1 and venv.pids != old
+    finally:
+        venv.close()
+
+
+@pytest.mark.timeout(300)
+def test_step_timeout_kills_and_restarts_the_host(no_leaks: None) -> None:
+    # 30 s: a host's build counts against step_timeout too, and a host importing SB3 (and
+    # torch) took 18-23 s to build on a 2-core machine at a load average of 10
+    venv = AsyncSampleVecEnv(
+        [faulty("hang", 2), faulty()], n_processes=2, step_timeout=30.0, max_restarts=1
+    )
+    try:
+        venv.reset()
+        venv.step(np.zeros(2, np.int64))
+        _, rewards, dones, infos = venv.step(np.zeros(2, np.int64))
+        assert dones.tolist() == [True, False] and rewards.tolist() == [0.0, 1.0]
+        assert "step_timeout=30s" in infos[0]["restarted"]
+        assert infos[0]["TimeLimit.truncated"] is True and "restarted" not in infos[1]
+        venv.env_method("arm", "hang", 1)  # both hang now; host 0 has spent its budget
+        with pytest.raises(StepTimeoutError, match=r"sub-envs 0\.\.0"):
             venv.step(np.zeros(2, np.int64))
     finally:
         venv.close()

@@ -27,11 +27,17 @@ from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoA
 from gymnasium.spaces import Box, Dict, Discrete, Tuple
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
-from helpers import count_loop_runs, new_shm_entries, shm_entries, wait_gone
+from helpers import (
+    count_loop_runs,
+    new_shm_entries,
+    patient_direct_reads,
+    shm_entries,
+    wait_gone,
+)
 from helpers import host_processes as our_processes
 
 from asyncsample import StepTimeoutError, WorkerCrashedError
-from asyncsample.vector import SubEnvError, VectorEnv
+from asyncsample.vector import SubEnvError, VectorEnv, _lockstep
 
 # The env-host processes cannot import this module by name: ship its envs by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -1024,11 +1030,16 @@ def test_quiet_lockstep_steps_run_no_event_loop(
     try:
         assert_same(ours.reset(seed=1), sync.reset(seed=1), "reset")
         runs = count_loop_runs(ours, monkeypatch)
+        direct_wait = _lockstep._DIRECT_WAIT
         actions = np.array([1, 1, 1])
         quiet_steps = 0
         for t in range(12):
             # The sync env's sub-envs mirror ours: which of ours is slow at this step.
             slow = any(e.count + 1 == e.at for e in sync.envs)
+            if slow:  # its host answers after 0.12 s, past the 50 ms the step waits directly
+                monkeypatch.setattr(_lockstep, "_DIRECT_WAIT", direct_wait)
+            else:  # a quiet step waits for its replies however loaded the machine is
+                patient_direct_reads(monkeypatch)
             before = runs[0]
             if call == "step":
                 got = ours.step(actions)
@@ -1129,7 +1140,7 @@ def test_killed_host_during_step_async_is_restarted(no_leaks: None) -> None:
         env.step_async(np.zeros(2, np.int64))
         env.step_wait()
         env.step_async(np.zeros(2, np.int64))
-        time.sleep(0.2)  # the caller's own work: the host dies meanwhile
+        assert not wait_gone([old[1]])  # the caller's own work: the host dies meanwhile
         _, rew, _, trunc, info = env.step_wait()
         assert trunc.tolist() == [False, True] and rew.tolist() == [1.0, 0.0]
         assert "SIGKILL" in info["restarted"][1]
@@ -1260,6 +1271,112 @@ def test_env_that_raises_names_the_sub_env(no_leaks: None, placed: dict[str, int
         assert obs.shape == (4, 2)
         obs, rew, *_ = env.step(np.zeros(4, np.int64))
         assert rew.tolist() == [1.0] * 4
+    finally:
+        env.close()
+
+
+class MalformedEnv(FaultyEnv):
+    """Its 2nd step returns a malformed ``what``: a reward that is a list, an info that is a
+    list, four items instead of five, an observation outside its space."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+
+    def step(self, action: Any):  # type: ignore[no-untyped-def]
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.t != 2:
+            return obs, reward, terminated, truncated, info
+        if self.what == "reward":
+            return obs, [reward], terminated, truncated, info
+        if self.what == "info":
+            return obs, reward, terminated, truncated, [info]
+        if self.what == "short":
+            return obs, reward, terminated, truncated
+        return np.zeros(5, np.float32), reward, terminated, truncated, info
+
+
+MALFORMED = {
+    "reward": (TypeError, "reward must be a real number, got list"),
+    "info": (TypeError, "info must be a dict, got list"),
+    "short": (TypeError, "must be a tuple (observation, reward, terminated, truncated, info)"),
+    "obs": (ValueError, "does not fit the observation space"),
+}
+
+
+@pytest.mark.parametrize("what", list(MALFORMED))
+def test_a_malformed_sub_env_step_names_the_sub_env(
+    what: str, no_leaks: None, placed: dict[str, int]
+) -> None:
+    """In every placement (the last sub-env, the malformed one, is the caller's when mixed)."""
+    env = VectorEnv([faulty(), lambda: MalformedEnv(what)], 2, **placed)
+    kind, text = MALFORMED[what]
+    try:
+        env.reset(seed=0)
+        env.step(np.zeros(2, np.int64))
+        with pytest.raises(SubEnvError) as info:
+            env.step(np.zeros(2, np.int64))
+        assert info.value.sub_env == 1 and isinstance(info.value, kind)
+        assert "sub-env 1" in str(info.value) and text in str(info.value)
+        with pytest.raises(RuntimeError, match=r"call reset\(\) before stepping"):
+            env.step(np.zeros(2, np.int64))
+        env.reset(seed=1)  # rebuilt: usable again
+        assert env.step(np.zeros(2, np.int64))[1].tolist() == [1.0, 1.0]
+    finally:
+        env.close()
+
+
+def test_a_host_killed_in_mixed_placement_is_restarted(no_leaks: None) -> None:
+    """Sub-env 0 on the one host, sub-env 1 in the caller's process: the host's death costs
+    sub-env 0 its episode only, and the caller's sub-env steps on."""
+    env = VectorEnv([faulty("kill", 2), faulty()], 2, n_processes=1, caller_envs=1, max_restarts=1)
+    try:
+        env.reset(seed=0)
+        old = env.pids
+        env.step(np.zeros(2, np.int64))
+        obs, rew, term, trunc, info = env.step(np.zeros(2, np.int64))
+        assert trunc.tolist() == [True, False] and rew.tolist() == [0.0, 1.0] and not term.any()
+        assert "SIGKILL" in info["restarted"][0] and info["_restarted"].tolist() == [True, False]
+        assert obs[1].tolist() == pytest.approx([0.02, 0.02])  # the caller's sub-env went on
+        assert len(env.pids) == 1 and env.pids != old
+        assert env.step(np.zeros(2, np.int64))[1].tolist() == [0.0, 1.0]  # its autoreset step
+        assert env.step(np.zeros(2, np.int64))[1].tolist() == [1.0, 1.0]
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(
+    ("fault", "n_processes"), [("raise", 2), ("raise", 0), ("kill", 2)], ids=lambda v: str(v)
+)
+def test_a_fault_in_send_recv_mode_reaches_recv(
+    fault: str, n_processes: int, no_leaks: None
+) -> None:
+    """Sub-env 3 (the second group of two) raises, or kills its host, at its 2nd step: recv
+    raises the error naming it, or returns the group restarted; the first group is served
+    meanwhile (a host being restarted answers later than the other)."""
+    fns = [faulty(), faulty(), faulty(), faulty(fault, 2)]
+    env = VectorEnv(fns, 4, n_processes=n_processes, batch_size=2, max_restarts=1)
+    try:
+        env.async_reset(seed=0)
+        seen = 0  # batches of sub-envs 2 and 3: their reset, step 1, then the faulty step 2
+        deadline = time.monotonic() + 30.0  # generous: a restarted host answers later
+        while True:
+            assert time.monotonic() < deadline, f"sub-env 3 not back after {seen} answers"
+            try:
+                _, rew, _, trunc, batch = env.recv()
+            except SubEnvError as err:
+                assert fault == "raise" and seen == 2
+                assert err.sub_env == 3 and isinstance(err, ZeroDivisionError)
+                return
+            ids = batch["env_id"].tolist()
+            if ids == [2, 3]:
+                seen += 1
+                if seen == 3:  # the answer to the step that killed the host
+                    assert fault == "kill"
+                    assert trunc.tolist() == [True, True] and rew.tolist() == [0.0, 0.0]
+                    assert "SIGKILL" in batch["restarted"][1]
+                    return
+            env.send(np.zeros(2, np.int64), batch["env_id"])
     finally:
         env.close()
 
@@ -1450,6 +1567,7 @@ def test_quiet_lockstep_step_sends_bare_requests(monkeypatch: pytest.MonkeyPatch
     try:
         assert data_equivalence(ours.reset(seed=3), ref.reset(seed=3))
         monkeypatch.setattr(_remote.Incarnation, "new_call", counting)
+        patient_direct_reads(monkeypatch)  # a reply late on a loaded machine changes nothing
         for t in range(60):  # episodes end on the way: final observations in the infos
             actions = np.array([t % 2, 1, 0, (t // 3) % 2])
             assert data_equivalence(ours.step(actions), ref.step(actions))

@@ -34,7 +34,7 @@ class ThreadedEnv:
         self.observation_space = env.observation_space
         self.action_space = env.action_space
         self._executor = executor
-        self._busy: concurrent.futures.Future[Any] | None = None
+        self.busy: concurrent.futures.Future[Any] | None = None  # its last call (may still run)
         self._running = running if running is not None else set()  # the backend's calls
 
     def _submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -49,20 +49,19 @@ class ThreadedEnv:
         return self.env.unwrapped
 
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        busy = self._busy
+        busy = self.busy
         if busy is not None and not busy.done():
             await asyncio.wait([asyncio.wrap_future(busy)])
         future = self._submit(fn, *args, **kwargs)
-        self._busy = future
+        self.busy = future
         return await asyncio.wrap_future(future)
 
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """``env.reset`` in a pool thread."""
-        if options is None:
-            return await self._run(self.env.reset, seed=seed)  # type: ignore[no-any-return]
-        return await self._run(self.env.reset, seed=seed, options=options)  # type: ignore[no-any-return]
+        kwargs = {} if options is None else {"options": options}
+        return await self._run(self.env.reset, seed=seed, **kwargs)  # type: ignore[no-any-return]
 
     async def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
         """``env.step`` in a pool thread."""
@@ -71,7 +70,7 @@ class ThreadedEnv:
     async def close(self) -> None:
         """``env.close`` in a pool thread; behind a call still running (a hung step) it is
         queued, not awaited: waiting could hold the caller as long as the stuck call."""
-        busy = self._busy
+        busy = self.busy
         if busy is not None and not busy.done():
             env = self.env
 

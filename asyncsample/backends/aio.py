@@ -447,8 +447,9 @@ class LaneHost(PerEnvLockstep):
                 if limiter is not None:
                     limiter.release()
         except TimeoutError:
-            if by_deadline:
-                raise DeadlinePassed from None
+            if by_deadline:  # a call in a thread runs on: its env is tied up until it returns
+                busy = self.envs[i].busy if isinstance(self.envs[i], ThreadedEnv) else None
+                raise DeadlinePassed(busy is not None and not busy.done()) from None
             raise StepTimeoutError(
                 f"env {i} of worker {self.spec.worker}: {what} took longer than "
                 f"step_timeout={timeout:g}s",

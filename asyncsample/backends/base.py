@@ -306,7 +306,16 @@ def reject_unknown_options(
 
 
 class DeadlinePassed(Exception):
-    """The episode's deadline (``episode_timeout``) passed during a call; it was cancelled."""
+    """The episode's deadline (``episode_timeout``) passed during a call; it was cancelled.
+
+    Attributes:
+        running: the call could not be stopped (a blocking env's, in a thread) and still runs:
+            its env is tied up until it returns, so the lane abandons it and rebuilds the env.
+    """
+
+    def __init__(self, running: bool = False) -> None:
+        super().__init__()
+        self.running = running
 
 
 @runtime_checkable
