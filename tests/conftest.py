@@ -10,7 +10,7 @@ Also marked ``slow``: the variants listed in ``SLOW_VARIANTS``, each the costly 
 that stays in the default run and checks the same behaviour (the uvloop variant of a test of the
 representative subset, another backend, placement, space or size of a parametrised test, the
 SB3 face's twin of a gymnasium-face test).
-``python -m pytest -m slow`` runs those, so the two runs together cover every test under both
+``python -m pytest -m slow -n 0`` runs those, so the two runs together cover every test under both
 loops.
 """
 
