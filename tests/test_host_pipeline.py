@@ -73,10 +73,12 @@ class Replayed:
     """One chunk as the main process replayed it."""
 
     first: float  # the host's clock at the chunk's first step
+    last: float  # ... and at its last step
     start: float  # the main process's clock as its replay began
     end: float  # ... and ended
     steps: int
     version: int  # the parameter the chunk's first step ran with
+    worker: int
 
 
 def record_replays(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.0) -> list[Replayed]:
@@ -92,8 +94,9 @@ def record_replays(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.0) -> lis
         original(self, reply, version, chunk)
         infos = reply.agent_infos
         assert isinstance(infos, dict)
-        first, v = float(infos["t"][0][0]), int(infos["version"][0][0])
-        log.append(Replayed(first, start, time.monotonic(), reply.steps, v))
+        first, last = float(infos["t"][0][0]), float(infos["t"][reply.steps - 1][0])
+        v, w = int(infos["version"][0][0]), self.worker.worker_number
+        log.append(Replayed(first, last, start, time.monotonic(), reply.steps, v, w))
 
     monkeypatch.setattr(ChunkStepper, "_replay", replay)
     return log
@@ -263,6 +266,24 @@ async def test_next_observations_are_right_while_the_host_runs_ahead(
         assert np.array_equal(a, b)
 
 
+def assert_updates_from_next_chunk(log: list[Replayed], updates: list[tuple[float, int]]) -> None:
+    """Each update (``(time.monotonic() once update_agent returned, version)``) applies from
+    the next chunk its worker's host starts, as documented: the chunk running then finishes
+    with the parameters it started with.
+
+    A host looks for updates (the epoch) before a chunk's first step, not at the same instant,
+    so the chunk running may have taken its first step just after update_agent returned: the
+    first step's clock does not tell. The chunk after it does: a host starts a chunk only
+    once its previous chunk's last step is done, so a chunk whose predecessor's last step came
+    after an update returned started after it and must run with it.
+    """
+    for worker in {c.worker for c in log}:
+        chunks = sorted((c for c in log if c.worker == worker), key=lambda c: c.first)
+        for before, chunk in itertools.pairwise(chunks):
+            made = [v for t, v in updates if t < before.last]
+            assert chunk.version >= max(made, default=0), (before, chunk, updates)
+
+
 def _replayed_with(log: list[Replayed], version: int) -> bool:
     """Whether a chunk run with parameter ``version`` was replayed."""
     return any(chunk.version == version for chunk in log)
@@ -286,9 +307,7 @@ async def test_chunks_started_after_an_update_run_with_it(
                     updates.append((time.monotonic(), version))
                 break
     assert len(log) > 20
-    for chunk in log:
-        made = [v for t, v in updates if t < chunk.first]
-        assert chunk.version >= max(made, default=0), (chunk, updates)
+    assert_updates_from_next_chunk(log, updates)
     assert {c.version for c in log} >= {0, 1, 2, 3, 4}
 
 

@@ -20,7 +20,13 @@ import numpy as np
 import pytest
 from envs import FailingEnv, KillSelfEnv, NoisyEnv, SleepyEnv
 from helpers import SamplerFactory, stays, wait_until
-from test_host_pipeline import ClockAgent, assert_same_steps, pipelined_runner, record_replays
+from test_host_pipeline import (
+    ClockAgent,
+    assert_same_steps,
+    assert_updates_from_next_chunk,
+    pipelined_runner,
+    record_replays,
+)
 
 from asyncsample import EpisodeBatch, Sampler, StepType
 from asyncsample._engine import CallMode, Continuity, StopRule
@@ -248,9 +254,7 @@ async def test_an_update_between_rounds_applies_from_the_next_chunk(
                 await asyncio.sleep(0.01)
                 if version == 6:
                     break
-    for chunk in chunks:
-        made = [u for t, u in updates if t < chunk.first]
-        assert chunk.version >= max(made, default=0), (chunk, updates)
+    assert_updates_from_next_chunk(chunks, updates)
     assert {c.version for c in chunks} >= set(range(6))
 
 
