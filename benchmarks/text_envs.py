@@ -54,6 +54,7 @@ import numpy as np
 from gymnasium import spaces
 
 from benchmarks.latency_envs import AsyncLatencyEnv, LatencyModel, shared_count
+from benchmarks.report import write_own_results
 
 RESULTS = Path(__file__).resolve().parent / "results" / "text_envs"
 
@@ -400,10 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory_goal_bytes": goal,
             "memory_met": text["bytes_per_open_episode"] <= goal,
         }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    (args.out / "results.md").write_text(_table(results))
-    print(_table(results))
+    write_own_results(args.out, results, _table(results))
     errors = [name for name, c in cells.items() if "error" in c]
     return 1 if errors else 0
 
