@@ -276,6 +276,11 @@ class EnvFactory:
         self.made.append(env)
         return env
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy sent to an env host records its own builds: the envs this one built (in the
+        # caller, e.g. a placement probe on a busy machine) stay here, and may not pickle.
+        return {"build": self.build, "made": []}
+
 
 def counting(length: int = 10, latency: float = 0.0) -> EnvFactory:
     """Builds :class:`CountingAsyncEnv`."""
