@@ -24,13 +24,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import async_envs
 from async_envs import RandomLengthAsyncEnv, RandomLengthEnv
 
 from asyncsample import Replayable, Sampler, SamplerState
 
-# The env hosts cannot import the test modules by name: their envs travel by value.
-cloudpickle.register_pickle_by_value(async_envs)
+# The env hosts import async_envs by name (tests/ is on sys.path above, and a host inherits the
+# caller's path). It must not travel by value: its classes would carry the module's registry of
+# open envs (async_envs._OPEN), and pickling fails whenever one of those envs holds a lock. This
+# module's own classes travel by value when a test imports it.
 if __name__ != "__main__":
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
