@@ -10,7 +10,7 @@ Also marked ``slow``: the variants listed in ``SLOW_VARIANTS``, each the costly 
 that stays in the default run and checks the same behaviour (the uvloop variant of a test of the
 representative subset, another backend, placement, space or size of a parametrised test, the
 SB3 face's twin of a gymnasium-face test).
-``python -m pytest -m slow -n 0`` runs those, so the two runs together cover every test under both
+``python -m pytest -m slow`` runs those, so the two runs together cover every test under both
 loops.
 """
 
@@ -21,6 +21,7 @@ import functools
 import gc
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -42,6 +43,17 @@ BOTH_LOOPS_MODULES = frozenset({"test_faults.py", "test_worker.py"})
 SLOW_MODULES = frozenset(
     {"test_ray_backend.py", "test_examples.py", "test_benchmarks.py", "test_async_bench.py"}
 )
+
+#: Modules whose every test is slow (SLOW_MODULES, and those marked slow as a whole): the default
+#: run does not import them at all. Their imports (SB3 and torch, Ray) cost each pytest-xdist
+#: worker seconds of collection for tests it would deselect. A run that collects them checks that
+#: every test in them is still slow (pytest_collection_modifyitems).
+WHOLLY_SLOW_MODULES = SLOW_MODULES | {
+    "test_sb3_example.py",
+    "test_sb3_vec_env.py",
+    "test_soak.py",
+    "test_tool_agent_example.py",
+}
 
 _LOOP_PARAM = "_asyncio_loop_factory"  # pytest-asyncio's parameter for the loop factory
 
@@ -226,11 +238,28 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave out the modules of slow tests only, in a run that leaves out the slow tests."""
+    if collection_path.name in WHOLLY_SLOW_MODULES and config.option.markexpr == "not slow":
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the slow tests (see the module docstring)."""
     for item in items:
         if item.get_closest_marker("slow") is None and _is_slow(item):
             item.add_marker(pytest.mark.slow)
+    quick = [
+        item.nodeid
+        for item in items
+        if item.path.name in WHOLLY_SLOW_MODULES and item.get_closest_marker("slow") is None
+    ]
+    if quick:
+        raise pytest.UsageError(
+            f"WHOLLY_SLOW_MODULES (tests/conftest.py) lists the modules of these tests, which are "
+            f"not slow: the default run would never collect them: {quick}"
+        )
 
 
 @pytest.fixture(scope="session")

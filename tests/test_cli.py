@@ -62,6 +62,17 @@ def run_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, timeout=100, env=python_env())
 
 
+def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``asyncsample *args`` in this process (a fresh interpreter costs a second or more): what
+    it printed and its exit status, as :func:`run_cli` gives them."""
+    try:
+        status = main(list(args))
+    except SystemExit as exited:
+        status = exited.code if isinstance(exited.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), status, out, err)
+
+
 def error_lines(stderr: str) -> list[str]:
     """The lines of ``stderr`` that are not the start-up note or progress-bar updates."""
     lines = re.split(r"[\r\n]+", stderr)
@@ -159,11 +170,12 @@ def test_usage_error_of_the_command_is_status_2() -> None:
     assert done.stdout == ""
 
 
-def test_missing_optional_dependency_is_a_usage_error() -> None:
+def test_missing_optional_dependency_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # sys.modules[name] = None makes `import ray` fail as if ray were not installed.
-    done = run_cli(
-        "run", "--backend", "ray", "--steps", "10", prelude="import sys; sys.modules['ray'] = None"
-    )
+    monkeypatch.setitem(sys.modules, "ray", None)
+    done = run_main(capsys, "run", "--backend", "ray", "--steps", "10")
     assert_one_line_error(done, 2, "--backend ray", "pip install 'asyncsample[ray]'")
 
 
@@ -210,8 +222,8 @@ def test_debug_shows_the_traceback_of_a_runtime_error() -> None:
     assert done.stderr.rstrip().splitlines()[-1].startswith("asyncsample run: error: WorkerError")
 
 
-def test_help_shows_the_defaults() -> None:
-    done = run_cli("run", "--help")
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_main(capsys, "run", "--help")
     assert done.returncode == 0, done.stderr
     out = " ".join(done.stdout.split())
     for default in [
@@ -226,8 +238,8 @@ def test_help_shows_the_defaults() -> None:
         assert default in out, default
 
 
-def test_a_short_run_prints_the_summary() -> None:
-    done = run_cli("run", "--backend", "local", "--steps", "500", "--workers", "2")
+def test_a_short_run_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_main(capsys, "run", "--backend", "local", "--steps", "500", "--workers", "2")
     assert done.returncode == 0, done.stderr
     steps = int(re.search(r"steps:\s+(\d+)", done.stdout).group(1))  # type: ignore[union-attr]
     assert steps >= 500
@@ -346,26 +358,28 @@ def run_bench(
     )
 
 
-def test_bench_list_names_every_study_on_one_line() -> None:
+def test_bench_list_names_every_study_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     sys.path.insert(0, str(REPO))
     from benchmarks.studies import STUDIES
 
-    done = run_bench("--list")
+    done = run_main(capsys, "bench", "--list")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert [ln.split()[0] for ln in lines] == [s.name for s in STUDIES]
     assert all("min" in ln for ln in lines)  # each with the length of its default budget
 
 
-def test_bench_unknown_study_is_one_line_and_status_2() -> None:
-    done = run_bench("no-such-study")
+def test_bench_unknown_study_is_one_line_and_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    done = run_main(capsys, "bench", "no-such-study")
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "no study 'no-such-study'" in done.stderr and "policy" in done.stderr
 
 
-def test_bench_plan_prints_the_runs_and_the_estimated_length() -> None:
-    done = run_bench("host", "--plan")
+def test_bench_plan_prints_the_runs_and_the_estimated_length(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    done = run_main(capsys, "bench", "host", "--plan")
     assert done.returncode == 0, done.stderr
     assert re.search(r"host: groups ideal, host; \d+ configs x 3 repeats = \d+ runs", done.stderr)
     assert "about" in done.stderr and "min" in done.stderr

@@ -342,7 +342,10 @@ async def test_async_env_pool_on_a_local_ray_cluster(ray_cluster: Any) -> None:
 
 async def test_async_env_pool_defaults_to_what_the_base_install_runs() -> None:
     """Without --backend the pool runs on process (env-host processes), which needs no extra."""
+    import cloudpickle
+
     pool = load_example("async_env_pool")
-    sys.modules[pool.__name__] = pool  # the hosts unpickle its env class by module name
+    sys.modules[pool.__name__] = pool  # loaded from a path: the hosts cannot import it,
+    cloudpickle.register_pickle_by_value(pool)  # so its env class travels by value
     result = await pool.main(["--envs", "32", "--seconds", "1", "--latency", "0.01"])
     assert result["steps"] > 0 and result["episodes"] >= 1

@@ -30,7 +30,6 @@ from asyncsample._clock import (
     gap_after,
     timed_group_step,
 )
-from asyncsample.sb3 import AsyncSampleVecEnv
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -537,6 +536,8 @@ def test_vector_env_counts_match_the_steps(tmp_path: Path) -> None:
 
 
 def test_sb3_face_counts() -> None:
+    from asyncsample.sb3 import AsyncSampleVecEnv  # imports SB3 and torch: seconds, so here
+
     registry = CollectorRegistry()
     venv = AsyncSampleVecEnv("CartPole-v1", 4, n_processes=2, metrics=registry)
     try:

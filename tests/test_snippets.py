@@ -88,7 +88,7 @@ ALL = [s for page in PAGES for s in snippets(page)]
 
 _COSTLY = re.compile(
     r"\b(?:Sampler|VectorEnv|AsyncSampleVecEnv)\("
-    r"|^\s*(?:import|from) (?:torch|stable_baselines3)\b",
+    r"|^\s*(?:import|from) (?:torch|stable_baselines3|asyncsample\.torch_agent)\b",
     re.M,
 )
 
