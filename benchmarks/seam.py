@@ -382,9 +382,15 @@ def targets(cells: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     def add(name: str, value: float | None, goal: float, at_least: bool, unit: str = "") -> None:
         met = None if value is None else (value >= goal if at_least else value <= goal)
         rows.append(
-            {"target": name, "value": value, "goal": goal, "at_least": at_least, "unit": unit,
-             "met": met}
-        )  # fmt: skip
+            {
+                "target": name,
+                "value": value,
+                "goal": goal,
+                "at_least": at_least,
+                "unit": unit,
+                "met": met,
+            }
+        )
 
     plain_1, plain_2, asyncio_ = ok("plain-1"), ok("plain-2"), ok("ours-asyncio")
     processes = [c for name in PROCESS_CELLS if (c := ok(name)) is not None]
@@ -404,13 +410,25 @@ def targets(cells: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for name in ("ours-asyncio", *PROCESS_CELLS):
         c = ok(name)
         if c is not None:
-            add(f"caller loop lag p99, {name}", c["lag"].get("p99_ms"), GOALS["lag_p99_ms"],
-                False, " ms")  # fmt: skip
-    for name, goal in (("ours-process-host", "cpu_us_host"), ("ours-process-batched",
-                                                               "cpu_us_batched")):  # fmt: skip
+            add(
+                f"caller loop lag p99, {name}",
+                c["lag"].get("p99_ms"),
+                GOALS["lag_p99_ms"],
+                False,
+                " ms",
+            )
+    for name, goal in (
+        ("ours-process-host", "cpu_us_host"),
+        ("ours-process-batched", "cpu_us_batched"),
+    ):
         c = ok(name)
-        add(f"caller CPU per env step, {name}", c["cpu_us_per_step"] if c else None,
-            GOALS[goal], False, " us")  # fmt: skip
+        add(
+            f"caller CPU per env step, {name}",
+            c["cpu_us_per_step"] if c else None,
+            GOALS[goal],
+            False,
+            " us",
+        )
     tail = ok("tail")
     add(
         f"tail: {tail['n_episodes'] if tail else '-'} episodes, steps/s / ideal",
@@ -445,11 +463,12 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"{spec['n_episodes']:,} concurrent episodes of {spec['episode_length']} steps of a "
         f"minimal AsyncEnv (Box(4,) float32, Discrete(2)); step latency lognormal (sigma "
-        f"{spec['sigma']:g}) with mean {spec['mean'] * 1000:g} ms, {spec['tail_probability']:.0%} "
-        f"of the steps {spec['tail_factor']:g}x longer; {spec['loop']}. Window {spec['seconds']:g} s "
-        f"after {spec['warmup']:g} s of warm-up. Ours: consecutive `obtain_fragments("
-        f"{spec['call_factor']} * N)` calls, steps/s = transitions returned / time, a "
-        f"{spec['ticker'] * 1000:g} ms ticker in the caller's loop; plain: env steps / time.",
+        f"{spec['sigma']:g}) with mean {spec['mean'] * 1000:g} ms, "
+        f"{spec['tail_probability']:.0%} of the steps {spec['tail_factor']:g}x longer; "
+        f"{spec['loop']}. Window {spec['seconds']:g} s after {spec['warmup']:g} s of warm-up. "
+        f"Ours: consecutive `obtain_fragments({spec['call_factor']} * N)` calls, "
+        f"steps/s = transitions returned / time, a {spec['ticker'] * 1000:g} ms ticker "
+        "in the caller's loop; plain: env steps / time.",
         "",
         "| cell | N | layout | steps/s | ratio | loop lag p99 | caller CPU/step | "
         "hosts' (loops') CPU/step | memory/episode |",
@@ -478,7 +497,13 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_num(c.get('host_cpu_us_per_step'), 1, ' us')} | "
             f"{_num(per_ep / 1024 if per_ep is not None else None, 1, ' KiB')} |"
         )
-    lines += ["", "## Targets (issue 48)", "", "| target | value | goal | met |", "|---|--:|--:|---|"]
+    lines += [
+        "",
+        "## Targets (issue 48)",
+        "",
+        "| target | value | goal | met |",
+        "|---|--:|--:|---|",
+    ]
     for t in results["targets"]:
         sign = ">=" if t["at_least"] else "<="
         met = {True: "yes", False: "no", None: "not measured"}[t["met"]]
@@ -532,24 +557,50 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--episodes", type=int, help="N of every cell but tail (10,000)")
     parser.add_argument("--tail-episodes", type=int, help="N of the tail cell (1,000)")
     parser.add_argument("--workers", type=int, default=100, help="ours' workers")
-    parser.add_argument("--hosts", type=int, default=len(os.sched_getaffinity(0)),
-                        help="plain-2's processes and ours' process hosts (every core)")  # fmt: skip
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="plain-2's processes and ours' process hosts (every core)",
+    )
     parser.add_argument("--warmup", type=float, help="seconds before each window (10)")
     parser.add_argument("--seconds", type=float, help="each cell's window (30)")
-    parser.add_argument("--cell-episodes", nargs="*", default=[], metavar="CELL=N",
-                        help="N of one cell, e.g. ours-process-host=5000")  # fmt: skip
-    parser.add_argument("--cell-seconds", nargs="*", default=[], metavar="CELL=S",
-                        help="window of one cell, seconds")  # fmt: skip
-    parser.add_argument("--cell-warmup", nargs="*", default=[], metavar="CELL=S",
-                        help="warm-up of one cell, seconds")  # fmt: skip
+    parser.add_argument(
+        "--cell-episodes",
+        nargs="*",
+        default=[],
+        metavar="CELL=N",
+        help="N of one cell, e.g. ours-process-host=5000",
+    )
+    parser.add_argument(
+        "--cell-seconds",
+        nargs="*",
+        default=[],
+        metavar="CELL=S",
+        help="window of one cell, seconds",
+    )
+    parser.add_argument(
+        "--cell-warmup",
+        nargs="*",
+        default=[],
+        metavar="CELL=S",
+        help="warm-up of one cell, seconds",
+    )
     parser.add_argument("--mean", type=float, default=0.050, help="mean step latency, seconds")
     parser.add_argument("--sigma", type=float, default=0.5, help="lognormal spread of a step")
     parser.add_argument("--episode-length", type=int, default=200)
-    parser.add_argument("--call-factor", type=int, default=10,
-                        help="ours' calls are obtain_fragments(CALL_FACTOR * N)")  # fmt: skip
+    parser.add_argument(
+        "--call-factor",
+        type=int,
+        default=10,
+        help="ours' calls are obtain_fragments(CALL_FACTOR * N)",
+    )
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
-    parser.add_argument("--profile", action="store_true",
-                        help="also run ours-asyncio under cProfile (its top functions)")  # fmt: skip
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also run ours-asyncio under cProfile (its top functions)",
+    )
     parser.add_argument("--top", type=int, default=25, help="functions kept from the profile")
     parser.add_argument("--quick", action="store_true", help="N = 200, short windows")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -612,8 +663,10 @@ def main(argv: list[str] | None = None) -> int:
                 ["-m", "benchmarks.seam", "--cell"], dataclasses.asdict(spec), timeout, Path(tmp)
             )
             if cells[spec.cell].get("status") != "ok":
-                print(f"  {cells[spec.cell].get('status')}: {cells[spec.cell].get('note')}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"  {cells[spec.cell].get('status')}: {cells[spec.cell].get('note')}",
+                    file=sys.stderr,
+                )
     first = next((s for s in todo if s.cell != "tail"), todo[0])
     results: dict[str, Any] = {
         "command": command_line("python -m benchmarks.seam", argv),
