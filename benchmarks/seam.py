@@ -49,12 +49,13 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.async_envs_cells import (
     _SHM,
+    CellResult,
     CellSpec,
     _loop_factory,
     children_cpu,
@@ -209,51 +210,38 @@ def _plain(spec: SeamSpec) -> dict[str, Any]:
     }
 
 
-@dataclass
-class _Window:
-    """What ours' timed window counted."""
-
-    calls: int = 0
-    transitions: int = 0
-    env_steps: int = 0
-    seconds: float = 0.0
-    cpu_s: float = 0.0
-    host_cpu_s: float = 0.0
-    rss_open: int = 0
-    call_s: list[float] = field(default_factory=list)
-
-
 async def _calls(
     sampler: Any,
     spec: SeamSpec,
     probe: LagProbe,
     count: Callable[[], int],
     profiler: cProfile.Profile | None,
-) -> _Window:
+) -> CellResult:
     """Consecutive ``obtain_fragments(call_factor * N)`` calls: ``warmup`` seconds of them,
-    then whole calls until ``seconds`` have passed (at least one), counted."""
+    then whole calls until ``seconds`` have passed (at least one), counted: each call's length
+    and transitions (``calls``, ``call_steps``), the env steps where they happen (``steps``),
+    the caller's and the hosts' CPU, the RSS at the window's end."""
     size = spec.call_factor * spec.n_episodes
     end = time.perf_counter() + spec.warmup
     await sampler.obtain_fragments(size)
     while time.perf_counter() < end:
         await sampler.obtain_fragments(size)
-    out = _Window()
+    out = CellResult()
     probe.lags.clear()
     if profiler is not None:
         profiler.enable()
     s0, c0, h0 = count(), time.process_time(), children_cpu()
     t0 = time.perf_counter()
-    while out.calls == 0 or time.perf_counter() - t0 < spec.seconds:
+    while not out.calls or time.perf_counter() - t0 < spec.seconds:
         t = time.perf_counter()
         batch = await sampler.obtain_fragments(size)
-        out.call_s.append(time.perf_counter() - t)
-        out.transitions += batch.n_transitions
-        out.calls += 1
+        out.calls.append(time.perf_counter() - t)
+        out.call_steps.append(batch.n_transitions)
     out.seconds = time.perf_counter() - t0
     out.cpu_s = time.process_time() - c0
     if profiler is not None:
         profiler.disable()
-    out.env_steps, out.host_cpu_s = count() - s0, max(0.0, children_cpu() - h0)
+    out.steps, out.host_cpu_s = count() - s0, max(0.0, children_cpu() - h0)
     out.rss_open = tree_rss()
     return out
 
@@ -297,16 +285,16 @@ async def _ours(spec: SeamSpec, profiler: cProfile.Profile | None) -> dict[str, 
         if counter_dir is not None:
             shutil.rmtree(counter_dir, ignore_errors=True)
     n = spec.workers * spec.envs_per_worker
-    steps = window.env_steps
+    steps, transitions = window.steps, sum(window.call_steps)
     return {
-        "steps_per_s": window.transitions / window.seconds,
+        "steps_per_s": transitions / window.seconds,
         "env_steps_per_s": steps / window.seconds,
-        "transitions": window.transitions,
+        "transitions": transitions,
         "env_steps": steps,
-        "calls": window.calls,
+        "calls": len(window.calls),
         "call_size": spec.call_factor * spec.n_episodes,
-        "call_mean_s": window.seconds / window.calls,
-        "call_max_s": max(window.call_s),
+        "call_mean_s": window.seconds / len(window.calls),
+        "call_max_s": max(window.calls),
         "seconds": window.seconds,
         "start_s": start_s,
         "lag": probe.summary(),
@@ -314,7 +302,7 @@ async def _ours(spec: SeamSpec, profiler: cProfile.Profile | None) -> dict[str, 
         "host_cpu_us_per_step": 1e6 * window.host_cpu_s / steps if steps and inference else None,
         "bytes_per_episode": (window.rss_open - rss_before) / n,
         "ideal_steps_per_s": n / spec.mean,
-        "ratio_to_ideal": window.transitions / window.seconds / (n / spec.mean),
+        "ratio_to_ideal": transitions / window.seconds / (n / spec.mean),
     }
 
 
