@@ -456,7 +456,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{spec['loop']}. Window {spec['seconds']:g} s after {spec['warmup']:g} s of warm-up. "
         f"Ours: consecutive `obtain_fragments({spec['call_factor']} * N)` calls, "
         f"steps/s = transitions returned / time, a {spec['ticker'] * 1000:g} ms ticker "
-        "in the caller's loop; plain: env steps / time.",
+        "in the caller's loop; plain: env steps / time, the lag of the async-env study's "
+        "1 ms probe in each loop (plain-2: the worse loop's).",
         "",
         "| cell | N | layout | steps/s | ratio | loop lag p99 | caller CPU/step | "
         "hosts' (loops') CPU/step | memory/episode |",
@@ -508,7 +509,9 @@ def markdown(results: dict[str, Any]) -> str:
             lines += [
                 f"`cProfile` over the window of a separate `ours-asyncio` run at N = "
                 f"{prof['n_episodes']:,} ({prof['env_steps']:,} env steps in "
-                f"{prof['seconds']:.1f} s, {prof['steps_per_s']:,.0f} steps/s under the profiler).",
+                f"{prof['seconds']:.1f} s, {prof['steps_per_s']:,.0f} steps/s under the profiler); "
+                "own time is wall-clock time (cProfile's default timer), the envs' own coroutines "
+                "included (backend='asyncio' steps them in the caller's loop).",
                 "",
                 "| function | calls | own s | cumulative s | own us per env step |",
                 "|---|--:|--:|--:|--:|",
