@@ -85,9 +85,16 @@ def test_study_smoke_run(name: str, tmp_path: Path) -> None:
 def test_seam_quick_writes_every_cell(tmp_path: Path) -> None:
     """``asyncsample bench seam --quick --profile``: every cell ran and stepped, the targets'
     ratios are the ones its rows give, and the profile holds the caller's top functions."""
+    import numpy as np
+
     from benchmarks.__main__ import main
+    from benchmarks.latency_envs import LatencyModel
     from benchmarks.seam import CELLS, GOALS, PROCESS_CELLS
 
+    # the study's latency: a lognormal spread that keeps the mean, ~1% of the steps 20x longer
+    draws = LatencyModel(sigma=0.5).draw(np.random.default_rng(0), 200_000)
+    assert draws.mean() == pytest.approx(0.050, rel=0.02)
+    assert 0.007 < (draws > 10 * np.median(draws)).mean() < 0.012
     code = main(["seam", "--quick", "--out", str(tmp_path), *SMOKE["seam"]])
     results = json.loads((tmp_path / "results.json").read_text())
     cells = results["cells"]
