@@ -147,20 +147,23 @@ class SeamSpec:
         """Ours' workers: no more than there are episodes."""
         return min(self.n_workers, self.n_episodes)
 
-    @property
-    def ideal(self) -> float:
-        """Steps/s of N episodes each waiting exactly the mean latency per step."""
-        return self.n_episodes / self.mean
-
-    def env_kwargs(self) -> dict[str, Any]:
-        """Arguments of :func:`~benchmarks.latency_envs.make_env` but ``blocking``."""
-        return {
-            "mean": self.mean,
-            "tail_probability": self.tail_probability,
-            "tail_factor": self.tail_factor,
-            "sigma": self.sigma,
-            "episode_length": self.episode_length,
-        }
+    def cell_spec(self, contender: str) -> CellSpec:
+        """The async-env study's spec of this cell (its env and window) as ``contender``."""
+        return CellSpec(
+            contender,
+            self.n_episodes,
+            mean=self.mean,
+            tail_probability=self.tail_probability,
+            tail_factor=self.tail_factor,
+            sigma=self.sigma,
+            episode_length=self.episode_length,
+            warmup_s=self.warmup,
+            seconds=self.seconds,
+            calls=0,
+            loop=self.loop,
+            cores=self.hosts,
+            seed=self.seed,
+        )
 
     def layout(self) -> str:
         """How the cell holds its episodes, for the table."""
@@ -180,17 +183,7 @@ class SeamSpec:
 
 def _plain(spec: SeamSpec) -> dict[str, Any]:
     """``plain-1`` and ``plain-2``: the async-env study's plain asyncio tasks on this env."""
-    cell = CellSpec(
-        "plain-asyncio" if spec.cell == "plain-1" else "ceiling",
-        spec.n_episodes,
-        **spec.env_kwargs(),
-        warmup_s=spec.warmup,
-        seconds=spec.seconds,
-        calls=0,
-        loop=spec.loop,
-        cores=spec.hosts,
-        seed=spec.seed,
-    )
+    cell = spec.cell_spec("plain-asyncio" if spec.cell == "plain-1" else "ceiling")
     if spec.cell == "plain-2":
         result = run_ceiling(cell)
     else:
@@ -263,7 +256,8 @@ async def _ours(spec: SeamSpec, profiler: cProfile.Profile | None) -> dict[str, 
         options = {"backend": "process", "n_processes": spec.hosts, "inference": inference}
     if inference == "batched":  # one agent shared by every worker: a seeded random one
         options["agent"] = RandomAgent(spaces.Discrete(2), seed=spec.seed)
-    make = functools.partial(make_env, False, counter_dir=counter_dir, **spec.env_kwargs())
+    kwargs = spec.cell_spec("ours-asyncio").env_kwargs()
+    make = functools.partial(make_env, False, counter_dir=counter_dir, **kwargs)
     probe = LagProbe(spec.ticker)
     t0 = time.perf_counter()
     try:
