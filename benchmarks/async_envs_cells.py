@@ -142,6 +142,8 @@ class CellSpec:
         tail_probability: Share of the steps in the tail.
         tail_factor: Tail steps are this much longer.
         jitter: Relative spread of every step.
+        sigma: Lognormal spread of every step instead of the jitter (0: the jitter; see
+            :class:`~benchmarks.latency_envs.LatencyModel`).
         episode_length: Steps per episode.
         warmup_s: Seconds stepped before the timed phase.
         seconds: Seconds of the timed phase (steps/s, CPU, lag).
@@ -173,6 +175,7 @@ class CellSpec:
     tail_probability: float = TAIL_PROBABILITY
     tail_factor: float = TAIL_FACTOR
     jitter: float = JITTER
+    sigma: float = 0.0
     episode_length: int = EPISODE_LENGTH
     warmup_s: float = 2.0
     seconds: float = 5.0
@@ -195,12 +198,15 @@ class CellSpec:
             "tail_probability": self.tail_probability,
             "tail_factor": self.tail_factor,
             "jitter": self.jitter,
+            "sigma": self.sigma,
             "episode_length": self.episode_length,
         }
 
     def latency(self) -> LatencyModel:
         """The spec's latency model."""
-        return LatencyModel(self.mean, self.tail_probability, self.tail_factor, self.jitter)
+        return LatencyModel(
+            self.mean, self.tail_probability, self.tail_factor, self.jitter, self.sigma
+        )
 
     @property
     def n_envs(self) -> int:

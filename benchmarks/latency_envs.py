@@ -1,7 +1,8 @@
 """The latency envs of the ``async_envs`` study: a step that *waits*, blocking or awaited.
 
 A latency drawn from the env's own seeded RNG (mean 50 ms, 1% of the steps 20x longer, +-20%
-jitter on every step, so the envs do not march in step), written twice on the same RNG stream:
+jitter on every step, so the envs do not march in step; or, with ``sigma``, a lognormal spread
+of that mean instead of the jitter: the ``seam`` study's env), written twice on the same RNG stream:
 :class:`SleepLatencyEnv` (``time.sleep``) and :class:`AsyncLatencyEnv` (``await asyncio.sleep``).
 Box(4,) observations, Discrete(2) actions, episodes of 100 steps (truncated by the env itself).
 """
@@ -48,19 +49,24 @@ class LatencyModel:
 
     A step's latency is ``base * (tail_factor if tail else 1) * uniform(1 - jitter, 1 + jitter)``
     with ``tail`` true with probability ``tail_probability``; ``base`` is chosen so that the
-    mean is ``mean`` exactly.
+    mean is ``mean`` exactly. With ``sigma > 0`` the spread is lognormal instead of uniform:
+    ``exp(sigma * z - sigma**2 / 2)`` with ``z`` standard normal (mean 1, so the mean stays
+    ``mean``), a heavier tail of its own on top of the ``tail_factor`` steps.
 
     Attributes:
         mean: Mean latency in seconds (0: no wait at all).
         tail_probability: Share of the steps in the tail.
         tail_factor: How much longer a tail step is than an ordinary one.
         jitter: Relative spread of every step (uniform), so envs drift apart as real ones do.
+        sigma: Lognormal spread of every step (the log's standard deviation); 0: the uniform
+            ``jitter`` instead.
     """
 
     mean: float = MEAN_LATENCY_S
     tail_probability: float = TAIL_PROBABILITY
     tail_factor: float = TAIL_FACTOR
     jitter: float = JITTER
+    sigma: float = 0.0
 
     @property
     def base(self) -> float:
@@ -73,6 +79,9 @@ class LatencyModel:
             return np.zeros(n)
         u = rng.random((2, n))
         scale = np.where(u[0] < self.tail_probability, self.tail_factor, 1.0)
+        if self.sigma > 0:
+            spread = np.exp(self.sigma * rng.standard_normal(n) - self.sigma**2 / 2)
+            return self.base * scale * spread
         return self.base * scale * (1.0 - self.jitter + 2.0 * self.jitter * u[1])
 
 
@@ -224,6 +233,7 @@ def make_env(
     jitter: float = JITTER,
     episode_length: int = EPISODE_LENGTH,
     counter_dir: str | None = None,
+    sigma: float = 0.0,
 ) -> SleepLatencyEnv | AsyncLatencyEnv:
     """A :class:`SleepLatencyEnv` (``blocking``) or an :class:`AsyncLatencyEnv` (counting its
     steps in ``counter_dir`` too, if given: :func:`shared_count`).
@@ -232,5 +242,7 @@ def make_env(
     """
     cls = SleepLatencyEnv if blocking else AsyncLatencyEnv
     return cls(
-        LatencyModel(mean, tail_probability, tail_factor, jitter), episode_length, counter_dir
+        LatencyModel(mean, tail_probability, tail_factor, jitter, sigma),
+        episode_length,
+        counter_dir,
     )

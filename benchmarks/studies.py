@@ -260,6 +260,18 @@ STUDIES: list[Study] = [
         minutes=5.0,
     ),
     Study(
+        "seam",
+        "10,000 concurrent episodes of a minimal AsyncEnv (4 floats, lognormal step latency, mean "
+        "50 ms, 1% of steps 20x longer, 200-step episodes): plain asyncio in 1 process and in "
+        "a process per core against backend='asyncio' and process hosts (per_worker, host, "
+        "batched) with consecutive obtain_fragments(10 * N) calls; loop lag p99 with a 5 ms "
+        "ticker, caller CPU per env step, memory per open episode, 1,000 episodes against the "
+        "ideal, and a profile of the caller (own runner)",
+        script="benchmarks.seam",
+        script_args=(("--profile",), ("--quick",)),
+        minutes=10.0,
+    ),
+    Study(
         "hostloop",
         'the env host\'s own cost per step in inference="host" (its chunk loop with a random '
         "agent, in one process) against a plain env.step loop: NoOp-v0, CartPole-v1, "

@@ -37,6 +37,7 @@ SMOKE: dict[str, list[str]] = {
     "sweep": ["--contenders", "ceiling", "envpool", "asyncsample"],
     "ab": ["--a", str(REPO), "--workloads", "CartPole-v1 4x8 random"],
     "text_envs": [],
+    "seam": ["--profile", "--top", "10"],  # run by test_seam_quick_writes_every_cell alone
     "async_envs": ["--levels", "10", "--contenders", "ceiling", "gym-async", "pool-32",
                    "ours-thread", "ours-asyncio", "ours-process-batched", "--seconds", "0.5"],
 }  # fmt: skip
@@ -53,7 +54,7 @@ def test_every_study_has_a_smoke_run_and_a_row_in_the_readmes() -> None:
             assert f"asyncsample bench {name}" in text, (readme, name)
 
 
-@pytest.mark.parametrize("name", list(SMOKE))
+@pytest.mark.parametrize("name", [name for name in SMOKE if name != "seam"])
 def test_study_smoke_run(name: str, tmp_path: Path) -> None:
     """``asyncsample bench NAME --quick`` writes results.json and results.md to ``--out``."""
     from benchmarks.__main__ import main
@@ -78,6 +79,56 @@ def test_study_smoke_run(name: str, tmp_path: Path) -> None:
         assert "ceiling" in (tmp_path / "results.md").read_text()
     if name == "throughput":
         assert (tmp_path / "throughput.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_seam_quick_writes_every_cell(tmp_path: Path) -> None:
+    """``asyncsample bench seam --quick --profile``: every cell ran and stepped, the targets'
+    ratios are the ones its rows give, and the profile holds the caller's top functions."""
+    import numpy as np
+
+    from benchmarks.__main__ import main
+    from benchmarks.latency_envs import LatencyModel
+    from benchmarks.seam import CELLS, GOALS, PROCESS_CELLS
+
+    # the study's latency: a lognormal spread that keeps the mean, ~1% of the steps 20x longer
+    draws = LatencyModel(sigma=0.5).draw(np.random.default_rng(0), 200_000)
+    assert draws.mean() == pytest.approx(0.050, rel=0.02)
+    assert 0.007 < (draws > 10 * np.median(draws)).mean() < 0.012
+    code = main(["seam", "--quick", "--out", str(tmp_path), *SMOKE["seam"]])
+    results = json.loads((tmp_path / "results.json").read_text())
+    cells = results["cells"]
+    assert code == 0, {k: c.get("note") for k, c in cells.items()}
+    assert list(cells) == [*CELLS, "profile"]
+    for name, cell in cells.items():
+        assert cell["status"] == "ok" and cell["steps_per_s"] > 0, name
+        assert cell["n_episodes"] == 200, name
+    for name in ("ours-asyncio", "tail", "profile", *PROCESS_CELLS):
+        assert cells[name]["transitions"] >= 2000 * cells[name]["calls"] > 0, name
+        assert cells[name]["env_steps"] > 0 and cells[name]["cpu_us_per_step"] > 0, name
+        assert cells[name]["lag"]["n"] > 0, name
+    targets = {t["target"].split(" (")[0]: t for t in results["targets"]}
+    ratio = cells["ours-asyncio"]["steps_per_s"] / cells["plain-1"]["steps_per_s"]
+    assert targets["ours-asyncio / plain-1"]["value"] == pytest.approx(ratio)
+    best = max(cells[n]["steps_per_s"] for n in PROCESS_CELLS)
+    process = targets["best process layout"]
+    assert process["value"] == pytest.approx(best / cells["plain-2"]["steps_per_s"])
+    assert process["met"] == (process["value"] >= GOALS["process_vs_plain_2"])
+    tail = cells["tail"]
+    assert tail["ratio_to_ideal"] == pytest.approx(tail["steps_per_s"] / (200 / 0.050))
+    host = targets["caller CPU per env step, ours-process-host"]
+    assert host["value"] == cells["ours-process-host"]["cpu_us_per_step"]
+    memory = targets["memory per open episode, ours-asyncio / plain-1"]
+    assert memory["value"] == pytest.approx(
+        cells["ours-asyncio"]["bytes_per_episode"] / cells["plain-1"]["bytes_per_episode"]
+    )
+    assert all(t["value"] is not None for t in results["targets"])
+    profile = results["profile"]
+    assert len(profile) == 10 and profile[0]["tottime_s"] >= profile[-1]["tottime_s"] > 0
+    text = (tmp_path / "results.md").read_text()
+    assert "## Targets (issue 48)" in text and profile[0]["function"] in text
+    for name in CELLS:
+        assert f"| {name} | 200 |" in text
 
 
 def test_chaos_smoke_run_passes_its_checks(tmp_path: Path) -> None:
