@@ -166,6 +166,17 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     "test_zero_copy.py::test_step_arena_small_or_none_gives_the_same_batches": (
         {"inference": ("batched",)},
     ),
+    # Async envs in process hosts equal to the asyncio backend's: [host-fragments] and
+    # [batched-episodes] stay (each call mode, agents in the hosts and in the caller);
+    # test_inference_host_runs_the_agent_in_the_hosts keeps per_worker's twin, host.
+    "test_hosted_async_envs.py::test_batches_equal_the_asyncio_backends": (
+        {"inference": ("per_worker",)},
+        {"inference": ("batched",), "mode": ("fragments",)},
+        {"inference": ("host",), "mode": ("episodes",)},
+    ),
+    # Held batches with the agent in the hosts: [per_worker] and [batched] stay (the same
+    # arena, the same hold).
+    "test_zero_copy.py::test_held_batches_are_never_overwritten": ({"inference": ("host",)},),
     # A malformed sub-env step: every kind in-process, a reward and an observation on hosts and
     # mixed stay (the same check of the same answer, wherever the sub-env runs).
     "test_vector_env.py::test_a_malformed_sub_env_step_names_the_sub_env": (
@@ -236,6 +247,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     after this.
     """
     gc.freeze()
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two pytest-xdist workers per core. Most of a test's time is spent waiting on
+    env hosts (their start-up, replies, exits), not computing: on 2 cores the default run took
+    137 s with 2 workers, 123 s with 3, 113 s with 4 and 139 s with 6 (each worker collects the
+    whole suite)."""
+    return 2 * (os.cpu_count() or 1)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

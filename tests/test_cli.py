@@ -191,6 +191,7 @@ def test_runtime_error_is_one_line_and_status_1() -> None:
     assert "Remote traceback" not in done.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter; test_runtime_error_is_one_line_and_status_1 runs one
 def test_verbose_prints_each_restart_before_the_error() -> None:
     prelude = (
         "import gymnasium\n"
@@ -208,6 +209,7 @@ def test_verbose_prints_each_restart_before_the_error() -> None:
     assert error_lines(done.stderr)[-1].startswith("asyncsample run: error: WorkerError")
 
 
+@pytest.mark.slow  # a fresh interpreter; test_runtime_error_is_one_line_and_status_1 runs one
 def test_debug_shows_the_traceback_of_a_runtime_error() -> None:
     prelude = (
         "import gymnasium\n"
@@ -386,6 +388,7 @@ def test_bench_plan_prints_the_runs_and_the_estimated_length(
     assert "ceiling" in done.stderr and "host 4x2/P2" in done.stderr
 
 
+@pytest.mark.slow  # a study's quick run in a fresh interpreter
 @pytest.mark.timeout(300)
 def test_bench_without_matplotlib_writes_its_results_and_says_the_charts_were_skipped(
     tmp_path: Path,

@@ -22,6 +22,7 @@ def test_the_test_extra_installs_the_real_envs() -> None:
     assert missing == []
 
 
+@pytest.mark.slow  # EnvPool's import and Atari's start-up: seconds
 def test_gymnasium_atari_stack_matches_envpool_spaces() -> None:
     """The registered stack gives EnvPool's observation layout: (4, 84, 84) uint8, same actions."""
     import envpool
@@ -142,6 +143,7 @@ def test_raw_pixel_envs_are_planned_random_agent_only_with_their_ceiling() -> No
     assert suite.pre_skip(pixels, s) is not None
 
 
+@pytest.mark.slow  # EnvPool's import and Atari's start-up: seconds
 def test_raw_pong_matches_envpool_at_the_same_settings() -> None:
     pytest.importorskip("ale_py")
     envpool = pytest.importorskip("envpool")

@@ -13,9 +13,9 @@ The convention (pages added later follow it too):
 The extractor is our own, some thirty lines: the libraries that do this (pytest-markdown-docs,
 phmdoctest) mark blocks in the fence's info string or with their own comment syntax, and neither
 wraps a notebook-style block in ``asyncio.run``; an info string would also show on GitHub.
-A block that samples (it builds a ``Sampler``, a ``VectorEnv`` or an ``AsyncSampleVecEnv``) or
-imports torch takes seconds: those run in the slow pass (``python -m pytest -m slow``), the rest
-(definitions, imports, small programs) in the default run (:func:`costly`).
+Each block runs in a fresh interpreter, a second or more (many seconds for one that samples or
+imports torch): they run in the slow pass (``python -m pytest -m slow``, which ``.ci/run`` runs);
+the default run checks that every block is found and marked well.
 """
 
 from __future__ import annotations
@@ -86,22 +86,6 @@ def snippets(path: Path) -> list[Snippet]:
 
 ALL = [s for page in PAGES for s in snippets(page)]
 
-_COSTLY = re.compile(
-    r"\b(?:Sampler|VectorEnv|AsyncSampleVecEnv)\("
-    r"|^\s*(?:import|from) (?:torch|stable_baselines3|asyncsample\.torch_agent)\b",
-    re.M,
-)
-
-
-def costly(snippet: Snippet) -> bool:
-    """Whether the block samples (env hosts, a sampler's calls) or imports torch: seconds."""
-    return bool(_COSTLY.search(snippet.code))
-
-
-def _param(s: Snippet) -> object:
-    marks = [pytest.mark.slow] if costly(s) else []
-    return pytest.param(s, id=s.id, marks=marks)
-
 
 def test_every_page_has_its_snippets_found() -> None:
     """The extractor sees the blocks (a page's count of ```python fences)."""
@@ -129,7 +113,8 @@ def test_the_marks_are_read(tmp_path: Path) -> None:
     assert wrapped.endswith("asyncio.run(main())\n")
 
 
-@pytest.mark.parametrize("snippet", [_param(s) for s in ALL if s.kind != "skip"])
+@pytest.mark.slow
+@pytest.mark.parametrize("snippet", [pytest.param(s, id=s.id) for s in ALL if s.kind != "skip"])
 def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
