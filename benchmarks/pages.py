@@ -79,7 +79,12 @@ def _date(study: str) -> str | None:
         return None
     if (results.get("settings") or {}).get("quick"):  # a smoke run is not a measurement
         return None
-    date = (results.get("machine") or {}).get("date") or results.get("date") or ""
+    date = (
+        (results.get("machine") or {}).get("date")
+        or results.get("date")
+        or (results.get("provenance") or {}).get("date")  # report.write_own_results
+        or ""
+    )
     return str(date)[:10] or "date unknown"
 
 
