@@ -33,14 +33,16 @@ def stack_rows(rows: Sequence[Any]) -> np.ndarray:
     """Rows of one leaf stacked along a new leading axis; rows of a ``Text`` or ``Sequence``
     leaf (``str``, or arrays of different lengths) as a 1-D ``object`` array of them."""
     first = rows[0]
-    if isinstance(first, str) or (
-        isinstance(first, np.ndarray) and any(np.shape(r) != first.shape for r in rows)
-    ):
-        out = np.empty(len(rows), dtype=object)
-        for k, row in enumerate(rows):
-            out[k] = row
-        return out
-    return np.stack(rows)
+    if not isinstance(first, str):
+        try:  # the common case first: no check per row (it cost a tenth of a batched call)
+            return np.stack(rows)
+        except ValueError:  # arrays of different shapes: a Sequence leaf's rows
+            if not isinstance(first, np.ndarray):
+                raise
+    out = np.empty(len(rows), dtype=object)
+    for k, row in enumerate(rows):
+        out[k] = row
+    return out
 
 
 def tree_leaves(tree: Tree) -> list[Any]:

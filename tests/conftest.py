@@ -45,7 +45,7 @@ SLOW_MODULES = frozenset(
 )
 
 #: Modules whose every test is slow (SLOW_MODULES, and those marked slow as a whole): the default
-#: run does not import them at all. Their imports (SB3 and torch, Ray) cost each pytest-xdist
+#: run does not import them at all. Their imports (SB3, torch, Ray) cost each pytest-xdist
 #: worker seconds of collection for tests it would deselect. A run that collects them checks that
 #: every test in them is still slow (pytest_collection_modifyitems).
 WHOLLY_SLOW_MODULES = SLOW_MODULES | {
@@ -53,6 +53,7 @@ WHOLLY_SLOW_MODULES = SLOW_MODULES | {
     "test_sb3_vec_env.py",
     "test_soak.py",
     "test_tool_agent_example.py",
+    "test_torch_agent.py",
 }
 
 _LOOP_PARAM = "_asyncio_loop_factory"  # pytest-asyncio's parameter for the loop factory

@@ -13,7 +13,8 @@ import pytest
 
 from asyncsample import EnvSpec, EpisodeBatch, StepType
 
-pytest.importorskip("torch")
+if importlib.util.find_spec("torch") is None:  # found, not imported: torch takes seconds
+    pytest.skip("torch is not installed", allow_module_level=True)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ppo_torch.py"
 F, M, TERM, TIME = StepType.FIRST, StepType.MID, StepType.TERMINAL, StepType.TIMEOUT

@@ -12,6 +12,10 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
+# Slow as a whole: torch's import (about 3 s) would be paid by every pytest-xdist worker of the
+# default run, for tests that take 0.3 s (tests/conftest.py, WHOLLY_SLOW_MODULES).
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
