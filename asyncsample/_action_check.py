@@ -10,7 +10,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample._tree import Tree, tree_leaves, tree_map
-from asyncsample.columns import RaggedArray, column_rows, is_variable_space
+from asyncsample.columns import RaggedArray, column_rows, is_variable_space, object_rows
 
 __all__ = [
     "AgentOutputCheck",
@@ -125,13 +125,6 @@ def check_actions(
     return actions
 
 
-def _object_rows(rows: Any) -> np.ndarray:
-    out = np.empty(len(rows), dtype=object)
-    for k, row in enumerate(rows):
-        out[k] = row
-    return out
-
-
 def action_rows(actions: Tree, space: gym.Space[Any]) -> Tree:
     """Stacked ``actions`` of ``space`` as arrays (:func:`numpy.asarray` leaf by leaf); a
     ``Text`` or ``Sequence`` leaf as a 1-D ``object`` array of one row per env, whatever form
@@ -158,8 +151,8 @@ def _as_rows(actions: Any) -> np.ndarray:
     if scalar or not isinstance(actions, (list, tuple, np.ndarray)):
         return np.asarray(actions, dtype=object)  # a scalar: refused by the shape check
     if isinstance(actions, np.ndarray) and actions.dtype.kind in "TU":
-        return _object_rows(actions.tolist())
-    return _object_rows(list(actions))
+        return object_rows(actions.tolist())
+    return object_rows(list(actions))
 
 
 def object_cell(value: Any) -> np.ndarray:
@@ -187,13 +180,13 @@ def info_rows(value: Any) -> np.ndarray:
     if isinstance(value, RaggedArray):
         return column_rows(value)
     if isinstance(value, np.ndarray):
-        return _object_rows(value.tolist()) if value.dtype.kind in "TU" else value
+        return object_rows(value.tolist()) if value.dtype.kind in "TU" else value
     rows = isinstance(value, (list, tuple)) and value
     if rows and isinstance(value[0], (list, tuple, np.ndarray)):
-        return _object_rows([np.asarray(v) for v in value])  # rows: ragged, whatever lengths
+        return object_rows([np.asarray(v) for v in value])  # rows: ragged, whatever lengths
     array = np.asarray(value)
     if array.dtype.kind == "U" and array.ndim == 1:
-        return _object_rows(array.tolist())
+        return object_rows(array.tolist())
     return array
 
 

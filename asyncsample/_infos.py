@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample.columns import RaggedArray, concat_leaves
+from asyncsample.columns import RaggedArray, concat_leaves, object_rows
 
 __all__ = [
     "MISSING",
@@ -37,7 +37,7 @@ def _stack_values(values: list[Any]) -> np.ndarray:
     try:
         return np.asarray(values)
     except ValueError:
-        return _object_rows(values)
+        return object_rows(values)
 
 
 def fill_value(dtype: np.dtype[Any]) -> Any:
@@ -134,13 +134,6 @@ def stack_infos(
     return out
 
 
-def _object_rows(rows: Sequence[Any] | np.ndarray) -> np.ndarray:
-    out = np.empty(len(rows), dtype=object)
-    for i, row in enumerate(rows):
-        out[i] = row
-    return out
-
-
 def _concat_arrays(arrays: list[Any]) -> Any:
     """Concatenate along the leading axis, falling back to object rows for mismatched shapes;
     ragged columns (:class:`~asyncsample.columns.RaggedArray`) join as one."""
@@ -149,7 +142,7 @@ def _concat_arrays(arrays: list[Any]) -> Any:
     try:
         return np.concatenate(arrays, axis=0)
     except ValueError:
-        return np.concatenate([_object_rows(a) for a in arrays], axis=0)
+        return np.concatenate([object_rows(a) for a in arrays], axis=0)
 
 
 def _absent_rows(like: Any, n: int) -> Any:

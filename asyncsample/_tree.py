@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncsample.columns import RaggedArray, concat_leaves
+from asyncsample.columns import RaggedArray, concat_leaves, object_rows
 
 Tree = Any  # np.ndarray | dict[str, Tree] | tuple[Tree, ...]
 
@@ -39,10 +39,7 @@ def stack_rows(rows: Sequence[Any]) -> np.ndarray:
         except ValueError:  # arrays of different shapes: a Sequence leaf's rows
             if not isinstance(first, np.ndarray):
                 raise
-    out = np.empty(len(rows), dtype=object)
-    for k, row in enumerate(rows):
-        out[k] = row
-    return out
+    return object_rows(rows)
 
 
 def tree_leaves(tree: Tree) -> list[Any]:

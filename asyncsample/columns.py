@@ -336,6 +336,15 @@ def _item_kind(space: gym.spaces.Sequence) -> tuple[np.dtype[Any], tuple[int, ..
     return np.dtype(feature.dtype or np.float64), tuple(feature.shape or ())
 
 
+def object_rows(rows: Sequence[Any] | np.ndarray) -> np.ndarray:
+    """``rows`` as a 1-D ``object`` array, one row per element, whatever each row is (a
+    ``str``, an array of any shape): assigned one by one, so numpy never broadcasts them."""
+    out = np.empty(len(rows), dtype=object)
+    for k, row in enumerate(rows):
+        out[k] = row
+    return out
+
+
 def column_rows(column: Any) -> np.ndarray:
     """A column (text, ragged, object or plain array) as a 1-D ``object`` array of its rows:
     what the step records of the sampler hold for a leaf without fixed-size rows."""
