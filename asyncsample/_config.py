@@ -39,3 +39,4 @@ class SamplerConfig:
     close_timeout: float
     metrics: Any
     resume: Any
+    fixed_shares: bool

@@ -24,6 +24,7 @@ from asyncsample._config import SamplerConfig
 from asyncsample._engine import (
     CallMode,
     Continuity,
+    FreeQuota,
     LaneRound,
     Part,
     SharedQuota,
@@ -117,6 +118,7 @@ class SamplerCore:
             "max_sequence_length", config.max_sequence_length
         )
         self.close_timeout = _validate.seconds("close_timeout", config.close_timeout)
+        self.fixed_shares = _validate.flag("fixed_shares", config.fixed_shares)
         self._probe_closing: Any = None  # the probe env's close, if late (_probe.Closing)
         self._spec: EnvSpec | None = None  # from the probe env (see env_spec)
         self._time_limited = False
@@ -428,7 +430,13 @@ class SamplerCore:
         async with self.locked("update_agent"):
             self.check_open()
             await self.start_unlocked()
-            self.apply_agent_update(agent_update)
+            self.apply_agent_update(agent_update, reset=not self.free_shares)
+
+    @property
+    def free_shares(self) -> bool:
+        """Whether ``obtain_fragments`` fills its quota from whichever envs step (the lanes,
+        ``fixed_shares=False``) and carries the steps in flight into the next call."""
+        return self.lanes and not self.fixed_shares
 
     def newest_agent_version(self) -> int:
         return max(w.agent_version for w in self.workers)
@@ -455,7 +463,8 @@ class SamplerCore:
             _resume.check_no_stream_pending(self, _CALLS[mode][1])
             if mode != "fragments" and not self.warned_endless:
                 self.warn_if_endless()
-            self.apply_agent_update(agent_update)
+            # Without fixed shares, fragments go on across updates (each step keeps its version).
+            self.apply_agent_update(agent_update, reset=not self.free_shares)
             if env_updates is not None:
                 await run_all(
                     [w.update_env(u) for w, u in zip(self.workers, env_updates) if u is not None]
@@ -486,7 +495,8 @@ class SamplerCore:
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
             worker.finished.clear()
-        shared = self._shared_quota(mode, quota, fraction)
+        pool = FreeQuota(quota) if mode == "fragments" and self.free_shares else None
+        shared = None if pool is not None else self._shared_quota(mode, quota, fraction)
         done_at = [start] * self.n_workers
 
         lane_round = None
@@ -496,7 +506,7 @@ class SamplerCore:
         then = leave if ahead and shared is None and mode != "episodes" else None
 
         async def drive(worker: Worker) -> Plan | None:
-            part = Part(resume, leave, shared, then, lane_round)
+            part = Part(resume, leave, shared, then, lane_round, pool)
             plan = await self._drive(worker, mode, quota, part)
             done_at[worker.worker_number] = time.perf_counter()
             return plan

@@ -20,6 +20,7 @@ from asyncsample._assembly import Plan
 from asyncsample._recorder import (
     Recorder,
     Resume,
+    RowCopy,
     put_rows,
     store_agent_info_block,
     store_agent_infos,
@@ -33,6 +34,7 @@ __all__ = [
     "ChunkRecords",
     "Episodes",
     "FinishedEpisode",
+    "FreeQuota",
     "LaneRound",
     "Part",
     "RecordStep",
@@ -342,6 +344,9 @@ class Episodes:
         self.dropped_steps = 0  # steps of episodes abandoned unfinished so far
         self.started_at: list[float] | None = None  # metrics on: per env, when its episode began
         self.durations: list[float] = []  # seconds of the episodes ended since the metrics read
+        # Per env, the row of its step still in flight when an obtain_fragments call without
+        # fixed shares ended (the lanes): the next call records it again as its first row.
+        self.carried_rows: dict[int, RowCopy] = {}
 
     # -- a call ---------------------------------------------------------------------------------
 
@@ -627,6 +632,52 @@ class LaneRound:
                     stop.set_result(None)
 
 
+class FreeQuota:
+    """The quota of an ``obtain_fragments`` call whose envs step one at a time without fixed
+    shares (``Sampler(fixed_shares=False)``, the lanes): any env of any worker may fill it, and
+    once ``target`` transitions are in every worker's ``stop`` is set, whatever steps are still
+    in flight (they go on into the next call). A call never waits for the slowest env's tail.
+
+    Counting is per worker, so a worker that drops recorded steps (an env's fault) sets its
+    count again (:meth:`set`) instead of the call counting steps no batch will hold.
+    """
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.total = 0
+        self.met = False
+        self._counts: dict[int, int] = {}
+        self._stops: list[asyncio.Future[None]] = []
+
+    def join(self, stop: asyncio.Future[None]) -> None:
+        """``stop`` is set once the quota is met."""
+        if self.met:
+            stop.set_result(None)
+        else:
+            self._stops.append(stop)
+
+    def add(self, worker: int, steps: int = 1) -> None:
+        """``worker`` recorded ``steps`` more transitions."""
+        self._counts[worker] = self._counts.get(worker, 0) + steps
+        self.total += steps
+        if not self.met and self.total >= self.target:
+            self._meet()
+
+    def set(self, worker: int, count: int) -> None:
+        """``worker`` would now return ``count`` transitions (it went down: a drop)."""
+        self.total += count - self._counts.get(worker, 0)
+        self._counts[worker] = count
+        if not self.met and self.total >= self.target:
+            self._meet()
+
+    def _meet(self) -> None:
+        self.met = True
+        for stop in self._stops:
+            if not stop.done():
+                stop.set_result(None)
+        self._stops = []
+
+
 @dataclass
 class Part:
     """One worker's part of a call, as the mode's stepper sees it.
@@ -636,6 +687,7 @@ class Part:
         quota: the call's shared quota (``fraction_samples < 1``), if any.
         then: a stream round follows, continuing what this one leaves (a mode may start it).
         lane_round: the stream round this part is in, on the lanes.
+        pool: the call's quota without fixed shares (``obtain_fragments`` on the lanes).
     """
 
     resume: Resume
@@ -643,6 +695,7 @@ class Part:
     quota: SharedQuota | None = None
     then: Resume | None = None
     lane_round: LaneRound | None = None
+    pool: FreeQuota | None = None
 
 
 class Stepper(Protocol):

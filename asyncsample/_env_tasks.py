@@ -40,14 +40,20 @@ _NEVER = np.inf
 """The deadline of an episode without one."""
 
 # Until when a lane steps: its stream round is done, its call needs no more episodes, its env
-# has no fragment steps left, or the stop rule says so (asked per env).
-_UNTIL_ROUND, _UNTIL_NEED, _UNTIL_LEFT, _UNTIL_RULE = range(4)
+# has no fragment steps left, the stop rule says so (asked per env), or the call's quota
+# without fixed shares is in.
+_UNTIL_ROUND, _UNTIL_NEED, _UNTIL_LEFT, _UNTIL_RULE, _UNTIL_POOL = range(5)
 
 
 def _row_copy(i: int, leaf: np.ndarray) -> np.ndarray:
     """Row ``i`` of a buffer's leaf, copied."""
     row: np.ndarray = row_copy(leaf, i)
     return row
+
+
+def _finished(carrier: asyncio.Future[Any]) -> bool:
+    """Whether a carried step's lane returned the step's outcome (the env took the step)."""
+    return carrier.done() and not carrier.cancelled() and carrier.exception() is None
 
 
 class Admission:
@@ -171,7 +177,9 @@ class LaneStepper:
         requests: the mode's merger of the envs' agent requests; ``None``: the host's agent
             copies act (its host is an :class:`~asyncsample.backends.base.ActingHost`).
         part: the worker's part of the call. Once a ``samples`` call has its share, steps in
-            flight are cancelled, or left running for a stream's next round to take up.
+            flight are cancelled, or left running for a stream's next round to take up; once
+            the quota of a call without fixed shares (``part.pool``) is in, they are left
+            running for the next call.
         settings: see :class:`LaneSettings`.
     """
 
@@ -194,7 +202,9 @@ class LaneStepper:
         self.quota = quota = part.quota
         self.watch = None if quota is None else QuotaWatch.of(quota)
         self.resume = part.resume
-        self.carry = part.leave is Resume.EPISODES  # steps in flight go on into the next round
+        self.pool = part.pool
+        # Steps in flight go on into the next round (or call, without fixed shares).
+        self.carry = part.leave is Resume.EPISODES or self.pool is not None
         self.detaching = False
         self.round = part.lane_round if self.carry and quota is None else None
         self.settings = settings
@@ -213,8 +223,13 @@ class LaneStepper:
             await self.acting.sync_agent()
         episodes = self.worker.episodes
         if self.host.in_flight:
-            keep = self.resume is Resume.EPISODES  # continuing: drop only those of envs to reset
+            # Continuing: drop only those of envs to reset.
+            keep = self.resume is Resume.EPISODES or (
+                self.pool is not None and self.resume is Resume.FRAGMENTS
+            )
             stale = [i for i in self.host.in_flight if not keep or episodes.needs_reset[i]]
+            # A carried step the env finished is a step it took, though no batch will hold it.
+            episodes.dropped_steps += sum(map(_finished, (self.host.in_flight[i] for i in stale)))
             episodes.needs_reset[await self.host.drop_in_flight(stale)] = True
         episodes.stamp_unstarted(self.worker.agent_version, self.host.in_flight)
 
@@ -249,6 +264,8 @@ class LaneStepper:
         stop = loop.create_future()
         if self.round is not None:
             self.round.join(stop)
+        if self.pool is not None:
+            self.pool.join(stop)
         lanes = _Lanes()
         tasks = [
             asyncio.ensure_future(self._lane(i, rule, stop, lanes))
@@ -285,6 +302,8 @@ class LaneStepper:
                             lanes.detached.add(i)
                             self.host.in_flight[i] = task
                             pending.discard(task)
+                            if self.pool is not None:  # the next call records its row again
+                                self._keep_row(i)
                         else:
                             task.cancel()
         finally:
@@ -336,7 +355,10 @@ class LaneStepper:
             may_stop = functools.partial(self._may_stop, steps_left is not None)
         # Until when the lane steps (no closures: a lane lives as long as its call, and their
         # cells and functions would be objects more, per env, for the cyclic collector).
-        if lane_round is not None:  # within a stream round: until the round is done
+        pool = self.pool
+        if pool is not None:  # without fixed shares: until the call's quota is in
+            until = _UNTIL_POOL
+        elif lane_round is not None:  # within a stream round: until the round is done
             until = _UNTIL_ROUND
         elif samples and may_stop is None:
             until = _UNTIL_NEED
@@ -359,6 +381,10 @@ class LaneStepper:
                 try:
                     if carried is not None:
                         stepping = True
+                        kept = episodes.carried_rows.get(i) if pool is not None else None
+                        if kept is not None:  # the previous call's row of this step
+                            rows.cover(t, buffers.obs, buffers.actions)
+                            rows.restore(t, i, kept)
                         result = await asyncio.shield(carried)
                     else:
                         if needs_reset[i]:
@@ -452,11 +478,14 @@ class LaneStepper:
                         steps_left[i] = left
                     if may_stop is not None:  # the worker's count went down
                         self._report(steps_left is not None)
+                    if pool is not None:
+                        pool.set(w, episodes.count(True))
                     length, ret = 0, 0.0
                     await self._rebuild(i, failure)
                     continue
                 if carried is not None:
                     in_flight.pop(i, None)
+                    episodes.carried_rows.pop(i, None)
                     carried = None
                 stepping = False
                 if acting is None:
@@ -479,6 +508,9 @@ class LaneStepper:
                 t += 1
                 length += 1
                 ret += reward
+                if pool is not None:
+                    cursor[i] = t  # the quota's count may be read for a drop
+                    pool.add(w)
                 if steps_left is not None:
                     left -= 1
                     if live_cursor:
@@ -530,6 +562,8 @@ class LaneStepper:
         self, until: int, i: int, rule: StopRule, left: int, may_stop: Callable[[], bool] | None
     ) -> bool:
         """Whether env ``i``'s lane takes another step (``until``: which rule applies)."""
+        if until == _UNTIL_POOL:
+            return not self.pool.met  # type: ignore[union-attr]
         if until == _UNTIL_ROUND:
             return not self.round.done  # type: ignore[union-attr]
         if until == _UNTIL_NEED:
@@ -564,6 +598,13 @@ class LaneStepper:
         if reset is not None:  # (an acting host's agent copy was reset with the env)
             reset(one.copy())
         return more()
+
+    def _keep_row(self, i: int) -> None:
+        """Copy env ``i``'s row of the step it leaves in flight, for the next call."""
+        episodes = self.worker.episodes
+        cursor = episodes.recorder.cursor
+        assert cursor is not None
+        episodes.carried_rows[i] = episodes.recorder.rows.take(int(cursor[i]), i)
 
     def _drop(self, i: int) -> int:
         """Drop env ``i``'s episode in progress (it is reset next); the steps it had recorded."""

@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 
 from asyncsample._assembly import Plan
-from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample._tree import Tree, row_copy, tree_leaves, tree_map
 from asyncsample.batch import StepType
 
 __all__ = [
     "Piece",
     "Recorder",
     "Resume",
+    "RowCopy",
     "Rows",
     "put_row",
     "put_rows",
@@ -53,6 +54,17 @@ class Piece:
     end: StepType | None  # TERMINAL/TIMEOUT when the episode ended, else None (a fragment)
     last_observation: Tree
     episode_info: dict[str, Any]
+
+
+@dataclass
+class RowCopy:
+    """One env's row of :class:`Rows`, copied out (:meth:`Rows.take`): a step still in flight
+    when its call ended, recorded again in the next call's rows."""
+
+    obs: Tree
+    actions: Tree
+    version: int
+    agent_infos: dict[str, Any]
 
 
 @dataclass
@@ -222,6 +234,27 @@ class Rows:
             self._leave_arena(t, obs)
         self.size = t + n
         return t
+
+    def take(self, t: int, i: int) -> RowCopy:
+        """Env ``i``'s row ``t`` (observation, action, agent version, agent infos), copied."""
+        at = (t, i)
+        return RowCopy(
+            tree_map(lambda x: row_copy(x, at), self.obs),
+            tree_map(lambda x: row_copy(x, at), self.actions),
+            int(self.versions[at]),
+            {key: row_copy(column, at) for key, column in self.agent_infos.items()},
+        )
+
+    def restore(self, t: int, i: int, saved: RowCopy) -> None:
+        """Put a row :meth:`take` copied back as env ``i``'s row ``t`` (which exists)."""
+        at = (t, i)
+        put_row(self.obs, at, saved.obs)
+        put_row(self.actions, at, saved.actions)
+        self.versions[at] = saved.version
+        for key, value in saved.agent_infos.items():
+            column = self.agent_infos.get(key)
+            if column is not None and column.shape[2:] == np.shape(value):
+                column[at] = value
 
     def cover(self, t: int, obs: Tree, actions_like: Tree) -> None:
         """Make row ``t`` exist (the envs of a non-lockstep worker each write their own rows)."""

@@ -72,6 +72,13 @@ class Sampler:
             keeps the [metrics](metrics.md) (the ``metrics`` extra); ``None`` keeps none.
         resume: a :class:`SamplerState` (from :meth:`checkpoint`) to continue from, as the
             sampler starts; see [Checkpoint and resume](checkpoint.md).
+        fixed_shares: envs stepped one at a time (async envs on any backend, ``"thread"``):
+            ``False`` (the default): :meth:`obtain_fragments` returns once its quota is in,
+            whichever envs filled it, and the steps still in flight open the next call's
+            fragments (an agent update between calls does not reset them); ``True``: every env
+            takes a fixed share of each call, so batches are reproducible for a seed, and a call
+            waits for its slowest env. Lockstep backends always use fixed shares. See
+            [Heavy tails](contract.md#heavy-tails-fixed_shares).
     """
 
     def __init__(
@@ -99,6 +106,7 @@ class Sampler:
         close_timeout: float = 10.0,
         metrics: Any = None,
         resume: SamplerState | None = None,
+        fixed_shares: bool = False,
     ) -> None:
         # Every argument by name: SamplerConfig's fields are this signature's (a test holds it).
         arguments = {name: value for name, value in locals().items() if name != "self"}
@@ -305,7 +313,11 @@ class Sampler:
 
         Each worker steps all its envs ``ceil(share / envs_per_worker)`` times; fragments of
         episodes still running (ending in ``FIRST`` or ``MID``) continue in the next
-        ``obtain_fragments`` call. It queues behind a call in progress, as every call does (see
+        ``obtain_fragments`` call. Where envs step one at a time (``asyncio``, ``thread``, async
+        envs in the hosts) and ``fixed_shares=False`` (the default), the call instead returns as
+        soon as ``num_samples`` transitions are in, whichever envs filled it, and the steps in
+        flight open the next call's fragments (``fraction_samples`` is then ignored); see
+        [Heavy tails](contract.md#heavy-tails-fixed_shares). It queues behind a call in progress, as every call does (see
         [Concurrency](contract.md#concurrency)). Arguments and errors as in
         :meth:`obtain_samples`; see [the sampler contract](contract.md#obtain_fragmentsnum_samples).
         """

@@ -13,6 +13,7 @@ counts the test envs not closed yet.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -258,6 +259,33 @@ class CountingEnv(RandomLengthEnv):
 
     def __init__(self, length: int = 10, latency: float = 0.0) -> None:
         super().__init__(length, length, latency)
+
+
+class GatedAsyncEnv(CountingAsyncEnv):
+    """A :class:`CountingAsyncEnv` whose steps wait until the file ``gate`` exists (any
+    process sees it: the test opens the gate with :func:`helpers.touch`)."""
+
+    def __init__(self, gate: str, length: int = 1000) -> None:
+        super().__init__(length)
+        self.gate = gate
+
+    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        while not os.path.exists(self.gate):
+            await asyncio.sleep(0.005)
+        return await super().step(action)
+
+
+class GatedEnv(CountingEnv):
+    """The blocking twin of :class:`GatedAsyncEnv` (its step waits in its thread)."""
+
+    def __init__(self, gate: str, length: int = 1000) -> None:
+        super().__init__(length)
+        self.gate = gate
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        while not os.path.exists(self.gate):
+            time.sleep(0.005)
+        return super().step(action)
 
 
 class EnvFactory:

@@ -92,6 +92,9 @@ def make(backend: str, env: Any, resume: SamplerState | None = None, **kwargs: A
         "n_processes": 2,
         "backend": backend,
         "resume": resume,
+        # Bit for bit needs the fixed split: without it the steps in flight at a checkpoint
+        # drop (test_a_checkpoint_without_fixed_shares_drops_the_steps_in_flight).
+        "fixed_shares": True,
     }
     options.update(kwargs)
     agent = options.pop("agent", ObservingAgent())

@@ -448,7 +448,8 @@ async def test_exact_episodes_and_fragments_reproducible_whatever_the_latency(
     make_sampler: SamplerFactory,
 ) -> None:
     """Random latencies change which env finishes first, not the batch: each env's episodes and
-    steps are fixed by the call, and pieces are ordered by the env's own step count."""
+    steps are fixed by the call (fixed_shares=True), and pieces are ordered by the env's own
+    step count."""
 
     class ByObs:
         def get_actions(self, observations: np.ndarray) -> Any:
@@ -461,7 +462,9 @@ async def test_exact_episodes_and_fragments_reproducible_whatever_the_latency(
         factory = EnvFactory(
             lambda i, rng=rng: RandomLengthAsyncEnv(1, 10, latency=float(rng.uniform(0, 0.004)))
         )
-        sampler = make_sampler("asyncio", factory, ByObs(), n_workers=2, envs_per_worker=3, seed=5)
+        sampler = make_sampler(
+            "asyncio", factory, ByObs(), n_workers=2, envs_per_worker=3, seed=5, fixed_shares=True
+        )
         batches.append(
             [
                 await sampler.obtain_exact_episodes(4),

@@ -123,7 +123,7 @@ async def counted_run(
     registry = CollectorRegistry()
     sampler = make_sampler(
         backend, env, n_workers=2, envs_per_worker=3, max_episode_length=8, seed=3,
-        metrics=registry,
+        metrics=registry, fixed_shares=True,  # no step left in flight between calls
     )  # fmt: skip
     batches = [await sampler.obtain_fragments(150) for _ in range(3)]
     check_counts(registry, backend, batches)
@@ -567,6 +567,7 @@ async def test_env_calls_in_flight_is_live(backend: str, make_sampler: SamplerFa
         envs_per_worker=3,
         max_concurrency=4,
         metrics=registry,
+        fixed_shares=True,  # no step left in flight once the call returns
     )
     seen = await _scraped_in_flight(sampler, registry)
     if backend == "process":
@@ -604,7 +605,9 @@ async def test_env_calls_in_flight_is_live_without_a_cap(
         if backend == "asyncio"
         else async_envs.blocking_counting(length=1000, latency=0.05)
     )
-    sampler = make_sampler(backend, env, n_workers=2, envs_per_worker=3, metrics=registry)
+    sampler = make_sampler(
+        backend, env, n_workers=2, envs_per_worker=3, metrics=registry, fixed_shares=True
+    )
     seen = await _scraped_in_flight(sampler, registry)
     assert max(seen) == 6 and min(seen) >= 0  # every env in a step at once, never more
     assert value(registry, "env_calls_in_flight") == 0
