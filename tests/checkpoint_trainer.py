@@ -66,6 +66,7 @@ def make_sampler(backend: str, resume: SamplerState | None = None) -> Sampler:
         backend=backend,
         n_processes=2,
         resume=resume,
+        fixed_shares=True,  # bit for bit: the fixed split (steps in flight would drop)
     )
 
 
