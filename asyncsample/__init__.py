@@ -33,7 +33,7 @@ from asyncsample.errors import (
     WorkerError,
 )
 from asyncsample.evaluation import Evaluation
-from asyncsample.inference import Batched, Host
+from asyncsample.inference import Batched, Host, InferenceChoice
 from asyncsample.metrics import SamplerMetrics
 from asyncsample.sampler import AgentUpdateArg, EnvUpdateArg, Sampler
 from asyncsample.stats import SampleStats
@@ -77,6 +77,7 @@ __all__ = [
     "Evaluation",
     "FragmentWorker",
     "Host",
+    "InferenceChoice",
     "LoopBlockedError",
     "NewEnvUpdate",
     "RaggedArray",

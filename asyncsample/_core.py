@@ -58,7 +58,7 @@ from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.checkpoint import ResumeReport, SamplerState, StreamState
 from asyncsample.env_update import EnvChoice
 from asyncsample.errors import SamplerClosedError, WorkerError
-from asyncsample.inference import Batched, check_inference
+from asyncsample.inference import Batched, check_inference, choose_inference
 from asyncsample.inference.host import Host, check_host_agent, pickle_agent
 from asyncsample.inference.modes import HostMode, InferenceMode, make_mode
 from asyncsample.metrics import make_metrics
@@ -150,7 +150,12 @@ class SamplerCore:
         # An async agent may run in the hosts only beside async envs: where the env may be one,
         # its check waits for the probe env (_settle_kind).
         self._host_awaits = maybe_async(self.env_sources[0]) and self.traits.host_mode
-        options = check_inference(config.inference, agent, awaited=self._host_awaits)
+        own = worker_class.compute_actions is not Worker.compute_actions
+        self.inference = choose_inference(
+            config.inference, agent, self.traits.host_mode, self.episode_timeout, own
+        )
+        inference = self.inference.mode if self.inference.auto else config.inference
+        options = check_inference(inference, agent, awaited=self._host_awaits)
         self._options, self._worker_class = options, worker_class  # for _settle_kind
         # Each env stepped on its own (_env_tasks): on the lane backends, and on the host
         # backends once the probe env says the envs are async envs (_settle_kind).
@@ -434,8 +439,7 @@ class SamplerCore:
 
     @property
     def free_shares(self) -> bool:
-        """Whether ``obtain_fragments`` fills its quota from whichever envs step (the lanes,
-        ``fixed_shares=False``) and carries the steps in flight into the next call."""
+        """``obtain_fragments`` fills its quota from any env (the lanes, ``fixed_shares=False``)."""
         return self.lanes and not self.fixed_shares
 
     def newest_agent_version(self) -> int:
@@ -498,7 +502,6 @@ class SamplerCore:
         pool = FreeQuota(quota) if mode == "fragments" and self.free_shares else None
         shared = None if pool is not None else self._shared_quota(mode, quota, fraction)
         done_at = [start] * self.n_workers
-
         lane_round = None
         if self.lanes and leave is Resume.EPISODES and mode == "samples":
             lane_round = LaneRound(min(quota, self.n_workers))  # the workers with a share

@@ -3,6 +3,7 @@ where absent and gets a ``"_" + key`` presence mask (gymnasium's); nested dicts 
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -19,9 +20,28 @@ __all__ = [
     "filled",
     "key_rows",
     "mask_key",
+    "snapshot",
     "stack_column",
     "stack_infos",
 ]
+
+_SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
+
+
+def snapshot(infos: Any) -> Any:
+    """A copy of info dicts as a pickle to another process would deliver them: an env may reuse
+    and mutate its info dict (and the arrays in it) from step to step."""
+    kind = type(infos)
+    if kind in _SCALARS or isinstance(infos, np.generic):  # numpy scalars are immutable too
+        return infos
+    if kind is dict:
+        return {k: v if type(v) in _SCALARS else snapshot(v) for k, v in infos.items()}
+    if kind is list or kind is tuple:
+        return kind(snapshot(v) for v in infos)
+    if kind is np.ndarray:
+        return infos.copy()
+    return copy.deepcopy(infos)
+
 
 MISSING: Any = object()
 """Marks a row on which an info key is absent (see :func:`stack_column`)."""

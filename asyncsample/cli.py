@@ -42,8 +42,8 @@ MAX_CHUNK = 50_000
 #: takes only async envs, which no gymnasium id makes.
 RUN_BACKENDS = tuple(name for name in BACKENDS if not traits(name).async_envs)
 
-#: Where ``run``'s random agent runs (the summary names it).
-INFERENCE = "per_worker"
+#: Where ``run``'s random agent runs: the sampler's choice (the summary names it, and why).
+INFERENCE = "auto"
 
 #: The description of ``asyncsample --help`` (plain text: no reST markup).
 DESCRIPTION = (
@@ -203,7 +203,8 @@ def layout(sampler: Sampler) -> str:
     in_process = traits(sampler.backend_name).in_process
     where = "in this process" if in_process else f"on {sampler.n_processes} env hosts"
     return (
-        f"backend {sampler.backend_name}, inference {INFERENCE}, {sampler.n_workers} workers x "
+        f"backend {sampler.backend_name}, inference {sampler.inference.describe()}, "
+        f"{sampler.n_workers} workers x "
         f"{sampler.envs_per_worker} envs {where}"
     )
 

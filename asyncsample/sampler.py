@@ -15,7 +15,7 @@ from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.checkpoint import ResumeReport, SamplerState
 from asyncsample.env_update import EnvSource
 from asyncsample.evaluation import Evaluation, TestEnvs
-from asyncsample.inference import Batched, Batcher, Host
+from asyncsample.inference import Batched, Batcher, Host, InferenceChoice
 from asyncsample.metrics import SamplerMetrics
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerFactory
@@ -52,9 +52,10 @@ class Sampler:
         worker_args: extra keyword arguments for ``worker_class``.
         backend_options: extra keyword arguments for the backend (e.g. Ray resources).
         test_env: the env :meth:`evaluate` uses by default (default: the training env).
-        inference: ``"per_worker"``, ``"batched"``, ``"host"``, or an
-            :class:`~asyncsample.Batched` or :class:`~asyncsample.Host` with options; see
-            [Where the policy runs](inference.md).
+        inference: ``"auto"`` (the sampler picks the fastest mode that gives the same
+            batches, :attr:`inference` says which and why), ``"per_worker"``, ``"batched"``,
+            ``"host"``, or an :class:`~asyncsample.Batched` or :class:`~asyncsample.Host` with
+            options; see [Where the policy runs](inference.md).
         host_threads: intra-op threads of the numeric libraries (torch, OpenMP, MKL, OpenBLAS)
             in each env host; ``None`` leaves the libraries' defaults. Ignored by ``local``.
         max_concurrency: ``"asyncio"``: the env calls in flight at once (``None``: no cap);
@@ -98,7 +99,7 @@ class Sampler:
         worker_args: dict[str, Any] | None = None,
         backend_options: dict[str, Any] | None = None,
         test_env: EnvSource | None = None,
-        inference: str | Batched | Host = "per_worker",
+        inference: str | Batched | Host = "auto",
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
         max_sequence_length: int | None = None,
@@ -126,6 +127,8 @@ class Sampler:
         self.episode_timeout: float | None = core.episode_timeout
         self.seed: int = core.seed
         """The root seed (drawn when ``seed=None`` was passed)."""
+        self.inference: InferenceChoice = core.inference
+        """The inference mode in force and why (``inference="auto"``: the sampler's choice)."""
 
     @classmethod
     def from_worker_factory(
@@ -317,9 +320,10 @@ class Sampler:
         envs in the hosts) and ``fixed_shares=False`` (the default), the call instead returns as
         soon as ``num_samples`` transitions are in, whichever envs filled it, and the steps in
         flight open the next call's fragments (``fraction_samples`` is then ignored); see
-        [Heavy tails](contract.md#heavy-tails-fixed_shares). It queues behind a call in progress, as every call does (see
-        [Concurrency](contract.md#concurrency)). Arguments and errors as in
-        :meth:`obtain_samples`; see [the sampler contract](contract.md#obtain_fragmentsnum_samples).
+        [Heavy tails](contract.md#heavy-tails-fixed_shares). It queues behind a call in
+        progress, as every call does (see [Concurrency](contract.md#concurrency)). Arguments
+        and errors as in :meth:`obtain_samples`; see
+        [the sampler contract](contract.md#obtain_fragmentsnum_samples).
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)

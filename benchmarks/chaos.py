@@ -361,6 +361,7 @@ async def chaos(args: argparse.Namespace, backend: str = "asyncio") -> dict[str,
         close_timeout=2.0,
         max_episode_length=100,  # the episodes end by 20 steps; this says they end at all
         seed=args.seed,
+        inference="per_worker",  # the agent in the caller, as the study's results were taken
         **options,
     )
     calls: list[dict[str, Any]] = []

@@ -97,6 +97,7 @@ def _sampler(way: str, workers: int, envs: int, mean: float, **kwargs: Any) -> S
         n_processes=os.cpu_count() or 1,
         seed=0,
         fixed_shares=True,  # every env exactly --steps into its episode, none inside a step
+        inference="per_worker",  # the agent in the caller, as the study's results were taken
         **kwargs,
     )
 

@@ -787,8 +787,7 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
         probe_env = gym.make(spec.env_id)
         agent = asyncsample.RandomAgent(probe_env.action_space, seed=spec.seed)
         probe_env.close()
-    if spec.policy or spec.inference != "per_worker":
-        kwargs["inference"] = _inference(spec.inference)
+    kwargs["inference"] = _inference(spec.inference)  # never the sampler's own pick ("auto")
     notes: list[str] = []
     env: Any = spec.env_id
     if spec.slow_worker >= 0:  # stragglers: one worker's envs cost slow_cost a step

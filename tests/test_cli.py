@@ -160,7 +160,10 @@ def test_the_thread_backend_samples_a_gymnasium_id(capsys: pytest.CaptureFixture
     """thread, offered for a gymnasium id, steps its blocking envs in a pool of threads."""
     assert main(["run", "--backend", "thread", "--steps", "300", "--workers", "2"]) == 0
     out, _ = capsys.readouterr()
-    assert "ran:          backend thread, inference per_worker, 2 workers x 8 envs in this" in out
+    assert (
+        "ran:          backend thread, inference per_worker (auto: the envs live in this "
+        "process, beside the agent), 2 workers x 8 envs in this process"
+    ) in " ".join(out.split("\n"))
     assert int(re.search(r"steps:\s+(\d+)", out).group(1)) >= 300  # type: ignore[union-attr]
 
 
@@ -247,8 +250,11 @@ def test_a_short_run_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> N
     assert steps >= 500
     assert re.search(r"episodes:\s+[1-9]\d* completed", done.stdout)
     # The backend, the inference mode and the placement that ran.
-    ran = "ran:          backend local, inference per_worker, 2 workers x 8 envs in this process"
-    assert ran in done.stdout
+    ran = (
+        "ran:          backend local, inference per_worker (auto: the envs live in this process, "
+        "beside the agent), 2 workers x 8 envs in this process"
+    )
+    assert ran in " ".join(done.stdout.split("\n"))
 
 
 @pytest.mark.slow  # a fresh interpreter or a deliberate wait: CI runs it with -m slow
@@ -407,3 +413,16 @@ def test_bench_without_matplotlib_writes_its_results_and_says_the_charts_were_sk
     assert any(r.get("rate") for r in results["runs"])
     assert (tmp_path / "results.md").read_text().startswith("# asyncsample benchmarks")
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_default_run_shows_the_inference_mode_it_chose(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The README's run: process hosts and the built-in random agent, which runs in the hosts.
+    done = run_main(capsys, "run", "--steps", "2000", "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    ran = (
+        "ran:          backend process, inference host (auto: the built-in RandomAgent runs in "
+        "the env hosts, a chunk of steps per request), 2 workers x 8 envs on"
+    )
+    assert ran in done.stdout

@@ -23,6 +23,7 @@ from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._engine import StopRule
+from asyncsample._infos import snapshot
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import trusted_actions
@@ -550,7 +551,9 @@ class ChunkRunner:
             result = step(active, None, everyone)
             progress[0] += 1  # a step ended: the main process judges the next from now
             if result.env_infos is not None or result.reset_infos:
-                step_infos[j] = (result.env_infos, result.reset_infos)
+                # Copied now: the chunk's reply is pickled once, after an env may have changed
+                # an info dict it reuses (as a step's own reply would not see).
+                step_infos[j] = (snapshot(result.env_infos), snapshot(result.reset_infos))
             rewards[j] = buf.rewards
             terminated[j] = buf.terminated
             truncated[j] = buf.truncated

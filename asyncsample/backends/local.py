@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from asyncsample import _validate
+from asyncsample._infos import snapshot
 from asyncsample.backends._closing import close_off_loop, optional_close_timeout, wait_closed
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends._slot import spec_group
@@ -110,13 +110,13 @@ class LocalHost:
     ) -> dict[int, dict[str, object]]:
         args = reset_arguments(self.spec.n_envs, seeds, options)
         result: dict[int, dict[str, object]] = self._call("reset", self._group.reset, mask, *args)
-        return _snapshot(result) if result else result
+        return snapshot(result) if result else result
 
     async def step(self, mask: np.ndarray) -> StepInfos:
         result: StepInfos = self._call("step", self._group.step, mask)
         if result.env_infos is not None or result.reset_infos:
             result = StepInfos(
-                _snapshot(result.env_infos), _snapshot(result.reset_infos), result.final_obs
+                snapshot(result.env_infos), snapshot(result.reset_infos), result.final_obs
             )
         # Let other tasks run between steps: the loop must not wait for a whole call.
         await asyncio.sleep(0)
@@ -179,23 +179,6 @@ class CallerHost(LocalHost):
         result = self.step_now(mask)
         await asyncio.sleep(0)
         return result
-
-
-_SCALARS = frozenset({int, float, bool, str, bytes, complex, type(None)})
-
-
-def _snapshot(infos: Any) -> Any:
-    """A copy of info dicts as the process backend would deliver them (envs may reuse theirs)."""
-    kind = type(infos)
-    if kind in _SCALARS or isinstance(infos, np.generic):  # numpy scalars are immutable too
-        return infos
-    if kind is dict:
-        return {k: v if type(v) in _SCALARS else _snapshot(v) for k, v in infos.items()}
-    if kind is list or kind is tuple:
-        return kind(_snapshot(v) for v in infos)
-    if kind is np.ndarray:
-        return infos.copy()
-    return copy.deepcopy(infos)
 
 
 class LocalBackend:
