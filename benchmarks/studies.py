@@ -272,6 +272,14 @@ STUDIES: list[Study] = [
         minutes=10.0,
     ),
     Study(
+        "first_run",
+        "the README's run (CartPole-v1, 4x8, every default) against SyncVectorEnv(32) with "
+        "random actions and the ceiling, and with each explicit inference mode (own runner)",
+        script="benchmarks.first_run",
+        script_args=((), ("--quick",)),
+        minutes=1.5,
+    ),
+    Study(
         "hostloop",
         'the env host\'s own cost per step in inference="host" (its chunk loop with a random '
         "agent, in one process) against a plain env.step loop: NoOp-v0, CartPole-v1, "

@@ -30,6 +30,7 @@ SMOKE: dict[str, list[str]] = {
     "soak": [],
     "chaos": [],
     "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1"],
+    "first_run": ["--cells", "sync", "ceiling", "ours-default"],
     "clients": ["--contenders", "sync", "dummy", "ours", "ours-inproc"],
     "ray": ["--contenders", "ceiling", "asyncsample", "asyncsample-ray"],
     "real_envs": ["--envs", "Pong-v5", "--contenders", "ceiling", "envpool-async",

@@ -1,0 +1,203 @@
+"""A new user's first comparison: the README's run against the loop they already know.
+
+The README's run is ``Sampler("CartPole-v1", n_workers=4, envs_per_worker=8)`` with every
+default (the built-in random agent, the ``process`` backend, ``inference="auto"``), sampled as
+``asyncsample run`` samples it: consecutive ``obtain_fragments`` calls. The loop a user knows is
+``SyncVectorEnv(32)`` stepped with ``envs.action_space.sample()``; the machine's ceiling is that
+loop split over as many processes as cores, side by side (``SyncVectorEnv(32 / cores)`` each).
+The sampler also runs with each explicit mode, so the default's choice can be checked against
+them (issue 53).
+
+Each cell runs in a fresh interpreter, one after the other, for ``--seconds`` after
+``--warmup``. Run it as ``asyncsample bench first_run`` (or ``python -m benchmarks.first_run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.report import write_own_results
+
+__all__ = ["CELLS", "main"]
+
+ENV_ID = "CartPole-v1"
+N_ENVS = 32
+WORKERS, ENVS_PER_WORKER = 4, 8
+#: ``asyncsample run``'s call size for its default 200,000 steps (``steps // 50``).
+CALL = 4_000
+#: cell -> ``Sampler(inference=...)`` (``None``: a gymnasium loop).
+CELLS: dict[str, str | None] = {
+    "sync": None,
+    "ceiling": None,
+    "ours-default": "auto",
+    "ours-per_worker": "per_worker",
+    "ours-host": "host",
+    "ours-batched": "batched",
+}
+RESULTS = Path(__file__).resolve().parent / "results" / "first_run"
+
+
+def _sync_loop(n_envs: int, seed: int, warmup: float, seconds: float, start: Any) -> float:
+    """``SyncVectorEnv(n_envs)`` with ``action_space.sample()`` per step; its steps/s."""
+    import gymnasium as gym
+
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make(ENV_ID)] * n_envs)
+    try:
+        envs.reset(seed=seed)
+        envs.action_space.seed(seed)
+        until = time.perf_counter() + warmup
+        while time.perf_counter() < until:
+            envs.step(envs.action_space.sample())
+        if start is not None:
+            start.wait()
+        steps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(64):
+                envs.step(envs.action_space.sample())
+            steps += 64 * n_envs
+        return steps / (time.perf_counter() - t0)
+    finally:
+        envs.close()
+
+
+def _ceiling_part(
+    n_envs: int, seed: int, warmup: float, seconds: float, start: Any, out: Any
+) -> None:
+    out.put(_sync_loop(n_envs, seed, warmup, seconds, start))
+
+
+def _ceiling(warmup: float, seconds: float) -> dict[str, Any]:
+    cores = len(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Barrier(cores), ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_ceiling_part, args=(N_ENVS // cores, 100 * k, warmup, seconds, start, out)
+        )
+        for k in range(cores)
+    ]
+    for p in procs:
+        p.start()
+    rates = [out.get(timeout=warmup + seconds + 120) for _ in procs]
+    for p in procs:
+        p.join()
+    return {"steps_per_s": sum(rates), "layout": f"{cores} x SyncVectorEnv({N_ENVS // cores})"}
+
+
+async def _ours(inference: str, warmup: float, seconds: float) -> dict[str, Any]:
+    from asyncsample import RandomAgent, Sampler
+
+    kwargs: dict[str, Any] = {} if inference == "auto" else {"inference": inference}
+    agent = None
+    if inference == "batched":  # one agent shared by the workers: the built-in one, seeded
+        import gymnasium as gym
+
+        agent = RandomAgent(gym.make(ENV_ID).action_space, seed=0)
+    async with Sampler(
+        ENV_ID, agent, n_workers=WORKERS, envs_per_worker=ENVS_PER_WORKER, seed=0, **kwargs
+    ) as sampler:
+        until = time.perf_counter() + warmup
+        while time.perf_counter() < until:
+            await sampler.obtain_fragments(CALL)
+        steps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            steps += (await sampler.obtain_fragments(CALL)).n_transitions
+        rate = steps / (time.perf_counter() - t0)
+        return {
+            "steps_per_s": rate,
+            "layout": f"{WORKERS}x{ENVS_PER_WORKER}, inference {sampler.inference.describe()}",
+        }
+
+
+def run_cell(name: str, warmup: float, seconds: float) -> dict[str, Any]:
+    """One cell's numbers, in this interpreter."""
+    if name == "sync":
+        rate = _sync_loop(N_ENVS, 0, warmup, seconds, None)
+        return {"steps_per_s": rate, "layout": f"SyncVectorEnv({N_ENVS})"}
+    if name == "ceiling":
+        return _ceiling(warmup, seconds)
+    inference = CELLS[name]
+    assert inference is not None
+    return asyncio.run(_ours(inference, warmup, seconds))
+
+
+def _markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    sync = rows.get("sync", {}).get("steps_per_s")
+    ceiling = rows.get("ceiling", {}).get("steps_per_s")
+    lines = [
+        "# A new user's first run (`asyncsample bench first_run`)",
+        "",
+        f"`Sampler({ENV_ID!r}, n_workers={WORKERS}, envs_per_worker={ENVS_PER_WORKER})` with "
+        f"every default, consecutive `obtain_fragments({CALL})` calls as `asyncsample run` "
+        f"makes them, against `SyncVectorEnv({N_ENVS})` stepped with "
+        "`envs.action_space.sample()` and the ceiling (that loop split over every core, side "
+        f"by side). Each cell in a fresh interpreter, {args.warmup:g} s of warm-up, then a "
+        f"{args.seconds:g} s window.",
+        "",
+        "| cell | layout | steps/s | vs SyncVectorEnv(32) | of the ceiling |",
+        "|---|---|--:|--:|--:|",
+    ]
+    for name, row in rows.items():
+        rate = row["steps_per_s"]
+        vs_sync = f"{rate / sync:.2f}x" if sync else "-"
+        of_ceiling = f"{rate / ceiling:.2f}" if ceiling else "-"
+        lines.append(f"| {name} | {row['layout']} | {rate:,.0f} | {vs_sync} | {of_ceiling} |")
+    default = rows.get("ours-default", {}).get("steps_per_s")
+    if default and sync and ceiling:
+        lines += [
+            "",
+            "## Targets (issue 53)",
+            "",
+            "| target | value | goal | met |",
+            "|---|--:|--:|---|",
+            f"| README run (defaults) / ceiling | {default / ceiling:.2f} | >= 0.9 | "
+            f"{'yes' if default / ceiling >= 0.9 else 'no'} |",
+            f"| README run (defaults) / SyncVectorEnv(32) | {default / sync:.2f}x | >= 1.5x | "
+            f"{'yes' if default / sync >= 1.5 else 'no'} |",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.first_run", description=__doc__)
+    parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS))
+    parser.add_argument("--warmup", type=float, help="seconds before each window (3)")
+    parser.add_argument("--seconds", type=float, help="each cell's window (6)")
+    parser.add_argument("--quick", action="store_true", help="short windows")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--cell", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 3.0)
+    args.seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 6.0)
+    if args.cell:  # a cell in this fresh interpreter: its numbers as JSON on stdout
+        print(json.dumps(run_cell(args.cell, args.warmup, args.seconds)))
+        return 0
+    rows: dict[str, dict[str, Any]] = {}
+    for name in args.cells:
+        print(f"first_run: {name}", file=sys.stderr, flush=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.first_run", "--cell", name,
+             "--warmup", str(args.warmup), "--seconds", str(args.seconds)],
+            capture_output=True, text=True, check=False, timeout=600,
+            cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+        if done.returncode != 0:
+            print(done.stderr, file=sys.stderr)
+            return 1
+        rows[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    result = {"study": "first_run", "warmup": args.warmup, "seconds": args.seconds, "rows": rows}
+    write_own_results(args.out, result, _markdown(rows, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
