@@ -658,13 +658,11 @@ class FreeQuota:
 
     def add(self, worker: int, steps: int = 1) -> None:
         """``worker`` recorded ``steps`` more transitions."""
-        self._counts[worker] = self._counts.get(worker, 0) + steps
-        self.total += steps
-        if not self.met and self.total >= self.target:
-            self._meet()
+        self.set(worker, self._counts.get(worker, 0) + steps)
 
     def set(self, worker: int, count: int) -> None:
-        """``worker`` would now return ``count`` transitions (it went down: a drop)."""
+        """``worker`` would now return ``count`` transitions (after a drop or a restart: its
+        count, read again)."""
         self.total += count - self._counts.get(worker, 0)
         self._counts[worker] = count
         if not self.met and self.total >= self.target:

@@ -232,6 +232,8 @@ class LaneStepper:
             episodes.dropped_steps += sum(map(_finished, (self.host.in_flight[i] for i in stale)))
             episodes.needs_reset[await self.host.drop_in_flight(stale)] = True
         episodes.stamp_unstarted(self.worker.agent_version, self.host.in_flight)
+        if self.pool is not None:  # a retry after a restart: what the worker holds now
+            self.pool.set(self.worker.worker_number, episodes.count(True))
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """Step every env until the rule, or ``lacking`` more transitions, say stop (with a

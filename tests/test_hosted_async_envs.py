@@ -172,8 +172,9 @@ async def _mid_call(tmp_path: Any, call: Any) -> asyncio.Future[Any]:
     return task
 
 
+@pytest.mark.parametrize("mode", ["episodes", "fragments"])
 async def test_a_killed_host_loses_only_its_envs_episodes(
-    make_sampler: Any, backend: str, tmp_path: Any
+    make_sampler: Any, backend: str, mode: str, tmp_path: Any
 ) -> None:
     sampler = make_sampler(
         backend,
@@ -185,7 +186,10 @@ async def test_a_killed_host_loses_only_its_envs_episodes(
     )
     await sampler.obtain_samples(50)
     hosts = sampler._core.backend
-    call = await _mid_call(tmp_path, sampler.obtain_exact_episodes(80))
+    if mode == "fragments":  # without fixed shares: the quota counts what the restart left
+        call = await _mid_call(tmp_path, sampler.obtain_fragments(1_500))
+    else:
+        call = await _mid_call(tmp_path, sampler.obtain_exact_episodes(80))
     if backend == "process":
         victim = hosts.pids[0]  # type: ignore[union-attr]
         os.kill(victim, signal.SIGKILL)
@@ -198,6 +202,11 @@ async def test_a_killed_host_loses_only_its_envs_episodes(
     assert sampler.restarts >= 1
     live = hosts.pids if backend == "process" else hosts.actors  # type: ignore[union-attr]
     assert victim not in live
+    if mode == "fragments":
+        assert batch.n_transitions >= 1_500
+        for piece in batch.split():  # every piece's steps in order, none lost in between
+            assert (np.diff(piece.observations[:, 0]) == 1).all()
+        return
     assert len(batch.lengths) == 2 * 80  # per worker
     for episode in batch.split():
         np.testing.assert_array_equal(
