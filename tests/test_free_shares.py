@@ -9,7 +9,9 @@ step in flight when a call returns is decided by the test, never by timing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -105,21 +107,33 @@ async def test_fixed_shares_split_each_call_evenly(
         assert not sampler.workers[0].host.in_flight  # type: ignore[union-attr]
 
 
-async def test_a_different_call_drops_the_steps_in_flight_and_counts_them(
+@contextlib.asynccontextmanager
+async def _one_step_in_flight(
     make_sampler: SamplerFactory, tmp_path: Path
-) -> None:
+) -> AsyncIterator[tuple[Sampler, Path]]:
+    """A sampler on ``asyncio`` whose ``obtain_fragments(30)`` left env 0's first step in flight
+    at its gate, and the gate (opened on the way out, whatever happened)."""
     gate = tmp_path / "gate"
     sampler = _sampler(make_sampler, "asyncio", gate)
     try:
         await sampler.obtain_fragments(30)
         host = sampler.workers[0].host
         assert host is not None and 0 in host.in_flight
+        yield sampler, gate
+    finally:
+        touch(gate)
+
+
+async def test_a_different_call_drops_the_steps_in_flight_and_counts_them(
+    make_sampler: SamplerFactory, tmp_path: Path
+) -> None:
+    async with _one_step_in_flight(make_sampler, tmp_path) as (sampler, gate):
+        host = sampler.workers[0].host
+        assert host is not None
         touch(gate)
         await host.in_flight[0]  # env 0 took the step: no batch will hold it
         dropped = sampler.workers[0].episodes.dropped_steps
         batch = await sampler.obtain_samples(30)
-    finally:
-        touch(gate)
     assert not host.in_flight
     assert sampler.workers[0].episodes.dropped_steps > dropped
     for piece in batch.split():  # obtain_samples starts fresh episodes
@@ -129,13 +143,8 @@ async def test_a_different_call_drops_the_steps_in_flight_and_counts_them(
 async def test_a_checkpoint_without_fixed_shares_drops_the_steps_in_flight(
     make_sampler: SamplerFactory, tmp_path: Path
 ) -> None:
-    gate = tmp_path / "gate"
-    sampler = _sampler(make_sampler, "asyncio", gate)
-    try:
-        await sampler.obtain_fragments(30)
+    async with _one_step_in_flight(make_sampler, tmp_path) as (sampler, _):
         state = await sampler.checkpoint()
-    finally:
-        touch(gate)
     # env 0 is inside its step: its episode cannot be read at this instant
     assert state.workers[0].envs[0].how == "drop"
 
