@@ -151,11 +151,11 @@ class SamplerCore:
         # its check waits for the probe env (_settle_kind).
         self._host_awaits = maybe_async(self.env_sources[0]) and self.traits.host_mode
         own = worker_class.compute_actions is not Worker.compute_actions
+        exact = _resume.wants_exact_resume(self.env_sources, resume)
         self.inference = choose_inference(
-            config.inference, agent, self.traits.host_mode, self.episode_timeout, own
+            config.inference, agent, self.traits.host_mode, self.episode_timeout, own, exact
         )
-        inference = self.inference.mode if self.inference.auto else config.inference
-        options = check_inference(inference, agent, awaited=self._host_awaits)
+        options = check_inference(self.inference.given, agent, awaited=self._host_awaits)
         self._options, self._worker_class = options, worker_class  # for _settle_kind
         # Each env stepped on its own (_env_tasks): on the lane backends, and on the host
         # backends once the probe env says the envs are async envs (_settle_kind).
@@ -209,7 +209,7 @@ class SamplerCore:
         self.warned_endless = False
         self.total_env_steps = 0
         self.streaming = False
-        self.run_ahead = True  # a stream's rounds start the next one early where the mode can
+        self.run_ahead = not self.inference.auto  # "host" runs ahead only if asked (checkpoints)
         self.test_env = None if test_env is None else _validate.env_source("test_env", test_env)
         self.restarts = 0
         self.last_stats: SampleStats | None = None
@@ -439,7 +439,7 @@ class SamplerCore:
 
     @property
     def free_shares(self) -> bool:
-        """``obtain_fragments`` fills its quota from any env (the lanes, ``fixed_shares=False``)."""
+        """Fragments fill a quota from any env and go on across updates (lanes, no fixed shares)."""
         return self.lanes and not self.fixed_shares
 
     def newest_agent_version(self) -> int:
@@ -467,7 +467,6 @@ class SamplerCore:
             _resume.check_no_stream_pending(self, _CALLS[mode][1])
             if mode != "fragments" and not self.warned_endless:
                 self.warn_if_endless()
-            # Without fixed shares, fragments go on across updates (each step keeps its version).
             self.apply_agent_update(agent_update, reset=not self.free_shares)
             if env_updates is not None:
                 await run_all(

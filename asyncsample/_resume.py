@@ -23,6 +23,7 @@ from asyncsample.checkpoint import (
     FORMAT_VERSION,
     Carried,
     EnvState,
+    Replayable,
     ResumeReport,
     SamplerState,
     StreamState,
@@ -31,6 +32,7 @@ from asyncsample.checkpoint import (
 from asyncsample.env_group import EPISODE_STEPS_ATTR, SNAPSHOT_ATTR
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import CheckpointError, WorkerError
+from asyncsample.inference import InferenceChoice
 
 if TYPE_CHECKING:
     from asyncsample.seeding import WorkerSeeds
@@ -67,6 +69,7 @@ class ResumableCore(Protocol):
     restarts: int
     last_mode: Any
     pending_stream: StreamState | None
+    inference: InferenceChoice
 
     @property
     def env_spec(self) -> EnvSpec: ...
@@ -76,6 +79,16 @@ class ResumableCore(Protocol):
 
 
 # -- reading a sampler --------------------------------------------------------------------------
+
+
+def wants_exact_resume(sources: Sequence[Any], resume: SamplerState | None) -> bool:
+    """Whether the sampler says it will be checkpointed and resumed: it resumes a state, or an
+    env source is :class:`~asyncsample.Replayable` (only resumes use it). ``inference="auto"``
+    then keeps the built-in random agent in the caller, where a checkpoint reads its state."""
+    if resume is not None:
+        return True
+    flat = [s for item in sources for s in (item if isinstance(item, list) else [item])]
+    return any(isinstance(s, Replayable) for s in flat)
 
 
 def resumed_state(value: Any, seed: int | None) -> SamplerState | None:
@@ -139,6 +152,17 @@ def check_shape(state: SamplerState, core: ResumableCore) -> None:
 
 async def capture(core: ResumableCore, stream: StreamState | None = None) -> SamplerState:
     """Read the started, idle sampler ``core`` (no call or stream round running) at once."""
+    choice = core.inference
+    if choice.auto and choice.mode == "host":
+        warnings.warn(
+            f"checkpoint: inference='auto' runs the built-in random agents in the env hosts "
+            f"({choice.reason}), where a checkpoint does not read them: a resume continues the "
+            "envs exactly, but the agents from their seeds, so its batches differ from an "
+            "uninterrupted run's; pass inference='per_worker' (or a Replayable env, which makes "
+            "'auto' choose it) for a bit-for-bit resume",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     continuing = stream is not None or core.last_mode == "fragments"
     workers = list(
         await asyncio.gather(*(_capture_worker(core, w, continuing) for w in core.workers))

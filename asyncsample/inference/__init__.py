@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncsample.inference.batched import Batched, Batcher, BatchStats, FlushRule
@@ -33,11 +33,18 @@ class InferenceChoice:
         mode: ``"per_worker"``, ``"batched"`` or ``"host"``.
         reason: one sentence, for the log and ``asyncsample run``.
         auto: whether the sampler chose it (``inference="auto"``) or it was given.
+        given: the ``inference`` value the sampler runs (``mode``, or the argument as given:
+            a :class:`Batched` or :class:`Host` carries options).
     """
 
     mode: str
     reason: str
     auto: bool = True
+    given: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.given is None:
+            object.__setattr__(self, "given", self.mode)
 
     def describe(self) -> str:
         """``mode`` with how it was chosen, e.g. ``host (auto: ...)``."""
@@ -50,6 +57,7 @@ def choose_inference(
     host_mode: bool,
     episode_timeout: float | None,
     own_compute_actions: bool,
+    exact_resume: bool = False,
 ) -> InferenceChoice:
     """The mode for ``Sampler(inference=inference)``; ``"auto"`` picks the fastest that gives
     the same batches (and logs its choice at info level).
@@ -60,6 +68,8 @@ def choose_inference(
         host_mode: the backend's hosts can run agent copies (``process``, ``ray``).
         episode_timeout: ``Sampler(episode_timeout=...)``.
         own_compute_actions: the worker class overrides ``compute_actions``.
+        exact_resume: the sampler resumes a state or replays its envs (``Replayable``): a
+            checkpoint must read the agents' state, which it does in the caller only.
 
     Every mode gives identical batches for a seed (``tests/test_digest.py``), so the choice is
     one of speed. With ``agent=None`` (a seeded :class:`~asyncsample.RandomAgent` per worker) on a
@@ -71,14 +81,18 @@ def choose_inference(
     """
     if not (isinstance(inference, str) and inference == "auto"):
         name = inference if isinstance(inference, str) else type(inference).__name__.lower()
-        return InferenceChoice(str(name), "given", auto=False)
-    choice = _auto(agent, host_mode, episode_timeout, own_compute_actions)
+        return InferenceChoice(str(name), "given", auto=False, given=inference)
+    choice = _auto(agent, host_mode, episode_timeout, own_compute_actions, exact_resume)
     _LOGGER.info("inference=%r (auto): %s", choice.mode, choice.reason)
     return choice
 
 
 def _auto(
-    agent: Any, host_mode: bool, episode_timeout: float | None, own_compute_actions: bool
+    agent: Any,
+    host_mode: bool,
+    episode_timeout: float | None,
+    own_compute_actions: bool,
+    exact_resume: bool,
 ) -> InferenceChoice:
     if agent is not None:
         return InferenceChoice(
@@ -95,6 +109,12 @@ def _auto(
     if own_compute_actions:
         return InferenceChoice(
             "per_worker", "the worker_class computes the actions in the caller", auto=True
+        )
+    if exact_resume:
+        return InferenceChoice(
+            "per_worker",
+            "a resume (or a Replayable env) reads the random agents' state in the caller",
+            auto=True,
         )
     return InferenceChoice(
         "host", "the built-in RandomAgent runs in the env hosts, a chunk of steps per request"
