@@ -71,13 +71,21 @@ def _closed_in_hosts(tmp_path: pathlib.Path) -> int:
 
 
 @pytest.mark.both_loops
+@pytest.mark.parametrize("inference", ["host", "per_worker"])  # host: what "auto" picks here
 async def test_process_waits_close_timeout_for_an_env_to_close(
-    make_sampler: SamplerFactory, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    make_sampler: SamplerFactory,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    inference: str,
 ) -> None:
-    # A close of 1 s, past the fixed grace (0.2 s here) but well within close_timeout.
+    # A close of 1 s, past the fixed grace (0.2 s here) but well within close_timeout. With
+    # inference="host" a chunk may still run when the call returns: the host gets its close
+    # time once that chunk is answered (it was killed at the grace: ProcessBackend._grace).
     monkeypatch.setattr(process_module, "EXIT_GRACE", 0.2)
     env = _slow_close(tmp_path, 1.0)
-    sampler = make_sampler("process", env, n_workers=1, close_timeout=60.0, seed=0)
+    sampler = make_sampler(
+        "process", env, n_workers=1, close_timeout=60.0, seed=0, inference=inference
+    )
     await sampler.obtain_samples(10)
     await sampler.aclose()
     # before: the host was killed mid-close, 0.2 s after it was asked to exit
