@@ -20,6 +20,7 @@ __all__ = [
     "close_off_loop",
     "exit_grace",
     "optional_close_timeout",
+    "settled_grace",
     "wait_closed",
 ]
 
@@ -46,6 +47,25 @@ def exit_grace(close_timeout: float | None, busy: bool, default: float) -> float
     if close_timeout is None:
         return default
     return min(close_timeout, default) if busy else close_timeout
+
+
+async def settled_grace(host: Any, close_timeout: float | None, default: float) -> float:
+    """:func:`exit_grace` of a remote ``host`` (a process host's connection: its ``calls``, each
+    with a ``future``, and its bare steps in flight, ``direct``) whose calls may still run, such
+    as a chunk of ``inference="host"`` that goes on after its call returned: they are waited for
+    first, within the busy host's grace (``default``); once answered, the host is idle and gets
+    all of ``close_timeout`` for its envs' closes (it was killed mid-close at the busy grace)."""
+    direct = bool(host.direct)
+    pending = [call.future for call in host.calls if not call.future.done()]
+    busy = exit_grace(close_timeout, True, default)
+    if not pending or direct:  # a bare step in flight may never return: the busy grace
+        return exit_grace(close_timeout, bool(pending or direct), default)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await asyncio.wait(pending, timeout=busy)
+    if any(not f.done() for f in pending):
+        return max(busy - (loop.time() - start), 0.0)
+    return exit_grace(close_timeout, False, default)
 
 
 async def wait_closed(closing: asyncio.Future[Any] | None, timeout: float, what: str) -> bool:

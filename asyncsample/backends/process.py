@@ -26,7 +26,11 @@ from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _column_wire, _host_main, _watchdog
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
-from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
+from asyncsample.backends._closing import (
+    CLOSE_TIMEOUT,
+    optional_close_timeout,
+    settled_grace,
+)
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
@@ -770,28 +774,13 @@ class ProcessBackend:
             member.closed = True
         conns = [c for m in self._members for c in m.incarnations]
         try:
-            graces = await asyncio.gather(*(self._grace(c) for c in conns))
+            wait = self.close_timeout
+            graces = await asyncio.gather(*(settled_grace(c, wait, EXIT_GRACE) for c in conns))
             await asyncio.gather(
                 *(c.shutdown(g) for c, g in zip(conns, graces)), return_exceptions=True
             )
         finally:
             self._release()  # whatever the graceful path left (idempotent)
-
-    async def _grace(self, conn: _Conn) -> float:
-        """Seconds host ``conn`` gets to close its envs and exit (:func:`exit_grace`). A call
-        still running (a chunk of ``inference="host"`` that goes on after its call returned)
-        is waited for first, within the busy host's grace: once it is answered the host is idle
-        and gets all of ``close_timeout`` for its envs' closes."""
-        pending = [call.future for call in conn.calls if not call.future.done()]
-        busy_grace = exit_grace(self.close_timeout, True, EXIT_GRACE)
-        if pending and not conn.direct:
-            loop = asyncio.get_running_loop()
-            start = loop.time()
-            await asyncio.wait(pending, timeout=busy_grace)
-            if any(not f.done() for f in pending):
-                return max(busy_grace - (loop.time() - start), 0.0)
-            return exit_grace(self.close_timeout, False, EXIT_GRACE)
-        return exit_grace(self.close_timeout, bool(pending or conn.direct), EXIT_GRACE)
 
     def close_now(self) -> None:
         """Kill every host process and release everything at once (no graceful exit)."""
