@@ -74,8 +74,9 @@ def choose_inference(
     Every mode gives identical batches for a seed (``tests/test_digest.py``), so the choice is
     one of speed. With ``agent=None`` (a seeded :class:`~asyncsample.RandomAgent` per worker) on a
     backend whose hosts can act (``process``, ``ray``), the agents run in the hosts: each host
-    steps a chunk of steps per request instead of one round trip per step (1.37x a
-    ``SyncVectorEnv(32)`` on CartPole-v1, against 0.62x with ``per_worker``; issue 53). A user's
+    steps a chunk of steps per request instead of one round trip per step (0.99x a
+    ``SyncVectorEnv(32)`` on CartPole-v1 with 4x8, against 0.54x with ``per_worker``:
+    ``benchmarks/results/first_run/``). A user's
     agent stays in the caller (``per_worker``): whether it is cheaper in the hosts depends on
     its cost, which is not measured here.
     """
@@ -94,28 +95,17 @@ def _auto(
     own_compute_actions: bool,
     exact_resume: bool,
 ) -> InferenceChoice:
-    if agent is not None:
-        return InferenceChoice(
-            "per_worker", "your agent runs in the caller, batched per worker", auto=True
-        )
-    if not host_mode:
-        return InferenceChoice(
-            "per_worker", "the envs live in this process, beside the agent", auto=True
-        )
-    if episode_timeout is not None:
-        return InferenceChoice(
-            "per_worker", "episode_timeout is checked between steps in the caller", auto=True
-        )
-    if own_compute_actions:
-        return InferenceChoice(
-            "per_worker", "the worker_class computes the actions in the caller", auto=True
-        )
-    if exact_resume:
-        return InferenceChoice(
-            "per_worker",
-            "a resume (or a Replayable env) reads the random agents' state in the caller",
-            auto=True,
-        )
+    # The first reason that keeps the agent in the caller, else the hosts.
+    keep = [
+        (agent is not None, "your agent runs in the caller, batched per worker"),
+        (not host_mode, "the envs live in this process, beside the agent"),
+        (episode_timeout is not None, "episode_timeout is checked between steps in the caller"),
+        (own_compute_actions, "the worker_class computes the actions in the caller"),
+        (exact_resume, "a resume or Replayable env reads the random agents' state in the caller"),
+    ]
+    for holds, reason in keep:
+        if holds:
+            return InferenceChoice("per_worker", reason)
     return InferenceChoice(
         "host", "the built-in RandomAgent runs in the env hosts, a chunk of steps per request"
     )
