@@ -125,12 +125,19 @@ def check_actions(
     return actions
 
 
+_ARRAY_SPACES = frozenset(
+    {gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary}
+)
+
+
 def action_rows(actions: Tree, space: gym.Space[Any]) -> Tree:
     """Stacked ``actions`` of ``space`` as arrays (:func:`numpy.asarray` leaf by leaf); a
     ``Text`` or ``Sequence`` leaf as a 1-D ``object`` array of one row per env, whatever form
     the agent gave it in (a list, an array of strings, a
     :class:`~asyncsample.columns.RaggedArray`). A tree that does not fit ``space`` is left to
     the shape checks."""
+    if type(actions) is np.ndarray and type(space) in _ARRAY_SPACES:
+        return actions  # the common case, told by exact types: an agent's array of rows
     if isinstance(space, gym.spaces.Dict) and isinstance(actions, dict):
         if set(actions) == set(space.spaces):
             return {k: action_rows(actions[k], space.spaces[k]) for k in actions}

@@ -152,10 +152,11 @@ class QuotaWatch(QuotaView):
 
 @dataclass
 class _Lanes:
-    """One run's lanes: ``stepping``, the envs whose step is in flight (in a stream round);
+    """One run's lanes: ``stepping``, the envs whose step is in flight (in a stream round or a
+    call without fixed shares), each with its lane's ``(row, length, return, steps left)``;
     ``detached``, those left running as their step's carrier when the round ended."""
 
-    stepping: set[int] = field(default_factory=set)
+    stepping: dict[int, tuple[int, int, float, int]] = field(default_factory=dict)
     detached: set[int] = field(default_factory=set)
 
 
@@ -301,6 +302,7 @@ class LaneStepper:
                         if task not in pending:
                             continue
                         if i in lanes.stepping:
+                            self._detach(i, rule, lanes.stepping[i])
                             lanes.detached.add(i)
                             self.host.in_flight[i] = task
                             pending.discard(task)
@@ -379,7 +381,11 @@ class LaneStepper:
         carried = in_flight.get(i)
         stepping = False
         try:
-            while carried is not None or more(until, i, rule, left, may_stop):
+            while carried is not None or (
+                not pool.met  # type: ignore[union-attr]
+                if until == _UNTIL_POOL
+                else more(until, i, rule, left, may_stop)
+            ):
                 try:
                     if carried is not None:
                         stepping = True
@@ -425,10 +431,7 @@ class LaneStepper:
                         rows.versions[t, i] = worker.agent_version
                         stepping = True
                         if carry:  # a round's end may leave this lane as the step's carrier
-                            cursor[i], lengths[i], returns[i] = t, length, ret
-                            if steps_left is not None:
-                                steps_left[i] = left
-                            carrying.add(i)
+                            carrying[i] = (t, length, ret, left)
                         try:
                             result = await step
                         except asyncio.CancelledError:
@@ -437,7 +440,7 @@ class LaneStepper:
                             raise
                         finally:
                             if carry:
-                                carrying.discard(i)
+                                del carrying[i]
                         if carry and i in detached:
                             return result
                 except DeadlinePassed as cut:
@@ -600,6 +603,17 @@ class LaneStepper:
         if reset is not None:  # (an acting host's agent copy was reset with the env)
             reset(one.copy())
         return more()
+
+    def _detach(self, i: int, rule: StopRule, lane: tuple[int, int, float, int]) -> None:
+        """Write the state of env ``i``'s lane, left running as its step's carrier, where the
+        next round's lane reads it: its row, length, return and steps left."""
+        episodes = self.worker.episodes
+        cursor = episodes.recorder.cursor
+        assert cursor is not None
+        t, length, ret, left = lane
+        cursor[i], episodes.lengths[i], episodes.returns[i] = t, length, ret
+        if rule.env_steps is not None and rule.mode is CallMode.FRAGMENTS:
+            rule.env_steps[i] = left
 
     def _keep_row(self, i: int) -> None:
         """Copy env ``i``'s row of the step it leaves in flight, for the next call."""
