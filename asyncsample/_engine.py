@@ -657,8 +657,12 @@ class FreeQuota:
             self._stops.append(stop)
 
     def add(self, worker: int, steps: int = 1) -> None:
-        """``worker`` recorded ``steps`` more transitions."""
-        self.set(worker, self._counts.get(worker, 0) + steps)
+        """``worker`` recorded ``steps`` more transitions (once per step of every lane: inline)."""
+        counts = self._counts
+        counts[worker] = counts.get(worker, 0) + steps
+        self.total += steps
+        if not self.met and self.total >= self.target:
+            self._meet()
 
     def set(self, worker: int, count: int) -> None:
         """``worker`` would now return ``count`` transitions (after a drop or a restart: its

@@ -334,6 +334,7 @@ class LaneStepper:
         host = self.host
         acting, bare = self.acting, self.bare
         step_soon = None if bare is None else bare.step_soon
+        request = None if self.requests is None else self.requests.request
         timed = i in self.timed
         buffers = host.buffers
         recorder = episodes.recorder
@@ -414,13 +415,16 @@ class LaneStepper:
                         when = None if deadline == _NEVER else deadline
                         step: Awaitable[Any]
                         if acting is None:
-                            action, infos = await self.requests.request(  # type: ignore[union-attr]
+                            action, infos = await request(  # type: ignore[misc]
                                 worker.agent,  # type: ignore[arg-type]
                                 w,
                                 observation,
                                 i,  # a row the agent failed (AgentRowsError): i's fault
                             )
-                            self._put_action(rows, t, i, action, infos, flat)
+                            if flat and not infos and not rows.agent_infos:
+                                rows.actions[t, i] = action
+                            else:
+                                self._put_action(rows, t, i, action, infos, flat)
                             step = (
                                 host.step_one(i, action, when, timed)
                                 if step_soon is None

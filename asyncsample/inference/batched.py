@@ -16,6 +16,7 @@ import concurrent.futures
 import functools
 import inspect
 import itertools
+import operator
 import threading
 import time
 import weakref
@@ -285,7 +286,7 @@ class Batcher:
 
     def _call(self, agent: Agent, requests: list[_Request]) -> None:
         """One agent call on the stacked rows of ``requests``."""
-        workers = {r.worker for r in requests}
+        workers = set(map(_worker_of, requests))
         rows = len(requests) if requests[0].one else sum(r.rows for r in requests)
         stats = self.stats
         stats.calls += 1
@@ -413,7 +414,7 @@ class Batcher:
         """Each env its action and agent infos, the merged output checked first as rows; the
         rows ``failed`` names get their env's fault instead (the others are delivered)."""
         n = len(requests)
-        worker = min(r.worker for r in requests)
+        worker = min(map(_worker_of, requests))
         try:
             check, trusted = self._check_of(agent, worker)
             check.worker, check.n_envs = worker, n
@@ -496,6 +497,9 @@ def _cancel_if_abandoned(
     replies) stops too, not after its results would be dropped."""
     if not task.done() and all(r.future.cancelled() for r in requests):
         task.cancel()
+
+
+_worker_of = operator.attrgetter("worker")
 
 
 def _same(value: object) -> object:
