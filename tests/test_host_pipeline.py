@@ -197,7 +197,9 @@ def test_next_chunk_is_skipped_after_an_update_or_a_failure() -> None:
 async def test_host_runs_the_next_chunk_while_the_last_is_replayed(
     monkeypatch: pytest.MonkeyPatch, no_leaks: None, make_sampler: SamplerFactory
 ) -> None:
-    log = record_replays(monkeypatch, seconds=0.02)
+    # Each replay blocks the caller 0.1 s: time enough for a host on a loaded machine to start
+    # the next chunk (0.02 s was not, with both cores busy).
+    log = record_replays(monkeypatch, seconds=0.1)
     follows = count_follows(monkeypatch)
     async with make_sampler(agent=ClockAgent(), inference=Host(chunk_steps=4)) as s:
         batch = await s.obtain_fragments(80)  # 40 steps of 2 envs: 10 chunks of 4
