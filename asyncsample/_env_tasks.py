@@ -24,6 +24,7 @@ import numpy as np
 from asyncsample._engine import CallMode, Part, QuotaView, StopRule
 from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._tree import row_copy, tree_map
+from asyncsample.agent import row_draw
 from asyncsample.backends._closing import cancelled_by_env
 from asyncsample.backends.base import ActingHost, BareStepHost, DeadlinePassed, PerEnvHost
 from asyncsample.errors import StepTimeoutError, WorkerError
@@ -335,6 +336,12 @@ class LaneStepper:
         acting, bare = self.acting, self.bare
         step_soon = None if bare is None else bare.step_soon
         request = None if self.requests is None else self.requests.request
+        # Without fixed shares (no batch to reproduce bit for bit) and with metrics off (they
+        # time the merged calls), the built-in random agent's row is drawn by the lane itself:
+        # no request, no future, no second wake-up per step (see row_draw).
+        inline = self.pool is not None and request is not None and self.requests.timer is None  # type: ignore[union-attr]
+        draw_agent: Any = None
+        draw: Callable[[], Any] | None = None
         timed = i in self.timed
         buffers = host.buffers
         recorder = episodes.recorder
@@ -415,12 +422,18 @@ class LaneStepper:
                         when = None if deadline == _NEVER else deadline
                         step: Awaitable[Any]
                         if acting is None:
-                            action, infos = await request(  # type: ignore[misc]
-                                worker.agent,  # type: ignore[arg-type]
-                                w,
-                                observation,
-                                i,  # a row the agent failed (AgentRowsError): i's fault
-                            )
+                            if inline and worker.agent is not draw_agent:  # (an update's)
+                                draw_agent = worker.agent
+                                draw = row_draw(draw_agent, self.requests.action_space)  # type: ignore[union-attr, arg-type]
+                            if draw is not None:
+                                action, infos = draw(), {}
+                            else:
+                                action, infos = await request(  # type: ignore[misc]
+                                    worker.agent,  # type: ignore[arg-type]
+                                    w,
+                                    observation,
+                                    i,  # a row the agent failed (AgentRowsError): i's fault
+                                )
                             if flat and not infos and not rows.agent_infos:
                                 rows.actions[t, i] = action
                             else:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -145,6 +145,15 @@ class RandomAgent:
             return self._sample(len(leaf)), {}
         return self._space(len(leaf)).sample(), {}
 
+    def row_sampler(self) -> Callable[[], Any] | None:
+        """One env's action at a time, the rows :meth:`get_actions` would give in a call of
+        many; ``None`` for spaces whose rows differ by how many are drawn at once (those not
+        drawn in blocks: spaces other than Discrete and a bounded float Box)."""
+        blocks = self._sample
+        if blocks is None:
+            return None
+        return lambda: blocks(1)[0]
+
     def reset(self, do_resets: Any = None) -> None:
         """Nothing to reset: the agent is stateless."""
 
@@ -166,6 +175,16 @@ class RandomAgent:
             drawn = state["drawn"]
             self._sample.rows = None if drawn is None else np.array(drawn)
             self._sample.pos = 0
+
+
+def row_draw(agent: object, action_space: gym.Space[Any]) -> Callable[[], Any] | None:
+    """One env's action from ``agent``, drawn on the spot, where that is what a batched call
+    would give it: a :class:`RandomAgent` (not a subclass) of exactly ``action_space`` whose
+    draws come in blocks (Discrete, bounded float Box). Its rows are the same drawn one at a
+    time or many at once, so a lane may take its row without waiting for a merged call."""
+    if not trusted_actions(agent, action_space):
+        return None
+    return cast(RandomAgent, agent).row_sampler()
 
 
 def trusted_actions(agent: object, action_space: gym.Space[Any]) -> bool:

@@ -197,3 +197,27 @@ async def test_an_untrusted_random_agent_is_range_checked(
         # Still usable: whole scripted episodes (on thread the envs are not in lockstep, so
         # two or three of them complete by the quota).
         assert good.n_transitions >= 12 and set(good.lengths.tolist()) == {6}
+
+
+@pytest.mark.parametrize(
+    "space",
+    [gym.spaces.Discrete(5, start=2), gym.spaces.Box(-1.0, 2.0, shape=(3,), dtype=np.float32)],
+    ids=["discrete", "box"],
+)
+def test_the_random_agents_rows_drawn_one_at_a_time_are_a_batched_calls(space: Any) -> None:
+    one, many = RandomAgent(space, seed=7), RandomAgent(space, seed=7)
+    draw = one.row_sampler()
+    assert draw is not None
+    rows = np.stack([np.asarray(draw()) for _ in range(2000)])  # past a block of draws
+    batched = np.concatenate(
+        [many.get_actions(np.zeros((n, 4)))[0] for n in (1, 999, 3, 997)]  # 2,000 rows
+    )
+    assert rows.dtype == batched.dtype
+    assert np.array_equal(rows, batched)
+
+
+def test_rows_of_other_spaces_are_not_drawn_one_at_a_time() -> None:
+    # Rows of a MultiDiscrete space come from a batched space per row count: a row drawn alone
+    # would differ from the same row of a call of many.
+    assert RandomAgent(gym.spaces.MultiDiscrete([2, 3]), seed=0).row_sampler() is None
+

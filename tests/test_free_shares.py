@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from async_envs import CountingAsyncEnv, CountingEnv, GatedAsyncEnv, GatedEnv
 from helpers import SamplerFactory, touch
+from prometheus_client import CollectorRegistry
 
 from asyncsample import EpisodeBatch, RandomAgent, Sampler
 
@@ -185,3 +186,30 @@ async def test_an_env_that_fails_in_its_carried_step_is_rebuilt_alone(
 async def test_fixed_shares_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="fixed_shares must be a bool, got int 1"):
         Sampler("CartPole-v1", fixed_shares=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "merged"),
+    [({}, False), ({"fixed_shares": True}, True), ({"metrics": "registry"}, True)],
+    ids=["free-shares", "fixed-shares", "metrics"],
+)
+async def test_lanes_draw_the_random_agents_rows_themselves_without_fixed_shares(
+    options: dict[str, Any], merged: bool, make_sampler: SamplerFactory
+) -> None:
+    # Without fixed shares (nothing to reproduce bit for bit) and with metrics off (they time
+    # the merged calls), a lane takes the built-in agent's row itself: no request, no merged
+    # call. Otherwise every row goes through the merger, as an agent of the user's does.
+    if options.get("metrics") == "registry":
+        options = {"metrics": CollectorRegistry()}
+    envs = [[functools.partial(CountingAsyncEnv, 7)] * N_ENVS] * 2
+    async with make_sampler(
+        "asyncio", envs, n_workers=2, envs_per_worker=N_ENVS, seed=0, **options
+    ) as sampler:
+        batches = [await sampler.obtain_fragments(60) for _ in range(3)]
+        merger = sampler._core.mode.merger
+        assert merger is not None
+        rows = merger.stats.rows
+    assert (rows > 0) is merged
+    for batch in batches:
+        assert batch.n_transitions >= 60
+        assert set(np.unique(batch.actions)) <= {0, 1}
