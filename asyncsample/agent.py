@@ -88,6 +88,14 @@ class _Blocks:
         tail = self.rows[:need]
         return tail if head is None or not len(head) else np.concatenate([head, tail])
 
+    def one(self) -> Any:
+        """The next row alone: ``self(1)[0]`` without the slice (a lane takes one per step)."""
+        rows, pos = self.rows, self.pos
+        if rows is not None and pos < len(rows):
+            self.pos = pos + 1
+            return rows[pos]
+        return self(1)[0]
+
 
 #: The most rows of draws a :class:`RandomAgent` takes from its generator at a time.
 DRAW_BLOCK_ROWS = 1024
@@ -149,10 +157,7 @@ class RandomAgent:
         """One env's action at a time, the rows :meth:`get_actions` would give in a call of
         many; ``None`` for spaces whose rows differ by how many are drawn at once (those not
         drawn in blocks: spaces other than Discrete and a bounded float Box)."""
-        blocks = self._sample
-        if blocks is None:
-            return None
-        return lambda: blocks(1)[0]
+        return None if self._sample is None else self._sample.one
 
     def reset(self, do_resets: Any = None) -> None:
         """Nothing to reset: the agent is stateless."""
