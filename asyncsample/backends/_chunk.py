@@ -541,7 +541,9 @@ class ChunkRunner:
         watch_ends = rule.mode is CallMode.SAMPLES or rule.episodes_left is not None
         agent_reset = self._agent_reset()
         n_envs = group.n_envs
-        steps = counted = 0  # counts are up to date as of step `counted`
+        # Per env, the step its episode's count is 0 at (a list: cheaper than numpy's per end).
+        origin = [-c for c in counts.tolist()]
+        steps = 0
         # Into the arena, while every env is stepped, each step writes its observations straight
         # into the next row (the group's buffer points there): no copy of them in the host.
         swap = into is not None and flat_obs
@@ -599,8 +601,6 @@ class ChunkRunner:
                 ended = group.last_ended
                 if not ended:
                     continue
-                counts += steps - counted  # brought up to date only where an episode ends
-                counted = steps
                 if flat_final:  # a row per ended env: cheaper than fancy indexing for a few
                     final_row = final_rows[j]
                     for i in ended:
@@ -609,17 +609,18 @@ class ChunkRunner:
                     _put_final(final_rows, buf_final, j, np.array(ended, dtype=np.intp))
                 if watch_ends:
                     index = np.array(ended, dtype=np.intp)
-                    if rule.ended(index, int(counts[index].sum()), active):
+                    if rule.ended(index, sum(steps - origin[i] for i in ended), active):
                         everyone = False
                         if direct:  # from the next step on, copied from the group's buffers
                             direct = False
                             self._restore_flags(own, True)
-                counts[ended] = 0
+                for i in ended:
+                    origin[i] = steps
                 if agent_reset is not None:
                     done = np.zeros(n_envs, dtype=bool)
                     done[ended] = True
                     self._guard(agent_reset, done)
-            counts += steps - counted
+            counts[:] = [steps - o for o in origin]
             if steps and not swapped and (into is not None or len(rewards) > chunk.capacity):
                 put_row(obs_rows, steps, buf_obs)
         except BaseException:
