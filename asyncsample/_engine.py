@@ -25,6 +25,7 @@ from asyncsample._recorder import (
     store_agent_info_block,
     store_agent_infos,
 )
+from asyncsample._replay import replay_ends
 from asyncsample._tree import Tree, row_copy, tree_map
 from asyncsample.batch import StepType
 
@@ -434,8 +435,8 @@ class Episodes:
 
     def stamp_unstarted(self, version: int, stepping: Collection[int] = ()) -> None:
         """Episodes without a step start under ``version`` (except the envs ``stepping`` now)."""
-        for i in np.flatnonzero(self.lengths == 0).tolist():
-            if i not in stepping:
+        for i, length in enumerate(self.lengths.tolist()):  # a list: cheaper than numpy's
+            if length == 0 and i not in stepping:
                 self.episode_info[i] = self.fresh_info(self.episode_info[i], i, version)
 
     def started(self, mask: np.ndarray, infos: Mapping[int, dict[str, Any]]) -> None:
@@ -474,9 +475,12 @@ class Episodes:
         ends = self.ends
         starts = self.started_at  # metrics on: the episodes' wall time
         now = time.perf_counter() if starts is not None else 0.0
+        flat = type(final_obs) is np.ndarray and final_obs.dtype != object
         for i in envs.tolist():
             end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
-            last = tree_map(lambda x, i=i: row_copy(x, i), final_obs)
+            last = (
+                final_obs[i].copy() if flat else tree_map(lambda x, i=i: row_copy(x, i), final_obs)
+            )
             info = infos[i]
             ends[0 if terminated[i] else 2 if info.get("deadline") else 1] += 1
             if starts is not None:
@@ -554,6 +558,10 @@ class Episodes:
         for j, (env_infos, _) in step_infos.items():
             if env_infos is not None:
                 rows.env_infos[t0 + j] = env_infos
+        rule = self.rule
+        if record is None and self.everyone and (rule is None or rule.episodes_left is None):
+            replay_ends(self, chunk, steps, t0, step_infos, version, FinishedEpisode)
+            return
         flags = chunk.terminated[:steps] | chunk.truncated[:steps]
         events = np.flatnonzero(flags.any(axis=1)).tolist()
         if record is not None:
@@ -571,12 +579,16 @@ class Episodes:
                     else dict(agent_infos).get(j, {})
                 )
                 record(j, t0 + j, info_j, step_infos.get(j, no_infos)[0], done)
-            if done.any():
-                final = tree_map(lambda x, j=j: x[j], chunk.final_obs)
-                reset_infos = step_infos.get(j, no_infos)[1]
-                self.close_episodes(
-                    np.flatnonzero(done), t0 + j, chunk.terminated[j], final, reset_infos, version
+            ended = np.flatnonzero(done)
+            if len(ended):
+                finals = chunk.final_obs
+                final = (
+                    finals[j]
+                    if type(finals) is np.ndarray
+                    else tree_map(lambda x, j=j: x[j], finals)
                 )
+                reset_infos = step_infos.get(j, no_infos)[1]
+                self.close_episodes(ended, t0 + j, chunk.terminated[j], final, reset_infos, version)
         self._advance(rewards[j0:steps])
 
     def late(self) -> np.ndarray:

@@ -432,8 +432,11 @@ class Recorder:
         self.pieces = []
         self.completed_steps = 0
         lengths = [p.stop - p.start for p in pieces]
-        t_idx = np.concatenate([*(np.arange(p.start, p.stop) for p in pieces), np.zeros(0, int)])
-        e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), lengths)
+        counts = np.array(lengths, dtype=np.int64)
+        # Each piece's rows start..stop, without an arange per piece.
+        shift = np.array([p.start for p in pieces], dtype=np.int64) - (np.cumsum(counts) - counts)
+        t_idx = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(shift, counts)
+        e_idx = np.repeat(np.array([p.env for p in pieces], dtype=np.int64), counts)
         step_types = np.full(len(t_idx), StepType.MID, dtype=np.uint8)
         offset = 0
         for p, n in zip(pieces, lengths):
@@ -458,7 +461,7 @@ class Recorder:
             like_actions=like_actions,
             rows=t_idx,
             envs=e_idx,
-            lengths=np.array(lengths, dtype=np.int64),
+            lengths=counts,
             step_types=step_types,
             last_observations=[p.last_observation for p in pieces],
             episode_infos=[p.episode_info for p in pieces],

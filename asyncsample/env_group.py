@@ -608,7 +608,12 @@ class EnvGroup:
             for i, item in zip(indices, items):
                 _leaves.put(out, self._obs_leaves, i, item)
         elif isinstance(out, np.ndarray):
-            out[indices] = items
+            shape = self._obs_shape
+            if all(type(o) is np.ndarray and o.shape == shape for o in items):
+                for i, item in zip(indices, items):  # a few rows: cheaper than fancy indexing
+                    out[i] = item
+            else:
+                out[indices] = items
         elif isinstance(out, list):  # observations without fixed-size rows
             for i, item in zip(indices, items):
                 out[i] = item

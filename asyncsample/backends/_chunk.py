@@ -22,11 +22,11 @@ import numpy as np
 from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
-from asyncsample._engine import StopRule
+from asyncsample._engine import CallMode, StopRule
 from asyncsample._infos import snapshot
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
-from asyncsample.agent import trusted_actions
+from asyncsample.agent import RandomAgent, trusted_actions
 from asyncsample.backends._column_wire import unpack_chunk
 from asyncsample.backends._transport import (
     SharedArray,
@@ -483,6 +483,25 @@ class ChunkRunner:
             self._next_row = row + reply.steps
         return reply
 
+    def _agent_reset(self) -> Callable[..., Any] | None:
+        """The agent's ``reset``, or ``None`` where there is nothing to call (none, or the
+        built-in :class:`~asyncsample.agent.RandomAgent`'s, which does nothing)."""
+        reset = getattr(self.agent, "reset", None)
+        if getattr(reset, "__func__", None) is RandomAgent.reset:
+            return None
+        return reset
+
+    def _restore_flags(self, own: tuple[np.ndarray, np.ndarray, np.ndarray], keep: bool) -> None:
+        """Point the group's rewards and flags back at its own buffers ``own``; ``keep``: with
+        the values of the rows they pointed at (the last step's)."""
+        buf = self.group.buffers
+        for name, mine in zip(("rewards", "terminated", "truncated"), own):
+            row = getattr(buf, name)
+            if row is not mine:
+                if keep:
+                    mine[...] = row
+                setattr(buf, name, mine)
+
     def _arena_rows(self, row: int, steps: int) -> Tree:
         """Arena rows ``row...row + steps`` and the spare row, or ``None`` if there are none."""
         arena = self.chunk.arena
@@ -506,82 +525,118 @@ class ChunkRunner:
         group = self.group
         buf = group.buffers
         everyone = bool(active.all())
-        progress = chunk.progress
+        progress: Any = chunk.progress.data  # item access through a memoryview: cheaper
         infos_per_step: list[dict[str, np.ndarray]] = []
         step_infos: dict[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]] = {}
         obs_rows = chunk.obs if into is None else into
         act_rows, buf_obs, buf_act = chunk.actions, buf.obs, buf.actions
         flat_obs = type(obs_rows) is np.ndarray and type(buf_obs) is np.ndarray
         flat_act = type(act_rows) is np.ndarray and type(buf_act) is np.ndarray
+        final_rows, buf_final = chunk.final_obs, buf.final_obs
+        flat_final = type(final_rows) is np.ndarray and type(buf_final) is np.ndarray
         rewards, terminated, truncated = chunk.rewards, chunk.terminated, chunk.truncated
+        own = buf.rewards, buf.terminated, buf.truncated
         more, took, step, actions_for = rule.more, rule.took, group.step, self.agent_actions
-        steps = counted = 0  # counts are up to date as of step `counted`
+        # Episode ends matter to the rule only for samples and episodes (see StopRule.ended).
+        watch_ends = rule.mode is CallMode.SAMPLES or rule.episodes_left is not None
+        agent_reset = self._agent_reset()
+        n_envs = group.n_envs
+        # Per env, the step its episode's count is 0 at (a list: cheaper than numpy's per end).
+        origin = [-c for c in counts.tolist()]
+        steps = 0
         # Into the arena, while every env is stepped, each step writes its observations straight
         # into the next row (the group's buffer points there): no copy of them in the host.
         swap = into is not None and flat_obs
         swapped = False  # the current observations are in row j, written there by the last step
-        for j in range(min(max_steps, chunk.capacity)):
-            if not more(active):
-                break
-            if flat_obs:
-                if not swapped:
-                    obs_rows[j] = buf_obs
-                observations = obs_rows[j]
-                if swap and everyone:
-                    buf.obs = obs_rows[j + 1]
-                    swapped = True
-                elif swapped:  # some envs stay put: the buffer holds every env's again
-                    buf_obs[...] = observations
-                    buf.obs = buf_obs
-                    swapped = False
-            else:
-                put_row(obs_rows, j, buf_obs)
-                observations = row_of(obs_rows, j)
-            try:
-                actions, infos = actions_for(observations)
-            except Exception as exc:
-                raise self._failure(exc) from exc
-            if flat_act:
-                act_rows[j] = actions
-                buf_act[...] = actions
-            else:
-                put_row(act_rows, j, actions)
-                put_row(buf_act, Ellipsis, actions)
-            infos_per_step.append(infos)
-            result = step(active, None, everyone)
-            progress[0] += 1  # a step ended: the main process judges the next from now
-            if result.env_infos is not None or result.reset_infos:
-                # Copied now: the chunk's reply is pickled once, after an env may have changed
-                # an info dict it reuses (as a step's own reply would not see).
-                step_infos[j] = (snapshot(result.env_infos), snapshot(result.reset_infos))
-            rewards[j] = buf.rewards
-            terminated[j] = buf.terminated
-            truncated[j] = buf.truncated
-            steps = j + 1
-            took(1)
-            ended = group.last_ended
-            if not ended:
-                continue
-            index = np.array(ended, dtype=np.intp)
-            counts += steps - counted  # brought up to date only where an episode ends
-            counted = steps
-
-            def put_final(
-                dst: np.ndarray, src: np.ndarray, j: int = j, index: np.ndarray = index
-            ) -> None:
-                dst[j, index] = src[index]
-
-            tree_map(put_final, chunk.final_obs, buf.final_obs)
-            if rule.ended(index, int(counts[index].sum()), active):
-                everyone = False
-            counts[index] = 0
-            done = np.zeros(group.n_envs, dtype=bool)
-            done[index] = True
-            self.reset_agent(done)
-        counts += steps - counted
-        if steps and not swapped and (into is not None or len(rewards) > chunk.capacity):
-            put_row(obs_rows, steps, buf_obs)
+        # While every env is stepped, the group writes each step's rewards and flags straight
+        # into the chunk's rows (its buffers point there): no copy of them either.
+        direct = everyone
+        try:
+            for j in range(min(max_steps, chunk.capacity)):
+                if not more(active):
+                    break
+                if flat_obs:
+                    if not swapped:
+                        obs_rows[j] = buf_obs
+                    observations = obs_rows[j]
+                    if swap and everyone:
+                        buf.obs = obs_rows[j + 1]
+                        swapped = True
+                    elif swapped:  # some envs stay put: the buffer holds every env's again
+                        buf_obs[...] = observations
+                        buf.obs = buf_obs
+                        swapped = False
+                else:
+                    put_row(obs_rows, j, buf_obs)
+                    observations = row_of(obs_rows, j)
+                try:
+                    actions, infos = actions_for(observations)
+                except Exception as exc:
+                    raise self._failure(exc) from exc
+                if flat_act:
+                    act_rows[j] = actions
+                    buf_act[...] = actions
+                else:
+                    put_row(act_rows, j, actions)
+                    put_row(buf_act, Ellipsis, actions)
+                infos_per_step.append(infos)
+                if direct:
+                    buf.rewards, buf.terminated, buf.truncated = (
+                        rewards[j],
+                        terminated[j],
+                        truncated[j],
+                    )
+                result = step(active, None, everyone)
+                progress[0] += 1  # a step ended: the main process judges the next from now
+                if result.env_infos is not None or result.reset_infos:
+                    # Copied now: the chunk's reply is pickled once, after an env may have
+                    # changed an info dict it reuses (as a step's own reply would not see).
+                    step_infos[j] = (snapshot(result.env_infos), snapshot(result.reset_infos))
+                if not direct:
+                    rewards[j] = buf.rewards
+                    terminated[j] = buf.terminated
+                    truncated[j] = buf.truncated
+                steps = j + 1
+                took(1)
+                ended = group.last_ended
+                if not ended:
+                    continue
+                if flat_final:  # a row per ended env: cheaper than fancy indexing for a few
+                    final_row = final_rows[j]
+                    for i in ended:
+                        final_row[i] = buf_final[i]
+                else:
+                    _put_final(final_rows, buf_final, j, np.array(ended, dtype=np.intp))
+                if watch_ends:
+                    index = np.array(ended, dtype=np.intp)
+                    if rule.ended(index, sum(steps - origin[i] for i in ended), active):
+                        everyone = False
+                        if direct:  # from the next step on, copied from the group's buffers
+                            direct = False
+                            self._restore_flags(own, True)
+                for i in ended:
+                    origin[i] = steps
+                if agent_reset is not None:
+                    done = np.zeros(n_envs, dtype=bool)
+                    done[ended] = True
+                    self._guard(agent_reset, done)
+            counts[:] = [steps - o for o in origin]
+            if steps and not swapped and (into is not None or len(rewards) > chunk.capacity):
+                put_row(obs_rows, steps, buf_obs)
+        except BaseException:
+            self._restore_flags(own, False)
+            raise
+        self._restore_flags(own, True)
         return ChunkReply(steps, _pack_infos(infos_per_step), step_infos)
+
+
+def _put_final(dst: Tree, src: Tree, j: int, index: np.ndarray) -> None:
+    """Row ``j`` of the chunk's final observations ``dst`` takes ``src``'s rows ``index``."""
+
+    def put(d: np.ndarray, s: np.ndarray) -> None:
+        d[j, index] = s[index]
+
+    tree_map(put, dst, src)
 
 
 def _pack_infos(
