@@ -56,11 +56,14 @@ def test_every_study_has_a_smoke_run_and_a_row_in_the_readmes() -> None:
 
 
 @pytest.mark.parametrize("name", [name for name in SMOKE if name != "seam"])
-def test_study_smoke_run(name: str, tmp_path: Path) -> None:
+def test_study_smoke_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``asyncsample bench NAME --quick`` writes results.json and results.md to ``--out``."""
     from benchmarks.__main__ import main
     from benchmarks.studies import get
 
+    # SB3's logger makes a folder even when it writes no file (clients' PPO.learn runs, in their
+    # own processes, which inherit this): under tmp_path, not /tmp/SB3-<date>.
+    monkeypatch.setenv("SB3_LOGDIR", str(tmp_path / "sb3-logs"))
     study = get(name)
     extra = ["--no-progress"] if study.is_plan else []
     code = main([name, "--quick", "--out", str(tmp_path), *extra, *SMOKE[name]])
