@@ -16,6 +16,16 @@ loops.
 
 from __future__ import annotations
 
+import sys
+
+# Bytecode caches (__pycache__, git-ignored) also where PYTHONDONTWRITEBYTECODE is set, as it is in
+# the shells of our shared 2-core machine: without them each pytest-xdist worker rewrites the
+# asserts of every test module and compiles the package again at every run (about 5 s of CPU per
+# worker, four workers), and every fresh interpreter and env host of a test compiles the modules
+# it imports. Set before the imports below, so the package's modules are cached too; the env
+# hosts and the interpreters the tests start read the caches (they do not write any).
+sys.dont_write_bytecode = False
+
 import asyncio
 import functools
 import gc
