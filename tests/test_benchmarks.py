@@ -31,7 +31,9 @@ SMOKE: dict[str, list[str]] = {
     "chaos": [],  # run by test_chaos_smoke_run_passes_its_checks alone
     "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1"],
     "first_run": ["--cells", "sync", "ceiling", "ours-default"],
-    "clients": ["--contenders", "sync", "dummy", "ours", "ours-inproc"],
+    # a peer and ours (its default placement) in each client: every run a fresh interpreter
+    # importing torch (tests/test_vector_env.py checks each forced placement)
+    "clients": ["--contenders", "sync", "dummy", "ours"],
     "ray": ["--contenders", "ceiling", "asyncsample", "asyncsample-ray"],
     "real_envs": ["--envs", "Pong-v5", "--contenders", "ceiling", "envpool-async",
                   "asyncsample"],
