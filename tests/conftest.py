@@ -171,7 +171,8 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     "test_hosted_async_envs.py::test_a_fault_is_the_envs_own": (
         {"loop": ("uvloop",), "kind": ("raise", "hang", "reward", "info")},
     ),
-    # The step arena's fallbacks with a batched agent: [per_worker] stays for both envs, and
+    # The step arena's fallbacks with a batched agent: [CrashOnce-per_worker] stays (its
+    # [FrameEnv] variants are marked slow in the module), and
     # test_held_batches_are_never_overwritten[batched] and test_batched_agent_reads_the_arena
     # keep batched on the arena in the default run.
     "test_zero_copy.py::test_step_arena_small_or_none_gives_the_same_batches": (
