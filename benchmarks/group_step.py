@@ -29,23 +29,24 @@ group = EnvGroup(0, buffers, space.observation_space, space.action_space, None)
 group.build([["CartPole-v1"]] * n, list(range(n)))
 group.reset(np.ones(n, dtype=bool))
 mask, best = np.ones(n, dtype=bool), float("inf")
-for _ in range(5):
+for _ in range({blocks}):
     start = time.process_time()
-    for k in range(20_000):
+    for k in range({steps}):
         buffers.actions[:] = k & 1
         group.step(mask)
-    best = min(best, (time.process_time() - start) / 20_000 / n * 1e6)
+    best = min(best, (time.process_time() - start) / {steps} / n * 1e6)
 print(f"{{best:.3f}}")
 """
 
 
-def main(trees: list[str], rounds: int = 2) -> None:
-    """Print each tree's best CPU microseconds per env step over ``rounds`` alternations."""
+def main(trees: list[str], rounds: int = 2, blocks: int = 5, steps: int = 20_000) -> None:
+    """Print each tree's best CPU microseconds per env step over ``rounds`` alternations (each
+    the best of ``blocks`` blocks of ``steps`` steps of the 8 envs; less for a smoke test)."""
     best = dict.fromkeys(trees, float("inf"))
     for _ in range(rounds):
         for tree in trees:
             out = subprocess.run(
-                [sys.executable, "-c", _RUN.format(tree=tree)],
+                [sys.executable, "-c", _RUN.format(tree=tree, blocks=blocks, steps=steps)],
                 capture_output=True,
                 text=True,
                 check=True,

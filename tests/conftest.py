@@ -16,6 +16,16 @@ loops.
 
 from __future__ import annotations
 
+import sys
+
+# Bytecode caches (__pycache__, git-ignored) also where PYTHONDONTWRITEBYTECODE is set, as it is in
+# the shells of our shared 2-core machine: without them each pytest-xdist worker rewrites the
+# asserts of every test module and compiles the package again at every run (about 5 s of CPU per
+# worker, four workers), and every fresh interpreter and env host of a test compiles the modules
+# it imports. Set before the imports below, so the package's modules are cached too; the env
+# hosts and the interpreters the tests start read the caches (they do not write any).
+sys.dont_write_bytecode = False
+
 import asyncio
 import functools
 import gc
@@ -161,7 +171,8 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     "test_hosted_async_envs.py::test_a_fault_is_the_envs_own": (
         {"loop": ("uvloop",), "kind": ("raise", "hang", "reward", "info")},
     ),
-    # The step arena's fallbacks with a batched agent: [per_worker] stays for both envs, and
+    # The step arena's fallbacks with a batched agent: [CrashOnce-per_worker] stays (its
+    # [FrameEnv] variants are marked slow in the module), and
     # test_held_batches_are_never_overwritten[batched] and test_batched_agent_reads_the_arena
     # keep batched on the arena in the default run.
     "test_zero_copy.py::test_step_arena_small_or_none_gives_the_same_batches": (

@@ -267,6 +267,11 @@ async def until_exists(path, what):
 """
 
 
+# A fresh interpreter (10-17 s of the default run on a loaded 2-core machine): slow. The default
+# run keeps a sampler never closed cleaned up, hosts and shared memory
+# (test_unclosed_sampler_warns_and_cleans_up_when_collected), and hosts ending with a parent that
+# dies without closing them (test_process_backend.py::test_hosts_die_with_a_killed_parent).
+@pytest.mark.slow
 def test_interpreter_exit_without_aclose() -> None:
     before = shm_entries()
     result = run_python(

@@ -289,7 +289,7 @@ def test_lazy_seeds_are_the_seeds_spawn_gives() -> None:
 
 
 async def test_many_env_seeds_are_drawn_off_the_loop() -> None:
-    n = OFF_LOOP_ENVS * 4
+    n = OFF_LOOP_ENVS  # the fewest that are drawn in a thread (fewer are drawn inline)
     _, (threaded,) = worker_seeds(3, 1, n)
     _, (inline,) = worker_seeds(3, 1, n)
     ticks = 0

@@ -69,6 +69,10 @@ def test_plan_has_every_inference_mode_the_ceiling_and_timeouts_that_grow_with_t
     assert suite.run_timeout(pong512, s) > s.timeout + 400 > suite.run_timeout(cart8, s)
 
 
+# Slow: imports torch (seconds of a default-run worker's CPU). The benchmarks' policies are run
+# by the studies' smoke runs in the slow pass (test_study_smoke_run[real_envs]: Pong-v5's cnn
+# rows); the default run keeps the plans and pages of the study (the tests around it).
+@pytest.mark.slow
 def test_cnn_policy_acts_on_atari_frames() -> None:
     pytest.importorskip("torch")
     import numpy as np

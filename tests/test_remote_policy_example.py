@@ -117,6 +117,11 @@ async def test_batcher_reports_a_failed_pass_to_every_request() -> None:
 # -- the policy app and its agent, the tool service and its env (in this process) -----------------
 
 
+# Slow: the policy imports torch (10-25 s of the default run on a loaded 2-core machine). The
+# default run keeps the micro-batcher the app serves (the tests above) and the example's aiohttp
+# client and server (the tool env below); the slow pass runs the app and agent here and in the
+# policy server's own process (test_policy_server_process_starts_serves_and_stops).
+@pytest.mark.slow
 async def test_agent_gets_actions_from_the_policy_app() -> None:
     app = example.create_policy_app(example.PolicyConfig(seed=0, batch_wait_ms=5.0))
     async with serving(app) as url, aiohttp.ClientSession() as session:

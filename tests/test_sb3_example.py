@@ -15,7 +15,9 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sb3_ppo.py"
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_sb3_ppo_reaches_475_on_cartpole() -> None:
+def test_sb3_ppo_reaches_475_on_cartpole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SB3's logger makes a folder even when it writes no file: under tmp_path, not /tmp/SB3-<date>.
+    monkeypatch.setenv("SB3_LOGDIR", str(tmp_path / "sb3-logs"))
     spec = importlib.util.spec_from_file_location("asyncsample_example_sb3_ppo", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -117,7 +117,9 @@ def test_the_marks_are_read(tmp_path: Path) -> None:
 @pytest.mark.parametrize("snippet", [pytest.param(s, id=s.id) for s in ALL if s.kind != "skip"])
 def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path)
+    # SB3_LOGDIR: the folder SB3's logger makes (even when it writes no file) goes under
+    # tmp_path, not /tmp/SB3-<date> (docs/vector.md's PPO.learn block).
+    env = dict(os.environ, PYTHONPATH=path, SB3_LOGDIR=str(tmp_path / "sb3-logs"))
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(
         [sys.executable, "-c", snippet.script()],
