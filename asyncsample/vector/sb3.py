@@ -12,7 +12,6 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from copy import deepcopy
-from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -20,7 +19,7 @@ import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncsample import _validate
-from asyncsample.env_update import make_env
+from asyncsample.vector._sb3_access import SB3EnvFactory
 from asyncsample.vector.hosted import HostedEnvs, HostedFace, PendingRound, StepResult, env_sources
 
 try:
@@ -31,55 +30,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 __all__ = ["AsyncSampleVecEnv"]
-
-
-class _SB3Access(gym.Wrapper[Any, Any, Any, Any]):
-    """Wraps every sub-env in its host for SB3's attribute semantics, which no gymnasium
-    ``call`` has (``get_attr`` never calls, ``set_attr`` sets on the outermost env,
-    ``env_is_wrapped`` walks the wrappers); invisible to the user's code otherwise."""
-
-    @property
-    def spec(self) -> Any:  # type: ignore[override]
-        return self.env.spec
-
-    def get_wrapper_attr(self, name: str) -> Any:
-        if name.startswith("_asyncsample_"):
-            return getattr(self, name)
-        return self.env.get_wrapper_attr(name)
-
-    def set_wrapper_attr(self, name: str, value: Any, *, force: bool = True) -> bool:
-        return self.env.set_wrapper_attr(name, value, force=force)
-
-    def _asyncsample_get(self, name: str) -> Any:
-        """The attribute ``name`` of the env, never called (SB3's ``get_attr``)."""
-        return self.env.get_wrapper_attr(name)
-
-    def _asyncsample_setattr(self, name: str, value: Any) -> None:
-        """Plain ``setattr`` on the user's outermost env (SB3's ``set_attr``)."""
-        setattr(self.env, name, value)
-
-    def _asyncsample_method(self, name: str, args: Any, kwargs: Any) -> Any:
-        """Call the method ``name`` of the env (SB3's ``env_method``)."""
-        return self.env.get_wrapper_attr(name)(*args, **kwargs)
-
-    def _asyncsample_is_wrapped(self, wrapper_class: type) -> bool:
-        """Whether the user's env is wrapped with ``wrapper_class`` (SB3's ``env_is_wrapped``)."""
-        env: Any = self.env
-        while isinstance(env, gym.Wrapper):
-            if isinstance(env, wrapper_class):
-                return True
-            env = env.env
-        return False
-
-
-@dataclass
-class _Factory:
-    """Builds one sub-env in its host: the user's env inside an :class:`_SB3Access`."""
-
-    source: Any
-
-    def __call__(self) -> gym.Env[Any, Any]:
-        return _SB3Access(make_env(self.source))
 
 
 class AsyncSampleVecEnv(HostedFace, VecEnv):
@@ -136,7 +86,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         sources = env_sources(list(env_fns) if isinstance(env_fns, (list, tuple)) else env_fns, n)
         hosted = HostedEnvs(
-            [_Factory(s) for s in sources],
+            [SB3EnvFactory(s) for s in sources],
             n_processes=n_processes,
             step_timeout=step_timeout,
             max_restarts=max_restarts,
@@ -305,7 +255,8 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         return self.env_method("render")
 
     def _call(self, name: str, args: tuple[Any, ...], indices: VecEnvIndices) -> list[Any]:
-        """One of :class:`_SB3Access`'s methods on the selected sub-envs; one result each."""
+        """One of :class:`~asyncsample.vector._sb3_access.SB3Access`'s methods on the selected
+        sub-envs; one result each."""
         hosted = self._idle()
         out = [int(i) for i in self._get_indices(indices)]
         for i in out:
