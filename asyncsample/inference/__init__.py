@@ -74,8 +74,8 @@ def choose_inference(
     Every mode gives identical batches for a seed (``tests/test_digest.py``), so the choice is
     one of speed. With ``agent=None`` (a seeded :class:`~asyncsample.RandomAgent` per worker) on a
     backend whose hosts can act (``process``, ``ray``), the agents run in the hosts: each host
-    steps a chunk of steps per request instead of one round trip per step (0.99x a
-    ``SyncVectorEnv(32)`` on CartPole-v1 with 4x8, against 0.54x with ``per_worker``:
+    steps a chunk of steps per request instead of one round trip per step (1.10x a
+    ``SyncVectorEnv(32)`` on CartPole-v1 with 4x8, against 0.58x with ``per_worker``:
     ``benchmarks/results/first_run/``). A user's
     agent stays in the caller (``per_worker``): whether it is cheaper in the hosts depends on
     its cost, which is not measured here.
