@@ -25,7 +25,6 @@ from asyncsample._recorder import (
     store_agent_info_block,
     store_agent_infos,
 )
-from asyncsample._replay import replay_ends
 from asyncsample._tree import Tree, row_copy, tree_map
 from asyncsample.batch import StepType
 
@@ -558,10 +557,6 @@ class Episodes:
         for j, (env_infos, _) in step_infos.items():
             if env_infos is not None:
                 rows.env_infos[t0 + j] = env_infos
-        rule = self.rule
-        if record is None and self.everyone and (rule is None or rule.episodes_left is None):
-            replay_ends(self, chunk, steps, t0, step_infos, version, FinishedEpisode)
-            return
         flags = chunk.terminated[:steps] | chunk.truncated[:steps]
         events = np.flatnonzero(flags.any(axis=1)).tolist()
         if record is not None:
