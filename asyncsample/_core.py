@@ -24,10 +24,7 @@ from asyncsample._config import SamplerConfig
 from asyncsample._engine import (
     CallMode,
     Continuity,
-    FreeQuota,
-    LaneRound,
     Part,
-    SharedQuota,
     StopRule,
     run_part,
     share_of,
@@ -41,6 +38,7 @@ from asyncsample._probe import (
     probe_spaces,
     wait_probe_closed,
 )
+from asyncsample._quotas import FreeQuota, LaneRound, SharedQuota
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tasks import run_all
@@ -498,7 +496,8 @@ class SamplerCore:
         start, restarts = time.perf_counter(), self.restarts
         for worker in self.workers:
             worker.finished.clear()
-        pool = FreeQuota(quota) if mode == "fragments" and self.free_shares else None
+        free = mode == "fragments" and self.free_shares
+        pool = FreeQuota(quota, self.n_workers * self.envs_per_worker) if free else None
         shared = None if pool is not None else self._shared_quota(mode, quota, fraction)
         done_at = [start] * self.n_workers
         lane_round = None

@@ -5,18 +5,17 @@ of a call stops) and :func:`run_part`, which drives the mode's :class:`Stepper`.
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import math
 import time
-import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, Self
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from asyncsample._assembly import Plan
+from asyncsample._quotas import FreeQuota, LaneRound, SharedQuota
 from asyncsample._recorder import (
     Recorder,
     Resume,
@@ -34,12 +33,8 @@ __all__ = [
     "ChunkRecords",
     "Episodes",
     "FinishedEpisode",
-    "FreeQuota",
-    "LaneRound",
     "Part",
     "RecordStep",
-    "QuotaView",
-    "SharedQuota",
     "StepStepper",
     "Stepper",
     "StopRule",
@@ -231,68 +226,6 @@ class StopRule:
             self.steps = math.ceil(max(self.share - completed_steps, 0) / n_envs)
 
 
-class SharedQuota:
-    """The quota of a call with ``fraction_samples < 1``: a worker may stop once it has its
-    ``minimums`` entry and the call's total has reached ``target`` (``num_samples``)."""
-
-    def __init__(self, target: int, minimums: Mapping[int, int]) -> None:
-        self.target = target
-        self.minimums = dict(minimums)
-        self.counts = dict.fromkeys(self.minimums, 0)
-        self.total = 0
-
-    def report(self, worker: int, count: int) -> None:
-        """Worker ``worker`` would now return ``count`` transitions (it may go down: restarts)."""
-        self.total += count - self.counts[worker]
-        self.counts[worker] = count
-
-    def may_stop(self, worker: int) -> bool:
-        """Whether ``worker`` has its minimum and the call's total has reached the target."""
-        return self.counts[worker] >= self.minimums[worker] and self.total >= self.target
-
-    def lacking(self, worker: int) -> int:
-        """What ``worker``'s minimum or the call's total still lacks (at least 1)."""
-        return max(self.minimums[worker] - self.counts[worker], self.target - self.total, 1)
-
-
-class QuotaView:
-    """How the workers of a call share its :class:`SharedQuota` (a subclass per stepper kind,
-    one view per quota and kind: :meth:`of`); a report wakes the workers in :meth:`wait_while`."""
-
-    _views: ClassVar[weakref.WeakKeyDictionary[SharedQuota, Any]] = weakref.WeakKeyDictionary()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls._views = weakref.WeakKeyDictionary()
-
-    def __init__(self, quota: SharedQuota) -> None:
-        self.quota = quota
-        self._waiters: list[asyncio.Future[None]] = []
-
-    @classmethod
-    def of(cls, quota: SharedQuota) -> Self:
-        """The view of ``quota`` of this kind (made by the first worker that asks)."""
-        view: Self | None = cls._views.get(quota)
-        if view is None:
-            view = cls._views[quota] = cls(quota)
-        return view
-
-    def report(self, worker: int, count: int) -> None:
-        """Worker ``worker`` would now return ``count`` transitions; wake the waiting workers."""
-        self.quota.report(worker, count)
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def wait_while(self, worker: int, holds: Callable[[], bool]) -> None:
-        """While the quota does not let ``worker`` stop and ``holds()``, wait for reports."""
-        while not self.quota.may_stop(worker) and holds():
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            await waiter
-
-
 RecordStep = Callable[
     [int, int, dict[str, np.ndarray], list[dict[str, Any]] | None, np.ndarray], None
 ]
@@ -347,6 +280,9 @@ class Episodes:
         # Per env, the row of its step still in flight when an obtain_fragments call without
         # fixed shares ended (the lanes): the next call records it again as its first row.
         self.carried_rows: dict[int, RowCopy] = {}
+        # Per env, the observation its fragment ends at where the step buffers hold a later one
+        # (a run of steps split at the quota: its rest opens the next call).
+        self.cut_obs: dict[int, Any] = {}
 
     # -- a call ---------------------------------------------------------------------------------
 
@@ -421,9 +357,12 @@ class Episodes:
             for i in range(self.n_envs):
                 stop = int(stops[i])
                 if self.active[i] and stop > recorder.piece_start[i]:
-                    current = tree_map(lambda x, i=i: row_copy(x, i), current_obs)
+                    current = self.cut_obs.get(i)
+                    if current is None:
+                        current = tree_map(lambda x, i=i: row_copy(x, i), current_obs)
                     recorder.close_piece(i, stop, None, current, self.episode_info[i])
                     recorder.piece_position[i] = self.lengths[i]
+        self.cut_obs.clear()
         return recorder.collect(current_obs, like_actions)
 
     # -- episodes -------------------------------------------------------------------------------
@@ -610,81 +549,6 @@ class Episodes:
         self.lengths[active] += n
         stacked = np.concatenate([self.returns[active][None], rewards[:, active]])
         self.returns[active] = np.add.accumulate(stacked, axis=0)[-1]
-
-
-class LaneRound:
-    """One round of a stream of complete episodes on the lanes: no env stops stepping until
-    each of the ``workers`` has its share; then their steps in flight go on into the next."""
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self.done = workers == 0
-        self._stops: list[asyncio.Future[None]] = []
-        self._satisfied: set[int] = set()
-
-    def join(self, stop: asyncio.Future[None]) -> None:
-        """``stop`` is set when the round is done."""
-        if self.done:
-            stop.set_result(None)
-        else:
-            self._stops.append(stop)
-
-    def satisfied(self, worker: int) -> None:
-        """``worker`` has its share; the round is done once every worker has said so."""
-        self._satisfied.add(worker)
-        if not self.done and len(self._satisfied) >= self.workers:
-            self.done = True
-            for stop in self._stops:
-                if not stop.done():
-                    stop.set_result(None)
-
-
-class FreeQuota:
-    """The quota of an ``obtain_fragments`` call whose envs step one at a time without fixed
-    shares (``Sampler(fixed_shares=False)``, the lanes): any env of any worker may fill it, and
-    once ``target`` transitions are in every worker's ``stop`` is set, whatever steps are still
-    in flight (they go on into the next call). A call never waits for the slowest env's tail.
-
-    Counting is per worker, so a worker that drops recorded steps (an env's fault) sets its
-    count again (:meth:`set`) instead of the call counting steps no batch will hold.
-    """
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.total = 0
-        self.met = False
-        self._counts: dict[int, int] = {}
-        self._stops: list[asyncio.Future[None]] = []
-
-    def join(self, stop: asyncio.Future[None]) -> None:
-        """``stop`` is set once the quota is met."""
-        if self.met:
-            stop.set_result(None)
-        else:
-            self._stops.append(stop)
-
-    def add(self, worker: int, steps: int = 1) -> None:
-        """``worker`` recorded ``steps`` more transitions (once per step of every lane: inline)."""
-        counts = self._counts
-        counts[worker] = counts.get(worker, 0) + steps
-        self.total += steps
-        if not self.met and self.total >= self.target:
-            self._meet()
-
-    def set(self, worker: int, count: int) -> None:
-        """``worker`` would now return ``count`` transitions (after a drop or a restart: its
-        count, read again)."""
-        self.total += count - self._counts.get(worker, 0)
-        self._counts[worker] = count
-        if not self.met and self.total >= self.target:
-            self._meet()
-
-    def _meet(self) -> None:
-        self.met = True
-        for stop in self._stops:
-            if not stop.done():
-                stop.set_result(None)
-        self._stops = []
 
 
 @dataclass

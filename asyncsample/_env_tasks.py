@@ -21,12 +21,20 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from asyncsample._engine import CallMode, Part, QuotaView, StopRule
+from asyncsample._engine import CallMode, Part, StopRule
+from asyncsample._quotas import QuotaView
 from asyncsample._recorder import Resume, put_row, store_agent_infos
+from asyncsample._run_records import RUN_STEPS, carry_rest, put_run, split_run
 from asyncsample._tree import row_copy, tree_map
 from asyncsample.agent import row_draw
 from asyncsample.backends._closing import cancelled_by_env
-from asyncsample.backends.base import ActingHost, BareStepHost, DeadlinePassed, PerEnvHost
+from asyncsample.backends.base import (
+    ActingHost,
+    BareStepHost,
+    DeadlinePassed,
+    PerEnvHost,
+    StepRun,
+)
 from asyncsample.errors import StepTimeoutError, WorkerError
 from asyncsample.inference.batched import Batcher
 
@@ -52,9 +60,19 @@ def _row_copy(i: int, leaf: np.ndarray) -> np.ndarray:
     return row
 
 
-def _finished(carrier: asyncio.Future[Any]) -> bool:
-    """Whether a carried step's lane returned the step's outcome (the env took the step)."""
-    return carrier.done() and not carrier.cancelled() and carrier.exception() is None
+def _seen(carrier: asyncio.Future[Any]) -> None:
+    """Mark a carried step's error as retrieved: the sampler may close before a call takes it up
+    (the next call's lane still gets it)."""
+    if not carrier.cancelled():
+        carrier.exception()
+
+
+def _taken(carrier: asyncio.Future[Any]) -> int:
+    """The steps a carried step's lane returned the outcome of (the env took them)."""
+    if not carrier.done() or carrier.cancelled() or carrier.exception() is not None:
+        return 0
+    result = carrier.result()
+    return len(result.rewards) if type(result) is StepRun else 1
 
 
 class Admission:
@@ -216,6 +234,7 @@ class LaneStepper:
         if recorder.cursor is None:
             recorder.cursor = np.zeros(n, dtype=np.int64)
         self.deadlines = worker.episodes.deadlines
+        self.runs: set[int] = set()  # the envs whose run of steps is in flight
         worker.episodes.clock = asyncio.get_running_loop().time  # step_one's deadlines' clock
 
     async def start(self) -> None:
@@ -231,7 +250,7 @@ class LaneStepper:
             )
             stale = [i for i in self.host.in_flight if not keep or episodes.needs_reset[i]]
             # A carried step the env finished is a step it took, though no batch will hold it.
-            episodes.dropped_steps += sum(map(_finished, (self.host.in_flight[i] for i in stale)))
+            episodes.dropped_steps += sum(map(_taken, (self.host.in_flight[i] for i in stale)))
             episodes.needs_reset[await self.host.drop_in_flight(stale)] = True
         episodes.stamp_unstarted(self.worker.agent_version, self.host.in_flight)
         if self.pool is not None:  # a retry after a restart: what the worker holds now
@@ -306,9 +325,10 @@ class LaneStepper:
                             self._detach(i, rule, lanes.stepping[i])
                             lanes.detached.add(i)
                             self.host.in_flight[i] = task
+                            task.add_done_callback(_seen)  # also if no call takes it up
                             pending.discard(task)
-                            if self.pool is not None:  # the next call records its row again
-                                self._keep_row(i)
+                            if self.pool is not None and i not in self.runs:
+                                self._keep_row(i)  # the next call records its row again
                         else:
                             task.cancel()
         finally:
@@ -355,6 +375,7 @@ class LaneStepper:
         in_flight = host.in_flight
         carrying, detached = lanes.stepping, lanes.detached
         flat = isinstance(buffers.obs, np.ndarray) and isinstance(buffers.actions, np.ndarray)
+        deadline_free = self.episode_timeout is None
         w = worker.worker_number
         needs_reset, lengths, returns = episodes.needs_reset, episodes.lengths, episodes.returns
         deadlines = self.deadlines
@@ -379,6 +400,14 @@ class LaneStepper:
         else:
             until = _UNTIL_RULE
         more = self._more
+        # Where the host's agent copy acts and the call counts steps: runs of steps, one reply
+        # each (plain rows; no deadline to cut a run at).
+        runs = (
+            acting is not None
+            and flat
+            and deadline_free
+            and (until == _UNTIL_POOL or until == _UNTIL_LEFT)
+        )
         # Fragments: the env's steps left live in a local too (written back where the quota
         # reads them, and at the exit).
         left = 0 if steps_left is None else int(steps_left[i])
@@ -401,7 +430,9 @@ class LaneStepper:
                         if kept is not None:  # the previous call's row of this step
                             rows.cover(t, buffers.obs, buffers.actions)
                             rows.restore(t, i, kept)
-                        result = await asyncio.shield(carried)
+                        result = (
+                            carried.result() if carried.done() else await asyncio.shield(carried)
+                        )
                     else:
                         if needs_reset[i]:
                             length, ret = 0, 0.0  # a reset cut by its deadline leaves none
@@ -443,6 +474,8 @@ class LaneStepper:
                                 if step_soon is None
                                 else step_soon(i, action, when)
                             )
+                        elif runs:  # the host's agent copy acts: a run of steps, one reply
+                            step = self._run_soon(acting, i, left, when)
                         else:  # the host's agent copy acts: the action comes with the reply
                             step = acting.act_soon(i, when)
                         rows.versions[t, i] = worker.agent_version
@@ -469,7 +502,7 @@ class LaneStepper:
                     self._cut(i)
                     length, ret = 0, 0.0
                     if cut.running:  # its env is tied up until the call returns: abandoned
-                        await self._rebuild(i, self._abandoned(i))
+                        await self.rebuild_env(i, self._abandoned(i))
                     continue
                 except WorkerError as exc:
                     if not exc.retry or i in detached:
@@ -494,7 +527,7 @@ class LaneStepper:
                         task.cancel()
                     carried, stepping = None, False
                     cursor[i], lengths[i], returns[i] = t, length, ret
-                    recorded = self._drop(i)
+                    recorded = self.drop_episode(i)
                     if steps_left is not None:  # a fragment call redoes the dropped steps
                         left += recorded
                         steps_left[i] = left
@@ -503,45 +536,60 @@ class LaneStepper:
                     if pool is not None:
                         pool.set(w, episodes.count(True))
                     length, ret = 0, 0.0
-                    await self._rebuild(i, failure)
+                    await self.rebuild_env(i, failure)
                     continue
                 if carried is not None:
                     in_flight.pop(i, None)
                     episodes.carried_rows.pop(i, None)
                     carried = None
                 stepping = False
-                if acting is None:
-                    reward, terminated, truncated, info = result
+                split = False
+                self.runs.discard(i)
+                if type(result) is StepRun:  # a run of steps: one reply
+                    room = 0 if pool is None else max(1, pool.target - pool.total)
+                    if room and len(result.rewards) > room:
+                        # Past the quota: the rest of the run opens the next call.
+                        result, rest = split_run(result, room)
+                        carry_rest(host, episodes, i, rest)
+                        split = True
+                    n = put_run(rows, t, i, result, (buffers.obs, buffers.actions))
+                    for reward in result.rewards:  # the per-step float sums
+                        ret += reward
+                    terminated, truncated = result.terminated, result.truncated
                 else:
-                    reward, terminated, truncated, info, action, infos = result
-                    if action is None:  # the host wrote it into the shared step buffers
-                        action = (
-                            buffers.actions[i]
-                            if flat
-                            else tree_map(functools.partial(_row_copy, i), buffers.actions)
-                        )
-                    self._put_action(rows, t, i, action, infos, flat)
-                rows.rewards[t, i] = reward
-                if info:
-                    row = rows.env_infos.get(t)
-                    if row is None:
-                        row = rows.env_infos[t] = [{} for _ in range(worker.n_envs)]
-                    row[i] = info
-                t += 1
-                length += 1
-                ret += reward
+                    n = 1
+                    if acting is None:
+                        reward, terminated, truncated, info = result
+                    else:
+                        reward, terminated, truncated, info, action, infos = result
+                        if action is None:  # the host wrote it into the shared step buffers
+                            action = (
+                                buffers.actions[i]
+                                if flat
+                                else tree_map(functools.partial(_row_copy, i), buffers.actions)
+                            )
+                        self._put_action(rows, t, i, action, infos, flat)
+                    rows.rewards[t, i] = reward
+                    if info:
+                        row = rows.env_infos.get(t)
+                        if row is None:
+                            row = rows.env_infos[t] = [{} for _ in range(worker.n_envs)]
+                        row[i] = info
+                    ret += reward
+                t += n
+                length += n
                 if pool is not None:
                     cursor[i] = t  # the quota's count may be read for a drop
-                    pool.add(w)
+                    pool.add(w, n)
                 if steps_left is not None:
-                    left -= 1
+                    left -= n
                     if live_cursor:
                         steps_left[i] = left
                         cursor[i] = t
                         self._report(True)
                 if terminated or truncated:
                     cursor[i], lengths[i], returns[i] = t, length, ret
-                    self._end(i, t - 1)
+                    self.end_episode(i, t - 1)
                     length, ret = 0, 0.0
                     if samples and not rule.env_more(i, episodes.active, may_stop):
                         if lane_round is not None:
@@ -552,6 +600,8 @@ class LaneStepper:
                     cursor[i], lengths[i], returns[i] = t, length, ret
                     self._cut(i)
                     length, ret = 0, 0.0
+                if split:
+                    break
         except asyncio.CancelledError:
             if i in detached:
                 raise  # a carrier: the next round's lane (or the drop of it) sees the cancel
@@ -569,6 +619,16 @@ class LaneStepper:
                 if steps_left is not None:
                     steps_left[i] = left
         return None
+
+    def _run_soon(self, acting: ActingHost, i: int, left: int, when: float | None) -> Any:
+        """Env ``i``'s next run of steps (one step: a plain request): as many as its steps left
+        (fragments with fixed shares) or its part of what the call's quota lacks."""
+        pool = self.pool
+        k = min(RUN_STEPS, left) if pool is None else pool.run_steps(RUN_STEPS)
+        if k < 2:
+            return acting.act_soon(i, when)
+        self.runs.add(i)
+        return acting.run_soon(i, k, self.worker.agent_version, pool is None, when)
 
     @staticmethod
     def _put_action(rows: Any, t: int, i: int, action: Any, infos: Any, flat: bool) -> None:
@@ -629,6 +689,13 @@ class LaneStepper:
         assert cursor is not None
         t, length, ret, left = lane
         cursor[i], episodes.lengths[i], episodes.returns[i] = t, length, ret
+        # A fragment cut now ends at the observation the step left running started from (its
+        # host may be writing later ones into the step buffers as it goes).
+        obs = episodes.recorder.rows.obs
+        if type(obs) is np.ndarray:
+            episodes.cut_obs[i] = row_copy(obs[t], i)
+        else:
+            episodes.cut_obs[i] = tree_map(lambda x: row_copy(x[t], i), obs)
         if rule.env_steps is not None and rule.mode is CallMode.FRAGMENTS:
             rule.env_steps[i] = left
 
@@ -639,7 +706,7 @@ class LaneStepper:
         assert cursor is not None
         episodes.carried_rows[i] = episodes.recorder.rows.take(int(cursor[i]), i)
 
-    def _drop(self, i: int) -> int:
+    def drop_episode(self, i: int) -> int:
         """Drop env ``i``'s episode in progress (it is reset next); the steps it had recorded."""
         recorded = self.worker.episodes.drop_env(i)
         self._closed(i)
@@ -649,7 +716,7 @@ class LaneStepper:
         if self.admission is not None:
             self.admission.closed((self.worker.worker_number, i))
 
-    async def _rebuild(self, i: int, failure: WorkerError) -> None:
+    async def rebuild_env(self, i: int, failure: WorkerError) -> None:
         """Rebuild env ``i``; past the call's ``max_restarts`` for it, ``failure`` is raised."""
         worker = self.worker
         w = worker.worker_number
@@ -701,7 +768,7 @@ class LaneStepper:
         abandoned.charged = False
         return abandoned
 
-    def _end(self, i: int, t: int) -> None:
+    def end_episode(self, i: int, t: int) -> None:
         """Env ``i``'s episode ended at its row ``t`` (the host wrote its flags and last obs)."""
         buffers, episodes = self.host.buffers, self.worker.episodes
         ended, version = np.array([i]), self.worker.agent_version
@@ -721,6 +788,6 @@ class LaneStepper:
             buffers.truncated[i] = True
             put_row(buffers.final_obs, i, tree_map(lambda x: x[i], buffers.obs))
             episodes.episode_info[i]["deadline"] = True
-            self._end(i, int(cursor[i]) - 1)
+            self.end_episode(i, int(cursor[i]) - 1)
         else:  # no step taken: nothing to end
-            self._drop(i)
+            self.drop_episode(i)

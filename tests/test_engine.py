@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from asyncsample._engine import CallMode, Continuity, Episodes, SharedQuota, StopRule, share_of
+from asyncsample._engine import CallMode, Continuity, Episodes, StopRule, share_of
+from asyncsample._quotas import SharedQuota
 from asyncsample._recorder import Resume
 
 

@@ -13,17 +13,18 @@ from __future__ import annotations
 import itertools
 import pickle
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from asyncsample import _leaves
 from asyncsample._tree import Tree, tree_leaves
-from asyncsample.backends.base import HostSpec
+from asyncsample.backends.base import HostSpec, StepRun
 from asyncsample.env_group import StepBuffers, StepInfos
 
 __all__ = [
     "PACKED",
+    "RunFrame",
     "pack_column",
     "object_rows",
     "outgoing_rows",
@@ -33,11 +34,13 @@ __all__ = [
     "pack_replies",
     "pack_requests",
     "pack_rows",
+    "pack_runs",
     "read_reset_reply",
     "read_step_reply",
     "unpack_column",
     "unpack_block_into",
     "unpack_chunk",
+    "unpack_runs",
     "unpack_columns_into",
     "unpack_replies",
     "unpack_requests",
@@ -295,3 +298,46 @@ def unpack_replies(message: tuple[Any, ...]) -> list[tuple[int, int, Any]]:
         else:
             out.append((key, status, value))
     return out
+
+
+class RunFrame(NamedTuple):
+    """A batch of lane replies with runs of steps (:class:`~asyncsample.backends.base.StepRun`):
+    the observations and actions of all its runs stacked once, in reply order (a numpy array
+    pickled per run cost the caller more than the rest of its run)."""
+
+    replies: list[tuple[int, int, Any]]
+    obs: np.ndarray
+    actions: np.ndarray
+
+
+def _run_of(value: Any) -> StepRun | None:
+    """The run of a reply's value: the value, or the first of ``(run, obs, final)``."""
+    if type(value) is StepRun:
+        return value
+    if type(value) is tuple and value and type(value[0]) is StepRun:
+        return value[0]
+    return None
+
+
+def pack_runs(out: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]] | RunFrame:
+    """``out`` as it is without runs; else a :class:`RunFrame` of it."""
+    runs = [run for _, _, value in out if (run := _run_of(value)) is not None]
+    if not runs:
+        return out
+    obs = np.stack([row for run in runs for row in run.obs])
+    actions = np.stack([action for run in runs for action in run.actions])
+    for run in runs:
+        run.obs = run.actions = None
+    return RunFrame(out, obs, actions)
+
+
+def unpack_runs(frame: RunFrame) -> list[tuple[int, int, Any]]:
+    """The replies of ``frame``, each run's rows again (views of the frame's columns)."""
+    at = 0
+    for _, _, value in frame.replies:
+        run = _run_of(value)
+        if run is not None:
+            end = at + len(run.rewards)
+            run.obs, run.actions = frame.obs[at:end], frame.actions[at:end]
+            at = end
+    return frame.replies

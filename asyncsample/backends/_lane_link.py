@@ -17,12 +17,18 @@ import cloudpickle
 
 from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
-from asyncsample.backends._column_wire import object_rows, pack_requests, unpack_replies
+from asyncsample.backends._column_wire import (
+    RunFrame,
+    object_rows,
+    pack_requests,
+    unpack_replies,
+    unpack_runs,
+)
 from asyncsample.backends._lane_serve import PENDING, ST_AGENT, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import Incarnation, PoolMember, closed_error
 from asyncsample.backends._transport import ST_OK, dumps
 from asyncsample.backends.aio import PerEnvLockstep
-from asyncsample.backends.base import DeadlinePassed
+from asyncsample.backends.base import DeadlinePassed, StepRun
 from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import LoopBlockedError, WorkerCrashedError, WorkerError
@@ -93,7 +99,9 @@ class LaneLink:
         """A batch of replies came: ``(key, status, value)`` each."""
         waiting, owners, envs = self._waiting, self._owners, self._envs
         replies = pickle.loads(payload)
-        if type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
+        if type(replies) is RunFrame:  # runs of steps, their rows in the frame's columns
+            replies = unpack_runs(replies)
+        elif type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
             replies = unpack_replies(replies)
         for key, status, value in replies:
             future = waiting.pop(key, None)
@@ -148,6 +156,7 @@ class RemoteLanes(PerEnvLockstep):
         self._keys = [0] * self.n_envs
         self._kinds = [0] * self.n_envs
         self._sent_to: list[Any] = [None] * self.n_envs
+        self._run_versions = [0] * self.n_envs  # the version each env's last run was asked under
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         """Build every env (see ``RemoteHost.build``), in the live incarnation."""
@@ -186,12 +195,20 @@ class RemoteLanes(PerEnvLockstep):
         if status == ST_OK:
             buffers = self.buffers
             kind = self._kinds[i]
+            if kind == LaneKind.RUN:
+                (value if type(value) is StepRun else value[0]).version = self._run_versions[i]
             if self._obs_in_reply:
                 value, obs, final = value
                 _put(buffers.obs, i, obs)
                 if final is not None:  # a step that ended its episode: the flags are read too
                     _put(buffers.final_obs, i, final)
-                    buffers.terminated[i], buffers.truncated[i] = value[1], value[2]
+                    if kind == LaneKind.RUN:
+                        buffers.terminated[i], buffers.truncated[i] = (
+                            value.terminated,
+                            value.truncated,
+                        )
+                    else:
+                        buffers.terminated[i], buffers.truncated[i] = value[1], value[2]
             elif kind == LaneKind.STEP or kind == LaneKind.ACT:  # the outcome is in the buffers
                 info, extra = (None, None) if value is None else value
                 value = (
@@ -285,6 +302,27 @@ class RemoteLanes(PerEnvLockstep):
         a future of ``(reward, terminated, truncated, info, action, agent_infos)`` (see
         :meth:`step_soon`)."""
         return self._send(LaneKind.ACT, i, self._left(deadline))
+
+    def reset_soon(self, i: int) -> asyncio.Future[dict[str, Any]]:
+        """:meth:`reset_one` with the pending seed, as a bare future (see :meth:`step_soon`)."""
+        return self._send(LaneKind.RESET, i, PENDING, None, None)
+
+    async def drop_in_flight(self, envs: Sequence[int] | None = None) -> list[int]:
+        """See :meth:`~asyncsample.backends.base.PerEnvHost.drop_in_flight`; the host is told to
+        cancel a bare request in flight (a lane's carrier tells it when cancelled)."""
+        for i in list(self.in_flight) if envs is None else envs:
+            request = self.in_flight.get(i)
+            if request is not None and not request.done() and not isinstance(request, asyncio.Task):
+                self.abandon(i)
+        return await super().drop_in_flight(envs)
+
+    def run_soon(
+        self, i: int, steps: int, version: int, merged: bool, deadline: float | None = None
+    ) -> asyncio.Future[StepRun]:
+        """See :meth:`~asyncsample.backends.base.ActingHost.run_soon`: one request and one reply
+        for the run (see :meth:`step_soon`)."""
+        self._run_versions[i] = version
+        return self._send(LaneKind.RUN, i, self._left(deadline), steps, merged)
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:
         """Build env ``i`` again, in a new host if this one died (its other envs are rebuilt

@@ -21,9 +21,15 @@ import numpy as np
 from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
 from asyncsample._tree import row_copy, tree_map
+from asyncsample.agent import row_draw
 from asyncsample.backends import _watchdog
 from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
-from asyncsample.backends._column_wire import object_rows, pack_replies, unpack_requests
+from asyncsample.backends._column_wire import (
+    object_rows,
+    pack_replies,
+    pack_runs,
+    unpack_requests,
+)
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -37,7 +43,7 @@ from asyncsample.backends._transport import (
     round_trips,
 )
 from asyncsample.backends.aio import LaneHost, make_async_env
-from asyncsample.backends.base import DeadlinePassed, HostSpec
+from asyncsample.backends.base import DeadlinePassed, HostSpec, StepRun
 from asyncsample.env_group import PENDING_SEED, EnvFailure, StepBuffers
 from asyncsample.errors import WorkerError
 from asyncsample.inference.batched import Batched, Batcher
@@ -71,6 +77,7 @@ class LaneKind:
     REBUILD = 2  # (REBUILD, key, slot, env, cloudpickled chain, seed)
     CANCEL = 3  # (CANCEL, key): the caller gave up on request ``key``
     ACT = 4  # (ACT, key, slot, env, seconds left or None): the slot's agent copy acts, env steps
+    RUN = 5  # (RUN, key, slot, env, seconds left or None, steps, merged): ACT up to ``steps`` times
 
 
 #: A reset with the env's pending seed (``PENDING_SEED`` does not survive pickling).
@@ -283,6 +290,7 @@ class LaneServer:
         self.keys: dict[int, tuple[int, int]] = {}  # the env of each request not yet answered
         self.calls: set[asyncio.Task[Any]] = set()
         self.agents: list[Any] = [None] * len(self.slots)  # inference="host": agent copies
+        self.changes = [0] * len(self.slots)  # per slot, its agent copy's installs and updates
         self._batchers: list[Batcher | None] = [None] * len(self.slots)  # their merged calls
 
     async def shut(self) -> None:
@@ -309,9 +317,11 @@ class LaneServer:
         try:
             if op == Op.AGENT:
                 self.agents[k] = install_agent(bytes(body))
+                self.changes[k] += 1
                 return ST_OK, b""
             if op == Op.PARAMS:
                 set_agent_params(self.agents[k], bytes(body), slot.spec.worker)
+                self.changes[k] += 1
                 return ST_OK, b""
             args = pickle.loads(body) if len(body) else ()
             value: Any = None
@@ -385,6 +395,9 @@ class LaneServer:
                 elif kind == LaneKind.ACT:
                     when = None if request[4] is None else loop.time() + request[4]
                     value = await self._act(request[2], host, i, when)
+                elif kind == LaneKind.RUN:
+                    when = None if request[4] is None else loop.time() + request[4]
+                    value = await self._run(request[2], host, i, when, request[5], request[6])
                 elif kind == LaneKind.RESET:
                     seed = PENDING_SEED if request[4] == PENDING else request[4]
                     when = None if request[6] is None else loop.time() + request[6]
@@ -401,9 +414,14 @@ class LaneServer:
                     or isinstance(buffers.obs, list)
                     or id(host) in self._rows_travel
                 ):
-                    ended = isinstance(value, tuple) and (value[1] or value[2])
+                    if kind == LaneKind.RUN:
+                        ended = value.terminated or value.truncated
+                    else:
+                        ended = isinstance(value, tuple) and (value[1] or value[2])
                     final = _row(buffers.final_obs, i) if ended else None
                     value = (value, _row(buffers.obs, i), final)
+                elif kind == LaneKind.RUN:  # the last step's outcome: in the shared buffers
+                    buffers.terminated[i], buffers.truncated[i] = value.terminated, value.truncated
                 elif kind == LaneKind.STEP or kind == LaneKind.ACT:
                     # The caller shares the buffers: the outcome goes there, the reply carries
                     # the infos only, if any (a reply of floats, flags and dicts pickled and
@@ -440,13 +458,53 @@ class LaneServer:
                 self.flushing = True
                 loop.call_soon(self._flush)
 
+    async def _run(
+        self, k: int, host: LaneHost, i: int, when: float | None, steps: int, merged: bool
+    ) -> StepRun:
+        """Env ``i`` of slot ``k`` takes up to ``steps`` steps with its agent copy's actions,
+        stopping at its episode's end, or where the copy changed (an update: the caller stamps
+        the run with the version it asked under); every step's records travel in one reply.
+        Unless ``merged``, the built-in random agent draws each row on the spot (metrics off:
+        they time the merged calls)."""
+        obs = host.buffers.obs
+        changes, change = self.changes, self.changes[k]
+        draw = None
+        if not merged and host.buffers.clock is None:
+            draw = row_draw(self.agents[k], host.spec.action_space)
+        seen, actions, rewards = [], [], []
+        infos: list[tuple[int, dict[str, Any]]] = []
+        agent_infos: list[tuple[int, dict[str, Any]]] = []
+        terminated = truncated = False
+        for j in range(steps):
+            if changes[k] != change:
+                break
+            seen.append(_row(obs, i))
+            if draw is None:
+                reward, terminated, truncated, info, action, extra = await self._act(
+                    k, host, i, when, keep=True
+                )
+                if extra:
+                    agent_infos.append((j, extra))
+            else:
+                action = draw()
+                reward, terminated, truncated, info = await host.step_one(
+                    i, action, when, host.tick()
+                )
+            actions.append(action)
+            rewards.append(reward)
+            if info:
+                infos.append((j, info))
+            if terminated or truncated:
+                break
+        return StepRun(seen, actions, rewards, infos, agent_infos, terminated, truncated)
+
     async def _act(
-        self, k: int, host: LaneHost, i: int, when: float | None
+        self, k: int, host: LaneHost, i: int, when: float | None, keep: bool = False
     ) -> tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]:
         """Env ``i`` of slot ``k`` steps with the action its agent copy picks for its observation:
         ``(reward, terminated, truncated, info, action, agent_infos)``; the action ``None`` where
-        the caller shares the step buffers: it is in their ``actions`` row (numpy scalars and
-        rows cost more to pickle than the rest of a reply)."""
+        the caller shares the step buffers (and ``keep`` is false): it is in their ``actions``
+        row (numpy scalars and rows cost more to pickle than the rest of a reply)."""
         agent = self.agents[k]
         worker = host.spec.worker
         if agent is None:
@@ -470,7 +528,8 @@ class LaneServer:
             raise _agent_fault(exc, worker) from None
         reward, terminated, truncated, info = await host.step_one(i, action, when, host.tick())
         if (
-            self.obs_in_reply
+            keep
+            or self.obs_in_reply
             or isinstance(host.buffers.actions, list)
             or id(host) in self._rows_travel
         ):
@@ -504,7 +563,7 @@ class LaneServer:
             if batcher is not None and batcher.timer is not None and batcher.timer.calls:
                 record_agent_calls(slot.buffers.clock, *batcher.timer.drain())  # type: ignore[arg-type]
         if out:
-            self._send(dumps(pack_replies(out, ST_OK) if self._pack else out))
+            self._send(dumps(pack_replies(out, ST_OK) if self._pack else pack_runs(out)))
 
 
 @dataclass

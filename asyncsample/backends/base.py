@@ -32,7 +32,9 @@ __all__ = [
     "LockstepHost",
     "ProcessPool",
     "RestartBudget",
+    "RunHost",
     "SentStep",
+    "StepRun",
     "agent_note",
     "failure_error",
     "reject_unknown_options",
@@ -377,10 +379,35 @@ class BareStepHost(PerEnvHost, Protocol):
         ...
 
 
+@dataclass(slots=True)
+class StepRun:
+    """Up to ``k`` steps of one env taken in its host with its agent copy's actions, answered at
+    once (:meth:`ActingHost.run_soon`): the caller's cost is per run, not per step.
+
+    Attributes:
+        obs, actions: per step, stacked: the observation each action was chosen for, the action
+            (in the host, lists of rows, stacked once per reply frame for all its runs).
+        rewards: per step.
+        infos, agent_infos: ``(step, info)`` for the steps whose env or agent info is not empty.
+        terminated, truncated: the last step's flags (a run stops at its episode's end).
+        version: the agent version its steps ran under (the caller's stamp).
+    """
+
+    obs: Any
+    actions: Any
+    rewards: list[float]
+    infos: list[tuple[int, dict[str, Any]]]
+    agent_infos: list[tuple[int, dict[str, Any]]]
+    terminated: bool
+    truncated: bool
+    version: int = -1
+
+
 @runtime_checkable
 class ActingHost(BareStepHost, Protocol):
     """A :class:`BareStepHost` whose envs' actions its own agent copies pick (async envs in the
-    env hosts with ``inference="host"``): one request per step, the action in the reply."""
+    env hosts with ``inference="host"``): a request per step (:meth:`act_soon`), or per run of
+    steps (:meth:`run_soon`), the actions in the reply."""
 
     def act_soon(
         self, i: int, deadline: float | None = None
@@ -389,6 +416,25 @@ class ActingHost(BareStepHost, Protocol):
         terminated, truncated, info, action, agent_infos)``."""
         ...
 
+    def run_soon(
+        self, i: int, steps: int, version: int, merged: bool, deadline: float | None = None
+    ) -> asyncio.Future[StepRun]:
+        """Let env ``i`` take up to ``steps`` steps with its agent copy's actions, stopping at
+        its episode's end or where the copy changes: a future of their :class:`StepRun`,
+        stamped ``version``. ``merged``: the copy's calls merge the envs' rows (reproducible
+        batches); else the built-in random agent may draw each row on the spot."""
+        ...
+
     async def sync_agent(self) -> int:
         """Send the agent and parameters the host lacks; the agent version in force there."""
+        ...
+
+
+@runtime_checkable
+class RunHost(ActingHost, Protocol):
+    """An :class:`ActingHost` whose resets are bare futures too (the runs' stepper asks each env
+    for its next request from a callback, no coroutine per env)."""
+
+    def reset_soon(self, i: int) -> asyncio.Future[dict[str, Any]]:
+        """Reset env ``i`` with its pending seed: a future of its reset info."""
         ...

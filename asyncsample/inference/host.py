@@ -25,13 +25,12 @@ from asyncsample._engine import (
     CallMode,
     Continuity,
     Episodes,
-    QuotaView,
     RecordStep,
-    SharedQuota,
     StopRule,
     Transition,
     transition_at,
 )
+from asyncsample._quotas import QuotaView, SharedQuota
 from asyncsample._recorder import Resume, row_of
 from asyncsample._tree import Tree, tree_map
 from asyncsample.backends import (

@@ -8,6 +8,8 @@ from contextlib import asynccontextmanager, nullcontext
 from typing import Any, Protocol
 
 from asyncsample._engine import Episodes, Part, Stepper, StepStepper
+from asyncsample._env_runs import RunStepper
+from asyncsample._env_runs import fits as runs_fit
 from asyncsample._env_tasks import LaneSettings, LaneStepper
 from asyncsample.agent import Agent
 from asyncsample.backends.base import ActingHost, PerEnvHost
@@ -195,6 +197,8 @@ class HostMode(InferenceMode):
         """One chunk per request, the next round's first chunk sent as the part ends; with
         lanes, one lane per env, the host's agent copy acting."""
         if self.lanes is not None:
+            if runs_fit(worker, part):  # type: ignore[arg-type]
+                return RunStepper(worker, part, self.lanes)  # type: ignore[arg-type]
             return LaneStepper(worker, None, part, self.lanes)  # type: ignore[arg-type]
         return ChunkStepper(worker, self.options.chunk_steps, self.ahead, part.then, part.quota)
 
