@@ -137,10 +137,9 @@ class FreeQuota:
 
     def run_steps(self, most: int) -> int:
         """How many steps an env may take in one run (:meth:`ActingHost.run_soon`): its even
-        part of what the quota still lacks, between 1 and ``most`` (a run past the quota goes
-        on into the next call)."""
-        lacking = self.target - self.total
-        return max(1, min(most, -(-lacking // self.envs)))
+        part of the quota, between 1 and ``most`` (a run past the quota goes on into the next
+        call)."""
+        return max(1, min(most, -(-self.target // self.envs)))
 
     def set(self, worker: int, count: int) -> None:
         """``worker`` would now return ``count`` transitions (after a drop or a restart: its

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from asyncsample import _leaves
-from asyncsample._tree import Tree, tree_leaves
+from asyncsample._tree import Tree, stack_rows, tree_leaves
 from asyncsample.backends.base import HostSpec, StepRun
 from asyncsample.env_group import StepBuffers, StepInfos
 
@@ -301,43 +301,99 @@ def unpack_replies(message: tuple[Any, ...]) -> list[tuple[int, int, Any]]:
 
 
 class RunFrame(NamedTuple):
-    """A batch of lane replies with runs of steps (:class:`~asyncsample.backends.base.StepRun`):
-    the observations and actions of all its runs stacked once, in reply order (a numpy array
-    pickled per run cost the caller more than the rest of its run)."""
+    """A batch of lane replies with runs of steps (:class:`~asyncsample.backends.base.StepRun`)
+    of plain numeric rows: every run's steps in columns of the frame, in run order (a numpy
+    array, or a run object, pickled per run cost the caller more than the rest of its run).
 
-    replies: list[tuple[int, int, Any]]
-    obs: np.ndarray
-    actions: np.ndarray
+    Attributes:
+        others: the replies that are not runs, as they are.
+        keys, lengths: per run, its request's key and its steps.
+        rewards: every step's reward (float64 bytes); ``flags``: per run, terminated and
+            truncated (a byte each).
+        obs, actions: every step's row, as ``(bytes, dtype, shape)``.
+        infos, agent_infos: ``(run, step, info)`` where not empty.
+    """
+
+    others: list[tuple[int, int, Any]]
+    keys: list[int]
+    lengths: list[int]
+    rewards: bytes
+    flags: bytes
+    obs: tuple[bytes, str, tuple[int, ...]]
+    actions: tuple[bytes, str, tuple[int, ...]]
+    infos: list[tuple[int, int, dict[str, Any]]]
+    agent_infos: list[tuple[int, int, dict[str, Any]]]
 
 
-def _run_of(value: Any) -> StepRun | None:
-    """The run of a reply's value: the value, or the first of ``(run, obs, final)``."""
-    if type(value) is StepRun:
-        return value
-    if type(value) is tuple and value and type(value[0]) is StepRun:
-        return value[0]
-    return None
+def _numeric(row: Any) -> bool:
+    """Whether a row is plain numbers (its column travels as raw bytes)."""
+    return isinstance(row, (np.ndarray, np.generic)) and row.dtype.kind in "biuf"
+
+
+def _raw(rows: list[Any]) -> tuple[bytes, str, tuple[int, ...]]:
+    column = np.stack(rows)
+    return column.tobytes(), column.dtype.str, column.shape
 
 
 def pack_runs(out: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]] | RunFrame:
-    """``out`` as it is without runs; else a :class:`RunFrame` of it."""
-    runs = [run for _, _, value in out if (run := _run_of(value)) is not None]
+    """``out`` as it is without runs (their rows stacked per run where they are not plain
+    numbers); else a :class:`RunFrame` of it."""
+    runs = [reply for reply in out if type(reply[2]) is StepRun]
     if not runs:
         return out
-    obs = np.stack([row for run in runs for row in run.obs])
-    actions = np.stack([action for run in runs for action in run.actions])
-    for run in runs:
-        run.obs = run.actions = None
-    return RunFrame(out, obs, actions)
+    first = runs[0][2]
+    if not (_numeric(first.obs[0]) and _numeric(first.actions[0])):  # (one space per sampler)
+        for _, _, run in runs:
+            run.obs, run.actions = stack_rows(run.obs), stack_rows(run.actions)
+        return out
+    raw_obs = _raw([row for _, _, run in runs for row in run.obs])
+    raw_actions = _raw([action for _, _, run in runs for action in run.actions])
+    flags = bytearray()
+    infos: list[tuple[int, int, dict[str, Any]]] = []
+    agent_infos: list[tuple[int, int, dict[str, Any]]] = []
+    for r, (_, _, run) in enumerate(runs):
+        flags += bytes((run.terminated, run.truncated))
+        infos.extend((r, j, info) for j, info in run.infos)
+        agent_infos.extend((r, j, info) for j, info in run.agent_infos)
+    return RunFrame(
+        [reply for reply in out if type(reply[2]) is not StepRun],
+        [key for key, _, _ in runs],
+        [len(run.rewards) for _, _, run in runs],
+        np.array([r for _, _, run in runs for r in run.rewards], dtype=np.float64).tobytes(),
+        bytes(flags),
+        raw_obs,
+        raw_actions,
+        infos,
+        agent_infos,
+    )
 
 
-def unpack_runs(frame: RunFrame) -> list[tuple[int, int, Any]]:
-    """The replies of ``frame``, each run's rows again (views of the frame's columns)."""
-    at = 0
-    for _, _, value in frame.replies:
-        run = _run_of(value)
-        if run is not None:
-            end = at + len(run.rewards)
-            run.obs, run.actions = frame.obs[at:end], frame.actions[at:end]
-            at = end
-    return frame.replies
+def unpack_runs(frame: RunFrame, ok: int) -> list[tuple[int, int, Any]]:
+    """The replies of ``frame``, each run's (status ``ok``) rows views of its columns."""
+
+    def column(raw: tuple[bytes, str, tuple[int, ...]]) -> np.ndarray:
+        return np.frombuffer(raw[0], dtype=raw[1]).reshape(raw[2])
+
+    obs, actions = column(frame.obs), column(frame.actions)
+    rewards = np.frombuffer(frame.rewards, dtype=np.float64).tolist()
+    infos: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for r, j, info in frame.infos:
+        infos.setdefault(r, []).append((j, info))
+    agent_infos: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for r, j, info in frame.agent_infos:
+        agent_infos.setdefault(r, []).append((j, info))
+    out, flags, at = frame.others, frame.flags, 0
+    for r, (key, n) in enumerate(zip(frame.keys, frame.lengths, strict=True)):
+        end = at + n
+        run = StepRun(
+            obs[at:end],
+            actions[at:end],
+            rewards[at:end],
+            infos.get(r, []),
+            agent_infos.get(r, []),
+            bool(flags[2 * r]),
+            bool(flags[2 * r + 1]),
+        )
+        out.append((key, ok, run))
+        at = end
+    return out

@@ -100,7 +100,7 @@ class LaneLink:
         waiting, owners, envs = self._waiting, self._owners, self._envs
         replies = pickle.loads(payload)
         if type(replies) is RunFrame:  # runs of steps, their rows in the frame's columns
-            replies = unpack_runs(replies)
+            replies = unpack_runs(replies, ST_OK)
         elif type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
             replies = unpack_replies(replies)
         for key, status, value in replies:
