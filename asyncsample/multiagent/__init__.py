@@ -28,6 +28,12 @@ from asyncsample.multiagent.checks import (
     is_async_parallel_env,
     is_parallel_env,
 )
+from asyncsample.multiagent.policies import (
+    DEFAULT_POLICY,
+    PolicyGroups,
+    PolicyMapping,
+    group_policies,
+)
 from asyncsample.multiagent.protocols import (
     AgentID,
     AsyncParallelEnv,
@@ -36,20 +42,39 @@ from asyncsample.multiagent.protocols import (
     ParallelEnvLike,
     PolicyID,
 )
+from asyncsample.multiagent.rows import AgentRows, RowKey
+from asyncsample.multiagent.tracker import (
+    ActRequest,
+    JointTransition,
+    RowTracker,
+    StepOutcome,
+    action_mask_of,
+)
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "ActRequest",
     "AgentID",
+    "AgentRows",
     "AsyncParallelAdapter",
     "AsyncParallelEnv",
     "BlockingParallelAdapter",
     "JointReset",
     "JointStep",
+    "JointTransition",
     "ParallelEnvLike",
     "ParallelEnvSpec",
+    "PolicyGroups",
     "PolicyID",
+    "PolicyMapping",
+    "RowKey",
+    "RowTracker",
+    "StepOutcome",
+    "action_mask_of",
     "as_async_parallel_env",
     "check_parallel_env",
     "check_parallel_env_factory",
+    "group_policies",
     "is_async_parallel_env",
     "is_parallel_env",
 ]
