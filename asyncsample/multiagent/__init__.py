@@ -42,6 +42,13 @@ from asyncsample.multiagent.protocols import (
     ParallelEnvLike,
     PolicyID,
 )
+from asyncsample.multiagent.reference import (
+    RandomActions,
+    Rollout,
+    Turn,
+    areference_rollout,
+    reference_rollout,
+)
 from asyncsample.multiagent.rows import AgentRows, RowKey
 from asyncsample.multiagent.tracker import (
     ActRequest,
@@ -67,14 +74,19 @@ __all__ = [
     "PolicyGroups",
     "PolicyID",
     "PolicyMapping",
+    "RandomActions",
+    "Rollout",
     "RowKey",
     "RowTracker",
     "StepOutcome",
+    "Turn",
     "action_mask_of",
+    "areference_rollout",
     "as_async_parallel_env",
     "check_parallel_env",
     "check_parallel_env_factory",
     "group_policies",
     "is_async_parallel_env",
     "is_parallel_env",
+    "reference_rollout",
 ]

@@ -99,7 +99,9 @@ def is_async_parallel_env(obj: object) -> bool:
 
 
 def _kind(obj: object) -> str:
-    return type(obj).__name__
+    """``obj``'s type, and its gymnasium id where it has one."""
+    env_id = getattr(getattr(obj, "spec", None), "id", None)
+    return type(obj).__name__ + (f" (id {env_id!r})" if isinstance(env_id, str) else "")
 
 
 def _refuse_other_kinds(env: object, name: str) -> None:
@@ -176,14 +178,15 @@ def _check_agents(env: Any, name: str) -> tuple[AgentID, ...]:
 def _space_of(env: object, name: str, which: str, agent: AgentID) -> gym.Space[Any]:
     """``env.<which>(agent)``, or the entry of PettingZoo's older ``<which>s`` dict."""
     kind = _kind(env)
-    method = getattr(env, which, None)
-    table = getattr(env, which + "s", None)
-    if not _is_agent_method(env, which) and not isinstance(table, Mapping):
+    has_method = _is_agent_method(env, which)
+    # The older dict only where there is no method: PettingZoo's wrappers warn when it is read.
+    table = None if has_method else getattr(env, which + "s", None)
+    if not has_method and not isinstance(table, Mapping):
         raise ParallelEnvError(
             f"{name}: expected {_EXPECTED}; got {kind}, which has no {which}(agent) method"
         )
     try:
-        space = method(agent) if _is_agent_method(env, which) else table[agent]  # type: ignore[index,misc]
+        space = getattr(env, which)(agent) if has_method else table[agent]  # type: ignore[index]
     except Exception as exc:
         raise ParallelEnvError(
             f"{name}: {kind}.{which}({agent!r}) raised {type(exc).__name__}: {exc} (every "

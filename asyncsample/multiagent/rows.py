@@ -136,8 +136,10 @@ class AgentRows:
         }
 
     def select(self, index: Any) -> AgentRows:
-        """The rows ``index`` picks (a boolean mask, or integer indices in the order wanted)."""
-        index = np.asarray(index)
+        """The rows ``index`` picks: a boolean mask, integer indices in the order wanted, or a
+        slice."""
+        if not isinstance(index, slice):
+            index = np.asarray(index)
         infos = {k: tree_index(v, index) for k, v in self.env_infos.items()}
         return dataclasses.replace(
             self,
