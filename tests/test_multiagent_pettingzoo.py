@@ -9,6 +9,7 @@ butterfly envs need its ``butterfly`` extra). Pistonball's check takes seconds: 
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import warnings
 from collections.abc import Callable, Iterator
@@ -30,8 +31,8 @@ from asyncsample.multiagent import (
 )
 from asyncsample.multiagent.testing import AsyncRosterEnv, RosterEnv
 
-pytest.importorskip("pettingzoo")
-from pettingzoo.test import parallel_api_test
+pettingzoo = pytest.importorskip("pettingzoo")
+from pettingzoo.test import parallel_api_test  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,13 +44,24 @@ LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
 API_WARNINGS = ("was not given", "but was dead", "not all possible_agents", "No agents present")
 
 
-def pettingzoo_env(module: str) -> Callable[[], Any]:
-    """The ``parallel_env`` factory of a PettingZoo module, skipping if it cannot be imported
-    (a family whose extra is not installed)."""
+def pettingzoo_env(env_id: str) -> Callable[[], Any]:
+    """A factory of the Parallel env ``env_id`` (``"butterfly/pistonball-v6"``): PettingZoo's
+    registry (``pettingzoo.make``, 1.27 on), else the env module's ``parallel_env`` (older
+    releases, whose registry ids differ). Skips if the env's family cannot be imported (its
+    extra is not installed)."""
+    make = getattr(pettingzoo, "make", None)
+    if make is not None:
+        try:
+            make("parallel", env_id).close()
+        except ImportError as exc:  # FailedToImport is one
+            pytest.skip(f"{env_id} cannot be made: {exc}")
+        return functools.partial(make, "parallel", env_id)
+    family, name = env_id.split("/")
+    module = f"pettingzoo.{family}.{name.replace('-v', '_v')}"
     try:
-        return importlib.import_module(f"pettingzoo.{module}").parallel_env  # type: ignore[no-any-return]
+        return importlib.import_module(module).parallel_env  # type: ignore[no-any-return]
     except ImportError as exc:
-        pytest.skip(f"pettingzoo.{module} cannot be imported: {exc}")
+        pytest.skip(f"{module} cannot be imported: {exc}")
 
 
 @pytest.fixture
@@ -100,9 +112,9 @@ def test_a_short_max_cycles_passes(capsys: pytest.CaptureFixture[str]) -> None:
 
 # --- PettingZoo's envs through our adapters -------------------------------------------------
 
-QUICK = ["classic.rps_v2", "butterfly.cooperative_pong_v6"]
+QUICK = ["classic/rps-v2", "butterfly/cooperative_pong-v6"]
 #: PettingZoo's check takes more than a second on these (5 s on Pistonball).
-SLOW = ["butterfly.knights_archers_zombies_v11", "butterfly.pistonball_v6"]
+SLOW = ["butterfly/knights_archers_zombies-v11", "butterfly/pistonball-v6"]
 
 
 @pytest.mark.parametrize("module", QUICK + [pytest.param(m, marks=pytest.mark.slow) for m in SLOW])
@@ -128,11 +140,10 @@ def test_pettingzoo_envs_pass_our_check(module: str) -> None:
 
 
 def test_knights_archers_zombies_dead_agents_get_no_more_rows() -> None:
-    make = pettingzoo_env("butterfly.knights_archers_zombies_v11")
+    make = pettingzoo_env("butterfly/knights_archers_zombies-v11")
     spec = check_parallel_env(make())
-    result = reference_rollout(make, 0, RandomActions(spec, 0), 400)
+    result = reference_rollout(make, 6, RandomActions(spec, 6), 130)
     rows = result.rows["default"]  # archers and knights share their spaces
-    assert result.env_episodes >= 1
     ends: dict[tuple[int, int], int] = {}  # (env, episode) -> its last env step
     for (env, _, episode), idx in rows.segments().items():
         ends[(env, episode)] = max(ends.get((env, episode), -1), int(rows.env_steps[idx].max()))
@@ -144,18 +155,18 @@ def test_knights_archers_zombies_dead_agents_get_no_more_rows() -> None:
         assert not seg.dones[:-1].any(), (agent, episode)  # only the last row ends it
         if seg.dones[-1] and seg.env_steps[-1] < ends[(env, episode)]:
             died_early += 1  # the episode went on without it: no row of it after its death
-    assert died_early >= 1  # with this seed a knight dies well before its episode ends
+    assert died_early >= 1  # with this seed archer_1 dies on step 118, and the others go on
 
 
 def test_the_tracker_follows_pettingzoos_live_agents() -> None:
-    make = pettingzoo_env("butterfly.knights_archers_zombies_v11")
+    make = pettingzoo_env("butterfly/knights_archers_zombies-v11")
     env = make()
     spec = check_parallel_env(env)
     tracker, choose = RowTracker(spec), RandomActions(spec, 1)
     try:
         obs, infos = env.reset(seed=1)
         tracker.reset(0, obs, infos)
-        for _ in range(300):
+        for _ in range(150):
             if not tracker.running[0]:
                 assert not env.agents
                 obs, infos = env.reset()
