@@ -239,6 +239,9 @@ def test_stepping_outside_an_episode_is_refused() -> None:
         t.step(**vars(joint(2, ["scout_0"], 1.0)))
     with pytest.raises(AgentStepError, match="no agent"):
         t.reset(1, {}, {})
+    with pytest.raises(AgentStepError, match="reset's observations hold agent 'ghost'"):
+        t.reset(0, {"scout_0": obs_of("scout_0", 0), "ghost": 0}, {})
+    assert t.episodes.tolist() == [0, -1] and not t.running[0]  # unchanged
 
 
 def test_max_episode_length_truncates_every_live_agent() -> None:

@@ -215,7 +215,7 @@ class RowTracker:
 
         Raises:
             AgentStepError: ``env`` is out of range, or the observations hold an agent the env
-                never declared, or none at all.
+                never declared, or none at all; the tracker's state is then unchanged.
         """
         self._check_env(env)
         if not observations:
@@ -224,6 +224,7 @@ class RowTracker:
                 "one live agent)",
                 env=env,
             )
+        slots = {agent: self._slot(env, agent, "reset's observations") for agent in observations}
         self.live[env] = False
         self.finished[env] = False
         self.agent_steps[env] = 0
@@ -233,8 +234,7 @@ class RowTracker:
         self._obs[env].clear()
         self._masks[env].clear()
         for agent, obs in observations.items():
-            slot = self._slot(env, agent, "reset's observations")
-            self._join(env, slot, obs, _info(infos, agent))
+            self._join(env, slots[agent], obs, _info(infos, agent))
 
     def step(
         self,
