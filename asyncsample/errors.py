@@ -8,11 +8,14 @@ from typing import Any
 
 __all__ = [
     "AgentRowsError",
+    "AgentStepError",
     "AsyncSampleError",
     "ChatRequestError",
     "ChatTimeoutError",
     "CheckpointError",
     "LoopBlockedError",
+    "ParallelEnvError",
+    "PolicyMappingError",
     "SamplerBusyError",
     "SamplerClosedError",
     "StepTimeoutError",
@@ -218,3 +221,34 @@ class CheckpointError(AsyncSampleError, ValueError):
     """A checkpoint cannot be taken now, or a :class:`~asyncsample.SamplerState` cannot be used:
     a file that is corrupt, truncated or of another format, or a state of another sampler's
     shape (the message names the path or the difference)."""
+
+
+class ParallelEnvError(AsyncSampleError, TypeError):
+    """A multi-agent env, or its factory, is not a PettingZoo ``ParallelEnv`` (nor its async
+    twin) the multi-agent layer can use; the message names the argument, what was expected and
+    what was given (:func:`asyncsample.multiagent.check_parallel_env`)."""
+
+
+class PolicyMappingError(AsyncSampleError, ValueError):
+    """A ``policy_mapping`` (agent id -> policy id) that does not fit the env: not a callable
+    nor a mapping, an agent it leaves out, an unhashable policy id, or agents of one policy
+    with different observation or action spaces."""
+
+
+class AgentStepError(AsyncSampleError, ValueError):
+    """A joint step of a multi-agent env that breaks the rules of agents as rows: an action for
+    an agent that is not live, a live agent missing from a result dict, an agent that comes
+    back after it was done in the same episode, an agent the env never declared.
+
+    Attributes:
+        env: the index of the env whose step it was.
+        agent: the agent id concerned, or ``None`` when the step as a whole is wrong.
+    """
+
+    def __init__(self, message: str, *, env: int, agent: object = None) -> None:
+        self.env = env
+        self.agent = agent
+        super().__init__(message)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]  # keeps the keyword-only fields
+        return (_rebuild, (type(self), self.args, self.__dict__))
