@@ -325,13 +325,17 @@ class RunFrame(NamedTuple):
     agent_infos: list[tuple[int, int, dict[str, Any]]]
 
 
-def _numeric(row: Any) -> bool:
-    """Whether a row is plain numbers (its column travels as raw bytes)."""
-    return isinstance(row, (np.ndarray, np.generic)) and row.dtype.kind in "biuf"
+def _numeric(rows: Any) -> bool:
+    """Whether a run's rows are a block of plain numbers (its column travels as raw bytes)."""
+    return type(rows) is np.ndarray and rows.dtype.kind in "biuf"
 
 
-def _raw(rows: list[Any]) -> tuple[bytes, str, tuple[int, ...]]:
-    column = np.stack(rows)
+def _stacked(rows: Any) -> Any:
+    return rows if type(rows) is np.ndarray else stack_rows(rows)
+
+
+def _raw(blocks: list[np.ndarray]) -> tuple[bytes, str, tuple[int, ...]]:
+    column = np.concatenate(blocks)
     return column.tobytes(), column.dtype.str, column.shape
 
 
@@ -342,12 +346,12 @@ def pack_runs(out: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]] | R
     if not runs:
         return out
     first = runs[0][2]
-    if not (_numeric(first.obs[0]) and _numeric(first.actions[0])):  # (one space per sampler)
+    if not (_numeric(first.obs) and _numeric(first.actions)):  # (one space per sampler)
         for _, _, run in runs:
-            run.obs, run.actions = stack_rows(run.obs), stack_rows(run.actions)
+            run.obs, run.actions = _stacked(run.obs), _stacked(run.actions)
         return out
-    raw_obs = _raw([row for _, _, run in runs for row in run.obs])
-    raw_actions = _raw([action for _, _, run in runs for action in run.actions])
+    raw_obs = _raw([run.obs for _, _, run in runs])
+    raw_actions = _raw([run.actions for _, _, run in runs])
     flags = bytearray()
     infos: list[tuple[int, int, dict[str, Any]]] = []
     agent_infos: list[tuple[int, int, dict[str, Any]]] = []

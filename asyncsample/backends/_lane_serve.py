@@ -466,19 +466,27 @@ class LaneServer:
         the run with the version it asked under); every step's records travel in one reply.
         Unless ``merged``, the built-in random agent draws each row on the spot (metrics off:
         they time the merged calls)."""
-        obs = host.buffers.obs
+        buffers = host.buffers
+        obs, given = buffers.obs, buffers.actions
         changes, change = self.changes, self.changes[k]
         draw = None
-        if not merged and host.buffers.clock is None:
+        if not merged and buffers.clock is None:
             draw = row_draw(self.agents[k], host.spec.action_space)
-        seen, actions, rewards = [], [], []
+        # Plain rows go straight into blocks of the run's length (no copy per row to stack).
+        blocks = type(obs) is np.ndarray and type(given) is np.ndarray
+        seen: Any = np.empty((steps, *obs.shape[1:]), obs.dtype) if blocks else []
+        actions: Any = np.empty((steps, *given.shape[1:]), given.dtype) if blocks else []
+        rewards: list[float] = []
         infos: list[tuple[int, dict[str, Any]]] = []
         agent_infos: list[tuple[int, dict[str, Any]]] = []
         terminated = truncated = False
         for j in range(steps):
             if changes[k] != change:
                 break
-            seen.append(_row(obs, i))
+            if blocks:
+                seen[j] = obs[i]
+            else:
+                seen.append(_row(obs, i))
             if draw is None:
                 reward, terminated, truncated, info, action, extra = await self._act(
                     k, host, i, when, keep=True
@@ -490,12 +498,17 @@ class LaneServer:
                 reward, terminated, truncated, info = await host.step_one(
                     i, action, when, host.tick()
                 )
-            actions.append(action)
+            if blocks:
+                actions[j] = action
+            else:
+                actions.append(action)
             rewards.append(reward)
             if info:
                 infos.append((j, info))
             if terminated or truncated:
                 break
+        if blocks:
+            seen, actions = seen[: len(rewards)], actions[: len(rewards)]
         return StepRun(seen, actions, rewards, infos, agent_infos, terminated, truncated)
 
     async def _act(
