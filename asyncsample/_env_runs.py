@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -25,6 +26,21 @@ if TYPE_CHECKING:
     from asyncsample.worker import Worker
 
 __all__ = ["RunStepper", "fits"]
+
+#: The stepper of each host's current call (a reply is applied by the call in progress when it
+#: comes, not by the one that asked for it: a run asked in one call often ends in the next).
+_STEPPERS: weakref.WeakKeyDictionary[Any, RunStepper] = weakref.WeakKeyDictionary()
+
+
+def _route(host: Any, i: int, future: asyncio.Future[Any]) -> None:
+    """Hand env ``i``'s answered request to its host's current stepper (its error marked as
+    seen: the sampler may close first); between calls it waits in ``in_flight``."""
+    if future.cancelled():
+        return
+    future.exception()
+    stepper = _STEPPERS.get(host)
+    if stepper is not None and stepper.active and host.in_flight.get(i) is future:
+        stepper.apply(i, future)
 
 
 def fits(worker: Worker, part: Part) -> bool:
@@ -83,6 +99,7 @@ class RunStepper:
         steps = rule.start_envs(self.worker.n_envs, lacking)
         in_flight = self.host.in_flight
         self.active = True
+        _STEPPERS[self.host] = self
         try:
             while not pool.met:  # (again if a drop after the quota was in reopened it)
                 self.stop = stop = asyncio.get_running_loop().create_future()
@@ -93,10 +110,12 @@ class RunStepper:
                         if i not in self.rebuilt:
                             self._next(i)
                     elif future.done():
-                        self._reply(i, future)
+                        self.apply(i, future)
                 await stop
         finally:
             self.active = False
+            if _STEPPERS.get(self.host) is self:
+                del _STEPPERS[self.host]
             for task in self.rebuilding:
                 task.cancel()
             if self.rebuilding:
@@ -130,18 +149,9 @@ class RunStepper:
             self._failed(i, exc)
             return
         host.in_flight[i] = future
-        future.add_done_callback(functools.partial(self._replied, i))
+        future.add_done_callback(functools.partial(_route, host, i))
 
-    def _replied(self, i: int, future: asyncio.Future[Any]) -> None:
-        """A request of env ``i`` was answered: applied now, or by the next call (its error
-        marked as seen: the sampler may close first)."""
-        if future.cancelled():
-            return
-        future.exception()
-        if self.active and self.host.in_flight.get(i) is future:
-            self._reply(i, future)
-
-    def _reply(self, i: int, future: asyncio.Future[Any]) -> None:
+    def apply(self, i: int, future: asyncio.Future[Any]) -> None:
         """Apply env ``i``'s answered request (taken out of ``in_flight``) and ask for the next."""
         del self.host.in_flight[i]
         self.start_obs.pop(i, None)

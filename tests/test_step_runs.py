@@ -4,6 +4,7 @@ answered at once. The records must be exactly those of one request per step."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import os
@@ -15,8 +16,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
-from async_envs import CountingAsyncEnv
-from helpers import SamplerFactory
+from async_envs import CountingAsyncEnv, GatedAsyncEnv
+from helpers import SamplerFactory, touch, wait_until
 
 from asyncsample import EpisodeBatch, StepType
 from asyncsample._env_runs import RunStepper
@@ -221,3 +222,34 @@ async def test_an_env_failing_mid_run_loses_only_its_episode(
             np.testing.assert_array_equal(t, t[0] + np.arange(len(t)), err_msg=str(key))
             if piece.step_types[0] == StepType.FIRST:
                 assert t[0] == 0
+
+
+async def test_a_run_that_ends_in_the_next_call_is_taken_up_by_it(
+    make_sampler: SamplerFactory, tmp_path: Path
+) -> None:
+    gate = tmp_path / "gate"
+    envs = [
+        [
+            functools.partial(GatedAsyncEnv, str(gate)),
+            *[functools.partial(CountingAsyncEnv, 1000, 0.01)] * 2,
+        ]
+    ]
+    sampler = make_sampler(
+        "process", envs, ParityAgent(), inference="host", n_workers=1, envs_per_worker=3, seed=3
+    )
+    try:
+        await sampler.obtain_fragments(12)  # env 0's run waits at the gate
+        host = sampler.workers[0].host
+        assert host is not None
+        asked = host.in_flight[0]
+        assert not asked.done()
+        call = asyncio.ensure_future(sampler.obtain_fragments(400))  # ~2 s of the other envs
+        touch(gate)
+        # The run asked by the first call ends in the second: that call records it and asks
+        # env 0's next run at once (not when a third call begins).
+        await wait_until(lambda: host.in_flight.get(0) not in (None, asked), "env 0's next run")
+        assert not call.done()
+        batch = await call
+    finally:
+        touch(gate)
+    assert 0 in batch.episode_infos["env"].tolist()
