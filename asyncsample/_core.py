@@ -751,7 +751,11 @@ class SamplerCore:
         """A host slot's chunk capacity for chunks of ``chunk_steps`` (host mode)."""
         spec = self.env_spec if spec is None else spec
         return chunk_capacity(
-            spec.observation_space, spec.action_space, self.envs_per_worker, chunk_steps
+            spec.observation_space,
+            spec.action_space,
+            self.envs_per_worker,
+            chunk_steps,
+            arena=self.traits.shared_memory,  # the process backend's hosts: an arena
         )
 
     def warn_if_endless(self) -> None:
