@@ -8,10 +8,8 @@ Info keys are sorted by the rule of :class:`~asyncsample.batch.EpisodeBatch`.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,10 +138,6 @@ def _flat_rows(record: np.ndarray) -> tuple[np.ndarray, int]:
     return record.reshape(-1, *record.shape[2:]), envs
 
 
-_Job = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""A gather's part: ``(records as env rows, the rows to take, where they go)``."""
-
-
 def _gather(
     plans: list[Plan], records: list[Any], like: np.ndarray, memory: BatchMemory | None = None
 ) -> np.ndarray:
@@ -153,52 +147,20 @@ def _gather(
         out = np.empty((total, *like.shape[1:]), dtype=like.dtype)
     else:
         out = memory.take(total, like.shape[1:], like.dtype)
-    jobs: list[_Job] = []
     start = 0
     for plan, record in zip(plans, records):
         n = len(plan.rows)
         if n:
             flat, per_row = _flat_rows(record)
-            jobs.append((flat, plan.rows * per_row + plan.envs, out[start : start + n]))
+            np.take(
+                flat,
+                plan.rows * per_row + plan.envs,
+                axis=0,
+                out=out[start : start + n],
+                mode="clip",  # indices are valid; "raise" would buffer the whole copy
+            )
         start += n
-    if out.nbytes < SPLIT_GATHER_BYTES or _CPUS < 2:
-        _take(jobs)
-        return out
-    halves: tuple[list[_Job], list[_Job]] = ([], [])  # first rows in a helper thread, the rest here
-    for flat, index, dst in jobs:
-        h = len(index) // 2
-        halves[0].append((flat, index[:h], dst[:h]))
-        halves[1].append((flat, index[h:], dst[h:]))
-    helper = _helper().submit(_take, halves[0])
-    try:
-        _take(halves[1])
-    finally:
-        helper.result()
     return out
-
-
-#: A field at least this large is gathered by two threads, each half of every worker's rows
-#: (numpy copies without the GIL; while a call's batch is gathered its hosts wait, so a core is
-#: free): raw frames copy about a third faster (two 100 KB frame gathers on 2 cores).
-SPLIT_GATHER_BYTES = 32 << 20
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-_HELPER: list[ThreadPoolExecutor] = []
-_HELPER_LOCK = threading.Lock()
-
-
-def _helper() -> ThreadPoolExecutor:
-    """The thread that gathers the other half of a large field (made on first use)."""
-    with _HELPER_LOCK:
-        if not _HELPER:
-            _HELPER.append(ThreadPoolExecutor(1, thread_name_prefix="asyncsample-gather"))
-        return _HELPER[0]
-
-
-def _take(jobs: list[_Job]) -> None:
-    """``dst = flat[index]`` for each job (rows of the records into the batch)."""
-    for flat, index, dst in jobs:
-        # indices are valid; "raise" would buffer the whole copy
-        np.take(flat, index, axis=0, out=dst, mode="clip")
 
 
 def assemble(

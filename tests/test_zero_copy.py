@@ -383,22 +383,6 @@ async def test_chunks_are_longer_with_an_arena_and_give_the_same_batches(
         _assert_same(a, b)
 
 
-async def test_a_large_field_gathered_by_two_threads_is_the_same(
-    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Fields gathered in halves by two threads (large ones) give the batches one thread
-    gives."""
-    results = []
-    for split in (1 << 62, 0):
-        monkeypatch.setattr(assembly, "SPLIT_GATHER_BYTES", split)
-        monkeypatch.setattr(assembly, "_CPUS", 2)
-        async with make_sampler(env=FrameEnv) as s:
-            results.append(await _calls_then_stream(s))
-    for a, b in zip(*results, strict=True):
-        _assert_same(a, b)
-        np.testing.assert_array_equal(a.agent_versions, b.agent_versions)
-
-
 def _host(chunk_steps: int) -> Any:
     from asyncsample.inference import Host
 
