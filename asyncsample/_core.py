@@ -748,11 +748,11 @@ class SamplerCore:
                 pickle_agent(a, awaited=self._host_awaits)
 
     def _chunk_capacity(self, chunk_steps: int, spec: EnvSpec | None = None) -> int:
-        """A host slot's chunk capacity for chunks of ``chunk_steps`` (host mode)."""
+        """A host slot's chunk capacity for chunks of ``chunk_steps`` (host mode; shared memory:
+        the process backend's hosts write observations into an arena)."""
         spec = self.env_spec if spec is None else spec
-        return chunk_capacity(
-            spec.observation_space, spec.action_space, self.envs_per_worker, chunk_steps
-        )
+        obs, act, arena = spec.observation_space, spec.action_space, self.traits.shared_memory
+        return chunk_capacity(obs, act, self.envs_per_worker, chunk_steps, arena=arena)
 
     def warn_if_endless(self) -> None:
         self.warned_endless = True

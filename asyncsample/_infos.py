@@ -37,7 +37,15 @@ def snapshot(infos: Any) -> Any:
     if kind is dict:
         return {k: v if type(v) in _SCALARS else snapshot(v) for k, v in infos.items()}
     if kind is list or kind is tuple:
-        return kind(snapshot(v) for v in infos)
+        # A step's env infos: a list of dicts, copied without a call per dict (a host's chunk
+        # loop does this at every step).
+        items = [
+            {k: v if type(v) in _SCALARS else snapshot(v) for k, v in item.items()}
+            if type(item) is dict
+            else snapshot(item)
+            for item in infos
+        ]
+        return items if kind is list else tuple(items)
     if kind is np.ndarray:
         return infos.copy()
     return copy.deepcopy(infos)

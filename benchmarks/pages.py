@@ -396,6 +396,8 @@ FOLDERS: dict[str, str] = {
     "10,000 and 50,000 episodes",
     "async_envs/gc-threshold": "10,000 episodes with the collector's threshold raised in every "
     "contender's processes",
+    "frames": "raw-frame Pong (PongRaw-v5) with inference='host' against the two-loop ceiling "
+    "in one run, and the CPU per step of each side (`benchmarks/frames.py`, issue 53)",
     "handoff": "a request's round trip to another process alone: a byte over a socket pair "
     "against a counter in shared memory (`benchmarks/handoff.py`)",
     "host/pinning": "the host study with the sampler's hosts pinned one per CPU",
@@ -501,6 +503,14 @@ _ROW_LINES: dict[str, tuple[Callable[[Table, list[str]], str], Callable[[list[st
         lambda t, r: (
             f"{r[0]} x{r[1]} per slot: own {t.column(r, 'own us per env step')} us per "
             f"env step ({t.column(r, 'own share of a slot-step')} of a slot-step)"
+        ),
+        lambda r: True,
+    ),
+    "frames": (
+        lambda t, r: (
+            f"{r[0]}: {t.column(r, 'steps/s')} steps/s, {t.column(r, 'of the ceiling')} of the "
+            f"ceiling; CPU us/step: caller {t.column(r, 'caller CPU us/step')}, hosts (loops) "
+            f"{t.column(r, 'hosts (loops) CPU us/step')}"
         ),
         lambda r: True,
     ),

@@ -409,6 +409,22 @@ def test_handoff_times_both_ways_and_cleans_up(tmp_path: Path) -> None:
     assert "| socket, polled |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow
+def test_frames_reports_host_mode_against_the_ceiling(tmp_path: Path) -> None:
+    """``benchmarks.frames --quick``: raw-frame Pong in host mode and the ceiling in one run,
+    their ratio and the CPU per step of each side."""
+    pytest.importorskip("ale_py")
+    from benchmarks.frames import main
+
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["provenance"]["command"] and len(result["host_over_ceiling"]) == 1
+    host, ceiling = result["runs"]["host"][0], result["runs"]["ceiling"][0]
+    assert host["steps_per_s"] > 0 and ceiling["steps_per_s"] > 0
+    assert host["hosts_cpu_us"] > 0 and host["main_cpu_us"] > 0
+    assert "## Target (issue 53, item 3)" in (tmp_path / "results.md").read_text()
+
+
 def test_ab_verdict() -> None:
     from benchmarks.ab import verdict
 

@@ -37,7 +37,7 @@ LONG_MODULES: dict[str, str] = {}
 #: Third-party private names we read, by (module, expression) -> why there is no public way.
 FOREIGN_PRIVATES: dict[tuple[str, str], str] = {
     ("async_env.py", "env._max_episode_steps"): "gymnasium's TimeLimit keeps its limit only there",
-    ("backends/_chunk.py", "sharedctypes._new_value"): "a RawValue without zeroing its memory",
+    ("backends/_transport.py", "sharedctypes._new_value"): "a RawValue without zeroing its memory",
     ("backends/_host_main.py", "os._exit"): "documented: leave a forked host at once",
     ("backends/_procs.py", "forkserver._forkserver"): "the forkserver's pid (no public access)",
     ("backends/_procs.py", "resource_tracker._resource_tracker"): "its pid (no public access)",

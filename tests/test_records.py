@@ -247,8 +247,12 @@ def test_chunk_capacity_is_the_steps_asked_unless_rows_are_large() -> None:
     capacity = chunk_capacity(frame, gym.spaces.Discrete(2), 16, 64)
     assert 1 <= capacity < 64
     assert capacity * 16 * 2 * 84 * 84 * 4 <= CHUNK_BYTES  # obs and final obs fit the budget
+    # With an observation arena the chunk's observations go there: final observations count.
+    assert chunk_capacity(frame, gym.spaces.Discrete(2), 16, 64, arena=True) == 64
     huge = gym.spaces.Box(0, 255, (4096, 4096), np.uint8)
     assert chunk_capacity(huge, gym.spaces.Discrete(2), 1, 64) == 1  # never below one step
+    # No arena fits two chunks of such rows: the budget without one.
+    assert chunk_capacity(huge, gym.spaces.Discrete(2), 64, 64, arena=True) == 1
 
 
 def test_agent_infos_of_a_chunk_are_stacked_when_they_can_be() -> None:

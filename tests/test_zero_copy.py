@@ -362,6 +362,27 @@ async def test_small_arena_and_no_arena_give_the_same_batches(
     assert replayed[1] > 0 and replayed[2] > 0  # the fallbacks did copy
 
 
+async def test_chunks_are_longer_with_an_arena_and_give_the_same_batches(
+    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows too large for long chunks: with an arena (the chunks' observations go there, the
+    sets' own rows take memory once written) the chunks are as long as asked; without one they
+    are short. The batches are the same."""
+    monkeypatch.setattr(_chunk, "CHUNK_BYTES", 5 * 2 * (2 * int(np.prod(SHAPE)) + 20))
+    results, capacities = [], []
+    for rows in (4096, 0):
+        monkeypatch.setattr(_chunk, "ARENA_MAX_ROWS", rows)
+        batches = []
+        for run in (_calls_then_stream, _fragment_stream):
+            async with make_sampler(env=FrameEnv) as s:
+                batches += await run(s)
+                capacities.append({w.host.chunk.capacity for w in s.workers})  # type: ignore[union-attr]
+        results.append(batches)
+    assert capacities == [{64}, {64}, {5}, {5}]
+    for a, b in zip(*results, strict=True):
+        _assert_same(a, b)
+
+
 def _host(chunk_steps: int) -> Any:
     from asyncsample.inference import Host
 

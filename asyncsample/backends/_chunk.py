@@ -14,7 +14,6 @@ import pickle
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from multiprocessing import sharedctypes
 from typing import Any, Protocol
 
 import gymnasium as gym
@@ -29,7 +28,7 @@ from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent, trusted_actions
 from asyncsample.backends._column_wire import unpack_chunk
 from asyncsample.backends._transport import (
-    SharedArray,
+    Unzeroed,
     buffer_rows,
     round_trips,
     shared_buffers,
@@ -58,6 +57,9 @@ __all__ = [
 DEFAULT_CHUNK_STEPS = 64
 #: Shared memory one set of a worker's chunk buffers may take at most (long rows: shorter chunks).
 CHUNK_BYTES = 8 << 20
+#: The same with an observation arena (see :func:`chunk_capacity`): a set's observation rows
+#: are then a fallback, and its final observations are written only where episodes end.
+ARENA_CHUNK_BYTES = 32 << 20
 #: Sets of chunk buffers of a pipelined slot (one replayed while the host fills the other).
 PIPELINE_SETS = 2
 #: Shared memory a worker's observation arena may take at most (address space: only the rows
@@ -171,26 +173,30 @@ def arena_rows(observation_space: gym.Space[Any], n_envs: int, capacity: int) ->
     return rows if rows >= 2 * (capacity + 1) else 0
 
 
-class _Unzeroed:
-    """A ``ctx`` for ``create_shared_memory``: ``RawArray`` blocks not zeroed, so the arena's
-    pages take memory only once written (nothing reads a row before the host wrote it)."""
-
-    def Array(self, typecode_or_type: Any, size: int) -> SharedArray:
-        types = sharedctypes.typecode_to_type  # type: ignore[attr-defined]
-        type_ = types.get(typecode_or_type, typecode_or_type)
-        return SharedArray(sharedctypes._new_value(type_ * size))  # type: ignore[attr-defined]
-
-
 def chunk_capacity(
-    observation_space: gym.Space[Any], action_space: gym.Space[Any], n_envs: int, steps: int
+    observation_space: gym.Space[Any],
+    action_space: gym.Space[Any],
+    n_envs: int,
+    steps: int,
+    arena: bool = False,
 ) -> int:
-    """How many steps a worker's chunk buffers hold: ``steps``, fewer if a row is large."""
+    """How many steps a worker's chunk buffers hold: ``steps``, fewer if a row is large.
+
+    ``arena``: the buffers are shared memory with an observation arena where one fits
+    (:func:`shared_chunk_sets`): the chunk's observations go there, and a set's own observation
+    and final observation rows take memory only once written (a fallback, and the steps where
+    episodes end), so a row counts its final observations once, within :data:`ARENA_CHUNK_BYTES`.
+    """
     probe = StepBuffers.allocate(observation_space, action_space, 1, columns=True)
-    row = sum(a.nbytes for a in tree_leaves(probe.obs)) * 2 + sum(
-        a.nbytes for a in tree_leaves(probe.actions)
-    )
-    row = (row + 10) * n_envs
-    return int(max(1, min(steps, CHUNK_BYTES // max(row, 1))))
+    obs = sum(a.nbytes for a in tree_leaves(probe.obs))
+    act = sum(a.nbytes for a in tree_leaves(probe.actions))
+    row = (obs * 2 + act + 10) * n_envs
+    capacity = int(max(1, min(steps, CHUNK_BYTES // max(row, 1))))
+    if arena and capacity < steps:
+        wide = int(max(1, min(steps, ARENA_CHUNK_BYTES // max((obs + act + 10) * n_envs, 1))))
+        if wide > capacity and arena_rows(observation_space, n_envs, wide):
+            return wide
+    return capacity
 
 
 RawChunks = tuple[int, int, list[Any], Any, tuple[int, Any] | None]
@@ -205,14 +211,22 @@ def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], Raw
         return [], None
     obs_space, n_envs = spec.observation_space, spec.n_envs
     rows = chunk_rows(spec.chunk_steps, PIPELINE_SETS)
+    n_arena = arena_rows(obs_space, n_envs, spec.chunk_steps)
+    # With an arena, the sets' observation rows are a fallback and their final observations are
+    # written where episodes end: pages that take memory once written (nothing reads a row
+    # before the host wrote it).
     _, blocks = shared_buffers(
-        obs_space, spec.action_space, rows * n_envs, ctx, columns=spec.columns
+        obs_space,
+        spec.action_space,
+        rows * n_envs,
+        ctx,
+        columns=spec.columns,
+        lazy_obs=n_arena > 0,
     )
     counters = ctx.RawArray("q", 2)  # the step counter and the update epoch
     arena = None
-    n_arena = arena_rows(obs_space, n_envs, spec.chunk_steps)
     if n_arena:
-        memory = create_shared_memory(obs_space, n_arena * n_envs, ctx=_Unzeroed())  # type: ignore[arg-type]
+        memory = create_shared_memory(obs_space, n_arena * n_envs, ctx=Unzeroed())  # type: ignore[arg-type]
         arena = (n_arena, memory)
     raw = (spec.chunk_steps, rows, blocks, counters, arena)
     return view_chunk_sets(spec, raw), raw

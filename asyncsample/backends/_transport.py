@@ -19,6 +19,7 @@ import socket
 import struct
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing import sharedctypes
 from typing import Any
 
 import cloudpickle
@@ -38,6 +39,7 @@ __all__ = [
     "RawArrayContext",
     "ReplyProtocol",
     "SharedArray",
+    "Unzeroed",
     "dump_failure",
     "dumps",
     "failure_from_exception",
@@ -268,6 +270,16 @@ class RawArrayContext:
         return SharedArray(self._ctx.RawArray(typecode_or_type, size))
 
 
+class Unzeroed:
+    """A ``ctx`` for ``create_shared_memory``: ``RawArray`` blocks not zeroed, so their pages
+    take memory only once written (for rows nobody reads before they are written)."""
+
+    def Array(self, typecode_or_type: Any, size: int) -> SharedArray:
+        types = sharedctypes.typecode_to_type  # type: ignore[attr-defined]
+        type_ = types.get(typecode_or_type, typecode_or_type)
+        return SharedArray(sharedctypes._new_value(type_ * size))  # type: ignore[attr-defined]
+
+
 def shared_buffers(
     observation_space: gym.Space[Any],
     action_space: gym.Space[Any],
@@ -275,13 +287,18 @@ def shared_buffers(
     ctx: Any,
     timed: bool = False,
     columns: bool = False,
+    lazy_obs: bool = False,
 ) -> tuple[StepBuffers, list[Tree]]:
-    """Step buffers in shared memory, and the raw blocks to hand to the host process."""
+    """Step buffers in shared memory, and the raw blocks to hand to the host process;
+    ``lazy_obs``: the observation and final observation blocks are :class:`Unzeroed` (rows
+    nobody reads before they are written: pages take memory once written)."""
     raw: list[Tree] = []
     shm_ctx = RawArrayContext(ctx)
+    lazy = Unzeroed()
 
     def make(space: gym.Space[Any], n: int) -> Tree:
-        memory = create_shared_memory(space, n, ctx=shm_ctx)  # type: ignore[arg-type]
+        where = lazy if lazy_obs and space is observation_space else shm_ctx
+        memory = create_shared_memory(space, n, ctx=where)  # type: ignore[arg-type]
         raw.append(memory)
         return read_from_shared_memory(space, memory, n)
 
