@@ -491,6 +491,8 @@ class LaneStepper:
                         finally:
                             if carry:
                                 del carrying[i]
+                            if runs:
+                                self.runs.discard(i)
                         if carry and i in detached:
                             return result
                 except DeadlinePassed as cut:
@@ -544,8 +546,7 @@ class LaneStepper:
                     carried = None
                 stepping = False
                 split = False
-                self.runs.discard(i)
-                if type(result) is StepRun:  # a run of steps: one reply
+                if acting is not None and type(result) is StepRun:  # a run: one reply
                     room = 0 if pool is None else max(1, pool.target - pool.total)
                     if room and len(result.rewards) > room:
                         # Past the quota: the rest of the run opens the next call.
