@@ -121,8 +121,8 @@ def test_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
     # tmp_path, not /tmp/SB3-<date> (docs/vector.md's PPO.learn block).
     env = dict(os.environ, PYTHONPATH=path, SB3_LOGDIR=str(tmp_path / "sb3-logs"))
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run(
-        [sys.executable, "-c", snippet.script()],
+    proc = subprocess.run(  # -X faulthandler: a crash prints each thread's Python stack
+        [sys.executable, "-X", "faulthandler", "-c", snippet.script()],
         cwd=tmp_path,
         env=env,
         capture_output=True,
