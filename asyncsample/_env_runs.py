@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from asyncsample._env_tasks import LaneSettings, LaneStepper
-from asyncsample._run_records import RUN_STEPS, carry_rest, put_run, split_run
+from asyncsample._run_records import RUN_STEPS, put_run, within_quota
 from asyncsample._tree import row_copy
 from asyncsample.backends.base import RunHost, StepRun
 from asyncsample.errors import WorkerError
@@ -184,10 +184,7 @@ class RunStepper:
         episodes = self.worker.episodes
         cursor = episodes.recorder.cursor
         assert cursor is not None
-        room = max(1, pool.target - pool.total)
-        if len(run.rewards) > room:
-            run, rest = split_run(run, room)
-            carry_rest(self.host, episodes, i, rest)
+        run, _ = within_quota(run, pool, self.host, episodes, i)
         t = int(cursor[i])
         n = put_run(episodes.recorder.rows, t, i, run, self.like)
         ret = float(episodes.returns[i])

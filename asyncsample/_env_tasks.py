@@ -24,7 +24,7 @@ import numpy as np
 from asyncsample._engine import CallMode, Part, StopRule
 from asyncsample._quotas import QuotaView
 from asyncsample._recorder import Resume, put_row, store_agent_infos
-from asyncsample._run_records import RUN_STEPS, carry_rest, put_run, split_run
+from asyncsample._run_records import RUN_STEPS, put_run, within_quota
 from asyncsample._tree import row_copy, tree_map
 from asyncsample.agent import row_draw
 from asyncsample.backends._closing import cancelled_by_env
@@ -547,12 +547,8 @@ class LaneStepper:
                 stepping = False
                 split = False
                 if acting is not None and type(result) is StepRun:  # a run: one reply
-                    room = 0 if pool is None else max(1, pool.target - pool.total)
-                    if room and len(result.rewards) > room:
-                        # Past the quota: the rest of the run opens the next call.
-                        result, rest = split_run(result, room)
-                        carry_rest(host, episodes, i, rest)
-                        split = True
+                    if pool is not None:  # past the quota, the rest opens the next call
+                        result, split = within_quota(result, pool, host, episodes, i)
                     n = put_run(rows, t, i, result, (buffers.obs, buffers.actions))
                     for reward in result.rewards:  # the per-step float sums
                         ret += reward

@@ -135,6 +135,11 @@ class FreeQuota:
         if not self.met and self.total >= self.target:
             self._meet()
 
+    def room(self) -> int:
+        """How many transitions a run that comes in now may add to this call: what the quota
+        lacks, at least one (one step per env past the quota, as a single step would)."""
+        return max(1, self.target - self.total)
+
     def run_steps(self, most: int) -> int:
         """How many steps an env may take in one run (:meth:`ActingHost.run_soon`): its even
         part of the quota, between 1 and ``most`` (a run past the quota goes on into the next

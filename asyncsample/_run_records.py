@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from asyncsample._quotas import FreeQuota
 from asyncsample._recorder import store_agent_infos
 from asyncsample._tree import row_copy
 from asyncsample.backends.base import StepRun
 
-__all__ = ["RUN_STEPS", "carry_rest", "put_run", "split_run"]
+__all__ = ["RUN_STEPS", "put_run", "split_run", "within_quota"]
 
 #: The most steps an env takes in one request where its host's agent copy acts and the call
 #: counts steps (``obtain_fragments``): one reply per run, the caller's cost per run.
@@ -68,10 +69,18 @@ def split_run(run: StepRun, m: int) -> tuple[StepRun, StepRun]:
     return first, rest
 
 
-def carry_rest(host: Any, episodes: Any, i: int, rest: StepRun) -> None:
-    """Leave the ``rest`` of env ``i``'s run (past the call's quota) in flight, for the next call
-    to record first; this call's fragment ends at its first observation."""
+def within_quota(
+    run: StepRun, pool: FreeQuota, host: Any, episodes: Any, i: int
+) -> tuple[StepRun, bool]:
+    """The part of env ``i``'s ``run`` this call records (:meth:`FreeQuota.room`), and whether
+    the run was split: its rest is left in flight for the next call to record first, and this
+    call's fragment ends at the rest's first observation."""
+    room = pool.room()
+    if len(run.rewards) <= room:
+        return run, False
+    run, rest = split_run(run, room)
     carried = asyncio.get_running_loop().create_future()
     carried.set_result(rest)
     host.in_flight[i] = carried
     episodes.cut_obs[i] = row_copy(rest.obs, 0)
+    return run, True

@@ -386,7 +386,8 @@ class StepRun:
 
     Attributes:
         obs, actions: per step, stacked: the observation each action was chosen for, the action
-            (in the host, lists of rows, stacked once per reply frame for all its runs).
+            (in the host, blocks of the run's length, or lists where rows are not plain
+            arrays; a reply frame stacks the blocks of all its runs once).
         rewards: per step.
         infos, agent_infos: ``(step, info)`` for the steps whose env or agent info is not empty.
         terminated, truncated: the last step's flags (a run stops at its episode's end).
