@@ -47,7 +47,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: lanes; ``-batched``: ``inference="batched"`` with one agent for every env) on the latency envs
 #: of :mod:`benchmarks.async_envs` (async, or blocking for ``thread``; episodes of 100 steps):
 #: the env id is the mean step latency in seconds ("0": the step awaits nothing, the lane path's
-#: own cost); processes are unused.
+#: own cost); processes are unused but by ``"process-host"``, the same envs in that many process
+#: hosts with ``inference="host"``.
 WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     "CartPole-v1 4x8 random": ("sampler", "CartPole-v1", 4, 8, 2, False, 200_000),
     "FixedCost-v0 2x4 random": ("sampler", "benchmarks.envs:FixedCost-v0", 2, 4, 2, False, 20_000),
@@ -130,6 +131,17 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         True,
         100_000,
     ),
+    # the same envs in process hosts whose agent copies act: runs of steps (RunStepper)
+    "AsyncEnv 1 ms 10x100 random process host": (
+        "process-host",
+        "0.001",
+        10,
+        100,
+        2,
+        False,
+        100_000,
+    ),
+    "AsyncEnv 1 ms 10x100 MLP process host": ("process-host", "0.001", 10, 100, 2, True, 100_000),
     # Atari (ale-py, bench extra): big observations through the chunk buffers
     "Pong-v5 2x4 random host": ("host", "benchmarks.envs:Pong-v5", 2, 4, 2, False, 12_000),
     "Pong-v5 4x2 random host": ("host", "benchmarks.envs:Pong-v5", 4, 2, 2, False, 12_000),
@@ -177,7 +189,7 @@ if metrics:  # only then: a tree without metrics= still runs the other side
     registry = CollectorRegistry()
 kw = {{}} if registry is None else {{"metrics": registry}}
 agent = None
-lanes = face in ("asyncio", "asyncio-batched", "thread")
+lanes = face in ("asyncio", "asyncio-batched", "thread", "process-host")
 if lanes:  # the latency envs of the async_envs study, this tree's or (older) ours
     import functools
     from benchmarks.async_envs import make_env
@@ -208,14 +220,15 @@ def vector():
     venv.close()
     return done, wall, cpu
 async def main():
-    inference = {{"batched": "batched", "host": "host", "asyncio-batched": "batched"}}.get(
-        face, "per_worker"
-    )
+    inference = {{"batched": "batched", "host": "host", "asyncio-batched": "batched",
+                  "process-host": "host"}}.get(face, "per_worker")
     shared = agent[0] if inference == "batched" and agent else agent
     if inference == "batched" and not policy:  # batched needs one agent: the built-in random one
         from asyncsample import RandomAgent
         shared = RandomAgent(env_id().action_space, seed=0)
     where = {{"backend": face.split("-")[0]}} if lanes else {{"n_processes": procs}}
+    if face == "process-host":
+        where["n_processes"] = procs
     async with Sampler(env_id, shared, n_workers=workers, envs_per_worker=envs,
                        seed=0, inference=inference, **where, **kw) as s:
         await s.obtain_fragments(max(n // 10, workers * envs))  # warm-up
