@@ -123,7 +123,7 @@ class Evaluator(Protocol):
 
     async def obtain_exact_episodes(
         self, n_eps_per_worker: int, agent_update: Any = None
-    ) -> EpisodeBatch: ...
+    ) -> Any: ...
 
     async def aclose(self) -> None: ...
 
@@ -192,6 +192,11 @@ class TestEnvs:
             )
             self.evaluators[render] = (evaluator, key)
         batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
+        if not isinstance(batch, EpisodeBatch):
+            raise TypeError(
+                "evaluate() takes single-agent envs only: for a multi-agent env, sample the "
+                "test env with obtain_exact_episodes on a Sampler of its own"
+            )
         frames = None
         if render:  # the first episode's reset frame, then its step frames
             first = batch.select([0])

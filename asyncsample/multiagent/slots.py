@@ -95,19 +95,20 @@ def _zeros(space: gym.Space[Any]) -> Any:
         return tuple(_zeros(s) for s in space.spaces)
     if isinstance(space, gym.spaces.Discrete):
         return np.asarray(space.start, dtype=space.dtype)
-    return np.zeros(space.shape or (), dtype=space.dtype)
+    return np.zeros(tuple(space.shape or ()), dtype=space.dtype)
 
 
 class _Slots:
     """The state and rules shared by the blocking and the async slot env."""
 
+    observation_space: gym.Space[Any]
+    action_space: gym.Space[Any]
+
     def __init__(self, env: Any, spec: ParallelEnvSpec) -> None:
         self.env = env
         self.agent_spec = spec
         self.observation_space = SlotSpace(spec)
-        self.action_space = gym.spaces.Tuple(
-            [spec.action_spaces[a] for a in spec.possible_agents]
-        )
+        self.action_space = gym.spaces.Tuple([spec.action_spaces[a] for a in spec.possible_agents])
         self.metadata = dict(getattr(env, "metadata", None) or {"render_modes": []})
         self.render_mode = getattr(env, "render_mode", None)
         n = len(spec.possible_agents)
@@ -119,8 +120,8 @@ class _Slots:
         self._env_step = 0
         self._episode = -1
         self._obs: list[Any] = list(self._zeros)
-        mask_space = self.observation_space.spaces.get(ACTION_MASK)
-        self._mask = None if mask_space is None else np.ones(mask_space.shape, dtype=np.int8)
+        widths = [_discrete_n(spec.action_spaces[a]) for a in spec.possible_agents]
+        self._mask = np.ones((n, max(widths)), dtype=np.int8) if any(widths) else None
 
     def _where(self) -> str:
         return f"episode {self._episode}, step {self._env_step}"
@@ -180,9 +181,7 @@ class _Slots:
         agents = self.agent_spec.possible_agents
         return {agents[s]: actions[s] for s in np.flatnonzero(self._live).tolist()}
 
-    def _after_step(
-        self, result: Any
-    ) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
+    def _after_step(self, result: Any) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
         observations, rewards, terminations, truncations, infos = result
         spec, n = self.agent_spec, self._n
         agents = spec.possible_agents
@@ -321,7 +320,7 @@ class AsyncSlotEnv(_Slots, AsyncEnv[dict[str, Any], tuple[Any, ...]]):
     def __init__(self, env: Any) -> None:
         _Slots.__init__(self, env, check_parallel_env(env))
 
-    async def reset(  # type: ignore[override]
+    async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Reset the env; the joint observation and the agents' infos."""
