@@ -10,9 +10,10 @@ In a policy's batch each episode is one agent's segment (or, for fragments, the 
 that this call holds): rows of one env's joint episode and one agent, in step order; segments
 ordered by joint episode, then slot. Rows for absent agents (padding) never enter it. Besides
 the usual fields a row has ``agent_ids``, ``env_steps`` (the joint step's index in the env's
-episode) and ``agent_steps`` (its index in the agent's segment): rows of one joint step share
-``episode_infos["env"]``, ``episode_infos["worker"]`` and ``env_steps``, which is how a trainer
-aligns them.
+episode) and ``agent_steps`` (its index in the agent's segment); each segment's
+``episode_infos`` add ``agent_id`` and ``joint_episode`` (the index of the env's episode, or
+fragment, in ``MultiAgentBatch.joint``). Rows of one joint step share ``joint_episode`` and
+``env_steps``: that pair is how a trainer aligns them.
 """
 
 from __future__ import annotations
@@ -181,8 +182,10 @@ def _policy_rows(
         if k not in (AGENT_INFOS, "_" + AGENT_INFOS)
     }
     episode_infos["agent_id"] = agent_ids[first]
+    episode_infos["joint_episode"] = episodes[first]
     env_infos = _own_infos(infos.get(AGENT_INFOS), t, s, slots)
-    own_infos = joint.agent_infos.get(str(policy), {}) if joint.agent_infos else {}
+    prefix = f"{policy}/"
+    own_infos = {k[len(prefix) :]: v for k, v in joint.agent_infos.items() if k.startswith(prefix)}
     return EpisodeBatch(
         env_spec=EnvSpec(
             groups.observation_spaces[policy],

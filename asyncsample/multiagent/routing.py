@@ -103,11 +103,16 @@ class PolicyAgents:
             p: np.asarray([agent_spec.index(a) for a in agents], dtype=np.int64)
             for p, agents in groups.agents_of.items()
         }
-        self._masked = {p: _takes_masks(self.agents[p]) for p in groups.policies}
+        self._masked = {
+            p: isinstance(groups.action_spaces[p], gym.spaces.Discrete)
+            and _takes_masks(self.agents[p])
+            for p in groups.policies
+        }
 
     def get_actions(self, observations: Any) -> Any:
-        """Every slot's action for a batch of joint observations; the policies' agent infos
-        under their policy ids (``(envs, agents of the policy, ...)``, zeros where absent)."""
+        """Every slot's action for a batch of joint observations; each policy's agent info
+        ``key`` under ``"{policy}/{key}"``, ``(envs, agents of the policy, ...)`` (zeros where
+        absent)."""
         if self.groups is None or self._action_spaces is None:
             raise RuntimeError("PolicyAgents.get_actions before bind_env_spec")
         live = np.asarray(observations["live"], dtype=bool)
@@ -149,12 +154,8 @@ class PolicyAgents:
                 pick = j == k
                 if pick.any():
                     actions[slot] = _put(actions[slot], env_rows[pick], tree_index(acts, pick))
-            if agent_infos:
-                width = len(slots)
-                infos[str(policy)] = tree_map(
-                    lambda leaf, e=env_rows, jj=j, w=width: _spread(leaf, e, jj, n_envs, w),
-                    dict(agent_infos),
-                )
+            for key, value in (agent_infos or {}).items():
+                infos[f"{policy}/{key}"] = _spread(value, env_rows, j, n_envs, len(slots))
         return tuple(actions), infos
 
     def reset(self, do_resets: Any = None) -> None:
