@@ -6,6 +6,7 @@ hosts, with the same batches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -326,3 +327,23 @@ async def test_default_policy_needs_shared_spaces(make_sampler: SamplerFactory) 
     sampler = make_sampler("local", functools.partial(RosterEnv))
     with pytest.raises(Exception, match=r"policy_mapping: the agents of policy 'default'"):
         await sampler.obtain_samples(4)
+
+
+async def test_a_stream_yields_agent_rows(make_sampler: SamplerFactory) -> None:
+    sampler = make_sampler(
+        "process", RosterEnv, n_workers=2, envs_per_worker=2, seed=0, policy_mapping=by_kind
+    )
+    seen = 0
+    async with contextlib.aclosing(sampler.stream(60, fragments=True)) as batches:
+        async for batch in batches:
+            assert isinstance(batch, MultiAgentBatch)
+            assert batch.n_transitions >= 60  # rows, joined over rounds where needed
+            assert batch.n_transitions == int(batch.joint.observations["live"].sum())
+            seen += 1
+            if seen == 3:
+                break
+    single = make_sampler("local")
+    async with contextlib.aclosing(single.stream(8)) as batches:
+        async for batch in batches:
+            assert isinstance(batch, EpisodeBatch)  # a single-agent env: as before
+            break
