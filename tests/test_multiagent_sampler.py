@@ -219,9 +219,14 @@ class KindAgent:
             assert action_masks is not None and action_masks.shape == (n, self.space.n)
             actions = np.argmax(action_masks, axis=1).astype(np.int64)
         else:
-            low, high = self.space.low, self.space.high
-            actions = np.clip(leaf[:, :1] * 0.1, low, high).astype(self.space.dtype)
+            actions = self.box_actions(leaf, 0.1)
         return actions, {"seen": np.asarray(leaf, dtype=np.float64).sum(axis=1)}
+
+    def box_actions(self, leaf: Any, scale: float) -> Any:
+        """Each row's first observation entry, scaled, in every entry of its action."""
+        low, high = self.space.low, self.space.high  # type: ignore[attr-defined]
+        wide = np.broadcast_to(leaf[:, :1] * scale, (len(leaf), *self.space.shape))
+        return np.clip(wide, low, high).astype(self.space.dtype)
 
 
 def _agents() -> dict[str, KindAgent]:
@@ -391,3 +396,48 @@ async def test_a_failing_env_loses_its_agents_segments_and_nothing_else(
             np.testing.assert_array_equal(piece.env_steps, np.arange(joined, left))
             segments += 1
     assert segments == batch.n_env_episodes * len(DEFAULT_SCHEDULE_AGENTS)
+
+
+class ScaledAgent(KindAgent):
+    """A KindAgent with one parameter, the scale of its Box actions."""
+
+    def __init__(self, space: gym.Space[Any]) -> None:
+        super().__init__(space)
+        self.scale = 0.1
+
+    def get_param_values(self) -> float:
+        return self.scale
+
+    def set_param_values(self, scale: float) -> None:
+        self.scale = scale
+
+    def get_actions(self, observations: Any, action_masks: Any = None) -> Any:
+        actions, infos = super().get_actions(observations, action_masks)
+        if not isinstance(self.space, gym.spaces.Discrete):
+            actions = self.box_actions(observations, self.scale)
+        return actions, infos
+
+
+@pytest.mark.parametrize("inference", ["per_worker", "host"])
+async def test_an_update_sets_the_parameters_of_the_policies_it_names(
+    make_sampler: SamplerFactory, inference: str
+) -> None:
+    env = RosterEnv()
+    agents = {by_kind(a): ScaledAgent(env.action_space(a)) for a in env.possible_agents}
+    sampler = make_sampler(
+        "process",
+        RosterEnv,
+        agent=agents,
+        policy_mapping=by_kind,
+        n_workers=1,
+        envs_per_worker=2,
+        seed=0,
+        inference=inference,
+        max_episode_length=MAX_LENGTH,
+    )
+    before = await sampler.obtain_exact_episodes(1)
+    after = await sampler.obtain_exact_episodes(1, agent_update={"medic": 0.0})
+    np.testing.assert_array_equal(after["medic"].actions, 0.0)  # the update reached the medic
+    assert np.abs(before["medic"].actions).max() > 0
+    assert after["scout"].agent_versions is not None
+    assert after["scout"].agent_versions.min() > before["scout"].agent_versions.max()
