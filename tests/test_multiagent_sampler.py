@@ -134,12 +134,37 @@ async def test_rows_equal_the_reference_loop(
     assert isinstance(batch, MultiAgentBatch)
     assert batch.n_env_episodes == 3 * N_WORKERS  # episodes count env episodes
     assert list(batch) == ["scout", "tank", "medic"]
+    await _check_against_the_reference(batch, MAX_LENGTH)
+
+
+async def test_the_step_cap_truncates_the_live_agents(make_sampler: SamplerFactory) -> None:
+    cap = 5  # before the schedule's end (8): the agents live after step 5 are cut there
+    sampler = make_sampler(
+        "local",
+        RosterEnv,
+        n_workers=N_WORKERS,
+        envs_per_worker=N_ENVS,
+        seed=SEED,
+        max_episode_length=cap,
+        policy_mapping=by_kind,
+    )
+    batch = await sampler.obtain_exact_episodes(2)
+    for rows in batch.values():
+        assert rows.env_steps is not None and rows.env_steps.max() < cap
+    scouts = batch["scout"]
+    ends = scouts.step_types[np.cumsum(scouts.lengths) - 1].astype(int)
+    assert StepType.TIMEOUT in ends.tolist()  # scout_0, live at the cap
+    await _check_against_the_reference(batch, cap)
+
+
+async def _check_against_the_reference(batch: MultiAgentBatch, max_length: int) -> None:
+    """Every env's rows equal the reference loop's, stepping RosterEnv with the env's seed and
+    the sampler's joint actions."""
     _, seeds = worker_seeds(SEED, N_WORKERS, N_ENVS)
-    agents = DEFAULT_SCHEDULE_AGENTS
     compared = 0
     for worker in range(N_WORKERS):
         for env in range(N_ENVS):
-            actions, steps = _replay(batch.joint, worker, env, agents)
+            actions, steps = _replay(batch.joint, worker, env, DEFAULT_SCHEDULE_AGENTS)
             if not steps:
                 continue
             rollout = await areference_rollout(
@@ -148,7 +173,7 @@ async def test_rows_equal_the_reference_loop(
                 actions,
                 steps,
                 policy_mapping=by_kind,
-                max_episode_length=MAX_LENGTH,
+                max_episode_length=max_length,
             )
             want = _reference_rows(rollout)
             got: dict[Any, Any] = {}
@@ -156,7 +181,7 @@ async def test_rows_equal_the_reference_loop(
                 got.update(_env_rows(rows, worker, env))
             assert got.keys() == want.keys()
             for key, row in want.items():
-                np.testing.assert_equal(got[key], row, err_msg=f"{backend} {worker}/{env} {key}")
+                np.testing.assert_equal(got[key], row, err_msg=f"{worker}/{env} {key}")
             compared += len(want)
     assert compared == batch.n_transitions
 
