@@ -404,3 +404,25 @@ def test_a_schedule_that_would_end_early_is_refused() -> None:
         Schedule(joins={"scout_0": 2}, leaves={"scout_0": (2, "terminated")})
     with pytest.raises(ValueError, match="'terminated' or 'truncated'"):
         Schedule(joins={"scout_0": 0}, leaves={"scout_0": (2, "died")})
+
+
+def test_blocks_reuse_memory_only_once_it_is_let_go() -> None:
+    from asyncsample.multiagent.blocks import MIN_BYTES, Blocks
+
+    blocks = Blocks(keep=2)
+    shape = (4, MIN_BYTES // 4)
+    first = blocks.empty(shape, np.uint8)
+    first[:] = 7
+    held = blocks.empty(shape, np.uint8)
+    assert not np.shares_memory(first, held)  # the first is still in use: a new block
+    address = first.__array_interface__["data"][0]
+    del first
+    again = blocks.empty((2, MIN_BYTES // 8), np.float32)  # fits the first block: reused
+    assert again.__array_interface__["data"][0] == address
+    assert again.shape == (2, MIN_BYTES // 8) and again.dtype == np.float32
+    view = again[1:]  # a view keeps the block in use
+    del again
+    other = blocks.empty(shape, np.uint8)
+    assert not np.shares_memory(other, view)
+    small = blocks.empty((3,), np.float64)  # small arrays are plain np.empty
+    assert small.base is None

@@ -27,6 +27,7 @@ import numpy as np
 from asyncsample._infos import concat_infos
 from asyncsample._tree import tree_index, tree_map
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
+from asyncsample.multiagent.blocks import Blocks
 from asyncsample.multiagent.policies import PolicyGroups
 from asyncsample.multiagent.protocols import PolicyID
 from asyncsample.multiagent.rows import agent_id_column, gather_slots
@@ -106,13 +107,20 @@ def live_rows(joint: EpisodeBatch) -> int:
     return int(np.count_nonzero(joint.observations["live"]))
 
 
-def split_joint(joint: EpisodeBatch, groups: PolicyGroups, slots: Sequence[Any]) -> MultiAgentBatch:
+def split_joint(
+    joint: EpisodeBatch,
+    groups: PolicyGroups,
+    slots: Sequence[Any],
+    blocks: Blocks | None = None,
+) -> MultiAgentBatch:
     """The agent rows of ``joint`` (joint steps of slot envs), one batch per policy.
 
     Args:
         joint: a sampler's batch of joint steps.
         groups: the agents of each policy and its spaces.
         slots: the env's ``possible_agents`` (a slot's index is its agent's).
+        blocks: where the big observation and action columns are made (memory the caller's
+            earlier batches let go); ``None``: new memory.
     """
     live = np.asarray(joint.observations["live"], dtype=bool)
     episode_of = np.repeat(np.arange(joint.n_episodes), joint.lengths)
@@ -126,7 +134,7 @@ def split_joint(joint: EpisodeBatch, groups: PolicyGroups, slots: Sequence[Any])
             continue
         order = np.lexsort((t, episode_of[t], j))
         batches[policy] = _policy_rows(
-            joint, groups, policy, policy_slots, t[order], j[order], episode_of, ends, slots
+            joint, groups, policy, policy_slots, t[order], j[order], episode_of, ends, slots, blocks
         )
     return MultiAgentBatch(batches, joint)
 
@@ -141,6 +149,7 @@ def _policy_rows(
     episode_of: np.ndarray,
     ends: np.ndarray,
     slots: Sequence[Any],
+    blocks: Blocks | None,
 ) -> EpisodeBatch:
     """The rows of one policy: ``t`` and ``j`` are each row's joint step and policy slot,
     ordered by slot, joint episode and step."""
@@ -167,7 +176,7 @@ def _policy_rows(
     last_t, last_j = t[last], j[last]
     following = last_t + 1
     at_end = following == ends[episodes[last]]
-    after = gather_slots(per_slot, np.where(at_end, 0, following), last_j)
+    after = gather_slots(per_slot, np.where(at_end, 0, following), last_j, blocks)
     if at_end.any():
         closing = gather_slots(
             [joint.last_observations["agents"][k] for k in policy_slots.tolist()],
@@ -175,7 +184,7 @@ def _policy_rows(
             last_j[at_end],
         )
         after = tree_map(_put(at_end), after, closing)
-    agent_ids = agent_id_column([slots[k] for k in s.tolist()])
+    agent_ids = agent_id_column(list(slots))[s]
     episode_infos = {
         k: tree_index(v, episodes[first])
         for k, v in joint.episode_infos.items()
@@ -193,9 +202,9 @@ def _policy_rows(
             joint.env_spec.max_episode_length,
         ),
         episode_infos=episode_infos,
-        observations=gather_slots(per_slot, t, j),
+        observations=gather_slots(per_slot, t, j, blocks),
         last_observations=after,
-        actions=gather_slots([joint.actions[k] for k in policy_slots.tolist()], t, j),
+        actions=gather_slots([joint.actions[k] for k in policy_slots.tolist()], t, j, blocks),
         rewards=infos[REWARDS][t, s].astype(np.float64),
         env_infos=env_infos,
         agent_infos=tree_map(lambda leaf: leaf[t, j], own_infos),

@@ -21,6 +21,7 @@ from asyncsample._infos import concat_infos, stack_infos
 from asyncsample._tree import stack_rows, tree_concat, tree_index, tree_map
 from asyncsample.batch import StepType
 from asyncsample.columns import text_array
+from asyncsample.multiagent.blocks import Blocks
 from asyncsample.multiagent.protocols import AgentID, PolicyID
 
 __all__ = ["AgentRows", "RowKey", "agent_id_column", "stack_tree"]
@@ -38,19 +39,21 @@ def stack_tree(rows: Sequence[Any]) -> Any:
     return tree_map(lambda *leaves: stack_rows(leaves), *rows)
 
 
-def gather_slots(trees: Sequence[Any], rows: np.ndarray, which: np.ndarray) -> Any:
+def gather_slots(
+    trees: Sequence[Any], rows: np.ndarray, which: np.ndarray, blocks: Blocks | None = None
+) -> Any:
     """Row ``rows[i]`` of tree ``trees[which[i]]`` for every ``i``: the rows of several slots'
     columns (trees of one space, stacked over steps or envs) in one new tree.
 
     Rows ordered by slot (``which`` sorted) are copied once, each slot's straight into its
     block of the output (``np.take`` into a slice: a memcpy per row, what big observations
-    need); other orders take a masked gather per slot."""
-    if len(trees) == 1:
-        return tree_index(trees[0], rows)
+    need); other orders take a masked gather per slot. ``blocks``: where big outputs are
+    made (:class:`~asyncsample.multiagent.blocks.Blocks`), else ``np.empty``."""
     bounds = np.searchsorted(which, np.arange(len(trees) + 1)) if _sorted(which) else None
+    empty = np.empty if blocks is None else blocks.empty
 
     def leaf(*leaves: np.ndarray) -> np.ndarray:
-        out = np.empty((len(rows), *leaves[0].shape[1:]), dtype=leaves[0].dtype)
+        out = empty((len(rows), *leaves[0].shape[1:]), leaves[0].dtype)
         for k, array in enumerate(leaves):
             if bounds is not None:
                 a, b = int(bounds[k]), int(bounds[k + 1])

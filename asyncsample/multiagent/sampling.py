@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from asyncsample.batch import EnvSpec, EpisodeBatch
+from asyncsample.multiagent.blocks import Blocks
 from asyncsample.multiagent.joint import MultiAgentBatch, live_rows, split_joint
 from asyncsample.multiagent.policies import PolicyGroups, PolicyMapping, group_policies
 from asyncsample.multiagent.slots import SlotSpace
@@ -36,12 +37,13 @@ class JointCalls:
     def __init__(self, groups: PolicyGroups, slots: Sequence[Any]) -> None:
         self.groups = groups
         self.slots = tuple(slots)
+        self.blocks = Blocks()  # the rows' big columns, on memory earlier batches let go
         # Rows per joint step, as seen so far (at first: every slot live, the most).
         self._rows = float(len(self.slots))
 
     def split(self, joint: EpisodeBatch) -> MultiAgentBatch:
         """The agent rows of a batch of joint steps."""
-        return split_joint(joint, self.groups, self.slots)
+        return split_joint(joint, self.groups, self.slots, self.blocks)
 
     def steps_for(self, rows: int) -> int:
         """The joint steps expected to give ``rows`` agent rows (rows per step seen so far)."""
