@@ -35,6 +35,7 @@ from asyncsample.errors import (
 from asyncsample.evaluation import Evaluation
 from asyncsample.inference import Batched, Host, InferenceChoice
 from asyncsample.metrics import SamplerMetrics
+from asyncsample.multiagent import MultiAgentBatch, PolicyAgents
 from asyncsample.sampler import AgentUpdateArg, EnvUpdateArg, Sampler
 from asyncsample.stats import SampleStats
 from asyncsample.vector import SubEnvAttributeError, SubEnvError, VectorEnv
@@ -79,7 +80,9 @@ __all__ = [
     "Host",
     "InferenceChoice",
     "LoopBlockedError",
+    "MultiAgentBatch",
     "NewEnvUpdate",
+    "PolicyAgents",
     "RaggedArray",
     "RandomAgent",
     "Replayable",

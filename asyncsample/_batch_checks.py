@@ -41,6 +41,9 @@ def check_fields(
     step_types: np.ndarray,
     lengths: np.ndarray,
     agent_versions: np.ndarray | None,
+    agent_ids: np.ndarray | None = None,
+    env_steps: np.ndarray | None = None,
+    agent_steps: np.ndarray | None = None,
 ) -> None:
     """Check every field's shape, dtype and consistency; a ``ValueError`` names a bad one."""
     _check_ndarray("lengths", lengths)
@@ -69,15 +72,22 @@ def check_fields(
             "(entries of rewards)"
         )
 
-    if agent_versions is not None and (
-        not isinstance(agent_versions, np.ndarray)
-        or agent_versions.shape != (n_steps,)
-        or not np.issubdtype(agent_versions.dtype, np.integer)
+    for name, column, integer in (
+        ("agent_versions", agent_versions, True),
+        ("agent_ids", agent_ids, False),
+        ("env_steps", env_steps, True),
+        ("agent_steps", agent_steps, True),
     ):
-        raise ValueError(
-            f"agent_versions must be None or an integer numpy.ndarray of shape ({n_steps},), "
-            f"got {_describe_array(agent_versions)}"
-        )
+        if column is not None and (
+            not isinstance(column, np.ndarray)
+            or column.shape != (n_steps,)
+            or (integer and not np.issubdtype(column.dtype, np.integer))
+        ):
+            kind = "an integer numpy.ndarray" if integer else "a numpy.ndarray"
+            raise ValueError(
+                f"{name} must be None or {kind} of shape ({n_steps},), "
+                f"got {_describe_array(column)}"
+            )
 
     last_prefix = (
         "last_observations must have the same number of entries as the observation space: "

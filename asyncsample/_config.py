@@ -40,3 +40,4 @@ class SamplerConfig:
     metrics: Any
     resume: Any
     fixed_shares: bool
+    policy_mapping: Any = None

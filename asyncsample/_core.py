@@ -60,6 +60,7 @@ from asyncsample.inference import Batched, check_inference, choose_inference
 from asyncsample.inference.host import Host, check_host_agent, pickle_agent
 from asyncsample.inference.modes import HostMode, InferenceMode, make_mode
 from asyncsample.metrics import make_metrics
+from asyncsample.multiagent.routing import bind_agents
 from asyncsample.seeding import worker_seeds
 from asyncsample.stats import SampleStats
 from asyncsample.worker import Worker, WorkerFactory
@@ -250,6 +251,7 @@ class SamplerCore:
             self.mode.chunk_steps(lambda steps: self._chunk_capacity(steps, spec)),
         )
         self._time_limited = probed.time_limited
+        bind_agents(self.agents, spec)  # a multi-agent env's agents per policy
         self._spec = spec
 
     def _settle_kind(self, async_envs: bool) -> None:

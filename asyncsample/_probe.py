@@ -23,6 +23,7 @@ from asyncsample.backends._closing import close_off_loop
 from asyncsample.backends.aio import probe_async_env, read_async_env
 from asyncsample.batch import EnvSpec
 from asyncsample.env_update import EnvId, EnvUpdate, checked_env, make_env
+from asyncsample.multiagent.slots import as_slot_env
 
 __all__ = [
     "Probe",
@@ -209,7 +210,7 @@ def _build_either(source: Any) -> Any:
     if not maybe_async(source):
         return None
     try:
-        return source()
+        return as_slot_env(source())
     except Exception as exc:
         raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
 

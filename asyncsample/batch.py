@@ -136,6 +136,15 @@ def _as_leaf(value: Any) -> Any:
     return value if isinstance(value, RaggedArray) else np.asarray(value)
 
 
+
+#: The optional ``(T,)`` columns of a batch, one entry per row.
+ROW_COLUMNS = ("agent_versions", "agent_ids", "env_steps", "agent_steps")
+
+
+def _row_column(name: str, values: Any) -> np.ndarray:
+    """A path's row column as an array (integers for all but ``agent_ids``)."""
+    return np.asarray(values) if name == "agent_ids" else np.asarray(values, dtype=np.int64)
+
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class EpisodeBatch:
     """A batch of episodes laid end to end along one time axis (garage's layout).
@@ -164,6 +173,11 @@ class EpisodeBatch:
         lengths: ``(N,)`` integer length of each episode, each at least 1.
         agent_versions: ``(T,)`` the agent version each step was taken under, or ``None`` where
             unknown (a batch built by hand).
+        agent_ids: multi-agent envs: ``(T,)`` the agent id of each row (``None`` for a
+            single-agent env); each episode is then one agent's segment.
+        env_steps: multi-agent envs: ``(T,)`` the index of the env's joint step each row is
+            part of, counted from 0 in the env's episode (rows of one joint step share it).
+        agent_steps: multi-agent envs: ``(T,)`` each row's index in its agent's segment.
     """
 
     env_spec: EnvSpec
@@ -177,6 +191,9 @@ class EpisodeBatch:
     step_types: np.ndarray
     lengths: np.ndarray
     agent_versions: np.ndarray | None = None
+    agent_ids: np.ndarray | None = None
+    env_steps: np.ndarray | None = None
+    agent_steps: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -359,11 +376,14 @@ class EpisodeBatch:
             agent_infos=agent_infos,
             step_types=np.concatenate([b.step_types for b in batches]),
             lengths=np.concatenate([b.lengths for b in batches]),
-            agent_versions=(
-                None
-                if any(b.agent_versions is None for b in batches)
-                else np.concatenate([b.agent_versions for b in batches])
-            ),
+            **{
+                name: (
+                    None
+                    if any(getattr(b, name) is None for b in batches)
+                    else np.concatenate([getattr(b, name) for b in batches])
+                )
+                for name in ROW_COLUMNS
+            },
         )
 
     def split(self) -> list[EpisodeBatch]:
@@ -393,7 +413,10 @@ class EpisodeBatch:
             agent_infos=tree_index(self.agent_infos, steps),
             step_types=self.step_types[steps],
             lengths=self.lengths[episodes],
-            agent_versions=None if self.agent_versions is None else self.agent_versions[steps],
+            **{
+                name: None if (column := getattr(self, name)) is None else column[steps]
+                for name in ROW_COLUMNS
+            },
         )
 
     def to_list(self) -> list[dict[str, Any]]:
@@ -401,7 +424,7 @@ class EpisodeBatch:
 
         Keys: ``episode_infos``, ``observations``, ``next_observations``, ``actions``,
         ``rewards``, ``env_infos``, ``agent_infos``, ``step_types`` and, when the batch has them,
-        ``agent_versions``.
+        ``agent_versions``, ``agent_ids``, ``env_steps`` and ``agent_steps``.
         """
         next_obs = self.next_observations
         paths = []
@@ -416,8 +439,9 @@ class EpisodeBatch:
                 "agent_infos": tree_index(self.agent_infos, steps),
                 "step_types": self.step_types[steps],
             }
-            if self.agent_versions is not None:
-                path["agent_versions"] = self.agent_versions[steps]
+            for name in ROW_COLUMNS:
+                if (column := getattr(self, name)) is not None:
+                    path[name] = column[steps]
             paths.append(path)
         return paths
 
@@ -430,7 +454,8 @@ class EpisodeBatch:
         ``next_observations`` entry if present, else the last observation repeated. Step types
         come from ``step_types``, else from ``dones`` (:meth:`StepType.get_step_type`).
         ``env_infos``/``agent_infos`` (dicts of arrays or lists of per-step dicts),
-        ``episode_infos`` and ``agent_versions`` are optional; keys only some paths carry are
+        ``episode_infos`` and the row columns (``agent_versions``, ``agent_ids``, ``env_steps``,
+        ``agent_steps``) are optional; keys only some paths carry are
         filled and masked as in :meth:`concatenate`.
 
         Raises:
@@ -475,11 +500,14 @@ class EpisodeBatch:
             agent_infos=agent_infos,
             step_types=np.concatenate(step_types),
             lengths=lengths,
-            agent_versions=(
-                np.concatenate([np.asarray(p["agent_versions"], dtype=np.int64) for p in paths])
-                if all(p.get("agent_versions") is not None for p in paths)
-                else None
-            ),
+            **{
+                name: (
+                    np.concatenate([_row_column(name, p[name]) for p in paths])
+                    if all(p.get(name) is not None for p in paths)
+                    else None
+                )
+                for name in ROW_COLUMNS
+            },
         )
 
     def equals(self, other: object) -> bool:

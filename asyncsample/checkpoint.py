@@ -30,6 +30,7 @@ from asyncsample._tree import Tree
 from asyncsample.async_env import AsyncEnv, AsyncWrapper, is_async_env
 from asyncsample.env_update import EnvSource, EnvUpdate, checked_env, make_env
 from asyncsample.errors import CheckpointError
+from asyncsample.multiagent.slots import as_slot_env
 
 if TYPE_CHECKING:
     from asyncsample.batch import EpisodeBatch
@@ -165,7 +166,7 @@ class Replayable:
     def __call__(self) -> Any:
         source = self.source
         if callable(source) and not isinstance(source, (str, gym.Env, EnvUpdate)):
-            env = source()  # a factory may make an async env
+            env = as_slot_env(source())  # a factory may make an async env
             if is_async_env(env):
                 return _AsyncReplayWrapper(env)
             return _ReplayWrapper(checked_env(env, source))

@@ -180,6 +180,7 @@ async def run(args: argparse.Namespace, summary: RunSummary) -> None:
                 start = time.perf_counter()
                 while summary.steps < args.steps:
                     batch = await sampler.obtain_fragments(min(chunk, args.steps - summary.steps))
+                    assert isinstance(batch, EpisodeBatch)  # a gymnasium id: one agent
                     summary.add(batch)
                     bar.update(batch.n_transitions)
                     if summary.returns:

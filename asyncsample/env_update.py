@@ -14,6 +14,7 @@ from typing import Any, cast
 import gymnasium as gym
 
 from asyncsample.async_env import check_blocking_env
+from asyncsample.multiagent.slots import as_slot_env
 
 __all__ = [
     "EnvChoice",
@@ -144,9 +145,9 @@ def make_env(source: EnvSource) -> gym.Env:
     if isinstance(source, gym.Env):
         return copy.deepcopy(source)
     if isinstance(source, EnvUpdate):
-        return checked_env(source(None), source)
+        return checked_env(as_slot_env(source(None)), source)
     if callable(source):
-        return checked_env(source(), source)
+        return checked_env(as_slot_env(source()), source)
     raise TypeError(
         "env must be a gymnasium id (str), a zero-argument callable returning a gymnasium.Env, "
         f"a gymnasium.Env or an EnvUpdate, got {type(source).__name__}"
@@ -161,7 +162,7 @@ def apply_env_update(
     if update is None:
         return old_env, False
     if isinstance(update, EnvUpdate):
-        return checked_env(update(old_env), update), True
+        return checked_env(as_slot_env(update(old_env)), update), True
     new_env = make_env(update)
     if old_env is not None and old_env is not new_env:
         old_env.close()
@@ -205,10 +206,10 @@ def replacement(update: EnvUpdate, old_env: Any) -> Any:
     """What ``update`` puts in place of ``old_env``, without closing it (the caller does, when
     the result differs): for backends whose envs may be async, with a coroutine ``close``."""
     if isinstance(update, NewEnvUpdate):
-        return update.env_constructor()
+        return as_slot_env(update.env_constructor())
     if isinstance(update, SetTaskUpdate):
         return update.retask(old_env, close=False)
-    return update(old_env)
+    return as_slot_env(update(old_env))
 
 
 def is_env_source(obj: Any) -> bool:

@@ -17,6 +17,7 @@ from asyncsample.agent import Agent, AgentOutput, get_actions
 from asyncsample.async_env import is_async_env
 from asyncsample.batch import EpisodeBatch
 from asyncsample.env_update import EnvId, EnvSource, make_env
+from asyncsample.multiagent.slots import as_slot_env
 
 if TYPE_CHECKING:
     from asyncsample._core import SamplerCore
@@ -101,7 +102,7 @@ class RenderingEnvFactory:
         elif isinstance(self.source, EnvId):
             env = self.source(render_mode="rgb_array")
         else:
-            built = self.source() if callable(self.source) else None
+            built = as_slot_env(self.source()) if callable(self.source) else None
             if built is not None and is_async_env(built):
                 raise TypeError(
                     f"evaluate(render=True): {self.source!r} builds an async env, which has no "
@@ -122,7 +123,7 @@ class Evaluator(Protocol):
 
     async def obtain_exact_episodes(
         self, n_eps_per_worker: int, agent_update: Any = None
-    ) -> EpisodeBatch: ...
+    ) -> Any: ...
 
     async def aclose(self) -> None: ...
 
@@ -191,6 +192,11 @@ class TestEnvs:
             )
             self.evaluators[render] = (evaluator, key)
         batch = await evaluator.obtain_exact_episodes(n_episodes, agent_update=evaluator_agent)
+        if not isinstance(batch, EpisodeBatch):
+            raise TypeError(
+                "evaluate() takes single-agent envs only: for a multi-agent env, sample the "
+                "test env with obtain_exact_episodes on a Sampler of its own"
+            )
         frames = None
         if render:  # the first episode's reset frame, then its step frames
             first = batch.select([0])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from asyncsample import _validate, streaming
@@ -17,6 +17,10 @@ from asyncsample.env_update import EnvSource
 from asyncsample.evaluation import Evaluation, TestEnvs
 from asyncsample.inference import Batched, Batcher, Host, InferenceChoice
 from asyncsample.metrics import SamplerMetrics
+from asyncsample.multiagent.joint import MultiAgentBatch
+from asyncsample.multiagent.policies import PolicyMapping
+from asyncsample.multiagent.routing import PolicyAgents
+from asyncsample.multiagent.sampling import JointCalls, joint_calls
 from asyncsample.stats import SampleStats
 from asyncsample.worker import VecWorker, Worker, WorkerFactory
 
@@ -33,7 +37,9 @@ class Sampler:
             ``gymnasium.Env`` (deep-copied per env), an :class:`EnvUpdate`, or a list of exactly
             ``n_workers`` of those (one per worker; an inner list gives one per env).
         agent: one :class:`Agent` shared by all workers, a list of ``n_workers`` agents, or
-            ``None`` for a :class:`RandomAgent` per worker seeded from ``seed``.
+            ``None`` for a :class:`RandomAgent` per worker seeded from ``seed``; for a
+            multi-agent env also a dict ``{policy_id: Agent}`` (see [Multi-agent
+            envs](multiagent.md)).
         n_workers: worker coroutines.
         envs_per_worker: env copies stepped together by one worker.
         n_processes: how many env hosts (processes, or Ray actors) to start at most (default:
@@ -80,6 +86,10 @@ class Sampler:
             takes a fixed share of each call, so batches are reproducible for a seed, and a call
             waits for its slowest env. Lockstep backends always use fixed shares. See
             [Heavy tails](contract.md#heavy-tails-fixed_shares).
+        policy_mapping: a multi-agent env (a PettingZoo ``ParallelEnv`` factory, or its async
+            twin): agent id -> policy id, a callable or a dict; ``None``: every agent is
+            policy ``"default"``. Calls then return a :class:`~asyncsample.MultiAgentBatch`
+            of agent rows per policy; see [Multi-agent envs](multiagent.md).
     """
 
     def __init__(
@@ -108,10 +118,15 @@ class Sampler:
         metrics: Any = None,
         resume: SamplerState | None = None,
         fixed_shares: bool = False,
+        policy_mapping: PolicyMapping = None,
     ) -> None:
         # Every argument by name: SamplerConfig's fields are this signature's (a test holds it).
         arguments = {name: value for name, value in locals().items() if name != "self"}
+        if isinstance(agent, Mapping):  # a multi-agent env's agent per policy
+            arguments["agent"] = PolicyAgents(agent, policy_mapping)
         self._core = core = SamplerCore(SamplerConfig(**arguments))
+        self._policy_mapping = policy_mapping
+        self._joint: JointCalls | bool | None = False  # multi-agent calls, once the env is known
         self._test_envs = TestEnvs(type(self))
         self.n_workers: int = core.n_workers
         self.envs_per_worker: int = core.envs_per_worker
@@ -246,7 +261,7 @@ class Sampler:
         env_update: EnvUpdateArg = None,
         *,
         fraction_samples: float = 1.0,
-    ) -> EpisodeBatch:
+    ) -> EpisodeBatch | MultiAgentBatch:
         """Complete episodes whose lengths add up to at least ``num_samples``.
 
         Worker ``w`` steps its envs until its completed episodes reach its share; episodes still
@@ -286,6 +301,11 @@ class Sampler:
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)
+        joint = await self._joint_calls()
+        if joint is not None:
+            return await joint.call(
+                self._core.call, "samples", num_samples, agent_update, env_update, fraction
+            )
         return await self._core.call("samples", num_samples, agent_update, env_update, fraction)
 
     async def obtain_exact_episodes(
@@ -293,7 +313,7 @@ class Sampler:
         n_eps_per_worker: int,
         agent_update: AgentUpdateArg = None,
         env_update: EnvUpdateArg = None,
-    ) -> EpisodeBatch:
+    ) -> EpisodeBatch | MultiAgentBatch:
         """Exactly ``n_eps_per_worker`` complete episodes from every worker, worker-major.
 
         The episodes are assigned to envs in advance (not the first ``n`` to finish); each call
@@ -302,6 +322,11 @@ class Sampler:
         :meth:`obtain_samples`.
         """
         n_eps_per_worker = _validate.positive_int("n_eps_per_worker", n_eps_per_worker)
+        joint = await self._joint_calls()
+        if joint is not None:
+            return await joint.call(
+                self._core.call, "episodes", n_eps_per_worker, agent_update, env_update
+            )
         return await self._core.call("episodes", n_eps_per_worker, agent_update, env_update)
 
     async def obtain_fragments(
@@ -311,7 +336,7 @@ class Sampler:
         env_update: EnvUpdateArg = None,
         *,
         fraction_samples: float = 1.0,
-    ) -> EpisodeBatch:
+    ) -> EpisodeBatch | MultiAgentBatch:
         """At least ``num_samples`` transitions of complete episodes and running fragments.
 
         Each worker steps all its envs ``ceil(share / envs_per_worker)`` times; fragments of
@@ -327,7 +352,21 @@ class Sampler:
         """
         num_samples = _validate.positive_int("num_samples", num_samples)
         fraction = _validate.fraction("fraction_samples", fraction_samples)
+        joint = await self._joint_calls()
+        if joint is not None:
+            return await joint.call(
+                self._core.call, "fragments", num_samples, agent_update, env_update, fraction
+            )
         return await self._core.call("fragments", num_samples, agent_update, env_update, fraction)
+
+    async def _joint_calls(self) -> JointCalls | None:
+        """The calls of a multi-agent env (``None``: a single-agent env), once its kind is
+        known: the sampler starts first if it has not."""
+        if self._joint is False:
+            await self._core.start()
+            self._joint = joint_calls(self._core.env_spec, self._policy_mapping)
+        assert self._joint is not True
+        return self._joint
 
     async def update_agent(self, agent_update: AgentUpdateArg) -> None:
         """Apply an agent update now; it bumps the agent version of the workers it touches.

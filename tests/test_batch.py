@@ -123,6 +123,9 @@ def test_field_order_matches_garage() -> None:
         "step_types",
         "lengths",
         "agent_versions",  # ours, after garage's fields (optional: None for hand-built batches)
+        "agent_ids",  # ours, multi-agent envs' row columns (None for single-agent envs)
+        "env_steps",
+        "agent_steps",
     ]
 
 

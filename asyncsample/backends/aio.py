@@ -54,6 +54,7 @@ from asyncsample.env_group import (
 )
 from asyncsample.env_update import EnvSource, EnvUpdate, make_env, replacement
 from asyncsample.errors import StepTimeoutError, WorkerError
+from asyncsample.multiagent.slots import as_slot_env
 
 _perf = time.perf_counter
 
@@ -575,7 +576,7 @@ def probe_async_env(
             f"asyncsample.AsyncEnv, got {type(source).__name__} {source!r:.60}"
         )
     try:
-        env = source()
+        env = as_slot_env(source())
     except Exception as exc:
         raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
     if isinstance(env, gym.Env):
@@ -610,7 +611,7 @@ def make_async_env(source: EnvSource, old: Any) -> Any:
     if isinstance(source, EnvUpdate):
         env = replacement(source, old)
     elif callable(source):
-        env = source()
+        env = as_slot_env(source())
     else:
         raise TypeError(
             "env: backend='asyncio' takes a zero-argument callable returning an "

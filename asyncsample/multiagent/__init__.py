@@ -28,6 +28,7 @@ from asyncsample.multiagent.checks import (
     is_async_parallel_env,
     is_parallel_env,
 )
+from asyncsample.multiagent.joint import MultiAgentBatch, split_joint
 from asyncsample.multiagent.policies import (
     DEFAULT_POLICY,
     PolicyGroups,
@@ -49,7 +50,9 @@ from asyncsample.multiagent.reference import (
     areference_rollout,
     reference_rollout,
 )
+from asyncsample.multiagent.routing import PolicyAgents
 from asyncsample.multiagent.rows import AgentRows, RowKey
+from asyncsample.multiagent.slots import AsyncSlotEnv, SlotEnv, SlotSpace, as_slot_env
 from asyncsample.multiagent.tracker import (
     ActRequest,
     JointTransition,
@@ -59,18 +62,21 @@ from asyncsample.multiagent.tracker import (
 )
 
 __all__ = [
-    "DEFAULT_POLICY",
     "ActRequest",
     "AgentID",
     "AgentRows",
     "AsyncParallelAdapter",
     "AsyncParallelEnv",
+    "AsyncSlotEnv",
     "BlockingParallelAdapter",
+    "DEFAULT_POLICY",
     "JointReset",
     "JointStep",
     "JointTransition",
+    "MultiAgentBatch",
     "ParallelEnvLike",
     "ParallelEnvSpec",
+    "PolicyAgents",
     "PolicyGroups",
     "PolicyID",
     "PolicyMapping",
@@ -78,15 +84,19 @@ __all__ = [
     "Rollout",
     "RowKey",
     "RowTracker",
+    "SlotEnv",
+    "SlotSpace",
     "StepOutcome",
     "Turn",
     "action_mask_of",
     "areference_rollout",
     "as_async_parallel_env",
+    "as_slot_env",
     "check_parallel_env",
     "check_parallel_env_factory",
     "group_policies",
     "is_async_parallel_env",
     "is_parallel_env",
     "reference_rollout",
+    "split_joint",
 ]

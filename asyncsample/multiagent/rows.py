@@ -38,6 +38,23 @@ def stack_tree(rows: Sequence[Any]) -> Any:
     return tree_map(lambda *leaves: stack_rows(leaves), *rows)
 
 
+def gather_slots(trees: Sequence[Any], rows: np.ndarray, which: np.ndarray) -> Any:
+    """Row ``rows[i]`` of tree ``trees[which[i]]`` for every ``i``: the rows of several slots'
+    columns (trees of one space, stacked over steps or envs) in one new tree, one masked
+    gather per slot and leaf."""
+    if len(trees) == 1:
+        return tree_index(trees[0], rows)
+
+    def leaf(*leaves: np.ndarray) -> np.ndarray:
+        out = np.empty((len(rows), *leaves[0].shape[1:]), dtype=leaves[0].dtype)
+        for k, array in enumerate(leaves):
+            pick = which == k
+            out[pick] = array[rows[pick]]
+        return out
+
+    return tree_map(leaf, *trees)
+
+
 def agent_id_column(ids: Sequence[AgentID]) -> np.ndarray:
     """A column of agent ids: a text column when every id is a ``str``, else ``object``."""
     if all(isinstance(i, str) for i in ids):
