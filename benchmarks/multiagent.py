@@ -74,14 +74,7 @@ CELLS = (
     "rllib",
     *(f"ours-{mode}" for mode in INFERENCE),
 )
-DEFAULT_CELLS = (
-    "ceiling",
-    "plain",
-    *(f"pufferlib-{name}" for name in PUFFER_CONFIGS),
-    "rllib",
-    "ours-host",
-    "ours-per_worker",
-)
+DEFAULT_CELLS = CELLS
 POLICIES = ("random", "mlp")
 AGENTS = {"random": "uniform actions", "mlp": "PistonMLP, the same torch MLP in every cell"}
 RESULTS = Path(__file__).resolve().parent / "results" / "multiagent"
@@ -163,13 +156,19 @@ class PistonMLP:
 
 
 def _loop(
-    n_envs: int, seed: int, policy: str, warmup: float, seconds: float, start: Any = None
+    n_envs: int,
+    seed: int,
+    policy: str,
+    warmup: float,
+    seconds: float,
+    start: Any = None,
+    account: Any = None,
 ) -> dict[str, Any]:
     """``n_envs`` envs stepped one after the other with ``env.step({agent: action})``; with
     ``policy="mlp"`` the policy acts once per round on every agent's last observation (written
     into one preallocated buffer as the steps return them). Rounds run for ``warmup`` seconds
     (at least one), then wait on ``start`` and run for ``seconds``; returns the timed rounds'
-    rows, env steps, wall and CPU seconds."""
+    rows, env steps, wall and CPU seconds (and starts and stops ``account`` around them)."""
     envs = [make_env() for _ in range(n_envs)]
     try:
         agents = list(envs[0].possible_agents)
@@ -211,6 +210,8 @@ def _loop(
         if start is not None:
             start.wait()
         rows = steps = 0
+        if account is not None:
+            account.start()
         cpu0, t0 = time.process_time(), time.perf_counter()
         while True:
             r, s = one_round()
@@ -218,6 +219,8 @@ def _loop(
             wall = time.perf_counter() - t0
             if wall >= seconds:
                 break
+        if account is not None:
+            account.stop()
         return {"rows": rows, "env_steps": steps, "wall": wall, "cpu": time.process_time() - cpu0}
     finally:
         for env in envs:
@@ -225,8 +228,12 @@ def _loop(
 
 
 def _plain(policy: str, warmup: float, seconds: float, n_envs: int) -> dict[str, Any]:
-    loop = _loop(n_envs // PROCESSES, 0, policy, warmup, seconds)
+    from benchmarks.contenders import CpuAccount
+
+    account = CpuAccount()
+    loop = _loop(n_envs // PROCESSES, 0, policy, warmup, seconds, account=account)
     return {
+        "others_cores": (account.result or {}).get("foreign_cores"),
         "rows_per_s": loop["rows"] / loop["wall"],
         "env_steps_per_s": loop["env_steps"] / loop["wall"],
         "workers_cpu_us": 1e6 * loop["cpu"] / loop["rows"],
@@ -409,11 +416,20 @@ def _rllib(policy: str, warmup: float, seconds: float, n_envs: int) -> dict[str,
 
 
 async def _ours(
-    inference: str, policy: str, warmup: float, seconds: float, n_envs: int
+    inference: str, policy: str, warmup: float, seconds: float, n_envs: int, top: int = 0
 ) -> dict[str, Any]:
+    """Our sampler in ``inference`` mode; with ``top``, the caller under ``cProfile`` (CPU
+    time) over the window, its ``top`` functions by own time in the row's ``profile``."""
+    import cProfile
+
     from asyncsample import Sampler
     from benchmarks.contenders import CpuAccount
 
+    if inference == "batched" and policy == "random":
+        raise _Skip(
+            "inference='batched' merges the workers' calls of one shared agent; the built-in "
+            "random agent is one per worker"
+        )
     env_fn = _env_fn()
     probe = env_fn()
     n_agents = len(probe.possible_agents)
@@ -436,29 +452,48 @@ async def _ours(
         await sampler.obtain_fragments(call)
         while time.perf_counter() - t0 < warmup:
             await sampler.obtain_fragments(call)
+        profiler = cProfile.Profile(time.process_time) if top else None
         account = CpuAccount()  # this process tree (the caller, its hosts) and the others
         account.start()
-        rows, t0 = 0, time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        rows = steps = 0
+        t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            rows += (await sampler.obtain_fragments(call)).n_transitions
+            batch = await sampler.obtain_fragments(call)
+            rows, steps = rows + batch.n_transitions, steps + batch.n_env_steps
         wall = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.disable()
         account.stop()
     cpu = account.result or {}
+    out: dict[str, Any] = {}
+    if profiler is not None:
+        from benchmarks.seam import profile_rows
+
+        out["profile"] = [
+            {**r, "us_per_row": r["us_per_step"] * steps / max(rows, 1)}
+            for r in profile_rows(profiler, top, steps)
+        ]
     return {
+        **out,
         "rows_per_s": rows / wall,
-        "env_steps_per_s": rows / n_agents / wall,  # every piston lives the whole episode
+        "env_steps_per_s": steps / wall,
         "main_cpu_us": 1e6 * cpu.get("main_cores", 0.0) * wall / max(rows, 1),
         "workers_cpu_us": 1e6 * cpu.get("host_cores", 0.0) * wall / max(rows, 1),
         "others_cores": cpu.get("foreign_cores"),
         "layout": f"{PROCESSES}x{per} process, inference={inference!r}, calls of "
         f"{call:,} rows ({CALL_STEPS} steps of every env)",
-        "inference": getattr(sampler, "inference", inference),
+        "inference": sampler.inference.describe(),
     }
 
 
-def run_cell(name: str, policy: str, warmup: float, seconds: float, n_envs: int) -> dict:
+def run_cell(
+    name: str, policy: str, warmup: float, seconds: float, n_envs: int, top: int = 0
+) -> dict[str, Any]:
     """One cell's numbers, in this interpreter: a dict with ``rows_per_s``, or ``skipped`` (why
-    the cell cannot run here)."""
+    the cell cannot run here); ``top``: profile an ``ours-*`` cell's caller (see :func:`_ours`).
+    """
     try:
         if name == "ceiling":
             return _ceiling(policy, warmup, seconds, n_envs)
@@ -470,7 +505,7 @@ def run_cell(name: str, policy: str, warmup: float, seconds: float, n_envs: int)
             return _rllib(policy, warmup, seconds, n_envs)
         if name.startswith("ours-"):
             mode = name.removeprefix("ours-")
-            return asyncio.run(_ours(mode, policy, warmup, seconds, n_envs))
+            return asyncio.run(_ours(mode, policy, warmup, seconds, n_envs, top))
     except _Skip as why:
         return {"skipped": str(why)}
     raise ValueError(f"unknown cell {name!r}")
@@ -545,7 +580,11 @@ def _targets(runs: dict[str, list[dict[str, Any]]], policy: str) -> list[str]:
     return lines
 
 
-def _markdown(results: dict[str, dict[str, list[dict[str, Any]]]], meta: dict[str, Any]) -> str:
+def _markdown(
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+    meta: dict[str, Any],
+    profiles: dict[str, dict[str, Any]] | None = None,
+) -> str:
     lines = [
         "# Multi-agent: 64 Pistonball envs (`python -m benchmarks.multiagent`)",
         "",
@@ -608,6 +647,24 @@ def _markdown(results: dict[str, dict[str, list[dict[str, Any]]]], meta: dict[st
             "|---|--:|---|--:|---|",
             *_targets(runs, policy),
         ]
+    for policy, prof in (profiles or {}).items():
+        lines += ["", f"## Profile of the caller ({prof['cell']}, {policy} agent, by own time)", ""]
+        if not prof.get("profile"):
+            lines.append(f"not measured: {prof.get('skipped') or prof.get('error')}")
+            continue
+        lines += [
+            f"`cProfile` (CPU time as its timer) over the window of a separate run "
+            f"({prof['rows_per_s']:,.0f} agent steps/s under the profiler; caller "
+            f"{prof['main_cpu_us']:,.1f} us of CPU per row).",
+            "",
+            "| function | calls | own s | cumulative s | own us per row |",
+            "|---|--:|--:|--:|--:|",
+        ]
+        for r in prof["profile"]:
+            lines.append(
+                f"| `{r['function']}` | {r['ncalls']:,} | {r['tottime_s']:.3f} | "
+                f"{r['cumtime_s']:.3f} | {_num(r['us_per_row'], 2)} |"
+            )
     return "\n".join(lines)
 
 
@@ -619,6 +676,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, help="seconds before each window (5)")
     parser.add_argument("--seconds", type=float, help="each cell's window (15)")
     parser.add_argument("--envs", type=int, default=N_ENVS, help=f"envs in all ({N_ENVS})")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the repeats, one more run of the first ours cell per agent with its caller "
+        "under cProfile: where the caller's CPU per row goes",
+    )
+    parser.add_argument("--top", type=int, default=20, help="functions kept from the profile")
     parser.add_argument("--quick", action="store_true", help="short windows, one repeat")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cell", help=argparse.SUPPRESS)
@@ -630,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.envs % (4 * PROCESSES):
         parser.error(f"--envs must be a multiple of {4 * PROCESSES}")
     if args.cell:  # a cell in this fresh interpreter: its numbers as JSON on stdout
-        row = run_cell(args.cell, args.policies[0], args.warmup, args.seconds, args.envs)
+        top = args.top if args.profile else 0
+        row = run_cell(args.cell, args.policies[0], args.warmup, args.seconds, args.envs, top)
         print(json.dumps(row))
         return 0
     results: dict[str, dict[str, list[dict[str, Any]]]] = {p: {} for p in args.policies}
@@ -649,6 +714,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row.get('skipped') or row.get('error')}"
                 )  # fmt: skip
                 print(f"multiagent: {policy} {name} {shown}", file=sys.stderr, flush=True)
+    profiles: dict[str, dict[str, Any]] = {}
+    ours = [name for name in args.cells if name.startswith("ours-")]
+    if args.profile and ours:
+        for policy in args.policies:
+            row = _fresh(root, ours[0], policy, args, profile=True)
+            profiles[policy] = {"cell": ours[0], **row}
+            print(f"multiagent: {policy} {ours[0]} profiled", file=sys.stderr, flush=True)
     from benchmarks.report import _commit
 
     meta = {
@@ -662,19 +734,26 @@ def main(argv: list[str] | None = None) -> int:
         "cores": os.cpu_count(),
         "load": [min(load), max(load)],
     }
-    result = {"study": "multiagent", **meta, "rllib_pip": RLLIB_PIP, "runs": results}
-    write_own_results(args.out, result, _markdown(results, meta))
+    result = {
+        "study": "multiagent", **meta, "rllib_pip": RLLIB_PIP, "runs": results,
+        "profiles": profiles,
+    }  # fmt: skip
+    write_own_results(args.out, result, _markdown(results, meta, profiles))
     return 0
 
 
-def _fresh(root: Path, name: str, policy: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One cell in a fresh interpreter: its JSON row, or ``{"error": ...}`` with the last line
-    of its stderr."""
+def _fresh(
+    root: Path, name: str, policy: str, args: argparse.Namespace, profile: bool = False
+) -> dict[str, Any]:
+    """One cell in a fresh interpreter: its JSON row (with the interpreter's whole run in
+    ``cell_seconds``), or ``{"error": ...}`` with the last line of its stderr."""
+    t0 = time.perf_counter()
     try:
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.multiagent", "--cell", name, "--policies", policy,
              "--warmup", str(args.warmup), "--seconds", str(args.seconds),
-             "--envs", str(args.envs)],
+             "--envs", str(args.envs), "--top", str(args.top),
+             *(["--profile"] if profile else [])],
             capture_output=True, text=True, check=False, timeout=900, cwd=root,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
@@ -683,7 +762,9 @@ def _fresh(root: Path, name: str, policy: str, args: argparse.Namespace) -> dict
     if done.returncode != 0 or not done.stdout.strip():
         tail = [line for line in done.stderr.strip().splitlines() if line.strip()]
         return {"error": tail[-1] if tail else f"exit status {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    row: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    row["cell_seconds"] = time.perf_counter() - t0
+    return row
 
 
 if __name__ == "__main__":
