@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
@@ -229,6 +230,7 @@ class Sampler:
     async def start(self) -> None:
         """Start the backend and build every worker's envs (the first call does it if needed)."""
         await self._core.start()
+        await self._joint_calls()
 
     async def aclose(self) -> None:
         """Stop every worker and env host and release their resources. Idempotent."""
@@ -413,7 +415,7 @@ class Sampler:
         max_policy_lag: int | None = None,
         buffer_size: int = 2,
         fraction_samples: float = 1.0,
-    ) -> AsyncGenerator[EpisodeBatch, None]:
+    ) -> AsyncGenerator[Any, None]:
         """Yield batches of at least ``num_samples`` transitions while sampling goes on.
 
         Use it as ``async with contextlib.aclosing(sampler.stream(n)) as it: async for b in it``.
@@ -439,15 +441,31 @@ class Sampler:
             SamplerClosedError: the sampler was closed.
             SamplerBusyError: opened from the body of this sampler's own open stream.
         """
-        return streaming.stream(
-            self._core,
-            num_samples,
-            fragments=fragments,
-            agent_update=agent_update,
-            max_policy_lag=max_policy_lag,
-            buffer_size=buffer_size,
-            fraction_samples=fraction_samples,
-        )
+        options: dict[str, Any] = {
+            "fragments": fragments,
+            "agent_update": agent_update,
+            "max_policy_lag": max_policy_lag,
+            "buffer_size": buffer_size,
+            "fraction_samples": fraction_samples,
+        }
+        if self._joint is None:  # a started sampler of a single-agent env
+            return streaming.stream(self._core, num_samples, **options)
+        return self._rows_stream(num_samples, options)
+
+    async def _rows_stream(
+        self, num_samples: int, options: dict[str, Any]
+    ) -> AsyncGenerator[Any, None]:
+        """:meth:`stream` before the env's kind is known: for a multi-agent env, batches of
+        at least ``num_samples`` agent rows (the engine's rounds joined until they hold them)."""
+        joint = await self._joint_calls()
+        quota = num_samples if joint is None else joint.steps_for(num_samples)
+        async with contextlib.aclosing(streaming.stream(self._core, quota, **options)) as rounds:
+            if joint is None:
+                async for batch in rounds:
+                    yield batch
+                return
+            async for rows in joint.rows_of_rounds(rounds, num_samples):
+                yield rows
 
     async def evaluate(
         self,

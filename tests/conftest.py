@@ -75,6 +75,11 @@ _LOOP_PARAM = "_asyncio_loop_factory"  # pytest-asyncio's parameter for the loop
 #: test time on a loaded 2-core machine, mostly spent in deliberate hangs, step_timeouts and host
 #: start-ups.
 SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
+    # Multi-agent rows: thread's twin is local's and asyncio's; batched's is per_worker's.
+    "test_multiagent_sampler.py::test_rows_equal_the_reference_loop": ({"backend": ("thread",)},),
+    "test_multiagent_sampler.py::test_policies_act_for_their_agents_in_any_mode": (
+        {"inference": ("batched",)},
+    ),
     # Under uvloop: their asyncio variants stay; so do the representative subset's other uvloop
     # variants (a killed host, a spent budget, cancellation on "local", garbage collection).
     "test_faults.py::test_hanging_env_times_out_and_is_replaced": ({"loop": ("uvloop",)},),

@@ -6,13 +6,15 @@ hosts, with the same batches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import pytest
-from helpers import SamplerFactory
+from helpers import SamplerFactory, touch
 
 from asyncsample import EpisodeBatch, StepType
 from asyncsample.multiagent import (
@@ -326,3 +328,66 @@ async def test_default_policy_needs_shared_spaces(make_sampler: SamplerFactory) 
     sampler = make_sampler("local", functools.partial(RosterEnv))
     with pytest.raises(Exception, match=r"policy_mapping: the agents of policy 'default'"):
         await sampler.obtain_samples(4)
+
+
+async def test_a_stream_yields_agent_rows(make_sampler: SamplerFactory) -> None:
+    sampler = make_sampler(
+        "process", RosterEnv, n_workers=2, envs_per_worker=2, seed=0, policy_mapping=by_kind
+    )
+    seen = 0
+    async with contextlib.aclosing(sampler.stream(60, fragments=True)) as batches:
+        async for batch in batches:
+            assert isinstance(batch, MultiAgentBatch)
+            assert batch.n_transitions >= 60  # rows, joined over rounds where needed
+            assert batch.n_transitions == int(batch.joint.observations["live"].sum())
+            seen += 1
+            if seen == 3:
+                break
+    single = make_sampler("local")
+    async with contextlib.aclosing(single.stream(8)) as batches:
+        async for batch in batches:
+            assert isinstance(batch, EpisodeBatch)  # a single-agent env: as before
+            break
+
+
+class FailingRosterEnv(RosterEnv):
+    """A RosterEnv whose step 3 raises once (while ``flag`` does not exist), mid-episode."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.flag = flag
+        self.calls = 0
+
+    def step(self, actions: Any) -> Any:
+        self.calls += 1
+        if self.calls == 3 and not os.path.exists(self.flag):
+            touch(self.flag)
+            raise RuntimeError("the env broke mid-episode")
+        return super().step(actions)
+
+
+@pytest.mark.parametrize("backend", ["local", "process"])
+async def test_a_failing_env_loses_its_agents_segments_and_nothing_else(
+    make_sampler: SamplerFactory, backend: str, tmp_path: Any
+) -> None:
+    flag = str(tmp_path / "failed")
+    sampler = make_sampler(
+        backend,
+        functools.partial(FailingRosterEnv, flag),
+        n_workers=1,
+        envs_per_worker=2,
+        seed=2,
+        policy_mapping=by_kind,
+    )
+    batch = await sampler.obtain_samples(150)
+    assert os.path.exists(flag)  # the env did fail
+    assert sampler.restarts == 1  # its host (process) or the env (local) was rebuilt once
+    # every segment whole, as the schedule has it: the broken episode left no half-made rows
+    segments = 0
+    for rows in batch.values():
+        for piece in rows.split():
+            agent = str(piece.agent_ids[0])
+            joined, (left, _) = DEFAULT_SCHEDULE.joins[agent], DEFAULT_SCHEDULE.leaves[agent]
+            np.testing.assert_array_equal(piece.env_steps, np.arange(joined, left))
+            segments += 1
+    assert segments == batch.n_env_episodes * len(DEFAULT_SCHEDULE_AGENTS)

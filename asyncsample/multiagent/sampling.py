@@ -11,7 +11,7 @@ single-agent env. ``obtain_exact_episodes`` counts env episodes and takes one en
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from asyncsample.batch import EnvSpec, EpisodeBatch
@@ -43,6 +43,23 @@ class JointCalls:
         """The agent rows of a batch of joint steps."""
         return split_joint(joint, self.groups, self.slots)
 
+    def steps_for(self, rows: int) -> int:
+        """The joint steps expected to give ``rows`` agent rows (rows per step seen so far)."""
+        return max(1, math.ceil(rows / self._rows))
+
+    async def rows_of_rounds(
+        self, rounds: AsyncIterator[EpisodeBatch], rows: int
+    ) -> AsyncIterator[MultiAgentBatch]:
+        """A stream's rounds of joint steps, joined until they hold ``rows`` agent rows each."""
+        parts: list[EpisodeBatch] = []
+        held = 0
+        async for joint in rounds:
+            parts.append(joint)
+            held += live_rows(joint)
+            if held >= rows:
+                yield self.split(parts[0] if len(parts) == 1 else EpisodeBatch.concatenate(*parts))
+                parts, held = [], 0
+
     async def call(
         self,
         engine: EngineCall,
@@ -59,7 +76,7 @@ class JointCalls:
         parts: list[EpisodeBatch] = []
         missing = quota
         while missing > 0:
-            steps = max(1, math.ceil(missing / self._rows))
+            steps = self.steps_for(missing)
             joint = await engine(mode, steps, agent_update, env_update, fraction)
             agent_update = env_update = None  # applied by the first call
             parts.append(joint)

@@ -23,6 +23,7 @@ from gymnasium.vector.utils import batch_space
 
 from asyncsample import _validate
 from asyncsample._tree import tree_map
+from asyncsample.multiagent.checks import ParallelEnvSpec
 from asyncsample.vector._gym_args import (
     AlreadyPending,
     NoAsyncCall,
@@ -33,6 +34,7 @@ from asyncsample.vector._gym_args import (
     observation_spaces,
 )
 from asyncsample.vector._infos import columns
+from asyncsample.vector.agent_rows import RowLayout, VectorRows, agent_spec
 from asyncsample.vector.hosted import HostedEnvs, HostedFace, PendingRound, StepResult, env_sources
 
 __all__ = ["VectorEnv"]
@@ -157,10 +159,6 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             raise ValueError(f"batch_size must be <= num_envs={num}, got {batch}")
         sources = env_sources(env, num)
         single_obs, batched_obs = observation_spaces(observation_mode, sources)
-        self.autoreset_mode = mode
-        self.num_envs = num
-        self.observation_mode = observation_mode
-        self.max_concurrency = max_concurrency
         hosted = HostedEnvs(
             sources,
             n_processes=n_processes,
@@ -175,6 +173,35 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             copy=bool(copy),
             metrics=metrics,
         )
+        spec = agent_spec(hosted.single_observation_space)
+        # A multi-agent env: the env-level face steps the envs, this one shows their rows.
+        face = self if spec is None else VectorEnv.__new__(VectorEnv)
+        several = isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1
+        if spec is not None:
+            self.closed = True  # until it shows the rows: nothing of its own to close
+        face._setup(hosted, mode, batch, seed, observation_mode, max_concurrency, batched_obs)
+        face._check_spaces(bool(shared_memory), several)
+        if spec is not None:
+            self._show_rows(face, spec, batch)
+            self.closed = False
+
+    def _setup(
+        self,
+        hosted: HostedEnvs,
+        mode: AutoresetMode,
+        batch: int | None,
+        seed: int | None,
+        observation_mode: Any,
+        max_concurrency: int | None,
+        batched_obs: Any,
+    ) -> None:
+        """The face's state over ``hosted``, once built (the arguments as checked)."""
+        num = hosted.num_envs
+        self._rows: VectorRows | None = None
+        self.autoreset_mode = mode
+        self.num_envs = num
+        self.observation_mode = observation_mode
+        self.max_concurrency = max_concurrency
         self._own(hosted)
         self.batch_size = num if batch is None else batch
         self.metadata = {**hosted.metadata, "autoreset_mode": mode}
@@ -200,7 +227,10 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         # EnvPool-style send/recv: requests in flight and answers not yet received, by host.
         self._inflight: dict[int, asyncio.Future[StepResult]] = {}
         self._answered: list[int] = []
-        several = isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1
+
+    def _check_spaces(self, shared_memory: bool, several: bool) -> None:
+        """``AsyncVectorEnv``'s checks of the spaces (closed on a failure)."""
+        observation_mode = self.observation_mode
         try:
             if shared_memory:
                 check_shared_memory(self.single_observation_space)
@@ -215,6 +245,32 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         except BaseException:
             self.close()
             raise
+
+    def _show_rows(self, envs: VectorEnv, spec: ParallelEnvSpec, batch: int | None) -> None:
+        """Show ``envs``, the env-level face of multi-agent envs, as one row per possible agent
+        of each (:mod:`asyncsample.vector.agent_rows`); ``envs`` is closed on a failure."""
+        try:
+            if batch is not None:
+                raise ValueError(
+                    f"batch_size: EnvPool-style send/recv does not take a multi-agent env; got "
+                    f"batch_size={batch} with a multi-agent env (leave it None)"
+                )
+            layout = RowLayout(spec, envs.num_envs)
+        except BaseException:
+            envs.close()
+            raise
+        self._rows = VectorRows(envs, layout)
+        self._hosted = envs._hosted
+        self.autoreset_mode = envs.autoreset_mode
+        self.observation_mode = envs.observation_mode
+        self.max_concurrency = envs.max_concurrency
+        self.num_envs = self.batch_size = layout.n_rows
+        self.metadata = envs.metadata
+        self.render_mode = envs.render_mode
+        self.single_observation_space = layout.single_observation_space
+        self.single_action_space = layout.single_action_space
+        self.observation_space = batch_space(self.single_observation_space, layout.n_rows)
+        self.action_space = batch_space(self.single_action_space, layout.n_rows)
 
     @property
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
@@ -241,6 +297,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             options: passed to every reset sub-env; ``"reset_mask"`` (a bool array of shape
                 ``(num_envs,)``) selects the sub-envs to reset and is not passed on.
         """
+        if self._rows is not None:
+            seed, options = self._rows.reset_args(seed, options)
+            return self._rows.reset_rows(self._rows.envs.reset(seed=seed, options=options))
         hosted = self._idle()
         mask, seeds, options = self._reset_args(seed, options)
         return self._reset_done(mask, hosted.portal.call(hosted.reset, mask, seeds, options))
@@ -251,6 +310,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         options: dict[str, Any] | None = None,
     ) -> None:
         """Send the reset (see :meth:`reset`); :meth:`reset_wait` returns its results."""
+        if self._rows is not None:
+            self._rows.envs.reset_async(*self._rows.reset_args(seed, options))
+            return
         hosted = self._free("reset_async")
         mask, seeds, options = self._reset_args(seed, options)
         self._pending = hosted.portal.start(hosted.reset, mask, seeds, options)
@@ -258,6 +320,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
         """The results of the reset sent by :meth:`reset_async` (see :meth:`step_wait`)."""
+        if self._rows is not None:
+            return self._rows.reset_rows(self._rows.envs.reset_wait(timeout))
         return self._reset_done(self._pending_args, self._wait("reset", timeout))
 
     def _reset_args(
@@ -358,12 +422,18 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     def step(self, actions: Any) -> _Step:
         """Step every sub-env with its action (see the module doc for the autoreset modes)."""
+        if self._rows is not None:
+            rows = self._rows
+            return rows.step_rows(rows.envs.step(rows.layout.slot_actions(actions)))
         hosted = self._free("step")
         mask = self._send(actions)
         return self._finish(hosted.lockstep(mask), mask)
 
     def step_async(self, actions: Any) -> None:
         """Send the actions (as :meth:`step` sends them); the hosts step meanwhile."""
+        if self._rows is not None:
+            self._rows.envs.step_async(self._rows.layout.slot_actions(actions))
+            return
         hosted = self._free("step_async")
         mask = self._send(actions)
         self._pending = hosted.lockstep_send(mask)
@@ -376,6 +446,8 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             multiprocessing.TimeoutError: ``timeout`` seconds passed first (the step is still
                 pending: wait again).
         """
+        if self._rows is not None:
+            return self._rows.step_rows(self._rows.envs.step_wait(timeout))
         return self._finish(self._wait("step", timeout), self._pending_args)
 
     def _send(self, actions: Any) -> np.ndarray | None:
@@ -529,6 +601,13 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
 
     # -- EnvPool-style asynchronous stepping --------------------------------------------------
 
+    def _no_rows(self, what: str) -> None:
+        if self._rows is not None:
+            raise TypeError(
+                f"{what}: EnvPool-style send/recv does not take a multi-agent env (its rows are "
+                "stepped in lockstep: use step)"
+            )
+
     def async_reset(
         self,
         *,
@@ -536,6 +615,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         options: dict[str, Any] | None = None,
     ) -> None:
         """Reset every sub-env; :meth:`recv` returns their first observations, a batch at a time."""
+        self._no_rows("async_reset")
         self.reset(seed=seed, options=options)
         res = StepResult.empty(self.num_envs)
         res.reset_infos = self._last_reset
@@ -549,6 +629,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     def send(self, actions: Any, env_ids: Any) -> None:
         """Send ``actions[k]`` to sub-env ``env_ids[k]`` (the sub-envs of earlier :meth:`recv`
         batches); their hosts start at once."""
+        self._no_rows("send")
         hosted = self._free("send")
         if self.autoreset_mode == AutoresetMode.DISABLED:
             raise ValueError("send/recv needs autoreset_mode NextStep or SameStep, not Disabled")
@@ -589,6 +670,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     def recv(self) -> _Step:
         """The first ``batch_size`` sub-envs answered, as :meth:`step` returns them; row ``k`` is
         sub-env ``info["env_id"][k]``."""
+        self._no_rows("recv")
         hosted = self._hosted
         hosted.check_open()
         size = [b - a for a, b in hosted.slices]
@@ -638,18 +720,26 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     # -- calls ------------------------------------------------------------------------------
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        """Call ``name`` on every sub-env (or read it, if it is not callable)."""
+        """Call ``name`` on every sub-env (or read it, if it is not callable); with a
+        multi-agent env, once on each env, its result on each of its rows."""
+        if self._rows is not None:
+            return self._rows.per_row_results(self._rows.envs.call(name, *args, **kwargs))
         hosted = self._idle()
         return tuple(hosted.portal.call(hosted.call, name, args, kwargs, range(self.num_envs)))
 
     def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
         """Send :meth:`call`; :meth:`call_wait` returns its results."""
+        if self._rows is not None:
+            self._rows.envs.call_async(name, *args, **kwargs)
+            return
         hosted = self._free("call_async")
         self._pending = hosted.portal.start(hosted.call, name, args, kwargs, range(self.num_envs))
         self._pending_kind = "call"
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
         """The results of the call sent by :meth:`call_async` (see :meth:`step_wait`)."""
+        if self._rows is not None:
+            return self._rows.per_row_results(self._rows.envs.call_wait(timeout))
         return tuple(self._wait("call", timeout))
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
@@ -657,7 +747,11 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         return self.call(name)
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | object) -> None:
-        """Set ``name`` on every sub-env: one value for all, or a list with one per sub-env."""
+        """Set ``name`` on every sub-env: one value for all, or a list with one per sub-env (with
+        a multi-agent env, one per row: the rows of an env hold one value)."""
+        if self._rows is not None:
+            self._rows.envs.set_attr(name, self._rows.per_env_values(values))
+            return
         hosted = self._idle()
         if not isinstance(values, (list, tuple)):
             values = [values] * self.num_envs
@@ -674,6 +768,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     def close_extras(self, **kwargs: Any) -> None:
         """Stop the env hosts; ``kwargs`` (``AsyncVectorEnv``'s ``timeout``, ``terminate``)
         change nothing: hosts that do not exit when asked are killed."""
+        if self._rows is not None:
+            self._rows.envs.close(**kwargs)
+            return
         if self._pending is not None:
             warnings.warn(  # AsyncVectorEnv's warning, word for word
                 f"Calling `close` while waiting for a pending call to `{self._pending_kind}` to "

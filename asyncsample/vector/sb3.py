@@ -19,8 +19,11 @@ import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncsample import _validate
+from asyncsample.multiagent.checks import ParallelEnvSpec
 from asyncsample.vector._sb3_access import SB3EnvFactory
+from asyncsample.vector.agent_rows import RowLayout, agent_spec
 from asyncsample.vector.hosted import HostedEnvs, HostedFace, PendingRound, StepResult, env_sources
+from asyncsample.vector.sb3_rows import SB3Rows
 
 try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvIndices
@@ -94,17 +97,48 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             caller_envs=caller_envs,
             metrics=metrics,
         )
+        spec = agent_spec(hosted.single_observation_space)
+        if spec is None:
+            self._setup(hosted)
+            return
+        # A multi-agent env: the env-level face steps the envs, this one shows their rows.
+        envs = AsyncSampleVecEnv.__new__(AsyncSampleVecEnv)
+        envs._setup(hosted)
+        self._show_rows(envs, spec)
+
+    def _setup(self, hosted: HostedEnvs) -> None:
+        """The face's state over ``hosted``, once built."""
+        self._rows: SB3Rows | None = None
         self._own(hosted)
         self._sent: PendingRound | None = None
         self.closed = False
         try:
-            super().__init__(n, hosted.single_observation_space, hosted.single_action_space)
+            super().__init__(
+                hosted.num_envs, hosted.single_observation_space, hosted.single_action_space
+            )
         except BaseException:
             hosted.close()
             raise
         space = self.observation_space
         # A Dict space's keys, in its order (observations are OrderedDicts of them), else None.
         self._dict_keys = list(space.spaces) if isinstance(space, gym.spaces.Dict) else None
+
+    def _show_rows(self, envs: AsyncSampleVecEnv, spec: ParallelEnvSpec) -> None:
+        """Show ``envs``, the env-level face of multi-agent envs, as one row per possible agent
+        of each (:mod:`asyncsample.vector.sb3_rows`); ``envs`` is closed on a failure."""
+        try:
+            layout = RowLayout(spec, envs.num_envs, "env_fns")
+            self._rows = SB3Rows(envs, layout)
+            self._hosted = envs._hosted
+            self._sent = None
+            self.closed = False
+            super().__init__(
+                layout.n_rows, layout.single_observation_space, layout.single_action_space
+            )
+        except BaseException:
+            envs.close()
+            raise
+        self._dict_keys = None
 
     # -- observations -----------------------------------------------------------------------
 
@@ -118,7 +152,15 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
     # -- VecEnv -----------------------------------------------------------------------------
 
     def reset(self) -> Any:
-        """Reset every sub-env with the seeds and options set beforehand (used once)."""
+        """Reset every sub-env with the seeds and options set beforehand (used once); with a
+        multi-agent env, each env with its first row's."""
+        if self._rows is not None:
+            rows, envs = self._rows, self._rows.envs
+            envs._seeds, envs._options = rows.env_seeds_and_options(self._seeds, self._options)
+            obs, self.reset_infos = rows.reset_rows(envs.reset())
+            self._reset_seeds()
+            self._reset_options()
+            return obs
         hosted = self._idle()
         n = self.num_envs
         seeds = list(self._seeds)
@@ -137,13 +179,23 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         self._reset_options()
         return self._format_obs(hosted.read_obs())
 
-    def step(self, actions: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
+    def step(
+        self, actions: np.ndarray | tuple[Any, ...]
+    ) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         """Step every sub-env (one lockstep round)."""
+        if self._rows is not None:
+            rows = self._rows
+            return rows.step_rows(
+                rows.envs.step(rows.layout.slot_actions(actions)), self.reset_infos
+            )
         self._send(actions, "step was called while a step_async is waiting for step_wait")
         return self._finish(self._hosted.lockstep())
 
-    def step_async(self, actions: np.ndarray) -> None:
+    def step_async(self, actions: np.ndarray | tuple[Any, ...]) -> None:
         """Send the actions (as :meth:`step` sends them); :meth:`step_wait` collects the step."""
+        if self._rows is not None:
+            self._rows.envs.step_async(self._rows.layout.slot_actions(actions))
+            return
         self._send(actions, "step_async was called twice without step_wait in between")
         self._sent = self._hosted.lockstep_send()
 
@@ -161,6 +213,8 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
 
     def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]:
         """Results of the step sent by :meth:`step_async`, autoresetting finished sub-envs."""
+        if self._rows is not None:
+            return self._rows.step_rows(self._rows.envs.step_wait(), self.reset_infos)
         self._check_open()
         task, self._sent = self._sent, None
         if task is None:
@@ -217,6 +271,9 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             return
         self.closed = True
         self._sent = None
+        if self._rows is not None:
+            self._rows.envs.close()
+            return
         self._release()
 
     def get_attr(self, attr_name: str, indices: VecEnvIndices = None) -> list[Any]:
@@ -256,10 +313,16 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
 
     def _call(self, name: str, args: tuple[Any, ...], indices: VecEnvIndices) -> list[Any]:
         """One of :class:`~asyncsample.vector._sb3_access.SB3Access`'s methods on the selected
-        sub-envs; one result each."""
-        hosted = self._idle()
+        sub-envs; one result each (with a multi-agent env, once on each env of the selected
+        rows, its result on each of them)."""
         out = [int(i) for i in self._get_indices(indices)]
         for i in out:
             if not -self.num_envs <= i < self.num_envs:
                 raise IndexError(f"indices: {i} is out of range for {self.num_envs} sub-envs")
-        return hosted.portal.call(hosted.call, name, args, {}, [i % self.num_envs for i in out])
+        chosen = [i % self.num_envs for i in out]
+        if self._rows is not None:
+            rows = self._rows
+            envs = list(dict.fromkeys(rows.layout.env_of(chosen)))
+            return rows.per_row(rows.envs._call(name, args, envs), chosen)
+        hosted = self._idle()
+        return hosted.portal.call(hosted.call, name, args, {}, chosen)
