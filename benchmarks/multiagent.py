@@ -3,9 +3,10 @@
 The workload: PettingZoo's ``butterfly/pistonball_v6`` ``parallel_env()`` with its defaults (20
 pistons, each an agent observing a (457, 120, 3) uint8 image and acting in Box(-1, 1, (1,));
 125-step episodes), 64 envs, so 1,280 agent transitions (rows) per joint step of every env. Two
-agents drive every cell alike: ``random`` (uniform actions, pre-drawn or drawn in one call) and
-``mlp`` (:class:`PistonMLP`, a small torch MLP as a user writes it for such images: every 8th
-pixel, 2 hidden layers of 64, a tanh mean action, one torch thread per process, no grad).
+agents drive every cell alike: ``random`` (uniform actions: pre-drawn in the loops and PufferLib's
+cells, the built-in ``RandomAgent`` in ours) and ``mlp`` (:class:`PistonMLP`, a small torch MLP
+as a user writes it for such images: every 8th pixel, 2 hidden layers of 64, a tanh mean action,
+one torch thread per process, no grad).
 
 Cells, each in a fresh interpreter for ``--seconds`` after ``--warmup``; the repeats interleave
 them (every cell once per repeat, in order) so that each ratio pairs runs made close together:
@@ -21,7 +22,8 @@ them (every cell once per repeat, in order) so that each ratio pairs runs made c
 - ``rllib``: RLlib's multi-agent env runner, where ``ray.rllib`` imports; else the reason.
 - ``ours-host``, ``ours-per_worker``, ``ours-batched``: ``Sampler(pistonball_v6.parallel_env,
   n_workers=2, envs_per_worker=32, backend="process", seed=0)`` in that inference mode,
-  consecutive ``obtain_fragments`` calls of :data:`CALL_STEPS` joint steps of every env.
+  consecutive ``obtain_fragments`` calls of ``--call-steps`` joint steps of every env (default
+  :data:`CALL_STEPS`); ``--profile`` adds a run of the first one with its caller under cProfile.
 
 Rates count agent transitions (rows; PufferLib's rows of a reset are not transitions and are not
 counted) and env steps. CPU per agent transition: the caller's and its workers' (env hosts,
@@ -416,7 +418,13 @@ def _rllib(policy: str, warmup: float, seconds: float, n_envs: int) -> dict[str,
 
 
 async def _ours(
-    inference: str, policy: str, warmup: float, seconds: float, n_envs: int, top: int = 0
+    inference: str,
+    policy: str,
+    warmup: float,
+    seconds: float,
+    n_envs: int,
+    top: int = 0,
+    call_steps: int = CALL_STEPS,
 ) -> dict[str, Any]:
     """Our sampler in ``inference`` mode; with ``top``, the caller under ``cProfile`` (CPU
     time) over the window, its ``top`` functions by own time in the row's ``profile``."""
@@ -437,7 +445,7 @@ async def _ours(
     probe.close()
     agent = {"default": PistonMLP(shape)} if policy == "mlp" else None
     per = n_envs // PROCESSES
-    call = CALL_STEPS * n_envs * n_agents
+    call = call_steps * n_envs * n_agents
     sampler = Sampler(
         env_fn,
         n_workers=PROCESSES,
@@ -483,13 +491,19 @@ async def _ours(
         "workers_cpu_us": 1e6 * cpu.get("host_cores", 0.0) * wall / max(rows, 1),
         "others_cores": cpu.get("foreign_cores"),
         "layout": f"{PROCESSES}x{per} process, inference={inference!r}, calls of "
-        f"{call:,} rows ({CALL_STEPS} steps of every env)",
+        f"{call:,} rows ({call_steps} steps of every env)",
         "inference": sampler.inference.describe(),
     }
 
 
 def run_cell(
-    name: str, policy: str, warmup: float, seconds: float, n_envs: int, top: int = 0
+    name: str,
+    policy: str,
+    warmup: float,
+    seconds: float,
+    n_envs: int,
+    top: int = 0,
+    call_steps: int = CALL_STEPS,
 ) -> dict[str, Any]:
     """One cell's numbers, in this interpreter: a dict with ``rows_per_s``, or ``skipped`` (why
     the cell cannot run here); ``top``: profile an ``ours-*`` cell's caller (see :func:`_ours`).
@@ -505,7 +519,7 @@ def run_cell(
             return _rllib(policy, warmup, seconds, n_envs)
         if name.startswith("ours-"):
             mode = name.removeprefix("ours-")
-            return asyncio.run(_ours(mode, policy, warmup, seconds, n_envs, top))
+            return asyncio.run(_ours(mode, policy, warmup, seconds, n_envs, top, call_steps))
     except _Skip as why:
         return {"skipped": str(why)}
     raise ValueError(f"unknown cell {name!r}")
@@ -597,7 +611,7 @@ def _markdown(
         "tried); `rllib`: RLlib's multi-agent env runner; `ours-*`: `Sampler(pistonball_v6."
         f"parallel_env, n_workers={PROCESSES}, envs_per_worker={meta['n_envs'] // PROCESSES}, "
         "backend='process')` in that inference mode, consecutive `obtain_fragments` calls of "
-        f"{CALL_STEPS} steps of every env. Each cell in a fresh interpreter, "
+        f"{meta['call_steps']} steps of every env. Each cell in a fresh interpreter, "
         f"{meta['warmup']:g} s of warm-up, then a {meta['seconds']:g} s window; "
         f"{meta['repeats']} interleaved repeats, medians. Commit `{meta['commit']}`, "
         f"{meta['cores']} cores, load average {meta['load'][0]:.1f}-{meta['load'][1]:.1f} "
@@ -677,6 +691,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, help="each cell's window (15)")
     parser.add_argument("--envs", type=int, default=N_ENVS, help=f"envs in all ({N_ENVS})")
     parser.add_argument(
+        "--call-steps",
+        type=int,
+        default=CALL_STEPS,
+        help=f"joint steps of every env per obtain_fragments call of ours ({CALL_STEPS})",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="after the repeats, one more run of the first ours cell per agent with its caller "
@@ -695,7 +715,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--envs must be a multiple of {4 * PROCESSES}")
     if args.cell:  # a cell in this fresh interpreter: its numbers as JSON on stdout
         top = args.top if args.profile else 0
-        row = run_cell(args.cell, args.policies[0], args.warmup, args.seconds, args.envs, top)
+        row = run_cell(
+            args.cell, args.policies[0], args.warmup, args.seconds, args.envs, top, args.call_steps
+        )
         print(json.dumps(row))
         return 0
     results: dict[str, dict[str, list[dict[str, Any]]]] = {p: {} for p in args.policies}
@@ -726,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "env": f"pettingzoo.butterfly.{ENV_NAME}.parallel_env()",
         "n_envs": args.envs,
-        "call_steps": CALL_STEPS,
+        "call_steps": args.call_steps,
         "warmup": args.warmup,
         "seconds": args.seconds,
         "repeats": args.repeats,
@@ -753,6 +775,7 @@ def _fresh(
             [sys.executable, "-m", "benchmarks.multiagent", "--cell", name, "--policies", policy,
              "--warmup", str(args.warmup), "--seconds", str(args.seconds),
              "--envs", str(args.envs), "--top", str(args.top),
+             "--call-steps", str(args.call_steps),
              *(["--profile"] if profile else [])],
             capture_output=True, text=True, check=False, timeout=900, cwd=root,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
