@@ -620,7 +620,8 @@ def _markdown(
         "CPU per agent transition: the caller's (`-` where the cell has none apart from its "
         "workers) and its workers' (the ceiling's and plain's loops, PufferLib's worker "
         "processes, our env hosts); `others`: the cores other processes used meanwhile (a "
-        f"disturbed run when above {DISTURBED}).",
+        f"disturbed run when above {DISTURBED}). PufferLib's caller and workers busy-wait on "
+        "shared flags between steps: their CPU per row counts those waits.",
     ]
     for policy, runs in results.items():
         ceiling = _median(_measured(runs.get("ceiling", [])), "rows_per_s")
