@@ -134,12 +134,37 @@ async def test_rows_equal_the_reference_loop(
     assert isinstance(batch, MultiAgentBatch)
     assert batch.n_env_episodes == 3 * N_WORKERS  # episodes count env episodes
     assert list(batch) == ["scout", "tank", "medic"]
+    await _check_against_the_reference(batch, MAX_LENGTH)
+
+
+async def test_the_step_cap_truncates_the_live_agents(make_sampler: SamplerFactory) -> None:
+    cap = 5  # before the schedule's end (8): the agents live after step 5 are cut there
+    sampler = make_sampler(
+        "local",
+        RosterEnv,
+        n_workers=N_WORKERS,
+        envs_per_worker=N_ENVS,
+        seed=SEED,
+        max_episode_length=cap,
+        policy_mapping=by_kind,
+    )
+    batch = await sampler.obtain_exact_episodes(2)
+    for rows in batch.values():
+        assert rows.env_steps is not None and rows.env_steps.max() < cap
+    scouts = batch["scout"]
+    ends = scouts.step_types[np.cumsum(scouts.lengths) - 1].astype(int)
+    assert StepType.TIMEOUT in ends.tolist()  # scout_0, live at the cap
+    await _check_against_the_reference(batch, cap)
+
+
+async def _check_against_the_reference(batch: MultiAgentBatch, max_length: int) -> None:
+    """Every env's rows equal the reference loop's, stepping RosterEnv with the env's seed and
+    the sampler's joint actions."""
     _, seeds = worker_seeds(SEED, N_WORKERS, N_ENVS)
-    agents = DEFAULT_SCHEDULE_AGENTS
     compared = 0
     for worker in range(N_WORKERS):
         for env in range(N_ENVS):
-            actions, steps = _replay(batch.joint, worker, env, agents)
+            actions, steps = _replay(batch.joint, worker, env, DEFAULT_SCHEDULE_AGENTS)
             if not steps:
                 continue
             rollout = await areference_rollout(
@@ -148,7 +173,7 @@ async def test_rows_equal_the_reference_loop(
                 actions,
                 steps,
                 policy_mapping=by_kind,
-                max_episode_length=MAX_LENGTH,
+                max_episode_length=max_length,
             )
             want = _reference_rows(rollout)
             got: dict[Any, Any] = {}
@@ -156,7 +181,7 @@ async def test_rows_equal_the_reference_loop(
                 got.update(_env_rows(rows, worker, env))
             assert got.keys() == want.keys()
             for key, row in want.items():
-                np.testing.assert_equal(got[key], row, err_msg=f"{backend} {worker}/{env} {key}")
+                np.testing.assert_equal(got[key], row, err_msg=f"{worker}/{env} {key}")
             compared += len(want)
     assert compared == batch.n_transitions
 
@@ -219,9 +244,14 @@ class KindAgent:
             assert action_masks is not None and action_masks.shape == (n, self.space.n)
             actions = np.argmax(action_masks, axis=1).astype(np.int64)
         else:
-            low, high = self.space.low, self.space.high
-            actions = np.clip(leaf[:, :1] * 0.1, low, high).astype(self.space.dtype)
+            actions = self.box_actions(leaf, 0.1)
         return actions, {"seen": np.asarray(leaf, dtype=np.float64).sum(axis=1)}
+
+    def box_actions(self, leaf: Any, scale: float) -> Any:
+        """Each row's first observation entry, scaled, in every entry of its action."""
+        low, high = self.space.low, self.space.high  # type: ignore[attr-defined]
+        wide = np.broadcast_to(leaf[:, :1] * scale, (len(leaf), *self.space.shape))
+        return np.clip(wide, low, high).astype(self.space.dtype)
 
 
 def _agents() -> dict[str, KindAgent]:
@@ -391,3 +421,48 @@ async def test_a_failing_env_loses_its_agents_segments_and_nothing_else(
             np.testing.assert_array_equal(piece.env_steps, np.arange(joined, left))
             segments += 1
     assert segments == batch.n_env_episodes * len(DEFAULT_SCHEDULE_AGENTS)
+
+
+class ScaledAgent(KindAgent):
+    """A KindAgent with one parameter, the scale of its Box actions."""
+
+    def __init__(self, space: gym.Space[Any]) -> None:
+        super().__init__(space)
+        self.scale = 0.1
+
+    def get_param_values(self) -> float:
+        return self.scale
+
+    def set_param_values(self, scale: float) -> None:
+        self.scale = scale
+
+    def get_actions(self, observations: Any, action_masks: Any = None) -> Any:
+        actions, infos = super().get_actions(observations, action_masks)
+        if not isinstance(self.space, gym.spaces.Discrete):
+            actions = self.box_actions(observations, self.scale)
+        return actions, infos
+
+
+@pytest.mark.parametrize("inference", ["per_worker", "host"])
+async def test_an_update_sets_the_parameters_of_the_policies_it_names(
+    make_sampler: SamplerFactory, inference: str
+) -> None:
+    env = RosterEnv()
+    agents = {by_kind(a): ScaledAgent(env.action_space(a)) for a in env.possible_agents}
+    sampler = make_sampler(
+        "process",
+        RosterEnv,
+        agent=agents,
+        policy_mapping=by_kind,
+        n_workers=1,
+        envs_per_worker=2,
+        seed=0,
+        inference=inference,
+        max_episode_length=MAX_LENGTH,
+    )
+    before = await sampler.obtain_exact_episodes(1)
+    after = await sampler.obtain_exact_episodes(1, agent_update={"medic": 0.0})
+    np.testing.assert_array_equal(after["medic"].actions, 0.0)  # the update reached the medic
+    assert np.abs(before["medic"].actions).max() > 0
+    assert after["scout"].agent_versions is not None
+    assert after["scout"].agent_versions.min() > before["scout"].agent_versions.max()

@@ -8,7 +8,7 @@ whose rows are agent transitions: a few numpy gathers per slot and leaf, no Pyth
 
 In a policy's batch each episode is one agent's segment (or, for fragments, the part of it
 that this call holds): rows of one env's joint episode and one agent, in step order; segments
-ordered by joint episode, then slot. Rows for absent agents (padding) never enter it. Besides
+ordered by agent slot, then joint episode. Rows for absent agents (padding) never enter it. Besides
 the usual fields a row has ``agent_ids``, ``env_steps`` (the joint step's index in the env's
 episode) and ``agent_steps`` (its index in the agent's segment); each segment's
 ``episode_infos`` add ``agent_id`` and ``joint_episode`` (the index of the env's episode, or
@@ -124,7 +124,7 @@ def split_joint(joint: EpisodeBatch, groups: PolicyGroups, slots: Sequence[Any])
         t, j = np.nonzero(live[:, policy_slots])
         if not t.size:
             continue
-        order = np.lexsort((t, j, episode_of[t]))
+        order = np.lexsort((t, episode_of[t], j))
         batches[policy] = _policy_rows(
             joint, groups, policy, policy_slots, t[order], j[order], episode_of, ends, slots
         )
@@ -143,7 +143,7 @@ def _policy_rows(
     slots: Sequence[Any],
 ) -> EpisodeBatch:
     """The rows of one policy: ``t`` and ``j`` are each row's joint step and policy slot,
-    ordered by joint episode, slot and step."""
+    ordered by slot, joint episode and step."""
     s = policy_slots[j]
     episodes = episode_of[t]
     starts = np.ones(len(t), dtype=bool)

@@ -4,8 +4,8 @@
 :class:`PolicyAgents`, which the sampler runs where it runs any agent (in the caller, batched or
 per worker, or copied into the env hosts with ``inference="host"``). Given the joint
 observations of a worker's envs (or of all of them), it calls each policy's agent once, on the
-stacked observations of that policy's live agents across envs and slots (env by env, agents in
-slot order), and scatters the actions back into the slots. An agent whose ``get_actions``
+stacked observations of that policy's live agents across envs and slots (slot by slot, envs
+in order within each), and scatters the actions back into the slots. An agent whose ``get_actions``
 takes an ``action_masks`` keyword gets the Discrete agents' masks, ``(rows, n)`` bool, from the
 agents' observations or infos.
 """
@@ -119,7 +119,7 @@ class PolicyAgents:
         n_envs = live.shape[0]
         calls: list[tuple[PolicyID, np.ndarray, np.ndarray, Any]] = []
         for policy, slots in self._slots.items():
-            env_rows, j = np.nonzero(live[:, slots])
+            j, env_rows = np.nonzero(live[:, slots].T)  # slot by slot: a block each
             if not env_rows.size:
                 continue
             per_slot = [observations["agents"][k] for k in slots.tolist()]

@@ -40,19 +40,33 @@ def stack_tree(rows: Sequence[Any]) -> Any:
 
 def gather_slots(trees: Sequence[Any], rows: np.ndarray, which: np.ndarray) -> Any:
     """Row ``rows[i]`` of tree ``trees[which[i]]`` for every ``i``: the rows of several slots'
-    columns (trees of one space, stacked over steps or envs) in one new tree, one masked
-    gather per slot and leaf."""
+    columns (trees of one space, stacked over steps or envs) in one new tree.
+
+    Rows ordered by slot (``which`` sorted) are copied once, each slot's straight into its
+    block of the output (``np.take`` into a slice: a memcpy per row, what big observations
+    need); other orders take a masked gather per slot."""
     if len(trees) == 1:
         return tree_index(trees[0], rows)
+    bounds = np.searchsorted(which, np.arange(len(trees) + 1)) if _sorted(which) else None
 
     def leaf(*leaves: np.ndarray) -> np.ndarray:
         out = np.empty((len(rows), *leaves[0].shape[1:]), dtype=leaves[0].dtype)
         for k, array in enumerate(leaves):
-            pick = which == k
-            out[pick] = array[rows[pick]]
+            if bounds is not None:
+                a, b = int(bounds[k]), int(bounds[k + 1])
+                if b > a:
+                    # mode="clip": unbuffered (rows are valid indices), 2x "raise"'s speed
+                    np.take(array, rows[a:b], axis=0, out=out[a:b], mode="clip")
+            else:
+                pick = which == k
+                out[pick] = array[rows[pick]]
         return out
 
     return tree_map(leaf, *trees)
+
+
+def _sorted(values: np.ndarray) -> bool:
+    return bool(values.size < 2 or (values[1:] >= values[:-1]).all())
 
 
 def agent_id_column(ids: Sequence[AgentID]) -> np.ndarray:
