@@ -303,6 +303,21 @@ def _ceiling(policy: str, warmup: float, seconds: float, n_envs: int) -> dict[st
 # PufferLib
 
 
+def _usage() -> np.ndarray:
+    """This process's minor page faults (each first touch of a fresh page: a newly allocated
+    copy of a 164 KB observation faults about 41 times), user and system CPU seconds so far."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return np.array([use.ru_minflt, use.ru_utime, use.ru_stime])
+
+
+def _usage_per_row(usage: np.ndarray, rows: int) -> dict[str, float]:
+    """The caller's page faults and its user and system CPU microseconds per row."""
+    faults, user, system = usage / max(rows, 1)
+    return {"main_faults": faults, "main_user_us": 1e6 * user, "main_sys_us": 1e6 * system}
+
+
 class _Skip(Exception):
     """The cell cannot run here; its message says why."""
 
@@ -369,12 +384,14 @@ def _pufferlib(config: str, policy: str, warmup: float, seconds: float, n_envs: 
             step()
         account = CpuAccount()
         account.start()
+        usage = _usage()
         rows = steps = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             r, s = step()
             rows, steps = rows + r, steps + s
         wall = time.perf_counter() - t0
+        usage = _usage() - usage
         account.stop()
         cpu = account.result or {}
         shape = (
@@ -387,6 +404,7 @@ def _pufferlib(config: str, policy: str, warmup: float, seconds: float, n_envs: 
             "rows_per_s": rows / wall,
             "env_steps_per_s": steps / wall,
             "main_cpu_us": 1e6 * cpu.get("main_cores", 0.0) * wall / max(rows, 1),
+            **_usage_per_row(usage, rows),
             "workers_cpu_us": 1e6 * cpu.get("host_cores", 0.0) * wall / max(rows, 1),
             "others_cores": cpu.get("foreign_cores"),
             "layout": f"pufferlib {getattr(pufferlib, '__version__', '?')} {shape}",
@@ -463,6 +481,7 @@ async def _ours(
         profiler = cProfile.Profile(time.process_time) if top else None
         account = CpuAccount()  # this process tree (the caller, its hosts) and the others
         account.start()
+        usage = _usage()
         if profiler is not None:
             profiler.enable()
         rows = steps = 0
@@ -473,6 +492,7 @@ async def _ours(
         wall = time.perf_counter() - t0
         if profiler is not None:
             profiler.disable()
+        usage = _usage() - usage
         account.stop()
     cpu = account.result or {}
     out: dict[str, Any] = {}
@@ -488,6 +508,7 @@ async def _ours(
         "rows_per_s": rows / wall,
         "env_steps_per_s": steps / wall,
         "main_cpu_us": 1e6 * cpu.get("main_cores", 0.0) * wall / max(rows, 1),
+        **_usage_per_row(usage, rows),
         "workers_cpu_us": 1e6 * cpu.get("host_cores", 0.0) * wall / max(rows, 1),
         "others_cores": cpu.get("foreign_cores"),
         "layout": f"{PROCESSES}x{per} process, inference={inference!r}, calls of "
@@ -536,6 +557,12 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
 
 def _num(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _caller(runs: list[dict[str, Any]]) -> str:
+    """The caller's CPU per row, with its system part in parentheses where measured."""
+    cpu, system = _median(runs, "main_cpu_us"), _median(runs, "main_sys_us")
+    return _num(cpu) + (f" ({system:,.0f})" if cpu is not None and system is not None else "")
 
 
 def _measured(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -618,8 +645,10 @@ def _markdown(
         "during the run.",
         "",
         "CPU per agent transition: the caller's (`-` where the cell has none apart from its "
-        "workers) and its workers' (the ceiling's and plain's loops, PufferLib's worker "
-        "processes, our env hosts); `others`: the cores other processes used meanwhile (a "
+        "workers; in parentheses its part in the kernel) and its workers' (the ceiling's and "
+        "plain's loops, PufferLib's worker processes, our env hosts); the caller's minor page "
+        "faults per row (first touches of fresh pages: a newly allocated copy of a 164 KB "
+        "observation makes about 41); `others`: the cores other processes used meanwhile (a "
         f"disturbed run when above {DISTURBED}). PufferLib's caller and workers busy-wait on "
         "shared flags between steps: their CPU per row counts those waits.",
     ]
@@ -631,15 +660,15 @@ def _markdown(
             f"## {policy} agent ({AGENTS[policy]})",
             "",
             "| cell | layout | agent steps/s | env steps/s | of the ceiling | caller CPU "
-            "us/row | workers CPU us/row | others (cores) |",
-            "|---|---|--:|--:|--:|--:|--:|--:|",
+            "us/row (system) | caller page faults/row | workers CPU us/row | others (cores) |",
+            "|---|---|--:|--:|--:|--:|--:|--:|--:|",
         ]
         for name, cell in runs.items():
             done = _measured(cell)
             if not done:
                 why = next((r.get("skipped") or r.get("error") for r in cell), "")
                 kind = "skipped" if any("skipped" in r for r in cell) else "error"
-                lines.append(f"| {name} | {kind}: {why} | - | - | - | - | - | - |")
+                lines.append(f"| {name} | {kind}: {why} | - | - | - | - | - | - | - |")
                 continue
             rate = _median(done, "rows_per_s") or 0.0
             share = f"{rate / ceiling:.2f}" if ceiling else "-"
@@ -647,7 +676,8 @@ def _markdown(
             lines.append(
                 f"| {name}{mark} | {done[0]['layout']} | {rate:,.0f} | "
                 f"{_num(_median(done, 'env_steps_per_s'))} | {share} | "
-                f"{_num(_median(done, 'main_cpu_us'))} | {_num(_median(done, 'workers_cpu_us'))}"
+                f"{_caller(done)} | {_num(_median(done, 'main_faults'))} | "
+                f"{_num(_median(done, 'workers_cpu_us'))}"
                 f" | {_num(_median(done, 'others_cores'), 2)} |"
             )
         lines += [
