@@ -153,6 +153,21 @@ class PistonMLP:
     compute_actions = get_actions
 
 
+def _usage() -> np.ndarray:
+    """This process's minor page faults (each first touch of a fresh page: a newly allocated
+    copy of a 164 KB observation faults about 41 times), user and system CPU seconds so far."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return np.array([use.ru_minflt, use.ru_utime, use.ru_stime])
+
+
+def _usage_per_row(usage: np.ndarray, rows: int) -> dict[str, float]:
+    """The caller's page faults and its user and system CPU microseconds per row."""
+    faults, user, system = usage / max(rows, 1)
+    return {"main_faults": faults, "main_user_us": 1e6 * user, "main_sys_us": 1e6 * system}
+
+
 # --------------------------------------------------------------------------------------------
 # The plain loop, alone (plain) and one per core side by side (ceiling)
 
@@ -301,21 +316,6 @@ def _ceiling(policy: str, warmup: float, seconds: float, n_envs: int) -> dict[st
 
 # --------------------------------------------------------------------------------------------
 # PufferLib
-
-
-def _usage() -> np.ndarray:
-    """This process's minor page faults (each first touch of a fresh page: a newly allocated
-    copy of a 164 KB observation faults about 41 times), user and system CPU seconds so far."""
-    import resource
-
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    return np.array([use.ru_minflt, use.ru_utime, use.ru_stime])
-
-
-def _usage_per_row(usage: np.ndarray, rows: int) -> dict[str, float]:
-    """The caller's page faults and its user and system CPU microseconds per row."""
-    faults, user, system = usage / max(rows, 1)
-    return {"main_faults": faults, "main_user_us": 1e6 * user, "main_sys_us": 1e6 * system}
 
 
 class _Skip(Exception):
