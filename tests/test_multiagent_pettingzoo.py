@@ -126,6 +126,17 @@ def test_pettingzoo_envs_pass_through_both_adapters(
     passes(face, capsys, num_cycles=50)
 
 
+def test_the_global_state_passes_through_both_adapters() -> None:
+    """PettingZoo's state_test (its suite runs it on every butterfly env) on our adapters: the
+    round trip keeps ``state_space`` and ``state()``; an env without them still has none."""
+    from pettingzoo.butterfly import cooperative_pong_v6
+    from pettingzoo.test import state_test
+
+    face = BlockingParallelAdapter(AsyncParallelAdapter(cooperative_pong_v6.parallel_env()))
+    state_test(cooperative_pong_v6.env(), face)
+    assert not hasattr(BlockingParallelAdapter(AsyncParallelAdapter(RosterEnv())), "state_space")
+
+
 @pytest.mark.parametrize("module", QUICK + SLOW)
 def test_pettingzoo_envs_pass_our_check(module: str) -> None:
     env = pettingzoo_env(module)()

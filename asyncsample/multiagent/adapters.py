@@ -70,6 +70,11 @@ class _Facade:
         """The innermost env (the wrapped env's own ``unwrapped``, else the wrapped env)."""
         return getattr(self.env, "unwrapped", self.env)
 
+    @property
+    def state_space(self) -> gym.Space[Any]:
+        """The wrapped env's ``state_space`` (an AttributeError where it has none)."""
+        return self.env.state_space  # type: ignore[no-any-return]
+
     def observation_space(self, agent: AgentID) -> gym.Space[Any]:
         """The wrapped env's observation space of ``agent`` (the same object)."""
         return self.env.observation_space(agent)  # type: ignore[no-any-return]
@@ -231,6 +236,11 @@ class BlockingParallelAdapter(_Facade):
     def render(self) -> Any:
         """The wrapped env's ``render()``, awaited when it is a coroutine function."""
         result = self.env.render()
+        return self._run(result) if asyncio.iscoroutine(result) else result
+
+    def state(self) -> Any:
+        """The wrapped env's global ``state()``, awaited when it is a coroutine function."""
+        result = self.env.state()
         return self._run(result) if asyncio.iscoroutine(result) else result
 
     def __enter__(self) -> BlockingParallelAdapter:
