@@ -401,6 +401,9 @@ FOLDERS: dict[str, str] = {
     "handoff": "a request's round trip to another process alone: a byte over a socket pair "
     "against a counter in shared memory (`benchmarks/handoff.py`)",
     "host/pinning": "the host study with the sampler's hosts pinned one per CPU",
+    "multiagent": "64 Pistonball envs (PettingZoo, 20 agents each), random and MLP agents: ours "
+    "in each inference mode against the two-loop ceiling, PufferLib's emulation in each vector "
+    "config and RLlib (`benchmarks/multiagent.py`, issue 52)",
     "lockstep_phases": "a profile of the clients study's cells: each phase of a lockstep step "
     "timed inside the CleanRL loop (HalfCheetah-v5, 4 envs)",
     "lockstep_phases/cartpole-8": "the same profile on CartPole-v1 with 8 envs",
@@ -524,6 +527,9 @@ _ROW_LINES: dict[str, tuple[Callable[[Table, list[str]], str], Callable[[list[st
 }
 
 
+_MET = {"yes": "met", "no": "not met"}
+
+
 def headline(folder: str, found: list[Table]) -> list[str]:
     """The figures a user looks for first in ``folder``'s results, one line each."""
     study = folder.split("/")[0]
@@ -533,6 +539,13 @@ def headline(folder: str, found: list[Table]) -> list[str]:
         t = found[0]
         last = t.rows[-1]
         return [f"{last[0]} envs: " + ", ".join(f"{h} {c}" for h, c in zip(t.header[1:], last[1:]))]
+    if study == "multiagent":
+        return [
+            f"{t.heading}: "
+            + "; ".join(f"{r[0]} {r[1]} ({_MET.get(r[-1], r[-1])})" for r in t.rows)
+            for t in found
+            if t.heading.startswith("Targets")
+        ]
     if study in _ROW_LINES and found:
         line, keep = _ROW_LINES[study]
         return [line(found[0], r) for r in found[0].rows if keep(r)]

@@ -440,3 +440,22 @@ def test_group_step_prints_each_trees_cost(capsys: pytest.CaptureFixture[str]) -
     main([str(REPO)], rounds=1, blocks=1, steps=2_000)  # the study's 5 x 20,000: 27 s of CPU
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith(f"{REPO}: ") and float(line.split()[1]) > 0
+
+
+@pytest.mark.slow
+def test_multiagent_reports_ours_against_the_ceiling(tmp_path: Path) -> None:
+    """``benchmarks.multiagent`` on 8 Pistonball envs: the two-loop ceiling and our sampler in
+    host mode, their rates in agent transitions and env steps, and the target rows."""
+    pytest.importorskip("pettingzoo.butterfly")
+    from benchmarks.multiagent import main
+
+    argv = ["--quick", "--envs", "8", "--warmup", "0", "--seconds", "0.5", "--policies",
+            "random", "--cells", "ceiling", "ours-host", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["provenance"]["command"] and result["n_envs"] == 8
+    runs = result["runs"]["random"]
+    ceiling, ours = runs["ceiling"][0], runs["ours-host"][0]
+    assert ceiling["rows_per_s"] == pytest.approx(20 * ceiling["env_steps_per_s"])  # 20 pistons
+    assert ours["rows_per_s"] > 0 and ours["main_cpu_us"] > 0 and ours["workers_cpu_us"] > 0
+    assert "| ours-host / ceiling |" in (tmp_path / "results.md").read_text()
