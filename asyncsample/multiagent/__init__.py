@@ -1,15 +1,21 @@
-"""Multi-agent envs as rows: PettingZoo ``ParallelEnv`` and its async twin (work in progress).
+"""Multi-agent envs as rows: PettingZoo ``ParallelEnv`` and its async twin.
 
-What is here is the input layer and the reference of multi-agent sampling, not yet the
-sampler's support (``docs/multiagent.md`` is the design):
+``Sampler`` takes a factory of either on every backend (``docs/multiagent.md``); this
+subpackage is how:
 
 * :mod:`~asyncsample.multiagent.protocols`: the shapes of a ParallelEnv and its async twin;
 * :mod:`~asyncsample.multiagent.checks`: telling them apart, checking an env or factory;
 * :mod:`~asyncsample.multiagent.adapters`: a blocking env as the async twin, and back;
+* :mod:`~asyncsample.multiagent.slots`: a multi-agent env as one env of fixed agent slots,
+  which is how every backend steps it;
+* :mod:`~asyncsample.multiagent.joint` and :mod:`~asyncsample.multiagent.sampling`: the
+  sampler's joint steps split into agent rows per policy, with quotas that count rows;
+* :mod:`~asyncsample.multiagent.routing`: a policy's agent per group of agents;
+* :mod:`~asyncsample.multiagent.blocks`: reused memory for the rows' big columns;
 * :mod:`~asyncsample.multiagent.policies`: the agent -> policy mapping;
-* :mod:`~asyncsample.multiagent.rows` and :mod:`~asyncsample.multiagent.tracker`: joint steps
-  into per-agent rows, grouped by policy, with each agent's segment;
-* :mod:`~asyncsample.multiagent.reference`: the plain loop every backend is to equal;
+* :mod:`~asyncsample.multiagent.rows` and :mod:`~asyncsample.multiagent.tracker`: per-agent
+  rows and the rules of agents as rows, step by step (the reference's form);
+* :mod:`~asyncsample.multiagent.reference`: the plain loop every backend equals;
 * :mod:`~asyncsample.multiagent.testing`: envs whose agents die and join at known steps.
 
 PettingZoo itself is optional (``pip install 'asyncsample[multiagent]'``): nothing here imports
