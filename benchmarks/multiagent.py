@@ -24,6 +24,10 @@ them (every cell once per repeat, in order) so that each ratio pairs runs made c
   n_workers=2, envs_per_worker=32, backend="process", seed=0)`` in that inference mode,
   consecutive ``obtain_fragments`` calls of ``--call-steps`` joint steps of every env (default
   :data:`CALL_STEPS`); ``--profile`` adds a run of the first one with its caller under cProfile.
+- ``ours-stream``: the same sampler with the agent in the hosts, its batches taken from
+  ``sampler.stream(call, fragments=True)``, as an async trainer consumes them: sampling runs
+  ahead while a batch is taken (PufferLib's multiprocessing configurations with a batch of part
+  of the envs overlap the same way).
 
 Rates count agent transitions (rows; PufferLib's rows of a reset are not transitions and are not
 counted) and env steps. CPU per agent transition: the caller's and its workers' (env hosts,
@@ -75,6 +79,7 @@ CELLS = (
     *(f"pufferlib-{name}" for name in PUFFER_CONFIGS),
     "rllib",
     *(f"ours-{mode}" for mode in INFERENCE),
+    "ours-stream",
 )
 DEFAULT_CELLS = CELLS
 POLICIES = ("random", "mlp")
@@ -443,9 +448,13 @@ async def _ours(
     n_envs: int,
     top: int = 0,
     call_steps: int = CALL_STEPS,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """Our sampler in ``inference`` mode; with ``top``, the caller under ``cProfile`` (CPU
-    time) over the window, its ``top`` functions by own time in the row's ``profile``."""
+    time) over the window, its ``top`` functions by own time in the row's ``profile``;
+    ``stream``: the batches of ``sampler.stream(call, fragments=True)`` (sampling runs ahead
+    while the trainer takes a batch, as an async trainer consumes it) instead of consecutive
+    ``obtain_fragments`` calls."""
     import cProfile
 
     from asyncsample import Sampler
@@ -474,10 +483,18 @@ async def _ours(
         seed=0,
     )
     async with sampler:
+        batches = sampler.stream(call, fragments=True) if stream else None
+        if batches is not None:
+            nxt = batches.__anext__
+        else:
+
+            async def nxt() -> Any:
+                return await sampler.obtain_fragments(call)
+
         t0 = time.perf_counter()
-        await sampler.obtain_fragments(call)
+        await nxt()
         while time.perf_counter() - t0 < warmup:
-            await sampler.obtain_fragments(call)
+            await nxt()
         profiler = cProfile.Profile(time.process_time) if top else None
         account = CpuAccount()  # this process tree (the caller, its hosts) and the others
         account.start()
@@ -487,11 +504,13 @@ async def _ours(
         rows = steps = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            batch = await sampler.obtain_fragments(call)
+            batch = await nxt()
             rows, steps = rows + batch.n_transitions, steps + batch.n_env_steps
         wall = time.perf_counter() - t0
         if profiler is not None:
             profiler.disable()
+        if batches is not None:
+            await batches.aclose()
         usage = _usage() - usage
         account.stop()
     cpu = account.result or {}
@@ -511,8 +530,9 @@ async def _ours(
         **_usage_per_row(usage, rows),
         "workers_cpu_us": 1e6 * cpu.get("host_cores", 0.0) * wall / max(rows, 1),
         "others_cores": cpu.get("foreign_cores"),
-        "layout": f"{PROCESSES}x{per} process, inference={inference!r}, calls of "
-        f"{call:,} rows ({call_steps} steps of every env)",
+        "layout": f"{PROCESSES}x{per} process, inference={inference!r}, "
+        + ("stream(fragments=True) of batches of " if stream else "calls of ")
+        + f"{call:,} rows ({call_steps} steps of every env)",
         "inference": sampler.inference.describe(),
     }
 
@@ -538,6 +558,10 @@ def run_cell(
             return _pufferlib(name.removeprefix("pufferlib-"), policy, warmup, seconds, n_envs)
         if name == "rllib":
             return _rllib(policy, warmup, seconds, n_envs)
+        if name == "ours-stream":  # the agent in the hosts, batches of a stream
+            return asyncio.run(
+                _ours("host", policy, warmup, seconds, n_envs, top, call_steps, stream=True)
+            )
         if name.startswith("ours-"):
             mode = name.removeprefix("ours-")
             return asyncio.run(_ours(mode, policy, warmup, seconds, n_envs, top, call_steps))
