@@ -19,7 +19,7 @@ infos with ``_key`` masks). The SB3 face's part is :mod:`asyncsample.vector.sb3_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -30,9 +30,6 @@ from asyncsample.errors import ParallelEnvError
 from asyncsample.multiagent.checks import ParallelEnvSpec
 from asyncsample.multiagent.slots import REWARDS, TERMINATED, TRUNCATED, SlotSpace
 from asyncsample.multiagent.tracker import ACTION_MASK
-
-if TYPE_CHECKING:
-    from asyncsample.vector.env import VectorEnv
 
 __all__ = ["MASK", "RowLayout", "VectorRows", "agent_spec"]
 
@@ -169,7 +166,16 @@ class RowLayout:
             into[slot :: self.n_slots] = arr
 
 
-class VectorRows:
+class EnvLevelFace(Protocol):
+    """What :class:`VectorRows` asks of the env-level face besides its calls: its mode."""
+
+    autoreset_mode: AutoresetMode
+
+
+_Face = TypeVar("_Face", bound=EnvLevelFace)
+
+
+class VectorRows(Generic[_Face]):
     """The gymnasium face of a multi-agent env's rows over an env-level face, ``envs``.
 
     The rows' results follow the face's autoreset mode (docs/vector.md, "Multi-agent envs"):
@@ -187,7 +193,7 @@ class VectorRows:
         layout: the rows.
     """
 
-    def __init__(self, envs: VectorEnv, layout: RowLayout) -> None:
+    def __init__(self, envs: _Face, layout: RowLayout) -> None:
         self.envs = envs
         self.layout = layout
         self.same_step = envs.autoreset_mode == AutoresetMode.SAME_STEP

@@ -174,16 +174,16 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             metrics=metrics,
         )
         spec = agent_spec(hosted.single_observation_space)
-        # A multi-agent env: the env-level face steps the envs, this one shows their rows.
-        face = self if spec is None else VectorEnv.__new__(VectorEnv)
         several = isinstance(env, (list, tuple)) and len({id(s) for s in sources}) > 1
-        if spec is not None:
-            self.closed = True  # until it shows the rows: nothing of its own to close
-        face._setup(hosted, mode, batch, seed, observation_mode, max_concurrency, batched_obs)
-        face._check_spaces(bool(shared_memory), several)
-        if spec is not None:
-            self._show_rows(face, spec, batch)
-            self.closed = False
+        setup = (hosted, mode, batch, seed, observation_mode, max_concurrency, batched_obs)
+        if spec is None:
+            self._setup(*setup)
+            self._check_spaces(bool(shared_memory), several)
+            return
+        # A multi-agent env: the env-level face steps the envs, this one shows their rows.
+        self.closed = True  # until it shows the rows: nothing of its own to close
+        self._show_rows(_EnvLevel(setup, (bool(shared_memory), several)), spec, batch, hosted)
+        self.closed = False
 
     def _setup(
         self,
@@ -197,7 +197,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
     ) -> None:
         """The face's state over ``hosted``, once built (the arguments as checked)."""
         num = hosted.num_envs
-        self._rows: VectorRows | None = None
+        self._rows: VectorRows[VectorEnv] | None = None
         self.autoreset_mode = mode
         self.num_envs = num
         self.observation_mode = observation_mode
@@ -246,7 +246,9 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             self.close()
             raise
 
-    def _show_rows(self, envs: VectorEnv, spec: ParallelEnvSpec, batch: int | None) -> None:
+    def _show_rows(
+        self, envs: VectorEnv, spec: ParallelEnvSpec, batch: int | None, hosted: HostedEnvs
+    ) -> None:
         """Show ``envs``, the env-level face of multi-agent envs, as one row per possible agent
         of each (:mod:`asyncsample.vector.agent_rows`); ``envs`` is closed on a failure."""
         try:
@@ -260,7 +262,7 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
             envs.close()
             raise
         self._rows = VectorRows(envs, layout)
-        self._hosted = envs._hosted
+        self._hosted = hosted
         self.autoreset_mode = envs.autoreset_mode
         self.observation_mode = envs.observation_mode
         self.max_concurrency = envs.max_concurrency
@@ -785,3 +787,12 @@ class VectorEnv(HostedFace, _GymVectorEnv[Any, Any, np.ndarray]):
         spec = self._hosted.spec
         what = f"{spec.id}, " if spec is not None else ""
         return f"asyncsample.VectorEnv({what}num_envs={self.num_envs}, {self._where()})"
+
+
+class _EnvLevel(VectorEnv):
+    """The env-level face of multi-agent envs (one sub-env per env), whose results a
+    :class:`VectorRows` shows as rows: built from :class:`VectorEnv`'s own checked arguments."""
+
+    def __init__(self, setup: tuple[Any, ...], checks: tuple[bool, bool]) -> None:
+        self._setup(*setup)
+        self._check_spaces(*checks)

@@ -102,13 +102,11 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
             self._setup(hosted)
             return
         # A multi-agent env: the env-level face steps the envs, this one shows their rows.
-        envs = AsyncSampleVecEnv.__new__(AsyncSampleVecEnv)
-        envs._setup(hosted)
-        self._show_rows(envs, spec)
+        self._show_rows(_EnvLevel(hosted), spec, hosted)
 
     def _setup(self, hosted: HostedEnvs) -> None:
         """The face's state over ``hosted``, once built."""
-        self._rows: SB3Rows | None = None
+        self._rows: SB3Rows[_EnvLevel] | None = None
         self._own(hosted)
         self._sent: PendingRound | None = None
         self.closed = False
@@ -123,13 +121,13 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         # A Dict space's keys, in its order (observations are OrderedDicts of them), else None.
         self._dict_keys = list(space.spaces) if isinstance(space, gym.spaces.Dict) else None
 
-    def _show_rows(self, envs: AsyncSampleVecEnv, spec: ParallelEnvSpec) -> None:
+    def _show_rows(self, envs: _EnvLevel, spec: ParallelEnvSpec, hosted: HostedEnvs) -> None:
         """Show ``envs``, the env-level face of multi-agent envs, as one row per possible agent
         of each (:mod:`asyncsample.vector.sb3_rows`); ``envs`` is closed on a failure."""
         try:
             layout = RowLayout(spec, envs.num_envs, "env_fns")
             self._rows = SB3Rows(envs, layout)
-            self._hosted = envs._hosted
+            self._hosted = hosted
             self._sent = None
             self.closed = False
             super().__init__(
@@ -156,7 +154,7 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         multi-agent env, each env with its first row's."""
         if self._rows is not None:
             rows, envs = self._rows, self._rows.envs
-            envs._seeds, envs._options = rows.env_seeds_and_options(self._seeds, self._options)
+            envs.set_env_seeds_and_options(*rows.env_seeds_and_options(self._seeds, self._options))
             obs, self.reset_infos = rows.reset_rows(envs.reset())
             self._reset_seeds()
             self._reset_options()
@@ -323,6 +321,22 @@ class AsyncSampleVecEnv(HostedFace, VecEnv):
         if self._rows is not None:
             rows = self._rows
             envs = list(dict.fromkeys(rows.layout.env_of(chosen)))
-            return rows.per_row(rows.envs._call(name, args, envs), chosen)
+            return rows.per_row(rows.envs.call_envs(name, args, envs), chosen)
         hosted = self._idle()
         return hosted.portal.call(hosted.call, name, args, {}, chosen)
+
+
+class _EnvLevel(AsyncSampleVecEnv):
+    """The env-level face of multi-agent envs (one sub-env per env), whose results an
+    :class:`SB3Rows` shows as rows."""
+
+    def __init__(self, hosted: HostedEnvs) -> None:
+        self._setup(hosted)
+
+    def set_env_seeds_and_options(self, seeds: list[Any], options: list[Any]) -> None:
+        """The seeds and options of each env's next reset (the rows' face gives them)."""
+        self._seeds, self._options = seeds, options
+
+    def call_envs(self, name: str, args: tuple[Any, ...], envs: list[int]) -> list[Any]:
+        """:meth:`AsyncSampleVecEnv._call` on the envs ``envs`` (for the rows' face)."""
+        return self._call(name, args, envs)

@@ -11,7 +11,7 @@ no SB3.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import gymnasium as gym
 import numpy as np
@@ -21,16 +21,22 @@ from asyncsample.multiagent.slots import REWARDS, TERMINATED, TRUNCATED
 from asyncsample.multiagent.tracker import ACTION_MASK
 from asyncsample.vector.agent_rows import MASK, RowLayout
 
-if TYPE_CHECKING:
-    from asyncsample.vector.sb3 import AsyncSampleVecEnv
-
 __all__ = ["SB3Rows"]
 
 _AGENT_INFOS = "agent_infos"
 _VecStep = tuple[Any, np.ndarray, np.ndarray, list[dict[str, Any]]]
 
 
-class SB3Rows:
+class EnvLevelVecEnv(Protocol):
+    """What :class:`SB3Rows` reads of the env-level face besides its calls: its reset infos."""
+
+    reset_infos: list[dict[str, Any]]
+
+
+_Face = TypeVar("_Face", bound=EnvLevelVecEnv)
+
+
+class SB3Rows(Generic[_Face]):
     """The SB3 face of a multi-agent env's rows over an env-level SB3 face, ``envs``.
 
     Row ``e * n_slots + s`` is agent ``possible_agents[s]`` of env ``e``. A row whose agent is
@@ -44,7 +50,7 @@ class SB3Rows:
         layout: the rows.
     """
 
-    def __init__(self, envs: AsyncSampleVecEnv, layout: RowLayout) -> None:
+    def __init__(self, envs: _Face, layout: RowLayout) -> None:
         self.envs = envs
         self.layout = layout
         space = layout.single_observation_space
