@@ -41,6 +41,7 @@ import uvloop
 from helpers import SamplerFactory, leaves_nothing
 
 from asyncsample import Sampler
+from asyncsample.multiagent.testing import AsyncRosterEnv
 
 # The test envs live in a module the env-host processes cannot import by name: ship them by value.
 cloudpickle.register_pickle_by_value(_test_envs)
@@ -75,10 +76,21 @@ _LOOP_PARAM = "_asyncio_loop_factory"  # pytest-asyncio's parameter for the loop
 #: test time on a loaded 2-core machine, mostly spent in deliberate hangs, step_timeouts and host
 #: start-ups.
 SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
-    # Multi-agent rows: thread's twin is local's and asyncio's; batched's is per_worker's.
-    "test_multiagent_sampler.py::test_rows_equal_the_reference_loop": ({"backend": ("thread",)},),
+    # Multi-agent rows: thread's twin is local's and asyncio's, the async twin's in a host is
+    # asyncio's; batched's is per_worker's; a host's failing env or update is local's or
+    # host's (the default run keeps one process variant of each).
+    "test_multiagent_sampler.py::test_rows_equal_the_reference_loop": (
+        {"backend": ("thread",)},
+        {"backend": ("process",), "env_fn": (AsyncRosterEnv,)},
+    ),
     "test_multiagent_sampler.py::test_policies_act_for_their_agents_in_any_mode": (
         {"inference": ("batched",)},
+    ),
+    "test_multiagent_sampler.py::test_a_failing_env_loses_its_agents_segments_and_nothing_else": (
+        {"backend": ("process",)},
+    ),
+    "test_multiagent_sampler.py::test_an_update_sets_the_parameters_of_the_policies_it_names": (
+        {"inference": ("per_worker",)},
     ),
     # Under uvloop: their asyncio variants stay; so do the representative subset's other uvloop
     # variants (a killed host, a spent budget, cancellation on "local", garbage collection).

@@ -191,7 +191,7 @@ DEFAULT_SCHEDULE_AGENTS = ("scout_0", "scout_1", "tank_0", "medic_0")
 
 async def test_agents_die_and_join_where_the_schedule_says(make_sampler: SamplerFactory) -> None:
     sampler = make_sampler(
-        "process", RosterEnv, n_workers=1, envs_per_worker=3, seed=1, policy_mapping=by_kind
+        "local", RosterEnv, n_workers=1, envs_per_worker=3, seed=1, policy_mapping=by_kind
     )
     batch = await sampler.obtain_samples(200)
     assert batch.n_transitions >= 200
