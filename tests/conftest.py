@@ -193,7 +193,7 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
     # test_held_batches_are_never_overwritten[batched] and test_batched_agent_reads_the_arena
     # keep batched on the arena in the default run.
     "test_zero_copy.py::test_step_arena_small_or_none_gives_the_same_batches": (
-        {"inference": ("batched",)},
+        {"inference": ("batched", "per_worker")},  # per_worker too: 5 s; [host] stays
     ),
     # Async envs in process hosts equal to the asyncio backend's: [host-fragments] and
     # [batched-episodes] stay (each call mode, agents in the hosts and in the caller);
@@ -203,9 +203,11 @@ SLOW_VARIANTS: dict[str, tuple[dict[str, tuple[Any, ...]], ...]] = {
         {"inference": ("batched",), "mode": ("fragments",)},
         {"inference": ("host",), "mode": ("episodes",)},
     ),
-    # Held batches with the agent in the hosts: [per_worker] and [batched] stay (the same
-    # arena, the same hold).
-    "test_zero_copy.py::test_held_batches_are_never_overwritten": ({"inference": ("host",)},),
+    # Held batches with the agent in the hosts, and batched (4.7 s): [per_worker] stays (the
+    # same arena, the same hold).
+    "test_zero_copy.py::test_held_batches_are_never_overwritten": (
+        {"inference": ("host", "batched")},
+    ),
     # The gymnasium face's equality with SyncVectorEnv in mixed placement (some sub-envs in this
     # process, some in hosts): in-process and hosts stay for each; mixed placement stays checked
     # by test_episode_statistics_and_any_action_batch_equal_to_sync[mixed],

@@ -222,9 +222,10 @@ STEP_TIMEOUT_FACES = [
     pytest.param(_sampler, id="Sampler"),
     pytest.param(_backend("process"), id="process"),
     pytest.param(_backend("local"), id="local"),
-    pytest.param(_backend("ray"), id="ray"),
+    # Slow: importing Ray and SB3 (2-9 s); the same check of the other faces stays quick.
+    pytest.param(_backend("ray"), id="ray", marks=pytest.mark.slow),
     pytest.param(_vector_env, id="VectorEnv"),
-    pytest.param(_sb3, id="AsyncSampleVecEnv"),
+    pytest.param(_sb3, id="AsyncSampleVecEnv", marks=pytest.mark.slow),
 ]
 
 
