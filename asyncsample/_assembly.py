@@ -8,14 +8,13 @@ Info keys are sorted by the rule of :class:`~asyncsample.batch.EpisodeBatch`.
 from __future__ import annotations
 
 import asyncio
-import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from asyncsample._leaves import leaf_spaces, to_columns
+from asyncsample._memory import BatchMemory
 from asyncsample._tree import Tree, stack_rows, tree_leaves, tree_map
 from asyncsample.batch import (
     MISSING,
@@ -73,51 +72,6 @@ class Plan:
         return len(tree_leaves(self.like_obs)[0])
 
 
-class BatchMemory:
-    """The memory of the large fields of a sampler's batches, used again once let go.
-
-    Fresh memory costs the kernel's zeroing of every page at first touch, as much as the copy
-    for raw image frames. The next batch is gathered into an array of the last batches that
-    nothing refers to any more (every view of a batch refers to the array owning its memory).
-
-    Args:
-        keep: arrays kept for reuse at most (those still held by batches count too).
-        min_bytes: fields smaller than this are allocated afresh.
-    """
-
-    def __init__(self, keep: int = 3, min_bytes: int = 1 << 20) -> None:
-        self.keep = keep
-        self.min_bytes = min_bytes
-        self._arrays: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self.reused = 0  # arrays handed out again (for tests and benchmarks)
-
-    def take(self, n: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        """An array of ``n`` rows of ``shape``: memory nothing refers to any more, or new."""
-        row = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if n * row < self.min_bytes:
-            return np.empty((n, *shape), dtype=dtype)
-        with self._lock:
-            arrays = self._arrays
-            for i in range(len(arrays)):
-                # References: the list, and getrefcount's argument; any other is a holder.
-                if sys.getrefcount(arrays[i]) > 2:
-                    continue
-                base = arrays[i]
-                if base.dtype == dtype and base.shape[1:] == shape and n <= len(base) <= 2 * n:
-                    self.reused += 1
-                    return base[:n]
-                del base
-            base = np.empty((n + n // 8, *shape), dtype=dtype)  # room for a slightly larger one
-            if len(arrays) >= self.keep:
-                free = [i for i in range(len(arrays)) if sys.getrefcount(arrays[i]) <= 2]
-                if not free:
-                    return base[:n]
-                del arrays[free[0]]
-            arrays.append(base)
-            return base[:n]
-
-
 def _flat_rows(record: np.ndarray) -> tuple[np.ndarray, int]:
     """``record`` (rows x envs x ...) as one axis of env rows, a view, and how many env rows
     one row is apart in it: ``n_envs``, or more when the rows are spaced out (a worker's rows of
@@ -139,14 +93,13 @@ def _flat_rows(record: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def _gather(
-    plans: list[Plan], records: list[Any], like: np.ndarray, memory: BatchMemory | None = None
+    plans: list[Plan], records: list[Any], like: np.ndarray, out: np.ndarray | None = None
 ) -> np.ndarray:
-    """One field of the batch: every plan's rows of ``records`` (shaped like ``like``)."""
+    """One field of the batch: every plan's rows of ``records`` (shaped like ``like``), into
+    ``out`` if given."""
     total = sum(len(p.rows) for p in plans)
-    if memory is None:
+    if out is None:
         out = np.empty((total, *like.shape[1:]), dtype=like.dtype)
-    else:
-        out = memory.take(total, like.shape[1:], like.dtype)
     start = 0
     for plan, record in zip(plans, records):
         n = len(plan.rows)
@@ -168,13 +121,18 @@ def assemble(
 ) -> EpisodeBatch:
     """The episodes of all ``plans``, in order, as one batch (observations in ``memory``)."""
     live = [p for p in plans if len(p.rows)] or plans[:1]
+    pieces_last = [o for p in plans for o in p.last_observations]
+    obs_outs, last_outs = _observation_memory(live, pieces_last, memory)
 
-    def field_of(name: str, like: str, memory: BatchMemory | None = None) -> Tree:
+    def field_of(name: str, like: str, outs: list[Any] | None = None) -> Tree:
         records = [getattr(p, name) for p in live]
         first = getattr(live[0], like)
         if any(r is None for r in records):
             return tree_map(lambda x: np.zeros((0, *x.shape[1:]), x.dtype), first)
-        return tree_map(lambda x, *leaves: _gather(live, list(leaves), x, memory), first, *records)
+        into = iter(outs or [None] * len(tree_leaves(first)))
+        return tree_map(
+            lambda x, *leaves: _gather(live, list(leaves), x, next(into)), first, *records
+        )
 
     def column(name: str, empty: np.ndarray) -> np.ndarray:
         records = [getattr(p, name) for p in live]
@@ -183,7 +141,7 @@ def assemble(
         return _gather(live, records, records[0][0])
 
     obs_leaves = leaf_spaces(env_spec.observation_space)
-    observations = to_columns(field_of("obs", "like_obs", memory), obs_leaves)
+    observations = to_columns(field_of("obs", "like_obs", obs_outs), obs_leaves)
     actions = to_columns(field_of("actions", "like_actions"), leaf_spaces(env_spec.action_space))
     rewards = column("rewards", np.zeros(0))
     versions = column("versions", np.zeros(len(rewards), dtype=np.int64))
@@ -199,9 +157,8 @@ def assemble(
         episode_infos = {k: np.zeros(0, np.int64) for k in ("worker", "env", "agent_version")}
     env_infos = info_columns(_env_infos(live, is_last, ends, episode_infos))
     agent_infos = info_columns(_agent_infos(live, is_last, ends, episode_infos))
-    pieces_last = [o for p in plans for o in p.last_observations]
     if pieces_last:
-        last_observations = tree_map(lambda *xs: stack_rows(xs), *pieces_last)
+        last_observations = _stack_into(pieces_last, last_outs)
     else:
         last_observations = tree_map(
             lambda x: np.zeros((0, *x.shape[1:]), x.dtype), plans[0].like_obs
@@ -220,6 +177,37 @@ def assemble(
         lengths=lengths,
         agent_versions=versions,
     )
+
+
+def _observation_memory(
+    plans: list[Plan], last: list[Tree], memory: BatchMemory | None
+) -> tuple[list[Any] | None, list[Any] | None]:
+    """Where a batch's observations and last observations go: one block of ``memory`` for
+    both (a batch holds one block; the leaves of each lie end to end), or ``None`` each."""
+    if memory is None:
+        return None, None
+    total = sum(len(p.rows) for p in plans)
+    obs = [((total, *x.shape[1:]), x.dtype) for x in tree_leaves(plans[0].like_obs)]
+    ends = [] if not last else [(np.shape(x), np.asarray(x).dtype) for x in tree_leaves(last[0])]
+    outs = memory.empty_many(obs + [((len(last), *shape), dtype) for shape, dtype in ends])
+    return outs[: len(obs)], outs[len(obs) :]
+
+
+def _stack_into(rows: list[Tree], outs: list[Any] | None) -> Tree:
+    """Trees of rows (one per episode) stacked leaf by leaf, the fixed-size leaves into
+    ``outs`` (arrays in :func:`tree_leaves` order) when given."""
+    into = iter(outs or [None] * len(tree_leaves(rows[0])))
+
+    def leaf(*xs: Any) -> Any:
+        out = next(into)
+        if out is None or isinstance(xs[0], str) or out.dtype.hasobject:
+            return stack_rows(xs)
+        try:
+            return np.stack(xs, out=out)
+        except ValueError:  # rows of different shapes: a Sequence leaf
+            return stack_rows(xs)
+
+    return tree_map(leaf, rows[0], *rows[1:])
 
 
 def info_columns(infos: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import gymnasium as gym
 import numpy as np
 
 from asyncsample import _resume, _validate
-from asyncsample._assembly import BatchMemory, Plan, assemble_off_loop
+from asyncsample._assembly import Plan, assemble_off_loop
 from asyncsample._config import SamplerConfig
 from asyncsample._engine import (
     CallMode,
@@ -30,6 +30,7 @@ from asyncsample._engine import (
     share_of,
 )
 from asyncsample._env_tasks import Admission, LaneSettings
+from asyncsample._memory import BatchMemory
 from asyncsample._probe import (
     Probe,
     Probed,
@@ -131,7 +132,6 @@ class SamplerCore:
                 f"({self.envs_per_worker}); set envs_per_worker instead"
             )
         backend_options = _validate.options_dict("backend_options", config.backend_options)
-
         self.n_processes = self.traits.hosts_started(n_processes, n_workers, backend_options)
         self._requested_processes = n_processes
         self.memory = BatchMemory()

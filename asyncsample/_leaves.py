@@ -28,6 +28,7 @@ __all__ = [
     "to_columns",
 ]
 
+
 def _children(space: gym.Space[Any]) -> list[tuple[Any, gym.Space[Any]]] | None:
     if isinstance(space, gym.spaces.Dict):
         return list(space.spaces.items())

@@ -136,7 +136,6 @@ def _as_leaf(value: Any) -> Any:
     return value if isinstance(value, RaggedArray) else np.asarray(value)
 
 
-
 #: The optional ``(T,)`` columns of a batch, one entry per row.
 ROW_COLUMNS = ("agent_versions", "agent_ids", "env_steps", "agent_steps")
 
@@ -144,6 +143,7 @@ ROW_COLUMNS = ("agent_versions", "agent_ids", "env_steps", "agent_steps")
 def _row_column(name: str, values: Any) -> np.ndarray:
     """A path's row column as an array (integers for all but ``agent_ids``)."""
     return np.asarray(values) if name == "agent_ids" else np.asarray(values, dtype=np.int64)
+
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class EpisodeBatch:

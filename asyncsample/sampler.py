@@ -366,7 +366,7 @@ class Sampler:
         known: the sampler starts first if it has not."""
         if self._joint is False:
             await self._core.start()
-            self._joint = joint_calls(self._core.env_spec, self._policy_mapping)
+            self._joint = joint_calls(self._core.env_spec, self._policy_mapping, self._core.memory)
         assert self._joint is not True
         return self._joint
 

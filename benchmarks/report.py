@@ -161,9 +161,7 @@ def write_own_results(out: Path, result: dict[str, Any], markdown: str) -> None:
     """An own-runner study's ``results.json`` (with its :func:`provenance`) and ``results.md``
     in ``out``; prints the table."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(
-        json.dumps(_with_provenance(result), indent=2, default=str)
-    )
+    (out / "results.json").write_text(json.dumps(_with_provenance(result), indent=2, default=str))
     (out / "results.md").write_text(markdown + "\n")
     print(markdown)
 

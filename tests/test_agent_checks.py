@@ -220,4 +220,3 @@ def test_rows_of_other_spaces_are_not_drawn_one_at_a_time() -> None:
     # Rows of a MultiDiscrete space come from a batched space per row count: a row drawn alone
     # would differ from the same row of a call of many.
     assert RandomAgent(gym.spaces.MultiDiscrete([2, 3]), seed=0).row_sampler() is None
-

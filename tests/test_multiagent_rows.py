@@ -25,6 +25,7 @@ from asyncsample.multiagent import (
     check_parallel_env,
     group_policies,
 )
+from asyncsample.multiagent.rows import gather_slots
 from asyncsample.multiagent.testing import RosterEnv, Schedule
 
 pytestmark = pytest.mark.timeout(60)
@@ -406,23 +407,36 @@ def test_a_schedule_that_would_end_early_is_refused() -> None:
         Schedule(joins={"scout_0": 0}, leaves={"scout_0": (2, "died")})
 
 
-def test_blocks_reuse_memory_only_once_it_is_let_go() -> None:
-    from asyncsample.multiagent.blocks import MIN_BYTES, Blocks
+def test_batch_memory_carves_leaves_end_to_end_and_views_them_whole() -> None:
+    """Leaves made together lie end to end in one block, so a gather of every row of them is a
+    view; a block is handed out again only once nothing holds any view of it."""
+    from asyncsample._memory import MIN_BYTES, BatchMemory, adjacent_rows
 
-    blocks = Blocks(keep=2)
+    memory = BatchMemory(keep=3)
     shape = (4, MIN_BYTES // 4)
-    first = blocks.empty(shape, np.uint8)
-    first[:] = 7
-    held = blocks.empty(shape, np.uint8)
-    assert not np.shares_memory(first, held)  # the first is still in use: a new block
-    address = first.__array_interface__["data"][0]
-    del first
-    again = blocks.empty((2, MIN_BYTES // 8), np.float32)  # fits the first block: reused
-    assert again.__array_interface__["data"][0] == address
-    assert again.shape == (2, MIN_BYTES // 8) and again.dtype == np.float32
-    view = again[1:]  # a view keeps the block in use
-    del again
-    other = blocks.empty(shape, np.uint8)
-    assert not np.shares_memory(other, view)
-    small = blocks.empty((3,), np.float64)  # small arrays are plain np.empty
+    leaves = memory.empty_many([(shape, np.uint8)] * 3 + [((4,), np.int8)])
+    for k, leaf in enumerate(leaves[:3]):
+        leaf[:] = k
+    whole = adjacent_rows(leaves[:3])
+    assert whole is not None and whole.shape == (12, MIN_BYTES // 4)
+    assert np.shares_memory(whole, leaves[0]) and (whole[4:8] == 1).all()
+    assert adjacent_rows([leaves[1], leaves[0]]) is None  # not in memory order
+    assert adjacent_rows([leaves[0], np.zeros(shape, np.uint8)]) is None
+    rows = np.tile(np.arange(4), 3)
+    which = np.repeat(np.arange(3), 4)
+    gathered = gather_slots(leaves[:3], rows, which, memory, view=True)
+    assert np.shares_memory(gathered, leaves[0])  # every row in order: a view
+    copied = gather_slots(leaves[:3], rows[::-1].copy(), which, memory, view=True)
+    assert not np.shares_memory(copied, leaves[0]) and (copied[:4] == 0).all()
+    assert not np.shares_memory(gather_slots(leaves[:3], rows, which, memory), leaves[0])
+    address = leaves[0].__array_interface__["data"][0]
+    held = gathered[5:6]
+    del leaves, leaf, whole, gathered
+    other = memory.empty_many([(shape, np.uint8)] * 3)  # the first block is held by `held`
+    assert other[0].__array_interface__["data"][0] != address
+    reused = memory.reused
+    del held
+    again = memory.empty_many([(shape, np.uint8)] * 3)  # now nothing holds it
+    assert memory.reused == reused + 1 and again[0].__array_interface__["data"][0] == address
+    small = memory.empty((3,), np.float64)  # small arrays are plain np.empty
     assert small.base is None

@@ -27,7 +27,7 @@ import asyncsample._engine as engine
 import asyncsample.inference.batched as batched_module
 import asyncsample.worker as worker_module
 from asyncsample import EpisodeBatch, RandomAgent, Transition, VecWorker
-from asyncsample._assembly import BatchMemory
+from asyncsample._memory import BatchMemory
 from asyncsample.backends import _chunk
 
 pytestmark = [

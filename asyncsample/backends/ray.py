@@ -356,9 +356,7 @@ class RayHost(RemoteHost[_Actor]):
 
     def __init__(self, spec: HostSpec, member: _Member, step_timeout: float | None) -> None:
         spaces = (spec.observation_space, spec.action_space)
-        buffers = StepBuffers.allocate(
-            *spaces, spec.n_envs, timed=spec.timed, columns=spec.columns
-        )
+        buffers = StepBuffers.allocate(*spaces, spec.n_envs, timed=spec.timed, columns=spec.columns)
         super().__init__(spec, member, buffers, step_timeout)
         self.chunk: ChunkBuffers | None = None
         """``inference="host"``: this worker's copy of the chunk records (filled per reply)."""

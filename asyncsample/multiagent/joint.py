@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from asyncsample._infos import concat_infos
+from asyncsample._memory import BatchMemory
 from asyncsample._tree import tree_index, tree_map
 from asyncsample.batch import EnvSpec, EpisodeBatch, StepType
-from asyncsample.multiagent.blocks import Blocks
 from asyncsample.multiagent.policies import PolicyGroups
 from asyncsample.multiagent.protocols import PolicyID
 from asyncsample.multiagent.rows import agent_id_column, gather_slots
@@ -111,7 +111,7 @@ def split_joint(
     joint: EpisodeBatch,
     groups: PolicyGroups,
     slots: Sequence[Any],
-    blocks: Blocks | None = None,
+    memory: BatchMemory | None = None,
 ) -> MultiAgentBatch:
     """The agent rows of ``joint`` (joint steps of slot envs), one batch per policy.
 
@@ -119,8 +119,10 @@ def split_joint(
         joint: a sampler's batch of joint steps.
         groups: the agents of each policy and its spaces.
         slots: the env's ``possible_agents`` (a slot's index is its agent's).
-        blocks: where the big observation and action columns are made (memory the caller's
-            earlier batches let go); ``None``: new memory.
+        memory: where the big observation and action columns are made (memory the caller's
+            earlier batches let go); ``None``: new memory. A policy whose agents are live on
+            every joint step gets views of ``joint``'s observations where they lie end to end
+            (as the sampler assembles them), no copy.
     """
     live = np.asarray(joint.observations["live"], dtype=bool)
     episode_of = np.repeat(np.arange(joint.n_episodes), joint.lengths)
@@ -134,7 +136,7 @@ def split_joint(
             continue
         order = np.lexsort((t, episode_of[t], j))
         batches[policy] = _policy_rows(
-            joint, groups, policy, policy_slots, t[order], j[order], episode_of, ends, slots, blocks
+            joint, groups, policy, policy_slots, t[order], j[order], episode_of, ends, slots, memory
         )
     return MultiAgentBatch(batches, joint)
 
@@ -149,7 +151,7 @@ def _policy_rows(
     episode_of: np.ndarray,
     ends: np.ndarray,
     slots: Sequence[Any],
-    blocks: Blocks | None,
+    memory: BatchMemory | None,
 ) -> EpisodeBatch:
     """The rows of one policy: ``t`` and ``j`` are each row's joint step and policy slot,
     ordered by slot, joint episode and step."""
@@ -176,14 +178,14 @@ def _policy_rows(
     last_t, last_j = t[last], j[last]
     following = last_t + 1
     at_end = following == ends[episodes[last]]
-    after = gather_slots(per_slot, np.where(at_end, 0, following), last_j, blocks)
-    if at_end.any():
-        closing = gather_slots(
-            [joint.last_observations["agents"][k] for k in policy_slots.tolist()],
-            episodes[last][at_end],
-            last_j[at_end],
-        )
-        after = tree_map(_put(at_end), after, closing)
+    closing_slots = [joint.last_observations["agents"][k] for k in policy_slots.tolist()]
+    if at_end.all():  # every segment runs to its joint episode's end (fragments, no deaths)
+        after = gather_slots(closing_slots, episodes[last], last_j, memory, view=True)
+    else:
+        after = gather_slots(per_slot, np.where(at_end, 0, following), last_j, memory)
+        if at_end.any():
+            closing = gather_slots(closing_slots, episodes[last][at_end], last_j[at_end])
+            after = tree_map(_put(at_end), after, closing)
     agent_ids = agent_id_column(list(slots))[s]
     episode_infos = {
         k: tree_index(v, episodes[first])
@@ -202,9 +204,9 @@ def _policy_rows(
             joint.env_spec.max_episode_length,
         ),
         episode_infos=episode_infos,
-        observations=gather_slots(per_slot, t, j, blocks),
+        observations=gather_slots(per_slot, t, j, memory, view=True),
         last_observations=after,
-        actions=gather_slots([joint.actions[k] for k in policy_slots.tolist()], t, j, blocks),
+        actions=gather_slots([joint.actions[k] for k in policy_slots.tolist()], t, j, memory),
         rewards=infos[REWARDS][t, s].astype(np.float64),
         env_infos=env_infos,
         agent_infos=tree_map(lambda leaf: leaf[t, j], own_infos),
@@ -238,8 +240,7 @@ def _own_infos(own: Any, t: np.ndarray, s: np.ndarray, slots: Sequence[Any]) -> 
 
 def _put(mask: np.ndarray) -> Any:
     def put(base: np.ndarray, values: np.ndarray) -> np.ndarray:
-        out = base.copy() if not base.flags.writeable else base
-        out[mask] = values
-        return out
+        base[mask] = values  # ``base``: a gather's own new array
+        return base
 
     return put

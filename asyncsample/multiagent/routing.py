@@ -20,8 +20,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from asyncsample._memory import BatchMemory
 from asyncsample._tree import tree_index, tree_map
-from asyncsample.multiagent.blocks import Blocks
 from asyncsample.multiagent.policies import PolicyGroups, PolicyMapping, group_policies
 from asyncsample.multiagent.protocols import PolicyID
 from asyncsample.multiagent.rows import gather_slots
@@ -75,7 +75,7 @@ class PolicyAgents:
         self.groups: PolicyGroups | None = None
         self._slots: dict[PolicyID, np.ndarray] = {}
         self._masked: dict[PolicyID, bool] = {}
-        self._blocks = Blocks(keep=2)  # the policies' stacked observations, call after call
+        self._memory = BatchMemory(keep=2)  # the policies' stacked observations, call after call
         self._action_spaces: list[gym.Space[Any]] | None = None
 
     def bind_env_spec(self, spec: Any) -> None:
@@ -125,7 +125,7 @@ class PolicyAgents:
             if not env_rows.size:
                 continue
             per_slot = [observations["agents"][k] for k in slots.tolist()]
-            obs = gather_slots(per_slot, env_rows, j, self._blocks)
+            obs = gather_slots(per_slot, env_rows, j, self._memory, view=True)
             agent = self.agents[policy]
             if self._masked[policy] and ACTION_MASK in observations:
                 n = int(self.groups.action_spaces[policy].n)  # type: ignore[attr-defined]

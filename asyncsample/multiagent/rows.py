@@ -18,10 +18,10 @@ from typing import Any, TypeAlias
 import numpy as np
 
 from asyncsample._infos import concat_infos, stack_infos
-from asyncsample._tree import stack_rows, tree_concat, tree_index, tree_map
+from asyncsample._memory import BatchMemory, adjacent_rows
+from asyncsample._tree import stack_rows, tree_concat, tree_index, tree_leaves, tree_map
 from asyncsample.batch import StepType
 from asyncsample.columns import text_array
-from asyncsample.multiagent.blocks import Blocks
 from asyncsample.multiagent.protocols import AgentID, PolicyID
 
 __all__ = ["AgentRows", "RowKey", "agent_id_column", "stack_tree"]
@@ -40,19 +40,31 @@ def stack_tree(rows: Sequence[Any]) -> Any:
 
 
 def gather_slots(
-    trees: Sequence[Any], rows: np.ndarray, which: np.ndarray, blocks: Blocks | None = None
+    trees: Sequence[Any],
+    rows: np.ndarray,
+    which: np.ndarray,
+    memory: BatchMemory | None = None,
+    view: bool = False,
 ) -> Any:
     """Row ``rows[i]`` of tree ``trees[which[i]]`` for every ``i``: the rows of several slots'
     columns (trees of one space, stacked over steps or envs) in one new tree.
 
     Rows ordered by slot (``which`` sorted) are copied once, each slot's straight into its
     block of the output (``np.take`` into a slice: a memcpy per row, what big observations
-    need); other orders take a masked gather per slot. ``blocks``: where big outputs are
-    made (:class:`~asyncsample.multiagent.blocks.Blocks`), else ``np.empty``."""
-    bounds = np.searchsorted(which, np.arange(len(trees) + 1)) if _sorted(which) else None
-    empty = np.empty if blocks is None else blocks.empty
+    need); other orders take a masked gather per slot. ``memory``: where big outputs are
+    made, else ``np.empty``. ``view``: when the rows are every row of every tree in order and
+    a leaf's trees lie end to end in memory (the leaves of a batch put together by
+    :func:`~asyncsample._assembly.assemble`), that leaf is a view of them, not a copy."""
+    ordered = _sorted(which)
+    bounds = np.searchsorted(which, np.arange(len(trees) + 1)) if ordered else None
+    every = view and bounds is not None and _every_row(trees, rows, bounds)
+    empty = np.empty if memory is None else memory.empty
 
     def leaf(*leaves: np.ndarray) -> np.ndarray:
+        if every:
+            whole = adjacent_rows(leaves)
+            if whole is not None:
+                return whole
         out = empty((len(rows), *leaves[0].shape[1:]), leaves[0].dtype)
         for k, array in enumerate(leaves):
             if bounds is not None:
@@ -66,6 +78,15 @@ def gather_slots(
         return out
 
     return tree_map(leaf, *trees)
+
+
+def _every_row(trees: Sequence[Any], rows: np.ndarray, bounds: np.ndarray) -> bool:
+    """Whether ``rows`` (split by slot at ``bounds``) are ``0..n-1`` of every tree in turn."""
+    lengths = [len(tree_leaves(t)[0]) for t in trees]
+    if any(int(bounds[k + 1] - bounds[k]) != n for k, n in enumerate(lengths)):
+        return False
+    expected = np.arange(len(rows)) - np.repeat(bounds[:-1], lengths)
+    return bool(np.array_equal(rows, expected))
 
 
 def _sorted(values: np.ndarray) -> bool:

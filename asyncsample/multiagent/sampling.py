@@ -14,8 +14,8 @@ import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+from asyncsample._memory import BatchMemory
 from asyncsample.batch import EnvSpec, EpisodeBatch
-from asyncsample.multiagent.blocks import Blocks
 from asyncsample.multiagent.joint import MultiAgentBatch, live_rows, split_joint
 from asyncsample.multiagent.policies import PolicyGroups, PolicyMapping, group_policies
 from asyncsample.multiagent.slots import SlotSpace
@@ -34,16 +34,18 @@ class JointCalls:
         slots: the env's ``possible_agents``.
     """
 
-    def __init__(self, groups: PolicyGroups, slots: Sequence[Any]) -> None:
+    def __init__(
+        self, groups: PolicyGroups, slots: Sequence[Any], memory: BatchMemory | None = None
+    ) -> None:
         self.groups = groups
         self.slots = tuple(slots)
-        self.blocks = Blocks()  # the rows' big columns, on memory earlier batches let go
+        self.memory = memory  # the rows' big columns, on memory earlier batches let go
         # Rows per joint step, as seen so far (at first: every slot live, the most).
         self._rows = float(len(self.slots))
 
     def split(self, joint: EpisodeBatch) -> MultiAgentBatch:
         """The agent rows of a batch of joint steps."""
-        return split_joint(joint, self.groups, self.slots, self.blocks)
+        return split_joint(joint, self.groups, self.slots, self.memory)
 
     def steps_for(self, rows: int) -> int:
         """The joint steps expected to give ``rows`` agent rows (rows per step seen so far)."""
@@ -89,9 +91,11 @@ class JointCalls:
         return self.split(parts[0] if len(parts) == 1 else EpisodeBatch.concatenate(*parts))
 
 
-def joint_calls(spec: EnvSpec, policy_mapping: PolicyMapping) -> JointCalls | None:
+def joint_calls(
+    spec: EnvSpec, policy_mapping: PolicyMapping, memory: BatchMemory | None = None
+) -> JointCalls | None:
     """The multi-agent calls of a sampler whose env has ``spec``; ``None`` for a single-agent
-    env (then a ``policy_mapping`` is refused).
+    env (then a ``policy_mapping`` is refused). ``memory``: the sampler's batch memory.
 
     Raises:
         ValueError: a ``policy_mapping`` for a single-agent env.
@@ -106,4 +110,6 @@ def joint_calls(spec: EnvSpec, policy_mapping: PolicyMapping) -> JointCalls | No
             )
         return None
     agent_spec = space.agent_spec
-    return JointCalls(group_policies(agent_spec, policy_mapping), agent_spec.possible_agents)
+    return JointCalls(
+        group_policies(agent_spec, policy_mapping), agent_spec.possible_agents, memory
+    )
