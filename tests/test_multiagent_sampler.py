@@ -17,6 +17,7 @@ import pytest
 from helpers import SamplerFactory, touch
 
 from asyncsample import EpisodeBatch, StepType
+from asyncsample._tree import tree_equal, tree_leaves
 from asyncsample.multiagent import (
     MultiAgentBatch,
     PolicyAgents,
@@ -378,6 +379,38 @@ async def test_a_stream_yields_agent_rows(make_sampler: SamplerFactory) -> None:
         async for batch in batches:
             assert isinstance(batch, EpisodeBatch)  # a single-agent env: as before
             break
+
+
+async def test_a_policy_live_on_every_joint_step_gets_views_of_the_joint_rows(
+    make_sampler: SamplerFactory,
+) -> None:
+    """Where a policy's agents are live on every joint step of a call, its observations are a
+    view of the joint batch's (the sampler lays each slot's rows end to end), equal to the copy
+    made otherwise; a death in the call makes it a copy again."""
+    made = []
+    for carve in (True, False):
+        sampler = make_sampler(
+            "local", RosterEnv, n_workers=1, envs_per_worker=2, seed=3, policy_mapping=by_kind
+        )
+        if carve:  # these rows are small: carve them as the memory of big ones is
+            sampler._core.memory.min_bytes = 0
+        # 4 joint steps of 3 live agents (2 of each env: the first death comes at step 2), then
+        # more in a second call
+        made.append([await sampler.obtain_fragments(n) for n in (12, 40)])
+    (views, later), (copies, _) = made
+    agents = views.joint.observations["agents"]
+    for policy, slot in (("scout", 0), ("tank", 2)):  # a Box, and a Dict with a mask
+        mine, theirs = tree_leaves(views[policy].observations), tree_leaves(agents[slot])
+        assert all(np.shares_memory(a, b) for a, b in zip(mine, theirs, strict=True))
+        assert tree_equal(views[policy].observations, copies[policy].observations)
+        assert tree_equal(views[policy].last_observations, copies[policy].last_observations)
+    # the scouts' two slots apart in memory (small rows, not carved): a gather's copy
+    assert not np.shares_memory(copies["scout"].observations, agents[0])
+    assert not np.shares_memory(
+        copies["scout"].observations, copies.joint.observations["agents"][0]
+    )
+    # scout_1 dies at joint step 2: the scouts' rows of the second call are gathered copies
+    assert not np.shares_memory(later["scout"].observations, later.joint.observations["agents"][0])
 
 
 class FailingRosterEnv(RosterEnv):
