@@ -378,16 +378,18 @@ class Episodes:
         if not envs:
             return {}
         index = np.asarray(envs)
-        leaves = tree_leaves(obs)
-        numeric = [type(x) is np.ndarray and not x.dtype.hasobject for x in leaves]
+
+        def numeric(x: Any) -> bool:
+            return type(x) is np.ndarray and not x.dtype.hasobject
+
         outs = iter(
             self._cut_memory.empty_many(
-                [((len(envs), *x.shape[1:]), x.dtype) for x, n in zip(leaves, numeric) if n]
+                [((len(envs), *x.shape[1:]), x.dtype) for x in tree_leaves(obs) if numeric(x)]
             )
         )
 
         def leaf(x: Any) -> Any:
-            if type(x) is not np.ndarray or x.dtype.hasobject:
+            if not numeric(x):  # text and object leaves: each row its own copy
                 return [row_copy(x, i) for i in envs]
             return np.take(x, index, axis=0, out=next(outs), mode="clip")
 

@@ -55,8 +55,7 @@ def gather_slots(
     made, else ``np.empty``. ``view``: when the rows are every row of every tree in order and
     a leaf's trees lie end to end in memory (the leaves of a batch put together by
     :func:`~asyncsample._assembly.assemble`), that leaf is a view of them, not a copy."""
-    ordered = _sorted(which)
-    bounds = np.searchsorted(which, np.arange(len(trees) + 1)) if ordered else None
+    bounds = np.searchsorted(which, np.arange(len(trees) + 1)) if _sorted(which) else None
     every = view and bounds is not None and _every_row(trees, rows, bounds)
     empty = np.empty if memory is None else memory.empty
 
