@@ -1,46 +1,44 @@
 """Runs of steps without a task per env: :class:`RunStepper` drives ``obtain_fragments`` without
 fixed shares where the hosts' agent copies act (``inference="host"``, async envs in env hosts).
-Each env takes runs of steps in its host (:mod:`asyncsample._run_records`); each reply is applied
-by a callback that asks for the env's next run, until the call's quota is in. Runs still in
-flight then go on and open the next call's batch. The lanes (:mod:`asyncsample._env_tasks`)
-drive every other call.
+Each env takes runs of steps in its host (:mod:`asyncsample._run_records`). While a call is in
+progress the stepper is its hosts' sink (:class:`~asyncsample.backends._lane_link.RunSink`):
+each reply frame's runs are recorded in one vectorised pass over the frame's columns, and their
+envs asked for their next runs, until the call's quota is in; no future, task or callback per
+run. Runs still in flight then go on and open the next call's batch. The lanes
+(:mod:`asyncsample._env_tasks`) drive every other call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import weakref
+import contextvars
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from asyncsample._env_tasks import LaneSettings, LaneStepper
-from asyncsample._run_records import RUN_STEPS, put_run, within_quota
+from asyncsample._run_records import RUN_STEPS, put_infos, put_run, within_quota
 from asyncsample._tree import row_copy
-from asyncsample.backends.base import RunHost, StepRun
+from asyncsample.backends.base import StepRun
 from asyncsample.errors import WorkerError
 
 if TYPE_CHECKING:
     from asyncsample._engine import Part, StopRule
+    from asyncsample.backends._column_wire import RunColumns
+    from asyncsample.backends._lane_link import RemoteLanes
     from asyncsample.worker import Worker
 
 __all__ = ["RunStepper", "fits"]
 
-#: The stepper of each host's current call (a reply is applied by the call in progress when it
-#: comes, not by the one that asked for it: a run asked in one call often ends in the next).
-_STEPPERS: weakref.WeakKeyDictionary[Any, RunStepper] = weakref.WeakKeyDictionary()
+#: The one context of :func:`_seen`: a callback's own copy is one more object per run.
+_CONTEXT = contextvars.Context()
 
 
-def _route(host: Any, i: int, future: asyncio.Future[Any]) -> None:
-    """Hand env ``i``'s answered request to its host's current stepper (its error marked as
-    seen: the sampler may close first); between calls it waits in ``in_flight``."""
-    if future.cancelled():
-        return
-    future.exception()
-    stepper = _STEPPERS.get(host)
-    if stepper is not None and stepper.active and host.in_flight.get(i) is future:
-        stepper.apply(i, future)
+def _seen(future: asyncio.Future[Any]) -> None:
+    """Mark a request's error as retrieved: its reply may come after the sampler closed, when
+    no call applies it."""
+    if not future.cancelled():
+        future.exception()
 
 
 def fits(worker: Worker, part: Part) -> bool:
@@ -52,7 +50,7 @@ def fits(worker: Worker, part: Part) -> bool:
         part.pool is not None
         and part.quota is None
         and part.lane_round is None
-        and hasattr(host, "run_soon")
+        and hasattr(host, "settle_runs")
         and type(getattr(buffers, "obs", None)) is np.ndarray
         and type(getattr(buffers, "actions", None)) is np.ndarray
         and worker.episodes.episode_timeout is None
@@ -64,15 +62,18 @@ class RunStepper:
     steps (see the module docstring; :func:`fits` says where).
 
     Every env has at most one request in flight (a reset, a run or a rebuild), kept in the
-    host's ``in_flight`` between calls; a reply that comes between calls waits there for the
-    next call to apply it (or to drop it: any other call, or an update of the envs).
+    host's ``in_flight``. While :meth:`run` is in progress the stepper is the host's sink: it
+    takes each reply as it comes (a reply is applied by the call in progress when it comes, not
+    by the one that asked for it: a run asked in one call often ends in the next). A reply that
+    comes between calls settles its future in ``in_flight``, for the next call to apply it (or
+    to drop it: any other call, or an update of the envs).
     """
 
     def __init__(self, worker: Worker, part: Part, settings: LaneSettings) -> None:
         # The lanes' bookkeeping (start, drops, rebuilds, episode ends) serves runs unchanged.
         self.lanes = LaneStepper(worker, None, part, settings)
         self.worker = worker
-        self.host = cast(RunHost, worker.host)
+        self.host = cast("RemoteLanes", worker.host)
         self.pool = part.pool
         assert self.pool is not None
         buffers = self.host.buffers
@@ -99,7 +100,7 @@ class RunStepper:
         steps = rule.start_envs(self.worker.n_envs, lacking)
         in_flight = self.host.in_flight
         self.active = True
-        _STEPPERS[self.host] = self
+        self.host.sink = self
         try:
             while not pool.met:  # (again if a drop after the quota was in reopened it)
                 self.stop = stop = asyncio.get_running_loop().create_future()
@@ -114,8 +115,8 @@ class RunStepper:
                 await stop
         finally:
             self.active = False
-            if _STEPPERS.get(self.host) is self:
-                del _STEPPERS[self.host]
+            if self.host.sink is self:
+                self.host.sink = None
             for task in self.rebuilding:
                 task.cancel()
             if self.rebuilding:
@@ -134,9 +135,9 @@ class RunStepper:
         """Ask env ``i`` for its next reset or run, unless the quota is in."""
         pool = self.pool
         assert pool is not None
-        if pool.met or not self.active:
-            return
         host, worker = self.host, self.worker
+        if pool.met or not self.active or i in host.in_flight:
+            return
         future: asyncio.Future[Any]
         try:
             if worker.episodes.needs_reset[i]:
@@ -148,27 +149,102 @@ class RunStepper:
         except WorkerError as exc:  # its host is dead: this env's failure
             self._failed(i, exc)
             return
-        host.in_flight[i] = future
-        future.add_done_callback(functools.partial(_route, host, i))
+        in_flight: dict[int, Any] = host.in_flight
+        in_flight[i] = future
+        future.add_done_callback(_seen, context=_CONTEXT)
+        if future.done():  # (its host died before: settled at once)
+            self.apply(i, future)
 
     def apply(self, i: int, future: asyncio.Future[Any]) -> None:
-        """Apply env ``i``'s answered request (taken out of ``in_flight``) and ask for the next."""
+        """Apply env ``i``'s answered request in ``in_flight`` (see :meth:`take`)."""
+        self.take(i, future.exception() or future.result())
+
+    def take(self, i: int, outcome: Any) -> None:
+        """Apply the outcome of env ``i``'s request (taken out of ``in_flight``): a run, a
+        reset's info or an error; then ask for its next (the host's sink, see
+        :class:`~asyncsample.backends._lane_link.RunSink`)."""
         del self.host.in_flight[i]
         self.start_obs.pop(i, None)
-        exc = future.exception()
-        if exc is not None:
-            if isinstance(exc, WorkerError) and exc.retry:
-                self._failed(i, exc)
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, WorkerError) and outcome.retry:
+                self._failed(i, outcome)
             else:  # the env may be mid-episode: reset before it is used again
                 self.worker.episodes.needs_reset[i] = True
-                self._fail(exc)
+                self._fail(outcome)
             return
-        value = future.result()
-        if type(value) is StepRun:
-            self._record(i, value)
+        if type(outcome) is StepRun:
+            self._record(i, outcome)
         else:  # a reset's info
-            self._started(i, value)
+            self._started(i, outcome)
         self._next(i)
+
+    def take_runs(
+        self, runs: RunColumns, rs: np.ndarray, envs: np.ndarray, versions: np.ndarray
+    ) -> None:
+        """Record runs ``rs`` of ``runs``, envs ``envs``' (asked under ``versions``): those
+        within the quota's room in one pass (:meth:`_record_runs`), the one that crosses it and
+        any after one by one (:meth:`_record`); then ask each env for its next."""
+        in_flight, start_obs = self.host.in_flight, self.start_obs
+        ids = envs.tolist()
+        for i in ids:
+            del in_flight[i]
+            start_obs.pop(i, None)
+        pool = self.pool
+        assert pool is not None
+        lengths = runs.lengths[rs]
+        fit = int(np.searchsorted(np.cumsum(lengths), pool.room(), side="right"))
+        if fit:
+            self._record_runs(runs, rs[:fit], envs[:fit], versions[:fit], lengths[:fit])
+        for r, i, version in zip(rs[fit:].tolist(), ids[fit:], versions[fit:].tolist()):
+            run = runs.run(r)
+            run.version = version
+            self._record(i, run)
+        for i in ids:
+            self._next(i)
+
+    def _record_runs(
+        self,
+        runs: RunColumns,
+        rs: np.ndarray,
+        envs: np.ndarray,
+        versions: np.ndarray,
+        lengths: np.ndarray,
+    ) -> None:
+        """Record whole runs (within the quota's room), every column in one pass: each step's
+        row is its env's cursor plus its place in its run."""
+        episodes = self.worker.episodes
+        rows, cursor = episodes.recorder.rows, episodes.recorder.cursor
+        assert cursor is not None
+        t = cursor[envs]
+        ends = t + lengths
+        top = int(ends.max())
+        if top > rows.size:
+            rows.cover(top - 1, *self.like)
+        total = int(lengths.sum())
+        step = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        src = np.repeat(runs.starts[rs], lengths) + step
+        at, env = np.repeat(t, lengths) + step, np.repeat(envs, lengths)
+        rows.obs[at, env] = runs.obs[src]
+        rows.actions[at, env] = runs.actions[src]
+        rewards = runs.rewards[src]
+        rows.rewards[at, env] = rewards
+        rows.versions[at, env] = np.repeat(versions, lengths)
+        if runs.infos or runs.agent_infos or rows.agent_infos:
+            for r, i, start, n in zip(rs.tolist(), envs.tolist(), t.tolist(), lengths.tolist()):
+                put_infos(rows, start, i, n, runs.infos.get(r, ()), runs.agent_infos.get(r, ()))
+        # Returns summed step by step, as a lone run's are (the same floats on every path).
+        by_step = np.zeros((len(rs), int(lengths.max())))
+        by_step[np.repeat(np.arange(len(rs)), lengths), step] = rewards
+        returns = episodes.returns[envs]
+        for column in by_step.T:
+            returns += column
+        episodes.returns[envs] = returns
+        episodes.lengths[envs] += lengths
+        cursor[envs] = ends
+        ended = runs.terminated[rs] | runs.truncated[rs]
+        for i, end in zip(envs[ended].tolist(), ends[ended].tolist()):
+            self.lanes.end_episode(i, end - 1)
+        self.pool.add(self.worker.worker_number, total)  # type: ignore[union-attr]
 
     def _started(self, i: int, info: dict[str, Any]) -> None:
         episodes, version = self.worker.episodes, self.worker.agent_version

@@ -7,6 +7,7 @@ record them here."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 from asyncsample._quotas import FreeQuota
@@ -14,7 +15,7 @@ from asyncsample._recorder import store_agent_infos
 from asyncsample._tree import row_copy
 from asyncsample.backends.base import StepRun
 
-__all__ = ["RUN_STEPS", "put_run", "split_run", "within_quota"]
+__all__ = ["RUN_STEPS", "put_infos", "put_run", "split_run", "within_quota"]
 
 #: The most steps an env takes in one request where its host's agent copy acts and the call
 #: counts steps (``obtain_fragments``): one reply per run, the caller's cost per run.
@@ -32,16 +33,29 @@ def put_run(rows: Any, t: int, i: int, run: StepRun, like: tuple[Any, Any]) -> i
     rows.actions[t:end, i] = run.actions
     rows.rewards[t:end, i] = run.rewards
     rows.versions[t:end, i] = run.version
-    for j, info in run.infos:
+    put_infos(rows, t, i, n, run.infos, run.agent_infos)
+    return n
+
+
+def put_infos(
+    rows: Any,
+    t: int,
+    i: int,
+    n: int,
+    infos: Iterable[tuple[int, dict[str, Any]]],
+    agent_infos: Iterable[tuple[int, dict[str, Any]]],
+) -> None:
+    """Record the env and agent infos of env ``i``'s run of ``n`` steps from its row ``t``
+    (``(step, info)`` where not empty)."""
+    for j, info in infos:
         row = rows.env_infos.get(t + j)
         if row is None:
             row = rows.env_infos[t + j] = [{} for _ in range(rows.n_envs)]
         row[i] = info
-    if run.agent_infos or rows.agent_infos:
-        given = dict(run.agent_infos)
+    given = dict(agent_infos)
+    if given or rows.agent_infos:
         for j in range(n):
             store_agent_infos(rows, t + j, given.get(j, {}), i)
-    return n
 
 
 def split_run(run: StepRun, m: int) -> tuple[StepRun, StepRun]:

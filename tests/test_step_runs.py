@@ -72,6 +72,21 @@ def run_parts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield parts
 
 
+@pytest.fixture
+def frames(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """How many runs each reply frame brought :class:`RunStepper` for one worker (recorded in
+    one pass)."""
+    sizes: list[int] = []
+    original = RunStepper.take_runs
+
+    def counting(self: RunStepper, runs: Any, rs: np.ndarray, *args: Any) -> None:
+        sizes.append(len(rs))
+        original(self, runs, rs, *args)
+
+    monkeypatch.setattr(RunStepper, "take_runs", counting)
+    yield sizes
+
+
 class FailOnceAsyncEnv(CountingAsyncEnv):
     """Raises on its 5th step, mid-run, if it is the first env of all to get there (a flag file
     tells the env hosts apart)."""
@@ -127,7 +142,7 @@ def _by_env(batches: list[EpisodeBatch]) -> dict[tuple[int, int], list[EpisodeBa
 
 
 async def test_fragments_over_runs_hold_every_step_once_in_order(
-    make_sampler: SamplerFactory, runs: list[int], run_parts: list[int]
+    make_sampler: SamplerFactory, runs: list[int], run_parts: list[int], frames: list[int]
 ) -> None:
     sampler = _sampler(make_sampler)
     quota = 40  # not a multiple of the 6 envs: runs are split at the quota
@@ -138,6 +153,7 @@ async def test_fragments_over_runs_hold_every_step_once_in_order(
     assert max(runs) > 1  # runs were asked for, of at most RUN_STEPS steps
     assert max(runs) <= RUN_STEPS
     assert sorted(set(run_parts)) == list(range(N_WORKERS))  # by the runs' stepper
+    assert max(frames) > 1  # several envs' runs recorded in one pass
     for batch in batches:
         # the quota, and at most one step per env past it (a split run's rest waits)
         assert quota <= batch.n_transitions < quota + N_WORKERS * N_ENVS

@@ -24,6 +24,7 @@ from asyncsample.env_group import StepBuffers, StepInfos
 
 __all__ = [
     "PACKED",
+    "RunColumns",
     "RunFrame",
     "pack_column",
     "object_rows",
@@ -40,7 +41,6 @@ __all__ = [
     "unpack_column",
     "unpack_block_into",
     "unpack_chunk",
-    "unpack_runs",
     "unpack_columns_into",
     "unpack_replies",
     "unpack_requests",
@@ -372,32 +372,54 @@ def pack_runs(out: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]] | R
     )
 
 
-def unpack_runs(frame: RunFrame, ok: int) -> list[tuple[int, int, Any]]:
-    """The replies of ``frame``, each run's (status ``ok``) rows views of its columns."""
+class RunColumns:
+    """The runs of a :class:`RunFrame`, read: its columns as arrays (views of the frame's bytes),
+    each run's place in them, and its infos by run. A caller applies a worker's runs in one
+    pass over these columns (:meth:`asyncsample._env_runs.RunStepper.take_runs`), or takes one
+    run as a :class:`~asyncsample.backends.base.StepRun` (:meth:`run`).
 
-    def column(raw: tuple[bytes, str, tuple[int, ...]]) -> np.ndarray:
-        return np.frombuffer(raw[0], dtype=raw[1]).reshape(raw[2])
+    Attributes:
+        keys: per run, its request's key.
+        lengths, starts: per run, its steps and its first step's index in the columns.
+        terminated, truncated: per run, its last step's flags.
+        obs, actions, rewards: every step's row, run after run.
+        infos, agent_infos: by run, ``(step, info)`` where not empty.
+    """
 
-    obs, actions = column(frame.obs), column(frame.actions)
-    rewards = np.frombuffer(frame.rewards, dtype=np.float64).tolist()
-    infos: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-    for r, j, info in frame.infos:
-        infos.setdefault(r, []).append((j, info))
-    agent_infos: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-    for r, j, info in frame.agent_infos:
-        agent_infos.setdefault(r, []).append((j, info))
-    out, flags, at = frame.others, frame.flags, 0
-    for r, (key, n) in enumerate(zip(frame.keys, frame.lengths, strict=True)):
-        end = at + n
-        run = StepRun(
-            obs[at:end],
-            actions[at:end],
-            rewards[at:end],
-            infos.get(r, []),
-            agent_infos.get(r, []),
-            bool(flags[2 * r]),
-            bool(flags[2 * r + 1]),
+    def __init__(self, frame: RunFrame) -> None:
+        self.keys = frame.keys
+        self.lengths = np.array(frame.lengths, dtype=np.int64)
+        self.starts = np.cumsum(self.lengths) - self.lengths
+        flags = np.frombuffer(frame.flags, dtype=np.uint8).reshape(-1, 2).astype(bool)
+        self.terminated, self.truncated = flags[:, 0], flags[:, 1]
+        self.obs, self.actions = _column(frame.obs), _column(frame.actions)
+        self.rewards = np.frombuffer(frame.rewards, dtype=np.float64)
+        self.infos = _by_run(frame.infos)
+        self.agent_infos = _by_run(frame.agent_infos)
+
+    def run(self, r: int) -> StepRun:
+        """Run ``r`` on its own (its rows views of the columns)."""
+        at = int(self.starts[r])
+        end = at + int(self.lengths[r])
+        return StepRun(
+            self.obs[at:end],
+            self.actions[at:end],
+            self.rewards[at:end].tolist(),
+            self.infos.get(r, []),
+            self.agent_infos.get(r, []),
+            bool(self.terminated[r]),
+            bool(self.truncated[r]),
         )
-        out.append((key, ok, run))
-        at = end
+
+
+def _column(raw: tuple[bytes, str, tuple[int, ...]]) -> np.ndarray:
+    return np.frombuffer(raw[0], dtype=raw[1]).reshape(raw[2])
+
+
+def _by_run(
+    entries: list[tuple[int, int, dict[str, Any]]],
+) -> dict[int, list[tuple[int, dict[str, Any]]]]:
+    out: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    for r, j, info in entries:
+        out.setdefault(r, []).append((j, info))
     return out

@@ -11,18 +11,19 @@ from __future__ import annotations
 import asyncio
 import pickle
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import cloudpickle
+import numpy as np
 
 from asyncsample._clock import CALLS
 from asyncsample._recorder import put_row
 from asyncsample.backends._column_wire import (
+    RunColumns,
     RunFrame,
     object_rows,
     pack_requests,
     unpack_replies,
-    unpack_runs,
 )
 from asyncsample.backends._lane_serve import PENDING, ST_AGENT, ST_DEADLINE, LaneKind
 from asyncsample.backends._remote import Incarnation, PoolMember, closed_error
@@ -33,10 +34,26 @@ from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import LoopBlockedError, WorkerCrashedError, WorkerError
 
-__all__ = ["ST_DIED", "LaneLink", "RemoteLanes"]
+__all__ = ["ST_DIED", "LaneLink", "RemoteLanes", "RunSink"]
 
 #: The status a request's owner settles it with when its host died (``value``: the error).
 ST_DIED = -1
+
+
+class RunSink(Protocol):
+    """Who applies a host's replies as they come, in place of their futures (the runs' stepper,
+    :class:`asyncsample._env_runs.RunStepper`, while its call is in progress): the runs of a
+    reply frame in one pass, anything else one by one."""
+
+    def take(self, i: int, outcome: Any) -> None:
+        """Env ``i``'s request was answered: its value, or the error its future would raise."""
+        ...
+
+    def take_runs(
+        self, runs: RunColumns, rs: np.ndarray, envs: np.ndarray, versions: np.ndarray
+    ) -> None:
+        """Runs ``rs`` of ``runs`` answered envs ``envs``' requests, asked under ``versions``."""
+        ...
 
 
 class LaneLink:
@@ -96,13 +113,15 @@ class LaneLink:
             self._send(dumps(out if packed is None else packed))
 
     def replied(self, payload: bytes) -> None:
-        """A batch of replies came: ``(key, status, value)`` each."""
-        waiting, owners, envs = self._waiting, self._owners, self._envs
+        """A batch of replies came: ``(key, status, value)`` each, or a :class:`RunFrame`."""
         replies = pickle.loads(payload)
+        runs = None
         if type(replies) is RunFrame:  # runs of steps, their rows in the frame's columns
-            replies = unpack_runs(replies, ST_OK)
+            runs = RunColumns(replies)
+            replies = replies.others
         elif type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
             replies = unpack_replies(replies)
+        waiting, owners, envs = self._waiting, self._owners, self._envs
         for key, status, value in replies:
             future = waiting.pop(key, None)
             if future is None:  # given up on
@@ -110,6 +129,28 @@ class LaneLink:
             owner, i = owners.pop(key), envs.pop(key)
             if not future.done():
                 owner.settle(i, status, value, future)
+        if runs is not None:
+            self._runs_replied(runs)
+
+    def _runs_replied(self, runs: RunColumns) -> None:
+        """The runs of a frame: each owner's with a sink in one pass, the others one by one."""
+        waiting, owners, envs = self._waiting, self._owners, self._envs
+        batches: dict[RemoteLanes, tuple[list[int], list[int]]] = {}
+        for r, key in enumerate(runs.keys):
+            future = waiting.pop(key, None)
+            if future is None:  # given up on
+                continue
+            owner, i = owners.pop(key), envs.pop(key)
+            if future.done():
+                continue
+            if owner.sink is not None and owner.in_flight.get(i) is future:
+                rs, ids = batches.setdefault(owner, ([], []))
+                rs.append(r)
+                ids.append(i)
+            else:
+                owner.settle(i, ST_OK, runs.run(r), future)
+        for owner, (rs, ids) in batches.items():
+            owner.settle_runs(runs, rs, ids)
 
     def fail(self, error: BaseException) -> None:
         """The host died: every waiter gets ``error`` (as later requests will)."""
@@ -130,6 +171,8 @@ class RemoteLanes(PerEnvLockstep):
     worker: int
     buffers: StepBuffers
     n_envs: int
+    #: Who takes this host's replies in place of their futures (a call in progress), or None.
+    sink: RunSink | None = None
     _slot_index: int
     _incarnation: Any
     _member: PoolMember[Any]
@@ -190,8 +233,32 @@ class RemoteLanes(PerEnvLockstep):
             link.cancel(self._keys[i])
 
     def settle(self, i: int, status: int, value: Any, future: asyncio.Future[Any]) -> None:
-        """Settle ``future``, env ``i``'s request, with its reply (:class:`LaneLink`)."""
+        """Settle ``future``, env ``i``'s request, with its reply (:class:`LaneLink`); while a
+        :attr:`sink` is set, it takes the reply of the request in flight instead."""
         self._links[i] = None
+        ok, outcome = self._outcome(i, status, value)
+        if self.sink is not None and self.in_flight.get(i) is future:
+            self.sink.take(i, outcome)
+        elif ok:
+            future.set_result(outcome)
+        else:
+            future.set_exception(outcome)
+
+    def settle_runs(self, runs: RunColumns, rs: list[int], envs: list[int]) -> None:
+        """Runs ``rs`` of ``runs`` answered envs ``envs``' requests in flight: to the sink."""
+        assert self.sink is not None
+        links, versions = self._links, self._run_versions
+        for i in envs:
+            links[i] = None
+        self.sink.take_runs(
+            runs,
+            np.array(rs, dtype=np.int64),
+            np.array(envs, dtype=np.int64),
+            np.array([versions[i] for i in envs], dtype=np.int64),
+        )
+
+    def _outcome(self, i: int, status: int, value: Any) -> tuple[bool, Any]:
+        """Env ``i``'s reply: ``(True, value)``, or ``(False, the error it raises)``."""
         if status == ST_OK:
             buffers = self.buffers
             kind = self._kinds[i]
@@ -219,8 +286,7 @@ class RemoteLanes(PerEnvLockstep):
                 )
                 if kind == LaneKind.ACT:
                     value += (None, extra or {})
-            future.set_result(value)
-            return
+            return True, value
         if status == ST_DEADLINE:
             error: BaseException = DeadlinePassed()
         elif status == ST_DIED:
@@ -232,7 +298,7 @@ class RemoteLanes(PerEnvLockstep):
             error = value
             if status == ST_AGENT and isinstance(error, WorkerError):
                 error.retry = False  # the agent copy's error: the call's, never the env's
-        future.set_exception(error)
+        return False, error
 
     async def _lane(self, kind: int, i: int, *args: Any) -> Any:
         """Send one lane request for env ``i`` and await its reply's value."""
