@@ -9,7 +9,9 @@ one frame per pass of the event loop, and hands each reply of the host's batches
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
@@ -54,6 +56,27 @@ class RunSink(Protocol):
     ) -> None:
         """Runs ``rs`` of ``runs`` answered envs ``envs``' requests, asked under ``versions``."""
         ...
+
+
+#: How long one pass of the event loop settles runs of reply frames (seconds): a slice of a
+#: big frame costs the caller's loop at most about this much before its other callbacks run.
+SLICE_S = 0.002
+
+
+@dataclasses.dataclass
+class _Runs:
+    """The runs of one reply frame that answered one owner's requests."""
+
+    owner: RemoteLanes
+    runs: RunColumns
+    rs: list[int]
+    envs: list[int]
+    futures: list[asyncio.Future[Any]]
+
+    def add(self, r: int, i: int, future: asyncio.Future[Any]) -> None:
+        self.rs.append(r)
+        self.envs.append(i)
+        self.futures.append(future)
 
 
 class LaneLink:
@@ -133,24 +156,31 @@ class LaneLink:
             self._runs_replied(runs)
 
     def _runs_replied(self, runs: RunColumns) -> None:
-        """The runs of a frame: each owner's with a sink in one pass, the others one by one."""
+        """The runs of a frame, grouped by owner (:meth:`RemoteLanes.settle_runs`)."""
         waiting, owners, envs = self._waiting, self._owners, self._envs
-        batches: dict[RemoteLanes, tuple[list[int], list[int]]] = {}
+        batches: dict[RemoteLanes, _Runs] = {}
         for r, key in enumerate(runs.keys):
             future = waiting.pop(key, None)
             if future is None:  # given up on
                 continue
             owner, i = owners.pop(key), envs.pop(key)
-            if future.done():
-                continue
-            if owner.sink is not None and owner.in_flight.get(i) is future:
-                rs, ids = batches.setdefault(owner, ([], []))
-                rs.append(r)
-                ids.append(i)
-            else:
-                owner.settle(i, ST_OK, runs.run(r), future)
-        for owner, (rs, ids) in batches.items():
-            owner.settle_runs(runs, rs, ids)
+            if not future.done():
+                batch = batches.get(owner)
+                if batch is None:
+                    batch = batches[owner] = _Runs(owner, runs, [], [], [])
+                batch.add(r, i, future)
+        self._settle_runs(list(batches.values()))
+
+    def _settle_runs(self, batches: list[_Runs]) -> None:
+        """Settle ``batches`` for about :data:`SLICE_S` of this pass of the event loop, the rest
+        in the next pass (and so on): a frame of thousands of runs never holds the loop."""
+        end = time.perf_counter() + SLICE_S
+        while batches:
+            batch = batches.pop()
+            batch.owner.settle_runs(batch)
+            if batches and time.perf_counter() > end:
+                self._loop.call_soon(self._settle_runs, batches)
+                return
 
     def fail(self, error: BaseException) -> None:
         """The host died: every waiter gets ``error`` (as later requests will)."""
@@ -244,18 +274,32 @@ class RemoteLanes(PerEnvLockstep):
         else:
             future.set_exception(outcome)
 
-    def settle_runs(self, runs: RunColumns, rs: list[int], envs: list[int]) -> None:
-        """Runs ``rs`` of ``runs`` answered envs ``envs``' requests in flight: to the sink."""
-        assert self.sink is not None
-        links, versions = self._links, self._run_versions
-        for i in envs:
-            links[i] = None
-        self.sink.take_runs(
-            runs,
-            np.array(rs, dtype=np.int64),
-            np.array(envs, dtype=np.int64),
-            np.array([versions[i] for i in envs], dtype=np.int64),
+    def settle_runs(self, batch: _Runs) -> None:
+        """Settle ``batch``, runs that answered this host's requests: those still in flight to
+        the :attr:`sink` at once, any other as :meth:`settle` would."""
+        links, versions, in_flight, sink = (
+            self._links,
+            self._run_versions,
+            self.in_flight,
+            self.sink,
         )
+        rs: list[int] = []
+        envs: list[int] = []
+        for r, i, future in zip(batch.rs, batch.envs, batch.futures, strict=True):
+            if sink is not None and in_flight.get(i) is future:
+                links[i] = None
+                rs.append(r)
+                envs.append(i)
+            elif not future.done():
+                self.settle(i, ST_OK, batch.runs.run(r), future)
+        if envs:
+            assert sink is not None
+            sink.take_runs(
+                batch.runs,
+                np.array(rs, dtype=np.int64),
+                np.array(envs, dtype=np.int64),
+                np.array([versions[i] for i in envs], dtype=np.int64),
+            )
 
     def _outcome(self, i: int, status: int, value: Any) -> tuple[bool, Any]:
         """Env ``i``'s reply: ``(True, value)``, or ``(False, the error it raises)``."""
