@@ -106,6 +106,35 @@ async def test_envs_live_in_the_hosts(make_sampler: Any, backend: str) -> None:
         assert pids <= set(sampler._core.backend.pids)  # type: ignore[union-attr]
 
 
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="niceness is POSIX's")
+async def test_hosts_of_async_envs_run_below_the_callers_priority(make_sampler: Any) -> None:
+    """By default the process hosts of async envs add LANE_HOST_NICE to their niceness (the
+    caller's loop comes first), hosts of blocking envs nothing; ``host_nice`` sets both."""
+    from asyncsample.backends.process import LANE_HOST_NICE, ProcessBackend
+
+    def niceness(sampler: Any) -> set[int]:
+        pids = sampler._core.backend.pids
+        assert pids
+        return {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids}
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    hosted = make_sampler("process", CountingAsyncEnv, n_workers=2, n_processes=2)
+    await hosted.obtain_samples(20)
+    assert niceness(hosted) == {min(19, mine + LANE_HOST_NICE)}
+    same = make_sampler(
+        "process", CountingAsyncEnv, n_workers=2, n_processes=2, backend_options={"host_nice": 0}
+    )
+    await same.obtain_samples(20)
+    assert niceness(same) == {mine}
+    blocking = make_sampler("process", "CartPole-v1", n_workers=2, n_processes=2)
+    await blocking.obtain_samples(20)
+    assert niceness(blocking) == {mine}
+    with pytest.raises(TypeError, match=r"host_nice must be None or an int, got float 2.5"):
+        ProcessBackend(host_nice=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"host_nice must be from 0 to 19, got 20"):
+        ProcessBackend(host_nice=20)
+
+
 @pytest.mark.both_loops
 @pytest.mark.parametrize("kind", ["raise", "cancel", "hang", "reward", "info"])
 async def test_a_fault_is_the_envs_own(make_sampler: Any, backend: str, kind: str) -> None:

@@ -96,6 +96,7 @@ def main(
     raw_arenas: list[RawArena | None] | None = None,
     spin_after_step: float | None = None,
     watch: tuple[Any, float | None] | None = None,
+    nice: int = 0,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
@@ -105,7 +106,11 @@ def main(
     ``lanes``, the slots' envs are async envs served in an event loop
     (:mod:`asyncsample.backends._lane_serve`). ``spin_after_step``: see :class:`StepReader`.
     ``watch``: the block shared with the caller (see :mod:`asyncsample.backends._watchdog`) and
-    the ``step_timeout`` of a lockstep host's requests (a host of async envs: its loop's)."""
+    the ``step_timeout`` of a lockstep host's requests (a host of async envs: its loop's).
+    ``nice``: added to the process's niceness first (its threads inherit it)."""
+    if nice:
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(nice)
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     with contextlib.suppress(OSError):
