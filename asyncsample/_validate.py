@@ -98,6 +98,17 @@ def optional_nonnegative_int(name: str, value: object) -> int | None:
     return None if value is None else _int_at_least(name, value, 0, " or None")
 
 
+def optional_niceness(name: str, value: object, default: int) -> int:
+    """``value`` as an increment of a process's niceness, an int from 0 to 19 (``None``:
+    ``default``)."""
+    if value is None:
+        return default
+    nice = _int_at_least(name, value, 0, " or None")
+    if nice > 19:
+        raise ValueError(f"{name} must be from 0 to 19, got {nice}")
+    return nice
+
+
 def seed(name: str, value: object) -> int | None:
     """``None`` or an int in ``[0, 2**128)`` (what ``numpy.random.SeedSequence`` takes)."""
     return optional_nonnegative_int(name, value)

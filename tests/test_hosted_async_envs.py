@@ -109,7 +109,7 @@ async def test_envs_live_in_the_hosts(make_sampler: Any, backend: str) -> None:
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="niceness is POSIX's")
 async def test_hosts_of_async_envs_run_below_the_callers_priority(make_sampler: Any) -> None:
     """By default the process hosts of async envs add LANE_HOST_NICE to their niceness (the
-    caller's loop comes first), hosts of blocking envs nothing; ``host_nice`` sets both."""
+    caller's loop comes first), ``host_nice`` another amount; hosts of blocking envs nothing."""
     from asyncsample.backends.process import LANE_HOST_NICE, ProcessBackend
 
     def niceness(sampler: Any) -> set[int]:
@@ -121,15 +121,17 @@ async def test_hosts_of_async_envs_run_below_the_callers_priority(make_sampler: 
     hosted = make_sampler("process", CountingAsyncEnv, n_workers=2, n_processes=2)
     await hosted.obtain_samples(20)
     assert niceness(hosted) == {min(19, mine + LANE_HOST_NICE)}
-    same = make_sampler(
-        "process", CountingAsyncEnv, n_workers=2, n_processes=2, backend_options={"host_nice": 0}
-    )
-    await same.obtain_samples(20)
-    assert niceness(same) == {mine}
+    for nice in (0, 2):
+        options = {"host_nice": nice}
+        other = make_sampler(
+            "process", CountingAsyncEnv, n_workers=2, n_processes=2, backend_options=options
+        )
+        await other.obtain_samples(20)
+        assert niceness(other) == {min(19, mine + nice)}
     blocking = make_sampler("process", "CartPole-v1", n_workers=2, n_processes=2)
     await blocking.obtain_samples(20)
     assert niceness(blocking) == {mine}
-    with pytest.raises(TypeError, match=r"host_nice must be None or an int, got float 2.5"):
+    with pytest.raises(TypeError, match=r"host_nice must be an int >= 0 or None, got float 2.5"):
         ProcessBackend(host_nice=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"host_nice must be from 0 to 19, got 20"):
         ProcessBackend(host_nice=20)

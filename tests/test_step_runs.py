@@ -19,7 +19,7 @@ import pytest
 from async_envs import CountingAsyncEnv, GatedAsyncEnv
 from helpers import SamplerFactory, touch, wait_until
 
-from asyncsample import EpisodeBatch, StepType
+from asyncsample import EpisodeBatch, StepType, _env_runs
 from asyncsample._env_runs import RunStepper
 from asyncsample._run_records import RUN_STEPS
 from asyncsample.backends._lane_link import RemoteLanes
@@ -72,10 +72,12 @@ def run_parts(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield parts
 
 
-@pytest.fixture
-def frames(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """How many runs each reply frame brought :class:`RunStepper` for one worker (recorded in
-    one pass)."""
+@pytest.fixture(params=[1, _env_runs.VECTOR_RUNS], ids=["vectorised", "default"])
+def frames(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[list[int]]:
+    """How many runs each reply frame brought :class:`RunStepper` for one worker; with
+    ``VECTOR_RUNS`` 1 every frame's runs are recorded in one vectorised pass (by default a
+    worker of 3 envs records its runs one by one)."""
+    monkeypatch.setattr(_env_runs, "VECTOR_RUNS", request.param)
     sizes: list[int] = []
     original = RunStepper.take_runs
 

@@ -96,7 +96,6 @@ def main(
     raw_arenas: list[RawArena | None] | None = None,
     spin_after_step: float | None = None,
     watch: tuple[Any, float | None] | None = None,
-    nice: int = 0,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
@@ -106,11 +105,7 @@ def main(
     ``lanes``, the slots' envs are async envs served in an event loop
     (:mod:`asyncsample.backends._lane_serve`). ``spin_after_step``: see :class:`StepReader`.
     ``watch``: the block shared with the caller (see :mod:`asyncsample.backends._watchdog`) and
-    the ``step_timeout`` of a lockstep host's requests (a host of async envs: its loop's).
-    ``nice``: added to the process's niceness first (its threads inherit it)."""
-    if nice:
-        with contextlib.suppress(OSError, AttributeError):
-            os.nice(nice)
+    the ``step_timeout`` of a lockstep host's requests (a host of async envs: its loop's)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     with contextlib.suppress(OSError):
@@ -170,7 +165,11 @@ def _serve_lanes(
     lanes: LaneOptions,
     block: np.ndarray | None = None,
 ) -> None:
-    """Serve the slots' async envs in an event loop until ``exit`` or the stream's end."""
+    """Serve the slots' async envs in an event loop until ``exit`` or the stream's end (at
+    ``lanes.nice`` more niceness: the threads started from here on inherit it)."""
+    if lanes.nice:
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(lanes.nice)
     buffers = [
         slot_buffers(s.observation_space, s.action_space, s.n_envs, raw, s.timed, s.columns)
         for s, raw in zip(specs, raw_buffers)

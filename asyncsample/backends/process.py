@@ -26,13 +26,9 @@ from asyncsample import _validate
 from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _column_wire, _host_main, _watchdog
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
-from asyncsample.backends._closing import (
-    CLOSE_TIMEOUT,
-    optional_close_timeout,
-    settled_grace,
-)
+from asyncsample.backends._closing import CLOSE_TIMEOUT, optional_close_timeout, settled_grace
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
-from asyncsample.backends._lane_serve import LANES_ID, LaneOptions, shares
+from asyncsample.backends._lane_serve import LANE_HOST_NICE, LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
     KILL_WAIT,
     describe_exit,
@@ -337,10 +333,8 @@ class _Member(PoolMember[_Conn]):
         raw_arenas: list[RawArena | None] | None = None,
         spin_after_step: float | None = None,
         step_timeout: float | None = None,
-        nice: int = 0,
     ) -> None:
         super().__init__(index, specs)
-        self.nice = nice  # what its processes add to their niceness (lower CPU priority)
         self.block_raw, self.step_timeout = ctx.RawArray("B", _watchdog.BLOCK_BYTES), step_timeout
         self.block: np.ndarray = np.frombuffer(self.block_raw, np.uint8)  # see _Conn.block
         self.spin_after_step = spin_after_step  # see _host_main.StepReader
@@ -373,7 +367,6 @@ class _Member(PoolMember[_Conn]):
                     self.raw_arenas,
                     self.spin_after_step,
                     (self.block_raw, self.step_timeout),
-                    self.nice,
                 ),
                 name=f"asyncsample-host-{self.index}",
             )
@@ -614,12 +607,6 @@ class ProcessLaneHost(RemoteLanes, ProcessHost):
         self._lanes_init(slot)
 
 
-#: The niceness hosts of async envs add by default (``ProcessBackend(host_nice=None)``): measured
-#: at 10,000 episodes of a minimal async env on 2 cores (``python -m benchmarks.seam``), the
-#: caller's loop lag p99 went from 16 to 9 ms, and the steps per second up, not down.
-LANE_HOST_NICE = 5
-
-
 class ProcessBackend:
     """Hosts the envs of all workers in a pool of env-host processes.
 
@@ -642,11 +629,9 @@ class ProcessBackend:
             calls in flight across the hosts (each host gets a share). ``step_timeout`` then
             cuts one env's call (that env is rebuilt), not the host.
         spin_after_step: seconds a host polls for a request after a step's reply (see _host_main).
-        host_nice: what each host process adds to its niceness (0 to 19; higher is a lower CPU
-            priority, as ``nice``). ``None`` (default): :data:`LANE_HOST_NICE` for hosts of async
-            envs, 0 for the others. Hosts of thousands of async envs keep every core busy; below
-            the caller's priority, they never keep its event loop (which the user's service may
-            share) waiting for a core, and they lose nothing: the caller's CPU is what feeds them.
+        host_nice: what each host of async envs adds to its niceness (0 to 19, as ``nice``: a
+            lower CPU priority; ``None``: :data:`LANE_HOST_NICE`). Thousands of async envs keep
+            every core busy; below the caller, they never keep its event loop waiting for one.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
@@ -676,15 +661,7 @@ class ProcessBackend:
         **unknown: object,
     ) -> None:
         reject_unknown_options("process", unknown, self.OPTIONS)
-        if host_nice is not None and (
-            isinstance(host_nice, bool) or not isinstance(host_nice, int)
-        ):
-            raise TypeError(
-                f"host_nice must be None or an int, got {type(host_nice).__name__} {host_nice!r}"
-            )
-        if host_nice is not None and not 0 <= host_nice <= 19:
-            raise ValueError(f"host_nice must be from 0 to 19, got {host_nice}")
-        self.host_nice = host_nice
+        self.host_nice = _validate.optional_niceness("host_nice", host_nice, LANE_HOST_NICE)
         self.spin_after_step = _validate.positive_seconds("spin_after_step", spin_after_step)
         self.close_timeout = optional_close_timeout(close_timeout)
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
@@ -746,7 +723,7 @@ class ProcessBackend:
         splits = list(zip(*(where.split(x) for x in (specs, raws, raw_chunks, raw_arenas))))
         cpus = host_cpus(len(splits), self.pin_cpus)
         lanes = specs[0].lanes
-        lane_close = CLOSE_TIMEOUT if self.close_timeout is None else self.close_timeout
+        close = CLOSE_TIMEOUT if self.close_timeout is None else self.close_timeout
         caps = shares(
             self.max_concurrency if lanes else None, [sum(s.n_envs for s in m[0]) for m in splits]
         )
@@ -759,11 +736,10 @@ class ProcessBackend:
                 member_chunks,
                 self.host_threads,
                 cpus[m],
-                LaneOptions(self.step_timeout, lane_close, caps[m]) if lanes else None,
+                LaneOptions(self.step_timeout, close, caps[m], self.host_nice) if lanes else None,
                 member_arenas,
                 self.spin_after_step,
                 self.step_timeout,
-                (LANE_HOST_NICE if lanes else 0) if self.host_nice is None else self.host_nice,
             )
             for m, (member_specs, member_raws, member_chunks, member_arenas) in enumerate(splits)
         ]
