@@ -97,7 +97,10 @@ def _shared_counter(directory: str) -> np.ndarray:
     counter = _SHARED.get(directory)
     if counter is None:
         path = os.path.join(directory, str(os.getpid()))
-        counter = _SHARED[directory] = np.memmap(path, dtype=np.int64, mode="w+", shape=(1,))
+        mapped = np.memmap(path, dtype=np.int64, mode="w+", shape=(1,))
+        # A plain ndarray view of the mapping (kept alive as its base): ``np.memmap`` indexes in
+        # Python, a cost per step that the plain loops, which count in a local, do not pay.
+        counter = _SHARED[directory] = mapped.view(np.ndarray)
     return counter
 
 
