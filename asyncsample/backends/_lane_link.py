@@ -277,12 +277,8 @@ class RemoteLanes(PerEnvLockstep):
     def settle_runs(self, batch: _Runs) -> None:
         """Settle ``batch``, runs that answered this host's requests: those still in flight to
         the :attr:`sink` at once, any other as :meth:`settle` would."""
-        links, versions, in_flight, sink = (
-            self._links,
-            self._run_versions,
-            self.in_flight,
-            self.sink,
-        )
+        links, versions = self._links, self._run_versions
+        in_flight, sink = self.in_flight, self.sink
         rs: list[int] = []
         envs: list[int] = []
         for r, i, future in zip(batch.rs, batch.envs, batch.futures, strict=True):
