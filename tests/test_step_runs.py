@@ -178,6 +178,44 @@ async def test_fragments_over_runs_hold_every_step_once_in_order(
         assert s.mean_length == s.max_length == LENGTH
 
 
+class HarmonicAsyncEnv(CountingAsyncEnv):
+    """Step ``t``'s reward (from 0) is ``1 / (t + 3)``: floats whose sum depends on the order
+    it is taken in."""
+
+    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        obs, _reward, terminated, truncated, info = await super().step(action)
+        return obs, 1.0 / (float(obs[0]) + 2.0), terminated, truncated, info
+
+
+async def test_returns_are_the_rewards_summed_in_order_over_runs(
+    make_sampler: SamplerFactory, frames: list[int]
+) -> None:
+    """Every episode's return is its rewards added one after another, as one request per step
+    would sum them, on both ways a frame's runs are recorded (one pass, one by one)."""
+    length = 23  # more steps than a run (16): episodes span runs and calls
+    sampler = make_sampler(
+        "process",
+        functools.partial(HarmonicAsyncEnv, length),
+        ParityAgent(),
+        inference="host",
+        n_workers=N_WORKERS,
+        envs_per_worker=N_ENVS,
+        seed=3,
+    )
+    expected = backwards = 0.0
+    for t in range(length):
+        expected += 1.0 / (t + 3)
+        backwards += 1.0 / (length - t + 2)
+    assert expected != backwards  # the order shows
+    returns: list[float] = []
+    while len(returns) < 2 * N_WORKERS * N_ENVS:
+        await sampler.obtain_fragments(50)
+        stats = sampler.last_stats
+        if stats.episodes:
+            returns += [stats.min_return, stats.max_return]
+    assert set(returns) == {expected}
+
+
 async def test_fixed_shares_ask_runs_of_each_env_share(
     make_sampler: SamplerFactory, runs: list[int], run_parts: list[int]
 ) -> None:
