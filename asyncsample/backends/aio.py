@@ -151,6 +151,30 @@ class PerEnvLockstep:
         return dropped
 
 
+#: How late a step's ``step_timeout`` may fire and still be the step's (seconds): later, the
+#: caller's loop stood still meanwhile (another env's step blocked it) and the step is given
+#: that time back, so one env's block is never another env's fault.
+LATE_S = 0.05
+
+
+class _StepTimer:
+    """A step's ``step_timeout`` in ``scope``: at ``when`` the step has timed out, unless the
+    timer fires more than :data:`LATE_S` late; then it waits again for as long as it was late."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, scope: asyncio.Timeout, when: float):
+        self.loop, self.scope, self.when = loop, scope, when
+        self.handle = loop.call_at(when, self.fire)
+
+    def fire(self) -> None:
+        now = self.loop.time()
+        late = now - self.when
+        if late > LATE_S:
+            self.when = now + late
+            self.handle = self.loop.call_at(self.when, self.fire)
+        else:
+            self.scope.reschedule(now)  # the step's own time is out: cancelled now
+
+
 class LaneHost(PerEnvLockstep):
     """Hosts one worker's envs in the caller's process, each reset and stepped on its own.
 
@@ -442,8 +466,15 @@ class LaneHost(PerEnvLockstep):
             try:
                 if when is None:
                     return await call
-                async with asyncio.timeout_at(when):
-                    return await call
+                if by_deadline or deadline is not None:  # a deadline is wall-clock, blocks or not
+                    async with asyncio.timeout_at(when):
+                        return await call
+                async with asyncio.timeout(None) as scope:
+                    timer = _StepTimer(loop, scope, when)
+                    try:
+                        return await call
+                    finally:
+                        timer.handle.cancel()
             finally:
                 if limiter is not None:
                     limiter.release()
