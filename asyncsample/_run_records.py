@@ -7,7 +7,7 @@ record them here."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 from asyncsample._quotas import FreeQuota
@@ -42,8 +42,8 @@ def put_infos(
     t: int,
     i: int,
     n: int,
-    infos: Iterable[tuple[int, dict[str, Any]]],
-    agent_infos: Iterable[tuple[int, dict[str, Any]]],
+    infos: Sequence[tuple[int, dict[str, Any]]],
+    agent_infos: Sequence[tuple[int, dict[str, Any]]],
 ) -> None:
     """Record the env and agent infos of env ``i``'s run of ``n`` steps from its row ``t``
     (``(step, info)`` where not empty)."""
@@ -52,8 +52,8 @@ def put_infos(
         if row is None:
             row = rows.env_infos[t + j] = [{} for _ in range(rows.n_envs)]
         row[i] = info
-    given = dict(agent_infos)
-    if given or rows.agent_infos:
+    if agent_infos or rows.agent_infos:
+        given = dict(agent_infos)
         for j in range(n):
             store_agent_infos(rows, t + j, given.get(j, {}), i)
 
