@@ -73,7 +73,7 @@ def _chunk(rewards: np.ndarray, terminated: np.ndarray) -> SimpleNamespace:
     )
 
 
-@pytest.mark.parametrize("mode", [CallMode.SAMPLES, CallMode.EPISODES])
+@pytest.mark.parametrize("mode", [CallMode.SAMPLES, CallMode.EPISODES, CallMode.FRAGMENTS])
 def test_replay_equals_step_by_step(mode: CallMode) -> None:
     rng = np.random.default_rng(3)
     k, n = 40, 3
