@@ -1,22 +1,32 @@
-"""Runs of steps without a task per env: :class:`RunStepper` drives ``obtain_fragments`` without
-fixed shares where the hosts' agent copies act (``inference="host"``, async envs in env hosts).
-Each env takes runs of steps in its host (:mod:`asyncsample._run_records`). While a call is in
-progress the stepper is its hosts' sink (:class:`~asyncsample.backends._lane_link.RunSink`):
-each reply frame's runs are recorded in one vectorised pass over the frame's columns, and their
-envs asked for their next runs, until the call's quota is in; no future, task or callback per
-run. Runs still in flight then go on and open the next call's batch. The lanes
-(:mod:`asyncsample._env_tasks`) drive every other call.
+"""Ready batches without a task per env: :class:`RunStepper` drives ``obtain_fragments`` without
+fixed shares on async envs in env hosts. While a call is in progress the stepper is its hosts'
+sink (:class:`~asyncsample.backends._lane_link.RunSink`), with no task, coroutine or callback per
+env step:
+
+- where the hosts' agent copies act (``inference="host"``), each env takes runs of steps in its
+  host (:mod:`asyncsample._run_records`); each reply frame's runs are recorded in one vectorised
+  pass over the frame's columns, and their envs asked for their next runs;
+- where the agent acts in the caller (``per_worker``, ``batched``), each reply records its step,
+  and the envs ready in one pass of the event loop get their actions from one agent request
+  (:meth:`~asyncsample.inference.batched.Batcher.ask_rows`, merged per agent with the other
+  workers' ready rows) and go to their hosts as one frame.
+
+Until the call's quota is in; steps still in flight then go on and open the next call's batch.
+The lanes (:mod:`asyncsample._env_tasks`) drive every other call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from asyncsample._action_check import row_value
 from asyncsample._env_tasks import LaneSettings, LaneStepper
+from asyncsample._recorder import store_agent_infos
 from asyncsample._run_records import RUN_STEPS, put_infos, put_run, within_quota
 from asyncsample._tree import row_copy
 from asyncsample.backends.base import StepRun
@@ -26,6 +36,7 @@ if TYPE_CHECKING:
     from asyncsample._engine import Part, StopRule
     from asyncsample.backends._column_wire import RunColumns
     from asyncsample.backends._lane_link import RemoteLanes
+    from asyncsample.inference.batched import Batcher, RowsDelivery
     from asyncsample.worker import Worker
 
 __all__ = ["RunStepper", "fits"]
@@ -46,13 +57,15 @@ def _seen(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def fits(worker: Worker, part: Part) -> bool:
+def fits(worker: Worker, part: Part, settings: LaneSettings | None = None) -> bool:
     """Whether :class:`RunStepper` drives ``worker``'s part: an ``obtain_fragments`` call without
-    fixed shares, plain array rows, no episode deadline, a host that runs steps."""
+    fixed shares, plain array rows, no episode deadline, a host that answers in frames; with the
+    agent in the caller (``settings`` given), no stream's ``max_policy_lag`` to admit episodes."""
     host = worker.host
     buffers = getattr(host, "buffers", None)
     return (
         part.pool is not None
+        and (settings is None or settings.admission() is None)
         and part.quota is None
         and part.lane_round is None
         and hasattr(host, "settle_runs")
@@ -74,9 +87,13 @@ class RunStepper:
     to drop it: any other call, or an update of the envs).
     """
 
-    def __init__(self, worker: Worker, part: Part, settings: LaneSettings) -> None:
+    def __init__(
+        self, worker: Worker, part: Part, settings: LaneSettings, requests: Batcher | None = None
+    ) -> None:
         # The lanes' bookkeeping (start, drops, rebuilds, episode ends) serves runs unchanged.
-        self.lanes = LaneStepper(worker, None, part, settings)
+        self.lanes = LaneStepper(worker, requests, part, settings)
+        self.requests = requests
+        """The merger of agent requests where the agent acts in the caller, else ``None``."""
         self.worker = worker
         self.host = cast("RemoteLanes", worker.host)
         self.pool = part.pool
@@ -88,6 +105,10 @@ class RunStepper:
         self.start_obs: dict[int, np.ndarray] = {}  # each run's first observation
         self.rebuilding: set[asyncio.Task[None]] = set()
         self.rebuilt: set[int] = set()  # the envs being rebuilt (asked again when done)
+        # Agent in the caller: the envs ready for actions, asked for at the end of this pass.
+        self.ready: list[int] = []
+        self.asking: set[int] = set()  # ready or asked, with no request in the host
+        self.deliveries: list[RowsDelivery] = []  # the agent requests not answered yet
 
     async def start(self) -> None:
         """See :meth:`LaneStepper.start`."""
@@ -110,13 +131,24 @@ class RunStepper:
             while not pool.met:  # (again if a drop after the quota was in reopened it)
                 self.stop = stop = asyncio.get_running_loop().create_future()
                 pool.join(stop)
+                answered: list[tuple[int, Any]] = []
                 for i in range(self.worker.n_envs):
                     future = in_flight.get(i)
                     if future is None:
                         if i not in self.rebuilt:
                             self._next(i)
-                    elif future.done():
+                    elif not future.done():
+                        continue
+                    elif (
+                        not future.cancelled()
+                        and future.exception() is None
+                        and type(future.result()) is tuple
+                    ):
+                        answered.append((i, future.result()))  # recorded together, below
+                    else:
                         self.apply(i, future)
+                if answered:  # steps answered between calls: one pass
+                    self._take_outcomes(answered)
                 await stop
         finally:
             self.active = False
@@ -126,10 +158,21 @@ class RunStepper:
                 task.cancel()
             if self.rebuilding:
                 await asyncio.wait(self.rebuilding)
-            cut = self.worker.episodes.cut_obs
-            for i in in_flight:
-                if i in self.start_obs:  # a run not recorded: the fragment ends where it began
-                    cut[i] = self.start_obs[i]
+            for delivery in self.deliveries:  # their envs are asked again by the next call
+                delivery.cancel()
+            self.deliveries.clear()
+            self.ready.clear()
+            self.asking.clear()
+            episodes = self.worker.episodes
+            starts = [i for i in in_flight if i in self.start_obs]
+            for i in starts:  # not recorded: the fragment ends where it began
+                episodes.cut_obs[i] = self.start_obs[i]
+            if starts and self.requests is not None:  # steps: the next call records their rows
+                envs = np.array(starts, dtype=np.int64)
+                cursor = episodes.recorder.cursor
+                assert cursor is not None
+                kept = episodes.recorder.rows.take_many(cursor[envs], envs)
+                episodes.carried_rows.update(zip(starts, kept))
             if self.stop is not None and not self.stop.done():
                 self.stop.cancel()
         rule.took(steps)
@@ -141,12 +184,18 @@ class RunStepper:
         pool = self.pool
         assert pool is not None
         host, worker = self.host, self.worker
-        if pool.met or not self.active or i in host.in_flight:
+        if pool.met or not self.active or i in host.in_flight or i in self.asking:
             return
         future: asyncio.Future[Any]
         try:
             if worker.episodes.needs_reset[i]:
                 future = host.reset_soon(i)
+            elif self.requests is not None:  # its action comes from this pass's agent request
+                self.asking.add(i)
+                self.ready.append(i)
+                if len(self.ready) == 1:
+                    asyncio.get_running_loop().call_soon(self._act, context=_CONTEXT)
+                return
             else:
                 self.start_obs[i] = row_copy(host.buffers.obs, i)
                 steps = pool.run_steps(RUN_STEPS)
@@ -169,7 +218,7 @@ class RunStepper:
         reset's info or an error; then ask for its next (the host's sink, see
         :class:`~asyncsample.backends._lane_link.RunSink`)."""
         del self.host.in_flight[i]
-        self.start_obs.pop(i, None)
+        start = self.start_obs.pop(i, None)
         if isinstance(outcome, BaseException):
             if isinstance(outcome, WorkerError) and outcome.retry:
                 self._failed(i, outcome)
@@ -179,6 +228,9 @@ class RunStepper:
             return
         if type(outcome) is StepRun:
             self._record(i, outcome)
+        elif type(outcome) is tuple:  # a step of the caller's agent (its outcome in the reply)
+            self._take_outcomes([(i, outcome)], [start])
+            return
         else:  # a reset's info
             self._started(i, outcome)
         self._next(i)
@@ -259,6 +311,9 @@ class RunStepper:
         one[i] = True
         episodes.started(one, {i: info} if info else {})
         episodes.episode_info[i] = episodes.fresh_info(episodes.episode_info[i], i, version)
+        reset = None if self.requests is None else getattr(self.worker.agent, "reset", None)
+        if reset is not None:  # (an acting host's agent copy was reset with the env)
+            reset(one)
 
     def _record(self, i: int, run: StepRun) -> None:
         """Record env ``i``'s run: past the quota, its rest opens the next call."""
@@ -279,6 +334,181 @@ class RunStepper:
         if run.terminated or run.truncated:
             self.lanes.end_episode(i, t + n - 1)
         pool.add(self.worker.worker_number, n)
+
+    # -- the agent in the caller ------------------------------------------------------------------
+
+    def _act(self) -> None:
+        """Ask the agent for the actions of the envs ready in this pass (one request: their
+        rows, written into the records at each env's row)."""
+        envs, self.ready = self.ready, []
+        pool = self.pool
+        assert pool is not None and self.requests is not None
+        if not envs:
+            return
+        if not self.active or pool.met:
+            self.asking.difference_update(envs)
+            return
+        worker = self.worker
+        recorder = worker.episodes.recorder
+        rows, cursor = recorder.rows, recorder.cursor
+        assert cursor is not None
+        index = np.array(envs, dtype=np.int64)
+        t = cursor[index]
+        top = int(t.max())
+        if top >= rows.size:
+            rows.cover(top, *self.like)
+        obs = self.host.buffers.obs[index]
+        rows.obs[t, index] = obs
+        acted = functools.partial(self._acted, envs, index, t, worker.agent_version, obs)
+        self.deliveries = [d for d in self.deliveries if not d.done()]
+        self.deliveries.append(
+            self.requests.ask_rows(worker.agent, worker.worker_number, obs, envs, acted)  # type: ignore[arg-type]
+        )
+
+    def _acted(
+        self,
+        envs: list[int],
+        index: np.ndarray,
+        t: np.ndarray,
+        version: int,
+        obs: np.ndarray,
+        output: Any,
+    ) -> None:
+        """Record the actions of ``envs`` (asked under agent ``version``) and send their steps;
+        a row the agent failed is its env's failure alone."""
+        self.asking.difference_update(envs)
+        pool = self.pool
+        assert pool is not None
+        if not self.active or pool.met:  # asked again by the next call
+            return
+        if isinstance(output, BaseException):
+            self._fail(output)
+            return
+        actions, infos, faults = output
+        worker = self.worker
+        rows = worker.episodes.recorder.rows
+        rows.actions[t, index] = actions
+        rows.versions[t, index] = version
+        if infos or rows.agent_infos:
+            for k, (i, row) in enumerate(zip(envs, t.tolist())):
+                store_agent_infos(rows, row, {key: row_value(v, k) for key, v in infos.items()}, i)
+        failed = dict(faults)
+        for k, fault in failed.items():
+            self._failed(envs[k], fault)
+        host = self.host
+        in_flight: dict[int, Any] = host.in_flight
+        start_obs = self.start_obs
+        if failed:
+            keep = [k for k in range(len(envs)) if k not in failed]
+            envs, index = [envs[k] for k in keep], index[keep]
+            actions, obs = actions[keep], obs[keep]
+        for k, (i, future) in enumerate(zip(envs, host.step_many(envs, index, actions))):
+            if isinstance(future, WorkerError):  # its host is dead: this env's failure
+                self._failed(i, future)
+                continue
+            start_obs[i] = obs[k]
+            in_flight[i] = future
+            future.add_done_callback(_seen, context=_CONTEXT)
+            if future.done():  # (its host died before: settled at once)
+                self.apply(i, future)
+
+    def take_steps(self, envs: np.ndarray, infos: list[dict[str, Any] | None]) -> None:
+        """Record the steps of ``envs``, answered in one frame (their outcomes in the step
+        buffers), in one pass (:meth:`_record_steps`); then ask each env for its next."""
+        host = self.host
+        in_flight, start_obs = host.in_flight, self.start_obs
+        ids = envs.tolist()
+        starts = [start_obs.pop(i, None) for i in ids]
+        for i in ids:
+            del in_flight[i]
+        buffers = host.buffers
+        flags = buffers.terminated[envs], buffers.truncated[envs]
+        self._record_steps(envs, starts, buffers.rewards[envs], *flags, infos)
+        for i in ids:
+            self._next(i)
+
+    def _take_outcomes(self, steps: list[tuple[int, Any]], starts: list[Any] | None = None) -> None:
+        """:meth:`take_steps` of answered steps given as ``(env, outcome)``: still in flight,
+        or already taken out with their first observations ``starts``."""
+        ids = [i for i, _ in steps]
+        if starts is None:
+            for i in ids:
+                del self.host.in_flight[i]
+            starts = [self.start_obs.pop(i, None) for i in ids]
+        rewards, terminated, truncated, infos = zip(*(outcome for _, outcome in steps))
+        self._record_steps(
+            np.array(ids, dtype=np.int64),
+            starts,
+            np.array(rewards, dtype=np.float64),
+            np.array(terminated, dtype=bool),
+            np.array(truncated, dtype=bool),
+            list(infos),
+        )
+        for i in ids:
+            self._next(i)
+
+    def _record_steps(
+        self,
+        envs: np.ndarray,
+        starts: list[Any],
+        rewards: np.ndarray,
+        terminated: np.ndarray,
+        truncated: np.ndarray,
+        infos: list[dict[str, Any] | None],
+    ) -> None:
+        """Record one step of each of ``envs`` (``starts``: the observations they began at):
+        those within the quota's room; any after it opens the next call (:meth:`_carry`)."""
+        pool, worker = self.pool, self.worker
+        assert pool is not None
+        episodes = worker.episodes
+        recorder = episodes.recorder
+        rows, cursor = recorder.rows, recorder.cursor
+        assert cursor is not None
+        ids = envs.tolist()
+        carried = episodes.carried_rows
+        if carried:  # the previous call's rows of these steps
+            back = [(k, carried.pop(i)) for k, i in enumerate(ids) if i in carried]
+            if back:
+                which = envs[[k for k, _ in back]]
+                at = cursor[which]
+                rows.cover(int(at.max()), *self.like)
+                rows.restore_many(at, which, [copy for _, copy in back])
+        fit = min(pool.room(), len(ids))
+        for k in range(fit, len(ids)):  # past the quota: these steps open the next call
+            outcome = (float(rewards[k]), bool(terminated[k]), bool(truncated[k]), infos[k] or {})
+            self._carry(ids[k], outcome, starts[k])
+        if not fit:
+            return
+        envs, rewards = envs[:fit], rewards[:fit]
+        t = cursor[envs]
+        rows.rewards[t, envs] = rewards
+        for i, row, info in zip(ids, t.tolist(), infos[:fit]):
+            if info:  # (its agent infos were recorded with its action)
+                by_env = rows.env_infos.get(row)
+                if by_env is None:
+                    by_env = rows.env_infos[row] = [{} for _ in range(rows.n_envs)]
+                by_env[i] = info
+        cursor[envs] = t + 1
+        episodes.lengths[envs] += 1
+        episodes.returns[envs] += rewards  # one step each: the per-step float sums
+        pool.add(worker.worker_number, fit)
+        ended = terminated[:fit] | truncated[:fit]
+        for i, row in zip(envs[ended].tolist(), t[ended].tolist()):
+            self.lanes.end_episode(i, row)
+
+    def _carry(self, i: int, outcome: tuple[float, bool, bool, dict[str, Any]], start: Any) -> None:
+        """Leave env ``i``'s step (answered past the quota) in flight for the next call to record
+        first, its row copied; this call's fragment ends at ``start``, where the step began."""
+        episodes = self.worker.episodes
+        rows, cursor = episodes.recorder.rows, episodes.recorder.cursor
+        assert cursor is not None
+        t = int(cursor[i])
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(outcome)
+        in_flight: dict[int, Any] = self.host.in_flight
+        in_flight[i] = future
+        episodes.carried_rows[i] = rows.take(t, i)
+        episodes.cut_obs[i] = row_copy(rows.obs[t], i) if start is None else start
 
     def _failed(self, i: int, failure: WorkerError) -> None:
         """Env ``i`` failed: its episode is dropped, the env rebuilt alone, then asked again."""

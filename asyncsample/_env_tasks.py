@@ -328,7 +328,7 @@ class LaneStepper:
                             task.add_done_callback(_seen)  # also if no call takes it up
                             pending.discard(task)
                             if self.pool is not None and i not in self.runs:
-                                self._keep_row(i)  # the next call records its row again
+                                self.keep_row(i)  # the next call records its row again
                         else:
                             task.cancel()
         finally:
@@ -696,7 +696,7 @@ class LaneStepper:
         if rule.env_steps is not None and rule.mode is CallMode.FRAGMENTS:
             rule.env_steps[i] = left
 
-    def _keep_row(self, i: int) -> None:
+    def keep_row(self, i: int) -> None:
         """Copy env ``i``'s row of the step it leaves in flight, for the next call."""
         episodes = self.worker.episodes
         cursor = episodes.recorder.cursor

@@ -245,6 +245,27 @@ class Rows:
             {key: row_copy(column, at) for key, column in self.agent_infos.items()},
         )
 
+    def take_many(self, t: np.ndarray, envs: np.ndarray) -> list[RowCopy]:
+        """:meth:`take` of env ``envs[k]``'s row ``t[k]`` for every ``k`` (array rows only):
+        one copy per column, each copy a view of its row there."""
+        obs, actions = self.obs[t, envs], self.actions[t, envs]
+        versions = self.versions[t, envs].tolist()
+        infos = {key: column[t, envs] for key, column in self.agent_infos.items()}
+        return [
+            RowCopy(obs[k], actions[k], versions[k], {key: v[k] for key, v in infos.items()})
+            for k in range(len(versions))
+        ]
+
+    def restore_many(self, t: np.ndarray, envs: np.ndarray, saved: list[RowCopy]) -> None:
+        """:meth:`restore` of ``saved[k]`` as env ``envs[k]``'s row ``t[k]`` (array rows)."""
+        if any(copy.agent_infos for copy in saved):
+            for row, i, copy in zip(t.tolist(), envs.tolist(), saved):
+                self.restore(row, i, copy)
+            return
+        self.obs[t, envs] = np.stack([copy.obs for copy in saved])
+        self.actions[t, envs] = np.stack([copy.actions for copy in saved])
+        self.versions[t, envs] = [copy.version for copy in saved]
+
     def restore(self, t: int, i: int, saved: RowCopy) -> None:
         """Put a row :meth:`take` copied back as env ``i``'s row ``t`` (which exists)."""
         at = (t, i)

@@ -57,6 +57,11 @@ class RunSink(Protocol):
         """Runs ``rs`` of ``runs`` answered envs ``envs``' requests, asked under ``versions``."""
         ...
 
+    def take_steps(self, envs: np.ndarray, infos: list[dict[str, Any] | None]) -> None:
+        """Steps of envs ``envs`` (their rewards and flags in the step buffers, their env
+        ``infos``) answered their requests."""
+        ...
+
 
 #: How long one pass of the event loop settles runs of reply frames (seconds): a slice of a
 #: big frame costs the caller's loop at most about this much before its other callbacks run.
@@ -145,13 +150,24 @@ class LaneLink:
         elif type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
             replies = unpack_replies(replies)
         waiting, owners, envs = self._waiting, self._owners, self._envs
+        steps: dict[RemoteLanes, tuple[list[int], list[Any]]] = {}
         for key, status, value in replies:
             future = waiting.pop(key, None)
             if future is None:  # given up on
                 continue
             owner, i = owners.pop(key), envs.pop(key)
-            if not future.done():
+            if future.done():
+                continue
+            if status == ST_OK and owner.sinks_step(i, future):  # taken in one pass, below
+                batch = steps.get(owner)
+                if batch is None:
+                    batch = steps[owner] = ([], [])
+                batch[0].append(i)
+                batch[1].append(value)
+            else:
                 owner.settle(i, status, value, future)
+        for owner, (ids, values) in steps.items():
+            owner.settle_steps(ids, values)
         if runs is not None:
             self._runs_replied(runs)
 
@@ -273,6 +289,46 @@ class RemoteLanes(PerEnvLockstep):
             future.set_result(outcome)
         else:
             future.set_exception(outcome)
+
+    def sinks_step(self, i: int, future: asyncio.Future[Any]) -> bool:
+        """Whether the :attr:`sink` takes ``future``, env ``i``'s step in flight, answered well,
+        in one pass with the others of its frame (:meth:`settle_steps`)."""
+        return (
+            self.sink is not None
+            and self._kinds[i] == LaneKind.STEP
+            and not self._obs_in_reply
+            and self.in_flight.get(i) is future
+        )
+
+    def settle_steps(self, envs: list[int], values: list[Any]) -> None:
+        """Hand the :attr:`sink` the steps of ``envs`` that a frame answered (their outcomes in
+        the step buffers; ``values``: ``(info, agent infos)`` or ``None`` each)."""
+        links = self._links
+        for i in envs:
+            links[i] = None
+        sink = self.sink
+        assert sink is not None
+        sink.take_steps(
+            np.array(envs, dtype=np.int64), [None if v is None else v[0] for v in values]
+        )
+
+    def step_many(self, envs: list[int], index: np.ndarray, actions: Any) -> list[Any]:
+        """:meth:`step_soon` for each of ``envs`` (``index``: the same as an array) with its
+        row of ``actions``: written into the shared step buffers at once. Each is a future, or
+        the :class:`~asyncsample.WorkerError` of an env whose host died."""
+        shared = not self._obs_in_reply and type(self.buffers.actions) is np.ndarray
+        if shared:
+            self.buffers.actions[index] = actions
+        out: list[Any] = []
+        for k, i in enumerate(envs):
+            try:
+                if shared:
+                    out.append(self._send(LaneKind.STEP, i, None, None))
+                else:
+                    out.append(self.step_soon(i, actions[k]))
+            except WorkerError as exc:
+                out.append(exc)
+        return out
 
     def settle_runs(self, batch: _Runs) -> None:
         """Settle ``batch``, runs that answered this host's requests: those still in flight to

@@ -43,7 +43,7 @@ from asyncsample._tree import Tree, stack_rows, tree_concat, tree_leaves, tree_m
 from asyncsample.agent import Agent, AgentOutput, trusted_actions
 from asyncsample.errors import AgentRowsError
 
-__all__ = ["Batched", "Batcher", "FlushRule"]
+__all__ = ["Batched", "Batcher", "FlushRule", "RowsDelivery"]
 
 FlushRule = Literal["lockstep", "eager"]
 _FLUSH_RULES = ("lockstep", "eager")
@@ -103,6 +103,53 @@ class _Request:
     future: asyncio.Future[Any]
     one: bool = False  # one env's row (no leading axis): answered with its action and infos
     env: int | None = None  # that env's index in its worker (named by a failed row's fault)
+    envs: list[int] | None = None  # rows of these envs of the worker, checked as the lanes' are
+
+
+class RowsDelivery:
+    """Where the output of an :meth:`Batcher.ask_rows` request goes: ``deliver`` is called
+    once, with ``(actions, agent_infos, faults)`` (``faults``: ``(row, error)`` of each row the
+    agent failed, :class:`~asyncsample.AgentRowsError`) or with the error that failed them all.
+    It stands in for a request's future (one object per request of many rows); :meth:`cancel`:
+    its asker is gone (an agent call whose every asker is gone is cancelled)."""
+
+    __slots__ = ("_callbacks", "_cancelled", "_deliver", "_done")
+
+    def __init__(self, deliver: Callable[[Any], None]) -> None:
+        self._deliver = deliver
+        self._done = False
+        self._cancelled = False
+        self._callbacks: list[Callable[[Any], None]] = []
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._callbacks.append(callback)
+
+    def _end(self) -> None:
+        self._done = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def set_result(self, result: Any) -> None:
+        if not self._done:
+            self._end()
+            self._deliver(result)
+
+    def set_exception(self, exc: BaseException) -> None:
+        if not self._done:
+            self._end()
+            self._deliver(exc)
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._cancelled = True
+            self._end()
 
 
 @dataclass
@@ -215,6 +262,30 @@ class Batcher:
             loop.call_soon(self._check)
         return future
 
+    def ask_rows(
+        self,
+        agent: Agent,
+        worker: int,
+        observations: Tree,
+        envs: list[int],
+        deliver: Callable[[Any], None],
+    ) -> RowsDelivery:
+        """Ask ``agent`` for the actions of ``envs`` of ``worker`` (their ``observations``, one
+        row each), merged with the other requests of this pass: one request, however many rows
+        (the ready batches of :class:`~asyncsample._env_runs.RunStepper`), answered through
+        ``deliver`` (see :class:`RowsDelivery`). The rows are checked as the lanes' are, each a
+        fault of its env alone."""
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        to = RowsDelivery(deliver)
+        request = _Request(worker, agent, observations, len(envs), to, envs=envs)  # type: ignore[arg-type]
+        self._pending.append(request)
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._check)
+        return to
+
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold off agent calls (an update must not race a forward pass in the helper thread)."""
@@ -267,10 +338,10 @@ class Batcher:
             return
         pending, self._pending = self._pending, []
         if self._per_pass:  # one call per agent, rows in the order the envs asked
-            by_agent: dict[int, list[_Request]] = {}
+            by_agent: dict[tuple[int, bool], list[_Request]] = {}
             for r in pending:
                 if not r.future.done():  # cancelled lanes drop out
-                    by_agent.setdefault(id(r.agent), []).append(r)
+                    by_agent.setdefault((id(r.agent), r.envs is None), []).append(r)
             for requests in by_agent.values():
                 agent = requests[0].agent
                 if getattr(agent, "merge_rows", True) is False:  # a call per row: none waits
@@ -381,6 +452,9 @@ class Batcher:
         if requests[0].one:
             self._deliver_rows(agent, requests, result, failed)
             return
+        if requests[0].envs is not None:
+            self._deliver_env_rows(agent, requests, result, failed)
+            return
         try:
             parts = _split(result, requests)
             if failed is not None:
@@ -450,6 +524,64 @@ class Batcher:
             action = actions[j] if plain else tree_map(lambda a, j=j: a[j], actions)
             r.future.set_result(
                 (action, {k: row_value(v, j) for k, v in infos.items()} if infos else {})
+            )
+
+    def _deliver_env_rows(
+        self,
+        agent: Agent,
+        requests: list[_Request],
+        result: Any,
+        failed: AgentRowsError | None = None,
+    ) -> None:
+        """:meth:`ask_rows` requests their rows of the output, checked as :meth:`_deliver_rows`
+        checks the lanes' rows; a row ``failed`` names is its env's fault alone."""
+        n = sum(r.rows for r in requests)
+        worker = min(map(_worker_of, requests))
+        try:
+            check, trusted = self._check_of(agent, worker)
+            check.worker, check.n_envs = worker, n
+            actions, infos = check.output(result)
+            if self.action_space is not None:
+                actions = action_rows(actions, self.action_space)
+            bad: list[int] = []
+            if failed is not None:
+                failed.check_rows(n, _rows_of(requests))
+                bad = sorted(failed.failures)
+            rows = functools.partial(_rows_of, requests)
+            # One action per row; the values of the rows the agent did not fail in range.
+            space = self.action_space
+            values = None if trusted else self._values
+            like = _like_rows(actions, n)
+            check_actions(
+                actions, like, worker=worker, action_space=space,  # type: ignore[arg-type]
+                values=None if bad else values, rows=rows,
+            )  # fmt: skip
+            if bad and values is not None:
+                good = np.setdiff1d(np.arange(n), bad)
+                kept = tree_map(lambda a: np.asarray(a)[good], actions)
+                check_actions(
+                    kept, _like_rows(kept, len(good)), worker=worker,
+                    action_space=space, values=values, rows=rows,  # type: ignore[arg-type]
+                )  # fmt: skip
+        except Exception as exc:
+            self._fail(requests, exc)
+            return
+        start = 0
+        for r in requests:
+            first, start = start, start + r.rows
+            envs = r.envs
+            faults = [
+                (j - first, failed.row_fault(j, worker=r.worker, env=envs[j - first]))  # type: ignore[union-attr, index]
+                for j in bad
+                if first <= j < start
+            ]
+            part = slice(first, start)
+            r.future.set_result(
+                (
+                    tree_map(lambda a, s=part: a[s], actions),
+                    {k: v[part] for k, v in infos.items()},
+                    faults,
+                )
             )
 
     def _fail_rows(

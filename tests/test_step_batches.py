@@ -1,0 +1,253 @@
+"""Ready batches where the agent acts in the caller (``per_worker``, ``batched``) and the envs
+are async envs in process hosts: ``obtain_fragments`` without fixed shares takes each reply frame's
+steps in one pass, asks the agent once for the envs ready in a pass of the event loop and sends
+their steps as one frame (no coroutine or task per env step). The records must be exactly those
+of one request per step."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import pytest
+from async_envs import CountingAsyncEnv, GatedAsyncEnv
+from envs import first_to_claim
+from helpers import SamplerFactory, touch, wait_until
+from test_step_runs import (
+    LENGTH,
+    N_ENVS,
+    N_WORKERS,
+    FailOnceAsyncEnv,
+    HarmonicAsyncEnv,
+    ParityAgent,
+    _by_env,
+    _check_records,
+)
+
+from asyncsample import AgentRowsError, EpisodeBatch, StepType
+from asyncsample._env_tasks import LaneStepper
+from asyncsample.inference.batched import Batcher
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.both_loops]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MODES = ["per_worker", "batched"]
+
+
+@pytest.fixture
+def asked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The rows of each agent request of the ready batches; no lane may run meanwhile."""
+    rows: list[int] = []
+    original = Batcher.ask_rows
+
+    def counting(self: Batcher, agent: Any, worker: int, obs: Any, envs: list[int], *a: Any) -> Any:
+        rows.append(len(envs))
+        return original(self, agent, worker, obs, envs, *a)
+
+    async def no_lanes(self: LaneStepper, *args: Any) -> None:
+        raise AssertionError("a lane per env ran where the ready batches should")
+
+    monkeypatch.setattr(Batcher, "ask_rows", counting)
+    monkeypatch.setattr(LaneStepper, "run", no_lanes)
+    yield rows
+
+
+def _sampler(make_sampler: SamplerFactory, inference: str, env: Any = None, **kw: Any) -> Any:
+    return make_sampler(
+        "process",
+        env or functools.partial(CountingAsyncEnv, LENGTH, 0.001),
+        ParityAgent(),
+        inference=inference,
+        n_workers=N_WORKERS,
+        envs_per_worker=N_ENVS,
+        seed=3,
+        **kw,
+    )
+
+
+def _in_order(batches: list[EpisodeBatch]) -> None:
+    """Each env's steps, in order, none lost or repeated across the calls; a fragment cut by its
+    call ends where the next one begins."""
+    for key, pieces in _by_env(batches).items():
+        t = np.concatenate([p.observations[:, 0] for p in pieces]).astype(np.int64)
+        np.testing.assert_array_equal(t, np.arange(len(t)) % LENGTH, err_msg=str(key))
+        for before, after in itertools.pairwise(pieces):
+            if before.step_types[-1] != StepType.TERMINAL:
+                np.testing.assert_array_equal(
+                    before.last_observations[0], after.observations[0], err_msg=str(key)
+                )
+
+
+@pytest.mark.parametrize("inference", MODES)
+async def test_fragments_hold_every_step_once_in_order(
+    make_sampler: SamplerFactory, asked: list[int], inference: str
+) -> None:
+    sampler = _sampler(make_sampler, inference)
+    quota = 40  # not a multiple of the 6 envs: steps answered past the quota open the next call
+    batches, stats = [], []
+    for _ in range(8):
+        batches.append(await sampler.obtain_fragments(quota))
+        stats.append(sampler.last_stats)
+    assert max(asked) > 1  # several envs' rows in one agent request
+    for batch in batches:
+        # the quota, and at most one step per env past it
+        assert quota <= batch.n_transitions < quota + N_WORKERS * N_ENVS
+        _check_records(batch)
+        assert (batch.agent_versions == 0).all()
+    _in_order(batches)
+    episode_return = float(sum(k % 2 for k in range(LENGTH)))
+    ended = [s for s in stats if s.episodes]
+    assert ended
+    for s in ended:
+        assert s.min_return == s.max_return == episode_return
+        assert s.mean_length == s.max_length == LENGTH
+
+
+async def test_returns_are_the_rewards_summed_in_order(
+    make_sampler: SamplerFactory, asked: list[int]
+) -> None:
+    length = 23
+    sampler = _sampler(make_sampler, "batched", functools.partial(HarmonicAsyncEnv, length))
+    expected = 0.0
+    for t in range(length):
+        expected += 1.0 / (t + 3)
+    returns: list[float] = []
+    while len(returns) < 2 * N_WORKERS * N_ENVS:
+        await sampler.obtain_fragments(50)
+        if sampler.last_stats.episodes:
+            returns += [sampler.last_stats.min_return, sampler.last_stats.max_return]
+    assert set(returns) == {expected}
+
+
+@pytest.mark.parametrize("inference", MODES)
+async def test_an_env_failing_loses_only_its_episode(
+    make_sampler: SamplerFactory, asked: list[int], inference: str, tmp_path: Path
+) -> None:
+    env = functools.partial(FailOnceAsyncEnv, str(tmp_path / "failed"), LENGTH)
+    sampler = _sampler(make_sampler, inference, env)
+    batches, restarts = [], 0
+    for _ in range(4):
+        batches.append(await sampler.obtain_fragments(40))
+        restarts += sampler.last_stats.restarts
+    assert restarts == 1  # rebuilt alone, the call went on
+    for batch in batches:
+        assert 40 <= batch.n_transitions < 40 + N_WORKERS * N_ENVS
+        _check_records(batch)
+    for key, pieces in _by_env(batches).items():
+        for piece in pieces:  # no half-made episode: each piece's steps are consecutive
+            t = piece.observations[:, 0].astype(np.int64)
+            np.testing.assert_array_equal(t, t[0] + np.arange(len(t)), err_msg=str(key))
+            if piece.step_types[0] == StepType.FIRST:
+                assert t[0] == 0
+
+
+class ParityRowFailingAgent(ParityAgent):
+    """:class:`ParityAgent` that fails, once over all its copies, the first row it is given at
+    step count 2 (:class:`~asyncsample.AgentRowsError`); records every row it was given."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.flag = flag
+        self.rows: list[int] = []
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        actions, infos = super().get_actions(observations)
+        self.rows.append(len(actions))
+        at = np.flatnonzero(np.asarray(observations)[:, 0] == 2)
+        if len(at) and first_to_claim(self.flag):
+            raise AgentRowsError(actions, infos, {int(at[0]): RuntimeError("no reply")})
+        return actions, infos
+
+
+@pytest.mark.parametrize("inference", MODES)
+async def test_a_row_the_agent_fails_is_its_envs_fault_alone(
+    make_sampler: SamplerFactory, asked: list[int], inference: str, tmp_path: Path
+) -> None:
+    agent = ParityRowFailingAgent(str(tmp_path / "failed"))
+    sampler = make_sampler(
+        "process",
+        functools.partial(CountingAsyncEnv, LENGTH, 0.001),
+        agent,
+        inference=inference,
+        n_workers=N_WORKERS,
+        envs_per_worker=N_ENVS,
+        seed=3,
+    )
+    batches, restarts = [], 0
+    for _ in range(4):
+        batches.append(await sampler.obtain_fragments(40))
+        restarts += sampler.last_stats.restarts
+    assert restarts == 1
+    assert max(agent.rows) > 1  # the failed row was one of several in its call
+    for batch in batches:
+        _check_records(batch)
+    for pieces in _by_env(batches).values():
+        for piece in pieces:
+            t = piece.observations[:, 0].astype(np.int64)
+            np.testing.assert_array_equal(t, t[0] + np.arange(len(t)))
+
+
+@pytest.mark.parametrize("inference", MODES)
+async def test_an_update_between_calls_stamps_the_steps_after_it(
+    make_sampler: SamplerFactory, asked: list[int], inference: str
+) -> None:
+    sampler = _sampler(make_sampler, inference, functools.partial(CountingAsyncEnv, 1000, 0.002))
+    await sampler.obtain_fragments(60)
+    await sampler.update_agent(ParityAgent(flip=True))
+    batches = [await sampler.obtain_fragments(60) for _ in range(3)]
+    for pieces in _by_env(batches).values():
+        versions = np.concatenate([p.agent_versions for p in pieces])
+        t = np.concatenate([p.observations[:, 0] for p in pieces]).astype(np.int64)
+        actions = np.concatenate([p.actions for p in pieces])
+        # each step is stamped with the version of the agent that picked its action
+        np.testing.assert_array_equal(actions, (t + versions) % 2)
+        assert versions.tolist() == sorted(versions.tolist())
+
+
+async def test_a_step_that_ends_in_the_next_call_is_taken_up_by_it(
+    make_sampler: SamplerFactory, asked: list[int], tmp_path: Path
+) -> None:
+    gate = tmp_path / "gate"
+    envs = [
+        [
+            functools.partial(GatedAsyncEnv, str(gate)),
+            *[functools.partial(CountingAsyncEnv, 1000, 0.005)] * 2,
+        ]
+    ]
+    agent = ParityAgent(flip=True)  # action 1 at step 0: a row not kept would hold a 0
+    sampler = make_sampler(
+        "process", envs, agent, inference="per_worker", n_workers=1, envs_per_worker=3
+    )
+    try:
+        first = await sampler.obtain_fragments(12)  # env 0's step waits at the gate
+        host = sampler.workers[0].host
+        assert host is not None
+        waiting = host.in_flight[0]
+        assert not waiting.done()
+        call = asyncio.ensure_future(sampler.obtain_fragments(300))
+        touch(gate)
+        # The step asked in the first call ends in the second: that call records it (its row
+        # kept from the first) and asks env 0's next step at once.
+        await wait_until(lambda: host.in_flight.get(0) not in (None, waiting), "env 0's next")
+        assert not call.done()
+        batch = await call
+    finally:
+        touch(gate)
+    assert not [p for p in first.split() if int(p.episode_infos["env"][0]) == 0]  # none done
+    env0 = [p for p in batch.split() if int(p.episode_infos["env"][0]) == 0]
+    assert env0
+    # The second call records env 0's first step (asked in the first call, its row kept from
+    # it) first, with the action the first call's agent picked for its observation.
+    assert env0[0].step_types[0] == StepType.FIRST
+    assert int(env0[0].observations[0, 0]) == 0
+    t = np.concatenate([p.observations[:, 0] for p in env0]).astype(np.int64)
+    np.testing.assert_array_equal(t, np.arange(len(t)))
+    np.testing.assert_array_equal(np.concatenate([p.actions for p in env0]), (t + 1) % 2)
