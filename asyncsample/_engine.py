@@ -423,8 +423,11 @@ class Episodes:
         self.returns[mask] = 0.0
         if self.episode_timeout is not None:
             self.deadlines[mask] = self.clock() + self.episode_timeout
+        carried = self.carried_rows
         for i in envs:
             self.episode_info[i] = dict(infos.get(i, {}))  # empty infos do not travel
+            if carried:  # a row kept for a step of the env's last episode is no more
+                carried.pop(i, None)
         self.recorder.start_episodes(mask)
 
     def close_episodes(
@@ -478,6 +481,7 @@ class Episodes:
         recorded = int(cursor[i] - recorder.piece_start[i])
         recorder.piece_start[i] = cursor[i]
         recorder.piece_position[i] = 0
+        self.carried_rows.pop(i, None)  # (the row of its step in flight, if one was kept)
         self.dropped_steps += int(self.lengths[i])
         self.needs_reset[i] = True
         self.lengths[i] = 0

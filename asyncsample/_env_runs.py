@@ -26,9 +26,11 @@ import numpy as np
 
 from asyncsample._action_check import row_value
 from asyncsample._env_tasks import LaneSettings, LaneStepper
+from asyncsample._passes import pass_queue
 from asyncsample._recorder import store_agent_infos
 from asyncsample._run_records import RUN_STEPS, put_infos, put_run, within_quota
 from asyncsample._tree import row_copy
+from asyncsample.backends._lane_link import SinkStep
 from asyncsample.backends.base import StepRun
 from asyncsample.errors import WorkerError
 
@@ -111,8 +113,9 @@ class RunStepper:
         self.deliveries: list[RowsDelivery] = []  # the agent requests not answered yet
 
     async def start(self) -> None:
-        """See :meth:`LaneStepper.start`."""
-        await self.lanes.start()
+        """See :meth:`LaneStepper.start` (steps left in flight stay :class:`SinkStep` s: this
+        call's sink takes their replies)."""
+        await self.lanes.start(own=False)
 
     async def advance(self, rule: StopRule, lacking: int | None = None) -> int:
         """Step until the call's quota is in (a call without fixed shares has no other rule)."""
@@ -128,27 +131,11 @@ class RunStepper:
         self.active = True
         self.host.sink = self
         try:
+            queue = pass_queue(asyncio.get_running_loop())
             while not pool.met:  # (again if a drop after the quota was in reopened it)
                 self.stop = stop = asyncio.get_running_loop().create_future()
                 pool.join(stop)
-                answered: list[tuple[int, Any]] = []
-                for i in range(self.worker.n_envs):
-                    future = in_flight.get(i)
-                    if future is None:
-                        if i not in self.rebuilt:
-                            self._next(i)
-                    elif not future.done():
-                        continue
-                    elif (
-                        not future.cancelled()
-                        and future.exception() is None
-                        and type(future.result()) is tuple
-                    ):
-                        answered.append((i, future.result()))  # recorded together, below
-                    else:
-                        self.apply(i, future)
-                if answered:  # steps answered between calls: one pass
-                    self._take_outcomes(answered)
+                queue.put(self._begin)  # every worker starts at once: in bounded passes
                 await stop
         finally:
             self.active = False
@@ -177,6 +164,30 @@ class RunStepper:
                 self.stop.cancel()
         rule.took(steps)
 
+    def _begin(self) -> None:
+        """Apply what came since the last call (the steps together), ask every idle env."""
+        if not self.active:
+            return
+        in_flight = self.host.in_flight
+        answered: list[tuple[int, Any]] = []
+        for i in range(self.worker.n_envs):
+            future = in_flight.get(i)
+            if future is None:
+                if i not in self.rebuilt:
+                    self._next(i)
+            elif not future.done():
+                continue
+            elif (
+                not future.cancelled()
+                and future.exception() is None
+                and type(future.result()) is tuple
+            ):
+                answered.append((i, future.result()))  # recorded together, below
+            else:
+                self.apply(i, future)
+        if answered:  # steps answered between calls: one pass
+            self._take_outcomes(answered)
+
     # -- per env ----------------------------------------------------------------------------------
 
     def _next(self, i: int) -> None:
@@ -194,7 +205,7 @@ class RunStepper:
                 self.asking.add(i)
                 self.ready.append(i)
                 if len(self.ready) == 1:
-                    asyncio.get_running_loop().call_soon(self._act, context=_CONTEXT)
+                    pass_queue(asyncio.get_running_loop()).put(self._act)
                 return
             else:
                 self.start_obs[i] = row_copy(host.buffers.obs, i)
@@ -408,9 +419,10 @@ class RunStepper:
                 continue
             start_obs[i] = obs[k]
             in_flight[i] = future
-            future.add_done_callback(_seen, context=_CONTEXT)
-            if future.done():  # (its host died before: settled at once)
-                self.apply(i, future)
+            if type(future) is not SinkStep:
+                future.add_done_callback(_seen, context=_CONTEXT)
+                if future.done():  # (its host died before: settled at once)
+                    self.apply(i, future)
 
     def take_steps(self, envs: np.ndarray, infos: list[dict[str, Any] | None]) -> None:
         """Record the steps of ``envs``, answered in one frame (their outcomes in the step

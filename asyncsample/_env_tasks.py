@@ -237,18 +237,26 @@ class LaneStepper:
         self.runs: set[int] = set()  # the envs whose run of steps is in flight
         worker.episodes.clock = asyncio.get_running_loop().time  # step_one's deadlines' clock
 
-    async def start(self) -> None:
+    async def start(self, own: bool = True) -> None:
         """Stamp the unstarted episodes; drop the steps left running that this call won't take
-        (the host's agent copy brought up to date first, where it acts)."""
+        (the host's agent copy brought up to date first, where it acts). ``own``: the lanes
+        drive the call, and each step left in flight needs a future to carry it."""
         if self.acting is not None:
             await self.acting.sync_agent()
         episodes = self.worker.episodes
+        keep_waiting = getattr(self.host, "keep_waiting", None)
+        if own and keep_waiting is not None:
+            for i in list(self.host.in_flight):
+                keep_waiting(i)
         if self.host.in_flight:
             # Continuing: drop only those of envs to reset.
             keep = self.resume is Resume.EPISODES or (
                 self.pool is not None and self.resume is Resume.FRAGMENTS
             )
             stale = [i for i in self.host.in_flight if not keep or episodes.needs_reset[i]]
+            if keep_waiting is not None:
+                for i in stale:
+                    keep_waiting(i)
             # A carried step the env finished is a step it took, though no batch will hold it.
             episodes.dropped_steps += sum(map(_taken, (self.host.in_flight[i] for i in stale)))
             episodes.needs_reset[await self.host.drop_in_flight(stale)] = True

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pickle
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
@@ -19,6 +18,7 @@ import cloudpickle
 import numpy as np
 
 from asyncsample._clock import CALLS
+from asyncsample._passes import pass_queue
 from asyncsample._recorder import put_row
 from asyncsample.backends._column_wire import (
     RunColumns,
@@ -63,11 +63,6 @@ class RunSink(Protocol):
         ...
 
 
-#: How long one pass of the event loop settles runs of reply frames (seconds): a slice of a
-#: big frame costs the caller's loop at most about this much before its other callbacks run.
-SLICE_S = 0.002
-
-
 @dataclasses.dataclass
 class _Runs:
     """The runs of one reply frame that answered one owner's requests."""
@@ -82,6 +77,40 @@ class _Runs:
         self.rs.append(r)
         self.envs.append(i)
         self.futures.append(future)
+
+    def settle(self) -> None:
+        self.owner.settle_runs(self)
+
+
+@dataclasses.dataclass
+class _Steps:
+    """The steps of one reply frame that answered one owner's requests (their outcomes in the
+    step buffers; ``values``: ``(info, agent infos)`` or ``None`` each)."""
+
+    owner: RemoteLanes
+    envs: list[int]
+    values: list[Any]
+    futures: list[asyncio.Future[Any]]
+
+    def add(self, i: int, value: Any, future: asyncio.Future[Any]) -> None:
+        self.envs.append(i)
+        self.values.append(value)
+        self.futures.append(future)
+
+    def settle(self) -> None:
+        self.owner.settle_steps(self)
+
+
+class SinkStep:
+    """Stands for a step request while its future is not needed: while a call is in progress
+    its :attr:`RemoteLanes.sink` takes the reply. A call that ends with the step still in
+    flight gives it a future (:meth:`RemoteLanes.keep_waiting`). No state: thousands in flight
+    are no work for the cyclic collector, as futures would be."""
+
+    __slots__ = ()
+
+    def done(self) -> bool:
+        return False
 
 
 class LaneLink:
@@ -101,16 +130,19 @@ class LaneLink:
         self.pack_actions = False
 
     def submit(
-        self, owner: RemoteLanes, kind: int, slot: int, i: int, *args: Any
+        self, owner: RemoteLanes, kind: int, slot: int, i: int, *args: Any, bare: bool = False
     ) -> tuple[int, asyncio.Future[Any]]:
         """Queue a request for env ``i`` of worker slot ``slot`` (sent at the end of this pass of
         the loop): its key, and the future ``owner`` settles with its reply
-        (:meth:`RemoteLanes.settle`). Two dict entries per request, no object of its own: with
-        thousands in flight, each object that lives as long as a step is one more for the
-        cyclic collector to walk."""
+        (:meth:`RemoteLanes.settle`); ``bare``: a :class:`SinkStep` in place of the future.
+        Two dict entries per request, no object of its own: with thousands in flight, each
+        object that lives as long as a step is one more for the cyclic collector to walk."""
         key = self._next
         self._next = key + 1
-        future = self._loop.create_future()
+        if bare and self.dead is None:  # the sink takes the reply: no future
+            future: Any = SinkStep()
+        else:
+            future = self._loop.create_future()
         if self.dead is not None:
             owner.settle(i, ST_DIED, self.dead, future)
             return key, future
@@ -119,6 +151,14 @@ class LaneLink:
         self._envs[key] = i
         self._queue((kind, key, slot, i, *args))
         return key, future
+
+    def rebind(self, key: int, future: asyncio.Future[Any]) -> bool:
+        """``future`` waits for ``key``'s reply in place of its :class:`SinkStep`; false if the
+        reply came already."""
+        if key not in self._waiting:
+            return False
+        self._waiting[key] = future
+        return True
 
     def cancel(self, key: int) -> None:
         """The caller gave up on ``key``: the host cancels it (its reply, if any, is dropped)."""
@@ -150,7 +190,7 @@ class LaneLink:
         elif type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
             replies = unpack_replies(replies)
         waiting, owners, envs = self._waiting, self._owners, self._envs
-        steps: dict[RemoteLanes, tuple[list[int], list[Any]]] = {}
+        steps: dict[RemoteLanes, _Steps] = {}
         for key, status, value in replies:
             future = waiting.pop(key, None)
             if future is None:  # given up on
@@ -161,13 +201,12 @@ class LaneLink:
             if status == ST_OK and owner.sinks_step(i, future):  # taken in one pass, below
                 batch = steps.get(owner)
                 if batch is None:
-                    batch = steps[owner] = ([], [])
-                batch[0].append(i)
-                batch[1].append(value)
+                    batch = steps[owner] = _Steps(owner, [], [], [])
+                batch.add(i, value, future)
             else:
                 owner.settle(i, status, value, future)
-        for owner, (ids, values) in steps.items():
-            owner.settle_steps(ids, values)
+        if steps:
+            self._settle(list(steps.values()))
         if runs is not None:
             self._runs_replied(runs)
 
@@ -185,18 +224,15 @@ class LaneLink:
                 if batch is None:
                     batch = batches[owner] = _Runs(owner, runs, [], [], [])
                 batch.add(r, i, future)
-        self._settle_runs(list(batches.values()))
+        self._settle(list(batches.values()))
 
-    def _settle_runs(self, batches: list[_Runs]) -> None:
-        """Settle ``batches`` for about :data:`SLICE_S` of this pass of the event loop, the rest
-        in the next pass (and so on): a frame of thousands of runs never holds the loop."""
-        end = time.perf_counter() + SLICE_S
-        while batches:
-            batch = batches.pop()
-            batch.owner.settle_runs(batch)
-            if batches and time.perf_counter() > end:
-                self._loop.call_soon(self._settle_runs, batches)
-                return
+    def _settle(self, batches: list[_Runs] | list[_Steps]) -> None:
+        """Settle a frame's ``batches`` (one per owner) in the loop's passes of bounded work
+        (:mod:`asyncsample._passes`): a frame of thousands of steps or runs never holds the
+        loop. Each batch checks again, when its turn comes, that its requests are in flight."""
+        queue = pass_queue(self._loop)
+        for batch in batches:
+            queue.put(batch.settle)
 
     def fail(self, error: BaseException) -> None:
         """The host died: every waiter gets ``error`` (as later requests will)."""
@@ -246,13 +282,16 @@ class RemoteLanes(PerEnvLockstep):
         self._kinds = [0] * self.n_envs
         self._sent_to: list[Any] = [None] * self.n_envs
         self._run_versions = [0] * self.n_envs  # the version each env's last run was asked under
+        # Per env, a step's SinkStep and the future it got (keep_waiting) while its reply, read
+        # already, waited for its turn (settle_steps).
+        self._late: dict[int, tuple[Any, asyncio.Future[Any]]] = {}
 
     async def build(self, chains: Sequence[Sequence[EnvSource]], seeds: Sequence[int]) -> None:
         """Build every env (see ``RemoteHost.build``), in the live incarnation."""
         await super().build(chains, seeds)  # type: ignore[misc]
         self._built_in = [self._incarnation] * self.n_envs
 
-    def _send(self, kind: int, i: int, *args: Any) -> asyncio.Future[Any]:
+    def _send(self, kind: int, i: int, *args: Any, bare: bool = False) -> asyncio.Future[Any]:
         """Send one lane request for env ``i``: a future of its reply's value (or error)."""
         if self._member.closed:
             raise closed_error(self.worker, "step")
@@ -266,7 +305,7 @@ class RemoteLanes(PerEnvLockstep):
         if self._obs_in_reply and self._columns:
             link.pack_actions = True
         self._links[i], self._sent_to[i], self._kinds[i] = link, inc, kind
-        key, future = link.submit(self, kind, self._slot_index, i, *args)
+        key, future = link.submit(self, kind, self._slot_index, i, *args, bare=bare)
         self._keys[i] = key
         return future
 
@@ -285,7 +324,14 @@ class RemoteLanes(PerEnvLockstep):
         ok, outcome = self._outcome(i, status, value)
         if self.sink is not None and self.in_flight.get(i) is future:
             self.sink.take(i, outcome)
-        elif ok:
+            return
+        marker: Any = future
+        if type(marker) is SinkStep:  # no call takes it now: it gets a future after all
+            future = asyncio.get_running_loop().create_future()
+            if self.in_flight.get(i) is marker:
+                in_flight: dict[int, Any] = self.in_flight
+                in_flight[i] = future
+        if ok:
             future.set_result(outcome)
         else:
             future.set_exception(outcome)
@@ -300,35 +346,59 @@ class RemoteLanes(PerEnvLockstep):
             and self.in_flight.get(i) is future
         )
 
-    def settle_steps(self, envs: list[int], values: list[Any]) -> None:
-        """Hand the :attr:`sink` the steps of ``envs`` that a frame answered (their outcomes in
-        the step buffers; ``values``: ``(info, agent infos)`` or ``None`` each)."""
-        links = self._links
-        for i in envs:
-            links[i] = None
-        sink = self.sink
-        assert sink is not None
-        sink.take_steps(
-            np.array(envs, dtype=np.int64), [None if v is None else v[0] for v in values]
-        )
+    def settle_steps(self, batch: _Steps) -> None:
+        """Settle ``batch``, steps that answered this host's requests (their outcomes in the step
+        buffers): those still in flight to the :attr:`sink` in one pass, any other as
+        :meth:`settle` would."""
+        links, in_flight, sink = self._links, self.in_flight, self.sink
+        envs: list[int] = []
+        infos: list[Any] = []
+        for i, value, future in zip(batch.envs, batch.values, batch.futures, strict=True):
+            late = self._late.pop(i, None) if self._late else None
+            if late is not None and late[0] is future:  # its call ended: its future now
+                future = late[1]
+            if sink is not None and in_flight.get(i) is future:
+                links[i] = None
+                envs.append(i)
+                infos.append(None if value is None else value[0])
+            elif not future.done():
+                self.settle(i, ST_OK, value, future)
+        if envs:
+            assert sink is not None
+            sink.take_steps(np.array(envs, dtype=np.int64), infos)
 
     def step_many(self, envs: list[int], index: np.ndarray, actions: Any) -> list[Any]:
         """:meth:`step_soon` for each of ``envs`` (``index``: the same as an array) with its
-        row of ``actions``: written into the shared step buffers at once. Each is a future, or
-        the :class:`~asyncsample.WorkerError` of an env whose host died."""
+        row of ``actions``, for the :attr:`sink` to take: written into the shared step buffers
+        at once. Each is a future or a :class:`SinkStep` (:meth:`keep_waiting` gives it a future
+        if the sink lets it go), or the :class:`~asyncsample.WorkerError` of an env whose host
+        died."""
         shared = not self._obs_in_reply and type(self.buffers.actions) is np.ndarray
         if shared:
             self.buffers.actions[index] = actions
         out: list[Any] = []
         for k, i in enumerate(envs):
             try:
-                if shared:
-                    out.append(self._send(LaneKind.STEP, i, None, None))
+                if shared:  # (the sink takes the reply: no future, see SinkStep)
+                    out.append(self._send(LaneKind.STEP, i, None, None, bare=True))
                 else:
                     out.append(self.step_soon(i, actions[k]))
             except WorkerError as exc:
                 out.append(exc)
         return out
+
+    def keep_waiting(self, i: int) -> None:
+        """Env ``i``'s step in flight, if a :class:`SinkStep`, gets a future (in
+        :attr:`in_flight`): no sink will take it (a call of the lanes, a drop)."""
+        in_flight: dict[int, Any] = self.in_flight
+        if type(in_flight.get(i)) is not SinkStep:
+            return
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        link = self._links[i]
+        if link is None or not link.rebind(self._keys[i], future):
+            # Its reply came, and waits for its turn in the loop's passes (settle_steps).
+            self._late[i] = (in_flight[i], future)
+        in_flight[i] = future
 
     def settle_runs(self, batch: _Runs) -> None:
         """Settle ``batch``, runs that answered this host's requests: those still in flight to
@@ -473,6 +543,7 @@ class RemoteLanes(PerEnvLockstep):
         """See :meth:`~asyncsample.backends.base.PerEnvHost.drop_in_flight`; the host is told to
         cancel a bare request in flight (a lane's carrier tells it when cancelled)."""
         for i in list(self.in_flight) if envs is None else envs:
+            self.keep_waiting(i)
             request = self.in_flight.get(i)
             if request is not None and not request.done() and not isinstance(request, asyncio.Task):
                 self.abandon(i)

@@ -39,6 +39,7 @@ from asyncsample._action_check import (
     row_value,
 )
 from asyncsample._clock import AgentTimer
+from asyncsample._passes import pass_queue
 from asyncsample._tree import Tree, stack_rows, tree_concat, tree_leaves, tree_map
 from asyncsample.agent import Agent, AgentOutput, trusted_actions
 from asyncsample.errors import AgentRowsError
@@ -566,6 +567,7 @@ class Batcher:
         except Exception as exc:
             self._fail(requests, exc)
             return
+        parts: list[tuple[_Request, Any]] = []
         start = 0
         for r in requests:
             first, start = start, start + r.rows
@@ -576,13 +578,17 @@ class Batcher:
                 if first <= j < start
             ]
             part = slice(first, start)
-            r.future.set_result(
-                (
-                    tree_map(lambda a, s=part: a[s], actions),
-                    {k: v[part] for k, v in infos.items()},
-                    faults,
-                )
-            )
+            out = tree_map(lambda a, s=part: a[s], actions), {k: v[part] for k, v in infos.items()}
+            parts.append((r, (*out, faults)))
+        self._hand_out(parts)
+
+    def _hand_out(self, parts: list[tuple[_Request, Any]]) -> None:
+        """Deliver each request its part in the loop's passes of bounded work: each delivery
+        sends its envs' steps, and a merged call of every worker's rows would hold the loop
+        (:mod:`asyncsample._passes`)."""
+        queue = pass_queue(asyncio.get_running_loop())
+        for r, part in parts:
+            queue.put(r.future.set_result, part)
 
     def _fail_rows(
         self,
