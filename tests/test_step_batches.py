@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -251,3 +252,48 @@ async def test_a_step_that_ends_in_the_next_call_is_taken_up_by_it(
     t = np.concatenate([p.observations[:, 0] for p in env0]).astype(np.int64)
     np.testing.assert_array_equal(t, np.arange(len(t)))
     np.testing.assert_array_equal(np.concatenate([p.actions for p in env0]), (t + 1) % 2)
+
+
+class GatedFailingAsyncEnv(GatedAsyncEnv):
+    """Its first step waits at the gate, then raises (once: a rebuilt env steps on)."""
+
+    async def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        first = self.logic.steps_taken == 0 and not os.path.exists(self.gate)
+        result = await super().step(action)
+        if first:
+            raise RuntimeError("failed after the gate")
+        return result
+
+
+async def test_a_step_carried_into_the_next_call_that_fails_leaves_no_row_behind(
+    make_sampler: SamplerFactory, tmp_path: Path
+) -> None:
+    """The row kept for a step in flight goes with its episode when the step fails: the rebuilt
+    env's first step is recorded as its own (its action and agent version), not as the kept
+    one."""
+    gate = tmp_path / "gate"
+    envs = [
+        [
+            functools.partial(GatedFailingAsyncEnv, str(gate)),
+            *[functools.partial(CountingAsyncEnv, 1000, 0.005)] * 2,
+        ]
+    ]
+    sampler = make_sampler(
+        "process", envs, ParityAgent(), inference="per_worker", n_workers=1, envs_per_worker=3
+    )
+    try:
+        await sampler.obtain_fragments(12)  # env 0's first step waits at the gate: row kept
+        await sampler.update_agent(ParityAgent(flip=True))  # version 1 picks the other action
+        call = asyncio.ensure_future(sampler.obtain_fragments(300))
+        touch(gate)  # the kept step fails in the second call; env 0 is rebuilt and steps on
+        batch = await call
+    finally:
+        touch(gate)
+    assert sampler.last_stats.restarts == 1
+    env0 = [p for p in batch.split() if int(p.episode_infos["env"][0]) == 0]
+    assert env0
+    first = env0[0]
+    assert first.step_types[0] == StepType.FIRST
+    assert first.agent_versions.tolist() == [1] * len(first.rewards)
+    t = first.observations[:, 0].astype(np.int64)
+    np.testing.assert_array_equal(first.actions, (t + 1) % 2)
