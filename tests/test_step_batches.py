@@ -30,6 +30,7 @@ from test_step_runs import (
     ParityAgent,
     _by_env,
     _check_records,
+    assert_whole_pieces,
 )
 
 from asyncsample import AgentRowsError, EpisodeBatch, StepType
@@ -142,12 +143,7 @@ async def test_an_env_failing_loses_only_its_episode(
     for batch in batches:
         assert 40 <= batch.n_transitions < 40 + N_WORKERS * N_ENVS
         _check_records(batch)
-    for key, pieces in _by_env(batches).items():
-        for piece in pieces:  # no half-made episode: each piece's steps are consecutive
-            t = piece.observations[:, 0].astype(np.int64)
-            np.testing.assert_array_equal(t, t[0] + np.arange(len(t)), err_msg=str(key))
-            if piece.step_types[0] == StepType.FIRST:
-                assert t[0] == 0
+    assert_whole_pieces(batches)
 
 
 class ParityRowFailingAgent(ParityAgent):
@@ -190,10 +186,7 @@ async def test_a_row_the_agent_fails_is_its_envs_fault_alone(
     assert max(agent.rows) > 1  # the failed row was one of several in its call
     for batch in batches:
         _check_records(batch)
-    for pieces in _by_env(batches).values():
-        for piece in pieces:
-            t = piece.observations[:, 0].astype(np.int64)
-            np.testing.assert_array_equal(t, t[0] + np.arange(len(t)))
+    assert_whole_pieces(batches)
 
 
 @pytest.mark.parametrize("inference", MODES)

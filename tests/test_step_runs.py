@@ -134,6 +134,16 @@ def _check_records(batch: EpisodeBatch, length: int = LENGTH) -> None:
     np.testing.assert_array_equal(ends, t == length - 1)
 
 
+def assert_whole_pieces(batches: list[EpisodeBatch]) -> None:
+    """No half-made episode: each piece's steps are consecutive, an episode's from step 0."""
+    for key, pieces in _by_env(batches).items():
+        for piece in pieces:
+            t = piece.observations[:, 0].astype(np.int64)
+            np.testing.assert_array_equal(t, t[0] + np.arange(len(t)), err_msg=str(key))
+            if piece.step_types[0] == StepType.FIRST:
+                assert t[0] == 0
+
+
 def _by_env(batches: list[EpisodeBatch]) -> dict[tuple[int, int], list[EpisodeBatch]]:
     pieces: dict[tuple[int, int], list[EpisodeBatch]] = {}
     for batch in batches:
@@ -272,12 +282,7 @@ async def test_an_env_failing_mid_run_loses_only_its_episode(
     for batch in batches:
         assert 40 <= batch.n_transitions < 40 + N_WORKERS * N_ENVS
         _check_records(batch)
-    for key, pieces in _by_env(batches).items():
-        for piece in pieces:  # no half-made episode: each piece's steps are consecutive
-            t = piece.observations[:, 0].astype(np.int64)
-            np.testing.assert_array_equal(t, t[0] + np.arange(len(t)), err_msg=str(key))
-            if piece.step_types[0] == StepType.FIRST:
-                assert t[0] == 0
+    assert_whole_pieces(batches)
 
 
 async def test_a_run_that_ends_in_the_next_call_is_taken_up_by_it(

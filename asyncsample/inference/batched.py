@@ -479,6 +479,19 @@ class Batcher:
             else:
                 r.future.set_result(part)
 
+    def _output(
+        self, agent: Agent, requests: list[_Request], n: int, result: Any
+    ) -> tuple[Any, dict[str, np.ndarray], bool, int]:
+        """``agent``'s merged output for ``n`` rows of ``requests``: its actions (as rows of the
+        space) and agent infos, checked; whether its actions are trusted; the first worker."""
+        worker = min(map(_worker_of, requests))
+        check, trusted = self._check_of(agent, worker)
+        check.worker, check.n_envs = worker, n
+        actions, infos = check.output(result)
+        if self.action_space is not None:
+            actions = action_rows(actions, self.action_space)
+        return actions, infos, trusted, worker
+
     def _deliver_rows(
         self,
         agent: Agent,
@@ -489,13 +502,8 @@ class Batcher:
         """Each env its action and agent infos, the merged output checked first as rows; the
         rows ``failed`` names get their env's fault instead (the others are delivered)."""
         n = len(requests)
-        worker = min(map(_worker_of, requests))
         try:
-            check, trusted = self._check_of(agent, worker)
-            check.worker, check.n_envs = worker, n
-            actions, infos = check.output(result)
-            if self.action_space is not None:
-                actions = action_rows(actions, self.action_space)
+            actions, infos, trusted, worker = self._output(agent, requests, n, result)
             if failed is not None:
                 requests, actions, infos = self._fail_rows(requests, actions, infos, failed)
                 n = len(requests)
@@ -537,13 +545,8 @@ class Batcher:
         """:meth:`ask_rows` requests their rows of the output, checked as :meth:`_deliver_rows`
         checks the lanes' rows; a row ``failed`` names is its env's fault alone."""
         n = sum(r.rows for r in requests)
-        worker = min(map(_worker_of, requests))
         try:
-            check, trusted = self._check_of(agent, worker)
-            check.worker, check.n_envs = worker, n
-            actions, infos = check.output(result)
-            if self.action_space is not None:
-                actions = action_rows(actions, self.action_space)
+            actions, infos, trusted, worker = self._output(agent, requests, n, result)
             bad: list[int] = []
             if failed is not None:
                 failed.check_rows(n, _rows_of(requests))
