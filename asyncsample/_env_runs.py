@@ -18,7 +18,6 @@ The lanes (:mod:`asyncsample._env_tasks`) drive every other call.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,7 +29,7 @@ from asyncsample._passes import pass_queue
 from asyncsample._recorder import store_agent_infos
 from asyncsample._run_records import RUN_STEPS, put_infos, put_run, within_quota
 from asyncsample._tree import row_copy
-from asyncsample.backends._lane_link import SinkStep
+from asyncsample.backends._lane_link import SinkStep, watch_error
 from asyncsample.backends.base import StepRun
 from asyncsample.errors import WorkerError
 
@@ -47,17 +46,6 @@ __all__ = ["RunStepper", "fits"]
 #: (:meth:`RunStepper._record_runs`); fewer go one by one, which costs less for so few (about
 #: 45 against 75 us for 7 runs of 9 steps, measured alone).
 VECTOR_RUNS = 12
-
-#: The one context of :func:`_seen`: a callback's own copy is one more object per run.
-_CONTEXT = contextvars.Context()
-
-
-def _seen(future: asyncio.Future[Any]) -> None:
-    """Mark a request's error as retrieved: its reply may come after the sampler closed, when
-    no call applies it."""
-    if not future.cancelled():
-        future.exception()
-
 
 def fits(worker: Worker, part: Part, settings: LaneSettings | None = None) -> bool:
     """Whether :class:`RunStepper` drives ``worker``'s part: an ``obtain_fragments`` call without
@@ -216,7 +204,7 @@ class RunStepper:
             return
         in_flight: dict[int, Any] = host.in_flight
         in_flight[i] = future
-        future.add_done_callback(_seen, context=_CONTEXT)
+        watch_error(future)
         if future.done():  # (its host died before: settled at once)
             self.apply(i, future)
 
@@ -420,7 +408,7 @@ class RunStepper:
             start_obs[i] = obs[k]
             in_flight[i] = future
             if type(future) is not SinkStep:
-                future.add_done_callback(_seen, context=_CONTEXT)
+                watch_error(future)
                 if future.done():  # (its host died before: settled at once)
                     self.apply(i, future)
 

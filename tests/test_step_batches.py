@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import itertools
 import os
 import sys
@@ -290,3 +291,36 @@ async def test_a_step_carried_into_the_next_call_that_fails_leaves_no_row_behind
     assert first.agent_versions.tolist() == [1] * len(first.rewards)
     t = first.observations[:, 0].astype(np.int64)
     np.testing.assert_array_equal(first.actions, (t + 1) % 2)
+
+
+async def test_closing_with_steps_in_flight_leaves_no_unretrieved_error(
+    make_sampler: SamplerFactory,
+) -> None:
+    """Steps still in flight when the sampler closes get its error (their hosts are gone), and
+    nobody is left to look at it: no "Future exception was never retrieved" is logged."""
+    loop = asyncio.get_running_loop()
+    logged: list[str] = []
+    loop.set_exception_handler(lambda _loop, context: logged.append(context["message"]))
+    try:
+        envs = [
+            [
+                functools.partial(CountingAsyncEnv, 1000, 0.002),
+                *[functools.partial(CountingAsyncEnv, 1000, 0.5)] * 2,
+            ]
+        ]
+        sampler = make_sampler(
+            "process", envs, ParityAgent(), inference="per_worker", n_workers=1, envs_per_worker=3
+        )
+        await sampler.obtain_fragments(10)  # from env 0; the others' steps of 0.5 s in flight
+        host = sampler.workers[0].host
+        assert host is not None and sorted(host.in_flight) == [1, 2]
+        await sampler.aclose()
+        settled = list(host.in_flight.values())
+        assert settled and all(f.done() for f in settled)  # with the closed sampler's error
+        host.in_flight.clear()
+        del settled  # as when the sampler is collected: an unretrieved error is logged now
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(None)
+    assert not [m for m in logged if "never retrieved" in m]

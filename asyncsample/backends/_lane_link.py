@@ -9,6 +9,7 @@ one frame per pass of the event loop, and hands each reply of the host's batches
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import pickle
 from collections.abc import Callable, Coroutine, Sequence
@@ -36,7 +37,7 @@ from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import LoopBlockedError, WorkerCrashedError, WorkerError
 
-__all__ = ["ST_DIED", "LaneLink", "RemoteLanes", "RunSink"]
+__all__ = ["ST_DIED", "LaneLink", "RemoteLanes", "RunSink", "SinkStep", "watch_error"]
 
 #: The status a request's owner settles it with when its host died (``value``: the error).
 ST_DIED = -1
@@ -99,6 +100,21 @@ class _Steps:
 
     def settle(self) -> None:
         self.owner.settle_steps(self)
+
+
+#: The one context of :func:`_seen`: a callback's own copy is one more object per request.
+_CONTEXT = contextvars.Context()
+
+
+def _seen(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def watch_error(future: asyncio.Future[Any]) -> None:
+    """Mark the error ``future`` may get as retrieved once it comes: a request's reply may come
+    after the sampler closed (its host's death settles it), when no call applies it."""
+    future.add_done_callback(_seen, context=_CONTEXT)
 
 
 class SinkStep:
@@ -328,6 +344,7 @@ class RemoteLanes(PerEnvLockstep):
         marker: Any = future
         if type(marker) is SinkStep:  # no call takes it now: it gets a future after all
             future = asyncio.get_running_loop().create_future()
+            watch_error(future)
             if self.in_flight.get(i) is marker:
                 in_flight: dict[int, Any] = self.in_flight
                 in_flight[i] = future
@@ -398,6 +415,7 @@ class RemoteLanes(PerEnvLockstep):
         if link is None or not link.rebind(self._keys[i], future):
             # Its reply came, and waits for its turn in the loop's passes (settle_steps).
             self._late[i] = (in_flight[i], future)
+        watch_error(future)
         in_flight[i] = future
 
     def settle_runs(self, batch: _Runs) -> None:
