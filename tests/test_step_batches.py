@@ -63,9 +63,24 @@ def asked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield rows
 
 
-def _sampler(make_sampler: SamplerFactory, inference: str, env: Any = None, **kw: Any) -> Any:
+@pytest.fixture(params=["process", "ray"])
+def backend(request: pytest.FixtureRequest) -> str:
+    """Both host backends of async envs (Ray's variants run in the slow pass: its cluster
+    starts)."""
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return str(request.param)
+
+
+def _sampler(
+    make_sampler: SamplerFactory,
+    inference: str,
+    env: Any = None,
+    backend: str = "process",
+    **kw: Any,
+) -> Any:
     return make_sampler(
-        "process",
+        backend,
         env or functools.partial(CountingAsyncEnv, LENGTH, 0.001),
         ParityAgent(),
         inference=inference,
@@ -91,9 +106,9 @@ def _in_order(batches: list[EpisodeBatch]) -> None:
 
 @pytest.mark.parametrize("inference", MODES)
 async def test_fragments_hold_every_step_once_in_order(
-    make_sampler: SamplerFactory, asked: list[int], inference: str
+    make_sampler: SamplerFactory, asked: list[int], inference: str, backend: str
 ) -> None:
-    sampler = _sampler(make_sampler, inference)
+    sampler = _sampler(make_sampler, inference, backend=backend)
     quota = 40  # not a multiple of the 6 envs: steps answered past the quota open the next call
     batches, stats = [], []
     for _ in range(8):
