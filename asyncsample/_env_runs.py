@@ -47,15 +47,14 @@ __all__ = ["RunStepper", "fits"]
 #: 45 against 75 us for 7 runs of 9 steps, measured alone).
 VECTOR_RUNS = 12
 
-def fits(worker: Worker, part: Part, settings: LaneSettings | None = None) -> bool:
-    """Whether :class:`RunStepper` drives ``worker``'s part: an ``obtain_fragments`` call without
-    fixed shares, plain array rows, no episode deadline, a host that answers in frames; with the
-    agent in the caller (``settings`` given), no stream's ``max_policy_lag`` to admit episodes."""
+def fits(worker: Worker, part: Part) -> bool:
+    """Whether :class:`RunStepper` drives ``worker``'s part: an ``obtain_fragments`` call (or a
+    fragment stream's round: no admission there) without fixed shares, plain array rows, no
+    episode deadline, a host that answers in frames."""
     host = worker.host
     buffers = getattr(host, "buffers", None)
     return (
         part.pool is not None
-        and (settings is None or settings.admission() is None)
         and part.quota is None
         and part.lane_round is None
         and hasattr(host, "settle_runs")

@@ -71,7 +71,7 @@ class InferenceMode:
         """How ``worker``'s part of a call moves its envs: one lane per env, or worker steps."""
         if self.lanes is not None:
             assert self.merger is not None
-            if runs_fit(worker, part, self.lanes):  # type: ignore[arg-type]
+            if runs_fit(worker, part):  # type: ignore[arg-type]
                 return RunStepper(worker, part, self.lanes, self.merger)  # type: ignore[arg-type]
             return LaneStepper(worker, self.merger, part, self.lanes)  # type: ignore[arg-type]
         return StepStepper(worker)
