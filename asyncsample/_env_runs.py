@@ -47,6 +47,7 @@ __all__ = ["RunStepper", "fits"]
 #: 45 against 75 us for 7 runs of 9 steps, measured alone).
 VECTOR_RUNS = 12
 
+
 def fits(worker: Worker, part: Part) -> bool:
     """Whether :class:`RunStepper` drives ``worker``'s part: an ``obtain_fragments`` call (or a
     fragment stream's round: no admission there) without fixed shares, plain array rows, no
@@ -65,15 +66,17 @@ def fits(worker: Worker, part: Part) -> bool:
 
 
 class RunStepper:
-    """Drives one worker's part of an ``obtain_fragments`` call without fixed shares on runs of
-    steps (see the module docstring; :func:`fits` says where).
+    """Drives one worker's part of an ``obtain_fragments`` call without fixed shares on ready
+    batches: runs of steps of the hosts' agent copies, or single steps of the caller's agent
+    (``requests``) (see the module docstring; :func:`fits` says where).
 
-    Every env has at most one request in flight (a reset, a run or a rebuild), kept in the
-    host's ``in_flight``. While :meth:`run` is in progress the stepper is the host's sink: it
-    takes each reply as it comes (a reply is applied by the call in progress when it comes, not
-    by the one that asked for it: a run asked in one call often ends in the next). A reply that
-    comes between calls settles its future in ``in_flight``, for the next call to apply it (or
-    to drop it: any other call, or an update of the envs).
+    Every env has at most one request in flight (a reset, a run, a step or a rebuild), kept in
+    the host's ``in_flight`` (a step as a :class:`SinkStep` while a sink takes its reply).
+    While :meth:`run` is in progress the stepper is the host's sink: it takes each reply as it
+    comes (a reply is applied by the call in progress when it comes, not by the one that asked
+    for it: a run asked in one call often ends in the next). A reply that comes between calls
+    settles its future in ``in_flight``, for the next call to apply it (or to drop it: any other
+    call, or an update of the envs).
     """
 
     def __init__(
