@@ -396,6 +396,8 @@ FOLDERS: dict[str, str] = {
     "10,000 and 50,000 episodes",
     "async_envs/gc-threshold": "10,000 episodes with the collector's threshold raised in every "
     "contender's processes",
+    "seam/gc-freeze": "the seam study with gc.freeze() at the start of each cell's process (what "
+    "imports left is out of the collector's full walks)",
     "frames": "raw-frame Pong (PongRaw-v5) with inference='host' against the two-loop ceiling "
     "in one run, and the CPU per step of each side (`benchmarks/frames.py`, issue 53)",
     "handoff": "a request's round trip to another process alone: a byte over a socket pair "

@@ -41,6 +41,7 @@ import asyncio
 import cProfile
 import dataclasses
 import functools
+import gc
 import json
 import os
 import pstats
@@ -123,6 +124,8 @@ class SeamSpec:
         loop: ``"uvloop"`` or ``"asyncio"``.
         seed: Seed of the envs (and of the sampler).
         top: Functions kept from the profile.
+        gc_freeze: ``gc.freeze()`` in the cell's process before it starts: what imports left is
+            out of the cyclic collector's full walks (plain-2's own processes are not frozen).
     """
 
     cell: str
@@ -141,6 +144,7 @@ class SeamSpec:
     loop: str = "uvloop"
     seed: int = 0
     top: int = 25
+    gc_freeze: bool = False
 
     @property
     def envs_per_worker(self) -> int:
@@ -328,6 +332,8 @@ def profile_rows(profiler: cProfile.Profile, top: int, steps: int) -> list[dict[
 
 def run_cell(spec: SeamSpec) -> dict[str, Any]:
     """One cell in this process: its numbers (``steps_per_s`` and the rest)."""
+    if spec.gc_freeze:
+        gc.freeze()
     if spec.cell in ("plain-1", "plain-2"):
         out = _plain(spec)
     else:
@@ -461,7 +467,13 @@ def markdown(results: dict[str, Any]) -> str:
         f"Ours: consecutive `obtain_fragments({spec['call_factor']} * N)` calls, "
         f"steps/s = transitions returned / time, a {spec['ticker'] * 1000:g} ms ticker "
         "in the caller's loop; plain: env steps / time, the lag of the async-env study's "
-        "1 ms probe in each loop (plain-2: the worse loop's).",
+        "1 ms probe in each loop (plain-2: the worse loop's)."
+        + (
+            " `gc.freeze()` at the start of each cell's process (not in plain-2's own "
+            "processes): what imports left is out of the cyclic collector's full walks."
+            if spec.get("gc_freeze")
+            else ""
+        ),
         "",
         "| cell | N | layout | steps/s | ratio | loop lag p99 | caller CPU/step | "
         "hosts' (loops') CPU/step | memory/episode |",
@@ -597,6 +609,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="also run ours-asyncio under cProfile (its top functions)",
     )
     parser.add_argument("--top", type=int, default=25, help="functions kept from the profile")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() in each cell's process before it starts (see docs/async-envs.md)",
+    )
     parser.add_argument("--quick", action="store_true", help="N = 200, short windows")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -634,6 +651,7 @@ def specs(args: argparse.Namespace) -> list[SeamSpec]:
                 call_factor=args.call_factor,
                 loop=args.loop,
                 top=args.top,
+                gc_freeze=args.gc_freeze,
             )
         )
     return out
