@@ -119,8 +119,9 @@ def watch_error(future: asyncio.Future[Any]) -> None:
 
 class SinkStep:
     """Stands for a step request while its future is not needed: while a call is in progress
-    its :attr:`RemoteLanes.sink` takes the reply. A call that ends with the step still in
-    flight gives it a future (:meth:`RemoteLanes.keep_waiting`). No state: thousands in flight
+    its :attr:`RemoteLanes.sink` takes the reply. It gets a future only when no sink takes its
+    reply (:meth:`RemoteLanes.settle`: between calls, or its host died) or when a call of the
+    lanes or a drop needs one (:meth:`RemoteLanes.keep_waiting`). No state: thousands in flight
     are no work for the cyclic collector, as futures would be."""
 
     __slots__ = ()
