@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import gymnasium as gym
 import numpy as np
 import pytest
 from async_envs import CountingAsyncEnv, GatedAsyncEnv
@@ -36,7 +37,7 @@ from test_step_runs import (
 
 from asyncsample import AgentRowsError, EpisodeBatch, StepType
 from asyncsample._env_tasks import LaneStepper
-from asyncsample.inference.batched import Batcher
+from asyncsample.inference.batched import Batched, Batcher
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.both_loops]
 
@@ -339,3 +340,27 @@ async def test_closing_with_steps_in_flight_leaves_no_unretrieved_error(
     finally:
         loop.set_exception_handler(None)
     assert not [m for m in logged if "never retrieved" in m]
+
+
+class FailEveryRowAgent:
+    """Fails every row it is given (:class:`~asyncsample.AgentRowsError`)."""
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        actions = np.zeros(len(observations), dtype=np.int64)
+        failures = {j: RuntimeError("no reply") for j in range(len(observations))}
+        raise AgentRowsError(actions, {}, failures)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+async def test_a_request_whose_every_row_failed_is_each_envs_fault(rows: int) -> None:
+    """The rows left to check are none: each env gets its fault, the request no error of its
+    own (a request of one row whose row failed raised a ValueError from the empty check)."""
+    batcher = Batcher(Batched(), action_space=gym.spaces.Discrete(2))
+    got: list[Any] = []
+    envs = list(range(5, 5 + rows))
+    batcher.ask_rows(FailEveryRowAgent(), 0, np.zeros((rows, 4)), envs, got.append)  # type: ignore[arg-type]
+    await wait_until(lambda: bool(got), "the delivery")
+    assert not isinstance(got[0], BaseException)
+    _actions, _infos, faults = got[0]
+    assert [k for k, _ in faults] == list(range(rows))
+    assert [fault.env for _, fault in faults] == envs

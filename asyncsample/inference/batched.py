@@ -560,8 +560,8 @@ class Batcher:
                 actions, like, worker=worker, action_space=space,  # type: ignore[arg-type]
                 values=None if bad else values, rows=rows,
             )  # fmt: skip
-            if bad and values is not None:
-                good = np.setdiff1d(np.arange(n), bad)
+            good = np.setdiff1d(np.arange(n), bad) if bad else None
+            if good is not None and len(good) and values is not None:
                 kept = tree_map(lambda a: np.asarray(a)[good], actions)
                 check_actions(
                     kept, _like_rows(kept, len(good)), worker=worker,
