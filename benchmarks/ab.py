@@ -142,6 +142,34 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         100_000,
     ),
     "AsyncEnv 1 ms 10x100 MLP process host": ("process-host", "0.001", 10, 100, 2, True, 100_000),
+    # the same envs in process hosts, the agent in the caller: ready batches of steps
+    "AsyncEnv 1 ms 10x100 random process batched": (
+        "process-batched",
+        "0.001",
+        10,
+        100,
+        2,
+        False,
+        100_000,
+    ),
+    "AsyncEnv 1 ms 10x100 MLP process batched": (
+        "process-batched",
+        "0.001",
+        10,
+        100,
+        2,
+        True,
+        100_000,
+    ),
+    "AsyncEnv 1 ms 10x100 random process per_worker": (
+        "process-per_worker",
+        "0.001",
+        10,
+        100,
+        2,
+        False,
+        100_000,
+    ),
     # Atari (ale-py, bench extra): big observations through the chunk buffers
     "Pong-v5 2x4 random host": ("host", "benchmarks.envs:Pong-v5", 2, 4, 2, False, 12_000),
     "Pong-v5 4x2 random host": ("host", "benchmarks.envs:Pong-v5", 4, 2, 2, False, 12_000),
@@ -189,7 +217,9 @@ if metrics:  # only then: a tree without metrics= still runs the other side
     registry = CollectorRegistry()
 kw = {{}} if registry is None else {{"metrics": registry}}
 agent = None
-lanes = face in ("asyncio", "asyncio-batched", "thread", "process-host")
+lanes = face in (
+    "asyncio", "asyncio-batched", "thread", "process-host", "process-batched", "process-per_worker"
+)
 if lanes:  # the latency envs of the async_envs study, this tree's or (older) ours
     import functools
     from benchmarks.async_envs import make_env
@@ -221,13 +251,13 @@ def vector():
     return done, wall, cpu
 async def main():
     inference = {{"batched": "batched", "host": "host", "asyncio-batched": "batched",
-                  "process-host": "host"}}.get(face, "per_worker")
+                  "process-host": "host", "process-batched": "batched"}}.get(face, "per_worker")
     shared = agent[0] if inference == "batched" and agent else agent
     if inference == "batched" and not policy:  # batched needs one agent: the built-in random one
         from asyncsample import RandomAgent
         shared = RandomAgent(env_id().action_space, seed=0)
     where = {{"backend": face.split("-")[0]}} if lanes else {{"n_processes": procs}}
-    if face == "process-host":
+    if face.startswith("process-"):
         where["n_processes"] = procs
     async with Sampler(env_id, shared, n_workers=workers, envs_per_worker=envs,
                        seed=0, inference=inference, **where, **kw) as s:
