@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, cast
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from asyncsample._passes import pass_queue
 from asyncsample._recorder import store_agent_infos
 from asyncsample._run_records import RUN_STEPS, put_infos, put_run, within_quota
 from asyncsample._tree import row_copy
-from asyncsample.backends._lane_link import SinkStep, watch_error
+from asyncsample.backends._lane_link import watch_error
 from asyncsample.backends.base import StepRun
 from asyncsample.errors import WorkerError
 
@@ -46,6 +47,26 @@ __all__ = ["RunStepper", "fits"]
 #: (:meth:`RunStepper._record_runs`); fewer go one by one, which costs less for so few (about
 #: 45 against 75 us for 7 runs of 9 steps, measured alone).
 VECTOR_RUNS = 12
+
+
+_P = ParamSpec("_P")
+
+
+def _fails_the_call(
+    method: Callable[Concatenate[RunStepper, _P], None],
+) -> Callable[Concatenate[RunStepper, _P], None]:
+    """``method`` of a stepper, run by the loop (a reply, a pass's queue, an agent's delivery):
+    an error it raises fails the stepper's call instead of only reaching the loop's exception
+    handler, which would leave the call waiting for a quota that no longer comes."""
+
+    def guarded(self: RunStepper, /, *args: _P.args, **kwargs: _P.kwargs) -> None:
+        try:
+            method(self, *args, **kwargs)
+        except Exception as exc:
+            self._fail(exc)
+
+    functools.update_wrapper(guarded, method)
+    return guarded
 
 
 def fits(worker: Worker, part: Part) -> bool:
@@ -154,6 +175,7 @@ class RunStepper:
                 self.stop.cancel()
         rule.took(steps)
 
+    @_fails_the_call
     def _begin(self) -> None:
         """Apply what came since the last call (the steps together), ask every idle env."""
         if not self.active:
@@ -214,6 +236,7 @@ class RunStepper:
         """Apply env ``i``'s answered request in ``in_flight`` (see :meth:`take`)."""
         self.take(i, future.exception() or future.result())
 
+    @_fails_the_call
     def take(self, i: int, outcome: Any) -> None:
         """Apply the outcome of env ``i``'s request (taken out of ``in_flight``): a run, a
         reset's info or an error; then ask for its next (the host's sink, see
@@ -236,6 +259,7 @@ class RunStepper:
             self._started(i, outcome)
         self._next(i)
 
+    @_fails_the_call
     def take_runs(
         self, runs: RunColumns, rs: np.ndarray, envs: np.ndarray, versions: np.ndarray
     ) -> None:
@@ -338,6 +362,7 @@ class RunStepper:
 
     # -- the agent in the caller ------------------------------------------------------------------
 
+    @_fails_the_call
     def _act(self) -> None:
         """Ask the agent for the actions of the envs ready in this pass (one request: their
         rows, written into the records at each env's row)."""
@@ -366,6 +391,7 @@ class RunStepper:
             self.requests.ask_rows(worker.agent, worker.worker_number, obs, envs, acted)  # type: ignore[arg-type]
         )
 
+    @_fails_the_call
     def _acted(
         self,
         envs: list[int],
@@ -409,11 +435,10 @@ class RunStepper:
                 continue
             start_obs[i] = obs[k]
             in_flight[i] = future
-            if type(future) is not SinkStep:
-                watch_error(future)
-                if future.done():  # (its host died before: settled at once)
-                    self.apply(i, future)
+            if future.done():  # (its host died before: settled at once)
+                self.apply(i, future)
 
+    @_fails_the_call
     def take_steps(self, envs: np.ndarray, infos: list[dict[str, Any] | None]) -> None:
         """Record the steps of ``envs``, answered in one frame (their outcomes in the step
         buffers), in one pass (:meth:`_record_steps`); then ask each env for its next."""
@@ -484,7 +509,7 @@ class RunStepper:
         envs, rewards = envs[:fit], rewards[:fit]
         t = cursor[envs]
         rows.rewards[t, envs] = rewards
-        for i, row, info in zip(ids, t.tolist(), infos[:fit]):
+        for i, row, info in zip(ids, t.tolist(), infos[:fit]) if any(infos) else ():
             if info:  # (its agent infos were recorded with its action)
                 by_env = rows.env_infos.get(row)
                 if by_env is None:

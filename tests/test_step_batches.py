@@ -33,9 +33,11 @@ from test_step_runs import (
     _by_env,
     _check_records,
     assert_whole_pieces,
+    calls_and_restarts,
 )
 
 from asyncsample import AgentRowsError, EpisodeBatch, StepType
+from asyncsample._env_runs import RunStepper
 from asyncsample._env_tasks import LaneStepper
 from asyncsample.inference.batched import Batched, Batcher
 
@@ -78,12 +80,13 @@ def _sampler(
     inference: str,
     env: Any = None,
     backend: str = "process",
+    agent: Any = None,
     **kw: Any,
 ) -> Any:
     return make_sampler(
         backend,
         env or functools.partial(CountingAsyncEnv, LENGTH, 0.001),
-        ParityAgent(),
+        agent or ParityAgent(),
         inference=inference,
         n_workers=N_WORKERS,
         envs_per_worker=N_ENVS,
@@ -152,10 +155,7 @@ async def test_an_env_failing_loses_only_its_episode(
 ) -> None:
     env = functools.partial(FailOnceAsyncEnv, str(tmp_path / "failed"), LENGTH)
     sampler = _sampler(make_sampler, inference, env)
-    batches, restarts = [], 0
-    for _ in range(4):
-        batches.append(await sampler.obtain_fragments(40))
-        restarts += sampler.last_stats.restarts
+    batches, restarts = await calls_and_restarts(sampler)
     assert restarts == 1  # rebuilt alone, the call went on
     for batch in batches:
         assert 40 <= batch.n_transitions < 40 + N_WORKERS * N_ENVS
@@ -186,19 +186,8 @@ async def test_a_row_the_agent_fails_is_its_envs_fault_alone(
     make_sampler: SamplerFactory, asked: list[int], inference: str, tmp_path: Path
 ) -> None:
     agent = ParityRowFailingAgent(str(tmp_path / "failed"))
-    sampler = make_sampler(
-        "process",
-        functools.partial(CountingAsyncEnv, LENGTH, 0.001),
-        agent,
-        inference=inference,
-        n_workers=N_WORKERS,
-        envs_per_worker=N_ENVS,
-        seed=3,
-    )
-    batches, restarts = [], 0
-    for _ in range(4):
-        batches.append(await sampler.obtain_fragments(40))
-        restarts += sampler.last_stats.restarts
+    sampler = _sampler(make_sampler, inference, agent=agent)
+    batches, restarts = await calls_and_restarts(sampler)
     assert restarts == 1
     assert max(agent.rows) > 1  # the failed row was one of several in its call
     for batch in batches:
@@ -364,3 +353,18 @@ async def test_a_request_whose_every_row_failed_is_each_envs_fault(rows: int) ->
     _actions, _infos, faults = got[0]
     assert [k for k, _ in faults] == list(range(rows))
     assert [fault.env for _, fault in faults] == envs
+
+
+async def test_an_error_of_the_sampler_in_a_loop_callback_fails_the_call(
+    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error raised where the loop runs the stepper (a reply frame's pass, here) fails the call
+    with that error, not only in the loop's log while the call waits for its quota forever."""
+
+    def broken(self: Any, *args: Any) -> None:
+        raise RuntimeError("a bug in recording")
+
+    monkeypatch.setattr(RunStepper, "_record_steps", broken)
+    sampler = _sampler(make_sampler, "per_worker")
+    with pytest.raises(RuntimeError, match="a bug in recording"):
+        await asyncio.wait_for(sampler.obtain_fragments(40), 30)

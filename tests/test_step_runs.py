@@ -134,6 +134,17 @@ def _check_records(batch: EpisodeBatch, length: int = LENGTH) -> None:
     np.testing.assert_array_equal(ends, t == length - 1)
 
 
+async def calls_and_restarts(
+    sampler: Any, calls: int = 4, quota: int = 40
+) -> tuple[list[EpisodeBatch], int]:
+    """``calls`` consecutive ``obtain_fragments(quota)``: the batches, and the env rebuilds."""
+    batches, restarts = [], 0
+    for _ in range(calls):
+        batches.append(await sampler.obtain_fragments(quota))
+        restarts += sampler.last_stats.restarts
+    return batches, restarts
+
+
 def assert_whole_pieces(batches: list[EpisodeBatch]) -> None:
     """No half-made episode: each piece's steps are consecutive, an episode's from step 0."""
     for key, pieces in _by_env(batches).items():
@@ -273,10 +284,7 @@ async def test_an_env_failing_mid_run_loses_only_its_episode(
         envs_per_worker=N_ENVS,
         seed=3,
     )
-    batches, restarts = [], 0
-    for _ in range(4):
-        batches.append(await sampler.obtain_fragments(40))
-        restarts += sampler.last_stats.restarts
+    batches, restarts = await calls_and_restarts(sampler)
     assert run_parts
     assert restarts == 1  # rebuilt alone, the call went on
     for batch in batches:

@@ -388,9 +388,9 @@ class RemoteLanes(PerEnvLockstep):
     def step_many(self, envs: list[int], index: np.ndarray, actions: Any) -> list[Any]:
         """:meth:`step_soon` for each of ``envs`` (``index``: the same as an array) with its
         row of ``actions``, for the :attr:`sink` to take: written into the shared step buffers
-        at once. Each is a future or a :class:`SinkStep` (:meth:`keep_waiting` gives it a future
-        if the sink lets it go), or the :class:`~asyncsample.WorkerError` of an env whose host
-        died."""
+        at once. Each is a :class:`SinkStep` (:meth:`keep_waiting` gives it a future if the sink
+        lets it go) or, where the actions travel, a future whose error is marked retrieved, or
+        the :class:`~asyncsample.WorkerError` of an env whose host died."""
         shared = not self._obs_in_reply and type(self.buffers.actions) is np.ndarray
         if shared:
             self.buffers.actions[index] = actions
@@ -400,7 +400,9 @@ class RemoteLanes(PerEnvLockstep):
                 if shared:  # (the sink takes the reply: no future, see SinkStep)
                     out.append(self._send(LaneKind.STEP, i, None, None, bare=True))
                 else:
-                    out.append(self.step_soon(i, actions[k]))
+                    future = self.step_soon(i, actions[k])
+                    watch_error(future)
+                    out.append(future)
             except WorkerError as exc:
                 out.append(exc)
         return out
