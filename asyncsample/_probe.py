@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from asyncsample import _validate
+from asyncsample._daemon_threads import start_daemon
 from asyncsample.async_env import is_async_env, time_limit
 from asyncsample.backends._closing import close_off_loop
 from asyncsample.backends.aio import probe_async_env, read_async_env
@@ -85,7 +85,7 @@ class Probe:
     :meth:`result` (in a loop: :meth:`wait`) gives the :class:`Probed` or raises what
     :func:`probe_spaces` would have raised; the close runs in the same thread after the spaces
     are read (``Probed.closing``). A build or close that never returns holds neither the loop nor
-    the interpreter's exit.
+    the interpreter's exit for long (see :mod:`asyncsample._daemon_threads`).
     """
 
     def __init__(
@@ -98,12 +98,9 @@ class Probe:
     ) -> None:
         self._future: concurrent.futures.Future[Probed] = concurrent.futures.Future()
         first = source[0] if isinstance(source, list) else source
-        threading.Thread(
-            target=self._run,
-            args=(first, max_episode_length, either, close_timeout),
-            name="asyncsample-probe",
-            daemon=True,
-        ).start()
+        start_daemon(
+            self._run, first, max_episode_length, either, close_timeout, name="asyncsample-probe"
+        )
 
     def _run(
         self, source: Any, max_episode_length: int | None, either: bool, close_timeout: float

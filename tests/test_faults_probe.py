@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import pytest
-from helpers import SamplerFactory
+from helpers import SamplerFactory, run_python
 
 from asyncsample import Sampler
 
@@ -88,3 +90,50 @@ async def test_aclose_before_start_does_not_wait_for_a_stuck_probe() -> None:
     with pytest.warns(ResourceWarning, match=r"was not built within close_timeout=0\.2s"):
         await sampler.aclose()
     factory.release.set()
+
+
+# A sampler built in a coroutine that returns at once: the interpreter exits while the probe
+# builds its env. The factory writes its name down as the env closes.
+_EXIT_WHILE_PROBING = """
+import asyncio, pathlib, time
+import gymnasium as gym
+import asyncsample._daemon_threads
+from asyncsample import Sampler
+
+asyncsample._daemon_threads.EXIT_GRACE_S = {grace}
+
+class Noted(gym.Wrapper):
+    def close(self):
+        pathlib.Path({note!r}).write_text("closed")
+        super().close()
+
+def slow_factory():
+    time.sleep({build_s})  # the exit comes first
+    return Noted(gym.make("CartPole-v1"))
+
+async def main():
+    Sampler(slow_factory, backend="local")  # never started
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_interpreter_exit_waits_for_a_probe_still_building(tmp_path: Path) -> None:
+    # MuJoCo built in a daemon thread the exit cut short crashed the process (SIGSEGV, about
+    # 1 run in 10 of docs/inference.md's snippet): the exit now lets the probe finish and close.
+    note = tmp_path / "closed"
+    proc = run_python(_EXIT_WHILE_PROBING.format(grace=10.0, note=str(note), build_s=0.5))
+    assert proc.returncode == 0, proc.stderr
+    assert note.read_text() == "closed"  # before: the thread was ended before its close
+
+
+@pytest.mark.timeout(60)
+def test_the_interpreter_exit_leaves_a_stuck_probe_after_its_grace(tmp_path: Path) -> None:
+    note = tmp_path / "closed"
+    code = _EXIT_WHILE_PROBING.format(grace=0.5, note=str(note), build_s=3600)
+    started = time.monotonic()
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 30  # not the factory's hour
+    assert not note.exists()

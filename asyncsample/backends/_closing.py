@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import warnings
 from typing import Any
 
 from asyncsample import _validate
+from asyncsample._daemon_threads import start_daemon
 from asyncsample.async_env import close_env
 from asyncsample.backends.base import LOGGER
 
@@ -118,8 +118,8 @@ async def close_bounded(env: Any, timeout: float, where: str) -> bool:
 
 def close_off_loop(env: Any) -> asyncio.Future[None] | None:
     """Close a blocking env in a daemon thread of its own (a close stuck for good holds
-    neither the loop nor the interpreter's exit); the future says when it is done (``None``:
-    no loop runs here, the env was closed at once)."""
+    neither the loop nor, for long, the interpreter's exit); the future says when it is done
+    (``None``: no loop runs here, the env was closed at once)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
@@ -136,7 +136,7 @@ def close_off_loop(env: Any) -> asyncio.Future[None] | None:
         with contextlib.suppress(RuntimeError):  # the loop was closed meanwhile
             loop.call_soon_threadsafe(finished)
 
-    threading.Thread(target=run, name="asyncsample-close", daemon=True).start()
+    start_daemon(run, name="asyncsample-close")
     return future
 
 
