@@ -21,9 +21,9 @@ from asyncsample._assembly import Plan
 from asyncsample._memory import BatchMemory
 from asyncsample._quotas import FreeQuota, LaneRound, SharedQuota
 from asyncsample._recorder import (
+    CarriedRows,
     Recorder,
     Resume,
-    RowCopy,
     put_rows,
     store_agent_info_block,
     store_agent_infos,
@@ -283,7 +283,7 @@ class Episodes:
         self.durations: list[float] = []  # seconds of the episodes ended since the metrics read
         # Per env, the row of its step still in flight when an obtain_fragments call without
         # fixed shares ended (the lanes): the next call records it again as its first row.
-        self.carried_rows: dict[int, RowCopy] = {}
+        self.carried_rows = CarriedRows(n_envs)
         # Per env, the observation its fragment ends at where the step buffers hold a later one
         # (a run of steps split at the quota: its rest opens the next call).
         self.cut_obs: dict[int, Any] = {}
@@ -423,11 +423,10 @@ class Episodes:
         self.returns[mask] = 0.0
         if self.episode_timeout is not None:
             self.deadlines[mask] = self.clock() + self.episode_timeout
-        carried = self.carried_rows
         for i in envs:
             self.episode_info[i] = dict(infos.get(i, {}))  # empty infos do not travel
-            if carried:  # a row kept for a step of the env's last episode is no more
-                carried.pop(i, None)
+        if self.carried_rows:  # a row kept for a step of the env's last episode is no more
+            self.carried_rows.drop(mask)
         self.recorder.start_episodes(mask)
 
     def close_episodes(
@@ -481,7 +480,7 @@ class Episodes:
         recorded = int(cursor[i] - recorder.piece_start[i])
         recorder.piece_start[i] = cursor[i]
         recorder.piece_position[i] = 0
-        self.carried_rows.pop(i, None)  # (the row of its step in flight, if one was kept)
+        self.carried_rows.drop(i)  # (the row of its step in flight, if one was kept)
         self.dropped_steps += int(self.lengths[i])
         self.needs_reset[i] = True
         self.lengths[i] = 0

@@ -30,7 +30,7 @@ from asyncsample._passes import pass_queue
 from asyncsample._recorder import store_agent_infos
 from asyncsample._run_records import RUN_STEPS, put_infos, put_run, within_quota
 from asyncsample._tree import row_copy
-from asyncsample.backends._lane_link import watch_error
+from asyncsample.backends._lane_link import answered, watch_error
 from asyncsample.backends.base import StepRun
 from asyncsample.errors import WorkerError
 
@@ -92,7 +92,7 @@ class RunStepper:
     (``requests``) (see the module docstring; :func:`fits` says where).
 
     Every env has at most one request in flight (a reset, a run, a step or a rebuild), kept in
-    the host's ``in_flight`` (a step as a :class:`SinkStep` while a sink takes its reply).
+    the host's ``in_flight`` (a step as a :data:`SinkStep` while a sink takes its reply).
     While :meth:`run` is in progress the stepper is the host's sink: it takes each reply as it
     comes (a reply is applied by the call in progress when it comes, not by the one that asked
     for it: a run asked in one call often ends in the next). A reply that comes between calls
@@ -124,7 +124,7 @@ class RunStepper:
         self.deliveries: list[RowsDelivery] = []  # the agent requests not answered yet
 
     async def start(self) -> None:
-        """See :meth:`LaneStepper.start` (steps left in flight stay :class:`SinkStep` s: this
+        """See :meth:`LaneStepper.start` (steps left in flight stay :data:`SinkStep` s: this
         call's sink takes their replies)."""
         await self.lanes.start(own=False)
 
@@ -138,7 +138,6 @@ class RunStepper:
         pool = self.pool
         assert pool is not None
         steps = rule.start_envs(self.worker.n_envs, lacking)
-        in_flight = self.host.in_flight
         self.active = True
         self.host.sink = self
         try:
@@ -156,24 +155,43 @@ class RunStepper:
                 task.cancel()
             if self.rebuilding:
                 await asyncio.wait(self.rebuilding)
+            # The rest in the loop's bounded passes: every worker's call ends at once.
+            ended = asyncio.get_running_loop().create_future()
+            pass_queue(asyncio.get_running_loop()).put(self._end, ended)
+            try:
+                await ended
+            except asyncio.CancelledError:
+                self._end(ended)  # now, if its turn has not come
+                raise
+        rule.took(steps)
+
+    def _end(self, ended: asyncio.Future[None]) -> None:
+        """End the call (once: ``ended`` is set): forget the agent requests not answered yet,
+        end the fragments of the envs with a step in flight where it began, and copy the rows
+        of those steps for the next call (in one pass)."""
+        if ended.done():
+            return
+        try:
             for delivery in self.deliveries:  # their envs are asked again by the next call
                 delivery.cancel()
             self.deliveries.clear()
             self.ready.clear()
             self.asking.clear()
             episodes = self.worker.episodes
-            starts = [i for i in in_flight if i in self.start_obs]
+            starts = [i for i in self.host.in_flight if i in self.start_obs]
             for i in starts:  # not recorded: the fragment ends where it began
                 episodes.cut_obs[i] = self.start_obs[i]
             if starts and self.requests is not None:  # steps: the next call records their rows
                 envs = np.array(starts, dtype=np.int64)
                 cursor = episodes.recorder.cursor
                 assert cursor is not None
-                kept = episodes.recorder.rows.take_many(cursor[envs], envs)
-                episodes.carried_rows.update(zip(starts, kept))
+                episodes.carried_rows.keep(episodes.recorder.rows, cursor[envs], envs)
             if self.stop is not None and not self.stop.done():
                 self.stop.cancel()
-        rule.took(steps)
+        except BaseException as exc:
+            ended.set_exception(exc)
+        else:
+            ended.set_result(None)
 
     @_fails_the_call
     def _begin(self) -> None:
@@ -181,24 +199,24 @@ class RunStepper:
         if not self.active:
             return
         in_flight = self.host.in_flight
-        answered: list[tuple[int, Any]] = []
+        steps: list[tuple[int, Any]] = []
         for i in range(self.worker.n_envs):
             future = in_flight.get(i)
             if future is None:
                 if i not in self.rebuilt:
                     self._next(i)
-            elif not future.done():
+            elif not answered(future):
                 continue
             elif (
                 not future.cancelled()
                 and future.exception() is None
                 and type(future.result()) is tuple
             ):
-                answered.append((i, future.result()))  # recorded together, below
+                steps.append((i, future.result()))  # recorded together, below
             else:
                 self.apply(i, future)
-        if answered:  # steps answered between calls: one pass
-            self._take_outcomes(answered)
+        if steps:  # steps answered between calls: one pass
+            self._take_outcomes(steps)
 
     # -- per env ----------------------------------------------------------------------------------
 
@@ -435,7 +453,7 @@ class RunStepper:
                 continue
             start_obs[i] = obs[k]
             in_flight[i] = future
-            if future.done():  # (its host died before: settled at once)
+            if answered(future):  # (its host died before: settled at once)
                 self.apply(i, future)
 
     @_fails_the_call
@@ -494,15 +512,15 @@ class RunStepper:
         ids = envs.tolist()
         carried = episodes.carried_rows
         if carried:  # the previous call's rows of these steps
-            back = [(k, carried.pop(i)) for k, i in enumerate(ids) if i in carried]
-            if back:
-                which = envs[[k for k, _ in back]]
+            which = envs[carried.held[envs]]
+            if which.size:
                 at = cursor[which]
                 rows.cover(int(at.max()), *self.like)
-                rows.restore_many(at, which, [copy for _, copy in back])
+                carried.put_back(rows, at, which)
         fit = min(pool.room(), len(ids))
         for k in range(fit, len(ids)):  # past the quota: these steps open the next call
-            outcome = (float(rewards[k]), bool(terminated[k]), bool(truncated[k]), infos[k] or {})
+            # No info: None, not {} (the collector stops tracking a tuple of no container).
+            outcome = (float(rewards[k]), bool(terminated[k]), bool(truncated[k]), infos[k] or None)
             self._carry(ids[k], outcome, starts[k])
         if not fit:
             return
@@ -523,7 +541,9 @@ class RunStepper:
         for i, row in zip(envs[ended].tolist(), t[ended].tolist()):
             self.lanes.end_episode(i, row)
 
-    def _carry(self, i: int, outcome: tuple[float, bool, bool, dict[str, Any]], start: Any) -> None:
+    def _carry(
+        self, i: int, outcome: tuple[float, bool, bool, dict[str, Any] | None], start: Any
+    ) -> None:
         """Leave env ``i``'s step (answered past the quota) in flight for the next call to record
         first, its row copied; this call's fragment ends at ``start``, where the step began."""
         episodes = self.worker.episodes
@@ -534,7 +554,7 @@ class RunStepper:
         future.set_result(outcome)
         in_flight: dict[int, Any] = self.host.in_flight
         in_flight[i] = future
-        episodes.carried_rows[i] = rows.take(t, i)
+        episodes.carried_rows.keep(rows, np.array([t]), np.array([i]))
         episodes.cut_obs[i] = row_copy(rows.obs[t], i) if start is None else start
 
     def _failed(self, i: int, failure: WorkerError) -> None:

@@ -434,10 +434,10 @@ class LaneStepper:
                 try:
                     if carried is not None:
                         stepping = True
-                        kept = episodes.carried_rows.get(i) if pool is not None else None
-                        if kept is not None:  # the previous call's row of this step
-                            rows.cover(t, buffers.obs, buffers.actions)
-                            rows.restore(t, i, kept)
+                        if pool is not None and i in episodes.carried_rows:
+                            rows.cover(t, buffers.obs, buffers.actions)  # the previous call's
+                            at, env = np.array([t]), np.array([i])  # (dropped once recorded)
+                            episodes.carried_rows.put_back(rows, at, env, forget=False)
                         result = (
                             carried.result() if carried.done() else await asyncio.shield(carried)
                         )
@@ -550,7 +550,7 @@ class LaneStepper:
                     continue
                 if carried is not None:
                     in_flight.pop(i, None)
-                    episodes.carried_rows.pop(i, None)
+                    episodes.carried_rows.drop(i)
                     carried = None
                 stepping = False
                 split = False
@@ -709,7 +709,7 @@ class LaneStepper:
         episodes = self.worker.episodes
         cursor = episodes.recorder.cursor
         assert cursor is not None
-        episodes.carried_rows[i] = episodes.recorder.rows.take(int(cursor[i]), i)
+        episodes.carried_rows.keep(episodes.recorder.rows, cursor[i : i + 1], np.array([i]))
 
     def drop_episode(self, i: int) -> int:
         """Drop env ``i``'s episode in progress (it is reset next); the steps it had recorded."""

@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 
 from asyncsample._assembly import Plan
-from asyncsample._tree import Tree, row_copy, tree_leaves, tree_map
+from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.batch import StepType
 
 __all__ = [
+    "CarriedRows",
     "Piece",
     "Recorder",
     "Resume",
-    "RowCopy",
     "Rows",
     "put_row",
     "put_rows",
@@ -54,17 +54,6 @@ class Piece:
     end: StepType | None  # TERMINAL/TIMEOUT when the episode ended, else None (a fragment)
     last_observation: Tree
     episode_info: dict[str, Any]
-
-
-@dataclass
-class RowCopy:
-    """One env's row of :class:`Rows`, copied out (:meth:`Rows.take`): a step still in flight
-    when its call ended, recorded again in the next call's rows."""
-
-    obs: Tree
-    actions: Tree
-    version: int
-    agent_infos: dict[str, Any]
 
 
 @dataclass
@@ -235,48 +224,6 @@ class Rows:
         self.size = t + n
         return t
 
-    def take(self, t: int, i: int) -> RowCopy:
-        """Env ``i``'s row ``t`` (observation, action, agent version, agent infos), copied."""
-        at = (t, i)
-        return RowCopy(
-            tree_map(lambda x: row_copy(x, at), self.obs),
-            tree_map(lambda x: row_copy(x, at), self.actions),
-            int(self.versions[at]),
-            {key: row_copy(column, at) for key, column in self.agent_infos.items()},
-        )
-
-    def take_many(self, t: np.ndarray, envs: np.ndarray) -> list[RowCopy]:
-        """:meth:`take` of env ``envs[k]``'s row ``t[k]`` for every ``k`` (array rows only):
-        one copy per column, each copy a view of its row there."""
-        obs, actions = self.obs[t, envs], self.actions[t, envs]
-        versions = self.versions[t, envs].tolist()
-        infos = {key: column[t, envs] for key, column in self.agent_infos.items()}
-        return [
-            RowCopy(obs[k], actions[k], versions[k], {key: v[k] for key, v in infos.items()})
-            for k in range(len(versions))
-        ]
-
-    def restore_many(self, t: np.ndarray, envs: np.ndarray, saved: list[RowCopy]) -> None:
-        """:meth:`restore` of ``saved[k]`` as env ``envs[k]``'s row ``t[k]`` (array rows)."""
-        if any(copy.agent_infos for copy in saved):
-            for row, i, copy in zip(t.tolist(), envs.tolist(), saved):
-                self.restore(row, i, copy)
-            return
-        self.obs[t, envs] = np.stack([copy.obs for copy in saved])
-        self.actions[t, envs] = np.stack([copy.actions for copy in saved])
-        self.versions[t, envs] = [copy.version for copy in saved]
-
-    def restore(self, t: int, i: int, saved: RowCopy) -> None:
-        """Put a row :meth:`take` copied back as env ``i``'s row ``t`` (which exists)."""
-        at = (t, i)
-        put_row(self.obs, at, saved.obs)
-        put_row(self.actions, at, saved.actions)
-        self.versions[at] = saved.version
-        for key, value in saved.agent_infos.items():
-            column = self.agent_infos.get(key)
-            if column is not None and column.shape[2:] == np.shape(value):
-                column[at] = value
-
     def cover(self, t: int, obs: Tree, actions_like: Tree) -> None:
         """Make row ``t`` exist (the envs of a non-lockstep worker each write their own rows)."""
         if t >= self.size:
@@ -298,6 +245,86 @@ class Rows:
         self.versions = grow(self.versions, np.zeros(self.n_envs, dtype=np.int64))
         self.agent_infos = {k: grow(v, v[0]) for k, v in self.agent_infos.items()}
         self.capacity = new
+
+
+class CarriedRows:
+    """Per env, the row of its step still in flight when an ``obtain_fragments`` call without
+    fixed shares ended (its observation, action, agent version and agent infos), for the next
+    call to record again as its first row.
+
+    Columns by env, each row copied out and put back with one indexing per column for all the
+    envs a worker keeps: a call's end keeps thousands, and one object per env would cost a
+    Python step each and be walked by the cyclic collector until the next call.
+    """
+
+    def __init__(self, n_envs: int) -> None:
+        self.n_envs = n_envs
+        self.held = np.zeros(n_envs, dtype=bool)
+        self.count = 0
+        self.obs: Tree = None
+        self.actions: Tree = None
+        self.versions = np.zeros(n_envs, dtype=np.int64)
+        self.agent_infos: dict[str, np.ndarray] = {}
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def __contains__(self, i: int) -> bool:
+        return bool(self.held[i])
+
+    def keep(self, rows: Rows, t: np.ndarray, envs: np.ndarray) -> None:
+        """Copy env ``envs[k]``'s row ``t[k]`` of ``rows`` for every ``k``."""
+        self.obs = _fit(self.obs, rows.obs, self.n_envs)
+        self.actions = _fit(self.actions, rows.actions, self.n_envs)
+        at = (t, envs)
+        tree_map(lambda mine, theirs: mine.__setitem__(envs, theirs[at]), self.obs, rows.obs)
+        tree_map(
+            lambda mine, theirs: mine.__setitem__(envs, theirs[at]), self.actions, rows.actions
+        )
+        self.versions[envs] = rows.versions[at]
+        for key, column in rows.agent_infos.items():
+            mine = self.agent_infos[key] = _by_env(self.agent_infos.get(key), column, self.n_envs)
+            mine[envs] = column[at]
+        self.count += int(np.count_nonzero(~self.held[envs]))
+        self.held[envs] = True
+
+    def put_back(self, rows: Rows, t: np.ndarray, envs: np.ndarray, forget: bool = True) -> None:
+        """Put the rows kept of ``envs`` (each kept) back as env ``envs[k]``'s row ``t[k]`` of
+        ``rows`` (which exists); ``forget``: they are kept no more (else until :meth:`drop`).
+        An agent info column ``rows`` lacks, or of another shape (a replaced agent), is left
+        out."""
+        at = (t, envs)
+        tree_map(lambda theirs, mine: theirs.__setitem__(at, mine[envs]), rows.obs, self.obs)
+        tree_map(
+            lambda theirs, mine: theirs.__setitem__(at, mine[envs]), rows.actions, self.actions
+        )
+        rows.versions[at] = self.versions[envs]
+        for key, mine in self.agent_infos.items():
+            column = rows.agent_infos.get(key)
+            if column is not None and column.shape[2:] == mine.shape[1:]:
+                column[at] = mine[envs]
+        if forget:
+            self.drop(envs)
+
+    def drop(self, envs: Any) -> None:
+        """Forget the rows kept of ``envs`` (an env, a mask or indices; kept or not)."""
+        self.count -= int(np.count_nonzero(self.held[envs]))
+        self.held[envs] = False
+
+
+def _fit(mine: Tree, theirs: Tree, n_envs: int) -> Tree:
+    """:func:`_by_env` leaf by leaf (``mine`` is ``None`` before the first row is kept)."""
+    if mine is None:
+        return tree_map(lambda x: _by_env(None, x, n_envs), theirs)
+    return tree_map(lambda m, x: _by_env(m, x, n_envs), mine, theirs)
+
+
+def _by_env(mine: np.ndarray | None, theirs: np.ndarray, n_envs: int) -> np.ndarray:
+    """``mine``, or a new column of ``n_envs`` rows shaped like ``theirs``' (time, env) rows
+    if it is none or no longer fits them."""
+    if mine is None or mine.shape[1:] != theirs.shape[2:] or mine.dtype != theirs.dtype:
+        return np.zeros((n_envs, *theirs.shape[2:]), dtype=theirs.dtype)
+    return mine
 
 
 def put_row(dst: Tree, index: Any, src: Tree) -> None:

@@ -36,38 +36,44 @@ def _link() -> tuple[LaneLink, list[Any]]:
     return link, sent
 
 
-def _submit(link: LaneLink, i: int) -> asyncio.Future[Any]:
-    return link.submit(Owner(), 0, 0, i)[1]  # type: ignore[arg-type]
+def _submit(link: LaneLink, i: int) -> tuple[int, asyncio.Future[Any]]:
+    return link.submit(Owner(), 0, 0, i)  # type: ignore[arg-type]
 
 
 async def test_replies_reach_their_waiters_in_any_order() -> None:
     link, _ = _link()
-    futures = [_submit(link, i) for i in range(3)]
-    link.replied(pickle.dumps([(2, ST_OK, "c"), (0, ST_OK, "a")]))
+    keys, futures = zip(*(_submit(link, i) for i in range(3)))
+    link.replied(pickle.dumps([(keys[2], ST_OK, "c"), (keys[0], ST_OK, "a")]))
     assert [f.done() for f in futures] == [True, False, True]
+
+
+async def test_request_keys_are_unique_in_the_process() -> None:
+    # A step's key stands for its future (SinkStep): no two links may hand out the same one.
+    (first, _), (second, _) = _submit(_link()[0], 0), _submit(_link()[0], 0)
+    assert first != second
 
 
 async def test_a_request_given_up_is_cancelled_in_the_host_and_its_reply_dropped() -> None:
     link, sent = _link()
-    futures = [_submit(link, i) for i in range(2)]
+    keys, futures = zip(*(_submit(link, i) for i in range(2)))
     await asyncio.sleep(0)
     futures[0].cancel()
-    link.cancel(0)
+    link.cancel(keys[0])
     await asyncio.sleep(0)
-    assert sent[-1] == [(LaneKind.CANCEL, 0)]
-    link.replied(pickle.dumps([(0, ST_OK, "late"), (1, ST_OK, "b")]))
+    assert sent[-1] == [(LaneKind.CANCEL, keys[0])]
+    link.replied(pickle.dumps([(keys[0], ST_OK, "late"), (keys[1], ST_OK, "b")]))
     assert futures[0].cancelled() and futures[1].result() == (1, "b")
-    link.cancel(1)  # answered already: nothing to cancel
+    link.cancel(keys[1])  # answered already: nothing to cancel
     await asyncio.sleep(0)
-    assert sent[-1] == [(LaneKind.CANCEL, 0)]
+    assert sent[-1] == [(LaneKind.CANCEL, keys[0])]
 
 
 async def test_a_dead_host_fails_every_waiter_through_its_owner() -> None:
     link, _ = _link()
-    futures = [_submit(link, i) for i in range(3)]
-    link.replied(pickle.dumps([(1, ST_OK, "b")]))
+    keys, futures = zip(*(_submit(link, i) for i in range(3)))
+    link.replied(pickle.dumps([(keys[1], ST_OK, "b")]))
     link.fail(ConnectionError("host died"))
     assert futures[1].result() == (1, "b")
     assert all(isinstance(futures[i].exception(), ConnectionError) for i in (0, 2))
-    later = _submit(link, 3)  # a request after the death fails at once
+    _, later = _submit(link, 3)  # a request after the death fails at once
     assert isinstance(later.exception(), ConnectionError)

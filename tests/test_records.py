@@ -22,6 +22,7 @@ from envs import SCRIPT, GridWorldEnv, ScriptedAgent
 
 from asyncsample._engine import CallMode, StopRule
 from asyncsample._recorder import (
+    CarriedRows,
     Recorder,
     Resume,
     Rows,
@@ -103,6 +104,44 @@ def test_tree_rows_are_put_and_read_leaf_by_leaf() -> None:
     flat = np.zeros((3, 2))
     put_row(flat, 0, np.array([5.0, 6.0]))
     assert row_of(flat, 0).tolist() == [5, 6]
+
+
+def test_carried_rows_put_back_what_they_kept_where_the_next_call_asks() -> None:
+    rows = filled_rows(4)
+    rows.versions[:4] = np.arange(4)[:, None] * 10 + np.arange(N)
+    store_agent_infos(rows, 3, {"logp": np.array([-1.0, -2.0, -3.0])})
+    carried = CarriedRows(N)
+    assert not carried
+    carried.keep(rows, np.array([3, 1]), np.array([0, 2]))  # env 0's row 3, env 2's row 1
+    assert carried and carried.count == 2 and 0 in carried and 1 not in carried
+    nxt = filled_rows(2)
+    nxt.obs[:] = -1
+    store_agent_infos(nxt, 0, {"logp": np.zeros(N)})
+    carried.put_back(nxt, np.array([1, 0]), np.array([2, 0]))  # at the next call's cursors
+    assert nxt.obs[0, 0].tolist() == [3, 0] and nxt.obs[1, 2].tolist() == [1, 2]
+    assert nxt.obs[0, 2].tolist() == [-1, -1]  # no other row touched
+    assert nxt.actions[0, 0] == 3 and nxt.versions[0, 0] == 30 and nxt.versions[1, 2] == 12
+    assert nxt.agent_infos["logp"][0, 0] == -1.0
+    assert not carried  # put back: kept no more
+
+
+def test_carried_rows_of_trees_and_drops() -> None:
+    rows = Rows(N)
+    obs = {"pos": np.zeros((N, 2)), "seen": (np.zeros(N, dtype=np.int64),)}
+    for t in range(2):
+        rows.next_row(obs, ACTIONS)
+        rows.obs["pos"][t] = t + 1
+        rows.obs["seen"][0][t] = np.arange(N) + 10 * t
+    carried = CarriedRows(N)
+    carried.keep(rows, np.array([1, 1, 0]), np.arange(N))
+    carried.drop(np.array([True, False, False]))  # env 0's episode ended meanwhile
+    carried.drop(0)  # (again: nothing)
+    assert carried.count == 2 and 0 not in carried
+    later = Rows(N)
+    later.next_row(obs, ACTIONS)
+    carried.put_back(later, np.array([0]), np.array([1]), forget=False)
+    assert later.obs["pos"][0, 1].tolist() == [2, 2] and later.obs["seen"][0][0, 1] == 11
+    assert 1 in carried and carried.count == 2  # kept until dropped
 
 
 # -- agent-info columns ------------------------------------------------------------------------

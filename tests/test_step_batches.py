@@ -39,6 +39,7 @@ from test_step_runs import (
 from asyncsample import AgentRowsError, EpisodeBatch, StepType
 from asyncsample._env_runs import RunStepper
 from asyncsample._env_tasks import LaneStepper
+from asyncsample.backends._lane_link import answered
 from asyncsample.inference.batched import Batched, Batcher
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.both_loops]
@@ -231,7 +232,7 @@ async def test_a_step_that_ends_in_the_next_call_is_taken_up_by_it(
         host = sampler.workers[0].host
         assert host is not None
         waiting = host.in_flight[0]
-        assert not waiting.done()
+        assert not answered(waiting)
         call = asyncio.ensure_future(sampler.obtain_fragments(300))
         touch(gate)
         # The step asked in the first call ends in the second: that call records it (its row

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import itertools
 import pickle
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
@@ -37,7 +38,15 @@ from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import LoopBlockedError, WorkerCrashedError, WorkerError
 
-__all__ = ["ST_DIED", "LaneLink", "RemoteLanes", "RunSink", "SinkStep", "watch_error"]
+__all__ = [
+    "ST_DIED",
+    "LaneLink",
+    "RemoteLanes",
+    "RunSink",
+    "SinkStep",
+    "answered",
+    "watch_error",
+]
 
 #: The status a request's owner settles it with when its host died (``value``: the error).
 ST_DIED = -1
@@ -117,17 +126,23 @@ def watch_error(future: asyncio.Future[Any]) -> None:
     future.add_done_callback(_seen, context=_CONTEXT)
 
 
-class SinkStep:
-    """Stands for a step request while its future is not needed: while a call is in progress
-    its :attr:`RemoteLanes.sink` takes the reply. It gets a future only when no sink takes its
-    reply (:meth:`RemoteLanes.settle`: between calls, or its host died) or when a call of the
-    lanes or a drop needs one (:meth:`RemoteLanes.keep_waiting`). No state: thousands in flight
-    are no work for the cyclic collector, as futures would be."""
+SinkStep = int
+"""A step request's key, standing for its future while none is needed: while a call is in
+progress its :attr:`RemoteLanes.sink` takes the reply. It gets a future only when no sink takes
+its reply (:meth:`RemoteLanes.settle`: between calls, or its host died) or when a call of the
+lanes or a drop needs one (:meth:`RemoteLanes.keep_waiting`). An int: thousands in flight are no
+work for the cyclic collector, which tracks neither ints nor the dicts that hold only ints (an
+object of a class of ours, stateless or not, it tracks). Keys are unique in the process, so a
+key is its own request's and no other's."""
 
-    __slots__ = ()
+_KEYS = itertools.count(1 << 16)
+"""Every link's request keys (above the small ints Python shares)."""
 
-    def done(self) -> bool:
-        return False
+
+def answered(request: Any) -> bool:
+    """Whether ``request`` in flight, a future or a :data:`SinkStep`, was answered (a
+    :data:`SinkStep` never is: its reply goes to the sink, or to a future it gets then)."""
+    return type(request) is not SinkStep and bool(request.done())
 
 
 class LaneLink:
@@ -140,7 +155,6 @@ class LaneLink:
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._owners: dict[int, RemoteLanes] = {}  # who settles each request's future
         self._envs: dict[int, int] = {}  # the env of each request
-        self._next = 0
         self._flushing = False
         self.dead: BaseException | None = None
         # Step requests carry Text/Sequence actions: packed one column per leaf per batch.
@@ -151,13 +165,12 @@ class LaneLink:
     ) -> tuple[int, asyncio.Future[Any]]:
         """Queue a request for env ``i`` of worker slot ``slot`` (sent at the end of this pass of
         the loop): its key, and the future ``owner`` settles with its reply
-        (:meth:`RemoteLanes.settle`); ``bare``: a :class:`SinkStep` in place of the future.
+        (:meth:`RemoteLanes.settle`); ``bare``: a :data:`SinkStep` in place of the future.
         Two dict entries per request, no object of its own: with thousands in flight, each
         object that lives as long as a step is one more for the cyclic collector to walk."""
-        key = self._next
-        self._next = key + 1
+        key = next(_KEYS)
         if bare and self.dead is None:  # the sink takes the reply: no future
-            future: Any = SinkStep()
+            future: Any = key
         else:
             future = self._loop.create_future()
         if self.dead is not None:
@@ -170,7 +183,7 @@ class LaneLink:
         return key, future
 
     def rebind(self, key: int, future: asyncio.Future[Any]) -> bool:
-        """``future`` waits for ``key``'s reply in place of its :class:`SinkStep`; false if the
+        """``future`` waits for ``key``'s reply in place of its :data:`SinkStep`; false if the
         reply came already."""
         if key not in self._waiting:
             return False
@@ -213,7 +226,7 @@ class LaneLink:
             if future is None:  # given up on
                 continue
             owner, i = owners.pop(key), envs.pop(key)
-            if future.done():
+            if answered(future):
                 continue
             if status == ST_OK and owner.sinks_step(i, future):  # taken in one pass, below
                 batch = steps.get(owner)
@@ -259,7 +272,7 @@ class LaneLink:
         self._owners, self._envs = {}, {}
         self._out.clear()
         for key, future in waiting.items():
-            if not future.done():
+            if not answered(future):
                 owners[key].settle(envs[key], ST_DIED, error, future)
 
 
@@ -379,7 +392,7 @@ class RemoteLanes(PerEnvLockstep):
                 links[i] = None
                 envs.append(i)
                 infos.append(None if value is None else value[0])
-            elif not future.done():
+            elif not answered(future):
                 self.settle(i, ST_OK, value, future)
         if envs:
             assert sink is not None
@@ -388,7 +401,7 @@ class RemoteLanes(PerEnvLockstep):
     def step_many(self, envs: list[int], index: np.ndarray, actions: Any) -> list[Any]:
         """:meth:`step_soon` for each of ``envs`` (``index``: the same as an array) with its
         row of ``actions``, for the :attr:`sink` to take: written into the shared step buffers
-        at once. Each is a :class:`SinkStep` (:meth:`keep_waiting` gives it a future if the sink
+        at once. Each is a :data:`SinkStep` (:meth:`keep_waiting` gives it a future if the sink
         lets it go) or, where the actions travel, a future whose error is marked retrieved, or
         the :class:`~asyncsample.WorkerError` of an env whose host died."""
         shared = not self._obs_in_reply and type(self.buffers.actions) is np.ndarray
@@ -408,7 +421,7 @@ class RemoteLanes(PerEnvLockstep):
         return out
 
     def keep_waiting(self, i: int) -> None:
-        """Env ``i``'s step in flight, if a :class:`SinkStep`, gets a future (in
+        """Env ``i``'s step in flight, if a :data:`SinkStep`, gets a future (in
         :attr:`in_flight`): no sink will take it (a call of the lanes, a drop)."""
         in_flight: dict[int, Any] = self.in_flight
         if type(in_flight.get(i)) is not SinkStep:
@@ -465,11 +478,11 @@ class RemoteLanes(PerEnvLockstep):
                         buffers.terminated[i], buffers.truncated[i] = value[1], value[2]
             elif kind == LaneKind.STEP or kind == LaneKind.ACT:  # the outcome is in the buffers
                 info, extra = (None, None) if value is None else value
-                value = (
+                value = (  # no info: None (a tuple of no container is not tracked)
                     float(buffers.rewards[i]),
                     bool(buffers.terminated[i]),
                     bool(buffers.truncated[i]),
-                    info or {},
+                    info or None,
                 )
                 if kind == LaneKind.ACT:
                     value += (None, extra or {})
@@ -543,9 +556,9 @@ class RemoteLanes(PerEnvLockstep):
 
     def step_soon(
         self, i: int, action: Any, deadline: float | None = None
-    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any]]]:
+    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any] | None]]:
         """:meth:`step_one` as a bare future (the lanes' way: no coroutine per step); whoever
-        awaits it calls :meth:`abandon` when cancelled."""
+        awaits it calls :meth:`abandon` when cancelled. An empty info is ``None``."""
         return self._send(LaneKind.STEP, i, self._action(i, action), self._left(deadline))
 
     def act_soon(

@@ -370,8 +370,9 @@ class BareStepHost(PerEnvHost, Protocol):
 
     def step_soon(
         self, i: int, action: Any, deadline: float | None = None
-    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any]]]:
-        """:meth:`PerEnvHost.step_one` as a future, settled by the host's reply."""
+    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any] | None]]:
+        """:meth:`PerEnvHost.step_one` as a future, settled by the host's reply (an empty
+        info: ``None``)."""
         ...
 
     def abandon(self, i: int) -> None:
