@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import dataclasses
 import functools
@@ -50,7 +51,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,12 +214,48 @@ def _plain(spec: SeamSpec) -> dict[str, Any]:
     }
 
 
+class FullCollections:
+    """The cyclic collector's full collections (generation 2) while :meth:`watch` runs: how
+    many and how long each held the loop (each is one pass of the collector over every tracked
+    object, with the loop stopped)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._began)
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        gc.callbacks.append(self._callback)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(self._callback)
+
+    def summary(self, calls: int) -> dict[str, Any]:
+        n = len(self.pauses)
+        return {
+            "n": n,
+            "per_call": n / calls if calls else None,
+            "mean_ms": 1e3 * sum(self.pauses) / n if n else None,
+            "max_ms": 1e3 * max(self.pauses) if n else None,
+        }
+
+
 async def _calls(
     sampler: Any,
     spec: SeamSpec,
     probe: LagProbe,
     count: Callable[[], int],
     profiler: cProfile.Profile | None,
+    collections: FullCollections,
 ) -> CellResult:
     """Consecutive ``obtain_fragments(call_factor * N)`` calls: ``warmup`` seconds of them,
     then whole calls until ``seconds`` have passed (at least one), counted: each call's length
@@ -235,11 +272,12 @@ async def _calls(
         profiler.enable()
     s0, c0, h0 = count(), time.process_time(), children_cpu()
     t0 = time.perf_counter()
-    while not out.calls or time.perf_counter() - t0 < spec.seconds:
-        t = time.perf_counter()
-        batch = await sampler.obtain_fragments(size)
-        out.calls.append(time.perf_counter() - t)
-        out.call_steps.append(batch.n_transitions)
+    with collections.watch():
+        while not out.calls or time.perf_counter() - t0 < spec.seconds:
+            t = time.perf_counter()
+            batch = await sampler.obtain_fragments(size)
+            out.calls.append(time.perf_counter() - t)
+            out.call_steps.append(batch.n_transitions)
     out.seconds = time.perf_counter() - t0
     out.cpu_s = time.process_time() - c0
     if profiler is not None:
@@ -269,6 +307,7 @@ async def _ours(spec: SeamSpec, profiler: cProfile.Profile | None) -> dict[str, 
     kwargs = spec.cell_spec("ours-asyncio").env_kwargs()
     make = functools.partial(make_env, False, counter_dir=counter_dir, **kwargs)
     probe = LagProbe(spec.ticker)
+    full = FullCollections()
     t0 = time.perf_counter()
     try:
         sampler = Sampler(
@@ -282,7 +321,7 @@ async def _ours(spec: SeamSpec, profiler: cProfile.Profile | None) -> dict[str, 
             start_s = time.perf_counter() - t0
             probe.start()
             try:
-                window = await _calls(sampler, spec, probe, count, profiler)
+                window = await _calls(sampler, spec, probe, count, profiler, full)
             finally:
                 await probe.stop()
     finally:
@@ -302,6 +341,7 @@ async def _ours(spec: SeamSpec, profiler: cProfile.Profile | None) -> dict[str, 
         "seconds": window.seconds,
         "start_s": start_s,
         "lag": probe.summary(),
+        "full_collections": full.summary(len(window.calls)),
         "cpu_us_per_step": 1e6 * window.cpu_s / steps if steps else None,
         "host_cpu_us_per_step": 1e6 * window.host_cpu_s / steps if steps and inference else None,
         "bytes_per_episode": (window.rss_open - rss_before) / n,
@@ -475,9 +515,9 @@ def markdown(results: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| cell | N | layout | steps/s | ratio | loop lag p99 | caller CPU/step | "
-        "hosts' (loops') CPU/step | memory/episode |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|",
+        "| cell | N | layout | steps/s | ratio | loop lag p99 | full collections per call "
+        "(mean) | caller CPU/step | hosts' (loops') CPU/step | memory/episode |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     refs = {"ours-asyncio": "plain-1", **dict.fromkeys(PROCESS_CELLS, "plain-2")}
     for name, c in cells.items():
@@ -485,7 +525,7 @@ def markdown(results: dict[str, Any]) -> str:
             continue
         if c.get("status") != "ok":
             note = str(c.get("note", c.get("status")))[:150].replace("|", "/")
-            lines.append(f"| {name} | - | - | {c.get('status')}: {note} | | | | | |")
+            lines.append(f"| {name} | - | - | {c.get('status')}: {note} | | | | | | |")
             continue
         ref = cells.get(refs.get(name, ""), {})
         if name in TAIL_CELLS:
@@ -495,9 +535,15 @@ def markdown(results: dict[str, Any]) -> str:
         else:
             ratio = "-"
         per_ep = c.get("bytes_per_episode")
+        full = c.get("full_collections") or {}
+        collected = (
+            f"{full['per_call']:.2f} ({_num(full['mean_ms'], 1, ' ms')})"
+            if full.get("per_call") is not None
+            else "-"
+        )
         lines.append(
             f"| {name} | {c['n_episodes']:,} | {c['layout']} | {c['steps_per_s']:,.0f} | "
-            f"{ratio} | {_num(c['lag'].get('p99_ms'), 1, ' ms')} | "
+            f"{ratio} | {_num(c['lag'].get('p99_ms'), 1, ' ms')} | {collected} | "
             f"{_num(c.get('cpu_us_per_step'), 1, ' us')} | "
             f"{_num(c.get('host_cpu_us_per_step'), 1, ' us')} | "
             f"{_num(per_ep / 1024 if per_ep is not None else None, 1, ' KiB')} |"
