@@ -518,10 +518,15 @@ class RunStepper:
                 rows.cover(int(at.max()), *self.like)
                 carried.put_back(rows, at, which)
         fit = min(pool.room(), len(ids))
-        for k in range(fit, len(ids)):  # past the quota: these steps open the next call
+        if fit < len(ids):  # past the quota: these steps open the next call
             # No info: None, not {} (the collector stops tracking a tuple of no container).
-            outcome = (float(rewards[k]), bool(terminated[k]), bool(truncated[k]), infos[k] or None)
-            self._carry(ids[k], outcome, starts[k])
+            outcomes = zip(
+                rewards[fit:].tolist(),
+                terminated[fit:].tolist(),
+                truncated[fit:].tolist(),
+                [info or None for info in infos[fit:]],
+            )
+            self._carry(envs[fit:], list(outcomes), starts[fit:])
         if not fit:
             return
         envs, rewards = envs[:fit], rewards[:fit]
@@ -542,20 +547,26 @@ class RunStepper:
             self.lanes.end_episode(i, row)
 
     def _carry(
-        self, i: int, outcome: tuple[float, bool, bool, dict[str, Any] | None], start: Any
+        self,
+        envs: np.ndarray,
+        outcomes: list[tuple[float, bool, bool, dict[str, Any] | None]],
+        starts: list[Any],
     ) -> None:
-        """Leave env ``i``'s step (answered past the quota) in flight for the next call to record
-        first, its row copied; this call's fragment ends at ``start``, where the step began."""
+        """Leave the steps of ``envs`` (answered past the quota) in flight for the next call to
+        record first, their rows copied (in one pass); this call's fragment of each ends at its
+        ``starts``, where the step began."""
         episodes = self.worker.episodes
         rows, cursor = episodes.recorder.rows, episodes.recorder.cursor
         assert cursor is not None
-        t = int(cursor[i])
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(outcome)
+        t = cursor[envs]
+        episodes.carried_rows.keep(rows, t, envs)
+        loop = asyncio.get_running_loop()
         in_flight: dict[int, Any] = self.host.in_flight
-        in_flight[i] = future
-        episodes.carried_rows.keep(rows, np.array([t]), np.array([i]))
-        episodes.cut_obs[i] = row_copy(rows.obs[t], i) if start is None else start
+        for i, row, outcome, start in zip(envs.tolist(), t.tolist(), outcomes, starts):
+            future = loop.create_future()
+            future.set_result(outcome)
+            in_flight[i] = future
+            episodes.cut_obs[i] = row_copy(rows.obs[row], i) if start is None else start
 
     def _failed(self, i: int, failure: WorkerError) -> None:
         """Env ``i`` failed: its episode is dropped, the env rebuilt alone, then asked again."""
