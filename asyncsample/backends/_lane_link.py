@@ -152,7 +152,7 @@ class LaneLink:
         self._send = send
         self._loop = loop
         self._out: list[tuple[Any, ...]] = []
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._waiting: dict[int, Any] = {}  # each request's future, or a step's SinkStep
         self._owners: dict[int, RemoteLanes] = {}  # who settles each request's future
         self._envs: dict[int, int] = {}  # the env of each request
         self._flushing = False
@@ -182,6 +182,19 @@ class LaneLink:
         self._queue((kind, key, slot, i, *args))
         return key, future
 
+    def submit_steps(self, owner: RemoteLanes, slot: int, envs: list[int]) -> list[int]:
+        """:meth:`submit` of a bare step (its action in the shared step buffers) for each of
+        ``envs``, in one pass, on a live link: their keys, each its step's :data:`SinkStep`."""
+        keys = [next(_KEYS) for _ in envs]
+        waiting, owners, ids = self._waiting, self._owners, self._envs
+        for key, i in zip(keys, envs):
+            waiting[key] = key
+            owners[key] = owner
+            ids[key] = i
+        self._out.extend([(LaneKind.STEP, key, slot, i, None, None) for key, i in zip(keys, envs)])
+        self._flush_soon()
+        return keys
+
     def rebind(self, key: int, future: asyncio.Future[Any]) -> bool:
         """``future`` waits for ``key``'s reply in place of its :data:`SinkStep`; false if the
         reply came already."""
@@ -199,6 +212,9 @@ class LaneLink:
 
     def _queue(self, request: tuple[Any, ...]) -> None:
         self._out.append(request)
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
         if not self._flushing:
             self._flushing = True
             self._loop.call_soon(self._flush)
@@ -407,6 +423,23 @@ class RemoteLanes(PerEnvLockstep):
         shared = not self._obs_in_reply and type(self.buffers.actions) is np.ndarray
         if shared:
             self.buffers.actions[index] = actions
+            inc: Incarnation | None = self._incarnation
+            built_in = self._built_in
+            if (  # the common case: every env's host lives, one pass for them all
+                not self._member.closed
+                and inc is not None
+                and not inc.dead
+                and inc.lanes.dead is None  # type: ignore[attr-defined]
+                and all(built_in[i] is inc for i in envs)
+            ):
+                link: LaneLink = inc.lanes  # type: ignore[attr-defined]
+                links, sent_to, kinds = self._links, self._sent_to, self._kinds
+                for i in envs:
+                    links[i], sent_to[i], kinds[i] = link, inc, LaneKind.STEP
+                keys = link.submit_steps(self, self._slot_index, envs)
+                for i, key in zip(envs, keys):
+                    self._keys[i] = key
+                return keys
         out: list[Any] = []
         for k, i in enumerate(envs):
             try:
