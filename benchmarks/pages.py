@@ -389,8 +389,8 @@ def summary_block(page: Path, name: str) -> str:
 
 #: What each folder that is not a study's own holds (a named variant, or a profile's results).
 FOLDERS: dict[str, str] = {
-    "ab": "the latest A/B of the Prometheus metrics: metrics off against on, each workload in "
-    "one process holding both copies, in pairs of alternating blocks",
+    "ab": "the latest A/B: two source trees (B/A), or the Prometheus metrics off against on "
+    "(on/off), the same workloads interleaved in one run",
     "ab/150-pairs": "the A/B's four noisier workloads again, 150 pairs each",
     "async_envs/hosts": "the async envs in the env hosts' event loops (process, Ray) at 1,000, "
     "10,000 and 50,000 episodes",
@@ -494,7 +494,15 @@ _ROW_LINES: dict[str, tuple[Callable[[Table, list[str]], str], Callable[[list[st
         lambda r: True,
     ),
     "ab": (
-        lambda t, r: f"{r[0]}: on/off {t.column(r, 'on/off')} ({t.column(r, 'verdict')})",
+        lambda t, r: (
+            f"{r[0]}: "
+            + (
+                f"B/A {t.column(r, 'B/A')}"
+                if "B/A" in t.header
+                else f"on/off {t.column(r, 'on/off')}"
+            )
+            + f" ({t.column(r, 'verdict')})"
+        ),
         lambda r: True,
     ),
     "async_envs": (
