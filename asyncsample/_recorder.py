@@ -277,11 +277,8 @@ class CarriedRows:
         self.obs = _fit(self.obs, rows.obs, self.n_envs)
         self.actions = _fit(self.actions, rows.actions, self.n_envs)
         at = (t, envs)
-        tree_map(lambda mine, theirs: mine.__setitem__(envs, theirs[at]), self.obs, rows.obs)
-        tree_map(
-            lambda mine, theirs: mine.__setitem__(envs, theirs[at]), self.actions, rows.actions
-        )
-        self.versions[envs] = rows.versions[at]
+        for mine, theirs in self._pairs(rows):
+            _copy_rows(mine, envs, theirs, at)
         for key, column in rows.agent_infos.items():
             mine = self.agent_infos[key] = _by_env(self.agent_infos.get(key), column, self.n_envs)
             mine[envs] = column[at]
@@ -294,11 +291,8 @@ class CarriedRows:
         An agent info column ``rows`` lacks, or of another shape (a replaced agent), is left
         out."""
         at = (t, envs)
-        tree_map(lambda theirs, mine: theirs.__setitem__(at, mine[envs]), rows.obs, self.obs)
-        tree_map(
-            lambda theirs, mine: theirs.__setitem__(at, mine[envs]), rows.actions, self.actions
-        )
-        rows.versions[at] = self.versions[envs]
+        for mine, theirs in self._pairs(rows):
+            _copy_rows(theirs, at, mine, envs)
         for key, mine in self.agent_infos.items():
             column = rows.agent_infos.get(key)
             if column is not None and column.shape[2:] == mine.shape[1:]:
@@ -306,10 +300,19 @@ class CarriedRows:
         if forget:
             self.drop(envs)
 
+    def _pairs(self, rows: Rows) -> tuple[tuple[Tree, Tree], ...]:
+        """The columns kept and those of ``rows`` they copy: observations, actions, versions."""
+        return (self.obs, rows.obs), (self.actions, rows.actions), (self.versions, rows.versions)
+
     def drop(self, envs: Any) -> None:
         """Forget the rows kept of ``envs`` (an env, a mask or indices; kept or not)."""
         self.count -= int(np.count_nonzero(self.held[envs]))
         self.held[envs] = False
+
+
+def _copy_rows(dst: Tree, into: Any, src: Tree, at: Any) -> None:
+    """``dst[into] = src[at]`` leaf by leaf."""
+    tree_map(lambda d, s: d.__setitem__(into, s[at]), dst, src)
 
 
 def _fit(mine: Tree, theirs: Tree, n_envs: int) -> Tree:
