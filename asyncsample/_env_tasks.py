@@ -326,6 +326,7 @@ class LaneStepper:
                     # that awaits one becomes its carrier: it returns the step's outcome).
                     cut = True
                     self.detaching = self.carry
+                    keep: list[int] = []
                     for i, task in enumerate(tasks):
                         if task not in pending:
                             continue
@@ -336,9 +337,11 @@ class LaneStepper:
                             task.add_done_callback(_seen)  # also if no call takes it up
                             pending.discard(task)
                             if self.pool is not None and i not in self.runs:
-                                self.keep_row(i)  # the next call records its row again
+                                keep.append(i)  # the next call records its row again
                         else:
                             task.cancel()
+                    if keep:
+                        self.keep_rows(np.array(keep, dtype=np.int64))
         finally:
             kept = [task for i, task in enumerate(tasks) if i not in lanes.detached]
             for task in kept:
@@ -436,8 +439,8 @@ class LaneStepper:
                         stepping = True
                         if pool is not None and i in episodes.carried_rows:
                             rows.cover(t, buffers.obs, buffers.actions)  # the previous call's
-                            at, env = np.array([t]), np.array([i])  # (dropped once recorded)
-                            episodes.carried_rows.put_back(rows, at, env, forget=False)
+                            # (dropped once recorded)
+                            episodes.carried_rows.put_back(rows, t, i, forget=False)
                         result = (
                             carried.result() if carried.done() else await asyncio.shield(carried)
                         )
@@ -704,12 +707,12 @@ class LaneStepper:
         if rule.env_steps is not None and rule.mode is CallMode.FRAGMENTS:
             rule.env_steps[i] = left
 
-    def keep_row(self, i: int) -> None:
-        """Copy env ``i``'s row of the step it leaves in flight, for the next call."""
+    def keep_rows(self, envs: np.ndarray) -> None:
+        """Copy the rows of the steps ``envs`` leave in flight, for the next call (one pass)."""
         episodes = self.worker.episodes
         cursor = episodes.recorder.cursor
         assert cursor is not None
-        episodes.carried_rows.keep(episodes.recorder.rows, cursor[i : i + 1], np.array([i]))
+        episodes.carried_rows.keep(episodes.recorder.rows, cursor[envs], envs)
 
     def drop_episode(self, i: int) -> int:
         """Drop env ``i``'s episode in progress (it is reset next); the steps it had recorded."""

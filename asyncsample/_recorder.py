@@ -272,8 +272,9 @@ class CarriedRows:
     def __contains__(self, i: int) -> bool:
         return bool(self.held[i])
 
-    def keep(self, rows: Rows, t: np.ndarray, envs: np.ndarray) -> None:
-        """Copy env ``envs[k]``'s row ``t[k]`` of ``rows`` for every ``k``."""
+    def keep(self, rows: Rows, t: np.ndarray | int, envs: np.ndarray | int) -> None:
+        """Copy env ``envs[k]``'s row ``t[k]`` of ``rows`` for every ``k`` (or env ``envs``'s
+        row ``t``)."""
         self.obs = _fit(self.obs, rows.obs, self.n_envs)
         self.actions = _fit(self.actions, rows.actions, self.n_envs)
         at = (t, envs)
@@ -285,11 +286,13 @@ class CarriedRows:
         self.count += int(np.count_nonzero(~self.held[envs]))
         self.held[envs] = True
 
-    def put_back(self, rows: Rows, t: np.ndarray, envs: np.ndarray, forget: bool = True) -> None:
+    def put_back(
+        self, rows: Rows, t: np.ndarray | int, envs: np.ndarray | int, forget: bool = True
+    ) -> None:
         """Put the rows kept of ``envs`` (each kept) back as env ``envs[k]``'s row ``t[k]`` of
-        ``rows`` (which exists); ``forget``: they are kept no more (else until :meth:`drop`).
-        An agent info column ``rows`` lacks, or of another shape (a replaced agent), is left
-        out."""
+        ``rows`` (which exists; or one env's, ``envs`` and ``t`` ints); ``forget``: they are
+        kept no more (else until :meth:`drop`). An agent info column ``rows`` lacks, or of
+        another shape (a replaced agent), is left out."""
         at = (t, envs)
         for mine, theirs in self._pairs(rows):
             _copy_rows(theirs, at, mine, envs)

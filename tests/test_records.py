@@ -139,7 +139,7 @@ def test_carried_rows_of_trees_and_drops() -> None:
     assert carried.count == 2 and 0 not in carried
     later = Rows(N)
     later.next_row(obs, ACTIONS)
-    carried.put_back(later, np.array([0]), np.array([1]), forget=False)
+    carried.put_back(later, 0, 1, forget=False)  # one env's row: ints
     assert later.obs["pos"][0, 1].tolist() == [2, 2] and later.obs["seen"][0][0, 1] == 11
     assert 1 in carried and carried.count == 2  # kept until dropped
 
