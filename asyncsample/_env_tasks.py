@@ -437,9 +437,8 @@ class LaneStepper:
                 try:
                     if carried is not None:
                         stepping = True
-                        if pool is not None and i in episodes.carried_rows:
+                        if pool is not None and i in episodes.carried_rows:  # kept till recorded
                             rows.cover(t, buffers.obs, buffers.actions)  # the previous call's
-                            # (dropped once recorded)
                             episodes.carried_rows.put_back(rows, t, i, forget=False)
                         result = (
                             carried.result() if carried.done() else await asyncio.shield(carried)
