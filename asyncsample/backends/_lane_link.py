@@ -131,9 +131,9 @@ SinkStep = int
 progress its :attr:`RemoteLanes.sink` takes the reply. It gets a future only when no sink takes
 its reply (:meth:`RemoteLanes.settle`: between calls, or its host died) or when a call of the
 lanes or a drop needs one (:meth:`RemoteLanes.keep_waiting`). An int: thousands in flight are no
-work for the cyclic collector, which tracks neither ints nor the dicts that hold only ints (an
-object of a class of ours, stateless or not, it tracks). Keys are unique in the process, so a
-key is its own request's and no other's."""
+work for the cyclic collector, which does not track ints (it tracks every object of a class of
+ours, stateless or not). Keys are unique in the process, so a key is its own request's and no
+other's."""
 
 _KEYS = itertools.count(1 << 16)
 """Every link's request keys (above the small ints Python shares)."""
