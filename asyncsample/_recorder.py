@@ -260,14 +260,18 @@ class CarriedRows:
     def __init__(self, n_envs: int) -> None:
         self.n_envs = n_envs
         self.held = np.zeros(n_envs, dtype=bool)
-        self.count = 0
         self.obs: Tree = None
         self.actions: Tree = None
         self.versions = np.zeros(n_envs, dtype=np.int64)
         self.agent_infos: dict[str, np.ndarray] = {}
 
     def __bool__(self) -> bool:
-        return self.count > 0
+        return bool(self.held.any())
+
+    @property
+    def count(self) -> int:
+        """How many envs have a row kept."""
+        return int(np.count_nonzero(self.held))
 
     def __contains__(self, i: int) -> bool:
         return bool(self.held[i])
@@ -283,7 +287,6 @@ class CarriedRows:
         for key, column in rows.agent_infos.items():
             mine = self.agent_infos[key] = _by_env(self.agent_infos.get(key), column, self.n_envs)
             mine[envs] = column[at]
-        self.count += int(np.count_nonzero(~self.held[envs]))
         self.held[envs] = True
 
     def put_back(
@@ -309,7 +312,6 @@ class CarriedRows:
 
     def drop(self, envs: Any) -> None:
         """Forget the rows kept of ``envs`` (an env, a mask or indices; kept or not)."""
-        self.count -= int(np.count_nonzero(self.held[envs]))
         self.held[envs] = False
 
 
