@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 
-__all__ = ["MIN_BYTES", "BatchMemory", "adjacent_rows"]
+__all__ = ["MIN_BYTES", "BatchMemory", "adjacent_rows", "carve"]
 
 #: Arrays smaller than this are plain ``np.empty`` (their page faults cost little).
 MIN_BYTES = 1 << 20
@@ -123,7 +124,36 @@ def adjacent_rows(leaves: Sequence[np.ndarray]) -> np.ndarray | None:
     owner = first if first.base is None else first.base
     if not isinstance(owner, np.ndarray) or not owner.flags.c_contiguous:
         return None
+    # One memory: separate arrays may lie end to end by chance (two blocks allocated in turn).
+    if any(leaf.base is not owner for leaf in leaves[1:]):
+        return None
     start = address - owner.__array_interface__["data"][0]
     flat = owner.reshape(-1).view(np.uint8)
     whole = flat[start : start + first.nbytes * len(leaves)]
     return whole.view(first.dtype).reshape(len(leaves) * len(first), *first.shape[1:])
+
+
+def carve(space: gym.Space[Any], n: int, make: Callable[[gym.Space[Any], int], Any]) -> Any:
+    """Buffers of ``n`` rows of ``space``, each leaf's made by ``make(leaf_space, rows)``; the
+    members of a ``Tuple`` of equal leaf spaces (a multi-agent env's slots) are views of one
+    block of ``len * n`` rows, end to end, so that :func:`adjacent_rows` joins their rows
+    without a copy (a policy's observations in the hosts)."""
+    if isinstance(space, gym.spaces.Dict):
+        return {k: carve(sub, n, make) for k, sub in space.spaces.items()}
+    if isinstance(space, gym.spaces.Tuple):
+        subs = space.spaces
+        if _equal_leaves(subs):
+            block = make(subs[0], len(subs) * n)
+            return tuple(block[k * n : (k + 1) * n] for k in range(len(subs)))
+        return tuple(carve(sub, n, make) for sub in subs)
+    return make(space, n)
+
+
+def _equal_leaves(spaces: Sequence[gym.Space[Any]]) -> bool:
+    """Whether ``spaces`` are two or more leaf spaces whose rows have one shape and dtype."""
+    first = spaces[0] if spaces else None
+    if len(spaces) < 2 or isinstance(first, (gym.spaces.Dict, gym.spaces.Tuple)):
+        return False
+    return all(
+        type(s) is type(first) and s.shape == first.shape and s.dtype == first.dtype for s in spaces
+    )

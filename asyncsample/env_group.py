@@ -19,6 +19,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncsample import _leaves, _validate
 from asyncsample._clock import CLOCK_SIZE, timed_group_step
+from asyncsample._memory import carve
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
 
@@ -753,7 +754,7 @@ def _copied(value: Any) -> Any:
 
 
 def _zeros(space: gym.Space[Any], n: int) -> Any:
-    return create_empty_array(space, n, fn=np.zeros)
+    return carve(space, n, lambda leaf, rows: create_empty_array(leaf, rows, fn=np.zeros))
 
 
 def _shapes(space: gym.Space[Any]) -> Any:

@@ -440,3 +440,65 @@ def test_batch_memory_carves_leaves_end_to_end_and_views_them_whole() -> None:
     assert memory.reused == reused + 1 and again[0].__array_interface__["data"][0] == address
     small = memory.empty((3,), np.float64)  # small arrays are plain np.empty
     assert small.base is None
+
+
+def test_arrays_that_lie_end_to_end_by_chance_are_not_joined() -> None:
+    """Two arrays of their own may sit one after the other in memory (shared blocks allocated
+    in turn): a view of both would reach past the first's owner, so they are not joined."""
+    from asyncsample._memory import adjacent_rows
+
+    memory = bytes(48)
+    first = np.frombuffer(memory, np.float32, count=6).reshape(2, 3)
+    second = np.frombuffer(memory, np.float32, count=6, offset=24).reshape(2, 3)
+    assert first.__array_interface__["data"][0] + first.nbytes == (
+        second.__array_interface__["data"][0]
+    )
+    assert adjacent_rows([first, second]) is None
+    block = np.zeros((4, 3), np.float32)
+    joined = adjacent_rows([block[0:2], block[2:4]])  # one owner: a view
+    assert joined is not None and np.shares_memory(joined, block)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_step_buffers_lay_a_tuple_of_equal_slots_end_to_end(shared: bool) -> None:
+    """A multi-agent env's joint observation holds one leaf per agent slot: when the slots'
+    spaces are equal, their buffers are one block, so a policy's rows of them are a view in the
+    hosts and the caller (no copy of every observation per step); other tuples stay apart."""
+    import multiprocessing
+
+    import gymnasium as gym
+
+    from asyncsample._memory import adjacent_rows
+    from asyncsample.backends._transport import shared_buffers, view_buffers
+    from asyncsample.env_group import StepBuffers
+
+    slot = gym.spaces.Box(0, 255, (6, 5, 3), np.uint8)
+    obs_space = gym.spaces.Dict(
+        {
+            "agents": gym.spaces.Tuple([slot] * 4),
+            "mixed": gym.spaces.Tuple([slot, gym.spaces.Box(0, 1, (2,), np.float32)]),
+        }
+    )
+    act_space = gym.spaces.Tuple([gym.spaces.Box(-1, 1, (1,), np.float32)] * 4)
+    if shared:
+        made, raw = shared_buffers(obs_space, act_space, 3, multiprocessing.get_context("spawn"))
+        buffers = view_buffers(obs_space, act_space, 3, raw)  # the host's view of them
+    else:
+        buffers = StepBuffers.allocate(obs_space, act_space, 3)
+    agents = list(buffers.obs["agents"])
+    assert all(leaf.shape == (3, 6, 5, 3) and leaf.dtype == np.uint8 for leaf in agents)
+    for k, leaf in enumerate(agents):
+        leaf[:] = k
+    whole = adjacent_rows(agents)
+    assert whole is not None and whole.shape == (12, 6, 5, 3)
+    assert (whole[3:6] == 1).all() and (whole[9:] == 3).all()
+    gathered = gather_slots(agents, np.tile(np.arange(3), 4), np.repeat(np.arange(4), 3), view=True)
+    assert np.shares_memory(gathered, agents[0])
+    assert adjacent_rows(list(buffers.final_obs["agents"])) is not None
+    assert adjacent_rows(list(buffers.actions)) is not None
+    mixed = buffers.obs["mixed"]
+    assert mixed[0].shape == (3, 6, 5, 3) and mixed[1].shape == (3, 2)
+    if shared:  # the caller's and the host's views are one memory
+        agents[2][1, 0, 0, 0] = 77
+        assert made.obs["agents"][2][1, 0, 0, 0] == 77
+        assert made.obs["agents"][1][1, 0, 0, 0] == 1

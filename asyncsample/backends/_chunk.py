@@ -23,7 +23,7 @@ from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._engine import CallMode, StopRule
 from asyncsample._infos import snapshot
-from asyncsample._recorder import put_row, row_of
+from asyncsample._recorder import put_row
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent, trusted_actions
 from asyncsample.backends._column_wire import unpack_chunk
@@ -403,6 +403,7 @@ class ChunkRunner:
         # After a chunk that ran to its end: its rule, active and counts (see NextChunk).
         self._state: tuple[StopRule, np.ndarray, np.ndarray] | None = None
         self._next_row = -1  # the arena row of the next chunk's observations (NextChunk)
+        self._ready_row = -1  # the arena row the last chunk's spare row filled (current obs)
         self.agent: Any = None
         self._output_check = AgentOutputCheck(group.worker, group.n_envs)
         self._action_check = make_action_check(action_space)
@@ -421,6 +422,7 @@ class ChunkRunner:
 
     def reset_agent(self, mask: np.ndarray) -> None:
         """``agent.reset(mask)``, where the agent has it (episodes start in ``mask``)."""
+        self._ready_row = -1  # reset envs show new observations
         reset = getattr(self.agent, "reset", None)
         if reset is not None and mask.any():
             self._guard(reset, mask.copy())
@@ -481,10 +483,13 @@ class ChunkRunner:
         self._state = None  # until this chunk has run to its end
         chunk = self.chunks[request.buffer]
         into = self._arena_rows(row, min(request.steps, chunk.capacity))
+        # A chunk that follows one into the arena starts at the row that one's spare row filled.
+        written = into is not None and row == self._ready_row and isinstance(request, NextChunk)
+        self._ready_row = -1
         buffers = self.group.buffers
         own = buffers.obs
         try:
-            reply = self._run(chunk, request.steps, rule, active, counts, into)
+            reply = self._run(chunk, request.steps, rule, active, counts, into, written)
         finally:
             if buffers.obs is not own:  # the steps wrote into the arena: the last row is current
                 own[...] = buffers.obs
@@ -495,6 +500,7 @@ class ChunkRunner:
         else:
             reply.obs_row = row
             self._next_row = row + reply.steps
+            self._ready_row = self._next_row if reply.steps > 0 else -1
         return reply
 
     def _agent_reset(self) -> Callable[..., Any] | None:
@@ -532,10 +538,12 @@ class ChunkRunner:
         active: np.ndarray,
         counts: np.ndarray,
         into: Tree = None,
+        written: bool = False,
     ) -> ChunkReply:
         """The chunk loop: ``rule``, ``active`` and ``counts`` are consumed in place;
-        observations go to ``into`` (arena rows) if given, else to the set's rows. Written for
-        the cost per step: one assignment per plain row, episode ends from the group's list."""
+        observations go to ``into`` (arena rows) if given, else to the set's rows; ``written``:
+        row 0 already holds the current observations. Written for the cost per step: one
+        assignment per plain row, episode ends from the group's list."""
         group = self.group
         buf = group.buffers
         everyone = bool(active.all())
@@ -570,7 +578,7 @@ class ChunkRunner:
                 if not more(active):
                     break
                 if flat_obs:
-                    if not swapped:
+                    if not swapped and not written:
                         obs_rows[j] = buf_obs
                     observations = obs_rows[j]
                     if swap and everyone:
@@ -581,8 +589,12 @@ class ChunkRunner:
                         buf.obs = buf_obs
                         swapped = False
                 else:
-                    put_row(obs_rows, j, buf_obs)
-                    observations = row_of(obs_rows, j)
+                    if not written:
+                        put_row(obs_rows, j, buf_obs)
+                    # The group's own rows (the same values): a multi-agent env's slots lie end
+                    # to end there (``_memory.carve``), so a policy's rows need no copy.
+                    observations = buf_obs
+                written = False
                 try:
                     actions, infos = actions_for(observations)
                 except Exception as exc:

@@ -28,6 +28,7 @@ import numpy as np
 from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 
 from asyncsample._clock import CLOCK_SIZE
+from asyncsample._memory import carve
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_group import EnvFailure, StepBuffers, fixed_rows
 
@@ -298,9 +299,13 @@ def shared_buffers(
 
     def make(space: gym.Space[Any], n: int) -> Tree:
         where = lazy if lazy_obs and space is observation_space else shm_ctx
-        memory = create_shared_memory(space, n, ctx=where)  # type: ignore[arg-type]
-        raw.append(memory)
-        return read_from_shared_memory(space, memory, n)
+
+        def leaf(leaf_space: gym.Space[Any], rows: int) -> Tree:
+            memory = create_shared_memory(leaf_space, rows, ctx=where)  # type: ignore[arg-type]
+            raw.append(memory)
+            return read_from_shared_memory(leaf_space, memory, rows)
+
+        return carve(space, n, leaf)
 
     buffers = StepBuffers.allocate(
         observation_space, action_space, n_envs, make=make, timed=timed, columns=columns
@@ -318,9 +323,10 @@ def view_buffers(
 ) -> StepBuffers:
     """The host's view of the buffers :func:`shared_buffers` made (same allocation order)."""
     blocks = iter(raw)
-    make: Callable[[gym.Space[Any], int], Tree] = lambda space, n: read_from_shared_memory(  # noqa: E731
-        space, next(blocks), n
-    )
+
+    def make(space: gym.Space[Any], n: int) -> Tree:
+        return carve(space, n, lambda leaf, rows: read_from_shared_memory(leaf, next(blocks), rows))
+
     return StepBuffers.allocate(
         observation_space, action_space, n_envs, make=make, timed=timed, columns=columns
     )
