@@ -450,8 +450,9 @@ def test_arrays_that_lie_end_to_end_by_chance_are_not_joined() -> None:
     memory = bytes(48)
     first = np.frombuffer(memory, np.float32, count=6).reshape(2, 3)
     second = np.frombuffer(memory, np.float32, count=6, offset=24).reshape(2, 3)
-    assert first.__array_interface__["data"][0] + first.nbytes == (
-        second.__array_interface__["data"][0]
+    assert (
+        first.__array_interface__["data"][0] + first.nbytes
+        == (second.__array_interface__["data"][0])
     )
     assert adjacent_rows([first, second]) is None
     block = np.zeros((4, 3), np.float32)
