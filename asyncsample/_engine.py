@@ -441,35 +441,54 @@ class Episodes:
         """The episodes of ``envs`` ended at row ``t`` (``terminated`` or truncated): cut and
         count them, start the next ones (``reset_infos`` by env) under agent ``version``."""
         recorder = self.recorder
-        lengths, returns, infos = self.lengths, self.returns, self.episode_info
+        lengths, returns = self.lengths, self.returns
         steps = recorder.completed_steps
-        ends = self.ends
-        starts = self.started_at  # metrics on: the episodes' wall time
-        now = time.perf_counter() if starts is not None else 0.0
+        now = time.perf_counter() if self.started_at is not None else 0.0
         flat = type(final_obs) is np.ndarray and final_obs.dtype != object
         for i in envs.tolist():
-            end = StepType.TERMINAL if terminated[i] else StepType.TIMEOUT
             last = (
                 final_obs[i].copy() if flat else tree_map(lambda x, i=i: row_copy(x, i), final_obs)
             )
-            info = infos[i]
-            ends[0 if terminated[i] else 2 if info.get("deadline") else 1] += 1
-            if starts is not None:
-                self.durations.append(now - starts[i])
-                starts[i] = now
-            recorder.close_piece(i, t + 1, end, last, info)
-            self.finished.append(
-                FinishedEpisode(float(returns[i]), int(lengths[i]), int(info["agent_version"]))
-            )
-            returns[i] = 0.0
-            infos[i] = self.fresh_info(reset_infos.get(i, {}), i, version)
-            lengths[i] = 0
-            recorder.piece_position[i] = 0
+            ret, length = float(returns[i]), int(lengths[i])
+            returns[i], lengths[i] = 0.0, 0
+            self._close(i, t + 1, bool(terminated[i]), last, reset_infos, version, ret, length, now)
+        self._closed(envs, recorder.completed_steps - steps)
+
+    def _close(
+        self,
+        i: int,
+        stop: int,
+        terminated: bool,
+        last: Tree,
+        reset_infos: Mapping[int, dict[str, Any]],
+        version: int,
+        ret: float,
+        length: int,
+        now: float,
+    ) -> None:
+        """Env ``i``'s episode (``ret``, ``length``) ended before row ``stop`` with ``last``;
+        its next one starts under ``version`` (``now``: the time, metrics on)."""
+        info = self.episode_info[i]
+        self.ends[0 if terminated else 2 if info.get("deadline") else 1] += 1
+        starts = self.started_at
+        if starts is not None:
+            self.durations.append(now - starts[i])
+            starts[i] = now
+        end = StepType.TERMINAL if terminated else StepType.TIMEOUT
+        recorder = self.recorder
+        recorder.close_piece(i, stop, end, last, info)
+        self.finished.append(FinishedEpisode(ret, length, int(info["agent_version"])))
+        self.episode_info[i] = self.fresh_info(reset_infos.get(i, {}), i, version)
+        recorder.piece_position[i] = 0
+
+    def _closed(self, envs: np.ndarray, steps: int) -> None:
+        """The episodes of ``envs`` (``steps`` steps in all) were closed: their next ones'
+        deadlines, the call's rule."""
         if self.episode_timeout is not None:  # the next episodes start now (autoreset)
             self.deadlines[envs] = self.clock() + self.episode_timeout
         rule = self.rule
         if rule is not None:
-            if rule.ended(envs, recorder.completed_steps - steps, self.active):
+            if rule.ended(envs, steps, self.active):
                 self.everyone = False
 
     def drop_env(self, i: int) -> int:
@@ -531,6 +550,10 @@ class Episodes:
             if env_infos is not None:
                 rows.env_infos[t0 + j] = env_infos
         flags = chunk.terminated[:steps] | chunk.truncated[:steps]
+        rule = self.rule
+        if record is None and (rule is None or rule.episodes_left is None):
+            self._replay_ends(chunk, steps, flags, rewards, t0, step_infos, version)
+            return
         events = np.flatnonzero(flags.any(axis=1)).tolist()
         if record is not None:
             events = list(range(steps))
@@ -558,6 +581,58 @@ class Episodes:
                 reset_infos = step_infos.get(j, no_infos)[1]
                 self.close_episodes(ended, t0 + j, chunk.terminated[j], final, reset_infos, version)
         self._advance(rewards[j0:steps])
+
+    def _replay_ends(
+        self,
+        chunk: ChunkRecords,
+        steps: int,
+        flags: np.ndarray,
+        rewards: np.ndarray,
+        t0: int,
+        step_infos: Mapping[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]],
+        version: int,
+    ) -> None:
+        """:meth:`replay`'s episode ends and sums in one pass, where no end makes an env
+        inactive (no rule of episodes per env): each env's length and return summed over its
+        column in Python floats (the same float64 additions, in the same order, as step by
+        step), then the episodes closed step by step, as they ended."""
+        active = None if self.everyone else self.active
+        js, ends = np.nonzero(flags if active is None else flags & active)
+        if not len(js):
+            self._advance(rewards)
+            return
+        columns = rewards.T.tolist()
+        returns, lengths = self.returns.tolist(), self.lengths.tolist()
+        start = [0] * self.n_envs
+        finals, terminated = chunk.final_obs, chunk.terminated[:steps].tolist()
+        flat = type(finals) is np.ndarray and finals.dtype != object
+        now = time.perf_counter() if self.started_at is not None else 0.0
+        completed = self.recorder.completed_steps
+        no_infos: tuple[None, dict[int, dict[str, Any]]] = (None, {})
+        for j, i in zip(js.tolist(), ends.tolist()):
+            total = returns[i]
+            for r in columns[i][start[i] : j + 1]:
+                total += r
+            last = (
+                finals[j, i].copy()
+                if flat
+                else tree_map(lambda x, j=j, i=i: row_copy(x[j], i), finals)
+            )
+            length = lengths[i] + j + 1 - start[i]
+            returns[i], lengths[i], start[i] = 0.0, 0, j + 1
+            reset_infos = step_infos.get(j, no_infos)[1]
+            self._close(
+                i, t0 + j + 1, terminated[j][i], last, reset_infos, version, total, length, now
+            )
+        stepped = range(self.n_envs) if active is None else np.flatnonzero(active).tolist()
+        for i in stepped:  # what follows each env's last end in the chunk
+            total = returns[i]
+            for r in columns[i][start[i] : steps]:
+                total += r
+            returns[i], lengths[i] = total, lengths[i] + steps - start[i]
+        self.returns[:] = returns
+        self.lengths[:] = lengths
+        self._closed(ends, self.recorder.completed_steps - completed)
 
     def late(self) -> np.ndarray:
         """The envs whose episode in progress passed its deadline (``episode_timeout``)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from asyncsample._engine import CallMode, Continuity, Episodes, StopRule, share_of
 from asyncsample._quotas import SharedQuota
 from asyncsample._recorder import Resume
+from asyncsample._tree import tree_equal
 
 
 def test_rules_stop_where_the_modes_say() -> None:
@@ -110,6 +112,75 @@ def test_replay_equals_step_by_step(mode: CallMode) -> None:
     rows = min(a.rows.size, b.rows.size)
     assert np.array_equal(a.rows.obs[:rows], b.rows.obs[:rows])
     assert np.array_equal(a.rows.rewards[:rows], b.rows.rewards[:rows])
+
+
+@pytest.mark.parametrize("mode", [CallMode.SAMPLES, CallMode.FRAGMENTS])
+@pytest.mark.parametrize("everyone", [True, False])
+@pytest.mark.parametrize("tree", [False, True])
+def test_replay_in_one_pass_equals_the_loop_by_step(
+    mode: CallMode, everyone: bool, tree: bool
+) -> None:
+    """A chunk's ends are closed in one pass where no end stops an env (replay's fast path):
+    the same episodes, returns bit for bit, last observations, infos and counts as the loop
+    over its steps (which a per-step ``record`` callback makes replay take)."""
+    rng = np.random.default_rng(11)
+    k, n = 50, 4
+    rewards = rng.normal(size=(k, n)) * 1e3
+    terminated = rng.random((k, n)) < 0.15
+    truncated = (rng.random((k, n)) < 0.05) & ~terminated
+    terminated[3, :] = True  # several envs ending on one step
+    like_obs: Any = np.zeros((n, 1), dtype=np.float32)
+
+    def chunk() -> SimpleNamespace:
+        made = _chunk(rewards, terminated)
+        made.truncated = truncated
+        if tree:
+            made.obs = {"a": made.obs, "b": (made.obs * 2,)}
+            made.final_obs = {"a": made.final_obs, "b": (made.final_obs * 2,)}
+        return made
+
+    if tree:
+        like_obs = {"a": like_obs, "b": (like_obs,)}
+    like = (like_obs, np.zeros(n, dtype=np.int64))
+    step_infos = {3: (None, {1: {"seed": 7}}), 20: (None, {0: {"x": 1}})}
+
+    def replayed(record: Any) -> Episodes:
+        episodes = Episodes(0, n)
+        episodes.begin(Resume.NOTHING, StopRule.for_call(mode, 10_000, n))
+        episodes.started(np.ones(n, dtype=bool), {})
+        episodes.returns[:] = [0.1, 0.2, 0.3, 0.4]  # a running episode's return so far
+        episodes.lengths[:] = [2, 0, 5, 1]
+        episodes.episode_info = [episodes.fresh_info({}, i, 1) for i in range(n)]
+        if not everyone:
+            episodes.active[2] = False
+            episodes.everyone = False
+        episodes.replay(chunk(), k, {}, step_infos, 3, like, record)
+        return episodes
+
+    one_pass, by_step = replayed(None), replayed(lambda *args: None)
+    assert one_pass.finished == by_step.finished and len(one_pass.finished) > 10
+    assert one_pass.lengths.tolist() == by_step.lengths.tolist()
+    assert one_pass.returns.tobytes() == by_step.returns.tobytes()
+    assert one_pass.ends == by_step.ends
+    assert one_pass.episode_info == by_step.episode_info
+    assert one_pass.rule is not None and by_step.rule is not None
+    assert (one_pass.rule.need, one_pass.rule.steps) == (by_step.rule.need, by_step.rule.steps)
+    a, b = one_pass.recorder, by_step.recorder
+    assert a.completed_steps == b.completed_steps
+    assert len(a.pieces) == len(b.pieces)
+    for p, q in zip(a.pieces, b.pieces, strict=True):
+        assert (p.env, p.start, p.stop, p.position, p.end, p.episode_info) == (
+            q.env,
+            q.start,
+            q.stop,
+            q.position,
+            q.end,
+            q.episode_info,
+        )
+        assert tree_equal(p.last_observation, q.last_observation)
+    if not everyone:  # the inactive env took no step and closed nothing
+        assert 2 not in {p.env for p in a.pieces}
+        assert one_pass.lengths[2] == 5 and one_pass.returns[2] == 0.3
 
 
 @pytest.mark.parametrize(
