@@ -19,6 +19,11 @@ Sampler's and the faces' Prometheus metrics, scraped once at the end of each run
 metrics off against on inside one process per workload instead (tree B, see
 :mod:`benchmarks.ab_blocks`): ``N`` pairs of short alternating blocks, which resolve a smaller
 difference than separate runs do.
+
+``--ceiling`` also runs, in each repeat, the machine's ceiling for every workload of a gymnasium
+env (:func:`benchmarks.ceiling.ceiling`: the same env, and the same policy if any, in a plain
+loop side by side in as many processes as cores), so that each tree's rate is read against what
+the machine allows in the same run (``A/ceiling``, ``B/ceiling``).
 """
 
 from __future__ import annotations
@@ -337,6 +342,31 @@ def run_once(
     return result
 
 
+#: The faces whose workloads step a gymnasium env (the others step the latency envs).
+GYM_FACES = ("sampler", "vector", "batched", "host", "host-stream")
+
+
+def ceiling_once(workload: tuple[str, str, int, int, int, bool, int]) -> dict[str, float]:
+    """The machine's ceiling for ``workload``: its env (and policy) in a plain loop per core."""
+    from benchmarks.ceiling import ceiling
+    from benchmarks.contenders import RunSpec
+
+    _, env_id, workers, per, _, policy, transitions = workload
+    n_envs = workers * per
+    spec = RunSpec(
+        contender="ceiling",
+        env=env_id,
+        env_id=env_id,
+        n_envs=n_envs,
+        n_transitions=transitions,
+        warmup=min(transitions // 10, 10_000),
+        cores=os.cpu_count() or 1,
+        policy="mlp" if policy else "",
+    )
+    result = ceiling(spec)
+    return {"steps_per_s": result.transitions / result.seconds}
+
+
 #: What "slower" means here: B under this fraction of A's rate (issue 31: no workload slower by
 #: more than 3%).
 TOLERANCE = 0.97
@@ -390,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         "off against on, one tree)",
     )
     parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also the machine's ceiling of each gymnasium-env workload, once per repeat",
+    )
+    parser.add_argument(
         "--blocks",
         type=int,
         metavar="N",
@@ -413,6 +448,11 @@ def main(argv: list[str] | None = None) -> int:
                 runs.setdefault(name, {"a": [], "b": []})[side].append(res)
                 load.append(os.getloadavg()[0])
                 print(f"{name} [{side}] {res['steps_per_s']:,.0f} steps/s", file=sys.stderr)
+            if args.ceiling and WORKLOADS[name][0] in GYM_FACES:
+                top = ceiling_once(_scaled(name, args))
+                runs[name].setdefault("ceiling", []).append(top)
+                load.append(os.getloadavg()[0])
+                print(f"{name} [ceiling] {top['steps_per_s']:,.0f} steps/s", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for name, sides in runs.items():
 
@@ -434,6 +474,11 @@ def main(argv: list[str] | None = None) -> int:
                 "runs": sides,
             }
         )
+        if sides.get("ceiling"):
+            top = med("ceiling", "steps_per_s")
+            rows[-1]["ceiling_steps_per_s"] = top
+            rows[-1]["a_of_ceiling"] = rows[-1]["a_steps_per_s"] / top
+            rows[-1]["b_of_ceiling"] = rows[-1]["b_steps_per_s"] / top
     machine = _machine(load)
     results = {"machine": machine, "metrics": args.metrics, "scale": args.scale, "rows": rows}
     on = [side.upper() for side in ("a", "b") if metrics_on[side]]
@@ -447,15 +492,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{min(load):.1f}-{max(load):.1f} during the run.",
         "",
         "| workload | A steps/s | B steps/s | B/A | B/A per repeat | verdict | A main CPU us/step "
-        "| B main CPU us/step | A hosts CPU us/step | B hosts CPU us/step |",
-        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|",
+        "| B main CPU us/step | A hosts CPU us/step | B hosts CPU us/step"
+        + (" | ceiling steps/s | A/ceiling | B/ceiling |" if args.ceiling else " |"),
+        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|"
+        + ("---:|---:|---:|" if args.ceiling else ""),
     ]
     for row in rows:
+        top = ""
+        if args.ceiling:
+            top = " - | - | - |"
+            if "ceiling_steps_per_s" in row:
+                top = (
+                    f" {row['ceiling_steps_per_s']:,.0f} | {row['a_of_ceiling']:.2f} | "
+                    f"{row['b_of_ceiling']:.2f} |"
+                )
         lines.append(
             f"| {row['workload']} | {row['a_steps_per_s']:,.0f} | {row['b_steps_per_s']:,.0f} | "
             f"{row['ratio']:.2f}x | {' '.join(f'{r:.2f}' for r in row['pair_ratios'])} | "
             f"{row['verdict']} | {row['a_main_cpu_us']:.1f} | {row['b_main_cpu_us']:.1f} | "
-            f"{row['a_hosts_cpu_us']:.1f} | {row['b_hosts_cpu_us']:.1f} |"
+            f"{row['a_hosts_cpu_us']:.1f} | {row['b_hosts_cpu_us']:.1f} |{top}"
         )
     write_own_results(args.out, results, "\n".join(lines))
     return 0

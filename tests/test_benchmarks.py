@@ -327,6 +327,27 @@ def test_ab_counts_the_env_hosts_cpu(tmp_path: Path) -> None:
     assert all(run["hosts_cpu_us"] > 0 for side in ("a", "b") for run in row["runs"][side])
 
 
+def test_ab_ceiling_reads_each_tree_against_the_machine_in_the_same_run(tmp_path: Path) -> None:
+    """``ab --ceiling``: each repeat also runs the ceiling of a gymnasium-env workload (the same
+    env and policy, a plain loop per core), and the row gives both trees' share of it; a
+    latency-env workload has no ceiling."""
+    from benchmarks.__main__ import main
+
+    workloads = ["CartPole-v1 2x4 MLP host", "AsyncEnv 0 ms 1x8 random asyncio batched"]
+    code = main(["ab", "--quick", "--repeats", "2", "--ceiling", "--out", str(tmp_path),
+                 "--a", str(REPO), "--b", str(REPO), "--workloads", *workloads])  # fmt: skip
+    assert code == 0
+    host, lanes = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(host["runs"]["ceiling"]) == 2
+    assert host["ceiling_steps_per_s"] > 0
+    assert host["b_of_ceiling"] == pytest.approx(
+        host["b_steps_per_s"] / host["ceiling_steps_per_s"]
+    )
+    assert "ceiling" not in lanes["runs"] and "b_of_ceiling" not in lanes
+    table = (tmp_path / "results.md").read_text()
+    assert "| B/ceiling |" in table and table.rstrip().endswith("| - | - | - |")
+
+
 def test_ab_blocks_metrics_off_against_on_in_one_process(tmp_path: Path) -> None:
     """``ab --blocks N``: each workload's two copies (off, on) in one process, N pairs of
     alternating blocks; the on copy alone counted its steps, and each row has the pairs' ratios,
