@@ -13,6 +13,8 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Collection, Mapping
 from dataclasses import dataclass
+from functools import reduce
+from operator import add
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -593,9 +595,9 @@ class Episodes:
         version: int,
     ) -> None:
         """:meth:`replay`'s episode ends and sums in one pass, where no end makes an env
-        inactive (no rule of episodes per env): each env's length and return summed over its
+        inactive (no rule of episodes per env): each episode's return summed over its env's
         column in Python floats (the same float64 additions, in the same order, as step by
-        step), then the episodes closed step by step, as they ended."""
+        step) and the episode closed, in the order the episodes ended."""
         active = None if self.everyone else self.active
         js, ends = np.nonzero(flags if active is None else flags & active)
         if not len(js):
@@ -610,9 +612,7 @@ class Episodes:
         completed = self.recorder.completed_steps
         no_infos: tuple[None, dict[int, dict[str, Any]]] = (None, {})
         for j, i in zip(js.tolist(), ends.tolist()):
-            total = returns[i]
-            for r in columns[i][start[i] : j + 1]:
-                total += r
+            total = reduce(add, columns[i][start[i] : j + 1], returns[i])  # in order
             last = (
                 finals[j, i].copy()
                 if flat
@@ -626,10 +626,8 @@ class Episodes:
             )
         stepped = range(self.n_envs) if active is None else np.flatnonzero(active).tolist()
         for i in stepped:  # what follows each env's last end in the chunk
-            total = returns[i]
-            for r in columns[i][start[i] : steps]:
-                total += r
-            returns[i], lengths[i] = total, lengths[i] + steps - start[i]
+            returns[i] = reduce(add, columns[i][start[i] : steps], returns[i])
+            lengths[i] += steps - start[i]
         self.returns[:] = returns
         self.lengths[:] = lengths
         self._closed(ends, self.recorder.completed_steps - completed)
