@@ -133,20 +133,34 @@ def adjacent_rows(leaves: Sequence[np.ndarray]) -> np.ndarray | None:
     return whole.view(first.dtype).reshape(len(leaves) * len(first), *first.shape[1:])
 
 
-def carve(space: gym.Space[Any], n: int, make: Callable[[gym.Space[Any], int], Any]) -> Any:
-    """Buffers of ``n`` rows of ``space``, each leaf's made by ``make(leaf_space, rows)``; the
+def carve(
+    space: gym.Space[Any],
+    n: int,
+    make: Callable[[gym.Space[Any], int], Any],
+    rows: int | None = None,
+) -> Any:
+    """Buffers of ``n`` rows of ``space``, each leaf's made by ``make(leaf_space, count)``; the
     members of a ``Tuple`` of equal leaf spaces (a multi-agent env's slots) are views of one
-    block of ``len * n`` rows, end to end, so that :func:`adjacent_rows` joins their rows
-    without a copy (a policy's observations in the hosts)."""
+    block, end to end, so that :func:`adjacent_rows` joins their rows without a copy (a
+    policy's observations in the hosts).
+
+    ``rows``: leaves of ``(rows, n, ...)`` instead (an observation arena of ``rows`` rows of
+    ``n`` envs), such members end to end within each row.
+    """
     if isinstance(space, gym.spaces.Dict):
-        return {k: carve(sub, n, make) for k, sub in space.spaces.items()}
+        return {k: carve(sub, n, make, rows) for k, sub in space.spaces.items()}
     if isinstance(space, gym.spaces.Tuple):
         subs = space.spaces
-        if _equal_leaves(subs):
-            block = make(subs[0], len(subs) * n)
-            return tuple(block[k * n : (k + 1) * n] for k in range(len(subs)))
-        return tuple(carve(sub, n, make) for sub in subs)
-    return make(space, n)
+        if not _equal_leaves(subs):
+            return tuple(carve(sub, n, make, rows) for sub in subs)
+        m = len(subs)
+        block = make(subs[0], m * n * (rows or 1))
+        if rows is None:
+            return tuple(block[k * n : (k + 1) * n] for k in range(m))
+        block = block.reshape(rows, m, n, *block.shape[1:])
+        return tuple(block[:, k] for k in range(m))
+    leaf = make(space, n * (rows or 1))
+    return leaf if rows is None else leaf.reshape(rows, n, *leaf.shape[1:])
 
 
 def _equal_leaves(spaces: Sequence[gym.Space[Any]]) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import cloudpickle
+import gymnasium as gym
 import numpy as np
 import pytest
 from envs import KillSelfEnv, NoisyEnv, SleepyEnv
@@ -23,6 +24,9 @@ from helpers import SamplerFactory, wait_until
 
 from asyncsample import EpisodeBatch
 from asyncsample._engine import CallMode, StopRule
+from asyncsample._memory import adjacent_rows, carve
+from asyncsample._recorder import row_of
+from asyncsample._tree import tree_leaves
 from asyncsample.agent import RandomAgent
 from asyncsample.backends import ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._chunk import ChunkBuffers, ChunkRunner, chunk_rows, chunk_sets
@@ -331,3 +335,161 @@ async def test_host_killed_with_a_chunk_queued(
             assert episodes.n_episodes == 4
         gc.collect()
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
+
+
+# -- the current observations stay where the last chunk wrote them ---------------------------------
+
+
+class SlotsEnv(gym.Env):
+    """NoisyEnv's steps, observed as a ``Tuple`` of equal slots (a multi-agent env's shape)."""
+
+    def __init__(self) -> None:
+        self.inner = NoisyEnv()
+        self.observation_space = gym.spaces.Tuple(
+            [gym.spaces.Box(-1.0, 1.0, (2, 3), np.float32)] * 3
+        )
+        self.action_space = self.inner.action_space
+
+    def _slots(self, obs: np.ndarray) -> tuple[np.ndarray, ...]:
+        return tuple(np.stack([obs * k, obs + k]).astype(np.float32) for k in range(3))
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        obs, info = self.inner.reset(seed=seed)
+        return self._slots(obs), info
+
+    def step(self, action: Any) -> Any:
+        obs, *rest = self.inner.step(action)
+        return (self._slots(obs), *rest)
+
+
+class SlotsAgent:
+    """Deterministic actions from a :class:`SlotsEnv`'s first slot."""
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        first = np.asarray(observations[0])
+        return (first[:, 0, 0] > 0).astype(np.int64), {"sum": first.sum(axis=(1, 2))}
+
+
+def arena_runner(
+    space_env: type[gym.Env], arena_rows: int | None, capacity: int = 4
+) -> ChunkRunner:
+    """A chunk runner over 2 reset envs, with an observation arena of ``arena_rows`` rows
+    (``None``: none), laid out as the process backend lays it."""
+    env = space_env()
+    obs_space, act_space = env.observation_space, env.action_space
+    group = EnvGroup(0, StepBuffers.allocate(obs_space, act_space, 2), obs_space, act_space, 30)
+    group.build([[space_env]] * 2, [3, 4])
+    group.reset(np.ones(2, dtype=bool))
+    flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(capacity, 2) * 2)
+    arena = None
+    if arena_rows is not None:
+        arena = carve(obs_space, 2, lambda s, n: np.zeros((n, *s.shape), s.dtype), arena_rows)
+    runner = ChunkRunner(group, chunk_sets(flat, capacity, 2, arena=arena), act_space)
+    runner.install(pickle.dumps((cloudpickle.dumps(RandomAgent(act_space, seed=0)), 0)))
+    return runner
+
+
+def into_arena(row: int, steps: int = 4) -> ChunkRequest:
+    request = fragments(40)
+    request.steps, request.obs_row = steps, row
+    return request
+
+
+@pytest.mark.parametrize("space_env", [NoisyEnv, SlotsEnv])
+def test_a_chunk_leaves_the_current_observations_in_the_arena(space_env: type[gym.Env]) -> None:
+    """A chunk into the arena writes each step's observations straight into the next row and
+    leaves the last ones there (no copy home per chunk); the next chunk starts from that row,
+    and any other request settles them home first. The observations are those of a runner
+    without an arena, step for step."""
+    runner, plain = arena_runner(space_env, 12), arena_runner(space_env, None)
+    group = runner.group
+    own = group.buffers.obs
+    arena = runner.chunk.arena
+    row_at = functools.partial(row_of, arena)
+
+    def same(a: Any, b: Any) -> bool:
+        return all(
+            np.array_equal(x, y) for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True)
+        )
+
+    def run_both(request: ChunkRequest | NextChunk) -> ChunkReply:
+        reply = runner.run(request)
+        expected = plain.run(request)  # (it has no arena: into its chunk's own rows)
+        assert reply.steps == expected.steps
+        chunk = plain.chunks[getattr(request, "buffer", 0)]
+        for j in range(reply.steps + 1):
+            assert same(row_at(reply.obs_row + j), row_of(chunk.obs, j)), j
+        return reply
+
+    reply = run_both(into_arena(0))
+    assert reply.steps == 4 and reply.obs_row == 0
+    assert group.buffers.obs is not own
+    assert all(
+        np.shares_memory(a, b)
+        for a, b in zip(tree_leaves(group.buffers.obs), tree_leaves(row_at(4)))
+    )
+    if space_env is SlotsEnv:  # a row's slots end to end: a policy's rows of a step are a view
+        assert adjacent_rows(list(row_at(4))) is not None
+    kept = [a.copy() for a in tree_leaves(row_at(4))]
+    for a in tree_leaves(own):
+        a[...] = 9  # read no more while the observations are in the arena
+    run_both(NextChunk(4, 1, 0))  # goes on from row 4, written by the last step: not copied
+    assert all(np.array_equal(a, b) for a, b in zip(tree_leaves(row_at(4)), kept))
+    assert all((a == 9).all() for a in tree_leaves(own))
+    runner.settle()  # another request: home, with the last chunk's observations
+    plain.settle()
+    assert group.buffers.obs is own and same(own, row_at(8)) and same(own, plain.group.buffers.obs)
+    for a in tree_leaves(row_at(8)):
+        a[...] = 7  # read no more: a chunk elsewhere starts from home
+    run_both(into_arena(2, 3))  # from home into row 2, left in row 5
+    for a in tree_leaves(own):
+        a[...] = 9
+    run_both(into_arena(9, 2))  # from row 5 into row 9 (copied), left in row 11
+
+    class Broken:
+        def get_actions(self, observations: Any) -> Any:
+            raise KeyError("boom")
+
+    runner.install(pickle.dumps((cloudpickle.dumps(Broken()), 0)))
+    with pytest.raises(EnvFailureError):
+        runner.run(into_arena(6))
+    assert group.buffers.obs is own  # a failed chunk settles
+
+
+async def test_the_callers_view_follows_the_hosts_observations(
+    make_sampler: SamplerFactory,
+) -> None:
+    """The main process reads a host's current observations where the last chunk left them
+    (its arena row) and at home once it asked for anything else; batches are those of
+    ``per_worker``, step for step, through calls that continue and calls that reset."""
+
+    async def calls(inference: Any) -> tuple[list[EpisodeBatch], list[tuple[int, bool]]]:
+        views: list[tuple[int, bool]] = []
+        async with make_sampler(
+            env=SlotsEnv, agent=SlotsAgent(), inference=inference, n_workers=2
+        ) as s:
+            batches = []
+            for call in (
+                lambda: s.obtain_fragments(20),
+                lambda: s.obtain_fragments(30),
+                lambda: s.obtain_samples(50),
+                lambda: s.obtain_exact_episodes(2),
+                lambda: s.obtain_fragments(16),
+            ):
+                batches.append(await call())
+                host: Any = s.workers[0].host
+                view = getattr(host, "arena_obs", None)
+                if view is not None and view.arena is not None:
+                    at = tree_leaves(host.buffers.obs)[0]
+                    views.append((view.row, np.shares_memory(at, tree_leaves(view.arena)[0])))
+            if views:
+                await s.workers[0].host.reset(np.ones(2, dtype=bool))  # a request: home
+                views.append((view.row, host.buffers.obs is view.own))
+        return batches, views
+
+    expected, _ = await calls("per_worker")
+    got, views = await calls(Host(chunk_steps=3))
+    for a, b in zip(expected, got, strict=True):
+        assert_same_steps(a, b)
+    assert views[:-1] and all(row >= 0 and shared for row, shared in views[:-1])
+    assert views[-1] == (-1, True)

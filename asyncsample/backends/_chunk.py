@@ -23,11 +23,14 @@ from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._engine import CallMode, StopRule
 from asyncsample._infos import snapshot
-from asyncsample._recorder import put_row
+from asyncsample._memory import carve
+from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent, trusted_actions
 from asyncsample.backends._column_wire import unpack_chunk
 from asyncsample.backends._transport import (
+    KEEP_CHUNK_OBS,
+    Op,
     Unzeroed,
     buffer_rows,
     round_trips,
@@ -201,7 +204,8 @@ def chunk_capacity(
 
 RawChunks = tuple[int, int, list[Any], Any, tuple[int, Any] | None]
 """What a process host needs to view a slot's chunk buffers: ``(capacity, rows, blocks,
-counters, arena)``, ``arena`` the arena's rows and raw block, or ``None``."""
+counters, arena)``, ``arena`` the arena's rows and raw blocks (:func:`~asyncsample._memory.carve`'s
+order), or ``None``."""
 
 
 def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], RawChunks | None]:
@@ -226,7 +230,13 @@ def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], Raw
     counters = ctx.RawArray("q", 2)  # the step counter and the update epoch
     arena = None
     if n_arena:
-        memory = create_shared_memory(obs_space, n_arena * n_envs, ctx=Unzeroed())  # type: ignore[arg-type]
+        memory: list[Any] = []
+
+        def leaf(space: gym.Space[Any], count: int) -> Any:
+            memory.append(create_shared_memory(space, count, ctx=Unzeroed()))  # type: ignore[arg-type]
+            return read_from_shared_memory(space, memory[-1], count)
+
+        carve(obs_space, n_envs, leaf, n_arena)
         arena = (n_arena, memory)
     raw = (spec.chunk_steps, rows, blocks, counters, arena)
     return view_chunk_sets(spec, raw), raw
@@ -241,9 +251,14 @@ def view_chunk_sets(spec: HostSpec, raw: RawChunks) -> list[ChunkBuffers]:
     arena = None
     if raw_arena is not None:
         n_arena, memory = raw_arena
-        arena = tree_map(
-            lambda a: a.reshape(n_arena, n_envs, *a.shape[1:]),
-            read_from_shared_memory(obs_space, memory, n_arena * n_envs),
+        blocks = iter(memory)
+        # Rows of (n_arena, n_envs, ...); a multi-agent env's slots end to end in each row, so
+        # that a policy's rows of a step are a view (_memory.carve).
+        arena = carve(
+            obs_space,
+            n_envs,
+            lambda space, count: read_from_shared_memory(space, next(blocks), count),
+            n_arena,
         )
     return chunk_sets(flat, capacity, n_envs, counters, arena)
 
@@ -294,12 +309,21 @@ class SentChunk:
     into: tuple[ChunkBuffers, Tree] | None = None
     """Where the reply's ``object`` rows go (:attr:`ChunkReply.columns`): the request's chunk
     set and the step buffers' observations; ``None`` when the rows are shared."""
+    seen: Callable[[ChunkReply | None], None] | None = None
+    """Told the reply once it came (``None``: the chunk failed), before anyone reads it."""
 
     async def wait(self) -> ChunkReply:
         """The chunk's reply (its ``object`` rows written into :attr:`into`)."""
-        result: ChunkReply = pickle.loads(await self.reply())
+        try:
+            result: ChunkReply = pickle.loads(await self.reply())
+        except Exception:
+            if self.seen is not None:
+                self.seen(None)
+            raise
         if self.into is not None and result.columns is not None:
             unpack_chunk(*self.into, result.steps, result.columns)
+        if self.seen is not None:
+            self.seen(result)
         return result
 
     def abandon(self) -> None:
@@ -309,6 +333,40 @@ class SentChunk:
             future.cancel()
         elif not future.cancelled():
             future.exception()  # retrieved: no "exception was never retrieved" at collection
+
+
+class ArenaObs:
+    """The main process's view of a process host's current observations (its step buffers'
+    ``obs``), kept where the host keeps them: a chunk into the observation arena leaves them
+    in the row after its last step, until a request needs them home
+    (:meth:`ChunkRunner.settle`, :data:`~asyncsample.backends._transport.KEEP_CHUNK_OBS`)."""
+
+    def __init__(self, buffers: StepBuffers, chunk: ChunkBuffers | None) -> None:
+        self.buffers = buffers
+        self.arena = None if chunk is None else chunk.arena  # None: nothing to follow
+        self.own = buffers.obs
+        self.row = -1  # the arena row our view points at, or -1: home
+
+    def sent(self, op: Op) -> None:
+        """Request ``op`` was sent to the host."""
+        if op not in KEEP_CHUNK_OBS:
+            self.home()
+
+    def seen(self, reply: ChunkReply | None) -> None:
+        """A chunk's ``reply`` came (``None``: it failed, and the host settled)."""
+        if reply is not None and reply.steps == 0:
+            return  # nothing ran: they stay where they were
+        if reply is None or reply.obs_row < 0 or self.arena is None:
+            self.home()
+            return
+        self.row = reply.obs_row + reply.steps
+        self.buffers.obs = row_of(self.arena, self.row)
+
+    def home(self) -> None:
+        """A request the host serves with its observations home was sent."""
+        if self.row >= 0:
+            self.row = -1
+            self.buffers.obs = self.own
 
 
 @dataclass
@@ -403,7 +461,8 @@ class ChunkRunner:
         # After a chunk that ran to its end: its rule, active and counts (see NextChunk).
         self._state: tuple[StopRule, np.ndarray, np.ndarray] | None = None
         self._next_row = -1  # the arena row of the next chunk's observations (NextChunk)
-        self._ready_row = -1  # the arena row the last chunk's spare row filled (current obs)
+        self._ready_row = -1  # the arena row that holds the current observations, or -1
+        self._own = group.buffers.obs  # the group's own observation buffer (see settle)
         self.agent: Any = None
         self._output_check = AgentOutputCheck(group.worker, group.n_envs)
         self._action_check = make_action_check(action_space)
@@ -419,6 +478,16 @@ class ChunkRunner:
     def set_params(self, blob: bytes) -> None:
         """``agent.set_param_values(params)`` with the parameters pickled in ``blob``."""
         set_agent_params(self.agent, blob, self.group.worker, self._guard)
+
+    def settle(self) -> None:
+        """The group's observations back in its own buffer, from the arena row a chunk left
+        them in (a copy): before any request but a chunk, an agent install or its parameters,
+        which all read or write them there (the main process's view goes home alike)."""
+        buffers = self.group.buffers
+        if buffers.obs is not self._own:
+            put_row(self._own, Ellipsis, buffers.obs)
+            buffers.obs = self._own
+        self._ready_row = -1
 
     def reset_agent(self, mask: np.ndarray) -> None:
         """``agent.reset(mask)``, where the agent has it (episodes start in ``mask``)."""
@@ -483,24 +552,24 @@ class ChunkRunner:
         self._state = None  # until this chunk has run to its end
         chunk = self.chunks[request.buffer]
         into = self._arena_rows(row, min(request.steps, chunk.capacity))
-        # A chunk that follows one into the arena starts at the row that one's spare row filled.
-        written = into is not None and row == self._ready_row and isinstance(request, NextChunk)
-        self._ready_row = -1
-        buffers = self.group.buffers
-        own = buffers.obs
+        if into is None:
+            self.settle()
+        # A chunk that follows one into the arena starts at the row that holds the current
+        # observations (the last one's spare row): nothing to copy there.
+        written = into is not None and row == self._ready_row
         try:
             reply = self._run(chunk, request.steps, rule, active, counts, into, written)
-        finally:
-            if buffers.obs is not own:  # the steps wrote into the arena: the last row is current
-                own[...] = buffers.obs
-                buffers.obs = own
+        except BaseException:
+            self.settle()
+            raise
         self._state = (rule, active, counts)
         if into is None:
             self._next_row = -1
         else:
             reply.obs_row = row
             self._next_row = row + reply.steps
-            self._ready_row = self._next_row if reply.steps > 0 else -1
+            if reply.steps > 0:  # (none: the current observations stay where they were)
+                self._ready_row = self._next_row
         return reply
 
     def _agent_reset(self) -> Callable[..., Any] | None:
@@ -551,8 +620,8 @@ class ChunkRunner:
         infos_per_step: list[dict[str, np.ndarray]] = []
         step_infos: dict[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]] = {}
         obs_rows = chunk.obs if into is None else into
-        act_rows, buf_obs, buf_act = chunk.actions, buf.obs, buf.actions
-        flat_obs = type(obs_rows) is np.ndarray and type(buf_obs) is np.ndarray
+        act_rows, buf_act = chunk.actions, buf.actions
+        flat_obs = type(obs_rows) is np.ndarray and type(buf.obs) is np.ndarray
         flat_act = type(act_rows) is np.ndarray and type(buf_act) is np.ndarray
         final_rows, buf_final = chunk.final_obs, buf.final_obs
         flat_final = type(final_rows) is np.ndarray and type(buf_final) is np.ndarray
@@ -567,9 +636,11 @@ class ChunkRunner:
         origin = [-c for c in counts.tolist()]
         steps = 0
         # Into the arena, while every env is stepped, each step writes its observations straight
-        # into the next row (the group's buffer points there): no copy of them in the host.
-        swap = into is not None and flat_obs
-        swapped = False  # the current observations are in row j, written there by the last step
+        # into the next row (the group's buffer points there): no copy of them in the host. The
+        # last step's stay there until another request needs them home (settle).
+        swap = into is not None
+        home = self._own
+        ready = written  # row j holds the current observations
         # While every env is stepped, the group writes each step's rewards and flags straight
         # into the chunk's rows (its buffers point there): no copy of them either.
         direct = everyone
@@ -577,24 +648,30 @@ class ChunkRunner:
             for j in range(min(max_steps, chunk.capacity)):
                 if not more(active):
                     break
-                if flat_obs:
-                    if not swapped and not written:
-                        obs_rows[j] = buf_obs
+                if swap:
+                    # The arena's rows lay a multi-agent env's slots end to end, as the group's
+                    # own rows do (``_memory.carve``): a policy's rows need no copy.
+                    observations = obs_rows[j] if flat_obs else row_of(obs_rows, j)
+                    if not ready:
+                        put_row(observations, Ellipsis, buf.obs)
+                    if everyone:
+                        buf.obs = obs_rows[j + 1] if flat_obs else row_of(obs_rows, j + 1)
+                    elif buf.obs is not home:  # some envs stay put: the buffer holds every env's
+                        put_row(home, Ellipsis, observations)
+                        buf.obs = home
+                    ready = everyone
+                elif flat_obs:
+                    if not ready:
+                        obs_rows[j] = buf.obs
                     observations = obs_rows[j]
-                    if swap and everyone:
-                        buf.obs = obs_rows[j + 1]
-                        swapped = True
-                    elif swapped:  # some envs stay put: the buffer holds every env's again
-                        buf_obs[...] = observations
-                        buf.obs = buf_obs
-                        swapped = False
+                    ready = False
                 else:
-                    if not written:
-                        put_row(obs_rows, j, buf_obs)
+                    if not ready:
+                        put_row(obs_rows, j, buf.obs)
                     # The group's own rows (the same values): a multi-agent env's slots lie end
                     # to end there (``_memory.carve``), so a policy's rows need no copy.
-                    observations = buf_obs
-                written = False
+                    observations = buf.obs
+                    ready = False
                 try:
                     actions, infos = actions_for(observations)
                 except Exception as exc:
@@ -647,8 +724,8 @@ class ChunkRunner:
                     done[ended] = True
                     self._guard(agent_reset, done)
             counts[:] = [steps - o for o in origin]
-            if steps and not swapped and (into is not None or len(rewards) > chunk.capacity):
-                put_row(obs_rows, steps, buf_obs)
+            if steps and not ready and (into is not None or len(rewards) > chunk.capacity):
+                put_row(obs_rows, steps, buf.obs)
         except BaseException:
             self._restore_flags(own, False)
             raise

@@ -35,7 +35,7 @@ from asyncsample.backends._column_wire import (
     pack_columns,
     unpack_columns_into,
 )
-from asyncsample.backends._transport import Op, dumps
+from asyncsample.backends._transport import KEEP_CHUNK_OBS, Op, dumps
 from asyncsample.backends.base import HostSpec
 from asyncsample.env_group import (
     EnvFailure,
@@ -305,6 +305,8 @@ class HostSlot:
             raise ValueError(f"unknown request opcode {op}")
         if self.arena is not None and op != Op.STEP:
             self.arena.settle()  # the observations back where every other request expects them
+        elif self.runner is not None and op not in KEEP_CHUNK_OBS:
+            self.runner.settle()  # the same for those a chunk left in its arena
         return handler(body) or b""
 
     def _serve_step(self, body: _Body) -> bytes:

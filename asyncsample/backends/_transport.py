@@ -34,6 +34,7 @@ from asyncsample.env_group import EnvFailure, StepBuffers, fixed_rows
 
 __all__ = [
     "HEADER",
+    "KEEP_CHUNK_OBS",
     "SLOT",
     "Op",
     "FrameReader",
@@ -81,6 +82,11 @@ class Op(enum.IntEnum):
         """What the request is called in messages (``"step"``, ``"agent install"``...)."""
         return _LABELS[self]
 
+
+#: The requests that leave an env host's current observations where a chunk put them (in its
+#: observation arena): the main process's view of them stays there too (see
+#: :meth:`~asyncsample.backends._chunk.ChunkRunner.settle`).
+KEEP_CHUNK_OBS = frozenset({Op.CHUNK, Op.AGENT, Op.PARAMS})
 
 _LABELS = {
     **{op: op.name.lower() for op in Op},

@@ -447,9 +447,8 @@ class DirectStep:
         reply = self.reply
         if reply is None or reply[0] != ST_OK:
             return None
-        if not reply[1]:
-            return QUIET  # the common step: nothing to unpickle, nothing to build
-        return self.host.step_infos(reply[1])
+        # The common step: an empty reply, nothing to unpickle, nothing to build.
+        return self.host.step_infos(reply[1]) if reply[1] else QUIET
 
     async def wait(self) -> StepInfos:
         host, inc = self.host, self.inc
@@ -490,10 +489,9 @@ class ProcessHost(RemoteHost[_Conn]):
         self._whole_body = b""
         self._given: list[Any] | None = None
         self._columns = _column_wire.object_rows(spec)  # Text/Sequence leaves: packed, not shared
-        self.chunks = chunks
-        """``inference="host"``: the two sets of chunk buffers the host fills (shared memory)."""
-        self.chunk = chunks[0] if chunks else None
-        """``inference="host"``: the first set."""
+        self.chunks = chunks  # inference="host": the 2 sets of chunk buffers the host fills
+        self.chunk = chunks[0] if chunks else None  # (shared memory): the first
+        self.arena_obs = _chunk.ArenaObs(buffers, self.chunk)  # see ChunkRunner.settle
 
     @property
     def pid(self) -> int | None:
@@ -509,6 +507,7 @@ class ProcessHost(RemoteHost[_Conn]):
         return any(step.host is self for step in list(incarnation.direct.values()))
 
     def _submit(self, incarnation: _Conn, op: Op, payload: tuple[Any, ...]) -> PendingCall:
+        self.arena_obs.sent(op)
         body = self._slot + payload[0] if payload else self._slot
         return incarnation.send(op, body, self._timeout, self.worker)
 
@@ -533,7 +532,7 @@ class ProcessHost(RemoteHost[_Conn]):
         return _column_wire.read_reset_reply(self.buffers.obs, payload)  # rows not shared: here
 
     async def step(self, mask: np.ndarray) -> StepInfos:
-        # The hot path: _request without its generic layers, same checks.
+        self.arena_obs.home()  # the hot path: _request without its generic layers, same checks
         inc = self._incarnation
         body = self._step_body(mask)
         if inc is None or self._member.closed:
@@ -548,6 +547,7 @@ class ProcessHost(RemoteHost[_Conn]):
     def step_nowait(self) -> SentStep | None:
         """See :meth:`~asyncsample.backends.base.LockstepHost.step_nowait`; without a
         ``step_timeout`` (whose clock is the loop's) the request is sent bare."""
+        self.arena_obs.home()
         inc = self._incarnation
         if inc is None or inc.dead or self._member.closed:
             return None
@@ -594,7 +594,8 @@ class ProcessHost(RemoteHost[_Conn]):
         body = self._slot + dumps(request)
         call = inc.send(Op.CHUNK, body, self._timeout, self.worker, chunk.progress)
         into = (self.chunks[request.buffer], self.buffers.obs) if self._columns else None
-        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version, into)
+        seen = self.arena_obs.seen
+        return _chunk.SentChunk(call.future, lambda: self.reply(inc, call), version, into, seen)
 
 
 class ProcessLaneHost(RemoteLanes, ProcessHost):
