@@ -448,9 +448,7 @@ class Episodes:
         now = time.perf_counter() if self.started_at is not None else 0.0
         flat = type(final_obs) is np.ndarray and final_obs.dtype != object
         for i in envs.tolist():
-            last = (
-                final_obs[i].copy() if flat else tree_map(lambda x, i=i: row_copy(x, i), final_obs)
-            )
+            last = _row_copied(final_obs, i, flat)
             ret, length = float(returns[i]), int(lengths[i])
             returns[i], lengths[i] = 0.0, 0
             self._close(i, t + 1, bool(terminated[i]), last, reset_infos, version, ret, length, now)
@@ -613,11 +611,7 @@ class Episodes:
         no_infos: tuple[None, dict[int, dict[str, Any]]] = (None, {})
         for j, i in zip(js.tolist(), ends.tolist()):
             total = reduce(add, columns[i][start[i] : j + 1], returns[i])  # in order
-            last = (
-                finals[j, i].copy()
-                if flat
-                else tree_map(lambda x, j=j, i=i: row_copy(x[j], i), finals)
-            )
+            last = _row_copied(finals, (j, i), flat)
             length = lengths[i] + j + 1 - start[i]
             returns[i], lengths[i], start[i] = 0.0, 0, j + 1
             reset_infos = step_infos.get(j, no_infos)[1]
@@ -784,3 +778,8 @@ async def _turn() -> AsyncIterator[None]:
 def share_of(quota: int, n_workers: int, worker: int) -> int:
     """Worker ``worker``'s share of ``quota``: an even split, the remainder to the first ones."""
     return quota // n_workers + (worker < quota % n_workers)
+
+
+def _row_copied(tree: Tree, index: Any, flat: bool) -> Tree:
+    """Row ``index`` of every leaf of ``tree`` copied (``flat``: ``tree`` is one numeric array)."""
+    return tree[index].copy() if flat else tree_map(lambda x: row_copy(x, index), tree)

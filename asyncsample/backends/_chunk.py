@@ -18,12 +18,10 @@ from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._engine import CallMode, StopRule
 from asyncsample._infos import snapshot
-from asyncsample._memory import carve
 from asyncsample._recorder import put_row, row_of
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent, trusted_actions
@@ -35,7 +33,9 @@ from asyncsample.backends._transport import (
     buffer_rows,
     round_trips,
     shared_buffers,
+    shared_tree,
     view_buffers,
+    view_tree,
 )
 from asyncsample.backends.base import EnvHost, HostSpec, agent_note
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup, StepBuffers
@@ -231,12 +231,7 @@ def shared_chunk_sets(spec: HostSpec, ctx: Any) -> tuple[list[ChunkBuffers], Raw
     arena = None
     if n_arena:
         memory: list[Any] = []
-
-        def leaf(space: gym.Space[Any], count: int) -> Any:
-            memory.append(create_shared_memory(space, count, ctx=Unzeroed()))  # type: ignore[arg-type]
-            return read_from_shared_memory(space, memory[-1], count)
-
-        carve(obs_space, n_envs, leaf, n_arena)
+        shared_tree(obs_space, n_envs, Unzeroed(), memory, n_arena)
         arena = (n_arena, memory)
     raw = (spec.chunk_steps, rows, blocks, counters, arena)
     return view_chunk_sets(spec, raw), raw
@@ -251,15 +246,9 @@ def view_chunk_sets(spec: HostSpec, raw: RawChunks) -> list[ChunkBuffers]:
     arena = None
     if raw_arena is not None:
         n_arena, memory = raw_arena
-        blocks = iter(memory)
         # Rows of (n_arena, n_envs, ...); a multi-agent env's slots end to end in each row, so
         # that a policy's rows of a step are a view (_memory.carve).
-        arena = carve(
-            obs_space,
-            n_envs,
-            lambda space, count: read_from_shared_memory(space, next(blocks), count),
-            n_arena,
-        )
+        arena = view_tree(obs_space, n_envs, iter(memory), n_arena)
     return chunk_sets(flat, capacity, n_envs, counters, arena)
 
 

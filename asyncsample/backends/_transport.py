@@ -18,7 +18,7 @@ import pickle
 import socket
 import struct
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import sharedctypes
 from typing import Any
 
@@ -50,8 +50,10 @@ __all__ = [
     "send_frame",
     "joint_buffers",
     "shared_buffers",
+    "shared_tree",
     "slot_buffers",
     "view_buffers",
+    "view_tree",
 ]
 
 #: ``<payload length> <request id> <opcode (request) | status (reply)>``, little-endian.
@@ -287,6 +289,29 @@ class Unzeroed:
         return SharedArray(sharedctypes._new_value(type_ * size))  # type: ignore[attr-defined]
 
 
+def shared_tree(
+    space: gym.Space[Any], n: int, ctx: Any, raw: list[Any], rows: int | None = None
+) -> Tree:
+    """:func:`~asyncsample._memory.carve`'s buffers of ``space`` in shared memory from ``ctx``
+    (``n`` rows, or ``(rows, n)``), each block appended to ``raw`` for the host's view."""
+
+    def leaf(leaf_space: gym.Space[Any], count: int) -> Tree:
+        memory = create_shared_memory(leaf_space, count, ctx=ctx)
+        raw.append(memory)
+        return read_from_shared_memory(leaf_space, memory, count)
+
+    return carve(space, n, leaf, rows)
+
+
+def view_tree(
+    space: gym.Space[Any], n: int, blocks: Iterator[Any], rows: int | None = None
+) -> Tree:
+    """The view of the buffers :func:`shared_tree` made, from its next ``blocks``."""
+    return carve(
+        space, n, lambda leaf, count: read_from_shared_memory(leaf, next(blocks), count), rows
+    )
+
+
 def shared_buffers(
     observation_space: gym.Space[Any],
     action_space: gym.Space[Any],
@@ -304,14 +329,9 @@ def shared_buffers(
     lazy = Unzeroed()
 
     def make(space: gym.Space[Any], n: int) -> Tree:
-        where = lazy if lazy_obs and space is observation_space else shm_ctx
-
-        def leaf(leaf_space: gym.Space[Any], rows: int) -> Tree:
-            memory = create_shared_memory(leaf_space, rows, ctx=where)  # type: ignore[arg-type]
-            raw.append(memory)
-            return read_from_shared_memory(leaf_space, memory, rows)
-
-        return carve(space, n, leaf)
+        return shared_tree(
+            space, n, lazy if lazy_obs and space is observation_space else shm_ctx, raw
+        )
 
     buffers = StepBuffers.allocate(
         observation_space, action_space, n_envs, make=make, timed=timed, columns=columns
@@ -331,7 +351,7 @@ def view_buffers(
     blocks = iter(raw)
 
     def make(space: gym.Space[Any], n: int) -> Tree:
-        return carve(space, n, lambda leaf, rows: read_from_shared_memory(leaf, next(blocks), rows))
+        return view_tree(space, n, blocks)
 
     return StepBuffers.allocate(
         observation_space, action_space, n_envs, make=make, timed=timed, columns=columns
