@@ -157,6 +157,17 @@ def pipelined_runner(n_envs: int = 2, capacity: int = 5) -> ChunkRunner:
     return runner
 
 
+class Broken:
+    """An agent whose every call raises."""
+
+    def get_actions(self, observations: Any) -> Any:
+        raise KeyError("boom")
+
+
+def install_broken(runner: ChunkRunner) -> None:
+    runner.install(pickle.dumps((cloudpickle.dumps(Broken()), 0)))
+
+
 def fragments(steps: int, n_envs: int = 2) -> ChunkRequest:
     rule = StopRule.for_call(CallMode.FRAGMENTS, steps * n_envs, n_envs)
     return ChunkRequest(rule, 5, np.zeros(n_envs, np.int64), np.ones(n_envs, dtype=bool))
@@ -184,11 +195,7 @@ def test_next_chunk_is_skipped_after_an_update_or_a_failure() -> None:
     assert runner.run(NextChunk(5, 1, 0)).steps == 0
     assert runner.run(NextChunk(5, 1, 1)).steps == 5  # the state was kept for the next one
 
-    class Broken:
-        def get_actions(self, observations: Any) -> Any:
-            raise KeyError("boom")
-
-    runner.install(pickle.dumps((cloudpickle.dumps(Broken()), 0)))
+    install_broken(runner)
     with pytest.raises(EnvFailureError):
         runner.run(fragments(20))
     runner.install(pickle.dumps((cloudpickle.dumps(RandomAgent(runner.action_space)), 0)))
@@ -446,11 +453,7 @@ def test_a_chunk_leaves_the_current_observations_in_the_arena(space_env: type[gy
         a[...] = 9
     run_both(into_arena(9, 2))  # from row 5 into row 9 (copied), left in row 11
 
-    class Broken:
-        def get_actions(self, observations: Any) -> Any:
-            raise KeyError("boom")
-
-    runner.install(pickle.dumps((cloudpickle.dumps(Broken()), 0)))
+    install_broken(runner)
     with pytest.raises(EnvFailureError):
         runner.run(into_arena(6))
     assert group.buffers.obs is own  # a failed chunk settles
