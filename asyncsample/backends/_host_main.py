@@ -22,6 +22,7 @@ import numpy as np
 
 from asyncsample.backends import _lane_serve, _threads, _watchdog
 from asyncsample.backends._chunk import RawChunks, view_chunk_sets
+from asyncsample.backends._handoff import NAP, WAKE_ID, HostHandoff
 from asyncsample.backends._lane_serve import LaneOptions
 from asyncsample.backends._slot import HostSlot, RawArena, view_step_arena
 from asyncsample.backends._threads import BoundedSpin
@@ -47,6 +48,9 @@ _PR_SET_PDEATHSIG = 1
 #: A lockstep host's watchdog says where a request stands once it has run this share of
 #: ``step_timeout`` (and again at each look): before the caller's timer kills the host.
 _WATCH_AT = 0.9
+#: A host polling for a flag step (see :meth:`StepReader.wait_spinning`) looks at its socket
+#: once every this many looks at the flag (a look at the flag costs well under a microsecond).
+_POLL_EVERY = 16
 
 
 def _die_with_parent() -> None:
@@ -96,6 +100,7 @@ def main(
     raw_arenas: list[RawArena | None] | None = None,
     spin_after_step: float | None = None,
     watch: tuple[Any, float | None] | None = None,
+    handoff: Any = None,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
@@ -105,7 +110,9 @@ def main(
     ``lanes``, the slots' envs are async envs served in an event loop
     (:mod:`asyncsample.backends._lane_serve`). ``spin_after_step``: see :class:`StepReader`.
     ``watch``: the block shared with the caller (see :mod:`asyncsample.backends._watchdog`) and
-    the ``step_timeout`` of a lockstep host's requests (a host of async envs: its loop's)."""
+    the ``step_timeout`` of a lockstep host's requests (a host of async envs: its loop's).
+    ``handoff``: the shared block of quiet steps handed over without a frame (see
+    :mod:`asyncsample.backends._handoff`)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
     with contextlib.suppress(OSError):
@@ -145,8 +152,9 @@ def main(
             )
         )
     try:
+        flags = None if handoff is None else HostHandoff(handoff, sock)
         send_frame(sock, HELLO_ID, ST_OK)
-        _serve(sock, reader, slots, turns if watched is not None else None)
+        _serve(sock, reader, slots, turns if watched is not None else None, flags)
     except (BrokenPipeError, ConnectionError):
         pass  # the parent went away: nothing left to answer
     finally:
@@ -211,21 +219,53 @@ class StepReader(FrameReader):
         self.spin = spin
         self._spin = BoundedSpin(os.cpu_count() or 1)
 
-    def wait_spinning(self) -> None:
+    def wait_spinning(self, flag: HostHandoff | None = None) -> bool:
         """Return once a request (or the end of the stream) is readable, in the buffer or the
-        socket, or ``spin`` passed (at once while backed off)."""
-        if not self._spin.allowed():
-            return
+        socket, or ``spin`` passed (at once while backed off); with a ``flag``, ``True`` once its
+        request count rose (the socket is polled every ``_POLL_EVERY`` looks)."""
+        if not self._spin.allowed() or self.buffered():
+            return False
+        if flag is None:
+            self._spin.poll(self._poller.poll, self.spin)
+            return False
+        poll, pending, looks = self._poller.poll, flag.pending, 0
+
+        def look(_: int) -> int:
+            nonlocal looks
+            if pending():
+                return 1
+            looks += 1
+            return 2 if looks % _POLL_EVERY == 0 and poll(0) else 0
+
+        return self._spin.poll(look, self.spin) == 1
+
+    def buffered(self) -> bool:
+        """Whether a request (or the end of the stream) is in the buffer or arrives in one read
+        that does not block."""
         sock = self._sock
         sock.setblocking(False)  # peek: the buffered bytes, else one read that does not block
         try:
-            if self._peek(1):
-                return
+            return bool(self._peek(1))
         except OSError:
-            return  # the connection is gone: the blocking read will see it
+            return True  # the connection is gone: the blocking read will see it
         finally:
             sock.setblocking(True)
-        self._spin.poll(self._poller.poll, self.spin)
+
+    def nap_for(self, flag: HostHandoff) -> bool:
+        """Sleep until a request is readable (``False``) or ``flag``'s count rose (``True``),
+        looking at the count every ``NAP`` seconds; the caller is told (``looking``) and wakes
+        this host with a frame when it raises the count (the naps cover a wake-up lost between
+        the two cores' stores)."""
+        flag.looking(False)
+        try:
+            if self.buffered():
+                return flag.pending()
+            while not flag.pending():
+                if self._poller.poll(NAP * 1000):
+                    return False
+            return True
+        finally:
+            flag.looking(True)
 
 
 def _serve(
@@ -233,37 +273,65 @@ def _serve(
     reader: StepReader,
     slots: list[HostSlot],
     turns: list[int] | None = None,
+    flag: HostHandoff | None = None,
 ) -> None:
     """Read a frame, hand it to its slot, reply; until ``exit`` or the end of the stream. After
     a step's reply, the next request is waited for spinning (``reader.spin``, see
     :class:`StepReader`). ``turns`` (watched, see :mod:`asyncsample.backends._watchdog`): bumped
-    before and after each request, so it is odd while one is served."""
+    before and after each request, so it is odd while one is served. ``flag``: quiet steps are
+    also handed over through it (see :mod:`asyncsample.backends._handoff`), looked at while
+    spinning and between naps."""
     unpack_slot = SLOT.unpack_from
     slot_size = SLOT.size
     spin = reader.spin > 0
+    wholes = [b"\x01" * slot.group.n_envs for slot in slots]  # a flag step's mask: every env
+    spun = False
     while True:
+        if flag is not None and (
+            flag.pending() or (spun and reader.wait_spinning(flag)) or reader.nap_for(flag)
+        ):
+            k = flag.take()
+            try:
+                flag.answer(ST_OK, _run(slots[k], Op.STEP, wholes[k], turns))
+            except EnvFailureError as exc:
+                flag.answer(ST_FAIL, dump_failure(exc.failure))
+            except (BrokenPipeError, ConnectionError):
+                raise
+            except Exception as exc:  # a bug of the host, unpicklable infos
+                flag.answer(ST_FAIL, failure_from_exception(exc, retry=False))
+            spun = spin
+            continue
         frame = reader.read()
         if frame is None:
             return
         rid, op, payload = frame
         if op == Op.EXIT:
             return
+        if rid == WAKE_ID:  # a flag step's wake-up: its request is seen above
+            continue
+        spun = False
         try:
             slot = slots[unpack_slot(payload)[0]]
-            if turns is None:
-                reply = slot.serve(op, memoryview(payload)[slot_size:])
-            else:
-                turns[0] += 1
-                try:
-                    reply = slot.serve(op, memoryview(payload)[slot_size:])
-                finally:
-                    turns[0] += 1
+            reply = _run(slot, op, memoryview(payload)[slot_size:], turns)
             send_frame(sock, rid, ST_OK, reply)
             if spin and op == Op.STEP:
-                reader.wait_spinning()
+                if flag is None:
+                    reader.wait_spinning()
+                spun = True
         except EnvFailureError as exc:
             send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
         except (BrokenPipeError, ConnectionError):
             raise
         except Exception as exc:  # a bug of the host, unpicklable infos: not worth a restart
             send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))
+
+
+def _run(slot: HostSlot, op: int, body: Any, turns: list[int] | None) -> bytes:
+    """``slot.serve(op, body)``, inside a turn of the watchdog's count where there is one."""
+    if turns is None:
+        return slot.serve(op, body)
+    turns[0] += 1
+    try:
+        return slot.serve(op, body)
+    finally:
+        turns[0] += 1

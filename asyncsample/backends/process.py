@@ -16,7 +16,6 @@ import select
 import socket
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,15 @@ from asyncsample._tasks import wait_all
 from asyncsample.backends import _chunk, _column_wire, _host_main, _watchdog
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._closing import CLOSE_TIMEOUT, optional_close_timeout, settled_grace
+from asyncsample.backends._handoff import (
+    CTL_SLOTS,
+    FLAG_ID,
+    WAKE_ID,
+    DirectStep,
+    FlagStep,
+    Handoff,
+    QueuedStep,
+)
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
 from asyncsample.backends._lane_serve import LANE_HOST_NICE, LANES_ID, LaneOptions, shares
 from asyncsample.backends._procs import (
@@ -86,7 +94,7 @@ START_TIMEOUT = 60.0
 #: Seconds to wait for a killed host to be reaped.
 #: Seconds to wait for a host's exit status after its stream ended.
 _EOF_GRACE = 1.0
-_MAX_ID = 0xFFFFFFFF
+_MAX_ID = WAKE_ID  # and above: LANES_ID, the handoff's FLAG_ID and WAKE_ID
 #: Bytes asked of the socket per read (replies are small; infos and chunk replies may not be).
 _READ_SIZE = 1 << 18
 
@@ -110,8 +118,11 @@ class _Conn(Incarnation):
         protocol: _ReplyProtocol,
         loop: asyncio.AbstractEventLoop,
         block: np.ndarray | None = None,
+        handoff: Any = None,
     ) -> None:
         super().__init__(loop)
+        self.handoff = None if handoff is None else Handoff(handoff)  # see _handoff
+        self._nap: asyncio.Future[None] | None = None  # a FlagStep waiting in the loop
         self.block = block  # shared: its loop's counter, where its watchdog saw it stand still
         self.can_report, self.ticking = block is not None, False  # ticking: its loop bumps it
         self.process = process
@@ -125,7 +136,7 @@ class _Conn(Incarnation):
         # Calls by request id until answered (a cancelled caller's reply is dropped when it comes).
         self.pending: dict[int, PendingCall] = {}
         # Bare steps (send_direct) by request id, until read or taken over by the loop.
-        self.direct: dict[int, DirectStep] = {}
+        self.direct: dict[int, DirectStep | FlagStep] = {}
         self.next_id = HELLO_ID + 1
         self.ready: asyncio.Future[str | None] = loop.create_future()
         self.exited: asyncio.Future[int | None] = loop.create_future()
@@ -162,7 +173,7 @@ class _Conn(Incarnation):
 
     def _next_rid(self) -> int:
         rid = self.next_id
-        self.next_id = rid + 1 if rid < _MAX_ID - 1 else HELLO_ID + 1  # _MAX_ID: LANES_ID
+        self.next_id = rid + 1 if rid < _MAX_ID - 1 else HELLO_ID + 1
         return rid
 
     def send_direct(self, step: DirectStep, body: bytes) -> bool:
@@ -184,12 +195,46 @@ class _Conn(Incarnation):
             self.transport.write(data[n:])  # the rest goes out with the loop
         return True
 
+    def flag_step(self, host: ProcessHost, slot: int) -> FlagStep | None:
+        """Hand a step of every env of ``slot`` over through the shared block (see
+        :mod:`~asyncsample.backends._handoff`); ``None``: the host is not polling for one."""
+        handoff = self.handoff
+        if handoff is None or self.dead or self.calls or self.direct or self.fd < 0:
+            return None
+        if not handoff.send(slot, self._write_now):
+            return None
+        step = self.direct[FLAG_ID] = FlagStep(host, self, handoff)
+        return step
+
+    def _write_now(self, data: bytes) -> bool:
+        try:
+            return os.write(self.fd, data) == len(data)  # non-blocking: the transport made it so
+        except OSError:
+            return False  # gone, or full (then the host is awake): a nap covers it
+
+    async def nap(self, seconds: float) -> None:
+        """Sleep until a handoff frame comes (a reply, a wake-up), the host dies, or ``seconds``."""
+        self._nap = nap = self.loop.create_future()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(nap, seconds)
+        self._nap = None
+
+    def _wake(self) -> None:
+        nap = self._nap
+        if nap is not None and not nap.done():
+            nap.set_result(None)
+
     def _on_frame(self, rid: int, status: int, payload: bytes) -> None:
         if self.direct:
             step = self.direct.pop(rid, None)
             if step is not None:
                 step.reply = (status, payload)
+                if rid == FLAG_ID:
+                    self._wake()
                 return
+        if rid == WAKE_ID:
+            self._wake()
+            return
         if rid == LANES_ID:
             self.lanes.replied(payload)
             return
@@ -277,6 +322,7 @@ class _Conn(Incarnation):
         kill_tree(None if self.exited.done() else self.ps, self.pid)
 
     def _on_death(self) -> None:
+        self._wake()
         self.pending.clear()
         self.lanes.fail(HostDied(self.reason))
         if self.eof_timer is not None:
@@ -354,6 +400,8 @@ class _Member(PoolMember[_Conn]):
         self.incarnations = [c for c in self.incarnations if not (c.dead and c.exited.done())]
         _watchdog.clear_report(self.block)
         parent_sock, child_sock = socket.socketpair()
+        # A polling host takes quiet steps through shared memory too (see _handoff).
+        ctl = self.ctx.RawArray("q", CTL_SLOTS) if self.spin_after_step and not self.lanes else None
         try:
             process = self.ctx.Process(
                 target=_host_main.main,
@@ -367,6 +415,7 @@ class _Member(PoolMember[_Conn]):
                     self.raw_arenas,
                     self.spin_after_step,
                     (self.block_raw, self.step_timeout),
+                    ctl,
                 ),
                 name=f"asyncsample-host-{self.index}",
             )
@@ -385,7 +434,7 @@ class _Member(PoolMember[_Conn]):
             kill_started(process)
             parent_sock.close()
             raise
-        conn = _Conn(process, transport, protocol, loop, self.block)
+        conn = _Conn(process, transport, protocol, loop, self.block, ctl)
         conn.ticking = self.lanes is not None
         self.current = conn
         self.incarnations.append(conn)
@@ -399,72 +448,6 @@ class _Member(PoolMember[_Conn]):
                 worker=self.workers[0],
             )
         return conn
-
-
-#: The outcome of a step with nothing to report: one shared object, never changed.
-QUIET = StepInfos(None, {})
-
-
-@dataclass(slots=True, eq=False)
-class QueuedStep:
-    """A step request queued as an ordinary call (see
-    :class:`~asyncsample.backends.base.SentStep`)."""
-
-    host: ProcessHost
-    inc: _Conn
-    call: PendingCall
-
-    def done(self) -> bool:
-        return self.call.future.done()
-
-    def result_now(self) -> StepInfos | None:
-        fut = self.call.future
-        if not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return None
-        status, payload = fut.result()
-        if status != ST_OK:
-            return None
-        return self.host.step_infos(payload)
-
-    async def wait(self) -> StepInfos:
-        return self.host.step_infos(await self.host.reply(self.inc, self.call))
-
-
-@dataclass(slots=True, eq=False)
-class DirectStep:
-    """A step request sent bare (no call, future or timer): its reply is kept here when read;
-    awaited before that, it becomes an ordinary call, with the loop's failure handling."""
-
-    host: ProcessHost
-    inc: _Conn
-    rid: int = 0
-    reply: tuple[int, bytes] | None = None
-
-    def done(self) -> bool:
-        return self.reply is not None or self.inc.dead
-
-    def result_now(self) -> StepInfos | None:
-        reply = self.reply
-        if reply is None or reply[0] != ST_OK:
-            return None
-        # The common step: an empty reply, nothing to unpickle, nothing to build.
-        return self.host.step_infos(reply[1]) if reply[1] else QUIET
-
-    async def wait(self) -> StepInfos:
-        host, inc = self.host, self.inc
-        if self.reply is None and inc.direct.pop(self.rid, None) is not None:
-            # Taken over by the loop: the only request in flight, so the host works on it now.
-            call = inc.new_call(Op.STEP.label, host.worker, None)
-            if not inc.dead:
-                call.key = self.rid
-                inc.pending[self.rid] = call
-            return host.step_infos(await host.reply(inc, call))
-        if self.reply is None:  # read by the loop meanwhile? (never both: the pop decides)
-            raise RuntimeError("a bare step request lost its reply")
-        status, payload = self.reply
-        if status != ST_OK:
-            raise failure_error(host.worker, load_failure(payload))
-        return host.step_infos(payload)
 
 
 class ProcessHost(RemoteHost[_Conn]):
@@ -484,7 +467,7 @@ class ProcessHost(RemoteHost[_Conn]):
     ) -> None:
         super().__init__(spec, member, buffers, step_timeout)
         self.obs_arena = None if arena is None else arena.attach(buffers)  # see StepArena
-        self._slot = SLOT.pack(slot)
+        self._slot, self._slot_index = SLOT.pack(slot), slot
         self._whole_mask = np.ones(spec.n_envs, dtype=np.bool_)
         self._whole_body = b""
         self._given: list[Any] | None = None
@@ -560,6 +543,10 @@ class ProcessHost(RemoteHost[_Conn]):
             if cache:  # the same request every step
                 self._whole_body = body
         if self._timeout is None:
+            if body is self._whole_body:  # every env, actions in the shared buffers
+                flagged = inc.flag_step(self, self._slot_index)
+                if flagged is not None:
+                    return flagged
             step = DirectStep(self, inc)
             if inc.send_direct(step, body):
                 return step

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample._tree import Tree
+from asyncsample.backends._handoff import NAP, Handoff
 from asyncsample.backends._threads import BoundedSpin
 from asyncsample.backends.base import DirectReader, EnvHost, InlineHost, LockstepHost, SentStep
 from asyncsample.env_group import StepInfos
@@ -273,8 +274,8 @@ class LockstepRounds:
         fds = tuple(readers)
         for request in sent:
             while not request.done():
-                ready = self._wait_readable(fds, deadline)
-                if not ready:
+                ready = self._wait_readable(fds, deadline, getattr(request, "handoff", None))
+                if ready is None:
                     return None
                 for fd, _ in ready:
                     if not readers[fd].read_now():
@@ -286,16 +287,24 @@ class LockstepRounds:
         return outcomes
 
     def _wait_readable(
-        self, fds: tuple[int, ...], deadline: float | None = None
-    ) -> list[tuple[int, int]]:
+        self, fds: tuple[int, ...], deadline: float | None = None, flag: Handoff | None = None
+    ) -> list[tuple[int, int]] | None:
         """``poll`` the connections ``fds`` for at most ``_DIRECT_WAIT`` (not past
-        ``deadline``), with one poller for as long as they stay the same; what is ready."""
+        ``deadline``), with one poller for as long as they stay the same; what is ready
+        (``None``: nothing in time). ``flag``: a step handed over in shared memory, waited for
+        there, spinning and then asleep (the host wakes the caller with a frame), in naps that
+        look at it again (see :mod:`asyncsample.backends._handoff`)."""
         if fds != self._polled:
             poller = select.poll()
             for fd in fds:
                 poller.register(fd, select.POLLIN)
             self._poller, self._polled = poller, fds
         poll = self._poller.poll
+        wait = _DIRECT_WAIT
+        if deadline is not None:
+            wait = max(0.0, min(wait, deadline - time.monotonic()))
+        if flag is not None and flag.answered():  # in the buffers, or its frame is sent
+            return [] if flag.quiet() else poll(wait * 1000) or None
         if self._caller_spin:
             # The hosts have CPUs of their own (placement.spins): poll before sleeping, while
             # the machine is not busy (see BoundedSpin).
@@ -303,13 +312,36 @@ class LockstepRounds:
             if spin is None:
                 spin = self._spin = BoundedSpin(cpus())
             if spin.allowed():
-                ready = spin.poll(poll, self._caller_spin)
+                if flag is not None:
+                    if spin.poll(flag.look, self._caller_spin):
+                        return []
+                else:
+                    ready = spin.poll(poll, self._caller_spin)
+                    if ready:
+                        return ready
+        if flag is not None:
+            return self._nap(flag, poll, wait)
+        return poll(wait * 1000) or None
+
+    @staticmethod
+    def _nap(
+        flag: Handoff, poll: Callable[[float], list[tuple[int, int]]], wait: float
+    ) -> list[tuple[int, int]] | None:
+        """Sleep until ``flag`` is answered (``[]``), a frame comes (what ``poll`` found) or
+        ``wait`` seconds passed (``None``), looking at ``flag`` every ``NAP`` seconds."""
+        end = time.monotonic() + wait
+        flag.waiting(True)
+        try:
+            while not flag.answered():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                ready = poll(min(left, NAP) * 1000)
                 if ready:
                     return ready
-        wait = _DIRECT_WAIT
-        if deadline is not None:
-            wait = max(0.0, min(wait, deadline - time.monotonic()))
-        return poll(wait * 1000)
+            return []
+        finally:
+            flag.waiting(False)
 
     async def _collect(
         self, sent: list[SentStep], inline: list[StepInfos | BaseException]

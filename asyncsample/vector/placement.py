@@ -41,6 +41,7 @@ __all__ = [
     "machine_busy",
     "place",
     "polled_hop_seconds",
+    "probe_step",
     "probe_step_seconds",
     "runnable",
     "spins",
@@ -71,6 +72,11 @@ CALLER_SPIN = 2e-4
 #: env's host round trip that does not wait for a sleeping CPU is ~50 us there (back to back,
 #: 2026-11-27; see _WAKE_FACTOR).
 _POLLED_FACTOR = 12.0
+#: A polling host takes a quiet step (no infos, every observation in the shared buffers)
+#: through shared memory, without a frame either way (see ``backends._handoff``): its round trip
+#: is this share of the polled estimate (CartPole-v1 x1 on a polling host 25.2 us a step against
+#: 12.5 us in the caller's process, where the polled estimate was ~123 us; 2026-11-30).
+_FLAG_SHARE = 0.125
 #: Inside a training loop the caller's process steps its sub-envs right after its own work (the
 #: policy), with the env's code and data out of the caches: in a CleanRL-shaped PPO loop,
 #: HalfCheetah-v5 under CleanRL's wrappers took 190 us a step in the caller's process against a
@@ -204,8 +210,15 @@ def _current_cpu(allowed: set[int]) -> int:
 def probe_step_seconds(env: Any) -> float | None:
     """The median step time of ``env`` (reset first, random actions, reset at episode ends),
     or ``None`` when it cannot be stepped so (then nothing is decided from it)."""
+    return probe_step(env)[0]
+
+
+def probe_step(env: Any) -> tuple[float | None, bool]:
+    """:func:`probe_step_seconds`, and whether every step and reset returned empty infos (a
+    quiet env: a polling host takes its steps without a frame)."""
+    quiet = True
     try:
-        env.reset()
+        quiet = not env.reset()[1]
         # A copy, seeded: the env's own space may be shared (a class attribute) with the
         # sub-envs and the face, whose random stream the probe must not move.
         space = copy.deepcopy(env.action_space)
@@ -217,13 +230,14 @@ def probe_step_seconds(env: Any) -> float | None:
         ):
             action = space.sample()
             t0 = time.perf_counter()
-            _, _, terminated, truncated, _ = env.step(action)
+            _, _, terminated, truncated, info = env.step(action)
             times.append(time.perf_counter() - t0)
+            quiet = quiet and not info
             if terminated or truncated:
-                env.reset()
+                quiet = not env.reset()[1] and quiet
     except Exception:
-        return None
-    return statistics.median(times)
+        return None, False
+    return statistics.median(times), quiet
 
 
 def machine_busy(n_cpus: int, looks: int = 5) -> bool:
@@ -296,6 +310,7 @@ def choose(
     polled_hop: float | None = None,
     n_cpus: int | None = None,
     busy: bool | None = None,
+    quiet: bool = False,
 ) -> Placement:
     """The placement for ``num_envs`` sub-envs whose probe stepped in ``env_step`` seconds;
     every one in the caller's process on a ``busy`` machine (``None``: looked at, see
@@ -303,7 +318,9 @@ def choose(
     are runnable than the CPUs its hosts leave: given, the machine is taken as quiet but for
     this thread). ``hop`` and ``polled_hop``: the round trips to a sleeping and to a
     polling host (``None``: ``hop`` measured, see :func:`hop_seconds`, and serving as both; a
-    ``hop`` given without ``polled_hop`` serves as both too)."""
+    ``hop`` given without ``polled_hop`` serves as both too). ``quiet``: the probe's steps had
+    no infos, so a polling host takes them through shared memory (``_FLAG_SHARE`` of the polled
+    round trip, whatever the env's step costs)."""
     if env_step is None:
         return Placement(0, min(cpus(), num_envs), "the probe env could not be stepped: hosts")
     if hop is None:
@@ -311,6 +328,8 @@ def choose(
         if polled_hop is None:
             polled_hop = polled_hop_seconds()
     polled = hop if polled_hop is None else polled_hop
+    if quiet:
+        polled *= _FLAG_SHARE
     n_cpus = cpus() if n_cpus is None else n_cpus
     us = f"probe step {env_step * 1e6:.1f} us, host round trip ~{hop * 1e6:.0f} us"
     if n_cpus > 1 and polled != hop:
@@ -325,8 +344,8 @@ def choose(
         why = f"{us}: the machine is busy (more threads runnable than its {n_cpus} CPUs)"
         return Placement(num_envs, 0, why, env_step, hop, polled)
     best_m, (best, best_procs) = num_envs, _predict(num_envs, env_step, hop, num_envs, n_cpus)
-    # A polling host with its own round trip for a costly env, else with the sleeping one.
-    polling = polled if _costly(env_step) else hop
+    # A polling host with its own round trip for a costly or quiet env, else the sleeping one.
+    polling = polled if quiet or _costly(env_step) else hop
     inproc = best
     crowded: dict[int, bool] = {}  # host processes -> whether their CPUs are wanted already
     passed_over = None
@@ -419,7 +438,8 @@ def place(
     elif batched:
         placement = Placement(0, min(cpus(), n), "batch_size: hosts answer independently")
     else:
-        placement = choose(n, probe_step_seconds(probe))
+        step, quiet = probe_step(probe)
+        placement = choose(n, step, quiet=quiet)
     LOGGER.info("vector env: %s", placement.describe(n))
     return placement
 
