@@ -719,6 +719,32 @@ def test_async_vector_env_arguments(no_leaks: None) -> None:
         VectorEnv("CartPole-v1", 2, shared_memory="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("copy", [True, False])
+def test_a_mixed_placement_returns_every_sub_env_from_one_allocation(
+    copy: bool, no_leaks: None
+) -> None:
+    """The caller's sub-envs step in rows of the hosts' shared buffers (one allocation): a step
+    reads every sub-env in one copy, or, with ``copy=False``, returns that buffer itself (which
+    held only the hosts' rows before 2026-11-30), with the caller's process's results."""
+    ours = VectorEnv("CartPole-v1", 4, caller_envs=2, n_processes=1, copy=copy)
+    ref = VectorEnv("CartPole-v1", 4, n_processes=0)
+    try:
+        assert ours._hosted._joint is not None
+        got, want = ours.reset(seed=3), ref.reset(seed=3)
+        assert data_equivalence(got, want)
+        first = got[0]
+        for k in range(40):
+            actions = np.array([k % 2, 1, 0, (k // 3) % 2])
+            got, want = ours.step(actions), ref.step(actions)
+            assert got[0].shape == (4, 4)
+            assert data_equivalence(got, want)
+            assert (got[0] is first) is not copy  # copy=False: the shared buffer each time
+            first = got[0]
+    finally:
+        ours.close()
+        ref.close()
+
+
 class TimedEnv(CountEnv):
     """Steps and resets take 0.05 s; their start and end times (``time.monotonic``, the same
     clock in every process) are in the info."""

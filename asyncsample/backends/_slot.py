@@ -237,6 +237,7 @@ class HostSlot:
         self.where = where
         # Text/Sequence leaves in object rows: not shared, they travel packed (_column_wire).
         self.columns = object_rows(spec)
+        self._whole = b"\x01" * spec.n_envs  # a step of every env: no look at its mask
         # Each operation from its request body to its reply payload (None: an empty reply).
         self._ops: dict[int, Callable[[_Body], bytes | None]] = {
             Op.STEP: self._serve_step,
@@ -325,7 +326,7 @@ class HostSlot:
         mask = np.frombuffer(body, np.bool_)
         if self.arena is not None:  # the observations go to the arena row the worker asked for
             self.arena.take(mask)
-        infos = self.group.step(mask, given)
+        infos = self.group.step(mask, given, body == self._whole or None)
         if isinstance(buffers.obs, list):  # observations without fixed-size rows: pickled
             return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, buffers.obs))
         if self.columns:  # the object leaves' rows, one column each

@@ -229,12 +229,26 @@ class ProcessPool(Backend, Protocol):
     """A backend whose hosts are processes of this machine with shared-memory step buffers."""
 
     joint: StepBuffers | None
-    """Every host's step buffers in one allocation, in host order (``None``: not so)."""
+    """Every host's step buffers in one allocation, in host order, then the guests' rows
+    (``None``: not so)."""
+    guests: list[HostSpec]
+    """Hosts in the caller's process whose rows :attr:`joint` also holds (set before ``start``)."""
+    guest_buffers: list[StepBuffers]
+    """The guests' rows of :attr:`joint` once started (empty: they have none there)."""
 
     @property
     def pids(self) -> list[int]:
         """Pids of the live host processes."""
         ...
+
+
+@runtime_checkable
+class GuestBackend(Backend, Protocol):
+    """A backend of hosts in the caller's process that step in buffers they are given: the
+    rows a :class:`ProcessPool` keeps for its guests, so one copy reads every host's rows."""
+
+    rows: list[StepBuffers]
+    """The hosts' buffers, set before ``start`` (empty: buffers of their own)."""
 
 
 @dataclass(slots=True)

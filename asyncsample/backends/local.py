@@ -28,6 +28,7 @@ from asyncsample.backends.base import (
 )
 from asyncsample.env_group import (
     EnvFailureError,
+    StepBuffers,
     StepInfos,
     call_targets,
     reset_arguments,
@@ -65,9 +66,14 @@ async def close_envs(envs: list[Any], close_timeout: float | None, what: str) ->
 class LocalHost:
     """Hosts one worker's envs in the main process (``close_timeout``: see :func:`close_envs`)."""
 
-    def __init__(self, spec: HostSpec, close_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        spec: HostSpec,
+        close_timeout: float | None = None,
+        buffers: StepBuffers | None = None,
+    ) -> None:
         self.spec = spec
-        self._group = spec_group(spec)
+        self._group = spec_group(spec, buffers)
         self.buffers = self._group.buffers
         self.closed = False
         self.close_timeout = close_timeout
@@ -160,8 +166,13 @@ class CallerHost(LocalHost):
     """A :class:`LocalHost` for the faces' sub-envs, stepped in the caller's thread
     (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host's is."""
 
-    def __init__(self, spec: HostSpec, close_timeout: float | None = None) -> None:
-        super().__init__(spec, close_timeout)
+    def __init__(
+        self,
+        spec: HostSpec,
+        close_timeout: float | None = None,
+        buffers: StepBuffers | None = None,
+    ) -> None:
+        super().__init__(spec, close_timeout, buffers)
         self._wrap = True
         self._given: list[Any] | None = None
 
@@ -214,12 +225,16 @@ class LocalBackend:
             )
         self._kind = CallerHost if caller else LocalHost
         self._hosts: list[LocalHost] = []
+        self.rows: list[StepBuffers] = []
+        """The hosts' buffers, given before :meth:`start` (the rows of a process pool's joint
+        buffers, see ``ProcessBackend.guests``); none: their own."""
         self._closed = False
 
     async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
         if self._closed:
             raise RuntimeError("the local backend is closed")
-        self._hosts = [self._kind(spec, self.close_timeout) for spec in specs]
+        rows: list[StepBuffers | None] = [*self.rows] or [None] * len(specs)
+        self._hosts = [self._kind(s, self.close_timeout, b) for s, b in zip(specs, rows)]
         return list(self._hosts)
 
     async def aclose(self) -> None:

@@ -669,7 +669,12 @@ class ProcessBackend:
         self._checks: LoopChecks | None = None  # async envs' hosts: their loops, watched
         self.joint: StepBuffers | None = None
         """The step buffers of every host in one allocation (hosts with the same spaces), in
-        host order: a vector env's ``step`` returns ``joint.obs`` itself with ``copy=False``."""
+        host order, then the :attr:`guests`' rows: a vector env's ``step`` returns ``joint.obs``
+        itself with ``copy=False``, and a copy of each field where ``copy`` is true."""
+        self.guests: list[HostSpec] = []
+        """Specs of hosts in the caller's process whose rows :attr:`joint` holds too (set before
+        :meth:`start`; their buffers are then :attr:`guest_buffers`)."""
+        self.guest_buffers: list[StepBuffers] = []
 
     @property
     def pids(self) -> list[int]:
@@ -691,7 +696,8 @@ class ProcessBackend:
         ctx = forkserver_context()
         # One allocation when the spaces are the same, but not with chunks (the hosts would
         # write the same cache lines at every step).
-        joint = None if any(s.chunk_steps for s in specs) else joint_buffers(specs, ctx)
+        whole = specs + self.guests
+        joint = None if any(s.chunk_steps for s in specs) else joint_buffers(whole, ctx)
         raws: list[Any]
         if joint is None:
             self.joint = None
@@ -704,6 +710,8 @@ class ProcessBackend:
             buffers, raws = [buf for buf, _ in own], [raw for _, raw in own]
         else:
             self.joint, buffers, raws = joint
+            self.guest_buffers = buffers[len(specs) :]
+            buffers, raws = buffers[: len(specs)], raws[: len(specs)]
         chunks = [_chunk.shared_chunk_sets(spec, ctx) for spec in specs]  # inference="host"
         raw_chunks = [raw for _, raw in chunks]
         arenas = step_arenas(specs)  # per_worker, batched

@@ -23,6 +23,7 @@ from asyncsample.backends import (
     Backend,
     EnvHost,
     GivenActionsHost,
+    GuestBackend,
     HostSpec,
     InlineHost,
     LockstepHost,
@@ -31,7 +32,7 @@ from asyncsample.backends import (
     backend_options,
     make_backend,
 )
-from asyncsample.env_group import StepInfos
+from asyncsample.env_group import StepBuffers, StepInfos
 from asyncsample.env_update import describe_chain, make_env
 from asyncsample.errors import WorkerError
 from asyncsample.metrics import make_face_metrics
@@ -150,6 +151,8 @@ class HostedEnvs(LockstepRounds):
         self.broken: set[int] = set()
         # The action buffer of the caller's one host when it holds every sub-env (an array).
         self._alone_actions: np.ndarray | None = None
+        # Every host's rows in one allocation (see ProcessBackend.guests), if they are.
+        self._joint: StepBuffers | None = None
         self.copy = copy
         """``False``: :meth:`read_obs` may return the hosts' shared buffer (``copy=False``)."""
         self.metrics = make_face_metrics(metrics, backend, self)
@@ -173,8 +176,15 @@ class HostedEnvs(LockstepRounds):
 
     async def _start(self, specs: list[HostSpec]) -> None:
         r = self._remote_hosts
+        pool, caller = self._pool, self._caller_backend
+        if pool is not None and isinstance(caller, GuestBackend):
+            pool.guests = specs[r:]  # the caller's rows in the hosts' joint buffers too
         if self.backend is not None:
             self.hosts = list(await self.backend.start(specs[:r]))
+        if pool is not None and isinstance(caller, GuestBackend):
+            caller.rows = pool.guest_buffers
+        joint = None if pool is None else pool.joint
+        self._joint = joint if joint is not None and len(joint.rewards) == self.num_envs else None
         if self._caller_backend is not None:
             inline = await self._caller_backend.start(specs[r:])
             self._inline = [cast(InlineHost, host) for host in inline]
@@ -314,9 +324,9 @@ class HostedEnvs(LockstepRounds):
     def read_obs(self, hosts: Sequence[int] | None = None) -> Tree:
         """A fresh batch of the observations of the sub-envs of ``hosts`` (all), in one copy; with
         :attr:`copy` false, the shared buffer itself where it holds all hosts' rows."""
-        joint = None if self._pool is None or self.copy or hosts is not None else self._pool.joint
-        if joint is not None:
-            return joint.obs
+        joint = None if hosts is not None else self._joint
+        if joint is not None and type(joint.obs) is np.ndarray:
+            return joint.obs.copy() if self.copy else joint.obs
         targets = range(len(self.hosts)) if hosts is None else hosts
         parts = [self.hosts[h].buffers.obs for h in targets]
         if type(parts[0]) is list:
@@ -524,12 +534,20 @@ class HostedEnvs(LockstepRounds):
                 reset_infos.update({a + k: info for k, info in o.reset_infos.items()})
             if o.final_obs:
                 final_obs.update({a + k: x for k, x in o.final_obs.items()})
-        bufs = [host.buffers for host in self.hosts]
+        joint = self._joint
+        if joint is not None:  # every host's rows in one allocation: a copy each
+            rewards, terminated = joint.rewards.copy(), joint.terminated.copy()
+            truncated = joint.truncated.copy()
+        else:
+            bufs = [host.buffers for host in self.hosts]
+            rewards = np.concatenate([b.rewards for b in bufs])
+            terminated = np.concatenate([b.terminated for b in bufs])
+            truncated = np.concatenate([b.truncated for b in bufs])
         return StepResult(
             self.read_obs(),
-            np.concatenate([b.rewards for b in bufs]),
-            np.concatenate([b.terminated for b in bufs]),
-            np.concatenate([b.truncated for b in bufs]),
+            rewards,
+            terminated,
+            truncated,
             env_infos,
             reset_infos,
             {},
