@@ -35,7 +35,7 @@ from asyncsample.backends._column_wire import (
     pack_columns,
     unpack_columns_into,
 )
-from asyncsample.backends._transport import KEEP_CHUNK_OBS, Op, dumps
+from asyncsample.backends._transport import KEEP_CHUNK_OBS, Op, dumps, dumps_infos
 from asyncsample.backends.base import HostSpec
 from asyncsample.env_group import (
     EnvFailure,
@@ -328,23 +328,23 @@ class HostSlot:
             self.arena.take(mask)
         infos = self.group.step(mask, given, body == self._whole or None)
         if isinstance(buffers.obs, list):  # observations without fixed-size rows: pickled
-            return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, buffers.obs))
+            return dumps_infos((infos.env_infos, infos.reset_infos, infos.final_obs, buffers.obs))
         if self.columns:  # the object leaves' rows, one column each
             rows = (pack_columns(buffers.obs), pack_columns(buffers.final_obs))
-            return dumps((infos.env_infos, infos.reset_infos, infos.final_obs, rows))
+            return dumps_infos((infos.env_infos, infos.reset_infos, infos.final_obs, rows))
         if infos.final_obs:
-            return dumps((infos.env_infos, infos.reset_infos, infos.final_obs))
+            return dumps_infos((infos.env_infos, infos.reset_infos, infos.final_obs))
         if infos.env_infos is None and not infos.reset_infos:
             return b""
-        return dumps((infos.env_infos, infos.reset_infos))
+        return dumps_infos((infos.env_infos, infos.reset_infos))
 
     def _reset_reply(self, infos: dict[int, dict[str, Any]]) -> bytes:
         obs = self.group.buffers.obs
         if isinstance(obs, list):  # observations without fixed-size rows: pickled
-            return dumps((infos, obs))
+            return dumps_infos((infos, obs))
         if self.columns:  # the object leaves' rows, one column each
-            return dumps((infos, pack_columns(obs)))
-        return dumps(infos) if infos else b""
+            return dumps_infos((infos, pack_columns(obs)))
+        return dumps_infos(infos) if infos else b""
 
     def _serve_reset_args(self, body: _Body) -> bytes:
         n = self.group.n_envs

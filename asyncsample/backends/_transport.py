@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import io
 import pickle
 import socket
 import struct
@@ -44,6 +45,7 @@ __all__ = [
     "Unzeroed",
     "dump_failure",
     "dumps",
+    "dumps_infos",
     "failure_from_exception",
     "load_failure",
     "round_trips",
@@ -112,6 +114,33 @@ def dumps(obj: Any) -> bytes:
     except Exception:  # any pickling failure: try harder
         blob: bytes = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         return blob
+
+
+#: The numpy scalar types that come back exactly from their Python value (``type(x)(x.item())``).
+_PLAIN_SCALARS = frozenset(np.dtype(code).type for code in "?bhilqBHILQefd")
+
+
+class _InfoPickler(pickle.Pickler):
+    """Pickles a numpy scalar as its type called on its Python value: the default reduce of
+    ``np.float64`` is three times slower to pickle (two infos of HalfCheetah-v5's four numpy
+    floats: 17.8 us, 6.5 us so; unpickled in 3.9 and 2.5 us), and the same objects come back."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        kind = type(obj)
+        if kind in _PLAIN_SCALARS:
+            return kind, (obj.item(),)
+        return NotImplemented
+
+
+def dumps_infos(obj: Any) -> bytes:
+    """:func:`dumps` for what a step's infos are made of (numpy scalars, see
+    :class:`_InfoPickler`)."""
+    buf = io.BytesIO()
+    try:
+        _InfoPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    except Exception:  # any pickling failure: the general way
+        return dumps(obj)
+    return buf.getvalue()
 
 
 def round_trips(error: BaseException) -> bool:
