@@ -4,10 +4,12 @@ caller's own process, where the host polls, naps, wakes the caller, replies with
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
@@ -174,55 +176,57 @@ def _flag_steps(env: VectorEnv) -> int:
     )
 
 
+@contextlib.contextmanager
+def _beside_the_caller(
+    env: Any, steps: int, pause: float = 0.0, **placement: int
+) -> Iterator[VectorEnv]:
+    """``steps`` seeded steps of ``env`` placed by ``placement`` (ours, yielded for more
+    checks), then of ``env`` in the caller's process alone: the same results."""
+    num = None if isinstance(env, list) else 4
+    ours = VectorEnv(env, num, **placement)
+    ref = VectorEnv(env, num, n_processes=0)
+    try:
+        got = _run(ours, steps, pause)
+        # Some at least: a host whose spin was preempted naps a while (BoundedSpin), and its
+        # steps go as frames meanwhile.
+        assert _flag_steps(ours) >= 1
+        yield ours
+        _same(got, _run(ref, steps, pause))
+    finally:
+        ours.close()
+        ref.close()
+
+
 @pytest.mark.parametrize("caller_envs", [0, 2])
 def test_quiet_steps_through_shared_memory_equal_the_callers(
     polling: None, no_leaks: None, caller_envs: int
 ) -> None:
     """CartPole (no infos): the steps go through the shared block and equal the caller's own."""
-    ours = VectorEnv("CartPole-v1", 4, n_processes=1, caller_envs=caller_envs)
-    ref = VectorEnv("CartPole-v1", 4, n_processes=0)
-    try:
-        got = _run(ours, 300)
-        # Some at least: a host whose spin was preempted naps a while (BoundedSpin), and its
-        # steps go as frames meanwhile.
-        assert _flag_steps(ours) >= 1
-        _same(got, _run(ref, 300))
-    finally:
-        ours.close()
-        ref.close()
+    with _beside_the_caller("CartPole-v1", 300, n_processes=1, caller_envs=caller_envs):
+        pass
 
 
 def test_steps_with_infos_reply_with_a_frame(polling: None, no_leaks: None) -> None:
     """Infos every third step, episodes ending every seventh: the answer points to a frame that
     carries them, and every result equals the caller's own."""
-    fns = [lambda: InfoEnv()] * 3
-    ours = VectorEnv(fns, n_processes=1, caller_envs=1)
-    ref = VectorEnv(fns, n_processes=0)
-    try:
-        got = _run(ours, 60)
-        assert _flag_steps(ours) >= 1
-        _same(got, _run(ref, 60))
-    finally:
-        ours.close()
-        ref.close()
+    with _beside_the_caller([lambda: InfoEnv()] * 3, 60, n_processes=1, caller_envs=1):
+        pass
 
 
 def test_a_sleeping_host_and_a_sleeping_caller_are_woken(polling: None, no_leaks: None) -> None:
-    """Pauses longer than the host's spin (it naps, the caller's steps wake it) and steps longer
-    than the caller's (it naps, the host's answers wake it): the same results."""
+    """Steps longer than the caller's spin (it sleeps, the host's answers wake it), then a pause
+    longer than the host's (it sleeps, and the caller's next step, a frame, wakes it)."""
     fns = [lambda: InfoEnv(pause=0.004)] * 2
-    ours = VectorEnv(fns, n_processes=1)
-    ref = VectorEnv(fns, n_processes=0)
-    try:
-        got = _run(ours, 25, pause=0.01)
+    with _beside_the_caller(fns, 25, n_processes=1) as ours:
         block = ours._hosted._direct[0]._incarnation.handoff.ctl  # type: ignore[attr-defined]
-        time.sleep(0.05)
+        assert block[_handoff.WAITING] == 0  # the caller says when it no longer sleeps
+        end = time.monotonic() + 5.0
+        while block[_handoff.LOOKING] and time.monotonic() < end:
+            time.sleep(0.01)
         assert block[_handoff.LOOKING] == 0  # asleep past its spin
-        assert block[_handoff.WAITING] == 0
-        _same(got, _run(ref, 25, pause=0.01))
-    finally:
-        ours.close()
-        ref.close()
+        flagged = _flag_steps(ours)
+        obs = ours.step(np.zeros(2, np.int64))[0]
+        assert obs.shape == (2, 3) and _flag_steps(ours) == flagged  # a frame woke it
 
 
 def test_a_failure_in_a_handed_over_step_is_the_frames(polling: None, no_leaks: None) -> None:

@@ -66,6 +66,8 @@ async def close_envs(envs: list[Any], close_timeout: float | None, what: str) ->
 class LocalHost:
     """Hosts one worker's envs in the main process (``close_timeout``: see :func:`close_envs`)."""
 
+    _wrap = False  # True: every failure is a WorkerError (wrap=True on every call)
+
     def __init__(
         self,
         spec: HostSpec,
@@ -77,7 +79,6 @@ class LocalHost:
         self.buffers = self._group.buffers
         self.closed = False
         self.close_timeout = close_timeout
-        self._wrap = False  # True: every failure is a WorkerError (wrap=True on every call)
 
     def take_envs(self) -> list[Any]:
         """Take the envs out of the group (to be closed elsewhere); it holds none after."""
@@ -166,15 +167,8 @@ class CallerHost(LocalHost):
     """A :class:`LocalHost` for the faces' sub-envs, stepped in the caller's thread
     (:meth:`step_now`); every env failure is a WorkerError naming the env, as a host's is."""
 
-    def __init__(
-        self,
-        spec: HostSpec,
-        close_timeout: float | None = None,
-        buffers: StepBuffers | None = None,
-    ) -> None:
-        super().__init__(spec, close_timeout, buffers)
-        self._wrap = True
-        self._given: list[Any] | None = None
+    _wrap = True
+    _given: list[Any] | None = None  # the next step's actions as given (give_actions)
 
     def give_actions(self, actions: list[Any] | None) -> None:
         """See :meth:`~asyncsample.backends.base.GivenActionsHost.give_actions`."""
