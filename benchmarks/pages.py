@@ -413,9 +413,6 @@ FOLDERS: dict[str, str] = {
     "lockstep_phases/cartpole-8": "the same profile on CartPole-v1 with 8 envs",
     "real_envs/raw-frames": "raw-frame Pong and HalfCheetah observed through 84x84 and 256x256 "
     "renders, random agent",
-    "vector/handoff": "CartPole-v1 x8 and x64 once quiet steps go to a polling host through "
-    "shared memory (issue 53): VectorEnv's default placement against SyncVectorEnv, "
-    "AsyncVectorEnv and PufferLib's one worker",
     "vector/pinning/pinned": "FixedCost-v0 x8, VectorEnv's hosts pinned one per CPU",
     "vector/pinning/unpinned": "the same, unpinned",
 }

@@ -100,8 +100,7 @@ class Handoff:
     """The caller's side of one host process's block (made per process incarnation)."""
 
     def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.ctl = _cells(raw)
+        self.ctl = _cells(raw)  # (the memoryview keeps ``raw`` alive)
         self.sent = self.ctl[REQ]
 
     def send(self, slot: int, wake: Callable[[bytes], bool]) -> bool:
@@ -117,12 +116,9 @@ class Handoff:
             wake(_WAKE)
         return True
 
-    def answered(self) -> bool:
-        """Whether the host answered the last request."""
-        return self.ctl[REP] == self.sent
-
-    def look(self, _timeout: int = 0) -> bool:
-        """:meth:`answered`, as a poll (``BoundedSpin.poll`` spins on it)."""
+    def answered(self, _timeout: int = 0) -> bool:
+        """Whether the host answered the last request (a poll's signature: ``BoundedSpin.poll``
+        spins on it)."""
         return self.ctl[REP] == self.sent
 
     def quiet(self) -> bool:

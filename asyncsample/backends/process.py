@@ -182,17 +182,10 @@ class _Conn(Incarnation):
         if self.dead or self.calls or self.fd < 0 or self.transport.get_write_buffer_size():
             return False
         rid = self._next_rid()
-        data = HEADER.pack(len(body), rid, Op.STEP) + body
-        try:
-            n = os.write(self.fd, data)  # non-blocking: the transport made it so
-        except (BlockingIOError, InterruptedError):
-            n = 0
-        except OSError:
-            return False  # the connection broke: the normal path finds out why
+        if not self._write_now(HEADER.pack(len(body), rid, Op.STEP) + body):
+            return False
         step.rid = rid
         self.direct[rid] = step
-        if n < len(data):
-            self.transport.write(data[n:])  # the rest goes out with the loop
         return True
 
     def flag_step(self, host: ProcessHost, slot: int) -> FlagStep | None:
@@ -207,10 +200,18 @@ class _Conn(Incarnation):
         return step
 
     def _write_now(self, data: bytes) -> bool:
+        """Write ``data`` without the loop, what the socket does not take now through the
+        transport (out with the loop); ``False``: the connection broke, nothing was sent (the
+        normal path finds out why)."""
         try:
-            return os.write(self.fd, data) == len(data)  # non-blocking: the transport made it so
+            n = os.write(self.fd, data)  # non-blocking: the transport made it so
+        except (BlockingIOError, InterruptedError):
+            n = 0
         except OSError:
-            return False  # gone, or full (then the host is awake): a nap covers it
+            return False
+        if n < len(data):
+            self.transport.write(data[n:])
+        return True
 
     async def nap(self, seconds: float) -> None:
         """Sleep until a handoff frame comes (a reply, a wake-up), the host dies, or ``seconds``."""
@@ -543,7 +544,7 @@ class ProcessHost(RemoteHost[_Conn]):
             if cache:  # the same request every step
                 self._whole_body = body
         if self._timeout is None:
-            if body is self._whole_body:  # every env, actions in the shared buffers
+            if inc.handoff is not None and body is self._whole_body:  # actions in the buffers
                 flagged = inc.flag_step(self, self._slot_index)
                 if flagged is not None:
                     return flagged

@@ -313,7 +313,7 @@ class LockstepRounds:
                 spin = self._spin = BoundedSpin(cpus())
             if spin.allowed():
                 if flag is not None:
-                    if spin.poll(flag.look, self._caller_spin):
+                    if spin.poll(flag.answered, self._caller_spin):
                         return []
                 else:
                     ready = spin.poll(poll, self._caller_spin)
