@@ -19,6 +19,7 @@ from gymnasium.vector.utils import concatenate, create_empty_array
 
 from asyncsample import _leaves, _validate
 from asyncsample._clock import CLOCK_SIZE, timed_group_step
+from asyncsample._info_cells import INFO_SPACE, InfoCells, info_rows
 from asyncsample._memory import carve
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
@@ -78,6 +79,7 @@ class StepBuffers:
         actions: written by the worker before a step.
         rewards, terminated, truncated: results of the last step (with the time limit).
         clock: with metrics on, the host's timings (:mod:`asyncsample._clock`); else ``None``.
+        infos: shared, the cells numeric infos cross in (:mod:`asyncsample._info_cells`).
 
     A space without fixed-size rows (:func:`fixed_rows`) gets a list of ``n_envs`` objects.
     """
@@ -89,6 +91,7 @@ class StepBuffers:
     terminated: np.ndarray
     truncated: np.ndarray
     clock: np.ndarray | None = None
+    infos: InfoCells | None = None
 
     @classmethod
     def allocate(
@@ -99,9 +102,11 @@ class StepBuffers:
         make: Callable[[gym.Space[Any], int], Any] | None = None,
         timed: bool = False,
         columns: bool = False,
+        info_cells: bool = False,
     ) -> StepBuffers:
         """Buffers made by ``make(space, n)`` (default: in-process); ``timed``: also a
-        :attr:`clock` (allocated last, so views made in the same order agree); ``columns``:
+        :attr:`clock` (allocated after the rows, so views made in the same order agree);
+        ``info_cells``: also :attr:`infos` (allocated last); ``columns``:
         a space whose leaves are recorded in columns gets ``object`` rows for its ``Text`` and
         ``Sequence`` leaves (:func:`asyncsample._leaves.allocate`), not one list."""
         make = make or _zeros
@@ -121,6 +126,7 @@ class StepBuffers:
             terminated=make(_FLAG_SPACE, n_envs),
             truncated=make(_FLAG_SPACE, n_envs),
             clock=make(_REWARD_SPACE, CLOCK_SIZE) if timed else None,
+            infos=InfoCells(make(INFO_SPACE, info_rows(n_envs)), n_envs) if info_cells else None,
         )
 
 

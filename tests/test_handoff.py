@@ -21,6 +21,7 @@ import pytest
 from gymnasium.spaces import Box, Discrete
 from gymnasium.utils.env_checker import data_equivalence
 
+from asyncsample._info_cells import COLUMNS
 from asyncsample.backends import _handoff
 from asyncsample.backends._handoff import FLAG_ID, WAKE_ID, Handoff, HostHandoff
 from asyncsample.backends._transport import HEADER, ST_FAIL, ST_OK
@@ -51,8 +52,15 @@ def test_the_cells_say_who_looks_and_what_answered() -> None:
         assert host.pending() and host.take() == 3 and not host.pending()
         assert not caller.answered()
         host.answer(ST_OK, b"")  # quiet: the buffers hold it all, no frame
-        assert caller.answered() and caller.quiet()
+        assert caller.answered() and caller.quiet() and not caller.in_cells()
         caller_sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            caller_sock.recv(64)
+        # Infos of plain numbers: in the slot's info cells, no frame either.
+        assert caller.send(2, woken.append)
+        host.take()
+        host.answer(ST_OK, COLUMNS)
+        assert caller.answered() and caller.quiet() and caller.in_cells()
         with pytest.raises(BlockingIOError):
             caller_sock.recv(64)
         # The caller sleeps: the host's answer wakes it with a frame.
@@ -124,13 +132,14 @@ def test_a_napping_host_sees_the_count_without_a_frame() -> None:
 
 
 class InfoEnv(gym.Env[Any, Any]):
-    """Box observations; an info every third step, a final step every seventh; ``pause``
-    seconds per step; raises at step ``fail`` (0: never)."""
+    """Box observations; an info every third step (``{"t": step}``; ``text``: its digits, and
+    ``mixed``: numbers of several types), a final step every seventh; ``pause`` seconds per
+    step; raises at step ``fail`` (0: never)."""
 
-    def __init__(self, pause: float = 0.0, fail: int = 0) -> None:
+    def __init__(self, pause: float = 0.0, fail: int = 0, info: str = "int") -> None:
         self.observation_space = Box(-10.0, 10.0, (3,), np.float32)
         self.action_space = Discrete(3)
-        self.pause, self.fail, self.t = pause, fail, 0
+        self.pause, self.fail, self.t, self.info = pause, fail, 0, info
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[no-untyped-def]
         super().reset(seed=seed)
@@ -144,7 +153,11 @@ class InfoEnv(gym.Env[Any, Any]):
         if self.pause:
             time.sleep(self.pause)
         obs = self.np_random.random(3).astype(np.float32) + float(action)
-        info = {"t": self.t} if self.t % 3 == 0 else {}
+        info: dict[str, Any] = {}
+        if self.t % 3 == 0:
+            info = {"t": str(self.t)} if self.info == "text" else {"t": self.t}
+            if self.info == "mixed":
+                info.update(x=np.float32(self.t / 4), ok=self.t % 2 == 0, v=float(obs[0]))
         return obs, float(action) - 1.0, self.t % 7 == 0, False, info
 
 
@@ -207,11 +220,24 @@ def test_quiet_steps_through_shared_memory_equal_the_callers(
         pass
 
 
-def test_steps_with_infos_reply_with_a_frame(polling: None, no_leaks: None) -> None:
-    """Infos every third step, episodes ending every seventh: the answer points to a frame that
-    carries them, and every result equals the caller's own."""
-    with _beside_the_caller([lambda: InfoEnv()] * 3, 60, n_processes=1, caller_envs=1):
+@pytest.mark.parametrize("info", ["mixed", "text"])
+def test_steps_with_infos_equal_the_callers(
+    polling: None, no_leaks: None, info: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Infos every third step, episodes ending every seventh: numbers cross in the info cells,
+    text in a frame the answer points to, and every result equals the caller's own (the infos'
+    dtypes too)."""
+    from asyncsample._info_cells import InfoCells
+
+    reads = []
+    read = InfoCells.read
+    monkeypatch.setattr(InfoCells, "read", lambda self: reads.append(1) or read(self))
+    fns = [lambda: InfoEnv(info=info)] * 3
+    with _beside_the_caller(fns, 60, n_processes=1, caller_envs=1):
         pass
+    # An info at an episode's steps 3 and 6; the seventh ends it, the eighth resets (next-step
+    # autoreset): 15 of the 60 steps.
+    assert len(reads) == (0 if info == "text" else 15)
 
 
 def test_a_sleeping_host_and_a_sleeping_caller_are_woken(polling: None, no_leaks: None) -> None:

@@ -144,20 +144,36 @@ def test_quiet_steps_put_a_cheap_env_beside_a_polling_host(n: int, want: tuple[i
 
 
 def test_the_probe_says_whether_its_steps_were_quiet() -> None:
-    """CartPole-v1 returns empty infos; HalfCheetah-like envs with infos do not count as quiet."""
+    """CartPole-v1 returns empty infos and HalfCheetah-like envs plain numbers (they cross in the
+    info cells): quiet. A string, a nested dict or a reset info at every step are frames."""
     env = gym.make("CartPole-v1")
     seconds, quiet = probe_step(env)
     assert seconds is not None and seconds > 0 and quiet
     env.close()
 
     class Talky(gym.Wrapper[Any, Any, Any, Any]):
-        def step(self, action: Any) -> Any:
-            obs, reward, terminated, truncated, _ = self.env.step(action)
-            return obs, reward, terminated, truncated, {"x": 1.0}
+        def __init__(self, env: Any, info: dict[str, Any], reset_info: bool = False) -> None:
+            super().__init__(env)
+            self.info, self.reset_info = info, reset_info
 
-    env = Talky(gym.make("CartPole-v1"))
-    assert probe_step(env)[1] is False
-    env.close()
+        def step(self, action: Any) -> Any:
+            obs, reward, _, truncated, _ = self.env.step(action)
+            return obs, reward, self.reset_info, truncated, dict(self.info)
+
+        def reset(self, **kwargs: Any) -> Any:
+            obs, _ = self.env.reset(**kwargs)
+            return obs, dict(self.info)
+
+    numbers = {"x": np.float64(1.0), "n": 3, "ok": True}
+    for info, reset_info, quiet in [
+        (numbers, False, True),  # one reset with an info, the probe's first
+        (numbers, True, False),  # an episode of one step each: a reset info every step
+        ({"x": "text"}, False, False),
+        ({"episode": {"r": 1.0}}, False, False),
+    ]:
+        env = Talky(gym.make("CartPole-v1"), info, reset_info)
+        assert probe_step(env)[1] is quiet, (info, reset_info)
+        env.close()
 
 
 def test_hosts_need_cpus_no_other_thread_wants(monkeypatch: pytest.MonkeyPatch) -> None:

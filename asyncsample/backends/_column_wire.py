@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from asyncsample import _leaves
+from asyncsample._info_cells import COLUMNS
 from asyncsample._tree import Tree, stack_rows, tree_leaves
 from asyncsample.backends.base import HostSpec, StepRun
 from asyncsample.env_group import StepBuffers, StepInfos
@@ -160,10 +161,14 @@ def read_reset_reply(obs: Tree, payload: bytes) -> dict[int, dict[str, object]]:
 
 
 def read_step_reply(buffers: StepBuffers, payload: bytes) -> StepInfos:
-    """What a step reply's ``payload`` says; the rows it carries go to the buffers (a list's
-    observations, or the ``object`` leaves of the observations and final observations)."""
+    """What a step reply's ``payload`` says (its infos may be in the buffers' info cells); the
+    rows it carries go to the buffers (a list's observations, or the ``object`` leaves of the
+    observations and final observations)."""
     if not payload:
         return StepInfos(None, {})
+    if payload == COLUMNS:
+        assert buffers.infos is not None  # a host writes its cells only where there are some
+        return StepInfos(buffers.infos.read(), {})
     parts = pickle.loads(payload)
     if len(parts) > 3:
         if isinstance(buffers.obs, list):

@@ -7,9 +7,10 @@ host polls for the next step request after each reply. Over the socket that requ
 sides a frame (a write, a poll and a read each way, the frame parsed and dispatched): more than a
 cheap env's step. Here the caller writes its actions into the shared step buffers as before and
 raises a counter in a small shared block (:class:`Handoff`); the polling host sees it, steps every
-env of the slot as a ``STEP`` frame would, and raises the reply counter. A step with infos, a final
-observation the buffers cannot hold, or a failure still replies with a frame (``FLAG_ID``), which
-the counter's status points to, so nothing is ever lost. PufferLib's workers hand over this way.
+env of the slot as a ``STEP`` frame would, and raises the reply counter. Infos of plain numbers
+come in the slot's info cells (:mod:`asyncsample._info_cells`). Other infos, a final observation
+the buffers cannot hold, or a failure still reply with a frame (``FLAG_ID``), which the counter's
+status points to, so nothing is ever lost. PufferLib's workers hand over this way.
 
 A side that stops looking says so first: the host clears ``LOOKING`` before it sleeps in a read
 (the caller then sends a ``WAKE_ID`` frame after raising the counter, or a plain frame), and the
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from asyncsample._info_cells import COLUMNS
 from asyncsample.backends._transport import HEADER, ST_OK, Op, load_failure, send_frame
 from asyncsample.backends.base import failure_error
 from asyncsample.env_group import StepInfos
@@ -52,8 +54,9 @@ __all__ = [
 #: whether the caller sleeps waiting for the reply.
 REQ, SLOT_CELL, REP, STATUS, LOOKING, WAITING = range(6)
 CTL_SLOTS = 8
-#: Reply statuses: the outcome is in the shared buffers alone; a frame (``FLAG_ID``) carries it.
-IN_BUFFERS, FRAME = 0, 1
+#: Reply statuses: the outcome is in the shared buffers alone; a frame (``FLAG_ID``) carries it;
+#: in the buffers, with infos in the slot's info cells (:mod:`asyncsample._info_cells`).
+IN_BUFFERS, FRAME, IN_CELLS = 0, 1, 2
 #: The outcome of a step with nothing to report: one shared object, never changed.
 QUIET = StepInfos(None, {})
 #: Request ids no call takes (see ``process._Conn``): a flag step's reply frame, and a frame that
@@ -122,8 +125,12 @@ class Handoff:
         return self.ctl[REP] == self.sent
 
     def quiet(self) -> bool:
-        """Whether the answer is in the shared buffers alone (no frame follows)."""
-        return self.ctl[STATUS] == IN_BUFFERS
+        """Whether the answer is in shared memory alone (no frame follows)."""
+        return self.ctl[STATUS] != FRAME
+
+    def in_cells(self) -> bool:
+        """Whether the answer's infos are in the slot's info cells."""
+        return self.ctl[STATUS] == IN_CELLS
 
     def waiting(self, on: bool) -> None:
         """The caller sleeps (``True``) waiting for the reply, or no longer does."""
@@ -150,15 +157,16 @@ class HostHandoff:
         return self.ctl[SLOT_CELL]
 
     def answer(self, status: int, payload: bytes) -> None:
-        """Answer the request taken: in the buffers alone (an OK status, no payload), else with a
-        ``FLAG_ID`` frame sent before the count rises (the caller reads it once it sees why)."""
+        """Answer the request taken: in shared memory alone (an OK status, no payload or infos in
+        the cells), else with a ``FLAG_ID`` frame sent before the count rises (the caller reads
+        it once it sees why)."""
         ctl = self.ctl
-        quiet = status == ST_OK and not payload
-        if not quiet:
+        framed = status != ST_OK or (bool(payload) and payload != COLUMNS)
+        if framed:
             send_frame(self._sock, FLAG_ID, status, payload)
-        ctl[STATUS] = IN_BUFFERS if quiet else FRAME
+        ctl[STATUS] = FRAME if framed else IN_CELLS if payload else IN_BUFFERS
         ctl[REP] = self.served
-        if quiet and ctl[WAITING]:
+        if not framed and ctl[WAITING]:
             self._sock.sendall(_WAKE)
 
     def looking(self, on: bool) -> None:
@@ -189,7 +197,7 @@ class FlagStep:
             return None
         if handoff.quiet():
             self.inc.direct.pop(FLAG_ID, None)
-            return QUIET
+            return self.host.step_infos(COLUMNS) if handoff.in_cells() else QUIET
         reply = self.reply
         if reply is None or reply[0] != ST_OK:
             return None

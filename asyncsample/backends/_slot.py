@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from asyncsample._clock import HostTiming
+from asyncsample._info_cells import COLUMNS
 from asyncsample.backends import _threads
 from asyncsample.backends._chunk import (
     ARENA_BYTES,
@@ -336,6 +337,9 @@ class HostSlot:
             return dumps_infos((infos.env_infos, infos.reset_infos, infos.final_obs))
         if infos.env_infos is None and not infos.reset_infos:
             return b""
+        if not infos.reset_infos and buffers.infos is not None:
+            if buffers.infos.write(infos.env_infos):  # type: ignore[arg-type]
+                return COLUMNS  # numbers, in the cells: nothing pickled
         return dumps_infos((infos.env_infos, infos.reset_infos))
 
     def _reset_reply(self, infos: dict[int, dict[str, Any]]) -> bytes:

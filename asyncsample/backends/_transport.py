@@ -29,6 +29,7 @@ import numpy as np
 from gymnasium.vector.utils import create_shared_memory, read_from_shared_memory
 
 from asyncsample._clock import CLOCK_SIZE
+from asyncsample._info_cells import INFO_SPACE, InfoCells, info_rows
 from asyncsample._memory import carve
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_group import EnvFailure, StepBuffers, fixed_rows
@@ -51,6 +52,7 @@ __all__ = [
     "round_trips",
     "send_frame",
     "joint_buffers",
+    "own_slot_buffers",
     "shared_buffers",
     "shared_tree",
     "slot_buffers",
@@ -349,10 +351,12 @@ def shared_buffers(
     timed: bool = False,
     columns: bool = False,
     lazy_obs: bool = False,
+    info_cells: bool = False,
 ) -> tuple[StepBuffers, list[Tree]]:
     """Step buffers in shared memory, and the raw blocks to hand to the host process;
     ``lazy_obs``: the observation and final observation blocks are :class:`Unzeroed` (rows
-    nobody reads before they are written: pages take memory once written)."""
+    nobody reads before they are written: pages take memory once written); ``info_cells``: a
+    slot's (:attr:`StepBuffers.infos`)."""
     raw: list[Tree] = []
     shm_ctx = RawArrayContext(ctx)
     lazy = Unzeroed()
@@ -363,7 +367,7 @@ def shared_buffers(
         )
 
     buffers = StepBuffers.allocate(
-        observation_space, action_space, n_envs, make=make, timed=timed, columns=columns
+        observation_space, action_space, n_envs, make, timed, columns, info_cells
     )
     return buffers, raw
 
@@ -375,6 +379,7 @@ def view_buffers(
     raw: list[Tree],
     timed: bool = False,
     columns: bool = False,
+    info_cells: bool = False,
 ) -> StepBuffers:
     """The host's view of the buffers :func:`shared_buffers` made (same allocation order)."""
     blocks = iter(raw)
@@ -383,13 +388,13 @@ def view_buffers(
         return view_tree(space, n, blocks)
 
     return StepBuffers.allocate(
-        observation_space, action_space, n_envs, make=make, timed=timed, columns=columns
+        observation_space, action_space, n_envs, make, timed, columns, info_cells
     )
 
 
 #: A slot's part of step buffers shared by several slots: ``(blocks, total envs, first env,
-#: the slot's own clock block or None)``.
-JointRaw = tuple[list[Tree], int, int, Any]
+#: the slot's own clock block or None, its own info cells' block)``.
+JointRaw = tuple[list[Tree], int, int, Any, Any]
 
 #: The space of a clock's cells (:attr:`StepBuffers.clock`).
 _CLOCK_SPACE = gym.spaces.Box(-np.inf, np.inf, (), np.float64)
@@ -400,7 +405,8 @@ def joint_buffers(
 ) -> tuple[StepBuffers, list[StepBuffers], list[JointRaw]] | None:
     """Step buffers of the slots of ``specs`` in one allocation, each slot's a run of rows (a
     vector env's ``copy=False`` returns the observations as one array); a timed slot's clock
-    is its own block. The whole, each slot's rows, and what each slot's host needs; ``None``
+    is its own block, as are its info cells. The whole, each slot's rows, and what each slot's
+    host needs; ``None``
     when the spaces differ or have no fixed-size rows."""
     observation_space, action_space = specs[0].observation_space, specs[0].action_space
     if not (fixed_rows(observation_space) and fixed_rows(action_space)) or any(
@@ -417,8 +423,10 @@ def joint_buffers(
         if spec.timed:
             clock_block = create_shared_memory(_CLOCK_SPACE, CLOCK_SIZE, ctx=shm_ctx)  # type: ignore[arg-type]
             part = dataclasses.replace(part, clock=_clock_view(clock_block))
+        info_block = create_shared_memory(INFO_SPACE, info_rows(n), ctx=shm_ctx)  # type: ignore[arg-type]
+        part = dataclasses.replace(part, infos=_info_view(info_block, n))
         parts.append(part)
-        raws.append((raw, total, first, clock_block))
+        raws.append((raw, total, first, clock_block, info_block))
         first += n
     return whole, parts, raws
 
@@ -426,6 +434,12 @@ def joint_buffers(
 def _clock_view(block: Any) -> np.ndarray:
     """A clock's array in its shared block."""
     return np.asarray(read_from_shared_memory(_CLOCK_SPACE, block, CLOCK_SIZE))
+
+
+def _info_view(block: Any, n_envs: int) -> InfoCells:
+    """A slot's info cells in their shared block."""
+    cells = read_from_shared_memory(INFO_SPACE, block, info_rows(n_envs))
+    return InfoCells(np.asarray(cells), n_envs)
 
 
 def buffer_rows(buffers: StepBuffers, a: int, b: int) -> StepBuffers:
@@ -440,6 +454,13 @@ def buffer_rows(buffers: StepBuffers, a: int, b: int) -> StepBuffers:
     )
 
 
+def own_slot_buffers(spec: Any, ctx: Any) -> tuple[StepBuffers, list[Tree]]:
+    """A slot's step buffers in blocks of its own (:func:`shared_buffers`, with info cells) and
+    the raw blocks its host views with :func:`slot_buffers`."""
+    spaces = (spec.observation_space, spec.action_space)
+    return shared_buffers(*spaces, spec.n_envs, ctx, spec.timed, spec.columns, info_cells=True)
+
+
 def slot_buffers(
     observation_space: gym.Space[Any],
     action_space: gym.Space[Any],
@@ -451,10 +472,9 @@ def slot_buffers(
     """The host's view of a slot's step buffers: its own blocks (:func:`shared_buffers`) or its
     rows of joint ones (:func:`joint_buffers`)."""
     if isinstance(raw, tuple):
-        blocks, total, first, clock_block = raw
+        blocks, total, first, clock_block, info_block = raw
         whole = view_buffers(observation_space, action_space, total, blocks)
         rows = buffer_rows(whole, first, first + n_envs)
-        if clock_block is None:
-            return rows
-        return dataclasses.replace(rows, clock=_clock_view(clock_block))
-    return view_buffers(observation_space, action_space, n_envs, raw, timed, columns)
+        clock = None if clock_block is None else _clock_view(clock_block)
+        return dataclasses.replace(rows, clock=clock, infos=_info_view(info_block, n_envs))
+    return view_buffers(observation_space, action_space, n_envs, raw, timed, columns, True)

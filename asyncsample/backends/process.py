@@ -69,7 +69,7 @@ from asyncsample.backends._transport import (
     dumps,
     joint_buffers,
     load_failure,
-    shared_buffers,
+    own_slot_buffers,
 )
 from asyncsample.backends._transport import ReplyProtocol as _ReplyProtocol
 from asyncsample.backends.base import (
@@ -702,12 +702,7 @@ class ProcessBackend:
         raws: list[Any]
         if joint is None:
             self.joint = None
-            own = [
-                shared_buffers(
-                    s.observation_space, s.action_space, s.n_envs, ctx, s.timed, s.columns
-                )
-                for s in specs
-            ]
+            own = [own_slot_buffers(s, ctx) for s in specs]
             buffers, raws = [buf for buf, _ in own], [raw for _, raw in own]
         else:
             self.joint, buffers, raws = joint
