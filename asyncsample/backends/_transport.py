@@ -406,8 +406,7 @@ def joint_buffers(
     """Step buffers of the slots of ``specs`` in one allocation, each slot's a run of rows (a
     vector env's ``copy=False`` returns the observations as one array); a timed slot's clock
     is its own block, as are its info cells. The whole, each slot's rows, and what each slot's
-    host needs; ``None``
-    when the spaces differ or have no fixed-size rows."""
+    host needs; ``None`` when the spaces differ or have no fixed-size rows."""
     observation_space, action_space = specs[0].observation_space, specs[0].action_space
     if not (fixed_rows(observation_space) and fixed_rows(action_space)) or any(
         s.observation_space != observation_space or s.action_space != action_space for s in specs
