@@ -45,7 +45,8 @@ from benchmarks.report import write_own_results
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: name -> (face, env id, workers, envs per worker, processes, policy?, transitions); the
-#: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``;
+#: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``
+#: (processes -1: its default placement);
 #: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent);
 #: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``;
 #: ``"asyncio"``, ``"asyncio-batched"`` and ``"thread"`` are the sampler on that backend (the
@@ -70,6 +71,9 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         16_000,
     ),
     "VectorEnv CartPole-v1 8 MLP": ("vector", "CartPole-v1", 1, 8, 2, True, 40_000),
+    # Infos of plain numbers at every step (MuJoCo's), in the default placement
+    "VectorEnv HalfCheetah-v5 4 random": ("vector", "HalfCheetah-v5", 1, 4, -1, False, 40_000),
+    "VectorEnv HalfCheetah-v5 4 MLP": ("vector", "HalfCheetah-v5", 1, 4, -1, True, 20_000),
     "CartPole-v1 8x4 MLP batched": ("batched", "CartPole-v1", 8, 4, 2, True, 60_000),
     "CartPole-v1 2x4 random host": ("host", "CartPole-v1", 2, 4, 2, False, 200_000),
     "CartPole-v1 2x4 MLP host": ("host", "CartPole-v1", 2, 4, 2, True, 60_000),
@@ -239,7 +243,8 @@ if policy:
     agent = [MLPAgent(probe.observation_space, probe.action_space, seed=w) for w in range(workers)]
 def vector():
     from asyncsample import VectorEnv
-    venv = VectorEnv(env_id, workers * envs, n_processes=procs, **kw)
+    where = {{"n_processes": procs}} if procs >= 0 else {{}}  # -1: the default placement
+    venv = VectorEnv(env_id, workers * envs, **where, **kw)
     obs, _ = venv.reset(seed=0)
     venv.action_space.seed(0)
     act = (lambda o: agent[0].act(o)) if policy else (lambda o: venv.action_space.sample())
