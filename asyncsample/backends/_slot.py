@@ -250,7 +250,7 @@ class HostSlot:
             Op.SET_ATTR: lambda body: group.set_attr(*self.load(body, "attribute values")),
             Op.AGENT: self._install_agent,
             Op.PARAMS: lambda body: self._runner().set_params(bytes(body)),
-            Op.CHUNK: lambda body: dumps(self.run_chunk(self.load(body, "chunk request"))),
+            Op.CHUNK: lambda body: dumps_infos(self.run_chunk(self.load(body, "chunk request"))),
             Op.CLOSE: lambda body: group.close(),
         }
 

@@ -135,8 +135,8 @@ class _InfoPickler(pickle.Pickler):
 
 
 def dumps_infos(obj: Any) -> bytes:
-    """:func:`dumps` for what a step's infos are made of (numpy scalars, see
-    :class:`_InfoPickler`)."""
+    """:func:`dumps` for replies that carry env infos, a step's or a chunk's steps' (their
+    numpy scalars, see :class:`_InfoPickler`)."""
     buf = io.BytesIO()
     try:
         _InfoPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
