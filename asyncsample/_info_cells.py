@@ -9,7 +9,8 @@ pickled into the block's tail only when they change, under a version the caller 
 restarted host or a lost reply can never leave the caller reading with a stale schema.
 
 Anything else is pickled as before: a nested dict, an array, a string, an int a float64 cannot
-hold exactly, envs whose keys differ (or come in another order), more keys than columns.
+hold exactly, envs whose keys differ (or come in another order), more keys than columns, an info
+that is a subclass of dict.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class InfoCells:
         for i, info in enumerate(env_infos):
             if not info:
                 continue
+            if type(info) is not dict:  # a subclass comes back as itself only pickled
+                return False
             row = tuple(info.values())
             if keys is None:
                 keys = tuple(info)

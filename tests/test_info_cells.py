@@ -5,6 +5,7 @@ pickling, the schema's versions, and a process host's step replies and sampled b
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict
 from typing import Any
 
 import gymnasium as gym
@@ -86,6 +87,7 @@ def test_numbers_come_back_as_they_were() -> None:
         [{"a": 2**53 + 1}],  # more than a float64 holds exactly
         [{"a": np.uint64(1)}],
         [{f"k{j}": 1.0 for j in range(CELLS)}],  # more keys than columns
+        [OrderedDict(a=1.0)],  # a subclass of dict
         [{}, {}],
     ],
 )
