@@ -48,9 +48,11 @@ def info_rows(n_envs: int) -> int:
 
 
 def columnar(info: Mapping[Any, Any]) -> bool:
-    """Whether one info dict could travel in cells (its keys fit and each value is a number of
-    a type the cells hold; an int's size is checked per step)."""
-    return len(info) < CELLS and all(type(v) in _KINDS for v in info.values())
+    """Whether one info could travel in cells (a dict whose keys fit, each value a number of a
+    type the cells hold; an int's size is checked per step)."""
+    return (
+        type(info) is dict and len(info) < CELLS and all(type(v) in _KINDS for v in info.values())
+    )
 
 
 class InfoCells:
