@@ -335,10 +335,10 @@ class HostSlot:
             return dumps_infos((infos.env_infos, infos.reset_infos, infos.final_obs, rows))
         if infos.final_obs:
             return dumps_infos((infos.env_infos, infos.reset_infos, infos.final_obs))
-        if infos.env_infos is None and not infos.reset_infos:
-            return b""
-        if not infos.reset_infos and buffers.infos is not None:
-            if buffers.infos.write(infos.env_infos):  # type: ignore[arg-type]
+        if not infos.reset_infos:
+            if infos.env_infos is None:
+                return b""
+            if buffers.infos is not None and buffers.infos.write(infos.env_infos):
                 return COLUMNS  # numbers, in the cells: nothing pickled
         return dumps_infos((infos.env_infos, infos.reset_infos))
 
