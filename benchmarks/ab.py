@@ -79,6 +79,7 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     "CartPole-v1 2x4 MLP host": ("host", "CartPole-v1", 2, 4, 2, True, 60_000),
     "CartPole-v1 8x1 random host": ("host", "CartPole-v1", 8, 1, 2, False, 100_000),
     "HalfCheetah-v5 2x4 MLP host": ("host", "HalfCheetah-v5", 2, 4, 2, True, 40_000),
+    "HalfCheetah-v5 2x4 random host": ("host", "HalfCheetah-v5", 2, 4, 2, False, 60_000),
     "FixedCost-v0 2x4 random host": (
         "host",
         "benchmarks.envs:FixedCost-v0",
