@@ -1,7 +1,7 @@
 """The quotas of a call that its workers share: :class:`SharedQuota` (``fraction_samples < 1``)
-and the views each stepper kind takes of it (:class:`QuotaView`), :class:`FreeQuota` (a call
-without fixed shares on envs stepped one at a time) and :class:`LaneRound` (a stream round of
-complete episodes on the lanes)."""
+and the views each stepper kind takes of it (:class:`QuotaView`; the lanes' :class:`QuotaWatch`),
+:class:`FreeQuota` (a call without fixed shares on envs stepped one at a time) and
+:class:`LaneRound` (a stream round of complete episodes on the lanes)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Self
 
-__all__ = ["FreeQuota", "LaneRound", "QuotaView", "SharedQuota"]
+__all__ = ["FreeQuota", "LaneRound", "QuotaView", "QuotaWatch", "SharedQuota"]
 
 
 class SharedQuota:
@@ -162,3 +162,44 @@ class FreeQuota:
             if not stop.done():
                 stop.set_result(None)
         self._stops = []
+
+
+class QuotaWatch(QuotaView):
+    """The lanes' view of a call's :class:`SharedQuota` (``fraction_samples``).
+
+    The quota lets a worker stop once it has its minimum and the call's total reached the
+    target; until then a worker past its minimum fills in. But every worker goes on to its own
+    minimum anyway, so steps that fill in for minimums still owed are wasted: with
+    ``fraction_samples=0.99`` (minimums that add up to the quota) each worker's envs raced past
+    their minimum while another worker was short of its own, and the call returned 213-215
+    transitions for 200 where one step per env in flight allows 212. A lane therefore stops
+    once its worker has its minimum and the total *plus the minimums still owed* reaches the
+    target (:meth:`covered`), and the worker then waits (:meth:`wait`) for the others to deliver
+    what they owe, woken by every report (:meth:`report`). Counts are reported after every step
+    of a fragment call, so no lane decides on another worker's stale count.
+    """
+
+    def report(self, worker: int, count: int) -> None:
+        """As :meth:`QuotaView.report`, for a count that changed."""
+        if self.quota.counts[worker] != count:
+            super().report(worker, count)
+
+    def covered(self, worker: int) -> bool:
+        """Whether ``worker`` may stop: it has its minimum and the total, counting what every
+        other worker still owes of its minimum, reaches the target."""
+        quota = self.quota
+        counts, minimums = quota.counts, quota.minimums
+        if counts[worker] < minimums[worker]:
+            return False
+        if quota.total >= quota.target:
+            return True
+        owed = 0
+        for other, minimum in minimums.items():
+            if counts[other] < minimum:
+                owed += minimum - counts[other]
+        return quota.total + owed >= quota.target
+
+    async def wait(self, worker: int) -> None:
+        """While ``worker`` is covered but the quota does not yet let it stop, wait for the other
+        workers' reports."""
+        await self.wait_while(worker, lambda: self.covered(worker))
