@@ -27,11 +27,13 @@ from asyncsample._recorder import Resume, put_row, store_agent_infos
 from asyncsample._run_records import RUN_STEPS, put_run, within_quota
 from asyncsample._tree import row_copy, tree_map
 from asyncsample.agent import row_draw
+from asyncsample.backends import _watchdog
 from asyncsample.backends._closing import cancelled_by_env
 from asyncsample.backends.base import (
     ActingHost,
     BareStepHost,
     DeadlinePassed,
+    DirectStepHost,
     PerEnvHost,
     StepRun,
 )
@@ -312,6 +314,7 @@ class LaneStepper:
             self.detaching = False
         rule.took(steps)
 
+    @_watchdog.env_site("step")  # its frame, where it awaits its env's step itself
     async def _lane(self, i: int, rule: StopRule, stop: asyncio.Future[None], lanes: _Lanes) -> Any:
         """Env ``i``'s loop (its cursor, length and return in locals, written back where read).
 
@@ -325,6 +328,10 @@ class LaneStepper:
         host = self.host
         acting, bare = self.acting, self.bare
         step_soon = None if bare is None else bare.step_soon
+        # A host in this process with no limiter, timeout or metrics: the env's step awaited here.
+        own = cast(DirectStepHost, host)
+        direct = own.direct_steps() if acting is None and hasattr(host, "direct_steps") else None
+        envs: list[Any] = [] if direct is None else direct
         request = None if self.requests is None else self.requests.request
         # Without fixed shares (no batch to reproduce bit for bit) and with metrics off (they
         # time the merged calls), the built-in random agent's row is drawn by the lane itself:
@@ -420,7 +427,7 @@ class LaneStepper:
                             observation = tree_map(functools.partial(_row_copy, i), buffers.obs)
                             put_row(rows.obs, (t, i), observation)
                         when = None if deadline == _NEVER else deadline
-                        step: Awaitable[Any]
+                        step: Awaitable[Any] | None
                         if acting is None:
                             if inline and worker.agent is not draw_agent:  # (an update's)
                                 draw_agent = worker.agent
@@ -439,7 +446,9 @@ class LaneStepper:
                             else:
                                 self._put_action(rows, t, i, action, infos, flat)
                             step = (
-                                host.step_one(i, action, when, timed)
+                                None
+                                if direct is not None and when is None
+                                else host.step_one(i, action, when, timed)
                                 if step_soon is None
                                 else step_soon(i, action, when)
                             )
@@ -452,7 +461,14 @@ class LaneStepper:
                         if carry:  # a round's end may leave this lane as the step's carrier
                             carrying[i] = (t, length, ret, left)
                         try:
-                            result = await step
+                            if step is not None:
+                                result = await step
+                            else:
+                                try:
+                                    result = await envs[i].step(action)
+                                except Exception as exc:
+                                    raise own.step_error(i, exc) from exc
+                                result = own.finish_step(i, result)
                         except asyncio.CancelledError:
                             if bare is not None:  # a bare future: the host is told
                                 bare.abandon(i)

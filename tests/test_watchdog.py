@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from test_metrics import value
 
 from asyncsample import EpisodeBatch, StepType
+from asyncsample.backends import _watchdog
 from asyncsample.backends._watchdog import BlockReport, Watch, name_block
 
 cloudpickle.register_pickle_by_value(blocking_envs)  # the env hosts cannot import it by name
@@ -150,6 +151,27 @@ async def test_a_block_of_the_callers_loop_is_warned_once_with_its_line(
     assert f"in step at {PLACE}" in texts[0] and "of worker" in texts[0]
     assert "backend='process'" in texts[0]
     assert value(registry, "env_faults_total", kind="hung") == 1
+
+
+async def test_a_block_is_named_where_a_lane_awaits_its_envs_step_itself(
+    make_sampler: SamplerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # neither step_timeout nor metrics: the lanes await their envs' steps with no step_one in
+    # between (LaneHost.direct_steps), so the watchdog finds the env in the lane's frame; the
+    # limit is BLOCK_LIMIT's (10 s), made 1 s here
+    monkeypatch.setattr(_watchdog, "BLOCK_LIMIT", 1.0)
+    sampler = make_sampler(
+        "asyncio",
+        functools.partial(BlockingAsyncEnv, str(tmp_path / "flag"), seconds=1.5),
+        n_workers=2,
+        envs_per_worker=2,
+    )
+    with pytest.warns(RuntimeWarning, match="blocked the sampler's event loop") as caught:
+        batch = await sampler.obtain_exact_episodes(8)
+    check_intact(batch, 5)
+    texts = [str(w.message) for w in caught if "event loop" in str(w.message)]
+    assert len(texts) == 1
+    assert f"in step at {PLACE}" in texts[0] and "env 0 of worker" in texts[0]
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -158,6 +158,8 @@ def loop_limit(step_timeout: float) -> float:
 
 # -- naming the culprit -----------------------------------------------------------------------
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 #: The code objects of the calls an env runs in, with the call's name (see :func:`env_calls`).
 _SITES: dict[Any, str] = {}
 
@@ -173,6 +175,17 @@ SITE_METHODS = {
     "reset": "reset",
     "build": "build",
 }
+
+
+def env_site(what: str) -> Callable[[_F], _F]:
+    """Decorate a function whose frame holds ``self`` and the env's index ``i`` as a call an
+    env's ``what`` runs under (a lane that awaits its env's step itself)."""
+
+    def site(fn: _F) -> _F:
+        _SITES[fn.__code__] = what
+        return fn
+
+    return site
 
 
 def env_calls(owner: type) -> None:
@@ -214,6 +227,7 @@ def name_block(frame: FrameType, seconds: float, where: str = "loop") -> BlockRe
                 spec = getattr(owner, "spec", None)
                 w = getattr(spec, "worker", None) if spec is not None else None
                 w = getattr(owner, "worker", None) if w is None else w
+                w = getattr(w, "worker_number", w)  # a lane's: its Worker
                 worker = w if isinstance(w, int) else None
                 env, what = i, str(found or "a call")
                 break

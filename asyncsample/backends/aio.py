@@ -351,12 +351,34 @@ class LaneHost(PerEnvLockstep):
             else:
                 call = self._tracked(stepping, i, step, action, timed)
             result = await self._await(i, "step", call, deadline)
+        return self.finish_step(i, result)
+
+    def finish_step(self, i: int, result: Any) -> tuple[float, bool, bool, dict[str, Any]]:
+        """Env ``i``'s step returned ``result``: :meth:`EnvGroup.finish`'s ``(reward, ...)``.
+
+        Raises:
+            WorkerError: the watchdog found the step blocking the loop, or the result is wrong.
+        """
         if self.blocked and i in self.blocked:  # the watchdog found it blocking the loop
             raise _watchdog.blocked_error(self.blocked.pop(i), self.spec.worker, i)
         try:
             return self.group.finish(i, result)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
+
+    def direct_steps(self) -> list[Any] | None:
+        """The envs, where a lane may await an env's step itself (then :meth:`step_error` and
+        :meth:`finish_step`): no limiter, no ``step_timeout``, metrics off. Else ``None``: each
+        step goes through :meth:`step_one`. A coroutine less per step (the lane's frame holds
+        ``i`` for the watchdog, as ``step_one``'s would)."""
+        return self.envs if self._plain and self._stepping is None and not self.closed else None
+
+    def step_error(self, i: int, exc: BaseException) -> WorkerError:
+        """The error for env ``i``'s ``exc`` raised by its step (raised again if not the env's
+        own)."""
+        if self.closed:
+            raise closed_error(self.spec.worker, "step") from exc
+        return self._raised(i, "step", exc)
 
     async def _tracked(
         self, stepping: list[bool | None], i: int, step: Any, action: Any, timed: int

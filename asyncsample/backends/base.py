@@ -394,6 +394,25 @@ class BareStepHost(PerEnvHost, Protocol):
         ...
 
 
+class DirectStepHost(PerEnvHost, Protocol):
+    """A :class:`PerEnvHost` in the caller's process whose envs' steps a lane may await itself,
+    a coroutine less per step than :meth:`PerEnvHost.step_one`."""
+
+    def direct_steps(self) -> list[Any] | None:
+        """The envs, whose ``step`` a lane may await itself now; ``None``: through ``step_one``
+        (a limiter, a timeout or metrics wrap each step)."""
+        ...
+
+    def step_error(self, i: int, exc: BaseException) -> WorkerError:
+        """The error for env ``i``'s ``exc`` raised by its step (raised again if not the env's
+        own)."""
+        ...
+
+    def finish_step(self, i: int, result: Any) -> tuple[float, bool, bool, dict[str, Any]]:
+        """Env ``i``'s step returned ``result``: ``step_one``'s outcome."""
+        ...
+
+
 @dataclass(slots=True)
 class StepRun:
     """Up to ``k`` steps of one env taken in its host with its agent copy's actions, answered at
