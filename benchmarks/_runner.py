@@ -41,7 +41,8 @@ def run_file(spec_path: str, out_path: str) -> int:
         0, also when the contender was skipped or failed (the outcome says so).
     """
     warnings.simplefilter("ignore")  # gymnasium's checker warnings are not results
-    from benchmarks.contenders import RunSpec, Skipped, run_contender
+    from benchmarks.contenders import run_contender
+    from benchmarks.runs import RunSpec, Skipped
 
     spec = RunSpec(**json.loads(Path(spec_path).read_text()))
     outcome: dict[str, Any]

@@ -355,7 +355,7 @@ GYM_FACES = ("sampler", "vector", "batched", "host", "host-stream")
 def ceiling_once(workload: tuple[str, str, int, int, int, bool, int]) -> dict[str, float]:
     """The machine's ceiling for ``workload``: its env (and policy) in a plain loop per core."""
     from benchmarks.ceiling import ceiling
-    from benchmarks.contenders import RunSpec
+    from benchmarks.runs import RunSpec
 
     _, env_id, workers, per, _, policy, transitions = workload
     n_envs = workers * per

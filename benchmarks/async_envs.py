@@ -79,7 +79,6 @@ from benchmarks.async_envs_cells import (
 )
 from benchmarks.async_envs_report import NOT_AVAILABLE, best_rows, markdown, targets, write_chart
 from benchmarks.async_envs_run import outcome_of, run_cell, run_file
-from benchmarks.contenders import LagProbe
 from benchmarks.latency_envs import (
     EPISODE_LENGTH,
     TAIL_PROBABILITY,
@@ -88,6 +87,7 @@ from benchmarks.latency_envs import (
     SleepLatencyEnv,
     make_env,
 )
+from benchmarks.runs import LagProbe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "async_envs"
 

@@ -30,7 +30,6 @@ import numpy as np
 import psutil
 from gymnasium import spaces
 
-from benchmarks.contenders import LagProbe
 from benchmarks.latency_envs import (
     EPISODE_LENGTH,
     JITTER,
@@ -42,6 +41,7 @@ from benchmarks.latency_envs import (
     make_env,
     shared_count,
 )
+from benchmarks.runs import LagProbe
 
 #: Where the env hosts' step counters live (memory, not disk), where there is such a place.
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None

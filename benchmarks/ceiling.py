@@ -22,7 +22,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from benchmarks.contenders import RunResult, RunSpec, TimedPhase
+from benchmarks.runs import RunResult, RunSpec, TimedPhase
 
 __all__ = ["ceiling"]
 

@@ -65,7 +65,7 @@ def _plain(warmup: float, seconds: float) -> dict[str, Any]:
 def _spec(warmup: float, seconds: float) -> Any:
     """The ceiling's :class:`~benchmarks.contenders.RunSpec` for this workload: time-bound (a
     few transitions, ``seconds`` long), ``warmup`` seconds of steps first (about)."""
-    from benchmarks.contenders import RunSpec
+    from benchmarks.runs import RunSpec
 
     cores = len(os.sched_getaffinity(0))
     return RunSpec(
@@ -100,7 +100,7 @@ def _ceiling(warmup: float, seconds: float) -> dict[str, Any]:
 async def _host(warmup: float, seconds: float) -> dict[str, Any]:
     import benchmarks.envs  # noqa: F401
     from asyncsample import Sampler
-    from benchmarks.contenders import CpuAccount
+    from benchmarks.runs import CpuAccount
 
     call = CALL_STEPS * WORKERS * ENVS_PER_WORKER
     async with Sampler(

@@ -250,7 +250,7 @@ def _loop(
 
 
 def _plain(policy: str, warmup: float, seconds: float, n_envs: int) -> dict[str, Any]:
-    from benchmarks.contenders import CpuAccount
+    from benchmarks.runs import CpuAccount
 
     account = CpuAccount()
     loop = _loop(n_envs // PROCESSES, 0, policy, warmup, seconds, account=account)
@@ -278,7 +278,7 @@ def _ceiling_child(
 def _ceiling(policy: str, warmup: float, seconds: float, n_envs: int) -> dict[str, Any]:
     """:data:`PROCESSES` plain loops of ``n_envs / PROCESSES`` envs side by side, one process
     each (forked from this fresh interpreter), started together on a barrier."""
-    from benchmarks.contenders import CpuAccount
+    from benchmarks.runs import CpuAccount
 
     ctx = multiprocessing.get_context("fork")
     start, out, finish = ctx.Barrier(PROCESSES + 1), ctx.Queue(), ctx.Event()
@@ -338,7 +338,7 @@ def _pufferlib(config: str, policy: str, warmup: float, seconds: float, n_envs: 
     """``pufferlib.vector.make`` in ``config``, stepped with ``recv()`` then ``send(actions)``
     (the loop of PufferLib's own trainer); counts the rows of envs that stepped (a row of an
     env PufferLib reset on that send is not a transition)."""
-    from benchmarks.contenders import CpuAccount
+    from benchmarks.runs import CpuAccount
 
     try:
         import pufferlib
@@ -458,7 +458,7 @@ async def _ours(
     import cProfile
 
     from asyncsample import Sampler
-    from benchmarks.contenders import CpuAccount
+    from benchmarks.runs import CpuAccount
 
     if inference == "batched" and policy == "random":
         raise _Skip(

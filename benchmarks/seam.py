@@ -66,9 +66,9 @@ from benchmarks.async_envs_cells import (
     tree_rss,
 )
 from benchmarks.async_envs_run import run_ceiling
-from benchmarks.contenders import LagProbe
 from benchmarks.latency_envs import _LatencyCore, make_env, shared_count
 from benchmarks.report import write_own_results
+from benchmarks.runs import LagProbe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "seam"
 

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._runner import run_fresh
-from benchmarks.contenders import CONTENDERS, RunSpec
+from benchmarks.contenders import CONTENDERS
 from benchmarks.envs import full_id
+from benchmarks.runs import RunSpec
 
 ALL_ENVS = ["CartPole-v1", "FixedCost-v0", "HeavyTail-v0", "Image-v0", "NoOp-v0"]
 #: The real envs (``real`` and ``sweep`` groups): Atari under the standard preprocessing

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from benchmarks.contenders import RunResult, RunSpec
+    from benchmarks.runs import RunResult, RunSpec
 
 # benchmarks.contenders imports this module at its end: it is imported here only where it is
 # used, so that a collector's worker process, which unpickles make_serial/make_module and so
@@ -34,7 +34,7 @@ __all__ = ["TORCHRL_CONTENDERS"]
 
 
 def _require() -> None:
-    from benchmarks.contenders import Skipped
+    from benchmarks.runs import Skipped
 
     try:
         import tensordict  # noqa: F401
@@ -86,7 +86,7 @@ def make_module(policy: str, env_id: str, seed: int = 0) -> Any:
 
 def _collect(spec: RunSpec, collector: Any, label: str) -> RunResult:
     """Iterate ``collector``: warm-up batches untimed, then time at least ``n_transitions``."""
-    from benchmarks.contenders import TimedPhase
+    from benchmarks.runs import TimedPhase
 
     try:
         batches = iter(collector)

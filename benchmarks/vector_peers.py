@@ -24,7 +24,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from benchmarks.contenders import RunResult, RunSpec
+    from benchmarks.runs import RunResult, RunSpec
 
 __all__ = ["VECTOR_PEERS"]
 
@@ -40,7 +40,7 @@ def _puffer_env(env_id: str, buf: Any = None, seed: int = 0) -> Any:
 
 
 def _pufferlib(spec: RunSpec, workers: int) -> RunResult:
-    from benchmarks.contenders import Skipped, _batched_actions, _timed_steps
+    from benchmarks.runs import Skipped, batched_actions, timed_steps
 
     try:
         import pufferlib
@@ -73,8 +73,8 @@ def _pufferlib(spec: RunSpec, workers: int) -> RunResult:
             venv.recv()
             return n
 
-        actions = _batched_actions(venv.single_action_space, n, spec.seed)
-        result = _timed_steps(spec, step, actions)
+        actions = batched_actions(venv.single_action_space, n, spec.seed)
+        result = timed_steps(spec, step, actions)
         result.notes.append(
             f"pufferlib {getattr(pufferlib, '__version__', '?')}, {workers} workers"
         )
@@ -102,7 +102,7 @@ def _torchrl_env(env_id: str) -> Any:
 
 def torchrl_pool(spec: RunSpec) -> RunResult:
     """TorchRL ``AsyncEnvPool`` (multiprocessing, shared-memory exchange), lockstep."""
-    from benchmarks.contenders import Skipped, _timed_loop
+    from benchmarks.runs import Skipped, timed_loop
 
     try:
         import torch
@@ -136,7 +136,7 @@ def torchrl_pool(spec: RunSpec) -> RunResult:
             _, td = pool.step_and_maybe_reset(td)
             return n
 
-        result = _timed_loop(spec, step)
+        result = timed_loop(spec, step)
         result.notes.append(
             f"torchrl {torchrl.__version__}, {n // per_worker} workers x {per_worker} envs, "
             f"exchange {getattr(pool, 'resolved_exchange', 'shm')}"

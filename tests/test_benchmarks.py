@@ -213,7 +213,7 @@ def test_run_past_its_timeout_is_reported_as_timed_out_and_leaves_no_process(
 ) -> None:
     """suite.run_one: a run killed at its timeout says so (not "exited 0"); its tree is gone."""
     from benchmarks import suite
-    from benchmarks.contenders import RunSpec
+    from benchmarks.runs import RunSpec
 
     monkeypatch.setattr(suite, "RUNNER", ("-c", SLEEPER))
     spec = RunSpec("sync", "CartPole-v1", "CartPole-v1", n_envs=1, n_transitions=1, warmup=0)
