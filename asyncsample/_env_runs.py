@@ -115,7 +115,9 @@ class RunStepper:
         self.like = (buffers.obs, buffers.actions)
         self.active = False
         self.stop: asyncio.Future[None] | None = None
-        self.start_obs: dict[int, np.ndarray] = {}  # each run's first observation
+        # Each run's first observation; None for a step of the caller's agent, which began at
+        # the row its request recorded (its env's cursor).
+        self.start_obs: dict[int, np.ndarray | None] = {}
         self.rebuilding: set[asyncio.Task[None]] = set()
         self.rebuilt: set[int] = set()  # the envs being rebuilt (asked again when done)
         # Agent in the caller: the envs ready for actions, asked for at the end of this pass.
@@ -179,13 +181,14 @@ class RunStepper:
             self.asking.clear()
             episodes = self.worker.episodes
             starts = [i for i in self.host.in_flight if i in self.start_obs]
+            rows, cursor = episodes.recorder.rows, episodes.recorder.cursor
+            assert cursor is not None
             for i in starts:  # not recorded: the fragment ends where it began
-                episodes.cut_obs[i] = self.start_obs[i]
+                start = self.start_obs[i]
+                episodes.cut_obs[i] = row_copy(rows.obs[cursor[i]], i) if start is None else start
             if starts and self.requests is not None:  # steps: the next call records their rows
                 envs = np.array(starts, dtype=np.int64)
-                cursor = episodes.recorder.cursor
-                assert cursor is not None
-                episodes.carried_rows.keep(episodes.recorder.rows, cursor[envs], envs)
+                episodes.carried_rows.keep(rows, cursor[envs], envs)
             if self.stop is not None and not self.stop.done():
                 self.stop.cancel()
         except BaseException as exc:
@@ -403,7 +406,7 @@ class RunStepper:
             rows.cover(top, *self.like)
         obs = self.host.buffers.obs[index]
         rows.obs[t, index] = obs
-        acted = functools.partial(self._acted, envs, index, t, worker.agent_version, obs)
+        acted = functools.partial(self._acted, envs, index, t, worker.agent_version)
         self.deliveries = [d for d in self.deliveries if not d.done()]
         self.deliveries.append(
             self.requests.ask_rows(worker.agent, worker.worker_number, obs, envs, acted)  # type: ignore[arg-type]
@@ -416,7 +419,6 @@ class RunStepper:
         index: np.ndarray,
         t: np.ndarray,
         version: int,
-        obs: np.ndarray,
         output: Any,
     ) -> None:
         """Record the actions of ``envs`` (asked under agent ``version``) and send their steps;
@@ -446,12 +448,12 @@ class RunStepper:
         if failed:
             keep = [k for k in range(len(envs)) if k not in failed]
             envs, index = [envs[k] for k in keep], index[keep]
-            actions, obs = actions[keep], obs[keep]
-        for k, (i, future) in enumerate(zip(envs, host.step_many(envs, index, actions))):
+            actions = actions[keep]
+        for i, future in zip(envs, host.step_many(envs, index, actions)):
             if isinstance(future, WorkerError):  # its host is dead: this env's failure
                 self._failed(i, future)
                 continue
-            start_obs[i] = obs[k]
+            start_obs[i] = None  # its row, recorded with the request
             in_flight[i] = future
             if answered(future):  # (its host died before: settled at once)
                 self.apply(i, future)
