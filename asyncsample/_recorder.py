@@ -260,13 +260,14 @@ class CarriedRows:
     def __init__(self, n_envs: int) -> None:
         self.n_envs = n_envs
         self.held = np.zeros(n_envs, dtype=bool)
+        self._some = False  # whether any is held: asked per reply batch, an array pass each
         self.obs: Tree = None
         self.actions: Tree = None
         self.versions = np.zeros(n_envs, dtype=np.int64)
         self.agent_infos: dict[str, np.ndarray] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.held.any())
+        return self._some
 
     @property
     def count(self) -> int:
@@ -288,6 +289,7 @@ class CarriedRows:
             mine = self.agent_infos[key] = _by_env(self.agent_infos.get(key), column, self.n_envs)
             mine[envs] = column[at]
         self.held[envs] = True
+        self._some = bool(self.held.any())
 
     def put_back(
         self, rows: Rows, t: np.ndarray | int, envs: np.ndarray | int, forget: bool = True
@@ -313,6 +315,8 @@ class CarriedRows:
     def drop(self, envs: Any) -> None:
         """Forget the rows kept of ``envs`` (an env, a mask or indices; kept or not)."""
         self.held[envs] = False
+        if self._some:
+            self._some = bool(self.held.any())
 
 
 def _copy_rows(dst: Tree, into: Any, src: Tree, at: Any) -> None:
