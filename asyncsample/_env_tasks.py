@@ -465,8 +465,8 @@ class LaneStepper:
                                 result = await step
                             else:
                                 try:
-                                    result = await envs[i].step(action)
-                                except Exception as exc:
+                                    result = await envs[i].step(action)  # the env's call
+                                except (asyncio.CancelledError, Exception) as exc:
                                     raise own.step_error(i, exc) from exc
                                 result = own.finish_step(i, result)
                         except asyncio.CancelledError:

@@ -19,12 +19,12 @@ import blocking_envs
 import cloudpickle
 import numpy as np
 import pytest
-from blocking_envs import BLOCK_LINE, BlockingAsyncEnv, BlockingEnv
+from blocking_envs import ACTIONS, BLOCK_LINE, BlockingAsyncEnv, BlockingEnv, block, claim
 from helpers import SamplerFactory, wait_until
 from prometheus_client import CollectorRegistry
 from test_metrics import value
 
-from asyncsample import EpisodeBatch, StepType
+from asyncsample import EpisodeBatch, RandomAgent, StepType
 from asyncsample.backends import _watchdog
 from asyncsample.backends._watchdog import BlockReport, Watch, name_block
 
@@ -172,6 +172,38 @@ async def test_a_block_is_named_where_a_lane_awaits_its_envs_step_itself(
     texts = [str(w.message) for w in caught if "event loop" in str(w.message)]
     assert len(texts) == 1
     assert f"in step at {PLACE}" in texts[0] and "env 0 of worker" in texts[0]
+
+
+class _SlowResetAgent(RandomAgent):
+    """Its first ``reset`` (claiming ``flag``) blocks the loop it runs in for 1.5 s."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__(ACTIONS, seed=0)
+        self.flag = flag
+
+    def reset(self, do_resets: Any = None) -> None:
+        if claim(self.flag):
+            block(1.5)
+
+
+async def test_an_agents_block_in_a_lane_is_not_its_envs_fault(
+    make_sampler: SamplerFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the agent's reset runs in the lane's frame too, but not on the line where the lane awaits
+    # its env's step: the warning names no env, and no env is rebuilt for it
+    monkeypatch.setattr(_watchdog, "BLOCK_LIMIT", 1.0)
+    sampler = make_sampler(
+        "asyncio",
+        functools.partial(BlockingAsyncEnv, str(tmp_path / "never"), at=10**9),
+        n_workers=1,
+        envs_per_worker=2,
+        agent=_SlowResetAgent(str(tmp_path / "agent")),
+    )
+    with pytest.warns(RuntimeWarning, match="not in an env's reset or step") as caught:
+        batch = await sampler.obtain_exact_episodes(4)
+    check_intact(batch, 5)
+    assert not [w for w in caught if "blocked the sampler's event loop" in str(w.message)]
+    assert sampler.restarts == 0
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ the block ends.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import linecache
 import logging
 import os
@@ -38,6 +39,7 @@ from asyncsample.errors import LoopBlockedError
 __all__ = [
     "BLOCK_BYTES",
     "BLOCK_LIMIT",
+    "ENV_CALL_MARK",
     "LOOP_FLOOR",
     "REPORT_GRACE",
     "STALLED_AT_CLOSE",
@@ -49,6 +51,7 @@ __all__ = [
     "blocked_error",
     "clear_report",
     "env_calls",
+    "env_site",
     "forget_report",
     "loop_limit",
     "name_block",
@@ -177,11 +180,29 @@ SITE_METHODS = {
 }
 
 
+#: Per site of :func:`env_site`, the lines where its frame awaits the env's call: elsewhere
+#: (its own work, an agent's) it names no env.
+_SITE_LINES: dict[Any, frozenset[int]] = {}
+
+#: What ends the line of an :func:`env_site` where the env's call is awaited.
+ENV_CALL_MARK = "# the env's call"
+
+
 def env_site(what: str) -> Callable[[_F], _F]:
-    """Decorate a function whose frame holds ``self`` and the env's index ``i`` as a call an
-    env's ``what`` runs under (a lane that awaits its env's step itself)."""
+    """Decorate a function whose frame holds the env's index ``i`` (and ``self`` or ``host``
+    with its worker) as one an env's ``what`` runs under, on its lines that end with
+    :data:`ENV_CALL_MARK` (a lane that awaits its env's step itself)."""
 
     def site(fn: _F) -> _F:
+        try:
+            lines, first = inspect.getsourcelines(fn)
+        except OSError:  # no source: the whole frame counts
+            lines, first = [], 0
+        marked = [
+            first + k for k, line in enumerate(lines) if line.rstrip().endswith(ENV_CALL_MARK)
+        ]
+        if marked:
+            _SITE_LINES[fn.__code__] = frozenset(marked)
         _SITES[fn.__code__] = what
         return fn
 
@@ -219,7 +240,8 @@ def name_block(frame: FrameType, seconds: float, where: str = "loop") -> BlockRe
     f: FrameType | None = frame
     while f is not None:
         code = f.f_code
-        if code in sites:
+        lines = _SITE_LINES.get(code)
+        if code in sites and (lines is None or f.f_lineno in lines):
             local = f.f_locals
             owner, i = local.get("self"), local.get("i")
             found = sites[code]
@@ -227,7 +249,8 @@ def name_block(frame: FrameType, seconds: float, where: str = "loop") -> BlockRe
                 spec = getattr(owner, "spec", None)
                 w = getattr(spec, "worker", None) if spec is not None else None
                 w = getattr(owner, "worker", None) if w is None else w
-                w = getattr(w, "worker_number", w)  # a lane's: its Worker
+                if not isinstance(w, int):  # a lane's frame: its host's worker
+                    w = getattr(getattr(local.get("host"), "spec", None), "worker", None)
                 worker = w if isinstance(w, int) else None
                 env, what = i, str(found or "a call")
                 break
