@@ -380,6 +380,7 @@ class LaneServer:
             lane.idle.set_result(None)
             lane.idle = None
 
+    @_watchdog.env_site("step")  # its frame, where it awaits its env's step itself
     async def _serve_env(self, lane: _EnvLane, host: LaneHost, i: int) -> None:
         """Env ``i``'s requests, one at a time, in the order they came (a long-lived task per
         env: no task per request, each of which would live as long as its call)."""
@@ -400,7 +401,15 @@ class LaneServer:
                     action = request[4]
                     if action is None:  # the caller wrote it into the step buffers we share
                         action = _row(host.buffers.actions, i)
-                    value = await host.step_one(i, action, when, host.tick())
+                    envs = host.direct_steps() if when is None else None
+                    if envs is None:
+                        value = await host.step_one(i, action, when, host.tick())
+                    else:  # awaited here: a coroutine less (see LaneHost.direct_steps)
+                        try:
+                            value = await envs[i].step(action)  # the env's call
+                        except (asyncio.CancelledError, Exception) as exc:
+                            raise host.step_error(i, exc) from exc
+                        value = host.finish_step(i, value)
                 elif kind == LaneKind.ACT:
                     when = None if request[4] is None else loop.time() + request[4]
                     value = await self._act(request[2], host, i, when)
