@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, cast
 
@@ -253,6 +254,30 @@ class RunStepper:
         if future.done():  # (its host died before: settled at once)
             self.apply(i, future)
 
+    def _next_many(self, ids: list[int]) -> None:
+        """:meth:`_next` of each of ``ids``; those the caller's agent acts for, in one pass."""
+        pool = self.pool
+        assert pool is not None
+        if pool.met or not self.active:
+            return
+        if self.requests is None:
+            for i in ids:
+                self._next(i)
+            return
+        resets = self.worker.episodes.needs_reset[ids]
+        if resets.any():  # (their resets are sent now: the others are asked for together)
+            flags = resets.tolist()
+            for i in itertools.compress(ids, flags):
+                self._next(i)
+            ids = [i for i, reset in zip(ids, flags) if not reset]
+        in_flight, asking = self.host.in_flight, self.asking
+        ready = [i for i in ids if i not in in_flight and i not in asking]
+        if ready:
+            asking.update(ready)
+            if not self.ready:
+                pass_queue(asyncio.get_running_loop()).put(self._act)
+            self.ready.extend(ready)
+
     def apply(self, i: int, future: asyncio.Future[Any]) -> None:
         """Apply env ``i``'s answered request in ``in_flight`` (see :meth:`take`)."""
         self.take(i, future.exception() or future.result())
@@ -449,7 +474,12 @@ class RunStepper:
             keep = [k for k in range(len(envs)) if k not in failed]
             envs, index = [envs[k] for k in keep], index[keep]
             actions = actions[keep]
-        for i, future in zip(envs, host.step_many(envs, index, actions)):
+        sent = host.step_many(envs, index, actions)
+        if type(sent) is range:  # SinkSteps all: their rows recorded with the request
+            in_flight.update(zip(envs, sent))
+            start_obs.update(dict.fromkeys(envs))
+            return
+        for i, future in zip(envs, sent):
             if isinstance(future, WorkerError):  # its host is dead: this env's failure
                 self._failed(i, future)
                 continue
@@ -471,8 +501,7 @@ class RunStepper:
         buffers = host.buffers
         flags = buffers.terminated[envs], buffers.truncated[envs]
         self._record_steps(envs, starts, buffers.rewards[envs], *flags, infos)
-        for i in ids:
-            self._next(i)
+        self._next_many(ids)
 
     def _take_outcomes(self, steps: list[tuple[int, Any]], starts: list[Any] | None = None) -> None:
         """:meth:`take_steps` of answered steps given as ``(env, outcome)``: still in flight,

@@ -11,6 +11,7 @@ import functools
 import gc
 import itertools
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +40,7 @@ from test_step_runs import (
 from asyncsample import AgentRowsError, EpisodeBatch, StepType
 from asyncsample._env_runs import RunStepper
 from asyncsample._env_tasks import LaneStepper
-from asyncsample.backends._lane_link import answered
+from asyncsample.backends._lane_link import LaneLink, answered
 from asyncsample.inference.batched import Batched, Batcher
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.both_loops]
@@ -369,3 +370,54 @@ async def test_an_error_of_the_sampler_in_a_loop_callback_fails_the_call(
     sampler = _sampler(make_sampler, "per_worker")
     with pytest.raises(RuntimeError, match="a bug in recording"):
         await asyncio.wait_for(sampler.obtain_fragments(40), 30)
+
+
+async def test_a_lanes_call_takes_up_the_bare_steps_a_ready_batch_call_left(
+    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bare steps a call of ready batches leaves in flight (their keys kept by their owner,
+    not by the link) are taken up by a call of the lanes (``obtain_samples``): a reply not read
+    yet goes to the future the lane awaits. No step is lost or repeated."""
+    adopted: list[int] = []
+    original = LaneLink.adopt
+
+    def counting(self: LaneLink, owner: Any, key: int, i: int, future: Any) -> None:
+        adopted.append(i)
+        original(self, owner, key, i, future)
+
+    monkeypatch.setattr(LaneLink, "adopt", counting)
+    fast, slow = (functools.partial(CountingAsyncEnv, LENGTH, t) for t in (0.002, 0.3))
+    envs = [[slow, fast, fast], [fast, fast, fast]]
+    sampler = make_sampler(
+        "process", envs, ParityAgent(), inference="batched", n_workers=2, envs_per_worker=3
+    )
+    batches = []
+    for _ in range(2):
+        batches.append(await sampler.obtain_fragments(40))  # env 0's step of 0.3 s in flight
+        batches.append(await sampler.obtain_samples(12))
+    assert adopted  # env 0's step was in flight, unanswered, as a lanes call began
+    for batch in batches:
+        _check_records(batch)
+    assert_whole_pieces(batches)
+
+
+async def test_a_killed_host_fails_the_bare_steps_it_held_and_their_envs_step_again(
+    make_sampler: SamplerFactory,
+) -> None:
+    """A host killed with bare steps in flight: each of those steps fails as its env's fault
+    (the env is rebuilt and steps again), never left unanswered while the other host's envs
+    meet the quotas."""
+    env = functools.partial(CountingAsyncEnv, LENGTH, 0.01)
+    sampler = _sampler(make_sampler, "batched", env, n_processes=2)
+    await sampler.obtain_fragments(40)
+    hosts = sampler._core.backend
+    call = asyncio.ensure_future(sampler.obtain_fragments(400))
+    await asyncio.sleep(0.2)  # mid-call: every env has a step in flight
+    os.kill(hosts.pids[0], signal.SIGKILL)
+    batches = [await call]
+    for _ in range(4):
+        batches.append(await sampler.obtain_fragments(40))
+    assert sampler.restarts >= 1
+    assert_whole_pieces(batches)
+    every_env = {(w, e) for w in range(N_WORKERS) for e in range(N_ENVS)}
+    assert set(_by_env(batches[-2:])) == every_env

@@ -27,6 +27,7 @@ __all__ = [
     "PACKED",
     "RunColumns",
     "RunFrame",
+    "StepReplies",
     "pack_column",
     "object_rows",
     "outgoing_rows",
@@ -39,6 +40,7 @@ __all__ = [
     "pack_runs",
     "read_reset_reply",
     "read_step_reply",
+    "step_replies",
     "unpack_column",
     "unpack_block_into",
     "unpack_chunk",
@@ -328,6 +330,40 @@ class RunFrame(NamedTuple):
     actions: tuple[bytes, str, tuple[int, ...]]
     infos: list[tuple[int, int, dict[str, Any]]]
     agent_infos: list[tuple[int, int, dict[str, Any]]]
+
+
+class StepReplies(NamedTuple):
+    """A batch of lane replies whose step replies travel in columns, grouped by worker slot: a
+    tuple per step, pickled by the host and read by the caller one by one, cost both sides more
+    than the rest of a step's path.
+
+    Attributes:
+        rest: the batch's other replies, as a host sends them when it has no step replies (a
+            list, a :class:`RunFrame` or packed rows).
+        keys, envs: per step reply, its request's key and env (``int64`` bytes), slot by slot.
+        slots: per worker slot, in the columns' order, ``(slot, replies, odd)``: ``odd`` holds
+            ``(index within the slot's replies, status, value)`` of each reply that is not a
+            success of no value (an error, or the step's infos).
+    """
+
+    rest: Any
+    keys: bytes
+    envs: bytes
+    slots: list[tuple[int, int, list[tuple[int, int, Any]]]]
+
+
+def step_replies(
+    rest: Any, by_slot: Mapping[int, tuple[list[int], list[int], list[tuple[int, int, Any]]]]
+) -> StepReplies:
+    """A :class:`StepReplies` of ``rest`` and step replies ``by_slot`` (keys, envs, odd)."""
+    total = sum(len(keys) for keys, _, _ in by_slot.values())
+
+    def column(field: int) -> bytes:
+        items = itertools.chain.from_iterable(c[field] for c in by_slot.values())
+        return np.fromiter(items, dtype=np.int64, count=total).tobytes()
+
+    slots = [(slot, len(keys), odd) for slot, (keys, _, odd) in by_slot.items()]
+    return StepReplies(rest, column(0), column(1), slots)
 
 
 def _numeric(rows: Any) -> bool:

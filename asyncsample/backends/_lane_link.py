@@ -25,6 +25,7 @@ from asyncsample._recorder import put_row
 from asyncsample.backends._column_wire import (
     RunColumns,
     RunFrame,
+    StepReplies,
     object_rows,
     pack_requests,
     unpack_replies,
@@ -95,14 +96,15 @@ class _Runs:
 @dataclasses.dataclass
 class _Steps:
     """The steps of one reply frame that answered one owner's requests (their outcomes in the
-    step buffers; ``values``: ``(info, agent infos)`` or ``None`` each)."""
+    step buffers; ``values``: ``(info, agent infos)`` or ``None`` each; ``futures``: each one's
+    future or :data:`SinkStep`)."""
 
     owner: RemoteLanes
     envs: list[int]
     values: list[Any]
-    futures: list[asyncio.Future[Any]]
+    futures: list[Any]
 
-    def add(self, i: int, value: Any, future: asyncio.Future[Any]) -> None:
+    def add(self, i: int, value: Any, future: Any) -> None:
         self.envs.append(i)
         self.values.append(value)
         self.futures.append(future)
@@ -133,10 +135,21 @@ its reply (:meth:`RemoteLanes.settle`: between calls, or its host died) or when 
 lanes or a drop needs one (:meth:`RemoteLanes.keep_waiting`). An int: thousands in flight are no
 work for the cyclic collector, which does not track ints (it tracks every object of a class of
 ours, stateless or not). Keys are unique in the process, so a key is its own request's and no
-other's."""
+other's: a key in hand is compared with ``==`` (a reply's key is another int object)."""
 
-_KEYS = itertools.count(1 << 16)
-"""Every link's request keys (above the small ints Python shares)."""
+KEY_BITS = 20
+"""Request keys come in blocks of ``1 << KEY_BITS`` (a batch of steps takes one block)."""
+_BLOCKS = itertools.count(1)
+"""Every link's blocks of request keys (keys above the small ints Python shares)."""
+
+
+#: A step reply's status and value where :class:`StepReplies` lists it not: a success, no info.
+_QUIET = (ST_OK, None)
+
+
+def _new_keys() -> int:
+    """The first key of a block of keys no request in the process had."""
+    return next(_BLOCKS) << KEY_BITS
 
 
 def answered(request: Any) -> bool:
@@ -155,6 +168,9 @@ class LaneLink:
         self._waiting: dict[int, Any] = {}  # each request's future, or a step's SinkStep
         self._owners: dict[int, RemoteLanes] = {}  # who settles each request's future
         self._envs: dict[int, int] = {}  # the env of each request
+        # The owners of batches of bare steps, by worker slot: they keep those steps' keys
+        # (RemoteLanes.bare_keys), not the three dicts above.
+        self._slots: dict[int, RemoteLanes] = {}
         self._flushing = False
         self.dead: BaseException | None = None
         # Step requests carry Text/Sequence actions: packed one column per leaf per batch.
@@ -168,7 +184,7 @@ class LaneLink:
         (:meth:`RemoteLanes.settle`); ``bare``: a :data:`SinkStep` in place of the future.
         Two dict entries per request, no object of its own: with thousands in flight, each
         object that lives as long as a step is one more for the cyclic collector to walk."""
-        key = next(_KEYS)
+        key = _new_keys()
         if bare and self.dead is None:  # the sink takes the reply: no future
             future: Any = key
         else:
@@ -182,18 +198,24 @@ class LaneLink:
         self._queue((kind, key, slot, i, *args))
         return key, future
 
-    def submit_steps(self, owner: RemoteLanes, slot: int, envs: list[int]) -> list[int]:
-        """:meth:`submit` of a bare step (its action in the shared step buffers) for each of
-        ``envs``, in one pass, on a live link: their keys, each its step's :data:`SinkStep`."""
-        keys = [next(_KEYS) for _ in envs]
-        waiting, owners, ids = self._waiting, self._owners, self._envs
-        for key, i in zip(keys, envs):
-            waiting[key] = key
-            owners[key] = owner
-            ids[key] = i
-        self._out.extend([(LaneKind.STEP, key, slot, i, None, None) for key, i in zip(keys, envs)])
+    def submit_steps(self, owner: RemoteLanes, slot: int, envs: np.ndarray) -> int:
+        """A bare step (its action in the shared step buffers) of each of ``envs``, on a live
+        link, as one request: the first of their keys, in the order of ``envs`` (each its
+        step's :data:`SinkStep`). ``owner`` keeps the keys (:attr:`RemoteLanes.bare_keys`): a
+        reply in the host's columns (:class:`StepReplies`) is its step's when they match."""
+        first = _new_keys()
+        self._slots[slot] = owner
+        raw = np.ascontiguousarray(envs, dtype=np.int64).tobytes()
+        self._out.append((LaneKind.STEPS, first, slot, raw))
         self._flush_soon()
-        return keys
+        return first
+
+    def adopt(self, owner: RemoteLanes, key: int, i: int, future: asyncio.Future[Any]) -> None:
+        """``future`` waits for ``key``, env ``i``'s bare step not answered yet, as a request of
+        :meth:`submit` does (its owner forgot the key)."""
+        self._waiting[key] = future
+        self._owners[key] = owner
+        self._envs[key] = i
 
     def rebind(self, key: int, future: asyncio.Future[Any]) -> bool:
         """``future`` waits for ``key``'s reply in place of its :data:`SinkStep`; false if the
@@ -203,10 +225,12 @@ class LaneLink:
         self._waiting[key] = future
         return True
 
-    def cancel(self, key: int) -> None:
-        """The caller gave up on ``key``: the host cancels it (its reply, if any, is dropped)."""
-        if self._waiting.pop(key, None) is not None:
-            del self._owners[key], self._envs[key]
+    def cancel(self, key: int, bare: bool = False) -> None:
+        """The caller gave up on ``key`` (``bare``: a bare step its owner forgot): the host
+        cancels it (its reply, if any, is dropped)."""
+        if bare or self._waiting.pop(key, None) is not None:
+            if not bare:
+                del self._owners[key], self._envs[key]
             if self.dead is None:
                 self._queue((LaneKind.CANCEL, key))
 
@@ -227,34 +251,98 @@ class LaneLink:
             self._send(dumps(out if packed is None else packed))
 
     def replied(self, payload: bytes) -> None:
-        """A batch of replies came: ``(key, status, value)`` each, or a :class:`RunFrame`."""
+        """A batch of replies came: ``(key, status, value)`` each, or a :class:`RunFrame`, and
+        step replies in columns (:class:`StepReplies`)."""
         replies = pickle.loads(payload)
+        columns = None
+        if type(replies) is StepReplies:
+            columns, replies = replies, replies.rest
         runs = None
         if type(replies) is RunFrame:  # runs of steps, their rows in the frame's columns
             runs = RunColumns(replies)
             replies = replies.others
         elif type(replies) is tuple:  # rows packed in columns (Text, Sequence leaves)
             replies = unpack_replies(replies)
-        waiting, owners, envs = self._waiting, self._owners, self._envs
         steps: dict[RemoteLanes, _Steps] = {}
         for key, status, value in replies:
-            future = waiting.pop(key, None)
-            if future is None:  # given up on
-                continue
-            owner, i = owners.pop(key), envs.pop(key)
-            if answered(future):
-                continue
-            if status == ST_OK and owner.sinks_step(i, future):  # taken in one pass, below
-                batch = steps.get(owner)
-                if batch is None:
-                    batch = steps[owner] = _Steps(owner, [], [], [])
-                batch.add(i, value, future)
-            else:
-                owner.settle(i, status, value, future)
+            self._reply(key, status, value, steps)
+        if columns is not None:
+            keys = np.frombuffer(columns.keys, dtype=np.int64)
+            envs = np.frombuffer(columns.envs, dtype=np.int64)
+            at = 0
+            for slot, n, odd in columns.slots:
+                self._columns_replied(slot, keys[at : at + n], envs[at : at + n], odd, steps)
+                at += n
         if steps:
             self._settle(list(steps.values()))
         if runs is not None:
             self._runs_replied(runs)
+
+    def _reply(self, key: int, status: int, value: Any, steps: dict[RemoteLanes, _Steps]) -> None:
+        """Request ``key``'s reply, to its future (a step the sink takes: into ``steps``)."""
+        future = self._waiting.pop(key, None)
+        if future is None:  # given up on
+            return
+        owner, i = self._owners.pop(key), self._envs.pop(key)
+        if answered(future):
+            return
+        if status == ST_OK and owner.sinks_step(i, future):  # taken in one pass
+            batch = steps.get(owner)
+            if batch is None:
+                batch = steps[owner] = _Steps(owner, [], [], [])
+            batch.add(i, value, future)
+        else:
+            owner.settle(i, status, value, future)
+
+    def _columns_replied(
+        self,
+        slot: int,
+        keys: np.ndarray,
+        envs: np.ndarray,
+        odd_replies: list[tuple[int, int, Any]],
+        steps: dict[RemoteLanes, _Steps],
+    ) -> None:
+        """Worker slot ``slot``'s step replies (see :class:`StepReplies`): those of its owner's
+        bare steps (their keys match :attr:`RemoteLanes.bare_keys`) into ``steps`` in one pass,
+        an error to its env at once; any other as :meth:`_reply` takes it (a lane's own
+        request, or one given up on)."""
+        odd = {k: (status, value) for k, status, value in odd_replies}
+        owner = self._slots.get(slot)
+        mine = None if owner is None else owner.bare_keys[envs] == keys
+        if mine is None or not mine.all():
+            key_list = keys.tolist()
+            others = range(len(key_list)) if mine is None else np.flatnonzero(~mine).tolist()
+            for k in others:
+                status, value = odd.get(k, _QUIET) if odd else _QUIET
+                self._reply(key_list[k], status, value, steps)
+            if mine is None or not mine.any():
+                return
+            at = np.flatnonzero(mine)
+            keys, envs = keys[at], envs[at]
+            if odd:
+                where = at.tolist()
+                odd = {j: odd[k] for j, k in enumerate(where) if k in odd}
+        assert owner is not None
+        owner.bare_keys[envs] = 0  # read: its owner settles it (settle_steps)
+        ids, markers = envs.tolist(), keys.tolist()
+        values: list[Any] = [None] * len(ids)
+        failed = False
+        for j, (status, value) in odd.items():
+            if status == ST_OK:
+                values[j] = value
+            else:  # its env's error, at once
+                owner.settle(ids[j], status, value, markers[j])
+                failed = True
+        if failed:
+            keep = [j for j in range(len(ids)) if odd.get(j, (ST_OK,))[0] == ST_OK]
+            ids, markers = [ids[j] for j in keep], [markers[j] for j in keep]
+            values = [values[j] for j in keep]
+        batch = steps.get(owner)
+        if batch is None:
+            batch = steps[owner] = _Steps(owner, [], [], [])
+        batch.envs.extend(ids)
+        batch.values.extend(values)
+        batch.futures.extend(markers)
 
     def _runs_replied(self, runs: RunColumns) -> None:
         """The runs of a frame, grouped by owner (:meth:`RemoteLanes.settle_runs`)."""
@@ -290,6 +378,8 @@ class LaneLink:
         for key, future in waiting.items():
             if not answered(future):
                 owners[key].settle(envs[key], ST_DIED, error, future)
+        for owner in self._slots.values():
+            owner.fail_bare(self, error)
 
 
 class RemoteLanes(PerEnvLockstep):
@@ -322,9 +412,13 @@ class RemoteLanes(PerEnvLockstep):
         self._columns = object_rows(spec)
         self._obs_in_reply = obs_in_reply or isinstance(self.buffers.obs, list) or self._columns
         self._built_in: list[Any] = [None] * self.n_envs  # the incarnation each env lives in
+        self._all_in: Any = None  # the incarnation every env lives in, if one
         # Each env's request in flight (one at a time): its link, key and incarnation.
         self._links: list[LaneLink | None] = [None] * self.n_envs
         self._keys = [0] * self.n_envs
+        # Per env, the key of its bare step in flight whose reply was not read (0: none); a
+        # batch of bare steps is kept here, not in its link's dicts (LaneLink.submit_steps).
+        self.bare_keys = np.zeros(self.n_envs, dtype=np.int64)
         self._kinds = [0] * self.n_envs
         self._sent_to: list[Any] = [None] * self.n_envs
         self._run_versions = [0] * self.n_envs  # the version each env's last run was asked under
@@ -336,6 +430,7 @@ class RemoteLanes(PerEnvLockstep):
         """Build every env (see ``RemoteHost.build``), in the live incarnation."""
         await super().build(chains, seeds)  # type: ignore[misc]
         self._built_in = [self._incarnation] * self.n_envs
+        self._all_in = self._incarnation
 
     def _send(self, kind: int, i: int, *args: Any, bare: bool = False) -> asyncio.Future[Any]:
         """Send one lane request for env ``i``: a future of its reply's value (or error)."""
@@ -361,22 +456,28 @@ class RemoteLanes(PerEnvLockstep):
         link = self._links[i]
         if link is not None:
             self._links[i] = None
-            link.cancel(self._keys[i])
+            bare = int(self.bare_keys[i])
+            if bare:
+                self.bare_keys[i] = 0
+                link.cancel(bare, bare=True)
+            else:
+                link.cancel(self._keys[i])
 
-    def settle(self, i: int, status: int, value: Any, future: asyncio.Future[Any]) -> None:
-        """Settle ``future``, env ``i``'s request, with its reply (:class:`LaneLink`); while a
-        :attr:`sink` is set, it takes the reply of the request in flight instead."""
+    def settle(self, i: int, status: int, value: Any, future: Any) -> None:
+        """Settle ``future``, env ``i``'s request (or its :data:`SinkStep`), with its reply
+        (:class:`LaneLink`); while a :attr:`sink` is set, it takes the reply of the request in
+        flight instead."""
         self._links[i] = None
         ok, outcome = self._outcome(i, status, value)
-        if self.sink is not None and self.in_flight.get(i) is future:
+        in_flight: dict[int, Any] = self.in_flight
+        if self.sink is not None and in_flight.get(i) == future:
             self.sink.take(i, outcome)
             return
         marker: Any = future
         if type(marker) is SinkStep:  # no call takes it now: it gets a future after all
             future = asyncio.get_running_loop().create_future()
             watch_error(future)
-            if self.in_flight.get(i) is marker:
-                in_flight: dict[int, Any] = self.in_flight
+            if in_flight.get(i) == marker:
                 in_flight[i] = future
         if ok:
             future.set_result(outcome)
@@ -398,13 +499,26 @@ class RemoteLanes(PerEnvLockstep):
         buffers): those still in flight to the :attr:`sink` in one pass, any other as
         :meth:`settle` would."""
         links, in_flight, sink = self._links, self.in_flight, self.sink
+        if (  # the common case: every one still in flight to the sink, in one pass
+            sink is not None
+            and not self._late
+            and [in_flight.get(i) for i in batch.envs] == batch.futures
+        ):
+            for i in batch.envs:
+                links[i] = None
+            values = batch.values
+            infos = (
+                [None if value is None else value[0] for value in values] if any(values) else values
+            )
+            sink.take_steps(np.array(batch.envs, dtype=np.int64), infos)
+            return
         envs: list[int] = []
-        infos: list[Any] = []
+        infos = []
         for i, value, future in zip(batch.envs, batch.values, batch.futures, strict=True):
             late = self._late.pop(i, None) if self._late else None
-            if late is not None and late[0] is future:  # its call ended: its future now
+            if late is not None and late[0] == future:  # its call ended: its future now
                 future = late[1]
-            if sink is not None and in_flight.get(i) is future:
+            if sink is not None and in_flight.get(i) == future:
                 links[i] = None
                 envs.append(i)
                 infos.append(None if value is None else value[0])
@@ -414,32 +528,31 @@ class RemoteLanes(PerEnvLockstep):
             assert sink is not None
             sink.take_steps(np.array(envs, dtype=np.int64), infos)
 
-    def step_many(self, envs: list[int], index: np.ndarray, actions: Any) -> list[Any]:
+    def step_many(self, envs: list[int], index: np.ndarray, actions: Any) -> Sequence[Any]:
         """:meth:`step_soon` for each of ``envs`` (``index``: the same as an array) with its
         row of ``actions``, for the :attr:`sink` to take: written into the shared step buffers
         at once. Each is a :data:`SinkStep` (:meth:`keep_waiting` gives it a future if the sink
         lets it go) or, where the actions travel, a future whose error is marked retrieved, or
-        the :class:`~asyncsample.WorkerError` of an env whose host died."""
+        the :class:`~asyncsample.WorkerError` of an env whose host died; a ``range`` of keys
+        when all are :data:`SinkStep` s."""
         shared = not self._obs_in_reply and type(self.buffers.actions) is np.ndarray
         if shared:
             self.buffers.actions[index] = actions
             inc: Incarnation | None = self._incarnation
-            built_in = self._built_in
             if (  # the common case: every env's host lives, one pass for them all
                 not self._member.closed
                 and inc is not None
+                and self._all_in is inc
                 and not inc.dead
-                and inc.lanes.dead is None  # type: ignore[attr-defined]
-                and all(built_in[i] is inc for i in envs)
+                and inc.lanes.dead is None
             ):
                 link: LaneLink = inc.lanes  # type: ignore[attr-defined]
                 links, sent_to, kinds = self._links, self._sent_to, self._kinds
                 for i in envs:
                     links[i], sent_to[i], kinds[i] = link, inc, LaneKind.STEP
-                keys = link.submit_steps(self, self._slot_index, envs)
-                for i, key in zip(envs, keys):
-                    self._keys[i] = key
-                return keys
+                first = link.submit_steps(self, self._slot_index, index)
+                self.bare_keys[index] = np.arange(first, first + len(envs))
+                return range(first, first + len(envs))
         out: list[Any] = []
         for k, i in enumerate(envs):
             try:
@@ -461,11 +574,24 @@ class RemoteLanes(PerEnvLockstep):
             return
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         link = self._links[i]
-        if link is None or not link.rebind(self._keys[i], future):
+        bare = int(self.bare_keys[i])
+        if link is not None and bare:  # a bare step's reply not read: it goes to the future
+            self.bare_keys[i] = 0
+            link.adopt(self, bare, i, future)
+        elif link is None or not link.rebind(self._keys[i], future):
             # Its reply came, and waits for its turn in the loop's passes (settle_steps).
             self._late[i] = (in_flight[i], future)
         watch_error(future)
         in_flight[i] = future
+
+    def fail_bare(self, link: LaneLink, error: BaseException) -> None:
+        """``link``'s host died: each bare step sent there and not answered gets ``error``."""
+        bare = self.bare_keys
+        for i in np.flatnonzero(bare).tolist():
+            if self._links[i] is link:
+                key = int(bare[i])
+                bare[i] = 0
+                self.settle(i, ST_DIED, error, key)
 
     def settle_runs(self, batch: _Runs) -> None:
         """Settle ``batch``, runs that answered this host's requests: those still in flight to
@@ -632,7 +758,8 @@ class RemoteLanes(PerEnvLockstep):
             self._incarnation = await self._member.live()
         blob = cloudpickle.dumps(list(chain), protocol=pickle.HIGHEST_PROTOCOL)
         await self._lane(LaneKind.REBUILD, i, blob, seed)
-        self._built_in[i] = self._incarnation
+        inc = self._built_in[i] = self._incarnation
+        self._all_in = inc if all(built is inc for built in self._built_in) else None
         if getattr(self, "_agent_blob", None) is not None:  # inference="host": a new host's copy
             await self.sync_agent()  # type: ignore[attr-defined]
 

@@ -28,6 +28,7 @@ from asyncsample.backends._column_wire import (
     object_rows,
     pack_replies,
     pack_runs,
+    step_replies,
     unpack_requests,
 )
 from asyncsample.backends._transport import (
@@ -79,6 +80,9 @@ class LaneKind:
     CANCEL = 3  # (CANCEL, key): the caller gave up on request ``key``
     ACT = 4  # (ACT, key, slot, env, seconds left or None): the slot's agent copy acts, env steps
     RUN = 5  # (RUN, key, slot, env, seconds left or None, steps, merged): ACT up to ``steps`` times
+    # (STEPS, first key, slot, envs: int64 bytes): a STEP of each env, its action in the shared
+    # buffers, keys first, first + 1, ... (one request for a batch: none to pickle per step)
+    STEPS = 6
 
 
 #: A reset with the env's pending seed (``PENDING_SEED`` does not survive pickling).
@@ -294,6 +298,9 @@ class LaneServer:
         self._rows_travel = {id(s) for s in self.slots if object_rows(s.spec)}
         self._pack = bool(self._rows_travel)
         self.out: list[tuple[int, int, Any]] = []  # lane replies of this pass of the loop
+        # Its step replies where the caller shares the buffers, per slot: keys, envs, and
+        # (index, status, value) where not a success of no value (see StepReplies).
+        self.steps_out: dict[int, tuple[list[int], list[int], list[tuple[int, int, Any]]]] = {}
         self.flushing = False
         self.envs: dict[tuple[int, int], _EnvLane] = {}  # each env's queue of lane requests
         self.keys: dict[int, tuple[int, int]] = {}  # the env of each request not yet answered
@@ -362,6 +369,11 @@ class LaneServer:
 
     def _lane(self, request: tuple[Any, ...]) -> None:
         kind, key = request[0], request[1]
+        if kind == LaneKind.STEPS:
+            slot = request[2]
+            for k, i in enumerate(np.frombuffer(request[3], dtype=np.int64).tolist()):
+                self._lane((LaneKind.STEP, key + k, slot, i, None, None))
+            return
         if kind == LaneKind.CANCEL:
             env = self.keys.pop(key, None)
             if env is not None:
@@ -386,6 +398,10 @@ class LaneServer:
         env: no task per request, each of which would live as long as its call)."""
         loop = asyncio.get_running_loop()
         queue = lane.queue
+        buffers = host.buffers
+        # Its rows travel in the replies (the caller does not share them); else its steps'
+        # replies go in columns (StepReplies).
+        travel = self.obs_in_reply or isinstance(buffers.obs, list) or id(host) in self._rows_travel
         while True:
             if not queue:
                 lane.idle = loop.create_future()
@@ -426,12 +442,7 @@ class LaneServer:
                 else:
                     await host.rebuild_one(i, pickle.loads(request[4]), request[5])
                     value = None
-                buffers = host.buffers
-                if (
-                    self.obs_in_reply
-                    or isinstance(buffers.obs, list)
-                    or id(host) in self._rows_travel
-                ):
+                if travel:
                     if kind == LaneKind.RUN:
                         ended = value.terminated or value.truncated
                     else:
@@ -471,7 +482,10 @@ class LaneServer:
             finally:
                 lane.running = None
             self.keys.pop(key, None)
-            self.out.append(reply)
+            if kind == LaneKind.STEP and not travel:
+                self._step_reply(request[2], i, reply)
+            else:
+                self.out.append(reply)
             if not self.flushing:
                 self.flushing = True
                 loop.call_soon(self._flush)
@@ -578,6 +592,18 @@ class LaneServer:
         except Exception as exc:
             raise _agent_fault(exc, host.spec.worker) from None
 
+    def _step_reply(self, slot: int, i: int, reply: tuple[int, int, Any]) -> None:
+        """Env ``i``'s step reply, into slot ``slot``'s columns (see :class:`StepReplies`)."""
+        columns = self.steps_out.get(slot)
+        if columns is None:
+            columns = self.steps_out[slot] = ([], [], [])
+        keys, envs, odd = columns
+        key, status, value = reply
+        if status != ST_OK or value is not None:
+            odd.append((len(keys), status, value))
+        keys.append(key)
+        envs.append(i)
+
     def count_calls(self) -> None:
         """With metrics on, settle each slot's clock now, its env calls running included (the
         loop's ticks do, so the caller's gauge is live while no reply comes)."""
@@ -593,8 +619,12 @@ class LaneServer:
             batcher = self._batchers[k]
             if batcher is not None and batcher.timer is not None and batcher.timer.calls:
                 record_agent_calls(slot.buffers.clock, *batcher.timer.drain())  # type: ignore[arg-type]
-        if out:
-            self._send(dumps(pack_replies(out, ST_OK) if self._pack else pack_runs(out)))
+        steps, self.steps_out = self.steps_out, {}
+        if out or steps:
+            payload: Any = pack_replies(out, ST_OK) if self._pack else pack_runs(out)
+            if steps:
+                payload = step_replies(payload, steps)
+            self._send(dumps(payload))
 
 
 @dataclass
