@@ -264,9 +264,8 @@ class RunStepper:
             for i in ids:
                 self._next(i)
             return
-        resets = self.worker.episodes.needs_reset[ids]
-        if resets.any():  # (their resets are sent now: the others are asked for together)
-            flags = resets.tolist()
+        flags = self.worker.episodes.needs_reset[ids].tolist()
+        if any(flags):  # (their resets are sent now: the others are asked for together)
             for i in itertools.compress(ids, flags):
                 self._next(i)
             ids = [i for i, reset in zip(ids, flags) if not reset]
@@ -426,7 +425,7 @@ class RunStepper:
         assert cursor is not None
         index = np.array(envs, dtype=np.int64)
         t = cursor[index]
-        top = int(t.max())
+        top = max(t.tolist())  # (a numpy reduction costs more, for a pass's few envs)
         if top >= rows.size:
             rows.cover(top, *self.like)
         obs = self.host.buffers.obs[index]

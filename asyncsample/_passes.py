@@ -66,9 +66,19 @@ class PassQueue:
             self._scheduled = False
 
 
+#: The loop asked for last (a weak reference) and its queue: asked per worker per pass, a lookup
+#: in :data:`_QUEUES` (a weak reference made per call) costs more than the work it queues.
+_last: tuple[weakref.ref[asyncio.AbstractEventLoop], PassQueue] | None = None
+
+
 def pass_queue(loop: asyncio.AbstractEventLoop) -> PassQueue:
     """The queue of ``loop``'s passes (one per loop)."""
+    global _last
+    last = _last
+    if last is not None and last[0]() is loop:
+        return last[1]
     queue = _QUEUES.get(loop)
     if queue is None:
         queue = _QUEUES[loop] = PassQueue(loop)
+    _last = (weakref.ref(loop), queue)
     return queue

@@ -309,7 +309,7 @@ class LaneLink:
         odd = {k: (status, value) for k, status, value in odd_replies}
         owner = self._slots.get(slot)
         mine = None if owner is None else owner.bare_keys[envs] == keys
-        if mine is None or not mine.all():
+        if mine is None or not all(mine.tolist()):  # (a numpy reduction costs more, for a few)
             key_list = keys.tolist()
             others = range(len(key_list)) if mine is None else np.flatnonzero(~mine).tolist()
             for k in others:
