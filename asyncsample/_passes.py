@@ -34,7 +34,9 @@ class PassQueue:
     __slots__ = ("_items", "_loop", "_scheduled")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # A weak reference: the queue is the value of its loop's entry in _QUEUES, and would
+        # keep the loop (a weak key) alive for good.
+        self._loop = weakref.ref(loop)
         self._items: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = (
             collections.deque()
         )
@@ -43,11 +45,15 @@ class PassQueue:
     def put(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` in a coming pass of the loop, after the pieces put before it."""
         self._items.append((fn, args))
-        if not self._scheduled:
+        loop = self._loop()
+        if not self._scheduled and loop is not None:
             self._scheduled = True
-            self._loop.call_soon(self._run)
+            loop.call_soon(self._run)
 
     def _run(self) -> None:
+        loop = self._loop()
+        if loop is None:  # (it runs this: it lives)
+            return
         items = self._items
         end = time.perf_counter() + SLICE_S
         while items:
@@ -55,13 +61,13 @@ class PassQueue:
             try:
                 fn(*args)
             except Exception as exc:  # one piece's bug must not stop the others
-                self._loop.call_exception_handler(
+                loop.call_exception_handler(
                     {"message": f"asyncsample: {fn!r} raised", "exception": exc}
                 )
             if time.perf_counter() > end:
                 break
         if items:
-            self._loop.call_soon(self._run)
+            loop.call_soon(self._run)
         else:
             self._scheduled = False
 
