@@ -40,6 +40,7 @@ from test_step_runs import (
 from asyncsample import AgentRowsError, EpisodeBatch, StepType
 from asyncsample._env_runs import RunStepper
 from asyncsample._env_tasks import LaneStepper
+from asyncsample.backends import _lane_link
 from asyncsample.backends._lane_link import LaneLink, answered
 from asyncsample.inference.batched import Batched, Batcher
 
@@ -421,3 +422,36 @@ async def test_a_killed_host_fails_the_bare_steps_it_held_and_their_envs_step_ag
     assert_whole_pieces(batches)
     every_env = {(w, e) for w in range(N_WORKERS) for e in range(N_ENVS)}
     assert set(_by_env(batches[-2:])) == every_env
+
+
+async def test_a_batch_too_big_for_one_block_of_keys_is_sent_step_by_step(
+    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's keys are one block (``KEY_BITS``): a bigger batch goes a request per step,
+    each in the link's dicts, and its records are the same."""
+    monkeypatch.setattr(_lane_link, "KEY_BITS", 2)  # blocks of 4 keys, batches of up to 6 envs
+    one_by_one: list[int] = []
+    original = LaneLink.submit
+
+    def counting(
+        self: LaneLink, owner: Any, kind: int, slot: int, i: int, *a: Any, **kw: Any
+    ) -> Any:
+        if kw.get("bare"):
+            one_by_one.append(i)
+        return original(self, owner, kind, slot, i, *a, **kw)
+
+    monkeypatch.setattr(LaneLink, "submit", counting)
+    sampler = make_sampler(
+        "process",
+        functools.partial(CountingAsyncEnv, LENGTH, 0.001),
+        ParityAgent(),
+        inference="batched",
+        n_workers=1,
+        envs_per_worker=6,
+        seed=3,
+    )
+    batches = [await sampler.obtain_fragments(40) for _ in range(4)]
+    assert one_by_one  # the first call asks all 6 envs at once
+    for batch in batches:
+        _check_records(batch)
+    _in_order(batches)

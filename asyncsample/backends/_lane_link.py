@@ -543,6 +543,7 @@ class RemoteLanes(PerEnvLockstep):
                 not self._member.closed
                 and inc is not None
                 and self._all_in is inc
+                and len(envs) < 1 << KEY_BITS  # (their keys fit in one block)
                 and not inc.dead
                 and inc.lanes.dead is None
             ):
