@@ -236,10 +236,7 @@ class RunStepper:
             if worker.episodes.needs_reset[i]:
                 future = host.reset_soon(i)
             elif self.requests is not None:  # its action comes from this pass's agent request
-                self.asking.add(i)
-                self.ready.append(i)
-                if len(self.ready) == 1:
-                    pass_queue(asyncio.get_running_loop()).put(self._act)
+                self._ask([i])
                 return
             else:
                 self.start_obs[i] = row_copy(host.buffers.obs, i)
@@ -272,10 +269,14 @@ class RunStepper:
         in_flight, asking = self.host.in_flight, self.asking
         ready = [i for i in ids if i not in in_flight and i not in asking]
         if ready:
-            asking.update(ready)
-            if not self.ready:
-                pass_queue(asyncio.get_running_loop()).put(self._act)
-            self.ready.extend(ready)
+            self._ask(ready)
+
+    def _ask(self, envs: list[int]) -> None:
+        """Envs ``envs`` get their actions from this pass's agent request (:meth:`_act`)."""
+        self.asking.update(envs)
+        if not self.ready:
+            pass_queue(asyncio.get_running_loop()).put(self._act)
+        self.ready.extend(envs)
 
     def apply(self, i: int, future: asyncio.Future[Any]) -> None:
         """Apply env ``i``'s answered request in ``in_flight`` (see :meth:`take`)."""

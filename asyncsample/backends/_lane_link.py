@@ -104,6 +104,14 @@ class _Steps:
     values: list[Any]
     futures: list[Any]
 
+    @classmethod
+    def of(cls, steps: dict[RemoteLanes, _Steps], owner: RemoteLanes) -> _Steps:
+        """``owner``'s batch in ``steps`` (a frame's, by owner), made if it has none yet."""
+        batch = steps.get(owner)
+        if batch is None:
+            batch = steps[owner] = cls(owner, [], [], [])
+        return batch
+
     def add(self, i: int, value: Any, future: Any) -> None:
         self.envs.append(i)
         self.values.append(value)
@@ -287,10 +295,7 @@ class LaneLink:
         if answered(future):
             return
         if status == ST_OK and owner.sinks_step(i, future):  # taken in one pass
-            batch = steps.get(owner)
-            if batch is None:
-                batch = steps[owner] = _Steps(owner, [], [], [])
-            batch.add(i, value, future)
+            _Steps.of(steps, owner).add(i, value, future)
         else:
             owner.settle(i, status, value, future)
 
@@ -337,9 +342,7 @@ class LaneLink:
             keep = [j for j in range(len(ids)) if odd.get(j, (ST_OK,))[0] == ST_OK]
             ids, markers = [ids[j] for j in keep], [markers[j] for j in keep]
             values = [values[j] for j in keep]
-        batch = steps.get(owner)
-        if batch is None:
-            batch = steps[owner] = _Steps(owner, [], [], [])
+        batch = _Steps.of(steps, owner)
         batch.envs.extend(ids)
         batch.values.extend(values)
         batch.futures.extend(markers)
