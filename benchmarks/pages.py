@@ -400,8 +400,6 @@ FOLDERS: dict[str, str] = {
     "imports left is out of the collector's full walks)",
     "seam/workers-4": "the seam study with 4 workers of 2,500 envs in place of 100 of 100 (fewer, "
     "larger ready batches per worker), without the tail cells and the profile",
-    "seam/batched": "the seam study's plain-1 and ours-process-batched cells alone: the batched "
-    "caller's CPU per env step (issue 48's target), with plain-1 to show how disturbed the run was",
     "frames": "raw-frame Pong (PongRaw-v5) with inference='host' against the two-loop ceiling "
     "in one run, and the CPU per step of each side (`benchmarks/frames.py`, issue 53)",
     "handoff": "a request's round trip to another process alone: a byte over a socket pair "
