@@ -57,8 +57,8 @@ from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.checkpoint import ResumeReport, SamplerState, StreamState
 from asyncsample.env_update import EnvChoice
 from asyncsample.errors import SamplerClosedError, WorkerError
-from asyncsample.inference import Batched, check_inference, choose_inference
-from asyncsample.inference.host import Host, check_host_agent, pickle_agent
+from asyncsample.inference import Batched, Setup, check_inference, choose_inference
+from asyncsample.inference.host import Host, check_chunked_host, pickle_agent
 from asyncsample.inference.modes import HostMode, InferenceMode, make_mode
 from asyncsample.metrics import make_metrics
 from asyncsample.multiagent.routing import bind_agents
@@ -151,9 +151,9 @@ class SamplerCore:
         self._host_awaits = maybe_async(self.env_sources[0]) and self.traits.host_mode
         own = worker_class.compute_actions is not Worker.compute_actions
         exact = _resume.wants_exact_resume(self.env_sources, resume)
-        self.inference = choose_inference(
-            config.inference, agent, self.traits.host_mode, self.episode_timeout, own, exact
-        )
+        setup = Setup(self.traits.host_mode, self.episode_timeout, own, exact)
+        layout = (n_workers, self.n_processes)
+        self.inference = choose_inference(config.inference, agent, setup, layout)
         options = check_inference(self.inference.given, agent, awaited=self._host_awaits)
         self._options, self._worker_class = options, worker_class  # for _settle_kind
         # Each env stepped on its own (_env_tasks): on the lane backends, and on the host
@@ -165,11 +165,12 @@ class SamplerCore:
         if self.lanes:
             options = self._check_lane_inference(options, worker_class)
             lanes = LaneSettings(self.max_restarts, self._count_restart, lambda: self.admission)
-        self.mode: InferenceMode = make_mode(options, self._shared_agent_now, lanes)
+        follow = self.inference.follows  # your agent's copies in the hosts follow it
+        self.mode: InferenceMode = make_mode(options, self._shared_agent_now, lanes, follow)
         if isinstance(options, Host):
             self._check_host_mode(agent, worker_class)
             if not self._host_awaits:
-                self._check_chunked_host()
+                check_chunked_host(self.agents, self.episode_timeout)
         kind = self.traits
         if kind.async_envs or not loop_runs_here():
             # No loop to stall (or an async env, built on the loop like every other): now.
@@ -258,7 +259,9 @@ class SamplerCore:
         """The probe env is an async env (``async_envs``): on a host backend, each env is then
         stepped on its own in the hosts' event loops (the lanes), with the lanes' checks."""
         if isinstance(self._options, Host) and self._host_awaits and not async_envs:
-            self._check_chunked_host()  # blocking envs after all: chunks of steps in the hosts
+            check_chunked_host(
+                self.agents, self.episode_timeout
+            )  # blocking envs after all: chunks of steps in the hosts
         if async_envs and not self.lanes:
             self.hosted_lanes = True
             self._check_lane_inference(self._options, self._worker_class)
@@ -271,20 +274,6 @@ class SamplerCore:
                 metrics.state.lanes = True
         if self.max_concurrency is not None and not self.lanes:
             self._refuse_max_concurrency()
-
-    def _check_chunked_host(self) -> None:
-        """``inference="host"`` over blocking envs runs chunks of steps in the hosts: no async
-        agent (the hosts run no event loop) and no ``episode_timeout`` (no look between steps)."""
-        for a in {id(a): a for a in self.agents}.values():
-            if a is not None:
-                check_host_agent(a)
-        if self.episode_timeout is not None:
-            raise ValueError(
-                "episode_timeout needs inference='per_worker' or 'batched' (the sampler "
-                "checks deadlines between steps; with inference='host' a chunk of steps "
-                f"runs in the env host), got episode_timeout={self.episode_timeout!r} with "
-                "inference='host'"
-            )
 
     def _refuse_max_concurrency(self) -> None:
         raise ValueError(
@@ -496,6 +485,7 @@ class SamplerCore:
         """Run every worker's share of one call and put the pieces together, worker-major;
         ``ahead``: another round of a stream follows, which a mode may start as a part ends."""
         start, restarts = time.perf_counter(), self.restarts
+        self.mode.round_starts(self.workers)
         for worker in self.workers:
             worker.finished.clear()
         free = mode == "fragments" and self.free_shares

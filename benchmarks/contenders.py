@@ -370,7 +370,7 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
         probe_env = gym.make(spec.env_id)
         agent = asyncsample.RandomAgent(probe_env.action_space, seed=spec.seed)
         probe_env.close()
-    kwargs["inference"] = _inference(spec.inference)  # never the sampler's own pick ("auto")
+    kwargs["inference"] = _inference(spec.inference)
     notes: list[str] = []
     env: Any = spec.env_id
     if spec.slow_worker >= 0:  # stragglers: one worker's envs cost slow_cost a step
@@ -391,6 +391,8 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
             "Sampler rejected gymnasium's 'module:EnvId' id form (gymnasium.make imports the "
             "module, gymnasium.spec does not); it was given functools.partial(gym.make, id)"
         )
+    if sampler.inference.auto:
+        notes.append(f"inference='auto' chose {sampler.inference.describe()}")
     obtain = sampler.obtain_samples if spec.call == "samples" else sampler.obtain_fragments
     held = calls = 0
 
@@ -444,7 +446,7 @@ async def _asyncsample_run(spec: RunSpec, backend: str) -> RunResult:
 
 def _inference(name: str) -> Any:
     """The ``Sampler(inference=...)`` value of a spec's inference name."""
-    if name in ("per_worker", "host"):
+    if name in ("auto", "per_worker", "host"):
         return name
     from asyncsample.inference import Batched
 

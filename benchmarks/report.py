@@ -610,7 +610,8 @@ def _policy_markdown(results: dict[str, Any]) -> list[str]:
         "Categorical on CartPole, Gaussian clipped to the box on HalfCheetah) picks every "
         "action, for every contender. asyncsample's inference modes: `per_worker` (one agent "
         "call per worker step), `batched` (the workers' calls merged into one, lockstep), "
-        "`host` (a copy of the agent in each env host, chunks of steps per request). "
+        "`host` (a copy of the agent in each env host, chunks of steps per request), and "
+        "`auto`, the default: the mode `Sampler` picks itself (which one is in the notes). "
         f"Layouts are workers x envs per worker over {settings.n_processes} env-host "
         "processes; calls of "
         f"{settings.fragment_steps} steps per env. The ceiling: {settings.cores} "
@@ -1021,7 +1022,7 @@ def _cells_plot(out_dir: Path, results: dict[str, Any], plt: Any, group: str) ->
     fig, axes = plt.subplots(rows_n, cols, figsize=(3.8 * cols + 1.5, 4.6 * rows_n), squeeze=False)
     colors = {"ceiling": "k", "sync": "C0", "async": "C1", "sb3": "C2", "envpool": "C8",
               "envpool-async": "C9", "asyncsample-ray": "C6"}  # fmt: skip
-    modes = {"per_worker": "C3", "batched": "C4", "host": "C5"}
+    modes = {"per_worker": "C3", "batched": "C4", "host": "C5", "auto": "C6"}
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
     for ax, ((env, n, policy), members) in zip(axes.flat, panels, strict=False):

@@ -215,9 +215,11 @@ class Settings:
     policy_envs: list[str] = field(default_factory=lambda: list(POLICY_ENVS))
     policy_n_envs: list[int] = field(default_factory=lambda: [8, 32])
     policy_layouts: dict[int, list[tuple[int, int]]] = field(
-        default_factory=lambda: {8: [(2, 4), (8, 1)], 32: [(2, 16), (8, 4)]}
+        default_factory=lambda: {8: [(2, 4), (8, 1)], 32: [(2, 16), (4, 8), (8, 4)]}
     )
-    policy_inference: list[str] = field(default_factory=lambda: ["per_worker", "batched", "host"])
+    policy_inference: list[str] = field(
+        default_factory=lambda: ["auto", "per_worker", "batched", "host"]
+    )
     policy_transitions: dict[str, int] = field(
         default_factory=lambda: {
             "CartPole-v1": 10_000,

@@ -267,7 +267,7 @@ async def train(
 
     async with Sampler(
         ENV_ID,
-        agent,  # one agent, shared by every worker, in this process
+        agent,  # one agent for every worker ("auto" runs its copies in the env hosts)
         n_workers=n_workers,
         envs_per_worker=envs_per_worker,
         seed=seed,

@@ -3,15 +3,19 @@ and the batches are those of the mode it would otherwise have run."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import threading
 from typing import Any
 
+import numpy as np
 import pytest
-from envs import ConstantAgent
+from envs import ConstantAgent, GridWorldEnv, ParamAgent
 from helpers import SamplerFactory
 
 from asyncsample import InferenceChoice, Replayable, Sampler, VecWorker
+from asyncsample.inference import copies
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -21,11 +25,42 @@ class OwnActions(VecWorker):
         return super().compute_actions(observations)
 
 
+class AsyncParamAgent(ParamAgent):
+    async def get_actions(self, observations: Any) -> Any:  # type: ignore[override]
+        await asyncio.sleep(0)
+        return super().get_actions(observations)
+
+
+class LockedParamAgent(ParamAgent):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()  # cannot be pickled
+
+
+class GpuParamAgent(ParamAgent):
+    device = "cuda:0"
+
+
+class PlainAgent(ParamAgent):
+    """A ParamAgent without parameter methods, for an update that copies cannot follow."""
+
+    get_param_values = None  # type: ignore[assignment]
+    set_param_values = None  # type: ignore[assignment]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "mode", "why"),
     [
         ({}, "host", "RandomAgent runs in the env hosts"),
-        ({"agent": ConstantAgent(0)}, "per_worker", "your agent"),
+        ({"agent": ConstantAgent(0)}, "per_worker", "has no get_param_values"),
+        ({"agent": ParamAgent()}, "host", "follow its parameters"),
+        ({"agent": ParamAgent(), "n_workers": 8}, "batched", "8 workers over 2 env host(s)"),
+        ({"agent": [ParamAgent() for _ in range(8)], "n_workers": 8}, "host", "copies of your"),
+        ({"agent": AsyncParamAgent()}, "per_worker", "is async"),
+        ({"agent": LockedParamAgent()}, "per_worker", "cannot be pickled"),
+        ({"agent": GpuParamAgent()}, "batched", "is on cuda:0"),
+        ({"agent": [GpuParamAgent(), GpuParamAgent()]}, "per_worker", "is on cuda:0"),
+        ({"agent": ParamAgent(), "backend": "thread"}, "per_worker", "envs live in this"),
         ({"backend": "local"}, "per_worker", "envs live in this process"),
         ({"episode_timeout": 5.0}, "per_worker", "episode_timeout"),
         ({"worker_class": OwnActions}, "per_worker", "worker_class computes the actions"),
@@ -33,8 +68,10 @@ class OwnActions(VecWorker):
     ],
 )
 async def test_the_choice_and_its_reason(kwargs: dict[str, Any], mode: str, why: str) -> None:
-    options: dict[str, Any] = {"backend": "process", **kwargs}
+    options: dict[str, Any] = {"backend": "process", "n_workers": 2, "n_processes": 2, **kwargs}
     agent, env = options.pop("agent", None), options.pop("env", "CartPole-v1")
+    if agent is not None:
+        env = GridWorldEnv
     sampler = Sampler(env, agent, **options)
     try:
         choice = sampler.inference
@@ -99,3 +136,78 @@ async def test_a_checkpoint_of_random_agents_in_the_hosts_warns_and_streams_can_
             break
     assert sampler.inference.mode == "host"
     assert sum(state.counts().values()) == 4
+
+
+async def test_copies_too_big_for_every_worker_stay_in_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(copies, "COPIES_BUDGET", 1000)
+    sampler = Sampler(GridWorldEnv, ParamAgent(), backend="process", n_workers=2)
+    try:
+        assert sampler.inference.mode == "batched"
+        assert "MiB: 2 copies in the env hosts" in sampler.inference.reason
+    finally:
+        await sampler.aclose()
+
+
+async def test_the_hosts_copies_follow_changes_made_in_place(make_sampler: SamplerFactory) -> None:
+    # A trainer that changes its agent in place and passes no agent_update gets the batches it
+    # would get with the agent in its process.
+    out = []
+    for inference in ("auto", "per_worker"):
+        agent = ParamAgent()
+        sampler = make_sampler(
+            "process",
+            GridWorldEnv,
+            agent,
+            n_workers=2,
+            envs_per_worker=2,
+            seed=3,
+            max_episode_length=12,
+            inference=inference,
+        )
+        batches = [await sampler.obtain_samples(60)]
+        agent.script[:] = (agent.script + 1) % 4  # the same array, changed
+        batches.append(await sampler.obtain_samples(60))
+        batches.append(await sampler.obtain_samples(60))  # unchanged: nothing is sent
+        agent.script = np.zeros_like(agent.script)  # a new array
+        batches.append(await sampler.obtain_fragments(40))
+        await sampler.update_agent(np.full_like(agent.script, 2))  # an explicit update
+        batches.append(await sampler.obtain_samples(60))
+        assert sampler.inference.follows == (inference == "auto")
+        assert sampler.inference.mode == ("host" if inference == "auto" else "per_worker")
+        out.append(batches)
+        await sampler.aclose()
+    for auto, per_worker in zip(*out):
+        assert auto.n_transitions > 0
+        assert auto.equals(per_worker)
+    actions = [set(np.asarray(b.actions).tolist()) for b in out[0]]
+    assert actions[3] == {0} and actions[4] == {2}
+    assert not np.array_equal(out[0][0].actions[:10], out[0][1].actions[:10])
+
+
+async def test_a_new_agent_the_copies_cannot_follow_is_refused(
+    make_sampler: SamplerFactory,
+) -> None:
+    agent = ParamAgent()
+    sampler = make_sampler("process", GridWorldEnv, agent, n_workers=2, envs_per_worker=1)
+    await sampler.obtain_samples(20)
+    with pytest.raises(ValueError, match=r"agent_update: .*get_param_values.*\(PlainAgent\)"):
+        await sampler.obtain_samples(20, agent_update=PlainAgent(np.zeros(16, np.int64)))
+    assert sampler.workers[0].agent is agent  # nothing applied, in the caller or the hosts
+    batch = await sampler.obtain_samples(20)
+    assert np.array_equal(batch.actions, agent.script[batch.observations])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestWarning")
+def test_a_digest_is_one_of_the_values() -> None:
+    torch = pytest.importorskip("torch")
+    net = torch.nn.Linear(3, 2)
+    params = {k: v.clone() for k, v in net.state_dict().items()}
+    same = {k: v.clone() for k, v in net.state_dict().items()}
+    assert copies.digest(params) == copies.digest(same)
+    same["bias"][0] += 1
+    assert copies.digest(params) != copies.digest(same)
+    half = params["weight"].to(torch.bfloat16)
+    assert copies.digest([half, np.ones(2)]) == copies.digest([half.clone(), np.ones(2)])
+    assert copies.digest(np.ones(2)) != copies.digest(np.ones(2, np.float32))

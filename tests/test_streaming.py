@@ -100,7 +100,10 @@ async def test_max_policy_lag_drops_stale_episodes(
     # Every round is 6 steps (4 scripted envs, 6-step episodes): the yielded round and three
     # buffered ones are 4 x 6 agent calls.
     agent = CountingAgent(notify_at=4 * 6)
-    async with make_sampler(backend, agent=[agent], n_workers=1, envs_per_worker=4) as s:
+    # per_worker: the agent counts its calls in this process ("auto" would run copies in hosts).
+    async with make_sampler(
+        backend, agent=[agent], n_workers=1, envs_per_worker=4, inference="per_worker"
+    ) as s:
         async with contextlib.aclosing(s.stream(6, max_policy_lag=0, buffer_size=3)) as it:
             first = await anext(it)
             assert first.episode_infos["agent_version"].tolist() == [0] * first.n_episodes
@@ -141,7 +144,10 @@ async def test_slow_consumer_pauses_sampling_and_closing_stops_it(
 ) -> None:
     # One yielded, two buffered, one being produced: four rounds of 6 steps, then a pause.
     agent = CountingAgent(notify_at=4 * 6)
-    async with make_sampler(backend, agent=[agent], n_workers=1, envs_per_worker=2) as s:
+    # per_worker: the agent counts its calls in this process ("auto" would run copies in hosts).
+    async with make_sampler(
+        backend, agent=[agent], n_workers=1, envs_per_worker=2, inference="per_worker"
+    ) as s:
         async with contextlib.aclosing(s.stream(12, buffer_size=2)) as it:
             await anext(it)
             await agent.reached.wait()  # a slow consumer: the buffer has filled meanwhile

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncsample.inference.batched import Batched, Batcher, BatchStats, FlushRule
+from asyncsample.inference.copies import host_fit
 from asyncsample.inference.host import Host, check_host_agent
 
 __all__ = [
@@ -16,8 +17,10 @@ __all__ = [
     "Batched",
     "Batcher",
     "FlushRule",
+    "HOST_WORKERS",
     "Host",
     "InferenceChoice",
+    "Setup",
     "check_inference",
     "choose_inference",
 ]
@@ -33,6 +36,8 @@ class InferenceChoice:
         mode: ``"per_worker"``, ``"batched"`` or ``"host"``.
         reason: one sentence, for the log and ``asyncsample run``.
         auto: whether the sampler chose it (``inference="auto"``) or it was given.
+        follows: the hosts run copies of your agent that follow its parameters (``"auto"``
+            chose ``"host"`` for it).
         given: the ``inference`` value the sampler runs (``mode``, or the argument as given:
             a :class:`Batched` or :class:`Host` carries options).
     """
@@ -40,6 +45,7 @@ class InferenceChoice:
     mode: str
     reason: str
     auto: bool = True
+    follows: bool = False
     given: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -51,13 +57,26 @@ class InferenceChoice:
         return f"{self.mode} (auto: {self.reason})" if self.auto else f"{self.mode} (given)"
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What of a sampler's setup ``inference="auto"`` looks at, beside the agent and layout.
+
+    Attributes:
+        host_mode: the backend's hosts can run agent copies (``process``, ``ray``).
+        episode_timeout: ``Sampler(episode_timeout=...)``.
+        own_compute_actions: the worker class overrides ``compute_actions``.
+        exact_resume: the sampler resumes a state or replays its envs (``Replayable``): a
+            checkpoint must read the agents' state, which it does in the caller only.
+    """
+
+    host_mode: bool
+    episode_timeout: float | None = None
+    own_compute_actions: bool = False
+    exact_resume: bool = False
+
+
 def choose_inference(
-    inference: Any,
-    agent: Any,
-    host_mode: bool,
-    episode_timeout: float | None,
-    own_compute_actions: bool,
-    exact_resume: bool = False,
+    inference: Any, agent: Any, setup: Setup, layout: tuple[int, int] = (1, 1)
 ) -> InferenceChoice:
     """The mode for ``Sampler(inference=inference)``; ``"auto"`` picks the fastest that gives
     the same batches (and logs its choice at info level).
@@ -65,49 +84,81 @@ def choose_inference(
     Args:
         inference: ``Sampler(inference=...)`` as given.
         agent: ``Sampler(agent=...)`` as given (``None``: a ``RandomAgent`` per worker).
-        host_mode: the backend's hosts can run agent copies (``process``, ``ray``).
-        episode_timeout: ``Sampler(episode_timeout=...)``.
-        own_compute_actions: the worker class overrides ``compute_actions``.
-        exact_resume: the sampler resumes a state or replays its envs (``Replayable``): a
-            checkpoint must read the agents' state, which it does in the caller only.
+        setup: the rest of the sampler's setup that bears on the choice.
+        layout: ``n_workers`` (one agent copy each in the hosts) and the env hosts started.
 
-    Every mode gives identical batches for a seed (``tests/test_digest.py``), so the choice is
-    one of speed. With ``agent=None`` (a seeded :class:`~asyncsample.RandomAgent` per worker) on a
-    backend whose hosts can act (``process``, ``ray``), the agents run in the hosts: each host
-    steps a chunk of steps per request instead of one round trip per step (1.10x a
-    ``SyncVectorEnv(32)`` on CartPole-v1 with 4x8, against 0.58x with ``per_worker``:
-    ``benchmarks/results/first_run/``). A user's
-    agent stays in the caller (``per_worker``): whether it is cheaper in the hosts depends on
-    its cost, which is not measured here.
+    The choice is made from the setup and the agent alone, never from timings: for a
+    stochastic agent the modes give different (each reproducible) batches, so a choice that
+    followed the machine's load would make a seed's batches depend on it.
+
+    - ``agent=None`` (a seeded :class:`~asyncsample.RandomAgent` per worker) on a backend whose
+      hosts can act (``process``, ``ray``): the agents run in the hosts, a chunk of steps per
+      request instead of one round trip per step (1.41x a ``SyncVectorEnv(32)`` on CartPole-v1
+      with 4x8, against 0.60x with ``per_worker``: ``benchmarks/results/first_run/``).
+    - Your agent, where the hosts can run copies of it that follow it (see
+      :func:`~asyncsample.inference.copies.host_fit`): in the hosts too, with at most
+      :data:`HOST_WORKERS` workers per host; with more, one merged call in the caller
+      (``"batched"``) when all workers share it (``benchmarks/results/policy/``: a torch MLP on
+      CartPole-v1, 2 hosts: 2x4 and 2x16 fastest in the hosts, 8x1 and 8x4 batched).
+    - Else ``"per_worker"``, with the first reason that keeps the agent in the caller.
     """
     if not (isinstance(inference, str) and inference == "auto"):
         name = inference if isinstance(inference, str) else type(inference).__name__.lower()
         return InferenceChoice(str(name), "given", auto=False, given=inference)
-    choice = _auto(agent, host_mode, episode_timeout, own_compute_actions, exact_resume)
+    choice = _auto(agent, setup, layout)
     _LOGGER.info("inference=%r (auto): %s", choice.mode, choice.reason)
     return choice
 
 
-def _auto(
-    agent: Any,
-    host_mode: bool,
-    episode_timeout: float | None,
-    own_compute_actions: bool,
-    exact_resume: bool,
-) -> InferenceChoice:
+#: The most workers per env host for which ``"auto"`` runs a user's agent in the hosts: each
+#: host calls one copy per worker, so beyond this one merged call in the caller is cheaper
+#: (a torch MLP on CartPole-v1 over 2 hosts, 2026-12-01: 4x8 host 51.9k steps/s, batched 36.3k;
+#: 8x4 host 22.8k, batched 27.6k; ``benchmarks/results/policy/``).
+HOST_WORKERS = 2
+
+
+def _auto(agent: Any, setup: Setup, layout: tuple[int, int]) -> InferenceChoice:
     # The first reason that keeps the agent in the caller, else the hosts.
+    yours = agent is not None
     keep = [
-        (agent is not None, "your agent runs in the caller, batched per worker"),
-        (not host_mode, "the envs live in this process, beside the agent"),
-        (episode_timeout is not None, "episode_timeout is checked between steps in the caller"),
-        (own_compute_actions, "the worker_class computes the actions in the caller"),
-        (exact_resume, "a resume or Replayable env reads the random agents' state in the caller"),
+        (not setup.host_mode, "the envs live in this process, beside the agent"),
+        (
+            setup.episode_timeout is not None,
+            "episode_timeout is checked between steps in the caller",
+        ),
+        (setup.own_compute_actions, "the worker_class computes the actions in the caller"),
+        (
+            setup.exact_resume,
+            f"a resume or Replayable env reads the {'' if yours else 'random '}agents' state "
+            "in the caller",
+        ),
     ]
     for holds, reason in keep:
         if holds:
             return InferenceChoice("per_worker", reason)
+    if not yours:
+        return InferenceChoice(
+            "host", "the built-in RandomAgent runs in the env hosts, a chunk of steps per request"
+        )
+    shared = not isinstance(agent, list)
+    agents = [agent] if shared else list({id(a): a for a in agent}.values())
+    n_workers, n_processes = layout[0], max(1, layout[1])  # a copy per worker, over the hosts
+    unfit = next((why for a in agents if (why := host_fit(a, n_workers)) is not None), None)
+    if unfit is not None:
+        if shared and unfit.merge:
+            return InferenceChoice("batched", f"{unfit.reason}: one merged call in the caller")
+        return InferenceChoice("per_worker", unfit.reason)
+    if shared and n_workers > HOST_WORKERS * n_processes:
+        return InferenceChoice(
+            "batched",
+            f"{n_workers} workers over {n_processes} env host(s) would each call the agent "
+            "there: one merged call in the caller is cheaper",
+        )
     return InferenceChoice(
-        "host", "the built-in RandomAgent runs in the env hosts, a chunk of steps per request"
+        "host",
+        "copies of your agent run in the env hosts, a chunk of steps per request, and follow "
+        "its parameters (get_param_values) at every call",
+        follows=True,
     )
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "Host",
     "RunAhead",
     "agent_host",
+    "check_chunked_host",
     "check_host_agent",
     "pickle_agent",
     "prepare_update",
@@ -83,6 +84,21 @@ def check_host_agent(agent: Any, name: str = "agent") -> None:
             f"{name}: inference='host' cannot run an async agent ({type(agent).__name__} has an "
             "'async def get_actions'): the env hosts run no event loop; use inference="
             "'per_worker' or 'batched'"
+        )
+
+
+def check_chunked_host(agents: list[Any], episode_timeout: float | None) -> None:
+    """``inference="host"`` over blocking envs runs chunks of steps in the hosts: no async
+    agent (the hosts run no event loop) and no ``episode_timeout`` (no look between steps)."""
+    for a in {id(a): a for a in agents}.values():
+        if a is not None:
+            check_host_agent(a)
+    if episode_timeout is not None:
+        raise ValueError(
+            "episode_timeout needs inference='per_worker' or 'batched' (the sampler "
+            "checks deadlines between steps; with inference='host' a chunk of steps "
+            f"runs in the env host), got episode_timeout={episode_timeout!r} with "
+            "inference='host'"
         )
 
 

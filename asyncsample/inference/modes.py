@@ -14,6 +14,7 @@ from asyncsample._env_tasks import LaneSettings, LaneStepper
 from asyncsample.agent import Agent
 from asyncsample.backends.base import ActingHost, PerEnvHost
 from asyncsample.inference.batched import Batched, Batcher
+from asyncsample.inference.copies import Follower, follows
 from asyncsample.inference.host import (
     ChunkStepper,
     Host,
@@ -78,6 +79,9 @@ class InferenceMode:
 
     async def ended(self, stepper: Stepper) -> None:
         """A worker's part of a call ended and its plan was taken (``stepper`` moved it)."""
+
+    def round_starts(self, workers: Sequence[ModeWorker]) -> None:
+        """A call or a stream's round begins (the agents may have changed since the last)."""
 
     def drop_ahead(self) -> None:
         """A stream closed: drop what was started early for a round that will not come."""
@@ -170,11 +174,15 @@ class HostMode(InferenceMode):
     ``lanes`` (async envs in the hosts), one step per request, each env on its own, the host's
     copy acting on the envs ready in a pass of its loop."""
 
-    def __init__(self, options: Host, lanes: LaneSettings | None = None) -> None:
+    def __init__(
+        self, options: Host, lanes: LaneSettings | None = None, follow: bool = False
+    ) -> None:
         super().__init__(lanes)
         self.options = options
         self.ahead: dict[int, RunAhead] = {}
         """By worker number, the chunk sent for a stream's next round (see :class:`RunAhead`)."""
+        self.follower = Follower() if follow else None
+        """``inference="auto"`` with your agent: the hosts' copies follow its parameters."""
 
     def chunk_steps(self, capacity: Callable[[int], int]) -> int:
         """The chunk capacity for :attr:`Host.chunk_steps` (none with lanes: no chunks)."""
@@ -194,6 +202,38 @@ class HostMode(InferenceMode):
                     worker.agent, awaited=self.lanes is not None
                 )
             agent_host(worker).set_agent(with_seed(blob, seed), worker.agent_version)
+        self._remember(workers)
+
+    def _remember(self, workers: Sequence[ModeWorker]) -> None:
+        if self.follower is not None:
+            for agent in {id(w.agent): w.agent for w in workers}.values():
+                self.follower.remember(agent)
+
+    def check_update(self, agent_update: Any) -> None:
+        """With copies that follow your agent (``"auto"``), a new agent must let them follow."""
+        items = agent_update if isinstance(agent_update, list) else [agent_update]
+        for item in items if self.follower is not None else []:
+            if callable(getattr(item, "get_actions", None)) and not follows(item):
+                raise ValueError(
+                    f"agent_update: inference='auto' runs copies of your agent in the env hosts "
+                    f"and keeps them equal to it with get_param_values and set_param_values, "
+                    f"which the new agent ({type(item).__name__}) lacks; give it both, or pass "
+                    f"inference='host' (its copies then change only by agent_update) or "
+                    f"'per_worker' to Sampler"
+                )
+
+    def round_starts(self, workers: Sequence[ModeWorker]) -> None:
+        """Send the parameters of every agent changed in place since they were last sent
+        (``inference="auto"``)."""
+        if self.follower is None:
+            return
+        for agent in {id(w.agent): w.agent for w in workers}.values():
+            params = self.follower.changed(agent)
+            if params is not None:
+                kind, blob = prepare_update(params)
+                for worker in workers:
+                    if worker.agent is agent:
+                        _send(worker, kind, blob, 0)
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
         """One chunk per request, the next round's first chunk sent as the part ends; with
@@ -231,26 +271,34 @@ class HostMode(InferenceMode):
         apply()
         items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
         for worker, item, seed in zip(workers, items, agent_seeds):
-            if item is None:
-                continue
-            kind, blob = item
-            host = agent_host(worker)
-            if kind == "params":
-                host.set_params(blob, worker.agent_version)
-            else:
-                host.set_agent(with_seed(blob, seed), worker.agent_version)
-            if host.chunk is not None:  # a queued NextChunk must not run before the update
-                host.chunk.epoch[0] += 1
+            if item is not None:
+                kind, blob = item
+                _send(worker, kind, blob, seed)
+        self._remember(workers)
+
+
+def _send(worker: ModeWorker, kind: str, blob: bytes, seed: int) -> None:
+    """Send ``worker``'s host new parameters (``kind`` ``"params"``) or a new agent, before its
+    next chunk."""
+    host = agent_host(worker)
+    if kind == "params":
+        host.set_params(blob, worker.agent_version)
+    else:
+        host.set_agent(with_seed(blob, seed), worker.agent_version)
+    if host.chunk is not None:  # a queued NextChunk must not run before the update
+        host.chunk.epoch[0] += 1
 
 
 def make_mode(
     options: Batched | Host | None,
     shared_agent: Callable[[], Agent],
     lanes: LaneSettings | None = None,
+    follow: bool = False,
 ) -> InferenceMode:
-    """The strategy for :func:`~asyncsample.inference.check_inference`'s options."""
+    """The strategy for :func:`~asyncsample.inference.check_inference`'s options; ``follow``:
+    the hosts' copies follow the caller's agents (see :class:`HostMode`)."""
     if isinstance(options, Host):
-        return HostMode(options, lanes)
+        return HostMode(options, lanes, follow)
     if isinstance(options, Batched):
         return BatchedMode(options, shared_agent, lanes)
     return InferenceMode(lanes)
