@@ -152,7 +152,11 @@ class SamplerCore:
         own = worker_class.compute_actions is not Worker.compute_actions
         exact = _resume.wants_exact_resume(self.env_sources, resume)
         setup = Setup(self.traits.host_mode, self.episode_timeout, own, exact)
-        layout = (n_workers, self.n_processes)
+        # The env hosts if the arguments set them (else None: this machine's CPU count).
+        given = n_processes is not None or bool(
+            {"n_processes", self.traits.per_host} & {*backend_options}
+        )
+        layout = (n_workers, self.n_processes if given else None)
         self.inference = choose_inference(config.inference, agent, setup, layout)
         options = check_inference(self.inference.given, agent, awaited=self._host_awaits)
         self._options, self._worker_class = options, worker_class  # for _settle_kind

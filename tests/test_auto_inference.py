@@ -54,7 +54,9 @@ class PlainAgent(ParamAgent):
         ({}, "host", "RandomAgent runs in the env hosts"),
         ({"agent": ConstantAgent(0)}, "per_worker", "has no get_param_values"),
         ({"agent": ParamAgent()}, "host", "follow its parameters"),
-        ({"agent": ParamAgent(), "n_workers": 8}, "batched", "8 workers over 2 env host(s)"),
+        ({"agent": ParamAgent(), "n_workers": 8}, "batched", "8 workers over 2 env host(s) "),
+        ({"agent": ParamAgent(), "n_workers": 6, "n_processes": None}, "batched", "not given: 2"),
+        ({"agent": ParamAgent(), "n_workers": 8, "n_processes": 4}, "host", "copies of your"),
         ({"agent": [ParamAgent() for _ in range(8)], "n_workers": 8}, "host", "copies of your"),
         ({"agent": AsyncParamAgent()}, "per_worker", "is async"),
         ({"agent": LockedParamAgent()}, "per_worker", "cannot be pickled"),
@@ -136,6 +138,18 @@ async def test_a_checkpoint_of_random_agents_in_the_hosts_warns_and_streams_can_
             break
     assert sampler.inference.mode == "host"
     assert sum(state.counts().values()) == 4
+
+
+async def test_the_choice_does_not_follow_the_cpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 8 hosts on a 16-CPU machine would serve one worker each, but a script that does not set
+    # n_processes picks the same mode on every machine (a stochastic agent's batches differ
+    # between modes).
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    sampler = Sampler(GridWorldEnv, ParamAgent(), backend="process", n_workers=8)
+    try:
+        assert sampler.inference.mode == "batched"
+    finally:
+        await sampler.aclose()
 
 
 async def test_copies_too_big_for_every_worker_stay_in_the_caller(

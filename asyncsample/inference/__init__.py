@@ -17,6 +17,7 @@ __all__ = [
     "Batched",
     "Batcher",
     "FlushRule",
+    "ASSUMED_HOSTS",
     "HOST_WORKERS",
     "Host",
     "InferenceChoice",
@@ -76,7 +77,7 @@ class Setup:
 
 
 def choose_inference(
-    inference: Any, agent: Any, setup: Setup, layout: tuple[int, int] = (1, 1)
+    inference: Any, agent: Any, setup: Setup, layout: tuple[int, int | None] = (1, None)
 ) -> InferenceChoice:
     """The mode for ``Sampler(inference=inference)``; ``"auto"`` picks the fastest that gives
     the same batches (and logs its choice at info level).
@@ -85,11 +86,13 @@ def choose_inference(
         inference: ``Sampler(inference=...)`` as given.
         agent: ``Sampler(agent=...)`` as given (``None``: a ``RandomAgent`` per worker).
         setup: the rest of the sampler's setup that bears on the choice.
-        layout: ``n_workers`` (one agent copy each in the hosts) and the env hosts started.
+        layout: ``n_workers`` (one agent copy each in the hosts) and ``n_processes`` as given
+            (``None``: not given).
 
-    The choice is made from the setup and the agent alone, never from timings: for a
-    stochastic agent the modes give different (each reproducible) batches, so a choice that
-    followed the machine's load would make a seed's batches depend on it.
+    The choice is made from the arguments and the agent alone, never from timings or the
+    machine's CPU count (the default ``n_processes``): for a stochastic agent the modes give
+    different (each reproducible) batches, so a choice that followed the machine would make a
+    seed's batches depend on it.
 
     - ``agent=None`` (a seeded :class:`~asyncsample.RandomAgent` per worker) on a backend whose
       hosts can act (``process``, ``ray``): the agents run in the hosts, a chunk of steps per
@@ -97,9 +100,10 @@ def choose_inference(
       with 4x8, against 0.60x with ``per_worker``: ``benchmarks/results/first_run/``).
     - Your agent, where the hosts can run copies of it that follow it (see
       :func:`~asyncsample.inference.copies.host_fit`): in the hosts too, with at most
-      :data:`HOST_WORKERS` workers per host; with more, one merged call in the caller
-      (``"batched"``) when all workers share it (``benchmarks/results/policy/``: a torch MLP on
-      CartPole-v1, 2 hosts: 2x4 and 2x16 fastest in the hosts, 8x1 and 8x4 batched).
+      :data:`HOST_WORKERS` workers per env host (``n_processes`` as given, else
+      :data:`ASSUMED_HOSTS`); with more, one merged call in the caller (``"batched"``) when all
+      workers share it (``benchmarks/results/policy/``: a torch MLP on CartPole-v1 over 2 hosts:
+      2x4, 2x16 and 4x8 fastest in the hosts, 8x1 and 8x4 batched).
     - Else ``"per_worker"``, with the first reason that keeps the agent in the caller.
     """
     if not (isinstance(inference, str) and inference == "auto"):
@@ -112,12 +116,15 @@ def choose_inference(
 
 #: The most workers per env host for which ``"auto"`` runs a user's agent in the hosts: each
 #: host calls one copy per worker, so beyond this one merged call in the caller is cheaper
-#: (a torch MLP on CartPole-v1 over 2 hosts, 2026-12-01: 4x8 host 51.9k steps/s, batched 36.3k;
-#: 8x4 host 22.8k, batched 27.6k; ``benchmarks/results/policy/``).
+#: (a torch MLP on CartPole-v1 over 2 hosts, 2026-12-01: 4x8 host 52.2k steps/s, batched 33.7k;
+#: 8x4 host 27.1k, batched 33.4k; ``benchmarks/results/policy/``).
 HOST_WORKERS = 2
+#: The env hosts ``"auto"`` counts with when ``n_processes`` is not given: a fixed number, not
+#: this machine's CPU count, so that the same script picks the same mode everywhere.
+ASSUMED_HOSTS = 2
 
 
-def _auto(agent: Any, setup: Setup, layout: tuple[int, int]) -> InferenceChoice:
+def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> InferenceChoice:
     # The first reason that keeps the agent in the caller, else the hosts.
     yours = agent is not None
     keep = [
@@ -142,7 +149,7 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int]) -> InferenceChoice:
         )
     shared = not isinstance(agent, list)
     agents = [agent] if shared else list({id(a): a for a in agent}.values())
-    n_workers, n_processes = layout[0], max(1, layout[1])  # a copy per worker, over the hosts
+    n_workers, n_processes = layout[0], layout[1] or ASSUMED_HOSTS  # a copy per worker
     unfit = next((why for a in agents if (why := host_fit(a, n_workers)) is not None), None)
     if unfit is not None:
         if shared and unfit.merge:
@@ -151,8 +158,9 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int]) -> InferenceChoice:
     if shared and n_workers > HOST_WORKERS * n_processes:
         return InferenceChoice(
             "batched",
-            f"{n_workers} workers over {n_processes} env host(s) would each call the agent "
-            "there: one merged call in the caller is cheaper",
+            f"{n_workers} workers over {n_processes} env host(s)"
+            f"{'' if layout[1] else f' (n_processes not given: {ASSUMED_HOSTS})'} would each call "
+            "the agent there: one merged call in the caller is cheaper",
         )
     return InferenceChoice(
         "host",
