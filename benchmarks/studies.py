@@ -123,7 +123,8 @@ STUDIES: list[Study] = [
     Study(
         "policy",
         "a torch MLP in the loop (CartPole-v1, HalfCheetah-v5; 8 and 32 envs; 128-step calls): "
-        "per_worker/batched/host against Sync/AsyncVectorEnv, the two-loop ceiling and TorchRL",
+        "the default (auto) and per_worker/batched/host against Sync/AsyncVectorEnv, the "
+        "two-loop ceiling and TorchRL",
         groups=("policy",),
         settings={"contenders": _POLICY, "repeats": 3, "once": _POLICY[-4:]},
         needs="torch, mujoco; TorchRL (bench extra) or skipped",
