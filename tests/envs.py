@@ -95,6 +95,22 @@ class ParamAgent(ScriptedAgent):
         self.script = np.asarray(params)
 
 
+class NoisyParamAgent(ParamAgent):
+    """A ParamAgent that acts at random half of the time, from its own seeded generator."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.rng = np.random.default_rng(seed)
+
+    def get_actions(self, observations: np.ndarray):
+        actions, infos = super().get_actions(observations)
+        noise = self.rng.integers(0, 4, len(actions))
+        return np.where(self.rng.random(len(actions)) < 0.5, noise, actions), infos
+
+    def seed(self, seed: int) -> None:  # the hook inference="host" calls on its copies
+        self.rng = np.random.default_rng(seed)
+
+
 class PointEnv(gym.Env):
     """A point moving towards a goal; ``set_task`` changes the goal (garage's PointEnv)."""
 

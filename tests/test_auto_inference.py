@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from envs import ConstantAgent, GridWorldEnv, ParamAgent
+from envs import ConstantAgent, GridWorldEnv, NoisyParamAgent, ParamAgent
 from helpers import SamplerFactory
 
 from asyncsample import InferenceChoice, Replayable, Sampler, VecWorker
@@ -198,6 +198,26 @@ async def test_the_hosts_copies_follow_changes_made_in_place(make_sampler: Sampl
     actions = [set(np.asarray(b.actions).tolist()) for b in out[0]]
     assert actions[3] == {0} and actions[4] == {2}
     assert not np.array_equal(out[0][0].actions[:10], out[0][1].actions[:10])
+
+
+async def test_seeded_agents_of_their_own_give_the_batches_of_per_worker(
+    make_sampler: SamplerFactory,
+) -> None:
+    # Each worker's own stochastic agent: its copy in the host goes on from the random state
+    # it was seeded with (not the sampler's seed tree), as the agent would in this process.
+    out = []
+    for inference, agent_seed in (("auto", 0), ("per_worker", 0), ("auto", 100)):
+        agents = [NoisyParamAgent(agent_seed + w) for w in range(2)]
+        sampler = make_sampler(
+            "process", GridWorldEnv, agents, n_workers=2, envs_per_worker=2, seed=3,
+            max_episode_length=12, inference=inference,
+        )  # fmt: skip
+        out.append([await sampler.obtain_samples(80), await sampler.obtain_fragments(40)])
+        assert sampler.inference.mode == ("host" if inference == "auto" else "per_worker")
+        await sampler.aclose()
+    for auto, per_worker in zip(out[0], out[1]):
+        assert auto.equals(per_worker)
+    assert not np.array_equal(out[0][0].actions, out[2][0].actions)
 
 
 async def test_a_new_agent_the_copies_cannot_follow_is_refused(

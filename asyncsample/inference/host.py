@@ -490,8 +490,9 @@ def _same_request(a: ChunkRequest, b: ChunkRequest) -> bool:
     return all(np.array_equal(x, y) for x, y in pairs)  # None and None are equal too
 
 
-def with_seed(blob: bytes, seed: int) -> bytes:
-    """What a host installs: the pickled agent and the seed of this worker's copy."""
+def with_seed(blob: bytes, seed: int | None) -> bytes:
+    """What a host installs: the pickled agent and the seed of this worker's copy (``None``:
+    the copy keeps the random state it was pickled with)."""
     return pickle.dumps((blob, seed), protocol=pickle.HIGHEST_PROTOCOL)
 
 

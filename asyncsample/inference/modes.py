@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any, Protocol
@@ -189,13 +190,14 @@ class HostMode(InferenceMode):
         return 0 if self.lanes is not None else capacity(self.options.chunk_steps)
 
     def attach(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> None:
-        """Every worker's host gets a copy of the worker's agent, seeded with its agent seed."""
+        """Every worker's host gets a copy of the worker's agent, seeded with its agent seed
+        (see :meth:`_seeds`)."""
         if self.lanes is not None:
             bad = [w.worker_number for w in workers if not isinstance(w.host, ActingHost)]
             if bad:
                 raise TypeError(f"workers {bad}: their hosts cannot run the agent per env")
         blobs: dict[int, bytes] = {}
-        for worker, seed in zip(workers, agent_seeds):
+        for worker, seed in zip(workers, self._seeds(workers, agent_seeds)):
             blob = blobs.get(id(worker.agent))
             if blob is None:  # one pickle per distinct agent
                 blob = blobs[id(worker.agent)] = pickle_agent(
@@ -203,6 +205,16 @@ class HostMode(InferenceMode):
                 )
             agent_host(worker).set_agent(with_seed(blob, seed), worker.agent_version)
         self._remember(workers)
+
+    def _seeds(self, workers: Sequence[ModeWorker], agent_seeds: list[int]) -> list[int | None]:
+        """The seed each worker's copy is installed with (``None``: as pickled). Copies that
+        follow your agents (``"auto"``) keep the random state of an agent that is a worker's
+        own, as it would go on in your process; the copies of an agent shared by several
+        workers get the workers' seeds, so that they do not draw the same numbers."""
+        if self.follower is None:
+            return list(agent_seeds)
+        holders = Counter(id(w.agent) for w in workers)
+        return [s if holders[id(w.agent)] > 1 else None for w, s in zip(workers, agent_seeds)]
 
     def _remember(self, workers: Sequence[ModeWorker]) -> None:
         if self.follower is not None:
@@ -233,7 +245,7 @@ class HostMode(InferenceMode):
                 kind, blob = prepare_update(params)
                 for worker in workers:
                     if worker.agent is agent:
-                        _send(worker, kind, blob, 0)
+                        _send(worker, kind, blob)
 
     def stepper(self, worker: ModeWorker, part: Part) -> Stepper:
         """One chunk per request, the next round's first chunk sent as the part ends; with
@@ -270,14 +282,14 @@ class HostMode(InferenceMode):
         prepared = prepare_update(agent_update, awaited=self.lanes is not None)
         apply()
         items = prepared if isinstance(prepared, list) else [prepared] * len(workers)
-        for worker, item, seed in zip(workers, items, agent_seeds):
+        for worker, item, seed in zip(workers, items, self._seeds(workers, agent_seeds)):
             if item is not None:
                 kind, blob = item
                 _send(worker, kind, blob, seed)
         self._remember(workers)
 
 
-def _send(worker: ModeWorker, kind: str, blob: bytes, seed: int) -> None:
+def _send(worker: ModeWorker, kind: str, blob: bytes, seed: int | None = None) -> None:
     """Send ``worker``'s host new parameters (``kind`` ``"params"``) or a new agent, before its
     next chunk."""
     host = agent_host(worker)
