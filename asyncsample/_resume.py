@@ -154,10 +154,13 @@ async def capture(core: ResumableCore, stream: StreamState | None = None) -> Sam
     """Read the started, idle sampler ``core`` (no call or stream round running) at once."""
     choice = core.inference
     if choice.auto and choice.mode == "host":
+        who, start = "the built-in random agents", "their seeds"
+        if choice.follows:
+            who, start = "copies of your agent", "the random state your agent has"
         warnings.warn(
-            f"checkpoint: inference='auto' runs the built-in random agents in the env hosts "
-            f"({choice.reason}), where a checkpoint does not read them: a resume continues the "
-            "envs exactly, but the agents from their seeds, so its batches differ from an "
+            f"checkpoint: inference='auto' runs {who} in the env hosts ({choice.reason}), where "
+            "a checkpoint does not read them: a resume continues the envs exactly, but the "
+            f"agents' random draws from {start}, so a stochastic agent's batches differ from an "
             "uninterrupted run's; pass inference='per_worker' (or a Replayable env, which makes "
             "'auto' choose it) for a bit-for-bit resume",
             RuntimeWarning,

@@ -245,3 +245,12 @@ def test_a_digest_is_one_of_the_values() -> None:
     half = params["weight"].to(torch.bfloat16)
     assert copies.digest([half, np.ones(2)]) == copies.digest([half.clone(), np.ones(2)])
     assert copies.digest(np.ones(2)) != copies.digest(np.ones(2, np.float32))
+
+
+async def test_a_checkpoint_of_your_agents_copies_in_the_hosts_warns(
+    make_sampler: SamplerFactory,
+) -> None:
+    sampler = make_sampler("process", GridWorldEnv, ParamAgent(), n_workers=2, envs_per_worker=1)
+    await sampler.obtain_samples(20)
+    with pytest.warns(RuntimeWarning, match="copies of your agent in the env hosts"):
+        await sampler.checkpoint()
