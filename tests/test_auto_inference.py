@@ -20,6 +20,14 @@ from asyncsample.inference import copies
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
 
+def same_batches(auto: list[Any], per_worker: list[Any]) -> None:
+    """The batches of the run with "auto" equal those of the run with "per_worker", one by one."""
+    assert len(auto) == len(per_worker)
+    for a, p in zip(auto, per_worker):
+        assert a.n_transitions > 0
+        assert a.equals(p)
+
+
 class OwnActions(VecWorker):
     def compute_actions(self, observations: Any) -> Any:
         return super().compute_actions(observations)
@@ -120,9 +128,7 @@ async def test_the_auto_choice_gives_the_batches_of_per_worker(
         assert sampler.inference.mode == ("host" if inference == "auto" else "per_worker")
         out.append(batches)
         await sampler.aclose()
-    for auto, per_worker in zip(*out):
-        assert auto.n_transitions > 0
-        assert auto.equals(per_worker)
+    same_batches(*out)
 
 
 async def test_a_checkpoint_of_random_agents_in_the_hosts_warns_and_streams_can_take_one(
@@ -192,9 +198,7 @@ async def test_the_hosts_copies_follow_changes_made_in_place(make_sampler: Sampl
         assert sampler.inference.mode == ("host" if inference == "auto" else "per_worker")
         out.append(batches)
         await sampler.aclose()
-    for auto, per_worker in zip(*out):
-        assert auto.n_transitions > 0
-        assert auto.equals(per_worker)
+    same_batches(*out)
     actions = [set(np.asarray(b.actions).tolist()) for b in out[0]]
     assert actions[3] == {0} and actions[4] == {2}
     assert not np.array_equal(out[0][0].actions[:10], out[0][1].actions[:10])
@@ -215,8 +219,7 @@ async def test_seeded_agents_of_their_own_give_the_batches_of_per_worker(
         out.append([await sampler.obtain_samples(80), await sampler.obtain_fragments(40)])
         assert sampler.inference.mode == ("host" if inference == "auto" else "per_worker")
         await sampler.aclose()
-    for auto, per_worker in zip(out[0], out[1]):
-        assert auto.equals(per_worker)
+    same_batches(out[0], out[1])
     assert not np.array_equal(out[0][0].actions, out[2][0].actions)
 
 
