@@ -263,9 +263,8 @@ class SamplerCore:
         """The probe env is an async env (``async_envs``): on a host backend, each env is then
         stepped on its own in the hosts' event loops (the lanes), with the lanes' checks."""
         if isinstance(self._options, Host) and self._host_awaits and not async_envs:
-            check_chunked_host(
-                self.agents, self.episode_timeout
-            )  # blocking envs after all: chunks of steps in the hosts
+            # Blocking envs after all: chunks of steps in the hosts.
+            check_chunked_host(self.agents, self.episode_timeout)
         if async_envs and not self.lanes:
             self.hosted_lanes = True
             self._check_lane_inference(self._options, self._worker_class)

@@ -13,11 +13,11 @@ from asyncsample.inference.copies import host_fit
 from asyncsample.inference.host import Host, check_host_agent
 
 __all__ = [
+    "ASSUMED_HOSTS",
     "BatchStats",
     "Batched",
     "Batcher",
     "FlushRule",
-    "ASSUMED_HOSTS",
     "HOST_WORKERS",
     "Host",
     "InferenceChoice",
@@ -79,8 +79,8 @@ class Setup:
 def choose_inference(
     inference: Any, agent: Any, setup: Setup, layout: tuple[int, int | None] = (1, None)
 ) -> InferenceChoice:
-    """The mode for ``Sampler(inference=inference)``; ``"auto"`` picks the fastest that gives
-    the same batches (and logs its choice at info level).
+    """The mode for ``Sampler(inference=inference)``; ``"auto"`` picks the mode measured fastest
+    for such a setup and agent (and logs its choice at info level).
 
     Args:
         inference: ``Sampler(inference=...)`` as given.
