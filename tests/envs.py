@@ -111,6 +111,22 @@ class NoisyParamAgent(ParamAgent):
         self.rng = np.random.default_rng(seed)
 
 
+class LevelAgent:
+    """Acts its one parameter, ``level``, whatever it observes (a ``Discrete(2)`` action)."""
+
+    def __init__(self, level: int = 0) -> None:
+        self.level = np.asarray(level)
+
+    def get_actions(self, observations: Any):
+        return np.full(len(observations), int(self.level)), {}
+
+    def get_param_values(self) -> dict[str, np.ndarray]:
+        return {"level": self.level.copy()}
+
+    def set_param_values(self, params: dict[str, Any]) -> None:
+        self.level = np.asarray(params["level"])
+
+
 class PointEnv(gym.Env):
     """A point moving towards a goal; ``set_task`` changes the goal (garage's PointEnv)."""
 

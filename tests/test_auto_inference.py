@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from envs import ConstantAgent, GridWorldEnv, NoisyParamAgent, ParamAgent
+from async_envs import CountingAsyncEnv
+from envs import ConstantAgent, GridWorldEnv, LevelAgent, NoisyParamAgent, ParamAgent
 from helpers import SamplerFactory
 
 from asyncsample import InferenceChoice, Replayable, Sampler, VecWorker
@@ -257,3 +258,17 @@ async def test_a_checkpoint_of_your_agents_copies_in_the_hosts_warns(
     await sampler.obtain_samples(20)
     with pytest.warns(RuntimeWarning, match="copies of your agent in the env hosts"):
         await sampler.checkpoint()
+
+
+async def test_copies_beside_async_envs_follow_too(make_sampler: SamplerFactory) -> None:
+    # Async envs in the hosts' event loops: the copies act per env there, and follow as well.
+    agent = LevelAgent(0)
+    sampler = make_sampler(
+        "process", CountingAsyncEnv, agent, n_workers=2, envs_per_worker=3, n_processes=2
+    )
+    first = await sampler.obtain_samples(60)
+    assert (sampler.inference.mode, sampler.inference.follows) == ("host", True)
+    assert set(first.rewards.tolist()) == {0.0}  # the env's reward is the action taken
+    agent.level[...] = 1  # in place
+    await sampler.obtain_samples(60)  # steps started before the change may end in it
+    assert set((await sampler.obtain_samples(60)).rewards.tolist()) == {1.0}
