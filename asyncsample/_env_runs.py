@@ -8,7 +8,7 @@ env step:
   pass over the frame's columns, and their envs asked for their next runs;
 - where the agent acts in the caller (``per_worker``, ``batched``), each reply records its step,
   and the envs ready in one pass of the event loop get their actions from one agent request
-  (:meth:`~asyncsample.inference.batched.Batcher.ask_rows`, merged per agent with the other
+  (:meth:`~asyncsample._batcher.Batcher.ask_rows`, merged per agent with the other
   workers' ready rows) and go to their hosts as one frame.
 
 Until the call's quota is in; steps still in flight then go on and open the next call's batch.
@@ -36,10 +36,10 @@ from asyncsample.backends.base import StepRun
 from asyncsample.errors import WorkerError
 
 if TYPE_CHECKING:
+    from asyncsample._batcher import Batcher, RowsDelivery
     from asyncsample._engine import Part, StopRule
     from asyncsample.backends._column_wire import RunColumns
     from asyncsample.backends._lane_link import RemoteLanes
-    from asyncsample.inference.batched import Batcher, RowsDelivery
     from asyncsample.worker import Worker
 
 __all__ = ["RunStepper", "fits"]

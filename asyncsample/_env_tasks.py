@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from asyncsample._batcher import Batcher
 from asyncsample._engine import CallMode, Part, StopRule
 from asyncsample._quotas import QuotaWatch
 from asyncsample._recorder import Resume, put_row, store_agent_infos
@@ -38,7 +39,6 @@ from asyncsample.backends.base import (
     StepRun,
 )
 from asyncsample.errors import StepTimeoutError, WorkerError
-from asyncsample.inference.batched import Batcher
 
 if TYPE_CHECKING:
     from asyncsample.worker import Worker

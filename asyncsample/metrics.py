@@ -34,7 +34,7 @@ from asyncsample._clock import (
 from asyncsample._engine import Continuity
 
 if TYPE_CHECKING:
-    from asyncsample.inference.batched import Batcher
+    from asyncsample._batcher import Batcher
     from asyncsample.worker import Worker
 
 __all__ = [

@@ -16,6 +16,7 @@ import numpy as np
 
 from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
 from asyncsample._assembly import Plan, assemble
+from asyncsample._batcher import Batcher
 from asyncsample._clock import AgentTimer, Pace
 from asyncsample._engine import (
     CallMode,
@@ -36,7 +37,6 @@ from asyncsample.batch import EnvSpec, EpisodeBatch
 from asyncsample.env_group import rebuild_chain
 from asyncsample.env_update import EnvChoice, EnvSource, describe_chain
 from asyncsample.errors import AgentRowsError, WorkerError
-from asyncsample.inference.batched import Batcher
 from asyncsample.seeding import WorkerSeeds
 
 __all__ = [

@@ -38,11 +38,11 @@ from test_step_runs import (
 )
 
 from asyncsample import AgentRowsError, EpisodeBatch, StepType
+from asyncsample._batcher import Batched, Batcher
 from asyncsample._env_runs import RunStepper
 from asyncsample._env_tasks import LaneStepper
 from asyncsample.backends import _lane_link
 from asyncsample.backends._lane_link import LaneLink, answered
-from asyncsample.inference.batched import Batched, Batcher
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.both_loops]
 

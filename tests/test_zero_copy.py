@@ -23,8 +23,8 @@ import pytest
 from helpers import SamplerFactory
 
 import asyncsample._assembly as assembly
+import asyncsample._batcher as batched_module
 import asyncsample._engine as engine
-import asyncsample.inference.batched as batched_module
 import asyncsample.worker as worker_module
 from asyncsample import EpisodeBatch, RandomAgent, Transition, VecWorker
 from asyncsample._memory import BatchMemory

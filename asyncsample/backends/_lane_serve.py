@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncsample._batcher import Batched, Batcher
 from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
 from asyncsample._tree import row_copy, tree_map
@@ -47,7 +48,6 @@ from asyncsample.backends.aio import LaneHost, make_async_env
 from asyncsample.backends.base import DeadlinePassed, HostSpec, StepRun
 from asyncsample.env_group import PENDING_SEED, EnvFailure, StepBuffers
 from asyncsample.errors import WorkerError
-from asyncsample.inference.batched import Batched, Batcher
 
 __all__ = [
     "LANES_ID",

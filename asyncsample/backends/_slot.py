@@ -168,7 +168,7 @@ def step_arenas(specs: list[HostSpec]) -> list[StepArena | None]:
     :func:`_arena_row`, or fewer than 4 rows fit), in shared memory that takes nothing until
     rows are written. Slots of the same observations and envs share one block, their rows
     side by side in slot order (arena row ``r`` of every slot in one run: a merged agent call of
-    the same row is a view, see :mod:`asyncsample.inference.batched`)."""
+    the same row is a view, see :mod:`asyncsample._batcher`)."""
     out: list[StepArena | None] = [None] * len(specs)
     groups: dict[tuple[Any, ...], list[int]] = {}
     for k, spec in enumerate(specs):

@@ -1,6 +1,7 @@
 """Where the policy runs (``Sampler(inference=...)``): ``"auto"`` (default: the sampler picks,
-:func:`choose_inference`), ``"per_worker"``, ``"batched"`` (:mod:`.batched`) or ``"host"``
-(:mod:`.host`); a :class:`Batched` or :class:`Host` instance carries the mode's options."""
+:func:`choose_inference`), ``"per_worker"``, ``"batched"`` (its merger, in the low module
+:mod:`asyncsample._batcher`) or ``"host"`` (:mod:`.host`); a :class:`Batched` or :class:`Host`
+instance carries the mode's options."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncsample.inference.batched import Batched, Batcher, BatchStats, FlushRule
+from asyncsample._batcher import Batched, Batcher, BatchStats, FlushRule
 from asyncsample.inference.copies import host_fit
 from asyncsample.inference.host import Host, check_host_agent
 

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, nullcontext
 from typing import Any, Protocol
 
+from asyncsample._batcher import Batched, Batcher
 from asyncsample._engine import Episodes, Part, Stepper, StepStepper
 from asyncsample._env_runs import RunStepper
 from asyncsample._env_runs import fits as runs_fit
 from asyncsample._env_tasks import LaneSettings, LaneStepper
 from asyncsample.agent import Agent
 from asyncsample.backends.base import ActingHost, PerEnvHost
-from asyncsample.inference.batched import Batched, Batcher
 from asyncsample.inference.copies import Follower, follows
 from asyncsample.inference.host import (
     ChunkStepper,
