@@ -208,7 +208,10 @@ def test_ceiling_sums_loops_in_one_window() -> None:
     # 10 envs of 5 ms: ~2,000 steps/s between both loops. Steps summed over different windows
     # would pass the ideal; how near to it the loops come is the study's number, not a test's.
     assert 0 < out["ratio_to_ideal"] < 1.5
-    assert out["host_cpu_us_per_step"] > 0 and out["cpu_us_per_step"] == 0
+    # The loops' CPU, less the lag probe's share measured while idle (clamped at zero: in a
+    # 0.4 s window of loops that mostly sleep, a loaded machine can make the share the whole
+    # CPU, as a fresh clone's slow run at fc1624e did); the caller runs no loop of its own.
+    assert out["host_cpu_us_per_step"] >= 0 and out["cpu_us_per_step"] == 0
     assert out["lag"]["p99_ms"] is not None and out["bytes_per_episode"] is not None
     assert "2 processes" in out["notes"][0]
 
