@@ -43,7 +43,7 @@ from asyncsample._quotas import FreeQuota, LaneRound, SharedQuota
 from asyncsample._recorder import Resume
 from asyncsample._stream_guard import StreamGuard
 from asyncsample._tasks import run_all
-from asyncsample.agent import Agent, AgentUpdate, RandomAgent
+from asyncsample.agent import Agent, AgentUpdate, RandomAgent, distinct
 from asyncsample.backends import (
     Backend,
     HostSpec,
@@ -738,7 +738,7 @@ class SamplerCore:
                 "hosts); wrap the agent instead, or use inference='per_worker'"
             )
         if agent is not None:
-            for a in {id(a): a for a in self.agents}.values():
+            for a in distinct(self.agents):
                 # TypeError naming the agent when it cannot travel
                 pickle_agent(a, awaited=self._host_awaits)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, cast, runtime_checkable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -18,9 +18,12 @@ __all__ = [
     "AgentParams",
     "AgentUpdate",
     "RandomAgent",
+    "distinct",
     "get_actions",
     "trusted_actions",
 ]
+
+_T = TypeVar("_T")
 
 AgentOutput = tuple[Tree, dict[str, np.ndarray]]
 """What ``get_actions`` returns: one action per env, and a dict of per-env agent infos."""
@@ -180,6 +183,12 @@ class RandomAgent:
             drawn = state["drawn"]
             self._sample.rows = None if drawn is None else np.array(drawn)
             self._sample.pos = 0
+
+
+def distinct(agents: Iterable[_T]) -> list[_T]:
+    """Each object of ``agents`` once, in the order first seen (one agent may serve several
+    workers)."""
+    return list({id(a): a for a in agents}.values())
 
 
 def row_draw(agent: object, action_space: gym.Space[Any]) -> Callable[[], Any] | None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncsample._batcher import Batched, Batcher, BatchStats, FlushRule
+from asyncsample.agent import distinct
 from asyncsample.inference.copies import host_fit
 from asyncsample.inference.host import Host, check_host_agent
 
@@ -149,7 +150,7 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
             "host", "the built-in RandomAgent runs in the env hosts, a chunk of steps per request"
         )
     shared = not isinstance(agent, list)
-    agents = [agent] if shared else list({id(a): a for a in agent}.values())
+    agents = distinct(agent if isinstance(agent, list) else [agent])
     n_workers, n_processes = layout[0], layout[1] or ASSUMED_HOSTS  # a copy per worker
     unfit = next((why for a in agents if (why := host_fit(a, n_workers)) is not None), None)
     if unfit is not None:

@@ -33,6 +33,7 @@ from asyncsample._engine import (
 from asyncsample._quotas import QuotaView, SharedQuota
 from asyncsample._recorder import Resume, row_of
 from asyncsample._tree import Tree, tree_map
+from asyncsample.agent import distinct
 from asyncsample.backends import (
     DEFAULT_CHUNK_STEPS,
     AgentHost,
@@ -90,7 +91,7 @@ def check_host_agent(agent: Any, name: str = "agent") -> None:
 def check_chunked_host(agents: list[Any], episode_timeout: float | None) -> None:
     """``inference="host"`` over blocking envs runs chunks of steps in the hosts: no async
     agent (the hosts run no event loop) and no ``episode_timeout`` (no look between steps)."""
-    for a in {id(a): a for a in agents}.values():
+    for a in distinct(agents):
         if a is not None:
             check_host_agent(a)
     if episode_timeout is not None:

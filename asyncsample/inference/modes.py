@@ -13,7 +13,7 @@ from asyncsample._engine import Episodes, Part, Stepper, StepStepper
 from asyncsample._env_runs import RunStepper
 from asyncsample._env_runs import fits as runs_fit
 from asyncsample._env_tasks import LaneSettings, LaneStepper
-from asyncsample.agent import Agent
+from asyncsample.agent import Agent, distinct
 from asyncsample.backends.base import ActingHost, PerEnvHost
 from asyncsample.inference.copies import Follower, follows
 from asyncsample.inference.host import (
@@ -218,13 +218,14 @@ class HostMode(InferenceMode):
 
     def _remember(self, workers: Sequence[ModeWorker]) -> None:
         if self.follower is not None:
-            for agent in {id(w.agent): w.agent for w in workers}.values():
+            for agent in distinct(w.agent for w in workers):
                 self.follower.remember(agent)
 
     def check_update(self, agent_update: Any) -> None:
         """With copies that follow your agent (``"auto"``), a new agent must let them follow."""
-        items = agent_update if isinstance(agent_update, list) else [agent_update]
-        for item in items if self.follower is not None else []:
+        if self.follower is None:
+            return
+        for item in agent_update if isinstance(agent_update, list) else [agent_update]:
             if callable(getattr(item, "get_actions", None)) and not follows(item):
                 raise ValueError(
                     f"agent_update: inference='auto' runs copies of your agent in the env hosts "
@@ -239,7 +240,7 @@ class HostMode(InferenceMode):
         (``inference="auto"``)."""
         if self.follower is None:
             return
-        for agent in {id(w.agent): w.agent for w in workers}.values():
+        for agent in distinct(w.agent for w in workers):
             params = self.follower.changed(agent)
             if params is not None:
                 kind, blob = prepare_update(params)

@@ -22,6 +22,7 @@ import numpy as np
 
 from asyncsample._memory import BatchMemory
 from asyncsample._tree import tree_index, tree_map
+from asyncsample.agent import distinct
 from asyncsample.multiagent.policies import PolicyGroups, PolicyMapping, group_policies
 from asyncsample.multiagent.protocols import PolicyID
 from asyncsample.multiagent.rows import gather_slots
@@ -206,6 +207,6 @@ def _spread(leaf: Any, env_rows: np.ndarray, j: np.ndarray, n_envs: int, width: 
 
 def bind_agents(agents: Sequence[Any], spec: Any) -> None:
     """Tell each :class:`PolicyAgents` among ``agents`` the sampler's env spec."""
-    for agent in {id(a): a for a in agents}.values():
+    for agent in distinct(agents):
         if isinstance(agent, PolicyAgents):
             agent.bind_env_spec(spec)
