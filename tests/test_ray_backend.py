@@ -31,7 +31,7 @@ from envs import (
     ScriptedAgent,
     SignallingAgent,
 )
-from helpers import SamplerFactory
+from helpers import SamplerFactory, wait_until
 
 from asyncsample import (
     EpisodeBatch,
@@ -321,6 +321,9 @@ async def test_killed_actor_fails_its_workers_and_is_recreated_once(cluster: Any
         old = hosts[0].actor
         await asyncio.gather(*(step_all(h) for h in hosts))
         ray.kill(old)
+        # ray.kill returns before the actor is gone: a step sent meanwhile may still be served.
+        dead = old._actor_id.hex()
+        await wait_until(lambda: dead not in alive_actors(), "the killed actor to be dead")
         results = await asyncio.gather(*(step_all(h) for h in hosts), return_exceptions=True)
         assert all(isinstance(r, WorkerCrashedError) for r in results), results
         assert "died" in str(results[0])
