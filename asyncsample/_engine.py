@@ -30,13 +30,13 @@ from asyncsample._recorder import (
     store_agent_info_block,
     store_agent_infos,
 )
+from asyncsample._step_fields import StepFields
 from asyncsample._tree import Tree, row_copy, tree_leaves, tree_map
 from asyncsample.batch import StepType
 
 __all__ = [
     "CallMode",
     "Continuity",
-    "ChunkRecords",
     "Episodes",
     "FinishedEpisode",
     "Part",
@@ -236,17 +236,6 @@ RecordStep = Callable[
     [int, int, dict[str, np.ndarray], list[dict[str, Any]] | None, np.ndarray], None
 ]
 """``record(j, t, agent_infos, env_infos, done)``: step ``j`` of a chunk became row ``t``."""
-
-
-class ChunkRecords(Protocol):
-    """The records of a chunk of steps run elsewhere, leading axes ``(steps, n_envs)``."""
-
-    obs: Tree
-    final_obs: Tree
-    actions: Tree
-    rewards: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
 
 
 class Episodes:
@@ -509,7 +498,7 @@ class Episodes:
 
     def replay(
         self,
-        chunk: ChunkRecords,
+        chunk: StepFields,
         steps: int,
         agent_infos: dict[str, np.ndarray] | list[tuple[int, dict[str, np.ndarray]]],
         step_infos: Mapping[int, tuple[list[dict[str, Any]] | None, dict[int, dict[str, Any]]]],
@@ -584,7 +573,7 @@ class Episodes:
 
     def _replay_ends(
         self,
-        chunk: ChunkRecords,
+        chunk: StepFields,
         steps: int,
         flags: np.ndarray,
         rewards: np.ndarray,

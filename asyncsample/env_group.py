@@ -21,6 +21,7 @@ from asyncsample import _leaves, _validate
 from asyncsample._clock import CLOCK_SIZE, timed_group_step
 from asyncsample._info_cells import INFO_SPACE, InfoCells, info_rows
 from asyncsample._memory import carve
+from asyncsample._step_fields import StepFields
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_update import EnvSource, EnvUpdate, SetTaskUpdate, apply_env_update, make_env
 
@@ -70,26 +71,18 @@ _FLAG_SPACE = gym.spaces.Box(0, 1, (), np.bool_)  # type: ignore[arg-type]
 
 
 @dataclass
-class StepBuffers:
-    """The arrays one worker step reads and writes, each with a leading axis of ``n_envs``.
+class StepBuffers(StepFields):
+    """The arrays one worker step reads and writes (:class:`StepFields`), each with a leading
+    axis of ``n_envs``: ``obs`` is what each env shows now, ``actions`` are written by the
+    worker before a step, the rest are results of the last step.
 
     Attributes:
-        obs: observation each env shows now (after an autoreset, the new episode's first one).
-        final_obs: for envs whose episode ended on the last step, the true last observation.
-        actions: written by the worker before a step.
-        rewards, terminated, truncated: results of the last step (with the time limit).
         clock: with metrics on, the host's timings (:mod:`asyncsample._clock`); else ``None``.
         infos: shared, the cells numeric infos cross in (:mod:`asyncsample._info_cells`).
 
     A space without fixed-size rows (:func:`fixed_rows`) gets a list of ``n_envs`` objects.
     """
 
-    obs: Tree
-    final_obs: Tree
-    actions: Tree
-    rewards: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
     clock: np.ndarray | None = None
     infos: InfoCells | None = None
 

@@ -23,6 +23,7 @@ from asyncsample._action_check import AgentOutputCheck, check_actions, make_acti
 from asyncsample._engine import CallMode, StopRule
 from asyncsample._infos import snapshot
 from asyncsample._recorder import put_row, row_of
+from asyncsample._step_fields import StepFields
 from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.agent import RandomAgent, trusted_actions
 from asyncsample.backends._column_wire import unpack_chunk
@@ -73,16 +74,12 @@ ARENA_MAX_ROWS = 4096
 
 
 @dataclass
-class ChunkBuffers:
-    """The records of one chunk: every array has leading axes ``(rows, n_envs)``, ``rows`` at
-    least ``capacity`` (see :func:`chunk_rows`).
+class ChunkBuffers(StepFields):
+    """The records of one chunk (:class:`~asyncsample._step_fields.StepFields` per step):
+    every array has leading axes ``(rows, n_envs)``, ``rows`` at least ``capacity`` (see
+    :func:`chunk_rows`); a spare row of ``obs`` gets the observations after the last step.
 
     Attributes:
-        obs: the observation each env's action was chosen for, per step; a spare row gets the
-            observations after the chunk's last step.
-        final_obs: at a step where an env's episode ended, its true last observation.
-        actions, rewards, terminated, truncated: per step, as in
-            :class:`~asyncsample.env_group.StepBuffers`.
         capacity: the most steps one chunk can hold.
         progress: one ``int64`` the host bumps after every step, never reset: the main process
             judges each step against ``step_timeout`` by it.
@@ -93,12 +90,6 @@ class ChunkBuffers:
             ``obs_row`` has the host write observations there instead of :attr:`obs`.
     """
 
-    obs: Tree
-    final_obs: Tree
-    actions: Tree
-    rewards: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
     capacity: int
     progress: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
     epoch: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
