@@ -55,6 +55,11 @@ _RUNNING, _WAITING, _ON_HOST = 0, 1, 2
 #: its worker one iteration after the socket is read; the rest is margin for a busy loop.
 SETTLE_ITERATIONS = 3
 
+#: The workers' observations of a merged call are viewed in place (no copy) from this many bytes
+#: on; fewer are copied into one array, which costs less than proving them adjacent (1 us
+#: against 12 us for 8 rows of 4 floats, 2026-12-01).
+VIEW_BYTES = 1 << 18
+
 
 @dataclass(frozen=True)
 class Batched:
@@ -658,8 +663,12 @@ def _stack(requests: list[_Request]) -> Tree:
     if len(requests) == 1:
         return requests[0].observations
     parts = [r.observations for r in requests]
-    joined = _side_by_side(parts)
-    return tree_concat(parts) if joined is None else joined
+    first = parts[0]
+    if type(first) is np.ndarray and first.nbytes * len(parts) >= VIEW_BYTES:
+        joined = _side_by_side(parts)
+        if joined is not None:
+            return joined
+    return tree_concat(parts)
 
 
 def _side_by_side(parts: list[Any]) -> np.ndarray | None:

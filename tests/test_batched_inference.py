@@ -14,7 +14,7 @@ import pytest
 from envs import DictObsEnv, NoisyEnv
 from helpers import SamplerFactory
 
-from asyncsample import EpisodeBatch, Sampler
+from asyncsample import EpisodeBatch, Sampler, _batcher
 from asyncsample.inference import Batched
 
 pytestmark = [
@@ -348,3 +348,23 @@ async def test_eager_min_fraction_one_waits_for_every_worker(
     assert agent.calls == [8] * 10
     with pytest.raises(ValueError, match="min_fraction must be >= 0 and <= 1"):
         Batched("eager", min_fraction=1.5)
+
+
+@pytest.mark.parametrize("row_bytes", [16, _batcher.VIEW_BYTES // 4])
+def test_merged_rows_are_viewed_in_place_only_when_big(row_bytes: int) -> None:
+    """The workers' observations of a merged call: adjacent rows of one array are viewed in
+    place from VIEW_BYTES on, copied below it (cheaper than proving them adjacent); rows of
+    different arrays are copied whatever their size. The values are the same either way."""
+    base = np.arange(4 * row_bytes, dtype=np.uint8).reshape(4, row_bytes)
+    other = base.copy()
+
+    def request(rows: np.ndarray) -> Any:
+        return _batcher._Request(0, None, rows, len(rows), None)  # type: ignore[arg-type]
+
+    adjacent = _batcher._stack([request(base[:2]), request(base[2:])])
+    np.testing.assert_array_equal(adjacent, base)
+    big = 4 * row_bytes >= _batcher.VIEW_BYTES
+    assert np.shares_memory(adjacent, base) is big
+    apart = _batcher._stack([request(base[:2]), request(other[2:])])
+    np.testing.assert_array_equal(apart, base)
+    assert not np.shares_memory(apart, base) and not np.shares_memory(apart, other)

@@ -227,7 +227,9 @@ async def test_batched_agent_reads_the_arena(
     make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch, copies: Copies
 ) -> None:
     """``batched`` (lockstep): the workers' rows of a step lie side by side in one step arena,
-    so the merged agent call reads a view of them; nothing is concatenated."""
+    so the merged agent call reads a view of them; nothing is concatenated (for rows of any
+    size: these frames are below ``VIEW_BYTES``, under which rows are copied, cheaper)."""
+    monkeypatch.setattr(batched_module, "VIEW_BYTES", 0)
     concatenated = []
     concat = batched_module.tree_concat
 
