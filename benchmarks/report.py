@@ -782,7 +782,7 @@ def _sweep_markdown(results: dict[str, Any]) -> list[str]:
     def series(cfg: Config) -> str:
         name = CONTENDERS[cfg.contender][1]
         if cfg.contender == "asyncsample":
-            name += f" {cfg.inference or 'per_worker'}, {cfg.n_workers} workers"
+            name += f" {cfg.inference or 'auto'}, {cfg.n_workers} workers"
         return name
 
     for env in dict.fromkeys(c.env for c in configs):

@@ -340,7 +340,7 @@ class Config:
     envs_per_worker: int = 0
     n_processes: int = 0
     policy: str = ""  # "" random actions; "mlp": the policy workload
-    inference: str = ""  # asyncsample's inference mode ("" is per_worker)
+    inference: str = ""  # asyncsample's inference mode ("": the sampler's default, "auto")
     steps: int = 0  # steps per env per call, when not the settings' fragment_steps
     fraction: float = 0.0  # stragglers: fraction_samples (0: not a straggler run)
     call: str = ""  # stragglers: "samples" or "fragments" ("": obtain_fragments)
@@ -489,7 +489,8 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
             for f in s.straggler_fractions:
                 groups["stragglers"].append(
                     Config("asyncsample", "FixedCost-v0", w * k, w, k, s.n_processes,
-                           steps=s.straggler_steps, fraction=f, call=call)
+                           inference="per_worker", steps=s.straggler_steps, fraction=f,
+                           call=call)
                 )  # fmt: skip
     if CEILING in chosen:
         _add_ceilings(groups, s)
@@ -498,10 +499,12 @@ def plan(settings: Settings) -> dict[str, list[Config]]:
             if c in ("sync", "async"):
                 groups["overhead"].append(Config(c, "NoOp-v0", 1))
             elif c == "asyncsample":
-                groups["overhead"].append(Config(c, "NoOp-v0", 1, 1, 1, 1))
-                groups["overhead"].append(Config(c, "NoOp-v0", s.n_envs, 1, s.n_envs, 1))
+                for n in (1, s.n_envs):  # round trips of one worker: per_worker's
+                    groups["overhead"].append(
+                        Config(c, "NoOp-v0", n, 1, n, 1, inference="per_worker")
+                    )
             elif c == "asyncsample-local":
-                groups["overhead"].append(Config(c, "NoOp-v0", 1, 1, 1, 0))
+                groups["overhead"].append(Config(c, "NoOp-v0", 1, 1, 1, 0, inference="per_worker"))
     return groups
 
 
@@ -543,8 +546,7 @@ def _plan_sweep(configs: list[Config], chosen: list[str], s: Settings) -> None:
                 elif c == "asyncsample":
                     for inference, workers in s.sweep_layouts.items():
                         for w in workers:
-                            mode = "" if inference == "per_worker" else inference
-                            configs.append(_ours(c, env, n, w, s.n_processes, inference=mode,
+                            configs.append(_ours(c, env, n, w, s.n_processes, inference=inference,
                                                  steps=steps))  # fmt: skip
 
 
@@ -629,7 +631,7 @@ def make_spec(cfg: Config, settings: Settings, instrument: bool) -> RunSpec:
         instrument=instrument,
         min_seconds=settings.min_seconds,
         policy=cfg.policy,
-        inference=cfg.inference or "per_worker",
+        inference=cfg.inference or "auto",
         call=cfg.call or "fragments",
         fraction=cfg.fraction or 1.0,
         slow_worker=1 if cfg.fraction else -1,
