@@ -65,6 +65,7 @@ class PlainAgent(ParamAgent):
         ({"agent": ParamAgent()}, "host", "follow its parameters"),
         ({"agent": ParamAgent(), "n_workers": 8}, "batched", "8 workers over 2 env host(s) "),
         ({"agent": ParamAgent(), "n_workers": 6, "n_processes": None}, "batched", "not given: 2"),
+        ({"agent": ParamAgent(), "n_workers": 8}, "batched", "at most 4 workers, with more envs"),
         ({"agent": ParamAgent(), "n_workers": 8, "n_processes": 4}, "host", "copies of your"),
         ({"agent": [ParamAgent() for _ in range(8)], "n_workers": 8}, "host", "copies of your"),
         ({"agent": AsyncParamAgent()}, "per_worker", "is async"),

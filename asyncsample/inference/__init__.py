@@ -162,7 +162,8 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
             "batched",
             f"{n_workers} workers over {n_processes} env host(s)"
             f"{'' if layout[1] else f' (n_processes not given: {ASSUMED_HOSTS})'} would each call "
-            "the agent there: one merged call in the caller is cheaper",
+            "the agent there: one merged call in the caller is cheaper (at most "
+            f"{HOST_WORKERS * n_processes} workers, with more envs each, run it in the hosts)",
         )
     return InferenceChoice(
         "host",
