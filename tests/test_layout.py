@@ -9,6 +9,10 @@
 * **Nor through lazy or type-only imports.** An import inside a function, or under
   ``if TYPE_CHECKING:``, that closes a loop dodges the cycle at import time but keeps the two
   modules tied together: the second check counts those imports too.
+* **Nor between folders.** Taken as one node each, the subpackages (``backends/``,
+  ``inference/``, ``vector/``...) and the root's modules import each other without a cycle,
+  counting lazy and type-only imports: a package sits wholly above or below each module it
+  meets.
 * **No module over** :data:`MAX_LINES` **lines**, except those in :data:`LONG_MODULES`, each with
   the reason it reads better whole.
 * **Capabilities, not names**: outside ``asyncsample/backends/``, no ``isinstance`` on a concrete
@@ -208,6 +212,47 @@ def test_no_import_cycle_through_lazy_or_type_checking_imports() -> None:
     assert not found, (
         "import cycles inside asyncsample/ closed by imports inside functions or under "
         f"TYPE_CHECKING:\n{describe(found)}"
+    )
+
+
+def folder_of(name: str) -> str:
+    """The node ``name`` belongs to at folder level: its top subpackage
+    (``asyncsample.backends``), or the module itself for the root's modules."""
+    parts = name.split(".")
+    if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()):
+        return ".".join(parts[:2])
+    return name
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with each subpackage's modules merged into one node (see :func:`folder_of`)."""
+    folders: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        node = folders.setdefault(folder_of(name), set())
+        for target in targets:
+            folders.setdefault(folder_of(target), set())
+            if folder_of(target) != folder_of(name):
+                node.add(folder_of(target))
+    return folders
+
+
+def test_folder_graph_merges_a_subpackage_into_one_node() -> None:
+    graph = {
+        "asyncsample.backends.aio": {"asyncsample._engine"},
+        "asyncsample._engine": {"asyncsample.backends.base"},
+        "asyncsample.backends.base": set(),
+    }
+    assert cycles(graph) == []  # module by module: no cycle
+    assert cycles(folder_graph(graph)) == [
+        ["asyncsample._engine", "asyncsample.backends", "asyncsample._engine"]
+    ]
+
+
+def test_no_import_cycle_between_folders() -> None:
+    found = cycles(folder_graph(import_graph(lazy=True)))
+    assert not found, (
+        "import cycles between asyncsample/'s subpackages and root modules (each subpackage one "
+        f"node; lazy and type-only imports count):\n{describe(found)}"
     )
 
 
