@@ -48,6 +48,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``
 #: (processes -1: its default placement);
 #: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent);
+#: ``"host-shared"`` is ``inference="host"`` with one agent shared by the workers;
 #: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``;
 #: ``"asyncio"``, ``"asyncio-batched"`` and ``"thread"`` are the sampler on that backend (the
 #: lanes; ``-batched``: ``inference="batched"`` with one agent for every env) on the latency envs
@@ -78,6 +79,18 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
     "CartPole-v1 2x4 random host": ("host", "CartPole-v1", 2, 4, 2, False, 200_000),
     "CartPole-v1 2x4 MLP host": ("host", "CartPole-v1", 2, 4, 2, True, 60_000),
     "CartPole-v1 8x1 random host": ("host", "CartPole-v1", 8, 1, 2, False, 100_000),
+    # Four workers a host sharing one agent: one call a step for them where the tree can
+    "CartPole-v1 8x4 MLP host shared": ("host-shared", "CartPole-v1", 8, 4, 2, True, 60_000),
+    "CartPole-v1 8x1 MLP host shared": ("host-shared", "CartPole-v1", 8, 1, 2, True, 30_000),
+    "HalfCheetah-v5 8x4 MLP host shared": (
+        "host-shared",
+        "HalfCheetah-v5",
+        8,
+        4,
+        2,
+        True,
+        30_000,
+    ),
     "HalfCheetah-v5 2x4 MLP host": ("host", "HalfCheetah-v5", 2, 4, 2, True, 40_000),
     "HalfCheetah-v5 2x4 random host": ("host", "HalfCheetah-v5", 2, 4, 2, False, 60_000),
     "FixedCost-v0 2x4 random host": (
@@ -262,8 +275,10 @@ def vector():
     return done, wall, cpu
 async def main():
     inference = {{"batched": "batched", "host": "host", "asyncio-batched": "batched",
-                  "process-host": "host", "process-batched": "batched"}}.get(face, "per_worker")
-    shared = agent[0] if inference == "batched" and agent else agent
+                  "process-host": "host", "process-batched": "batched",
+                  "host-shared": "host"}}.get(face, "per_worker")
+    one = inference == "batched" or face == "host-shared"
+    shared = agent[0] if one and agent else agent
     if inference == "batched" and not policy:  # batched needs one agent: the built-in random one
         from asyncsample import RandomAgent
         shared = RandomAgent(env_id().action_space, seed=0)
@@ -349,7 +364,7 @@ def run_once(
 
 
 #: The faces whose workloads step a gymnasium env (the others step the latency envs).
-GYM_FACES = ("sampler", "vector", "batched", "host", "host-stream")
+GYM_FACES = ("sampler", "vector", "batched", "host", "host-shared", "host-stream")
 
 
 def ceiling_once(workload: tuple[str, str, int, int, int, bool, int]) -> dict[str, float]:

@@ -33,7 +33,8 @@ import asyncsample
 import benchmarks.envs  # registers the benchmark envs
 from asyncsample._engine import CallMode, StopRule
 from asyncsample.agent import RandomAgent
-from asyncsample.backends._chunk import ChunkRequest, ChunkRunner, chunk_rows, chunk_sets
+from asyncsample.backends._chunk import ChunkRequest, chunk_rows, chunk_sets
+from asyncsample.backends._chunk_loop import ChunkRunner
 from asyncsample.env_group import EnvGroup, StepBuffers
 from benchmarks.report import write_own_results
 

@@ -29,7 +29,8 @@ from asyncsample._recorder import row_of
 from asyncsample._tree import tree_leaves
 from asyncsample.agent import RandomAgent
 from asyncsample.backends import ChunkReply, ChunkRequest, NextChunk
-from asyncsample.backends._chunk import ChunkBuffers, ChunkRunner, chunk_rows, chunk_sets
+from asyncsample.backends._chunk import ChunkBuffers, chunk_rows, chunk_sets
+from asyncsample.backends._chunk_loop import ChunkRunner
 from asyncsample.env_group import EnvFailureError, EnvGroup, StepBuffers
 from asyncsample.inference import Host
 from asyncsample.inference.host import ChunkStepper

@@ -37,10 +37,9 @@ from asyncsample.backends._chunk import (
     ChunkBuffers,
     ChunkReply,
     ChunkRequest,
-    ChunkRunner,
-    _pack_infos,
     chunk_capacity,
 )
+from asyncsample.backends._chunk_loop import ChunkRunner, _pack_infos
 from asyncsample.batch import StepType
 from asyncsample.env_group import EnvFailureError, EnvGroup, StepBuffers
 

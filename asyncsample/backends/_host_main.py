@@ -16,12 +16,20 @@ import select
 import signal
 import socket
 import sys
+import time
+from collections import deque
 from typing import Any
 
 import numpy as np
 
 from asyncsample.backends import _lane_serve, _threads, _watchdog
-from asyncsample.backends._chunk import RawChunks, view_chunk_sets
+from asyncsample.backends._chunk import (
+    ChunkRequest,
+    NextChunk,
+    RawChunks,
+    view_chunk_sets,
+)
+from asyncsample.backends._chunk_loop import run_joint
 from asyncsample.backends._handoff import NAP, WAKE_ID, HostHandoff
 from asyncsample.backends._lane_serve import LaneOptions
 from asyncsample.backends._slot import HostSlot, RawArena, view_step_arena
@@ -34,6 +42,7 @@ from asyncsample.backends._transport import (
     FrameReader,
     Op,
     dump_failure,
+    dumps_infos,
     failure_from_exception,
     send_frame,
     slot_buffers,
@@ -45,6 +54,12 @@ __all__ = ["main"]
 _watchdog.env_calls(EnvGroup)  # a lockstep host's watchdog names the env in its frames
 
 _PR_SET_PDEATHSIG = 1
+#: How long a host with a chunk request that may run beside others (see
+#: :mod:`~asyncsample.backends._chunk_loop`) waits for theirs before it runs those at hand. The
+#: workers of a call send their requests in one pass of the caller's loop.
+JOIN_WAIT = 0.0005
+
+Frame = tuple[int, int, bytes]
 #: A lockstep host's watchdog says where a request stands once it has run this share of
 #: ``step_timeout`` (and again at each look): before the caller's timer kills the host.
 _WATCH_AT = 0.9
@@ -239,6 +254,10 @@ class StepReader(FrameReader):
 
         return self._spin.poll(look, self.spin) == 1
 
+    def wait_readable(self, seconds: float) -> None:
+        """Return once the socket is readable, or after ``seconds``."""
+        select.select([self._sock], [], [], seconds)
+
     def buffered(self) -> bool:
         """Whether a request (or the end of the stream) is in the buffer or arrives in one read
         that does not block."""
@@ -286,9 +305,12 @@ def _serve(
     spin = reader.spin > 0
     wholes = [b"\x01" * slot.group.n_envs for slot in slots]  # a flag step's mask: every env
     spun = False
+    backlog: deque[Frame | None] = deque()  # frames read ahead (see _partners), in order
     while True:
-        if flag is not None and (
-            flag.pending() or (spun and reader.wait_spinning(flag)) or reader.nap_for(flag)
+        if (
+            not backlog
+            and flag is not None
+            and (flag.pending() or (spun and reader.wait_spinning(flag)) or reader.nap_for(flag))
         ):
             k = flag.take()
             try:
@@ -301,7 +323,7 @@ def _serve(
                 flag.answer(ST_FAIL, failure_from_exception(exc, retry=False))
             spun = spin
             continue
-        frame = reader.read()
+        frame = backlog.popleft() if backlog else reader.read()
         if frame is None:
             return
         rid, op, payload = frame
@@ -311,13 +333,95 @@ def _serve(
             continue
         spun = False
         try:
-            slot = slots[unpack_slot(payload)[0]]
+            k = unpack_slot(payload)[0]
+            slot = slots[k]
+            if op == Op.CHUNK and slot.copy_key is not None:  # with others' alike, if they come
+                request = slot.chunk_request(memoryview(payload)[slot_size:])
+                partners = _partners(reader, backlog, slots, k, isinstance(request, ChunkRequest))
+                _run_joint(sock, [(rid, slot, request), *partners], turns)
+                continue
             reply = _run(slot, op, memoryview(payload)[slot_size:], turns)
             send_frame(sock, rid, ST_OK, reply)
             if spin and op == Op.STEP:
                 if flag is None:
                     reader.wait_spinning()
                 spun = True
+        except EnvFailureError as exc:
+            send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
+        except (BrokenPipeError, ConnectionError):
+            raise
+        except Exception as exc:  # a bug of the host, unpicklable infos: not worth a restart
+            send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))
+
+
+def _partners(
+    reader: StepReader,
+    backlog: deque[Frame | None],
+    slots: list[HostSlot],
+    first: int,
+    starting: bool,
+) -> list[tuple[int, HostSlot, ChunkRequest | NextChunk]]:
+    """The chunk requests to run beside slot ``first``'s (see
+    :mod:`~asyncsample.backends._chunk_loop`): of each other slot with the same agent copy, its next
+    request if that is a chunk, taken out of ``backlog``, to which the frames readable now are
+    added. The requests of the slots whose part is going on (of every such slot, when
+    ``first``'s request is a part's first chunk: the workers of a call start together) are
+    waited for, up to :data:`JOIN_WAIT`. ``(id, slot, request)`` each."""
+    key = slots[first].copy_key
+    wanted = {k for k, slot in enumerate(slots) if k != first and slot.copy_key == key}
+    awaited = {k for k in wanted if starting or slots[k].going}
+    taken: list[tuple[int, HostSlot, ChunkRequest | NextChunk]] = []
+    deadline = time.monotonic() + JOIN_WAIT
+    while wanted:
+        while (not backlog or backlog[-1] is not None) and reader.buffered():
+            backlog.append(reader.read())  # a frame comes whole: one write of the caller's
+        keep: deque[Frame | None] = deque()
+        for frame in backlog:
+            if frame is not None and wanted and frame[0] != WAKE_ID:
+                rid, op, payload = frame
+                if op == Op.EXIT:
+                    wanted.clear()
+                elif (k := SLOT.unpack_from(payload)[0]) in wanted:
+                    wanted.discard(k)  # its next request: later ones wait for it
+                    if op == Op.CHUNK:
+                        slot = slots[k]
+                        try:
+                            taken.append((rid, slot, slot.chunk_request(payload[SLOT.size :])))
+                            continue
+                        except EnvFailureError:
+                            pass  # answered in its turn, as its own request
+            keep.append(frame)
+        backlog.clear()
+        backlog.extend(keep)
+        left = deadline - time.monotonic()
+        if not (awaited & wanted) or left <= 0 or (backlog and backlog[-1] is None):
+            break
+        reader.wait_readable(left)
+    return taken
+
+
+def _run_joint(
+    sock: socket.socket,
+    asked: list[tuple[int, HostSlot, ChunkRequest | NextChunk]],
+    turns: list[int] | None,
+) -> None:
+    """Run the chunk requests ``asked`` (``(id, slot, request)``) side by side and reply to
+    each, in order, as its own request would be answered."""
+    if turns is not None:
+        turns[0] += 1
+    try:
+        results = run_joint(
+            [slot.runner for _, slot, _ in asked],  # type: ignore[misc]
+            [request for _, _, request in asked],
+        )
+    finally:
+        if turns is not None:
+            turns[0] += 1
+    for (rid, _, _), result in zip(asked, results):
+        try:
+            if isinstance(result, Exception):
+                raise result
+            send_frame(sock, rid, ST_OK, dumps_infos(result))
         except EnvFailureError as exc:
             send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
         except (BrokenPipeError, ConnectionError):

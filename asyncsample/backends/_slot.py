@@ -24,12 +24,12 @@ from asyncsample.backends._chunk import (
     ChunkBuffers,
     ChunkReply,
     ChunkRequest,
-    ChunkRunner,
     NextChunk,
     arena_rows,
     chunk_rows,
     chunk_sets,
 )
+from asyncsample.backends._chunk_loop import ChunkRunner
 from asyncsample.backends._column_wire import (
     object_rows,
     pack_chunk,
@@ -305,11 +305,34 @@ class HostSlot:
         handler = self._ops.get(op)
         if handler is None:
             raise ValueError(f"unknown request opcode {op}")
+        self._prepare(op)
+        return handler(body) or b""
+
+    def _prepare(self, op: int) -> None:
         if self.arena is not None and op != Op.STEP:
             self.arena.settle()  # the observations back where every other request expects them
         elif self.runner is not None and op not in KEEP_CHUNK_OBS:
             self.runner.settle()  # the same for those a chunk left in its arena
-        return handler(body) or b""
+
+    @property
+    def copy_key(self) -> bytes | None:
+        """Its agent copy's :attr:`ChunkRunner.copy_key`: chunks of slots with equal keys may
+        run side by side (:func:`~asyncsample.backends._chunk_loop.run_joint`); ``None`` where
+        its chunks run alone (metrics on, object rows, no copy alike)."""
+        if self.runner is None or self.timing is not None or self.columns:
+            return None
+        return self.runner.copy_key
+
+    @property
+    def going(self) -> bool:
+        """Whether its last chunk left the worker's part going on (:attr:`ChunkRunner.going`)."""
+        return self.runner is not None and self.runner.going
+
+    def chunk_request(self, body: _Body) -> ChunkRequest | NextChunk:
+        """The chunk request in ``body``, the slot ready to run it beside others."""
+        self._prepare(Op.CHUNK)
+        request: ChunkRequest | NextChunk = self.load(body, "chunk request")
+        return request
 
     def _serve_step(self, body: _Body) -> bytes:
         buffers = self.group.buffers

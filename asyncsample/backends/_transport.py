@@ -91,7 +91,7 @@ class Op(enum.IntEnum):
 
 #: The requests that leave an env host's current observations where a chunk put them (in its
 #: observation arena): the main process's view of them stays there too (see
-#: :meth:`~asyncsample.backends._chunk.ChunkRunner.settle`).
+#: :meth:`~asyncsample.backends._chunk_loop.ChunkRunner.settle`).
 KEEP_CHUNK_OBS = frozenset({Op.CHUNK, Op.AGENT, Op.PARAMS})
 
 _LABELS = {

@@ -1,0 +1,202 @@
+"""Chunks of several slots of one env host run side by side, one agent call a step for all
+(``asyncsample.backends._chunk_loop.run_joint``), with the results of each slot alone."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import pytest
+from envs import NoisyEnv, first_to_claim
+from helpers import SamplerFactory
+
+from asyncsample import AgentRowsError
+from asyncsample._engine import CallMode, StopRule
+from asyncsample.agent import RandomAgent
+from asyncsample.backends import ChunkReply, ChunkRequest
+from asyncsample.backends._chunk import chunk_rows, chunk_sets
+from asyncsample.backends._chunk_loop import ChunkRunner, run_joint, split_output
+from asyncsample.env_group import EnvFailureError, EnvGroup, StepBuffers
+
+pytestmark = pytest.mark.timeout(120)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Linear:
+    """Deterministic: the action of a row depends on that row alone. Logs each call's rows."""
+
+    def __init__(self, log: str | None = None) -> None:
+        self.log = log
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        obs = np.asarray(observations)
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(f"{len(obs)}\n")
+        actions = (np.floor((obs[:, 0] + 1.0) * 1.5)).clip(0, 2).astype(np.int64)
+        return actions, {"first": obs[:, 0].copy()}
+
+    def get_param_values(self) -> dict[str, int]:
+        return {}
+
+    def set_param_values(self, params: Any) -> None:
+        pass
+
+
+class Seeded(Linear):
+    def seed(self, seed: int) -> None:
+        pass
+
+
+class Recurrent(Linear):
+    def reset(self, mask: Any = None) -> None:
+        pass
+
+
+class OneAtATime(Linear):
+    merge_rows = False
+
+
+class FailsRow(Linear):
+    """Fails the first row it sees whose first observation is above 0.5, once (``flag``)."""
+
+    def __init__(self, flag: str) -> None:
+        super().__init__()
+        self.flag = flag
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        actions, infos = super().get_actions(observations)
+        rows = np.flatnonzero(np.asarray(observations)[:, 0] > 0.5)
+        if len(rows) and first_to_claim(self.flag):
+            raise AgentRowsError(actions, infos, {int(rows[0]): RuntimeError("lost")})
+        return actions, infos
+
+
+def runner(
+    worker: int, agent: Any, n_envs: int = 2, seed: int = 0, capacity: int = 8
+) -> ChunkRunner:
+    """A chunk runner of ``worker`` over ``n_envs`` reset NoisyEnvs with a copy of ``agent``
+    (or of the agent pickled in ``agent``: copies of one pickle, as the sampler sends them)."""
+    env = NoisyEnv()
+    obs, act = env.observation_space, env.action_space
+    group = EnvGroup(worker, StepBuffers.allocate(obs, act, n_envs), obs, act, 30)
+    group.build([[NoisyEnv]] * n_envs, [seed + i for i in range(n_envs)])
+    group.reset(np.ones(n_envs, dtype=bool))
+    flat = StepBuffers.allocate(obs, act, chunk_rows(capacity) * n_envs)
+    chunk_runner = ChunkRunner(group, chunk_sets(flat, capacity, n_envs), act)
+    blob = agent if isinstance(agent, bytes) else cloudpickle.dumps(agent)
+    chunk_runner.install(pickle.dumps((blob, 100 + worker)))  # each its worker's seed
+    return chunk_runner
+
+
+def request(steps: int, n_envs: int = 2) -> ChunkRequest:
+    rule = StopRule.for_call(CallMode.FRAGMENTS, steps * n_envs, n_envs)
+    return ChunkRequest(rule, 8, np.zeros(n_envs, np.int64), np.ones(n_envs, dtype=bool))
+
+
+def records(r: ChunkRunner, reply: ChunkReply) -> list[np.ndarray]:
+    chunk = r.chunks[0]
+    n = reply.steps
+    return [chunk.obs[:n], chunk.actions[:n], chunk.rewards[:n], chunk.terminated[:n]]
+
+
+def test_copies_alike_share_a_key_and_others_keep_their_own() -> None:
+    blob = cloudpickle.dumps(Linear())
+    a, b = runner(0, blob), runner(1, blob)
+    assert a.copy_key is not None and a.copy_key == b.copy_key  # seeds differ: not in the key
+    assert runner(2, cloudpickle.dumps(Linear("x"))).copy_key != a.copy_key  # another agent
+    for agent in (Seeded(), Recurrent(), OneAtATime()):
+        assert runner(0, agent).copy_key is None
+    assert runner(0, RandomAgent(NoisyEnv().action_space, seed=0)).copy_key is None
+    own = runner(0, blob)
+    own.install(pickle.dumps((blob, None)))  # a worker's own agent: as it would go on alone
+    assert own.copy_key is None
+    before = a.copy_key
+    a.set_params(pickle.dumps({"w": 1}))
+    assert a.copy_key not in (None, before)
+    b.set_params(pickle.dumps({"w": 1}))
+    assert a.copy_key == b.copy_key
+
+
+def test_side_by_side_gives_each_slot_its_chunk_alone(tmp_path: Path) -> None:
+    log = str(tmp_path / "calls")
+    steps = [6, 4, 8]  # the second stops first: the others go on with fewer rows
+    alone = [runner(w, Linear(), seed=10 * w) for w in range(3)]
+    replies = [r.run(request(s)) for r, s in zip(alone, steps)]
+    blob = cloudpickle.dumps(Linear(log))
+    joint = [runner(w, blob, seed=10 * w) for w in range(3)]
+    results = run_joint(joint, [request(s) for s in steps])
+    for r_alone, reply, r_joint, result in zip(alone, replies, joint, results):
+        assert isinstance(result, ChunkReply)
+        assert result.steps == reply.steps
+        for x, y in zip(records(r_alone, reply), records(r_joint, result)):
+            np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(result.agent_infos["first"], reply.agent_infos["first"])  # type: ignore[call-overload,index]
+        np.testing.assert_array_equal(r_alone.group.buffers.obs, r_joint.group.buffers.obs)
+    calls = [int(n) for n in Path(log).read_text().split()]
+    assert calls == [6] * 4 + [4] * 2 + [2] * 2  # one call a step, every slot still going
+
+
+def test_a_failed_row_fails_its_own_slot_only(tmp_path: Path) -> None:
+    blob = cloudpickle.dumps(FailsRow(str(tmp_path / "flag")))
+    runners = [runner(w, blob, seed=10 * w) for w in range(3)]
+    results = run_joint(runners, [request(8)] * 3)
+    failed = [r for r in results if isinstance(r, EnvFailureError)]
+    assert len(failed) == 1 and failed[0].failure.retry and failed[0].failure.env is not None
+    assert "lost" in str(failed[0].failure.error)
+    assert all(r.steps == 8 for r in results if isinstance(r, ChunkReply))
+
+
+def test_an_error_of_the_merged_call_fails_every_slot_in_it() -> None:
+    class Broken(Linear):
+        def get_actions(self, observations: Any) -> Any:
+            raise KeyError("boom")
+
+    blob = cloudpickle.dumps(Broken())
+    results = run_joint([runner(w, blob) for w in range(2)], [request(3)] * 2)
+    assert all(isinstance(r, EnvFailureError) and not r.failure.retry for r in results)
+    assert all("boom" in str(r.failure.error) for r in results)  # type: ignore[union-attr]
+
+
+def test_an_output_not_split_by_rows_is_asked_of_each_copy() -> None:
+    assert split_output(([0, 1, 2], {}), [1, 2]) is None  # a list: not rows of arrays
+    assert split_output((np.zeros(3), {"x": np.zeros(2)}), [1, 2]) is None  # infos short
+    parts = split_output((np.arange(3), {"x": np.arange(3) * 2}), [1, 2])
+    assert parts is not None
+    np.testing.assert_array_equal(parts[1][0], [1, 2])
+    np.testing.assert_array_equal(parts[1][1]["x"], [2, 4])
+
+    class Listed(Linear):
+        def get_actions(self, observations: Any) -> Any:
+            actions, infos = super().get_actions(observations)
+            return actions.tolist(), infos
+
+    alone = runner(0, Listed()).run(request(3))
+    blob = cloudpickle.dumps(Listed())
+    results = run_joint([runner(w, blob) for w in range(2)], [request(3)] * 2)
+    assert [r.steps for r in results] == [alone.steps] * 2  # type: ignore[union-attr]
+
+
+@pytest.mark.sampler_defaults(backend="process", env=NoisyEnv, max_episode_length=30, seed=3)
+async def test_a_hosts_workers_share_its_calls_with_the_batches_of_per_worker(
+    make_sampler: SamplerFactory, tmp_path: Path
+) -> None:
+    log = str(tmp_path / "calls")
+    common = {"n_workers": 4, "envs_per_worker": 2, "n_processes": 1}
+    host = make_sampler(agent=Linear(log), inference="host", **common)
+    ours = [await host.obtain_fragments(400) for _ in range(2)]
+    own = make_sampler(agent=Linear(), inference="per_worker", **common)
+    theirs = [await own.obtain_fragments(400) for _ in range(2)]
+    for a, b in zip(ours, theirs):
+        np.testing.assert_array_equal(a.observations, b.observations)
+        np.testing.assert_array_equal(a.actions, b.actions)
+        np.testing.assert_array_equal(a.rewards, b.rewards)
+    calls = [int(n) for n in Path(log).read_text().split()]
+    assert max(calls) == 8  # the four workers' rows in one call
+    assert os.path.getsize(log) > 0
