@@ -151,7 +151,8 @@ class SamplerCore:
         self._host_awaits = maybe_async(self.env_sources[0]) and self.traits.host_mode
         own = worker_class.compute_actions is not Worker.compute_actions
         exact = _resume.wants_exact_resume(self.env_sources, resume)
-        setup = Setup(self.traits.host_mode, self.episode_timeout, own, exact)
+        timed = config.metrics is not None and config.metrics is not False
+        setup = Setup(self.traits.host_mode, self.episode_timeout, own, exact, timed)
         # The env hosts if the arguments set them (else None: this machine's CPU count).
         given = n_processes is not None or bool(
             {"n_processes", self.traits.per_host} & {*backend_options}

@@ -50,6 +50,11 @@ class GpuParamAgent(ParamAgent):
     device = "cuda:0"
 
 
+class Seeded(NoisyParamAgent):
+    """A stochastic agent with the ``seed`` hook: each copy in a host draws from its worker's
+    seed, so the copies of a host do not share its calls."""
+
+
 class PlainAgent(ParamAgent):
     """A ParamAgent without parameter methods, for an update that copies cannot follow."""
 
@@ -63,10 +68,13 @@ class PlainAgent(ParamAgent):
         ({}, "host", "RandomAgent runs in the env hosts"),
         ({"agent": ConstantAgent(0)}, "per_worker", "has no get_param_values"),
         ({"agent": ParamAgent()}, "host", "follow its parameters"),
-        ({"agent": ParamAgent(), "n_workers": 8}, "batched", "8 workers over 2 env host(s) "),
-        ({"agent": ParamAgent(), "n_workers": 6, "n_processes": None}, "batched", "not given: 2"),
-        ({"agent": ParamAgent(), "n_workers": 8}, "batched", "at most 4 workers, with more envs"),
-        ({"agent": ParamAgent(), "n_workers": 8, "n_processes": 4}, "host", "copies of your"),
+        ({"agent": ParamAgent(), "n_workers": 8}, "host", "share one agent call a step"),
+        ({"agent": ParamAgent(), "n_workers": 4}, "host", "share one agent call a step"),
+        ({"agent": ParamAgent(), "n_workers": 2}, "host", "at every call"),  # one worker a host
+        ({"agent": Seeded(0), "n_workers": 8}, "batched", "8 workers over 2 env host(s) "),
+        ({"agent": Seeded(0), "n_workers": 6, "n_processes": None}, "batched", "not given: 2"),
+        ({"agent": Seeded(0), "n_workers": 8}, "batched", "at most 4 workers, with more envs"),
+        ({"agent": Seeded(0), "n_workers": 8, "n_processes": 4}, "host", "copies of your"),
         ({"agent": [ParamAgent() for _ in range(8)], "n_workers": 8}, "host", "copies of your"),
         ({"agent": AsyncParamAgent()}, "per_worker", "is async"),
         ({"agent": LockedParamAgent()}, "per_worker", "cannot be pickled"),
@@ -153,7 +161,7 @@ async def test_the_choice_does_not_follow_the_cpu_count(monkeypatch: pytest.Monk
     # n_processes picks the same mode on every machine (a stochastic agent's batches differ
     # between modes).
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    sampler = Sampler(GridWorldEnv, ParamAgent(), backend="process", n_workers=8)
+    sampler = Sampler(GridWorldEnv, Seeded(0), backend="process", n_workers=8)
     try:
         assert sampler.inference.mode == "batched"
     finally:

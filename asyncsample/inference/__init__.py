@@ -24,6 +24,7 @@ __all__ = [
     "Host",
     "InferenceChoice",
     "Setup",
+    "calls_shared",
     "check_inference",
     "choose_inference",
 ]
@@ -70,12 +71,14 @@ class Setup:
         own_compute_actions: the worker class overrides ``compute_actions``.
         exact_resume: the sampler resumes a state or replays its envs (``Replayable``): a
             checkpoint must read the agents' state, which it does in the caller only.
+        timed: metrics are on: the hosts time each worker's chunks, which then run alone.
     """
 
     host_mode: bool
     episode_timeout: float | None = None
     own_compute_actions: bool = False
     exact_resume: bool = False
+    timed: bool = False
 
 
 def choose_inference(
@@ -101,11 +104,13 @@ def choose_inference(
       request instead of one round trip per step (1.41x a ``SyncVectorEnv(32)`` on CartPole-v1
       with 4x8, against 0.60x with ``per_worker``: ``benchmarks/results/first_run/``).
     - Your agent, where the hosts can run copies of it that follow it (see
-      :func:`~asyncsample.inference.copies.host_fit`): in the hosts too, with at most
-      :data:`HOST_WORKERS` workers per env host (``n_processes`` as given, else
-      :data:`ASSUMED_HOSTS`); with more, one merged call in the caller (``"batched"``) when all
-      workers share it (``benchmarks/results/policy/``: a torch MLP on CartPole-v1 over 2 hosts:
-      2x4, 2x16 and 4x8 fastest in the hosts, 8x1 and 8x4 batched).
+      :func:`~asyncsample.inference.copies.host_fit`): in the hosts too. Where one agent is
+      shared by the workers and its copies share each host's calls (:func:`calls_shared`: no
+      ``seed`` or ``reset`` method), whatever the number of workers per host: a host asks its
+      copy once a step for the rows of all its workers. Else with at most :data:`HOST_WORKERS`
+      workers per env host (``n_processes`` as given, else :data:`ASSUMED_HOSTS`), each copy
+      called on its own; with more, one merged call in the caller (``"batched"``) when all
+      workers share the agent.
     - Else ``"per_worker"``, with the first reason that keeps the agent in the caller.
     """
     if not (isinstance(inference, str) and inference == "auto"):
@@ -116,8 +121,9 @@ def choose_inference(
     return choice
 
 
-#: The most workers per env host for which ``"auto"`` runs a user's agent in the hosts: each
-#: host calls one copy per worker, so beyond this one merged call in the caller is cheaper
+#: The most workers per env host for which ``"auto"`` runs in the hosts a user's agent whose
+#: copies do not share calls (:func:`calls_shared`): each host then calls one copy per worker,
+#: so beyond this one merged call in the caller is cheaper
 #: (a torch MLP on CartPole-v1 over 2 hosts, 2026-12-01: 4x8 host 52.2k steps/s, batched 33.7k;
 #: 8x4 host 27.1k, batched 33.4k; ``benchmarks/results/policy/``).
 HOST_WORKERS = 2
@@ -157,7 +163,11 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
         if shared and unfit.merge:
             return InferenceChoice("batched", f"{unfit.reason}: one merged call in the caller")
         return InferenceChoice("per_worker", unfit.reason)
-    if shared and n_workers > HOST_WORKERS * n_processes:
+    if (
+        shared
+        and n_workers > HOST_WORKERS * n_processes
+        and not (calls_shared(agents[0]) and not setup.timed)
+    ):
         return InferenceChoice(
             "batched",
             f"{n_workers} workers over {n_processes} env host(s)"
@@ -165,11 +175,30 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
             "the agent there: one merged call in the caller is cheaper (at most "
             f"{HOST_WORKERS * n_processes} workers, with more envs each, run it in the hosts)",
         )
+    together = shared and n_workers > n_processes and calls_shared(agents[0]) and not setup.timed
     return InferenceChoice(
         "host",
         "copies of your agent run in the env hosts, a chunk of steps per request, and follow "
-        "its parameters (get_param_values) at every call",
+        "its parameters (get_param_values) at every call"
+        + (
+            "; the workers of a host share one agent call a step (the agent has no seed or "
+            "reset method)"
+            if together
+            else ""
+        ),
         follows=True,
+    )
+
+
+def calls_shared(agent: Any) -> bool:
+    """Whether the copies of ``agent`` (one object shared by the workers) in one env host share
+    its calls: one ``get_actions`` a step on the rows of all its workers (see
+    :func:`~asyncsample.backends._chunk_loop.run_joint`). Copies with a ``seed`` method draw
+    from their worker's seed, and those with ``reset`` keep a state per env: each its own."""
+    return not (
+        callable(getattr(agent, "seed", None))
+        or callable(getattr(agent, "reset", None))
+        or getattr(agent, "merge_rows", True) is False
     )
 
 
