@@ -200,3 +200,54 @@ async def test_a_hosts_workers_share_its_calls_with_the_batches_of_per_worker(
     calls = [int(n) for n in Path(log).read_text().split()]
     assert max(calls) == 8  # the four workers' rows in one call
     assert os.path.getsize(log) > 0
+
+
+class FakeReader:
+    """Frames readable at once, as a host's reader would hand them over."""
+
+    def __init__(self, frames: list[tuple[int, int, bytes]]) -> None:
+        self.frames = list(frames)
+
+    def buffered(self) -> bool:
+        return bool(self.frames)
+
+    def read(self) -> tuple[int, int, bytes]:
+        return self.frames.pop(0)
+
+    def wait_readable(self, seconds: float) -> None:
+        pass
+
+
+class FakeSlot:
+    def __init__(self, key: bytes | None, going: bool = True) -> None:
+        self.copy_key = key
+        self.going = going
+
+    def chunk_request(self, body: Any) -> bytes:
+        return bytes(body)
+
+
+def test_a_host_takes_each_slots_next_request_and_keeps_the_order_of_the_rest() -> None:
+    from collections import deque
+
+    from asyncsample.backends._host_main import _partners
+    from asyncsample.backends._transport import SLOT, Op
+
+    def frame(rid: int, op: int, slot: int) -> tuple[int, int, bytes]:
+        return rid, op, SLOT.pack(slot) + b"r%d" % rid
+
+    slots = [FakeSlot(b"k"), FakeSlot(b"k"), FakeSlot(b"k"), FakeSlot(b"other"), FakeSlot(b"k")]
+    frames = [
+        frame(10, Op.PARAMS, 1),  # slot 1's next request is not a chunk: its chunk waits
+        frame(11, Op.CHUNK, 1),
+        frame(12, Op.CHUNK, 2),
+        frame(13, Op.CHUNK, 3),  # another agent
+        frame(14, Op.CHUNK, 2),  # slot 2's second chunk: after its first
+        frame(15, Op.EXIT, 0),
+        frame(16, Op.CHUNK, 4),  # past the end
+    ]
+    backlog: deque[Any] = deque()
+    taken = _partners(FakeReader(frames), backlog, slots, 0, True)  # type: ignore[arg-type]
+    assert [(rid, slot) for rid, slot, _ in taken] == [(12, slots[2])]
+    assert taken[0][2] == b"r12"
+    assert [f[0] for f in backlog] == [10, 11, 13, 14, 15, 16]

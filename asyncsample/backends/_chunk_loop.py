@@ -173,14 +173,15 @@ class ChunkRunner:
         steps = self.begin(request)
         if isinstance(steps, ChunkReply):
             return steps
+        get_actions, checked, send = self.agent.get_actions, self.checked, steps.send
         try:
             observations = next(steps)
             while True:
                 try:
-                    output = self.agent_actions(observations)
+                    output = checked(get_actions(observations))
                 except Exception as exc:
                     steps.throw(self.failed(exc))  # the loop cleans up and raises it
-                observations = steps.send(output)
+                observations = send(output)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 

@@ -58,14 +58,15 @@ _PR_SET_PDEATHSIG = 1
 #: :mod:`~asyncsample.backends._chunk_loop`) waits for theirs before it runs those at hand. The
 #: workers of a call send their requests in one pass of the caller's loop.
 JOIN_WAIT = 0.0005
-
-Frame = tuple[int, int, bytes]
 #: A lockstep host's watchdog says where a request stands once it has run this share of
 #: ``step_timeout`` (and again at each look): before the caller's timer kills the host.
 _WATCH_AT = 0.9
 #: A host polling for a flag step (see :meth:`StepReader.wait_spinning`) looks at its socket
 #: once every this many looks at the flag (a look at the flag costs well under a microsecond).
 _POLL_EVERY = 16
+
+Frame = tuple[int, int, bytes]
+"""A request as the reader hands it over: ``(request id, opcode, payload)``."""
 
 
 def _die_with_parent() -> None:
