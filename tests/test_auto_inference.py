@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from typing import Any
@@ -17,6 +18,8 @@ from helpers import SamplerFactory
 
 from asyncsample import InferenceChoice, Replayable, Sampler, VecWorker
 from asyncsample.inference import copies
+
+ASYNC_ENV = functools.partial(CountingAsyncEnv, 100)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -72,6 +75,11 @@ class PlainAgent(ParamAgent):
         ({"agent": ParamAgent(), "n_workers": 4}, "host", "share one agent call a step"),
         ({"agent": ParamAgent(), "n_workers": 2}, "host", "at every call"),  # one worker a host
         ({"agent": Seeded(0), "n_workers": 8}, "batched", "8 workers over 2 env host(s) "),
+        # the hosts time each worker's chunks on its own: no shared calls
+        ({"agent": ParamAgent(), "n_workers": 8, "metrics": True}, "batched", "8 workers over"),
+        # a factory: its envs' kind is known later (async envs' lanes ask each worker's copy)
+        ({"agent": ParamAgent(), "n_workers": 8, "env": ASYNC_ENV}, "host", "share one agent"),
+        ({"agent": ParamAgent(), "n_workers": 8, "backend": "ray"}, "batched", "8 workers over"),
         ({"agent": Seeded(0), "n_workers": 6, "n_processes": None}, "batched", "not given: 2"),
         ({"agent": Seeded(0), "n_workers": 8}, "batched", "at most 4 workers, with more envs"),
         ({"agent": Seeded(0), "n_workers": 8, "n_processes": 4}, "host", "copies of your"),
@@ -89,9 +97,9 @@ class PlainAgent(ParamAgent):
 )
 async def test_the_choice_and_its_reason(kwargs: dict[str, Any], mode: str, why: str) -> None:
     options: dict[str, Any] = {"backend": "process", "n_workers": 2, "n_processes": 2, **kwargs}
-    agent, env = options.pop("agent", None), options.pop("env", "CartPole-v1")
-    if agent is not None:
-        env = GridWorldEnv
+    agent, env = options.pop("agent", None), options.pop("env", None)
+    if env is None:
+        env = GridWorldEnv if agent is not None else "CartPole-v1"
     sampler = Sampler(env, agent, **options)
     try:
         choice = sampler.inference

@@ -86,6 +86,9 @@ class Traits:
         async_hosts: its hosts also take async envs, each stepped on its own in the host's
             event loop (as ``per_env`` backends step theirs).
         lockstep: its hosts are :class:`LockstepHost` (the vector env's loop-free step).
+        shared_calls: with ``inference="host"`` over blocking envs, a host runs the chunks of
+            the workers whose copies of one agent act alike side by side, one agent call a step
+            (:func:`~asyncsample.backends._chunk_loop.run_joint`).
         per_host: the option that sets how many workers share a host (``None``: none).
         needs: the optional package it needs, also its extra's name (``None``: none).
     """
@@ -100,6 +103,7 @@ class Traits:
     async_envs: bool = False
     async_hosts: bool = False
     lockstep: bool = False
+    shared_calls: bool = False
     per_host: str | None = None
     needs: str | None = None
 
@@ -142,6 +146,7 @@ TABLE: dict[str, Traits] = {
             host_mode=True,
             lockstep=True,
             async_hosts=True,
+            shared_calls=True,
         ),
         Traits("local", "local:LocalBackend", in_process=True, preempts=False),
         Traits(

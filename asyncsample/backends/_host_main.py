@@ -347,12 +347,10 @@ def _serve(
                 if flag is None:
                     reader.wait_spinning()
                 spun = True
-        except EnvFailureError as exc:
-            send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
         except (BrokenPipeError, ConnectionError):
             raise
-        except Exception as exc:  # a bug of the host, unpicklable infos: not worth a restart
-            send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))
+        except Exception as exc:
+            _answer_failed(sock, rid, exc)
 
 
 def _partners(
@@ -423,12 +421,20 @@ def _run_joint(
             if isinstance(result, Exception):
                 raise result
             send_frame(sock, rid, ST_OK, dumps_infos(result))
-        except EnvFailureError as exc:
-            send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
         except (BrokenPipeError, ConnectionError):
             raise
-        except Exception as exc:  # a bug of the host, unpicklable infos: not worth a restart
-            send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))
+        except Exception as exc:
+            _answer_failed(sock, rid, exc)
+
+
+def _answer_failed(sock: socket.socket, rid: int, exc: Exception) -> None:
+    """Answer request ``rid`` with the failure ``exc`` means: an env's or the agent's
+    (:class:`EnvFailureError`, retried as it says), else a bug of the host or infos that cannot
+    be pickled (not worth a restart)."""
+    if isinstance(exc, EnvFailureError):
+        send_frame(sock, rid, ST_FAIL, dump_failure(exc.failure))
+    else:
+        send_frame(sock, rid, ST_FAIL, failure_from_exception(exc, retry=False))
 
 
 def _run(slot: HostSlot, op: int, body: Any, turns: list[int] | None) -> bytes:

@@ -71,14 +71,17 @@ class Setup:
         own_compute_actions: the worker class overrides ``compute_actions``.
         exact_resume: the sampler resumes a state or replays its envs (``Replayable``): a
             checkpoint must read the agents' state, which it does in the caller only.
-        timed: metrics are on: the hosts time each worker's chunks, which then run alone.
+        shared_calls: the hosts share one agent call a step among workers whose copies act
+            alike (``process`` with metrics off: they time each worker's chunks on their own).
+            Async envs' lanes still ask each worker's copy: the envs' kind is known only once
+            the sampler starts, after the choice.
     """
 
     host_mode: bool
     episode_timeout: float | None = None
     own_compute_actions: bool = False
     exact_resume: bool = False
-    timed: bool = False
+    shared_calls: bool = False
 
 
 def choose_inference(
@@ -106,7 +109,8 @@ def choose_inference(
     - Your agent, where the hosts can run copies of it that follow it (see
       :func:`~asyncsample.inference.copies.host_fit`): in the hosts too. Where one agent is
       shared by the workers and its copies share each host's calls (:func:`calls_shared`: no
-      ``seed`` or ``reset`` method), whatever the number of workers per host: a host asks its
+      ``seed`` or ``reset`` method; ``process``, metrics off), whatever the number of workers
+      per host: a host asks its
       copy once a step for the rows of all its workers. Else with at most :data:`HOST_WORKERS`
       workers per env host (``n_processes`` as given, else :data:`ASSUMED_HOSTS`), each copy
       called on its own; with more, one merged call in the caller (``"batched"``) when all
@@ -166,7 +170,7 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
     if (
         shared
         and n_workers > HOST_WORKERS * n_processes
-        and not (calls_shared(agents[0]) and not setup.timed)
+        and not (setup.shared_calls and calls_shared(agents[0]))
     ):
         return InferenceChoice(
             "batched",
@@ -175,7 +179,7 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
             "the agent there: one merged call in the caller is cheaper (at most "
             f"{HOST_WORKERS * n_processes} workers, with more envs each, run it in the hosts)",
         )
-    together = shared and n_workers > n_processes and calls_shared(agents[0]) and not setup.timed
+    together = shared and n_workers > n_processes and setup.shared_calls and calls_shared(agents[0])
     return InferenceChoice(
         "host",
         "copies of your agent run in the env hosts, a chunk of steps per request, and follow "
