@@ -152,7 +152,7 @@ class SamplerCore:
         own = worker_class.compute_actions is not Worker.compute_actions
         exact = _resume.wants_exact_resume(self.env_sources, resume)
         timed = config.metrics is not None and config.metrics is not False
-        shared = self.traits.shared_calls and not timed  # (async envs' lanes do not share)
+        shared = self.traits.shared_calls and not timed
         setup = Setup(self.traits.host_mode, self.episode_timeout, own, exact, shared)
         # The env hosts if the arguments set them (else None: this machine's CPU count).
         given = n_processes is not None or bool(

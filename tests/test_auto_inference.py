@@ -77,7 +77,7 @@ class PlainAgent(ParamAgent):
         ({"agent": Seeded(0), "n_workers": 8}, "batched", "8 workers over 2 env host(s) "),
         # the hosts time each worker's chunks on its own: no shared calls
         ({"agent": ParamAgent(), "n_workers": 8, "metrics": True}, "batched", "8 workers over"),
-        # a factory: its envs' kind is known later (async envs' lanes ask each worker's copy)
+        # a factory (blocking or async envs: the hosts share the calls of either)
         ({"agent": ParamAgent(), "n_workers": 8, "env": ASYNC_ENV}, "host", "share one agent"),
         ({"agent": ParamAgent(), "n_workers": 8, "backend": "ray"}, "batched", "8 workers over"),
         ({"agent": Seeded(0), "n_workers": 6, "n_processes": None}, "batched", "not given: 2"),

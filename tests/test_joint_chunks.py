@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -12,6 +13,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 import pytest
+from async_envs import CountingAsyncEnv
 from envs import NoisyEnv, first_to_claim
 from helpers import SamplerFactory
 
@@ -251,3 +253,82 @@ def test_a_host_takes_each_slots_next_request_and_keeps_the_order_of_the_rest() 
     assert [(rid, slot) for rid, slot, _ in taken] == [(12, slots[2])]
     assert taken[0][2] == b"r12"
     assert [f[0] for f in backlog] == [10, 11, 13, 14, 15, 16]
+
+
+class Parity(Linear):
+    """Deterministic on the async envs' observations (step count first)."""
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        obs = np.asarray(observations)
+        if self.log is not None:
+            with open(self.log, "a") as f:
+                f.write(f"{len(obs)}\n")
+        return (obs[:, 0].astype(np.int64) % 2), {}
+
+
+async def test_the_lanes_of_a_hosts_workers_share_its_calls(
+    make_sampler: SamplerFactory, tmp_path: Path
+) -> None:
+    """Async envs in a process host: the envs of workers alike that are ready in one pass of the
+    host's loop get their actions from one call."""
+    log = str(tmp_path / "calls")
+    sampler = make_sampler(
+        "process",
+        functools.partial(CountingAsyncEnv, 10),
+        Parity(log),
+        inference="host",
+        n_workers=4,
+        envs_per_worker=2,
+        n_processes=1,
+        seed=3,
+    )
+    batch = await sampler.obtain_fragments(400)
+    assert batch.n_transitions == 400
+    t = np.concatenate([e.observations[:, 0] for e in batch.split()]).astype(np.int64)
+    np.testing.assert_array_equal(
+        np.concatenate([e.actions for e in batch.split()]), t % 2
+    )  # each env's rows acted on as the agent would alone
+    calls = [int(n) for n in Path(log).read_text().split()]
+    assert max(calls) > 2  # rows of several workers (2 envs each) in one call
+
+
+class ShiftedParity(Parity):
+    """Acts ``(step + shift) % 2``; ``shift`` is its parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = 0
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        obs = np.asarray(observations)
+        return (obs[:, 0].astype(np.int64) + self.shift) % 2, {}
+
+    def get_param_values(self) -> dict[str, int]:  # type: ignore[override]
+        return {"shift": self.shift}
+
+    def set_param_values(self, params: Any) -> None:
+        self.shift = int(params["shift"])
+
+
+async def test_an_update_reaches_every_lane_of_the_shared_copy(
+    make_sampler: SamplerFactory,
+) -> None:
+    """Each step is taken with the parameters of the version it is stamped with, while the
+    hosts' copies are updated one slot after another."""
+    sampler = make_sampler(
+        "process",
+        functools.partial(CountingAsyncEnv, 10, 0.001),
+        ShiftedParity(),
+        inference="host",
+        n_workers=4,
+        envs_per_worker=2,
+        n_processes=1,
+        seed=3,
+    )
+    batches = [await sampler.obtain_fragments(200)]
+    for shift in (1, 0, 1):
+        batches.append(await sampler.obtain_fragments(200, agent_update={"shift": shift}))
+    for batch in batches:
+        assert batch.agent_versions is not None
+        t = batch.observations[:, 0].astype(np.int64)
+        np.testing.assert_array_equal(batch.actions, (t + batch.agent_versions) % 2)

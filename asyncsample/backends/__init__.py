@@ -86,9 +86,10 @@ class Traits:
         async_hosts: its hosts also take async envs, each stepped on its own in the host's
             event loop (as ``per_env`` backends step theirs).
         lockstep: its hosts are :class:`LockstepHost` (the vector env's loop-free step).
-        shared_calls: with ``inference="host"`` over blocking envs, a host runs the chunks of
-            the workers whose copies of one agent act alike side by side, one agent call a step
-            (:func:`~asyncsample.backends._chunk_loop.run_joint`).
+        shared_calls: with ``inference="host"``, a host shares its agent calls among the
+            workers whose copies of one agent act alike: their chunks side by side, one call a
+            step (:func:`~asyncsample.backends._chunk_loop.run_joint`), or their async envs'
+            rows ready in one pass of its loop in one call.
         per_host: the option that sets how many workers share a host (``None``: none).
         needs: the optional package it needs, also its extra's name (``None``: none).
     """

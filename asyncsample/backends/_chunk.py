@@ -10,6 +10,7 @@ from the state the last one left, while the worker replays that one.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from asyncsample._engine import StopRule
 from asyncsample._recorder import row_of
 from asyncsample._step_fields import StepFields
 from asyncsample._tree import Tree, tree_leaves, tree_map
+from asyncsample.agent import RandomAgent
 from asyncsample.backends._column_wire import unpack_chunk
 from asyncsample.backends._transport import (
     KEEP_CHUNK_OBS,
@@ -45,10 +47,12 @@ __all__ = [
     "NextChunk",
     "SentChunk",
     "agent_error",
+    "alike_key",
     "chunk_capacity",
     "chunk_rows",
     "chunk_sets",
     "install_agent",
+    "params_key",
     "set_agent_params",
 ]
 
@@ -406,6 +410,32 @@ def install_agent(blob: bytes, call: Callable[..., Any] = _call) -> Any:
     if seed is not None and callable(seeder):
         call(seeder, int(seed))
     return agent
+
+
+def alike_key(blob: bytes, agent: Any) -> bytes | None:
+    """The key of the agent copy installed from ``blob``: equal for the copies of one host that
+    act alike on any rows, so that one call may serve their rows (the chunks side by side of
+    :func:`~asyncsample.backends._chunk_loop.run_joint`, the lanes' merged calls). ``None``
+    for a copy that keeps its own calls: a worker's own agent (installed without a seed, as it
+    would go on in the caller), the built-in random agent (each worker's generator), and an
+    agent with ``seed`` (each copy draws from its worker's seed), ``reset`` (its state follows
+    one worker's envs) or ``merge_rows = False``."""
+    agent_blob, seed = pickle.loads(blob)
+    if (
+        seed is None
+        or isinstance(agent, RandomAgent)
+        or callable(getattr(agent, "seed", None))
+        or callable(getattr(agent, "reset", None))
+        or getattr(agent, "merge_rows", True) is False
+    ):
+        return None
+    return hashlib.blake2b(agent_blob).digest()
+
+
+def params_key(key: bytes | None, blob: bytes) -> bytes | None:
+    """The key of a copy with :func:`alike_key` ``key`` once the parameters in ``blob`` replaced
+    its earlier ones."""
+    return None if key is None else hashlib.blake2b(key + blob).digest()
 
 
 def set_agent_params(

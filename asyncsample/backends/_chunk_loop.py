@@ -22,8 +22,6 @@ error reads as it would alone.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 import traceback
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -43,7 +41,9 @@ from asyncsample.backends._chunk import (
     ChunkRequest,
     NextChunk,
     agent_error,
+    alike_key,
     install_agent,
+    params_key,
     set_agent_params,
 )
 from asyncsample.env_group import EnvFailure, EnvFailureError, EnvGroup
@@ -78,10 +78,9 @@ class ChunkRunner:
         self._trusted = False
         self._agent_key: bytes | None = None
         self.copy_key: bytes | None = None
-        """Equal for the slots whose agent copies act alike on any rows (copies of one agent
-        shared by several workers, the same parameters since, no ``seed``, ``reset`` or
-        ``merge_rows = False``): one call may serve them all (:func:`run_joint`). ``None``: a
-        copy of its own."""
+        """Equal for the slots whose agent copies act alike on any rows (see
+        :func:`~asyncsample.backends._chunk.alike_key`): one call may serve them all
+        (:func:`run_joint`). ``None``: a copy of its own."""
 
     @property
     def going(self) -> bool:
@@ -95,23 +94,13 @@ class ChunkRunner:
         self.agent = agent
         self._output_check.forget()
         self._trusted = trusted_actions(agent, self.action_space)
-        agent_blob, seed = pickle.loads(blob)
-        shared = not (
-            seed is None  # a worker's own agent, as it would go on in the caller
-            or self._trusted
-            or callable(getattr(agent, "seed", None))  # each copy draws from its worker's seed
-            or self._agent_reset() is not None  # its state follows this slot's envs
-            or getattr(agent, "merge_rows", True) is False
-        )
-        self._agent_key = hashlib.blake2b(agent_blob).digest() if shared else None
-        self.copy_key = self._agent_key
+        self._agent_key = self.copy_key = alike_key(blob, agent)
 
     def set_params(self, blob: bytes) -> None:
         """``agent.set_param_values(params)`` with the parameters pickled in ``blob``."""
         self.copy_key = None  # until they are in place
         set_agent_params(self.agent, blob, self.group.worker, self._guard)
-        if self._agent_key is not None:  # the parameters replace the earlier ones
-            self.copy_key = hashlib.blake2b(self._agent_key + blob).digest()
+        self.copy_key = params_key(self._agent_key, blob)
 
     def settle(self) -> None:
         """The group's observations back in its own buffer, from the arena row a chunk left

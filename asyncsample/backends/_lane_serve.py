@@ -24,7 +24,13 @@ from asyncsample._recorder import put_row
 from asyncsample._tree import row_copy, tree_map
 from asyncsample.agent import row_draw
 from asyncsample.backends import _watchdog
-from asyncsample.backends._chunk import agent_error, install_agent, set_agent_params
+from asyncsample.backends._chunk import (
+    agent_error,
+    alike_key,
+    install_agent,
+    params_key,
+    set_agent_params,
+)
 from asyncsample.backends._column_wire import (
     object_rows,
     pack_replies,
@@ -260,8 +266,10 @@ class LaneServer:
     With ``inference="host"`` each slot holds a seeded copy of its worker's agent (installed and
     updated by whole-worker requests); an :data:`LaneKind.ACT` request asks it for the env's
     action and steps the env with it. The requests of one pass of the loop are merged into one
-    agent call per slot (async agents awaited here), and the reply carries the action and its
-    agent infos after the step's ``(reward, terminated, truncated, info)``."""
+    agent call per slot (async agents awaited here), or per group of slots whose copies act
+    alike (:func:`~asyncsample.backends._chunk.alike_key`: they share one copy and its calls),
+    and the reply carries the action and its agent infos after the step's ``(reward,
+    terminated, truncated, info)``."""
 
     def __init__(
         self,
@@ -308,6 +316,10 @@ class LaneServer:
         self.agents: list[Any] = [None] * len(self.slots)  # inference="host": agent copies
         self.changes = [0] * len(self.slots)  # per slot, its agent copy's installs and updates
         self._batchers: list[Batcher | None] = [None] * len(self.slots)  # their merged calls
+        # Per slot, its copy's alike_key as installed and with its parameters; the copies with
+        # equal keys share one copy and one batcher: one call a pass for all their envs.
+        self._alike: list[tuple[bytes | None, bytes | None]] = [(None, None)] * len(self.slots)
+        self._shared: dict[bytes, tuple[Any, Batcher]] = {}
 
     async def shut(self) -> None:
         """Cancel what runs and close every env (each close bounded by ``close_timeout``)."""
@@ -332,11 +344,17 @@ class LaneServer:
         slot = self.slots[k]
         try:
             if op == Op.AGENT:
-                self.agents[k] = install_agent(bytes(body))
+                self._key(k, None)
+                self.agents[k] = agent = install_agent(bytes(body))
+                key = alike_key(bytes(body), agent) if slot.buffers.clock is None else None
+                self._key(k, key, key)
                 self.changes[k] += 1
                 return ST_OK, b""
             if op == Op.PARAMS:
+                installed = self._alike[k][0]
+                self._key(k, installed)  # until the parameters are in place
                 set_agent_params(self.agents[k], bytes(body), slot.spec.worker)
+                self._key(k, installed, params_key(installed, bytes(body)))
                 self.changes[k] += 1
                 return ST_OK, b""
             args = pickle.loads(body) if len(body) else ()
@@ -356,6 +374,35 @@ class LaneServer:
             return ST_OK, value or b""
         except Exception as exc:
             return ST_FAIL, dump_failure(_failure(exc))
+
+    def _key(self, k: int, installed: bytes | None, key: bytes | None = None) -> None:
+        """Slot ``k``'s copy has the alike key ``key`` now (``installed``: as installed). A
+        shared copy that is slot ``k``'s is dropped (the slots still alike take another's at
+        their next request), and so are those no slot has any more."""
+        own = self.agents[k]
+        self._alike[k] = (installed, key)
+        held = {key for _, key in self._alike}
+        for gone in [g for g, (agent, _) in self._shared.items() if agent is own or g not in held]:
+            del self._shared[gone]
+
+    def _asked(self, k: int, host: LaneHost) -> tuple[Any, Batcher]:
+        """The copy that acts for slot ``k``'s envs and the batcher of its merged calls: slot
+        ``k``'s own, or the one its slots alike share (see :func:`alike_key`)."""
+        key = self._alike[k][1]
+        if key is not None:
+            shared = self._shared.get(key)
+            if shared is None:
+                shared = self._shared[key] = (
+                    self.agents[k],
+                    Batcher(Batched(), action_space=host.spec.action_space),
+                )
+            return shared
+        batcher = self._batchers[k]
+        if batcher is None:
+            batcher = self._batchers[k] = Batcher(Batched(), action_space=host.spec.action_space)
+            if host.buffers.clock is not None:  # metrics on: its calls, rows and sampled seconds
+                batcher.timer = AgentTimer()
+        return self.agents[k], batcher
 
     # -- lane requests --------------------------------------------------------------------------
 
@@ -550,17 +597,12 @@ class LaneServer:
         ``(reward, terminated, truncated, info, action, agent_infos)``; the action ``None`` where
         the caller shares the step buffers (and ``keep`` is false): it is in their ``actions``
         row (numpy scalars and rows cost more to pickle than the rest of a reply)."""
-        agent = self.agents[k]
         worker = host.spec.worker
-        if agent is None:
+        if self.agents[k] is None:
             raise _agent_fault(
                 RuntimeError(f"worker {worker}: no agent installed in its env host"), worker
             )
-        batcher = self._batchers[k]
-        if batcher is None:
-            batcher = self._batchers[k] = Batcher(Batched(), action_space=host.spec.action_space)
-            if host.buffers.clock is not None:  # metrics on: its calls, rows and sampled seconds
-                batcher.timer = AgentTimer()
+        agent, batcher = self._asked(k, host)
         obs = host.buffers.obs
         observation = (
             obs[i] if isinstance(obs, (np.ndarray, list)) else tree_map(lambda a: a[i], obs)

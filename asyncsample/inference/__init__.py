@@ -71,10 +71,8 @@ class Setup:
         own_compute_actions: the worker class overrides ``compute_actions``.
         exact_resume: the sampler resumes a state or replays its envs (``Replayable``): a
             checkpoint must read the agents' state, which it does in the caller only.
-        shared_calls: the hosts share one agent call a step among workers whose copies act
-            alike (``process`` with metrics off: they time each worker's chunks on their own).
-            Async envs' lanes still ask each worker's copy: the envs' kind is known only once
-            the sampler starts, after the choice.
+        shared_calls: the hosts share their agent calls among workers whose copies act alike
+            (``process`` with metrics off: they time each worker's calls on their own).
     """
 
     host_mode: bool
