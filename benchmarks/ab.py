@@ -48,7 +48,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: ``"vector"`` face runs ``VectorEnv(env id, workers * envs per worker, n_processes=processes)``
 #: (processes -1: its default placement);
 #: ``"batched"`` and ``"host"`` are the sampler with that ``inference=`` (batched shares one agent);
-#: ``"host-shared"`` is ``inference="host"`` with one agent shared by the workers;
+#: ``"host-shared"`` is ``inference="host"`` with one agent shared by the workers (and
+#: ``"process-host-shared"`` on the latency envs);
 #: ``"host-stream"`` is ``inference="host"`` consumed through ``Sampler.stream(fragments=True)``;
 #: ``"asyncio"``, ``"asyncio-batched"`` and ``"thread"`` are the sampler on that backend (the
 #: lanes; ``-batched``: ``inference="batched"`` with one agent for every env) on the latency envs
@@ -165,6 +166,15 @@ WORKLOADS: dict[str, tuple[str, str, int, int, int, bool, int]] = {
         100_000,
     ),
     "AsyncEnv 1 ms 10x100 MLP process host": ("process-host", "0.001", 10, 100, 2, True, 100_000),
+    "AsyncEnv 1 ms 10x100 MLP process host shared": (
+        "process-host-shared",
+        "0.001",
+        10,
+        100,
+        2,
+        True,
+        100_000,
+    ),
     # the same envs in process hosts, the agent in the caller: ready batches of steps
     "AsyncEnv 1 ms 10x100 random process batched": (
         "process-batched",
@@ -241,7 +251,8 @@ if metrics:  # only then: a tree without metrics= still runs the other side
 kw = {{}} if registry is None else {{"metrics": registry}}
 agent = None
 lanes = face in (
-    "asyncio", "asyncio-batched", "thread", "process-host", "process-batched", "process-per_worker"
+    "asyncio", "asyncio-batched", "thread", "process-host", "process-batched", "process-per_worker",
+    "process-host-shared",
 )
 if lanes:  # the latency envs of the async_envs study, this tree's or (older) ours
     import functools
@@ -276,8 +287,8 @@ def vector():
 async def main():
     inference = {{"batched": "batched", "host": "host", "asyncio-batched": "batched",
                   "process-host": "host", "process-batched": "batched",
-                  "host-shared": "host"}}.get(face, "per_worker")
-    one = inference == "batched" or face == "host-shared"
+                  "host-shared": "host", "process-host-shared": "host"}}.get(face, "per_worker")
+    one = inference == "batched" or face.endswith("host-shared")
     shared = agent[0] if one and agent else agent
     if inference == "batched" and not policy:  # batched needs one agent: the built-in random one
         from asyncsample import RandomAgent
