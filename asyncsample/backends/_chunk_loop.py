@@ -3,21 +3,20 @@ chunks with its agent copy; :func:`run_joint` runs the chunks of several slots s
 agent call a step for all.
 
 With ``inference="host"`` every worker's slot holds a copy of the agent. Where several workers
-share one agent and their copies act alike on any rows (:attr:`ChunkRunner.copy_key`: the same
-pickled agent and parameters, installed with a worker's seed, no ``seed``, ``reset`` or
-``merge_rows = False``), a host that has
-the chunk requests of several such slots at hand runs them together: each step, every slot's
-rows go to one ``get_actions`` call, whose output is split back by rows and checked per slot.
-Per step that is one forward pass instead of one per worker: what a policy costs in a host is
-mostly its per-call overhead (a torch MLP on 4 rows or on 16 takes about the same time).
+share one agent and their copies act alike on any rows (:attr:`ChunkRunner.copy_key`, see
+:func:`~asyncsample.backends._chunk.alike_key`), a host that has the chunk requests of several
+such slots at hand runs them together: each step, every slot's rows go to one ``get_actions``
+call, whose output is split back by rows and checked per slot. Per step that is one forward
+pass instead of one per worker: what a policy costs in a host is mostly its per-call overhead
+(a torch MLP on 4 rows or on 16 takes about the same time).
 
 An agent whose actions depend only on its input gives the same actions either way, so the
 batches do not change. A copy that cannot act alike (a seeded stochastic agent, a recurrent
 one) keeps its own call. Each slot's chunk keeps its own rule, reply and faults: a slot whose
 env fails leaves the others running; an error of the merged call fails the chunk of every slot
 in it, and each row it failed (:class:`~asyncsample.AgentRowsError`) is its own slot's fault.
-An output that is not a row per row is not split: each slot then asks its own copy, so that the
-error reads as it would alone.
+An output that is not a row per input row is not split: each slot then asks its own copy, so
+that the error reads as it would alone.
 """
 
 from __future__ import annotations
