@@ -46,6 +46,7 @@ __all__ = [
     "ChunkRequest",
     "NextChunk",
     "SentChunk",
+    "acts_alike",
     "agent_error",
     "alike_key",
     "chunk_capacity",
@@ -417,19 +418,24 @@ def alike_key(blob: bytes, agent: Any) -> bytes | None:
     act alike on any rows, so that one call may serve their rows (the chunks side by side of
     :func:`~asyncsample.backends._chunk_loop.run_joint`, the lanes' merged calls). ``None``
     for a copy that keeps its own calls: a worker's own agent (installed without a seed, as it
-    would go on in the caller), the built-in random agent (each worker's generator), and an
-    agent with ``seed`` (each copy draws from its worker's seed), ``reset`` (its state follows
-    one worker's envs) or ``merge_rows = False``."""
+    would go on in the caller), and one whose copies do not act alike (:func:`acts_alike`)."""
     agent_blob, seed = pickle.loads(blob)
-    if (
-        seed is None
-        or isinstance(agent, RandomAgent)
+    if seed is None or not acts_alike(agent):
+        return None
+    return hashlib.blake2b(agent_blob).digest()
+
+
+def acts_alike(agent: Any) -> bool:
+    """Whether the copies of ``agent`` (one object shared by several workers) act alike on any
+    rows, so that one call may serve them all; not the built-in random agent (each worker's
+    generator), nor an agent with ``seed`` (each copy draws from its worker's seed), ``reset``
+    (its state follows one worker's envs) or ``merge_rows = False``."""
+    return not (
+        isinstance(agent, RandomAgent)
         or callable(getattr(agent, "seed", None))
         or callable(getattr(agent, "reset", None))
         or getattr(agent, "merge_rows", True) is False
-    ):
-        return None
-    return hashlib.blake2b(agent_blob).digest()
+    )
 
 
 def params_key(key: bytes | None, blob: bytes) -> bytes | None:

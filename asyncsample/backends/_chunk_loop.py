@@ -423,6 +423,11 @@ def run_joint(
 ) -> list[ChunkReply | Exception]:
     """Run each runner's request, the steps of all side by side with one agent call a step
     (the first runner's copy); per runner, its reply or the exception its chunk raised."""
+    if len(runners) == 1:  # alone: its own loop, without the bookkeeping of several
+        try:
+            return [runners[0].run(requests[0])]
+        except Exception as exc:
+            return [exc]
     results: list[ChunkReply | Exception | None] = [None] * len(runners)
     live: list[tuple[int, ChunkSteps, Tree]] = []
     for k, (runner, request) in enumerate(zip(runners, requests)):

@@ -11,6 +11,7 @@ from typing import Any
 
 from asyncsample._batcher import Batched, Batcher, BatchStats, FlushRule
 from asyncsample.agent import distinct
+from asyncsample.backends._chunk import acts_alike
 from asyncsample.inference.copies import host_fit
 from asyncsample.inference.host import Host, check_host_agent
 
@@ -24,7 +25,6 @@ __all__ = [
     "Host",
     "InferenceChoice",
     "Setup",
-    "calls_shared",
     "check_inference",
     "choose_inference",
 ]
@@ -106,10 +106,10 @@ def choose_inference(
       with 4x8, against 0.60x with ``per_worker``: ``benchmarks/results/first_run/``).
     - Your agent, where the hosts can run copies of it that follow it (see
       :func:`~asyncsample.inference.copies.host_fit`): in the hosts too. Where one agent is
-      shared by the workers and its copies share each host's calls (:func:`calls_shared`: no
-      ``seed`` or ``reset`` method; ``process``, metrics off), whatever the number of workers
-      per host: a host asks its
-      copy once a step for the rows of all its workers. Else with at most :data:`HOST_WORKERS`
+      shared by the workers and its copies share each host's calls (``process`` with metrics
+      off, and :func:`~asyncsample.backends._chunk.acts_alike`: no ``seed`` or ``reset``
+      method), whatever the number of workers per host: a host asks its copy once a step for
+      the rows of all its workers. Else with at most :data:`HOST_WORKERS`
       workers per env host (``n_processes`` as given, else :data:`ASSUMED_HOSTS`), each copy
       called on its own; with more, one merged call in the caller (``"batched"``) when all
       workers share the agent.
@@ -124,8 +124,8 @@ def choose_inference(
 
 
 #: The most workers per env host for which ``"auto"`` runs in the hosts a user's agent whose
-#: copies do not share calls (:func:`calls_shared`): each host then calls one copy per worker,
-#: so beyond this one merged call in the caller is cheaper
+#: copies do not share calls (:func:`~asyncsample.backends._chunk.acts_alike`): each host then
+#: calls one copy per worker, so beyond this one merged call in the caller is cheaper
 #: (a torch MLP on CartPole-v1 over 2 hosts, 2026-12-01: 4x8 host 52.2k steps/s, batched 33.7k;
 #: 8x4 host 27.1k, batched 33.4k; ``benchmarks/results/policy/``).
 HOST_WORKERS = 2
@@ -168,7 +168,7 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
     if (
         shared
         and n_workers > HOST_WORKERS * n_processes
-        and not (setup.shared_calls and calls_shared(agents[0]))
+        and not (setup.shared_calls and acts_alike(agents[0]))
     ):
         return InferenceChoice(
             "batched",
@@ -177,7 +177,7 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
             "the agent there: one merged call in the caller is cheaper (at most "
             f"{HOST_WORKERS * n_processes} workers, with more envs each, run it in the hosts)",
         )
-    together = shared and n_workers > n_processes and setup.shared_calls and calls_shared(agents[0])
+    together = shared and n_workers > n_processes and setup.shared_calls and acts_alike(agents[0])
     return InferenceChoice(
         "host",
         "copies of your agent run in the env hosts, a chunk of steps per request, and follow "
@@ -189,18 +189,6 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
             else ""
         ),
         follows=True,
-    )
-
-
-def calls_shared(agent: Any) -> bool:
-    """Whether the copies of ``agent`` (one object shared by the workers) in one env host share
-    its calls: one ``get_actions`` a step on the rows of all its workers (see
-    :func:`~asyncsample.backends._chunk_loop.run_joint`). Copies with a ``seed`` method draw
-    from their worker's seed, and those with ``reset`` keep a state per env: each its own."""
-    return not (
-        callable(getattr(agent, "seed", None))
-        or callable(getattr(agent, "reset", None))
-        or getattr(agent, "merge_rows", True) is False
     )
 
 
