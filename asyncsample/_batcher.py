@@ -292,6 +292,11 @@ class Batcher:
             loop.call_soon(self._check)
         return to
 
+    def calls_on(self, agent: Agent) -> bool:
+        """Whether a call of ``agent`` is asked and not yet made, or any agent call is running
+        (awaited, or in the helper thread): parameters set now could reach its rows."""
+        return bool(self._tasks) or any(r.agent is agent for r in self._pending)
+
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold off agent calls (an update must not race a forward pass in the helper thread)."""

@@ -241,7 +241,7 @@ class RunStepper:
             else:
                 self.start_obs[i] = row_copy(host.buffers.obs, i)
                 steps = pool.run_steps(RUN_STEPS)
-                future = host.run_soon(i, steps, worker.agent_version, False)
+                future = host.run_soon(i, steps, False)
         except WorkerError as exc:  # its host is dead: this env's failure
             self._failed(i, exc)
             return
@@ -306,10 +306,8 @@ class RunStepper:
         self._next(i)
 
     @_fails_the_call
-    def take_runs(
-        self, runs: RunColumns, rs: np.ndarray, envs: np.ndarray, versions: np.ndarray
-    ) -> None:
-        """Record runs ``rs`` of ``runs``, envs ``envs``' (asked under ``versions``): those
+    def take_runs(self, runs: RunColumns, rs: np.ndarray, envs: np.ndarray) -> None:
+        """Record runs ``rs`` of ``runs``, envs ``envs``': those
         within the quota's room in one pass (:meth:`_record_runs`), the one that crosses it and
         any after one by one (:meth:`_record`); then ask each env for its next."""
         in_flight, start_obs = self.host.in_flight, self.start_obs
@@ -324,11 +322,9 @@ class RunStepper:
         if fit < VECTOR_RUNS:  # a pass's fixed cost is more than that of a few runs one by one
             fit = 0
         else:
-            self._record_runs(runs, rs[:fit], envs[:fit], versions[:fit], lengths[:fit])
-        for r, i, version in zip(rs[fit:].tolist(), ids[fit:], versions[fit:].tolist()):
-            run = runs.run(r)
-            run.version = version
-            self._record(i, run)
+            self._record_runs(runs, rs[:fit], envs[:fit], lengths[:fit])
+        for r, i in zip(rs[fit:].tolist(), ids[fit:]):
+            self._record(i, runs.run(r))
         for i in ids:
             self._next(i)
 
@@ -337,7 +333,6 @@ class RunStepper:
         runs: RunColumns,
         rs: np.ndarray,
         envs: np.ndarray,
-        versions: np.ndarray,
         lengths: np.ndarray,
     ) -> None:
         """Record whole runs (within the quota's room), every column in one pass: each step's
@@ -358,7 +353,7 @@ class RunStepper:
         rows.actions[at, env] = runs.actions[src]
         rewards = runs.rewards[src]
         rows.rewards[at, env] = rewards
-        rows.versions[at, env] = np.repeat(versions, lengths)
+        rows.versions[at, env] = np.repeat(runs.versions[rs], lengths)
         if runs.infos or runs.agent_infos or rows.agent_infos:
             for r, i, start, n in zip(rs.tolist(), envs.tolist(), t.tolist(), lengths.tolist()):
                 put_infos(rows, start, i, n, runs.infos.get(r, ()), runs.agent_infos.get(r, ()))

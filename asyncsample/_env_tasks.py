@@ -455,7 +455,7 @@ class LaneStepper:
                         elif runs:  # the host's agent copy acts: a run of steps, one reply
                             step = self._run_soon(acting, i, left, when)
                         else:  # the host's agent copy acts: the action comes with the reply
-                            step = acting.act_soon(i, when)
+                            step = acting.act_soon(i, worker.agent_version, when)
                         rows.versions[t, i] = worker.agent_version
                         stepping = True
                         if carry:  # a round's end may leave this lane as the step's carrier
@@ -543,7 +543,9 @@ class LaneStepper:
                     if acting is None:
                         reward, terminated, truncated, info = result
                     else:
-                        reward, terminated, truncated, info, action, infos = result
+                        reward, terminated, truncated, info, action, infos, acted = result
+                        if acted >= 0:  # an update reached the host first: it acted
+                            rows.versions[t, i] = acted
                         if action is None:  # the host wrote it into the shared step buffers
                             action = (
                                 buffers.actions[i]
@@ -608,9 +610,9 @@ class LaneStepper:
         pool = self.pool
         k = min(RUN_STEPS, left) if pool is None else pool.run_steps(RUN_STEPS)
         if k < 2:
-            return acting.act_soon(i, when)
+            return acting.act_soon(i, self.worker.agent_version, when)
         self.runs.add(i)
-        return acting.run_soon(i, k, self.worker.agent_version, pool is None, when)
+        return acting.run_soon(i, k, pool is None, when)
 
     @staticmethod
     def _put_action(rows: Any, t: int, i: int, action: Any, infos: Any, flat: bool) -> None:

@@ -314,7 +314,7 @@ class RunFrame(NamedTuple):
 
     Attributes:
         others: the replies that are not runs, as they are.
-        keys, lengths: per run, its request's key and its steps.
+        keys, lengths, versions: per run, its request's key, its steps and its agent version.
         rewards: every step's reward (float64 bytes); ``flags``: per run, terminated and
             truncated (a byte each).
         obs, actions: every step's row, as ``(bytes, dtype, shape)``.
@@ -324,6 +324,7 @@ class RunFrame(NamedTuple):
     others: list[tuple[int, int, Any]]
     keys: list[int]
     lengths: list[int]
+    versions: list[int]
     rewards: bytes
     flags: bytes
     obs: tuple[bytes, str, tuple[int, ...]]
@@ -404,6 +405,7 @@ def pack_runs(out: list[tuple[int, int, Any]]) -> list[tuple[int, int, Any]] | R
         [reply for reply in out if type(reply[2]) is not StepRun],
         [key for key, _, _ in runs],
         [len(run.rewards) for _, _, run in runs],
+        [run.version for _, _, run in runs],
         np.array([r for _, _, run in runs for r in run.rewards], dtype=np.float64).tobytes(),
         bytes(flags),
         raw_obs,
@@ -421,7 +423,8 @@ class RunColumns:
 
     Attributes:
         keys: per run, its request's key.
-        lengths, starts: per run, its steps and its first step's index in the columns.
+        lengths, starts, versions: per run, its steps, its first step's index in the columns
+            and its agent version.
         terminated, truncated: per run, its last step's flags.
         obs, actions, rewards: every step's row, run after run.
         infos, agent_infos: by run, ``(step, info)`` where not empty.
@@ -431,6 +434,7 @@ class RunColumns:
         self.keys = frame.keys
         self.lengths = np.array(frame.lengths, dtype=np.int64)
         self.starts = np.cumsum(self.lengths) - self.lengths
+        self.versions = np.array(frame.versions, dtype=np.int64)
         flags = np.frombuffer(frame.flags, dtype=np.uint8).reshape(-1, 2).astype(bool)
         self.terminated, self.truncated = flags[:, 0], flags[:, 1]
         self.obs, self.actions = _column(frame.obs), _column(frame.actions)
@@ -450,6 +454,7 @@ class RunColumns:
             self.agent_infos.get(r, []),
             bool(self.terminated[r]),
             bool(self.truncated[r]),
+            int(self.versions[r]),
         )
 
 

@@ -62,10 +62,8 @@ class RunSink(Protocol):
         """Env ``i``'s request was answered: its value, or the error its future would raise."""
         ...
 
-    def take_runs(
-        self, runs: RunColumns, rs: np.ndarray, envs: np.ndarray, versions: np.ndarray
-    ) -> None:
-        """Runs ``rs`` of ``runs`` answered envs ``envs``' requests, asked under ``versions``."""
+    def take_runs(self, runs: RunColumns, rs: np.ndarray, envs: np.ndarray) -> None:
+        """Runs ``rs`` of ``runs`` answered envs ``envs``' requests."""
         ...
 
     def take_steps(self, envs: np.ndarray, infos: list[dict[str, Any] | None]) -> None:
@@ -424,7 +422,6 @@ class RemoteLanes(PerEnvLockstep):
         self.bare_keys = np.zeros(self.n_envs, dtype=np.int64)
         self._kinds = [0] * self.n_envs
         self._sent_to: list[Any] = [None] * self.n_envs
-        self._run_versions = [0] * self.n_envs  # the version each env's last run was asked under
         # Per env, a step's SinkStep and the future it got (keep_waiting) while its reply, read
         # already, waited for its turn (settle_steps).
         self._late: dict[int, tuple[Any, asyncio.Future[Any]]] = {}
@@ -600,7 +597,7 @@ class RemoteLanes(PerEnvLockstep):
     def settle_runs(self, batch: _Runs) -> None:
         """Settle ``batch``, runs that answered this host's requests: those still in flight to
         the :attr:`sink` at once, any other as :meth:`settle` would."""
-        links, versions = self._links, self._run_versions
+        links = self._links
         in_flight, sink = self.in_flight, self.sink
         rs: list[int] = []
         envs: list[int] = []
@@ -617,7 +614,6 @@ class RemoteLanes(PerEnvLockstep):
                 batch.runs,
                 np.array(rs, dtype=np.int64),
                 np.array(envs, dtype=np.int64),
-                np.array([versions[i] for i in envs], dtype=np.int64),
             )
 
     def _outcome(self, i: int, status: int, value: Any) -> tuple[bool, Any]:
@@ -625,8 +621,6 @@ class RemoteLanes(PerEnvLockstep):
         if status == ST_OK:
             buffers = self.buffers
             kind = self._kinds[i]
-            if kind == LaneKind.RUN:
-                (value if type(value) is StepRun else value[0]).version = self._run_versions[i]
             if self._obs_in_reply:
                 value, obs, final = value
                 _put(buffers.obs, i, obs)
@@ -640,15 +634,18 @@ class RemoteLanes(PerEnvLockstep):
                     else:
                         buffers.terminated[i], buffers.truncated[i] = value[1], value[2]
             elif kind == LaneKind.STEP or kind == LaneKind.ACT:  # the outcome is in the buffers
-                info, extra = (None, None) if value is None else value
+                reply = value
                 value = (  # no info: None (a tuple of no container is not tracked)
                     float(buffers.rewards[i]),
                     bool(buffers.terminated[i]),
                     bool(buffers.truncated[i]),
-                    info or None,
+                    None if reply is None else reply[0] or None,
                 )
-                if kind == LaneKind.ACT:
-                    value += (None, extra or {})
+                if kind == LaneKind.ACT:  # (and the version that acted, where not as asked)
+                    if reply is None:
+                        value += (None, {}, -1)
+                    else:
+                        value += (None, reply[1] or {}, reply[2] if len(reply) > 2 else -1)
             return True, value
         if status == ST_DEADLINE:
             error: BaseException = DeadlinePassed()
@@ -725,12 +722,12 @@ class RemoteLanes(PerEnvLockstep):
         return self._send(LaneKind.STEP, i, self._action(i, action), self._left(deadline))
 
     def act_soon(
-        self, i: int, deadline: float | None = None
-    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
+        self, i: int, version: int, deadline: float | None = None
+    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any], int]]:
         """Step env ``i`` in the host with the action its agent copy picks (``inference="host"``):
-        a future of ``(reward, terminated, truncated, info, action, agent_infos)`` (see
-        :meth:`step_soon`)."""
-        return self._send(LaneKind.ACT, i, self._left(deadline))
+        a future of ``(reward, terminated, truncated, info, action, agent_infos, acted)`` (see
+        :meth:`step_soon` and :meth:`~asyncsample.backends.base.ActingHost.act_soon`)."""
+        return self._send(LaneKind.ACT, i, self._left(deadline), version)
 
     def reset_soon(self, i: int) -> asyncio.Future[dict[str, Any]]:
         """:meth:`reset_one` with the pending seed, as a bare future (see :meth:`step_soon`)."""
@@ -747,11 +744,10 @@ class RemoteLanes(PerEnvLockstep):
         return await super().drop_in_flight(envs)
 
     def run_soon(
-        self, i: int, steps: int, version: int, merged: bool, deadline: float | None = None
+        self, i: int, steps: int, merged: bool, deadline: float | None = None
     ) -> asyncio.Future[StepRun]:
         """See :meth:`~asyncsample.backends.base.ActingHost.run_soon`: one request and one reply
         for the run (see :meth:`step_soon`)."""
-        self._run_versions[i] = version
         return self._send(LaneKind.RUN, i, self._left(deadline), steps, merged)
 
     async def rebuild_one(self, i: int, chain: Sequence[EnvSource], seed: int) -> None:

@@ -49,6 +49,7 @@ from asyncsample.backends._transport import (
     dump_failure,
     dumps,
     round_trips,
+    split_version,
 )
 from asyncsample.backends.aio import LaneHost, make_async_env
 from asyncsample.backends.base import DeadlinePassed, HostSpec, StepRun
@@ -84,8 +85,12 @@ class LaneKind:
     RESET = 1  # (RESET, key, slot, env, seed or PENDING, options, seconds left or None)
     REBUILD = 2  # (REBUILD, key, slot, env, cloudpickled chain, seed)
     CANCEL = 3  # (CANCEL, key): the caller gave up on request ``key``
-    ACT = 4  # (ACT, key, slot, env, seconds left or None): the slot's agent copy acts, env steps
-    RUN = 5  # (RUN, key, slot, env, seconds left or None, steps, merged): ACT up to ``steps`` times
+    # (ACT, key, slot, env, seconds left or None, version asked under): the slot's agent copy
+    # acts, the env steps; the reply names the version that acted where it is another
+    ACT = 4
+    # (RUN, key, slot, env, seconds left or None, steps, merged): ACT up to ``steps`` times, in
+    # one version (the reply's StepRun.version)
+    RUN = 5
     # (STEPS, first key, slot, envs: int64 bytes): a STEP of each env, its action in the shared
     # buffers, keys first, first + 1, ... (one request for a batch: none to pickle per step)
     STEPS = 6
@@ -315,6 +320,10 @@ class LaneServer:
         self.calls: set[asyncio.Task[Any]] = set()
         self.agents: list[Any] = [None] * len(self.slots)  # inference="host": agent copies
         self.changes = [0] * len(self.slots)  # per slot, its agent copy's installs and updates
+        self.versions = [0] * len(self.slots)  # per slot, its copy's agent version (the stamp)
+        # Per slot, its parameter update waiting for the agent calls asked of its copy (its
+        # envs' requests wait for it).
+        self._updating: list[asyncio.Future[None] | None] = [None] * len(self.slots)
         self._batchers: list[Batcher | None] = [None] * len(self.slots)  # their merged calls
         # Per slot, its copy's alike_key as installed and with its parameters; the copies with
         # equal keys share one copy and one batcher: one call a pass for all their envs.
@@ -343,19 +352,17 @@ class LaneServer:
     async def _call(self, k: int, op: int, body: bytes) -> tuple[int, bytes]:
         slot = self.slots[k]
         try:
-            if op == Op.AGENT:
+            if op == Op.AGENT:  # a new copy: the calls in flight keep the one they have
+                version, blob = split_version(body)
                 self._key(k, None)
-                self.agents[k] = agent = install_agent(bytes(body))
-                key = alike_key(bytes(body), agent) if slot.buffers.clock is None else None
+                self.agents[k] = agent = install_agent(blob)
+                key = alike_key(blob, agent) if slot.buffers.clock is None else None
                 self._key(k, key, key)
+                self.versions[k] = version
                 self.changes[k] += 1
                 return ST_OK, b""
             if op == Op.PARAMS:
-                installed = self._alike[k][0]
-                self._key(k, installed)  # until the parameters are in place
-                set_agent_params(self.agents[k], bytes(body), slot.spec.worker)
-                self._key(k, installed, params_key(installed, bytes(body)))
-                self.changes[k] += 1
+                await self._update(k, *split_version(body))
                 return ST_OK, b""
             args = pickle.loads(body) if len(body) else ()
             value: Any = None
@@ -374,6 +381,36 @@ class LaneServer:
             return ST_OK, value or b""
         except Exception as exc:
             return ST_FAIL, dump_failure(_failure(exc))
+
+    async def _update(self, k: int, version: int, blob: bytes) -> None:
+        """Slot ``k``'s copy takes the parameters in ``blob`` (agent ``version``) once the agent
+        calls already asked of it are made, so that each step runs with the parameters of the
+        version it is stamped with; the slot's requests that come meanwhile wait for it."""
+        agent, installed = self.agents[k], self._alike[k][0]
+        # The batchers that may hold calls of this copy: its own, and where it is shared.
+        batchers = [b for a, b in self._shared.values() if a is agent]
+        own = self._batchers[k]
+        if own is not None:
+            batchers.append(own)
+        self._key(k, installed)  # until the parameters are in place: the slots alike move on
+        gate = self._updating[k] = asyncio.get_running_loop().create_future()
+        try:
+            while any(b.calls_on(agent) for b in batchers):  # made at the end of a pass
+                await asyncio.sleep(0)
+            set_agent_params(agent, blob, self.slots[k].spec.worker)
+            self._key(k, installed, params_key(installed, blob))
+            self.versions[k] = version
+            self.changes[k] += 1
+        finally:
+            self._updating[k] = None
+            gate.set_result(None)
+
+    async def _updated(self, k: int) -> None:
+        """Once no update of slot ``k``'s copy is waiting."""
+        gate = self._updating[k]
+        while gate is not None:
+            await gate
+            gate = self._updating[k]
 
     def _key(self, k: int, installed: bytes | None, key: bytes | None = None) -> None:
         """Slot ``k``'s copy has the alike key ``key`` now (``installed``: as installed). A
@@ -504,8 +541,12 @@ class LaneServer:
                     # unpickled per step cost both sides more than the rest of the step's path).
                     buffers.rewards[i] = value[0]
                     buffers.terminated[i], buffers.truncated[i] = value[1], value[2]
-                    extra = value[5] if kind == LaneKind.ACT else None
-                    value = (value[3], extra) if value[3] or extra else None
+                    if kind == LaneKind.STEP:
+                        value = (value[3], None) if value[3] else None
+                    elif value[6] != request[5]:  # not the version it was asked under
+                        value = (value[3], value[5], value[6])
+                    else:
+                        value = (value[3], value[5]) if value[3] or value[5] else None
                 reply: tuple[int, int, Any] = (key, ST_OK, value)
             except DeadlinePassed:
                 reply = (key, ST_DEADLINE, None)
@@ -541,13 +582,16 @@ class LaneServer:
         self, k: int, host: LaneHost, i: int, when: float | None, steps: int, merged: bool
     ) -> StepRun:
         """Env ``i`` of slot ``k`` takes up to ``steps`` steps with its agent copy's actions,
-        stopping at its episode's end, or where the copy changed (an update: the caller stamps
-        the run with the version it asked under); every step's records travel in one reply.
+        stopping at its episode's end, or where the copy changed (an update: the run is of one
+        version, its stamp); every step's records travel in one reply.
         Unless ``merged``, the built-in random agent draws each row on the spot (metrics off:
         they time the merged calls)."""
         buffers = host.buffers
         obs, given = buffers.obs, buffers.actions
-        changes, change = self.changes, self.changes[k]
+        if self._updating[k] is not None:
+            await self._updated(k)
+        changes, change, updating = self.changes, self.changes[k], self._updating
+        version = self.versions[k]
         draw = None
         if not merged and buffers.clock is None:
             draw = row_draw(self.agents[k], host.spec.action_space)
@@ -560,14 +604,14 @@ class LaneServer:
         agent_infos: list[tuple[int, dict[str, Any]]] = []
         terminated = truncated = False
         for j in range(steps):
-            if changes[k] != change:
+            if changes[k] != change or updating[k] is not None:
                 break
             if blocks:
                 seen[j] = obs[i]
             else:
                 seen.append(_row(obs, i))
             if draw is None:
-                reward, terminated, truncated, info, action, extra = await self._act(
+                reward, terminated, truncated, info, action, extra, _ = await self._act(
                     k, host, i, when, keep=True
                 )
                 if extra:
@@ -588,26 +632,30 @@ class LaneServer:
                 break
         if blocks:
             seen, actions = seen[: len(rewards)], actions[: len(rewards)]
-        return StepRun(seen, actions, rewards, infos, agent_infos, terminated, truncated)
+        return StepRun(seen, actions, rewards, infos, agent_infos, terminated, truncated, version)
 
     async def _act(
         self, k: int, host: LaneHost, i: int, when: float | None, keep: bool = False
-    ) -> tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]:
+    ) -> tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any], int]:
         """Env ``i`` of slot ``k`` steps with the action its agent copy picks for its observation:
-        ``(reward, terminated, truncated, info, action, agent_infos)``; the action ``None`` where
-        the caller shares the step buffers (and ``keep`` is false): it is in their ``actions``
-        row (numpy scalars and rows cost more to pickle than the rest of a reply)."""
+        ``(reward, terminated, truncated, info, action, agent_infos, version)``, ``version`` the
+        agent version that picked it; the action ``None`` where the caller shares the step
+        buffers (and ``keep`` is false): it is in their ``actions`` row (numpy scalars and rows
+        cost more to pickle than the rest of a reply)."""
         worker = host.spec.worker
+        if self._updating[k] is not None:
+            await self._updated(k)
         if self.agents[k] is None:
             raise _agent_fault(
                 RuntimeError(f"worker {worker}: no agent installed in its env host"), worker
             )
+        version = self.versions[k]
         agent, batcher = self._asked(k, host)
         obs = host.buffers.obs
         observation = (
             obs[i] if isinstance(obs, (np.ndarray, list)) else tree_map(lambda a: a[i], obs)
         )
-        try:
+        try:  # (its copy's parameters stay until the call is made: see _update)
             action, infos = await batcher.request(agent, worker, observation, i)
         except WorkerError:
             raise  # the agent failed this env's row (AgentRowsError): the env's fault alone
@@ -620,9 +668,9 @@ class LaneServer:
             or isinstance(host.buffers.actions, list)
             or id(host) in self._rows_travel
         ):
-            return reward, terminated, truncated, info, action, infos
+            return reward, terminated, truncated, info, action, infos, version
         put_row(host.buffers.actions, i, action)  # shared with the caller: read there, not sent
-        return reward, terminated, truncated, info, None, infos
+        return reward, terminated, truncated, info, None, infos, version
 
     @staticmethod
     def _agent_reset(agent: Any, host: LaneHost, i: int) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import cloudpickle
 import numpy as np
 
-from asyncsample.backends._transport import Op
+from asyncsample.backends._transport import Op, with_version
 from asyncsample.backends._watchdog import (
     REPORT_GRACE,
     STALLED_AT_CLOSE,
@@ -573,7 +573,7 @@ class RemoteHost(ABC, Generic[IncT]):
                 blob, version = self._agent_blob, self._agent_version
                 self._agent_dirty = False
                 try:
-                    await self._request(Op.AGENT, blob)
+                    await self._request(Op.AGENT, with_version(version, blob))
                 except BaseException:
                     self._agent_dirty = True
                     raise
@@ -584,7 +584,7 @@ class RemoteHost(ABC, Generic[IncT]):
                 blob, version = self._params_blob, self._agent_version
                 self._params_dirty = False
                 try:
-                    await self._request(Op.PARAMS, blob)
+                    await self._request(Op.PARAMS, with_version(version, blob))
                 except BaseException:
                     self._params_dirty = True
                     raise

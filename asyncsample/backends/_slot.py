@@ -36,7 +36,7 @@ from asyncsample.backends._column_wire import (
     pack_columns,
     unpack_columns_into,
 )
-from asyncsample.backends._transport import KEEP_CHUNK_OBS, Op, dumps, dumps_infos
+from asyncsample.backends._transport import KEEP_CHUNK_OBS, Op, dumps, dumps_infos, split_version
 from asyncsample.backends.base import HostSpec
 from asyncsample.env_group import (
     EnvFailure,
@@ -249,7 +249,7 @@ class HostSlot:
             Op.CALL: lambda body: self._call(*self.load(body, "call arguments")),
             Op.SET_ATTR: lambda body: group.set_attr(*self.load(body, "attribute values")),
             Op.AGENT: self._install_agent,
-            Op.PARAMS: lambda body: self._runner().set_params(bytes(body)),
+            Op.PARAMS: lambda body: self._runner().set_params(split_version(body)[1]),
             Op.CHUNK: lambda body: dumps_infos(self.run_chunk(self.load(body, "chunk request"))),
             Op.CLOSE: lambda body: group.close(),
         }
@@ -388,8 +388,10 @@ class HostSlot:
             raise EnvFailureError(EnvFailure(None, exc, text, retry=False)) from exc
 
     def _install_agent(self, body: _Body) -> None:
-        """Install the agent copy (which may import torch: its threads are set after)."""
-        self._runner().install(bytes(body))
+        """Install the agent copy (which may import torch: its threads are set after); its
+        version is the caller's to stamp (a slot's requests run in the order sent)."""
+        runner = self._runner()
+        runner.install(split_version(body)[1])
         _threads.apply_torch(self.host_threads)
 
     def load(self, body: _Body, what: str) -> Any:

@@ -79,8 +79,8 @@ class Op(enum.IntEnum):
     SET_ATTR = 8  # payload: slot + cloudpickle((name, values, envs))
     RESET_ARGS = 9  # payload: slot + mask bytes + cloudpickle((seeds, options))
     # inference="host" (see asyncsample.backends._chunk):
-    AGENT = 10  # payload: slot + cloudpickle((agent, seed)): install the slot's agent copy
-    PARAMS = 11  # payload: slot + pickle(params): agent.set_param_values(params)
+    AGENT = 10  # payload: slot + version + cloudpickle((agent, seed)): install the agent copy
+    PARAMS = 11  # payload: slot + version + pickle(params): agent.set_param_values(params)
     CHUNK = 12  # payload: slot + pickle(ChunkRequest); reply: pickle(ChunkReply)
 
     @property
@@ -99,6 +99,21 @@ _LABELS = {
     Op.AGENT: "agent install",
     Op.PARAMS: "parameter update",
 }
+
+
+#: The agent version an :data:`Op.AGENT` or :data:`Op.PARAMS` body starts with: the host
+#: stamps what its copy does with it (a request asked before an update may run after it).
+VERSION = struct.Struct("<q")
+
+
+def with_version(version: int, blob: bytes) -> bytes:
+    """An agent install's or parameter update's body: ``blob`` after its agent ``version``."""
+    return VERSION.pack(version) + blob
+
+
+def split_version(body: bytes | memoryview) -> tuple[int, bytes]:
+    """``(version, blob)`` of a body made by :func:`with_version`."""
+    return VERSION.unpack_from(body)[0], bytes(body[VERSION.size :])
 
 
 # Reply statuses.

@@ -425,7 +425,7 @@ class StepRun:
         rewards: per step.
         infos, agent_infos: ``(step, info)`` for the steps whose env or agent info is not empty.
         terminated, truncated: the last step's flags (a run stops at its episode's end).
-        version: the agent version its steps ran under (the caller's stamp).
+        version: the agent version its steps ran under (the host's stamp).
     """
 
     obs: Any
@@ -445,19 +445,22 @@ class ActingHost(BareStepHost, Protocol):
     steps (:meth:`run_soon`), the actions in the reply."""
 
     def act_soon(
-        self, i: int, deadline: float | None = None
-    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any]]]:
-        """Step env ``i`` with its agent copy's action for its observation: ``(reward,
-        terminated, truncated, info, action, agent_infos)``."""
+        self, i: int, version: int, deadline: float | None = None
+    ) -> asyncio.Future[tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any], int]]:
+        """Step env ``i`` with its agent copy's action for its observation, asked under agent
+        ``version``: ``(reward, terminated, truncated, info, action, agent_infos, acted)``,
+        ``acted`` the version that picked the action, or -1 where it is ``version`` (an update
+        that reached the host first acts for a step asked before it)."""
         ...
 
     def run_soon(
-        self, i: int, steps: int, version: int, merged: bool, deadline: float | None = None
+        self, i: int, steps: int, merged: bool, deadline: float | None = None
     ) -> asyncio.Future[StepRun]:
         """Let env ``i`` take up to ``steps`` steps with its agent copy's actions, stopping at
         its episode's end or where the copy changes: a future of their :class:`StepRun`,
-        stamped ``version``. ``merged``: the copy's calls merge the envs' rows (reproducible
-        batches); else the built-in random agent may draw each row on the spot."""
+        stamped by the host with the version its steps ran under. ``merged``: the copy's calls
+        merge the envs' rows (reproducible batches); else the built-in random agent may draw
+        each row on the spot."""
         ...
 
     async def sync_agent(self) -> int:
