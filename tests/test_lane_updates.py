@@ -2,29 +2,26 @@
 parameters picked its action, also where a parameter update reaches the host while a step asked
 before it waits for its agent call, or before a run asked earlier starts.
 
-The host's server (a ``LaneActor``, driven in the test's loop) is given the requests in the
-orders that raced: before, a run whose first agent call was still merging when the update came
-acted with the new parameters, and the caller stamped it with the version it asked under.
+The host's server (``tests/lane_server.py``: driven in the test's loop) is given the requests
+in the orders that raced: before, a run whose first agent call was still merging when the
+update came acted with the new parameters, and the caller stamped it with the version it asked
+under.
 """
 
 from __future__ import annotations
 
-import functools
-import pickle
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import cloudpickle
 import numpy as np
 import pytest
-from async_envs import CountingAsyncEnv
+from lane_server import LaneServerHost
 
-from asyncsample.backends._lane_serve import PENDING, LaneKind, LaneOptions
-from asyncsample.backends._ray_actor import LaneActor
-from asyncsample.backends._remote import slots_blob
-from asyncsample.backends._transport import ST_OK, Op, with_version
-from asyncsample.backends.base import HostSpec, StepRun
-from asyncsample.inference.host import with_seed
+from asyncsample.backends._lane_serve import LaneKind
+from asyncsample.backends._transport import ST_OK
+from asyncsample.backends.base import StepRun
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60), pytest.mark.both_loops]
 
@@ -48,52 +45,6 @@ class Shifted:
         self.shift = int(params["shift"])
 
 
-class Host:
-    """Slots of one env each (episodes of 50 steps), each a copy of one pickled ``Shifted`` at
-    version 0, with its worker's seed (as the sampler installs them: alike, so they share one
-    copy and its calls)."""
-
-    def __init__(self, n_slots: int = 1) -> None:
-        probe = CountingAsyncEnv()
-        specs = [
-            HostSpec(w, 1, probe.observation_space, probe.action_space, None, lanes=True)
-            for w in range(n_slots)
-        ]
-        self.actor = LaneActor(slots_blob(specs), LaneOptions(None, 1.0, None))
-        self.replies: dict[int, Any] = {}
-        self.n_slots = n_slots
-
-    async def start(self) -> None:
-        agent = cloudpickle.dumps(Shifted())
-        chains = cloudpickle.dumps(([[functools.partial(CountingAsyncEnv, 50)]], [0]))
-        for w in range(self.n_slots):
-            await self.serve(w, Op.BUILD, chains)
-            await self.serve(w, Op.AGENT, with_version(0, with_seed(agent, 7 + w)))
-            self.submit((LaneKind.RESET, 100 + w, w, 0, PENDING, None, None))
-            await self.until(100 + w)
-
-    async def serve(self, worker: int, op: int, body: bytes) -> None:
-        status, payload = pickle.loads(await self.actor.serve(worker, int(op), body))
-        assert status == ST_OK, payload
-
-    def update(self, version: int, shift: int, slot: int = 0) -> Any:
-        """Slot ``slot``'s parameter update, its task started now (not awaited)."""
-        body = with_version(version, pickle.dumps({"shift": shift}))
-        return self.actor._server().call(slot, Op.PARAMS, body)
-
-    def submit(self, request: tuple[Any, ...]) -> None:
-        self.actor._server().handle(pickle.dumps([request]))
-
-    async def until(self, key: int) -> Any:
-        while key not in self.replies:
-            batches, _clocks = await self.actor.replies()
-            for body in batches:
-                for k, status, value in pickle.loads(body):
-                    assert status == ST_OK, value
-                    self.replies[k] = value
-        return self.replies[key]
-
-
 def acted_as_stamped(run: StepRun) -> None:
     """Each step's action is the one the parameters of the run's version pick (version v has
     shift v % 2)."""
@@ -102,19 +53,19 @@ def acted_as_stamped(run: StepRun) -> None:
 
 
 @pytest.fixture
-async def host() -> Any:
-    h = Host()
+async def host() -> AsyncIterator[LaneServerHost]:
+    h = LaneServerHost(Shifted())
     await h.start()
     yield h
-    await h.actor.shutdown()
+    await h.close()
 
 
-async def test_a_run_whose_agent_call_is_merging_keeps_its_version(host: Host) -> None:
+async def test_a_run_whose_agent_call_is_merging_keeps_its_version(host: LaneServerHost) -> None:
     """The update comes while the run's first agent call waits for the end of the pass: the
     call is answered with the old parameters, the run stops before its next step and is stamped
     with the old version; the next run is of the new version."""
     host.submit((LaneKind.RUN, 1, 0, 0, None, 5, True))
-    update = host.update(1, 1)  # its task runs after the run's, before the merged call
+    update = host.update(1, {"shift": 1})  # its task runs after the run's, before the merged call
     (run, _obs, _final) = await host.until(1)
     assert (await update)[0] == ST_OK
     assert run.version == 0 and len(run.rewards) == 1
@@ -126,22 +77,24 @@ async def test_a_run_whose_agent_call_is_merging_keeps_its_version(host: Host) -
 
 
 async def test_a_run_asked_before_an_update_it_follows_is_of_the_new_version(
-    host: Host,
+    host: LaneServerHost,
 ) -> None:
     """The update is in place before the run starts: the run is stamped with the new version
     (the caller asked it under the old one)."""
-    assert (await host.update(1, 1))[0] == ST_OK
+    assert (await host.update(1, {"shift": 1}))[0] == ST_OK
     host.submit((LaneKind.RUN, 1, 0, 0, None, 5, True))
     (run, _obs, _final) = await host.until(1)
     assert run.version == 1 and len(run.rewards) == 5
     acted_as_stamped(run)
 
 
-async def test_a_step_asked_under_an_old_version_names_the_one_that_acted(host: Host) -> None:
+async def test_a_step_asked_under_an_old_version_names_the_one_that_acted(
+    host: LaneServerHost,
+) -> None:
     """An ``ACT`` step asked under version 0 after the update to version 1: its reply names
     version 1 (with 0, as asked, it names none)."""
     host.submit((LaneKind.ACT, 1, 0, 0, None, 0))
-    update = host.update(1, 1)
+    update = host.update(1, {"shift": 1})
     _reward, _term, _trunc, _info, action, _extra, acted = (await host.until(1))[0]
     assert (await update)[0] == ST_OK
     assert (acted, int(action)) == (0, 0)  # its observation 0, under shift 0
@@ -153,14 +106,14 @@ async def test_a_step_asked_under_an_old_version_names_the_one_that_acted(host: 
 async def test_the_slots_alike_stop_sharing_a_copy_its_own_slot_updates() -> None:
     """Slot 1's envs were served by slot 0's copy (alike); once slot 0 is updated, slot 1's
     steps keep slot 1's parameters (version 0)."""
-    host = Host(2)
+    host = LaneServerHost(Shifted(), n_slots=2)
     await host.start()
     try:
         host.submit((LaneKind.ACT, 1, 0, 0, None, 0))
         host.submit((LaneKind.ACT, 2, 1, 0, None, 0))
         await host.until(1)  # one merged call for both: slot 0's copy, shared
         await host.until(2)
-        assert (await host.update(1, 1, slot=0))[0] == ST_OK
+        assert (await host.update(1, {"shift": 1}, slot=0))[0] == ST_OK
         host.submit((LaneKind.ACT, 3, 1, 0, None, 0))
         _reward, _term, _trunc, _info, action, _extra, acted = (await host.until(3))[0]
         assert (acted, int(action)) == (0, 1)  # its observation 1, under shift 0
@@ -168,4 +121,4 @@ async def test_the_slots_alike_stop_sharing_a_copy_its_own_slot_updates() -> Non
         _reward, _term, _trunc, _info, action, _extra, acted = (await host.until(4))[0]
         assert (acted, int(action)) == (1, 0)  # its observation 1, under shift 1
     finally:
-        await host.actor.shutdown()
+        await host.close()

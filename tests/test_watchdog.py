@@ -13,20 +13,24 @@ import asyncio
 import functools
 import logging
 import re
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import blocking_envs
 import cloudpickle
 import numpy as np
 import pytest
+from async_envs import CountingAsyncEnv
 from blocking_envs import ACTIONS, BLOCK_LINE, BlockingAsyncEnv, BlockingEnv, block, claim
 from helpers import SamplerFactory, wait_until
+from lane_server import LaneServerHost
 from prometheus_client import CollectorRegistry
 from test_metrics import value
 
 from asyncsample import EpisodeBatch, RandomAgent, StepType
 from asyncsample.backends import _watchdog
+from asyncsample.backends._lane_serve import LaneKind
 from asyncsample.backends._watchdog import BlockReport, Watch, name_block
 
 cloudpickle.register_pickle_by_value(blocking_envs)  # the env hosts cannot import it by name
@@ -173,6 +177,31 @@ async def test_a_block_is_named_where_a_lane_awaits_its_envs_step_itself(
     texts = [str(w.message) for w in caught if "event loop" in str(w.message)]
     assert len(texts) == 1
     assert f"in step at {PLACE}" in texts[0] and re.search(r"env \d of worker \d", texts[0])
+
+
+class _NamesItsStack(CountingAsyncEnv):
+    """Each step takes the watchdog's report of the stack it runs in, as if it blocked there."""
+
+    reports: ClassVar[list[BlockReport]] = []
+
+    async def step(self, action: Any) -> Any:
+        _NamesItsStack.reports.append(name_block(sys._getframe(), 2.0))
+        return await super().step(action)
+
+
+async def test_a_block_is_named_where_a_hosts_run_awaits_its_envs_step_itself() -> None:
+    # a run of steps in a host of async envs (inference="host", the random agent drawing each
+    # row): neither step_timeout nor metrics, so the run awaits its env's steps itself
+    host = LaneServerHost(RandomAgent(ACTIONS), n_slots=2, make_env=_NamesItsStack)
+    await host.start()
+    try:
+        _NamesItsStack.reports.clear()
+        host.submit((LaneKind.RUN, 1, 1, 0, None, 3, False))  # worker 1's env 0
+        run, _obs, _final = await host.until(1)
+    finally:
+        await host.close()
+    assert len(run.rewards) == 3
+    assert [(r.worker, r.env, r.what) for r in _NamesItsStack.reports] == [(1, 0, "step")] * 3
 
 
 class _SlowResetAgent(RandomAgent):

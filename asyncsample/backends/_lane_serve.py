@@ -578,6 +578,7 @@ class LaneServer:
                 self.flushing = True
                 loop.call_soon(self._flush)
 
+    @_watchdog.env_site("step")  # its frame, where it awaits its env's step itself
     async def _run(
         self, k: int, host: LaneHost, i: int, when: float | None, steps: int, merged: bool
     ) -> StepRun:
@@ -618,9 +619,17 @@ class LaneServer:
                     agent_infos.append((j, extra))
             else:
                 action = draw()
-                reward, terminated, truncated, info = await host.step_one(
-                    i, action, when, host.tick()
-                )
+                envs = host.direct_steps() if when is None else None
+                if envs is None:
+                    reward, terminated, truncated, info = await host.step_one(
+                        i, action, when, host.tick()
+                    )
+                else:  # awaited here: a coroutine less (see LaneHost.direct_steps)
+                    try:
+                        value = await envs[i].step(action)  # the env's call
+                    except (asyncio.CancelledError, Exception) as exc:
+                        raise host.step_error(i, exc) from exc
+                    reward, terminated, truncated, info = host.finish_step(i, value)
             if blocks:
                 actions[j] = action
             else:
