@@ -39,6 +39,10 @@ def _not_integral(a: np.ndarray) -> np.ndarray:
 
 _NONE = np.zeros(0, dtype=np.int64)
 
+#: Up to this many discrete actions, their bounds are read as Python ints (0.25 us for 4 rows,
+#: 0.5 us for 16, against 1.6 us for numpy's min and max; even at about 64).
+_FEW = 32
+
 
 def make_action_check(space: gym.Space[Any]) -> Check | None:
     """A check for the stacked actions of ``space`` (``None``: cannot); 2 reductions if all fit."""
@@ -57,8 +61,13 @@ def make_action_check(space: gym.Space[Any]) -> Check | None:
         start, stop = int(space.start), int(space.start + space.n)
 
         def discrete(a: np.ndarray) -> np.ndarray:
-            if a.dtype.kind in "iu" and a.size and start <= a.min() and a.max() < stop:
-                return _NONE
+            if a.dtype.kind in "iu" and a.size:
+                if a.size <= _FEW:  # a few rows: as Python ints (see _FEW)
+                    values = a.ravel().tolist()
+                    if start <= min(values) and max(values) < stop:
+                        return _NONE
+                elif start <= a.min() and a.max() < stop:
+                    return _NONE
             return _rows_bad(_not_integral(a) | (a < start) | (a >= stop))
 
         return discrete
