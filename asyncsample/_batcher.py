@@ -297,6 +297,15 @@ class Batcher:
         (awaited, or in the helper thread): parameters set now could reach its rows."""
         return bool(self._tasks) or any(r.agent is agent for r in self._pending)
 
+    async def made(self, agent: Agent) -> None:
+        """Return once :meth:`calls_on` ``agent`` is false: the calls asked are made at the end
+        of the pass; a running call is awaited (not polled: an LLM's may take seconds)."""
+        while self.calls_on(agent):
+            if self._tasks:
+                await asyncio.wait(list(self._tasks))
+            else:
+                await asyncio.sleep(0)
+
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold off agent calls (an update must not race a forward pass in the helper thread)."""

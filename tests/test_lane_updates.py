@@ -10,22 +10,23 @@ under.
 
 from __future__ import annotations
 
-import sys
+import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
-import cloudpickle
 import numpy as np
 import pytest
 from lane_server import LaneServerHost
 
+from asyncsample._batcher import Batcher
 from asyncsample.backends._lane_serve import LaneKind
 from asyncsample.backends._transport import ST_OK
 from asyncsample.backends.base import StepRun
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60), pytest.mark.both_loops]
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
+# No cloudpickle by value: the host runs in this process, so its agent copies are of this
+# module's classes (AwaitedShifted's class attributes are the test's).
 
 
 class Shifted:
@@ -43,6 +44,32 @@ class Shifted:
 
     def set_param_values(self, params: Any) -> None:
         self.shift = int(params["shift"])
+
+
+class AwaitedShifted(Shifted):
+    """``Shifted`` awaited, its shift read after its call has waited for ``release`` (a future
+    the test sets: an LLM's call may take seconds)."""
+
+    release: ClassVar[asyncio.Future[None] | None] = None
+    waiting: ClassVar[asyncio.Event | None] = None
+
+    async def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, Any]]:  # type: ignore[override]
+        assert AwaitedShifted.release is not None and AwaitedShifted.waiting is not None
+        AwaitedShifted.waiting.set()
+        await AwaitedShifted.release
+        return super().get_actions(observations)
+
+
+async def acted(host: LaneServerHost, key: int) -> tuple[int, int]:
+    """``(the version that acted, the action)`` of ``ACT`` request ``key``'s reply."""
+    _reward, _term, _trunc, _info, action, _extra, version = (await host.until(key))[0]
+    return version, int(action)
+
+
+async def act(host: LaneServerHost, key: int, slot: int = 0) -> tuple[int, int]:
+    """An ``ACT`` step of slot ``slot``'s env asked under version 0: see :func:`acted`."""
+    host.submit((LaneKind.ACT, key, slot, 0, None, 0))
+    return await acted(host, key)
 
 
 def acted_as_stamped(run: StepRun) -> None:
@@ -95,12 +122,9 @@ async def test_a_step_asked_under_an_old_version_names_the_one_that_acted(
     version 1 (with 0, as asked, it names none)."""
     host.submit((LaneKind.ACT, 1, 0, 0, None, 0))
     update = host.update(1, {"shift": 1})
-    _reward, _term, _trunc, _info, action, _extra, acted = (await host.until(1))[0]
+    assert await acted(host, 1) == (0, 0)  # its observation 0, under shift 0
     assert (await update)[0] == ST_OK
-    assert (acted, int(action)) == (0, 0)  # its observation 0, under shift 0
-    host.submit((LaneKind.ACT, 2, 0, 0, None, 0))
-    _reward, _term, _trunc, _info, action, _extra, acted = (await host.until(2))[0]
-    assert (acted, int(action)) == (1, 0)  # its observation 1, under shift 1
+    assert await act(host, 2) == (1, 0)  # its observation 1, under shift 1
 
 
 async def test_the_slots_alike_stop_sharing_a_copy_its_own_slot_updates() -> None:
@@ -114,11 +138,40 @@ async def test_the_slots_alike_stop_sharing_a_copy_its_own_slot_updates() -> Non
         await host.until(1)  # one merged call for both: slot 0's copy, shared
         await host.until(2)
         assert (await host.update(1, {"shift": 1}, slot=0))[0] == ST_OK
-        host.submit((LaneKind.ACT, 3, 1, 0, None, 0))
-        _reward, _term, _trunc, _info, action, _extra, acted = (await host.until(3))[0]
-        assert (acted, int(action)) == (0, 1)  # its observation 1, under shift 0
-        host.submit((LaneKind.ACT, 4, 0, 0, None, 0))
-        _reward, _term, _trunc, _info, action, _extra, acted = (await host.until(4))[0]
-        assert (acted, int(action)) == (1, 0)  # its observation 1, under shift 1
+        assert await act(host, 3, slot=1) == (0, 1)  # its observation 1, under shift 0
+        assert await act(host, 4, slot=0) == (1, 0)  # its observation 1, under shift 1
     finally:
+        await host.close()
+
+
+async def test_an_update_waits_for_a_running_awaited_agent_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An async agent's call is running (awaited) when the update comes: the update waits for
+    it (awaiting it, not polling), so the step it answers acts with the old parameters."""
+    looks = [0]
+    calls_on = Batcher.calls_on
+
+    def counted(self: Batcher, agent: Any) -> bool:
+        looks[0] += 1
+        return calls_on(self, agent)
+
+    monkeypatch.setattr(Batcher, "calls_on", counted)
+    loop = asyncio.get_running_loop()
+    AwaitedShifted.release, AwaitedShifted.waiting = loop.create_future(), asyncio.Event()
+    host = LaneServerHost(AwaitedShifted())
+    await host.start()
+    try:
+        host.submit((LaneKind.ACT, 1, 0, 0, None, 0))
+        await AwaitedShifted.waiting.wait()  # the agent's call runs
+        update = host.update(1, {"shift": 1})
+        await asyncio.sleep(0.05)
+        assert not update.done()  # held by the call in flight
+        assert looks[0] < 10  # not a look per pass of the loop while the call runs
+        AwaitedShifted.release.set_result(None)
+        assert await acted(host, 1) == (0, 0)  # its observation 0, under shift 0
+        assert (await update)[0] == ST_OK
+        assert await act(host, 2) == (1, 0)  # its observation 1, under shift 1
+    finally:
+        AwaitedShifted.release = AwaitedShifted.waiting = None
         await host.close()
