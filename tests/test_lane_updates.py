@@ -72,9 +72,16 @@ async def act(host: LaneServerHost, key: int, slot: int = 0) -> tuple[int, int]:
     return await acted(host, key)
 
 
-def acted_as_stamped(run: StepRun) -> None:
-    """Each step's action is the one the parameters of the run's version pick (version v has
-    shift v % 2)."""
+def run_request(key: int) -> tuple[Any, ...]:
+    """A run of up to 5 steps of slot 0's env, its agent's calls merged."""
+    return (LaneKind.RUN, key, 0, 0, None, 5, True)
+
+
+async def check_run(host: LaneServerHost, key: int, version: int, steps: int) -> None:
+    """Run ``key``'s reply is of ``version`` and ``steps`` steps, each step's action the one the
+    parameters of that version pick (version v has shift v % 2)."""
+    run: StepRun = (await host.until(key))[0]
+    assert (run.version, len(run.rewards)) == (version, steps)
     t = np.asarray(run.obs)[:, 0].astype(np.int64)
     np.testing.assert_array_equal(run.actions, (t + run.version) % 2)
 
@@ -91,16 +98,12 @@ async def test_a_run_whose_agent_call_is_merging_keeps_its_version(host: LaneSer
     """The update comes while the run's first agent call waits for the end of the pass: the
     call is answered with the old parameters, the run stops before its next step and is stamped
     with the old version; the next run is of the new version."""
-    host.submit((LaneKind.RUN, 1, 0, 0, None, 5, True))
+    host.submit(run_request(1))
     update = host.update(1, {"shift": 1})  # its task runs after the run's, before the merged call
-    (run, _obs, _final) = await host.until(1)
+    await check_run(host, 1, version=0, steps=1)
     assert (await update)[0] == ST_OK
-    assert run.version == 0 and len(run.rewards) == 1
-    acted_as_stamped(run)
-    host.submit((LaneKind.RUN, 2, 0, 0, None, 5, True))
-    (run, _obs, _final) = await host.until(2)
-    assert run.version == 1 and len(run.rewards) == 5
-    acted_as_stamped(run)
+    host.submit(run_request(2))
+    await check_run(host, 2, version=1, steps=5)
 
 
 async def test_a_run_asked_before_an_update_it_follows_is_of_the_new_version(
@@ -109,10 +112,8 @@ async def test_a_run_asked_before_an_update_it_follows_is_of_the_new_version(
     """The update is in place before the run starts: the run is stamped with the new version
     (the caller asked it under the old one)."""
     assert (await host.update(1, {"shift": 1}))[0] == ST_OK
-    host.submit((LaneKind.RUN, 1, 0, 0, None, 5, True))
-    (run, _obs, _final) = await host.until(1)
-    assert run.version == 1 and len(run.rewards) == 5
-    acted_as_stamped(run)
+    host.submit(run_request(1))
+    await check_run(host, 1, version=1, steps=5)
 
 
 async def test_a_step_asked_under_an_old_version_names_the_one_that_acted(
