@@ -395,9 +395,8 @@ class LaneServer:
         self._key(k, installed)  # until the parameters are in place: the slots alike move on
         gate = self._updating[k] = asyncio.get_running_loop().create_future()
         try:
-            while any(b.calls_on(agent) for b in batchers):
-                for batcher in batchers:
-                    await batcher.made(agent)
+            for batcher in batchers:  # (no call of this copy is asked meanwhile: see _key)
+                await batcher.made(agent)
             set_agent_params(agent, blob, self.slots[k].spec.worker)
             self._key(k, installed, params_key(installed, blob))
             self.versions[k] = version

@@ -165,11 +165,9 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
         if shared and unfit.merge:
             return InferenceChoice("batched", f"{unfit.reason}: one merged call in the caller")
         return InferenceChoice("per_worker", unfit.reason)
-    if (
-        shared
-        and n_workers > HOST_WORKERS * n_processes
-        and not (setup.shared_calls and acts_alike(agents[0]))
-    ):
+    # The workers of a host may share its calls: one copy's call a step for all of them.
+    alike = shared and setup.shared_calls and acts_alike(agents[0])
+    if shared and not alike and n_workers > HOST_WORKERS * n_processes:
         return InferenceChoice(
             "batched",
             f"{n_workers} workers over {n_processes} env host(s)"
@@ -177,7 +175,7 @@ def _auto(agent: Any, setup: Setup, layout: tuple[int, int | None]) -> Inference
             "the agent there: one merged call in the caller is cheaper (at most "
             f"{HOST_WORKERS * n_processes} workers, with more envs each, run it in the hosts)",
         )
-    together = shared and n_workers > n_processes and setup.shared_calls and acts_alike(agents[0])
+    together = alike and n_workers > n_processes
     return InferenceChoice(
         "host",
         "copies of your agent run in the env hosts, a chunk of steps per request, and follow "
