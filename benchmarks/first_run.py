@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import write_own_results
+from benchmarks.runs import LagProbe
 
 __all__ = ["CELLS", "main"]
 
@@ -93,10 +94,14 @@ def _ceiling(warmup: float, seconds: float) -> dict[str, Any]:
     return {"steps_per_s": sum(rates), "layout": f"{cores} x SyncVectorEnv({N_ENVS // cores})"}
 
 
-async def _ours(inference: str, warmup: float, seconds: float) -> dict[str, Any]:
+async def _ours(
+    inference: str, warmup: float, seconds: float, host_nice: int | None = None
+) -> dict[str, Any]:
     from asyncsample import RandomAgent, Sampler
 
     kwargs: dict[str, Any] = {} if inference == "auto" else {"inference": inference}
+    if host_nice is not None:
+        kwargs["backend_options"] = {"host_nice": host_nice}
     agent = None
     if inference == "batched":  # one agent shared by the workers: the built-in one, seeded
         import gymnasium as gym
@@ -112,13 +117,23 @@ async def _ours(inference: str, warmup: float, seconds: float) -> dict[str, Any]
         while time.perf_counter() - t0 < seconds:
             steps += (await sampler.obtain_fragments(CALL)).n_transitions
         rate = steps / (time.perf_counter() - t0)
+        # Then the loop's lag, in a window of its own (the probe's wake-ups cost CPU).
+        probe = LagProbe()
+        probe.start()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 2:
+            await sampler.obtain_fragments(CALL)
+        await probe.stop()
         return {
             "steps_per_s": rate,
             "layout": f"{WORKERS}x{ENVS_PER_WORKER}, inference {sampler.inference.describe()}",
+            "lag": probe.summary(),
         }
 
 
-def run_cell(name: str, warmup: float, seconds: float) -> dict[str, Any]:
+def run_cell(
+    name: str, warmup: float, seconds: float, host_nice: int | None = None
+) -> dict[str, Any]:
     """One cell's numbers, in this interpreter."""
     if name == "sync":
         rate = _sync_loop(N_ENVS, 0, warmup, seconds, None)
@@ -127,7 +142,7 @@ def run_cell(name: str, warmup: float, seconds: float) -> dict[str, Any]:
         return _ceiling(warmup, seconds)
     inference = CELLS[name]
     assert inference is not None
-    return asyncio.run(_ours(inference, warmup, seconds))
+    return asyncio.run(_ours(inference, warmup, seconds, host_nice))
 
 
 def _markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
@@ -141,16 +156,23 @@ def _markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         f"makes them, against `SyncVectorEnv({N_ENVS})` stepped with "
         "`envs.action_space.sample()` and the ceiling (that loop split over every core, side "
         f"by side). Each cell in a fresh interpreter, {args.warmup:g} s of warm-up, then a "
-        f"{args.seconds:g} s window.",
+        f"{args.seconds:g} s window; ours then sample {args.seconds / 2:g} s more with a task "
+        "in the caller's event loop that sleeps 1 ms in a loop (`lag`: how late its wake-ups "
+        "are, p99)"
+        + ("." if args.host_nice is None else f", the hosts at `host_nice={args.host_nice}`."),
         "",
-        "| cell | layout | steps/s | vs SyncVectorEnv(32) | of the ceiling |",
-        "|---|---|--:|--:|--:|",
+        "| cell | layout | steps/s | vs SyncVectorEnv(32) | of the ceiling | lag p99 |",
+        "|---|---|--:|--:|--:|--:|",
     ]
     for name, row in rows.items():
         rate = row["steps_per_s"]
         vs_sync = f"{rate / sync:.2f}x" if sync else "-"
         of_ceiling = f"{rate / ceiling:.2f}" if ceiling else "-"
-        lines.append(f"| {name} | {row['layout']} | {rate:,.0f} | {vs_sync} | {of_ceiling} |")
+        lag = row.get("lag", {}).get("p99_ms")
+        lag_text = "-" if lag is None else f"{lag:.2f} ms"
+        lines.append(
+            f"| {name} | {row['layout']} | {rate:,.0f} | {vs_sync} | {of_ceiling} | {lag_text} |"
+        )
     default = rows.get("ours-default", {}).get("steps_per_s")
     if default and sync and ceiling:
         lines += [
@@ -173,20 +195,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, help="seconds before each window (3)")
     parser.add_argument("--seconds", type=float, help="each cell's window (6)")
     parser.add_argument("--quick", action="store_true", help="short windows")
+    parser.add_argument(
+        "--host-nice", type=int, help="the process backend's host_nice (default: its own)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cell", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 3.0)
     args.seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 6.0)
     if args.cell:  # a cell in this fresh interpreter: its numbers as JSON on stdout
-        print(json.dumps(run_cell(args.cell, args.warmup, args.seconds)))
+        print(json.dumps(run_cell(args.cell, args.warmup, args.seconds, args.host_nice)))
         return 0
     rows: dict[str, dict[str, Any]] = {}
     for name in args.cells:
         print(f"first_run: {name}", file=sys.stderr, flush=True)
+        nice = [] if args.host_nice is None else ["--host-nice", str(args.host_nice)]
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.first_run", "--cell", name,
-             "--warmup", str(args.warmup), "--seconds", str(args.seconds)],
+             "--warmup", str(args.warmup), "--seconds", str(args.seconds), *nice],
             capture_output=True, text=True, check=False, timeout=600,
             cwd=Path(__file__).resolve().parent.parent,
         )  # fmt: skip
@@ -194,7 +220,13 @@ def main(argv: list[str] | None = None) -> int:
             print(done.stderr, file=sys.stderr)
             return 1
         rows[name] = json.loads(done.stdout.strip().splitlines()[-1])
-    result = {"study": "first_run", "warmup": args.warmup, "seconds": args.seconds, "rows": rows}
+    result = {
+        "study": "first_run",
+        "warmup": args.warmup,
+        "seconds": args.seconds,
+        "host_nice": args.host_nice,
+        "rows": rows,
+    }
     write_own_results(args.out, result, _markdown(rows, args))
     return 0
 

@@ -107,9 +107,11 @@ async def test_envs_live_in_the_hosts(make_sampler: Any, backend: str) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "getpriority"), reason="niceness is POSIX's")
-async def test_hosts_of_async_envs_run_below_the_callers_priority(make_sampler: Any) -> None:
-    """By default the process hosts of async envs add LANE_HOST_NICE to their niceness (the
-    caller's loop comes first), ``host_nice`` another amount; hosts of blocking envs nothing."""
+async def test_busy_hosts_run_below_the_callers_priority(make_sampler: Any) -> None:
+    """By default the process hosts of async envs, and those that run the agent's chunks
+    (``inference="host"``, here the default for the built-in agent), add LANE_HOST_NICE to
+    their niceness (the caller's loop comes first), ``host_nice`` another amount; hosts that
+    wait on the caller for every step (``per_worker``) nothing."""
     from asyncsample.backends.process import LANE_HOST_NICE, ProcessBackend
 
     def niceness(sampler: Any) -> set[int]:
@@ -128,9 +130,17 @@ async def test_hosts_of_async_envs_run_below_the_callers_priority(make_sampler: 
         )
         await other.obtain_samples(20)
         assert niceness(other) == {min(19, mine + nice)}
-    blocking = make_sampler("process", "CartPole-v1", n_workers=2, n_processes=2)
-    await blocking.obtain_samples(20)
-    assert niceness(blocking) == {mine}
+    chunks = make_sampler("process", "CartPole-v1", n_workers=2, n_processes=2)
+    await chunks.obtain_samples(20)
+    assert chunks.inference.mode == "host"
+    assert niceness(chunks) == {min(19, mine + LANE_HOST_NICE)}
+    kwargs = {"n_workers": 2, "n_processes": 2, "inference": "per_worker"}
+    stepped = make_sampler("process", "CartPole-v1", **kwargs)
+    await stepped.obtain_samples(20)
+    assert niceness(stepped) == {mine}
+    quiet = make_sampler("process", "CartPole-v1", backend_options={"host_nice": 0}, **kwargs)
+    await quiet.obtain_samples(20)
+    assert niceness(quiet) == {mine}
     with pytest.raises(TypeError, match=r"host_nice must be an int >= 0 or None, got float 2.5"):
         ProcessBackend(host_nice=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"host_nice must be from 0 to 19, got 20"):

@@ -117,6 +117,7 @@ def main(
     spin_after_step: float | None = None,
     watch: tuple[Any, float | None] | None = None,
     handoff: Any = None,
+    nice: int = 0,
 ) -> None:
     """Serve requests on ``sock`` for the slots of ``slots_blob`` (pickled ``HostSpec`` list)
     until told to exit or orphaned; per slot, ``raw_buffers`` are what
@@ -128,9 +129,13 @@ def main(
     ``watch``: the block shared with the caller (see :mod:`asyncsample.backends._watchdog`) and
     the ``step_timeout`` of a lockstep host's requests (a host of async envs: its loop's).
     ``handoff``: the shared block of quiet steps handed over without a frame (see
-    :mod:`asyncsample.backends._handoff`)."""
+    :mod:`asyncsample.backends._handoff`). ``nice``: what the host adds to its niceness (the
+    threads it starts inherit it)."""
     _threads.limit(host_threads)  # before the envs (or an agent) import anything
     _die_with_parent()
+    if nice:
+        with contextlib.suppress(OSError, AttributeError):
+            os.nice(nice)
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # a group of its own: the whole tree can be killed, even orphans
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the main process's to handle
@@ -189,11 +194,7 @@ def _serve_lanes(
     lanes: LaneOptions,
     block: np.ndarray | None = None,
 ) -> None:
-    """Serve the slots' async envs in an event loop until ``exit`` or the stream's end (at
-    ``lanes.nice`` more niceness: the threads started from here on inherit it)."""
-    if lanes.nice:
-        with contextlib.suppress(OSError, AttributeError):
-            os.nice(lanes.nice)
+    """Serve the slots' async envs in an event loop until ``exit`` or the stream's end."""
     buffers = [
         slot_buffers(s.observation_space, s.action_space, s.n_envs, raw, s.timed, s.columns)
         for s, raw in zip(specs, raw_buffers)

@@ -380,6 +380,7 @@ class _Member(PoolMember[_Conn]):
         raw_arenas: list[RawArena | None] | None = None,
         spin_after_step: float | None = None,
         step_timeout: float | None = None,
+        nice: int = 0,
     ) -> None:
         super().__init__(index, specs)
         self.block_raw, self.step_timeout = ctx.RawArray("B", _watchdog.BLOCK_BYTES), step_timeout
@@ -389,7 +390,7 @@ class _Member(PoolMember[_Conn]):
         self.raw_arenas = raw_arenas  # per slot, what the host needs to view its step arena
         self.ctx = ctx
         self.host_threads = host_threads
-        self.cpu = cpu  # the CPU its processes are pinned to (None: not pinned)
+        self.cpu, self.nice = cpu, nice  # its CPU (None: not pinned), what it adds to its nice
         self.raw = raw  # per slot, the shared blocks of its step buffers
         self.raw_chunks = raw_chunks  # per slot, what the host needs to view its chunk buffers
 
@@ -417,6 +418,7 @@ class _Member(PoolMember[_Conn]):
                     self.spin_after_step,
                     (self.block_raw, self.step_timeout),
                     ctl,
+                    self.nice,
                 ),
                 name=f"asyncsample-host-{self.index}",
             )
@@ -618,9 +620,10 @@ class ProcessBackend:
             calls in flight across the hosts (each host gets a share). ``step_timeout`` then
             cuts one env's call (that env is rebuilt), not the host.
         spin_after_step: seconds a host polls for a request after a step's reply (see _host_main).
-        host_nice: what each host of async envs adds to its niceness (0 to 19, as ``nice``: a
-            lower CPU priority; ``None``: :data:`LANE_HOST_NICE`). Thousands of async envs keep
-            every core busy; below the caller, they never keep its event loop waiting for one.
+        host_nice: what each host of async envs, or of the agent's chunks
+            (``inference="host"``), adds to its niceness (0 to 19, as ``nice``: a lower CPU
+            priority; ``None``: :data:`LANE_HOST_NICE`). Such hosts keep every core busy on their
+            own; below the caller, they never keep its event loop waiting for one.
 
     Raises:
         TypeError: an unknown option (the valid ones are listed) or a wrong type.
@@ -715,6 +718,8 @@ class ProcessBackend:
         splits = list(zip(*(where.split(x) for x in (specs, raws, raw_chunks, raw_arenas))))
         cpus = host_cpus(len(splits), self.pin_cpus)
         lanes = specs[0].lanes
+        # Hosts busy on their own between requests run below the caller (see LANE_HOST_NICE).
+        nice = self.host_nice if lanes or any(s.chunk_steps for s in specs) else 0
         close = CLOSE_TIMEOUT if self.close_timeout is None else self.close_timeout
         caps = shares(
             self.max_concurrency if lanes else None, [sum(s.n_envs for s in m[0]) for m in splits]
@@ -728,10 +733,11 @@ class ProcessBackend:
                 member_chunks,
                 self.host_threads,
                 cpus[m],
-                LaneOptions(self.step_timeout, close, caps[m], self.host_nice) if lanes else None,
+                LaneOptions(self.step_timeout, close, caps[m]) if lanes else None,
                 member_arenas,
                 self.spin_after_step,
                 self.step_timeout,
+                nice,
             )
             for m, (member_specs, member_raws, member_chunks, member_arenas) in enumerate(splits)
         ]
