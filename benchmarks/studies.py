@@ -275,7 +275,8 @@ STUDIES: list[Study] = [
     Study(
         "first_run",
         "the README's run (CartPole-v1, 4x8, every default) against SyncVectorEnv(32) with "
-        "random actions and the ceiling, and with each explicit inference mode (own runner)",
+        "random actions and the ceiling, and with each explicit inference mode; the caller's "
+        "loop lag (own runner)",
         script="benchmarks.first_run",
         script_args=((), ("--quick",)),
         minutes=1.5,
