@@ -138,8 +138,12 @@ async def test_busy_hosts_run_below_the_callers_priority(make_sampler: Any) -> N
     stepped = make_sampler("process", "CartPole-v1", **kwargs)
     await stepped.obtain_samples(20)
     assert niceness(stepped) == {mine}
-    quiet = make_sampler("process", "CartPole-v1", backend_options={"host_nice": 0}, **kwargs)
+    options = {"host_nice": 0}  # chunk hosts again, told not to lower their priority
+    quiet = make_sampler(
+        "process", "CartPole-v1", n_workers=2, n_processes=2, backend_options=options
+    )
     await quiet.obtain_samples(20)
+    assert quiet.inference.mode == "host"
     assert niceness(quiet) == {mine}
     with pytest.raises(TypeError, match=r"host_nice must be an int >= 0 or None, got float 2.5"):
         ProcessBackend(host_nice=2.5)  # type: ignore[arg-type]
