@@ -13,7 +13,9 @@ from asyncsample._tree import Tree, tree_leaves, tree_map
 from asyncsample.columns import RaggedArray, column_rows, is_variable_space, object_rows
 
 __all__ = [
+    "ARRAY_SPACES",
     "AgentOutputCheck",
+    "Check",
     "action_rows",
     "check_actions",
     "info_rows",
@@ -134,7 +136,8 @@ def check_actions(
     return actions
 
 
-_ARRAY_SPACES = frozenset(
+#: The spaces whose stacked actions are one array of rows (checked by ``make_action_check``).
+ARRAY_SPACES = frozenset(
     {gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary}
 )
 
@@ -145,7 +148,7 @@ def action_rows(actions: Tree, space: gym.Space[Any]) -> Tree:
     the agent gave it in (a list, an array of strings, a
     :class:`~asyncsample.columns.RaggedArray`). A tree that does not fit ``space`` is left to
     the shape checks."""
-    if type(actions) is np.ndarray and type(space) in _ARRAY_SPACES:
+    if type(actions) is np.ndarray and type(space) in ARRAY_SPACES:
         return actions  # the common case, told by exact types: an agent's array of rows
     if isinstance(space, gym.spaces.Dict) and isinstance(actions, dict):
         if set(actions) == set(space.spaces):

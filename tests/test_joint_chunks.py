@@ -60,6 +60,13 @@ class Recurrent(Linear):
         pass
 
 
+class Quiet(Linear):
+    """Linear's actions without agent infos: the merged output is checked at once."""
+
+    def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        return super().get_actions(observations)[0], {}
+
+
 class OneAtATime(Linear):
     merge_rows = False
 
@@ -125,12 +132,13 @@ def test_copies_alike_share_a_key_and_others_keep_their_own() -> None:
     assert a.copy_key == b.copy_key
 
 
-def test_side_by_side_gives_each_slot_its_chunk_alone(tmp_path: Path) -> None:
+@pytest.mark.parametrize("agent", [Linear, Quiet])
+def test_side_by_side_gives_each_slot_its_chunk_alone(tmp_path: Path, agent: type[Linear]) -> None:
     log = str(tmp_path / "calls")
     steps = [6, 4, 8]  # the second stops first: the others go on with fewer rows
-    alone = [runner(w, Linear(), seed=10 * w) for w in range(3)]
+    alone = [runner(w, agent(), seed=10 * w) for w in range(3)]
     replies = [r.run(request(s)) for r, s in zip(alone, steps)]
-    blob = cloudpickle.dumps(Linear(log))
+    blob = cloudpickle.dumps(agent(log))
     joint = [runner(w, blob, seed=10 * w) for w in range(3)]
     results = run_joint(joint, [request(s) for s in steps])
     for r_alone, reply, r_joint, result in zip(alone, replies, joint, results):
@@ -138,7 +146,10 @@ def test_side_by_side_gives_each_slot_its_chunk_alone(tmp_path: Path) -> None:
         assert result.steps == reply.steps
         for x, y in zip(records(r_alone, reply), records(r_joint, result)):
             np.testing.assert_array_equal(x, y)
-        np.testing.assert_array_equal(result.agent_infos["first"], reply.agent_infos["first"])  # type: ignore[call-overload,index]
+        if agent is Linear:
+            np.testing.assert_array_equal(result.agent_infos["first"], reply.agent_infos["first"])  # type: ignore[call-overload,index]
+        else:
+            assert not result.agent_infos and not reply.agent_infos
         np.testing.assert_array_equal(r_alone.group.buffers.obs, r_joint.group.buffers.obs)
     calls = [int(n) for n in Path(log).read_text().split()]
     assert calls == [6] * 4 + [4] * 2 + [2] * 2  # one call a step, every slot still going
@@ -152,6 +163,23 @@ def test_a_failed_row_fails_its_own_slot_only(tmp_path: Path) -> None:
     assert len(failed) == 1 and failed[0].failure.retry and failed[0].failure.env is not None
     assert "lost" in str(failed[0].failure.error)
     assert all(r.steps == 8 for r in results if isinstance(r, ChunkReply))
+
+
+def test_an_action_out_of_the_space_fails_its_own_slot_as_it_would_alone() -> None:
+    class OutOfSpace(Quiet):
+        def get_actions(self, observations: Any) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+            actions, infos = super().get_actions(observations)
+            if len(actions) == 3:  # the merged call of the 3 slots: the second's row
+                actions[1] = 7
+            return actions, infos
+
+    blob = cloudpickle.dumps(OutOfSpace())
+    results = run_joint([runner(w, blob, n_envs=1) for w in range(3)], [request(5, 1)] * 3)
+    assert [r.steps for r in results if isinstance(r, ChunkReply)] == [5, 5]
+    failed = results[1]
+    assert isinstance(failed, EnvFailureError) and not failed.failure.retry
+    message = str(failed.failure.error)
+    assert "worker 1" in message and "outside the action space Discrete(3)" in message, message
 
 
 def test_an_error_of_the_merged_call_fails_every_slot_in_it() -> None:

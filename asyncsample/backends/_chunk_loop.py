@@ -6,7 +6,8 @@ With ``inference="host"`` every worker's slot holds a copy of the agent. Where s
 share one agent and their copies act alike on any rows (:attr:`ChunkRunner.copy_key`, see
 :func:`~asyncsample.backends._chunk.alike_key`), a host that has the chunk requests of several
 such slots at hand runs them together: each step, every slot's rows go to one ``get_actions``
-call, whose output is split back by rows and checked per slot. Per step that is one forward
+call, whose output is checked once (slots of one action space, an output without agent infos)
+or per slot, and split back by rows. Per step that is one forward
 pass instead of one per worker: what a policy costs in a host is mostly its per-call overhead
 (a torch MLP on 4 rows or on 16 takes about the same time).
 
@@ -28,7 +29,13 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from asyncsample._action_check import AgentOutputCheck, check_actions, make_action_check
+from asyncsample._action_check import (
+    ARRAY_SPACES,
+    AgentOutputCheck,
+    Check,
+    check_actions,
+    make_action_check,
+)
 from asyncsample._engine import CallMode, StopRule
 from asyncsample._infos import snapshot
 from asyncsample._recorder import put_row, row_of
@@ -86,6 +93,12 @@ class ChunkRunner:
         """Whether the last chunk left its part going on (the worker asks for the next)."""
         state = self._state
         return state is not None and state[0].more(state[1])
+
+    @property
+    def value_check(self) -> Check | None:
+        """The check of its agent's action values; ``None`` for trusted actions (the built-in
+        random agent's)."""
+        return None if self._trusted else self._action_check
 
     def install(self, blob: bytes) -> None:
         """Install the agent in ``blob`` (``pickle((cloudpickled agent, seed))``), seeded."""
@@ -441,9 +454,10 @@ def run_joint(
             results[k] = stop.value
         except Exception as exc:
             results[k] = exc
+    merged = _MergedCheck.of(runners)
     while live:
         members = [runners[k] for k, _, _ in live]
-        outputs = _actions(members, [observations for _, _, observations in live])
+        outputs = _actions(members, [observations for _, _, observations in live], merged)
         going = []
         for (k, steps, _), output in zip(live, outputs):
             try:
@@ -458,13 +472,66 @@ def run_joint(
     return [r if r is not None else RuntimeError("a joint chunk lost its reply") for r in results]
 
 
-def _actions(runners: list[ChunkRunner], observations: list[Tree]) -> list[Any]:
-    """Per runner, its checked ``(actions, agent_infos)`` or the error that fails its chunk."""
+class _MergedCheck:
+    """The checks of the merged output of alike slots that share one action space and layout of
+    action rows, run once for all (:meth:`actions`): what each slot's own checks would pass."""
+
+    def __init__(self, row_shape: tuple[int, ...], values: Check | None) -> None:
+        self.row_shape = row_shape
+        self.values = values  # None: trusted actions (the built-in random agent's)
+
+    @staticmethod
+    def of(runners: Sequence[ChunkRunner]) -> _MergedCheck | None:
+        """The check for ``runners``, or ``None`` where their actions differ in space, layout or
+        trust (each slot's part is then checked on its own)."""
+        first = runners[0]
+        space, rows, values = first.action_space, first.group.buffers.actions, first.value_check
+        if type(space) not in ARRAY_SPACES or type(rows) is not np.ndarray:
+            return None
+        for runner in runners[1:]:
+            other = runner.group.buffers.actions
+            if (
+                (runner.value_check is None) != (values is None)
+                or type(other) is not np.ndarray
+                or other.shape[1:] != rows.shape[1:]
+                or not (runner.action_space is space or runner.action_space == space)
+            ):
+                return None
+        return _MergedCheck(rows.shape[1:], values)
+
+    def actions(self, output: Any, n: int) -> np.ndarray | None:
+        """The actions of ``output``, the merged call's for ``n`` rows, if it passes: an
+        ``(actions, agent_infos)`` tuple without infos, an array of a row per row of the space's
+        shape, every value in the space. ``None`` otherwise: each slot's checks then say why."""
+        if type(output) is not tuple or len(output) != 2:
+            return None
+        actions, infos = output
+        if infos is not None and (type(infos) is not dict or infos):
+            return None
+        if type(actions) is not np.ndarray or actions.shape != (n, *self.row_shape):
+            return None
+        if self.values is not None and len(self.values(actions)):
+            return None
+        return actions
+
+
+def _actions(
+    runners: list[ChunkRunner], observations: list[Tree], merged: _MergedCheck | None = None
+) -> list[Any]:
+    """Per runner, its checked ``(actions, agent_infos)`` or the error that fails its chunk;
+    ``merged``: the runners' outputs pass its check at once."""
     parts = None
     if len(runners) > 1:
-        rows = [len(tree_leaves(o)[0]) for o in observations]
+        flat = all(type(o) is np.ndarray for o in observations)
+        rows = [len(o if flat else tree_leaves(o)[0]) for o in observations]
         try:
-            parts = split_output(runners[0].agent.get_actions(tree_concat(observations)), rows)
+            output = runners[0].agent.get_actions(
+                np.concatenate(observations) if flat else tree_concat(observations)
+            )
+            actions = None if merged is None else merged.actions(output, sum(rows))
+            if actions is not None:  # checked: each slot's rows as they are
+                return _split(actions, {}, rows)
+            parts = split_output(output, rows)
         except AgentRowsError as exc:  # each failed row is its own slot's fault
             return _rows_failed(runners, rows, exc)
         except Exception as exc:  # the call of every slot in it failed
@@ -511,11 +578,22 @@ def split_output(result: Any, rows: Sequence[int]) -> list[tuple[Tree, dict[str,
     leaves = [*tree_leaves(actions), *infos.values()]
     if not all(isinstance(a, np.ndarray) and a.ndim and len(a) == total for a in leaves):
         return None
-    parts = []
+    return _split(actions, infos, rows)
+
+
+def _split(
+    actions: Tree, infos: dict[str, Any], rows: Sequence[int]
+) -> list[tuple[Tree, dict[str, Any]]]:
+    """``actions`` and ``infos`` (arrays of a row per row) in parts of ``rows`` rows each."""
+    plain = type(actions) is np.ndarray and not infos
+    parts: list[tuple[Tree, dict[str, Any]]] = []
     start = 0
     for n in rows:
         end = start + n
-        part = tree_map(lambda a, s=start, e=end: a[s:e], actions)
-        parts.append((part, {key: value[start:end] for key, value in infos.items()}))
+        if plain:
+            parts.append((actions[start:end], {}))
+        else:
+            part = tree_map(lambda a, s=start, e=end: a[s:e], actions)
+            parts.append((part, {key: value[start:end] for key, value in infos.items()}))
         start = end
     return parts
