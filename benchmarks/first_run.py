@@ -9,7 +9,11 @@ The sampler also runs with each explicit mode, so the default's choice can be ch
 them (issue 53).
 
 Each cell runs in a fresh interpreter, one after the other, for ``--seconds`` after
-``--warmup``. Run it as ``asyncsample bench first_run`` (or ``python -m benchmarks.first_run``).
+``--warmup``; ``--rounds`` times over, the cells in turn in each round. This machine's speed
+drifts between minutes (a shared host), so the ratios are each round's own (a cell against the
+loops of its round), then the median of the rounds: a cell that ran in a slow minute is rated
+against the loops of that minute. Run it as ``asyncsample bench first_run`` (or ``python -m
+benchmarks.first_run``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -145,9 +150,56 @@ def run_cell(
     return asyncio.run(_ours(inference, warmup, seconds, host_nice))
 
 
+def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per cell over ``rounds`` (each a round's numbers per cell): its steps/s (median, min and
+    max), its lag p99 (median), and its ratios to the round's SyncVectorEnv and ceiling (each
+    round's own: ``vs_sync``, ``of_ceiling``, as median, min and max) where they ran."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name in rounds[0]:
+        runs = [r[name] for r in rounds]
+        rates = [run["steps_per_s"] for run in runs]
+        row: dict[str, Any] = {
+            "layout": runs[0]["layout"],
+            "steps_per_s": statistics.median(rates),
+            "min": min(rates),
+            "max": max(rates),
+        }
+        lags = [run["lag"]["p99_ms"] for run in runs if run.get("lag", {}).get("p99_ms")]
+        if lags:
+            row["lag"] = {"p99_ms": statistics.median(lags)}
+        for key, peer in (("vs_sync", "sync"), ("of_ceiling", "ceiling")):
+            ratios = [r[name]["steps_per_s"] / r[peer]["steps_per_s"] for r in rounds if peer in r]
+            if ratios:
+                row[key] = {"median": statistics.median(ratios), "min": min(ratios),
+                            "max": max(ratios)}  # fmt: skip
+        rows[name] = row
+    return rows
+
+
+def _ratio(row: dict[str, Any], key: str, unit: str) -> str:
+    """A cell's ratio ``key``: the median of the rounds, with their range if more than one."""
+    ratio = row.get(key)
+    if ratio is None:
+        return "-"
+    if ratio["min"] == ratio["max"]:
+        return f"{ratio['median']:.2f}{unit}"
+    return f"{ratio['median']:.2f}{unit} [{ratio['min']:.2f}-{ratio['max']:.2f}]"
+
+
+def _rate(row: dict[str, Any]) -> str:
+    if row["min"] == row["max"]:
+        return f"{row['steps_per_s']:,.0f}"
+    return f"{row['steps_per_s']:,.0f} [{row['min']:,.0f}-{row['max']:,.0f}]"
+
+
 def _markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
-    sync = rows.get("sync", {}).get("steps_per_s")
-    ceiling = rows.get("ceiling", {}).get("steps_per_s")
+    rounds = (
+        f"{args.rounds} rounds, the cells in turn in each: steps/s as median [min-max] of the "
+        "rounds, and each ratio the median [min-max] of the rounds' own ratios (a cell against "
+        "the loops of its round). "
+        if args.rounds > 1
+        else ""
+    )
     lines = [
         "# A new user's first run (`asyncsample bench first_run`)",
         "",
@@ -155,7 +207,7 @@ def _markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         f"every default, consecutive `obtain_fragments({CALL})` calls as `asyncsample run` "
         f"makes them, against `SyncVectorEnv({N_ENVS})` stepped with "
         "`envs.action_space.sample()` and the ceiling (that loop split over every core, side "
-        f"by side). Each cell in a fresh interpreter, {args.warmup:g} s of warm-up, then a "
+        f"by side). {rounds}Each cell in a fresh interpreter, {args.warmup:g} s of warm-up, then a "
         f"{args.seconds:g} s window; ours then sample {args.seconds / 2:g} s more with a task "
         "in the caller's event loop that sleeps 1 ms in a loop (`lag`: how late its wake-ups "
         "are, p99)"
@@ -165,26 +217,25 @@ def _markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         "|---|---|--:|--:|--:|--:|",
     ]
     for name, row in rows.items():
-        rate = row["steps_per_s"]
-        vs_sync = f"{rate / sync:.2f}x" if sync else "-"
-        of_ceiling = f"{rate / ceiling:.2f}" if ceiling else "-"
         lag = row.get("lag", {}).get("p99_ms")
         lag_text = "-" if lag is None else f"{lag:.2f} ms"
         lines.append(
-            f"| {name} | {row['layout']} | {rate:,.0f} | {vs_sync} | {of_ceiling} | {lag_text} |"
+            f"| {name} | {row['layout']} | {_rate(row)} | {_ratio(row, 'vs_sync', 'x')} | "
+            f"{_ratio(row, 'of_ceiling', '')} | {lag_text} |"
         )
-    default = rows.get("ours-default", {}).get("steps_per_s")
-    if default and sync and ceiling:
+    default = rows.get("ours-default", {})
+    if "vs_sync" in default and "of_ceiling" in default:
+        of_ceiling, vs_sync = default["of_ceiling"]["median"], default["vs_sync"]["median"]
         lines += [
             "",
             "## Targets (issue 53)",
             "",
             "| target | value | goal | met |",
             "|---|--:|--:|---|",
-            f"| README run (defaults) / ceiling | {default / ceiling:.2f} | >= 0.9 | "
-            f"{'yes' if default / ceiling >= 0.9 else 'no'} |",
-            f"| README run (defaults) / SyncVectorEnv(32) | {default / sync:.2f}x | >= 1.5x | "
-            f"{'yes' if default / sync >= 1.5 else 'no'} |",
+            f"| README run (defaults) / ceiling | {of_ceiling:.2f} | >= 0.9 | "
+            f"{'yes' if of_ceiling >= 0.9 else 'no'} |",
+            f"| README run (defaults) / SyncVectorEnv(32) | {vs_sync:.2f}x | >= 1.5x | "
+            f"{'yes' if vs_sync >= 1.5 else 'no'} |",
         ]
     return "\n".join(lines)
 
@@ -194,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS))
     parser.add_argument("--warmup", type=float, help="seconds before each window (3)")
     parser.add_argument("--seconds", type=float, help="each cell's window (6)")
-    parser.add_argument("--quick", action="store_true", help="short windows")
+    parser.add_argument("--quick", action="store_true", help="short windows, one round")
+    parser.add_argument("--rounds", type=int, help="times every cell runs, in turn (3)")
     parser.add_argument(
         "--host-nice", type=int, help="the process backend's host_nice (default: its own)"
     )
@@ -203,29 +255,36 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 3.0)
     args.seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 6.0)
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     if args.cell:  # a cell in this fresh interpreter: its numbers as JSON on stdout
         print(json.dumps(run_cell(args.cell, args.warmup, args.seconds, args.host_nice)))
         return 0
-    rows: dict[str, dict[str, Any]] = {}
-    for name in args.cells:
-        print(f"first_run: {name}", file=sys.stderr, flush=True)
-        nice = [] if args.host_nice is None else ["--host-nice", str(args.host_nice)]
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.first_run", "--cell", name,
-             "--warmup", str(args.warmup), "--seconds", str(args.seconds), *nice],
-            capture_output=True, text=True, check=False, timeout=600,
-            cwd=Path(__file__).resolve().parent.parent,
-        )  # fmt: skip
-        if done.returncode != 0:
-            print(done.stderr, file=sys.stderr)
-            return 1
-        rows[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    rounds: list[dict[str, dict[str, Any]]] = []
+    nice = [] if args.host_nice is None else ["--host-nice", str(args.host_nice)]
+    for k in range(args.rounds):
+        rounds.append({})
+        for name in args.cells:
+            print(f"first_run: round {k + 1}/{args.rounds}, {name}", file=sys.stderr, flush=True)
+            done = subprocess.run(
+                [sys.executable, "-m", "benchmarks.first_run", "--cell", name,
+                 "--warmup", str(args.warmup), "--seconds", str(args.seconds), *nice],
+                capture_output=True, text=True, check=False, timeout=600,
+                cwd=Path(__file__).resolve().parent.parent,
+            )  # fmt: skip
+            if done.returncode != 0:
+                print(done.stderr, file=sys.stderr)
+                return 1
+            rounds[k][name] = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = summarize(rounds)
     result = {
         "study": "first_run",
         "warmup": args.warmup,
         "seconds": args.seconds,
         "host_nice": args.host_nice,
         "rows": rows,
+        "rounds": rounds,
     }
     write_own_results(args.out, result, _markdown(rows, args))
     return 0

@@ -275,11 +275,11 @@ STUDIES: list[Study] = [
     Study(
         "first_run",
         "the README's run (CartPole-v1, 4x8, every default) against SyncVectorEnv(32) with "
-        "random actions and the ceiling, and with each explicit inference mode; the caller's "
-        "loop lag (own runner)",
+        "random actions and the ceiling, and with each explicit inference mode; 3 rounds, "
+        "each rated against its own round's loops; the caller's loop lag (own runner)",
         script="benchmarks.first_run",
         script_args=((), ("--quick",)),
-        minutes=1.5,
+        minutes=4.5,
     ),
     Study(
         "hostloop",

@@ -492,3 +492,24 @@ def test_multiagent_reports_ours_against_the_ceiling(tmp_path: Path) -> None:
     assert ceiling["rows_per_s"] == pytest.approx(20 * ceiling["env_steps_per_s"])  # 20 pistons
     assert ours["rows_per_s"] > 0 and ours["main_cpu_us"] > 0 and ours["workers_cpu_us"] > 0
     assert "| ours-host / ceiling |" in (tmp_path / "results.md").read_text()
+
+
+def test_first_run_rates_each_round_against_its_own_loops() -> None:
+    from benchmarks.first_run import summarize
+
+    def cell(rate: float, lag: float | None = None) -> dict[str, Any]:
+        return {"steps_per_s": rate, "layout": "x", **({"lag": {"p99_ms": lag}} if lag else {})}
+
+    rounds = [  # the machine twice as fast in the second round
+        {"sync": cell(100.0), "ceiling": cell(200.0), "ours": cell(150.0, 1.0)},
+        {"sync": cell(200.0), "ceiling": cell(400.0), "ours": cell(200.0, 3.0)},
+        {"sync": cell(110.0), "ceiling": cell(220.0), "ours": cell(165.0, 2.0)},
+    ]
+    rows = summarize(rounds)
+    ours = rows["ours"]
+    assert (ours["steps_per_s"], ours["min"], ours["max"]) == (165.0, 150.0, 200.0)
+    # each round's own ratio, then the median: 1.5, 1.0, 1.5 (the medians' ratio: 1.5)
+    assert ours["vs_sync"] == {"median": 1.5, "min": 1.0, "max": 1.5}
+    assert ours["of_ceiling"] == {"median": 0.75, "min": 0.5, "max": 0.75}
+    assert ours["lag"] == {"p99_ms": 2.0}
+    assert "lag" not in rows["sync"] and rows["sync"]["vs_sync"]["median"] == 1.0
