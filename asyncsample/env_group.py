@@ -476,10 +476,14 @@ class EnvGroup:
             raise
         except Exception as exc:
             raise EnvFailureError(EnvFailure(i, exc, traceback.format_exc())) from exc
-        where: Any = slice(None) if everyone else indices
-        buf.rewards[where] = rewards
-        buf.terminated[where] = terms
-        buf.truncated[where] = truncs
+        if len(indices) == 1:  # one env (a worker of one, a lane): a third of a list's cost
+            k = indices[0]
+            buf.rewards[k], buf.terminated[k], buf.truncated[k] = rewards[0], terms[0], truncs[0]
+        elif indices:
+            where: Any = slice(None) if everyone else indices
+            buf.rewards[where] = rewards
+            buf.terminated[where] = terms
+            buf.truncated[where] = truncs
         self.last_ended = done
         self.last_stepped = len(indices)
         finals_out: dict[int, Any] | None = None
