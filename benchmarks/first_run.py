@@ -9,10 +9,10 @@ The sampler also runs with each explicit mode, so the default's choice can be ch
 them (issue 53).
 
 Each cell runs in a fresh interpreter, one after the other, for ``--seconds`` after
-``--warmup``; ``--rounds`` times over, the cells in turn in each round. This machine's speed
-drifts between minutes (a shared host), so the ratios are each round's own (a cell against the
-loops of its round), then the median of the rounds: a cell that ran in a slow minute is rated
-against the loops of that minute. Run it as ``asyncsample bench first_run`` (or ``python -m
+``--warmup``; ``--rounds`` times over, the cells in turn in each round. A shared machine's speed
+drifts from minute to minute, so the ratios are each round's own (a cell against the loops of
+its round), then the median of the rounds: a cell that ran in a slow minute is rated against the
+loops of that minute. Run it as ``asyncsample bench first_run`` (or ``python -m
 benchmarks.first_run``).
 """
 
@@ -187,6 +187,7 @@ def _ratio(row: dict[str, Any], key: str, unit: str) -> str:
 
 
 def _rate(row: dict[str, Any]) -> str:
+    """A cell's steps/s: the median of the rounds, with their range if more than one."""
     if row["min"] == row["max"]:
         return f"{row['steps_per_s']:,.0f}"
     return f"{row['steps_per_s']:,.0f} [{row['min']:,.0f}-{row['max']:,.0f}]"

@@ -7,9 +7,9 @@ share one agent and their copies act alike on any rows (:attr:`ChunkRunner.copy_
 :func:`~asyncsample.backends._chunk.alike_key`), a host that has the chunk requests of several
 such slots at hand runs them together: each step, every slot's rows go to one ``get_actions``
 call, whose output is checked once (slots of one action space, an output without agent infos)
-or per slot, and split back by rows. Per step that is one forward
-pass instead of one per worker: what a policy costs in a host is mostly its per-call overhead
-(a torch MLP on 4 rows or on 16 takes about the same time).
+or per slot, and split back by rows. Per step that is one forward pass instead of one per
+worker: what a policy costs in a host is mostly its per-call overhead (a torch MLP on 4 rows or
+on 16 takes about the same time).
 
 An agent whose actions depend only on its input gives the same actions either way, so the
 batches do not change. A copy that cannot act alike (a seeded stochastic agent, a recurrent
