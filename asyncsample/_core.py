@@ -502,9 +502,11 @@ class SamplerCore:
             lane_round = LaneRound(min(quota, self.n_workers))  # the workers with a share
 
         then = leave if ahead and shared is None and mode != "episodes" else None
+        # share_of: every worker has a share of a call's episodes, else the first ``quota``.
+        starters = self.n_workers if mode == "episodes" else min(quota, self.n_workers)
 
         async def drive(worker: Worker) -> Plan | None:
-            part = Part(resume, leave, shared, then, lane_round, pool)
+            part = Part(resume, leave, shared, then, lane_round, pool, starters)
             plan = await self._drive(worker, mode, quota, part)
             done_at[worker.worker_number] = time.perf_counter()
             return plan

@@ -651,6 +651,7 @@ class Part:
         then: a stream round follows, continuing what this one leaves (a mode may start it).
         lane_round: the stream round this part is in, on the lanes.
         pool: the call's quota without fixed shares (``obtain_fragments`` on the lanes).
+        starters: the workers numbered below it have a part in this call (the others no share).
     """
 
     resume: Resume
@@ -659,6 +660,7 @@ class Part:
     then: Resume | None = None
     lane_round: LaneRound | None = None
     pool: FreeQuota | None = None
+    starters: int = 0
 
 
 class Stepper(Protocol):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import pickle
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -363,3 +364,73 @@ async def test_an_update_reaches_every_lane_of_the_shared_copy(
         assert batch.agent_versions is not None
         t = batch.observations[:, 0].astype(np.int64)
         np.testing.assert_array_equal(batch.actions, (t + batch.agent_versions) % 2)
+
+
+class LateReader(FakeReader):
+    """Frames readable only ``delay`` seconds after it is made, as a slow caller sends them."""
+
+    def __init__(self, frames: list[tuple[int, int, bytes]], delay: float) -> None:
+        super().__init__(frames)
+        self.ready_at = time.monotonic() + delay
+        self.waits = 0
+
+    def buffered(self) -> bool:
+        return time.monotonic() >= self.ready_at and bool(self.frames)
+
+    def wait_readable(self, seconds: float) -> None:
+        self.waits += 1
+        time.sleep(min(seconds, max(self.ready_at - time.monotonic(), 0.0)))
+
+
+def test_a_host_waits_for_the_first_chunks_of_the_workers_that_start_the_call() -> None:
+    """A part's first request names the workers that start the call (``starters``): the host
+    waits for their slots' first chunks (which come, one worker after another) and not for the
+    others'."""
+    from collections import deque
+
+    from asyncsample.backends._host_main import JOIN_WAIT, START_WAIT, _partners
+    from asyncsample.backends._transport import SLOT, Op
+
+    slots = [FakeSlot(b"k") for _ in range(4)]
+    for w, slot in enumerate(slots):
+        slot.worker = w  # type: ignore[attr-defined]
+    late = 4 * JOIN_WAIT
+    assert late < START_WAIT / 2
+    reader = LateReader([(11, Op.CHUNK, SLOT.pack(1) + b"r11")], late)
+    backlog: deque[Any] = deque()
+    # Workers 0 and 1 start this call (2 and 3 have no share): slot 1's chunk comes late and is
+    # taken; nothing is waited for once it is in.
+    taken = _partners(reader, backlog, slots, 0, True, 2)  # type: ignore[arg-type]
+    assert [rid for rid, _, _ in taken] == [11]
+    assert reader.waits >= 1
+    reader = LateReader([], 0.0)
+    assert _partners(reader, deque(), slots, 0, True, 1) == []  # type: ignore[arg-type]
+    assert reader.waits == 0  # worker 0 alone starts: nobody to wait for
+
+
+@pytest.mark.sampler_defaults(backend="process", env=NoisyEnv, max_episode_length=30, seed=3)
+async def test_a_parts_first_chunk_request_names_the_workers_that_start_the_call(
+    make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncsample.backends.process import ProcessHost
+
+    sent: list[tuple[int, int]] = []
+    send = ProcessHost.send_chunk
+
+    async def spy(self: ProcessHost, request: Any) -> Any:
+        if isinstance(request, ChunkRequest):
+            sent.append((self.worker, request.starters))
+        return await send(self, request)
+
+    monkeypatch.setattr(ProcessHost, "send_chunk", spy)
+    sampler = make_sampler(
+        agent=Linear(), inference="host", n_workers=4, envs_per_worker=2, n_processes=1
+    )
+    await sampler.obtain_fragments(400)  # 50 steps of each env: a chunk each, then another
+    firsts = {w: s for w, s in reversed(sent)}
+    assert firsts == {0: 4, 1: 4, 2: 4, 3: 4}  # every worker has a share
+    assert sum(s for _, s in sent) == 16  # only a part's first request names them
+    sent.clear()
+    await sampler.obtain_samples(3)  # workers 0, 1 and 2 have a share, 3 none
+    assert {w: s for w, s in reversed(sent)} == {0: 3, 1: 3, 2: 3}
+    assert sum(s for _, s in sent) == 9

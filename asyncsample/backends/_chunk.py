@@ -256,6 +256,9 @@ class ChunkRequest:
         epoch: ``None``, or (a stream's run-ahead) the update epoch when it was sent: after an
             update since, the host runs nothing and keeps the state for the next request.
         obs_row: the arena row the chunk's observations go to, or -1: the set's own rows.
+        starters: a part's first request in a call: the workers numbered below it start their
+            parts of the call too (the others have no share), so a host with alike agent copies
+            waits for theirs to run them side by side; 0: unknown (a retry, a run-ahead).
     """
 
     rule: StopRule
@@ -265,6 +268,7 @@ class ChunkRequest:
     buffer: int = 0
     epoch: int | None = None
     obs_row: int = -1
+    starters: int = 0
 
 
 @dataclass

@@ -324,6 +324,11 @@ class HostSlot:
         return self.runner.copy_key
 
     @property
+    def worker(self) -> int:
+        """The number of the worker whose envs it holds."""
+        return self.group.worker
+
+    @property
     def going(self) -> bool:
         """Whether its last chunk left the worker's part going on (:attr:`ChunkRunner.going`)."""
         return self.runner is not None and self.runner.going

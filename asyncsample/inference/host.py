@@ -225,8 +225,10 @@ class ChunkStepper:
         ahead: dict[int, RunAhead] | None = None,
         then: Resume | None = None,
         quota: SharedQuota | None = None,
+        starters: int = 0,
     ) -> None:
         self.worker = worker
+        self._starters = starters  # for the part's first request (see ChunkRequest.starters)
         self.quota = None if quota is None else ChunkQuota.of(quota)
         """The call's shared quota (``fraction_samples < 1``), as the chunks share it."""
         self.ahead = {} if ahead is None else ahead
@@ -293,7 +295,7 @@ class ChunkStepper:
         if self.quota is not None:
             return await self._advance_shared(self.quota, rule)
         limited = None if lacking is None else rule.limited(lacking, self.worker.n_envs)
-        request = self._request(rule if limited is None else limited, 0)
+        request = self._first(self._request(rule if limited is None else limited, 0))
         reply, version = await self.host.run_chunk(request)
         self._replay(reply, version)
         if lacking is None:
@@ -316,7 +318,7 @@ class ChunkStepper:
         steps = limited.steps if fragments else math.ceil(ask / n_envs)
         quota.started(w, min(steps, self.capacity) * n_envs)
         try:
-            reply, version = await self.host.run_chunk(self._request(limited, 0))
+            reply, version = await self.host.run_chunk(self._first(self._request(limited, 0)))
             self._replay(reply, version)
         finally:
             quota.finished(w, episodes.count(fragments))
@@ -349,7 +351,7 @@ class ChunkStepper:
             if not rule.more(active):
                 return
             if taken is None:
-                out.append((await host.send_chunk(self._request(rule, 0)), 0, None))
+                out.append((await host.send_chunk(self._first(self._request(rule, 0))), 0, None))
             if self._may_follow(rule):
                 out.append(await self._follow(host, 1))
             while out:
@@ -401,6 +403,11 @@ class ChunkStepper:
             old.sent.abandon()
         self.ahead[worker.worker_number] = RunAhead(sent, request)
         episodes.state = Continuity.RAN_AHEAD
+
+    def _first(self, request: ChunkRequest) -> ChunkRequest:
+        """``request``, carrying the call's starters if it is the part's first sent."""
+        request.starters, self._starters = self._starters, 0
+        return request
 
     def _request(self, rule: StopRule, buffer: int) -> ChunkRequest:
         """A request carrying the worker's state (the first chunk of a part)."""

@@ -255,7 +255,9 @@ class HostMode(InferenceMode):
             if runs_fit(worker, part):  # type: ignore[arg-type]
                 return RunStepper(worker, part, self.lanes)  # type: ignore[arg-type]
             return LaneStepper(worker, None, part, self.lanes)  # type: ignore[arg-type]
-        return ChunkStepper(worker, self.options.chunk_steps, self.ahead, part.then, part.quota)
+        return ChunkStepper(
+            worker, self.options.chunk_steps, self.ahead, part.then, part.quota, part.starters
+        )
 
     async def ended(self, stepper: Stepper) -> None:
         """Start the stream's next round in the host (see :meth:`ChunkStepper.ended`)."""
