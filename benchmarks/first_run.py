@@ -6,7 +6,10 @@ default (the built-in random agent, the ``process`` backend, ``inference="auto"`
 ``SyncVectorEnv(32)`` stepped with ``envs.action_space.sample()``; the machine's ceiling is that
 loop split over as many processes as cores, side by side (``SyncVectorEnv(32 / cores)`` each).
 The sampler also runs with each explicit mode, so the default's choice can be checked against
-them (issue 53).
+them (issue 53). ``--calls`` runs the sampler's cells at other call sizes too: a call waits for
+its slowest host and the hosts wait between calls (the lockstep contract), so larger calls leave
+them idle less; each of the sampler's cells says how many cores its hosts and the caller used
+(CPU time a second of wall time).
 
 Each cell runs in a fresh interpreter, one after the other, for ``--seconds`` after
 ``--warmup``; ``--rounds`` times over, the cells in turn in each round. A shared machine's speed
@@ -100,8 +103,10 @@ def _ceiling(warmup: float, seconds: float) -> dict[str, Any]:
 
 
 async def _ours(
-    inference: str, warmup: float, seconds: float, host_nice: int | None = None
+    inference: str, warmup: float, seconds: float, host_nice: int | None = None, call: int = CALL
 ) -> dict[str, Any]:
+    import psutil
+
     from asyncsample import RandomAgent, Sampler
 
     kwargs: dict[str, Any] = {} if inference == "auto" else {"inference": inference}
@@ -117,27 +122,34 @@ async def _ours(
     ) as sampler:
         until = time.perf_counter() + warmup
         while time.perf_counter() < until:
-            await sampler.obtain_fragments(CALL)
+            await sampler.obtain_fragments(call)
+        me = psutil.Process()
+        procs = [me, *me.children(recursive=True)]  # the caller, then the env hosts
+        cpu = [sum(p.cpu_times()[:2]) for p in procs]
         steps, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
-            steps += (await sampler.obtain_fragments(CALL)).n_transitions
-        rate = steps / (time.perf_counter() - t0)
+            steps += (await sampler.obtain_fragments(call)).n_transitions
+        wall = time.perf_counter() - t0
+        rate = steps / wall
+        cores = [(sum(p.cpu_times()[:2]) - c) / wall for p, c in zip(procs, cpu)]
         # Then the loop's lag, in a window of its own (the probe's wake-ups cost CPU).
         probe = LagProbe()
         probe.start()
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds / 2:
-            await sampler.obtain_fragments(CALL)
+            await sampler.obtain_fragments(call)
         await probe.stop()
         return {
             "steps_per_s": rate,
             "layout": f"{WORKERS}x{ENVS_PER_WORKER}, inference {sampler.inference.describe()}",
+            "call": call,
+            "cores": {"caller": cores[0], "hosts": sum(cores[1:])},
             "lag": probe.summary(),
         }
 
 
 def run_cell(
-    name: str, warmup: float, seconds: float, host_nice: int | None = None
+    name: str, warmup: float, seconds: float, host_nice: int | None = None, call: int = CALL
 ) -> dict[str, Any]:
     """One cell's numbers, in this interpreter."""
     if name == "sync":
@@ -147,13 +159,20 @@ def run_cell(
         return _ceiling(warmup, seconds)
     inference = CELLS[name]
     assert inference is not None
-    return asyncio.run(_ours(inference, warmup, seconds, host_nice))
+    return asyncio.run(_ours(inference, warmup, seconds, host_nice, call))
+
+
+def cell_key(name: str, call: int) -> str:
+    """The results' key of cell ``name`` at calls of ``call`` steps (the name itself at
+    :data:`CALL`, ``asyncsample run``'s)."""
+    return name if call == CALL or CELLS[name] is None else f"{name}, calls of {call:,}"
 
 
 def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per cell over ``rounds`` (each a round's numbers per cell): its steps/s (median, min and
-    max), its lag p99 (median), and its ratios to the round's SyncVectorEnv and ceiling (each
-    round's own: ``vs_sync``, ``of_ceiling``, as median, min and max) where they ran."""
+    max), its lag p99 and the cores it used (medians), and its ratios to the round's
+    SyncVectorEnv and ceiling (each round's own: ``vs_sync``, ``of_ceiling``, as median, min and
+    max) where they ran."""
     rows: dict[str, dict[str, Any]] = {}
     for name in rounds[0]:
         runs = [r[name] for r in rounds]
@@ -167,6 +186,11 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
         lags = [run["lag"]["p99_ms"] for run in runs if run.get("lag", {}).get("p99_ms")]
         if lags:
             row["lag"] = {"p99_ms": statistics.median(lags)}
+        if "call" in runs[0]:
+            row["call"] = runs[0]["call"]
+        if "cores" in runs[0]:
+            row["cores"] = {k: statistics.median(run["cores"][k] for run in runs)
+                            for k in runs[0]["cores"]}  # fmt: skip
         for key, peer in (("vs_sync", "sync"), ("of_ceiling", "ceiling")):
             ratios = [r[name]["steps_per_s"] / r[peer]["steps_per_s"] for r in rounds if peer in r]
             if ratios:
@@ -206,23 +230,27 @@ def _markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         "",
         f"`Sampler({ENV_ID!r}, n_workers={WORKERS}, envs_per_worker={ENVS_PER_WORKER})` with "
         f"every default, consecutive `obtain_fragments({CALL})` calls as `asyncsample run` "
-        f"makes them, against `SyncVectorEnv({N_ENVS})` stepped with "
+        f"makes them{_other_calls(args.calls)}, against `SyncVectorEnv({N_ENVS})` stepped with "
         "`envs.action_space.sample()` and the ceiling (that loop split over every core, side "
         f"by side). {rounds}Each cell in a fresh interpreter, {args.warmup:g} s of warm-up, then a "
         f"{args.seconds:g} s window; ours then sample {args.seconds / 2:g} s more with a task "
         "in the caller's event loop that sleeps 1 ms in a loop (`lag`: how late its wake-ups "
         "are, p99)"
-        + ("." if args.host_nice is None else f", the hosts at `host_nice={args.host_nice}`."),
+        + ("." if args.host_nice is None else f", the hosts at `host_nice={args.host_nice}`.")
+        + " `cores`: the CPU time of ours a second of wall time, the env hosts' + the caller's "
+        "(medians of the rounds).",
         "",
-        "| cell | layout | steps/s | vs SyncVectorEnv(32) | of the ceiling | lag p99 |",
-        "|---|---|--:|--:|--:|--:|",
+        "| cell | layout | steps/s | vs SyncVectorEnv(32) | of the ceiling | cores | lag p99 |",
+        "|---|---|--:|--:|--:|--:|--:|",
     ]
     for name, row in rows.items():
         lag = row.get("lag", {}).get("p99_ms")
         lag_text = "-" if lag is None else f"{lag:.2f} ms"
+        cores = row.get("cores")
+        cores_text = "-" if cores is None else f"{cores['hosts']:.2f} + {cores['caller']:.2f}"
         lines.append(
             f"| {name} | {row['layout']} | {_rate(row)} | {_ratio(row, 'vs_sync', 'x')} | "
-            f"{_ratio(row, 'of_ceiling', '')} | {lag_text} |"
+            f"{_ratio(row, 'of_ceiling', '')} | {cores_text} | {lag_text} |"
         )
     default = rows.get("ours-default", {})
     if "vs_sync" in default and "of_ceiling" in default:
@@ -241,6 +269,14 @@ def _markdown(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _other_calls(calls: list[int]) -> str:
+    """How the markdown names the call sizes run besides :data:`CALL`."""
+    others = [f"{n:,}" for n in calls if n != CALL]
+    if not others:
+        return ""
+    return f" (and calls of {', '.join(others)} steps: the cells so named)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.first_run", description=__doc__)
     parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS))
@@ -251,25 +287,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--host-nice", type=int, help="the process backend's host_nice (default: its own)"
     )
+    parser.add_argument(
+        "--calls",
+        type=int,
+        nargs="+",
+        default=[CALL],
+        help=f"the sampler's call sizes, in steps ({CALL}: asyncsample run's)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cell", help=argparse.SUPPRESS)
+    parser.add_argument("--call", type=int, default=CALL, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if any(n < 1 for n in args.calls):
+        parser.error(f"--calls: expected sizes of at least 1 step, got {args.calls}")
     args.warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 3.0)
     args.seconds = args.seconds if args.seconds is not None else (0.5 if args.quick else 6.0)
     args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     if args.cell:  # a cell in this fresh interpreter: its numbers as JSON on stdout
-        print(json.dumps(run_cell(args.cell, args.warmup, args.seconds, args.host_nice)))
+        cell = run_cell(args.cell, args.warmup, args.seconds, args.host_nice, args.call)
+        print(json.dumps(cell))
         return 0
     rounds: list[dict[str, dict[str, Any]]] = []
     nice = [] if args.host_nice is None else ["--host-nice", str(args.host_nice)]
+    runs = [(name, call) for name in args.cells
+            for call in (args.calls if CELLS[name] is not None else [CALL])]  # fmt: skip
     for k in range(args.rounds):
         rounds.append({})
-        for name in args.cells:
-            print(f"first_run: round {k + 1}/{args.rounds}, {name}", file=sys.stderr, flush=True)
+        for name, call in runs:
+            key = cell_key(name, call)
+            print(f"first_run: round {k + 1}/{args.rounds}, {key}", file=sys.stderr, flush=True)
             done = subprocess.run(
-                [sys.executable, "-m", "benchmarks.first_run", "--cell", name,
+                [sys.executable, "-m", "benchmarks.first_run", "--cell", name, "--call", str(call),
                  "--warmup", str(args.warmup), "--seconds", str(args.seconds), *nice],
                 capture_output=True, text=True, check=False, timeout=600,
                 cwd=Path(__file__).resolve().parent.parent,
@@ -277,13 +327,14 @@ def main(argv: list[str] | None = None) -> int:
             if done.returncode != 0:
                 print(done.stderr, file=sys.stderr)
                 return 1
-            rounds[k][name] = json.loads(done.stdout.strip().splitlines()[-1])
+            rounds[k][key] = json.loads(done.stdout.strip().splitlines()[-1])
     rows = summarize(rounds)
     result = {
         "study": "first_run",
         "warmup": args.warmup,
         "seconds": args.seconds,
         "host_nice": args.host_nice,
+        "calls": args.calls,
         "rows": rows,
         "rounds": rounds,
     }

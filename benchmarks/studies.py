@@ -276,7 +276,8 @@ STUDIES: list[Study] = [
         "first_run",
         "the README's run (CartPole-v1, 4x8, every default) against SyncVectorEnv(32) with "
         "random actions and the ceiling, and with each explicit inference mode; 3 rounds, "
-        "each rated against its own round's loops; the caller's loop lag (own runner)",
+        "each rated against its own round's loops; the caller's loop lag and the cores used; "
+        "--calls for other call sizes (own runner)",
         script="benchmarks.first_run",
         script_args=((), ("--quick",)),
         minutes=4.5,

@@ -31,7 +31,7 @@ SMOKE: dict[str, list[str]] = {
     "soak": [],
     "chaos": [],  # run by test_chaos_smoke_run_passes_its_checks alone
     "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1"],
-    "first_run": ["--cells", "sync", "ceiling", "ours-default"],
+    "first_run": ["--cells", "sync", "ceiling", "ours-default", "--calls", "4000", "8000"],
     # a peer and ours (its default placement) in each client: every run a fresh interpreter
     # importing torch (tests/test_vector_env.py checks each forced placement)
     "clients": ["--contenders", "sync", "dummy", "ours"],
@@ -73,6 +73,10 @@ def test_study_smoke_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert code == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "results.md").read_text().strip()
+    if name == "first_run":  # a cell per call size, with the cores its hosts used
+        rows = results["rows"]
+        assert rows["ours-default, calls of 8,000"]["call"] == 8000
+        assert rows["ours-default"]["call"] == 4000 and rows["ours-default"]["cores"]["hosts"] > 0
     if not study.is_plan:
         return
     assert results["study"] == name
@@ -497,13 +501,14 @@ def test_multiagent_reports_ours_against_the_ceiling(tmp_path: Path) -> None:
 def test_first_run_rates_each_round_against_its_own_loops() -> None:
     from benchmarks.first_run import summarize
 
-    def cell(rate: float, lag: float | None = None) -> dict[str, Any]:
-        return {"steps_per_s": rate, "layout": "x", **({"lag": {"p99_ms": lag}} if lag else {})}
+    def cell(rate: float, lag: float | None = None, hosts: float = 0.0) -> dict[str, Any]:
+        ours = {"lag": {"p99_ms": lag}, "call": 4000, "cores": {"caller": 0.2, "hosts": hosts}}
+        return {"steps_per_s": rate, "layout": "x", **(ours if lag else {})}
 
     rounds = [  # the machine twice as fast in the second round
-        {"sync": cell(100.0), "ceiling": cell(200.0), "ours": cell(150.0, 1.0)},
-        {"sync": cell(200.0), "ceiling": cell(400.0), "ours": cell(200.0, 3.0)},
-        {"sync": cell(110.0), "ceiling": cell(220.0), "ours": cell(120.0, 2.0)},
+        {"sync": cell(100.0), "ceiling": cell(200.0), "ours": cell(150.0, 1.0, 1.5)},
+        {"sync": cell(200.0), "ceiling": cell(400.0), "ours": cell(200.0, 3.0, 1.2)},
+        {"sync": cell(110.0), "ceiling": cell(220.0), "ours": cell(120.0, 2.0, 1.4)},
     ]
     rows = summarize(rounds)
     ours = rows["ours"]
@@ -512,4 +517,5 @@ def test_first_run_rates_each_round_against_its_own_loops() -> None:
     assert ours["vs_sync"] == {"median": pytest.approx(120 / 110), "min": 1.0, "max": 1.5}
     assert ours["of_ceiling"] == {"median": pytest.approx(120 / 220), "min": 0.5, "max": 0.75}
     assert ours["lag"] == {"p99_ms": 2.0}
+    assert ours["call"] == 4000 and ours["cores"] == {"caller": 0.2, "hosts": 1.4}
     assert "lag" not in rows["sync"] and rows["sync"]["vs_sync"]["median"] == 1.0
