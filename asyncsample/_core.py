@@ -497,13 +497,13 @@ class SamplerCore:
         pool = FreeQuota(quota, self.n_workers * self.envs_per_worker) if free else None
         shared = None if pool is not None else self._shared_quota(mode, quota, fraction)
         done_at = [start] * self.n_workers
+        # The workers with a share, the first ones (_share): a lane round waits for each.
+        starters = sum(self._share(mode, quota, w) > 0 for w in range(self.n_workers))
         lane_round = None
         if self.lanes and leave is Resume.EPISODES and mode == "samples":
-            lane_round = LaneRound(min(quota, self.n_workers))  # the workers with a share
+            lane_round = LaneRound(starters)
 
         then = leave if ahead and shared is None and mode != "episodes" else None
-        # share_of: every worker has a share of a call's episodes, else the first ``quota``.
-        starters = self.n_workers if mode == "episodes" else min(quota, self.n_workers)
 
         async def drive(worker: Worker) -> Plan | None:
             part = Part(resume, leave, shared, then, lane_round, pool, starters)
@@ -538,10 +538,13 @@ class SamplerCore:
         minimums = {w: math.ceil(round(fraction * n, 9)) for w, n in shares.items() if n > 0}
         return SharedQuota(quota, minimums)
 
+    def _share(self, mode: Mode, quota: int, worker: int) -> int:
+        """Worker ``worker``'s share of a call: all of ``quota`` for episodes, else share_of's."""
+        return quota if mode == "episodes" else share_of(quota, self.n_workers, worker)
+
     async def _drive(self, worker: Worker, mode: Mode, quota: int, part: Part) -> Plan | None:
         """Run one worker's part of a call, rebuilding its host after failures."""
-        w = worker.worker_number
-        share = quota if mode == "episodes" else share_of(quota, self.n_workers, w)
+        share = self._share(mode, quota, worker.worker_number)
         if share == 0:
             return None
         rule = StopRule.for_call(_CALLS[mode][0], share, worker.n_envs)
