@@ -41,7 +41,7 @@ from benchmarks.report import write_own_results
 __all__ = ["main", "measure"]
 
 ENVS = ["NoOp-v0", "CartPole-v1", "FixedCost-v0"]
-SLOT_ENVS = [1, 4, 16]
+SLOT_ENVS = [1, 4, 8, 16]
 CHUNK = 64
 #: The results page's section (``docs/performance.md`` copies it: ``asyncsample bench --pages``).
 HEADING = "The env host's own cost per step"
