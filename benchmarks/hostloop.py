@@ -34,48 +34,88 @@ import benchmarks.envs  # registers the benchmark envs
 from asyncsample._engine import CallMode, StopRule
 from asyncsample.agent import RandomAgent
 from asyncsample.backends._chunk import ChunkRequest, chunk_rows, chunk_sets
-from asyncsample.backends._chunk_loop import ChunkRunner
+from asyncsample.backends._chunk_loop import ChunkRunner, run_joint
 from asyncsample.env_group import EnvGroup, StepBuffers
 from benchmarks.report import write_own_results
 
-__all__ = ["main", "measure"]
+__all__ = ["main", "measure", "measure_policy"]
 
 ENVS = ["NoOp-v0", "CartPole-v1", "FixedCost-v0"]
 SLOT_ENVS = [1, 4, 8, 16]
 CHUNK = 64
-#: The results page's section (``docs/performance.md`` copies it: ``asyncsample bench --pages``).
+POLICY_ENVS = ["CartPole-v1", "HalfCheetah-v5"]
+#: The policy study's layouts (workers x envs per worker, over 2 env hosts).
+POLICY_LAYOUTS = ["2x4", "8x1", "2x16", "4x8", "8x4"]
+#: The results page's sections (``docs/performance.md`` copies them: ``asyncsample bench --pages``).
 HEADING = "The env host's own cost per step"
+POLICY_HEADING = "A host with a policy, against the ceiling's loop"
 
 
-def _best_of(rounds: int, fn: Callable[[], int]) -> float:
-    """The fastest of ``rounds`` timings of ``fn``, in microseconds per unit it reports."""
-    best = float("inf")
+def _best_of(rounds: int, *fns: Callable[[], int]) -> list[float]:
+    """Per function of ``fns``, the fastest of ``rounds`` timings, in microseconds per unit it
+    reports; the functions take turns within each round, so that a machine whose speed drifts
+    gives each of them its fast minutes alike."""
+    best = [float("inf")] * len(fns)
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        units = fn()
-        best = min(best, (time.perf_counter() - t0) / units * 1e6)
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            units = fn()
+            best[k] = min(best[k], (time.perf_counter() - t0) / units * 1e6)
     return best
+
+
+def _runners(env_id: str, slots: int, n_envs: int, agent: Any) -> list[ChunkRunner]:
+    """``slots`` chunk runners of ``n_envs`` envs of ``env_id`` each, with copies of ``agent``
+    installed as a host installs them (one shared agent: copies that act alike run side by
+    side, see :func:`~asyncsample.backends._chunk_loop.run_joint`)."""
+    make = functools.partial(gym.make, benchmarks.envs.full_id(env_id))
+    probe = make()
+    obs_space, act_space = probe.observation_space, probe.action_space
+    probe.close()
+    blob = pickle.dumps((cloudpickle.dumps(agent), 0))
+    runners = []
+    for slot in range(slots):
+        buffers = StepBuffers.allocate(obs_space, act_space, n_envs)
+        group = EnvGroup(slot, buffers, obs_space, act_space, None)
+        group.build([[make]] * n_envs, list(range(n_envs)))
+        group.reset(np.ones(n_envs, dtype=bool))
+        flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(CHUNK, 2) * n_envs)
+        runner = ChunkRunner(group, chunk_sets(flat, CHUNK, n_envs), act_space)
+        runner.install(blob)
+        runners.append(runner)
+    return runners
+
+
+def _chunk_loop(runners: list[ChunkRunner], chunks: int) -> Callable[[], int]:
+    """``chunks`` chunks of every runner, side by side; the loop counts slot-steps."""
+    n_envs = runners[0].group.n_envs
+
+    def loop() -> int:
+        for _ in range(chunks):
+            rule = StopRule.for_call(CallMode.FRAGMENTS, CHUNK * n_envs, n_envs)
+            requests = [
+                ChunkRequest(rule.copy(), CHUNK, np.zeros(n_envs, np.int64), np.ones(n_envs, bool))
+                for _ in runners
+            ]
+            for reply in run_joint(runners, requests):
+                if isinstance(reply, Exception):
+                    raise reply
+        return chunks * CHUNK * len(runners)
+
+    return loop
+
+
+def _close(runners: list[ChunkRunner]) -> None:
+    for runner in runners:
+        runner.group.close()
 
 
 def measure(env_id: str, n_envs: int, chunks: int, rounds: int) -> dict[str, Any]:
     """Microseconds per slot-step of the chunk loop and per step of a plain loop on ``env_id``."""
-    make = functools.partial(gym.make, benchmarks.envs.full_id(env_id))
-    probe = make()
-    obs_space, act_space = probe.observation_space, probe.action_space
-    buffers = StepBuffers.allocate(obs_space, act_space, n_envs)
-    group = EnvGroup(0, buffers, obs_space, act_space, None)
-    group.build([[make]] * n_envs, list(range(n_envs)))
-    group.reset(np.ones(n_envs, dtype=bool))
-    flat = StepBuffers.allocate(obs_space, act_space, chunk_rows(CHUNK, 2) * n_envs)
-    runner = ChunkRunner(group, chunk_sets(flat, CHUNK, n_envs), act_space)
-    runner.install(pickle.dumps((cloudpickle.dumps(RandomAgent(act_space, seed=0)), 0)))
-
-    def chunk_loop() -> int:
-        for _ in range(chunks):
-            rule = StopRule.for_call(CallMode.FRAGMENTS, CHUNK * n_envs, n_envs)
-            counts, active = np.zeros(n_envs, np.int64), np.ones(n_envs, dtype=bool)
-            runner.run(ChunkRequest(rule, CHUNK, counts, active))
-        return chunks * CHUNK
+    probe = gym.make(benchmarks.envs.full_id(env_id))
+    act_space = probe.action_space
+    runners = _runners(env_id, 1, n_envs, RandomAgent(act_space, seed=0))
+    chunk_loop = _chunk_loop(runners, chunks)
 
     probe.reset(seed=0)
     act_space.seed(0)
@@ -90,11 +130,10 @@ def measure(env_id: str, n_envs: int, chunks: int, rounds: int) -> dict[str, Any
         return n
 
     chunk_loop()  # warm-up
-    slot_step = _best_of(rounds, chunk_loop)
-    env_step = _best_of(rounds, plain_loop)
+    slot_step, env_step = _best_of(rounds, chunk_loop, plain_loop)
     own = slot_step - env_step * n_envs
     probe.close()
-    group.close()
+    _close(runners)
     return {
         "env": env_id,
         "envs_per_slot": n_envs,
@@ -103,6 +142,48 @@ def measure(env_id: str, n_envs: int, chunks: int, rounds: int) -> dict[str, Any
         "host_own_us_per_slot_step": own,
         "host_own_us_per_env_step": own / n_envs,
         "host_own_share": own / slot_step,
+    }
+
+
+def measure_policy(env_id: str, layout: str, chunks: int, rounds: int) -> dict[str, Any]:
+    """One of two env hosts of the policy study's ``layout`` (workers x envs, half the workers
+    a host) with its MLP: the host's chunks side by side, against the ceiling's loop for the
+    same envs (``SyncVectorEnv`` of a host's envs plus the MLP, one call a step), per env step.
+    """
+    from benchmarks.policies import make_policy  # torch: only for this part
+
+    workers, n_envs = (int(k) for k in layout.split("x"))
+    slots = max(1, workers // 2)
+    agent = make_policy("mlp", env_id, 0)
+    runners = _runners(env_id, slots, n_envs, agent)
+    if slots > 1 and (runners[0].copy_key is None or runners[0].copy_key != runners[1].copy_key):
+        raise RuntimeError(f"{layout}: the MLP's copies do not run side by side")
+    host_loop = _chunk_loop(runners, max(1, chunks // slots))
+    make = functools.partial(gym.make, benchmarks.envs.full_id(env_id))
+    sync = gym.vector.SyncVectorEnv([make] * (slots * n_envs))
+    obs, _ = sync.reset(seed=0)
+    steps = max(1, chunks // slots) * CHUNK
+
+    def ceiling_loop() -> int:
+        nonlocal obs
+        for _ in range(steps):
+            obs, *_ = sync.step(agent.get_actions(obs)[0])
+        return steps * slots * n_envs
+
+    host_loop()  # warm-up
+    ceiling_loop()
+    host, ceiling = _best_of(rounds, host_loop, ceiling_loop)
+    host /= n_envs  # per env step (the loop counts slot-steps)
+    sync.close()
+    _close(runners)
+    return {
+        "env": env_id,
+        "layout": layout,
+        "slots_per_host": slots,
+        "envs_per_slot": n_envs,
+        "host_us_per_env_step": host,
+        "ceiling_loop_us_per_env_step": ceiling,
+        "host_vs_ceiling_loop": ceiling / host,
     }
 
 
@@ -117,7 +198,8 @@ def table(result: dict[str, Any]) -> str:
         "",
         "The host's chunk loop (`ChunkRunner`, a random agent) run in one process, against a "
         "plain `env.step` loop with pre-drawn actions on the same env (the ceiling's loop); "
-        f"best of {result['rounds']} rounds of {result['chunks']} chunks of {CHUNK} steps. "
+        f"best of {result['rounds']} rounds of {result['chunks']} chunks of {CHUNK} steps (the "
+        "two loops in turn in each round). "
         "`own`: the loop's time per slot-step minus the plain loop's for the same env steps.",
         "",
         "| env | envs per slot | slot-step us | plain env step us | own us per slot-step "
@@ -130,6 +212,32 @@ def table(result: dict[str, Any]) -> str:
             f"{r['plain_env_step_us']:.1f} | {r['host_own_us_per_slot_step']:.1f} | "
             f"{r['host_own_us_per_env_step']:.2f} | {r['host_own_share']:.1%} |"
         )
+    policy = result.get("policy_rows") or []
+    if policy:
+        lines += [
+            "",
+            f"## {POLICY_HEADING}",
+            "",
+            "One of the two env hosts of each layout of the `policy` study (workers x envs per "
+            "worker, half the workers a host) with its torch MLP, the host's chunks side by side "
+            '(one agent call a step for its slots, as `inference="host"` runs them), in one '
+            "process: no requests, no caller, no waiting. Against the ceiling's loop for the "
+            "same envs (`SyncVectorEnv` of a host's envs plus the MLP, one call a step), which "
+            "each of the ceiling's two processes runs. Microseconds per env step, best of "
+            f"{result['rounds']} rounds (the two loops in turn in each). `bound`: the ceiling's "
+            "loop / the host's: the share "
+            "of the ceiling that two such hosts reach when nothing else costs anything.",
+            "",
+            "| env | layout | slots x envs a host | host us per env step "
+            "| ceiling's loop us per env step | bound (of the ceiling) |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for r in policy:
+            lines.append(
+                f"| {r['env']} | {r['layout']} | {r['slots_per_host']} x {r['envs_per_slot']} | "
+                f"{r['host_us_per_env_step']:.2f} | {r['ceiling_loop_us_per_env_step']:.2f} | "
+                f"{r['host_vs_ceiling_loop']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -138,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hostloop", description=__doc__)
     parser.add_argument("--envs", nargs="+", default=ENVS)
     parser.add_argument("--slot-envs", nargs="+", type=int, default=SLOT_ENVS)
+    parser.add_argument("--policy-envs", nargs="*", default=POLICY_ENVS, help="none: no MLP part")
+    parser.add_argument("--policy-layouts", nargs="+", default=POLICY_LAYOUTS)
     parser.add_argument("--chunks", type=int, default=40, help="chunks per timed round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 chunks, 2 rounds")
@@ -155,6 +265,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "us per slot-step",
                 flush=True,
             )
+    policy_rows = []
+    for env_id in args.policy_envs:
+        for layout in args.policy_layouts:
+            # HalfCheetah spends about 50 us per env step: fewer chunks keep its rounds short.
+            k = max(1, chunks // 4) if env_id.startswith("HalfCheetah") else chunks
+            policy_rows.append(measure_policy(env_id, layout, k, rounds))
+            print(
+                f"{env_id} {layout} with the MLP: host "
+                f"{policy_rows[-1]['host_us_per_env_step']:.1f} us per env step, ceiling's "
+                f"loop {policy_rows[-1]['ceiling_loop_us_per_env_step']:.1f}",
+                flush=True,
+            )
     result = {
         "study": "hostloop",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -164,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "chunks": chunks,
         "rounds": rounds,
         "rows": rows,
+        "policy_rows": policy_rows,
     }
     write_own_results(args.out, result, table(result))
     return 0

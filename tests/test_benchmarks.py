@@ -30,7 +30,8 @@ SMOKE: dict[str, list[str]] = {
     "stragglers": ["--contenders", "ceiling", "asyncsample"],
     "soak": [],
     "chaos": [],  # run by test_chaos_smoke_run_passes_its_checks alone
-    "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1"],
+    "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1", "--policy-envs", "CartPole-v1",
+                 "--policy-layouts", "8x1"],
     "first_run": ["--cells", "sync", "ceiling", "ours-default", "--calls", "4000", "8000"],
     # a peer and ours (its default placement) in each client: every run a fresh interpreter
     # importing torch (tests/test_vector_env.py checks each forced placement)
