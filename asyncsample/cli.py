@@ -29,14 +29,21 @@ from asyncsample.backends import BACKENDS, traits
 from asyncsample.batch import EpisodeBatch, StepType
 from asyncsample.sampler import Sampler
 
-__all__ = ["EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_INTERRUPTED", "EXIT_RUNTIME", "EXIT_USAGE", "RUN_STEPS", "call_size", "main"]
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a Ctrl-C
 
+#: The transitions ``run`` samples unless ``--steps`` says otherwise.
+RUN_STEPS = 200_000
 #: The most transitions ``run`` asks for in one call.
 MAX_CHUNK = 50_000
+#: ``run`` samples its steps in about this many calls: few enough that the hosts of cheap envs
+#: seldom wait between two calls (docs/performance.md, tuning checklist), enough that the bar moves.
+CALLS = 16
+#: The most bytes of observations ``run`` asks for in one call (raw Atari frames: 665 steps).
+MAX_CALL_BYTES = 64 * 2**20
 
 #: The backends ``run`` offers: those that step a gymnasium id's (blocking) envs; ``asyncio``
 #: takes only async envs, which no gymnasium id makes.
@@ -165,8 +172,9 @@ async def run(args: argparse.Namespace, summary: RunSummary) -> None:
             server.shutdown()
             server.server_close()
         raise UsageError(str(exc)) from exc
-    # Per call: small enough that the bar moves and memory stays bounded; one step of every env.
-    chunk = max(min(args.steps // 50, MAX_CHUNK), args.workers * args.envs_per_worker)
+    chunk = call_size(
+        args.steps, args.workers * args.envs_per_worker, sampler.env_spec.observation_space
+    )
     start = time.perf_counter()
     try:
         async with sampler:
@@ -197,6 +205,20 @@ async def run(args: argparse.Namespace, summary: RunSummary) -> None:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def call_size(steps: int, n_envs: int, observation_space: Any) -> int:
+    """The transitions each of ``run``'s calls asks for, to sample ``steps`` with ``n_envs`` envs:
+    about :data:`CALLS` calls, at most :data:`MAX_CHUNK` transitions and :data:`MAX_CALL_BYTES`
+    of observations (where the space has a fixed shape and dtype), and one step of every env."""
+    size = min(steps // CALLS, MAX_CHUNK)
+    shape, dtype = (
+        getattr(observation_space, "shape", None),
+        getattr(observation_space, "dtype", None),
+    )
+    if shape is not None and dtype is not None:
+        size = min(size, MAX_CALL_BYTES // max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize))
+    return max(size, n_envs)
 
 
 def layout(sampler: Sampler) -> str:
@@ -348,7 +370,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     positive = _int_at_least(1)
     run_p.add_argument("env_id", nargs="?", default="CartPole-v1", help="gymnasium env id")
-    run_p.add_argument("--steps", type=positive, default=200_000, help="transitions to sample")
+    run_p.add_argument("--steps", type=positive, default=RUN_STEPS, help="transitions to sample")
     run_p.add_argument("--workers", type=positive, default=4, help="worker coroutines")
     run_p.add_argument("--envs-per-worker", type=positive, default=8, help="envs per worker")
     run_p.add_argument(

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncsample.cli import RUN_STEPS, call_size
 from benchmarks.report import write_own_results
 from benchmarks.runs import LagProbe
 
@@ -41,8 +42,9 @@ __all__ = ["CELLS", "main"]
 ENV_ID = "CartPole-v1"
 N_ENVS = 32
 WORKERS, ENVS_PER_WORKER = 4, 8
-#: ``asyncsample run``'s call size for its default 200,000 steps (``steps // 50``).
-CALL = 4_000
+#: ``asyncsample run``'s call size for its default steps (CartPole's 16-byte observations are far
+#: below its cap on a call's bytes).
+CALL = call_size(RUN_STEPS, N_ENVS, None)
 #: cell -> ``Sampler(inference=...)`` (``None``: a gymnasium loop).
 CELLS: dict[str, str | None] = {
     "sync": None,

@@ -14,11 +14,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import psutil
 import pytest
 from helpers import default_sigint, new_shm_entries, python_env, shm_entries, wait_gone
 
-from asyncsample.cli import main
+from asyncsample.cli import CALLS, MAX_CALL_BYTES, MAX_CHUNK, RUN_STEPS, call_size, main
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -426,3 +428,16 @@ def test_the_default_run_shows_the_inference_mode_it_chose(
         "the env hosts, a chunk of steps per request), 2 workers x 8 envs on"
     )
     assert ran in done.stdout
+
+
+def test_run_asks_for_its_steps_in_a_few_calls_of_bounded_bytes() -> None:
+    cartpole = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+    frames = gym.spaces.Box(0, 255, (210, 160, 3), np.uint8)
+    # The README's run: 16 calls of 12,500 steps (4,000 before: its hosts waited between calls).
+    assert call_size(RUN_STEPS, 32, cartpole) == RUN_STEPS // CALLS == 12_500
+    assert call_size(10**9, 32, cartpole) == MAX_CHUNK
+    # Raw frames: a call holds at most MAX_CALL_BYTES of observations.
+    assert call_size(RUN_STEPS, 8, frames) == MAX_CALL_BYTES // (210 * 160 * 3) == 665
+    # At least one step of every env; a space without a fixed shape has no byte cap.
+    assert call_size(100, 32, cartpole) == 32
+    assert call_size(RUN_STEPS, 32, gym.spaces.Text(10)) == 12_500
