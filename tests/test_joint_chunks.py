@@ -408,6 +408,40 @@ def test_a_host_waits_for_the_first_chunks_of_the_workers_that_start_the_call() 
     assert reader.waits == 0  # worker 0 alone starts: nobody to wait for
 
 
+class StalledReader(FakeReader):
+    """Its first look finds nothing and takes ``stall`` seconds (the host was not run meanwhile),
+    during which its frames came."""
+
+    def __init__(self, frames: list[tuple[int, int, bytes]], stall: float) -> None:
+        super().__init__(frames)
+        self.stall = stall
+        self.looks = 0
+
+    def buffered(self) -> bool:
+        self.looks += 1
+        if self.looks == 1:
+            time.sleep(self.stall)
+            return False
+        return bool(self.frames)
+
+
+def test_a_first_chunk_that_came_while_the_host_stood_still_is_taken() -> None:
+    """Past the deadline a host still takes the partners' chunks that came before it looked at
+    its clock: a host descheduled between its look at the frames and at its clock (a busy
+    machine) does not run alone beside a chunk it has."""
+    from collections import deque
+
+    from asyncsample.backends._host_main import START_WAIT, _partners
+    from asyncsample.backends._transport import SLOT, Op
+
+    slots = [FakeSlot(b"k") for _ in range(2)]
+    for w, slot in enumerate(slots):
+        slot.worker = w  # type: ignore[attr-defined]
+    reader = StalledReader([(11, Op.CHUNK, SLOT.pack(1) + b"r11")], 2 * START_WAIT)
+    taken = _partners(reader, deque(), slots, 0, True, 2)  # type: ignore[arg-type]
+    assert [rid for rid, _, _ in taken] == [11]
+
+
 @pytest.mark.sampler_defaults(backend="process", env=NoisyEnv, max_episode_length=30, seed=3)
 async def test_a_parts_first_chunk_request_names_the_workers_that_start_the_call(
     make_sampler: SamplerFactory, monkeypatch: pytest.MonkeyPatch

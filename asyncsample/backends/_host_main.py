@@ -386,6 +386,9 @@ def _partners(
         deadline = time.monotonic() + JOIN_WAIT
     taken: list[tuple[int, HostSlot, ChunkRequest | NextChunk]] = []
     while wanted:
+        # Read before the look: past the deadline, what came meanwhile is still taken (a host
+        # not run for a while between its look and its clock would miss it).
+        left = deadline - time.monotonic()
         while (not backlog or backlog[-1] is not None) and reader.buffered():
             backlog.append(reader.read())  # a frame comes whole: one write of the caller's
         keep: deque[Frame | None] = deque()
@@ -406,7 +409,6 @@ def _partners(
             keep.append(frame)
         backlog.clear()
         backlog.extend(keep)
-        left = deadline - time.monotonic()
         if not (awaited & wanted) or left <= 0 or (backlog and backlog[-1] is None):
             break
         reader.wait_readable(left)
