@@ -9,6 +9,12 @@ the same envs as a plain ``env.step`` loop with pre-drawn actions (the ceiling's
 reports the difference per slot-step: the host's own cost, which the ``host`` study's ratios to
 the ceiling cannot separate from waiting and scheduling.
 
+Its second part does the same for the ``policy`` study: one of the two env hosts of each of its
+layouts with its torch MLP (the host's slots side by side, one agent call a step), against the
+loop each of the ceiling's processes runs on the same envs (``SyncVectorEnv`` plus the MLP). The
+ratio bounds what the layout reaches of the ceiling when requests, the caller and waiting cost
+nothing.
+
 Run it as ``asyncsample bench hostloop`` (or ``python -m benchmarks.hostloop``). With
 ``PYTHONPATH=OTHER_TREE`` it measures another source tree's loop (the API it uses is old).
 """

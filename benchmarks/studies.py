@@ -286,7 +286,8 @@ STUDIES: list[Study] = [
         "hostloop",
         'the env host\'s own cost per step in inference="host" (its chunk loop with a random '
         "agent, in one process) against a plain env.step loop: NoOp-v0, CartPole-v1, "
-        "FixedCost-v0 with 1, 4, 8 (the README run's slots) and 16 envs per slot (own runner)",
+        "FixedCost-v0 with 1, 4, 8 (the README run's slots) and 16 envs per slot; and one env "
+        "host of each policy-study layout with its MLP against the ceiling's loop (own runner)",
         script="benchmarks.hostloop",
         script_args=((), ("--quick",)),
         minutes=1.0,
