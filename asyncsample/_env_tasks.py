@@ -328,10 +328,12 @@ class LaneStepper:
         host = self.host
         acting, bare = self.acting, self.bare
         step_soon = None if bare is None else bare.step_soon
-        # A host in this process with no limiter, timeout or metrics: the env's step awaited here.
+        # A host in this process with no timeout or metrics: the env's step awaited here, in
+        # the host's window of env calls.
         own = cast(DirectStepHost, host)
         direct = own.direct_steps() if acting is None and hasattr(host, "direct_steps") else None
         envs: list[Any] = [] if direct is None else direct
+        window = None if direct is None else own.window
         request = None if self.requests is None else self.requests.request
         # Without fixed shares (no batch to reproduce bit for bit) and with metrics off (they
         # time the merged calls), the built-in random agent's row is drawn by the lane itself:
@@ -464,10 +466,15 @@ class LaneStepper:
                             if step is not None:
                                 result = await step
                             else:
+                                if window is not None and not window.enter_now():
+                                    await window.enter()
                                 try:
                                     result = await envs[i].step(action)  # the env's call
                                 except (asyncio.CancelledError, Exception) as exc:
                                     raise own.step_error(i, exc) from exc
+                                finally:
+                                    if window is not None:
+                                        window.leave()
                                 result = own.finish_step(i, result)
                         except asyncio.CancelledError:
                             if bare is not None:  # a bare future: the host is told

@@ -16,11 +16,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import gymnasium as gym
+
 from asyncsample import _validate
 from asyncsample._daemon_threads import start_daemon
-from asyncsample.async_env import is_async_env, time_limit
-from asyncsample.backends._closing import close_off_loop
-from asyncsample.backends.aio import probe_async_env, read_async_env
+from asyncsample.async_env import check_async_env, is_async_env, time_limit
+from asyncsample.backends._closing import CLOSE_TIMEOUT, close_bounded, close_off_loop
 from asyncsample.batch import EnvSpec
 from asyncsample.env_update import EnvId, EnvUpdate, checked_env, make_env
 from asyncsample.multiagent.slots import as_slot_env
@@ -235,3 +236,49 @@ def _probed(
         max_episode_length=max_episode_length or limit,
     )
     return Probed(spec, limit is not None, closing)
+
+
+def probe_async_env(
+    source: Any, close_timeout: float = CLOSE_TIMEOUT
+) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
+    """Build one async env from ``source`` to read its spaces and step limit, then close it:
+    now if no loop runs, else in a task (returned, else ``None``) for ``aclose()`` to await.
+
+    Raises:
+        TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
+        ValueError: the factory raised.
+    """
+    if isinstance(source, str) or not callable(source):
+        raise TypeError(
+            "env: backend='asyncio' takes a zero-argument callable returning an "
+            f"asyncsample.AsyncEnv, got {type(source).__name__} {source!r:.60}"
+        )
+    try:
+        env = as_slot_env(source())
+    except Exception as exc:
+        raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
+    if isinstance(env, gym.Env):
+        raise TypeError(
+            f"env: backend='asyncio' needs envs whose reset and step are coroutines (an "
+            f"asyncsample.AsyncEnv); {source!r} returned {type(env).__name__}, a blocking "
+            "gymnasium.Env: use backend='thread' (or 'process') for it"
+        )
+    return read_async_env(env, close_timeout)
+
+
+def read_async_env(
+    env: Any, close_timeout: float = CLOSE_TIMEOUT
+) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
+    """The spaces and step limit of the async env ``env``, which is then closed (see
+    :func:`probe_async_env`)."""
+    check_async_env(env, "env")
+    limit = getattr(env, "max_episode_steps", None)
+    if limit is None:
+        limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+    closing = close_bounded(env, close_timeout, "the env built to read the spaces")
+    task = None
+    try:
+        task = asyncio.get_running_loop().create_task(closing)
+    except RuntimeError:  # no loop runs
+        asyncio.run(closing)
+    return env.observation_space, env.action_space, limit, task

@@ -19,6 +19,8 @@ plain-asyncio contenders step the same env class. Every cell runs in a fresh pro
 - ``ours-asyncio``: ``Sampler(make_env, backend="asyncio", n_workers=100,
   envs_per_worker=N // 100)``, the default (random) agent, consecutive
   ``obtain_fragments(10 * N)`` calls as a trainer writes them.
+- ``ours-asyncio-paced``: the same with ``backend_options={"loop_lag": 0.002}``, the window of
+  env calls that keeps the caller's loop about 2 ms behind at most (``backends/_pacing.py``).
 - ``ours-process-per_worker``, ``ours-process-host``, ``ours-process-batched``: the same on
   ``process`` hosts (one per core), with that ``inference`` (``batched`` needs one agent for
   every worker: a seeded ``RandomAgent``; the others keep the default, one per worker).
@@ -56,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncsample.backends._pacing import LOOP_LAG
 from benchmarks.async_envs_cells import (
     _SHM,
     CellResult,
@@ -77,6 +80,7 @@ CELLS = [
     "plain-1",
     "plain-2",
     "ours-asyncio",
+    "ours-asyncio-paced",
     "ours-process-per_worker",
     "ours-process-host",
     "ours-process-batched",
@@ -89,6 +93,8 @@ PROCESS_CELLS = {
     "ours-process-host": "host",
     "ours-process-batched": "batched",
 }
+#: Ours on ``asyncio`` with a window of env calls kept to the loop's lag: cell -> ``loop_lag``.
+PACED_CELLS = {"ours-asyncio-paced": LOOP_LAG}
 #: The tail cells (N = 1,000, against the ideal): cell -> inference on process hosts, or None.
 TAIL_CELLS = {"tail": None, "tail-host": "host"}
 
@@ -182,6 +188,8 @@ class SeamSpec:
         if self.cell == "plain-2":
             return f"{self.hosts} processes x {self.n_episodes // self.hosts:,} tasks"
         text = f"{self.workers}x{self.envs_per_worker}"
+        if self.cell in PACED_CELLS:
+            text += f", loop_lag={PACED_CELLS[self.cell] * 1000:g} ms"
         inference = PROCESS_CELLS.get(self.cell) or TAIL_CELLS.get(self.cell)
         if inference is not None:
             text += f" over {self.hosts} hosts, inference={inference}"
@@ -302,6 +310,8 @@ async def _ours(spec: SeamSpec, profiler: cProfile.Profile | None) -> dict[str, 
         counter_dir = tempfile.mkdtemp(prefix="asyncsample-seam-", dir=_SHM)
         count = functools.partial(shared_count, counter_dir)
         options = {"backend": "process", "n_processes": spec.hosts, "inference": inference}
+    if spec.cell in PACED_CELLS:
+        options["backend_options"] = {"loop_lag": PACED_CELLS[spec.cell]}
     if inference == "batched":  # one agent shared by every worker: a seeded random one
         options["agent"] = RandomAgent(spaces.Discrete(2), seed=spec.seed)
     kwargs = spec.cell_spec("ours-asyncio").env_kwargs()
@@ -431,19 +441,21 @@ def targets(cells: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     plain_1, plain_2, asyncio_ = ok("plain-1"), ok("plain-2"), ok("ours-asyncio")
     processes = [c for name in PROCESS_CELLS if (c := ok(name)) is not None]
     best = max(processes, key=lambda c: c["steps_per_s"], default=None)
-    add(
-        "ours-asyncio / plain-1 (steps/s)",
-        asyncio_["steps_per_s"] / plain_1["steps_per_s"] if asyncio_ and plain_1 else None,
-        GOALS["asyncio_vs_plain_1"],
-        True,
-    )
+    for name in ("ours-asyncio", *PACED_CELLS):
+        c = ok(name)
+        add(
+            f"{name} / plain-1 (steps/s)",
+            c["steps_per_s"] / plain_1["steps_per_s"] if c and plain_1 else None,
+            GOALS["asyncio_vs_plain_1"],
+            True,
+        )
     add(
         f"best process layout ({best['cell'] if best else '-'}) / plain-2 (steps/s)",
         best["steps_per_s"] / plain_2["steps_per_s"] if best and plain_2 else None,
         GOALS["process_vs_plain_2"],
         True,
     )
-    for name in ("ours-asyncio", *PROCESS_CELLS):
+    for name in ("ours-asyncio", *PACED_CELLS, *PROCESS_CELLS):
         c = ok(name)
         if c is not None:
             add(
@@ -519,7 +531,11 @@ def markdown(results: dict[str, Any]) -> str:
         "(mean) | caller CPU/step | hosts' (loops') CPU/step | memory/episode |",
         "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    refs = {"ours-asyncio": "plain-1", **dict.fromkeys(PROCESS_CELLS, "plain-2")}
+    refs = {
+        "ours-asyncio": "plain-1",
+        **dict.fromkeys(PACED_CELLS, "plain-1"),
+        **dict.fromkeys(PROCESS_CELLS, "plain-2"),
+    }
     for name, c in cells.items():
         if name == "profile":
             continue

@@ -38,6 +38,7 @@ from asyncsample.backends._column_wire import (
     step_replies,
     unpack_requests,
 )
+from asyncsample.backends._pacing import CallWindow
 from asyncsample.backends._transport import (
     HEADER,
     HELLO_ID,
@@ -284,15 +285,15 @@ class LaneServer:
         send: Callable[[bytes], None],
         obs_in_reply: bool = False,
     ) -> None:
-        limiter = None
-        if options.max_concurrency is not None:
-            limiter = asyncio.Semaphore(options.max_concurrency)
+        window = None
+        if options.max_concurrency is not None:  # no pacing: this loop serves no one else
+            window = CallWindow(options.max_concurrency, None)
         self.slots = [
             LaneHost(
                 spec,
                 make_async_env,
                 options.step_timeout,
-                limiter,
+                window,
                 options.close_timeout,
                 buffers=buffers,
             )

@@ -30,6 +30,7 @@ from asyncsample.backends._closing import (
     cancelled_by_env,
     close_bounded,
 )
+from asyncsample.backends._pacing import CallWindow
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends._threaded import ThreadedEnv, default_threads
 from asyncsample.backends.base import (
@@ -70,8 +71,6 @@ __all__ = [
     "default_threads",
     "lane_parallel",
     "make_async_env",
-    "probe_async_env",
-    "read_async_env",
 ]
 
 
@@ -181,7 +180,7 @@ class LaneHost(PerEnvLockstep):
     Args:
         make: the backend's ``make(source, old)`` of an env (from a factory, id or update).
         step_timeout, close_timeout: see :class:`AsyncioBackend`.
-        limiter: caps the env calls in flight across the sampler (``None``: no cap).
+        window: the env calls in flight across the sampler (``None``: no cap, no pacing).
         buffers: the step buffers (default: its own; an env host's are shared with the caller).
     """
 
@@ -190,7 +189,7 @@ class LaneHost(PerEnvLockstep):
         spec: HostSpec,
         make: Callable[[EnvSource, Any], Any],
         step_timeout: float | None,
-        limiter: asyncio.Semaphore | None,
+        window: CallWindow | None,
         close_timeout: float = CLOSE_TIMEOUT,
         buffers: StepBuffers | None = None,
     ) -> None:
@@ -227,8 +226,8 @@ class LaneHost(PerEnvLockstep):
         self._make = make
         self.step_timeout = step_timeout
         self.close_timeout = close_timeout
-        self._limiter = limiter
-        self._plain = step_timeout is None and limiter is None
+        self.window = window
+        self._plain = step_timeout is None
         self.in_flight: dict[int, asyncio.Task[Any]] = {}  # steps a stream's round left running
         self.blocked: dict[int, _watchdog.BlockReport] = {}  # by env (_watchdog.CallerWatch)
         self.closed = False
@@ -331,7 +330,10 @@ class LaneHost(PerEnvLockstep):
             raise closed_error(self.spec.worker, "step")
         stepping = self._stepping
         if deadline is None and self._plain:
-            # The hot path (no limiter, no timeout): the env's coroutine, awaited here.
+            # The hot path (no timeout): the env's coroutine, awaited here in its window.
+            window = self.window
+            if window is not None and not window.enter_now():
+                await window.enter()
             try:
                 call = self.envs[i].step(action)
                 if not timed:  # metrics off, or an untimed step: this one test
@@ -344,6 +346,9 @@ class LaneHost(PerEnvLockstep):
                         self.timing.add(_perf() - start, timed)
             except (asyncio.CancelledError, Exception) as exc:
                 raise self._raised(i, "step", exc) from exc
+            finally:
+                if window is not None:
+                    window.leave()
         else:
             step = self.envs[i].step
             if stepping is None:
@@ -368,9 +373,9 @@ class LaneHost(PerEnvLockstep):
 
     def direct_steps(self) -> list[Any] | None:
         """The envs, where a lane may await an env's step itself (then :meth:`step_error` and
-        :meth:`finish_step`): no limiter, no ``step_timeout``, metrics off. Else ``None``: each
-        step goes through :meth:`step_one`. A coroutine less per step (the lane's frame holds
-        ``i`` for the watchdog, as ``step_one``'s would)."""
+        :meth:`finish_step`, in :attr:`window`): no ``step_timeout``, metrics off. Else
+        ``None``: each step goes through :meth:`step_one`. A coroutine less per step (the
+        lane's frame holds ``i`` for the watchdog, as ``step_one``'s would)."""
         return self.envs if self._plain and self._stepping is None and not self.closed else None
 
     def step_error(self, i: int, exc: BaseException) -> WorkerError:
@@ -421,12 +426,13 @@ class LaneHost(PerEnvLockstep):
         cost 1.5-2% of a zero-latency one; keeping its call, 2-3% (A/B, 2026-11-28)."""
         get_coro = getattr(lane, "get_coro", None)
         step = None if get_coro is None or lane.done() else get_coro()
-        step_one, limited = LaneHost.step_one.__code__, getattr(self._await, "__code__", None)
+        step_one = LaneHost.step_one.__code__
+        waits = (getattr(self._await, "__code__", None), CallWindow.enter.__code__)  # no call yet
         for _ in range(4):
             step = getattr(step, "cr_await", None)
             if getattr(step, "cr_code", None) is step_one:
                 inner = getattr(step, "cr_await", None)
-                return inner is not None and getattr(inner, "cr_code", None) is not limited
+                return inner is not None and getattr(inner, "cr_code", None) not in waits
         return False
 
     def watch_lanes(self, lanes: Sequence[asyncio.Future[Any]]) -> None:
@@ -475,16 +481,16 @@ class LaneHost(PerEnvLockstep):
         clock[CALLS] = self.env_calls
 
     async def _await(self, i: int, what: str, call: Any, deadline: float | None) -> Any:
-        """Await an env call under the limiter, ``step_timeout`` and ``deadline``."""
+        """Await an env call in the window, under ``step_timeout`` and ``deadline``."""
         loop = asyncio.get_running_loop()
         timeout = self.step_timeout
         step_when = None if timeout is None else loop.time() + timeout
         by_deadline = deadline is not None and (step_when is None or deadline <= step_when)
         when = deadline if by_deadline else step_when
-        limiter = self._limiter
+        window = self.window
         try:
-            if limiter is not None:
-                await limiter.acquire()
+            if window is not None and not window.enter_now():
+                await window.enter()
             try:
                 if when is None:
                     return await call
@@ -498,8 +504,8 @@ class LaneHost(PerEnvLockstep):
                     finally:
                         timer.handle.cancel()
             finally:
-                if limiter is not None:
-                    limiter.release()
+                if window is not None:
+                    window.leave()
         except TimeoutError:
             if by_deadline:  # a call in a thread runs on: its env is tied up until it returns
                 busy = self.envs[i].busy if isinstance(self.envs[i], ThreadedEnv) else None
@@ -514,7 +520,7 @@ class LaneHost(PerEnvLockstep):
             raise self._raised(i, what, exc) from exc
         finally:
             if asyncio.iscoroutine(call):
-                call.close()  # never awaited when the limiter wait was cancelled
+                call.close()  # never awaited when the window's wait was cancelled
 
     def _raised(self, i: int, what: str, exc: BaseException) -> WorkerError:
         """The error for env ``i``'s ``exc`` in ``what`` (raised again if not the env's own)."""
@@ -613,52 +619,6 @@ def _env_error(worker: int, env: int, what: str, exc: BaseException) -> WorkerEr
     )
 
 
-def probe_async_env(
-    source: Any, close_timeout: float = CLOSE_TIMEOUT
-) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
-    """Build one async env from ``source`` to read its spaces and step limit, then close it:
-    now if no loop runs, else in a task (returned, else ``None``) for ``aclose()`` to await.
-
-    Raises:
-        TypeError: ``source`` is not a factory, or builds a blocking env (use ``"thread"``).
-        ValueError: the factory raised.
-    """
-    if isinstance(source, str) or not callable(source):
-        raise TypeError(
-            "env: backend='asyncio' takes a zero-argument callable returning an "
-            f"asyncsample.AsyncEnv, got {type(source).__name__} {source!r:.60}"
-        )
-    try:
-        env = as_slot_env(source())
-    except Exception as exc:
-        raise ValueError(f"env: could not build an env from {source!r}: {exc}") from exc
-    if isinstance(env, gym.Env):
-        raise TypeError(
-            f"env: backend='asyncio' needs envs whose reset and step are coroutines (an "
-            f"asyncsample.AsyncEnv); {source!r} returned {type(env).__name__}, a blocking "
-            "gymnasium.Env: use backend='thread' (or 'process') for it"
-        )
-    return read_async_env(env, close_timeout)
-
-
-def read_async_env(
-    env: Any, close_timeout: float = CLOSE_TIMEOUT
-) -> tuple[gym.Space[Any], gym.Space[Any], int | None, asyncio.Task[Any] | None]:
-    """The spaces and step limit of the async env ``env``, which is then closed (see
-    :func:`probe_async_env`)."""
-    check_async_env(env, "env")
-    limit = getattr(env, "max_episode_steps", None)
-    if limit is None:
-        limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
-    closing = close_bounded(env, close_timeout, "the env built to read the spaces")
-    task = None
-    try:
-        task = asyncio.get_running_loop().create_task(closing)
-    except RuntimeError:  # no loop runs
-        asyncio.run(closing)
-    return env.observation_space, env.action_space, limit, task
-
-
 def make_async_env(source: EnvSource, old: Any) -> Any:
     """An async env from a factory or an env update (``asyncio`` backend)."""
     if isinstance(source, EnvUpdate):
@@ -682,9 +642,19 @@ class AsyncioBackend:
         step_timeout: seconds a step may take; past it the env is rebuilt (a failure).
         max_concurrency: env calls in flight at once across the sampler (``None``: no cap).
         close_timeout: the longest an env's ``close()`` is waited for.
+        loop_lag: the event loop's lag (seconds) to keep to by running fewer env calls at once
+            while it is behind (see :mod:`~asyncsample.backends._pacing`; ``LOOP_LAG``, 2 ms,
+            suits a loop shared with a service); ``None``: as many as ``max_concurrency``.
     """
 
-    OPTIONS = ("n_processes", "step_timeout", "host_threads", "max_concurrency", "close_timeout")
+    OPTIONS = (
+        "n_processes",
+        "step_timeout",
+        "host_threads",
+        "max_concurrency",
+        "close_timeout",
+        "loop_lag",
+    )
     NAME = "asyncio"
     POOLED = False  # True: the pool of threads caps the env calls, not a limiter
 
@@ -695,9 +665,11 @@ class AsyncioBackend:
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
         close_timeout: float = CLOSE_TIMEOUT,
+        loop_lag: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options(self.NAME, unknown, self.OPTIONS)
+        self.loop_lag = _validate.positive_seconds("loop_lag", loop_lag)
         timeout = _validate.positive_seconds("close_timeout", close_timeout)
         self.close_timeout = CLOSE_TIMEOUT if timeout is None else timeout
         _validate.optional_positive_int("n_processes", n_processes)
@@ -705,6 +677,7 @@ class AsyncioBackend:
         self.step_timeout = _validate.positive_seconds("step_timeout", step_timeout)
         self.max_concurrency = _validate.optional_positive_int("max_concurrency", max_concurrency)
         self._hosts: list[LaneHost] = []
+        self._window: CallWindow | None = None
         self._closed = False
         self._watch: _watchdog.CallerWatch | None = None  # the loop, watched for envs that block it
 
@@ -712,13 +685,15 @@ class AsyncioBackend:
         return make_async_env(source, old)
 
     async def start(self, specs: Sequence[HostSpec]) -> list[EnvHost]:
-        """One :class:`LaneHost` per spec; one limiter shared by all."""
+        """One :class:`LaneHost` per spec; one window of env calls shared by all."""
         if self._closed:
             raise RuntimeError(f"the {self.NAME} backend is closed")
-        n = self.max_concurrency
-        limiter = None if n is None or self.POOLED else asyncio.Semaphore(n)
+        cap = None if self.POOLED else self.max_concurrency  # (else the pool's threads cap)
+        if cap is not None or self.loop_lag is not None:
+            self._window = CallWindow(cap, self.loop_lag)
+        window = self._window
         self._hosts = [
-            LaneHost(s, self._make, self.step_timeout, limiter, self.close_timeout) for s in specs
+            LaneHost(s, self._make, self.step_timeout, window, self.close_timeout) for s in specs
         ]
         self._watch = _watchdog.CallerWatch(self.step_timeout, self._hosts)
         return list(self._hosts)
@@ -727,6 +702,8 @@ class AsyncioBackend:
         """Close every env (awaiting their ``close``). Idempotent."""
         self._closed = True
         _watchdog.stop_watch(self._watch)
+        if self._window is not None:
+            self._window.close()
         hosts, self._hosts = self._hosts, []
         await asyncio.gather(*(h.shut() for h in hosts))
 
@@ -734,6 +711,8 @@ class AsyncioBackend:
         """Forget the envs without awaiting their ``close`` (an unclosed sampler collected)."""
         self._closed = True
         _watchdog.stop_watch(self._watch)
+        if self._window is not None:
+            self._window.close()
         for host in self._hosts:
             host.closed = True
         self._hosts = []

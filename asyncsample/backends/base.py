@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import gymnasium as gym
 import numpy as np
 
+from asyncsample.backends._pacing import CallWindow
 from asyncsample.env_group import EnvFailure, StepBuffers, StepInfos
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import WorkerError
@@ -396,7 +397,9 @@ class BareStepHost(PerEnvHost, Protocol):
 
 class DirectStepHost(PerEnvHost, Protocol):
     """A :class:`PerEnvHost` in the caller's process whose envs' steps a lane may await itself,
-    a coroutine less per step than :meth:`PerEnvHost.step_one`."""
+    a coroutine less per step than :meth:`PerEnvHost.step_one` (in :attr:`window`, if any)."""
+
+    window: CallWindow | None
 
     def direct_steps(self) -> list[Any] | None:
         """The envs, whose ``step`` a lane may await itself now; ``None``: through ``step_one``
