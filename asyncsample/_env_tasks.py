@@ -331,7 +331,9 @@ class LaneStepper:
         # A host in this process with no timeout or metrics: the env's step awaited here, in
         # the host's window of env calls.
         own = cast(DirectStepHost, host)
-        direct = own.direct_steps() if acting is None and hasattr(host, "direct_steps") else None
+        direct = None
+        if acting is None and hasattr(host, "direct_steps"):
+            direct = own.direct_steps(windowed=True)
         envs: list[Any] = [] if direct is None else direct
         window = None if direct is None else own.window
         request = None if self.requests is None else self.requests.request

@@ -371,12 +371,15 @@ class LaneHost(PerEnvLockstep):
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
-    def direct_steps(self) -> list[Any] | None:
+    def direct_steps(self, windowed: bool = False) -> list[Any] | None:
         """The envs, where a lane may await an env's step itself (then :meth:`step_error` and
-        :meth:`finish_step`, in :attr:`window`): no ``step_timeout``, metrics off. Else
-        ``None``: each step goes through :meth:`step_one`. A coroutine less per step (the
-        lane's frame holds ``i`` for the watchdog, as ``step_one``'s would)."""
-        return self.envs if self._plain and self._stepping is None and not self.closed else None
+        :meth:`finish_step`): no ``step_timeout``, metrics off, and no :attr:`window` unless the
+        lane takes its place in it (``windowed``). Else ``None``: each step goes through
+        :meth:`step_one`. A coroutine less per step (the lane's frame holds ``i`` for the
+        watchdog, as ``step_one``'s would)."""
+        if not self._plain or self._stepping is not None or self.closed:
+            return None
+        return self.envs if windowed or self.window is None else None
 
     def step_error(self, i: int, exc: BaseException) -> WorkerError:
         """The error for env ``i``'s ``exc`` raised by its step (raised again if not the env's

@@ -401,9 +401,10 @@ class DirectStepHost(PerEnvHost, Protocol):
 
     window: CallWindow | None
 
-    def direct_steps(self) -> list[Any] | None:
-        """The envs, whose ``step`` a lane may await itself now; ``None``: through ``step_one``
-        (a limiter, a timeout or metrics wrap each step)."""
+    def direct_steps(self, windowed: bool = False) -> list[Any] | None:
+        """The envs, whose ``step`` a lane may await itself now (``windowed``: taking its place
+        in :attr:`window` itself); ``None``: through ``step_one`` (a timeout or metrics wrap
+        each step, or a window the lane does not take its place in)."""
         ...
 
     def step_error(self, i: int, exc: BaseException) -> WorkerError:
