@@ -122,10 +122,10 @@ async def test_envs_that_keep_the_loop_behind_run_fewer_at_once_with_the_same_ba
     make_sampler: SamplerFactory,
 ) -> None:
     """100 envs that each hold the loop 1 ms after a 5 ms wait (16 times what the loop has):
-    the window shrinks, and with fixed shares the batch is an unpaced sampler's (the default)."""
+    the window shrinks (the default), and with fixed shares the batch is an unpaced sampler's."""
     batches = []
-    for loop_lag in (_pacing.LOOP_LAG, None):  # None: the default, no window
-        options = {} if loop_lag is None else {"backend_options": {"loop_lag": loop_lag}}
+    for loop_lag in (_pacing.LOOP_LAG, None):  # the default, and no window
+        options = {} if loop_lag else {"backend_options": {"loop_lag": None}}
         sampler = make_sampler(
             "asyncio",
             functools.partial(BusyAsyncEnv, 7),
@@ -153,3 +153,22 @@ async def test_loop_lag_must_be_positive_seconds(make_sampler: SamplerFactory) -
             "asyncio", functools.partial(CountingAsyncEnv, 3), backend_options={"loop_lag": -1}
         )
         await sampler.obtain_samples(4)
+
+
+async def test_the_wait_for_a_place_is_not_the_steps_time(make_sampler: SamplerFactory) -> None:
+    """``step_timeout`` times the env's call from its place in the window: three envs of 0.2 s
+    steps one at a time (``max_concurrency=1``) wait up to 0.4 s for their turn, and no step
+    times out at 0.3 s."""
+    sampler = make_sampler(
+        "asyncio",
+        functools.partial(CountingAsyncEnv, 4, 0.2),
+        ByObservation(),
+        n_workers=1,
+        envs_per_worker=3,
+        max_concurrency=1,
+        step_timeout=0.3,
+        fixed_shares=True,
+    )
+    batch = await sampler.obtain_fragments(6)
+    assert batch.n_transitions == 6
+    assert sampler.restarts == 0

@@ -6,13 +6,15 @@ all of them, and so does every other task of that loop (a web service's handlers
 timers): 10,000 envs of 50 ms steps lagged it 350 ms at p99 (the seam study at d166de5).
 
 A :class:`CallWindow` lets at most ``size`` env calls run at once (``max_concurrency``). With a
-``lag`` target (``backend_options={"loop_lag": seconds}``) it also fires a timer of its own every
-:data:`PERIOD` seconds while calls run, and looks how late it came: when most recent looks were
-late the loop is behind, and the window shrinks to a share of the calls running; while calls
-wait and the looks are on time, it grows. The loop then holds about ``lag`` seconds of ready
-work and the other calls wait outside its ready queue (Little's law: the envs' throughput is the
-loop's as long as the window covers the loop's rate times a step's latency). What no window
-moves: the cyclic collector's full pauses, and the burst of steps that ended during one.
+``lag`` target (``backend_options={"loop_lag": seconds}``, :data:`LOOP_LAG` by default) it also
+fires a timer of its own every :data:`PERIOD` seconds while calls run, and looks how late it
+came: when most recent looks were late the loop is behind, and the window shrinks to a share of
+the calls running; while calls wait and the looks are on time, it grows. The loop then holds
+about ``lag`` seconds of ready work and the other calls wait outside its ready queue (Little's
+law: the envs' throughput is the loop's as long as the window covers the loop's rate times a
+step's latency). What no window moves: the cyclic collector's full pauses, and the burst of
+steps that ended during one; after a shrink the window holds its size at least as long as the
+loop was behind, so one such burst shrinks it once.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ PERIOD = 0.005
 #: A late look leaves the window at this share of the calls running then.
 SHRINK = 0.9
 #: An on-time look while calls wait grows the window by this share of it (one call at least).
-GROW = 0.02
+GROW = 0.01
 #: A window with a lag target starts at this size, and grows by :data:`START_GROW` a look
 #: until it first shrinks: thousands of envs' first steps at once would lag the loop first.
 START = 64.0
@@ -56,8 +58,10 @@ LATE_LOOKS = 4
 ON_TIME_LOOKS = 1
 LOOKS = 8
 LOOKS_MASK = (1 << LOOKS) - 1
-#: After a shrink, the window keeps its size this long however late the loop is (seconds): the
-#: calls running then end and the loop's ready work shows the new size.
+#: After a shrink, the window keeps its size this long however late the loop is (seconds), or as
+#: long as the late look was behind if that is longer: the calls running then end, and the
+#: loop's ready work shows the new size (a burst of 200 ms of steps shrinks it once, not four
+#: times).
 HOLD = 0.05
 
 _perf = time.perf_counter
@@ -148,14 +152,15 @@ class CallWindow:
         self._timer = None
         assert self.lag is not None
         now = _perf()
-        late = now - self._due > self.lag
+        behind_by = now - self._due
+        late = behind_by > self.lag
         self._late = ((self._late << 1) | late) & LOOKS_MASK
         behind = self._late.bit_count()
         if behind >= LATE_LOOKS:
             if now >= self._held:
                 self.size = max(1.0, min(self.size, self.running) * SHRINK)
                 self.shrinks += 1
-                self._held = now + HOLD
+                self._held = now + max(HOLD, behind_by)
         elif behind <= ON_TIME_LOOKS and self._waiters:
             grow = GROW if self.shrinks else START_GROW  # a start, doubling until a first shrink
             self.size = min(self.cap, self.size + max(1.0, self.size * grow))

@@ -30,7 +30,7 @@ from asyncsample.backends._closing import (
     cancelled_by_env,
     close_bounded,
 )
-from asyncsample.backends._pacing import CallWindow
+from asyncsample.backends._pacing import LOOP_LAG, CallWindow
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends._threaded import ThreadedEnv, default_threads
 from asyncsample.backends.base import (
@@ -487,14 +487,15 @@ class LaneHost(PerEnvLockstep):
         """Await an env call in the window, under ``step_timeout`` and ``deadline``."""
         loop = asyncio.get_running_loop()
         timeout = self.step_timeout
-        step_when = None if timeout is None else loop.time() + timeout
-        by_deadline = deadline is not None and (step_when is None or deadline <= step_when)
-        when = deadline if by_deadline else step_when
         window = self.window
+        by_deadline = False
         try:
             if window is not None and not window.enter_now():
-                await window.enter()
+                await window.enter()  # (not the call's time: step_timeout starts after it)
             try:
+                step_when = None if timeout is None else loop.time() + timeout
+                by_deadline = deadline is not None and (step_when is None or deadline <= step_when)
+                when = deadline if by_deadline else step_when
                 if when is None:
                     return await call
                 if by_deadline or deadline is not None:  # a deadline is wall-clock, blocks or not
@@ -646,8 +647,8 @@ class AsyncioBackend:
         max_concurrency: env calls in flight at once across the sampler (``None``: no cap).
         close_timeout: the longest an env's ``close()`` is waited for.
         loop_lag: the event loop's lag (seconds) to keep to by running fewer env calls at once
-            while it is behind (see :mod:`~asyncsample.backends._pacing`; ``LOOP_LAG``, 2 ms,
-            suits a loop shared with a service); ``None``: as many as ``max_concurrency``.
+            while it is behind (see :mod:`~asyncsample.backends._pacing`; default ``LOOP_LAG``,
+            2 ms); ``None``: as many as ``max_concurrency``, whatever the loop's lag.
     """
 
     OPTIONS = (
@@ -668,7 +669,7 @@ class AsyncioBackend:
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
         close_timeout: float = CLOSE_TIMEOUT,
-        loop_lag: float | None = None,
+        loop_lag: float | None = LOOP_LAG,
         **unknown: object,
     ) -> None:
         reject_unknown_options(self.NAME, unknown, self.OPTIONS)
