@@ -19,9 +19,8 @@ plain-asyncio contenders step the same env class. Every cell runs in a fresh pro
 - ``ours-asyncio``: ``Sampler(make_env, backend="asyncio", n_workers=100,
   envs_per_worker=N // 100)``, the default (random) agent, consecutive
   ``obtain_fragments(10 * N)`` calls as a trainer writes them.
-  Its window of env calls keeps the caller's loop about 2 ms behind at most (the default
-  ``loop_lag``, ``backends/_pacing.py``); ``ours-asyncio-unpaced``: the same with
-  ``backend_options={"loop_lag": None}``, as many env calls at once as are ready.
+  ``ours-asyncio-paced``: the same with ``backend_options={"loop_lag": 0.002}``, a window of
+  env calls that keeps the caller's loop about 2 ms behind at most (``backends/_pacing.py``).
 - ``ours-process-per_worker``, ``ours-process-host``, ``ours-process-batched``: the same on
   ``process`` hosts (one per core), with that ``inference`` (``batched`` needs one agent for
   every worker: a seeded ``RandomAgent``; the others keep the default, one per worker).
@@ -59,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncsample.backends._pacing import LOOP_LAG
 from benchmarks.async_envs_cells import (
     _SHM,
     CellResult,
@@ -80,7 +80,7 @@ CELLS = [
     "plain-1",
     "plain-2",
     "ours-asyncio",
-    "ours-asyncio-unpaced",
+    "ours-asyncio-paced",
     "ours-process-per_worker",
     "ours-process-host",
     "ours-process-batched",
@@ -94,7 +94,7 @@ PROCESS_CELLS = {
     "ours-process-batched": "batched",
 }
 #: Ours on ``asyncio`` with another ``loop_lag`` than the default's: cell -> ``loop_lag``.
-PACED_CELLS: dict[str, float | None] = {"ours-asyncio-unpaced": None}
+PACED_CELLS: dict[str, float | None] = {"ours-asyncio-paced": LOOP_LAG}
 #: The tail cells (N = 1,000, against the ideal): cell -> inference on process hosts, or None.
 TAIL_CELLS = {"tail": None, "tail-host": "host"}
 

@@ -122,10 +122,10 @@ async def test_envs_that_keep_the_loop_behind_run_fewer_at_once_with_the_same_ba
     make_sampler: SamplerFactory,
 ) -> None:
     """100 envs that each hold the loop 1 ms after a 5 ms wait (16 times what the loop has):
-    the window shrinks (the default), and with fixed shares the batch is an unpaced sampler's."""
+    the window shrinks, and with fixed shares the batch is an unpaced sampler's (the default)."""
     batches = []
-    for loop_lag in (_pacing.LOOP_LAG, None):  # the default, and no window
-        options = {} if loop_lag else {"backend_options": {"loop_lag": None}}
+    for loop_lag in (_pacing.LOOP_LAG, None):  # a lag target, and no window (the default)
+        options = {"backend_options": {"loop_lag": loop_lag}} if loop_lag else {}
         sampler = make_sampler(
             "asyncio",
             functools.partial(BusyAsyncEnv, 7),

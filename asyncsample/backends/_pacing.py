@@ -6,7 +6,7 @@ all of them, and so does every other task of that loop (a web service's handlers
 timers): 10,000 envs of 50 ms steps lagged it 350 ms at p99 (the seam study at d166de5).
 
 A :class:`CallWindow` lets at most ``size`` env calls run at once (``max_concurrency``). With a
-``lag`` target (``backend_options={"loop_lag": seconds}``, :data:`LOOP_LAG` by default) it also
+``lag`` target (``backend_options={"loop_lag": seconds}``, e.g. :data:`LOOP_LAG`) it also
 fires a timer of its own every :data:`PERIOD` seconds while calls run, and looks how late it
 came: when most recent looks were late the loop is behind, and the window shrinks to a share of
 the calls running; while calls wait and the looks are on time, it grows. The loop then holds
@@ -38,7 +38,7 @@ __all__ = [
     "CallWindow",
 ]
 
-#: The loop lag (seconds) the caller's envs keep to by default (``backend_options["loop_lag"]``).
+#: A loop lag (seconds) for ``backend_options["loop_lag"]``: a loop shared with a service.
 LOOP_LAG = 0.002
 #: How often a window with a lag target looks at the loop's lag (seconds), while calls run.
 PERIOD = 0.005

@@ -30,7 +30,7 @@ from asyncsample.backends._closing import (
     cancelled_by_env,
     close_bounded,
 )
-from asyncsample.backends._pacing import LOOP_LAG, CallWindow
+from asyncsample.backends._pacing import CallWindow
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends._threaded import ThreadedEnv, default_threads
 from asyncsample.backends.base import (
@@ -647,8 +647,9 @@ class AsyncioBackend:
         max_concurrency: env calls in flight at once across the sampler (``None``: no cap).
         close_timeout: the longest an env's ``close()`` is waited for.
         loop_lag: the event loop's lag (seconds) to keep to by running fewer env calls at once
-            while it is behind (see :mod:`~asyncsample.backends._pacing`; default ``LOOP_LAG``,
-            2 ms); ``None``: as many as ``max_concurrency``, whatever the loop's lag.
+            while it is behind (see :mod:`~asyncsample.backends._pacing`; ``LOOP_LAG``, 2 ms,
+            suits a loop shared with a service); ``None`` (the default): as many as
+            ``max_concurrency``, whatever the loop's lag.
     """
 
     OPTIONS = (
@@ -669,7 +670,7 @@ class AsyncioBackend:
         host_threads: int | None = 1,
         max_concurrency: int | None = None,
         close_timeout: float = CLOSE_TIMEOUT,
-        loop_lag: float | None = LOOP_LAG,
+        loop_lag: float | None = None,
         **unknown: object,
     ) -> None:
         reject_unknown_options(self.NAME, unknown, self.OPTIONS)
