@@ -25,7 +25,7 @@ from envs import (
     SignallingAgent,
     SleepyEnv,
 )
-from helpers import host_processes, run_python, shm_entries, wait_gone
+from helpers import host_processes, new_shm_entries, run_python, shm_entries, wait_gone
 
 from asyncsample import (
     EpisodeBatch,
@@ -288,7 +288,7 @@ asyncio.run(main())  # returns without aclose(): the interpreter exits with host
     pids = [int(p) for p in result.stdout.split()]
     assert pids
     assert wait_gone(pids) == []
-    assert shm_entries() - before == set()
+    assert new_shm_entries(before) == []
 
 
 @pytest.mark.slow  # a fresh interpreter: CI runs it with -m slow
@@ -328,7 +328,7 @@ except KeyboardInterrupt:
     pids = [int(p) for p in lines[0].split()]
     assert pids
     assert wait_gone(pids) == []
-    assert shm_entries() - before == set()
+    assert new_shm_entries(before) == []
 
 
 @pytest.mark.slow  # a fresh interpreter: CI runs it with -m slow
