@@ -394,6 +394,9 @@ FOLDERS: dict[str, str] = {
     "ab/150-pairs": "the A/B's four noisier workloads again, 150 pairs each",
     "async_envs/hosts": "the async envs in the env hosts' event loops (process, Ray) at 1,000, "
     "10,000 and 50,000 episodes",
+    "async_envs/big-chunk-10": "the 50,000-episode level of 1 s steps with batches and calls of "
+    "ten steps per env (`--chunk 10`): ours on process hosts with inference='host' against the "
+    "ceiling and plain asyncio",
     "async_envs/gc-threshold": "10,000 episodes with the collector's threshold raised in every "
     "contender's processes",
     "seam/gc-freeze": "the seam study with gc.freeze() at the start of each cell's process (what "
