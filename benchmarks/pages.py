@@ -401,6 +401,9 @@ FOLDERS: dict[str, str] = {
     "contender's processes",
     "seam/gc-freeze": "the seam study with gc.freeze() at the start of each cell's process (what "
     "imports left is out of the collector's full walks)",
+    "seam/gc-threshold": "the seam study's asyncio cells and plain asyncio in one process with "
+    "the cyclic collector's thresholds raised (gc.set_threshold(100000, 10, 10)) in each cell's "
+    "process",
     "seam/workers-4": "the seam study with 4 workers of 2,500 envs in place of 100 of 100 (fewer, "
     "larger ready batches per worker), without the tail cells and the profile",
     "frames": "raw-frame Pong (PongRaw-v5) with inference='host' against the two-loop ceiling "

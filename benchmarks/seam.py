@@ -133,6 +133,9 @@ class SeamSpec:
         top: Functions kept from the profile.
         gc_freeze: ``gc.freeze()`` in the cell's process before it starts: what imports left is
             out of the cyclic collector's full walks (plain-2's own processes are not frozen).
+        gc_threshold: The cyclic collector's thresholds (``gc.set_threshold``) in the cell's
+            process and plain-2's loops, forked from it; empty: Python's own. Ours' env hosts
+            set their own either way (``_lane_serve.quiet_collector``).
     """
 
     cell: str
@@ -152,6 +155,7 @@ class SeamSpec:
     seed: int = 0
     top: int = 25
     gc_freeze: bool = False
+    gc_threshold: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def envs_per_worker(self) -> int:
@@ -382,6 +386,8 @@ def profile_rows(profiler: cProfile.Profile, top: int, steps: int) -> list[dict[
 
 def run_cell(spec: SeamSpec) -> dict[str, Any]:
     """One cell in this process: its numbers (``steps_per_s`` and the rest)."""
+    if spec.gc_threshold:
+        gc.set_threshold(*spec.gc_threshold)
     if spec.gc_freeze:
         gc.freeze()
     if spec.cell in ("plain-1", "plain-2"):
@@ -524,6 +530,12 @@ def markdown(results: dict[str, Any]) -> str:
             " `gc.freeze()` at the start of each cell's process (not in plain-2's own "
             "processes): what imports left is out of the cyclic collector's full walks."
             if spec.get("gc_freeze")
+            else ""
+        )
+        + (
+            f" The cyclic collector's thresholds {tuple(spec['gc_threshold'])} in each cell's "
+            "process and plain-2's loops (ours' env hosts set their own either way)."
+            if spec.get("gc_threshold")
             else ""
         ),
         "",
@@ -676,6 +688,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="gc.freeze() in each cell's process before it starts (see docs/async-envs.md)",
     )
+    parser.add_argument(
+        "--gc-threshold",
+        nargs=3,
+        type=int,
+        metavar=("GEN0", "GEN1", "GEN2"),
+        help="the cyclic collector's thresholds in each cell's process and plain-2's loops "
+        "(default: Python's own, as users run it)",
+    )
     parser.add_argument("--quick", action="store_true", help="N = 200, short windows")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -687,6 +707,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("episodes", "tail_episodes", "workers", "hosts", "call_factor", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.gc_threshold and min(args.gc_threshold) < 0:
+        parser.error(f"--gc-threshold: expected three counts >= 0, got {args.gc_threshold}")
     return args
 
 
@@ -714,6 +736,7 @@ def specs(args: argparse.Namespace) -> list[SeamSpec]:
                 loop=args.loop,
                 top=args.top,
                 gc_freeze=args.gc_freeze,
+                gc_threshold=list(args.gc_threshold or []),
             )
         )
     return out

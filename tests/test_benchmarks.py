@@ -146,6 +146,28 @@ def test_seam_quick_writes_every_cell(tmp_path: Path) -> None:
         assert f"| {name} | 200 |" in text
 
 
+def test_seam_gc_threshold_reaches_each_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--gc-threshold``: each cell's process runs with those thresholds (the spec carries
+    them to the child); a negative count is refused with the option's name."""
+    import gc
+
+    from benchmarks import seam
+
+    args = seam.parse(["--gc-threshold", "5000", "20", "30", "--cells", "plain-1"])
+    (spec,) = seam.specs(args)
+    assert spec.gc_threshold == [5000, 20, 30]
+    seen: list[tuple[int, ...]] = []
+    monkeypatch.setattr(seam, "_plain", lambda _: seen.append(gc.get_threshold()) or {})
+    before = gc.get_threshold()
+    try:
+        seam.run_cell(spec)
+    finally:
+        gc.set_threshold(*before)
+    assert seen == [(5000, 20, 30)]
+    with pytest.raises(SystemExit):
+        seam.parse(["--gc-threshold", "1", "-1", "2"])
+
+
 def test_chaos_smoke_run_passes_its_checks(tmp_path: Path) -> None:
     """``asyncsample bench chaos --quick`` (the study's CI run, on asyncio and on process):
     results.json and results.md written, faults were injected and every check held. The one
