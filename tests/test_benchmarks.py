@@ -146,15 +146,19 @@ def test_seam_quick_writes_every_cell(tmp_path: Path) -> None:
         assert f"| {name} | 200 |" in text
 
 
-def test_seam_gc_threshold_reaches_each_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_seam_gc_threshold_reaches_each_cell(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--gc-threshold``: each cell's process runs with those thresholds (the spec carries
-    them to the child); a negative count is refused with the option's name."""
+    them to the child as JSON); a negative count is refused with the option's name."""
+    import dataclasses
     import gc
 
     from benchmarks import seam
 
     args = seam.parse(["--gc-threshold", "5000", "20", "30", "--cells", "plain-1"])
-    (spec,) = seam.specs(args)
+    (sent,) = seam.specs(args)
+    spec = seam.SeamSpec(**json.loads(json.dumps(dataclasses.asdict(sent))))  # as run_file reads it
     assert spec.gc_threshold == [5000, 20, 30]
     seen: list[tuple[int, ...]] = []
     monkeypatch.setattr(seam, "_plain", lambda _: seen.append(gc.get_threshold()) or {})
@@ -166,6 +170,7 @@ def test_seam_gc_threshold_reaches_each_cell(monkeypatch: pytest.MonkeyPatch) ->
     assert seen == [(5000, 20, 30)]
     with pytest.raises(SystemExit):
         seam.parse(["--gc-threshold", "1", "-1", "2"])
+    assert "--gc-threshold: expected three counts >= 0, got [1, -1, 2]" in capsys.readouterr().err
 
 
 def test_chaos_smoke_run_passes_its_checks(tmp_path: Path) -> None:
