@@ -93,7 +93,8 @@ PROCESS_CELLS = {
     "ours-process-host": "host",
     "ours-process-batched": "batched",
 }
-#: Ours on ``asyncio`` with another ``loop_lag`` than the default's: cell -> ``loop_lag``.
+#: Ours on ``asyncio`` with a ``loop_lag`` (the default has none): cell -> its default
+#: ``loop_lag`` (``--loop-lag`` sets another).
 PACED_CELLS: dict[str, float | None] = {"ours-asyncio-paced": LOOP_LAG}
 #: The tail cells (N = 1,000, against the ideal): cell -> inference on process hosts, or None.
 TAIL_CELLS = {"tail": None, "tail-host": "host"}
@@ -136,6 +137,7 @@ class SeamSpec:
         gc_threshold: The cyclic collector's thresholds (``gc.set_threshold``) in the cell's
             process and plain-2's loops, forked from it; empty: Python's own. Ours' env hosts
             set their own either way (``_lane_serve.quiet_collector``).
+        loop_lag: The paced cells' ``loop_lag`` (``None``: each cell's own, :data:`PACED_CELLS`).
     """
 
     cell: str
@@ -156,6 +158,7 @@ class SeamSpec:
     top: int = 25
     gc_freeze: bool = False
     gc_threshold: list[int] = dataclasses.field(default_factory=list)
+    loop_lag: float | None = None
 
     @property
     def envs_per_worker(self) -> int:
@@ -185,6 +188,10 @@ class SeamSpec:
             seed=self.seed,
         )
 
+    def paced_lag(self) -> float | None:
+        """This paced cell's ``loop_lag``."""
+        return PACED_CELLS[self.cell] if self.loop_lag is None else self.loop_lag
+
     def layout(self) -> str:
         """How the cell holds its episodes, for the table."""
         if self.cell == "plain-1":
@@ -193,7 +200,7 @@ class SeamSpec:
             return f"{self.hosts} processes x {self.n_episodes // self.hosts:,} tasks"
         text = f"{self.workers}x{self.envs_per_worker}"
         if self.cell in PACED_CELLS:
-            text += f", loop_lag={PACED_CELLS[self.cell]}"
+            text += f", loop_lag={self.paced_lag()}"
         inference = PROCESS_CELLS.get(self.cell) or TAIL_CELLS.get(self.cell)
         if inference is not None:
             text += f" over {self.hosts} hosts, inference={inference}"
@@ -315,7 +322,7 @@ async def _ours(spec: SeamSpec, profiler: cProfile.Profile | None) -> dict[str, 
         count = functools.partial(shared_count, counter_dir)
         options = {"backend": "process", "n_processes": spec.hosts, "inference": inference}
     if spec.cell in PACED_CELLS:
-        options["backend_options"] = {"loop_lag": PACED_CELLS[spec.cell]}
+        options["backend_options"] = {"loop_lag": spec.paced_lag()}
     if inference == "batched":  # one agent shared by every worker: a seeded random one
         options["agent"] = RandomAgent(spaces.Discrete(2), seed=spec.seed)
     kwargs = spec.cell_spec("ours-asyncio").env_kwargs()
@@ -696,6 +703,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the cyclic collector's thresholds in each cell's process and plain-2's loops "
         "(default: Python's own, as users run it)",
     )
+    parser.add_argument(
+        "--loop-lag",
+        type=float,
+        help=f"the paced cells' loop_lag, seconds (default {LOOP_LAG:g})",
+    )
     parser.add_argument("--quick", action="store_true", help="N = 200, short windows")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -707,6 +719,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name in ("episodes", "tail_episodes", "workers", "hosts", "call_factor", "top"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.loop_lag is not None and not args.loop_lag > 0:
+        parser.error(f"--loop-lag: expected seconds > 0, got {args.loop_lag}")
     if args.gc_threshold and min(args.gc_threshold) < 0:
         parser.error(f"--gc-threshold: expected three counts >= 0, got {args.gc_threshold}")
     return args
@@ -737,6 +751,7 @@ def specs(args: argparse.Namespace) -> list[SeamSpec]:
                 top=args.top,
                 gc_freeze=args.gc_freeze,
                 gc_threshold=list(args.gc_threshold or []),
+                loop_lag=args.loop_lag,
             )
         )
     return out

@@ -173,6 +173,20 @@ def test_seam_gc_threshold_reaches_each_cell(
     assert "--gc-threshold: expected three counts >= 0, got [1, -1, 2]" in capsys.readouterr().err
 
 
+def test_seam_loop_lag_sets_the_paced_cells(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--loop-lag``: the paced cell's sampler gets it (its layout says so); without it the
+    cell keeps its own; a lag that is not positive is refused with the option's name."""
+    from benchmarks import seam
+
+    (paced,) = seam.specs(seam.parse(["--loop-lag", "0.001", "--cells", "ours-asyncio-paced"]))
+    assert paced.paced_lag() == 0.001 and "loop_lag=0.001" in paced.layout()
+    (own,) = seam.specs(seam.parse(["--cells", "ours-asyncio-paced"]))
+    assert own.paced_lag() == seam.PACED_CELLS["ours-asyncio-paced"]
+    with pytest.raises(SystemExit):
+        seam.parse(["--loop-lag", "0"])
+    assert "--loop-lag: expected seconds > 0, got 0.0" in capsys.readouterr().err
+
+
 def test_chaos_smoke_run_passes_its_checks(tmp_path: Path) -> None:
     """``asyncsample bench chaos --quick`` (the study's CI run, on asyncio and on process):
     results.json and results.md written, faults were injected and every check held. The one
