@@ -404,6 +404,9 @@ FOLDERS: dict[str, str] = {
     "seam/gc-threshold": "the seam study's asyncio cells and plain asyncio in one process with "
     "the cyclic collector's thresholds raised (gc.set_threshold(100000, 10, 10)) in each cell's "
     "process",
+    "seam/loop-lag": "the seam study's paced asyncio cell with loop_lag 1 ms, calls of 30 steps "
+    "per env and the collector's thresholds raised, against plain asyncio in one process with "
+    "the same thresholds",
     "seam/workers-4": "the seam study with 4 workers of 2,500 envs in place of 100 of 100 (fewer, "
     "larger ready batches per worker), without the tail cells and the profile",
     "frames": "raw-frame Pong (PongRaw-v5) with inference='host' against the two-loop ceiling "
