@@ -80,7 +80,13 @@ ST_AGENT = 3
 
 
 class LaneKind:
-    """The first field of a lane request: what it asks of one env."""
+    """The first field of a lane request: what it asks of one env.
+
+    ``STEP``, ``ACT`` and ``RUN`` are served by one step loop (in
+    :meth:`LaneServer._serve_env`): a ``STEP`` is one step with the caller's action, an ``ACT``
+    one with the action of the slot's agent copy, a ``RUN`` up to ``steps`` of those. They
+    differ only in where the action comes from and in what the reply carries.
+    """
 
     STEP = 0  # (STEP, key, slot, env, action or None: in the shared buffers, seconds left or None)
     RESET = 1  # (RESET, key, slot, env, seed or PENDING, options, seconds left or None)
@@ -89,13 +95,16 @@ class LaneKind:
     # (ACT, key, slot, env, seconds left or None, version asked under): the slot's agent copy
     # acts, the env steps; the reply names the version that acted where it is another
     ACT = 4
-    # (RUN, key, slot, env, seconds left or None, steps, merged): ACT up to ``steps`` times, in
+    # (RUN, key, slot, env, seconds left or None, steps >= 1, merged): ACT up to ``steps`` times, in
     # one version (the reply's StepRun.version)
     RUN = 5
     # (STEPS, first key, slot, envs: int64 bytes): a STEP of each env, its action in the shared
     # buffers, keys first, first + 1, ... (one request for a batch: none to pickle per step)
     STEPS = 6
 
+
+#: The lane requests that step an env (one loop serves them: see :class:`LaneKind`).
+_STEPPING = frozenset({LaneKind.STEP, LaneKind.ACT, LaneKind.RUN})
 
 #: A reset with the env's pending seed (``PENDING_SEED`` does not survive pickling).
 PENDING = "pending"
@@ -455,16 +464,19 @@ class LaneServer:
     def _lane(self, request: tuple[Any, ...]) -> None:
         kind, key = request[0], request[1]
         if kind == LaneKind.STEPS:
-            slot = request[2]
+            slot, queue = request[2], self._queue
             for k, i in enumerate(np.frombuffer(request[3], dtype=np.int64).tolist()):
-                self._lane((LaneKind.STEP, key + k, slot, i, None, None))
+                queue((slot, i), key + k, (LaneKind.STEP, key + k, slot, i, None, None))
             return
         if kind == LaneKind.CANCEL:
             env = self.keys.pop(key, None)
             if env is not None:
                 self.envs[env].cancel(key)
             return
-        env = (request[2], request[3])
+        self._queue((request[2], request[3]), key, request)
+
+    def _queue(self, env: tuple[int, int], key: int, request: tuple[Any, ...]) -> None:
+        """Queue ``request`` (its ``key``) for ``env`` (slot, index), whose task serves it."""
         lane = self.envs.get(env)
         if lane is None:
             lane = self.envs[env] = _EnvLane()
@@ -497,26 +509,98 @@ class LaneServer:
             lane.running = key
             value: Any
             try:
-                if kind == LaneKind.STEP:
-                    when = None if request[5] is None else loop.time() + request[5]
-                    action = request[4]
-                    if action is None:  # the caller wrote it into the step buffers we share
-                        action = _row(host.buffers.actions, i)
+                if kind in _STEPPING:
+                    # STEP, ACT or RUN: the env's steps, in this one loop (see LaneKind), in
+                    # this frame (a coroutine per request would be one more frame to resume
+                    # at every step). A RUN's actions are drawn here by the built-in random
+                    # agent unless ``merged`` (metrics off: they time the merged calls).
+                    given = kind == LaneKind.STEP
+                    if given:
+                        run = False
+                        when = None if request[5] is None else loop.time() + request[5]
+                    else:
+                        k, run = request[2], kind == LaneKind.RUN
+                        when = None if request[4] is None else loop.time() + request[4]
+                        if self._updating[k] is not None:
+                            await self._updated(k)
+                        version, draw = self.versions[k], None
+                        if run:
+                            steps, change = request[5] - 1, self.changes[k]
+                            if not request[6] and buffers.clock is None:
+                                draw = row_draw(self.agents[k], host.spec.action_space)
+                            obs, given_rows = buffers.obs, buffers.actions
+                            # Plain rows go straight into blocks of the run's length (no copy
+                            # per row to stack).
+                            blocks = type(obs) is np.ndarray and type(given_rows) is np.ndarray
+                            seen: Any = (
+                                np.empty((steps + 1, *obs.shape[1:]), obs.dtype) if blocks else []
+                            )
+                            acts: Any = (
+                                np.empty((steps + 1, *given_rows.shape[1:]), given_rows.dtype)
+                                if blocks
+                                else []
+                            )
+                            rewards: list[float] = []
+                            infos: list[tuple[int, dict[str, Any]]] = []
+                            agent_infos: list[tuple[int, dict[str, Any]]] = []
                     envs = host.direct_steps() if when is None else None
-                    if envs is None:
-                        value = await host.step_one(i, action, when, host.tick())
-                    else:  # awaited here: a coroutine less (see LaneHost.direct_steps)
-                        try:
-                            value = await envs[i].step(action)  # the env's call
-                        except (asyncio.CancelledError, Exception) as exc:
-                            raise host.step_error(i, exc) from exc
-                        value = host.finish_step(i, value)
-                elif kind == LaneKind.ACT:
-                    when = None if request[4] is None else loop.time() + request[4]
-                    value = await self._act(request[2], host, i, when)
-                elif kind == LaneKind.RUN:
-                    when = None if request[4] is None else loop.time() + request[4]
-                    value = await self._run(request[2], host, i, when, request[5], request[6])
+                    j = 0
+                    while True:  # (a single step's STEP and ACT leave after it)
+                        if run:
+                            if j and (self.changes[k] != change or self._updating[k] is not None):
+                                break  # an update: a run is of one version
+                            if blocks:
+                                seen[j] = obs[i]
+                            else:
+                                seen.append(_row(obs, i))
+                        if given:
+                            action = request[4]
+                            if action is None:  # the caller wrote it into the buffers we share
+                                action = _row(buffers.actions, i)
+                        elif draw is not None:
+                            action = draw()
+                        else:
+                            action, extra = await self._ask(k, host, i)
+                            if extra and run:
+                                agent_infos.append((j, extra))
+                        if envs is None or (not given and host.closed):  # (closed meanwhile)
+                            value = await host.step_one(i, action, when, host.tick())
+                        else:  # awaited here: a coroutine less (see LaneHost.direct_steps)
+                            try:
+                                value = await envs[i].step(action)  # the env's call
+                            except (asyncio.CancelledError, Exception) as exc:
+                                raise host.step_error(i, exc) from exc
+                            value = host.finish_step(i, value)
+                        if not run:
+                            break
+                        reward, terminated, truncated, info = value
+                        if blocks:
+                            acts[j] = action
+                        else:
+                            acts.append(action)
+                        rewards.append(reward)
+                        if info:
+                            infos.append((j, info))
+                        if terminated or truncated or j == steps:
+                            break
+                        j += 1
+                    if given:
+                        pass
+                    elif run:
+                        if blocks:
+                            seen, acts = seen[: len(rewards)], acts[: len(rewards)]
+                        value = StepRun(
+                            seen, acts, rewards, infos, agent_infos, terminated, truncated, version
+                        )
+                    else:
+                        if not (
+                            self.obs_in_reply
+                            or isinstance(buffers.actions, list)
+                            or id(host) in self._rows_travel
+                        ):  # shared with the caller: read there, not sent (numpy scalars and
+                            put_row(buffers.actions, i, action)  # rows cost more to pickle
+                            action = None
+                        value = (*value, action, extra, version)
                 elif kind == LaneKind.RESET:
                     seed = PENDING_SEED if request[4] == PENDING else request[4]
                     when = None if request[6] is None else loop.time() + request[6]
@@ -579,87 +663,14 @@ class LaneServer:
                 self.flushing = True
                 loop.call_soon(self._flush)
 
-    @_watchdog.env_site("step")  # its frame, where it awaits its env's step itself
-    async def _run(
-        self, k: int, host: LaneHost, i: int, when: float | None, steps: int, merged: bool
-    ) -> StepRun:
-        """Env ``i`` of slot ``k`` takes up to ``steps`` steps with its agent copy's actions,
-        stopping at its episode's end, or where the copy changed (an update: the run is of one
-        version, its stamp); every step's records travel in one reply.
-        Unless ``merged``, the built-in random agent draws each row on the spot (metrics off:
-        they time the merged calls)."""
-        buffers = host.buffers
-        obs, given = buffers.obs, buffers.actions
-        if self._updating[k] is not None:
-            await self._updated(k)
-        changes, change, updating = self.changes, self.changes[k], self._updating
-        version = self.versions[k]
-        draw = None
-        if not merged and buffers.clock is None:
-            draw = row_draw(self.agents[k], host.spec.action_space)
-        # Plain rows go straight into blocks of the run's length (no copy per row to stack).
-        blocks = type(obs) is np.ndarray and type(given) is np.ndarray
-        seen: Any = np.empty((steps, *obs.shape[1:]), obs.dtype) if blocks else []
-        actions: Any = np.empty((steps, *given.shape[1:]), given.dtype) if blocks else []
-        rewards: list[float] = []
-        infos: list[tuple[int, dict[str, Any]]] = []
-        agent_infos: list[tuple[int, dict[str, Any]]] = []
-        terminated = truncated = False
-        for j in range(steps):
-            if changes[k] != change or updating[k] is not None:
-                break
-            if blocks:
-                seen[j] = obs[i]
-            else:
-                seen.append(_row(obs, i))
-            if draw is None:
-                reward, terminated, truncated, info, action, extra, _ = await self._act(
-                    k, host, i, when, keep=True
-                )
-                if extra:
-                    agent_infos.append((j, extra))
-            else:
-                action = draw()
-                envs = host.direct_steps() if when is None else None
-                if envs is None:
-                    reward, terminated, truncated, info = await host.step_one(
-                        i, action, when, host.tick()
-                    )
-                else:  # awaited here: a coroutine less (see LaneHost.direct_steps)
-                    try:
-                        value = await envs[i].step(action)  # the env's call
-                    except (asyncio.CancelledError, Exception) as exc:
-                        raise host.step_error(i, exc) from exc
-                    reward, terminated, truncated, info = host.finish_step(i, value)
-            if blocks:
-                actions[j] = action
-            else:
-                actions.append(action)
-            rewards.append(reward)
-            if info:
-                infos.append((j, info))
-            if terminated or truncated:
-                break
-        if blocks:
-            seen, actions = seen[: len(rewards)], actions[: len(rewards)]
-        return StepRun(seen, actions, rewards, infos, agent_infos, terminated, truncated, version)
-
-    async def _act(
-        self, k: int, host: LaneHost, i: int, when: float | None, keep: bool = False
-    ) -> tuple[float, bool, bool, dict[str, Any], Any, dict[str, Any], int]:
-        """Env ``i`` of slot ``k`` steps with the action its agent copy picks for its observation:
-        ``(reward, terminated, truncated, info, action, agent_infos, version)``, ``version`` the
-        agent version that picked it; the action ``None`` where the caller shares the step
-        buffers (and ``keep`` is false): it is in their ``actions`` row (numpy scalars and rows
-        cost more to pickle than the rest of a reply)."""
+    async def _ask(self, k: int, host: LaneHost, i: int) -> tuple[Any, dict[str, Any]]:
+        """The action (and agent infos) slot ``k``'s agent copy picks for env ``i``'s
+        observation, in the copy's merged call of this pass of the loop."""
         worker = host.spec.worker
-        if self._updating[k] is not None:
-            await self._updated(k)
         if self.agents[k] is None:
             raise _agent_fault(
                 RuntimeError(f"worker {worker}: no agent installed in its env host"), worker
             )
-        version = self.versions[k]
         agent, batcher = self._asked(k, host)
         obs = host.buffers.obs
         observation = (
@@ -667,20 +678,11 @@ class LaneServer:
         )
         try:  # (its copy's parameters stay until the call is made: see _update)
             action, infos = await batcher.request(agent, worker, observation, i)
+            return action, infos
         except WorkerError:
             raise  # the agent failed this env's row (AgentRowsError): the env's fault alone
         except Exception as exc:
             raise _agent_fault(exc, worker) from None
-        reward, terminated, truncated, info = await host.step_one(i, action, when, host.tick())
-        if (
-            keep
-            or self.obs_in_reply
-            or isinstance(host.buffers.actions, list)
-            or id(host) in self._rows_travel
-        ):
-            return reward, terminated, truncated, info, action, infos, version
-        put_row(host.buffers.actions, i, action)  # shared with the caller: read there, not sent
-        return reward, terminated, truncated, info, None, infos, version
 
     @staticmethod
     def _agent_reset(agent: Any, host: LaneHost, i: int) -> None:
