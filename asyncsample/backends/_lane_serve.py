@@ -528,15 +528,15 @@ class LaneServer:
                             steps, change = request[5] - 1, self.changes[k]
                             if not request[6] and buffers.clock is None:
                                 draw = row_draw(self.agents[k], host.spec.action_space)
-                            obs, given_rows = buffers.obs, buffers.actions
+                            obs, action_rows = buffers.obs, buffers.actions
                             # Plain rows go straight into blocks of the run's length (no copy
                             # per row to stack).
-                            blocks = type(obs) is np.ndarray and type(given_rows) is np.ndarray
+                            blocks = type(obs) is np.ndarray and type(action_rows) is np.ndarray
                             seen: Any = (
                                 np.empty((steps + 1, *obs.shape[1:]), obs.dtype) if blocks else []
                             )
                             acts: Any = (
-                                np.empty((steps + 1, *given_rows.shape[1:]), given_rows.dtype)
+                                np.empty((steps + 1, *action_rows.shape[1:]), action_rows.dtype)
                                 if blocks
                                 else []
                             )
