@@ -27,7 +27,7 @@ from envs import first_to_claim
 from helpers import touch, wait_until
 
 from asyncsample import EpisodeBatch, Sampler, StepType, WorkerError
-from asyncsample.backends._lane_serve import shares
+from asyncsample.backends._pacing import shares
 
 # Faults and cancellation run under both loops in the quick pass (marked both_loops); the other
 # uvloop variants, and every Ray variant, in the slow pass (tests/conftest.py).

@@ -68,7 +68,6 @@ __all__ = [
     "loop_factory",
     "quiet_collector",
     "serve",
-    "shares",
 ]
 
 #: The request id of lane batches, both ways (never a call's: ids wrap before it).
@@ -127,23 +126,6 @@ class LaneOptions:
     step_timeout: float | None
     close_timeout: float
     max_concurrency: int | None
-
-
-def shares(total: int | None, sizes: Sequence[int]) -> list[int | None]:
-    """Split a cap of ``total`` env calls in flight over hosts of ``sizes`` envs: in proportion,
-    adding up to ``total`` (each at least one)."""
-    if total is None:
-        return [None] * len(sizes)
-    if total < len(sizes):
-        raise ValueError(
-            f"max_concurrency must be at least the number of env hosts ({len(sizes)}) for async "
-            f"envs on env hosts (each host gets a share), got {total}"
-        )
-    n = sum(sizes)
-    out = [max(1, total * s // n) for s in sizes]
-    for k in range(total - sum(out)):  # the rest, one each, to the largest hosts first
-        out[sorted(range(len(sizes)), key=lambda j: -sizes[j])[k % len(sizes)]] += 1
-    return out  # type: ignore[return-value]
 
 
 def serve(
@@ -329,7 +311,11 @@ class LaneServer:
         self.keys: dict[int, tuple[int, int]] = {}  # the env of each request not yet answered
         self.calls: set[asyncio.Task[Any]] = set()
         self.agents: list[Any] = [None] * len(self.slots)  # inference="host": agent copies
-        self.changes = [0] * len(self.slots)  # per slot, its agent copy's installs and updates
+        # Per slot, its agent copy's installs and updates (bumped as an update starts and as it
+        # ends: a run in flight ends at its next step if either came).
+        self.changes = [0] * len(self.slots)
+        # Per slot, its copy's row draw (row_draw) and the change it was taken at.
+        self._draws: list[tuple[int, Callable[[], Any] | None]] = [(-1, None)] * len(self.slots)
         self.versions = [0] * len(self.slots)  # per slot, its copy's agent version (the stamp)
         # Per slot, its parameter update waiting for the agent calls asked of its copy (its
         # envs' requests wait for it).
@@ -404,6 +390,7 @@ class LaneServer:
             batchers.append(own)
         self._key(k, installed)  # until the parameters are in place: the slots alike move on
         gate = self._updating[k] = asyncio.get_running_loop().create_future()
+        self.changes[k] += 1  # the runs in flight end at their next step (one compare there)
         try:
             for batcher in batchers:  # (no call of this copy is asked meanwhile: see _key)
                 await batcher.made(agent)
@@ -525,9 +512,10 @@ class LaneServer:
                             await self._updated(k)
                         version, draw = self.versions[k], None
                         if run:
-                            steps, change = request[5] - 1, self.changes[k]
+                            steps, changes = request[5] - 1, self.changes
+                            change = changes[k]
                             if not request[6] and buffers.clock is None:
-                                draw = row_draw(self.agents[k], host.spec.action_space)
+                                draw = self._draw(k, change, host)
                             obs, action_rows = buffers.obs, buffers.actions
                             # Plain rows go straight into blocks of the run's length (no copy
                             # per row to stack).
@@ -547,7 +535,7 @@ class LaneServer:
                     j = 0
                     while True:  # (a single step's STEP and ACT leave after it)
                         if run:
-                            if j and (self.changes[k] != change or self._updating[k] is not None):
+                            if j and changes[k] != change:
                                 break  # an update: a run is of one version
                             if blocks:
                                 seen[j] = obs[i]
@@ -683,6 +671,15 @@ class LaneServer:
             raise  # the agent failed this env's row (AgentRowsError): the env's fault alone
         except Exception as exc:
             raise _agent_fault(exc, worker) from None
+
+    def _draw(self, k: int, change: int, host: LaneHost) -> Callable[[], Any] | None:
+        """Slot ``k``'s row draw (:func:`row_draw`) for its copy as of ``change`` (taken once
+        per install or update, not per run: it compares the copy's action space)."""
+        taken, draw = self._draws[k]
+        if taken != change:
+            draw = row_draw(self.agents[k], host.spec.action_space)
+            self._draws[k] = (change, draw)
+        return draw
 
     @staticmethod
     def _agent_reset(agent: Any, host: LaneHost, i: int) -> None:

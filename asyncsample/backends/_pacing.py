@@ -23,6 +23,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 
 __all__ = [
     "GROW",
@@ -36,6 +37,7 @@ __all__ = [
     "START",
     "START_GROW",
     "CallWindow",
+    "shares",
 ]
 
 #: A loop lag (seconds) for ``backend_options["loop_lag"]``: a loop shared with a service.
@@ -167,3 +169,20 @@ class CallWindow:
             self._wake()
         if self.running or self._waiters:
             self._look_soon()
+
+
+def shares(total: int | None, sizes: Sequence[int]) -> list[int | None]:
+    """Split a cap of ``total`` env calls in flight over hosts of ``sizes`` envs: in proportion,
+    adding up to ``total`` (each at least one)."""
+    if total is None:
+        return [None] * len(sizes)
+    if total < len(sizes):
+        raise ValueError(
+            f"max_concurrency must be at least the number of env hosts ({len(sizes)}) for async "
+            f"envs on env hosts (each host gets a share), got {total}"
+        )
+    n = sum(sizes)
+    out = [max(1, total * s // n) for s in sizes]
+    for k in range(total - sum(out)):  # the rest, one each, to the largest hosts first
+        out[sorted(range(len(sizes)), key=lambda j: -sizes[j])[k % len(sizes)]] += 1
+    return out  # type: ignore[return-value]

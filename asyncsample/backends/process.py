@@ -36,7 +36,8 @@ from asyncsample.backends._handoff import (
     QueuedStep,
 )
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
-from asyncsample.backends._lane_serve import LANE_HOST_NICE, LANES_ID, LaneOptions, shares
+from asyncsample.backends._lane_serve import LANE_HOST_NICE, LANES_ID, LaneOptions
+from asyncsample.backends._pacing import shares
 from asyncsample.backends._procs import (
     KILL_WAIT,
     describe_exit,

@@ -30,7 +30,8 @@ from asyncsample._tasks import wait_all
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest
 from asyncsample.backends._closing import CLOSE_TIMEOUT, exit_grace, optional_close_timeout
 from asyncsample.backends._lane_link import LaneLink, RemoteLanes
-from asyncsample.backends._lane_serve import LaneOptions, shares
+from asyncsample.backends._lane_serve import LaneOptions
+from asyncsample.backends._pacing import shares
 from asyncsample.backends._ray_actor import (
     OK,
     PROGRESS_GROUP,
