@@ -536,7 +536,7 @@ async def _stream_phase(
 
     ``kind``: a stream of complete ``"episodes"``, a stream of ``"fragments"``, or
     ``"fragment-calls"``: ``obtain_fragments(chunk)`` called again and again. Steps are counted
-    where they happen (``count``: :attr:`_LatencyCore.steps_taken`, or for envs in the env hosts
+    where they happen (``count``: :meth:`_LatencyCore.count`, or for envs in the env hosts
     the counters they keep in shared files), not from the batches: a batch of complete episodes
     arrives seconds apart, too coarse for a timed phase of a few seconds.
     """
