@@ -23,6 +23,7 @@ __all__ = [
     "amount",
     "amounts",
     "attr_name",
+    "call_targets",
     "check_picklable",
     "choice",
     "env_indices",
@@ -40,9 +41,11 @@ __all__ = [
     "positive_int",
     "positive_seconds",
     "recordable_space",
+    "reset_arguments",
     "seconds",
     "seed",
     "seed_list",
+    "set_attr_targets",
     "subclass",
     "unit_interval",
 ]
@@ -496,3 +499,50 @@ def memory_fits(
             f"{what} need about {_size(shm)} of shared memory in /dev/shm, but only "
             f"{_size(shm_free)} is free: {advice}, or enlarge /dev/shm (docker run --shm-size)"
         )
+
+
+def reset_arguments(
+    n_envs: int, seeds: Any, options: Any
+) -> tuple[list[int | None] | None, list[dict[str, Any] | None] | None]:
+    """Check the ``seeds`` (``None`` or ``n_envs`` ints >= 0 or ``None``) and ``options`` (``None``,
+    one dict, or ``n_envs`` dicts or ``None``) of a reset; one entry per env, or ``None``.
+
+    Raises:
+        TypeError, ValueError: naming the argument, what was expected and what was given.
+    """
+    seeds_ = seed_list("seeds", seeds, n_envs)
+    option_list: list[dict[str, Any] | None] | None = None
+    if options is not None:
+        if isinstance(options, dict):
+            option_list = [options] * n_envs
+        elif isinstance(options, Sequence) and not isinstance(options, (str, bytes)):
+            if len(options) != n_envs:
+                raise ValueError(
+                    f"options must be a dict or hold one per env ({n_envs}), got {len(options)}"
+                )
+            for k, item in enumerate(options):
+                if item is not None and not isinstance(item, dict):
+                    raise TypeError(f"options[{k}] must be a dict or None, got {item!r}")
+            option_list = list(options)
+        else:
+            raise TypeError(
+                f"options must be None, a dict or a sequence of {n_envs} dicts, got "
+                f"{type(options).__name__}"
+            )
+    return seeds_, option_list
+
+
+def call_targets(name: Any, n_envs: int, envs: Any) -> list[int]:
+    """Check the arguments of a host's ``call``; the env indices (``envs=None``: every env)."""
+    attr_name("name", name)
+    return env_indices("envs", envs, n_envs)
+
+
+def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -> list[int]:
+    """Check the arguments of a host's ``set_attr`` (one value per env); the indices."""
+    indices = call_targets(name, n_envs, envs)
+    if len(values) != len(indices):
+        raise ValueError(
+            f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
+        )
+    return indices

@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from asyncsample import _leaves, _validate
+from asyncsample import _leaves
 from asyncsample._clock import CLOCK_SIZE, timed_group_step
 from asyncsample._info_cells import INFO_SPACE, InfoCells, info_rows
 from asyncsample._memory import carve
@@ -32,12 +32,9 @@ __all__ = [
     "PENDING_SEED",
     "StepBuffers",
     "StepInfos",
-    "call_targets",
     "fixed_rows",
     "lockstep_infos",
-    "set_attr_targets",
     "rebuild_chain",
-    "reset_arguments",
 ]
 
 
@@ -324,9 +321,14 @@ class EnvGroup:
         self._keep_obs(i, obs)
         return dict(info) if info else {}
 
-    def finish(self, i: int, result: Any) -> tuple[Any, bool, bool, dict[str, Any]]:
+    def finish(
+        self, i: int, result: Any, out: np.ndarray | None = None, row: int = 0
+    ) -> tuple[Any, bool, bool, dict[str, Any]]:
         """Env ``i``, stepped on its own (the lanes), returned ``result``: check and write it as
-        :meth:`step` does; ``(reward, terminated, truncated, info)`` with the time limit."""
+        :meth:`step` does; ``(reward, terminated, truncated, info)`` with the time limit.
+        ``out``: flat observations only, the observation goes to its row ``row``, not to the
+        buffers' row ``i`` (a host's run of steps keeps them in a block of its own and writes
+        the buffers' row as it ends: one copy per step, not two)."""
         try:
             o, r, term, trunc, info = result
         except (TypeError, ValueError):
@@ -337,11 +339,16 @@ class EnvGroup:
         ):
             o, r, term, trunc, info = self._checked_step(i, result)
         if self._flat_obs and getattr(o, "shape", ()) == self._obs_shape:
-            self.buffers.obs[i] = o  # the row holds it: no second reference kept
+            if out is None:
+                self.buffers.obs[i] = o  # the row holds it: no second reference kept
+            else:
+                out[row] = o
             self._obs[i] = None
         else:
             self._keep_obs(i, o)
             self._store_pending([i])
+            if out is not None:
+                out[row] = self.buffers.obs[i]
         n = self._lengths[i] + 1
         self._lengths[i] = n
         if n >= self._limit:
@@ -683,53 +690,6 @@ def _set_attr(env: gym.Env, name: str, value: Any) -> None:
         setter(name, value)
     else:
         setattr(env, name, value)
-
-
-def reset_arguments(
-    n_envs: int, seeds: Any, options: Any
-) -> tuple[list[int | None] | None, list[dict[str, Any] | None] | None]:
-    """Check the ``seeds`` (``None`` or ``n_envs`` ints >= 0 or ``None``) and ``options`` (``None``,
-    one dict, or ``n_envs`` dicts or ``None``) of a reset; one entry per env, or ``None``.
-
-    Raises:
-        TypeError, ValueError: naming the argument, what was expected and what was given.
-    """
-    seed_list = _validate.seed_list("seeds", seeds, n_envs)
-    option_list: list[dict[str, Any] | None] | None = None
-    if options is not None:
-        if isinstance(options, dict):
-            option_list = [options] * n_envs
-        elif isinstance(options, Sequence) and not isinstance(options, (str, bytes)):
-            if len(options) != n_envs:
-                raise ValueError(
-                    f"options must be a dict or hold one per env ({n_envs}), got {len(options)}"
-                )
-            for k, item in enumerate(options):
-                if item is not None and not isinstance(item, dict):
-                    raise TypeError(f"options[{k}] must be a dict or None, got {item!r}")
-            option_list = list(options)
-        else:
-            raise TypeError(
-                f"options must be None, a dict or a sequence of {n_envs} dicts, got "
-                f"{type(options).__name__}"
-            )
-    return seed_list, option_list
-
-
-def call_targets(name: Any, n_envs: int, envs: Any) -> list[int]:
-    """Check the arguments of a host's ``call``; the env indices (``envs=None``: every env)."""
-    _validate.attr_name("name", name)
-    return _validate.env_indices("envs", envs, n_envs)
-
-
-def set_attr_targets(name: Any, values: Sequence[Any], n_envs: int, envs: Any) -> list[int]:
-    """Check the arguments of a host's ``set_attr`` (one value per env); the indices."""
-    indices = call_targets(name, n_envs, envs)
-    if len(values) != len(indices):
-        raise ValueError(
-            f"set_attr needs one value per env ({len(indices)}), got {len(values)} values"
-        )
-    return indices
 
 
 #: The name ``set_attr`` reads as the step count of an env's episode in flight, from which its

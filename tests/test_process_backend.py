@@ -30,7 +30,7 @@ from asyncsample._tree import tree_leaves
 from asyncsample.backends.base import HostSpec
 from asyncsample.backends.local import LocalHost
 from asyncsample.backends.process import ProcessBackend, ProcessHost
-from asyncsample.env_group import EnvGroup, StepBuffers
+from asyncsample.env_group import EnvFailureError, EnvGroup, StepBuffers
 from asyncsample.errors import (
     SamplerClosedError,
     StepTimeoutError,
@@ -357,6 +357,26 @@ def test_env_group_keeps_no_copy_of_stored_observations() -> None:
         assert group.buffers.obs.shape == (2, 3)
     finally:
         group.close()
+
+
+def test_finish_writes_a_run_step_observation_into_the_run_block() -> None:
+    """``EnvGroup.finish`` with ``out`` (a host's run of steps): the observation goes to
+    ``out[row]`` and not to the buffers' row (written once, as the run ends); one without the
+    row's shape (a list) is converted as the buffers' row takes it, and copied there."""
+    space, act = BoxEnv.observation_space, BoxEnv.action_space
+    group = EnvGroup(0, StepBuffers.allocate(space, act, 2), space, act, 4)
+    block = np.zeros((3, 3), space.dtype)
+    obs = np.array([0.25, 0.5, 0.75], space.dtype)
+    assert group.finish(1, (obs, 1.0, False, False, {}), block, 1) == (1.0, False, False, {})
+    np.testing.assert_array_equal(block[1], obs)
+    assert not block[0].any() and not block[2].any()
+    assert not group.buffers.obs.any()  # the buffers' rows untouched
+    group.finish(1, ([0.5, 0.5, 0.5], 0.0, False, False, {}), block, 2)
+    np.testing.assert_array_equal(block[2], [0.5, 0.5, 0.5])
+    with pytest.raises(EnvFailureError, match="shape"):  # still checked: a wrong shape
+        group.finish(0, (np.zeros(5, space.dtype), 0.0, False, False, {}), block, 0)
+    assert group.finish(1, (obs, 1.0, False, False, {}))[0] == 1.0  # no block: the buffers'
+    np.testing.assert_array_equal(group.buffers.obs[1], obs)
 
 
 async def test_observation_that_stops_fitting_names_its_env() -> None:

@@ -501,7 +501,7 @@ class LaneServer:
                     # this frame (a coroutine per request would be one more frame to resume
                     # at every step). A RUN's actions are drawn here by the built-in random
                     # agent unless ``merged`` (metrics off: they time the merged calls).
-                    given = kind == LaneKind.STEP
+                    given, out = kind == LaneKind.STEP, None
                     if given:
                         run = False
                         when = None if request[5] is None else loop.time() + request[5]
@@ -517,61 +517,67 @@ class LaneServer:
                             if not request[6] and buffers.clock is None:
                                 draw = self._draw(k, change, host)
                             obs, action_rows = buffers.obs, buffers.actions
-                            # Plain rows go straight into blocks of the run's length (no copy
-                            # per row to stack).
+                            # Plain rows go straight into blocks of the run's length, the env's
+                            # observations into ``out`` (one copy each: EnvGroup.finish), the
+                            # buffers' row written once, as the run ends.
                             blocks = type(obs) is np.ndarray and type(action_rows) is np.ndarray
-                            seen: Any = (
-                                np.empty((steps + 1, *obs.shape[1:]), obs.dtype) if blocks else []
-                            )
-                            acts: Any = (
-                                np.empty((steps + 1, *action_rows.shape[1:]), action_rows.dtype)
-                                if blocks
-                                else []
-                            )
+                            seen: Any = []
+                            acts: Any = []
+                            if blocks:  # (a row more in ``out``: the last step's observation)
+                                seen = np.empty((steps + 2, *obs.shape[1:]), obs.dtype)
+                                out, seen[0] = seen, obs[i]
+                                shape = (steps + 1, *action_rows.shape[1:])
+                                acts = np.empty(shape, action_rows.dtype)
                             rewards: list[float] = []
                             infos: list[tuple[int, dict[str, Any]]] = []
                             agent_infos: list[tuple[int, dict[str, Any]]] = []
                     envs = host.direct_steps() if when is None else None
                     j = 0
-                    while True:  # (a single step's STEP and ACT leave after it)
-                        if run:
-                            if j and changes[k] != change:
-                                break  # an update: a run is of one version
-                            if blocks:
-                                seen[j] = obs[i]
+                    try:
+                        while True:  # (a single step's STEP and ACT leave after it)
+                            if run:
+                                if j and changes[k] != change:
+                                    break  # an update: a run is of one version
+                                if out is None:
+                                    seen.append(_row(obs, i))
+                            if given:
+                                action = request[4]
+                                if action is None:  # the caller wrote it into the shared buffers
+                                    action = _row(buffers.actions, i)
+                            elif draw is not None:
+                                action = draw()
                             else:
-                                seen.append(_row(obs, i))
-                        if given:
-                            action = request[4]
-                            if action is None:  # the caller wrote it into the buffers we share
-                                action = _row(buffers.actions, i)
-                        elif draw is not None:
-                            action = draw()
-                        else:
-                            action, extra = await self._ask(k, host, i)
-                            if extra and run:
-                                agent_infos.append((j, extra))
-                        if envs is None or (not given and host.closed):  # (closed meanwhile)
-                            value = await host.step_one(i, action, when, host.tick())
-                        else:  # awaited here: a coroutine less (see LaneHost.direct_steps)
-                            try:
-                                value = await envs[i].step(action)  # the env's call
-                            except (asyncio.CancelledError, Exception) as exc:
-                                raise host.step_error(i, exc) from exc
-                            value = host.finish_step(i, value)
-                        if not run:
-                            break
-                        reward, terminated, truncated, info = value
-                        if blocks:
-                            acts[j] = action
-                        else:
-                            acts.append(action)
-                        rewards.append(reward)
-                        if info:
-                            infos.append((j, info))
-                        if terminated or truncated or j == steps:
-                            break
-                        j += 1
+                                if out is not None:  # the copy reads the buffers' row
+                                    obs[i] = out[j]
+                                action, extra = await self._ask(k, host, i)
+                                if extra and run:
+                                    agent_infos.append((j, extra))
+                            if envs is None or (not given and host.closed):  # (closed since)
+                                value = await host.step_one(i, action, when, host.tick())
+                                if out is not None:
+                                    out[j + 1] = obs[i]
+                            else:  # awaited here: a coroutine less (see LaneHost.direct_steps)
+                                try:
+                                    value = await envs[i].step(action)  # the env's call
+                                except (asyncio.CancelledError, Exception) as exc:
+                                    raise host.step_error(i, exc) from exc
+                                value = host.finish_step(i, value, out, j + 1)
+                            if not run:
+                                break
+                            reward, terminated, truncated, info = value
+                            if blocks:
+                                acts[j] = action
+                            else:
+                                acts.append(action)
+                            rewards.append(reward)
+                            if info:
+                                infos.append((j, info))
+                            if terminated or truncated or j == steps:
+                                break
+                            j += 1
+                    finally:
+                        if out is not None:  # the env's latest observation, however the run ends
+                            obs[i] = out[len(rewards)]
                     if given:
                         pass
                     elif run:

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import cloudpickle
 import numpy as np
 
+from asyncsample._validate import call_targets, set_attr_targets
 from asyncsample.backends._transport import Op, with_version
 from asyncsample.backends._watchdog import (
     REPORT_GRACE,
@@ -31,7 +32,7 @@ from asyncsample.backends._watchdog import (
     loop_limit,
 )
 from asyncsample.backends.base import LOGGER, HostSpec
-from asyncsample.env_group import StepBuffers, call_targets, set_attr_targets
+from asyncsample.env_group import StepBuffers
 from asyncsample.env_update import EnvSource
 from asyncsample.errors import SamplerClosedError, StepTimeoutError, WorkerCrashedError, WorkerError
 

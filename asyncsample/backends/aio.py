@@ -48,10 +48,7 @@ from asyncsample.env_group import (
     EnvGroup,
     StepBuffers,
     StepInfos,
-    call_targets,
     lockstep_infos,
-    reset_arguments,
-    set_attr_targets,
 )
 from asyncsample.env_update import EnvSource, EnvUpdate, make_env, replacement
 from asyncsample.errors import StepTimeoutError, WorkerError
@@ -102,7 +99,7 @@ class PerEnvLockstep:
     ) -> dict[int, dict[str, object]]:
         """Reset the envs in ``mask`` concurrently; their non-empty reset infos by env."""
         indices = np.flatnonzero(mask).tolist()
-        seed_list, option_list = reset_arguments(self.n_envs, seeds, options)
+        seed_list, option_list = _validate.reset_arguments(self.n_envs, seeds, options)
         calls = [
             self.reset_one(
                 i,
@@ -358,8 +355,11 @@ class LaneHost(PerEnvLockstep):
             result = await self._await(i, "step", call, deadline)
         return self.finish_step(i, result)
 
-    def finish_step(self, i: int, result: Any) -> tuple[float, bool, bool, dict[str, Any]]:
-        """Env ``i``'s step returned ``result``: :meth:`EnvGroup.finish`'s ``(reward, ...)``.
+    def finish_step(
+        self, i: int, result: Any, out: np.ndarray | None = None, row: int = 0
+    ) -> tuple[float, bool, bool, dict[str, Any]]:
+        """Env ``i``'s step returned ``result``: :meth:`EnvGroup.finish`'s ``(reward, ...)``
+        (``out``, ``row``: where its observation goes, see there).
 
         Raises:
             WorkerError: the watchdog found the step blocking the loop, or the result is wrong.
@@ -367,7 +367,7 @@ class LaneHost(PerEnvLockstep):
         if self.blocked and i in self.blocked:  # the watchdog found it blocking the loop
             raise _watchdog.blocked_error(self.blocked.pop(i), self.spec.worker, i)
         try:
-            return self.group.finish(i, result)
+            return self.group.finish(i, result, out, row)
         except EnvFailureError as exc:
             raise _failure(self.spec.worker, exc) from exc.failure.error
 
@@ -544,7 +544,7 @@ class LaneHost(PerEnvLockstep):
         """``getattr(env, name)`` of each env, called (and awaited) when callable."""
         self._check_open("call")
         out = []
-        for i in call_targets(name, self.n_envs, envs):
+        for i in _validate.call_targets(name, self.n_envs, envs):
             try:
                 value = getattr(self.envs[i], name)
                 if callable(value):
@@ -564,15 +564,19 @@ class LaneHost(PerEnvLockstep):
         """Set attribute ``name`` of env ``envs[k]`` to ``values[k]``."""
         self._check_open("set_attr")
         if name == EPISODE_STEPS_ATTR:
-            self.group.set_attr(name, values, set_attr_targets(name, values, self.n_envs, envs))
+            self.group.set_attr(
+                name, values, _validate.set_attr_targets(name, values, self.n_envs, envs)
+            )
             return
         if name == SNAPSHOT_ATTR:  # the envs' set_state, awaited where it is a coroutine
-            for i, value in zip(set_attr_targets(name, values, self.n_envs, envs), values):
+            for i, value in zip(
+                _validate.set_attr_targets(name, values, self.n_envs, envs), values
+            ):
                 done = self.envs[i].get_wrapper_attr("set_state")(value)
                 if inspect.isawaitable(done):
                     await done
             return
-        for i, value in zip(set_attr_targets(name, values, self.n_envs, envs), values):
+        for i, value in zip(_validate.set_attr_targets(name, values, self.n_envs, envs), values):
             setattr(self.envs[i], name, value)
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from asyncsample import _validate
 from asyncsample._infos import snapshot
+from asyncsample._validate import call_targets, reset_arguments, set_attr_targets
 from asyncsample.backends._closing import close_off_loop, optional_close_timeout, wait_closed
 from asyncsample.backends._remote import closed_error
 from asyncsample.backends._slot import spec_group
@@ -30,9 +31,6 @@ from asyncsample.env_group import (
     EnvFailureError,
     StepBuffers,
     StepInfos,
-    call_targets,
-    reset_arguments,
-    set_attr_targets,
 )
 from asyncsample.env_update import EnvSource
 

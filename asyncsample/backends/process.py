@@ -23,6 +23,7 @@ import psutil
 
 from asyncsample import _validate
 from asyncsample._tasks import wait_all
+from asyncsample._validate import reset_arguments
 from asyncsample.backends import _chunk, _column_wire, _host_main, _watchdog
 from asyncsample.backends._chunk import ChunkBuffers, ChunkReply, ChunkRequest, NextChunk
 from asyncsample.backends._closing import CLOSE_TIMEOUT, optional_close_timeout, settled_grace
@@ -82,7 +83,7 @@ from asyncsample.backends.base import (
     reject_unknown_options,
 )
 from asyncsample.backends.placement import placement
-from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
+from asyncsample.env_group import StepBuffers, StepInfos
 from asyncsample.errors import WorkerCrashedError
 
 __all__ = ["ProcessBackend", "ProcessHost", "ProcessLaneHost", "support_process_pids"]

@@ -56,7 +56,7 @@ from asyncsample.backends._transport import dumps as _dumps
 from asyncsample.backends._watchdog import REPORT_GRACE
 from asyncsample.backends.base import EnvHost, HostSpec, failure_error, reject_unknown_options
 from asyncsample.backends.placement import placement
-from asyncsample.env_group import StepBuffers, StepInfos, reset_arguments
+from asyncsample.env_group import StepBuffers, StepInfos
 from asyncsample.errors import WorkerCrashedError, WorkerError
 
 __all__ = ["INSTALL_HINT", "EnvActor", "RayBackend", "RayHost"]
@@ -406,7 +406,7 @@ class RayHost(RemoteHost[_Actor]):
         if seeds is None and options is None:
             obs, infos = await self._request(Op.RESET, request)
         else:
-            args = reset_arguments(self.spec.n_envs, seeds, options)
+            args = _validate.reset_arguments(self.spec.n_envs, seeds, options)
             obs, infos = await self._request(Op.RESET, request, self._pickle("reset options", args))
         copy_into(self.buffers.obs, obs)
         result: dict[int, dict[str, object]] = infos
