@@ -317,12 +317,14 @@ class RunStepper:
             start_obs.pop(i, None)
         pool = self.pool
         assert pool is not None
-        lengths = runs.lengths[rs]
-        fit = int(np.searchsorted(np.cumsum(lengths), pool.room(), side="right"))
-        if fit < VECTOR_RUNS:  # a pass's fixed cost is more than that of a few runs one by one
-            fit = 0
-        else:
-            self._record_runs(runs, rs[:fit], envs[:fit], lengths[:fit])
+        fit = 0  # a pass's fixed cost is more than that of a few runs one by one
+        if len(ids) >= VECTOR_RUNS:  # (most frames bring a worker fewer: no numpy for them)
+            lengths = runs.lengths[rs]
+            fit = int(np.searchsorted(np.cumsum(lengths), pool.room(), side="right"))
+            if fit >= VECTOR_RUNS:
+                self._record_runs(runs, rs[:fit], envs[:fit], lengths[:fit])
+            else:
+                fit = 0
         for r, i in zip(rs[fit:].tolist(), ids[fit:]):
             self._record(i, runs.run(r))
         for i in ids:
