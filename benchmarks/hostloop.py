@@ -22,7 +22,9 @@ Run it as ``asyncsample bench hostloop`` (or ``python -m benchmarks.hostloop``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
+import itertools
 import pickle
 import platform
 import time
@@ -44,7 +46,7 @@ from asyncsample.backends._chunk_loop import ChunkRunner, run_joint
 from asyncsample.env_group import EnvGroup, StepBuffers
 from benchmarks.report import write_own_results
 
-__all__ = ["main", "measure", "measure_policy"]
+__all__ = ["main", "measure", "measure_lanes", "measure_policy"]
 
 ENVS = ["NoOp-v0", "CartPole-v1", "FixedCost-v0"]
 SLOT_ENVS = [1, 4, 8, 16]
@@ -55,6 +57,10 @@ POLICY_LAYOUTS = ["2x4", "8x1", "2x16", "4x8", "8x4"]
 #: The results page's sections (``docs/performance.md`` copies them: ``asyncsample bench --pages``).
 HEADING = "The env host's own cost per step"
 POLICY_HEADING = "A host with a policy, against the ceiling's loop"
+LANE_HEADING = "A host of async envs, against plain asyncio tasks"
+#: The async-env part: envs, mean step latency (s) and steps per run (the seam study's calls of
+#: 10 steps per env); 2,000 envs of 10 ms keep both loops busy (an ideal of 200,000 steps/s).
+LANE_ENVS, LANE_MEAN, LANE_RUN = 2000, 0.01, 10
 
 
 def _best_of(rounds: int, *fns: Callable[[], int]) -> list[float]:
@@ -193,6 +199,138 @@ def measure_policy(env_id: str, layout: str, chunks: int, rounds: int) -> dict[s
     }
 
 
+async def _plain_round(n_envs: int, mean: float, seconds: float) -> float:
+    """The seam study's ``plain-1`` loop: a task per env awaiting its steps with random actions
+    (a generator each); CPU microseconds per env step over ``seconds`` (:func:`_window`)."""
+    from benchmarks.latency_envs import make_env
+
+    envs = [make_env(False, mean=mean, sigma=0.5) for _ in range(n_envs)]
+    steps = [0]
+
+    async def forever(env: Any, rng: np.random.Generator) -> None:
+        await env.reset(seed=0)
+        while True:
+            *_, terminated, truncated, _ = await env.step(int(rng.integers(2)))
+            steps[0] += 1
+            if terminated or truncated:
+                await env.reset()
+
+    tasks = [
+        asyncio.ensure_future(forever(e, np.random.default_rng(k))) for k, e in enumerate(envs)
+    ]
+    try:
+        return await _window(lambda: steps[0], seconds)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _lanes_round(n_envs: int, mean: float, run_steps: int, seconds: float) -> float:
+    """One host of async envs (:class:`LaneServer`, a worker slot of ``n_envs`` envs) in this
+    loop, serving RUN requests of ``run_steps`` that its built-in random agent acts for, sent as
+    a caller sends them (each reply answered at once by the env's next run, or by its reset
+    once its episode ended); CPU microseconds per env step, as :func:`_plain_round`."""
+    import multiprocessing as mp
+
+    from asyncsample.backends._lane_serve import LaneKind, LaneOptions, LaneServer
+    from asyncsample.backends._transport import Op, own_slot_buffers, slot_buffers, with_version
+    from asyncsample.backends.base import HostSpec, StepRun
+    from benchmarks.latency_envs import make_env
+
+    spec = HostSpec(
+        0, n_envs, gym.spaces.Box(-1, 1, (4,), np.float32), gym.spaces.Discrete(2), 200, lanes=True
+    )
+    _, raw = own_slot_buffers(spec, mp.get_context())
+    buffers = slot_buffers(spec.observation_space, spec.action_space, n_envs, raw)
+    steps, live = [0], [True]
+    keys: dict[int, int] = {}  # each request's env
+    asked: list[tuple[Any, ...]] = []  # the requests of this pass of the loop
+    numbers = itertools.count(1)
+    loop = asyncio.get_running_loop()
+
+    def ask(kind: int, i: int) -> None:
+        key = next(numbers)
+        keys[key] = i
+        if kind == LaneKind.RUN:
+            asked.append((LaneKind.RUN, key, 0, i, None, run_steps, False))
+        else:
+            asked.append((LaneKind.RESET, key, 0, i, None, None, None))
+
+    class Host(LaneServer):
+        def _flush(self) -> None:  # the caller's side: each reply asks the env's next request
+            for key, status, value in self.out:
+                if status != 0:
+                    raise RuntimeError(f"env {keys[key]}: status {status}: {value!r}")
+                i = keys.pop(key)
+                if type(value) is StepRun:
+                    steps[0] += len(value.rewards)
+                    ended = value.terminated or value.truncated
+                    ask(LaneKind.RESET if ended else LaneKind.RUN, i)
+                else:
+                    ask(LaneKind.RUN, i)
+            super()._flush()
+            if asked and live[0]:
+                loop.call_soon(self.handle, pickle.dumps(list(asked)))
+                asked.clear()
+
+    server = Host([spec], [buffers], LaneOptions(None, 5.0, None), lambda payload: None)
+    make = functools.partial(make_env, False, mean=mean, sigma=0.5)
+    body = cloudpickle.dumps(([[make] for _ in range(n_envs)], list(range(n_envs))))
+    agent = cloudpickle.dumps(RandomAgent(spec.action_space, seed=0))
+    for op, payload in ((Op.BUILD, body), (Op.AGENT, with_version(0, pickle.dumps((agent, 0))))):
+        status, reply = await server.call(0, op, payload)
+        if status != 0:
+            raise RuntimeError(f"the host refused {op.name}: {reply!r}")
+    for i in range(n_envs):
+        ask(LaneKind.RESET, i)
+    server.handle(pickle.dumps(list(asked)))
+    asked.clear()
+    try:
+        return await _window(lambda: steps[0], seconds)
+    finally:
+        live[0] = False
+        await server.shut()
+
+
+async def _window(count: Callable[[], int], seconds: float) -> float:
+    """CPU microseconds per counted step over ``seconds``, after warm-up (a third as long)."""
+    await asyncio.sleep(seconds / 3)
+    s0, c0 = count(), time.process_time()
+    await asyncio.sleep(seconds)
+    return 1e6 * (time.process_time() - c0) / max(1, count() - s0)
+
+
+def measure_lanes(
+    n_envs: int, mean: float, run_steps: int, seconds: float, rounds: int
+) -> dict[str, Any]:
+    """A host of async envs (``backend="process"`` with async envs, ``inference="host"``) and the
+    plain asyncio tasks of the seam study, on ``n_envs`` of its minimal env, in turn in fresh
+    uvloop loops of this process: CPU per env step of each, best of ``rounds``."""
+    import uvloop
+
+    lanes, plain = [], []
+    for _ in range(rounds):
+        plain.append(uvloop.run(_plain_round(n_envs, mean, seconds)))
+        lanes.append(uvloop.run(_lanes_round(n_envs, mean, run_steps, seconds)))
+    host, tasks = min(lanes), min(plain)
+    return {
+        "envs": n_envs,
+        "mean_s": mean,
+        "run_steps": run_steps,
+        "seconds": seconds,
+        "host_us_per_env_step": host,
+        "plain_us_per_env_step": tasks,
+        "host_own_us_per_env_step": host - tasks,
+        "plain_vs_host": tasks / host,
+    }
+
+
+def _section(heading: str, text: str, columns: str, align: str) -> list[str]:
+    """A section of the page after the first: its heading, its text and its table's head."""
+    return ["", f"## {heading}", "", text, "", columns, align]
+
+
 def table(result: dict[str, Any]) -> str:
     """The results as a markdown page."""
     lines = [
@@ -220,10 +358,8 @@ def table(result: dict[str, Any]) -> str:
         )
     policy = result.get("policy_rows") or []
     if policy:
-        lines += [
-            "",
-            f"## {POLICY_HEADING}",
-            "",
+        lines += _section(
+            POLICY_HEADING,
             "One of the two env hosts of each layout of the `policy` study (workers x envs per "
             "worker, half the workers a host) with its torch MLP, the host's chunks side by side "
             '(one agent call a step for its slots, as `inference="host"` runs them), in one '
@@ -233,16 +369,37 @@ def table(result: dict[str, Any]) -> str:
             f"{result['rounds']} rounds (the two loops in turn in each). `bound`: the ceiling's "
             "loop / the host's: the share "
             "of the ceiling that two such hosts reach when nothing else costs anything.",
-            "",
             "| env | layout | slots x envs a host | host us per env step "
             "| ceiling's loop us per env step | bound (of the ceiling) |",
             "|---|---|---|---:|---:|---:|",
-        ]
+        )
         for r in policy:
             lines.append(
                 f"| {r['env']} | {r['layout']} | {r['slots_per_host']} x {r['envs_per_slot']} | "
                 f"{r['host_us_per_env_step']:.2f} | {r['ceiling_loop_us_per_env_step']:.2f} | "
                 f"{r['host_vs_ceiling_loop']:.2f} |"
+            )
+    lanes = result.get("lane_rows") or []
+    if lanes:
+        lines += _section(
+            LANE_HEADING,
+            "A host of async envs (`LaneServer`, one worker slot) in this process, serving RUN "
+            "requests that its built-in random agent acts for, each reply answered at once by "
+            "the env's next run (or reset), as a caller sends them; against the seam study's "
+            "`plain-1` loop (a task per env, random actions), on the seam study's minimal env "
+            "(`Box(4,)`, lognormal latency, 200-step episodes). The two in turn in fresh uvloop "
+            f"loops, best of {result['rounds']} rounds; CPU microseconds per env step (a "
+            "latency short enough that neither loop keeps up). `bound`: plain / host, the share "
+            "of plain tasks' rate a host reaches where its CPU is the limit.",
+            "| envs | mean latency | steps per run | host us per env step | plain us per env step "
+            "| host's own us per env step | bound |",
+            "|---:|---:|---:|---:|---:|---:|---:|",
+        )
+        for r in lanes:
+            lines.append(
+                f"| {r['envs']:,} | {1e3 * r['mean_s']:g} ms | {r['run_steps']} | "
+                f"{r['host_us_per_env_step']:.2f} | {r['plain_us_per_env_step']:.2f} | "
+                f"{r['host_own_us_per_env_step']:.2f} | {r['plain_vs_host']:.2f} |"
             )
     return "\n".join(lines)
 
@@ -256,6 +413,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policy-layouts", nargs="+", default=POLICY_LAYOUTS)
     parser.add_argument("--chunks", type=int, default=40, help="chunks per timed round")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--lane-envs", nargs="*", type=int, default=[LANE_ENVS], help="none: no async-env part"
+    )
+    parser.add_argument("--lane-mean", type=float, default=LANE_MEAN, help="seconds")
+    parser.add_argument("--lane-run", type=int, default=LANE_RUN, help="steps per run")
+    parser.add_argument("--lane-seconds", type=float, default=3.0, help="each loop's window")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 chunks, 2 rounds")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "hostloop")
     args = parser.parse_args(argv)
@@ -283,6 +446,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"loop {policy_rows[-1]['ceiling_loop_us_per_env_step']:.1f}",
                 flush=True,
             )
+    lane_rows = []
+    for n in args.lane_envs:
+        seconds = 0.3 if args.quick else args.lane_seconds
+        lane_rows.append(measure_lanes(n, args.lane_mean, args.lane_run, seconds, rounds))
+        print(
+            f"{n} async envs: host {lane_rows[-1]['host_us_per_env_step']:.1f} us per env step, "
+            f"plain tasks {lane_rows[-1]['plain_us_per_env_step']:.1f}",
+            flush=True,
+        )
     result = {
         "study": "hostloop",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -293,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rounds": rounds,
         "rows": rows,
         "policy_rows": policy_rows,
+        "lane_rows": lane_rows,
     }
     write_own_results(args.out, result, table(result))
     return 0

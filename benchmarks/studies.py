@@ -287,10 +287,12 @@ STUDIES: list[Study] = [
         'the env host\'s own cost per step in inference="host" (its chunk loop with a random '
         "agent, in one process) against a plain env.step loop: NoOp-v0, CartPole-v1, "
         "FixedCost-v0 with 1, 4, 8 (the README run's slots) and 16 envs per slot; and one env "
-        "host of each policy-study layout with its MLP against the ceiling's loop (own runner)",
+        "host of each policy-study layout with its MLP against the ceiling's loop; and a host "
+        "of async envs (runs of 10 steps of the seam study's env, 2,000 envs) against plain "
+        "asyncio tasks on the same envs (own runner)",
         script="benchmarks.hostloop",
         script_args=((), ("--quick",)),
-        minutes=1.0,
+        minutes=1.5,
     ),
     Study(
         "clients",

@@ -33,7 +33,7 @@ SMOKE: dict[str, list[str]] = {
     "soak": [],
     "chaos": [],  # run by test_chaos_smoke_run_passes_its_checks alone
     "hostloop": ["--envs", "NoOp-v0", "--slot-envs", "1", "--policy-envs", "CartPole-v1",
-                 "--policy-layouts", "8x1"],
+                 "--policy-layouts", "8x1", "--lane-envs", "200"],
     "first_run": ["--cells", "sync", "ceiling", "ours-default", "--calls", str(RUN_CALL), "8000"],
     # a peer and ours (its default placement) in each client: every run a fresh interpreter
     # importing torch (tests/test_vector_env.py checks each forced placement)
@@ -81,6 +81,11 @@ def test_study_smoke_run(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         assert rows["ours-default, calls of 8,000"]["call"] == 8000
         assert rows["ours-default"]["call"] == RUN_CALL  # asyncsample run's call size
         assert rows["ours-default"]["cores"]["hosts"] > 0
+    if name == "hostloop":  # the async-env part: a host and plain tasks that both stepped
+        (lanes,) = results["lane_rows"]
+        assert lanes["envs"] == 200
+        for key in ("host_us_per_env_step", "plain_us_per_env_step"):
+            assert 0 < lanes[key] < 10_000, lanes  # (no step counted: the window's whole CPU)
     if not study.is_plan:
         return
     assert results["study"] == name
