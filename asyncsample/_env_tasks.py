@@ -423,10 +423,9 @@ class LaneStepper:
                                 break
                         if t >= rows.size:
                             rows.cover(t, buffers.obs, buffers.actions)
-                        if flat:  # recorded first; the agent reads the row (never an arena's)
-                            row = rows.obs[t]
-                            row[i] = buffers.obs[i]
-                            observation = row[i]
+                        observation: Any = None
+                        if flat:  # recorded first; an agent asked reads the row (below)
+                            rows.obs[t, i] = buffers.obs[i]
                         else:
                             observation = tree_map(functools.partial(_row_copy, i), buffers.obs)
                             put_row(rows.obs, (t, i), observation)
@@ -438,7 +437,9 @@ class LaneStepper:
                                 draw = row_draw(draw_agent, self.requests.action_space)  # type: ignore[union-attr, arg-type]
                             if draw is not None:
                                 action, infos = draw(), {}
-                            else:
+                            else:  # the record's row (never an arena's): no second copy
+                                if observation is None:
+                                    observation = rows.obs[t, i]
                                 action, infos = await request(  # type: ignore[misc]
                                     worker.agent,  # type: ignore[arg-type]
                                     w,
