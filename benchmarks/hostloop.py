@@ -234,8 +234,15 @@ async def _lanes_round(n_envs: int, mean: float, run_steps: int, seconds: float)
     import multiprocessing as mp
 
     from asyncsample.backends._lane_serve import LaneKind, LaneOptions, LaneServer
-    from asyncsample.backends._transport import Op, own_slot_buffers, slot_buffers, with_version
+    from asyncsample.backends._transport import (
+        ST_OK,
+        Op,
+        own_slot_buffers,
+        slot_buffers,
+        with_version,
+    )
     from asyncsample.backends.base import HostSpec, StepRun
+    from asyncsample.inference.host import with_seed
     from benchmarks.latency_envs import make_env
 
     spec = HostSpec(
@@ -260,7 +267,7 @@ async def _lanes_round(n_envs: int, mean: float, run_steps: int, seconds: float)
     class Host(LaneServer):
         def _flush(self) -> None:  # the caller's side: each reply asks the env's next request
             for key, status, value in self.out:
-                if status != 0:
+                if status != ST_OK:
                     raise RuntimeError(f"env {keys[key]}: status {status}: {value!r}")
                 i = keys.pop(key)
                 if type(value) is StepRun:
@@ -278,9 +285,9 @@ async def _lanes_round(n_envs: int, mean: float, run_steps: int, seconds: float)
     make = functools.partial(make_env, False, mean=mean, sigma=0.5)
     body = cloudpickle.dumps(([[make] for _ in range(n_envs)], list(range(n_envs))))
     agent = cloudpickle.dumps(RandomAgent(spec.action_space, seed=0))
-    for op, payload in ((Op.BUILD, body), (Op.AGENT, with_version(0, pickle.dumps((agent, 0))))):
+    for op, payload in ((Op.BUILD, body), (Op.AGENT, with_version(0, with_seed(agent, 0)))):
         status, reply = await server.call(0, op, payload)
-        if status != 0:
+        if status != ST_OK:
             raise RuntimeError(f"the host refused {op.name}: {reply!r}")
     for i in range(n_envs):
         ask(LaneKind.RESET, i)
