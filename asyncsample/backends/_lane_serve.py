@@ -11,7 +11,6 @@ import collections
 import gc
 import pickle
 import socket
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,12 +48,14 @@ from asyncsample.backends._transport import (
     ReplyProtocol,
     dump_failure,
     dumps,
+    portable_error,
     round_trips,
     split_version,
+    worker_failure,
 )
 from asyncsample.backends.aio import LaneHost, make_async_env
 from asyncsample.backends.base import DeadlinePassed, HostSpec, StepRun
-from asyncsample.env_group import PENDING_SEED, EnvFailure, StepBuffers
+from asyncsample.env_group import PENDING_SEED, StepBuffers
 from asyncsample.errors import WorkerError
 
 __all__ = [
@@ -376,7 +377,7 @@ class LaneServer:
                 raise ValueError(f"request {Op(op).label!r} is not served by a host of async envs")
             return ST_OK, value or b""
         except Exception as exc:
-            return ST_FAIL, dump_failure(_failure(exc))
+            return ST_FAIL, dump_failure(worker_failure(exc))
 
     async def _update(self, k: int, version: int, blob: bytes) -> None:
         """Slot ``k``'s copy takes the parameters in ``blob`` (agent ``version``) once the agent
@@ -645,7 +646,7 @@ class LaneServer:
             except _AgentFault as fault:
                 reply = (key, ST_AGENT, fault.error)
             except Exception as exc:
-                reply = (key, ST_FAIL, exc if round_trips(exc) else _portable(exc))
+                reply = (key, ST_FAIL, exc if round_trips(exc) else portable_error(exc))
             finally:
                 lane.running = None
             self.keys.pop(key, None)
@@ -776,24 +777,3 @@ class _AgentFault(Exception):
 
 def _agent_fault(exc: BaseException, worker: int) -> _AgentFault:
     return _AgentFault(agent_error(exc, worker) if isinstance(exc, Exception) else exc)
-
-
-def _portable(exc: BaseException) -> WorkerError:
-    """A :class:`~asyncsample.WorkerError` that crosses to the caller for one that cannot."""
-    err = WorkerError(
-        f"{type(exc).__name__}: {exc} (the original exception could not be pickled)",
-        worker=getattr(exc, "worker", -1),
-        env=getattr(exc, "env", None),
-        remote_traceback="".join(traceback.format_exception(exc)),
-        retry=getattr(exc, "retry", True),
-    )
-    return err
-
-
-def _failure(exc: Exception) -> EnvFailure:
-    """The :class:`EnvFailure` of a whole-worker request's exception (the worker's reply)."""
-    if isinstance(exc, WorkerError):
-        cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-        text = exc.remote_traceback or "".join(traceback.format_exception(exc))
-        return EnvFailure(exc.env, cause, text, exc.retry)
-    return EnvFailure(None, exc, "".join(traceback.format_exception(exc)), retry=False)

@@ -33,6 +33,7 @@ from asyncsample._info_cells import INFO_SPACE, InfoCells, info_rows
 from asyncsample._memory import carve
 from asyncsample._tree import Tree, tree_map
 from asyncsample.env_group import EnvFailure, StepBuffers, fixed_rows
+from asyncsample.errors import WorkerError
 
 __all__ = [
     "HEADER",
@@ -49,6 +50,7 @@ __all__ = [
     "dumps_infos",
     "failure_from_exception",
     "load_failure",
+    "portable_error",
     "round_trips",
     "send_frame",
     "joint_buffers",
@@ -58,6 +60,7 @@ __all__ = [
     "slot_buffers",
     "view_buffers",
     "view_tree",
+    "worker_failure",
 ]
 
 #: ``<payload length> <request id> <opcode (request) | status (reply)>``, little-endian.
@@ -183,6 +186,27 @@ def failure_from_exception(exc: BaseException, env: int | None = None, retry: bo
     """A pickled :class:`EnvFailure` for an exception raised outside an env (by the host itself)."""
     text = "".join(traceback.format_exception(exc))
     return dump_failure(EnvFailure(env, exc, text, retry))
+
+
+def portable_error(exc: BaseException) -> WorkerError:
+    """A :class:`~asyncsample.WorkerError` that crosses to the caller for one that cannot."""
+    err = WorkerError(
+        f"{type(exc).__name__}: {exc} (the original exception could not be pickled)",
+        worker=getattr(exc, "worker", -1),
+        env=getattr(exc, "env", None),
+        remote_traceback="".join(traceback.format_exception(exc)),
+        retry=getattr(exc, "retry", True),
+    )
+    return err
+
+
+def worker_failure(exc: Exception) -> EnvFailure:
+    """The :class:`EnvFailure` of a whole-worker request's exception (the worker's reply)."""
+    if isinstance(exc, WorkerError):
+        cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        text = exc.remote_traceback or "".join(traceback.format_exception(exc))
+        return EnvFailure(exc.env, cause, text, exc.retry)
+    return EnvFailure(None, exc, "".join(traceback.format_exception(exc)), retry=False)
 
 
 def load_failure(payload: bytes) -> EnvFailure:
