@@ -278,8 +278,12 @@ async def _lanes_round(n_envs: int, mean: float, run_steps: int, seconds: float)
                     ask(LaneKind.RUN, i)
             super()._flush()
             if asked and live[0]:
-                loop.call_soon(self.handle, pickle.dumps(list(asked)))
+                loop.call_soon(self._handled, pickle.dumps(list(asked)))
                 asked.clear()
+
+        def _handled(self, payload: bytes) -> None:  # (not once the window closed: shut)
+            if live[0]:
+                self.handle(payload)
 
     server = Host([spec], [buffers], LaneOptions(None, 5.0, None), lambda payload: None)
     make = functools.partial(make_env, False, mean=mean, sigma=0.5)
