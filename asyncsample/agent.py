@@ -73,11 +73,15 @@ class _Blocks:
     """``draw(n)`` handed out from blocks of rows drawn ahead; for uniform draws the rows are
     exactly those of one ``draw(n)`` per call, whatever the block size (``row_bytes`` sets it)."""
 
-    def __init__(self, draw: Any, row_bytes: int) -> None:
+    def __init__(
+        self, draw: Any, row_bytes: int, dtype: np.dtype[Any], shape: tuple[int, ...]
+    ) -> None:
         self.draw = draw
         self.block = max(1, min(DRAW_BLOCK_ROWS, DRAW_BLOCK_BYTES // max(row_bytes, 1)))
         self.rows: np.ndarray | None = None
         self.pos = 0
+        self.dtype, self.shape = dtype, shape  # of a row
+        self._taken: tuple[np.ndarray | None, int] = (None, 0)
 
     def __call__(self, n: int) -> np.ndarray:
         rows, pos = self.rows, self.pos
@@ -98,6 +102,27 @@ class _Blocks:
             self.pos = pos + 1
             return rows[pos]
         return self(1)[0]
+
+    def take(self, n: int) -> np.ndarray:
+        """``n`` rows at once for a run of up to ``n`` steps (a host's run of one env): one draw
+        per run, not per step; :meth:`give_back` returns those the run did not use."""
+        block = self(n)
+        self._taken = (self.rows, self.pos)
+        return block
+
+    def give_back(self, block: np.ndarray, used: int) -> None:
+        """Hand back the rows of ``block`` (the last :meth:`take`) past its first ``used``: the
+        next draws give them, so the rows are those drawn one at a time. Unless rows were drawn
+        since (another env's, while this one's step awaited): then they are skipped, as fresh
+        uniform rows would be."""
+        unused, (rows, pos) = len(block) - used, self._taken
+        if unused <= 0 or rows is None or rows is not self.rows or pos != self.pos:
+            return
+        if unused <= self.pos:  # (they are the last rows handed out)
+            self.pos -= unused
+        else:  # some came from a block drawn before the current one
+            self.rows, self.pos = np.concatenate([block[used:], self.rows[self.pos :]]), 0
+        self._taken = (None, 0)
 
 
 #: The most rows of draws a :class:`RandomAgent` takes from its generator at a time.
@@ -126,7 +151,7 @@ class RandomAgent:
             def floor(n: int) -> np.ndarray:
                 return (rng.random(n) * k).astype(np.int64) + start
 
-            return _Blocks(floor, 1)
+            return _Blocks(floor, 1, np.dtype(np.int64), ())
         if (
             isinstance(space, gym.spaces.Box)
             and space.is_bounded("both")
@@ -136,6 +161,8 @@ class RandomAgent:
             return _Blocks(
                 lambda n: rng.uniform(low, high, size=(n, *shape)).astype(dtype, copy=False),
                 int(np.prod(shape)) * dtype.itemsize,
+                dtype,
+                shape,
             )
         return None
 
@@ -161,6 +188,11 @@ class RandomAgent:
         many; ``None`` for spaces whose rows differ by how many are drawn at once (those not
         drawn in blocks: spaces other than Discrete and a bounded float Box)."""
         return None if self._sample is None else self._sample.one
+
+    def run_sampler(self) -> _Blocks | None:
+        """Rows a run of steps at a time (``take(n)``, ``give_back``), with the rows
+        :meth:`row_sampler` would give one at a time; ``None`` where that is ``None``."""
+        return self._sample
 
     def reset(self, do_resets: Any = None) -> None:
         """Nothing to reset: the agent is stateless."""
@@ -196,9 +228,15 @@ def row_draw(agent: object, action_space: gym.Space[Any]) -> Callable[[], Any] |
     would give it: a :class:`RandomAgent` (not a subclass) of exactly ``action_space`` whose
     draws come in blocks (Discrete, bounded float Box). Its rows are the same drawn one at a
     time or many at once, so a lane may take its row without waiting for a merged call."""
+    draws = run_draws(agent, action_space)
+    return None if draws is None else draws.one
+
+
+def run_draws(agent: object, action_space: gym.Space[Any]) -> _Blocks | None:
+    """:func:`row_draw`'s rows a run of steps at a time (``take(n)``, then ``give_back``)."""
     if not trusted_actions(agent, action_space):
         return None
-    return cast(RandomAgent, agent).row_sampler()
+    return cast(RandomAgent, agent).run_sampler()
 
 
 def trusted_actions(agent: object, action_space: gym.Space[Any]) -> bool:

@@ -220,3 +220,38 @@ def test_rows_of_other_spaces_are_not_drawn_one_at_a_time() -> None:
     # Rows of a MultiDiscrete space come from a batched space per row count: a row drawn alone
     # would differ from the same row of a call of many.
     assert RandomAgent(gym.spaces.MultiDiscrete([2, 3]), seed=0).row_sampler() is None
+
+
+@pytest.mark.parametrize(
+    "space",
+    [gym.spaces.Discrete(5, start=2), gym.spaces.Box(-1.0, 2.0, shape=(3,), dtype=np.float32)],
+    ids=["discrete", "box"],
+)
+def test_rows_taken_a_run_at_a_time_and_given_back_are_those_drawn_one_at_a_time(
+    space: Any,
+) -> None:
+    # A host's run takes the rows of its longest length at once and gives back those its
+    # shorter end left: the steps get the rows a draw per step would give, across blocks too.
+    runs, one = RandomAgent(space, seed=3).run_sampler(), RandomAgent(space, seed=3).row_sampler()
+    assert runs is not None and one is not None
+    assert (runs.dtype, runs.shape) == (np.dtype(space.dtype), space.shape)
+    rng, taken = np.random.default_rng(0), []
+    while len(taken) < 3000:  # past a block of draws (1,024 rows of a Discrete space)
+        n = int(rng.integers(1, 40))
+        used = int(rng.integers(0, n + 1))
+        block = runs.take(n)
+        taken.extend(block[:used].copy())
+        runs.give_back(block, used)
+    assert np.array_equal(np.stack(taken), np.stack([np.asarray(one()) for _ in taken]))
+
+
+def test_rows_drawn_while_a_run_was_out_are_not_given_back_twice() -> None:
+    runs = RandomAgent(gym.spaces.Discrete(3), seed=1).run_sampler()
+    assert runs is not None
+    block = runs.take(10)
+    runs.one()  # another env's draw while the run's step awaited
+    runs.give_back(block, 2)  # too late: its rows are skipped, not handed out again
+    after = runs.take(20)
+    everything = RandomAgent(gym.spaces.Discrete(3), seed=1).run_sampler()
+    assert everything is not None
+    assert np.array_equal(after, everything.take(31)[11:])

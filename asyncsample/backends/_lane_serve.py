@@ -21,7 +21,7 @@ from asyncsample._batcher import Batched, Batcher
 from asyncsample._clock import AgentTimer, record_agent_calls
 from asyncsample._recorder import put_row
 from asyncsample._tree import row_copy, tree_map
-from asyncsample.agent import row_draw
+from asyncsample.agent import run_draws
 from asyncsample.backends import _watchdog
 from asyncsample.backends._chunk import (
     agent_error,
@@ -315,8 +315,9 @@ class LaneServer:
         # Per slot, its agent copy's installs and updates (bumped as an update starts and as it
         # ends: a run in flight ends at its next step if either came).
         self.changes = [0] * len(self.slots)
-        # Per slot, its copy's row draw (row_draw) and the change it was taken at.
-        self._draws: list[tuple[int, Callable[[], Any] | None]] = [(-1, None)] * len(self.slots)
+        # Per slot, the change its copy's row draws (run_draws) were taken at, the draws, and
+        # whether their rows fit its action rows (a run takes them as its block of actions).
+        self._draws: list[tuple[int, Any, bool]] = [(-1, None, False)] * len(self.slots)
         self.versions = [0] * len(self.slots)  # per slot, its copy's agent version (the stamp)
         # Per slot, its parameter update waiting for the agent calls asked of its copy (its
         # envs' requests wait for it).
@@ -511,24 +512,30 @@ class LaneServer:
                         when = None if request[4] is None else loop.time() + request[4]
                         if self._updating[k] is not None:
                             await self._updated(k)
-                        version, draw = self.versions[k], None
+                        version, draw, drawn = self.versions[k], None, False
+                        draws: Any = None
                         if run:
                             steps, changes = request[5] - 1, self.changes
                             change = changes[k]
                             if not request[6] and buffers.clock is None:
-                                draw = self._draw(k, change, host)
+                                draws, drawn = self._draw(k, change, host)
+                                draw = None if draws is None else draws.one
                             obs, action_rows = buffers.obs, buffers.actions
                             # Plain rows go straight into blocks of the run's length, the env's
                             # observations into ``out`` (one copy each: EnvGroup.finish), the
                             # buffers' row written once, as the run ends.
                             blocks = type(obs) is np.ndarray and type(action_rows) is np.ndarray
+                            drawn = drawn and blocks
                             seen: Any = []
                             acts: Any = []
                             if blocks:  # (a row more in ``out``: the last step's observation)
                                 seen = np.empty((steps + 2, *obs.shape[1:]), obs.dtype)
                                 out, seen[0] = seen, obs[i]
-                                shape = (steps + 1, *action_rows.shape[1:])
-                                acts = np.empty(shape, action_rows.dtype)
+                                if drawn:  # the run's actions, drawn at once
+                                    acts = draws.take(steps + 1)
+                                else:
+                                    shape = (steps + 1, *action_rows.shape[1:])
+                                    acts = np.empty(shape, action_rows.dtype)
                             rewards: list[float] = []
                             infos: list[tuple[int, dict[str, Any]]] = []
                             agent_infos: list[tuple[int, dict[str, Any]]] = []
@@ -545,6 +552,8 @@ class LaneServer:
                                 action = request[4]
                                 if action is None:  # the caller wrote it into the shared buffers
                                     action = _row(buffers.actions, i)
+                            elif drawn:
+                                action = acts[j]
                             elif draw is not None:
                                 action = draw()
                             else:
@@ -566,7 +575,9 @@ class LaneServer:
                             if not run:
                                 break
                             reward, terminated, truncated, info = value
-                            if blocks:
+                            if drawn:
+                                pass  # (the run's block holds it already)
+                            elif blocks:
                                 acts[j] = action
                             else:
                                 acts.append(action)
@@ -582,6 +593,8 @@ class LaneServer:
                     if given:
                         pass
                     elif run:
+                        if drawn:  # the draws it did not use, for the next
+                            draws.give_back(acts, len(rewards))
                         if blocks:
                             seen, acts = seen[: len(rewards)], acts[: len(rewards)]
                         value = StepRun(
@@ -679,14 +692,21 @@ class LaneServer:
         except Exception as exc:
             raise _agent_fault(exc, worker) from None
 
-    def _draw(self, k: int, change: int, host: LaneHost) -> Callable[[], Any] | None:
-        """Slot ``k``'s row draw (:func:`row_draw`) for its copy as of ``change`` (taken once
-        per install or update, not per run: it compares the copy's action space)."""
-        taken, draw = self._draws[k]
+    def _draw(self, k: int, change: int, host: LaneHost) -> tuple[Any, bool]:
+        """Slot ``k``'s row draws (:func:`run_draws`) for its copy as of ``change``, and whether
+        a run may take its block of actions from them (its rows are the action rows' dtype and
+        shape); taken once per install or update, not per run: it compares the action space."""
+        taken, draws, fits = self._draws[k]
         if taken != change:
-            draw = row_draw(self.agents[k], host.spec.action_space)
-            self._draws[k] = (change, draw)
-        return draw
+            draws = run_draws(self.agents[k], host.spec.action_space)
+            actions = host.buffers.actions
+            fits = (
+                draws is not None
+                and type(actions) is np.ndarray
+                and (draws.dtype, draws.shape) == (actions.dtype, actions.shape[1:])
+            )
+            self._draws[k] = (change, draws, fits)
+        return draws, fits
 
     @staticmethod
     def _agent_reset(agent: Any, host: LaneHost, i: int) -> None:
