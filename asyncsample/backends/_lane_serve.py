@@ -307,7 +307,7 @@ class LaneServer:
         # Its step replies where the caller shares the buffers, per slot: keys, envs, and
         # (index, status, value) where not a success of no value (see StepReplies).
         self.steps_out: dict[int, tuple[list[int], list[int], list[tuple[int, int, Any]]]] = {}
-        self.flushing = False
+        self.flushing = self.closing = False  # closing: shut, lane requests are dropped
         self.envs: dict[tuple[int, int], _EnvLane] = {}  # each env's queue of lane requests
         self.keys: dict[int, tuple[int, int]] = {}  # the env of each request not yet answered
         self.calls: set[asyncio.Task[Any]] = set()
@@ -330,6 +330,7 @@ class LaneServer:
 
     async def shut(self) -> None:
         """Cancel what runs and close every env (each close bounded by ``close_timeout``)."""
+        self.closing = True
         for lane in self.envs.values():
             if lane.task is not None:
                 lane.task.cancel()
@@ -443,7 +444,9 @@ class LaneServer:
     # -- lane requests --------------------------------------------------------------------------
 
     def handle(self, payload: bytes) -> None:
-        """Start the lane requests of one batch (see :class:`LaneKind`)."""
+        """Start the lane requests of one batch (see :class:`LaneKind`); none once shut."""
+        if self.closing:  # (a Ray actor may run a batch sent before its shutdown after it)
+            return
         requests = pickle.loads(payload)
         if type(requests) is tuple:  # actions packed in columns (Text, Sequence leaves)
             requests = unpack_requests(requests)
@@ -590,9 +593,7 @@ class LaneServer:
                     finally:
                         if out is not None:  # the env's latest observation, however the run ends
                             obs[i] = out[len(rewards)]
-                    if given:
-                        pass
-                    elif run:
+                    if run:
                         if drawn:  # the draws it did not use, for the next
                             draws.give_back(acts, len(rewards))
                         if blocks:
@@ -600,7 +601,7 @@ class LaneServer:
                         value = StepRun(
                             seen, acts, rewards, infos, agent_infos, terminated, truncated, version
                         )
-                    else:
+                    elif not given:
                         if not (
                             self.obs_in_reply
                             or isinstance(buffers.actions, list)
