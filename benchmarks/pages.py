@@ -393,8 +393,8 @@ FOLDERS: dict[str, str] = {
     "(on/off), the same workloads interleaved in one run",
     "ab/150-pairs": "metrics off against on (2026-11-28, the A/B then in ab/, see ad2f25c): its "
     "four noisier workloads again, 150 pairs each",
-    "ab/6-repeats": "the two workloads of the latest A/B whose pairs disagreed most, again with "
-    "6 repeats of twice the transitions",
+    "ab/6-repeats": "fa9dcee against aec9e7d (2026-12-03, blocking envs since issue 48 started): "
+    "the two workloads whose pairs disagreed most, again with 6 repeats of twice the transitions",
     "async_envs/hosts": "the async envs in the env hosts' event loops (process, Ray) at 1,000, "
     "10,000 and 50,000 episodes",
     "async_envs/big-chunk-10": "the 50,000-episode level of 1 s steps with batches and calls of "
