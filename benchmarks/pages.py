@@ -395,6 +395,9 @@ FOLDERS: dict[str, str] = {
     "four noisier workloads again, 150 pairs each",
     "ab/6-repeats": "fa9dcee against aec9e7d (2026-12-03, blocking envs since issue 48 started): "
     "the two workloads whose pairs disagreed most, again with 6 repeats of twice the transitions",
+    "ab/face-halfcheetah": "fa9dcee against aec9e7d (2026-12-03): the gymnasium face on "
+    "HalfCheetah-v5 x4 in its default placement, the path of the clients study's HalfCheetah "
+    "cells",
     "async_envs/hosts": "the async envs in the env hosts' event loops (process, Ray) at 1,000, "
     "10,000 and 50,000 episodes",
     "async_envs/big-chunk-10": "the 50,000-episode level of 1 s steps with batches and calls of "
